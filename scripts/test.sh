@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run the test suite on the CPU (makes .venv with the [dev] extras on first use).
+#   scripts/test.sh [pytest args]      e.g. scripts/test.sh -m "not slow" -x
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
+# One thread per process: on small shared CPUs torch's default thread count can make a step
+# 10-400x slower; multi-process tests also get one thread per rank.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec python -m pytest -q -p no:cacheprovider "$@"

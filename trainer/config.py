@@ -1,0 +1,481 @@
+"""Job configuration: TOML recipe -> typed dataclasses -> CLI overrides -> validation.
+
+Each dataclass mirrors one TOML section; the string under each field is its documentation
+(`docs/config.md` is generated from these strings by `scripts/gen_config_docs.py`).
+Precedence is CLI > TOML > defaults. `[model]` may also set any field of the chosen flavor's
+args dataclass (e.g. `n_layers = 4`); those land in `ModelConfig.overrides`.
+
+Every user mistake raises `ConfigError` naming the key or file and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+from trainer.errors import ConfigError
+
+
+def _choices(*values: str) -> dict:
+    return {"choices": values}
+
+
+def _range(ge: float | None = None, gt: float | None = None, le: float | None = None) -> dict:
+    return {"ge": ge, "gt": gt, "le": le}
+
+
+@dataclass
+class JobConfig:
+    dump_folder: str = "./outputs/llama3_debug"
+    """Folder for everything a run writes: metrics.jsonl, tb/, checkpoints/, config.toml."""
+    description: str = ""
+    """Free text shown at start-up and stored in config.toml."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama3"
+    """Model family: llama3 | qwen3 | qwen3_moe."""
+    flavor: str = "debugmodel"
+    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (see docs/models.md)."""
+    tokenizer: str = "bundled"
+    """`bundled` (the shipped 4096-token BPE) or a path to a tiktoken BPE file such as Llama 3's
+    tokenizer.model."""
+    overrides: dict = field(default_factory=dict)
+    """Not a TOML key: any other key under [model] overrides that field of the flavor's args
+    (e.g. n_layers = 4)."""
+
+
+@dataclass
+class TrainingConfig:
+    dataset: str = "bundled"
+    """`bundled` (the shipped offline corpus), a local file or glob (json, jsonl, parquet, txt),
+    or a Hugging Face hub dataset name when online (see docs/data.md)."""
+    dataset_text_field: str = "text"
+    """Field holding the document text in json/jsonl/parquet/hub datasets."""
+    local_batch_size: int = field(default=8, metadata=_range(ge=1))
+    """Sequences per micro-batch on each data-parallel rank."""
+    seq_len: int = field(default=2048, metadata=_range(ge=2))
+    """Tokens per sequence."""
+    steps: int = field(default=1000, metadata=_range(ge=1))
+    """Optimizer steps to train (the run ends at this step, counting resumed steps)."""
+    gradient_accumulation_steps: int = field(default=1, metadata=_range(ge=1))
+    """Micro-batches per optimizer step. Global batch = local_batch_size x dp degree x this."""
+    max_norm: float = field(default=1.0, metadata=_range(ge=0))
+    """Global-norm gradient clipping threshold; 0 disables clipping (the norm is still logged)."""
+    seed: int = 42
+    """Seed for weights, data order and dropout-free RNG state; runs are deterministic under it."""
+    mixed_precision_param: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32"))
+    """Compute dtype of parameters in forward/backward. Master weights and optimizer state stay
+    float32. `float32` trains in pure fp32."""
+    mixed_precision_reduce: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    """Dtype of gradient reductions across data-parallel ranks."""
+    aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))
+    """Weight of the MoE load-balancing loss added to the LM loss (MoE models only)."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = field(default="AdamW", metadata=_choices("AdamW"))
+    """Optimizer; AdamW (decoupled weight decay)."""
+    lr: float = field(default=8e-4, metadata=_range(gt=0))
+    """Peak learning rate."""
+    weight_decay: float = field(default=0.1, metadata=_range(ge=0))
+    """Decoupled weight decay."""
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas [beta1, beta2], each in [0, 1)."""
+    eps: float = field(default=1e-8, metadata=_range(gt=0))
+    """Adam epsilon."""
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = field(default=200, metadata=_range(ge=0))
+    """Steps of linear warmup from ~0 to the peak lr."""
+    decay_type: str = field(default="linear", metadata=_choices("linear", "cosine", "wsd", "constant"))
+    """Decay after warmup: linear or cosine down to min_lr_factor x lr over the remaining steps;
+    wsd (warmup-stable-decay) holds the peak and decays linearly over the last decay_ratio of
+    the steps; constant keeps the peak."""
+    decay_ratio: float = field(default=0.2, metadata=_range(gt=0, le=1))
+    """Fraction of all steps spent decaying, for decay_type = wsd."""
+    min_lr_factor: float = field(default=0.1, metadata=_range(ge=0, le=1))
+    """Final lr as a fraction of the peak lr."""
+
+
+@dataclass
+class ParallelismConfig:
+    data_parallel_replicate_degree: int = field(default=1, metadata=_range(ge=1))
+    """Replicas for HSDP/DDP (parameters replicated across this mesh axis)."""
+    data_parallel_shard_degree: int = -1
+    """SimpleFSDP shard degree; -1 fills the ranks the other degrees leave."""
+    tensor_parallel_degree: int = field(default=1, metadata=_range(ge=1))
+    """Tensor (and sequence) parallel degree."""
+    expert_parallel_degree: int = field(default=1, metadata=_range(ge=1))
+    """Expert parallel degree for MoE models, carved out of the data-parallel ranks."""
+    enable_loss_parallel: bool = False
+    """With TP, compute the cross entropy on vocab-sharded logits instead of gathering them."""
+
+
+@dataclass
+class CompileConfig:
+    mode: str = field(default="eager", metadata=_choices("eager", "compile", "graph"))
+    """eager: plain PyTorch; compile: torch.compile per block; graph: the whole train step as
+    one captured FX graph (docs/graph_trainer.md)."""
+    backend: str = field(default="auto", metadata=_choices("auto", "inductor", "aot_eager", "eager", "tpu"))
+    """Compiler backend; auto = inductor on cpu/cuda, tpu on TPU."""
+    scan_layers: bool = False
+    """Graph mode: run the repeated block as one scan over stacked layer parameters."""
+    dump_graph: str = ""
+    """Graph mode: write the captured graph as text to this path (relative to dump_folder)."""
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = field(default="none", metadata=_choices("none", "full", "selective"))
+    """Recompute activations in backward: none, full (each block), selective (op-level policy)."""
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    """Save DCP checkpoints and resume from the newest one in `folder`."""
+    folder: str = "checkpoints"
+    """Checkpoint folder, relative to dump_folder."""
+    interval: int = field(default=500, metadata=_range(ge=1))
+    """Save every `interval` steps (and at the last step)."""
+    keep_latest_k: int = field(default=3, metadata=_range(ge=0))
+    """Keep only the newest k checkpoints; 0 keeps all."""
+    async_mode: str = field(default="disabled", metadata=_choices("disabled", "async"))
+    """disabled: blocking save; async: write in the background (dcp.async_save)."""
+    load_step: int = -1
+    """Resume from this step's checkpoint instead of the newest; -1 = newest."""
+    initial_load_path: str = ""
+    """Weights to start from when the run has no checkpoint of its own (model only)."""
+    initial_load_format: str = field(default="dcp", metadata=_choices("dcp", "hf"))
+    """Format of initial_load_path: dcp (a checkpoint folder) or hf (safetensors + config.json)."""
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = field(default=10, metadata=_range(ge=1))
+    """Log a console line and a metrics.jsonl record every log_freq steps."""
+    enable_tensorboard: bool = True
+    """Also write TensorBoard scalars to dump_folder/tb."""
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = False
+    """Evaluate the loss on a held-out split every `freq` steps."""
+    dataset: str = "bundled"
+    """Validation data: `bundled` (the corpus's held-out split) or a file/glob/hub name."""
+    freq: int = field(default=100, metadata=_range(ge=1))
+    """Validate every `freq` steps."""
+    steps: int = field(default=10, metadata=_range(ge=1))
+    """Micro-batches per validation (same local_batch_size and seq_len as training)."""
+
+
+@dataclass
+class ProfilingConfig:
+    enable: bool = False
+    """Record torch.profiler traces."""
+    freq: int = field(default=100, metadata=_range(ge=1))
+    """Trace one step every `freq` steps (after one warm-up step)."""
+    folder: str = "profile_traces"
+    """Trace folder, relative to dump_folder."""
+
+
+@dataclass
+class DeviceConfig:
+    type: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda", "tpu"))
+    """auto picks tpu if torch-tpu found a TPU, else cuda if available, else cpu."""
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _did_you_mean(name: str, options: typing.Iterable[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse_cli_value(raw: str) -> Any:
+    """CLI values are TOML literals when they parse as one (1, 0.5, true, [0.9, 0.95]), else strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if "," in raw and not raw.startswith("["):
+            try:
+                return tomllib.loads(f"v = [{raw}]")["v"]
+            except tomllib.TOMLDecodeError:
+                pass
+        return raw
+
+
+def coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check/convert one value to the declared type; ConfigError names the key."""
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if typ is list or origin is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{key}: expected a list such as [0.9, 0.95], got {value!r}")
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None:
+            return None
+        return coerce(key, value, args[0])
+    if typ is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{key}: expected a table, got {value!r}")
+    return value
+
+
+def _check_metadata(key: str, value: Any, meta: typing.Mapping) -> None:
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(meta['choices'])}")
+    if meta.get("ge") is not None and value < meta["ge"]:
+        raise ConfigError(f"{key}: {value!r} is out of range; must be >= {meta['ge']}")
+    if meta.get("gt") is not None and value <= meta["gt"]:
+        raise ConfigError(f"{key}: {value!r} is out of range; must be > {meta['gt']}")
+    if meta.get("le") is not None and value > meta["le"]:
+        raise ConfigError(f"{key}: {value!r} is out of range; must be <= {meta['le']}")
+
+
+def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"unknown section [{section}] in {source}{_did_you_mean(section, SECTIONS)} "
+            f"(allowed: {', '.join(SECTIONS)})"
+        )
+    obj = getattr(cfg, section)
+    types = _field_types(type(obj))
+    if section == "model" and key not in types:
+        # Flavor-args overrides are checked once the model family is known (resolve_model_args).
+        obj.overrides[key] = value
+        return
+    if key not in types or (section == "model" and key == "overrides"):
+        raise ConfigError(f"unknown key {section}.{key} in {source}{_did_you_mean(key, types, section + '.')}")
+    setattr(obj, key, coerce(f"{section}.{key}", value, types[key]))
+
+
+def load_toml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"recipe {path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"recipe {path}: invalid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"recipe {path}: cannot read: {e}") from None
+
+
+def split_cli(argv: list[str]) -> tuple[str | None, bool, list[tuple[str, str]]]:
+    """Returns (recipe path, print_config, [(dotted key, raw value)]) from argv."""
+    recipe, print_config, overrides = None, False, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--print-config":
+            print_config = True
+        elif arg in ("--config", "--job.config_file") or arg.startswith(("--config=", "--job.config_file=")):
+            if "=" in arg:
+                recipe = arg.split("=", 1)[1]
+            else:
+                if i + 1 >= len(argv):
+                    raise ConfigError("--config: expected a recipe path after it")
+                i += 1
+                recipe = argv[i]
+        elif arg.startswith("--") and "." in arg:
+            body = arg[2:]
+            if "=" in body:
+                key, raw = body.split("=", 1)
+            else:
+                if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                    raise ConfigError(f"{arg}: expected a value (--{body}=VALUE or --{body} VALUE)")
+                i += 1
+                key, raw = body, argv[i]
+            overrides.append((key.replace("-", "_"), raw))
+        else:
+            raise ConfigError(
+                f"unrecognized argument {arg!r}; use --config RECIPE.toml, --print-config or --section.key=value"
+            )
+        i += 1
+    return recipe, print_config, overrides
+
+
+def build_config(recipe: str | None, overrides: list[tuple[str, str]] = ()) -> Config:
+    """Defaults <- TOML recipe <- CLI overrides, then validation."""
+    cfg = Config()
+    if recipe is not None:
+        data = load_toml(recipe)
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{recipe}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, section, key, value, recipe)
+    for dotted, raw in overrides:
+        section, _, key = dotted.partition(".")
+        if not key or "." in key:
+            raise ConfigError(f"--{dotted}: expected --section.key=value")
+        _set(cfg, section, key, _parse_cli_value(raw), f"--{dotted}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            _check_metadata(f"{section}.{f.name}", getattr(obj, f.name), f.metadata)
+    betas = cfg.optimizer.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+    p = cfg.parallelism
+    if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
+        raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
+    if cfg.compile.scan_layers and cfg.compile.mode != "graph":
+        raise ConfigError('compile.scan_layers: needs compile.mode = "graph"')
+
+
+
+def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
+    """The flavor's args with [model] overrides applied (typed, validated)."""
+    from models import get_model_family
+
+    try:
+        family = get_model_family(cfg.name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"model.name: {e.args[0] if e.args else cfg.name}") from None
+    if cfg.flavor not in family.flavors:
+        raise ConfigError(
+            f"model.flavor: {cfg.flavor!r} is not a {cfg.name} flavor{_did_you_mean(cfg.flavor, family.flavors)} "
+            f"(allowed: {', '.join(family.flavors)})"
+        )
+    args = family.flavors[cfg.flavor]
+    types = _field_types(type(args))
+    changes = {}
+    for key, value in cfg.overrides.items():
+        if key not in types:
+            allowed = ["name", "flavor", "tokenizer", *types]
+            raise ConfigError(f"unknown key model.{key}{_did_you_mean(key, allowed, 'model.')}")
+        if value is not None and types[key] is not dict and typing.get_origin(types[key]) is not dict:
+            value = coerce(f"model.{key}", value, types[key])
+        changes[key] = value
+    args = dataclasses.replace(args, **changes)
+    if hasattr(args, "max_seq_len") and args.max_seq_len < seq_len:
+        args = dataclasses.replace(args, max_seq_len=seq_len)
+    return family, args
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    if v is None:
+        return '"none"'
+    raise TypeError(f"cannot write {type(v)} to TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    lines = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if section == "model" and f.name == "overrides":
+                for k, v in value.items():
+                    if v is not None:
+                        lines.append(f"{k} = {_toml_value(v)}")
+                continue
+            lines.append(f"{f.name} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def field_docs() -> dict[str, list[tuple[str, str, str]]]:
+    """{section: [(key, default, doc)]}: parsed from this file's field docstrings (for docs)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    for section, cls in SECTIONS.items():
+        body = classes[cls.__name__].body
+        defaults = cls()
+        rows = []
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                doc = ""
+                if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(body[i + 1].value, ast.Constant):
+                    doc = " ".join(str(body[i + 1].value.value).split())
+                name = node.target.id
+                rows.append((name, _toml_value(getattr(defaults, name)) if name != "overrides" else "", doc))
+        out[section] = rows
+    return out
