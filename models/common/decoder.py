@@ -1,0 +1,126 @@
+"""The decoder-only transformer shared by Llama 3 and Qwen 3 (dense and MoE).
+
+`TransformerBlock` is pre-norm attention + (SwiGLU FFN | MoE). `Decoder` is token embedding ->
+`BlockStack` -> RMSNorm -> output projection, holding the RoPE tables as non-persistent
+buffers. A family's `Transformer(args)` subclasses `Decoder` and only builds its blocks and
+`RopeConfig` from its args; the forward pass and the initialisation scheme are shared.
+"""
+
+import torch
+from torch import nn
+
+from models.common.attention import Attention
+from models.common.feed_forward import FeedForward
+from models.common.init import depth_scaled_std, trunc_normal_
+from models.common.moe import MoE
+from models.common.norm import RMSNorm
+from models.common.rope import RopeConfig
+from models.common.stack import BlockStack
+
+
+class TransformerBlock(nn.Module):
+    """`h + attention(attention_norm(h))`, then `+ feed_forward(ffn_norm(.))` or `+ moe(ffn_norm(.))`."""
+
+    def __init__(
+        self,
+        *,
+        layer_id: int,
+        dim: int,
+        norm_eps: float,
+        attention: Attention,
+        feed_forward: FeedForward | None = None,
+        moe: MoE | None = None,
+    ):
+        super().__init__()
+        assert (feed_forward is None) != (moe is None), "a block has either a feed_forward or a moe"
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(dim, eps=norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
+        # Only the present one is registered, so parameter names are `feed_forward.*` or `moe.*`.
+        self.is_moe = moe is not None
+        if self.is_moe:
+            self.moe = moe
+        else:
+            self.feed_forward = feed_forward
+
+    def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), rope_cos, rope_sin)
+        mlp = self.moe if self.is_moe else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        init_std = depth_scaled_std(self.layer_id)
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(init_std)
+        mlp = self.moe if self.is_moe else self.feed_forward
+        mlp.init_weights(init_std)
+
+
+class Decoder(nn.Module):
+    """Embedding -> blocks -> final norm -> vocabulary projection. `forward(tokens) -> logits`."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        dim: int,
+        norm_eps: float,
+        blocks: list[TransformerBlock],
+        tie_embeddings: bool,
+        rope: RopeConfig,
+    ):
+        super().__init__()
+        self.tie_embeddings = tie_embeddings
+        self.rope_config = rope
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = BlockStack(blocks)
+        self.norm = RMSNorm(dim, eps=norm_eps)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        if tie_embeddings:
+            # One Parameter under two names: state_dict() lists both keys, parameters() one.
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = self._rope_cache()
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope_cache(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 RoPE `(cos, sin)` tables [max_seq_len, head_dim] on `device` (default: current)."""
+        return self.rope_config.cos_sin(device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]."""
+        seqlen = tokens.shape[1]
+        assert seqlen <= self.rope_cos.shape[0], (
+            f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
+        )
+        h = self.tok_embeddings(tokens)
+        h = self.layers(h, self.rope_cos[:seqlen], self.rope_sin[:seqlen])
+        return self.output(self.norm(h))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter in place and rebuild the RoPE buffers.
+
+        - `tok_embeddings`: normal, std 0.02.
+        - per block `i`: `attention.wq/wk/wv`, `feed_forward.w1/w3`, `moe.experts.w1`: truncated
+          normal (at +-3 std), std 0.02; the residual-branch outputs `attention.wo`,
+          `feed_forward.w2`, `moe.experts.w2/w3` and the router `moe.router.gate`: truncated normal,
+          std `0.02 / sqrt(2 * (i + 1))` (TorchTitan's depth init).
+        - every RMSNorm weight (`attention_norm`, `ffn_norm`, `q_norm`, `k_norm`, `norm`): ones.
+        - `output`: truncated normal, std `dim ** -0.5`; when tied to the embedding it keeps the
+          embedding's init (the shared matrix is initialised once).
+        - buffers `rope_cos`/`rope_sin`: recomputed in float32 on `buffer_device` (default: where
+          the buffers are now), so this works after `to_empty()`.
+
+        All initialisers act in place (`nn.init.*`), so parameters may be DTensors.
+        """
+        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        self.rope_cos, self.rope_sin = self._rope_cache(device)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+        for block in self.layers.values():
+            block.init_weights()
+        self.norm.init_weights()
+        if not self.tie_embeddings:
+            dim = self.output.weight.shape[1]
+            trunc_normal_(self.output.weight, std=dim**-0.5)

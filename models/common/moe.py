@@ -1,0 +1,165 @@
+"""Mixture-of-experts feed-forward: token-choice top-k router, grouped SwiGLU experts.
+
+Routing (Qwen 3 MoE / Hugging Face numerics): router logits -> softmax in float32 -> top-k
+experts per token; with `norm_topk_prob` the k weights are renormalised to sum to 1. Routing is
+**dropless**: there is no capacity factor, every token reaches all of its k experts however
+unbalanced the routing is (expert batches have variable size, including zero).
+
+The split of work matches what expert parallelism needs:
+- `MoE` routes, sorts token copies by expert, calls the experts, and combines their outputs;
+- `GroupedExperts.forward(x, num_tokens_per_expert)` is pure compute on tokens already sorted by
+  expert, so an expert-parallel wrapper can all-to-all tokens in before it and back after it.
+
+Auxiliary losses: each forward stores the layer's load-balancing loss in `MoE.aux_loss` and the
+router z-loss in `MoE.z_loss` (0-dim float32 tensors, part of the autograd graph). The model sums
+them over layers (`Transformer.moe_aux_loss()` / `moe_z_loss()`); the trainer scales and adds them.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.init import trunc_normal_
+
+
+def load_balance_loss(
+    router_logits: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_experts: int
+) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss for one layer, as Hugging Face computes it.
+
+    `num_experts * sum_i f_i * P_i` where `f_i` = (token copies routed to expert i) / (tokens),
+    so the `f_i` sum to top_k, and `P_i` = mean router probability of expert i. Only `P_i`
+    carries gradient. Perfectly balanced routing gives `top_k`.
+    """
+    num_tokens = router_logits.shape[0]
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    frac_tokens = num_tokens_per_expert.float() / num_tokens
+    mean_probs = probs.mean(dim=0)
+    return num_experts * torch.sum(frac_tokens * mean_probs)
+
+
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of `logsumexp(logits)^2` (penalises large logits)."""
+    return torch.logsumexp(router_logits.float(), dim=-1).square().mean()
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Scores each token against every expert with `gate` and keeps the top k experts."""
+
+    def __init__(self, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in [1, num_experts={num_experts}]"
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (top_scores [N, k] in x.dtype, selected_experts [N, k] int64, logits [N, E])."""
+        router_logits = self.gate(x)
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        top_scores, selected_experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
+        return top_scores.to(x.dtype), selected_experts, router_logits
+
+
+def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs for these operands (checked on CPU torch 2.13).
+
+    CPU and CUDA kernels take float32 and bfloat16 but need 16-byte aligned row strides, i.e.
+    `dim` and `hidden_dim` multiples of 4 (fp32) / 8 (bf16). torch-tpu registers its own kernel
+    and a relaxed meta function without the stride rule.
+    """
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.device.type == "tpu":
+        return True
+    if x.device.type not in ("cpu", "cuda", "meta"):
+        return False
+    align = 16 // x.element_size()
+    hidden_dim, dim = w1.shape[-2], w1.shape[-1]
+    return dim % align == 0 and hidden_dim % align == 0
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs stored as stacked weights, applied as grouped GEMMs.
+
+    w1 (gate) and w3 (up): [E, hidden_dim, dim]; w2 (down): [E, dim, hidden_dim] — each expert's
+    slice has the layout of an `nn.Linear` weight.
+    """
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        # Never leave uninitialised memory in a model built directly on a real device.
+        self.init_weights(0.02)
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [N, dim], rows sorted by expert; num_tokens_per_expert [E] (sums to N) -> [N, dim].
+
+        E is the number of local experts (`w1.shape[0]`), so an expert-parallel shard works as is.
+        """
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if _grouped_mm_ok(x, w1):
+            offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+        # Exact fallback: one matmul chain per expert (needs the counts on the host).
+        chunks = torch.split(x, num_tokens_per_expert.tolist(), dim=0)
+        outs = [
+            (F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(chunks)
+        ]
+        return torch.cat(outs, dim=0)
+
+    def init_weights(self, init_std: float) -> None:
+        """w1: truncated normal std 0.02; w2, w3: std `init_std` (TorchTitan's expert init)."""
+        trunc_normal_(self.w1, std=0.02)
+        trunc_normal_(self.w2, std=init_std)
+        trunc_normal_(self.w3, std=init_std)
+
+
+class MoE(nn.Module):
+    """Dropless token-choice top-k MoE layer (no shared experts), as in Qwen 3 MoE."""
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(
+            dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob
+        )
+        self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        # Set by every forward; see the module docstring.
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, dim = x.shape
+        x = x.reshape(-1, dim)
+        top_scores, selected_experts, router_logits = self.router(x)
+        num_experts, top_k = self.router.num_experts, self.router.top_k
+
+        flat_experts = selected_experts.reshape(-1)  # [N * k] token copies ("slots")
+        # A fixed-size count (not bincount) keeps shapes static for compile and XLA.
+        num_tokens_per_expert = torch.zeros(
+            num_experts, dtype=torch.int64, device=x.device
+        ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+        self.aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts)
+        self.z_loss = router_z_loss(router_logits)
+
+        # Sort slots by expert; stable keeps token order within each expert's batch.
+        order = torch.argsort(flat_experts, stable=True)
+        routed_out = self.experts(x[order // top_k], num_tokens_per_expert)
+        # Undo the sort with a gather (deterministic, unlike a scatter-add), weight, sum over k.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+        routed_out = routed_out[inverse].view(-1, top_k, dim)
+        out = (routed_out * top_scores.unsqueeze(-1)).sum(dim=1)
+        return out.view(bs, seqlen, dim)
+
+    def init_weights(self, init_std: float) -> None:
+        """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`."""
+        trunc_normal_(self.router.gate.weight, std=init_std)
+        self.experts.init_weights(init_std)

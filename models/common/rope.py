@@ -1,0 +1,117 @@
+"""Rotary position embeddings in the Hugging Face "rotate_half" convention.
+
+Tables are real `cos`/`sin` of shape [max_seq_len, head_dim] (each frequency appears twice,
+once per half of the head dimension), not complex numbers. This layout is what the Hugging
+Face Llama/Qwen code uses, so weight conversion is a pure rename (no q/k row permutation),
+and it stays plain real arithmetic for DTensor, torch.compile and XLA/TPU lowering.
+
+Llama 3.1 frequency scaling (`scaling_factor`, `low_freq_factor`, `high_freq_factor`,
+`original_max_seq_len`) is applied when `scaling_factor` is not None.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    *,
+    scaling_factor: float | None = None,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq_len: int = 8192,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, optionally with Llama 3.1 scaling."""
+    assert head_dim % 2 == 0, f"rotary head_dim must be even, got {head_dim}"
+    # Same expression as the reference (integer arange, then float) so the tables agree bit for bit.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    if scaling_factor is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies (short wavelengths), divide low frequencies by the
+    # factor, and interpolate smoothly in between.
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling_factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling_factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    *,
+    scaling_factor: float | None = None,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq_len: int = 8192,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 `(cos, sin)` tables, each [max_seq_len, head_dim], for positions 0..max_seq_len-1."""
+    inv_freq = rope_inv_freq(
+        head_dim,
+        theta,
+        scaling_factor=scaling_factor,
+        low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor,
+        original_max_seq_len=original_max_seq_len,
+        device=device,
+    )
+    positions = torch.arange(max_seq_len, dtype=torch.int64, device=device).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `q`, `k` ([batch, seq, heads, head_dim]) by tables `cos`, `sin` ([seq, head_dim]).
+
+    The rotation runs in float32 (as TorchTitan's complex version does) and the result is cast
+    back to the input dtype, which keeps bf16 training accurate at long positions.
+    """
+    cos = cos[None, :, None, :].float()
+    sin = sin[None, :, None, :].float()
+    q_fp32, k_fp32 = q.float(), k.float()
+    q_out = q_fp32 * cos + _rotate_half(q_fp32) * sin
+    k_out = k_fp32 * cos + _rotate_half(k_fp32) * sin
+    return q_out.type_as(q), k_out.type_as(k)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Everything needed to build a model's RoPE tables (see `rope_cos_sin`)."""
+
+    head_dim: int
+    max_seq_len: int
+    theta: float
+    scaling_factor: float | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def cos_sin(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(
+            self.head_dim,
+            self.max_seq_len,
+            self.theta,
+            scaling_factor=self.scaling_factor,
+            low_freq_factor=self.low_freq_factor,
+            high_freq_factor=self.high_freq_factor,
+            original_max_seq_len=self.original_max_seq_len,
+            device=device,
+        )

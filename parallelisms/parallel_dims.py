@@ -1,0 +1,249 @@
+"""Parallel degrees, their validation, and the named DeviceMesh built from them.
+
+`ParallelDims` holds the degrees of a job (`dp_replicate`, `dp_shard`, `tp`, `ep`) as plain
+ints, checks them against the world size and against a model's sizes, and answers the
+questions other components ask (data-parallel degree and rank, which parallelisms are on).
+`build_mesh` turns it into one DeviceMesh with the axes `("dp_replicate", "dp_shard", "tp")`
+on cpu (gloo), cuda (nccl) or tpu (topology-aware rank order).
+
+Rules (documented in docs/parallelism.md):
+- `dp_replicate * dp_shard * tp == world_size`; `dp_shard = -1` takes whatever is left.
+- `ep` borrows ranks from the `dp_shard x tp` block, as TorchTitan does: it must divide
+  `dp_shard * tp`; the expert mesh is `(dp_replicate, efsdp, ep)` with
+  `efsdp = dp_shard * tp / ep` (experts are data-parallel-sharded over `efsdp`).
+- With tensor parallelism, heads, kv heads, the FFN hidden size and (for MoE) the expert
+  hidden size must divide by `tp`; experts must divide by `ep`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.errors import ConfigError
+
+# Mesh axis names, outermost first. The busiest axis (tp) is innermost so that on TPU the
+# topology-aware order keeps it on the fastest ICI links and on GPU it stays inside a host.
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+# Names of the config keys each degree comes from, used in error messages.
+_KEYS = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Degrees of each parallelism. `dp_shard=-1` is resolved to fill the world."""
+
+    dp_replicate: int = 1
+    """HSDP replicas (gradients all-reduced across them)."""
+    dp_shard: int = -1
+    """FSDP shards (parameters, gradients and optimizer state split across them)."""
+    tp: int = 1
+    """Tensor (and sequence) parallel degree."""
+    ep: int = 1
+    """Expert parallel degree, carved out of `dp_shard * tp`."""
+    world_size: int
+    """Number of ranks in the job."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {self.world_size}")
+        for name in ("dp_replicate", "tp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{_KEYS[name]}: must be an integer >= 1, got {value!r}")
+        if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
+            raise ConfigError(
+                f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), "
+                f"got {self.dp_shard!r}"
+            )
+        others = self.dp_replicate * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others != 0:
+                raise ConfigError(
+                    f"{_KEYS['dp_shard']}: -1 cannot fill world size {self.world_size} because "
+                    f"data_parallel_replicate_degree ({self.dp_replicate}) x "
+                    f"tensor_parallel_degree ({self.tp}) = {others} does not divide it"
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
+                f"data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
+                f"({self.tp}) = {product}, but the world size is {self.world_size}; "
+                f"the product must equal the world size (set data_parallel_shard_degree = -1 "
+                f"to fill it)"
+            )
+        if (self.dp_shard * self.tp) % self.ep != 0:
+            raise ConfigError(
+                f"{_KEYS['ep']}: {self.ep} must divide data_parallel_shard_degree x "
+                f"tensor_parallel_degree = {self.dp_shard * self.tp} (expert parallelism borrows "
+                f"its ranks from the FSDP x TP ranks)"
+            )
+
+    # --- what is on -------------------------------------------------------------------------
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_degree > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    # --- sizes ------------------------------------------------------------------------------
+    @property
+    def dp_degree(self) -> int:
+        """Number of distinct data shards per step (replicas x shards)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that see the same batch (for per-device token counts in metrics)."""
+        return self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """FSDP degree of expert parameters: the `dp_shard x tp` ranks left after `ep`."""
+        return self.dp_shard * self.tp // self.ep
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    def dp_rank(self, mesh: DeviceMesh | None) -> int:
+        """Data-parallel rank of this process: TP ranks of one dp group get the same number.
+
+        It is the row-major index of (dp_replicate, dp_shard) coordinates, i.e. the rank in
+        the flattened `dp` axis; the data loader reads shard `dp_rank` of `dp_degree`.
+        """
+        if mesh is None:
+            assert self.world_size == 1, "a mesh is needed when world_size > 1"
+            return 0
+        coordinate = mesh.get_coordinate()
+        assert coordinate is not None, "this rank is not part of the mesh"
+        names = mesh.mesh_dim_names
+        assert names is not None and tuple(names) == MESH_AXES, f"unexpected mesh axes {names}"
+        replicate, shard, _ = coordinate
+        return replicate * self.dp_shard + shard
+
+    # --- model checks ----------------------------------------------------------------------
+    def validate_for_model(
+        self,
+        *,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        dim: int | None = None,
+        ffn_hidden: int | None = None,
+        vocab_size: int | None = None,
+        num_experts: int | None = None,
+        moe_hidden: int | None = None,
+        seq_len: int | None = None,
+    ) -> None:
+        """Raise ConfigError if a degree does not divide a size of the model it must split.
+
+        Tensor parallelism splits attention heads, kv heads, FFN (and expert) hidden units,
+        and, with sequence parallelism, the sequence; expert parallelism splits experts.
+        `dim` and `vocab_size` are accepted for completeness: DTensor shards them unevenly
+        when needed (embedding rows, norm weights), so they are not required to divide.
+        """
+        del dim, vocab_size  # uneven shards are fine for these; see docstring
+        tp_key = _KEYS["tp"]
+        if self.tp_enabled:
+            checks = [("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
+                      ("FFN hidden size", ffn_hidden), ("MoE expert hidden size", moe_hidden),
+                      ("training.seq_len (sequence parallel)", seq_len)]
+            for what, size in checks:
+                if size is not None and size % self.tp != 0:
+                    raise ConfigError(
+                        f"{tp_key}: {self.tp} does not divide the model's {what} ({size}); "
+                        f"allowed: divisors of {size}"
+                    )
+        if self.ep_enabled:
+            if num_experts is None:
+                raise ConfigError(
+                    f"{_KEYS['ep']}: {self.ep} > 1 but the model has no experts; allowed: 1"
+                )
+            if num_experts % self.ep != 0:
+                raise ConfigError(
+                    f"{_KEYS['ep']}: {self.ep} does not divide the number of experts "
+                    f"({num_experts}); allowed: divisors of {num_experts}"
+                )
+
+
+def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
+    """Global ranks laid out in `shape`, ordered by the TPU interconnect topology.
+
+    Reached only when the device type is "tpu", i.e. when torch has loaded the torch-tpu
+    backend itself; this file never imports torch_tpu (it has side effects on CPU hosts).
+    """
+    tpu = getattr(torch, "tpu", None)
+    if tpu is None or not hasattr(tpu, "distributed"):
+        raise RuntimeError("device type 'tpu' requested but torch.tpu is not available")
+    # The JAX convention: axes ordered by increasing network intensity, so tp (last) gets
+    # the nearest neighbours; on several slices the DCN split lands on axis 0 (dp_replicate).
+    return tpu.distributed.topology_aware_mesh(shape)
+
+
+def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """Build the named world mesh `("dp_replicate", "dp_shard", "tp")`.
+
+    Needs an initialized default process group of `parallel_dims.world_size` ranks. The
+    flattened `dp` axis (replicate x shard) is created too and can be fetched with
+    `flat_dp_mesh(mesh)`.
+    """
+    import torch.distributed as dist
+
+    assert dist.is_initialized(), "init the process group before build_mesh"
+    if dist.get_world_size() != parallel_dims.world_size:
+        raise ConfigError(
+            f"parallelism: degrees were resolved for world size {parallel_dims.world_size} but "
+            f"the process group has {dist.get_world_size()} ranks"
+        )
+    shape = parallel_dims.mesh_shape
+    if device_type == "tpu":
+        ranks = _tpu_rank_grid(shape)
+        mesh = DeviceMesh("tpu", ranks, mesh_dim_names=MESH_AXES)
+    else:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
+    flat_dp_mesh(mesh)
+    return mesh
+
+
+def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D `dp` mesh (dp_replicate x dp_shard flattened); cached by DeviceMesh."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def build_ep_mesh(parallel_dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
+    """The expert mesh `("dp_replicate", "efsdp", "ep")` over the same ranks as `mesh`.
+
+    The `dp_shard x tp` block is flattened and split again into `efsdp x ep` with `ep`
+    innermost, so an EP group is a run of neighbouring ranks (the TP ones first).
+    """
+    assert math.prod(mesh.mesh.shape) == parallel_dims.world_size
+    flat = mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    inner = flat._unflatten(0, (parallel_dims.efsdp, parallel_dims.ep), ("efsdp", "ep"))
+    if not parallel_dims.dp_replicate_enabled:
+        return inner._unflatten(0, (1, parallel_dims.efsdp), ("dp_replicate", "efsdp"))
+    # With replicas, concatenate the outer axis with the split inner block.
+    return DeviceMesh._concatenate([mesh["dp_replicate"], inner])
