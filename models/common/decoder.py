@@ -124,3 +124,24 @@ class Decoder(nn.Module):
         if not self.tie_embeddings:
             dim = self.output.weight.shape[1]
             trunc_normal_(self.output.weight, std=dim**-0.5)
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """Sum over MoE layers of the load-balancing loss of the last forward (0-dim float32).
+
+        Zero for a model without MoE layers. The trainer adds `coef * model.moe_aux_loss()` to
+        the LM loss after each forward.
+        """
+        return self._sum_moe_losses("aux_loss")
+
+    def moe_z_loss(self) -> torch.Tensor:
+        """Sum over MoE layers of the router z-loss of the last forward (0-dim float32)."""
+        return self._sum_moe_losses("z_loss")
+
+    def _sum_moe_losses(self, name: str) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.norm.weight.device)
+        for block in self.layers.values():
+            if block.is_moe:
+                loss = getattr(block.moe, name)
+                assert loss is not None, "moe losses are available after a forward pass"
+                total = total + loss
+        return total

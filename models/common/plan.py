@@ -1,0 +1,50 @@
+"""Declarative parallel plans: which module is the repeated block, and how to shard what.
+
+A plan is data (strings), so models stay free of torch.distributed: `parallelisms/` reads
+it and turns each style into a `torch.distributed.tensor.parallel` style. Paths may use
+`*` wildcards for one path component (as `parallelize_module` does).
+
+Tensor-parallel styles (always with sequence parallelism on the residual stream, as in
+TorchTitan: between blocks activations are split along the sequence, dim 1):
+
+- "embedding": vocab-sharded embedding; replicated token ids in, sequence-sharded out.
+- "colwise": output features sharded; replicated input, feature-sharded local output.
+- "rowwise": input features sharded; the partial sums are reduce-scattered along the
+  sequence, so the output is sequence-sharded (it goes back into the residual stream).
+- "sequence_parallel": a norm applied to the sequence-sharded residual stream; its weight
+  is replicated and its gradient is summed over the TP ranks.
+- "block_input": all-gathers the first positional input (sequence-sharded residual) of a
+  module such as `attention` or `feed_forward` before its colwise projections; other
+  inputs (RoPE tables, masks) pass through unchanged.
+- "head_norm": a norm over the last dim of a head-sharded activation `(batch, seq, heads,
+  head_dim)` (Qwen 3's q_norm / k_norm); weight replicated, gradient summed over TP ranks.
+- "output": the LM head; sequence-sharded input is all-gathered, logits are gathered to
+  full vocab (or left vocab-sharded for loss parallel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TP_STYLES = ("embedding", "colwise", "rowwise", "sequence_parallel", "block_input",
+             "head_norm", "output")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How `parallelisms/` shards one model family."""
+
+    block: str = "layers"
+    """Attribute of the model holding the repeated blocks (a ModuleDict keyed "0".."n-1");
+    activation checkpointing, per-block compile and layer scan act on its children."""
+    tp: dict[str, str] = field(default_factory=dict)
+    """Tensor-parallel styles of modules outside the blocks, by path relative to the model."""
+    tp_block: dict[str, str] = field(default_factory=dict)
+    """Tensor-parallel styles of modules inside each block, by path relative to the block."""
+    ep_block: dict[str, str] = field(default_factory=dict)
+    """Expert-parallel styles inside each block (reserved for parallelisms/expert_parallel)."""
+
+    def __post_init__(self) -> None:
+        for where in (self.tp, self.tp_block):
+            for path, style in where.items():
+                assert style in TP_STYLES, f"plan: unknown TP style {style!r} for {path!r}"
