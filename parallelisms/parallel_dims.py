@@ -147,36 +147,39 @@ class ParallelDims:
         return replicate * self.dp_shard + shard
 
     # --- model checks ----------------------------------------------------------------------
-    def validate_for_model(
-        self,
-        *,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        dim: int | None = None,
-        ffn_hidden: int | None = None,
-        vocab_size: int | None = None,
-        num_experts: int | None = None,
-        moe_hidden: int | None = None,
-        seq_len: int | None = None,
-    ) -> None:
+    def validate_for_model(self, args: object, *, seq_len: int | None = None) -> None:
         """Raise ConfigError if a degree does not divide a size of the model it must split.
 
-        Tensor parallelism splits attention heads, kv heads, FFN (and expert) hidden units,
-        and, with sequence parallelism, the sequence; expert parallelism splits experts.
-        `dim` and `vocab_size` are accepted for completeness: DTensor shards them unevenly
-        when needed (embedding rows, norm weights), so they are not required to divide.
+        `args` is a model-args dataclass; the sizes read from it (when present) are
+        `n_heads`, `num_kv_heads` (or `n_kv_heads`), `ffn_hidden_dim` (dense FFN width),
+        `num_experts` and `moe_hidden_dim` (MoE), and `max_seq_len` unless `seq_len` is given.
+        Tensor parallelism splits heads, kv heads and hidden units, and, with sequence
+        parallelism, the sequence; expert parallelism splits the experts. `dim` and
+        `vocab_size` need not divide: DTensor shards embedding rows and norm weights
+        unevenly when needed.
         """
-        del dim, vocab_size  # uneven shards are fine for these; see docstring
-        tp_key = _KEYS["tp"]
+        def size(*names: str) -> int | None:
+            for name in names:
+                value = getattr(args, name, None)
+                if isinstance(value, int):
+                    return value
+            return None
+
+        num_experts = size("num_experts") or None  # 0 means a dense model
         if self.tp_enabled:
-            checks = [("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
-                      ("FFN hidden size", ffn_hidden), ("MoE expert hidden size", moe_hidden),
-                      ("training.seq_len (sequence parallel)", seq_len)]
-            for what, size in checks:
-                if size is not None and size % self.tp != 0:
+            checks = [
+                ("n_heads", size("n_heads")),
+                ("n_kv_heads", size("num_kv_heads", "n_kv_heads")),
+                ("FFN hidden size", None if num_experts else size("ffn_hidden_dim", "hidden_dim")),
+                ("MoE expert hidden size", size("moe_hidden_dim") if num_experts else None),
+                ("sequence length (sequence parallel)",
+                 seq_len if seq_len is not None else size("max_seq_len")),
+            ]
+            for what, value in checks:
+                if value is not None and value % self.tp != 0:
                     raise ConfigError(
-                        f"{tp_key}: {self.tp} does not divide the model's {what} ({size}); "
-                        f"allowed: divisors of {size}"
+                        f"{_KEYS['tp']}: {self.tp} does not divide the model's {what} "
+                        f"({value}); allowed: divisors of {value}"
                     )
         if self.ep_enabled:
             if num_experts is None:

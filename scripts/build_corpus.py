@@ -103,7 +103,9 @@ def _topic_documents(tree: ast.Module) -> list[tuple[str, str]]:
 
 
 def collect_documents(stdlib: str, min_chars: int) -> tuple[list[dict], dict]:
-    """Return the documents (dicts with `text`, `source`) in a fixed order, plus counts."""
+    """Return the documents (dicts with `text`, `source`) in a fixed order, plus counts and
+    a fingerprint of the input files (equal fingerprints must give identical output)."""
+    fingerprint = hashlib.sha256()
     seen: set[str] = set()  # docstrings already used
     seen_docs: set[str] = set()  # whole documents already used
     docs: list[dict] = []
@@ -112,6 +114,7 @@ def collect_documents(stdlib: str, min_chars: int) -> tuple[list[dict], dict]:
         with open(os.path.join(stdlib, rel), "rb") as f:
             source = f.read()
         stats["files"] += 1
+        fingerprint.update(rel.encode() + b"\0" + hashlib.sha256(source).digest())
         try:
             # ast.parse on bytes honours the file's coding cookie, like the interpreter.
             tree = ast.parse(source, filename=rel)
@@ -132,6 +135,7 @@ def collect_documents(stdlib: str, min_chars: int) -> tuple[list[dict], dict]:
                 continue
             seen_docs.add(text)
             docs.append({"text": text, "source": name})
+    stats["stdlib_fingerprint"] = fingerprint.hexdigest()
     return docs, stats
 
 

@@ -14,9 +14,11 @@ The DCP state dict has one top-level key per state: `model`, `optimizer`, `lr_sc
 `dataloader`, `train_state`; model parameters therefore appear as
 `model.layers.0.attention.wq.weight` (scripts and the HF converter rely on it). Model and
 optimizer go through `torch.distributed.checkpoint.state_dict`, so DTensor-sharded (SimpleFSDP,
-TP, EP) states save and load across different meshes and world sizes. State that differs per
-rank (the data loader position, RNG states) is stored under `rank_<r>` keys; when a run resumes
-on a different number of ranks, ranks without an entry keep their fresh state and say so.
+TP, EP) states save and load across different meshes and world sizes. The learning-rate schedule
+and the data loader are saved as they are: their states are plain values, the same on every rank
+(trainer/data.py keeps a mesh-independent position), so DCP keeps one copy. The RNG states
+differ per rank and are stored under `train_state.rng.rank_<r>`; a rank that has no entry (the
+run resumed on more ranks) keeps its seeded RNG and says so.
 
 All ranks must share the checkpoint folder (a shared or network file system across hosts).
 """
@@ -31,12 +33,14 @@ import random
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -50,9 +54,14 @@ from trainer.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
-# States whose content differs per rank; the manager stores them under rank_<r> keys.
-RANK_LOCAL_KEYS = ("dataloader",)
 ASYNC_MODES = ("disabled", "async")
+
+# DCP warns on every single-process save/load even when asked for no_dist explicitly; async
+# saves warn from a worker thread, so a catch_warnings block cannot hide it.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming")
+
+# DCP raises CheckpointException, a BaseException, for failures on any rank.
+_DCP_ERRORS = (Exception, CheckpointException)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_KEY = re.compile(r"^rank_\d+$")
@@ -149,28 +158,6 @@ class TrainState:
             logger.warning("checkpoint: no RNG state for rank %d (saved with fewer ranks); RNG not restored", _rank())
 
 
-class _RankLocal:
-    """Wraps a state whose content differs per rank (a data loader) as {rank_<r>: pickled}."""
-
-    def __init__(self, inner: Stateful, name: str):
-        self.inner = inner
-        self.name = name
-
-    def state_dict(self) -> dict[str, Any]:
-        return {f"rank_{_rank()}": pickle.dumps(self.inner.state_dict())}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        blob = state_dict.get(f"rank_{_rank()}")
-        if blob:
-            self.inner.load_state_dict(pickle.loads(blob))
-        else:
-            logger.warning("checkpoint: no %s state for rank %d (saved with fewer ranks); it starts fresh", self.name, _rank())
-
-
-def _wrap(states: dict[str, Stateful]) -> dict[str, Stateful]:
-    return {k: (_RankLocal(v, k) if k in RANK_LOCAL_KEYS and not isinstance(v, _RankLocal) else v) for k, v in states.items()}
-
-
 def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
     """DCP's flattened names of a nested state dict (dicts joined with '.')."""
     if isinstance(tree, dict):
@@ -196,6 +183,10 @@ def _read_metadata_keys(path: Path) -> set[str]:
 
 
 def _short(error: BaseException) -> str:
+    """One line for an error message; for DCP's CheckpointException, the first rank's cause."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items(), key=lambda item: item[0])))
+        return f"rank {rank}: {type(cause).__name__}: {_short(cause)}"
     text = str(error).strip().splitlines()
     return text[0][:300] if text else type(error).__name__
 
@@ -215,6 +206,17 @@ def _fsync_dir(path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # The manager.
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions...); earlier checkpoints are intact."""
+
+
+def _result(future: Any, step: int) -> None:
+    try:
+        future.result()
+    except _DCP_ERRORS as e:
+        raise CheckpointSaveError(f"checkpoint: saving step {step} failed: {_short(e)}") from e
 
 
 class CheckpointManager:
@@ -299,7 +301,7 @@ class CheckpointManager:
                 return 0
             step = available[-1]
         path = self.step_path(step)
-        self._load_path(path, _wrap(states), key)
+        self._load_path(path, states, key)
         logger.info("checkpoint: resumed from %s", path)
         return step
 
@@ -318,7 +320,7 @@ class CheckpointManager:
             )
         try:
             dcp.load(state_dict, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._distributed)
-        except Exception as e:
+        except _DCP_ERRORS as e:
             raise ConfigError(f"{key}: cannot load {path}: {_short(e)}") from e
         for name, state in states.items():
             state.load_state_dict(state_dict[name])
@@ -343,7 +345,6 @@ class CheckpointManager:
         """Write `states` as step-N now (blocking, or started in the background when async)."""
         assert self.enable
         self.wait()  # one save in flight at a time; also publishes the previous one
-        states = _wrap(states)
         tmp = self.folder / f".tmp-step-{step}"
         if self._is_rank0:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -351,11 +352,14 @@ class CheckpointManager:
         self._barrier()
         state_dict = {name: state.state_dict() for name, state in states.items()}
         self._last_saved_step = step
-        if self.async_mode == "async":
-            future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
-            self._pending = (future, step)
-            return
-        dcp.save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
+        try:
+            if self.async_mode == "async":
+                future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
+                self._pending = (future, step)
+                return
+            dcp.save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
+        except _DCP_ERRORS as e:
+            raise CheckpointSaveError(f"checkpoint: saving {tmp} failed: {_short(e)}") from e
         self._barrier()  # every rank's shards are written before the checkpoint becomes visible
         if self._is_rank0:
             self._publish(step)
@@ -369,7 +373,7 @@ class CheckpointManager:
         if not future.done():
             return
         self._pending = None
-        future.result()  # re-raise a failed write on every rank
+        _result(future, step)  # re-raise a failed write on every rank
         # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
         # results, so on rank 0 a finished future means the whole checkpoint is on disk.
         if self._is_rank0:
@@ -381,7 +385,7 @@ class CheckpointManager:
             return
         future, step = self._pending
         self._pending = None
-        future.result()
+        _result(future, step)
         if self._is_rank0:
             self._publish(step)
         self._barrier()
@@ -399,14 +403,15 @@ class CheckpointManager:
         tmp = self.folder / f".tmp-step-{step}"
         final = self.step_path(step)
         assert (tmp / ".metadata").is_file(), f"{tmp} has no .metadata after a finished save"
+        old = self.folder / f".old-step-{step}"
         if final.exists():
             # Re-saving a step (resumed from an older one): move the old copy aside first, so
             # `final` is at every instant either absent or complete.
-            old = self.folder / f".old-step-{step}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
         _fsync_dir(self.folder)
+        shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint: saved %s", final)
         self._purge()
 
@@ -477,7 +482,7 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
             raise ConfigError(f"{key}: {root} lacks {len(missing)} of the model's weights, e.g. {missing[:3]}")
         try:
             dcp.load(dest, checkpoint_id=str(root), no_dist=not _dist_on())
-        except Exception as e:
+        except _DCP_ERRORS as e:
             raise ConfigError(f"{key}: cannot load {root}: {_short(e)}") from e
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
         return

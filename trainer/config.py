@@ -400,7 +400,7 @@ def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
     try:
         family = get_model_family(cfg.name)
     except (KeyError, ValueError) as e:
-        raise ConfigError(f"model.name: {e.args[0] if e.args else cfg.name}") from None
+        raise ConfigError(str(e.args[0]) if e.args else f"model.name: {cfg.name!r}") from None
     if cfg.flavor not in family.flavors:
         raise ConfigError(
             f"model.flavor: {cfg.flavor!r} is not a {cfg.name} flavor{_did_you_mean(cfg.flavor, family.flavors)} "

@@ -17,8 +17,7 @@ windows of `seq_len + 1` tokens (inputs = w[:-1], labels = w[1:]). Call c of `ne
 on dp rank r returns global windows `c*D*B + r*B + [0, B)` (D = dp_degree,
 B = local_batch_size), so optimizer step s with A accumulation calls covers windows
 `[s*G, (s+1)*G)`, G = B*D*A, whatever the mesh. Every rank reads and tokenizes the whole
-stream and keeps its slice: D times the tokenization work, which tiktoken makes negligible
-next to a training step at this project's scale.
+stream and keeps its slice: D times the tokenization work (measured cost in docs/data.md).
 
 The state (`state_dict`) is the position of the global stream (epoch, block, token offset
 in the block, windows consumed): the same on every rank, so a checkpoint from D ranks
@@ -33,6 +32,7 @@ import itertools
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,13 +58,17 @@ def _file_kind(path: str) -> str | None:
     return _KIND_BY_EXT.get(os.path.splitext(base)[1].lower())
 
 
+@dataclass(frozen=True, kw_only=True)
 class _Source:
-    """Where documents come from: local files of one kind, or a hub dataset."""
+    """Where documents come from: local files of one kind ("json", "parquet", "text"), or a
+    Hub dataset (kind "hub")."""
 
-    def __init__(self, *, spec: str, kind: str, files: list[str] | None = None,
-                 hub_path: str | None = None, hub_config: str | None = None, split: str = "train"):
-        self.spec, self.kind, self.files = spec, kind, files
-        self.hub_path, self.hub_config, self.split = hub_path, hub_config, split
+    spec: str
+    kind: str
+    files: list[str] | None = None
+    hub_path: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
 
 
 def resolve_dataset(spec: str, split: str = "train") -> _Source:
@@ -113,10 +117,20 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
     return _Source(spec=spec, kind=next(iter(kinds)), files=matches, split=split)
 
 
-def _load_streaming(path: str, **kwargs):
+def _load_streaming(path: str, *, local: bool, **kwargs):
     import datasets  # imported lazily: ~1 s, only jobs that read data pay for it
 
-    return datasets.load_dataset(path, split=kwargs.pop("split", "train"), streaming=True, **kwargs)
+    if not local:
+        return datasets.load_dataset(path, streaming=True, **kwargs)
+    # Local files need no network, but load_dataset still sends a download-count request
+    # (and waits for its timeout when offline) unless it believes it is offline. The flag is
+    # read from the environment at import, so set the module's copy for this call only.
+    previous = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(path, streaming=True, **kwargs)
+    finally:
+        datasets.config.HF_HUB_OFFLINE = previous
 
 
 def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0) -> Iterator[str]:
@@ -125,7 +139,7 @@ def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0) -> Iterato
     positions stay stable."""
     if source.kind == "hub":
         try:
-            ds = _load_streaming(source.hub_path, name=source.hub_config, split=source.split)
+            ds = _load_streaming(source.hub_path, local=False, name=source.hub_config, split=source.split)
         except Exception as e:  # noqa: BLE001 - any failure to open a hub dataset is a bad spec or no network
             raise ConfigError(f"dataset {source.spec}: not a local file or folder, and cannot open it from the "
                               f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}") from None
@@ -135,7 +149,7 @@ def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0) -> Iterato
     for path in source.files:
         # One streaming dataset per file so that a read error names its file.
         try:
-            ds = _load_streaming(source.kind, data_files=[path], **extra)
+            ds = _load_streaming(source.kind, local=True, data_files=[path], split="train", **extra)
             for text in _rows_to_texts(ds, path, text_field):
                 if skip_rows:
                     skip_rows -= 1

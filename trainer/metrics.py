@@ -99,16 +99,14 @@ class MetricsLogger:
         self.start_step = start_step
         self.is_rank0 = is_rank0
         self.device = device if device is not None else torch.device("cpu")
-        if isinstance(flops_per_token, dict):
-            self._flops = dict(flops_per_token)
-        elif flops_per_token is not None:
-            self._flops = {"palm": float(flops_per_token)}
+        self._flops: dict[str, float] = {}
+        self.peak_flops: float | None = None
+        self.peak_name = "none"
+        if peak_flops is None and device is not None and is_rank0 and flops_per_token is not None:
+            peak_flops, peak_name = peak_flops_per_device(device, dtype)
         else:
-            self._flops = {}
-        self.peak_flops = peak_flops
-        self.peak_source = "given" if peak_flops is not None else "none"
-        if peak_flops is None and device is not None and is_rank0 and self._flops:
-            self.peak_flops, self.peak_source = peak_flops_per_device(device, dtype)
+            peak_name = "given" if peak_flops is not None else "none"
+        self.set_flops(flops_per_token=flops_per_token, peak_flops=peak_flops, peak_name=peak_name)
 
         self._start_time = time.perf_counter()
         self._last_time = self._start_time
@@ -143,6 +141,22 @@ class MetricsLogger:
             mininterval=0.5 if interactive else 60.0,  # logs of batch jobs: no \r spam
             leave=True,
         )
+
+    def set_flops(self, *, flops_per_token: dict[str, float] | float | None, peak_flops: float | None, peak_name: str = "given") -> None:
+        """Set the model FLOPs per token and the device peak used for TFLOP/s and MFU.
+
+        flops_per_token: trainer.flops.flops_per_token(...) ({"palm", "causal"}) or a number
+            (PaLM convention). peak_flops: FLOP/s of one device, None -> MFU is null.
+        """
+        if isinstance(flops_per_token, dict):
+            assert "palm" in flops_per_token, flops_per_token
+            self._flops = {k: float(v) for k, v in flops_per_token.items()}
+        elif flops_per_token is not None:
+            self._flops = {"palm": float(flops_per_token)}
+        else:
+            self._flops = {}
+        self.peak_flops = float(peak_flops) if peak_flops else None
+        self.peak_name = peak_name if self.peak_flops else "none"
 
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == self.start_step + 1 or step == self.total_steps

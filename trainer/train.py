@@ -13,6 +13,7 @@ Exit codes: 0 success, 2 bad input (one `error:` line, no traceback), 1 anything
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ def build_model(family, args, *, cfg: Config, parallel_dims, mesh, device: torch
     with torch.device("meta"):
         model = family.model_cls(args)
     # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP.
-    plan = family.load_plan()
+    plan = importlib.import_module(family.plan_module_name).PLAN
     compile_backend = None
     if cfg.compile.mode == "compile":
         compile_backend = resolve_backend(cfg.compile.backend, device)
@@ -104,16 +105,17 @@ def _global_mean(t: torch.Tensor) -> float:
     return t.item()
 
 
-def _validate(model, *, build_loader, steps: int) -> float:
+def _validate(model, *, build_loader, steps: int, device: torch.device) -> float:
     from trainer.step import lm_loss
 
-    loader = build_loader()
-    total = torch.zeros(())
+    # A held-out split may hold fewer than `steps` micro-batches per rank; every rank gets the
+    # same count (windows are dealt in groups of dp_degree x batch), so collectives stay matched.
+    total, count = torch.zeros(()), 0
     with torch.no_grad():
-        for _ in range(steps):
-            inputs, labels = loader.next_batch()
-            total += lm_loss(model(inputs), labels).float().cpu()
-    return _global_mean(total / steps)
+        for _, (inputs, labels) in zip(range(steps), build_loader()):
+            total += lm_loss(model(inputs.to(device)), labels.to(device)).float().cpu()
+            count += 1
+    return _global_mean(total / max(count, 1))
 
 
 def train(cfg: Config) -> int:
@@ -251,7 +253,8 @@ def train(cfg: Config) -> int:
                 values.update(extra_first)
                 extra_first = None
             if build_val_loader is not None and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
-                values["val_loss"] = _validate(model, build_loader=build_val_loader, steps=cfg.validation.steps)
+                values["val_loss"] = _validate(model, build_loader=build_val_loader, steps=cfg.validation.steps,
+                                               device=device)
             logger.log(step, tokens=tokens_per_step, **values)
             manager.maybe_save(step, states, force=step == cfg.training.steps)
     finally:

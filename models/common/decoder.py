@@ -78,9 +78,7 @@ class Decoder(nn.Module):
         self.layers = BlockStack(blocks)
         self.norm = RMSNorm(dim, eps=norm_eps)
         self.output = nn.Linear(dim, vocab_size, bias=False)
-        if tie_embeddings:
-            # One Parameter under two names: state_dict() lists both keys, parameters() one.
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         cos, sin = self._rope_cache()
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -88,6 +86,16 @@ class Decoder(nn.Module):
     def _rope_cache(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 RoPE `(cos, sin)` tables [max_seq_len, head_dim] on `device` (default: current)."""
         return self.rope_config.cos_sin(device)
+
+    def tie_weights(self) -> None:
+        """With `tie_embeddings`, make `output.weight` the very Parameter `tok_embeddings.weight`.
+
+        One Parameter under two names: state_dict() lists both keys, parameters() yields it once.
+        `to_empty()` from the meta device (and any per-module parameter swap) creates separate
+        Parameters, so `init_weights` re-ties first; call this after such a swap otherwise.
+        """
+        if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]."""
@@ -109,12 +117,13 @@ class Decoder(nn.Module):
           std `0.02 / sqrt(2 * (i + 1))` (TorchTitan's depth init).
         - every RMSNorm weight (`attention_norm`, `ffn_norm`, `q_norm`, `k_norm`, `norm`): ones.
         - `output`: truncated normal, std `dim ** -0.5`; when tied to the embedding it keeps the
-          embedding's init (the shared matrix is initialised once).
+          embedding's init (the shared matrix is initialised once; re-tied first, see `tie_weights`).
         - buffers `rope_cos`/`rope_sin`: recomputed in float32 on `buffer_device` (default: where
           the buffers are now), so this works after `to_empty()`.
 
         All initialisers act in place (`nn.init.*`), so parameters may be DTensors.
         """
+        self.tie_weights()
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = self._rope_cache(device)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)

@@ -4,9 +4,21 @@ It is an `nn.ModuleDict` keyed "0".."n-1", so parameter names (`layers.3.attenti
 match TorchTitan checkpoints and parallel plans. Blocks take a fixed tuple of tensors
 `(h, *args)` and return the new `h`; they never know how the stack runs them, so a scan over
 stacked weights can later replace the Python loop here without touching any block.
+
+Layer scan (`enable_scan()`, used by the graph trainer): every block's parameter `name` is
+moved into one stacked tensor `[n_layers, *shape]`, and each block's parameter becomes a view
+of its row, so the module tree, `parameters()`, optimizer state and state-dict keys are
+unchanged and a checkpoint saved with scan loads without it (and the reverse). Under
+`torch.compile` the stack then runs as one `torch.ops.higher_order.scan` over the stacked
+tensors (block "0" is the template, called with `torch.func.functional_call` on one row per
+step), so a captured graph holds one copy of the block whatever `n_layers` is. Outside
+compilation the plain loop runs on the same storage: eager scan is slow and gains nothing.
 """
 
-from collections.abc import Iterable
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,8 +29,125 @@ class BlockStack(nn.ModuleDict):
 
     def __init__(self, blocks: Iterable[nn.Module]):
         super().__init__({str(i): block for i, block in enumerate(blocks)})
+        self._scan: _ScanState | None = None
 
     def forward(self, h: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        if self._scan is not None and torch.compiler.is_compiling():
+            return self._scan_forward(h, args)
         for block in self.values():
             h = block(h, *args)
         return h
+
+    # --- layer scan ------------------------------------------------------------------------
+
+    @property
+    def scan_enabled(self) -> bool:
+        return self._scan is not None
+
+    def enable_scan(self, *, param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+                    ) -> None:
+        """Stack the blocks' parameters and buffers and run the stack as a scan when compiled.
+
+        `param_fn`, if given, maps one layer's row `{name: tensor}` to what the template block
+        is called with (e.g. a data-parallel all-gather of the row's shards); it runs inside the
+        scan body. Parameters that are DTensors are stacked by their local shards. Call it on
+        materialized parameters, after any parallelism has replaced them.
+        """
+        blocks = list(self.values())
+        template = blocks[0]
+        param_names = [n for n, _ in template.named_parameters()]
+        buffer_names = [n for n, _ in template.named_buffers()]
+        for i, block in enumerate(blocks):
+            if type(block) is not type(template):
+                raise ValueError(f"layer scan: block {i} is a {type(block).__name__}, block 0 a "
+                                 f"{type(template).__name__}; scanned blocks must be identical")
+            names = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
+            if names != param_names + buffer_names:
+                raise ValueError(f"layer scan: block {i} has different parameters/buffers than block 0")
+        stacked: dict[str, torch.Tensor] = {}
+        members: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for name in param_names + buffer_names:
+                is_param = name in param_names
+                tensors = [b.get_parameter(name) if is_param else b.get_buffer(name) for b in blocks]
+                locals_ = [_local(t) for t in tensors]
+                ref = locals_[0]
+                for i, t in enumerate(locals_):
+                    if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                        raise ValueError(f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
+                                         f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}")
+                    if t.device.type == "meta":
+                        raise ValueError("layer scan: materialize the model before enable_scan()")
+                stack = torch.stack([t.detach() for t in locals_])
+                for i, t in enumerate(locals_):
+                    t.data = stack[i]  # the per-layer tensor becomes a view of row i
+                if is_param and tensors[0].requires_grad:
+                    stack.requires_grad_(True)
+                stacked[name] = stack
+                members[name] = tensors
+        self._scan = _ScanState(param_names=param_names, buffer_names=buffer_names,
+                                stacked=stacked, members=members, param_fn=param_fn)
+
+    def disable_scan(self) -> None:
+        """Back to the plain loop; the per-layer tensors keep their (stacked) storage."""
+        self._scan = None
+
+    def stacked_parameters(self) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """`{name: (stacked [n_layers, ...], [per-layer parameter of each block])}`."""
+        assert self._scan is not None, "layer scan is not enabled"
+        return {n: (self._scan.stacked[n], self._scan.members[n]) for n in self._scan.param_names}
+
+    def resync_scan_storage(self) -> int:
+        """Re-point per-layer tensors that no longer view their stacked row; return how many.
+
+        Something that swaps a parameter's storage (`load_state_dict(assign=True)`, `.to()`,
+        `p.data = ...`) breaks the aliasing: the values are copied back into the stacked row
+        and the tensor views it again, so the scanned step sees what the model holds.
+        """
+        assert self._scan is not None, "layer scan is not enabled"
+        fixed = 0
+        with torch.no_grad():
+            for name, stack in self._scan.stacked.items():
+                for i, t in enumerate(self._scan.members[name]):
+                    local = _local(t)
+                    row = stack[i]
+                    if local.data_ptr() != row.data_ptr() or local.shape != row.shape:
+                        row.copy_(local)
+                        local.data = row
+                        fixed += 1
+        return fixed
+
+    def _scan_forward(self, h: torch.Tensor, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        from torch._higher_order_ops.scan import scan
+
+        state = self._scan
+        template = self["0"]
+
+        def body(carry: torch.Tensor, row: dict[str, torch.Tensor]):
+            params = {n: row[n] for n in state.param_names}
+            if state.param_fn is not None:
+                params = state.param_fn(params)
+            tensors = {**params, **{n: row[n] for n in state.buffer_names}}
+            out = torch.func.functional_call(template, tensors, (carry, *args))
+            # `[]`: no per-layer outputs (scan rejects None here).
+            return out, []
+
+        h, _ = scan(body, h, state.stacked)
+        return h
+
+
+@dataclass
+class _ScanState:
+    param_names: list[str]
+    buffer_names: list[str]
+    stacked: dict[str, torch.Tensor]
+    """name -> [n_layers, *local shape]; the storage every block's tensor views."""
+    members: dict[str, list[torch.Tensor]]
+    """name -> each block's parameter/buffer object (DTensor or plain), in layer order."""
+    param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `t`'s data on this rank (a DTensor's local shard)."""
+    # Duck-typed so models/ does not import torch.distributed.
+    return t._local_tensor if hasattr(t, "_local_tensor") else t

@@ -1,0 +1,104 @@
+"""Activation checkpointing per block, without changing module paths.
+
+Modes:
+- "none": keep every activation.
+- "full": keep only each block's inputs; recompute the whole block in backward.
+- "selective": op-level SAC (`create_selective_checkpoint_contexts`). Saved (MUST_SAVE):
+  outputs of matmuls (mm, addmm, bmm, grouped/scaled mm), of attention kernels (every
+  SDPA backend) and of TP reduce-scatters (so backward does not repeat that
+  communication). Everything else (pointwise ops, norms, RoPE, activations, casts and the
+  SimpleFSDP all-gathers, which then act as reshard-after-forward) is recomputed.
+
+`apply_ac` swaps each block's class for a subclass whose `forward` runs the original one
+under `checkpoint_fn(mode)`; parameters and state-dict keys stay where they were (no
+`_checkpoint_wrapped_module`). The graph trainer reuses `checkpoint_fn(mode)` to remat
+its scanned block body.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from models.common.plan import ModelPlan
+from trainer.errors import ConfigError
+
+__all__ = ["AC_MODES", "apply_ac", "checkpoint_fn", "sac_policy"]
+
+AC_MODES = ("none", "full", "selective")
+
+
+def _save_ops() -> set:
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_flash_attention_forward", "_efficient_attention_forward"]
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return ops
+
+
+_SAVE_OPS = _save_ops()
+
+
+def sac_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective AC: save matmul / attention / reduce-scatter outputs, recompute the rest."""
+    del ctx, args, kwargs
+    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _sac_context():
+    return create_selective_checkpoint_contexts(sac_policy)
+
+
+def _no_checkpoint(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def checkpoint_fn(mode: str) -> Callable[..., Any]:
+    """`f(fn, *args, **kwargs) -> fn(*args, **kwargs)`, checkpointed as `mode` says."""
+    if mode == "none":
+        return _no_checkpoint
+    if mode == "full":
+        return functools.partial(checkpoint, use_reentrant=False)
+    if mode == "selective":
+        return functools.partial(checkpoint, use_reentrant=False, context_fn=_sac_context)
+    raise ConfigError(f"activation_checkpoint.mode: {mode!r} is not supported; allowed: "
+                      f"{', '.join(AC_MODES)}")
+
+
+_CLASS_CACHE: dict[tuple[type, str], type] = {}
+
+
+def _checkpointed_class(base: type, mode: str) -> type:
+    key = (base, mode)
+    if key not in _CLASS_CACHE:
+        run = checkpoint_fn(mode)
+
+        def forward(self, *args, **kwargs):
+            return run(base.forward, self, *args, **kwargs)
+
+        _CLASS_CACHE[key] = type(f"Checkpointed{base.__name__}", (base,),
+                                 {"forward": forward, "_ac_base": base, "_ac_mode": mode})
+    return _CLASS_CACHE[key]
+
+
+def apply_ac(model: nn.Module, *, plan: ModelPlan, mode: str) -> nn.Module:
+    """Checkpoint every block of `model` (children of `plan.block`) in place."""
+    run = checkpoint_fn(mode)  # validates mode
+    if run is _no_checkpoint:
+        return model
+    for block in getattr(model, plan.block).values():
+        assert not hasattr(type(block), "_ac_base"), "activation checkpointing applied twice"
+        block.__class__ = _checkpointed_class(type(block), mode)
+    return model

@@ -1,0 +1,71 @@
+"""The one entry point that applies every parallelism to a model, in a fixed order.
+
+Order (each step relies on the previous ones):
+1. Tensor parallelism (`apply_tp`): parameters become TP DTensors on the `tp` axis.
+2. Expert parallelism (`parallelisms.expert_parallel.apply_ep`, when `ep > 1`).
+3. Activation checkpointing (`apply_ac`): wraps each block's forward.
+4. Per-block torch.compile (`apply_compile`): compiles the (checkpointed) blocks; the
+   compile is lazy, so it traces the SimpleFSDP gathers added next.
+5. SimpleFSDP (`data_parallel`): parameters become dp-sharded DTensors (2-D with TP) and
+   are gathered at use, cast to `param_dtype`; gradients are reduced in `reduce_dtype`.
+
+The model goes in on the meta device and comes out still on meta; the caller then runs
+`model.to_empty(device=...)` and `model.init_weights(buffer_device=...)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from models.common.plan import ModelPlan
+from parallelisms.activation_checkpoint import apply_ac
+from parallelisms.compile import apply_compile
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.simple_fsdp import data_parallel
+from parallelisms.tensor_parallel import apply_tp
+from trainer.errors import ConfigError
+
+__all__ = ["parallelize_model"]
+
+
+def parallelize_model(
+    model: nn.Module,
+    *,
+    plan: ModelPlan,
+    parallel_dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+    ac_mode: str = "none",
+    compile_backend: str | None = None,
+    enable_loss_parallel: bool = False,
+) -> nn.Module:
+    """Apply TP -> EP -> AC -> compile -> SimpleFSDP to `model` in place and return it.
+
+    `mesh` is the world mesh from `build_mesh` (None only for a single process).
+    `compile_backend=None` leaves the blocks eager. `enable_loss_parallel` keeps the
+    logits vocab-sharded (compute the loss under `loss_parallel_context(True)`).
+    """
+    if mesh is None and parallel_dims.world_size != 1:
+        raise AssertionError("a mesh is required when world_size > 1")
+    if enable_loss_parallel and not parallel_dims.tp_enabled:
+        enable_loss_parallel = False  # nothing is vocab-sharded without TP
+    if parallel_dims.tp_enabled:
+        apply_tp(model, plan=plan, tp_mesh=mesh["tp"], enable_loss_parallel=enable_loss_parallel)
+    if parallel_dims.ep_enabled:
+        try:
+            from parallelisms import expert_parallel
+        except ImportError as exc:
+            raise ConfigError(
+                "parallelism.expert_parallel_degree: expert parallelism is not available "
+                "yet; allowed: 1"
+            ) from exc
+        expert_parallel.apply_ep(model, plan=plan, parallel_dims=parallel_dims, mesh=mesh,
+                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    apply_ac(model, plan=plan, mode=ac_mode)
+    if compile_backend is not None:
+        apply_compile(model, plan=plan, backend=compile_backend)
+    data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return model

@@ -1,0 +1,283 @@
+#!/usr/bin/env python
+"""Benchmark a recipe: tokens/s, TFLOP/s, MFU and peak memory per device, per variant.
+
+Runs the trainer as a subprocess for every (variant, process count), `--repeats` times with
+the runs interleaved (so slow drift of the machine spreads over all variants), reads each run's
+metrics.jsonl, drops the warm-up steps, and reports the median over steps and then over
+repeats. Prints a table and writes CSV (summary to --out, one row per run to <out>_runs.csv).
+
+    python scripts/benchmark.py --config configs/llama3_debug.toml \
+        --variants eager,compile --nproc 1,2 --repeats 3 --steps 20 --warmup 5 --out bench.csv \
+        -- --training.local_batch_size=4
+
+Variants: eager, compile, graph, graph_scan, or NAME='--section.key=value ...' via --variant.
+Arguments after `--` are passed to every run. The script measures how busy the CPUs are
+(/proc/stat) before each run and prints it next to the numbers: on a shared machine a busy
+fraction above ~0.2 makes throughput numbers unreliable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "eager": ["--compile.mode=eager"],
+    "compile": ["--compile.mode=compile"],
+    "graph": ["--compile.mode=graph"],
+    "graph_scan": ["--compile.mode=graph", "--compile.scan_layers=true"],
+}
+
+# Every run: no checkpoints, validation, profiling or TensorBoard (they are not the step), and a
+# record for every step so warm-up can be cut precisely.
+RUN_OVERRIDES = [
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--profiling.enable=false",
+]
+
+METRICS = ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal")
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+def parse_variants(names: str, custom: list[str]) -> dict[str, list[str]]:
+    """--variants a,b and --variant NAME='overrides' -> {name: [override, ...]} (ordered)."""
+    out: dict[str, list[str]] = {}
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name not in VARIANTS:
+            raise SystemExit(f"error: --variants: unknown variant {name!r}; allowed: {', '.join(VARIANTS)} "
+                             "(or --variant NAME='--section.key=value ...')")
+        out[name] = list(VARIANTS[name])
+    for spec in custom:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"error: --variant: expected NAME='--section.key=value ...', got {spec!r}")
+        out[name] = shlex.split(overrides)
+    if not out:
+        raise SystemExit("error: no variants to run")
+    return out
+
+
+def build_command(*, recipe: str, overrides: list[str], nproc: int, dump_folder: str, steps: int,
+                  extra: list[str], python: str = sys.executable) -> list[str]:
+    """The trainer command line of one run (torchrun for more than one process)."""
+    launcher = [python, "-m", "trainer.train"]
+    if nproc > 1:
+        launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer.train"]
+    return [*launcher, "--config", recipe, *RUN_OVERRIDES, f"--training.steps={steps}",
+            f"--job.dump_folder={dump_folder}", *overrides, *extra]
+
+
+def read_records(path: Path) -> list[dict]:
+    """metrics.jsonl records, the last one per step (a resumed run may repeat steps)."""
+    by_step: dict[int, dict] = {}
+    if not path.is_file():
+        return []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            continue
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize_run(records: list[dict], warmup: int) -> dict:
+    """Median over the steps after `warmup` of each throughput metric; peak memory; compile time."""
+    steady = [r for r in records if r["step"] > warmup]
+    out = {key: _median([r.get(key) for r in steady]) for key in METRICS}
+    out["mem_gib"] = max((r["mem_gib"] for r in records if r.get("mem_gib") is not None), default=None)
+    out["compile_s"] = next((r["compile_s"] for r in records if r.get("compile_s") is not None), None)
+    out["steady_steps"] = len(steady)
+    out["last_loss"] = records[-1].get("loss") if records else None
+    return out
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Group runs by (variant, nproc); medians across the successful repeats."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["variant"], run["nproc"]), []).append(run)
+    rows = []
+    for (variant, nproc), group in groups.items():
+        ok = [r for r in group if r["rc"] == 0 and r["steady_steps"] > 0]
+        row = {"variant": variant, "nproc": nproc, "runs": len(group), "ok": len(ok)}
+        for key in (*METRICS, "mem_gib", "compile_s", "busy_before"):
+            row[key] = _median([r.get(key) for r in ok])
+        tps = [r["tokens_per_sec"] for r in ok if r.get("tokens_per_sec") is not None]
+        row["tokens_per_sec_min"] = min(tps) if tps else None
+        row["tokens_per_sec_max"] = max(tps) if tps else None
+        # Pure data parallelism: every device consumes its own tokens.
+        row["tokens_per_sec_total"] = row["tokens_per_sec"] * nproc if row["tokens_per_sec"] is not None else None
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    columns = [
+        ("variant", "variant", "{}"), ("nproc", "nproc", "{}"), ("ok", "ok/runs", None),
+        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"), ("spread", "min..max", None),
+        ("tokens_per_sec_total", "tok/s total", "{:,.0f}"), ("tflops", "TFLOP/s/dev", "{:.3g}"),
+        ("mfu_pct", "MFU %", "{:.2f}"), ("mfu_pct_causal", "MFU % causal", "{:.2f}"),
+        ("mem_gib", "mem GiB", "{:.2f}"), ("compile_s", "compile s", "{:.1f}"), ("busy_before", "cpu busy", "{:.2f}"),
+    ]
+
+    def cell(row, key, spec):
+        if key == "ok":
+            return f"{row['ok']}/{row['runs']}"
+        if key == "spread":
+            lo, hi = row.get("tokens_per_sec_min"), row.get("tokens_per_sec_max")
+            return "-" if lo is None else f"{lo:,.0f}..{hi:,.0f}"
+        value = row.get(key)
+        return "-" if value is None else spec.format(value)
+
+    table = [[title for _, title, _ in columns]] + [[cell(r, k, s) for k, _, s in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ machine state
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return idle, sum(fields[:8])  # guest time is already inside user/nice
+
+
+def cpu_busy_fraction(interval: float = 1.0) -> float | None:
+    """Fraction of all CPUs' time spent busy over `interval` seconds (None off Linux)."""
+    first = _cpu_times()
+    if first is None:
+        return None
+    time.sleep(interval)
+    second = _cpu_times()
+    idle, total = second[0] - first[0], second[1] - first[1]
+    return 1.0 - idle / total if total > 0 else None
+
+
+def wait_until_quiet(max_busy: float, max_wait: float) -> float | None:
+    busy = cpu_busy_fraction()
+    waited = 0.0
+    while busy is not None and busy > max_busy and waited < max_wait:
+        time.sleep(4.0)
+        waited += 5.0
+        busy = cpu_busy_fraction()
+    return busy
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="recipe TOML")
+    parser.add_argument("--variants", default="eager", help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES", help="a custom variant")
+    parser.add_argument("--nproc", default="1", help="comma list of process counts, e.g. 1,2,4")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=5, help="first steps dropped (compile, caches)")
+    parser.add_argument("--out", default="benchmark.csv", help="summary CSV (runs go to <stem>_runs.csv)")
+    parser.add_argument("--dump-root", default=None, help="run folders (default: outputs/benchmark/<time>)")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per process (default: inherited)")
+    parser.add_argument("--max-busy", type=float, default=0.25, help="wait for CPU busy fraction below this")
+    parser.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    args = parser.parse_args(argv)
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+
+    variants = parse_variants(args.variants, args.variant)
+    nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
+    root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
+    env = dict(os.environ)
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+
+    plan = [(rep, name, nproc) for rep in range(args.repeats) for name in variants for nproc in nprocs]
+    runs = []
+    for rep, name, nproc in plan:
+        folder = root / f"{name}-n{nproc}-r{rep}"
+        cmd = build_command(recipe=args.config, overrides=variants[name], nproc=nproc, dump_folder=str(folder),
+                            steps=args.steps, extra=extra)
+        if args.dry_run:
+            print(shlex.join(cmd))
+            continue
+        busy = wait_until_quiet(args.max_busy, args.max_wait)
+        busy_text = "n/a" if busy is None else f"{busy:.2f}"
+        print(f"[{len(runs) + 1}/{len(plan)}] {name} nproc={nproc} repeat={rep} (cpu busy {busy_text}) ...", file=sys.stderr, flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(folder / "stdout.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        wall = time.perf_counter() - start
+        run = {"variant": name, "nproc": nproc, "repeat": rep, "rc": rc, "wall_s": wall, "busy_before": busy,
+               **summarize_run(read_records(folder / "metrics.jsonl"), args.warmup)}
+        if rc != 0:
+            print(f"  failed (exit {rc}); see {folder / 'stdout.log'}", file=sys.stderr)
+        runs.append(run)
+    if args.dry_run:
+        return 0
+
+    rows = summarize(runs)
+    load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
+    print(f"\n{args.config}: {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} repeat(s); "
+          f"{os.cpu_count()} CPUs, load average now {load}")
+    print(format_table(rows))
+    out = Path(args.out)
+    write_csv(out, rows)
+    write_csv(out.with_name(out.stem + "_runs" + out.suffix), runs)
+    print(f"\nwrote {out} and {out.with_name(out.stem + '_runs' + out.suffix)}")
+    return 0 if all(r["ok"] == r["runs"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Convert model weights between our DCP checkpoints and Hugging Face safetensors.
+
+    python scripts/convert.py to-hf --checkpoint DIR --model.name llama3 --model.flavor 8B \
+        [--model.FIELD=VALUE ...] [--dtype bfloat16] OUT_DIR
+    python scripts/convert.py from-hf HF_DIR OUT_DCP_DIR [--dtype float32]
+
+`to-hf` reads the model entries (DCP keys `model.<param>`) of a checkpoint directory
+(`checkpoints/step-N`, or a `checkpoints` folder, whose latest step is used) one layer at a
+time and writes `config.json` plus `model.safetensors` (sharded above 5 GB, with an index),
+loadable by `AutoModelForCausalLM.from_pretrained`. `from-hf` reads `config.json` and the
+safetensors of a Hugging Face model folder and writes a DCP checkpoint whose keys are
+`model.<param>`, which `[checkpoint] initial_load_path` can load. Runs in one process, no
+process group. Bad input prints one `error:` line and exits with status 2.
+"""
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import HF_MODEL_TYPES, ModelFamily, get_model_family  # noqa: E402
+from trainer.errors import ConfigError  # noqa: E402
+
+MODEL_PREFIX = "model."
+MAX_SHARD_BYTES = 5 * 1024**3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# DCP warns on every call that it runs without a process group; that is the intent here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _resolve_checkpoint(path: Path) -> Path:
+    """A DCP directory: `path` itself, or its `step-N` subfolder with the largest N."""
+    if (path / ".metadata").is_file():
+        return path
+    steps = [(int(m.group(1)), p) for p in path.glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
+    steps = [(n, p) for n, p in steps if (p / ".metadata").is_file()]
+    if not steps:
+        raise ConfigError(f"--checkpoint {path}: not a DCP checkpoint (no .metadata) and no step-N checkpoints inside")
+    return max(steps)[1]
+
+
+def _meta_model_shapes(family: ModelFamily, args) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _layer_groups(keys: list[str]) -> list[list[str]]:
+    """Keys grouped as [non-layer keys] + one group per block, in layer order."""
+    top, layers = [], {}
+    for key in keys:
+        m = re.match(r"layers\.(\d+)\.", key)
+        if m is None:
+            top.append(key)
+        else:
+            layers.setdefault(int(m.group(1)), []).append(key)
+    return [top] + [layers[i] for i in sorted(layers)]
+
+
+def convert_to_hf(
+    checkpoint: Path, family: ModelFamily, args, out_dir: Path, *, dtype: torch.dtype | None = None
+) -> list[Path]:
+    """DCP checkpoint -> HF folder (config.json + safetensors). Returns the safetensors files written."""
+    from safetensors.torch import save_file
+
+    checkpoint = _resolve_checkpoint(checkpoint)
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    stored = {
+        k[len(MODEL_PREFIX):]: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")
+    }
+    expected = _meta_model_shapes(family, args)
+    if args.tie_embeddings and "tok_embeddings.weight" not in stored and "output.weight" in stored:
+        stored["tok_embeddings.weight"] = stored["output.weight"]  # a tied matrix saved under one name
+        alias = {"tok_embeddings.weight": "output.weight"}
+    else:
+        alias = {}
+    for key, shape in expected.items():
+        if args.tie_embeddings and key == "output.weight":
+            continue
+        if key not in stored:
+            raise ConfigError(f"--checkpoint {checkpoint}: missing {MODEL_PREFIX}{key} for {family.name} with these args")
+        if tuple(stored[key].size) != tuple(shape):
+            raise ConfigError(
+                f"--checkpoint {checkpoint}: {MODEL_PREFIX}{key} has shape {tuple(stored[key].size)}, "
+                f"but model.flavor/overrides give {tuple(shape)}"
+            )
+    keys = [k for k in expected if k in stored and not (args.tie_embeddings and k == "output.weight")]
+
+    # Plan shards from the stored sizes (a group converts to the same number of elements).
+    groups = _layer_groups(keys)
+    elem_bytes = lambda k: (dtype or stored[k].properties.dtype).itemsize  # noqa: E731
+    group_bytes = [sum(stored[k].size.numel() * elem_bytes(k) for k in g) for g in groups]
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(group_bytes):
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total, written = {}, 0, []
+    for name, shard in zip(names, shards):
+        tensors: dict[str, torch.Tensor] = {}
+        for gi in shard:
+            template = {
+                alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in groups[gi]
+            }
+            dcp.load({"model": template}, checkpoint_id=str(checkpoint))
+            ours = {k: template[alias.get(k, k)] for k in groups[gi]}
+            for hf_key, value in family.hf_adapter.to_hf(ours, args).items():
+                tensors[hf_key] = (value if dtype is None else value.to(dtype)).contiguous()
+        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        written.append(out_dir / name)
+        for hf_key, value in tensors.items():
+            weight_map[hf_key] = name
+            total += value.numel() * value.element_size()
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    config = family.hf_adapter.hf_config(args)
+    saved_dtype = dtype or stored[keys[0]].properties.dtype
+    config["torch_dtype"] = str(saved_dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return written
+
+
+def _read_hf_folder(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{config_path}: not found; allowed: a Hugging Face model folder with config.json")
+    config = json.loads(config_path.read_text())
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors.update(load_file(str(path)))
+    return config, tensors
+
+
+def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> tuple[str, object]:
+    """HF folder -> DCP checkpoint with keys `model.<param>`. Returns (family name, args)."""
+    config, hf_tensors = _read_hf_folder(hf_dir)
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}")
+    family = get_model_family(HF_MODEL_TYPES[model_type])
+    try:
+        args = family.hf_adapter.args_from_hf_config(config)
+        state_dict = family.hf_adapter.from_hf(hf_tensors, args)
+    except ValueError as e:
+        raise ConfigError(f"{hf_dir}: {e}") from e
+    expected = _meta_model_shapes(family, args)
+    for key, shape in expected.items():
+        if key not in state_dict or tuple(state_dict[key].shape) != tuple(shape):
+            got = tuple(state_dict[key].shape) if key in state_dict else "missing"
+            raise ConfigError(f"{hf_dir}: {key} is {got}; config.json implies {tuple(shape)}")
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
+    dcp.save({"model": state_dict}, checkpoint_id=str(out_dir))
+    return family.name, args
+
+
+def _parse_value(text: str):
+    """A CLI override value: JSON (numbers, true/false/null), else the raw string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parse_model_overrides(extra: list[str]) -> dict:
+    overrides, i = {}, 0
+    while i < len(extra):
+        item = extra[i]
+        if not item.startswith("--model."):
+            raise ConfigError(f"{item}: unknown argument; allowed: --model.<field>=<value>")
+        key, sep, value = item[len("--model."):].partition("=")
+        if not sep:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"{item}: missing value")
+            value, i = extra[i + 1], i + 1
+        overrides[key] = _parse_value(value)
+        i += 1
+    return overrides
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise ConfigError(f"--dtype: {name!r} unknown; allowed: {list(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_to = sub.add_parser("to-hf", help="DCP checkpoint -> Hugging Face folder")
+    p_to.add_argument("--checkpoint", required=True, type=Path, help="checkpoints/step-N (or checkpoints/)")
+    p_to.add_argument("--model.name", dest="model_name", required=True)
+    p_to.add_argument("--model.flavor", dest="model_flavor", required=True)
+    p_to.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16); default: as stored")
+    p_to.add_argument("out", type=Path)
+    p_from = sub.add_parser("from-hf", help="Hugging Face folder -> DCP checkpoint")
+    p_from.add_argument("hf_dir", type=Path)
+    p_from.add_argument("out", type=Path)
+    p_from.add_argument("--dtype", default=None, help="cast weights; default: as stored in the safetensors")
+
+    ns, extra = parser.parse_known_args(argv)
+    try:
+        if ns.command == "to-hf":
+            try:
+                family = get_model_family(ns.model_name)
+                args = family.get_args(ns.model_flavor, **_parse_model_overrides(extra))
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            files = convert_to_hf(ns.checkpoint, family, args, ns.out, dtype=_dtype(ns.dtype))
+            print(f"wrote {ns.out}: config.json + {len(files)} safetensors file(s)")
+        else:
+            if extra:
+                raise ConfigError(f"{extra[0]}: unknown argument for from-hf")
+            name, args = convert_from_hf(ns.hf_dir, ns.out, dtype=_dtype(ns.dtype))
+            print(f"wrote DCP checkpoint {ns.out} (keys {MODEL_PREFIX}*); model.name={name}, args={args}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,443 @@
+"""Checkpointing: DCP round trip, resume equivalence, retention, atomicity, async, errors.
+
+A small model with the real module paths (layers.N.attention.wq ...) stands in for Llama so the
+tests run in seconds; the multi-process test shards it with DTensor the way SimpleFSDP does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from trainer import checkpoint as ckpt
+from trainer.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.wq = nn.Linear(dim, dim, bias=False)
+        self.feed_forward = nn.Module()
+        self.feed_forward.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.feed_forward.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        x = x + self.attention.wq(x)
+        return x + self.feed_forward.w2(torch.relu(self.feed_forward.w1(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dim: int = 8, n_layers: int = 2, vocab: int = 16):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class FakeLoader:
+    """Deterministic batches from a position; state is a plain dict, like trainer/data.py."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def next_batch(self):
+        gen = torch.Generator().manual_seed(1000 + self.pos)
+        self.pos += 1
+        tokens = torch.randint(0, 16, (2, 6), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = int(state["pos"])
+
+
+class Run:
+    """Everything a trainer checkpoints, built fresh from a seed."""
+
+    def __init__(self, seed: int = 0, dim: int = 8):
+        torch.manual_seed(seed)
+        self.model = TinyLM(dim=dim)
+        self.loader = FakeLoader()
+        self.train_state = ckpt.TrainState()
+        self.build_optimizer()
+
+    def build_optimizer(self):
+        """(Re)build optimizer and schedule, e.g. after the parameters were replaced by DTensors."""
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + s))
+        self.states = {
+            "model": ckpt.ModelState(self.model),
+            "optimizer": ckpt.OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.scheduler,
+            "dataloader": self.loader,
+            "train_state": self.train_state,
+        }
+
+    def step(self) -> float:
+        inputs, labels = self.loader.next_batch()
+        logits = self.model(inputs)
+        # Random noise (like dropout) makes the result depend on the restored RNG state.
+        logits = logits + 0.1 * torch.randn_like(logits)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        self.train_state.step += 1
+        return loss.item()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def manager(folder, **kw) -> ckpt.CheckpointManager:
+    defaults = dict(interval=1, keep_latest_k=0, async_mode="disabled", enable=True)
+    defaults.update(kw)
+    return ckpt.CheckpointManager(folder=folder, **defaults)
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    # Uninterrupted: 5 steps, with a checkpoint at step 3.
+    ref = Run(seed=0)
+    mgr = manager(tmp_path / "ckpt", interval=3)
+    losses = []
+    for step in range(1, 6):
+        losses.append(ref.step())
+        mgr.maybe_save(step, ref.states)
+    mgr.close()
+    assert mgr.complete_steps() == [3]
+
+    # Resumed: a different seed and an RNG draw before load, so only the checkpoint can make it equal.
+    resumed = Run(seed=123)
+    torch.rand(7)
+    mgr2 = manager(tmp_path / "ckpt", interval=3)
+    assert mgr2.load(resumed.states) == 3
+    assert resumed.train_state.step == 3 and resumed.loader.pos == 3
+    assert resumed.scheduler.last_epoch == 3
+    resumed_losses = [resumed.step(), resumed.step()]
+    assert resumed_losses == losses[3:]
+    assert_same(resumed.params(), ref.params())
+    for group_ref, group_new in zip(ref.optimizer.param_groups, resumed.optimizer.param_groups):
+        assert group_ref["lr"] == group_new["lr"]
+
+
+def test_checkpoint_keys_are_the_contract(tmp_path):
+    run = Run()
+    run.step()
+    mgr = manager(tmp_path)
+    mgr.maybe_save(1, run.states)
+    keys = set(dcp.FileSystemReader(str(tmp_path / "step-1")).read_metadata().state_dict_metadata)
+    assert "model.layers.0.attention.wq.weight" in keys
+    assert "model.tok_embeddings.weight" in keys
+    assert "optimizer.state.layers.1.feed_forward.w2.weight.exp_avg" in keys
+    assert "lr_scheduler.last_epoch" in keys
+    assert "dataloader.pos" in keys
+    assert "train_state.step" in keys and "train_state.rng.rank_0" in keys
+    assert {k.split(".")[0] for k in keys} == set(ckpt.CHECKPOINT_KEYS)
+
+
+def test_fresh_start_and_disabled(tmp_path):
+    run = Run()
+    assert manager(tmp_path / "none").load(run.states) == 0
+    off = manager(tmp_path / "off", enable=False)
+    assert off.maybe_save(1, run.states) is False
+    assert not (tmp_path / "off").exists()
+    assert off.load(run.states) == 0
+
+
+def test_keep_latest_k_and_force(tmp_path):
+    run = Run()
+    mgr = manager(tmp_path, interval=2, keep_latest_k=2)
+    for step in range(1, 8):
+        run.step()
+        mgr.maybe_save(step, run.states, force=step == 7)
+    assert mgr.complete_steps() == [6, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-7"]
+    # A second forced save of the same step is a no-op.
+    assert mgr.maybe_save(7, run.states, force=True) is False
+
+
+def test_load_step_and_bad_inputs(tmp_path):
+    run = Run()
+    mgr = manager(tmp_path)
+    snapshots = {}
+    for step in range(1, 4):
+        run.step()
+        mgr.maybe_save(step, run.states)
+        snapshots[step] = run.params()
+
+    other = Run(seed=9)
+    assert manager(tmp_path, load_step=2).load(other.states) == 2
+    assert_same(other.params(), snapshots[2])
+
+    with pytest.raises(ConfigError, match=r"checkpoint.load_step: .*step-7.*\[1, 2, 3\]"):
+        manager(tmp_path, load_step=7).load(Run().states)
+
+    # A checkpoint with a missing shard: named by load_step -> ConfigError, and nothing is touched.
+    shard = next((tmp_path / "step-2").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match="checkpoint.load_step"):
+        manager(tmp_path, load_step=2).load(Run().states)
+    (tmp_path / "step-1" / ".metadata").unlink()  # no metadata: not a complete checkpoint
+    with pytest.raises(ConfigError, match=r"step-1 is not a complete checkpoint"):
+        manager(tmp_path, load_step=1).load(Run().states)
+    before = [b for b in before if b[0] != Path("step-1/.metadata")]
+    assert sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*")) == before
+
+    # A checkpoint of another model (wider) does not fit: ConfigError, not a traceback.
+    with pytest.raises(ConfigError, match="checkpoint.folder: .*step-3"):
+        manager(tmp_path).load(Run(dim=12).states)
+
+    for bad in (dict(async_mode="sometimes"), dict(keep_latest_k=-1), dict(load_step=-3), dict(interval=0)):
+        with pytest.raises(ConfigError, match="checkpoint."):
+            manager(tmp_path, **bad)
+
+
+def test_failed_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    run = Run()
+    mgr = manager(tmp_path)
+    run.step()
+    mgr.maybe_save(1, run.states)
+    saved = run.params()
+    run.step()
+
+    def broken_write(self, plan, planner):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", broken_write)
+    with pytest.raises(ckpt.CheckpointSaveError, match="disk full"):
+        mgr.maybe_save(2, run.states)
+    monkeypatch.undo()
+    assert mgr.complete_steps() == [1]
+    fresh = Run(seed=5)
+    assert manager(tmp_path).load(fresh.states) == 1
+    assert_same(fresh.params(), saved)
+    # The next save removes the leftover and publishes normally.
+    run.step()
+    mgr.maybe_save(3, run.states)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
+
+
+CRASH_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    import torch.distributed.checkpoint as dcp
+    from tests.test_checkpoint import Run, manager
+    run = Run()
+    mgr = manager({folder!r})
+    run.step()
+    mgr.maybe_save(1, run.states)
+    run.step()
+    # Die after the shards are written but before the metadata: a job killed mid-save.
+    dcp.FileSystemWriter.finish = lambda self, metadata, results: os.kill(os.getpid(), signal.SIGKILL)
+    mgr.maybe_save(2, run.states)
+    """
+)
+
+
+def test_killed_mid_save_leaves_newest_loadable(tmp_path):
+    folder = tmp_path / "ckpt"
+    code = CRASH_CHILD.format(repo=str(REPO), folder=str(folder))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    leftover = folder / ".tmp-step-2"
+    assert any(leftover.glob("*.distcp")) and not (leftover / ".metadata").exists()
+    mgr = manager(folder)
+    assert mgr.complete_steps() == [1]
+    run = Run(seed=3)
+    assert mgr.load(run.states) == 1
+    run.step()
+    mgr.maybe_save(2, run.states)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2"]
+
+
+def test_async_save_snapshots_state_and_publishes(tmp_path):
+    run = Run()
+    run.step()
+    mgr = manager(tmp_path, async_mode="async", interval=2)
+    assert mgr.maybe_save(2, run.states)
+    expected = run.params()
+    with torch.no_grad():  # training continues while the write is in flight
+        for p in run.model.parameters():
+            p.add_(1.0)
+    deadline = time.monotonic() + 60
+    while not mgr.complete_steps() and time.monotonic() < deadline:
+        mgr.maybe_save(3, run.states)  # not a save step: only polls the pending save
+        time.sleep(0.01)
+    assert mgr.complete_steps() == [2]
+    assert mgr.maybe_save(4, run.states)
+    mgr.close()
+    assert mgr.complete_steps() == [2, 4]
+    assert not list(tmp_path.glob(".tmp-*"))
+    fresh = Run(seed=7)
+    assert manager(tmp_path, load_step=2).load(fresh.states) == 2
+    assert_same(fresh.params(), expected)
+
+
+def test_resave_same_step_replaces_it(tmp_path):
+    run = Run()
+    mgr = manager(tmp_path)
+    run.step()
+    mgr.save(1, run.states)
+    run.step()
+    mgr.save(1, run.states)  # e.g. resumed from an older step and reached this one again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+    fresh = Run(seed=4)
+    manager(tmp_path).load(fresh.states)
+    assert_same(fresh.params(), run.params())
+
+
+# ------------------------------------------------------------------------------ initial weights
+
+
+def test_load_initial_dcp_prefixed_and_bare(tmp_path):
+    src = Run(seed=1)
+    src.step()
+    manager(tmp_path / "run").save(1, src.states)
+    dst = Run(seed=2)
+    ckpt.load_initial(dst.model, path=tmp_path / "run" / "step-1", fmt="dcp")
+    assert_same(dst.params(), src.params())
+
+    bare = tmp_path / "bare"
+    dcp.save({k: v.clone() for k, v in src.model.state_dict().items()}, checkpoint_id=str(bare), no_dist=True)
+    dst2 = Run(seed=3)
+    ckpt.load_initial(dst2.model, path=bare, fmt="dcp")
+    assert_same(dst2.params(), src.params())
+
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*lacks"):
+        ckpt.load_initial(TinyLM(n_layers=3), path=bare, fmt="dcp")
+
+
+def hf_names(ours: str) -> str:
+    return "model." + ours.replace("attention.wq", "self_attn.q_proj").replace("tok_embeddings", "embed_tokens")
+
+
+def from_hf(hf_state_dict, args):
+    inverse = {hf_names(k): k for k in args}
+    return {inverse[k]: v for k, v in hf_state_dict.items()}
+
+
+def test_load_initial_hf_safetensors(tmp_path):
+    from safetensors.torch import save_file
+
+    src = TinyLM()
+    names = list(src.state_dict())
+    hf = {hf_names(k): v.to(torch.bfloat16).contiguous() for k, v in src.state_dict().items()}
+    first, second = dict(list(hf.items())[:3]), dict(list(hf.items())[3:])
+    save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    dst = TinyLM()
+    ckpt.load_initial(dst, path=tmp_path, fmt="hf", hf_adapter=from_hf, args=names)
+    for k, v in src.state_dict().items():
+        torch.testing.assert_close(dst.state_dict()[k], v.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*missing"):
+        ckpt.load_initial(TinyLM(n_layers=3), path=tmp_path, fmt="hf", hf_adapter=from_hf, args=names)
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*does not exist"):
+        ckpt.load_initial(dst, path=tmp_path / "nope", fmt="hf", hf_adapter=from_hf, args=names)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: no safetensors"):
+        ckpt.load_initial(dst, path=tmp_path / "empty", fmt="hf", hf_adapter=from_hf)
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*not a DCP checkpoint"):
+        ckpt.load_initial(dst, path=tmp_path, fmt="dcp")
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_format"):
+        ckpt.load_initial(dst, path=tmp_path, fmt="pt")
+
+
+# ------------------------------------------------------------------------------ two ranks, DTensor
+
+
+def _shard(model: nn.Module, mesh) -> None:
+    """SimpleFSDP (parallelisms/simple_fsdp.py): parameters become DTensors sharded on dp_shard."""
+    from parallelisms.simple_fsdp import data_parallel
+
+    data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _two_rank_worker(rank: int, world: int, store: str, folder: str, out: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        run = Run(seed=0)
+        _shard(run.model, mesh)
+        run.build_optimizer()
+        torch.manual_seed(100)  # same seed on both ranks, like trainer.device.set_seed
+        for p in run.model.parameters():  # one optimizer step with known (replicated) grads
+            p.grad = torch.ones_like(p) * 0.5
+        run.optimizer.step()
+        run.scheduler.step()
+        run.train_state.step = 1
+        run.loader.pos = 5
+        mgr = ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="async", enable=True)
+        mgr.maybe_save(1, run.states)
+        mgr.close()
+        assert mgr.complete_steps() == [1]
+        full = {k: v.full_tensor() for k, v in run.model.state_dict().items()}
+        exp_avg = {
+            k: run.optimizer.state[p]["exp_avg"].full_tensor() for k, p in run.model.named_parameters()
+        }
+        # Reload on the same 2-rank mesh into a fresh sharded model.
+        fresh = Run(seed=42)
+        _shard(fresh.model, mesh)
+        fresh.build_optimizer()
+        assert ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled", enable=True).load(fresh.states) == 1
+        for k, v in fresh.model.state_dict().items():
+            assert torch.equal(v.full_tensor(), full[k]), k
+        for k, p in fresh.model.named_parameters():
+            assert torch.equal(fresh.optimizer.state[p]["exp_avg"].full_tensor(), exp_avg[k]), k
+        if rank == 0:
+            torch.save({"model": full, "exp_avg": exp_avg}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_two_rank_sharded_save_loads_on_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    folder, out = tmp_path / "ckpt", tmp_path / "expected.pt"
+    mp.spawn(_two_rank_worker, args=(2, str(tmp_path / "store"), str(folder), str(out)), nprocs=2, join=True)
+    expected = torch.load(out)
+    run = Run(seed=11)  # plain tensors, one process: a different "mesh" than the save
+    assert manager(folder).load(run.states) == 1
+    assert run.loader.pos == 5 and run.scheduler.last_epoch == 1
+    assert_same(run.params(), expected["model"])
+    for name, p in run.model.named_parameters():
+        torch.testing.assert_close(run.optimizer.state[p]["exp_avg"], expected["exp_avg"][name], rtol=0, atol=0)
+    assert run.train_state.step == 1

@@ -1,0 +1,153 @@
+"""FLOPs per token against torch's FlopCounterMode, and the peak-FLOP/s lookups."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from trainer import flops
+
+aten = torch.ops.aten
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    # 2D x 2D with offsets is the expert weight gradient: [K, M_total] x [M_total, N] -> [E, K, N],
+    # each token row contributes to one group only. Otherwise every output element is a K-long dot.
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * out_shape.numel() * a_shape[-1]
+
+
+# FlopCounterMode knows SDPA only by its CUDA kernels; on the CPU the same math runs as the
+# *_for_cpu ops, and MoE experts run as _grouped_mm. Count them with torch's own formulas.
+CPU_MAPPING = {
+    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: (
+        lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)
+    ),
+    aten._grouped_mm: _grouped_mm_flops,
+}
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten._grouped_mm}
+ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward}
+
+
+def _count(family: str, flavor: str, seq_len: int, batch: int = 2):
+    module = __import__(f"models.{family}", fromlist=["FLAVORS", "Transformer"])
+    args = dataclasses.replace(module.FLAVORS[flavor], max_seq_len=seq_len)
+    torch.manual_seed(0)
+    model = module.Transformer(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (batch, seq_len))
+    with FlopCounterMode(display=False, custom_mapping=CPU_MAPPING) as counter:
+        model(tokens).float().sum().backward()
+    by_op = counter.get_flop_counts()["Global"]
+    n_tokens = batch * seq_len
+    matmul = sum(v for k, v in by_op.items() if k in MATMULS) / n_tokens
+    attention = sum(v for k, v in by_op.items() if k in ATTENTION) / n_tokens
+    return args, matmul, attention, counter.get_total_flops() / n_tokens
+
+
+MODELS = [("llama3", "debugmodel"), ("qwen3", "debugmodel"), ("qwen3", "debugmodel_moe")]
+
+
+@pytest.mark.parametrize("family,flavor", MODELS)
+def test_flops_per_token_matches_flop_counter(family, flavor):
+    seq_len = 256
+    args, matmul, attention, total = _count(family, flavor, seq_len)
+    expected = flops.flops_per_token(
+        num_matmul_params=args.num_active_params(exclude_embedding=True),
+        n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=seq_len,
+    )
+    attention_palm = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    # The 6N part: every weight matmul forward + two backward; N also holds the norm weights
+    # (no matmul), well under 1 % of it.
+    assert matmul == pytest.approx(expected["palm"] - attention_palm, rel=0.01)
+    assert attention > 0, "SDPA was not counted"
+    # FlopCounterMode's SDPA backward recomputes the scores (5 bmm vs PaLM's 4), hence 14/12.
+    assert attention == pytest.approx(attention_palm * 14 / 12, rel=1e-6)
+    assert total == pytest.approx(expected["palm"], rel=0.05)
+    assert expected["causal"] == pytest.approx(expected["palm"] - attention_palm / 2)
+
+
+def test_moe_counts_only_active_experts():
+    args, matmul, _, _ = _count("qwen3", "debugmodel_moe", 64)
+    dense_all_experts = args.num_params(exclude_embedding=True)
+    active = args.num_active_params(exclude_embedding=True)
+    assert active < dense_all_experts
+    assert matmul == pytest.approx(6 * active, rel=0.01)
+
+
+def test_flops_formula_by_hand():
+    # Llama 3.1 8B at seq 8192: 6N + 12·32·32·128·8192 (PaLM) and half the attention (causal).
+    out = flops.flops_per_token(num_matmul_params=7_000_000_000, n_layers=32, n_heads=32, head_dim=128, seq_len=8192)
+    attention = 12 * 32 * 32 * 128 * 8192
+    assert out == {"palm": 42e9 + attention, "causal": 42e9 + attention / 2}
+
+
+@pytest.mark.parametrize(
+    "kind,gen",
+    [
+        ("TPU v4", "v4"), ("v4-8", "v4"),
+        ("TPU v5 lite", "v5e"), ("v5litepod-16", "v5e"), ("v5e", "v5e"),
+        ("TPU v5", "v5p"), ("TPU v5p", "v5p"), ("v5p-128", "v5p"),
+        ("TPU v6 lite", "v6e"), ("v6e-8", "v6e"), ("Trillium", "v6e"),
+        ("TPU7x", "v7x"), ("tpu7x-64", "v7x"), ("TPU v7x", "v7x"),
+        ("TPU", None), ("NVIDIA H100", None), ("Tesla V100", None),
+    ],
+)
+def test_tpu_generation(kind, gen):
+    assert flops.tpu_generation(kind) == gen
+
+
+def test_tpu_peaks_per_device(monkeypatch):
+    tpu = SimpleNamespace(type="tpu")  # torch.device("tpu") needs torch-tpu's backend rename
+    monkeypatch.setattr(flops, "_tpu_kind_candidates", lambda: ["TPU", "v6e-8"])
+    peak, desc = flops.peak_flops_per_device(tpu)
+    assert peak == 918e12 and "v6e" in desc
+    monkeypatch.setattr(flops, "_tpu_kind_candidates", lambda: ["tpu7x-16"])
+    assert flops.peak_flops_per_device(tpu)[0] == 1153.5e12  # 2307 per chip, two devices per chip
+    monkeypatch.setattr(flops, "_tpu_kind_candidates", lambda: [])
+    peak, desc = flops.peak_flops_per_device(tpu)
+    assert peak is None and "override" in desc
+    assert flops.peak_flops_per_device(tpu, override="v5e")[0] == 197e12
+    assert flops.peak_flops_per_device(tpu, override=275)[0] == 275e12
+
+
+def test_tpu_kind_from_environment(monkeypatch):
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-256")
+    assert "v5p-256" in flops._tpu_kind_candidates()
+    peak, _ = flops.peak_flops_per_device(SimpleNamespace(type="tpu"))
+    assert peak == 459e12
+
+
+@pytest.mark.parametrize(
+    "name,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989), ("NVIDIA B200", 2250), ("NVIDIA GB200", 2500),
+        ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA GeForce RTX 4090", None), ("Tesla T4", None),
+    ],
+)
+def test_gpu_peaks(monkeypatch, name, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak, desc = flops.peak_flops_per_device(torch.device("cuda", 0), torch.bfloat16)
+    if tflops is None:
+        assert peak is None and "not in the peak table" in desc
+    else:
+        assert peak == tflops * 1e12 and name in desc
+
+
+def test_cpu_probe_is_measured_and_cached():
+    flops._CPU_PROBE_CACHE.clear()
+    start = time.perf_counter()
+    peak, desc = flops.peak_flops_per_device(torch.device("cpu"), torch.float32)
+    first = time.perf_counter() - start
+    assert 1e9 < peak < 1e14 and "measured" in desc, desc  # one to a few hundred cores' worth
+    start = time.perf_counter()
+    assert flops.peak_flops_per_device(torch.device("cpu"), torch.float32)[0] == peak
+    assert time.perf_counter() - start < first / 10

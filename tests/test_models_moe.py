@@ -1,0 +1,151 @@
+"""MoE pieces against hand computations and per-token / per-expert reference loops."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.common.moe import GroupedExperts, MoE, TokenChoiceTopKRouter, load_balance_loss, router_z_loss
+
+
+def _reference_experts(x, counts, w1, w2, w3):
+    """Independent reference: slice each expert's rows and run its SwiGLU."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        rows = x[start : start + n]
+        outs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 2], [0, 0, 10, 0], [4, 1, 1, 4], [0, 0, 0, 0]])
+@pytest.mark.parametrize("dim,hidden", [(16, 32), (6, 10)])  # grouped GEMM path / fallback loop
+def test_grouped_experts_match_per_expert_loop(counts, dim, hidden):
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=dim, hidden_dim=hidden, num_experts=4)
+    x = torch.randn(sum(counts), dim, requires_grad=True)
+    num_tokens = torch.tensor(counts)
+    out = experts(x, num_tokens)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    ref_params = [p.detach().clone().requires_grad_() for p in (experts.w1, experts.w2, experts.w3)]
+    x_ref = x.detach().clone().requires_grad_()
+    ref = _reference_experts(x_ref, counts, *ref_params)
+    ref.backward(grad)
+
+    assert out.shape == (sum(counts), dim)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-6, rtol=1e-5)
+    for p, p_ref in zip((experts.w1, experts.w2, experts.w3), ref_params):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-6, rtol=1e-5)
+    # Experts without tokens get exactly zero gradient.
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert experts.w1.grad[e].abs().max() == 0
+
+
+def test_grouped_experts_bf16():
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=16, hidden_dim=32, num_experts=3).to(torch.bfloat16)
+    counts = [5, 0, 7]
+    x = torch.randn(12, 16, dtype=torch.bfloat16)
+    out = experts(x, torch.tensor(counts))
+    ref = _reference_experts(x.float(), counts, experts.w1.float(), experts.w2.float(), experts.w3.float())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _router_with_identity_gate(num_experts, top_k, norm_topk_prob):
+    router = TokenChoiceTopKRouter(dim=num_experts, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(num_experts))  # logits == input
+    return router
+
+
+LOGITS = [[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.0, 3.5], [1.0, 1.5, 0.5, 0.0]]
+
+
+def _softmax(row):
+    total = sum(math.exp(v) for v in row)
+    return [math.exp(v) / total for v in row]
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_router_top_k_by_hand(norm_topk_prob):
+    router = _router_with_identity_gate(4, 2, norm_topk_prob)
+    scores, experts, logits = router(torch.tensor(LOGITS))
+    assert experts.tolist() == [[0, 1], [3, 1], [1, 0]]
+    for row, (a, b), got in zip(LOGITS, experts.tolist(), scores.tolist()):
+        probs = _softmax(row)
+        want = [probs[a], probs[b]]
+        if norm_topk_prob:
+            want = [w / (probs[a] + probs[b]) for w in want]
+        assert got == pytest.approx(want, abs=1e-6)
+    assert torch.equal(logits, torch.tensor(LOGITS))
+
+
+def test_aux_losses_by_hand():
+    logits = torch.tensor(LOGITS)
+    # top-2 picks: token0 -> {0,1}, token1 -> {3,1}, token2 -> {1,0}
+    counts = torch.tensor([2, 3, 0, 1])
+    probs = [_softmax(row) for row in LOGITS]
+    frac = [c / 3 for c in counts.tolist()]  # copies per expert / tokens (sums to top_k)
+    mean_p = [sum(p[i] for p in probs) / 3 for i in range(4)]
+    want_lb = 4 * sum(f * p for f, p in zip(frac, mean_p))
+    assert load_balance_loss(logits, counts, 4).item() == pytest.approx(want_lb, abs=1e-6)
+
+    want_z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in LOGITS) / 3
+    assert router_z_loss(logits).item() == pytest.approx(want_z, abs=1e-5)
+
+    # Perfectly balanced routing (uniform probabilities) gives exactly top_k.
+    uniform = torch.zeros(8, 4)
+    assert load_balance_loss(uniform, torch.tensor([4, 4, 4, 4]), 4).item() == pytest.approx(2.0)
+
+
+def _moe_reference(moe, x):
+    """Per-token loop: sum over the token's k experts of weight * expert(token)."""
+    scores, experts, _ = moe.router(x)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1])
+        for s, e in zip(scores[t], experts[t].tolist()):
+            acc = acc + s * F.linear(F.silu(F.linear(x[t], w1[e])) * F.linear(x[t], w3[e]), w2[e])
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_layer_matches_per_token_loop(top_k):
+    torch.manual_seed(0)
+    moe = MoE(dim=16, hidden_dim=24, num_experts=6, top_k=top_k, norm_topk_prob=True)
+    x = torch.randn(2, 9, 16).abs()  # positive inputs, so the gate signs decide the ranking
+    with torch.no_grad():
+        # Experts 0-3 have positive logits, experts 4 and 5 negative ones: 4 and 5 get no tokens.
+        moe.router.gate.weight[:4] = moe.router.gate.weight[:4].abs()
+        moe.router.gate.weight[4:] = -1.0
+    out = moe(x)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out.view(-1, 16), _moe_reference(moe, x.view(-1, 16)), atol=1e-6, rtol=1e-5)
+    assert moe.aux_loss.dim() == 0 and moe.aux_loss.requires_grad
+    (out.square().mean() + moe.aux_loss + moe.z_loss).backward()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+    assert moe.experts.w1.grad[4:].abs().max() == 0  # no tokens, no gradient
+
+
+def test_moe_all_tokens_to_one_expert():
+    torch.manual_seed(0)
+    moe = MoE(dim=8, hidden_dim=16, num_experts=4, top_k=1, norm_topk_prob=False)
+    x = torch.randn(1, 10, 8).abs()  # positive inputs
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[2] = 1.0  # expert 2's logit = sum(x) > 0 = the others
+    out = moe(x)
+    _, experts, _ = moe.router(x.view(-1, 8))
+    assert experts.flatten().tolist() == [2] * 10
+    torch.testing.assert_close(out.view(-1, 8), _moe_reference(moe, x.view(-1, 8)), atol=1e-6, rtol=1e-5)
+    # All copies on one expert: f = (0, 0, 1, 0), so the loss is E * P_2.
+    probs = torch.softmax(x.view(-1, 8) @ moe.router.gate.weight.T, -1)
+    assert moe.aux_loss.item() == pytest.approx(4 * probs[:, 2].mean().item(), abs=1e-6)

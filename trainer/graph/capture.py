@@ -1,0 +1,99 @@
+"""Capture the train step as one ATen FX graph, run the passes, hand it to a compiler.
+
+Route (the one that works with scan inside on torch 2.13, docs/graph_trainer.md):
+`torch.compile(step, fullgraph=True)` with `torch._dynamo.config.trace_autograd_ops=True`
+makes Dynamo trace `torch.autograd.grad` into the same graph as the forward and the
+optimizer update. `CaptureBackend` is the Dynamo backend: it runs AOTAutograd, which
+functionalizes that graph into ATen ops (the backward inline, in-place updates of
+parameters and optimizer state kept as `copy_` into the inputs), and receives the ATen
+`GraphModule` before any compiler sees it. There the pass pipeline runs, the graph is
+dumped, and then it is compiled:
+- `aot_eager`: the ATen graph runs as is (op by op), for debugging;
+- `inductor`: through Inductor's own entry (`compile_fx`), whose inner compiler we wrap, so
+  Inductor's decompositions apply and we transform exactly the graph it compiles;
+- `tpu`: see trainer/graph/tpu.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from trainer.graph.passes import GraphStats, graph_text, run_passes
+from trainer.graph.remat import scan_remat
+
+
+class CaptureBackend:
+    """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
+
+    def __init__(self, *, backend: str, dump_path: str | None = None):
+        assert backend in ("aot_eager", "inductor", "tpu"), backend
+        self.backend = backend
+        self.dump_path = dump_path
+        self.graph_module: fx.GraphModule | None = None
+        self.stats: GraphStats | None = None
+        self.num_graphs = 0
+        self.ready_at: float | None = None
+        """perf_counter() when the compiled step first started running (end of compile)."""
+
+    # Dynamo calls this with its (torch-level) graph once per compilation.
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        self.num_graphs += 1
+        if self.backend == "tpu":
+            from trainer.graph.tpu import compile_dynamo_graph
+
+            return self._mark_ready(compile_dynamo_graph(gm, example_inputs, on_graph=self._on_graph))
+        if self.backend == "inductor":
+            from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+            def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
+                self._on_graph(graph)
+                return compile_fx_inner(graph, inputs, **kwargs)
+
+            return self._mark_ready(compile_fx(gm, example_inputs, inner_compile=inner_compile))
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def run_as_is(graph: fx.GraphModule, inputs):
+            self._on_graph(graph)
+            return make_boxed_func(graph.forward)
+
+        return self._mark_ready(aot_module_simplified(
+            gm, example_inputs, fw_compiler=run_as_is, keep_inference_input_mutations=True))
+
+    def _on_graph(self, graph: fx.GraphModule) -> None:
+        self.stats = run_passes(graph)
+        self.graph_module = graph
+        if self.dump_path:
+            with open(self.dump_path, "w") as f:
+                f.write(graph_text(graph, self.stats))
+
+    def _mark_ready(self, fn: Callable) -> Callable:
+        def run(*args):
+            if self.ready_at is None:
+                self.ready_at = time.perf_counter()
+            return fn(*args)
+
+        # Inductor / AOT return boxed callables (they take one list and clear it).
+        run._boxed_call = getattr(fn, "_boxed_call", False)
+        return run
+
+
+@contextlib.contextmanager
+def capture_config(*, scan_ac_mode: str) -> contextlib.AbstractContextManager:
+    """torch settings under which the step is traced (active on every call; cheap)."""
+    with contextlib.ExitStack() as stack:
+        # Trace loss.backward()/autograd.grad into the step graph instead of breaking it.
+        stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
+        # Our remat pass replaces torch's (it supports one backward region and no attention).
+        stack.enter_context(torch._functorch.config.patch(
+            remat_using_tags_for_fwd_loss_bwd_graph=False,
+            # A cache hit would skip our passes and leave no graph to inspect.
+            enable_autograd_cache=False,
+        ))
+        stack.enter_context(scan_remat(scan_ac_mode))
+        yield

@@ -1,0 +1,222 @@
+"""The optimizer half of the graph step: global-norm clipping and a functional AdamW.
+
+The state lives in the real `torch.optim.AdamW` object (`state[p]` = `step`, `exp_avg`,
+`exp_avg_sq`), created eagerly here before capture, so checkpoints have the same format in
+every `[compile] mode`. Inside the graph the update is written out as tensor ops on that
+state (the arithmetic of `torch.optim.adamw`'s single-tensor path, with `step` and `lr` as
+tensors so the schedule never recompiles).
+
+With layer scan, one update covers a whole stacked tensor `[n_layers, ...]`: the optimizer
+state of the per-layer parameters is moved into stacked storage too (each per-layer state
+tensor becomes a view of its row), and `step` is a `[n_layers]` vector whose rows are the
+per-layer `step` tensors. So the graph holds one update per parameter *name*, not per layer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+
+from trainer.errors import ConfigError
+
+
+@dataclass
+class UpdateSlot:
+    """One tensor the graph updates: a parameter (or a stacked block parameter) and its state."""
+
+    param: torch.Tensor
+    """The autograd leaf: a model parameter, or a `BlockStack` stacked tensor."""
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    """0-dim, or `[n_layers]` for a stacked parameter."""
+    group: int
+    """Index of the optimizer param group (hyperparameters)."""
+    members: list[torch.Tensor] = field(default_factory=list)
+    """Stacked slot only: the per-layer parameters whose optimizer state views the rows."""
+
+
+def check_adamw(optimizer: torch.optim.Optimizer) -> None:
+    """The graph step implements AdamW's default variant only; say so early."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise ConfigError(f"optimizer.name: graph mode implements AdamW, got {type(optimizer).__name__}; "
+                          "allowed: AdamW")
+    for i, group in enumerate(optimizer.param_groups):
+        for key in ("amsgrad", "maximize", "differentiable", "fused", "capturable"):
+            if group.get(key):
+                raise ConfigError(f"optimizer: param group {i} sets {key}=True, which graph mode does not "
+                                  "implement; allowed: AdamW with amsgrad/maximize/fused/capturable off")
+        if not group.get("decoupled_weight_decay", True):
+            raise ConfigError("optimizer: graph mode implements decoupled weight decay (AdamW) only")
+
+
+def init_adamw_state(optimizer: torch.optim.AdamW) -> None:
+    """Create AdamW's state for every parameter now (torch.optim creates it lazily at step 1).
+
+    Same keys and dtypes as `torch.optim.AdamW`: `step` (float32 scalar), `exp_avg`,
+    `exp_avg_sq` (zeros like the parameter, DTensor for DTensor parameters). `step` is kept
+    on the parameter's device (torch.optim keeps it on the CPU unless capturable) so the
+    compiled graph has no host scalar in it; the value and the checkpoint are the same.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            device = _local(p).device
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif state["step"].device != device:
+                state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+
+class AdamWSlots:
+    """The update slots of an optimizer, with stacked storage for scanned block parameters.
+
+    `stacked` maps a stacked tensor (from `BlockStack.stacked_parameters()`) to its per-layer
+    parameters. Per-layer optimizer state is moved into stacked tensors of which each layer's
+    state is a view; `refresh()` re-establishes that after something replaced state tensors
+    (e.g. `optimizer.load_state_dict` on resume) and re-reads everything else.
+    """
+
+    def __init__(self, optimizer: torch.optim.AdamW, *, stacked: dict[str, tuple[torch.Tensor, list]] | None = None):
+        check_adamw(optimizer)
+        self.optimizer = optimizer
+        self._stacked = stacked or {}
+        self._group_of: dict[int, int] = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                self._group_of[id(p)] = gi
+        in_stack = {id(p) for _, members in self._stacked.values() for p in members}
+        self._flat = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in in_stack]
+        self._stack_state: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for name, (stack, members) in self._stacked.items():
+            groups = {self._group_of.get(id(p)) for p in members}
+            if None in groups:
+                raise ConfigError(f"optimizer: layer-scanned parameter {name} is missing from the optimizer "
+                                  "for some layers; allowed: every layer's copy in the same param group")
+            if len(groups) != 1:
+                raise ConfigError(f"optimizer: layer-scanned parameter {name} is split over param groups "
+                                  f"{sorted(groups)}; allowed: one group for all layers' copies")
+            exp_avg = torch.zeros_like(stack, requires_grad=False)
+            exp_avg_sq = torch.zeros_like(stack, requires_grad=False)
+            step = torch.zeros(len(members), dtype=torch.float32, device=stack.device)
+            self._stack_state[name] = (exp_avg, exp_avg_sq, step)
+        self.refresh()
+
+    def refresh(self) -> int:
+        """Make per-layer state view the stacked storage again; return how many were re-pointed."""
+        init_adamw_state(self.optimizer)
+        fixed = 0
+        with torch.no_grad():
+            for name, (_, members) in self._stacked.items():
+                exp_avg, exp_avg_sq, step = self._stack_state[name]
+                for i, p in enumerate(members):
+                    state = self.optimizer.state[p]
+                    for key, stack in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("step", step)):
+                        t = state[key]
+                        local = _local(t)
+                        if local.data_ptr() != stack[i].data_ptr():
+                            stack[i].copy_(local)
+                            local.data = stack[i]
+                            fixed += 1
+        return fixed
+
+    def slots(self) -> list[UpdateSlot]:
+        """Current slots (re-read each step: state tensors may have been replaced)."""
+        out = []
+        for p in self._flat:
+            if not p.requires_grad:
+                continue
+            s = self.optimizer.state[p]
+            out.append(UpdateSlot(p, s["exp_avg"], s["exp_avg_sq"], s["step"], self._group_of[id(p)]))
+        for name, (stack, members) in self._stacked.items():
+            if not stack.requires_grad:
+                continue
+            exp_avg, exp_avg_sq, step = self._stack_state[name]
+            out.append(UpdateSlot(stack, exp_avg, exp_avg_sq, step, self._group_of[id(members[0])], members))
+        return out
+
+    def hyperparams(self) -> list[dict]:
+        """(beta1, beta2, eps, weight_decay) per param group, as Python floats (baked into the graph)."""
+        out = []
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            out.append({"beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
+                        "weight_decay": float(group["weight_decay"])})
+        return out
+
+    def set_lr(self, lr: float) -> None:
+        """Keep `param_groups[i]["lr"]` what the graph used, as the eager optimizer would hold it."""
+        for group in self.optimizer.param_groups:
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+
+
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  step: torch.Tensor, *, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
+                  weight_decay: float) -> None:
+    """One AdamW update in place (decoupled weight decay, bias-corrected moments).
+
+    Same arithmetic as `torch.optim.adamw`'s single-tensor path; `step` (and so the bias
+    corrections) may be a `[n_layers]` vector for a stacked `[n_layers, ...]` parameter.
+    """
+    step.add_(1)
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - torch.pow(beta1, step)
+    bias_correction2 = 1 - torch.pow(beta2, step)
+    if step.dim() == 1:  # stacked: one bias correction per layer, broadcast over the row
+        shape = (-1,) + (1,) * (param.dim() - 1)
+        bias_correction1 = bias_correction1.view(shape)
+        bias_correction2 = bias_correction2.view(shape)
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(eps)
+    param.sub_(step_size * (exp_avg / denom))
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float,
+                reduce_axes: list[tuple]) -> torch.Tensor:
+    """Scale `grads` in place to a global L2 norm of at most `max_norm`; return the norm.
+
+    `grads` are plain tensors (a DTensor gradient's local shard); `reduce_axes[i]` lists the
+    `(mesh, mesh_dim)` pairs over which gradient i's shards are summed (empty when the whole
+    gradient is on this rank). `max_norm <= 0` only measures. Same formula as
+    `torch.nn.utils.clip_grad_norm_`: coef = min(1, max_norm / (norm + 1e-6)).
+    """
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g, axes in zip(grads, reduce_axes):
+        groups[axes].append(g)
+    totals = []
+    for axes, group in groups.items():
+        norms = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in group])
+        value = norms.pow(2).sum()
+        for mesh, dim in axes:
+            value = funcol.all_reduce(value, "sum", (mesh, dim))
+        totals.append(value)
+    total = torch.stack(totals).sum().sqrt()
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total
+
+
+def grad_reduce_axes(grad_like: torch.Tensor) -> tuple:
+    """Mesh axes over which a gradient shaped like `grad_like` (a parameter) is sharded."""
+    if not isinstance(grad_like, DTensor):
+        return ()
+    mesh = grad_like.device_mesh
+    return tuple((mesh, i) for i, p in enumerate(grad_like.placements) if not p.is_replicate())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t

@@ -1,0 +1,184 @@
+"""Activation rematerialization inside the one-graph train step.
+
+The graph step is a single forward-loss-backward(-update) graph: AOTAutograd traces
+`torch.autograd.grad` inline, so no partitioner decides what the backward keeps. Two
+mechanisms give the `[activation_checkpoint] mode` its meaning there:
+
+- Unrolled blocks: the blocks run under `parallelisms.activation_checkpoint.checkpoint_fn`,
+  which tags every op of a block with a recompute policy (`node.meta["recompute"]`).
+  `remat_pass` then copies each tagged forward op that a backward op needs into the backward,
+  right before its first use there, and dead-code elimination drops the forward copy's
+  extra lifetime. It is our own version of torch's built-in pass (which we switch off) with
+  two differences the trainer needs: several backward regions (one per micro-batch of
+  gradient accumulation), and attention kernels tagged as random ops are recomputed when
+  their `dropout_p` is 0 (deterministic), which is always the case in our models.
+- Scanned blocks: the scan's own autograd builds the forward/backward bodies with the
+  min-cut partitioner, and the checkpoint tags do not reach it (torch 2.13 retraces the body
+  without node metadata). `scan_remat(mode)` tags the body's joint graph with the same
+  policy right before that partitioner runs: `full` marks every forward op
+  MUST_RECOMPUTE (the scan saves only each layer's inputs), `selective` applies
+  `parallelisms.activation_checkpoint.sac_policy` op by op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from trainer.errors import ConfigError
+
+_RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _must_recompute(node: fx.Node) -> bool:
+    return node.meta.get("recompute") in _RECOMPUTE
+
+
+def _is_backward(node: fx.Node) -> bool:
+    # Dynamo marks what it traces from torch.autograd.grad; AOTAutograd carries it to ATen.
+    return bool(node.meta.get("autograd_backward", False))
+
+
+def _dropout_p(node: fx.Node) -> float | None:
+    """The `dropout_p` argument of an attention op, or None if it has none."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "dropout_p":
+            if arg.name in node.kwargs:
+                return node.kwargs[arg.name]
+            if i < len(node.args):
+                return node.args[i]
+            return arg.default_value
+    return None
+
+
+def _check_rng(nodes: list[fx.Node]) -> None:
+    for node in nodes:
+        if node.op != "call_function" or not _must_recompute(node):
+            continue
+        if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+            continue
+        p = _dropout_p(node)
+        if p is None or p != 0:
+            raise ConfigError(f"activation_checkpoint.mode: graph mode cannot recompute the random op "
+                              f"{node.target} (dropout/RNG in a checkpointed block); allowed: none")
+
+
+def _normalize_tags(nodes: list[fx.Node]) -> None:
+    """Keep what leaves a checkpointed region in the forward; recompute only its inside.
+
+    A tagged node read by a forward node that is not in its own region (the next block, the
+    final norm, the loss) is a region output: eager checkpointing returns it to the caller,
+    so it stays materialized here too (MUST_SAVE) instead of being recomputed in backward.
+    """
+    for node in nodes:
+        if not _must_recompute(node) or _is_backward(node):
+            continue
+        region = node.meta.get("ac_graph_id")
+        for user in node.users:
+            if _is_backward(user) or user.op == "output":
+                continue
+            if not _must_recompute(user) or user.meta.get("ac_graph_id") != region:
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                break
+
+
+def remat_pass(gm: fx.GraphModule) -> int:
+    """Recompute tagged forward ops in the backward; return the number of ops copied."""
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    if not any(_must_recompute(n) for n in nodes):
+        return 0
+    _check_rng(nodes)
+    _normalize_tags(nodes)
+
+    copied = 0
+    recomputed: dict[fx.Node, fx.Node] = {}
+    previous_backward = False
+    for node in nodes:
+        backward = _is_backward(node)
+        if backward and not previous_backward:
+            # A new backward region (one per autograd.grad call, i.e. per micro-batch):
+            # copies from an earlier region are not reused, their lifetime ended there.
+            recomputed = {}
+        previous_backward = backward
+        if not backward:
+            continue
+
+        def materialize(dep: fx.Node, before: fx.Node) -> fx.Node:
+            nonlocal copied
+            if dep in recomputed:
+                return recomputed[dep]
+            if dep.op != "call_function" or _is_backward(dep) or not _must_recompute(dep):
+                return dep
+            args_map = {a: materialize(a, before) for a in dep.all_input_nodes}
+            with graph.inserting_before(before):
+                dup = graph.node_copy(dep, lambda a: args_map.get(a, a))
+            dup.name = f"{dep.name}_recomputed"
+            dup.meta = {**dep.meta, "autograd_backward": True}
+            recomputed[dep] = dup
+            copied += 1
+            return dup
+
+        for dep in list(node.all_input_nodes):
+            new = materialize(dep, node)
+            if new is not dep:
+                node.replace_input_with(dep, new)
+    graph.eliminate_dead_code()
+    gm.recompile()
+    return copied
+
+
+def _tag_joint_forward(joint: fx.GraphModule, mode: str) -> None:
+    """Tag the forward ops of a scan body's joint graph with the checkpoint policy."""
+    from parallelisms.activation_checkpoint import sac_policy
+
+    # Backward = everything that depends on a tangent (an incoming gradient).
+    backward: set[fx.Node] = set()
+    for node in joint.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            backward.add(node)
+        elif any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    for node in joint.graph.nodes:
+        if node.op != "call_function" or node in backward:
+            continue
+        if mode == "full":
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        else:
+            node.meta["recompute"] = sac_policy(None, node.target)
+        # One region per body: the partitioner treats tagged neighbours as one block.
+        node.meta["ac_graph_id"] = 0
+
+
+@contextlib.contextmanager
+def scan_remat(mode: str) -> Iterator[None]:
+    """While capturing, apply `mode` to the partition of every scan body's forward/backward.
+
+    torch's scan autograd calls `torch._functorch.partitioners.min_cut_rematerialization_partition`
+    (looked up at call time) on the body's joint graph; during capture we route it through a
+    wrapper that tags the graph first. The main step graph never reaches that partitioner (it is
+    an inference graph: the backward is traced inline), so only scan bodies are affected.
+    """
+    if mode == "none":
+        yield
+        return
+    import torch._functorch.partitioners as partitioners
+
+    original = partitioners.min_cut_rematerialization_partition
+
+    def tagged_partition(joint_module: fx.GraphModule, *args, **kwargs):
+        _tag_joint_forward(joint_module, mode)
+        return original(joint_module, *args, **kwargs)
+
+    partitioners.min_cut_rematerialization_partition = tagged_partition
+    try:
+        yield
+    finally:
+        partitioners.min_cut_rematerialization_partition = original

@@ -1,0 +1,207 @@
+"""`build_graph_step`: the whole train step of `[compile] mode = "graph"` as one graph.
+
+One call of the returned `GraphStep` runs, inside one captured graph: for each micro-batch
+the forward, the LM loss (mean cross entropy over tokens, plus `aux_loss_coef` times the MoE
+load-balancing loss when the model has one) and `torch.autograd.grad`, accumulating the
+gradients; then global-norm clipping and the AdamW update of parameters and optimizer state
+in place. The graph is captured on the first call and replayed after that; the learning rate
+is a tensor input, so the schedule never recompiles. Gradient accumulation is unrolled in the
+graph (the micro-batch count is fixed by the config), so the graph grows with
+`gradient_accumulation_steps` but not with `n_layers` when layer scan is on.
+
+It has the eager step's call shape (trainer/step.py): `step(microbatches, lr) -> (loss,
+grad_norm)`, with `compile_s`, `graph_nodes` and `last_aux_loss`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.graph.capture import CaptureBackend, capture_config
+from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
+from trainer.step import lm_loss
+
+BACKENDS = ("aot_eager", "inductor", "tpu")
+
+
+class GraphStep:
+    """The captured train step. Call as `step(microbatches, lr)`."""
+
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+                 aux_loss_coef: float, backend: str, block_stack: nn.Module | None, ac_mode: str,
+                 dump_graph: str | None, grad_accum_steps: int):
+        self.model = model
+        self.optimizer = optimizer
+        self.max_norm = float(max_norm)
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.grad_accum_steps = grad_accum_steps
+        self.ac_mode = ac_mode
+        self.block_stack = block_stack  # the BlockStack running as a scan, or None
+        stacked = block_stack.stacked_parameters() if block_stack is not None else None
+        self.slots = AdamWSlots(optimizer, stacked=stacked)
+        self._hyper = self.slots.hyperparams()
+        self._has_aux = hasattr(model, "moe_aux_loss") and _has_moe(model)
+        self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
+        device = next(iter(model.parameters())).device
+        if hasattr(next(iter(model.parameters())), "_local_tensor"):
+            device = next(iter(model.parameters()))._local_tensor.device
+        self._lr = torch.zeros((), dtype=torch.float32, device=device)
+        self._compiled = torch.compile(self._step, backend=self.capture, fullgraph=True, dynamic=False)
+        if backend == "tpu":
+            from trainer.graph.tpu import wrap_step
+
+            self._compiled = wrap_step(self._compiled)
+        self.compile_s: float | None = None
+        self.graph_nodes: int | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self._current_slots = None
+
+    @property
+    def graph_module(self):
+        """The captured ATen graph after the passes (None before the first call)."""
+        return self.capture.graph_module
+
+    @property
+    def stats(self):
+        return self.capture.stats
+
+    def __call__(self, microbatches, lr: float):
+        if len(microbatches) != self.grad_accum_steps:
+            raise ValueError(f"graph step built for {self.grad_accum_steps} micro-batches, got {len(microbatches)}")
+        # Loading a checkpoint replaces optimizer-state tensors (and may swap parameter storage):
+        # point the stacked storage and the slots at what the model and optimizer hold now.
+        if self.block_stack is not None:
+            self.block_stack.resync_scan_storage()
+        self.slots.refresh()
+        self._current_slots = self.slots.slots()
+        self._lr.fill_(lr)
+        inputs = [t for mb in microbatches for t in mb]
+        start = time.perf_counter()
+        with capture_config(scan_ac_mode=self.ac_mode if self.block_stack is not None else "none"):
+            loss, grad_norm, aux = self._compiled(inputs, self._lr)
+        if self.compile_s is None:
+            ready = self.capture.ready_at or time.perf_counter()
+            self.compile_s = ready - start
+            self.graph_nodes = self.capture.stats.nodes if self.capture.stats is not None else None
+        elif self.capture.num_graphs > 1:
+            raise RuntimeError(f"graph step recompiled ({self.capture.num_graphs} graphs); the step's inputs "
+                               "must keep their shapes and dtypes from step to step")
+        self._current_slots = None
+        self.slots.set_lr(lr)
+        self.last_aux_loss = aux
+        return loss, grad_norm
+
+    # The function Dynamo traces. Everything it reads from `self` (model, slots) becomes a
+    # graph input; Python floats (hyperparameters, max_norm) are baked into the graph.
+    def _step(self, inputs: list[torch.Tensor], lr: torch.Tensor):
+        slots = self._current_slots
+        leaves = [s.param for s in slots]
+        n = len(inputs) // 2
+        grads = None
+        lm_total = None
+        aux_total = None
+        for i in range(n):
+            tokens, labels = inputs[2 * i], inputs[2 * i + 1]
+            logits = self.model(tokens)
+            lm = lm_loss(logits, labels)
+            loss = lm
+            if self._has_aux:
+                aux = self.model.moe_aux_loss()
+                loss = lm + self.aux_loss_coef * aux
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+            mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
+            grads = list(mb_grads) if grads is None else [
+                a if b is None else (b if a is None else a + b) for a, b in zip(grads, mb_grads)]
+            lm_total = lm.detach() if lm_total is None else lm_total + lm.detach()
+        with torch.no_grad():
+            used = [(s, g) for s, g in zip(slots, grads) if g is not None]
+            local_grads = [_local(g) for _, g in used]
+            axes = [_reduce_axes(s) for s, _ in used]
+            grad_norm = clip_grads_(local_grads, self.max_norm, axes)
+            for (slot, _), g in zip(used, local_grads):
+                adamw_update_(_local(slot.param), g, _local(slot.exp_avg), _local(slot.exp_avg_sq),
+                              slot.step, lr=lr, **self._hyper[slot.group])
+        aux_mean = aux_total / n if aux_total is not None else None
+        return lm_total / n, grad_norm, aux_mean
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _reduce_axes(slot) -> tuple:
+    if slot.members:
+        # A stacked tensor of local shards: reduce like one of its layers' parameters.
+        return grad_reduce_axes(slot.members[0])
+    return grad_reduce_axes(slot.param)
+
+
+def _has_moe(model: nn.Module) -> bool:
+    return any(getattr(m, "is_moe", False) for m in model.modules())
+
+
+def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+                     backend: str = "auto", scan_layers: bool = False, ac_mode: str = "none",
+                     dump_graph: str | None = None, grad_accum_steps: int = 1,
+                     aux_loss_coef: float = 0.0, plan=None, device: torch.device | None = None) -> GraphStep:
+    """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
+
+    - `backend`: auto (inductor on cpu/cuda, tpu on TPU) | inductor | aot_eager | tpu
+      (`eager` is taken as aot_eager: the captured graph runs op by op).
+    - `scan_layers`: run the plan's block container (`plan.block`, default `layers`, a
+      `BlockStack`) as one scan over stacked per-layer parameters.
+    - `ac_mode`: none | full | selective, applied to the blocks inside the graph (pass
+      `ac_mode="none"` to `parallelize_model` in graph mode; this function applies it).
+    - `dump_graph`: path of a text dump of the captured graph after the passes.
+    - `grad_accum_steps`: micro-batches per step (unrolled in the graph).
+    The optimizer's state is created now (before capture) in `torch.optim.AdamW`'s format.
+    """
+    from parallelisms.activation_checkpoint import AC_MODES, apply_ac
+
+    if ac_mode not in AC_MODES:
+        raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    if grad_accum_steps < 1:
+        raise ConfigError("training.gradient_accumulation_steps: must be >= 1")
+    if device is None:
+        p = next(iter(model.parameters()))
+        device = p._local_tensor.device if hasattr(p, "_local_tensor") else p.device
+    backend = _resolve_backend(backend, device)
+    block_attr = getattr(plan, "block", "layers")
+    stack = getattr(model, block_attr, None)
+    block_stack = None
+    if scan_layers:
+        from models.common.stack import BlockStack
+
+        if not isinstance(stack, BlockStack):
+            raise ConfigError(f"compile.scan_layers: the model's `{block_attr}` is not a BlockStack; "
+                              "allowed: false for this model")
+        if _has_moe(model):
+            raise ConfigError("compile.scan_layers: MoE blocks store their aux loss as a side effect, "
+                              "which a scan body cannot do; allowed: false for MoE models")
+        from trainer.graph.fsdp_scan import scan_param_fn
+
+        stack.enable_scan(param_fn=scan_param_fn(stack))
+        block_stack = stack
+    elif ac_mode != "none" and stack is not None:
+        from models.common.plan import ModelPlan
+
+        apply_ac(model, plan=plan if plan is not None else ModelPlan(block=block_attr), mode=ac_mode)
+    return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
+                     backend=backend, block_stack=block_stack, ac_mode=ac_mode, dump_graph=dump_graph,
+                     grad_accum_steps=grad_accum_steps)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "tpu" if device.type == "tpu" else "inductor"
+    if backend == "eager":
+        return "aot_eager"
+    if backend not in BACKENDS:
+        raise ConfigError(f"compile.backend: {backend!r} in graph mode; allowed: auto, {', '.join(BACKENDS)}")
+    if backend == "tpu" and device.type != "tpu":
+        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: auto, inductor, aot_eager")
+    return backend
