@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.errors import ConfigError
@@ -214,8 +215,6 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     flattened `dp` axis (replicate x shard) is created too and can be fetched with
     `flat_dp_mesh(mesh)`.
     """
-    import torch.distributed as dist
-
     assert dist.is_initialized(), "init the process group before build_mesh"
     if dist.get_world_size() != parallel_dims.world_size:
         raise ConfigError(

@@ -64,8 +64,27 @@ def parallelize_model(
             ) from exc
         expert_parallel.apply_ep(model, plan=plan, parallel_dims=parallel_dims, mesh=mesh,
                                  param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if parallel_dims.tp_enabled:
+        _check_block_params_sharded(model, plan)
     apply_ac(model, plan=plan, mode=ac_mode)
     if compile_backend is not None:
         apply_compile(model, plan=plan, backend=compile_backend)
     data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model
+
+
+def _check_block_params_sharded(model: nn.Module, plan: ModelPlan) -> None:
+    """With TP, a block parameter left out of the plan would silently miss the TP gradient sum.
+
+    Inside a block the activations are sequence- or head-sharded, so every parameter there
+    must be a DTensor that TP (or EP) placed; e.g. MoE layers need expert parallelism.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, param in getattr(model, plan.block).named_parameters(prefix=plan.block):
+        if not isinstance(param, DTensor):
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree: the model's plan has no tensor-parallel "
+                f"style for {name} (MoE layers need expert parallelism, which is not available "
+                f"yet); allowed for this model: 1"
+            )

@@ -163,21 +163,21 @@ def _full_size_parameters(model: nn.Module) -> Iterator[None]:
     used where DTensor random ops are per rank (CPU), see `_random_init_is_per_rank`.
     """
     swaps: list[tuple[nn.Module, str, DTensor]] = []
-    fulls: dict[int, nn.Parameter] = {}
+    fulls: dict[int, tuple[DTensor, nn.Parameter]] = {}  # by id: tied parameters once
     for module in model.modules():
         for name, param in module._parameters.items():
             if isinstance(param, DTensor):
                 if id(param) not in fulls:
                     full = torch.empty(param.shape, dtype=param.dtype,
                                        device=param.to_local().device)
-                    fulls[id(param)] = nn.Parameter(full, param.requires_grad)
+                    fulls[id(param)] = (param, nn.Parameter(full, param.requires_grad))
                 swaps.append((module, name, param))
-                module._parameters[name] = fulls[id(param)]
+                module._parameters[name] = fulls[id(param)][1]
     try:
         yield
         with torch.no_grad():
-            for param_id, full in fulls.items():
-                param = next(p for _, _, p in swaps if id(p) == param_id)
+            for param, full in fulls.values():
+                # src_data_rank=None: each rank cuts its shard from its own (identical) copy.
                 shard = distribute_tensor(full.detach(), param.device_mesh, param.placements,
                                           src_data_rank=None)
                 param.to_local().copy_(shard.to_local())

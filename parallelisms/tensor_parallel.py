@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.common.plan import ModelPlan
+from trainer.errors import ConfigError
 
 __all__ = ["apply_tp", "loss_parallel_context", "style_for"]
 
@@ -95,15 +96,62 @@ def apply_tp(
     enable_loss_parallel: bool = False,
 ) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following `plan`; returns the model."""
+    tied = _tied_parameters(model)
     root = {path: style_for(style, enable_loss_parallel=enable_loss_parallel)
             for path, style in plan.tp.items()}
     if root:
         parallelize_module(model, tp_mesh, root)
     blocks = getattr(model, plan.block)
     for block in blocks.values():
-        parallelize_module(block, tp_mesh, {path: style_for(style)
-                                            for path, style in plan.tp_block.items()})
+        # One plan serves blocks of different kinds (dense FFN or MoE): entries for
+        # modules a block does not have are skipped.
+        styles = {path: style_for(style) for path, style in plan.tp_block.items()
+                  if _has_submodule(block, path)}
+        parallelize_module(block, tp_mesh, styles)
+    _retie(tied)
     return model
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, name) that share one Parameter (e.g. tied embedding and output)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """TP styles replace each module's parameters separately; share them again.
+
+    Possible when every copy got the same layout: the vocab-sharded embedding (rowwise) and
+    the colwise LM head both split the (vocab, dim) matrix along vocab, Shard(0).
+    """
+    for group in groups:
+        first_module, first_name = group[0]
+        shared = first_module._parameters[first_name]
+        for module, name in group[1:]:
+            param = module._parameters[name]
+            same = (isinstance(param, DTensor) == isinstance(shared, DTensor)
+                    and (not isinstance(param, DTensor) or param.placements == shared.placements)
+                    and param.shape == shared.shape)
+            if not same:
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree: tied parameter {name!r} gets different "
+                    f"tensor-parallel layouts; allowed: 1 for this model"
+                )
+            module._parameters[name] = shared
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    if "*" in path:
+        return True  # parallelize_module matches wildcards itself
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:

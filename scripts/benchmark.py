@@ -77,7 +77,8 @@ def build_command(*, recipe: str, overrides: list[str], nproc: int, dump_folder:
     """The trainer command line of one run (torchrun for more than one process)."""
     launcher = [python, "-m", "trainer.train"]
     if nproc > 1:
-        launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "trainer.train"]
+        launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    "-m", "trainer.train"]
     return [*launcher, "--config", recipe, *RUN_OVERRIDES, f"--training.steps={steps}",
             f"--job.dump_folder={dump_folder}", *overrides, *extra]
 
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe TOML")
     parser.add_argument("--variants", default="eager", help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES", help="a custom variant")
@@ -250,12 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         busy = wait_until_quiet(args.max_busy, args.max_wait)
         busy_text = "n/a" if busy is None else f"{busy:.2f}"
-        print(f"[{len(runs) + 1}/{len(plan)}] {name} nproc={nproc} repeat={rep} (cpu busy {busy_text}) ...", file=sys.stderr, flush=True)
+        print(f"[{len(runs) + 1}/{len(plan)}] {name} nproc={nproc} repeat={rep} (cpu busy {busy_text}) ...",
+              file=sys.stderr, flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         with open(folder / "stdout.log", "w") as log:
             try:
-                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         wall = time.perf_counter() - start

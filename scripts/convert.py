@@ -1,6 +1,6 @@
 """Convert model weights between our DCP checkpoints and Hugging Face safetensors.
 
-    python scripts/convert.py to-hf --checkpoint DIR --model.name llama3 --model.flavor 8B \
+    python scripts/convert.py to-hf --checkpoint DIR --model.name llama3 --model.flavor 8B
         [--model.FIELD=VALUE ...] [--dtype bfloat16] OUT_DIR
     python scripts/convert.py from-hf HF_DIR OUT_DCP_DIR [--dtype float32]
 
@@ -187,20 +187,23 @@ def _parse_value(text: str):
         return text
 
 
-def _parse_model_overrides(extra: list[str]) -> dict:
-    overrides, i = {}, 0
-    while i < len(extra):
-        item = extra[i]
-        if not item.startswith("--model."):
-            raise ConfigError(f"{item}: unknown argument; allowed: --model.<field>=<value>")
+def _split_model_overrides(argv: list[str]) -> tuple[list[str], dict]:
+    """Take `--model.FIELD=VALUE` / `--model.FIELD VALUE` (not name/flavor) out of argv."""
+    rest, overrides, i = [], {}, 0
+    while i < len(argv):
+        item = argv[i]
         key, sep, value = item[len("--model."):].partition("=")
+        if not item.startswith("--model.") or key in ("name", "flavor"):
+            rest.append(item)
+            i += 1
+            continue
         if not sep:
-            if i + 1 >= len(extra):
+            if i + 1 >= len(argv):
                 raise ConfigError(f"{item}: missing value")
-            value, i = extra[i + 1], i + 1
+            value, i = argv[i + 1], i + 1
         overrides[key] = _parse_value(value)
         i += 1
-    return overrides
+    return rest, overrides
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -211,8 +214,15 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return _DTYPES[name]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one `error:` line (exit 2), like the trainer."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_to = sub.add_parser("to-hf", help="DCP checkpoint -> Hugging Face folder")
     p_to.add_argument("--checkpoint", required=True, type=Path, help="checkpoints/step-N (or checkpoints/)")
@@ -225,19 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     p_from.add_argument("out", type=Path)
     p_from.add_argument("--dtype", default=None, help="cast weights; default: as stored in the safetensors")
 
-    ns, extra = parser.parse_known_args(argv)
     try:
+        argv, overrides = _split_model_overrides(list(sys.argv[1:] if argv is None else argv))
+        ns = parser.parse_args(argv)
         if ns.command == "to-hf":
             try:
                 family = get_model_family(ns.model_name)
-                args = family.get_args(ns.model_flavor, **_parse_model_overrides(extra))
+                args = family.get_args(ns.model_flavor, **overrides)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
             files = convert_to_hf(ns.checkpoint, family, args, ns.out, dtype=_dtype(ns.dtype))
             print(f"wrote {ns.out}: config.json + {len(files)} safetensors file(s)")
         else:
-            if extra:
-                raise ConfigError(f"{extra[0]}: unknown argument for from-hf")
+            if overrides:
+                raise ConfigError(f"--model.{next(iter(overrides))}: from-hf takes the model from config.json")
             name, args = convert_from_hf(ns.hf_dir, ns.out, dtype=_dtype(ns.dtype))
             print(f"wrote DCP checkpoint {ns.out} (keys {MODEL_PREFIX}*); model.name={name}, args={args}")
     except ConfigError as e:

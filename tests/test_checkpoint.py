@@ -416,7 +416,8 @@ def _two_rank_worker(rank: int, world: int, store: str, folder: str, out: str):
         fresh = Run(seed=42)
         _shard(fresh.model, mesh)
         fresh.build_optimizer()
-        assert ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled", enable=True).load(fresh.states) == 1
+        sync = ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled", enable=True)
+        assert sync.load(fresh.states) == 1
         for k, v in fresh.model.state_dict().items():
             assert torch.equal(v.full_tensor(), full[k]), k
         for k, p in fresh.model.named_parameters():
@@ -441,3 +442,25 @@ def test_two_rank_sharded_save_loads_on_one_process(tmp_path):
     for name, p in run.model.named_parameters():
         torch.testing.assert_close(run.optimizer.state[p]["exp_avg"], expected["exp_avg"][name], rtol=0, atol=0)
     assert run.train_state.step == 1
+
+
+def test_nested_scheduler_state_round_trips(tmp_path):
+    # SequentialLR keeps its children's states as a list of dicts, which DCP flattens by index.
+    def build(seed):
+        run = Run(seed=seed)
+        warm = torch.optim.lr_scheduler.LinearLR(run.optimizer, start_factor=0.1, total_iters=3)
+        decay = torch.optim.lr_scheduler.ExponentialLR(run.optimizer, gamma=0.5)
+        run.scheduler = torch.optim.lr_scheduler.SequentialLR(run.optimizer, [warm, decay], milestones=[3])
+        run.states["lr_scheduler"] = run.scheduler
+        return run
+
+    run = build(0)
+    for _ in range(4):
+        run.step()
+    manager(tmp_path).save(4, run.states)
+    fresh = build(1)
+    assert manager(tmp_path).load(fresh.states) == 4
+    assert fresh.scheduler.last_epoch == 4 and fresh.scheduler._schedulers[1].last_epoch == 1
+    assert fresh.optimizer.param_groups[0]["lr"] == run.optimizer.param_groups[0]["lr"]
+    fresh.step(), run.step()
+    assert fresh.optimizer.param_groups[0]["lr"] == run.optimizer.param_groups[0]["lr"]

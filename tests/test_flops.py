@@ -26,14 +26,19 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
 # FlopCounterMode knows SDPA only by its CUDA kernels; on the CPU the same math runs as the
 # *_for_cpu ops, and MoE experts run as _grouped_mm. Count them with torch's own formulas.
 CPU_MAPPING = {
-    aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
+    aten._scaled_dot_product_flash_attention_for_cpu: (
+        lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v)
+    ),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: (
         lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v)
     ),
     aten._grouped_mm: _grouped_mm_flops,
 }
 MATMULS = {aten.mm, aten.addmm, aten.bmm, aten._grouped_mm}
-ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward}
+ATTENTION = {
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+}
 
 
 def _count(family: str, flavor: str, seq_len: int, batch: int = 2):

@@ -78,6 +78,7 @@ def test_records_throughput_and_mfu(tmp_path, clock, capsys):
 
     err = capsys.readouterr().err
     assert "step 4/5" in err and "loss 2.5000" in err and "MFU 12.00%" in err and "tok/s 2,000" in err
+    assert "step 2/5  loss 5.0000" in err and "eta 0:00:02" in err  # 3 steps left at 0.5 s/step
 
 
 def test_unknown_peak_reports_null_mfu(tmp_path, clock):
@@ -112,7 +113,8 @@ def test_resume_appends_and_hides_stale_tensorboard_steps(tmp_path, clock):
 
 
 def test_other_ranks_write_nothing(tmp_path, clock, capsys):
-    logger = MetricsLogger(dump_folder=tmp_path / "out", log_freq=1, enable_tensorboard=True, total_steps=2, is_rank0=False)
+    logger = MetricsLogger(dump_folder=tmp_path / "out", log_freq=1, enable_tensorboard=True, total_steps=2,
+                           is_rank0=False)
     run_steps(logger, clock, [1, 2])
     logger.close()
     assert not (tmp_path / "out").exists()
@@ -120,7 +122,8 @@ def test_other_ranks_write_nothing(tmp_path, clock, capsys):
 
 
 def test_rejects_non_scalar_values(tmp_path, clock):
-    with MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=1, is_rank0=True) as logger:
+    with MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=1,
+                       is_rank0=True) as logger:
         with pytest.raises(TypeError, match="scalar"):
             logger.log(1, tokens=1, loss=torch.ones(3))
 
@@ -163,7 +166,8 @@ def test_benchmark_parses_and_aggregates(tmp_path):
     assert a["tokens_per_sec"] == 115 and a["steady_steps"] == 4
     assert a["mem_gib"] == pytest.approx(1.6) and a["compile_s"] == 12.0
     assert a["tflops"] == pytest.approx(115e-6) and a["mfu_pct_causal"] is None
-    b = bench.summarize_run(bench.read_records(_fake_run(tmp_path / "b", [1, 1, 90, 90, 90, 90], resumed_dup=True)), warmup=2)
+    b_path = _fake_run(tmp_path / "b", [1, 1, 90, 90, 90, 90], resumed_dup=True)
+    b = bench.summarize_run(bench.read_records(b_path), warmup=2)
     assert b["tokens_per_sec"] == 90  # median of 90, 9999, 90, 90
     c = bench.summarize_run(bench.read_records(_fake_run(tmp_path / "c", [1, 1, 200, 200, 200, 200])), warmup=2)
     runs = [
@@ -195,7 +199,8 @@ def test_benchmark_parses_and_aggregates(tmp_path):
 
 def test_benchmark_commands_and_variants():
     bench = _load_benchmark()
-    variants = bench.parse_variants("eager,graph_scan", ["bf16=--training.mixed_precision_param=bfloat16 --compile.mode=compile"])
+    custom = "bf16=--training.mixed_precision_param=bfloat16 --compile.mode=compile"
+    variants = bench.parse_variants("eager,graph_scan", [custom])
     assert variants["graph_scan"] == ["--compile.mode=graph", "--compile.scan_layers=true"]
     assert variants["bf16"] == ["--training.mixed_precision_param=bfloat16", "--compile.mode=compile"]
     with pytest.raises(SystemExit):

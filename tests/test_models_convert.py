@@ -52,7 +52,8 @@ def test_to_hf_loads_in_transformers(tmp_path, family_name, flavor, overrides):
     checkpoints = _save_training_checkpoint(model, tmp_path)
     out = tmp_path / "hf"
     cli = ["to-hf", "--checkpoint", str(checkpoints), "--model.name", family_name, "--model.flavor", flavor, str(out)]
-    cli += [f"--model.{k}={json.dumps(v)}" for k, v in overrides.items()]
+    for k, v in overrides.items():  # both override spellings
+        cli += [f"--model.{k}={json.dumps(v)}"] if isinstance(v, bool) else [f"--model.{k}", str(v)]
     assert convert.main(cli) == 0
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -117,6 +118,8 @@ def test_bad_input_exits_2(tmp_path, capsys):
         (base + ["--model.flavor", "debugmodel", "--model.n_layers=2", "--model.dim=128", str(tmp_path / "o")], "shape"),
         (["to-hf", "--checkpoint", str(tmp_path), "--model.name", "llama3", "--model.flavor", "debugmodel",
           str(tmp_path / "o")], "not a DCP checkpoint"),
+        (base + ["--model.flavor", "debugmodel", "--model.n_layers=two", str(tmp_path / "o")], "expected int"),
+        (["to-hf", "--model.name", "llama3", str(tmp_path / "o")], "required"),
         (["from-hf", str(tmp_path), str(tmp_path / "o")], "config.json"),
     ]
     for argv, needle in cases:

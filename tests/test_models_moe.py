@@ -149,3 +149,44 @@ def test_moe_all_tokens_to_one_expert():
     # All copies on one expert: f = (0, 0, 1, 0), so the loss is E * P_2.
     probs = torch.softmax(x.view(-1, 8) @ moe.router.gate.weight.T, -1)
     assert moe.aux_loss.item() == pytest.approx(4 * probs[:, 2].mean().item(), abs=1e-6)
+
+
+def test_moe_model_compiles_fullgraph_with_aux_loss():
+    """One graph for forward + aux losses (module attribute writes are fine for dynamo).
+
+    In float32 this also runs the traceable expert fallback, since torch 2.13's meta function
+    for `_grouped_mm` accepts bfloat16 only.
+    """
+    import models
+
+    family = models.get_model_family("qwen3")
+    args = family.get_args("debugmodel_moe", n_layers=2)
+    torch.manual_seed(0)
+    model = family.model_cls(args)
+    model.init_weights()
+    tokens = torch.randint(0, args.vocab_size, (2, 16))
+
+    def loss_fn(tokens):
+        logits = model(tokens)
+        return logits.logsumexp(-1).mean() + 0.01 * model.moe_aux_loss() + 0.001 * model.moe_z_loss()
+
+    eager = loss_fn(tokens)
+    eager.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(tokens)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_grouped_experts_bf16_compiles_fullgraph():
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim=16, hidden_dim=32, num_experts=4).to(torch.bfloat16)
+    x = torch.randn(10, 16, dtype=torch.bfloat16)
+    counts = torch.tensor([3, 0, 5, 2])
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, counts), experts(x, counts), atol=0, rtol=0)

@@ -88,7 +88,7 @@ def test_llama3_matches_hf(kw):
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(n_heads=4, n_kv_heads=4),  # ratio 1, head_dim 32 * 4 heads != dim... equal here
+        dict(n_heads=4, n_kv_heads=4),  # GQA ratio 1
         dict(n_heads=4, n_kv_heads=2, tie_embeddings=True),  # ratio 2, tied (like 0.6B-4B)
         dict(n_heads=8, n_kv_heads=2, head_dim=16),  # ratio 4, n_heads * head_dim (128) != dim (64)
     ],

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -133,7 +134,8 @@ def _restore_rng(state: dict[str, Any]) -> None:
         if len(state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(state["cuda"])
         else:
-            logger.warning("checkpoint: CUDA RNG state saved for %d devices, %d present; not restored", len(state["cuda"]), torch.cuda.device_count())
+            logger.warning("checkpoint: CUDA RNG state saved for %d devices, %d present; not restored",
+                           len(state["cuda"]), torch.cuda.device_count())
     if "numpy" in state:
         import numpy
 
@@ -158,14 +160,10 @@ class TrainState:
             logger.warning("checkpoint: no RNG state for rank %d (saved with fewer ranks); RNG not restored", _rank())
 
 
-def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
-    """DCP's flattened names of a nested state dict (dicts joined with '.')."""
-    if isinstance(tree, dict):
-        out = []
-        for k, v in tree.items():
-            out += _flat_keys(v, f"{prefix}.{k}" if prefix else str(k))
-        return out
-    return [prefix]
+def _flat_keys(state_dict: dict[str, Any]) -> list[str]:
+    """The names DCP stores a nested state dict under (dicts joined by '.', lists of dicts or
+    tensors by index), as found in the checkpoint's metadata."""
+    return list(flatten_state_dict(state_dict)[0])
 
 
 def _drop_missing_rank_entries(tree: dict[str, Any], available: set[str], prefix: str = "") -> None:
@@ -233,7 +231,8 @@ class CheckpointManager:
     Every rank constructs the manager and calls every method (the calls hold collectives).
     """
 
-    def __init__(self, *, folder: str | os.PathLike, interval: int, keep_latest_k: int, async_mode: str, enable: bool, load_step: int = -1):
+    def __init__(self, *, folder: str | os.PathLike, interval: int, keep_latest_k: int, async_mode: str,
+                 enable: bool, load_step: int = -1):
         if async_mode not in ASYNC_MODES:
             raise ConfigError(f"checkpoint.async_mode: {async_mode!r} is not a mode; allowed: {', '.join(ASYNC_MODES)}")
         if interval < 1:
@@ -354,7 +353,8 @@ class CheckpointManager:
         self._last_saved_step = step
         try:
             if self.async_mode == "async":
-                future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
+                future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self._pg,
+                                        no_dist=not self._distributed)
                 self._pending = (future, step)
                 return
             dcp.save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
@@ -447,7 +447,8 @@ def _safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, hf_adapter: Any = None, args: Any = None) -> None:
+def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, hf_adapter: Any = None,
+                 args: Any = None) -> None:
     """Load model weights (only) to start training from: a DCP folder or HF safetensors.
 
     Call on every rank after the model is materialized (and parallelized: DTensor parameters
@@ -469,7 +470,8 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
         raise ConfigError(f"{key}: {str(path)!r} does not exist; expected a DCP checkpoint folder or HF safetensors")
     if fmt == "dcp":
         if not (root / ".metadata").is_file():
-            raise ConfigError(f"{key}: {root} is not a DCP checkpoint folder (no .metadata); for safetensors set initial_load_format = \"hf\"")
+            raise ConfigError(f"{key}: {root} is not a DCP checkpoint folder (no .metadata); "
+                              'for safetensors set initial_load_format = "hf"')
         try:
             available = _read_metadata_keys(root)
         except Exception as e:
@@ -489,10 +491,12 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
 
     files = _safetensors_files(root)
     if not files or not all(f.is_file() for f in files):
-        raise ConfigError(f"{key}: no safetensors weights at {root}; expected *.safetensors (and model.safetensors.index.json if sharded)")
+        raise ConfigError(f"{key}: no safetensors weights at {root}; "
+                          "expected *.safetensors (and model.safetensors.index.json if sharded)")
     from_hf = getattr(hf_adapter, "from_hf", hf_adapter)
     if from_hf is None:
-        raise ConfigError("checkpoint.initial_load_format: 'hf' is not supported for this model (no hf.py adapter); allowed: dcp")
+        raise ConfigError("checkpoint.initial_load_format: 'hf' is not supported for this model "
+                          "(no hf.py adapter); allowed: dcp")
     from safetensors.torch import load_file
 
     hf_state_dict: dict[str, torch.Tensor] = {}

@@ -417,8 +417,12 @@ def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
             value = coerce(f"model.{key}", value, types[key])
         changes[key] = value
     args = dataclasses.replace(args, **changes)
-    if hasattr(args, "max_seq_len") and args.max_seq_len < seq_len:
+    if hasattr(args, "max_seq_len") and "max_seq_len" not in changes:
+        # RoPE tables only need the training length (Llama 3.1 scaling reads
+        # original_max_position_embeddings, not this), not the published 131072.
         args = dataclasses.replace(args, max_seq_len=seq_len)
+    elif hasattr(args, "max_seq_len") and args.max_seq_len < seq_len:
+        raise ConfigError(f"model.max_seq_len: {args.max_seq_len} is shorter than training.seq_len ({seq_len})")
     return family, args
 
 

@@ -25,7 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def flops_per_token(*, num_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> dict[str, float]:
+def flops_per_token(*, num_matmul_params: int, n_layers: int, n_heads: int, head_dim: int,
+                    seq_len: int) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3 × forward).
 
     num_matmul_params: N, the parameters that take part in a matmul for one token: every
@@ -155,7 +156,8 @@ def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, size: int = 
     return flops
 
 
-def peak_flops_per_device(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, override: float | str | None = None) -> tuple[float | None, str]:
+def peak_flops_per_device(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
+                          override: float | str | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, a one-line description of where it came from).
 
     override: a number is the peak in TFLOP/s; a string names the device kind ("v6e", "TPU7x",

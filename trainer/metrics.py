@@ -1,7 +1,8 @@
 """Training metrics: progress bar, console lines, metrics.jsonl and TensorBoard.
 
 The loop calls `MetricsLogger.log(step, tokens=..., loss=..., ...)` after every step. Most
-calls only advance the progress bar and a token counter (no device sync); every `log_freq`
+calls only advance the progress bar (shown when stderr is a terminal) and a token counter (no
+device sync); every `log_freq`
 steps (and on the first and the last step) the logger turns the values into floats, computes
 throughput over the time since the previous logged step, and writes one record to the console,
 `metrics.jsonl` and `tb/`. All of it happens on rank 0 only; the values passed in are expected
@@ -44,6 +45,11 @@ def _to_float(value: Any) -> float | None:
     if isinstance(value, (int, float)):
         return float(value)
     raise TypeError(f"metric must be a number or a scalar tensor, got {type(value).__name__}")
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 def peak_memory_gib(device: torch.device) -> float | None:
@@ -110,6 +116,7 @@ class MetricsLogger:
 
         self._start_time = time.perf_counter()
         self._last_time = self._start_time
+        self._first_log: tuple[int, float] | None = None  # (step, time) of the first record, for the ETA
         self._tokens_since_log = 0
         self._last_step = start_step
         self._jsonl = None
@@ -128,21 +135,16 @@ class MetricsLogger:
             # checkpoint we resumed from, so curves do not fold back on themselves.
             purge = start_step + 1 if start_step > 0 else None
             self._tb = SummaryWriter(log_dir=str(Path(dump_folder) / "tb"), purge_step=purge)
-        from tqdm import tqdm
+        # The bar only on a terminal: in a batch job's log its \r redraws are noise, and the
+        # console lines carry the ETA anyway.
+        if sys.stderr.isatty():
+            from tqdm import tqdm
 
-        interactive = sys.stderr.isatty()
-        self._pbar = tqdm(
-            total=total_steps,
-            initial=start_step,
-            desc="train",
-            unit="step",
-            file=sys.stderr,
-            dynamic_ncols=True,
-            mininterval=0.5 if interactive else 60.0,  # logs of batch jobs: no \r spam
-            leave=True,
-        )
+            self._pbar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
+                              dynamic_ncols=True, leave=True)
 
-    def set_flops(self, *, flops_per_token: dict[str, float] | float | None, peak_flops: float | None, peak_name: str = "given") -> None:
+    def set_flops(self, *, flops_per_token: dict[str, float] | float | None, peak_flops: float | None,
+                  peak_name: str = "given") -> None:
         """Set the model FLOPs per token and the device peak used for TFLOP/s and MFU.
 
         flops_per_token: trainer.flops.flops_per_token(...) ({"palm", "causal"}) or a number
@@ -194,11 +196,17 @@ class MetricsLogger:
             record[key] = _to_float(value)
         self._last_time = now
         self._tokens_since_log = 0
+        # ETA from the steps after the first record, which carries start-up and compilation.
+        eta_s = None
+        if self._first_log is None:
+            self._first_log = (step, now)
+        elif step > self._first_log[0]:
+            eta_s = max(0, self.total_steps - step) * (now - self._first_log[1]) / (step - self._first_log[0])
         if self.is_rank0:
-            self._write(record)
+            self._write(record, eta_s)
         return record
 
-    def _write(self, record: dict[str, Any]) -> None:
+    def _write(self, record: dict[str, Any], eta_s: float | None) -> None:
         step = record["step"]
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         # NaN/inf losses are real events: JSON has no literal for them, so they become null
@@ -210,14 +218,14 @@ class MetricsLogger:
                 if key != "step" and value is not None:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
-        line = self.format_line(record, self.total_steps)
+        line = self.format_line(record, self.total_steps, eta_s)
         if self._pbar is not None:
             self._pbar.write(line, file=sys.stderr)
         else:
             print(line, file=sys.stderr, flush=True)
 
     @staticmethod
-    def format_line(record: dict[str, Any], total_steps: int) -> str:
+    def format_line(record: dict[str, Any], total_steps: int, eta_s: float | None = None) -> str:
         """The console line of one record; missing values print as '-'."""
 
         def fmt(label: str, key: str, spec: str, suffix: str = "") -> str:
@@ -235,6 +243,7 @@ class MetricsLogger:
                 fmt("TFLOP/s", "tflops", ".3g"),
                 fmt("MFU", "mfu_pct", ".2f", "%"),
                 fmt("mem", "mem_gib", ".2f", " GiB"),
+                "eta " + ("-" if eta_s is None else _hms(eta_s)),
             ]
         )
 

@@ -17,13 +17,17 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, *, aux_loss_coef: float):
+def has_moe(model) -> bool:
+    return any(getattr(block, "is_moe", False) for block in model.layers.values())
+
+
+def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, *, aux_loss_coef: float, moe: bool):
     """(loss to differentiate, LM loss, MoE aux loss or None) for one micro-batch."""
     logits = model(inputs)
     lm = lm_loss(logits, labels)
-    aux = model.moe_aux_loss() if hasattr(model, "moe_aux_loss") else None
-    if aux is None:
+    if not moe:
         return lm, lm, None
+    aux = model.moe_aux_loss()
     return lm + aux_loss_coef * aux, lm, aux
 
 
@@ -40,6 +44,7 @@ class EagerStep:
         self.aux_loss_coef = aux_loss_coef
         self.clip_grad_norm = clip_grad_norm
         self.last_aux_loss = None
+        self.moe = has_moe(model)
 
     def __call__(self, microbatches, lr: float | None = None):
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
@@ -47,7 +52,8 @@ class EagerStep:
         n = len(microbatches)
         lm_sum, aux_sum = 0.0, None
         for inputs, labels in microbatches:
-            loss, lm, aux = model_loss(self.model, inputs, labels, aux_loss_coef=self.aux_loss_coef)
+            loss, lm, aux = model_loss(self.model, inputs, labels, aux_loss_coef=self.aux_loss_coef,
+                                         moe=self.moe)
             (loss / n).backward()
             lm_sum = lm_sum + lm.detach()
             if aux is not None:

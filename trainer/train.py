@@ -217,7 +217,8 @@ def train(cfg: Config) -> int:
     tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
     logger = MetricsLogger(dump_folder=dump_folder, log_freq=cfg.metrics.log_freq,
                            enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=cfg.training.steps,
-                           is_rank0=is_rank0, start_step=start_step)
+                           is_rank0=is_rank0, start_step=start_step, device=device,
+                           dtype=_dtype(cfg.training.mixed_precision_param))
     logger.set_flops(flops_per_token=fpt, peak_flops=peak, peak_name=peak_name)
     if is_rank0:
         n_params = args.num_params()

@@ -18,6 +18,7 @@ them over layers (`Transformer.moe_aux_loss()` / `moe_z_loss()`); the trainer sc
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from models.common.init import trunc_normal_
 
@@ -64,12 +65,19 @@ class TokenChoiceTopKRouter(nn.Module):
         return top_scores.to(x.dtype), selected_experts, router_logits
 
 
-def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for these operands (checked on CPU torch 2.13).
+def _is_traced(x: torch.Tensor) -> bool:
+    """True under torch.compile/export, and for meta or fake tensors (shape-only execution)."""
+    return torch.compiler.is_compiling() or x.device.type == "meta" or isinstance(x, FakeTensor)
 
-    CPU and CUDA kernels take float32 and bfloat16 but need 16-byte aligned row strides, i.e.
-    `dim` and `hidden_dim` multiples of 4 (fp32) / 8 (bf16). torch-tpu registers its own kernel
-    and a relaxed meta function without the stride rule.
+
+def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs for these operands (checked with CPU torch 2.13).
+
+    - torch-tpu registers its own kernel and a relaxed meta function: always.
+    - CPU/CUDA kernels take float32 and bfloat16 but need 16-byte aligned row strides, i.e.
+      `dim` and `hidden_dim` multiples of 4 (fp32) / 8 (bf16).
+    - torch 2.13's meta function (what compile, FakeTensor and the meta device run) accepts
+      bfloat16 only, so traced float32 must take another path.
     """
     if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -79,7 +87,13 @@ def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
         return False
     align = 16 // x.element_size()
     hidden_dim, dim = w1.shape[-2], w1.shape[-1]
-    return dim % align == 0 and hidden_dim % align == 0
+    if dim % align != 0 or hidden_dim % align != 0:
+        return False
+    return x.dtype == torch.bfloat16 or not _is_traced(x)
+
+
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class GroupedExperts(nn.Module):
@@ -95,8 +109,11 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        # Never leave uninitialised memory in a model built directly on a real device.
-        self.init_weights(0.02)
+        # Like nn.Linear, never hold uninitialised memory when built on a real device; the real
+        # scheme is init_weights(). (normal_, unlike trunc_normal_'s rejection loop, also runs
+        # under FakeTensorMode.)
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim], rows sorted by expert; num_tokens_per_expert [E] (sums to N) -> [N, dim].
@@ -109,12 +126,19 @@ class GroupedExperts(nn.Module):
             gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
             up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
-        # Exact fallback: one matmul chain per expert (needs the counts on the host).
+        if _is_traced(x):
+            # Traceable exact fallback without a host sync: every expert runs on all rows and
+            # keeps its own (E times the FLOPs; meant for small float32 models on CPU).
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(w1.shape[0], device=x.device), num_tokens_per_expert, output_size=x.shape[0]
+            )
+            out = x.new_zeros(x.shape[0], w2.shape[1])
+            for e in range(w1.shape[0]):
+                out = torch.where((expert_of_row == e).unsqueeze(-1), _swiglu(x, w1[e], w2[e], w3[e]), out)
+            return out
+        # Eager exact fallback: one matmul chain per expert on its rows (counts read on the host).
         chunks = torch.split(x, num_tokens_per_expert.tolist(), dim=0)
-        outs = [
-            (F.silu(chunk @ w1[e].T) * (chunk @ w3[e].T)) @ w2[e].T for e, chunk in enumerate(chunks)
-        ]
-        return torch.cat(outs, dim=0)
+        return torch.cat([_swiglu(chunk, w1[e], w2[e], w3[e]) for e, chunk in enumerate(chunks)], dim=0)
 
     def init_weights(self, init_std: float) -> None:
         """w1: truncated normal std 0.02; w2, w3: std `init_std` (TorchTitan's expert init)."""

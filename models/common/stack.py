@@ -69,7 +69,7 @@ class BlockStack(nn.ModuleDict):
         with torch.no_grad():
             for name in param_names + buffer_names:
                 is_param = name in param_names
-                tensors = [b.get_parameter(name) if is_param else b.get_buffer(name) for b in blocks]
+                tensors = [_stored(b, name, is_param) for b in blocks]
                 locals_ = [_local(t) for t in tensors]
                 ref = locals_[0]
                 for i, t in enumerate(locals_):
@@ -145,6 +145,13 @@ class _ScanState:
     members: dict[str, list[torch.Tensor]]
     """name -> each block's parameter/buffer object (DTensor or plain), in layer order."""
     param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None
+
+
+def _stored(block: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+    """The registered tensor `name` of `block`, bypassing properties that compute on access."""
+    mod_name, _, attr = name.rpartition(".")
+    module = block.get_submodule(mod_name)
+    return (module._parameters if is_param else module._buffers)[attr]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

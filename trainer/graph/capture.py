@@ -84,7 +84,7 @@ class CaptureBackend:
 
 
 @contextlib.contextmanager
-def capture_config(*, scan_ac_mode: str) -> contextlib.AbstractContextManager:
+def capture_config(*, scan_ac_mode: str | None) -> contextlib.AbstractContextManager:
     """torch settings under which the step is traced (active on every call; cheap)."""
     with contextlib.ExitStack() as stack:
         # Trace loss.backward()/autograd.grad into the step graph instead of breaking it.
@@ -95,5 +95,6 @@ def capture_config(*, scan_ac_mode: str) -> contextlib.AbstractContextManager:
             # A cache hit would skip our passes and leave no graph to inspect.
             enable_autograd_cache=False,
         ))
-        stack.enter_context(scan_remat(scan_ac_mode))
+        if scan_ac_mode is not None:
+            stack.enter_context(scan_remat(scan_ac_mode))
         yield

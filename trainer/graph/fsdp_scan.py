@@ -1,19 +1,111 @@
-"""SimpleFSDP inside the layer scan: gather each layer's parameter shards in the scan body.
+"""SimpleFSDP inside the layer scan: each layer's shards are gathered in the scan body.
 
-Placeholder until implemented: the single-process case needs nothing here (SimpleFSDP's
-properties only cast to the compute dtype, which works inside the scan body).
+With layer scan the stacked tensors hold each layer's *local shard* (`[n_layers, *shard]`),
+so the scan carries 1/dp_shard of the block weights and gathers one layer at a time, as
+SimpleFSDP does for unrolled blocks. The gather cannot go through SimpleFSDP's properties
+there: they build DTensors, and a DTensor inside a scan body makes Dynamo lift the process
+group as an opaque object, which scan rejects (torch 2.13). So while the scanned step runs,
+the template block's SimpleFSDP properties are switched off (`disable_active_parametrization`)
+and `GatherShard` does the same work with functional collectives named by process-group
+name: cast to `param_dtype`, all-gather over `dp_shard` in the forward; in the backward the
+gradient is cast to `reduce_dtype`, reduce-scattered (mean) over `dp_shard`, all-reduced
+(mean) over `dp_replicate`, and cast back to the shard's dtype: SimpleFSDP's semantics.
+
+Tensor-parallel (2-D DTensor) block parameters are not supported with scan (ConfigError).
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import DTensor
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from trainer.errors import ConfigError
 
 
-def scan_param_fn(stack):
-    params = [p for block in stack.values() for p in block.parameters()]
-    if any(isinstance(p, DTensor) for p in params):
-        raise ConfigError("compile.scan_layers: data/tensor-parallel parameters are not supported with "
-                          "layer scan yet; allowed: false")
-    return None
+class GatherShard(torch.autograd.Function):
+    """Forward: cast + all-gather along dim 0; backward: reduce-scatter / all-reduce (mean)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, shard_group: tuple[str, int] | None,
+                replicate_groups: tuple[tuple[str, int], ...], param_dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.shard_group, ctx.replicate_groups = shard_group, replicate_groups
+        ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
+        out = shard if param_dtype is None else shard.to(param_dtype)
+        if shard_group is not None:
+            name, size = shard_group
+            out = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_gather_into_tensor(out, size, name))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.reduce_dtype is not None:
+            grad = grad.to(ctx.reduce_dtype)
+        if ctx.shard_group is not None:
+            name, size = ctx.shard_group
+            grad = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.reduce_scatter_tensor(grad, "avg", size, name))
+        for name, _ in ctx.replicate_groups:
+            grad = torch.ops._c10d_functional.wait_tensor(
+                torch.ops._c10d_functional.all_reduce(grad, "avg", name))
+        return grad.to(ctx.shard_dtype), None, None, None, None
+
+
+def _gather_args(spec, shape: tuple[int, ...], name: str) -> tuple:
+    """(shard_group, replicate_groups, param_dtype, reduce_dtype) of one parameter's spec."""
+    if spec.tp_mesh is not None:
+        raise ConfigError(f"compile.scan_layers: {name} is tensor-parallel; layer scan supports data "
+                          "parallelism only; allowed: parallelism.tensor_parallel_degree = 1 with scan")
+    shard_group, replicate_groups = None, []
+    if spec.dp_mesh is not None:
+        for i, placement in enumerate(spec.dp_placements):
+            group = (spec.dp_mesh.get_group(i).group_name, spec.dp_mesh.size(i))
+            if isinstance(placement, Shard):
+                assert placement.dim == 0 and shard_group is None, spec.dp_placements
+                if spec.dp_shape[0] % group[1] != 0:
+                    raise ConfigError(f"compile.scan_layers: {name} has {spec.dp_shape[0]} rows, not divisible "
+                                      f"by data_parallel_shard_degree {group[1]}; allowed: even shards")
+                shard_group = group
+            else:
+                replicate_groups.append(group)
+    # SimpleFSDP leaves reduce_dtype None when it equals the compute dtype.
+    return shard_group, tuple(replicate_groups), spec.param_dtype, spec.reduce_dtype
+
+
+def scan_param_fn(stack) -> tuple[Callable | None, Callable[[], contextlib.AbstractContextManager]]:
+    """(`param_fn` for `BlockStack.enable_scan`, a context factory to wrap each scanned step).
+
+    Without SimpleFSDP on the blocks: (None, nullcontext). With it: the row gather above, and a
+    context that switches off SimpleFSDP's properties on the template block (block "0").
+    """
+    from parallelisms.simple_fsdp import disable_active_parametrization, is_data_parallel
+
+    template = stack["0"]
+    specs: dict[str, tuple] = {}
+    for mod_name, module in template.named_modules():
+        if not is_data_parallel(module):
+            continue
+        for pname, spec in module._simple_fsdp_specs.items():
+            full_name = f"{mod_name}.{pname}" if mod_name else pname
+            specs[full_name] = _gather_args(spec, tuple(spec.shape), f"layers.*.{full_name}")
+    for name, p in template.named_parameters():
+        if isinstance(p, DTensor) and name not in specs:
+            raise ConfigError(f"compile.scan_layers: {name} is a DTensor not managed by SimpleFSDP; "
+                              "allowed: SimpleFSDP-sharded or plain block parameters")
+    if not specs:
+        return None, contextlib.nullcontext
+
+    def gather(name: str, t: torch.Tensor) -> torch.Tensor:
+        shard_group, replicate_groups, param_dtype, _ = args = specs[name]
+        if shard_group is None and not replicate_groups and param_dtype in (None, t.dtype):
+            return t  # nothing to gather or cast
+        return GatherShard.apply(t, *args)
+
+    def param_fn(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: gather(n, t) if n in specs else t for n, t in row.items()}
+
+    return param_fn, lambda: disable_active_parametrization(template)

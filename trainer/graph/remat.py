@@ -23,6 +23,7 @@ mechanisms give the `[activation_checkpoint] mode` its meaning there:
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -136,23 +137,51 @@ def remat_pass(gm: fx.GraphModule) -> int:
 
 
 def _tag_joint_forward(joint: fx.GraphModule, mode: str) -> None:
-    """Tag the forward ops of a scan body's joint graph with the checkpoint policy."""
+    """Tag the forward ops of a scan body's joint graph with recompute policies.
+
+    Ops computed from the layer's parameter row alone (casts, transposes, SimpleFSDP's
+    all-gathers) are always recomputed: otherwise the partitioner stacks a copy of every
+    layer's (gathered) weights for the backward. The ops on activations follow `mode`.
+    """
     from parallelisms.activation_checkpoint import sac_policy
 
-    # Backward = everything that depends on a tangent (an incoming gradient).
-    backward: set[fx.Node] = set()
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    # BlockStack's scan has one carry, the hidden state: the body's first input.
+    carry = placeholders[0]
+    backward: set[fx.Node] = set()  # depends on a tangent (an incoming gradient)
+    on_carry: set[fx.Node] = {carry}
     for node in joint.graph.nodes:
-        if node.op == "placeholder" and node.name.startswith("tangents"):
+        if node.op == "placeholder":
+            if node.name.startswith("tangents"):
+                backward.add(node)
+            continue
+        inputs = node.all_input_nodes
+        if any(a in backward for a in inputs):
             backward.add(node)
-        elif any(a in backward for a in node.all_input_nodes):
-            backward.add(node)
+        if any(a in on_carry for a in inputs):
+            on_carry.add(node)
     for node in joint.graph.nodes:
         if node.op != "call_function" or node in backward:
             continue
-        if mode == "full":
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        if node not in on_carry:
+            policy = CheckpointPolicy.MUST_RECOMPUTE
+        elif mode == "none":
+            policy = None
+        elif node.target is operator.getitem:
+            # An output of a multi-output op (attention returns out + logsumexp) follows its op.
+            policy = node.args[0].meta.get("recompute")
+        elif torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            # Attention kernels are tagged random (dropout). The partitioner cannot recompute
+            # random ops inside a scan body on torch 2.13 (its RNG functionalization fails),
+            # so they are left to it untagged: it saves them, being compute-intensive.
+            policy = None
+        elif mode == "full":
+            policy = CheckpointPolicy.MUST_RECOMPUTE
         else:
-            node.meta["recompute"] = sac_policy(None, node.target)
+            policy = sac_policy(None, node.target)
+        if policy is None:
+            continue
+        node.meta["recompute"] = policy
         # One region per body: the partitioner treats tagged neighbours as one block.
         node.meta["ac_graph_id"] = 0
 
@@ -166,9 +195,6 @@ def scan_remat(mode: str) -> Iterator[None]:
     wrapper that tags the graph first. The main step graph never reaches that partitioner (it is
     an inference graph: the backward is traced inline), so only scan bodies are affected.
     """
-    if mode == "none":
-        yield
-        return
     import torch._functorch.partitioners as partitioners
 
     original = partitioners.min_cut_rematerialization_partition

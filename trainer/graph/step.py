@@ -2,23 +2,27 @@
 
 One call of the returned `GraphStep` runs, inside one captured graph: for each micro-batch
 the forward, the LM loss (mean cross entropy over tokens, plus `aux_loss_coef` times the MoE
-load-balancing loss when the model has one) and `torch.autograd.grad`, accumulating the
-gradients; then global-norm clipping and the AdamW update of parameters and optimizer state
-in place. The graph is captured on the first call and replayed after that; the learning rate
-is a tensor input, so the schedule never recompiles. Gradient accumulation is unrolled in the
-graph (the micro-batch count is fixed by the config), so the graph grows with
-`gradient_accumulation_steps` but not with `n_layers` when layer scan is on.
+load-balancing loss when the model has MoE blocks) and `torch.autograd.grad`, accumulating
+the gradients; then global-norm clipping and the AdamW update of parameters and optimizer
+state in place. The graph is captured on the first call and replayed after that; the
+learning rate is a tensor input, so the schedule never recompiles. Gradient accumulation is
+unrolled in the graph (the micro-batch count is fixed by the config), so the graph grows
+with `gradient_accumulation_steps`, and not with `n_layers` when layer scan is on.
 
 It has the eager step's call shape (trainer/step.py): `step(microbatches, lr) -> (loss,
-grad_norm)`, with `compile_s`, `graph_nodes` and `last_aux_loss`.
+grad_norm)` (mean LM loss over the micro-batches, global gradient norm before clipping, both
+0-dim tensors), plus `compile_s`, `graph_nodes` and `last_aux_loss`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config
@@ -29,36 +33,41 @@ BACKENDS = ("aot_eager", "inductor", "tpu")
 
 
 class GraphStep:
-    """The captured train step. Call as `step(microbatches, lr)`."""
+    """The captured train step. Call as `step(microbatches, lr)`; built by `build_graph_step`."""
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
-                 aux_loss_coef: float, backend: str, block_stack: nn.Module | None, ac_mode: str,
-                 dump_graph: str | None, grad_accum_steps: int):
+                 aux_loss_coef: float, backend: str, device: torch.device, ac_mode: str,
+                 dump_graph: str | None, grad_accum_steps: int, block_stack: nn.Module | None = None,
+                 scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
         self.aux_loss_coef = float(aux_loss_coef)
         self.grad_accum_steps = grad_accum_steps
         self.ac_mode = ac_mode
-        self.block_stack = block_stack  # the BlockStack running as a scan, or None
+        self.block_stack = block_stack
+        """The `BlockStack` running as a scan, or None (unrolled blocks)."""
+        self._scan_context = scan_context
         stacked = block_stack.stacked_parameters() if block_stack is not None else None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
-        self._has_aux = hasattr(model, "moe_aux_loss") and _has_moe(model)
+        self._has_aux = _has_moe(model) and hasattr(model, "moe_aux_loss")
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
-        device = next(iter(model.parameters())).device
-        if hasattr(next(iter(model.parameters())), "_local_tensor"):
-            device = next(iter(model.parameters()))._local_tensor.device
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
-        self._compiled = torch.compile(self._step, backend=self.capture, fullgraph=True, dynamic=False)
+        step_fn = self._step
         if backend == "tpu":
-            from trainer.graph.tpu import wrap_step
+            from trainer.graph.tpu import spmd_safe
 
-            self._compiled = wrap_step(self._compiled)
-        self.compile_s: float | None = None
-        self.graph_nodes: int | None = None
-        self.last_aux_loss: torch.Tensor | None = None
+            step_fn = spmd_safe(step_fn)
+        # dynamic=False: a shape change recompiles (and __call__ reports it) instead of
+        # silently switching to a symbolic-shape graph.
+        self._compiled = torch.compile(step_fn, backend=self.capture, fullgraph=True, dynamic=False)
         self._current_slots = None
+        self.compile_s: float | None = None
+        """Seconds from the first call to the compiled step starting to run (capture + passes + compile)."""
+        self.graph_nodes: int | None = None
+        """Node count of the captured top-level graph after the passes."""
+        self.last_aux_loss: torch.Tensor | None = None
 
     @property
     def graph_module(self):
@@ -67,47 +76,47 @@ class GraphStep:
 
     @property
     def stats(self):
+        """`GraphStats` of the captured graph (None before the first call)."""
         return self.capture.stats
 
     def __call__(self, microbatches, lr: float):
         if len(microbatches) != self.grad_accum_steps:
             raise ValueError(f"graph step built for {self.grad_accum_steps} micro-batches, got {len(microbatches)}")
-        # Loading a checkpoint replaces optimizer-state tensors (and may swap parameter storage):
-        # point the stacked storage and the slots at what the model and optimizer hold now.
+        # A checkpoint load replaces optimizer-state tensors (and may swap parameter storage):
+        # point the stacked storage and the update slots at what model and optimizer hold now.
         if self.block_stack is not None:
             self.block_stack.resync_scan_storage()
         self.slots.refresh()
         self._current_slots = self.slots.slots()
         self._lr.fill_(lr)
         inputs = [t for mb in microbatches for t in mb]
+        scanning = self.block_stack is not None
         start = time.perf_counter()
-        with capture_config(scan_ac_mode=self.ac_mode if self.block_stack is not None else "none"):
-            loss, grad_norm, aux = self._compiled(inputs, self._lr)
+        try:
+            with capture_config(scan_ac_mode=self.ac_mode if scanning else None), self._scan_context():
+                loss, grad_norm, aux = self._compiled(inputs, self._lr)
+        finally:
+            self._current_slots = None
         if self.compile_s is None:
-            ready = self.capture.ready_at or time.perf_counter()
-            self.compile_s = ready - start
+            self.compile_s = (self.capture.ready_at or time.perf_counter()) - start
             self.graph_nodes = self.capture.stats.nodes if self.capture.stats is not None else None
-        elif self.capture.num_graphs > 1:
+        if self.capture.num_graphs > 1:
             raise RuntimeError(f"graph step recompiled ({self.capture.num_graphs} graphs); the step's inputs "
                                "must keep their shapes and dtypes from step to step")
-        self._current_slots = None
         self.slots.set_lr(lr)
         self.last_aux_loss = aux
         return loss, grad_norm
 
-    # The function Dynamo traces. Everything it reads from `self` (model, slots) becomes a
-    # graph input; Python floats (hyperparameters, max_norm) are baked into the graph.
+    # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
+    # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.
     def _step(self, inputs: list[torch.Tensor], lr: torch.Tensor):
         slots = self._current_slots
         leaves = [s.param for s in slots]
         n = len(inputs) // 2
-        grads = None
-        lm_total = None
-        aux_total = None
+        grads, lm_total, aux_total = None, None, None
         for i in range(n):
             tokens, labels = inputs[2 * i], inputs[2 * i + 1]
-            logits = self.model(tokens)
-            lm = lm_loss(logits, labels)
+            lm = lm_loss(self.model(tokens), labels)
             loss = lm
             if self._has_aux:
                 aux = self.model.moe_aux_loss()
@@ -115,14 +124,12 @@ class GraphStep:
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
             mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
             grads = list(mb_grads) if grads is None else [
-                a if b is None else (b if a is None else a + b) for a, b in zip(grads, mb_grads)]
+                b if a is None else (a if b is None else a + b) for a, b in zip(grads, mb_grads)]
             lm_total = lm.detach() if lm_total is None else lm_total + lm.detach()
         with torch.no_grad():
-            used = [(s, g) for s, g in zip(slots, grads) if g is not None]
-            local_grads = [_local(g) for _, g in used]
-            axes = [_reduce_axes(s) for s, _ in used]
-            grad_norm = clip_grads_(local_grads, self.max_norm, axes)
-            for (slot, _), g in zip(used, local_grads):
+            used = [(s, _local(g)) for s, g in zip(slots, grads) if g is not None]
+            grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
+            for slot, g in used:
                 adamw_update_(_local(slot.param), g, _local(slot.exp_avg), _local(slot.exp_avg_sq),
                               slot.step, lr=lr, **self._hyper[slot.group])
         aux_mean = aux_total / n if aux_total is not None else None
@@ -130,14 +137,13 @@ class GraphStep:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    # The update and the norm run on local shards: plain tensors, no DTensor dispatch.
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _reduce_axes(slot) -> tuple:
-    if slot.members:
-        # A stacked tensor of local shards: reduce like one of its layers' parameters.
-        return grad_reduce_axes(slot.members[0])
-    return grad_reduce_axes(slot.param)
+    # A stacked tensor of local shards is sharded like each of its layers' parameters.
+    return grad_reduce_axes(slot.members[0] if slot.members else slot.param)
 
 
 def _has_moe(model: nn.Module) -> bool:
@@ -146,53 +152,57 @@ def _has_moe(model: nn.Module) -> bool:
 
 def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                      backend: str = "auto", scan_layers: bool = False, ac_mode: str = "none",
-                     dump_graph: str | None = None, grad_accum_steps: int = 1,
-                     aux_loss_coef: float = 0.0, plan=None, device: torch.device | None = None) -> GraphStep:
+                     dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
+                     plan=None) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
+    - `optimizer`: a `torch.optim.AdamW` over the model's parameters (all groups at one lr;
+      its state is created now, before capture, in torch.optim's format).
     - `backend`: auto (inductor on cpu/cuda, tpu on TPU) | inductor | aot_eager | tpu
       (`eager` is taken as aot_eager: the captured graph runs op by op).
     - `scan_layers`: run the plan's block container (`plan.block`, default `layers`, a
       `BlockStack`) as one scan over stacked per-layer parameters.
-    - `ac_mode`: none | full | selective, applied to the blocks inside the graph (pass
-      `ac_mode="none"` to `parallelize_model` in graph mode; this function applies it).
-    - `dump_graph`: path of a text dump of the captured graph after the passes.
+    - `ac_mode`: none | full | selective, applied to the blocks inside the graph. Pass
+      `ac_mode="none"` to `parallelize_model` in graph mode: this function applies it.
+    - `dump_graph`: path of a text dump of the captured graph (after the passes).
     - `grad_accum_steps`: micro-batches per step (unrolled in the graph).
-    The optimizer's state is created now (before capture) in `torch.optim.AdamW`'s format.
+    - `aux_loss_coef`: weight of the MoE load-balancing loss (`model.moe_aux_loss()`).
+    - `plan`: the model's `ModelPlan` (only `plan.block` is used); None = `layers`.
     """
+    from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES, apply_ac
 
     if ac_mode not in AC_MODES:
         raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
     if grad_accum_steps < 1:
         raise ConfigError("training.gradient_accumulation_steps: must be >= 1")
-    if device is None:
-        p = next(iter(model.parameters()))
-        device = p._local_tensor.device if hasattr(p, "_local_tensor") else p.device
+    lrs = {float(g["lr"]) for g in optimizer.param_groups}
+    if len(lrs) > 1:
+        raise ConfigError(f"optimizer: graph mode takes one learning rate for all param groups, got {sorted(lrs)}")
+    first = next(iter(model.parameters()))
+    device = (first.to_local() if isinstance(first, DTensor) else first).device
     backend = _resolve_backend(backend, device)
-    block_attr = getattr(plan, "block", "layers")
-    stack = getattr(model, block_attr, None)
-    block_stack = None
+    plan = plan if plan is not None else ModelPlan()
+    stack = getattr(model, plan.block, None)
+    block_stack, scan_context = None, contextlib.nullcontext
     if scan_layers:
         from models.common.stack import BlockStack
-
-        if not isinstance(stack, BlockStack):
-            raise ConfigError(f"compile.scan_layers: the model's `{block_attr}` is not a BlockStack; "
-                              "allowed: false for this model")
-        if _has_moe(model):
-            raise ConfigError("compile.scan_layers: MoE blocks store their aux loss as a side effect, "
-                              "which a scan body cannot do; allowed: false for MoE models")
         from trainer.graph.fsdp_scan import scan_param_fn
 
-        stack.enable_scan(param_fn=scan_param_fn(stack))
+        if not isinstance(stack, BlockStack):
+            raise ConfigError(f"compile.scan_layers: the model's `{plan.block}` is not a BlockStack; "
+                              "allowed: false for this model")
+        if _has_moe(model):
+            raise ConfigError("compile.scan_layers: MoE blocks store their aux loss on the module during "
+                              "forward, which a scan body cannot do; allowed: false for MoE models")
+        param_fn, scan_context = scan_param_fn(stack)
+        stack.enable_scan(param_fn=param_fn)
         block_stack = stack
     elif ac_mode != "none" and stack is not None:
-        from models.common.plan import ModelPlan
-
-        apply_ac(model, plan=plan if plan is not None else ModelPlan(block=block_attr), mode=ac_mode)
+        apply_ac(model, plan=plan, mode=ac_mode)
     return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
-                     backend=backend, block_stack=block_stack, ac_mode=ac_mode, dump_graph=dump_graph,
-                     grad_accum_steps=grad_accum_steps)
+                     backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
+                     grad_accum_steps=grad_accum_steps, block_stack=block_stack, scan_context=scan_context)
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:

@@ -1,1 +1,58 @@
-"""Placeholder (written below)."""
+"""The TPU path of the graph step (torch-tpu's `tpu` compile backend). Not run on a TPU yet.
+
+Only imported when `backend == "tpu"`, which `build_graph_step` allows only on a TPU device,
+so nothing here touches torch-tpu on a CPU/GPU host (importing it there changes torch's
+globals; see docs/tpu.md). Written against reference/torch_tpu.md (torch-tpu 0.2.0):
+
+- `spmd_safe(step_fn)`: the traced step runs under `torch.tpu.distributed.spmd_safe`, so
+  torch-tpu does not split the compiled program at every SimpleFSDP / TP collective (its
+  default, for safety when ranks could diverge); every rank runs the same step, so one XLA
+  program per step is correct.
+- `compile_dynamo_graph`: the same capture as on cpu/cuda (AOTAutograd -> our pass
+  pipeline on the ATen graph -> dump), then the transformed ATen graph is handed to the
+  registered `tpu` backend, which lowers it (scan -> `stablehlo.while`) to one PJRT
+  executable. Static shapes only (the step is compiled with `dynamic=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from trainer.errors import ConfigError
+
+
+def _torch_tpu():
+    from trainer.device import tpu_present
+
+    if not tpu_present():
+        raise ConfigError("compile.backend: tpu needs torch-tpu and a TPU; allowed here: auto, inductor, aot_eager")
+    return torch.tpu  # installed by torch-tpu's autoload on a TPU host
+
+
+def spmd_safe(step_fn: Callable) -> Callable:
+    """`step_fn` traced under torch-tpu's SPMD annotation (collectives stay in one program)."""
+    return _torch_tpu().distributed.spmd_safe(step_fn)
+
+
+def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: list, *,
+                         on_graph: Callable[[fx.GraphModule], None]) -> Callable:
+    """AOT-capture `gm`, run `on_graph` (passes, stats, dump), compile with the `tpu` backend."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    _torch_tpu()
+    tpu_backend = lookup_backend("tpu")
+
+    def compile_aten(graph: fx.GraphModule, inputs):
+        on_graph(graph)
+        # The ATen graph is itself a valid graph for a Dynamo backend: torch-tpu runs its
+        # AOT stage on it again (a no-op on already functional ATen) and lowers it.
+        compiled = tpu_backend(graph, inputs, options={"name": "titan_train_step", "async_compile": False})
+        return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_aten,
+                                 keep_inference_input_mutations=True)

@@ -1,0 +1,122 @@
+"""Shared helpers of the tests/test_parallel_*.py files (this module has no tests itself).
+
+- `run_threads(world_size, fn)`: run `fn()` on `world_size` ranks that are threads of this
+  process, with the in-process "threaded" process group (fast; DTensor, TP and SimpleFSDP
+  run unchanged). The global RNG is shared by the threads, so random numbers are drawn in
+  the main thread (or under `RNG_LOCK`).
+- `run_processes(world_size, fn, *args)`: `torch.multiprocessing.spawn` with gloo, for what
+  threads cannot do (torch.compile).
+- Small Llama 3 / Qwen 3 models of the real debug flavors (fewer layers, short sequences).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
+
+from models.llama3 import FLAVORS as LLAMA3_FLAVORS
+from models.llama3 import Transformer as Llama3
+from models.llama3.plan import PLAN as LLAMA3_PLAN
+from models.qwen3 import FLAVORS as QWEN3_FLAVORS
+from models.qwen3 import Transformer as Qwen3
+from models.qwen3.plan import PLAN as QWEN3_PLAN
+
+RNG_LOCK = threading.Lock()
+# full_tensor() of 2-D (_StridedShard, Shard) weights in the checks warns about sequential
+# all-gathers on every call; the layout is intended (see simple_fsdp.py).
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+SEQ_LEN = 16
+
+
+def llama3_args(n_layers: int = 2):
+    return dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], n_layers=n_layers, max_seq_len=SEQ_LEN)
+
+
+def qwen3_args(n_layers: int = 2):
+    return dataclasses.replace(QWEN3_FLAVORS["debugmodel"], n_layers=n_layers, max_seq_len=SEQ_LEN)
+
+
+FAMILIES = {"llama3": (Llama3, llama3_args, LLAMA3_PLAN), "qwen3": (Qwen3, qwen3_args, QWEN3_PLAN)}
+
+
+def reference_state(family: str = "llama3", seed: int = 0, n_layers: int = 2) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of a freshly initialised single-process model."""
+    cls, make_args, _ = FAMILIES[family]
+    with torch.device("meta"):
+        model = cls(make_args(n_layers))
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def batch(vocab_size: int, batch_size: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, SEQ_LEN + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into a (possibly sharded) model: each rank keeps its own shard."""
+    for name, param in model.named_parameters():
+        full = state[name]
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+
+
+def run_threads(world_size: int, fn) -> list:
+    """Run `fn()` on `world_size` thread ranks; return the per-rank results (rank order)."""
+    results: dict[int, object] = {}
+
+    def body(_self):
+        results[dist.get_rank()] = fn()
+
+    spawn_threads_and_init_comms(world_size=world_size)(body)(None)
+    return [results[r] for r in range(world_size)]
+
+
+def _process_entry(rank: int, world_size: int, init_file: str, fn, args, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        result = fn(*args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_processes(world_size: int, fn, *args) -> list:
+    """Run `fn(*args)` on `world_size` gloo processes (fn must be importable); results by rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "pg")
+        mp.spawn(_process_entry, args=(world_size, init_file, fn, args, tmp), nprocs=world_size)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                for r in range(world_size)]

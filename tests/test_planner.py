@@ -1,0 +1,344 @@
+"""Pod planner (trainer/planner.py, scripts/estimate.py).
+
+- Shard sizes from the real plan on a fake 64- and 1024-rank world equal a hand computation.
+- Per-rank parameter, gradient and AdamW bytes equal those of a real 4-rank run (thread ranks,
+  real `parallelize_model`, a real forward/backward and AdamW step), uneven shards included.
+- The analytic activation model equals the bytes a real CPU forward keeps for backward
+  (`measure_saved_bytes`) for Llama 3, Qwen 3 and Qwen 3 MoE, every AC mode, with and without TP.
+- Refusals (impossible degrees, TP not dividing heads, plans that do not fit) and the CLI.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
+
+from models import get_model_family
+from parallelisms.simple_fsdp import local_bytes
+from trainer import planner as P
+from trainer.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = get_model_family("llama3")
+QWEN = get_model_family("qwen3")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hand_local_numel(args, *, dp: int, tp: int) -> dict[str, int]:
+    """Rank 0's local elements of each Llama 3 parameter: TP splits first, then dp splits dim 0.
+
+    torch.chunk semantics: rank 0 gets ceil(n / parts) rows of an uneven split.
+    """
+    d, hd = args.dim, args.head_dim
+    q, kv, ffn, vocab = args.n_heads * hd, args.num_kv_heads * hd, args.ffn_hidden_dim, args.vocab_size
+    colwise = lambda out, inp: cdiv(cdiv(out, tp), dp) * inp  # noqa: E731  (Shard(0) on tp, then dp)
+    rowwise = lambda out, inp: cdiv(out, dp) * cdiv(inp, tp)  # noqa: E731  (Shard(1) on tp, dp on dim 0)
+    block = {
+        "attention_norm": cdiv(d, dp), "ffn_norm": cdiv(d, dp),
+        "wq": colwise(q, d), "wk": colwise(kv, d), "wv": colwise(kv, d), "wo": rowwise(d, q),
+        "w1": colwise(ffn, d), "w3": colwise(ffn, d), "w2": rowwise(d, ffn),
+    }
+    root = {"tok_embeddings": colwise(vocab, d), "norm": cdiv(d, dp), "output": colwise(vocab, d)}
+    return {"block": sum(block.values()), **{f"root.{k}": v for k, v in root.items()}, **block}
+
+
+# ------------------------------------------------------------------------------------ targets
+
+
+def test_targets_count_tensorcores_and_take_peaks_from_flops_table():
+    from trainer.flops import TPU_PEAK_TFLOPS
+
+    v7x = P.parse_target("v7x-1024")
+    assert (v7x.devices, v7x.chips, v7x.generation.hbm_gib_per_device) == (1024, 512, 96.0)
+    assert v7x.generation.peak_tflops == TPU_PEAK_TFLOPS["v7x"] == 2307 / 2
+    v5p = P.parse_target("v5p-1024")  # megacore: 2 TensorCores = 1 chip = 1 device
+    assert (v5p.devices, v5p.chips) == (512, 512)
+    v6e = P.parse_target("v6e-256")
+    assert (v6e.devices, v6e.chips, v6e.hbm_bytes) == (256, 256, 32 * 2**30)
+    assert P.parse_target("tpu7x-512").name == "v7x-512"
+    assert P.parse_target("h100-64").devices == 64 and P.parse_target("h100-64").generation.peak_tflops == 989
+    for bad in ("v6e", "v9-8", "v5p-3", "v7x-0", "tpu"):
+        with pytest.raises(ConfigError, match="--target"):
+            P.parse_target(bad)
+
+
+# ------------------------------------------------------------------------------------ shard sizes
+
+
+def test_llama3_8b_shards_on_fake_64_device_mesh_match_hand_computation():
+    args = LLAMA.flavors["8B"]
+    dims = P.make_parallel_dims(dp_replicate=1, dp_shard=16, tp=4, ep=1, world_size=64, args=args,
+                                shape=P.ModelShape.from_args(LLAMA, args), seq_len=8192)
+    with P.fake_process_group(64):
+        stats = P.shard_model(LLAMA, args, dims)
+        probed = P.shard_model(LLAMA, args, dims, probe=True)
+    shapes = stats.local_shapes
+    # wq (4096, 4096): 1024 rows per TP rank, 64 per dp shard; w2 (4096, 14336): TP splits the
+    # input dim (3584), dp the rows (256); embedding (128256, 4096): 32064 rows, then 2004.
+    assert shapes["layers.0.attention.wq.weight"] == (64, 4096)
+    assert shapes["layers.0.feed_forward.w2.weight"] == (256, 3584)
+    assert shapes["tok_embeddings.weight"] == (2004, 4096)
+    assert shapes["output.weight"] == (2004, 4096)
+    assert shapes["norm.weight"] == (256,)  # replicated over TP, sharded over dp
+    hand = hand_local_numel(args, dp=16, tp=4)
+    assert stats.blocks_numel == 32 * hand["block"]
+    assert stats.param_numel == 32 * hand["block"] + hand["root.tok_embeddings"] + hand["root.norm"] + hand["root.output"]
+    assert probed.param_numel == stats.param_numel
+    # One block after the dp all-gather: the TP-local block.
+    assert stats.block_gathered_numel == sum(hand_local_numel(args, dp=1, tp=4)[k] for k in
+                                             ("attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+    est = P.estimate(model="8B", target=P.parse_target("v6e-64"), shape=P.ModelShape.from_args(LLAMA, args),
+                     stats=stats, parallel_dims=dims, local_batch_size=1, seq_len=8192, ac_mode="full",
+                     loss_parallel=True, flops_per_token=1.0)
+    assert est.params == 4 * stats.param_numel and est.grads == est.params and est.optimizer == 2 * est.params
+
+
+def test_llama3_405b_on_fake_1024_ranks_takes_seconds_and_matches_hand_computation():
+    args = LLAMA.flavors["405B"]
+    target = P.parse_target("v7x-1024")
+    start = time.perf_counter()
+    est = P.plan_estimate(P.PlanInputs(family=LLAMA, args=args, model_name="405B", seq_len=8192, local_batch_size=1),
+                          target, tp=8, ac_mode="full", loss_parallel=True, probe=True)
+    elapsed = time.perf_counter() - start
+    hand = hand_local_numel(args, dp=128, tp=8)  # embedding rows: ceil(ceil(128256 / 8) / 128) = 126
+    expected = 126 * hand["block"] + hand["root.tok_embeddings"] + hand["root.norm"] + hand["root.output"]
+    assert hand["root.tok_embeddings"] == 126 * 16384
+    assert est.params == 4 * expected
+    assert est.fits and (est.dp_shard, est.tp) == (128, 8)
+    assert elapsed < 30, elapsed
+
+
+def _threads(world_size: int, fn) -> list:
+    """Run `fn()` on `world_size` thread ranks of the in-process "threaded" process group."""
+    results: dict[int, object] = {}
+
+    def body(_self):
+        results[dist.get_rank()] = fn()
+
+    spawn_threads_and_init_comms(world_size=world_size)(body)(None)
+    return [results[r] for r in range(world_size)]
+
+
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2)],
+                         ids=["fsdp2xtp2", "hsdp2x2"])
+def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
+    """Per rank: params, grads and AdamW state of a real run == the planner's numbers for that rank."""
+    from parallelisms.parallel_dims import ParallelDims, build_mesh
+    from parallelisms.parallelize import parallelize_model
+
+    # vocab 4099 splits unevenly (TP 2050/2049, then dp 1025/1025/1025/1024): ranks differ.
+    args = dataclasses.replace(LLAMA.flavors["debugmodel"], n_layers=2, vocab_size=4099, max_seq_len=32)
+    world = 4
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 4096, (2, 33), generator=g)
+
+    def rank_fn():
+        dims = ParallelDims(world_size=world, **degrees)
+        mesh = build_mesh(dims, "cpu")
+        with torch.device("meta"):
+            model = LLAMA.model_cls(args)
+        parallelize_model(model, plan=P.load_plan(LLAMA), parallel_dims=dims, mesh=mesh,
+                          param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        params = list(model.parameters())
+        state = [t for s in opt.state.values() for name, t in s.items() if name != "step"]
+        return local_bytes(params), local_bytes(p.grad for p in params), local_bytes(state)
+
+    measured = _threads(world, rank_fn)
+    shape = P.ModelShape.from_args(LLAMA, args)
+    planned = []
+    for rank in range(world):
+        dims = P.make_parallel_dims(world_size=world, ep=1, args=args, shape=shape, seq_len=32,
+                                    **{"dp_replicate": 1, "dp_shard": -1, "tp": 1, **degrees})
+        with P.fake_process_group(world, rank=rank):
+            stats = P.shard_model(LLAMA, args, dims)
+        est = P.estimate(model="debug", target=P.parse_target("v6e-4"), shape=shape, stats=stats, parallel_dims=dims,
+                         local_batch_size=2, seq_len=32, ac_mode="none", loss_parallel=False, flops_per_token=1.0)
+        planned.append((est.params, est.grads, est.optimizer))
+    assert planned == measured
+    assert len(set(planned)) > 1  # the uneven vocabulary split gives ranks different sizes
+    assert planned[0] == max(planned)  # rank 0, which the planner reports, holds the most
+
+
+# ------------------------------------------------------------------------------------ activations
+
+_ACT_CASES = [
+    ("llama3", "debugmodel", 1, 1, False),
+    ("llama3", "debugmodel", 4, 2, True),  # dp_shard 2 x tp 2, loss parallel
+    ("llama3", "debugmodel", 2, 2, False),  # tp 2, full-vocab logits on every TP rank
+    ("qwen3", "debugmodel", 1, 1, False),  # per-head q/k norms
+    ("qwen3", "debugmodel_moe", 1, 1, False),  # MoE blocks
+]
+
+
+@pytest.mark.parametrize("ac_mode", P.AC_MODES)
+@pytest.mark.parametrize("name,flavor,world,tp,loss_parallel", _ACT_CASES,
+                         ids=["llama", "llama-fsdp2-tp2-lp", "llama-tp2", "qwen3", "qwen3-moe"])
+def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, loss_parallel, ac_mode):
+    family = get_model_family(name)
+    batch, seq = 2, 64
+    args = dataclasses.replace(family.flavors[flavor], n_layers=2, max_seq_len=seq)
+    shape = P.ModelShape.from_args(family, args)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
+    with P.fake_process_group(world):
+        dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=tp, ep=1, world_size=world, args=args,
+                                    shape=shape, seq_len=seq)
+        stats = P.shard_model(family, args, dims)
+        est = P.estimate(model=name, target=P.parse_target("v6e-4"), shape=shape, stats=stats, parallel_dims=dims,
+                         local_batch_size=batch, seq_len=seq, ac_mode=ac_mode, loss_parallel=loss_parallel,
+                         flops_per_token=1.0)
+        # A real CPU model with the same plan; collectives of the fake group do not move data,
+        # which changes values, not the tensors autograd keeps.
+        model = P.build_parallel_model(family, args, dims, ac_mode=ac_mode, enable_loss_parallel=loss_parallel)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device("cpu"))
+        measured = P.measure_saved_bytes(model, tokens[:, :-1], tokens[:, 1:], loss_parallel=loss_parallel)
+    predicted = est.activations.total + est.saved_weights
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_activation_model_scales_with_batch_tp_and_ac():
+    shape = P.ModelShape.from_args(LLAMA, LLAMA.flavors["8B"])
+    kw = dict(seq_len=8192, loss_parallel=False)
+    one = P.activation_bytes(shape, local_batch_size=1, tp=1, ac_mode="full", **kw)
+    two = P.activation_bytes(shape, local_batch_size=2, tp=1, ac_mode="full", **kw)
+    assert two.total == 2 * one.total
+    # Full AC keeps each block's bf16 input: 2 bytes x dim per token.
+    assert one.per_block == 2 * 4096 * 8192
+    none = P.activation_bytes(shape, local_batch_size=1, tp=1, ac_mode="none", **kw)
+    sel = P.activation_bytes(shape, local_batch_size=1, tp=1, ac_mode="selective", **kw)
+    assert none.per_block > sel.per_block > one.per_block
+    lp = P.activation_bytes(shape, local_batch_size=1, tp=4, ac_mode="full", seq_len=8192, loss_parallel=True)
+    assert lp.loss == one.loss // 4  # vocab-sharded log-probs
+    assert one.loss == 4 * 8192 * 128256  # fp32 log-probs over the full vocabulary
+
+
+# ------------------------------------------------------------------------------------ refusals, recommend, CLI
+
+
+def _inputs(flavor="8B", seq=8192, batch=1, family=LLAMA):
+    return P.PlanInputs(family=family, args=family.flavors[flavor], model_name=flavor, seq_len=seq,
+                        local_batch_size=batch)
+
+
+def test_refuses_impossible_degrees_and_tp_not_dividing_heads():
+    target = P.parse_target("v6e-256")
+    with pytest.raises(ConfigError, match="product must equal the world size"):
+        P.plan_estimate(_inputs(), target, dp_shard=100, tp=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_degree: 3 does not divide the model's n_heads"):
+        P.plan_estimate(_inputs(), P.parse_target("h100-24"), tp=3)
+    with pytest.raises(ConfigError, match="MoE models"):
+        P.plan_estimate(_inputs("235B-A22B", 4096, family=QWEN), P.parse_target("v7x-512"), tp=2)
+
+
+def test_too_big_gives_a_clear_verdict_and_suggestions():
+    est = P.plan_estimate(_inputs("405B"), P.parse_target("v6e-64"), ac_mode="full", probe=True)
+    assert not est.fits
+    text = P.format_estimate(est)
+    assert "DOES NOT FIT" in text and f"over by {P.gib(est.total - est.usable)} GiB" in text
+    # 405B x 16 bytes / 64 devices alone is 94 GiB: no change of plan helps, more devices do.
+    fixes = P.suggest_fixes(_inputs("405B"), est)
+    assert len(fixes) == 1 and fixes[0].startswith("no plan fits v6e-64; about")
+    devices = int(fixes[0].split("about ")[1].split()[0])
+    assert devices >= 16 * 405e9 / (28.8 * 2**30)
+    # At tp 1 the 126 checkpointed block inputs alone exceed 28.8 GiB: more devices do not help.
+    assert P.devices_needed(est) == 0
+
+
+def test_recommend_prefers_pure_fsdp_then_adds_tp():
+    best = next(c for c in P.recommend(_inputs("8B"), P.parse_target("v6e-256")) if c.fits)
+    assert (best.tp, best.dp_replicate, best.dp_shard) == (1, 1, 256)
+    # 16 GiB v5e: no pure-FSDP plan fits 8B at seq 8192 (full-vocab fp32 logits), TP 2 does.
+    cands = P.recommend(_inputs("8B"), P.parse_target("v5e-256"))
+    assert not any(c.fits for c in cands if c.tp == 1)
+    best = cands[0]
+    assert best.fits and best.tp == 2 and best.loss_parallel
+    assert all(not c.fits or P.preference_key(best) <= P.preference_key(c) for c in cands)
+
+
+def run_cli(*argv):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    return subprocess.run([sys.executable, "scripts/estimate.py", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_invalid_plan_is_one_error_line_and_exit_2():
+    r = run_cli("--model", "llama3", "--flavor", "8B", "--target", "h100-24", "--tp", "3")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: parallelism.tensor_parallel_degree: 3")
+
+
+def test_cli_errors_in_process(capsys):
+    from scripts.estimate import main
+
+    assert main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256",
+                 "--parallelism.data_parallel_shard_degree=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: parallelism:") and "the world size is 256" in err
+    assert main(["--model", "llama3", "--flavor", "8B"]) == 2
+    assert capsys.readouterr().err.startswith("error: --target: required")
+    assert main(["--model", "llama3", "--flavor", "9B", "--target", "v6e-8"]) == 2
+    assert "model.flavor" in capsys.readouterr().err
+    assert main(["--target", "v6e-8", "--bogus"]) == 2
+    assert "unrecognized argument" in capsys.readouterr().err
+
+
+def test_cli_does_not_fit_prints_table_and_exits_1(capsys):
+    from scripts.estimate import main
+
+    rc = main(["--model", "llama3", "--flavor", "70B", "--target", "v6e-256", "--seq-len", "8192",
+               "--local-batch", "1", "--ac", "none"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "DOES NOT FIT" in out and "parameters (fp32 master shards)" in out and "suggestions:" in out
+
+
+def test_cli_recommend_writes_csv(tmp_path, capsys):
+    from scripts.estimate import main
+
+    path = tmp_path / "plans.csv"
+    rc = main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--seq-len", "8192", "--recommend",
+               "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "recommended" in out and "tensor_parallel_degree = 1" in out
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) > 50 and set(P.CSV_FIELDS) == set(rows[0])
+    assert any(r["fits"] == "True" for r in rows) and any(r["fits"] == "False" for r in rows)
+
+
+@pytest.mark.parametrize("recipe,target", [("llama3_8b_v6e", "v6e-256"), ("llama3_70b_v6e", "v6e-256"),
+                                           ("llama3_405b_v7x", "v7x-512"), ("llama3_405b_v7x", "v7x-1024")])
+def test_shipped_pod_recipes_fit_their_targets(recipe, target):
+    from trainer.config import build_config, resolve_model_args
+
+    cfg = build_config(os.path.join(ROOT, "configs", f"{recipe}.toml"))
+    family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    p = cfg.parallelism
+    est = P.plan_estimate(
+        P.PlanInputs(family=family, args=args, model_name=recipe, seq_len=cfg.training.seq_len,
+                     local_batch_size=cfg.training.local_batch_size),
+        P.parse_target(target), dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree, tp=p.tensor_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
+        loss_parallel=p.enable_loss_parallel, probe=True)
+    assert est.fits, P.format_estimate(est)
