@@ -52,6 +52,11 @@ class GraphStep:
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
         self._has_aux = _has_moe(model) and hasattr(model, "moe_aux_loss")
+        # MoE layers keep their last losses as module attributes (part of the autograd graph);
+        # the step detaches them before the backward, or they would leave the graph holding
+        # grad_fns that autograd.grad consumed.
+        self._moe_loss_attrs = [(m, a) for m in model.modules() if type(m).__name__ == "MoE"
+                                for a in ("aux_loss", "z_loss") if hasattr(m, a)]
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         step_fn = self._step
@@ -122,6 +127,8 @@ class GraphStep:
                 aux = self.model.moe_aux_loss()
                 loss = lm + self.aux_loss_coef * aux
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+            for module, attr in self._moe_loss_attrs:
+                setattr(module, attr, getattr(module, attr).detach())
             mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
             grads = list(mb_grads) if grads is None else [
                 b if a is None else (a if b is None else a + b) for a, b in zip(grads, mb_grads)]
