@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.moe import MoE
 from trainer.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
@@ -55,7 +56,7 @@ class GraphStep:
         # MoE layers keep their last losses as module attributes (part of the autograd graph);
         # the step detaches them before the backward, or they would leave the graph holding
         # grad_fns that autograd.grad consumed.
-        self._moe_loss_attrs = [(m, a) for m in model.modules() if type(m).__name__ == "MoE"
+        self._moe_loss_attrs = [(m, a) for m in model.modules() if isinstance(m, MoE)
                                 for a in ("aux_loss", "z_loss") if hasattr(m, a)]
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
