@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -59,10 +60,32 @@ class GatherSequenceInput(ParallelStyle):
         return module
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """Vocab-sharded embedding whose sequence-sharded output is a plain tensor.
+
+    RowwiseParallel's reduce-scatter is asynchronous and its output an
+    AsyncCollectiveTensor; fed as input to a compiled block, AOTAutograd returns its
+    gradient as a plain tensor where DTensor's redistribute backward needs a DTensor. The
+    wait here is free (the next block needs the value anyway) and keeps autograd.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=Replicate(), output_layouts=Shard(1))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_hook(lambda mod, args, out: _wait(out))
+        return module
+
+
+def _wait(tensor):
+    return funcol.wait_tensor(tensor) if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+
+
 def style_for(style: str, *, enable_loss_parallel: bool = False) -> ParallelStyle:
     """The parallel style object of one plan entry (see models/common/plan.py)."""
     if style == "embedding":
-        result = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        result = EmbeddingParallel()
     elif style == "colwise":
         result = ColwiseParallel()
     elif style == "rowwise":

@@ -77,8 +77,9 @@ def _eager_and_compiled(degrees, backend, how):
     return rel_diff(compiled[0], eager[0]), grad_diff, compiled[2]
 
 
-def test_per_block_compile_matches_eager():
-    for loss_diff, grad_diff, _ in run_processes(2, _eager_and_compiled, dict(dp_shard=2), "aot_eager", "blocks"):
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(dp_shard=1, tp=2)])
+def test_per_block_compile_matches_eager(degrees):
+    for loss_diff, grad_diff, _ in run_processes(2, _eager_and_compiled, degrees, "aot_eager", "blocks"):
         assert loss_diff < 1e-6 and grad_diff < 1e-5
 
 

@@ -31,10 +31,15 @@ PLAN = ModelPlan(
         "feed_forward.w2": "rowwise",
         "feed_forward.w3": "colwise",
     },
-    # --- EP entries (owned by parallelisms/expert_parallel.py; to be filled in) -------------
-    # MoE blocks (`moe.router.gate`, `moe.experts.{w1,w2,w3}`) get no TP entry: with tp > 1
-    # the MoE layer sees sequence-sharded tokens, so its parameters need gradients summed
-    # over the TP ranks too, which the expert mesh (efsdp x ep, carved out of dp_shard x tp)
-    # provides. Until expert parallelism lands, Qwen 3 MoE runs with tp = 1.
-    ep_block={},
+    # --- EP entries (owned by parallelisms/expert_parallel.py) -----------------------------
+    # MoE blocks (`moe.router.gate`, `moe.experts.{w1,w2,w3}`) get no TP entry. The experts
+    # are split over the `ep` axis and FSDP-sharded over the expert mesh (efsdp x ep, carved
+    # out of dp_shard x tp); with tp > 1 the MoE layer takes the rank's sequence shard of
+    # tokens as a plain tensor and the router weight is replicated over TP with its gradient
+    # summed over the TP ranks. Styles: parallelisms/expert_parallel.py.
+    ep_block={
+        "moe": "moe",
+        "moe.router.gate": "router",
+        "moe.experts": "experts",
+    },
 )

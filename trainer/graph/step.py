@@ -17,7 +17,9 @@ grad_norm)` (mean LM loss over the micro-batches, global gradient norm before cl
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -60,7 +62,7 @@ class GraphStep:
                                 for a in ("aux_loss", "z_loss") if hasattr(m, a)]
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
-        step_fn = self._step
+        step_fn = _own_code(self._step)
         if backend == "tpu":
             from trainer.graph.tpu import spmd_safe
 
@@ -142,6 +144,21 @@ class GraphStep:
                               slot.step, lr=lr, **self._hyper[slot.group])
         aux_mean = aux_total / n if aux_total is not None else None
         return lm_total / n, grad_norm, aux_mean
+
+
+_STEP_IDS = itertools.count()
+
+
+def _own_code(method):
+    """`method` with a code object of its own.
+
+    Dynamo caches compiled code per code object and guards on `self`; a second GraphStep in
+    the same process (tests, benchmarks) would otherwise count as a recompile of the first.
+    """
+    fn = method.__func__
+    code = fn.__code__.replace(co_name=f"graph_step_{next(_STEP_IDS)}")
+    return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                                               fn.__closure__), method.__self__)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,262 @@
+"""Expert parallelism (EP) for dropless top-k MoE layers, from a model's plan.
+
+`apply_ep` reads `ModelPlan.ep_block` (paths relative to each block; entries for modules a
+block lacks are skipped, so one plan covers dense and MoE blocks) and applies these styles:
+
+- "experts": a grouped-experts module (models/common/moe.py `GroupedExperts` contract: stacked
+  weights with the expert on dim 0, `forward(x [N, dim] sorted by expert, num_tokens_per_expert
+  [E]) -> [N, dim]`). Its weights are split by expert over the `ep` mesh axis and then sharded
+  by SimpleFSDP over the data-parallel ranks left (`efsdp`, and replicated on `dp_replicate`),
+  on the expert mesh `("dp_replicate", "efsdp", "ep")` of `build_ep_mesh`. Its forward is
+  wrapped: *dispatch* sends every token copy to the rank that owns its expert and *combine*
+  brings the results back, both with `all_to_all_single_autograd` of torch's functional
+  collectives, after an all-to-all of the per-expert counts gives the (variable, possibly
+  zero) split sizes. Nothing is dropped or padded.
+- "moe": the MoE layer around the experts. With tensor parallelism its input is the
+  sequence-sharded residual stream, a DTensor; the layer takes the rank's own tokens as a
+  plain tensor (and returns plain, sequence-sharded output, like a rowwise projection). The
+  auxiliary losses it stores (`aux_loss`, `z_loss`) are then per-rank statistics of a
+  sequence shard whose gradients are summed over the TP ranks, so their gradients are
+  scaled by 1/tp: the TP group trains on the mean of its shards' losses.
+- "router": a per-token linear layer inside the MoE (the router gate). With tensor
+  parallelism its weight is replicated over the TP ranks, which see different tokens, so
+  its gradient is summed over them (sequence parallelism along the token dim 0).
+
+Without tensor parallelism "moe" and "router" change nothing; the router weight is then an
+ordinary data-parallel parameter.
+
+Gradient scale of the experts: SimpleFSDP averages gradients over the expert mesh's data
+axes (`dp_replicate x efsdp` ranks), while an expert's local gradient already sums the token
+contributions of its whole EP group (the all-to-all backward brings them in) and, with TP,
+each TP rank holds only its own tokens' share. The local gradients are multiplied by
+`tp / ep` so that expert gradients equal the data-parallel mean, exactly as a run without EP.
+
+The module paths and state-dict keys do not change: the expert module keeps its class
+family (SimpleFSDP's subclass, subclassed once more for the EP forward) and its
+parameters, which are DTensors of the full `[E, ...]` shape, so checkpoints load across EP
+degrees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+from models.common.plan import ModelPlan
+from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
+from parallelisms.simple_fsdp import data_parallel, is_data_parallel
+
+__all__ = ["EP_STYLES", "apply_ep", "dispatch_combine", "is_expert_parallel"]
+
+EP_STYLES = ("experts", "moe", "router")
+
+
+def apply_ep(
+    model: nn.Module,
+    *,
+    plan: ModelPlan,
+    parallel_dims: ParallelDims,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Apply the plan's EP styles to every block of `model` in place; returns the model.
+
+    Runs after TP and before activation checkpointing, compile and SimpleFSDP (see
+    parallelize.py). `mesh` is the world mesh `("dp_replicate", "dp_shard", "tp")`; the
+    expert weights are made data parallel here, on the expert mesh, and the final
+    `data_parallel(model, ...)` leaves them alone. `ep == 1` is allowed (useful with TP:
+    experts stay whole and are sharded over `dp_shard x tp`).
+    """
+    for style in plan.ep_block.values():
+        assert style in EP_STYLES, f"plan: unknown EP style {style!r}"
+    expert_mesh = build_ep_mesh(parallel_dims, mesh)
+    tp_mesh = mesh["tp"] if parallel_dims.tp_enabled else None
+    # See the module docstring (gradient scale of the experts).
+    grad_scale = parallel_dims.tp / parallel_dims.ep
+    for block in getattr(model, plan.block).values():
+        for path, style in plan.ep_block.items():
+            module = _submodule(block, path)
+            if module is None:
+                continue
+            if style == "experts":
+                _shard_experts(module, expert_mesh=expert_mesh, grad_scale=grad_scale,
+                               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+            elif tp_mesh is not None and style == "moe":
+                module.register_forward_pre_hook(_local_tokens)
+                module.register_forward_hook(_scale_loss_grads(1.0 / parallel_dims.tp))
+            elif tp_mesh is not None and style == "router":
+                router = SequenceParallel(sequence_dim=0, use_local_output=True)
+                # Every rank holds the same (meta or seeded) weights: no broadcast.
+                router.src_data_rank = None
+                parallelize_module(module, tp_mesh, router)
+    return model
+
+
+def is_expert_parallel(module: nn.Module) -> bool:
+    """True if `apply_ep` wrapped this module's forward ("experts" style)."""
+    return hasattr(type(module), "_ep_base")
+
+
+# --- dispatch and combine -------------------------------------------------------------------
+
+
+def dispatch_combine(
+    x: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    experts_fn,
+    ep_mesh: DeviceMesh,
+) -> torch.Tensor:
+    """Run `experts_fn` on the ranks that own the experts and return its rows here.
+
+    `x` [N, dim] holds this rank's token copies sorted by (global) expert, and
+    `num_tokens_per_expert` [E] their counts; rank `r` of the 1-D `ep_mesh` owns experts
+    `r * E/ep ... (r + 1) * E/ep - 1`. `experts_fn(x_local, num_tokens_per_local_expert)`
+    computes the local experts on rows sorted by local expert. Returns [N, dim] in the
+    order of `x`. Differentiable (the backward is the reverse all-to-all pair).
+    """
+    ep = ep_mesh.size()
+    num_experts = num_tokens_per_expert.numel()
+    assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
+    num_local = num_experts // ep
+    # 1. Exchange counts: afterwards row r of `counts_recv` holds what rank r sends to each of
+    #    this rank's experts (the equal-split all-to-all of the [ep, num_local] count table).
+    counts_recv = funcol.all_to_all_single(num_tokens_per_expert, None, None, group=ep_mesh)
+    counts_recv = counts_recv.view(ep, num_local)
+    send_per_rank = num_tokens_per_expert.view(ep, num_local).sum(dim=1)
+    recv_per_rank = counts_recv.sum(dim=1)
+    # The split sizes must be host ints (one sync for both; under torch.compile they become
+    # unbacked SymInts, which needs torch._dynamo.config.capture_scalar_outputs).
+    splits = torch.cat([send_per_rank, recv_per_rank]).tolist()
+    input_splits, output_splits = splits[:ep], splits[ep:]
+    # 2. Dispatch. Rows arrive grouped by (source rank, local expert).
+    x_recv = funcol.all_to_all_single_autograd(x, output_splits, input_splits, group=ep_mesh)
+    # 3. Regroup by local expert (stable: within an expert, source rank then token order).
+    local_ids = torch.arange(num_local, device=x.device).repeat(ep)
+    expert_of_row = torch.repeat_interleave(local_ids, counts_recv.reshape(-1),
+                                            output_size=x_recv.shape[0])
+    order = torch.argsort(expert_of_row, stable=True)
+    out = experts_fn(x_recv[order], counts_recv.sum(dim=0))
+    # Undo the regrouping with a gather (deterministic, unlike a scatter-add).
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device))
+    out = out[inverse]
+    # 4. Combine: the reverse all-to-all returns every row to the rank it came from.
+    return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group=ep_mesh)
+
+
+# --- "experts" style ------------------------------------------------------------------------
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by a constant."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
+
+
+def _local_weight_property(name: str, base: type) -> property:
+    gathered = getattr(base, name)
+    assert isinstance(gathered, property), f"{base.__name__}.{name} is not a SimpleFSDP property"
+
+    def getter(self: nn.Module) -> torch.Tensor:
+        # SimpleFSDP gives the full-on-dp, compute-dtype DTensor on the ep axis (Shard(0));
+        # the experts compute with this rank's experts only. to_local's backward hands the
+        # local gradient back as the Shard(0) gradient: no communication on ep.
+        weight = gathered.fget(self)
+        if isinstance(weight, DTensor):
+            weight = weight.to_local()
+        return _scale_grad(weight, self._ep_grad_scale)
+
+    return property(getter)
+
+
+def _ep_class(base: type, names: tuple[str, ...]) -> type:
+    """Subclass of the SimpleFSDP class `base` whose forward dispatches tokens over ep."""
+
+    def forward(self: nn.Module, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        compute = lambda rows, counts: base.forward(self, rows, counts)  # noqa: E731
+        if self._ep_mesh.size() == 1:
+            return compute(x, num_tokens_per_expert)
+        return dispatch_combine(x, num_tokens_per_expert, compute, self._ep_mesh)
+
+    attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
+    attrs.update(forward=forward, _ep_base=base)
+    return type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
+
+
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _shard_experts(
+    module: nn.Module,
+    *,
+    expert_mesh: DeviceMesh,
+    grad_scale: float,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+) -> None:
+    assert not is_data_parallel(module), "apply_ep must run before data_parallel"
+    ep_mesh = expert_mesh["ep"]
+    names = tuple(name for name, p in module._parameters.items() if p is not None)
+    for name in names:
+        param = module._parameters[name]
+        assert not isinstance(param, DTensor), f"expert weight {name} is already sharded"
+        assert param.shape[0] % ep_mesh.size() == 0, (
+            f"{name}: {param.shape[0]} experts do not split over ep={ep_mesh.size()}")
+        # src_data_rank=None: every rank cuts its experts from its own (identical) copy.
+        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+        module._parameters[name] = nn.Parameter(sharded, param.requires_grad)
+    # SimpleFSDP on the expert mesh: Shard(0) of the local experts over efsdp, replicated
+    # over dp_replicate; the stored DTensor spans (efsdp, ep) with the full [E, ...] shape.
+    data_parallel(module, mesh=expert_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                  replicate_axis="dp_replicate", shard_axis="efsdp")
+    base = type(module)
+    key = (base, names)
+    if key not in _CLASS_CACHE:
+        _CLASS_CACHE[key] = _ep_class(base, names)
+    module.__class__ = _CLASS_CACHE[key]
+    module._ep_mesh = ep_mesh
+    module._ep_grad_scale = grad_scale
+
+
+# --- "moe" style (tensor parallelism only) --------------------------------------------------
+
+
+def _local_tokens(module: nn.Module, args: tuple) -> tuple:
+    """The sequence-sharded DTensor input becomes this rank's tokens (grad stays Shard(1))."""
+    x, *rest = args
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    return (x, *rest)
+
+
+def _scale_loss_grads(scale: float):
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        for attr in ("aux_loss", "z_loss"):
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                setattr(module, attr, _scale_grad(value, scale))
+
+    return hook
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
