@@ -2,7 +2,8 @@
 
 Order (each step relies on the previous ones):
 1. Tensor parallelism (`apply_tp`): parameters become TP DTensors on the `tp` axis.
-2. Expert parallelism (`parallelisms.expert_parallel.apply_ep`, when `ep > 1`).
+2. Expert parallelism (`parallelisms.expert_parallel.apply_ep`, when `ep > 1`, or with
+   `tp > 1` when the plan has EP entries: they also make MoE layers TP-aware).
 3. Activation checkpointing (`apply_ac`): wraps each block's forward.
 4. Per-block torch.compile (`apply_compile`): compiles the (checkpointed) blocks; the
    compile is lazy, so it traces the SimpleFSDP gathers added next.
@@ -54,16 +55,12 @@ def parallelize_model(
         enable_loss_parallel = False  # nothing is vocab-sharded without TP
     if parallel_dims.tp_enabled:
         apply_tp(model, plan=plan, tp_mesh=mesh["tp"], enable_loss_parallel=enable_loss_parallel)
-    if parallel_dims.ep_enabled:
-        try:
-            from parallelisms import expert_parallel
-        except ImportError as exc:
-            raise ConfigError(
-                "parallelism.expert_parallel_degree: expert parallelism is not available "
-                "yet; allowed: 1"
-            ) from exc
-        expert_parallel.apply_ep(model, plan=plan, parallel_dims=parallel_dims, mesh=mesh,
-                                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # EP styles also carry the MoE layers' TP handling, so they apply with ep = 1 under TP.
+    if parallel_dims.ep_enabled or (parallel_dims.tp_enabled and plan.ep_block):
+        from parallelisms.expert_parallel import apply_ep
+
+        apply_ep(model, plan=plan, parallel_dims=parallel_dims, mesh=mesh,
+                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if parallel_dims.tp_enabled:
         _check_block_params_sharded(model, plan)
     apply_ac(model, plan=plan, mode=ac_mode)

@@ -105,7 +105,8 @@ def test_mesh_size_must_match_process_group(fake_world):
 
 
 def test_tp_needs_every_block_parameter_in_the_plan():
-    """Qwen 3 MoE blocks have no TP entries (EP owns them): tp > 1 is a clear ConfigError."""
+    """A block parameter without a TP (or EP) style under tp > 1 is a clear ConfigError:
+    here Qwen 3 MoE blocks with the plan's EP entries removed."""
     import dataclasses as dc
 
     import torch
@@ -116,13 +117,14 @@ def test_tp_needs_every_block_parameter_in_the_plan():
     from tests.test_parallel_harness import run_threads
 
     args = dc.replace(QWEN3["debugmodel_moe"], n_layers=1, max_seq_len=16)
+    plan = dc.replace(PLAN, ep_block={})
 
     def rank_fn():
         dims = ParallelDims(dp_shard=1, tp=2, world_size=2)
         with torch.device("meta"):
             model = Transformer(args)
         try:
-            parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=build_mesh(dims, "cpu"))
+            parallelize_model(model, plan=plan, parallel_dims=dims, mesh=build_mesh(dims, "cpu"))
         except ConfigError as exc:
             return str(exc)
         return None

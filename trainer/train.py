@@ -72,13 +72,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def build_step(model, optimizer, *, cfg: Config, plan, device: torch.device, dump_folder: str):
+def loss_context(loss_parallel: bool):
+    from parallelisms import loss_parallel_context
+
+    return loss_parallel_context(loss_parallel)
+
+
+def build_step(model, optimizer, *, cfg: Config, plan, device: torch.device, dump_folder: str,
+               loss_parallel: bool):
     from parallelisms import clip_grad_norm_
     from trainer.step import EagerStep
 
     if cfg.compile.mode != "graph":
         return EagerStep(model=model, optimizer=optimizer, max_norm=cfg.training.max_norm,
-                         aux_loss_coef=cfg.training.aux_loss_coef, clip_grad_norm=clip_grad_norm_)
+                         aux_loss_coef=cfg.training.aux_loss_coef, clip_grad_norm=clip_grad_norm_,
+                         loss_context=lambda: loss_context(loss_parallel))
     from trainer.graph import build_graph_step
 
     dump = os.path.join(dump_folder, cfg.compile.dump_graph) if cfg.compile.dump_graph else None
@@ -105,15 +113,16 @@ def _global_mean(t: torch.Tensor) -> float:
     return t.item()
 
 
-def _validate(model, *, build_loader, steps: int, device: torch.device) -> float:
-    from trainer.step import lm_loss
+def _validate(model, *, build_loader, steps: int, device: torch.device, loss_parallel: bool) -> float:
+    from trainer.step import lm_loss, local_scalar
 
     # A held-out split may hold fewer than `steps` micro-batches per rank; every rank gets the
     # same count (windows are dealt in groups of dp_degree x batch), so collectives stay matched.
     total, count = torch.zeros(()), 0
-    with torch.no_grad():
+    with torch.no_grad(), loss_context(loss_parallel):
         for _, (inputs, labels) in zip(range(steps), build_loader()):
-            total += lm_loss(model(inputs.to(device)), labels.to(device)).float().cpu()
+            loss = lm_loss(model(inputs.to(device)), labels.to(device))
+            total += local_scalar(loss).float().cpu()
             count += 1
     return _global_mean(total / max(count, 1))
 
@@ -145,7 +154,7 @@ def train(cfg: Config) -> int:
         ep=p.expert_parallel_degree,
         world_size=info.world_size,
     )
-    parallel_dims.validate_for_model(args)
+    parallel_dims.validate_for_model(args, seq_len=cfg.training.seq_len)
     mesh = build_mesh(parallel_dims, device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank(mesh), parallel_dims.dp_degree
 
@@ -206,7 +215,9 @@ def train(cfg: Config) -> int:
         with open(os.path.join(dump_folder, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
 
-    step_fn = build_step(model, optimizer, cfg=cfg, plan=plan, device=device, dump_folder=dump_folder)
+    loss_parallel = cfg.parallelism.enable_loss_parallel and parallel_dims.tp_enabled
+    step_fn = build_step(model, optimizer, cfg=cfg, plan=plan, device=device, dump_folder=dump_folder,
+                         loss_parallel=loss_parallel)
 
     # -- metrics
     num_matmul = args.num_active_params(exclude_embedding=True) if hasattr(args, "num_active_params") \
@@ -214,7 +225,9 @@ def train(cfg: Config) -> int:
     fpt = flops_per_token(num_matmul_params=num_matmul, n_layers=args.n_layers, n_heads=args.n_heads,
                           head_dim=args.head_dim, seq_len=cfg.training.seq_len)
     peak, peak_name = peak_flops_per_device(device, _dtype(cfg.training.mixed_precision_param))
-    tokens_per_step = cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+    # Per device: TP ranks share their dp rank's tokens (TorchTitan's convention).
+    tokens_per_step = (cfg.training.local_batch_size * cfg.training.seq_len
+                       * cfg.training.gradient_accumulation_steps / parallel_dims.non_data_parallel_size)
     logger = MetricsLogger(dump_folder=dump_folder, log_freq=cfg.metrics.log_freq,
                            enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=cfg.training.steps,
                            is_rank0=is_rank0, start_step=start_step, device=device,
@@ -255,7 +268,7 @@ def train(cfg: Config) -> int:
                 extra_first = None
             if build_val_loader is not None and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
                 values["val_loss"] = _validate(model, build_loader=build_val_loader, steps=cfg.validation.steps,
-                                               device=device)
+                                               device=device, loss_parallel=loss_parallel)
             logger.log(step, tokens=tokens_per_step, **values)
             manager.maybe_save(step, states, force=step == cfg.training.steps)
     finally:

@@ -147,7 +147,8 @@ class Decoder(nn.Module):
         return self._sum_moe_losses("z_loss")
 
     def _sum_moe_losses(self, name: str) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=self.norm.weight.device)
+        # rope_cos, not a parameter: under SimpleFSDP a parameter access is an all-gather.
+        total = torch.zeros((), dtype=torch.float32, device=self.rope_cos.device)
         for block in self.layers.values():
             if block.is_moe:
                 loss = getattr(block.moe, name)

@@ -108,10 +108,12 @@ class BlockStack(nn.ModuleDict):
         fixed = 0
         with torch.no_grad():
             for name, stack in self._scan.stacked.items():
+                base, row_bytes = stack.data_ptr(), stack.stride(0) * stack.element_size()
                 for i, t in enumerate(self._scan.members[name]):
                     local = _local(t)
-                    row = stack[i]
-                    if local.data_ptr() != row.data_ptr() or local.shape != row.shape:
+                    # Pointer arithmetic, not stack[i]: this runs every step, for every row.
+                    if local.data_ptr() != base + i * row_bytes or local.shape != stack.shape[1:]:
+                        row = stack[i]
                         row.copy_(local)
                         local.data = row
                         fixed += 1

@@ -114,15 +114,15 @@ class AdamWSlots:
         fixed = 0
         with torch.no_grad():
             for name, (_, members) in self._stacked.items():
-                exp_avg, exp_avg_sq, step = self._stack_state[name]
-                for i, p in enumerate(members):
-                    state = self.optimizer.state[p]
-                    for key, stack in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("step", step)):
-                        t = state[key]
-                        local = _local(t)
-                        if local.data_ptr() != stack[i].data_ptr():
-                            stack[i].copy_(local)
-                            local.data = stack[i]
+                for key, stack in zip(("exp_avg", "exp_avg_sq", "step"), self._stack_state[name]):
+                    base, row_bytes = stack.data_ptr(), stack.stride(0) * stack.element_size()
+                    for i, p in enumerate(members):
+                        local = _local(self.optimizer.state[p][key])
+                        # Pointer arithmetic, not stack[i]: this runs every step, for every row.
+                        if local.data_ptr() != base + i * row_bytes or local.shape != stack.shape[1:]:
+                            row = stack[i]
+                            row.copy_(local)
+                            local.data = row
                             fixed += 1
         return fixed
 

@@ -112,6 +112,8 @@ class GraphStep:
             raise RuntimeError(f"graph step recompiled ({self.capture.num_graphs} graphs); the step's inputs "
                                "must keep their shapes and dtypes from step to step")
         self.slots.set_lr(lr)
+        # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
+        self.optimizer._opt_called = True
         self.last_aux_loss = aux
         return loss, grad_norm
 
