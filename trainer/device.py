@@ -12,6 +12,7 @@ import os
 import random
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,16 @@ def init_distributed(device: torch.device) -> DistInfo:
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
     backend = BACKENDS[device.type]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend=backend)
+        else:
+            # After a torchrun restart, keys of the failed attempt can still be in the store;
+            # gloo then reads a dead peer's address. A per-attempt key prefix keeps rounds apart.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"titan/attempt_{restart}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     else:
         fd, path = tempfile.mkstemp(prefix="titan-pg-")
         os.close(fd)

@@ -140,7 +140,7 @@ def graph_text(gm: fx.GraphModule, stats: GraphStats | None = None) -> str:
                                     colored=False)
 
 
-_SOURCE_LINE = re.compile(r"^\s*# (File: |No stacktrace found)")
+_SOURCE = re.compile(r"\s*(File: .*|No stacktrace found.*)$")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
@@ -149,8 +149,12 @@ def normalized_graph_text(gm: fx.GraphModule) -> str:
     lines = []
     for line in gm.print_readable(print_output=False, include_stride=True, include_device=False,
                                   colored=False).splitlines():
-        if _SOURCE_LINE.match(line):
-            continue
+        if line.lstrip().startswith("#"):
+            # Comments carry node annotations (recompute tags) and source locations: keep
+            # the former, drop the latter (they move whenever an unrelated line moves).
+            line = _SOURCE.sub("", line)
+            if line.strip() in ("#", "# -", ""):
+                continue
         line = _ADDRESS.sub("0x?", line.rstrip())
         if line.strip() == "" and lines and lines[-1] == "":
             continue

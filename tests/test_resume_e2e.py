@@ -1,0 +1,120 @@
+"""Checkpoints across meshes and torchrun fault tolerance, end to end through `trainer.train`.
+
+- A checkpoint written by 4 ranks (dp_shard=4) resumes on dp_shard=2 x tp=2 and on 1 process,
+  and steps 4..6 follow the uninterrupted run (fp32; summation order only: asserted < 1e-5).
+- `torchrun --max-restarts=1`: SIGKILL one worker mid-run; the job restarts from the newest
+  checkpoint and ends with the uninterrupted run's final loss.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GLOBAL_BATCH = 4
+COMMON = [
+    "--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
+    "--metrics.log_freq=1", "--validation.enable=false", "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false", "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def command(folder, nproc, *, dp_shard=None, tp=1, steps, interval, extra_launcher=()):
+    dp = nproc // tp
+    args = [*COMMON, f"--job.dump_folder={folder}", f"--training.steps={steps}",
+            f"--checkpoint.interval={interval}", f"--training.local_batch_size={GLOBAL_BATCH // dp}",
+            f"--parallelism.data_parallel_shard_degree={dp_shard or dp}",
+            f"--parallelism.tensor_parallel_degree={tp}"]
+    if nproc == 1:
+        return [sys.executable, "-m", "trainer.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *extra_launcher,
+            f"--nproc_per_node={nproc}", "-m", "trainer.train", *args]
+
+
+def run(cmd):
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def losses(folder):
+    """Last record per step (a restarted run appends the steps it redoes)."""
+    out = {}
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            out[r["step"]] = r["loss"]
+    return out
+
+
+def test_checkpoint_from_one_mesh_resumes_on_others(tmp_path):
+    full = tmp_path / "dp4"
+    run(command(full, 4, steps=6, interval=3))
+    want = losses(full)
+    for name, nproc, tp in [("dp2_tp2", 4, 2), ("single", 1, 1)]:
+        folder = tmp_path / name
+        shutil.copytree(full / "checkpoints" / "step-3", folder / "checkpoints" / "step-3")
+        run(command(folder, nproc, tp=tp, steps=6, interval=3))
+        got = losses(folder)
+        assert sorted(got) == [4, 5, 6], name
+        worst = max(abs(got[s] - want[s]) / want[s] for s in (4, 5, 6))
+        print(f"{name}: max relative loss difference vs dp_shard=4 {worst:.2e}")
+        assert worst < 1e-5, name
+
+
+def _worker_pids(parent: int) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == parent and b"trainer.train" in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def test_torchrun_restarts_from_newest_checkpoint_after_a_killed_worker(tmp_path):
+    steps = 40
+    ref = tmp_path / "ref"
+    run(command(ref, 2, steps=steps, interval=4))
+    folder = tmp_path / "killed"
+    log = open(tmp_path / "torchrun.log", "w+")
+    proc = subprocess.Popen(command(folder, 2, steps=steps, interval=4,
+                                    extra_launcher=("--max-restarts=1",)),
+                            cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
+    killed = None
+    deadline = time.time() + 300
+    while killed is None and proc.poll() is None and time.time() < deadline:
+        if (folder / "checkpoints" / "step-8").is_dir():
+            workers = _worker_pids(proc.pid)
+            if workers:
+                killed = workers[-1]
+                os.kill(killed, signal.SIGKILL)
+                break
+        time.sleep(0.05)
+    proc.wait(timeout=600)
+    log.seek(0)
+    out = log.read()
+    assert killed is not None, "the run ended before a worker could be killed:\n" + out[-2000:]
+    assert proc.returncode == 0, out[-3000:]
+    got, want = losses(folder), losses(ref)
+    assert max(got) == steps
+    assert got[steps] == pytest.approx(want[steps], rel=1e-6)
+    # The restart really resumed from a checkpoint: its start-up banner names the first step.
+    starts = [int(m) for m in re.findall(r"steps (\d+)\.\.40", out)]
+    assert starts[0] == 1 and len(starts) == 2 and starts[1] > 1, starts
