@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from models.common.moe import MoE, load_balance_loss
