@@ -153,3 +153,26 @@ def test_inductor_scan_matches_eager():
     # Inductor fuses and reorders float math; measured 1.3e-5 after 5 steps (eps 1e-8).
     assert max_param_diff(ref_model, model) <= 1e-4
     assert step.capture.num_graphs == 1 and step.stats.scans == 2
+
+
+def test_enable_scan_views_and_validation():
+    from models.common.stack import BlockStack
+
+    model = build_model(3)
+    stack = model.layers
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stack.enable_scan()
+    # Same keys and values; every block's parameter is a view of its row of the stacked tensor.
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    stacked, members = stack.stacked_parameters()["attention.wq.weight"]
+    assert stacked.shape == (3, *members[0].shape) and stacked.requires_grad
+    assert all(p.data_ptr() == stacked[i].data_ptr() for i, p in enumerate(members))
+    # Eager forward runs the plain loop on the same storage.
+    tokens = torch.randint(0, 512, (1, 8))
+    with torch.no_grad():
+        stacked[1].mul_(0)
+        assert torch.equal(members[1], torch.zeros_like(members[1]))
+        model(tokens)
+    with pytest.raises(ValueError, match="layer scan"):
+        BlockStack([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]).enable_scan()

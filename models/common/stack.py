@@ -40,10 +40,6 @@ class BlockStack(nn.ModuleDict):
 
     # --- layer scan ------------------------------------------------------------------------
 
-    @property
-    def scan_enabled(self) -> bool:
-        return self._scan is not None
-
     def enable_scan(self, *, param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
                     ) -> None:
         """Stack the blocks' parameters and buffers and run the stack as a scan when compiled.
@@ -87,10 +83,6 @@ class BlockStack(nn.ModuleDict):
                 members[name] = tensors
         self._scan = _ScanState(param_names=param_names, buffer_names=buffer_names,
                                 stacked=stacked, members=members, param_fn=param_fn)
-
-    def disable_scan(self) -> None:
-        """Back to the plain loop; the per-layer tensors keep their (stacked) storage."""
-        self._scan = None
 
     def stacked_parameters(self) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
         """`{name: (stacked [n_layers, ...], [per-layer parameter of each block])}`."""

@@ -55,7 +55,7 @@ class GatherShard(torch.autograd.Function):
         return grad.to(ctx.shard_dtype), None, None, None, None
 
 
-def _gather_args(spec, shape: tuple[int, ...], name: str) -> tuple:
+def _gather_args(spec, name: str) -> tuple:
     """(shard_group, replicate_groups, param_dtype, reduce_dtype) of one parameter's spec."""
     if spec.tp_mesh is not None:
         raise ConfigError(f"compile.scan_layers: {name} is tensor-parallel; layer scan supports data "
@@ -91,7 +91,7 @@ def scan_param_fn(stack) -> tuple[Callable | None, Callable[[], contextlib.Abstr
             continue
         for pname, spec in module._simple_fsdp_specs.items():
             full_name = f"{mod_name}.{pname}" if mod_name else pname
-            specs[full_name] = _gather_args(spec, tuple(spec.shape), f"layers.*.{full_name}")
+            specs[full_name] = _gather_args(spec, f"layers.*.{full_name}")
     for name, p in template.named_parameters():
         if isinstance(p, DTensor) and name not in specs:
             raise ConfigError(f"compile.scan_layers: {name} is a DTensor not managed by SimpleFSDP; "

@@ -17,7 +17,10 @@ mechanisms give the `[activation_checkpoint] mode` its meaning there:
   without node metadata). `scan_remat(mode)` tags the body's joint graph with the same
   policy right before that partitioner runs: `full` marks every forward op
   MUST_RECOMPUTE (the scan saves only each layer's inputs), `selective` applies
-  `parallelisms.activation_checkpoint.sac_policy` op by op.
+  `parallelisms.activation_checkpoint.sac_policy` op by op. In every mode (`none`
+  included), ops on the layer's parameters alone (casts, transposes, SimpleFSDP
+  all-gathers) are recomputed, so the scan never stacks a copy of the (gathered) weights
+  for the backward.
 """
 
 from __future__ import annotations
