@@ -2,9 +2,11 @@
 
 The pipeline (`run_passes`) is short and every pass does real work:
 1. `remat` (trainer/graph/remat.py): recompute checkpoint-tagged forward ops in backward.
-2. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
+2. `scan_transpose_view`: in scan bodies, matmuls read transposed weight views instead of
+   the transposed copies torch's functionalization of the body puts there.
+3. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
    outputs of the optimizer's bookkeeping).
-3. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
+4. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
    scans stack for the backward (the per-layer activation memory with layer scan). It does
    not change the graph; its numbers go to the dump, the metrics and the tests.
 
@@ -125,9 +127,50 @@ def dce_pass(gm: fx.GraphModule) -> int:
     return before - len(gm.graph.nodes)
 
 
+_MATMUL_TARGETS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+_TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int)
+
+
+def scan_transpose_view_pass(gm: fx.GraphModule) -> int:
+    """In scan bodies, feed matmuls transposed views of the weights instead of transposed copies.
+
+    torch 2.13 functionalizes a scan body with every view turned into a copy: `t_copy`, or,
+    after Inductor's decompositions, `clone(permute(w))`. So each layer's weights are copied
+    before every matmul, forward and backward. Matmul kernels take transposed operands as
+    they are, so a transpose copy read only by matmuls (or by further such copies) becomes a
+    view. Body outputs are never touched (scan forbids outputs aliasing inputs). Returns the
+    number of copies removed.
+    """
+    changed = 0
+    for sub in _subgraphs(gm):
+        graph = sub.graph
+        as_view: set[fx.Node] = set()
+        for node in reversed(list(graph.nodes)):
+            if node.op != "call_function" or not node.users:
+                continue
+            if not all(u.target in _MATMUL_TARGETS or u in as_view for u in node.users):
+                continue
+            if node.target is torch.ops.aten.t_copy.default:
+                as_view.add(node)
+            elif (node.target is torch.ops.aten.clone.default and isinstance(node.args[0], fx.Node)
+                  and node.args[0].target in _TRANSPOSES):
+                as_view.add(node)
+        for node in as_view:
+            if node.target is torch.ops.aten.t_copy.default:
+                node.target = torch.ops.aten.t.default
+            else:
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+        if as_view:
+            sub.recompile()
+            changed += len(as_view)
+    return changed
+
+
 def run_passes(gm: fx.GraphModule) -> GraphStats:
-    """The pass pipeline, in place on `gm`: remat, dead-code elimination, stats."""
+    """The pass pipeline, in place on `gm`: remat, scan views, dead-code elimination, stats."""
     recomputed = remat_pass(gm)
+    scan_transpose_view_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
     return graph_stats(gm, recomputed=recomputed)
