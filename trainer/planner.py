@@ -669,10 +669,12 @@ def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, wo
 
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, world_size=world_size)
     dims.validate_for_model(args, seq_len=seq_len)
-    if shape.is_moe and tp > 1 and plan is not None and not plan.ep_block:
+    if shape.is_moe and tp > 1:
+        # The trainer runs MoE x TP (experts on the EP mesh, attention TP-sharded), but this
+        # planner's activation model covers MoE blocks at tp = 1 only.
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {tp} is not supported for MoE models yet (the MoE layer "
-            "has no tensor-parallel or expert-parallel plan in models/qwen3/plan.py); allowed: 1"
+            f"parallelism.tensor_parallel_degree: {tp}: the planner models MoE models at tp = 1 only "
+            "(use expert_parallel_degree and data-parallel degrees); allowed: 1"
         )
     return dims
 
