@@ -48,3 +48,25 @@ class ModelPlan:
         for where in (self.tp, self.tp_block):
             for path, style in where.items():
                 assert style in TP_STYLES, f"plan: unknown TP style {style!r} for {path!r}"
+
+
+# The TorchTitan decoder layout that Llama 3 and Qwen 3 share: sequence-parallel residual
+# stream and norms, colwise q/k/v and FFN in-projections, rowwise out-projections.
+DECODER_TP: dict[str, str] = {
+    "tok_embeddings": "embedding",
+    "norm": "sequence_parallel",
+    "output": "output",
+}
+DECODER_TP_BLOCK: dict[str, str] = {
+    "attention_norm": "sequence_parallel",
+    "attention": "block_input",
+    "attention.wq": "colwise",
+    "attention.wk": "colwise",
+    "attention.wv": "colwise",
+    "attention.wo": "rowwise",
+    "ffn_norm": "sequence_parallel",
+    "feed_forward": "block_input",
+    "feed_forward.w1": "colwise",
+    "feed_forward.w2": "rowwise",
+    "feed_forward.w3": "colwise",
+}

@@ -5,26 +5,6 @@ FFN gather the sequence, run column-parallel in-projections (local heads = n_hea
 and a row-parallel out-projection that reduce-scatters back to the sequence shards.
 """
 
-from models.common.plan import ModelPlan
+from models.common.plan import DECODER_TP, DECODER_TP_BLOCK, ModelPlan
 
-PLAN = ModelPlan(
-    block="layers",
-    tp={
-        "tok_embeddings": "embedding",
-        "norm": "sequence_parallel",
-        "output": "output",
-    },
-    tp_block={
-        "attention_norm": "sequence_parallel",
-        "attention": "block_input",
-        "attention.wq": "colwise",
-        "attention.wk": "colwise",
-        "attention.wv": "colwise",
-        "attention.wo": "rowwise",
-        "ffn_norm": "sequence_parallel",
-        "feed_forward": "block_input",
-        "feed_forward.w1": "colwise",
-        "feed_forward.w2": "rowwise",
-        "feed_forward.w3": "colwise",
-    },
-)
+PLAN = ModelPlan(block="layers", tp=dict(DECODER_TP), tp_block=dict(DECODER_TP_BLOCK))

@@ -6,31 +6,14 @@ normalise head-sharded activations: their replicated weights get TP-summed gradi
 Entries for modules a block lacks are skipped, so one plan covers dense and MoE blocks.
 """
 
-from models.common.plan import ModelPlan
+from models.common.plan import DECODER_TP, DECODER_TP_BLOCK, ModelPlan
 
 PLAN = ModelPlan(
     block="layers",
-    tp={
-        "tok_embeddings": "embedding",
-        "norm": "sequence_parallel",
-        "output": "output",
-    },
-    tp_block={
-        "attention_norm": "sequence_parallel",
-        "attention": "block_input",
-        "attention.wq": "colwise",
-        "attention.wk": "colwise",
-        "attention.wv": "colwise",
-        "attention.q_norm": "head_norm",
-        "attention.k_norm": "head_norm",
-        "attention.wo": "rowwise",
-        "ffn_norm": "sequence_parallel",
-        # dense blocks
-        "feed_forward": "block_input",
-        "feed_forward.w1": "colwise",
-        "feed_forward.w2": "rowwise",
-        "feed_forward.w3": "colwise",
-    },
+    tp=dict(DECODER_TP),
+    # Qwen 3's per-head q_norm / k_norm see head-sharded activations; entries for modules a
+    # block lacks (feed_forward in MoE blocks) are skipped.
+    tp_block={**DECODER_TP_BLOCK, "attention.q_norm": "head_norm", "attention.k_norm": "head_norm"},
     # --- EP entries (owned by parallelisms/expert_parallel.py) -----------------------------
     # MoE blocks (`moe.router.gate`, `moe.experts.{w1,w2,w3}`) get no TP entry. The experts
     # are split over the `ep` axis and FSDP-sharded over the expert mesh (efsdp x ep, carved

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from trainer.errors import ConfigError
 from trainer.graph.passes import GraphStats, graph_text, run_passes
 from trainer.graph.remat import scan_remat
 
@@ -85,12 +86,16 @@ class CaptureBackend:
 
 @contextlib.contextmanager
 def capture_config(*, scan_ac_mode: str | None) -> contextlib.AbstractContextManager:
-    """torch settings under which the step is traced (active on every call; cheap)."""
+    """torch settings under which the step is traced (active on every call; cheap).
+
+    `scan_ac_mode`: the activation-checkpoint mode for scan bodies, None when not scanning.
+    """
     with contextlib.ExitStack() as stack:
         # Trace loss.backward()/autograd.grad into the step graph instead of breaking it.
         stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
-        # Our remat pass replaces torch's (it supports one backward region and no attention).
-        stack.enter_context(torch._functorch.config.patch(
+        stack.enter_context(_patch_existing(
+            torch._functorch.config,
+            # Our remat pass replaces torch's (one backward region only, no attention).
             remat_using_tags_for_fwd_loss_bwd_graph=False,
             # A cache hit would skip our passes and leave no graph to inspect.
             enable_autograd_cache=False,
@@ -98,3 +103,15 @@ def capture_config(*, scan_ac_mode: str | None) -> contextlib.AbstractContextMan
         if scan_ac_mode is not None:
             stack.enter_context(scan_remat(scan_ac_mode))
         yield
+
+
+def _patch_existing(config, **values):
+    # Older torch (>= 2.11 is supported) may lack a flag; then there is nothing to switch.
+    return config.patch(**{k: v for k, v in values.items() if hasattr(config, k)})
+
+
+def check_torch() -> None:
+    """Graph mode needs Dynamo to trace autograd.grad (torch >= 2.11 has the flag)."""
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        raise ConfigError(f"compile.mode: graph needs torch._dynamo.config.trace_autograd_ops "
+                          f"(torch {torch.__version__} lacks it); allowed here: eager, compile")

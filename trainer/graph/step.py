@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE
 from trainer.errors import ConfigError
-from trainer.graph.capture import CaptureBackend, capture_config
+from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
 from trainer.step import lm_loss
 
@@ -199,6 +199,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES, apply_ac
 
+    check_torch()
     if ac_mode not in AC_MODES:
         raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
     if grad_accum_steps < 1:
