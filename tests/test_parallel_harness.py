@@ -20,7 +20,7 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
+
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
@@ -30,6 +30,7 @@ from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import FLAVORS as QWEN3_FLAVORS
 from models.qwen3 import Transformer as Qwen3
 from models.qwen3.plan import PLAN as QWEN3_PLAN
+from trainer.step import lm_loss  # noqa: F401  (re-exported for the parallel tests)
 
 RNG_LOCK = threading.Lock()
 # full_tensor() of 2-D (_StridedShard, Shard) weights in the checks warns about sequential
@@ -65,10 +66,6 @@ def batch(vocab_size: int, batch_size: int = 4, seed: int = 1) -> tuple[torch.Te
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (batch_size, SEQ_LEN + 1), generator=g)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
 @torch.no_grad()

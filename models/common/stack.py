@@ -97,19 +97,7 @@ class BlockStack(nn.ModuleDict):
         and the tensor views it again, so the scanned step sees what the model holds.
         """
         assert self._scan is not None, "layer scan is not enabled"
-        fixed = 0
-        with torch.no_grad():
-            for name, stack in self._scan.stacked.items():
-                base, row_bytes = stack.data_ptr(), stack.stride(0) * stack.element_size()
-                for i, t in enumerate(self._scan.members[name]):
-                    local = _local(t)
-                    # Pointer arithmetic, not stack[i]: this runs every step, for every row.
-                    if local.data_ptr() != base + i * row_bytes or local.shape != stack.shape[1:]:
-                        row = stack[i]
-                        row.copy_(local)
-                        local.data = row
-                        fixed += 1
-        return fixed
+        return sum(view_rows(stack, self._scan.members[name]) for name, stack in self._scan.stacked.items())
 
     def _scan_forward(self, h: torch.Tensor, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
         from torch._higher_order_ops.scan import scan
@@ -146,6 +134,23 @@ def _stored(block: nn.Module, name: str, is_param: bool) -> torch.Tensor:
     mod_name, _, attr = name.rpartition(".")
     module = block.get_submodule(mod_name)
     return (module._parameters if is_param else module._buffers)[attr]
+
+
+@torch.no_grad()
+def view_rows(stack: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+    """Make `tensors[i]` (or its local shard) view `stack[i]` again, copying its values into the
+    row first where it no longer does; return how many were re-pointed."""
+    fixed = 0
+    base, row_bytes = stack.data_ptr(), stack.stride(0) * stack.element_size()
+    for i, t in enumerate(tensors):
+        local = _local(t)
+        # Pointer arithmetic, not stack[i]: this runs every step, for every row.
+        if local.data_ptr() != base + i * row_bytes or local.shape != stack.shape[1:]:
+            row = stack[i]
+            row.copy_(local)
+            local.data = row
+            fixed += 1
+    return fixed
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

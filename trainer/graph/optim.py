@@ -21,6 +21,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from models.common.stack import view_rows
 from trainer.errors import ConfigError
 
 
@@ -112,18 +113,9 @@ class AdamWSlots:
         """Make per-layer state view the stacked storage again; return how many were re-pointed."""
         init_adamw_state(self.optimizer)
         fixed = 0
-        with torch.no_grad():
-            for name, (_, members) in self._stacked.items():
-                for key, stack in zip(("exp_avg", "exp_avg_sq", "step"), self._stack_state[name]):
-                    base, row_bytes = stack.data_ptr(), stack.stride(0) * stack.element_size()
-                    for i, p in enumerate(members):
-                        local = _local(self.optimizer.state[p][key])
-                        # Pointer arithmetic, not stack[i]: this runs every step, for every row.
-                        if local.data_ptr() != base + i * row_bytes or local.shape != stack.shape[1:]:
-                            row = stack[i]
-                            row.copy_(local)
-                            local.data = row
-                            fixed += 1
+        for name, (_, members) in self._stacked.items():
+            for key, stack in zip(("exp_avg", "exp_avg_sq", "step"), self._stack_state[name]):
+                fixed += view_rows(stack, [self.optimizer.state[p][key] for p in members])
         return fixed
 
     def slots(self) -> list[UpdateSlot]:
