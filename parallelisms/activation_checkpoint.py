@@ -54,7 +54,9 @@ _SAVE_OPS = _save_ops()
 def sac_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective AC: save matmul / attention / reduce-scatter outputs, recompute the rest."""
     del ctx, args, kwargs
-    return CheckpointPolicy.MUST_SAVE if func in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    # The CPU attention kernel (models/common/cpu_attention) registers its ops under titan_cpu on load.
+    save = func in _SAVE_OPS or getattr(func, "namespace", None) == "titan_cpu"
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_context():

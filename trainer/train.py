@@ -64,6 +64,20 @@ def build_model(family, args, *, cfg: Config, parallel_dims, mesh, device: torch
     return model, plan
 
 
+def prepare_attention(backend: str, device: torch.device) -> str:
+    """Build the CPU attention kernel before any step or trace needs it; describe the choice for the banner."""
+    if device.type != "cpu" or backend == "sdpa":
+        return "sdpa"
+    from models.common import cpu_attention
+
+    if cpu_attention.load():
+        return f"{backend} (cpu kernel loaded; sdpa where it does not apply)" if backend == "auto" else backend
+    if backend == "cpu_kernel":
+        raise ConfigError(f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); "
+                          "allowed: auto, sdpa")
+    return f"sdpa (cpu kernel unavailable: {cpu_attention.load_error()})"
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "tpu" if device.type == "tpu" else "inductor"
@@ -180,6 +194,7 @@ def train(cfg: Config) -> int:
         build_val_loader()  # fail early on a bad validation dataset
 
     # -- model, optimizer, schedule
+    attention = prepare_attention(args.attn_backend, device)
     model, plan = build_model(family, args, cfg=cfg, parallel_dims=parallel_dims, mesh=mesh, device=device)
     o = cfg.optimizer
     optimizer = build_optimizer(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -237,7 +252,7 @@ def train(cfg: Config) -> int:
         n_params = args.num_params()
         print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({n_params / 1e6:.1f}M params) on "
               f"{info.world_size} x {device.type} ({peak_name}); mesh {parallel_dims}; "
-              f"compile.mode={cfg.compile.mode}; steps {start_step + 1}..{cfg.training.steps}", flush=True)
+              f"compile.mode={cfg.compile.mode}; attention {attention}; steps {start_step + 1}..{cfg.training.steps}", flush=True)
 
     # -- the loop
     accum = cfg.training.gradient_accumulation_steps

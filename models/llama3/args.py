@@ -7,6 +7,7 @@ Shapes follow Meta's reference configs: the FFN width is derived from `dim`,
 
 from dataclasses import dataclass
 
+from models.common.attention import ATTN_BACKENDS
 from models.common.param_count import ParamCounts, decoder_param_counts
 
 
@@ -44,8 +45,12 @@ class Llama3Args:
     """Length of the RoPE tables, i.e. the longest sequence the model accepts; the trainer sets it to the training seq_len."""
     tie_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection (Llama 3.2 1B/3B)."""
+    attn_backend: str = "auto"
+    """Attention kernel: auto (the CPU kernel for small head dims on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
 
     def __post_init__(self) -> None:
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend: {self.attn_backend!r} is not supported; allowed: {', '.join(ATTN_BACKENDS)}")
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")

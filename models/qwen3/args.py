@@ -8,6 +8,7 @@ Shapes are those of the Hugging Face `config.json` of each Qwen/Qwen3-* checkpoi
 
 from dataclasses import dataclass
 
+from models.common.attention import ATTN_BACKENDS
 from models.common.param_count import ParamCounts, decoder_param_counts
 
 
@@ -43,8 +44,12 @@ class Qwen3Args:
     """Width of each expert's SwiGLU MLP (HF moe_intermediate_size); MoE only."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing weights to sum to 1 (True for all released Qwen 3 MoE models)."""
+    attn_backend: str = "auto"
+    """Attention kernel: auto (the CPU kernel for small head dims on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
 
     def __post_init__(self) -> None:
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend: {self.attn_backend!r} is not supported; allowed: {', '.join(ATTN_BACKENDS)}")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "hidden_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")

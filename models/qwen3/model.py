@@ -28,6 +28,7 @@ class Transformer(Decoder):
                     head_dim=args.head_dim,
                     qk_norm=True,
                     norm_eps=args.norm_eps,
+                    backend=args.attn_backend,
                 ),
                 feed_forward=None if args.is_moe else FeedForward(dim=args.dim, hidden_dim=args.hidden_dim),
                 moe=(

@@ -1,0 +1,150 @@
+"""Causal attention for small head dims on the CPU: a C++ kernel (`attention.cpp`) built on first use.
+
+Why it exists: with head_dim 16 (the Llama 3 debug model), ATen's CPU flash attention spends most
+of its time outside its GEMMs and takes two thirds of a training step. This kernel keeps a tile
+of 8 query rows x 16 keys in registers, runs both products of each score with AVX512-BF16 dot
+products when the inputs are bf16 (fp32 FMAs otherwise), and recomputes P from the saved
+log-sum-exp in the backward. docs/attention.md has the measurements and the selection rule.
+
+`load()` compiles the kernel with `torch.utils.cpp_extension` for this machine's vector ISA
+(cached under TORCH_EXTENSIONS_DIR, ~20 s the first time) and registers it as the ops
+`torch.ops.titan_cpu.attn_fwd` / `attn_bwd`, with a fake implementation (so torch.compile and
+the graph trainer trace it) and autograd. It returns False, with the reason in `load_error()`,
+where the kernel cannot be built (no compiler, no AVX2) so that callers fall back to SDPA.
+"""
+
+import functools
+import re
+from pathlib import Path
+
+import torch
+
+__all__ = ["causal_attention", "load", "load_error", "loaded", "supports"]
+
+_SOURCE = Path(__file__).with_name("attention.cpp")
+_VECTORS_PER_HEAD = (1, 2, 4, 8)  # head_dim / lanes values the kernel instantiates
+_FP32_MAX_HEAD_DIM = 32  # beyond this ATen's fp32 flash kernel is as fast or faster (docs/attention.md)
+_state: dict[str, object] = {}  # "ok": bool once load() ran; "error": why it failed
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+@functools.cache
+def _isa() -> tuple[str, list[str], int, bool] | None:
+    """(name, compiler flags, fp32 lanes, has bf16 dot products) for this CPU, or None if unsupported."""
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
+        cflags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-mf16c",
+                  "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+        if "avx512_bf16" in flags:
+            return "avx512bf16", cflags + ["-mavx512bf16"], 16, True
+        return "avx512", cflags, 16, False
+    if {"avx2", "fma", "f16c"} <= flags:
+        return "avx2", ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"], 8, False
+    return None
+
+
+def load() -> bool:
+    """Build (or reuse the cached build of) the kernel and register its ops; False if it cannot."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return bool(_state["ok"])
+
+
+def _load() -> bool:
+    isa = _isa()
+    if isa is None:
+        _state["error"] = "this CPU has neither AVX-512 nor AVX2+FMA"
+        return False
+    name, cflags, _, _ = isa
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        build(
+            name=f"titan_cpu_attention_{name}",
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", *cflags],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back to SDPA
+        lines = str(exc).strip().splitlines()
+        _state["error"] = f"building {_SOURCE.name} failed: {type(exc).__name__}: {lines[-1] if lines else ''}"
+        return False
+    _register()
+    return True
+
+
+def loaded() -> bool:
+    """Whether `load()` has run and succeeded (never builds)."""
+    return bool(_state.get("ok", False))
+
+
+def load_error() -> str | None:
+    """Why `load()` returned False, else None."""
+    error = _state.get("error")
+    return str(error) if error else None
+
+
+def _register() -> None:
+    @torch.library.register_fake("titan_cpu::attn_fwd")
+    def _fwd_fake(q, k, v, scale):
+        b, h, s, d = q.shape
+        return q.new_empty(b, s, h, d).transpose(1, 2), q.new_empty(b, h, s, dtype=torch.float32)
+
+    @torch.library.register_fake("titan_cpu::attn_bwd")
+    def _bwd_fake(dout, q, k, v, out, lse, scale):
+        b, h, s, d = q.shape
+        kv_heads = k.shape[1]
+        return (q.new_empty(b, s, h, d).transpose(1, 2), q.new_empty(b, s, kv_heads, d).transpose(1, 2),
+                q.new_empty(b, s, kv_heads, d).transpose(1, 2))
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+
+    def backward(ctx, dout, dlse):
+        del dlse  # lse is an auxiliary output; nothing differentiates through it
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, ctx.scale)
+        return dq, dk, dv, None
+
+    torch.library.register_autograd("titan_cpu::attn_fwd", backward, setup_context=setup_context)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the kernel handles these inputs and beats ATen's flash kernel on them.
+
+    CPU tensors; bf16 (on a CPU with AVX512-BF16, any head_dim the kernel instantiates, up to
+    128) or fp32 (head_dim <= 32); head_dim a multiple of the vector width; equal q/k dtypes.
+    Does not build the kernel: callers decide when to pay for `load()`.
+    """
+    isa = _isa()
+    if isa is None or q.device.type != "cpu" or k.dtype != q.dtype:
+        return False
+    _, _, lanes, has_bf16 = isa
+    head_dim = q.shape[-1]
+    if head_dim % lanes or head_dim // lanes not in _VECTORS_PER_HEAD:
+        return False
+    if q.dtype == torch.bfloat16:
+        return has_bf16
+    return q.dtype == torch.float32 and head_dim <= _FP32_MAX_HEAD_DIM
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim), causal) v for q [B, Hq, S, D], k/v [B, Hkv, S, D] (Hq % Hkv == 0).
+
+    Returns [B, Hq, S, D] (a transposed view of [B, S, Hq, D] memory). Call `load()` first.
+    """
+    out, _ = torch.ops.titan_cpu.attn_fwd(q, k, v, q.shape[-1] ** -0.5)
+    return out

@@ -1,0 +1,141 @@
+"""The CPU attention kernel (models/common/cpu_attention) against SDPA in float64, and its op plumbing.
+
+fp32 must match the float64 reference to 2e-5 (forward and all three gradients); bf16 must be
+no worse than ATen's own bf16 flash kernel on the same inputs (x1.25, plus 1e-3 slack).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.common import cpu_attention
+from models.common.attention import Attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.load(), reason=f"kernel unavailable: {cpu_attention.load_error()}")
+
+
+def _qkv(batch, heads, kv_heads, seq, head_dim, dtype, contiguous=False):
+    """q [B, H, S, D] and k/v [B, Hkv, S, D]; by default transposed views of [B, S, H, D] (the model's layout)."""
+    g = torch.Generator().manual_seed(seq * 131 + head_dim)
+
+    def make(h):
+        if contiguous:
+            return torch.randn(batch, h, seq, head_dim, generator=g, dtype=torch.float64).to(dtype)
+        return torch.randn(batch, seq, h, head_dim, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+
+    return make(heads), make(kv_heads), make(kv_heads)
+
+
+def _reference(q, k, v, dout):
+    """Output and (dq, dk, dv) of causal SDPA with k/v repeated per query group, in q's dtype."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _kernel(q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = cpu_attention.causal_attention(q, k, v)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+SHAPES = [  # batch, heads, kv_heads, seq, head_dim
+    (2, 4, 4, 37, 16),
+    (2, 4, 2, 100, 16),
+    (1, 8, 2, 64, 32),
+    (2, 2, 1, 129, 64),
+    (1, 2, 2, 33, 128),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_fp32_matches_float64_sdpa(shape, contiguous):
+    q, k, v = _qkv(*shape, torch.float64, contiguous)
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = _reference(q, k, v, dout)
+    got = _kernel(q.float(), k.float(), v.float(), dout.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert a.shape == b.shape, name
+        err = (a.double() - b).abs().max().item()
+        assert err < 2e-5, f"{name}: max abs error {err:.2e} at {shape}"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_no_worse_than_aten_flash(shape):
+    if not cpu_attention.supports(torch.empty(1, 1, 1, shape[-1], dtype=torch.bfloat16),
+                                  torch.empty(1, 1, 1, shape[-1], dtype=torch.bfloat16)):
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 runs on SDPA")
+    q, k, v = _qkv(*shape, torch.float64)
+    dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref = _reference(q, k, v, dout)
+    bf = [t.bfloat16() for t in (q, k, v, dout)]
+    got, flash = _kernel(*bf), _reference(*bf)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    for name, a, f, r in zip(("out", "dq", "dk", "dv"), got, flash, ref):
+        assert a.dtype == torch.bfloat16
+        assert rel(a, r) <= 1.25 * rel(f, r) + 1e-3, f"{name}: kernel {rel(a, r):.2e} vs flash {rel(f, r):.2e}"
+
+
+def test_attention_module_backends_agree():
+    torch.manual_seed(0)
+    attn = {b: Attention(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, backend=b) for b in ("sdpa", "cpu_kernel")}
+    attn["cpu_kernel"].load_state_dict(attn["sdpa"].state_dict())
+    x = torch.randn(2, 40, 64)
+    angles = torch.arange(40)[:, None] * torch.arange(8)[None, :] * 0.1
+    angles = torch.cat([angles, angles], dim=-1)  # [seq, head_dim], rotate-half layout
+    cos, sin = angles.cos(), angles.sin()
+    outs, grads = {}, {}
+    for name, module in attn.items():
+        xi = x.clone().requires_grad_()
+        outs[name] = module(xi, cos, sin)
+        outs[name].square().sum().backward()
+        grads[name] = [xi.grad] + [p.grad for p in module.parameters()]
+    torch.testing.assert_close(outs["cpu_kernel"], outs["sdpa"], atol=2e-5, rtol=1e-5)
+    for a, b in zip(grads["cpu_kernel"], grads["sdpa"]):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+
+
+def test_auto_picks_kernel_where_supported():
+    q16 = torch.empty(1, 2, 8, 16)
+    q128 = torch.empty(1, 2, 8, 128)
+    assert cpu_attention.supports(q16, q16)
+    assert not cpu_attention.supports(q128, q128)  # fp32 at head_dim 128: ATen's kernel is faster
+    assert not cpu_attention.supports(q16.double(), q16.double())
+    assert not cpu_attention.supports(torch.empty(1, 2, 8, 24), torch.empty(1, 2, 8, 24))
+    assert not cpu_attention.supports(torch.empty(1, 2, 8, 16, device="meta"), torch.empty(1, 2, 8, 16, device="meta"))
+
+
+def test_cpu_kernel_backend_rejects_unsupported_inputs():
+    attn = Attention(dim=96, n_heads=4, n_kv_heads=4, head_dim=24, backend="cpu_kernel")
+    with pytest.raises(ValueError, match="attn_backend"):
+        attn(torch.randn(1, 8, 96), torch.ones(8, 24), torch.zeros(8, 24))
+
+
+def test_op_registration_passes_opcheck():
+    q, k, v = (t.float().requires_grad_() for t in _qkv(1, 4, 2, 20, 16, torch.float64))
+    torch.library.opcheck(torch.ops.titan_cpu.attn_fwd.default, (q, k, v, 0.25))
+
+
+def test_compiles_fullgraph_and_matches_eager():
+    q, k, v = (t.float().requires_grad_() for t in _qkv(2, 4, 2, 48, 16, torch.float64))
+    eager = cpu_attention.causal_attention(q, k, v)
+    compiled = torch.compile(cpu_attention.causal_attention, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    (gq,) = torch.autograd.grad(compiled.sum(), q)
+    (gq_eager,) = torch.autograd.grad(eager.sum(), q)
+    torch.testing.assert_close(gq, gq_eager, atol=0, rtol=0)
+
+
+def test_selective_ac_saves_the_kernel_output():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from parallelisms.activation_checkpoint import sac_policy
+
+    assert sac_policy(None, torch.ops.titan_cpu.attn_fwd.default) == CheckpointPolicy.MUST_SAVE
