@@ -110,7 +110,8 @@ def run_cli(*argv, cwd=ROOT):
         (["--config", "configs/llama3_debug.toml", "--training.dataset=/nonexistent/*.jsonl"], "/nonexistent"),
         (["--config", "configs/llama3_debug.toml", "--model.tokenizer=/nonexistent.model"], "/nonexistent.model"),
         (["--config", "configs/llama3_debug.toml", "--parallelism.tensor_parallel_degree=3"], "tensor_parallel_degree"),
-        (["--config", "configs/llama3_debug.toml", "--model.attn_backend=flash"], "attn_backend"),
+        (["--config", "configs/llama3_debug.toml", "--model.attn_backend=flash"], "model.attn_backend"),
+        (["--config", "configs/llama3_debug.toml", "--model.n_layers=0"], "model.n_layers"),
         (["--bogus"], "unrecognized argument"),
     ],
 )

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from models.common import cpu_attention
 from trainer import flops
 
 aten = torch.ops.aten
@@ -39,6 +40,8 @@ ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu,
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
 }
+if cpu_attention.load():  # the CPU kernel registers SDPA's formulas for its ops
+    ATTENTION |= {torch.ops.titan_cpu.attn_fwd, torch.ops.titan_cpu.attn_bwd}
 
 
 def _count(family: str, flavor: str, seq_len: int, batch: int = 2):

@@ -24,14 +24,15 @@ VOCAB, SEQ, BATCH = 512, 32, 2
 LR = 1e-3
 
 
-def small_args(n_layers: int = 2):
+def small_args(n_layers: int = 2, attn_backend: str = "auto"):
     return dataclasses.replace(FLAVORS["debugmodel"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2,
-                               vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=64)
+                               vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=64, attn_backend=attn_backend)
 
 
-def build_model(n_layers: int = 2, seed: int = 0, param_dtype=torch.float32) -> torch.nn.Module:
+def build_model(n_layers: int = 2, seed: int = 0, param_dtype=torch.float32,
+                attn_backend: str = "auto") -> torch.nn.Module:
     with torch.device("meta"):
-        model = Llama3(small_args(n_layers))
+        model = Llama3(small_args(n_layers, attn_backend))
     data_parallel(model, mesh=None, param_dtype=param_dtype, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
     torch.manual_seed(seed)

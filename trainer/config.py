@@ -416,7 +416,10 @@ def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
         if value is not None and types[key] is not dict and typing.get_origin(types[key]) is not dict:
             value = coerce(f"model.{key}", value, types[key])
         changes[key] = value
-    args = dataclasses.replace(args, **changes)
+    try:
+        args = dataclasses.replace(args, **changes)
+    except ValueError as e:  # the args' own checks name the field: "n_layers: must be ..."
+        raise ConfigError(f"model.{e}") from None
     if hasattr(args, "max_seq_len") and "max_seq_len" not in changes:
         # RoPE tables only need the training length (Llama 3.1 scaling reads
         # original_max_position_embeddings, not this), not the published 131072.

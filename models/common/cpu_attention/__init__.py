@@ -13,11 +13,13 @@ the graph trainer trace it) and autograd. It returns False, with the reason in `
 where the kernel cannot be built (no compiler, no AVX2) so that callers fall back to SDPA.
 """
 
-import functools
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = ["causal_attention", "load", "load_error", "loaded", "supports"]
 
@@ -36,8 +38,7 @@ def _cpu_flags() -> set[str]:
     return set(match.group(1).split()) if match else set()
 
 
-@functools.cache
-def _isa() -> tuple[str, list[str], int, bool] | None:
+def _detect_isa() -> tuple[str, list[str], int, bool] | None:
     """(name, compiler flags, fp32 lanes, has bf16 dot products) for this CPU, or None if unsupported."""
     flags = _cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
@@ -51,6 +52,10 @@ def _isa() -> tuple[str, list[str], int, bool] | None:
     return None
 
 
+# Read once at import: `supports` runs inside torch.compile traces, which cannot read files.
+_ISA = _detect_isa()
+
+
 def load() -> bool:
     """Build (or reuse the cached build of) the kernel and register its ops; False if it cannot."""
     if "ok" not in _state:
@@ -59,13 +64,15 @@ def load() -> bool:
 
 
 def _load() -> bool:
-    isa = _isa()
+    isa = _ISA
     if isa is None:
         _state["error"] = "this CPU has neither AVX-512 nor AVX2+FMA"
         return False
     name, cflags, _, _ = isa
     try:
         from torch.utils.cpp_extension import load as build
+
+        _put_ninja_on_path()
 
         build(
             name=f"titan_cpu_attention_{name}",
@@ -81,6 +88,17 @@ def _load() -> bool:
         return False
     _register()
     return True
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; a venv used without activation has it only in its bin."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def loaded() -> bool:
@@ -121,6 +139,15 @@ def _register() -> None:
 
     torch.library.register_autograd("titan_cpu::attn_fwd", backward, setup_context=setup_context)
 
+    # FlopCounterMode (tests, benchmarks) counts the kernel like SDPA, GQA included.
+    @register_flop_formula(torch.ops.titan_cpu.attn_fwd)
+    def _fwd_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+        return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+    @register_flop_formula(torch.ops.titan_cpu.attn_bwd)
+    def _bwd_flops(dout_shape, q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs):
+        return sdpa_backward_flop_count(dout_shape, q_shape, k_shape, v_shape)
+
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the kernel handles these inputs and beats ATen's flash kernel on them.
@@ -129,7 +156,7 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     128) or fp32 (head_dim <= 32); head_dim a multiple of the vector width; equal q/k dtypes.
     Does not build the kernel: callers decide when to pay for `load()`.
     """
-    isa = _isa()
+    isa = _ISA
     if isa is None or q.device.type != "cpu" or k.dtype != q.dtype:
         return False
     _, _, lanes, has_bf16 = isa
