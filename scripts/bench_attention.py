@@ -1,0 +1,92 @@
+"""Time the CPU attention kernel against ATen's CPU flash attention, forward and backward.
+
+Each row is one (dtype, head_dim) at a fixed amount of attention work: batch x heads x seq^2 x
+head_dim is that of the Llama 3 debug model at seq 2048, batch 8 (16 heads of 16). Times are
+medians of --repeats calls on the same inputs, the two kernels interleaved. Prints a table and
+writes CSV.
+
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_attention.py --out attention.csv
+"""
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from models.common import cpu_attention  # noqa: E402
+
+
+def _time_s(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=16, help="fewer than --heads for GQA")
+    parser.add_argument("--head-dims", default="16,32,64,128")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not cpu_attention.load():
+        sys.exit(f"error: the CPU attention kernel is unavailable: {cpu_attention.load_error()}")
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for head_dim in map(int, args.head_dims.split(",")):
+            batch = max(1, 8 * 16 // head_dim)  # constant batch * head_dim: same FLOPs per row
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(batch, args.seq_len, args.heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+            k, v = (torch.randn(batch, args.seq_len, args.kv_heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+                    for _ in range(2))
+            dout = torch.randn(q.shape, generator=g).to(dtype)
+            scale = head_dim ** -0.5
+            rep = args.heads // args.kv_heads
+            k_rep, v_rep = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            with torch.no_grad():
+                out, lse = torch.ops.titan_cpu.attn_fwd(q, k, v, scale)
+                f_out, f_lse = flash(q, k_rep, v_rep, 0.0, True, scale=scale)[:2]
+                t = {"kernel_fwd": [], "kernel_bwd": [], "flash_fwd": [], "flash_bwd": []}
+                for _ in range(args.repeats):  # interleaved: drift hits both alike
+                    t["kernel_fwd"].append(_time_s(lambda: torch.ops.titan_cpu.attn_fwd(q, k, v, scale)))
+                    t["flash_fwd"].append(_time_s(lambda: flash(q, k_rep, v_rep, 0.0, True, scale=scale)))
+                    t["kernel_bwd"].append(_time_s(
+                        lambda: torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, scale)))
+                    t["flash_bwd"].append(_time_s(
+                        lambda: flash_bwd(dout, q, k_rep, v_rep, f_out, f_lse, 0.0, True, scale=scale)))
+            med = {name: statistics.median(ts) for name, ts in t.items()}
+            kernel, aten = med["kernel_fwd"] + med["kernel_bwd"], med["flash_fwd"] + med["flash_bwd"]
+            causal_flops = 3 * 2 * 2 * batch * args.heads * args.seq_len ** 2 * head_dim / 2  # fwd 2 GEMMs, bwd 4
+            rows.append({
+                "dtype": dtype_name, "head_dim": head_dim, "batch": batch, "heads": f"{args.heads}/{args.kv_heads}",
+                "seq": args.seq_len, "threads": torch.get_num_threads(),
+                **{f"{name}_ms": round(1e3 * s, 1) for name, s in med.items()},
+                "speedup": round(aten / kernel, 2),
+                "kernel_gflops": round(causal_flops / kernel / 1e9, 1),
+                "flash_gflops": round(causal_flops / aten / 1e9, 1),
+            })
+            print(" | ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    header = list(rows[0])
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(row[h]) for h in header) + " |")
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
