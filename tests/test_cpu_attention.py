@@ -139,3 +139,34 @@ def test_selective_ac_saves_the_kernel_output():
     from parallelisms.activation_checkpoint import sac_policy
 
     assert sac_policy(None, torch.ops.titan_cpu.attn_fwd.default) == CheckpointPolicy.MUST_SAVE
+
+
+@pytest.mark.skipif("avx2" not in cpu_attention._cpu_flags(), reason="no AVX2 on this CPU")
+def test_avx2_build_matches_float64(tmp_path):
+    """The AVX2 build (8 fp32 lanes, no bf16 dot products), forced here on an AVX-512 machine.
+
+    It is compiled from the same source under another op namespace, so it loads beside the
+    native build. Both dtypes run the fp32-FMA path; bf16 only rounds inputs and outputs.
+    """
+    from torch.utils.cpp_extension import load as build
+
+    source = cpu_attention._SOURCE.read_text()
+    for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
+        source = source.replace(f"{macro}titan_cpu,", f"{macro}titan_cpu_avx2_test,")
+    (tmp_path / "attention_avx2.cpp").write_text(source)
+    build(name="titan_cpu_attention_avx2_test", sources=[str(tmp_path / "attention_avx2.cpp")],
+          extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
+                        "-DCPU_CAPABILITY_AVX2"],
+          extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
+    ops = torch.ops.titan_cpu_avx2_test
+    for shape in [(2, 4, 2, 37, 8), (2, 4, 4, 100, 16), (1, 4, 1, 65, 32), (1, 2, 2, 40, 64)]:
+        q, k, v = _qkv(*shape, torch.float64)
+        dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        ref = _reference(q, k, v, dout)
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+            qd, kd, vd, dd = (t.to(dtype) for t in (q, k, v, dout))
+            out, lse = ops.attn_fwd(qd, kd, vd, shape[-1] ** -0.5)
+            got = (out, *ops.attn_bwd(dd, qd, kd, vd, out, lse, shape[-1] ** -0.5))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+                err = ((a.double() - b).norm() / b.norm()).item()
+                assert err < tol, f"{name} {dtype} {shape}: relative error {err:.1e}"
