@@ -170,3 +170,20 @@ def test_avx2_build_matches_float64(tmp_path):
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
                 err = ((a.double() - b).norm() / b.norm()).item()
                 assert err < tol, f"{name} {dtype} {shape}: relative error {err:.1e}"
+
+
+def test_trainer_reports_and_falls_back(monkeypatch):
+    """auto falls back to SDPA with the reason; cpu_kernel is a config error (exit 2) where the build failed."""
+    from trainer.errors import ConfigError
+    from trainer.train import prepare_attention
+
+    cpu = torch.device("cpu")
+    assert prepare_attention("auto", cpu).startswith("auto (cpu kernel loaded")
+    assert prepare_attention("sdpa", cpu) == "sdpa"
+    assert prepare_attention("auto", torch.device("meta")) == "sdpa"  # not a CPU run: never the kernel
+    with pytest.raises(ConfigError, match="CPU only"):
+        prepare_attention("cpu_kernel", torch.device("meta"))
+    monkeypatch.setattr(cpu_attention, "_state", {"ok": False, "error": "no compiler"})
+    assert prepare_attention("auto", cpu) == "sdpa (cpu kernel unavailable: no compiler)"
+    with pytest.raises(ConfigError, match="model.attn_backend: cpu_kernel cannot be built here"):
+        prepare_attention("cpu_kernel", cpu)

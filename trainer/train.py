@@ -66,6 +66,9 @@ def build_model(family, args, *, cfg: Config, parallel_dims, mesh, device: torch
 
 def prepare_attention(backend: str, device: torch.device) -> str:
     """Build the CPU attention kernel before any step or trace needs it; describe the choice for the banner."""
+    if backend == "cpu_kernel" and device.type != "cpu":
+        raise ConfigError(f"model.attn_backend: cpu_kernel runs on the CPU only, not on {device.type}; "
+                          "allowed here: auto, sdpa")
     if device.type != "cpu" or backend == "sdpa":
         return "sdpa"
     from models.common import cpu_attention
