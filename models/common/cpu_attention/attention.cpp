@@ -2,14 +2,16 @@
 //
 // ATen's CPU flash attention spends most of its time outside its GEMMs when head_dim is tiny
 // (16 for the Llama 3 debug model): per 256x512 score block it runs several passes of scaling,
-// masking, max, exp and bf16 conversion. This kernel keeps a 4-row tile of scores in registers:
-// scores are fp32 FMAs over a transposed K, the softmax is exact (two passes over one row strip
-// that stays in L1/L2), and the backward recomputes P from the saved log-sum-exp like
-// FlashAttention-2. GQA is native: a key/value head is packed once and serves its query group.
+// masking, max, exp and bf16 conversion. This kernel keeps a tile of query rows x 16 keys in
+// registers (8 rows on the bf16 path, 4 on the fp32 path); the softmax is exact (two passes over
+// one row strip that stays in L1/L2), and the backward recomputes P from the saved log-sum-exp
+// like FlashAttention-2. GQA is native: a key/value head is packed once and serves its query
+// group. Two paths: bf16 inputs on AVX512-BF16 use `vdpbf16ps` for every product; everything
+// else (fp32, half, bf16 without AVX512-BF16) uses fp32 FMAs through ATen's Vectorized<float>.
 //
-// Layout: q [B, Hq, S, D], k/v [B, Hkv, S, D] with any strides and dtype float/bfloat16/half;
-// math is fp32. Outputs are allocated as [B, S, H, D] memory (what the surrounding
-// transpose/reshape wants) and returned as [B, H, S, D] views.
+// Layout: q [B, Hq, S, D], k/v [B, Hkv, S, D] with any strides and dtype float/bfloat16/half.
+// Outputs are allocated as [B, S, H, D] memory (what the surrounding transpose/reshape wants)
+// and returned as [B, H, S, D] views. docs/attention.md has the measurements.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -18,17 +20,17 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
-#include <type_traits>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();  // keys per vector
-constexpr int64_t R = 4;            // query rows per register tile
+constexpr int64_t R = 4;            // query rows per register tile (fp32 path)
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
