@@ -248,19 +248,11 @@ inline __m512 mask_upper(__m512 x, int64_t j0, int64_t row, float fill) {
 // rows  [S_pad][D]          row-major copy
 // dpair [S_pad/16][D/2][16][2]  pairs along d for each s, 16 keys a tile (operand vectorized over s)
 // spair [S_pad/2][D][2]     pairs along s for each d   (operand vectorized over d)
-struct Bf16Rows {
-  const u16* base;
-  int64_t sb, sh, ss, sd;
-  explicit Bf16Rows(const at::Tensor& t)
-      : base(reinterpret_cast<const u16*>(t.data_ptr<at::BFloat16>())),
-        sb(t.stride(0)), sh(t.stride(1)), ss(t.stride(2)), sd(t.stride(3)) {}
-  u16 at(int64_t b, int64_t h, int64_t s, int64_t d) const { return base[b * sb + h * sh + s * ss + d * sd]; }
-};
-void pack_bf16(const Bf16Rows& src, int64_t b, int64_t h, int64_t S, int64_t S_pad, int64_t D, u16* rows,
+void pack_bf16(const Rows<at::BFloat16>& src, int64_t b, int64_t h, int64_t S, int64_t S_pad, int64_t D, u16* rows,
                u16* dpair, u16* spair) {
   for (int64_t s = 0; s < S_pad; ++s)
     for (int64_t d = 0; d < D; ++d) {
-      const u16 x = s < S ? src.at(b, h, s, d) : u16(0);
+      const u16 x = s < S ? src.row(b, h, s)[d * src.sd].x : u16(0);
       if (rows) rows[s * D + d] = x;
       if (dpair) dpair[(((s / 16) * (D / 2) + d / 2) * 16 + s % 16) * 2 + (d & 1)] = x;
       if (spair) spair[((s / 2) * D + d) * 2 + (s & 1)] = x;
@@ -399,7 +391,7 @@ void run_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   constexpr int64_t D = ND * 16;
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, S_pad = round_up(S, 16);
-  Bf16Rows qr(q), kr(k), vr(v);
+  Rows<at::BFloat16> qr(q), kr(k), vr(v);
   at::BFloat16* out_base = out.data_ptr<at::BFloat16>();
   float* lse_base = lse.data_ptr<float>();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
@@ -431,8 +423,7 @@ void run_backward_bf16(const at::Tensor& dout, const at::Tensor& q, const at::Te
   constexpr int64_t D = ND * 16;
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, S_pad = round_up(S, 16);
-  Bf16Rows qr(q), kr(k), vr(v), dor(dout);
-  Rows<at::BFloat16> outr(out), dorf(dout);
+  Rows<at::BFloat16> qr(q), kr(k), vr(v), dor(dout), outr(out);
   const at::Tensor lse_c = lse.contiguous();
   const float* lse_base = lse_c.data_ptr<float>();
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -453,9 +444,9 @@ void run_backward_bf16(const at::Tensor& dout, const at::Tensor& q, const at::Te
           float acc = 0.f;
           if (s < S) {
             const at::BFloat16* orow = outr.row(b, h, s);
-            const at::BFloat16* drow = dorf.row(b, h, s);
+            const at::BFloat16* drow = dor.row(b, h, s);
             for (int64_t d = 0; d < D; ++d)
-              acc += static_cast<float>(drow[d * dorf.sd]) * static_cast<float>(orow[d * outr.sd]);
+              acc += static_cast<float>(drow[d * dor.sd]) * static_cast<float>(orow[d * outr.sd]);
           }
           DELTA[s] = acc;
           L[s] = s < S ? lrow[s] : 0.f;
