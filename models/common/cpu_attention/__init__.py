@@ -16,6 +16,7 @@ where the kernel cannot be built (no compiler, no AVX2) so that callers fall bac
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ _SOURCE = Path(__file__).with_name("attention.cpp")
 _VECTORS_PER_HEAD = (1, 2, 4, 8)  # head_dim / lanes values the kernel instantiates
 _FP32_MAX_HEAD_DIM = 32  # beyond this ATen's fp32 flash kernel is as fast or faster (docs/attention.md)
 _state: dict[str, object] = {}  # "ok": bool once load() ran; "error": why it failed
+_LOAD_LOCK = threading.Lock()
 
 
 def _cpu_flags() -> set[str]:
@@ -57,9 +59,14 @@ _ISA = _detect_isa()
 
 
 def load() -> bool:
-    """Build (or reuse the cached build of) the kernel and register its ops; False if it cannot."""
+    """Build (or reuse the cached build of) the kernel and register its ops; False if it cannot.
+
+    Thread-safe: thread-rank process groups (tests) reach the first call from several threads.
+    """
     if "ok" not in _state:
-        _state["ok"] = _load()
+        with _LOAD_LOCK:
+            if "ok" not in _state:
+                _state["ok"] = _load()
     return bool(_state["ok"])
 
 
