@@ -19,12 +19,11 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
 from models import get_model_family
 from parallelisms.simple_fsdp import local_bytes
 from trainer import planner as P
+from tests.test_parallel_harness import run_threads
 from trainer.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,17 +119,6 @@ def test_llama3_405b_on_fake_1024_ranks_takes_seconds_and_matches_hand_computati
     assert elapsed < 30, elapsed
 
 
-def _threads(world_size: int, fn) -> list:
-    """Run `fn()` on `world_size` thread ranks of the in-process "threaded" process group."""
-    results: dict[int, object] = {}
-
-    def body(_self):
-        results[dist.get_rank()] = fn()
-
-    spawn_threads_and_init_comms(world_size=world_size)(body)(None)
-    return [results[r] for r in range(world_size)]
-
-
 @pytest.mark.parametrize("degrees", [dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2)],
                          ids=["fsdp2xtp2", "hsdp2x2"])
 def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
@@ -162,7 +150,7 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
         state = [t for s in opt.state.values() for name, t in s.items() if name != "step"]
         return local_bytes(params), local_bytes(p.grad for p in params), local_bytes(state)
 
-    measured = _threads(world, rank_fn)
+    measured = run_threads(world, rank_fn)
     shape = P.ModelShape.from_args(LLAMA, args)
     planned = []
     for rank in range(world):
