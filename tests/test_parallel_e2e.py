@@ -9,17 +9,12 @@ gloo): dp_shard=2 1.3e-7, dp_shard=4 1.8e-7, tp=2 2.3e-7, dp_shard=2 x tp=2 1.3e
 dp_replicate=2 x dp_shard=2 1.3e-7. Asserted: < 1e-5.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.trainer_runs import train
 
 pytestmark = pytest.mark.multiprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLOBAL_BATCH = 4
 COMMON = [
     "--config", "configs/llama3_debug.toml", "--training.steps=10", "--training.seq_len=64",
     "--model.n_layers=2", "--metrics.log_freq=1", "--checkpoint.enable=false",
@@ -29,21 +24,7 @@ COMMON = [
 
 
 def _train(folder, nproc: int, degrees: dict) -> list[float]:
-    dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
-    args = [*COMMON, f"--job.dump_folder={folder}", f"--training.local_batch_size={GLOBAL_BATCH // dp}",
-            f"--parallelism.data_parallel_replicate_degree={degrees.get('dp_replicate', 1)}",
-            f"--parallelism.data_parallel_shard_degree={degrees.get('dp_shard', 1)}",
-            f"--parallelism.tensor_parallel_degree={degrees.get('tp', 1)}"]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trainer.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "trainer.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f]
+    return [record["loss"] for record in train(folder, nproc, degrees, *COMMON).values()]
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,13 @@ computes the aux loss exactly as data parallelism does). Measured max relative d
 over the 10 steps (CPU, gloo): see docs/expert_parallel.md. Asserted: < 1e-5.
 """
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from tests.trainer_runs import REPO, read_metrics, train
 from trainer.train import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLOBAL_BATCH = 4
 DENSE = "configs/qwen3_debug.toml"
 MOE = "configs/qwen3_moe_debug.toml"
 PARITY = [
@@ -32,31 +27,6 @@ PARITY = [
 ]
 MOE_PARITY = [*PARITY, "--training.aux_loss_coef=0"]
 NO_CKPT = ["--checkpoint.enable=false"]
-
-
-def read_metrics(folder) -> dict[int, dict]:
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return {r["step"]: r for r in map(json.loads, f)}
-
-
-def train(folder, nproc: int, config: str, degrees: dict, *extra: str) -> dict[int, dict]:
-    """Run the trainer (torchrun for nproc > 1) with a global batch of GLOBAL_BATCH sequences."""
-    dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
-    args = ["--config", config, f"--job.dump_folder={folder}",
-            f"--training.local_batch_size={GLOBAL_BATCH // dp}",
-            f"--parallelism.data_parallel_replicate_degree={degrees.get('dp_replicate', 1)}",
-            f"--parallelism.data_parallel_shard_degree={degrees.get('dp_shard', 1)}",
-            f"--parallelism.tensor_parallel_degree={degrees.get('tp', 1)}",
-            f"--parallelism.expert_parallel_degree={degrees.get('ep', 1)}", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trainer.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "trainer.train", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return read_metrics(folder)
 
 
 def max_rel_diff(got: dict[int, dict], want: dict[int, dict], steps) -> float:
@@ -96,19 +66,19 @@ def test_debug_recipe_loss_falls(tmp_path, config):
 
 @pytest.fixture(scope="module")
 def dense_single(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("dense1"), 1, DENSE, {}, *PARITY, *NO_CKPT,
+    return train(tmp_path_factory.mktemp("dense1"), 1, {}, "--config", DENSE, *PARITY, *NO_CKPT,
                  "--training.steps=10")
 
 
 @pytest.fixture(scope="module")
 def moe_single(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("moe1"), 1, MOE, {}, *MOE_PARITY, *NO_CKPT,
+    return train(tmp_path_factory.mktemp("moe1"), 1, {}, "--config", MOE, *MOE_PARITY, *NO_CKPT,
                  "--training.steps=10")
 
 
 @pytest.mark.multiprocess
 def test_dense_tp2_matches_single_process(tmp_path, dense_single):
-    got = train(tmp_path, 2, DENSE, dict(tp=2), *PARITY, *NO_CKPT, "--training.steps=10")
+    got = train(tmp_path, 2, dict(tp=2), "--config", DENSE, *PARITY, *NO_CKPT, "--training.steps=10")
     worst = max_rel_diff(got, dense_single, range(1, 11))
     print(f"qwen3 dense tp=2: max relative loss difference over 10 steps {worst:.2e}")
     assert worst < 1e-5
@@ -125,7 +95,7 @@ MOE_MESHES = [
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("nproc, degrees", MOE_MESHES)
 def test_moe_losses_match_single_process(tmp_path, moe_single, nproc, degrees):
-    got = train(tmp_path, nproc, MOE, degrees, *MOE_PARITY, *NO_CKPT, "--training.steps=10")
+    got = train(tmp_path, nproc, degrees, "--config", MOE, *MOE_PARITY, *NO_CKPT, "--training.steps=10")
     worst = max_rel_diff(got, moe_single, range(1, 11))
     print(f"qwen3 moe {degrees}: max relative loss difference over 10 steps {worst:.2e}")
     assert worst < 1e-5
@@ -137,10 +107,10 @@ def test_checkpoint_from_ep2_resumes_with_ep1(tmp_path):
     """Save with ep=2 on 2 processes, resume the step-3 checkpoint on 1 process (ep=1)."""
     common = [*MOE_PARITY, "--training.steps=6", "--checkpoint.enable=true",
               "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0"]
-    want = train(tmp_path / "ep2", 2, MOE, dict(dp_shard=2, ep=2), *common)
+    want = train(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), "--config", MOE, *common)
     shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-3",
                     tmp_path / "ep1" / "checkpoints" / "step-3")
-    got = train(tmp_path / "ep1", 1, MOE, {}, *common)
+    got = train(tmp_path / "ep1", 1, {}, "--config", MOE, *common)
     worst = max_rel_diff(got, {s: want[s] for s in (4, 5, 6)}, (4, 5, 6))
     print(f"qwen3 moe ep=2 -> ep=1 resume: max relative loss difference {worst:.2e}")
     assert worst < 1e-5
@@ -151,8 +121,8 @@ def test_checkpoint_from_ep2_resumes_with_ep1(tmp_path):
 def test_graph_mode_with_ep_matches_eager(tmp_path):
     """The graph trainer traces the all-to-alls (unbacked split sizes) into its one graph."""
     common = [*MOE_PARITY, *NO_CKPT, "--training.steps=3"]
-    eager = train(tmp_path / "eager", 2, MOE, dict(dp_shard=2, ep=2), *common)
-    graph = train(tmp_path / "graph", 2, MOE, dict(dp_shard=2, ep=2), *common,
+    eager = train(tmp_path / "eager", 2, dict(dp_shard=2, ep=2), "--config", MOE, *common)
+    graph = train(tmp_path / "graph", 2, dict(dp_shard=2, ep=2), "--config", MOE, *common,
                   "--compile.mode=graph", "--compile.backend=aot_eager")
     assert graph[1]["graph_nodes"] > 0
     worst = max_rel_diff(graph, eager, range(1, 4))

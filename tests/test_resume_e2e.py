@@ -6,27 +6,24 @@
   checkpoint and ends with the uninterrupted run's final loss.
 """
 
-import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
+from tests.trainer_runs import ENV, GLOBAL_BATCH, REPO, launch_command, read_metrics, run
+
 pytestmark = pytest.mark.multiprocess
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLOBAL_BATCH = 4
 COMMON = [
     "--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
     "--metrics.log_freq=1", "--validation.enable=false", "--training.mixed_precision_param=float32",
     "--metrics.enable_tensorboard=false", "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def command(folder, nproc, *, dp_shard=None, tp=1, steps, interval, extra_launcher=()):
@@ -35,25 +32,12 @@ def command(folder, nproc, *, dp_shard=None, tp=1, steps, interval, extra_launch
             f"--checkpoint.interval={interval}", f"--training.local_batch_size={GLOBAL_BATCH // dp}",
             f"--parallelism.data_parallel_shard_degree={dp_shard or dp}",
             f"--parallelism.tensor_parallel_degree={tp}"]
-    if nproc == 1:
-        return [sys.executable, "-m", "trainer.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *extra_launcher,
-            f"--nproc_per_node={nproc}", "-m", "trainer.train", *args]
-
-
-def run(cmd):
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return launch_command(nproc, args, extra_launcher)
 
 
 def losses(folder):
-    """Last record per step (a restarted run appends the steps it redoes)."""
-    out = {}
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            out[r["step"]] = r["loss"]
-    return out
+    """Loss by step, the last record of a step winning (a restarted run redoes some)."""
+    return {step: record["loss"] for step, record in read_metrics(folder).items()}
 
 
 def test_checkpoint_from_one_mesh_resumes_on_others(tmp_path):
