@@ -22,6 +22,12 @@ ATTN_BACKENDS = ("auto", "sdpa", "cpu_kernel")
 sdpa: always `F.scaled_dot_product_attention`. cpu_kernel: always the CPU kernel (builds it)."""
 
 
+def check_attn_backend(backend: str) -> None:
+    """ValueError naming the `attn_backend` field unless `backend` is one of ATTN_BACKENDS (model args use it)."""
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"attn_backend: {backend!r} is not supported; allowed: {', '.join(ATTN_BACKENDS)}")
+
+
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[b, kv_heads, s, d] -> [b, kv_heads * n_rep, s, d]; kv head j serves q heads j*n_rep.. ."""
     if n_rep == 1:

@@ -8,7 +8,7 @@ Shapes are those of the Hugging Face `config.json` of each Qwen/Qwen3-* checkpoi
 
 from dataclasses import dataclass
 
-from models.common.attention import ATTN_BACKENDS
+from models.common.attention import check_attn_backend
 from models.common.param_count import ParamCounts, decoder_param_counts
 
 
@@ -48,8 +48,7 @@ class Qwen3Args:
     """Attention kernel: auto (the CPU kernel for small head dims on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
 
     def __post_init__(self) -> None:
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"attn_backend: {self.attn_backend!r} is not supported; allowed: {', '.join(ATTN_BACKENDS)}")
+        check_attn_backend(self.attn_backend)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "hidden_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
