@@ -30,7 +30,7 @@ from torch.utils.checkpoint import (
 )
 
 from models.common.plan import ModelPlan
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 __all__ = ["AC_MODES", "apply_ac", "checkpoint_fn", "sac_policy"]
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 # Mesh axis names, outermost first. The busiest axis (tp) is innermost so that on TPU the
 # topology-aware order keeps it on the fastest ICI links and on GPU it stays inside a host.

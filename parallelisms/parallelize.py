@@ -26,7 +26,7 @@ from parallelisms.compile import apply_compile
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.simple_fsdp import data_parallel
 from parallelisms.tensor_parallel import apply_tp
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 __all__ = ["parallelize_model"]
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.common.plan import ModelPlan
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 __all__ = ["apply_tp", "loss_parallel_context", "style_for"]
 

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import HF_MODEL_TYPES, ModelFamily, get_model_family  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from models.errors import ConfigError  # noqa: E402
 
 MODEL_PREFIX = "model."
 MAX_SHARD_BYTES = 5 * 1024**3

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.errors import ConfigError  # noqa: E402
+from models.errors import ConfigError  # noqa: E402
 
 # Short flag -> recipe key it overrides.
 _SHORT = {

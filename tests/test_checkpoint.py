@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from trainer import checkpoint as ckpt
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -174,7 +174,7 @@ def test_avx2_build_matches_float64(tmp_path):
 
 def test_trainer_reports_and_falls_back(monkeypatch):
     """auto falls back to SDPA with the reason; cpu_kernel is a config error (exit 2) where the build failed."""
-    from trainer.errors import ConfigError
+    from models.errors import ConfigError
     from trainer.train import prepare_attention
 
     cpu = torch.device("cpu")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, resolve_dataset
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 from trainer.tokenizer import build_tokenizer
 
 # Documents of varied length, so windows cut through documents and hold several of them.

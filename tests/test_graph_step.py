@@ -22,7 +22,7 @@ from tests.test_graph_common import (
     max_state_diff,
     run,
 )
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 from trainer.graph import build_graph_step
 
 PARAM_TOL, REL_TOL = 2e-6, 1e-5

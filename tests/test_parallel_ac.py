@@ -19,7 +19,7 @@ from tests.test_parallel_harness import (
     rel_diff,
     run_threads,
 )
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 FP32 = dict(param_dtype=torch.float32, reduce_dtype=torch.float32)
 

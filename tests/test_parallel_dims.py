@@ -9,7 +9,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from models.llama3 import FLAVORS as LLAMA3
 from models.qwen3 import FLAVORS as QWEN3
 from parallelisms import ParallelDims, build_ep_mesh, build_mesh, flat_dp_mesh
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 
 def test_dp_shard_fills_the_world():

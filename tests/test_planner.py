@@ -24,7 +24,7 @@ from models import get_model_family
 from parallelisms.simple_fsdp import local_bytes
 from trainer import planner as P
 from tests.test_parallel_harness import run_threads
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = get_model_family("llama3")

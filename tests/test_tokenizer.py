@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 from trainer.tokenizer import BUNDLED_BPE_PATH, LLAMA3_SPECIAL_TOKENS, build_tokenizer, load_bpe_ranks
 
 TEXTS = [

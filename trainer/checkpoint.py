@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

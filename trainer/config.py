@@ -23,7 +23,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 
 def _choices(*values: str) -> dict:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 _ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 BUNDLED_CORPUS_DIR = os.path.join(_ASSETS, "corpus")

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu_dist"}
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 from trainer.flops import GPU_PEAK_TFLOPS, TPU_PEAK_TFLOPS, flops_per_token
 
 GiB = 2**30

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import tiktoken
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 # Llama 3's pre-tokenizer split pattern (identical to OpenAI's cl100k_base).
 LLAMA3_PATTERN = (

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config, build_config, resolve_model_args, split_cli, to_toml
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 
 class NonFiniteLoss(RuntimeError):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 from trainer.graph.passes import GraphStats, graph_text, run_passes
 from trainer.graph.remat import scan_remat
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 
 class GatherShard(torch.autograd.Function):

@@ -22,7 +22,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from models.common.stack import view_rows
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 
 @dataclass

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
 from trainer.step import lm_loss

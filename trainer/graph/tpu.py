@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from trainer.errors import ConfigError
+from models.errors import ConfigError
 
 
 def _torch_tpu():

@@ -1,4 +1,7 @@
-"""User-facing errors.
+"""User-facing errors: the one error type for bad input, at the bottom of the import graph.
+
+It lives here, in a leaf module that imports nothing, so that every layer (models, kernels,
+parallelisms, planner, trainer, scripts) can raise it without importing `trainer/`.
 
 `ConfigError` is raised for bad input (config keys, recipe/data/tokenizer/checkpoint paths).
 The command-line entry point turns it into one `error: ...` line on stderr and exit code 2.

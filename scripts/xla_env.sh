@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Make (once) and print the path of one of the XLA tier's virtual environments.
+#   scripts/xla_env.sh xla     torch 2.13.0 (CPU) + jax 0.10.2 + torchax 0.0.13: lowering to StableHLO,
+#                              XLA:CPU runs, Pallas kernels in interpret mode
+#   scripts/xla_env.sh tpuc    jax[tpu] 0.10.2 (libtpu 0.0.42.1): deviceless XLA:TPU compiles
+#   scripts/xla_env.sh ttpu    torch 2.13.0 + torch-tpu 0.2.0 (cp311 only) + jax 0.10.2 + torchax:
+#                              torch-tpu's own compile path up to its lowering call
+# These venvs are separate from .venv on purpose: torchax and torch-tpu change process globals,
+# so nothing of them may load into the main test process. Versions are pinned exactly.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NAME="${1:?usage: scripts/xla_env.sh xla|tpuc|ttpu}"
+case "$NAME" in
+  xla)  PKGS=(torch==2.13.0 "jax[cpu]==0.10.2" jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy) ;;
+  tpuc) PKGS=("jax[tpu]==0.10.2" flatbuffers numpy) ;;
+  ttpu) PKGS=(torch==2.13.0 torch-tpu==0.2.0 jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy) ;;
+  *) echo "error: scripts/xla_env.sh: unknown environment '$NAME'; allowed: xla, tpuc, ttpu" >&2; exit 2 ;;
+esac
+VENV="${TITAN_XLA_VENV_ROOT:-$ROOT}/.venv-$NAME"
+STAMP="$VENV/.titan-$(printf '%s\n' "${PKGS[@]}" | sha1sum | cut -c1-12)"
+if [ ! -f "$STAMP" ]; then
+  echo "setting up $VENV (one time) ..." >&2
+  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "${PKGS[@]}" >&2
+  touch "$STAMP"
+fi
+echo "$VENV"
