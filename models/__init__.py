@@ -1,12 +1,16 @@
-"""Model families by name: `get_model_family("llama3" | "qwen3") -> ModelFamily`.
+"""Model families by name: `get_model_family("llama3" | "qwen3" | "package.module:NAME") -> ModelFamily`.
 
 `models/` imports only torch: no torch.distributed, no config objects, no environment reads.
-Unknown names and flavors raise `ValueError` listing the allowed values (the trainer turns it
-into a ConfigError). Parallel plans are loaded lazily by the parallelism code from
-`ModelFamily.plan_module_name` (`models.<family>.plan`).
+A family declares what the rest of the product may use of it (`models/contract.py`): its plan
+object, args with `shape()` and parameter counts, and a model with `pop_aux_loss()`. A family
+defined outside this package is named by its import path, `package.module:NAME` (NAME a
+`ModelFamily`), so a new model needs no edit to `trainer/` or `parallelisms/`. Unknown names
+and flavors raise `ValueError` listing the allowed values (the trainer turns it into a
+ConfigError).
 """
 
 import dataclasses
+import importlib
 import types
 import typing
 from dataclasses import dataclass
@@ -16,8 +20,11 @@ from typing import Any
 from torch import nn
 
 from models import llama3, qwen3
+from models.common.plan import ModelPlan
 from models.llama3 import hf as llama3_hf
+from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import hf as qwen3_hf
+from models.qwen3.plan import PLAN as QWEN3_PLAN
 
 
 @dataclass(frozen=True)
@@ -29,11 +36,11 @@ class ModelFamily:
     flavors: dict[str, Any]
     """Flavor name -> args instance; copy with `get_args` before changing anything."""
     model_cls: type[nn.Module]
-    """`Transformer(args)`: `forward(tokens) -> logits`, `init_weights(buffer_device=None)`."""
-    hf_adapter: ModuleType
-    """Module with `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`."""
-    plan_module_name: str
-    """Import path of the family's parallel plan (owned by the parallelism code)."""
+    """`model_cls(args)`: a `models.contract.LanguageModel`."""
+    plan: ModelPlan
+    """Where the repeated blocks are and how `parallelisms/` shards the model."""
+    hf_adapter: ModuleType | None = None
+    """Module with `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`; None: no HF interop."""
 
     def get_args(self, flavor: str, **overrides: Any) -> Any:
         """A fresh copy of `flavors[flavor]` with `overrides` applied (ValueError on unknown names)."""
@@ -70,16 +77,16 @@ _FAMILIES = {
         args_cls=llama3.Llama3Args,
         flavors=llama3.FLAVORS,
         model_cls=llama3.Transformer,
+        plan=LLAMA3_PLAN,
         hf_adapter=llama3_hf,
-        plan_module_name="models.llama3.plan",
     ),
     "qwen3": ModelFamily(
         name="qwen3",
         args_cls=qwen3.Qwen3Args,
         flavors=qwen3.FLAVORS,
         model_cls=qwen3.Transformer,
+        plan=QWEN3_PLAN,
         hf_adapter=qwen3_hf,
-        plan_module_name="models.qwen3.plan",
     ),
 }
 
@@ -87,12 +94,19 @@ _FAMILIES = {
 HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 
 
-def model_names() -> list[str]:
-    return list(_FAMILIES)
-
-
 def get_model_family(name: str) -> ModelFamily:
-    """The `ModelFamily` registered under `name`; ValueError listing the allowed names otherwise."""
-    if name not in _FAMILIES:
-        raise ValueError(f"model.name: unknown model {name!r}; allowed: {list(_FAMILIES)}")
-    return _FAMILIES[name]
+    """The family registered under `name`, or the `ModelFamily` at import path `module:NAME`;
+    ValueError naming `model.name` and the allowed values otherwise."""
+    allowed = f"allowed: {', '.join(_FAMILIES)}, or package.module:NAME of a ModelFamily"
+    if name in _FAMILIES:
+        return _FAMILIES[name]
+    module_name, sep, attr = name.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"model.name: unknown model {name!r}; {allowed}")
+    try:
+        family = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"model.name: cannot load {name!r} ({type(e).__name__}: {e}); {allowed}") from None
+    if not isinstance(family, ModelFamily):
+        raise ValueError(f"model.name: {name!r} is a {type(family).__name__}, not a ModelFamily; {allowed}")
+    return family

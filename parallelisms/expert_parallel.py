@@ -15,7 +15,7 @@ block lacks are skipped, so one plan covers dense and MoE blocks) and applies th
 - "moe": the MoE layer around the experts. With tensor parallelism its input is the
   sequence-sharded residual stream, a DTensor; the layer takes the rank's own tokens as a
   plain tensor (and returns plain, sequence-sharded output, like a rowwise projection). The
-  auxiliary losses it stores (`aux_loss`, `z_loss`) are then per-rank statistics of a
+  auxiliary loss it stores (`aux_loss`) is then a per-rank statistics of a
   sequence shard whose gradients are summed over the TP ranks, so their gradients are
   scaled by 1/tp: the TP group trains on the mean of its shards' losses.
 - "router": a per-token linear layer inside the MoE (the router gate). With tensor
@@ -247,10 +247,8 @@ def _local_tokens(module: nn.Module, args: tuple) -> tuple:
 
 def _scale_loss_grads(scale: float):
     def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        for attr in ("aux_loss", "z_loss"):
-            value = getattr(module, attr, None)
-            if isinstance(value, torch.Tensor):
-                setattr(module, attr, _scale_grad(value, scale))
+        if isinstance(module.aux_loss, torch.Tensor):
+            module.aux_loss = _scale_grad(module.aux_loss, scale)
 
     return hook
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from models.contract import ModelShape
 from models.errors import ConfigError
 
 # Mesh axis names, outermost first. The busiest axis (tp) is innermost so that on TPU the
@@ -148,49 +149,37 @@ class ParallelDims:
         return replicate * self.dp_shard + shard
 
     # --- model checks ----------------------------------------------------------------------
-    def validate_for_model(self, args: object, *, seq_len: int | None = None) -> None:
+    def validate_for_model(self, shape: ModelShape, *, seq_len: int) -> None:
         """Raise ConfigError if a degree does not divide a size of the model it must split.
 
-        `args` is a model-args dataclass; the sizes read from it (when present) are
-        `n_heads`, `num_kv_heads` (or `n_kv_heads`), `ffn_hidden_dim` (dense FFN width),
-        `num_experts` and `moe_hidden_dim` (MoE), and `max_seq_len` unless `seq_len` is given.
-        Tensor parallelism splits heads, kv heads and hidden units, and, with sequence
+        Tensor parallelism splits heads, kv heads and MLP hidden units, and, with sequence
         parallelism, the sequence; expert parallelism splits the experts. `dim` and
         `vocab_size` need not divide: DTensor shards embedding rows and norm weights
         unevenly when needed.
         """
-        def size(*names: str) -> int | None:
-            for name in names:
-                value = getattr(args, name, None)
-                if isinstance(value, int):
-                    return value
-            return None
-
-        num_experts = size("num_experts") or None  # 0 means a dense model
         if self.tp_enabled:
             checks = [
-                ("n_heads", size("n_heads")),
-                ("n_kv_heads", size("num_kv_heads", "n_kv_heads")),
-                ("FFN hidden size", None if num_experts else size("ffn_hidden_dim", "hidden_dim")),
-                ("MoE expert hidden size", size("moe_hidden_dim") if num_experts else None),
-                ("sequence length (sequence parallel)",
-                 seq_len if seq_len is not None else size("max_seq_len")),
+                ("n_heads", shape.n_heads),
+                ("n_kv_heads", shape.n_kv_heads),
+                ("MoE expert hidden size" if shape.is_moe else "FFN hidden size",
+                 shape.moe_hidden if shape.is_moe else shape.ffn_hidden),
+                ("sequence length (sequence parallel)", seq_len),
             ]
             for what, value in checks:
-                if value is not None and value % self.tp != 0:
+                if value and value % self.tp != 0:
                     raise ConfigError(
                         f"{_KEYS['tp']}: {self.tp} does not divide the model's {what} "
                         f"({value}); allowed: divisors of {value}"
                     )
         if self.ep_enabled:
-            if num_experts is None:
+            if not shape.is_moe:
                 raise ConfigError(
                     f"{_KEYS['ep']}: {self.ep} > 1 but the model has no experts; allowed: 1"
                 )
-            if num_experts % self.ep != 0:
+            if shape.num_experts % self.ep != 0:
                 raise ConfigError(
                     f"{_KEYS['ep']}: {self.ep} does not divide the number of experts "
-                    f"({num_experts}); allowed: divisors of {num_experts}"
+                    f"({shape.num_experts}); allowed: divisors of {shape.num_experts}"
                 )
 
 

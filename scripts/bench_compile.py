@@ -50,6 +50,7 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
     """Measure one (variant, n_layers) in this process; returns a result row."""
     import torch
 
+    import kernels
     from models.llama3 import FLAVORS, Transformer
     from models.llama3.plan import PLAN
     from parallelisms import clip_grad_norm_
@@ -60,6 +61,7 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
     from trainer.step import EagerStep
 
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=n_layers, max_seq_len=seq)
+    kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
 
     def build(kind: str):
         torch.manual_seed(0)
@@ -91,8 +93,7 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
 
     busy0, total0 = _cpu_times()
     t = time.perf_counter()
-    loss, _ = step(microbatches(), 3e-4)
-    first = float(loss)
+    first = float(step(microbatches(), 3e-4).loss)
     first_s = time.perf_counter() - t
     step(microbatches(), 3e-4)  # warm-up (allocator, lazy inits)
     if eager is not None:
@@ -101,12 +102,11 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
     for _ in range(repeats):
         mbs = microbatches()
         t = time.perf_counter()
-        loss, norm = step(mbs, 3e-4)
-        float(loss)  # the step is synchronous on CPU; this only reads the value
+        float(step(mbs, 3e-4).loss)  # the step is synchronous on CPU; this only reads the value
         times.append(time.perf_counter() - t)
         if eager is not None:
             t = time.perf_counter()
-            float(eager(mbs, 3e-4)[0])
+            float(eager(mbs, 3e-4).loss)
             eager_times.append(time.perf_counter() - t)
     busy1, total1 = _cpu_times()
     steady = statistics.median(times)

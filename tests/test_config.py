@@ -61,7 +61,6 @@ def test_model_overrides_apply_to_flavor_args():
         ([("optimizer.lr", "-1")], r"optimizer.lr: .* out of range"),
         ([("compile.mode", "fast")], r"compile.mode: 'fast' is not allowed; allowed: eager, compile, graph"),
         ([("optimizer.betas", "[0.9]")], r"optimizer.betas"),
-        ([("compile.scan_layers", "true")], r"compile.scan_layers"),
         ([("checkpoint.enable", "maybe")], r"checkpoint.enable: expected true or false"),
         ([("parallelism.data_parallel_shard_degree", "0")], r"data_parallel_shard_degree"),
     ],

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (models/common/cpu_attention) against SDPA in float64, and its op plumbing.
+"""The CPU attention kernel (kernels/cpu_attention) against SDPA in float64, and its op plumbing.
 
 fp32 must match the float64 reference to 2e-5 (forward and all three gradients); bf16 must be
 no worse than ATen's own bf16 flash kernel on the same inputs (x1.25, plus 1e-3 slack).
@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.common import cpu_attention
+import kernels
+from kernels import cpu_attention
 from models.common.attention import Attention
 
-pytestmark = pytest.mark.skipif(not cpu_attention.load(), reason=f"kernel unavailable: {cpu_attention.load_error()}")
+needs_kernel = pytest.mark.skipif(not cpu_attention.load(), reason=f"kernel unavailable: {cpu_attention.load_error()}")
 
 
 def _qkv(batch, heads, kv_heads, seq, head_dim, dtype, contiguous=False):
@@ -52,6 +53,7 @@ SHAPES = [  # batch, heads, kv_heads, seq, head_dim
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@needs_kernel
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_fp32_matches_float64_sdpa(shape, contiguous):
     q, k, v = _qkv(*shape, torch.float64, contiguous)
@@ -64,6 +66,7 @@ def test_fp32_matches_float64_sdpa(shape, contiguous):
         assert err < 2e-5, f"{name}: max abs error {err:.2e} at {shape}"
 
 
+@needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_no_worse_than_aten_flash(shape):
     if not cpu_attention.supports(torch.empty(1, 1, 1, shape[-1], dtype=torch.bfloat16),
@@ -83,9 +86,10 @@ def test_bf16_no_worse_than_aten_flash(shape):
         assert rel(a, r) <= 1.25 * rel(f, r) + 1e-3, f"{name}: kernel {rel(a, r):.2e} vs flash {rel(f, r):.2e}"
 
 
+@needs_kernel
 def test_attention_module_backends_agree():
     torch.manual_seed(0)
-    attn = {b: Attention(dim=64, n_heads=4, n_kv_heads=2, head_dim=16, backend=b) for b in ("sdpa", "cpu_kernel")}
+    attn = {b: Attention(dim=64, n_heads=4, n_kv_heads=2, head_dim=16) for b in ("sdpa", "cpu_kernel")}
     attn["cpu_kernel"].load_state_dict(attn["sdpa"].state_dict())
     x = torch.randn(2, 40, 64)
     angles = torch.arange(40)[:, None] * torch.arange(8)[None, :] * 0.1
@@ -94,7 +98,9 @@ def test_attention_module_backends_agree():
     outs, grads = {}, {}
     for name, module in attn.items():
         xi = x.clone().requires_grad_()
-        outs[name] = module(xi, cos, sin)
+        with kernels.use(attention=name) as chosen:
+            assert chosen.startswith(name)
+            outs[name] = module(xi, cos, sin)
         outs[name].square().sum().backward()
         grads[name] = [xi.grad] + [p.grad for p in module.parameters()]
     torch.testing.assert_close(outs["cpu_kernel"], outs["sdpa"], atol=2e-5, rtol=1e-5)
@@ -102,6 +108,7 @@ def test_attention_module_backends_agree():
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
 
 
+@needs_kernel
 def test_auto_picks_kernel_where_supported():
     q16 = torch.empty(1, 2, 8, 16)
     q128 = torch.empty(1, 2, 8, 128)
@@ -112,17 +119,25 @@ def test_auto_picks_kernel_where_supported():
     assert not cpu_attention.supports(torch.empty(1, 2, 8, 16, device="meta"), torch.empty(1, 2, 8, 16, device="meta"))
 
 
-def test_cpu_kernel_backend_rejects_unsupported_inputs():
-    attn = Attention(dim=96, n_heads=4, n_kv_heads=4, head_dim=24, backend="cpu_kernel")
-    with pytest.raises(ValueError, match="attn_backend"):
-        attn(torch.randn(1, 8, 96), torch.ones(8, 24), torch.zeros(8, 24))
+@needs_kernel
+def test_inputs_the_kernel_does_not_handle_go_to_sdpa():
+    """head_dim 24 is not a multiple of the vector width: served by SDPA, same result."""
+    attn = Attention(dim=96, n_heads=4, n_kv_heads=4, head_dim=24)
+    x, cos, sin = torch.randn(1, 8, 96), torch.ones(8, 24), torch.zeros(8, 24)
+    with kernels.use(attention="sdpa"):
+        want = attn(x, cos, sin)
+    with kernels.use(attention="cpu_kernel"):
+        got = attn(x, cos, sin)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@needs_kernel
 def test_op_registration_passes_opcheck():
     q, k, v = (t.float().requires_grad_() for t in _qkv(1, 4, 2, 20, 16, torch.float64))
     torch.library.opcheck(torch.ops.titan_cpu.attn_fwd.default, (q, k, v, 0.25))
 
 
+@needs_kernel
 def test_compiles_fullgraph_and_matches_eager():
     q, k, v = (t.float().requires_grad_() for t in _qkv(2, 4, 2, 48, 16, torch.float64))
     eager = cpu_attention.causal_attention(q, k, v)
@@ -133,6 +148,7 @@ def test_compiles_fullgraph_and_matches_eager():
     torch.testing.assert_close(gq, gq_eager, atol=0, rtol=0)
 
 
+@needs_kernel
 def test_selective_ac_saves_the_kernel_output():
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -142,6 +158,7 @@ def test_selective_ac_saves_the_kernel_output():
 
 
 @pytest.mark.skipif("avx2" not in cpu_attention._cpu_flags(), reason="no AVX2 on this CPU")
+@needs_kernel
 def test_avx2_build_matches_float64(tmp_path):
     """The AVX2 build (8 fp32 lanes, no bf16 dot products), forced here on an AVX-512 machine.
 
@@ -172,18 +189,32 @@ def test_avx2_build_matches_float64(tmp_path):
                 assert err < tol, f"{name} {dtype} {shape}: relative error {err:.1e}"
 
 
-def test_trainer_reports_and_falls_back(monkeypatch):
-    """auto falls back to SDPA with the reason; cpu_kernel is a config error (exit 2) where the build failed."""
-    from models.errors import ConfigError
-    from trainer.train import prepare_attention
-
+@needs_kernel
+def test_select_reports_the_kernel():
     cpu = torch.device("cpu")
-    assert prepare_attention("auto", cpu).startswith("auto (cpu kernel loaded")
-    assert prepare_attention("sdpa", cpu) == "sdpa"
-    assert prepare_attention("auto", torch.device("meta")) == "sdpa"  # not a CPU run: never the kernel
-    with pytest.raises(ConfigError, match="CPU only"):
-        prepare_attention("cpu_kernel", torch.device("meta"))
+    with kernels.use(attention="auto") as chosen:
+        assert chosen.startswith("auto (cpu kernel loaded")
+        assert kernels.saved_ops() >= set(cpu_attention.ops())
+    with kernels.use(attention="sdpa") as chosen:
+        assert chosen == "sdpa"
+    assert kernels.select(attention="auto", device=torch.device("meta")) == "sdpa"  # not a CPU run
+    del cpu
+
+
+def test_select_falls_back_where_the_kernel_cannot_build(monkeypatch):
+    """Runs on every machine: the build failure is forced. auto falls back to SDPA and says why;
+    cpu_kernel is a config error (exit 2); off the CPU cpu_kernel is refused before any build."""
+    from models.common import ops
+    from models.errors import ConfigError
+
     monkeypatch.setattr(cpu_attention, "_state", {"ok": False, "error": "no compiler"})
-    assert prepare_attention("auto", cpu) == "sdpa (cpu kernel unavailable: no compiler)"
+    cpu = torch.device("cpu")
+    with kernels.use(attention="auto") as chosen:
+        assert chosen == "sdpa (cpu kernel unavailable: no compiler)"
+        assert ops.implementation("causal_attention") is ops.sdpa_causal_attention
     with pytest.raises(ConfigError, match="model.attn_backend: cpu_kernel cannot be built here"):
-        prepare_attention("cpu_kernel", cpu)
+        kernels.select(attention="cpu_kernel", device=cpu)
+    with pytest.raises(ConfigError, match="CPU only"):
+        kernels.select(attention="cpu_kernel", device=torch.device("meta"))
+    with pytest.raises(ConfigError, match="model.attn_backend: 'flash' is not supported"):
+        kernels.select(attention="flash", device=cpu)

@@ -210,7 +210,7 @@ def _reference(state, dp: int, tp: int):
         lm = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n])
         aux = torch.stack(aux_values).sum()
         if tp == 1:  # without TP the model's own aux loss is the reference: same value
-            assert aux.item() == pytest.approx(model.moe_aux_loss().item(), rel=1e-6)
+            assert aux.item() == pytest.approx(model.pop_aux_loss().item(), rel=1e-6)
         ((lm + QWEN_AUX * aux) / dp).backward()
         lm_total += lm.item() / dp
         aux_per_rank.append(aux.item())
@@ -259,7 +259,7 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
         load_full_state(model, state)
         r, n = dims.dp_rank(mesh), GLOBAL_BATCH // dims.dp_degree
         lm = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n])
-        aux = model.moe_aux_loss()
+        aux = model.pop_aux_loss()
         (lm + QWEN_AUX * aux).backward()
         return r, lm.item(), aux.item(), {n: full(p.grad) for n, p in model.named_parameters()}
 

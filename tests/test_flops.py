@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from models.common import cpu_attention
+from kernels import cpu_attention
 from trainer import flops
 
 aten = torch.ops.aten

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_graph_common import PLAN, batches, build_model, build_opt, eager_step, max_param_diff, run
+from tests.test_graph_common import (
+    PLAN,
+    batches,
+    build_model,
+    build_opt,
+    eager_step,
+    max_param_diff,
+    param_tolerance,
+    run,
+    snapshot,
+)
 from trainer.checkpoint import CheckpointManager, ModelState, OptimizerState
 from trainer.graph import build_graph_step
 
@@ -73,10 +83,11 @@ def test_scan_checkpoint_loads_without_scan_and_back(tmp_path):
     assert _manager(tmp_path / "plain").load(_states(model_c, opt_c)) == 4
     assert max_param_diff(model_b, model_c) == 0.0
     # Continue both for two steps: the scanned graph step trains from the loaded state.
+    before = snapshot(model_b)
     ref = run(eager_step(model_b, opt_b), opt_b, data[4:6])
     got = run(step_c, opt_c, data[4:6])
     assert all(abs(r[0] - g[0]) <= 1e-5 * abs(r[0]) for r, g in zip(ref, got)), (ref, got)
-    assert max_param_diff(model_b, model_c) <= 2e-6
+    assert max_param_diff(model_b, model_c) <= param_tolerance(before, model_b)
     # Per-layer step counters kept their identity as rows of the stacked step vector.
     assert {float(s["step"]) for s in opt_c.state.values()} == {6.0}
 
@@ -100,7 +111,10 @@ def test_scan_resyncs_replaced_tensors():
             state = o.state[m.layers["1"].feed_forward.w2._parameters["weight"]]
             state["exp_avg"] = state["exp_avg"].clone() + 1e-3  # a new tensor object
     assert step.block_stack.resync_scan_storage() == 1  # and the graph step would do it itself
+    # The edited exp_avg (+1e-3 against moments of ~1e-5) makes some updates far larger than the
+    # lr; the parameter bound scales with the largest one (param_tolerance).
+    before = snapshot(ref_model)
     ref = run(eager_step(ref_model, ref_opt), ref_opt, data[1:3])
     got = run(step, opt, data[1:3])
     assert all(abs(r[0] - g[0]) <= 1e-5 * abs(r[0]) for r, g in zip(ref, got)), (ref, got)
-    assert max_param_diff(ref_model, model) <= 2e-6
+    assert max_param_diff(ref_model, model) <= param_tolerance(before, ref_model)

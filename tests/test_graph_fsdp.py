@@ -75,7 +75,7 @@ def _graph_on_rank(state, scan_variants):
         for s in range(STEPS):
             inputs, labels = batch(4096, batch_size=4, seed=s)
             mb = [(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])]
-            loss, _ = step(mb, _lr(s))
+            loss = step(mb, _lr(s)).loss
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / 2)

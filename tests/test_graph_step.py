@@ -23,6 +23,7 @@ from tests.test_graph_common import (
     run,
 )
 from models.errors import ConfigError
+from parallelisms.activation_checkpoint import apply_ac
 from trainer.graph import build_graph_step
 
 PARAM_TOL, REL_TOL = 2e-6, 1e-5
@@ -39,8 +40,10 @@ def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5
     ref_opt = build_opt(ref_model)
     model = build_model(n_layers)
     opt = build_opt(model)
+    if not scan:  # unrolled blocks are checkpointed where the trainer does it (parallelize_model)
+        apply_ac(model, plan=PLAN, mode=ac_mode)
     step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            ac_mode=ac_mode, grad_accum_steps=accum, plan=PLAN)
+                            ac_mode=ac_mode if scan else "none", grad_accum_steps=accum, plan=PLAN)
     data = batches(steps, accum)
     ref = run(eager_step(ref_model, ref_opt), ref_opt, data)
     got = run(step, opt, data)
@@ -176,3 +179,29 @@ def test_enable_scan_views_and_validation():
         model(tokens)
     with pytest.raises(ValueError, match="layer scan"):
         BlockStack([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)]).enable_scan()
+
+
+def test_nonfinite_gradient_skips_the_update_on_device():
+    """A NaN gradient norm leaves parameters, moments and step counts as they were (no host
+    sync in the step), like the eager step's fused AdamW; the next finite step updates again."""
+    model, ref_model = build_model(2), build_model(2)
+    opt, ref_opt = build_opt(model), build_opt(ref_model)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", plan=PLAN)
+    ref = eager_step(ref_model, ref_opt)
+    data = batches(2)
+    run(step, opt, data[:1])
+    run(ref, ref_opt, data[:1])
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_params = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    with torch.no_grad():  # a NaN input embedding row poisons the loss and every gradient
+        for m in (model, ref_model):
+            m.tok_embeddings.weight[data[1][0][0][0, 0]] = float("nan")
+    for fn, o, m, saved in ((step, opt, model, params), (ref, ref_opt, ref_model, ref_params)):
+        for group in o.param_groups:
+            group["lr"] = lr_at(1)
+        out = fn(data[1], lr_at(1))
+        assert not torch.isfinite(out.grad_norm)
+        state = m.state_dict()
+        changed = [k for k in saved if k != "tok_embeddings.weight" and not torch.equal(state[k], saved[k])]
+        assert changed == [], changed
+        assert all(float(s["step"]) == 1 for s in o.state.values())

@@ -176,7 +176,9 @@ def test_args_validation_and_family_errors():
     assert family.get_args("debugmodel", rope_theta=10000).rope_theta == 10000.0  # int for a float field
     args = family.get_args("debugmodel", n_layers=2)
     assert args.n_layers == 2 and LLAMA3_FLAVORS["debugmodel"].n_layers == 6  # flavors are not mutated
-    assert family.plan_module_name == "models.llama3.plan"
+    from models.llama3.plan import PLAN
+
+    assert family.plan is PLAN
     assert {"from_hf", "to_hf", "hf_config", "args_from_hf_config"} <= set(dir(family.hf_adapter))
 
 

@@ -130,7 +130,7 @@ def test_qwen3_moe_matches_hf(kw):
         )
         for logits in out.router_logits
     )
-    assert abs(ours.moe_aux_loss().item() - expected.item()) <= 1e-5
+    assert abs(ours.pop_aux_loss().item() - expected.item()) <= 1e-5
     assert expected.item() > 0
 
 

@@ -45,23 +45,23 @@ def test_constructor_is_keyword_only():
 
 def test_validate_for_model():
     llama = dataclasses.replace(LLAMA3["debugmodel"], max_seq_len=64)  # 16 heads, 4 kv heads
-    ParallelDims(dp_shard=2, tp=4, world_size=8).validate_for_model(llama)
+    ParallelDims(dp_shard=2, tp=4, world_size=8).validate_for_model(llama.shape(), seq_len=64)
     with pytest.raises(ConfigError, match=r"tensor_parallel_degree: 8 does not divide the model's n_kv_heads \(4\)"):
-        ParallelDims(dp_shard=1, tp=8, world_size=8).validate_for_model(llama)
+        ParallelDims(dp_shard=1, tp=8, world_size=8).validate_for_model(llama.shape(), seq_len=64)
     with pytest.raises(ConfigError, match=r"n_heads \(16\)"):
-        ParallelDims(dp_shard=1, tp=3, world_size=3).validate_for_model(llama)
+        ParallelDims(dp_shard=1, tp=3, world_size=3).validate_for_model(llama.shape(), seq_len=64)
     with pytest.raises(ConfigError, match="sequence length"):
-        ParallelDims(dp_shard=1, tp=4, world_size=4).validate_for_model(llama, seq_len=30)
+        ParallelDims(dp_shard=1, tp=4, world_size=4).validate_for_model(llama.shape(), seq_len=30)
     # heads and kv heads divide by 3, the FFN width does not
     qwen = dataclasses.replace(QWEN3["debugmodel"], n_heads=12, n_kv_heads=6, hidden_dim=770, max_seq_len=60)
     with pytest.raises(ConfigError, match=r"FFN hidden size \(770\)"):
-        ParallelDims(dp_shard=1, tp=3, world_size=3).validate_for_model(qwen)
+        ParallelDims(dp_shard=1, tp=3, world_size=3).validate_for_model(qwen.shape(), seq_len=60)
     with pytest.raises(ConfigError, match="expert_parallel_degree: 2 > 1 but the model has no experts"):
-        ParallelDims(dp_shard=2, ep=2, world_size=2).validate_for_model(llama)
+        ParallelDims(dp_shard=2, ep=2, world_size=2).validate_for_model(llama.shape(), seq_len=64)
     moe = QWEN3["debugmodel_moe"]  # 8 experts
-    ParallelDims(dp_shard=4, ep=4, world_size=4).validate_for_model(moe)
+    ParallelDims(dp_shard=4, ep=4, world_size=4).validate_for_model(moe.shape(), seq_len=64)
     with pytest.raises(ConfigError, match=r"does not divide the number of experts \(8\)"):
-        ParallelDims(dp_shard=6, ep=3, world_size=6).validate_for_model(moe)
+        ParallelDims(dp_shard=6, ep=3, world_size=6).validate_for_model(moe.shape(), seq_len=64)
 
 
 @pytest.fixture

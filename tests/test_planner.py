@@ -183,8 +183,9 @@ _ACT_CASES = [
 def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, loss_parallel, ac_mode):
     family = get_model_family(name)
     batch, seq = 2, 64
-    # SDPA, as on the accelerators the planner plans for (the CPU kernel does not repeat k/v).
-    args = dataclasses.replace(family.flavors[flavor], n_layers=2, max_seq_len=seq, attn_backend="sdpa")
+    # SDPA (tests/conftest.py), as on the accelerators the planner plans for (the CPU kernel
+    # does not repeat k/v).
+    args = dataclasses.replace(family.flavors[flavor], n_layers=2, max_seq_len=seq)
     shape = P.ModelShape.from_args(family, args)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)

@@ -45,9 +45,14 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 | qwen3_moe."""
+    """Model family: llama3 | qwen3 (dense and MoE flavors), or `package.module:NAME` of a
+    `models.ModelFamily` defined outside this repository (docs/adding_a_model.md)."""
     flavor: str = "debugmodel"
-    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (see docs/models.md)."""
+    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B; qwen3's MoE flavors are
+    debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
+    attn_backend: str = field(default="auto", metadata=_choices("auto", "sdpa", "cpu_kernel"))
+    """Implementation of the attention op (kernels/): auto (the CPU kernel for small head dims
+    on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
     tokenizer: str = "bundled"
     """`bundled` (the shipped 4096-token BPE) or a path to a tiktoken BPE file such as Llama 3's
     tokenizer.model."""
@@ -64,13 +69,20 @@ class TrainingConfig:
     dataset_text_field: str = "text"
     """Field holding the document text in json/jsonl/parquet/hub datasets."""
     local_batch_size: int = field(default=8, metadata=_range(ge=1))
-    """Sequences per micro-batch on each data-parallel rank."""
+    """Sequences per micro-batch on each data-parallel rank; with global_batch_size set, the
+    largest micro-batch allowed (the split follows the mesh)."""
+    global_batch_size: int = field(default=-1, metadata=_range(ge=-1))
+    """Sequences per optimizer step over all data-parallel ranks; -1 (or 0) = local_batch_size x
+    dp degree x gradient_accumulation_steps. When set, the micro-batch and the accumulation
+    count follow from the mesh (accumulation grows from gradient_accumulation_steps until the
+    micro-batch fits local_batch_size), so a recipe trains the same from 1 to 256 devices."""
     seq_len: int = field(default=2048, metadata=_range(ge=2))
     """Tokens per sequence."""
     steps: int = field(default=1000, metadata=_range(ge=1))
     """Optimizer steps to train (the run ends at this step, counting resumed steps)."""
     gradient_accumulation_steps: int = field(default=1, metadata=_range(ge=1))
-    """Micro-batches per optimizer step. Global batch = local_batch_size x dp degree x this."""
+    """Micro-batches per optimizer step. Global batch = local_batch_size x dp degree x this
+    (with global_batch_size set: the smallest accumulation count allowed)."""
     max_norm: float = field(default=1.0, metadata=_range(ge=0))
     """Global-norm gradient clipping threshold; 0 disables clipping (the norm is still logged)."""
     seed: int = 42
@@ -82,12 +94,15 @@ class TrainingConfig:
     """Dtype of gradient reductions across data-parallel ranks."""
     aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))
     """Weight of the MoE load-balancing loss added to the LM loss (MoE models only)."""
+    skip_nonfinite_updates: bool = False
+    """A step whose gradient norm is not finite never updates the weights (the update is skipped
+    on the device). false: the run stops with an error at the next logged or checkpoint step,
+    naming the first such step, before any checkpoint is written. true: training goes on and
+    metrics.jsonl counts the skipped updates (`skipped_updates`)."""
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = field(default="AdamW", metadata=_choices("AdamW"))
-    """Optimizer; AdamW (decoupled weight decay)."""
     lr: float = field(default=8e-4, metadata=_range(gt=0))
     """Peak learning rate."""
     weight_decay: float = field(default=0.1, metadata=_range(ge=0))
@@ -388,8 +403,8 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
-    if cfg.compile.scan_layers and cfg.compile.mode != "graph":
-        raise ConfigError('compile.scan_layers: needs compile.mode = "graph"')
+    # What depends on compile.mode (backend, AC placement, scan, loss parallel) is checked in one
+    # place, trainer.step.plan_step, once the device and the mesh are known.
 
 
 
@@ -443,8 +458,6 @@ def _toml_value(v: Any) -> str:
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    if v is None:
-        return '"none"'
     raise TypeError(f"cannot write {type(v)} to TOML")
 
 
@@ -456,6 +469,7 @@ def to_toml(cfg: Config) -> str:
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if section == "model" and f.name == "overrides":
+                # TOML has no null: an override back to None is the flavor's default, so omit it.
                 for k, v in value.items():
                     if v is not None:
                         lines.append(f"{k} = {_toml_value(v)}")

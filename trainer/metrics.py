@@ -27,8 +27,6 @@ from typing import Any
 
 import torch
 
-from trainer.flops import peak_flops_per_device
-
 _GIB = 1024**3
 
 
@@ -80,8 +78,8 @@ class MetricsLogger:
         and TensorBoard hides stale events after it from the earlier, interrupted run.
     flops_per_token: trainer.flops.flops_per_token(...) (a dict with "palm" and "causal") or a
         number (PaLM convention); None reports no TFLOP/s or MFU.
-    peak_flops: peak FLOP/s of one device; None (and no `device`) -> MFU is null. When None and
-        `device` is given, it is looked up with trainer.flops.peak_flops_per_device.
+    peak_flops: peak FLOP/s of one device (trainer.flops.peak_flops_per_device); None -> MFU is null.
+    peak_name: where the peak comes from, for the banner.
     device: the training device, for memory readings (cpu if None).
     """
 
@@ -96,8 +94,8 @@ class MetricsLogger:
         start_step: int = 0,
         flops_per_token: dict[str, float] | float | None = None,
         peak_flops: float | None = None,
+        peak_name: str = "given",
         device: torch.device | None = None,
-        dtype: torch.dtype = torch.bfloat16,
     ):
         assert log_freq >= 1 and total_steps >= 0 and start_step >= 0, (log_freq, total_steps, start_step)
         self.log_freq = log_freq
@@ -108,10 +106,6 @@ class MetricsLogger:
         self._flops: dict[str, float] = {}
         self.peak_flops: float | None = None
         self.peak_name = "none"
-        if peak_flops is None and device is not None and is_rank0 and flops_per_token is not None:
-            peak_flops, peak_name = peak_flops_per_device(device, dtype)
-        else:
-            peak_name = "given" if peak_flops is not None else "none"
         self.set_flops(flops_per_token=flops_per_token, peak_flops=peak_flops, peak_name=peak_name)
 
         self._start_time = time.perf_counter()

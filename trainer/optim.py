@@ -13,10 +13,23 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
+_FUSED_DEVICES = ("cpu", "cuda")
+
+
 def build_optimizer(params, *, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW:
-    # foreach=False keeps the per-parameter update that the graph trainer traces functionally.
+    """AdamW; fused where torch has the fused kernel for the parameters' device (CPU, CUDA).
+
+    The fused kernel also takes `found_inf`, which the eager step uses to skip a non-finite
+    update on the device with no host sync (trainer/step.py). The graph step does not call this
+    optimizer's `step`: it updates parameters and this optimizer's state in its own graph.
+    """
+    params = list(params)
+    first = params[0]
+    device = (first.to_local() if hasattr(first, "to_local") else first).device
+    fused = device.type in _FUSED_DEVICES
     return torch.optim.AdamW(
-        params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=False
+        params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        fused=fused, foreach=None if fused else False,
     )
 
 

@@ -32,7 +32,6 @@ import contextlib
 import csv
 import dataclasses
 import gc
-import importlib
 import math
 import re
 from collections.abc import Iterator
@@ -235,7 +234,7 @@ class ShardStats:
 
 def load_plan(family):
     """The family's parallel plan (`models/<family>/plan.py: PLAN`, dense and MoE blocks)."""
-    return importlib.import_module(family.plan_module_name).PLAN
+    return family.plan
 
 
 def build_parallel_model(family, args, parallel_dims, *, ac_mode: str = "none",
@@ -668,7 +667,7 @@ def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, wo
     from parallelisms.parallel_dims import ParallelDims
 
     dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, world_size=world_size)
-    dims.validate_for_model(args, seq_len=seq_len)
+    dims.validate_for_model(args.shape(), seq_len=seq_len)
     if shape.is_moe and tp > 1:
         # The trainer runs MoE x TP (experts on the EP mesh, attention TP-sharded), but this
         # planner's activation model covers MoE blocks at tp = 1 only.

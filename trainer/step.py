@@ -1,18 +1,33 @@
-"""The train step: forward, loss, backward, clipping, optimizer update.
+"""The train step, and the one place that decodes `[compile] mode`.
 
-`EagerStep` is the step of `[compile] mode = eager | compile` (compile only changes the blocks).
-The graph trainer (`trainer/graph/`) replaces this object, not the loop: both take the step's
-micro-batches and the learning rate, and return the mean LM loss and the gradient norm as
-0-dim tensors without forcing a host sync.
+`plan_step(...)` turns the compile, activation-checkpointing and parallelism settings into a
+`StepPlan`; everything that depends on the mode reads that object and nothing else:
+- the compiler backend, resolved once (`resolve_backend`);
+- where activation checkpointing is applied: on the blocks by `parallelize_model`, in the
+  documented order TP -> EP -> AC -> compile -> SimpleFSDP, in every mode; only a scanned graph
+  step, whose blocks run as one scan body, applies it inside that body instead;
+- which blocks are compiled (`compile` mode), and whether the step is one captured graph;
+- the loss-parallel context (TP with vocab-sharded logits), for eager and graph steps alike;
+- the host-sync policy: the step returns device tensors and never reads them; the loop reads
+  them on logged steps and before a checkpoint (`trainer/train.py`).
+
+`EagerStep` is the step of the eager and compile modes; `trainer/graph` provides the graph
+step. Both take the step's micro-batches and the learning rate and return `StepOutput`.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+from models.errors import ConfigError
+
+MODES = ("eager", "compile", "graph")
+BACKENDS = ("auto", "inductor", "aot_eager", "eager", "tpu")
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -25,18 +40,95 @@ def local_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def has_moe(model) -> bool:
-    return any(getattr(block, "is_moe", False) for block in model.layers.values())
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything `[compile] mode` decides, resolved once (see the module docstring)."""
+
+    mode: str
+    """eager | compile | graph."""
+    backend: str | None
+    """The resolved compiler backend (inductor | aot_eager | eager | tpu); None in eager mode."""
+    block_ac: str
+    """AC mode `parallelize_model` applies to the blocks (none | full | selective)."""
+    block_compile: str | None
+    """Backend that `parallelize_model` compiles each block with; None: blocks stay eager."""
+    scan: bool
+    """Graph mode runs the repeated blocks as one scan."""
+    scan_ac: str
+    """AC mode applied inside the scan body (graph + scan); "none" otherwise."""
+    loss_parallel: bool
+    """The LM loss runs on vocab-sharded logits under `loss_parallel_context` (TP only)."""
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        from parallelisms import loss_parallel_context
+
+        return loss_parallel_context(self.loss_parallel)
 
 
-def model_loss(model, inputs: torch.Tensor, labels: torch.Tensor, *, aux_loss_coef: float, moe: bool):
-    """(loss to differentiate, LM loss, MoE aux loss or None) for one micro-batch."""
-    logits = model(inputs)
-    lm = lm_loss(logits, labels)
-    if not moe:
-        return lm, lm, None
-    aux = model.moe_aux_loss()
-    return lm + aux_loss_coef * aux, lm, aux
+def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
+    """The compiler backend for `mode` on `device_type`: auto -> tpu on a TPU, inductor elsewhere.
+
+    In graph mode `eager` means `aot_eager` (the captured graph runs op by op).
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"compile.backend: {backend!r}; allowed: {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "tpu" if device_type == "tpu" else "inductor"
+    if backend == "tpu" and device_type != "tpu":
+        allowed = ", ".join(b for b in BACKENDS if b != "tpu")
+        raise ConfigError(f"compile.backend: tpu needs a TPU device; allowed here: {allowed}")
+    if mode == "graph" and backend == "eager":
+        return "aot_eager"
+    return backend
+
+
+def plan_step(*, mode: str, backend: str, scan_layers: bool, ac_mode: str, loss_parallel: bool,
+              tp_enabled: bool, device_type: str) -> StepPlan:
+    """The `StepPlan` of a run; ConfigError for combinations that cannot be honoured."""
+    if mode not in MODES:
+        raise ConfigError(f"compile.mode: {mode!r}; allowed: {', '.join(MODES)}")
+    if scan_layers and mode != "graph":
+        raise ConfigError('compile.scan_layers: needs compile.mode = "graph"')
+    resolved = None if mode == "eager" else resolve_backend(backend, mode=mode, device_type=device_type)
+    scan = mode == "graph" and scan_layers
+    return StepPlan(
+        mode=mode,
+        backend=resolved,
+        block_ac="none" if scan else ac_mode,
+        block_compile=resolved if mode == "compile" else None,
+        scan=scan,
+        scan_ac=ac_mode if scan else "none",
+        loss_parallel=loss_parallel and tp_enabled,
+    )
+
+
+@dataclass
+class StepOutput:
+    """What one step returns: device tensors, never read by the step itself."""
+
+    loss: torch.Tensor
+    """Mean LM loss over the step's micro-batches (0-dim, this rank's value)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping (0-dim, equal on every rank)."""
+    aux_loss: torch.Tensor | None = None
+    """Mean auxiliary (MoE load-balancing) loss over the micro-batches, unscaled; None without."""
+
+
+def build_step(plan: StepPlan, *, model, optimizer, max_norm: float, aux_loss_coef: float,
+               grad_accum_steps: int, model_plan, dump_graph: str | None = None):
+    """The step object of `plan`: `step(microbatches, lr) -> StepOutput`."""
+    if plan.mode != "graph":
+        from parallelisms import clip_grad_norm_
+
+        return EagerStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
+                         clip_grad_norm=clip_grad_norm_, loss_context=plan.loss_context)
+    from trainer.graph import build_graph_step
+
+    return build_graph_step(
+        model=model, optimizer=optimizer, plan=model_plan, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
+        backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac, dump_graph=dump_graph,
+        grad_accum_steps=grad_accum_steps, loss_context=plan.loss_context,
+    )
 
 
 class EagerStep:
@@ -55,18 +147,17 @@ class EagerStep:
         # With TP loss parallel the loss and its backward run on vocab-sharded logits inside
         # this context (parallelisms.loss_parallel_context).
         self.loss_context = loss_context
-        self.last_aux_loss = None
-        self.moe = has_moe(model)
 
-    def __call__(self, microbatches, lr: float | None = None):
+    def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
         self.optimizer.zero_grad(set_to_none=True)
         n = len(microbatches)
         lm_sum, aux_sum = 0.0, None
         for inputs, labels in microbatches:
             with self.loss_context():
-                loss, lm, aux = model_loss(self.model, inputs, labels, aux_loss_coef=self.aux_loss_coef,
-                                           moe=self.moe)
+                lm = lm_loss(self.model(inputs), labels)
+                aux = self.model.pop_aux_loss()
+                loss = lm if aux is None else lm + self.aux_loss_coef * aux
                 (loss / n).backward()
             lm_sum = lm_sum + local_scalar(lm.detach())
             if aux is not None:
@@ -74,6 +165,18 @@ class EagerStep:
                 aux_sum = aux if aux_sum is None else aux_sum + aux
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         grad_norm = self.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], max_norm)
-        self.optimizer.step()
-        self.last_aux_loss = None if aux_sum is None else aux_sum / n
-        return lm_sum / n, grad_norm
+        self._step_if_finite(grad_norm)
+        return StepOutput(loss=lm_sum / n, grad_norm=grad_norm, aux_loss=None if aux_sum is None else aux_sum / n)
+
+    def _step_if_finite(self, grad_norm: torch.Tensor) -> None:
+        """Apply the update unless the (global) gradient norm is not finite.
+
+        A fused AdamW skips on the device (`found_inf`: parameters, moments and step counts keep
+        their values); other optimizers need the verdict on the host, one sync per step.
+        """
+        nonfinite = ~torch.isfinite(grad_norm)
+        if all(group.get("fused") for group in self.optimizer.param_groups):
+            self.optimizer.found_inf = nonfinite.to(torch.float32)
+            self.optimizer.step()
+        elif not bool(nonfinite):
+            self.optimizer.step()

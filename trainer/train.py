@@ -13,7 +13,6 @@ Exit codes: 0 success, 2 bad input (one `error:` line, no traceback), 1 anything
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 import time
@@ -21,8 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.config import Config, build_config, resolve_model_args, split_cli, to_toml
 from models.errors import ConfigError
+from trainer.config import Config, build_config, resolve_model_args, split_cli, to_toml
+from trainer.step import StepPlan, build_step, plan_step
 
 
 class NonFiniteLoss(RuntimeError):
@@ -33,96 +33,37 @@ def _dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def build_model(family, args, *, cfg: Config, parallel_dims, mesh, device: torch.device):
+def build_model(family, args, *, step_plan: StepPlan, parallel_dims, mesh, device: torch.device,
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype):
     """Meta device -> parallelize -> materialize -> init_weights."""
     from parallelisms import parallelize_model
 
     # 1. Build on meta: no memory is touched, whatever the flavor's size.
     with torch.device("meta"):
         model = family.model_cls(args)
-    # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP.
-    plan = importlib.import_module(family.plan_module_name).PLAN
-    compile_backend = None
-    if cfg.compile.mode == "compile":
-        compile_backend = resolve_backend(cfg.compile.backend, device)
+    # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP
+    #    (the step plan says which AC and compile apply; the order is the same in every mode).
     model = parallelize_model(
         model,
-        plan=plan,
+        plan=family.plan,
         parallel_dims=parallel_dims,
         mesh=mesh,
-        param_dtype=_dtype(cfg.training.mixed_precision_param),
-        reduce_dtype=_dtype(cfg.training.mixed_precision_reduce),
-        ac_mode=cfg.activation_checkpoint.mode if cfg.compile.mode != "graph" else "none",
-        compile_backend=compile_backend,
-        enable_loss_parallel=cfg.parallelism.enable_loss_parallel,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        ac_mode=step_plan.block_ac,
+        compile_backend=step_plan.block_compile,
+        enable_loss_parallel=step_plan.loss_parallel,
     )
     # 3. Materialize the (sharded) parameters on the device, 4. initialize them.
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
     model.train()
-    return model, plan
-
-
-def prepare_attention(backend: str, device: torch.device) -> str:
-    """Build the CPU attention kernel before any step or trace needs it; describe the choice for the banner."""
-    if backend == "cpu_kernel" and device.type != "cpu":
-        raise ConfigError(f"model.attn_backend: cpu_kernel runs on the CPU only, not on {device.type}; "
-                          "allowed here: auto, sdpa")
-    if device.type != "cpu" or backend == "sdpa":
-        return "sdpa"
-    from models.common import cpu_attention
-
-    if cpu_attention.load():
-        return f"{backend} (cpu kernel loaded; sdpa where it does not apply)" if backend == "auto" else backend
-    if backend == "cpu_kernel":
-        raise ConfigError(f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); "
-                          "allowed: auto, sdpa")
-    return f"sdpa (cpu kernel unavailable: {cpu_attention.load_error()})"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "tpu" if device.type == "tpu" else "inductor"
-    if backend == "tpu" and device.type != "tpu":
-        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: auto, inductor, aot_eager, eager")
-    return backend
-
-
-def loss_context(loss_parallel: bool):
-    from parallelisms import loss_parallel_context
-
-    return loss_parallel_context(loss_parallel)
-
-
-def build_step(model, optimizer, *, cfg: Config, plan, device: torch.device, dump_folder: str,
-               loss_parallel: bool):
-    from parallelisms import clip_grad_norm_
-    from trainer.step import EagerStep
-
-    if cfg.compile.mode != "graph":
-        return EagerStep(model=model, optimizer=optimizer, max_norm=cfg.training.max_norm,
-                         aux_loss_coef=cfg.training.aux_loss_coef, clip_grad_norm=clip_grad_norm_,
-                         loss_context=lambda: loss_context(loss_parallel))
-    from trainer.graph import build_graph_step
-
-    dump = os.path.join(dump_folder, cfg.compile.dump_graph) if cfg.compile.dump_graph else None
-    return build_graph_step(
-        model=model,
-        optimizer=optimizer,
-        plan=plan,
-        max_norm=cfg.training.max_norm,
-        aux_loss_coef=cfg.training.aux_loss_coef,
-        backend=resolve_backend(cfg.compile.backend, device),
-        scan_layers=cfg.compile.scan_layers,
-        ac_mode=cfg.activation_checkpoint.mode,
-        dump_graph=dump,
-        grad_accum_steps=cfg.training.gradient_accumulation_steps,
-    )
+    return model
 
 
 def _global_mean(t: torch.Tensor) -> float:
-    """Mean of a per-rank scalar over all ranks (TP replicas hold equal values)."""
+    """Mean of a per-rank scalar over all ranks (TP replicas hold equal values); a host sync."""
     t = t.detach().float().reshape(1).clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
@@ -130,13 +71,47 @@ def _global_mean(t: torch.Tensor) -> float:
     return t.item()
 
 
-def _validate(model, *, build_loader, steps: int, device: torch.device, loss_parallel: bool) -> float:
+class NonFiniteTracker:
+    """Non-finite gradient norms, tracked on the device so that steps need no host sync.
+
+    The steps skip a non-finite update on the device (fused AdamW's `found_inf`, or the graph
+    step's gated update), so weights stay finite. This records the first such step and the
+    count; `read()` (a host sync) runs only on logged steps and before a checkpoint is written.
+    The gradient norm is global (equal on every rank), so every rank reaches the same verdict.
+    """
+
+    def __init__(self, device: torch.device):
+        self.first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def update(self, step: int, grad_norm: torch.Tensor) -> None:
+        bad = ~torch.isfinite(grad_norm.detach())
+        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
+        self.skipped = self.skipped + bad.to(torch.int64)
+
+    def read(self) -> tuple[int, int]:
+        """(first step with a non-finite gradient norm or 0, number of skipped updates)."""
+        return int(self.first_bad_step.item()), int(self.skipped.item())
+
+
+def _params_finite(model) -> bool:
+    """Whether every parameter is finite on every rank (a host sync; run before a save)."""
+    from torch.distributed.tensor import DTensor
+
+    flags = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]
+    ok = torch.stack(flags).all().to(torch.int32).cpu().reshape(1) if flags else torch.ones(1, dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _validate(model, *, build_loader, steps: int, device: torch.device, step_plan: StepPlan) -> float:
     from trainer.step import lm_loss, local_scalar
 
     # A held-out split may hold fewer than `steps` micro-batches per rank; every rank gets the
     # same count (windows are dealt in groups of dp_degree x batch), so collectives stay matched.
     total, count = torch.zeros(()), 0
-    with torch.no_grad(), loss_context(loss_parallel):
+    with torch.no_grad(), step_plan.loss_context():
         for _, (inputs, labels) in zip(range(steps), build_loader()):
             loss = lm_loss(model(inputs.to(device)), labels.to(device))
             total += local_scalar(loss).float().cpu()
@@ -144,7 +119,33 @@ def _validate(model, *, build_loader, steps: int, device: torch.device, loss_par
     return _global_mean(total / max(count, 1))
 
 
+def batch_split(*, global_batch_size: int, local_batch_size: int, gradient_accumulation_steps: int,
+                dp_degree: int) -> tuple[int, int]:
+    """(local_batch_size, gradient_accumulation_steps) for this mesh.
+
+    With `global_batch_size` > 0 the global batch is fixed and the split follows the
+    data-parallel degree: local batch = global / (dp x accumulation), where accumulation is the
+    smallest count >= the configured one that makes the local batch fit `local_batch_size` (its
+    upper bound). So a recipe keeps its trajectory from 1 to 256 devices without an edit.
+    Otherwise the configured values stand (global = local x dp x accumulation).
+    """
+    if global_batch_size <= 0:
+        return local_batch_size, gradient_accumulation_steps
+    if global_batch_size % dp_degree != 0:
+        raise ConfigError(f"training.global_batch_size: {global_batch_size} is not divisible by the "
+                          f"data-parallel degree {dp_degree}; allowed: multiples of {dp_degree}")
+    per_rank = global_batch_size // dp_degree
+    for accum in range(gradient_accumulation_steps, per_rank + 1):
+        if per_rank % accum == 0 and per_rank // accum <= local_batch_size:
+            return per_rank // accum, accum
+    raise ConfigError(f"training.global_batch_size: {global_batch_size} sequences over {dp_degree} "
+                      f"data-parallel ranks leaves {per_rank} per rank, which no accumulation count >= "
+                      f"{gradient_accumulation_steps} splits into micro-batches of at most local_batch_size "
+                      f"({local_batch_size}); allowed: a global batch that is a multiple of {dp_degree}")
+
+
 def train(cfg: Config) -> int:
+    import kernels
     from parallelisms import ParallelDims, build_mesh
     from trainer import checkpoint as ckpt
     from trainer.data import build_dataloader
@@ -161,8 +162,9 @@ def train(cfg: Config) -> int:
     is_rank0 = info.rank == 0
     dump_folder = cfg.job.dump_folder
 
-    # -- model args, parallel degrees (checked against the model before building anything)
+    # -- model args, parallel degrees, the step plan (checked before building anything)
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    shape = args.shape()
     p = cfg.parallelism
     parallel_dims = ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
@@ -171,9 +173,17 @@ def train(cfg: Config) -> int:
         ep=p.expert_parallel_degree,
         world_size=info.world_size,
     )
-    parallel_dims.validate_for_model(args, seq_len=cfg.training.seq_len)
+    parallel_dims.validate_for_model(shape, seq_len=cfg.training.seq_len)
+    c = cfg.compile
+    step_plan = plan_step(mode=c.mode, backend=c.backend, scan_layers=c.scan_layers,
+                          ac_mode=cfg.activation_checkpoint.mode, loss_parallel=p.enable_loss_parallel,
+                          tp_enabled=parallel_dims.tp_enabled, device_type=device.type)
     mesh = build_mesh(parallel_dims, device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank(mesh), parallel_dims.dp_degree
+    t = cfg.training
+    local_batch, accum = batch_split(global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
+                                     gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                     dp_degree=dp_degree)
 
     # -- tokenizer and data: bad paths fail here, before any checkpoint is read or written
     tokenizer = build_tokenizer(cfg.model.tokenizer)
@@ -185,31 +195,33 @@ def train(cfg: Config) -> int:
 
     def loader_for(dataset: str, split: str, seed: int):
         return build_dataloader(
-            dataset=dataset, tokenizer=tokenizer, seq_len=cfg.training.seq_len,
-            local_batch_size=cfg.training.local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-            seed=seed, split=split, text_field=cfg.training.dataset_text_field,
+            dataset=dataset, tokenizer=tokenizer, seq_len=t.seq_len,
+            local_batch_size=local_batch, dp_rank=dp_rank, dp_degree=dp_degree,
+            seed=seed, split=split, text_field=t.dataset_text_field,
         )
 
-    loader = loader_for(cfg.training.dataset, "train", cfg.training.seed)
+    loader = loader_for(t.dataset, "train", t.seed)
     build_val_loader = None
     if cfg.validation.enable:
-        build_val_loader = lambda: loader_for(cfg.validation.dataset, "validation", cfg.training.seed)  # noqa: E731
+        build_val_loader = lambda: loader_for(cfg.validation.dataset, "validation", t.seed)  # noqa: E731
         build_val_loader()  # fail early on a bad validation dataset
 
-    # -- model, optimizer, schedule
-    attention = prepare_attention(args.attn_backend, device)
-    model, plan = build_model(family, args, cfg=cfg, parallel_dims=parallel_dims, mesh=mesh, device=device)
+    # -- kernels, model, optimizer, schedule
+    attention = kernels.select(attention=cfg.model.attn_backend, device=device)
+    param_dtype = _dtype(t.mixed_precision_param)
+    model = build_model(family, args, step_plan=step_plan, parallel_dims=parallel_dims, mesh=mesh,
+                        device=device, param_dtype=param_dtype, reduce_dtype=_dtype(t.mixed_precision_reduce))
     o = cfg.optimizer
     optimizer = build_optimizer(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     s = cfg.lr_scheduler
-    scheduler = build_lr_scheduler(optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
+    scheduler = build_lr_scheduler(optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
                                    decay_type=s.decay_type, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor)
 
     # -- checkpoint: resume from the run's own newest checkpoint, else optional initial weights
-    c = cfg.checkpoint
+    ck = cfg.checkpoint
     manager = ckpt.CheckpointManager(
-        folder=os.path.join(dump_folder, c.folder), interval=c.interval, keep_latest_k=c.keep_latest_k,
-        async_mode=c.async_mode, enable=c.enable, load_step=c.load_step,
+        folder=os.path.join(dump_folder, ck.folder), interval=ck.interval, keep_latest_k=ck.keep_latest_k,
+        async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step,
     )
     train_state = ckpt.TrainState()
     states = {
@@ -220,12 +232,12 @@ def train(cfg: Config) -> int:
         "train_state": train_state,
     }
     start_step = manager.load(states)
-    if start_step == 0 and c.initial_load_path:
-        ckpt.load_initial(model, path=c.initial_load_path, fmt=c.initial_load_format,
+    if start_step == 0 and ck.initial_load_path:
+        ckpt.load_initial(model, path=ck.initial_load_path, fmt=ck.initial_load_format,
                           hf_adapter=family.hf_adapter, args=args)
-    if start_step >= cfg.training.steps:
+    if start_step >= t.steps:
         if is_rank0:
-            print(f"already trained to step {start_step} (training.steps = {cfg.training.steps}); nothing to do")
+            print(f"already trained to step {start_step} (training.steps = {t.steps}); nothing to do")
         return 0
 
     if is_rank0:
@@ -233,62 +245,76 @@ def train(cfg: Config) -> int:
         with open(os.path.join(dump_folder, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
 
-    loss_parallel = cfg.parallelism.enable_loss_parallel and parallel_dims.tp_enabled
-    step_fn = build_step(model, optimizer, cfg=cfg, plan=plan, device=device, dump_folder=dump_folder,
-                         loss_parallel=loss_parallel)
+    dump = os.path.join(dump_folder, c.dump_graph) if c.dump_graph else None
+    step_fn = build_step(step_plan, model=model, optimizer=optimizer, max_norm=t.max_norm,
+                         aux_loss_coef=t.aux_loss_coef, grad_accum_steps=accum, model_plan=family.plan,
+                         dump_graph=dump)
 
     # -- metrics
-    num_matmul = args.num_active_params(exclude_embedding=True) if hasattr(args, "num_active_params") \
-        else args.num_params(exclude_embedding=True)
-    fpt = flops_per_token(num_matmul_params=num_matmul, n_layers=args.n_layers, n_heads=args.n_heads,
-                          head_dim=args.head_dim, seq_len=cfg.training.seq_len)
-    peak, peak_name = peak_flops_per_device(device, _dtype(cfg.training.mixed_precision_param))
+    fpt = flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True), n_layers=shape.n_layers,
+                          n_heads=shape.n_heads, head_dim=shape.head_dim, seq_len=t.seq_len)
+    peak, peak_name = peak_flops_per_device(device, param_dtype)
     # Per device: TP ranks share their dp rank's tokens (TorchTitan's convention).
-    tokens_per_step = (cfg.training.local_batch_size * cfg.training.seq_len
-                       * cfg.training.gradient_accumulation_steps / parallel_dims.non_data_parallel_size)
+    tokens_per_step = local_batch * t.seq_len * accum / parallel_dims.non_data_parallel_size
     logger = MetricsLogger(dump_folder=dump_folder, log_freq=cfg.metrics.log_freq,
-                           enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=cfg.training.steps,
+                           enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=t.steps,
                            is_rank0=is_rank0, start_step=start_step, device=device,
-                           dtype=_dtype(cfg.training.mixed_precision_param))
-    logger.set_flops(flops_per_token=fpt, peak_flops=peak, peak_name=peak_name)
+                           flops_per_token=fpt, peak_flops=peak, peak_name=peak_name)
     if is_rank0:
-        n_params = args.num_params()
-        print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({n_params / 1e6:.1f}M params) on "
+        print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({args.num_params() / 1e6:.1f}M params) on "
               f"{info.world_size} x {device.type} ({peak_name}); mesh {parallel_dims}; "
-              f"compile.mode={cfg.compile.mode}; attention {attention}; steps {start_step + 1}..{cfg.training.steps}", flush=True)
+              f"global batch {local_batch * dp_degree * accum} = {local_batch} x dp {dp_degree} x accum {accum}; "
+              f"compile.mode={c.mode}; attention {attention}; steps {start_step + 1}..{t.steps}", flush=True)
 
-    # -- the loop
-    accum = cfg.training.gradient_accumulation_steps
+    # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
+    #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
+    nonfinite = NonFiniteTracker(device)
     extra_first = {"setup_s": round(time.perf_counter() - t_start, 3)}
     try:
-        for step in range(start_step + 1, cfg.training.steps + 1):
+        for step in range(start_step + 1, t.steps + 1):
             profiling = cfg.profiling.enable and step % cfg.profiling.freq == 0
             with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, info.rank):
-                microbatches = [tuple(t.to(device) for t in loader.next_batch()) for _ in range(accum)]
+                microbatches = [tuple(x.to(device) for x in loader.next_batch()) for _ in range(accum)]
                 lr = scheduler.get_last_lr()[0]
-                loss, grad_norm = step_fn(microbatches, lr)
+                out = step_fn(microbatches, lr)
                 scheduler.step()
             train_state.step = step
-            loss_value = _global_mean(loss)
-            if not torch.isfinite(torch.tensor(loss_value)):
+            nonfinite.update(step, out.grad_norm)
+            last = step == t.steps
+            validating = build_val_loader is not None and (step % cfg.validation.freq == 0 or last)
+            saving = manager.enable and (step % manager.interval == 0 or last)
+            logging = logger.should_log(step) or validating
+            if not (logging or saving):
+                logger.log(step, tokens=tokens_per_step)
+                continue
+            first_bad, skipped = nonfinite.read()
+            if first_bad and not t.skip_nonfinite_updates:
                 raise NonFiniteLoss(
-                    f"non-finite loss ({loss_value}) at step {step}; stopping. The newest checkpoint "
-                    f"(if any) is left untouched in {manager.folder}"
-                )
-            values = {"loss": loss_value, "grad_norm": float(grad_norm), "lr": lr}
-            aux = getattr(step_fn, "last_aux_loss", None)
-            if aux is not None:
-                values["moe_aux_loss"] = _global_mean(aux)
-            if step_fn.compile_s is not None and extra_first is not None:
-                extra_first.update(compile_s=round(step_fn.compile_s, 3), graph_nodes=step_fn.graph_nodes)
-            if extra_first is not None:
-                values.update(extra_first)
-                extra_first = None
-            if build_val_loader is not None and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
-                values["val_loss"] = _validate(model, build_loader=build_val_loader, steps=cfg.validation.steps,
-                                               device=device, loss_parallel=loss_parallel)
-            logger.log(step, tokens=tokens_per_step, **values)
-            manager.maybe_save(step, states, force=step == cfg.training.steps)
+                    f"non-finite gradient norm at step {first_bad} (its update was skipped; stopped at step "
+                    f"{step}); the newest checkpoint (if any) in {manager.folder} is from before it. Lower "
+                    "optimizer.lr and resume, or set training.skip_nonfinite_updates = true")
+            if logging:
+                values = {"loss": _global_mean(out.loss), "grad_norm": out.grad_norm, "lr": lr}
+                if t.skip_nonfinite_updates:
+                    values["skipped_updates"] = skipped
+                if out.aux_loss is not None:
+                    values["moe_aux_loss"] = _global_mean(out.aux_loss)
+                if extra_first is not None:
+                    if step_fn.compile_s is not None:
+                        extra_first.update(compile_s=round(step_fn.compile_s, 3), graph_nodes=step_fn.graph_nodes)
+                    values.update(extra_first)
+                    extra_first = None
+                if validating:
+                    values["val_loss"] = _validate(model, build_loader=build_val_loader, steps=cfg.validation.steps,
+                                                   device=device, step_plan=step_plan)
+                logger.log(step, tokens=tokens_per_step, force=True, **values)
+            else:  # a checkpoint-only step: checked above, nothing to log
+                logger.log(step, tokens=tokens_per_step)
+            if saving:
+                if not _params_finite(model):
+                    raise NonFiniteLoss(f"non-finite weights at step {step}; no checkpoint written. The newest "
+                                        f"checkpoint (if any) is in {manager.folder}")
+                manager.maybe_save(step, states, force=last)
     finally:
         manager.close()
         logger.close()

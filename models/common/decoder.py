@@ -134,24 +134,13 @@ class Decoder(nn.Module):
             dim = self.output.weight.shape[1]
             trunc_normal_(self.output.weight, std=dim**-0.5)
 
-    def moe_aux_loss(self) -> torch.Tensor:
-        """Sum over MoE layers of the load-balancing loss of the last forward (0-dim float32).
-
-        Zero for a model without MoE layers. The trainer adds `coef * model.moe_aux_loss()` to
-        the LM loss after each forward.
-        """
-        return self._sum_moe_losses("aux_loss")
-
-    def moe_z_loss(self) -> torch.Tensor:
-        """Sum over MoE layers of the router z-loss of the last forward (0-dim float32)."""
-        return self._sum_moe_losses("z_loss")
-
-    def _sum_moe_losses(self, name: str) -> torch.Tensor:
-        # rope_cos, not a parameter: under SimpleFSDP a parameter access is an all-gather.
-        total = torch.zeros((), dtype=torch.float32, device=self.rope_cos.device)
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """Sum over MoE layers of the load-balancing loss of the last forward (0-dim float32), or
+        None for a model without MoE layers. Clears the layers' copies (see `models/contract.py`)."""
+        total = None
         for block in self.layers.values():
             if block.is_moe:
-                loss = getattr(block.moe, name)
-                assert loss is not None, "moe losses are available after a forward pass"
-                total = total + loss
+                loss, block.moe.aux_loss = block.moe.aux_loss, None
+                assert loss is not None, "the aux loss is available once after each forward"
+                total = loss if total is None else total + loss
         return total

@@ -10,9 +10,9 @@ The split of work matches what expert parallelism needs:
 - `GroupedExperts.forward(x, num_tokens_per_expert)` is pure compute on tokens already sorted by
   expert, so an expert-parallel wrapper can all-to-all tokens in before it and back after it.
 
-Auxiliary losses: each forward stores the layer's load-balancing loss in `MoE.aux_loss` and the
-router z-loss in `MoE.z_loss` (0-dim float32 tensors, part of the autograd graph). The model sums
-them over layers (`Transformer.moe_aux_loss()` / `moe_z_loss()`); the trainer scales and adds them.
+Auxiliary loss: each forward stores the layer's load-balancing loss in `MoE.aux_loss` (a 0-dim
+float32 tensor, part of the autograd graph). The model sums it over layers and clears it
+(`Decoder.pop_aux_loss()`); the trainer scales the sum by `training.aux_loss_coef` and adds it.
 """
 
 import torch
@@ -37,11 +37,6 @@ def load_balance_loss(
     frac_tokens = num_tokens_per_expert.float() / num_tokens
     mean_probs = probs.mean(dim=0)
     return num_experts * torch.sum(frac_tokens * mean_probs)
-
-
-def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: mean over tokens of `logsumexp(logits)^2` (penalises large logits)."""
-    return torch.logsumexp(router_logits.float(), dim=-1).square().mean()
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -158,7 +153,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
         # Set by every forward; see the module docstring.
         self.aux_loss: torch.Tensor | None = None
-        self.z_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape
@@ -172,7 +166,6 @@ class MoE(nn.Module):
             num_experts, dtype=torch.int64, device=x.device
         ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
         self.aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts)
-        self.z_loss = router_z_loss(router_logits)
 
         # Sort slots by expert; stable keeps token order within each expert's batch.
         order = torch.argsort(flat_experts, stable=True)

@@ -7,8 +7,8 @@ Shapes follow Meta's reference configs: the FFN width is derived from `dim`,
 
 from dataclasses import dataclass
 
-from models.common.attention import check_attn_backend
 from models.common.param_count import ParamCounts, decoder_param_counts
+from models.contract import ModelShape
 
 
 @dataclass
@@ -45,11 +45,8 @@ class Llama3Args:
     """Length of the RoPE tables, i.e. the longest sequence the model accepts; the trainer sets it to the training seq_len."""
     tie_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection (Llama 3.2 1B/3B)."""
-    attn_backend: str = "auto"
-    """Attention kernel: auto (the CPU kernel for small head dims on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
 
     def __post_init__(self) -> None:
-        check_attn_backend(self.attn_backend)
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
@@ -81,6 +78,10 @@ class Llama3Args:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def shape(self) -> ModelShape:
+        return ModelShape(n_layers=self.n_layers, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.num_kv_heads,
+                          head_dim=self.head_dim, vocab_size=self.vocab_size, ffn_hidden=self.ffn_hidden_dim)
 
     def param_counts(self) -> ParamCounts:
         return decoder_param_counts(

@@ -21,7 +21,6 @@ class Transformer(Decoder):
                     n_heads=args.n_heads,
                     n_kv_heads=args.num_kv_heads,
                     head_dim=args.head_dim,
-                    backend=args.attn_backend,
                 ),
                 feed_forward=FeedForward(dim=args.dim, hidden_dim=args.ffn_hidden_dim),
             )

@@ -8,8 +8,8 @@ Shapes are those of the Hugging Face `config.json` of each Qwen/Qwen3-* checkpoi
 
 from dataclasses import dataclass
 
-from models.common.attention import check_attn_backend
 from models.common.param_count import ParamCounts, decoder_param_counts
+from models.contract import ModelShape
 
 
 @dataclass
@@ -44,11 +44,8 @@ class Qwen3Args:
     """Width of each expert's SwiGLU MLP (HF moe_intermediate_size); MoE only."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing weights to sum to 1 (True for all released Qwen 3 MoE models)."""
-    attn_backend: str = "auto"
-    """Attention kernel: auto (the CPU kernel for small head dims on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
 
     def __post_init__(self) -> None:
-        check_attn_backend(self.attn_backend)
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "hidden_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
@@ -72,13 +69,11 @@ class Qwen3Args:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.n_kv_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        return self.hidden_dim
+    def shape(self) -> ModelShape:
+        moe = dict(num_experts=self.num_experts, top_k=self.num_experts_per_tok, moe_hidden=self.moe_hidden_dim)
+        return ModelShape(n_layers=self.n_layers, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                          head_dim=self.head_dim, vocab_size=self.vocab_size, qk_norm=True,
+                          **(moe if self.is_moe else dict(ffn_hidden=self.hidden_dim)))
 
     def param_counts(self) -> ParamCounts:
         return decoder_param_counts(

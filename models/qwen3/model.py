@@ -12,7 +12,7 @@ from models.qwen3.args import Qwen3Args
 class Transformer(Decoder):
     """Qwen 3 model; `forward(tokens [B, T]) -> logits [B, T, vocab]`, `init_weights()` (see `Decoder`).
 
-    MoE models expose the auxiliary losses of the last forward via `moe_aux_loss()` and `moe_z_loss()`.
+    MoE models return the load-balancing loss of the last forward from `pop_aux_loss()`.
     """
 
     def __init__(self, args: Qwen3Args):
@@ -28,7 +28,6 @@ class Transformer(Decoder):
                     head_dim=args.head_dim,
                     qk_norm=True,
                     norm_eps=args.norm_eps,
-                    backend=args.attn_backend,
                 ),
                 feed_forward=None if args.is_moe else FeedForward(dim=args.dim, hidden_dim=args.hidden_dim),
                 moe=(

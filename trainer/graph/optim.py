@@ -44,13 +44,14 @@ class UpdateSlot:
 def check_adamw(optimizer: torch.optim.Optimizer) -> None:
     """The graph step implements AdamW's default variant only; say so early."""
     if not isinstance(optimizer, torch.optim.AdamW):
-        raise ConfigError(f"optimizer.name: graph mode implements AdamW, got {type(optimizer).__name__}; "
+        raise ConfigError(f"optimizer: graph mode implements AdamW, got {type(optimizer).__name__}; "
                           "allowed: AdamW")
     for i, group in enumerate(optimizer.param_groups):
-        for key in ("amsgrad", "maximize", "differentiable", "fused", "capturable"):
+        # `fused` only picks the kernel of torch.optim's own step, which graph mode replaces.
+        for key in ("amsgrad", "maximize", "differentiable", "capturable"):
             if group.get(key):
                 raise ConfigError(f"optimizer: param group {i} sets {key}=True, which graph mode does not "
-                                  "implement; allowed: AdamW with amsgrad/maximize/fused/capturable off")
+                                  "implement; allowed: AdamW with amsgrad/maximize/capturable off")
         if not group.get("decoupled_weight_decay", True):
             raise ConfigError("optimizer: graph mode implements decoupled weight decay (AdamW) only")
 
@@ -153,17 +154,21 @@ class AdamWSlots:
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, *, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
-                  weight_decay: float) -> None:
+                  weight_decay: float, apply: torch.Tensor | None = None) -> None:
     """One AdamW update in place (decoupled weight decay, bias-corrected moments).
 
     Same arithmetic as `torch.optim.adamw`'s single-tensor path; `step` (and so the bias
     corrections) may be a `[n_layers]` vector for a stacked `[n_layers, ...]` parameter.
+    `apply` (a 0-dim bool tensor) gates the update on the device: where it is False, parameter,
+    moments and step keep their values (a skipped step, with no host sync).
     """
-    step.add_(1)
-    if weight_decay != 0:
-        param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if apply is None:
+        step.add_(1)
+    else:
+        step.add_(apply.to(step.dtype))
+    new_param = param * (1 - lr * weight_decay) if weight_decay != 0 else param
+    new_avg = exp_avg.lerp(grad, 1 - beta1)
+    new_avg_sq = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
     if step.dim() == 1:  # stacked: one bias correction per layer, broadcast over the row
@@ -171,8 +176,15 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         bias_correction1 = bias_correction1.view(shape)
         bias_correction2 = bias_correction2.view(shape)
     step_size = lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(eps)
-    param.sub_(step_size * (exp_avg / denom))
+    denom = (new_avg_sq.sqrt() / bias_correction2.sqrt()).add_(eps)
+    new_param = new_param - step_size * (new_avg / denom)
+    if apply is not None:
+        new_param = torch.where(apply, new_param, param)
+        new_avg = torch.where(apply, new_avg, exp_avg)
+        new_avg_sq = torch.where(apply, new_avg_sq, exp_avg_sq)
+    param.copy_(new_param)
+    exp_avg.copy_(new_avg)
+    exp_avg_sq.copy_(new_avg_sq)
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float,

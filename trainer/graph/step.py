@@ -9,9 +9,11 @@ learning rate is a tensor input, so the schedule never recompiles. Gradient accu
 unrolled in the graph (the micro-batch count is fixed by the config), so the graph grows
 with `gradient_accumulation_steps`, and not with `n_layers` when layer scan is on.
 
-It has the eager step's call shape (trainer/step.py): `step(microbatches, lr) -> (loss,
-grad_norm)` (mean LM loss over the micro-batches, global gradient norm before clipping, both
-0-dim tensors), plus `compile_s`, `graph_nodes` and `last_aux_loss`.
+It has the eager step's call shape (trainer/step.py): `step(microbatches, lr) -> StepOutput`
+(mean LM loss over the micro-batches, global gradient norm before clipping, mean aux loss;
+0-dim device tensors), plus `compile_s` and `graph_nodes`. A non-finite gradient norm skips
+the update on the device (parameters, moments and step counts keep their values), as the
+eager step's fused AdamW does.
 """
 
 from __future__ import annotations
@@ -26,11 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.common.moe import MoE
 from models.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
-from trainer.step import lm_loss
+from trainer.step import StepOutput, lm_loss, local_scalar
 
 BACKENDS = ("aot_eager", "inductor", "tpu")
 
@@ -41,7 +42,8 @@ class GraphStep:
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                  aux_loss_coef: float, backend: str, device: torch.device, ac_mode: str,
                  dump_graph: str | None, grad_accum_steps: int, block_stack: nn.Module | None = None,
-                 scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -51,15 +53,10 @@ class GraphStep:
         self.block_stack = block_stack
         """The `BlockStack` running as a scan, or None (unrolled blocks)."""
         self._scan_context = scan_context
+        self._loss_context = loss_context
         stacked = block_stack.stacked_parameters() if block_stack is not None else None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
-        self._has_aux = _has_moe(model) and hasattr(model, "moe_aux_loss")
-        # MoE layers keep their last losses as module attributes (part of the autograd graph);
-        # the step detaches them before the backward, or they would leave the graph holding
-        # grad_fns that autograd.grad consumed.
-        self._moe_loss_attrs = [(m, a) for m in model.modules() if isinstance(m, MoE)
-                                for a in ("aux_loss", "z_loss") if hasattr(m, a)]
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         step_fn = _own_code(self._step)
@@ -75,7 +72,6 @@ class GraphStep:
         """Seconds from the first call to the compiled step starting to run (capture + passes + compile)."""
         self.graph_nodes: int | None = None
         """Node count of the captured top-level graph after the passes."""
-        self.last_aux_loss: torch.Tensor | None = None
 
     @property
     def graph_module(self):
@@ -87,7 +83,7 @@ class GraphStep:
         """`GraphStats` of the captured graph (None before the first call)."""
         return self.capture.stats
 
-    def __call__(self, microbatches, lr: float):
+    def __call__(self, microbatches, lr: float) -> StepOutput:
         if len(microbatches) != self.grad_accum_steps:
             raise ValueError(f"graph step built for {self.grad_accum_steps} micro-batches, got {len(microbatches)}")
         # A checkpoint load replaces optimizer-state tensors (and may swap parameter storage):
@@ -101,7 +97,8 @@ class GraphStep:
         scanning = self.block_stack is not None
         start = time.perf_counter()
         try:
-            with capture_config(scan_ac_mode=self.ac_mode if scanning else None), self._scan_context():
+            with (capture_config(scan_ac_mode=self.ac_mode if scanning else None), self._scan_context(),
+                  self._loss_context()):
                 loss, grad_norm, aux = self._compiled(inputs, self._lr)
         finally:
             self._current_slots = None
@@ -114,8 +111,7 @@ class GraphStep:
         self.slots.set_lr(lr)
         # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
         self.optimizer._opt_called = True
-        self.last_aux_loss = aux
-        return loss, grad_norm
+        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux)
 
     # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
     # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.
@@ -128,12 +124,10 @@ class GraphStep:
             tokens, labels = inputs[2 * i], inputs[2 * i + 1]
             lm = lm_loss(self.model(tokens), labels)
             loss = lm
-            if self._has_aux:
-                aux = self.model.moe_aux_loss()
+            aux = self.model.pop_aux_loss()
+            if aux is not None:
                 loss = lm + self.aux_loss_coef * aux
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-            for module, attr in self._moe_loss_attrs:
-                setattr(module, attr, getattr(module, attr).detach())
             mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
             grads = list(mb_grads) if grads is None else [
                 b if a is None else (a if b is None else a + b) for a, b in zip(grads, mb_grads)]
@@ -141,11 +135,12 @@ class GraphStep:
         with torch.no_grad():
             used = [(s, _local(g)) for s, g in zip(slots, grads) if g is not None]
             grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
+            apply = torch.isfinite(grad_norm)
             for slot, g in used:
                 adamw_update_(_local(slot.param), g, _local(slot.exp_avg), _local(slot.exp_avg_sq),
-                              slot.step, lr=lr, **self._hyper[slot.group])
-        aux_mean = aux_total / n if aux_total is not None else None
-        return lm_total / n, grad_norm, aux_mean
+                              slot.step, lr=lr, apply=apply, **self._hyper[slot.group])
+        aux_mean = local_scalar(aux_total) / n if aux_total is not None else None
+        return local_scalar(lm_total) / n, grad_norm, aux_mean
 
 
 _STEP_IDS = itertools.count()
@@ -178,30 +173,40 @@ def _has_moe(model: nn.Module) -> bool:
 
 
 def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
-                     backend: str = "auto", scan_layers: bool = False, ac_mode: str = "none",
+                     backend: str, scan_layers: bool = False, ac_mode: str = "none",
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
-                     plan=None) -> GraphStep:
+                     plan=None,
+                     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                     ) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
+    The trainer calls this through `trainer.step.build_step`, which resolves the settings below
+    from the config (`plan_step`).
     - `optimizer`: a `torch.optim.AdamW` over the model's parameters (all groups at one lr;
       its state is created now, before capture, in torch.optim's format).
-    - `backend`: auto (inductor on cpu/cuda, tpu on TPU) | inductor | aot_eager | tpu
-      (`eager` is taken as aot_eager: the captured graph runs op by op).
-    - `scan_layers`: run the plan's block container (`plan.block`, default `layers`, a
-      `BlockStack`) as one scan over stacked per-layer parameters.
-    - `ac_mode`: none | full | selective, applied to the blocks inside the graph. Pass
-      `ac_mode="none"` to `parallelize_model` in graph mode: this function applies it.
+    - `backend`: inductor | aot_eager | tpu (already resolved: `trainer.step.resolve_backend`).
+    - `scan_layers`: run the plan's block container (`plan.block`, a `BlockStack`) as one scan
+      over stacked per-layer parameters.
+    - `ac_mode`: none | full | selective inside the scanned block body (`scan_layers` only).
+      Unrolled blocks are checkpointed by `parallelize_model` (`apply_ac`) before this is
+      called, in the same place as in every other mode.
     - `dump_graph`: path of a text dump of the captured graph (after the passes).
     - `grad_accum_steps`: micro-batches per step (unrolled in the graph).
-    - `aux_loss_coef`: weight of the MoE load-balancing loss (`model.moe_aux_loss()`).
+    - `aux_loss_coef`: weight of the model's auxiliary loss (`model.pop_aux_loss()`).
     - `plan`: the model's `ModelPlan` (only `plan.block` is used); None = `layers`.
+    - `loss_context`: entered around the step (TP loss parallel: `parallelisms.loss_parallel_context`).
     """
     from models.common.plan import ModelPlan
-    from parallelisms.activation_checkpoint import AC_MODES, apply_ac
+    from parallelisms.activation_checkpoint import AC_MODES
 
     check_torch()
     if ac_mode not in AC_MODES:
         raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    if ac_mode != "none" and not scan_layers:
+        raise ValueError("build_graph_step: ac_mode applies inside a scanned body only; checkpoint "
+                         "unrolled blocks with parallelisms.apply_ac (parallelize_model) first")
+    if backend not in BACKENDS:
+        raise ConfigError(f"compile.backend: {backend!r} in graph mode; allowed: {', '.join(BACKENDS)}")
     if grad_accum_steps < 1:
         raise ConfigError("training.gradient_accumulation_steps: must be >= 1")
     lrs = {float(g["lr"]) for g in optimizer.param_groups}
@@ -209,14 +214,15 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
         raise ConfigError(f"optimizer: graph mode takes one learning rate for all param groups, got {sorted(lrs)}")
     first = next(iter(model.parameters()))
     device = (first.to_local() if isinstance(first, DTensor) else first).device
-    backend = _resolve_backend(backend, device)
+    if backend == "tpu" and device.type != "tpu":
+        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: inductor, aot_eager")
     plan = plan if plan is not None else ModelPlan()
-    stack = getattr(model, plan.block, None)
     block_stack, scan_context = None, contextlib.nullcontext
     if scan_layers:
         from models.common.stack import BlockStack
         from trainer.graph.fsdp_scan import scan_param_fn
 
+        stack = getattr(model, plan.block, None)
         if not isinstance(stack, BlockStack):
             raise ConfigError(f"compile.scan_layers: the model's `{plan.block}` is not a BlockStack; "
                               "allowed: false for this model")
@@ -226,20 +232,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
         param_fn, scan_context = scan_param_fn(stack)
         stack.enable_scan(param_fn=param_fn)
         block_stack = stack
-    elif ac_mode != "none" and stack is not None:
-        apply_ac(model, plan=plan, mode=ac_mode)
     return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
-                     grad_accum_steps=grad_accum_steps, block_stack=block_stack, scan_context=scan_context)
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "tpu" if device.type == "tpu" else "inductor"
-    if backend == "eager":
-        return "aot_eager"
-    if backend not in BACKENDS:
-        raise ConfigError(f"compile.backend: {backend!r} in graph mode; allowed: auto, {', '.join(BACKENDS)}")
-    if backend == "tpu" and device.type != "tpu":
-        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: auto, inductor, aot_eager")
-    return backend
+                     grad_accum_steps=grad_accum_steps, block_stack=block_stack, scan_context=scan_context,
+                     loss_context=loss_context)

@@ -6,13 +6,14 @@ of 8 query rows x 16 keys in registers, runs both products of each score with AV
 products when the inputs are bf16 (fp32 FMAs otherwise), and recomputes P from the saved
 log-sum-exp in the backward. docs/attention.md has the measurements and the selection rule.
 
-`load()` compiles the kernel with `torch.utils.cpp_extension` for this machine's vector ISA
-(cached under TORCH_EXTENSIONS_DIR, ~20 s the first time) and registers it as the ops
+`load()` reads the CPU's vector ISA from /proc/cpuinfo, compiles the kernel for it with
+`torch.utils.cpp_extension` (cached under TORCH_EXTENSIONS_DIR, ~20 s the first time) and registers it as the ops
 `torch.ops.titan_cpu.attn_fwd` / `attn_bwd`, with a fake implementation (so torch.compile and
 the graph trainer trace it) and autograd. It returns False, with the reason in `load_error()`,
 where the kernel cannot be built (no compiler, no AVX2) so that callers fall back to SDPA.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -54,8 +55,9 @@ def _detect_isa() -> tuple[str, list[str], int, bool] | None:
     return None
 
 
-# Read once at import: `supports` runs inside torch.compile traces, which cannot read files.
-_ISA = _detect_isa()
+_ISA: tuple[str, list[str], int, bool] | None = None
+"""What `_detect_isa` found, set by `load()`: `supports` runs inside torch.compile traces, which
+cannot read files, so it reads this instead."""
 
 
 def load() -> bool:
@@ -71,7 +73,8 @@ def load() -> bool:
 
 
 def _load() -> bool:
-    isa = _ISA
+    global _ISA
+    isa = _ISA = _detect_isa()
     if isa is None:
         _state["error"] = "this CPU has neither AVX-512 nor AVX2+FMA"
         return False
@@ -79,16 +82,15 @@ def _load() -> bool:
     try:
         from torch.utils.cpp_extension import load as build
 
-        _put_ninja_on_path()
-
-        build(
-            name=f"titan_cpu_attention_{name}",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *cflags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _ninja_on_path():
+            build(
+                name=f"titan_cpu_attention_{name}",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-fopenmp", *cflags],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: fall back to SDPA
         lines = str(exc).strip().splitlines()
         _state["error"] = f"building {_SOURCE.name} failed: {type(exc).__name__}: {lines[-1] if lines else ''}"
@@ -97,15 +99,21 @@ def _load() -> bool:
     return True
 
 
-def _put_ninja_on_path() -> None:
-    """cpp_extension runs `ninja` from PATH; a venv used without activation has it only in its bin."""
-    if shutil.which("ninja"):
-        return
+@contextlib.contextmanager
+def _ninja_on_path():
+    """cpp_extension runs `ninja` from PATH; a venv used without activation has it only in its
+    bin. Put it on PATH for the build only, and restore PATH after."""
+    saved = os.environ.get("PATH", "")
     try:
         import ninja
     except ImportError:
-        return
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        ninja = None
+    if ninja is not None and not shutil.which("ninja"):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, saved])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 def loaded() -> bool:
@@ -161,10 +169,10 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 
     CPU tensors; bf16 (on a CPU with AVX512-BF16, any head_dim the kernel instantiates, up to
     128) or fp32 (head_dim <= 32); head_dim a multiple of the vector width; equal q/k dtypes.
-    Does not build the kernel: callers decide when to pay for `load()`.
+    False until `load()` has succeeded.
     """
     isa = _ISA
-    if isa is None or q.device.type != "cpu" or k.dtype != q.dtype:
+    if not loaded() or isa is None or q.device.type != "cpu" or k.dtype != q.dtype:
         return False
     _, _, lanes, has_bf16 = isa
     head_dim = q.shape[-1]
@@ -182,3 +190,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """
     out, _ = torch.ops.titan_cpu.attn_fwd(q, k, v, q.shape[-1] ** -0.5)
     return out
+
+
+def ops() -> list:
+    """The kernel's registered op overloads (after a successful `load()`)."""
+    return [torch.ops.titan_cpu.attn_fwd.default, torch.ops.titan_cpu.attn_bwd.default]

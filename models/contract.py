@@ -1,0 +1,86 @@
+"""The contract between a model family and the rest of the product.
+
+The trainer, the graph trainer, the parallelisms and the planner use a model only through
+what is declared here; none of them reaches into a model's modules by name. A family is one
+`ModelFamily` (see `models/__init__.py`):
+
+- `plan`: its `ModelPlan` object (`models/common/plan.py`): the attribute that holds the
+  repeated blocks (a `BlockStack`, what activation checkpointing, per-block compile and layer
+  scan act on) and the tensor/expert-parallel styles of its modules.
+- `args_cls` / `flavors`: a dataclass with fields `n_layers`, `max_seq_len` and `vocab_size`
+  (the trainer may set them) and the methods of `ModelArgs` below.
+- `model_cls(args)`: an `nn.Module` with the methods of `LanguageModel` below.
+- `hf_adapter` (optional): `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`.
+
+docs/adding_a_model.md walks through a new family; tests/toy_family.py is one that lives outside
+`models/` and trains under every parallelism with no edit to `trainer/` or `parallelisms/`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes the FLOP counter, the planner's activation model and the degree checks need."""
+
+    n_layers: int
+    """Repeated blocks."""
+    dim: int
+    """Residual-stream width."""
+    n_heads: int
+    """Query heads per block (split by tensor parallelism)."""
+    n_kv_heads: int
+    """Key/value heads per block (split by tensor parallelism)."""
+    head_dim: int
+    vocab_size: int
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k (Qwen 3)."""
+    ffn_hidden: int = 0
+    """Dense MLP width (split by tensor parallelism); 0 for MoE blocks."""
+    num_experts: int = 0
+    """Routed experts per block (split by expert parallelism); 0 for a dense model."""
+    top_k: int = 0
+    """Experts each token is routed to."""
+    moe_hidden: int = 0
+    """Each expert's MLP width."""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+class ModelArgs(Protocol):
+    """What a family's args dataclass provides besides its own fields."""
+
+    n_layers: int
+    max_seq_len: int
+    vocab_size: int
+
+    def shape(self) -> ModelShape:
+        """The model's sizes (no module is built)."""
+
+    def num_params(self, *, exclude_embedding: bool = False) -> int:
+        """Distinct parameters; `exclude_embedding` drops the token-embedding table."""
+
+    def num_active_params(self, *, exclude_embedding: bool = False) -> int:
+        """Parameters used per token (MoE: the routed top-k experts); FLOPs are 6x this per token."""
+
+
+class LanguageModel(Protocol):
+    """What the trainer calls on a built model."""
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] int64 -> logits [batch, seq, vocab_size]."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter in place (they may be sharded DTensors) and rebuild buffers."""
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """Sum of the auxiliary losses (unscaled) of the last forward, or None for a model without
+        any. Clears them, so no module keeps a reference into a finished autograd graph; the
+        trainer scales the sum by `training.aux_loss_coef` and adds it to the LM loss."""
