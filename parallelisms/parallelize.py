@@ -82,6 +82,6 @@ def _check_block_params_sharded(model: nn.Module, plan: ModelPlan) -> None:
         if not isinstance(param, DTensor):
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree: the model's plan has no tensor-parallel "
-                f"style for {name} (MoE layers need expert parallelism, which is not available "
-                f"yet); allowed for this model: 1"
+                f"or expert-parallel style for {name}, so its gradient would miss the TP sum; "
+                f"allowed for this model: 1 (or give {name} a style in the model's plan)"
             )

@@ -211,5 +211,13 @@ def test_benchmark_commands_and_variants():
     assert "--training.steps=9" in one and "--job.dump_folder=/d" in one and "--checkpoint.enable=false" in one
     four = bench.build_command(recipe="r.toml", overrides=[], nproc=4, dump_folder="/d", steps=9, extra=[], python="py")
     assert four[:5] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    busy = bench.cpu_busy_fraction(0.05)
-    assert busy is None or 0.0 <= busy <= 1.0
+
+
+def test_cpu_busy_fraction_from_two_readings(monkeypatch):
+    """(idle, total) jiffies 100/1000 then 150/1100: 50 of 100 jiffies idle -> busy 0.5."""
+    bench = _load_benchmark()
+    readings = iter([(100, 1000), (150, 1100)])
+    monkeypatch.setattr(bench, "_cpu_times", lambda: next(readings))
+    assert bench.cpu_busy_fraction(0.0) == pytest.approx(0.5)
+    monkeypatch.setattr(bench, "_cpu_times", lambda: None)  # no /proc/stat
+    assert bench.cpu_busy_fraction(0.0) is None

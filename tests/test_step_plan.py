@@ -57,3 +57,25 @@ def test_backend_resolution_is_one_rule():
     assert resolve_backend("auto", mode="compile", device_type="cuda") == "inductor"
     assert resolve_backend("eager", mode="compile", device_type="cpu") == "eager"
     assert resolve_backend("eager", mode="graph", device_type="cpu") == "aot_eager"
+
+
+def test_global_batch_split_follows_the_mesh():
+    from trainer.train import batch_split
+
+    def split(global_batch, local, accum, dp):
+        return batch_split(global_batch_size=global_batch, local_batch_size=local,
+                           gradient_accumulation_steps=accum, dp_degree=dp)
+
+    assert split(-1, 8, 2, 4) == (8, 2)  # unset: the configured values stand
+    assert split(32, 8, 1, 1) == (8, 4)  # 1 device: accumulate up to the global batch
+    assert split(32, 8, 1, 4) == (8, 1)
+    assert split(32, 8, 1, 8) == (4, 1)  # more devices: smaller micro-batches, same global batch
+    assert split(32, 8, 2, 4) == (4, 2)  # accumulation never below the configured count
+    assert split(12, 8, 1, 1) == (6, 2)  # the smallest accumulation that fits local_batch_size
+    for g, local, accum, dp in [(32, 8, 1, 1), (32, 8, 1, 4), (12, 8, 1, 1), (24, 2, 3, 2)]:
+        micro, n = split(g, local, accum, dp)
+        assert micro * n * dp == g and micro <= local and n >= accum
+    with pytest.raises(ConfigError, match="training.global_batch_size: 30 is not divisible by the data-parallel degree 4"):
+        split(30, 8, 1, 4)
+    with pytest.raises(ConfigError, match="training.global_batch_size: 8 sequences over 1"):
+        split(8, 8, 16, 1)  # accumulation 16 > 8 sequences: no split

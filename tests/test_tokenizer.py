@@ -138,7 +138,6 @@ def test_bad_spec_values(tmp_path):
 
 def test_bundled_bpe_is_reproducible(tmp_path):
     """The shipped ranks are what scripts/train_bpe.py makes from the shipped corpus."""
-    pytest.importorskip("tokenizers")
     from scripts import train_bpe
 
     out = tmp_path / "bpe.tiktoken"

@@ -205,7 +205,7 @@ class ProfilingConfig:
     enable: bool = False
     """Record torch.profiler traces."""
     freq: int = field(default=100, metadata=_range(ge=1))
-    """Trace one step every `freq` steps (after one warm-up step)."""
+    """Trace every `freq`-th step (steps freq, 2 x freq, ...); each trace covers one whole step."""
     folder: str = "profile_traces"
     """Trace folder, relative to dump_folder."""
 

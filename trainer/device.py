@@ -98,7 +98,3 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
