@@ -127,19 +127,6 @@ def test_config_errors():
         build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager")
 
 
-def test_scan_rejects_moe():
-    import dataclasses
-
-    from models.qwen3 import FLAVORS, Transformer
-
-    args = dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=1, dim=32, n_heads=2, n_kv_heads=1,
-                               head_dim=16, vocab_size=64, max_seq_len=8, hidden_dim=32, moe_hidden_dim=16)
-    model = Transformer(args)
-    with pytest.raises(ConfigError, match="compile.scan_layers"):
-        build_graph_step(model=model, optimizer=build_opt(model), max_norm=1.0, backend="aot_eager",
-                         scan_layers=True)
-
-
 @pytest.mark.slow
 def test_inductor_scan_matches_eager():
     """Inductor (C++ codegen) with scan: ~1-2 min of compile on 2 shared cores."""

@@ -7,6 +7,7 @@ compile, scan, loss parallel) from the StepPlan only; these tests pin that decis
 import pytest
 
 from models.errors import ConfigError
+from models.qwen3 import FLAVORS as QWEN3
 from trainer.step import plan_step, resolve_backend
 
 
@@ -47,6 +48,7 @@ def test_loss_parallel_needs_tensor_parallelism():
     (dict(mode="jit"), "compile.mode"),
     (dict(mode="graph", backend="tpu"), "compile.backend: tpu needs a TPU"),
     (dict(mode="compile", backend="xla"), "compile.backend"),
+    (dict(mode="graph", scan_layers=True, shape=QWEN3["debugmodel_moe"].shape()), "allowed: false for MoE models"),
 ])
 def test_refused_combinations(kw, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from models.contract import ModelShape
 from models.errors import ConfigError
 
 MODES = ("eager", "compile", "graph")
@@ -83,12 +84,19 @@ def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
 
 
 def plan_step(*, mode: str, backend: str, scan_layers: bool, ac_mode: str, loss_parallel: bool,
-              tp_enabled: bool, device_type: str) -> StepPlan:
-    """The `StepPlan` of a run; ConfigError for combinations that cannot be honoured."""
+              tp_enabled: bool, device_type: str, shape: ModelShape | None = None) -> StepPlan:
+    """The `StepPlan` of a run; ConfigError for combinations that cannot be honoured.
+
+    `shape` (the model's `args.shape()`) lets the plan refuse a scan of MoE blocks: they leave
+    their load-balancing loss on the module during forward, which a scan body cannot return.
+    """
     if mode not in MODES:
         raise ConfigError(f"compile.mode: {mode!r}; allowed: {', '.join(MODES)}")
     if scan_layers and mode != "graph":
         raise ConfigError('compile.scan_layers: needs compile.mode = "graph"')
+    if scan_layers and shape is not None and shape.is_moe:
+        raise ConfigError("compile.scan_layers: MoE blocks store their aux loss on the module during "
+                          "forward, which a scan body cannot return; allowed: false for MoE models")
     resolved = None if mode == "eager" else resolve_backend(backend, mode=mode, device_type=device_type)
     scan = mode == "graph" and scan_layers
     return StepPlan(

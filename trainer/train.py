@@ -177,7 +177,7 @@ def train(cfg: Config) -> int:
     c = cfg.compile
     step_plan = plan_step(mode=c.mode, backend=c.backend, scan_layers=c.scan_layers,
                           ac_mode=cfg.activation_checkpoint.mode, loss_parallel=p.enable_loss_parallel,
-                          tp_enabled=parallel_dims.tp_enabled, device_type=device.type)
+                          tp_enabled=parallel_dims.tp_enabled, device_type=device.type, shape=shape)
     mesh = build_mesh(parallel_dims, device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank(mesh), parallel_dims.dp_degree
     t = cfg.training

@@ -168,10 +168,6 @@ def _reduce_axes(slot) -> tuple:
     return grad_reduce_axes(slot.members[0] if slot.members else slot.param)
 
 
-def _has_moe(model: nn.Module) -> bool:
-    return any(getattr(m, "is_moe", False) for m in model.modules())
-
-
 def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                      backend: str, scan_layers: bool = False, ac_mode: str = "none",
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
@@ -226,9 +222,6 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
         if not isinstance(stack, BlockStack):
             raise ConfigError(f"compile.scan_layers: the model's `{plan.block}` is not a BlockStack; "
                               "allowed: false for this model")
-        if _has_moe(model):
-            raise ConfigError("compile.scan_layers: MoE blocks store their aux loss on the module during "
-                              "forward, which a scan body cannot do; allowed: false for MoE models")
         param_fn, scan_context = scan_param_fn(stack)
         stack.enable_scan(param_fn=param_fn)
         block_stack = stack
