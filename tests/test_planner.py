@@ -168,6 +168,34 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
     assert planned[0] == max(planned)  # rank 0, which the planner reports, holds the most
 
 
+def test_planner_reads_a_family_outside_models_through_its_contract_only():
+    """tests/toy_family.py (parallel blocks, fc_in/fc_out MLP): shards counted from the plan alone."""
+    from tests.toy_family import TOY
+
+    args = TOY.flavors["debugmodel"]
+    d, vocab = args.dim, args.vocab_size
+    with P.fake_process_group(1):
+        one = P.shard_model(TOY, args, P.make_parallel_dims(dp_replicate=1, dp_shard=1, tp=1, ep=1, world_size=1,
+                                                            shape=args.shape(), seq_len=64))
+    assert one.param_numel == args.num_params()
+    assert one.lm_head_gathered_numel == vocab * d  # the plan's "output" module
+    assert one.root_kept_gathered_numel == vocab * d + d  # LM head + final norm, not the embedding
+    dims = P.make_parallel_dims(dp_replicate=1, dp_shard=2, tp=2, ep=1, world_size=4, shape=args.shape(), seq_len=64)
+    with P.fake_process_group(4):
+        four = P.shard_model(TOY, args, dims)
+    assert four.lm_head_gathered_numel == vocab * d // 2  # TP-local after the dp all-gather
+    h = args.mlp_ratio * d  # every block matrix splits 4 ways evenly; the norm only over dp
+    assert four.blocks_numel == args.n_layers * ((4 * d * d + 2 * d * h) // 4 + d // 2)
+
+
+def test_planner_imports_of_trainer_are_only_the_flops_table():
+    code = "import sys, planner; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer'))"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['trainer', 'trainer.flops']"
+
+
 # ------------------------------------------------------------------------------------ activations
 
 _ACT_CASES = [
