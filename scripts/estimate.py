@@ -9,7 +9,8 @@
 
 One process, PyTorch's fake process group and meta tensors: the real mesh, the real flavor
 and the real plan (`parallelize_model`) give the parameter shards; an analytic model gives the
-activations (docs/planner.md). Recipe keys work as in training (`--section.key=value`); the
+activations (docs/planner.md). The `planner/` package computes; this script prints the reports,
+the CSV and the recipe keys. Recipe keys work as in training (`--section.key=value`); the
 short flags below override them. Exit status: 0 the plan fits (or --recommend found one),
 1 it does not fit (the table and the verdict are printed), 2 invalid input (one `error:` line).
 """
