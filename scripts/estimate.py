@@ -9,7 +9,8 @@
 
 One process, PyTorch's fake process group and meta tensors: the real mesh, the real flavor
 and the real plan (`parallelize_model`) give the parameter shards; an analytic model gives the
-activations (docs/planner.md). Recipe keys work as in training (`--section.key=value`); the
+activations (docs/planner.md). The `planner/` package computes; this script prints the reports,
+the CSV and the recipe keys. Recipe keys work as in training (`--section.key=value`); the
 short flags below override them. Exit status: 0 the plan fits (or --recommend found one),
 1 it does not fit (the table and the verdict are printed), 2 invalid input (one `error:` line).
 """
@@ -17,12 +18,197 @@ short flags below override them. Exit status: 0 the plan fits (or --recommend fo
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import planner  # noqa: E402
 from models.errors import ConfigError  # noqa: E402
+
+# ================================================================================ reports
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB with two decimals."""
+    return f"{n / planner.GiB:.2f}"
+
+
+def describe_target(target: planner.Target) -> str:
+    g = target.generation
+    unit = "TensorCores" if g.kind == "tpu" else "GPUs"
+    return (f"{target.name}: {target.size} {unit} = {target.chips} chips = {target.devices} devices, "
+            f"{g.hbm_gib_per_device:.1f} GiB HBM and {g.peak_tflops:g} TFLOP/s bf16 per device, "
+            f"{g.devices_per_host} devices per host")
+
+
+def target_table() -> str:
+    """A printable table of the generations (per device)."""
+    rows = ["generation  device                      HBM/device GiB  peak bf16 TFLOP/s  devices/host  FSDP tokens",
+            "----------  --------------------------  --------------  -----------------  ------------  -----------"]
+    for g in planner.GENERATIONS.values():
+        if g.kind == "gpu":
+            device = "1 GPU"
+        elif g.cores_per_device == 2:
+            device = "1 chip (megacore, 2 TC)"
+        else:
+            device = f"1 TensorCore ({g.cores_per_chip}/chip)"
+        rows.append(f"{g.name:<10}  {device:<26}  {g.hbm_gib_per_device:>14.1f}  {g.peak_tflops:>17g}  "
+                    f"{g.devices_per_host:>12}  {g.fsdp_min_tokens or '-':>11}")
+    return "\n".join(rows)
+
+
+def plan_str(est: planner.Estimate) -> str:
+    ep = f" x ep {est.ep}" if est.ep > 1 else ""
+    return (f"dp_replicate {est.dp_replicate} x dp_shard {est.dp_shard} x tp {est.tp}{ep}, AC {est.ac_mode}, "
+            f"local batch {est.local_batch_size} x seq {est.seq_len}"
+            + (f" x accum {est.grad_accum}" if est.grad_accum > 1 else "")
+            + (", loss parallel" if est.loss_parallel and est.tp > 1 else ""))
+
+
+def format_estimate(est: planner.Estimate) -> str:
+    """A per-device breakdown with the verdict."""
+    a = est.activations
+    lines = [
+        f"{est.model} on {describe_target(est.target)}",
+        f"plan: {plan_str(est)}",
+        "per device (rank 0)" + (" [blocks probed: 1 block x n_layers]" if est.probed else "") + ":",
+    ]
+    rows = [
+        ("parameters (fp32 master shards)", est.params),
+        ("gradients (fp32 shards)", est.grads),
+        ("optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
+        ("bf16 weights kept for backward (SimpleFSDP gathers)", est.saved_weights),
+        (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
+        ("activations: final norm, LM-head input, token ids", a.outside),
+        (f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})", a.loss),
+        (f"transient peak (max of loss/LM head {gib(est.transient_loss)}, block backward "
+         f"{gib(est.transient_block)})", est.transient),
+    ]
+    width = max(len(r[0]) for r in rows) + 2
+    for label, value in rows:
+        lines.append(f"  {label:<{width}}{gib(value):>9} GiB")
+    lines.append(f"  {'total':<{width}}{gib(est.total):>9} GiB")
+    lines.append(f"  {'HBM / usable (' + format(est.headroom, '.0%') + ' headroom)':<{width}}"
+                 f"{gib(est.target.hbm_bytes):>9} / {gib(est.usable)} GiB")
+    if est.fits:
+        lines.append(f"verdict: FITS with {gib(est.spare)} GiB to spare "
+                     f"({est.total / est.target.hbm_bytes:.0%} of HBM)")
+    else:
+        over = -est.spare
+        lines.append(f"verdict: DOES NOT FIT: needs {gib(est.total)} GiB, usable {gib(est.usable)} GiB; "
+                     f"over by {gib(over)} GiB ({over / est.usable:.0%})")
+    lines.append(
+        f"throughput (estimate): {est.tokens_per_device_step:,.0f} tokens/device/step, global batch "
+        f"{est.global_batch_tokens:,} tokens; step {est.step_time_s:.2f} s at an assumed "
+        f"{est.assumed_mfu:.0%} MFU without recompute"
+        + (f" (x{est.recompute_factor:.2f} FLOPs for AC {est.ac_mode}: MFU {est.mfu:.0%})"
+           if est.recompute_factor != 1.0 else "")
+        + f" -> {est.tokens_per_s:,.0f} tokens/s/device"
+    )
+    lines.extend(f"note: {n}" for n in est.notes)
+    return "\n".join(lines)
+
+
+SUMMARY_HEADER = ("dp_rep  dp_shard  tp  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
+                  "transient  total GiB  fits  step s  tok/s/dev")
+
+
+def format_summary_row(est: planner.Estimate) -> str:
+    static = est.params + est.grads + est.optimizer
+    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.tp:>2}  {est.ac_mode:<9}  {est.local_batch_size:>5}  "
+            f"{est.tokens_per_device_step:>12,.0f}  {gib(static):>10}  {gib(est.saved_weights):>8}  "
+            f"{gib(est.activations.total):>6}  {gib(est.transient):>9}  {gib(est.total):>9}  "
+            f"{'yes' if est.fits else 'NO':>4}  {est.step_time_s:>6.2f}  {est.tokens_per_s:>9,.0f}")
+
+
+def format_summary(estimates: list[planner.Estimate]) -> str:
+    return "\n".join([SUMMARY_HEADER, *(format_summary_row(e) for e in estimates)])
+
+
+def format_fixes(est: planner.Estimate, fixes: planner.Fixes) -> list[str]:
+    """`planner.suggest_fixes`'s findings for `est`, one line each."""
+
+    def changes(c: planner.Estimate) -> str:
+        out = []
+        if c.ac_mode != est.ac_mode:
+            out.append(f"activation_checkpoint.mode = {c.ac_mode}")
+        if c.local_batch_size != est.local_batch_size:
+            out.append(f"training.local_batch_size = {c.local_batch_size}")
+        if c.tp != est.tp:
+            out.append(f"parallelism.tensor_parallel_degree = {c.tp}")
+        if c.loss_parallel != est.loss_parallel:
+            out.append("parallelism.enable_loss_parallel = true")
+        return f"{', '.join(out)}: {gib(c.total)} GiB (fits)"
+
+    name = est.target.name
+    lines = [changes(c) for c in fixes.single_changes]
+    if fixes.best is not None:
+        lines.append(f"the planner's choice for {name} (--recommend): {plan_str(fixes.best)}: "
+                     f"{gib(fixes.best.total)} GiB")
+    elif fixes.devices_needed:
+        lines.append(f"no plan fits {name}; about {fixes.devices_needed} devices would fit "
+                     f"{plan_str(fixes.devices_needed_plan)} "
+                     f"(its parameters, gradients and optimizer state shrink with more FSDP shards)")
+    else:
+        lines.append(f"no plan fits {name}, and more devices would not help: activations alone exceed HBM; "
+                     "shorten training.seq_len")
+    return lines
+
+
+CSV_FIELDS = (
+    "model", "target", "devices", "hbm_bytes", "dp_replicate", "dp_shard", "tp", "ep", "ac_mode",
+    "local_batch_size", "seq_len", "grad_accum", "loss_parallel", "params_bytes", "grads_bytes",
+    "optimizer_bytes", "saved_weights_bytes", "block_activation_bytes", "outside_activation_bytes",
+    "loss_bytes", "transient_bytes", "total_bytes", "usable_bytes", "fits", "tokens_per_device_step",
+    "global_batch_tokens", "est_step_s", "est_tokens_per_s_per_device", "est_mfu_pct", "assumed_mfu_pct",
+)
+
+
+def csv_row(est: planner.Estimate) -> dict:
+    a = est.activations
+    return {
+        "model": est.model, "target": est.target.name, "devices": est.target.devices,
+        "hbm_bytes": est.target.hbm_bytes, "dp_replicate": est.dp_replicate, "dp_shard": est.dp_shard,
+        "tp": est.tp, "ep": est.ep, "ac_mode": est.ac_mode, "local_batch_size": est.local_batch_size,
+        "seq_len": est.seq_len, "grad_accum": est.grad_accum, "loss_parallel": est.loss_parallel,
+        "params_bytes": est.params, "grads_bytes": est.grads, "optimizer_bytes": est.optimizer,
+        "saved_weights_bytes": est.saved_weights, "block_activation_bytes": a.blocks,
+        "outside_activation_bytes": a.outside, "loss_bytes": a.loss, "transient_bytes": est.transient,
+        "total_bytes": est.total, "usable_bytes": est.usable, "fits": est.fits,
+        "tokens_per_device_step": round(est.tokens_per_device_step, 3),
+        "global_batch_tokens": est.global_batch_tokens, "est_step_s": round(est.step_time_s, 4),
+        "est_tokens_per_s_per_device": round(est.tokens_per_s, 1), "est_mfu_pct": round(100 * est.mfu, 2),
+        "assumed_mfu_pct": round(100 * est.assumed_mfu, 2),
+    }
+
+
+def write_csv(estimates: list[planner.Estimate], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for est in estimates:
+            writer.writerow(csv_row(est))
+
+
+def recipe_snippet(est: planner.Estimate) -> str:
+    """The recipe keys that select this plan."""
+    return "\n".join([
+        "[training]",
+        f"local_batch_size = {est.local_batch_size}",
+        f"seq_len = {est.seq_len}",
+        "[parallelism]",
+        f"data_parallel_replicate_degree = {est.dp_replicate}",
+        f"data_parallel_shard_degree = {est.dp_shard}",
+        f"tensor_parallel_degree = {est.tp}",
+        f"enable_loss_parallel = {'true' if est.loss_parallel else 'false'}",
+        "[activation_checkpoint]",
+        f'mode = "{est.ac_mode}"',
+    ])
+
+
+# ================================================================================ command line
 
 # Short flag -> recipe key it overrides.
 _SHORT = {
@@ -82,12 +268,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from trainer import planner
     from trainer.config import build_config, resolve_model_args, split_cli
 
     ns, rest = _parser().parse_known_args(argv)
     if ns.list_targets:
-        print(planner.target_table())
+        print(target_table())
         print("\nA TPU target's size counts TensorCores, as Cloud TPU accelerator types do: "
               "v6e-256 = 256 devices, v5p-1024 = 512 chips = 512 devices, v7x-1024 = 512 chips = 1024 devices.")
         return 0
@@ -116,16 +301,16 @@ def _run(argv: list[str]) -> int:
     if ns.recommend:
         candidates = planner.recommend(inputs, target, max_global_tokens=ns.max_global_tokens, **kw)
         if ns.csv:
-            planner.write_csv(candidates, ns.csv)
+            write_csv(candidates, ns.csv)
         fitting = [c for c in candidates if c.fits]
         shown = planner.best_per_layout(fitting or candidates)[: ns.top]
-        print(f"{inputs.model_name} on {target.describe()}; seq_len {t.seq_len}; "
+        print(f"{inputs.model_name} on {describe_target(target)}; seq_len {t.seq_len}; "
               f"{len(candidates)} plans evaluated, {len(fitting)} fit")
-        print(planner.format_summary(shown))
+        print(format_summary(shown))
         print()
         if not fitting:
-            print(planner.format_estimate(candidates[0]))
-            print(f"verdict: no plan fits {target.name}; the smallest needs {planner.gib(candidates[0].total)} GiB "
+            print(format_estimate(candidates[0]))
+            print(f"verdict: no plan fits {target.name}; the smallest needs {gib(candidates[0].total)} GiB "
                   f"per device")
             need = planner.devices_needed(candidates[0])
             if need:
@@ -139,8 +324,8 @@ def _run(argv: list[str]) -> int:
                                     ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
         assert est.total == best.total, "one-block probe and full model disagree"
         print("recommended (heuristic in docs/planner.md: pure FSDP first, then TP; least recompute; most tokens):")
-        print(planner.format_estimate(est))
-        print("\nrecipe keys:\n" + planner.recipe_snippet(est))
+        print(format_estimate(est))
+        print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
 
     est = planner.plan_estimate(
@@ -148,12 +333,12 @@ def _run(argv: list[str]) -> int:
         tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel, **kw)
     if ns.csv:
-        planner.write_csv([est], ns.csv)
-    print(planner.format_estimate(est))
+        write_csv([est], ns.csv)
+    print(format_estimate(est))
     if est.fits:
         return 0
     print("suggestions:")
-    for line in planner.suggest_fixes(inputs, est):
+    for line in format_fixes(est, planner.suggest_fixes(inputs, est)):
         print(f"  - {line}")
     return 1
 

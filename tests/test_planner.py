@@ -1,4 +1,4 @@
-"""Pod planner (trainer/planner.py, scripts/estimate.py).
+"""Pod planner (planner/, scripts/estimate.py).
 
 - Shard sizes from the real plan on a fake 64- and 1024-rank world equal a hand computation.
 - Per-rank parameter, gradient and AdamW bytes equal those of a real 4-rank run (thread ranks,
@@ -20,11 +20,13 @@ import time
 import pytest
 import torch
 
+import planner as P
 from models import get_model_family
-from parallelisms.simple_fsdp import local_bytes
-from trainer import planner as P
-from tests.test_parallel_harness import run_threads
 from models.errors import ConfigError
+from parallelisms.activation_checkpoint import AC_MODES
+from parallelisms.simple_fsdp import local_bytes
+from scripts import estimate as report
+from tests.test_parallel_harness import run_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = get_model_family("llama3")
@@ -78,8 +80,8 @@ def test_targets_count_tensorcores_and_take_peaks_from_flops_table():
 
 def test_llama3_8b_shards_on_fake_64_device_mesh_match_hand_computation():
     args = LLAMA.flavors["8B"]
-    dims = P.make_parallel_dims(dp_replicate=1, dp_shard=16, tp=4, ep=1, world_size=64, args=args,
-                                shape=P.ModelShape.from_args(LLAMA, args), seq_len=8192)
+    dims = P.make_parallel_dims(dp_replicate=1, dp_shard=16, tp=4, ep=1, world_size=64, shape=args.shape(),
+                                seq_len=8192)
     with P.fake_process_group(64):
         stats = P.shard_model(LLAMA, args, dims)
         probed = P.shard_model(LLAMA, args, dims, probe=True)
@@ -98,7 +100,7 @@ def test_llama3_8b_shards_on_fake_64_device_mesh_match_hand_computation():
     # One block after the dp all-gather: the TP-local block.
     assert stats.block_gathered_numel == sum(hand_local_numel(args, dp=1, tp=4)[k] for k in
                                              ("attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1", "w2", "w3"))
-    est = P.estimate(model="8B", target=P.parse_target("v6e-64"), shape=P.ModelShape.from_args(LLAMA, args),
+    est = P.estimate(model="8B", target=P.parse_target("v6e-64"), shape=args.shape(),
                      stats=stats, parallel_dims=dims, local_batch_size=1, seq_len=8192, ac_mode="full",
                      loss_parallel=True, flops_per_token=1.0)
     assert est.params == 4 * stats.param_numel and est.grads == est.params and est.optimizer == 2 * est.params
@@ -137,7 +139,7 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             model = LLAMA.model_cls(args)
-        parallelize_model(model, plan=P.load_plan(LLAMA), parallel_dims=dims, mesh=mesh,
+        parallelize_model(model, plan=LLAMA.plan, parallel_dims=dims, mesh=mesh,
                           param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -151,10 +153,10 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
         return local_bytes(params), local_bytes(p.grad for p in params), local_bytes(state)
 
     measured = run_threads(world, rank_fn)
-    shape = P.ModelShape.from_args(LLAMA, args)
+    shape = args.shape()
     planned = []
     for rank in range(world):
-        dims = P.make_parallel_dims(world_size=world, ep=1, args=args, shape=shape, seq_len=32,
+        dims = P.make_parallel_dims(world_size=world, ep=1, shape=shape, seq_len=32,
                                     **{"dp_replicate": 1, "dp_shard": -1, "tp": 1, **degrees})
         with P.fake_process_group(world, rank=rank):
             stats = P.shard_model(LLAMA, args, dims)
@@ -164,6 +166,34 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
     assert planned == measured
     assert len(set(planned)) > 1  # the uneven vocabulary split gives ranks different sizes
     assert planned[0] == max(planned)  # rank 0, which the planner reports, holds the most
+
+
+def test_planner_reads_a_family_outside_models_through_its_contract_only():
+    """tests/toy_family.py (parallel blocks, fc_in/fc_out MLP): shards counted from the plan alone."""
+    from tests.toy_family import TOY
+
+    args = TOY.flavors["debugmodel"]
+    d, vocab = args.dim, args.vocab_size
+    with P.fake_process_group(1):
+        one = P.shard_model(TOY, args, P.make_parallel_dims(dp_replicate=1, dp_shard=1, tp=1, ep=1, world_size=1,
+                                                            shape=args.shape(), seq_len=64))
+    assert one.param_numel == args.num_params()
+    assert one.lm_head_gathered_numel == vocab * d  # the plan's "output" module
+    assert one.root_kept_gathered_numel == vocab * d + d  # LM head + final norm, not the embedding
+    dims = P.make_parallel_dims(dp_replicate=1, dp_shard=2, tp=2, ep=1, world_size=4, shape=args.shape(), seq_len=64)
+    with P.fake_process_group(4):
+        four = P.shard_model(TOY, args, dims)
+    assert four.lm_head_gathered_numel == vocab * d // 2  # TP-local after the dp all-gather
+    h = args.mlp_ratio * d  # every block matrix splits 4 ways evenly; the norm only over dp
+    assert four.blocks_numel == args.n_layers * ((4 * d * d + 2 * d * h) // 4 + d // 2)
+
+
+def test_planner_imports_of_trainer_are_only_the_flops_table():
+    code = "import sys, planner; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer'))"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['trainer', 'trainer.flops']"
 
 
 # ------------------------------------------------------------------------------------ activations
@@ -177,21 +207,23 @@ _ACT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ac_mode", P.AC_MODES)
+@pytest.mark.parametrize("ac_mode", AC_MODES)
 @pytest.mark.parametrize("name,flavor,world,tp,loss_parallel", _ACT_CASES,
                          ids=["llama", "llama-fsdp2-tp2-lp", "llama-tp2", "qwen3", "qwen3-moe"])
 def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, loss_parallel, ac_mode):
+    from trainer.step import lm_loss
+
     family = get_model_family(name)
     batch, seq = 2, 64
     # SDPA (tests/conftest.py), as on the accelerators the planner plans for (the CPU kernel
     # does not repeat k/v).
     args = dataclasses.replace(family.flavors[flavor], n_layers=2, max_seq_len=seq)
-    shape = P.ModelShape.from_args(family, args)
+    shape = args.shape()
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
     with P.fake_process_group(world):
-        dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=tp, ep=1, world_size=world, args=args,
-                                    shape=shape, seq_len=seq)
+        dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=tp, ep=1, world_size=world, shape=shape,
+                                    seq_len=seq)
         stats = P.shard_model(family, args, dims)
         est = P.estimate(model=name, target=P.parse_target("v6e-4"), shape=shape, stats=stats, parallel_dims=dims,
                          local_batch_size=batch, seq_len=seq, ac_mode=ac_mode, loss_parallel=loss_parallel,
@@ -202,7 +234,8 @@ def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, 
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
-        measured = P.measure_saved_bytes(model, tokens[:, :-1], tokens[:, 1:], loss_parallel=loss_parallel)
+        measured = P.measure_saved_bytes(model, tokens[:, :-1], tokens[:, 1:], loss_fn=lm_loss,
+                                         loss_parallel=loss_parallel)
     predicted = est.activations.total + est.saved_weights
     # 2%: under TP + AC, whether the embedding's (waited) sequence-sharded output stays
     # referenced differs between meshes by one residual-sized buffer (~1.4% at these sizes).
@@ -210,7 +243,7 @@ def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, 
 
 
 def test_activation_model_scales_with_batch_tp_and_ac():
-    shape = P.ModelShape.from_args(LLAMA, LLAMA.flavors["8B"])
+    shape = LLAMA.flavors["8B"].shape()
     kw = dict(seq_len=8192, loss_parallel=False)
     one = P.activation_bytes(shape, local_batch_size=1, tp=1, ac_mode="full", **kw)
     two = P.activation_bytes(shape, local_batch_size=2, tp=1, ac_mode="full", **kw)
@@ -246,13 +279,14 @@ def test_refuses_impossible_degrees_and_tp_not_dividing_heads():
 def test_too_big_gives_a_clear_verdict_and_suggestions():
     est = P.plan_estimate(_inputs("405B"), P.parse_target("v6e-64"), ac_mode="full", probe=True)
     assert not est.fits
-    text = P.format_estimate(est)
-    assert "DOES NOT FIT" in text and f"over by {P.gib(est.total - est.usable)} GiB" in text
+    text = report.format_estimate(est)
+    assert "DOES NOT FIT" in text and f"over by {report.gib(est.total - est.usable)} GiB" in text
     # 405B x 16 bytes / 64 devices alone is 94 GiB: no change of plan helps, more devices do.
     fixes = P.suggest_fixes(_inputs("405B"), est)
-    assert len(fixes) == 1 and fixes[0].startswith("no plan fits v6e-64; about")
-    devices = int(fixes[0].split("about ")[1].split()[0])
-    assert devices >= 16 * 405e9 / (28.8 * 2**30)
+    assert fixes.single_changes == [] and fixes.best is None
+    assert fixes.devices_needed >= 16 * 405e9 / (28.8 * 2**30)
+    lines = report.format_fixes(est, fixes)
+    assert len(lines) == 1 and lines[0].startswith(f"no plan fits v6e-64; about {fixes.devices_needed} devices")
     # At tp 1 the 126 checkpointed block inputs alone exceed 28.8 GiB: more devices do not help.
     assert P.devices_needed(est) == 0
 
@@ -315,7 +349,7 @@ def test_cli_recommend_writes_csv(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "recommended" in out and "tensor_parallel_degree = 1" in out
     rows = list(csv.DictReader(path.open()))
-    assert len(rows) > 50 and set(P.CSV_FIELDS) == set(rows[0])
+    assert len(rows) > 50 and set(report.CSV_FIELDS) == set(rows[0])
     assert any(r["fits"] == "True" for r in rows) and any(r["fits"] == "False" for r in rows)
 
 
@@ -333,4 +367,4 @@ def test_shipped_pod_recipes_fit_their_targets(recipe, target):
         P.parse_target(target), dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree, tp=p.tensor_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel, probe=True)
-    assert est.fits, P.format_estimate(est)
+    assert est.fits, report.format_estimate(est)

@@ -1,0 +1,167 @@
+"""Activations, analytically: the bytes each block keeps for backward, and their measurement.
+
+`activation_bytes` counts the tensors each block keeps for backward in the eager path of this
+code base (bf16 compute, SDPA/flash attention so no seq^2 term, fp32 RMSNorm internals, fp32
+log-probs for the loss) under each activation checkpointing mode, from the model's declared
+sizes (`args.shape()`, `models.contract.ModelShape`). The formulas are in docs/planner.md;
+they match the bytes measured by `measure_saved_bytes` (a real CPU forward) to within a few
+bytes (tests/test_planner.py).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.contract import ModelShape
+from models.errors import ConfigError
+from parallelisms.activation_checkpoint import AC_MODES
+from planner.shard import local_tensor
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes one device keeps from forward to backward for one micro-batch (analytic)."""
+
+    per_block: int
+    """Saved by one block under the AC mode."""
+    blocks: int
+    """All blocks."""
+    outside: int
+    """Outside the blocks: final norm, LM-head input, token ids/labels (+ TP/AC extras)."""
+    loss: int
+    """The fp32 log-probabilities cross entropy keeps ([tokens, vocab or vocab/tp])."""
+    per_block_none: int
+    """What one block would keep without AC (recomputed during its backward under AC)."""
+    logits_transient: int
+    """The log-softmax backward's fp32 gradient in and out, [tokens, vocab] each (on top of `loss`)."""
+
+    @property
+    def total(self) -> int:
+        return self.blocks + self.outside + self.loss
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _moe_none_per_token(s: ModelShape) -> int:
+    """Bytes per token one MoE block keeps without AC (tp = 1).
+
+    Routed token copies in (gathered, bf16) and out (re-ordered, bf16): 4kd; grouped SwiGLU:
+    gate, up, silu(gate), product: 8kF; router: two fp32 softmax outputs and the fp32 logits
+    of the z-loss (12E), top-k indices + values + bf16 scores + sort indices (30k), sums (8).
+    """
+    k, e = s.top_k, s.num_experts
+    return 4 * k * s.dim + 8 * k * s.moe_hidden + 12 * e + 30 * k + 8
+
+
+def activation_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str,
+                     loss_parallel: bool) -> ActivationBytes:
+    """Saved-for-backward bytes per device, bf16 compute, one micro-batch (see docs/planner.md).
+
+    T = local_batch_size * seq_len tokens per micro-batch; with TP the residual stream and the
+    norms hold T/tp tokens (sequence parallel) and the projections the full T with heads/hidden
+    split by tp.
+    """
+    if ac_mode not in AC_MODES:
+        raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    s = shape
+    d, hd = s.dim, s.head_dim
+    t_full = local_batch_size * seq_len
+    t_seq = t_full // tp  # sequence-parallel tokens (seq_len divides by tp: checked by ParallelDims)
+    heads, kv_heads = s.n_heads // tp, s.n_kv_heads // tp
+    norm = 6 * d + 4  # RMSNorm: fp32 copy of its input, fp32 rsqrt, bf16 normalized value
+
+    # -- no AC. The inputs of the attention and FFN in-projections hold the full sequence
+    # (TP all-gathers it; without TP it is the norm's output).
+    none = 2 * norm * t_seq + 2 * (2 * d) * t_full
+    attention = 8 * heads * hd + 4 * heads  # q, repeated k, repeated v, SDPA out (bf16), logsumexp (fp32)
+    if s.qk_norm:  # per-head RMSNorm on q and k: fp32 copy, rsqrt, bf16 normalized
+        attention += 6 * heads * hd + 4 * heads + 6 * kv_heads * hd + 4 * kv_heads
+    none += attention * t_full
+    if s.is_moe:
+        assert tp == 1, "MoE blocks have no tensor-parallel plan"
+        none += _moe_none_per_token(s) * t_full
+    else:
+        none += 8 * _cdiv(s.ffn_hidden, tp) * t_full  # w1 out, silu, w3 out, product (bf16)
+
+    # -- per AC mode
+    block_input = 2 * d * t_seq
+    if ac_mode == "none":
+        per_block = none
+    elif ac_mode == "full":
+        per_block = block_input
+    else:  # selective: outputs of matmuls, attention and TP reduce-scatters
+        saved = 2 * heads * hd + 4 * kv_heads * hd + 2 * d  # wq, wk, wv, wo (partial sums, full seq)
+        saved += 2 * heads * hd + 4 * heads  # SDPA out + logsumexp
+        if s.is_moe:  # router logits, grouped gate/up/down outputs
+            saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * d)
+        else:
+            saved += 4 * _cdiv(s.ffn_hidden, tp) + 2 * d  # w1, w3, w2
+        per_block = block_input + saved * t_full + (2 * 2 * d * t_seq if tp > 1 else 0)
+
+    # -- outside the blocks
+    outside = norm * t_seq + 2 * d * t_full + 8 * t_full  # final norm, LM-head input, labels
+    if tp > 1:
+        outside += 8 * t_full  # vocab-sharded embedding keeps its masked token ids
+        if ac_mode != "none":
+            outside += 2 * d * t_seq  # measured: the embedding's waited reduce-scatter output stays referenced
+    vocab = _cdiv(s.vocab_size, tp) if (loss_parallel and tp > 1) else s.vocab_size
+    loss = 4 * t_full * vocab
+    return ActivationBytes(per_block=per_block, blocks=per_block * s.n_layers, outside=outside, loss=loss,
+                           per_block_none=none, logits_transient=8 * t_full * vocab)
+
+
+def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *,
+                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                        loss_parallel: bool = False) -> int:
+    """Bytes of the tensors a real forward + loss leaves alive for backward (CPU, real data).
+
+    `loss_fn(logits, labels)` is the loss whose saved tensors count: the trainer's
+    (`trainer.step.lm_loss`), passed in so that this package does not depend on the trainer.
+    Every tensor an op creates during the forward is recorded (a TorchDispatchMode); after
+    the forward, a storage still referenced by someone other than the recorder is kept by
+    autograd (saved tensors, checkpoint inputs, SAC caches). Parameters and buffers are
+    excluded; the bf16 weight copies SimpleFSDP makes and the backward keeps are included.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from parallelisms.tensor_parallel import loss_parallel_context
+
+    class _Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.storages: dict[int, torch.UntypedStorage] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, DTensor):
+                    t = t._local_tensor
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    storage = t.untyped_storage()
+                    self.storages.setdefault(storage._cdata, storage)
+            return out
+
+    owned = {local_tensor(t).untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    recorder = _Recorder()
+    with recorder:
+        logits = model(tokens)
+        with loss_parallel_context(loss_parallel):
+            loss = loss_fn(logits, labels)
+    del logits
+    gc.collect()
+    total = 0
+    for key, storage in recorder.storages.items():
+        # Use count 1 = only the recorder holds it: the tensor would have been freed.
+        if key not in owned and torch._C._storage_Use_Count(storage._cdata) > 1:
+            total += storage.nbytes()
+    del loss
+    return total

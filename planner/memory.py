@@ -1,0 +1,168 @@
+"""Totals: per-device memory and step time of one plan on one target.
+
+`estimate` adds fp32 master parameters, fp32 gradients, AdamW state (2 x fp32), saved
+activations, the bf16 weights the backward keeps, and the larger of two transient peaks
+(loss/LM head backward, one block's backward), and compares the sum with HBM minus a headroom
+margin. The step time is the model's FLOPs at an assumed MFU (docs/planner.md, "Step time").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from models.contract import ModelShape
+from parallelisms.activation_checkpoint import AC_MODES
+from planner.activations import ActivationBytes, activation_bytes
+from planner.shard import ShardStats
+from planner.targets import Target
+
+if TYPE_CHECKING:
+    from parallelisms.parallel_dims import ParallelDims
+
+RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
+"""Hardware FLOPs / model FLOPs: full AC repeats the forward (2 of the 6 FLOPs per param per
+token); selective AC recomputes only pointwise ops, norms and all-gathers (no matmuls)."""
+
+RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
+"""How much each AC mode recomputes, least first: `recommend`'s preference and search order."""
+
+assert set(RECOMPUTE_FACTOR) == set(RECOMPUTE_RANK) == set(AC_MODES), "an AC mode the planner does not model"
+
+
+@dataclass
+class Estimate:
+    """Per-device memory (bytes) and throughput estimate of one plan on one target."""
+
+    model: str
+    target: Target
+    n_layers: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int
+    ac_mode: str
+    local_batch_size: int
+    seq_len: int
+    grad_accum: int
+    loss_parallel: bool
+    params: int
+    grads: int
+    optimizer: int
+    saved_weights: int
+    activations: ActivationBytes
+    transient_loss: int
+    transient_block: int
+    headroom: float
+    assumed_mfu: float
+    flops_per_token: float
+    recompute_factor: float
+    fsdp_min_tokens: int | None
+    probed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    # -- memory
+    @property
+    def transient(self) -> int:
+        return max(self.transient_loss, self.transient_block)
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.saved_weights + self.activations.total
+                + self.transient)
+
+    @property
+    def usable(self) -> int:
+        return int(self.target.hbm_bytes * (1.0 - self.headroom))
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    @property
+    def spare(self) -> int:
+        return self.usable - self.total
+
+    # -- throughput
+    @property
+    def tokens_per_device_step(self) -> float:
+        """Tokens per optimizer step per device (TP ranks share their dp rank's tokens)."""
+        return self.local_batch_size * self.seq_len * self.grad_accum / self.tp
+
+    @property
+    def step_time_s(self) -> float:
+        flops = self.tokens_per_device_step * self.flops_per_token * self.recompute_factor
+        return flops / (self.target.peak_flops * self.assumed_mfu)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_device_step / self.step_time_s
+
+    @property
+    def mfu(self) -> float:
+        return self.assumed_mfu / self.recompute_factor
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.local_batch_size * self.seq_len * self.grad_accum * self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_bound(self) -> bool:
+        """True when a micro-batch is too small to hide FSDP's all-gathers (see GENERATIONS)."""
+        if self.fsdp_min_tokens is None or self.dp_shard == 1:
+            return False
+        return self.local_batch_size * self.seq_len < self.fsdp_min_tokens
+
+
+def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats, parallel_dims: ParallelDims,
+             local_batch_size: int, seq_len: int, ac_mode: str, loss_parallel: bool,
+             flops_per_token: float, grad_accum: int = 1, headroom: float = 0.1,
+             assumed_mfu: float = 0.4) -> Estimate:
+    """Combine the real shard sizes with the activation model (see the module docstring)."""
+    tp = parallel_dims.tp
+    loss_parallel = loss_parallel and tp > 1
+    acts = activation_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp,
+                            ac_mode=ac_mode, loss_parallel=loss_parallel)
+    local = stats.param_numel
+    # Weights the backward needs in bf16: SimpleFSDP gathers (or casts) a weight where it is
+    # used and the matmul keeps that copy, unless AC recomputes the block. The LM head and
+    # the final norm sit outside the checkpointed blocks, so their copies are always kept.
+    kept = stats.root_kept_gathered_numel
+    if ac_mode == "none":
+        kept += stats.block_gathered_numel * stats.n_layers
+    # Transients. Loss: see below. Block backward under AC: the recompute
+    # re-gathers the whole block's bf16 weights and re-creates its activations; in every mode
+    # one weight gradient at a time exists unsharded (bf16 + fp32 copy for the reduce-scatter,
+    # each parameter's gradient is reduced as soon as autograd produces it), plus the
+    # gradients of the two all-gathered projection inputs.
+    head = stats.lm_head_gathered_numel
+    # Two phases: log-softmax backward (fp32 logits gradient in and out, log-probs still kept),
+    # then the LM head backward (bf16 logits gradient + weight gradient; log-probs freed).
+    transient_loss = max(acts.logits_transient, 6 * head + acts.logits_transient // 4 - acts.loss)
+    recompute = {"none": 0, "full": acts.per_block_none,
+                 "selective": max(0, acts.per_block_none - acts.per_block)}[ac_mode]
+    regather = 2 * stats.block_gathered_numel if ac_mode != "none" else 0
+    t_proj = local_batch_size * seq_len
+    transient_block = (regather + recompute + 6 * stats.largest_block_param_gathered
+                       + 2 * (2 * shape.dim * t_proj))
+    sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
+    gen = target.generation
+    est = Estimate(
+        model=model, target=target, n_layers=shape.n_layers, dp_replicate=parallel_dims.dp_replicate,
+        dp_shard=parallel_dims.dp_shard, tp=tp, ep=parallel_dims.ep, ac_mode=ac_mode,
+        local_batch_size=local_batch_size, seq_len=seq_len, grad_accum=grad_accum, loss_parallel=loss_parallel,
+        params=4 * local, grads=4 * local, optimizer=8 * local, saved_weights=2 * kept, activations=acts,
+        transient_loss=transient_loss, transient_block=transient_block, headroom=headroom,
+        assumed_mfu=assumed_mfu, flops_per_token=flops_per_token, recompute_factor=RECOMPUTE_FACTOR[ac_mode],
+        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity) if gen.fsdp_min_tokens else None,
+        probed=stats.probed,
+    )
+    if tp > gen.devices_per_host:
+        est.notes.append(f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
+                         "TP collectives would leave the host's fastest links")
+    if parallel_dims.ep > 1:
+        est.notes.append("expert parallelism: the all-to-all token buffers are not modelled")
+    if est.fsdp_bound:
+        est.notes.append(f"{local_batch_size * seq_len} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
+                         f"that hide FSDP's all-gathers on {gen.name}: expect exposed communication")
+    return est

@@ -1,0 +1,208 @@
+"""Plans: estimate one explicit plan, search the plans of a target, suggest what would fit.
+
+`plan_estimate` validates the degrees, shards the real model on a fake world and adds the
+activation model; `recommend` searches degrees, AC mode and local batch for a target
+(preference order in docs/planner.md, "How --recommend chooses"); `suggest_fixes` says what
+would make a plan that does not fit, fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from models.contract import ModelShape
+from models.errors import ConfigError
+from parallelisms.activation_checkpoint import AC_MODES
+from planner.memory import RECOMPUTE_RANK, Estimate, estimate
+from planner.shard import fake_process_group, shard_model
+from planner.targets import Target
+
+# See planner/targets.py: a torch-only leaf, the FLOP convention the trainer's MFU uses.
+from trainer.flops import flops_per_token
+
+if TYPE_CHECKING:
+    from models import ModelFamily
+    from models.contract import ModelArgs
+    from parallelisms.parallel_dims import ParallelDims
+
+AC_SEARCH_ORDER = tuple(sorted(AC_MODES, key=RECOMPUTE_RANK.__getitem__))
+"""The AC modes, least recompute first."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan needs besides the degrees: the model and the batch."""
+
+    family: ModelFamily
+    args: ModelArgs
+    model_name: str
+    seq_len: int
+    local_batch_size: int
+    grad_accum: int = 1
+
+
+def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM convention (trainer/flops.py)."""
+    return flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True),
+                           n_layers=shape.n_layers, n_heads=shape.n_heads, head_dim=shape.head_dim,
+                           seq_len=seq_len)["palm"]
+
+
+def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, world_size: int,
+                       shape: ModelShape, seq_len: int) -> ParallelDims:
+    """Validated `ParallelDims` (ConfigError naming the key if the degrees cannot work)."""
+    from parallelisms.parallel_dims import ParallelDims
+
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, world_size=world_size)
+    dims.validate_for_model(shape, seq_len=seq_len)
+    if shape.is_moe and tp > 1:
+        # The trainer runs MoE x TP (experts on the EP mesh, attention TP-sharded), but this
+        # planner's activation model covers MoE blocks at tp = 1 only.
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {tp}: the planner models MoE models at tp = 1 only "
+            "(use expert_parallel_degree and data-parallel degrees); allowed: 1"
+        )
+    return dims
+
+
+def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
+                  ep: int = 1, ac_mode: str = "none", loss_parallel: bool = False, headroom: float = 0.1,
+                  assumed_mfu: float = 0.4, probe: bool = False) -> Estimate:
+    """Estimate one explicit plan: validate, shard the real model on a fake world, add activations."""
+    shape = inputs.args.shape()
+    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep,
+                              world_size=target.devices, shape=shape, seq_len=inputs.seq_len)
+    with fake_process_group(target.devices):
+        stats = shard_model(inputs.family, inputs.args, dims, probe=probe)
+    return estimate(model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
+                    local_batch_size=inputs.local_batch_size, seq_len=inputs.seq_len, ac_mode=ac_mode,
+                    loss_parallel=loss_parallel, grad_accum=inputs.grad_accum, headroom=headroom,
+                    assumed_mfu=assumed_mfu, flops_per_token=model_flops_per_token(inputs.args, shape, inputs.seq_len))
+
+
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    return [v for v in (2**i for i in range(0, 31)) if v <= limit and n % v == 0]
+
+
+def preference_key(est: Estimate) -> tuple:
+    """Smaller is better; documented in docs/planner.md ("How --recommend chooses").
+
+    1. micro-batches big enough to hide FSDP's all-gathers on this generation;
+    2. the smallest TP degree (TP puts activation collectives on every layer's critical path,
+       FSDP's weight gathers overlap with compute): pure FSDP first, then add TP;
+    3. the least recompute: none, then selective, then full;
+    4. the most tokens per device per step (amortizes the per-step FSDP traffic);
+    5. the fewest replicas (HSDP only when it costs nothing else).
+    """
+    return (est.fsdp_bound, est.tp, RECOMPUTE_RANK[est.ac_mode], -est.tokens_per_device_step, est.dp_replicate)
+
+
+def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assumed_mfu: float = 0.4,
+              max_global_tokens: int = 16 * 2**20, max_local_batch: int = 64,
+              tp_choices: list[int] | None = None, ac_modes: tuple[str, ...] = AC_SEARCH_ORDER,
+              dp_replicate_choices: list[int] | None = None) -> list[Estimate]:
+    """Search dp_replicate, tp (<= devices per host), AC mode and local batch for `target`.
+
+    Returns every candidate evaluated (fitting or not), best first by `preference_key` among
+    those that fit. Shard sizes come from the real plan applied to a one-block copy (exact:
+    blocks are identical); `plan_estimate(..., probe=False)` re-checks a choice on the full model.
+    """
+    shape = inputs.args.shape()
+    world = target.devices
+    tps = tp_choices or _powers_of_two_dividing(world, target.generation.devices_per_host)
+    fpt = model_flops_per_token(inputs.args, shape, inputs.seq_len)
+    candidates: list[Estimate] = []
+    with fake_process_group(world):
+        for tp in tps:
+            for dp_replicate in dp_replicate_choices or _powers_of_two_dividing(world // tp, world // tp):
+                try:
+                    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=1, world_size=world,
+                                              shape=shape, seq_len=inputs.seq_len)
+                except ConfigError:
+                    continue  # this tp does not divide the model's heads / hidden sizes / seq_len
+                stats = shard_model(inputs.family, inputs.args, dims, probe=True)
+                dp = dims.dp_degree
+                batches = [b for b in (2**i for i in range(0, 12)) if b <= max_local_batch
+                           and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)]
+                for ac_mode in ac_modes:
+                    for batch in batches:
+                        candidates.append(estimate(
+                            model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
+                            local_batch_size=batch, seq_len=inputs.seq_len, ac_mode=ac_mode, loss_parallel=tp > 1,
+                            flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu))
+    fitting = sorted((c for c in candidates if c.fits), key=preference_key)
+    rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
+    return fitting + rest
+
+
+@dataclass(frozen=True)
+class Fixes:
+    """What would make a plan that does not fit, fit (`suggest_fixes`)."""
+
+    single_changes: list[Estimate]
+    """Fitting plans that differ in one of AC mode, local batch and TP degree (or only turn on
+    loss parallel), best first."""
+    best: Estimate | None
+    """`recommend`'s choice for the target; None when no plan fits it."""
+    devices_needed: int = 0
+    """When no plan fits: about how many devices would fit `devices_needed_plan`; 0 when more
+    devices would not help (activations alone exceed HBM) or when some plan fits."""
+    devices_needed_plan: Estimate | None = None
+
+
+def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes:
+    """For a plan that does not fit: single changes that would fit, then the best plan overall.
+
+    Tries the other AC modes, smaller local batches, larger TP (up to a host) with loss
+    parallel, and loss parallel alone; then runs `recommend` for the target.
+    """
+    target = est.target
+    kw = dict(headroom=est.headroom, assumed_mfu=est.assumed_mfu)
+    host = target.generation.devices_per_host
+    tps = sorted({est.tp, *(t for t in (2 * est.tp, 4 * est.tp) if t <= host)})
+    near = recommend(dataclasses.replace(inputs, local_batch_size=est.local_batch_size), target,
+                     tp_choices=tps, dp_replicate_choices=[est.dp_replicate], max_local_batch=est.local_batch_size,
+                     **kw)
+    single: list[Estimate] = []
+    for c in near:
+        if not c.fits or len(single) >= limit:
+            continue
+        changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp]
+        if sum(changed) == 1 or (sum(changed) == 0 and c.loss_parallel != est.loss_parallel):
+            single.append(c)
+    everything = recommend(inputs, target, **kw)
+    if everything and everything[0].fits:
+        return Fixes(single_changes=single, best=everything[0])
+    needs = [(n, preference_key(c), c) for c in everything if (n := devices_needed(c))]
+    if not needs:
+        return Fixes(single_changes=single, best=None)
+    n, _, c = min(needs, key=lambda x: x[:2])
+    return Fixes(single_changes=single, best=None, devices_needed=n, devices_needed_plan=c)
+
+
+def best_per_layout(estimates: list[Estimate]) -> list[Estimate]:
+    """The first (best) estimate of each (tp, AC mode), in the given order."""
+    seen, out = set(), []
+    for est in estimates:
+        key = (est.tp, est.ac_mode)
+        if key not in seen:
+            seen.add(key)
+            out.append(est)
+    return out
+
+
+def devices_needed(est: Estimate) -> int:
+    """Smallest power-of-two device count at which this plan's memory would fit.
+
+    Parameters, gradients and optimizer state shrink with the number of dp shards; activations
+    and the gathered bf16 weights per device do not.
+    """
+    sharded = est.params + est.grads + est.optimizer
+    fixed = est.total - sharded
+    if fixed >= est.usable:
+        return 0  # activations alone do not fit: more devices do not help
+    need = sharded * est.target.devices / (est.usable - fixed)
+    return 2 ** math.ceil(math.log2(max(need, 1)))

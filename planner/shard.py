@@ -1,0 +1,184 @@
+"""The real plan on a fake world: the parameter elements one rank holds.
+
+Inside `fake_process_group(world_size)` (PyTorch's "fake" backend: collectives are no-ops, so
+one process can be rank 0 of 1024) the planner builds the real mesh (`build_mesh`), the real
+flavor on the meta device and applies the real plan (`parallelize_model`: TP, EP,
+SimpleFSDP). Per-device parameter elements are the sum of the local DTensor shards
+(`ShardStats`). Rank 0 is the one reported: `torch.chunk` gives it the largest piece of every
+unevenly split tensor.
+
+A model is read only through its family's contract (`models/contract.py`): the repeated
+blocks live under `family.plan.block`, and the plan's tensor-parallel styles name the
+embedding ("embedding") and the LM head ("output").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from models import ModelFamily
+    from models.contract import ModelArgs
+    from parallelisms.parallel_dims import ParallelDims
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Be rank `rank` of `world_size` on PyTorch's fake backend (collectives do nothing).
+
+    Meshes, DTensors and the plan are built exactly as in a real job; tensors stay on meta.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner needs its own (fake) process group, but one is already initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# Mesh axes whose shards SimpleFSDP all-gathers before use; every other axis (tp, ep) stays split.
+_DP_AXES = frozenset({"dp_replicate", "dp_shard", "dp", "efsdp"})
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _gathered_numel(param: torch.Tensor) -> int:
+    """Elements of `param` after the data-parallel all-gather (still TP/EP-sharded)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return param.numel()
+    shape = list(param.shape)
+    names = param.device_mesh.mesh_dim_names or ()
+    for axis, placement in enumerate(param.placements):
+        if names[axis] not in _DP_AXES and isinstance(placement, Shard):
+            shape[placement.dim] = -(-shape[placement.dim] // param.device_mesh.size(axis))
+    return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """Parameter elements one rank holds after the real plan (rank 0 of the fake world)."""
+
+    n_layers: int
+    root_numel: int
+    """Local elements of the parameters outside the blocks (embedding, final norm, output)."""
+    blocks_numel: int
+    """Local elements of all blocks together."""
+    block_gathered_numel: int
+    """Elements of the largest block after the dp all-gather (what SimpleFSDP materializes in bf16)."""
+    largest_block_param_gathered: int
+    """Elements of the largest single block parameter after the dp all-gather."""
+    root_gathered: dict[str, int]
+    """Per root parameter: elements after the dp all-gather."""
+    lm_head_gathered_numel: int
+    """The LM head (the plan's "output" module, or the "embedding" one when the weights are
+    tied) after the dp all-gather."""
+    root_kept_gathered_numel: int
+    """Root parameters after the dp all-gather whose bf16 copies the backward keeps: all but an
+    untied embedding table (a lookup), i.e. the LM head and the final norm."""
+    local_shapes: dict[str, tuple[int, ...]]
+    """Local shard shape of each root parameter and of block 0's parameters."""
+    probed: bool
+    """True when one block was sharded and multiplied by n_layers (blocks are identical)."""
+
+    @property
+    def param_numel(self) -> int:
+        return self.root_numel + self.blocks_numel
+
+
+def build_parallel_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDims, *,
+                         ac_mode: str = "none", enable_loss_parallel: bool = False) -> nn.Module:
+    """Meta model -> the project's `parallelize_model` on the real mesh (needs a process group)."""
+    from parallelisms.parallel_dims import build_mesh
+    from parallelisms.parallelize import parallelize_model
+
+    mesh = build_mesh(parallel_dims, "cpu") if parallel_dims.world_size > 1 else None
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    return parallelize_model(
+        model, plan=family.plan, parallel_dims=parallel_dims, mesh=mesh,
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode=ac_mode,
+        compile_backend=None, enable_loss_parallel=enable_loss_parallel,
+    )
+
+
+def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDims, *,
+                probe: bool = False) -> ShardStats:
+    """Apply the real plan to the meta model on the current (fake) world; count rank 0's shards.
+
+    `probe=True` shards a one-block copy and multiplies the block by `n_layers`; exact for
+    these models, whose blocks all have the same parameters, and fast for 100+ layers.
+    """
+    assert dist.is_initialized() and dist.get_world_size() == parallel_dims.world_size, (
+        "run shard_model inside fake_process_group(parallel_dims.world_size)"
+    )
+    n_layers = args.n_layers
+    model = build_parallel_model(family, dataclasses.replace(args, n_layers=1) if probe else args,
+                                 parallel_dims)
+    root_numel = 0
+    root_gathered: dict[str, int] = {}
+    block_local: dict[str, int] = {}
+    block_gathered: dict[str, int] = {}
+    largest = 0
+    shapes: dict[str, tuple[int, ...]] = {}
+    prefix = f"{family.plan.block}."
+    first_block = None
+    for name, param in model.named_parameters():
+        local = local_tensor(param)
+        if name.startswith(prefix):
+            block = name[len(prefix):].split(".")[0]
+            first_block = first_block or block
+            block_local[block] = block_local.get(block, 0) + local.numel()
+            block_gathered[block] = block_gathered.get(block, 0) + _gathered_numel(param)
+            largest = max(largest, _gathered_numel(param))
+            if block == first_block:
+                shapes[name] = tuple(local.shape)
+        else:
+            root_numel += local.numel()
+            root_gathered[name] = _gathered_numel(param)
+            shapes[name] = tuple(local.shape)
+    assert first_block is not None, f"no parameters under the plan's block attribute {family.plan.block!r}"
+    blocks_numel = block_local[first_block] * n_layers if probe else sum(block_local.values())
+    head, kept = _lm_head_and_kept(family, root_gathered)
+    return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,
+                      block_gathered_numel=max(block_gathered.values()), largest_block_param_gathered=largest,
+                      root_gathered=root_gathered, lm_head_gathered_numel=head, root_kept_gathered_numel=kept,
+                      local_shapes=shapes, probed=probe)
+
+
+def _lm_head_and_kept(family: ModelFamily, root_gathered: dict[str, int]) -> tuple[int, int]:
+    """(LM head, root parameters whose bf16 copies the backward keeps), in gathered elements.
+
+    The plan's styles say which root module is which: "output" is the LM head and "embedding"
+    the token table, a lookup whose weight the backward does not keep. With tied weights
+    `named_parameters` lists the table once, under the embedding, and it is the LM head too.
+    A plan that names neither: every root parameter is kept and the LM head is not known (0).
+    """
+    by_module: dict[str, int] = {}
+    for name, numel in root_gathered.items():
+        module = name.rpartition(".")[0]
+        by_module[module] = by_module.get(module, 0) + numel
+    styled = lambda style: sum(by_module.get(p, 0) for p, s in family.plan.tp.items() if s == style)  # noqa: E731
+    embedding, output = styled("embedding"), styled("output")
+    tied = output == 0
+    head = embedding if tied else output
+    kept = sum(by_module.values()) - (0 if tied else embedding)
+    return head, kept
