@@ -218,3 +218,19 @@ def test_select_falls_back_where_the_kernel_cannot_build(monkeypatch):
         kernels.select(attention="cpu_kernel", device=torch.device("meta"))
     with pytest.raises(ConfigError, match="model.attn_backend: 'flash' is not supported"):
         kernels.select(attention="flash", device=cpu)
+
+
+def test_stale_build_lock_is_removed(tmp_path):
+    """A build killed mid-way leaves torch's lock file; the next load must not wait on it forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_attention._clear_stale_lock(lock)
+    assert lock.exists()  # a fresh lock belongs to a build in progress
+    old = time.time() - cpu_attention._STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_attention._clear_stale_lock(lock)
+    assert not lock.exists()
+    cpu_attention._clear_stale_lock(lock)  # no lock: nothing to do

@@ -14,10 +14,13 @@ where the kernel cannot be built (no compiler, no AVX2) so that callers fall bac
 """
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -79,12 +82,16 @@ def _load() -> bool:
         _state["error"] = "this CPU has neither AVX-512 nor AVX2+FMA"
         return False
     name, cflags, _, _ = isa
+    # The source's hash in the name: two checkouts (or versions) never share one build folder.
+    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:8]
+    ext_name = f"titan_cpu_attention_{name}_{digest}"
     try:
-        from torch.utils.cpp_extension import load as build
+        from torch.utils.cpp_extension import _get_build_directory, load as build
 
+        _clear_stale_lock(Path(_get_build_directory(ext_name, verbose=False)) / "lock")
         with _ninja_on_path():
             build(
-                name=f"titan_cpu_attention_{name}",
+                name=ext_name,
                 sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-fopenmp", *cflags],
                 extra_ldflags=["-fopenmp"],
@@ -97,6 +104,21 @@ def _load() -> bool:
         return False
     _register()
     return True
+
+
+_STALE_LOCK_S = 600
+"""A build takes ~20 s (a few minutes on a loaded machine); an older lock was left by a killed
+build, and torch's FileBaton would wait on it forever."""
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        print(f"titan-tpu: removing a stale build lock ({age:.0f} s old): {lock}", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
