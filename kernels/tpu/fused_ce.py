@@ -185,29 +185,30 @@ def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
     return dh[:n], dw[:vocab]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _loss_rows(h, w, labels, interpret):
-    return forward_rows(h, w, labels, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _loss_rows(h, w, labels, block_n, block_v, interpret):
+    return forward_rows(h, w, labels, block_n=block_n, block_v=block_v, interpret=interpret)[0]
 
 
-def _loss_rows_fwd(h, w, labels, interpret):
-    loss, lse = forward_rows(h, w, labels, interpret=interpret)
+def _loss_rows_fwd(h, w, labels, block_n, block_v, interpret):
+    loss, lse = forward_rows(h, w, labels, block_n=block_n, block_v=block_v, interpret=interpret)
     return loss, (h, w, labels, lse)
 
 
-def _loss_rows_bwd(interpret, res, g):
+def _loss_rows_bwd(block_n, block_v, interpret, res, g):
     h, w, labels, lse = res
-    dh, dw = backward_rows(h, w, labels, lse, g, interpret=interpret)
+    dh, dw = backward_rows(h, w, labels, lse, g, block_n=block_n, block_v=block_v, interpret=interpret)
     return dh, dw, None
 
 
 _loss_rows.defvjp(_loss_rows_fwd, _loss_rows_bwd)
 
 
-def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, interpret: bool = False) -> jax.Array:
+def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int = BLOCK_N,
+                         block_v: int = BLOCK_V, interpret: bool = False) -> jax.Array:
     """mean over labels != IGNORE_INDEX of CE(h w^T, labels), float32; differentiable."""
     valid = labels != IGNORE_INDEX
-    rows = _loss_rows(h, w, labels, interpret)
+    rows = _loss_rows(h, w, labels, block_n, block_v, interpret)
     return jnp.where(valid, rows, 0.0).sum() / valid.sum()
 
 
