@@ -23,7 +23,22 @@ U32 = 2.0 ** -24
 
 
 class NoHostSync(TorchDispatchMode):
-    """Fails on any op that copies a device value to the host (`.item()`, `.tolist()`, `bool(t)`)."""
+    """Fails on any op that copies a device value to the host: `.item()`, `bool(t)`, `int(t)`
+    (all `_local_scalar_dense`) and `.tolist()` (which on the CPU reads memory directly, so it
+    is patched for the duration)."""
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t):
+            raise AssertionError("host sync: Tensor.tolist")
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
