@@ -18,15 +18,20 @@ It also exports each kernel for platform "tpu" with no device (`jax.export`), as
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-from jax.experimental import topologies
+# Compile-only use of libtpu touches no TPU, so let it load next to other probes (libtpu's
+# multi-process lockfile otherwise aborts the second process: "libtpu multi-process lockfile").
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
 
 # The kernels are pure JAX modules; import them directly (the `kernels` package imports torch,
 # which this venv does not have).
