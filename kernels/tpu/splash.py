@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -43,8 +44,14 @@ def _kernel(seq_len: int, group: int, block: int, interpret: bool):
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                           use_fused_bwd_kernel=True)
-    return sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+    # Built on first use, usually inside a trace: without compile-time evaluation the kernel's
+    # mask tables (jnp arrays) would be tracers of that trace, and this cache would leak them
+    # into the next one. As numpy arrays they are plain literals of every program that uses
+    # them (`jax.export`, which torch-tpu's jax_op runs, cannot take hoisted jax constants).
+    with jax.ensure_compile_time_eval():
+        kernel = sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    interpret=interpret)
+        return jax.tree_util.tree_map(np.asarray, kernel)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,

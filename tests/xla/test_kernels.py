@@ -1,11 +1,13 @@
 """Pallas kernels (kernels/tpu) against the torch references of the ops they serve, without a TPU.
 
-Two kinds of checks, each probe in its own subprocess (tests/xla/probes/kernels_*.py):
+Three kinds of checks, each probe in its own subprocess (tests/xla/probes/kernels_*.py):
 - interpret mode (xla venv): forward and backward of each kernel run in Pallas' interpreter on
   the CPU, float32, odd sizes; the same inputs go through the op's torch reference
   (models/common/ops.py), and both are compared with that reference in float64.
 - deviceless TPU compile (tpuc venv): forward + backward of each kernel, bf16, lowered with
   Mosaic and compiled by XLA:TPU for v5e, v6e and TPU7x compile-only devices.
+- torch-tpu registration (ttpu venv): the torch ops of kernels/tpu/register.py defined
+  through `jax_op`, run forward and backward on fake tensors.
 
 Bound: a float32 sum of n products carries a rounding error of at most about n * u * (sum of
 magnitudes), u = 2^-24; with the output's largest magnitude as the scale and a factor 2 for
@@ -25,11 +27,17 @@ CHIPS = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
 KERNELS = ("splash", "gmm", "fused_ce")
 
 
+@pytest.fixture(scope="module")
+def interpreted(probe):
+    """One probe process runs every kernel's cases (one jax + torch start-up)."""
+    return probe("xla", "kernels_interpret.py", *KERNELS)["kernels"]
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_interpret_matches_torch_reference(probe, kernel):
-    result = probe("xla", "kernels_interpret.py", kernel)
-    assert len(result["cases"]) >= 2
-    for case in result["cases"]:
+def test_interpret_matches_torch_reference(interpreted, kernel):
+    cases = interpreted[kernel]
+    assert len(cases) >= 2
+    for case in cases:
         for name, out in case["outputs"].items():
             bound = 2 * case["n"] * U_FP32 * out["scale"]
             where = f"{kernel} {case['case']} {name}"
@@ -50,3 +58,15 @@ def test_deviceless_tpu_compile(probe):
     # torch-tpu's jax_op exports each kernel for "tpu" with no device at registration.
     for kernel in KERNELS:
         assert result["exports"][kernel]["ok"], f"{kernel}: deviceless jax.export failed: {result['exports'][kernel]}"
+
+
+def test_torch_tpu_jax_op_registration(probe):
+    """kernels/tpu/register.py under torch-tpu 0.2.0 (no TPU): the ops are defined through
+    jax_op, and each model-op implementation runs forward and backward on fake tensors (shapes
+    and dtypes from jax_op's fake kernels, i.e. `jax.export` of the kernels for TPU)."""
+    result = probe("ttpu", "kernels_register.py")
+    expected = {"splash_fwd", "splash_bwd", "splash_seg_fwd", "splash_seg_bwd", "gmm", "gmm_bwd", "gmm_t",
+                "gmm_t_bwd", "linear_ce_fwd", "linear_ce_bwd"}
+    assert expected <= set(result["ops"]), result["ops"]
+    for name, status in result["checks"].items():
+        assert status == "ok", f"{name}: {status}"

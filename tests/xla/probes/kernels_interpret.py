@@ -1,14 +1,14 @@
 """Probe (xla venv): the Pallas kernels of kernels/tpu in interpret mode against the torch references.
 
-    python kernels_interpret.py splash|gmm|fused_ce
+    python kernels_interpret.py [splash] [gmm] [fused_ce]
 
-Runs one kernel's cases (float32, odd sizes that force padding and several grid blocks) forward
+Runs each named kernel's cases (float32, odd sizes that force padding and several grid blocks) forward
 and backward in Pallas' interpreter on the CPU, and the same op's torch reference
 (models/common/ops.py, the implementation every non-TPU device runs) on the same inputs, both
 compared with that torch reference evaluated in float64 (the "exact" value). The reverse pass is
 a vector-Jacobian product with a fixed random cotangent.
-Prints one JSON line: {"kernel", "cases": [{"case", "n", "outputs": {name: {"pallas_err",
-"torch_err", "scale"}}, "seconds"}]} where errors are max |x - exact|, `scale` is max |exact|
+Prints one JSON line: {"jax", "torch", "kernels": {kernel: [{"case", "n", "outputs": {name:
+{"pallas_err", "torch_err", "scale"}}, "seconds"}]}} where errors are max |x - exact|, `scale` is max |exact|
 and `n` the longest reduction in the case (for the test's rounding bound).
 """
 
@@ -113,9 +113,9 @@ def fused_ce_cases() -> list[dict]:
 
 
 def main() -> None:
-    kernel = sys.argv[1]
-    cases = {"splash": splash_cases, "gmm": gmm_cases, "fused_ce": fused_ce_cases}[kernel]()
-    print(json.dumps({"kernel": kernel, "jax": jax.__version__, "torch": torch.__version__, "cases": cases}))
+    runners = {"splash": splash_cases, "gmm": gmm_cases, "fused_ce": fused_ce_cases}
+    results = {kernel: runners[kernel]() for kernel in sys.argv[1:]}
+    print(json.dumps({"jax": jax.__version__, "torch": torch.__version__, "kernels": results}))
 
 
 if __name__ == "__main__":
