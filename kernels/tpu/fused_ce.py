@@ -32,6 +32,11 @@ from jax.experimental.pallas import tpu as pltpu
 IGNORE_INDEX = -100
 BLOCK_N = 256
 BLOCK_V = 512
+VMEM_BUDGET = 24 * 2**20
+"""Blocks shrink (vocab block first, then the row block, down to 128) until the estimated VMEM
+working set fits this; the compiler's scoped VMEM limit is raised to VMEM_LIMIT, which every
+TPU generation has (v5e/v6e 128 MiB per core, TPU7x 64 MiB; v5e's default limit is 16 MiB)."""
+VMEM_LIMIT = 48 * 2**20
 _NT = (((1,), (1,)), ((), ()))  # a [n, d] x b [v, d] -> [n, v]
 _TN = (((0,), (0,)), ((), ()))  # a [n, v] x b [n, d] -> [v, d]
 
@@ -106,10 +111,22 @@ def _dw_kernel(labels_ref, lse_ref, g_ref, h_ref, w_ref, dw_ref, acc, *, vocab, 
         dw_ref[...] = acc[...].astype(dw_ref.dtype)
 
 
+def _vmem_bytes(bn: int, bv: int, dim: int, itemsize: int) -> int:
+    """Working set of the largest of the three kernels: double-buffered h and w tiles, a float32
+    accumulator and a double-buffered output tile of the larger block, float32 logits temporaries."""
+    big = max(bn, bv)
+    return 2 * itemsize * (bn + bv) * dim + 4 * big * dim + 2 * itemsize * big * dim + 3 * 4 * bn * bv
+
+
 def _pad(h, w, labels, block_n, block_v, ignore_index):
-    n, vocab = h.shape[0], w.shape[0]
+    n, vocab, dim = h.shape[0], w.shape[0], h.shape[1]
     bn = min(block_n, _round_up(n, 8))
     bv = min(block_v, _round_up(vocab, 128))
+    while _vmem_bytes(bn, bv, dim, h.dtype.itemsize) > VMEM_BUDGET and max(bn, bv) > 128:
+        if bv >= bn and bv > 128:
+            bv //= 2
+        else:
+            bn = max(128, bn // 2)
     pn, pv = _round_up(n, bn) - n, _round_up(vocab, bv) - vocab
     h = jnp.pad(h, ((0, pn), (0, 0))) if pn else h
     w = jnp.pad(w, ((0, pv), (0, 0))) if pv else w
@@ -120,7 +137,8 @@ def _pad(h, w, labels, block_n, block_v, ignore_index):
 
 def _params(interpret: bool) -> dict:
     return dict(interpret=interpret,
-                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
+                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                                     vmem_limit_bytes=VMEM_LIMIT))
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_v", "ignore_index", "interpret"))

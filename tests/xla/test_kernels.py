@@ -50,7 +50,7 @@ def test_deviceless_tpu_compile(probe):
     result = probe("tpuc", "kernels_compile.py", *CHIPS)
     assert set(result["devices"]) == set(CHIPS)
     for chip in CHIPS:
-        for kernel in KERNELS:
+        for kernel in (*KERNELS, "fused_ce_8b"):
             out = result["compiles"][f"{kernel}@{chip}"]
             assert "error" not in out, f"{kernel} on {chip}: {out['error']}"
             # Mosaic kernels survive into the TPU program (forward and backward).

@@ -6,7 +6,8 @@ For device 0 of each topology (`jax.experimental.topologies`, compile-only devic
 it lowers and compiles, with Mosaic (interpret=False), bf16, forward + backward of:
 - splash: GQA (8 q heads, 2 kv heads), seq 1000 (padded to 1024), head_dim 128, segment ids;
 - gmm: 8 groups, M 1000, K 512, N 256, weights in nn.Linear layout (transpose_rhs);
-- fused_ce: N 1000, D 256, vocab 5000 (padded to the vocab block).
+- fused_ce: N 1000, D 256, vocab 5000 (padded to the vocab block); fused_ce_8b: Llama 3 8B's
+  output layer (N 8192, D 4096, vocab 128256), where the blocks must shrink to fit VMEM.
 The kernels' group sizes / segment ids are runtime arrays (ShapeDtypeStructs), so a compile
 that succeeds serves every routing and every document layout.
 It also exports each kernel for platform "tpu" with no device (`jax.export`), as torch-tpu's
@@ -61,6 +62,8 @@ def _cases():
                                  s((1, 1000), jnp.int32), s((1, 8, 1000, 128), BF16)]),
         "gmm": (gmm_step, [s((1000, 512), BF16), s((8, 256, 512), BF16), s((8,), jnp.int32), s((1000, 256), BF16)]),
         "fused_ce": (ce_step, [s((1000, 256), BF16), s((5000, 256), BF16), s((1000,), jnp.int32)]),
+        # Llama 3 8B's head: blocks must shrink to fit VMEM (v5e's default scoped limit is 16 MiB).
+        "fused_ce_8b": (ce_step, [s((8192, 4096), BF16), s((128256, 4096), BF16), s((8192,), jnp.int32)]),
     }
 
 
