@@ -121,12 +121,13 @@ def torch_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def group_of_rows(group_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
     """[G] sizes -> [num_rows] int64 group index of each row (rows sorted by group), on device.
 
-    Row r belongs to the group whose end offset is the first one > r. Rows past
-    sum(group_sizes) get G. Static shape, no host read.
+    Row r belongs to group g = the number of group end offsets <= r. Rows past
+    sum(group_sizes) get G. Static shape, no host read; a [num_rows, G] comparison rather than
+    `searchsorted`, which some lowerings (torchax 0.0.13) lack with `right=True`.
     """
     ends = torch.cumsum(group_sizes, dim=0)
     rows = torch.arange(num_rows, device=group_sizes.device, dtype=ends.dtype)
-    return torch.searchsorted(ends, rows, right=True)
+    return (rows.unsqueeze(-1) >= ends).sum(dim=-1)
 
 
 def masked_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
