@@ -102,6 +102,7 @@ def _select_tpu(attention: str) -> str:
                               "allowed: auto, sdpa")
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
+    _SAVED_OPS.update(tpu.saved_ops())
     ops.register("grouped_mm", pallas["grouped_mm"])
     ops.register("linear_cross_entropy", pallas["linear_cross_entropy"])
     ops.register("causal_attention", pallas["causal_attention"] if attention != "sdpa" else None)

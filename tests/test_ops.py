@@ -208,6 +208,7 @@ def test_tpu_selection_registers_the_pallas_kernels(monkeypatch):
     tpu_device = types.SimpleNamespace(type="tpu")
     fake = {op: (lambda *a, op=op: op) for op in ("causal_attention", "grouped_mm", "linear_cross_entropy")}
     monkeypatch.setattr(tpu, "load", lambda: fake)
+    monkeypatch.setattr(tpu, "saved_ops", lambda: [])
     for attention in ("auto", "splash"):
         assert "splash" in kernels.select(attention=attention, device=tpu_device)
         assert all(ops.implementation(op) is fake[op] for op in fake)

@@ -33,3 +33,13 @@ def load_error() -> str | None:
     """Why `load()` returned None, else None."""
     error = _state.get("error")
     return str(error) if error else None
+
+
+def saved_ops() -> list:
+    """Op overloads whose outputs selective activation checkpointing saves (attention and the
+    grouped matmuls, like their ATen counterparts); empty until `load()` succeeded."""
+    if "ops" not in _state:
+        return []
+    from kernels.tpu import register
+
+    return register.saved_ops()

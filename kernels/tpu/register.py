@@ -39,6 +39,12 @@ def build() -> dict[str, Callable]:
     return dict(_BUILT)
 
 
+def saved_ops() -> list:
+    """The forward ops that selective AC saves, like SDPA and `_grouped_mm` (after `build()`)."""
+    names = ("splash_fwd", "splash_seg_fwd", "gmm", "gmm_t")
+    return [getattr(torch.ops.titan_tpu, name).default for name in names]
+
+
 def _on_tpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "tpu" for t in tensors)
 

@@ -71,6 +71,12 @@ def main() -> None:
                      ("linear_ce", loss)):
         with FakeTensorMode():
             checks[name] = _check(fn)
+    def saved():
+        names = sorted(op.name() for op in register.saved_ops())
+        assert names == ["titan_tpu::gmm", "titan_tpu::gmm_t", "titan_tpu::splash_fwd",
+                         "titan_tpu::splash_seg_fwd"], names
+
+    checks["saved_ops"] = _check(saved)
     print(json.dumps({"ops": names, "checks": checks}))
 
 
