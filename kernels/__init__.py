@@ -44,7 +44,9 @@ def select(*, attention: str, device: torch.device) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
 
     ConfigError where the asked-for backend cannot serve this device (`cpu_kernel` off the CPU,
-    or a CPU kernel that cannot be built here); `auto` falls back to SDPA and says why.
+    `splash` off TPU, or a kernel that cannot be built or loaded here); `auto` falls back to
+    SDPA and says why. The ops without a backend setting (`grouped_mm`,
+    `linear_cross_entropy`) get their TPU kernels on TPU and their references elsewhere.
     """
     check_attention_backend(attention)
     if attention == "cpu_kernel" and device.type != "cpu":
