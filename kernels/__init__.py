@@ -7,8 +7,16 @@ model; benchmarks and tests call it (or `use`, which undoes itself) to pin a pat
 Attention backends (`[model] attn_backend`):
 - `sdpa`: the torch reference, `F.scaled_dot_product_attention` (every device).
 - `cpu_kernel`: the C++ kernel in `kernels/cpu_attention` (CPU only; built on first use, ~20 s,
-  then cached); inputs it does not handle (dtype, head_dim) go to SDPA.
-- `auto`: `cpu_kernel` on the CPU where it builds, else `sdpa`.
+  then cached); inputs it does not handle (dtype, head_dim, segment ids) go to SDPA.
+- `splash`: the Pallas splash-attention kernel in `kernels/tpu` (TPU only; causal, GQA,
+  document masking by segment ids).
+- `auto`: `cpu_kernel` on the CPU where it builds, `splash` on TPU where the Pallas kernels
+  load, else `sdpa`.
+
+On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`) are served by their
+Pallas kernels (megablox gmm, the fused vocabulary-tiled loss) whenever those load, whatever
+the attention backend; elsewhere their torch references serve them. `kernels/tpu` (jax,
+torch-tpu) is imported only when the device is a TPU.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from models.common import ops
 from models.errors import ConfigError
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_kernel")
+ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_kernel", "splash")
 
 _SAVED_OPS: set = set()
 
@@ -36,12 +44,21 @@ def select(*, attention: str, device: torch.device) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
 
     ConfigError where the asked-for backend cannot serve this device (`cpu_kernel` off the CPU,
-    or a CPU kernel that cannot be built here); `auto` falls back to SDPA and says why.
+    `splash` off TPU, or a kernel that cannot be built or loaded here); `auto` falls back to
+    SDPA and says why. The ops without a backend setting (`grouped_mm`,
+    `linear_cross_entropy`) get their TPU kernels on TPU and their references elsewhere.
     """
     check_attention_backend(attention)
     if attention == "cpu_kernel" and device.type != "cpu":
         raise ConfigError(f"model.attn_backend: cpu_kernel runs on the CPU only, not on {device.type}; "
-                          "allowed here: auto, sdpa")
+                          f"allowed here: {'auto, sdpa, splash' if device.type == 'tpu' else 'auto, sdpa'}")
+    if attention == "splash" and device.type != "tpu":
+        raise ConfigError(f"model.attn_backend: splash runs on TPU only, not on {device.type}; "
+                          f"allowed here: {'auto, sdpa, cpu_kernel' if device.type == 'cpu' else 'auto, sdpa'}")
+    for op in ("grouped_mm", "linear_cross_entropy"):
+        ops.register(op, None)
+    if device.type == "tpu":
+        return _select_tpu(attention)
     if device.type != "cpu" or attention == "sdpa":
         ops.register("causal_attention", None)
         return "sdpa"
@@ -76,9 +93,29 @@ def saved_ops() -> set:
     return _SAVED_OPS
 
 
-def _cpu_kernel_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _select_tpu(attention: str) -> str:
+    """TPU: the Pallas kernels of kernels/tpu serve every op they can (attention per `attention`)."""
+    from kernels import tpu
+
+    pallas = tpu.load()
+    if pallas is None:
+        if attention == "splash":
+            raise ConfigError(f"model.attn_backend: splash cannot be loaded here ({tpu.load_error()}); "
+                              "allowed: auto, sdpa")
+        ops.register("causal_attention", None)
+        return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
+    _SAVED_OPS.update(tpu.saved_ops())
+    ops.register("grouped_mm", pallas["grouped_mm"])
+    ops.register("linear_cross_entropy", pallas["linear_cross_entropy"])
+    ops.register("causal_attention", pallas["causal_attention"] if attention != "sdpa" else None)
+    served = "splash" if attention != "sdpa" else "sdpa"
+    return f"{served} (Pallas: gmm for MoE experts, fused linear+cross-entropy)"
+
+
+def _cpu_kernel_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     from kernels import cpu_attention
 
-    if cpu_attention.supports(q, k):
+    if segment_ids is None and cpu_attention.supports(q, k):
         return cpu_attention.causal_attention(q, k, v)
-    return ops.sdpa_causal_attention(q, k, v)
+    return ops.sdpa_causal_attention(q, k, v, segment_ids)

@@ -50,9 +50,10 @@ class ModelConfig:
     flavor: str = "debugmodel"
     """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B; qwen3's MoE flavors are
     debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
-    attn_backend: str = field(default="auto", metadata=_choices("auto", "sdpa", "cpu_kernel"))
+    attn_backend: str = field(default="auto", metadata=_choices("auto", "sdpa", "cpu_kernel", "splash"))
     """Implementation of the attention op (kernels/): auto (the CPU kernel for small head dims
-    on the CPU, SDPA elsewhere), sdpa, or cpu_kernel (see docs/attention.md)."""
+    on the CPU, splash on TPU, SDPA elsewhere), sdpa, cpu_kernel, or splash (Pallas, TPU only;
+    see docs/attention.md)."""
     tokenizer: str = "bundled"
     """`bundled` (the shipped 4096-token BPE) or a path to a tiktoken BPE file such as Llama 3's
     tokenizer.model."""

@@ -18,8 +18,7 @@ float32 tensor, part of the autograd graph). The model sums it over layers and c
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-
+from models.common import ops
 from models.common.init import trunc_normal_
 
 
@@ -60,37 +59,6 @@ class TokenChoiceTopKRouter(nn.Module):
         return top_scores.to(x.dtype), selected_experts, router_logits
 
 
-def _is_traced(x: torch.Tensor) -> bool:
-    """True under torch.compile/export, and for meta or fake tensors (shape-only execution)."""
-    return torch.compiler.is_compiling() or x.device.type == "meta" or isinstance(x, FakeTensor)
-
-
-def _grouped_mm_ok(x: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs for these operands (checked with CPU torch 2.13).
-
-    - torch-tpu registers its own kernel and a relaxed meta function: always.
-    - CPU/CUDA kernels take float32 and bfloat16 but need 16-byte aligned row strides, i.e.
-      `dim` and `hidden_dim` multiples of 4 (fp32) / 8 (bf16).
-    - torch 2.13's meta function (what compile, FakeTensor and the meta device run) accepts
-      bfloat16 only, so traced float32 must take another path.
-    """
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if x.device.type == "tpu":
-        return True
-    if x.device.type not in ("cpu", "cuda", "meta"):
-        return False
-    align = 16 // x.element_size()
-    hidden_dim, dim = w1.shape[-2], w1.shape[-1]
-    if dim % align != 0 or hidden_dim % align != 0:
-        return False
-    return x.dtype == torch.bfloat16 or not _is_traced(x)
-
-
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-
-
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs stored as stacked weights, applied as grouped GEMMs.
 
@@ -115,25 +83,13 @@ class GroupedExperts(nn.Module):
 
         E is the number of local experts (`w1.shape[0]`), so an expert-parallel shard works as is.
         """
+        # Three grouped matmuls through the op seam (models/common/ops.py): torch._grouped_mm or
+        # an exact masked fallback by default, megablox gmm on TPU. The counts stay on the device,
+        # so the layer traces into one program whatever the routing.
         w1, w2, w3 = self.w1, self.w2, self.w3
-        if _grouped_mm_ok(x, w1):
-            offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-            gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-            up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
-        if _is_traced(x):
-            # Traceable exact fallback without a host sync: every expert runs on all rows and
-            # keeps its own (E times the FLOPs; meant for small float32 models on CPU).
-            expert_of_row = torch.repeat_interleave(
-                torch.arange(w1.shape[0], device=x.device), num_tokens_per_expert, output_size=x.shape[0]
-            )
-            out = x.new_zeros(x.shape[0], w2.shape[1])
-            for e in range(w1.shape[0]):
-                out = torch.where((expert_of_row == e).unsqueeze(-1), _swiglu(x, w1[e], w2[e], w3[e]), out)
-            return out
-        # Eager exact fallback: one matmul chain per expert on its rows (counts read on the host).
-        chunks = torch.split(x, num_tokens_per_expert.tolist(), dim=0)
-        return torch.cat([_swiglu(chunk, w1[e], w2[e], w3[e]) for e, chunk in enumerate(chunks)], dim=0)
+        gate = ops.grouped_mm(x, w1.transpose(-2, -1), num_tokens_per_expert)
+        up = ops.grouped_mm(x, w3.transpose(-2, -1), num_tokens_per_expert)
+        return ops.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), num_tokens_per_expert)
 
     def init_weights(self, init_std: float) -> None:
         """w1: truncated normal std 0.02; w2, w3: std `init_std` (TorchTitan's expert init)."""

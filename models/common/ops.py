@@ -1,10 +1,13 @@
 """The device-dependent ops that models call: one function per op, implementations from `kernels/`.
 
-A model calls `causal_attention(q, k, v)`; it never picks an implementation. Which one serves
-the op on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at
-start-up by `kernels.select(...)`, which the trainer calls before building the model. With
-nothing registered the torch reference below runs; every kernel also falls back to it for
-inputs it does not handle. This module imports torch only and reads no environment.
+A model calls `causal_attention(q, k, v)`, `grouped_mm(x, w, group_sizes)` or
+`linear_cross_entropy(h, w, labels)`; it never picks an implementation. Which one serves an op
+on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at start-up by
+`kernels.select(...)`, which the trainer calls before building the model. With nothing
+registered the torch references below run; every kernel also falls back to them for inputs it
+does not handle. The references are exact, run on every device, and read nothing on the host
+(no `.item()`/`.tolist()`), so a model traces into one program with any of them.
+This module imports torch only and reads no environment.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
-OPS = ("causal_attention",)
+OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
+
+IGNORE_INDEX = -100
+"""Label that `linear_cross_entropy` skips (F.cross_entropy's default)."""
 
 _impls: dict[str, Callable] = {}
 
@@ -33,6 +40,9 @@ def implementation(op: str) -> Callable:
     return _impls.get(op, _REFERENCES[op])
 
 
+# --- attention --------------------------------------------------------------------------------
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """[b, kv_heads, s, d] -> [b, kv_heads * n_rep, s, d]; kv head j serves q heads j*n_rep.. ."""
     if n_rep == 1:
@@ -41,20 +51,191 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(b, kv_heads, n_rep, s, d).reshape(b, kv_heads * n_rep, s, d)
 
 
-def sdpa_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The reference: `F.scaled_dot_product_attention(is_causal=True)` with k/v heads repeated."""
+def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """segment_ids [b, s] -> bool [b, 1, s, s]: query i sees key j iff j <= i and both are in
+    the same segment (document). The diagonal is always True, so no row is fully masked."""
+    s = segment_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+def sdpa_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference: `F.scaled_dot_product_attention` with k/v heads repeated; causal, or
+    causal within documents (a block-diagonal causal mask) when `segment_ids` is given."""
     n_rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    if segment_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(segment_ids))
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim), causal) v.
 
     q [batch, q_heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] with q_heads a
     multiple of kv_heads (grouped-query attention) -> [batch, q_heads, seq, head_dim] (possibly a
-    transposed view).
+    transposed view). `segment_ids` [batch, seq] (integers, e.g. the document index of each
+    token in a packed row): a token attends only to earlier tokens of its own segment.
+    Implementations take `(q, k, v)` or `(q, k, v, segment_ids)`.
     """
-    return _impls.get("causal_attention", sdpa_causal_attention)(q, k, v)
+    fn = _impls.get("causal_attention", sdpa_causal_attention)
+    if segment_ids is None:
+        return fn(q, k, v)
+    return fn(q, k, v, segment_ids)
 
 
-_REFERENCES: dict[str, Callable] = {"causal_attention": sdpa_causal_attention}
+# --- grouped matmul (MoE experts) ---------------------------------------------------------------
+
+
+def _is_traced(x: torch.Tensor) -> bool:
+    """True under torch.compile/export, and for meta or fake tensors (shape-only execution)."""
+    return torch.compiler.is_compiling() or x.device.type == "meta" or isinstance(x, FakeTensor)
+
+
+def torch_grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm(x, w, offs=...)` runs for x [M, K], w [G, K, N] (torch 2.13).
+
+    - torch-tpu registers its own kernel and a relaxed meta function: always.
+    - CPU/CUDA kernels take float32 and bfloat16 but need 16-byte aligned row strides, i.e.
+      K and N multiples of 4 (fp32) / 8 (bf16).
+    - torch 2.13's meta function (what compile, FakeTensor and the meta device run) accepts
+      bfloat16 only, so traced float32 must take another path.
+    """
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16) or w.dtype != x.dtype:
+        return False
+    if x.device.type == "tpu":
+        return True
+    if x.device.type not in ("cpu", "cuda", "meta"):
+        return False
+    align = 16 // x.element_size()
+    if w.shape[-1] % align != 0 or w.shape[-2] % align != 0:
+        return False
+    return x.dtype == torch.bfloat16 or not _is_traced(x)
+
+
+def group_of_rows(group_sizes: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[G] sizes -> [num_rows] int64 group index of each row (rows sorted by group), on device.
+
+    Row r belongs to group g = the number of group end offsets <= r. Rows past
+    sum(group_sizes) get G. Static shape, no host read; a [num_rows, G] comparison rather than
+    `searchsorted`, which some lowerings (torchax 0.0.13) lack with `right=True`.
+    """
+    ends = torch.cumsum(group_sizes, dim=0)
+    rows = torch.arange(num_rows, device=group_sizes.device, dtype=ends.dtype)
+    return (rows.unsqueeze(-1) >= ends).sum(dim=-1)
+
+
+def masked_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` by brute force: every group's weight on all rows, each row keeps its own.
+
+    Exact and traceable anywhere (static shapes, no host read) at G times the FLOPs; meant for
+    small models where `torch._grouped_mm` does not run (traced float32, unaligned sizes).
+    """
+    group = group_of_rows(group_sizes, x.shape[0]).unsqueeze(-1)
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    for g in range(w.shape[0]):
+        out = torch.where(group == g, x @ w[g], out)
+    return out
+
+
+def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """The reference: `torch._grouped_mm` where it runs, else `masked_grouped_mm`."""
+    if torch_grouped_mm_ok(x, w):
+        offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x, w, offs=offsets)
+    return masked_grouped_mm(x, w, group_sizes)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """Per-group matmul: rows of group g times w[g].
+
+    x [M, K] with rows sorted by group; w [G, K, N] (a transposed view of a [G, N, K] weight is
+    fine and cheap); group_sizes [G] integer tensor **on the device** (never read on the host,
+    so one compiled program serves every routing) with sum(group_sizes) == M -> [M, N] in
+    x.dtype. Empty groups are allowed.
+    """
+    return _impls.get("grouped_mm", torch_grouped_mm)(x, w, group_sizes)
+
+
+# --- fused linear + cross-entropy ------------------------------------------------------------
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """mean_i CE(h_i W^T, y_i) computed over vocabulary chunks, logits never whole.
+
+    Numerics match `F.cross_entropy(F.linear(h, W).float(), y)`: each chunk's logits are the
+    matmul in the input dtype, then upcast to float32 (so only [N, chunk] floats live at once);
+    the log-sum-exp is combined across chunks in float32. The backward recomputes each chunk's
+    logits, forms (softmax - onehot) * dloss / n_valid in float32, casts it to the input dtype
+    (as autograd of `.float()` does) and accumulates dh in float32 over chunks.
+    """
+
+    @staticmethod
+    def forward(ctx, h, w, labels, chunk_size: int, ignore_index: int):
+        n, vocab = h.shape[0], w.shape[0]
+        lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
+        target = torch.zeros(n, dtype=torch.float32, device=h.device)
+        for start in range(0, vocab, chunk_size):
+            logits = F.linear(h, w[start:start + chunk_size]).float()
+            lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
+            local = labels - start
+            inside = (local >= 0) & (local < logits.shape[-1])
+            picked = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+            target = target + torch.where(inside, picked, 0.0)
+        valid = labels != ignore_index
+        n_valid = valid.sum()
+        loss = torch.where(valid, lse - target, 0.0).sum() / n_valid
+        ctx.save_for_backward(h, w, labels, lse, n_valid)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h, w, labels, lse, n_valid = ctx.saved_tensors
+        chunk_size = ctx.chunk_size
+        scale = torch.where(labels != ctx.ignore_index, dloss / n_valid, 0.0).unsqueeze(-1)
+        dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
+        dw_chunks = []
+        for start in range(0, w.shape[0], chunk_size):
+            w_chunk = w[start:start + chunk_size]
+            logits = F.linear(h, w_chunk).float()
+            grad = torch.exp(logits - lse.unsqueeze(-1))
+            cols = torch.arange(start, start + w_chunk.shape[0], device=h.device)
+            grad = ((grad - (labels.unsqueeze(-1) == cols).float()) * scale).to(h.dtype)
+            if dh is not None:
+                dh = dh + (grad @ w_chunk).float()
+            if ctx.needs_input_grad[1]:
+                dw_chunks.append(grad.transpose(0, 1) @ h)
+        dw = torch.cat(dw_chunks) if ctx.needs_input_grad[1] else None
+        return (dh.to(h.dtype) if dh is not None else None), dw, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 8192,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """The reference for `linear_cross_entropy` (see `_ChunkedLinearCrossEntropy`)."""
+    return _ChunkedLinearCrossEntropy.apply(h, w, labels, chunk_size, ignore_index)
+
+
+def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """mean over labels != IGNORE_INDEX of cross_entropy(h @ w^T, labels), float32 0-dim.
+
+    h [N, dim] hidden states (after the final norm), w [vocab, dim] the output projection's
+    weight, labels [N] int64. Same value and gradients as
+    `F.cross_entropy(F.linear(h, w).float(), labels)`, without ever holding the [N, vocab]
+    logits (nor their float32 copy) at once.
+    """
+    return _impls.get("linear_cross_entropy", chunked_linear_cross_entropy)(h, w, labels)
+
+
+_REFERENCES: dict[str, Callable] = {
+    "causal_attention": sdpa_causal_attention,
+    "grouped_mm": torch_grouped_mm,
+    "linear_cross_entropy": chunked_linear_cross_entropy,
+}

@@ -1,0 +1,122 @@
+"""Probe (xla venv): the Pallas kernels of kernels/tpu in interpret mode against the torch references.
+
+    python kernels_interpret.py [splash] [gmm] [fused_ce]
+
+Runs each named kernel's cases (float32, odd sizes that force padding and several grid blocks) forward
+and backward in Pallas' interpreter on the CPU, and the same op's torch reference
+(models/common/ops.py, the implementation every non-TPU device runs) on the same inputs, both
+compared with that torch reference evaluated in float64 (the "exact" value). The reverse pass is
+a vector-Jacobian product with a fixed random cotangent.
+Prints one JSON line: {"jax", "torch", "kernels": {kernel: [{"case", "n", "outputs": {name:
+{"pallas_err", "torch_err", "scale"}}, "seconds"}]}} where errors are max |x - exact|, `scale` is max |exact|
+and `n` the longest reduction in the case (for the test's rounding bound).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from models.common import ops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "kernels" / "tpu"))
+import fused_ce  # noqa: E402
+import gmm  # noqa: E402
+import splash  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def _normal(*shape, std=1.0):
+    return (RNG.standard_normal(shape) * std).astype(np.float32)
+
+
+def _vjp_torch(fn, inputs: list[np.ndarray], cot: np.ndarray | None, dtype) -> list[np.ndarray]:
+    ts = [torch.tensor(x, dtype=dtype, requires_grad=True) for x in inputs]
+    out = fn(*ts)
+    grads = torch.autograd.grad(out, ts, torch.tensor(cot, dtype=dtype) if cot is not None else None)
+    return [out.detach().double().numpy()] + [g.double().numpy() for g in grads]
+
+
+def _vjp_jax(fn, inputs: list[np.ndarray], cot: np.ndarray | None) -> list[np.ndarray]:
+    out, vjp = jax.vjp(fn, *[jnp.asarray(x) for x in inputs])
+    grads = vjp(jnp.ones_like(out) if cot is None else jnp.asarray(cot))
+    return [np.asarray(out, np.float64)] + [np.asarray(g, np.float64) for g in grads]
+
+
+def _compare(names, exact, pallas, ref32) -> dict:
+    return {name: {"pallas_err": float(np.abs(p - e).max()), "torch_err": float(np.abs(t - e).max()),
+                   "scale": float(np.abs(e).max())}
+            for name, e, p, t in zip(names, exact, pallas, ref32)}
+
+
+def _case(label, n, names, torch_fn, jax_fn, inputs, cot) -> dict:
+    start = time.perf_counter()
+    exact = _vjp_torch(torch_fn, inputs, cot, torch.float64)
+    ref32 = _vjp_torch(torch_fn, inputs, cot, torch.float32)
+    pallas = _vjp_jax(jax_fn, inputs, cot)
+    return {"case": label, "n": n, "outputs": _compare(names, exact, pallas, ref32),
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def splash_cases() -> list[dict]:
+    cases = []
+    for b, hq, hkv, s, d, docs in ((2, 4, 2, 200, 32, True), (1, 2, 2, 77, 16, False)):
+        q, k, v = _normal(b, hq, s, d), _normal(b, hkv, s, d), _normal(b, hkv, s, d)
+        seg = np.sort(RNG.integers(0, 4, (b, s)), axis=1).astype(np.int32) if docs else None
+        seg_t = torch.tensor(seg) if docs else None
+        seg_j = jnp.asarray(seg) if docs else None
+        cases.append(_case(
+            f"b{b} hq{hq} hkv{hkv} s{s} d{d} {'segments' if docs else 'causal'}", s + d,
+            ["out", "dq", "dk", "dv"],
+            lambda q, k, v: ops.sdpa_causal_attention(q, k, v, seg_t),
+            lambda q, k, v: splash.splash_attention(q, k, v, seg_j, interpret=True),
+            [q, k, v], _normal(b, hq, s, d)))
+    return cases
+
+
+def gmm_cases() -> list[dict]:
+    cases = []
+    for m, k, n, sizes, transposed in ((50, 64, 96, (20, 0, 25, 5), True), (130, 32, 48, (0, 70, 60), False)):
+        x = _normal(m, k)
+        w = _normal(len(sizes), n, k) if transposed else _normal(len(sizes), k, n)
+        gs_t, gs_j = torch.tensor(sizes), jnp.asarray(sizes, jnp.int32)
+        cases.append(_case(
+            f"m{m} k{k} n{n} groups{list(sizes)} {'linear-layout' if transposed else 'kn-layout'}", max(m, k, n),
+            ["out", "dx", "dw"],
+            lambda x, w: ops.torch_grouped_mm(x, w.transpose(-2, -1) if transposed else w, gs_t),
+            lambda x, w: gmm.grouped_mm(x, w, gs_j, transpose_rhs=transposed, interpret=True),
+            [x, w], _normal(m, n)))
+    return cases
+
+
+def fused_ce_cases() -> list[dict]:
+    cases = []
+    for n, v, d, ignored in ((100, 300, 64, 7), (37, 1000, 32, 0)):
+        h, w = _normal(n, d), _normal(v, d, std=0.3)
+        labels = RNG.integers(0, v, n)
+        labels[:ignored] = ops.IGNORE_INDEX
+        lab_t, lab_j = torch.tensor(labels), jnp.asarray(labels, jnp.int32)
+        cases.append(_case(
+            f"n{n} vocab{v} d{d} ignored{ignored} blocks(64,128)", n + v + d, ["loss", "dh", "dw"],
+            lambda h, w: ops.chunked_linear_cross_entropy(h, w, lab_t, chunk_size=128),
+            lambda h, w: fused_ce.linear_cross_entropy(h, w, lab_j, block_n=64, block_v=128, interpret=True),
+            [h, w], None))
+    return cases
+
+
+def main() -> None:
+    runners = {"splash": splash_cases, "gmm": gmm_cases, "fused_ce": fused_ce_cases}
+    results = {kernel: runners[kernel]() for kernel in sys.argv[1:]}
+    print(json.dumps({"jax": jax.__version__, "torch": torch.__version__, "kernels": results}))
+
+
+if __name__ == "__main__":
+    main()
