@@ -80,6 +80,10 @@ class LanguageModel(Protocol):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter in place (they may be sharded DTensors) and rebuild buffers."""
 
+    # Optional, for `[training] fused_loss`: `hidden(tokens) -> [batch, seq, dim]`, the states
+    # that the `output` projection (an nn.Linear, weight [vocab_size, dim]) turns into logits.
+    # A family without them trains with the plain loss (fused_loss = "on" is then an error).
+
     def pop_aux_loss(self) -> torch.Tensor | None:
         """Sum of the auxiliary losses (unscaled) of the last forward, or None for a model without
         any. Clears them, so no module keeps a reference into a finished autograd graph; the

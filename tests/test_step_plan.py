@@ -81,3 +81,15 @@ def test_global_batch_split_follows_the_mesh():
         split(30, 8, 1, 4)
     with pytest.raises(ConfigError, match="training.global_batch_size: 8 sequences over 1"):
         split(8, 8, 16, 1)  # accumulation 16 > 8 sequences: no split
+
+
+def test_fused_loss_choice():
+    assert not _plan(fused_loss="auto", model_has_hidden=True).fused_loss  # CPU: plain by default
+    assert _plan(fused_loss="auto", model_has_hidden=True, device_type="tpu").fused_loss
+    assert _plan(fused_loss="on", model_has_hidden=True).fused_loss
+    assert not _plan(fused_loss="auto", model_has_hidden=True, device_type="tpu", tp_enabled=True).fused_loss
+    assert not _plan(fused_loss="auto", model_has_hidden=False, device_type="tpu").fused_loss
+    with pytest.raises(ConfigError, match="training.fused_loss: on needs the whole vocabulary"):
+        _plan(fused_loss="on", model_has_hidden=True, tp_enabled=True)
+    with pytest.raises(ConfigError, match="training.fused_loss: on needs a model with hidden"):
+        _plan(fused_loss="on")

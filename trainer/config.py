@@ -95,6 +95,11 @@ class TrainingConfig:
     """Dtype of gradient reductions across data-parallel ranks."""
     aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))
     """Weight of the MoE load-balancing loss added to the LM loss (MoE models only)."""
+    fused_loss: str = field(default="auto", metadata=_choices("auto", "on", "off"))
+    """LM loss from the final hidden states by `ops.linear_cross_entropy`, chunked over the
+    vocabulary (a Pallas kernel on TPU): the [tokens, vocab] logits and their fp32 copy never
+    exist whole. auto: on for TPU, off elsewhere; on: every device (not with tensor
+    parallelism, which shards the vocabulary); off: logits, then fp32 cross entropy."""
     skip_nonfinite_updates: bool = False
     """A step whose gradient norm is not finite never updates the weights (the update is skipped
     on the device). false: the run stops with an error at the next logged or checkpoint step,

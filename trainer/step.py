@@ -7,7 +7,9 @@
   documented order TP -> EP -> AC -> compile -> SimpleFSDP, in every mode; only a scanned graph
   step, whose blocks run as one scan body, applies it inside that body instead;
 - which blocks are compiled (`compile` mode), and whether the step is one captured graph;
-- the loss-parallel context (TP with vocab-sharded logits), for eager and graph steps alike;
+- the loss: plain (logits, then fp32 cross entropy) or fused (`ops.linear_cross_entropy` from
+  the final hidden states: the logits are never whole, nor upcast to fp32 whole), and the
+  loss-parallel context (TP with vocab-sharded logits), for eager and graph steps alike;
 - the host-sync policy: the step returns device tensors and never reads them; the loop reads
   them on logged steps and before a checkpoint (`trainer/train.py`).
 
@@ -36,6 +38,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
+def _plain_loss(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model(inputs), labels)
+
+
 def local_scalar(t: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallel is a replicated DTensor; logging wants a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -59,11 +65,24 @@ class StepPlan:
     """AC mode applied inside the scan body (graph + scan); "none" otherwise."""
     loss_parallel: bool
     """The LM loss runs on vocab-sharded logits under `loss_parallel_context` (TP only)."""
+    fused_loss: bool = False
+    """The LM loss is `ops.linear_cross_entropy(model.hidden(x), model.output.weight, y)`."""
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         from parallelisms import loss_parallel_context
 
         return loss_parallel_context(self.loss_parallel)
+
+    def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim)."""
+        if self.fused_loss:
+            from models.common import ops
+
+            # The weight is read here, after the forward, on every call: under SimpleFSDP the
+            # access is the all-gather, which must not be cached across steps.
+            return ops.linear_cross_entropy(model.hidden(inputs).flatten(0, 1), model.output.weight,
+                                            labels.flatten())
+        return lm_loss(model(inputs), labels)
 
 
 def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
@@ -84,12 +103,25 @@ def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
 
 
 def plan_step(*, mode: str, backend: str, scan_layers: bool, ac_mode: str, loss_parallel: bool,
-              tp_enabled: bool, device_type: str, shape: ModelShape | None = None) -> StepPlan:
+              tp_enabled: bool, device_type: str, shape: ModelShape | None = None,
+              fused_loss: str = "off", model_has_hidden: bool = False) -> StepPlan:
     """The `StepPlan` of a run; ConfigError for combinations that cannot be honoured.
 
     `shape` (the model's `args.shape()`) lets the plan refuse a scan of MoE blocks: they leave
     their load-balancing loss on the module during forward, which a scan body cannot return.
+    `fused_loss` (auto | on | off): auto fuses on TPU; it needs a model with `hidden()` (the
+    contract's optional part) and no tensor parallelism (the op takes the whole vocabulary).
     """
+    if fused_loss not in ("auto", "on", "off"):
+        raise ConfigError(f"training.fused_loss: {fused_loss!r}; allowed: auto, on, off")
+    if fused_loss == "on" and tp_enabled:
+        raise ConfigError("training.fused_loss: on needs the whole vocabulary on each rank, but tensor "
+                          "parallelism shards it; allowed with tensor_parallel_degree > 1: auto, off")
+    if fused_loss == "on" and not model_has_hidden:
+        raise ConfigError("training.fused_loss: on needs a model with hidden() (models/contract.py); "
+                          "allowed for this model: auto, off")
+    fused = model_has_hidden and not tp_enabled and (fused_loss == "on" or (fused_loss == "auto"
+                                                                             and device_type == "tpu"))
     if mode not in MODES:
         raise ConfigError(f"compile.mode: {mode!r}; allowed: {', '.join(MODES)}")
     if scan_layers and mode != "graph":
@@ -107,6 +139,7 @@ def plan_step(*, mode: str, backend: str, scan_layers: bool, ac_mode: str, loss_
         scan=scan,
         scan_ac=ac_mode if scan else "none",
         loss_parallel=loss_parallel and tp_enabled,
+        fused_loss=fused,
     )
 
 
@@ -129,13 +162,13 @@ def build_step(plan: StepPlan, *, model, optimizer, max_norm: float, aux_loss_co
         from parallelisms import clip_grad_norm_
 
         return EagerStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
-                         clip_grad_norm=clip_grad_norm_, loss_context=plan.loss_context)
+                         clip_grad_norm=clip_grad_norm_, loss_context=plan.loss_context, loss_fn=plan.lm_loss)
     from trainer.graph import build_graph_step
 
     return build_graph_step(
         model=model, optimizer=optimizer, plan=model_plan, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
         backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac, dump_graph=dump_graph,
-        grad_accum_steps=grad_accum_steps, loss_context=plan.loss_context,
+        grad_accum_steps=grad_accum_steps, loss_context=plan.loss_context, loss_fn=plan.lm_loss,
     )
 
 
@@ -146,7 +179,7 @@ class EagerStep:
     graph_nodes = None
 
     def __init__(self, *, model, optimizer, max_norm: float, aux_loss_coef: float, clip_grad_norm,
-                 loss_context=contextlib.nullcontext):
+                 loss_context=contextlib.nullcontext, loss_fn=None):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = max_norm
@@ -155,6 +188,8 @@ class EagerStep:
         # With TP loss parallel the loss and its backward run on vocab-sharded logits inside
         # this context (parallelisms.loss_parallel_context).
         self.loss_context = loss_context
+        # loss_fn(model, inputs, labels) -> mean LM loss; default: logits, then lm_loss.
+        self.loss_fn = loss_fn if loss_fn is not None else _plain_loss
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
@@ -163,7 +198,7 @@ class EagerStep:
         lm_sum, aux_sum = 0.0, None
         for inputs, labels in microbatches:
             with self.loss_context():
-                lm = lm_loss(self.model(inputs), labels)
+                lm = self.loss_fn(self.model, inputs, labels)
                 aux = self.model.pop_aux_loss()
                 loss = lm if aux is None else lm + self.aux_loss_coef * aux
                 (loss / n).backward()

@@ -106,14 +106,14 @@ def _params_finite(model) -> bool:
 
 
 def _validate(model, *, build_loader, steps: int, device: torch.device, step_plan: StepPlan) -> float:
-    from trainer.step import lm_loss, local_scalar
+    from trainer.step import local_scalar
 
     # A held-out split may hold fewer than `steps` micro-batches per rank; every rank gets the
     # same count (windows are dealt in groups of dp_degree x batch), so collectives stay matched.
     total, count = torch.zeros(()), 0
     with torch.no_grad(), step_plan.loss_context():
         for _, (inputs, labels) in zip(range(steps), build_loader()):
-            loss = lm_loss(model(inputs.to(device)), labels.to(device))
+            loss = step_plan.lm_loss(model, inputs.to(device), labels.to(device))
             total += local_scalar(loss).float().cpu()
             count += 1
     return _global_mean(total / max(count, 1))
@@ -177,7 +177,9 @@ def train(cfg: Config) -> int:
     c = cfg.compile
     step_plan = plan_step(mode=c.mode, backend=c.backend, scan_layers=c.scan_layers,
                           ac_mode=cfg.activation_checkpoint.mode, loss_parallel=p.enable_loss_parallel,
-                          tp_enabled=parallel_dims.tp_enabled, device_type=device.type, shape=shape)
+                          tp_enabled=parallel_dims.tp_enabled, device_type=device.type, shape=shape,
+                          fused_loss=cfg.training.fused_loss,
+                          model_has_hidden=callable(getattr(family.model_cls, "hidden", None)))
     mesh = build_mesh(parallel_dims, device.type)
     dp_rank, dp_degree = parallel_dims.dp_rank(mesh), parallel_dims.dp_degree
     t = cfg.training
@@ -264,7 +266,7 @@ def train(cfg: Config) -> int:
         print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({args.num_params() / 1e6:.1f}M params) on "
               f"{info.world_size} x {device.type} ({peak_name}); mesh {parallel_dims}; "
               f"global batch {local_batch * dp_degree * accum} = {local_batch} x dp {dp_degree} x accum {accum}; "
-              f"compile.mode={c.mode}; attention {attention}; steps {start_step + 1}..{t.steps}", flush=True)
+              f"compile.mode={c.mode}; attention {attention}; loss {'fused' if step_plan.fused_loss else 'plain'}; steps {start_step + 1}..{t.steps}", flush=True)
 
     # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
     #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).

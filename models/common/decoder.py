@@ -99,13 +99,18 @@ class Decoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]."""
+        return self.output(self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] that `output`
+        projects to logits (a fused linear + cross-entropy loss starts from these)."""
         seqlen = tokens.shape[1]
         assert seqlen <= self.rope_cos.shape[0], (
             f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
         )
         h = self.tok_embeddings(tokens)
         h = self.layers(h, self.rope_cos[:seqlen], self.rope_sin[:seqlen])
-        return self.output(self.norm(h))
+        return self.norm(h)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter in place and rebuild the RoPE buffers.

@@ -43,7 +43,8 @@ class GraphStep:
                  aux_loss_coef: float, backend: str, device: torch.device, ac_mode: str,
                  dump_graph: str | None, grad_accum_steps: int, block_stack: nn.Module | None = None,
                  scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 loss_fn: Callable | None = None):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -54,6 +55,7 @@ class GraphStep:
         """The `BlockStack` running as a scan, or None (unrolled blocks)."""
         self._scan_context = scan_context
         self._loss_context = loss_context
+        self._loss_fn = loss_fn
         stacked = block_stack.stacked_parameters() if block_stack is not None else None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
@@ -122,7 +124,8 @@ class GraphStep:
         grads, lm_total, aux_total = None, None, None
         for i in range(n):
             tokens, labels = inputs[2 * i], inputs[2 * i + 1]
-            lm = lm_loss(self.model(tokens), labels)
+            lm = (self._loss_fn(self.model, tokens, labels) if self._loss_fn is not None
+                  else lm_loss(self.model(tokens), labels))
             loss = lm
             aux = self.model.pop_aux_loss()
             if aux is not None:
@@ -172,8 +175,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
                      backend: str, scan_layers: bool = False, ac_mode: str = "none",
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
                      plan=None,
-                     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                     ) -> GraphStep:
+                     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                     loss_fn: Callable | None = None) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
     The trainer calls this through `trainer.step.build_step`, which resolves the settings below
@@ -191,6 +194,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     - `aux_loss_coef`: weight of the model's auxiliary loss (`model.pop_aux_loss()`).
     - `plan`: the model's `ModelPlan` (only `plan.block` is used); None = `layers`.
     - `loss_context`: entered around the step (TP loss parallel: `parallelisms.loss_parallel_context`).
+    - `loss_fn(model, inputs, labels)`: the mean LM loss of one micro-batch (`StepPlan.lm_loss`);
+      None: `trainer.step.lm_loss` of the model's logits.
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -228,4 +233,4 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
                      grad_accum_steps=grad_accum_steps, block_stack=block_stack, scan_context=scan_context,
-                     loss_context=loss_context)
+                     loss_context=loss_context, loss_fn=loss_fn)
