@@ -209,7 +209,7 @@ def train(cfg: Config) -> int:
     c = cfg.checkpoint
     manager = ckpt.CheckpointManager(
         folder=os.path.join(dump_folder, c.folder), interval=c.interval, keep_latest_k=c.keep_latest_k,
-        async_mode=c.async_mode, enable=c.enable, load_step=c.load_step,
+        async_mode=c.async_mode, enable=c.enable, load_step=c.load_step, fallback_on_corrupt=c.fallback_on_corrupt,
     )
     train_state = ckpt.TrainState()
     states = {
@@ -222,7 +222,7 @@ def train(cfg: Config) -> int:
     start_step = manager.load(states)
     if start_step == 0 and c.initial_load_path:
         ckpt.load_initial(model, path=c.initial_load_path, fmt=c.initial_load_format,
-                          hf_adapter=family.hf_adapter, args=args)
+                          hf_adapter=family.hf_adapter, args=args, hf_config_mismatch=c.hf_config_mismatch)
     if start_step >= cfg.training.steps:
         if is_rank0:
             print(f"already trained to step {start_step} (training.steps = {cfg.training.steps}); nothing to do")
