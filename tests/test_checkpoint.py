@@ -640,3 +640,69 @@ def test_all_finite(tmp_path):
     run.step()
     next(iter(run.optimizer.state.values()))["exp_avg_sq"].fill_(float("inf"))
     assert ckpt.all_finite(run.model) and not ckpt.all_finite(run.model, run.optimizer)
+
+
+# ------------------------------------------------------------------ HF config.json vs the recipe
+
+
+def _hf_folder(folder: Path, family_name: str, flavor: str, **overrides):
+    """A Hugging Face folder (safetensors + config.json) of a small model of the family."""
+    import json
+
+    import models
+    from safetensors.torch import save_file
+
+    family = models.get_model_family(family_name)
+    args = family.get_args(flavor, n_layers=1, **overrides)
+    torch.manual_seed(0)
+    model = family.model_cls(args)
+    model.init_weights()
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in family.hf_adapter.to_hf(model.state_dict(), args).items()},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(family.hf_adapter.hf_config(args)))
+    return family, args, model
+
+
+@pytest.mark.parametrize("family_name, flavor, field, value, hf_key", [
+    ("llama3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
+    ("llama3", "debugmodel", "rope_scaling_factor", None, "rope_scaling"),
+    ("llama3", "debugmodel", "rope_scaling_factor", 32.0, "rope_scaling"),
+    ("llama3", "debugmodel", "rope_high_freq_factor", 2.0, "rope_scaling"),
+    ("llama3", "debugmodel", "norm_eps", 1e-6, "rms_norm_eps"),
+    ("qwen3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
+    ("qwen3", "debugmodel_moe", "norm_topk_prob", False, "norm_topk_prob"),
+])
+def test_hf_weights_refuse_an_architecture_other_than_config_json(tmp_path, capsys, family_name, flavor, field,
+                                                                   value, hf_key):
+    import dataclasses
+
+    family, args, src = _hf_folder(tmp_path / "hf", family_name, flavor)
+    assert getattr(args, field) != value
+    recipe = dataclasses.replace(args, **{field: value}, max_seq_len=64)  # max_seq_len is not architecture
+    model = family.model_cls(recipe)
+    model.init_weights()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=rf"checkpoint.initial_load_path: the recipe's model differs from "
+                                          rf".*config.json: {hf_key}: config.json .*, recipe .*hf_config_mismatch"):
+        ckpt.load_initial(model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe)
+    assert_same(model.state_dict(), before)  # nothing loaded
+    # The explicit option trains the recipe's model on these weights and says what differs.
+    ckpt.load_initial(model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe,
+                      hf_config_mismatch="override")
+    assert f"hf_config_mismatch = override: {hf_key} is" in capsys.readouterr().out
+    assert_same(model.state_dict(), src.state_dict())
+    # The same architecture (only the RoPE table length differs) loads without a word.
+    same = dataclasses.replace(args, max_seq_len=64)
+    ckpt.load_initial(family.model_cls(same), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=same)
+    assert capsys.readouterr().out == ""
+
+
+def test_hf_weights_without_config_json(tmp_path, capsys):
+    family, args, _ = _hf_folder(tmp_path / "hf", "llama3", "debugmodel")
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"config.json not found, so the architecture .* cannot be checked"):
+        ckpt.load_initial(family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args)
+    ckpt.load_initial(family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args,
+                      hf_config_mismatch="override")
+    assert "not checked" in capsys.readouterr().out

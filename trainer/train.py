@@ -194,7 +194,7 @@ def train(cfg: Config) -> int:
     build_val_loader = None
     if cfg.validation.enable:
         build_val_loader = lambda: loader_for(cfg.validation.dataset, "validation", cfg.training.seed)  # noqa: E731
-        build_val_loader()  # fail early on a bad validation dataset
+        build_val_loader().check(cfg.validation.steps)  # read what validation reads: bad data fails before step 1
 
     # -- model, optimizer, schedule
     attention = prepare_attention(args.attn_backend, device)
