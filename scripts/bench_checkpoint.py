@@ -5,7 +5,9 @@ parameter), then repeats: a blocking `CheckpointManager.save` (DCP write, fsync'
 `write_manifest`, timed separately) and a `CheckpointManager.load` (`verify_checkpoint`, timed
 separately, then the DCP read). Files are read back from the page cache right after the write,
 which is the case on save and usually on a resume on the same machine; a cold read from disk
-adds the same disk time to both the hash and the DCP load. Prints a table (medians) and writes CSV.
+adds the same disk time to both the hash and the DCP load. Prints a table and writes CSV. Times
+are the minimum over the repeats: on a shared machine other processes only ever add time (the
+load average is printed with the results).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_checkpoint.py --sizes debug,2.5 --out ckpt.csv
 
@@ -18,7 +20,6 @@ import csv
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,7 @@ def measure(size: str, root: Path, repeats: int) -> dict:
         rows["load_s"].append(time.perf_counter() - t0 - rows["verify_s"][-1])
         nbytes = _bytes(manager.step_path(1))
         shutil.rmtree(folder)
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    med = {k: min(v) for k, v in rows.items()}
     return {
         "size": size, "params_M": round(n_params / 1e6, 1), "checkpoint_GB": round(nbytes / 1e9, 3),
         "save_s": round(med["save_s"], 3), "manifest_s": round(med["manifest_s"], 3),
@@ -122,12 +123,13 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="CSV file")
     args = parser.parse_args()
     print(f"CPU: {_cpu_model()} ({os.cpu_count()} cores visible), torch {torch.__version__}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, hash threads {ckpt._hash_threads()}")
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for size in args.sizes.split(","):
             results.append(measure(size, Path(tmp), args.repeats))
             print(f"  done: {size}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     keys = list(results[0])
     widths = {k: max(len(k), *(len(str(r[k])) for r in results)) for k in keys}
     print("  ".join(k.rjust(widths[k]) for k in keys))
