@@ -17,6 +17,7 @@ import argparse
 import json
 import re
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -27,6 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import HF_MODEL_TYPES, ModelFamily, get_model_family  # noqa: E402
 from models.errors import ConfigError  # noqa: E402
+from trainer.checkpoint import CorruptCheckpointError, check_entries, verify_checkpoint, write_manifest  # noqa: E402
+from trainer.config import ModelConfig, coerce, model_args, parse_value  # noqa: E402  (the trainer's own parser)
+
+# [model] keys of a run that are not fields of the model's args (see trainer.config.ModelConfig).
+_RUN_ONLY_MODEL_KEYS = {name: typ for name, typ in typing.get_type_hints(ModelConfig).items()
+                        if name not in ("name", "flavor", "overrides")}
 
 MODEL_PREFIX = "model."
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -72,6 +79,10 @@ def convert_to_hf(
     from safetensors.torch import save_file
 
     checkpoint = _resolve_checkpoint(checkpoint)
+    try:
+        verify_checkpoint(checkpoint)
+    except CorruptCheckpointError as e:
+        raise ConfigError(f"--checkpoint {checkpoint} is corrupt: {e}") from None
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     stored = {
         k[len(MODEL_PREFIX):]: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")
@@ -82,16 +93,15 @@ def convert_to_hf(
         alias = {"tok_embeddings.weight": "output.weight"}
     else:
         alias = {}
-    for key, shape in expected.items():
-        if args.tie_embeddings and key == "output.weight":
-            continue
-        if key not in stored:
-            raise ConfigError(f"--checkpoint {checkpoint}: missing {MODEL_PREFIX}{key} for {family.name} with these args")
-        if tuple(stored[key].size) != tuple(shape):
-            raise ConfigError(
-                f"--checkpoint {checkpoint}: {MODEL_PREFIX}{key} has shape {tuple(stored[key].size)}, "
-                f"but model.flavor/overrides give {tuple(shape)}"
-            )
+    # Every entry in both directions: a checkpoint with more layers than the args must not
+    # convert its first n_layers silently. A tied model's output.weight is the embedding.
+    tied = {"output.weight"} if args.tie_embeddings else set()
+    check_entries(
+        expected={MODEL_PREFIX + k: tuple(v) for k, v in expected.items() if k not in tied},
+        stored={MODEL_PREFIX + k: tuple(v.size) for k, v in stored.items() if k not in tied},
+        key="--checkpoint", where=str(checkpoint), what=f"{family.name} with model.flavor/overrides",
+        fix="pass the --model.flavor and --model.FIELD=VALUE overrides the checkpoint was trained with",
+    )
     keys = [k for k in expected if k in stored and not (args.tie_embeddings and k == "output.weight")]
 
     # Plan shards from the stored sizes (a group converts to the same number of elements).
@@ -169,26 +179,22 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
     except ValueError as e:
         raise ConfigError(f"{hf_dir}: {e}") from e
     expected = _meta_model_shapes(family, args)
-    for key, shape in expected.items():
-        if key not in state_dict or tuple(state_dict[key].shape) != tuple(shape):
-            got = tuple(state_dict[key].shape) if key in state_dict else "missing"
-            raise ConfigError(f"{hf_dir}: {key} is {got}; config.json implies {tuple(shape)}")
+    check_entries(expected={k: tuple(v) for k, v in expected.items()},
+                  stored={k: tuple(v.shape) for k, v in state_dict.items()},
+                  key=str(hf_dir), where="its safetensors", what="the model its config.json describes",
+                  fix="allowed: weights that match config.json (num_hidden_layers, hidden_size, ...)")
     if dtype is not None:
         state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
     dcp.save({"model": state_dict}, checkpoint_id=str(out_dir))
+    write_manifest(out_dir)
     return family.name, args
 
 
-def _parse_value(text: str):
-    """A CLI override value: JSON (numbers, true/false/null), else the raw string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def _split_model_overrides(argv: list[str]) -> tuple[list[str], dict]:
-    """Take `--model.FIELD=VALUE` / `--model.FIELD VALUE` (not name/flavor) out of argv."""
+    """Take `--model.FIELD=VALUE` / `--model.FIELD VALUE` (not name/flavor) out of argv; values are
+    parsed like the trainer's (`trainer.config.parse_value`) and checked by `model_args`. The other
+    `[model]` config keys (tokenizer, attn_backend) are accepted, as on the trainer's command line,
+    and change nothing about the weights: they are checked and dropped."""
     rest, overrides, i = [], {}, 0
     while i < len(argv):
         item = argv[i]
@@ -201,7 +207,10 @@ def _split_model_overrides(argv: list[str]) -> tuple[list[str], dict]:
             if i + 1 >= len(argv):
                 raise ConfigError(f"{item}: missing value")
             value, i = argv[i + 1], i + 1
-        overrides[key] = _parse_value(value)
+        if key in _RUN_ONLY_MODEL_KEYS:
+            coerce(f"model.{key}", parse_value(value), _RUN_ONLY_MODEL_KEYS[key])
+        else:
+            overrides[key] = parse_value(value)
         i += 1
     return rest, overrides
 
@@ -239,11 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, overrides = _split_model_overrides(list(sys.argv[1:] if argv is None else argv))
         ns = parser.parse_args(argv)
         if ns.command == "to-hf":
-            try:
-                family = get_model_family(ns.model_name)
-                args = family.get_args(ns.model_flavor, **overrides)
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
+            family, args = model_args(ns.model_name, ns.model_flavor, overrides)
             files = convert_to_hf(ns.checkpoint, family, args, ns.out, dtype=_dtype(ns.dtype))
             print(f"wrote {ns.out}: config.json + {len(files)} safetensors file(s)")
         else:

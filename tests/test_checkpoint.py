@@ -76,16 +76,17 @@ class FakeLoader:
 class Run:
     """Everything a trainer checkpoints, built fresh from a seed."""
 
-    def __init__(self, seed: int = 0, dim: int = 8):
+    def __init__(self, seed: int = 0, dim: int = 8, n_layers: int = 2, **optimizer_kw):
         torch.manual_seed(seed)
-        self.model = TinyLM(dim=dim)
+        self.model = TinyLM(dim=dim, n_layers=n_layers)
         self.loader = FakeLoader()
         self.train_state = ckpt.TrainState()
+        self.optimizer_kw = {"lr": 1e-2, **optimizer_kw}
         self.build_optimizer()
 
     def build_optimizer(self):
         """(Re)build optimizer and schedule, e.g. after the parameters were replaced by DTensors."""
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self.optimizer_kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1 + s))
         self.states = {
             "model": ckpt.ModelState(self.model),
@@ -335,7 +336,8 @@ def test_load_initial_dcp_prefixed_and_bare(tmp_path):
     ckpt.load_initial(dst2.model, path=bare, fmt="dcp")
     assert_same(dst2.params(), src.params())
 
-    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*lacks"):
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path: .* entries of the model are not in it "
+                                          r"\(first: layers.2.attention.wq.weight"):
         ckpt.load_initial(TinyLM(n_layers=3), path=bare, fmt="dcp")
 
 
@@ -362,7 +364,7 @@ def test_load_initial_hf_safetensors(tmp_path):
     for k, v in src.state_dict().items():
         torch.testing.assert_close(dst.state_dict()[k], v.to(torch.bfloat16).float(), rtol=0, atol=0)
 
-    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*missing"):
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*entries of the model are not in it"):
         ckpt.load_initial(TinyLM(n_layers=3), path=tmp_path, fmt="hf", hf_adapter=from_hf, args=names)
     with pytest.raises(ConfigError, match="checkpoint.initial_load_path: .*does not exist"):
         ckpt.load_initial(dst, path=tmp_path / "nope", fmt="hf", hf_adapter=from_hf, args=names)
@@ -464,3 +466,243 @@ def test_nested_scheduler_state_round_trips(tmp_path):
     assert fresh.optimizer.param_groups[0]["lr"] == run.optimizer.param_groups[0]["lr"]
     fresh.step(), run.step()
     assert fresh.optimizer.param_groups[0]["lr"] == run.optimizer.param_groups[0]["lr"]
+
+
+# ------------------------------------------------------------------ hyperparameters on resume
+
+
+def test_resume_takes_hyperparameters_from_the_config(tmp_path, capsys):
+    from trainer.optim import build_lr_scheduler, lr_factor
+
+    def run(**kw):
+        r = Run(seed=0, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        r.optimizer = torch.optim.AdamW(r.model.parameters(), **{**r.optimizer_kw, **kw})
+        r.scheduler = build_lr_scheduler(r.optimizer, total_steps=10, warmup_steps=2, decay_type="linear",
+                                         decay_ratio=0.2, min_lr_factor=0.1)
+        r.states.update(optimizer=ckpt.OptimizerState(r.model, r.optimizer), lr_scheduler=r.scheduler)
+        return r
+
+    ref = run()
+    for step in range(1, 4):
+        ref.step()
+    manager(tmp_path).save(3, ref.states)
+    moments = {k: v["exp_avg"].clone() for k, v in ref.optimizer.state.items()}
+    capsys.readouterr()
+
+    new = run(lr=5e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)
+    assert manager(tmp_path).load(new.states) == 3
+    out = capsys.readouterr().out
+    for group in new.optimizer.param_groups:
+        assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.0)
+        # The config's lr for step 4 (same arithmetic as LambdaLR.step, so exact equality).
+        assert group["lr"] == 5e-3 * lr_factor(4, total_steps=10, warmup_steps=2, decay_type="linear",
+                                               decay_ratio=0.2, min_lr_factor=0.1)
+        assert group["initial_lr"] == 5e-3
+    # The moments still come from the checkpoint.
+    for (p_ref, m), p_new in zip(moments.items(), new.optimizer.state):
+        torch.testing.assert_close(new.optimizer.state[p_new]["exp_avg"], m, rtol=0, atol=0)
+    assert "resumed from" in out and "lr, schedule, betas, eps and weight_decay from the config" in out
+    for needle in ("optimizer.betas: checkpoint [0.9, 0.95] -> config [0.8, 0.99]", "optimizer.eps: checkpoint 1e-08 -> config 1e-06",
+                   "optimizer.weight_decay: checkpoint 0.1 -> config 0", "optimizer.lr (peak): checkpoint 0.01 -> config 0.005"):
+        assert needle in out, out
+
+    # Unchanged config: nothing to report, and the lr is the checkpoint's to the bit.
+    same = run()
+    manager(tmp_path).load(same.states)
+    out = capsys.readouterr().out
+    assert "->" not in out
+    assert same.optimizer.param_groups[0]["lr"] == ref.optimizer.param_groups[0]["lr"]
+
+
+# ------------------------------------------------------------------ keys and shapes, both directions
+
+
+@pytest.mark.parametrize("saved, loaded", [(3, 2), (2, 3)])
+def test_resume_refuses_another_layer_count_either_way(tmp_path, saved, loaded):
+    src = Run(n_layers=saved)
+    src.step()
+    manager(tmp_path).save(1, src.states)
+    before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*"))
+    needle = ("it has .* entries this run's model and optimizer lacks" if saved > loaded
+              else "entries of this run's model and optimizer are not in it")
+    with pytest.raises(ConfigError, match=rf"checkpoint.folder: .*step-1 does not match .*{needle} "
+                                          r"\(first: model.layers.2.attention.wq.weight"):
+        manager(tmp_path).load(Run(n_layers=loaded).states)
+    assert sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("saved, loaded", [(3, 2), (2, 3)])
+def test_initial_weights_refuse_another_layer_count_either_way(tmp_path, saved, loaded):
+    from safetensors.torch import save_file
+
+    src = Run(n_layers=saved)
+    manager(tmp_path / "run").save(1, src.states)
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path: .*does not match the model: .*layers.2"):
+        ckpt.load_initial(TinyLM(n_layers=loaded), path=tmp_path / "run" / "step-1", fmt="dcp")
+    save_file({hf_names(k): v.contiguous() for k, v in src.model.state_dict().items()}, str(tmp_path / "m.safetensors"))
+    names = list(TinyLM(n_layers=max(saved, loaded)).state_dict())
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path: .*does not match the model: .*layers.2"):
+        ckpt.load_initial(TinyLM(n_layers=loaded), path=tmp_path / "m.safetensors", fmt="hf",
+                          hf_adapter=from_hf, args=names)
+
+
+def test_shape_mismatch_names_the_first_entry(tmp_path):
+    src = Run(dim=8)
+    manager(tmp_path).save(1, src.states)
+    with pytest.raises(ConfigError, match=r"differ in shape \(first: model.layers.0.attention.wq.weight is \[8, 8\] "
+                                          r"there, \[12, 12\] in"):
+        manager(tmp_path).load(Run(dim=12).states)
+
+
+def test_check_entries_orders_layers_naturally():
+    exp = {f"layers.{i}.w": (2,) for i in range(12)}
+    with pytest.raises(ConfigError, match=r"first: layers.10.w, layers.11.w\)"):
+        ckpt.check_entries(expected={k: v for k, v in exp.items() if not k.startswith("layers.1")} |
+                           {"layers.1.w": (2,)}, stored=exp, key="k", where="w")
+
+
+# ------------------------------------------------------------------ checksums
+
+
+def _garble(path: Path) -> None:
+    """Overwrite the middle of a file in place with same-size garbage (size and mtime-ish unchanged)."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid: mid + 64] = bytes((b + 1) % 256 for b in data[mid: mid + 64])
+    path.write_bytes(bytes(data))
+
+
+def test_save_writes_a_manifest_and_load_verifies_it(tmp_path):
+    run = Run()
+    mgr = manager(tmp_path)
+    for step in (1, 2):
+        run.step()
+        mgr.maybe_save(step, run.states)
+    import json
+
+    manifest = json.loads((tmp_path / "step-2" / ckpt.MANIFEST).read_text())
+    names = {p.name for p in (tmp_path / "step-2").iterdir()} - {ckpt.MANIFEST}
+    assert set(manifest["files"]) == names and ".metadata" in names
+    assert ckpt.verify_checkpoint(tmp_path / "step-2") is True
+
+    shard = next((tmp_path / "step-2").glob("*.distcp"))
+    size = shard.stat().st_size
+    _garble(shard)
+    assert shard.stat().st_size == size
+    before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=rf"checkpoint.folder: .*step-2 is corrupt: .*{shard.name} fails its checksum"
+                                          r".*set checkpoint.load_step = 1 \(or checkpoint.fallback_on_corrupt = true\)"):
+        manager(tmp_path).load(Run().states)
+    with pytest.raises(ConfigError, match=rf"checkpoint.load_step: .*step-2 is corrupt: .*{shard.name}"):
+        manager(tmp_path, load_step=2, fallback_on_corrupt=True).load(Run().states)
+    assert sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*")) == before
+
+    # The explicit option falls back to the newest intact checkpoint.
+    fresh = Run(seed=5)
+    assert manager(tmp_path, fallback_on_corrupt=True).load(fresh.states) == 1
+    # A truncated file and a missing one are caught by size/presence before any hashing.
+    with pytest.raises(ConfigError, match="has 3 bytes"):
+        shard.write_bytes(b"abc")
+        manager(tmp_path, load_step=2).load(Run().states)
+    shard.unlink()
+    with pytest.raises(ConfigError, match="is missing"):
+        manager(tmp_path, load_step=2).load(Run().states)
+    # A checkpoint without a manifest (written before checksums existed) still loads.
+    (tmp_path / "step-1" / ckpt.MANIFEST).unlink()
+    assert manager(tmp_path, load_step=1).load(Run().states) == 1
+    # The only checkpoint corrupt: nothing older to offer.
+    only = tmp_path / "only"
+    manager(only).save(1, run.states)
+    _garble(only / "step-1" / ".metadata")
+    with pytest.raises(ConfigError, match=r"corrupt: .*\.metadata fails its checksum .*; no older checkpoint"):
+        manager(only).load(Run().states)
+    with pytest.raises(ConfigError, match="initial_load_path: .* is corrupt: .*.metadata"):
+        ckpt.load_initial(TinyLM(), path=only / "step-1", fmt="dcp")
+
+
+def test_async_save_writes_the_manifest(tmp_path):
+    run = Run()
+    run.step()
+    mgr = manager(tmp_path, async_mode="async")
+    mgr.maybe_save(1, run.states)
+    mgr.close()
+    assert ckpt.verify_checkpoint(tmp_path / "step-1") is True
+
+
+def test_all_finite(tmp_path):
+    run = Run()
+    run.step()
+    assert ckpt.all_finite(run.model, run.optimizer)
+    with torch.no_grad():
+        run.model.layers[1].feed_forward.w1.weight[0, 0] = float("nan")
+    assert not ckpt.all_finite(run.model)
+    run = Run()
+    run.step()
+    next(iter(run.optimizer.state.values()))["exp_avg_sq"].fill_(float("inf"))
+    assert ckpt.all_finite(run.model) and not ckpt.all_finite(run.model, run.optimizer)
+
+
+# ------------------------------------------------------------------ HF config.json vs the recipe
+
+
+def _hf_folder(folder: Path, family_name: str, flavor: str, **overrides):
+    """A Hugging Face folder (safetensors + config.json) of a small model of the family."""
+    import json
+
+    import models
+    from safetensors.torch import save_file
+
+    family = models.get_model_family(family_name)
+    args = family.get_args(flavor, n_layers=1, **overrides)
+    torch.manual_seed(0)
+    model = family.model_cls(args)
+    model.init_weights()
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in family.hf_adapter.to_hf(model.state_dict(), args).items()},
+              str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(family.hf_adapter.hf_config(args)))
+    return family, args, model
+
+
+@pytest.mark.parametrize("family_name, flavor, field, value, hf_key", [
+    ("llama3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
+    ("llama3", "debugmodel", "rope_scaling_factor", None, "rope_scaling"),
+    ("llama3", "debugmodel", "rope_scaling_factor", 32.0, "rope_scaling"),
+    ("llama3", "debugmodel", "rope_high_freq_factor", 2.0, "rope_scaling"),
+    ("llama3", "debugmodel", "norm_eps", 1e-6, "rms_norm_eps"),
+    ("qwen3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
+    ("qwen3", "debugmodel_moe", "norm_topk_prob", False, "norm_topk_prob"),
+])
+def test_hf_weights_refuse_an_architecture_other_than_config_json(tmp_path, capsys, family_name, flavor, field,
+                                                                   value, hf_key):
+    import dataclasses
+
+    family, args, src = _hf_folder(tmp_path / "hf", family_name, flavor)
+    assert getattr(args, field) != value
+    recipe = dataclasses.replace(args, **{field: value}, max_seq_len=64)  # max_seq_len is not architecture
+    model = family.model_cls(recipe)
+    model.init_weights()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=rf"checkpoint.initial_load_path: the recipe's model differs from "
+                                          rf".*config.json: {hf_key}: config.json .*, recipe .*hf_config_mismatch"):
+        ckpt.load_initial(model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe)
+    assert_same(model.state_dict(), before)  # nothing loaded
+    # The explicit option trains the recipe's model on these weights and says what differs.
+    ckpt.load_initial(model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe,
+                      hf_config_mismatch="override")
+    assert f"hf_config_mismatch = override: {hf_key} is" in capsys.readouterr().out
+    assert_same(model.state_dict(), src.state_dict())
+    # The same architecture (only the RoPE table length differs) loads without a word.
+    same = dataclasses.replace(args, max_seq_len=64)
+    ckpt.load_initial(family.model_cls(same), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=same)
+    assert capsys.readouterr().out == ""
+
+
+def test_hf_weights_without_config_json(tmp_path, capsys):
+    family, args, _ = _hf_folder(tmp_path / "hf", "llama3", "debugmodel")
+    (tmp_path / "hf" / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"config.json not found, so the architecture .* cannot be checked"):
+        ckpt.load_initial(family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args)
+    ckpt.load_initial(family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args,
+                      hf_config_mismatch="override")
+    assert "not checked" in capsys.readouterr().out

@@ -281,7 +281,7 @@ def _file(path, content):
     (lambda p: _file(p / "f.jsonl", '{"body": "x"}\n'), "no field 'text'"),
     (lambda p: _file(p / "i.jsonl", '{"text": 3}\n'), "holds int"),
     (lambda p: _file(p / "z.jsonl.gz", b"not gzip at all"), "cannot read file"),
-    (lambda p: _file(p / "j.jsonl", '{"text": "a"\n'), "cannot read file"),
+    (lambda p: _file(p / "j.jsonl", '{"text": "a"\n'), "line 1 is not valid JSON"),
     (lambda p: _file(p / "c.csv", "text\nx\n") and str(p / "*.csv"), "unsupported type"),
     (lambda p: _file(p / "m.jsonl", "{}\n") and _file(p / "m.txt", "x") and str(p / "m.*"), "mixes"),
     (lambda p: "bundled", None),
@@ -307,3 +307,48 @@ def test_validation_smaller_than_a_batch(tok, tmp_path):
     # Training repeats the small document until a window is full.
     x, _ = _loader(tok, str(path), seq_len=512).next_batch()
     assert int((x == tok.bos_id).sum()) > 1
+
+
+def test_bad_json_line_past_the_first_chunk_names_the_true_line(tmp_path, capfd):
+    # The json reader parses ~10 MB chunks and numbered its error rows from the chunk start
+    # ("in row 9709" for line 111945), and logged a second stderr line of its own.
+    import json
+
+    from trainer.data import _iter_texts
+
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        line = 0
+        while f.tell() < 11 * 1024 * 1024:
+            f.write(json.dumps({"text": f"document {line} " * 8}) + "\n")
+            line += 1
+            if line % 1000 == 0:  # blank lines are not rows: line and row numbers drift apart
+                f.write("\n")
+                line += 1
+        f.write('{"text": "cut short\n')
+        bad = line + 1
+        f.write(json.dumps({"text": "after"}) + "\n")
+    capfd.readouterr()
+    with pytest.raises(ConfigError) as err:
+        for _ in _iter_texts(resolve_dataset(str(path)), "text"):
+            pass
+    message = str(err.value)
+    assert f"file {path} line {bad} is not valid JSON" in message and "\n" not in message, message
+    assert capfd.readouterr().err == ""
+
+
+def test_validation_check_reads_what_validation_reads(tok, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    _write(docs, "jsonl", DOCS)
+    loader = _loader(tok, str(docs), split="validation", seq_len=16)
+    first = loader.next_batch()
+    loader.reset()
+    assert loader.check(3) == 3
+    torch.testing.assert_close(loader.next_batch(), first)  # starts over afterwards
+    nofield = _file(tmp_path / "v.jsonl", '{"body": "x"}\n')
+    with pytest.raises(ConfigError, match="no field 'text'"):
+        _loader(tok, nofield, split="validation").check(4)
+    small = tmp_path / "small.jsonl"
+    _write(small, "jsonl", DOCS[:1])
+    with pytest.raises(ConfigError, match="fewer tokens than one micro-batch"):
+        _loader(tok, str(small), split="validation", seq_len=512).check(4)

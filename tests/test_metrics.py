@@ -108,8 +108,26 @@ def test_resume_appends_and_hides_stale_tensorboard_steps(tmp_path, clock):
                             start_step=2)
     run_steps(resumed, clock, [3, 4], loss=lambda s: 100.0 + s)
     resumed.close()
-    assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2, 3, 4, 3, 4]
+    # One record per step: the resumed run's 3 and 4 (the earlier ones were duplicated before).
+    assert [(r["step"], r["loss"]) for r in read_jsonl(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0)]
     assert read_tb(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0)]
+    # The replaced records are kept aside, tagged with the step the run went back to.
+    with open(tmp_path / "metrics.rolled_back.jsonl") as f:
+        aside = [json.loads(line) for line in f]
+    assert [(r["step"], r["loss"], r["rolled_back_at"]) for r in aside] == [(3, 3.0, 2), (4, 4.0, 2)]
+    # Roll back further (load_step=1) with a line cut short by a kill: same rule.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=4, is_rank0=True,
+                  start_step=1).close()
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [1]
+    with open(tmp_path / "metrics.rolled_back.jsonl") as f:
+        aside = [json.loads(line) for line in f]
+    assert [r.get("step") for r in aside[2:]] == [2, 3, 4, None] and aside[-1]["unreadable"] == '{"step": 5, "lo'
+    # A non-zero rank never touches the files.
+    MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=4, is_rank0=False,
+                  start_step=0).close()
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [1]
 
 
 def test_other_ranks_write_nothing(tmp_path, clock, capsys):

@@ -114,11 +114,17 @@ def test_bad_input_exits_2(tmp_path, capsys):
     base = ["to-hf", "--checkpoint", str(checkpoints), "--model.name", "llama3"]
     cases = [
         (base + ["--model.flavor", "7B", str(tmp_path / "o")], "model.flavor"),
-        (base + ["--model.flavor", "debugmodel", str(tmp_path / "o")], "missing model.layers.2"),
+        (base + ["--model.flavor", "debugmodel", str(tmp_path / "o")], "are not in it (first: model.layers.2."),
         (base + ["--model.flavor", "debugmodel", "--model.n_layers=2", "--model.dim=128", str(tmp_path / "o")], "shape"),
         (["to-hf", "--checkpoint", str(tmp_path), "--model.name", "llama3", "--model.flavor", "debugmodel",
           str(tmp_path / "o")], "not a DCP checkpoint"),
-        (base + ["--model.flavor", "debugmodel", "--model.n_layers=two", str(tmp_path / "o")], "expected int"),
+        (base + ["--model.flavor", "debugmodel", "--model.n_layers=two", str(tmp_path / "o")],
+         "model.n_layers: expected an integer, got 'two'"),
+        (base + ["--model.flavor", "debugmodel", "--model.n_layers=2", "--model.rope_scaling_factor=abc",
+                 str(tmp_path / "o")], "model.rope_scaling_factor: expected a number or none, got 'abc'"),
+        # A checkpoint with MORE layers than the args (2 saved, 1 asked) used to convert silently.
+        (base + ["--model.flavor", "debugmodel", "--model.n_layers=1", str(tmp_path / "o")],
+         "it has 9 entries llama3 with model.flavor/overrides lacks (first: model.layers.1."),
         (["to-hf", "--model.name", "llama3", str(tmp_path / "o")], "required"),
         (["from-hf", str(tmp_path), str(tmp_path / "o")], "config.json"),
     ]
@@ -126,4 +132,42 @@ def test_bad_input_exits_2(tmp_path, capsys):
         assert convert.main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+        assert not (tmp_path / "o").exists(), argv  # nothing written
     assert dataclasses.is_dataclass(model.args)
+
+
+def test_string_overrides_use_the_trainer_parser(tmp_path):
+    # --model.attn_backend=sdpa used to fail with "expected str" (the scripts had their own check).
+    model = _our_model("llama3", "debugmodel", n_layers=2)
+    checkpoints = _save_training_checkpoint(model, tmp_path)
+    argv = ["to-hf", "--checkpoint", str(checkpoints), "--model.name", "llama3", "--model.flavor", "debugmodel",
+            "--model.n_layers=2", "--model.attn_backend=sdpa", "--model.rope_scaling_factor=none", str(tmp_path / "o")]
+    assert convert.main(argv) == 0
+    config = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert config["rope_scaling"] is None and config["num_hidden_layers"] == 2
+
+
+def test_from_hf_refuses_weights_beyond_config(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    family = models.get_model_family("llama3")
+    args = family.get_args("debugmodel", n_layers=2)
+    model = family.model_cls(args)
+    model.init_weights()
+    (tmp_path / "hf").mkdir()
+    tensors = {k: v.contiguous() for k, v in family.hf_adapter.to_hf(model.state_dict(), args).items()}
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    config = family.hf_adapter.hf_config(args)
+    # config.json says 1 layer, the safetensors hold 2: the second layer used to be written into the DCP.
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks (first: layers.1." in err[0], err
+    assert not (tmp_path / "dcp").exists()
+    # Matching config: converts, with a manifest the trainer verifies.
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    from trainer.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(tmp_path / "dcp") is True
+    assert load_file(str(tmp_path / "hf" / "model.safetensors")).keys() == tensors.keys()

@@ -128,3 +128,43 @@ def test_fused_loss_matches_plain_loss(tmp_path):
     plain = run(tmp_path / "plain", *fp32, "--training.fused_loss=off")
     fused = run(tmp_path / "fused", *fp32, "--training.fused_loss=on")
     assert [fused[s] for s in (1, 2, 3)] == pytest.approx([plain[s] for s in (1, 2, 3)], rel=1e-5)
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip() and not line.startswith("step ")]
+
+
+def test_bad_validation_data_fails_before_any_step(tmp_path, capsys):
+    bad = tmp_path / "val.jsonl"
+    bad.write_text('{"body": "no text field"}\n')
+    rc = main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=4", "--checkpoint.enable=true",
+               "--checkpoint.interval=1", "--validation.enable=true", "--validation.freq=2",
+               f"--validation.dataset={bad}"])
+    lines = _error_lines(capsys.readouterr().err)
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "no field 'text'" in lines[0], lines
+    # Before: trained, saved step-1, and failed at the first validation (step 2).
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_bad_json_mid_training_stops_cleanly_and_keeps_checkpoints(tmp_path, capsys, monkeypatch):
+    import trainer.data
+    from trainer.checkpoint import verify_checkpoint
+
+    # Small shuffle blocks make the second file (with the bad line) arrive a few steps in,
+    # as a bad line past the first 8192 rows of a large dataset would.
+    monkeypatch.setitem(trainer.data.build_dataloader.__kwdefaults__, "shuffle_block_docs", 4)
+    data = tmp_path / "data"
+    data.mkdir()
+    docs = [" ".join(f"word{(i * 31 + j) % 997}" for j in range(150)) for i in range(8)]
+    (data / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (data / "b.jsonl").write_text(json.dumps({"text": docs[0]}) + "\n\n" + '{"text": "cut' + "\n")
+    rc = main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=40", "--checkpoint.enable=true",
+               "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0", f"--training.dataset={data}/*.jsonl"])
+    lines = _error_lines(capsys.readouterr().err)
+    assert rc == 2, lines
+    assert len(lines) == 1 and f"file {data}/b.jsonl line 3 is not valid JSON" in lines[0], lines
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert steps and steps[-1] >= 2 and steps[-1] < 40
+    assert verify_checkpoint(tmp_path / "run" / "checkpoints" / f"step-{steps[-1]}")
+    logged = read_losses(tmp_path / "run")
+    assert max(logged) < 40 and max(logged) >= steps[-1]

@@ -28,7 +28,8 @@ def run(cmd: list[str]) -> None:
 
 
 def read_metrics(folder) -> dict[int, dict]:
-    """metrics.jsonl by step; the last record wins (a restarted run appends the steps it redoes)."""
+    """metrics.jsonl by step (one record per step: a restarted run moves the records it redoes
+    to metrics.rolled_back.jsonl)."""
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         return {r["step"]: r for r in map(json.loads, f)}
 

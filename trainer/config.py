@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,7 +123,8 @@ class OptimizerConfig:
 @dataclass
 class LRSchedulerConfig:
     warmup_steps: int = field(default=200, metadata=_range(ge=0))
-    """Steps of linear warmup from ~0 to the peak lr."""
+    """Steps of linear warmup from ~0 to the peak lr (lr = peak x step / warmup_steps). A run
+    shorter than this stops part-way up the ramp and never reaches the peak."""
     decay_type: str = field(default="linear", metadata=_choices("linear", "cosine", "wsd", "constant"))
     """Decay after warmup: linear or cosine down to min_lr_factor x lr over the remaining steps;
     wsd (warmup-stable-decay) holds the peak and decays linearly over the last decay_ratio of
@@ -179,11 +181,22 @@ class CheckpointConfig:
     async_mode: str = field(default="disabled", metadata=_choices("disabled", "async"))
     """disabled: blocking save; async: write in the background (dcp.async_save)."""
     load_step: int = -1
-    """Resume from this step's checkpoint instead of the newest; -1 = newest."""
+    """Resume from this step's checkpoint instead of the newest; -1 = newest. Weights, optimizer
+    moments, data position and RNG come from the checkpoint; lr, lr schedule, betas, eps and
+    weight_decay from this config (docs/checkpointing.md), so a rollback can lower the lr."""
     initial_load_path: str = ""
     """Weights to start from when the run has no checkpoint of its own (model only)."""
     initial_load_format: str = field(default="dcp", metadata=_choices("dcp", "hf"))
     """Format of initial_load_path: dcp (a checkpoint folder) or hf (safetensors + config.json)."""
+    hf_config_mismatch: str = field(default="error", metadata=_choices("error", "override"))
+    """initial_load_format = hf: what to do when the recipe's model differs from the architecture
+    in the weights' config.json (rope_theta, RoPE scaling, norm eps, head counts, ...): error
+    refuses to start and names the fields; override trains the recipe's model anyway (e.g. a
+    new rope_theta for context extension) and prints each difference."""
+    fallback_on_corrupt: bool = False
+    """When the newest checkpoint fails its checksums (manifest.json), resume from the newest
+    older one that passes instead of stopping with an error naming the file and that step.
+    Never applies to an explicit load_step."""
 
 
 @dataclass
@@ -255,8 +268,9 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _parse_cli_value(raw: str) -> Any:
-    """CLI values are TOML literals when they parse as one (1, 0.5, true, [0.9, 0.95]), else strings."""
+def parse_value(raw: str) -> Any:
+    """A command-line value: a TOML literal when it parses as one (1, 0.5, true, [0.9, 0.95]),
+    else the string itself. The trainer and every script parse `--section.key=value` with this."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -268,41 +282,60 @@ def _parse_cli_value(raw: str) -> Any:
         return raw
 
 
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               list: "a list such as [0.9, 0.95]", dict: "a table"}
+
+
+def _type_name(typ: Any) -> str:
+    origin = typing.get_origin(typ) or typ
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(typ))
+    return _TYPE_NAMES.get(origin, getattr(typ, "__name__", str(typ)))
+
+
 def coerce(key: str, value: Any, typ: Any) -> Any:
-    """Check/convert one value to the declared type; ConfigError names the key."""
+    """Check/convert one value to the declared type; ConfigError names the key.
+
+    The one type check of the project: recipe keys, `[model]` overrides of the flavor's args
+    and the scripts' `--model.FIELD=VALUE` options all go through it. An int is accepted for a
+    float, "true"/"false" for a bool; an optional field (`int | None`) also takes the string
+    "none" (how config.toml writes None) and otherwise any value one of its types accepts.
+    """
     origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(typ)
+        if type(None) in options and (value is None or (isinstance(value, str) and value.lower() == "none")):
+            return None
+        # str last: it accepts numbers, so `int | str` keeps 3 an int.
+        for option in sorted((a for a in options if a is not type(None)), key=lambda a: a is str):
+            try:
+                return coerce(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
             return value.lower() in ("true", "1")
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if typ is int:
+    elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if typ is float:
+    elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if typ is str:
+    elif typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    if typ is list or origin is list:
+    elif typ is list or origin is list:
         if isinstance(value, list):
             return value
-        raise ConfigError(f"{key}: expected a list such as [0.9, 0.95], got {value!r}")
-    if origin is typing.Union or str(origin) == "types.UnionType":
-        args = [a for a in typing.get_args(typ) if a is not type(None)]
-        if value is None:
-            return None
-        return coerce(key, value, args[0])
-    if typ is dict:
+    elif typ is dict or origin is dict:
         if isinstance(value, dict):
             return value
-        raise ConfigError(f"{key}: expected a table, got {value!r}")
-    return value
+    else:
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
 
 
 def _check_metadata(key: str, value: Any, meta: typing.Mapping) -> None:
@@ -393,7 +426,7 @@ def build_config(recipe: str | None, overrides: list[tuple[str, str]] = ()) -> C
         section, _, key = dotted.partition(".")
         if not key or "." in key:
             raise ConfigError(f"--{dotted}: expected --section.key=value")
-        _set(cfg, section, key, _parse_cli_value(raw), f"--{dotted}")
+        _set(cfg, section, key, parse_value(raw), f"--{dotted}")
     validate(cfg)
     return cfg
 
@@ -414,34 +447,40 @@ def validate(cfg: Config) -> None:
 
 
 
-def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
-    """The flavor's args with [model] overrides applied (typed, validated)."""
+def model_args(name: str, flavor: str, overrides: typing.Mapping[str, Any] = {}):
+    """(family, args): flavor `flavor` of model family `name` with `overrides` (field -> value)
+    type-checked by `coerce` and applied; the args' own checks become ConfigErrors naming the
+    field. Used by the trainer (`resolve_model_args`) and by the scripts (scripts/convert.py)."""
     from models import get_model_family
 
     try:
-        family = get_model_family(cfg.name)
+        family = get_model_family(name)
     except (KeyError, ValueError) as e:
-        raise ConfigError(str(e.args[0]) if e.args else f"model.name: {cfg.name!r}") from None
-    if cfg.flavor not in family.flavors:
+        raise ConfigError(str(e.args[0]) if e.args else f"model.name: {name!r}") from None
+    if flavor not in family.flavors:
         raise ConfigError(
-            f"model.flavor: {cfg.flavor!r} is not a {cfg.name} flavor{_did_you_mean(cfg.flavor, family.flavors)} "
+            f"model.flavor: {flavor!r} is not a {name} flavor{_did_you_mean(flavor, family.flavors)} "
             f"(allowed: {', '.join(family.flavors)})"
         )
-    args = family.flavors[cfg.flavor]
-    types = _field_types(type(args))
+    args = family.flavors[flavor]
+    types_ = _field_types(type(args))
     changes = {}
-    for key, value in cfg.overrides.items():
-        if key not in types:
-            allowed = ["name", "flavor", "tokenizer", *types]
+    for key, value in overrides.items():
+        if key not in types_:
+            allowed = ["name", "flavor", "tokenizer", *types_]
             raise ConfigError(f"unknown key model.{key}{_did_you_mean(key, allowed, 'model.')}")
-        if value is not None and types[key] is not dict and typing.get_origin(types[key]) is not dict:
-            value = coerce(f"model.{key}", value, types[key])
-        changes[key] = value
+        changes[key] = coerce(f"model.{key}", value, types_[key])
     try:
         args = dataclasses.replace(args, **changes)
     except ValueError as e:  # the args' own checks name the field: "n_layers: must be ..."
         raise ConfigError(f"model.{e}") from None
-    if hasattr(args, "max_seq_len") and "max_seq_len" not in changes:
+    return family, args
+
+
+def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
+    """The flavor's args with [model] overrides applied (typed, validated)."""
+    family, args = model_args(cfg.name, cfg.flavor, cfg.overrides)
+    if hasattr(args, "max_seq_len") and "max_seq_len" not in cfg.overrides:
         # RoPE tables only need the training length (Llama 3.1 scaling reads
         # original_max_position_embeddings, not this), not the published 131072.
         args = dataclasses.replace(args, max_seq_len=seq_len)

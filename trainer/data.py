@@ -29,6 +29,8 @@ from __future__ import annotations
 import glob as globlib
 import hashlib
 import itertools
+import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -120,6 +122,10 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
 def _load_streaming(path: str, *, local: bool, **kwargs):
     import datasets  # imported lazily: ~1 s, only jobs that read data pay for it
 
+    # The json reader logs its own copy of a parse error before raising it; we report the
+    # error ourselves, as one line with the true line number (_json_error_line).
+    datasets.utils.logging.get_logger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+
     if not local:
         return datasets.load_dataset(path, streaming=True, **kwargs)
     # Local files need no network, but load_dataset still sends a download-count request
@@ -148,9 +154,11 @@ def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0) -> Iterato
     extra = {"sample_by": "paragraph"} if source.kind == "text" else {}
     for path in source.files:
         # One streaming dataset per file so that a read error names its file.
+        rows = 0  # rows of this file already read: the reader's error row numbers count from its chunk
         try:
             ds = _load_streaming(source.kind, local=True, data_files=[path], split="train", **extra)
             for text in _rows_to_texts(ds, path, text_field):
+                rows += 1
                 if skip_rows:
                     skip_rows -= 1
                     continue
@@ -163,8 +171,62 @@ def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0) -> Iterato
         except StopIteration:
             continue  # datasets raises it for an empty json file: no rows
         except Exception as e:  # noqa: BLE001 - a malformed or unreadable file, reported by name
+            where = _json_error_line(path, rows, str(e)) if source.kind == "json" else None
+            if where is not None:
+                line, reason = where
+                raise ConfigError(f"dataset {source.spec}: file {path} line {line} is not valid JSON ({reason}); "
+                                  "allowed: one JSON object per line") from None
             raise ConfigError(f"dataset {source.spec}: cannot read file {path} as {source.kind}: "
-                              f"{type(e).__name__}: {e}") from None
+                              f"{type(e).__name__}: {_one_line(str(e))}") from None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _open_text(path: str):
+    """A local data file as text, decompressed by its extension (.gz, .bz2, .xz)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
+    return opener(path, "rt", encoding="utf-8", errors="replace")
+
+
+def _json_error_line(path: str, rows_before: int, message: str) -> tuple[int, str] | None:
+    """(1-based line number, reason) of the first line of a JSON-lines file that does not parse.
+
+    The reader parses a file in chunks (~10 MB) and reports `in row R` counted from the start of
+    the failing chunk; `rows_before` rows (all earlier chunks) were read. So the bad line is
+    the (rows_before + R)-th non-blank line: found by counting lines, parsing only from there.
+    If that line parses after all (another kind of error), the whole file is parsed line by line.
+    None if every line parses (e.g. a .json file holding one array: not line-delimited).
+    """
+    match = re.search(r"in row (\d+)", message)
+    guess = rows_before + int(match.group(1)) if match else 0
+    try:
+        for start in ((guess, 0) if guess else (0,)):
+            row = -1
+            with _open_text(path) as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    row += 1
+                    if row == 0 and line.lstrip().startswith("["):
+                        return None  # one JSON array, not JSON lines: the reader's message stands
+                    if row < start:
+                        continue
+                    try:
+                        json.loads(line)
+                    except ValueError as e:
+                        return number, _one_line(str(e), 120)
+                    if start and row > start:
+                        break  # the guessed line parses: look through the whole file
+    except (OSError, EOFError, ValueError):  # not readable as text (bad gzip, ...): no line to name
+        return None
+    return None
 
 
 def _rows_to_texts(ds, where: str, text_field: str) -> Iterator[str]:
@@ -297,6 +359,18 @@ class TokenLoader:
         self._windows += self.dp_degree * batch
         tokens = torch.from_numpy(out).long()
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def check(self, micro_batches: int) -> int:
+        """Read (and tokenize) the first `micro_batches` micro-batches now, then start over.
+
+        For the validation loader: validation reads exactly these batches every time, so a bad
+        file, a missing text field or a split shorter than one micro-batch fails here, before
+        the first training step, instead of at the first validation. Returns how many complete
+        micro-batches there are (at most `micro_batches`).
+        """
+        count = sum(1 for _ in zip(range(micro_batches), self))
+        self.reset()
+        return count
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:

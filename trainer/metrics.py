@@ -68,14 +68,50 @@ def peak_memory_gib(device: torch.device) -> float | None:
         return None
 
 
+ROLLED_BACK = "metrics.rolled_back.jsonl"
+
+
+def set_aside(path: Path, start_step: int) -> int:
+    """Move the records of `path` with step > start_step (and unreadable lines, e.g. a line
+    cut short by a kill) to metrics.rolled_back.jsonl next to it, each tagged with
+    `"rolled_back_at": start_step`; rewrite `path` atomically. Returns how many moved."""
+    if not path.is_file():
+        return 0
+    keep, moved = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                moved.append(json.dumps({"rolled_back_at": start_step, "unreadable": line.rstrip("\n")}))
+                continue
+            if step <= start_step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+            else:
+                moved.append(json.dumps({**record, "rolled_back_at": start_step}))
+    if not moved:
+        return 0
+    with open(path.with_name(ROLLED_BACK), "a", encoding="utf-8") as f:
+        f.write("".join(m + "\n" for m in moved))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    tmp.replace(path)
+    return len(moved)
+
+
 class MetricsLogger:
     """Progress bar + console + metrics.jsonl + TensorBoard for one training run.
 
     dump_folder: where metrics.jsonl and tb/ go (created on rank 0).
     log_freq: log every this many steps (and always the first and the last step).
     total_steps: the run's last step, for the progress bar and its ETA.
-    start_step: the step the run resumed from (0 for a fresh run): metrics.jsonl is appended,
-        and TensorBoard hides stale events after it from the earlier, interrupted run.
+    start_step: the step the run resumed from (0 for a fresh run): metrics.jsonl keeps the
+        records up to it and is appended to; records after it (from a run that was interrupted
+        or rolled back with load_step) move to metrics.rolled_back.jsonl, so metrics.jsonl holds
+        one record per step. TensorBoard likewise hides the stale events after it.
     flops_per_token: trainer.flops.flops_per_token(...) (a dict with "palm" and "causal") or a
         number (PaLM convention); None reports no TFLOP/s or MFU.
     peak_flops: peak FLOP/s of one device (trainer.flops.peak_flops_per_device); None -> MFU is null.
@@ -120,7 +156,8 @@ class MetricsLogger:
         if not is_rank0:
             return
         self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
-        # Append: a resumed run keeps the records of the run it continues.
+        # Append: a resumed run keeps the records of the run it continues, up to its step.
+        set_aside(self.jsonl_path, start_step)
         self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter

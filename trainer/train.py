@@ -206,7 +206,7 @@ def train(cfg: Config) -> int:
     build_val_loader = None
     if cfg.validation.enable:
         build_val_loader = lambda: loader_for(cfg.validation.dataset, "validation", t.seed)  # noqa: E731
-        build_val_loader()  # fail early on a bad validation dataset
+        build_val_loader().check(cfg.validation.steps)  # read what validation reads: bad data fails before step 1
 
     # -- kernels, model, optimizer, schedule
     attention = kernels.select(attention=cfg.model.attn_backend, device=device)
@@ -223,7 +223,7 @@ def train(cfg: Config) -> int:
     ck = cfg.checkpoint
     manager = ckpt.CheckpointManager(
         folder=os.path.join(dump_folder, ck.folder), interval=ck.interval, keep_latest_k=ck.keep_latest_k,
-        async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step,
+        async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step, fallback_on_corrupt=ck.fallback_on_corrupt,
     )
     train_state = ckpt.TrainState()
     states = {
@@ -236,7 +236,7 @@ def train(cfg: Config) -> int:
     start_step = manager.load(states)
     if start_step == 0 and ck.initial_load_path:
         ckpt.load_initial(model, path=ck.initial_load_path, fmt=ck.initial_load_format,
-                          hf_adapter=family.hf_adapter, args=args)
+                          hf_adapter=family.hf_adapter, args=args, hf_config_mismatch=ck.hf_config_mismatch)
     if start_step >= t.steps:
         if is_rank0:
             print(f"already trained to step {start_step} (training.steps = {t.steps}); nothing to do")
