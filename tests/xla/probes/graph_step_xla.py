@@ -28,7 +28,9 @@ import traceback
 
 import torch
 
-SEQ, BATCH = 64, 2
+# 512 tokens per step: enough that per-parameter work (clipping, AdamW) is ~1 % of the step's FLOPs
+# (test_tpu_compile compares the compiler's FLOPs with the per-token formula).
+SEQ, BATCH = 128, 4
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_NORM = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
 
 _RECORD: dict = {}
@@ -110,6 +112,9 @@ def capture(variant: str) -> dict:
                          n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=SEQ,
                          tokens=BATCH * SEQ, num_experts=getattr(args, "num_experts", 0) or 0,
                          num_matmul_params=args.num_active_params(exclude_embedding=True),
+                         num_matmul_params_one_layer=dataclasses.replace(args, n_layers=1).num_active_params(
+                             exclude_embedding=True),
+                         num_params=args.num_params(),
                          lr=LR, eps=EPS, beta1=BETAS[0]))
     return rec
 

@@ -1,13 +1,14 @@
 """Probe (tpuc venv): compile exported train steps for real TPU targets without a TPU (deviceless).
 
-    python tpu_compile.py TOPOLOGIES EXPORT [EXPORT ...]
-    TOPOLOGIES: comma-separated jax topology names, e.g. v5e:2x2,v6e:2x2,tpu7x:2x2x1
+    python tpu_compile.py EXPORT=TOPOLOGIES [EXPORT=TOPOLOGIES ...]
+    TOPOLOGIES: comma-separated jax topology names, e.g. step.jax_export=v5e:2x2,v6e:2x2,tpu7x:2x2x1
 
 `jax.experimental.topologies` builds compile-only TPU devices from libtpu; each serialized
 `jax.export` artifact (made by graph_step_xla.py with platforms=["tpu"]) is compiled by XLA:TPU
 for device 0 of each topology. Reports per (export, topology): compile seconds, `while` ops left
 in the optimized HLO, the compiler's cost analysis (flops, bytes accessed) and memory analysis.
-Prints one JSON line: {"versions": ..., "devices": {topology: device_kind}, "compiles": {...}}.
+Prints one JSON line: {"versions": ..., "devices": {topology: device_kind},
+"compiles": {"<export file name>@<topology>": result}}.
 """
 
 from __future__ import annotations
@@ -51,17 +52,19 @@ def compile_for(exported, device) -> dict:
 
 
 def main() -> None:
-    names, paths = sys.argv[1].split(","), sys.argv[2:]
-    devices, compiles = {}, {}
-    targets = {}
-    for name in names:
-        topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
-        targets[name] = topo.devices[0]
-        devices[name] = topo.devices[0].device_kind
-    for path in paths:
+    jobs = [(arg.rsplit("=", 1)[0], arg.rsplit("=", 1)[1].split(",")) for arg in sys.argv[1:]]
+    devices, compiles, targets = {}, {}, {}
+    for _, names in jobs:
+        for name in names:
+            if name not in targets:
+                topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+                targets[name] = topo.devices[0]
+                devices[name] = topo.devices[0].device_kind
+    for path, names in jobs:
         with open(path, "rb") as f:
             exported = jax.export.deserialize(bytearray(f.read()))
-        for name, device in targets.items():
+        for name in names:
+            device = targets[name]
             key = f"{os.path.basename(path)}@{name}"
             try:
                 compiles[key] = compile_for(exported, device)
