@@ -34,7 +34,6 @@ LOWERING_VARIANTS = (
     "llama3:debugmodel:scan:4:lower",
     "qwen3:debugmodel:unrolled:2",
     "qwen3:debugmodel:scan:2",
-    "qwen3:debugmodel:scan:4:lower",
     "qwen3:debugmodel_moe:unrolled:2",
     "qwen3:debugmodel_moe:scan:2",
 )
@@ -127,6 +126,11 @@ class Probe:
             lines = [ln for ln in stdout.splitlines() if ln.strip()]
             assert lines, f"probe {self.name} printed nothing; stderr:\n{stderr[-4000:]}"
             self._result = json.loads(lines[-1])
+            # TITAN_XLA_RESULTS=DIR keeps every probe's JSON (the numbers docs/tpu.md quotes).
+            if os.environ.get("TITAN_XLA_RESULTS"):
+                folder = Path(os.environ["TITAN_XLA_RESULTS"])
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{Path(self.name.split()[0]).stem}.json").write_text(json.dumps(self._result, indent=1))
         return self._result
 
 

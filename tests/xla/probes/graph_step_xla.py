@@ -33,36 +33,6 @@ import torch
 SEQ, BATCH = 128, 4
 LR, BETAS, EPS, WEIGHT_DECAY, MAX_NORM = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
 
-_RECORD: dict = {}
-
-
-def _install_recorder():
-    """Wrap functorch's make_boxed_func (which the aot_eager capture calls on the ATen graph) so the
-    first call of each captured graph records its inputs before and after, and its outputs."""
-    import functorch.compile as fc
-
-    original = fc.make_boxed_func
-
-    def recording(fn):
-        boxed = original(fn)
-
-        def call(args):
-            if "pre" in _RECORD:
-                return boxed(args)
-            originals = list(args)
-            _RECORD["pre"] = [a.detach().clone() if torch.is_tensor(a) else a for a in originals]
-            out = boxed(args)
-            _RECORD["originals"] = originals
-            _RECORD["post"] = [a.detach().clone() if torch.is_tensor(a) else a for a in originals]
-            _RECORD["out"] = [o.detach().clone() if torch.is_tensor(o) else o for o in out]
-            return out
-
-        call._boxed_call = True
-        return call
-
-    fc.make_boxed_func = recording
-
-
 def _build(family_name: str, flavor: str, n_layers: int):
     from models import get_model_family
     from parallelisms.simple_fsdp import data_parallel
@@ -86,6 +56,7 @@ def _build(family_name: str, flavor: str, n_layers: int):
 def capture(variant: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from trainer.graph import build_graph_step
+    from trainer.graph.xla import RECORD
 
     family, flavor, mode, n_layers, *rest = variant.split(":")
     args, model, opt, plan = _build(family, flavor, int(n_layers))
@@ -94,11 +65,11 @@ def capture(variant: str) -> dict:
                             plan=plan)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=g)
-    _RECORD.clear()
+    RECORD.clear()
     start = time.perf_counter()
     with sdpa_kernel([SDPBackend.MATH]):
         loss, grad_norm = step([(tokens[:, :-1], tokens[:, 1:])], LR)
-    rec = dict(_RECORD)
+    rec = dict(RECORD)
     assert "pre" in rec, "the aot_eager graph was not called"
     # Which graph inputs are parameters and which their exp_avg (step 1: exp_avg = (1 - beta1) * grad).
     roles = {}
@@ -106,7 +77,8 @@ def capture(variant: str) -> dict:
         roles[slot.param.data_ptr()] = ("param", slot.param.data_ptr())
         roles[slot.exp_avg.data_ptr()] = ("exp_avg", slot.param.data_ptr())
     rec["roles"] = [roles.get(a.data_ptr()) if torch.is_tensor(a) else None for a in rec.pop("originals")]
-    rec.update(gm=step.graph_module, lower_only=rest == ["lower"],
+    assert rec["gm"] is step.graph_module
+    rec.update(lower_only=rest == ["lower"],
                info=dict(graph_nodes=step.graph_nodes, scans=step.stats.scans, capture_s=time.perf_counter() - start,
                          loss=float(loss), grad_norm=float(grad_norm),
                          n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=SEQ,
@@ -165,20 +137,13 @@ GRAD_REL = 1e-4
 def lower_and_run(torchax, rec: dict, out_path: str) -> dict:
     import jax
     import numpy as np
-    from torchax import interop
+
+    from trainer.graph.xla import as_jax_function
 
     env = torchax.default_env()
-    gm, pre = rec["gm"], rec["pre"]
-    tensor_idx = [i for i, a in enumerate(pre) if torch.is_tensor(a)]
-
-    def step(*tensors):
-        args = list(pre)
-        for i, t in zip(tensor_idx, tensors):
-            args[i] = t
-        outs = gm(*args)
-        return list(outs), [args[i] for i in tensor_idx]
-
-    jitted = jax.jit(interop.jax_view(step))
+    fn, tensor_idx = as_jax_function(rec)
+    pre = rec["pre"]
+    jitted = jax.jit(fn)
     inputs = [env.t2j_copy(pre[i]) for i in tensor_idx]
     res = dict(rec["info"])
     t = time.perf_counter()
@@ -219,7 +184,9 @@ def main() -> None:
     out_dir, variants = sys.argv[1], sys.argv[2:]
     os.makedirs(out_dir, exist_ok=True)
     torch.set_num_threads(1)
-    _install_recorder()
+    from trainer.graph.xla import record_first_call
+
+    record_first_call()
     results, records = {}, {}
     for v in variants:
         try:
@@ -227,12 +194,9 @@ def main() -> None:
         except Exception as e:  # reported per variant; the test decides
             results[v] = {"error": f"{type(e).__name__}: {e}"[:2000], "stage": "capture",
                           "traceback": traceback.format_exc()[-3000:]}
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from torchax_support import add_lowerings, load_torchax
+    from trainer.graph.xla import add_lowerings, load_torchax
 
     torchax = load_torchax()
-    import jax
-
     add_lowerings(torchax.default_env())
     for v, rec in records.items():
         try:
