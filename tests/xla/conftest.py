@@ -8,8 +8,9 @@ one JSON object on its last stdout line; `run_probe` returns it.
 
 Each probe runs once per session and several tests read its result (session fixtures
 `lowering`, `tpu_compiles`, `torch_tpu_path`). To keep the tier's wall time down on a small
-machine, the first test of the tier makes every venv the selected tests need in parallel and
-starts the torch-tpu probe in the background, beside the lowering probe.
+machine, the first test of the tier starts making every venv the selected tests need in threads
+(pip overlaps the probes) and starts the torch-tpu probe in the background as soon as its venv
+is ready, beside the lowering probe.
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ LOWERING_VARIANTS = (
     "qwen3:debugmodel_moe:unrolled:2",
     "qwen3:debugmodel_moe:scan:2",
 )
-# Deviceless XLA:TPU compiles: (exported variant, jax topology names). Llama 3 on all three
-# targets; Qwen 3 on v6e only (each compile is 5-20 s here). The MoE step is not compiled for
+# Deviceless XLA:TPU compiles: (exported variant, targets). The scanned Llama 3 step on all three
+# targets; the other dense steps on v6e only (each compile is 5-20 s on this machine). The MoE step is not compiled for
 # TPU: on CPU its experts take the dense fallback (every expert on every token), not the
 # `_grouped_mm` path a TPU runs, so its TPU program would say nothing about the real one.
 TPU_TARGETS = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "tpu7x": "tpu7x:2x2x1"}
 TPU_COMPILES = (
-    ("llama3:debugmodel:unrolled:2", ("v5e", "v6e", "tpu7x")),
     ("llama3:debugmodel:scan:2", ("v5e", "v6e", "tpu7x")),
-    ("qwen3:debugmodel:unrolled:2", ("v6e",)),
+    ("llama3:debugmodel:unrolled:2", ("v6e",)),
     ("qwen3:debugmodel:scan:2", ("v6e",)),
+    ("qwen3:debugmodel:unrolled:2", ("v6e",)),
 )
 TORCH_TPU_VARIANTS = ("unrolled", "scan", "unrolled_unannotated")
 
@@ -66,39 +67,34 @@ def _probe_env() -> dict[str, str]:
 
 
 _VENVS: dict[str, Path] = {}
+_VENV_THREADS: dict[str, threading.Thread] = {}
+_VENV_ERRORS: dict[str, str] = {}
 _VENV_LOCK = threading.Lock()
 
 
-def xla_python(name: str) -> Path:
-    """The python of venv `name` (xla | tpuc | ttpu), made on first use by scripts/xla_env.sh."""
-    with _VENV_LOCK:
-        if name in _VENVS:
-            return _VENVS[name]
+def _make_venv(name: str) -> None:
     out = subprocess.run(["bash", str(ROOT / "scripts" / "xla_env.sh"), name], capture_output=True, text=True)
     if out.returncode != 0:
-        pytest.fail(f"scripts/xla_env.sh {name} exited {out.returncode}:\n{out.stderr[-4000:]}", pytrace=False)
-    with _VENV_LOCK:
+        _VENV_ERRORS[name] = f"scripts/xla_env.sh {name} exited {out.returncode}:\n{out.stderr[-4000:]}"
+    else:
         _VENVS[name] = Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
-        return _VENVS[name]
 
 
-def make_venvs(names) -> None:
-    """Make the venvs `names` concurrently (pip downloads overlap; each is made once)."""
-    failures = []
+def start_venv(name: str) -> None:
+    """Start making venv `name` (xla | tpuc | ttpu) in a thread, once (pip downloads overlap)."""
+    with _VENV_LOCK:
+        if name not in _VENV_THREADS:
+            _VENV_THREADS[name] = threading.Thread(target=_make_venv, args=(name,), daemon=True)
+            _VENV_THREADS[name].start()
 
-    def make(name):
-        try:
-            xla_python(name)
-        except BaseException as e:  # pytest.fail raises an Exit-like exception; report it below
-            failures.append(f"{name}: {e}")
 
-    threads = [threading.Thread(target=make, args=(n,)) for n in names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failures:
-        pytest.fail("\n".join(failures), pytrace=False)
+def xla_python(name: str) -> Path:
+    """The python of venv `name`, made on first use by scripts/xla_env.sh (waits if in progress)."""
+    start_venv(name)
+    _VENV_THREADS[name].join()
+    if name in _VENV_ERRORS:
+        pytest.fail(_VENV_ERRORS[name], pytrace=False)
+    return _VENVS[name]
 
 
 class Probe:
@@ -151,16 +147,30 @@ _FIXTURE_VENVS = {"lowering": ("xla",), "tpu_compiles": ("xla", "tpuc"), "torch_
 
 @pytest.fixture(scope="session", autouse=True)
 def _xla_tier_start(request):
-    """Before the tier's first test: make the needed venvs in parallel, start the torch-tpu probe."""
+    """Before the tier's first test: start making every venv the selected tests need (in
+    threads, so pip overlaps the probes), and start the torch-tpu probe as soon as its venv is
+    ready, beside the lowering probe (2 cores: one probe each)."""
     used = {f for item in request.session.items if Path(str(item.fspath)).is_relative_to(Path(__file__).parent)
             for f in getattr(item, "fixturenames", ()) if f in _FIXTURE_VENVS}
-    make_venvs(sorted({v for f in used for v in _FIXTURE_VENVS[f]}))
+    for venv in sorted({v for f in used for v in _FIXTURE_VENVS[f]}):
+        start_venv(venv)
     if "torch_tpu_path" in used:
-        _STARTED["torch_tpu_path"] = Probe("ttpu", "torch_tpu_path.py", *TORCH_TPU_VARIANTS)
+        def start():
+            _VENV_THREADS["ttpu"].join()
+            if "ttpu" in _VENVS:
+                _STARTED["torch_tpu_path"] = Probe("ttpu", "torch_tpu_path.py", *TORCH_TPU_VARIANTS)
+
+        _STARTER.append(threading.Thread(target=start, daemon=True))
+        _STARTER[0].start()
     yield
+    for t in _STARTER:
+        t.join()
     for p in _STARTED.values():
         if p.proc.poll() is None:
             p.proc.kill()
+
+
+_STARTER: list[threading.Thread] = []
 
 
 @pytest.fixture(scope="session")
@@ -190,5 +200,7 @@ def tpu_compiles(lowering) -> dict:
 @pytest.fixture(scope="session")
 def torch_tpu_path() -> dict:
     """torch_tpu_path.py over TORCH_TPU_VARIANTS (started early by `_xla_tier_start`)."""
+    for t in _STARTER:
+        t.join()
     started = _STARTED.get("torch_tpu_path") or Probe("ttpu", "torch_tpu_path.py", *TORCH_TPU_VARIANTS)
     return started.result()

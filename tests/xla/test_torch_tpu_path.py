@@ -37,6 +37,10 @@ def test_step_reaches_torch_tpu_lowering_as_one_program(torch_tpu_path, name):
     assert res["mlir_nodes"] == res["split_input_nodes"], res
     assert res["mlir_collectives"] == res["split_collectives"], res
     assert res["mlir_scans"] == (2 if name == "scan" else 0), res
+    # With scan, SimpleFSDP's per-layer all-gathers / reduce-scatters are inside the scan bodies;
+    # they carry the annotation too (whether torch-tpu lowers them there needs a TPU).
+    assert res["split_body_collectives_spmd_safe"] == res["split_body_collectives"], res
+    assert (res["split_body_collectives"] > 0) == (name == "scan"), res
 
 
 def test_without_spmd_safe_the_step_is_split(torch_tpu_path):
