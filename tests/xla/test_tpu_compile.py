@@ -17,7 +17,9 @@ Which terms of the formula are comparable with the compiler's FLOPs (`cost_analy
 - What the formula leaves out and the compiler counts (1 FLOP per element per elementwise op):
   gradient clipping and AdamW, ~20-25 FLOPs per parameter, i.e. 25 P / (6 N x 512 tokens) ~ 1 %
   with P ~ 1.4 N (the embedding table is updated too); norms, activations, RoPE, softmax and the
-  loss, ~1 % at these widths. So the compiler should be 0-3 % above the formula; the bound is 5 %.
+  loss, a few % at these small widths (dim 256). So the compiler counts a little more than the
+  formula, never less; the bound is 5 % (measured: +2.1 to +2.3 % with scan, +3.6 to +3.8 % unrolled;
+  at 128 tokens per step the unrolled step was at +4 to +5 %, hence 512 tokens).
 The MoE step is not compiled here (conftest explains).
 """
 
@@ -56,7 +58,7 @@ def test_deviceless_tpu_compile(lowering, tpu_compiles, variant, target):
     assert state <= res["memory"]["argument_size_in_bytes"] <= 1.01 * state, res["memory"]
     flops = res["cost"]["flops"]
     expected = _formula_flops(step, scanned=scanned)
-    assert abs(flops / expected - 1) <= FLOPS_REL, (flops, expected, flops / expected)
+    assert 1 <= flops / expected <= 1 + FLOPS_REL, (flops, expected, flops / expected)
 
 
 def test_targets_are_the_intended_chips(tpu_compiles):
