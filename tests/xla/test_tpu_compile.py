@@ -63,3 +63,11 @@ def test_deviceless_tpu_compile(lowering, tpu_compiles, variant, target):
 
 def test_targets_are_the_intended_chips(tpu_compiles):
     assert tpu_compiles["devices"] == {"v5e:2x2": "TPU v5 lite", "v6e:2x2": "TPU v6 lite", "tpu7x:2x2x1": "TPU7x"}
+
+
+def test_nothing_of_the_xla_stack_in_this_process():
+    # The tier's probes run in subprocesses; torchax and torch-tpu rename PrivateUse1 and change
+    # Dynamo's globals, so the test process (which runs the rest of the suite) must never load them.
+    import sys
+
+    assert not {"torchax", "jax", "jaxlib", "torch_tpu", "libtpu"} & set(sys.modules)
