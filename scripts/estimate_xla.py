@@ -103,8 +103,9 @@ def _run(argv: list[str]) -> int:
     venv = subprocess.run(["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True,
                           text=True).stdout.strip().splitlines()[-1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    # Compile-only: no TPU is used, so libtpu's one-process-per-host lock is not needed.
     env.update(PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     print(f"{inputs.model_name} on {target.describe()}\ncompiling for {topology} (deviceless) ...", flush=True)
     proc = subprocess.run([str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
                           capture_output=True, text=True, env=env, timeout=ns.timeout)

@@ -63,6 +63,9 @@ def _probe_env() -> dict[str, str]:
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
         XLA_FLAGS="--xla_cpu_multi_thread_eigen=false",
         PYTHONUNBUFFERED="1",
+        # libtpu takes /tmp/libtpu_lockfile to own the host's TPU; compile-only topologies use no
+        # device, and two probes (or two test sessions) may load libtpu at the same time.
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
     )
     return env
 
