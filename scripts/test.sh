@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite on the CPU (makes .venv with the [dev] extras on first use).
 #   scripts/test.sh [pytest args]      e.g. scripts/test.sh -m "not slow" -x
+# The XLA tier (tests/xla, marker `xla`) is part of the suite: its probes run in their own venvs,
+# made on first use by scripts/xla_env.sh under TITAN_XLA_VENV_ROOT (default: the checkout);
+# deselect it with -m "not xla". See docs/tpu.md.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 # One thread per process: on small shared CPUs torch's default thread count can make a step

@@ -161,8 +161,24 @@ def _capture_rng() -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:  # only if something in the job uses numpy's global RNG
         state["numpy"] = sys.modules["numpy"].random.get_state()
-    # torch-tpu's RNG getters are internal-only (shared/reference/torch_tpu.md §1.4): not saved.
+    tpu_generators = _tpu_generators()
+    if tpu_generators is not None:
+        state["tpu"] = [g.get_state() for g in tpu_generators]
     return state
+
+
+def _tpu_generators() -> tuple | None:
+    """torch-tpu's per-device default generators, only in a process that runs on a TPU.
+
+    torch-tpu 0.2.0 makes `torch.tpu.get_rng_state` internal on torch >= 2.13, but its public
+    (experimental) `torch.tpu.default_generators` has `get_state`/`set_state` like
+    `torch.cuda.default_generators` (reference/xla_cpu_path.md §A.1 row 7). Not run on a TPU yet.
+    """
+    from trainer.device import tpu_present
+
+    if not tpu_present():
+        return None
+    return tuple(torch.tpu.default_generators)
 
 
 def _restore_rng(state: dict[str, Any]) -> None:
@@ -174,6 +190,14 @@ def _restore_rng(state: dict[str, Any]) -> None:
         else:
             logger.warning("checkpoint: CUDA RNG state saved for %d devices, %d present; not restored",
                            len(state["cuda"]), torch.cuda.device_count())
+    if "tpu" in state:
+        generators = _tpu_generators()
+        if generators is not None and len(generators) == len(state["tpu"]):
+            for generator, saved in zip(generators, state["tpu"]):
+                generator.set_state(saved)
+        else:
+            logger.warning("checkpoint: TPU RNG state saved for %d devices, %s here; not restored",
+                           len(state["tpu"]), "none" if generators is None else len(generators))
     if "numpy" in state:
         import numpy
 
@@ -181,7 +205,7 @@ def _restore_rng(state: dict[str, Any]) -> None:
 
 
 class TrainState:
-    """The step counter and this rank's RNG states (torch CPU/CUDA, python, numpy)."""
+    """The step counter and this rank's RNG states (torch CPU/CUDA/TPU, python, numpy)."""
 
     def __init__(self, step: int = 0):
         self.step = step

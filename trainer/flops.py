@@ -68,9 +68,9 @@ GPU_PEAK_TFLOPS = [
 ]
 
 # Google's PCI device ids for TPU chips (vendor 0x1ae0), as in the public jax / cloud-tpu
-# client sources. TPU v7x's id is not public in the sources we checked: v7x is found by name.
+# client sources; v7x's 0x0076 as in torch-tpu 0.2.0's hardware table (reference/xla_cpu_path.md).
 _GOOGLE_PCI_VENDOR = "0x1ae0"
-_TPU_PCI_IDS = {"0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e", "0x006f": "v6e"}
+_TPU_PCI_IDS = {"0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e", "0x006f": "v6e", "0x0076": "v7x"}
 
 
 def tpu_generation(kind: str) -> str | None:
