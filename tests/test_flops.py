@@ -159,3 +159,22 @@ def test_cpu_probe_is_measured_and_cached():
     start = time.perf_counter()
     assert flops.peak_flops_per_device(torch.device("cpu"), torch.float32)[0] == peak
     assert time.perf_counter() - start < first / 10
+
+
+@pytest.mark.parametrize("device_id, gen", [("0x0063", "v5e"), ("0x006f", "v6e"), ("0x0076", "v7x")])
+def test_tpu_found_from_pci_ids(tmp_path, monkeypatch, device_id, gen):
+    """A TPU VM without torch-tpu's device API: the chip is read from its PCI ids (Google vendor
+    0x1ae0); v7x's 0x0076 is in torch-tpu 0.2.0's own table."""
+    dev = tmp_path / "0000:00:04.0"
+    dev.mkdir()
+    (dev / "vendor").write_text("0x1ae0\n")
+    (dev / "device").write_text(device_id + "\n")
+    other = tmp_path / "0000:00:05.0"  # a non-Google device is ignored
+    other.mkdir()
+    (other / "vendor").write_text("0x8086\n")
+    (other / "device").write_text("0x0076\n")
+    for var in ("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(flops.glob, "glob", lambda pattern: [str(dev / "vendor"), str(other / "vendor")])
+    assert flops._tpu_kind_candidates() == [gen]
+    assert flops.tpu_generation(gen) == gen
