@@ -94,17 +94,6 @@ class NonFiniteTracker:
         return int(self.first_bad_step.item()), int(self.skipped.item())
 
 
-def _params_finite(model) -> bool:
-    """Whether every parameter is finite on every rank (a host sync; run before a save)."""
-    from torch.distributed.tensor import DTensor
-
-    flags = [torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all() for p in model.parameters()]
-    ok = torch.stack(flags).all().to(torch.int32).cpu().reshape(1) if flags else torch.ones(1, dtype=torch.int32)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
 def _validate(model, *, build_loader, steps: int, device: torch.device, step_plan: StepPlan) -> float:
     from trainer.step import local_scalar
 
@@ -313,9 +302,9 @@ def train(cfg: Config) -> int:
             else:  # a checkpoint-only step: checked above, nothing to log
                 logger.log(step, tokens=tokens_per_step)
             if saving:
-                if not _params_finite(model):
-                    raise NonFiniteLoss(f"non-finite weights at step {step}; no checkpoint written. The newest "
-                                        f"checkpoint (if any) is in {manager.folder}")
+                if not ckpt.all_finite(model, optimizer):
+                    raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "
+                                        f"written. The newest checkpoint (if any) is in {manager.folder}")
                 manager.maybe_save(step, states, force=last)
     finally:
         manager.close()
