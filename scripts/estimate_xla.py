@@ -152,12 +152,12 @@ def format_table(est, res: dict) -> str:
 
 
 def worker(spec: dict) -> dict:
-    import importlib
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from models import get_model_family
+    from parallelisms.activation_checkpoint import apply_ac
     from parallelisms.simple_fsdp import data_parallel
     from trainer.graph import build_graph_step
     from trainer.graph.xla import (RECORD, CaptureDone, add_lowerings, as_jax_function, load_torchax,
@@ -165,7 +165,7 @@ def worker(spec: dict) -> dict:
     from trainer.optim import build_optimizer
 
     family = get_model_family(spec["family"])
-    args = dataclasses.replace(family.args_cls(**spec["args"]), attn_backend="sdpa")
+    args = family.args_cls(**spec["args"])  # attention: the SDPA reference (no kernel is selected here)
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
     with torch.device("meta"):
         model = family.model_cls(args)
@@ -176,11 +176,13 @@ def worker(spec: dict) -> dict:
     opt_cfg = spec["optimizer"]
     opt = build_optimizer(model.parameters(), lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
                           weight_decay=opt_cfg["weight_decay"])
-    plan = importlib.import_module(family.plan_module_name).PLAN
+    plan = family.plan
+    if not spec["scan_layers"]:  # unrolled blocks are checkpointed where the trainer does it
+        apply_ac(model, plan=plan, mode=spec["ac_mode"])
     record_first_call(clone=False, stop=True)
     start = time.perf_counter()
     step = build_graph_step(model=model, optimizer=opt, max_norm=spec["max_norm"], backend="aot_eager",
-                            scan_layers=spec["scan_layers"], ac_mode=spec["ac_mode"],
+                            scan_layers=spec["scan_layers"], ac_mode=spec["ac_mode"] if spec["scan_layers"] else "none",
                             grad_accum_steps=spec["grad_accum"], plan=plan,
                             aux_loss_coef=1e-3 if getattr(args, "num_experts", 0) else 0.0)
     tokens = torch.zeros(spec["global_batch"], spec["seq_len"], dtype=torch.int64)

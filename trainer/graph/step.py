@@ -171,6 +171,13 @@ def _reduce_axes(slot) -> tuple:
     return grad_reduce_axes(slot.members[0] if slot.members else slot.param)
 
 
+def _check_backend_device(backend: str, device_type: str) -> None:
+    # A function of its own: the XLA tier's torch-tpu probe replaces it to run the `tpu` backend
+    # up to its lowering call in a CPU process.
+    if backend == "tpu" and device_type != "tpu":
+        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: inductor, aot_eager")
+
+
 def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                      backend: str, scan_layers: bool = False, ac_mode: str = "none",
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
@@ -215,8 +222,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
         raise ConfigError(f"optimizer: graph mode takes one learning rate for all param groups, got {sorted(lrs)}")
     first = next(iter(model.parameters()))
     device = (first.to_local() if isinstance(first, DTensor) else first).device
-    if backend == "tpu" and device.type != "tpu":
-        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: inductor, aot_eager")
+    _check_backend_device(backend, device.type)
     plan = plan if plan is not None else ModelPlan()
     block_stack, scan_context = None, contextlib.nullcontext
     if scan_layers:

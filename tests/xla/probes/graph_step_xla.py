@@ -35,14 +35,12 @@ LR, BETAS, EPS, WEIGHT_DECAY, MAX_NORM = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
 
 
 def _build(family_name: str, flavor: str, n_layers: int):
-    import importlib
-
     from models import get_model_family
     from parallelisms.simple_fsdp import data_parallel
     from trainer.optim import build_optimizer
 
     family = get_model_family(family_name)
-    args = dataclasses.replace(family.get_args(flavor, n_layers=n_layers, max_seq_len=SEQ), attn_backend="sdpa")
+    args = family.get_args(flavor, n_layers=n_layers, max_seq_len=SEQ)  # SDPA: no kernel is selected
     with torch.device("meta"):
         model = family.model_cls(args)
     data_parallel(model, mesh=None, param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -51,8 +49,7 @@ def _build(family_name: str, flavor: str, n_layers: int):
     with torch.no_grad():
         model.init_weights()
     opt = build_optimizer(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    plan = importlib.import_module(family.plan_module_name).PLAN
-    return args, model, opt, plan
+    return args, model, opt, family.plan
 
 
 def capture(variant: str) -> dict:
@@ -70,7 +67,8 @@ def capture(variant: str) -> dict:
     RECORD.clear()
     start = time.perf_counter()
     with sdpa_kernel([SDPBackend.MATH]):
-        loss, grad_norm = step([(tokens[:, :-1], tokens[:, 1:])], LR)
+        out = step([(tokens[:, :-1], tokens[:, 1:])], LR)
+        loss, grad_norm = out.loss, out.grad_norm
     rec = dict(RECORD)
     assert "pre" in rec, "the aot_eager graph was not called"
     # Which graph inputs are parameters and which their exp_avg (step 1: exp_avg = (1 - beta1) * grad).

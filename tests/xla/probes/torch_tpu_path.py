@@ -69,7 +69,7 @@ def run(variant: str, seen: dict) -> dict:
     seen.clear()
     dims = ParallelDims(world_size=2, dp_shard=2)
     mesh = build_mesh(dims, "cpu")
-    args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, max_seq_len=32, attn_backend="sdpa")
+    args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, max_seq_len=32)  # SDPA: no kernel selected
     with torch.device("meta"):
         model = Transformer(args)
     parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
@@ -135,7 +135,7 @@ def main() -> None:
     import trainer.graph.tpu as graph_tpu
 
     seen: dict = {}
-    graph_step._resolve_backend = lambda backend, device: backend
+    graph_step._check_backend_device = lambda backend, device_type: None  # `tpu` on a CPU process
     graph_tpu._torch_tpu = lambda: torch.tpu
 
     def fx_to_mlir(graph_module, *args, **kwargs):
