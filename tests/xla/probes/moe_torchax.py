@@ -17,24 +17,9 @@ import dataclasses
 import json
 
 import torch
-import torch._ops
 
-_getattr = torch._ops.OpOverloadPacket.__getattr__
-
-
-def _getattr_shim(self, key):
-    """torchax 0.0.13 looks up Dimname overloads that torch 2.13 removed; it only uses them as keys."""
-    try:
-        return _getattr(self, key)
-    except AttributeError:
-        if "imname" in key or "names" in key:
-            return f"<missing {self._qualified_op_name}.{key}>"
-        raise
-
-
-torch._ops.OpOverloadPacket.__getattr__ = _getattr_shim
-
-from models.qwen3 import FLAVORS, Transformer  # noqa: E402
+from models.qwen3 import FLAVORS, Transformer
+from trainer.graph.xla import load_torchax  # torchax on torch 2.13 (its import shim)
 
 
 def main() -> None:
@@ -50,7 +35,8 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    import torchax
+
+    torchax = load_torchax()
 
     weights, jfn = torchax.extract_jax(model)
 
