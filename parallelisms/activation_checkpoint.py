@@ -96,11 +96,11 @@ def _checkpointed_class(base: type, mode: str) -> type:
 
 
 def apply_ac(model: nn.Module, *, plan: ModelPlan, mode: str) -> nn.Module:
-    """Checkpoint every block of `model` (children of `plan.block`) in place."""
+    """Checkpoint every block of `model` (children of the plan's stacks) in place."""
     run = checkpoint_fn(mode)  # validates mode
     if run is _no_checkpoint:
         return model
-    for block in getattr(model, plan.block).values():
+    for _, block in plan.iter_blocks(model):
         assert not hasattr(type(block), "_ac_base"), "activation checkpointing applied twice"
         block.__class__ = _checkpointed_class(type(block), mode)
     return model

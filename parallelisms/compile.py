@@ -18,6 +18,6 @@ __all__ = ["apply_compile"]
 
 def apply_compile(model: nn.Module, *, plan: ModelPlan, backend: str) -> nn.Module:
     """Compile every block of `model` in place with `backend` (e.g. "inductor")."""
-    for block in getattr(model, plan.block).values():
+    for _, block in plan.iter_blocks(model):
         block.compile(backend=backend, fullgraph=True)
     return model

@@ -78,7 +78,7 @@ def apply_ep(
     tp_mesh = mesh["tp"] if parallel_dims.tp_enabled else None
     # See the module docstring (gradient scale of the experts).
     grad_scale = parallel_dims.tp / parallel_dims.ep
-    for block in getattr(model, plan.block).values():
+    for _, block in plan.iter_blocks(model):
         for path, style in plan.ep_block.items():
             module = _submodule(block, path)
             if module is None:

@@ -78,10 +78,11 @@ def _check_block_params_sharded(model: nn.Module, plan: ModelPlan) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    for name, param in getattr(model, plan.block).named_parameters(prefix=plan.block):
-        if not isinstance(param, DTensor):
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree: the model's plan has no tensor-parallel "
-                f"or expert-parallel style for {name}, so its gradient would miss the TP sum; "
-                f"allowed for this model: 1 (or give {name} a style in the model's plan)"
-            )
+    for prefix, block in plan.iter_blocks(model):
+        for name, param in block.named_parameters(prefix=prefix):
+            if not isinstance(param, DTensor):
+                raise ConfigError(
+                    f"parallelism.tensor_parallel_degree: the model's plan has no tensor-parallel "
+                    f"or expert-parallel style for {name}, so its gradient would miss the TP sum; "
+                    f"allowed for this model: 1 (or give {name} a style in the model's plan)"
+                )

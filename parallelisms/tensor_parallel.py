@@ -124,8 +124,7 @@ def apply_tp(
             for path, style in plan.tp.items()}
     if root:
         parallelize_module(model, tp_mesh, root)
-    blocks = getattr(model, plan.block)
-    for block in blocks.values():
+    for _, block in plan.iter_blocks(model):
         # One plan serves blocks of different kinds (dense FFN or MoE): entries for
         # modules a block does not have are skipped.
         styles = {path: style_for(style) for path, style in plan.tp_block.items()

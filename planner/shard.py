@@ -139,7 +139,8 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     block_gathered: dict[str, int] = {}
     largest = 0
     shapes: dict[str, tuple[int, ...]] = {}
-    prefix = f"{family.plan.block}."
+    assert len(family.plan.stacks) == 1, "planner: one block stack per model"
+    prefix = f"{family.plan.stacks[0]}."
     first_block = None
     for name, param in model.named_parameters():
         local = local_tensor(param)
@@ -155,7 +156,7 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
             root_numel += local.numel()
             root_gathered[name] = _gathered_numel(param)
             shapes[name] = tuple(local.shape)
-    assert first_block is not None, f"no parameters under the plan's block attribute {family.plan.block!r}"
+    assert first_block is not None, f"no parameters under the plan's block attribute {prefix[:-1]!r}"
     blocks_numel = block_local[first_block] * n_layers if probe else sum(block_local.values())
     head, kept = _lm_head_and_kept(family, root_gathered)
     return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,

@@ -34,9 +34,12 @@ TP_STYLES = ("embedding", "colwise", "rowwise", "sequence_parallel", "block_inpu
 class ModelPlan:
     """How `parallelisms/` shards one model family."""
 
-    block: str = "layers"
-    """Attribute of the model holding the repeated blocks (a ModuleDict keyed "0".."n-1");
-    activation checkpointing, per-block compile and layer scan act on its children."""
+    block: str | tuple[str, ...] = "layers"
+    """Attribute(s) of the model holding the repeated blocks (each a ModuleDict keyed "0".."n-1",
+    usually a `BlockStack`); activation checkpointing, per-block compile and layer scan act on
+    their children. A tuple names several stacks run in that order (FLUX: double-stream blocks,
+    then single-stream blocks); `tp_block` / `ep_block` entries apply to every stack's blocks
+    that have the named module."""
     tp: dict[str, str] = field(default_factory=dict)
     """Tensor-parallel styles of modules outside the blocks, by path relative to the model."""
     tp_block: dict[str, str] = field(default_factory=dict)
@@ -44,7 +47,18 @@ class ModelPlan:
     ep_block: dict[str, str] = field(default_factory=dict)
     """Expert-parallel styles inside each block (reserved for parallelisms/expert_parallel)."""
 
+    @property
+    def stacks(self) -> tuple[str, ...]:
+        """The block container attributes, in the order the model runs them."""
+        return (self.block,) if isinstance(self.block, str) else tuple(self.block)
+
+    def iter_blocks(self, model) -> list[tuple[str, "object"]]:
+        """`(qualified name, block module)` for every block of every stack of `model`."""
+        return [(f"{stack}.{key}", block) for stack in self.stacks
+                for key, block in getattr(model, stack).items()]
+
     def __post_init__(self) -> None:
+        assert self.stacks, "plan: at least one block container"
         for where in (self.tp, self.tp_block):
             for path, style in where.items():
                 assert style in TP_STYLES, f"plan: unknown TP style {style!r} for {path!r}"

@@ -229,9 +229,12 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
         from models.common.stack import BlockStack
         from trainer.graph.fsdp_scan import scan_param_fn
 
-        stack = getattr(model, plan.block, None)
+        if len(plan.stacks) != 1:  # several stacks: not yet scanned
+            raise ConfigError(f"compile.scan_layers: the model has {len(plan.stacks)} block stacks "
+                              f"({', '.join(plan.stacks)}); allowed: false for this model")
+        stack = getattr(model, plan.stacks[0], None)
         if not isinstance(stack, BlockStack):
-            raise ConfigError(f"compile.scan_layers: the model's `{plan.block}` is not a BlockStack; "
+            raise ConfigError(f"compile.scan_layers: the model's `{plan.stacks[0]}` is not a BlockStack; "
                               "allowed: false for this model")
         param_fn, scan_context = scan_param_fn(stack)
         stack.enable_scan(param_fn=param_fn)
