@@ -145,3 +145,88 @@ def test_bundled_bpe_is_reproducible(tmp_path):
     with open(BUNDLED_BPE_PATH, "rb") as f:
         assert out.read_bytes() == f.read()
     assert os.path.getsize(out) < 100_000
+
+
+# --- Hugging Face tokenizer.json (byte-level BPE) ---------------------------------------------
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+MULTILINGUAL = TEXTS + [
+    "Die Würde des Menschen ist unantastbar. 人人生而自由，在尊严和权利上一律平等。",
+    "كل إنسان له الحق في الحياة والحرية. हर व्यक्ति को जीवन का अधिकार है।",
+    "Cafe\u0301 vs Café (NFD vs NFC), ﬁ ligature, １２３ full-width digits, 12345678 and 3.14159",
+    "한국어 문장입니다. Türkçe İstanbul ıı, Tiếng Việt có dấu.",
+    "    for i in range(10):\n        print(f\"{i:>4}\")  # 🚀\n",
+]
+
+
+def _train_hf_bpe(tmp_path, *, qwen_style: bool):
+    """A byte-level BPE tokenizer.json trained by `tokenizers` (the reference implementation)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    if qwen_style:  # Qwen 2/3's layout: NFC, an isolated regex split, then ByteLevel without regex
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    else:  # GPT-2's layout: ByteLevel with its built-in regex
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = MULTILINGUAL * 20 + [open(os.path.join(os.path.dirname(BUNDLED_BPE_PATH), "..", "corpus",
+                                                    "README.md"), encoding="utf-8").read()]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return tok, path
+
+
+@pytest.mark.parametrize("qwen_style", [True, False], ids=["qwen-split-nfc", "gpt2-bytelevel"])
+def test_tokenizer_json_ids_equal_reference(tmp_path, qwen_style):
+    ref, path = _train_hf_bpe(tmp_path, qwen_style=qwen_style)
+    ours = build_tokenizer(str(tmp_path))  # a directory holding tokenizer.json
+    assert ours.n_vocab == ref.get_vocab_size()
+    held_out = MULTILINGUAL + ["Unseen: Ωμέγα жёлтый 東京タワー 🧪🧬 naïveté d'être", "x" * 50 + " 0042"]
+    # `tokenizers` turns an added token's string inside raw text into that token; we encode it as
+    # plain text on purpose (data must not inject control tokens), so those texts differ by design.
+    specials = [t for t in ours.special_tokens if any(t in x for x in held_out)]
+    for text in [x for x in held_out if any(t in x for t in specials)]:
+        assert not set(ours.encode(text, bos=False, eos=False)) & set(ours.special_tokens.values())
+    held_out = [x for x in held_out if not any(t in x for t in specials)]
+    assert len(held_out) >= 14
+    for text in held_out:
+        expected = ref.encode(text, add_special_tokens=False).ids
+        assert ours.encode(text, bos=False, eos=False) == expected, text
+        assert ours.decode(expected) == ref.decode(expected, skip_special_tokens=False), text
+    assert ours.encode_batch(held_out, bos=False, eos=True) == [
+        ref.encode(t, add_special_tokens=False).ids + [ours.eos_id] for t in held_out]
+    if qwen_style:  # Qwen: no BOS, EOS is <|endoftext|> with the file's id
+        assert ours.bos_id is None and ours.eos_id == ref.token_to_id("<|endoftext|>")
+        assert ours.encode("a", bos=True, eos=False) == ours.encode("a", bos=False, eos=False)
+    else:
+        assert (ours.bos_id, ours.eos_id) == (ref.token_to_id("<|begin_of_text|>"), ref.token_to_id("<|end_of_text|>"))
+
+
+def test_tokenizer_json_refuses_what_tiktoken_cannot_express(tmp_path):
+    import json
+
+    _, path = _train_hf_bpe(tmp_path, qwen_style=True)
+    spec = json.loads(path.read_text())
+    merges = spec["model"]["merges"]
+    merges[0], merges[-1] = merges[-1], merges[0]  # merge priority no longer follows id order
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="does not follow id order"):
+        build_tokenizer(str(bad))
+    spec = json.loads(path.read_text())
+    spec["model"]["type"] = "Unigram"
+    bad.write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="allowed: BPE"):
+        build_tokenizer(str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_tokenizer(str(tmp_path / "missing.json"))
