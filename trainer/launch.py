@@ -1,0 +1,306 @@
+"""Multi-host launcher: `python -m trainer.launch [options] -- --config RECIPE.toml [overrides]`.
+
+Run the same command on every host of a job; it works out this host's place in the job from the
+platform's environment and starts `torchrun` with a **static rendezvous** (no etcd, no c10d
+rendezvous round: node 0's address and the node rank are known up front, which is what TPU
+slices and GKE JobSets give you):
+
+    torchrun --nnodes N --node_rank R --nproc_per_node P \\
+             --rdzv_backend static --rdzv_endpoint HOST0:PORT -m trainer.train ...
+
+Platforms (`--platform`, default `auto` = the first whose variables are present):
+
+| platform | where the job's shape comes from |
+|---|---|
+| `gke`    | GKE TPU node pools / XPK: `TPU_WORKER_HOSTNAMES` (host 0 first), `TPU_WORKER_ID` or `JOB_COMPLETION_INDEX`, `TPU_ACCELERATOR_TYPE`, `TPU_CHIPS_PER_HOST_BOUNDS` |
+| `tpu-vm` | a TPU VM slice (`gcloud compute tpus tpu-vm ssh --worker=all`): the VM metadata server's `agent-worker-number`, `worker-network-endpoints`, `accelerator-type` |
+| `slurm`  | GPU clusters under Slurm: `SLURM_NNODES`, `SLURM_NODEID`, `SLURM_JOB_NODELIST`; one process per visible GPU |
+| `manual` | `--nnodes/--node-rank/--master-addr/--nproc-per-node` (any other cluster) |
+
+Processes per host: one per TPU *device*, i.e. the product of `TPU_CHIPS_PER_HOST_BOUNDS`
+times 2 on v7x (two TensorCores per chip, each its own device), times 1 elsewhere; one per GPU.
+On TPU the torch-tpu launch variables (`TORCH_TPU_TOPOLOGY`, `TORCH_TPU_SLICEBUILDER_ADDRESSES`,
+...) come from `python -m torch.tpu.distributed`, run here with the host list and worker id set,
+and are exported to torchrun's workers; its `WORLD_SIZE` is the global size and is *not* used for
+`--nproc_per_node`. `--dry-run` prints the plan and the command instead of running it.
+
+Bad or missing launch variables give one `error:` line naming the variable and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from models.errors import ConfigError
+
+DEFAULT_PORT = 29501
+_METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
+
+
+@dataclass
+class LaunchPlan:
+    platform: str
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    device: str  # tpu | cuda | cpu: what the workers train on
+    env: dict[str, str] = field(default_factory=dict)  # exported to torchrun and its workers
+
+    def torchrun_argv(self, train_args: list[str]) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={self.nnodes}", f"--node_rank={self.node_rank}",
+                f"--nproc_per_node={self.nproc_per_node}", "--rdzv_backend=static",
+                f"--rdzv_endpoint={self.master_addr}:{self.master_port}",
+                f"--master_addr={self.master_addr}", f"--master_port={self.master_port}",
+                "-m", "trainer.train", *train_args]
+
+
+def _int(env: Mapping[str, str], name: str, *, allowed: str) -> int:
+    value = env.get(name)
+    if value is None or not value.strip().lstrip("-").isdigit():
+        raise ConfigError(f"launch: environment variable {name} is {value!r}; allowed: {allowed}")
+    return int(value)
+
+
+def _bounds_product(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name, "")
+    parts = value.split(",")
+    if not value or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"launch: environment variable {name} is {value!r}; allowed: comma-separated "
+                          "positive chip counts such as 2,2,1 (or pass --nproc-per-node)")
+    return math.prod(int(p) for p in parts)
+
+
+def devices_per_chip(accelerator_type: str) -> int:
+    """2 on TPU v7x (Ironwood: two TensorCores per chip, each a torch-tpu device), else 1."""
+    kind = accelerator_type.lower()
+    return 2 if kind.startswith(("tpu7x", "v7x", "tpu7", "v7")) else 1
+
+
+def _tpu_plan(platform: str, *, hosts: list[str], worker: int, accelerator: str, chips_per_host: int | None,
+              port: int, nproc_override: int | None, device: str, where: str) -> LaunchPlan:
+    if not hosts or any(not h for h in hosts):
+        raise ConfigError(f"launch: {where} gives no host list; allowed: comma-separated hostnames, host 0 first")
+    if not 0 <= worker < len(hosts):
+        raise ConfigError(f"launch: worker id {worker} is outside the {len(hosts)} hosts of {where}; "
+                          f"allowed: 0..{len(hosts) - 1}")
+    if nproc_override is not None:
+        nproc = nproc_override
+    elif chips_per_host is None:
+        raise ConfigError(f"launch: chips per host unknown ({where}); pass --nproc-per-node")
+    else:
+        nproc = chips_per_host * devices_per_chip(accelerator)
+    env = {"TPU_WORKER_HOSTNAMES": ",".join(hosts), "TPU_WORKER_ID": str(worker)}
+    if device == "tpu":
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
+    return LaunchPlan(platform, nnodes=len(hosts), node_rank=worker, nproc_per_node=nproc, master_addr=hosts[0],
+                      master_port=port, device=device, env=env)
+
+
+def plan_gke(env: Mapping[str, str], *, port: int, nproc_override: int | None = None,
+             device: str = "tpu") -> LaunchPlan:
+    """GKE TPU pods (also XPK workloads): one pod per TPU VM host."""
+    hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if not hosts:
+        raise ConfigError("launch: environment variable TPU_WORKER_HOSTNAMES is not set; allowed: the "
+                          "comma-separated TPU hosts of the slice (GKE sets it), host 0 first")
+    name = "TPU_WORKER_ID" if "TPU_WORKER_ID" in env else "JOB_COMPLETION_INDEX"
+    worker = _int(env, name, allowed="this host's index in TPU_WORKER_HOSTNAMES (TPU_WORKER_ID or "
+                                     "JOB_COMPLETION_INDEX)")
+    chips = _bounds_product(env, "TPU_CHIPS_PER_HOST_BOUNDS") if nproc_override is None else None
+    return _tpu_plan("gke", hosts=hosts, worker=worker, accelerator=env.get("TPU_ACCELERATOR_TYPE", ""),
+                     chips_per_host=chips, port=port, nproc_override=nproc_override, device=device,
+                     where="TPU_WORKER_HOSTNAMES")
+
+
+def read_tpu_vm_metadata(keys=("agent-worker-number", "worker-network-endpoints", "accelerator-type")
+                         ) -> dict[str, str]:
+    """The TPU VM's own attributes from the GCE metadata server (only reachable on a TPU VM)."""
+    out = {}
+    for key in keys:
+        req = urllib.request.Request(_METADATA_URL + key, headers={"Metadata-Flavor": "Google"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                out[key] = r.read().decode().strip()
+        except OSError as e:
+            raise ConfigError(f"launch: TPU VM metadata {key} unreadable ({e}); allowed: --platform tpu-vm "
+                              "only on a TPU VM (elsewhere use gke, slurm or manual)") from None
+    return out
+
+
+def _tpu_vm_chips_per_host(accelerator: str, n_hosts: int) -> int | None:
+    """Chips per host of a TPU VM slice (its metadata has no per-host bound).
+
+    Multi-host slices of v4, v5e, v5p, v6e and v7x have 4 chips per host. A single host has the
+    whole slice: the size suffix counts chips on v5e (`v5litepod-8`) and v6e, TensorCores (2 per
+    chip) on v4 and v5p; for other names None (pass --nproc-per-node).
+    """
+    if n_hosts > 1:
+        return 4
+    m = re.match(r"^(v\d+\w*)-(\d+)$", accelerator.lower())
+    if not m:
+        return None
+    kind, count = m.group(1), int(m.group(2))
+    if kind in ("v4", "v5p"):
+        return max(count // 2, 1)
+    if kind in ("v5litepod", "v5e", "v6e"):
+        return count
+    return None
+
+
+def plan_tpu_vm(metadata: Mapping[str, str], *, port: int, nproc_override: int | None = None,
+                device: str = "tpu") -> LaunchPlan:
+    # worker-network-endpoints: "id:?:ip,id:?:ip,..." in worker order; the address is the last field.
+    endpoints = [e.strip() for e in metadata.get("worker-network-endpoints", "").split(",") if e.strip()]
+    hosts = [e.rsplit(":", 1)[-1] for e in endpoints]
+    worker = _int(metadata, "agent-worker-number", allowed="the TPU VM worker number")
+    accelerator = metadata.get("accelerator-type", "")
+    return _tpu_plan("tpu-vm", hosts=hosts, worker=worker, accelerator=accelerator,
+                     chips_per_host=_tpu_vm_chips_per_host(accelerator, max(len(hosts), 1)), port=port,
+                     nproc_override=nproc_override, device=device, where="metadata worker-network-endpoints")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """Host 0 of a Slurm node list: `gpu[003-010,12],cpu1` -> `gpu003`."""
+    m = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m or not m.group(1):
+        raise ConfigError(f"launch: SLURM_JOB_NODELIST {nodelist!r} is not a Slurm node list")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def plan_slurm(env: Mapping[str, str], *, port: int, nproc_override: int | None = None,
+               device: str = "cuda") -> LaunchPlan:
+    nnodes = _int(env, "SLURM_NNODES", allowed="the job's node count (Slurm sets it)")
+    rank = _int(env, "SLURM_NODEID", allowed="this node's index (Slurm sets it)")
+    if "SLURM_JOB_NODELIST" not in env:
+        raise ConfigError("launch: environment variable SLURM_JOB_NODELIST is not set; allowed: the job's node list")
+    nproc = nproc_override if nproc_override is not None else _local_gpus()
+    return LaunchPlan("slurm", nnodes=nnodes, node_rank=rank, nproc_per_node=nproc,
+                      master_addr=first_slurm_host(env["SLURM_JOB_NODELIST"]), master_port=port, device=device)
+
+
+def _local_gpus() -> int:
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise ConfigError("launch: no CUDA device on this host; pass --nproc-per-node for a CPU run")
+    return n
+
+
+def detect_platform(env: Mapping[str, str]) -> str:
+    if "TPU_WORKER_HOSTNAMES" in env:
+        return "gke"
+    if "SLURM_JOB_NODELIST" in env and "SLURM_NNODES" in env:
+        return "slurm"
+    if os.path.exists("/dev/vfio") or os.path.exists("/dev/accel0"):
+        return "tpu-vm"
+    return "manual"
+
+
+def torch_tpu_launch_env(env: Mapping[str, str], run: Callable[[list[str], dict], str] | None = None
+                         ) -> dict[str, str]:
+    """torch-tpu's per-slice launch variables (`python -m torch.tpu.distributed`, KEY=VALUE lines).
+
+    Its `WORLD_SIZE` is the global size; torchrun sets each worker's own, so it is dropped here.
+    """
+    def _run(argv: list[str], child_env: dict) -> str:
+        return subprocess.run(argv, env=child_env, check=True, capture_output=True, text=True).stdout
+
+    out = (run or _run)([sys.executable, "-m", "torch.tpu.distributed"], dict(env))
+    values = {}
+    for line in out.splitlines():
+        key, sep, value = line.strip().removeprefix("export ").partition("=")
+        if sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
+            values[key] = value.strip().strip("'\"")
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        values.pop(key, None)
+    return values
+
+
+def build_plan(args: argparse.Namespace, env: Mapping[str, str], *,
+               metadata: Callable[[], Mapping[str, str]] = read_tpu_vm_metadata,
+               tpu_env: Callable[[Mapping[str, str]], dict[str, str]] = torch_tpu_launch_env) -> LaunchPlan:
+    platform = detect_platform(env) if args.platform == "auto" else args.platform
+    port = args.master_port or int(env.get("MASTER_PORT", DEFAULT_PORT))
+    default_device = {"gke": "tpu", "tpu-vm": "tpu", "slurm": "cuda"}.get(platform, "auto")
+    device = default_device if args.device == "auto" else args.device
+    if platform == "gke":
+        plan = plan_gke(env, port=port, nproc_override=args.nproc_per_node, device=device)
+    elif platform == "tpu-vm":
+        plan = plan_tpu_vm(metadata(), port=port, nproc_override=args.nproc_per_node, device=device)
+    elif platform == "slurm":
+        plan = plan_slurm(env, port=port, nproc_override=args.nproc_per_node, device=device)
+    else:
+        missing = [f"--{n}" for n in ("nnodes", "node-rank", "master-addr", "nproc-per-node")
+                   if getattr(args, n.replace("-", "_")) is None]
+        if missing:
+            raise ConfigError(f"launch: platform manual needs {', '.join(missing)}; allowed platforms: "
+                              "gke, tpu-vm, slurm (detected from the environment) or manual")
+        plan = LaunchPlan("manual", nnodes=args.nnodes, node_rank=args.node_rank, nproc_per_node=args.nproc_per_node,
+                          master_addr=args.master_addr, master_port=port, device=device)
+    if not 0 <= plan.node_rank < plan.nnodes or plan.nproc_per_node < 1:
+        raise ConfigError(f"launch: node rank {plan.node_rank} of {plan.nnodes} nodes with {plan.nproc_per_node} "
+                          "processes per node; allowed: 0 <= node rank < nodes, processes >= 1")
+    if plan.device == "tpu":
+        plan.env.update(tpu_env({**env, **plan.env}))
+    return plan
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
+    p.add_argument("--platform", default="auto", choices=["auto", "gke", "tpu-vm", "slurm", "manual"])
+    p.add_argument("--device", default="auto", choices=["auto", "tpu", "cuda", "cpu"],
+                   help="what workers train on (default: tpu for gke/tpu-vm, cuda for slurm, the recipe's otherwise)")
+    p.add_argument("--nnodes", type=int)
+    p.add_argument("--node-rank", type=int)
+    p.add_argument("--master-addr")
+    p.add_argument("--master-port", type=int)
+    p.add_argument("--nproc-per-node", type=int)
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the torchrun command, run nothing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        i = argv.index("--")
+        ours, train_args = argv[:i], argv[i + 1:]
+    else:
+        ours, train_args = argv, []
+    args = _parser().parse_args(ours)
+    try:
+        if not train_args:
+            raise ConfigError("launch: nothing to train; allowed: python -m trainer.launch [options] -- "
+                              "--config RECIPE.toml [--section.key=value ...]")
+        plan = build_plan(args, os.environ)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if plan.device in ("tpu", "cuda", "cpu") and not any(a.startswith("--device.type") for a in train_args):
+        train_args = train_args + [f"--device.type={plan.device}"]
+    cmd = plan.torchrun_argv(train_args)
+    print(f"launch: {plan.platform}: node {plan.node_rank}/{plan.nnodes}, {plan.nproc_per_node} processes, "
+          f"rendezvous {plan.master_addr}:{plan.master_port} (static), device {plan.device}", flush=True)
+    if args.dry_run:
+        for key, value in sorted(plan.env.items()):
+            print(f"export {key}={shlex.quote(value)}")
+        print(shlex.join(cmd))
+        return 0
+    os.execvpe(cmd[0], cmd, {**os.environ, **plan.env})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
