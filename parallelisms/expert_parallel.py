@@ -50,7 +50,7 @@ from models.common.plan import ModelPlan
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
 
-__all__ = ["EP_STYLES", "apply_ep", "dispatch_combine", "is_expert_parallel"]
+__all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine", "is_expert_parallel"]
 
 EP_STYLES = ("experts", "moe", "router")
 
@@ -94,6 +94,31 @@ def apply_ep(
                 # Every rank holds the same (meta or seeded) weights: no broadcast.
                 router.src_data_rank = None
                 parallelize_module(module, tp_mesh, router)
+    return model
+
+
+def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: DeviceMesh | None) -> nn.Module:
+    """Make every "moe" layer's load-balancing loss global over the mesh (models/common/moe.py).
+
+    `mesh` is the world mesh; the expert counts are summed over all its ranks (the world group)
+    with a functional all-reduce (traced into graph mode like any collective). Counting each rank's own tokens once is right on any
+    mesh: data-parallel ranks hold different sequences, TP ranks different sequence shards
+    (the "moe" style), EP ranks their own tokens before dispatch.
+    """
+    if mesh is None or mesh.size() == 1:
+        return model
+    assert mesh.size() == torch.distributed.get_world_size(), "the world mesh is expected"
+    group = torch.distributed.group.WORLD
+
+    def reduce_counts(t: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(t, "sum", group)
+
+    paths = [path for path, style in plan.ep_block.items() if style == "moe"]
+    for _, block in plan.iter_blocks(model):
+        for path in paths:
+            module = _submodule(block, path)
+            if module is not None:
+                module.reduce_counts = reduce_counts
     return model
 
 

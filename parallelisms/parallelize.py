@@ -4,6 +4,8 @@ Order (each step relies on the previous ones):
 1. Tensor parallelism (`apply_tp`): parameters become TP DTensors on the `tp` axis.
 2. Expert parallelism (`parallelisms.expert_parallel.apply_ep`, when `ep > 1`, or with
    `tp > 1` when the plan has EP entries: they also make MoE layers TP-aware).
+   MoE layers ("moe" style) then sum their expert counts over the world for the global-batch
+   load-balancing loss (`apply_global_load_balance`).
 3. Activation checkpointing (`apply_ac`): wraps each block's forward.
 4. Per-block torch.compile (`apply_compile`): compiles the (checkpointed) blocks; the
    compile is lazy, so it traces the SimpleFSDP gathers added next.
@@ -63,6 +65,10 @@ def parallelize_model(
                  param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if parallel_dims.tp_enabled:
         _check_block_params_sharded(model, plan)
+    if plan.ep_block and parallel_dims.world_size > 1:
+        from parallelisms.expert_parallel import apply_global_load_balance
+
+        apply_global_load_balance(model, plan=plan, mesh=mesh)
     apply_ac(model, plan=plan, mode=ac_mode)
     if compile_backend is not None:
         apply_compile(model, plan=plan, backend=compile_backend)

@@ -4,9 +4,9 @@
   (every token to one expert, every token to another rank's experts, zero rows on a rank):
   outputs, input gradients, expert and router gradients and the aux loss equal the plain MoE.
 - Qwen 3 MoE (2 layers of the debug flavor) through `parallelize_model` on EP, EP x FSDP,
-  EP x TP and EP x FSDP x TP meshes: loss, aux loss and every parameter gradient equal the
-  single-process model's (data-parallel mean of the per-rank losses; with TP the aux loss is
-  the mean over the TP group's sequence shards, see parallelisms/expert_parallel.py).
+  EP x TP and EP x FSDP x TP meshes: loss, aux loss and every parameter gradient equal those of
+  one process on the whole global batch (the load-balancing loss is the global-batch one: expert
+  frequencies summed over all ranks, see models/common/moe.py), with the default coefficient.
 - Storage: expert weights are (efsdp, ep)-sharded DTensors of the full shape; keys unchanged.
 """
 
@@ -21,12 +21,12 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from models.common.moe import MoE, load_balance_loss
+from models.common.moe import MoE
 from models.common.plan import ModelPlan
 from models.qwen3 import FLAVORS, Transformer
 from models.qwen3.plan import PLAN
 from parallelisms import ParallelDims, apply_tp, build_mesh, data_parallel, parallelize_model
-from parallelisms.expert_parallel import apply_ep, is_expert_parallel
+from parallelisms.expert_parallel import apply_ep, apply_global_load_balance, is_expert_parallel
 from tests.test_parallel_harness import SEQ_LEN, batch, full, lm_loss, load_full_state, rel_diff, run_threads
 
 TOL = 1e-5  # fp32; measured differences are ~1e-6 (summation order)
@@ -173,28 +173,13 @@ def _qwen3_args():
     return dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, max_seq_len=SEQ_LEN)
 
 
-def _shard_aux_losses(model: Transformer, tp: int) -> list[torch.Tensor]:
-    """Register hooks that append each MoE layer's aux loss averaged over `tp` sequence shards."""
-    found: list[torch.Tensor] = []
+def _reference(state):
+    """Loss, aux loss and gradients of one process on the whole global batch.
 
-    def hook(moe, args, output):
-        x = args[0]
-        shards = []
-        for part in x.chunk(tp, dim=1):
-            rows = part.reshape(-1, x.shape[-1])
-            logits = moe.router.gate(rows)
-            chosen = torch.topk(torch.softmax(logits.float(), -1), moe.router.top_k, dim=-1).indices
-            counts = torch.bincount(chosen.flatten(), minlength=moe.router.num_experts)
-            shards.append(load_balance_loss(logits, counts, moe.router.num_experts))
-        found.append(torch.stack(shards).mean())
-
-    for block in model.layers.values():
-        block.moe.register_forward_hook(hook)
-    return found
-
-
-def _reference(state, dp: int, tp: int):
-    """Loss, per-dp-rank aux loss and gradients of the data-parallel mean of the rank losses."""
+    With the global-batch load-balancing loss every mesh trains on exactly this: the expert
+    frequencies are counted over the global batch, and the data-parallel mean of the ranks'
+    `E * sum f_i * P_i(rank)` is `E * sum f_i * P_i(global batch)`.
+    """
     with torch.device("meta"):
         model = Transformer(_qwen3_args())
     model.to_empty(device="cpu")
@@ -202,19 +187,10 @@ def _reference(state, dp: int, tp: int):
         model.init_weights()
     model.load_state_dict(state)
     inputs, labels = batch(model.args.vocab_size, GLOBAL_BATCH)
-    aux_values = _shard_aux_losses(model, tp)
-    n = GLOBAL_BATCH // dp
-    lm_total, aux_per_rank = 0.0, []
-    for r in range(dp):
-        aux_values.clear()
-        lm = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n])
-        aux = torch.stack(aux_values).sum()
-        if tp == 1:  # without TP the model's own aux loss is the reference: same value
-            assert aux.item() == pytest.approx(model.pop_aux_loss().item(), rel=1e-6)
-        ((lm + QWEN_AUX * aux) / dp).backward()
-        lm_total += lm.item() / dp
-        aux_per_rank.append(aux.item())
-    return lm_total, aux_per_rank, {n: p.grad for n, p in model.named_parameters()}
+    lm = lm_loss(model(inputs), labels)
+    aux = model.pop_aux_loss()
+    (lm + QWEN_AUX * aux).backward()
+    return lm.item(), aux.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("world_size, degrees", [
@@ -235,9 +211,7 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
     with torch.no_grad():
         ref.init_weights()
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    dims_probe = ParallelDims(world_size=world_size, **degrees)
-    tp, dp = dims_probe.tp, dims_probe.dp_degree
-    want_lm, want_aux, want_grads = _reference(state, dp, tp)
+    want_lm, want_aux, want_grads = _reference(state)
     inputs, labels = batch(ref.args.vocab_size, GLOBAL_BATCH)
 
     def rank_fn():
@@ -252,6 +226,7 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
             apply_tp(model, plan=PLAN, tp_mesh=mesh["tp"])
             apply_ep(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+            apply_global_load_balance(model, plan=PLAN, mesh=mesh)
             data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -266,13 +241,11 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
     results = run_threads(world_size, rank_fn)
     lm_mean = sum(lm for _, lm, _, _ in results) / world_size
     assert lm_mean == pytest.approx(want_lm, rel=1e-6)
-    # Each rank's aux loss is that of its own tokens (with TP: its sequence shard), so the
-    # mean over a TP group is the reference's shard mean for that dp rank.
-    aux_by_dp: dict[int, list[float]] = {}
-    for r, _, aux, _ in results:
-        aux_by_dp.setdefault(r, []).append(aux)
-    for r, values in aux_by_dp.items():
-        assert sum(values) / len(values) == pytest.approx(want_aux[r], rel=1e-5)
+    # Each rank's aux loss uses the global expert frequencies and its own tokens' router
+    # probabilities (with TP: its sequence shard), so the mean over all ranks is the one-process
+    # aux loss of the global batch.
+    aux_mean = sum(aux for _, _, aux, _ in results) / world_size
+    assert aux_mean == pytest.approx(want_aux, rel=1e-5)
     for _, _, _, grads in results:
         assert set(grads) == set(want_grads)
         for name, want in want_grads.items():

@@ -13,7 +13,16 @@ The split of work matches what expert parallelism needs:
 Auxiliary loss: each forward stores the layer's load-balancing loss in `MoE.aux_loss` (a 0-dim
 float32 tensor, part of the autograd graph). The model sums it over layers and clears it
 (`Decoder.pop_aux_loss()`); the trainer scales the sum by `training.aux_loss_coef` and adds it.
+It is the **global-batch** load-balancing loss (Qwen's "global-batch LBL", as in Qwen 3): the
+expert frequencies `f_i` count the routed tokens of the whole global micro-batch, summed over
+every rank by `reduce_counts` (set by parallelisms/ when several ranks see different tokens;
+None in one process), while the router probabilities `P_i` stay per rank. The data-parallel
+mean of the rank losses is then `E * sum_i f_i * P_i` over the global micro-batch, the same
+value and gradient as one process on that batch, whatever the mesh.
 """
+
+from collections.abc import Callable
+
 
 import torch
 import torch.nn.functional as F
@@ -23,17 +32,24 @@ from models.common.init import trunc_normal_
 
 
 def load_balance_loss(
-    router_logits: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_experts: int
+    router_logits: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_experts: int,
+    reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss for one layer, as Hugging Face computes it.
 
     `num_experts * sum_i f_i * P_i` where `f_i` = (token copies routed to expert i) / (tokens),
     so the `f_i` sum to top_k, and `P_i` = mean router probability of expert i. Only `P_i`
-    carries gradient. Perfectly balanced routing gives `top_k`.
+    carries gradient. Perfectly balanced routing gives `top_k`. With `reduce_counts` (a sum over
+    the ranks holding the other tokens of the global batch) `f_i` is the global frequency.
     """
-    num_tokens = router_logits.shape[0]
     probs = torch.softmax(router_logits.float(), dim=-1)
-    frac_tokens = num_tokens_per_expert.float() / num_tokens
+    counts = num_tokens_per_expert.float()
+    num_tokens = torch.tensor(float(router_logits.shape[0]), device=counts.device)
+    if reduce_counts is not None:
+        # One all-reduce of E + 1 numbers: the global counts and the global token count.
+        both = reduce_counts(torch.cat([counts, num_tokens.reshape(1)]))
+        counts, num_tokens = both[:-1], both[-1]
+    frac_tokens = counts / num_tokens
     mean_probs = probs.mean(dim=0)
     return num_experts * torch.sum(frac_tokens * mean_probs)
 
@@ -109,6 +125,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
         # Set by every forward; see the module docstring.
         self.aux_loss: torch.Tensor | None = None
+        # Sums expert counts over the ranks holding the rest of the global batch (parallelisms/).
+        self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape
@@ -121,7 +139,7 @@ class MoE(nn.Module):
         num_tokens_per_expert = torch.zeros(
             num_experts, dtype=torch.int64, device=x.device
         ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        self.aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts)
+        self.aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
 
         # Sort slots by expert; stable keeps token order within each expert's batch.
         order = torch.argsort(flat_experts, stable=True)
