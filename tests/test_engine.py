@@ -204,7 +204,9 @@ def _worker(out: str) -> None:
     tokens = _tokens(4)
     dp_rank = engine.parallel_dims.dp_rank(engine.mesh)
     rows = tokens.shape[0] // dp
-    before = engine.forward_backward({"tokens": tokens[dp_rank * rows:(dp_rank + 1) * rows]})["loss"]
+    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
+    # An all-ones mask: the same loss, through the masked path (a plain tensor times the log-probs).
+    before = engine.forward_backward({"tokens": mine, "loss_mask": torch.ones(rows, SEQ)})["loss"]
     stepped = engine.optimizer_step()
     full = {name: value.clone() for name, value in engine.hf_state_dict()}
     shards = [(name, value.clone(), info.global_shape, info.offset)
@@ -254,6 +256,8 @@ def one_rank(tmp_path_factory):
     pytest.param(("parallelism.data_parallel_shard_degree=2",), id="fsdp2"),
     pytest.param(("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1"),
                  id="tp2", marks=pytest.mark.slow),
+    pytest.param(("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1",
+                  "parallelism.enable_loss_parallel=true"), id="tp2-loss-parallel", marks=pytest.mark.slow),
 ])
 def test_hf_export_one_rank_equals_two_ranks(tmp_path, one_rank, degrees):
     one = one_rank

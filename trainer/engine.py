@@ -51,6 +51,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     if temperature != 1.0:
         logits = logits / temperature
     nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if isinstance(nll, DTensor):
+        # Loss parallel: each rank holds the whole (replicated) per-token values; hand the loss
+        # function a plain tensor that mixes with the batch's masks and advantages.
+        assert all(p.is_replicate() for p in nll.placements), nll.placements
+        nll = nll.to_local()
     return -nll.view(targets.shape)
 
 
