@@ -198,7 +198,7 @@ def _worker(out: str) -> None:
 
     from trainer.engine import Engine
 
-    engine = Engine.from_recipe(RECIPE, [*COMMON, *sys.argv[3:]])
+    engine = Engine.from_recipe(sys.argv[3], [*COMMON, *sys.argv[4:]])
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = engine.parallel_dims.dp_degree
     tokens = _tokens(4)
@@ -219,10 +219,10 @@ def _worker(out: str) -> None:
     engine.close()
 
 
-def _launch(out, nproc: int, *extra: str) -> dict:
+def _launch(out, nproc: int, recipe: str, *extra: str) -> dict:
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "tests", "test_engine.py"), "--worker", str(out), *extra]
+           os.path.join(REPO, "tests", "test_engine.py"), "--worker", str(out), recipe, *extra]
     proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "PYTHONPATH": REPO}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -247,21 +247,39 @@ def _reassemble(out, nproc: int, full: dict) -> None:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("one")
-    return {**_launch(folder, 1), "folder": folder}
+    """The 1-rank run of each recipe, launched once."""
+    runs = {}
+
+    def get(recipe: str) -> dict:
+        if recipe not in runs:
+            folder = tmp_path_factory.mktemp("one")
+            runs[recipe] = {**_launch(folder, 1, recipe, "training.aux_loss_coef=0"), "folder": folder}
+        return runs[recipe]
+
+    return get
+
+
+MOE = "configs/qwen3_moe_debug.toml"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees", [
-    pytest.param(("parallelism.data_parallel_shard_degree=2",), id="fsdp2"),
-    pytest.param(("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1"),
+@pytest.mark.parametrize("recipe, degrees", [
+    pytest.param(RECIPE, ("parallelism.data_parallel_shard_degree=2",), id="fsdp2"),
+    pytest.param(RECIPE, ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1"),
                  id="tp2", marks=pytest.mark.slow),
-    pytest.param(("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1",
-                  "parallelism.enable_loss_parallel=true"), id="tp2-loss-parallel", marks=pytest.mark.slow),
+    pytest.param(RECIPE, ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1",
+                          "parallelism.enable_loss_parallel=true"), id="tp2-loss-parallel", marks=pytest.mark.slow),
+    # Stacked experts [8, ...] split over ranks: per-expert HF tensors at the right global index.
+    # No load-balancing loss: it is a product of per-batch fractions, so half batches on two
+    # ranks give another (equally valid) gradient than the whole batch on one.
+    pytest.param(MOE, ("parallelism.data_parallel_shard_degree=2", "training.aux_loss_coef=0"),
+                 id="moe-fsdp2", marks=pytest.mark.slow),
+    pytest.param(MOE, ("parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=2",
+                       "training.aux_loss_coef=0"), id="moe-ep2", marks=pytest.mark.slow),
 ])
-def test_hf_export_one_rank_equals_two_ranks(tmp_path, one_rank, degrees):
-    one = one_rank
-    two = _launch(tmp_path / "two", 2, *degrees)
+def test_hf_export_one_rank_equals_two_ranks(tmp_path, one_rank, recipe, degrees):
+    one = one_rank(recipe)
+    two = _launch(tmp_path / "two", 2, recipe, *degrees)
     assert (one["world"], two["world"]) == (1, 2)
     torch.testing.assert_close(two["loss"], one["loss"], **LOSS)
     torch.testing.assert_close(two["grad_norm"], one["grad_norm"], rtol=1e-5, atol=0.0)
