@@ -295,7 +295,7 @@ def test_hf_export_one_rank_equals_two_ranks(tmp_path, one_rank, recipe, degrees
 def test_grpo_example_reward_rises():
     """Six seeded GRPO updates (2 optimizer steps each) on the 64-token debug model: the mean
     reward (fraction of the target token) of the last two updates beats the first two by 0.3.
-    Measured: 0.035, 0.051 -> 0.949, 0.992 (the chance level is 1/64 = 0.016)."""
+    Measured: 0.035, 0.051 -> 0.359, 0.949 (the chance level is 1/64 = 0.016)."""
     sys.path.insert(0, os.path.join(REPO, "examples"))
     import grpo_debug
 
