@@ -173,6 +173,11 @@ class Engine:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.ndim != 2 or inputs.dtype != torch.int64:
+            raise ValueError(f"tokens: expected int64 [batch, length], got {inputs.dtype} {list(inputs.shape)}")
+        if inputs.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"tokens: the model reads {inputs.shape[1]} positions, more than training.seq_len "
+                             f"= {self.args.max_seq_len} (its RoPE tables); raise training.seq_len")
         return self.model(inputs)
 
     def forward_backward(self, batch: Mapping[str, Any], loss_fn: LossFn | None = None, *,
@@ -196,6 +201,8 @@ class Engine:
         if weight <= 0:
             raise ConfigError(f"forward_backward weight: {weight}; allowed: > 0")
         loss_fn = nll_loss if loss_fn is None else loss_fn
+        if "tokens" not in batch:
+            raise ValueError(f"forward_backward: the batch has no 'tokens' (int64 [B, T]); keys: {sorted(batch)}")
         batch = self._to_device(batch)
         tokens = batch["tokens"]
         with self.step_plan.loss_context():
