@@ -131,6 +131,27 @@ def test_accumulation_over_two_calls_equals_one_call_on_the_concatenated_batch()
     masked.close()
 
 
+def test_activation_checkpointing_leaves_the_step_unchanged():
+    """The recipe's activation checkpointing is applied (as the trainer's parallelize_model does)
+    and recomputes the same fp32 forward: loss and weights as without it."""
+    from trainer.engine import nll_loss
+
+    tokens = _tokens(2)
+    results = []
+    for mode in ("none", "full"):
+        engine = _engine(f"activation_checkpoint.mode={mode}")
+        blocks = [block for _, block in engine.family.plan.iter_blocks(engine.model)]
+        assert all(getattr(type(b), "_ac_mode", "none") == mode for b in blocks) and blocks
+        loss = engine.forward_backward({"tokens": tokens}, nll_loss)["loss"]
+        engine.optimizer_step()
+        results.append((loss, _params(engine)))
+    engine.close()
+    (loss_none, plain), (loss_full, checkpointed) = results
+    torch.testing.assert_close(loss_full, loss_none, **LOSS)
+    for name, value in checkpointed.items():
+        assert_weights_close(value, plain[name], name)
+
+
 def test_save_load_round_trip(tmp_path):
     from models.errors import ConfigError
 
@@ -269,6 +290,9 @@ MOE = "configs/qwen3_moe_debug.toml"
                  id="tp2", marks=pytest.mark.slow),
     pytest.param(RECIPE, ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1",
                           "parallelism.enable_loss_parallel=true"), id="tp2-loss-parallel", marks=pytest.mark.slow),
+    # Replicas: each tensor is yielded by one rank of the dp_replicate axis only.
+    pytest.param(RECIPE, ("parallelism.data_parallel_replicate_degree=2", "parallelism.data_parallel_shard_degree=1"),
+                 id="hsdp-replicate2", marks=pytest.mark.slow),
     # Stacked experts [8, ...] split over ranks: per-expert HF tensors at the right global index.
     # No load-balancing loss: it is a product of per-batch fractions, so half batches on two
     # ranks give another (equally valid) gradient than the whole batch on one.
