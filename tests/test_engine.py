@@ -201,6 +201,38 @@ def test_hf_state_dict_is_the_adapters_export(recipe):
     engine.close()
 
 
+def test_tied_embeddings_export_has_no_lm_head():
+    engine = _engine("model.tie_embeddings=true")
+    expected = engine.family.hf_adapter.to_hf(_params(engine), engine.args)
+    got = dict(engine.hf_state_dict())
+    assert "lm_head.weight" not in got and got.keys() == expected.keys()
+    assert {name for name, _, _ in engine.hf_state_dict(sharded=True)} == set(expected)
+    engine.close()
+
+
+def test_weight_sync_into_transformers_gives_the_engines_logprobs():
+    """After a step, `LlamaForCausalLM` loaded from `hf_state_dict()` (strict) gives the engine's
+    log-probs: the weight sync an RL loop does into an inference engine. Two fp32 implementations
+    of the same math (HF eager attention vs SDPA): tests/test_models_parity.py bounds the logits
+    by 1e-5, so the log-softmax differs by <= 2e-5; asserted 5e-5."""
+    import transformers
+
+    engine = _engine()
+    tokens = _tokens(2)
+    engine.forward_backward({"tokens": tokens})
+    engine.optimizer_step()
+    config = transformers.LlamaConfig(**engine.family.hf_adapter.hf_config(engine.args))
+    config._attn_implementation = "eager"
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    hf_model.load_state_dict(dict(engine.hf_state_dict()), strict=True)
+    with torch.no_grad():
+        logits = hf_model(tokens[:, :-1]).logits
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[:, 1:, None])[..., 0]
+    got = engine.compute_logprobs(tokens)
+    assert (got - expected).abs().max().item() <= 5e-5
+    engine.close()
+
+
 def test_bad_input_is_a_config_error():
     from models.errors import ConfigError
     from trainer.engine import Engine
@@ -216,6 +248,7 @@ def test_bad_input_is_a_config_error():
 def _worker(out: str) -> None:
     """Under torchrun: one step on this rank's half of a fixed global batch, then both exports."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from trainer.engine import Engine
 
@@ -229,14 +262,23 @@ def _worker(out: str) -> None:
     # An all-ones mask: the same loss, through the masked path (a plain tensor times the log-probs).
     before = engine.forward_backward({"tokens": mine, "loss_mask": torch.ones(rows, SEQ)})["loss"]
     stepped = engine.optimizer_step()
-    full = {name: value.clone() for name, value in engine.hf_state_dict()}
+    # One parameter is gathered when the generator yields its first tensor, not the whole model.
+    gathers = []
+    full_tensor = DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **k: (gathers.append(1), full_tensor(self, *a, **k))[1]
+    export = engine.hf_state_dict()
+    first = next(export)
+    gathers_before_first = len(gathers)
+    DTensor.full_tensor = full_tensor
+    full = {name: value.clone() for name, value in [first, *export]}
     shards = [(name, value.clone(), info.global_shape, info.offset)
               for name, value, info in engine.hf_state_dict(sharded=True)]
     torch.save(shards, os.path.join(out, f"shards_rank{rank}.pt"))
     if rank == 0:
         torch.save(full, os.path.join(out, "full.pt"))
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"loss": before, "grad_norm": stepped["grad_norm"], "world": world}, f)
+            json.dump({"loss": before, "grad_norm": stepped["grad_norm"], "world": world,
+                       "gathers_before_first": gathers_before_first}, f)
     engine.close()
 
 
@@ -305,6 +347,7 @@ def test_hf_export_one_rank_equals_two_ranks(tmp_path, one_rank, recipe, degrees
     one = one_rank(recipe)
     two = _launch(tmp_path / "two", 2, recipe, *degrees)
     assert (one["world"], two["world"]) == (1, 2)
+    assert two["gathers_before_first"] == 1  # one parameter at a time
     torch.testing.assert_close(two["loss"], one["loss"], **LOSS)
     torch.testing.assert_close(two["grad_norm"], one["grad_norm"], rtol=1e-5, atol=0.0)
     full_one = torch.load(one["folder"] / "full.pt")
