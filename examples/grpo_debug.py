@@ -1,6 +1,7 @@
 """GRPO on the debug Llama 3 with a toy reward, on the CPU, through `trainer.engine.Engine`.
 
     OMP_NUM_THREADS=1 python examples/grpo_debug.py [--updates 16] [--kl-coef 0.02] [--section.key=value ...]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 examples/grpo_debug.py   # FSDP over 2 ranks
 
 Each update: take `--prompts` random prompts, sample a group of `--group` completions per prompt
 with a plain sampling loop over the engine's no-grad forwards (no KV cache, no inference
@@ -80,6 +81,17 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).flatten()
 
 
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean of a per-rank scalar over all ranks (every rank holds the same number of samples)."""
+    import torch.distributed as dist
+
+    value = value.detach().float().reshape(1).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
 def grpo_loss(clip_eps: float, kl_coef: float):
     """loss_fn(logprobs, batch) for Engine.forward_backward: clipped surrogate (+ k3 KL), token mean."""
 
@@ -105,10 +117,14 @@ def run(argv: list[str]) -> list[dict]:
     args, extra = parse_args(argv)
     engine = Engine.from_recipe(args.recipe, overrides(args, extra))
     reference = Engine.from_recipe(args.recipe, overrides(args, extra)) if args.kl_coef > 0 else None
-    generator = torch.Generator().manual_seed(args.seed)
+    # Under torchrun each data-parallel rank samples its own prompts (TP ranks of one dp rank
+    # share a seed, so they sample the same tokens); groups never span ranks.
+    dp_rank = engine.parallel_dims.dp_rank(engine.mesh)
+    generator = torch.Generator().manual_seed(args.seed + 1000 * dp_rank)
     loss_fn = grpo_loss(args.clip_eps, args.kl_coef)
     rows = []
-    print(f"{'update':>6} {'reward':>8} {'loss':>9} {'kl':>8} {'clip':>6} {'grad_norm':>9} {'s':>5}")
+    say = print if engine.dist_info.rank == 0 else (lambda *a, **k: None)
+    say(f"{'update':>6} {'reward':>8} {'loss':>9} {'kl':>8} {'clip':>6} {'grad_norm':>9} {'s':>5}")
     for update in range(1, args.updates + 1):
         t0 = time.perf_counter()
         prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), generator=generator)
@@ -125,10 +141,11 @@ def run(argv: list[str]) -> list[dict]:
         for _ in range(args.ppo_epochs):
             out = engine.forward_backward(batch, loss_fn, temperature=args.temperature)
             step = engine.optimizer_step()
-        row = {"update": update, "reward": rewards.mean().item(), "loss": out["loss"], "kl": out.get("kl", 0.0),
-               "clip_frac": out["clip_frac"], "grad_norm": step["grad_norm"], "s": time.perf_counter() - t0}
+        row = {"update": update, "reward": mean_over_ranks(rewards.mean()), "loss": out["loss"],
+               "kl": out.get("kl", 0.0), "clip_frac": out["clip_frac"], "grad_norm": step["grad_norm"],
+               "s": time.perf_counter() - t0}
         rows.append(row)
-        print(f"{update:>6} {row['reward']:>8.3f} {row['loss']:>9.4f} {row['kl']:>8.4f} {row['clip_frac']:>6.3f} "
+        say(f"{update:>6} {row['reward']:>8.3f} {row['loss']:>9.4f} {row['kl']:>8.4f} {row['clip_frac']:>6.3f} "
               f"{row['grad_norm']:>9.3f} {row['s']:>5.2f}", flush=True)
     engine.close()
     return rows
