@@ -1,0 +1,433 @@
+"""The trainer as a library: a training engine that an RL loop drives step by step.
+
+`Engine.from_recipe("configs/llama3_debug.toml", overrides=["training.seq_len=64"])` builds what
+`trainer.train` builds, with the same functions and in the same order: the process group (a
+world of one without torchrun), the `ParallelDims` and named `DeviceMesh`, the model on the meta
+device -> TP, EP, AC, compile, SimpleFSDP -> materialize -> init (or `[checkpoint]
+initial_load_path`), AdamW and the lr schedule. The caller owns the loop and the data:
+
+    out = engine.forward_backward(batch, loss_fn)   # grads accumulate across calls
+    out = engine.optimizer_step()                   # clip, step, zero_grad, lr schedule
+    logp = engine.compute_logprobs(tokens)          # no grad
+    engine.save(folder) / engine.load(folder)       # DCP, the trainer's checkpoint layout
+    for name, tensor in engine.hf_state_dict(): ... # weight sync by Hugging Face names
+
+Under torchrun every rank builds the engine and makes the same calls in the same order (they
+hold collectives); each data-parallel rank passes its own part of the batch, as in the trainer.
+docs/engine.md maps these calls onto VeRL's `BaseEngine`.
+
+Not here: graph mode (`[compile] mode = "graph"` captures the LM loss and the optimizer update
+into one graph, so it cannot run a caller's loss function) and the fused loss (it never forms
+the log-probs an RL loss reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+
+from models.errors import ConfigError
+from trainer.config import Config, build_config, resolve_model_args
+from trainer.step import local_scalar, plan_step
+from trainer.train import NonFiniteLoss, _dtype, _global_mean, build_model
+
+LossFn = Callable[[torch.Tensor, dict], Any]
+"""loss_fn(logprobs or logits, batch) -> scalar loss, or (scalar loss, {metric: value})."""
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """log p(targets[b, t] | prefix) in fp32, [B, T], from logits [B, T, V] (divided by `temperature`).
+
+    Written as a cross entropy with no reduction: the same fp32 log-softmax the trainer's loss
+    computes, and one that loss parallel (vocab-sharded logits under TP) also supports.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if isinstance(nll, DTensor):
+        # Loss parallel: each rank holds the whole (replicated) per-token values; hand the loss
+        # function a plain tensor that mixes with the batch's masks and advantages.
+        assert all(p.is_replicate() for p in nll.placements), nll.placements
+        nll = nll.to_local()
+    return -nll.view(targets.shape)
+
+
+def nll_loss(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The default loss: mean next-token NLL over the tokens, or over `batch["loss_mask"]` ([B, T-1])."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return -logprobs.mean()
+    mask = mask.to(logprobs.dtype)
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a local shard sits in its full Hugging Face tensor (`hf_state_dict(sharded=True)`)."""
+
+    global_shape: tuple[int, ...]
+    """Shape of the full HF tensor."""
+    offset: tuple[int, ...]
+    """Index of the shard's first element in the full tensor, per dim (a contiguous block)."""
+    placements: str
+    """The parameter's DTensor placements and mesh axes, for information (e.g. `dp_shard:S(0)`)."""
+
+
+def parse_overrides(overrides: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
+    """`["training.seq_len=64", "--model.n_layers=2", ("optimizer.lr", "1e-4")]` -> [(key, raw)]."""
+    out = []
+    for item in overrides:
+        if isinstance(item, tuple):
+            out.append((item[0], str(item[1])))
+            continue
+        body = item[2:] if item.startswith("--") else item
+        key, sep, raw = body.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        out.append((key.replace("-", "_"), raw))
+    return out
+
+
+class Engine:
+    """A built model, optimizer and lr schedule behind forward_backward / optimizer_step calls.
+
+    Build with `Engine.from_recipe` (or `Engine(cfg)` from a `trainer.config.Config`).
+    Attributes for callers that need them: `cfg`, `family`, `args`, `model`, `optimizer`,
+    `scheduler`, `device`, `mesh`, `parallel_dims`, `step` (optimizer steps taken).
+    """
+
+    def __init__(self, cfg: Config):
+        import kernels
+        from parallelisms import ParallelDims, build_mesh
+        from trainer import checkpoint as ckpt
+        from trainer.device import init_distributed, pick_device, set_seed
+        from trainer.optim import build_lr_scheduler, build_optimizer
+
+        if cfg.compile.mode == "graph":
+            raise ConfigError('compile.mode: "graph" captures the LM loss and the optimizer update in one graph, '
+                              "so the engine cannot run a caller's loss function; allowed: eager, compile")
+        if cfg.training.fused_loss == "on":
+            raise ConfigError("training.fused_loss: on never forms the log-probs the engine's loss functions read; "
+                              "allowed: auto, off")
+        self.cfg = cfg
+        # 1. Device, process group (a world of one without torchrun), seed: as trainer.train.
+        self.device = pick_device(cfg.device.type)
+        self.dist_info = init_distributed(self.device)
+        set_seed(cfg.training.seed)
+        # 2. Model args, degrees, the step plan (AC / compile / loss parallel), the mesh.
+        t, p, c = cfg.training, cfg.parallelism, cfg.compile
+        self.family, self.args = resolve_model_args(cfg.model, seq_len=t.seq_len)
+        shape = self.args.shape()
+        self.parallel_dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, world_size=self.dist_info.world_size,
+        )
+        self.parallel_dims.validate_for_model(shape, seq_len=t.seq_len)
+        self.step_plan = plan_step(mode=c.mode, backend=c.backend, scan_layers=c.scan_layers,
+                                   ac_mode=cfg.activation_checkpoint.mode, loss_parallel=p.enable_loss_parallel,
+                                   tp_enabled=self.parallel_dims.tp_enabled, device_type=self.device.type,
+                                   shape=shape, fused_loss="off")
+        self.mesh = build_mesh(self.parallel_dims, self.device.type)
+        # 3. Kernels, then meta -> parallelize -> materialize -> init (trainer.train.build_model).
+        kernels.select(attention=cfg.model.attn_backend, device=self.device)
+        self.model = build_model(self.family, self.args, step_plan=self.step_plan, parallel_dims=self.parallel_dims,
+                                 mesh=self.mesh, device=self.device, param_dtype=_dtype(t.mixed_precision_param),
+                                 reduce_dtype=_dtype(t.mixed_precision_reduce))
+        # 4. Optimizer and lr schedule; the schedule spans training.steps optimizer steps.
+        o, s = cfg.optimizer, cfg.lr_scheduler
+        self.optimizer = build_optimizer(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                         weight_decay=o.weight_decay)
+        self.scheduler = build_lr_scheduler(self.optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
+                                            decay_type=s.decay_type, decay_ratio=s.decay_ratio,
+                                            min_lr_factor=s.min_lr_factor)
+        # 5. Initial weights (DCP or HF safetensors), as the trainer's first start.
+        ck = cfg.checkpoint
+        if ck.initial_load_path:
+            ckpt.load_initial(self.model, path=ck.initial_load_path, fmt=ck.initial_load_format,
+                              hf_adapter=self.family.hf_adapter, args=self.args,
+                              hf_config_mismatch=ck.hf_config_mismatch)
+        self._train_state = ckpt.TrainState()
+        self._accum_weight = 0.0
+        self._hf_layouts: dict[str, list[str]] = {}
+
+    @classmethod
+    def from_recipe(cls, path: str | None, overrides: Sequence[str | tuple[str, str]] = ()) -> "Engine":
+        """Build from a TOML recipe and `section.key=value` overrides (CLI precedence, as the trainer)."""
+        return cls(build_config(path, parse_overrides(overrides)))
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by `load`)."""
+        return self._train_state.step
+
+    # -- forward / backward ---------------------------------------------------------------------
+
+    def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.ndim != 2 or inputs.dtype != torch.int64:
+            raise ValueError(f"tokens: expected int64 [batch, length], got {inputs.dtype} {list(inputs.shape)}")
+        if inputs.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"tokens: the model reads {inputs.shape[1]} positions, more than training.seq_len "
+                             f"= {self.args.max_seq_len} (its RoPE tables); raise training.seq_len")
+        return self.model(inputs)
+
+    def forward_backward(self, batch: Mapping[str, Any], loss_fn: LossFn | None = None, *,
+                         output: str = "logprobs", temperature: float = 1.0, weight: float = 1.0) -> dict[str, float]:
+        """Forward, `loss_fn`, backward; gradients add up until `optimizer_step`.
+
+        batch: `tokens` int64 [B, T] (the model reads tokens[:, :-1] and is scored on
+            tokens[:, 1:], so T = training.seq_len + 1 gives the trainer's windows), plus anything
+            the loss reads (masks [B, T-1], advantages, old log-probs...), moved to the device.
+        loss_fn(x, batch) -> scalar, or (scalar, {name: value}): x is the fp32 log-prob of each
+            target token [B, T-1] at `temperature` (output="logprobs") or the logits [B, T-1, V]
+            (output="logits"; vocab-sharded DTensor under TP with loss parallel). Default:
+            `nll_loss`, the trainer's LM loss. MoE models add `aux_loss_coef` x their aux loss.
+        weight: this call's share of the step: `optimizer_step` divides the summed gradients by
+            the summed weights, so equal weights average the calls (the trainer's accumulation)
+            and weight = tokens per call with a per-token-mean loss gives the token mean.
+        Returns {"loss": mean over ranks, **metrics} (one host sync).
+        """
+        if output not in ("logprobs", "logits"):
+            raise ConfigError(f"forward_backward output: {output!r}; allowed: logprobs, logits")
+        if weight <= 0:
+            raise ConfigError(f"forward_backward weight: {weight}; allowed: > 0")
+        loss_fn = nll_loss if loss_fn is None else loss_fn
+        if "tokens" not in batch:
+            raise ValueError(f"forward_backward: the batch has no 'tokens' (int64 [B, T]); keys: {sorted(batch)}")
+        batch = self._to_device(batch)
+        tokens = batch["tokens"]
+        with self.step_plan.loss_context():
+            logits = self._logits(tokens[:, :-1])
+            x = logits if output == "logits" else token_logprobs(logits, tokens[:, 1:], temperature=temperature)
+            result = loss_fn(x, batch)
+            loss, metrics = result if isinstance(result, tuple) else (result, {})
+            aux = self.model.pop_aux_loss()
+            total = loss if aux is None else loss + self.cfg.training.aux_loss_coef * aux
+            (total * weight).backward()
+        self._accum_weight += weight
+        out = {"loss": _global_mean(local_scalar(loss.detach()))}
+        if aux is not None:
+            out["moe_aux_loss"] = _global_mean(local_scalar(aux.detach()))
+        for k, v in metrics.items():
+            out[k] = _global_mean(local_scalar(v.detach())) if isinstance(v, torch.Tensor) else v
+        return out
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Average the accumulated gradients, clip to training.max_norm, AdamW step, zero_grad, lr schedule.
+
+        Returns {"grad_norm" (global, before clipping), "lr" (of this step), "step", "skipped"}.
+        A non-finite gradient norm skips the update (weights and moments unchanged) and then
+        raises `NonFiniteLoss` unless training.skip_nonfinite_updates is set, as the trainer does.
+        """
+        from parallelisms import clip_grad_norm_
+
+        if self._accum_weight == 0:
+            raise RuntimeError("optimizer_step: no forward_backward since the last step")
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self._accum_weight != 1.0:
+            grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            torch._foreach_div_(grads, self._accum_weight)
+        max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
+        grad_norm = clip_grad_norm_(params, max_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        finite = _step_if_finite(self.optimizer, grad_norm)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._accum_weight = 0.0
+        self._train_state.step += 1
+        if not finite and not self.cfg.training.skip_nonfinite_updates:
+            raise NonFiniteLoss(f"non-finite gradient norm at engine step {self.step} (its update was skipped); "
+                                "lower optimizer.lr, or set training.skip_nonfinite_updates = true")
+        return {"grad_norm": float(grad_norm), "lr": lr, "step": self.step, "skipped": not finite}
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last `optimizer_step`."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._accum_weight = 0.0
+
+    @torch.no_grad()
+    def compute_logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+        """fp32 log p(tokens[:, t+1] | tokens[:, :t+1]) at `temperature`, [B, T-1]; no grad."""
+        tokens = tokens.to(self.device)
+        with self.step_plan.loss_context():
+            logprobs = token_logprobs(self._logits(tokens[:, :-1]), tokens[:, 1:], temperature=temperature)
+        self.model.pop_aux_loss()
+        return local_scalar(logprobs)
+
+    @torch.no_grad()
+    def next_token_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the token after each sequence, [B, V] (for a sampling loop); no grad."""
+        logits = self._logits(tokens.to(self.device))
+        self.model.pop_aux_loss()
+        if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
+            logits = logits.full_tensor()
+        return logits[:, -1].float()
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _states(self) -> dict[str, Any]:
+        from trainer import checkpoint as ckpt
+
+        return {
+            "model": ckpt.ModelState(self.model),
+            "optimizer": ckpt.OptimizerState(self.model, self.optimizer),
+            "lr_scheduler": self.scheduler,
+            "train_state": self._train_state,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer", "lr_scheduler", "train_state"}: this rank's (DTensor-sharded)
+        states, keyed as in the trainer's checkpoints; for `torch.distributed.checkpoint`."""
+        return {name: state.state_dict() for name, state in self._states().items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned (the keys present); the config's lr and betas win."""
+        for name, state in self._states().items():
+            if name in state_dict:
+                state.load_state_dict(state_dict[name])
+
+    def _manager(self, folder: str | Path, load_step: int = -1):
+        from trainer.checkpoint import CheckpointManager
+
+        return CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled",
+                                 enable=True, load_step=load_step)
+
+    def save(self, folder: str | Path) -> Path:
+        """Write `folder/step-N` (N = `step`) through DCP, atomically, with a manifest; every rank calls it."""
+        manager = self._manager(folder)
+        manager.save(self.step, self._states())
+        manager.close()
+        return manager.step_path(self.step)
+
+    def load(self, folder: str | Path, step: int = -1) -> int:
+        """Load the newest `folder/step-N` (or `step`), saved by `save` or by the trainer
+        (its data-loader state is not read); on any mesh. Returns N; ConfigError if none."""
+        manager = self._manager(folder, load_step=step)
+        try:
+            if not manager.complete_steps():
+                raise ConfigError(f"engine.load: {folder} holds no checkpoint (step-N folders); allowed: a "
+                                  "folder written by Engine.save, or the trainer's checkpoint folder")
+            loaded = manager.load(self._states())
+        finally:
+            manager.close()
+        self._accum_weight = 0.0
+        return loaded
+
+    # -- weights by Hugging Face name -------------------------------------------------------------
+
+    def _hf_names(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """HF names of our parameter `name`: one (a rename), several (stacked experts, split on
+        dim 0, in order), or none (a tied output weight). From the family's adapter, on meta."""
+        if name not in self._hf_layouts:
+            probe = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            out = self.family.hf_adapter.to_hf({name: probe}, self.args)
+            names = list(out)
+            if len(names) == 1:
+                assert tuple(out[names[0]].shape) == tuple(tensor.shape), (name, out)
+            else:
+                assert len(names) in (0, tensor.shape[0]), (name, names)
+                assert all(tuple(v.shape) == tuple(tensor.shape[1:]) for v in out.values()), name
+            self._hf_layouts[name] = names
+        return self._hf_layouts[name]
+
+    def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # DSD's names are the checkpoint FQNs (no wrapper prefixes); values are the stored
+        # (sharded) parameters themselves, nothing is gathered or copied here.
+        yield from get_model_state_dict(self.model).items()
+
+    def hf_state_dict(self, *, sharded: bool = False, dtype: torch.dtype | None = None) -> Iterator[tuple]:
+        """Generator over the weights by Hugging Face name, for weight sync to an inference engine.
+
+        sharded=False: (hf_name, full tensor) on every rank. Each parameter is all-gathered
+            when the generator reaches it, so peak extra memory is one full parameter (plus its
+            per-expert copies for stacked MoE experts); every rank must run the generator to the end
+            in step (each item is a collective).
+        sharded=True: (hf_name, local shard, ShardInfo) with only what this rank owns: no
+            communication; a tensor replicated over some mesh axes is yielded by the rank at index
+            0 of those axes, so the shards of all ranks tile every full tensor exactly once.
+        dtype: cast each yielded tensor (e.g. torch.bfloat16 for an inference engine).
+        Names and values are what `family.hf_adapter.to_hf` gives for the full state dict.
+        """
+        if self.family.hf_adapter is None:
+            raise ConfigError(f"model.name: {self.family.name} has no hf.py adapter, so it has no Hugging Face "
+                              "names; allowed: a family with hf_adapter (llama3, qwen3)")
+        for name, param in self._named_tensors():
+            hf_names = self._hf_names(name, param)
+            if not hf_names:
+                continue
+            if sharded:
+                yield from self._owned_shards(param, hf_names, dtype)
+                continue
+            full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            full = full if dtype is None else full.to(dtype)
+            for hf_name, value in self.family.hf_adapter.to_hf({name: full}, self.args).items():
+                yield hf_name, value
+            del full
+
+    def _owned_shards(self, param: torch.Tensor, hf_names: list[str], dtype) -> Iterator[tuple]:
+        global_shape = tuple(param.shape)
+        if isinstance(param, DTensor):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            mesh, placements = param.device_mesh, param.placements
+            coord = mesh.get_coordinate()
+            if any(isinstance(pl, Replicate) and coord[i] != 0 for i, pl in enumerate(placements)):
+                return  # another rank yields this replica
+            local = param.to_local().detach()
+            _, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+            names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+            where = ",".join(f"{n}:{pl}" for n, pl in zip(names, placements))
+        else:
+            local, offset, where = param.detach(), (0,) * param.ndim, "local"
+        if local.numel() == 0:
+            return  # an uneven split left this rank nothing
+        local = local if dtype is None else local.to(dtype)
+        offset = tuple(int(o) for o in offset)
+        if len(hf_names) == 1:
+            yield hf_names[0], local, ShardInfo(global_shape, offset, where)
+            return
+        # Stacked experts: global row e of dim 0 is HF tensor hf_names[e].
+        for k in range(local.shape[0]):
+            yield (hf_names[offset[0] + k], local[k],
+                   ShardInfo(global_shape[1:], offset[1:], where))
+
+    def close(self) -> None:
+        """Destroy the process group this engine started (also the world-of-one group)."""
+        from trainer.device import shutdown_distributed
+
+        shutdown_distributed()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> bool:
+    """AdamW step unless the global gradient norm is not finite; True if it stepped.
+
+    Duplicates `trainer.step.EagerStep._step_if_finite` (fused AdamW skips on the device via
+    `found_inf`), plus the host read of the verdict the engine returns anyway.
+    """
+    nonfinite = ~torch.isfinite(grad_norm)
+    if all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.found_inf = nonfinite.to(torch.float32)
+        optimizer.step()
+    elif not bool(nonfinite):
+        optimizer.step()
+    return not bool(nonfinite)
+
+
+__all__ = ["Engine", "ShardInfo", "nll_loss", "parse_overrides", "token_logprobs"]
