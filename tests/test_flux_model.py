@@ -303,17 +303,18 @@ def _loss(out: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
     return (out * proj).mean()
 
 
-def _parallel_rank(degrees: dict, state: dict, x: dict, proj: torch.Tensor):
+def _parallel_rank(world_size: int, degrees: dict, state: dict, x: dict, proj: torch.Tensor, compile_backend=None):
     from parallelisms import ParallelDims, build_mesh, parallelize_model
     from tests.test_parallel_harness import full, load_full_state
 
-    dims = ParallelDims(world_size=2, **degrees)
+    dims = ParallelDims(world_size=world_size, **degrees)
     mesh = build_mesh(dims, "cpu")
     args = _args(True)
     with torch.device("meta"):
         model = FluxTransformer(args)
     parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+                      param_dtype=torch.float32, reduce_dtype=torch.float32,
+                      ac_mode="selective" if compile_backend else "none", compile_backend=compile_backend)
     model.to_empty(device="cpu")
     load_full_state(model, state)
     rank, n = dims.dp_rank(mesh), dims.dp_degree
@@ -323,9 +324,19 @@ def _parallel_rank(degrees: dict, state: dict, x: dict, proj: torch.Tensor):
     return out.detach(), {name: full(p.grad).detach() for name, p in model.named_parameters()}
 
 
+PARALLEL_CASES = [
+    pytest.param(2, dict(dp_shard=1, tp=2), None, id="tp2"),
+    pytest.param(2, dict(dp_shard=2), None, id="fsdp2"),
+    # per-block compile (aot_eager) + selective AC over the TP blocks: DTensor, the TP hooks and
+    # the all-reduces traced into each block's graph
+    pytest.param(2, dict(dp_shard=1, tp=2), "aot_eager", id="tp2-compile", marks=pytest.mark.slow),
+    pytest.param(4, dict(dp_shard=2, tp=2), None, id="fsdp2xtp2", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees", [dict(dp_shard=1, tp=2), dict(dp_shard=2)], ids=["tp2", "fsdp2"])
-def test_tp_and_fsdp_match_single_process(degrees):
+@pytest.mark.parametrize("world_size, degrees, compile_backend", PARALLEL_CASES)
+def test_tp_and_fsdp_match_single_process(world_size, degrees, compile_backend):
     from tests.test_parallel_harness import run_processes
 
     args = _args(True)
@@ -336,11 +347,12 @@ def test_tp_and_fsdp_match_single_process(degrees):
     _loss(out, proj).backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    results = run_processes(2, _parallel_rank, degrees, state, x, proj)
+    results = run_processes(world_size, _parallel_rank, world_size, degrees, state, x, proj, compile_backend)
+    tp = degrees.get("tp", 1)
     outs = [r[0] for r in results]
-    par_out = outs[0] if degrees.get("tp", 1) > 1 else torch.cat(outs)
-    if degrees.get("tp", 1) > 1:
-        assert torch.equal(outs[0], outs[1])  # replicated over TP
+    for rank in range(world_size):
+        assert torch.equal(outs[rank], outs[rank - rank % tp])  # replicated over TP
+    par_out = torch.cat(outs[::tp])  # the dp ranks' batch slices, in order
     assert _rel(par_out, out.detach()) <= PARALLEL_RTOL
     for rank_grads in (r[1] for r in results):
         assert set(rank_grads) == set(ref_grads)
