@@ -119,6 +119,16 @@ def test_bad_args_name_the_field(bad, match):
         dataclasses.replace(FLAVORS["debugmodel"], **bad)
 
 
+@pytest.mark.parametrize("raw", ["abc", "[8, 28]", "[8, 28, 28.5]", "[8, 28, 27]", "[8, 28, 30]"])
+def test_bad_axes_dim_override_is_one_config_error(raw):
+    from models.errors import ConfigError
+    from trainer.config import model_args, parse_value
+
+    with pytest.raises(ConfigError, match=r"^model\.axes_dim: "):
+        model_args("flux", "debugmodel", {"axes_dim": parse_value(raw)})
+    assert model_args("flux", "debugmodel", {"axes_dim": parse_value("[8, 28, 28]")})[1].axes_dim == (8, 28, 28)
+
+
 # --- diffusers parity and the adapter -----------------------------------------------------
 
 SHAPES = [  # batch, latent height, width, text length, guidance
