@@ -381,6 +381,33 @@ def test_tp_plan_covers_every_block_parameter():
             assert any(name.startswith(path + ".") for path in styled), name
 
 
+def test_tp_without_the_replicate_style_is_refused():
+    """The modulation linears are the block parameters that `replicate` covers: without it,
+    parallelize_model's TP check refuses the plan (their gradient would not be a TP DTensor),
+    so the check is not satisfied vacuously. Meta device, threaded process group."""
+    from models.common.plan import ModelPlan
+    from models.errors import ConfigError
+    from parallelisms import ParallelDims, build_mesh, parallelize_model
+    from tests.test_parallel_harness import run_threads
+
+    plan = ModelPlan(block=PLAN.block, tp={}, tp_block={k: v for k, v in PLAN.tp_block.items() if v != "replicate"})
+
+    def on_rank(plan):
+        dims = ParallelDims(world_size=2, dp_shard=1, tp=2)
+        with torch.device("meta"):
+            model = FluxTransformer(_args(True))
+        try:
+            parallelize_model(model, plan=plan, parallel_dims=dims, mesh=build_mesh(dims, "cpu"),
+                              param_dtype=torch.float32)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    assert run_threads(2, lambda: on_rank(PLAN)) == [None, None]
+    errors = run_threads(2, lambda: on_rank(plan))
+    assert all(e is not None and "double_blocks.0.img_mod.lin.weight" in e for e in errors), errors
+
+
 def _has(module, path):
     try:
         module.get_submodule(path)
