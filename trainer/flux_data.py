@@ -148,8 +148,9 @@ def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | 
     """(dominant colour, position) of each image ([B, 3, H, W] floats in [0, 1] or
     [B, H, W, 3] uint8), read from pixels; (None, None) when nothing stands out.
 
-    The background is the median of the border pixels; a pixel is foreground when it is
-    more than 0.25 (max over channels) away from it. The colour is the palette entry nearest
+    The background is the median of the border pixels; a pixel is foreground when its
+    distance from it (max over channels) exceeds 0.25 and half the largest distance in the
+    image. The colour is the palette entry nearest
     to the median foreground pixel; the position is the anchor nearest to the foreground
     centroid. Meant for decoded samples too, so it tolerates blur and a shifted background.
     """
@@ -164,7 +165,10 @@ def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | 
         size_y, size_x = image.shape[:2]
         border = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
         background = np.median(border, axis=0)
-        fg = np.abs(image - background).max(axis=-1) > 0.25
+        distance = np.abs(image - background).max(axis=-1)
+        # The core of the shape: pixels at least half as far from the background as the
+        # farthest one (blurred edges of a decoded sample fall out), and clearly not background.
+        fg = distance > max(0.25, 0.5 * distance.max())
         if fg.sum() < 2:
             out.append((None, None))
             continue
@@ -201,9 +205,9 @@ class BuildParams:
     """Rows per parquet file."""
     row_group_rows: int = 128
     """Rows per parquet row group (the unit the loader reads)."""
-    vae_steps: int = 300
+    vae_steps: int = 150
     """Training steps of the debug VAE (ignored with vae_path)."""
-    vae_batch_size: int = 32
+    vae_batch_size: int = 16
     t5_path: str | None = None
     """Local T5 encoder folder (save_pretrained); None: the debug T5."""
     clip_path: str | None = None
@@ -218,7 +222,9 @@ class BuildParams:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-_FORMAT_VERSION = 1
+# Part of the cache key: bump it whenever the build's output changes (layout, image
+# rendering, encoders, VAE training), so a cached set from older code is never reused.
+_FORMAT_VERSION = 2
 
 
 def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
@@ -498,37 +504,43 @@ class FluxLoader:
         self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
         self.groups = dataset.row_groups(split)
         self.num_samples = sum(g[3] for g in self.groups)
-        self._epoch_order: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, group of pos, row of pos)
+        self._epoch_blocks: tuple | None = None  # (epoch, group order, block starts)
+        self._block_order: tuple | None = None  # (epoch, block, [(group, row)])
         self._cache: dict[int, dict[str, np.ndarray]] = {}
         self.position = 0
 
     def reset(self) -> None:
         self.position = 0
 
-    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row group, row within group) of each position of `epoch`."""
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
+    def _blocks(self, epoch: int) -> tuple[list[int], np.ndarray]:
+        """(row groups in epoch order, first epoch position of each shuffle block)."""
+        if self._epoch_blocks is None or self._epoch_blocks[0] != epoch:
             num_groups = len(self.groups)
+            perm = _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups") if self.shuffle else list(range(num_groups))
+            sizes = [sum(self.groups[g][3] for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS])
+                     for lo in range(0, num_groups, SHUFFLE_BLOCK_GROUPS)]
+            self._epoch_blocks = (epoch, perm, np.cumsum([0] + sizes[:-1]))
+        return self._epoch_blocks[1], self._epoch_blocks[2]
+
+    def _block_members(self, epoch: int, block: int) -> list[tuple[int, int]]:
+        """(row group, row in group) of each position of one shuffle block, computed for one
+        block at a time so that an epoch of a large data set costs nothing up front."""
+        if self._block_order is None or self._block_order[:2] != (epoch, block):
+            perm, _ = self._blocks(epoch)
+            lo = block * SHUFFLE_BLOCK_GROUPS
+            members = [(g, r) for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
             if self.shuffle:
-                perm = _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups")
-            else:
-                perm = list(range(num_groups))
-            group_of, row_of = [], []
-            for block, lo in enumerate(range(0, num_groups, SHUFFLE_BLOCK_GROUPS)):
-                members = [(g, r) for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
-                if self.shuffle:
-                    members = [members[i] for i in _hash_order(len(members), f"flux/{self.seed}/{epoch}/{block}")]
-                group_of += [g for g, _ in members]
-                row_of += [r for _, r in members]
-            self._epoch_order = (epoch, np.array(group_of), np.array(row_of))
-        return self._epoch_order[1], self._epoch_order[2]
+                members = [members[i] for i in _hash_order(len(members), f"flux/{self.seed}/{epoch}/{block}")]
+            self._block_order = (epoch, block, members)
+        return self._block_order[2]
 
     def _rows(self, positions: range) -> dict[str, np.ndarray]:
         parts = {k: [] for k in ("index", "latent", "t5", "clip")}
         for q in positions:
             epoch, p = divmod(q, self.num_samples)
-            group_of, row_of = self._order(epoch)
-            g, r = int(group_of[p]), int(row_of[p])
+            _, starts = self._blocks(epoch)
+            block = int(np.searchsorted(starts, p, side="right")) - 1
+            g, r = self._block_members(epoch, block)[p - int(starts[block])]
             if g not in self._cache:
                 if len(self._cache) >= 2 * SHUFFLE_BLOCK_GROUPS:
                     self._cache.pop(next(iter(self._cache)))
