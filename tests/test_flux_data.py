@@ -237,6 +237,26 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.slow
+def test_concurrent_first_use_builds_once(tmp_path):
+    """Two processes asking for the same uncached set at once: one builds (under the lock),
+    the other waits and reuses it; both get the same folder and no temporary folder is left."""
+    code = ("import sys; from trainer import flux_data as fd; "
+            "p = fd.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
+            "print('FOLDER', fd.ensure_procedural_dataset(p, cache_root=sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    folders = {line for out, _ in outs for line in out.splitlines() if line.startswith("FOLDER")}
+    builds = sum(out.count("building the procedural FLUX data set") for out, _ in outs)
+    assert len(folders) == 1 and builds == 1, outs
+    name = os.path.basename(folders.pop().split(maxsplit=1)[1])
+    assert sorted(os.listdir(tmp_path)) == [name, name + ".lock"]
+    assert os.path.isfile(tmp_path / name / "meta.json")
+
+
 # --- the default debug set (built once per machine, cached) ----------------------------------
 @pytest.mark.slow
 def test_default_vae_round_trip_classifies_as_captioned():
