@@ -168,6 +168,23 @@ def test_bad_paths_and_splits_are_config_errors(tmp_path, tiny):
         _loader(tiny, split="validation")
 
 
+def test_a_batch_feeds_the_debug_transformer(tiny):
+    """The data set's widths are the debugmodel's (context_in_dim = vec_in_dim = 64, 16
+    latent channels packed 2x2 to in_channels 64): a loader batch runs through it."""
+    from models.flux import FLAVORS, FluxTransformer
+    from models.flux.latents import image_ids, pack, text_ids
+
+    latents, t5, clip, _ = _loader(tiny, batch=2).next_batch()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = FluxTransformer(FLAVORS["debugmodel"])
+    model.to_empty(device="cpu")
+    model.init_weights()
+    h, w = latents.shape[2:]
+    out = model(pack(latents), image_ids(2, h, w), t5, text_ids(2, t5.shape[1]), torch.rand(2), clip, None)
+    assert out.shape == (2, (h // 2) * (w // 2), 64) and torch.isfinite(out).all()
+
+
 # --- conditioning ----------------------------------------------------------------------------
 def test_text_conditioner_from_the_data_set(tiny):
     """The saved encoders reproduce the stored embeddings, and distinct captions differ."""
