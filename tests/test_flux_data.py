@@ -228,6 +228,18 @@ def test_local_weight_folders_load_through_the_real_classes(tmp_path):
     assert t5.shape == (2, 8, 64) and clip.shape == (2, 64)
     vae = cond.load_vae(str(tmp_path / "vae"))
     assert vae.encode(torch.rand(1, 3, 16, 16)).shape == (1, 16, 4, 4)
+    # The build with local weights (the real-weights path: no VAE training, HF tokenizers),
+    # and its saved encoders + tokenizers reproduce the stored embeddings.
+    params = fd.BuildParams(num_train=16, num_heldout=12, text_length=8, t5_path=str(tmp_path / "t5"),
+                            clip_path=str(tmp_path / "clip"), vae_path=str(tmp_path / "vae"))
+    meta = fd.build_dataset(params, str(tmp_path / "data"), log=lambda _: None)
+    assert meta["text_ids"] == "hf" and meta["vae_training"] is None
+    assert meta["shapes"] == {"latent": [16, 8, 8], "t5": [8, 64], "clip": [64]}
+    ds = fd.FluxDataset(str(tmp_path / "data"))
+    group = ds.read_group(ds.row_groups("train")[0][0], 0)
+    t5, clip = ds.text_conditioner().encode([r["caption"] for r in ds.captions("train")[:3]])
+    torch.testing.assert_close(t5, torch.from_numpy(group["t5"][:3].copy()), rtol=0, atol=1e-5)
+    torch.testing.assert_close(clip, torch.from_numpy(group["clip"][:3].copy()), rtol=0, atol=1e-5)
 
 
 class _WordBpe:

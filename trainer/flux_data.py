@@ -468,11 +468,10 @@ class FluxDataset:
 
             bpe = build_tokenizer("bundled")
         p = self.meta["params"]
+        # Hugging Face tokenizers were saved next to their encoders (TextConditioner.save).
         return cond.load_text_conditioner(t5_path=os.path.join(self.folder, "encoders", "t5"),
                                           clip_path=os.path.join(self.folder, "encoders", "clip"),
-                                          max_length=p["text_length"], bpe=bpe,
-                                          t5_tokenizer_path=p["t5_tokenizer_path"],
-                                          clip_tokenizer_path=p["clip_tokenizer_path"])
+                                          max_length=p["text_length"], bpe=bpe)
 
     def vae(self):
         """The VAE the latents were encoded with (`FluxVae`: `decode(latents) -> images in [0, 1]`)."""

@@ -160,9 +160,13 @@ class TextConditioner:
         return t5.float(), clip.float()
 
     def save(self, folder: str) -> None:
-        """Both encoders as `save_pretrained` folders `folder/t5` and `folder/clip`."""
+        """Both encoders as `save_pretrained` folders `folder/t5` and `folder/clip`, each with
+        its Hugging Face tokenizer when it has one (so `load_text_conditioner` reloads both)."""
         self.t5_model.save_pretrained(os.path.join(folder, "t5"))
         self.clip_model.save_pretrained(os.path.join(folder, "clip"))
+        if isinstance(self.ids, HfIds):
+            self.ids.t5_tok.save_pretrained(os.path.join(folder, "t5"))
+            self.ids.clip_tok.save_pretrained(os.path.join(folder, "clip"))
 
 
 def build_debug_text_conditioner(bpe, *, max_length: int, seed: int) -> TextConditioner:
