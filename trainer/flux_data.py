@@ -217,6 +217,8 @@ class BuildParams:
     clip_tokenizer_path: str | None = None
     vae_path: str | None = None
     """Local AutoencoderKL folder; None: the debug VAE, trained here."""
+    encoder_dtype: str = "float32"
+    """dtype of local encoders and VAE (float32 | bfloat16); stored embeddings are float32."""
 
     def key(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True) + f"/format{_FORMAT_VERSION}"
@@ -228,6 +230,9 @@ class BuildParams:
 _FORMAT_VERSION = 2
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
     if image_factor is not None and (p.image_size < 8 or p.image_size % (2 * image_factor)):
         raise ConfigError(f"FLUX data image_size: {p.image_size}; allowed: a multiple of {2 * image_factor} "
@@ -237,6 +242,8 @@ def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
     if p.shard_rows < 1 or p.row_group_rows < 1 or p.vae_steps < 1:
         raise ConfigError(f"FLUX data shard_rows/row_group_rows/vae_steps: {p.shard_rows}/{p.row_group_rows}/"
                           f"{p.vae_steps}; allowed: >= 1")
+    if p.encoder_dtype not in _DTYPES:
+        raise ConfigError(f"FLUX data encoder_dtype: {p.encoder_dtype!r}; allowed: {', '.join(_DTYPES)}")
     if p.text_length < 3:
         raise ConfigError(f"FLUX data text_length: {p.text_length}; allowed: >= 3")
     if (p.t5_path is None) != (p.clip_path is None):
@@ -256,8 +263,9 @@ def _to_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
 
 
-def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
-    """Write the data set for `params` into `folder` (created; must not exist). Returns meta."""
+def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=_log) -> dict:
+    """Write the data set for `params` into `folder` (created; must not exist). Returns meta.
+    `device` runs local (real) encoders and VAE there, e.g. "cuda"; the debug ones use the CPU."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -271,10 +279,14 @@ def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
         bpe = build_tokenizer("bundled")
         text = cond.build_debug_text_conditioner(bpe, max_length=params.text_length, seed=params.seed)
     else:
-        text = cond.load_text_conditioner(t5_path=params.t5_path, clip_path=params.clip_path,
+        text = cond.load_text_conditioner(t5_path=params.t5_path, clip_path=params.clip_path, device=device,
+                                          dtype=_DTYPES[params.encoder_dtype],
                                           max_length=params.text_length, t5_tokenizer_path=params.t5_tokenizer_path,
                                           clip_tokenizer_path=params.clip_tokenizer_path)
-    vae = cond.load_vae(params.vae_path) if params.vae_path else cond.build_debug_vae(params.seed)
+    if params.vae_path:
+        vae = cond.load_vae(params.vae_path, device=device, dtype=_DTYPES[params.encoder_dtype])
+    else:
+        vae = cond.build_debug_vae(params.seed)
     _check_params(params, vae.spatial_factor)
 
     splits = {split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
@@ -293,10 +305,11 @@ def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
             "row_group_rows": params.row_group_rows}
     for split, (images, rows) in splits.items():
         x = _to_tensor(images)
-        latents = torch.cat([vae.encode(chunk) for chunk in x.split(256)])
+        vae_device = vae.autoencoder.device
+        latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(256)])
         # Reconstruction check on up to RECON_CHECK_ROWS rows (decoding is the build's costliest
         # pass after VAE training; 512 rows cover every train combination 4+ times).
-        recon = vae.decode(latents[:RECON_CHECK_ROWS])
+        recon = vae.decode(latents[:RECON_CHECK_ROWS].to(vae_device)).cpu()
         agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
         t5, clip = _encode_captions(text, [row["caption"] for row in rows])
         shards = []
@@ -337,7 +350,8 @@ def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
 def _encode_captions(text, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode each distinct caption once (the procedural set repeats them)."""
     distinct = sorted(set(captions))
-    t5, clip = text.encode(distinct)
+    t5, clip = [torch.cat(parts).cpu() for parts in zip(*(text.encode(distinct[i: i + 256])
+                                                            for i in range(0, len(distinct), 256)))]
     where = {c: i for i, c in enumerate(distinct)}
     rows = torch.tensor([where[c] for c in captions])
     return t5[rows], clip[rows]
@@ -355,7 +369,7 @@ def default_cache_root() -> str:
 
 
 def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root: str | None = None,
-                              log=_log) -> str:
+                              device: str = "cpu", log=_log) -> str:
     """The folder of the data set for `params`, building it first if it is not cached."""
     root = cache_root or default_cache_root()
     folder = os.path.join(root, f"procedural-{params.key()}")
@@ -372,7 +386,7 @@ def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root
         tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
         try:
             log(f"building the procedural FLUX data set in {folder} (first use)")
-            build_dataset(params, os.path.join(tmp, "data"), log=log)
+            build_dataset(params, os.path.join(tmp, "data"), device=device, log=log)
             try:
                 os.rename(os.path.join(tmp, "data"), folder)
             except OSError:
