@@ -186,6 +186,7 @@ def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | 
 # ---------------------------------------------------------------------------------------------
 SHUFFLE_BLOCK_GROUPS = 8
 RECON_CHECK_ROWS = 512
+_CHUNK = 64  # images per VAE call while building
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,7 +228,7 @@ class BuildParams:
 
 # Part of the cache key: bump it whenever the build's output changes (layout, image
 # rendering, encoders, VAE training), so a cached set from older code is never reused.
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -306,10 +307,10 @@ def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=
     for split, (images, rows) in splits.items():
         x = _to_tensor(images)
         vae_device = vae.autoencoder.device
-        latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(256)])
+        latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(_CHUNK)])
         # Reconstruction check on up to RECON_CHECK_ROWS rows (decoding is the build's costliest
         # pass after VAE training; 512 rows cover every train combination 4+ times).
-        recon = vae.decode(latents[:RECON_CHECK_ROWS].to(vae_device)).cpu()
+        recon = torch.cat([vae.decode(chunk.to(vae_device)).cpu() for chunk in latents[:RECON_CHECK_ROWS].split(_CHUNK)])
         agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
         t5, clip = _encode_captions(text, [row["caption"] for row in rows])
         shards = []
