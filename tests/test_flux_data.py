@@ -146,6 +146,9 @@ def test_loader_reads_only_the_row_groups_it_needs(tiny, monkeypatch):
     monkeypatch.setattr(loader.dataset, "read_group", lambda f, g: reads.append((f, g)) or original(f, g))
     loader.next_batch()
     assert 1 <= len(reads) <= 4
+    order, _ = loader._blocks(0)
+    first_block = {loader.groups[g][:2] for g in order[:fd.SHUFFLE_BLOCK_GROUPS]}
+    assert set(reads) <= first_block and len(first_block) < len(loader.groups)
 
 
 def test_heldout_split_is_read_once_in_order(tiny):
