@@ -21,8 +21,8 @@ Two ways to get them:
   Their ids come from a byte-level BPE passed in by the caller (the project's bundled
   tiktoken BPE; the HF tokenizers need vocab files we do not ship). The debug VAE must
   invert itself to be useful, so `scripts/build_flux_data.py` trains it briefly (see
-  `train_vae`); its shift/scale are then set from the latent statistics, the way BFL chose
-  theirs for their VAE.
+  `train_vae`); its shift/scale are then fitted to the latent statistics (mean 0, std 1),
+  the job FLUX's constants do for its VAE.
 
 This module imports transformers/diffusers lazily (they take seconds to import) and never
 reads config objects or the environment.
@@ -289,7 +289,8 @@ def train_vae(vae: FluxVae, images: torch.Tensor, *, steps: int, batch_size: int
     reconstructions as captioned with weight 1, 100% with weight 10). Adam with a cosine
     decay; batches drawn by a seeded generator, so on one machine and thread count the weights
     are reproducible. Afterwards `shift_factor`/`scaling_factor` are set so the encoded latents
-    of `images` have mean 0 and standard deviation 1, as FLUX's constants do for its VAE.
+    of `images` have mean 0 and standard deviation 1 (FLUX's constants bring its VAE's latents
+    to roughly unit scale).
     """
     model = vae.autoencoder.train()
     gen = torch.Generator().manual_seed(seed)
