@@ -16,6 +16,7 @@ Tolerances (fp32 unless stated):
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 
 import pytest
@@ -25,11 +26,10 @@ from models.flux import FLAVORS, FluxArgs, FluxTransformer, hf, latents
 from models.flux.flops import first_layer_flops_per_sample, flops_per_sample, forward_flops_per_sample
 from models.flux.plan import PLAN
 
-try:
-    import diffusers
-except ImportError:  # a dev extra; the tests that compare with it skip without it
-    diffusers = None
-needs_diffusers = pytest.mark.skipif(diffusers is None, reason="diffusers (the dev extra) is not installed")
+# diffusers is a dev extra: the tests that compare with it skip without it. Imported lazily, so
+# the spawned ranks of the parallel tests (which import this module) do not pay for it.
+needs_diffusers = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None,
+                                     reason="diffusers (the dev extra) is not installed")
 
 PARITY_RTOL = 1e-5
 PARALLEL_RTOL = 1e-5
@@ -62,6 +62,8 @@ def _inputs(args: FluxArgs, batch: int, height: int, width: int, txt_len: int, g
 
 
 def _diffusers_model(args: FluxArgs, state: dict[str, torch.Tensor] | None = None):
+    import diffusers
+
     cfg = hf.hf_config(args)
     cfg.pop("_class_name")
     ref = diffusers.FluxTransformer2DModel(**cfg)
@@ -192,7 +194,9 @@ def test_convert_to_diffusers_and_back(tmp_path):
     files = convert_to_hf(tmp_path, family, args, tmp_path / "hf")
     assert [f.name for f in files] == ["diffusion_pytorch_model.safetensors"]
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["_class_name"] == "FluxTransformer2DModel"
-    ref = diffusers.FluxTransformer2DModel.from_pretrained(str(tmp_path / "hf"))
+    from diffusers import FluxTransformer2DModel
+
+    ref = FluxTransformer2DModel.from_pretrained(str(tmp_path / "hf"))
     x = _inputs(args, 2, 6, 8, 4, True)
     with torch.no_grad():
         assert _rel(model(**x), _diffusers_forward(ref, x)) <= PARITY_RTOL
