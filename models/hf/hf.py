@@ -51,9 +51,13 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.
     return hf_state_dict
 
 
+# Saved by transformers but not part of the architecture (storage dtype, provenance).
+_NOT_ARCHITECTURE = ("dtype", "torch_dtype", "_name_or_path", "transformers_version")
+
+
 def hf_config(args: HFArgs) -> dict[str, Any]:
-    """The config.json dict of the model (the config it is built from)."""
-    return args.config().to_dict()
+    """The config.json dict of the model (the config it is built from), without storage keys."""
+    return {k: v for k, v in args.config().to_dict().items() if k not in _NOT_ARCHITECTURE}
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> HFArgs:

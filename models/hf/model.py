@@ -83,10 +83,38 @@ class HFCausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         kwargs = {"output_router_logits": True} if self._router else {}
+        if self._sequence_sharded():
+            kwargs.update(self._full_sequence_inputs(tokens))
         out = self._hf(input_ids=tokens, use_cache=False, **kwargs)
         if self._router:
             self._aux_loss = out.aux_loss
         return out.logits
+
+    def _sequence_sharded(self) -> bool:
+        """True under tensor parallelism: the embedding's output is then sequence-sharded, so HF's
+        base model would derive position ids and the mask from a local length. (Duck-typed: a
+        DTensor weight on a mesh with a `tp` axis; models/ does not import torch.distributed.)"""
+        weight = self._hf.get_input_embeddings()._parameters["weight"]
+        mesh = getattr(weight, "device_mesh", None)
+        return "tp" in (getattr(mesh, "mesh_dim_names", None) or ())
+
+    def _full_sequence_inputs(self, tokens: torch.Tensor) -> dict:
+        """Position ids and the attention mask of the whole sequence, built by HF's own mask
+        function (None where SDPA's is_causal suffices), for the sequence-sharded (TP) case.
+        TP is refused for architectures whose layers need different masks (models/hf/plan.py)."""
+        from transformers import masking_utils
+
+        config = self._hf.config
+        batch, seqlen = tokens.shape
+        position_ids = torch.arange(seqlen, device=tokens.device).unsqueeze(0).expand(batch, -1)
+        dummy = torch.empty((batch, seqlen, 0), device=tokens.device)
+        text = config.get_text_config()
+        types = getattr(text, "layer_types", None)  # uniform here
+        sliding = types[0] == "sliding_attention" if types else getattr(text, "sliding_window", None) is not None
+        make = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+        mask = make(config=text, inputs_embeds=dummy, attention_mask=None, cache=None,
+                    position_ids=position_ids)
+        return {"position_ids": position_ids, "attention_mask": mask}
 
     def train(self, mode: bool = True) -> "HFCausalLM":
         super().train(mode)

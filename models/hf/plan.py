@@ -59,6 +59,11 @@ def _translate(config_json: str):
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     arch = (config.architectures or [type(config).__name__])[0]
     hf_plan = getattr(config.get_text_config(), "base_model_tp_plan", None)
+    from models.hf.model import _uniform_layers
+
+    reason = _uniform_layers(config)
+    if reason is not None:  # HFCausalLM passes one whole-sequence mask under TP
+        return None, f"{arch}: {reason}, and the TP path builds one attention mask for all layers"
     if not hf_plan:
         return None, f"{arch} declares no base_model_tp_plan in its transformers config"
     with torch.device("meta"):
@@ -89,8 +94,8 @@ def _translate(config_json: str):
     embed = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     tp.setdefault(embed, "embedding")
     head = model.get_output_embeddings()
-    if head is None or head.weight is model.get_input_embeddings().weight:
-        return None, f"{arch} ties its output projection to the input embedding (tie_word_embeddings)"
+    if head is None:
+        return None, f"{arch} has no output projection module"
     for name, module in base.named_children():
         if name != "layers" and list(module.parameters(recurse=False)) and f"{prefix}.{name}" not in tp:
             tp[f"{prefix}.{name}"] = "sequence_parallel"  # the final norm
