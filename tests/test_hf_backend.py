@@ -80,8 +80,12 @@ def test_names_counts_and_logits_match_transformers(tmp_path, arch):
         got, want = ours(tokens), ref(input_ids=tokens, use_cache=False).logits
     assert got.shape == (2, 16, shape.vocab_size)
     assert (got - want).abs().max().item() <= 1e-6
-    if shape.is_moe:
-        assert ours.pop_aux_loss() is not None and ours.pop_aux_loss() is None
+    if shape.is_moe:  # HF's own load-balancing loss, as its forward computes it
+        with torch.no_grad():
+            want_aux = ref(input_ids=tokens, use_cache=False, output_router_logits=True).aux_loss
+        got_aux = ours.pop_aux_loss()
+        assert got_aux is not None and ours.pop_aux_loss() is None
+        assert abs(got_aux.item() - want_aux.item()) <= 1e-6
     else:
         assert ours.pop_aux_loss() is None
 

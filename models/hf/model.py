@@ -58,9 +58,9 @@ class HFCausalLM(nn.Module):
             self.add_module(name, child)
         self.__dict__["_hf"] = hf  # not registered: its children are ours, names unchanged
         self._base_prefix = hf.base_model_prefix
-        self._router = bool(getattr(config.get_text_config(), "num_experts", 0)
-                            or getattr(config.get_text_config(), "num_local_experts", 0))
         self._aux_loss: torch.Tensor | None = None
+        self._router_logits: list[torch.Tensor] = []
+        self._aux_fn = _router_aux(hf, self._router_logits) if args.shape().is_moe else None
         # Tied parameters (e.g. lm_head.weight is model.embed_tokens.weight): (alias, owner) names.
         # `to_empty` from meta gives each name its own tensor, so init_weights ties them again.
         first: dict[int, str] = {}
@@ -82,12 +82,14 @@ class HFCausalLM(nn.Module):
         return self._hf
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        kwargs = {"output_router_logits": True} if self._router else {}
+        # HF's own router-logit recording (a ContextVar and a lock) does not trace; ours is a hook.
+        kwargs = {"output_router_logits": False} if self._aux_fn is not None else {}
         if self._sequence_sharded():
             kwargs.update(self._full_sequence_inputs(tokens))
+        self._router_logits.clear()
         out = self._hf(input_ids=tokens, use_cache=False, **kwargs)
-        if self._router:
-            self._aux_loss = out.aux_loss
+        if self._aux_fn is not None:
+            self._aux_loss = self._aux_fn()
         return out.logits
 
     def _sequence_sharded(self) -> bool:
@@ -142,6 +144,37 @@ class HFCausalLM(nn.Module):
     def pop_aux_loss(self) -> torch.Tensor | None:
         aux, self._aux_loss = self._aux_loss, None
         return aux
+
+
+def _router_aux(hf: nn.Module, sink: list):
+    """For a MoE model: hooks that collect each router's logits into `sink`, and a function that
+    turns them into the model's own load-balancing loss (`load_balancing_loss_func` of its
+    modeling module, as its CausalLM forward computes it with `output_router_logits`)."""
+    import sys
+
+    base = hf.base_model
+    spec = (getattr(base, "_can_record_outputs", None) or {}).get("router_logits")
+    loss_fn = getattr(sys.modules[type(hf).__module__], "load_balancing_loss_func", None)
+    text = hf.config.get_text_config()
+    num_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if spec is None or loss_fn is None or getattr(spec, "target_class", None) is None:
+        raise ConfigError(f"model.hf_config: {type(hf).__name__} is a MoE model without a router output "
+                          "spec or load_balancing_loss_func; allowed: MoE models that declare both")
+    index = spec.index
+
+    def record(module, args, output):
+        sink.append(output[index] if isinstance(output, tuple) else output)
+
+    for module in hf.modules():
+        if isinstance(module, spec.target_class):
+            module.register_forward_hook(record)
+
+    def aux() -> torch.Tensor:
+        logits = tuple(sink)
+        sink.clear()
+        return loss_fn(logits, num_experts, text.num_experts_per_tok, None)
+
+    return aux
 
 
 def _uniform_layers(config) -> str | None:
