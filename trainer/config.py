@@ -46,10 +46,11 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 (dense and MoE flavors), or `package.module:NAME` of a
+    """Model family: llama3 | qwen3 | hf (qwen3: dense and MoE flavors; hf: any transformers causal
+    LM from `hf_config`, docs/hf_backend.md), or `package.module:NAME` of a
     `models.ModelFamily` defined outside this repository (docs/adding_a_model.md)."""
     flavor: str = "debugmodel"
-    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B; qwen3's MoE flavors are
+    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (hf: its one flavor, config); qwen3's MoE flavors are
     debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
     attn_backend: str = field(default="auto", metadata=_choices("auto", "sdpa", "cpu_kernel", "splash"))
     """Implementation of the attention op (kernels/): auto (the CPU kernel for small head dims
