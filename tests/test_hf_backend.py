@@ -27,7 +27,8 @@ from models.errors import ConfigError
 from tests.hf_configs import CONFIGS, write_config
 from tests.trainer_runs import ENV, REPO, launch_command
 
-ARCHS = list(CONFIGS)
+# HF_TEST_ARCHS=llama,qwen3_moe narrows the matrix (a quick check of the harness); default: all.
+ARCHS = [a for a in os.environ.get("HF_TEST_ARCHS", ",".join(CONFIGS)).split(",") if a]
 FAMILY = get_model_family("hf")
 SEQ, BATCH, STEPS = 32, 4, 3
 
@@ -56,7 +57,7 @@ def _reference(args):
 # --- in-process: the model against transformers ---------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", list(CONFIGS))
 def test_names_counts_and_logits_match_transformers(tmp_path, arch):
     """State-dict keys are HF's; counts are the built model's; logits equal the HF forward's.
 
@@ -248,7 +249,9 @@ def test_modes_match_eager(single_process, arch):
 @pytest.mark.multiprocess
 def test_fsdp_two_ranks_match_one(single_process, tmp_path):
     """SimpleFSDP over 2 gloo ranks (dp_shard=2, local batch 2 = the same global batch of 4)
-    gives the 1-process losses for every architecture (one torchrun launch for all)."""
+    gives the 1-process losses for every architecture (one torchrun launch for all). Dense models
+    agree to ~1e-7; the MoE model to ~4e-6, because its load-balancing loss is a product of
+    batch means computed per rank (as in any data-parallel MoE), still inside the 1e-5 bound."""
     jobs = {arch: _argv(tmp_path / arch, write_config(str(tmp_path), arch), f"--training.local_batch_size={BATCH // 2}",
                         "--parallelism.data_parallel_shard_degree=2")
             for arch in ARCHS}
