@@ -183,7 +183,8 @@ MODES = {
     "ac": ["--activation_checkpoint.mode=full"],
     "compile": ["--compile.mode=compile", "--compile.backend=aot_eager"],
     "graph": ["--compile.mode=graph", "--compile.backend=aot_eager"],
-    "scan": ["--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true"],
+    "scan": ["--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true",
+             "--compile.dump_graph=graph.txt"],
 }
 # Refused with an `error:` line, by design (docs/hf_backend.md): scan needs uniform layers without
 # an aux loss stored during forward; TP needs a translatable base_model_tp_plan and uniform masks.
@@ -222,12 +223,16 @@ def _close(got: list[float], want: list[float], bound: float = 1e-5) -> float:
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
-    """Every architecture in every mode, 1 process, local batch 4: {"arch/mode": result}."""
+    """Every architecture in every mode, 1 process, local batch 4: {"arch/mode": result}
+    (each result also holds `folder`, its dump folder)."""
     tmp = tmp_path_factory.mktemp("hf_matrix")
     jobs = {f"{arch}/{mode}": _argv(tmp / f"{arch}_{mode}", write_config(str(tmp), arch),
                                      f"--training.local_batch_size={BATCH}", *flags)
             for arch in ARCHS for mode, flags in MODES.items()}
-    return run_matrix(tmp, jobs)
+    results = run_matrix(tmp, jobs)
+    for name, result in results.items():
+        result["folder"] = str(tmp / name.replace("/", "_"))
+    return results
 
 
 @pytest.mark.slow
@@ -243,6 +248,9 @@ def test_modes_match_eager(single_process, arch):
             continue
         assert "losses" in result, result
         _close(result["losses"], eager)
+        if mode == "scan":  # really scanned: one copy of the layer in the captured graph
+            with open(os.path.join(result["folder"], "graph.txt")) as f:
+                assert "higher_order.scan" in f.read()
 
 
 @pytest.mark.slow
