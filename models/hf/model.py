@@ -53,7 +53,7 @@ class HFCausalLM(nn.Module):
         if not isinstance(getattr(base, "layers", None), nn.ModuleList):
             raise ConfigError(f"model.hf_config: {self.architecture} has no `layers` list of decoder blocks "
                               "in its base model; allowed: decoder-only causal LMs with `base_model.layers`")
-        base.layers = HFBlockStack(list(base.layers), uniform=_uniform_layers(config))
+        base.layers = HFBlockStack(list(base.layers), non_uniform_reason=_non_uniform_reason(config))
         for name, child in hf.named_children():
             self.add_module(name, child)
         self.__dict__["_hf"] = hf  # not registered: its children are ours, names unchanged
@@ -177,7 +177,7 @@ def _router_aux(hf: nn.Module, sink: list):
     return aux
 
 
-def _uniform_layers(config) -> str | None:
+def _non_uniform_reason(config) -> str | None:
     """None if every decoder layer gets the same arguments, else why not."""
     types = getattr(config.get_text_config(), "layer_types", None)
     if types is not None and len(set(types)) > 1:
@@ -193,12 +193,12 @@ class HFBlockStack(BlockStack):
     layer scan can replace the loop); otherwise the layers themselves.
     """
 
-    def __init__(self, layers: list[nn.Module], *, uniform: str | None):
-        if uniform is None:
+    def __init__(self, layers: list[nn.Module], *, non_uniform_reason: str | None):
+        if non_uniform_reason is None:
             for layer in layers:
                 layer.__class__ = _positional_class(type(layer))
         super().__init__(layers)
-        self.non_uniform_reason = uniform
+        self.non_uniform_reason = non_uniform_reason
 
     def __getitem__(self, key):
         if isinstance(key, slice):

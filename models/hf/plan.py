@@ -59,9 +59,9 @@ def _translate(config_json: str):
     config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     arch = (config.architectures or [type(config).__name__])[0]
     hf_plan = getattr(config.get_text_config(), "base_model_tp_plan", None)
-    from models.hf.model import _uniform_layers
+    from models.hf.model import _non_uniform_reason
 
-    reason = _uniform_layers(config)
+    reason = _non_uniform_reason(config)
     if reason is not None:  # HFCausalLM passes one whole-sequence mask under TP
         return None, f"{arch}: {reason}, and the TP path builds one attention mask for all layers"
     if not hf_plan:
