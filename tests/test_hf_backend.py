@@ -145,6 +145,23 @@ def test_scan_refused_for_alternating_layers(tmp_path):
         model.layers.enable_scan()
 
 
+def test_recipe_overrides_layers_and_vocab(tmp_path):
+    """`[model] n_layers` keeps the first layers (and cuts Gemma 3's layer_types to match);
+    more layers than the config has is an error naming the key."""
+    from trainer.config import model_args
+
+    folder = write_config(str(tmp_path), "gemma3_text")
+    _, args = model_args("hf", "config", {"hf_config": folder, "n_layers": 1, "vocab_size": 5000})
+    assert (args.n_layers, args.vocab_size, args.shape().n_layers) == (1, 5000, 1)
+    assert args.config().layer_types == ["sliding_attention"]
+    with torch.device("meta"):
+        model = FAMILY.model_cls(args)
+    assert list(model.layers) and len(model.layers) == 1
+    assert model.get_submodule("model.embed_tokens").weight.shape[0] == 5000
+    with pytest.raises(ConfigError, match=r"^model.n_layers: 3 is more than the config's 2"):
+        model_args("hf", "config", {"hf_config": folder, "n_layers": 3})
+
+
 def test_config_errors(tmp_path):
     from trainer.config import build_config, resolve_model_args
 
