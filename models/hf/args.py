@@ -98,7 +98,11 @@ class HFArgs:
 def load_config(path: str) -> Any:
     """The `PretrainedConfig` of `path` (a directory with config.json, or the file); ValueError
     naming `hf_config` and what is allowed otherwise. Never downloads."""
-    from transformers import AutoConfig
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError("hf_config: the hf family needs the transformers package; allowed: install "
+                         "the [hf] extra (pip install -e '.[hf]')") from None
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
