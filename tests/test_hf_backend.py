@@ -165,7 +165,6 @@ def test_recipe_overrides_layers_and_vocab(tmp_path):
 def test_config_errors(tmp_path):
     from trainer.config import build_config, resolve_model_args
 
-    base = ["--config", "configs/llama3_debug.toml"]
     with pytest.raises(ConfigError, match=r"^model.hf_config: required"):
         build_config("configs/llama3_debug.toml", [("model.name", "hf"), ("model.flavor", "config")])
     with pytest.raises(ConfigError, match=r"^model.hf_config: only used with model.name"):
@@ -180,7 +179,6 @@ def test_config_errors(tmp_path):
         build_config("configs/llama3_debug.toml", [("model.name", "hf"), ("model.flavor", "config"),
                                                    ("model.hf_config", phi3),
                                                    ("parallelism.tensor_parallel_degree", "2")])
-    del base
 
 
 def test_bad_hf_config_is_one_error_line(tmp_path):
