@@ -11,16 +11,20 @@ ConfigError).
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from torch import nn
 
-from models import flux, llama3, qwen3
+from models import flux, hf, llama3, qwen3
 from models.common.plan import ModelPlan
 from models.flux import hf as flux_hf
 from models.flux.plan import PLAN as FLUX_PLAN
+from models.hf import hf as hf_hf
+from models.hf.plan import PLAN as HF_PLAN
+from models.hf.plan import plan_for as hf_plan_for
 from models.llama3 import hf as llama3_hf
 from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import hf as qwen3_hf
@@ -41,6 +45,13 @@ class ModelFamily:
     """Where the repeated blocks are and how `parallelisms/` shards the model."""
     hf_adapter: ModuleType | None = None
     """Module with `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`; None: no HF interop."""
+    plan_for: Callable[[Any], ModelPlan] | None = None
+    """For a family whose plan depends on its args (`hf`: TP styles from the config): args -> plan.
+    `for_args` applies it; None: `plan` serves every flavor."""
+
+    def for_args(self, args: Any) -> "ModelFamily":
+        """This family with the plan of `args` (itself unless `plan_for` is set)."""
+        return self if self.plan_for is None else dataclasses.replace(self, plan=self.plan_for(args))
 
     def get_args(self, flavor: str, **overrides: Any) -> Any:
         """A fresh copy of `flavors[flavor]` with `overrides` applied (ValueError on unknown names).
@@ -82,6 +93,16 @@ FAMILIES: dict[str, ModelFamily] = {
         model_cls=flux.FluxTransformer,
         plan=FLUX_PLAN,
         hf_adapter=flux_hf,
+    ),
+    # Any transformers causal LM from `[model] hf_config` (docs/hf_backend.md).
+    "hf": ModelFamily(
+        name="hf",
+        args_cls=hf.HFArgs,
+        flavors=hf.FLAVORS,
+        model_cls=hf.HFCausalLM,
+        plan=HF_PLAN,
+        hf_adapter=hf_hf,
+        plan_for=hf_plan_for,
     ),
 }
 

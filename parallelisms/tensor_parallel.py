@@ -45,7 +45,8 @@ __all__ = ["apply_tp", "loss_parallel_context", "style_for"]
 class GatherSequenceInput(ParallelStyle):
     """All-gather the first positional input from sequence shards to the full sequence.
 
-    Like `PrepareModuleInput(input_layouts=(Shard(1), ...), desired_input_layouts=
+    A module called with keywords only (Hugging Face layers call `self_attn(hidden_states=...)`)
+    has its `hidden_states` keyword gathered instead. Like `PrepareModuleInput(input_layouts=(Shard(1), ...), desired_input_layouts=
     (Replicate(), ...))` but independent of how many other inputs the module takes. The
     result stays a DTensor so that the colwise projections consume it directly and the
     backward of the gather is a reduce-scatter of their partial input gradients.
@@ -54,15 +55,20 @@ class GatherSequenceInput(ParallelStyle):
     def __init__(self, sequence_dim: int = 1) -> None:
         self.sequence_dim = sequence_dim
 
-    def _gather(self, module: nn.Module, args: tuple, mesh: DeviceMesh) -> tuple:
-        x, *rest = args
+    def _full(self, x, mesh: DeviceMesh) -> DTensor:
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(self.sequence_dim),), run_check=False)
-        x = x.redistribute(mesh, (Replicate(),))
-        return (x, *rest)
+        return x.redistribute(mesh, (Replicate(),))
+
+    def _gather(self, module: nn.Module, args: tuple, kwargs: dict, mesh: DeviceMesh) -> tuple:
+        if not args and "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": self._full(kwargs["hidden_states"], mesh)}
+        x, *rest = args
+        return (self._full(x, mesh), *rest), kwargs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(lambda mod, args: self._gather(mod, args, device_mesh))
+        module.register_forward_pre_hook(lambda mod, args, kwargs: self._gather(mod, args, kwargs, device_mesh),
+                                         with_kwargs=True)
         return module
 
 

@@ -46,10 +46,12 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 | flux (qwen3: dense and MoE flavors), or `package.module:NAME` of a
+    """Model family: llama3 | qwen3 | flux | hf (qwen3: dense and MoE flavors; flux: the FLUX.1
+    diffusion transformer, docs/flux.md; hf: any transformers causal LM from `hf_config`,
+    docs/hf_backend.md), or `package.module:NAME` of a
     `models.ModelFamily` defined outside this repository (docs/adding_a_model.md)."""
     flavor: str = "debugmodel"
-    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B; qwen3's MoE flavors are
+    """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (hf: its one flavor, config); qwen3's MoE flavors are
     debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
     attn_backend: str = field(default="auto", metadata=_choices("auto", "sdpa", "cpu_kernel", "splash"))
     """Implementation of the attention op (kernels/): auto (the CPU kernel for small head dims
@@ -58,6 +60,10 @@ class ModelConfig:
     tokenizer: str = "bundled"
     """`bundled` (the shipped 4096-token BPE) or a path to a tiktoken BPE file such as Llama 3's
     tokenizer.model."""
+    hf_config: str = ""
+    """With name = "hf" (and flavor = "config"): a local directory holding a Hugging Face
+    config.json, or the file; the `transformers` causal LM it describes is trained (nothing is
+    downloaded; docs/hf_backend.md). Empty for the other families."""
     overrides: dict = field(default_factory=dict)
     """Not a TOML key: any other key under [model] overrides that field of the flavor's args
     (e.g. n_layers = 4)."""
@@ -442,9 +448,30 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
+    _validate_hf_config(cfg)
     # What depends on compile.mode (backend, AC placement, scan, loss parallel) is checked in one
     # place, trainer.step.plan_step, once the device and the mesh are known.
 
+
+
+def _validate_hf_config(cfg: Config) -> None:
+    """`model.hf_config` goes with `model.name = "hf"` (both ways), and TP needs the model's own plan."""
+    m = cfg.model
+    if m.hf_config and m.name != "hf":
+        raise ConfigError(f"model.hf_config: only used with model.name = \"hf\" (got {m.name!r}); "
+                          "allowed: empty for this model")
+    if m.name != "hf":
+        return
+    if not m.hf_config:
+        raise ConfigError('model.hf_config: required with model.name = "hf"; allowed: a local directory '
+                          "holding config.json, or a config.json file")
+    if cfg.parallelism.tensor_parallel_degree > 1:
+        from models.hf.plan import tp_refusal
+
+        _, args = model_args(m.name, m.flavor, {**m.overrides, "hf_config": m.hf_config})
+        reason = tp_refusal(args)
+        if reason is not None:
+            raise ConfigError(f"parallelism.tensor_parallel_degree: {reason}; allowed for this model: 1")
 
 
 def model_args(name: str, flavor: str, overrides: typing.Mapping[str, Any] = {}):
@@ -479,7 +506,9 @@ def model_args(name: str, flavor: str, overrides: typing.Mapping[str, Any] = {})
 
 def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
     """The flavor's args with [model] overrides applied (typed, validated)."""
-    family, args = model_args(cfg.name, cfg.flavor, cfg.overrides)
+    overrides = {**cfg.overrides, "hf_config": cfg.hf_config} if cfg.hf_config else cfg.overrides
+    family, args = model_args(cfg.name, cfg.flavor, overrides)
+    family = family.for_args(args)
     if hasattr(args, "max_seq_len") and "max_seq_len" not in cfg.overrides:
         # RoPE tables only need the training length (Llama 3.1 scaling reads
         # original_max_position_embeddings, not this), not the published 131072.
