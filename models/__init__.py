@@ -39,6 +39,11 @@ class ModelFamily:
     """Where the repeated blocks are and how `parallelisms/` shards the model."""
     hf_adapter: ModuleType | None = None
     """Module with `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`; None: no HF interop."""
+    task: str = "lm"
+    """What the model is trained on: "lm" (`model_cls` is a `models.contract.LanguageModel`:
+    next-token cross entropy on token windows) or "flow" (a `models.contract.FlowModel`:
+    rectified flow on image latents and text embeddings). The trainer picks its data, loss and
+    throughput unit by it (`trainer/tasks.py`)."""
 
     def get_args(self, flavor: str, **overrides: Any) -> Any:
         """A fresh copy of `flavors[flavor]` with `overrides` applied (ValueError on unknown names).
