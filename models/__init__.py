@@ -17,8 +17,10 @@ from typing import Any
 
 from torch import nn
 
-from models import llama3, qwen3
+from models import flux, llama3, qwen3
 from models.common.plan import ModelPlan
+from models.flux import hf as flux_hf
+from models.flux.plan import PLAN as FLUX_PLAN
 from models.llama3 import hf as llama3_hf
 from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import hf as qwen3_hf
@@ -78,10 +80,19 @@ FAMILIES: dict[str, ModelFamily] = {
         plan=QWEN3_PLAN,
         hf_adapter=qwen3_hf,
     ),
+    "flux": ModelFamily(
+        name="flux",
+        args_cls=flux.FluxArgs,
+        flavors=flux.FLAVORS,
+        model_cls=flux.FluxTransformer,
+        plan=FLUX_PLAN,
+        hf_adapter=flux_hf,
+    ),
 }
 
-# Hugging Face `model_type` -> our family name (used by HF -> DCP conversion).
-HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+# Hugging Face `model_type` (transformers) or `_class_name` (diffusers) -> our family name
+# (used by HF -> DCP conversion).
+HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "FluxTransformer2DModel": "flux"}
 
 
 def get_model_family(name: str) -> ModelFamily:
