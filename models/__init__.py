@@ -87,6 +87,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model_cls=flux.FluxTransformer,
         plan=FLUX_PLAN,
         hf_adapter=flux_hf,
+        task="flow",
     ),
 }
 
