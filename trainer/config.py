@@ -67,7 +67,9 @@ class ModelConfig:
 class TrainingConfig:
     dataset: str = "bundled"
     """`bundled` (the shipped offline corpus), a local file or glob (json, jsonl, parquet, txt),
-    or a Hugging Face hub dataset name when online (see docs/data.md)."""
+    or a Hugging Face hub dataset name when online (see docs/data.md). FLUX (task flow):
+    `procedural` (the captioned-shapes set, built and cached on first use; `bundled` means the
+    same) or a folder written by scripts/build_flux_data.py (docs/flux.md)."""
     dataset_text_field: str = "text"
     """Field holding the document text in json/jsonl/parquet/hub datasets."""
     local_batch_size: int = field(default=8, metadata=_range(ge=1))

@@ -99,6 +99,9 @@ class FlowTask:
         from trainer.flux_data import build_flux_dataloader
 
         path = self.cfg.training.dataset if split == "train" else self.cfg.validation.dataset
+        path = "procedural" if path == "bundled" else path  # the offline default of each task
+        # Validation reads the data set's held-out split: caption combinations never trained on.
+        split = "train" if split == "train" else "heldout"
         build = functools.partial(build_flux_dataloader, path=path, local_batch_size=local_batch_size,
                                   dp_rank=dp_rank, dp_degree=dp_degree, seed=self.cfg.training.seed, split=split)
         if split == "train" and self._shapes is None:
