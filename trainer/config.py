@@ -46,7 +46,7 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 (dense and MoE flavors), or `package.module:NAME` of a
+    """Model family: llama3 | qwen3 | flux (qwen3: dense and MoE flavors), or `package.module:NAME` of a
     `models.ModelFamily` defined outside this repository (docs/adding_a_model.md)."""
     flavor: str = "debugmodel"
     """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B; qwen3's MoE flavors are
