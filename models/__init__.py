@@ -17,8 +17,10 @@ from typing import Any
 
 from torch import nn
 
-from models import llama3, qwen3
+from models import flux, llama3, qwen3
 from models.common.plan import ModelPlan
+from models.flux import hf as flux_hf
+from models.flux.plan import PLAN as FLUX_PLAN
 from models.llama3 import hf as llama3_hf
 from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import hf as qwen3_hf
@@ -39,6 +41,11 @@ class ModelFamily:
     """Where the repeated blocks are and how `parallelisms/` shards the model."""
     hf_adapter: ModuleType | None = None
     """Module with `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`; None: no HF interop."""
+    task: str = "lm"
+    """What the model is trained on: "lm" (`model_cls` is a `models.contract.LanguageModel`:
+    next-token cross entropy on token windows) or "flow" (a `models.contract.FlowModel`:
+    rectified flow on image latents and text embeddings). The trainer picks its data, loss and
+    throughput unit by it (`trainer/tasks.py`)."""
 
     def get_args(self, flavor: str, **overrides: Any) -> Any:
         """A fresh copy of `flavors[flavor]` with `overrides` applied (ValueError on unknown names).
@@ -73,10 +80,20 @@ FAMILIES: dict[str, ModelFamily] = {
         plan=QWEN3_PLAN,
         hf_adapter=qwen3_hf,
     ),
+    "flux": ModelFamily(
+        name="flux",
+        args_cls=flux.FluxArgs,
+        flavors=flux.FLAVORS,
+        model_cls=flux.FluxTransformer,
+        plan=FLUX_PLAN,
+        hf_adapter=flux_hf,
+        task="flow",
+    ),
 }
 
-# Hugging Face `model_type` -> our family name (used by HF -> DCP conversion).
-HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+# Hugging Face `model_type` (transformers) or `_class_name` (diffusers) -> our family name
+# (used by HF -> DCP conversion).
+HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "FluxTransformer2DModel": "flux"}
 
 
 def get_model_family(name: str) -> ModelFamily:

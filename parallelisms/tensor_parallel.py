@@ -8,6 +8,11 @@ TorchTitan; inside attention the heads are split (local heads = n_heads / tp), s
 model's `view(bsz, seqlen, -1, head_dim)` sees the local head count. Buffers (RoPE
 tables) are not touched and stay replicated plain tensors.
 
+Models without sequence parallelism (FLUX: the residual stream is replicated over TP between
+blocks) use "colwise" in-projections on their replicated input, "rowwise_replicate"
+out-projections (all-reduce instead of reduce-scatter) and "replicate" for small modules
+every rank runs in full (adaLN modulation); see models/common/plan.py.
+
 Loss parallel (`enable_loss_parallel=True`) leaves the logits as a vocab-sharded DTensor;
 compute the loss inside `loss_parallel_context(True)`. By default the logits are gathered
 to full vocab and returned as a plain tensor.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -78,6 +84,30 @@ class EmbeddingParallel(RowwiseParallel):
         return module
 
 
+class ReplicateParallel(ParallelStyle):
+    """Parameters become `Replicate()` DTensors on the TP mesh; plain inputs are declared
+    replicated and the output is returned as a plain tensor.
+
+    For small modules that every TP rank runs in full on the same (replicated) input, e.g.
+    FLUX's adaLN modulation linears inside the blocks. Each rank computes the same full
+    gradient, so none is summed over TP (a `Replicate` gradient needs no reduction), and the
+    parameters are TP DTensors like the rest of the block for SimpleFSDP on a 2-D mesh.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = DTensor.from_local(param.detach(), device_mesh, (Replicate(),), run_check=False)
+            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+
+        def to_dtensor(mod, args):
+            return tuple(DTensor.from_local(a, device_mesh, (Replicate(),), run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
+
+
 def _wait(tensor):
     return funcol.wait_tensor(tensor) if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
@@ -90,6 +120,11 @@ def style_for(style: str, *, enable_loss_parallel: bool = False) -> ParallelStyl
         result = ColwiseParallel()
     elif style == "rowwise":
         result = RowwiseParallel(output_layouts=Shard(1))
+    elif style == "rowwise_replicate":
+        # No sequence parallelism: the partial sums are all-reduced to a replicated output.
+        result = RowwiseParallel(output_layouts=Replicate())
+    elif style == "replicate":
+        result = ReplicateParallel()
     elif style == "sequence_parallel":
         result = SequenceParallel()
     elif style == "head_norm":

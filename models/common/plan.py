@@ -4,8 +4,9 @@ A plan is data (strings), so models stay free of torch.distributed: `parallelism
 it and turns each style into a `torch.distributed.tensor.parallel` style. Paths may use
 `*` wildcards for one path component (as `parallelize_module` does).
 
-Tensor-parallel styles (always with sequence parallelism on the residual stream, as in
-TorchTitan: between blocks activations are split along the sequence, dim 1):
+Tensor-parallel styles (the decoders use sequence parallelism on the residual stream, as in
+TorchTitan: between blocks activations are split along the sequence, dim 1; FLUX keeps the
+residual stream replicated and uses the `rowwise_replicate` / `replicate` styles):
 
 - "embedding": vocab-sharded embedding; replicated token ids in, sequence-sharded out.
 - "colwise": output features sharded; replicated input, feature-sharded local output.
@@ -18,6 +19,12 @@ TorchTitan: between blocks activations are split along the sequence, dim 1):
   inputs (RoPE tables, masks) pass through unchanged.
 - "head_norm": a norm over the last dim of a head-sharded activation `(batch, seq, heads,
   head_dim)` (Qwen 3's q_norm / k_norm); weight replicated, gradient summed over TP ranks.
+- "rowwise_replicate": input features sharded; the partial sums are all-reduced, so the
+  output is replicated (for a model whose residual stream is replicated over TP between
+  blocks, i.e. without sequence parallelism: FLUX).
+- "replicate": a module every TP rank runs in full on a replicated input (FLUX's adaLN
+  modulation linears); its parameters become Replicate DTensors on the TP mesh, its
+  gradient is computed identically on every rank and is not summed.
 - "output": the LM head; sequence-sharded input is all-gathered, logits are gathered to
   full vocab (or left vocab-sharded for loss parallel).
 """
@@ -26,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TP_STYLES = ("embedding", "colwise", "rowwise", "sequence_parallel", "block_input",
-             "head_norm", "output")
+TP_STYLES = ("embedding", "colwise", "rowwise", "rowwise_replicate", "replicate",
+             "sequence_parallel", "block_input", "head_norm", "output")
 
 
 @dataclass(frozen=True)

@@ -99,10 +99,9 @@ class GraphStep:
         self.slots.refresh()
         self._current_slots = self.slots.slots()
         self._lr.fill_(lr)
-        arity = {len(mb) for mb in microbatches}
-        if len(arity) != 1:
-            raise ValueError(f"graph step: micro-batches of different lengths {sorted(arity)}")
-        self._arity = arity.pop()
+        if len({len(mb) for mb in microbatches}) != 1:
+            raise ValueError("graph step: every micro-batch must hold the same number of tensors")
+        self._arity = len(microbatches[0])  # a Python int: baked into the graph
         inputs = [t for mb in microbatches for t in mb]
         scanning = bool(self.block_stacks)
         start = time.perf_counter()
@@ -128,15 +127,13 @@ class GraphStep:
     def _step(self, inputs: list[torch.Tensor], lr: torch.Tensor):
         slots = self._current_slots
         leaves = [s.param for s in slots]
-        k = self._arity  # tensors per micro-batch (a Python int: baked in, as the count is)
+        k = self._arity
         n = len(inputs) // k
         grads, lm_total, aux_total = None, None, None
         for i in range(n):
-            mb = inputs[k * i:k * (i + 1)]
-            # The default is the LM loss of (tokens, labels); a task passes its own pure loss
-            # of `(model, *micro_batch)` (FLUX: latents, t5, clip, noise, t, keep).
-            lm = (self._loss_fn(self.model, *mb) if self._loss_fn is not None
-                  else lm_loss(self.model(mb[0]), mb[1]))
+            microbatch = inputs[k * i: k * (i + 1)]
+            lm = (self._loss_fn(self.model, *microbatch) if self._loss_fn is not None
+                  else lm_loss(self.model(microbatch[0]), microbatch[1]))
             loss = lm
             aux = self.model.pop_aux_loss()
             if aux is not None:
@@ -213,9 +210,9 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     - `aux_loss_coef`: weight of the model's auxiliary loss (`model.pop_aux_loss()`).
     - `plan`: the model's `ModelPlan` (only `plan.stacks` is used); None = `layers`.
     - `loss_context`: entered around the step (TP loss parallel: `parallelisms.loss_parallel_context`).
-    - `loss_fn(model, *micro_batch)`: the loss of one micro-batch, a pure function of its
-      tensors (LM: `(tokens, labels)`, `StepPlan.lm_loss`; FLUX: the rectified-flow loss of
-      `(latents, t5, clip, noise, t, keep)`); None: `trainer.step.lm_loss` of the model's logits.
+    - `loss_fn(model, *micro_batch)`: the mean loss of one micro-batch, a tuple of tensors (the
+      task's loss, trainer/tasks.py; LM: `StepPlan.lm_loss(model, inputs, labels)`); None:
+      `trainer.step.lm_loss` of the model's logits on (inputs, labels).
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES

@@ -1,0 +1,595 @@
+"""FLUX data: a procedural captioned image set, its precomputed-embedding parquet form, the loader.
+
+**Procedural images** (`render`, `procedural_samples`): RGB images of one shape (circle,
+square, triangle, diamond) of one colour (red, green, blue, yellow, cyan, white) at one
+position (left, right, top, bottom, center) on a plain dark background, captioned from those
+attributes ("a red circle on the left"). Size and centre are jittered per sample by a
+generator seeded from (seed, split, index), so each sample is a pure function of its key.
+12 of the 120 (colour, shape, position) combinations (`HELDOUT_COMBOS`, fixed, independent of
+the seed) never occur in the train split: they form the `heldout` split, for testing prompt
+following on prompts never trained on. Every colour, shape and position, and every pair of
+them, still occurs in train. `classify` reads an image's dominant colour and position from
+its pixels (the test that captions match pixels, and the sample eval on decoded samples).
+
+**Data set folder** (written by `build_dataset`, the body of `scripts/build_flux_data.py`):
+```
+meta.json                     parameters, shapes, splits (rows, shards), conditioning summary
+train-00000-of-0000N.parquet  rows: index, caption, colour, shape, position,
+heldout-00000-of-00001.parquet         latent [16*h*w], t5 [S*D_t5], clip [D_clip] (float32 lists)
+encoders/t5, encoders/clip    the text encoders used (save_pretrained), for sampling prompts
+vae/                          the AutoencoderKL used (save_pretrained), for decoding samples
+```
+Latents are FLUX-normalized (`FluxVae.encode`: posterior mean, shift, scale). Row groups hold
+`row_group_rows` rows (128 by default).
+
+**Cache** (`ensure_procedural_dataset`): the debug set is generated on first use under
+`$TITAN_CACHE` (default `~/.cache/titan-tpu`) `/flux_data/procedural-<key>`, the key a hash
+of every build parameter. Concurrent ranks do not race: one holds an `flock` on
+`<folder>.lock` and builds into a private temporary folder that is renamed into place; the
+others wait on the lock and find the folder (if locks do not work, e.g. on some network file
+systems, every rank builds its own copy and the first rename wins; the copies are identical).
+
+**Loader** (`build_flux_dataloader`): global sample order position q (0, 1, 2, ... across
+epochs) is sample `order(q mod N)` of epoch `q div N`. Train: each epoch shuffles row
+groups, then the rows inside blocks of `SHUFFLE_BLOCK_GROUPS` consecutive (shuffled) groups,
+all by keyed hashes of (seed, epoch, block); other splits are read once, in order. Call c of
+`next_batch` on dp rank r of D returns positions `c*G + r*B + [0, B)` (B = local batch,
+G = B*D), reading only the row groups holding them. `index` is q, so it is mesh independent.
+The state is one integer (positions consumed) plus checks of seed and data set.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from models.errors import ConfigError
+
+COLOURS: dict[str, tuple[float, float, float]] = {
+    "red": (0.90, 0.12, 0.10),
+    "green": (0.12, 0.78, 0.15),
+    "blue": (0.15, 0.25, 0.95),
+    "yellow": (0.95, 0.88, 0.12),
+    "cyan": (0.10, 0.85, 0.90),
+    "white": (0.95, 0.95, 0.95),
+}
+SHAPES = ("circle", "square", "triangle", "diamond")
+POSITIONS = ("left", "right", "top", "bottom", "center")
+BACKGROUND = (0.12, 0.12, 0.14)
+_PHRASE = {"left": "on the left", "right": "on the right", "top": "at the top", "bottom": "at the bottom",
+           "center": "in the center"}
+# Shape centre as a fraction of the image side (x, y); y grows downwards.
+_ANCHORS = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75),
+            "center": (0.5, 0.5)}
+
+
+def _heldout_combos() -> tuple[tuple[str, str, str], ...]:
+    """(colour c, shape s, position p) with (c + 2s + 3p) mod 10 == 0. For fixed (s, p) the
+    residues of c are distinct, likewise for fixed (c, p) over s and for (c, s) over p, so at
+    most one combination per pair is held out: every pair still occurs in train. 12 of 120."""
+    colours = list(COLOURS)
+    return tuple((colours[c], SHAPES[s], POSITIONS[p]) for c in range(len(colours)) for s in range(len(SHAPES))
+                 for p in range(len(POSITIONS)) if (c + 2 * s + 3 * p) % 10 == 0)
+
+
+HELDOUT_COMBOS = _heldout_combos()
+TRAIN_COMBOS = tuple((c, s, p) for c in COLOURS for s in SHAPES for p in POSITIONS
+                     if (c, s, p) not in set(HELDOUT_COMBOS))
+SPLITS = ("train", "heldout")
+
+
+def caption(colour: str, shape: str, position: str) -> str:
+    return f"a {colour} {shape} {_PHRASE[position]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Procedural images
+# ---------------------------------------------------------------------------------------------
+def render(colour: str, shape: str, position: str, *, size: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [size, size, 3]: the shape, radius 0.16-0.22 of the side, centre jittered by up to
+    0.06 of the side around its anchor, on the background."""
+    r = size * rng.uniform(0.16, 0.22)
+    ax, ay = _ANCHORS[position]
+    cx = size * (ax + rng.uniform(-0.06, 0.06))
+    cy = size * (ay + rng.uniform(-0.06, 0.06))
+    y, x = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5
+    dx, dy = x - cx, y - cy
+    if shape == "circle":
+        mask = dx * dx + dy * dy <= r * r
+    elif shape == "square":
+        mask = (np.abs(dx) <= 0.85 * r) & (np.abs(dy) <= 0.85 * r)
+    elif shape == "triangle":  # pointing up, apex at cy - r, base at cy + 0.8 r
+        mask = (dy >= -r) & (dy <= 0.8 * r) & (np.abs(dx) <= (dy + r) * 0.62)
+    elif shape == "diamond":
+        mask = np.abs(dx) + np.abs(dy) <= 1.15 * r
+    else:
+        raise ValueError(f"unknown shape {shape!r}")
+    image = np.empty((size, size, 3), dtype=np.float64)
+    image[:] = BACKGROUND
+    image[mask] = COLOURS[colour]
+    return np.round(image * 255).astype(np.uint8)
+
+
+def _sample_rng(seed: int, split: str, index: int) -> np.random.Generator:
+    return np.random.default_rng([seed, SPLITS.index(split), index])
+
+
+def sample_attributes(split: str, index: int) -> tuple[str, str, str]:
+    """Combinations cycle through the split's list, so each occurs equally often."""
+    combos = TRAIN_COMBOS if split == "train" else HELDOUT_COMBOS
+    return combos[index % len(combos)]
+
+
+def procedural_samples(split: str, count: int, *, size: int, seed: int) -> tuple[np.ndarray, list[dict]]:
+    """(images uint8 [count, size, size, 3], rows {index, caption, colour, shape, position})."""
+    if split not in SPLITS:
+        raise ConfigError(f"FLUX data split {split!r}; allowed: {', '.join(SPLITS)}")
+    images = np.empty((count, size, size, 3), dtype=np.uint8)
+    rows = []
+    for i in range(count):
+        colour, shape, position = sample_attributes(split, i)
+        images[i] = render(colour, shape, position, size=size, rng=_sample_rng(seed, split, i))
+        rows.append({"index": i, "caption": caption(colour, shape, position), "colour": colour, "shape": shape,
+                     "position": position})
+    return images, rows
+
+
+def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | None]]:
+    """(dominant colour, position) of each image ([B, 3, H, W] floats in [0, 1] or
+    [B, H, W, 3] uint8), read from pixels; (None, None) when nothing stands out.
+
+    The background is the median of the border pixels; a pixel is foreground when it is
+    more than 0.25 (max over channels) away from it. The colour is the palette entry nearest
+    to the median foreground pixel; the position is the anchor nearest to the foreground
+    centroid. Meant for decoded samples too, so it tolerates blur and a shifted background.
+    """
+    if isinstance(images, torch.Tensor):
+        x = images.detach().float().cpu().permute(0, 2, 3, 1).numpy()
+    else:
+        x = images.astype(np.float64) / 255.0
+    palette = np.array(list(COLOURS.values()))
+    anchors = np.array(list(_ANCHORS.values()))
+    out = []
+    for image in x:
+        size_y, size_x = image.shape[:2]
+        border = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
+        background = np.median(border, axis=0)
+        fg = np.abs(image - background).max(axis=-1) > 0.25
+        if fg.sum() < 2:
+            out.append((None, None))
+            continue
+        pixel = np.median(image[fg], axis=0)
+        colour = list(COLOURS)[int(np.argmin(((palette - pixel) ** 2).sum(-1)))]
+        ys, xs = np.nonzero(fg)
+        centre = np.array([(xs.mean() + 0.5) / size_x, (ys.mean() + 0.5) / size_y])
+        position = list(_ANCHORS)[int(np.argmin(((anchors - centre) ** 2).sum(-1)))]
+        out.append((colour, position))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the data set
+# ---------------------------------------------------------------------------------------------
+SHUFFLE_BLOCK_GROUPS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildParams:
+    """Everything that determines a procedural data set (its cache key)."""
+
+    image_size: int = 32
+    """Image side in pixels; latents are image_size / VAE factor (4 for the debug VAE) per side."""
+    num_train: int = 2160
+    """Train samples (20 per train combination)."""
+    num_heldout: int = 96
+    """Held-out samples (8 per held-out combination)."""
+    seed: int = 0
+    """Seeds the images, the encoder and VAE initialization and the VAE training."""
+    text_length: int = 16
+    """Tokens per caption (S), padded."""
+    shard_rows: int = 1024
+    """Rows per parquet file."""
+    row_group_rows: int = 128
+    """Rows per parquet row group (the unit the loader reads)."""
+    vae_steps: int = 300
+    """Training steps of the debug VAE (ignored with vae_path)."""
+    vae_batch_size: int = 32
+    t5_path: str | None = None
+    """Local T5 encoder folder (save_pretrained); None: the debug T5."""
+    clip_path: str | None = None
+    """Local CLIP text model folder; None: the debug CLIP."""
+    t5_tokenizer_path: str | None = None
+    clip_tokenizer_path: str | None = None
+    vae_path: str | None = None
+    """Local AutoencoderKL folder; None: the debug VAE, trained here."""
+
+    def key(self) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True) + f"/format{_FORMAT_VERSION}"
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+_FORMAT_VERSION = 1
+
+
+def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
+    if image_factor is not None and (p.image_size < 8 or p.image_size % (2 * image_factor)):
+        raise ConfigError(f"FLUX data image_size: {p.image_size}; allowed: a multiple of {2 * image_factor} "
+                          f"(VAE factor {image_factor} x 2x2 packing), at least 8")
+    if p.num_train < 1 or p.num_heldout < 1:
+        raise ConfigError(f"FLUX data num_train/num_heldout: {p.num_train}/{p.num_heldout}; allowed: >= 1")
+    if p.shard_rows < 1 or p.row_group_rows < 1 or p.vae_steps < 1:
+        raise ConfigError(f"FLUX data shard_rows/row_group_rows/vae_steps: {p.shard_rows}/{p.row_group_rows}/"
+                          f"{p.vae_steps}; allowed: >= 1")
+    if p.text_length < 3:
+        raise ConfigError(f"FLUX data text_length: {p.text_length}; allowed: >= 3")
+    if (p.t5_path is None) != (p.clip_path is None):
+        raise ConfigError("FLUX data t5_path/clip_path: give both local encoder folders or neither")
+    for key in ("t5_path", "clip_path", "t5_tokenizer_path", "clip_tokenizer_path", "vae_path"):
+        path = getattr(p, key)
+        if path is not None and not os.path.isdir(os.path.expanduser(path)):
+            raise ConfigError(f"FLUX data {key}: folder {path} does not exist; allowed: a local folder written "
+                              "by save_pretrained (weights are never downloaded)")
+
+
+def _log(msg: str) -> None:
+    print(f"[flux-data] {msg}", flush=True)
+
+
+def _to_tensor(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
+
+
+def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
+    """Write the data set for `params` into `folder` (created; must not exist). Returns meta."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from models.flux import conditioning as cond
+    from trainer.tokenizer import build_tokenizer
+
+    _check_params(params)
+    start = time.perf_counter()
+    bpe = None
+    if params.t5_path is None:
+        bpe = build_tokenizer("bundled")
+        text = cond.build_debug_text_conditioner(bpe, max_length=params.text_length, seed=params.seed)
+    else:
+        text = cond.load_text_conditioner(t5_path=params.t5_path, clip_path=params.clip_path,
+                                          max_length=params.text_length, t5_tokenizer_path=params.t5_tokenizer_path,
+                                          clip_tokenizer_path=params.clip_tokenizer_path)
+    vae = cond.load_vae(params.vae_path) if params.vae_path else cond.build_debug_vae(params.seed)
+    _check_params(params, vae.spatial_factor)
+
+    splits = {split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
+              for split, count in (("train", params.num_train), ("heldout", params.num_heldout))}
+    vae_report = None
+    if params.vae_path is None:
+        t0 = time.perf_counter()
+        losses = cond.train_vae(vae, _to_tensor(splits["train"][0]), steps=params.vae_steps,
+                                batch_size=params.vae_batch_size, seed=params.seed, log=log)
+        vae_report = {"steps": params.vae_steps, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}
+
+    os.makedirs(folder)
+    meta = {"format": _FORMAT_VERSION, "params": asdict(params), "splits": {},
+            "conditioning": cond.describe(vae, text), "text_ids": "bundled-bpe" if bpe is not None else "hf",
+            "row_group_rows": params.row_group_rows}
+    for split, (images, rows) in splits.items():
+        x = _to_tensor(images)
+        latents = torch.cat([vae.encode(chunk) for chunk in x.split(256)])
+        recon = torch.cat([vae.decode(chunk) for chunk in latents.split(256)])
+        agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
+        t5, clip = _encode_captions(text, [row["caption"] for row in rows])
+        shards = []
+        for s, lo in enumerate(range(0, len(rows), params.shard_rows)):
+            hi = min(lo + params.shard_rows, len(rows))
+            table = pa.table({
+                "index": pa.array([row["index"] for row in rows[lo:hi]], pa.int64()),
+                "caption": [row["caption"] for row in rows[lo:hi]],
+                "colour": [row["colour"] for row in rows[lo:hi]],
+                "shape": [row["shape"] for row in rows[lo:hi]],
+                "position": [row["position"] for row in rows[lo:hi]],
+                "latent": _fixed_list(latents[lo:hi]),
+                "t5": _fixed_list(t5[lo:hi]),
+                "clip": _fixed_list(clip[lo:hi]),
+            })
+            shards.append((lo, hi))
+            num = (len(rows) + params.shard_rows - 1) // params.shard_rows
+            pq.write_table(table, os.path.join(folder, f"{split}-{s:05d}-of-{num:05d}.parquet"),
+                           row_group_size=params.row_group_rows)
+        meta["splits"][split] = {"rows": len(rows), "shards": [
+            {"file": f"{split}-{s:05d}-of-{len(shards):05d}.parquet", "rows": hi - lo}
+            for s, (lo, hi) in enumerate(shards)], "vae_reconstruction_agreement": float(agree)}
+        log(f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%}")
+    meta["shapes"] = {"latent": list(latents.shape[1:]), "t5": list(t5.shape[1:]), "clip": list(clip.shape[1:])}
+    meta["vae_training"] = vae_report
+    text.save(os.path.join(folder, "encoders"))
+    vae.save(os.path.join(folder, "vae"))
+    meta["build_seconds"] = time.perf_counter() - start
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    log(f"built {folder} in {meta['build_seconds']:.1f} s")
+    return meta
+
+
+def _encode_captions(text, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode each distinct caption once (the procedural set repeats them)."""
+    distinct = sorted(set(captions))
+    t5, clip = text.encode(distinct)
+    where = {c: i for i, c in enumerate(distinct)}
+    rows = torch.tensor([where[c] for c in captions])
+    return t5[rows], clip[rows]
+
+
+def _fixed_list(x: torch.Tensor):
+    import pyarrow as pa
+
+    flat = x.reshape(len(x), -1).float().numpy()
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1), pa.float32()), flat.shape[1])
+
+
+def default_cache_root() -> str:
+    return os.path.join(os.path.expanduser(os.environ.get("TITAN_CACHE", "~/.cache/titan-tpu")), "flux_data")
+
+
+def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root: str | None = None,
+                              log=_log) -> str:
+    """The folder of the data set for `params`, building it first if it is not cached."""
+    root = cache_root or default_cache_root()
+    folder = os.path.join(root, f"procedural-{params.key()}")
+    if os.path.isfile(os.path.join(folder, "meta.json")):
+        return folder
+    os.makedirs(root, exist_ok=True)
+    with open(folder + ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass  # no locks here: every rank builds and the first rename wins
+        if os.path.isfile(os.path.join(folder, "meta.json")):
+            return folder
+        tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
+        try:
+            log(f"building the procedural FLUX data set in {folder} (first use)")
+            build_dataset(params, os.path.join(tmp, "data"), log=log)
+            try:
+                os.rename(os.path.join(tmp, "data"), folder)
+            except OSError:
+                if not os.path.isfile(os.path.join(folder, "meta.json")):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+class FluxDataset:
+    """A built data set folder: metadata, row access by split position, captions, encoders."""
+
+    def __init__(self, folder: str):
+        meta_path = os.path.join(folder, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise ConfigError(f"FLUX data set {folder}: no meta.json; allowed: a folder written by "
+                              "scripts/build_flux_data.py, or 'procedural'")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        if self.meta.get("format") != _FORMAT_VERSION:
+            raise ConfigError(f"FLUX data set {folder}: format {self.meta.get('format')}; this version reads "
+                              f"format {_FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py")
+        self.folder = folder
+        self.latent_shape = tuple(self.meta["shapes"]["latent"])
+        self.t5_shape = tuple(self.meta["shapes"]["t5"])
+        self.clip_shape = tuple(self.meta["shapes"]["clip"])
+        self._files: dict = {}
+
+    def num_rows(self, split: str) -> int:
+        return self._split(split)["rows"]
+
+    def _split(self, split: str) -> dict:
+        if split not in self.meta["splits"]:
+            raise ConfigError(f"FLUX data set {self.folder}: no split {split!r}; allowed: "
+                              f"{', '.join(self.meta['splits'])}")
+        return self.meta["splits"][split]
+
+    def row_groups(self, split: str) -> list[tuple[str, int, int, int]]:
+        """(file, row group, first row, rows) of each row group of `split`, in row order."""
+        out, first = [], 0
+        for shard in self._split(split)["shards"]:
+            pf = self._file(shard["file"])
+            for g in range(pf.num_row_groups):
+                n = pf.metadata.row_group(g).num_rows
+                out.append((shard["file"], g, first, n))
+                first += n
+        return out
+
+    def _file(self, name: str):
+        import pyarrow.parquet as pq
+
+        if name not in self._files:
+            path = os.path.join(self.folder, name)
+            try:
+                self._files[name] = pq.ParquetFile(path)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"FLUX data set: cannot read {path} ({type(e).__name__}: {e}); rebuild the "
+                                  "data set with scripts/build_flux_data.py") from None
+        return self._files[name]
+
+    def read_group(self, file: str, group: int) -> dict[str, np.ndarray]:
+        table = self._file(file).read_row_group(group, columns=["index", "latent", "t5", "clip"])
+
+        def floats(name, shape):
+            col = table.column(name).combine_chunks()
+            return col.values.to_numpy(zero_copy_only=False).reshape(len(table), *shape)
+
+        return {"index": table.column("index").to_numpy(), "latent": floats("latent", self.latent_shape),
+                "t5": floats("t5", self.t5_shape), "clip": floats("clip", self.clip_shape)}
+
+    def captions(self, split: str) -> list[dict]:
+        """{index, caption, colour, shape, position} of every row of `split`, in row order."""
+        import pyarrow.parquet as pq
+
+        rows = []
+        for shard in self._split(split)["shards"]:
+            table = pq.read_table(os.path.join(self.folder, shard["file"]),
+                                  columns=["index", "caption", "colour", "shape", "position"])
+            rows.extend(table.to_pylist())
+        return rows
+
+    def text_conditioner(self):
+        """The encoders the data set was built with (`TextConditioner`), for sampling prompts."""
+        from models.flux import conditioning as cond
+
+        bpe = None
+        if self.meta["text_ids"] == "bundled-bpe":
+            from trainer.tokenizer import build_tokenizer
+
+            bpe = build_tokenizer("bundled")
+        p = self.meta["params"]
+        return cond.load_text_conditioner(t5_path=os.path.join(self.folder, "encoders", "t5"),
+                                          clip_path=os.path.join(self.folder, "encoders", "clip"),
+                                          max_length=p["text_length"], bpe=bpe,
+                                          t5_tokenizer_path=p["t5_tokenizer_path"],
+                                          clip_tokenizer_path=p["clip_tokenizer_path"])
+
+    def vae(self):
+        """The VAE the latents were encoded with (`FluxVae`: `decode(latents) -> images in [0, 1]`)."""
+        from models.flux import conditioning as cond
+
+        return cond.load_vae(os.path.join(self.folder, "vae"))
+
+
+def resolve_flux_dataset(path: str | None, *, cache_root: str | None = None) -> FluxDataset:
+    """`"procedural"` / None: the default procedural set (built and cached on first use);
+    otherwise a folder written by scripts/build_flux_data.py."""
+    if path in (None, "", "procedural"):
+        return FluxDataset(ensure_procedural_dataset(cache_root=cache_root))
+    folder = os.path.expanduser(path)
+    if not os.path.isdir(folder):
+        raise ConfigError(f"FLUX data set {path}: no such folder; allowed: 'procedural' or a folder written by "
+                          "scripts/build_flux_data.py")
+    return FluxDataset(folder)
+
+
+def _hash_order(n: int, key: str) -> list[int]:
+    """A permutation of range(n) that depends only on `key` (sorting by a keyed hash: stable
+    across NumPy/Python versions, unlike their RNG streams)."""
+    k = key.encode()
+    return sorted(range(n), key=lambda i: hashlib.blake2b(k + str(i).encode(), digest_size=8).digest())
+
+
+class FluxLoader:
+    """This rank's micro-batches of the global sample order (see the module docstring)."""
+
+    def __init__(self, *, dataset: FluxDataset, split: str, local_batch_size: int, dp_rank: int, dp_degree: int,
+                 seed: int, shuffle: bool, repeat: bool):
+        assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
+        self.dataset, self.split = dataset, split
+        self.local_batch_size, self.dp_rank, self.dp_degree = local_batch_size, dp_rank, dp_degree
+        self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
+        self.groups = dataset.row_groups(split)
+        self.num_samples = sum(g[3] for g in self.groups)
+        self._epoch_order: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, group of pos, row of pos)
+        self._cache: dict[int, dict[str, np.ndarray]] = {}
+        self.position = 0
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row group, row within group) of each position of `epoch`."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            num_groups = len(self.groups)
+            if self.shuffle:
+                perm = _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups")
+            else:
+                perm = list(range(num_groups))
+            group_of, row_of = [], []
+            for block, lo in enumerate(range(0, num_groups, SHUFFLE_BLOCK_GROUPS)):
+                members = [(g, r) for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
+                if self.shuffle:
+                    members = [members[i] for i in _hash_order(len(members), f"flux/{self.seed}/{epoch}/{block}")]
+                group_of += [g for g, _ in members]
+                row_of += [r for _, r in members]
+            self._epoch_order = (epoch, np.array(group_of), np.array(row_of))
+        return self._epoch_order[1], self._epoch_order[2]
+
+    def _rows(self, positions: range) -> dict[str, np.ndarray]:
+        parts = {k: [] for k in ("index", "latent", "t5", "clip")}
+        for q in positions:
+            epoch, p = divmod(q, self.num_samples)
+            group_of, row_of = self._order(epoch)
+            g, r = int(group_of[p]), int(row_of[p])
+            if g not in self._cache:
+                if len(self._cache) >= 2 * SHUFFLE_BLOCK_GROUPS:
+                    self._cache.pop(next(iter(self._cache)))
+                file, group = self.groups[g][0], self.groups[g][1]
+                self._cache[g] = self.dataset.read_group(file, group)
+            data = self._cache[g]
+            for k in ("latent", "t5", "clip"):
+                parts[k].append(data[k][r])
+            parts["index"].append(q)
+        return {k: np.stack(v) for k, v in parts.items()}
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(latents [B, 16, h, w], t5 [B, S, D], clip [B, D]) float32 and index [B] int64.
+        Raises StopIteration when a non-repeating split has no full global micro-batch left."""
+        b, d = self.local_batch_size, self.dp_degree
+        global_batch = b * d
+        if not self.repeat and self.position + global_batch > self.num_samples:
+            if self.position == 0:
+                raise ConfigError(f"FLUX data set {self.dataset.folder}: split {self.split!r} has "
+                                  f"{self.num_samples} samples, fewer than one micro-batch across data-parallel "
+                                  f"ranks ({d} x {b})")
+            raise StopIteration
+        start = self.position + self.dp_rank * b
+        rows = self._rows(range(start, start + b))
+        self.position += global_batch
+        return (torch.from_numpy(rows["latent"]), torch.from_numpy(rows["t5"]), torch.from_numpy(rows["clip"]),
+                torch.from_numpy(rows["index"]).long())
+
+    def check(self, micro_batches: int) -> int:
+        """Read the first `micro_batches` micro-batches now, then start over; returns how many
+        complete ones there are (at most `micro_batches`)."""
+        count = sum(1 for _ in zip(range(micro_batches), self))
+        self.reset()
+        return count
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        while True:
+            try:
+                yield self.next_batch()
+            except StopIteration:
+                return
+
+    def state_dict(self) -> dict:
+        """Mesh-independent position (plain ints), valid between `next_batch` calls."""
+        return {"position": self.position, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_samples"):
+            if int(state[key]) != getattr(self, key):
+                raise ConfigError(f"checkpoint data loader state: {key} was {int(state[key])}, this run has "
+                                  f"{getattr(self, key)}; resume with the same seed and FLUX data set")
+        self.position = int(state["position"])
+
+
+def build_flux_dataloader(*, path: str | None, local_batch_size: int, dp_rank: int, dp_degree: int, seed: int,
+                          split: str = "train", cache_root: str | None = None) -> FluxLoader:
+    """Loader over the FLUX data set at `path` ('procedural' / None: the cached debug set).
+    `split="train"` shuffles and repeats epochs; any other split is read once, in order."""
+    if local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1")
+    dataset = resolve_flux_dataset(path, cache_root=cache_root)
+    train = split == "train"
+    return FluxLoader(dataset=dataset, split=split, local_batch_size=local_batch_size, dp_rank=dp_rank,
+                      dp_degree=dp_degree, seed=seed, shuffle=train, repeat=train)
