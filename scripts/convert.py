@@ -9,7 +9,10 @@
 time and writes `config.json` plus `model.safetensors` (sharded above 5 GB, with an index),
 loadable by `AutoModelForCausalLM.from_pretrained`. `from-hf` reads `config.json` and the
 safetensors of a Hugging Face model folder and writes a DCP checkpoint whose keys are
-`model.<param>`, which `[checkpoint] initial_load_path` can load. Runs in one process, no
+`model.<param>`, which `[checkpoint] initial_load_path` can load. FLUX (`--model.name flux`)
+converts to and from a diffusers `FluxTransformer2DModel` folder (`config.json` with
+`_class_name`, `diffusion_pytorch_model*.safetensors`), loadable by
+`FluxTransformer2DModel.from_pretrained`. Runs in one process, no
 process group. Bad input prints one `error:` line and exits with status 2.
 """
 
@@ -61,15 +64,19 @@ def _meta_model_shapes(family: ModelFamily, args) -> dict[str, torch.Size]:
 
 
 def _layer_groups(keys: list[str]) -> list[list[str]]:
-    """Keys grouped as [non-layer keys] + one group per block, in layer order."""
-    top, layers = [], {}
+    """Keys grouped as [non-block keys] + one group per block (`<stack>.<i>.`: `layers.3.`,
+    FLUX's `double_blocks.0.` / `single_blocks.5.`), stacks in order of appearance."""
+    top, blocks = [], {}
+    stacks: list[str] = []
     for key in keys:
-        m = re.match(r"layers\.(\d+)\.", key)
+        m = re.match(r"([a-z_]+)\.(\d+)\.", key)
         if m is None:
             top.append(key)
         else:
-            layers.setdefault(int(m.group(1)), []).append(key)
-    return [top] + [layers[i] for i in sorted(layers)]
+            if m.group(1) not in stacks:
+                stacks.append(m.group(1))
+            blocks.setdefault((m.group(1), int(m.group(2))), []).append(key)
+    return [top] + [blocks[k] for k in sorted(blocks, key=lambda k: (stacks.index(k[0]), k[1]))]
 
 
 def convert_to_hf(
@@ -88,21 +95,22 @@ def convert_to_hf(
         k[len(MODEL_PREFIX):]: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")
     }
     expected = _meta_model_shapes(family, args)
-    if args.tie_embeddings and "tok_embeddings.weight" not in stored and "output.weight" in stored:
+    tie_embeddings = getattr(args, "tie_embeddings", False)
+    if tie_embeddings and "tok_embeddings.weight" not in stored and "output.weight" in stored:
         stored["tok_embeddings.weight"] = stored["output.weight"]  # a tied matrix saved under one name
         alias = {"tok_embeddings.weight": "output.weight"}
     else:
         alias = {}
     # Every entry in both directions: a checkpoint with more layers than the args must not
     # convert its first n_layers silently. A tied model's output.weight is the embedding.
-    tied = {"output.weight"} if args.tie_embeddings else set()
+    tied = {"output.weight"} if tie_embeddings else set()
     check_entries(
         expected={MODEL_PREFIX + k: tuple(v) for k, v in expected.items() if k not in tied},
         stored={MODEL_PREFIX + k: tuple(v.size) for k, v in stored.items() if k not in tied},
         key="--checkpoint", where=str(checkpoint), what=f"{family.name} with model.flavor/overrides",
         fix="pass the --model.flavor and --model.FIELD=VALUE overrides the checkpoint was trained with",
     )
-    keys = [k for k in expected if k in stored and not (args.tie_embeddings and k == "output.weight")]
+    keys = [k for k in expected if k in stored and not (tie_embeddings and k == "output.weight")]
 
     # Plan shards from the stored sizes (a group converts to the same number of elements).
     groups = _layer_groups(keys)
@@ -116,10 +124,12 @@ def convert_to_hf(
             size = 0
         shards[-1].append(i)
         size += nbytes
+    # transformers reads model*.safetensors, diffusers diffusion_pytorch_model*.safetensors.
+    base = getattr(family.hf_adapter, "WEIGHTS_NAME", "model")
     names = (
-        ["model.safetensors"]
+        [f"{base}.safetensors"]
         if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        else [f"{base}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +151,7 @@ def convert_to_hf(
             total += value.numel() * value.element_size()
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (out_dir / f"{base}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     config = family.hf_adapter.hf_config(args)
     saved_dtype = dtype or stored[keys[0]].properties.dtype
@@ -169,7 +179,8 @@ def _read_hf_folder(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> tuple[str, object]:
     """HF folder -> DCP checkpoint with keys `model.<param>`. Returns (family name, args)."""
     config, hf_tensors = _read_hf_folder(hf_dir)
-    model_type = config.get("model_type")
+    # transformers configs name the architecture in model_type, diffusers in _class_name.
+    model_type = config.get("model_type", config.get("_class_name"))
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}")
     family = get_model_family(HF_MODEL_TYPES[model_type])
