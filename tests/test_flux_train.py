@@ -251,6 +251,7 @@ def test_flux_checkpoint_round_trip(tmp_path):
         assert got[step]["grad_norm"] == want[step]["grad_norm"], step
 
 
+@pytest.mark.slow
 def test_flux_debug_recipe_loss_falls(tmp_path):
     """A short form of configs/flux_debug.toml (bf16, as shipped): the mean loss of the last 5
     steps is below LOSS_FALL x that of the first 5 (measured ratio in docs/flux.md), and the
