@@ -45,6 +45,11 @@ class ModelFamily:
     """Where the repeated blocks are and how `parallelisms/` shards the model."""
     hf_adapter: ModuleType | None = None
     """Module with `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`; None: no HF interop."""
+    task: str = "lm"
+    """What the model is trained on: "lm" (`model_cls` is a `models.contract.LanguageModel`:
+    next-token cross entropy on token windows) or "flow" (a `models.contract.FlowModel`:
+    rectified flow on image latents and text embeddings). The trainer picks its data, loss and
+    throughput unit by it (`trainer/tasks.py`)."""
     plan_for: Callable[[Any], ModelPlan] | None = None
     """For a family whose plan depends on its args (`hf`: TP styles from the config): args -> plan.
     `for_args` applies it; None: `plan` serves every flavor."""
@@ -93,6 +98,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model_cls=flux.FluxTransformer,
         plan=FLUX_PLAN,
         hf_adapter=flux_hf,
+        task="flow",
     ),
     # Any transformers causal LM from `[model] hf_config` (docs/hf_backend.md).
     "hf": ModelFamily(

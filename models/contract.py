@@ -9,7 +9,9 @@ what is declared here; none of them reaches into a model's modules by name. A fa
   scan act on) and the tensor/expert-parallel styles of its modules.
 - `args_cls` / `flavors`: a dataclass with fields `n_layers`, `max_seq_len` and `vocab_size`
   (the trainer may set them) and the methods of `ModelArgs` below.
-- `model_cls(args)`: an `nn.Module` with the methods of `LanguageModel` below.
+- `task`: "lm" (the default) or "flow": what the trainer feeds the model and which loss it takes.
+- `model_cls(args)`: an `nn.Module` with the methods of `LanguageModel` (task "lm") or
+  `FlowModel` (task "flow") below.
 - `hf_adapter` (optional): `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`.
 
 docs/adding_a_model.md walks through a new family; tests/toy_family.py is one that lives outside
@@ -88,3 +90,24 @@ class LanguageModel(Protocol):
         """Sum of the auxiliary losses (unscaled) of the last forward, or None for a model without
         any. Clears them, so no module keeps a reference into a finished autograd graph; the
         trainer scales the sum by `training.aux_loss_coef` and adds it to the LM loss."""
+
+
+class FlowModel(Protocol):
+    """What the trainer calls on a model of task "flow" (a rectified-flow velocity model, FLUX).
+
+    Its args provide `shape()`, the parameter counts, `in_channels` (packed latent channels),
+    `context_in_dim` (T5 width), `vec_in_dim` (pooled CLIP width) and `guidance_embed`; the
+    `n_layers` / `max_seq_len` / `vocab_size` fields of `ModelArgs` are not required.
+    """
+
+    def __call__(self, img: torch.Tensor, img_ids: torch.Tensor, txt: torch.Tensor, txt_ids: torch.Tensor,
+                 timesteps: torch.Tensor, y: torch.Tensor, guidance: torch.Tensor | None) -> torch.Tensor:
+        """img [B, L, in_channels] noisy packed latents, img_ids [B, L, 3], txt [B, S, context_in_dim],
+        txt_ids [B, S, 3], timesteps [B] in [0, 1], y [B, vec_in_dim], guidance [B] or None
+        -> predicted velocity [B, L, in_channels]."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """As `LanguageModel.init_weights`."""
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """None (no auxiliary loss)."""

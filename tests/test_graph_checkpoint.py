@@ -110,7 +110,7 @@ def test_scan_resyncs_replaced_tensors():
             w.data = w.detach() * 0.5  # new storage, no longer a view of the stacked row
             state = o.state[m.layers["1"].feed_forward.w2._parameters["weight"]]
             state["exp_avg"] = state["exp_avg"].clone() + 1e-3  # a new tensor object
-    assert step.block_stack.resync_scan_storage() == 1  # and the graph step would do it itself
+    assert step.block_stacks["layers"].resync_scan_storage() == 1  # and the graph step would do it itself
     # The edited exp_avg (+1e-3 against moments of ~1e-5) makes some updates far larger than the
     # lr; the parameter bound scales with the largest one (param_tolerance).
     before = snapshot(ref_model)

@@ -73,7 +73,9 @@ class ModelConfig:
 class TrainingConfig:
     dataset: str = "bundled"
     """`bundled` (the shipped offline corpus), a local file or glob (json, jsonl, parquet, txt),
-    or a Hugging Face hub dataset name when online (see docs/data.md)."""
+    or a Hugging Face hub dataset name when online (see docs/data.md). FLUX (task flow):
+    `procedural` (the captioned-shapes set, built and cached on first use; `bundled` means the
+    same) or a folder written by scripts/build_flux_data.py (docs/flux.md)."""
     dataset_text_field: str = "text"
     """Field holding the document text in json/jsonl/parquet/hub datasets."""
     local_batch_size: int = field(default=8, metadata=_range(ge=1))
@@ -236,6 +238,48 @@ class ProfilingConfig:
 
 
 @dataclass
+class FlowConfig:
+    timestep_sampling: str = field(default="logit_normal", metadata=_choices("uniform", "logit_normal"))
+    """Flow models (FLUX): how the rectified-flow time t in (0, 1) is drawn per sample: uniform,
+    or logit_normal (t = sigmoid(z), z ~ N(logit_mean, logit_std), SD3's choice: more weight on
+    the middle of the trajectory). See docs/flux.md; LM recipes ignore [flow]."""
+    logit_mean: float = 0.0
+    """Mean of z for timestep_sampling = logit_normal."""
+    logit_std: float = field(default=1.0, metadata=_range(gt=0))
+    """Standard deviation of z for timestep_sampling = logit_normal."""
+    shift: float = field(default=1.0, metadata=_range(gt=0))
+    """Fixed timestep shift t' = shift t / (1 + (shift - 1) t) applied after sampling; 1.0 = none,
+    > 1 spends more steps at high noise (SD3 uses 3.0 at 1024 px)."""
+    resolution_shift: bool = False
+    """Shift by the image token count instead, as FLUX does: shift = exp(mu), mu linear in the
+    tokens from 0.5 at 256 tokens to 1.15 at 4096 (1.65 at 256 px, 3.16 at 1024 px). Needs
+    shift = 1.0."""
+    text_dropout: float = field(default=0.1, metadata=_range(ge=0, le=1))
+    """Probability that a sample's text conditioning is dropped (classifier-free guidance
+    training): its T5 sequence and CLIP vector become zeros, the conditioning the sampler's
+    unconditional branch feeds."""
+    guidance: float = field(default=1.0, metadata=_range(ge=0))
+    """Value fed to the guidance embedding of a model that has one (FLUX.1-dev; schnell has
+    none and ignores this). Pre-training from scratch has no teacher to distil guidance from,
+    so a constant is fed and the embedding learns a fixed offset; 1.0 means no guidance."""
+    latent_size: int = field(default=0, metadata=_range(ge=0))
+    """Side of the VAE latent the data set holds (128 for 1024 px with FLUX's 8x VAE: 64 x 64 =
+    4096 image tokens after 2x2 packing); 0 = whatever the data holds. When set, the data must
+    match (the planner and pod recipes read it)."""
+    text_seq_len: int = field(default=0, metadata=_range(ge=0))
+    """T5 tokens per caption in the data set (256 for schnell, 512 for dev); 0 = whatever the
+    data holds. When set, the data must match."""
+    sample_prompts: int = field(default=0, metadata=_range(ge=0))
+    """At each validation, sample this many distinct held-out captions (colour/shape/position
+    combinations never trained on) with the Euler sampler and log the image grid to TensorBoard
+    (`samples`); 0 = no grid. Needs validation.enable and metrics.enable_tensorboard."""
+    sample_steps: int = field(default=20, metadata=_range(ge=1))
+    """Euler steps per validation sample (trainer/flux_sample.py)."""
+    cfg_scale: float = field(default=4.0, metadata=_range(ge=1))
+    """Classifier-free guidance scale of the validation samples (1 = conditional only)."""
+
+
+@dataclass
 class DeviceConfig:
     type: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda", "tpu"))
     """auto picks tpu if torch-tpu found a TPU, else cuda if available, else cpu."""
@@ -255,6 +299,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
 
 

@@ -9,9 +9,10 @@ throughput over the time since the previous logged step, and writes one record t
 to be already reduced across ranks where that matters (the loss), and per device otherwise
 (tokens, memory).
 
-Record keys: step, loss, grad_norm, lr, tokens_per_sec, tflops, mfu_pct, mfu_pct_causal,
-mem_gib, elapsed_s, plus any extra keyword the caller logs. tokens_per_sec and tflops are per
-device; mfu_pct is null when the device's peak is unknown.
+Record keys: step, loss, grad_norm, lr, tokens_per_sec (or samples_per_sec for a run whose
+unit is samples: FLUX), tflops, mfu_pct, mfu_pct_causal, mem_gib, elapsed_s, plus any extra
+keyword the caller logs. The throughput and tflops are per device; mfu_pct is null when the
+device's peak is unknown.
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ class MetricsLogger:
         records up to it and is appended to; records after it (from a run that was interrupted
         or rolled back with load_step) move to metrics.rolled_back.jsonl, so metrics.jsonl holds
         one record per step. TensorBoard likewise hides the stale events after it.
-    flops_per_token: trainer.flops.flops_per_token(...) (a dict with "palm" and "causal") or a
-        number (PaLM convention); None reports no TFLOP/s or MFU.
+    flops_per_token: FLOPs per unit: trainer.flops.flops_per_token(...) (a dict with "palm" and
+        "causal") or a number (PaLM convention; per sample for unit = "samples"); None reports
+        no TFLOP/s or MFU.
+    unit: what throughput counts, "tokens" (LMs) or "samples" (FLUX): the record key is
+        `<unit>_per_sec` and `log` takes the count as `tokens=` or `samples=`.
     peak_flops: peak FLOP/s of one device (trainer.flops.peak_flops_per_device); None -> MFU is null.
     peak_name: where the peak comes from, for the banner.
     device: the training device, for memory readings (cpu if None).
@@ -132,7 +136,10 @@ class MetricsLogger:
         peak_flops: float | None = None,
         peak_name: str = "given",
         device: torch.device | None = None,
+        unit: str = "tokens",
     ):
+        assert unit in ("tokens", "samples"), unit
+        self.unit = unit
         assert log_freq >= 1 and total_steps >= 0 and start_step >= 0, (log_freq, total_steps, start_step)
         self.log_freq = log_freq
         self.total_steps = total_steps
@@ -194,14 +201,16 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == self.start_step + 1 or step == self.total_steps
 
-    def log(self, step: int, *, tokens: int = 0, force: bool = False, **values: Any) -> dict[str, Any] | None:
+    def log(self, step: int, *, tokens: int = 0, samples: float = 0, force: bool = False,
+            **values: Any) -> dict[str, Any] | None:
         """Account one step; on a logging step write and return its record (else None).
 
-        tokens: tokens this device processed in this step (all micro-batches).
+        tokens / samples: what this device processed in this step (all micro-batches), in the
+            logger's unit (the other stays 0).
         values: loss, grad_norm, lr and any extra scalar (floats or 0-d tensors; tensors are only
             read on logging steps, so passing them every step costs no sync).
         """
-        self._tokens_since_log += int(tokens)
+        self._tokens_since_log += tokens if self.unit == "tokens" else samples
         if self._pbar is not None:
             self._pbar.update(step - self._last_step if step > self._last_step else 1)
         self._last_step = step
@@ -214,8 +223,8 @@ class MetricsLogger:
             record[key] = _to_float(values.pop(key, None))
         now = time.perf_counter()
         interval = max(now - self._last_time, 1e-9)
-        tokens_per_sec = self._tokens_since_log / interval
-        record["tokens_per_sec"] = tokens_per_sec
+        tokens_per_sec = self._tokens_since_log / interval  # units (tokens or samples) per second
+        record[f"{self.unit}_per_sec"] = tokens_per_sec
         achieved = tokens_per_sec * self._flops["palm"] if "palm" in self._flops else None
         record["tflops"] = achieved / 1e12 if achieved is not None else None
         record["mfu_pct"] = 100.0 * achieved / self.peak_flops if achieved is not None and self.peak_flops else None
@@ -270,13 +279,20 @@ class MetricsLogger:
                 fmt("loss", "loss", ".4f"),
                 fmt("grad_norm", "grad_norm", ".3f"),
                 fmt("lr", "lr", ".2e"),
-                fmt("tok/s", "tokens_per_sec", ",.0f"),
+                fmt("tok/s", "tokens_per_sec", ",.0f") if "samples_per_sec" not in record
+                else fmt("samples/s", "samples_per_sec", ",.3g"),
                 fmt("TFLOP/s", "tflops", ".3g"),
                 fmt("MFU", "mfu_pct", ".2f", "%"),
                 fmt("mem", "mem_gib", ".2f", " GiB"),
                 "eta " + ("-" if eta_s is None else _hms(eta_s)),
             ]
         )
+
+    def log_image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """Write a [3, H, W] image in [0, 1] to TensorBoard (rank 0 with TensorBoard on; else nothing)."""
+        if self._tb is not None:
+            self._tb.add_image(tag, image.clamp(0, 1), step)
+            self._tb.flush()
 
     def close(self) -> None:
         """Flush and close the files and the bar; safe to call twice."""

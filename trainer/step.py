@@ -148,7 +148,8 @@ class StepOutput:
     """What one step returns: device tensors, never read by the step itself."""
 
     loss: torch.Tensor
-    """Mean LM loss over the step's micro-batches (0-dim, this rank's value)."""
+    """Mean loss (LM cross entropy, or the task's loss) over the step's micro-batches (0-dim,
+    this rank's value)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping (0-dim, equal on every rank)."""
     aux_loss: torch.Tensor | None = None
@@ -156,19 +157,24 @@ class StepOutput:
 
 
 def build_step(plan: StepPlan, *, model, optimizer, max_norm: float, aux_loss_coef: float,
-               grad_accum_steps: int, model_plan, dump_graph: str | None = None):
-    """The step object of `plan`: `step(microbatches, lr) -> StepOutput`."""
+               grad_accum_steps: int, model_plan, dump_graph: str | None = None, loss_fn=None):
+    """The step object of `plan`: `step(microbatches, lr) -> StepOutput`.
+
+    A micro-batch is a tuple of tensors; `loss_fn(model, *micro_batch)` is its mean loss (the
+    task's, trainer/tasks.py); None: the LM loss of `plan` on (inputs, labels).
+    """
+    loss_fn = loss_fn if loss_fn is not None else plan.lm_loss
     if plan.mode != "graph":
         from parallelisms import clip_grad_norm_
 
         return EagerStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
-                         clip_grad_norm=clip_grad_norm_, loss_context=plan.loss_context, loss_fn=plan.lm_loss)
+                         clip_grad_norm=clip_grad_norm_, loss_context=plan.loss_context, loss_fn=loss_fn)
     from trainer.graph import build_graph_step
 
     return build_graph_step(
         model=model, optimizer=optimizer, plan=model_plan, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
         backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac, dump_graph=dump_graph,
-        grad_accum_steps=grad_accum_steps, loss_context=plan.loss_context, loss_fn=plan.lm_loss,
+        grad_accum_steps=grad_accum_steps, loss_context=plan.loss_context, loss_fn=loss_fn,
     )
 
 
@@ -188,7 +194,8 @@ class EagerStep:
         # With TP loss parallel the loss and its backward run on vocab-sharded logits inside
         # this context (parallelisms.loss_parallel_context).
         self.loss_context = loss_context
-        # loss_fn(model, inputs, labels) -> mean LM loss; default: logits, then lm_loss.
+        # loss_fn(model, *micro_batch) -> the micro-batch's mean loss (trainer/tasks.py); default:
+        # an LM micro-batch (inputs, labels): logits, then lm_loss.
         self.loss_fn = loss_fn if loss_fn is not None else _plain_loss
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
@@ -196,9 +203,9 @@ class EagerStep:
         self.optimizer.zero_grad(set_to_none=True)
         n = len(microbatches)
         lm_sum, aux_sum = 0.0, None
-        for inputs, labels in microbatches:
+        for microbatch in microbatches:
             with self.loss_context():
-                lm = self.loss_fn(self.model, inputs, labels)
+                lm = self.loss_fn(self.model, *microbatch)
                 aux = self.model.pop_aux_loss()
                 loss = lm if aux is None else lm + self.aux_loss_coef * aux
                 (loss / n).backward()

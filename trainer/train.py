@@ -3,7 +3,8 @@
 Also launched by torchrun (one process per device). The job, in order:
   1. config (TOML -> dataclasses -> CLI overrides -> validation)
   2. device, process group, seed, ParallelDims and the named DeviceMesh
-  3. tokenizer and data (checked before anything touches a checkpoint)
+  3. the task (trainer/tasks.py: LM tokens or FLUX latents) and its data, checked before
+     anything touches a checkpoint
   4. model on the meta device -> parallelize (TP, EP, AC, compile, SimpleFSDP) -> materialize -> init
   5. optimizer, lr schedule, checkpoint resume (or initial weights)
   6. the loop: step (eager / compile / graph), log, validate, profile, checkpoint
@@ -94,15 +95,16 @@ class NonFiniteTracker:
         return int(self.first_bad_step.item()), int(self.skipped.item())
 
 
-def _validate(model, *, build_loader, steps: int, device: torch.device, step_plan: StepPlan) -> float:
+def _validate(model, *, build_loader, prepare, loss_fn, steps: int, device: torch.device,
+              step_plan: StepPlan) -> float:
     from trainer.step import local_scalar
 
     # A held-out split may hold fewer than `steps` micro-batches per rank; every rank gets the
-    # same count (windows are dealt in groups of dp_degree x batch), so collectives stay matched.
+    # same count (samples are dealt in groups of dp_degree x batch), so collectives stay matched.
     total, count = torch.zeros(()), 0
     with torch.no_grad(), step_plan.loss_context():
-        for _, (inputs, labels) in zip(range(steps), build_loader()):
-            loss = step_plan.lm_loss(model, inputs.to(device), labels.to(device))
+        for _, batch in zip(range(steps), build_loader()):
+            loss = loss_fn(model, *(x.to(device) for x in prepare(batch)))
             total += local_scalar(loss).float().cpu()
             count += 1
     return _global_mean(total / max(count, 1))
@@ -137,12 +139,11 @@ def train(cfg: Config) -> int:
     import kernels
     from parallelisms import ParallelDims, build_mesh
     from trainer import checkpoint as ckpt
-    from trainer.data import build_dataloader
     from trainer.device import init_distributed, pick_device, set_seed
-    from trainer.flops import flops_per_token, peak_flops_per_device
+    from trainer.flops import peak_flops_per_device
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.tokenizer import build_tokenizer
+    from trainer.tasks import build_task
 
     t_start = time.perf_counter()
     device = pick_device(cfg.device.type)
@@ -151,8 +152,10 @@ def train(cfg: Config) -> int:
     is_rank0 = info.rank == 0
     dump_folder = cfg.job.dump_folder
 
-    # -- model args, parallel degrees, the step plan (checked before building anything)
+    # -- model args, the task (tokenizer checks here), parallel degrees, the step plan: all
+    #    checked before building anything
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    task = build_task(cfg, family=family, args=args)
     shape = args.shape()
     p = cfg.parallelism
     parallel_dims = ParallelDims(
@@ -162,7 +165,7 @@ def train(cfg: Config) -> int:
         ep=p.expert_parallel_degree,
         world_size=info.world_size,
     )
-    parallel_dims.validate_for_model(shape, seq_len=cfg.training.seq_len)
+    parallel_dims.validate_for_model(shape, seq_len=task.seq_len_check)
     c = cfg.compile
     step_plan = plan_step(mode=c.mode, backend=c.backend, scan_layers=c.scan_layers,
                           ac_mode=cfg.activation_checkpoint.mode, loss_parallel=p.enable_loss_parallel,
@@ -176,25 +179,14 @@ def train(cfg: Config) -> int:
                                      gradient_accumulation_steps=t.gradient_accumulation_steps,
                                      dp_degree=dp_degree)
 
-    # -- tokenizer and data: bad paths fail here, before any checkpoint is read or written
-    tokenizer = build_tokenizer(cfg.model.tokenizer)
-    if tokenizer.n_vocab > args.vocab_size:
-        raise ConfigError(
-            f"model.tokenizer: {cfg.model.tokenizer} has {tokenizer.n_vocab} tokens but the model's "
-            f"vocab_size is {args.vocab_size}; set model.vocab_size >= {tokenizer.n_vocab}"
-        )
+    # -- data: bad paths fail here, before any checkpoint is read or written
+    def loader_for(split: str):
+        return task.build_loader(split=split, local_batch_size=local_batch, dp_rank=dp_rank, dp_degree=dp_degree)
 
-    def loader_for(dataset: str, split: str, seed: int):
-        return build_dataloader(
-            dataset=dataset, tokenizer=tokenizer, seq_len=t.seq_len,
-            local_batch_size=local_batch, dp_rank=dp_rank, dp_degree=dp_degree,
-            seed=seed, split=split, text_field=t.dataset_text_field,
-        )
-
-    loader = loader_for(t.dataset, "train", t.seed)
+    loader = loader_for("train")
     build_val_loader = None
     if cfg.validation.enable:
-        build_val_loader = lambda: loader_for(cfg.validation.dataset, "validation", t.seed)  # noqa: E731
+        build_val_loader = lambda: loader_for("validation")  # noqa: E731
         build_val_loader().check(cfg.validation.steps)  # read what validation reads: bad data fails before step 1
 
     # -- kernels, model, optimizer, schedule
@@ -237,25 +229,26 @@ def train(cfg: Config) -> int:
             f.write(to_toml(cfg))
 
     dump = os.path.join(dump_folder, c.dump_graph) if c.dump_graph else None
+    loss_fn = task.loss_fn(step_plan)
     step_fn = build_step(step_plan, model=model, optimizer=optimizer, max_norm=t.max_norm,
                          aux_loss_coef=t.aux_loss_coef, grad_accum_steps=accum, model_plan=family.plan,
-                         dump_graph=dump)
+                         dump_graph=dump, loss_fn=loss_fn)
 
-    # -- metrics
-    fpt = flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True), n_layers=shape.n_layers,
-                          n_heads=shape.n_heads, head_dim=shape.head_dim, seq_len=t.seq_len)
+    # -- metrics, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
     peak, peak_name = peak_flops_per_device(device, param_dtype)
-    # Per device: TP ranks share their dp rank's tokens (TorchTitan's convention).
-    tokens_per_step = local_batch * t.seq_len * accum / parallel_dims.non_data_parallel_size
+    units_per_step = local_batch * task.units_per_sample * accum / parallel_dims.non_data_parallel_size
     logger = MetricsLogger(dump_folder=dump_folder, log_freq=cfg.metrics.log_freq,
                            enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=t.steps,
-                           is_rank0=is_rank0, start_step=start_step, device=device,
-                           flops_per_token=fpt, peak_flops=peak, peak_name=peak_name)
+                           is_rank0=is_rank0, start_step=start_step, device=device, unit=task.unit,
+                           flops_per_token=task.flops_per_unit(), peak_flops=peak, peak_name=peak_name)
+    units = {task.unit: units_per_step}
+    loss_name = "rectified flow" if task.name == "flow" else ("fused" if step_plan.fused_loss else "plain")
     if is_rank0:
-        print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({args.num_params() / 1e6:.1f}M params) on "
+        print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({args.num_params() / 1e6:.1f}M params, "
+              f"task {task.name}) on "
               f"{info.world_size} x {device.type} ({peak_name}); mesh {parallel_dims}; "
               f"global batch {local_batch * dp_degree * accum} = {local_batch} x dp {dp_degree} x accum {accum}; "
-              f"compile.mode={c.mode}; attention {attention}; loss {'fused' if step_plan.fused_loss else 'plain'}; steps {start_step + 1}..{t.steps}", flush=True)
+              f"compile.mode={c.mode}; attention {attention}; loss {loss_name}; steps {start_step + 1}..{t.steps}", flush=True)
 
     # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
     #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
@@ -265,7 +258,7 @@ def train(cfg: Config) -> int:
         for step in range(start_step + 1, t.steps + 1):
             profiling = cfg.profiling.enable and step % cfg.profiling.freq == 0
             with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, info.rank):
-                microbatches = [tuple(x.to(device) for x in loader.next_batch()) for _ in range(accum)]
+                microbatches = [tuple(x.to(device) for x in task.prepare(loader.next_batch())) for _ in range(accum)]
                 lr = scheduler.get_last_lr()[0]
                 out = step_fn(microbatches, lr)
                 scheduler.step()
@@ -276,7 +269,7 @@ def train(cfg: Config) -> int:
             saving = manager.enable and (step % manager.interval == 0 or last)
             logging = logger.should_log(step) or validating
             if not (logging or saving):
-                logger.log(step, tokens=tokens_per_step)
+                logger.log(step, **units)
                 continue
             first_bad, skipped = nonfinite.read()
             if first_bad and not t.skip_nonfinite_updates:
@@ -296,11 +289,15 @@ def train(cfg: Config) -> int:
                     values.update(extra_first)
                     extra_first = None
                 if validating:
-                    values["val_loss"] = _validate(model, build_loader=build_val_loader, steps=cfg.validation.steps,
-                                                   device=device, step_plan=step_plan)
-                logger.log(step, tokens=tokens_per_step, force=True, **values)
+                    grid = task.sample_grid(model)
+                    if grid is not None:
+                        logger.log_image("samples", grid, step)
+                    values["val_loss"] = _validate(model, build_loader=build_val_loader, prepare=task.prepare,
+                                                   loss_fn=loss_fn, steps=cfg.validation.steps, device=device,
+                                                   step_plan=step_plan)
+                logger.log(step, force=True, **units, **values)
             else:  # a checkpoint-only step: checked above, nothing to log
-                logger.log(step, tokens=tokens_per_step)
+                logger.log(step, **units)
             if saving:
                 if not ckpt.all_finite(model, optimizer):
                     raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "

@@ -76,11 +76,13 @@ def _gather_args(spec, name: str) -> tuple:
     return shard_group, tuple(replicate_groups), spec.param_dtype, spec.reduce_dtype
 
 
-def scan_param_fn(stack) -> tuple[Callable | None, Callable[[], contextlib.AbstractContextManager]]:
+def scan_param_fn(stack, *, name: str = "layers") -> tuple[Callable | None, Callable[[], contextlib.AbstractContextManager]]:
     """(`param_fn` for `BlockStack.enable_scan`, a context factory to wrap each scanned step).
 
     Without SimpleFSDP on the blocks: (None, nullcontext). With it: the row gather above, and a
     context that switches off SimpleFSDP's properties on the template block (block "0").
+    `name` is the stack's attribute (for messages); a model with several stacks calls this once
+    per stack.
     """
     from parallelisms.simple_fsdp import disable_active_parametrization, is_data_parallel
 
@@ -91,16 +93,16 @@ def scan_param_fn(stack) -> tuple[Callable | None, Callable[[], contextlib.Abstr
             continue
         for pname, spec in module._simple_fsdp_specs.items():
             full_name = f"{mod_name}.{pname}" if mod_name else pname
-            specs[full_name] = _gather_args(spec, f"layers.*.{full_name}")
-    for name, p in template.named_parameters():
-        if isinstance(p, DTensor) and name not in specs:
-            raise ConfigError(f"compile.scan_layers: {name} is a DTensor not managed by SimpleFSDP; "
+            specs[full_name] = _gather_args(spec, f"{name}.*.{full_name}")
+    for pname, p in template.named_parameters():
+        if isinstance(p, DTensor) and pname not in specs:
+            raise ConfigError(f"compile.scan_layers: {name}.*.{pname} is a DTensor not managed by SimpleFSDP; "
                               "allowed: SimpleFSDP-sharded or plain block parameters")
     if not specs:
         return None, contextlib.nullcontext
 
-    def gather(name: str, t: torch.Tensor) -> torch.Tensor:
-        shard_group, replicate_groups, param_dtype, _ = args = specs[name]
+    def gather(pname: str, t: torch.Tensor) -> torch.Tensor:
+        shard_group, replicate_groups, param_dtype, _ = args = specs[pname]
         if shard_group is None and not replicate_groups and param_dtype in (None, t.dtype):
             return t  # nothing to gather or cast
         return GatherShard.apply(t, *args)

@@ -41,7 +41,7 @@ class GraphStep:
 
     def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                  aux_loss_coef: float, backend: str, device: torch.device, ac_mode: str,
-                 dump_graph: str | None, grad_accum_steps: int, block_stack: nn.Module | None = None,
+                 dump_graph: str | None, grad_accum_steps: int, block_stacks: dict[str, nn.Module] | None = None,
                  scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_fn: Callable | None = None):
@@ -51,16 +51,20 @@ class GraphStep:
         self.aux_loss_coef = float(aux_loss_coef)
         self.grad_accum_steps = grad_accum_steps
         self.ac_mode = ac_mode
-        self.block_stack = block_stack
-        """The `BlockStack` running as a scan, or None (unrolled blocks)."""
+        self.block_stacks = dict(block_stacks or {})
+        """The `BlockStack`s running as scans, by attribute name in model order (empty: unrolled)."""
         self._scan_context = scan_context
         self._loss_context = loss_context
         self._loss_fn = loss_fn
-        stacked = block_stack.stacked_parameters() if block_stack is not None else None
+        # One update slot per (stack, parameter name): the stacks' names keep FLUX's two
+        # stacks apart, whose blocks may share parameter names.
+        stacked = {f"{sname}.{pname}": value for sname, stack in self.block_stacks.items()
+                   for pname, value in stack.stacked_parameters().items()} or None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
+        self._arity = 2
         step_fn = _own_code(self._step)
         if backend == "tpu":
             from trainer.graph.tpu import spmd_safe
@@ -90,13 +94,16 @@ class GraphStep:
             raise ValueError(f"graph step built for {self.grad_accum_steps} micro-batches, got {len(microbatches)}")
         # A checkpoint load replaces optimizer-state tensors (and may swap parameter storage):
         # point the stacked storage and the update slots at what model and optimizer hold now.
-        if self.block_stack is not None:
-            self.block_stack.resync_scan_storage()
+        for stack in self.block_stacks.values():
+            stack.resync_scan_storage()
         self.slots.refresh()
         self._current_slots = self.slots.slots()
         self._lr.fill_(lr)
+        if len({len(mb) for mb in microbatches}) != 1:
+            raise ValueError("graph step: every micro-batch must hold the same number of tensors")
+        self._arity = len(microbatches[0])  # a Python int: baked into the graph
         inputs = [t for mb in microbatches for t in mb]
-        scanning = self.block_stack is not None
+        scanning = bool(self.block_stacks)
         start = time.perf_counter()
         try:
             with (capture_config(scan_ac_mode=self.ac_mode if scanning else None), self._scan_context(),
@@ -120,12 +127,13 @@ class GraphStep:
     def _step(self, inputs: list[torch.Tensor], lr: torch.Tensor):
         slots = self._current_slots
         leaves = [s.param for s in slots]
-        n = len(inputs) // 2
+        k = self._arity
+        n = len(inputs) // k
         grads, lm_total, aux_total = None, None, None
         for i in range(n):
-            tokens, labels = inputs[2 * i], inputs[2 * i + 1]
-            lm = (self._loss_fn(self.model, tokens, labels) if self._loss_fn is not None
-                  else lm_loss(self.model(tokens), labels))
+            microbatch = inputs[k * i: k * (i + 1)]
+            lm = (self._loss_fn(self.model, *microbatch) if self._loss_fn is not None
+                  else lm_loss(self.model(microbatch[0]), microbatch[1]))
             loss = lm
             aux = self.model.pop_aux_loss()
             if aux is not None:
@@ -191,18 +199,20 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     - `optimizer`: a `torch.optim.AdamW` over the model's parameters (all groups at one lr;
       its state is created now, before capture, in torch.optim's format).
     - `backend`: inductor | aot_eager | tpu (already resolved: `trainer.step.resolve_backend`).
-    - `scan_layers`: run the plan's block container (`plan.block`, a `BlockStack`) as one scan
-      over stacked per-layer parameters.
+    - `scan_layers`: run each of the plan's block containers (`plan.stacks`, each a `BlockStack`)
+      as one scan over its stacked per-layer parameters (FLUX: one scan over the double blocks,
+      one over the single blocks).
     - `ac_mode`: none | full | selective inside the scanned block body (`scan_layers` only).
       Unrolled blocks are checkpointed by `parallelize_model` (`apply_ac`) before this is
       called, in the same place as in every other mode.
     - `dump_graph`: path of a text dump of the captured graph (after the passes).
     - `grad_accum_steps`: micro-batches per step (unrolled in the graph).
     - `aux_loss_coef`: weight of the model's auxiliary loss (`model.pop_aux_loss()`).
-    - `plan`: the model's `ModelPlan` (only `plan.block` is used); None = `layers`.
+    - `plan`: the model's `ModelPlan` (only `plan.stacks` is used); None = `layers`.
     - `loss_context`: entered around the step (TP loss parallel: `parallelisms.loss_parallel_context`).
-    - `loss_fn(model, inputs, labels)`: the mean LM loss of one micro-batch (`StepPlan.lm_loss`);
-      None: `trainer.step.lm_loss` of the model's logits.
+    - `loss_fn(model, *micro_batch)`: the mean loss of one micro-batch, a tuple of tensors (the
+      task's loss, trainer/tasks.py; LM: `StepPlan.lm_loss(model, inputs, labels)`); None:
+      `trainer.step.lm_loss` of the model's logits on (inputs, labels).
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -224,22 +234,43 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     device = (first.to_local() if isinstance(first, DTensor) else first).device
     _check_backend_device(backend, device.type)
     plan = plan if plan is not None else ModelPlan()
-    block_stack, scan_context = None, contextlib.nullcontext
+    block_stacks, scan_context = {}, contextlib.nullcontext
     if scan_layers:
-        from models.common.stack import BlockStack
-        from trainer.graph.fsdp_scan import scan_param_fn
-
-        if len(plan.stacks) != 1:  # several stacks: not yet scanned
-            raise ConfigError(f"compile.scan_layers: the model has {len(plan.stacks)} block stacks "
-                              f"({', '.join(plan.stacks)}); allowed: false for this model")
-        stack = getattr(model, plan.stacks[0], None)
-        if not isinstance(stack, BlockStack):
-            raise ConfigError(f"compile.scan_layers: the model's `{plan.stacks[0]}` is not a BlockStack; "
-                              "allowed: false for this model")
-        param_fn, scan_context = scan_param_fn(stack)
-        stack.enable_scan(param_fn=param_fn)
-        block_stack = stack
+        block_stacks, scan_context = _enable_scans(model, plan)
     return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
-                     grad_accum_steps=grad_accum_steps, block_stack=block_stack, scan_context=scan_context,
+                     grad_accum_steps=grad_accum_steps, block_stacks=block_stacks, scan_context=scan_context,
                      loss_context=loss_context, loss_fn=loss_fn)
+
+
+def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:
+    """Turn on layer scan for every stack of `plan`; return the stacks and the step's context.
+
+    Each stack is scanned on its own (its own stacked parameters, its own template block and,
+    under SimpleFSDP, its own per-row gather), so stacks of different block types (FLUX's
+    double- and single-stream blocks) each become one scan in the graph.
+    """
+    from models.common.stack import BlockStack
+    from trainer.graph.fsdp_scan import scan_param_fn
+
+    stacks: dict[str, BlockStack] = {}
+    for name in plan.stacks:
+        stack = getattr(model, name, None)
+        if not isinstance(stack, BlockStack):
+            raise ConfigError(f"compile.scan_layers: the model's `{name}` is not a BlockStack; "
+                              "allowed: false for this model")
+        stacks[name] = stack
+    contexts = []
+    for name, stack in stacks.items():
+        param_fn, context = scan_param_fn(stack, name=name)
+        stack.enable_scan(param_fn=param_fn)
+        contexts.append(context)
+
+    @contextlib.contextmanager
+    def scan_context():
+        with contextlib.ExitStack() as exit_stack:
+            for context in contexts:
+                exit_stack.enter_context(context())
+            yield
+
+    return stacks, scan_context
