@@ -244,6 +244,7 @@ def test_flux_graph_ac(scan):
         assert step.stats.recomputed > 0
 
 
+@pytest.mark.slow
 def test_flux_node_count_constant_with_scan():
     """Under scan the captured graph does not grow with the blocks per stack (2+2 vs 3+5)."""
     import functools
