@@ -59,19 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", default=None, help="local CLIPTextModel folder")
     parser.add_argument("--clip-tokenizer", default=None, help="local CLIP tokenizer folder (default: --clip)")
     parser.add_argument("--vae", default=None, help="local AutoencoderKL folder (16 latent channels)")
+    parser.add_argument("--encoder-dtype", default=d.encoder_dtype, help="float32 | bfloat16: dtype of local "
+                        "encoders and VAE (embeddings are stored as float32)")
+    parser.add_argument("--device", default="cpu", help="where local encoders and VAE run, e.g. cuda")
     try:
         ns = parser.parse_args(argv)
         params = BuildParams(image_size=ns.image_size, num_train=ns.num_train, num_heldout=ns.num_heldout,
                              seed=ns.seed, text_length=ns.text_length, shard_rows=ns.shard_rows,
                              vae_steps=ns.vae_steps, t5_path=ns.t5, clip_path=ns.clip,
                              t5_tokenizer_path=ns.t5_tokenizer, clip_tokenizer_path=ns.clip_tokenizer,
-                             vae_path=ns.vae)
+                             vae_path=ns.vae, encoder_dtype=ns.encoder_dtype)
         if ns.out is None:
-            folder = ensure_procedural_dataset(params)
+            folder = ensure_procedural_dataset(params, device=ns.device)
         else:
             if os.path.exists(ns.out):
                 raise ConfigError(f"--out {ns.out}: already exists; allowed: a path that does not exist yet")
-            build_dataset(params, ns.out)
+            build_dataset(params, ns.out, device=ns.device)
             folder = ns.out
         print(f"FLUX data set: {folder}")
     except ConfigError as e:

@@ -146,6 +146,9 @@ def test_loader_reads_only_the_row_groups_it_needs(tiny, monkeypatch):
     monkeypatch.setattr(loader.dataset, "read_group", lambda f, g: reads.append((f, g)) or original(f, g))
     loader.next_batch()
     assert 1 <= len(reads) <= 4
+    order, _ = loader._blocks(0)
+    first_block = {loader.groups[g][:2] for g in order[:fd.SHUFFLE_BLOCK_GROUPS]}
+    assert set(reads) <= first_block and len(first_block) < len(loader.groups)
 
 
 def test_heldout_split_is_read_once_in_order(tiny):
@@ -166,6 +169,23 @@ def test_bad_paths_and_splits_are_config_errors(tmp_path, tiny):
         _loader(str(tmp_path))
     with pytest.raises(ConfigError, match="no split 'validation'"):
         _loader(tiny, split="validation")
+
+
+def test_a_batch_feeds_the_debug_transformer(tiny):
+    """The data set's widths are the debugmodel's (context_in_dim = vec_in_dim = 64, 16
+    latent channels packed 2x2 to in_channels 64): a loader batch runs through it."""
+    from models.flux import FLAVORS, FluxTransformer
+    from models.flux.latents import image_ids, pack, text_ids
+
+    latents, t5, clip, _ = _loader(tiny, batch=2).next_batch()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = FluxTransformer(FLAVORS["debugmodel"])
+    model.to_empty(device="cpu")
+    model.init_weights()
+    h, w = latents.shape[2:]
+    out = model(pack(latents), image_ids(2, h, w), t5, text_ids(2, t5.shape[1]), torch.rand(2), clip, None)
+    assert out.shape == (2, (h // 2) * (w // 2), 64) and torch.isfinite(out).all()
 
 
 # --- conditioning ----------------------------------------------------------------------------
@@ -211,6 +231,18 @@ def test_local_weight_folders_load_through_the_real_classes(tmp_path):
     assert t5.shape == (2, 8, 64) and clip.shape == (2, 64)
     vae = cond.load_vae(str(tmp_path / "vae"))
     assert vae.encode(torch.rand(1, 3, 16, 16)).shape == (1, 16, 4, 4)
+    # The build with local weights (the real-weights path: no VAE training, HF tokenizers),
+    # and its saved encoders + tokenizers reproduce the stored embeddings.
+    params = fd.BuildParams(num_train=16, num_heldout=12, text_length=8, t5_path=str(tmp_path / "t5"),
+                            clip_path=str(tmp_path / "clip"), vae_path=str(tmp_path / "vae"))
+    meta = fd.build_dataset(params, str(tmp_path / "data"), log=lambda _: None)
+    assert meta["text_ids"] == "hf" and meta["vae_training"] is None
+    assert meta["shapes"] == {"latent": [16, 8, 8], "t5": [8, 64], "clip": [64]}
+    ds = fd.FluxDataset(str(tmp_path / "data"))
+    group = ds.read_group(ds.row_groups("train")[0][0], 0)
+    t5, clip = ds.text_conditioner().encode([r["caption"] for r in ds.captions("train")[:3]])
+    torch.testing.assert_close(t5, torch.from_numpy(group["t5"][:3].copy()), rtol=0, atol=1e-5)
+    torch.testing.assert_close(clip, torch.from_numpy(group["clip"][:3].copy()), rtol=0, atol=1e-5)
 
 
 class _WordBpe:
@@ -235,6 +267,26 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and missing in lines[0], proc.stderr
     assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_concurrent_first_use_builds_once(tmp_path):
+    """Two processes asking for the same uncached set at once: one builds (under the lock),
+    the other waits and reuses it; both get the same folder and no temporary folder is left."""
+    code = ("import sys; from trainer import flux_data as fd; "
+            "p = fd.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
+            "print('FOLDER', fd.ensure_procedural_dataset(p, cache_root=sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    folders = {line for out, _ in outs for line in out.splitlines() if line.startswith("FOLDER")}
+    builds = sum(out.count("building the procedural FLUX data set") for out, _ in outs)
+    assert len(folders) == 1 and builds == 1, outs
+    name = os.path.basename(folders.pop().split(maxsplit=1)[1])
+    assert sorted(os.listdir(tmp_path)) == [name, name + ".lock"]
+    assert os.path.isfile(tmp_path / name / "meta.json")
 
 
 # --- the default debug set (built once per machine, cached) ----------------------------------

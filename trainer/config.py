@@ -263,6 +263,14 @@ class FlowConfig:
     text_seq_len: int = field(default=0, metadata=_range(ge=0))
     """T5 tokens per caption in the data set (256 for schnell, 512 for dev); 0 = whatever the
     data holds. When set, the data must match."""
+    sample_prompts: int = field(default=0, metadata=_range(ge=0))
+    """At each validation, sample this many distinct held-out captions (colour/shape/position
+    combinations never trained on) with the Euler sampler and log the image grid to TensorBoard
+    (`samples`); 0 = no grid. Needs validation.enable and metrics.enable_tensorboard."""
+    sample_steps: int = field(default=20, metadata=_range(ge=1))
+    """Euler steps per validation sample (trainer/flux_sample.py)."""
+    cfg_scale: float = field(default=4.0, metadata=_range(ge=1))
+    """Classifier-free guidance scale of the validation samples (1 = conditional only)."""
 
 
 @dataclass

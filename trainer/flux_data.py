@@ -148,8 +148,9 @@ def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | 
     """(dominant colour, position) of each image ([B, 3, H, W] floats in [0, 1] or
     [B, H, W, 3] uint8), read from pixels; (None, None) when nothing stands out.
 
-    The background is the median of the border pixels; a pixel is foreground when it is
-    more than 0.25 (max over channels) away from it. The colour is the palette entry nearest
+    The background is the median of the border pixels; a pixel is foreground when its
+    distance from it (max over channels) exceeds 0.25 and half the largest distance in the
+    image. The colour is the palette entry nearest
     to the median foreground pixel; the position is the anchor nearest to the foreground
     centroid. Meant for decoded samples too, so it tolerates blur and a shifted background.
     """
@@ -164,7 +165,10 @@ def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | 
         size_y, size_x = image.shape[:2]
         border = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
         background = np.median(border, axis=0)
-        fg = np.abs(image - background).max(axis=-1) > 0.25
+        distance = np.abs(image - background).max(axis=-1)
+        # The core of the shape: pixels at least half as far from the background as the
+        # farthest one (blurred edges of a decoded sample fall out), and clearly not background.
+        fg = distance > max(0.25, 0.5 * distance.max())
         if fg.sum() < 2:
             out.append((None, None))
             continue
@@ -181,6 +185,8 @@ def classify(images: torch.Tensor | np.ndarray) -> list[tuple[str | None, str | 
 # Building the data set
 # ---------------------------------------------------------------------------------------------
 SHUFFLE_BLOCK_GROUPS = 8
+RECON_CHECK_ROWS = 512
+_CHUNK = 64  # images per VAE call while building
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,9 +207,9 @@ class BuildParams:
     """Rows per parquet file."""
     row_group_rows: int = 128
     """Rows per parquet row group (the unit the loader reads)."""
-    vae_steps: int = 300
+    vae_steps: int = 150
     """Training steps of the debug VAE (ignored with vae_path)."""
-    vae_batch_size: int = 32
+    vae_batch_size: int = 16
     t5_path: str | None = None
     """Local T5 encoder folder (save_pretrained); None: the debug T5."""
     clip_path: str | None = None
@@ -212,13 +218,22 @@ class BuildParams:
     clip_tokenizer_path: str | None = None
     vae_path: str | None = None
     """Local AutoencoderKL folder; None: the debug VAE, trained here."""
+    encoder_dtype: str = "float32"
+    """dtype of local encoders and VAE (float32 | bfloat16); stored embeddings are float32."""
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True) + f"/format{_FORMAT_VERSION}"
+        blob = json.dumps(asdict(self), sort_keys=True) + f"/format{_FORMAT_VERSION}/build{_BUILD_VERSION}"
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+# The folder layout the reader understands; bump it when the layout changes.
 _FORMAT_VERSION = 1
+# Part of the cache key: bump it whenever the build's output changes (image rendering,
+# encoders, VAE training, encoding), so a cached set from older code is never reused.
+_BUILD_VERSION = 3
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
@@ -230,6 +245,8 @@ def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
     if p.shard_rows < 1 or p.row_group_rows < 1 or p.vae_steps < 1:
         raise ConfigError(f"FLUX data shard_rows/row_group_rows/vae_steps: {p.shard_rows}/{p.row_group_rows}/"
                           f"{p.vae_steps}; allowed: >= 1")
+    if p.encoder_dtype not in _DTYPES:
+        raise ConfigError(f"FLUX data encoder_dtype: {p.encoder_dtype!r}; allowed: {', '.join(_DTYPES)}")
     if p.text_length < 3:
         raise ConfigError(f"FLUX data text_length: {p.text_length}; allowed: >= 3")
     if (p.t5_path is None) != (p.clip_path is None):
@@ -249,8 +266,9 @@ def _to_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
 
 
-def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
-    """Write the data set for `params` into `folder` (created; must not exist). Returns meta."""
+def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=_log) -> dict:
+    """Write the data set for `params` into `folder` (created; must not exist). Returns meta.
+    `device` runs local (real) encoders and VAE there, e.g. "cuda"; the debug ones use the CPU."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -258,16 +276,20 @@ def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
     from trainer.tokenizer import build_tokenizer
 
     _check_params(params)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     bpe = None
     if params.t5_path is None:
         bpe = build_tokenizer("bundled")
         text = cond.build_debug_text_conditioner(bpe, max_length=params.text_length, seed=params.seed)
     else:
-        text = cond.load_text_conditioner(t5_path=params.t5_path, clip_path=params.clip_path,
+        text = cond.load_text_conditioner(t5_path=params.t5_path, clip_path=params.clip_path, device=device,
+                                          dtype=_DTYPES[params.encoder_dtype],
                                           max_length=params.text_length, t5_tokenizer_path=params.t5_tokenizer_path,
                                           clip_tokenizer_path=params.clip_tokenizer_path)
-    vae = cond.load_vae(params.vae_path) if params.vae_path else cond.build_debug_vae(params.seed)
+    if params.vae_path:
+        vae = cond.load_vae(params.vae_path, device=device, dtype=_DTYPES[params.encoder_dtype])
+    else:
+        vae = cond.build_debug_vae(params.seed)
     _check_params(params, vae.spatial_factor)
 
     splits = {split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
@@ -277,16 +299,20 @@ def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
         t0 = time.perf_counter()
         losses = cond.train_vae(vae, _to_tensor(splits["train"][0]), steps=params.vae_steps,
                                 batch_size=params.vae_batch_size, seed=params.seed, log=log)
-        vae_report = {"steps": params.vae_steps, "final_loss": losses[-1], "seconds": time.perf_counter() - t0}
+        vae_report = {"steps": params.vae_steps, "batch_size": params.vae_batch_size, "final_loss": losses[-1],
+                      "seconds": time.perf_counter() - t0}
 
     os.makedirs(folder)
-    meta = {"format": _FORMAT_VERSION, "params": asdict(params), "splits": {},
+    meta = {"format": _FORMAT_VERSION, "build": _BUILD_VERSION, "params": asdict(params), "splits": {},
             "conditioning": cond.describe(vae, text), "text_ids": "bundled-bpe" if bpe is not None else "hf",
             "row_group_rows": params.row_group_rows}
     for split, (images, rows) in splits.items():
         x = _to_tensor(images)
-        latents = torch.cat([vae.encode(chunk) for chunk in x.split(256)])
-        recon = torch.cat([vae.decode(chunk) for chunk in latents.split(256)])
+        vae_device = vae.autoencoder.device
+        latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(_CHUNK)])
+        # Reconstruction check on up to RECON_CHECK_ROWS rows (decoding is the build's costliest
+        # pass after VAE training; 512 rows cover every train combination 4+ times).
+        recon = torch.cat([vae.decode(chunk.to(vae_device)).cpu() for chunk in latents[:RECON_CHECK_ROWS].split(_CHUNK)])
         agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
         t5, clip = _encode_captions(text, [row["caption"] for row in rows])
         shards = []
@@ -308,23 +334,27 @@ def build_dataset(params: BuildParams, folder: str, *, log=_log) -> dict:
                            row_group_size=params.row_group_rows)
         meta["splits"][split] = {"rows": len(rows), "shards": [
             {"file": f"{split}-{s:05d}-of-{len(shards):05d}.parquet", "rows": hi - lo}
-            for s, (lo, hi) in enumerate(shards)], "vae_reconstruction_agreement": float(agree)}
-        log(f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%}")
+            for s, (lo, hi) in enumerate(shards)], "vae_reconstruction_agreement": float(agree),
+            "vae_reconstruction_rows": len(recon)}
+        log(f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%} "
+            f"(first {len(recon)} rows)")
     meta["shapes"] = {"latent": list(latents.shape[1:]), "t5": list(t5.shape[1:]), "clip": list(clip.shape[1:])}
     meta["vae_training"] = vae_report
     text.save(os.path.join(folder, "encoders"))
     vae.save(os.path.join(folder, "vae"))
     meta["build_seconds"] = time.perf_counter() - start
+    meta["build_cpu_seconds"] = time.process_time() - cpu_start
     with open(os.path.join(folder, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    log(f"built {folder} in {meta['build_seconds']:.1f} s")
+    log(f"built {folder} in {meta['build_seconds']:.1f} s ({meta['build_cpu_seconds']:.1f} s CPU)")
     return meta
 
 
 def _encode_captions(text, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode each distinct caption once (the procedural set repeats them)."""
     distinct = sorted(set(captions))
-    t5, clip = text.encode(distinct)
+    t5, clip = [torch.cat(parts).cpu() for parts in zip(*(text.encode(distinct[i: i + 256])
+                                                            for i in range(0, len(distinct), 256)))]
     where = {c: i for i, c in enumerate(distinct)}
     rows = torch.tensor([where[c] for c in captions])
     return t5[rows], clip[rows]
@@ -342,7 +372,7 @@ def default_cache_root() -> str:
 
 
 def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root: str | None = None,
-                              log=_log) -> str:
+                              device: str = "cpu", log=_log) -> str:
     """The folder of the data set for `params`, building it first if it is not cached."""
     root = cache_root or default_cache_root()
     folder = os.path.join(root, f"procedural-{params.key()}")
@@ -359,7 +389,7 @@ def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root
         tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
         try:
             log(f"building the procedural FLUX data set in {folder} (first use)")
-            build_dataset(params, os.path.join(tmp, "data"), log=log)
+            build_dataset(params, os.path.join(tmp, "data"), device=device, log=log)
             try:
                 os.rename(os.path.join(tmp, "data"), folder)
             except OSError:
@@ -455,11 +485,10 @@ class FluxDataset:
 
             bpe = build_tokenizer("bundled")
         p = self.meta["params"]
+        # Hugging Face tokenizers were saved next to their encoders (TextConditioner.save).
         return cond.load_text_conditioner(t5_path=os.path.join(self.folder, "encoders", "t5"),
                                           clip_path=os.path.join(self.folder, "encoders", "clip"),
-                                          max_length=p["text_length"], bpe=bpe,
-                                          t5_tokenizer_path=p["t5_tokenizer_path"],
-                                          clip_tokenizer_path=p["clip_tokenizer_path"])
+                                          max_length=p["text_length"], bpe=bpe)
 
     def vae(self):
         """The VAE the latents were encoded with (`FluxVae`: `decode(latents) -> images in [0, 1]`)."""
@@ -498,37 +527,43 @@ class FluxLoader:
         self.seed, self.shuffle, self.repeat = seed, shuffle, repeat
         self.groups = dataset.row_groups(split)
         self.num_samples = sum(g[3] for g in self.groups)
-        self._epoch_order: tuple[int, np.ndarray, np.ndarray] | None = None  # (epoch, group of pos, row of pos)
+        self._epoch_blocks: tuple | None = None  # (epoch, group order, block starts)
+        self._block_order: tuple | None = None  # (epoch, block, [(group, row)])
         self._cache: dict[int, dict[str, np.ndarray]] = {}
         self.position = 0
 
     def reset(self) -> None:
         self.position = 0
 
-    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row group, row within group) of each position of `epoch`."""
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
+    def _blocks(self, epoch: int) -> tuple[list[int], np.ndarray]:
+        """(row groups in epoch order, first epoch position of each shuffle block)."""
+        if self._epoch_blocks is None or self._epoch_blocks[0] != epoch:
             num_groups = len(self.groups)
+            perm = _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups") if self.shuffle else list(range(num_groups))
+            sizes = [sum(self.groups[g][3] for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS])
+                     for lo in range(0, num_groups, SHUFFLE_BLOCK_GROUPS)]
+            self._epoch_blocks = (epoch, perm, np.cumsum([0] + sizes[:-1]))
+        return self._epoch_blocks[1], self._epoch_blocks[2]
+
+    def _block_members(self, epoch: int, block: int) -> list[tuple[int, int]]:
+        """(row group, row in group) of each position of one shuffle block, computed for one
+        block at a time so that an epoch of a large data set costs nothing up front."""
+        if self._block_order is None or self._block_order[:2] != (epoch, block):
+            perm, _ = self._blocks(epoch)
+            lo = block * SHUFFLE_BLOCK_GROUPS
+            members = [(g, r) for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
             if self.shuffle:
-                perm = _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups")
-            else:
-                perm = list(range(num_groups))
-            group_of, row_of = [], []
-            for block, lo in enumerate(range(0, num_groups, SHUFFLE_BLOCK_GROUPS)):
-                members = [(g, r) for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
-                if self.shuffle:
-                    members = [members[i] for i in _hash_order(len(members), f"flux/{self.seed}/{epoch}/{block}")]
-                group_of += [g for g, _ in members]
-                row_of += [r for _, r in members]
-            self._epoch_order = (epoch, np.array(group_of), np.array(row_of))
-        return self._epoch_order[1], self._epoch_order[2]
+                members = [members[i] for i in _hash_order(len(members), f"flux/{self.seed}/{epoch}/{block}")]
+            self._block_order = (epoch, block, members)
+        return self._block_order[2]
 
     def _rows(self, positions: range) -> dict[str, np.ndarray]:
         parts = {k: [] for k in ("index", "latent", "t5", "clip")}
         for q in positions:
             epoch, p = divmod(q, self.num_samples)
-            group_of, row_of = self._order(epoch)
-            g, r = int(group_of[p]), int(row_of[p])
+            _, starts = self._blocks(epoch)
+            block = int(np.searchsorted(starts, p, side="right")) - 1
+            g, r = self._block_members(epoch, block)[p - int(starts[block])]
             if g not in self._cache:
                 if len(self._cache) >= 2 * SHUFFLE_BLOCK_GROUPS:
                     self._cache.pop(next(iter(self._cache)))

@@ -288,6 +288,12 @@ class MetricsLogger:
             ]
         )
 
+    def log_image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """Write a [3, H, W] image in [0, 1] to TensorBoard (rank 0 with TensorBoard on; else nothing)."""
+        if self._tb is not None:
+            self._tb.add_image(tag, image.clamp(0, 1), step)
+            self._tb.flush()
+
     def close(self) -> None:
         """Flush and close the files and the bar; safe to call twice."""
         if self._pbar is not None:

@@ -9,7 +9,8 @@ object `trainer/train.py` asks for everything that depends on it:
 - `loss_fn(step_plan)`: `loss(model, *micro_batch) -> 0-dim fp32 loss`, called by the eager
   and the graph step alike;
 - `unit` ("tokens" | "samples"), `units_per_sample` and `flops_per_unit()` for throughput
-  and MFU.
+  and MFU;
+- `sample_grid(model)`: an image logged at validation, or None (FLUX's held-out prompts).
 
 Two tasks exist: "lm" (decoder LMs: tokens in, next-token cross entropy) and "flow"
 (FLUX: rectified flow on precomputed latents and text embeddings, trainer/flow.py).
@@ -63,6 +64,9 @@ class LMTask:
     def loss_fn(self, step_plan) -> Callable:
         return step_plan.lm_loss
 
+    def sample_grid(self, model) -> None:
+        return None
+
     def flops_per_unit(self) -> dict[str, float]:
         from trainer.flops import flops_per_token
 
@@ -94,6 +98,7 @@ class FlowTask:
         self.param_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.training.mixed_precision_param]
         self.guidance = f.guidance if getattr(args, "guidance_embed", False) else None
         self._shapes: tuple[tuple[int, ...], int] | None = None  # (latent [16, h, w], text length)
+        self._sampling = None  # (text conditioner, VAE, prompts) for sample_grid
 
     def build_loader(self, *, split: str, local_batch_size: int, dp_rank: int, dp_degree: int):
         from trainer.flux_data import build_flux_dataloader
@@ -128,6 +133,33 @@ class FlowTask:
                               "allowed: the data set's length, or 0 (take it from the data)")
         return tuple(latents.shape[1:]), t5.shape[1]
 
+    def shift(self, image_tokens: int) -> float:
+        from trainer import flow
+
+        f = self.cfg.flow
+        return flow.resolution_shift(image_tokens) if f.resolution_shift else f.shift
+
+    def sample_grid(self, model) -> torch.Tensor | None:
+        """[3, H, W] grid of samples for `flow.sample_prompts` distinct held-out captions (None
+        when 0). Every rank calls it (a sharded model's forward is collective)."""
+        from trainer.flux_data import resolve_flux_dataset
+        from trainer.flux_sample import log_sample_grid
+
+        f = self.cfg.flow
+        if not f.sample_prompts:
+            return None
+        if self._sampling is None:  # encoders, VAE and prompts: loaded once
+            path = self.cfg.validation.dataset
+            dataset = resolve_flux_dataset("procedural" if path == "bundled" else path)
+            prompts = list(dict.fromkeys(row["caption"] for row in dataset.captions("heldout")))
+            self._sampling = (dataset.text_conditioner(), dataset.vae(), prompts[:f.sample_prompts])
+        text, vae, prompts = self._sampling
+        latent_shape, _ = self._shapes
+        return log_sample_grid(model, prompts, text=text, vae=vae, latent_shape=latent_shape,
+                               seed=self.cfg.training.seed, num_steps=f.sample_steps,
+                               shift=self.shift(self.image_tokens(latent_shape)), cfg_scale=f.cfg_scale,
+                               guidance=self.guidance, dtype=self.param_dtype)
+
     def image_tokens(self, latent_shape: tuple[int, ...]) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
 
@@ -136,7 +168,7 @@ class FlowTask:
 
         latents, t5, clip, index = batch
         f = self.cfg.flow
-        shift = flow.resolution_shift(self.image_tokens(latents.shape)) if f.resolution_shift else f.shift
+        shift = self.shift(self.image_tokens(latents.shape))
         noise, t, keep = flow.draw(index, latent_shape=tuple(latents.shape[1:]), seed=self.cfg.training.seed,
                                    timestep_sampling=f.timestep_sampling, logit_mean=f.logit_mean,
                                    logit_std=f.logit_std, shift=shift, text_dropout=f.text_dropout)

@@ -289,6 +289,9 @@ def train(cfg: Config) -> int:
                     values.update(extra_first)
                     extra_first = None
                 if validating:
+                    grid = task.sample_grid(model)
+                    if grid is not None:
+                        logger.log_image("samples", grid, step)
                     values["val_loss"] = _validate(model, build_loader=build_val_loader, prepare=task.prepare,
                                                    loss_fn=loss_fn, steps=cfg.validation.steps, device=device,
                                                    step_plan=step_plan)

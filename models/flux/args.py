@@ -56,7 +56,11 @@ class FluxArgs:
     """Embed a guidance scale into the conditioning vector (guidance-distilled FLUX.1-dev)."""
 
     def __post_init__(self) -> None:
-        self.axes_dim = tuple(self.axes_dim)
+        axes = self.axes_dim
+        if (not isinstance(axes, (tuple, list)) or len(axes) != 3
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 and d % 2 == 0 for d in axes)):
+            raise ValueError(f"axes_dim: three positive even integers, e.g. [16, 56, 56]; got {axes!r}")
+        self.axes_dim = tuple(axes)
         for name in ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size",
                      "num_heads", "depth", "theta"):
             if getattr(self, name) <= 0:
@@ -67,8 +71,6 @@ class FluxArgs:
             raise ValueError(f"mlp_ratio: must give a positive MLP width, got {self.mlp_ratio}")
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(f"num_heads: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if len(self.axes_dim) != 3 or any(d <= 0 or d % 2 for d in self.axes_dim):
-            raise ValueError(f"axes_dim: three positive even numbers, got {self.axes_dim}")
         if sum(self.axes_dim) != self.head_dim:
             raise ValueError(f"axes_dim: must sum to head_dim = hidden_size // num_heads = {self.head_dim}, "
                              f"got {self.axes_dim}")

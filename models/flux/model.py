@@ -40,11 +40,11 @@ NORM_EPS = 1e-6
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` with `x` cast to the weight's dtype (model inputs are float32; under bf16
-    mixed precision the weights are bf16). The weight is read once: with SimpleFSDP every
-    read is a gather."""
-    weight = layer.weight
-    return F.linear(x.to(weight.dtype), weight, layer.bias)
+    """`layer(x)` with `x` cast to the parameters' dtype (model inputs are float32; under bf16
+    mixed precision the weights are bf16). The dtype is read from the bias: with SimpleFSDP
+    every read is a gather, and the bias is small. The module itself is called, so the hooks of
+    a parallel style (the plan's TP "replicate") see the input."""
+    return layer(x.to(layer.bias.dtype))
 
 
 def timestep_embedding(t: torch.Tensor, dim: int = TIME_EMBED_DIM, max_period: float = 10000.0) -> torch.Tensor:

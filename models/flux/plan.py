@@ -8,7 +8,9 @@ an all-reduce back to a replicated output (`rowwise_replicate`), the per-head QK
 `head_norm`, and the adaLN modulation linears `replicate` (every rank needs all 6 x hidden
 shifts/scales/gates, computed from the replicated conditioning vector). A single block's
 out-projection is two linears (`attn.wo` and `mlp.w2`), each rowwise on its own half.
-Everything outside the blocks (embedders, final layer) stays plain and replicated.
+Everything outside the blocks (embedders, final layer) is `replicate` too: computed in full on
+every rank, its parameters Replicate() DTensors on the TP mesh like the blocks' (a plain
+parameter next to DTensors breaks the fused AdamW step and the gradient-norm groups).
 """
 
 from models.common.plan import ModelPlan
@@ -29,4 +31,17 @@ TP_BLOCK: dict[str, str] = {
     "modulation.lin": "replicate",
 }
 
-PLAN = ModelPlan(block=("double_blocks", "single_blocks"), tp={}, tp_block=TP_BLOCK)
+# Outside the blocks every linear runs in full on every TP rank ("replicate"), so that all
+# parameters are TP DTensors (one optimizer and one gradient-norm over one kind of tensor).
+# "[vg]*_in.*" covers vector_in and, when the flavor has it, guidance_in (a pattern that always
+# matches something: an entry for a module a flavor lacks would warn).
+TP_ROOT: dict[str, str] = {
+    "img_in": "replicate",
+    "txt_in": "replicate",
+    "time_in.*": "replicate",
+    "[vg]*_in.*": "replicate",
+    "final_layer.modulation.lin": "replicate",
+    "final_layer.linear": "replicate",
+}
+
+PLAN = ModelPlan(block=("double_blocks", "single_blocks"), tp=TP_ROOT, tp_block=TP_BLOCK)
