@@ -129,11 +129,28 @@ def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor, labels: torch.Te
     autograd (saved tensors, checkpoint inputs, SAC caches). Parameters and buffers are
     excluded; the bf16 weight copies SimpleFSDP makes and the backward keeps are included.
     """
+    from parallelisms.tensor_parallel import loss_parallel_context
+
+    def run():
+        logits = model(tokens)
+        with loss_parallel_context(loss_parallel):
+            return loss_fn(logits, labels)
+
+    return saved_bytes(model, run)
+
+
+def saved_bytes(model: nn.Module, run: Callable[[], object]) -> int:
+    """Bytes of the tensors `run()` (a forward + loss of `model`) leaves alive for backward.
+
+    Every tensor an op creates during `run` is recorded (a TorchDispatchMode); after it
+    returns, a storage still referenced by someone other than the recorder is kept by autograd
+    (saved tensors, checkpoint inputs, SAC caches). Parameters and buffers are excluded; the
+    bf16 weight copies SimpleFSDP makes and the backward keeps are included. The value `run`
+    returns (the loss) is held until the count is done, then released.
+    """
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
-
-    from parallelisms.tensor_parallel import loss_parallel_context
 
     class _Recorder(TorchDispatchMode):
         def __init__(self) -> None:
@@ -153,10 +170,7 @@ def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor, labels: torch.Te
     owned = {local_tensor(t).untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
     recorder = _Recorder()
     with recorder:
-        logits = model(tokens)
-        with loss_parallel_context(loss_parallel):
-            loss = loss_fn(logits, labels)
-    del logits
+        loss = run()
     gc.collect()
     total = 0
     for key, storage in recorder.storages.items():

@@ -117,12 +117,16 @@ class Estimate:
 def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats, parallel_dims: ParallelDims,
              local_batch_size: int, seq_len: int, ac_mode: str, loss_parallel: bool,
              flops_per_token: float, grad_accum: int = 1, headroom: float = 0.1,
-             assumed_mfu: float = 0.4) -> Estimate:
-    """Combine the real shard sizes with the activation model (see the module docstring)."""
+             assumed_mfu: float = 0.4, activations: ActivationBytes | None = None) -> Estimate:
+    """Combine the real shard sizes with the activation model (see the module docstring).
+
+    `activations`: the model's own activation bytes (FLUX: `planner.flux.flux_activation_bytes`);
+    None: the decoder-LM model `activation_bytes`."""
     tp = parallel_dims.tp
     loss_parallel = loss_parallel and tp > 1
-    acts = activation_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp,
-                            ac_mode=ac_mode, loss_parallel=loss_parallel)
+    acts = activations if activations is not None else activation_bytes(
+        shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, ac_mode=ac_mode,
+        loss_parallel=loss_parallel)
     local = stats.param_numel
     # Weights the backward needs in bf16: SimpleFSDP gathers (or casts) a weight where it is
     # used and the matmul keeps that copy, unless AC recomputes the block. The LM head and

@@ -40,8 +40,34 @@ class PlanInputs:
     args: ModelArgs
     model_name: str
     seq_len: int
+    """Tokens per sequence; a FLUX sample's text + image tokens."""
     local_batch_size: int
     grad_accum: int = 1
+    flow_tokens: tuple[int, int] | None = None
+    """FLUX (task flow): (image tokens, text tokens) per sample; None for a decoder LM."""
+
+    def flops_per_token(self, shape: ModelShape) -> float:
+        if self.flow_tokens is not None:
+            from planner.flux import flux_flops_per_token
+
+            img, txt = self.flow_tokens
+            return flux_flops_per_token(self.args, img_tokens=img, txt_tokens=txt)
+        return model_flops_per_token(self.args, shape, self.seq_len)
+
+    def activations(self, *, local_batch_size: int, tp: int, ac_mode: str):
+        """FLUX's activation bytes; None (the LM model in `estimate`) for a decoder LM."""
+        if self.flow_tokens is None:
+            return None
+        from planner.flux import flux_activation_bytes
+
+        img, txt = self.flow_tokens
+        return flux_activation_bytes(self.args, img_tokens=img, txt_tokens=txt, local_batch_size=local_batch_size,
+                                     tp=tp, ac_mode=ac_mode)
+
+    @property
+    def split_seq_len(self) -> int:
+        """The length tensor parallelism splits (sequence parallel); 0: FLUX's plan splits none."""
+        return 0 if self.flow_tokens is not None else self.seq_len
 
 
 def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> float:
@@ -74,13 +100,15 @@ def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, 
     """Estimate one explicit plan: validate, shard the real model on a fake world, add activations."""
     shape = inputs.args.shape()
     dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep,
-                              world_size=target.devices, shape=shape, seq_len=inputs.seq_len)
+                              world_size=target.devices, shape=shape, seq_len=inputs.split_seq_len)
     with fake_process_group(target.devices):
         stats = shard_model(inputs.family, inputs.args, dims, probe=probe)
     return estimate(model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
                     local_batch_size=inputs.local_batch_size, seq_len=inputs.seq_len, ac_mode=ac_mode,
                     loss_parallel=loss_parallel, grad_accum=inputs.grad_accum, headroom=headroom,
-                    assumed_mfu=assumed_mfu, flops_per_token=model_flops_per_token(inputs.args, shape, inputs.seq_len))
+                    assumed_mfu=assumed_mfu, flops_per_token=inputs.flops_per_token(shape),
+                    activations=inputs.activations(local_batch_size=inputs.local_batch_size, tp=dims.tp,
+                                                   ac_mode=ac_mode))
 
 
 def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
@@ -113,14 +141,14 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
     shape = inputs.args.shape()
     world = target.devices
     tps = tp_choices or _powers_of_two_dividing(world, target.generation.devices_per_host)
-    fpt = model_flops_per_token(inputs.args, shape, inputs.seq_len)
+    fpt = inputs.flops_per_token(shape)
     candidates: list[Estimate] = []
     with fake_process_group(world):
         for tp in tps:
             for dp_replicate in dp_replicate_choices or _powers_of_two_dividing(world // tp, world // tp):
                 try:
                     dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=1, world_size=world,
-                                              shape=shape, seq_len=inputs.seq_len)
+                                              shape=shape, seq_len=inputs.split_seq_len)
                 except ConfigError:
                     continue  # this tp does not divide the model's heads / hidden sizes / seq_len
                 stats = shard_model(inputs.family, inputs.args, dims, probe=True)
@@ -131,8 +159,10 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                     for batch in batches:
                         candidates.append(estimate(
                             model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
-                            local_batch_size=batch, seq_len=inputs.seq_len, ac_mode=ac_mode, loss_parallel=tp > 1,
-                            flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu))
+                            local_batch_size=batch, seq_len=inputs.seq_len, ac_mode=ac_mode,
+                            loss_parallel=tp > 1 and inputs.flow_tokens is None,
+                            flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
+                            activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode)))
     fitting = sorted((c for c in candidates if c.fits), key=preference_key)
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest

@@ -131,6 +131,10 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
         "run shard_model inside fake_process_group(parallel_dims.world_size)"
     )
     n_layers = args.n_layers
+    prefixes = tuple(f"{stack}." for stack in family.plan.stacks)
+    # A one-block probe replaces n_layers; a model of several stacks (FLUX: depth double +
+    # depth_single_blocks single blocks, of different sizes) is sharded whole (meta: cheap).
+    probe = probe and len(prefixes) == 1
     model = build_parallel_model(family, dataclasses.replace(args, n_layers=1) if probe else args,
                                  parallel_dims)
     root_numel = 0
@@ -139,24 +143,23 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     block_gathered: dict[str, int] = {}
     largest = 0
     shapes: dict[str, tuple[int, ...]] = {}
-    assert len(family.plan.stacks) == 1, "planner: one block stack per model"
-    prefix = f"{family.plan.stacks[0]}."
     first_block = None
     for name, param in model.named_parameters():
         local = local_tensor(param)
-        if name.startswith(prefix):
-            block = name[len(prefix):].split(".")[0]
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            block = prefix + name[len(prefix):].split(".")[0]  # "layers.0", "single_blocks.3"
             first_block = first_block or block
             block_local[block] = block_local.get(block, 0) + local.numel()
             block_gathered[block] = block_gathered.get(block, 0) + _gathered_numel(param)
             largest = max(largest, _gathered_numel(param))
-            if block == first_block:
+            if block.endswith(".0"):  # the first block of each stack
                 shapes[name] = tuple(local.shape)
         else:
             root_numel += local.numel()
             root_gathered[name] = _gathered_numel(param)
             shapes[name] = tuple(local.shape)
-    assert first_block is not None, f"no parameters under the plan's block attribute {prefix[:-1]!r}"
+    assert first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
     blocks_numel = block_local[first_block] * n_layers if probe else sum(block_local.values())
     head, kept = _lm_head_and_kept(family, root_gathered)
     return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,

@@ -5,7 +5,12 @@
     python scripts/estimate.py --model llama3 --flavor 70B --target v6e-256 --tp 4 --ac full \\
         --local-batch 1 --seq-len 8192
     python scripts/estimate.py --model llama3 --flavor 405B --target v7x-1024 --recommend --csv plans.csv
+    python scripts/estimate.py --config configs/flux_dev_v7x.toml --target v7x-256
     python scripts/estimate.py --list-targets
+
+FLUX (task flow): a sample is `[flow] text_seq_len` T5 tokens + (latent_size / 2)^2 image
+tokens; `seq len` in the reports is their sum, FLOPs come from the model's own count
+(models/flux/flops.py) and activations from planner/flux.py; samples/s are printed too.
 
 One process, PyTorch's fake process group and meta tensors: the real mesh, the real flavor
 and the real plan (`parallelize_model`) give the parameter shards; an analytic model gives the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -67,8 +73,8 @@ def plan_str(est: planner.Estimate) -> str:
             + (", loss parallel" if est.loss_parallel and est.tp > 1 else ""))
 
 
-def format_estimate(est: planner.Estimate) -> str:
-    """A per-device breakdown with the verdict."""
+def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = None) -> str:
+    """A per-device breakdown with the verdict; `flow` = (image, text) tokens of a FLUX sample."""
     a = est.activations
     lines = [
         f"{est.model} on {describe_target(est.target)}",
@@ -81,8 +87,10 @@ def format_estimate(est: planner.Estimate) -> str:
         ("optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
         ("bf16 weights kept for backward (SimpleFSDP gathers)", est.saved_weights),
         (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
-        ("activations: final norm, LM-head input, token ids", a.outside),
-        (f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})", a.loss),
+        ("activations: final norm, LM-head input, token ids" if flow is None else
+         "activations: embedders' inputs, RoPE table, final layer", a.outside),
+        (f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})" if flow is None else
+         "loss: fp32 velocity prediction and target", a.loss),
         (f"transient peak (max of loss/LM head {gib(est.transient_loss)}, block backward "
          f"{gib(est.transient_block)})", est.transient),
     ]
@@ -107,6 +115,13 @@ def format_estimate(est: planner.Estimate) -> str:
            if est.recompute_factor != 1.0 else "")
         + f" -> {est.tokens_per_s:,.0f} tokens/s/device"
     )
+    if flow is not None:
+        img, txt = flow
+        per_sample = img + txt
+        lines.append(f"FLUX: {img} image + {txt} text tokens per sample; {est.tokens_per_device_step / per_sample:,.2f} "
+                     f"samples/device/step, global batch {est.global_batch_tokens // per_sample:,} samples; "
+                     f"{est.tokens_per_s / per_sample:,.3f} samples/s/device = "
+                     f"{per_sample / est.tokens_per_s:,.2f} device-s/sample")
     lines.extend(f"note: {n}" for n in est.notes)
     return "\n".join(lines)
 
@@ -293,9 +308,16 @@ def _run(argv: list[str]) -> int:
     cfg = build_config(recipe, overrides)
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     t, p = cfg.training, cfg.parallelism
+    flow = None
+    seq_len = t.seq_len
+    if getattr(family, "task", "lm") == "flow":
+        from planner.flux import flux_tokens
+
+        flow = flux_tokens(cfg.flow)
+        seq_len = sum(flow)
     inputs = planner.PlanInputs(family=family, args=args, model_name=f"{cfg.model.name} {cfg.model.flavor}",
-                                seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                                grad_accum=t.gradient_accumulation_steps)
+                                seq_len=seq_len, local_batch_size=t.local_batch_size,
+                                grad_accum=t.gradient_accumulation_steps, flow_tokens=flow)
     kw = dict(headroom=ns.headroom, assumed_mfu=ns.mfu)
 
     if ns.recommend:
@@ -304,12 +326,12 @@ def _run(argv: list[str]) -> int:
             write_csv(candidates, ns.csv)
         fitting = [c for c in candidates if c.fits]
         shown = planner.best_per_layout(fitting or candidates)[: ns.top]
-        print(f"{inputs.model_name} on {describe_target(target)}; seq_len {t.seq_len}; "
+        print(f"{inputs.model_name} on {describe_target(target)}; seq_len {seq_len}; "
               f"{len(candidates)} plans evaluated, {len(fitting)} fit")
         print(format_summary(shown))
         print()
         if not fitting:
-            print(format_estimate(candidates[0]))
+            print(format_estimate(candidates[0], flow=flow))
             print(f"verdict: no plan fits {target.name}; the smallest needs {gib(candidates[0].total)} GiB "
                   f"per device")
             need = planner.devices_needed(candidates[0])
@@ -318,13 +340,12 @@ def _run(argv: list[str]) -> int:
             return 1
         best = fitting[0]
         # Re-check the choice on the full model (every block sharded, not one block x n_layers).
-        inputs = planner.PlanInputs(family=family, args=args, model_name=inputs.model_name, seq_len=t.seq_len,
-                                    local_batch_size=best.local_batch_size)
+        inputs = dataclasses.replace(inputs, local_batch_size=best.local_batch_size, grad_accum=1)
         est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp,
                                     ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
         assert est.total == best.total, "one-block probe and full model disagree"
         print("recommended (heuristic in docs/planner.md: pure FSDP first, then TP; least recompute; most tokens):")
-        print(format_estimate(est))
+        print(format_estimate(est, flow=flow))
         print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
 
@@ -334,7 +355,7 @@ def _run(argv: list[str]) -> int:
         loss_parallel=p.enable_loss_parallel, **kw)
     if ns.csv:
         write_csv([est], ns.csv)
-    print(format_estimate(est))
+    print(format_estimate(est, flow=flow))
     if est.fits:
         return 0
     print("suggestions:")

@@ -99,24 +99,34 @@ def _parity(*, scan: bool, ac_mode: str = "none", accum: int = 1, steps: int = 3
     return step
 
 
+@pytest.mark.slow
 def test_two_stack_unrolled_graph_matches_eager():
     step = _parity(scan=False)
     assert step.stats.scans == 0
 
 
+@pytest.mark.slow
 def test_two_stack_scan_matches_eager_with_grad_accumulation():
-    step = _parity(scan=True, accum=2)
+    step = _parity(scan=True, accum=2, steps=2)
     # Per micro-batch: a forward and a backward scan for each of the two stacks.
     assert step.stats.scans == 2 * 2 * 2
+
+
+def test_two_stack_scan_matches_eager():
+    step = _parity(scan=True, steps=2)
+    # A forward and a backward scan for each of the two stacks.
+    assert step.stats.scans == 2 * 2
     assert set(step.block_stacks) == {"double_blocks", "single_blocks"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac_mode", ["full", "selective"])
 def test_two_stack_block_ac_unrolled(ac_mode):
     step = _parity(scan=False, ac_mode=ac_mode, steps=2)
     assert step.stats.recomputed > 0
 
 
+@pytest.mark.slow
 def test_two_stack_scan_ac_shrinks_saved_activations():
     saved = {mode: _parity(scan=True, ac_mode=mode, steps=2).stats.scan_saved_bytes
              for mode in ("none", "selective", "full")}
@@ -133,9 +143,9 @@ def test_two_stack_node_count_constant_with_scan():
         _graph_run(step, opt, batches(args, 1))
         return step.graph_nodes, step.stats.nodes_total
 
-    assert nodes(1, 2, True) == nodes(4, 6, True)
-    assert nodes(2, 2, False)[0] > nodes(1, 2, False)[0]
-    assert nodes(1, 3, False)[0] > nodes(1, 2, False)[0]
+    assert nodes(1, 1, True) == nodes(3, 4, True)
+    # Unrolled, the graph grows with the blocks.
+    assert nodes(2, 2, False)[0] > nodes(1, 1, False)[0]
 
 
 def test_scan_refuses_a_stack_that_is_not_a_block_stack():
@@ -241,6 +251,7 @@ def test_flux_graph_ac(scan):
         assert step.stats.recomputed > 0
 
 
+@pytest.mark.slow
 def test_flux_node_count_constant_with_scan():
     """Under scan the captured graph does not grow with the blocks per stack (2+2 vs 3+5)."""
     import functools

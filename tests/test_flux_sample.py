@@ -177,14 +177,20 @@ def test_sample_script_writes_png_grid(tiny_run, tmp_path, capsys):
 
 
 def test_sample_script_bad_input(tiny_run, tmp_path, capsys):
-    for args, key in ((["--run", str(tiny_run[0])], "--prompt"),
+    for args, key in ((["--run", str(tmp_path), "--prompt", "x"], "config.toml"),
+                      (["--run", str(tiny_run[0])], "--prompt"),
                       (["--run", str(tiny_run[0]), "--prompt", "x", "--step", "9"], "--step 9"),
                       (["--run", str(tiny_run[0]), "--prompts-file", str(tmp_path / "none.txt")], "--prompts-file"),
                       (["--run", str(tiny_run[0]), "--prompt", "x", "--steps", "0"], "--steps")):
         code, _, err = _main("sample", capsys, *args)
         assert code == 2 and err.startswith("error: ") and key in err, (args, err)
         assert len(err.strip().splitlines()) == 1, err
-    # As a process: exit status 2, one line, no traceback.
+
+
+@pytest.mark.slow
+def test_sample_script_bad_input_as_a_process(tmp_path):
+    """As a process (interpreter start-up + imports: slow on shared cores): exit status 2, one
+    `error:` line, no traceback."""
     r = _script("sample.py", "--run", str(tmp_path), "--prompt", "x")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "config.toml" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
