@@ -114,6 +114,17 @@ class TrainingConfig:
     on the device). false: the run stops with an error at the next logged or checkpoint step,
     naming the first such step, before any checkpoint is written. true: training goes on and
     metrics.jsonl counts the skipped updates (`skipped_updates`)."""
+    startup_timeout_s: float = field(default=900.0, metadata=_range(gt=0))
+    """Seconds every rank waits at the start-up barrier (after the model, optimizer and checkpoint
+    are ready, before the first step compiles) for the others; past it the run stops with an
+    error naming the ranks that did not arrive (docs/launch.md)."""
+    hang_dump_factor: float = field(default=10.0, metadata=_range(ge=0))
+    """Step watchdog: when a step runs longer than this many times the median of the recent steps
+    (and at least `hang_dump_min_s`), every thread's Python stack is written to stderr and
+    `hang_rank{R}.txt` in the dump folder. 0 turns the watchdog off."""
+    hang_dump_min_s: float = field(default=300.0, metadata=_range(gt=0))
+    """Lower bound, in seconds, of the step watchdog's threshold (the first step, which compiles,
+    is never judged: the watchdog starts after one finished step)."""
 
 
 @dataclass

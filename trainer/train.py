@@ -8,7 +8,8 @@ Also launched by torchrun (one process per device). The job, in order:
   4. model on the meta device -> parallelize (TP, EP, AC, compile, SimpleFSDP) -> materialize -> init
   5. optimizer, lr schedule, checkpoint resume (or initial weights)
   6. the loop: step (eager / compile / graph), log, validate, profile, checkpoint
-Exit codes: 0 success, 2 bad input (one `error:` line, no traceback), 1 anything else.
+Exit codes: 0 success, 2 bad input (one `error:` line, no traceback), 75 preempted (SIGTERM: a
+checkpoint of the current step was written; relaunch to resume), 1 anything else.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch.distributed as dist
 
 from models.errors import ConfigError
 from trainer.config import Config, build_config, resolve_model_args, split_cli, to_toml
+from trainer.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler
 from trainer.step import StepPlan, build_step, plan_step
+from trainer.watchdog import StartupTimeout, StepWatchdog, arrival_barrier
 
 
 class NonFiniteLoss(RuntimeError):
@@ -227,6 +230,9 @@ def train(cfg: Config) -> int:
         os.makedirs(dump_folder, exist_ok=True)
         with open(os.path.join(dump_folder, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
+    # Every rank is built and resumed: meet before the first compile, so that a rank stuck in
+    # data, checkpoint or set-up work is named instead of the others hanging in a collective.
+    arrival_barrier("before-first-step", t.startup_timeout_s)
 
     dump = os.path.join(dump_folder, c.dump_graph) if c.dump_graph else None
     loss_fn = task.loss_fn(step_plan)
@@ -254,8 +260,13 @@ def train(cfg: Config) -> int:
     #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
     nonfinite = NonFiniteTracker(device)
     extra_first = {"setup_s": round(time.perf_counter() - t_start, 3)}
+    preemption = PreemptionHandler()
+    watchdog = (StepWatchdog(folder=dump_folder, rank=info.rank, factor=t.hang_dump_factor, min_s=t.hang_dump_min_s)
+                if t.hang_dump_factor > 0 else None)
     try:
         for step in range(start_step + 1, t.steps + 1):
+            if watchdog is not None:
+                watchdog.step_started(step)
             profiling = cfg.profiling.enable and step % cfg.profiling.freq == 0
             with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, info.rank):
                 microbatches = [tuple(x.to(device) for x in task.prepare(loader.next_batch())) for _ in range(accum)]
@@ -264,9 +275,13 @@ def train(cfg: Config) -> int:
                 scheduler.step()
             train_state.step = step
             nonfinite.update(step, out.grad_norm)
+            if watchdog is not None:
+                watchdog.step_finished()
+            # SIGTERM (preemptible VMs, spot): every rank stops after this same step and saves it.
+            preempted = preemption.requested()
             last = step == t.steps
             validating = build_val_loader is not None and (step % cfg.validation.freq == 0 or last)
-            saving = manager.enable and (step % manager.interval == 0 or last)
+            saving = manager.enable and (step % manager.interval == 0 or last or preempted)
             logging = logger.should_log(step) or validating
             if not (logging or saving):
                 logger.log(step, **units)
@@ -302,8 +317,13 @@ def train(cfg: Config) -> int:
                 if not ckpt.all_finite(model, optimizer):
                     raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "
                                         f"written. The newest checkpoint (if any) is in {manager.folder}")
-                manager.maybe_save(step, states, force=last)
+                manager.maybe_save(step, states, force=last or preempted)
+            if preempted:  # `finally` below completes an async save before the process exits
+                raise Preempted(step, manager.folder if manager.enable else "nowhere (checkpoint.enable = false)")
     finally:
+        preemption.close()
+        if watchdog is not None:
+            watchdog.close()
         manager.close()
         logger.close()
     return 0
@@ -336,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Preempted as e:
+        print(e, file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    except StartupTimeout as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
