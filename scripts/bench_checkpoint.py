@@ -18,9 +18,7 @@ checkpoint (a stack of square fp32 Linear layers).
 import argparse
 import csv
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,17 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer import checkpoint as ckpt  # noqa: E402
-
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from trainer.device import cpu_model  # noqa: E402
 
 
 def _model(size: str) -> nn.Module:
@@ -122,7 +110,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="CSV file")
     args = parser.parse_args()
-    print(f"CPU: {_cpu_model()} ({os.cpu_count()} cores visible), torch {torch.__version__}, "
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible), torch {torch.__version__}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, hash threads {ckpt._hash_threads()}")
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
@@ -140,7 +128,7 @@ def main() -> None:
             writer = csv.DictWriter(f, fieldnames=["cpu", *keys])
             writer.writeheader()
             for r in results:
-                writer.writerow({"cpu": _cpu_model(), **r})
+                writer.writerow({"cpu": cpu_model(), **r})
         print(f"wrote {args.out}")
 
 

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,16 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from trainer.device import cpu_model  # noqa: E402
 
 
 def build(seed: int = 0):

@@ -18,20 +18,12 @@ import argparse
 import csv
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
+from trainer.device import cpu_model  # noqa: E402
 
 
 def write_llama_config(folder: str, **overrides) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import random
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -98,3 +100,15 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
 
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (lscpu), for the CPU line of every benchmark's output."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
