@@ -14,17 +14,17 @@ from trainer.watchdog import StepWatchdog
 
 def test_watchdog_dumps_stacks_of_a_step_far_slower_than_the_median(tmp_path):
     out = open(tmp_path / "stderr.txt", "w+")  # faulthandler writes to a real file descriptor
-    dog = StepWatchdog(folder=str(tmp_path), rank=3, factor=5.0, min_s=0.3, poll_s=0.02, stream=out)
+    dog = StepWatchdog(folder=str(tmp_path), rank=3, factor=5.0, min_s=1.0, poll_s=0.02, stream=out)
     try:
         for step in range(1, 4):  # three quick steps set the median (~0.01 s)
             dog.step_started(step)
             time.sleep(0.01)
             dog.step_finished()
-        assert dog.threshold() == pytest.approx(0.3)  # 5 x median < min_s
+        assert dog.threshold() == pytest.approx(1.0)  # 5 x median < min_s
         dog.step_started(4)
-        time.sleep(0.25)
-        assert dog.dumps == 0  # under the threshold: nothing yet
-        time.sleep(0.4)
+        time.sleep(0.3)
+        assert dog.dumps == 0  # well under the threshold: nothing yet
+        time.sleep(1.2)
         dog.step_finished()
         assert dog.dumps == 1
         dog.step_started(5)  # a normal step afterwards: no new dump
