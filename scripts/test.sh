@@ -10,4 +10,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
 # 10-400x slower; multi-process tests also get one thread per rank.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=40 "$@"
