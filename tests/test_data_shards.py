@@ -138,6 +138,29 @@ def test_file_shards_open_only_their_files(tok, files, monkeypatch):
         assert opened[r] == want and len(want) == 4, (r, sorted(opened[r]))
 
 
+def test_hub_datasets_shard_by_file_like_local_files(tok, files, monkeypatch):
+    """A Hub dataset with >= S data files goes through IterableDataset.shard(S, s,
+    contiguous=False): here a streaming dataset over the local files stands in for the Hub
+    one (offline), and the windows equal those of the same files read as a local glob."""
+    import glob
+
+    from trainer.data import TokenLoader, _Source
+
+    load = trainer.data._load_streaming
+
+    def fake_hub(path, *, local, **kwargs):
+        if local:
+            return load(path, local=True, **kwargs)
+        return load("json", local=True, data_files=sorted(glob.glob(files)), split="train")
+
+    monkeypatch.setattr(trainer.data, "_load_streaming", fake_hub)
+    hub = _Source(spec="owner/name", kind="hub", hub_path="owner/name", split="train")
+    loaders = [TokenLoader(source=hub, tokenizer=tok, seq_len=SEQ, local_batch_size=B, dp_rank=r, dp_degree=4,
+                           seed=5, num_shards=8) for r in range(4)]
+    assert _global_ids(loaders, 12) == _global_ids(_loaders(tok, files, 4, num_shards=8), 12)
+    assert all(loader._by_file for loader in loaders)
+
+
 def test_dataset_shards_must_fit_the_micro_batch(tok):
     with pytest.raises(ConfigError, match=r"training.dataset_shards: 12 .* multiple of 8"):
         _loaders(tok, "bundled", 4, num_shards=12)

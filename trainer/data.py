@@ -162,7 +162,7 @@ def _open_hub(source: _Source):
 
 def _num_files(source: _Source) -> int:
     """Files of the dataset: local files, or the Hub dataset's data files (`n_shards`)."""
-    return len(source.files) if source.kind != "hub" else int(getattr(_open_hub(source), "n_shards", 1) or 1)
+    return len(source.files) if source.kind != "hub" else int(getattr(_open_hub(source), "num_shards", 1) or 1)
 
 
 def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0,
