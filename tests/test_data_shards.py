@@ -138,6 +138,21 @@ def test_file_shards_open_only_their_files(tok, files, monkeypatch):
         assert opened[r] == want and len(want) == 4, (r, sorted(opened[r]))
 
 
+def test_small_single_file_is_parsed_once_per_rank(tok, tmp_path, monkeypatch):
+    """Fewer files than shards: each rank parses every row, and its shards go through their
+    epochs D times as fast as the data's, so rows that fit are stored, not parsed again each
+    epoch: 4 ranks x 60 calls (~6 epochs of each shard) open the file once per rank."""
+    path = tmp_path / "one.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i} " + "x y z " * (5 + i % 7)}) + "\n" for i in range(64)))
+    opens = []
+    load = trainer.data._load_streaming
+    monkeypatch.setattr(trainer.data, "_load_streaming", lambda *a, **k: opens.append(1) or load(*a, **k))
+    four = _loaders(tok, str(path), 4, num_shards=8)
+    got = _global_ids(four, 60)
+    assert len(opens) == 4 and all(min(e[0] for e in loader.local_state()["shards"] if e) >= 4 for loader in four)
+    assert got == _global_ids(_loaders(tok, str(path), 1, local_batch_size=8, num_shards=8), 60)
+
+
 def test_hub_datasets_shard_by_file_like_local_files(tok, files, monkeypatch):
     """A Hub dataset with >= S data files goes through IterableDataset.shard(S, s,
     contiguous=False): here a streaming dataset over the local files stands in for the Hub

@@ -316,18 +316,28 @@ class _DealtDocs:
     tokenized. Shards drift apart (documents differ in length), so a chunk's texts are kept for
     each of this rank's shards that reaches that block before its next epoch, and handed over
     once; a shard that finds nothing kept makes the chunk be read again (only after a resume or
-    a drift of a whole epoch: correctness never depends on what is kept)."""
+    a drift of a whole epoch: correctness never depends on what is kept).
+
+    Every rank parses every row once per epoch of its shards, and its shards go through their
+    epochs D times as fast as the whole data set's: so the parsing (not the tokenizing) per
+    rank grows with D. While this rank's rows fit in `store_rows` texts, they are stored for
+    the whole run instead, and the data is parsed once (the bundled corpus: 456 rows).
+    Large data should come as >= S files (`_FileShards`)."""
 
     def __init__(self, *, source: _Source, text_field: str, num_shards: int, block_docs: int,
-                 shards: list[int], position):
+                 shards: list[int], position, store_rows: int):
         self.source, self.text_field, self.num_shards, self.block_docs = source, text_field, num_shards, block_docs
         self.shards = set(shards)
         self.position = position  # shard -> (epoch, next block it loads)
-        self._kept: dict[int, dict[int, list[str]]] = {}  # block -> shard -> texts
+        self._kept: dict[int, dict[int, list[str]]] = {}  # block -> shard -> texts, handed over once
+        self._stored: dict[int, dict[int, list[str]]] = {}  # block -> shard -> texts, for every epoch
+        self._store_left = store_rows
         self._rows: Iterator[str] | None = None
         self._next_chunk = 0
 
     def block(self, shard: int, epoch: int, block: int) -> list[str]:
+        if block in self._stored:
+            return self._stored[block].get(shard, [])
         kept = self._kept.get(block, {})
         if shard in kept:
             texts = kept.pop(shard)
@@ -335,6 +345,11 @@ class _DealtDocs:
                 del self._kept[block]
             return texts
         chunk = self._read_chunk(block)
+        rows = sum(map(len, chunk.values()))
+        if rows <= self._store_left:  # an empty chunk (the end of the data) is stored too
+            self._store_left -= rows
+            self._stored[block] = chunk
+            return chunk.get(shard, [])
         for s, texts in chunk.items():
             e_s, b_s = self.position(s)
             if s != shard and (e_s if b_s <= block else e_s + 1) <= epoch:
@@ -518,7 +533,8 @@ class TokenLoader:
                 self._reader_obj = _FileShards(**common)
             else:
                 self._reader_obj = _DealtDocs(**common, shards=list(self._streams),
-                                              position=lambda s: self._streams[s].next_block_key())
+                                              position=lambda s: self._streams[s].next_block_key(),
+                                              store_rows=4 * self.shuffle_block_docs)
         return self._reader_obj
 
     # -- public API ----------------------------------------------------------------------
