@@ -284,7 +284,7 @@ def shard_windows(windows: int, shard: int, num_shards: int) -> int:
 
 def auto_shards(global_micro_batch: int) -> int:
     """`training.dataset_shards = 0`: the smallest multiple of DEFAULT_SHARDS that the global
-    micro-batch (dp degree x local batch) divides; DEFAULT_SHARDS whenever that divides 64."""
+    micro-batch (dp degree x local batch) divides: 64 whenever the micro-batch divides 64."""
     return math.lcm(DEFAULT_SHARDS, global_micro_batch)
 
 
