@@ -211,6 +211,8 @@ def _worker(out: str) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # 10-25 s on the shared 2 cores (two processes import torch and datasets); the
+# trainer's gather also runs in tests/test_resume_e2e.py (2 ranks save, are killed, resume exactly)
 def test_torchrun_ranks_gather_the_state_and_resume_on_other_degrees(tok, tmp_path):
     """2 processes (gloo; 2 rather than 4 keeps it near 10 s on 2 cores; the 4 -> 2 order is
     tested in-process above): every rank's state_dict() is the same complete state, each rank
