@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, resolve_dataset
+from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, merge_states, resolve_dataset
 from models.errors import ConfigError
 from trainer.tokenizer import build_tokenizer
 
@@ -29,8 +29,12 @@ def jsonl(tmp_path):
     return str(path)
 
 
+SHARDS = 8  # 24 documents: 3 per data shard
+
+
 def _loader(tok, dataset, **kw):
-    args = dict(dataset=dataset, tokenizer=tok, seq_len=16, local_batch_size=4, dp_rank=0, dp_degree=1, seed=7)
+    args = dict(dataset=dataset, tokenizer=tok, seq_len=16, local_batch_size=4, dp_rank=0, dp_degree=1, seed=7,
+                num_shards=SHARDS)
     args.update(kw)
     return build_dataloader(**args)
 
@@ -67,26 +71,38 @@ def test_packing_in_order(tok, jsonl):
     assert all(flat[i + 1] == tok.bos_id for i, t in enumerate(flat[:-1]) if t == tok.eos_id)
 
 
+def _shard_streams(windows, num_shards):
+    """Global windows [N, T+1] -> each shard's token stream (global window g is shard g mod S's)."""
+    return [windows[s::num_shards].flatten().tolist() for s in range(num_shards)]
+
+
 def test_shuffled_epochs_hold_every_document_once(tok, jsonl):
-    per_epoch = sum(len(tok.encode(d, bos=True, eos=True)) for d in DOCS)
+    # Row i belongs to shard i mod S; each shard's stream holds its documents once per epoch,
+    # permuted differently per epoch.
+    per_epoch = [sum(len(tok.encode(d, bos=True, eos=True)) for d in DOCS[s::SHARDS]) for s in range(SHARDS)]
     loader = _loader(tok, jsonl)
-    batches = _batches(loader, (2 * per_epoch) // (4 * 17) + 1)
-    stream = _windows(batches).flatten().tolist()
-    epoch0, epoch1 = stream[:per_epoch], stream[per_epoch: 2 * per_epoch]
-    assert sorted(_docs_in(epoch0, tok)) == sorted(DOCS)
-    assert sorted(_docs_in(epoch1, tok)) == sorted(DOCS)
-    assert _docs_in(epoch0, tok) != DOCS  # shuffled...
-    assert _docs_in(epoch0, tok) != _docs_in(epoch1, tok)  # ...differently per epoch
-    assert loader.state_dict()["epoch"] == 2
+    calls = 2 * max(per_epoch) * SHARDS // (4 * 17) + SHARDS
+    streams = _shard_streams(_windows(_batches(loader, calls)), SHARDS)
+    orders = []
+    for s in range(SHARDS):
+        epoch0, epoch1 = streams[s][: per_epoch[s]], streams[s][per_epoch[s]: 2 * per_epoch[s]]
+        assert sorted(_docs_in(epoch0, tok)) == sorted(DOCS[s::SHARDS])
+        assert sorted(_docs_in(epoch1, tok)) == sorted(DOCS[s::SHARDS])
+        orders.append((_docs_in(epoch0, tok), _docs_in(epoch1, tok)))
+    assert any(e0 != DOCS[s::SHARDS] for s, (e0, _) in enumerate(orders))  # shuffled...
+    assert any(e0 != e1 for e0, e1 in orders)  # ...differently per epoch
+    assert min(entry[0] for entry in loader.state_dict()["shards"]) >= 2  # every shard is in epoch >= 2
 
 
 def test_block_shuffle_keeps_blocks(tok, jsonl):
-    # With blocks of 5 rows, each block's documents stay within that block's span.
-    loader = _loader(tok, jsonl, shuffle_block_docs=5)
+    # 2 shards, shuffle blocks of 10 rows: each shard permutes blocks of 5 of its documents,
+    # and each block's documents stay within that block's span.
+    loader = _loader(tok, jsonl, shuffle_block_docs=10, num_shards=2, local_batch_size=2)
     per_epoch = sum(len(tok.encode(d, bos=True, eos=True)) for d in DOCS)
-    stream = _windows(_batches(loader, per_epoch // (4 * 17))).flatten().tolist()
-    docs = _docs_in(stream, tok)
-    assert sorted(docs[:5]) == sorted(DOCS[:5]) and sorted(docs[5:10]) == sorted(DOCS[5:10])
+    for s, stream in enumerate(_shard_streams(_windows(_batches(loader, per_epoch // (2 * 17))), 2)):
+        docs, mine = _docs_in(stream, tok), DOCS[s::2]
+        assert sorted(docs[:5]) == sorted(mine[:5]) and sorted(docs[5:10]) == sorted(mine[5:10])
+        assert docs[:10] != mine[:10]
 
 
 def test_seed_determinism(tok, jsonl):
@@ -132,8 +148,10 @@ def test_resume_with_another_dp_degree(tok, jsonl):
     two = [_loader(tok, jsonl, local_batch_size=4, dp_rank=r, dp_degree=2) for r in range(2)]
     for loader in two:
         _batches(loader, 9)
-    assert two[0].state_dict() == two[1].state_dict()  # mesh-independent state
-    state = _roundtrip(two[1].state_dict())
+    # Each rank holds the positions of its own shards; together they are the whole state.
+    local = [loader.local_state() for loader in two]
+    assert all((entry is None) != (s % 8 < 4) for s, entry in enumerate(local[0]["shards"]))
+    state = _roundtrip(merge_states(local))
     one = _loader(tok, jsonl, local_batch_size=8)
     one.load_state_dict(state)
     assert torch.equal(_windows(_batches(one, 11)), _windows(full[9:]))
@@ -305,7 +323,7 @@ def test_validation_smaller_than_a_batch(tok, tmp_path):
     with pytest.raises(ConfigError, match="fewer tokens than one micro-batch"):
         _loader(tok, str(path), split="validation", seq_len=512).next_batch()
     # Training repeats the small document until a window is full.
-    x, _ = _loader(tok, str(path), seq_len=512).next_batch()
+    x, _ = _loader(tok, str(path), seq_len=512, num_shards=1, local_batch_size=1).next_batch()
     assert int((x == tok.bos_id).sum()) > 1
 
 

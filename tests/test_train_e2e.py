@@ -159,7 +159,8 @@ def test_bad_json_mid_training_stops_cleanly_and_keeps_checkpoints(tmp_path, cap
     (data / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     (data / "b.jsonl").write_text(json.dumps({"text": docs[0]}) + "\n\n" + '{"text": "cut' + "\n")
     rc = main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=40", "--checkpoint.enable=true",
-               "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0", f"--training.dataset={data}/*.jsonl"])
+               "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0", f"--training.dataset={data}/*.jsonl",
+               "--training.dataset_shards=4"])  # 9 rows: 4 shards of 1-row blocks, read in chunks of 4 rows
     lines = _error_lines(capsys.readouterr().err)
     assert rc == 2, lines
     assert len(lines) == 1 and f"file {data}/b.jsonl line 3 is not valid JSON" in lines[0], lines

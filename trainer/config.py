@@ -78,6 +78,13 @@ class TrainingConfig:
     same) or a folder written by scripts/build_flux_data.py (docs/flux.md)."""
     dataset_text_field: str = "text"
     """Field holding the document text in json/jsonl/parquet/hub datasets."""
+    dataset_shards: int = field(default=0, metadata=_range(ge=0))
+    """Virtual data shards S of the training stream (LM task; docs/data.md): global window g comes
+    from shard g mod S, so each data-parallel rank reads and tokenizes only S/D shards (whole
+    files when the data has >= S files, else every S-th document). Must be a multiple of the
+    global micro-batch (dp degree x local batch); 0 = auto: lcm(64, dp degree x local batch),
+    i.e. 64 whenever that divides 64. Part of the data order: a checkpoint resumes only with
+    the same value."""
     local_batch_size: int = field(default=8, metadata=_range(ge=1))
     """Sequences per micro-batch on each data-parallel rank; with global_batch_size set, the
     largest micro-batch allowed (the split follows the mesh)."""

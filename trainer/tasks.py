@@ -28,6 +28,24 @@ from models.errors import ConfigError
 TASKS = ("lm", "flow")
 
 
+def _gather_objects() -> Callable[[object], list] | None:
+    """All ranks' objects for one object of this rank (a collective over a gloo group made
+    here, on every rank), or None in a single process: the LM loader gathers every rank's
+    data-shard positions into the checkpointed state."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    group = dist.new_group(backend="gloo")
+
+    def gather(obj: object) -> list:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
 class LMTask:
     """Next-token prediction on packed token windows (trainer/data.py)."""
 
@@ -55,7 +73,8 @@ class LMTask:
         return build_dataloader(
             dataset=t.dataset if split == "train" else self.cfg.validation.dataset, tokenizer=self.tokenizer,
             seq_len=t.seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-            seed=t.seed, split=split, text_field=t.dataset_text_field,
+            seed=t.seed, split=split, text_field=t.dataset_text_field, num_shards=t.dataset_shards,
+            gather=_gather_objects() if split == "train" else None,
         )
 
     def prepare(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
