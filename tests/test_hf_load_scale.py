@@ -220,6 +220,7 @@ def measure_rss(body: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # ~22 s: two fresh interpreters convert a 165 MB checkpoint each way
 def test_streaming_conversion_peak_memory_is_bounded(tmp_path):
     fam = models.get_model_family("llama3")
     args = fam.get_args("debugmodel", n_layers=12, dim=512, n_heads=8, n_kv_heads=8, vocab_size=256,

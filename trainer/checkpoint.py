@@ -821,7 +821,9 @@ class SafetensorsSlices:
             handle = safe_open(str(file), framework="pt")
             self._open[file] = (handle, handle.__enter__())
         f = self._open[file][1]
-        value = f.get_slice(name)[slices] if slices else f.get_tensor(name)
+        # A copy: safetensors may hand out a view of its memory map, which would keep the map
+        # (and every page read through it) alive for as long as the tensor lives.
+        value = (f.get_slice(name)[slices] if slices else f.get_tensor(name)).clone()
         self.bytes_read += value.numel() * value.element_size()
         self.files_read.add(file)
         return value
