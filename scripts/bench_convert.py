@@ -1,6 +1,6 @@
 """Peak resident memory of HF <-> DCP conversion and of the per-rank HF load, vs checkpoint size.
 
-    python scripts/bench_convert.py [--layers 16] [--dim 1024] [--out bench_convert.csv]
+    python scripts/bench_convert.py [--layers 16] [--dim 1024] [--repeats 3] [--out bench_convert.csv]
 
 Builds a Llama 3 checkpoint of random weights (a flavor override, ~1 GB in fp32 with the
 defaults) in a temporary folder, then measures, each in a fresh process (peak = VmHWM, "added"
@@ -10,6 +10,7 @@ defaults) in a temporary folder, then measures, each in a fresh process (peak = 
 - load (sliced / full): `load_initial` of the HF folder into a 2-rank SimpleFSDP model (torchrun,
   gloo), per rank; "sliced" is the adapter with `hf_layout`, "full" the bare `from_hf` (every rank
   reads every tensor). "before" there includes the rank's materialized shard.
+Each measurement is repeated `--repeats` times (fresh processes); the table shows the median.
 Prints a table, writes CSV; the temporary checkpoints are deleted at the end.
 """
 
@@ -19,6 +20,8 @@ import argparse
 import csv
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,6 +115,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_convert.csv"))
     parser.add_argument("--worker", choices=["build", "from-hf", "to-hf", "sliced", "full"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
@@ -135,24 +139,33 @@ def main() -> int:
         tmp = Path(tmp)
         subprocess.run(me + ["--worker", "build", "--dir", str(tmp)], check=True, env=env)
         size = sum(f.stat().st_size for f in (tmp / "hf").glob("*.safetensors"))
-        for kind in ("from-hf", "to-hf"):
-            out = subprocess.run(me + ["--worker", kind, "--dir", str(tmp)], check=True, env=env,
-                                 capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            r = json.loads(out)
-            rows.append({"what": f"convert {kind}", "rank": "-", "checkpoint_mb": size / 1e6, "shard_mb": "",
-                         "before_mb": r["before"] / 1e6, "peak_mb": r["peak"] / 1e6,
-                         "added_mb": (r["peak"] - r["before"]) / 1e6})
-        for mode in ("sliced", "full"):
-            proc = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517"]
-                + me[1:] + ["--worker", mode, "--dir", str(tmp)], check=True, env=env, capture_output=True, text=True)
-            for line in proc.stdout.splitlines():
-                if line.startswith("{"):
-                    r = json.loads(line)
-                    rows.append({"what": f"load {mode} (FSDP 2)", "rank": r["rank"], "checkpoint_mb": size / 1e6,
-                                 "shard_mb": r["shard"] / 1e6, "before_mb": r["before"] / 1e6,
-                                 "peak_mb": r["peak"] / 1e6, "added_mb": (r["peak"] - r["before"]) / 1e6})
-    print(f"CPU: {cpu_model()}; Llama 3 override n_layers={ns.layers} dim={ns.dim}, fp32")
+        samples: dict[tuple[str, object], list[dict]] = {}
+        for _ in range(ns.repeats):
+            for kind in ("from-hf", "to-hf"):
+                out = subprocess.run(me + ["--worker", kind, "--dir", str(tmp)], check=True, env=env,
+                                     capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                samples.setdefault((f"convert {kind}", "-"), []).append(json.loads(out))
+                if kind == "to-hf":
+                    shutil.rmtree(tmp / "back")
+            shutil.rmtree(tmp / "dcp")
+            for mode in ("sliced", "full"):
+                proc = subprocess.run(
+                    [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517"]
+                    + me[1:] + ["--worker", mode, "--dir", str(tmp)], check=True, env=env, capture_output=True,
+                    text=True)
+                for line in proc.stdout.splitlines():
+                    if line.startswith("{"):
+                        r = json.loads(line)
+                        samples.setdefault((f"load {mode} (FSDP 2)", r["rank"]), []).append(r)
+        for (what, rank), runs in samples.items():
+            before = statistics.median(r["before"] for r in runs)
+            peak = statistics.median(r["peak"] for r in runs)
+            added = statistics.median(r["peak"] - r["before"] for r in runs)
+            rows.append({"what": what, "rank": rank, "checkpoint_mb": size / 1e6,
+                         "shard_mb": runs[0]["shard"] / 1e6 if "shard" in runs[0] else "",
+                         "before_mb": before / 1e6, "peak_mb": peak / 1e6, "added_mb": added / 1e6})
+    print(f"CPU: {cpu_model()}; Llama 3 override n_layers={ns.layers} dim={ns.dim}, fp32; "
+          f"median of {ns.repeats} runs")
     header = ["what", "rank", "checkpoint_mb", "shard_mb", "before_mb", "peak_mb", "added_mb"]
     print(" | ".join(f"{h:>20}" if i == 0 else f"{h:>13}" for i, h in enumerate(header)))
     for row in rows:

@@ -255,7 +255,7 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
             value = read_box_of(entry, (0,) * len(entry.shape), entry.shape, reader)
         finally:
             reader.release()  # unmap the file: its touched pages leave the resident set
-        return value.to(meta[name].dtype)
+        return value.to(meta[name].dtype, copy=True)  # a copy: `value` may be a view of the map
 
     # One file per tensor: FileSystemWriter keeps every tensor of a file alive until that file is
     # closed, so one file per rank would hold the whole model.

@@ -793,6 +793,8 @@ class SafetensorsSlices:
     `release()` closes the open files: safe_open memory-maps a file, and the pages a read touched
     count in the process's resident memory until the map goes, so the loader and the converter
     release after each of our parameters (their peak is then one parameter's box, not a file).
+    A tensor `read` returns may be a view of the map (no copy; it keeps the map alive): copy
+    what must outlive the next `release()`.
     """
 
     def __init__(self, files: list[Path]):
@@ -821,9 +823,7 @@ class SafetensorsSlices:
             handle = safe_open(str(file), framework="pt")
             self._open[file] = (handle, handle.__enter__())
         f = self._open[file][1]
-        # A copy: safetensors may hand out a view of its memory map, which would keep the map
-        # (and every page read through it) alive for as long as the tensor lives.
-        value = (f.get_slice(name)[slices] if slices else f.get_tensor(name)).clone()
+        value = f.get_slice(name)[slices] if slices else f.get_tensor(name)
         self.bytes_read += value.numel() * value.element_size()
         self.files_read.add(file)
         return value
@@ -880,8 +880,18 @@ def _load_hf_sliced(model: torch.nn.Module, files: list[Path], *, hf_layout: Any
         raise ConfigError(f"{key}: cannot read {root}: {_short(e)}") from e
     finally:
         reader.release()
-    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+    # get_model_state_dict's tensors normally share storage with the parameters, and then the
+    # copies above are the load; otherwise (a wrapper that copies) load them the usual way.
+    own = {_data_ptr(t) for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)}
+    if not all(_data_ptr(t) in own for t in model_sd.values() if isinstance(t, torch.Tensor)):
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
     return reader
+
+
+def _data_ptr(value: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (value.to_local() if isinstance(value, DTensor) else value).data_ptr()
 
 
 def read_box_of(entry: Any, offset: tuple[int, ...], shape: tuple[int, ...], reader: SafetensorsSlices) -> torch.Tensor:
