@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +46,7 @@ from trainer.checkpoint import (  # noqa: E402
     CorruptCheckpointError,
     SafetensorsSlices,
     _safetensors_files,
+    _short,
     check_entries,
     read_box_of,
     verify_checkpoint,
@@ -190,7 +192,8 @@ def _write_safetensors(path: Path, entries: dict[str, tuple[tuple[int, ...], tor
     offset = 0
     for key, (shape, dt) in entries.items():
         nbytes = math.prod(shape) * dt.itemsize
-        header[key] = {"dtype": SAFETENSORS_DTYPE_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": SAFETENSORS_DTYPE_NAMES[dt], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -260,7 +263,10 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
     # One file per tensor: FileSystemWriter keeps every tensor of a file alive until that file is
     # closed, so one file per rank would hold the whole model.
     writer = dcp.FileSystemWriter(str(out_dir), single_file_per_rank=False, thread_count=1)
-    dcp.save({"model": meta}, storage_writer=writer, planner=_StreamingSavePlanner(make))
+    try:
+        dcp.save({"model": meta}, storage_writer=writer, planner=_StreamingSavePlanner(make))
+    except (Exception, CheckpointException) as e:  # DCP reports a failed read as CheckpointException
+        raise ConfigError(f"{hf_dir}: cannot read its safetensors: {_short(e)}") from e
     write_manifest(out_dir)
     return family.name, args
 

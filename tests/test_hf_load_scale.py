@@ -80,7 +80,7 @@ MESHES = [
 ]
 
 
-@pytest.mark.parametrize("family, world_size, degrees, split", MESHES, ids=lambda v: str(v))
+@pytest.mark.parametrize("family, world_size, degrees, split", MESHES, ids=["fsdp2", "tp2", "fsdp2xtp2", "ep2_moe"])
 def test_sliced_load_equals_full_load_and_reads_only_owned_bytes(tmp_path, monkeypatch, family, world_size,
                                                                 degrees, split):
     family_name = "qwen3" if family == "qwen3_moe" else "llama3"
@@ -188,6 +188,23 @@ def test_streaming_round_trip_hf_dcp_hf_is_bit_exact(tmp_path):
     assert back.keys() == original.keys()
     for k, v in original.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_truncated_safetensors_is_one_error(tmp_path, capsys):
+    """A file cut short (its data, not its header) is one ConfigError naming the folder, for the
+    per-rank load and for from-hf (which then exits 2 with one `error:` line)."""
+    from models.errors import ConfigError
+
+    fam = models.get_model_family("llama3")
+    args = fam.get_args("debugmodel", n_layers=1, max_seq_len=16)
+    _write_hf_folder(tmp_path / "hf", "llama3", args)
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path: cannot read .*hf"):
+        ckpt.load_initial(fam.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=fam.hf_adapter, args=args)
+    assert _convert().main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "cannot read its safetensors" in err[0], err
 
 
 # The memory bound: a fresh interpreter imports torch (not counted: RSS before the conversion is
