@@ -207,16 +207,19 @@ def test_truncated_safetensors_is_one_error(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error:") and "cannot read its safetensors" in err[0], err
 
 
-# The memory bound: a fresh interpreter imports torch (not counted: RSS before the conversion is
-# subtracted from the peak, VmHWM), then converts. Streaming holds one parameter (HF -> DCP) or
-# one layer (DCP -> HF) plus its converted copy; the model below has 12 equal layers of ~10 MB
-# (fp32), so a layer and two copies is ~30 MB, while a non-streaming conversion holds the whole
-# ~130 MB model at least once (and usually twice). Bound: model/2 + 24 MB; the margin covers
-# allocator slack, DCP's per-item buffers and import-time growth, and is ~5x smaller than the model.
+# The memory bound: a fresh interpreter converts a tiny checkpoint first (so every module the
+# conversion imports is loaded and not counted), then the measured one; "added" is the peak
+# resident set (VmHWM) minus the resident set just before the measured call. Streaming holds
+# one parameter (HF -> DCP) or one layer (DCP -> HF) plus DCP's read buffers; the model below
+# has 12 equal layers of 7.6 MB (fp32, 93 MB in all), so that is ~25 MB with the buffers, while a
+# non-streaming conversion holds the whole model at least once. Bound: model/2 + 16 MB; the
+# margin (allocator slack, DCP bookkeeping) is ~6x smaller than the model, so any conversion
+# that holds the model, or even half of it, fails.
 _MEASURE = r"""
-import os, sys, json, resource
+import sys, json
+from pathlib import Path
 sys.path.insert(0, {root!r})
-import torch, importlib.util
+import importlib.util
 spec = importlib.util.spec_from_file_location("convert", {script!r})
 convert = importlib.util.module_from_spec(spec); spec.loader.exec_module(convert)
 import models
@@ -224,36 +227,47 @@ def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
+def run(src, dst, args):
+    if {kind!r} == "from-hf":
+        convert.convert_from_hf(Path(src), Path(dst))
+    else:
+        fam = models.get_model_family("llama3")
+        convert.convert_to_hf(Path(src), fam, fam.args_cls(**args), Path(dst))
+run({warm_src!r}, {warm_dst!r}, {warm_args!r})
 before = status("VmRSS")
-{body}
+run({src!r}, {dst!r}, {args!r})
 print(json.dumps({{"before": before, "peak": status("VmHWM")}}))
 """
 
 
-def measure_rss(body: str) -> dict:
-    code = _MEASURE.format(root=str(ROOT), script=str(ROOT / "scripts" / "convert.py"), body=body)
+def measure_rss(kind: str, src: Path, dst: Path, args, warm_src: Path, warm_dst: Path, warm_args) -> dict:
+    fields = lambda a: {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}  # noqa: E731
+    code = _MEASURE.format(root=str(ROOT), script=str(ROOT / "scripts" / "convert.py"), kind=kind, src=str(src),
+                           dst=str(dst), args=fields(args), warm_src=str(warm_src), warm_dst=str(warm_dst),
+                           warm_args=fields(warm_args))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # ~22 s: two fresh interpreters convert a 165 MB checkpoint each way
+@pytest.mark.slow  # 15-35 s: two fresh interpreters (torch import) and a 93 MB checkpoint
 def test_streaming_conversion_peak_memory_is_bounded(tmp_path):
     fam = models.get_model_family("llama3")
-    args = fam.get_args("debugmodel", n_layers=12, dim=512, n_heads=8, n_kv_heads=8, vocab_size=256,
-                        hidden_dim=1536)
+    args = fam.get_args("debugmodel", n_layers=12, dim=384, n_heads=6, n_kv_heads=6, vocab_size=256,
+                        hidden_dim=1152)
+    tiny = fam.get_args("debugmodel", n_layers=1, dim=64, n_heads=2, n_kv_heads=2, vocab_size=256, hidden_dim=128)
     _write_hf_folder(tmp_path / "hf", "llama3", args)
+    _write_hf_folder(tmp_path / "tiny_hf", "llama3", tiny)
     model_bytes = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors"))
-    assert model_bytes > 120e6
-    bound = model_bytes / 2 + 24 * 1024**2
-    from_hf = measure_rss(f"convert.convert_from_hf(__import__('pathlib').Path({str(tmp_path / 'hf')!r}), "
-                          f"__import__('pathlib').Path({str(tmp_path / 'dcp')!r}))")
+    assert model_bytes > 90e6
+    bound = model_bytes / 2 + 16 * 1024**2
+    from_hf = measure_rss("from-hf", tmp_path / "hf", tmp_path / "dcp", args,
+                          tmp_path / "tiny_hf", tmp_path / "tiny_dcp", tiny)
     assert from_hf["peak"] - from_hf["before"] < bound, (from_hf, model_bytes)
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    to_hf = measure_rss(
-        f"fam = models.get_model_family('llama3'); args = fam.args_cls(**{overrides!r})\n"
-        f"convert.convert_to_hf(__import__('pathlib').Path({str(tmp_path / 'dcp')!r}), fam, args, "
-        f"__import__('pathlib').Path({str(tmp_path / 'back')!r}))")
+    to_hf = measure_rss("to-hf", tmp_path / "dcp", tmp_path / "back", args,
+                        tmp_path / "tiny_dcp", tmp_path / "tiny_back", tiny)
     assert to_hf["peak"] - to_hf["before"] < bound, (to_hf, model_bytes)
     assert math.isclose(sum(f.stat().st_size for f in (tmp_path / "back").glob("*.safetensors")), model_bytes,
                         rel_tol=1e-3)
+    print(f"model {model_bytes / 1e6:.0f} MB; added: from-hf {(from_hf['peak'] - from_hf['before']) / 1e6:.0f} MB, "
+          f"to-hf {(to_hf['peak'] - to_hf['before']) / 1e6:.0f} MB; bound {bound / 1e6:.0f} MB")
