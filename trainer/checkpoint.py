@@ -815,7 +815,7 @@ class SafetensorsSlices:
         return self.tensors[name][2]
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
-        """HF tensor `name`'s box `slices` (one slice per dim, step 1), as a new tensor."""
+        """HF tensor `name`'s box `slices` (one slice per dim, step 1; () for a whole 0-d tensor)."""
         from safetensors import safe_open
 
         file = self.tensors[name][0]
