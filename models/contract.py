@@ -12,7 +12,11 @@ what is declared here; none of them reaches into a model's modules by name. A fa
 - `task`: "lm" (the default) or "flow": what the trainer feeds the model and which loss it takes.
 - `model_cls(args)`: an `nn.Module` with the methods of `LanguageModel` (task "lm") or
   `FlowModel` (task "flow") below.
-- `hf_adapter` (optional): `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`.
+- `hf_adapter` (optional): `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`, and
+  optionally `hf_layout(hf_shapes, args)`: for each of our parameters, the boxes of HF tensors
+  it is copied from (`models.common.hf.HFEntry`), from names and shapes alone. With it, HF
+  weights load per rank reading only each rank's slices and convert one tensor at a time
+  (docs/checkpointing.md); without it every rank reads all weights and calls `from_hf`.
 
 docs/adding_a_model.md walks through a new family; tests/toy_family.py is one that lives outside
 `models/` and trains under every parallelism with no edit to `trainer/` or `parallelisms/`.

@@ -9,7 +9,14 @@
 time and writes `config.json` plus `model.safetensors` (sharded above 5 GB, with an index),
 loadable by `AutoModelForCausalLM.from_pretrained`. `from-hf` reads `config.json` and the
 safetensors of a Hugging Face model folder and writes a DCP checkpoint whose keys are
-`model.<param>`, which `[checkpoint] initial_load_path` can load. FLUX (`--model.name flux`)
+`model.<param>`, which `[checkpoint] initial_load_path` can load.
+
+Both directions stream: the memory they need is about one layer, not the model. `to-hf`
+plans every output file from the DCP metadata first (names, shapes and dtypes through the
+adapter's `to_hf` on meta tensors), writes each file's safetensors header, then appends the
+bytes of one layer at a time. `from-hf` reads the safetensors headers, builds a state dict of
+meta tensors, and hands DCP a save planner whose `resolve_data` reads each parameter from the
+safetensors (`safe_open` / `get_slice`) only when DCP writes it, one DCP file per tensor. FLUX (`--model.name flux`)
 converts to and from a diffusers `FluxTransformer2DModel` folder (`config.json` with
 `_class_name`, `diffusion_pytorch_model*.safetensors`), loadable by
 `FluxTransformer2DModel.from_pretrained`. Runs in one process, no
@@ -18,6 +25,7 @@ process group. Bad input prints one `error:` line and exits with status 2.
 
 import argparse
 import json
+import math
 import re
 import sys
 import typing
@@ -26,12 +34,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import HF_MODEL_TYPES, ModelFamily, get_model_family  # noqa: E402
 from models.errors import ConfigError  # noqa: E402
-from trainer.checkpoint import CorruptCheckpointError, check_entries, verify_checkpoint, write_manifest  # noqa: E402
+from trainer.checkpoint import (  # noqa: E402
+    SAFETENSORS_DTYPE_NAMES,
+    CorruptCheckpointError,
+    SafetensorsSlices,
+    _safetensors_files,
+    _short,
+    check_entries,
+    read_box_of,
+    verify_checkpoint,
+    write_manifest,
+)
 from trainer.config import ModelConfig, coerce, model_args, parse_value  # noqa: E402  (the trainer's own parser)
 
 # [model] keys of a run that are not fields of the model's args (see trainer.config.ModelConfig).
@@ -83,8 +103,6 @@ def convert_to_hf(
     checkpoint: Path, family: ModelFamily, args, out_dir: Path, *, dtype: torch.dtype | None = None
 ) -> list[Path]:
     """DCP checkpoint -> HF folder (config.json + safetensors). Returns the safetensors files written."""
-    from safetensors.torch import save_file
-
     checkpoint = _resolve_checkpoint(checkpoint)
     try:
         verify_checkpoint(checkpoint)
@@ -112,10 +130,23 @@ def convert_to_hf(
     )
     keys = [k for k in expected if k in stored and not (tie_embeddings and k == "output.weight")]
 
-    # Plan shards from the stored sizes (a group converts to the same number of elements).
+    def template(group: list[str], device: str) -> dict[str, torch.Tensor]:
+        return {alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype, device=device)
+                for k in group}
+
+    def convert_group(group: list[str], device: str) -> dict[str, torch.Tensor]:
+        tensors = template(group, device)
+        if device != "meta":
+            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
+        ours = {k: tensors[alias.get(k, k)] for k in group}
+        return {hf_key: value if dtype is None else value.to(dtype)
+                for hf_key, value in family.hf_adapter.to_hf(ours, args).items()}
+
+    # Plan every file from the metadata: the adapter's to_hf on meta tensors gives the HF names,
+    # shapes and dtypes of each group (one block, or the non-block entries) without any data.
     groups = _layer_groups(keys)
-    elem_bytes = lambda k: (dtype or stored[k].properties.dtype).itemsize  # noqa: E731
-    group_bytes = [sum(stored[k].size.numel() * elem_bytes(k) for k in g) for g in groups]
+    planned = [{k: (tuple(v.shape), v.dtype) for k, v in convert_group(g, "meta").items()} for g in groups]
+    group_bytes = [sum(math.prod(shape) * dt.itemsize for shape, dt in p.values()) for p in planned]
     shards: list[list[int]] = [[]]
     size = 0
     for i, nbytes in enumerate(group_bytes):
@@ -135,20 +166,12 @@ def convert_to_hf(
     out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, total, written = {}, 0, []
     for name, shard in zip(names, shards):
-        tensors: dict[str, torch.Tensor] = {}
-        for gi in shard:
-            template = {
-                alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in groups[gi]
-            }
-            dcp.load({"model": template}, checkpoint_id=str(checkpoint))
-            ours = {k: template[alias.get(k, k)] for k in groups[gi]}
-            for hf_key, value in family.hf_adapter.to_hf(ours, args).items():
-                tensors[hf_key] = (value if dtype is None else value.to(dtype)).contiguous()
-        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        entries = {k: v for gi in shard for k, v in planned[gi].items()}
+        _write_safetensors(out_dir / name, entries, (convert_group(groups[gi], "cpu") for gi in shard))
         written.append(out_dir / name)
-        for hf_key, value in tensors.items():
+        for hf_key, (shape, dt) in entries.items():
             weight_map[hf_key] = name
-            total += value.numel() * value.element_size()
+            total += math.prod(shape) * dt.itemsize
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / f"{base}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -160,43 +183,90 @@ def convert_to_hf(
     return written
 
 
-def _read_hf_folder(hf_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def _write_safetensors(path: Path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                       chunks) -> None:
+    """A safetensors file written as its data arrives: the header (8-byte little-endian length,
+    JSON padded with spaces to 8 bytes, as the format specifies) from the planned `entries`, then
+    the bytes of each tensor of each dict in `chunks`, in the order of `entries`."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, (shape, dt) in entries.items():
+        nbytes = math.prod(shape) * dt.itemsize
+        header[key] = {"dtype": SAFETENSORS_DTYPE_NAMES[dt], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    order = iter(entries)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for tensors in chunks:
+            for key, value in tensors.items():
+                expected_key = next(order)
+                assert key == expected_key and (tuple(value.shape), value.dtype) == entries[key], (
+                    f"{key}: converted differently from its plan {expected_key} {entries[expected_key]}")
+                f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensors
+    assert next(order, None) is None, f"{path}: fewer tensors written than planned"
 
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise ConfigError(f"{config_path}: not found; allowed: a Hugging Face model folder with config.json")
-    config = json.loads(config_path.read_text())
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        tensors.update(load_file(str(path)))
-    return config, tensors
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """DCP save planner over a state dict of meta tensors: `resolve_data` makes each tensor only
+    when the storage writer asks for it (FileSystemWriter asks one item at a time)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def resolve_data(self, write_item):
+        return self._make(write_item.index.fqn)
 
 
 def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> tuple[str, object]:
     """HF folder -> DCP checkpoint with keys `model.<param>`. Returns (family name, args)."""
-    config, hf_tensors = _read_hf_folder(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{config_path}: not found; allowed: a Hugging Face model folder with config.json")
+    config = json.loads(config_path.read_text())
     # transformers configs name the architecture in model_type, diffusers in _class_name.
     model_type = config.get("model_type", config.get("_class_name"))
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}")
     family = get_model_family(HF_MODEL_TYPES[model_type])
+    files = _safetensors_files(hf_dir)
+    if not files or not all(f.is_file() for f in files):
+        raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     try:
+        reader = SafetensorsSlices(files)
         args = family.hf_adapter.args_from_hf_config(config)
-        state_dict = family.hf_adapter.from_hf(hf_tensors, args)
-    except ValueError as e:
+        layout = family.hf_adapter.hf_layout(reader.shapes(), args)
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{hf_dir}: {e}") from e
     expected = _meta_model_shapes(family, args)
     check_entries(expected={k: tuple(v) for k, v in expected.items()},
-                  stored={k: tuple(v.shape) for k, v in state_dict.items()},
+                  stored={k: tuple(entry.shape) for k, entry in layout.items()},
                   key=str(hf_dir), where="its safetensors", what="the model its config.json describes",
                   fix="allowed: weights that match config.json (num_hidden_layers, hidden_size, ...)")
-    if dtype is not None:
-        state_dict = {k: v.to(dtype) for k, v in state_dict.items()}
-    dcp.save({"model": state_dict}, checkpoint_id=str(out_dir))
+    meta = {k: torch.empty(entry.shape, dtype=dtype or reader.dtype(entry.pieces[0].hf_key), device="meta")
+            for k, entry in layout.items()}
+
+    def make(fqn: str) -> torch.Tensor:
+        name = fqn[len(MODEL_PREFIX):]
+        entry = layout[name]
+        try:
+            value = read_box_of(entry, (0,) * len(entry.shape), entry.shape, reader)
+        finally:
+            reader.release()  # unmap the file: its touched pages leave the resident set
+        return value.to(meta[name].dtype, copy=True)  # a copy: `value` may be a view of the map
+
+    # One file per tensor: FileSystemWriter keeps every tensor of a file alive until that file is
+    # closed, so one file per rank would hold the whole model.
+    writer = dcp.FileSystemWriter(str(out_dir), single_file_per_rank=False, thread_count=1)
+    try:
+        dcp.save({"model": meta}, storage_writer=writer, planner=_StreamingSavePlanner(make))
+    except (Exception, CheckpointException) as e:  # DCP reports a failed read as CheckpointException
+        raise ConfigError(f"{hf_dir}: cannot read its safetensors: {_short(e)}") from e
     write_manifest(out_dir)
     return family.name, args
 

@@ -750,13 +750,155 @@ class CheckpointManager:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF folder (those its index names, if it has one) or file."""
     if path.is_file():
         return [path] if path.suffix == ".safetensors" else []
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if indexes:
+        weight_map = json.loads(indexes[0].read_text())["weight_map"]
         return [path / name for name in sorted(set(weight_map.values()))]
     return sorted(path.glob("*.safetensors"))
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_DTYPE_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def safetensors_header(file: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of every tensor in a safetensors file, from its header alone (the
+    8-byte little-endian header length, then that many bytes of JSON; no tensor data is read)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size <= 0 or size > 100 * 1024**2:
+            raise ValueError(f"{file}: not a safetensors file (header length {size})")
+        header = json.loads(f.read(size))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{file}: {name} has dtype {info['dtype']}; allowed: {sorted(_SAFETENSORS_DTYPES)}")
+        out[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]])
+    return out
+
+
+class SafetensorsSlices:
+    """Reads boxes of tensors from a set of safetensors files with `safe_open(...).get_slice`,
+    opening a file only when a box in it is asked for, and counting what it reads.
+
+    `release()` closes the open files: safe_open memory-maps a file, and the pages a read touched
+    count in the process's resident memory until the map goes, so the loader and the converter
+    release after each of our parameters (their peak is then one parameter's box, not a file).
+    A tensor `read` returns may be a view of the map (no copy; it keeps the map alive): copy
+    what must outlive the next `release()`.
+    """
+
+    def __init__(self, files: list[Path]):
+        self.tensors: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
+        for file in files:
+            for name, (shape, dtype) in safetensors_header(file).items():
+                if name in self.tensors:
+                    raise ValueError(f"{name}: in both {self.tensors[name][0].name} and {file.name}")
+                self.tensors[name] = (file, shape, dtype)
+        self.bytes_read = 0
+        self.files_read: set[Path] = set()
+        self._open: dict[Path, Any] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for name, (_, shape, _) in self.tensors.items()}
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[name][2]
+
+    def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """HF tensor `name`'s box `slices` (one slice per dim, step 1; () for a whole 0-d tensor)."""
+        from safetensors import safe_open
+
+        file = self.tensors[name][0]
+        if file not in self._open:
+            handle = safe_open(str(file), framework="pt")
+            self._open[file] = (handle, handle.__enter__())
+        f = self._open[file][1]
+        value = f.get_slice(name)[slices] if slices else f.get_tensor(name)
+        self.bytes_read += value.numel() * value.element_size()
+        self.files_read.add(file)
+        return value
+
+    def release(self) -> None:
+        for handle, _ in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+
+def local_box(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offset, shape) of the part of `value` this rank holds: all of a plain tensor, the
+    local shard of a DTensor (Shard / _StridedShard / Replicate placements, any mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor):
+        return (0,) * value.ndim, tuple(value.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    assert tuple(shape) == tuple(value.to_local().shape), (
+        f"local box {shape} != local shard {tuple(value.to_local().shape)} for placements {value.placements}")
+    return tuple(offset), tuple(shape)
+
+
+def _load_hf_sliced(model: torch.nn.Module, files: list[Path], *, hf_layout: Any, args: Any,
+                    expected: dict[str, tuple | None], root: Path) -> SafetensorsSlices:
+    """Each rank reads only the HF bytes of its own shard of each parameter (see load_initial)."""
+    from safetensors import SafetensorError
+    from torch.distributed.tensor import DTensor
+
+    key = "checkpoint.initial_load_path"
+    try:
+        reader = SafetensorsSlices(files)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{key}: cannot read {root}: {_short(e)}") from e
+    try:
+        layout = hf_layout(reader.shapes(), args)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{key}: {root} does not match the model: {_short(e)}") from e
+    check_entries(expected=expected, stored={k: entry.shape for k, entry in layout.items()}, key=key,
+                  where=str(root), what="the model")
+    model_sd = get_model_state_dict(model)
+    try:
+        with torch.no_grad():
+            for name, target in model_sd.items():
+                entry = layout[name]
+                offset, shape = local_box(target)
+                box = read_box_of(entry, offset, shape, reader)
+                local = target.to_local() if isinstance(target, DTensor) else target
+                local.copy_(box)
+                reader.release()
+    except (OSError, RuntimeError, SafetensorError) as e:  # a truncated or unreadable file
+        raise ConfigError(f"{key}: cannot read {root}: {_short(e)}") from e
+    finally:
+        reader.release()
+    # get_model_state_dict's tensors normally share storage with the parameters, and then the
+    # copies above are the load; otherwise (a wrapper that copies) load them the usual way.
+    own = {_data_ptr(t) for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)}
+    if not all(_data_ptr(t) in own for t in model_sd.values() if isinstance(t, torch.Tensor)):
+        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+    return reader
+
+
+def _data_ptr(value: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (value.to_local() if isinstance(value, DTensor) else value).data_ptr()
+
+
+def read_box_of(entry: Any, offset: tuple[int, ...], shape: tuple[int, ...], reader: SafetensorsSlices) -> torch.Tensor:
+    """Box [offset, offset + shape) of our parameter `entry` (an `HFEntry`) read through `reader`."""
+    from models.common.hf import read_box
+
+    return read_box(entry, offset, shape, reader.dtype(entry.pieces[0].hf_key), reader.read)
 
 
 HF_CONFIG_MISMATCH = ("error", "override")
@@ -773,8 +915,11 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
         (if any) is verified first.
     fmt "hf": a folder of *.safetensors (with model.safetensors.index.json if sharded) or one
         .safetensors file, with the model's config.json next to it; `hf_adapter` is the model
-        family's hf module (or its `from_hf` function) and turns the HF state dict into ours:
-        `from_hf(hf_state_dict, args)`. Every rank reads the full weights into host memory.
+        family's hf module (or its `from_hf` function). With an adapter that has `hf_layout`,
+        each rank reads every file's header and then, for each parameter, only the slices of
+        the HF tensors that its own shard covers (`safe_open(...).get_slice`); files holding
+        none of them are never opened. With only `from_hf(hf_state_dict, args)`, every rank
+        reads the full weights into host memory.
         The architecture in config.json (as `hf_adapter.args_from_hf_config` reads it) is
         compared with `args`: any difference (rope_theta, RoPE scaling, norm eps, layer
         count...) raises ConfigError when `hf_config_mismatch` is "error"; with "override" the
@@ -827,6 +972,13 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
     if hasattr(hf_adapter, "args_from_hf_config") and args is not None:
         check_hf_config(root if root.is_dir() else root.parent, hf_adapter=hf_adapter, args=args,
                         mismatch=hf_config_mismatch)
+    hf_layout = getattr(hf_adapter, "hf_layout", None)
+    if hf_layout is not None:
+        reader = _load_hf_sliced(model, files, hf_layout=hf_layout, args=args, expected=expected, root=root)
+        logger.info("checkpoint: rank %d read %.1f MB of tensor data from %d of %d safetensors files",
+                    _rank(), reader.bytes_read / 1e6, len(reader.files_read), len(files))
+        return
+    # An adapter with only `from_hf` (a state dict in, a state dict out): every rank reads all.
     from safetensors.torch import load_file
 
     hf_state_dict: dict[str, torch.Tensor] = {}

@@ -12,11 +12,94 @@ permutation), plus two structural cases:
   the per-expert hub layout unless `fused_experts=True`.
 Keys are bare (no `model.` DCP prefix); tensors are returned as given or as new stacked/split
 tensors, never modified in place.
+
+The HF -> ours direction is also given as a layout (`decoder_hf_layout`): for each of our
+parameters, the boxes of HF tensors it is copied from (`HFEntry`), computed from the HF names
+and shapes alone. The per-rank loader (trainer/checkpoint.py) reads only the part of each HF
+tensor that a rank's shard covers, and scripts/convert.py builds one parameter at a time;
+`decoder_from_hf` is the same layout applied to an in-memory state dict.
 """
 
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class HFPiece:
+    """A box of one of our tensors that is a box of one Hugging Face tensor (a copy, no arithmetic).
+
+    `start`/`shape` place the box in our tensor; `hf_start` places it in the HF tensor, which may
+    lack our leading dims (one expert of a stacked [E, h, d] parameter: our box [j:j+1, :, :] is
+    the whole [h, d] HF tensor of expert j, `hf_start` (0, 0))."""
+
+    hf_key: str
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    hf_start: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HFEntry:
+    """One of our parameters: its shape and the pieces that tile it (every element exactly once)."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[HFPiece, ...]
+
+
+HFLayout = dict[str, HFEntry]
+"""Our parameter name -> how it is made of HF tensors (what an adapter's `hf_layout` returns)."""
+
+
+def whole(hf_key: str, shape: tuple[int, ...]) -> HFEntry:
+    """Our parameter is the HF tensor `hf_key` as it is (a rename)."""
+    shape = tuple(shape)
+    return HFEntry(shape, (HFPiece(hf_key, (0,) * len(shape), shape, (0,) * len(shape)),))
+
+
+def read_box(entry: HFEntry, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype,
+             read: Callable[[str, tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+    """The box [start, start + shape) of our parameter `entry`, made by calling
+    `read(hf_key, slices)` for the part of each piece that falls inside it (nothing else is read).
+
+    `dtype` is used only for the result of a box that no single piece covers (several pieces, or
+    an empty box); a box inside one piece is returned as `read` gives it (maybe a view).
+    """
+    start, shape = tuple(start), tuple(shape)
+    if any(n == 0 for n in shape):
+        return torch.empty(shape, dtype=dtype)
+    out = None
+    for piece in entry.pieces:
+        lo = [max(s, p) for s, p in zip(start, piece.start)]
+        hi = [min(s + n, p + m) for s, n, p, m in zip(start, shape, piece.start, piece.shape)]
+        if any(h <= low for low, h in zip(lo, hi)):
+            continue
+        lead = len(shape) - len(piece.hf_start)  # our dims the HF tensor lacks (all of size 1 in a piece)
+        slices = tuple(slice(lo[d] - piece.start[d] + piece.hf_start[d - lead],
+                             hi[d] - piece.start[d] + piece.hf_start[d - lead]) for d in range(lead, len(shape)))
+        box = tuple(h - low for low, h in zip(lo, hi))
+        data = read(piece.hf_key, slices).reshape(box)
+        if box == shape:
+            return data
+        if out is None:
+            out = torch.empty(shape, dtype=data.dtype)
+        out[tuple(slice(low - s, h - s) for low, h, s in zip(lo, hi, start))] = data
+    assert out is not None, f"no piece of {entry} covers the box at {start} of size {shape}"
+    return out
+
+
+def apply_layout(layout: HFLayout, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict from an in-memory HF state dict (renames stay views of the HF tensors)."""
+    def read(key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        return hf_state_dict[key][slices]
+
+    out = {}
+    for name, entry in layout.items():
+        dtype = hf_state_dict[entry.pieces[0].hf_key].dtype
+        out[name] = read_box(entry, (0,) * len(entry.shape), entry.shape, dtype, read)
+    return out
 
 # HF key (after "model.layers.{i}.") -> our key (after "layers.{i}.")
 _LAYER_KEYS = {
@@ -44,37 +127,43 @@ _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def decoder_from_hf(
-    hf_state_dict: dict[str, torch.Tensor], *, tie_embeddings: bool, num_experts: int = 0
-) -> dict[str, torch.Tensor]:
-    """Hugging Face `*ForCausalLM` state dict -> our `Decoder` state dict."""
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+def decoder_hf_layout(
+    hf_shapes: Mapping[str, tuple[int, ...]], *, tie_embeddings: bool, num_experts: int = 0
+) -> HFLayout:
+    """Hugging Face `*ForCausalLM` names and shapes -> how each of our `Decoder` parameters is
+    made of them. Every transform here is a copy of boxes (renames, expert stacking, the
+    gate/up split of fused experts), so any slice of any parameter reads only its own bytes."""
+    out: HFLayout = {}
+    per_expert: dict[tuple[int, str], dict[int, str]] = {}
     lm_head = None
-    for key, value in hf_state_dict.items():
+    for key, shape in hf_shapes.items():
+        shape = tuple(shape)
         if key.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some older checkpoints saved; we rebuild RoPE tables ourselves
         if key == "lm_head.weight":
-            lm_head = value
+            lm_head = whole(key, shape)
             continue
         if key in _TOP_KEYS:
-            out[_TOP_KEYS[key]] = value
+            out[_TOP_KEYS[key]] = whole(key, shape)
             continue
         match = _HF_LAYER.fullmatch(key)
         if match is None:
             raise ValueError(f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP_KEYS)} + model.layers.N.*")
         layer, rest = match.group(1), match.group(2)
         if rest in _LAYER_KEYS:
-            out[f"layers.{layer}.{_LAYER_KEYS[rest]}"] = value
-        elif rest == "mlp.experts.gate_up_proj":
-            gate, up = value.chunk(2, dim=1)
-            out[f"layers.{layer}.moe.experts.w1"] = gate
-            out[f"layers.{layer}.moe.experts.w3"] = up
+            out[f"layers.{layer}.{_LAYER_KEYS[rest]}"] = whole(key, shape)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, 2*hidden, dim], gate rows first
+            half = (shape[0], (shape[1] + 1) // 2, *shape[2:])  # torch.chunk(2, dim=1)
+            rest_shape = (shape[0], shape[1] - half[1], *shape[2:])
+            zero = (0,) * len(shape)
+            out[f"layers.{layer}.moe.experts.w1"] = HFEntry(half, (HFPiece(key, zero, half, zero),))
+            out[f"layers.{layer}.moe.experts.w3"] = HFEntry(
+                rest_shape, (HFPiece(key, zero, rest_shape, (0, half[1], *zero[2:])),))
         elif rest == "mlp.experts.down_proj":
-            out[f"layers.{layer}.moe.experts.w2"] = value
+            out[f"layers.{layer}.moe.experts.w2"] = whole(key, shape)
         elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
             slot = (int(layer), _EXPERT_PROJ[expert.group(2)])
-            per_expert.setdefault(slot, {})[int(expert.group(1))] = value
+            per_expert.setdefault(slot, {})[int(expert.group(1))] = key
         else:
             raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
     for (layer, name), experts in sorted(per_expert.items()):
@@ -82,7 +171,12 @@ def decoder_from_hf(
             raise ValueError(
                 f"model.layers.{layer}.mlp.experts: expected experts 0..{num_experts - 1}, found {sorted(experts)}"
             )
-        out[f"layers.{layer}.moe.experts.{name}"] = torch.stack([experts[j] for j in range(num_experts)])
+        shape = tuple(hf_shapes[experts[0]])
+        if any(tuple(hf_shapes[experts[j]]) != shape for j in range(num_experts)):
+            raise ValueError(f"model.layers.{layer}.mlp.experts: experts of different shapes")
+        zero = (0,) * len(shape)
+        pieces = tuple(HFPiece(experts[j], (j, *zero), (1, *shape), zero) for j in range(num_experts))
+        out[f"layers.{layer}.moe.experts.{name}"] = HFEntry((num_experts, *shape), pieces)
     if "tok_embeddings.weight" not in out:
         raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
     if tie_embeddings:
@@ -92,6 +186,16 @@ def decoder_from_hf(
     else:
         out["output.weight"] = lm_head
     return out
+
+
+def decoder_from_hf(
+    hf_state_dict: dict[str, torch.Tensor], *, tie_embeddings: bool, num_experts: int = 0
+) -> dict[str, torch.Tensor]:
+    """Hugging Face `*ForCausalLM` state dict -> our `Decoder` state dict (`decoder_hf_layout`
+    applied to it: renamed and split tensors are views of the given ones, stacked experts new)."""
+    layout = decoder_hf_layout({k: tuple(v.shape) for k, v in hf_state_dict.items()},
+                               tie_embeddings=tie_embeddings, num_experts=num_experts)
+    return apply_layout(layout, hf_state_dict)
 
 
 def decoder_to_hf(

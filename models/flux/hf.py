@@ -9,6 +9,10 @@ entries are renames except two:
 
 Both directions accept a subset of the keys (scripts/convert.py converts one block at a
 time), provided a single block's `attn.wo.weight` and `mlp.w2.weight` come together.
+`hf_layout` states the diffusers -> ours direction as boxes of diffusers tensors (both
+exceptions are copies of boxes: a column range of `proj_out`, the two row halves of
+`norm_out.linear` in swapped places), so a rank reads only the slices it owns; `from_hf` is
+that layout applied to an in-memory state dict.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import torch
 
+from models.common.hf import HFEntry, HFLayout, HFPiece, apply_layout, whole
 from models.flux.args import FluxArgs
 
 CLASS_NAME = "FluxTransformer2DModel"
@@ -81,24 +86,44 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([second, first], dim=0)
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
-    """diffusers `FluxTransformer2DModel` state dict -> ours; ValueError on a key it does not know."""
+def _swapped_halves(key: str, shape: tuple[int, ...]) -> HFEntry:
+    """Ours is the HF tensor with the two halves of dim 0 exchanged (inverse of `_swap_halves`)."""
+    n = shape[0] // 2
+    zero = (0,) * (len(shape) - 1)
+    half = (n, *shape[1:])
+    return HFEntry(shape, (HFPiece(key, (0, *zero), half, (n, *zero)), HFPiece(key, (n, *zero), half, (0, *zero))))
+
+
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: FluxArgs) -> HFLayout:
+    """diffusers names and shapes -> how each of our parameters is made of them; ValueError on a
+    key it does not know."""
     inverse = {v: k for k, v in _renames(args).items()}
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
+    out: HFLayout = {}
+    for key, shape in hf_shapes.items():
+        shape = tuple(shape)
         if key in inverse:
-            out[inverse[key]] = value
+            out[inverse[key]] = whole(key, shape)
         elif key.startswith(_FINAL_MOD[1] + "."):
-            out[_FINAL_MOD[0] + key[len(_FINAL_MOD[1]):]] = _swap_halves(value)
+            if shape[0] % 2:
+                raise ValueError(f"{key}: odd number of rows {shape[0]}; expected (scale, shift) halves")
+            out[_FINAL_MOD[0] + key[len(_FINAL_MOD[1]):]] = _swapped_halves(key, shape)
         elif key.startswith("single_transformer_blocks.") and key.endswith(".proj_out.weight"):
-            i = key.split(".")[1]
-            out[f"single_blocks.{i}.attn.wo.weight"] = value[:, :args.hidden_size]
-            out[f"single_blocks.{i}.mlp.w2.weight"] = value[:, args.hidden_size:]
+            i, h = key.split(".")[1], args.hidden_size
+            if len(shape) != 2 or shape[1] <= h:
+                raise ValueError(f"{key}: shape {list(shape)}; expected [{h}, {h} + mlp hidden]")
+            attn, mlp = (shape[0], h), (shape[0], shape[1] - h)
+            out[f"single_blocks.{i}.attn.wo.weight"] = HFEntry(attn, (HFPiece(key, (0, 0), attn, (0, 0)),))
+            out[f"single_blocks.{i}.mlp.w2.weight"] = HFEntry(mlp, (HFPiece(key, (0, 0), mlp, (0, h)),))
         elif key.startswith("single_transformer_blocks.") and key.endswith(".proj_out.bias"):
-            out[f"single_blocks.{key.split('.')[1]}.attn.wo.bias"] = value
+            out[f"single_blocks.{key.split('.')[1]}.attn.wo.bias"] = whole(key, shape)
         else:
             raise ValueError(f"{key}: not a parameter of {CLASS_NAME} with this config")
     return out
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:
+    """diffusers `FluxTransformer2DModel` state dict -> ours; ValueError on a key it does not know."""
+    return apply_layout(hf_layout({k: tuple(v.shape) for k, v in hf_state_dict.items()}, args), hf_state_dict)
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from models.common.hf import HFLayout, whole
 from models.hf.args import HFArgs
 
 
@@ -41,6 +42,17 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, t
             state_dict[out_key] = state_dict[emb_key]
     return state_dict
 
+
+
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: HFArgs) -> HFLayout:
+    """Each parameter is the HF tensor of its own name; a tied output matrix is the embedding's."""
+    layout = {k: whole(k, shape) for k, shape in hf_shapes.items()}
+    tied = _tied(args)
+    if tied is not None:
+        out_key, emb_key = tied
+        if out_key not in layout and emb_key in layout:
+            layout[out_key] = layout[emb_key]
+    return layout
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
     """Ours -> HF: the same names, a tied output matrix stored once (as HF saves it)."""

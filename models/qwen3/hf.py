@@ -4,13 +4,18 @@ from typing import Any
 
 import torch
 
-from models.common.hf import decoder_from_hf, decoder_to_hf
+from models.common.hf import HFLayout, decoder_from_hf, decoder_hf_layout, decoder_to_hf
 from models.qwen3.args import Qwen3Args
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
     """HF Qwen 3 state dict (per-expert hub layout or transformers-5 fused experts) -> ours."""
     return decoder_from_hf(hf_state_dict, tie_embeddings=args.tie_embeddings, num_experts=args.num_experts)
+
+
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args) -> HFLayout:
+    """HF names and shapes -> how each of our parameters is made of them (see models/common/hf.py)."""
+    return decoder_hf_layout(hf_shapes, tie_embeddings=args.tie_embeddings, num_experts=args.num_experts)
 
 
 def to_hf(
