@@ -95,7 +95,9 @@ def _run(argv: list[str]) -> int:
                                 ac_mode=cfg.activation_checkpoint.mode, loss_parallel=False)
     spec = dict(family=cfg.model.name, args=dataclasses.asdict(args), seq_len=t.seq_len,
                 global_batch=t.local_batch_size * target.devices, grad_accum=t.gradient_accumulation_steps,
-                param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+                # `auto` is bfloat16 on a TPU (trainer.device.resolve_compute_dtype)
+                param_dtype="bfloat16" if t.mixed_precision_param == "auto" else t.mixed_precision_param,
+                reduce_dtype=t.mixed_precision_reduce,
                 scan_layers=bool(cfg.compile.scan_layers), ac_mode=cfg.activation_checkpoint.mode,
                 max_norm=t.max_norm, optimizer=dict(lr=cfg.optimizer.lr, betas=list(cfg.optimizer.betas),
                                                     eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay),
