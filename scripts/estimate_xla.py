@@ -79,6 +79,8 @@ def _run(argv: list[str]) -> int:
     p.add_argument("--target", required=True, help="e.g. v6e-16, v5e-4, v7x-8 (planner names)")
     p.add_argument("--topology", help="jax topology name instead of the one derived from --target")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for capture + compile (default 1800)")
+    p.add_argument("--json", action="store_true", help="also print the compiler's numbers as one JSON line "
+                   "(last line; scripts/mfu_suite.py reads it)")
     ns, rest = p.parse_known_args(argv)
     target = planner.parse_target(ns.target)
     topology = ns.topology or topology_name(target)
@@ -117,6 +119,9 @@ def _run(argv: list[str]) -> int:
         return 1
     res = json.loads(lines[-1])
     print(format_table(est, res))
+    if ns.json:
+        print(json.dumps({**res, "target": target.name, "topology": topology,
+                          "tokens_per_device_step": est.tokens_per_device_step}))
     return 0
 
 
