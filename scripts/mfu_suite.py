@@ -193,8 +193,15 @@ def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], ti
             "tokens": res["tokens_per_device_step"]}
 
 
+# The compile worker allocates the model on the host (never initialised) and touches ~12 bytes
+# per parameter (layer stacking, AdamW moments): scripts/estimate_xla.py's docstring.
+CAPTURE_BYTES_PER_PARAM = 12
+HOST_MEMORY_SHARE = 0.6
+
+
 def recipe_facts(recipe: Path) -> dict:
-    """From a recipe: generation, layers, FLOPs per token (both conventions)."""
+    """From a recipe: generation, layers, FLOPs per token (both conventions), and the host bytes
+    the 2-layer compile's capture needs."""
     from trainer.config import build_config, resolve_model_args
     from trainer.flops import flops_per_token, tpu_generation
 
@@ -204,7 +211,21 @@ def recipe_facts(recipe: Path) -> dict:
     gen = tpu_generation(recipe.stem.rsplit("_", 1)[-1])
     fpt = flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True), n_layers=shape.n_layers,
                           n_heads=shape.n_heads, head_dim=shape.head_dim, seq_len=cfg.training.seq_len)
-    return {"generation": gen, "n_layers": shape.n_layers, "flops_per_token": fpt}
+    cfg.model.overrides["n_layers"] = 2
+    _, two = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    return {"generation": gen, "n_layers": shape.n_layers, "flops_per_token": fpt,
+            "capture_bytes": CAPTURE_BYTES_PER_PARAM * two.num_params()}
+
+
+def host_available_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (None off Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def project(names: list[str], *, anchors: dict, timeout: float, costs=None) -> tuple[list[dict], str]:
@@ -228,11 +249,19 @@ def project(names: list[str], *, anchors: dict, timeout: float, costs=None) -> t
             rows.append({"recipe": name, "error": f"no TPU generation in the recipe name {name!r}"})
             continue
         target = PROJECTION_SLICE[gen]
+        avail = host_available_bytes()
+        if avail is not None and facts["capture_bytes"] > HOST_MEMORY_SHARE * avail:
+            # a machine shared with other jobs: never take more than a part of what is free
+            rows.append({"recipe": name, "target": target,
+                         "error": f"skipped: the 2-layer capture needs ~{facts['capture_bytes'] / 2**30:.0f} GiB of "
+                                  f"host memory, more than {HOST_MEMORY_SHARE:.0%} of the "
+                                  f"{avail / 2**30:.0f} GiB available"})
+            continue
         print(f"projection: {name}: deviceless compile for {target} at 1 and 2 layers ...", file=sys.stderr, flush=True)
         try:
             one, two = (costs(recipe, target, n, [], timeout) for n in (1, 2))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            rows.append({"recipe": name, "target": target, "error": str(e).splitlines()[0][:200]})
+            rows.append({"recipe": name, "target": target, "error": "failed: " + str(e).splitlines()[0][:200]})
             continue
         n = facts["n_layers"]
         flops = extrapolate_layers(one["flops"], two["flops"], n)
@@ -271,7 +300,7 @@ def projection_table(rows: list[dict]) -> list[str]:
              "MFU % (causal) | FLOPs/step | HBM bytes/step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | failed: {r['error']} |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |  |")
             continue
         lines.append(f"| {r['recipe']} (projection) | {r['target']} | {r['bound']} | {r['step_s']:.3g} | "
                      f"{r['tokens_per_sec']:,.0f} | {r['tflops']:.4g} | {r['mfu_pct']:.1f} | {r['mfu_pct_causal']:.1f} | "

@@ -93,6 +93,7 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(suite, "compile_costs", fake_costs)
     monkeypatch.setattr(suite, "xla_venv", lambda: (tmp_path, ""))
+    monkeypatch.setattr(suite, "host_available_bytes", lambda: 1e15)
     out = tmp_path / "suite"
     rc = suite.main(["--recipes", "llama3_debug", "--modes", "eager,graph_scan", "--nproc", "1,2", "--repeats", "2",
                      "--project", "llama3_8b_v6e", "--out", str(out)])
@@ -117,10 +118,18 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_projections_skip_without_the_xla_venv(tmp_path, monkeypatch):
+def test_projections_skip_without_the_xla_venv_or_the_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_XLA_VENV_ROOT", str(tmp_path))
     rows, why = suite.project(["llama3_8b_v6e"], anchors=suite.load_anchors(), timeout=1)
     assert rows == [] and ".venv-ttpu" in why and "xla_env.sh ttpu" in why
+    # a recipe whose capture does not fit in the free host memory is skipped, named, not compiled
+    monkeypatch.setattr(suite, "host_available_bytes", lambda: 8 * 2**30)
+
+    def never(*_):
+        raise AssertionError("compiled")
+
+    rows, why = suite.project(["llama3_8b_v6e"], anchors=suite.load_anchors(), timeout=1, costs=never)
+    assert why == "" and rows[0]["error"].startswith("skipped: the 2-layer capture needs ~17 GiB")
 
 
 def test_bad_input_is_one_error_line(capsys, monkeypatch):
