@@ -183,3 +183,19 @@ def test_ranks_agree(tmp_path):
     assert got[0]["peak"] == got[1]["peak"] == pytest.approx(1e12)
     assert [g["measured"] for g in got] == [2, 0]
     assert not (tmp_path / "caches" / "rank1").exists()
+
+
+def test_thread_ranks_agree_and_measure_once(monkeypatch):
+    """Thread ranks share one process cache: every rank still joins each broadcast (none skips
+    it and leaves the others waiting), rank 0 measures once, all take its numbers."""
+    from tests.test_parallel_harness import run_threads
+
+    calls = fake_probe(monkeypatch, {"bfloat16": 0.2, "float32": 0.3})
+
+    def rank():
+        first = dev.resolve_compute_dtype("auto", CPU).name
+        peak, _ = flops.peak_flops_per_device(CPU, dev.PROBE_DTYPES[first])
+        return first, peak, flops.best_peak_flops(CPU, peak)
+
+    assert run_threads(2, rank) == [("float32", pytest.approx(0.3e12), pytest.approx(0.3e12))] * 2
+    assert len(calls) == 2

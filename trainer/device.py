@@ -202,17 +202,18 @@ def cpu_matmul_peaks() -> dict[str, float]:
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
-    if threads in _PROBES:
-        return dict(_PROBES[threads])
     group = dist.is_initialized() and dist.get_world_size() > 1
+    # Under a group every rank joins the broadcast on every call (a rank never skips it because
+    # of its own process cache: thread ranks share one); only rank 0's numbers are cached.
     if not group or dist.get_rank() == 0:
-        peaks = _measure_or_read(probe_cache_key(threads))
+        if threads not in _PROBES:
+            _PROBES[threads] = _measure_or_read(probe_cache_key(threads))
+        peaks = _PROBES[threads]
     if group:
         buf = torch.tensor([peaks[n] for n in PROBE_DTYPES] if dist.get_rank() == 0 else [0.0] * len(PROBE_DTYPES),
                            dtype=torch.float64)
         dist.broadcast(buf, src=0)
         peaks = dict(zip(PROBE_DTYPES, buf.tolist()))
-    _PROBES[threads] = peaks
     return dict(peaks)
 
 
