@@ -100,7 +100,8 @@ class Engine:
 
     Build with `Engine.from_recipe` (or `Engine(cfg)` from a `trainer.config.Config`).
     Attributes for callers that need them: `cfg`, `family`, `args`, `model`, `optimizer`,
-    `scheduler`, `device`, `mesh`, `parallel_dims`, `step` (optimizer steps taken).
+    `scheduler`, `device`, `mesh`, `parallel_dims`, `step` (optimizer steps taken), `compute_dtype`
+    (the resolved `mixed_precision_param`, with the reason for an `auto` choice).
     """
 
     def __init__(self, cfg: Config):
