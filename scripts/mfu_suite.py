@@ -166,6 +166,19 @@ def run_dtype(folder: Path) -> str | None:
     return m.group(1) if m else None
 
 
+def complete(folder: Path, steps: int) -> bool:
+    """Whether a run folder holds a metrics.jsonl record of its last step (--resume)."""
+    records = bench.read_records(folder / "metrics.jsonl")
+    return bool(records) and records[-1]["step"] == steps
+
+
+def reread(job: dict, warmup: int) -> dict:
+    """The row `benchmark.execute` would have made for a finished run (--resume): rc 0, no timing."""
+    labels = {k: v for k, v in job.items() if k not in ("cmd", "folder")}
+    return {**labels, "rc": 0, "wall_s": None, "busy_before": None,
+            **bench.summarize_run(bench.read_records(Path(job["folder"]) / "metrics.jsonl"), warmup)}
+
+
 # ------------------------------------------------------------------------------ projections
 
 
@@ -422,6 +435,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-wait", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run and per compile")
     p.add_argument("--dry-run", action="store_true", help="print the trainer commands only")
+    p.add_argument("--resume", action="store_true",
+                   help="read, not rerun, the runs whose folder under --out already holds a record of the last step")
     return p.parse_args(argv), extra
 
 
@@ -479,8 +494,10 @@ def _main(argv: list[str]) -> int:
         return 0
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    runs = bench.execute(jobs, env=env, warmup=ns.warmup, timeout=ns.timeout, max_busy=ns.max_busy,
-                         max_wait=ns.max_wait)
+    done = [ns.resume and complete(Path(job["folder"]), ns.steps) for job in jobs]
+    fresh = iter(bench.execute([j for j, d in zip(jobs, done) if not d], env=env, warmup=ns.warmup,
+                               timeout=ns.timeout, max_busy=ns.max_busy, max_wait=ns.max_wait))
+    runs = [reread(job, ns.warmup) if d else next(fresh) for job, d in zip(jobs, done)]
     for job, run in zip(jobs, runs):
         run["dtype"] = run_dtype(Path(job["folder"]))
         add_best_mfu(run)

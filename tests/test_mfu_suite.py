@@ -4,6 +4,7 @@ sweep end to end with the trainer runs replaced by fake metrics (no timing is te
 from __future__ import annotations
 
 import csv
+import json
 import importlib.util
 from pathlib import Path
 
@@ -155,3 +156,26 @@ def test_dry_run_interleaves_repeats(capsys):
              for ln in lines]
     assert [o[2] for o in order] == ["0"] * 4 + ["1"] * 4  # repeat 0 of every group, then repeat 1
     assert all(ln.endswith("--training.seq_len=64") for ln in lines)
+
+
+def test_resume_reads_finished_runs(tmp_path, monkeypatch):
+    """--resume: a run folder with a record of the last step is read back, not run again."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "s"
+    folder = tmp_path / "s_runs" / "llama3_debug-eager-n1-r0"
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "tokens_per_sec": 100.0 * s, "mfu_pct": 1.0, "peak_tflops": 0.1,
+                    "peak_tflops_best": 0.1}) + "\n" for s in range(1, 7)))
+    ran = []
+
+    def execute(jobs, **kw):
+        ran.extend(j["folder"].name for j in jobs)
+        return _fake_execute(jobs, **kw)
+
+    monkeypatch.setattr(suite.bench, "execute", execute)
+    assert suite.main(["--recipes", "llama3_debug", "--modes", "eager", "--nproc", "1,2", "--repeats", "1",
+                       "--project", "none", "--resume", "--out", str(out)]) == 0
+    assert ran == ["llama3_debug-eager-n2-r0"]
+    rows = {r["nproc"]: r for r in csv.DictReader(open(out.with_suffix(".csv")))}
+    assert float(rows["1"]["tokens_per_sec"]) == pytest.approx(450.0)  # median of steps 3..6 (warmup 2)
