@@ -202,8 +202,10 @@ def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], ti
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"estimate_xla exited {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
     res = json.loads(lines[-1])
-    return {"flops": res["cost"]["flops"], "bytes": res["cost"]["bytes accessed"],
-            "tokens": res["tokens_per_device_step"]}
+    cost = res.get("cost", {})
+    if not cost.get("flops") or "bytes accessed" not in cost:
+        raise RuntimeError(f"the compiler's cost analysis has no flops / bytes accessed: {cost}")
+    return {"flops": cost["flops"], "bytes": cost["bytes accessed"], "tokens": res["tokens_per_device_step"]}
 
 
 # The compile worker allocates the model on the host (never initialised) and touches ~12 bytes
