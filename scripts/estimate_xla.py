@@ -72,7 +72,7 @@ def topology_name(target) -> str:
 
 
 def _run(argv: list[str]) -> int:
-    from trainer import planner
+    import planner
     from trainer.config import build_config, resolve_model_args, split_cli
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
