@@ -110,7 +110,8 @@ def _run(argv: list[str]) -> int:
     # Compile-only: no TPU is used, so libtpu's one-process-per-host lock is not needed.
     env.update(PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    print(f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips)\ncompiling for {topology} (deviceless) ...", flush=True)
+    print(f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips)\n"
+          f"compiling for {topology} (deviceless) ...", flush=True)
     proc = subprocess.run([str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
                           capture_output=True, text=True, env=env, timeout=ns.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -132,7 +133,8 @@ def format_table(est, res: dict) -> str:
     tokens = est.tokens_per_device_step
     planner_flops = tokens * est.flops_per_token * est.recompute_factor
     rows = [
-        ("plan", f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}", f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}"),
+        ("plan", f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}",
+         f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}"),
         ("params + grads + optimizer / device", f"{planner_state / gib:.3f} GiB",
          f"arguments {mem.get('argument_size_in_bytes', 0) / gib:.3f} GiB (params, AdamW moments, step, batch)"),
         ("activations + transients / device", f"{(est.activations.total + est.transient) / gib:.3f} GiB",
