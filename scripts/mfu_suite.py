@@ -361,6 +361,8 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
         line, = ax_t.plot(xs, [p[1] for p in pts], marker="o", label=f"{recipe} {mode}")
         ax_m.plot(xs, [p[2] for p in pts], marker="o", color=line.get_color(), label=f"{recipe} {mode} (palm)")
         ax_m.plot(xs, [p[3] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{recipe} {mode} (causal)")
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(sorted({r["nproc"] for r in rows}))
     ax_t.set(xlabel="devices (processes)", ylabel="tokens/s, all devices", title="throughput vs devices")
     ax_m.set(xlabel="devices (processes)", ylabel="MFU % per device", title="MFU vs devices")
     for ax in (ax_t, ax_m):
