@@ -40,13 +40,17 @@ def check_attention_backend(backend: str) -> None:
                           f"allowed: {', '.join(ATTENTION_BACKENDS)}")
 
 
-def select(*, attention: str, device: torch.device) -> str:
+def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = None,
+           head_dim: int | None = None) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
 
     ConfigError where the asked-for backend cannot serve this device (`cpu_kernel` off the CPU,
     `splash` off TPU, or a kernel that cannot be built or loaded here); `auto` falls back to
     SDPA and says why. The ops without a backend setting (`grouped_mm`,
     `linear_cross_entropy`) get their TPU kernels on TPU and their references elsewhere.
+    dtype, head_dim: the run's compute dtype and attention head dim, when known: on the CPU the
+    kernel serves only some (dtype, head_dim) pairs (each call checks its inputs), and the
+    returned line then says which backend this run's attention takes.
     """
     check_attention_backend(attention)
     if attention == "cpu_kernel" and device.type != "cpu":
@@ -67,6 +71,10 @@ def select(*, attention: str, device: torch.device) -> str:
     if cpu_attention.load():
         _SAVED_OPS.update(cpu_attention.ops())
         ops.register("causal_attention", _cpu_kernel_or_sdpa)
+        if dtype is not None and head_dim is not None:
+            dt = str(dtype).removeprefix("torch.")
+            served = "cpu kernel" if cpu_attention.applies(dtype, head_dim) else "sdpa (the kernel does not serve it)"
+            return f"{attention} ({served} for {dt} at head_dim {head_dim})"
         return f"{attention} (cpu kernel loaded; sdpa where it does not apply)" if attention == "auto" else attention
     if attention == "cpu_kernel":
         raise ConfigError(f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); "

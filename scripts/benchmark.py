@@ -113,6 +113,10 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
     out["compile_s"] = next((r["compile_s"] for r in records if r.get("compile_s") is not None), None)
     out["steady_steps"] = len(steady)
     out["last_loss"] = records[-1].get("loss") if records else None
+    # The peak MFU divides by, and the best compute dtype's peak (they differ on a CPU where the
+    # run's dtype is the slower one; docs/metrics.md), from the first record.
+    for key in ("peak_tflops", "peak_tflops_best"):
+        out[key] = next((r[key] for r in records if r.get(key) is not None), None)
     return out
 
 
@@ -195,6 +199,39 @@ def wait_until_quiet(max_busy: float, max_wait: float) -> float | None:
     return busy
 
 
+# ------------------------------------------------------------------------------ running
+
+
+def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_busy: float,
+            max_wait: float) -> list[dict]:
+    """Run each job (`cmd`, `folder`, plus any labels) in order, one at a time, after waiting for
+    a quiet machine; returns one row per job: its labels, rc, wall_s, busy_before and the
+    `summarize_run` of its metrics.jsonl. scripts/mfu_suite.py runs its sweep through this too."""
+    runs = []
+    for i, job in enumerate(jobs):
+        labels = {k: v for k, v in job.items() if k not in ("cmd", "folder")}
+        folder = Path(job["folder"])
+        busy = wait_until_quiet(max_busy, max_wait)
+        busy_text = "n/a" if busy is None else f"{busy:.2f}"
+        what = " ".join(f"{k}={v}" for k, v in labels.items())
+        print(f"[{i + 1}/{len(jobs)}] {what} (cpu busy {busy_text}) ...", file=sys.stderr, flush=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with open(folder / "stdout.log", "w") as log:
+            try:
+                rc = subprocess.run(job["cmd"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        wall = time.perf_counter() - start
+        run = {**labels, "rc": rc, "wall_s": wall, "busy_before": busy,
+               **summarize_run(read_records(folder / "metrics.jsonl"), warmup)}
+        if rc != 0:
+            print(f"  failed (exit {rc}); see {folder / 'stdout.log'}", file=sys.stderr)
+        runs.append(run)
+    return runs
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -242,34 +279,18 @@ def main(argv: list[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(args.threads)
 
     plan = [(rep, name, nproc) for rep in range(args.repeats) for name in variants for nproc in nprocs]
-    runs = []
+    jobs = []
     for rep, name, nproc in plan:
         folder = root / f"{name}-n{nproc}-r{rep}"
         cmd = build_command(recipe=args.config, overrides=variants[name], nproc=nproc, dump_folder=str(folder),
                             steps=args.steps, extra=extra)
-        if args.dry_run:
-            print(shlex.join(cmd))
-            continue
-        busy = wait_until_quiet(args.max_busy, args.max_wait)
-        busy_text = "n/a" if busy is None else f"{busy:.2f}"
-        print(f"[{len(runs) + 1}/{len(plan)}] {name} nproc={nproc} repeat={rep} (cpu busy {busy_text}) ...",
-              file=sys.stderr, flush=True)
-        folder.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        with open(folder / "stdout.log", "w") as log:
-            try:
-                rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=args.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
-        wall = time.perf_counter() - start
-        run = {"variant": name, "nproc": nproc, "repeat": rep, "rc": rc, "wall_s": wall, "busy_before": busy,
-               **summarize_run(read_records(folder / "metrics.jsonl"), args.warmup)}
-        if rc != 0:
-            print(f"  failed (exit {rc}); see {folder / 'stdout.log'}", file=sys.stderr)
-        runs.append(run)
+        jobs.append({"variant": name, "nproc": nproc, "repeat": rep, "cmd": cmd, "folder": folder})
     if args.dry_run:
+        for job in jobs:
+            print(shlex.join(job["cmd"]))
         return 0
+    runs = execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=args.max_busy,
+                   max_wait=args.max_wait)
 
     rows = summarize(runs)
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"

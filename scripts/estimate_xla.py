@@ -72,13 +72,15 @@ def topology_name(target) -> str:
 
 
 def _run(argv: list[str]) -> int:
-    from trainer import planner
+    import planner
     from trainer.config import build_config, resolve_model_args, split_cli
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--target", required=True, help="e.g. v6e-16, v5e-4, v7x-8 (planner names)")
     p.add_argument("--topology", help="jax topology name instead of the one derived from --target")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for capture + compile (default 1800)")
+    p.add_argument("--json", action="store_true", help="also print the compiler's numbers as one JSON line "
+                   "(last line; scripts/mfu_suite.py reads it)")
     ns, rest = p.parse_known_args(argv)
     target = planner.parse_target(ns.target)
     topology = ns.topology or topology_name(target)
@@ -95,7 +97,9 @@ def _run(argv: list[str]) -> int:
                                 ac_mode=cfg.activation_checkpoint.mode, loss_parallel=False)
     spec = dict(family=cfg.model.name, args=dataclasses.asdict(args), seq_len=t.seq_len,
                 global_batch=t.local_batch_size * target.devices, grad_accum=t.gradient_accumulation_steps,
-                param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
+                # `auto` is bfloat16 on a TPU (trainer.device.resolve_compute_dtype)
+                param_dtype="bfloat16" if t.mixed_precision_param == "auto" else t.mixed_precision_param,
+                reduce_dtype=t.mixed_precision_reduce,
                 scan_layers=bool(cfg.compile.scan_layers), ac_mode=cfg.activation_checkpoint.mode,
                 max_norm=t.max_norm, optimizer=dict(lr=cfg.optimizer.lr, betas=list(cfg.optimizer.betas),
                                                     eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay),
@@ -106,7 +110,8 @@ def _run(argv: list[str]) -> int:
     # Compile-only: no TPU is used, so libtpu's one-process-per-host lock is not needed.
     env.update(PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    print(f"{inputs.model_name} on {target.describe()}\ncompiling for {topology} (deviceless) ...", flush=True)
+    print(f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips)\n"
+          f"compiling for {topology} (deviceless) ...", flush=True)
     proc = subprocess.run([str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
                           capture_output=True, text=True, env=env, timeout=ns.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -115,6 +120,9 @@ def _run(argv: list[str]) -> int:
         return 1
     res = json.loads(lines[-1])
     print(format_table(est, res))
+    if ns.json:
+        print(json.dumps({**res, "target": target.name, "topology": topology,
+                          "tokens_per_device_step": est.tokens_per_device_step}))
     return 0
 
 
@@ -125,7 +133,8 @@ def format_table(est, res: dict) -> str:
     tokens = est.tokens_per_device_step
     planner_flops = tokens * est.flops_per_token * est.recompute_factor
     rows = [
-        ("plan", est.plan_str(), f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}"),
+        ("plan", f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}",
+         f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}"),
         ("params + grads + optimizer / device", f"{planner_state / gib:.3f} GiB",
          f"arguments {mem.get('argument_size_in_bytes', 0) / gib:.3f} GiB (params, AdamW moments, step, batch)"),
         ("activations + transients / device", f"{(est.activations.total + est.transient) / gib:.3f} GiB",

@@ -259,6 +259,7 @@ def test_flux_debug_recipe_loss_falls(tmp_path):
     from tests.trainer_runs import read_metrics, run
 
     run([sys.executable, "-m", "trainer.train", *E2E, f"--job.dump_folder={tmp_path}", f"--training.steps={FALL_STEPS}",
+         "--training.mixed_precision_param=bfloat16",  # the recipe's `auto` would depend on the CPU
          "--validation.enable=true", f"--validation.freq={FALL_STEPS}", "--metrics.enable_tensorboard=true"])
     records = read_metrics(tmp_path)
     losses = [records[s]["loss"] for s in sorted(records)]

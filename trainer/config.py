@@ -104,9 +104,12 @@ class TrainingConfig:
     """Global-norm gradient clipping threshold; 0 disables clipping (the norm is still logged)."""
     seed: int = 42
     """Seed for weights, data order and dropout-free RNG state; runs are deterministic under it."""
-    mixed_precision_param: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32"))
+    mixed_precision_param: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32", "auto"))
     """Compute dtype of parameters in forward/backward. Master weights and optimizer state stay
-    float32. `float32` trains in pure fp32."""
+    float32. `float32` trains in pure fp32. `auto`: bfloat16 on TPU and GPU; on the CPU the
+    faster of the two by a matmul probe, measured once per machine (CPU model, torch version,
+    thread count) and cached in $TITAN_CACHE/cpu_matmul_probe.json; the start-up line says what
+    was chosen and why (docs/training.md)."""
     mixed_precision_reduce: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
     """Dtype of gradient reductions across data-parallel ranks."""
     aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))

@@ -8,12 +8,15 @@ globals (see docs/tpu.md). None of the TPU paths has run on a TPU yet.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import platform
 import random
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -112,3 +115,137 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU matmul probe: the CPU's peak per dtype (for MFU) and the `auto` compute dtype.
+#
+# Which dtype is faster on a CPU is a property of the machine, not of the architecture: an Intel
+# Xeon with AVX512-BF16 but no AMX runs bf16 GEMMs at about half its fp32 rate (oneDNN converts),
+# an AMD EPYC (Zen 4/5) runs them ~4.5x faster than fp32. So it is measured, once per machine.
+
+PROBE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+PROBE_SIZE = 2048
+_PROBE_REPEATS = 3
+_PROBES: dict[int, dict[str, float]] = {}  # this process: thread count -> {dtype name: FLOP/s}
+
+
+def measure_matmul_tflops(dtype: torch.dtype, *, size: int = PROBE_SIZE, repeats: int = _PROBE_REPEATS) -> float:
+    """TFLOP/s of a size x size x size matmul in `dtype` on this process's torch threads.
+
+    One untimed warm-up (allocation, oneDNN kernel selection), then the best of `repeats` timed
+    runs: the best, not the median, because on a shared machine interference only ever slows a
+    run down. About 1 s per dtype at 2048 on one core.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    warmup = time.perf_counter() - start
+    best = float("inf")
+    # A slow machine (a dtype emulated at 1/10 speed) still gets two timed runs but not more.
+    for _ in range(repeats if warmup < 0.5 else 2):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best / 1e12
+
+
+def probe_cache_path() -> Path:
+    """$TITAN_CACHE (default ~/.cache/titan-tpu) / cpu_matmul_probe.json."""
+    return Path(os.path.expanduser(os.environ.get("TITAN_CACHE", "~/.cache/titan-tpu"))) / "cpu_matmul_probe.json"
+
+
+def probe_cache_key(threads: int | None = None) -> str:
+    """What the probe's result depends on: the CPU model, torch's version and the thread count."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{cpu_model()} | torch {torch.__version__} | {threads} thread(s)"
+
+
+def _read_probe_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # absent, or cut short: measure again
+        return {}
+
+
+def _measure_or_read(key: str) -> dict[str, float]:
+    """{dtype name: FLOP/s} for `key` from the cache file, else measured and written to it."""
+    path = probe_cache_path()
+    entry = _read_probe_file(path).get(key)
+    if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) and entry[n] > 0 for n in PROBE_DTYPES):
+        return {n: float(entry[n]) for n in PROBE_DTYPES}
+    peaks = {name: measure_matmul_tflops(dtype) * 1e12 for name, dtype in PROBE_DTYPES.items()}
+    try:  # re-read: another job may have written other keys meanwhile; write atomically
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_probe_file(path)
+        data[key] = {**peaks, "size": PROBE_SIZE, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only home: the probe still serves this process
+        pass
+    return peaks
+
+
+def cpu_matmul_peaks() -> dict[str, float]:
+    """{"bfloat16": FLOP/s, "float32": FLOP/s} of this CPU at this process's thread count.
+
+    Read from the probe cache (`probe_cache_path()`, keyed by `probe_cache_key()`), measured and
+    written there on a miss. Under a process group of several ranks this is a collective: rank 0
+    reads or measures, and broadcasts, so every rank has the same numbers (and the same `auto`
+    dtype) and the ranks sharing a machine do not time each other's matmuls. Delete the file to
+    measure again (e.g. after a probe on a busy machine).
+    """
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    group = dist.is_initialized() and dist.get_world_size() > 1
+    # Under a group every rank joins the broadcast on every call (a rank never skips it because
+    # of its own process cache: thread ranks share one); only rank 0's numbers are cached.
+    if not group or dist.get_rank() == 0:
+        if threads not in _PROBES:
+            _PROBES[threads] = _measure_or_read(probe_cache_key(threads))
+        peaks = _PROBES[threads]
+    if group:
+        buf = torch.tensor([peaks[n] for n in PROBE_DTYPES] if dist.get_rank() == 0 else [0.0] * len(PROBE_DTYPES),
+                           dtype=torch.float64)
+        dist.broadcast(buf, src=0)
+        peaks = dict(zip(PROBE_DTYPES, buf.tolist()))
+    return dict(peaks)
+
+
+@dataclass(frozen=True)
+class ComputeDtype:
+    """The resolved `[training] mixed_precision_param`."""
+
+    name: str
+    """bfloat16 | float32."""
+    reason: str
+    """One line for the banner: what was chosen and why."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PROBE_DTYPES[self.name]
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> ComputeDtype:
+    """`mixed_precision_param` -> the dtype this run computes in.
+
+    bfloat16 / float32: as given. auto: bfloat16 on TPU and GPU (their matmul units are built
+    for it); on the CPU the faster of the two by `cpu_matmul_peaks()` (a collective under a
+    process group: call it on every rank at the same point, after `init_distributed`).
+    """
+    if name in PROBE_DTYPES:
+        return ComputeDtype(name, "set in the recipe")
+    assert name == "auto", name  # the config validates the choices
+    if device.type != "cpu":
+        return ComputeDtype("bfloat16", f"auto: bfloat16 on {device.type}")
+    peaks = cpu_matmul_peaks()
+    best = max(peaks, key=peaks.get)
+    other = min(peaks, key=peaks.get)
+    return ComputeDtype(best, f"auto: {best} matmul {peaks[best] / 1e9:.0f} GFLOP/s vs {other} "
+                              f"{peaks[other] / 1e9:.0f} on this CPU (probe {PROBE_SIZE}³, {torch.get_num_threads()} "
+                              f"thread(s), cached in {probe_cache_path()})")

@@ -100,14 +100,15 @@ class Engine:
 
     Build with `Engine.from_recipe` (or `Engine(cfg)` from a `trainer.config.Config`).
     Attributes for callers that need them: `cfg`, `family`, `args`, `model`, `optimizer`,
-    `scheduler`, `device`, `mesh`, `parallel_dims`, `step` (optimizer steps taken).
+    `scheduler`, `device`, `mesh`, `parallel_dims`, `step` (optimizer steps taken), `compute_dtype`
+    (the resolved `mixed_precision_param`, with the reason for an `auto` choice).
     """
 
     def __init__(self, cfg: Config):
         import kernels
         from parallelisms import ParallelDims, build_mesh
         from trainer import checkpoint as ckpt
-        from trainer.device import init_distributed, pick_device, set_seed
+        from trainer.device import init_distributed, pick_device, resolve_compute_dtype, set_seed
         from trainer.optim import build_lr_scheduler, build_optimizer
 
         if cfg.compile.mode == "graph":
@@ -121,6 +122,9 @@ class Engine:
         self.device = pick_device(cfg.device.type)
         self.dist_info = init_distributed(self.device)
         set_seed(cfg.training.seed)
+        # `auto` compute dtype, resolved once and alike on every rank (as trainer.train).
+        self.compute_dtype = resolve_compute_dtype(cfg.training.mixed_precision_param, self.device)
+        cfg.training.mixed_precision_param = self.compute_dtype.name
         # 2. Model args, degrees, the step plan (AC / compile / loss parallel), the mesh.
         t, p, c = cfg.training, cfg.parallelism, cfg.compile
         self.family, self.args = resolve_model_args(cfg.model, seq_len=t.seq_len)
@@ -136,7 +140,8 @@ class Engine:
                                    shape=shape, fused_loss="off")
         self.mesh = build_mesh(self.parallel_dims, self.device.type)
         # 3. Kernels, then meta -> parallelize -> materialize -> init (trainer.train.build_model).
-        kernels.select(attention=cfg.model.attn_backend, device=self.device)
+        kernels.select(attention=cfg.model.attn_backend, device=self.device, dtype=self.compute_dtype.dtype,
+                       head_dim=shape.head_dim)
         self.model = build_model(self.family, self.args, step_plan=self.step_plan, parallel_dims=self.parallel_dims,
                                  mesh=self.mesh, device=self.device, param_dtype=_dtype(t.mixed_precision_param),
                                  reduce_dtype=_dtype(t.mixed_precision_reduce))

@@ -7,8 +7,10 @@ MFU = achieved model FLOP/s per device / peak dense bf16 FLOP/s per device.
   conventions (PaLM/TorchTitan counts the full T×T matrix, MaxText halves it for causal masks).
   Recompute from activation checkpointing is not counted (that is hardware, not model, FLOPs).
 * `peak_flops_per_device` looks the accelerator up in a table of published dense bf16 peaks
-  (per device: a TPU v7x chip is two devices) or, on the CPU, measures a matmul probe once per
-  process so CPU MFU means "fraction of what this core count can do on a big GEMM".
+  (per device: a TPU v7x chip is two devices) or, on the CPU, reads the matmul probe of
+  `trainer.device.cpu_matmul_peaks` (measured once per machine and thread count, cached on disk)
+  in the run's compute dtype, so CPU MFU means "fraction of what this core count can do on a
+  big GEMM in this dtype"; `best_peak_flops` is the faster dtype's peak, shown beside it.
   An accelerator that is not in the table gets `None`, never a guessed peak.
 """
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -128,41 +129,14 @@ def _gpu_peak(name: str) -> float | None:
     return None
 
 
-_CPU_PROBE_CACHE: dict[tuple[torch.dtype, int], float] = {}
-
-
-def measure_cpu_matmul_flops(dtype: torch.dtype = torch.float32, *, size: int = 2048, repeats: int = 3) -> float:
-    """Best-of-`repeats` FLOP/s of a size³ matmul on this process's CPU threads (cached).
-
-    About 1 s for fp32 at 2048 on one core. The result depends on the thread count and on how
-    busy the machine is, so it is cached per (dtype, torch.get_num_threads()).
-    """
-    key = (dtype, torch.get_num_threads())
-    if key in _CPU_PROBE_CACHE:
-        return _CPU_PROBE_CACHE[key]
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=gen).to(dtype)
-    b = torch.randn(size, size, generator=gen).to(dtype)
-    start = time.perf_counter()
-    torch.mm(a, b)  # warm-up: first call pays for allocation and kernel selection
-    best = time.perf_counter() - start
-    # On a slow core (or a huge dtype penalty) one more run is enough: keep the probe ~1 s.
-    for _ in range(repeats if best < 0.3 else 1):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    flops = 2.0 * size**3 / best
-    _CPU_PROBE_CACHE[key] = flops
-    return flops
-
-
 def peak_flops_per_device(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
                           override: float | str | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, a one-line description of where it came from).
 
     override: a number is the peak in TFLOP/s; a string names the device kind ("v6e", "TPU7x",
         "H100 PCIe") when detection cannot. The accelerator peak is the dense bf16 one whatever
-        `dtype` is (the MFU convention); on the CPU `dtype` picks the probe's matmul dtype.
+        `dtype` is (the MFU convention); on the CPU `dtype` picks the probe's matmul dtype (the
+        run's compute dtype) and the description names the other dtype's peak when it is higher.
     Returns (None, reason) for an accelerator that is not in the table, so MFU is reported as
     null instead of against a wrong peak.
     """
@@ -188,9 +162,25 @@ def peak_flops_per_device(device: torch.device, dtype: torch.dtype = torch.bfloa
         return peak, f"{name}: {peak / 1e12:g} TFLOP/s dense bf16 per device (table)"
 
     if device.type == "cpu":
-        probe_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
-        flops = measure_cpu_matmul_flops(probe_dtype)
+        from trainer.device import PROBE_SIZE, cpu_matmul_peaks
+
+        peaks = cpu_matmul_peaks()
+        name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        best = max(peaks, key=peaks.get)
         threads = torch.get_num_threads()
-        return flops, f"cpu: {flops / 1e9:.1f} GFLOP/s measured ({probe_dtype}, 2048³ matmul, {threads} thread(s))"
+        desc = f"cpu: {peaks[name] / 1e9:.1f} GFLOP/s {name} matmul measured ({PROBE_SIZE}³, {threads} thread(s))"
+        if best != name:  # a slow dtype must not look efficient: name the faster one's peak too
+            desc += f"; {best} would peak at {peaks[best] / 1e9:.1f}"
+        return peaks[name], desc
 
     return None, f"no peak known for device type {device.type!r}; MFU not reported"
+
+
+def best_peak_flops(device: torch.device, peak: float | None) -> float | None:
+    """The highest peak of any compute dtype on `device`: on the CPU the faster probe dtype's
+    (trainer.device.cpu_matmul_peaks); on accelerators `peak` itself (the table is dense bf16)."""
+    if device.type == "cpu" and peak is not None:
+        from trainer.device import cpu_matmul_peaks
+
+        return max(cpu_matmul_peaks().values())
+    return peak

@@ -114,7 +114,9 @@ class FlowTask:
         if f.resolution_shift and f.shift != 1.0:
             raise ConfigError(f"flow.shift: {f.shift} with flow.resolution_shift = true; set one of them "
                               "(shift = 1.0 with resolution_shift, or resolution_shift = false)")
-        self.param_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.training.mixed_precision_param]
+        from trainer.train import _dtype
+
+        self.param_dtype = _dtype(cfg.training.mixed_precision_param)  # resolved from `auto` by then
         self.guidance = f.guidance if getattr(args, "guidance_embed", False) else None
         self._shapes: tuple[tuple[int, ...], int] | None = None  # (latent [16, h, w], text length)
         self._sampling = None  # (text conditioner, VAE, prompts) for sample_grid

@@ -34,6 +34,9 @@ class NonFiniteLoss(RuntimeError):
 
 
 def _dtype(name: str) -> torch.dtype:
+    """A concrete dtype name -> torch dtype; `auto` must have been resolved first
+    (trainer.device.resolve_compute_dtype, once per run, before the model is built)."""
+    assert name != "auto", "resolve mixed_precision_param = auto before building the model"
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
@@ -142,8 +145,8 @@ def train(cfg: Config) -> int:
     import kernels
     from parallelisms import ParallelDims, build_mesh
     from trainer import checkpoint as ckpt
-    from trainer.device import init_distributed, pick_device, set_seed
-    from trainer.flops import peak_flops_per_device
+    from trainer.device import init_distributed, pick_device, resolve_compute_dtype, set_seed
+    from trainer.flops import best_peak_flops, peak_flops_per_device
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_lr_scheduler, build_optimizer
     from trainer.tasks import build_task
@@ -154,6 +157,10 @@ def train(cfg: Config) -> int:
     set_seed(cfg.training.seed)
     is_rank0 = info.rank == 0
     dump_folder = cfg.job.dump_folder
+    # `auto` compute dtype -> bfloat16 | float32, once, the same on every rank (rank 0 probes the
+    # CPU and broadcasts); from here on the config holds the concrete dtype (also in config.toml).
+    compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device)
+    cfg.training.mixed_precision_param = compute.name
 
     # -- model args, the task (tokenizer checks here), parallel degrees, the step plan: all
     #    checked before building anything
@@ -193,8 +200,9 @@ def train(cfg: Config) -> int:
         build_val_loader().check(cfg.validation.steps)  # read what validation reads: bad data fails before step 1
 
     # -- kernels, model, optimizer, schedule
-    attention = kernels.select(attention=cfg.model.attn_backend, device=device)
-    param_dtype = _dtype(t.mixed_precision_param)
+    param_dtype = compute.dtype
+    attention = kernels.select(attention=cfg.model.attn_backend, device=device, dtype=param_dtype,
+                               head_dim=shape.head_dim)
     model = build_model(family, args, step_plan=step_plan, parallel_dims=parallel_dims, mesh=mesh,
                         device=device, param_dtype=param_dtype, reduce_dtype=_dtype(t.mixed_precision_reduce))
     o = cfg.optimizer
@@ -242,6 +250,7 @@ def train(cfg: Config) -> int:
 
     # -- metrics, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
     peak, peak_name = peak_flops_per_device(device, param_dtype)
+    best_peak = best_peak_flops(device, peak)
     units_per_step = local_batch * task.units_per_sample * accum / parallel_dims.non_data_parallel_size
     logger = MetricsLogger(dump_folder=dump_folder, log_freq=cfg.metrics.log_freq,
                            enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=t.steps,
@@ -255,11 +264,14 @@ def train(cfg: Config) -> int:
               f"{info.world_size} x {device.type} ({peak_name}); mesh {parallel_dims}; "
               f"global batch {local_batch * dp_degree * accum} = {local_batch} x dp {dp_degree} x accum {accum}; "
               f"compile.mode={c.mode}; attention {attention}; loss {loss_name}; steps {start_step + 1}..{t.steps}", flush=True)
+        print(f"titan-tpu: compute dtype {compute.name} ({compute.reason})", flush=True)
 
     # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
     #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
     nonfinite = NonFiniteTracker(device)
     extra_first = {"setup_s": round(time.perf_counter() - t_start, 3)}
+    if peak is not None:  # the peak MFU is taken against, and the best compute dtype's (CPU: may differ)
+        extra_first.update(peak_tflops=peak / 1e12, peak_tflops_best=best_peak / 1e12)
     preemption = PreemptionHandler()
     watchdog = (StepWatchdog(folder=dump_folder, rank=info.rank, factor=t.hang_dump_factor, min_s=t.hang_dump_min_s)
                 if t.hang_dump_factor > 0 else None)

@@ -189,20 +189,27 @@ def _register() -> None:
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the kernel handles these inputs and beats ATen's flash kernel on them.
 
-    CPU tensors; bf16 (on a CPU with AVX512-BF16, any head_dim the kernel instantiates, up to
-    128) or fp32 (head_dim <= 32); head_dim a multiple of the vector width; equal q/k dtypes.
+    CPU tensors with equal q/k dtypes that `applies` to (their dtype, head_dim).
     False until `load()` has succeeded.
     """
+    if q.device.type != "cpu" or k.dtype != q.dtype:
+        return False
+    return applies(q.dtype, q.shape[-1])
+
+
+def applies(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the loaded kernel serves attention in `dtype` at `head_dim`: bf16 on a CPU with
+    AVX512-BF16 (any head_dim the kernel instantiates, up to 128) or fp32 (head_dim <= 32);
+    head_dim a multiple of the vector width. False until `load()` has succeeded."""
     isa = _ISA
-    if not loaded() or isa is None or q.device.type != "cpu" or k.dtype != q.dtype:
+    if not loaded() or isa is None:
         return False
     _, _, lanes, has_bf16 = isa
-    head_dim = q.shape[-1]
     if head_dim % lanes or head_dim // lanes not in _VECTORS_PER_HEAD:
         return False
-    if q.dtype == torch.bfloat16:
+    if dtype == torch.bfloat16:
         return has_bf16
-    return q.dtype == torch.float32 and head_dim <= _FP32_MAX_HEAD_DIM
+    return dtype == torch.float32 and head_dim <= _FP32_MAX_HEAD_DIM
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

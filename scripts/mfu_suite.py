@@ -1,0 +1,551 @@
+#!/usr/bin/env python
+"""MFU suite: sweep recipes x compile modes x process counts, write CSV, a markdown table and
+PNG plots, in both MFU conventions, with the published anchors printed beside ours.
+
+    python scripts/mfu_suite.py                       # the default CPU sweep (a few minutes)
+    python scripts/mfu_suite.py --recipes llama3_debug,qwen3_debug --modes eager,graph,graph_scan \
+        --nproc 1,2 --repeats 2 --steps 8 --warmup 3 --out outputs/mfu_suite/run -- --training.seq_len=256
+
+Measured part: every (recipe, mode, nproc, repeat) is one `python -m trainer.train` run, through
+scripts/benchmark.py's runner (interleaved repeats, quiet-machine wait, metrics.jsonl parsing).
+Per group: median tokens/s per device over the steps after --warmup and over the repeats,
+TFLOP/s, MFU in the PaLM/TorchTitan convention (6N + 12·L·H·Q·T, `mfu_pct`), in MaxText's
+causal-halved one (`mfu_pct_causal`), and against the faster compute dtype's peak on the CPU
+(`mfu_pct_best`, docs/metrics.md). On a TPU the same command measures the pod recipes.
+
+Projections (`--project`, default: the LM pod recipes, configs/*_v6e.toml and *_v7x.toml):
+without a TPU, per-device FLOPs and HBM bytes of one step come from the deviceless XLA:TPU
+compile of scripts/estimate_xla.py (its `ttpu` venv, scripts/xla_env.sh) at 1 and 2 layers,
+scan off (XLA counts a loop body once), extrapolated linearly to the recipe's layer count; a
+roofline, step time = max(FLOPs / peak, bytes / HBM bandwidth), turns them into tokens/s and
+MFU. Every such row is labeled "projection". Without that venv the projections are skipped with
+the reason printed.
+
+Anchors: assets/anchors.toml (MaxText v6e/v7x, the TorchTitan TPU fork, torchax, TorchTitan on
+H100, each with its source), printed beside our row for the same recipe.
+
+Output: <out>.csv (one row per group), <out>_runs.csv (per run), <out>.md, <out>_vs_devices.png,
+<out>_vs_mode.png. Needs matplotlib (`pip install '.[bench]'`). Exit: 0, 1 if a run failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+ANCHORS = ROOT / "assets" / "anchors.toml"
+DEFAULT_RECIPES = "llama3_debug,qwen3_debug"
+DEFAULT_MODES = "eager,graph_scan"
+# The compile-only slice a pod recipe's per-device program is compiled for (FSDP-style over its
+# devices): per-device FLOPs and bytes of pure FSDP hardly depend on the device count.
+PROJECTION_SLICE = {"v6e": "v6e-4", "v7x": "v7x-8", "v5e": "v5e-4", "v5p": "v5p-8"}
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("titan_benchmark", ROOT / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+class InputError(Exception):
+    """Bad input: printed as one `error:` line, exit 2."""
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+def recipe_path(name: str) -> Path:
+    """`llama3_debug` or a path -> the recipe file; InputError when there is none."""
+    path = Path(name) if name.endswith(".toml") else ROOT / "configs" / f"{name}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (ROOT / "configs").glob("*.toml"))
+        raise InputError(f"--recipes: no recipe {name!r} ({path}); allowed: {', '.join(known)} or a .toml path")
+    return path
+
+
+def pod_recipes() -> list[str]:
+    """The LM pod recipes (configs/*_v6e.toml, *_v7x.toml; FLUX's are not projected)."""
+    names = sorted(p.stem for pat in ("*_v6e.toml", "*_v7x.toml") for p in (ROOT / "configs").glob(pat))
+    return [n for n in names if not n.startswith("flux")]
+
+
+def roofline(*, flops: float, bytes_accessed: float, peak_flops: float, hbm_bytes_per_s: float,
+             tokens: float, flops_per_token: dict[str, float]) -> dict:
+    """One step on one device, bounded by compute or by HBM traffic, whichever is slower.
+
+    flops, bytes_accessed: the device's FLOPs and HBM bytes of one step (hardware FLOPs: what
+        the compiled program executes, recompute included). tokens: tokens the device trains per
+        step. flops_per_token: model FLOPs per token, {"palm", "causal"} (trainer.flops).
+    Returns step_s, the bound ("compute" | "memory"), tokens/s and MFU in both conventions: an
+    upper bound, since collectives, kernel efficiency and host overheads are left out.
+    """
+    assert flops > 0 and bytes_accessed >= 0 and peak_flops > 0 and hbm_bytes_per_s > 0 and tokens > 0
+    compute_s, memory_s = flops / peak_flops, bytes_accessed / hbm_bytes_per_s
+    step_s = max(compute_s, memory_s)
+    tokens_per_sec = tokens / step_s
+    return {"step_s": step_s, "compute_s": compute_s, "memory_s": memory_s,
+            "bound": "compute" if compute_s >= memory_s else "memory", "tokens_per_sec": tokens_per_sec,
+            "tflops": tokens_per_sec * flops_per_token["palm"] / 1e12,
+            "mfu_pct": 100.0 * tokens_per_sec * flops_per_token["palm"] / peak_flops,
+            "mfu_pct_causal": 100.0 * tokens_per_sec * flops_per_token["causal"] / peak_flops}
+
+
+def extrapolate_layers(at_1: float, at_2: float, n_layers: int) -> float:
+    """A per-step count measured at 1 and 2 layers (everything else equal) -> at n_layers:
+    the embedding, loss and optimizer-scalar part once, the per-layer part n_layers times."""
+    per_layer = at_2 - at_1
+    return at_1 + (n_layers - 1) * per_layer
+
+
+def load_anchors(path: Path = ANCHORS) -> dict:
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def anchor_per_device(anchor: dict) -> float | None:
+    """An anchor's tokens/s per device (a v7x chip is two devices; other chips are one)."""
+    tps = anchor.get("tokens_per_sec")
+    if tps is None:
+        return None
+    return tps / 2 if anchor.get("per") == "chip" and anchor["hardware"] == "v7x" else tps
+
+
+def group_runs(runs: list[dict]) -> list[dict]:
+    """Runs -> one row per (recipe, mode, nproc): medians over the successful repeats."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["recipe"], run["mode"], run["nproc"]), []).append(run)
+    rows = []
+    for (recipe, mode, nproc), group in groups.items():
+        ok = [r for r in group if r["rc"] == 0 and r.get("steady_steps")]
+        row = {"recipe": recipe, "mode": mode, "nproc": nproc, "runs": len(group), "ok": len(ok)}
+        for key in ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal", "mfu_pct_best", "peak_tflops",
+                    "peak_tflops_best", "mem_gib", "compile_s", "busy_before"):
+            row[key] = bench._median([r.get(key) for r in ok])
+        dtypes = sorted({r["dtype"] for r in ok if r.get("dtype")})
+        row["dtype"] = "/".join(dtypes) or None
+        row["tokens_per_sec_total"] = row["tokens_per_sec"] * nproc if row["tokens_per_sec"] is not None else None
+        rows.append(row)
+    return rows
+
+
+def add_best_mfu(run: dict) -> dict:
+    """mfu_pct against the faster compute dtype's peak (equal to mfu_pct where the run uses it)."""
+    mfu, peak, best = run.get("mfu_pct"), run.get("peak_tflops"), run.get("peak_tflops_best")
+    run["mfu_pct_best"] = mfu * peak / best if None not in (mfu, peak, best) and best > 0 else mfu
+    return run
+
+
+def run_dtype(folder: Path) -> str | None:
+    """The compute dtype a run printed in its start-up lines (`titan-tpu: compute dtype X (...)`)."""
+    try:
+        text = (folder / "stdout.log").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"compute dtype (\w+)", text)
+    return m.group(1) if m else None
+
+
+def complete(folder: Path, steps: int) -> bool:
+    """Whether a run folder holds a metrics.jsonl record of its last step (--resume)."""
+    records = bench.read_records(folder / "metrics.jsonl")
+    return bool(records) and records[-1]["step"] == steps
+
+
+def reread(job: dict, warmup: int) -> dict:
+    """The row `benchmark.execute` would have made for a finished run (--resume): rc 0, no timing."""
+    labels = {k: v for k, v in job.items() if k not in ("cmd", "folder")}
+    return {**labels, "rc": 0, "wall_s": None, "busy_before": None,
+            **bench.summarize_run(bench.read_records(Path(job["folder"]) / "metrics.jsonl"), warmup)}
+
+
+# ------------------------------------------------------------------------------ projections
+
+
+def xla_venv() -> tuple[Path | None, str]:
+    """The `ttpu` venv of scripts/xla_env.sh if it is complete, else (None, why)."""
+    root = Path(os.environ.get("TITAN_XLA_VENV_ROOT", ROOT))
+    venv = root / ".venv-ttpu"
+    if not (venv / "bin" / "python").exists() or not list(venv.glob(".titan-*")):
+        return None, (f"the XLA venv {venv} is absent or incomplete (make it with `scripts/xla_env.sh ttpu`: "
+                      "minutes, and the package registry)")
+    return venv, ""
+
+
+def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], timeout: float) -> dict:
+    """The deviceless compile's per-device FLOPs and bytes of one step at `n_layers`, scan off."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "estimate_xla.py"), "--target", target, "--json",
+           "--timeout", str(timeout), "--config", str(recipe), f"--model.n_layers={n_layers}",
+           "--compile.scan_layers=false", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"estimate_xla exited {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
+    res = json.loads(lines[-1])
+    cost = res.get("cost", {})
+    if not cost.get("flops") or "bytes accessed" not in cost:
+        raise RuntimeError(f"the compiler's cost analysis has no flops / bytes accessed: {cost}")
+    return {"flops": cost["flops"], "bytes": cost["bytes accessed"], "tokens": res["tokens_per_device_step"]}
+
+
+# The compile worker allocates the model on the host (never initialised) and touches ~12 bytes
+# per parameter (layer stacking, AdamW moments): scripts/estimate_xla.py's docstring.
+CAPTURE_BYTES_PER_PARAM = 12
+HOST_MEMORY_SHARE = 0.6
+
+
+def recipe_facts(recipe: Path) -> dict:
+    """From a recipe: generation, layers, FLOPs per token (both conventions), and the host bytes
+    the 2-layer compile's capture needs."""
+    from trainer.config import build_config, resolve_model_args
+    from trainer.flops import flops_per_token, tpu_generation
+
+    cfg = build_config(str(recipe), [])
+    _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    shape = args.shape()
+    gen = tpu_generation(recipe.stem.rsplit("_", 1)[-1])
+    fpt = flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True), n_layers=shape.n_layers,
+                          n_heads=shape.n_heads, head_dim=shape.head_dim, seq_len=cfg.training.seq_len)
+    cfg.model.overrides["n_layers"] = 2
+    _, two = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    return {"generation": gen, "n_layers": shape.n_layers, "flops_per_token": fpt,
+            "capture_bytes": CAPTURE_BYTES_PER_PARAM * two.num_params()}
+
+
+def host_available_bytes() -> float | None:
+    """MemAvailable of /proc/meminfo (None off Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def project(names: list[str], *, anchors: dict, timeout: float, costs=None) -> tuple[list[dict], str]:
+    """Roofline projections of pod recipes from the deviceless compile (`costs`, default
+    `compile_costs`); ([], reason) when there is nothing to project or no XLA venv."""
+    from trainer.flops import TPU_PEAK_TFLOPS
+
+    if not names:
+        return [], "no recipes to project (--project none)"
+    if costs is None:
+        venv, why = xla_venv()
+        if venv is None:
+            return [], why
+        costs = compile_costs
+    rows = []
+    for name in names:
+        recipe = recipe_path(name)
+        facts = recipe_facts(recipe)
+        gen = facts["generation"]
+        if gen not in PROJECTION_SLICE:
+            rows.append({"recipe": name, "error": f"no TPU generation in the recipe name {name!r}"})
+            continue
+        target = PROJECTION_SLICE[gen]
+        avail = host_available_bytes()
+        if avail is not None and facts["capture_bytes"] > HOST_MEMORY_SHARE * avail:
+            # a machine shared with other jobs: never take more than a part of what is free
+            rows.append({"recipe": name, "target": target,
+                         "error": f"skipped: the 2-layer capture needs ~{facts['capture_bytes'] / 2**30:.0f} GiB of "
+                                  f"host memory, more than {HOST_MEMORY_SHARE:.0%} of the "
+                                  f"{avail / 2**30:.0f} GiB available"})
+            continue
+        print(f"projection: {name}: deviceless compile for {target} at 1 and 2 layers ...", file=sys.stderr, flush=True)
+        try:
+            one, two = (costs(recipe, target, n, [], timeout) for n in (1, 2))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            rows.append({"recipe": name, "target": target, "error": "failed: " + str(e).splitlines()[0][:200]})
+            continue
+        n = facts["n_layers"]
+        flops = extrapolate_layers(one["flops"], two["flops"], n)
+        bytes_accessed = extrapolate_layers(one["bytes"], two["bytes"], n)
+        peak = TPU_PEAK_TFLOPS[gen] * 1e12
+        roof = roofline(flops=flops, bytes_accessed=bytes_accessed, peak_flops=peak,
+                        hbm_bytes_per_s=anchors["hbm_gbps_per_device"][gen] * 1e9, tokens=one["tokens"],
+                        flops_per_token=facts["flops_per_token"])
+        rows.append({"recipe": name, "kind": "projection", "target": target, "generation": gen,
+                     "flops_per_step": flops, "bytes_per_step": bytes_accessed, "peak_tflops": peak / 1e12, **roof})
+    return rows, ""
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def measured_table(rows: list[dict]) -> list[str]:
+    lines = ["| recipe | mode | nproc | ok | dtype | tok/s/dev | tok/s total | TFLOP/s/dev | MFU % (palm) | "
+             "MFU % (causal) | MFU % vs best dtype | peak / best TFLOP/s | cpu busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['recipe']} | {r['mode']} | {r['nproc']} | {r['ok']}/{r['runs']} | {r['dtype'] or '-'} | "
+                     f"{_fmt(r['tokens_per_sec'], ',.0f')} | {_fmt(r['tokens_per_sec_total'], ',.0f')} | "
+                     f"{_fmt(r['tflops'], '.3g')} | {_fmt(r['mfu_pct'], '.2f')} | {_fmt(r['mfu_pct_causal'], '.2f')} | "
+                     f"{_fmt(r['mfu_pct_best'], '.2f')} | {_fmt(r['peak_tflops'], '.3g')} / "
+                     f"{_fmt(r['peak_tflops_best'], '.3g')} | {_fmt(r['busy_before'], '.2f')} |")
+    return lines
+
+
+def projection_table(rows: list[dict]) -> list[str]:
+    lines = ["| recipe (projection) | compiled for | bound | step s | tok/s/dev | TFLOP/s/dev | MFU % (palm) | "
+             "MFU % (causal) | FLOPs/step | HBM bytes/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |  |")
+            continue
+        lines.append(f"| {r['recipe']} (projection) | {r['target']} | {r['bound']} | {r['step_s']:.3g} | "
+                     f"{r['tokens_per_sec']:,.0f} | {r['tflops']:.4g} | {r['mfu_pct']:.1f} | {r['mfu_pct_causal']:.1f} | "
+                     f"{r['flops_per_step']:.3e} | {r['bytes_per_step']:.3e} |")
+    return lines
+
+
+def anchor_table(anchors: dict, ours: dict[str, dict]) -> list[str]:
+    """Each published anchor beside our row for its recipe (measured or projection)."""
+    lines = ["| published | framework | hardware | size | seq | tok/s/dev | MFU % (as published) | MFU % (palm) | "
+             "ours (recipe) | ours tok/s/dev | ours MFU % (palm / causal) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in anchors.get("anchor", []):
+        size = a.get("slice") or f"{a.get('chips', '?')} chips"
+        mine = ours.get(a.get("recipe", ""), {})
+        label = a.get("recipe", "-")
+        if mine:
+            label += f" ({mine.get('kind', 'measured')})"
+        lines.append(
+            f"| {a['model']} | {a['framework']} | {a['hardware']} | {size} | {a.get('seq_len', '-')} | "
+            f"{_fmt(anchor_per_device(a), ',.0f')} | {a['mfu_pct']:g} ({a['convention']}) | "
+            f"{_fmt(a.get('mfu_pct_palm'), 'g')} | {label} | {_fmt(mine.get('tokens_per_sec'), ',.0f')} | "
+            f"{_fmt(mine.get('mfu_pct'), '.1f')} / {_fmt(mine.get('mfu_pct_causal'), '.1f')} |")
+    lines.append("")
+    lines.append("Sources: assets/anchors.toml (each anchor's `source` and `note`). v7x per-chip numbers are halved "
+                 "to per device; MFU is the same either way.")
+    return lines
+
+
+def write_plots(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for (recipe, mode) in dict.fromkeys((r["recipe"], r["mode"]) for r in rows):
+        pts = sorted((r["nproc"], r["tokens_per_sec_total"], r["mfu_pct"], r["mfu_pct_causal"]) for r in rows
+                     if r["recipe"] == recipe and r["mode"] == mode and r["tokens_per_sec"] is not None)
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        line, = ax_t.plot(xs, [p[1] for p in pts], marker="o", label=f"{recipe} {mode}")
+        ax_m.plot(xs, [p[2] for p in pts], marker="o", color=line.get_color(), label=f"{recipe} {mode} (palm)")
+        ax_m.plot(xs, [p[3] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{recipe} {mode} (causal)")
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(sorted({r["nproc"] for r in rows}))
+    ax_t.set(xlabel="devices (processes)", ylabel="tokens/s, all devices", title="throughput vs devices")
+    ax_m.set(xlabel="devices (processes)", ylabel="MFU % per device", title="MFU vs devices")
+    for ax in (ax_t, ax_m):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out.with_name(out.name + "_vs_devices.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    recipes = list(dict.fromkeys(r["recipe"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    nmin = min((r["nproc"] for r in rows), default=1)
+    width = 0.8 / max(len(modes), 1)
+    for i, mode in enumerate(modes):
+        sel = [next((r for r in rows if r["recipe"] == rc and r["mode"] == mode and r["nproc"] == nmin), None)
+               for rc in recipes]
+        xs = [j + i * width for j in range(len(recipes))]
+        ax_t.bar(xs, [(r or {}).get("tokens_per_sec") or 0 for r in sel], width, label=mode)
+        ax_m.bar(xs, [(r or {}).get("mfu_pct") or 0 for r in sel], width, label=f"{mode} (palm)")
+        ax_m.scatter(xs, [(r or {}).get("mfu_pct_causal") or 0 for r in sel], marker="_", s=200, color="black",
+                     zorder=3, label="causal" if i == 0 else None)
+    for ax, ylabel in ((ax_t, "tokens/s per device"), (ax_m, "MFU % per device")):
+        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(recipes))], recipes)
+        ax.set(ylabel=ylabel, title=f"{ylabel.split(' per')[0]} vs mode ({nmin} process{'es' if nmin > 1 else ''})")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out.with_name(out.name + "_vs_mode.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def machine_line() -> str:
+    import torch
+
+    from trainer.device import cpu_model
+
+    threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
+    return f"{cpu_model()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, torch {torch.__version__}, load average {load}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma list of recipe names (configs/) or paths")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(bench.VARIANTS)}")
+    p.add_argument("--nproc", default="1,2", help="comma list of process counts (devices)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="first steps dropped (compile, caches)")
+    p.add_argument("--project", default="pods",
+                   help="recipes to project from the deviceless compile: 'pods' (LM *_v6e/*_v7x), a comma list, or 'none'")
+    p.add_argument("--out", default=None, help="output stem (default outputs/mfu_suite/<time>/mfu_suite)")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per process (default: inherited, else 1)")
+    p.add_argument("--max-busy", type=float, default=0.25)
+    p.add_argument("--max-wait", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run and per compile")
+    p.add_argument("--dry-run", action="store_true", help="print the trainer commands only")
+    p.add_argument("--resume", action="store_true",
+                   help="read, not rerun, the runs whose folder under --out already holds a record of the last step")
+    return p.parse_args(argv), extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    ns, extra = parse(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError("scripts/mfu_suite.py: matplotlib is not installed (its plots need it); "
+                         "install the bench extra: pip install '.[bench]'")
+    recipes = [r.strip() for r in ns.recipes.split(",") if r.strip()]
+    paths = {r: recipe_path(r) for r in recipes}
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in bench.VARIANTS:
+            raise InputError(f"--modes: unknown mode {m!r}; allowed: {', '.join(bench.VARIANTS)}")
+    try:
+        nprocs = [int(n) for n in ns.nproc.split(",") if n.strip()]
+    except ValueError:
+        raise InputError(f"--nproc: {ns.nproc!r}; allowed: a comma list of positive integers") from None
+    if not recipes or not modes or not nprocs or min(nprocs) < 1:
+        raise InputError("--recipes, --modes, --nproc: each needs at least one value (nproc >= 1)")
+    if ns.warmup >= ns.steps:
+        raise InputError(f"--warmup: {ns.warmup} must be below --steps {ns.steps}")
+    project_names = (pod_recipes() if ns.project == "pods" else [] if ns.project == "none"
+                     else [r.strip() for r in ns.project.split(",") if r.strip()])
+    for name in project_names:
+        recipe_path(name)
+    out = Path(ns.out) if ns.out else ROOT / "outputs" / "mfu_suite" / time.strftime("%Y%m%d-%H%M%S") / "mfu_suite"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    root = out.parent / f"{out.name}_runs"
+
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(ns.threads) if ns.threads else env.get("OMP_NUM_THREADS", "1")
+    jobs = []
+    for rep in range(ns.repeats):  # interleaved: slow drift of the machine spreads over every group
+        for recipe in recipes:
+            for mode in modes:
+                for nproc in nprocs:
+                    folder = root / f"{recipe}-{mode}-n{nproc}-r{rep}"
+                    cmd = bench.build_command(recipe=str(paths[recipe]), overrides=bench.VARIANTS[mode], nproc=nproc,
+                                              dump_folder=str(folder), steps=ns.steps, extra=extra)
+                    jobs.append({"recipe": recipe, "mode": mode, "nproc": nproc, "repeat": rep, "cmd": cmd,
+                                 "folder": folder})
+    if ns.dry_run:
+        for job in jobs:
+            print(shlex.join(job["cmd"]))
+        return 0
+
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    done = [ns.resume and complete(Path(job["folder"]), ns.steps) for job in jobs]
+    fresh = iter(bench.execute([j for j, d in zip(jobs, done) if not d], env=env, warmup=ns.warmup,
+                               timeout=ns.timeout, max_busy=ns.max_busy, max_wait=ns.max_wait))
+    runs = [reread(job, ns.warmup) if d else next(fresh) for job, d in zip(jobs, done)]
+    for job, run in zip(jobs, runs):
+        run["dtype"] = run_dtype(Path(job["folder"]))
+        add_best_mfu(run)
+    rows = group_runs(runs)
+
+    anchors = load_anchors()
+    projections, skipped = project(project_names, anchors=anchors, timeout=ns.timeout)
+    if skipped:
+        print(f"projections skipped: {skipped}", file=sys.stderr)
+
+    ours: dict[str, dict] = {}
+    for p in projections:
+        if "error" not in p:
+            ours[p["recipe"]] = p
+    for r in rows:  # a measured row (the largest process count) wins over a projection
+        if r["tokens_per_sec"] is not None:
+            ours[r["recipe"]] = {**r, "kind": f"measured, {r['mode']}, {r['nproc']} dev"}
+
+    bench.write_csv(out.with_suffix(".csv"), rows + [{**p, "mode": "projection"} for p in projections])
+    bench.write_csv(out.with_name(out.name + "_runs.csv"), runs)
+    pngs = write_plots(rows, out)
+    command = "python scripts/mfu_suite.py " + shlex.join(argv)
+    md = [f"# MFU suite, {started}", "",
+          f"- machine: {machine_line()}", f"- commit: {git_commit()}", f"- command: `{command}`",
+          f"- {ns.steps} steps per run, first {ns.warmup} dropped; median over steps, then over {ns.repeats} "
+          "repeat(s) (interleaved)",
+          "- MFU conventions: palm = 6N + 12·L·H·Q·T per token (TorchTitan; `mfu_pct`), causal = attention halved "
+          "(MaxText; `mfu_pct_causal`); 'vs best dtype' divides by the faster CPU compute dtype's peak "
+          "(docs/metrics.md)", "", "## Measured", "", *measured_table(rows), "",
+          "## Projections (deviceless XLA:TPU compile + roofline; not measured)", ""]
+    if projections:
+        md += [*projection_table(projections), "",
+               "Roofline: step time = max(FLOPs / peak, HBM bytes / bandwidth) per device, from the compiled "
+               "per-device program at 1 and 2 layers (scan off), extrapolated to the recipe's layers. An upper "
+               "bound: collectives, kernel efficiency and host overhead are not in it."]
+    else:
+        md.append(f"Skipped: {skipped}.")
+    md += ["", "## Published anchors beside ours", "", *anchor_table(anchors, ours), "",
+           *[f"![{p.stem}]({p.name})" for p in pngs], ""]
+    out.with_suffix(".md").write_text("\n".join(md))
+    print("\n".join(md))
+    print(f"\nwrote {out.with_suffix('.csv')}, {out.with_suffix('.md')}, " + ", ".join(str(p) for p in pngs))
+    return 0 if all(r["ok"] == r["runs"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
