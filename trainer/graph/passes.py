@@ -170,6 +170,76 @@ def scan_transpose_view_pass(gm: fx.GraphModule) -> int:
     return changed
 
 
+_aten = torch.ops.aten
+_VIEW_OF_COPY = {
+    _aten.view_copy.default: _aten.view.default,
+    _aten.t_copy.default: _aten.t.default,
+    _aten.transpose_copy.int: _aten.transpose.int,
+    _aten.permute_copy.default: _aten.permute.default,
+    _aten.unsqueeze_copy.default: _aten.unsqueeze.default,
+    _aten.squeeze_copy.dim: _aten.squeeze.dim,
+    _aten.squeeze_copy.dims: _aten.squeeze.dims,
+    _aten.expand_copy.default: _aten.expand.default,
+    _aten.slice_copy.Tensor: _aten.slice.Tensor,
+    _aten.select_copy.int: _aten.select.int,
+    _aten.split_copy.Tensor: _aten.split.Tensor,
+    _aten.split_with_sizes_copy.default: _aten.split_with_sizes.default,
+    _aten.detach_copy.default: _aten.detach.default,
+    _aten.alias_copy.default: _aten.alias.default,
+}
+
+
+def scan_view_pass(gm: fx.GraphModule) -> int:
+    """In scan bodies, turn the view copies functionalization made (`view_copy`, `split_copy`,
+    `slice_copy`, `transpose_copy`, ...) back into views.
+
+    torch 2.13 functionalizes a scan body with every view as a copy; Inductor lowers some of
+    them as copies it can fuse, others (`split_copy`, `slice_copy`) as fallback calls that
+    materialize, per layer, copies of activations the unrolled graph only views. A body is
+    functional (no op writes), so a view reads exactly what the copy held. Kept as copies:
+    what a body returns (scan outputs must not alias its inputs or each other) and views whose
+    strides the input does not allow (`view` of a non-viewable layout). Returns how many
+    nodes became views.
+    """
+    changed = 0
+    for sub in _subgraphs(gm):
+        graph = sub.graph
+        output = next(iter(graph.find_nodes(op="output")))
+        # Nodes whose real strides may differ from their recorded ones (a view that is not
+        # laid out as its copy was, and everything computed from it): not viewed further.
+        moved: set[fx.Node] = set()
+        for node in list(graph.nodes):
+            if node.op != "call_function":
+                continue
+            inputs = node.all_input_nodes
+            if any(a in moved for a in inputs):
+                moved.add(node)
+                continue
+            view = _VIEW_OF_COPY.get(node.target)
+            if view is None or output in node.users:
+                continue
+            if any(u.target is operator.getitem and output in u.users for u in node.users):
+                continue
+            fake_args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+            try:
+                val = view(*fake_args, **node.kwargs)
+            except (RuntimeError, ValueError):
+                continue  # e.g. view() of a layout it cannot view: keep the copy
+            if _strides(val) != _strides(node.meta.get("val")):
+                moved.add(node)
+            node.target = view
+            node.meta["val"] = val
+            changed += 1
+        if changed:
+            sub.recompile()
+    return changed
+
+
+def _strides(val) -> list:
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
 _FLIP = torch.ops.aten.flip.default
 
 
@@ -306,6 +376,7 @@ def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False) -> GraphStats
     recomputed = remat_pass(gm)
     scan_transpose_view_pass(gm)
     if reverse_scans:
+        scan_view_pass(gm)
         scan_reverse_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
