@@ -70,7 +70,7 @@ def test_scan_matches_eager_with_grad_accumulation():
     eager to the tolerances above (fp32; the loop reads row n-1-i instead of row i of a flipped
     copy, so it computes exactly what the flipped scan does; tested bitwise in
     test_reverse_scan_is_the_flipped_scan)."""
-    step = _parity(scan=True, accum=2, n_layers=3, reverse_scans=True)
+    step = _parity(scan=True, accum=2, reverse_scans=True)
     # One forward scan and one backward loop per micro-batch, no unrolled block matmuls, no flips.
     assert step.stats.scans == 4
     assert step.stats.ops["scan"] == 2 and step.stats.ops["while_loop"] == 2
@@ -85,7 +85,7 @@ def test_reverse_scan_is_the_flipped_scan():
     bitwise equal (tolerance 0)."""
     from trainer.graph.passes import scan_reverse_pass
 
-    model = build_model(3)
+    model = build_model(2)
     opt = build_opt(model)
     step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
                             plan=PLAN)
