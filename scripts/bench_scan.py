@@ -4,9 +4,9 @@
 Builds identical Llama 3 models (the `debugmodel` flavor, SimpleFSDP cast only, as the trainer
 does on one process) and one graph step per variant:
 - graph:            the whole step as one graph, blocks unrolled;
-- graph_scan_flip:  layer scan with torch's own backward scan (flipped copies; the passes
-                    `scan_view_pass` / `scan_reverse_pass` off);
-- graph_scan:       layer scan as the trainer runs it with Inductor (both passes on);
+- graph_scan_flip:  layer scan with torch's own backward scan (flipped copies;
+                    `scan_reverse_pass` off);
+- graph_scan:       layer scan as the trainer runs it with Inductor (`scan_reverse_pass` on);
 compiles each, then times `--repeats` rounds in which every variant runs one step on the same
 batch, interleaved, so load changes on a shared machine hit all variants alike. It reports the
 median wall time and the median CPU time of the process per step (`time.process_time`; with

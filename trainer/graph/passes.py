@@ -4,9 +4,11 @@ The pipeline (`run_passes`) is short and every pass does real work:
 1. `remat` (trainer/graph/remat.py): recompute checkpoint-tagged forward ops in backward.
 2. `scan_transpose_view`: in scan bodies, matmuls read transposed weight views instead of
    the transposed copies torch's functionalization of the body puts there.
-3. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
+3. `scan_reverse` (Inductor only): backward scans run as loops that index in reverse instead
+   of over flipped copies of the weights and saved activations.
+4. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
    outputs of the optimizer's bookkeeping).
-4. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
+5. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
    scans stack for the backward (the per-layer activation memory with layer scan). It does
    not change the graph; its numbers go to the dump, the metrics and the tests.
 
@@ -170,76 +172,6 @@ def scan_transpose_view_pass(gm: fx.GraphModule) -> int:
     return changed
 
 
-_aten = torch.ops.aten
-_VIEW_OF_COPY = {
-    _aten.view_copy.default: _aten.view.default,
-    _aten.t_copy.default: _aten.t.default,
-    _aten.transpose_copy.int: _aten.transpose.int,
-    _aten.permute_copy.default: _aten.permute.default,
-    _aten.unsqueeze_copy.default: _aten.unsqueeze.default,
-    _aten.squeeze_copy.dim: _aten.squeeze.dim,
-    _aten.squeeze_copy.dims: _aten.squeeze.dims,
-    _aten.expand_copy.default: _aten.expand.default,
-    _aten.slice_copy.Tensor: _aten.slice.Tensor,
-    _aten.select_copy.int: _aten.select.int,
-    _aten.split_copy.Tensor: _aten.split.Tensor,
-    _aten.split_with_sizes_copy.default: _aten.split_with_sizes.default,
-    _aten.detach_copy.default: _aten.detach.default,
-    _aten.alias_copy.default: _aten.alias.default,
-}
-
-
-def scan_view_pass(gm: fx.GraphModule) -> int:
-    """In scan bodies, turn the view copies functionalization made (`view_copy`, `split_copy`,
-    `slice_copy`, `transpose_copy`, ...) back into views.
-
-    torch 2.13 functionalizes a scan body with every view as a copy; Inductor lowers some of
-    them as copies it can fuse, others (`split_copy`, `slice_copy`) as fallback calls that
-    materialize, per layer, copies of activations the unrolled graph only views. A body is
-    functional (no op writes), so a view reads exactly what the copy held. Kept as copies:
-    what a body returns (scan outputs must not alias its inputs or each other) and views whose
-    strides the input does not allow (`view` of a non-viewable layout). Returns how many
-    nodes became views.
-    """
-    changed = 0
-    for sub in _subgraphs(gm):
-        graph = sub.graph
-        output = next(iter(graph.find_nodes(op="output")))
-        # Nodes whose real strides may differ from their recorded ones (a view that is not
-        # laid out as its copy was, and everything computed from it): not viewed further.
-        moved: set[fx.Node] = set()
-        for node in list(graph.nodes):
-            if node.op != "call_function":
-                continue
-            inputs = node.all_input_nodes
-            if any(a in moved for a in inputs):
-                moved.add(node)
-                continue
-            view = _VIEW_OF_COPY.get(node.target)
-            if view is None or output in node.users:
-                continue
-            if any(u.target is operator.getitem and output in u.users for u in node.users):
-                continue
-            fake_args = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
-            try:
-                val = view(*fake_args, **node.kwargs)
-            except (RuntimeError, ValueError):
-                continue  # e.g. view() of a layout it cannot view: keep the copy
-            if _strides(val) != _strides(node.meta.get("val")):
-                moved.add(node)
-            node.target = view
-            node.meta["val"] = val
-            changed += 1
-        if changed:
-            sub.recompile()
-    return changed
-
-
-def _strides(val) -> list:
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in vals]
-
-
 _FLIP = torch.ops.aten.flip.default
 
 
@@ -260,7 +192,7 @@ def scan_reverse_pass(gm: fx.GraphModule) -> int:
     order and the flips after the scan go too. That is the lowering Inductor gives every scan
     anyway (`decompose_scan_to_while_loop`: a host loop over preallocated outputs) with the
     index reversed: the same ops on the same values in the same order, so results are bitwise
-    those of the flipped scan. Only for Inductor (`CaptureBackend(lower_scans=True)`); the
+    those of the flipped scan. Only for Inductor (`CaptureBackend.reverse_scans`); the
     XLA tier needs the scan op itself. Returns the number of scans rewritten.
     """
     from torch._guards import detect_fake_mode
@@ -376,7 +308,6 @@ def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False) -> GraphStats
     recomputed = remat_pass(gm)
     scan_transpose_view_pass(gm)
     if reverse_scans:
-        scan_view_pass(gm)
         scan_reverse_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
