@@ -35,7 +35,8 @@ def _compare(ref, got):
         assert abs(n1 - n2) <= REL_TOL * abs(n1), (ref, got)
 
 
-def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5, n_layers: int = 2):
+def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5, n_layers: int = 2,
+            reverse_scans: bool = False):
     ref_model = build_model(n_layers)
     ref_opt = build_opt(ref_model)
     model = build_model(n_layers)
@@ -44,6 +45,7 @@ def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5
         apply_ac(model, plan=PLAN, mode=ac_mode)
     step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
                             ac_mode=ac_mode if scan else "none", grad_accum_steps=accum, plan=PLAN)
+    step.capture.reverse_scans = reverse_scans  # what Inductor gets (scan_reverse_pass), run by aot_eager
     data = batches(steps, accum)
     ref = run(eager_step(ref_model, ref_opt), ref_opt, data)
     got = run(step, opt, data)
@@ -64,9 +66,43 @@ def test_unrolled_matches_eager():
 
 
 def test_scan_matches_eager_with_grad_accumulation():
-    step = _parity(scan=True, accum=2)
-    # One forward and one backward scan per micro-batch, no unrolled block matmuls.
+    """The backward scans as reversed loops (scan_reverse_pass, Inductor's path): the same math as
+    eager to the tolerances above (fp32; the loop reads row n-1-i instead of row i of a flipped
+    copy, so it computes exactly what the flipped scan does; tested bitwise in
+    test_reverse_scan_is_the_flipped_scan)."""
+    step = _parity(scan=True, accum=2, reverse_scans=True)
+    # One forward scan and one backward loop per micro-batch, no unrolled block matmuls, no flips.
     assert step.stats.scans == 4
+    assert step.stats.ops["scan"] == 2 and step.stats.ops["while_loop"] == 2
+    assert step.stats.ops["flip"] == 0
+
+
+def test_reverse_scan_is_the_flipped_scan():
+    """scan_reverse_pass against torch's flipped backward scan, on one captured graph: same
+    kernels on the same rows in the same order, so loss, gradients and the graph's outputs are
+    bitwise equal (tolerance 0)."""
+    from trainer.graph.passes import scan_reverse_pass
+
+    model = build_model(2)
+    opt = build_opt(model)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
+                            plan=PLAN)
+    run(step, opt, batches(1))
+    gm = step.graph_module
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.flip.default)
+    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    g = torch.Generator().manual_seed(3)
+    real = [torch.randint(0, 512, v.shape, generator=g) if not v.dtype.is_floating_point
+            else torch.rand(v.shape, generator=g, dtype=v.dtype) * 0.05 for v in inputs]
+    ref = gm(*[t.clone() for t in real])
+    assert scan_reverse_pass(gm) == 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.flip.default)
+    got = gm(*[t.clone() for t in real])
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("ac_mode", ["full", "selective"])
@@ -94,6 +130,7 @@ def test_node_count_constant_with_scan():
         opt = build_opt(model)
         step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager",
                                 scan_layers=scan, plan=PLAN)
+        step.capture.reverse_scans = scan  # the reversed backward loop must not grow with depth either
         run(step, opt, batches(1))
         return step.graph_nodes, step.stats.nodes_total
 

@@ -31,10 +31,13 @@ from trainer.graph.remat import scan_remat
 class CaptureBackend:
     """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
 
-    def __init__(self, *, backend: str, dump_path: str | None = None):
+    def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None):
         assert backend in ("aot_eager", "inductor", "tpu"), backend
         self.backend = backend
         self.dump_path = dump_path
+        self.reverse_scans = backend == "inductor" if reverse_scans is None else reverse_scans
+        """Run backward scans as reversed loops (`scan_reverse_pass`); default: Inductor only,
+        which lowers every scan to such a loop anyway (the XLA tier needs the scan op)."""
         self.graph_module: fx.GraphModule | None = None
         self.stats: GraphStats | None = None
         self.num_graphs = 0
@@ -67,7 +70,7 @@ class CaptureBackend:
             gm, example_inputs, fw_compiler=run_as_is, keep_inference_input_mutations=True))
 
     def _on_graph(self, graph: fx.GraphModule) -> None:
-        self.stats = run_passes(graph)
+        self.stats = run_passes(graph, reverse_scans=self.reverse_scans)
         self.graph_module = graph
         if self.dump_path:
             with open(self.dump_path, "w") as f:

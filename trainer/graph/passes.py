@@ -4,9 +4,11 @@ The pipeline (`run_passes`) is short and every pass does real work:
 1. `remat` (trainer/graph/remat.py): recompute checkpoint-tagged forward ops in backward.
 2. `scan_transpose_view`: in scan bodies, matmuls read transposed weight views instead of
    the transposed copies torch's functionalization of the body puts there.
-3. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
+3. `scan_reverse` (Inductor only): backward scans run as loops that index in reverse instead
+   of over flipped copies of the weights and saved activations.
+4. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
    outputs of the optimizer's bookkeeping).
-4. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
+5. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
    scans stack for the backward (the per-layer activation memory with layer scan). It does
    not change the graph; its numbers go to the dump, the metrics and the tests.
 
@@ -18,6 +20,7 @@ the golden test.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -104,6 +107,8 @@ def graph_stats(gm: fx.GraphModule, *, recomputed: int = 0) -> GraphStats:
                 stats.matmuls += 1
             if top and name == "copy_":
                 stats.input_mutations += 1
+            if name == "while_loop" and top:
+                stats.scans += 1  # a backward scan lowered by scan_reverse_pass
             if name == "scan":
                 stats.scans += 1
                 if top and not node.meta.get("autograd_backward", False):
@@ -167,10 +172,143 @@ def scan_transpose_view_pass(gm: fx.GraphModule) -> int:
     return changed
 
 
-def run_passes(gm: fx.GraphModule) -> GraphStats:
-    """The pass pipeline, in place on `gm`: remat, scan views, dead-code elimination, stats."""
+_FLIP = torch.ops.aten.flip.default
+
+
+def _is_flip0(node) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is _FLIP
+            and list(node.args[1]) == [0])
+
+
+def scan_reverse_pass(gm: fx.GraphModule) -> int:
+    """Run the backward scans as loops that index in reverse, without flipped copies.
+
+    torch 2.13 builds a scan's backward as a forward scan over `flip`ped copies of everything
+    it reads per layer (the stacked weights, every activation the forward saved) and flips the
+    per-layer gradients it stacks back: per step one extra copy of the saved activations and two
+    of the block weights. Here each top-level scan whose `xs` are all `flip(x, [0])` becomes a
+    `while_loop` over i = 0..n-1 that reads row n-1-i of the unflipped `x` (a view) and writes
+    its per-step outputs into row n-1-i of preallocated buffers, so they come out in layer
+    order and the flips after the scan go too. That is the lowering Inductor gives every scan
+    anyway (`decompose_scan_to_while_loop`: a host loop over preallocated outputs) with the
+    index reversed: the same ops on the same values in the same order, so results are bitwise
+    those of the flipped scan. Only for Inductor (`CaptureBackend.reverse_scans`); the
+    XLA tier needs the scan op itself. Returns the number of scans rewritten.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._higher_order_ops.scan import _extract_carry_and_out
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    done = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan)):
+        combine, init, xs, additional = node.args
+        if not xs or not all(_is_flip0(x) for x in xs):
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        body: fx.GraphModule = getattr(gm, combine.target)
+        n_carry, n_xs = len(init), len(xs)
+        ys_vals = list(node.meta["val"])[n_carry:]
+        inputs = [*init, *[x.args[0] for x in xs], *additional]
+        fake_inputs = [a.meta["val"] if isinstance(a, fx.Node) else a for a in inputs]
+        traced = make_fx(_reversed_loop(body, n_carry, n_xs, ys_vals, _extract_carry_and_out),
+                         tracing_mode="real")
+        with detect_fake_mode(fake_inputs):
+            loop_gm = traced(*fake_inputs)
+        outs = _inline(gm, loop_gm, inputs, before=node)
+        for item in list(node.users):
+            k = item.args[1]
+            if k < n_carry:
+                item.replace_all_uses_with(outs[k])
+            else:
+                for user in list(item.users):
+                    if _is_flip0(user):  # flip(reversed stack) == the stack in layer order
+                        user.replace_all_uses_with(outs[k])
+                        gm.graph.erase_node(user)
+                if item.users:  # anything else still wants the reversed order
+                    with gm.graph.inserting_after(outs[k]):
+                        flip = gm.graph.call_function(_FLIP, (outs[k], [0]))
+                    flip.meta["val"] = item.meta["val"]
+                    item.replace_all_uses_with(flip)
+            gm.graph.erase_node(item)
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _reversed_loop(body, n_carry: int, n_xs: int, ys_vals: list, extract):
+    """`fn(*init, *xs, *additional)` -> `[*carry, *ys]`: `body` over the rows of `xs` from the
+    last to the first; `ys[k]` is the output of row k (layer order)."""
+
+    def fn(*flat):
+        init, xs, additional = flat[:n_carry], flat[n_carry:n_carry + n_xs], flat[n_carry + n_xs:]
+        length = xs[0].size(0)
+        n_ys = len(ys_vals)
+        bufs = [torch.empty_strided(y.size(), y.stride(), dtype=y.dtype, device=y.device) for y in ys_vals]
+
+        def cond_fn(i, *rest):
+            return i < length
+
+        def body_fn(i, *rest):
+            ys_out, carry = rest[:n_ys], rest[n_ys:n_ys + n_carry]
+            xs_in, add_in = rest[n_ys + n_carry:n_ys + n_carry + n_xs], rest[n_ys + n_carry + n_xs:]
+            row = length - 1 - i.item()
+            torch._check(row >= 0)
+            torch._check(row < length)
+            next_carry, ys = extract(body(*carry, *[x.select(0, row) for x in xs_in], *add_in), n_carry)
+            for buf, y in zip(ys_out, ys):
+                buf.select(0, row).copy_(y)
+            return (i + 1, *ys_out, *next_carry)
+
+        # The loop counter lives on the host (as in Inductor's lowering): `.item()` is free.
+        out = torch.ops.higher_order.while_loop(cond_fn, body_fn, (torch.zeros([], dtype=torch.int64), *bufs, *init),
+                                                (*xs, *additional))
+        return [*out[1 + n_ys:], *out[1:1 + n_ys]]
+
+    return fn
+
+
+def _inline(gm: fx.GraphModule, sub: fx.GraphModule, inputs: list, *, before: fx.Node) -> list:
+    """Copy `sub`'s nodes into `gm` before `before`, its placeholders bound to `inputs`;
+    return the nodes of its (flat) output."""
+    env: dict[fx.Node, object] = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(inputs)
+    env.update(zip(placeholders, inputs))
+    outs = None
+    with gm.graph.inserting_before(before):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outs = [env[o] for o in n.args[0]]
+            elif n.op == "get_attr":
+                name = _fresh_attr(gm, f"reverse_{n.target}")
+                gm.register_module(name, getattr(sub, n.target))
+                env[n] = gm.graph.get_attr(name)
+                env[n].meta.update(n.meta)
+            else:
+                env[n] = gm.graph.node_copy(n, lambda a: env[a])
+    assert outs is not None
+    return outs
+
+
+def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
+    i = 0
+    while hasattr(gm, f"{base}_{i}"):
+        i += 1
+    return f"{base}_{i}"
+
+
+def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False) -> GraphStats:
+    """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), dead-code
+    elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor only)."""
     recomputed = remat_pass(gm)
     scan_transpose_view_pass(gm)
+    if reverse_scans:
+        scan_reverse_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
     return graph_stats(gm, recomputed=recomputed)

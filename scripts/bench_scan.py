@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Step time of the unrolled graph against graph + layer scan, in one process (CPU).
+
+Builds identical Llama 3 models (the `debugmodel` flavor, SimpleFSDP cast only, as the trainer
+does on one process) and one graph step per variant:
+- graph:            the whole step as one graph, blocks unrolled;
+- graph_scan_flip:  layer scan with torch's own backward scan (flipped copies;
+                    `scan_reverse_pass` off);
+- graph_scan:       layer scan as the trainer runs it with Inductor (`scan_reverse_pass` on);
+compiles each, then times `--repeats` rounds in which every variant runs one step on the same
+batch, interleaved, so load changes on a shared machine hit all variants alike. It reports the
+median wall time and the median CPU time of the process per step (`time.process_time`; with
+one thread the CPU time is the robust number when other jobs take turns on the cores), the
+ratio of each variant's median to the unrolled one and the paired per-round ratios.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_scan.py --batch 8 --seq 512 --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = ("graph", "graph_scan_flip", "graph_scan")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=6)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="SimpleFSDP param_dtype")
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    p.add_argument("--repeats", type=int, default=9)
+    a = p.parse_args()
+    variants = [v for v in a.variants.split(",") if v]
+    if unknown := set(variants) - set(VARIANTS):
+        p.error(f"--variants: unknown {sorted(unknown)}; allowed: {', '.join(VARIANTS)}")
+
+    import torch
+
+    import kernels
+    from models.llama3 import FLAVORS, Transformer
+    from models.llama3.plan import PLAN
+    from parallelisms.simple_fsdp import data_parallel
+    from trainer.device import cpu_model
+    from trainer.graph import build_graph_step
+    from trainer.optim import build_optimizer
+
+    args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=a.n_layers, max_seq_len=max(a.seq, 2048))
+    kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
+
+    def build(variant: str):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Transformer(args)
+        data_parallel(model, mesh=None, param_dtype=getattr(torch, a.dtype), reduce_dtype=torch.float32)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        opt = build_optimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=a.backend,
+                                scan_layers=variant != "graph", plan=PLAN)
+        if variant == "graph_scan_flip":
+            step.capture.reverse_scans = False
+        return step
+
+    g = torch.Generator().manual_seed(1)
+
+    def microbatches():
+        tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), generator=g)
+        return [(tokens[:, :-1], tokens[:, 1:])]
+
+    print(f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}",
+          flush=True)
+    steps = {}
+    for v in variants:
+        start = time.perf_counter()
+        steps[v] = build(v)
+        steps[v](microbatches(), 3e-4)
+        steps[v](microbatches(), 3e-4)  # warm-up
+        print(f"{v}: compiled in {time.perf_counter() - start:.0f} s, {steps[v].graph_nodes} nodes", flush=True)
+    wall = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
+    for _ in range(a.repeats):
+        mbs = microbatches()
+        for v in variants:
+            t, c = time.perf_counter(), time.process_time()
+            float(steps[v](mbs, 3e-4).loss)  # synchronous on the CPU
+            wall[v].append(time.perf_counter() - t)
+            cpu[v].append(time.process_time() - c)
+    base = variants[0]
+    for v in variants:
+        ratio = statistics.median(cpu[v]) / statistics.median(cpu[base])
+        paired = sorted(b / x for x, b in zip(cpu[base], cpu[v]))
+        print(f"{v:>16}: wall {statistics.median(wall[v]) * 1e3:8.0f} ms  cpu {statistics.median(cpu[v]) * 1e3:8.0f} ms"
+              f"  cpu vs {base} {ratio:.3f} (paired {paired[0]:.2f}..{paired[-1]:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
