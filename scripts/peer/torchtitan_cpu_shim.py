@@ -6,16 +6,16 @@ This file runs inside the peer venv (scripts/peer_env.sh), never in ours. It is 
    `_get_available_device_type() or "cuda"`, so a machine without CUDA gets "cuda" and the trainer
    fails at `torch.cuda.set_device`. Without CUDA we set that module's `device_type` to "cpu" and
    `device_module` to a thin stand-in for `torch.cpu` that adds the memory-statistics calls the
-   metrics code makes (memory_stats() is empty, so TorchTitan logs its own "unknown" value; the
-   CPU has no caching allocator to ask). This happens before
-   any other torchtitan module imports those two names. With CUDA present nothing is changed.
+   metrics code makes (memory_stats() is empty, so TorchTitan's memory column reads -0.00 GiB: the
+   CPU has no caching allocator to ask) and an integer current_device(). This happens before any
+   other torchtitan module imports those two names. With CUDA present nothing is changed.
 2. **Attention.** The debug model's inner attention is FlexAttention, which has no CPU backward in
    torch 2.13. The config function `llama3_debugmodel_sdpa` below is TorchTitan's own
    `llama3_debugmodel()` with every layer's `inner_attention` set to TorchTitan's own
    `ScaledDotProductAttention` module (causal, no document mask), the same swap its graph_trainer
    tests make. The trainer already handles this maskless backend (it then builds no masks). On
-   CUDA we keep the swap too, so both devices run the same model; FlexAttention and SDPA differ only
-   in the per-document mask, which packs of random-length documents make a few percent of FLOPs.
+   CUDA we keep the swap too, so both devices run the same model (FlexAttention would add TorchTitan's
+   per-document mask; SDPA, like ours, is causal over the whole window).
 3. **One torch name.** After step 1 TorchTitan calls `torch.distributed.set_timeout`, which the
    torch 2.13.0 release has only as `distributed_c10d._set_pg_timeout` (same signature): we alias it
    when it is missing (on every device; TorchTitan 0.3.0 was cut against a newer nightly).
@@ -25,7 +25,7 @@ metrics, the train loop) is TorchTitan's own code. Usage (what scripts/reference
 
     .venv-peer/bin/python scripts/peer/torchtitan_cpu_shim.py \
         --module scripts.peer.torchtitan_cpu_shim --config llama3_debugmodel_sdpa \
-        --hf_assets_path DIR --dataloader.dataset_path DIR [--section.key value ...]
+        --hf-assets-path DIR --dataloader.dataset-path DIR [--section.key value ...]
 """
 
 from __future__ import annotations
