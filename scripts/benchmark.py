@@ -11,7 +11,17 @@ repeats. Prints a table and writes CSV (summary to --out, one row per run to <ou
         -- --training.local_batch_size=4
 
 Variants: eager, compile, graph, graph_scan, or NAME='--section.key=value ...' via --variant.
-Arguments after `--` are passed to every run. The script measures how busy the CPUs are
+Arguments after `--` are passed to every run of ours.
+
+`--peer torchtitan` adds TorchTitan 0.3.0's own trainer (scripts/reference_torchtitan.py, run in the
+peer venv that scripts/peer_env.sh builds) to every repeat, interleaved with our variants, and a
+`vs peer` column: our tokens/s per device over the peer's at the same process count. The issue's
+side-by-side table (ours eager/graph/graph_scan in bf16 and fp32 at TorchTitan's shape, against
+TorchTitan) is one command:
+
+    python scripts/benchmark.py --preset ttshape [--quick]
+
+Every row records the CPU model (lscpu) and the OpenMP thread count of its runs. The script measures how busy the CPUs are
 (/proc/stat) before each run and prints it next to the numbers: on a shared machine a busy
 fraction above ~0.2 makes throughput numbers unreliable.
 """
@@ -50,6 +60,31 @@ RUN_OVERRIDES = [
 
 METRICS = ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal")
 
+PEERS = ("torchtitan",)
+PEER_SCRIPT = REPO / "scripts" / "reference_torchtitan.py"
+PEER_PYTHON = REPO / ".venv-peer" / "bin" / "python"
+
+# --preset ttshape: our debug model at TorchTitan's debugmodel shape, eager/graph/graph_scan in bf16
+# (TorchTitan's own mixed precision) and fp32, against TorchTitan's trainer, seq 2048, batch 8.
+_FP32 = "--training.mixed_precision_param=float32"
+PRESETS = {
+    "ttshape": {
+        "config": "configs/llama3_debug_ttshape.toml",
+        "variants": {
+            "eager_bf16": ["--compile.mode=eager"],
+            "graph_bf16": ["--compile.mode=graph"],
+            "graph_scan_bf16": ["--compile.mode=graph", "--compile.scan_layers=true"],
+            "eager_fp32": ["--compile.mode=eager", _FP32],
+            "graph_fp32": ["--compile.mode=graph", _FP32],
+            "graph_scan_fp32": ["--compile.mode=graph", "--compile.scan_layers=true", _FP32],
+        },
+        "peer": "torchtitan",
+        "seq_len": 2048, "batch": 8, "repeats": 3, "steps": 20, "warmup": 5,
+    },
+}
+# --quick: a smoke run of the same table (shapes cut so that it finishes in minutes on 2 cores).
+QUICK = {"seq_len": 256, "batch": 2, "repeats": 1, "steps": 4, "warmup": 1}
+
 
 # ------------------------------------------------------------------------------ pure helpers
 
@@ -81,6 +116,16 @@ def build_command(*, recipe: str, overrides: list[str], nproc: int, dump_folder:
                     "-m", "trainer.train"]
     return [*launcher, "--config", recipe, *RUN_OVERRIDES, f"--training.steps={steps}",
             f"--job.dump_folder={dump_folder}", *overrides, *extra]
+
+
+def build_peer_command(*, peer: str, python: str, nproc: int, dump_folder: str, steps: int, warmup: int,
+                       seq_len: int, batch: int, extra: list[str]) -> list[str]:
+    """The peer harness's command line for one run (it launches the peer's own torchrun itself)."""
+    if peer not in PEERS:
+        raise SystemExit(f"error: --peer: unknown peer {peer!r}; allowed: {', '.join(PEERS)}")
+    cmd = [python, str(PEER_SCRIPT), "--dump-folder", dump_folder, "--steps", str(steps), "--warmup", str(warmup),
+           "--nproc", str(nproc), "--seq-len", str(seq_len), "--batch", str(batch)]
+    return cmd + (["--", *extra] if extra else [])
 
 
 def read_records(path: Path) -> list[dict]:
@@ -129,6 +174,8 @@ def summarize(runs: list[dict]) -> list[dict]:
     for (variant, nproc), group in groups.items():
         ok = [r for r in group if r["rc"] == 0 and r["steady_steps"] > 0]
         row = {"variant": variant, "nproc": nproc, "runs": len(group), "ok": len(ok)}
+        for key in ("cpu_model", "threads"):
+            row[key] = group[0].get(key)
         for key in (*METRICS, "mem_gib", "compile_s", "busy_before"):
             row[key] = _median([r.get(key) for r in ok])
         tps = [r["tokens_per_sec"] for r in ok if r.get("tokens_per_sec") is not None]
@@ -140,10 +187,21 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def add_peer_ratio(rows: list[dict], peer: str | None) -> list[dict]:
+    """`vs_peer` = tokens/s per device over the peer's at the same process count (None if either is missing)."""
+    if peer is None:
+        return rows
+    base = {r["nproc"]: r.get("tokens_per_sec") for r in rows if r["variant"] == peer}
+    for row in rows:
+        ours, theirs = row.get("tokens_per_sec"), base.get(row["nproc"])
+        row["vs_peer"] = ours / theirs if ours is not None and theirs else None
+    return rows
+
+
 def format_table(rows: list[dict]) -> str:
     columns = [
-        ("variant", "variant", "{}"), ("nproc", "nproc", "{}"), ("ok", "ok/runs", None),
-        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"), ("spread", "min..max", None),
+        ("variant", "variant", "{}"), ("nproc", "nproc", "{}"), ("threads", "threads", "{}"), ("ok", "ok/runs", None),
+        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"), ("spread", "min..max", None), ("vs_peer", "vs peer", "{:.2f}x"),
         ("tokens_per_sec_total", "tok/s total", "{:,.0f}"), ("tflops", "TFLOP/s/dev", "{:.3g}"),
         ("mfu_pct", "MFU %", "{:.2f}"), ("mfu_pct_causal", "MFU % causal", "{:.2f}"),
         ("mem_gib", "mem GiB", "{:.2f}"), ("compile_s", "compile s", "{:.1f}"), ("busy_before", "cpu busy", "{:.2f}"),
@@ -158,6 +216,8 @@ def format_table(rows: list[dict]) -> str:
         value = row.get(key)
         return "-" if value is None else spec.format(value)
 
+    if not any(r.get("vs_peer") is not None for r in rows):
+        columns = [c for c in columns if c[0] != "vs_peer"]
     table = [[title for _, title, _ in columns]] + [[cell(r, k, s) for k, _, s in columns] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table]
@@ -204,12 +264,12 @@ def wait_until_quiet(max_busy: float, max_wait: float) -> float | None:
 
 def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_busy: float,
             max_wait: float) -> list[dict]:
-    """Run each job (`cmd`, `folder`, plus any labels) in order, one at a time, after waiting for
+    """Run each job (`cmd`, `folder`, optional `log` file name, plus any labels) in order, one at a time, after waiting for
     a quiet machine; returns one row per job: its labels, rc, wall_s, busy_before and the
     `summarize_run` of its metrics.jsonl. scripts/mfu_suite.py runs its sweep through this too."""
     runs = []
     for i, job in enumerate(jobs):
-        labels = {k: v for k, v in job.items() if k not in ("cmd", "folder")}
+        labels = {k: v for k, v in job.items() if k not in ("cmd", "folder", "log")}
         folder = Path(job["folder"])
         busy = wait_until_quiet(max_busy, max_wait)
         busy_text = "n/a" if busy is None else f"{busy:.2f}"
@@ -217,7 +277,8 @@ def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_bus
         print(f"[{i + 1}/{len(jobs)}] {what} (cpu busy {busy_text}) ...", file=sys.stderr, flush=True)
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        with open(folder / "stdout.log", "w") as log:
+        log_path = folder / job.get("log", "stdout.log")
+        with open(log_path, "w") as log:
             try:
                 rc = subprocess.run(job["cmd"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     timeout=timeout).returncode
@@ -227,12 +288,23 @@ def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_bus
         run = {**labels, "rc": rc, "wall_s": wall, "busy_before": busy,
                **summarize_run(read_records(folder / "metrics.jsonl"), warmup)}
         if rc != 0:
-            print(f"  failed (exit {rc}); see {folder / 'stdout.log'}", file=sys.stderr)
+            print(f"  failed (exit {rc}); see {log_path}", file=sys.stderr)
         runs.append(run)
     return runs
 
 
 # ------------------------------------------------------------------------------ main
+
+
+def machine_fields(threads: int | None = None) -> dict:
+    """The CPU model (lscpu, via trainer/device.cpu_model) and the OpenMP thread count of a run."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from trainer.device import cpu_model
+
+    if threads is None:
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count()
+    return {"cpu_model": cpu_model(), "threads": threads}
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -253,13 +325,21 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="recipe TOML")
-    parser.add_argument("--variants", default="eager", help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--config", default=None, help="recipe TOML (required unless --preset)")
+    parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: eager)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES", help="a custom variant")
     parser.add_argument("--nproc", default="1", help="comma list of process counts, e.g. 1,2,4")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="training steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="first steps dropped (compile, caches)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
+    parser.add_argument("--warmup", type=int, default=None, help="first steps dropped (compile, caches; default 5)")
+    parser.add_argument("--peer", default=None, choices=PEERS, help="also run this peer's own trainer, interleaved")
+    parser.add_argument("--peer-python", default=str(PEER_PYTHON), help="the peer venv's python (scripts/peer_env.sh)")
+    parser.add_argument("--peer-seq-len", type=int, default=2048, help="the peer's seq_len (ours: the recipe's)")
+    parser.add_argument("--peer-batch", type=int, default=8, help="the peer's local batch size (ours: the recipe's)")
+    parser.add_argument("--peer-arg", action="append", default=[], metavar="ARG", help="an argument for the peer's CLI")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="ttshape: ours eager/graph/graph_scan bf16+fp32 at TorchTitan's shape vs TorchTitan")
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} (both sides)")
     parser.add_argument("--out", default="benchmark.csv", help="summary CSV (runs go to <stem>_runs.csv)")
     parser.add_argument("--dump-root", default=None, help="run folders (default: outputs/benchmark/<time>)")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per process (default: inherited)")
@@ -268,34 +348,70 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)
+
+    preset = PRESETS.get(args.preset, {})
+    shape = {**{k: preset[k] for k in ("seq_len", "batch", "repeats", "steps", "warmup") if k in preset},
+             **(QUICK if args.quick else {})}
+    args.config = args.config or preset.get("config")
+    if args.config is None:
+        parser.error("--config is required (or --preset)")
+    args.repeats = args.repeats if args.repeats is not None else shape.get("repeats", 3)
+    args.steps = args.steps if args.steps is not None else shape.get("steps", 20)
+    args.warmup = args.warmup if args.warmup is not None else shape.get("warmup", 5)
+    args.peer = args.peer or preset.get("peer")
+    if "seq_len" in shape:  # the preset/quick shape holds for both sides
+        args.peer_seq_len, args.peer_batch = shape["seq_len"], shape["batch"]
+        if args.quick:
+            extra = [f"--training.seq_len={shape['seq_len']}", f"--training.local_batch_size={shape['batch']}", *extra]
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
 
-    variants = parse_variants(args.variants, args.variant)
+    if args.variants is None and preset:
+        variants = {**preset["variants"], **parse_variants("", args.variant)} if args.variant else dict(preset["variants"])
+    else:
+        variants = parse_variants("eager" if args.variants is None else args.variants, args.variant)
+    if args.peer is not None:
+        if args.peer in variants:
+            parser.error(f"--variant: {args.peer!r} is the peer's name")
+        if not args.dry_run and not Path(args.peer_python).is_file():
+            print(f"error: --peer-python: {args.peer_python} not found; build the peer venv with "
+                  "`bash scripts/peer_env.sh`", file=sys.stderr)
+            return 2
     nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
     root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
     env = dict(os.environ)
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    machine = machine_fields(args.threads)
 
-    plan = [(rep, name, nproc) for rep in range(args.repeats) for name in variants for nproc in nprocs]
+    names = [*variants, *([args.peer] if args.peer else [])]
+    plan = [(rep, name, nproc) for rep in range(args.repeats) for name in names for nproc in nprocs]
     jobs = []
     for rep, name, nproc in plan:
         folder = root / f"{name}-n{nproc}-r{rep}"
-        cmd = build_command(recipe=args.config, overrides=variants[name], nproc=nproc, dump_folder=str(folder),
-                            steps=args.steps, extra=extra)
-        jobs.append({"variant": name, "nproc": nproc, "repeat": rep, "cmd": cmd, "folder": folder})
+        job = {"variant": name, "nproc": nproc, "repeat": rep, "folder": folder}
+        if name == args.peer:
+            job["cmd"] = build_peer_command(peer=name, python=args.peer_python, nproc=nproc, dump_folder=str(folder),
+                                            steps=args.steps, warmup=args.warmup, seq_len=args.peer_seq_len,
+                                            batch=args.peer_batch, extra=args.peer_arg)
+            # The peer harness's own output; TorchTitan's log is its stdout.log in the same folder.
+            job["log"] = "harness.log"
+        else:
+            job["cmd"] = build_command(recipe=args.config, overrides=variants[name], nproc=nproc,
+                                       dump_folder=str(folder), steps=args.steps, extra=extra)
+        jobs.append(job)
     if args.dry_run:
         for job in jobs:
             print(shlex.join(job["cmd"]))
         return 0
-    runs = execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=args.max_busy,
-                   max_wait=args.max_wait)
+    runs = [{**run, **machine} for run in execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout,
+                                                  max_busy=args.max_busy, max_wait=args.max_wait)]
 
-    rows = summarize(runs)
+    rows = add_peer_ratio(summarize(runs), args.peer)
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
     print(f"\n{args.config}: {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} repeat(s); "
-          f"{os.cpu_count()} CPUs, load average now {load}")
+          f"CPU {machine['cpu_model']}, {os.cpu_count()} CPUs, {machine['threads']} thread(s) per process, "
+          f"load average now {load}")
     print(format_table(rows))
     out = Path(args.out)
     write_csv(out, rows)

@@ -1,89 +1,214 @@
-"""Time TorchTitan's own Llama 3 debug model train step on this machine, as a reference for ours.
+"""The peer harness: run TorchTitan 0.3.0's own trainer at its llama3 debug shape and report it like ours.
 
-TorchTitan 0.3 cannot train on the CPU (its language models need FlexAttention, which has no CPU
-backward in torch 2.13, or varlen attention, which is CUDA only), so this runs TorchTitan 0.2.2,
-the last release whose debug model uses SDPA. It builds TorchTitan's `Transformer` from
-`llama3_args["debugmodel"]` (dim 256, 6 layers, 16 heads, no GQA, vocab 2048) and runs the
-step of its single-device trainer: `torch.autocast(bf16)` (TorchTitan's `maybe_enable_amp` for
-one device), cross entropy on fp32 logits, `clip_grad_norm_(foreach=True)`, fused AdamW. Data
-are random tokens: the data loader is not part of the step.
+Runs in the peer venv (`bash scripts/peer_env.sh` builds `.venv-peer/`), not in ours:
 
-Needs a separate venv (TorchTitan pins its own dependencies; its MoE module imports triton):
+    OMP_NUM_THREADS=2 .venv-peer/bin/python scripts/reference_torchtitan.py \
+        --dump-folder outputs/peer/tt --steps 20 --warmup 5 --out tt.csv
 
-    python3 -m venv /tmp/ttv && /tmp/ttv/bin/pip install torch==2.13.0 torchtitan==0.2.2 triton
-    OMP_NUM_THREADS=2 /tmp/ttv/bin/python scripts/reference_torchtitan.py --out tt_ref.csv
+What it runs is `torchtitan.train.main` (TorchTitan's entry point, config system and `Trainer`) on its
+`llama3_debugmodel` config (dim 256, 6 layers, 16 heads, 16 kv heads, FFN 768, vocab 2048, fused
+QKV, SelectiveAC, AdamW lr 8e-4, bf16 mixed precision; seq 2048, batch 8), launched with torchrun as
+TorchTitan's run_train.sh does, through scripts/peer/torchtitan_cpu_shim.py (the two changes the CPU
+needs: its device helpers and its SDPA attention module; the shim's docstring says why). Per run:
 
-Prints one row (median over the steps after --warmup) and writes it as CSV.
+1. Assets: TorchTitan's debug config reads a Hugging Face tokenizer and the `c4_test` JSON dataset
+   from its source tree, which the wheel does not ship. We give it our bundled corpus
+   (assets/corpus, written once as JSON lines under --assets) and assets/tokenizer/bpe_2k, a
+   byte-level BPE with exactly 2,048 tokens (the debug model's embedding rows) trained on that
+   corpus by `--make-tokenizer`. Our side at TorchTitan's shape (configs/llama3_debug_ttshape.toml)
+   reads the same tokenizer, so both sides see the same token stream.
+2. The run itself, with checkpoints, validation, profiling and TensorBoard off, a log line every
+   step and colours off; its stdout goes to <dump-folder>/stdout.log.
+3. TorchTitan's per-step log line (`step: N  loss: ...  tps: T  tflops: F  mfu: M%`) is parsed into
+   <dump-folder>/metrics.jsonl in our trainer's schema (step, loss, tokens_per_sec per device,
+   tflops), so scripts/benchmark.py summarizes the peer with exactly the code that summarizes ours.
+   TorchTitan's `tps` is its own per-device tokens/s over the whole step (data loading included).
+   Its MFU is dropped on the CPU: it divides by an A100's peak when it does not know the device.
+
+Arguments after `--` go to TorchTitan's command line (its tyro syntax: `--training.dtype float32`).
 """
 
+from __future__ import annotations
+
 import argparse
-import csv
-import statistics
-import time
+import gzip
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+REPO = Path(__file__).resolve().parents[1]
+SHIM = REPO / "scripts" / "peer" / "torchtitan_cpu_shim.py"
+PEER_MODULE, PEER_CONFIG = "scripts.peer.torchtitan_cpu_shim", "llama3_debugmodel_sdpa"
+PEER_VOCAB = 2048  # TorchTitan 0.3.0 llama3 `_debugmodel`: vocab_size=2048
+SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
+TOKENIZER = REPO / "assets" / "tokenizer" / "bpe_2k"  # shared by both sides: see make_tokenizer
+
+# TorchTitan's metrics line; colour codes are off (--metrics.disable-color-printing) but stripped anyway.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STEP_LINE = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:\s*(?P<loss>[-+\d.eE]+|nan|inf)\s+grad_norm:\s*(?P<grad_norm>[-+\d.eE]+|nan|inf)"
+    r".*?tps:\s*(?P<tps>[\d,]+)\s+tflops:\s*(?P<tflops>[\d,.]+)\s+mfu:\s*(?P<mfu>[\d.]+%|N/A)"
+)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ------------------------------------------------------------------------------ pure helpers
+
+
+def build_peer_command(*, python: str, nproc: int, dump_folder: str, steps: int, seq_len: int, batch: int,
+                       tokenizer_dir: str, data_dir: str, extra: list[str]) -> list[str]:
+    """TorchTitan's launch, as run_train.sh does it (torchrun even for one process: it reads LOCAL_RANK)."""
+    return [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "--local-ranks-filter=0", str(SHIM),
+        "--module", PEER_MODULE, "--config", PEER_CONFIG,
+        "--hf-assets-path", tokenizer_dir, "--dataloader.dataset-path", data_dir,
+        "--dump-folder", dump_folder,
+        "--training.steps", str(steps), "--training.seq-len", str(seq_len), "--training.local-batch-size", str(batch),
+        "--checkpoint.no-enable", "--validator.no-enable", "--profiler.no-enable-profiling",
+        "--metrics.no-enable-tensorboard", "--metrics.log-freq", "1", "--metrics.disable-color-printing",
+        *extra,
+    ]
+
+
+def parse_torchtitan_log(text: str, *, keep_mfu: bool) -> list[dict]:
+    """TorchTitan's per-step metric lines -> our metrics.jsonl records (last record per step wins)."""
+    by_step: dict[int, dict] = {}
+    for line in text.splitlines():
+        match = _STEP_LINE.search(_ANSI.sub("", line))
+        if match is None:
+            continue
+        mfu = match["mfu"]
+        by_step[int(match["step"])] = {
+            "step": int(match["step"]),
+            "loss": float(match["loss"]),
+            "grad_norm": float(match["grad_norm"]),
+            "tokens_per_sec": float(match["tps"].replace(",", "")),
+            "tflops": float(match["tflops"].replace(",", "")),
+            "mfu_pct": float(mfu[:-1]) if keep_mfu and mfu != "N/A" else None,
+        }
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# ------------------------------------------------------------------------------ assets
+
+
+def prepare_data(root: Path, corpus: Path) -> Path:
+    """Our bundled corpus as the JSON-lines dataset TorchTitan's `c4_test` loader reads (made once)."""
+    data_dir = root / "data"
+    if not (data_dir / "train.jsonl").is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with gzip.open(corpus, "rt") as src, open(data_dir / "train.jsonl.tmp", "w") as dst:
+            for line in src:
+                if line.strip():
+                    dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
+        os.replace(data_dir / "train.jsonl.tmp", data_dir / "train.jsonl")
+    return data_dir
+
+
+def make_tokenizer(out_dir: Path, corpus: Path) -> None:
+    """How assets/tokenizer/bpe_2k/ was made: a 2,048-token byte-level BPE on the bundled corpus.
+
+    Llama 3's split regex then byte-level BPE (the layout our trainer/tokenizer.py reads as tiktoken
+    ranks), `<|begin_of_text|>` and `<|end_of_text|>` as added tokens, and a tokenizer_config.json
+    naming them, which TorchTitan's HuggingFaceTokenizer needs for BOS/EOS.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    sys.path.insert(0, str(REPO))
+    from trainer.tokenizer import LLAMA3_PATTERN
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=PEER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    with gzip.open(corpus, "rt") as f:
+        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    assert tokenizer.get_vocab_size() == PEER_VOCAB, tokenizer.get_vocab_size()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1], "add_bos_token": True,
+         "add_eos_token": True}, indent=1) + "\n")
+
+
+def _load_benchmark():
+    """scripts/benchmark.py (stdlib only), for the summary logic shared with our side."""
+    spec = importlib.util.spec_from_file_location("benchmark_script", REPO / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dump-folder", required=True, help="run folder: stdout.log, metrics.jsonl, TorchTitan's dump")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="first steps dropped from the summary")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (data parallel, TorchTitan's FSDP)")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default=None, help="CSV file to write")
-    args = parser.parse_args()
+    parser.add_argument("--batch", type=int, default=8, help="local batch size per process")
+    parser.add_argument("--tokenizer", default=str(TOKENIZER), help="tokenizer.json directory (2,048 tokens)")
+    parser.add_argument("--assets", default=str(REPO / "outputs" / "peer_assets"), help="dataset cache folder")
+    parser.add_argument("--make-tokenizer", metavar="DIR", default=None,
+                        help="train the 2,048-token BPE into DIR and exit (how --tokenizer's default was made)")
+    parser.add_argument("--corpus", default=str(REPO / "assets" / "corpus" / "train.jsonl.gz"))
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--out", default=None, help="summary CSV, in scripts/benchmark.py's row format")
+    args = parser.parse_args(argv)
 
-    import torchtitan
-    from torchtitan.models.llama3 import llama3_args
-    from torchtitan.models.llama3.model.model import Transformer
+    import torch
 
-    torch.manual_seed(0)
-    model_args = llama3_args["debugmodel"]
-    model_args.max_seq_len = args.seq_len
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=8e-4, eps=1e-8, weight_decay=0.1, fused=True)
-    tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if args.make_tokenizer:
+        make_tokenizer(Path(args.make_tokenizer), Path(args.corpus))
+        return 0
+    tokenizer_dir, data_dir = Path(args.tokenizer).resolve(), prepare_data(Path(args.assets), Path(args.corpus)).resolve()
+    folder = Path(args.dump_folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = build_peer_command(python=sys.executable, nproc=args.nproc, dump_folder=str(folder / "torchtitan"),
+                             steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+                             tokenizer_dir=str(tokenizer_dir), data_dir=str(data_dir), extra=extra)
+    with open(folder / "stdout.log", "w") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    records = parse_torchtitan_log((folder / "stdout.log").read_text(), keep_mfu=torch.cuda.is_available())
+    with open(folder / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    if rc != 0:
+        print(f"error: TorchTitan exited {rc}; see {folder / 'stdout.log'}", file=sys.stderr)
+        return 1
+    if not records:
+        print(f"error: no TorchTitan step lines in {folder / 'stdout.log'}", file=sys.stderr)
+        return 1
 
-    def step() -> float:
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-        del logits
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        optimizer.step()
-        return loss.item()
-
-    times = []
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-        print(f"step {i + 1}: loss {loss:.4f}  {args.batch * args.seq_len / times[-1]:,.0f} tok/s", flush=True)
-    median_s = statistics.median(times[args.warmup:])
-    row = {
-        "impl": f"torchtitan {torchtitan.__version__ if hasattr(torchtitan, '__version__') else '0.2.x'}",
-        "params": n_params, "seq_len": args.seq_len, "batch": args.batch, "threads": torch.get_num_threads(),
-        "step_s": round(median_s, 4), "tok_s": round(args.batch * args.seq_len / median_s, 1),
-        "tok_s_min": round(args.batch * args.seq_len / max(times[args.warmup:]), 1),
-        "tok_s_max": round(args.batch * args.seq_len / min(times[args.warmup:]), 1),
-    }
+    bench = _load_benchmark()
+    row = {"variant": "torchtitan", "nproc": args.nproc, "repeat": 0, "rc": rc,
+           **bench.summarize_run(records, args.warmup), **bench.machine_fields()}
     print(" | ".join(f"{k} {v}" for k, v in row.items()))
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(row))
-            writer.writeheader()
-            writer.writerow(row)
+        bench.write_csv(Path(args.out), [row])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
