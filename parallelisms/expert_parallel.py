@@ -15,7 +15,7 @@ block lacks are skipped, so one plan covers dense and MoE blocks) and applies th
 - "moe": the MoE layer around the experts. With tensor parallelism its input is the
   sequence-sharded residual stream, a DTensor; the layer takes the rank's own tokens as a
   plain tensor (and returns plain, sequence-sharded output, like a rowwise projection). The
-  auxiliary loss it stores (`aux_loss`) is then a per-rank statistics of a
+  auxiliary loss it returns next to its output is then a per-rank statistics of a
   sequence shard whose gradients are summed over the TP ranks, so their gradients are
   scaled by 1/tp: the TP group trains on the mean of its shards' losses.
 - "router": a per-token linear layer inside the MoE (the router gate). With tensor
@@ -108,10 +108,12 @@ def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: Device
     if mesh is None or mesh.size() == 1:
         return model
     assert mesh.size() == torch.distributed.get_world_size(), "the world mesh is expected"
-    group = torch.distributed.group.WORLD
+    # Named by its process-group name, not the group object: a collective inside a layer-scan
+    # body must not close over a ProcessGroup (Dynamo would lift it as an opaque object).
+    group_name = torch.distributed.group.WORLD.group_name
 
     def reduce_counts(t: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(t, "sum", group)
+        return funcol.all_reduce(t, "sum", group_name)
 
     paths = [path for path, style in plan.ep_block.items() if style == "moe"]
     for _, block in plan.iter_blocks(model):
@@ -271,9 +273,9 @@ def _local_tokens(module: nn.Module, args: tuple) -> tuple:
 
 
 def _scale_loss_grads(scale: float):
-    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if isinstance(module.aux_loss, torch.Tensor):
-            module.aux_loss = _scale_grad(module.aux_loss, scale)
+    def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]):
+        out, aux_loss = output  # MoE.forward returns (out, aux_loss)
+        return out, _scale_grad(aux_loss, scale)
 
     return hook
 
