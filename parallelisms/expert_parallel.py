@@ -6,8 +6,10 @@ block lacks are skipped, so one plan covers dense and MoE blocks) and applies th
 - "experts": a grouped-experts module (models/common/moe.py `GroupedExperts` contract: stacked
   weights with the expert on dim 0, `forward(x [N, dim] sorted by expert, num_tokens_per_expert
   [E]) -> [N, dim]`). Its weights are split by expert over the `ep` mesh axis and then sharded
-  by SimpleFSDP over the data-parallel ranks left (`efsdp`, and replicated on `dp_replicate`),
-  on the expert mesh `("dp_replicate", "efsdp", "ep")` of `build_ep_mesh`. Its forward is
+  by SimpleFSDP over the data-parallel ranks left (`efsdp`, and replicated on `dp_replicate`):
+  by expert when efsdp divides the E/ep local experts, else along a hidden dim
+  (`expert_shard_dim`), so every rank holds 1/(efsdp x ep) of them even beyond E ranks; on
+  the expert mesh `("dp_replicate", "efsdp", "ep")` of `build_ep_mesh`. Its forward is
   wrapped: *dispatch* sends every token copy to the rank that owns its expert and *combine*
   brings the results back, both with `all_to_all_single_autograd` of torch's functional
   collectives, after an all-to-all of the per-expert counts gives the (variable, possibly
@@ -50,7 +52,8 @@ from models.common.plan import ModelPlan
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
 
-__all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine", "is_expert_parallel"]
+__all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine", "expert_shard_dim",
+           "is_expert_parallel"]
 
 EP_STYLES = ("experts", "moe", "router")
 
@@ -229,6 +232,21 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
 _CLASS_CACHE: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
+def expert_shard_dim(local_shape: tuple[int, ...], efsdp: int) -> int:
+    """The dim of an EP-local expert weight `[E/ep, a, b]` that the `efsdp` axis splits.
+
+    Dim 0 (whole experts per rank) when `efsdp` divides the local expert count; otherwise the
+    first hidden dim it divides (w1/w3 `[E/ep, hidden, dim]`: the expert hidden size; w2
+    `[E/ep, dim, hidden]`: the model dim), so that every rank holds exactly 1/(efsdp x ep)
+    of the expert weights even when efsdp x ep exceeds the number of experts (a pod larger
+    than E). If no dim divides, dim 0 (uneven shards, as DTensor allows).
+    """
+    for dim, size in enumerate(local_shape):
+        if size % efsdp == 0:
+            return dim
+    return 0
+
+
 def _shard_experts(
     module: nn.Module,
     *,
@@ -248,10 +266,11 @@ def _shard_experts(
         # src_data_rank=None: every rank cuts its experts from its own (identical) copy.
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
         module._parameters[name] = nn.Parameter(sharded, param.requires_grad)
-    # SimpleFSDP on the expert mesh: Shard(0) of the local experts over efsdp, replicated
-    # over dp_replicate; the stored DTensor spans (efsdp, ep) with the full [E, ...] shape.
+    # SimpleFSDP on the expert mesh: the local experts are sharded over efsdp (by expert, or
+    # along a hidden dim when they do not go round: `expert_shard_dim`), replicated over
+    # dp_replicate; the stored DTensor spans (efsdp, ep) with the full [E, ...] shape.
     data_parallel(module, mesh=expert_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                  replicate_axis="dp_replicate", shard_axis="efsdp")
+                  replicate_axis="dp_replicate", shard_axis="efsdp", shard_dim_fn=expert_shard_dim)
     base = type(module)
     key = (base, names)
     if key not in _CLASS_CACHE:

@@ -142,6 +142,16 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
     assert torch.all(w1_grad[used == 0] == 0) and torch.isfinite(w1_grad).all()
 
 
+def test_expert_shard_dim_goes_to_a_hidden_dim_beyond_the_experts():
+    from parallelisms.expert_parallel import expert_shard_dim
+
+    assert expert_shard_dim((4, 32, 16), 2) == 0  # 4 local experts over 2: whole experts
+    assert expert_shard_dim((1, 32, 16), 4) == 1  # 1 local expert over 4: its hidden rows
+    assert expert_shard_dim((1, 1536, 4096), 4) == 1  # 235B-A22B w1 on ep 128 x efsdp 4
+    assert expert_shard_dim((3, 6, 5), 2) == 1
+    assert expert_shard_dim((3, 5, 7), 2) == 0  # nothing divides: uneven expert shards
+
+
 def test_expert_weights_are_sharded_over_efsdp_and_ep():
     def rank_fn():
         dims = ParallelDims(dp_shard=4, ep=2, world_size=4)
@@ -172,11 +182,11 @@ QWEN_AUX = 0.01
 GLOBAL_BATCH = 4
 
 
-def _qwen3_args():
-    return dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, max_seq_len=SEQ_LEN)
+def _qwen3_args(num_experts: int = 8):
+    return dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, max_seq_len=SEQ_LEN, num_experts=num_experts)
 
 
-def _reference(state):
+def _reference(state, num_experts: int = 8):
     """Loss, aux loss and gradients of one process on the whole global batch.
 
     With the global-batch load-balancing loss every mesh trains on exactly this: the expert
@@ -184,7 +194,7 @@ def _reference(state):
     `E * sum f_i * P_i(rank)` is `E * sum f_i * P_i(global batch)`.
     """
     with torch.device("meta"):
-        model = Transformer(_qwen3_args())
+        model = Transformer(_qwen3_args(num_experts))
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -205,23 +215,28 @@ def _reference(state):
     # ep = 1 with TP: experts whole on every rank, FSDP over dp_shard x tp (parallelize_model
     # only calls apply_ep for ep > 1, so this case assembles the steps itself).
     (2, dict(dp_shard=1, tp=2, ep=1)),
+    # More ranks than experts: 2 experts, ep 2, efsdp 2 > 1 local expert, so the experts are
+    # sharded along their hidden dim (expert_shard_dim) and every rank holds a quarter.
+    (4, dict(dp_shard=4, ep=2, num_experts=2)),
 ])
 def test_qwen3_moe_matches_single_process(world_size, degrees):
+    degrees = dict(degrees)
+    num_experts = degrees.pop("num_experts", 8)
     torch.manual_seed(0)
     with torch.device("meta"):
-        ref = Transformer(_qwen3_args())
+        ref = Transformer(_qwen3_args(num_experts))
     ref.to_empty(device="cpu")
     with torch.no_grad():
         ref.init_weights()
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    want_lm, want_aux, want_grads = _reference(state)
+    want_lm, want_aux, want_grads = _reference(state, num_experts)
     inputs, labels = batch(ref.args.vocab_size, GLOBAL_BATCH)
 
     def rank_fn():
         dims = ParallelDims(world_size=world_size, **degrees)
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
-            model = Transformer(_qwen3_args())
+            model = Transformer(_qwen3_args(num_experts))
         if dims.ep_enabled:
             parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
                               param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -239,9 +254,15 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
         lm = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n])
         aux = model.pop_aux_loss()
         (lm + QWEN_AUX * aux).backward()
-        return r, lm.item(), aux.item(), {n: full(p.grad) for n, p in model.named_parameters()}
+        experts = {n: (p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n}
+        return r, lm.item(), aux.item(), {n: full(p.grad) for n, p in model.named_parameters()}, experts
 
     results = run_threads(world_size, rank_fn)
+    # Every rank holds exactly 1/(efsdp x ep) of each expert weight (none holds nothing).
+    expert_ranks = world_size // degrees.get("dp_replicate", 1)
+    for *_, experts in results:
+        assert experts and all(local * expert_ranks == total for local, total in experts.values()), experts
+    results = [r[:4] for r in results]
     lm_mean = sum(lm for _, lm, _, _ in results) / world_size
     assert lm_mean == pytest.approx(want_lm, rel=1e-6)
     # Each rank's aux loss uses the global expert frequencies and its own tokens' router
