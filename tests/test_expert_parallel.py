@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -274,3 +275,34 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
         assert set(grads) == set(want_grads)
         for name, want in want_grads.items():
             assert rel_diff(grads[name], want) < TOL, name
+
+
+# --- more ranks than experts, end to end (torchrun, gloo) ------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # ~1 min on 2 cores: one 4-process and two 1-process trainer runs
+def test_experts_beyond_ranks_train_and_resume(tmp_path, monkeypatch):
+    """The MoE debug recipe with 2 experts on 4 processes (dp_shard 4, ep 2: efsdp 2 > 1 local
+    expert, experts sharded along their hidden dim) matches 1 process for 6 steps with the
+    recipe's aux coefficient, and its step-3 DCP checkpoint resumes on 1 process.
+
+    Tolerance 1e-5 relative on loss and aux loss: fp32 parameters, so the runs differ only by
+    summation order (all-reduce / reduce-scatter of fp32 gradients, ~1e-7 relative per step),
+    which AdamW's first steps amplify by at most ~10x over 6 steps.
+    """
+    from tests.test_qwen3_e2e import MOE, MOE_PARITY, max_rel_diff
+    from tests.trainer_runs import REPO, train
+
+    monkeypatch.chdir(REPO)
+    common = [*MOE_PARITY, "--config", MOE, "--model.num_experts=2", "--training.steps=6"]
+    ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0"]
+    got = train(tmp_path / "ep2", 4, dict(dp_shard=4, ep=2), *common, *ckpt)
+    want = train(tmp_path / "single", 1, {}, *common, "--checkpoint.enable=false")
+    assert max_rel_diff(got, want, range(1, 7)) < 1e-5
+    assert max(abs(got[s]["moe_aux_loss"] - want[s]["moe_aux_loss"]) / want[s]["moe_aux_loss"]
+               for s in range(1, 7)) < 1e-5
+    # The checkpoint holds the hidden-dim expert shards; DCP reshards them for 1 process.
+    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-3", tmp_path / "resume" / "checkpoints" / "step-3")
+    resumed = train(tmp_path / "resume", 1, {}, *common, *ckpt)
+    assert max_rel_diff({s: resumed[s] for s in (4, 5, 6)}, {s: got[s] for s in (4, 5, 6)}, (4, 5, 6)) < 1e-5
