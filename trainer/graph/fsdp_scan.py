@@ -11,7 +11,12 @@ name: cast to `param_dtype`, all-gather over `dp_shard` in the forward; in the b
 gradient is cast to `reduce_dtype`, reduce-scattered (mean) over `dp_shard`, all-reduced
 (mean) over `dp_replicate`, and cast back to the shard's dtype: SimpleFSDP's semantics.
 
-Tensor-parallel (2-D DTensor) block parameters are not supported with scan (ConfigError).
+Tensor-parallel (2-D DTensor) block parameters are not supported with scan (ConfigError), nor
+are expert-parallel experts (ep > 1): their dispatch moves a data-dependent number of rows per
+layer, so the body's intermediates that the backward keeps (received rows, sort orders) have a
+different size in every layer, and torch's scan must stack them into one `[n_layers, ...]`
+tensor (torch 2.13 fails with "'SymInt' object has no attribute 'unsqueeze'" on the split
+sizes it would stack). MoE blocks without EP scan (their dispatch has static shapes).
 """
 
 from __future__ import annotations
@@ -86,9 +91,17 @@ def scan_param_fn(stack, *, name: str = "layers") -> tuple[Callable | None, Call
     """
     from parallelisms.simple_fsdp import disable_active_parametrization, is_data_parallel
 
+    from parallelisms.expert_parallel import is_expert_parallel
+
     template = stack["0"]
     specs: dict[str, tuple] = {}
     for mod_name, module in template.named_modules():
+        if is_expert_parallel(module):
+            raise ConfigError(f"compile.scan_layers: {name}.*.{mod_name} is expert-parallel, whose all-to-all "
+                              "moves a data-dependent number of rows per layer, which a layer scan cannot "
+                              "stack (docs/graph_trainer.md); allowed: scan_layers = false with "
+                              "expert_parallel_degree > 1 or tensor_parallel_degree > 1, or "
+                              "expert_parallel_degree = 1 with scan")
         if not is_data_parallel(module):
             continue
         for pname, spec in module._simple_fsdp_specs.items():
