@@ -52,7 +52,8 @@ from models.common.plan import ModelPlan
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
 
-__all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine", "expert_shard_dim",
+__all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine",
+           "dispatch_combine_padded", "expert_shard_dim",
            "is_expert_parallel"]
 
 EP_STYLES = ("experts", "moe", "router")
@@ -177,6 +178,56 @@ def dispatch_combine(
     out = out[inverse]
     # 4. Combine: the reverse all-to-all returns every row to the rank it came from.
     return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group=ep_mesh)
+
+
+def dispatch_combine_padded(
+    x: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    experts_fn,
+    ep_mesh: DeviceMesh,
+) -> torch.Tensor:
+    """`dispatch_combine` with static shapes: no host read, every buffer sized for the worst case.
+
+    Same contract and result as `dispatch_combine` (dropless: nothing is dropped), but each rank
+    sends every EP peer a buffer of `M = x.shape[0]` rows (all its token copies could go to one
+    peer), so both all-to-alls are equal-split with sizes known at trace time. Costs `ep` times
+    the all-to-all volume and expert-input rows of the ragged version; the expert compute runs
+    on the padded rows too (zero rows, counted in the last local expert, whose output is
+    discarded). Meant for programs that need static shapes (a layer-scan body, XLA).
+    """
+    ep = ep_mesh.size()
+    num_experts = num_tokens_per_expert.numel()
+    assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
+    num_local = num_experts // ep
+    rows, dim = x.shape
+    device = x.device
+    counts_recv = funcol.all_to_all_single(num_tokens_per_expert, None, None, group=ep_mesh).view(ep, num_local)
+    send_per_rank = num_tokens_per_expert.view(ep, num_local).sum(dim=1)
+    recv_per_rank = counts_recv.sum(dim=1)
+    # 1. Send buffer [ep, M, dim]: slot j of peer r holds row start_r + j (zero past send_r).
+    start = torch.cumsum(send_per_rank, 0) - send_per_rank
+    slot = torch.arange(rows, device=device)
+    src = start.unsqueeze(1) + slot  # [ep, M]
+    valid = slot < send_per_rank.unsqueeze(1)
+    send = torch.where(valid.unsqueeze(-1), x[src.clamp(max=rows - 1)], x.new_zeros(()))
+    recv = funcol.all_to_all_single_autograd(send.reshape(ep * rows, dim), None, None, group=ep_mesh)
+    # 2. Local expert of every received row (rows past recv_r: padding, sorted last).
+    ends = torch.cumsum(counts_recv, dim=1)  # [ep, num_local]
+    expert_of_row = (slot.view(1, rows, 1) >= ends.unsqueeze(1)).sum(dim=-1)  # [ep, M]; num_local = padding
+    order = torch.argsort(expert_of_row.reshape(-1), stable=True)
+    counts = counts_recv.sum(dim=0)
+    # The padding rows (zeros) join the last expert's group so the counts cover every row.
+    counts = counts + torch.nn.functional.one_hot(torch.tensor(num_local - 1, device=device), num_local) * (
+        ep * rows - counts.sum())
+    out = experts_fn(recv[order], counts)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+    out = out[inverse]
+    # 3. Combine: the equal-split reverse all-to-all; slot j of peer r answers row start_r + j.
+    back = funcol.all_to_all_single_autograd(out, None, None, group=ep_mesh).view(ep, rows, dim)
+    # Row i of x went to peer dest(i) at slot i - start_dest(i).
+    dest = (torch.arange(rows, device=device).unsqueeze(1) >= torch.cumsum(send_per_rank, 0)).sum(dim=1)
+    dest = dest.clamp(max=ep - 1)
+    return back[dest, torch.arange(rows, device=device) - start[dest]]
 
 
 # --- "experts" style ------------------------------------------------------------------------
