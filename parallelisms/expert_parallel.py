@@ -53,8 +53,8 @@ from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
 
 __all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine",
-           "dispatch_combine_padded", "expert_shard_dim",
-           "is_expert_parallel"]
+           "dispatch_combine_padded", "ep_grad_scale",
+           "ep_scan_class", "expert_shard_dim", "is_expert_parallel", "scale_grad"]
 
 EP_STYLES = ("experts", "moe", "router")
 
@@ -184,7 +184,7 @@ def dispatch_combine_padded(
     x: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
     experts_fn,
-    ep_mesh: DeviceMesh,
+    ep_mesh: DeviceMesh | tuple[str, int],
 ) -> torch.Tensor:
     """`dispatch_combine` with static shapes: no host read, every buffer sized for the worst case.
 
@@ -194,8 +194,13 @@ def dispatch_combine_padded(
     the all-to-all volume and expert-input rows of the ragged version; the expert compute runs
     on the padded rows too (zero rows, counted in the last local expert, whose output is
     discarded). Meant for programs that need static shapes (a layer-scan body, XLA).
+    `ep_mesh` may be `(process group name, size)`: a layer-scan body must name its groups (a
+    mesh or ProcessGroup object cannot enter torch's scan).
     """
-    ep = ep_mesh.size()
+    if isinstance(ep_mesh, tuple):
+        ep_mesh, ep = ep_mesh
+    else:
+        ep = ep_mesh.size()
     num_experts = num_tokens_per_expert.numel()
     assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
     num_local = num_experts // ep
@@ -246,7 +251,8 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Identity whose gradient is multiplied by `scale`."""
     return x if scale == 1.0 else _ScaleGrad.apply(x, scale)
 
 
@@ -261,7 +267,7 @@ def _local_weight_property(name: str, base: type) -> property:
         weight = gathered.fget(self)
         if isinstance(weight, DTensor):
             weight = weight.to_local()
-        return _scale_grad(weight, self._ep_grad_scale)
+        return scale_grad(weight, self._ep_grad_scale)
 
     return property(getter)
 
@@ -275,9 +281,31 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
             return compute(x, num_tokens_per_expert)
         return dispatch_combine(x, num_tokens_per_expert, compute, self._ep_mesh)
 
+    def scan_forward(self: nn.Module, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # Inside a layer-scan body: weights are the body's gathered rows (plain attributes),
+        # dispatch has static shapes and names its group.
+        compute = lambda rows, counts: base.forward(self, rows, counts)  # noqa: E731
+        if self._ep_group[1] == 1:
+            return compute(x, num_tokens_per_expert)
+        return dispatch_combine_padded(x, num_tokens_per_expert, compute, self._ep_group)
+
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
     attrs.update(forward=forward, _ep_base=base)
-    return type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
+    cls = type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
+    cls._ep_scan_class = type(f"ScannedExpertParallel{base._simple_fsdp_base.__name__}",
+                              (base._simple_fsdp_base,), dict(forward=scan_forward, _ep_base=base))
+    return cls
+
+
+def ep_scan_class(module: nn.Module) -> type:
+    """The class an expert-parallel module takes inside a layer-scan body: no SimpleFSDP
+    properties (the scan gathers the weights) and the static-shape dispatch."""
+    return type(module)._ep_scan_class
+
+
+def ep_grad_scale(module: nn.Module) -> float:
+    """The factor EP multiplies this module's local expert gradients by (module docstring)."""
+    return module._ep_grad_scale
 
 
 _CLASS_CACHE: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -328,6 +356,7 @@ def _shard_experts(
         _CLASS_CACHE[key] = _ep_class(base, names)
     module.__class__ = _CLASS_CACHE[key]
     module._ep_mesh = ep_mesh
+    module._ep_group = (ep_mesh.get_group().group_name, ep_mesh.size())
     module._ep_grad_scale = grad_scale
 
 
@@ -345,7 +374,7 @@ def _local_tokens(module: nn.Module, args: tuple) -> tuple:
 def _scale_loss_grads(scale: float):
     def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]):
         out, aux_loss = output  # MoE.forward returns (out, aux_loss)
-        return out, _scale_grad(aux_loss, scale)
+        return out, scale_grad(aux_loss, scale)
 
     return hook
 

@@ -347,17 +347,19 @@ def test_experts_beyond_ranks_train_and_resume(tmp_path, monkeypatch):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # two 2-process trainer runs, one of them compiling the scanned graph step
-def test_moe_layer_scan_under_fsdp_matches_eager(tmp_path, monkeypatch):
-    """Graph mode with layer scan on 2 FSDP ranks (the global-batch load-balancing loss's count
-    all-reduce runs inside the scan body) equals eager for 3 steps, loss and aux loss within
-    1e-5 relative (fp32; measured ~1e-7: summation order only)."""
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(dp_shard=2, ep=2)], ids=["fsdp2", "fsdp2-ep2"])
+def test_moe_layer_scan_matches_eager(tmp_path, monkeypatch, degrees):
+    """Graph mode with layer scan on 2 ranks (the global-batch load-balancing loss's count
+    all-reduce runs inside the scan body; with ep 2 the static-shape padded dispatch does too)
+    equals eager for 3 steps, loss and aux loss within 1e-5 relative (fp32; measured ~1e-7:
+    summation order only)."""
     from tests.test_qwen3_e2e import MOE, MOE_PARITY, max_rel_diff
     from tests.trainer_runs import REPO, train
 
     monkeypatch.chdir(REPO)
     common = [*MOE_PARITY, "--config", MOE, "--training.steps=3", "--checkpoint.enable=false"]
-    eager = train(tmp_path / "eager", 2, dict(dp_shard=2), *common)
-    scan = train(tmp_path / "scan", 2, dict(dp_shard=2), *common, "--compile.mode=graph",
+    eager = train(tmp_path / "eager", 2, degrees, *common)
+    scan = train(tmp_path / "scan", 2, degrees, *common, "--compile.mode=graph",
                  "--compile.backend=aot_eager", "--compile.scan_layers=true")
     assert max_rel_diff(scan, eager, range(1, 4)) < 1e-5
     assert max(abs(scan[s]["moe_aux_loss"] - eager[s]["moe_aux_loss"]) / eager[s]["moe_aux_loss"]
