@@ -364,3 +364,28 @@ def test_moe_layer_scan_matches_eager(tmp_path, monkeypatch, degrees):
     assert max_rel_diff(scan, eager, range(1, 4)) < 1e-5
     assert max(abs(scan[s]["moe_aux_loss"] - eager[s]["moe_aux_loss"]) / eager[s]["moe_aux_loss"]
                for s in range(1, 4)) < 1e-5
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_scan_gather_along_any_dim(dim):
+    """The layer-scan body's gather (trainer/graph/fsdp_scan.py `GatherShard`) along the dim an
+    expert weight is sharded on: forward = the full tensor, backward = the mean of the ranks'
+    gradients, cut to the rank's shard (exact: one all-gather / reduce-scatter of fp32)."""
+    from trainer.graph.fsdp_scan import GatherShard
+
+    world_size = 2
+    full = torch.randn(2, 4, 6)
+    grads = [torch.randn(2, 4, 6) for _ in range(world_size)]
+
+    def rank_fn():
+        rank = dist.get_rank()
+        group = (dist.group.WORLD.group_name, world_size)
+        shard = full.chunk(world_size, dim=dim)[rank].clone().requires_grad_()
+        out = GatherShard.apply(shard, group, (), None, None, dim)
+        out.backward(grads[rank])
+        return out.detach(), shard.grad
+
+    mean_grad = sum(grads) / world_size
+    for rank, (out, grad) in enumerate(run_threads(world_size, rank_fn)):
+        assert torch.equal(out, full)
+        torch.testing.assert_close(grad, mean_grad.chunk(world_size, dim=dim)[rank], rtol=1e-6, atol=1e-7)
