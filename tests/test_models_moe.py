@@ -148,6 +148,8 @@ def test_moe_all_tokens_to_one_expert():
     assert aux_loss.item() == pytest.approx(4 * probs[:, 2].mean().item(), abs=1e-6)
 
 
+@pytest.mark.slow  # the unrolled compiled step is also covered by tests/test_moe_trace.py's graph step;
+# test_moe_scan_forward_backward_matches_the_loop below compiles the scanned model by default
 def test_moe_model_compiles_fullgraph_with_aux_loss():
     """One graph for forward + aux losses (module attribute writes are fine for dynamo).
 
