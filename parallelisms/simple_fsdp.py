@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +59,8 @@ class _GatherSpec:
     dp_mesh: DeviceMesh | None = None
     """Mesh of the data-parallel axes with more than one rank (None: nothing to gather)."""
     dp_placements: tuple[Placement, ...] = ()
-    """Placements of the stored shard on `dp_mesh` (Replicate / Shard(0) per axis)."""
+    """Placements of the stored shard on `dp_mesh` (Replicate / Shard(d) per axis; d = 0 but
+    for experts that do not go round, see `data_parallel(shard_dim_fn=...)`)."""
     dp_shape: tuple[int, ...] = ()
     dp_stride: tuple[int, ...] = ()
     """Shape and stride of what the dp axes split: the parameter, or its TP-local part."""
@@ -210,12 +211,14 @@ def disable_active_parametrization(model: nn.Module) -> Iterator[None]:
             module.__class__ = cls
 
 
-def _chunk(tensor: torch.Tensor, num_chunks: int, index: int) -> torch.Tensor:
-    """Chunk `index` of dim 0 as DTensor's Shard(0) defines it (torch.chunk, maybe empty)."""
-    chunks = torch.chunk(tensor, num_chunks, dim=0)
+def _chunk(tensor: torch.Tensor, num_chunks: int, index: int, dim: int = 0) -> torch.Tensor:
+    """Chunk `index` of `dim` as DTensor's Shard(dim) defines it (torch.chunk, maybe empty)."""
+    chunks = torch.chunk(tensor, num_chunks, dim=dim)
     if index < len(chunks):
         return chunks[index]
-    return tensor.new_empty((0, *tensor.shape[1:]))
+    shape = list(tensor.shape)
+    shape[dim] = 0
+    return tensor.new_empty(shape)
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -234,8 +237,12 @@ def _shard_param(
     shard_axis: str,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    shard_dim_fn: Callable[[tuple[int, ...], int], int] | None = None,
 ) -> tuple[torch.Tensor, _GatherSpec]:
-    """Return the stored (sharded) version of `param` and how to gather it."""
+    """Return the stored (sharded) version of `param` and how to gather it.
+
+    The shard axis splits dim 0 of the (TP-local) tensor, or the dim `shard_dim_fn(local shape,
+    shard axis size)` names."""
     shape, stride = tuple(param.shape), tuple(param.stride())
     tp_mesh, tp_placements = None, ()
     inner = param
@@ -264,18 +271,20 @@ def _shard_param(
             full_placements.append(Replicate())
             continue
         size, index = mesh[axis].size(), mesh[axis].get_local_rank()
-        local = _chunk(local, size, index)
-        dp_placements.append(Shard(0))
-        # TP split dim 0 first (colwise weights): the dp shard is a shard of the TP shard,
-        # which DTensor spells _StridedShard (right-to-left sharding, as FSDP2 + TP).
-        tp_splits_dim0 = math.prod(
+        dim = 0 if shard_dim_fn is None else shard_dim_fn(tuple(inner.shape), size)
+        local = _chunk(local, size, index, dim)
+        dp_placements.append(Shard(dim))
+        # TP (or EP) split the same dim first (colwise weights, experts): the dp shard is a
+        # shard of the TP shard, which DTensor spells _StridedShard (right-to-left sharding,
+        # as FSDP2 + TP).
+        tp_splits_dim = math.prod(
             tp_mesh.size(i) for i, p in enumerate(tp_placements)
-            if isinstance(p, Shard) and p.dim == 0
+            if isinstance(p, Shard) and p.dim == dim
         ) if tp_mesh is not None else 1
-        if tp_splits_dim0 > 1:
-            full_placements.append(_StridedShard(0, split_factor=tp_splits_dim0))
+        if tp_splits_dim > 1:
+            full_placements.append(_StridedShard(dim, split_factor=tp_splits_dim))
         else:
-            full_placements.append(Shard(0))
+            full_placements.append(Shard(dim))
     # A copy, not a view: the full tensor must not stay alive behind the shard.
     local = local.clone() if local.device.type != "meta" else local
     tp_names = tuple(tp_mesh.mesh_dim_names) if tp_mesh is not None else ()
@@ -301,6 +310,7 @@ def data_parallel(
     reduce_dtype: torch.dtype = torch.float32,
     replicate_axis: str = "dp_replicate",
     shard_axis: str = "dp_shard",
+    shard_dim_fn: Callable[[tuple[int, ...], int], int] | None = None,
 ) -> nn.Module:
     """Apply SimpleFSDP to every module of `model` that owns parameters, in place.
 
@@ -309,6 +319,9 @@ def data_parallel(
     `mesh=None` (single process) keeps plain parameters and only casts. Modules already
     converted (e.g. experts, done first on the expert mesh) are left alone. Works on the
     meta device; call it last, after TP, EP, activation checkpointing and compile.
+    `shard_dim_fn(local_shape, shard_axis_size) -> dim` picks the dim the shard axis splits
+    (default: dim 0); expert parallelism uses it to shard experts along a hidden dim when
+    the experts do not go round (parallelisms/expert_parallel.py).
     """
     param_dtype_or_none = param_dtype
     # Casting the gradient to the compute dtype is a no-op; only ask for real casts.
@@ -327,6 +340,7 @@ def data_parallel(
                 stored, spec = _shard_param(
                     param, mesh=mesh, replicate_axis=replicate_axis, shard_axis=shard_axis,
                     param_dtype=param_dtype_or_none, reduce_dtype=reduce_dtype_or_none,
+                    shard_dim_fn=shard_dim_fn,
                 )
                 new = stored if stored is param else nn.Parameter(stored, param.requires_grad)
                 converted[id(param)] = (new, spec)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -83,7 +84,8 @@ def _moe_case(routing: str, world_size: int, dim: int, hidden: int):
 
 
 def _rank_loss(moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    return (moe(x) * grad_out).sum() + AUX_COEF * moe.aux_loss
+    out, aux_loss = moe(x)
+    return (out * grad_out).sum() + AUX_COEF * aux_loss
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert", "last_experts", "per_rank"])
@@ -101,8 +103,9 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
         x = x.clone().requires_grad_()
         # The data-parallel gradient is the mean of the ranks' losses.
         (_rank_loss(moe_ref, x, g) / world_size).backward()
-        want_out.append(moe_ref(x).detach())
-        want_aux.append(moe_ref.aux_loss.item())
+        out, aux = moe_ref(x)
+        want_out.append(out.detach())
+        want_aux.append(aux.item())
         want_dx.append(x.grad * world_size)  # the rank itself differentiates its own loss
     want_grads = {n: p.grad for n, p in ref.named_parameters()}
     counts = [torch.bincount(torch.topk(x[0, :, :8], 2).indices.flatten(), minlength=8) for x in xs]
@@ -121,7 +124,8 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
         moe = model.layers["0"].moe
         x = xs[rank].clone().requires_grad_()
         _rank_loss(moe, x, grads_out[rank]).backward()
-        return (moe(x).detach(), x.grad, moe.aux_loss.item(),
+        out, aux = moe(x)
+        return (out.detach(), x.grad, aux.item(),
                 {n: full(p.grad) for n, p in model.named_parameters()})
 
     results = run_threads(world_size, rank_fn)
@@ -137,6 +141,53 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
     used = sum(counts)
     w1_grad = results[0][3]["layers.0.moe.experts.w1"]
     assert torch.all(w1_grad[used == 0] == 0) and torch.isfinite(w1_grad).all()
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert", "per_rank"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_padded_dispatch_equals_ragged_dispatch(routing, world_size):
+    """`dispatch_combine_padded` (static shapes, worst-case buffers) = `dispatch_combine`: same
+    rows back and the same input and expert-weight gradients, to fp32 summation order (1e-6)."""
+    from models.common.moe import GroupedExperts
+    from parallelisms.expert_parallel import dispatch_combine, dispatch_combine_padded
+
+    dim, num_experts = 16, 8
+    torch.manual_seed(0)
+    xs = [torch.randn(NUM_TOKENS, dim) * 0.5 + _routing_bias(routing, r, dim) for r in range(world_size)]
+    experts_ref = GroupedExperts(dim=dim, hidden_dim=32, num_experts=num_experts // world_size)
+
+    def rank_fn():
+        from torch.distributed.device_mesh import init_device_mesh
+
+        rank = dist.get_rank()
+        mesh = init_device_mesh("cpu", (world_size,))
+        x = xs[rank]
+        flat = torch.topk(x[:, :8], 2).indices.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+        results = []
+        for fn in (dispatch_combine, dispatch_combine_padded):
+            experts = GroupedExperts(dim=dim, hidden_dim=32, num_experts=num_experts // world_size)
+            experts.load_state_dict(experts_ref.state_dict())
+            rows = x[order // 2].clone().requires_grad_()
+            out = fn(rows, counts, experts, mesh)
+            out.backward(torch.ones_like(out))
+            results.append((out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()))
+        return results
+
+    for ragged, padded in run_threads(world_size, rank_fn):
+        for a, b in zip(ragged, padded):
+            assert rel_diff(b, a) < 1e-6
+
+
+def test_expert_shard_dim_goes_to_a_hidden_dim_beyond_the_experts():
+    from parallelisms.expert_parallel import expert_shard_dim
+
+    assert expert_shard_dim((4, 32, 16), 2) == 0  # 4 local experts over 2: whole experts
+    assert expert_shard_dim((1, 32, 16), 4) == 1  # 1 local expert over 4: its hidden rows
+    assert expert_shard_dim((1, 1536, 4096), 4) == 1  # 235B-A22B w1 on ep 128 x efsdp 4
+    assert expert_shard_dim((3, 6, 5), 2) == 1
+    assert expert_shard_dim((3, 5, 7), 2) == 0  # nothing divides: uneven expert shards
 
 
 def test_expert_weights_are_sharded_over_efsdp_and_ep():
@@ -169,11 +220,11 @@ QWEN_AUX = 0.01
 GLOBAL_BATCH = 4
 
 
-def _qwen3_args():
-    return dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, max_seq_len=SEQ_LEN)
+def _qwen3_args(num_experts: int = 8):
+    return dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, max_seq_len=SEQ_LEN, num_experts=num_experts)
 
 
-def _reference(state):
+def _reference(state, num_experts: int = 8):
     """Loss, aux loss and gradients of one process on the whole global batch.
 
     With the global-batch load-balancing loss every mesh trains on exactly this: the expert
@@ -181,7 +232,7 @@ def _reference(state):
     `E * sum f_i * P_i(rank)` is `E * sum f_i * P_i(global batch)`.
     """
     with torch.device("meta"):
-        model = Transformer(_qwen3_args())
+        model = Transformer(_qwen3_args(num_experts))
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -202,23 +253,28 @@ def _reference(state):
     # ep = 1 with TP: experts whole on every rank, FSDP over dp_shard x tp (parallelize_model
     # only calls apply_ep for ep > 1, so this case assembles the steps itself).
     (2, dict(dp_shard=1, tp=2, ep=1)),
+    # More ranks than experts: 2 experts, ep 2, efsdp 2 > 1 local expert, so the experts are
+    # sharded along their hidden dim (expert_shard_dim) and every rank holds a quarter.
+    (4, dict(dp_shard=4, ep=2, num_experts=2)),
 ])
 def test_qwen3_moe_matches_single_process(world_size, degrees):
+    degrees = dict(degrees)
+    num_experts = degrees.pop("num_experts", 8)
     torch.manual_seed(0)
     with torch.device("meta"):
-        ref = Transformer(_qwen3_args())
+        ref = Transformer(_qwen3_args(num_experts))
     ref.to_empty(device="cpu")
     with torch.no_grad():
         ref.init_weights()
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
-    want_lm, want_aux, want_grads = _reference(state)
+    want_lm, want_aux, want_grads = _reference(state, num_experts)
     inputs, labels = batch(ref.args.vocab_size, GLOBAL_BATCH)
 
     def rank_fn():
         dims = ParallelDims(world_size=world_size, **degrees)
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
-            model = Transformer(_qwen3_args())
+            model = Transformer(_qwen3_args(num_experts))
         if dims.ep_enabled:
             parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
                               param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -236,9 +292,15 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
         lm = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n])
         aux = model.pop_aux_loss()
         (lm + QWEN_AUX * aux).backward()
-        return r, lm.item(), aux.item(), {n: full(p.grad) for n, p in model.named_parameters()}
+        experts = {n: (p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n}
+        return r, lm.item(), aux.item(), {n: full(p.grad) for n, p in model.named_parameters()}, experts
 
     results = run_threads(world_size, rank_fn)
+    # Every rank holds exactly 1/(efsdp x ep) of each expert weight (none holds nothing).
+    expert_ranks = world_size // degrees.get("dp_replicate", 1)
+    for *_, experts in results:
+        assert experts and all(local * expert_ranks == total for local, total in experts.values()), experts
+    results = [r[:4] for r in results]
     lm_mean = sum(lm for _, lm, _, _ in results) / world_size
     assert lm_mean == pytest.approx(want_lm, rel=1e-6)
     # Each rank's aux loss uses the global expert frequencies and its own tokens' router
@@ -250,3 +312,80 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
         assert set(grads) == set(want_grads)
         for name, want in want_grads.items():
             assert rel_diff(grads[name], want) < TOL, name
+
+
+# --- more ranks than experts, end to end (torchrun, gloo) ------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # ~1 min on 2 cores: one 4-process and two 1-process trainer runs
+def test_experts_beyond_ranks_train_and_resume(tmp_path, monkeypatch):
+    """The MoE debug recipe with 2 experts on 4 processes (dp_shard 4, ep 2: efsdp 2 > 1 local
+    expert, experts sharded along their hidden dim) matches 1 process for 6 steps with the
+    recipe's aux coefficient, and its step-3 DCP checkpoint resumes on 1 process.
+
+    Tolerance 1e-5 relative on loss and aux loss: fp32 parameters, so the runs differ only by
+    summation order (all-reduce / reduce-scatter of fp32 gradients, ~1e-7 relative per step),
+    which AdamW's first steps amplify by at most ~10x over 6 steps.
+    """
+    from tests.test_qwen3_e2e import MOE, MOE_PARITY, max_rel_diff
+    from tests.trainer_runs import REPO, train
+
+    monkeypatch.chdir(REPO)
+    common = [*MOE_PARITY, "--config", MOE, "--model.num_experts=2", "--training.steps=6"]
+    ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0"]
+    got = train(tmp_path / "ep2", 4, dict(dp_shard=4, ep=2), *common, *ckpt)
+    want = train(tmp_path / "single", 1, {}, *common, "--checkpoint.enable=false")
+    assert max_rel_diff(got, want, range(1, 7)) < 1e-5
+    assert max(abs(got[s]["moe_aux_loss"] - want[s]["moe_aux_loss"]) / want[s]["moe_aux_loss"]
+               for s in range(1, 7)) < 1e-5
+    # The checkpoint holds the hidden-dim expert shards; DCP reshards them for 1 process.
+    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-3", tmp_path / "resume" / "checkpoints" / "step-3")
+    resumed = train(tmp_path / "resume", 1, {}, *common, *ckpt)
+    assert max_rel_diff({s: resumed[s] for s in (4, 5, 6)}, {s: got[s] for s in (4, 5, 6)}, (4, 5, 6)) < 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # two 2-process trainer runs, one of them compiling the scanned graph step
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(dp_shard=2, ep=2)], ids=["fsdp2", "fsdp2-ep2"])
+def test_moe_layer_scan_matches_eager(tmp_path, monkeypatch, degrees):
+    """Graph mode with layer scan on 2 ranks (the global-batch load-balancing loss's count
+    all-reduce runs inside the scan body; with ep 2 the static-shape padded dispatch does too)
+    equals eager for 3 steps, loss and aux loss within 1e-5 relative (fp32; measured ~1e-7:
+    summation order only)."""
+    from tests.test_qwen3_e2e import MOE, MOE_PARITY, max_rel_diff
+    from tests.trainer_runs import REPO, train
+
+    monkeypatch.chdir(REPO)
+    common = [*MOE_PARITY, "--config", MOE, "--training.steps=3", "--checkpoint.enable=false"]
+    eager = train(tmp_path / "eager", 2, degrees, *common)
+    scan = train(tmp_path / "scan", 2, degrees, *common, "--compile.mode=graph",
+                 "--compile.backend=aot_eager", "--compile.scan_layers=true")
+    assert max_rel_diff(scan, eager, range(1, 4)) < 1e-5
+    assert max(abs(scan[s]["moe_aux_loss"] - eager[s]["moe_aux_loss"]) / eager[s]["moe_aux_loss"]
+               for s in range(1, 4)) < 1e-5
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_scan_gather_along_any_dim(dim):
+    """The layer-scan body's gather (trainer/graph/fsdp_scan.py `GatherShard`) along the dim an
+    expert weight is sharded on: forward = the full tensor, backward = the mean of the ranks'
+    gradients, cut to the rank's shard (exact: one all-gather / reduce-scatter of fp32)."""
+    from trainer.graph.fsdp_scan import GatherShard
+
+    world_size = 2
+    full = torch.randn(2, 4, 6)
+    grads = [torch.randn(2, 4, 6) for _ in range(world_size)]
+
+    def rank_fn():
+        rank = dist.get_rank()
+        group = (dist.group.WORLD.group_name, world_size)
+        shard = full.chunk(world_size, dim=dim)[rank].clone().requires_grad_()
+        out = GatherShard.apply(shard, group, (), None, None, dim)
+        out.backward(grads[rank])
+        return out.detach(), shard.grad
+
+    mean_grad = sum(grads) / world_size
+    for rank, (out, grad) in enumerate(run_threads(world_size, rank_fn)):
+        assert torch.equal(out, full)
+        torch.testing.assert_close(grad, mean_grad.chunk(world_size, dim=dim)[rank], rtol=1e-6, atol=1e-7)

@@ -151,6 +151,14 @@ def test_scan_refused_for_alternating_layers(tmp_path):
         model.layers.enable_scan()
 
 
+def test_scan_refused_for_hf_moe_layers(tmp_path):
+    """HF MoE layers hand their router logits to hooks (a side effect a scan body cannot have);
+    the native Qwen 3 MoE blocks scan, the HF ones are refused with a ConfigError naming the key."""
+    model = _built(_args(tmp_path, "qwen3_moe"))
+    with pytest.raises(ConfigError, match="compile.scan_layers: the MoE layers"):
+        model.layers.enable_scan()
+
+
 def test_recipe_overrides_layers_and_vocab(tmp_path):
     """`[model] n_layers` keeps the first layers (and cuts Gemma 3's layer_types to match);
     more layers than the config has is an error naming the key."""
@@ -208,7 +216,7 @@ MODES = {
              "--compile.dump_graph=graph.txt"],
 }
 # Refused with an `error:` line, by design (docs/hf_backend.md): scan needs uniform layers without
-# an aux loss stored during forward; TP needs a translatable base_model_tp_plan and uniform masks.
+# router logits collected by hooks during forward; TP needs a translatable base_model_tp_plan and uniform masks.
 SCAN_REFUSED = {"gemma3_text", "qwen3_moe"}
 TP_ARCHS = ["llama", "qwen3", "mistral", "gpt_neox", "starcoder2"]
 

@@ -368,3 +368,21 @@ def test_shipped_pod_recipes_fit_their_targets(recipe, target):
         dp_shard=p.data_parallel_shard_degree, tp=p.tensor_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel, probe=True)
     assert est.fits, report.format_estimate(est)
+
+
+def test_expert_weights_count_one_over_efsdp_times_ep_beyond_the_experts():
+    """More devices than experts (8 experts, 32 devices, ep 2: efsdp 16 > 4 local experts): the
+    real plan on the fake world gives every rank exactly 1/32 of each expert weight (sharded along
+    the hidden dim), so the planner's per-device parameter count is experts / (efsdp x ep)."""
+    from parallelisms.parallel_dims import ParallelDims
+    from planner.shard import local_tensor
+
+    args = QWEN.get_args("debugmodel_moe", n_layers=1)
+    for rank in (0, 31):
+        with P.fake_process_group(32, rank=rank):
+            dims = ParallelDims(dp_shard=32, ep=2, world_size=32)
+            model = P.build_parallel_model(QWEN, args, dims)
+            experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
+            assert experts
+            for name, p in experts.items():
+                assert local_tensor(p).numel() * 32 == p.numel(), (name, tuple(local_tensor(p).shape))

@@ -107,8 +107,8 @@ def plan_step(*, mode: str, backend: str, scan_layers: bool, ac_mode: str, loss_
               fused_loss: str = "off", model_has_hidden: bool = False) -> StepPlan:
     """The `StepPlan` of a run; ConfigError for combinations that cannot be honoured.
 
-    `shape` (the model's `args.shape()`) lets the plan refuse a scan of MoE blocks: they leave
-    their load-balancing loss on the module during forward, which a scan body cannot return.
+    `shape` (the model's `args.shape()`) is accepted for callers that pass it; MoE blocks scan
+    like any others (their load-balancing loss is a per-layer scan output, models/common/stack.py).
     `fused_loss` (auto | on | off): auto fuses on TPU; it needs a model with `hidden()` (the
     contract's optional part) and no tensor parallelism (the op takes the whole vocabulary).
     """
@@ -126,9 +126,6 @@ def plan_step(*, mode: str, backend: str, scan_layers: bool, ac_mode: str, loss_
         raise ConfigError(f"compile.mode: {mode!r}; allowed: {', '.join(MODES)}")
     if scan_layers and mode != "graph":
         raise ConfigError('compile.scan_layers: needs compile.mode = "graph"')
-    if scan_layers and shape is not None and shape.is_moe:
-        raise ConfigError("compile.scan_layers: MoE blocks store their aux loss on the module during "
-                          "forward, which a scan body cannot return; allowed: false for MoE models")
     resolved = None if mode == "eager" else resolve_backend(backend, mode=mode, device_type=device_type)
     scan = mode == "graph" and scan_layers
     return StepPlan(

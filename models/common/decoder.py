@@ -44,10 +44,14 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """-> the new h; an MoE block returns `(h, aux_loss)` (the `BlockStack` sums the aux terms)."""
         h = h + self.attention(self.attention_norm(h), rope_cos, rope_sin)
-        mlp = self.moe if self.is_moe else self.feed_forward
-        return h + mlp(self.ffn_norm(h))
+        if self.is_moe:
+            out, aux_loss = self.moe(self.ffn_norm(h))
+            return h + out, aux_loss
+        return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         init_std = depth_scaled_std(self.layer_id)
@@ -142,10 +146,8 @@ class Decoder(nn.Module):
     def pop_aux_loss(self) -> torch.Tensor | None:
         """Sum over MoE layers of the load-balancing loss of the last forward (0-dim float32), or
         None for a model without MoE layers. Clears the layers' copies (see `models/contract.py`)."""
-        total = None
-        for block in self.layers.values():
-            if block.is_moe:
-                loss, block.moe.aux_loss = block.moe.aux_loss, None
-                assert loss is not None, "the aux loss is available once after each forward"
-                total = loss if total is None else total + loss
+        if not any(block.is_moe for block in self.layers.values()):
+            return None
+        total = self.layers.pop_aux_loss()
+        assert total is not None, "the aux loss is available once after each forward"
         return total

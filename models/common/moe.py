@@ -10,9 +10,12 @@ The split of work matches what expert parallelism needs:
 - `GroupedExperts.forward(x, num_tokens_per_expert)` is pure compute on tokens already sorted by
   expert, so an expert-parallel wrapper can all-to-all tokens in before it and back after it.
 
-Auxiliary loss: each forward stores the layer's load-balancing loss in `MoE.aux_loss` (a 0-dim
-float32 tensor, part of the autograd graph). The model sums it over layers and clears it
-(`Decoder.pop_aux_loss()`); the trainer scales the sum by `training.aux_loss_coef` and adds it.
+Auxiliary loss: `MoE.forward` returns `(out, aux_loss)`, the layer's load-balancing loss being
+a 0-dim float32 tensor in the autograd graph. It is an output, not state left on the module, so
+the layer runs unchanged inside a layer scan (the scan body returns it as a per-layer output;
+models/common/stack.py). The block passes it up, the `BlockStack` sums it over layers and the
+model hands the sum out once (`Decoder.pop_aux_loss()`); the trainer scales it by
+`training.aux_loss_coef` and adds it.
 It is the **global-batch** load-balancing loss (Qwen's "global-batch LBL", as in Qwen 3): the
 expert frequencies `f_i` count the routed tokens of the whole global micro-batch, summed over
 every rank by `reduce_counts` (set by parallelisms/ when several ranks see different tokens;
@@ -123,12 +126,11 @@ class MoE(nn.Module):
             dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob
         )
         self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
-        # Set by every forward; see the module docstring.
-        self.aux_loss: torch.Tensor | None = None
         # Sums expert counts over the ranks holding the rest of the global batch (parallelisms/).
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [bs, seq, dim] -> (out [bs, seq, dim], load-balancing loss: 0-dim float32)."""
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
         top_scores, selected_experts, router_logits = self.router(x)
@@ -139,7 +141,7 @@ class MoE(nn.Module):
         num_tokens_per_expert = torch.zeros(
             num_experts, dtype=torch.int64, device=x.device
         ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        self.aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
+        aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
 
         # Sort slots by expert; stable keeps token order within each expert's batch.
         order = torch.argsort(flat_experts, stable=True)
@@ -148,7 +150,7 @@ class MoE(nn.Module):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
         routed_out = routed_out[inverse].view(-1, top_k, dim)
         out = (routed_out * top_scores.unsqueeze(-1)).sum(dim=1)
-        return out.view(bs, seqlen, dim)
+        return out.view(bs, seqlen, dim), aux_loss
 
     def init_weights(self, init_std: float) -> None:
         """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`."""

@@ -2,8 +2,11 @@
 
 It is an `nn.ModuleDict` keyed "0".."n-1", so parameter names (`layers.3.attention.wq.weight`)
 match TorchTitan checkpoints and parallel plans. Blocks take a fixed tuple of tensors
-`(h, *args)` and return the new `h`; they never know how the stack runs them, so a scan over
-stacked weights can later replace the Python loop here without touching any block.
+`(h, *args)` and return the new `h`, or `(h, aux)` where `aux` is a 0-dim auxiliary loss term
+of the layer (an MoE block's load-balancing loss). The stack sums the aux terms over its layers
+and keeps the sum for `pop_aux_loss()`; the sum is taken outside the blocks, so a block never
+leaves state on itself and never knows how the stack runs it: a scan over stacked weights
+replaces the Python loop here without touching any block.
 
 Layer scan (`enable_scan()`, used by the graph trainer): every block's parameter `name` is
 moved into one stacked tensor `[n_layers, *shape]`, and each block's parameter becomes a view
@@ -11,7 +14,8 @@ of its row, so the module tree, `parameters()`, optimizer state and state-dict k
 unchanged and a checkpoint saved with scan loads without it (and the reverse). Under
 `torch.compile` the stack then runs as one `torch.ops.higher_order.scan` over the stacked
 tensors (block "0" is the template, called with `torch.func.functional_call` on one row per
-step), so a captured graph holds one copy of the block whatever `n_layers` is. Outside
+step), so a captured graph holds one copy of the block whatever `n_layers` is. A block's aux
+term is a per-layer output of the scan (stacked `[n_layers]`, summed after it). Outside
 compilation the plain loop runs on the same storage: eager scan is slow and gains nothing.
 """
 
@@ -30,13 +34,28 @@ class BlockStack(nn.ModuleDict):
     def __init__(self, blocks: Iterable[nn.Module]):
         super().__init__({str(i): block for i, block in enumerate(blocks)})
         self._scan: _ScanState | None = None
+        self._aux_loss: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         if self._scan is not None and torch.compiler.is_compiling():
-            return self._scan_forward(h, args)
+            h, self._aux_loss = self._scan_forward(h, args)
+            return h
+        aux_total = None
         for block in self.values():
-            h = block(h, *args)
+            out = block(h, *args)
+            if isinstance(out, tuple):
+                h, aux = out
+                aux_total = aux if aux_total is None else aux_total + aux
+            else:
+                h = out
+        self._aux_loss = aux_total
         return h
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """Sum over layers of the blocks' aux terms of the last forward (None if no block returns
+        one, or if it was already popped); clears it."""
+        aux, self._aux_loss = self._aux_loss, None
+        return aux
 
     # --- layer scan ------------------------------------------------------------------------
 
@@ -99,7 +118,8 @@ class BlockStack(nn.ModuleDict):
         assert self._scan is not None, "layer scan is not enabled"
         return sum(view_rows(stack, self._scan.members[name]) for name, stack in self._scan.stacked.items())
 
-    def _scan_forward(self, h: torch.Tensor, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _scan_forward(self, h: torch.Tensor, args: tuple[torch.Tensor, ...]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from torch._higher_order_ops.scan import scan
 
         state = self._scan
@@ -111,11 +131,14 @@ class BlockStack(nn.ModuleDict):
                 params = state.param_fn(params)
             tensors = {**params, **{n: row[n] for n in state.buffer_names}}
             out = torch.func.functional_call(template, tensors, (carry, *args))
+            if isinstance(out, tuple):  # (h, aux): the aux term is a per-layer output
+                return out[0], [out[1]]
             # `[]`: no per-layer outputs (scan rejects None here).
             return out, []
 
-        h, _ = scan(body, h, state.stacked)
-        return h
+        h, ys = scan(body, h, state.stacked)
+        # ys[0] is [n_layers]: the layers' aux terms, summed here as the loop sums them.
+        return h, (ys[0].sum() if ys else None)
 
 
 @dataclass

@@ -61,6 +61,9 @@ class HFCausalLM(nn.Module):
         self._aux_loss: torch.Tensor | None = None
         self._router_logits: list[torch.Tensor] = []
         self._aux_fn = _router_aux(hf, self._router_logits) if args.shape().is_moe else None
+        if self._aux_fn is not None:
+            base.layers.scan_refusal = ("the MoE layers hand their router logits out through forward hooks, "
+                                        "a side effect a scan body cannot have")
         # Tied parameters (e.g. lm_head.weight is model.embed_tokens.weight): (alias, owner) names.
         # `to_empty` from meta gives each name its own tensor, so init_weights ties them again.
         first: dict[int, str] = {}
@@ -199,6 +202,8 @@ class HFBlockStack(BlockStack):
                 layer.__class__ = _positional_class(type(layer))
         super().__init__(layers)
         self.non_uniform_reason = non_uniform_reason
+        self.scan_refusal: str | None = None
+        """Why these layers cannot run as a scan although uniform (set by the model), or None."""
 
     def __getitem__(self, key):
         if isinstance(key, slice):
@@ -212,6 +217,8 @@ class HFBlockStack(BlockStack):
         return iter(self[:])
 
     def enable_scan(self, **kwargs) -> None:
+        if self.scan_refusal is not None:
+            raise ConfigError(f"compile.scan_layers: {self.scan_refusal}; allowed: false for this model")
         if self.non_uniform_reason is not None:
             raise ConfigError(f"compile.scan_layers: the decoder layers are not uniform: "
                               f"{self.non_uniform_reason}; allowed: false for this model")
