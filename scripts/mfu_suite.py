@@ -455,9 +455,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     ns, extra = parse(argv)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise InputError("scripts/mfu_suite.py: matplotlib is not installed (its plots need it); "
-                         "install the bench extra: pip install '.[bench]'")
     recipes = [r.strip() for r in ns.recipes.split(",") if r.strip()]
     paths = {r: recipe_path(r) for r in recipes}
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
@@ -476,6 +473,9 @@ def _main(argv: list[str]) -> int:
                      else [r.strip() for r in ns.project.split(",") if r.strip()])
     for name in project_names:
         recipe_path(name)
+    if not ns.dry_run and importlib.util.find_spec("matplotlib") is None:  # before any run
+        raise InputError("scripts/mfu_suite.py: matplotlib is not installed (its plots need it); "
+                         "install the bench extra: pip install '.[bench]'")
     out = Path(ns.out) if ns.out else ROOT / "outputs" / "mfu_suite" / time.strftime("%Y%m%d-%H%M%S") / "mfu_suite"
     out.parent.mkdir(parents=True, exist_ok=True)
     root = out.parent / f"{out.name}_runs"
