@@ -101,6 +101,7 @@ def apply_layout(layout: HFLayout, hf_state_dict: Mapping[str, torch.Tensor]) ->
         out[name] = read_box(entry, (0,) * len(entry.shape), entry.shape, dtype, read)
     return out
 
+
 # HF key (after "model.layers.{i}.") -> our key (after "layers.{i}.")
 _LAYER_KEYS = {
     "self_attn.q_proj.weight": "attention.wq.weight",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from models.common.hf import HFLayout, whole
+from models.common.hf import HFLayout, apply_layout, whole
 from models.hf.args import HFArgs
 
 
@@ -33,15 +33,9 @@ def _tied(args: HFArgs) -> tuple[str, str] | None:
 
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
-    """HF state dict -> ours: the same names; a tied output matrix is filled in from the embedding."""
-    state_dict = dict(hf_state_dict)
-    tied = _tied(args)
-    if tied is not None:
-        out_key, emb_key = tied
-        if out_key not in state_dict and emb_key in state_dict:
-            state_dict[out_key] = state_dict[emb_key]
-    return state_dict
-
+    """HF state dict -> ours: `hf_layout` applied in memory (the same names; a tied output matrix
+    is filled in from the embedding)."""
+    return apply_layout(hf_layout({k: tuple(v.shape) for k, v in hf_state_dict.items()}, args), hf_state_dict)
 
 
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: HFArgs) -> HFLayout:
@@ -53,6 +47,7 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: HFArgs) -> HFLayout:
         if out_key not in layout and emb_key in layout:
             layout[out_key] = layout[emb_key]
     return layout
+
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: HFArgs) -> dict[str, torch.Tensor]:
     """Ours -> HF: the same names, a tied output matrix stored once (as HF saves it)."""
