@@ -37,7 +37,9 @@ def _dtype(name: str) -> torch.dtype:
     """A concrete dtype name -> torch dtype; `auto` must have been resolved first
     (trainer.device.resolve_compute_dtype, once per run, before the model is built)."""
     assert name != "auto", "resolve mixed_precision_param = auto before building the model"
-    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    from trainer.device import PROBE_DTYPES
+
+    return PROBE_DTYPES[name]
 
 
 def build_model(family, args, *, step_plan: StepPlan, parallel_dims, mesh, device: torch.device,
