@@ -19,9 +19,17 @@ esac
 VENV="${TITAN_XLA_VENV_ROOT:-$ROOT}/.venv-$NAME"
 STAMP="$VENV/.titan-$(printf '%s\n' "${PKGS[@]}" | sha1sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
-  echo "setting up $VENV (one time) ..." >&2
-  [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q "${PKGS[@]}" >&2
-  touch "$STAMP"
+  # Two callers (pytest-xdist workers, two checkouts sharing TITAN_XLA_VENV_ROOT) may ask for the
+  # same venv at once: one makes it, the other waits on the lock and then finds the stamp.
+  mkdir -p "$(dirname "$VENV")"
+  exec 9>"$VENV.lock"
+  flock 9
+  if [ ! -f "$STAMP" ]; then
+    echo "setting up $VENV (one time) ..." >&2
+    [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q "${PKGS[@]}" >&2
+    touch "$STAMP"
+  fi
+  flock -u 9
 fi
 echo "$VENV"

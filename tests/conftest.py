@@ -9,6 +9,70 @@ import pytest
 
 from models.common import ops
 
+# Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) every test is its own work
+# unit, handed to whichever worker is free, except these groups, each run whole on one worker:
+#  - the XLA tier: its session fixtures (venvs, the lowering and TPU-compile probes) must run once,
+#    not once per worker; it is handed out first, so its pip installs and probes overlap the rest;
+#  - modules whose module-scoped fixture is a training run that several tests compare against
+#    (split across workers, each worker would pay for it).
+# (xdist's own `xdist_group` mark does not work with pytest 9.2: xdist 3.8 renames node ids
+# through an attribute pytest no longer reads; so the scheduler below groups by path.)
+XDIST_GROUPS = {
+    "tests/xla/": "xla",
+    "tests/test_hf_backend.py": "hf_backend",
+    "tests/test_parallel_e2e.py": "parallel_e2e",
+    "tests/test_qwen3_e2e.py": "qwen3_e2e",
+    "tests/test_flux_train.py": "flux_train",
+    "tests/test_engine.py": "engine",
+}
+
+
+def xdist_group(nodeid: str) -> str | None:
+    """The group of a test (node id relative to the repository root), or None."""
+    for prefix, group in XDIST_GROUPS.items():
+        if nodeid.startswith(prefix):
+            return group
+    return None
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # no pytest-xdist: tests run in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class GroupScheduling(LoadScopeScheduling):
+        """One work unit per test, or per group of `XDIST_GROUPS`; the XLA group first, then the
+        other groups (biggest first), then single tests in collection order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid) or nodeid
+
+        def schedule(self) -> None:
+            if self.collection is None and self.collection_is_completed:
+                if not self._check_nodes_have_same_collection():
+                    self.log("**Different tests collected, aborting run**")
+                    return
+                collection = list(next(iter(self.registered_collections.values())))
+                units: dict[str, dict[str, bool]] = {}
+                for nodeid in collection:
+                    units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+                if len(units) >= len(self.nodes):  # else the base class shuts the spare workers down
+                    rank = {g: i for i, g in enumerate(dict.fromkeys(XDIST_GROUPS.values()))}
+                    order = sorted(units, key=lambda s: (0, 0) if s == "xla" else
+                                   (1, -len(units[s])) if s in rank else (2, 0))
+                    self.collection = collection
+                    for scope in order:
+                        self.workqueue[scope] = units[scope]
+                    for node in self.nodes:
+                        self._assign_work_unit(node)
+            super().schedule()
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") in ("load", "loadgroup"):
+            return GroupScheduling(config, log)
+        return None
+
 
 def _reset() -> None:
     for op in ops.OPS:
