@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["causal_attention", "load", "load_error", "loaded", "supports"]
+__all__ = ["causal_attention", "load", "load_error", "loaded", "supports", "uses_amx"]
 
 _SOURCE = Path(__file__).with_name("attention.cpp")
 _VECTORS_PER_HEAD = (1, 2, 4, 8)  # head_dim / lanes values the kernel instantiates
@@ -141,6 +141,13 @@ def _ninja_on_path():
 def loaded() -> bool:
     """Whether `load()` has run and succeeded (never builds)."""
     return bool(_state.get("ok", False))
+
+
+def uses_amx() -> bool:
+    """Whether bf16 calls run the kernel's AMX path (block GEMMs through ATen's brgemm on AMX
+    tiles): the CPU has AMX, oneDNN can use it, and TITAN_CPU_ATTN_AMX is not "0". False until
+    `load()` has succeeded."""
+    return loaded() and bool(torch.ops.titan_cpu.uses_amx())
 
 
 def load_error() -> str | None:
