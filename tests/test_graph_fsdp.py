@@ -102,8 +102,8 @@ def test_graph_step_simple_fsdp_matches_single_process():
         assert collectives["all_gather_into_tensor"] >= 12 and collectives["reduce_scatter_tensor"] >= 12
         assert collectives["all_reduce"] == 1
         assert scans == (2 if scan else 0)
-        # Unrolled, every gather but the first ALL_GATHER_LOOKAHEAD is issued ahead of its use
-        # (the losses above are with that order); with scan the gathers are in the body.
+        # Unrolled, the gathers are issued ahead of their use (all but the first move; the
+        # losses above are with that order); with scan the gathers are in the body.
         assert prefetched >= (0 if scan else collectives["all_gather_into_tensor"] - ALL_GATHER_LOOKAHEAD), prefetched
     # Both ranks hold the same (gathered) weights.
     for scan in (False, True):

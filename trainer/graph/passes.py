@@ -318,7 +318,8 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
     As traced, SimpleFSDP's all-gather of a parameter is issued just before its use, so every
     gather is a synchronization point at which the faster rank waits for the slower one. Here
     all-gather i (with the casts and views it reads, all pure ops on graph inputs) moves up to
-    just before the wait of all-gather i - lookahead: the collectives then run on the process
+    just before the wait of all-gather max(0, i - lookahead), after gather i - 1, so gathers are
+    issued in their original order and up to lookahead + 1 are in flight: they run on the process
     group's thread while the step computes with earlier parameters, and a rank that falls
     behind by less than `lookahead` gathers does not stall the other. Waits stay where they
     are. Gathers inside scan bodies (layer scan) are not moved. Returns how many moved.
@@ -331,8 +332,8 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
         users = [u for u in ag.users if _short(u.target) == "wait_tensor"]
         waits.append(min(users, key=order.__getitem__) if users else None)
     moved = 0
-    for i in range(lookahead, len(gathers)):
-        target = waits[i - lookahead]
+    for i in range(1, len(gathers)):
+        target = waits[max(0, i - lookahead)]
         if target is None or order[gathers[i]] < order[target]:
             continue
         chain, ok, stack, seen = [], True, [gathers[i]], set()
