@@ -261,6 +261,35 @@ void pack_bf16(const Rows<at::BFloat16>& src, int64_t b, int64_t h, int64_t S, i
     }
 }
 
+// dst[d * sd] = bf16(mul * src[d]), vectorized where dst is contiguous.
+void store_bf16(const float* src, float mul, int64_t D, at::BFloat16* dst, int64_t sd) {
+  if (sd != 1) return store_row(src, mul, D, dst, sd);
+  const __m512 m = _mm512_set1_ps(mul);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + d), m)));
+}
+
+// Write one head's fp32 rows [S][D] times `mul` into row block (b, h) of a bf16 [B, H, S, D] tensor.
+void store_head(const float* src, float mul, int64_t S, int64_t D, at::Tensor& dst, int64_t b, int64_t h) {
+  at::BFloat16* base = dst.data_ptr<at::BFloat16>() + b * dst.stride(0) + h * dst.stride(1);
+  for (int64_t s = 0; s < S; ++s) store_bf16(src + s * D, mul, D, base + s * dst.stride(2), dst.stride(3));
+}
+
+// DELTA[s] = rowsum(dO * O) and L[s] = the saved log-sum-exp of head (b, h); rows S..S_pad are 0.
+void head_delta_lse(const Rows<at::BFloat16>& dor, const Rows<at::BFloat16>& outr, const float* lrow, int64_t b,
+                    int64_t h, int64_t S, int64_t S_pad, int64_t D, float* DELTA, float* L) {
+  for (int64_t s = 0; s < S_pad; ++s) {
+    float acc = 0.f;
+    if (s < S) {
+      const at::BFloat16* orow = outr.row(b, h, s);
+      const at::BFloat16* drow = dor.row(b, h, s);
+      for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(drow[d * dor.sd]) * static_cast<float>(orow[d * outr.sd]);
+    }
+    DELTA[s] = acc;
+    L[s] = s < S ? lrow[s] : 0.f;
+  }
+}
+
 template <int64_t ND, int64_t R>
 void forward_head_bf16(const u16* QB, const u16* KP, const u16* VP, int64_t S_pad, float scale, float* O,
                        float* LSE, float* strip, u16* pb) {
@@ -394,7 +423,6 @@ void run_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, S_pad = round_up(S, 16);
   Rows<at::BFloat16> qr(q), kr(k), vr(v);
-  at::BFloat16* out_base = out.data_ptr<at::BFloat16>();
   float* lse_base = lse.data_ptr<float>();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<u16> QB(S_pad * D), KP(D * S_pad), VP(S_pad * D), pb(kRowsFwd * S_pad);
@@ -410,9 +438,7 @@ void run_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       pack_bf16(qr, b, h, S, S_pad, D, QB.data(), nullptr, nullptr);
       forward_head_bf16<ND, kRowsFwd>(QB.data(), KP.data(), VP.data(), S_pad, static_cast<float>(scale), O.data(), L.data(),
                             strip.data(), pb.data());
-      for (int64_t s = 0; s < S; ++s)
-        store_row(O.data() + s * D, 1.f, D,
-                  out_base + b * out.stride(0) + h * out.stride(1) + s * out.stride(2), out.stride(3));
+      store_head(O.data(), 1.f, S, D, out, b, h);
       std::copy(L.data(), L.data() + S, lse_base + (b * Hq + h) * S);
     }
   });
@@ -441,34 +467,14 @@ void run_backward_bf16(const at::Tensor& dout, const at::Tensor& q, const at::Te
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         pack_bf16(qr, b, h, S, S_pad, D, QB.data(), nullptr, QR.data());
         pack_bf16(dor, b, h, S, S_pad, D, DOB.data(), nullptr, DOR.data());
-        const float* lrow = lse_base + (b * Hq + h) * S;
-        for (int64_t s = 0; s < S_pad; ++s) {
-          float acc = 0.f;
-          if (s < S) {
-            const at::BFloat16* orow = outr.row(b, h, s);
-            const at::BFloat16* drow = dor.row(b, h, s);
-            for (int64_t d = 0; d < D; ++d)
-              acc += static_cast<float>(drow[d * dor.sd]) * static_cast<float>(orow[d * outr.sd]);
-          }
-          DELTA[s] = acc;
-          L[s] = s < S ? lrow[s] : 0.f;
-        }
+        head_delta_lse(dor, outr, lse_base + (b * Hq + h) * S, b, h, S, S_pad, D, DELTA.data(), L.data());
         backward_head_bf16<ND, kRowsBwd>(QB.data(), QR.data(), DOB.data(), DOR.data(), KP.data(), VP.data(), KJ.data(),
                                L.data(), DELTA.data(), S_pad, static_cast<float>(scale), dQ.data(), dK.data(),
                                dV.data());
-        at::BFloat16* dq_base = dq.data_ptr<at::BFloat16>();
-        for (int64_t s = 0; s < S; ++s)
-          store_row(dQ.data() + s * D, static_cast<float>(scale), D,
-                    dq_base + b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2), dq.stride(3));
+        store_head(dQ.data(), static_cast<float>(scale), S, D, dq, b, h);
       }
-      at::BFloat16* dk_base = dk.data_ptr<at::BFloat16>();
-      at::BFloat16* dv_base = dv.data_ptr<at::BFloat16>();
-      for (int64_t s = 0; s < S; ++s) {
-        store_row(dK.data() + s * D, static_cast<float>(scale), D,
-                  dk_base + b * dk.stride(0) + hk * dk.stride(1) + s * dk.stride(2), dk.stride(3));
-        store_row(dV.data() + s * D, 1.f, D, dv_base + b * dv.stride(0) + hk * dv.stride(1) + s * dv.stride(2),
-                  dv.stride(3));
-      }
+      store_head(dK.data(), static_cast<float>(scale), S, D, dk, b, hk);
+      store_head(dV.data(), 1.f, S, D, dv, b, hk);
     }
   });
 }
@@ -554,14 +560,6 @@ void pack_vcol(HeadRows rows, int64_t S_pad, u16* dst) {
     if (r) std::memcpy(pair, r, P * sizeof(uint32_t));
     for (int64_t p = 0; p < P; ++p) out[p * S_pad + s] = r ? pair[p] : 0u;
   }
-}
-
-// dst[d * sd] = bf16(mul * src[d]), vectorized where dst is contiguous.
-void store_bf16(const float* src, float mul, int64_t D, at::BFloat16* dst, int64_t sd) {
-  if (sd != 1) return store_row(src, mul, D, dst, sd);
-  const __m512 m = _mm512_set1_ps(mul);
-  for (int64_t d = 0; d < D; d += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + d), m)));
 }
 
 // One head: Q plain [S_pad][D], KC = K in vcol form (B of Q K^T), VR = V in vrow form (B of P V).
@@ -659,7 +657,6 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, S_pad = round_up(S, QB);
   Rows<at::BFloat16> qr(q), kr(k), vr(v);
-  at::BFloat16* out_base = out.data_ptr<at::BFloat16>();
   float* lse_base = lse.data_ptr<float>();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<u16> Q(S_pad * D), KC(D * S_pad), VR(S_pad * D), pb(QB * S_pad);
@@ -675,9 +672,7 @@ void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       pack_plain(HeadRows(qr, b, h, S, D), S_pad, Q.data());
       forward_head<D>(Q.data(), KC.data(), VR.data(), S_pad, static_cast<float>(scale), O.data(), L.data(),
                       strip.data(), pb.data(), o.data());
-      for (int64_t s = 0; s < S; ++s)
-        store_bf16(O.data() + s * D, 1.f, D, out_base + b * out.stride(0) + h * out.stride(1) + s * out.stride(2),
-                  out.stride(3));
+      store_head(O.data(), 1.f, S, D, out, b, h);
       std::copy(L.data(), L.data() + S, lse_base + (b * Hq + h) * S);
     }
     at::native::cpublas::brgemm_release(true);
@@ -711,34 +706,14 @@ void run_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor&
         pack_vcol(HeadRows(qr, b, h, S, D), S_pad, QC.data());
         pack_vrow(HeadRows(dor, b, h, S, D), S_pad, DOR.data());
         pack_vcol(HeadRows(dor, b, h, S, D), S_pad, DOC.data());
-        const float* lrow = lse_base + (b * Hq + h) * S;
-        for (int64_t s = 0; s < S_pad; ++s) {
-          float acc = 0.f;
-          if (s < S) {
-            const at::BFloat16* orow = outr.row(b, h, s);
-            const at::BFloat16* drow = dor.row(b, h, s);
-            for (int64_t d = 0; d < D; ++d)
-              acc += static_cast<float>(drow[d * dor.sd]) * static_cast<float>(orow[d * outr.sd]);
-          }
-          DELTA[s] = acc;
-          L[s] = s < S ? lrow[s] : 0.f;
-        }
+        head_delta_lse(dor, outr, lse_base + (b * Hq + h) * S, b, h, S, S_pad, D, DELTA.data(), L.data());
         backward_head<D>(K.data(), V.data(), KT.data(), QC.data(), DOC.data(), QR.data(), DOR.data(), L.data(),
                          DELTA.data(), S_pad, static_cast<float>(scale), dQ.data(), dK.data(), dV.data(), st.data(),
                          dpt.data(), ptb.data(), dstb.data(), dsv.data(), dqt.data());
-        at::BFloat16* dq_base = dq.data_ptr<at::BFloat16>();
-        for (int64_t s = 0; s < S; ++s)
-          store_bf16(dQ.data() + s * D, static_cast<float>(scale), D,
-                    dq_base + b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2), dq.stride(3));
+        store_head(dQ.data(), static_cast<float>(scale), S, D, dq, b, h);
       }
-      at::BFloat16* dk_base = dk.data_ptr<at::BFloat16>();
-      at::BFloat16* dv_base = dv.data_ptr<at::BFloat16>();
-      for (int64_t s = 0; s < S; ++s) {
-        store_bf16(dK.data() + s * D, static_cast<float>(scale), D,
-                  dk_base + b * dk.stride(0) + hk * dk.stride(1) + s * dk.stride(2), dk.stride(3));
-        store_bf16(dV.data() + s * D, 1.f, D, dv_base + b * dv.stride(0) + hk * dv.stride(1) + s * dv.stride(2),
-                  dv.stride(3));
-      }
+      store_head(dK.data(), static_cast<float>(scale), S, D, dk, b, hk);
+      store_head(dV.data(), 1.f, S, D, dv, b, hk);
     }
     at::native::cpublas::brgemm_release(true);
   });
