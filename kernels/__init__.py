@@ -73,7 +73,10 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
         ops.register("causal_attention", _cpu_kernel_or_sdpa)
         if dtype is not None and head_dim is not None:
             dt = str(dtype).removeprefix("torch.")
-            served = "cpu kernel" if cpu_attention.applies(dtype, head_dim) else "sdpa (the kernel does not serve it)"
+            served = "sdpa (the kernel does not serve it)"
+            if cpu_attention.applies(dtype, head_dim):
+                tiles = dtype == torch.bfloat16 and cpu_attention.uses_amx()
+                served = "cpu kernel, AMX tiles" if tiles else "cpu kernel"
             return f"{attention} ({served} for {dt} at head_dim {head_dim})"
         return f"{attention} (cpu kernel loaded; sdpa where it does not apply)" if attention == "auto" else attention
     if attention == "cpu_kernel":

@@ -2,14 +2,18 @@
 
 Each row is one (dtype, head_dim) at a fixed amount of attention work: batch x heads x seq^2 x
 head_dim is that of the Llama 3 debug model at seq 2048, batch 8 (16 heads of 16). Times are
-medians of --repeats calls on the same inputs, the two kernels interleaved. Prints a table and
+medians of --repeats calls on the same inputs, the kernels interleaved. On a CPU where the
+kernel's bf16 calls take the AMX path, bf16 rows also time its AVX512-BF16 (`vdpbf16ps`) path
+(TITAN_CPU_ATTN_AMX=0) in the same rounds (columns vdp_*). Prints the CPU model, a table, and
 writes CSV.
 
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_attention.py --out attention.csv
 """
 
 import argparse
+import contextlib
 import csv
+import os
 import statistics
 import sys
 import time
@@ -27,6 +31,19 @@ def _time_s(fn) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _amx(on: bool):
+    saved = os.environ.get("TITAN_CPU_ATTN_AMX")
+    os.environ["TITAN_CPU_ATTN_AMX"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TITAN_CPU_ATTN_AMX"]
+        else:
+            os.environ["TITAN_CPU_ATTN_AMX"] = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=2048)
@@ -39,6 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_attention.load():
         sys.exit(f"error: the CPU attention kernel is unavailable: {cpu_attention.load_error()}")
+    from trainer.device import cpu_model
+
+    amx = cpu_attention.uses_amx()
+    print(f"cpu: {cpu_model()}; threads {torch.get_num_threads()}; bf16 path: {'AMX tiles' if amx else 'vdpbf16ps'}")
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     rows = []
@@ -58,7 +79,15 @@ def main() -> None:
                 out, lse = torch.ops.titan_cpu.attn_fwd(q, k, v, scale)
                 f_out, f_lse = flash(q, k_rep, v_rep, 0.0, True, scale=scale)[:2]
                 t = {"kernel_fwd": [], "kernel_bwd": [], "flash_fwd": [], "flash_bwd": []}
-                for _ in range(args.repeats):  # interleaved: drift hits both alike
+                both = amx and dtype == torch.bfloat16
+                if both:
+                    t.update(vdp_fwd=[], vdp_bwd=[])
+                for _ in range(args.repeats):  # interleaved: drift hits all alike
+                    if both:
+                        with _amx(False):
+                            t["vdp_fwd"].append(_time_s(lambda: torch.ops.titan_cpu.attn_fwd(q, k, v, scale)))
+                            t["vdp_bwd"].append(_time_s(
+                                lambda: torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, scale)))
                     t["kernel_fwd"].append(_time_s(lambda: torch.ops.titan_cpu.attn_fwd(q, k, v, scale)))
                     t["flash_fwd"].append(_time_s(lambda: flash(q, k_rep, v_rep, 0.0, True, scale=scale)))
                     t["kernel_bwd"].append(_time_s(
@@ -68,10 +97,14 @@ def main() -> None:
             med = {name: statistics.median(ts) for name, ts in t.items()}
             kernel, aten = med["kernel_fwd"] + med["kernel_bwd"], med["flash_fwd"] + med["flash_bwd"]
             causal_flops = 3 * 2 * 2 * batch * args.heads * args.seq_len ** 2 * head_dim / 2  # fwd 2 GEMMs, bwd 4
+            vdp = med["vdp_fwd"] + med["vdp_bwd"] if "vdp_fwd" in med else None
             rows.append({
-                "dtype": dtype_name, "head_dim": head_dim, "batch": batch, "heads": f"{args.heads}/{args.kv_heads}",
+                "dtype": dtype_name, "path": "amx" if both else "vector",
+                "head_dim": head_dim, "batch": batch, "heads": f"{args.heads}/{args.kv_heads}",
                 "seq": args.seq_len, "threads": torch.get_num_threads(),
-                **{f"{name}_ms": round(1e3 * s, 1) for name, s in med.items()},
+                **{f"{name}_ms": round(1e3 * med[name], 1) if name in med else ""
+                   for name in ("kernel_fwd", "kernel_bwd", "flash_fwd", "flash_bwd", "vdp_fwd", "vdp_bwd")},
+                "vs_vdp": round(vdp / kernel, 2) if vdp else "",
                 "speedup": round(aten / kernel, 2),
                 "kernel_gflops": round(causal_flops / kernel / 1e9, 1),
                 "flash_gflops": round(causal_flops / aten / 1e9, 1),

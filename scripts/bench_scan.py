@@ -7,6 +7,8 @@ does on one process) and one graph step per variant:
 - graph_scan_flip:  layer scan with torch's own backward scan (flipped copies;
                     `scan_reverse_pass` off);
 - graph_scan:       layer scan as the trainer runs it with Inductor (`scan_reverse_pass` on);
+- graph_scan_sel:   graph_scan with selective activation checkpointing in the scan body (the
+                    body saves matmul and attention outputs, recomputes the pointwise ops);
 compiles each, then times `--repeats` rounds in which every variant runs one step on the same
 batch, interleaved, so load changes on a shared machine hit all variants alike. It reports the
 median wall time and the median CPU time of the process per step (`time.process_time`; with
@@ -27,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("graph", "graph_scan_flip", "graph_scan")
+VARIANTS = ("graph", "graph_scan_flip", "graph_scan", "graph_scan_sel")
 
 
 def main() -> int:
@@ -39,6 +41,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="SimpleFSDP param_dtype")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--ttshape", action="store_true",
+                   help="TorchTitan's debugmodel shape (16 kv heads, vocab 2048, FFN multiple of 256), as "
+                        "configs/llama3_debug_ttshape.toml")
     a = p.parse_args()
     variants = [v for v in a.variants.split(",") if v]
     if unknown := set(variants) - set(VARIANTS):
@@ -55,6 +60,8 @@ def main() -> int:
     from trainer.optim import build_optimizer
 
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=a.n_layers, max_seq_len=max(a.seq, 2048))
+    if a.ttshape:
+        args = dataclasses.replace(args, n_kv_heads=16, vocab_size=2048, multiple_of=256)
     kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
 
     def build(variant: str):
@@ -67,7 +74,8 @@ def main() -> int:
             model.init_weights()
         opt = build_optimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=a.backend,
-                                scan_layers=variant != "graph", plan=PLAN)
+                                scan_layers=variant != "graph", plan=PLAN,
+                                ac_mode="selective" if variant == "graph_scan_sel" else "none")
         if variant == "graph_scan_flip":
             step.capture.reverse_scans = False
         return step

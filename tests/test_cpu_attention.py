@@ -68,10 +68,15 @@ def test_fp32_matches_float64_sdpa(shape, contiguous):
 
 @needs_kernel
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bf16_no_worse_than_aten_flash(shape):
-    if not cpu_attention.supports(torch.empty(1, 1, 1, shape[-1], dtype=torch.bfloat16),
-                                  torch.empty(1, 1, 1, shape[-1], dtype=torch.bfloat16)):
+@pytest.mark.parametrize("path", ["amx", "vdpbf16ps"])
+def test_bf16_no_worse_than_aten_flash(shape, path, monkeypatch):
+    """Both bf16 paths: AMX tiles (brgemm block GEMMs; CPUs with AMX) and AVX512-BF16 dot products."""
+    if not (cpu_attention._ISA and cpu_attention._ISA[3]):
         pytest.skip("no AVX512-BF16 on this CPU: bf16 runs on SDPA")
+    # The op itself at every head_dim, also where `auto` prefers SDPA (AMX, head_dim > 64).
+    monkeypatch.setenv("TITAN_CPU_ATTN_AMX", "1" if path == "amx" else "0")
+    if cpu_attention.uses_amx() != (path == "amx"):
+        pytest.skip("no AMX on this CPU (or oneDNN cannot use it): bf16 runs the vdpbf16ps path")
     q, k, v = _qkv(*shape, torch.float64)
     dout = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     ref = _reference(q, k, v, dout)
@@ -117,6 +122,9 @@ def test_auto_picks_kernel_where_supported():
     assert not cpu_attention.supports(q16.double(), q16.double())
     assert not cpu_attention.supports(torch.empty(1, 2, 8, 24), torch.empty(1, 2, 8, 24))
     assert not cpu_attention.supports(torch.empty(1, 2, 8, 16, device="meta"), torch.empty(1, 2, 8, 16, device="meta"))
+    if cpu_attention._ISA[3]:  # AVX512-BF16: bf16 up to head_dim 64 always, 128 only off the AMX path
+        assert cpu_attention.applies(torch.bfloat16, 64)
+        assert cpu_attention.applies(torch.bfloat16, 128) == (not cpu_attention._state["amx"])
 
 
 @needs_kernel
@@ -154,6 +162,7 @@ def test_selective_ac_saves_the_kernel_output():
 
     from parallelisms.activation_checkpoint import sac_policy
 
+    kernels.select(attention="auto", device=torch.device("cpu"))  # registers the kernel's ops as saved
     assert sac_policy(None, torch.ops.titan_cpu.attn_fwd.default) == CheckpointPolicy.MUST_SAVE
 
 

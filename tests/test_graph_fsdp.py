@@ -26,6 +26,7 @@ from tests.test_parallel_harness import (
     run_processes,
 )
 from trainer.graph import build_graph_step
+from trainer.graph.passes import ALL_GATHER_LOOKAHEAD
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # ~1-2 min: two compiles per rank
 
@@ -81,7 +82,7 @@ def _graph_on_rank(state, scan_variants):
             losses.append(mean.item() / 2)
         stats = step.stats
         results[scan] = (losses, {n: full(p).detach().clone() for n, p in model.named_parameters()},
-                         dict(stats.collectives), stats.scans)
+                         dict(stats.collectives), stats.scans, stats.prefetched_gathers)
     return results
 
 
@@ -90,7 +91,7 @@ def test_graph_step_simple_fsdp_matches_single_process():
     ref_losses, ref_params = _reference(state)
     results = run_processes(2, _graph_on_rank, state, (False, True))
     for scan in (False, True):
-        losses, params, collectives, scans = results[0][scan]
+        losses, params, collectives, scans, prefetched = results[0][scan]
         for a, b in zip(ref_losses, losses):
             assert abs(a - b) <= 1e-5 * abs(a), (scan, ref_losses, losses)
         worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
@@ -101,6 +102,9 @@ def test_graph_step_simple_fsdp_matches_single_process():
         assert collectives["all_gather_into_tensor"] >= 12 and collectives["reduce_scatter_tensor"] >= 12
         assert collectives["all_reduce"] == 1
         assert scans == (2 if scan else 0)
+        # Unrolled, the gathers are issued ahead of their use (all but the first move; the
+        # losses above are with that order); with scan the gathers are in the body.
+        assert prefetched >= (0 if scan else collectives["all_gather_into_tensor"] - ALL_GATHER_LOOKAHEAD), prefetched
     # Both ranks hold the same (gathered) weights.
     for scan in (False, True):
         assert all(torch.equal(results[0][scan][1][n], results[1][scan][1][n]) for n in ref_params)

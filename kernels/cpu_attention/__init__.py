@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["causal_attention", "load", "load_error", "loaded", "supports"]
+__all__ = ["causal_attention", "load", "load_error", "loaded", "supports", "uses_amx"]
 
 _SOURCE = Path(__file__).with_name("attention.cpp")
 _VECTORS_PER_HEAD = (1, 2, 4, 8)  # head_dim / lanes values the kernel instantiates
 _FP32_MAX_HEAD_DIM = 32  # beyond this ATen's fp32 flash kernel is as fast or faster (docs/attention.md)
+_AMX_MAX_HEAD_DIM = 64  # with AMX, ATen's bf16 flash kernel (also on AMX tiles) wins beyond this (docs/attention.md)
 _state: dict[str, object] = {}  # "ok": bool once load() ran; "error": why it failed
 _LOAD_LOCK = threading.Lock()
 
@@ -103,6 +104,8 @@ def _load() -> bool:
         _state["error"] = f"building {_SOURCE.name} failed: {type(exc).__name__}: {lines[-1] if lines else ''}"
         return False
     _register()
+    # Whether bf16 calls take the AMX path, read once (`applies` runs inside traces).
+    _state["amx"] = bool(torch.ops.titan_cpu.uses_amx())
     return True
 
 
@@ -141,6 +144,13 @@ def _ninja_on_path():
 def loaded() -> bool:
     """Whether `load()` has run and succeeded (never builds)."""
     return bool(_state.get("ok", False))
+
+
+def uses_amx() -> bool:
+    """Whether bf16 calls run the kernel's AMX path (block GEMMs through ATen's brgemm on AMX
+    tiles): the CPU has AMX, oneDNN can use it, and TITAN_CPU_ATTN_AMX is not "0". False until
+    `load()` has succeeded."""
+    return loaded() and bool(torch.ops.titan_cpu.uses_amx())
 
 
 def load_error() -> str | None:
@@ -199,8 +209,9 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def applies(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the loaded kernel serves attention in `dtype` at `head_dim`: bf16 on a CPU with
-    AVX512-BF16 (any head_dim the kernel instantiates, up to 128) or fp32 (head_dim <= 32);
-    head_dim a multiple of the vector width. False until `load()` has succeeded."""
+    AVX512-BF16 (any head_dim the kernel instantiates, up to 128; up to 64 where it takes the
+    AMX path) or fp32 (head_dim <= 32); head_dim a multiple of the vector width. False until
+    `load()` has succeeded."""
     isa = _ISA
     if not loaded() or isa is None:
         return False
@@ -208,7 +219,7 @@ def applies(dtype: torch.dtype, head_dim: int) -> bool:
     if head_dim % lanes or head_dim // lanes not in _VECTORS_PER_HEAD:
         return False
     if dtype == torch.bfloat16:
-        return has_bf16
+        return has_bf16 and (head_dim <= _AMX_MAX_HEAD_DIM or not _state.get("amx", False))
     return dtype == torch.float32 and head_dim <= _FP32_MAX_HEAD_DIM
 
 

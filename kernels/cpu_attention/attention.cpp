@@ -17,10 +17,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -259,6 +261,35 @@ void pack_bf16(const Rows<at::BFloat16>& src, int64_t b, int64_t h, int64_t S, i
     }
 }
 
+// dst[d * sd] = bf16(mul * src[d]), vectorized where dst is contiguous.
+void store_bf16(const float* src, float mul, int64_t D, at::BFloat16* dst, int64_t sd) {
+  if (sd != 1) return store_row(src, mul, D, dst, sd);
+  const __m512 m = _mm512_set1_ps(mul);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + d), m)));
+}
+
+// Write one head's fp32 rows [S][D] times `mul` into row block (b, h) of a bf16 [B, H, S, D] tensor.
+void store_head(const float* src, float mul, int64_t S, int64_t D, at::Tensor& dst, int64_t b, int64_t h) {
+  at::BFloat16* base = dst.data_ptr<at::BFloat16>() + b * dst.stride(0) + h * dst.stride(1);
+  for (int64_t s = 0; s < S; ++s) store_bf16(src + s * D, mul, D, base + s * dst.stride(2), dst.stride(3));
+}
+
+// DELTA[s] = rowsum(dO * O) and L[s] = the saved log-sum-exp of head (b, h); rows S..S_pad are 0.
+void head_delta_lse(const Rows<at::BFloat16>& dor, const Rows<at::BFloat16>& outr, const float* lrow, int64_t b,
+                    int64_t h, int64_t S, int64_t S_pad, int64_t D, float* DELTA, float* L) {
+  for (int64_t s = 0; s < S_pad; ++s) {
+    float acc = 0.f;
+    if (s < S) {
+      const at::BFloat16* orow = outr.row(b, h, s);
+      const at::BFloat16* drow = dor.row(b, h, s);
+      for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(drow[d * dor.sd]) * static_cast<float>(orow[d * outr.sd]);
+    }
+    DELTA[s] = acc;
+    L[s] = s < S ? lrow[s] : 0.f;
+  }
+}
+
 template <int64_t ND, int64_t R>
 void forward_head_bf16(const u16* QB, const u16* KP, const u16* VP, int64_t S_pad, float scale, float* O,
                        float* LSE, float* strip, u16* pb) {
@@ -392,7 +423,6 @@ void run_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
   const int64_t group = Hq / Hkv, S_pad = round_up(S, 16);
   Rows<at::BFloat16> qr(q), kr(k), vr(v);
-  at::BFloat16* out_base = out.data_ptr<at::BFloat16>();
   float* lse_base = lse.data_ptr<float>();
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<u16> QB(S_pad * D), KP(D * S_pad), VP(S_pad * D), pb(kRowsFwd * S_pad);
@@ -408,9 +438,7 @@ void run_forward_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       pack_bf16(qr, b, h, S, S_pad, D, QB.data(), nullptr, nullptr);
       forward_head_bf16<ND, kRowsFwd>(QB.data(), KP.data(), VP.data(), S_pad, static_cast<float>(scale), O.data(), L.data(),
                             strip.data(), pb.data());
-      for (int64_t s = 0; s < S; ++s)
-        store_row(O.data() + s * D, 1.f, D,
-                  out_base + b * out.stride(0) + h * out.stride(1) + s * out.stride(2), out.stride(3));
+      store_head(O.data(), 1.f, S, D, out, b, h);
       std::copy(L.data(), L.data() + S, lse_base + (b * Hq + h) * S);
     }
   });
@@ -439,37 +467,259 @@ void run_backward_bf16(const at::Tensor& dout, const at::Tensor& q, const at::Te
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         pack_bf16(qr, b, h, S, S_pad, D, QB.data(), nullptr, QR.data());
         pack_bf16(dor, b, h, S, S_pad, D, DOB.data(), nullptr, DOR.data());
-        const float* lrow = lse_base + (b * Hq + h) * S;
-        for (int64_t s = 0; s < S_pad; ++s) {
-          float acc = 0.f;
-          if (s < S) {
-            const at::BFloat16* orow = outr.row(b, h, s);
-            const at::BFloat16* drow = dor.row(b, h, s);
-            for (int64_t d = 0; d < D; ++d)
-              acc += static_cast<float>(drow[d * dor.sd]) * static_cast<float>(orow[d * outr.sd]);
-          }
-          DELTA[s] = acc;
-          L[s] = s < S ? lrow[s] : 0.f;
-        }
+        head_delta_lse(dor, outr, lse_base + (b * Hq + h) * S, b, h, S, S_pad, D, DELTA.data(), L.data());
         backward_head_bf16<ND, kRowsBwd>(QB.data(), QR.data(), DOB.data(), DOR.data(), KP.data(), VP.data(), KJ.data(),
                                L.data(), DELTA.data(), S_pad, static_cast<float>(scale), dQ.data(), dK.data(),
                                dV.data());
-        at::BFloat16* dq_base = dq.data_ptr<at::BFloat16>();
-        for (int64_t s = 0; s < S; ++s)
-          store_row(dQ.data() + s * D, static_cast<float>(scale), D,
-                    dq_base + b * dq.stride(0) + h * dq.stride(1) + s * dq.stride(2), dq.stride(3));
+        store_head(dQ.data(), static_cast<float>(scale), S, D, dq, b, h);
       }
-      at::BFloat16* dk_base = dk.data_ptr<at::BFloat16>();
-      at::BFloat16* dv_base = dv.data_ptr<at::BFloat16>();
-      for (int64_t s = 0; s < S; ++s) {
-        store_row(dK.data() + s * D, static_cast<float>(scale), D,
-                  dk_base + b * dk.stride(0) + hk * dk.stride(1) + s * dk.stride(2), dk.stride(3));
-        store_row(dV.data() + s * D, 1.f, D, dv_base + b * dv.stride(0) + hk * dv.stride(1) + s * dv.stride(2),
-                  dv.stride(3));
-      }
+      store_head(dK.data(), static_cast<float>(scale), S, D, dk, b, hk);
+      store_head(dV.data(), 1.f, S, D, dv, b, hk);
     }
   });
 }
+
+// ---- AMX path: the block GEMMs through ATen's brgemm (oneDNN ukernels) --------------------
+// On CPUs where oneDNN runs bf16 brgemm on AMX tiles (`cpublas::could_pack(kBFloat16)`), the
+// products above are far cheaper as tile GEMMs than as `vdpbf16ps` loops: a 32-row block of
+// queries multiplies the whole causal key range in one call, and what is left per score is the
+// vectorized softmax. Operands in VNNI form ([K/2][N][2] bf16 pairs, what brgemm reads with
+// is_vnni) are packed once per head. The backward works on transposed score blocks (keys x
+// queries): P^T and dS^T are then row-major A operands for dV += P^T dO and dK += dS^T Q,
+// dQ^T = K^T dS^T takes dS^T in VNNI form, and the per-query LSE / delta are vector loads.
+// TITAN_CPU_ATTN_AMX=0 turns the path off (the kernel then runs the vdpbf16ps path above).
+namespace amx {
+
+using at::native::cpublas::brgemm;
+constexpr int64_t QB = 32;  // query rows per block
+
+inline bool enabled() {
+  static const bool hw = at::native::cpublas::could_pack(at::kBFloat16);
+  if (!hw) return false;
+  const char* e = std::getenv("TITAN_CPU_ATTN_AMX");
+  return !(e && e[0] == '0' && e[1] == '\0');
+}
+
+inline const at::BFloat16* bf(const u16* p) { return reinterpret_cast<const at::BFloat16*>(p); }
+
+// Pack one head of src ([S][D] rows; rows S..S_pad are zero) into one of the layouts below.
+// plain [S_pad][D]; trans [D][S_pad]; vrow [S_pad/2][D][2] (VNNI over s); vcol [D/2][S_pad][2] (VNNI over d).
+// Rows are read through a contiguous copy of the D values (`row_of`), so the loops move whole
+// 16- or 32-bit words (a tensor's head_dim stride is 1 in the models' layout).
+struct HeadRows {
+  const Rows<at::BFloat16>& src;
+  int64_t b, h, S, D;
+  std::vector<u16> tmp;
+  HeadRows(const Rows<at::BFloat16>& src, int64_t b, int64_t h, int64_t S, int64_t D)
+      : src(src), b(b), h(h), S(S), D(D), tmp(D) {}
+  const u16* row_of(int64_t s) {  // nullptr past S
+    if (s >= S) return nullptr;
+    const at::BFloat16* r = src.row(b, h, s);
+    if (src.sd == 1) return reinterpret_cast<const u16*>(r);
+    for (int64_t d = 0; d < D; ++d) tmp[d] = r[d * src.sd].x;
+    return tmp.data();
+  }
+};
+
+void pack_plain(HeadRows rows, int64_t S_pad, u16* dst) {
+  const int64_t D = rows.D;
+  for (int64_t s = 0; s < S_pad; ++s) {
+    const u16* r = rows.row_of(s);
+    if (r) std::memcpy(dst + s * D, r, D * sizeof(u16));
+    else std::fill(dst + s * D, dst + (s + 1) * D, u16(0));
+  }
+}
+
+void pack_trans(HeadRows rows, int64_t S_pad, u16* dst) {
+  const int64_t D = rows.D;
+  for (int64_t s = 0; s < S_pad; ++s) {
+    const u16* r = rows.row_of(s);
+    for (int64_t d = 0; d < D; ++d) dst[d * S_pad + s] = r ? r[d] : u16(0);
+  }
+}
+
+void pack_vrow(HeadRows rows, int64_t S_pad, u16* dst) {
+  const int64_t D = rows.D;
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  std::vector<u16> even(D);
+  for (int64_t s = 0; s < S_pad; s += 2) {
+    const u16* r0 = rows.row_of(s);
+    if (r0) std::memcpy(even.data(), r0, D * sizeof(u16));  // row_of may reuse its buffer
+    const u16* r1 = rows.row_of(s + 1);
+    for (int64_t d = 0; d < D; ++d)
+      out[(s / 2) * D + d] = uint32_t(r0 ? even[d] : 0) | (uint32_t(r1 ? r1[d] : 0) << 16);
+  }
+}
+
+void pack_vcol(HeadRows rows, int64_t S_pad, u16* dst) {
+  const int64_t P = rows.D / 2;
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t s = 0; s < S_pad; ++s) {
+    const u16* r = rows.row_of(s);
+    uint32_t pair[64];
+    if (r) std::memcpy(pair, r, P * sizeof(uint32_t));
+    for (int64_t p = 0; p < P; ++p) out[p * S_pad + s] = r ? pair[p] : 0u;
+  }
+}
+
+// One head: Q plain [S_pad][D], KC = K in vcol form (B of Q K^T), VR = V in vrow form (B of P V).
+// strip [QB][S_pad] fp32, pb [QB][S_pad] bf16, o [QB][D] fp32 scratch.
+template <int64_t D>
+void forward_head(const u16* Q, const u16* KC, const u16* VR, int64_t S_pad, float scale, float* O, float* LSE,
+                  float* strip, u16* pb, float* o) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < S_pad; i0 += QB) {
+    const int64_t n = i0 + QB;  // keys 0..n-1 reach this block's last row
+    brgemm(QB, n, D, D, S_pad, S_pad, false, bf(Q + i0 * D), bf(KC), strip, true);
+    float inv_sum[QB];
+    for (int64_t r = 0; r < QB; ++r) {
+      const int64_t row = i0 + r;
+      float* s = strip + r * S_pad;
+      u16* p = pb + r * S_pad;
+      const int64_t last = row / 16 * 16;  // the 16-key chunk holding the diagonal
+      __m512 vmax = _mm512_set1_ps(neg_inf);
+      for (int64_t j = 0; j < last; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+      const __m512 xl = mask_upper(_mm512_mul_ps(_mm512_loadu_ps(s + last), vscale), last, row, neg_inf);
+      const float m = std::max(_mm512_reduce_max_ps(vmax) * scale, _mm512_reduce_max_ps(xl));
+      const __m512 vm = _mm512_set1_ps(m);
+      Vec vsum(0.f);
+      for (int64_t j = 0; j < last; j += 16) {
+        const Vec e = Vec(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vm)).exp_u20();
+        vsum = vsum + e;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), to_bf16(e));
+      }
+      const Vec el = Vec(_mm512_sub_ps(xl, vm)).exp_u20();  // exp(-inf) = 0 past the diagonal
+      vsum = vsum + el;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + last), to_bf16(el));
+      for (int64_t j = last + 16; j < n; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm256_setzero_si256());
+      const float sum = _mm512_reduce_add_ps(vsum);
+      inv_sum[r] = 1.f / sum;
+      LSE[row] = m + std::log(sum);
+    }
+    brgemm(QB, D, n, S_pad, D, D, false, bf(pb), bf(VR), o, true);
+    for (int64_t r = 0; r < QB; ++r)
+      for (int64_t c = 0; c < D; c += 16)
+        _mm512_storeu_ps(O + (i0 + r) * D + c, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c), _mm512_set1_ps(inv_sum[r])));
+  }
+}
+
+// One query head's contribution to dK, dV (fp32 [S_pad][D], accumulated; dK unscaled) and its dQ
+// (fp32 [S_pad][D], unscaled). K, V plain and KT trans (per kv head); QC, DOC vcol and QR, DOR
+// vrow (per query head). Scratch: st, dpt [S_pad][QB] fp32; ptb, dstb [S_pad][QB] bf16;
+// dsv [S_pad/2][QB][2] bf16; dqt [D][QB] fp32.
+template <int64_t D>
+void backward_head(const u16* K, const u16* V, const u16* KT, const u16* QC, const u16* DOC, const u16* QR,
+                   const u16* DOR, const float* LSE, const float* DELTA, int64_t S_pad, float scale, float* dQ,
+                   float* dK, float* dV, float* st, float* dpt, u16* ptb, u16* dstb, u16* dsv, float* dqt) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i0 = 0; i0 < S_pad; i0 += QB) {
+    const int64_t n = i0 + QB;  // keys 0..n-1 (rows of the transposed blocks)
+    brgemm(n, QB, D, D, S_pad, QB, false, bf(K), bf(QC + i0 * 2), st, true);    // S^T = K Q^T
+    brgemm(n, QB, D, D, S_pad, QB, false, bf(V), bf(DOC + i0 * 2), dpt, true);  // dP^T = V dO^T
+    __m512 lse[QB / 16], delta[QB / 16];
+    for (int64_t c = 0; c < QB / 16; ++c) {
+      lse[c] = _mm512_loadu_ps(LSE + i0 + c * 16);
+      delta[c] = _mm512_loadu_ps(DELTA + i0 + c * 16);
+    }
+    for (int64_t r = 0; r < n; r += 2) {
+      __m512 ds[2][QB / 16];
+      for (int64_t t = 0; t < 2; ++t) {
+        const int64_t key = r + t;
+        for (int64_t c = 0; c < QB / 16; ++c) {
+          const int64_t off = key * QB + c * 16;
+          __m512 p = __m512(Vec(_mm512_fmsub_ps(_mm512_loadu_ps(st + off), vscale, lse[c])).exp_u20());
+          const int64_t q0 = i0 + c * 16;  // query of lane 0; lanes with query < key are masked
+          if (key > q0) {
+            const int64_t drop = std::min<int64_t>(16, key - q0);
+            p = _mm512_maskz_mov_ps(static_cast<__mmask16>(~((1u << drop) - 1u)), p);
+          }
+          ds[t][c] = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dpt + off), delta[c]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ptb + off), to_bf16(p));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dstb + off), to_bf16(ds[t][c]));
+        }
+      }
+      for (int64_t c = 0; c < QB / 16; ++c)
+        _mm512_storeu_si512(dsv + ((r / 2) * QB + c * 16) * 2, interleave_bf16(ds[0][c], ds[1][c]));
+    }
+    brgemm(n, D, QB, QB, D, D, true, bf(ptb), bf(DOR + (i0 / 2) * D * 2), dV, true);   // dV += P^T dO
+    brgemm(n, D, QB, QB, D, D, true, bf(dstb), bf(QR + (i0 / 2) * D * 2), dK, true);   // dK += dS^T Q
+    brgemm(D, QB, n, S_pad, QB, QB, false, bf(KT), bf(dsv), dqt, true);                // dQ^T = K^T dS^T
+    for (int64_t c = 0; c < QB; ++c)
+      for (int64_t d = 0; d < D; ++d) dQ[(i0 + c) * D + d] = dqt[d * QB + c];
+  }
+}
+
+template <int64_t ND>
+void run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& out,
+                 at::Tensor& lse) {
+  constexpr int64_t D = ND * 16;
+  const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
+  const int64_t group = Hq / Hkv, S_pad = round_up(S, QB);
+  Rows<at::BFloat16> qr(q), kr(k), vr(v);
+  float* lse_base = lse.data_ptr<float>();
+  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<u16> Q(S_pad * D), KC(D * S_pad), VR(S_pad * D), pb(QB * S_pad);
+    std::vector<float> O(S_pad * D), L(S_pad), strip(QB * S_pad), o(QB * D);
+    int64_t packed_kv = -1;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / Hq, h = u % Hq, hk = h / group;
+      if (b * Hkv + hk != packed_kv) {
+        pack_vcol(HeadRows(kr, b, hk, S, D), S_pad, KC.data());
+        pack_vrow(HeadRows(vr, b, hk, S, D), S_pad, VR.data());
+        packed_kv = b * Hkv + hk;
+      }
+      pack_plain(HeadRows(qr, b, h, S, D), S_pad, Q.data());
+      forward_head<D>(Q.data(), KC.data(), VR.data(), S_pad, static_cast<float>(scale), O.data(), L.data(),
+                      strip.data(), pb.data(), o.data());
+      store_head(O.data(), 1.f, S, D, out, b, h);
+      std::copy(L.data(), L.data() + S, lse_base + (b * Hq + h) * S);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+template <int64_t ND>
+void run_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& out, const at::Tensor& lse, double scale, at::Tensor& dq, at::Tensor& dk,
+                  at::Tensor& dv) {
+  constexpr int64_t D = ND * 16;
+  const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), Hkv = k.size(1);
+  const int64_t group = Hq / Hkv, S_pad = round_up(S, QB);
+  Rows<at::BFloat16> qr(q), kr(k), vr(v), dor(dout), outr(out);
+  const at::Tensor lse_c = lse.contiguous();
+  const float* lse_base = lse_c.data_ptr<float>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    const int64_t SD = S_pad * D;
+    std::vector<u16> K(SD), V(SD), KT(SD), QC(SD), DOC(SD), QR(SD), DOR(SD);
+    std::vector<u16> ptb(S_pad * QB), dstb(S_pad * QB), dsv(S_pad * QB);
+    std::vector<float> L(S_pad), DELTA(S_pad), dQ(SD), dK(SD), dV(SD), st(S_pad * QB), dpt(S_pad * QB), dqt(D * QB);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / Hkv, hk = u % Hkv;
+      pack_plain(HeadRows(kr, b, hk, S, D), S_pad, K.data());
+      pack_trans(HeadRows(kr, b, hk, S, D), S_pad, KT.data());
+      pack_plain(HeadRows(vr, b, hk, S, D), S_pad, V.data());
+      std::fill(dK.begin(), dK.end(), 0.f);
+      std::fill(dV.begin(), dV.end(), 0.f);
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        pack_vrow(HeadRows(qr, b, h, S, D), S_pad, QR.data());
+        pack_vcol(HeadRows(qr, b, h, S, D), S_pad, QC.data());
+        pack_vrow(HeadRows(dor, b, h, S, D), S_pad, DOR.data());
+        pack_vcol(HeadRows(dor, b, h, S, D), S_pad, DOC.data());
+        head_delta_lse(dor, outr, lse_base + (b * Hq + h) * S, b, h, S, S_pad, D, DELTA.data(), L.data());
+        backward_head<D>(K.data(), V.data(), KT.data(), QC.data(), DOC.data(), QR.data(), DOR.data(), L.data(),
+                         DELTA.data(), S_pad, static_cast<float>(scale), dQ.data(), dK.data(), dV.data(), st.data(),
+                         dpt.data(), ptb.data(), dstb.data(), dsv.data(), dqt.data());
+        store_head(dQ.data(), static_cast<float>(scale), S, D, dq, b, h);
+      }
+      store_head(dK.data(), static_cast<float>(scale), S, D, dk, b, hk);
+      store_head(dV.data(), 1.f, S, D, dv, b, hk);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+}  // namespace amx
 #else
 #define TITAN_HAS_BF16 0
 #endif
@@ -570,6 +820,10 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "titan_cpu_attn_fwd", [&] {
 #if TITAN_HAS_BF16
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (amx::enabled()) {
+        TITAN_DISPATCH_ND(D, amx::run_forward<ND>(q, k, v, scale, out, lse));
+        return;
+      }
       TITAN_DISPATCH_ND(D, run_forward_bf16<ND>(q, k, v, scale, out, lse));
       return;
     }
@@ -593,6 +847,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(const at::Tensor& dout, 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "titan_cpu_attn_bwd", [&] {
 #if TITAN_HAS_BF16
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (amx::enabled()) {
+        TITAN_DISPATCH_ND(D, amx::run_backward<ND>(dout_c, q, k, v, out, lse, scale, dq, dk, dv));
+        return;
+      }
       TITAN_DISPATCH_ND(D, run_backward_bf16<ND>(dout_c, q, k, v, out, lse, scale, dq, dk, dv));
       return;
     }
@@ -602,9 +860,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(const at::Tensor& dout, 
   return {dq, dk, dv};
 }
 
+bool uses_amx() {
+#if TITAN_HAS_BF16
+  return amx::enabled();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(titan_cpu, m) {
+  m.def("uses_amx() -> bool");
   m.def("attn_fwd(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
   m.def(
       "attn_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale)"
@@ -615,3 +882,5 @@ TORCH_LIBRARY_IMPL(titan_cpu, CPU, m) {
   m.impl("attn_fwd", &attn_fwd);
   m.impl("attn_bwd", &attn_bwd);
 }
+
+TORCH_LIBRARY_IMPL(titan_cpu, CatchAll, m) { m.impl("uses_amx", &uses_amx); }

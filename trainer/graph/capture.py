@@ -56,6 +56,11 @@ class CaptureBackend:
 
             def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
                 self._on_graph(graph)
+                if self.stats.prefetched_gathers:
+                    # Inductor's peak-memory reordering would sink the prefetched all-gathers
+                    # back next to their waits (seen in its output code); keep the pass's order.
+                    with torch._inductor.config.patch(reorder_for_peak_memory=False):
+                        return compile_fx_inner(graph, inputs, **kwargs)
                 return compile_fx_inner(graph, inputs, **kwargs)
 
             return self._mark_ready(compile_fx(gm, example_inputs, inner_compile=inner_compile))

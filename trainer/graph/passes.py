@@ -6,9 +6,12 @@ The pipeline (`run_passes`) is short and every pass does real work:
    the transposed copies torch's functionalization of the body puts there.
 3. `scan_reverse` (Inductor only): backward scans run as loops that index in reverse instead
    of over flipped copies of the weights and saved activations.
-4. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
+4. `prefetch_all_gathers`: SimpleFSDP's all-gathers are issued `ALL_GATHER_LOOKAHEAD` gathers
+   ahead of their use, so they run while the step computes and a rank that falls slightly
+   behind does not stall the others at every parameter.
+5. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
    outputs of the optimizer's bookkeeping).
-5. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
+6. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
    scans stack for the backward (the per-layer activation memory with layer scan). It does
    not change the graph; its numbers go to the dump, the metrics and the tests.
 
@@ -53,6 +56,8 @@ class GraphStats:
     matmuls: int = 0
     recomputed: int = 0
     """Forward ops the remat pass copied into the backward."""
+    prefetched_gathers: int = 0
+    """All-gathers `prefetch_all_gathers_pass` issued ahead of their use."""
     input_mutations: int = 0
     """In-place `copy_` writes back into inputs (parameters, optimizer state)."""
 
@@ -60,7 +65,7 @@ class GraphStats:
         coll = ", ".join(f"{k} {v}" for k, v in sorted(self.collectives.items())) or "none"
         return (f"nodes {self.nodes} (with subgraphs {self.nodes_total}), placeholders {self.placeholders}, "
                 f"scans {self.scans} (saved {self.scan_saved_bytes / 2**20:.2f} MiB), matmuls {self.matmuls}, "
-                f"recomputed {self.recomputed}, input mutations {self.input_mutations}, collectives: {coll}")
+                f"recomputed {self.recomputed}, prefetched gathers {self.prefetched_gathers}, input mutations {self.input_mutations}, collectives: {coll}")
 
 
 def _short(target) -> str:
@@ -302,16 +307,71 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
     return f"{base}_{i}"
 
 
+ALL_GATHER_LOOKAHEAD = 8
+"""All-gathers in flight ahead of the one the step waits for (`prefetch_all_gathers_pass`):
+about one decoder block's parameters (a Llama block has 9)."""
+
+
+def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LOOKAHEAD) -> int:
+    """Issue each top-level all-gather before the wait of the one `lookahead` places earlier.
+
+    As traced, SimpleFSDP's all-gather of a parameter is issued just before its use, so every
+    gather is a synchronization point at which the faster rank waits for the slower one. Here
+    all-gather i (with the casts and views it reads, all pure ops on graph inputs) moves up to
+    just before the wait of all-gather max(0, i - lookahead), after gather i - 1, so gathers are
+    issued in their original order and up to lookahead + 1 are in flight: they run on the process
+    group's thread while the step computes with earlier parameters, and a rank that falls
+    behind by less than `lookahead` gathers does not stall the other. Waits stay where they
+    are. Gathers inside scan bodies (layer scan) are not moved. Returns how many moved.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    gathers = [n for n in graph.nodes if n.op == "call_function" and _short(n.target) == "all_gather_into_tensor"]
+    waits = []
+    for ag in gathers:
+        users = [u for u in ag.users if _short(u.target) == "wait_tensor"]
+        waits.append(min(users, key=order.__getitem__) if users else None)
+    moved = 0
+    for i in range(1, len(gathers)):
+        target = waits[max(0, i - lookahead)]
+        if target is None or order[gathers[i]] < order[target]:
+            continue
+        chain, ok, stack, seen = [], True, [gathers[i]], set()
+        while stack and ok:
+            node = stack.pop()
+            if node in seen or order[node] < order[target]:
+                continue
+            seen.add(node)
+            if node.op != "call_function" or (node is not gathers[i] and (
+                    node.is_impure() or _short(node.target) in _COLLECTIVES or _short(node.target) == "wait_tensor")):
+                ok = False
+                break
+            chain.append(node)
+            stack.extend(node.all_input_nodes)
+        if not ok:
+            continue
+        for node in sorted(chain, key=order.__getitem__):
+            target.prepend(node)
+        moved += 1
+        order = {n: j for j, n in enumerate(graph.nodes)}
+    if moved:
+        gm.recompile()
+    return moved
+
+
 def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False) -> GraphStats:
-    """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), dead-code
-    elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor only)."""
+    """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), all-gather
+    prefetch, dead-code elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor only)."""
     recomputed = remat_pass(gm)
     scan_transpose_view_pass(gm)
     if reverse_scans:
         scan_reverse_pass(gm)
+    prefetched = prefetch_all_gathers_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
-    return graph_stats(gm, recomputed=recomputed)
+    stats = graph_stats(gm, recomputed=recomputed)
+    stats.prefetched_gathers = prefetched
+    return stats
 
 
 def graph_text(gm: fx.GraphModule, stats: GraphStats | None = None) -> str:

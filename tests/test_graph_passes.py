@@ -1,0 +1,64 @@
+"""`prefetch_all_gathers_pass` on a hand-built graph of SimpleFSDP's traced pattern.
+
+Per parameter i: `cast_i = convert(w_i)`, `ag_i = all_gather(cast_i)`, `wait_i = wait(ag_i)`,
+`h = mm(h, wait_i)`, as tracing leaves it (each gather issued just before its use). The graph
+is only built, never run: the pass reads node targets and order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from trainer.graph.passes import prefetch_all_gathers_pass
+
+_ops = torch.ops._c10d_functional
+
+
+def _fsdp_chain(n: int) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node], list[fx.Node]]:
+    g = fx.Graph()
+    h = g.placeholder("h")
+    weights = [g.placeholder(f"w{i}") for i in range(n)]
+    gathers, waits, mms = [], [], []
+    for w in weights:
+        cast = g.call_function(torch.ops.prims.convert_element_type.default, (w, torch.bfloat16))
+        ag = g.call_function(_ops.all_gather_into_tensor.default, (cast, 2, "0"))
+        wait = g.call_function(_ops.wait_tensor.default, (ag,))
+        h = g.call_function(torch.ops.aten.mm.default, (h, wait))
+        gathers.append(ag)
+        waits.append(wait)
+        mms.append(h)
+    g.output(h)
+    return fx.GraphModule(torch.nn.Module(), g), gathers, waits, mms
+
+
+def test_gathers_move_ahead_by_the_lookahead_and_waits_stay():
+    gm, gathers, waits, mms = _fsdp_chain(12)
+    moved = prefetch_all_gathers_pass(gm, lookahead=3)
+    gm.graph.lint()  # still topologically valid: every input before its use
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    assert moved == 11  # all but the first
+    for i in range(1, 12):
+        # issued before the wait 3 gathers back (the first wait for the first 3), and after the
+        # gather before it: issue order unchanged
+        assert order[gathers[i]] < order[waits[max(0, i - 3)]]
+        assert order[gathers[i - 1]] < order[gathers[i]]
+        # its cast moved with it
+        assert order[gathers[i].args[0]] < order[gathers[i]]
+    for i in range(12):
+        # waits and compute keep their order: wait i right before its matmul
+        assert order[waits[i]] < order[mms[i]]
+        assert i == 0 or order[mms[i - 1]] < order[waits[i]]
+    # at each wait exactly `lookahead` + 1 gathers are issued and not yet waited (fewer at the end)
+    for i in range(12):
+        issued = sum(order[a] < order[waits[i]] for a in gathers)
+        assert issued - i == min(4, 12 - i)
+
+
+def test_nothing_moves_without_gathers_or_when_already_ahead():
+    gm, *_ = _fsdp_chain(2)
+    assert prefetch_all_gathers_pass(gm, lookahead=3) == 1  # both before the first wait
+    assert prefetch_all_gathers_pass(gm, lookahead=3) == 0
+    gm, *_ = _fsdp_chain(12)
+    prefetch_all_gathers_pass(gm, lookahead=3)
+    assert prefetch_all_gathers_pass(gm, lookahead=3) == 0  # a second run finds them in place
