@@ -89,7 +89,6 @@ def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
             [Replicate()] * spec.dp_mesh.ndim,
             forward_dtype=spec.param_dtype,
             backward_dtype=spec.reduce_dtype,
-            async_op=True,
         )
         # Partial("avg"): the backward of the all-gather reduce-scatters (all-reduces on
         # dp_replicate) the mean gradient over the data-parallel ranks.

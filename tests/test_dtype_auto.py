@@ -149,7 +149,10 @@ def test_attention_line_follows_the_dtype(monkeypatch):
     line = kernels.select(attention="auto", device=CPU, dtype=torch.bfloat16, head_dim=16)
     assert line.startswith("auto (sdpa") and "bfloat16" in line
     monkeypatch.setattr(cpu_attention, "_ISA", ("avx512_bf16", "flags", 16, True))
+    monkeypatch.setitem(cpu_attention._state, "amx", False)  # AVX512-BF16 dot products: bf16 up to 128
     assert cpu_attention.applies(torch.bfloat16, 128) and not cpu_attention.applies(torch.float32, 128)
+    monkeypatch.setitem(cpu_attention._state, "amx", True)  # AMX path: ATen's flash kernel wins at 128
+    assert cpu_attention.applies(torch.bfloat16, 64) and not cpu_attention.applies(torch.bfloat16, 128)
 
 
 def _rank_main(rank: int, world: int, init: str, cache_root: str, out: str) -> None:

@@ -150,7 +150,7 @@ def uses_amx() -> bool:
     """Whether bf16 calls run the kernel's AMX path (block GEMMs through ATen's brgemm on AMX
     tiles): the CPU has AMX, oneDNN can use it, and TITAN_CPU_ATTN_AMX is not "0". False until
     `load()` has succeeded."""
-    return loaded() and bool(torch.ops.titan_cpu.uses_amx())
+    return loaded() and bool(_state.get("amx", False)) and bool(torch.ops.titan_cpu.uses_amx())
 
 
 def load_error() -> str | None:
