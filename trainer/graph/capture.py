@@ -75,7 +75,12 @@ class CaptureBackend:
             gm, example_inputs, fw_compiler=run_as_is, keep_inference_input_mutations=True))
 
     def _on_graph(self, graph: fx.GraphModule) -> None:
-        self.stats = run_passes(graph, reverse_scans=self.reverse_scans)
+        decompositions = None
+        if self.backend == "inductor":
+            from torch._inductor.decomposition import select_decomp_table
+
+            decompositions = select_decomp_table()
+        self.stats = run_passes(graph, reverse_scans=self.reverse_scans, decompositions=decompositions)
         self.graph_module = graph
         if self.dump_path:
             with open(self.dump_path, "w") as f:

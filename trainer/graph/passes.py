@@ -178,14 +178,17 @@ def scan_transpose_view_pass(gm: fx.GraphModule) -> int:
 
 
 _FLIP = torch.ops.aten.flip.default
+# Under Inductor the graph reaches the passes after its decompositions, which turn `flip` into
+# `prims.rev` (same arguments); aot_eager keeps `aten.flip`.
+_FLIPS = (_FLIP, torch.ops.prims.rev.default)
 
 
 def _is_flip0(node) -> bool:
-    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is _FLIP
+    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _FLIPS
             and list(node.args[1]) == [0])
 
 
-def scan_reverse_pass(gm: fx.GraphModule) -> int:
+def scan_reverse_pass(gm: fx.GraphModule, *, decompositions: dict | None = None) -> int:
     """Run the backward scans as loops that index in reverse, without flipped copies.
 
     torch 2.13 builds a scan's backward as a forward scan over `flip`ped copies of everything
@@ -198,7 +201,9 @@ def scan_reverse_pass(gm: fx.GraphModule) -> int:
     anyway (`decompose_scan_to_while_loop`: a host loop over preallocated outputs) with the
     index reversed: the same ops on the same values in the same order, so results are bitwise
     those of the flipped scan. Only for Inductor (`CaptureBackend.reverse_scans`); the
-    XLA tier needs the scan op itself. Returns the number of scans rewritten.
+    XLA tier needs the scan op itself. `decompositions`: the table the graph was traced with
+    (Inductor's: the loop is traced into a graph that has been through its decompositions, and
+    Inductor will not lower ops it decomposes). Returns the number of scans rewritten.
     """
     from torch._guards import detect_fake_mode
     from torch._higher_order_ops.scan import _extract_carry_and_out
@@ -211,13 +216,14 @@ def scan_reverse_pass(gm: fx.GraphModule) -> int:
             continue
         if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
             continue
+        flip_op = xs[0].target  # aten.flip or prims.rev, whichever the graph uses
         body: fx.GraphModule = getattr(gm, combine.target)
         n_carry, n_xs = len(init), len(xs)
         ys_vals = list(node.meta["val"])[n_carry:]
         inputs = [*init, *[x.args[0] for x in xs], *additional]
         fake_inputs = [a.meta["val"] if isinstance(a, fx.Node) else a for a in inputs]
         traced = make_fx(_reversed_loop(body, n_carry, n_xs, ys_vals, _extract_carry_and_out),
-                         tracing_mode="real")
+                         decomposition_table=decompositions, tracing_mode="real")
         with detect_fake_mode(fake_inputs):
             loop_gm = traced(*fake_inputs)
         outs = _inline(gm, loop_gm, inputs, before=node)
@@ -232,7 +238,7 @@ def scan_reverse_pass(gm: fx.GraphModule) -> int:
                         gm.graph.erase_node(user)
                 if item.users:  # anything else still wants the reversed order
                     with gm.graph.inserting_after(outs[k]):
-                        flip = gm.graph.call_function(_FLIP, (outs[k], [0]))
+                        flip = gm.graph.call_function(flip_op, (outs[k], [0]))
                     flip.meta["val"] = item.meta["val"]
                     item.replace_all_uses_with(flip)
             gm.graph.erase_node(item)
@@ -359,13 +365,15 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
     return moved
 
 
-def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False) -> GraphStats:
+def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decompositions: dict | None = None
+               ) -> GraphStats:
     """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), all-gather
-    prefetch, dead-code elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor only)."""
+    prefetch, dead-code elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor
+    only), tracing with `decompositions` (the compiler's table)."""
     recomputed = remat_pass(gm)
     scan_transpose_view_pass(gm)
     if reverse_scans:
-        scan_reverse_pass(gm)
+        scan_reverse_pass(gm, decompositions=decompositions)
     prefetched = prefetch_all_gathers_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
