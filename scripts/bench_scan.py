@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="SimpleFSDP param_dtype")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out", default=None, help="also write the table as CSV here")
     p.add_argument("--ttshape", action="store_true",
                    help="TorchTitan's debugmodel shape (16 kv heads, vocab 2048, FFN multiple of 256), as "
                         "configs/llama3_debug_ttshape.toml")
@@ -105,11 +106,25 @@ def main() -> int:
             wall[v].append(time.perf_counter() - t)
             cpu[v].append(time.process_time() - c)
     base = variants[0]
+    rows = []
     for v in variants:
         ratio = statistics.median(cpu[v]) / statistics.median(cpu[base])
+        wall_ratio = statistics.median(wall[v]) / statistics.median(wall[base])
         paired = sorted(b / x for x, b in zip(cpu[base], cpu[v]))
         print(f"{v:>16}: wall {statistics.median(wall[v]) * 1e3:8.0f} ms  cpu {statistics.median(cpu[v]) * 1e3:8.0f} ms"
               f"  cpu vs {base} {ratio:.3f} (paired {paired[0]:.2f}..{paired[-1]:.2f})")
+        rows.append({"cpu_model": cpu_model(), "variant": v, "batch": a.batch, "seq": a.seq, "n_layers": a.n_layers,
+                     "dtype": a.dtype, "repeats": a.repeats, "wall_ms": round(statistics.median(wall[v]) * 1e3, 1),
+                     "cpu_ms": round(statistics.median(cpu[v]) * 1e3, 1), "wall_vs_base": round(wall_ratio, 4),
+                     "cpu_vs_base": round(ratio, 4), "base": base})
+    if a.out:
+        import csv
+
+        with open(a.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {a.out}")
     return 0
 
 
