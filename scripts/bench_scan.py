@@ -107,15 +107,16 @@ def main() -> int:
             cpu[v].append(time.process_time() - c)
     base = variants[0]
     rows = []
+    wall_ms = {v: statistics.median(wall[v]) * 1e3 for v in variants}
+    cpu_ms = {v: statistics.median(cpu[v]) * 1e3 for v in variants}
     for v in variants:
-        ratio = statistics.median(cpu[v]) / statistics.median(cpu[base])
-        wall_ratio = statistics.median(wall[v]) / statistics.median(wall[base])
+        ratio = cpu_ms[v] / cpu_ms[base]
         paired = sorted(b / x for x, b in zip(cpu[base], cpu[v]))
-        print(f"{v:>16}: wall {statistics.median(wall[v]) * 1e3:8.0f} ms  cpu {statistics.median(cpu[v]) * 1e3:8.0f} ms"
+        print(f"{v:>16}: wall {wall_ms[v]:8.0f} ms  cpu {cpu_ms[v]:8.0f} ms"
               f"  cpu vs {base} {ratio:.3f} (paired {paired[0]:.2f}..{paired[-1]:.2f})")
         rows.append({"cpu_model": cpu_model(), "variant": v, "batch": a.batch, "seq": a.seq, "n_layers": a.n_layers,
-                     "dtype": a.dtype, "repeats": a.repeats, "wall_ms": round(statistics.median(wall[v]) * 1e3, 1),
-                     "cpu_ms": round(statistics.median(cpu[v]) * 1e3, 1), "wall_vs_base": round(wall_ratio, 4),
+                     "dtype": a.dtype, "repeats": a.repeats, "wall_ms": round(wall_ms[v], 1),
+                     "cpu_ms": round(cpu_ms[v], 1), "wall_vs_base": round(wall_ms[v] / wall_ms[base], 4),
                      "cpu_vs_base": round(ratio, 4), "base": base})
     if a.out:
         import csv

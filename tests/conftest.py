@@ -58,9 +58,9 @@ if LoadScopeScheduling is not None:
                 for nodeid in collection:
                     units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
                 if len(units) >= len(self.nodes):  # else the base class shuts the spare workers down
-                    rank = {g: i for i, g in enumerate(dict.fromkeys(XDIST_GROUPS.values()))}
+                    groups = set(XDIST_GROUPS.values())
                     order = sorted(units, key=lambda s: (0, 0) if s == "xla" else
-                                   (1, -len(units[s])) if s in rank else (2, 0))
+                                   (1, -len(units[s])) if s in groups else (2, 0))
                     self.collection = collection
                     for scope in order:
                         self.workqueue[scope] = units[scope]

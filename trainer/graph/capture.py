@@ -76,7 +76,8 @@ class CaptureBackend:
 
     def _on_graph(self, graph: fx.GraphModule) -> None:
         decompositions = None
-        if self.backend == "inductor":
+        if self.reverse_scans and self.backend == "inductor":
+            # scan_reverse_pass traces its loop into a graph Inductor has already decomposed.
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
