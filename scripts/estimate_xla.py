@@ -8,23 +8,29 @@ memory and FLOP analysis beside the analytic planner's (scripts/estimate.py) num
 How (docs/tpu.md, "Compiler-backed pod check"): in the XLA tier's `ttpu` venv (torch + torchax +
 jax 0.10.2 + libtpu 0.0.52; scripts/xla_env.sh), a worker process captures the recipe's graph step
 (`[compile] scan_layers`, `[activation_checkpoint] mode`, the `mixed_precision_param` cast) at the
-global batch (local batch x devices) with math SDPA, lowers it with torchax,
-and compiles it for a compile-only topology of the target (`jax.experimental.topologies`) with
+global batch (local batch x devices) with the Pallas kernels a TPU run calls as opaque ops
+(`--kernels pallas`, the default: splash attention, megablox gmm for MoE experts;
+kernels/tpu/capture.py) or the torch references (`--kernels reference`: math SDPA), lowers it
+with torchax, and compiles it for a compile-only topology of the target (`jax.experimental.topologies`) with
 every tensor sharded over all devices along its largest divisible dim (parameters and optimizer
 state: FSDP / ZeRO-3; tokens: data parallel) and the state donated. XLA's SPMD partitioner turns
 that into the per-device program, whose `memory_analysis()` and `cost_analysis()` are printed.
 The planner evaluates the same plan (dp_shard = devices, tp = ep = 1).
 
 Not trustworthy, by construction (see docs/tpu.md for what was measured):
-- activations and temporaries: the CPU capture has math SDPA (T x T scores materialised), where a
-  TPU runs a flash / splash kernel, and MoE experts take the dense fallback; deviceless compiles
-  here also report `temp_size_in_bytes` 0 for most programs. Read the temp figure as unknown;
+- activations and temporaries: with `--kernels reference` the capture has math SDPA (T x T scores
+  materialised) where a TPU runs splash; deviceless compiles here also report `temp_size_in_bytes`
+  0 for some programs. Read the temp figure as indicative only;
 - the sharding is XLA's SPMD choice for FSDP-style input shardings, not SimpleFSDP's explicit
   collectives, and not torch-tpu's lowering;
 - FLOPs: XLA counts a `while` body once, so with scan the compiler's FLOPs cover one layer.
-Host memory: the model is allocated on the CPU (never initialised) and the step captured, not run;
-layer scan's stacked weights and the AdamW moments take ~12 bytes per parameter, so shrink a big
-flavor with `--model.n_layers=...` and scale the per-layer part.
+  libtpu counts a Mosaic custom call as 0 FLOPs, so each kernel call's FLOPs and HBM bytes are
+  added from its shapes (kernels/tpu/capture.py: a model of the kernel, not the compiler's).
+Host memory: the model and the AdamW moments are allocated on the CPU but never written (the step
+is captured, not run), so their pages stay untouched: Llama 3 8B at 1 layer (1.27 B parameters)
+peaks at 1.6 GB resident (11.5 GB when the moments were zero-filled). Layer scan's stacked weights
+are copies (~4 bytes per block parameter); shrink a big flavor with `--model.n_layers=...` and
+scale the per-layer part.
 Trustworthy: the argument bytes (parameter, gradient-free optimizer state and batch shards per
 device) and that the program compiles for the chip at all.
 Exit status: 0 compiled, 1 the compile failed, 2 bad input.
@@ -79,6 +85,9 @@ def _run(argv: list[str]) -> int:
     p.add_argument("--target", required=True, help="e.g. v6e-16, v5e-4, v7x-8 (planner names)")
     p.add_argument("--topology", help="jax topology name instead of the one derived from --target")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for capture + compile (default 1800)")
+    p.add_argument("--kernels", choices=("pallas", "reference"), default="pallas",
+                   help="attention and MoE experts in the captured step: the TPU run's Pallas kernels (default) "
+                        "or the torch references (math SDPA)")
     p.add_argument("--json", action="store_true", help="also print the compiler's numbers as one JSON line "
                    "(last line; scripts/mfu_suite.py reads it)")
     ns, rest = p.parse_known_args(argv)
@@ -103,7 +112,7 @@ def _run(argv: list[str]) -> int:
                 scan_layers=bool(cfg.compile.scan_layers), ac_mode=cfg.activation_checkpoint.mode,
                 max_norm=t.max_norm, optimizer=dict(lr=cfg.optimizer.lr, betas=list(cfg.optimizer.betas),
                                                     eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay),
-                topology=topology)
+                topology=topology, kernels=ns.kernels)
     venv = subprocess.run(["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True,
                           text=True).stdout.strip().splitlines()[-1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -138,14 +147,17 @@ def format_table(est, res: dict) -> str:
         ("params + grads + optimizer / device", f"{planner_state / gib:.3f} GiB",
          f"arguments {mem.get('argument_size_in_bytes', 0) / gib:.3f} GiB (params, AdamW moments, step, batch)"),
         ("activations + transients / device", f"{(est.activations.total + est.transient) / gib:.3f} GiB",
-         f"temp {mem.get('temp_size_in_bytes', 0) / gib:.3f} GiB (math SDPA; 0 = not reported; untrusted)"),
+         f"temp {mem.get('temp_size_in_bytes', 0) / gib:.3f} GiB ({res.get('kernels', 'reference')} "
+         "kernels; 0 = not reported)"),
         ("outputs / aliased", "-", f"{mem.get('output_size_in_bytes', 0) / gib:.3f} / "
                                     f"{mem.get('alias_size_in_bytes', 0) / gib:.3f} GiB"),
         ("total / device", f"{est.total / gib:.3f} GiB of {est.usable / gib:.1f} usable",
          f"{(mem.get('argument_size_in_bytes', 0) + mem.get('temp_size_in_bytes', 0)) / gib:.3f} GiB (args + temp)"),
         ("FLOPs / device / step", f"{planner_flops:.4g} (6N + 12LHQT per token x {tokens:g} tokens)",
          f"{cost.get('flops', 0):.4g}" + (" (one layer: XLA counts a while body once)"
-                                          if res["stablehlo_while"] else "")),
+                                          if res["stablehlo_while"] else "")
+         + (f" = XLA ops {res['compiler_cost'].get('flops', 0):.4g} + {res['kernel_cost']['calls']} kernel calls "
+            f"{res['kernel_cost']['flops']:.4g}" if res.get("kernel_cost", {}).get("calls") else "")),
         ("while loops (StableHLO / optimized)", "-", f"{res['stablehlo_while']} / "
                                                       f"{'unreadable' if res['while'] is None else res['while']}"),
         ("capture / lower / compile s", "-", f"{res['capture_s']:.1f} / {res['lower_s']:.1f} / {res['compile_s']:.1f}"),
@@ -179,15 +191,24 @@ def worker(spec: dict) -> dict:
     with torch.device("meta"):
         model = family.model_cls(args)
     data_parallel(model, mesh=None, param_dtype=dtypes[spec["param_dtype"]], reduce_dtype=dtypes[spec["reduce_dtype"]])
-    # Host memory, never initialised: the step is captured but not run, so only layer scan's
-    # stacking and the AdamW moments touch pages (~12 bytes per parameter).
+    # Host memory that is never written: the step is captured, not run, so parameters and the
+    # AdamW moments only need shapes. `empty` pages are not touched (torch.zeros, the optimizer's
+    # own init, would write ~8 bytes per parameter); only layer scan's stacking copies weights.
     model.to_empty(device="cpu")
     opt_cfg = spec["optimizer"]
     opt = build_optimizer(model.parameters(), lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
                           weight_decay=opt_cfg["weight_decay"])
+    for group in opt.param_groups:  # the graph step keeps a state that exists (init_adamw_state)
+        for p in group["params"]:
+            opt.state[p].update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.empty_like(p),
+                                exp_avg_sq=torch.empty_like(p))
     plan = family.plan
     if not spec["scan_layers"]:  # unrolled blocks are checkpointed where the trainer does it
         apply_ac(model, plan=plan, mode=spec["ac_mode"])
+    if spec["kernels"] == "pallas":
+        from kernels.tpu import capture
+
+        capture.install()
     record_first_call(clone=False, stop=True)
     start = time.perf_counter()
     step = build_graph_step(model=model, optimizer=opt, max_norm=spec["max_norm"], backend="aot_eager",
@@ -213,6 +234,8 @@ def worker(spec: dict) -> dict:
     fn, idx = as_jax_function(RECORD)
     devices = topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices
     mesh = Mesh(np.array(devices), ("fsdp",))
+    if spec["kernels"] == "pallas":
+        capture.add_lowerings(torchax.default_env(), mesh, "fsdp")
     n = len(devices)
 
     def sharding(shape):
@@ -233,6 +256,9 @@ def worker(spec: dict) -> dict:
         outs, updated = fn(*tensors)
         return [o for o in outs if o is not None], updated
 
+    if spec["kernels"] == "pallas":
+        capture.COSTS.clear()
+    # The one trace of the step (jit's lower below reuses it): every kernel node records its cost.
     num_outs = len(jax.eval_shape(step_fn, *abstract)[0])
     replicated = NamedSharding(mesh, PartitionSpec())
     jitted = jax.jit(step_fn, out_shardings=([replicated] * num_outs, in_sh),
@@ -245,6 +271,11 @@ def worker(spec: dict) -> dict:
     compile_s = time.perf_counter() - t
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    cost = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")}
+    kernel = capture.kernel_costs() if spec["kernels"] == "pallas" else {"flops": 0.0, "bytes": 0.0, "calls": 0}
+    # libtpu counts a Mosaic custom call as 0 FLOPs: add each kernel call's own (capture.py)
+    total = {"flops": cost.get("flops", 0.0) + kernel["flops"],
+             "bytes accessed": cost.get("bytes accessed", 0.0) + kernel["bytes"]}
     mem = compiled.memory_analysis()
     names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
              "generated_code_size_in_bytes")
@@ -253,7 +284,7 @@ def worker(spec: dict) -> dict:
     except Exception:  # jaxlib 0.10.2 cannot read back some SPMD programs of libtpu 0.0.52 (async ops)
         loops = None
     return dict(devices=n, device_kind=devices[0].device_kind, capture_s=capture_s, lower_s=lower_s,
-                compile_s=compile_s, cost={k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")},
+                compile_s=compile_s, kernels=spec["kernels"], cost=total, compiler_cost=cost, kernel_cost=kernel,
                 memory={k: int(getattr(mem, k)) for k in names if hasattr(mem, k)},
                 stablehlo_while=lowered.as_text().count("stablehlo.while"), **{"while": loops})
 

@@ -1,0 +1,218 @@
+"""The Pallas kernels as opaque torch ops in a CPU capture, lowered for a compile-only TPU topology.
+
+scripts/estimate_xla.py captures the graph step on the CPU and lowers it with torchax for a
+deviceless XLA:TPU compile. With the model ops' torch references in that capture, the TPU program
+would hold what a TPU run does not execute: attention as math SDPA (T x T scores materialised:
+the compiler's HBM bytes and temporaries are then the math kernel's) and MoE experts as
+`_grouped_mm`/dense fallbacks. `install()` instead serves `causal_attention` and `grouped_mm`, on
+every device, with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
+so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis)` then
+lowers each node to the kernel a TPU run calls (kernels/tpu/splash.py, gmm.py; Mosaic, not
+interpreted), inside `shard_map` over `axis`: XLA's SPMD partitioner cannot split a Mosaic custom
+call and would otherwise replicate it on every device.
+
+- splash: the batch is split over `axis` (the batch is the data-parallel dim of the step);
+- gmm: the rows (tokens sorted by expert) are split over `axis`, the weight is gathered, and each
+  shard's group sizes are its slice of the global groups (rows of group g that fall in the
+  shard), so every row meets its own expert's weight once.
+
+Backward ops take the JAX VJP of the forward kernel, as kernels/tpu/register.py does on a TPU.
+
+libtpu's cost analysis counts a Mosaic custom call as zero FLOPs (splash forward, 1 x 8 heads x
+2048 x 128 on v6e: 8.4e6 FLOPs, the q scaling only, for 8.6e9 of matmuls), so each lowered kernel
+call also appends its own FLOPs and HBM bytes, from its per-device shapes, to `COSTS`
+(`kernel_costs`); the compile worker adds them to the compiler's counts.
+Only for the compile worker (jax, torchax): nothing in the trainer imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.common import ops
+
+NAMESPACE = "titan_capture"
+_LIB: list = []
+COSTS: list[tuple[str, float, float]] = []
+"""(kernel, FLOPs, HBM bytes) per device of every kernel call lowered since the last clear."""
+
+
+def _define() -> None:
+    if _LIB:
+        return
+    lib = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 (kept alive in _LIB)
+    lib.define("splash_fwd(Tensor q, Tensor k, Tensor v) -> Tensor")
+    lib.define("splash_bwd(Tensor q, Tensor k, Tensor v, Tensor dout) -> (Tensor, Tensor, Tensor)")
+    lib.define("splash_seg_fwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids) -> Tensor")
+    lib.define("splash_seg_bwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids, Tensor dout) "
+               "-> (Tensor, Tensor, Tensor)")
+    lib.define("gmm(Tensor x, Tensor w, Tensor group_sizes) -> Tensor")
+    lib.define("gmm_bwd(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)")
+    _LIB.append(lib)
+    op = getattr(torch.ops, NAMESPACE)
+
+    def fake(name):
+        return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=lib)
+
+    fake("splash_fwd")(lambda q, k, v: torch.empty_like(q, memory_format=torch.contiguous_format))
+    fake("splash_seg_fwd")(lambda q, k, v, s: torch.empty_like(q, memory_format=torch.contiguous_format))
+    fake("splash_bwd")(lambda q, k, v, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+    fake("splash_seg_bwd")(lambda q, k, v, s, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+    fake("gmm")(lambda x, w, sizes: x.new_empty(x.shape[0], w.shape[-1]))
+    fake("gmm_bwd")(lambda x, w, sizes, dy: (torch.empty_like(x), torch.empty_like(w)))
+
+    def save_all(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def splash_backward(ctx, dout):
+        return op.splash_bwd(*ctx.saved_tensors, dout.contiguous())
+
+    def splash_seg_backward(ctx, dout):
+        q, k, v, seg = ctx.saved_tensors
+        return (*op.splash_seg_bwd(q, k, v, seg, dout.contiguous()), None)
+
+    def gmm_backward(ctx, dy):
+        return (*op.gmm_bwd(*ctx.saved_tensors, dy.contiguous()), None)
+
+    torch.library.register_autograd(f"{NAMESPACE}::splash_fwd", splash_backward, setup_context=save_all, lib=lib)
+    torch.library.register_autograd(f"{NAMESPACE}::splash_seg_fwd", splash_seg_backward, setup_context=save_all,
+                                    lib=lib)
+    torch.library.register_autograd(f"{NAMESPACE}::gmm", gmm_backward, setup_context=save_all, lib=lib)
+
+
+def causal_attention(q, k, v, segment_ids=None):
+    op = getattr(torch.ops, NAMESPACE)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if segment_ids is None:
+        return op.splash_fwd(q, k, v)
+    return op.splash_seg_fwd(q, k, v, segment_ids.to(torch.int32))
+
+
+def grouped_mm(x, w, group_sizes):
+    # w [G, K, N] (the experts' transposed nn.Linear weight): made contiguous in the capture;
+    # XLA folds the transpose into the kernel's operand layout.
+    return getattr(torch.ops, NAMESPACE).gmm(x.contiguous(), w.contiguous(), group_sizes.to(torch.int32))
+
+
+def install() -> None:
+    """Define the ops (once) and serve the model's attention and grouped matmul with them."""
+    _define()
+    ops.register("causal_attention", causal_attention)
+    ops.register("grouped_mm", grouped_mm)
+
+
+def shard_group_sizes(group_sizes, rows: int, shard):
+    """Group sizes of rows [shard * rows, (shard + 1) * rows) of a matrix whose rows are sorted by
+    group with `group_sizes` (jax): how many rows of each group fall in that slice."""
+    import jax.numpy as jnp
+
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    lo = shard * rows
+    return (jnp.clip(ends - lo, 0, rows) - jnp.clip(starts - lo, 0, rows)).astype(jnp.int32)
+
+
+def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads.
+
+    The kernel visits only the causal blocks: (n + 1) / 2n of the n x n grid of its blocks. A
+    forward is two S x S x D matmuls (q k^T, p v) per head over those blocks; the backward op
+    re-runs the forward (for its residuals) and does five (q k^T again, dO v^T, dS k, dS^T q,
+    p^T dO). Bytes: q and the output once, K and V once per query block row of the grid; the
+    backward reads and writes about three times the forward's (a model, not a measurement).
+    """
+    from kernels.tpu import splash
+
+    b, hq, s, d = q_shape
+    padded = s + (-s) % splash.TILE
+    n = padded // splash.block_size(padded)
+    causal = (n + 1) / (2 * n)
+    matmul = 2.0 * b * hq * padded * padded * d * causal
+    fwd_bytes = itemsize * (2 * b * hq * padded * d + 2 * b * kv_heads * padded * d * n * causal)
+    return ((2 + 5) * matmul, 4 * fwd_bytes) if backward else (2 * matmul, fwd_bytes)
+
+
+def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one grouped matmul x [m, k] by w [groups, k, n]: each row meets one
+    expert. Backward: dx and dw, each one matmul of the same size; bytes read x, w, write out
+    (backward: read x, w, dy, write dx, dw)."""
+    flops = 2.0 * m * k * n
+    fwd_bytes = itemsize * (m * k + groups * k * n + m * n)
+    return (2 * flops, 2 * fwd_bytes) if backward else (flops, fwd_bytes)
+
+
+def kernel_costs() -> dict[str, float]:
+    """Sum of `COSTS`: {"flops", "bytes", "calls"}."""
+    return {"flops": sum(c[1] for c in COSTS), "bytes": sum(c[2] for c in COSTS), "calls": len(COSTS)}
+
+
+def add_lowerings(env, mesh, axis: str) -> None:
+    """Lower the `titan_capture` ops on torchax environment `env` to the Pallas kernels, each in
+    `shard_map` over mesh axis `axis` (module docstring)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+    from torchax import interop
+
+    from kernels.tpu import gmm, splash
+
+    op = getattr(torch.ops, NAMESPACE)
+
+    shards = mesh.shape[axis]
+
+    def sharded(fn, in_specs, out_specs, cost=None):
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+        def call(*tensors):
+            if cost is not None:  # per graph node (the shard_map body's trace is cached per shape)
+                COSTS.append(cost(*tensors))
+            return interop.call_jax(mapped, *tensors)
+
+        return call
+
+    batch = P(axis)
+
+    def local(shape):  # the per-device shape of a tensor split over `axis` along dim 0
+        return (shape[0] // shards, *shape[1:])
+
+    def splash_fwd(q, k, v, seg=None):
+        return splash.splash_attention(q, k, v, seg)
+
+    def splash_bwd(q, k, v, dout, seg=None):
+        return tuple(jax.vjp(lambda q, k, v: splash.splash_attention(q, k, v, seg), q, k, v)[1](dout))
+
+    def splash_costs(backward):
+        def cost(q, k, *rest):
+            return ("splash_bwd" if backward else "splash_fwd",
+                    *splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward))
+        return cost
+
+    def local_sizes(x, sizes):
+        return shard_group_sizes(sizes, x.shape[0], jax.lax.axis_index(axis))
+
+    def gmm_fwd(x, w, sizes):
+        return gmm.grouped_mm(x, w, local_sizes(x, sizes))
+
+    def gmm_bwd(x, w, sizes, dy):
+        dx, dw = jax.vjp(lambda x, w: gmm.grouped_mm(x, w, local_sizes(x, sizes)), x, w)[1](dy)
+        return dx, jax.lax.psum(dw, axis)  # every shard's rows contribute to each expert's gradient
+
+    def gmm_costs(backward):
+        def cost(x, w, *rest):
+            m = x.shape[0] // shards
+            return ("gmm_bwd" if backward else "gmm",
+                    *gmm_cost(m, x.shape[1], w.shape[2], w.shape[0], x.dtype.itemsize, backward=backward))
+        return cost
+
+    def splash_seg_bwd(q, k, v, seg, dout):
+        return splash_bwd(q, k, v, dout, seg)
+
+    env.override_op_definition(op.splash_fwd.default, sharded(splash_fwd, (batch,) * 3, batch, splash_costs(False)))
+    env.override_op_definition(op.splash_bwd.default,
+                               sharded(splash_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True)))
+    env.override_op_definition(op.splash_seg_fwd.default,
+                               sharded(splash_fwd, (batch,) * 4, batch, splash_costs(False)))
+    env.override_op_definition(op.splash_seg_bwd.default,
+                               sharded(splash_seg_bwd, (batch,) * 5, (batch,) * 3, splash_costs(True)))
+    env.override_op_definition(op.gmm.default, sharded(gmm_fwd, (batch, P(), P()), batch, gmm_costs(False)))
+    env.override_op_definition(op.gmm_bwd.default,
+                               sharded(gmm_bwd, (batch, P(), P(), batch), (batch, P()), gmm_costs(True)))

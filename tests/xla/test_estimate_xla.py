@@ -1,0 +1,62 @@
+"""scripts/estimate_xla.py: the deviceless XLA:TPU compile of a recipe's step with the Pallas kernels.
+
+The capture serves attention with `titan_capture::splash_*` ops (kernels/tpu/capture.py) that
+lower to the splash kernel inside `shard_map`; libtpu's cost analysis gives a Mosaic call no
+FLOPs, so the worker adds each kernel call's FLOPs from its shapes. What can fail here:
+- the attention is not in the kernels: then the compiler's own FLOPs (XLA ops) contain the
+  T x T matmuls again and exceed the model's non-attention FLOPs;
+- the kernel calls are miscounted (a cached trace drops them, or they are counted twice).
+One compile of the Llama 3 debug recipe at 2 layers on v6e-4 (~30 s here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.xla.conftest import ROOT, xla_python
+
+pytestmark = pytest.mark.xla
+
+
+@pytest.fixture(scope="module")
+def estimate() -> dict:
+    xla_python("ttpu")  # made (once) by the tier's venv threads
+    cmd = [sys.executable, str(ROOT / "scripts" / "estimate_xla.py"), "--target", "v6e-4", "--json",
+           "--config", str(ROOT / "configs" / "llama3_debug.toml"), "--model.n_layers=2",
+           "--training.local_batch_size=2", "--training.seq_len=512"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-6000:]
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def test_attention_runs_in_the_splash_kernel(estimate):
+    from trainer.config import build_config, resolve_model_args
+
+    cfg = build_config(str(ROOT / "configs" / "llama3_debug.toml"), [])
+    cfg.model.overrides["n_layers"] = 2
+    _, args = resolve_model_args(cfg.model, seq_len=512)
+    s = args.shape()
+    batch, seq, devices = 2, 512, 4  # per device: the global batch 2 x 4 is split over the 4 devices
+    tokens = batch * seq
+    assert estimate["tokens_per_device_step"] == tokens and estimate["devices"] == devices
+    # 2 layers, AC none: one splash forward and one backward op per layer
+    kernel = estimate["kernel_cost"]
+    assert kernel["calls"] == 2 * s.n_layers
+    # splash_cost: seq 512 is one 512 block, so the whole block is computed (causal fraction 1);
+    # per layer: the forward op, 2 matmuls of 2*B*H*S*S*D; the backward op, 2 (its forward again) + 5
+    matmul = 2.0 * batch * s.n_heads * seq * seq * s.head_dim
+    assert kernel["flops"] == pytest.approx(s.n_layers * (2 + 2 + 5) * matmul, rel=1e-9)
+    # The XLA ops hold the rest of the step: 6N per token of matmuls plus elementwise work (norms,
+    # SiLU, softmax-free loss, AdamW), which is a few % of it at this width; the T x T matmuls
+    # (12*L*H*Q*T per token, 17 % of 6N here) must not be among them.
+    six_n = 6.0 * args.num_active_params(exclude_embedding=True) * tokens
+    attention = 12.0 * s.n_layers * s.n_heads * s.head_dim * seq * tokens
+    xla_ops = estimate["compiler_cost"]["flops"]
+    assert six_n <= xla_ops < six_n + 0.5 * attention, (xla_ops, six_n, attention)
+    assert estimate["cost"]["flops"] == pytest.approx(xla_ops + kernel["flops"], rel=1e-9)
