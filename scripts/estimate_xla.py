@@ -215,6 +215,7 @@ def worker(spec: dict) -> dict:
                             scan_layers=spec["scan_layers"], ac_mode=spec["ac_mode"] if spec["scan_layers"] else "none",
                             grad_accum_steps=spec["grad_accum"], plan=plan,
                             aux_loss_coef=1e-3 if getattr(args, "num_experts", 0) else 0.0)
+    step.capture.fence_remat = True  # lowered for XLA: recomputed ops behind barriers, or XLA CSEs them away
     tokens = torch.zeros(spec["global_batch"], spec["seq_len"], dtype=torch.int64)
     try:
         with sdpa_kernel([SDPBackend.MATH]):

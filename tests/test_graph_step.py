@@ -36,7 +36,7 @@ def _compare(ref, got):
 
 
 def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5, n_layers: int = 2,
-            reverse_scans: bool = False):
+            reverse_scans: bool = False, fence_remat: bool = False):
     ref_model = build_model(n_layers)
     ref_opt = build_opt(ref_model)
     model = build_model(n_layers)
@@ -46,6 +46,7 @@ def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5
     step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
                             ac_mode=ac_mode if scan else "none", grad_accum_steps=accum, plan=PLAN)
     step.capture.reverse_scans = reverse_scans  # what Inductor gets (scan_reverse_pass), run by aot_eager
+    step.capture.fence_remat = fence_remat  # what an XLA backend gets (remat behind barriers)
     data = batches(steps, accum)
     ref = run(eager_step(ref_model, ref_opt), ref_opt, data)
     got = run(step, opt, data)
@@ -115,6 +116,32 @@ def test_unrolled_remat(ac_mode):
         assert step.stats.matmuls > no_remat
     else:
         assert step.stats.matmuls == no_remat
+
+
+def test_fenced_remat_reads_forward_values_through_barriers():
+    """XLA backends: every recomputed op reads forward values only through an optimization
+    barrier (else XLA's CSE merges it with the forward op and checkpointing does nothing; the
+    deviceless compile check is tests/xla/test_estimate_xla.py). The barrier is an identity: the
+    step still matches eager to the tolerances above, with 2 micro-batches (2 backward regions)."""
+    import operator
+
+    from trainer.graph.remat import OPTIMIZATION_BARRIER
+
+    step = _parity(scan=False, ac_mode="full", steps=2, accum=2, fence_remat=True)
+    nodes = list(step.graph_module.graph.nodes)
+    barriers = [n for n in nodes if n.target is OPTIMIZATION_BARRIER]
+    copies = [n for n in nodes if n.name.endswith("_recomputed")]
+    assert step.stats.recomputed == len(copies) > 0 and barriers
+    fenced = {n for n in nodes if n.target is operator.getitem and n.args[0] in barriers}
+    copy_set = set(copies)
+    for dup in copies:
+        for arg in dup.all_input_nodes:
+            if isinstance(arg.meta.get("val"), torch.Tensor):
+                assert arg in copy_set or arg in fenced, f"{dup.name} reads {arg.name} unfenced"
+    # each barrier sits before the copies that read it, in the backward
+    index = {n: i for i, n in enumerate(nodes)}
+    for item in fenced:
+        assert all(index[u] > index[item] for u in item.users)
 
 
 def test_scan_remat_shrinks_saved_activations():

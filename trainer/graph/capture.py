@@ -31,13 +31,17 @@ from trainer.graph.remat import scan_remat
 class CaptureBackend:
     """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
 
-    def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None):
+    def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None,
+                 fence_remat: bool | None = None):
         assert backend in ("aot_eager", "inductor", "tpu"), backend
         self.backend = backend
         self.dump_path = dump_path
         self.reverse_scans = backend == "inductor" if reverse_scans is None else reverse_scans
         """Run backward scans as reversed loops (`scan_reverse_pass`); default: Inductor only,
         which lowers every scan to such a loop anyway (the XLA tier needs the scan op)."""
+        self.fence_remat = backend == "tpu" if fence_remat is None else fence_remat
+        """Fence recomputed ops with optimization barriers, or XLA's CSE undoes checkpointing;
+        default: the `tpu` backend. The XLA tier (aot_eager capture, torchax lowering) sets it."""
         self.graph_module: fx.GraphModule | None = None
         self.stats: GraphStats | None = None
         self.num_graphs = 0
@@ -81,7 +85,8 @@ class CaptureBackend:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
-        self.stats = run_passes(graph, reverse_scans=self.reverse_scans, decompositions=decompositions)
+        self.stats = run_passes(graph, reverse_scans=self.reverse_scans, decompositions=decompositions,
+                                fence_remat=self.fence_remat)
         self.graph_module = graph
         if self.dump_path:
             with open(self.dump_path, "w") as f:

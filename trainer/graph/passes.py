@@ -365,12 +365,13 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
     return moved
 
 
-def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decompositions: dict | None = None
-               ) -> GraphStats:
+def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decompositions: dict | None = None,
+               fence_remat: bool = False) -> GraphStats:
     """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), all-gather
     prefetch, dead-code elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor
-    only), tracing with `decompositions` (the compiler's table)."""
-    recomputed = remat_pass(gm)
+    only), tracing with `decompositions` (the compiler's table). `fence_remat`: put the
+    recomputed ops behind optimization barriers (XLA backends, trainer/graph/remat.py)."""
+    recomputed = remat_pass(gm, fence=fence_remat)
     scan_transpose_view_pass(gm)
     if reverse_scans:
         scan_reverse_pass(gm, decompositions=decompositions)

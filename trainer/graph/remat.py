@@ -21,6 +21,17 @@ mechanisms give the `[activation_checkpoint] mode` its meaning there:
   included), ops on the layer's parameters alone (casts, transposes, SimpleFSDP
   all-gathers) are recomputed, so the scan never stacks a copy of the (gathered) weights
   for the backward.
+
+On an XLA backend (torch-tpu, the XLA tier) the recomputed copies are identical to the forward
+ops on the same values, so XLA's common-subexpression elimination merges them back and
+checkpointing silently does nothing: the deviceless v6e compile of the captured Llama 3 8B step
+gave the same FLOPs, HBM bytes and temporaries with `mode = "full"` as with `"none"`
+(docs/tpu.md). torch-tpu fences recomputation only in separate backward graphs, and the step is
+one graph. `remat_pass(gm, fence=True)` routes the forward values that each group of copies
+reads through one `titan::optimization_barrier` (identity; `stablehlo.optimization_barrier` on
+XLA), as `jax.checkpoint(prevent_cse=True)` does, so the copies compute on values XLA cannot
+prove equal to the forward's. Scan bodies need no fence: their forward and backward are
+different loops.
 """
 
 from __future__ import annotations
@@ -36,6 +47,24 @@ from torch.utils.checkpoint import CheckpointPolicy
 from models.errors import ConfigError
 
 _RECOMPUTE = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+_BARRIER_LIB = torch.library.Library("titan", "FRAGMENT")  # noqa: TOR901 (module lifetime)
+_BARRIER_LIB.define("optimization_barrier(Tensor[] xs) -> Tensor[]")
+
+
+@torch.library.impl(_BARRIER_LIB, "optimization_barrier", "CompositeExplicitAutograd")
+def _barrier_identity(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    # Identity on every backend but XLA's; a custom op may not return its inputs, so copies.
+    return [x.clone() for x in xs]
+
+
+@torch.library.register_fake("titan::optimization_barrier", lib=_BARRIER_LIB)
+def _barrier_fake(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in xs]
+
+
+OPTIMIZATION_BARRIER = torch.ops.titan.optimization_barrier.default
+"""Values in, the same values out; XLA may not look through it (no CSE, no reordering across)."""
 
 
 def _must_recompute(node: fx.Node) -> bool:
@@ -93,8 +122,10 @@ def _normalize_tags(nodes: list[fx.Node]) -> None:
                 break
 
 
-def remat_pass(gm: fx.GraphModule) -> int:
-    """Recompute tagged forward ops in the backward; return the number of ops copied."""
+def remat_pass(gm: fx.GraphModule, *, fence: bool = False) -> int:
+    """Recompute tagged forward ops in the backward; return the number of ops copied.
+    `fence`: pass the forward values each group of copies reads through an optimization barrier
+    (XLA backends; module docstring)."""
     graph = gm.graph
     nodes = list(graph.nodes)
     if not any(_must_recompute(n) for n in nodes):
@@ -104,6 +135,7 @@ def remat_pass(gm: fx.GraphModule) -> int:
 
     copied = 0
     recomputed: dict[fx.Node, fx.Node] = {}
+    groups: list[list[fx.Node]] = []  # the copies made for one backward op, in graph order
     previous_backward = False
     for node in nodes:
         backward = _is_backward(node)
@@ -128,15 +160,45 @@ def remat_pass(gm: fx.GraphModule) -> int:
             dup.meta = {**dep.meta, "autograd_backward": True}
             recomputed[dep] = dup
             copied += 1
+            groups[-1].append(dup)
             return dup
 
+        groups.append([])
         for dep in list(node.all_input_nodes):
             new = materialize(dep, node)
             if new is not dep:
                 node.replace_input_with(dep, new)
+    if fence:
+        for group in groups:
+            if group:
+                _fence(graph, group)
     graph.eliminate_dead_code()
     gm.recompile()
     return copied
+
+
+def _fence(graph: fx.Graph, copies: list[fx.Node]) -> None:
+    """Route the tensors that `copies` (recomputed ops, in graph order) read from outside the
+    group through one optimization barrier placed before the first copy."""
+    inside = set(copies)
+    outside: list[fx.Node] = []
+    for dup in copies:
+        for arg in dup.all_input_nodes:
+            if arg not in inside and arg not in outside and isinstance(arg.meta.get("val"), torch.Tensor):
+                outside.append(arg)
+    if not outside:
+        return
+    with graph.inserting_before(copies[0]):
+        barrier = graph.call_function(OPTIMIZATION_BARRIER, (outside,))
+        barrier.meta = {"val": [a.meta["val"] for a in outside], "autograd_backward": True}
+        fenced = []
+        for i, arg in enumerate(outside):
+            item = graph.call_function(operator.getitem, (barrier, i))
+            item.meta = {"val": arg.meta["val"], "autograd_backward": True}
+            fenced.append(item)
+    for dup in copies:
+        for arg, item in zip(outside, fenced):
+            dup.replace_input_with(arg, item)
 
 
 def _tag_joint_forward(joint: fx.GraphModule, mode: str) -> None:

@@ -32,6 +32,21 @@ def _torch_tpu():
     return torch.tpu  # installed by torch-tpu's autoload on a TPU host
 
 
+def register_barrier() -> None:
+    """Serve the remat fence `titan::optimization_barrier` (trainer/graph/remat.py) on the TPU
+    with torch-tpu's `optimization_barrier` (-> `stablehlo.optimization_barrier`), so the graph's
+    recomputed ops survive XLA's CSE. Idempotent."""
+    if _BARRIER_IMPL:
+        return
+    tpu_ops = _torch_tpu().ops
+    lib = torch.library.Library("titan", "IMPL")  # noqa: TOR901 (kept alive below)
+    lib.impl("optimization_barrier", lambda xs: list(tpu_ops.optimization_barrier(list(xs))), "PrivateUse1")
+    _BARRIER_IMPL.append(lib)
+
+
+_BARRIER_IMPL: list = []
+
+
 def spmd_safe(step_fn: Callable) -> Callable:
     """`step_fn` traced under torch-tpu's SPMD annotation (collectives stay in one program)."""
     return _torch_tpu().distributed.spmd_safe(step_fn)
@@ -45,6 +60,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: list, *,
     from torch._functorch.aot_autograd import aot_module_simplified
 
     _torch_tpu()
+    register_barrier()
     tpu_backend = lookup_backend("tpu")
 
     def compile_aten(graph: fx.GraphModule, inputs):

@@ -19,7 +19,8 @@ Pieces for torchax 0.0.13 on torch 2.13:
 - `add_lowerings(env)`: ATen ops of the captured step that torchax has no rule for:
   the scan higher-order op (-> `jax.lax.scan`, one `stablehlo.while`), `detach_copy`
   (functionalized `detach` in scan bodies), `prims.fma` (torch 2.13's `lerp_` decomposition
-  in the AdamW update) and `repeat_interleave(..., output_size=)` (MoE dispatch).
+  in the AdamW update), `repeat_interleave(..., output_size=)` (MoE dispatch) and the remat
+  fence `titan::optimization_barrier` (-> `jax.lax.optimization_barrier`; trainer/graph/remat.py).
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ def add_lowerings(env):
     env.override_op_definition(torch.ops.prims.fma.default, lambda a, b, c: a * b + c)
     env.override_op_definition(torch.ops.aten.repeat_interleave.self_Tensor, repeat_interleave_self)
     env.override_op_definition(torch.ops.aten.repeat_interleave.Tensor, repeat_interleave_counts)
+    from trainer.graph.remat import OPTIMIZATION_BARRIER
+
+    env.override_op_definition(OPTIMIZATION_BARRIER,
+                               lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs))))
     return env
 
 
