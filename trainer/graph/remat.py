@@ -184,7 +184,9 @@ def _fence(graph: fx.Graph, copies: list[fx.Node]) -> None:
     outside: list[fx.Node] = []
     for dup in copies:
         for arg in dup.all_input_nodes:
-            if arg not in inside and arg not in outside and isinstance(arg.meta.get("val"), torch.Tensor):
+            # constants (get_attr) need no fence: an op that also reads a fenced value is not CSE'd
+            if (arg not in inside and arg not in outside and arg.op != "get_attr"
+                    and isinstance(arg.meta.get("val"), torch.Tensor)):
                 outside.append(arg)
     if not outside:
         return
