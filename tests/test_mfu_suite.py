@@ -90,7 +90,7 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(suite.bench, "execute", _fake_execute)
 
     def fake_costs(recipe, target, n_layers, extra, timeout):  # affine in layers, compute bound on v6e
-        return {"flops": 1e13 + n_layers * 1e13, "bytes": 1e9 * n_layers, "tokens": 8192.0}
+        return {"flops": 1e13 + n_layers * 2e13, "bytes": 1e9 * n_layers, "tokens": 8192.0}
 
     monkeypatch.setattr(suite, "compile_costs", fake_costs)
     monkeypatch.setattr(suite, "xla_venv", lambda: (tmp_path, ""))
@@ -108,9 +108,17 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
     assert two["dtype"] == "float32"
     assert len(list(csv.DictReader(open(tmp_path / "suite_runs.csv")))) == 8
     proj = next(r for r in rows if r["mode"] == "projection")
-    # llama3 8B: 32 layers -> 1e13 + 32e13 FLOPs per step at 918e12 FLOP/s
-    assert proj["recipe"] == "llama3_8b_v6e" and proj["bound"] == "compute"
-    assert float(proj["step_s"]) == pytest.approx(33e13 / 918e12)
+    # llama3 8B: 32 layers -> 1e13 + 32 x 2e13 FLOPs per step at 918e12 FLOP/s (above the model's
+    # own 8192 x ~5e10 = ~4e14, so the compiler's count is used)
+    assert proj["recipe"] == "llama3_8b_v6e" and proj["bound"] == "compute" and proj["flops_source"] == "compiler"
+    assert float(proj["step_s"]) == pytest.approx(65e13 / 918e12)
+    # a compiler count below the model's FLOPs (loop bodies counted once) is replaced by them
+    low, _ = suite.project(["llama3_8b_v6e"], anchors=suite.load_anchors(), timeout=1,
+                           costs=lambda r, t, n, e, s: {"flops": 1e12 * n, "bytes": 1.0, "tokens": 8192.0})
+    floor = float(proj["model_flops_per_step"])
+    assert low[0]["flops_source"].startswith("model floor (compiler ") and low[0]["model_flops_per_step"] == floor
+    assert low[0]["step_s"] == pytest.approx(floor / 918e12)
+    assert low[0]["mfu_pct_causal"] == pytest.approx(100.0)
     md = out.with_suffix(".md").read_text()
     assert "llama3_8b_v6e (projection)" in md and "MFU % (palm)" in md and "MFU % (causal)" in md
     assert "Llama 3.1 8B | MaxText | v6e" in md and "45.46 (causal)" in md
