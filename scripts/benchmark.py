@@ -10,7 +10,8 @@ repeats. Prints a table and writes CSV (summary to --out, one row per run to <ou
         --variants eager,compile --nproc 1,2 --repeats 3 --steps 20 --warmup 5 --out bench.csv \
         -- --training.local_batch_size=4
 
-Variants: eager, compile, graph, graph_scan, or NAME='--section.key=value ...' via --variant.
+Variants: eager, compile, graph, graph_scan, or NAME='--section.key=value ...' via --variant
+(NAME@2 or NAME@2+4: only at those process counts).
 Arguments after `--` are passed to every run of ours.
 
 `--peer torchtitan` adds TorchTitan 0.3.0's own trainer (scripts/reference_torchtitan.py, run in the
@@ -101,10 +102,38 @@ def parse_variants(names: str, custom: list[str]) -> dict[str, list[str]]:
         name, sep, overrides = spec.partition("=")
         if not sep or not name:
             raise SystemExit(f"error: --variant: expected NAME='--section.key=value ...', got {spec!r}")
+        split_nprocs(name)  # checks an @N suffix
         out[name] = shlex.split(overrides)
     if not out:
         raise SystemExit("error: no variants to run")
     return out
+
+
+def split_nprocs(name: str) -> tuple[str, set[int] | None]:
+    """`NAME@2+4` -> (`NAME@2+4`, {2, 4}): a custom variant that runs at those process counts
+    only (e.g. an FSDP option, pointless in one process); no suffix -> (name, None) = all."""
+    _, at, counts = name.partition("@")
+    if not at:
+        return name, None
+    try:
+        nprocs = {int(n) for n in counts.split("+")}
+    except ValueError:
+        nprocs = set()
+    if not nprocs or min(nprocs) < 1:
+        raise SystemExit(f"error: --variant: {name!r}: after @ expected process counts like 2 or 2+4")
+    return name, nprocs
+
+
+SOLO = "+solo"
+"""Suffix of a `--ceiling` variant: N independent 1-process runs at once (no collectives)."""
+
+
+def runs_at(name: str, nproc: int) -> bool:
+    """Whether variant `name` runs at `nproc` processes (`NAME@2`: only there; a ceiling: N > 1)."""
+    if name.endswith(SOLO):
+        return nproc > 1
+    only = split_nprocs(name)[1]
+    return only is None or nproc in only
 
 
 def build_command(*, recipe: str, overrides: list[str], nproc: int, dump_folder: str, steps: int,
@@ -157,6 +186,7 @@ def summarize_run(records: list[dict], warmup: int) -> dict:
     out["mem_gib"] = max((r["mem_gib"] for r in records if r.get("mem_gib") is not None), default=None)
     out["compile_s"] = next((r["compile_s"] for r in records if r.get("compile_s") is not None), None)
     out["steady_steps"] = len(steady)
+    out["_steady_tps"] = [r["tokens_per_sec"] for r in steady if r.get("tokens_per_sec") is not None]
     out["last_loss"] = records[-1].get("loss") if records else None
     # The peak MFU divides by, and the best compute dtype's peak (they differ on a CPU where the
     # run's dtype is the slower one; docs/metrics.md), from the first record.
@@ -181,6 +211,11 @@ def summarize(runs: list[dict]) -> list[dict]:
         tps = [r["tokens_per_sec"] for r in ok if r.get("tokens_per_sec") is not None]
         row["tokens_per_sec_min"] = min(tps) if tps else None
         row["tokens_per_sec_max"] = max(tps) if tps else None
+        # The fast phase: on a shared VM other tenants only ever slow a step down, so a high
+        # quantile of all steady steps of all repeats estimates the uncontended speed (the
+        # reasoning of timeit's "take the minimum"); p90, not the max, so one odd step cannot set it.
+        pooled = sorted(t for r in ok for t in r.get("_steady_tps", []))
+        row["tokens_per_sec_p90"] = pooled[min(int(0.9 * len(pooled)), len(pooled) - 1)] if pooled else None
         # Pure data parallelism: every device consumes its own tokens.
         row["tokens_per_sec_total"] = row["tokens_per_sec"] * nproc if row["tokens_per_sec"] is not None else None
         rows.append(row)
@@ -201,7 +236,8 @@ def add_peer_ratio(rows: list[dict], peer: str | None) -> list[dict]:
 def format_table(rows: list[dict]) -> str:
     columns = [
         ("variant", "variant", "{}"), ("nproc", "nproc", "{}"), ("threads", "threads", "{}"), ("ok", "ok/runs", None),
-        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"), ("spread", "min..max", None), ("vs_peer", "vs peer", "{:.2f}x"),
+        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"), ("spread", "min..max", None),
+        ("tokens_per_sec_p90", "p90 step", "{:,.0f}"), ("vs_peer", "vs peer", "{:.2f}x"),
         ("tokens_per_sec_total", "tok/s total", "{:,.0f}"), ("tflops", "TFLOP/s/dev", "{:.3g}"),
         ("mfu_pct", "MFU %", "{:.2f}"), ("mfu_pct_causal", "MFU % causal", "{:.2f}"),
         ("mem_gib", "mem GiB", "{:.2f}"), ("compile_s", "compile s", "{:.1f}"), ("busy_before", "cpu busy", "{:.2f}"),
@@ -269,7 +305,7 @@ def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_bus
     `summarize_run` of its metrics.jsonl. scripts/mfu_suite.py runs its sweep through this too."""
     runs = []
     for i, job in enumerate(jobs):
-        labels = {k: v for k, v in job.items() if k not in ("cmd", "folder", "log")}
+        labels = {k: v for k, v in job.items() if k not in ("cmd", "cmds", "folder", "log")}
         folder = Path(job["folder"])
         busy = wait_until_quiet(max_busy, max_wait)
         busy_text = "n/a" if busy is None else f"{busy:.2f}"
@@ -278,19 +314,59 @@ def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_bus
         folder.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         log_path = folder / job.get("log", "stdout.log")
-        with open(log_path, "w") as log:
-            try:
-                rc = subprocess.run(job["cmd"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+        if "cmds" in job:  # independent copies at once, each in its own folder
+            rc = _run_together(job["cmds"], env=env, timeout=timeout, log_path=log_path)
+            copies = [summarize_run(read_records(Path(_dump_folder(c)) / "metrics.jsonl"), warmup)
+                      for c in job["cmds"]]
+            summary = _mean_of_copies(copies)
+        else:
+            with open(log_path, "w") as log:
+                try:
+                    rc = subprocess.run(job["cmd"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = 124
+            summary = summarize_run(read_records(folder / "metrics.jsonl"), warmup)
         wall = time.perf_counter() - start
-        run = {**labels, "rc": rc, "wall_s": wall, "busy_before": busy,
-               **summarize_run(read_records(folder / "metrics.jsonl"), warmup)}
+        run = {**labels, "rc": rc, "wall_s": wall, "busy_before": busy, **summary}
         if rc != 0:
             print(f"  failed (exit {rc}); see {log_path}", file=sys.stderr)
         runs.append(run)
     return runs
+
+
+def _dump_folder(cmd: list[str]) -> str:
+    return next(a.split("=", 1)[1] for a in cmd if a.startswith("--job.dump_folder="))
+
+
+def _run_together(cmds: list[list[str]], *, env: dict, timeout: float, log_path: Path) -> int:
+    """Start every command at once (one log each: stdout.log -> stdout.<i>.log); the first failure's exit code."""
+    procs = []
+    for i, cmd in enumerate(cmds):
+        log = open(log_path.with_suffix(f".{i}{log_path.suffix}"), "w")
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline, rcs = time.monotonic() + timeout, []
+    for proc, log in procs:
+        try:
+            rcs.append(proc.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rcs.append(124)
+        log.close()
+    return next((rc for rc in rcs if rc != 0), 0)
+
+
+def _mean_of_copies(copies: list[dict]) -> dict:
+    """One run's summary from its independent copies: per-process metrics averaged, memory the max."""
+    out = dict(copies[0])
+    for key in (*METRICS, "compile_s"):
+        values = [c.get(key) for c in copies]
+        out[key] = sum(values) / len(values) if all(v is not None for v in values) else None
+    out["mem_gib"] = max((c["mem_gib"] for c in copies if c.get("mem_gib") is not None), default=None)
+    out["steady_steps"] = min(c["steady_steps"] for c in copies)
+    out["_steady_tps"] = [t for c in copies for t in c.get("_steady_tps", [])]
+    return out
 
 
 # ------------------------------------------------------------------------------ main
@@ -310,9 +386,9 @@ def machine_fields(threads: int | None = None) -> dict:
 def write_csv(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
-    keys = list(dict.fromkeys(k for row in rows for k in row))
+    keys = list(dict.fromkeys(k for row in rows for k in row if not k.startswith("_")))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -346,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-busy", type=float, default=0.25, help="wait for CPU busy fraction below this")
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--ceiling", action="append", default=[], metavar="VARIANT",
+                        help="also run, at each process count N > 1, N independent 1-process copies of "
+                             "VARIANT at once (variant VARIANT+solo): the host's N-process ceiling, "
+                             "no communication")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)
 
@@ -384,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         env["OMP_NUM_THREADS"] = str(args.threads)
     machine = machine_fields(args.threads)
 
-    names = [*variants, *([args.peer] if args.peer else [])]
-    plan = [(rep, name, nproc) for rep in range(args.repeats) for name in names for nproc in nprocs]
+    for name in args.ceiling:
+        if name not in variants:
+            parser.error(f"--ceiling: {name!r} is not one of the variants ({', '.join(variants)})")
+    names = [*variants, *(f"{name}{SOLO}" for name in args.ceiling), *([args.peer] if args.peer else [])]
+    plan = [(rep, name, nproc) for rep in range(args.repeats) for name in names for nproc in nprocs
+            if runs_at(name, nproc)]
     jobs = []
     for rep, name, nproc in plan:
         folder = root / f"{name}-n{nproc}-r{rep}"
@@ -396,13 +480,17 @@ def main(argv: list[str] | None = None) -> int:
                                             batch=args.peer_batch, extra=args.peer_arg)
             # The peer harness's own output; TorchTitan's log is its stdout.log in the same folder.
             job["log"] = "harness.log"
+        elif name.endswith(SOLO):
+            job["cmds"] = [build_command(recipe=args.config, overrides=variants[name.removesuffix(SOLO)], nproc=1,
+                                         dump_folder=str(folder / f"copy{i}"), steps=args.steps, extra=extra)
+                           for i in range(nproc)]
         else:
             job["cmd"] = build_command(recipe=args.config, overrides=variants[name], nproc=nproc,
                                        dump_folder=str(folder), steps=args.steps, extra=extra)
         jobs.append(job)
     if args.dry_run:
         for job in jobs:
-            print(shlex.join(job["cmd"]))
+            print(" & ".join(shlex.join(cmd) for cmd in job.get("cmds", [job.get("cmd")])))
         return 0
     runs = [{**run, **machine} for run in execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout,
                                                   max_busy=args.max_busy, max_wait=args.max_wait)]

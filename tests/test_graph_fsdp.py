@@ -9,6 +9,8 @@ Measured: weights <= 3.5e-6 (both), losses equal to 1e-7.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,20 +57,25 @@ def _reference(state):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _fsdp_model(state, mesh, dims):
+    with torch.device("meta"):
+        model = Llama3(llama3_args())
+    parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
+                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    load_full_state(model, state)
+    return model
+
+
 def _graph_on_rank(state, scan_variants):
     dims = ParallelDims(world_size=2, dp_shard=2)
     mesh = build_mesh(dims, "cpu")
     rank = dist.get_rank()
     results = {}
     for scan in scan_variants:
-        with torch.device("meta"):
-            model = Llama3(llama3_args())
-        parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
-                          param_dtype=torch.float32, reduce_dtype=torch.float32)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
-        load_full_state(model, state)
+        model = _fsdp_model(state, mesh, dims)
         opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
         step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
                                 scan_layers=scan, plan=LLAMA3_PLAN)
@@ -108,3 +115,46 @@ def test_graph_step_simple_fsdp_matches_single_process():
     # Both ranks hold the same (gathered) weights.
     for scan in (False, True):
         assert all(torch.equal(results[0][scan][1][n], results[1][scan][1][n]) for n in ref_params)
+
+
+def _bucketed_on_rank(state):
+    dims = ParallelDims(world_size=2, dp_shard=2)
+    mesh = build_mesh(dims, "cpu")
+    rank = dist.get_rank()
+    model = _fsdp_model(state, mesh, dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="inductor",
+                            plan=LLAMA3_PLAN, bucket_cap_mb=1000.0)
+    losses, calls = [], Counter()
+    for s in range(STEPS):
+        inputs, labels = batch(4096, batch_size=4, seed=s)
+        mb = [(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = step(mb, _lr(s)).loss
+        if s == STEPS - 1:
+            for event in prof.events():
+                for kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+                    if event.name.startswith(f"_c10d_functional::{kind}"):
+                        calls[kind] += 1
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / 2)
+    return losses, {n: full(p).detach().clone() for n, p in model.named_parameters()}, \
+        dict(step.stats.collectives), dict(calls)
+
+
+def test_inductor_bucketing_merges_fsdp_collectives():
+    """`compile.bucket_cap_mb`: with a cap above the model's size, the compiled step runs ONE
+    all-gather and ONE reduce-scatter (the captured graph has one per parameter), and still
+    matches one eager process. Tolerances: losses as above; weights 1e-4 absolute, Inductor's
+    (tests/test_graph_step.py::test_inductor_scan_matches_eager: it fuses and reorders fp32 math)."""
+    state = reference_state(n_layers=2)
+    ref_losses, ref_params = _reference(state)
+    losses, params, captured, calls = run_processes(2, _bucketed_on_rank, state)[0]
+    n_params = len(ref_params)
+    assert captured["all_gather_into_tensor"] == n_params and captured["reduce_scatter_tensor"] == n_params
+    assert calls == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, calls
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) <= 1e-5 * abs(a), (ref_losses, losses)
+    worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
+    assert worst <= 1e-4, worst

@@ -223,6 +223,19 @@ def test_benchmark_commands_and_variants():
     assert variants["bf16"] == ["--training.mixed_precision_param=bfloat16", "--compile.mode=compile"]
     with pytest.raises(SystemExit):
         bench.parse_variants("warp", [])
+    assert bench.split_nprocs("b25@2+4") == ("b25@2+4", {2, 4}) and bench.split_nprocs("bf16") == ("bf16", None)
+    for bad in ("b@", "b@x", "b@0"):
+        with pytest.raises(SystemExit):
+            bench.parse_variants("", [f"{bad}=--compile.mode=graph"])
+    assert [n for n in (1, 2, 4) if bench.runs_at("b@2+4", n)] == [2, 4]
+    assert [n for n in (1, 2, 4) if bench.runs_at("graph" + bench.SOLO, n)] == [2, 4]
+    # A ceiling run's copies: per-process throughput averaged, memory the worst copy's.
+    copies = [{"tokens_per_sec": 100.0, "tflops": 1.0, "mfu_pct": 10.0, "mfu_pct_causal": 9.0, "compile_s": 4.0,
+               "mem_gib": 1.0, "steady_steps": 5},
+              {"tokens_per_sec": 80.0, "tflops": 0.8, "mfu_pct": 8.0, "mfu_pct_causal": 7.0, "compile_s": 6.0,
+               "mem_gib": 1.5, "steady_steps": 4}]
+    mean = bench._mean_of_copies(copies)
+    assert mean["tokens_per_sec"] == 90.0 and mean["mem_gib"] == 1.5 and mean["steady_steps"] == 4
     one = bench.build_command(recipe="r.toml", overrides=["--compile.mode=eager"], nproc=1, dump_folder="/d",
                               steps=9, extra=["--x.y=1"], python="py")
     assert one[:3] == ["py", "-m", "trainer.train"] and one[-2:] == ["--compile.mode=eager", "--x.y=1"]

@@ -189,6 +189,11 @@ class CompileConfig:
     """Graph mode: run the repeated block as one scan over stacked layer parameters."""
     dump_graph: str = ""
     """Graph mode: write the captured graph as text to this path (relative to dump_folder)."""
+    bucket_cap_mb: float = field(default=0.0, metadata=_range(ge=0))
+    """Graph mode, inductor backend: merge the step's independent all-gathers and reduce-scatters
+    (SimpleFSDP's per-parameter ones) into buckets of at most this many MB each, one collective
+    per bucket (Inductor's FX bucketing); 0 = one collective per parameter. The TPU backend
+    leaves combining to XLA. See docs/parallelism.md."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ dumped, and then it is compiled:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -32,9 +33,11 @@ class CaptureBackend:
     """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
 
     def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None,
-                 fence_remat: bool | None = None):
+                 fence_remat: bool | None = None, bucket_cap_mb: float = 0.0):
         assert backend in ("aot_eager", "inductor", "tpu"), backend
         self.backend = backend
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        """Inductor: bucket independent all-gathers / reduce-scatters up to this size (0: off)."""
         self.dump_path = dump_path
         self.reverse_scans = backend == "inductor" if reverse_scans is None else reverse_scans
         """Run backward scans as reversed loops (`scan_reverse_pass`); default: Inductor only,
@@ -60,12 +63,8 @@ class CaptureBackend:
 
             def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
                 self._on_graph(graph)
-                if self.stats.prefetched_gathers:
-                    # Inductor's peak-memory reordering would sink the prefetched all-gathers
-                    # back next to their waits (seen in its output code); keep the pass's order.
-                    with torch._inductor.config.patch(reorder_for_peak_memory=False):
-                        return compile_fx_inner(graph, inputs, **kwargs)
-                return compile_fx_inner(graph, inputs, **kwargs)
+                with torch._inductor.config.patch(self._inductor_options()):
+                    return compile_fx_inner(graph, inputs, **kwargs)
 
             return self._mark_ready(compile_fx(gm, example_inputs, inner_compile=inner_compile))
         from functorch.compile import make_boxed_func
@@ -77,6 +76,22 @@ class CaptureBackend:
 
         return self._mark_ready(aot_module_simplified(
             gm, example_inputs, fw_compiler=run_as_is, keep_inference_input_mutations=True))
+
+    def _inductor_options(self) -> dict:
+        options = {}
+        if self.stats.prefetched_gathers:
+            # Inductor's peak-memory reordering would sink the prefetched all-gathers back
+            # next to their waits (seen in its output code); keep the pass's order.
+            options["reorder_for_peak_memory"] = False
+        if self.bucket_cap_mb > 0 and self.stats.collectives:
+            # Inductor's post-grad FX passes: independent collectives of one group and dtype
+            # become one collective over a concatenated buffer per bucket (in graph order).
+            # The size rule is part of Inductor's cache key, so it must pickle (no lambda).
+            cap = functools.partial(_bucket_cap_mb, self.bucket_cap_mb)
+            options.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all",
+                           bucket_all_gathers_fx_bucket_size_determinator=cap,
+                           bucket_reduce_scatters_fx_bucket_size_determinator=cap)
+        return options
 
     def _on_graph(self, graph: fx.GraphModule) -> None:
         decompositions = None
@@ -101,6 +116,11 @@ class CaptureBackend:
         # Inductor / AOT return boxed callables (they take one list and clear it).
         run._boxed_call = getattr(fn, "_boxed_call", False)
         return run
+
+
+def _bucket_cap_mb(cap_mb: float, _bucket_index: int) -> float:
+    """Inductor's bucket size rule: the same cap for every bucket."""
+    return cap_mb
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ class GraphStep:
                  dump_graph: str | None, grad_accum_steps: int, block_stacks: dict[str, nn.Module] | None = None,
                  scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 loss_fn: Callable | None = None):
+                 loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -62,7 +62,7 @@ class GraphStep:
                    for pname, value in stack.stacked_parameters().items()} or None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
-        self.capture = CaptureBackend(backend=backend, dump_path=dump_graph)
+        self.capture = CaptureBackend(backend=backend, dump_path=dump_graph, bucket_cap_mb=bucket_cap_mb)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._arity = 2
         step_fn = _own_code(self._step)
@@ -191,7 +191,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
                      plan=None,
                      loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                     loss_fn: Callable | None = None) -> GraphStep:
+                     loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
     The trainer calls this through `trainer.step.build_step`, which resolves the settings below
@@ -213,6 +213,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     - `loss_fn(model, *micro_batch)`: the mean loss of one micro-batch, a tuple of tensors (the
       task's loss, trainer/tasks.py; LM: `StepPlan.lm_loss(model, inputs, labels)`); None:
       `trainer.step.lm_loss` of the model's logits on (inputs, labels).
+    - `bucket_cap_mb`: inductor only: merge independent all-gathers / reduce-scatters into
+      buckets of at most this many MB (Inductor's FX bucketing); 0 = off.
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -240,7 +242,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
                      grad_accum_steps=grad_accum_steps, block_stacks=block_stacks, scan_context=scan_context,
-                     loss_context=loss_context, loss_fn=loss_fn)
+                     loss_context=loss_context, loss_fn=loss_fn, bucket_cap_mb=bucket_cap_mb)
 
 
 def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:
