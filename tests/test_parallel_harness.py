@@ -30,6 +30,7 @@ from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import FLAVORS as QWEN3_FLAVORS
 from models.qwen3 import Transformer as Qwen3
 from models.qwen3.plan import PLAN as QWEN3_PLAN
+from trainer.device import cpu_backend
 from trainer.step import lm_loss  # noqa: F401  (re-exported for the parallel tests)
 
 RNG_LOCK = threading.Lock()
@@ -101,7 +102,7 @@ def run_threads(world_size: int, fn) -> list:
 
 def _process_entry(rank: int, world_size: int, init_file: str, fn, args, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+    dist.init_process_group(cpu_backend(), init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
     try:
         result = fn(*args)

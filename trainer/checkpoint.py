@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.errors import ConfigError
+from trainer.device import cpu_backend
 
 logger = logging.getLogger(__name__)
 
@@ -512,7 +513,7 @@ class CheckpointManager:
         # Checkpoint coordination (DCP's plan exchange, barriers, async saves) runs on its own
         # gloo group: async saves talk from a background thread and must not interleave with
         # the training collectives, and gloo works whatever the device backend is.
-        self._pg = dist.new_group(backend="gloo") if (enable and self._distributed) else None
+        self._pg = dist.new_group(backend=cpu_backend()) if (enable and self._distributed) else None
         if enable and self.folder.exists() and not self.folder.is_dir():
             raise ConfigError(f"checkpoint.folder: {self.folder} exists and is not a directory")
 

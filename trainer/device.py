@@ -24,7 +24,35 @@ import torch.distributed as dist
 
 from models.errors import ConfigError
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "tpu": "tpu_dist"}
+GLOO_SERIAL = "gloo_serial"
+"""The CPU process-group backend: torch's gloo with ONE worker thread (`cpu_backend`)."""
+BACKENDS = {"cpu": GLOO_SERIAL, "cuda": "nccl", "tpu": "tpu_dist"}
+
+
+def cpu_backend() -> str:
+    """The name of the backend for CPU collectives (registered on first use): gloo, one worker.
+
+    torch's ProcessGroupGloo runs collectives on 2 worker threads. With two of them in flight
+    at once, which the graph step does (it issues all-gathers ahead of their use and waits for
+    reduce-scatters late), torch 2.13's gloo crashed 2-process graph training of the debug
+    recipe in 5 of 18 runs of 20-30 steps (a SIGSEGV in `gloo::transport::tcp::UnboundBuffer::
+    ~UnboundBuffer` at the end of an all-gather on a worker thread, or glibc's "malloc():
+    unaligned tcache chunk detected"); with one worker, which runs the collectives in issue
+    order, none of 10 did (docs/parallelism.md, "CPU collectives"). Eager steps wait for each
+    collective where they issue it.
+    """
+    if GLOO_SERIAL not in dist.Backend.backend_list:
+        dist.Backend.register_backend(GLOO_SERIAL, _serial_gloo, extended_api=True, devices=["cpu"])
+    return GLOO_SERIAL
+
+
+def _serial_gloo(opts, _backend_options=None):
+    gloo = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._threads = 1
+    options._timeout = opts.timeout
+    options._devices = [gloo.create_default_device()]
+    return gloo(opts.store, opts.group_rank, opts.group_size, options)
 
 
 def torch_tpu_installed() -> bool:
@@ -73,7 +101,7 @@ def init_distributed(device: torch.device) -> DistInfo:
     """
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
-    backend = BACKENDS[device.type]
+    backend = cpu_backend() if device.type == "cpu" else BACKENDS[device.type]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if restart is None:

@@ -17,6 +17,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from trainer.device import cpu_backend
+
 PREEMPTED_EXIT_CODE = 75
 
 
@@ -40,7 +42,8 @@ class PreemptionHandler:
             except ValueError:  # not the main thread: leave the default handler
                 pass
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._group = (dist.group.WORLD if dist.get_backend() in ("gloo", cpu_backend())
+                           else dist.new_group(backend=cpu_backend()))
 
     def _on_signal(self, signum, frame) -> None:
         self._flag = True

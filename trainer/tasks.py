@@ -36,7 +36,9 @@ def _gather_objects() -> Callable[[object], list] | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    group = dist.new_group(backend="gloo")
+    from trainer.device import cpu_backend
+
+    group = dist.new_group(backend=cpu_backend())
 
     def gather(obj: object) -> list:
         out: list = [None] * dist.get_world_size()
