@@ -109,19 +109,19 @@ def parse_variants(names: str, custom: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def split_nprocs(name: str) -> tuple[str, set[int] | None]:
-    """`NAME@2+4` -> (`NAME@2+4`, {2, 4}): a custom variant that runs at those process counts
-    only (e.g. an FSDP option, pointless in one process); no suffix -> (name, None) = all."""
+def split_nprocs(name: str) -> set[int] | None:
+    """`NAME@2+4` -> {2, 4}: a custom variant that runs at those process counts only (e.g. an
+    FSDP option, pointless in one process); no suffix -> None (every count)."""
     _, at, counts = name.partition("@")
     if not at:
-        return name, None
+        return None
     try:
         nprocs = {int(n) for n in counts.split("+")}
     except ValueError:
         nprocs = set()
     if not nprocs or min(nprocs) < 1:
         raise SystemExit(f"error: --variant: {name!r}: after @ expected process counts like 2 or 2+4")
-    return name, nprocs
+    return nprocs
 
 
 SOLO = "+solo"
@@ -132,7 +132,7 @@ def runs_at(name: str, nproc: int) -> bool:
     """Whether variant `name` runs at `nproc` processes (`NAME@2`: only there; a ceiling: N > 1)."""
     if name.endswith(SOLO):
         return nproc > 1
-    only = split_nprocs(name)[1]
+    only = split_nprocs(name)
     return only is None or nproc in only
 
 

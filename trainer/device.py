@@ -26,7 +26,8 @@ from models.errors import ConfigError
 
 GLOO_SERIAL = "gloo_serial"
 """The CPU process-group backend: torch's gloo with ONE worker thread (`cpu_backend`)."""
-BACKENDS = {"cpu": GLOO_SERIAL, "cuda": "nccl", "tpu": "tpu_dist"}
+BACKENDS = {"cuda": "nccl", "tpu": "tpu_dist"}
+"""Process-group backends of the accelerators; the CPU's is `cpu_backend()` (registered on use)."""
 
 
 def cpu_backend() -> str:
