@@ -57,11 +57,11 @@ def _reference(state):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _fsdp_model(state, mesh, dims):
+def _fsdp_model(state, mesh, dims, param_dtype=torch.float32):
     with torch.device("meta"):
         model = Llama3(llama3_args())
     parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+                      param_dtype=param_dtype, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -104,9 +104,12 @@ def test_graph_step_simple_fsdp_matches_single_process():
         worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)
         assert worst <= 1e-5, (scan, worst)
         # The FSDP collectives are in the graph: one all-gather per parameter use (the scan
-        # body gathers a layer, then gathers it again for the backward), reduce-scatters for
-        # the gradients, one all-reduce for the global gradient norm.
-        assert collectives["all_gather_into_tensor"] >= 12 and collectives["reduce_scatter_tensor"] >= 12
+        # body gathers a layer, then gathers it again for the backward), the gradients'
+        # reduce-scatters (on gloo as all-to-alls + a sum, gloo_reduce_scatter_pass: the
+        # parity above is with them, unrolled and in the scan body), one all-reduce for the
+        # global gradient norm.
+        assert collectives["all_gather_into_tensor"] >= 12 and collectives["all_to_all_single"] >= 12
+        assert "reduce_scatter_tensor" not in collectives, collectives
         assert collectives["all_reduce"] == 1
         assert scans == (2 if scan else 0)
         # Unrolled, the gathers are issued ahead of their use (all but the first move; the
@@ -117,14 +120,51 @@ def test_graph_step_simple_fsdp_matches_single_process():
         assert all(torch.equal(results[0][scan][1][n], results[1][scan][1][n]) for n in ref_params)
 
 
-def _bucketed_on_rank(state):
+def _wire_on_rank(state):
+    dims = ParallelDims(world_size=2, dp_shard=2)
+    mesh = build_mesh(dims, "cpu")
+    rank = dist.get_rank()
+    results = {}
+    for all_to_all in (False, True):
+        model = _fsdp_model(state, mesh, dims, param_dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
+        step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
+                                plan=LLAMA3_PLAN, gloo_all_to_all=all_to_all)
+        losses = []
+        for s in range(STEPS):
+            inputs, labels = batch(4096, batch_size=4, seed=s)
+            losses.append(step([(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])], _lr(s)).loss.item())
+        wire = Counter(str(n.args[0].meta["val"].dtype) for n in step.capture.graph_module.graph.nodes
+                       if n.target is torch.ops._c10d_functional.all_to_all_single.default)
+        results[all_to_all] = (losses, {n: full(p).detach().clone() for n, p in model.named_parameters()},
+                               dict(step.stats.collectives), wire)
+    return results
+
+
+def test_gloo_all_to_all_reduce_scatter_is_exact_in_bf16():
+    """bf16 params, fp32 reduction (SimpleFSDP's mixed precision): with `gloo_all_to_all` every
+    gradient crosses the wire as bf16 (the value before its exact up-cast) and is summed in fp32
+    after the all-to-all; with 2 ranks that sum is the same a + b gloo's reduce-scatter computes,
+    so losses and weights must be bit-identical to gloo's reduce-scatter (no tolerance)."""
+    state = reference_state(n_layers=2)
+    results = run_processes(2, _wire_on_rank, state)[0]
+    (rs_losses, rs_params, rs_coll, _), (a2a_losses, a2a_params, a2a_coll, wire) = results[False], results[True]
+    n_params = len(rs_params)
+    assert rs_coll["reduce_scatter_tensor"] == n_params and "all_to_all_single" not in rs_coll, rs_coll
+    assert a2a_coll["all_to_all_single"] == n_params and "reduce_scatter_tensor" not in a2a_coll, a2a_coll
+    assert wire == {"torch.bfloat16": n_params}, wire
+    assert rs_losses == a2a_losses, (rs_losses, a2a_losses)
+    assert all(torch.equal(rs_params[n], a2a_params[n]) for n in rs_params)
+
+
+def _bucketed_on_rank(state, all_to_all):
     dims = ParallelDims(world_size=2, dp_shard=2)
     mesh = build_mesh(dims, "cpu")
     rank = dist.get_rank()
     model = _fsdp_model(state, mesh, dims)
     opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
     step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="inductor",
-                            plan=LLAMA3_PLAN, bucket_cap_mb=1000.0)
+                            plan=LLAMA3_PLAN, bucket_cap_mb=1000.0, gloo_all_to_all=all_to_all)
     losses, calls = [], Counter()
     for s in range(STEPS):
         inputs, labels = batch(4096, batch_size=4, seed=s)
@@ -133,7 +173,7 @@ def _bucketed_on_rank(state):
             loss = step(mb, _lr(s)).loss
         if s == STEPS - 1:
             for event in prof.events():
-                for kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+                for kind in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"):
                     if event.name.startswith(f"_c10d_functional::{kind}"):
                         calls[kind] += 1
         mean = loss.detach().clone()
@@ -143,10 +183,13 @@ def _bucketed_on_rank(state):
         dict(step.stats.collectives), dict(calls)
 
 
-def test_inductor_bucketing_merges_fsdp_collectives():
+@pytest.mark.parametrize("all_to_all", [False, True], ids=["reduce-scatter", "all-to-all"])
+def test_inductor_bucketing_merges_fsdp_collectives(all_to_all):
     """`compile.bucket_cap_mb`: with a cap above the model's size, the compiled step runs ONE
     all-gather and ONE reduce-scatter (the captured graph has one per parameter), and still
-    matches one eager process. Tolerances: losses as above; weights 1e-4 absolute, Inductor's
+    matches one eager process. With `gloo_all_to_all` (the CPU default) the reduce-scatters are
+    all-to-alls, which Inductor does not bucket: one per parameter, compiled by Inductor.
+    Tolerances: losses as above; weights 1e-4 absolute, Inductor's
     (tests/test_graph_step.py::test_inductor_scan_matches_eager: it fuses and reorders fp32 math,
     and AdamW's normalized update can turn a rounding-level gradient change into a visible step
     for near-zero gradients). 1e-4 is 5 % of the most any weight can move here (AdamW moves a
@@ -154,10 +197,11 @@ def test_inductor_bucketing_merges_fsdp_collectives():
     reduced into the wrong slice) would still fail it."""
     state = reference_state(n_layers=2)
     ref_losses, ref_params = _reference(state)
-    losses, params, captured, calls = run_processes(2, _bucketed_on_rank, state)[0]
+    losses, params, captured, calls = run_processes(2, _bucketed_on_rank, state, all_to_all)[0]
     n_params = len(ref_params)
-    assert captured["all_gather_into_tensor"] == n_params and captured["reduce_scatter_tensor"] == n_params
-    assert calls == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}, calls
+    scatter = "all_to_all_single" if all_to_all else "reduce_scatter_tensor"
+    assert captured["all_gather_into_tensor"] == n_params and captured[scatter] == n_params
+    assert calls == {"all_gather_into_tensor": 1, scatter: n_params if all_to_all else 1}, calls
     for a, b in zip(ref_losses, losses):
         assert abs(a - b) <= 1e-5 * abs(a), (ref_losses, losses)
     worst = max((params[n] - ref_params[n]).abs().max().item() for n in ref_params)

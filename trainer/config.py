@@ -194,6 +194,12 @@ class CompileConfig:
     (SimpleFSDP's per-parameter ones) into buckets of at most this many MB each, one collective
     per bucket (Inductor's FX bucketing); 0 = one collective per parameter. The TPU backend
     leaves combining to XLA. See docs/parallelism.md."""
+    gloo_all_to_all: bool = True
+    """Graph mode, CPU (gloo) process groups: run each reduce-scatter as an all-to-all and a
+    local sum, moving the gradient in its own dtype (bf16) before the up-cast to reduce_dtype:
+    gloo's reduce-scatter all-reduces the whole tensor, twice the traffic. The result is the
+    same (the cast is exact; with more than 2 ranks the sum's order may differ). false = gloo's
+    reduce-scatter. Other backends ignore it. See docs/parallelism.md."""
 
 
 @dataclass

@@ -155,7 +155,7 @@ class StepOutput:
 
 def build_step(plan: StepPlan, *, model, optimizer, max_norm: float, aux_loss_coef: float,
                grad_accum_steps: int, model_plan, dump_graph: str | None = None, loss_fn=None,
-               bucket_cap_mb: float = 0.0):
+               bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True):
     """The step object of `plan`: `step(microbatches, lr) -> StepOutput`.
 
     A micro-batch is a tuple of tensors; `loss_fn(model, *micro_batch)` is its mean loss (the
@@ -173,7 +173,7 @@ def build_step(plan: StepPlan, *, model, optimizer, max_norm: float, aux_loss_co
         model=model, optimizer=optimizer, plan=model_plan, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
         backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac, dump_graph=dump_graph,
         grad_accum_steps=grad_accum_steps, loss_context=plan.loss_context, loss_fn=loss_fn,
-        bucket_cap_mb=bucket_cap_mb,
+        bucket_cap_mb=bucket_cap_mb, gloo_all_to_all=gloo_all_to_all,
     )
 
 

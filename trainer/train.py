@@ -248,7 +248,8 @@ def train(cfg: Config) -> int:
     loss_fn = task.loss_fn(step_plan)
     step_fn = build_step(step_plan, model=model, optimizer=optimizer, max_norm=t.max_norm,
                          aux_loss_coef=t.aux_loss_coef, grad_accum_steps=accum, model_plan=family.plan,
-                         dump_graph=dump, loss_fn=loss_fn, bucket_cap_mb=c.bucket_cap_mb)
+                         dump_graph=dump, loss_fn=loss_fn, bucket_cap_mb=c.bucket_cap_mb,
+                         gloo_all_to_all=c.gloo_all_to_all)
 
     # -- metrics, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
     peak, peak_name = peak_flops_per_device(device, param_dtype)

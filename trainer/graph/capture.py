@@ -33,7 +33,7 @@ class CaptureBackend:
     """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
 
     def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None,
-                 fence_remat: bool | None = None, bucket_cap_mb: float = 0.0):
+                 fence_remat: bool | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True):
         assert backend in ("aot_eager", "inductor", "tpu"), backend
         self.backend = backend
         self.bucket_cap_mb = float(bucket_cap_mb)
@@ -42,6 +42,8 @@ class CaptureBackend:
         self.reverse_scans = backend == "inductor" if reverse_scans is None else reverse_scans
         """Run backward scans as reversed loops (`scan_reverse_pass`); default: Inductor only,
         which lowers every scan to such a loop anyway (the XLA tier needs the scan op)."""
+        self.gloo_all_to_all = gloo_all_to_all
+        """Reduce-scatters on gloo groups as all-to-alls (`gloo_reduce_scatter_pass`)."""
         self.fence_remat = backend == "tpu" if fence_remat is None else fence_remat
         """Fence recomputed ops with optimization barriers, or XLA's CSE undoes checkpointing;
         default: the `tpu` backend. The XLA tier (aot_eager capture, torchax lowering) sets it."""
@@ -101,7 +103,8 @@ class CaptureBackend:
 
             decompositions = select_decomp_table()
         self.stats = run_passes(graph, reverse_scans=self.reverse_scans, decompositions=decompositions,
-                                fence_remat=self.fence_remat)
+                                fence_remat=self.fence_remat,
+                                gloo_all_to_all=self.gloo_all_to_all)
         self.graph_module = graph
         if self.dump_path:
             with open(self.dump_path, "w") as f:

@@ -26,6 +26,7 @@ import math
 import operator
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -365,8 +366,85 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
     return moved
 
 
+def _on_gloo(group_name: str) -> bool:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from trainer.device import GLOO_SERIAL
+
+    try:
+        group = _resolve_process_group(group_name)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return torch.distributed.get_backend(group) in ("gloo", GLOO_SERIAL)
+
+
+def gloo_reduce_scatter_pass(gm: fx.GraphModule, *, on_gloo: Callable[[str], bool] = _on_gloo) -> int:
+    """On gloo groups, reduce-scatter as an all-to-all and a local sum; returns how many.
+
+    torch 2.13's gloo reduce-scatters by all-reducing the whole tensor and keeping this rank's
+    part: each rank sends and receives 2 (R - 1) / R of the tensor on the process group's
+    thread. An all-to-all hands each rank the R parts of its shard ((R - 1) / R of the tensor
+    sent and received, once) and the sum of the parts runs in the step, where Inductor fuses it
+    with what reads the gradient. When the reduced tensor is an up-cast (SimpleFSDP reduces a
+    bf16 gradient in fp32: `reduce_dtype`), the parts travel in the narrow dtype and are summed
+    in the wide one: the values are the same (the cast is exact), so the result is too, for
+    half the bytes. Sum and mean only; with R > 2 the order of the sum may differ from gloo's.
+    Applies in scan bodies too (a scanned layer reduces its gradient in the body). Measured on
+    the debug recipe, 2 ranks on a 2-core VM: docs/parallelism.md ("CPU collectives").
+    """
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    casts = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
+    done = 0
+    for g in [gm, *_subgraphs(gm)]:
+        graph = g.graph
+        for rs in list(graph.nodes):
+            if rs.op != "call_function" or rs.target is not c10d.reduce_scatter_tensor.default:
+                continue
+            inp, op, size, name = rs.args[:4]
+            waits = list(rs.users)
+            if (op not in ("sum", "avg") or not on_gloo(name) or len(waits) != 1
+                    or waits[0].target is not c10d.wait_tensor.default):
+                continue
+            wait, val = waits[0], inp.meta["val"]
+            src = inp
+            if (inp.target in casts and set(inp.kwargs) <= {"dtype"} and val.dtype.is_floating_point
+                    and inp.args[0].meta["val"].dtype.is_floating_point
+                    and inp.args[0].meta["val"].dtype.itemsize < val.dtype.itemsize):
+                src = inp.args[0]
+            part = val.shape[0] // size
+            splits = [part] * size
+            with graph.inserting_before(rs):
+                a2a = _call_function(graph, c10d.all_to_all_single.default, src, splits, splits, name)
+            a2a.meta.update({k: v for k, v in rs.meta.items() if k != "val"})
+            wait.replace_input_with(rs, a2a)
+            wait.meta["val"] = a2a.meta["val"]
+            with graph.inserting_after(wait):
+                view = _call_function(graph, aten.view.default, wait, [size, part, *val.shape[1:]])
+            with graph.inserting_after(view):
+                out = _call_function(graph, aten.sum.dim_IntList, view, [0], dtype=val.dtype)
+            if op == "avg":
+                with graph.inserting_after(out):
+                    out = _call_function(graph, aten.div.Scalar, out, size)
+            wait.replace_all_uses_with(out, delete_user_cb=lambda user: user is not view)
+            graph.erase_node(rs)
+            done += 1
+        if done:
+            g.recompile()
+    return done
+
+
+def _call_function(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
+    """A new node at the graph's insertion point, with its fake value in `meta["val"]`."""
+    node = graph.call_function(target, args, kwargs)
+    fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    mode = torch._guards.detect_fake_mode(node.all_input_nodes[0].meta["val"])
+    with mode:
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
+
+
 def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decompositions: dict | None = None,
-               fence_remat: bool = False) -> GraphStats:
+               fence_remat: bool = False, gloo_all_to_all: bool = True) -> GraphStats:
     """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), all-gather
     prefetch, dead-code elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor
     only), tracing with `decompositions` (the compiler's table). `fence_remat`: put the
@@ -375,6 +453,8 @@ def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decomposition
     scan_transpose_view_pass(gm)
     if reverse_scans:
         scan_reverse_pass(gm, decompositions=decompositions)
+    if gloo_all_to_all:
+        gloo_reduce_scatter_pass(gm)
     prefetched = prefetch_all_gathers_pass(gm)
     dce_pass(gm)
     gm.graph.lint()

@@ -44,7 +44,7 @@ class GraphStep:
                  dump_graph: str | None, grad_accum_steps: int, block_stacks: dict[str, nn.Module] | None = None,
                  scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0):
+                 loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -62,7 +62,8 @@ class GraphStep:
                    for pname, value in stack.stacked_parameters().items()} or None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
-        self.capture = CaptureBackend(backend=backend, dump_path=dump_graph, bucket_cap_mb=bucket_cap_mb)
+        self.capture = CaptureBackend(backend=backend, dump_path=dump_graph, bucket_cap_mb=bucket_cap_mb,
+                                      gloo_all_to_all=gloo_all_to_all)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._arity = 2
         step_fn = _own_code(self._step)
@@ -191,7 +192,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
                      plan=None,
                      loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                     loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0) -> GraphStep:
+                     loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0,
+                     gloo_all_to_all: bool = True) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
     The trainer calls this through `trainer.step.build_step`, which resolves the settings below
@@ -215,6 +217,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
       `trainer.step.lm_loss` of the model's logits on (inputs, labels).
     - `bucket_cap_mb`: inductor only: merge independent all-gathers / reduce-scatters into
       buckets of at most this many MB (Inductor's FX bucketing); 0 = off.
+    - `gloo_all_to_all`: on gloo groups, reduce-scatters run as all-to-alls + a local sum, in
+      the gradient's dtype before its up-cast (`passes.gloo_reduce_scatter_pass`).
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -242,7 +246,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
                      grad_accum_steps=grad_accum_steps, block_stacks=block_stacks, scan_context=scan_context,
-                     loss_context=loss_context, loss_fn=loss_fn, bucket_cap_mb=bucket_cap_mb)
+                     loss_context=loss_context, loss_fn=loss_fn, bucket_cap_mb=bucket_cap_mb,
+                     gloo_all_to_all=gloo_all_to_all)
 
 
 def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:
