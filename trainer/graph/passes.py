@@ -6,12 +6,14 @@ The pipeline (`run_passes`) is short and every pass does real work:
    the transposed copies torch's functionalization of the body puts there.
 3. `scan_reverse` (Inductor only): backward scans run as loops that index in reverse instead
    of over flipped copies of the weights and saved activations.
-4. `prefetch_all_gathers`: SimpleFSDP's all-gathers are issued `ALL_GATHER_LOOKAHEAD` gathers
+4. `gloo_reduce_scatter` (gloo groups): reduce-scatters as all-to-alls + a local sum, the
+   gradient on the wire in its dtype before the up-cast to the reduce dtype.
+5. `prefetch_all_gathers`: SimpleFSDP's all-gathers are issued `ALL_GATHER_LOOKAHEAD` gathers
    ahead of their use, so they run while the step computes and a rank that falls slightly
    behind does not stall the others at every parameter.
-5. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
+6. `dce`: dead-code elimination (e.g. forward values nothing reads after remat, unused
    outputs of the optimizer's bookkeeping).
-6. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
+7. `stats` (`graph_stats`): counts nodes, ops, collectives, scans and the bytes the forward
    scans stack for the backward (the per-layer activation memory with layer scan). It does
    not change the graph; its numbers go to the dump, the metrics and the tests.
 
@@ -445,8 +447,9 @@ def _call_function(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
 
 def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decompositions: dict | None = None,
                fence_remat: bool = False, gloo_all_to_all: bool = True) -> GraphStats:
-    """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), all-gather
-    prefetch, dead-code elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor
+    """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), (gloo
+    reduce-scatters as all-to-alls: `gloo_all_to_all`), all-gather prefetch, dead-code
+    elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor
     only), tracing with `decompositions` (the compiler's table). `fence_remat`: put the
     recomputed ops behind optimization barriers (XLA backends, trainer/graph/remat.py)."""
     recomputed = remat_pass(gm, fence=fence_remat)
