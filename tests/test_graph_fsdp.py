@@ -69,6 +69,18 @@ def _fsdp_model(state, mesh, dims, param_dtype=torch.float32):
     return model
 
 
+def _train(step, rank: int) -> list[float]:
+    """STEPS graph steps on this rank's half of the global batch; the mean loss of each."""
+    losses = []
+    for s in range(STEPS):
+        inputs, labels = batch(4096, batch_size=4, seed=s)
+        mb = [(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])]
+        mean = step(mb, _lr(s)).loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / 2)
+    return losses
+
+
 def _graph_on_rank(state, scan_variants):
     dims = ParallelDims(world_size=2, dp_shard=2)
     mesh = build_mesh(dims, "cpu")
@@ -79,14 +91,7 @@ def _graph_on_rank(state, scan_variants):
         opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
         step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
                                 scan_layers=scan, plan=LLAMA3_PLAN)
-        losses = []
-        for s in range(STEPS):
-            inputs, labels = batch(4096, batch_size=4, seed=s)
-            mb = [(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])]
-            loss = step(mb, _lr(s)).loss
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / 2)
+        losses = _train(step, rank)
         stats = step.stats
         results[scan] = (losses, {n: full(p).detach().clone() for n, p in model.named_parameters()},
                          dict(stats.collectives), stats.scans, stats.prefetched_gathers)
@@ -130,10 +135,7 @@ def _wire_on_rank(state):
         opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
         step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
                                 plan=LLAMA3_PLAN, gloo_all_to_all=all_to_all)
-        losses = []
-        for s in range(STEPS):
-            inputs, labels = batch(4096, batch_size=4, seed=s)
-            losses.append(step([(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])], _lr(s)).loss.item())
+        losses = _train(step, rank)
         wire = Counter(str(n.args[0].meta["val"].dtype) for n in step.capture.graph_module.graph.nodes
                        if n.target is torch.ops._c10d_functional.all_to_all_single.default)
         results[all_to_all] = (losses, {n: full(p).detach().clone() for n, p in model.named_parameters()},
