@@ -220,7 +220,10 @@ def test_moe_scan_forward_backward_matches_the_loop():
 
     fp32, same ops in the same order per layer, so the only difference is the aux sum over layers
     (stacked sum vs running sum) and the compiled backward's accumulation order: ~1e-7 relative;
-    asserted 1e-6 relative (1e-7 absolute for gradients near zero, e.g. unused experts)."""
+    asserted 1e-6 relative, and for each gradient 1e-6 of its largest entry absolute: an entry
+    near zero is a sum of terms on the tensor's scale that cancelled, so its rounding error is
+    on that scale (the embedding gradient sums up to 32 positions per row; on an AMD EPYC VM one
+    entry differed by 2.2e-7 with the largest entry 0.72, i.e. 3e-7 of the scale)."""
     from trainer.step import lm_loss
 
     loop, scanned = _moe_model(2), _moe_model(2)
@@ -245,9 +248,10 @@ def test_moe_scan_forward_backward_matches_the_loop():
     want = dict(loop.named_parameters())
     for (name, _), grad in zip(stacked.items(), grads):
         ref = torch.stack([want[f"layers.{i}.{name}"].grad for i in range(2)])
-        torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-7, msg=name)
+        torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(), msg=name)
     for (name, _), grad in zip(others.items(), grads[len(stacked):]):
-        torch.testing.assert_close(grad, want[name].grad, rtol=1e-6, atol=1e-7, msg=name)
+        ref = want[name].grad
+        torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(), msg=name)
 
 
 @pytest.mark.slow  # ~30 s: captures two graph steps (unrolled and scanned)
