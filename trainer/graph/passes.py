@@ -28,7 +28,6 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -380,7 +379,7 @@ def _on_gloo(group_name: str) -> bool:
     return torch.distributed.get_backend(group) in ("gloo", GLOO_SERIAL)
 
 
-def gloo_reduce_scatter_pass(gm: fx.GraphModule, *, on_gloo: Callable[[str], bool] = _on_gloo) -> int:
+def gloo_reduce_scatter_pass(gm: fx.GraphModule) -> int:
     """On gloo groups, reduce-scatter as an all-to-all and a local sum; returns how many.
 
     torch 2.13's gloo reduce-scatters by all-reducing the whole tensor and keeping this rank's
@@ -398,13 +397,13 @@ def gloo_reduce_scatter_pass(gm: fx.GraphModule, *, on_gloo: Callable[[str], boo
     casts = (torch.ops.prims.convert_element_type.default, aten._to_copy.default)
     done = 0
     for g in [gm, *_subgraphs(gm)]:
-        graph = g.graph
+        graph, done_before = g.graph, done
         for rs in list(graph.nodes):
             if rs.op != "call_function" or rs.target is not c10d.reduce_scatter_tensor.default:
                 continue
             inp, op, size, name = rs.args[:4]
             waits = list(rs.users)
-            if (op not in ("sum", "avg") or not on_gloo(name) or len(waits) != 1
+            if (op not in ("sum", "avg") or not _on_gloo(name) or len(waits) != 1
                     or waits[0].target is not c10d.wait_tensor.default):
                 continue
             wait, val = waits[0], inp.meta["val"]
@@ -430,7 +429,7 @@ def gloo_reduce_scatter_pass(gm: fx.GraphModule, *, on_gloo: Callable[[str], boo
             wait.replace_all_uses_with(out, delete_user_cb=lambda user: user is not view)
             graph.erase_node(rs)
             done += 1
-        if done:
+        if done > done_before:
             g.recompile()
     return done
 
