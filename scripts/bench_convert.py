@@ -90,7 +90,9 @@ def _load_worker(hf: Path, layers: int, dim: int, mode: str) -> dict:
     from parallelisms import ParallelDims, build_mesh, parallelize_model
     from trainer import checkpoint as ckpt
 
-    dist.init_process_group("gloo")
+    from trainer.device import cpu_backend
+
+    dist.init_process_group(cpu_backend())
     world = dist.get_world_size()
     family = models.get_model_family("llama3")
     args = _args(layers, dim)

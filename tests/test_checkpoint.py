@@ -393,7 +393,9 @@ def _two_rank_worker(rank: int, world: int, store: str, folder: str, out: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from trainer.device import cpu_backend
+
+    dist.init_process_group(cpu_backend(), init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
         run = Run(seed=0)

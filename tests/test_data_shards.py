@@ -199,7 +199,9 @@ def _worker(out: str) -> None:
 
     from trainer.tasks import _gather_objects
 
-    dist.init_process_group("gloo")
+    from trainer.device import cpu_backend
+
+    dist.init_process_group(cpu_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     loader = build_dataloader(dataset="bundled", tokenizer=build_tokenizer("bundled"), seq_len=SEQ,
                               local_batch_size=B, dp_rank=rank, dp_degree=world, seed=5, gather=_gather_objects())

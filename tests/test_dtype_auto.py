@@ -167,7 +167,7 @@ def _rank_main(rank: int, world: int, init: str, cache_root: str, out: str) -> N
         return 1.0 if dtype == fast else 0.5
 
     dev.measure_matmul_tflops = measure
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    dist.init_process_group(dev.cpu_backend(), init_method=init, rank=rank, world_size=world)
     try:
         got = dev.resolve_compute_dtype("auto", CPU)
         peak, _ = flops.peak_flops_per_device(CPU, got.dtype)

@@ -7,6 +7,7 @@ is only built, never run: the pass reads node targets and order.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx
 
@@ -32,27 +33,30 @@ def _fsdp_chain(n: int) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node], l
     return fx.GraphModule(torch.nn.Module(), g), gathers, waits, mms
 
 
-def test_gathers_move_ahead_by_the_lookahead_and_waits_stay():
-    gm, gathers, waits, mms = _fsdp_chain(12)
-    moved = prefetch_all_gathers_pass(gm, lookahead=3)
+@pytest.mark.parametrize("n, lookahead", [(12, 3), (400, 8)])
+def test_gathers_move_ahead_by_the_lookahead_and_waits_stay(n, lookahead):
+    # (400, 8): the first lookahead chains all go into the gap before the first wait, which the
+    # pass renumbers in place rather than renumbering the graph after every move.
+    gm, gathers, waits, mms = _fsdp_chain(n)
+    moved = prefetch_all_gathers_pass(gm, lookahead=lookahead)
     gm.graph.lint()  # still topologically valid: every input before its use
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    assert moved == 11  # all but the first
-    for i in range(1, 12):
-        # issued before the wait 3 gathers back (the first wait for the first 3), and after the
-        # gather before it: issue order unchanged
-        assert order[gathers[i]] < order[waits[max(0, i - 3)]]
+    assert moved == n - 1  # all but the first
+    for i in range(1, n):
+        # issued before the wait `lookahead` gathers back (the first wait for the first ones),
+        # and after the gather before it: issue order unchanged
+        assert order[gathers[i]] < order[waits[max(0, i - lookahead)]]
         assert order[gathers[i - 1]] < order[gathers[i]]
         # its cast moved with it
         assert order[gathers[i].args[0]] < order[gathers[i]]
-    for i in range(12):
+    for i in range(n):
         # waits and compute keep their order: wait i right before its matmul
         assert order[waits[i]] < order[mms[i]]
         assert i == 0 or order[mms[i - 1]] < order[waits[i]]
     # at each wait exactly `lookahead` + 1 gathers are issued and not yet waited (fewer at the end)
-    for i in range(12):
+    for i in range(n):
         issued = sum(order[a] < order[waits[i]] for a in gathers)
-        assert issued - i == min(4, 12 - i)
+        assert issued - i == min(lookahead + 1, n - i)
 
 
 def test_nothing_moves_without_gathers_or_when_already_ahead():

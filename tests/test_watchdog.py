@@ -43,7 +43,8 @@ BARRIER = textwrap.dedent("""
     import os, sys, time
     import torch.distributed as dist
     from trainer.watchdog import arrival_barrier, StartupTimeout
-    dist.init_process_group("gloo")
+    from trainer.device import cpu_backend
+    dist.init_process_group(cpu_backend())
     rank = dist.get_rank()
     arrival_barrier("ok", timeout_s=60)          # everyone arrives
     if rank in (1, 3):

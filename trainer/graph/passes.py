@@ -358,10 +358,16 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
             stack.extend(node.all_input_nodes)
         if not ok:
             continue
-        for node in sorted(chain, key=order.__getitem__):
+        chain.sort(key=order.__getitem__)
+        for node in chain:
             target.prepend(node)
+        # Renumber only the moved nodes, into the gap before `target` (a full renumbering per
+        # gather is quadratic in the graph's size). A gap takes at most lookahead + 1 chains,
+        # so a float's 53 bits never run out.
+        low, high = order[chain[0].prev], order[target]
+        for j, node in enumerate(chain, 1):
+            order[node] = low + (high - low) * j / (len(chain) + 1)
         moved += 1
-        order = {n: j for j, n in enumerate(graph.nodes)}
     if moved:
         gm.recompile()
     return moved
