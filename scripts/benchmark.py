@@ -59,7 +59,7 @@ RUN_OVERRIDES = [
     "--profiling.enable=false",
 ]
 
-METRICS = ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal")
+METRICS = ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal", "data_loading_pct")
 
 PEERS = ("torchtitan",)
 PEER_SCRIPT = REPO / "scripts" / "reference_torchtitan.py"
@@ -240,6 +240,7 @@ def format_table(rows: list[dict]) -> str:
         ("tokens_per_sec_p90", "p90 step", "{:,.0f}"), ("vs_peer", "vs peer", "{:.2f}x"),
         ("tokens_per_sec_total", "tok/s total", "{:,.0f}"), ("tflops", "TFLOP/s/dev", "{:.3g}"),
         ("mfu_pct", "MFU %", "{:.2f}"), ("mfu_pct_causal", "MFU % causal", "{:.2f}"),
+        ("data_loading_pct", "data %", "{:.1f}"),
         ("mem_gib", "mem GiB", "{:.2f}"), ("compile_s", "compile s", "{:.1f}"), ("busy_before", "cpu busy", "{:.2f}"),
     ]
 
@@ -252,8 +253,9 @@ def format_table(rows: list[dict]) -> str:
         value = row.get(key)
         return "-" if value is None else spec.format(value)
 
-    if not any(r.get("vs_peer") is not None for r in rows):
-        columns = [c for c in columns if c[0] != "vs_peer"]
+    for optional in ("vs_peer", "data_loading_pct"):  # a peer's rows, or records from before the key
+        if not any(r.get(optional) is not None for r in rows):
+            columns = [c for c in columns if c[0] != optional]
     table = [[title for _, title, _ in columns]] + [[cell(r, k, s) for k, _, s in columns] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in table]

@@ -40,17 +40,18 @@ def read_tb(folder):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_steps(logger, clock, steps, *, tokens=1000, dt=0.5, loss=lambda s: 10.0 / s):
+def run_steps(logger, clock, steps, *, tokens=1000, dt=0.5, loss=lambda s: 10.0 / s, data_s=lambda s: 0.0):
     for step in steps:
         clock.now += dt
-        logger.log(step, tokens=tokens, loss=torch.tensor(loss(step)), grad_norm=torch.tensor(1.5), lr=3e-4)
+        logger.log(step, tokens=tokens, data_s=data_s(step), loss=torch.tensor(loss(step)),
+                   grad_norm=torch.tensor(1.5), lr=3e-4)
 
 
 def test_records_throughput_and_mfu(tmp_path, clock, capsys):
     fpt = {"palm": 6e6, "causal": 5e6}
     logger = MetricsLogger(dump_folder=tmp_path, log_freq=2, enable_tensorboard=True, total_steps=5, is_rank0=True,
                            flops_per_token=fpt, peak_flops=1e11, device=torch.device("cpu"))
-    run_steps(logger, clock, range(1, 6))
+    run_steps(logger, clock, range(1, 6), data_s=lambda s: 0.01 * s)
     logger.log(6, tokens=0, loss=1.0, force=True, val_loss=torch.tensor(2.5))
     logger.close()
 
@@ -67,6 +68,9 @@ def test_records_throughput_and_mfu(tmp_path, clock, capsys):
     assert r["mfu_pct_causal"] == pytest.approx(100 * 2000 * 5e6 / 1e11)
     assert r["loss"] == pytest.approx(2.5) and r["grad_norm"] == 1.5 and r["lr"] == 3e-4
     assert r["elapsed_s"] == pytest.approx(2.0)
+    # batch waits of steps 3 and 4 (0.03 + 0.04 s): their mean, and their share of the 1.0 s
+    assert r["data_loading_s"] == pytest.approx(0.035) and r["data_loading_pct"] == pytest.approx(7.0)
+    assert by_step[6]["data_loading_s"] == 0.0  # the forced record covers only its own step
     assert r["mem_gib"] > 0.01  # this process's peak RSS
     assert by_step[1]["tokens_per_sec"] == pytest.approx(2000.0)  # one step in 0.5 s
     assert by_step[6]["val_loss"] == 2.5
@@ -166,7 +170,7 @@ def _fake_run(folder, tokens_per_sec, *, steps=6, compile_s=12.0, resumed_dup=Fa
     for step in range(1, steps + 1):
         record = {"step": step, "loss": 5.0 - step * 0.1, "tokens_per_sec": tokens_per_sec[step - 1],
                   "tflops": tokens_per_sec[step - 1] * 1e-6, "mfu_pct": tokens_per_sec[step - 1] * 1e-3,
-                  "mem_gib": 1.0 + step / 10, "elapsed_s": step}
+                  "mem_gib": 1.0 + step / 10, "elapsed_s": step, "data_loading_pct": float(step)}
         if step == 1:
             record["compile_s"] = compile_s
         lines.append(json.dumps(record))
@@ -184,6 +188,7 @@ def test_benchmark_parses_and_aggregates(tmp_path):
     assert a["tokens_per_sec"] == 115 and a["steady_steps"] == 4
     assert a["mem_gib"] == pytest.approx(1.6) and a["compile_s"] == 12.0
     assert a["tflops"] == pytest.approx(115e-6) and a["mfu_pct_causal"] is None
+    assert a["data_loading_pct"] == 4.5  # median of steps 3-6
     b_path = _fake_run(tmp_path / "b", [1, 1, 90, 90, 90, 90], resumed_dup=True)
     b = bench.summarize_run(bench.read_records(b_path), warmup=2)
     assert b["tokens_per_sec"] == 90  # median of 90, 9999, 90, 90
@@ -204,7 +209,8 @@ def test_benchmark_parses_and_aggregates(tmp_path):
     failed = rows[("compile", 2)]
     assert failed["ok"] == 0 and failed["tokens_per_sec"] is None
     table = bench.format_table(list(rows.values()))
-    assert "115" in table and "90..200" in table and "0/1" in table
+    assert "115" in table and "90..200" in table and "0/1" in table and "data %" in table
+    assert "data %" not in bench.format_table([{**eager, "data_loading_pct": None}])  # records without the key
 
     out = tmp_path / "bench.csv"
     bench.write_csv(out, list(rows.values()))

@@ -155,6 +155,7 @@ class MetricsLogger:
         self._last_time = self._start_time
         self._first_log: tuple[int, float] | None = None  # (step, time) of the first record, for the ETA
         self._tokens_since_log = 0
+        self._data_s_since_log, self._steps_since_log = 0.0, 0  # batch waits, for data_loading_*
         self._last_step = start_step
         self._jsonl = None
         self._tb = None
@@ -201,16 +202,19 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == self.start_step + 1 or step == self.total_steps
 
-    def log(self, step: int, *, tokens: int = 0, samples: float = 0, force: bool = False,
+    def log(self, step: int, *, tokens: int = 0, samples: float = 0, data_s: float = 0.0, force: bool = False,
             **values: Any) -> dict[str, Any] | None:
         """Account one step; on a logging step write and return its record (else None).
 
         tokens / samples: what this device processed in this step (all micro-batches), in the
             logger's unit (the other stays 0).
+        data_s: seconds this step waited for its batches (reading, tokenizing, moving to the device).
         values: loss, grad_norm, lr and any extra scalar (floats or 0-d tensors; tensors are only
             read on logging steps, so passing them every step costs no sync).
         """
         self._tokens_since_log += tokens if self.unit == "tokens" else samples
+        self._data_s_since_log += data_s
+        self._steps_since_log += 1
         if self._pbar is not None:
             self._pbar.update(step - self._last_step if step > self._last_step else 1)
         self._last_step = step
@@ -230,12 +234,15 @@ class MetricsLogger:
         record["mfu_pct"] = 100.0 * achieved / self.peak_flops if achieved is not None and self.peak_flops else None
         if "causal" in self._flops and self.peak_flops:
             record["mfu_pct_causal"] = 100.0 * tokens_per_sec * self._flops["causal"] / self.peak_flops
+        record["data_loading_s"] = self._data_s_since_log / self._steps_since_log
+        record["data_loading_pct"] = 100.0 * self._data_s_since_log / interval
         record["mem_gib"] = peak_memory_gib(self.device)
         record["elapsed_s"] = now - self._start_time
         for key, value in values.items():
             record[key] = _to_float(value)
         self._last_time = now
         self._tokens_since_log = 0
+        self._data_s_since_log, self._steps_since_log = 0.0, 0
         # ETA from the steps after the first record, which carries start-up and compilation.
         eta_s = None
         if self._first_log is None:

@@ -284,7 +284,12 @@ def train(cfg: Config) -> int:
                 watchdog.step_started(step)
             profiling = cfg.profiling.enable and step % cfg.profiling.freq == 0
             with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, info.rank):
-                microbatches = [tuple(x.to(device) for x in task.prepare(loader.next_batch())) for _ in range(accum)]
+                # data_s: host time for the batches only; a copy to an accelerator can wait for
+                # the steps still queued on it, which is not the loader's time.
+                t_data = time.perf_counter()
+                batches = [task.prepare(loader.next_batch()) for _ in range(accum)]
+                data_s = time.perf_counter() - t_data
+                microbatches = [tuple(x.to(device) for x in batch) for batch in batches]
                 lr = scheduler.get_last_lr()[0]
                 out = step_fn(microbatches, lr)
                 scheduler.step()
@@ -299,7 +304,7 @@ def train(cfg: Config) -> int:
             saving = manager.enable and (step % manager.interval == 0 or last or preempted)
             logging = logger.should_log(step) or validating
             if not (logging or saving):
-                logger.log(step, **units)
+                logger.log(step, data_s=data_s, **units)
                 continue
             first_bad, skipped = nonfinite.read()
             if first_bad and not t.skip_nonfinite_updates:
@@ -325,9 +330,9 @@ def train(cfg: Config) -> int:
                     values["val_loss"] = _validate(model, build_loader=build_val_loader, prepare=task.prepare,
                                                    loss_fn=loss_fn, steps=cfg.validation.steps, device=device,
                                                    step_plan=step_plan)
-                logger.log(step, force=True, **units, **values)
+                logger.log(step, force=True, data_s=data_s, **units, **values)
             else:  # a checkpoint-only step: checked above, nothing to log
-                logger.log(step, **units)
+                logger.log(step, data_s=data_s, **units)
             if saving:
                 if not ckpt.all_finite(model, optimizer):
                     raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "
