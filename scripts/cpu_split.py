@@ -25,16 +25,22 @@ TICK = os.sysconf("SC_CLK_TCK")
 STEP = re.compile(r"step\s+(\d+)/")
 
 
+def _stat_fields(path: str) -> tuple[str, list[str]] | None:
+    """(name, the fields after it) of a /proc .../stat file; None if the process is gone."""
+    try:
+        stat = open(path).read()
+    except FileNotFoundError:
+        return None
+    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+
+
 def trainer_pids(root: int) -> list[int]:
     """The training processes: `root` and its descendants, but for torchrun's launcher."""
     parent = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except FileNotFoundError:
-                continue
-            parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        stat = _stat_fields(f"/proc/{entry}/stat") if entry.isdigit() else None
+        if stat is not None:
+            parent[int(entry)] = int(stat[1][1])
     pids = []
     for pid in parent:
         node = pid
@@ -60,13 +66,10 @@ def thread_cpu(root: int) -> dict[tuple[int, int], tuple[str, float]]:
         except FileNotFoundError:
             continue
         for tid in tids:
-            try:
-                stat = open(f"/proc/{pid}/task/{tid}/stat").read()
-            except FileNotFoundError:
-                continue
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2:].split()
-            found[(pid, int(tid))] = (name, (int(fields[11]) + int(fields[12])) / TICK)
+            stat = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+            if stat is not None:
+                name, fields = stat
+                found[(pid, int(tid))] = (name, (int(fields[11]) + int(fields[12])) / TICK)  # utime + stime
     return found
 
 

@@ -208,7 +208,8 @@ class MetricsLogger:
 
         tokens / samples: what this device processed in this step (all micro-batches), in the
             logger's unit (the other stays 0).
-        data_s: seconds this step waited for its batches (reading, tokenizing, moving to the device).
+        data_s: seconds this step spent getting its batches on the host (reading, tokenizing, packing;
+            not the copy to the device, which can wait for steps still queued there).
         values: loss, grad_norm, lr and any extra scalar (floats or 0-d tensors; tensors are only
             read on logging steps, so passing them every step costs no sync).
         """
