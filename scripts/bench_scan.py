@@ -41,6 +41,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="SimpleFSDP param_dtype")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--host-malloc", default="retain", choices=["retain", "system"],
+                   help="glibc malloc policy for the process ([device] host_malloc; the trainer's "
+                        "default on the CPU is retain)")
     p.add_argument("--out", default=None, help="also write the table as CSV here")
     p.add_argument("--ttshape", action="store_true",
                    help="TorchTitan's debugmodel shape (16 kv heads, vocab 2048, FFN multiple of 256), as "
@@ -56,7 +59,7 @@ def main() -> int:
     from models.llama3 import FLAVORS, Transformer
     from models.llama3.plan import PLAN
     from parallelisms.simple_fsdp import data_parallel
-    from trainer.device import cpu_model
+    from trainer.device import configure_host_malloc, cpu_model
     from trainer.graph import build_graph_step
     from trainer.optim import build_optimizer
 
@@ -87,8 +90,9 @@ def main() -> int:
         tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), generator=g)
         return [(tokens[:, :-1], tokens[:, 1:])]
 
-    print(f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}",
-          flush=True)
+    malloc = configure_host_malloc(a.host_malloc, torch.device("cpu"))
+    print(f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}; "
+          f"host malloc {malloc}", flush=True)
     steps = {}
     for v in variants:
         start = time.perf_counter()
@@ -115,7 +119,7 @@ def main() -> int:
         print(f"{v:>16}: wall {wall_ms[v]:8.0f} ms  cpu {cpu_ms[v]:8.0f} ms"
               f"  cpu vs {base} {ratio:.3f} (paired {paired[0]:.2f}..{paired[-1]:.2f})")
         rows.append({"cpu_model": cpu_model(), "variant": v, "batch": a.batch, "seq": a.seq, "n_layers": a.n_layers,
-                     "dtype": a.dtype, "repeats": a.repeats, "wall_ms": round(wall_ms[v], 1),
+                     "dtype": a.dtype, "host_malloc": a.host_malloc, "repeats": a.repeats, "wall_ms": round(wall_ms[v], 1),
                      "cpu_ms": round(cpu_ms[v], 1), "wall_vs_base": round(wall_ms[v] / wall_ms[base], 4),
                      "cpu_vs_base": round(ratio, 4), "base": base})
     if a.out:

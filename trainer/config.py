@@ -315,6 +315,12 @@ class FlowConfig:
 class DeviceConfig:
     type: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda", "tpu"))
     """auto picks tpu if torch-tpu found a TPU, else cuda if available, else cpu."""
+    host_malloc: str = field(default="auto", metadata=_choices("auto", "retain", "system"))
+    """How the process's C heap (glibc malloc; CPU tensors live there) treats large blocks:
+    `retain` keeps freed memory in the heap for the next step (no mmap per large block, no
+    trim), `system` keeps glibc's defaults (blocks above 32 MiB are mapped and unmapped on every
+    allocation, so each step faults their pages in again); `auto` = retain on the CPU device,
+    system on accelerators. Measured on the CPU: docs/graph_trainer.md, "Scan performance"."""
 
 
 @dataclass

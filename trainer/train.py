@@ -147,7 +147,8 @@ def train(cfg: Config) -> int:
     import kernels
     from parallelisms import ParallelDims, build_mesh
     from trainer import checkpoint as ckpt
-    from trainer.device import init_distributed, pick_device, resolve_compute_dtype, set_seed
+    from trainer.device import (configure_host_malloc, init_distributed, pick_device, resolve_compute_dtype,
+                                set_seed)
     from trainer.flops import best_peak_flops, peak_flops_per_device
     from trainer.metrics import MetricsLogger
     from trainer.optim import build_lr_scheduler, build_optimizer
@@ -155,6 +156,7 @@ def train(cfg: Config) -> int:
 
     t_start = time.perf_counter()
     device = pick_device(cfg.device.type)
+    host_malloc = configure_host_malloc(cfg.device.host_malloc, device)  # before any large tensor
     info = init_distributed(device)
     set_seed(cfg.training.seed)
     is_rank0 = info.rank == 0
@@ -268,6 +270,7 @@ def train(cfg: Config) -> int:
               f"global batch {local_batch * dp_degree * accum} = {local_batch} x dp {dp_degree} x accum {accum}; "
               f"compile.mode={c.mode}; attention {attention}; loss {loss_name}; steps {start_step + 1}..{t.steps}", flush=True)
         print(f"titan-tpu: compute dtype {compute.name} ({compute.reason})", flush=True)
+        print(f"titan-tpu: host malloc {host_malloc}", flush=True)
 
     # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
     #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
