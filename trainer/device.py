@@ -150,8 +150,9 @@ def configure_host_malloc(mode: str, device: torch.device) -> str:
     training step allocates and frees the same large activations every step, so with the
     defaults each step faults in those pages afresh (the kernel zeroes every 4 KiB page): with
     layer scan, whose per-layer saved activations are stacked into one buffer per value
-    (6 x 8 x 2048 x 768 bf16 = 151 MB), that was ~10M minor faults in a 3-round benchmark and
-    1.26x the unrolled step, against 1M faults and 1.07x with `retain` (docs/graph_trainer.md).
+    (6 x 8 x 2048 x 768 bf16 = 151 MB), the scanned step ran at 1.01-1.20x the unrolled one
+    with 2.7M-5.9M minor faults per benchmark process, against 0.95-0.99x and 0.89M with `retain`
+    (AMD EPYC VM; docs/graph_trainer.md, "Scan performance").
     `retain` sets `M_MMAP_MAX = 0` (large blocks come from the heap) and `M_TRIM_THRESHOLD = -1`
     (the heap is never trimmed): freed blocks are reused by the next step, at the cost of the
     process keeping its peak heap (which a training loop reaches every step anyway). Both are
