@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.engine import Engine  # noqa: E402
+from trainer.runtime import global_mean  # noqa: E402
 
 RECIPE = "configs/llama3_debug.toml"
 
@@ -81,17 +82,6 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)).flatten()
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The mean of a per-rank scalar over all ranks (every rank holds the same number of samples)."""
-    import torch.distributed as dist
-
-    value = value.detach().float().reshape(1).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return value.item()
-
-
 def grpo_loss(clip_eps: float, kl_coef: float):
     """loss_fn(logprobs, batch) for Engine.forward_backward: clipped surrogate (+ k3 KL), token mean."""
 
@@ -141,7 +131,7 @@ def run(argv: list[str]) -> list[dict]:
         for _ in range(args.ppo_epochs):
             out = engine.forward_backward(batch, loss_fn, temperature=args.temperature)
             step = engine.optimizer_step()
-        row = {"update": update, "reward": mean_over_ranks(rewards.mean()), "loss": out["loss"],
+        row = {"update": update, "reward": global_mean(rewards.mean()), "loss": out["loss"],
                "kl": out.get("kl", 0.0), "clip_frac": out["clip_frac"], "grad_norm": step["grad_norm"],
                "s": time.perf_counter() - t0}
         rows.append(row)

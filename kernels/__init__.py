@@ -40,6 +40,17 @@ def check_attention_backend(backend: str) -> None:
                           f"allowed: {', '.join(ATTENTION_BACKENDS)}")
 
 
+def check_attention_for(attention: str, device_type: str) -> None:
+    """ConfigError unless `[model] attn_backend = attention` can serve a `device_type` run."""
+    check_attention_backend(attention)
+    if attention == "cpu_kernel" and device_type != "cpu":
+        raise ConfigError(f"model.attn_backend: cpu_kernel runs on the CPU only, not on {device_type}; "
+                          f"allowed here: {'auto, sdpa, splash' if device_type == 'tpu' else 'auto, sdpa'}")
+    if attention == "splash" and device_type != "tpu":
+        raise ConfigError(f"model.attn_backend: splash runs on TPU only, not on {device_type}; "
+                          f"allowed here: {'auto, sdpa, cpu_kernel' if device_type == 'cpu' else 'auto, sdpa'}")
+
+
 def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = None,
            head_dim: int | None = None) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
@@ -52,13 +63,7 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
     kernel serves only some (dtype, head_dim) pairs (each call checks its inputs), and the
     returned line then says which backend this run's attention takes.
     """
-    check_attention_backend(attention)
-    if attention == "cpu_kernel" and device.type != "cpu":
-        raise ConfigError(f"model.attn_backend: cpu_kernel runs on the CPU only, not on {device.type}; "
-                          f"allowed here: {'auto, sdpa, splash' if device.type == 'tpu' else 'auto, sdpa'}")
-    if attention == "splash" and device.type != "tpu":
-        raise ConfigError(f"model.attn_backend: splash runs on TPU only, not on {device.type}; "
-                          f"allowed here: {'auto, sdpa, cpu_kernel' if device.type == 'cpu' else 'auto, sdpa'}")
+    check_attention_for(attention, device.type)
     for op in ("grouped_mm", "linear_cross_entropy"):
         ops.register(op, None)
     if device.type == "tpu":

@@ -1,6 +1,9 @@
 """Model families by name: `get_model_family("llama3" | "qwen3" | "package.module:NAME") -> ModelFamily`.
 
-`models/` imports only torch: no torch.distributed, no config objects, no environment reads.
+Model code imports torch only: no torch.distributed, no config objects, no environment reads. Two
+families also load Hugging Face objects, lazily and at their edges: `models/hf` builds a
+transformers model from a local config.json, and `models/flux/conditioning.py` loads (or builds)
+the text encoders and VAE with transformers/diffusers (docs/models.md).
 A family declares what the rest of the product may use of it (`models/contract.py`): its plan
 object, args with `shape()` and parameter counts, and a model with `pop_aux_loss()`. A family
 defined outside this package is named by its import path, `package.module:NAME` (NAME a
@@ -49,7 +52,7 @@ class ModelFamily:
     """What the model is trained on: "lm" (`model_cls` is a `models.contract.LanguageModel`:
     next-token cross entropy on token windows) or "flow" (a `models.contract.FlowModel`:
     rectified flow on image latents and text embeddings). The trainer picks its data, loss and
-    throughput unit by it (`trainer/tasks.py`)."""
+    throughput unit by it (`trainer/tasks/`)."""
     plan_for: Callable[[Any], ModelPlan] | None = None
     """For a family whose plan depends on its args (`hf`: TP styles from the config): args -> plan.
     `for_args` applies it; None: `plan` serves every flavor."""

@@ -11,3 +11,9 @@ Its message must name the key or file and say what is allowed.
 
 class ConfigError(ValueError):
     """Bad user input; printed as `error: <message>` with exit code 2."""
+
+
+class NonFiniteLoss(RuntimeError):
+    """Training hit a non-finite gradient norm or state; printed as `error: <message>`, exit code 1.
+
+    Raised by the trainer's loop and by the engine's `optimizer_step` (trainer/)."""

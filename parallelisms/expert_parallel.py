@@ -11,9 +11,11 @@ block lacks are skipped, so one plan covers dense and MoE blocks) and applies th
   (`expert_shard_dim`), so every rank holds 1/(efsdp x ep) of them even beyond E ranks; on
   the expert mesh `("dp_replicate", "efsdp", "ep")` of `build_ep_mesh`. Its forward is
   wrapped: *dispatch* sends every token copy to the rank that owns its expert and *combine*
-  brings the results back, both with `all_to_all_single_autograd` of torch's functional
-  collectives, after an all-to-all of the per-expert counts gives the (variable, possibly
-  zero) split sizes. Nothing is dropped or padded.
+  brings the results back, after an all-to-all of the per-expert counts. Nothing is dropped.
+  `select_dispatch` picks how: the ragged `dispatch_combine` (uneven all-to-alls, split sizes
+  read on the host) in eager CPU/CUDA runs; `dispatch_combine_static` (static shapes, no host
+  read, worst-case buffers whose padding no expert computes) when traced (compile, graph
+  mode, layer scan) and on TPU, where torch-tpu's ragged all-to-all moves only the real rows.
 - "moe": the MoE layer around the experts. With tensor parallelism its input is the
   sequence-sharded residual stream, a DTensor; the layer takes the rank's own tokens as a
   plain tensor (and returns plain, sequence-sharded output, like a rowwise projection). The
@@ -41,20 +43,26 @@ degrees.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch._subclasses.fake_tensor import FakeTensor
+
+from kernels.collectives import ragged_all_to_all_for
 
 from models.common.plan import ModelPlan
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
 
 __all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine",
-           "dispatch_combine_padded", "ep_grad_scale",
-           "ep_scan_class", "expert_shard_dim", "is_expert_parallel", "scale_grad"]
+           "dispatch_combine_static", "ep_grad_scale",
+           "ep_scan_class", "expert_shard_dim", "is_expert_parallel", "scale_grad", "select_dispatch"]
 
 EP_STYLES = ("experts", "moe", "router")
 
@@ -180,59 +188,140 @@ def dispatch_combine(
     return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group=ep_mesh)
 
 
-def dispatch_combine_padded(
+def dispatch_combine_static(
     x: torch.Tensor,
     num_tokens_per_expert: torch.Tensor,
     experts_fn,
-    ep_mesh: DeviceMesh | tuple[str, int],
+    ep_group: DeviceMesh | tuple[str, int, int],
+    *,
+    ragged_all_to_all: Callable | None = None,
 ) -> torch.Tensor:
-    """`dispatch_combine` with static shapes: no host read, every buffer sized for the worst case.
+    """`dispatch_combine` with static shapes and no host read; the experts see only real rows.
 
-    Same contract and result as `dispatch_combine` (dropless: nothing is dropped), but each rank
-    sends every EP peer a buffer of `M = x.shape[0]` rows (all its token copies could go to one
-    peer), so both all-to-alls are equal-split with sizes known at trace time. Costs `ep` times
-    the all-to-all volume and expert-input rows of the ragged version; the expert compute runs
-    on the padded rows too (zero rows, counted in the last local expert, whose output is
-    discarded). Meant for programs that need static shapes (a layer-scan body, XLA).
-    `ep_mesh` may be `(process group name, size)`: a layer-scan body must name its groups (a
-    mesh or ProcessGroup object cannot enter torch's scan).
+    Same contract and result as `dispatch_combine` (dropless). Every buffer is sized for the
+    worst case: a rank may receive `P = x.shape[0]` rows from each of its `ep` peers (all their
+    token copies could come here), so it holds an `[ep * P, dim]` receive buffer in which
+    peer r's rows start at row `r * P`. The split sizes and offsets stay device tensors.
+
+    The rows are then put in local-expert order with the padding **after** every group, and
+    the experts get the counts of the real rows only: a grouped matmul that visits the rows its
+    group sizes cover (torch._grouped_mm, megablox gmm) does the work of the ragged dispatch,
+    not `ep` times it. The experts' outputs for padding rows are unspecified (torch._grouped_mm
+    leaves them uninitialised) and are replaced by zeros before they go anywhere; they are never
+    sent back, so neither they nor their gradients reach a real row.
+
+    Transport: with `ragged_all_to_all` (torch-tpu's op, or `kernels.collectives`' emulation;
+    contract in kernels/collectives.py) only real rows travel, with device-side offsets; without
+    it, equal-split all-to-alls of the worst-case buffers (`ep x P` rows each way; any backend).
+    `ep_group` is the 1-D EP mesh or `(process group name, size, rank in it)`: a layer-scan body
+    must name its groups (a mesh or ProcessGroup object cannot enter torch's scan).
     """
-    if isinstance(ep_mesh, tuple):
-        ep_mesh, ep = ep_mesh
-    else:
-        ep = ep_mesh.size()
+    group, ep, rank = _ep_group_of(ep_group)
     num_experts = num_tokens_per_expert.numel()
     assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
     num_local = num_experts // ep
     rows, dim = x.shape
+    per_peer = rows  # worst case: every copy of a peer comes here
     device = x.device
-    counts_recv = funcol.all_to_all_single(num_tokens_per_expert, None, None, group=ep_mesh).view(ep, num_local)
-    send_per_rank = num_tokens_per_expert.view(ep, num_local).sum(dim=1)
+    # 1. One all-to-all of ints: for every peer, its counts for this rank's experts and the
+    #    row at which its copies for this rank start (where the combine must write them back).
+    send_counts = num_tokens_per_expert.view(ep, num_local)
+    send_per_rank = send_counts.sum(dim=1)
+    input_offsets = torch.cumsum(send_per_rank, 0) - send_per_rank
+    table = torch.cat([send_counts, input_offsets.unsqueeze(1)], dim=1).reshape(-1)
+    table = funcol.all_to_all_single(table, None, None, group=group).view(ep, num_local + 1)
+    counts_recv, peer_offsets = table[:, :num_local], table[:, num_local]
     recv_per_rank = counts_recv.sum(dim=1)
-    # 1. Send buffer [ep, M, dim]: slot j of peer r holds row start_r + j (zero past send_r).
-    start = torch.cumsum(send_per_rank, 0) - send_per_rank
-    slot = torch.arange(rows, device=device)
-    src = start.unsqueeze(1) + slot  # [ep, M]
-    valid = slot < send_per_rank.unsqueeze(1)
-    send = torch.where(valid.unsqueeze(-1), x[src.clamp(max=rows - 1)], x.new_zeros(()))
-    recv = funcol.all_to_all_single_autograd(send.reshape(ep * rows, dim), None, None, group=ep_mesh)
-    # 2. Local expert of every received row (rows past recv_r: padding, sorted last).
-    ends = torch.cumsum(counts_recv, dim=1)  # [ep, num_local]
-    expert_of_row = (slot.view(1, rows, 1) >= ends.unsqueeze(1)).sum(dim=-1)  # [ep, M]; num_local = padding
-    order = torch.argsort(expert_of_row.reshape(-1), stable=True)
+    # 2. Dispatch: peer r's rows at r * P of the receive buffer, zero rows after them.
+    block_starts = torch.arange(ep, device=device) * per_peer
+    if ragged_all_to_all is None:
+        recv = _equal_split_send(x, input_offsets, send_per_rank, per_peer, group)
+    else:
+        recv = ragged_all_to_all(x, x.new_zeros(ep * per_peer, dim), input_offsets, send_per_rank,
+                                 torch.full_like(send_per_rank, rank * per_peer), recv_per_rank, group)
+    # 3. Compute: real rows by local expert, padding last and in no group; padding outputs zeroed.
+    position = _expert_order(counts_recv, per_peer)
+    gather = torch.empty_like(position).scatter_(0, position, torch.arange(position.numel(), device=device))
     counts = counts_recv.sum(dim=0)
-    # The padding rows (zeros) join the last expert's group so the counts cover every row.
-    counts = counts + torch.nn.functional.one_hot(torch.tensor(num_local - 1, device=device), num_local) * (
-        ep * rows - counts.sum())
-    out = experts_fn(recv[order], counts)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
-    out = out[inverse]
-    # 3. Combine: the equal-split reverse all-to-all; slot j of peer r answers row start_r + j.
-    back = funcol.all_to_all_single_autograd(out, None, None, group=ep_mesh).view(ep, rows, dim)
-    # Row i of x went to peer dest(i) at slot i - start_dest(i).
-    dest = (torch.arange(rows, device=device).unsqueeze(1) >= torch.cumsum(send_per_rank, 0)).sum(dim=1)
-    dest = dest.clamp(max=ep - 1)
-    return back[dest, torch.arange(rows, device=device) - start[dest]]
+    out = experts_fn(recv[gather], counts)
+    real = torch.arange(out.shape[0], device=device) < counts.sum()
+    out = torch.where(real.unsqueeze(-1), out, out.new_zeros(()))[position]
+    # 4. Combine: the real rows go back, each to the row of x it answers.
+    if ragged_all_to_all is None:
+        return _equal_split_return(out, send_per_rank, input_offsets, per_peer, group)
+    return ragged_all_to_all(out, x.new_zeros(rows, dim), block_starts, recv_per_rank, peer_offsets,
+                             send_per_rank, group)
+
+
+def _ep_group_of(ep_group: DeviceMesh | tuple[str, int, int]) -> tuple[object, int, int]:
+    """(what funcol takes as the group, size, this rank's index in it)."""
+    if isinstance(ep_group, tuple):
+        return ep_group
+    return ep_group, ep_group.size(), ep_group.get_local_rank()
+
+
+def _expert_order(counts_recv: torch.Tensor, per_peer: int) -> torch.Tensor:
+    """Position of every receive-buffer row `(r, slot)` once sorted by local expert, padding last.
+
+    `counts_recv` [ep, L]: rows peer r sent to each local expert, sorted by expert within its
+    block of `per_peer` rows. The order is that of a stable sort by local expert (then peer,
+    then slot), computed with cumulative sums instead of a sort: a real row of expert e goes
+    to (rows of experts < e) + (rows of e from peers < r) + (its rank within r's e rows); the
+    padding rows follow all real rows, in buffer order. Returns [ep * per_peer] int64.
+    """
+    ep, num_local = counts_recv.shape
+    slot = torch.arange(per_peer, device=counts_recv.device)
+    ends = torch.cumsum(counts_recv, dim=1)  # [ep, L], within each peer's block
+    expert = (slot.view(1, -1, 1) >= ends.unsqueeze(1)).sum(dim=-1)  # [ep, P]; L = padding
+    totals = counts_recv.sum(dim=0)
+    base = (torch.cumsum(totals, 0) - totals).unsqueeze(0) + torch.cumsum(counts_recv, 0) - counts_recv
+    base = base - (ends - counts_recv)  # [ep, L]: position of slot 0 if it were expert e's
+    index = expert.clamp(max=num_local - 1)
+    real_position = base.gather(1, index) + slot
+    recv = ends[:, -1]  # [ep]
+    pad_before = torch.arange(ep, device=slot.device) * per_peer - (torch.cumsum(recv, 0) - recv)
+    pad_position = totals.sum() + pad_before.unsqueeze(1) + slot - recv.unsqueeze(1)
+    return torch.where(expert < num_local, real_position, pad_position).reshape(-1)
+
+
+def _equal_split_send(x: torch.Tensor, input_offsets: torch.Tensor, send_per_rank: torch.Tensor,
+                      per_peer: int, group) -> torch.Tensor:
+    """[ep * per_peer, dim]: peer r's rows at r * per_peer, zeros after (equal-split all-to-all)."""
+    rows, dim = x.shape
+    slot = torch.arange(per_peer, device=x.device)
+    src = (input_offsets.unsqueeze(1) + slot).clamp(max=rows - 1)  # [ep, P]
+    valid = slot < send_per_rank.unsqueeze(1)
+    send = torch.where(valid.unsqueeze(-1), x[src], x.new_zeros(()))
+    return funcol.all_to_all_single_autograd(send.reshape(-1, dim), None, None, group=group)
+
+
+def _equal_split_return(out: torch.Tensor, send_per_rank: torch.Tensor, input_offsets: torch.Tensor,
+                        per_peer: int, group) -> torch.Tensor:
+    """The reverse of `_equal_split_send`: [rows, dim] in the order of the dispatched x."""
+    ep = send_per_rank.numel()
+    back = funcol.all_to_all_single_autograd(out, None, None, group=group).view(ep, per_peer, -1)
+    row = torch.arange(per_peer, device=out.device)  # x had per_peer rows
+    # Row i of x went to peer dest(i), slot i - input_offsets[dest(i)].
+    dest = (row.unsqueeze(1) >= torch.cumsum(send_per_rank, 0)).sum(dim=1).clamp(max=ep - 1)
+    return back[dest, row - input_offsets[dest]]
+
+
+def select_dispatch(x: torch.Tensor, *, static: bool = False) -> Callable:
+    """The EP dispatch for `x`: the one place that chooses (docs/expert_parallel.md).
+
+    - TPU: `dispatch_combine_static` over torch-tpu's `ragged_all_to_all` (static shapes for
+      its compiler, only real rows on the wire);
+    - traced (torch.compile, the graph trainer, a layer-scan body: `static`), meta or fake
+      tensors: `dispatch_combine_static` with equal-split all-to-alls (no unbacked sizes);
+    - eager CPU/CUDA: the ragged `dispatch_combine`, which moves and sorts only the real rows
+      (faster there; its host read of the split sizes costs nothing extra on the CPU).
+    """
+    op = ragged_all_to_all_for(x.device)
+    if op is not None:
+        return functools.partial(dispatch_combine_static, ragged_all_to_all=op)
+    if static or torch.compiler.is_compiling() or x.device.type == "meta" or isinstance(x, FakeTensor):
+        return dispatch_combine_static
+    return dispatch_combine
 
 
 # --- "experts" style ------------------------------------------------------------------------
@@ -279,7 +368,9 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
         compute = lambda rows, counts: base.forward(self, rows, counts)  # noqa: E731
         if self._ep_mesh.size() == 1:
             return compute(x, num_tokens_per_expert)
-        return dispatch_combine(x, num_tokens_per_expert, compute, self._ep_mesh)
+        dispatch = select_dispatch(x)
+        group = self._ep_mesh if dispatch is dispatch_combine else self._ep_group
+        return dispatch(x, num_tokens_per_expert, compute, group)
 
     def scan_forward(self: nn.Module, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # Inside a layer-scan body: weights are the body's gathered rows (plain attributes),
@@ -287,7 +378,7 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
         compute = lambda rows, counts: base.forward(self, rows, counts)  # noqa: E731
         if self._ep_group[1] == 1:
             return compute(x, num_tokens_per_expert)
-        return dispatch_combine_padded(x, num_tokens_per_expert, compute, self._ep_group)
+        return select_dispatch(x, static=True)(x, num_tokens_per_expert, compute, self._ep_group)
 
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
     attrs.update(forward=forward, _ep_base=base)
@@ -356,7 +447,7 @@ def _shard_experts(
         _CLASS_CACHE[key] = _ep_class(base, names)
     module.__class__ = _CLASS_CACHE[key]
     module._ep_mesh = ep_mesh
-    module._ep_group = (ep_mesh.get_group().group_name, ep_mesh.size())
+    module._ep_group = (ep_mesh.get_group().group_name, ep_mesh.size(), ep_mesh.get_local_rank())
     module._ep_grad_scale = grad_scale
 
 

@@ -13,6 +13,10 @@ blocks) use "colwise" in-projections on their replicated input, "rowwise_replica
 out-projections (all-reduce instead of reduce-scatter) and "replicate" for small modules
 every rank runs in full (adaLN modulation); see models/common/plan.py.
 
+Each block submodule that gets a style also records it (`block_style`: style, TP group, the
+ids of the hooks the style registered), so that layer scan can run the block on local tensors
+with the same collectives (parallelisms/scan.py).
+
 Loss parallel (`enable_loss_parallel=True`) leaves the logits as a vocab-sharded DTensor;
 compute the loss inside `loss_parallel_context(True)`. By default the logits are gathered
 to full vocab and returned as a plain tensor.
@@ -21,6 +25,8 @@ to full vocab and returned as a plain tensor.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+from dataclasses import dataclass
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -39,7 +45,7 @@ from torch.distributed.tensor.parallel import (
 from models.common.plan import ModelPlan
 from models.errors import ConfigError
 
-__all__ = ["apply_tp", "loss_parallel_context", "style_for"]
+__all__ = ["BlockStyle", "apply_tp", "block_style", "loss_parallel_context", "style_for"]
 
 
 class GatherSequenceInput(ParallelStyle):
@@ -168,11 +174,49 @@ def apply_tp(
     for _, block in plan.iter_blocks(model):
         # One plan serves blocks of different kinds (dense FFN or MoE): entries for
         # modules a block does not have are skipped.
-        styles = {path: style_for(style) for path, style in plan.tp_block.items()
-                  if _has_submodule(block, path)}
-        parallelize_module(block, tp_mesh, styles)
+        present = {path: style for path, style in plan.tp_block.items() if _has_submodule(block, path)}
+        targets = {path: _matching(block, path) for path in present}
+        before = {id(m): _hook_ids(m) for modules in targets.values() for m in modules}
+        parallelize_module(block, tp_mesh, {path: style_for(style) for path, style in present.items()})
+        group = (tp_mesh.get_group().group_name, tp_mesh.size())
+        for path, modules in targets.items():
+            for module in modules:
+                pre, post = _hook_ids(module)
+                old_pre, old_post = before[id(module)]
+                module._tp_block_style = BlockStyle(present[path], group, pre - old_pre, post - old_post)
     _retie(tied)
     return model
+
+
+@dataclass(frozen=True)
+class BlockStyle:
+    """What `apply_tp` did to one module inside a block, for layer scan (parallelisms/scan.py).
+
+    The scan body runs the block on local tensors, so it replaces the hooks the style registered
+    (`pre_hooks`, `hooks`: their ids in the module's hook dicts) by explicit collectives on
+    `group` (process-group name, size)."""
+
+    style: str
+    group: tuple[str, int]
+    pre_hooks: frozenset[int]
+    hooks: frozenset[int]
+
+
+def block_style(module: nn.Module) -> BlockStyle | None:
+    """The TP style `apply_tp` gave this block submodule (None: not tensor-parallel)."""
+    return getattr(module, "_tp_block_style", None)
+
+
+def _hook_ids(module: nn.Module) -> tuple[frozenset[int], frozenset[int]]:
+    return frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks)
+
+
+def _matching(block: nn.Module, path: str) -> list[nn.Module]:
+    """The submodules of `block` that `path` names (`*` matches one path component)."""
+    parts = path.split(".")
+    return [module for name, module in block.named_modules() if name
+            and len(name.split(".")) == len(parts)
+            and all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))]
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

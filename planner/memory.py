@@ -1,13 +1,19 @@
 """Totals: per-device memory and step time of one plan on one target.
 
-`estimate` adds fp32 master parameters, fp32 gradients, AdamW state (2 x fp32), saved
-activations, the bf16 weights the backward keeps, and the larger of two transient peaks
-(loss/LM head backward, one block's backward), and compares the sum with HBM minus a headroom
-margin. The step time is the model's FLOPs at an assumed MFU (docs/planner.md, "Step time").
+`estimate` adds fp32 master parameters, fp32 gradients, AdamW state (2 x fp32), and the larger
+the backward's peak (saved activations, the bf16 weights it keeps, and the larger of two
+transient peaks: loss/LM head backward, one block's backward plus the scan's flipped copies
+where the backend makes them) and, for an undonated optimizer update (torch-tpu's compile
+backend), the new parameter and moment buffers: the program's outputs, which XLA allocates
+beside its temporaries (scripts/estimate_xla.py measured it so); it compares the sum with HBM minus a
+headroom margin. The step plan says which terms apply (`StepPlan.fused_loss`, `scan_flips`,
+`undonated_update`). The step time is the model's FLOPs at an assumed MFU (docs/planner.md,
+"Step time").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,17 +65,30 @@ class Estimate:
     recompute_factor: float
     fsdp_min_tokens: int | None
     probed: bool = False
+    scan_flips: int = 0
+    """Flipped copies the backward scan reads (the stacked saved activations and the stacked
+    parameter shards; `StepPlan.scan_flips`), live during the backward scan."""
+    update: int = 0
+    """New parameter and AdamW moment buffers an undonated update writes (`StepPlan.undonated_update`)."""
+    fused_loss: bool = False
     notes: list[str] = field(default_factory=list)
 
     # -- memory
     @property
     def transient(self) -> int:
-        return max(self.transient_loss, self.transient_block)
+        return max(self.transient_loss, self.transient_block + self.scan_flips)
+
+    @property
+    def backward_peak(self) -> int:
+        """Above the static state: what the backward holds at its peak."""
+        return self.saved_weights + self.activations.total + self.transient
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.saved_weights + self.activations.total
-                + self.transient)
+        # The update's new buffers are added, not overlapped with the backward: the step is one
+        # program whose outputs XLA allocates beside its temporaries (the compiler's own total,
+        # arguments + outputs + temporaries, agrees within 5 % on the scanned pod recipes).
+        return self.params + self.grads + self.optimizer + self.backward_peak + self.update
 
     @property
     def usable(self) -> int:
@@ -114,19 +133,41 @@ class Estimate:
         return self.local_batch_size * self.seq_len < self.fsdp_min_tokens
 
 
+def ep_dispatch_bytes(shape: ModelShape, *, tokens: int, ep: int) -> int:
+    """One MoE layer's dispatch buffers under expert parallelism, forward + recomputed backward.
+
+    The static dispatch (parallelisms/expert_parallel.py `dispatch_combine_static`, the one a
+    TPU and every traced step use) is dropless with static shapes: it receives up to
+    `ep x tokens x top_k` rows (all its peers' copies could come here). Rows of that buffer:
+    the received tokens and the experts' output (bf16, `dim` each), the grouped SwiGLU's gate,
+    up and product (bf16, `moe_hidden` each); the backward holds their gradients too (x2).
+    0 without EP (the experts run on the local token copies, counted in the block's activations)."""
+    if ep <= 1 or not shape.is_moe:
+        return 0
+    rows = ep * tokens * shape.top_k
+    return 2 * rows * (2 * shape.dim + 3 * shape.moe_hidden) * 2
+
+
 def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats, parallel_dims: ParallelDims,
              local_batch_size: int, seq_len: int, ac_mode: str, loss_parallel: bool,
              flops_per_token: float, grad_accum: int = 1, headroom: float = 0.1,
-             assumed_mfu: float = 0.4, activations: ActivationBytes | None = None) -> Estimate:
+             assumed_mfu: float = 0.4, activations: ActivationBytes | None = None, fused_loss: bool = False,
+             scan_flips: bool = False, undonated_update: bool = False) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
     `activations`: the model's own activation bytes (FLUX: `planner.flux.flux_activation_bytes`);
-    None: the decoder-LM model `activation_bytes`."""
+    None: the decoder-LM model `activation_bytes`. `fused_loss`, `scan_flips`,
+    `undonated_update`: the step plan's (trainer/step/plan.py `StepPlan`)."""
     tp = parallel_dims.tp
     loss_parallel = loss_parallel and tp > 1
     acts = activations if activations is not None else activation_bytes(
         shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, ac_mode=ac_mode,
         loss_parallel=loss_parallel)
+    tokens = local_batch_size * seq_len
+    if fused_loss:
+        # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]
+        # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM).
+        acts = dataclasses.replace(acts, loss=4 * tokens, logits_transient=0)
     local = stats.param_numel
     # Weights the backward needs in bf16: SimpleFSDP gathers (or casts) a weight where it is
     # used and the matmul keeps that copy, unless AC recomputes the block. The LM head and
@@ -143,12 +184,14 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     # Two phases: log-softmax backward (fp32 logits gradient in and out, log-probs still kept),
     # then the LM head backward (bf16 logits gradient + weight gradient; log-probs freed).
     transient_loss = max(acts.logits_transient, 6 * head + acts.logits_transient // 4 - acts.loss)
+    if fused_loss:  # the kernel's backward: the head's weight gradient (bf16 + fp32) and dh [tokens, dim]
+        transient_loss = 6 * head + 2 * tokens * shape.dim
     recompute = {"none": 0, "full": acts.per_block_none,
                  "selective": max(0, acts.per_block_none - acts.per_block)}[ac_mode]
     regather = 2 * stats.block_gathered_numel if ac_mode != "none" else 0
     t_proj = local_batch_size * seq_len
     transient_block = (regather + recompute + 6 * stats.largest_block_param_gathered
-                       + 2 * (2 * shape.dim * t_proj))
+                       + 2 * (2 * shape.dim * t_proj) + ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep))
     sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
     gen = target.generation
     est = Estimate(
@@ -159,13 +202,19 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
         transient_loss=transient_loss, transient_block=transient_block, headroom=headroom,
         assumed_mfu=assumed_mfu, flops_per_token=flops_per_token, recompute_factor=RECOMPUTE_FACTOR[ac_mode],
         fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity) if gen.fsdp_min_tokens else None,
-        probed=stats.probed,
+        probed=stats.probed, fused_loss=fused_loss,
+        # torch's scan autograd flips every stacked input of the backward scan: the saved block
+        # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
+        scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
+        update=12 * local if undonated_update else 0,
     )
     if tp > gen.devices_per_host:
         est.notes.append(f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
                          "TP collectives would leave the host's fastest links")
     if parallel_dims.ep > 1:
-        est.notes.append("expert parallelism: the all-to-all token buffers are not modelled")
+        est.notes.append(f"expert parallelism: the static dispatch's worst-case buffers "
+                         f"({ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep) / 2**30:.2f} GiB) are in the "
+                         "block backward")
     if est.fsdp_bound:
         est.notes.append(f"{local_batch_size * seq_len} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
                          f"that hide FSDP's all-gathers on {gen.name}: expect exposed communication")

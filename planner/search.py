@@ -21,7 +21,9 @@ from planner.shard import fake_process_group, shard_model
 from planner.targets import Target
 
 # See planner/targets.py: a torch-only leaf, the FLOP convention the trainer's MFU uses.
-from trainer.flops import flops_per_token
+from trainer.runtime.flops import flops_per_token
+# The trainer's rule table: the planner never proposes a plan the trainer refuses.
+from trainer.step.plan import StepPlan, StepRequest, plan_step, refusals
 
 if TYPE_CHECKING:
     from models import ModelFamily
@@ -45,6 +47,21 @@ class PlanInputs:
     grad_accum: int = 1
     flow_tokens: tuple[int, int] | None = None
     """FLUX (task flow): (image tokens, text tokens) per sample; None for a decoder LM."""
+    step: StepRequest | None = None
+    """The recipe's step settings (mode, scan, loss...; trainer/step/plan.py): a plan whose
+    degrees and AC mode the step plan's rules refuse is refused (`plan_estimate`) or skipped
+    (`recommend`). None: no mode rules (an eager step)."""
+
+    def _request(self, *, tp: int, ac_mode: str, target: Target) -> StepRequest:
+        return dataclasses.replace(self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type)
+
+    def refusals(self, *, tp: int, ac_mode: str, target: Target) -> list[str]:
+        """What the trainer's rules refuse in this plan (empty: it would start)."""
+        return [] if self.step is None else refusals(self._request(tp=tp, ac_mode=ac_mode, target=target))
+
+    def step_plan(self, *, tp: int, ac_mode: str, target: Target) -> StepPlan | None:
+        """The trainer's step plan for this layout on `target` (None without step settings)."""
+        return None if self.step is None else plan_step(self._request(tp=tp, ac_mode=ac_mode, target=target))
 
     def flops_per_token(self, shape: ModelShape) -> float:
         if self.flow_tokens is not None:
@@ -71,7 +88,7 @@ class PlanInputs:
 
 
 def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM convention (trainer/flops.py)."""
+    """Training FLOPs per token, PaLM convention (trainer/runtime/flops.py)."""
     return flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True),
                            n_layers=shape.n_layers, n_heads=shape.n_heads, head_dim=shape.head_dim,
                            seq_len=seq_len)["palm"]
@@ -97,7 +114,12 @@ def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, wo
 def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
                   ep: int = 1, ac_mode: str = "none", loss_parallel: bool = False, headroom: float = 0.1,
                   assumed_mfu: float = 0.4, probe: bool = False) -> Estimate:
-    """Estimate one explicit plan: validate, shard the real model on a fake world, add activations."""
+    """Estimate one explicit plan: validate (degrees, and the trainer's step rules), shard the
+    real model on a fake world, add activations."""
+    refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target)
+    if refused:
+        raise ConfigError(refused[0])
+    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
     shape = inputs.args.shape()
     dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep,
                               world_size=target.devices, shape=shape, seq_len=inputs.split_seq_len)
@@ -108,7 +130,14 @@ def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, 
                     loss_parallel=loss_parallel, grad_accum=inputs.grad_accum, headroom=headroom,
                     assumed_mfu=assumed_mfu, flops_per_token=inputs.flops_per_token(shape),
                     activations=inputs.activations(local_batch_size=inputs.local_batch_size, tp=dims.tp,
-                                                   ac_mode=ac_mode))
+                                                   ac_mode=ac_mode),
+                    **_step_terms(step))
+
+
+def _step_terms(step: StepPlan | None) -> dict[str, bool]:
+    """The memory terms a step plan switches on (`planner.memory.estimate`)."""
+    return dict(fused_loss=bool(step and step.fused_loss), scan_flips=bool(step and step.scan_flips),
+                undonated_update=bool(step and step.undonated_update))
 
 
 def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
@@ -135,7 +164,7 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
     """Search dp_replicate, tp (<= devices per host), AC mode and local batch for `target`.
 
     Returns every candidate evaluated (fitting or not), best first by `preference_key` among
-    those that fit. Shard sizes come from the real plan applied to a one-block copy (exact:
+    those that fit; a layout the trainer's rules refuse (`PlanInputs.step`) is not evaluated. Shard sizes come from the real plan applied to a one-block copy (exact:
     blocks are identical); `plan_estimate(..., probe=False)` re-checks a choice on the full model.
     """
     shape = inputs.args.shape()
@@ -156,13 +185,17 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                 batches = [b for b in (2**i for i in range(0, 12)) if b <= max_local_batch
                            and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)]
                 for ac_mode in ac_modes:
+                    if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target):
+                        continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
+                    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
                     for batch in batches:
                         candidates.append(estimate(
                             model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
                             local_batch_size=batch, seq_len=inputs.seq_len, ac_mode=ac_mode,
                             loss_parallel=tp > 1 and inputs.flow_tokens is None,
                             flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
-                            activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode)))
+                            activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode),
+                            **_step_terms(step)))
     fitting = sorted((c for c in candidates if c.fits), key=preference_key)
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest

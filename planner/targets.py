@@ -4,7 +4,7 @@
 TensorCores, as Cloud TPU accelerator types do (`v5p-1024` = 512 chips; `v7x-1024` = 512
 chips). A device (one training process, one mesh rank) is a TensorCore on v5e, v6e and v7x
 (two per v7x chip) and a whole megacore chip on v4 and v5p. For GPUs the size counts GPUs.
-HBM per device comes from `GENERATIONS`, the peak from `trainer/flops.py`.
+HBM per device comes from `GENERATIONS`, the peak from `trainer/runtime/flops.py`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from models.errors import ConfigError
 
-# trainer/flops.py imports only torch and the standard library: the one table of peaks that
+# trainer/runtime/flops.py imports only torch and the standard library: the one table of peaks that
 # the trainer's MFU uses, so the planner's step time is measured against the same numbers.
-from trainer.flops import GPU_PEAK_TFLOPS, TPU_PEAK_TFLOPS
+from trainer.runtime.flops import GPU_PEAK_TFLOPS, TPU_PEAK_TFLOPS
 
 GiB = 2**30
 
@@ -43,7 +43,7 @@ class Generation:
 
     @property
     def peak_tflops(self) -> float:
-        """Dense bf16 peak per device, from trainer/flops.py (the one source of peaks)."""
+        """Dense bf16 peak per device, from trainer/runtime/flops.py (the one source of peaks)."""
         if self.kind == "tpu":
             return TPU_PEAK_TFLOPS[self.name]
         return dict(GPU_PEAK_TFLOPS)[self.name]
@@ -89,6 +89,11 @@ class Target:
     @property
     def peak_flops(self) -> float:
         return self.generation.peak_tflops * 1e12
+
+    @property
+    def device_type(self) -> str:
+        """The torch device type a run on this target has: tpu, or cuda for a GPU cluster."""
+        return "tpu" if self.generation.kind == "tpu" else "cuda"
 
 
 def parse_target(name: str) -> Target:

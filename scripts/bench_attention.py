@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_attention.load():
         sys.exit(f"error: the CPU attention kernel is unavailable: {cpu_attention.load_error()}")
-    from trainer.device import cpu_model
+    from trainer.runtime.device import cpu_model
 
     amx = cpu_attention.uses_amx()
     print(f"cpu: {cpu_model()}; threads {torch.get_num_threads()}; bf16 path: {'AMX tiles' if amx else 'vdpbf16ps'}")

@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer import checkpoint as ckpt  # noqa: E402
-from trainer.device import cpu_model  # noqa: E402
+from trainer.runtime.device import cpu_model  # noqa: E402
 
 
 def _model(size: str) -> nn.Module:
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="CSV file")
     args = parser.parse_args()
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible), torch {torch.__version__}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, hash threads {ckpt._hash_threads()}")
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, hash threads {ckpt.hash_threads()}")
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for size in args.sizes.split(","):

@@ -2,7 +2,7 @@
 """Compile time and step time of the four step variants over n_layers (CPU, one run).
 
 For each n_layers in --layers (default 2, 8, 32) of the Llama 3 debug flavor and each variant
-- eager:        the eager step (trainer/step.py), no compilation;
+- eager:        the eager step (trainer/step/), no compilation;
 - compile:      torch.compile per block (parallelisms.apply_compile, fullgraph) + eager step;
 - graph:        the whole step as one graph, blocks unrolled (trainer/graph);
 - graph_scan:   the whole step as one graph, blocks as one layer scan;

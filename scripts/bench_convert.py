@@ -90,7 +90,7 @@ def _load_worker(hf: Path, layers: int, dim: int, mode: str) -> dict:
     from parallelisms import ParallelDims, build_mesh, parallelize_model
     from trainer import checkpoint as ckpt
 
-    from trainer.device import cpu_backend
+    from trainer.runtime.device import cpu_backend
 
     dist.init_process_group(cpu_backend())
     world = dist.get_world_size()
@@ -132,7 +132,7 @@ def main() -> int:
         print(json.dumps(_load_worker(ns.dir / "hf", ns.layers, ns.dim, ns.worker)), flush=True)
         return 0
 
-    from trainer.device import cpu_model
+    from trainer.runtime.device import cpu_model
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     me = [sys.executable, str(Path(__file__).resolve()), "--layers", str(ns.layers), "--dim", str(ns.dim)]

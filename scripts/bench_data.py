@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.data import TokenLoader, build_dataloader, resolve_dataset  # noqa: E402
-from trainer.device import cpu_model  # noqa: E402
-from trainer.tokenizer import build_tokenizer  # noqa: E402
+from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer.data.tokenizer import build_tokenizer  # noqa: E402
 
 
 def _loader(mode: str, *, tok, dataset: str, seq_len: int, batch: int, rank: int, world: int):

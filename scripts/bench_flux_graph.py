@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 python scripts/bench_flux_graph.py [--backend aot_eager|inductor] [--repeats 10]
 
 One process, fp32, the trainer's pieces: meta build -> SimpleFSDP (one process) -> init,
-AdamW, `trainer.flow.flow_loss`; batch 8 of the debug data's shapes (16 x 8 x 8 latents =
+AdamW, `trainer.tasks.flow.flow_loss`; batch 8 of the debug data's shapes (16 x 8 x 8 latents =
 16 image tokens, 16 text tokens of width 64). Prints the CPU model, compile time, graph node
 count and the median (and min/max) of `--repeats` timed steps after 2 warm-up steps.
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trainer.device import cpu_model  # noqa: E402
+from trainer.runtime.device import cpu_model  # noqa: E402
 
 
 def build(seed: int = 0):
@@ -54,7 +54,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default="eager,graph,graph_scan")
     ns = p.parse_args()
-    from trainer.flow import flow_loss
+    from trainer.tasks.flow import flow_loss
     from trainer.graph import build_graph_step
     from models.flux.plan import PLAN
 

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer.device import cpu_model  # noqa: E402
+from trainer.runtime.device import cpu_model  # noqa: E402
 
 
 def write_llama_config(folder: str, **overrides) -> str:
@@ -84,7 +84,7 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    from trainer.device import shutdown_distributed
+    from trainer.runtime.device import shutdown_distributed
 
     shutdown_distributed()
     return 0

@@ -59,7 +59,7 @@ def main() -> int:
     from models.llama3 import FLAVORS, Transformer
     from models.llama3.plan import PLAN
     from parallelisms.simple_fsdp import data_parallel
-    from trainer.device import configure_host_malloc, cpu_model
+    from trainer.runtime.device import configure_host_malloc, cpu_model
     from trainer.graph import build_graph_step
     from trainer.optim import build_optimizer
 

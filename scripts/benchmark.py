@@ -378,7 +378,7 @@ def machine_fields(threads: int | None = None) -> dict:
     """The CPU model (lscpu, via trainer/device.cpu_model) and the OpenMP thread count of a run."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from trainer.device import cpu_model
+    from trainer.runtime.device import cpu_model
 
     if threads is None:
         threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or os.cpu_count()

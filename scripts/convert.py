@@ -45,8 +45,8 @@ from trainer.checkpoint import (  # noqa: E402
     SAFETENSORS_DTYPE_NAMES,
     CorruptCheckpointError,
     SafetensorsSlices,
-    _safetensors_files,
-    _short,
+    safetensors_files,
+    short_error,
     check_entries,
     read_box_of,
     verify_checkpoint,
@@ -234,7 +234,7 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
     if model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}")
     family = get_model_family(HF_MODEL_TYPES[model_type])
-    files = _safetensors_files(hf_dir)
+    files = safetensors_files(hf_dir)
     if not files or not all(f.is_file() for f in files):
         raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     try:
@@ -266,7 +266,7 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
     try:
         dcp.save({"model": meta}, storage_writer=writer, planner=_StreamingSavePlanner(make))
     except (Exception, CheckpointException) as e:  # DCP reports a failed read as CheckpointException
-        raise ConfigError(f"{hf_dir}: cannot read its safetensors: {_short(e)}") from e
+        raise ConfigError(f"{hf_dir}: cannot read its safetensors: {short_error(e)}") from e
     write_manifest(out_dir)
     return family.name, args
 

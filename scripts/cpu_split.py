@@ -9,7 +9,8 @@ CPU milliseconds per step of each thread that used 5 or more (a process's main t
 computes; `pt_gloo_runloop` runs gloo's collectives, `gloo_tcp_loop` moves their bytes), the
 idle milliseconds per step (wall x cores - all CPU time), and the machine's /proc/stat shares
 over the window (steal: time the hypervisor gave to others).
-Linux only. docs/benchmarks.md, "FSDP: 2 processes against 1", uses it.
+Linux only. docs/benchmarks.md, "FSDP: 2 processes against 1", uses it. The readers take the
+/proc root as an argument (`proc=`), so tests run them on fixture files.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ def _stat_fields(path: str) -> tuple[str, list[str]] | None:
     return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
 
 
-def trainer_pids(root: int) -> list[int]:
+def trainer_pids(root: int, proc: str = "/proc") -> list[int]:
     """The training processes: `root` and its descendants, but for torchrun's launcher."""
     parent = {}
-    for entry in os.listdir("/proc"):
-        stat = _stat_fields(f"/proc/{entry}/stat") if entry.isdigit() else None
+    for entry in os.listdir(proc):
+        stat = _stat_fields(f"{proc}/{entry}/stat") if entry.isdigit() else None
         if stat is not None:
             parent[int(entry)] = int(stat[1][1])
     pids = []
@@ -49,7 +50,7 @@ def trainer_pids(root: int) -> list[int]:
         if node != root:
             continue
         try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            argv = open(f"{proc}/{pid}/cmdline", "rb").read().split(b"\0")
         except FileNotFoundError:
             continue
         if not any(a.endswith(b"torchrun") or a == b"torch.distributed.run" for a in argv):
@@ -57,24 +58,25 @@ def trainer_pids(root: int) -> list[int]:
     return pids
 
 
-def thread_cpu(root: int) -> dict[tuple[int, int], tuple[str, float]]:
+def thread_cpu(root: int, proc: str = "/proc") -> dict[tuple[int, int], tuple[str, float]]:
     """(pid, tid) -> (thread name, CPU seconds so far) for every training process under `root`."""
     found = {}
-    for pid in trainer_pids(root):
+    for pid in trainer_pids(root, proc):
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
+            tids = os.listdir(f"{proc}/{pid}/task")
         except FileNotFoundError:
             continue
         for tid in tids:
-            stat = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+            stat = _stat_fields(f"{proc}/{pid}/task/{tid}/stat")
             if stat is not None:
                 name, fields = stat
                 found[(pid, int(tid))] = (name, (int(fields[11]) + int(fields[12])) / TICK)  # utime + stime
     return found
 
 
-def machine_ticks() -> list[int]:
-    with open("/proc/stat") as f:
+def machine_ticks(proc: str = "/proc") -> list[int]:
+    """The machine's CPU ticks so far: user, nice, system, idle, iowait, irq, softirq, steal."""
+    with open(f"{proc}/stat") as f:
         return [int(x) for x in f.readline().split()[1:9]]
 
 

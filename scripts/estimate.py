@@ -89,11 +89,15 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
         (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
         ("activations: final norm, LM-head input, token ids" if flow is None else
          "activations: embedders' inputs, RoPE table, final layer", a.outside),
-        (f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})" if flow is None else
+        ("loss: fp32 log-sum-exp per token (fused loss)" if est.fused_loss else
+         f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})" if flow is None else
          "loss: fp32 velocity prediction and target", a.loss),
         (f"transient peak (max of loss/LM head {gib(est.transient_loss)}, block backward "
-         f"{gib(est.transient_block)})", est.transient),
+         f"{gib(est.transient_block)}" + (f" + scan flips {gib(est.scan_flips)}" if est.scan_flips else "") + ")",
+         est.transient),
     ]
+    if est.update:
+        rows.append(("undonated update: new params + moments (program outputs beside the temporaries)", est.update))
     width = max(len(r[0]) for r in rows) + 2
     for label, value in rows:
         lines.append(f"  {label:<{width}}{gib(value):>9} GiB")
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from trainer.config import build_config, resolve_model_args, split_cli
+    from trainer.config import build_config, split_cli
 
     ns, rest = _parser().parse_known_args(argv)
     if ns.list_targets:
@@ -306,18 +310,11 @@ def _run(argv: list[str]) -> int:
     if ns.loss_parallel:
         overrides.append(("parallelism.enable_loss_parallel", "true"))
     cfg = build_config(recipe, overrides)
-    family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
-    t, p = cfg.training, cfg.parallelism
-    flow = None
-    seq_len = t.seq_len
-    if getattr(family, "task", "lm") == "flow":
-        from planner.flux import flux_tokens
+    p = cfg.parallelism
+    from tools.recipe_check import plan_inputs
 
-        flow = flux_tokens(cfg.flow)
-        seq_len = sum(flow)
-    inputs = planner.PlanInputs(family=family, args=args, model_name=f"{cfg.model.name} {cfg.model.flavor}",
-                                seq_len=seq_len, local_batch_size=t.local_batch_size,
-                                grad_accum=t.gradient_accumulation_steps, flow_tokens=flow)
+    inputs = plan_inputs(cfg)  # the step settings: PlanInputs.refusals / step_plan per layout
+    flow, seq_len = inputs.flow_tokens, inputs.seq_len
     kw = dict(headroom=ns.headroom, assumed_mfu=ns.mfu)
 
     if ns.recommend:

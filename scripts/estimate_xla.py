@@ -1,38 +1,50 @@
 #!/usr/bin/env python
-"""Ask the real XLA:TPU compiler, without a TPU, for a recipe's per-device program; print its
-memory and FLOP analysis beside the analytic planner's (scripts/estimate.py) numbers.
+"""Ask the real XLA:TPU compiler, without a TPU, whether a recipe's step fits one device; print its
+memory (and FLOP) analysis beside the analytic planner's (scripts/estimate.py) for the same plan.
 
-    python scripts/estimate_xla.py --config configs/llama3_debug.toml --target v6e-4
-    python scripts/estimate_xla.py --config configs/llama3_8b_v6e.toml --target v6e-16 --model.n_layers=4
+    python scripts/estimate_xla.py --config configs/llama3_70b_v6e.toml          # the recipe's [job] target
+    python scripts/estimate_xla.py --config configs/llama3_debug.toml --target v6e-4 --csv rows.csv
+    python scripts/estimate_xla.py --config configs/llama3_405b_v7x.toml --dump-hlo /tmp/405b.hlo
 
 How (docs/tpu.md, "Compiler-backed pod check"): in the XLA tier's `ttpu` venv (torch + torchax +
-jax 0.10.2 + libtpu 0.0.52; scripts/xla_env.sh), a worker process captures the recipe's graph step
-(`[compile] scan_layers`, `[activation_checkpoint] mode`, the `mixed_precision_param` cast) at the
-global batch (local batch x devices) with the Pallas kernels a TPU run calls as opaque ops
-(`--kernels pallas`, the default: splash attention, megablox gmm for MoE experts;
-kernels/tpu/capture.py) or the torch references (`--kernels reference`: math SDPA), lowers it
-with torchax, and compiles it for a compile-only topology of the target (`jax.experimental.topologies`) with
-every tensor sharded over all devices along its largest divisible dim (parameters and optimizer
-state: FSDP / ZeRO-3; tokens: data parallel) and the state donated. XLA's SPMD partitioner turns
-that into the per-device program, whose `memory_analysis()` and `cost_analysis()` are printed.
-The planner evaluates the same plan (dp_shard = devices, tp = ep = 1).
+jax 0.10.2 + libtpu 0.0.52; scripts/xla_env.sh), a worker process builds the recipe's model on the
+meta device (no host copy: parameters, AdamW moments and tokens are shapes only; layer scan
+stacks meta tensors, models.common.stack.abstract_model), and captures the graph step the trainer
+would run on a TPU (`trainer.step.plan_step` with device tpu): full depth, `[compile] scan_layers`
+(scan: one body), `[activation_checkpoint] mode` where the trainer applies it, the
+`mixed_precision_param` cast, the global batch (local batch x devices), and the Pallas kernels a
+TPU run calls as opaque ops (`--kernels pallas`, the default: splash attention, megablox gmm for
+MoE experts, the fused linear + cross-entropy when `[training] fused_loss` selects it, which
+`auto` does on TPU; kernels/tpu/capture.py). torchax lowers it; it is compiled for a compile-only
+topology of the target (`jax.experimental.topologies`) with every tensor sharded over all devices
+(parameters and optimizer state: SimpleFSDP's Shard(0) where dim 0 divides, else the largest dim
+that divides; tokens: data parallel). XLA's SPMD partitioner turns that into the per-device
+program, whose `memory_analysis()` and `cost_analysis()` are printed.
 
-Not trustworthy, by construction (see docs/tpu.md for what was measured):
-- activations and temporaries: with `--kernels reference` the capture has math SDPA (T x T scores
-  materialised) where a TPU runs splash; deviceless compiles here also report `temp_size_in_bytes`
-  0 for some programs. Read the temp figure as indicative only;
-- the sharding is XLA's SPMD choice for FSDP-style input shardings, not SimpleFSDP's explicit
-  collectives, and not torch-tpu's lowering;
-- FLOPs: XLA counts a `while` body once, so with scan the compiler's FLOPs cover one layer.
-  libtpu counts a Mosaic custom call as 0 FLOPs, so each kernel call's FLOPs and HBM bytes are
-  added from its shapes (kernels/tpu/capture.py: a model of the kernel, not the compiler's).
-Host memory: the model and the AdamW moments are allocated on the CPU but never written (the step
-is captured, not run), so their pages stay untouched: Llama 3 8B at 1 layer (1.27 B parameters)
-peaks at 1.6 GB resident (11.5 GB when the moments were zero-filled). Layer scan's stacked weights
-are copies (~4 bytes per block parameter); shrink a big flavor with `--model.n_layers=...` and
-scale the per-layer part.
-Trustworthy: the argument bytes (parameter, gradient-free optimizer state and batch shards per
-device) and that the program compiles for the chip at all.
+Modelled on torch-tpu's backend (docs/tpu.md): the updated parameters and moments are outputs of
+the program, not donated (torch-tpu's AOT keeps no input mutations and donates nothing, so they
+are new buffers: +12 bytes per local parameter at the update); `--donate` donates them instead.
+The scan backward is the one torch-tpu lowers: `trainer.graph.passes.tag_reverse_scans` drops
+torch 2.13's `flip` copies and tags the backward body reverse (torchax lowers it as
+`jax.lax.scan(reverse=True)`); `--keep-flips` compiles the flipped graph instead. The flips left
+in the compiled graph are counted and printed (and the error, if the tagged graph failed to lower
+and the flipped one was compiled instead).
+
+Per device: arguments, outputs, temporaries and their total (args + outputs + temp - aliased)
+against the chip's HBM (planner/targets.py), the planner's figure for the recipe's own degrees
+(planner.plan_estimate, as scripts/estimate.py) split the same way, a verdict "fits" / "does not
+fit", and each term where the two totals differ by more than 10 %. `--csv PATH` appends one row.
+`--dump-hlo PATH` writes the compiled program's text for tools that read it.
+
+Approximated: tensor and expert parallelism. The recipe's mesh is compiled as FSDP over all
+devices (every pod recipe has tp 1; the MoE recipes' ep > 1 becomes experts sharded like every
+other weight and gathered, with no all-to-all), and the output says so. Not trustworthy, by
+construction: the kernels' FLOPs and bytes (a model of each, capture.py; libtpu counts a Mosaic
+call as 0 FLOPs); FLOPs of scanned programs (XLA counts a `while` body once); the schedule
+(XLA's SPMD choice from input shardings, not SimpleFSDP's explicit collectives nor torch-tpu's
+lowering). Trustworthy: the argument and output bytes, and that the program compiles for the chip.
+The temporaries are the compiler's for this program (deviceless clients report 0 for some
+single-device programs; never seen for these SPMD ones).
 Exit status: 0 compiled, 1 the compile failed, 2 bad input.
 """
 
@@ -57,7 +69,8 @@ _TOPOLOGIES = {
     "v5e": ("v5e", 1, {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
     "v6e": ("v6e", 1, {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
     "v5p": ("v5p", 1, {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}),
-    "v7x": ("tpu7x", 2, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4"}),
+    "v7x": ("tpu7x", 2, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8",
+                         512: "4x8x8"}),
 }
 
 
@@ -80,150 +93,363 @@ def topology_name(target) -> str:
 def _run(argv: list[str]) -> int:
     import planner
     from trainer.config import build_config, resolve_model_args, split_cli
+    from trainer.job import step_request
+    from trainer.step.plan import plan_step
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--target", required=True, help="e.g. v6e-16, v5e-4, v7x-8 (planner names)")
-    p.add_argument("--topology", help="jax topology name instead of the one derived from --target")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds for capture + compile (default 1800)")
+    p.add_argument("--target", help="e.g. v6e-256, v7x-512 (planner names); default: the recipe's [job] target")
+    p.add_argument("--topology", help="jax topology name instead of the one derived from the target")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds for capture + compile (default 3600)")
     p.add_argument("--kernels", choices=("pallas", "reference"), default="pallas",
-                   help="attention and MoE experts in the captured step: the TPU run's Pallas kernels (default) "
-                        "or the torch references (math SDPA)")
+                   help="attention, MoE experts and the fused loss in the captured step: the TPU run's Pallas "
+                        "kernels (default) or the torch references (math SDPA, chunked CE)")
+    p.add_argument("--donate", action="store_true",
+                   help="donate the updated state's input buffers (torch-tpu's backend does not: off by default)")
+    p.add_argument("--dump-hlo", metavar="PATH", help="write the compiled program's text (optimized HLO, or the "
+                   "StableHLO where jaxlib cannot read the optimized one back) to PATH")
+    p.add_argument("--keep-flips", action="store_true", help="compile the scan backward as torch 2.13 builds it "
+                   "(flipped copies) instead of the reverse-scan graph torch-tpu lowers (tag_reverse_scans)")
+    p.add_argument("--csv", metavar="PATH", help="append one row for this recipe to PATH (header when new)")
     p.add_argument("--json", action="store_true", help="also print the compiler's numbers as one JSON line "
                    "(last line; scripts/mfu_suite.py reads it)")
     ns, rest = p.parse_known_args(argv)
-    target = planner.parse_target(ns.target)
-    topology = ns.topology or topology_name(target)
     recipe, _, overrides = split_cli(rest)
     cfg = build_config(recipe, overrides)
+    if not (ns.target or cfg.job.target):
+        raise ConfigError("--target: required for a recipe without a [job] target, e.g. --target v6e-16")
+    target = planner.parse_target(ns.target or cfg.job.target)
+    topology = ns.topology or topology_name(target)
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
-    t = cfg.training
-    if cfg.parallelism.tensor_parallel_degree != 1 or cfg.parallelism.expert_parallel_degree != 1:
-        print("note: the compiler check shards FSDP-style only; tp and ep are set to 1 for both columns")
+    if getattr(family, "task", "lm") != "lm":
+        raise ConfigError(f"model.name: {cfg.model.name} (task {family.task}): the compile check captures the "
+                          "LM step only; FLUX recipes are not supported")
+    t, par = cfg.training, cfg.parallelism
+    # The trainer's step plan on a TPU: scan, AC placement, fused loss (auto fuses on TPU).
+    step = step_request(cfg, family, tp_degree=par.tensor_parallel_degree, device_type="tpu")
+    step_plan = plan_step(step)
     inputs = planner.PlanInputs(family=family, args=args, model_name=f"{cfg.model.name} {cfg.model.flavor}",
                                 seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                                grad_accum=t.gradient_accumulation_steps)
-    est = planner.plan_estimate(inputs, target, dp_replicate=1, dp_shard=target.devices, tp=1, ep=1,
-                                ac_mode=cfg.activation_checkpoint.mode, loss_parallel=False)
+                                grad_accum=t.gradient_accumulation_steps, step=step)
+    est = planner.plan_estimate(inputs, target, dp_replicate=par.data_parallel_replicate_degree,
+                                dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
+                                ep=par.expert_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
+                                loss_parallel=par.enable_loss_parallel)
+    approximated = []
+    if est.tp > 1 or est.ep > 1 or est.dp_replicate > 1:
+        approximated.append(f"the recipe's mesh (dp_replicate {est.dp_replicate}, dp_shard {est.dp_shard}, "
+                            f"tp {est.tp}, ep {est.ep}) is compiled as FSDP over all {target.devices} devices: "
+                            "every tensor sharded once, experts' weights gathered like the rest (no all-to-all)")
     spec = dict(family=cfg.model.name, args=dataclasses.asdict(args), seq_len=t.seq_len,
                 global_batch=t.local_batch_size * target.devices, grad_accum=t.gradient_accumulation_steps,
-                # `auto` is bfloat16 on a TPU (trainer.device.resolve_compute_dtype)
+                # `auto` is bfloat16 on a TPU (trainer.runtime.device.resolve_compute_dtype)
                 param_dtype="bfloat16" if t.mixed_precision_param == "auto" else t.mixed_precision_param,
-                reduce_dtype=t.mixed_precision_reduce,
-                scan_layers=bool(cfg.compile.scan_layers), ac_mode=cfg.activation_checkpoint.mode,
-                max_norm=t.max_norm, optimizer=dict(lr=cfg.optimizer.lr, betas=list(cfg.optimizer.betas),
-                                                    eps=cfg.optimizer.eps, weight_decay=cfg.optimizer.weight_decay),
-                topology=topology, kernels=ns.kernels)
+                reduce_dtype=t.mixed_precision_reduce, scan_layers=step_plan.scan, scan_ac=step_plan.scan_ac,
+                block_ac=step_plan.block_ac, fused_loss=step_plan.fused_loss and ns.kernels == "pallas",
+                aux_loss_coef=t.aux_loss_coef, max_norm=t.max_norm,
+                optimizer=dict(lr=cfg.optimizer.lr, betas=list(cfg.optimizer.betas), eps=cfg.optimizer.eps,
+                               weight_decay=cfg.optimizer.weight_decay),
+                topology=topology, kernels=ns.kernels, donate=ns.donate, keep_flips=ns.keep_flips,
+                dump_hlo=str(Path(ns.dump_hlo).resolve()) if ns.dump_hlo else None)
+    if step_plan.fused_loss and ns.kernels != "pallas":
+        spec["fused_loss"] = True  # the chunked torch reference stands in for the kernel
     venv = subprocess.run(["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True,
                           text=True).stdout.strip().splitlines()[-1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     # Compile-only: no TPU is used, so libtpu's one-process-per-host lock is not needed.
     env.update(PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    print(f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips)\n"
-          f"compiling for {topology} (deviceless) ...", flush=True)
+    print(f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips), "
+          f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...", flush=True)
+    wall = time.perf_counter()
     proc = subprocess.run([str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
                           capture_output=True, text=True, env=env, timeout=ns.timeout)
+    wall = time.perf_counter() - wall
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        print(f"compile worker exited {proc.returncode}:\n{proc.stderr[-6000:]}", file=sys.stderr)
+        print(f"compile worker exited {proc.returncode} after {wall:.0f} s:\n{proc.stderr[-6000:]}", file=sys.stderr)
         return 1
     res = json.loads(lines[-1])
-    print(format_table(est, res))
+    res.update(wall_s=wall, n_layers=args.shape().n_layers, approximated=approximated, topology=topology)
+    if res.get("oom"):
+        oom = res["oom"]
+        print(f"verdict (compiler, {res['n_layers']} layers): does not fit: the compiler refused the program "
+              f"(CompileTimeHbmOom): {oom['required'] / GIB:.2f} GiB of temporaries for {oom['available'] / GIB:.2f} "
+              f"GiB available; planner: {'fits' if est.fits else 'does not fit'} ({est.total / GIB:.2f} GiB of "
+              f"{est.usable / GIB:.1f} usable); capture / lower / compile / wall s {res['capture_s']:.1f} / "
+              f"{res['lower_s']:.1f} / {res['compile_s']:.1f} / {wall:.1f}")
+        for note in approximated:
+            print(f"approximated: {note}")
+        return 0
+    print(format_table(est, res, step_plan))
+    print(verdict_line(est, res))
+    for line in discrepancies(est, res):
+        print(f"planner vs compiler: {line}")
+    if ns.csv:
+        write_csv_row(ns.csv, csv_row(recipe, est, res, step_plan))
     if ns.json:
         print(json.dumps({**res, "target": target.name, "topology": topology,
                           "tokens_per_device_step": est.tokens_per_device_step}))
     return 0
 
 
-def format_table(est, res: dict) -> str:
-    gib = 2.0**30
+GIB = 2.0**30
+
+
+def compiler_total(res: dict) -> int:
+    """Peak bytes the program needs on one device: arguments + outputs + temporaries, less what
+    the outputs alias (donated inputs)."""
+    m = res["memory"]
+    return (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0) + m.get("temp_size_in_bytes", 0)
+            - m.get("alias_size_in_bytes", 0))
+
+
+def planner_terms(est) -> dict[str, int]:
+    """The planner's figure, split where the compiler's is: the state the program reads
+    (arguments: params + moments), the state an undonated update writes (outputs: the planner's
+    `update` term where it has one; it takes the larger of it and the backward, not the sum),
+    and the rest (temporaries: gradients plus the backward's peak)."""
+    update = getattr(est, "update", 0)
+    if hasattr(est, "backward_peak"):
+        temporaries = est.grads + est.backward_peak
+    else:
+        temporaries = est.grads + est.saved_weights + est.activations.total + est.transient
+    return {"arguments": est.params + est.optimizer, "outputs": update, "temporaries": temporaries}
+
+
+def discrepancies(est, res: dict, limit: float = 0.10) -> list[str]:
+    """Where the compiler and the planner differ by more than `limit`, term by term."""
+    m = res["memory"]
+    comp = {"arguments": m.get("argument_size_in_bytes", 0),
+            "outputs": m.get("output_size_in_bytes", 0) - m.get("alias_size_in_bytes", 0),
+            "temporaries": m.get("temp_size_in_bytes", 0)}
+    plan = planner_terms(est)
+    out = []
+    total_p, total_c = est.total, compiler_total(res)
+    if abs(total_c - total_p) > limit * max(total_p, 1):
+        out.append(f"total {total_c / GIB:.2f} GiB vs planner {total_p / GIB:.2f} GiB "
+                   f"({(total_c - total_p) / max(total_p, 1):+.0%})")
+        for k in comp:
+            diff = comp[k] - plan[k]
+            out.append(f"  {k}: compiler {comp[k] / GIB:.2f} GiB, planner {plan[k] / GIB:.2f} GiB ({diff / GIB:+.2f} GiB)")
+        out.append("  " + planner_breakdown(est))
+    return out
+
+
+def planner_breakdown(est) -> str:
+    flips = getattr(est, "scan_flips", 0)
+    return (f"planner temporaries = grads {est.grads / GIB:.2f} + kept gathered weights "
+            f"{est.saved_weights / GIB:.2f} + activations {est.activations.total / GIB:.2f} (blocks "
+            f"{est.activations.blocks / GIB:.2f}, outside {est.activations.outside / GIB:.2f}, loss "
+            f"{est.activations.loss / GIB:.2f}) + transient {est.transient / GIB:.2f} (loss "
+            f"{est.transient_loss / GIB:.2f}, block {est.transient_block / GIB:.2f}, scan flips "
+            f"{flips / GIB:.2f}) GiB; undonated update {getattr(est, 'update', 0) / GIB:.2f} GiB")
+
+
+def verdict_line(est, res: dict) -> str:
+    hbm = est.target.hbm_bytes
+    total = compiler_total(res)
+    word = "fits" if total <= hbm else "does not fit"
+    return (f"verdict (compiler, {res['n_layers']} layers): {word}: {total / GIB:.2f} GiB of "
+            f"{hbm / GIB:.1f} GiB HBM per device; planner: {'fits' if est.fits else 'does not fit'} "
+            f"({est.total / GIB:.2f} GiB of {est.usable / GIB:.1f} usable)")
+
+
+def format_table(est, res: dict, step_plan=None) -> str:
     mem, cost = res["memory"], res["cost"]
-    planner_state = est.params + est.grads + est.optimizer
+    plan = planner_terms(est)
     tokens = est.tokens_per_device_step
     planner_flops = tokens * est.flops_per_token * est.recompute_factor
+    scan = res["stablehlo_while"] > 0
+    steps = (f"graph, {'scan (one body)' if step_plan and step_plan.scan else 'unrolled'}, AC {est.ac_mode}, "
+             f"{'fused' if step_plan and step_plan.fused_loss else 'plain'} loss" if step_plan else "")
+    flips = res.get("flips", 0)
     rows = [
         ("plan", f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}",
-         f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}"),
-        ("params + grads + optimizer / device", f"{planner_state / gib:.3f} GiB",
-         f"arguments {mem.get('argument_size_in_bytes', 0) / gib:.3f} GiB (params, AdamW moments, step, batch)"),
-        ("activations + transients / device", f"{(est.activations.total + est.transient) / gib:.3f} GiB",
-         f"temp {mem.get('temp_size_in_bytes', 0) / gib:.3f} GiB ({res.get('kernels', 'reference')} "
-         "kernels; 0 = not reported)"),
-        ("outputs / aliased", "-", f"{mem.get('output_size_in_bytes', 0) / gib:.3f} / "
-                                    f"{mem.get('alias_size_in_bytes', 0) / gib:.3f} GiB"),
-        ("total / device", f"{est.total / gib:.3f} GiB of {est.usable / gib:.1f} usable",
-         f"{(mem.get('argument_size_in_bytes', 0) + mem.get('temp_size_in_bytes', 0)) / gib:.3f} GiB (args + temp)"),
+         f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}; {steps}"),
+        ("layers", f"{est.n_layers}", f"{res.get('n_layers', '?')} compiled"),
+        ("arguments / device", f"{plan['arguments'] / GIB:.3f} GiB (params + moments)",
+         f"{mem.get('argument_size_in_bytes', 0) / GIB:.3f} GiB (params, AdamW moments, step, batch)"),
+        ("outputs / aliased", f"{plan['outputs'] / GIB:.3f} GiB (undonated update)", f"{mem.get('output_size_in_bytes', 0) / GIB:.3f} / "
+         f"{mem.get('alias_size_in_bytes', 0) / GIB:.3f} GiB ({'donated' if res.get('donated') else 'not donated'}: "
+         f"{res.get('written_inputs', '?')} updated tensors)"),
+        ("temporaries / device", f"{plan['temporaries'] / GIB:.3f} GiB (grads, kept weights, acts, transient)",
+         f"{mem.get('temp_size_in_bytes', 0) / GIB:.3f} GiB ({res.get('kernels', 'reference')} kernels)"),
+        ("total / device", f"{est.total / GIB:.3f} GiB of {est.usable / GIB:.1f} usable",
+         f"{compiler_total(res) / GIB:.3f} GiB of {est.target.hbm_bytes / GIB:.1f} HBM (args + out + temp - alias)"),
         ("FLOPs / device / step", f"{planner_flops:.4g} (6N + 12LHQT per token x {tokens:g} tokens)",
-         f"{cost.get('flops', 0):.4g}" + (" (one layer: XLA counts a while body once)"
-                                          if res["stablehlo_while"] else "")
+         f"{cost.get('flops', 0):.4g}" + (" (one layer: XLA counts a while body once)" if scan else "")
          + (f" = XLA ops {res['compiler_cost'].get('flops', 0):.4g} + {res['kernel_cost']['calls']} kernel calls "
             f"{res['kernel_cost']['flops']:.4g}" if res.get("kernel_cost", {}).get("calls") else "")),
         ("while loops (StableHLO / optimized)", "-", f"{res['stablehlo_while']} / "
                                                       f"{'unreadable' if res['while'] is None else res['while']}"),
-        ("capture / lower / compile s", "-", f"{res['capture_s']:.1f} / {res['lower_s']:.1f} / {res['compile_s']:.1f}"),
+        ("scan flips in the captured graph", "-",
+         f"{flips}" + (f" after tag_reverse_scans ({res['reverse_scan']} backward scans tagged reverse)"
+                       if res.get("reverse_scan") else " (torch 2.13's flipped scan backward"
+                       + (f"; the tagged graph failed to lower: {res['tag_error']}" if res.get("tag_error") else "")
+                       + ")" if flips else "")),
+        ("capture / lower / compile / wall s", "-", f"{res['capture_s']:.1f} / {res['lower_s']:.1f} / "
+         f"{res['compile_s']:.1f} / {res.get('wall_s', 0):.1f}"),
+        ("worker peak RSS", "-", f"{res.get('worker_peak_rss', 0) / GIB:.2f} GiB"),
     ]
     width = max(len(r[0]) for r in rows)
-    out = [f"{'':{width}}  {'planner (analytic)':40}  XLA:TPU compiler (deviceless)"]
-    out += [f"{a:{width}}  {b:40}  {c}" for a, b, c in rows]
+    out = [f"{'':{width}}  {'planner (analytic)':56}  XLA:TPU compiler (deviceless)"]
+    out += [f"{a:{width}}  {b:56}  {c}" for a, b, c in rows]
+    for note in res.get("approximated", []):
+        out.append(f"approximated: {note}")
+    if res.get("replicated_bytes"):
+        out.append(f"replicated (no dim divides {res['devices']}): {res['replicated_bytes'] / GIB:.4f} GiB of inputs")
     return "\n".join(out)
+
+
+CSV_FIELDS = ("recipe", "target", "topology", "layers", "scan", "ac", "fused_loss", "donated", "kernels",
+              "arg_gib", "out_gib", "alias_gib", "temp_gib", "total_gib", "hbm_gib", "verdict",
+              "planner_args_gib", "planner_temp_gib", "planner_total_gib", "planner_usable_gib", "planner_verdict",
+              "total_diff_pct", "flips", "capture_s", "compile_s", "wall_s", "worker_peak_rss_gib",
+              "approximated")
+
+
+def csv_row(recipe, est, res: dict, step_plan) -> dict:
+    m = res["memory"]
+    plan = planner_terms(est)
+    total = compiler_total(res)
+    return dict(recipe=Path(recipe).name if recipe else "", target=est.target.name, topology=res.get("topology", ""),
+                layers=res["n_layers"], scan=int(step_plan.scan), ac=est.ac_mode, fused_loss=int(step_plan.fused_loss),
+                donated=int(res["donated"]), kernels=res["kernels"],
+                arg_gib=f"{m.get('argument_size_in_bytes', 0) / GIB:.3f}",
+                out_gib=f"{m.get('output_size_in_bytes', 0) / GIB:.3f}",
+                alias_gib=f"{m.get('alias_size_in_bytes', 0) / GIB:.3f}",
+                temp_gib=f"{m.get('temp_size_in_bytes', 0) / GIB:.3f}", total_gib=f"{total / GIB:.3f}",
+                hbm_gib=f"{est.target.hbm_bytes / GIB:.1f}",
+                verdict="fits" if total <= est.target.hbm_bytes else "does not fit",
+                planner_args_gib=f"{plan['arguments'] / GIB:.3f}", planner_temp_gib=f"{plan['temporaries'] / GIB:.3f}",
+                planner_total_gib=f"{est.total / GIB:.3f}", planner_usable_gib=f"{est.usable / GIB:.1f}",
+                planner_verdict="fits" if est.fits else "does not fit",
+                total_diff_pct=f"{100 * (total - est.total) / max(est.total, 1):+.1f}", flips=res.get("flips", 0),
+                capture_s=f"{res['capture_s']:.1f}", compile_s=f"{res['compile_s']:.1f}", wall_s=f"{res['wall_s']:.1f}",
+                worker_peak_rss_gib=f"{res.get('worker_peak_rss', 0) / GIB:.2f}",
+                approximated="; ".join(res.get("approximated", [])))
+
+
+def write_csv_row(path: str, row: dict) -> None:
+    import csv
+
+    new = not Path(path).exists() or Path(path).stat().st_size == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        if new:
+            w.writeheader()
+        w.writerow(row)
 
 
 # ---------------------------------------------------------------------------------------------
 # Worker (ttpu venv): capture on meta, lower with torchax, compile for the topology.
 
 
+def hbm_oom(message: str) -> dict | None:
+    """libtpu's CompileTimeHbmOom as numbers: {"required", "available"} bytes (from its "HLO
+    temporaries (171.01G) exceeds available HBM (31.24G)"); None for any other error."""
+    import re
+
+    m = re.search(r"CompileTimeHbmOom.*?\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message, re.S)
+    if m is None:
+        return None
+    return {"required": float(m.group(1)) * GIB, "available": float(m.group(2)) * GIB, "message": m.group(0)[:300]}
+
+
+def _flip_count(gm) -> int:
+    """`aten.flip` nodes in the captured graph and its subgraphs (torch 2.13's scan backward reads
+    flipped copies of the stacked weights and saved activations; docs/graph_trainer.md)."""
+    import torch
+
+    flips = (torch.ops.aten.flip.default, torch.ops.prims.rev.default)
+    return sum(1 for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes if n.target in flips)
+
+
+def _mutated_inputs(gm) -> set[int]:
+    """Positions of the graph inputs the step writes (`copy_` into a placeholder): parameters,
+    moments, the step count. The rest (tokens, buffers) is read only."""
+    import torch
+
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(places)}
+    return {index[n.args[0]] for n in gm.graph.nodes
+            if n.target is torch.ops.aten.copy_.default and n.args[0] in index}
+
+
 def worker(spec: dict) -> dict:
+    import resource
 
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from models import get_model_family
+    from models.common.stack import abstract_model
     from parallelisms.activation_checkpoint import apply_ac
     from parallelisms.simple_fsdp import data_parallel
-    from trainer.graph import build_graph_step
-    from trainer.graph.xla import (RECORD, CaptureDone, add_lowerings, as_jax_function, load_torchax,
+    from tools.xla_lowering import (RECORD, CaptureDone, add_lowerings, as_jax_function, load_torchax,
                                    record_first_call)
+    from trainer.graph import build_graph_step
     from trainer.optim import build_optimizer
+    from trainer.step.plan import StepPlan
 
     family = get_model_family(spec["family"])
-    args = family.args_cls(**spec["args"])  # attention: the SDPA reference (no kernel is selected here)
+    args = family.args_cls(**spec["args"])  # attention: the SDPA reference unless the kernels are installed
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    # Shapes only: parameters, moments and tokens stay on the meta device (the step is captured,
+    # never run), so no host memory holds the model; layer scan stacks meta tensors
+    # (models.common.stack.abstract_model).
     with torch.device("meta"):
         model = family.model_cls(args)
     data_parallel(model, mesh=None, param_dtype=dtypes[spec["param_dtype"]], reduce_dtype=dtypes[spec["reduce_dtype"]])
-    # Host memory that is never written: the step is captured, not run, so parameters and the
-    # AdamW moments only need shapes. `empty` pages are not touched (torch.zeros, the optimizer's
-    # own init, would write ~8 bytes per parameter); only layer scan's stacking copies weights.
-    model.to_empty(device="cpu")
     opt_cfg = spec["optimizer"]
     opt = build_optimizer(model.parameters(), lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
                           weight_decay=opt_cfg["weight_decay"])
     for group in opt.param_groups:  # the graph step keeps a state that exists (init_adamw_state)
         for p in group["params"]:
-            opt.state[p].update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.empty_like(p),
-                                exp_avg_sq=torch.empty_like(p))
+            opt.state[p].update(step=torch.zeros((), dtype=torch.float32, device="meta"),
+                                exp_avg=torch.empty_like(p), exp_avg_sq=torch.empty_like(p))
     plan = family.plan
-    if not spec["scan_layers"]:  # unrolled blocks are checkpointed where the trainer does it
-        apply_ac(model, plan=plan, mode=spec["ac_mode"])
+    # The trainer's step plan on a TPU (trainer.step.plan_step, resolved by the outer process).
+    step_plan = StepPlan(mode="graph", backend="aot_eager", block_ac=spec["block_ac"], block_compile=None,
+                         scan=spec["scan_layers"], scan_ac=spec["scan_ac"], loss_parallel=False,
+                         fused_loss=spec["fused_loss"])
+    if not step_plan.scan:  # unrolled blocks are checkpointed where the trainer does it
+        apply_ac(model, plan=plan, mode=step_plan.block_ac)
     if spec["kernels"] == "pallas":
         from kernels.tpu import capture
 
         capture.install()
     record_first_call(clone=False, stop=True)
     start = time.perf_counter()
-    step = build_graph_step(model=model, optimizer=opt, max_norm=spec["max_norm"], backend="aot_eager",
-                            scan_layers=spec["scan_layers"], ac_mode=spec["ac_mode"] if spec["scan_layers"] else "none",
-                            grad_accum_steps=spec["grad_accum"], plan=plan,
-                            aux_loss_coef=1e-3 if getattr(args, "num_experts", 0) else 0.0)
+    with abstract_model():
+        step = build_graph_step(model=model, optimizer=opt, max_norm=spec["max_norm"], backend="aot_eager",
+                                scan_layers=step_plan.scan, ac_mode=step_plan.scan_ac,
+                                grad_accum_steps=spec["grad_accum"], plan=plan, loss_fn=step_plan.lm_loss,
+                                aux_loss_coef=spec["aux_loss_coef"] if getattr(args, "num_experts", 0) else 0.0)
     step.capture.fence_remat = True  # lowered for XLA: recomputed ops behind barriers, or XLA CSEs them away
-    tokens = torch.zeros(spec["global_batch"], spec["seq_len"], dtype=torch.int64)
+    tokens = torch.zeros(spec["global_batch"], spec["seq_len"], dtype=torch.int64, device="meta")
     try:
-        with sdpa_kernel([SDPBackend.MATH]):
-            step([(tokens, tokens)] * spec["grad_accum"], opt_cfg["lr"])
+        step([(tokens, tokens)] * spec["grad_accum"], opt_cfg["lr"])
     except CaptureDone:
         pass
     assert "pre" in RECORD, "the graph step was not captured"
     capture_s = time.perf_counter() - start
+    gm = RECORD["gm"]
+    flips = _flip_count(gm)
+    # The graph torch-tpu would lower: the backward scans without flips, their bodies tagged
+    # reverse (trainer.graph.passes.tag_reverse_scans; the torchax lowering honours the tag).
+    graphs, reverse_scan, tag_error = [(gm, flips)], None, None
+    if flips and spec["scan_layers"] and not spec["keep_flips"]:
+        import copy
+
+        from trainer.graph.passes import tag_reverse_scans
+
+        tagged = copy.deepcopy(gm)
+        reverse_scan = tag_reverse_scans(tagged)
+        if reverse_scan:
+            graphs.insert(0, (tagged, _flip_count(tagged)))
+    # Bytes of captured inputs that have host storage (0: everything is a meta tensor).
+    host_bytes = sum(a.numel() * a.element_size() for a in RECORD["pre"]
+                     if torch.is_tensor(a) and a.device.type != "meta")
 
     torchax = load_torchax()
     import jax
@@ -232,43 +458,78 @@ def worker(spec: dict) -> dict:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     add_lowerings(torchax.default_env())
-    fn, idx = as_jax_function(RECORD)
     devices = topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices
     mesh = Mesh(np.array(devices), ("fsdp",))
     if spec["kernels"] == "pallas":
         capture.add_lowerings(torchax.default_env(), mesh, "fsdp")
     n = len(devices)
 
-    def sharding(shape):
+    def shard_dim(shape):
+        """SimpleFSDP's Shard(0) where dim 0 divides; else the largest dim that divides; else None."""
+        if shape and shape[0] % n == 0:
+            return 0
         dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
+        return dims[0] if dims else None
+
+    def sharding(shape):
         axes = [None] * len(shape)
-        if dims:
-            axes[dims[0]] = "fsdp"
+        d = shard_dim(shape)
+        if d is not None:
+            axes[d] = "fsdp"
         return NamedSharding(mesh, PartitionSpec(*axes))
 
     jdtype = {torch.float32: np.float32, torch.bfloat16: jax.numpy.bfloat16, torch.int64: np.int32,
               torch.int32: np.int32, torch.bool: np.bool_}
-    shapes = [tuple(RECORD["pre"][i].shape) for i in idx]
-    in_sh = [sharding(s) for s in shapes]
-    abstract = [jax.ShapeDtypeStruct(s, jdtype[RECORD["pre"][i].dtype], sharding=sh)
-                for s, i, sh in zip(shapes, idx, in_sh)]
-
-    def step_fn(*tensors):  # scalar outputs (loss, grad norm, aux) replicated; state keeps its sharding
-        outs, updated = fn(*tensors)
-        return [o for o in outs if o is not None], updated
-
-    if spec["kernels"] == "pallas":
-        capture.COSTS.clear()
-    # The one trace of the step (jit's lower below reuses it): every kernel node records its cost.
-    num_outs = len(jax.eval_shape(step_fn, *abstract)[0])
     replicated = NamedSharding(mesh, PartitionSpec())
-    jitted = jax.jit(step_fn, out_shardings=([replicated] * num_outs, in_sh),
-                     donate_argnums=tuple(range(len(abstract))))
+
+    def lower(graph):
+        RECORD["gm"] = graph
+        fn, idx = as_jax_function(RECORD)
+        shapes = [tuple(RECORD["pre"][i].shape) for i in idx]
+        in_sh = [sharding(s) for s in shapes]
+        abstract = [jax.ShapeDtypeStruct(s, jdtype[RECORD["pre"][i].dtype], sharding=sh)
+                    for s, i, sh in zip(shapes, idx, in_sh)]
+        replicated_bytes = sum(int(np.prod(s)) * np.dtype(a.dtype).itemsize
+                               for s, a in zip(shapes, abstract) if shard_dim(s) is None)
+        # Only the written inputs come back (torch-tpu: the updated state is a new buffer, copied
+        # back by eager copy_s afterwards; R6 in docs/tpu.md), donated only with --donate.
+        mutated = _mutated_inputs(graph)
+        written = [k for k, i in enumerate(idx) if i in mutated]
+
+        def step_fn(*tensors):  # scalar outputs (loss, grad norm, aux) replicated; state keeps its sharding
+            outs, updated = fn(*tensors)
+            return [o for o in outs if o is not None], [updated[k] for k in written]
+
+        if spec["kernels"] == "pallas":
+            capture.COSTS.clear()
+        # The one trace of the step (jit's lower below reuses it): every kernel node records its cost.
+        num_outs = len(jax.eval_shape(step_fn, *abstract)[0])
+        jitted = jax.jit(step_fn, out_shardings=([replicated] * num_outs, [in_sh[k] for k in written]),
+                         donate_argnums=tuple(written) if spec["donate"] else ())
+        return jitted.lower(*abstract), written, idx, replicated_bytes
+
     t = time.perf_counter()
-    lowered = jitted.lower(*abstract)
+    for k, (graph, graph_flips) in enumerate(graphs):
+        try:
+            lowered, written, idx, replicated_bytes = lower(graph)
+            flips = graph_flips
+            break
+        except Exception as e:  # the tagged graph did not lower: say so, and compile the flipped one
+            if k == len(graphs) - 1:
+                raise
+            tag_error, reverse_scan = f"{type(e).__name__}: {str(e)[:300]}", None
     lower_s = time.perf_counter() - t
     t = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # libtpu refuses a program whose temporaries exceed the HBM: a verdict
+        oom = hbm_oom(str(e))
+        if oom is None:
+            raise
+        return dict(devices=n, device_kind=devices[0].device_kind, capture_s=capture_s, lower_s=lower_s,
+                    compile_s=time.perf_counter() - t, kernels=spec["kernels"], oom=oom, flips=flips,
+                    reverse_scan=reverse_scan, host_tensor_bytes=host_bytes, donated=bool(spec["donate"]),
+                    worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     compile_s = time.perf_counter() - t
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
@@ -281,13 +542,22 @@ def worker(spec: dict) -> dict:
     names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
              "generated_code_size_in_bytes")
     try:
-        loops = compiled.as_text().count(" while(")
+        text = compiled.as_text()
+        loops = text.count(" while(")
+        hlo_kind = "optimized HLO"
     except Exception:  # jaxlib 0.10.2 cannot read back some SPMD programs of libtpu 0.0.52 (async ops)
-        loops = None
+        text, loops, hlo_kind = None, None, "StableHLO (the optimized HLO could not be read back)"
+    stablehlo = lowered.as_text()
+    if spec.get("dump_hlo"):
+        Path(spec["dump_hlo"]).write_text(text if text is not None else stablehlo)
     return dict(devices=n, device_kind=devices[0].device_kind, capture_s=capture_s, lower_s=lower_s,
                 compile_s=compile_s, kernels=spec["kernels"], cost=total, compiler_cost=cost, kernel_cost=kernel,
                 memory={k: int(getattr(mem, k)) for k in names if hasattr(mem, k)},
-                stablehlo_while=lowered.as_text().count("stablehlo.while"), **{"while": loops})
+                stablehlo_while=stablehlo.count("stablehlo.while"), flips=flips, reverse_scan=reverse_scan,
+                written_inputs=len(written), inputs=len(idx), host_tensor_bytes=host_bytes, tag_error=tag_error, replicated_bytes=replicated_bytes,
+                donated=bool(spec["donate"]), hlo_kind=hlo_kind if spec.get("dump_hlo") else None,
+                worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                **{"while": loops})
 
 
 def main(argv: list[str] | None = None) -> int:

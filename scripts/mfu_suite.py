@@ -14,14 +14,18 @@ causal-halved one (`mfu_pct_causal`), and against the faster compute dtype's pea
 (`mfu_pct_best`, docs/metrics.md). On a TPU the same command measures the pod recipes.
 
 Projections (`--project`, default: the LM pod recipes, configs/*_v6e.toml and *_v7x.toml):
-without a TPU, per-device FLOPs and HBM bytes of one step come from the deviceless XLA:TPU
-compile of scripts/estimate_xla.py (its `ttpu` venv, scripts/xla_env.sh) at 1 and 2 layers,
-scan off (XLA counts a loop body once), with the Pallas kernels a TPU run calls (splash attention,
-megablox gmm; their FLOPs and bytes counted from their shapes, since libtpu's cost analysis gives
-a Mosaic call none), extrapolated linearly to the recipe's layer count; a
-roofline, step time = max(FLOPs / peak, bytes / HBM bandwidth), turns them into tokens/s and
-MFU. Every such row is labeled "projection". Without that venv the projections are skipped with
-the reason printed.
+without a TPU, the deviceless XLA:TPU compile of scripts/estimate_xla.py (its `ttpu` venv,
+scripts/xla_env.sh) at 1 and 2 layers, scan off, for a small slice of the generation, with
+XLA's dump of the optimized per-device HLO (`XLA_FLAGS=--xla_dump_to`). tools/xla_projection.py
+reads each program: compute time = per executed op max(FLOPs / peak, HBM bytes / bandwidth),
+loop bodies times their trip count, plus the Pallas kernels (capture model; a kernel's own
+CostEstimate bytes where the HLO carries one), never below the model's FLOPs; collective time
+= each collective's bytes over the ICI bandwidth of its mesh axis at the recipe's target slice
+(ring (n-1)/n; assets/anchors.toml [ici]). Both extrapolated to the recipe's layers; step time
+fully exposed (compute + collectives) and perfectly overlapped (max): an upper bound on MFU
+either way, never above 100 %. The old roofline of the compiler's totals is printed beside it.
+Every such row is labeled "projection". Without that venv the projections are skipped with the
+reason printed. `--hlo-cache DIR` keeps the compiles and reads them back.
 
 Anchors: assets/anchors.toml (MaxText v6e/v7x, the TorchTitan TPU fork, torchax, TorchTitan on
 H100, each with its source), printed beside our row for the same recipe.
@@ -38,6 +42,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -97,7 +102,7 @@ def roofline(*, flops: float, bytes_accessed: float, peak_flops: float, hbm_byte
 
     flops, bytes_accessed: the device's FLOPs and HBM bytes of one step (hardware FLOPs: what
         the compiled program executes, recompute included). tokens: tokens the device trains per
-        step. flops_per_token: model FLOPs per token, {"palm", "causal"} (trainer.flops).
+        step. flops_per_token: model FLOPs per token, {"palm", "causal"} (trainer.runtime.flops).
     Returns step_s, the bound ("compute" | "memory"), tokens/s and MFU in both conventions: an
     upper bound, since collectives, kernel efficiency and host overheads are left out.
     """
@@ -194,20 +199,40 @@ def xla_venv() -> tuple[Path | None, str]:
     return venv, ""
 
 
-def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], timeout: float) -> dict:
-    """The deviceless compile's per-device FLOPs and bytes of one step at `n_layers`, scan off."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "estimate_xla.py"), "--target", target, "--json",
-           "--timeout", str(timeout), "--config", str(recipe), f"--model.n_layers={n_layers}",
-           "--compile.scan_layers=false", *extra]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 120)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"estimate_xla exited {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
-    res = json.loads(lines[-1])
+def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], timeout: float,
+                  cache: Path | None = None) -> dict:
+    """The deviceless compile's per-device FLOPs and bytes of one step at `n_layers`, scan off, and
+    the path of its optimized HLO text (XLA's dump of the step's module: `XLA_FLAGS=--xla_dump_to`;
+    None when the dump is missing). With `cache`, a compile whose result is already under
+    cache/<recipe>-<target>-L<n>/ is read back, not redone."""
+    folder = (cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo") / f"{recipe.stem}-{target}-L{n_layers}"
+    result, hlo_path = folder / "result.json", folder / "step.after_optimizations.txt"
+    if not (cache and result.is_file()):
+        folder.mkdir(parents=True, exist_ok=True)
+        dump = folder / "dump"
+        cmd = [sys.executable, str(ROOT / "scripts" / "estimate_xla.py"), "--target", target, "--json",
+               "--timeout", str(timeout), "--config", str(recipe), f"--model.n_layers={n_layers}",
+               # the small slice cannot hold the recipe's expert-parallel degree; estimate_xla compiles
+               # ep as FSDP anyway (experts sharded like every other weight)
+               "--compile.scan_layers=false", "--parallelism.expert_parallel_degree=1", *extra]
+        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
+                                          "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step_fn").strip())
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 120, env=env)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"estimate_xla exited {proc.returncode}: {(proc.stderr or proc.stdout)[-400:]}")
+        result.write_text(lines[-1])
+        dumped = sorted(dump.glob("*jit_step_fn*.after_optimizations.txt"))
+        if dumped:
+            dumped[-1].replace(hlo_path)
+        shutil.rmtree(dump, ignore_errors=True)  # buffer assignment and the other dumps: large, not read
+    res = json.loads(result.read_text())
     cost = res.get("cost", {})
     if not cost.get("flops") or "bytes accessed" not in cost:
         raise RuntimeError(f"the compiler's cost analysis has no flops / bytes accessed: {cost}")
-    return {"flops": cost["flops"], "bytes": cost["bytes accessed"], "tokens": res["tokens_per_device_step"]}
+    return {"flops": cost["flops"], "bytes": cost["bytes accessed"], "tokens": res["tokens_per_device_step"],
+            "compiler_cost": res.get("compiler_cost", {}), "kernel_cost": res.get("kernel_cost", {}),
+            "devices": res.get("devices"), "hlo": str(hlo_path) if hlo_path.is_file() else None}
 
 
 # The compile worker allocates the model and the AdamW moments on the host but never writes them
@@ -222,7 +247,7 @@ def recipe_facts(recipe: Path) -> dict:
     """From a recipe: generation, layers, FLOPs per token (both conventions), and the host bytes
     the 2-layer compile's capture needs."""
     from trainer.config import build_config, resolve_model_args
-    from trainer.flops import flops_per_token, tpu_generation
+    from trainer.runtime.flops import flops_per_token, tpu_generation
 
     cfg = build_config(str(recipe), [])
     _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
@@ -232,7 +257,16 @@ def recipe_facts(recipe: Path) -> dict:
                           n_heads=shape.n_heads, head_dim=shape.head_dim, seq_len=cfg.training.seq_len)
     cfg.model.overrides["n_layers"] = 2
     _, two = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
-    return {"generation": gen, "n_layers": shape.n_layers, "flops_per_token": fpt,
+    target = getattr(cfg.job, "target", None)
+    try:
+        import planner
+
+        target_devices = planner.parse_target(target).devices if target else None
+    except Exception:  # noqa: BLE001 - a recipe without a known target: the compiled slice's size
+        target_devices = None
+    return {"generation": gen, "n_layers": shape.n_layers, "flops_per_token": fpt, "target": target,
+            "seq_len": cfg.training.seq_len,
+            "target_devices": target_devices,
             "capture_bytes": CAPTURE_BASE_BYTES + CAPTURE_BYTES_PER_PARAM * two.num_params()}
 
 
@@ -247,10 +281,11 @@ def host_available_bytes() -> float | None:
     return None
 
 
-def project(names: list[str], *, anchors: dict, timeout: float, costs=None) -> tuple[list[dict], str]:
+def project(names: list[str], *, anchors: dict, timeout: float, costs=None,
+            cache: Path | None = None) -> tuple[list[dict], str]:
     """Roofline projections of pod recipes from the deviceless compile (`costs`, default
     `compile_costs`); ([], reason) when there is nothing to project or no XLA venv."""
-    from trainer.flops import TPU_PEAK_TFLOPS
+    from trainer.runtime.flops import TPU_PEAK_TFLOPS
 
     if not names:
         return [], "no recipes to project (--project none)"
@@ -258,7 +293,8 @@ def project(names: list[str], *, anchors: dict, timeout: float, costs=None) -> t
         venv, why = xla_venv()
         if venv is None:
             return [], why
-        costs = compile_costs
+        costs = compile_costs if cache is None else (
+            lambda recipe, target, n, extra, timeout: compile_costs(recipe, target, n, extra, timeout, cache=cache))
     rows = []
     for name in names:
         recipe = recipe_path(name)
@@ -286,22 +322,109 @@ def project(names: list[str], *, anchors: dict, timeout: float, costs=None) -> t
         flops = extrapolate_layers(one["flops"], two["flops"], n)
         bytes_accessed = extrapolate_layers(one["bytes"], two["bytes"], n)
         peak = TPU_PEAK_TFLOPS[gen] * 1e12
+        hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
         # The compiler counts a loop body once; XLA:TPU turns large sharded matmuls into
         # collective-matmul loops (Llama 3 405B on v7x-8: 2.6e14 FLOPs per layer and device for
         # 3.1e14 of 6N alone), so its count can fall below the model's own FLOPs. The step cannot
         # do less than those (causal convention: what splash computes), so that is the floor.
         floor = facts["flops_per_token"]["causal"] * one["tokens"]
         roof = roofline(flops=max(flops, floor), bytes_accessed=bytes_accessed, peak_flops=peak,
-                        hbm_bytes_per_s=anchors["hbm_gbps_per_device"][gen] * 1e9, tokens=one["tokens"],
-                        flops_per_token=facts["flops_per_token"])
-        rows.append({"recipe": name, "kind": "projection", "target": target, "generation": gen,
-                     "flops_per_step": flops, "model_flops_per_step": floor,
-                     "flops_source": "compiler" if flops >= floor else f"model floor (compiler {flops / floor:.0%})",
-                     "bytes_per_step": bytes_accessed, "peak_tflops": peak / 1e12, **roof})
+                        hbm_bytes_per_s=hbm, tokens=one["tokens"], flops_per_token=facts["flops_per_token"])
+        row = {"recipe": name, "kind": "projection", "target": target, "generation": gen,
+               "seq_len": facts.get("seq_len"), "recipe_target": facts.get("target"),
+               "flops_per_step": flops, "model_flops_per_step": floor,
+               "flops_source": "compiler" if flops >= floor else f"model floor (compiler {flops / floor:.0%})",
+               "bytes_per_step": bytes_accessed, "peak_tflops": peak / 1e12, **roof}
+        if one.get("compiler_cost") and two.get("compiler_cost"):
+            for key, name_ in (("flops", "compiler_xla_flops"), ("bytes accessed", "compiler_xla_bytes")):
+                row[name_] = extrapolate_layers(one["compiler_cost"].get(key, 0.0), two["compiler_cost"].get(key, 0.0), n)
+        if one.get("hlo") and two.get("hlo"):
+            row.update(hlo_bound(one, two, n_layers=n, generation=gen, peak=peak, hbm=hbm, model_flops=floor,
+                                 flops_per_token=facts["flops_per_token"], target_devices=facts["target_devices"],
+                                 ici=anchors["ici"][gen]))
+        else:
+            row["bound_note"] = "no HLO dump from the compile: roofline only"
+        rows.append(row)
     return rows, ""
 
 
+def program_times(costs: dict, *, peak: float, hbm: float, ici: dict, target_devices: int | None) -> dict:
+    """One compiled program (one layer count): compute seconds (per-op roofline of the XLA ops,
+    plus the Pallas kernels) and collective seconds per mesh axis, from its optimized HLO."""
+    from tools import xla_projection as xp
+
+    devices = costs.get("devices") or 1
+    summary = xp.summarize(Path(costs["hlo"]).read_text(), mesh={"fsdp": devices})
+    ops = summary["ops"]
+    xla_s = xp.compute_time(ops, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
+    # Kernels: the capture's model (kernels/tpu/capture.py) for every kernel call, with the bytes of
+    # the calls that carry their own CostEstimate (megablox gmm / tgmm) replaced by it.
+    model = costs.get("kernel_cost") or {}
+    est = [o for o in ops if o.kind == "kernel"]
+    est_bytes = sum(o.times * o.bytes for o in est)
+    est_flops = sum(o.times * o.flops for o in est)
+    est_io = sum(o.times * o.io for o in est)
+    kernel_flops = max(model.get("flops", 0.0), est_flops)
+    kernel_bytes = max(model.get("bytes", 0.0) - est_io, 0.0) + est_bytes
+    kernel_s = max(kernel_flops / peak, kernel_bytes / hbm)
+    # FSDP over the recipe's whole target slice: the compile's one axis spans every torus dim there
+    axis_size = {"fsdp": target_devices or devices}
+    comm = xp.comm_by_axis(summary["collectives"], ici=ici, axis_dims={"fsdp": ici["torus_dims"]},
+                           axis_size=axis_size)
+    return {"compute_s": xla_s + kernel_s, "xla_s": xla_s, "kernel_s": kernel_s, "comm": comm,
+            "xla_flops": sum(o.times * o.flops for o in ops if o.kind == "xla"),
+            "xla_bytes": sum(o.times * o.bytes for o in ops if o.kind == "xla"),
+            "kernel_flops": kernel_flops, "kernel_bytes": kernel_bytes, "estimated_kernel_calls": len(est),
+            "unknown_trips": len(summary["unknown_trips"]),
+            "collective_bytes": sum(c.times * c.bytes for c in summary["collectives"])}
+
+
+def hlo_bound(one: dict, two: dict, *, n_layers: int, generation: str, peak: float, hbm: float, model_flops: float,
+              flops_per_token: dict, target_devices: int | None, ici: dict) -> dict:
+    """The step-time bound of a recipe from its 1- and 2-layer programs: compute and each axis's
+    collective time extrapolated to n_layers; step time fully exposed (compute + comm) and
+    perfectly overlapped (max); MFU (palm, causal) against both, never above 100 %."""
+    from tools import xla_projection as xp
+
+    a, b = (program_times(c, peak=peak, hbm=hbm, ici=ici, target_devices=target_devices) for c in (one, two))
+    compute = extrapolate_layers(a["compute_s"], b["compute_s"], n_layers)
+    axes = sorted(set(a["comm"]) | set(b["comm"]))
+    comm = {ax: extrapolate_layers(a["comm"].get(ax, 0.0), b["comm"].get(ax, 0.0), n_layers) for ax in axes}
+    res = xp.bound(compute_s=compute, comm_s=sum(comm.values()), model_flops=model_flops, peak_flops=peak)
+    tokens = one["tokens"]
+    palm_over_causal = flops_per_token["palm"] / flops_per_token["causal"]
+    out = {"hlo_compute_s": res["compute_s"], "hlo_compute_raw_s": compute, "comm_s": res["comm_s"],
+           "comm_by_axis": ", ".join(f"{ax} {t:.3g} s" for ax, t in comm.items()) or "none",
+           "step_exposed_s": res["step_exposed_s"], "step_overlapped_s": res["step_overlapped_s"],
+           "mfu_causal_exposed": res["mfu_exposed_pct"], "mfu_causal_overlapped": res["mfu_overlapped_pct"],
+           # the palm convention counts more FLOPs per token for the same step: capped at 100 %
+           "mfu_palm_exposed": min(100.0, res["mfu_exposed_pct"] * palm_over_causal),
+           "mfu_palm_overlapped": min(100.0, res["mfu_overlapped_pct"] * palm_over_causal),
+           "tokens_per_sec_exposed": tokens / res["step_exposed_s"],
+           "tokens_per_sec_overlapped": tokens / res["step_overlapped_s"],
+           "fsdp_devices": target_devices,
+           "hlo_xla_flops": extrapolate_layers(a["xla_flops"], b["xla_flops"], n_layers),
+           "hlo_xla_bytes": extrapolate_layers(a["xla_bytes"], b["xla_bytes"], n_layers),
+           "hlo_kernel_bytes": extrapolate_layers(a["kernel_bytes"], b["kernel_bytes"], n_layers),
+           "hlo_collective_bytes": extrapolate_layers(a["collective_bytes"], b["collective_bytes"], n_layers),
+           "kernel_calls_with_estimate": b["estimated_kernel_calls"], "loops_without_trip_count": b["unknown_trips"]}
+    return out
+
+
 # ------------------------------------------------------------------------------ output
+
+PROJECTION_NOTE = [
+    "Method (docs/benchmarks.md, \"Projections\"): the recipe's step compiled for a small slice (1 and 2 layers, "
+    "scan off, FSDP-style over one mesh axis) and extrapolated to its layers. Compute: per executed op of the "
+    "optimized HLO, max(FLOPs / peak, HBM bytes / bandwidth), loop bodies times their trip count, plus the Pallas "
+    "kernels (capture model; megablox's own CostEstimate bytes where the HLO carries one), floored at the model's "
+    "FLOPs (causal). Collectives: each one's bytes over the ICI bandwidth of the torus dims its mesh axis spans "
+    "at the recipe's target slice (FSDP over all of it), ring (n-1)/n with n the target's axis size "
+    "(tools/xla_projection.py; ICI table in assets/anchors.toml). Overlap is an assumption, shown both ways: "
+    "exposed = compute + collectives, overlapped = max(compute, collectives). Every number is an upper bound on "
+    "MFU: rated bandwidths, ideal rings, no kernel inefficiency, no host overhead; the palm convention is capped "
+    "at 100 %.",
+]
 
 
 def _fmt(value, spec: str) -> str:
@@ -322,38 +445,89 @@ def measured_table(rows: list[dict]) -> list[str]:
 
 
 def projection_table(rows: list[dict]) -> list[str]:
-    lines = ["| recipe (projection) | compiled for | bound | step s | tok/s/dev | TFLOP/s/dev | MFU % (palm) | "
-             "MFU % (causal) | FLOPs/step (compiler) | model FLOPs/step (causal) | FLOPs used | HBM bytes/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The step-time bound per recipe (compute + collectives from the compiled HLO), beside the
+    plain roofline it replaces."""
+    lines = ["| recipe (projection) | compiled for -> FSDP over | compute s | collectives s (per axis) | "
+             "step s exposed / overlapped | tok/s/dev exposed / overlapped | upper bound on MFU % causal, "
+             "exposed / overlapped | upper bound on MFU % palm, exposed / overlapped | roofline MFU % palm (old) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |")
             continue
-        lines.append(f"| {r['recipe']} (projection) | {r['target']} | {r['bound']} | {r['step_s']:.3g} | "
-                     f"{r['tokens_per_sec']:,.0f} | {r['tflops']:.4g} | {r['mfu_pct']:.1f} | {r['mfu_pct_causal']:.1f} | "
-                     f"{r['flops_per_step']:.3e} | {r['model_flops_per_step']:.3e} | {r['flops_source']} | "
-                     f"{r['bytes_per_step']:.3e} |")
+        if "step_exposed_s" not in r:
+            lines.append(f"| {r['recipe']} | {r['target']} | {r.get('bound_note', '-')} |  |  |  |  |  | "
+                         f"{r['mfu_pct']:.1f} |")
+            continue
+        lines.append(
+            f"| {r['recipe']} | {r['target']} -> {r.get('fsdp_devices') or '-'} devices | {r['hlo_compute_s']:.3g} | "
+            f"{r['comm_s']:.3g} ({r['comm_by_axis']}) | {r['step_exposed_s']:.3g} / {r['step_overlapped_s']:.3g} | "
+            f"{r['tokens_per_sec_exposed']:,.0f} / {r['tokens_per_sec_overlapped']:,.0f} | "
+            f"{r['mfu_causal_exposed']:.1f} / {r['mfu_causal_overlapped']:.1f} | "
+            f"{r['mfu_palm_exposed']:.1f} / {r['mfu_palm_overlapped']:.1f} | {r['mfu_pct']:.1f} |")
     return lines
 
 
+def counts_table(rows: list[dict]) -> list[str]:
+    """What the bound was made of, per recipe (per device and step, at the recipe's layers)."""
+    lines = ["| recipe | XLA-op FLOPs (HLO / compiler) | XLA-op HBM bytes (HLO / compiler) | kernel bytes "
+             "(CostEstimate where carried) | collective bytes | calls with a CostEstimate | loops without a trip "
+             "count | model FLOPs (causal) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "step_exposed_s" not in r:
+            continue
+        lines.append(f"| {r['recipe']} | {r['hlo_xla_flops']:.3e} / {_fmt(r.get('compiler_xla_flops'), '.3e')} | "
+                     f"{r['hlo_xla_bytes']:.3e} / {_fmt(r.get('compiler_xla_bytes'), '.3e')} | {r['hlo_kernel_bytes']:.3e} | "
+                     f"{r['hlo_collective_bytes']:.3e} | {r['kernel_calls_with_estimate']} | "
+                     f"{r['loops_without_trip_count']} | {r['model_flops_per_step']:.3e} |")
+    return lines
+
+
+def anchor_match(anchor: dict, mine: dict, ici: dict) -> bool:
+    """Whether a published run has our projection's model, chip count and sequence length."""
+    if mine.get("kind") != "projection" or anchor.get("recipe") != mine.get("recipe"):
+        return False
+    per_chip = ici.get(anchor["hardware"], {}).get("devices_per_chip", 1)
+    chips_ok = anchor.get("chips") is not None and mine.get("fsdp_devices") == anchor["chips"] * per_chip
+    return chips_ok and anchor.get("seq_len") == mine.get("seq_len")
+
+
 def anchor_table(anchors: dict, ours: dict[str, dict]) -> list[str]:
-    """Each published anchor beside our row for its recipe (measured or projection)."""
+    """Each published anchor beside our row for its recipe (measured or projection); for a
+    projection of the same model, chip count and sequence length, the ratio of our bound's
+    tokens/s per device to the published (overlapped / exposed)."""
     lines = ["| published | framework | hardware | size | seq | tok/s/dev | MFU % (as published) | MFU % (palm) | "
-             "ours (recipe) | ours tok/s/dev | ours MFU % (palm / causal) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours (recipe) | ours tok/s/dev (overlapped / exposed) | ours MFU % (palm / causal, overlapped) | "
+             "ratio ours / published (overlapped / exposed) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ici = anchors.get("ici", {})
     for a in anchors.get("anchor", []):
         size = a.get("slice") or f"{a.get('chips', '?')} chips"
         mine = ours.get(a.get("recipe", ""), {})
         label = a.get("recipe", "-")
         if mine:
             label += f" ({mine.get('kind', 'measured')})"
+        published = anchor_per_device(a)
+        if "tokens_per_sec_overlapped" in mine:
+            tps = f"{mine['tokens_per_sec_overlapped']:,.0f} / {mine['tokens_per_sec_exposed']:,.0f}"
+            mfu = f"{mine['mfu_palm_overlapped']:.1f} / {mine['mfu_causal_overlapped']:.1f}"
+            if published and anchor_match(a, mine, ici):
+                ratio = (f"{mine['tokens_per_sec_overlapped'] / published:.2f} / "
+                         f"{mine['tokens_per_sec_exposed'] / published:.2f}")
+            else:
+                ratio = "not the same chips / seq"
+        else:
+            tps = _fmt(mine.get("tokens_per_sec"), ",.0f")
+            mfu = f"{_fmt(mine.get('mfu_pct'), '.1f')} / {_fmt(mine.get('mfu_pct_causal'), '.1f')}"
+            ratio = "-"
         lines.append(
             f"| {a['model']} | {a['framework']} | {a['hardware']} | {size} | {a.get('seq_len', '-')} | "
-            f"{_fmt(anchor_per_device(a), ',.0f')} | {a['mfu_pct']:g} ({a['convention']}) | "
-            f"{_fmt(a.get('mfu_pct_palm'), 'g')} | {label} | {_fmt(mine.get('tokens_per_sec'), ',.0f')} | "
-            f"{_fmt(mine.get('mfu_pct'), '.1f')} / {_fmt(mine.get('mfu_pct_causal'), '.1f')} |")
+            f"{_fmt(published, ',.0f')} | {a['mfu_pct']:g} ({a['convention']}) | "
+            f"{_fmt(a.get('mfu_pct_palm'), 'g')} | {label} | {tps} | {mfu} | {ratio} |")
     lines.append("")
     lines.append("Sources: assets/anchors.toml (each anchor's `source` and `note`). v7x per-chip numbers are halved "
-                 "to per device; MFU is the same either way.")
+                 "to per device; MFU is the same either way. The ratio is printed only where the published run has "
+                 "the recipe's model, chip count and sequence length (batch per device and parallelism may differ: "
+                 "see each anchor's note); tokens/s per device, so no MFU convention enters it.")
     return lines
 
 
@@ -414,7 +588,7 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
 def machine_line() -> str:
     import torch
 
-    from trainer.device import cpu_model
+    from trainer.runtime.device import cpu_model
 
     threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
@@ -446,6 +620,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--warmup", type=int, default=2, help="first steps dropped (compile, caches)")
     p.add_argument("--project", default="pods",
                    help="recipes to project from the deviceless compile: 'pods' (LM *_v6e/*_v7x), a comma list, or 'none'")
+    p.add_argument("--hlo-cache", default=None,
+                   help="folder for the projections' compiles (JSON + optimized HLO per recipe, slice and layer "
+                        "count); a compile found there is read back, not redone")
     p.add_argument("--out", default=None, help="output stem (default outputs/mfu_suite/<time>/mfu_suite)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per process (default: inherited, else 1)")
     p.add_argument("--max-busy", type=float, default=0.25)
@@ -521,7 +698,8 @@ def _main(argv: list[str]) -> int:
     rows = group_runs(runs)
 
     anchors = load_anchors()
-    projections, skipped = project(project_names, anchors=anchors, timeout=ns.timeout)
+    projections, skipped = project(project_names, anchors=anchors, timeout=ns.timeout,
+                                   cache=Path(ns.hlo_cache) if ns.hlo_cache else None)
     if skipped:
         print(f"projections skipped: {skipped}", file=sys.stderr)
 
@@ -544,16 +722,11 @@ def _main(argv: list[str]) -> int:
           "- MFU conventions: palm = 6N + 12·L·H·Q·T per token (TorchTitan; `mfu_pct`), causal = attention halved "
           "(MaxText; `mfu_pct_causal`); 'vs best dtype' divides by the faster CPU compute dtype's peak "
           "(docs/metrics.md)", "", "## Measured", "", *measured_table(rows), "",
-          "## Projections (deviceless XLA:TPU compile + roofline; not measured)", ""]
+          "## Projections: upper bounds on MFU from the compiled program (deviceless XLA:TPU compile; not "
+          "measured)", ""]
     if projections:
-        md += [*projection_table(projections), "",
-               "Roofline: step time = max(FLOPs / peak, HBM bytes / bandwidth) per device, from the compiled "
-               "per-device program at 1 and 2 layers (scan off), extrapolated to the recipe's layers. FLOPs: the "
-               "compiler's (XLA ops plus the Pallas kernels counted from their shapes), but never less than the "
-               "model's own (causal convention): XLA counts a loop body once, and large sharded matmuls become "
-               "collective-matmul loops, so the compiler's count can fall short ('model floor'). HBM bytes are the "
-               "compiler's and may fall short the same way. An upper bound: collectives, kernel efficiency and "
-               "host overhead are not in it."]
+        md += [*projection_table(projections), "", *PROJECTION_NOTE, "", "What the bound is made of (per device "
+               "and step):", "", *counts_table(projections), ""]
     else:
         md.append(f"Skipped: {skipped}.")
     md += ["", "## Published anchors beside ours", "", *anchor_table(anchors, ours), "",

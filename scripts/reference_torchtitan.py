@@ -112,14 +112,14 @@ def prepare_data(root: Path, corpus: Path) -> Path:
 def make_tokenizer(out_dir: Path, corpus: Path) -> None:
     """How assets/tokenizer/bpe_2k/ was made: a 2,048-token byte-level BPE on the bundled corpus.
 
-    Llama 3's split regex then byte-level BPE (the layout our trainer/tokenizer.py reads as tiktoken
+    Llama 3's split regex then byte-level BPE (the layout our trainer/data/tokenizer.py reads as tiktoken
     ranks), `<|begin_of_text|>` and `<|end_of_text|>` as added tokens, and a tokenizer_config.json
     naming them, which TorchTitan's HuggingFaceTokenizer needs for BOS/EOS.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     sys.path.insert(0, str(REPO))
-    from trainer.tokenizer import LLAMA3_PATTERN
+    from trainer.data.tokenizer import LLAMA3_PATTERN
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([

@@ -83,7 +83,8 @@ def _run(argv: list[str]) -> int:
     if ns.scale < 1 or (ns.ncols is not None and ns.ncols < 1):
         raise ConfigError("--scale / --ncols: allowed: >= 1")
     prompts = read_prompts(ns.prompt, ns.prompts_file)
-    from trainer.flux_sample import image_grid, load_run, sample_images, save_png
+    from tools.flux_run import load_run
+    from trainer.tasks.flux_sample import image_grid, sample_images, save_png
 
     run = load_run(ns.run, step=ns.step, untrained=ns.untrained, seed=ns.seed)
     images = sample_images(run.model, prompts, text=run.text, vae=run.vae, latent_shape=run.latent_shape,

@@ -27,9 +27,9 @@ import time
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from trainer.tokenizer import BUNDLED_SPECIAL_TOKENS, LLAMA3_PATTERN  # noqa: E402
-from trainer.tokenizer import Tokenizer as TiktokenTokenizer  # noqa: E402
-from trainer.tokenizer import load_bpe_ranks  # noqa: E402
+from trainer.data.tokenizer import BUNDLED_SPECIAL_TOKENS, LLAMA3_PATTERN  # noqa: E402
+from trainer.data.tokenizer import Tokenizer as TiktokenTokenizer  # noqa: E402
+from trainer.data.tokenizer import load_bpe_ranks  # noqa: E402
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

@@ -1,13 +1,57 @@
-"""Shared test set-up: every test starts with the torch reference behind each model op.
+"""Shared test set-up: every test starts with the torch reference behind each model op, and
+the platform and device markers skip what this host cannot run.
 
 `trainer.train` (run in-process by some tests) registers kernels for the rest of its process
 (`kernels.select`); without this reset a later test would silently run on whatever an earlier
 test selected, and its result would depend on the CPU's instruction set.
+
+Markers (pyproject.toml): `linux` (reads /proc; `linux_only` below marks and skips off Linux),
+`cuda` (skipped unless `torch.cuda.is_available()`), `tpu` (skipped unless torch-tpu found a
+TPU in this process: `trainer.runtime.device.tpu_present`, which never imports torch-tpu itself;
+on a TPU VM run pytest with `TORCH_DEVICE_BACKEND_AUTOLOAD=1`). `exhaustive`: one more point of
+a matrix whose mechanism another test of the default run already proves (another mesh of the
+same parallelism, another wire of the same pass); skipped unless `TITAN_TEST_EXHAUSTIVE=1`, which
+the scheduled run sets (`.ci/scheduled`, docs/testing.md).
 """
 
+import functools
+import os
+import sys
+
 import pytest
+import torch
 
 from models.common import ops
+from trainer.runtime.device import tpu_present
+
+ON_LINUX = sys.platform.startswith("linux")
+
+
+def linux_only(test):
+    """Mark `test` (a function or class) `linux` and skip it off Linux: it reads /proc."""
+    return pytest.mark.linux(pytest.mark.skipif(not ON_LINUX, reason="Linux only: reads /proc")(test))
+
+
+@functools.cache
+def _devices() -> dict[str, bool]:
+    return {"cuda": torch.cuda.is_available(), "tpu": tpu_present()}
+
+
+_NO_DEVICE = {
+    "cuda": "needs a CUDA GPU (torch.cuda.is_available() is False)",
+    "tpu": "needs a TPU (torch-tpu found none; on a TPU VM set TORCH_DEVICE_BACKEND_AUTOLOAD=1)",
+}
+
+
+EXHAUSTIVE = os.environ.get("TITAN_TEST_EXHAUSTIVE") == "1"
+
+
+def pytest_runtest_setup(item):
+    for device, reason in _NO_DEVICE.items():
+        if item.get_closest_marker(device) is not None and not _devices()[device]:
+            pytest.skip(reason)
+    if item.get_closest_marker("exhaustive") is not None and not EXHAUSTIVE:
+        pytest.skip("exhaustive matrix point: runs with TITAN_TEST_EXHAUSTIVE=1 (the scheduled run, .ci/scheduled)")
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) every test is its own work
 # unit, handed to whichever worker is free, except these groups, each run whole on one worker:

@@ -1,7 +1,7 @@
 """Train many `hf` runs in one process (or one torchrun launch): the architecture x mode matrix.
 
 Each job is a `trainer.train` run with its own argv, executed in this process with the process
-group kept between jobs (`trainer.device.init_distributed` reuses it), so a 2-rank launch pays
+group kept between jobs (`trainer.runtime.device.init_distributed` reuses it), so a 2-rank launch pays
 for torchrun and the gloo rendezvous once for every architecture instead of once per run.
 
     [torchrun --nproc_per_node=2 -m] python -m tests.hf_matrix JOBS.json RESULTS.json
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
-    from trainer.device import shutdown_distributed
+    from trainer.runtime.device import shutdown_distributed
 
     shutdown_distributed()
     return 0

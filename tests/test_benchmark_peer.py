@@ -165,7 +165,7 @@ def test_ttshape_recipe_is_torchtitans_debugmodel():
     import torch
 
     from trainer.config import build_config, resolve_model_args
-    from trainer.tokenizer import build_tokenizer
+    from trainer.data.tokenizer import build_tokenizer
 
     cfg = build_config(str(ROOT / "configs" / "llama3_debug_ttshape.toml"), [])
     _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)

@@ -55,7 +55,7 @@ class TinyLM(nn.Module):
 
 
 class FakeLoader:
-    """Deterministic batches from a position; state is a plain dict, like trainer/data.py."""
+    """Deterministic batches from a position; state is a plain dict, like trainer/data/text.py."""
 
     def __init__(self):
         self.pos = 0
@@ -393,7 +393,7 @@ def _two_rank_worker(rank: int, world: int, store: str, folder: str, out: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    from trainer.device import cpu_backend
+    from trainer.runtime.device import cpu_backend
 
     dist.init_process_group(cpu_backend(), init_method=f"file://{store}", rank=rank, world_size=world)
     try:
@@ -401,7 +401,7 @@ def _two_rank_worker(rank: int, world: int, store: str, folder: str, out: str):
         run = Run(seed=0)
         _shard(run.model, mesh)
         run.build_optimizer()
-        torch.manual_seed(100)  # same seed on both ranks, like trainer.device.set_seed
+        torch.manual_seed(100)  # same seed on both ranks, like trainer.runtime.device.set_seed
         for p in run.model.parameters():  # one optimizer step with known (replicated) grads
             p.grad = torch.ones_like(p) * 0.5
         run.optimizer.step()

@@ -12,7 +12,16 @@ import kernels
 from kernels import cpu_attention
 from models.common.attention import Attention
 
-needs_kernel = pytest.mark.skipif(not cpu_attention.load(), reason=f"kernel unavailable: {cpu_attention.load_error()}")
+
+@pytest.fixture(scope="module")
+def kernel():
+    """Build (or load the cached build of) the kernel once, when the first test that needs it
+    runs: collecting the suite compiles nothing. Skips those tests where it cannot be built."""
+    if not cpu_attention.load():
+        pytest.skip(f"kernel unavailable: {cpu_attention.load_error()}")
+
+
+needs_kernel = pytest.mark.usefixtures("kernel")
 
 
 def _qkv(batch, heads, kv_heads, seq, head_dim, dtype, contiguous=False):

@@ -11,7 +11,7 @@ import torch
 
 from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, merge_states, resolve_dataset
 from models.errors import ConfigError
-from trainer.tokenizer import build_tokenizer
+from trainer.data.tokenizer import build_tokenizer
 
 # Documents of varied length, so windows cut through documents and hold several of them.
 DOCS = [f"Document {i}: " + " ".join(f"word{j * i % 17}" for j in range(3 + (i * 7) % 23)) for i in range(24)]
@@ -332,7 +332,7 @@ def test_bad_json_line_past_the_first_chunk_names_the_true_line(tmp_path, capfd)
     # ("in row 9709" for line 111945), and logged a second stderr line of its own.
     import json
 
-    from trainer.data import _iter_texts
+    from trainer.data.text import _iter_texts
 
     path = tmp_path / "big.jsonl"
     with open(path, "w") as f:

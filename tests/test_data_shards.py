@@ -1,5 +1,5 @@
 """Data per host: each dp rank reads only its data shards, and the global window order does not
-depend on the mesh, across a resume on another data-parallel degree (trainer/data.py).
+depend on the mesh, across a resume on another data-parallel degree (trainer/data/text.py).
 
 A window's identity is a hash of its tokens (seq_len + 1 of them: two different windows of
 the bundled corpus or of these files never coincide, asserted by counting distinct ids).
@@ -16,10 +16,10 @@ import sys
 import pytest
 import torch
 
-import trainer.data
+import trainer.data.text
 from models.errors import ConfigError
 from trainer.data import build_dataloader, merge_states
-from trainer.tokenizer import build_tokenizer
+from trainer.data.tokenizer import build_tokenizer
 
 SEQ, B = 32, 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,14 +121,14 @@ def test_each_rank_tokenizes_only_its_shards(tok):
 def test_file_shards_open_only_their_files(tok, files, monkeypatch):
     """With >= S files, a rank opens only the files of its shards (f mod S in its shards)."""
     opened = collections.defaultdict(set)
-    load = trainer.data._load_streaming
+    load = trainer.data.text._load_streaming
     rank = [0]
 
     def recording(path, *, local, **kwargs):
         opened[rank[0]].update(os.path.basename(p) for p in kwargs.get("data_files", []))
         return load(path, local=local, **kwargs)
 
-    monkeypatch.setattr(trainer.data, "_load_streaming", recording)
+    monkeypatch.setattr(trainer.data.text, "_load_streaming", recording)
     four = _loaders(tok, files, 4, num_shards=8)
     for _ in range(30):  # > 1 epoch of every shard: every file of the rank's shards is read
         for rank[0], loader in enumerate(four):
@@ -145,8 +145,8 @@ def test_small_single_file_is_parsed_once_per_rank(tok, tmp_path, monkeypatch):
     path = tmp_path / "one.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i} " + "x y z " * (5 + i % 7)}) + "\n" for i in range(64)))
     opens = []
-    load = trainer.data._load_streaming
-    monkeypatch.setattr(trainer.data, "_load_streaming", lambda *a, **k: opens.append(1) or load(*a, **k))
+    load = trainer.data.text._load_streaming
+    monkeypatch.setattr(trainer.data.text, "_load_streaming", lambda *a, **k: opens.append(1) or load(*a, **k))
     four = _loaders(tok, str(path), 4, num_shards=8)
     got = _global_ids(four, 60)
     assert len(opens) == 4 and all(min(e[0] for e in loader.local_state()["shards"] if e) >= 4 for loader in four)
@@ -159,16 +159,16 @@ def test_hub_datasets_shard_by_file_like_local_files(tok, files, monkeypatch):
     one (offline), and the windows equal those of the same files read as a local glob."""
     import glob
 
-    from trainer.data import TokenLoader, _Source
+    from trainer.data.text import TokenLoader, _Source
 
-    load = trainer.data._load_streaming
+    load = trainer.data.text._load_streaming
 
     def fake_hub(path, *, local, **kwargs):
         if local:
             return load(path, local=True, **kwargs)
         return load("json", local=True, data_files=sorted(glob.glob(files)), split="train")
 
-    monkeypatch.setattr(trainer.data, "_load_streaming", fake_hub)
+    monkeypatch.setattr(trainer.data.text, "_load_streaming", fake_hub)
     hub = _Source(spec="owner/name", kind="hub", hub_path="owner/name", split="train")
     loaders = [TokenLoader(source=hub, tokenizer=tok, seq_len=SEQ, local_batch_size=B, dp_rank=r, dp_degree=4,
                            seed=5, num_shards=8) for r in range(4)]
@@ -194,17 +194,17 @@ def test_resume_with_other_shards_is_config_error(tok):
 
 def _worker(out: str) -> None:
     """torchrun worker: each rank reads 5 calls, then gathers the state over gloo (the trainer's
-    path: trainer.tasks._gather_objects) and writes its windows and its state."""
+    path: trainer.runtime.gather_objects) and writes its windows and its state."""
     import torch.distributed as dist
 
-    from trainer.tasks import _gather_objects
+    from trainer.runtime import gather_objects
 
-    from trainer.device import cpu_backend
+    from trainer.runtime.device import cpu_backend
 
     dist.init_process_group(cpu_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     loader = build_dataloader(dataset="bundled", tokenizer=build_tokenizer("bundled"), seq_len=SEQ,
-                              local_batch_size=B, dp_rank=rank, dp_degree=world, seed=5, gather=_gather_objects())
+                              local_batch_size=B, dp_rank=rank, dp_degree=world, seed=5, gather=gather_objects())
     ids = [_ids(*loader.next_batch()) for _ in range(5)]
     state = loader.state_dict()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -1,6 +1,6 @@
 """`[training] mixed_precision_param = "auto"`: the CPU matmul probe, its cache, the choice, the
-ranks' agreement, the attention line and the MFU peak that follow from it (trainer/device.py,
-trainer/flops.py, kernels.select). The probe's timings are mocked except in one test that
+ranks' agreement, the attention line and the MFU peak that follow from it (trainer/runtime/device.py,
+trainer/runtime/flops.py, kernels.select). The probe's timings are mocked except in one test that
 measures for real, so the choice tested never depends on this machine's CPU."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 import kernels
 from kernels import cpu_attention
 from models.errors import ConfigError
-from trainer import device as dev
-from trainer import flops
+from trainer.runtime import device as dev
+from trainer.runtime import flops
 from trainer.config import build_config
 
 CPU = torch.device("cpu")
@@ -40,9 +40,9 @@ def fake_probe(monkeypatch, tflops: dict[str, float]) -> list[str]:
     def measure(dtype, **_):
         name = str(dtype).removeprefix("torch.")
         calls.append(name)
-        return tflops[name]
+        return tflops[name], 1.0  # an idle machine: the whole CPU share
 
-    monkeypatch.setattr(dev, "measure_matmul_tflops", measure)
+    monkeypatch.setattr(dev, "measure_matmul", measure)
     return calls
 
 
@@ -82,11 +82,36 @@ def test_probe_is_cached_on_disk_and_keyed(monkeypatch):
     assert len(calls) == 6
 
 
+def test_a_probe_on_a_busy_machine_is_used_but_not_cached(monkeypatch, capsys):
+    """The best timed run's CPU share (process CPU time / (wall x threads)) below BUSY_SHARE means
+    other jobs shared the cores: the rate reflects the load, so it serves this run only."""
+    shares = iter([1.0, 0.45, 1.0, 1.0])  # float32 measured while another job ran, then an idle pair
+
+    def measure(dtype, **_):
+        return 0.2, next(shares)
+
+    monkeypatch.setattr(dev, "measure_matmul", measure)
+    assert dev.cpu_matmul_peaks() == {"bfloat16": 0.2e12, "float32": 0.2e12}
+    assert not dev.probe_cache_path().exists()
+    assert "busy machine" in capsys.readouterr().out
+    dev._PROBES.clear()  # the next process measures again, on an idle machine: cached
+    dev.cpu_matmul_peaks()
+    assert dev.probe_cache_key() in json.loads(dev.probe_cache_path().read_text())
+
+
+def test_the_probe_measures_its_cpu_share():
+    """A real timed matmul records a share in (0, ~1]: this process's CPU time cannot exceed wall x
+    its threads, but for the per-thread clocks' nanosecond granularity and the BLAS pool's
+    helper threads spinning at a barrier (hence 1.2, not 1)."""
+    tflops, share = dev.measure_matmul(torch.float32, size=512, repeats=2)
+    assert tflops > 0 and 0 < share <= 1.2
+
+
 def test_explicit_dtypes_and_accelerators_never_probe(monkeypatch):
     def measure(*_, **__):
         raise AssertionError("the probe ran")
 
-    monkeypatch.setattr(dev, "measure_matmul_tflops", measure)
+    monkeypatch.setattr(dev, "measure_matmul", measure)
     assert dev.resolve_compute_dtype("float32", CPU).name == "float32"
     assert dev.resolve_compute_dtype("bfloat16", CPU).name == "bfloat16"
     for device in (torch.device("cuda", 0), SimpleNamespace(type="tpu")):  # no torch-tpu needed
@@ -164,9 +189,9 @@ def _rank_main(rank: int, world: int, init: str, cache_root: str, out: str) -> N
     def measure(dtype, **_):
         calls.append(dtype)
         fast = torch.bfloat16 if rank == 0 else torch.float32
-        return 1.0 if dtype == fast else 0.5
+        return (1.0 if dtype == fast else 0.5), 1.0
 
-    dev.measure_matmul_tflops = measure
+    dev.measure_matmul = measure
     dist.init_process_group(dev.cpu_backend(), init_method=init, rank=rank, world_size=world)
     try:
         got = dev.resolve_compute_dtype("auto", CPU)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from models.common.moe import MoE
+from models.common.moe import GroupedExperts, MoE
 from models.common.plan import ModelPlan
 from models.qwen3 import FLAVORS, Transformer
 from models.qwen3.plan import PLAN
@@ -143,13 +143,38 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
     assert torch.all(w1_grad[used == 0] == 0) and torch.isfinite(w1_grad).all()
 
 
+class _PoisonPadding(torch.autograd.Function):
+    """Rows past `real` become NaN, and so do their gradients: what a grouped matmul that skips
+    uncovered rows may leave there (torch._grouped_mm leaves them uninitialised)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        ctx.real = real
+        pad = torch.arange(out.shape[0]) >= real
+        return torch.where(pad.unsqueeze(-1), float("nan"), out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pad = torch.arange(grad.shape[0]) >= ctx.real
+        return torch.where(pad.unsqueeze(-1), float("nan"), grad), None
+
+
 @pytest.mark.parametrize("routing", ["random", "one_expert", "per_rank"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_padded_dispatch_equals_ragged_dispatch(routing, world_size):
-    """`dispatch_combine_padded` (static shapes, worst-case buffers) = `dispatch_combine`: same
-    rows back and the same input and expert-weight gradients, to fp32 summation order (1e-6)."""
+@pytest.mark.parametrize("transport", ["equal_split", "ragged", "ragged_own_backward"])
+def test_static_dispatch_equals_ragged_dispatch(routing, world_size, transport):
+    """`dispatch_combine_static` = `dispatch_combine`: same rows back and the same input and
+    expert-weight gradients, to fp32 summation order (1e-6), with both transports (equal-split
+    all-to-alls; torch-tpu's ragged all-to-all contract, emulated), and with the emulation run
+    without autograd inside `kernels.collectives.differentiable` (as torch-tpu's op, which has no
+    autograd kernel: the gradients then come from its reverse all-to-all). The experts get counts
+    that cover the real rows only (the same counts as the ragged dispatch gives them), and
+    padding rows whose outputs and gradients are NaN leak into nothing."""
+    import functools
+
+    from kernels.collectives import differentiable, emulate_ragged_all_to_all
     from models.common.moe import GroupedExperts
-    from parallelisms.expert_parallel import dispatch_combine, dispatch_combine_padded
+    from parallelisms.expert_parallel import dispatch_combine, dispatch_combine_static
 
     dim, num_experts = 16, 8
     torch.manual_seed(0)
@@ -165,19 +190,98 @@ def test_padded_dispatch_equals_ragged_dispatch(routing, world_size):
         flat = torch.topk(x[:, :8], 2).indices.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=num_experts)
+        static = dispatch_combine_static
+        if transport != "equal_split":
+            op = functools.partial(emulate_ragged_all_to_all, max_rows=x.shape[0] * 2)
+            if transport == "ragged_own_backward":
+                op = differentiable(op)
+            static = functools.partial(dispatch_combine_static, ragged_all_to_all=op)
         results = []
-        for fn in (dispatch_combine, dispatch_combine_padded):
+        for fn in (dispatch_combine, static):
             experts = GroupedExperts(dim=dim, hidden_dim=32, num_experts=num_experts // world_size)
             experts.load_state_dict(experts_ref.state_dict())
+            seen = []
+
+            def experts_fn(rows, group_sizes, experts=experts, seen=seen):
+                seen.append((rows.shape[0], group_sizes.clone()))
+                return _PoisonPadding.apply(experts(rows, group_sizes), group_sizes.sum())
+
             rows = x[order // 2].clone().requires_grad_()
-            out = fn(rows, counts, experts, mesh)
+            out = fn(rows, counts, experts_fn, mesh)
             out.backward(torch.ones_like(out))
-            results.append((out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone()))
+            results.append((out.detach(), rows.grad, experts.w1.grad.clone(), experts.w2.grad.clone(), seen[0]))
         return results
 
-    for ragged, padded in run_threads(world_size, rank_fn):
-        for a, b in zip(ragged, padded):
+    for ragged, static in run_threads(world_size, rank_fn):
+        (ragged_rows, ragged_sizes), (static_rows, static_sizes) = ragged[-1], static[-1]
+        assert torch.equal(static_sizes, ragged_sizes)  # same groups: only the real rows
+        assert static_rows == world_size * NUM_TOKENS * 2  # the worst-case buffer
+        for a, b in zip(ragged[:-1], static[:-1]):
+            assert torch.isfinite(b).all()
             assert rel_diff(b, a) < 1e-6
+
+
+def _capture_ep_moe_step(dispatch: str):
+    """Trace forward + backward of a MoE layer with EP 2 (fake 2-rank world, symbolic shapes);
+    `dispatch`: "select" (what `select_dispatch` picks under tracing) or "ragged" (forced).
+    Returns (call targets, nodes whose value holds an unbacked symbol)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import parallelisms.expert_parallel as ep_module
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        moe = MoE(dim=16, hidden_dim=32, num_experts=8, top_k=2, norm_topk_prob=True)
+        weights = [w.detach()[:4].clone() for w in (moe.experts.w1, moe.experts.w2, moe.experts.w3)]
+        group = (mesh.get_group().group_name, 2, 0)
+
+        class _Experts(nn.Module):  # rank 0's 4 experts, weights set per call; EP forward
+            def forward(self, x, counts):
+                fn = ep_module.select_dispatch(x) if dispatch == "select" else ep_module.dispatch_combine
+                return fn(x, counts, lambda r, c: GroupedExperts.forward(self, r, c),
+                          group if dispatch == "select" else mesh)
+
+        experts = moe.experts = _Experts()
+
+        def step(x, w1, w2, w3):
+            experts.w1, experts.w2, experts.w3 = w1, w2, w3
+            out, aux = moe(x)
+            return torch.autograd.grad(out.square().sum() + aux, (x, w1, w2, w3))
+
+        inputs = [torch.randn(1, NUM_TOKENS, 16, requires_grad=True)]
+        inputs += [w.requires_grad_() for w in weights]
+        graph = make_fx(step, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*inputs)
+    finally:
+        dist.destroy_process_group()
+    nodes = [node for node in graph.graph.nodes if node.op == "call_function"]
+    unbacked = [node for node in nodes if "val" in node.meta and free_unbacked_symbols(node.meta["val"])]
+    return [str(node.target) for node in nodes], unbacked
+
+
+def test_traced_ep_dispatch_has_no_data_dependent_ops():
+    """The EP MoE layer's forward and backward as graph mode and a layer-scan body capture it
+    (traced: `select_dispatch` takes the static dispatch) has no unbacked SymInt, no host read
+    (`_local_scalar_dense`: `.item()`/`.tolist()`) and no data-dependent-shape op: one program
+    for every routing pattern. The ragged dispatch, captured the same way, has them (so the
+    check can fail)."""
+    data_dependent = ("_local_scalar_dense", "nonzero", "masked_select", "unique")
+    targets, unbacked = _capture_ep_moe_step("select")
+    assert any("all_to_all_single" in t for t in targets), "the dispatch was not captured"
+    assert not unbacked, unbacked
+    assert not [t for t in targets if any(op in t for op in data_dependent)]
+    # Every repeat_interleave has a static output_size (none is left in the static dispatch).
+    assert not [t for t in targets if "repeat_interleave" in t]
+    try:
+        targets, unbacked = _capture_ep_moe_step("ragged")
+    except Exception as err:  # noqa: BLE001 - a data-dependent error is the expected failure
+        assert "data" in str(err).lower() or "unbacked" in str(err).lower() or "symbol" in str(err).lower(), err
+    else:
+        assert unbacked and any("_local_scalar_dense" in t for t in targets)
 
 
 def test_expert_shard_dim_goes_to_a_hidden_dim_beyond_the_experts():
@@ -368,10 +472,10 @@ def test_moe_layer_scan_matches_eager(tmp_path, monkeypatch, degrees):
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
 def test_scan_gather_along_any_dim(dim):
-    """The layer-scan body's gather (trainer/graph/fsdp_scan.py `GatherShard`) along the dim an
+    """The layer-scan body's gather (parallelisms/scan.py `GatherShard`) along the dim an
     expert weight is sharded on: forward = the full tensor, backward = the mean of the ranks'
     gradients, cut to the rank's shard (exact: one all-gather / reduce-scatter of fp32)."""
-    from trainer.graph.fsdp_scan import GatherShard
+    from parallelisms.scan import GatherShard
 
     world_size = 2
     full = torch.randn(2, 4, 6)

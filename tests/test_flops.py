@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from kernels import cpu_attention
-from trainer import flops
+from trainer.runtime import flops
 
 aten = torch.ops.aten
 

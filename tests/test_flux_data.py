@@ -18,16 +18,17 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from trainer import flux_data as fd
+from trainer.data import flux as fd
+from trainer.data import flux_build as fb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = fd.BuildParams(num_train=200, num_heldout=24, shard_rows=96, row_group_rows=16, vae_steps=2)
+TINY = fb.BuildParams(num_train=200, num_heldout=24, shard_rows=96, row_group_rows=16, vae_steps=2)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("flux") / "tiny")
-    fd.build_dataset(TINY, folder, log=lambda _: None)
+    fb.build_dataset(TINY, folder, log=lambda _: None)
     return folder
 
 
@@ -41,30 +42,30 @@ def _loader(folder, dp_rank=0, dp_degree=1, batch=8, split="train", seed=3):
 def test_captions_match_pixels(split, count):
     """The classifier reads back the captioned colour and position of every default image
     (train: every train combination 20 times; held-out: 8 times each)."""
-    images, rows = fd.procedural_samples(split, count, size=32, seed=0)
-    got = fd.classify(images)
+    images, rows = fb.procedural_samples(split, count, size=32, seed=0)
+    got = fb.classify(images)
     wrong = [(row["caption"], g) for row, g in zip(rows, got) if g != (row["colour"], row["position"])]
     assert not wrong, wrong[:5]
     for row in rows:
-        assert row["caption"] == fd.caption(row["colour"], row["shape"], row["position"])
+        assert row["caption"] == fb.caption(row["colour"], row["shape"], row["position"])
     # The same classifier on float [B, 3, H, W] input (decoded samples are given that way).
     x = torch.from_numpy(images[:64]).permute(0, 3, 1, 2).float() / 255
-    assert fd.classify(x) == got[:64]
+    assert fb.classify(x) == got[:64]
 
 
 def test_classify_sees_nothing_on_a_blank_image():
     blank = np.full((1, 32, 32, 3), 30, dtype=np.uint8)
-    assert fd.classify(blank) == [(None, None)]
+    assert fb.classify(blank) == [(None, None)]
 
 
 def test_heldout_combinations_never_in_train(tiny):
-    held = set(fd.HELDOUT_COMBOS)
-    assert len(held) == 12 and not held & set(fd.TRAIN_COMBOS)
-    assert len(held) + len(fd.TRAIN_COMBOS) == len(fd.COLOURS) * len(fd.SHAPES) * len(fd.POSITIONS)
+    held = set(fb.HELDOUT_COMBOS)
+    assert len(held) == 12 and not held & set(fb.TRAIN_COMBOS)
+    assert len(held) + len(fb.TRAIN_COMBOS) == len(fb.COLOURS) * len(fb.SHAPES) * len(fb.POSITIONS)
     # Every pair of attributes still occurs in train, so held-out prompts are new combinations
     # of known words, not new words.
     for i, j in ((0, 1), (0, 2), (1, 2)):
-        pairs = {(c[i], c[j]) for c in fd.TRAIN_COMBOS}
+        pairs = {(c[i], c[j]) for c in fb.TRAIN_COMBOS}
         assert all((c[i], c[j]) in pairs for c in held)
     ds = fd.FluxDataset(tiny)
     train = {(r["colour"], r["shape"], r["position"]) for r in ds.captions("train")}
@@ -73,14 +74,14 @@ def test_heldout_combinations_never_in_train(tiny):
 
 
 def test_same_seed_same_bytes(tmp_path, tiny):
-    a, rows_a = fd.procedural_samples("train", 50, size=32, seed=7)
-    b, rows_b = fd.procedural_samples("train", 50, size=32, seed=7)
-    c, _ = fd.procedural_samples("train", 50, size=32, seed=8)
+    a, rows_a = fb.procedural_samples("train", 50, size=32, seed=7)
+    b, rows_b = fb.procedural_samples("train", 50, size=32, seed=7)
+    c, _ = fb.procedural_samples("train", 50, size=32, seed=8)
     assert a.tobytes() == b.tobytes() and rows_a == rows_b
     assert a.tobytes() != c.tobytes()
     # The whole build (encoder init, VAE training, encoding, parquet) reproduces byte for byte.
     again = str(tmp_path / "again")
-    fd.build_dataset(TINY, again, log=lambda _: None)
+    fb.build_dataset(TINY, again, log=lambda _: None)
     for name in sorted(os.listdir(tiny)):
         if name.endswith(".parquet"):
             digest = [hashlib.sha256(open(os.path.join(f, name), "rb").read()).hexdigest() for f in (tiny, again)]
@@ -233,9 +234,9 @@ def test_local_weight_folders_load_through_the_real_classes(tmp_path):
     assert vae.encode(torch.rand(1, 3, 16, 16)).shape == (1, 16, 4, 4)
     # The build with local weights (the real-weights path: no VAE training, HF tokenizers),
     # and its saved encoders + tokenizers reproduce the stored embeddings.
-    params = fd.BuildParams(num_train=16, num_heldout=12, text_length=8, t5_path=str(tmp_path / "t5"),
+    params = fb.BuildParams(num_train=16, num_heldout=12, text_length=8, t5_path=str(tmp_path / "t5"),
                             clip_path=str(tmp_path / "clip"), vae_path=str(tmp_path / "vae"))
-    meta = fd.build_dataset(params, str(tmp_path / "data"), log=lambda _: None)
+    meta = fb.build_dataset(params, str(tmp_path / "data"), log=lambda _: None)
     assert meta["text_ids"] == "hf" and meta["vae_training"] is None
     assert meta["shapes"] == {"latent": [16, 8, 8], "t5": [8, 64], "clip": [64]}
     ds = fd.FluxDataset(str(tmp_path / "data"))
@@ -273,9 +274,9 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
 def test_concurrent_first_use_builds_once(tmp_path):
     """Two processes asking for the same uncached set at once: one builds (under the lock),
     the other waits and reuses it; both get the same folder and no temporary folder is left."""
-    code = ("import sys; from trainer import flux_data as fd; "
-            "p = fd.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
-            "print('FOLDER', fd.ensure_procedural_dataset(p, cache_root=sys.argv[1]))")
+    code = ("import sys; from trainer.data import flux_build as fb; "
+            "p = fb.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
+            "print('FOLDER', fb.ensure_procedural_dataset(p, cache_root=sys.argv[1]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
@@ -301,15 +302,15 @@ def test_default_vae_round_trip_classifies_as_captioned():
     (triangles at radius 0.16) to blur below the foreground threshold. Also: the stored
     latents are normalized as FLUX normalizes (mean 0, std 1 over the train set, to 1e-3).
     """
-    folder = fd.ensure_procedural_dataset()
+    folder = fb.ensure_procedural_dataset()
     ds = fd.FluxDataset(folder)
     vae = ds.vae()
     for split in ("train", "heldout"):
         assert ds.meta["splits"][split]["vae_reconstruction_agreement"] >= 0.97, ds.meta["splits"][split]
-    images, rows = fd.procedural_samples("heldout", 96, size=32, seed=0)
+    images, rows = fb.procedural_samples("heldout", 96, size=32, seed=0)
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
     recon = vae.decode(vae.encode(x))
-    agree = np.mean([g == (r["colour"], r["position"]) for g, r in zip(fd.classify(recon), rows)])
+    agree = np.mean([g == (r["colour"], r["position"]) for g, r in zip(fb.classify(recon), rows)])
     assert agree >= 0.97
     latents = np.concatenate([ds.read_group(f, g)["latent"] for f, g, _, _ in ds.row_groups("train")])
     assert abs(latents.mean()) < 1e-3 and abs(latents.std() - 1) < 1e-3

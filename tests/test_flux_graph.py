@@ -158,7 +158,7 @@ def test_scan_refuses_a_stack_that_is_not_a_block_stack():
                          scan_layers=True, plan=ModelPlan(block=("double_blocks", "final")))
 
 
-# --- FLUX.1 debugmodel (models/flux) with the trainer's rectified-flow loss (trainer/flow.py) ---
+# --- FLUX.1 debugmodel (models/flux) with the trainer's rectified-flow loss (trainer/tasks/flow.py) ---
 
 def _flux(guidance_embed: bool, *, depth: int = 2, single: int = 2, seed: int = 0):
     """FLUX debugmodel narrowed to hidden 128 / 2 heads (head_dim 64 = RoPE axes 16+24+24), built
@@ -197,7 +197,7 @@ def _flux_parity(*, scan: bool, ac_mode: str = "none", guidance_embed: bool = Tr
     import functools
 
     from models.flux.plan import PLAN as FLUX_PLAN
-    from trainer.flow import flow_loss
+    from trainer.tasks.flow import flow_loss
 
     loss_fn = functools.partial(flow_loss, guidance=3.5 if guidance_embed else None)
     ref, model = _flux(guidance_embed), _flux(guidance_embed)
@@ -257,7 +257,7 @@ def test_flux_node_count_constant_with_scan():
     import functools
 
     from models.flux.plan import PLAN as FLUX_PLAN
-    from trainer.flow import flow_loss
+    from trainer.tasks.flow import flow_loss
 
     def nodes(depth, single):
         model = _flux(False, depth=depth, single=single)

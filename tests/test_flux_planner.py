@@ -28,7 +28,7 @@ def _measure(depth: int, single: int, ac_mode: str) -> tuple[int, torch.nn.Modul
     from parallelisms.activation_checkpoint import apply_ac
     from parallelisms.simple_fsdp import data_parallel
     from planner.activations import saved_bytes
-    from trainer.flow import flow_loss
+    from trainer.tasks.flow import flow_loss
 
     args = dataclasses.replace(FLAVORS["debugmodel"], depth=depth, depth_single_blocks=single)
     with torch.device("meta"):

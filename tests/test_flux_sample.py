@@ -1,4 +1,4 @@
-"""FLUX sampling (trainer/flux_sample.py, scripts/sample.py) and the held-out eval (scripts/eval_flux.py).
+"""FLUX sampling (trainer/tasks/flux_sample.py, scripts/sample.py) and the held-out eval (scripts/eval_flux.py).
 
 The sampler is checked exactly where the answer is known in closed form: if every sample of the
 data were one latent x0, the rectified-flow velocity at x_t is v = (x_t - x0) / t, and an Euler
@@ -21,8 +21,9 @@ import sys
 import pytest
 import torch
 
-from trainer import flow
-from trainer import flux_sample as fs
+from trainer.tasks import flow
+from tools import flux_run
+from trainer.tasks import flux_sample as fs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,12 +95,12 @@ def tiny_run(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from trainer import flux_data as fd
+    from trainer.data import flux_build as fb
     from trainer.config import model_args
 
     root = tmp_path_factory.mktemp("flux_run")
     data = str(root / "data")
-    fd.build_dataset(fd.BuildParams(image_size=16, num_train=24, num_heldout=12, shard_rows=24, row_group_rows=8,
+    fb.build_dataset(fb.BuildParams(image_size=16, num_train=24, num_heldout=12, shard_rows=24, row_group_rows=8,
                                     vae_steps=2), data, log=lambda _: None)
     run = root / "run"
     run.mkdir()
@@ -122,16 +123,16 @@ def tiny_run(tmp_path_factory):
 
 def test_load_run_restores_the_checkpoint(tiny_run):
     run_dir, saved = tiny_run
-    run = fs.load_run(str(run_dir))
+    run = flux_run.load_run(str(run_dir))
     assert run.checkpoint.endswith("step-3") and run.shift == 2.0 and run.guidance() is None
     want = saved.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in run.model.state_dict().items())
-    init = fs.load_run(str(run_dir), untrained=True)
+    init = flux_run.load_run(str(run_dir), untrained=True)
     assert init.checkpoint is None and not torch.equal(init.model.img_in.weight, saved.img_in.weight)
 
 
 def test_log_sample_grid_is_deterministic(tiny_run):
-    run = fs.load_run(str(tiny_run[0]))
+    run = flux_run.load_run(str(tiny_run[0]))
     kw = dict(text=run.text, vae=run.vae, latent_shape=run.latent_shape, num_steps=2, shift=run.shift, seed=3)
     prompts = ["a red circle on the left", "a blue square at the top", "a white diamond in the center"]
     grid = fs.log_sample_grid(run.model, prompts, ncols=3, **kw)
@@ -205,7 +206,7 @@ def test_eval_flux_runs_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
     assert code == 0, err
     assert "trained (step-3)" in stdout and "untrained (init)" in stdout and "chance" in stdout
     rows = list(csv.DictReader(open(out)))
-    from trainer.flux_data import HELDOUT_COMBOS
+    from trainer.data.flux_build import HELDOUT_COMBOS
 
     assert len(rows) == 2 * len(HELDOUT_COMBOS) * 2
     assert {(r["colour"], r["shape"], r["position"]) for r in rows} == set(HELDOUT_COMBOS)

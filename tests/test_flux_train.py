@@ -1,5 +1,5 @@
-"""FLUX training: the rectified-flow objective (trainer/flow.py), the task seam
-(trainer/tasks.py), the FLUX recipes' config errors, and end to end through `trainer.train`:
+"""FLUX training: the rectified-flow objective (trainer/tasks/flow.py), the task seam
+(trainer/tasks/), the FLUX recipes' config errors, and end to end through `trainer.train`:
 the loss falls on a short debug recipe, mesh parity under torchrun, checkpoint round trip.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from models import get_model_family
-from trainer import flow
+from trainer.tasks import flow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -144,7 +144,7 @@ FLUX_RECIPES = ["configs/flux_debug.toml", "configs/flux_schnell_v6e.toml", "con
 @pytest.mark.parametrize("recipe", FLUX_RECIPES)
 def test_flux_recipes_parse_and_validate(recipe):
     from trainer.config import build_config, resolve_model_args
-    from trainer.device import resolve_compute_dtype
+    from trainer.runtime.device import resolve_compute_dtype
     from trainer.tasks import FlowTask, build_task
 
     cfg = build_config(os.path.join(ROOT, recipe))
@@ -216,8 +216,10 @@ def flux_single(tmp_path_factory):
 FLUX_MESHES = [
     (2, dict(dp_shard=2)),
     (2, dict(tp=2)),
-    pytest.param(4, dict(dp_shard=4), marks=pytest.mark.slow),
-    pytest.param(4, dict(dp_replicate=2, dp_shard=2), marks=pytest.mark.slow),
+    # FSDP over 4 and HSDP: the same mechanisms at 2 ranks above, and for Llama 3 at 4 ranks
+    # (tests/test_parallel_e2e.py); FLUX's own 4-rank point in the default run is FSDP x TP.
+    pytest.param(4, dict(dp_shard=4), marks=[pytest.mark.slow, pytest.mark.exhaustive]),
+    pytest.param(4, dict(dp_replicate=2, dp_shard=2), marks=[pytest.mark.slow, pytest.mark.exhaustive]),
     pytest.param(4, dict(dp_shard=2, tp=2), marks=pytest.mark.slow),
 ]
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 import models
 from models.common.hf import read_box
 from trainer import checkpoint as ckpt
+from tests.conftest import linux_only
 from tests.test_parallel_fsdp import _parallel_model
 from tests.test_parallel_harness import full, run_threads
 
@@ -251,6 +252,7 @@ def measure_rss(kind: str, src: Path, dst: Path, args, warm_src: Path, warm_dst:
 
 
 @pytest.mark.slow  # 15-35 s: two fresh interpreters (torch import) and a 93 MB checkpoint
+@linux_only  # VmRSS / VmHWM from /proc/self/status
 def test_streaming_conversion_peak_memory_is_bounded(tmp_path):
     fam = models.get_model_family("llama3")
     args = fam.get_args("debugmodel", n_layers=12, dim=384, n_heads=6, n_kv_heads=6, vocab_size=256,

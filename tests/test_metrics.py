@@ -9,8 +9,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import metrics
-from trainer.metrics import MetricsLogger
+from trainer.runtime import metrics
+from trainer.runtime.metrics import MetricsLogger
 
 CONTRACT_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu_pct", "mem_gib", "elapsed_s"}
 

@@ -101,6 +101,8 @@ def test_whole_step_is_one_graph_with_fsdp_collectives(world_size, degrees):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # per-block compile under FSDP and under TP runs by default with aot_eager (above), and
+# Inductor on SimpleFSDP graphs in tests/test_graph_fsdp.py; Inductor per block under FSDP x TP: scheduled run
 def test_per_block_inductor_fsdp_tp():
     for loss_diff, grad_diff, _ in run_processes(4, _eager_and_compiled, dict(dp_shard=2, tp=2), "inductor", "blocks"):
         assert loss_diff < 1e-5 and grad_diff < 1e-4

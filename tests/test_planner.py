@@ -59,7 +59,7 @@ def hand_local_numel(args, *, dp: int, tp: int) -> dict[str, int]:
 
 
 def test_targets_count_tensorcores_and_take_peaks_from_flops_table():
-    from trainer.flops import TPU_PEAK_TFLOPS
+    from trainer.runtime.flops import TPU_PEAK_TFLOPS
 
     v7x = P.parse_target("v7x-1024")
     assert (v7x.devices, v7x.chips, v7x.generation.hbm_gib_per_device) == (1024, 512, 96.0)
@@ -188,12 +188,16 @@ def test_planner_reads_a_family_outside_models_through_its_contract_only():
     assert four.blocks_numel == args.n_layers * ((4 * d * d + 2 * d * h) // 4 + d // 2)
 
 
-def test_planner_imports_of_trainer_are_only_the_flops_table():
+def test_planner_imports_of_trainer_are_only_the_rules_and_the_flops_table():
+    """The planner reads the step plan's rule table and the FLOPs/peak tables, never the job
+    builder, the loop, checkpoints, data or the graph trainer."""
     code = "import sys, planner; print(sorted(m for m in sys.modules if m.split('.')[0] == 'trainer'))"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "['trainer', 'trainer.flops']"
+    loaded = eval(r.stdout.strip())
+    assert {"trainer.step.plan", "trainer.runtime.flops"} <= set(loaded)
+    assert all(m == "trainer" or m.startswith(("trainer.step", "trainer.runtime")) for m in loaded), loaded
 
 
 # ------------------------------------------------------------------------------------ activations

@@ -4,7 +4,6 @@ the relaunched job resumes from it and its losses equal an uninterrupted run's, 
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -14,11 +13,19 @@ from tests.trainer_runs import ENV, REPO, launch_command, read_metrics
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 12
-ARGS = ["--config", "configs/llama3_debug.toml", f"--training.steps={STEPS}", "--training.seq_len=64",
-        "--model.n_layers=2", "--metrics.log_freq=1", "--validation.enable=false",
-        "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false",
-        "--training.local_batch_size=2", "--parallelism.data_parallel_shard_degree=2",
-        "--checkpoint.enable=true", "--checkpoint.interval=1000"]  # only the preemption save in between
+OPTIONS = {
+    "training.steps": STEPS, "training.seq_len": 64, "model.n_layers": 2, "metrics.log_freq": 1,
+    "validation.enable": "false", "training.mixed_precision_param": "float32",
+    "metrics.enable_tensorboard": "false", "training.local_batch_size": 2,
+    "parallelism.data_parallel_shard_degree": 2,
+    "checkpoint.enable": "true", "checkpoint.interval": 1000,  # only the preemption save in between
+}
+
+
+def _args(folder, *, drop: tuple[str, ...] = ()) -> list[str]:
+    """The trainer options of a run in `folder`: OPTIONS but those in `drop` (the recipe's value then)."""
+    options = {**OPTIONS, "job.dump_folder": folder}
+    return ["--config", "configs/llama3_debug.toml", *(f"--{k}={v}" for k, v in options.items() if k not in drop)]
 
 
 def _steps_logged(folder) -> int:
@@ -29,7 +36,7 @@ def _steps_logged(folder) -> int:
 def test_sigterm_checkpoints_and_the_relaunch_resumes_exactly(tmp_path):
     want = read_metrics(_run(tmp_path / "uninterrupted"))
     folder = tmp_path / "preempted"
-    cmd = launch_command(2, [*ARGS, f"--job.dump_folder={folder}"])
+    cmd = launch_command(2, _args(folder))
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while _steps_logged(folder) < 4 and proc.poll() is None and time.monotonic() < deadline:
@@ -48,8 +55,8 @@ def test_sigterm_checkpoints_and_the_relaunch_resumes_exactly(tmp_path):
 
 
 def test_preempted_single_process_exits_75(tmp_path):
-    cmd = [sys.executable, "-m", "trainer.train", *ARGS[:-4], "--training.local_batch_size=2",
-           f"--job.dump_folder={tmp_path}", "--checkpoint.enable=true", "--checkpoint.interval=1000"]
+    # one process, so the recipe's data-parallel degree (-1: all ranks, here 1)
+    cmd = launch_command(1, _args(tmp_path, drop=("parallelism.data_parallel_shard_degree",)))
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while _steps_logged(tmp_path) < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -61,7 +68,7 @@ def test_preempted_single_process_exits_75(tmp_path):
 
 
 def _run(folder):
-    proc = subprocess.run(launch_command(2, [*ARGS, f"--job.dump_folder={folder}"]), cwd=REPO, env=ENV,
+    proc = subprocess.run(launch_command(2, _args(folder)), cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return folder

@@ -3,7 +3,8 @@
 - A checkpoint written by 4 ranks (dp_shard=4) resumes on dp_shard=2 x tp=2 and on 1 process,
   and steps 4..6 follow the uninterrupted run (fp32; summation order only: asserted < 1e-5).
 - `torchrun --max-restarts=1`: SIGKILL one worker mid-run; the job restarts from the newest
-  checkpoint and ends with the uninterrupted run's final loss.
+  checkpoint and ends with the uninterrupted run's final loss. Linux only: the worker is found
+  through /proc.
 """
 
 import os
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from tests.conftest import linux_only
 from tests.trainer_runs import ENV, GLOBAL_BATCH, REPO, launch_command, read_metrics, run
 
 pytestmark = pytest.mark.multiprocess
@@ -56,6 +58,7 @@ def test_checkpoint_from_one_mesh_resumes_on_others(tmp_path):
 
 
 def _worker_pids(parent: int) -> list[int]:
+    """The trainer processes whose parent is `parent` (torchrun's agent), from /proc."""
     pids = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -72,6 +75,7 @@ def _worker_pids(parent: int) -> list[int]:
     return pids
 
 
+@linux_only
 def test_torchrun_restarts_from_newest_checkpoint_after_a_killed_worker(tmp_path):
     steps = 40
     ref = tmp_path / "ref"
@@ -99,6 +103,7 @@ def test_torchrun_restarts_from_newest_checkpoint_after_a_killed_worker(tmp_path
     got, want = losses(folder), losses(ref)
     assert max(got) == steps
     assert got[steps] == pytest.approx(want[steps], rel=1e-6)
-    # The restart really resumed from a checkpoint: its start-up banner names the first step.
-    starts = [int(m) for m in re.findall(r"steps (\d+)\.\.40", out)]
+    # The restart really resumed from a checkpoint: each start-up banner (trainer/train.py,
+    # "...; steps FIRST..LAST") names the first step it runs.
+    starts = [int(m) for m in re.findall(rf"; steps (\d+)\.\.{steps}\b", out)]
     assert starts[0] == 1 and len(starts) == 2 and starts[1] > 1, starts

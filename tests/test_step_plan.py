@@ -1,19 +1,19 @@
-"""`trainer.step.plan_step`: the one place that decodes `[compile] mode`.
+"""`trainer.step.plan_step`: the one place that decodes `[compile] mode` and refuses combinations.
 
 The trainer reads what the mode decides (backend, where activation checkpointing goes, block
-compile, scan, loss parallel) from the StepPlan only; these tests pin that decision table.
+compile, scan, loss parallel) from the StepPlan only; these tests pin that decision table and
+the rule table (`RULES`) the trainer, the engine and the planner read.
 """
 
 import pytest
 
 from models.errors import ConfigError
-from models.qwen3 import FLAVORS as QWEN3
-from trainer.step import plan_step, resolve_backend
+from trainer.step import RULES, plan_step, refusals, resolve_backend, StepRequest
 
 
 def _plan(**kw):
     base = dict(mode="eager", backend="auto", scan_layers=False, ac_mode="none", loss_parallel=False,
-                tp_enabled=False, device_type="cpu")
+                tp_degree=1, device_type="cpu")
     return plan_step(**{**base, **kw})
 
 
@@ -34,14 +34,14 @@ def test_graph_mode_checkpoints_in_the_same_place_unless_scanned():
     scanned = _plan(mode="graph", scan_layers=True, ac_mode="full")
     assert scanned.block_ac == "none" and scanned.scan_ac == "full" and scanned.scan
     assert _plan(mode="graph", backend="eager").backend == "aot_eager"
-    # MoE blocks scan too (their aux loss is a per-layer scan output).
-    assert _plan(mode="graph", scan_layers=True, shape=QWEN3["debugmodel_moe"].shape()).scan
+    # MoE blocks scan too (their aux loss is a per-layer scan output), also with experts sharded.
+    assert _plan(mode="graph", scan_layers=True).scan
 
 
 def test_loss_parallel_needs_tensor_parallelism():
     assert not _plan(loss_parallel=True).loss_parallel
-    assert _plan(loss_parallel=True, tp_enabled=True).loss_parallel
-    assert _plan(mode="graph", loss_parallel=True, tp_enabled=True).loss_parallel
+    assert _plan(loss_parallel=True, tp_degree=2).loss_parallel
+    assert _plan(mode="graph", loss_parallel=True, tp_degree=2).loss_parallel
 
 
 @pytest.mark.parametrize("kw, pattern", [
@@ -50,10 +50,21 @@ def test_loss_parallel_needs_tensor_parallelism():
     (dict(mode="jit"), "compile.mode"),
     (dict(mode="graph", backend="tpu"), "compile.backend: tpu needs a TPU"),
     (dict(mode="compile", backend="xla"), "compile.backend"),
+    (dict(loss_parallel=True, task="flow"), "parallelism.enable_loss_parallel: shards an LM's vocabulary"),
+    (dict(mode="graph", caller_loss=True), "compile.mode: \"graph\" captures the LM loss"),
+    (dict(fused_loss="on", model_has_hidden=True, caller_loss=True), "training.fused_loss: on never forms"),
+    (dict(task="flow", caller_loss=True), "model.name: the engine trains language models"),
+    (dict(task="diffusion"), "model.name: the family declares task 'diffusion'"),
 ])
 def test_refused_combinations(kw, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _plan(**kw)
+
+
+def test_scan_accepts_tensor_parallelism():
+    # The scan body runs the decoder TP styles on local tensors (parallelisms/scan.py).
+    plan = _plan(mode="graph", scan_layers=True, tp_degree=2, loss_parallel=True)
+    assert plan.scan and plan.loss_parallel
 
 
 def test_backend_resolution_is_one_rule():
@@ -62,35 +73,40 @@ def test_backend_resolution_is_one_rule():
     assert resolve_backend("eager", mode="graph", device_type="cpu") == "aot_eager"
 
 
-def test_global_batch_split_follows_the_mesh():
-    from trainer.train import batch_split
-
-    def split(global_batch, local, accum, dp):
-        return batch_split(global_batch_size=global_batch, local_batch_size=local,
-                           gradient_accumulation_steps=accum, dp_degree=dp)
-
-    assert split(-1, 8, 2, 4) == (8, 2)  # unset: the configured values stand
-    assert split(32, 8, 1, 1) == (8, 4)  # 1 device: accumulate up to the global batch
-    assert split(32, 8, 1, 4) == (8, 1)
-    assert split(32, 8, 1, 8) == (4, 1)  # more devices: smaller micro-batches, same global batch
-    assert split(32, 8, 2, 4) == (4, 2)  # accumulation never below the configured count
-    assert split(12, 8, 1, 1) == (6, 2)  # the smallest accumulation that fits local_batch_size
-    for g, local, accum, dp in [(32, 8, 1, 1), (32, 8, 1, 4), (12, 8, 1, 1), (24, 2, 3, 2)]:
-        micro, n = split(g, local, accum, dp)
-        assert micro * n * dp == g and micro <= local and n >= accum
-    with pytest.raises(ConfigError, match="training.global_batch_size: 30 is not divisible by the data-parallel degree 4"):
-        split(30, 8, 1, 4)
-    with pytest.raises(ConfigError, match="training.global_batch_size: 8 sequences over 1"):
-        split(8, 8, 16, 1)  # accumulation 16 > 8 sequences: no split
-
-
 def test_fused_loss_choice():
     assert not _plan(fused_loss="auto", model_has_hidden=True).fused_loss  # CPU: plain by default
     assert _plan(fused_loss="auto", model_has_hidden=True, device_type="tpu").fused_loss
     assert _plan(fused_loss="on", model_has_hidden=True).fused_loss
-    assert not _plan(fused_loss="auto", model_has_hidden=True, device_type="tpu", tp_enabled=True).fused_loss
+    assert not _plan(fused_loss="auto", model_has_hidden=True, device_type="tpu", tp_degree=2).fused_loss
     assert not _plan(fused_loss="auto", model_has_hidden=False, device_type="tpu").fused_loss
     with pytest.raises(ConfigError, match="training.fused_loss: on needs the whole vocabulary"):
-        _plan(fused_loss="on", model_has_hidden=True, tp_enabled=True)
+        _plan(fused_loss="on", model_has_hidden=True, tp_degree=2)
     with pytest.raises(ConfigError, match="training.fused_loss: on needs a model with hidden"):
         _plan(fused_loss="on")
+    # The engine reads logits: auto never fuses for it, even on a TPU.
+    assert not _plan(fused_loss="auto", model_has_hidden=True, device_type="tpu", caller_loss=True).fused_loss
+
+
+def test_every_rule_refuses_something_and_names_a_config_key():
+    """Each rule of the table is reachable: a request it refuses, and a message that names a
+    `section.key` of the config (what the user changes)."""
+    from dataclasses import fields
+
+    from trainer.config import Config
+
+    sections = {f.name: {g.name for g in fields(f.type if isinstance(f.type, type) else type(getattr(Config(), f.name)))}
+                for f in fields(Config)}
+    examples = [
+        StepRequest(mode="jit"), StepRequest(backend="xla"), StepRequest(fused_loss="maybe"), StepRequest(task="x"),
+        StepRequest(mode="graph", backend="tpu"), StepRequest(scan_layers=True),
+        StepRequest(fused_loss="on", tp_degree=2, model_has_hidden=True),
+        StepRequest(fused_loss="on"), StepRequest(loss_parallel=True, task="flow"),
+        StepRequest(mode="graph", caller_loss=True), StepRequest(fused_loss="on", model_has_hidden=True, caller_loss=True),
+        StepRequest(task="flow", caller_loss=True),
+    ]
+    hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
+    assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]
+    for rule in RULES:
+        section, key = rule.key.split(".")
+        assert key in sections[section], rule.key
+    assert refusals(StepRequest()) == []

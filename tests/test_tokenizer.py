@@ -6,7 +6,7 @@ import os
 import pytest
 
 from models.errors import ConfigError
-from trainer.tokenizer import BUNDLED_BPE_PATH, LLAMA3_SPECIAL_TOKENS, build_tokenizer, load_bpe_ranks
+from trainer.data.tokenizer import BUNDLED_BPE_PATH, LLAMA3_SPECIAL_TOKENS, build_tokenizer, load_bpe_ranks
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -147,12 +147,12 @@ def test_bad_validation_data_fails_before_any_step(tmp_path, capsys):
 
 
 def test_bad_json_mid_training_stops_cleanly_and_keeps_checkpoints(tmp_path, capsys, monkeypatch):
-    import trainer.data
+    import trainer.data.text
     from trainer.checkpoint import verify_checkpoint
 
     # Small shuffle blocks make the second file (with the bad line) arrive a few steps in,
     # as a bad line past the first 8192 rows of a large dataset would.
-    monkeypatch.setitem(trainer.data.build_dataloader.__kwdefaults__, "shuffle_block_docs", 4)
+    monkeypatch.setitem(trainer.data.text.build_dataloader.__kwdefaults__, "shuffle_block_docs", 4)
     data = tmp_path / "data"
     data.mkdir()
     docs = [" ".join(f"word{(i * 31 + j) % 997}" for j in range(150)) for i in range(8)]

@@ -24,7 +24,14 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
+from kernels import ATTENTION_BACKENDS
 from models.errors import ConfigError
+from parallelisms.activation_checkpoint import AC_MODES
+from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
+from trainer.optim import DECAY_TYPES
+from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
+from trainer.step.plan import BACKENDS, FUSED_LOSS, MODES
+from trainer.tasks.flow import TIMESTEP_SAMPLING
 
 
 def _choices(*values: str) -> dict:
@@ -41,6 +48,12 @@ class JobConfig:
     """Folder for everything a run writes: metrics.jsonl, tb/, checkpoints/, config.toml."""
     description: str = ""
     """Free text shown at start-up and stored in config.toml."""
+    target: str = ""
+    """The slice or cluster the recipe is written for (e.g. `v7x-512`, `v6e-256`; see
+    `scripts/estimate.py --list-targets`); "" for a recipe that runs anywhere.
+    `scripts/check_recipe.py` runs the trainer's start-up at this target's world size on a fake
+    process group and plans its memory there (docs/recipe_check.md); the trainer itself runs on
+    what it is given."""
 
 
 @dataclass
@@ -53,7 +66,7 @@ class ModelConfig:
     flavor: str = "debugmodel"
     """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (hf: its one flavor, config); qwen3's MoE flavors are
     debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
-    attn_backend: str = field(default="auto", metadata=_choices("auto", "sdpa", "cpu_kernel", "splash"))
+    attn_backend: str = field(default="auto", metadata=_choices(*ATTENTION_BACKENDS))
     """Implementation of the attention op (kernels/): auto (the CPU kernel for small head dims
     on the CPU, splash on TPU, SDPA elsewhere), sdpa, cpu_kernel, or splash (Pallas, TPU only;
     see docs/attention.md)."""
@@ -104,17 +117,17 @@ class TrainingConfig:
     """Global-norm gradient clipping threshold; 0 disables clipping (the norm is still logged)."""
     seed: int = 42
     """Seed for weights, data order and dropout-free RNG state; runs are deterministic under it."""
-    mixed_precision_param: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32", "auto"))
+    mixed_precision_param: str = field(default="bfloat16", metadata=_choices(*COMPUTE_DTYPES))
     """Compute dtype of parameters in forward/backward. Master weights and optimizer state stay
     float32. `float32` trains in pure fp32. `auto`: bfloat16 on TPU and GPU; on the CPU the
     faster of the two by a matmul probe, measured once per machine (CPU model, torch version,
     thread count) and cached in $TITAN_CACHE/cpu_matmul_probe.json; the start-up line says what
     was chosen and why (docs/training.md)."""
-    mixed_precision_reduce: str = field(default="float32", metadata=_choices("float32", "bfloat16"))
+    mixed_precision_reduce: str = field(default="float32", metadata=_choices(*PROBE_DTYPES))
     """Dtype of gradient reductions across data-parallel ranks."""
     aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))
     """Weight of the MoE load-balancing loss added to the LM loss (MoE models only)."""
-    fused_loss: str = field(default="auto", metadata=_choices("auto", "on", "off"))
+    fused_loss: str = field(default="auto", metadata=_choices(*FUSED_LOSS))
     """LM loss from the final hidden states by `ops.linear_cross_entropy`, chunked over the
     vocabulary (a Pallas kernel on TPU): the [tokens, vocab] logits and their fp32 copy never
     exist whole. auto: on for TPU, off elsewhere; on: every device (not with tensor
@@ -154,7 +167,7 @@ class LRSchedulerConfig:
     warmup_steps: int = field(default=200, metadata=_range(ge=0))
     """Steps of linear warmup from ~0 to the peak lr (lr = peak x step / warmup_steps). A run
     shorter than this stops part-way up the ramp and never reaches the peak."""
-    decay_type: str = field(default="linear", metadata=_choices("linear", "cosine", "wsd", "constant"))
+    decay_type: str = field(default="linear", metadata=_choices(*DECAY_TYPES))
     """Decay after warmup: linear or cosine down to min_lr_factor x lr over the remaining steps;
     wsd (warmup-stable-decay) holds the peak and decays linearly over the last decay_ratio of
     the steps; constant keeps the peak."""
@@ -180,10 +193,10 @@ class ParallelismConfig:
 
 @dataclass
 class CompileConfig:
-    mode: str = field(default="eager", metadata=_choices("eager", "compile", "graph"))
+    mode: str = field(default="eager", metadata=_choices(*MODES))
     """eager: plain PyTorch; compile: torch.compile per block; graph: the whole train step as
     one captured FX graph (docs/graph_trainer.md)."""
-    backend: str = field(default="auto", metadata=_choices("auto", "inductor", "aot_eager", "eager", "tpu"))
+    backend: str = field(default="auto", metadata=_choices(*BACKENDS))
     """Compiler backend; auto = inductor on cpu/cuda, tpu on TPU."""
     scan_layers: bool = False
     """Graph mode: run the repeated block as one scan over stacked layer parameters."""
@@ -204,7 +217,7 @@ class CompileConfig:
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: str = field(default="none", metadata=_choices("none", "full", "selective"))
+    mode: str = field(default="none", metadata=_choices(*AC_MODES))
     """Recompute activations in backward: none, full (each block), selective (op-level policy)."""
 
 
@@ -218,7 +231,7 @@ class CheckpointConfig:
     """Save every `interval` steps (and at the last step)."""
     keep_latest_k: int = field(default=3, metadata=_range(ge=0))
     """Keep only the newest k checkpoints; 0 keeps all."""
-    async_mode: str = field(default="disabled", metadata=_choices("disabled", "async"))
+    async_mode: str = field(default="disabled", metadata=_choices(*ASYNC_MODES))
     """disabled: blocking save; async: write in the background (dcp.async_save)."""
     load_step: int = -1
     """Resume from this step's checkpoint instead of the newest; -1 = newest. Weights, optimizer
@@ -226,9 +239,9 @@ class CheckpointConfig:
     weight_decay from this config (docs/checkpointing.md), so a rollback can lower the lr."""
     initial_load_path: str = ""
     """Weights to start from when the run has no checkpoint of its own (model only)."""
-    initial_load_format: str = field(default="dcp", metadata=_choices("dcp", "hf"))
+    initial_load_format: str = field(default="dcp", metadata=_choices(*INITIAL_LOAD_FORMATS))
     """Format of initial_load_path: dcp (a checkpoint folder) or hf (safetensors + config.json)."""
-    hf_config_mismatch: str = field(default="error", metadata=_choices("error", "override"))
+    hf_config_mismatch: str = field(default="error", metadata=_choices(*HF_CONFIG_MISMATCH))
     """initial_load_format = hf: what to do when the recipe's model differs from the architecture
     in the weights' config.json (rope_theta, RoPE scaling, norm eps, head counts, ...): error
     refuses to start and names the fields; override trains the recipe's model anyway (e.g. a
@@ -271,7 +284,7 @@ class ProfilingConfig:
 
 @dataclass
 class FlowConfig:
-    timestep_sampling: str = field(default="logit_normal", metadata=_choices("uniform", "logit_normal"))
+    timestep_sampling: str = field(default="logit_normal", metadata=_choices(*TIMESTEP_SAMPLING))
     """Flow models (FLUX): how the rectified-flow time t in (0, 1) is drawn per sample: uniform,
     or logit_normal (t = sigmoid(z), z ~ N(logit_mean, logit_std), SD3's choice: more weight on
     the middle of the trajectory). See docs/flux.md; LM recipes ignore [flow]."""
@@ -306,16 +319,16 @@ class FlowConfig:
     combinations never trained on) with the Euler sampler and log the image grid to TensorBoard
     (`samples`); 0 = no grid. Needs validation.enable and metrics.enable_tensorboard."""
     sample_steps: int = field(default=20, metadata=_range(ge=1))
-    """Euler steps per validation sample (trainer/flux_sample.py)."""
+    """Euler steps per validation sample (trainer/tasks/flux_sample.py)."""
     cfg_scale: float = field(default=4.0, metadata=_range(ge=1))
     """Classifier-free guidance scale of the validation samples (1 = conditional only)."""
 
 
 @dataclass
 class DeviceConfig:
-    type: str = field(default="auto", metadata=_choices("auto", "cpu", "cuda", "tpu"))
+    type: str = field(default="auto", metadata=_choices(*DEVICE_TYPES))
     """auto picks tpu if torch-tpu found a TPU, else cuda if available, else cpu."""
-    host_malloc: str = field(default="auto", metadata=_choices("auto", "retain", "system"))
+    host_malloc: str = field(default="auto", metadata=_choices(*HOST_MALLOC))
     """How the process's C heap (glibc malloc; CPU tensors live there) treats large blocks:
     `retain` keeps freed memory in the heap for the next step (no mmap per large block, no
     trim), `system` keeps glibc's defaults (blocks above 32 MiB are mapped and unmapped on every
@@ -501,6 +514,21 @@ def split_cli(argv: list[str]) -> tuple[str | None, bool, list[tuple[str, str]]]
     return recipe, print_config, overrides
 
 
+def parse_overrides(overrides: typing.Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
+    """`["training.seq_len=64", "--model.n_layers=2", ("optimizer.lr", "1e-4")]` -> [(key, raw)]."""
+    out = []
+    for item in overrides:
+        if isinstance(item, tuple):
+            out.append((item[0], str(item[1])))
+            continue
+        body = item[2:] if item.startswith("--") else item
+        key, sep, raw = body.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        out.append((key.replace("-", "_"), raw))
+    return out
+
+
 def build_config(recipe: str | None, overrides: list[tuple[str, str]] = ()) -> Config:
     """Defaults <- TOML recipe <- CLI overrides, then validation."""
     cfg = Config()
@@ -531,10 +559,13 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
+    f = cfg.flow
+    if f.resolution_shift and f.shift != 1.0:
+        raise ConfigError(f"flow.shift: {f.shift} with flow.resolution_shift = true; set one of them "
+                          "(shift = 1.0 with resolution_shift, or resolution_shift = false)")
     _validate_hf_config(cfg)
-    # What depends on compile.mode (backend, AC placement, scan, loss parallel) is checked in one
-    # place, trainer.step.plan_step, once the device and the mesh are known.
-
+    # Combinations (mode x parallelism x model x device x caller) are refused by one table,
+    # trainer/step/plan.py RULES, once the device and the mesh are known (trainer.job.plan_job).
 
 
 def _validate_hf_config(cfg: Config) -> None:

@@ -1,10 +1,11 @@
 """The trainer as a library: a training engine that an RL loop drives step by step.
 
-`Engine.from_recipe("configs/llama3_debug.toml", overrides=["training.seq_len=64"])` builds what
-`trainer.train` builds, with the same functions and in the same order: the process group (a
-world of one without torchrun), the `ParallelDims` and named `DeviceMesh`, the model on the meta
-device -> TP, EP, AC, compile, SimpleFSDP -> materialize -> init (or `[checkpoint]
-initial_load_path`), AdamW and the lr schedule. The caller owns the loop and the data:
+`Engine.from_recipe("configs/llama3_debug.toml", overrides=["training.seq_len=64"])` builds the
+run with the trainer's own `build_job(cfg, purpose="engine")` (trainer/job.py): the process
+group (a world of one without torchrun), the rules, the `ParallelDims` and named `DeviceMesh`,
+the model on the meta device -> TP, EP, AC, compile, SimpleFSDP -> materialize -> init (or
+`[checkpoint] initial_load_path`), AdamW and the lr schedule; only the data loaders and the
+checkpoint manager are left out. The caller owns the loop and the data:
 
     out = engine.forward_backward(batch, loss_fn)   # grads accumulate across calls
     out = engine.optimizer_step()                   # clip, step, zero_grad, lr schedule
@@ -16,9 +17,10 @@ Under torchrun every rank builds the engine and makes the same calls in the same
 hold collectives); each data-parallel rank passes its own part of the batch, as in the trainer.
 docs/engine.md maps these calls onto VeRL's `BaseEngine`.
 
-Not here: graph mode (`[compile] mode = "graph"` captures the LM loss and the optimizer update
-into one graph, so it cannot run a caller's loss function) and the fused loss (it never forms
-the log-probs an RL loss reads).
+Not here, refused by the step plan's rules (`caller_loss`, trainer/step/plan.py): graph mode
+(it captures the LM loss and the optimizer update into one graph, so it cannot run a caller's
+loss function), the fused loss (it never forms the log-probs an RL loss reads) and families
+whose task is not an LM.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from models.errors import ConfigError
-from trainer.config import Config, build_config, resolve_model_args
-from trainer.step import local_scalar, plan_step
-from trainer.train import NonFiniteLoss, _dtype, _global_mean, build_model
+from models.errors import NonFiniteLoss
+from trainer.config import Config, build_config, parse_overrides
+from trainer.job import build_job
+from trainer import checkpoint as ckpt
+from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed
+from trainer.step import local_scalar, step_if_finite
 
 LossFn = Callable[[torch.Tensor, dict], Any]
 """loss_fn(logprobs or logits, batch) -> scalar loss, or (scalar loss, {metric: value})."""
@@ -80,21 +85,6 @@ class ShardInfo:
     """The parameter's DTensor placements and mesh axes, for information (e.g. `dp_shard:S(0)`)."""
 
 
-def parse_overrides(overrides: Sequence[str | tuple[str, str]]) -> list[tuple[str, str]]:
-    """`["training.seq_len=64", "--model.n_layers=2", ("optimizer.lr", "1e-4")]` -> [(key, raw)]."""
-    out = []
-    for item in overrides:
-        if isinstance(item, tuple):
-            out.append((item[0], str(item[1])))
-            continue
-        body = item[2:] if item.startswith("--") else item
-        key, sep, raw = body.partition("=")
-        if not sep or "." not in key:
-            raise ConfigError(f"override {item!r}: expected section.key=value")
-        out.append((key.replace("-", "_"), raw))
-    return out
-
-
 class Engine:
     """A built model, optimizer and lr schedule behind forward_backward / optimizer_step calls.
 
@@ -105,59 +95,12 @@ class Engine:
     """
 
     def __init__(self, cfg: Config):
-        import kernels
-        from parallelisms import ParallelDims, build_mesh
-        from trainer import checkpoint as ckpt
-        from trainer.device import init_distributed, pick_device, resolve_compute_dtype, set_seed
-        from trainer.optim import build_lr_scheduler, build_optimizer
-
-        if cfg.compile.mode == "graph":
-            raise ConfigError('compile.mode: "graph" captures the LM loss and the optimizer update in one graph, '
-                              "so the engine cannot run a caller's loss function; allowed: eager, compile")
-        if cfg.training.fused_loss == "on":
-            raise ConfigError("training.fused_loss: on never forms the log-probs the engine's loss functions read; "
-                              "allowed: auto, off")
-        self.cfg = cfg
-        # 1. Device, process group (a world of one without torchrun), seed: as trainer.train.
-        self.device = pick_device(cfg.device.type)
-        self.dist_info = init_distributed(self.device)
-        set_seed(cfg.training.seed)
-        # `auto` compute dtype, resolved once and alike on every rank (as trainer.train).
-        self.compute_dtype = resolve_compute_dtype(cfg.training.mixed_precision_param, self.device)
-        cfg.training.mixed_precision_param = self.compute_dtype.name
-        # 2. Model args, degrees, the step plan (AC / compile / loss parallel), the mesh.
-        t, p, c = cfg.training, cfg.parallelism, cfg.compile
-        self.family, self.args = resolve_model_args(cfg.model, seq_len=t.seq_len)
-        shape = self.args.shape()
-        self.parallel_dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-            tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, world_size=self.dist_info.world_size,
-        )
-        self.parallel_dims.validate_for_model(shape, seq_len=t.seq_len)
-        self.step_plan = plan_step(mode=c.mode, backend=c.backend, scan_layers=c.scan_layers,
-                                   ac_mode=cfg.activation_checkpoint.mode, loss_parallel=p.enable_loss_parallel,
-                                   tp_enabled=self.parallel_dims.tp_enabled, device_type=self.device.type,
-                                   shape=shape, fused_loss="off")
-        self.mesh = build_mesh(self.parallel_dims, self.device.type)
-        # 3. Kernels, then meta -> parallelize -> materialize -> init (trainer.train.build_model).
-        kernels.select(attention=cfg.model.attn_backend, device=self.device, dtype=self.compute_dtype.dtype,
-                       head_dim=shape.head_dim)
-        self.model = build_model(self.family, self.args, step_plan=self.step_plan, parallel_dims=self.parallel_dims,
-                                 mesh=self.mesh, device=self.device, param_dtype=_dtype(t.mixed_precision_param),
-                                 reduce_dtype=_dtype(t.mixed_precision_reduce))
-        # 4. Optimizer and lr schedule; the schedule spans training.steps optimizer steps.
-        o, s = cfg.optimizer, cfg.lr_scheduler
-        self.optimizer = build_optimizer(self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                         weight_decay=o.weight_decay)
-        self.scheduler = build_lr_scheduler(self.optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
-                                            decay_type=s.decay_type, decay_ratio=s.decay_ratio,
-                                            min_lr_factor=s.min_lr_factor)
-        # 5. Initial weights (DCP or HF safetensors), as the trainer's first start.
-        ck = cfg.checkpoint
-        if ck.initial_load_path:
-            ckpt.load_initial(self.model, path=ck.initial_load_path, fmt=ck.initial_load_format,
-                              hf_adapter=self.family.hf_adapter, args=self.args,
-                              hf_config_mismatch=ck.hf_config_mismatch)
+        job = build_job(cfg, purpose="engine")  # the trainer's build; the rules refuse graph mode etc.
+        self.cfg, self.device, self.dist_info, self.compute_dtype = cfg, job.device, job.dist, job.compute
+        self.family, self.args, self.parallel_dims, self.step_plan = job.family, job.args, job.parallel_dims, job.step_plan
+        self.mesh, self.model, self.optimizer, self.scheduler = job.mesh, job.model, job.optimizer, job.scheduler
+        job.load_initial()  # `[checkpoint] initial_load_path`, as the trainer's first start
+        arrival_barrier("engine-built", cfg.training.startup_timeout_s)
         self._train_state = ckpt.TrainState()
         self._accum_weight = 0.0
         self._hf_layouts: dict[str, list[str]] = {}
@@ -219,11 +162,11 @@ class Engine:
             total = loss if aux is None else loss + self.cfg.training.aux_loss_coef * aux
             (total * weight).backward()
         self._accum_weight += weight
-        out = {"loss": _global_mean(local_scalar(loss.detach()))}
+        out = {"loss": global_mean(local_scalar(loss.detach()))}
         if aux is not None:
-            out["moe_aux_loss"] = _global_mean(local_scalar(aux.detach()))
+            out["moe_aux_loss"] = global_mean(local_scalar(aux.detach()))
         for k, v in metrics.items():
-            out[k] = _global_mean(local_scalar(v.detach())) if isinstance(v, torch.Tensor) else v
+            out[k] = global_mean(local_scalar(v.detach())) if isinstance(v, torch.Tensor) else v
         return out
 
     def optimizer_step(self) -> dict[str, float]:
@@ -244,7 +187,7 @@ class Engine:
         max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
         grad_norm = clip_grad_norm_(params, max_norm)
         lr = self.scheduler.get_last_lr()[0]
-        finite = _step_if_finite(self.optimizer, grad_norm)
+        finite = not bool(step_if_finite(self.optimizer, grad_norm))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._accum_weight = 0.0
@@ -280,14 +223,8 @@ class Engine:
     # -- state ------------------------------------------------------------------------------------
 
     def _states(self) -> dict[str, Any]:
-        from trainer import checkpoint as ckpt
-
-        return {
-            "model": ckpt.ModelState(self.model),
-            "optimizer": ckpt.OptimizerState(self.model, self.optimizer),
-            "lr_scheduler": self.scheduler,
-            "train_state": self._train_state,
-        }
+        return ckpt.run_states(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                               train_state=self._train_state)
 
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer", "lr_scheduler", "train_state"}: this rank's (DTensor-sharded)
@@ -301,9 +238,7 @@ class Engine:
                 state.load_state_dict(state_dict[name])
 
     def _manager(self, folder: str | Path, load_step: int = -1):
-        from trainer.checkpoint import CheckpointManager
-
-        return CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled",
+        return ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled",
                                  enable=True, load_step=load_step)
 
     def save(self, folder: str | Path) -> Path:
@@ -321,10 +256,12 @@ class Engine:
             if not manager.complete_steps():
                 raise ConfigError(f"engine.load: {folder} holds no checkpoint (step-N folders); allowed: a "
                                   "folder written by Engine.save, or the trainer's checkpoint folder")
+            # Gradients accumulated before the load belong to other weights: dropped first (with
+            # them present, DCP's optimizer state dict would not set up the moments to load into).
+            self.zero_grad()
             loaded = manager.load(self._states())
         finally:
             manager.close()
-        self._accum_weight = 0.0
         return loaded
 
     # -- weights by Hugging Face name -------------------------------------------------------------
@@ -409,8 +346,6 @@ class Engine:
 
     def close(self) -> None:
         """Destroy the process group this engine started (also the world-of-one group)."""
-        from trainer.device import shutdown_distributed
-
         shutdown_distributed()
 
     def __enter__(self) -> "Engine":
@@ -420,19 +355,4 @@ class Engine:
         self.close()
 
 
-def _step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> bool:
-    """AdamW step unless the global gradient norm is not finite; True if it stepped.
-
-    Duplicates `trainer.step.EagerStep._step_if_finite` (fused AdamW skips on the device via
-    `found_inf`), plus the host read of the verdict the engine returns anyway.
-    """
-    nonfinite = ~torch.isfinite(grad_norm)
-    if all(group.get("fused") for group in optimizer.param_groups):
-        optimizer.found_inf = nonfinite.to(torch.float32)
-        optimizer.step()
-    elif not bool(nonfinite):
-        optimizer.step()
-    return not bool(nonfinite)
-
-
-__all__ = ["Engine", "ShardInfo", "nll_loss", "parse_overrides", "token_logprobs"]
+__all__ = ["Engine", "ShardInfo", "nll_loss", "token_logprobs"]

@@ -19,11 +19,14 @@ from torch.optim.lr_scheduler import LambdaLR
 _FUSED_DEVICES = ("cpu", "cuda")
 
 
+DECAY_TYPES = ("linear", "cosine", "wsd", "constant")
+"""`[lr_scheduler] decay_type` choices (`lr_factor`)."""
+
 def build_optimizer(params, *, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW; fused where torch has the fused kernel for the parameters' device (CPU, CUDA).
 
     The fused kernel also takes `found_inf`, which the eager step uses to skip a non-finite
-    update on the device with no host sync (trainer/step.py). The graph step does not call this
+    update on the device with no host sync (trainer/step/). The graph step does not call this
     optimizer's `step`: it updates parameters and this optimizer's state in its own graph.
     """
     params = list(params)

@@ -4,17 +4,21 @@ scripts/estimate_xla.py captures the graph step on the CPU and lowers it with to
 deviceless XLA:TPU compile. With the model ops' torch references in that capture, the TPU program
 would hold what a TPU run does not execute: attention as math SDPA (T x T scores materialised:
 the compiler's HBM bytes and temporaries are then the math kernel's) and MoE experts as
-`_grouped_mm`/dense fallbacks. `install()` instead serves `causal_attention` and `grouped_mm`, on
-every device, with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
+`_grouped_mm`/dense fallbacks, and the fused loss as the chunked torch reference. `install()`
+instead serves `causal_attention`, `grouped_mm` and `linear_cross_entropy`, on every device,
+with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
 so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis)` then
-lowers each node to the kernel a TPU run calls (kernels/tpu/splash.py, gmm.py; Mosaic, not
-interpreted), inside `shard_map` over `axis`: XLA's SPMD partitioner cannot split a Mosaic custom
+lowers each node to the kernel a TPU run calls (kernels/tpu/splash.py, gmm.py, fused_ce.py;
+Mosaic, not interpreted), inside `shard_map` over `axis`: XLA's SPMD partitioner cannot split a Mosaic custom
 call and would otherwise replicate it on every device.
 
 - splash: the batch is split over `axis` (the batch is the data-parallel dim of the step);
 - gmm: the rows (tokens sorted by expert) are split over `axis`, the weight is gathered, and each
   shard's group sizes are its slice of the global groups (rows of group g that fall in the
-  shard), so every row meets its own expert's weight once.
+  shard), so every row meets its own expert's weight once;
+- fused CE: the rows (tokens) are split over `axis`, the output projection's weight is gathered;
+  the forward returns per-row losses and log-sum-exps (the op kernels/tpu/register.py binds on
+  a TPU, same mean over valid rows in torch), the backward's dw is summed over the shards.
 
 Backward ops take the JAX VJP of the forward kernel, as kernels/tpu/register.py does on a TPU.
 
@@ -48,6 +52,8 @@ def _define() -> None:
                "-> (Tensor, Tensor, Tensor)")
     lib.define("gmm(Tensor x, Tensor w, Tensor group_sizes) -> Tensor")
     lib.define("gmm_bwd(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)")
+    lib.define("ce_fwd(Tensor h, Tensor w, Tensor labels) -> (Tensor, Tensor)")
+    lib.define("ce_bwd(Tensor h, Tensor w, Tensor labels, Tensor lse, Tensor g) -> (Tensor, Tensor)")
     _LIB.append(lib)
     op = getattr(torch.ops, NAMESPACE)
 
@@ -60,6 +66,9 @@ def _define() -> None:
     fake("splash_seg_bwd")(lambda q, k, v, s, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     fake("gmm")(lambda x, w, sizes: x.new_empty(x.shape[0], w.shape[-1]))
     fake("gmm_bwd")(lambda x, w, sizes, dy: (torch.empty_like(x), torch.empty_like(w)))
+    fake("ce_fwd")(lambda h, w, labels: (h.new_empty(h.shape[0], dtype=torch.float32),
+                                         h.new_empty(h.shape[0], dtype=torch.float32)))
+    fake("ce_bwd")(lambda h, w, labels, lse, g: (torch.empty_like(h), torch.empty_like(w)))
 
     def save_all(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
@@ -79,6 +88,16 @@ def _define() -> None:
                                     lib=lib)
     torch.library.register_autograd(f"{NAMESPACE}::gmm", gmm_backward, setup_context=save_all, lib=lib)
 
+    def ce_setup(ctx, inputs, output):
+        h, w, labels = inputs
+        ctx.save_for_backward(h, w, labels, output[1])
+
+    def ce_backward(ctx, d_rows, d_lse):
+        del d_lse  # auxiliary output, never differentiated
+        return (*op.ce_bwd(*ctx.saved_tensors, d_rows.float().contiguous()), None)
+
+    torch.library.register_autograd(f"{NAMESPACE}::ce_fwd", ce_backward, setup_context=ce_setup, lib=lib)
+
 
 def causal_attention(q, k, v, segment_ids=None):
     op = getattr(torch.ops, NAMESPACE)
@@ -94,11 +113,19 @@ def grouped_mm(x, w, group_sizes):
     return getattr(torch.ops, NAMESPACE).gmm(x.contiguous(), w.contiguous(), group_sizes.to(torch.int32))
 
 
+def linear_cross_entropy(h, w, labels):
+    # As kernels/tpu/register.py's op on a TPU: per-row losses from the kernel, mean over valid rows.
+    rows, _ = getattr(torch.ops, NAMESPACE).ce_fwd(h.contiguous(), w.contiguous(), labels.to(torch.int32))
+    valid = labels != ops.IGNORE_INDEX
+    return torch.where(valid, rows, 0.0).sum() / valid.sum()
+
+
 def install() -> None:
-    """Define the ops (once) and serve the model's attention and grouped matmul with them."""
+    """Define the ops (once) and serve the model's attention, grouped matmul and fused loss with them."""
     _define()
     ops.register("causal_attention", causal_attention)
     ops.register("grouped_mm", grouped_mm)
+    ops.register("linear_cross_entropy", linear_cross_entropy)
 
 
 def shard_group_sizes(group_sizes, rows: int, shard):
@@ -141,6 +168,23 @@ def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool)
     return (2 * flops, 2 * fwd_bytes) if backward else (flops, fwd_bytes)
 
 
+def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of the fused linear + CE on h [n, d], w [vocab, d] (kernels/tpu/fused_ce.py).
+
+    Forward: one n x vocab x d matmul (the logits, tile by tile). Backward: the dh kernel and the
+    dw kernel each recompute the logits tile and do one matmul: four. Bytes: h and the labels
+    once, w once per row block (the vocabulary is the inner grid axis); the backward reads h and
+    w once per block of the other operand in each of its two kernels and writes dh, dw (a model)."""
+    from kernels.tpu import fused_ce
+
+    matmul = 2.0 * n * vocab * d
+    row_blocks = max(1, -(-n // fused_ce.BLOCK_N))
+    vocab_blocks = max(1, -(-vocab // fused_ce.BLOCK_V))
+    fwd_bytes = itemsize * (n * d + vocab * d * row_blocks) + 12 * n
+    bwd_bytes = itemsize * (n * d * (1 + vocab_blocks) + vocab * d * (1 + row_blocks) + n * d + vocab * d) + 24 * n
+    return (4 * matmul, bwd_bytes) if backward else (matmul, fwd_bytes)
+
+
 def kernel_costs() -> dict[str, float]:
     """Sum of `COSTS`: {"flops", "bytes", "calls"}."""
     return {"flops": sum(c[1] for c in COSTS), "bytes": sum(c[2] for c in COSTS), "calls": len(COSTS)}
@@ -153,7 +197,7 @@ def add_lowerings(env, mesh, axis: str) -> None:
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    from kernels.tpu import gmm, splash
+    from kernels.tpu import fused_ce, gmm, splash
 
     op = getattr(torch.ops, NAMESPACE)
 
@@ -206,6 +250,22 @@ def add_lowerings(env, mesh, axis: str) -> None:
     def splash_seg_bwd(q, k, v, seg, dout):
         return splash_bwd(q, k, v, dout, seg)
 
+    def ce_fwd(h, w, labels):
+        return fused_ce.forward_rows(h, w, labels)
+
+    def ce_bwd(h, w, labels, lse, g):
+        dh, dw = fused_ce.backward_rows(h, w, labels, lse, g)
+        return dh, jax.lax.psum(dw, axis)  # every shard's rows contribute to the head's gradient
+
+    def ce_costs(backward):
+        def cost(h, w, *rest):
+            return ("ce_bwd" if backward else "ce_fwd",
+                    *ce_cost(h.shape[0] // shards, h.shape[1], w.shape[0], h.dtype.itemsize, backward=backward))
+        return cost
+
+    env.override_op_definition(op.ce_fwd.default, sharded(ce_fwd, (batch, P(), batch), (batch, batch), ce_costs(False)))
+    env.override_op_definition(op.ce_bwd.default,
+                               sharded(ce_bwd, (batch, P(), batch, batch, batch), (batch, P()), ce_costs(True)))
     env.override_op_definition(op.splash_fwd.default, sharded(splash_fwd, (batch,) * 3, batch, splash_costs(False)))
     env.override_op_definition(op.splash_bwd.default,
                                sharded(splash_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True)))

@@ -15,7 +15,7 @@ tensors, never modified in place.
 
 The HF -> ours direction is also given as a layout (`decoder_hf_layout`): for each of our
 parameters, the boxes of HF tensors it is copied from (`HFEntry`), computed from the HF names
-and shapes alone. The per-rank loader (trainer/checkpoint.py) reads only the part of each HF
+and shapes alone. The per-rank loader (trainer/checkpoint/) reads only the part of each HF
 tensor that a rank's shard covers, and scripts/convert.py builds one parameter at a time;
 `decoder_from_hf` is the same layout applied to an in-memory state dict.
 """

@@ -47,7 +47,9 @@ def load_balance_loss(
     """
     probs = torch.softmax(router_logits.float(), dim=-1)
     counts = num_tokens_per_expert.float()
-    num_tokens = torch.tensor(float(router_logits.shape[0]), device=counts.device)
+    # From `counts` (not torch.tensor(...)): under torch.compile on meta tensors (the recipe check)
+    # a tensor built from a Python number is a real meta tensor, not a traced one.
+    num_tokens = counts.new_full((), float(router_logits.shape[0]))
     if reduce_counts is not None:
         # One all-reduce of E + 1 numbers: the global counts and the global token count.
         both = reduce_counts(torch.cat([counts, num_tokens.reshape(1)]))
@@ -98,9 +100,11 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, std=0.02)
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [N, dim], rows sorted by expert; num_tokens_per_expert [E] (sums to N) -> [N, dim].
+        """x [N, dim], rows sorted by expert; num_tokens_per_expert [E] (sums to <= N) -> [N, dim].
 
         E is the number of local experts (`w1.shape[0]`), so an expert-parallel shard works as is.
+        Rows past the counts' sum are padding (the static EP dispatch's worst-case buffer): no
+        expert computes them and their outputs are unspecified (the caller masks them).
         """
         # Three grouped matmuls through the op seam (models/common/ops.py): torch._grouped_mm or
         # an exact masked fallback by default, megablox gmm on TPU. The counts stay on the device,

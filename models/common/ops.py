@@ -156,8 +156,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> t
 
     x [M, K] with rows sorted by group; w [G, K, N] (a transposed view of a [G, N, K] weight is
     fine and cheap); group_sizes [G] integer tensor **on the device** (never read on the host,
-    so one compiled program serves every routing) with sum(group_sizes) == M -> [M, N] in
-    x.dtype. Empty groups are allowed.
+    so one compiled program serves every routing) with sum(group_sizes) <= M -> [M, N] in
+    x.dtype. Empty groups are allowed. Rows past sum(group_sizes) belong to no group and are
+    not computed: their outputs are unspecified (torch._grouped_mm and megablox leave them
+    unwritten, the masked fallback gives zeros), so a caller that pads masks them.
     """
     return _impls.get("grouped_mm", torch_grouped_mm)(x, w, group_sizes)
 

@@ -21,11 +21,26 @@ compilation the plain loop runs on the same storage: eager scan is slow and gain
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+_ABSTRACT = contextvars.ContextVar("titan_abstract_model", default=False)
+
+
+@contextlib.contextmanager
+def abstract_model() -> Iterator[None]:
+    """Let `enable_scan` stack meta parameters: a model that is never materialized (the recipe
+    check captures a pod-size step on meta tensors; there is no storage to alias)."""
+    token = _ABSTRACT.set(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.reset(token)
 
 
 class BlockStack(nn.ModuleDict):
@@ -91,7 +106,7 @@ class BlockStack(nn.ModuleDict):
                     if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
                         raise ValueError(f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
                                          f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}")
-                    if t.device.type == "meta":
+                    if t.device.type == "meta" and not _ABSTRACT.get():
                         raise ValueError("layer scan: materialize the model before enable_scan()")
                 stack = torch.stack([t.detach() for t in locals_])
                 for i, t in enumerate(locals_):

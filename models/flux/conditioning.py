@@ -21,7 +21,7 @@ Two ways to get them:
   Their ids come from a byte-level BPE passed in by the caller (the project's bundled
   tiktoken BPE; the HF tokenizers need vocab files we do not ship). The debug VAE must
   invert itself to be useful, so `scripts/build_flux_data.py` trains it briefly (see
-  `train_vae`); its shift/scale are then fitted to the latent statistics (mean 0, std 1),
+  `trainer.data.flux_build.train_vae`); its shift/scale are then fitted to the latent statistics (mean 0, std 1),
   the job FLUX's constants do for its VAE.
 
 This module imports transformers/diffusers lazily (they take seconds to import) and never
@@ -30,9 +30,8 @@ reads config objects or the environment.
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -275,54 +274,6 @@ def load_vae(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtyp
     return FluxVae(AutoencoderKL.from_pretrained(path, local_files_only=True, torch_dtype=dtype).to(device))
 
 
-def train_vae(vae: FluxVae, images: torch.Tensor, *, steps: int, batch_size: int, seed: int, lr: float = 3e-3,
-              kl_weight: float = 1e-6, foreground_weight: float = 10.0,
-              log: Callable[[str], None] | None = None) -> list[float]:
-    """Train the debug VAE to reconstruct `images` ([N, 3, H, W] in [0, 1]); returns the losses.
-
-    Loss: weighted mean squared error of the decoded posterior sample + `kl_weight` x KL (the
-    SD/FLUX VAEs keep a small KL term too, so the latent stays near Gaussian and the decoder
-    tolerates imprecise latents). Pixels that differ from their image's border median by more
-    than 0.05 (in [0, 1] units) weigh `foreground_weight`: on a plain background the object is a tenth of the
-    pixels but all of the caption, and with plain MSE a short training learns the background
-    and blurs the object's colour (measured: 150 steps of batch 16 classify 78% of held-out
-    reconstructions as captioned with weight 1, 100% with weight 10). Adam with a cosine
-    decay; batches drawn by a seeded generator, so on one machine and thread count the weights
-    are reproducible. Afterwards `shift_factor`/`scaling_factor` are set so the encoded latents
-    of `images` have mean 0 and standard deviation 1 (FLUX's constants bring its VAE's latents
-    to roughly unit scale).
-    """
-    model = vae.autoencoder.train()
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
-    losses = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in range(steps):
-            x = images[torch.randint(len(images), (batch_size,), generator=gen)] * 2 - 1
-            border = torch.cat([x[..., 0, :], x[..., -1, :], x[..., :, 0], x[..., :, -1]], dim=-1)
-            background = border.median(dim=-1).values[..., None, None]
-            weight = 1 + (foreground_weight - 1) * ((x - background).abs().amax(1, keepdim=True) > 0.1).float()
-            posterior = model.encode(x).latent_dist
-            recon = model.decode(posterior.sample(generator=gen)).sample
-            loss = ((recon - x).pow(2) * weight).mean() + kl_weight * posterior.kl().mean()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            losses.append(loss.item())
-            if log is not None and (step % 50 == 0 or step == steps - 1):
-                log(f"vae step {step}: loss {loss.item():.5f}")
-    model.eval()
-    with torch.no_grad():
-        raw = torch.cat([vae.encode_raw(chunk) for chunk in images.split(256)])
-    mean, std = raw.mean().item(), raw.std().item()
-    model.register_to_config(shift_factor=mean, scaling_factor=1.0 / std)
-    vae.shift_factor, vae.scaling_factor = mean, 1.0 / std
-    return losses
-
-
 def describe(vae: FluxVae, text: TextConditioner) -> dict:
     """JSON-able summary of the conditioning (stored in the data set's meta.json)."""
     return {"t5_dim": text.t5_dim, "clip_dim": text.clip_dim, "max_length": text.max_length,
@@ -331,5 +282,5 @@ def describe(vae: FluxVae, text: TextConditioner) -> dict:
 
 
 __all__ = ["BpeIds", "HfIds", "TextConditioner", "FluxVae", "build_debug_text_conditioner", "build_debug_vae",
-           "load_text_conditioner", "load_vae", "train_vae", "describe", "debug_t5_config", "debug_clip_config",
+           "load_text_conditioner", "load_vae", "describe", "debug_t5_config", "debug_clip_config",
            "debug_vae_config", "FLUX_VAE_SCALING_FACTOR", "FLUX_VAE_SHIFT_FACTOR"]

@@ -4,7 +4,7 @@ test_lowering's probe exports each step with `jax.export(platforms=["tpu"])`; he
 that StableHLO for device 0 of a compile-only topology (`jax.experimental.topologies`) of each target
 (conftest.TPU_COMPILES). Checked per (step, target): the compile succeeds; the scan loops survive
 XLA:TPU's optimizer (two `while` in the optimized HLO, none unrolled); the compiler's memory
-analysis sees the step's state as arguments; its cost analysis agrees with trainer/flops.py.
+analysis sees the step's state as arguments; its cost analysis agrees with trainer/runtime/flops.py.
 
 Which terms of the formula are comparable with the compiler's FLOPs (`cost_analysis()["flops"]`):
 - The step is one whole training step, so the formula's training FLOPs apply: 6 N per token for the
@@ -28,7 +28,7 @@ from __future__ import annotations
 import pytest
 
 from tests.xla.conftest import TPU_COMPILES
-from trainer.flops import flops_per_token
+from trainer.runtime.flops import flops_per_token
 
 pytestmark = pytest.mark.xla
 

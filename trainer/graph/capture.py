@@ -27,24 +27,32 @@ from torch import fx
 from models.errors import ConfigError
 from trainer.graph.passes import GraphStats, graph_text, run_passes
 from trainer.graph.remat import scan_remat
+from trainer.step.plan import FLIP_FREE_BACKENDS
 
 
 class CaptureBackend:
     """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
 
     def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None,
-                 fence_remat: bool | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True):
+                 fence_remat: bool | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True,
+                 passes_as: str | None = None):
         assert backend in ("aot_eager", "inductor", "tpu"), backend
         self.backend = backend
+        self.passes_as = passes_as or backend
+        """The backend whose graph passes run: `backend`, or the target's when a check job
+        (tools/recipe_check.py) captures with aot_eager what a TPU run would compile."""
         self.bucket_cap_mb = float(bucket_cap_mb)
         """Inductor: bucket independent all-gathers / reduce-scatters up to this size (0: off)."""
         self.dump_path = dump_path
-        self.reverse_scans = backend == "inductor" if reverse_scans is None else reverse_scans
-        """Run backward scans as reversed loops (`scan_reverse_pass`); default: Inductor only,
-        which lowers every scan to such a loop anyway (the XLA tier needs the scan op)."""
+        self.reverse_scans = self.passes_as in FLIP_FREE_BACKENDS if reverse_scans is None else reverse_scans
+        """Run backward scans in reverse instead of over flipped copies; default: Inductor and
+        tpu. Inductor: `scan_reverse_pass` (a reversed while loop; Inductor lowers every scan to
+        such a loop anyway); tpu: `tag_reverse_scans` (the scan op stays, its body tagged for
+        torch-tpu's reverse lowering; torch-tpu has no while_loop). aot_eager runs the
+        Inductor rewrite when set (the XLA tier needs the scan op, so it leaves this off)."""
         self.gloo_all_to_all = gloo_all_to_all
         """Reduce-scatters on gloo groups as all-to-alls (`gloo_reduce_scatter_pass`)."""
-        self.fence_remat = backend == "tpu" if fence_remat is None else fence_remat
+        self.fence_remat = self.passes_as == "tpu" if fence_remat is None else fence_remat
         """Fence recomputed ops with optimization barriers, or XLA's CSE undoes checkpointing;
         default: the `tpu` backend. The XLA tier (aot_eager capture, torchax lowering) sets it."""
         self.graph_module: fx.GraphModule | None = None
@@ -97,12 +105,13 @@ class CaptureBackend:
 
     def _on_graph(self, graph: fx.GraphModule) -> None:
         decompositions = None
-        if self.reverse_scans and self.backend == "inductor":
+        if self.reverse_scans and self.passes_as == "inductor":
             # scan_reverse_pass traces its loop into a graph Inductor has already decomposed.
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
-        self.stats = run_passes(graph, reverse_scans=self.reverse_scans, decompositions=decompositions,
+        reverse = ("tag" if self.passes_as == "tpu" else "loop") if self.reverse_scans else None
+        self.stats = run_passes(graph, reverse_scans=reverse, decompositions=decompositions,
                                 fence_remat=self.fence_remat,
                                 gloo_all_to_all=self.gloo_all_to_all)
         self.graph_module = graph

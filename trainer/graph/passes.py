@@ -4,8 +4,10 @@ The pipeline (`run_passes`) is short and every pass does real work:
 1. `remat` (trainer/graph/remat.py): recompute checkpoint-tagged forward ops in backward.
 2. `scan_transpose_view`: in scan bodies, matmuls read transposed weight views instead of
    the transposed copies torch's functionalization of the body puts there.
-3. `scan_reverse` (Inductor only): backward scans run as loops that index in reverse instead
-   of over flipped copies of the weights and saved activations.
+3. `scan_reverse` (Inductor): backward scans run as loops that index in reverse instead
+   of over flipped copies of the weights and saved activations; for torch-tpu
+   `tag_reverse_scans` keeps the scan op, drops the flips and tags the body for its reverse
+   lowering.
 4. `gloo_reduce_scatter` (gloo groups): reduce-scatters as all-to-alls + a local sum, the
    gradient on the wire in its dtype before the up-cast to the reduce dtype.
 5. `prefetch_all_gathers`: SimpleFSDP's all-gathers are issued `ALL_GATHER_LOOKAHEAD` gathers
@@ -315,6 +317,98 @@ def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
     return f"{base}_{i}"
 
 
+SCAN_REVERSE_ANNOTATION = "torch_tpu_scan_reverse"
+"""The `node.meta["custom"]` key torch-tpu 0.2.0 reads on a scan body's nodes: when any node of
+the body carries it, torch-tpu lowers the scan as a reverse loop (`ScanDirection.kReverse`:
+step i reads row n-1-i of every `xs` and writes row n-1-i of every stacked output;
+torch_tpu/_internal/compile/scan.py, `SCAN_REVERSE_ANNOTATION`, `_body_asks_for_reverse`).
+Other backends (CPU, CUDA, Inductor, torchax unless told: tools/xla_lowering.py) ignore it and
+scan forward, so a graph rewritten by `tag_reverse_scans` is only right where it is honoured."""
+
+
+def scan_is_reversed(body: fx.GraphModule) -> bool:
+    """Whether a scan with this body runs from the last row to the first (the annotation of
+    `SCAN_REVERSE_ANNOTATION` on any of its nodes, as torch-tpu decides it)."""
+    return any(n.meta.get("custom", {}).get(SCAN_REVERSE_ANNOTATION, False) for n in body.graph.nodes)
+
+
+def tag_reverse_scans(gm: fx.GraphModule) -> int:
+    """Backward scans without flipped copies, for torch-tpu: drop the flips, tag the body reverse.
+
+    torch 2.13 builds a scan's backward as a forward scan over `flip(x, [0])` of every stacked
+    tensor it reads (saved activations, stacked weights, the stacked output gradients) and flips
+    the per-layer gradients it stacks back into layer order: on XLA each flip is a full copy,
+    the saved-activation one live at the start of the backward (docs/graph_trainer.md). For each
+    top-level scan whose `xs` are all `flip(x, [0])`, this pass
+
+    - feeds the scan the unflipped `x` (the flips die unless something else reads them);
+    - tags every node of its body (and the scan node) with `meta["custom"][SCAN_REVERSE_ANNOTATION]
+      = True`, so torch-tpu runs it from row n-1 to row 0: step i of the reverse loop reads
+      row n-1-i of `x`, which is row i of `flip(x)`, what step i of the flipped scan read, so
+      the carries are the same values computed in the same order;
+    - fixes up the stacked outputs: the flipped scan wrote the output of step i to row i, i.e.
+      layer n-1-i's gradient, so its stacks come out in reverse layer order and the graph flips
+      them back; the reverse loop writes the output of step i to row n-1-i, i.e. its stacks are
+      already in layer order. So `flip(stack, [0])` nodes are replaced by the stack itself, and
+      any other reader of a stack (none in torch 2.13's graphs) gets a `flip` inserted, as it
+      wants the reverse order.
+
+    A body that another scan also uses is copied before it is tagged. Works on the joint graph
+    after AOT (where setting the meta directly survives; the annotation set by tracing did not
+    reach the autograd-generated backward body: reference/torch_tpu.md §2.4). Only for graphs that
+    torch-tpu lowers (`CaptureBackend` with backend `tpu`; scripts/estimate_xla.py with the torchax
+    lowering in tools/xla_lowering.py, which honours the tag). Returns the number of scans tagged.
+    """
+    scans = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan))
+    body_uses = Counter(n.args[0].target for n in scans)
+    done = 0
+    for node in scans:
+        combine, init, xs, additional = node.args
+        if not xs or not all(_is_flip0(x) for x in xs):
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+            continue
+        flips, old_combine = list(xs), combine
+        flip_op = flips[0].target
+        body: fx.GraphModule = getattr(gm, combine.target)
+        if body_uses[combine.target] > 1:  # shared with a forward scan: tag a copy only
+            import copy
+
+            name = _fresh_attr(gm, f"{combine.target}_reverse")
+            gm.register_module(name, copy.deepcopy(body))
+            body_uses[combine.target] -= 1
+            with gm.graph.inserting_before(node):
+                combine = gm.graph.get_attr(name)
+            combine.meta.update(old_combine.meta)
+            body = getattr(gm, name)
+        for n in (*body.graph.nodes, node):
+            # A new dict: tracing shares one `custom` dict among many nodes (spmd_safe's).
+            n.meta["custom"] = {**n.meta.get("custom", {}), SCAN_REVERSE_ANNOTATION: True}
+        node.args = (combine, init, [x.args[0] for x in flips], additional)
+        n_carry = len(init)
+        for item in list(node.users):
+            if item.args[1] < n_carry:
+                continue
+            unflips = [u for u in item.users if _is_flip0(u)]
+            readers = [u for u in item.users if u not in unflips]
+            for unflip in unflips:  # flip(the stack) wanted layer order: the stack now is
+                unflip.replace_all_uses_with(item)
+                gm.graph.erase_node(unflip)
+            if readers:  # readers of the reversed order: give them the reversed order
+                with gm.graph.inserting_after(item):
+                    flip = gm.graph.call_function(flip_op, (item, [0]))
+                flip.meta["val"] = item.meta["val"]
+                for reader in readers:
+                    reader.replace_input_with(item, flip)
+        for dead in dict.fromkeys([*flips, old_combine]):
+            if not dead.users:
+                gm.graph.erase_node(dead)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
 ALL_GATHER_LOOKAHEAD = 8
 """All-gathers in flight ahead of the one the step waits for (`prefetch_all_gathers_pass`):
 about one decoder block's parameters (a Llama block has 9)."""
@@ -376,7 +470,7 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
 def _on_gloo(group_name: str) -> bool:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    from trainer.device import GLOO_SERIAL
+    from trainer.runtime.device import GLOO_SERIAL
 
     try:
         group = _resolve_process_group(group_name)
@@ -450,16 +544,21 @@ def _call_function(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
-def run_passes(gm: fx.GraphModule, *, reverse_scans: bool = False, decompositions: dict | None = None,
+def run_passes(gm: fx.GraphModule, *, reverse_scans: str | bool | None = None, decompositions: dict | None = None,
                fence_remat: bool = False, gloo_all_to_all: bool = True) -> GraphStats:
     """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), (gloo
     reduce-scatters as all-to-alls: `gloo_all_to_all`), all-gather prefetch, dead-code
-    elimination, stats. `reverse_scans`: run `scan_reverse_pass` (Inductor
-    only), tracing with `decompositions` (the compiler's table). `fence_remat`: put the
+    elimination, stats. `reverse_scans`: None / False: backward scans keep torch's flips;
+    "loop" (or True): `scan_reverse_pass` (Inductor), tracing with `decompositions` (the
+    compiler's table); "tag": `tag_reverse_scans` (torch-tpu). `fence_remat`: put the
     recomputed ops behind optimization barriers (XLA backends, trainer/graph/remat.py)."""
+    if reverse_scans not in (None, False, True, "loop", "tag"):
+        raise ValueError(f"reverse_scans: {reverse_scans!r}; allowed: None, 'loop', 'tag'")
     recomputed = remat_pass(gm, fence=fence_remat)
     scan_transpose_view_pass(gm)
-    if reverse_scans:
+    if reverse_scans == "tag":
+        tag_reverse_scans(gm)
+    elif reverse_scans:
         scan_reverse_pass(gm, decompositions=decompositions)
     if gloo_all_to_all:
         gloo_reduce_scatter_pass(gm)

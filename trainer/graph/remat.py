@@ -156,7 +156,9 @@ def remat_pass(gm: fx.GraphModule, *, fence: bool = False) -> int:
             args_map = {a: materialize(a, before) for a in dep.all_input_nodes}
             with graph.inserting_before(before):
                 dup = graph.node_copy(dep, lambda a: args_map.get(a, a))
-            dup.name = f"{dep.name}_recomputed"
+            # Through the graph's namespace: one op recomputed in two backward regions gets two
+            # names (a fixed name failed graph.lint() on the unrolled EP MoE step).
+            dup._rename(f"{dep.name}_recomputed")
             dup.meta = {**dep.meta, "autograd_backward": True}
             recomputed[dep] = dup
             copied += 1

@@ -9,7 +9,7 @@ learning rate is a tensor input, so the schedule never recompiles. Gradient accu
 unrolled in the graph (the micro-batch count is fixed by the config), so the graph grows
 with `gradient_accumulation_steps`, and not with `n_layers` when layer scan is on.
 
-It has the eager step's call shape (trainer/step.py): `step(microbatches, lr) -> StepOutput`
+It has the eager step's call shape (trainer/step/): `step(microbatches, lr) -> StepOutput`
 (mean LM loss over the micro-batches, global gradient norm before clipping, mean aux loss;
 0-dim device tensors), plus `compile_s` and `graph_nodes`. A non-finite gradient norm skips
 the update on the device (parameters, moments and step counts keep their values), as the
@@ -31,10 +31,7 @@ from torch.distributed.tensor import DTensor
 from models.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
-from trainer.step import StepOutput, lm_loss, local_scalar
-
-BACKENDS = ("aot_eager", "inductor", "tpu")
-
+from trainer.step.loss import StepOutput, lm_loss, local_scalar
 
 class GraphStep:
     """The captured train step. Call as `step(microbatches, lr)`; built by `build_graph_step`."""
@@ -44,7 +41,8 @@ class GraphStep:
                  dump_graph: str | None, grad_accum_steps: int, block_stacks: dict[str, nn.Module] | None = None,
                  scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True):
+                 loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True,
+                 passes_as: str | None = None):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -63,7 +61,7 @@ class GraphStep:
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
         self.capture = CaptureBackend(backend=backend, dump_path=dump_graph, bucket_cap_mb=bucket_cap_mb,
-                                      gloo_all_to_all=gloo_all_to_all)
+                                      gloo_all_to_all=gloo_all_to_all, passes_as=passes_as)
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._arity = 2
         step_fn = _own_code(self._step)
@@ -180,23 +178,16 @@ def _reduce_axes(slot) -> tuple:
     return grad_reduce_axes(slot.members[0] if slot.members else slot.param)
 
 
-def _check_backend_device(backend: str, device_type: str) -> None:
-    # A function of its own: the XLA tier's torch-tpu probe replaces it to run the `tpu` backend
-    # up to its lowering call in a CPU process.
-    if backend == "tpu" and device_type != "tpu":
-        raise ConfigError("compile.backend: tpu needs a TPU device; allowed here: inductor, aot_eager")
-
-
 def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                      backend: str, scan_layers: bool = False, ac_mode: str = "none",
                      dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
                      plan=None,
                      loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                      loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0,
-                     gloo_all_to_all: bool = True) -> GraphStep:
+                     gloo_all_to_all: bool = True, passes_as: str | None = None) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
-    The trainer calls this through `trainer.step.build_step`, which resolves the settings below
+    The trainer calls this through `trainer.job.Job.build_step`, which resolves the settings below
     from the config (`plan_step`).
     - `optimizer`: a `torch.optim.AdamW` over the model's parameters (all groups at one lr;
       its state is created now, before capture, in torch.optim's format).
@@ -213,24 +204,25 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     - `plan`: the model's `ModelPlan` (only `plan.stacks` is used); None = `layers`.
     - `loss_context`: entered around the step (TP loss parallel: `parallelisms.loss_parallel_context`).
     - `loss_fn(model, *micro_batch)`: the mean loss of one micro-batch, a tuple of tensors (the
-      task's loss, trainer/tasks.py; LM: `StepPlan.lm_loss(model, inputs, labels)`); None:
+      task's loss, trainer/tasks/; LM: `StepPlan.lm_loss(model, inputs, labels)`); None:
       `trainer.step.lm_loss` of the model's logits on (inputs, labels).
     - `bucket_cap_mb`: inductor only: merge independent all-gathers / reduce-scatters into
       buckets of at most this many MB (Inductor's FX bucketing); 0 = off.
     - `gloo_all_to_all`: on gloo groups, reduce-scatters run as all-to-alls + a local sum, in
       the gradient's dtype before its up-cast (`passes.gloo_reduce_scatter_pass`).
+    - `passes_as`: run the graph passes of this backend instead of `backend`'s (a check job
+      captures with aot_eager on meta tensors what the target's backend would compile).
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
 
     check_torch()
-    if ac_mode not in AC_MODES:
-        raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
-    if ac_mode != "none" and not scan_layers:
-        raise ValueError("build_graph_step: ac_mode applies inside a scanned body only; checkpoint "
-                         "unrolled blocks with parallelisms.apply_ac (parallelize_model) first")
-    if backend not in BACKENDS:
-        raise ConfigError(f"compile.backend: {backend!r} in graph mode; allowed: {', '.join(BACKENDS)}")
+    # The settings come from a `StepPlan` (trainer/step/plan.py: its RULES refused what cannot
+    # run, including `tpu` off a TPU); these are the internal invariants of a direct call.
+    assert ac_mode in AC_MODES, ac_mode
+    assert ac_mode == "none" or scan_layers, ("ac_mode applies inside a scanned body only; checkpoint unrolled "
+                                              "blocks with parallelisms.apply_ac (parallelize_model) first")
+    assert backend in ("aot_eager", "inductor", "tpu"), f"an unresolved backend {backend!r} (resolve_backend)"
     if grad_accum_steps < 1:
         raise ConfigError("training.gradient_accumulation_steps: must be >= 1")
     lrs = {float(g["lr"]) for g in optimizer.param_groups}
@@ -238,7 +230,6 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
         raise ConfigError(f"optimizer: graph mode takes one learning rate for all param groups, got {sorted(lrs)}")
     first = next(iter(model.parameters()))
     device = (first.to_local() if isinstance(first, DTensor) else first).device
-    _check_backend_device(backend, device.type)
     plan = plan if plan is not None else ModelPlan()
     block_stacks, scan_context = {}, contextlib.nullcontext
     if scan_layers:
@@ -247,7 +238,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
                      grad_accum_steps=grad_accum_steps, block_stacks=block_stacks, scan_context=scan_context,
                      loss_context=loss_context, loss_fn=loss_fn, bucket_cap_mb=bucket_cap_mb,
-                     gloo_all_to_all=gloo_all_to_all)
+                     gloo_all_to_all=gloo_all_to_all, passes_as=passes_as)
 
 
 def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:
@@ -258,7 +249,7 @@ def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callabl
     double- and single-stream blocks) each become one scan in the graph.
     """
     from models.common.stack import BlockStack
-    from trainer.graph.fsdp_scan import scan_param_fn
+    from parallelisms.scan import scan_param_fn
 
     stacks: dict[str, BlockStack] = {}
     for name in plan.stacks:

@@ -1,8 +1,9 @@
 """The TPU path of the graph step (torch-tpu's `tpu` compile backend). Not run on a TPU yet.
 
-Only imported when `backend == "tpu"`, which `build_graph_step` allows only on a TPU device,
+Only imported when `backend == "tpu"`, which the step plan's rules allow only on a TPU device,
 so nothing here touches torch-tpu on a CPU/GPU host (importing it there changes torch's
-globals; see docs/tpu.md). Written against reference/torch_tpu.md (torch-tpu 0.2.0):
+globals; see docs/tpu.md). Written against torch-tpu 0.2.0's API as read from the package,
+never run on a TPU (docs/tpu.md):
 
 - `spmd_safe(step_fn)`: the traced step runs under `torch.tpu.distributed.spmd_safe`, so
   torch-tpu does not split the compiled program at every SimpleFSDP / TP collective (its
@@ -25,7 +26,7 @@ from models.errors import ConfigError
 
 
 def _torch_tpu():
-    from trainer.device import tpu_present
+    from trainer.runtime.device import tpu_present
 
     if not tpu_present():
         raise ConfigError("compile.backend: tpu needs torch-tpu and a TPU; allowed here: auto, inductor, aot_eager")

@@ -55,7 +55,7 @@ def _build(family_name: str, flavor: str, n_layers: int):
 def capture(variant: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from trainer.graph import build_graph_step
-    from trainer.graph.xla import RECORD
+    from tools.xla_lowering import RECORD
 
     family, flavor, mode, n_layers, *rest = variant.split(":")
     args, model, opt, plan = _build(family, flavor, int(n_layers))
@@ -134,7 +134,7 @@ def lower_and_run(torchax, rec: dict, out_path: str) -> dict:
     import jax
     import numpy as np
 
-    from trainer.graph.xla import as_jax_function
+    from tools.xla_lowering import as_jax_function
 
     env = torchax.default_env()
     fn, tensor_idx = as_jax_function(rec)
@@ -180,7 +180,7 @@ def main() -> None:
     out_dir, variants = sys.argv[1], sys.argv[2:]
     os.makedirs(out_dir, exist_ok=True)
     torch.set_num_threads(1)
-    from trainer.graph.xla import record_first_call
+    from tools.xla_lowering import record_first_call
 
     record_first_call()
     results, records = {}, {}
@@ -190,7 +190,7 @@ def main() -> None:
         except Exception as e:  # reported per variant; the test decides
             results[v] = {"error": f"{type(e).__name__}: {e}"[:2000], "stage": "capture",
                           "traceback": traceback.format_exc()[-3000:]}
-    from trainer.graph.xla import add_lowerings, load_torchax
+    from tools.xla_lowering import add_lowerings, load_torchax
 
     torchax = load_torchax()
     add_lowerings(torchax.default_env())

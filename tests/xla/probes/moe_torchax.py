@@ -19,7 +19,7 @@ import json
 import torch
 
 from models.qwen3 import FLAVORS, Transformer
-from trainer.graph.xla import load_torchax  # torchax on torch 2.13 (its import shim)
+from tools.xla_lowering import load_torchax  # torchax on torch 2.13 (its import shim)
 
 
 def main() -> None:

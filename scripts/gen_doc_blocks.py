@@ -1,0 +1,213 @@
+"""Write the generated blocks of README.md and docs/training.md from the code they describe.
+
+    python scripts/gen_doc_blocks.py            # rewrite the blocks
+    python scripts/gen_doc_blocks.py --check    # exit 1 if a block is stale (used by tests/test_docs.py)
+
+A block sits between `<!-- BEGIN generated:NAME ... -->` and `<!-- END generated:NAME -->`;
+only its inside is rewritten. The blocks:
+- README.md `layout`: the top-level folders, and the modules and packages of trainer/, models/
+  and parallelisms/ (trainer's subpackages one level deeper), each with the first sentence of
+  its docstring (read with `ast`, nothing imported). A package whose modules are listed under
+  it keeps only the head of a long first sentence (up to its first colon). Folders without
+  Python packages (and tests/) have their line in FOLDERS below; a top-level folder missing from
+  ORDER is an error.
+- README.md `sections`: the recipe sections and their keys (`trainer.config.field_docs`).
+- docs/training.md `rules`: the step plan's refusal table (`trainer.step.plan.RULES`): the key,
+  when the rule refuses (its predicate over `StepRequest` fields, as written) and the message.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WIDTH = 100
+NAME_COL = 16
+EXPANDED = ("trainer", "models", "parallelisms")
+"""Top-level packages whose modules are listed; trainer's subpackages are listed one level deeper."""
+ORDER = ("trainer", "models", "kernels", "parallelisms", "planner", "tools", "configs", "scripts", "tests",
+         "examples", "assets", "docs")
+FOLDERS = {
+    "configs": "TOML recipes, <model>_<size>[_<target>].toml; a pod recipe names its `[job] target`",
+    "scripts": "train.sh, test.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, convert.py (HF <-> DCP), "
+               "sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders, bench_*.py, "
+               "the doc generators",
+    "tests": "pytest, CPU only by default (markers for multi-process, slow, tpu, cuda); toy_family.py is "
+             "a model family defined outside models/; tests/xla is the XLA tier (its own venvs)",
+    "examples": "grpo_debug.py: GRPO on the debug Llama 3 through the engine API (docs/engine.md)",
+    "assets": "the bundled corpus and BPE tokenizers (offline debug runs), anchors.toml (published "
+              "numbers that benchmarks compare against)",
+    "docs": "the pages in the table above; results/ holds every measurement's CSV",
+}
+
+
+# ----------------------------------------------------------------------------------- layout
+
+
+def first_sentence(path: Path) -> str:
+    """The first sentence of the module docstring's first paragraph, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    if not doc:
+        raise SystemExit(f"{path.relative_to(ROOT)}: no module docstring (the layout reads its first sentence)")
+    para = " ".join(doc.split("\n\n")[0].split())
+    sentence = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", para, maxsplit=1)[0]
+    return sentence[:-1] if sentence.endswith(".") else sentence
+
+
+def _entry(indent: int, name: str, summary: str, col: int) -> list[str]:
+    head = " " * indent + name
+    col = max(col, len(head) + 2)
+    lines = textwrap.wrap(summary, width=WIDTH - col, break_on_hyphens=False) or [""]
+    return [head.ljust(col) + lines[0]] + [" " * col + line for line in lines[1:]]
+
+
+def _package_lines(pkg: Path, indent: int, depth: int) -> list[str]:
+    """The modules, then the subpackages, of `pkg` (sorted), `depth` levels of subpackages deep;
+    the summaries of siblings start in one column."""
+    modules = [p for p in sorted(pkg.glob("*.py")) if p.name != "__init__.py"]
+    subs = sorted(p for p in pkg.iterdir() if (p / "__init__.py").is_file())
+    names = [p.name for p in modules] + [p.name + "/" for p in subs]
+    col = max([NAME_COL + indent] + [indent + len(n) + 2 for n in names])
+    out = []
+    for path in modules:
+        out += _entry(indent, path.name, first_sentence(path), col)
+    for sub in subs:
+        summary = first_sentence(sub / "__init__.py")
+        if depth > 0 and len(summary) > WIDTH - col and ": " in summary:
+            summary = summary.split(": ", 1)[0]
+        out += _entry(indent, sub.name + "/", summary, col)
+        if depth > 0:
+            out += _package_lines(sub, indent + 2, depth - 1)
+    return out
+
+
+def _top_level_folders() -> list[str]:
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return sorted({f.split("/")[0] for f in files.splitlines() if "/" in f and not f.startswith(".")})
+
+
+def render_layout() -> str:
+    folders = _top_level_folders()
+    unknown = [f for f in folders if f not in ORDER]
+    if unknown:
+        raise SystemExit(f"scripts/gen_doc_blocks.py: top-level folder(s) {unknown} have no layout line; "
+                         "add them to ORDER (and to FOLDERS unless they are Python packages)")
+    out = ["```"]
+    for name in ORDER:
+        if name not in folders:
+            continue
+        init = ROOT / name / "__init__.py"
+        summary = FOLDERS[name] if name in FOLDERS else first_sentence(init)
+        if name in EXPANDED:
+            if len(summary) > WIDTH - NAME_COL and ": " in summary:
+                summary = summary.split(": ", 1)[0]
+            out += _entry(0, name + "/", summary, NAME_COL)
+            out += _package_lines(ROOT / name, 2, 1 if name == "trainer" else 0)
+        else:
+            out += _entry(0, name + "/", summary, NAME_COL)
+    out.append("```")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------- sections
+
+
+def render_sections() -> str:
+    from trainer.config import field_docs
+
+    lines = []
+    for section, rows in field_docs().items():
+        keys = [key for key, _, _ in rows if key != "overrides"]
+        extra = ", and any field of the flavor's args" if section == "model" else ""
+        lines += textwrap.wrap(f"- `[{section}]` {', '.join(keys)}{extra}", width=WIDTH, subsequent_indent="  ",
+                               break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ rules
+
+
+class _Field(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class _Placeholders:
+    def __getattr__(self, name: str) -> _Field:
+        return _Field(f"`<{name}>`")
+
+
+def _predicates() -> list[str]:
+    """Each rule's `refuses` lambda body, as written in trainer/step/plan.py (the `r.` dropped)."""
+    tree = ast.parse((ROOT / "trainer" / "step" / "plan.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "RULES":
+            out = []
+            for call in node.value.elts:
+                lam = call.args[1]
+                assert isinstance(lam, ast.Lambda), ast.dump(call)
+                out.append(re.sub(r"\br\.", "", ast.unparse(lam.body)))
+            return out
+    raise SystemExit("trainer/step/plan.py: no RULES table")
+
+
+def render_rules() -> str:
+    from trainer.step.plan import RULES
+
+    predicates = _predicates()
+    assert len(predicates) == len(RULES), (len(predicates), len(RULES))
+    out = ["| # | key | refused when (`StepRequest` fields) | message after `error: key:` |", "|---|---|---|---|"]
+    for i, (rule, when) in enumerate(zip(RULES, predicates), 1):
+        why = rule.why.format(r=_Placeholders()).replace("|", "\\|")
+        when = when.replace("|", "\\|")
+        out.append(f"| {i} | `{rule.key}` | `{when}` | {why} |")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------- blocks
+
+BLOCKS = {
+    "README.md": {"layout": render_layout, "sections": render_sections},
+    "docs/training.md": {"rules": render_rules},
+}
+
+
+def replace_block(text: str, name: str, body: str, *, path: str) -> str:
+    begin = re.search(rf"<!-- BEGIN generated:{name}\b[^>]*-->\n", text)
+    end = re.search(rf"<!-- END generated:{name} -->", text)
+    if not begin or not end or end.start() < begin.end():
+        raise SystemExit(f"{path}: no '<!-- BEGIN generated:{name} ... -->' ... "
+                         f"'<!-- END generated:{name} -->' markers")
+    return text[:begin.end()] + body + "\n" + text[end.start():]
+
+
+def main() -> int:
+    check = "--check" in sys.argv
+    stale = []
+    for rel, blocks in BLOCKS.items():
+        path = ROOT / rel
+        text = path.read_text()
+        new = text
+        for name, render in blocks.items():
+            new = replace_block(new, name, render(), path=rel)
+        if new != text:
+            stale.append(rel)
+            if not check:
+                path.write_text(new)
+    if check and stale:
+        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/gen_doc_blocks.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The captured graph step as a JAX function: torchax lowering for the XLA tier and estimate_xla.
+
+Never imported by the trainer. A process that uses it captures first and lowers after:
+importing torchax renames PrivateUse1 to `jax`, after which Dynamo fails on every frame
+(so the XLA tier's lowering probe captures every variant before it imports torchax; docs/tpu.md,
+"The XLA test tier"). The route (tests/xla, scripts/estimate_xla.py):
+
+1. `record_first_call()`, then build and call the graph step with `backend="aot_eager"`: the
+   ATen graph's flat inputs are recorded (before and after its first run) and its outputs;
+2. `load_torchax()` and `add_lowerings(env)`;
+3. `as_jax_function(record)`: the graph as a JAX function of its tensor inputs returning
+   (outputs, updated inputs), to `jax.jit(...).lower(...)` on XLA:CPU or a TPU topology.
+
+Pieces for torchax 0.0.13 on torch 2.13:
+
+- `load_torchax()`: torch 2.13 removed the Dimname overloads (`prod.dim_Dimname`, ...) that
+  torchax names in its amp and decomposition tables. Missing `*Dimname*` / `*names*` overload
+  lookups answer an inert placeholder in this process; torchax only uses them as dictionary
+  keys, which no traced op ever matches.
+- `add_lowerings(env)`: ATen ops of the captured step that torchax has no rule for:
+  the scan higher-order op (-> `jax.lax.scan`, one `stablehlo.while`; `reverse=True` for a body
+  that `trainer.graph.passes.tag_reverse_scans` tagged, as torch-tpu honours it), `detach_copy`
+  (functionalized `detach` in scan bodies), `prims.fma` (torch 2.13's `lerp_` decomposition
+  in the AdamW update), `repeat_interleave(..., output_size=)` (MoE dispatch) and the remat
+  fence `titan::optimization_barrier` (-> `jax.lax.optimization_barrier`; trainer/graph/remat.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._ops
+
+RECORD: dict = {}
+"""What `record_first_call` saw: gm, pre, post, out, originals (the input tensors themselves)."""
+
+
+class CaptureDone(Exception):
+    """Raised instead of running the graph by `record_first_call(stop=True)`."""
+
+
+_STOP = [False]
+
+
+def record_first_call(*, clone: bool = True, stop: bool = False) -> None:
+    """Wrap functorch's `make_boxed_func`, which the aot_eager capture calls on the ATen graph,
+    so that the next graph's first call records its inputs before and after and its outputs
+    into `RECORD` (cleared by the caller). `clone=False` keeps references only; `stop=True`
+    records the inputs and raises `CaptureDone` instead of running the graph."""
+    import functorch.compile as fc
+
+    _STOP[0] = stop
+    if getattr(fc.make_boxed_func, "_titan_recording", False):
+        return
+    original = fc.make_boxed_func
+
+    def keep(values):
+        return [v.detach().clone() if clone and torch.is_tensor(v) else v for v in values]
+
+    def recording(fn):
+        boxed = original(fn)
+        self_gm = getattr(fn, "__self__", None)
+
+        def call(args):
+            if "pre" in RECORD:
+                return boxed(args)
+            originals = list(args)
+            RECORD.update(gm=self_gm, pre=keep(originals), originals=originals)
+            if _STOP[0]:
+                raise CaptureDone
+            out = boxed(args)
+            RECORD.update(post=keep(originals), out=keep(out))
+            return out
+
+        call._boxed_call = True
+        return call
+
+    recording._titan_recording = True
+    fc.make_boxed_func = recording
+
+
+def load_torchax():
+    """Import torchax (and jax) on torch 2.13; returns the torchax module."""
+    packet = torch._ops.OpOverloadPacket
+    original = packet.__getattr__
+
+    def lenient(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if "imname" in key or "names" in key:
+                return f"<removed overload {self._qualified_op_name}.{key}>"
+            raise
+
+    # Left in place: torchax imports its decomposition table lazily, on the first environment.
+    packet.__getattr__ = lenient
+    import torchax
+
+    return torchax
+
+
+def add_lowerings(env):
+    """Register the missing lowerings (module docstring) on torchax environment `env`."""
+    import jax
+    import jax.numpy as jnp
+    from torchax import interop
+
+    def to_jax(values):
+        return [v.jax() if hasattr(v, "jax") else env.t2j_iso(v) for v in values]
+
+    def scan(combine_fn, init, xs, additional_inputs=()):
+        num_carry = len(init)
+        constants = to_jax(additional_inputs)
+
+        def body(carry, x):
+            carry_t, x_t, const_t = env.j2t_iso((list(carry), list(x), constants))
+            with env:
+                outs = [o.jax() for o in combine_fn(*carry_t, *x_t, *const_t)]
+            return outs[:num_carry], outs[num_carry:]
+
+        # A body tagged by trainer.graph.passes.tag_reverse_scans runs from the last row to the
+        # first, its outputs stored at the row they came from: `reverse=True`, as torch-tpu does.
+        carry, ys = jax.lax.scan(body, to_jax(init), to_jax(xs), reverse=_reversed(combine_fn))
+        return env.j2t_iso(list(carry) + list(ys))
+
+    def repeat_interleave_self(x, repeats, dim=None, output_size=None):
+        return interop.call_jax(
+            lambda a, r: jnp.repeat(a, r, axis=dim, total_repeat_length=output_size), x, repeats)
+
+    def repeat_interleave_counts(repeats, output_size=None):
+        return interop.call_jax(
+            lambda r: jnp.repeat(jnp.arange(r.shape[0], dtype=r.dtype), r, total_repeat_length=output_size),
+            repeats)
+
+    env.override_op_definition(torch.ops.higher_order.scan, scan)
+    env.override_op_definition(torch.ops.aten.detach_copy.default, lambda x: x.clone())
+    env.override_op_definition(torch.ops.prims.fma.default, lambda a, b, c: a * b + c)
+    env.override_op_definition(torch.ops.aten.repeat_interleave.self_Tensor, repeat_interleave_self)
+    env.override_op_definition(torch.ops.aten.repeat_interleave.Tensor, repeat_interleave_counts)
+    from trainer.graph.remat import OPTIMIZATION_BARRIER
+
+    env.override_op_definition(OPTIMIZATION_BARRIER,
+                               lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs))))
+    return env
+
+
+def _reversed(combine_fn) -> bool:
+    from torch import fx
+
+    from trainer.graph.passes import scan_is_reversed
+
+    return isinstance(combine_fn, fx.GraphModule) and scan_is_reversed(combine_fn)
+
+
+def _drop_device_args(gm) -> None:
+    """Remove `device=` from `_to_copy` nodes (also in scan bodies): the graph was captured on the
+    CPU, and torchax takes `_to_copy(..., device=cpu)` (a mixed-precision cast spelled with its
+    device) as a copy out of JAX, which fails under tracing. The whole step is on one device."""
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            continue
+        changed = False
+        for node in graph.nodes:
+            if node.target is torch.ops.aten._to_copy.default and "device" in node.kwargs:
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
+                changed = True
+        if changed:
+            module.recompile()
+
+
+def as_jax_function(record: dict):
+    """(fn, tensor_indices): `fn(*tensors) -> (outputs, updated tensors)` as a JAX function.
+
+    `tensors` are the graph's tensor inputs (`record["pre"][i]` for i in tensor_indices); the
+    graph updates parameters and optimizer state in place (`copy_` into its inputs), so the
+    updated inputs are returned. Needs `load_torchax()` first.
+    """
+    from torchax import interop
+
+    gm, pre = record["gm"], record["pre"]
+    _drop_device_args(gm)
+    tensor_idx = [i for i, a in enumerate(pre) if torch.is_tensor(a)]
+
+    def step(*tensors):
+        args = list(pre)
+        for i, t in zip(tensor_idx, tensors):
+            args[i] = t
+        outs = gm(*args)
+        return list(outs), [args[i] for i in tensor_idx]
+
+    return interop.jax_view(step), tensor_idx

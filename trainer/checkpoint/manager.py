@@ -1,0 +1,399 @@
+"""Distributed checkpoints (DCP): atomic save, resume, retention, async, initial weights.
+
+Layout under the checkpoint folder:
+
+    step-N/          a complete checkpoint (DCP files + .metadata), the only thing `load` reads
+    .tmp-step-N/     a save in progress (or one that crashed); ignored, removed by the next save
+    .old-step-N/     a checkpoint being deleted or replaced; ignored, removed by the next save
+
+A save writes `.tmp-step-N`, waits until every rank's shards and the metadata are on disk, and
+then rank 0 renames it to `step-N` (atomic on POSIX), so a job killed half-way never leaves a
+newest `step-N` that fails to load. Deletion renames before removing, for the same reason.
+
+The DCP state dict has one top-level key per state: `model`, `optimizer`, `lr_scheduler`,
+`dataloader`, `train_state`; model parameters therefore appear as
+`model.layers.0.attention.wq.weight` (scripts and the HF converter rely on it). Model and
+optimizer go through `torch.distributed.checkpoint.state_dict`, so DTensor-sharded (SimpleFSDP,
+TP, EP) states save and load across different meshes and world sizes. The learning-rate schedule
+and the data loader are saved as they are: their states are plain values, the same on every rank
+(trainer/data/text.py keeps a mesh-independent position), so DCP keeps one copy. The RNG states
+differ per rank and are stored under `train_state.rng.rank_<r>`; a rank that has no entry (the
+run resumed on more ranks) keeps its seeded RNG and says so.
+
+All ranks must share the checkpoint folder (a shared or network file system across hosts).
+"""
+
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+from models.errors import ConfigError
+from trainer.runtime.device import cpu_backend
+
+from trainer.checkpoint.manifest import MANIFEST, verify_checkpoint, write_manifest, CorruptCheckpointError
+from trainer.checkpoint.state import (ASYNC_MODES, Stateful, _dist_on, _rank, _say, short_error, _fsync_dir,
+    _drop_missing_rank_entries, _DCP_ERRORS, _STEP_DIR, logger)
+
+# ---------------------------------------------------------------------------------------------
+# Key and shape checks: every load path refuses a state that does not match in either direction.
+
+
+def _natural(key: str) -> list:
+    """Sort key that puts layers.2 before layers.10."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", key)]
+
+
+def check_entries(*, expected: dict[str, tuple | None], stored: dict[str, tuple | None], key: str,
+                  where: str, what: str = "the model", fix: str = "") -> None:
+    """ConfigError naming the first differing entries unless `stored` has exactly the names of
+    `expected` and the same shapes (None = not a tensor, shape not compared).
+
+    expected: what this run needs (name -> shape); stored: what the file holds. Used by every
+    load path (resume, initial dcp/hf weights, scripts/convert.py both ways), so a checkpoint
+    with more or fewer layers, or other widths, is refused before anything is loaded or written.
+    """
+    missing = sorted(set(expected) - set(stored), key=_natural)
+    unexpected = sorted(set(stored) - set(expected), key=_natural)
+    reshaped = [k for k in sorted(set(expected) & set(stored), key=_natural)
+                if expected[k] is not None and stored[k] is not None and tuple(expected[k]) != tuple(stored[k])]
+    if not (missing or unexpected or reshaped):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} entries of {what} are not in it (first: {', '.join(missing[:3])})")
+    if unexpected:
+        parts.append(f"it has {len(unexpected)} entries {what} lacks (first: {', '.join(unexpected[:3])})")
+    if reshaped:
+        k = reshaped[0]
+        parts.append(f"{len(reshaped)} entries differ in shape (first: {k} is {list(stored[k])} there, "
+                     f"{list(expected[k])} in {what})")
+    raise ConfigError(f"{key}: {where} does not match {what}: " + "; ".join(parts)
+                      + (f"; {fix}" if fix else "; allowed: a checkpoint of the same model args (n_layers, dim, ...)"))
+
+
+def _shape(value: Any) -> tuple | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _stored_shapes(path: Path) -> dict[str, tuple | None]:
+    """name -> global shape (None for non-tensor entries) from a DCP checkpoint's metadata."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k: (tuple(v.size) if hasattr(v, "size") else None) for k, v in metadata.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager.
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions...); earlier checkpoints are intact."""
+
+
+def _then_manifest(future: Any, folder: Path) -> None:
+    """Rank 0's async save: wait for DCP's write (every rank's files and .metadata), then write
+    the manifest, in the background thread, before the checkpoint is published."""
+    future.result()
+    write_manifest(folder)
+
+
+def _result(future: Any, step: int) -> None:
+    try:
+        future.result()
+    except _DCP_ERRORS as e:
+        raise CheckpointSaveError(f"checkpoint: saving step {step} failed: {short_error(e)}") from e
+
+
+def complete_steps(folder: str | os.PathLike) -> list[int]:
+    """Steps with a complete checkpoint under `folder` (step-N with DCP metadata), ascending."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for entry in folder.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / ".metadata").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+class CheckpointManager:
+    """Save every `interval` steps, resume from the newest complete checkpoint.
+
+    folder: the checkpoint folder (absolute, or relative to the working directory; the trainer
+        passes dump_folder/checkpoint.folder).
+    keep_latest_k: keep only the newest k complete checkpoints (0 keeps all).
+    async_mode: "disabled" (blocking dcp.save) or "async" (dcp.async_save: states are copied to
+        host memory, written in a background thread over a dedicated gloo group, and renamed to
+        step-N once the write has finished; `wait()` blocks until then).
+    load_step: -1 resumes from the newest complete checkpoint (or starts fresh if none); N >= 0
+        loads step-N and fails with ConfigError if it is missing or broken.
+    fallback_on_corrupt: when the newest checkpoint fails its checksums (load_step -1), load the
+        newest older one that passes instead of stopping with an error (which names the file
+        and the older step to use).
+    Every save writes manifest.json (per-file CRC-32s) into the checkpoint before it becomes
+    visible; every load checks it first.
+    Every rank constructs the manager and calls every method (the calls hold collectives).
+    """
+
+    def __init__(self, *, folder: str | os.PathLike, interval: int, keep_latest_k: int, async_mode: str,
+                 enable: bool, load_step: int = -1, fallback_on_corrupt: bool = False):
+        if async_mode not in ASYNC_MODES:
+            raise ConfigError(f"checkpoint.async_mode: {async_mode!r} is not a mode; allowed: {', '.join(ASYNC_MODES)}")
+        if interval < 1:
+            raise ConfigError(f"checkpoint.interval: {interval} must be >= 1")
+        if keep_latest_k < 0:
+            raise ConfigError(f"checkpoint.keep_latest_k: {keep_latest_k} must be >= 0 (0 keeps all)")
+        if load_step < -1:
+            raise ConfigError(f"checkpoint.load_step: {load_step}; allowed: -1 (newest) or a saved step >= 0")
+        self.folder = Path(folder)
+        self.interval = interval
+        self.keep_latest_k = keep_latest_k
+        self.async_mode = async_mode
+        self.enable = enable
+        self.load_step = load_step
+        self.fallback_on_corrupt = fallback_on_corrupt
+        self._pending: tuple[Any, int] | None = None  # (future, step) of an async save
+        self._hasher: ThreadPoolExecutor | None = None  # rank 0: writes an async save's manifest
+        self._last_saved_step: int | None = None
+        self._distributed = _dist_on()
+        self._is_rank0 = _rank() == 0
+        # Checkpoint coordination (DCP's plan exchange, barriers, async saves) runs on its own
+        # gloo group: async saves talk from a background thread and must not interleave with
+        # the training collectives, and gloo works whatever the device backend is.
+        self._pg = dist.new_group(backend=cpu_backend()) if (enable and self._distributed) else None
+        if enable and self.folder.exists() and not self.folder.is_dir():
+            raise ConfigError(f"checkpoint.folder: {self.folder} exists and is not a directory")
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint (step-N with DCP metadata), ascending."""
+        return complete_steps(self.folder)
+
+    def step_path(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    # -- load -------------------------------------------------------------------------------
+
+    def load(self, states: dict[str, Stateful]) -> int:
+        """Restore `states` from the newest complete checkpoint (or step `load_step`).
+
+        Returns the step loaded, or 0 when checkpointing is off or there is nothing to resume.
+        A missing or unreadable checkpoint named by load_step, a checkpoint whose files fail
+        their checksums, or one that does not fit the states (other keys or shapes: another
+        model, more or fewer layers) raises ConfigError; nothing on disk is changed. Prints
+        (rank 0) what was taken from the checkpoint and what from the config.
+        """
+        if not self.enable:
+            return 0
+        available = self.complete_steps()
+        if self.load_step >= 0:
+            key = "checkpoint.load_step"
+            if self.load_step not in available:
+                raise ConfigError(
+                    f"checkpoint.load_step: {self.step_path(self.load_step)} is not a complete checkpoint; "
+                    f"allowed: -1 (newest) or one of the saved steps {available or '(none)'}"
+                )
+            candidates = [self.load_step]
+        else:
+            key = "checkpoint.folder"
+            if not available:
+                return 0
+            candidates = available[::-1]
+        for i, step in enumerate(candidates):
+            path = self.step_path(step)
+            problem = self._verify(path)
+            if problem is None:
+                break
+            older = candidates[i + 1:] if self.load_step < 0 else [s for s in available if s < step][::-1]
+            if self.load_step < 0 and self.fallback_on_corrupt and older:
+                _say(f"checkpoint: {problem}; checkpoint.fallback_on_corrupt is set: trying step-{older[0]}")
+                continue
+            if older:
+                hint = (f"to resume from the previous checkpoint set checkpoint.load_step = {older[0]} "
+                        "(or checkpoint.fallback_on_corrupt = true)")
+            else:
+                hint = "no older checkpoint to fall back to; move the folder away to start fresh"
+            raise ConfigError(f"{key}: {path} is corrupt: {problem}; {hint}")
+        self._load_path(path, states, key)
+        _say(f"checkpoint: resumed from {path} (step {step}): weights, optimizer moments, lr-schedule step, "
+             "data position and RNG from the checkpoint; lr, schedule, betas, eps and weight_decay from the config")
+        for state in states.values():
+            for note in getattr(state, "resume_notes", ()):
+                _say(f"checkpoint:   {note}")
+        return step
+
+    def _verify(self, path: Path) -> str | None:
+        """Rank 0 checks the manifest (one read of the files, not one per rank); every rank gets
+        the verdict: None if the checkpoint is intact (or has no manifest), else the reason."""
+        problem = None
+        if self._is_rank0:
+            try:
+                if not verify_checkpoint(path):
+                    logger.warning("checkpoint: %s has no %s (written before checksums); not verified", path, MANIFEST)
+            except CorruptCheckpointError as e:
+                problem = str(e)
+        if self._distributed:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0, group=self._pg)
+            problem = box[0]
+        return problem
+
+    def _load_path(self, path: Path, states: dict[str, Stateful], key: str) -> None:
+        try:
+            stored = _stored_shapes(path)
+        except Exception as e:
+            raise ConfigError(f"{key}: {path} is not a readable DCP checkpoint ({short_error(e)})") from e
+        state_dict = {name: state.state_dict() for name, state in states.items()}
+        _drop_missing_rank_entries(state_dict, set(stored))
+        flat = flatten_state_dict(state_dict)[0]
+        # Model and optimizer moments must match exactly, in both directions (a checkpoint with
+        # more layers must not load into fewer); the small states only need what this run reads.
+        strict = ("model.", "optimizer.state.")
+        check_entries(expected={k: _shape(v) for k, v in flat.items() if k.startswith(strict)},
+                      stored={k: v for k, v in stored.items() if k.startswith(strict)},
+                      key=key, where=str(path), what="this run's model and optimizer")
+        missing = [k for k in flat if k not in stored]
+        if missing:
+            raise ConfigError(
+                f"{key}: {path} does not match this run: {len(missing)} entries missing, e.g. {missing[:3]} "
+                "(another model or optimizer?)"
+            )
+        try:
+            dcp.load(state_dict, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._distributed)
+        except _DCP_ERRORS as e:
+            raise ConfigError(f"{key}: cannot load {path}: {short_error(e)}") from e
+        for name, state in states.items():
+            state.load_state_dict(state_dict[name])
+
+    # -- save -------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, states: dict[str, Stateful], *, force: bool = False) -> bool:
+        """Save at every `interval`-th step (or when `force`, e.g. the last step).
+
+        Also finishes an earlier async save whose write has completed. Returns True if a save
+        of `step` was started.
+        """
+        if not self.enable:
+            return False
+        self._poll_async()
+        if step == self._last_saved_step or not (force or step % self.interval == 0):
+            return False
+        self.save(step, states)
+        return True
+
+    def save(self, step: int, states: dict[str, Stateful]) -> None:
+        """Write `states` as step-N now (blocking, or started in the background when async)."""
+        assert self.enable
+        self.wait()  # one save in flight at a time; also publishes the previous one
+        tmp = self.folder / f".tmp-step-{step}"
+        if self._is_rank0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
+        self._barrier()
+        state_dict = {name: state.state_dict() for name, state in states.items()}
+        self._last_saved_step = step
+        try:
+            if self.async_mode == "async":
+                future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self._pg,
+                                        no_dist=not self._distributed)
+                if self._is_rank0:
+                    # The manifest is written in the background too, once DCP's write is done.
+                    self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="ckpt-manifest")
+                    future = self._hasher.submit(_then_manifest, future, tmp)
+                self._pending = (future, step)
+                return
+            dcp.save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
+        except _DCP_ERRORS as e:
+            raise CheckpointSaveError(f"checkpoint: saving {tmp} failed: {short_error(e)}") from e
+        self._barrier()  # every rank's shards are written before the checkpoint becomes visible
+        if self._is_rank0:
+            try:
+                write_manifest(tmp)
+            except OSError as e:
+                raise CheckpointSaveError(f"checkpoint: writing {tmp / MANIFEST} failed: {short_error(e)}") from e
+            self._publish(step)
+        self._barrier()
+
+    def _poll_async(self) -> None:
+        """Publish a finished async save without blocking (called every step)."""
+        if self._pending is None:
+            return
+        future, step = self._pending
+        if not future.done():
+            return
+        self._pending = None
+        _result(future, step)  # re-raise a failed write on every rank
+        # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
+        # results, so on rank 0 a finished future means the whole checkpoint is on disk.
+        if self._is_rank0:
+            self._publish(step)
+
+    def wait(self) -> None:
+        """Block until an in-flight async save is written and published as step-N."""
+        if self._pending is None:
+            return
+        future, step = self._pending
+        self._pending = None
+        _result(future, step)
+        if self._is_rank0:
+            self._publish(step)
+        self._barrier()
+
+    def close(self) -> None:
+        """Finish any in-flight save and release the checkpoint process group."""
+        self.wait()
+        if self._pg is not None and _dist_on():
+            dist.destroy_process_group(self._pg)
+        self._pg = None
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
+
+    # -- rank-0 file operations -----------------------------------------------------------------
+
+    def _publish(self, step: int) -> None:
+        tmp = self.folder / f".tmp-step-{step}"
+        final = self.step_path(step)
+        assert (tmp / ".metadata").is_file(), f"{tmp} has no .metadata after a finished save"
+        old = self.folder / f".old-step-{step}"
+        if final.exists():
+            # Re-saving a step (resumed from an older one): move the old copy aside first, so
+            # `final` is at every instant either absent or complete.
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(self.folder)
+        shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint: saved %s", final)
+        self._purge()
+
+    def _purge(self) -> None:
+        if self.keep_latest_k <= 0:
+            return
+        for step in self.complete_steps()[: -self.keep_latest_k]:
+            old = self.folder / f".old-step-{step}"
+            self.step_path(step).rename(old)  # invisible to load before any file is removed
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        for entry in self.folder.iterdir():
+            if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier(group=self._pg)
+
+

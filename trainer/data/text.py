@@ -1,0 +1,665 @@
+"""Token data loader: datasets streaming -> tiktoken -> packed windows -> per-rank batches.
+
+Dataset specs (`[training] dataset`, `[validation] dataset`):
+- `"bundled"`: the corpus in `assets/corpus/` (`split` picks train.jsonl.gz or
+  validation.jsonl.gz);
+- a local file, folder or glob of `.json`/`.jsonl`/`.parquet`/`.txt` files (optionally
+  `.gz`/`.bz2`/`.xz` compressed; one kind per spec). json/parquet rows supply the field
+  `text_field`; a .txt file gives one document per paragraph (blank-line separated);
+- a Hugging Face Hub dataset `owner/name[:config]`, e.g. `allenai/c4:en` (needs network),
+  read with `split`.
+
+The global window stream is a function of the data, the tokenizer, `seq_len`, `seed` and
+the number S of virtual data shards (`[training] dataset_shards`) only, never of the mesh.
+Every document belongs to one shard: with at least S files, shard s holds files s, s+S, ...
+(for a Hub dataset: its data files, `IterableDataset.shard(S, s, contiguous=False)`);
+otherwise row i (file order) goes to shard i mod S. Each shard reads its rows in blocks of
+K = ceil(shuffle_block_docs / S) documents, permutes each block by a hash keyed on
+(seed, epoch, shard, block), turns each document into `[BOS] tokens [EOS]`, and cuts the
+concatenation of all its epochs into windows of `seq_len + 1` tokens (inputs = w[:-1],
+labels = w[1:]). Global window g is window g div S of shard g mod S.
+
+Call c of `next_batch` on dp rank r returns global windows `c*D*B + r*B + [0, B)`
+(D = dp_degree, B = local_batch_size), so optimizer step s with A accumulation calls covers
+windows `[s*G, (s+1)*G)`, G = B*D*A, whatever the mesh. S is a multiple of D*B, so rank r
+reads only the S/D shards s with (s - W0) mod D*B in [r*B, r*B + B) (W0: the window where the
+run started): it opens only its shards' files, or, with fewer files than shards, parses every
+row but tokenizes only its own. The training data work per rank falls as 1/D. Validation
+(any split but "train") is one shard read in order: every rank reads the validation stream
+and keeps its slice, so all ranks agree where it ends.
+
+The state (`state_dict`) is the global window count and each shard's position (epoch, block,
+token offset in the block, windows taken), gathered from every rank (`gather`), so it is the
+same on each and a checkpoint from D ranks resumes exactly on any D' that divides S / B'.
+Resuming reads only the current block of each of the rank's shards again.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob as globlib
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.errors import ConfigError
+
+_ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
+BUNDLED_CORPUS_DIR = os.path.join(_ASSETS, "corpus")
+
+SHUFFLE_BLOCK_DOCS = 8192
+DEFAULT_SHARDS = 64
+_COMPRESSION = (".gz", ".bz2", ".xz")
+_KIND_BY_EXT = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+_ALLOWED = "'bundled', a .json/.jsonl/.parquet/.txt file, folder or glob, or a hub name owner/name[:config]"
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
+
+
+def _file_kind(path: str) -> str | None:
+    base = path
+    for ext in _COMPRESSION:
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+            break
+    return _KIND_BY_EXT.get(os.path.splitext(base)[1].lower())
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Source:
+    """Where documents come from: local files of one kind ("json", "parquet", "text"), or a
+    Hub dataset (kind "hub")."""
+
+    spec: str
+    kind: str
+    files: list[str] | None = None
+    hub_path: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+
+
+def resolve_dataset(spec: str, split: str = "train") -> _Source:
+    """Parse a dataset spec (see the module docstring); ConfigError if it names nothing usable."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"dataset: {spec!r} is empty; allowed: {_ALLOWED}")
+    if spec == "bundled":
+        if split not in ("train", "validation"):
+            raise ConfigError(f"dataset 'bundled': no split {split!r}; allowed: train, validation")
+        path = os.path.join(BUNDLED_CORPUS_DIR, f"{split}.jsonl.gz")
+        if not os.path.isfile(path):
+            raise ConfigError(f"dataset 'bundled': {path} is missing; regenerate it with scripts/build_corpus.py")
+        return _Source(spec=spec, kind="json", files=[path], split=split)
+
+    path = os.path.expanduser(spec)
+    if any(ch in path for ch in "*?["):
+        matches = [p for p in globlib.glob(path, recursive=True) if os.path.isfile(p)]
+        if not matches:
+            raise ConfigError(f"dataset {spec}: the glob matches no file; allowed: {_ALLOWED}")
+    elif os.path.isdir(path):
+        matches = [p for p in globlib.glob(os.path.join(path, "**", "*"), recursive=True)
+                   if os.path.isfile(p) and _file_kind(p)]
+        if not matches:
+            raise ConfigError(f"dataset {spec}: the folder holds no .json/.jsonl/.parquet/.txt file")
+    elif os.path.isfile(path):
+        matches = [path]
+    elif _file_kind(path) or path.startswith((".", "/", "~")) or not _HUB_NAME.match(spec):
+        raise ConfigError(f"dataset {spec}: no such file; allowed: {_ALLOWED}")
+    else:
+        name, _, config = spec.partition(":")
+        return _Source(spec=spec, kind="hub", hub_path=name, hub_config=config or None, split=split)
+
+    matches = sorted(matches)
+    kinds = {}
+    for p in matches:
+        kind = _file_kind(p)
+        if kind is None:
+            raise ConfigError(f"dataset {spec}: file {p} has an unsupported type; allowed: "
+                              ".json .jsonl .parquet .txt (optionally .gz .bz2 .xz)")
+        kinds.setdefault(kind, p)
+        if not os.access(p, os.R_OK):
+            raise ConfigError(f"dataset {spec}: file {p} is not readable")
+    if len(kinds) > 1:
+        raise ConfigError(f"dataset {spec}: mixes file kinds {sorted(kinds)} (e.g. {list(kinds.values())}); "
+                          "use one kind per dataset")
+    return _Source(spec=spec, kind=next(iter(kinds)), files=matches, split=split)
+
+
+def _load_streaming(path: str, *, local: bool, **kwargs):
+    import datasets  # imported lazily: ~1 s, only jobs that read data pay for it
+
+    # The json reader logs its own copy of a parse error before raising it; we report the
+    # error ourselves, as one line with the true line number (_json_error_line).
+    datasets.utils.logging.get_logger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+
+    if not local:
+        return datasets.load_dataset(path, streaming=True, **kwargs)
+    # Local files need no network, but load_dataset still sends a download-count request
+    # (and waits for its timeout when offline) unless it believes it is offline. The flag is
+    # read from the environment at import, so set the module's copy for this call only.
+    previous = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        return datasets.load_dataset(path, streaming=True, **kwargs)
+    finally:
+        datasets.config.HF_HUB_OFFLINE = previous
+
+
+def _open_hub(source: _Source):
+    try:
+        return _load_streaming(source.hub_path, local=False, name=source.hub_config, split=source.split)
+    except Exception as e:  # noqa: BLE001 - any failure to open a hub dataset is a bad spec or no network
+        raise ConfigError(f"dataset {source.spec}: not a local file or folder, and cannot open it from the "
+                          f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}") from None
+
+
+def _num_files(source: _Source) -> int:
+    """Files of the dataset: local files, or the Hub dataset's data files (`n_shards`)."""
+    return len(source.files) if source.kind != "hub" else int(getattr(_open_hub(source), "num_shards", 1) or 1)
+
+
+def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0,
+                file_shard: tuple[int, int] | None = None) -> Iterator[str]:
+    """Document texts in a fixed order, starting after `skip_rows` rows (skipped rows are
+    parsed, not tokenized). A row whose field is None or empty yields "" so that row
+    positions stay stable. `file_shard=(s, S)` reads only files s, s+S, s+2S, ... (for a Hub
+    dataset: its data files, with `IterableDataset.shard(S, s, contiguous=False)`)."""
+    if source.kind == "hub":
+        ds = _open_hub(source)
+        if file_shard is not None:
+            ds = ds.shard(num_shards=file_shard[1], index=file_shard[0], contiguous=False)
+        yield from itertools.islice(_rows_to_texts(ds, source.spec, text_field), skip_rows, None)
+        return
+    extra = {"sample_by": "paragraph"} if source.kind == "text" else {}
+    files = source.files if file_shard is None else source.files[file_shard[0]:: file_shard[1]]
+    for path in files:
+        # One streaming dataset per file so that a read error names its file.
+        rows = 0  # rows of this file already read: the reader's error row numbers count from its chunk
+        try:
+            ds = _load_streaming(source.kind, local=True, data_files=[path], split="train", **extra)
+            for text in _rows_to_texts(ds, path, text_field):
+                rows += 1
+                if skip_rows:
+                    skip_rows -= 1
+                    continue
+                yield text
+        except ConfigError:
+            raise
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"dataset {source.spec}: file {path} is not valid UTF-8 ({e.reason} at byte "
+                              f"{e.start}); allowed: UTF-8 text") from None
+        except StopIteration:
+            continue  # datasets raises it for an empty json file: no rows
+        except Exception as e:  # noqa: BLE001 - a malformed or unreadable file, reported by name
+            where = _json_error_line(path, rows, str(e)) if source.kind == "json" else None
+            if where is not None:
+                line, reason = where
+                raise ConfigError(f"dataset {source.spec}: file {path} line {line} is not valid JSON ({reason}); "
+                                  "allowed: one JSON object per line") from None
+            raise ConfigError(f"dataset {source.spec}: cannot read file {path} as {source.kind}: "
+                              f"{type(e).__name__}: {_one_line(str(e))}") from None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _open_text(path: str):
+    """A local data file as text, decompressed by its extension (.gz, .bz2, .xz)."""
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
+    return opener(path, "rt", encoding="utf-8", errors="replace")
+
+
+def _json_error_line(path: str, rows_before: int, message: str) -> tuple[int, str] | None:
+    """(1-based line number, reason) of the first line of a JSON-lines file that does not parse.
+
+    The reader parses a file in chunks (~10 MB) and reports `in row R` counted from the start of
+    the failing chunk; `rows_before` rows (all earlier chunks) were read. So the bad line is
+    the (rows_before + R)-th non-blank line: found by counting lines, parsing only from there.
+    If that line parses after all (another kind of error), the whole file is parsed line by line.
+    None if every line parses (e.g. a .json file holding one array: not line-delimited).
+    """
+    match = re.search(r"in row (\d+)", message)
+    guess = rows_before + int(match.group(1)) if match else 0
+    try:
+        for start in ((guess, 0) if guess else (0,)):
+            row = -1
+            with _open_text(path) as f:
+                for number, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    row += 1
+                    if row == 0 and line.lstrip().startswith("["):
+                        return None  # one JSON array, not JSON lines: the reader's message stands
+                    if row < start:
+                        continue
+                    try:
+                        json.loads(line)
+                    except ValueError as e:
+                        return number, _one_line(str(e), 120)
+                    if start and row > start:
+                        break  # the guessed line parses: look through the whole file
+    except (OSError, EOFError, ValueError):  # not readable as text (bad gzip, ...): no line to name
+        return None
+    return None
+
+
+def _rows_to_texts(ds, where: str, text_field: str) -> Iterator[str]:
+    for row in ds:
+        if text_field not in row:
+            raise ConfigError(f"dataset {where}: rows have no field {text_field!r}; fields found: "
+                              f"{sorted(row)}; set the text field to one of them")
+        text = row[text_field]
+        if text is None:
+            text = ""
+        if not isinstance(text, str):
+            raise ConfigError(f"dataset {where}: field {text_field!r} holds {type(text).__name__}, "
+                              "not text")
+        yield text
+
+
+def _block_order(n: int, seed: int, epoch: int, shard: int, block: int) -> list[int]:
+    """A permutation of range(n) that depends only on its key: sorting by a keyed hash is
+    stable across Python/NumPy versions, unlike their RNG streams."""
+    key = f"{seed}/{epoch}/{shard}/{block}/".encode()
+    return sorted(range(n), key=lambda i: hashlib.blake2b(key + str(i).encode(), digest_size=8).digest())
+
+
+def shard_windows(windows: int, shard: int, num_shards: int) -> int:
+    """How many of the first `windows` global windows come from `shard` (g mod S == shard)."""
+    return max(0, -(-(windows - shard) // num_shards))
+
+
+def auto_shards(global_micro_batch: int) -> int:
+    """`training.dataset_shards = 0`: the smallest multiple of DEFAULT_SHARDS that the global
+    micro-batch (dp degree x local batch) divides: 64 whenever the micro-batch divides 64."""
+    return math.lcm(DEFAULT_SHARDS, global_micro_batch)
+
+
+class _FileShards:
+    """Shard s reads files s, s+S, s+2S, ... (used when there are at least S files): a rank opens
+    only its own shards' files. Block b of a shard is rows [b*K, (b+1)*K) of its files."""
+
+    def __init__(self, *, source: _Source, text_field: str, num_shards: int, block_docs: int):
+        self.source, self.text_field, self.num_shards, self.block_docs = source, text_field, num_shards, block_docs
+        self._open: dict[int, tuple[int, Iterator[str]]] = {}  # shard -> (next block, its row iterator)
+
+    def block(self, shard: int, epoch: int, block: int) -> list[str]:
+        del epoch  # a block's rows do not depend on the epoch (its permutation does)
+        nxt = self._open.get(shard)
+        if nxt is not None and nxt[0] == block:
+            rows = nxt[1]
+        else:
+            rows = _iter_texts(self.source, self.text_field, skip_rows=block * self.block_docs,
+                               file_shard=(shard, self.num_shards) if self.num_shards > 1 else None)
+        texts = list(itertools.islice(rows, self.block_docs))
+        self._open[shard] = (block + 1, rows)
+        return texts
+
+
+class _DealtDocs:
+    """Row i of the data belongs to shard i mod S (used when there are fewer files than shards).
+    Chunk b, rows [b*S*K, (b+1)*S*K), holds block b (K rows) of every shard, so one pass over
+    the rows serves all of this rank's shards; other ranks' rows are parsed and dropped, never
+    tokenized. Shards drift apart (documents differ in length), so a chunk's texts are kept for
+    each of this rank's shards that reaches that block before its next epoch, and handed over
+    once; a shard that finds nothing kept makes the chunk be read again (only after a resume or
+    a drift of a whole epoch: correctness never depends on what is kept).
+
+    Every rank parses every row once per epoch of its shards, and its shards go through their
+    epochs D times as fast as the whole data set's: so the parsing (not the tokenizing) per
+    rank grows with D. While this rank's rows fit in `store_rows` texts, they are stored for
+    the whole run instead, and the data is parsed once (the bundled corpus: 456 rows).
+    Large data should come as >= S files (`_FileShards`)."""
+
+    def __init__(self, *, source: _Source, text_field: str, num_shards: int, block_docs: int,
+                 shards: list[int], position, store_rows: int):
+        self.source, self.text_field, self.num_shards, self.block_docs = source, text_field, num_shards, block_docs
+        self.shards = set(shards)
+        self.position = position  # shard -> (epoch, next block it loads)
+        self._kept: dict[int, dict[int, list[str]]] = {}  # block -> shard -> texts, handed over once
+        self._stored: dict[int, dict[int, list[str]]] = {}  # block -> shard -> texts, for every epoch
+        self._store_left = store_rows
+        self._rows: Iterator[str] | None = None
+        self._next_chunk = 0
+
+    def block(self, shard: int, epoch: int, block: int) -> list[str]:
+        if block in self._stored:
+            return self._stored[block].get(shard, [])
+        kept = self._kept.get(block, {})
+        if shard in kept:
+            texts = kept.pop(shard)
+            if not kept:
+                del self._kept[block]
+            return texts
+        chunk = self._read_chunk(block)
+        rows = sum(map(len, chunk.values()))
+        if rows <= self._store_left:  # an empty chunk (the end of the data) is stored too
+            self._store_left -= rows
+            self._stored[block] = chunk
+            return chunk.get(shard, [])
+        for s, texts in chunk.items():
+            e_s, b_s = self.position(s)
+            if s != shard and (e_s if b_s <= block else e_s + 1) <= epoch:
+                self._kept.setdefault(block, {})[s] = texts
+        return chunk.get(shard, [])
+
+    def _read_chunk(self, block: int) -> dict[int, list[str]]:
+        rows = self.num_shards * self.block_docs
+        if self._rows is None or block < self._next_chunk:
+            self._rows = _iter_texts(self.source, self.text_field, skip_rows=block * rows)
+        elif block > self._next_chunk:
+            collections.deque(itertools.islice(self._rows, (block - self._next_chunk) * rows), maxlen=0)
+        chunk: dict[int, list[str]] = {s: [] for s in self.shards}
+        for i, text in enumerate(itertools.islice(self._rows, rows)):
+            texts = chunk.get(i % self.num_shards)  # the chunk starts at a multiple of S rows
+            if texts is not None:
+                texts.append(text)
+        self._next_chunk = block + 1
+        return chunk
+
+
+class _ShardStream:
+    """One virtual shard: its documents, permuted per (seed, epoch, shard, block), each as
+    [BOS] tokens [EOS], concatenated over epochs and cut into windows of seq_len + 1."""
+
+    def __init__(self, loader: TokenLoader, shard: int):
+        self.loader, self.shard = loader, shard
+        self.set_position(epoch=0, block=0, offset=0, windows=0)
+
+    def set_position(self, *, epoch: int, block: int, offset: int, windows: int) -> None:
+        self.epoch, self.block, self.windows = epoch, block, windows
+        self.tokens = np.zeros(0, dtype=np.int32)  # current block, flattened
+        self.pos = 0  # next token in self.tokens
+        self.loaded = False
+        self.pending_offset = offset  # applied when block `block` is (re)loaded
+        # Tokens seen in this epoch, counted only when it was read from its first block here,
+        # so that "no text" is never concluded from a partial epoch after resume.
+        self.epoch_tokens = 0 if (block == 0 and offset == 0) else None
+
+    def next_block_key(self) -> tuple[int, int]:
+        return self.epoch, self.block + 1 if self.loaded else self.block
+
+    def state(self) -> list[int]:
+        return [self.epoch, self.block, self.pos if self.loaded else self.pending_offset, self.windows]
+
+    def load_block(self) -> bool:
+        """Read, permute and tokenize block `self.block`; False at the end of the epoch."""
+        loader = self.loader
+        texts = loader._reader().block(self.shard, self.epoch, self.block)
+        if not texts:
+            return False
+        if loader.shuffle:
+            texts = [texts[i] for i in _block_order(len(texts), loader.seed, self.epoch, self.shard, self.block)]
+        texts = [t for t in texts if t]  # an empty document would only add BOS/EOS noise
+        ids = loader.tokenizer.encode_batch(texts, bos=True, eos=True) if texts else []
+        loader.docs_tokenized += len(texts)
+        self.tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=sum(map(len, ids)))
+        if self.pending_offset > len(self.tokens):
+            raise ConfigError(f"checkpoint data loader state: offset {self.pending_offset} is past the end of "
+                              f"block {self.block} of shard {self.shard} of dataset {loader.source.spec}; the data "
+                              "changed since the checkpoint")
+        self.pos, self.pending_offset = self.pending_offset, 0
+        if self.epoch_tokens is not None:
+            self.epoch_tokens += len(self.tokens)
+        self.loaded = True
+        return True
+
+    def _next_block(self) -> bool:
+        """Load the block after the current one, wrapping to a new epoch when the loader
+        repeats. False when a non-repeating split is used up."""
+        loader = self.loader
+        if self.loaded:
+            self.block += 1
+        while not self.load_block():
+            if self.epoch_tokens == 0:
+                where = f"dataset {loader.source.spec}: no text in split {loader.source.split!r}"
+                if loader.num_shards == 1:
+                    raise ConfigError(f"{where} (0 tokens); allowed: rows with a non-empty "
+                                      f"{loader.text_field!r} field")
+                raise ConfigError(f"{where} for data shard {self.shard} of {loader.num_shards} (fewer non-empty "
+                                  f"documents than shards?); allowed: training.dataset_shards <= the number of "
+                                  f"documents, and rows with a non-empty {loader.text_field!r} field")
+            if not loader.repeat:
+                return False
+            self.epoch, self.block, self.epoch_tokens = self.epoch + 1, 0, 0
+        return True
+
+    def read(self, n: int, out: np.ndarray | None) -> bool:
+        """Copy the next n tokens into `out` (or just skip them when out is None)."""
+        done = 0
+        while done < n:
+            if not self.loaded or self.pos == len(self.tokens):
+                if not self._next_block():
+                    return False
+                if self.pos == len(self.tokens):
+                    continue
+            take = min(n - done, len(self.tokens) - self.pos)
+            if out is not None:
+                out[done: done + take] = self.tokens[self.pos: self.pos + take]
+            self.pos += take
+            done += take
+        return True
+
+    def skip_to(self, window: int) -> bool:
+        """Advance to window `window` of this shard (skipping windows another rank reads)."""
+        assert window >= self.windows, (self.shard, window, self.windows)
+        if window > self.windows:
+            if not self.read((window - self.windows) * (self.loader.seq_len + 1), None):
+                return False
+            self.windows = window
+        return True
+
+    def read_window(self, out: np.ndarray) -> bool:
+        if not self.read(self.loader.seq_len + 1, out):
+            return False
+        self.windows += 1
+        return True
+
+
+def merge_states(states: list[dict]) -> dict:
+    """One loader state from every rank's `local_state()`: each shard's position comes from the
+    rank that reads it (ranks that read the same shard, e.g. tensor-parallel peers, agree)."""
+    merged = dict(states[0])
+    shards = list(merged["shards"])
+    for state in states[1:]:
+        assert state["windows_consumed"] == merged["windows_consumed"], "ranks disagree on the data position"
+        for s, entry in enumerate(state["shards"]):
+            if entry is None:
+                continue
+            assert shards[s] is None or list(shards[s]) == list(entry), (s, shards[s], entry)
+            shards[s] = entry
+    merged["shards"] = shards
+    return merged
+
+
+class TokenLoader:
+    """Yields this rank's micro-batches of the global window stream (see the module docstring)."""
+
+    def __init__(self, *, source: _Source, tokenizer, seq_len: int, local_batch_size: int,
+                 dp_rank: int, dp_degree: int, seed: int, text_field: str = "text",
+                 shuffle: bool = True, repeat: bool = True, shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS,
+                 num_shards: int = 1, gather: Callable[[dict], list[dict]] | None = None):
+        assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
+        assert shuffle_block_docs >= 1 and num_shards >= 1
+        self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.dp_rank, self.dp_degree, self.seed = dp_rank, dp_degree, seed
+        self.shuffle, self.repeat, self.shuffle_block_docs = shuffle, repeat, shuffle_block_docs
+        self.num_shards = num_shards
+        self.shard_block_docs = -(-shuffle_block_docs // num_shards)  # K: a shard's shuffle block
+        self.gather = gather  # every rank's local_state(), for state_dict (None: this process only)
+        self.docs_tokenized = 0  # documents this loader has tokenized (tests, scripts/bench_data.py)
+        self._by_file: bool | None = None  # decided on first read (a Hub dataset must be opened)
+        self.reset()
+
+    # -- position ------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Back to the first window (validation calls this before each evaluation)."""
+        self._set_windows(0)
+
+    def _set_windows(self, windows: int) -> None:
+        self._windows = windows
+        self._streams = {s: _ShardStream(self, s) for s in self.shards_read(windows)}
+        self._reader_obj = None
+        self._exhausted = False
+
+    def shards_read(self, windows: int | None = None) -> list[int]:
+        """The shards this rank reads from global window `windows` on: S/D of them when
+        S is a multiple of D x B (the shards s with (s - windows) mod D*B in [r*B, r*B + B))."""
+        windows = self._windows if windows is None else windows
+        b, db, s = self.local_batch_size, self.dp_degree * self.local_batch_size, self.num_shards
+        return sorted({(windows + c * db + self.dp_rank * b + j) % s for c in range(s) for j in range(b)})
+
+    def _reader(self):
+        if self._reader_obj is None:
+            if self._by_file is None:
+                self._by_file = self.num_shards == 1 or _num_files(self.source) >= self.num_shards
+            common = dict(source=self.source, text_field=self.text_field, num_shards=self.num_shards,
+                          block_docs=self.shard_block_docs)
+            if self._by_file:
+                self._reader_obj = _FileShards(**common)
+            else:
+                self._reader_obj = _DealtDocs(**common, shards=list(self._streams),
+                                              position=lambda s: self._streams[s].next_block_key(),
+                                              store_rows=4 * self.shuffle_block_docs)
+        return self._reader_obj
+
+    # -- public API ----------------------------------------------------------------------
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels), both int64 [local_batch_size, seq_len], for this rank.
+        Raises StopIteration when a non-repeating split has no full global micro-batch left."""
+        if self._exhausted:
+            raise StopIteration
+        batch, num_shards = self.local_batch_size, self.num_shards
+        start = self._windows
+        out = np.empty((batch, self.seq_len + 1), dtype=np.int32)
+        ok = True
+        for j in range(batch):
+            g = start + self.dp_rank * batch + j  # global window index
+            stream = self._streams[g % num_shards]
+            ok = ok and stream.skip_to(g // num_shards) and stream.read_window(out[j])
+        end = start + self.dp_degree * batch
+        for s, stream in self._streams.items():  # all ranks agree on every shard's position
+            ok = ok and stream.skip_to(shard_windows(end, s, num_shards))
+        if not ok:
+            self._exhausted = True
+            if start == 0:
+                need = self.dp_degree * batch * (self.seq_len + 1)
+                raise ConfigError(f"dataset {self.source.spec}: split {self.source.split!r} has fewer "
+                                  f"tokens than one micro-batch across data-parallel ranks "
+                                  f"({self.dp_degree} x {batch} x {self.seq_len + 1} = {need})")
+            raise StopIteration
+        self._windows = end
+        tokens = torch.from_numpy(out).long()
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def check(self, micro_batches: int) -> int:
+        """Read (and tokenize) the first `micro_batches` micro-batches now, then start over.
+
+        For the validation loader: validation reads exactly these batches every time, so a bad
+        file, a missing text field or a split shorter than one micro-batch fails here, before
+        the first training step, instead of at the first validation. Returns how many complete
+        micro-batches there are (at most `micro_batches`).
+        """
+        count = sum(1 for _ in zip(range(micro_batches), self))
+        self.reset()
+        return count
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            try:
+                yield self.next_batch()
+            except StopIteration:
+                return
+
+    def local_state(self) -> dict:
+        """This rank's part of the state: the positions of the shards it reads (None for the
+        others). Valid between `next_batch` calls."""
+        return {
+            "windows_consumed": self._windows,
+            "num_shards": self.num_shards,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "shuffle_block_docs": self.shuffle_block_docs,
+            "shards": [self._streams[s].state() if s in self._streams else None for s in range(self.num_shards)],
+        }
+
+    def state_dict(self) -> dict:
+        """The mesh-independent state: the global window count and every shard's position
+        [epoch, block, token offset in the block, windows], gathered from all ranks (a
+        collective when `gather` is set: call it on every rank), so it is the same on each."""
+        local = self.local_state()
+        return merge_states(self.gather(local) if self.gather is not None else [local])
+
+    def load_state_dict(self, state: dict) -> None:
+        names = {"num_shards": "training.dataset_shards"}
+        for key in ("seq_len", "seed", "shuffle_block_docs", "num_shards"):
+            if key not in state:
+                raise ConfigError(f"checkpoint data loader state: no {key!r} (written by an older loader "
+                                  "without data shards); resume it with the version that wrote it")
+            if int(state[key]) != getattr(self, key):
+                raise ConfigError(f"checkpoint data loader state: {names.get(key, key)} was {int(state[key])}, "
+                                  f"this run has {getattr(self, key)}; resume with the same value")
+        windows = int(state["windows_consumed"])
+        self._set_windows(windows)
+        for s, stream in self._streams.items():
+            entry = state["shards"][s]
+            if entry is None:
+                raise ConfigError(f"checkpoint data loader state: no position for data shard {s} (saved "
+                                  "without every rank's shards); it cannot resume")
+            epoch, block, offset, shard_window = (int(v) for v in entry)
+            if shard_window != shard_windows(windows, s, self.num_shards):
+                raise ConfigError(f"checkpoint data loader state: shard {s} is at window {shard_window}, "
+                                  f"but {windows} global windows put it at "
+                                  f"{shard_windows(windows, s, self.num_shards)}; the state is corrupt")
+            stream.set_position(epoch=epoch, block=block, offset=offset, windows=shard_window)
+        # Load the saved blocks now, so a checkpoint that no longer fits the data fails at load.
+        for s, stream in self._streams.items():
+            if (stream.epoch, stream.block, stream.pending_offset) != (0, 0, 0) and not stream.load_block():
+                raise ConfigError(f"checkpoint data loader state: block {stream.block} of epoch {stream.epoch} "
+                                  f"of shard {s} is past the end of dataset {self.source.spec}; the data changed "
+                                  "since the checkpoint")
+
+
+def build_dataloader(*, dataset: str, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
+                     dp_degree: int, seed: int, split: str = "train", text_field: str = "text",
+                     shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS, num_shards: int = 0,
+                     gather: Callable[[dict], list[dict]] | None = None) -> TokenLoader:
+    """Loader for `dataset` (see the module docstring). `split="train"` shuffles and repeats
+    epochs over `num_shards` data shards (0: `auto_shards`); any other split (e.g.
+    "validation") is one shard, read once, in order, from the start. `gather` (training, more
+    than one process): returns every rank's object for one object of this rank."""
+    if seq_len < 1:
+        raise ConfigError(f"training.seq_len: {seq_len} must be >= 1")
+    if local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1")
+    if shuffle_block_docs < 1:
+        raise ConfigError(f"shuffle_block_docs: {shuffle_block_docs} must be >= 1")
+    train = split == "train"
+    micro = dp_degree * local_batch_size
+    if not train:
+        num_shards = 1
+    elif num_shards == 0:
+        num_shards = auto_shards(micro)
+    elif num_shards < 0 or num_shards % micro:
+        raise ConfigError(f"training.dataset_shards: {num_shards} is not a multiple of the global micro-batch "
+                          f"(data-parallel degree {dp_degree} x local batch {local_batch_size} = {micro}); "
+                          f"allowed: 0 (auto) or a multiple of {micro}, e.g. {auto_shards(micro)}")
+    source = resolve_dataset(dataset, split)
+    return TokenLoader(source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
+                       dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, text_field=text_field,
+                       shuffle=train, repeat=train, shuffle_block_docs=shuffle_block_docs,
+                       num_shards=num_shards, gather=gather if train else None)

@@ -1,0 +1,288 @@
+"""`build_job(cfg)`: everything a run needs, built once, in one order, for the trainer and the engine.
+
+The steps, in order (the trainer's loop and the RL engine both start here; nothing else builds a
+run):
+  1. device, host heap policy, process group, seed, the compute dtype (`auto` resolved once)
+  2. `plan_job`: model args, parallel degrees and the step plan, checked against every rule
+     (trainer/step/plan.py RULES) before anything is built; the recipe tests call
+     `plan_job` alone at a recipe's declared world size, and the planner's search reads the
+     same RULES through `refusals`
+  3. (training) the task (LM tokens or FLUX latents; the tokenizer is checked here), the named
+     DeviceMesh, the batch split, and (training) the data loaders: bad data fails before any
+     checkpoint
+  4. kernels, then the model: meta -> parallelize (TP, EP, AC, compile, SimpleFSDP) ->
+     materialize -> init_weights
+  5. optimizer and lr schedule, and (training) the checkpoint manager
+The caller then resumes or loads initial weights (`Job.load_initial`) and builds the step
+(`Job.build_step`), which captures the graph on its first call in graph mode.
+
+A third purpose, `check`, is the recipe check's (tools/recipe_check.py, scripts/check_recipe.py):
+the same steps for a run on a target's devices, inside the process group its caller opened
+(PyTorch's fake backend at the target's world size), with every tensor on the meta device: the
+task is built (its tokenizer checked) but no data is read, the model is parallelized but never
+materialized, there is no checkpoint manager, and compilers are replaced by `aot_eager` (the
+step is captured, not compiled for the target: that is `scripts/estimate_xla.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kernels
+from models.errors import ConfigError
+from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
+from trainer import checkpoint as ckpt
+from trainer.config import Config, resolve_model_args
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
+                                    resolve_compute_dtype, set_seed, torch_dtype)
+from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
+from trainer.tasks import TASK_CLASSES, build_task
+
+PURPOSES = ("train", "engine", "check")
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What a run is, decided and checked without building anything (step 2)."""
+
+    family: Any
+    """The model family (`models.FAMILIES[name]`)."""
+    args: Any
+    """The flavor's args with the recipe's `[model]` overrides and `max_seq_len` applied."""
+    parallel_dims: ParallelDims
+    step_plan: StepPlan
+
+
+def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = "cpu",
+                 caller_loss: bool = False) -> StepRequest:
+    """What the step plan's rules read, from the recipe and the family (the planner fills in the
+    degrees and device of each layout it tries)."""
+    return StepRequest(
+        mode=cfg.compile.mode, backend=cfg.compile.backend, scan_layers=cfg.compile.scan_layers,
+        ac_mode=cfg.activation_checkpoint.mode, loss_parallel=cfg.parallelism.enable_loss_parallel,
+        tp_degree=tp_degree, device_type=device_type, fused_loss=cfg.training.fused_loss,
+        model_has_hidden=callable(getattr(family.model_cls, "hidden", None)), task=getattr(family, "task", "lm"),
+        caller_loss=caller_loss)
+
+
+def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
+    """Model args, degrees and step plan of `cfg` on `world_size` devices of `device_type`.
+
+    ConfigError for anything that cannot run: degrees that do not divide the world, the model
+    or the sequence (`ParallelDims.validate_for_model`), and every rule of the step plan.
+    `caller_loss`: the engine, which runs its caller's loss on the logits.
+    """
+    family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    shape = args.shape()
+    p = cfg.parallelism
+    parallel_dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                                 tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, world_size=world_size)
+    request = step_request(cfg, family, tp_degree=parallel_dims.tp, device_type=device_type, caller_loss=caller_loss)
+    step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
+    parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
+    return JobPlan(family=family, args=args, parallel_dims=parallel_dims, step_plan=step_plan)
+
+
+def batch_split(*, global_batch_size: int, local_batch_size: int, gradient_accumulation_steps: int,
+                dp_degree: int) -> tuple[int, int]:
+    """(local_batch_size, gradient_accumulation_steps) for this mesh.
+
+    With `global_batch_size` > 0 the global batch is fixed and the split follows the
+    data-parallel degree: local batch = global / (dp x accumulation), where accumulation is the
+    smallest count >= the configured one that makes the local batch fit `local_batch_size` (its
+    upper bound). So a recipe keeps its trajectory from 1 to 256 devices without an edit.
+    Otherwise the configured values stand (global = local x dp x accumulation).
+    """
+    if global_batch_size <= 0:
+        return local_batch_size, gradient_accumulation_steps
+    if global_batch_size % dp_degree != 0:
+        raise ConfigError(f"training.global_batch_size: {global_batch_size} is not divisible by the "
+                          f"data-parallel degree {dp_degree}; allowed: multiples of {dp_degree}")
+    per_rank = global_batch_size // dp_degree
+    for accum in range(gradient_accumulation_steps, per_rank + 1):
+        if per_rank % accum == 0 and per_rank // accum <= local_batch_size:
+            return per_rank // accum, accum
+    raise ConfigError(f"training.global_batch_size: {global_batch_size} sequences over {dp_degree} "
+                      f"data-parallel ranks leaves {per_rank} per rank, which no accumulation count >= "
+                      f"{gradient_accumulation_steps} splits into micro-batches of at most local_batch_size "
+                      f"({local_batch_size}); allowed: a global batch that is a multiple of {dp_degree}")
+
+
+def build_model(family, args, *, step_plan: StepPlan, parallel_dims, mesh, device: torch.device,
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+    """Meta device -> parallelize -> materialize -> init_weights."""
+    # 1. Build on meta: no memory is touched, whatever the flavor's size.
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP
+    #    (the step plan says which AC and compile apply; the order is the same in every mode).
+    model = parallelize_model(
+        model, plan=family.plan, parallel_dims=parallel_dims, mesh=mesh, param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype, ac_mode=step_plan.block_ac, compile_backend=step_plan.block_compile,
+        enable_loss_parallel=step_plan.loss_parallel,
+    )
+    # 3. Materialize the (sharded) parameters on the device, 4. initialize them.
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
+    return model
+
+
+@dataclass
+class Job:
+    """A built run (see the module docstring); fields in the order they were built."""
+
+    cfg: Config
+    device: torch.device
+    host_malloc: str
+    """The heap policy applied (`[device] host_malloc`), for the banner."""
+    dist: DistInfo
+    compute: ComputeDtype
+    """The resolved `mixed_precision_param` (also written back into `cfg`)."""
+    family: Any
+    args: Any
+    parallel_dims: ParallelDims
+    step_plan: StepPlan
+    task: Any
+    """The task (trainer/tasks/); None for the engine, whose caller owns the data and the loss."""
+    mesh: Any
+    dp_rank: int
+    dp_degree: int
+    local_batch_size: int
+    grad_accum_steps: int
+    attention: str
+    """The attention kernel `kernels.select` chose."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any = None
+    """The train loader (purpose "train"; None for the engine)."""
+    build_val_loader: Callable[[], Any] | None = None
+    """A fresh validation loader per call (`[validation] enable`), else None."""
+    manager: ckpt.CheckpointManager | None = None
+    """The run's checkpoint manager (purpose "train")."""
+    t_start: float = 0.0
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.dist.rank == 0
+
+    def load_initial(self) -> None:
+        """`[checkpoint] initial_load_path` into the model (DCP or HF safetensors), if set."""
+        ck = self.cfg.checkpoint
+        if ck.initial_load_path:
+            ckpt.load_initial(self.model, path=ck.initial_load_path, fmt=ck.initial_load_format,
+                              hf_adapter=self.family.hf_adapter, args=self.args,
+                              hf_config_mismatch=ck.hf_config_mismatch)
+
+    def build_step(self, *, loss_fn: Callable, dump_graph: str | None = None):
+        """The step of this job's plan: `step(microbatches, lr) -> StepOutput`.
+
+        A micro-batch is a tuple of tensors; `loss_fn(model, *micro_batch)` is its mean loss (the
+        task's, `task.loss_fn(step_plan)`). Eager and compile modes get `EagerStep`; graph mode
+        the captured step (trainer/graph, loaded only then). A `check` job captures with
+        `aot_eager` in place of the plan's compiler.
+        """
+        plan, c, t = self.step_plan, self.cfg.compile, self.cfg.training
+        passes_as = None
+        if self.device.type == "meta":
+            passes_as, plan = plan.backend, _capture_only(plan)
+        if plan.mode != "graph":
+            return EagerStep(model=self.model, optimizer=self.optimizer, max_norm=t.max_norm,
+                             aux_loss_coef=t.aux_loss_coef, clip_grad_norm=clip_grad_norm_,
+                             loss_context=plan.loss_context, loss_fn=loss_fn)
+        from trainer.graph import build_graph_step
+
+        return build_graph_step(
+            model=self.model, optimizer=self.optimizer, plan=self.family.plan, max_norm=t.max_norm,
+            aux_loss_coef=t.aux_loss_coef, backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac,
+            dump_graph=dump_graph, grad_accum_steps=self.grad_accum_steps, loss_context=plan.loss_context,
+            loss_fn=loss_fn, bucket_cap_mb=c.bucket_cap_mb, gloo_all_to_all=c.gloo_all_to_all, passes_as=passes_as,
+        )
+
+
+def _capture_only(plan: StepPlan) -> StepPlan:
+    """`plan` with `aot_eager` wherever it compiles (a `check` job captures on meta tensors)."""
+    return dataclasses.replace(plan, backend=plan.backend and "aot_eager",
+                               block_compile=plan.block_compile and "aot_eager")
+
+
+def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = None) -> Job:
+    """Build the run of `cfg` (module docstring); `purpose`: train (the loop) | engine (RL) |
+    check (the start-up of a run on `device_type` devices, on meta tensors, in the caller's
+    process group)."""
+    assert purpose in PURPOSES, purpose
+    check = purpose == "check"
+    assert check == (device_type is not None), "device_type is the check's target device type"
+    t_start = time.perf_counter()
+    # 1. Device, heap policy (before any large tensor), process group, seed, compute dtype: `auto`
+    #    -> bfloat16 | float32 once, the same on every rank; from here on the config holds it.
+    if check:
+        assert torch.distributed.is_initialized(), "a check job runs in its caller's (fake) process group"
+        device, host_malloc = torch.device("meta"), "not applied (check)"
+    else:
+        device = pick_device(cfg.device.type)
+        host_malloc = configure_host_malloc(cfg.device.host_malloc, device)
+        device_type = device.type
+    info = init_distributed(device)
+    set_seed(cfg.training.seed)
+    compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
+    cfg.training.mixed_precision_param = compute.name
+
+    # 2. Everything checked before anything is built.
+    plan = plan_job(cfg, world_size=info.world_size, device_type=device_type, caller_loss=purpose == "engine")
+
+    # 3. Task (the engine's caller brings its own tokens and loss: none), mesh, batch split, data.
+    task = build_task(cfg, family=plan.family, args=plan.args) if purpose != "engine" else None
+    mesh = build_mesh(plan.parallel_dims, "cpu" if check else device.type)
+    dp_rank, dp_degree = plan.parallel_dims.dp_rank(mesh), plan.parallel_dims.dp_degree
+    t = cfg.training
+    local_batch, accum = batch_split(global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
+                                     gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=dp_degree)
+    loader = build_val_loader = None
+    if purpose == "train":
+        def loader_for(split: str):
+            return task.build_loader(split=split, local_batch_size=local_batch, dp_rank=dp_rank, dp_degree=dp_degree)
+
+        loader = loader_for("train")
+        if cfg.validation.enable:
+            build_val_loader = lambda: loader_for("validation")  # noqa: E731
+            build_val_loader().check(cfg.validation.steps)  # read what validation reads, before step 1
+
+    # 4. Kernels, model.
+    if check:  # the capture runs the ops' references; the kernels are the compile's (--compile)
+        kernels.check_attention_for(cfg.model.attn_backend, device_type)
+        attention = f"{cfg.model.attn_backend} on {device_type} (captured with the references)"
+    else:
+        attention = kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
+                                   head_dim=plan.args.shape().head_dim)
+    model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
+                        parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
+                        reduce_dtype=torch_dtype(t.mixed_precision_reduce))
+
+    # 5. Optimizer, schedule (over training.steps optimizer steps), checkpoint manager.
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    optimizer = build_optimizer(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    scheduler = build_lr_scheduler(optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
+                                   decay_type=s.decay_type, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor)
+    manager = None
+    if purpose == "train":
+        ck = cfg.checkpoint
+        manager = ckpt.CheckpointManager(
+            folder=os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
+            keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step,
+            fallback_on_corrupt=ck.fallback_on_corrupt)
+    return Job(cfg=cfg, device=device, host_malloc=host_malloc, dist=info, compute=compute, family=plan.family,
+               args=plan.args, parallel_dims=plan.parallel_dims, step_plan=plan.step_plan, task=task, mesh=mesh,
+               dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch, grad_accum_steps=accum,
+               attention=attention, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
+               build_val_loader=build_val_loader, manager=manager, t_start=t_start)

@@ -1,0 +1,377 @@
+"""The device layer: pick cpu / cuda / tpu, start the process group, seed.
+
+TPU code stays here and in `trainer/graph/tpu.py`: nothing imports `torch_tpu` unless a TPU
+was requested or detected, because importing it on a host without a TPU changes torch's
+globals (see docs/tpu.md). None of the TPU paths has run on a TPU yet.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import random
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from models.errors import ConfigError
+
+GLOO_SERIAL = "gloo_serial"
+"""The CPU process-group backend: torch's gloo with ONE worker thread (`cpu_backend`)."""
+BACKENDS = {"cuda": "nccl", "tpu": "tpu_dist"}
+DEVICE_TYPES = ("auto", "cpu", "cuda", "tpu")
+"""`[device] type` choices (`pick_device`)."""
+
+"""Process-group backends of the accelerators; the CPU's is `cpu_backend()` (registered on use)."""
+
+
+def cpu_backend() -> str:
+    """The name of the backend for CPU collectives (registered on first use): gloo, one worker.
+
+    torch's ProcessGroupGloo runs collectives on 2 worker threads. With two of them in flight
+    at once, which the graph step does (it issues all-gathers ahead of their use and waits for
+    reduce-scatters late), torch 2.13's gloo crashed 2-process graph training of the debug
+    recipe in 5 of 18 runs of 20-30 steps (a SIGSEGV in `gloo::transport::tcp::UnboundBuffer::
+    ~UnboundBuffer` at the end of an all-gather on a worker thread, or glibc's "malloc():
+    unaligned tcache chunk detected"); with one worker, which runs the collectives in issue
+    order, none of 10 did (docs/parallelism.md, "CPU collectives"). Eager steps wait for each
+    collective where they issue it.
+    """
+    if GLOO_SERIAL not in dist.Backend.backend_list:
+        dist.Backend.register_backend(GLOO_SERIAL, _serial_gloo, extended_api=True, devices=["cpu"])
+    return GLOO_SERIAL
+
+
+def _serial_gloo(opts, _backend_options=None):
+    gloo = dist.ProcessGroupGloo
+    options = gloo._Options()
+    options._threads = 1
+    options._timeout = opts.timeout
+    options._devices = [gloo.create_default_device()]
+    return gloo(opts.store, opts.group_rank, opts.group_size, options)
+
+
+def torch_tpu_installed() -> bool:
+    """True when the torch-tpu package is installed; does not import it."""
+    return importlib.util.find_spec("torch_tpu") is not None
+
+
+def tpu_present() -> bool:
+    """True iff torch-tpu's autoload initialised a TPU in this process (never starts PJRT)."""
+    if not torch_tpu_installed() or os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") == "0":
+        return False
+    acc = torch.accelerator.current_accelerator()
+    return acc is not None and acc.type == "tpu"
+
+
+def pick_device(kind: str = "auto") -> torch.device:
+    """`[device] type`: auto | cpu | cuda | tpu -> the torch.device this process trains on."""
+    if kind == "auto":
+        kind = "tpu" if tpu_present() else "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "tpu":
+        if not tpu_present():
+            raise ConfigError("device.type: tpu requested but torch-tpu found no TPU (pip install '.[tpu]' on a TPU VM)")
+        return torch.device("tpu")  # one process per TPU device; torch-tpu owns the index
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device.type: cuda requested but no CUDA device is available; allowed here: cpu, auto")
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """Start the default process group (gloo / nccl / tpu_dist).
+
+    Under torchrun the env:// rendezvous is used. A plain single process still gets a
+    world-size-1 group (through a file store) so that DeviceMesh, DTensor and DCP run the same
+    code path at any scale.
+    """
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    backend = cpu_backend() if device.type == "cpu" else BACKENDS[device.type]
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is None:
+            dist.init_process_group(backend=backend)
+        else:
+            # After a torchrun restart, keys of the failed attempt can still be in the store;
+            # gloo then reads a dead peer's address. A per-attempt key prefix keeps rounds apart.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                  is_master=False, timeout=timedelta(minutes=10))
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"titan/attempt_{restart}", store),
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        fd, path = tempfile.mkstemp(prefix="titan-pg-")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group(backend=backend, init_method=f"file://{path}", rank=0, world_size=1)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_seed(seed: int) -> None:
+    """Same seed on every rank: weights are initialised identically before sharding."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+
+HOST_MALLOC = ("auto", "retain", "system")
+"""`[device] host_malloc`: how this process's C heap (glibc malloc, where CPU tensors live) treats
+large blocks. `system`: glibc's defaults; `retain`: freed memory stays in the heap for reuse;
+`auto`: `retain` on the CPU device, `system` on accelerators."""
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # <malloc.h>
+
+
+def configure_host_malloc(mode: str, device: torch.device) -> str:
+    """Apply `[device] host_malloc` to this process; return what was done, for the banner.
+
+    glibc serves every block above its mmap threshold (at most 32 MiB) with its own `mmap` and
+    unmaps it on free, and returns the heap's free top to the OS above the trim threshold. A
+    training step allocates and frees the same large activations every step, so with the
+    defaults each step faults in those pages afresh (the kernel zeroes every 4 KiB page): with
+    layer scan, whose per-layer saved activations are stacked into one buffer per value
+    (6 x 8 x 2048 x 768 bf16 = 151 MB), the scanned step ran at 1.01-1.20x the unrolled one
+    with 2.7M-5.9M minor faults per benchmark process, against 0.95-0.99x and 0.89M with `retain`
+    (AMD EPYC VM; docs/graph_trainer.md, "Scan performance").
+    `retain` sets `M_MMAP_MAX = 0` (large blocks come from the heap) and `M_TRIM_THRESHOLD = -1`
+    (the heap is never trimmed): freed blocks are reused by the next step, at the cost of the
+    process keeping its peak heap (which a training loop reaches every step anyway). Both are
+    glibc's documented `mallopt` parameters; on another C library the mode is reported as not
+    applied. Process-wide and one-way: call once at start-up.
+    """
+    if mode not in HOST_MALLOC:
+        raise ConfigError(f"device.host_malloc: {mode!r}; allowed: {', '.join(HOST_MALLOC)}")
+    if mode == "auto":
+        mode = "retain" if device.type == "cpu" else "system"
+    if mode == "system":
+        return "system (glibc defaults)"
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return "system (retain needs glibc; this C library is not)"
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, -1) != 1:
+        return "system (glibc refused mallopt)"
+    return "retain (glibc mallopt: no mmap for large blocks, no trim; freed memory is reused)"
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (lscpu), for the CPU line of every benchmark's output."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU matmul probe: the CPU's peak per dtype (for MFU) and the `auto` compute dtype.
+#
+# Which dtype is faster on a CPU is a property of the machine, not of the architecture: an Intel
+# Xeon with AVX512-BF16 but no AMX runs bf16 GEMMs at about half its fp32 rate (oneDNN converts),
+# an AMD EPYC (Zen 4/5) runs them ~4.5x faster than fp32. So it is measured, once per machine.
+
+PROBE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPUTE_DTYPES = (*PROBE_DTYPES, "auto")
+"""`[training] mixed_precision_param` choices (`resolve_compute_dtype`)."""
+PROBE_SIZE = 2048
+_PROBE_REPEATS = 3
+_PROBES: dict[int, dict[str, float]] = {}  # this process: thread count -> {dtype name: FLOP/s}
+# A GEMM of 2048^3 keeps every torch thread busy, so the best timed run's process CPU time is
+# about threads x wall (measured ~0.95-1.0 on an idle machine). Another job on the same cores
+# time-slices with it: one busy competitor on each core halves the share. Below this share the
+# measurement reflects the load, not the CPU, and is not cached (the run still uses it).
+BUSY_SHARE = 0.75
+
+
+def measure_matmul(dtype: torch.dtype, *, size: int = PROBE_SIZE,
+                   repeats: int = _PROBE_REPEATS) -> tuple[float, float]:
+    """(TFLOP/s, CPU share) of a size x size x size matmul in `dtype` on this process's torch threads.
+
+    One untimed warm-up (allocation, oneDNN kernel selection), then the best of `repeats` timed
+    runs: the best, not the median, because on a shared machine interference only ever slows a
+    run down. The CPU share is the best run's process CPU time / (wall x threads) (`BUSY_SHARE`).
+    About 1 s per dtype at 2048 on one core.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    warmup = time.perf_counter() - start
+    best, share = float("inf"), 1.0
+    # A slow machine (a dtype emulated at 1/10 speed) still gets two timed runs but not more.
+    for _ in range(repeats if warmup < 0.5 else 2):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        torch.mm(a, b)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if wall < best:
+            best, share = wall, cpu / (wall * torch.get_num_threads())
+    return 2.0 * size**3 / best / 1e12, share
+
+
+def probe_cache_path() -> Path:
+    """$TITAN_CACHE (default ~/.cache/titan-tpu) / cpu_matmul_probe.json."""
+    return Path(os.path.expanduser(os.environ.get("TITAN_CACHE", "~/.cache/titan-tpu"))) / "cpu_matmul_probe.json"
+
+
+def probe_cache_key(threads: int | None = None) -> str:
+    """What the probe's result depends on: the CPU model, torch's version and the thread count."""
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{cpu_model()} | torch {torch.__version__} | {threads} thread(s)"
+
+
+def _read_probe_file(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # absent, or cut short: measure again
+        return {}
+
+
+def _measure_or_read(key: str) -> dict[str, float]:
+    """{dtype name: FLOP/s} for `key` from the cache file, else measured and written to it."""
+    path = probe_cache_path()
+    entry = _read_probe_file(path).get(key)
+    if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) and entry[n] > 0 for n in PROBE_DTYPES):
+        return {n: float(entry[n]) for n in PROBE_DTYPES}
+    peaks, shares = {}, []
+    for name, dtype in PROBE_DTYPES.items():
+        tflops, share = measure_matmul(dtype)
+        peaks[name] = tflops * 1e12
+        shares.append(share)
+    if min(shares) < BUSY_SHARE:
+        print(f"titan-tpu: the CPU matmul probe ran on a busy machine (this process had {min(shares):.0%} of its "
+              f"{torch.get_num_threads()} thread(s)' cores); its result is used but not cached", flush=True)
+        return peaks
+    try:  # re-read: another job may have written other keys meanwhile; write atomically
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_probe_file(path)
+        data[key] = {**peaks, "size": PROBE_SIZE, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only home: the probe still serves this process
+        pass
+    return peaks
+
+
+def cpu_matmul_peaks() -> dict[str, float]:
+    """{"bfloat16": FLOP/s, "float32": FLOP/s} of this CPU at this process's thread count.
+
+    Read from the probe cache (`probe_cache_path()`, keyed by `probe_cache_key()`), measured and
+    written there on a miss. Under a process group of several ranks this is a collective: rank 0
+    reads or measures, and broadcasts, so every rank has the same numbers (and the same `auto`
+    dtype) and the ranks sharing a machine do not time each other's matmuls. Delete the file to
+    measure again (e.g. after a probe on a busy machine).
+    """
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    group = dist.is_initialized() and dist.get_world_size() > 1
+    # Under a group every rank joins the broadcast on every call (a rank never skips it because
+    # of its own process cache: thread ranks share one); only rank 0's numbers are cached.
+    if not group or dist.get_rank() == 0:
+        if threads not in _PROBES:
+            _PROBES[threads] = _measure_or_read(probe_cache_key(threads))
+        peaks = _PROBES[threads]
+    if group:
+        buf = torch.tensor([peaks[n] for n in PROBE_DTYPES] if dist.get_rank() == 0 else [0.0] * len(PROBE_DTYPES),
+                           dtype=torch.float64)
+        dist.broadcast(buf, src=0)
+        peaks = dict(zip(PROBE_DTYPES, buf.tolist()))
+    return dict(peaks)
+
+
+@dataclass(frozen=True)
+class ComputeDtype:
+    """The resolved `[training] mixed_precision_param`."""
+
+    name: str
+    """bfloat16 | float32."""
+    reason: str
+    """One line for the banner: what was chosen and why."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PROBE_DTYPES[self.name]
+
+
+def resolve_compute_dtype(name: str, device: torch.device | str) -> ComputeDtype:
+    """`mixed_precision_param` -> the dtype this run computes in, on `device` (or a device type).
+
+    bfloat16 / float32: as given. auto: bfloat16 on TPU and GPU (their matmul units are built
+    for it); on the CPU the faster of the two by `cpu_matmul_peaks()` (a collective under a
+    process group: call it on every rank at the same point, after `init_distributed`).
+    """
+    if name in PROBE_DTYPES:
+        return ComputeDtype(name, "set in the recipe")
+    assert name == "auto", name  # the config validates the choices
+    device_type = device if isinstance(device, str) else device.type
+    if device_type != "cpu":
+        return ComputeDtype("bfloat16", f"auto: bfloat16 on {device_type}")
+    peaks = cpu_matmul_peaks()
+    best = max(peaks, key=peaks.get)
+    other = min(peaks, key=peaks.get)
+    return ComputeDtype(best, f"auto: {best} matmul {peaks[best] / 1e9:.0f} GFLOP/s vs {other} "
+                              f"{peaks[other] / 1e9:.0f} on this CPU (probe {PROBE_SIZE}³, {torch.get_num_threads()} "
+                              f"thread(s), cached in {probe_cache_path()})")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A concrete dtype name (bfloat16 | float32) -> torch dtype; `auto` must have been resolved
+    first (`resolve_compute_dtype`, once per run, before the model is built)."""
+    assert name != "auto", "resolve mixed_precision_param = auto before building the model"
+    return PROBE_DTYPES[name]
+
+
+def global_mean(t: torch.Tensor) -> float:
+    """Mean of a per-rank scalar over all ranks (TP replicas hold equal values); a host sync."""
+    t = t.detach().float().reshape(1).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.item()
+
+
+def gather_objects():
+    """`gather(obj) -> [every rank's obj]` over a gloo group made here (a collective: call it on
+    every rank), or None in a single process. The LM loader gathers every rank's data-shard
+    positions into the checkpointed state with it."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    group = dist.new_group(backend=cpu_backend())
+
+    def gather(obj: object) -> list:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+

@@ -1,0 +1,215 @@
+"""The step plan: the one place that decodes `[compile] mode` and refuses combinations.
+
+`plan_step(StepRequest)` turns the compile, activation-checkpointing and parallelism settings
+into a `StepPlan`; everything that depends on the mode reads that object and nothing else:
+- the compiler backend, resolved once (`resolve_backend`);
+- where activation checkpointing is applied: on the blocks by `parallelize_model`, in the
+  documented order TP -> EP -> AC -> compile -> SimpleFSDP, in every mode; only a scanned graph
+  step, whose blocks run as one scan body, applies it inside that body instead;
+- which blocks are compiled (`compile` mode), and whether the step is one captured graph;
+- the loss: plain (logits, then fp32 cross entropy) or fused (`ops.linear_cross_entropy` from
+  the final hidden states: the logits are never whole, nor upcast to fp32 whole), and the
+  loss-parallel context (TP with vocab-sharded logits), for eager and graph steps alike;
+- the host-sync policy: the step returns device tensors and never reads them; the loop reads
+  them on logged steps and before a checkpoint (`trainer/train.py`).
+
+`RULES` is the table of every combination (mode x parallelism x model x device x caller) that
+cannot be honoured. It is read before anything is built: by `build_job` (trainer and engine),
+by the planner's search (`planner.search.recommend` skips refused layouts) and by the
+recipe tests (`tests/test_recipes.py`: every shipped recipe at its declared degrees). A rule names the config
+key the user changes and what is allowed instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from models.errors import ConfigError
+from trainer.step.loss import lm_loss
+
+FLIP_FREE_BACKENDS = ("inductor", "tpu")
+"""Graph backends whose backward scans run in reverse without copies (trainer/graph/passes.py:
+Inductor a reversed loop, tpu torch-tpu's reverse-tagged scan); with the others the backward
+scan reads `flip` copies of its stacked inputs (torch's scan autograd)."""
+
+MODES = ("eager", "compile", "graph")
+BACKENDS = ("auto", "inductor", "aot_eager", "eager", "tpu")
+FUSED_LOSS = ("auto", "on", "off")
+TASKS = ("lm", "flow")
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What the mode rules read: the run's settings plus the facts of its model, mesh and caller."""
+
+    mode: str = "eager"
+    """`[compile] mode`: eager | compile | graph."""
+    backend: str = "auto"
+    """`[compile] backend` (unresolved)."""
+    scan_layers: bool = False
+    """`[compile] scan_layers`."""
+    ac_mode: str = "none"
+    """`[activation_checkpoint] mode`."""
+    loss_parallel: bool = False
+    """`[parallelism] enable_loss_parallel`."""
+    tp_degree: int = 1
+    """Tensor-parallel degree of the mesh."""
+    device_type: str = "cpu"
+    """cpu | cuda | tpu (the picked device)."""
+    fused_loss: str = "off"
+    """`[training] fused_loss`: auto | on | off."""
+    model_has_hidden: bool = False
+    """The model has `hidden()` (the contract's optional part the fused loss needs)."""
+    task: str = "lm"
+    """The family's task: lm | flow."""
+    caller_loss: bool = False
+    """The step runs a caller's loss function on the logits (the RL engine), not the task's."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One refused combination: `key` is the config key to change, `why` says what is allowed."""
+
+    key: str
+    refuses: Callable[[StepRequest], bool]
+    why: str
+
+    def message(self, request: StepRequest) -> str:
+        return f"{self.key}: {self.why}".format(r=request)
+
+
+def _others(choices: tuple[str, ...], *drop: str) -> str:
+    return ", ".join(c for c in choices if c not in drop)
+
+
+RULES: tuple[Rule, ...] = (
+    # Choices (the config's `allowed` lists are these same tuples, trainer/config.py).
+    Rule("compile.mode", lambda r: r.mode not in MODES, f"{{r.mode!r}}; allowed: {', '.join(MODES)}"),
+    Rule("compile.backend", lambda r: r.backend not in BACKENDS, f"{{r.backend!r}}; allowed: {', '.join(BACKENDS)}"),
+    Rule("training.fused_loss", lambda r: r.fused_loss not in FUSED_LOSS,
+         f"{{r.fused_loss!r}}; allowed: {', '.join(FUSED_LOSS)}"),
+    Rule("model.name", lambda r: r.task not in TASKS, f"the family declares task {{r.task!r}}; allowed: {', '.join(TASKS)}"),
+    # Device.
+    Rule("compile.backend", lambda r: r.backend == "tpu" and r.device_type != "tpu",
+         f"tpu needs a TPU device; allowed here: {_others(BACKENDS, 'tpu')}"),
+    # Layer scan.
+    Rule("compile.scan_layers", lambda r: r.scan_layers and r.mode != "graph", 'needs compile.mode = "graph"'),
+    # Scan with tensor parallelism runs the decoder TP styles in the body on local tensors
+    # (parallelisms/scan.py); a plan style without a scan form is refused when the step is built.
+    # Loss.
+    Rule("training.fused_loss", lambda r: r.fused_loss == "on" and r.tp_degree > 1,
+         "on needs the whole vocabulary on each rank, but tensor parallelism shards it; allowed with "
+         "tensor_parallel_degree > 1: auto, off"),
+    Rule("training.fused_loss", lambda r: r.fused_loss == "on" and not r.model_has_hidden,
+         "on needs a model with hidden() (models/contract.py); allowed for this model: auto, off"),
+    Rule("parallelism.enable_loss_parallel", lambda r: r.loss_parallel and r.task == "flow",
+         "shards an LM's vocabulary; a flow model has none; allowed: false"),
+    # The engine runs a caller's loss on the logits.
+    Rule("compile.mode", lambda r: r.caller_loss and r.mode == "graph",
+         '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
+         "a caller's loss function; allowed: eager, compile"),
+    Rule("training.fused_loss", lambda r: r.caller_loss and r.fused_loss == "on",
+         "on never forms the log-probs the engine's loss functions read; allowed: auto, off"),
+    Rule("model.name", lambda r: r.caller_loss and r.task != "lm",
+         "the engine trains language models (task lm); this family's task is {r.task}"),
+)
+
+
+def refusals(request: StepRequest) -> list[str]:
+    """The message of every rule that refuses `request` (empty: it can run)."""
+    return [rule.message(request) for rule in RULES if rule.refuses(request)]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything `[compile] mode` decides, resolved once (see the module docstring)."""
+
+    mode: str
+    """eager | compile | graph."""
+    backend: str | None
+    """The resolved compiler backend (inductor | aot_eager | eager | tpu); None in eager mode."""
+    block_ac: str
+    """AC mode `parallelize_model` applies to the blocks (none | full | selective)."""
+    block_compile: str | None
+    """Backend that `parallelize_model` compiles each block with; None: blocks stay eager."""
+    scan: bool
+    """Graph mode runs the repeated blocks as one scan."""
+    scan_ac: str
+    """AC mode applied inside the scan body (graph + scan); "none" otherwise."""
+    loss_parallel: bool
+    """The LM loss runs on vocab-sharded logits under `loss_parallel_context` (TP only)."""
+    fused_loss: bool = False
+    """The LM loss is `ops.linear_cross_entropy(model.hidden(x), model.output.weight, y)`."""
+
+    @property
+    def scan_flips(self) -> bool:
+        """The backward scan reads flipped copies of the stacked saved tensors (memory the planner
+        counts): a scanned step on a backend without the reversed-loop rewrite."""
+        return self.scan and self.backend not in FLIP_FREE_BACKENDS
+
+    @property
+    def undonated_update(self) -> bool:
+        """The optimizer update writes new parameter and moment buffers before the old ones are
+        freed: torch-tpu's compile backend donates no captured input (torch_tpu 0.2.0)."""
+        return self.mode == "graph" and self.backend == "tpu"
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        from parallelisms import loss_parallel_context
+
+        return loss_parallel_context(self.loss_parallel)
+
+    def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim)."""
+        if self.fused_loss:
+            from models.common import ops
+
+            # The weight is read here, after the forward, on every call: under SimpleFSDP the
+            # access is the all-gather, which must not be cached across steps.
+            return ops.linear_cross_entropy(model.hidden(inputs).flatten(0, 1), model.output.weight,
+                                            labels.flatten())
+        return lm_loss(model(inputs), labels)
+
+
+def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
+    """The compiler backend for `mode` on `device_type`: auto -> tpu on a TPU, inductor elsewhere.
+
+    In graph mode `eager` means `aot_eager` (the captured graph runs op by op). The request has
+    passed `RULES` (`plan_step`): the backend is a known one and `tpu` runs on a TPU.
+    """
+    if backend == "auto":
+        return "tpu" if device_type == "tpu" else "inductor"
+    if mode == "graph" and backend == "eager":
+        return "aot_eager"
+    return backend
+
+
+def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
+    """The `StepPlan` of a run; ConfigError (the first refusing rule of `RULES`) otherwise.
+
+    Pass a `StepRequest`, or its fields as keywords. `fused_loss` auto fuses on TPU when the
+    model has `hidden()` and no tensor parallelism (the op takes the whole vocabulary).
+    """
+    r = request if request is not None else StepRequest(**settings)
+    refused = refusals(r)
+    if refused:
+        raise ConfigError(refused[0])
+    tp = r.tp_degree > 1
+    # The engine's caller reads logits or log-probs, which the fused loss never forms.
+    fused = (r.model_has_hidden and not tp and not r.caller_loss
+             and (r.fused_loss == "on" or (r.fused_loss == "auto" and r.device_type == "tpu")))
+    resolved = None if r.mode == "eager" else resolve_backend(r.backend, mode=r.mode, device_type=r.device_type)
+    scan = r.mode == "graph" and r.scan_layers
+    return StepPlan(
+        mode=r.mode,
+        backend=resolved,
+        block_ac="none" if scan else r.ac_mode,
+        block_compile=resolved if r.mode == "compile" else None,
+        scan=scan,
+        scan_ac=r.ac_mode if scan else "none",
+        loss_parallel=r.loss_parallel and tp,
+        fused_loss=fused,
+    )
