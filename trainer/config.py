@@ -30,6 +30,7 @@ from parallelisms.activation_checkpoint import AC_MODES
 from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
 from trainer.optim import DECAY_TYPES
 from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
+from trainer.runtime.tpu_env import FLAG_BUNDLES, check_flags
 from trainer.step.plan import BACKENDS, FUSED_LOSS, MODES
 from trainer.tasks.flow import TIMESTEP_SAMPLING
 
@@ -213,6 +214,15 @@ class CompileConfig:
     gloo's reduce-scatter all-reduces the whole tensor, twice the traffic. The result is the
     same (the cast is exact; with more than 2 ranks the sum's order may differ). false = gloo's
     reduce-scatter. Other backends ignore it. See docs/parallelism.md."""
+    cache_dir: str = ""
+    """TPU: torch-tpu's persistent compilation cache, a local directory or a gs:// path shared by
+    every process and run (TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT): a relaunch, a resumed run or
+    another host loads the compiled programs instead of compiling them again. "" = off (or what
+    the environment already exports). Ignored on cpu/cuda. See docs/tpu.md, "Compile cache"."""
+    host_cache: bool = False
+    """TPU: torch-tpu's host-local compilation cache (TORCH_TPU_TIER2_COMPILATION_CACHE, under
+    /dev/shm), so the processes of one host compile each program once between them instead of
+    once each; torch-tpu turns it off in a world of 1. Ignored on cpu/cuda."""
 
 
 @dataclass
@@ -275,7 +285,8 @@ class ValidationConfig:
 @dataclass
 class ProfilingConfig:
     enable: bool = False
-    """Record torch.profiler traces."""
+    """Record a profile of every `freq`-th step: torch.profiler's Chrome trace on cpu/cuda; on a
+    TPU torch-tpu's profiler (TpuProfilerConfig), an XPlane file that xprof / TensorBoard read."""
     freq: int = field(default=100, metadata=_range(ge=1))
     """Trace every `freq`-th step (steps freq, 2 x freq, ...); each trace covers one whole step."""
     folder: str = "profile_traces"
@@ -334,6 +345,18 @@ class DeviceConfig:
     trim), `system` keeps glibc's defaults (blocks above 32 MiB are mapped and unmapped on every
     allocation, so each step faults their pages in again); `auto` = retain on the CPU device,
     system on accelerators. Measured on the CPU: docs/graph_trainer.md, "Scan performance"."""
+    flag_bundle: str = field(default="auto", metadata=_choices(*FLAG_BUNDLES))
+    """TPU: the recorded XLA / libtpu flags to start from (assets/tpu_flags.toml, each flag with
+    its source): auto = the bundle of the host's generation (v4, v5e, v5p, v6e, v7x), none, or a
+    bundle's name (refused on another generation). Ignored on cpu/cuda. See docs/tpu.md, "XLA and
+    libtpu flags"."""
+    libtpu_init_args: list = field(default_factory=list)
+    """TPU: extra flags for LIBTPU_INIT_ARGS, e.g. ["--xla_tpu_scoped_vmem_limit_kib=65536"]; a
+    flag here replaces the bundle's flag of the same name, a flag already exported in the
+    environment replaces both. Set before the TPU runtime starts; a name the installed libtpu
+    does not know stops the run with an error. Ignored on cpu/cuda."""
+    xla_flags: list = field(default_factory=list)
+    """TPU: extra flags for XLA_FLAGS, merged like libtpu_init_args. Ignored on cpu/cuda."""
 
 
 @dataclass
@@ -556,6 +579,8 @@ def validate(cfg: Config) -> None:
     betas = cfg.optimizer.betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+    check_flags("device.libtpu_init_args", cfg.device.libtpu_init_args)
+    check_flags("device.xla_flags", cfg.device.xla_flags)
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")

@@ -2,7 +2,8 @@
 
 The steps, in order (the trainer's loop and the RL engine both start here; nothing else builds a
 run):
-  1. device, host heap policy, process group, seed, the compute dtype (`auto` resolved once)
+  1. device, host heap policy, the TPU runtime's flags and compilation cache (before the first
+     device request), process group, seed, the compute dtype (`auto` resolved once)
   2. `plan_job`: model args, parallel degrees and the step plan, checked against every rule
      (trainer/step/plan.py RULES) before anything is built; the recipe tests call
      `plan_job` alone at a recipe's declared world size, and the planner's search reads the
@@ -43,6 +44,7 @@ from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
                                     resolve_compute_dtype, set_seed, torch_dtype)
+from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
 from trainer.tasks import TASK_CLASSES, build_task
 
@@ -171,6 +173,9 @@ class Job:
     manager: ckpt.CheckpointManager | None = None
     """The run's checkpoint manager (purpose "train")."""
     t_start: float = 0.0
+    runtime_notes: tuple[str, ...] = ()
+    """Banner lines on the TPU runtime environment set at start-up (flags, compilation cache), or
+    on the `[device]` / `[compile]` TPU settings not applied on this device."""
 
     @property
     def is_rank0(self) -> bool:
@@ -228,11 +233,19 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
     #    -> bfloat16 | float32 once, the same on every rank; from here on the config holds it.
     if check:
         assert torch.distributed.is_initialized(), "a check job runs in its caller's (fake) process group"
-        device, host_malloc = torch.device("meta"), "not applied (check)"
+        device, host_malloc, runtime_notes = torch.device("meta"), "not applied (check)", []
     else:
         device = pick_device(cfg.device.type)
         host_malloc = configure_host_malloc(cfg.device.host_malloc, device)
         device_type = device.type
+        # XLA / libtpu flags and torch-tpu's compilation cache: set before the first device
+        # request (the process group's), when the TPU runtime reads them (trainer/runtime/tpu_env.py).
+        runtime_env = tpu_runtime_env(
+            device_type=device_type, generation=detect_generation() if device_type == "tpu" else None,
+            flag_bundle=cfg.device.flag_bundle, libtpu_init_args=cfg.device.libtpu_init_args,
+            xla_flags=cfg.device.xla_flags, cache_dir=cfg.compile.cache_dir, host_cache=cfg.compile.host_cache)
+        runtime_env.apply()
+        runtime_notes = runtime_env.notes
     info = init_distributed(device)
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
@@ -285,4 +298,4 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
                args=plan.args, parallel_dims=plan.parallel_dims, step_plan=plan.step_plan, task=task, mesh=mesh,
                dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch, grad_accum_steps=accum,
                attention=attention, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-               build_val_loader=build_val_loader, manager=manager, t_start=t_start)
+               build_val_loader=build_val_loader, manager=manager, t_start=t_start, runtime_notes=tuple(runtime_notes))

@@ -26,6 +26,7 @@ from trainer.job import Job, build_job
 from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, PreemptionHandler, StartupTimeout,
                              StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
                              shutdown_distributed)
+from trainer.runtime.tpu_env import CacheMissCounter, profile_step, profiler_plan
 from trainer.step import StepPlan, local_scalar
 
 
@@ -38,13 +39,18 @@ class NonFiniteTracker:
     The gradient norm is global (equal on every rank), so every rank reaches the same verdict.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, start_step: int = 0):
         self.first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        # The step number lives on the device and counts there: a Python int in the update
+        # would be a constant of its program, a new program per step on a TPU (one compile each).
+        self.step = torch.full((), start_step, dtype=torch.int64, device=device)
 
-    def update(self, step: int, grad_norm: torch.Tensor) -> None:
+    def update(self, grad_norm: torch.Tensor) -> None:
+        """Record the step that just ran (the one after the previous update, or start_step + 1)."""
+        self.step = self.step + 1
         bad = ~torch.isfinite(grad_norm.detach())
-        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), step, self.first_bad_step)
+        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), self.step, self.first_bad_step)
         self.skipped = self.skipped + bad.to(torch.int64)
 
     def read(self) -> tuple[int, int]:
@@ -110,6 +116,8 @@ def _banner(job: Job, start_step: int, peak_name: str) -> None:
           f"loss {loss_name}; steps {start_step + 1}..{cfg.training.steps}", flush=True)
     print(f"titan-tpu: compute dtype {job.compute.name} ({job.compute.reason})", flush=True)
     print(f"titan-tpu: host malloc {job.host_malloc}", flush=True)
+    for line in job.runtime_notes:
+        print(line, flush=True)
 
 
 def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: int, peak: float | None,
@@ -129,7 +137,8 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
 
     # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
     #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
-    nonfinite = NonFiniteTracker(device)
+    nonfinite = NonFiniteTracker(device, start_step)
+    cache_misses = CacheMissCounter(device.type)  # TPU: torch-tpu's compilation cache misses
     extra_first = {"setup_s": round(time.perf_counter() - job.t_start, 3)}
     if peak is not None:  # the peak MFU is taken against, and the best compute dtype's (CPU: may differ)
         extra_first.update(peak_tflops=peak / 1e12, peak_tflops_best=best_peak / 1e12)
@@ -141,7 +150,7 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
             if watchdog is not None:
                 watchdog.step_started(step)
             profiling = cfg.profiling.enable and step % cfg.profiling.freq == 0
-            with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, job.dist.rank):
+            with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, job.dist.rank, device):
                 # data_s: host time for the batches only; a copy to an accelerator can wait for
                 # the steps still queued on it, which is not the loader's time.
                 t_data = time.perf_counter()
@@ -152,7 +161,10 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
                 out = step_fn(microbatches, lr)
                 scheduler.step()
             train_state.step = step
-            nonfinite.update(step, out.grad_norm)
+            nonfinite.update(out.grad_norm)
+            missed = cache_misses.step_done(step)
+            if missed is not None and is_rank0:
+                print(missed, flush=True)
             if watchdog is not None:
                 watchdog.step_finished()
             # SIGTERM (preemptible VMs, spot): every rank stops after this same step and saves it.
@@ -174,6 +186,8 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
                 values = {"loss": global_mean(out.loss), "grad_norm": out.grad_norm, "lr": lr}
                 if t.skip_nonfinite_updates:
                     values["skipped_updates"] = skipped
+                if cache_misses.total is not None:
+                    values["compile_cache_misses"] = cache_misses.total
                 if out.aux_loss is not None:
                     values["moe_aux_loss"] = global_mean(out.aux_loss)
                 if extra_first is not None:
@@ -208,17 +222,16 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
 
 
 @contextlib.contextmanager
-def _profile(enabled: bool, folder: str, step: int, rank: int):
+def _profile(enabled: bool, folder: str, step: int, rank: int, device: torch.device):
+    """Profile one step into `folder/step-N/`: a Chrome trace per rank on cpu/cuda, torch-tpu's
+    XPlane file on a TPU (`trainer.runtime.tpu_env.profiler_plan`)."""
     if not enabled:
         yield
         return
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, record_shapes=True) as prof:
+    step_folder = os.path.join(folder, f"step-{step}")
+    plan = profiler_plan(device.type, folder=step_folder, rank=rank, cuda=device.type == "cuda")
+    with profile_step(plan, trace_path=os.path.join(step_folder, f"rank{rank}_trace.json")):
         yield
-    os.makedirs(os.path.join(folder, f"step-{step}"), exist_ok=True)
-    prof.export_chrome_trace(os.path.join(folder, f"step-{step}", f"rank{rank}_trace.json"))
 
 
 def main(argv: list[str] | None = None) -> int:

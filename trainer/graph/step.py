@@ -97,7 +97,7 @@ class GraphStep:
             stack.resync_scan_storage()
         self.slots.refresh()
         self._current_slots = self.slots.slots()
-        self._lr.fill_(lr)
+        set_scalar_(self._lr, lr)
         if len({len(mb) for mb in microbatches}) != 1:
             raise ValueError("graph step: every micro-batch must hold the same number of tensors")
         self._arity = len(microbatches[0])  # a Python int: baked into the graph
@@ -154,6 +154,23 @@ class GraphStep:
 
 
 _STEP_IDS = itertools.count()
+
+
+def set_scalar_(dst: torch.Tensor, value: float) -> None:
+    """Write this step's Python number (the lr) into the 0-dim device tensor the captured step
+    takes as an input, so the number is data and never a constant of a program.
+
+    On a TPU a host-to-device copy of a CPU scalar: the value travels as the transfer's data
+    (torch-tpu 0.2.0 compiles each eager op into a cached program, and a scalar it bakes in as a
+    constant would give a new program, a compilation cache miss, per distinct value; its fill
+    kernel appears to take the value as an input, but that is read from the binary, not seen).
+    Elsewhere `fill_`: a kernel argument on CUDA (a copy from pageable host memory would wait for
+    the stream), the same thing on the CPU.
+    """
+    if dst.device.type == "tpu":
+        dst.copy_(torch.tensor(value, dtype=dst.dtype))
+    else:
+        dst.fill_(value)
 
 
 def _own_code(method):
