@@ -16,12 +16,15 @@ Attention backends (`[model] attn_backend`):
 On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`) are served by their
 Pallas kernels (megablox gmm, the fused vocabulary-tiled loss) whenever those load, whatever
 the attention backend; elsewhere their torch references serve them. `kernels/tpu` (jax,
-torch-tpu) is imported only when the device is a TPU.
+torch-tpu) is imported only when the device is a TPU. On TPU each selected kernel first runs a
+self-check on tiny tensors against its torch reference (`kernels/tpu/selfcheck.py`); one that
+raises or disagrees is replaced by its reference for the run, with one banner line saying why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
@@ -59,6 +62,8 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
     `splash` off TPU, or a kernel that cannot be built or loaded here); `auto` falls back to
     SDPA and says why. The ops without a backend setting (`grouped_mm`,
     `linear_cross_entropy`) get their TPU kernels on TPU and their references elsewhere.
+    On TPU a kernel that fails its start-up self-check (kernels/tpu/selfcheck.py) is replaced
+    by its reference, also under an explicit `splash`, with one banner line on stderr.
     dtype, head_dim: the run's compute dtype and attention head dim, when known: on the CPU the
     kernel serves only some (dtype, head_dim) pairs (each call checks its inputs), and the
     returned line then says which backend this run's attention takes.
@@ -67,7 +72,7 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
     for op in ("grouped_mm", "linear_cross_entropy"):
         ops.register(op, None)
     if device.type == "tpu":
-        return _select_tpu(attention)
+        return _select_tpu(attention, device=device, dtype=dtype or torch.bfloat16, head_dim=head_dim)
     if device.type != "cpu" or attention == "sdpa":
         ops.register("causal_attention", None)
         return "sdpa"
@@ -109,9 +114,11 @@ def saved_ops() -> set:
     return _SAVED_OPS
 
 
-def _select_tpu(attention: str) -> str:
-    """TPU: the Pallas kernels of kernels/tpu serve every op they can (attention per `attention`)."""
+def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
+    """TPU: the Pallas kernels of kernels/tpu serve every op they can (attention per `attention`)
+    that passes its start-up self-check; the references serve the rest."""
     from kernels import tpu
+    from kernels.tpu import selfcheck
 
     pallas = tpu.load()
     if pallas is None:
@@ -120,12 +127,34 @@ def _select_tpu(attention: str) -> str:
                               "allowed: auto, sdpa")
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
-    _SAVED_OPS.update(tpu.saved_ops())
-    ops.register("grouped_mm", pallas["grouped_mm"])
-    ops.register("linear_cross_entropy", pallas["linear_cross_entropy"])
-    ops.register("causal_attention", pallas["causal_attention"] if attention != "sdpa" else None)
-    served = "splash" if attention != "sdpa" else "sdpa"
-    return f"{served} (Pallas: gmm for MoE experts, fused linear+cross-entropy)"
+    selected = {op: fn for op, fn in pallas.items() if op != "causal_attention" or attention != "sdpa"}
+    passed, verdicts = selfcheck.run(selected, device=device, dtype=dtype, head_dim=head_dim)
+    return _register_tpu(attention, passed, verdicts, saved=tpu.saved_ops())
+
+
+def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) -> str:
+    """Register the kernels that passed their self-check (references for the rest), print one
+    banner line per kernel that failed, describe the choice."""
+    from kernels.tpu import selfcheck
+
+    for verdict in verdicts:
+        if not verdict.ok:
+            print(selfcheck.banner(verdict), file=sys.stderr, flush=True)
+    _SAVED_OPS.update(saved)
+    for op in ("grouped_mm", "linear_cross_entropy", "causal_attention"):
+        ops.register(op, passed.get(op))
+    served = "splash" if "causal_attention" in passed else "sdpa"
+    pallas = [name for op, name in (("grouped_mm", "gmm for MoE experts"),
+                                    ("linear_cross_entropy", "fused linear+cross-entropy")) if op in passed]
+    failed = [v.kernel for v in verdicts if not v.ok]
+    note = f"Pallas: {', '.join(pallas)}" if pallas else "no Pallas kernel"
+    if failed:
+        note += f"; self-check failed: {', '.join(failed)} (references serve them)"
+    elif verdicts:
+        note += f"; self-check passed, worst error {max(v.worst for v in verdicts):.2%} of scale"
+    # Also with `attn_backend = "splash"` asked for explicitly: a kernel that fails on this host
+    # is not a bad config, and the run is more use on SDPA than stopped (the banner says why).
+    return f"{served} ({note})"
 
 
 def _cpu_kernel_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -2,24 +2,69 @@
 
 - `splash.py`, `gmm.py`, `fused_ce.py`: pure JAX/Pallas (no torch), runnable in Pallas'
   interpreter on the CPU (tests/xla) and compilable for TPU without one.
+- `tiles.py`: block sizes per TPU generation (VMEM, MXU) from the table `tiles.toml`, which
+  `scripts/sweep_kernel_tiles.py` writes; pure Python.
 - `register.py`: wraps them as torch ops (`titan_tpu::*`) with autograd; imports torch-tpu and
   jax, so only `load()` below imports it, and `kernels.select` calls `load()` only when the run's
   device is a TPU. Nothing in this file imports jax.
+- `selfcheck.py`: the start-up check of each selected kernel against its torch reference
+  (torch only); `kernels.select` runs it after `load()`.
+
+JAX's platform. torch-tpu owns the chips of this process; the kernels only need JAX to trace,
+lower and export them (`jax_op` runs `jax.export(platforms=["tpu"])`, which needs no device).
+A JAX that initialised its own TPU backend here would be a second PJRT client on chips
+torch-tpu holds (tpu_first_contact R4). So `load()` sets `JAX_PLATFORMS=cpu` before jax is
+first imported, the configuration every XLA-tier probe runs. A user who set `JAX_PLATFORMS`
+explicitly keeps it (an escape hatch for experiments), with one warning line naming the risk;
+if jax was imported earlier and has not started a backend yet, its config is pinned the same
+way; if it already started one, the warning says so.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 _state: dict[str, object] = {}
+
+JAX_PLATFORM = "cpu"
+"""The platform JAX runs on inside a torch-tpu process (module docstring)."""
+
+
+def pin_jax_platform() -> str | None:
+    """Keep JAX off the TPU in this process (module docstring); a warning line, or None."""
+    user = os.environ.get("JAX_PLATFORMS")
+    if user is not None and user != JAX_PLATFORM:
+        return (f"titan-tpu: JAX_PLATFORMS={user!r} is set; the Pallas kernels need JAX only to lower "
+                f"(JAX_PLATFORMS={JAX_PLATFORM} is what was tested): a JAX TPU backend in this process "
+                "competes with torch-tpu for the chips and may fail or hang at the first kernel call")
+    os.environ["JAX_PLATFORMS"] = JAX_PLATFORM
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    from jax._src import xla_bridge  # jax is already imported: this loads nothing new
+
+    if xla_bridge.backends_are_initialized():
+        platforms = sorted({d.platform for d in jax.devices()})
+        if platforms != [JAX_PLATFORM]:
+            return (f"titan-tpu: jax was imported and started its {', '.join(platforms)} backend before the "
+                    "Pallas kernels loaded; it may compete with torch-tpu for the chips")
+        return None
+    jax.config.update("jax_platforms", JAX_PLATFORM)
+    return None
 
 
 def load() -> dict[str, Callable] | None:
     """The torch implementations {op name: fn} of the TPU kernels, or None (see `load_error`).
 
-    Imports jax and registers the torch-tpu ops on the first call; TPU runs only.
+    Pins JAX's platform (module docstring), imports jax and registers the torch-tpu ops on the
+    first call; TPU runs only.
     """
     if "ops" not in _state and "error" not in _state:
+        warning = pin_jax_platform()
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         try:
             from kernels.tpu import register
 

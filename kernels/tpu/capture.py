@@ -175,11 +175,12 @@ def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool) -> tuple[
     dw kernel each recompute the logits tile and do one matmul: four. Bytes: h and the labels
     once, w once per row block (the vocabulary is the inner grid axis); the backward reads h and
     w once per block of the other operand in each of its two kernels and writes dh, dw (a model)."""
-    from kernels.tpu import fused_ce
+    from kernels.tpu import tiles
 
     matmul = 2.0 * n * vocab * d
-    row_blocks = max(1, -(-n // fused_ce.BLOCK_N))
-    vocab_blocks = max(1, -(-vocab // fused_ce.BLOCK_V))
+    block_n, block_v = tiles.ce_blocks(None, n, vocab, d, itemsize=itemsize)  # no generation here: the conservative rule
+    row_blocks = max(1, -(-n // block_n))
+    vocab_blocks = max(1, -(-vocab // block_v))
     fwd_bytes = itemsize * (n * d + vocab * d * row_blocks) + 12 * n
     bwd_bytes = itemsize * (n * d * (1 + vocab_blocks) + vocab * d * (1 + row_blocks) + n * d + vocab * d) + 24 * n
     return (4 * matmul, bwd_bytes) if backward else (matmul, fwd_bytes)

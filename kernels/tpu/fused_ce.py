@@ -29,14 +29,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+try:  # a package import (kernels.tpu.fused_ce) or a plain module next to tiles.py (the probes)
+    from kernels.tpu import tiles
+except ImportError:  # pragma: no cover - the XLA-tier probes put kernels/tpu on sys.path
+    import tiles
+
 IGNORE_INDEX = -100
-BLOCK_N = 256
-BLOCK_V = 512
-VMEM_BUDGET = 24 * 2**20
-"""Blocks shrink (vocab block first, then the row block, down to 128) until the estimated VMEM
-working set fits this; the compiler's scoped VMEM limit is raised to VMEM_LIMIT, which every
-TPU generation has (v5e/v6e 128 MiB per core, TPU7x 64 MiB; v5e's default limit is 16 MiB)."""
-VMEM_LIMIT = 48 * 2**20
 _NT = (((1,), (1,)), ((), ()))  # a [n, d] x b [v, d] -> [n, v]
 _TN = (((0,), (0,)), ((), ()))  # a [n, v] x b [n, d] -> [v, d]
 
@@ -111,22 +109,18 @@ def _dw_kernel(labels_ref, lse_ref, g_ref, h_ref, w_ref, dw_ref, acc, *, vocab, 
         dw_ref[...] = acc[...].astype(dw_ref.dtype)
 
 
-def _vmem_bytes(bn: int, bv: int, dim: int, itemsize: int) -> int:
-    """Working set of the largest of the three kernels: double-buffered h and w tiles, a float32
-    accumulator and a double-buffered output tile of the larger block, float32 logits temporaries."""
-    big = max(bn, bv)
-    return 2 * itemsize * (bn + bv) * dim + 4 * big * dim + 2 * itemsize * big * dim + 3 * 4 * bn * bv
-
-
-def _pad(h, w, labels, block_n, block_v, ignore_index):
+def _blocks(h, w, block_n, block_v, generation):
+    """(block_n, block_v): the caller's, else the generation's from tiles.py."""
     n, vocab, dim = h.shape[0], w.shape[0], h.shape[1]
-    bn = min(block_n, _round_up(n, 8))
-    bv = min(block_v, _round_up(vocab, 128))
-    while _vmem_bytes(bn, bv, dim, h.dtype.itemsize) > VMEM_BUDGET and max(bn, bv) > 128:
-        if bv >= bn and bv > 128:
-            bv //= 2
-        else:
-            bn = max(128, bn // 2)
+    if block_n is None or block_v is None:
+        bn, bv = tiles.ce_blocks(generation, n, vocab, dim, itemsize=h.dtype.itemsize)
+        block_n, block_v = block_n or bn, block_v or bv
+    return min(block_n, _round_up(n, 8)), min(block_v, _round_up(vocab, 128))
+
+
+def _pad(h, w, labels, block_n, block_v, ignore_index, generation):
+    n, vocab = h.shape[0], w.shape[0]
+    bn, bv = _blocks(h, w, block_n, block_v, generation)
     pn, pv = _round_up(n, bn) - n, _round_up(vocab, bv) - vocab
     h = jnp.pad(h, ((0, pn), (0, 0))) if pn else h
     w = jnp.pad(w, ((0, pv), (0, 0))) if pv else w
@@ -135,19 +129,23 @@ def _pad(h, w, labels, block_n, block_v, ignore_index):
     return h, w, labels[:, None], bn, bv
 
 
-def _params(interpret: bool) -> dict:
+def _params(interpret: bool, generation: str | None) -> dict:
     return dict(interpret=interpret,
                 compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                                     vmem_limit_bytes=VMEM_LIMIT))
+                                                     vmem_limit_bytes=tiles.ce_vmem_limit(generation)))
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_v", "ignore_index", "interpret"))
-def forward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int = BLOCK_N,
-                 block_v: int = BLOCK_V, ignore_index: int = IGNORE_INDEX,
+_STATIC = ("block_n", "block_v", "ignore_index", "generation", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def forward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int | None = None,
+                 block_v: int | None = None, ignore_index: int = IGNORE_INDEX, generation: str | None = None,
                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """h [N, D], w [V, D], labels [N] -> (loss per row [N] f32, logsumexp per row [N] f32)."""
+    """h [N, D], w [V, D], labels [N] -> (loss per row [N] f32, logsumexp per row [N] f32).
+    Blocks: `block_n`/`block_v` if given, else the `generation`'s (tiles.py)."""
     n, vocab, dim = h.shape[0], w.shape[0], h.shape[1]
-    hp, wp, lab, bn, bv = _pad(h, w, labels, block_n, block_v, ignore_index)
+    hp, wp, lab, bn, bv = _pad(h, w, labels, block_n, block_v, ignore_index, generation)
     rows = hp.shape[0]
     col = pl.BlockSpec((bn, 1), lambda i, j: (i, 0))
     loss, lse = pl.pallas_call(
@@ -158,18 +156,18 @@ def forward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int 
         out_specs=[col, col],
         out_shape=[jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 2,
         scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)] * 3,
-        **_params(interpret),
+        **_params(interpret, generation),
     )(lab, hp, wp)
     return loss[:n, 0], lse[:n, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_v", "ignore_index", "interpret"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, g: jax.Array, *,
-                  block_n: int = BLOCK_N, block_v: int = BLOCK_V, ignore_index: int = IGNORE_INDEX,
-                  interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                  block_n: int | None = None, block_v: int | None = None, ignore_index: int = IGNORE_INDEX,
+                  generation: str | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Gradients of sum_i g_i * loss_i: (dh [N, D] in h.dtype, dw [V, D] in w.dtype)."""
     n, vocab, dim = h.shape[0], w.shape[0], h.shape[1]
-    hp, wp, lab, bn, bv = _pad(h, w, labels, block_n, block_v, ignore_index)
+    hp, wp, lab, bn, bv = _pad(h, w, labels, block_n, block_v, ignore_index, generation)
     rows = hp.shape[0]
     pn = rows - n
     lse2 = jnp.pad(lse.astype(jnp.float32), (0, pn))[:, None]
@@ -186,7 +184,7 @@ def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
         out_specs=pl.BlockSpec((bn, dim), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct(hp.shape, h.dtype),
         scratch_shapes=[pltpu.VMEM((bn, dim), jnp.float32)],
-        **_params(interpret),
+        **_params(interpret, generation),
     )(lab, lse2, g2, hp, wp)
 
     col_t = pl.BlockSpec((bn, 1), lambda j, i: (i, 0))
@@ -198,35 +196,39 @@ def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
         out_specs=pl.BlockSpec((bv, dim), lambda j, i: (j, 0)),
         out_shape=jax.ShapeDtypeStruct(wp.shape, w.dtype),
         scratch_shapes=[pltpu.VMEM((bv, dim), jnp.float32)],
-        **_params(interpret),
+        **_params(interpret, generation),
     )(lab, lse2, g2, hp, wp)
     return dh[:n], dw[:vocab]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _loss_rows(h, w, labels, block_n, block_v, interpret):
-    return forward_rows(h, w, labels, block_n=block_n, block_v=block_v, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _loss_rows(h, w, labels, block_n, block_v, generation, interpret):
+    return forward_rows(h, w, labels, block_n=block_n, block_v=block_v, generation=generation,
+                        interpret=interpret)[0]
 
 
-def _loss_rows_fwd(h, w, labels, block_n, block_v, interpret):
-    loss, lse = forward_rows(h, w, labels, block_n=block_n, block_v=block_v, interpret=interpret)
+def _loss_rows_fwd(h, w, labels, block_n, block_v, generation, interpret):
+    loss, lse = forward_rows(h, w, labels, block_n=block_n, block_v=block_v, generation=generation,
+                             interpret=interpret)
     return loss, (h, w, labels, lse)
 
 
-def _loss_rows_bwd(block_n, block_v, interpret, res, g):
+def _loss_rows_bwd(block_n, block_v, generation, interpret, res, g):
     h, w, labels, lse = res
-    dh, dw = backward_rows(h, w, labels, lse, g, block_n=block_n, block_v=block_v, interpret=interpret)
+    dh, dw = backward_rows(h, w, labels, lse, g, block_n=block_n, block_v=block_v, generation=generation,
+                           interpret=interpret)
     return dh, dw, None
 
 
 _loss_rows.defvjp(_loss_rows_fwd, _loss_rows_bwd)
 
 
-def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int = BLOCK_N,
-                         block_v: int = BLOCK_V, interpret: bool = False) -> jax.Array:
+def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int | None = None,
+                         block_v: int | None = None, generation: str | None = None,
+                         interpret: bool = False) -> jax.Array:
     """mean over labels != IGNORE_INDEX of CE(h w^T, labels), float32; differentiable."""
     valid = labels != IGNORE_INDEX
-    rows = _loss_rows(h, w, labels, block_n, block_v, interpret)
+    rows = _loss_rows(h, w, labels, block_n, block_v, generation, interpret)
     return jnp.where(valid, rows, 0.0).sum() / valid.sum()
 
 

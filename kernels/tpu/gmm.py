@@ -9,37 +9,52 @@ device (`make_group_metadata`), so one compiled program serves every routing pat
 is copied to the host and nothing is cached per pattern (the TorchTitan TPU fork's wrapper
 does both: `tuple(group_sizes.cpu().tolist())` keys its kernel cache).
 
-Tiles: megablox needs M a multiple of the row tile; rows are padded with zeros at the end (they
-belong to no group, and are sliced off). K and N tiles are the largest of 512/256/128 that
-divide them, else the whole dimension. The backward is megablox's: gmm for dx, tgmm for dw.
+Tiles per TPU generation (`generation`, a key of `tiles.GENERATIONS` or None) from `tiles.py`:
+the row tile from the table and a roofline model of this shape, fixed for the forward and both
+backward kernels; each megablox call then asks `GmmTiling` for its own K and N tiles (the dx
+gmm has K and N swapped), fitted to the dimensions and to the generation's scoped VMEM.
+megablox needs M a multiple of the row tile; rows are padded with zeros at the end (they belong
+to no group, and are sliced off). The backward is megablox's: gmm for dx, tgmm for dw.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-ROW_TILE = 128
+try:  # a package import (kernels.tpu.gmm) or a plain module next to tiles.py (the probes)
+    from kernels.tpu import tiles
+except ImportError:  # pragma: no cover - the XLA-tier probes put kernels/tpu on sys.path
+    import tiles
 
 
-def _tile(size: int) -> int:
-    for tile in (512, 256, 128):
-        if size % tile == 0:
-            return tile
-    return size
+@dataclasses.dataclass(frozen=True)
+class GmmTiling:
+    """megablox's tiling look-up `(m, k, n) -> (tm, tk, tn)`: the row tile is fixed (rows are
+    padded to it), K and N tiles fitted per call (hashable: megablox keys its VJP on it)."""
+
+    generation: str | None
+    tm: int
+    itemsize: int
+
+    def __call__(self, m: int, k: int, n: int) -> tuple[int, int, int]:
+        del m
+        return (self.tm, *tiles.gmm_kn_tiles(self.generation, self.tm, k, n, itemsize=self.itemsize))
 
 
 def grouped_mm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-               interpret: bool = False) -> jax.Array:
+               generation: str | None = None, interpret: bool = False) -> jax.Array:
     """Rows of group g times w[g] (w[g]^T with `transpose_rhs`); see the module docstring."""
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    tm = min(ROW_TILE, -(-m // 8) * 8)
+    tm = tiles.gmm_tiles(generation, m, k, n, w.shape[0], itemsize=x.dtype.itemsize)[0]
     pad = (-m) % tm
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
-    out = megablox.gmm(x, w, group_sizes.astype(jnp.int32), x.dtype, (tm, _tile(k), _tile(n)),
+    out = megablox.gmm(x, w, group_sizes.astype(jnp.int32), x.dtype, GmmTiling(generation, tm, x.dtype.itemsize),
                        None, None, transpose_rhs, interpret)
     return out[:m] if pad else out
 

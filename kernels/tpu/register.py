@@ -2,15 +2,20 @@
 
 Imported only by `kernels.tpu.load()` on a TPU run (it imports jax and needs torch-tpu).
 `build()` defines, once per process:
-- `titan_tpu::splash_fwd / splash_bwd` and `splash_seg_fwd / splash_seg_bwd` (with segment ids);
+- `titan_tpu::splash_fwd / splash_bwd` and `splash_seg_fwd / splash_seg_bwd` (with segment ids):
+  the forward returns (out, lse), the backward takes them and runs only the splash backward
+  kernel (`splash.backward`), not the forward again;
 - `titan_tpu::gmm / gmm_bwd` (w as [G, K, N]) and `gmm_t / gmm_t_bwd` (w in nn.Linear layout
   [G, N, K], what the MoE experts hold: their transposed view is passed without a copy);
 - `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients).
 Each forward op gets autograd through `register_autograd` with its backward op (jax_op registers
-none). The splash and gmm backward ops take the JAX VJP of the forward: splash re-runs its
-forward kernel inside the backward op to get its residuals (out, lse), one extra attention
-forward per step; gmm's unused forward is dead code that XLA drops. The fused loss saves its
-lse, so its backward does not recompute the forward.
+none). The gmm backward ops take the JAX VJP of the forward (megablox's own: gmm for dx, tgmm
+for dw; the unused forward is dead code that XLA drops). Splash and the fused loss save their
+residuals (out and lse; lse), so their backward ops do not recompute the forward.
+
+Tiles: `build()` detects the TPU generation once (`tiles.detect_generation`: torch-tpu's device
+name, then the accelerator-type variables) and every kernel takes that generation's blocks
+(kernels/tpu/tiles.py); an unrecognised one gets the conservative rule.
 
 `build()` returns {op name: torch function} for `models.common.ops.register`; each function
 falls back to the op's torch reference for tensors that are not on the TPU.
@@ -23,19 +28,35 @@ from collections.abc import Callable
 import jax
 import torch
 
-from kernels.tpu import fused_ce, gmm, splash
+from kernels.tpu import fused_ce, gmm, splash, tiles
 from models.common import ops
 
 NAMESPACE = "titan_tpu"
 _BUILT: dict[str, Callable] = {}
+GENERATION: dict[str, str | None] = {}
+
+
+def device_generation() -> str | None:
+    """This host's TPU generation for the tile table, or None (detected once)."""
+    if "value" not in GENERATION:
+        names = []
+        for getter in ("get_device_name", "get_device_properties"):
+            try:
+                value = getattr(torch.tpu, getter)()
+            except Exception:  # no device, or not in this torch-tpu: the next source
+                continue
+            names.append(str(getattr(value, "name", value)))
+        GENERATION["value"] = tiles.detect_generation(*names)
+    return GENERATION["value"]
 
 
 def build() -> dict[str, Callable]:
     """Register the ops (idempotent) and return the implementations of the model's ops."""
     if not _BUILT:
         jax_op = torch.tpu.pallas.jax_op
-        _BUILT.update(causal_attention=_build_splash(jax_op), grouped_mm=_build_gmm(jax_op),
-                      linear_cross_entropy=_build_linear_ce(jax_op))
+        gen = device_generation()
+        _BUILT.update(causal_attention=_build_splash(jax_op), grouped_mm=_build_gmm(jax_op, gen),
+                      linear_cross_entropy=_build_linear_ce(jax_op, gen))
     return dict(_BUILT)
 
 
@@ -51,31 +72,35 @@ def _on_tpu(*tensors: torch.Tensor) -> bool:
 
 def _build_splash(jax_op) -> Callable:
     @jax_op(f"{NAMESPACE}::splash_fwd")
-    def splash_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return splash.splash_attention(q, k, v)
+    def splash_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return splash.forward(q, k, v)
 
     @jax_op(f"{NAMESPACE}::splash_bwd")
-    def splash_bwd(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return tuple(jax.vjp(splash.splash_attention, q, k, v)[1](dout))
+    def splash_bwd(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+                   dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return splash.backward(q, k, v, None, out, lse, dout)
 
     @jax_op(f"{NAMESPACE}::splash_seg_fwd")
-    def splash_seg_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        return splash.splash_attention(q, k, v, segment_ids)
+    def splash_seg_fwd(q: jax.Array, k: jax.Array, v: jax.Array,
+                       segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return splash.forward(q, k, v, segment_ids)
 
     @jax_op(f"{NAMESPACE}::splash_seg_bwd")
-    def splash_seg_bwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                       dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return tuple(jax.vjp(lambda q, k, v: splash.splash_attention(q, k, v, segment_ids), q, k, v)[1](dout))
+    def splash_seg_bwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, out: jax.Array,
+                       lse: jax.Array, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return splash.backward(q, k, v, segment_ids, out, lse, dout)
 
     def setup(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs, *output)
 
-    def backward(ctx, dout):
+    def backward(ctx, dout, d_lse):
+        del d_lse  # an auxiliary output; nothing differentiates through it
         return splash_bwd(*ctx.saved_tensors, dout.contiguous())
 
-    def backward_seg(ctx, dout):
-        q, k, v, seg = ctx.saved_tensors
-        return (*splash_seg_bwd(q, k, v, seg, dout.contiguous()), None)
+    def backward_seg(ctx, dout, d_lse):
+        del d_lse
+        q, k, v, seg, out, lse = ctx.saved_tensors
+        return (*splash_seg_bwd(q, k, v, seg, out, lse, dout.contiguous()), None)
 
     splash_fwd.register_autograd(backward, setup_context=setup)
     splash_seg_fwd.register_autograd(backward_seg, setup_context=setup)
@@ -85,28 +110,29 @@ def _build_splash(jax_op) -> Callable:
             return ops.sdpa_causal_attention(q, k, v, segment_ids)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if segment_ids is None:
-            return splash_fwd(q, k, v)
-        return splash_seg_fwd(q, k, v, segment_ids.to(torch.int32).contiguous())
+            return splash_fwd(q, k, v)[0]
+        return splash_seg_fwd(q, k, v, segment_ids.to(torch.int32).contiguous())[0]
 
     return causal_attention
 
 
-def _build_gmm(jax_op) -> Callable:
+def _build_gmm(jax_op, gen: str | None) -> Callable:
     @jax_op(f"{NAMESPACE}::gmm")
     def gmm_kn(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        return gmm.grouped_mm(x, w, group_sizes)
+        return gmm.grouped_mm(x, w, group_sizes, generation=gen)
 
     @jax_op(f"{NAMESPACE}::gmm_bwd")
     def gmm_kn_bwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return tuple(jax.vjp(lambda x, w: gmm.grouped_mm(x, w, group_sizes), x, w)[1](dy))
+        return tuple(jax.vjp(lambda x, w: gmm.grouped_mm(x, w, group_sizes, generation=gen), x, w)[1](dy))
 
     @jax_op(f"{NAMESPACE}::gmm_t")
     def gmm_nk(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        return gmm.grouped_mm(x, w, group_sizes, transpose_rhs=True)
+        return gmm.grouped_mm(x, w, group_sizes, transpose_rhs=True, generation=gen)
 
     @jax_op(f"{NAMESPACE}::gmm_t_bwd")
     def gmm_nk_bwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return tuple(jax.vjp(lambda x, w: gmm.grouped_mm(x, w, group_sizes, transpose_rhs=True), x, w)[1](dy))
+        return tuple(jax.vjp(lambda x, w: gmm.grouped_mm(x, w, group_sizes, transpose_rhs=True, generation=gen),
+                             x, w)[1](dy))
 
     def setup(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
@@ -132,15 +158,15 @@ def _build_gmm(jax_op) -> Callable:
     return grouped_mm
 
 
-def _build_linear_ce(jax_op) -> Callable:
+def _build_linear_ce(jax_op, gen: str | None) -> Callable:
     @jax_op(f"{NAMESPACE}::linear_ce_fwd")
     def ce_fwd(h: jax.Array, w: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return fused_ce.forward_rows(h, w, labels)
+        return fused_ce.forward_rows(h, w, labels, generation=gen)
 
     @jax_op(f"{NAMESPACE}::linear_ce_bwd")
     def ce_bwd(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
                g: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return fused_ce.backward_rows(h, w, labels, lse, g)
+        return fused_ce.backward_rows(h, w, labels, lse, g, generation=gen)
 
     def setup(ctx, inputs, output):
         h, w, labels = inputs

@@ -11,8 +11,13 @@ k/v [B, Hkv, S, D], segment_ids [B, S] or None) and returns [B, Hq, S, D]. It wr
 - Odd lengths: the sequence is padded at the end to a multiple of 128 (the kernel's tile) and
   the padding sliced off; with a causal mask no real query sees a padded key.
 - Scale 1/sqrt(D) is applied to q in q's dtype (no float32 promotion of q).
-Forward and backward (`jax.vjp`) come from the kernel's custom VJP (fused dq/dkv kernel).
-`interpret=True` runs the same kernel in Pallas' interpreter (CPU tests).
+- Backward from saved residuals: `forward` returns (out, lse), `backward` takes them and calls
+  JAX's splash backward kernel (`_splash_attention_bwd`, fused dq/dkv) directly, so the
+  backward op never runs the forward kernel again (it did when it was `jax.vjp` of the
+  forward: one extra attention forward per layer and step). `splash_attention` binds the two
+  as a custom VJP for JAX callers; kernels/tpu/register.py binds them as two torch ops.
+  (`_splash_attention_bwd` is private in jax 0.10.2, pinned; tests/xla checks it.)
+`interpret=True` runs the same kernels in Pallas' interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ def block_size(seq_len: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _kernel(seq_len: int, group: int, block: int, interpret: bool):
-    """The MQA splash kernel for `group` query heads sharing one KV head (built once per shape)."""
+    """The MQA splash kernel for `group` query heads sharing one KV head (built once per shape).
+
+    Built with `save_residuals=True`: calling it returns (out, (logsumexp,)), the residuals its
+    backward needs; `backward` below calls that backward kernel on them directly."""
     mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len))] * group)
     sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
@@ -50,35 +58,129 @@ def _kernel(seq_len: int, group: int, block: int, interpret: bool):
     # them (`jax.export`, which torch-tpu's jax_op runs, cannot take hoisted jax constants).
     with jax.ensure_compile_time_eval():
         kernel = sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=interpret)
+                                    save_residuals=True, interpret=interpret)
         return jax.tree_util.tree_map(np.asarray, kernel)
+
+
+def _collapsed(mask_info):
+    """A MaskInfo with its partial mask blocks as [blocks, bq, bkv], as the kernel's own call
+    passes them (`_splash_attention` collapses the leading dims before the custom VJP)."""
+    if mask_info is None or mask_info.partial_mask_blocks is None:
+        return mask_info
+    blocks = mask_info.partial_mask_blocks
+    return mask_info._replace(partial_mask_blocks=blocks.reshape(-1, *blocks.shape[-2:]))
+
+
+class _Layout:
+    """The op's [B, H, S, D] layout <-> the kernel's per-KV-head MQA form (padded, q scaled)."""
+
+    def __init__(self, q: jax.Array, k: jax.Array, interpret: bool):
+        self.batch, self.q_heads, self.seq, self.head_dim = q.shape
+        self.kv_heads = k.shape[1]
+        assert self.q_heads % self.kv_heads == 0, f"q heads {self.q_heads} not a multiple of kv heads {self.kv_heads}"
+        self.group = self.q_heads // self.kv_heads
+        self.pad = (-self.seq) % TILE
+        self.padded = self.seq + self.pad
+        self.scale = self.head_dim ** -0.5
+        self.kernel = _kernel(self.padded, self.group, block_size(self.padded), interpret)
+
+    def seq_pad(self, t: jax.Array) -> jax.Array:
+        """Pad dim 2 (the sequence) of [B, H, S, D] with zeros to the kernel's tile."""
+        return jnp.pad(t, ((0, 0), (0, 0), (0, self.pad), (0, 0))) if self.pad else t
+
+    def to_mqa(self, t: jax.Array) -> jax.Array:
+        """[B, Hq, S, D] -> [B, Hkv, group, S_pad, D]."""
+        return self.seq_pad(t).reshape(self.batch, self.kv_heads, self.group, self.padded, t.shape[-1])
+
+    def from_mqa(self, t: jax.Array) -> jax.Array:
+        """[B, Hkv, group, S_pad, D] -> [B, Hq, S, D]."""
+        return t.reshape(self.batch, self.q_heads, self.padded, t.shape[-1])[:, :, :self.seq]
+
+    def ids(self, segment_ids: jax.Array | None) -> jax.Array | None:
+        if segment_ids is None:
+            return None
+        ids = segment_ids.astype(jnp.int32)
+        if self.pad:  # padded tokens get their own segment; causality already hides them
+            ids = jnp.pad(ids, ((0, 0), (0, self.pad)), constant_values=-1)
+        return ids
+
+    def per_head(self, fn, *args, ids=None):
+        """vmap `fn(*per_head_args, segment_ids)` over batch and KV heads."""
+        if ids is None:
+            return jax.vmap(jax.vmap(lambda *a: fn(*a, None)))(*args)
+        inner = jax.vmap(lambda *a: fn(*a[:-1], sk.SegmentIds(q=a[-1], kv=a[-1])),
+                         in_axes=(*(0,) * len(args), None))
+        return jax.vmap(inner)(*args, ids)
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
+            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Hq, S, D], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
+    each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile)."""
+    lay = _Layout(q, k, interpret)
+    qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
+    k, v = lay.seq_pad(k), lay.seq_pad(v)
+
+    def head(qh, kh, vh, seg):
+        out, (lse,) = lay.kernel(qh, kh, vh, segment_ids=seg)
+        return out, lse
+
+    out, lse = lay.per_head(head, qg, k, v, ids=lay.ids(segment_ids))
+    return lay.from_mqa(out), lse.reshape(lay.batch, lay.q_heads, lay.padded).astype(jnp.float32)
+
+
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, out: jax.Array,
+             lse: jax.Array, dout: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) from the forward's residuals (out, lse) with the splash backward kernel
+    alone (fused dq/dkv), without running the forward kernel again.
+
+    Padded query rows get out = dout = 0, so their `di = rowsum(dout * out)` is 0 and they add
+    nothing; their lse is the forward's own (finite: each row sees at least itself)."""
+    lay = _Layout(q, k, interpret)
+    qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
+    k, v = lay.seq_pad(k), lay.seq_pad(v)
+    og, dog = lay.to_mqa(out), lay.to_mqa(dout.astype(out.dtype))
+    lseg = lse.reshape(lay.batch, lay.kv_heads, lay.group, lay.padded)
+    kernel = lay.kernel
+    kw = kernel.kwargs
+    dq_info, dkv_info = _collapsed(kernel.dq_mask_info), _collapsed(kernel.dkv_mask_info)
+
+    def head(qh, kh, vh, oh, lh, doh, seg):
+        res = (qh, kh, vh, seg, None, oh, lh, dq_info, dkv_info)
+        grads = sk._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"],
+                                         kw["residual_checkpoint_name"], kw["mask_function"],
+                                         kw["attn_logits_soft_cap"], kw["interpret"], res, doh)
+        return grads[3], grads[4], grads[5]
+
+    dq, dk, dv = lay.per_head(head, qg, k, v, og, lseg, dog, ids=lay.ids(segment_ids))
+    dq = lay.from_mqa(dq * jnp.asarray(lay.scale, dtype=dq.dtype))
+    return dq, dk[:, :, :lay.seq], dv[:, :, :lay.seq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, segment_ids, interpret):
+    return forward(q, k, v, segment_ids, interpret=interpret)[0]
+
+
+def _attention_fwd(q, k, v, segment_ids, interpret):
+    out, lse = forward(q, k, v, segment_ids, interpret=interpret)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _attention_bwd(interpret, res, dout):
+    q, k, v, segment_ids, out, lse = res
+    dq, dk, dv = backward(q, k, v, segment_ids, out, lse, dout, interpret=interpret)
+    return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
                      *, interpret: bool = False) -> jax.Array:
-    """softmax(q k^T / sqrt(D), causal [within segments]) v; see the module docstring."""
-    batch, q_heads, seq, head_dim = q.shape
-    kv_heads = k.shape[1]
-    assert q_heads % kv_heads == 0, f"q heads {q_heads} not a multiple of kv heads {kv_heads}"
-    group = q_heads // kv_heads
-    pad = (-seq) % TILE
-    q = q * jnp.asarray(head_dim ** -0.5, dtype=q.dtype)
-    if pad:
-        widths = ((0, 0), (0, 0), (0, pad), (0, 0))
-        q, k, v = (jnp.pad(t, widths) for t in (q, k, v))
-    padded = seq + pad
-    kernel = _kernel(padded, group, block_size(padded), interpret)
-    q = q.reshape(batch, kv_heads, group, padded, head_dim)
-    if segment_ids is None:
-        per_head = lambda qg, kh, vh: kernel(qg, kh, vh)  # noqa: E731
-        out = jax.vmap(jax.vmap(per_head))(q, k, v)
-    else:
-        ids = segment_ids.astype(jnp.int32)
-        if pad:  # padded tokens get their own segment; causality already hides them
-            ids = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
-        per_head = lambda qg, kh, vh, s: kernel(qg, kh, vh, segment_ids=sk.SegmentIds(q=s, kv=s))  # noqa: E731
-        out = jax.vmap(jax.vmap(per_head, in_axes=(0, 0, 0, None)))(q, k, v, ids)
-    return out.reshape(batch, q_heads, padded, head_dim)[:, :, :seq]
+    """softmax(q k^T / sqrt(D), causal [within segments]) v; differentiable in JAX with the
+    residual backward (`forward` + `backward`); see the module docstring."""
+    return _attention(q, k, v, segment_ids, interpret)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:

@@ -1,0 +1,250 @@
+"""The TPU kernels' start-up self-check, the JAX platform pin and the tile rule, on the CPU.
+
+kernels/tpu/selfcheck.py decides, per op, whether a kernel may serve the run: it runs the
+implementation and the op's torch reference on tiny inputs and compares. Here the
+implementations are injected torch functions (no jax, no torch-tpu in this process): one that
+agrees as a bf16 kernel would (an independent formula computed in bf16), one that raises, and
+ones that disagree the way kernel bugs do (no causal mask, a shifted group, a missing ignore
+mask, a non-finite value). kernels/tpu/tiles.py is pure Python; its rule is checked against the
+VMEM facts it encodes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels.tpu import pin_jax_platform, selfcheck, tiles
+from models.common import ops
+
+BF16 = torch.bfloat16
+
+
+# --- independent implementations, computed in the inputs' dtype (bf16), like a kernel -----------
+
+
+def attention_bf16(q, k, v, segment_ids=None, *, causal=True):
+    group = q.shape[1] // k.shape[1]
+    k, v = ops.repeat_kv(k, group), ops.repeat_kv(v, group)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # bf16 operands, as the MXU takes them
+    s = q.shape[2]
+    mask = torch.ones(s, s, dtype=torch.bool).tril() if causal else torch.ones(s, s, dtype=torch.bool)
+    mask = mask[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    p = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    return p @ v
+
+
+def grouped_bf16(x, w, group_sizes, *, shift=0):
+    ends = torch.cumsum(group_sizes, 0).tolist()
+    starts = [0] + ends[:-1]
+    out = []
+    for g, (a, b) in enumerate(zip(starts, ends)):
+        out.append(x[a:b] @ w[(g + shift) % w.shape[0]])
+    return torch.cat(out)
+
+
+def ce_bf16(h, w, labels, *, ignore=True):
+    logits = F.linear(h, w).float()
+    if not ignore:
+        labels = labels.clamp(min=0)
+    return F.cross_entropy(logits, labels, ignore_index=ops.IGNORE_INDEX)
+
+
+AGREEING = {"causal_attention": attention_bf16, "grouped_mm": grouped_bf16, "linear_cross_entropy": ce_bf16}
+DISAGREEING = {
+    "causal_attention": lambda q, k, v, seg=None: attention_bf16(q, k, v, seg, causal=False),
+    "grouped_mm": lambda x, w, sizes: grouped_bf16(x, w, sizes, shift=1),
+    "linear_cross_entropy": lambda h, w, labels: ce_bf16(h, w, labels, ignore=False),
+}
+
+
+def _raises(*args):
+    raise RuntimeError("Mosaic failed to compile the kernel\nsecond line of a long error")
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_a_kernel_that_agrees_in_bf16_passes_within_the_argued_tolerance(op):
+    verdict = selfcheck.check(op, AGREEING[op], device=CPU, dtype=BF16, head_dim=64)
+    assert verdict.ok, verdict
+    # bf16 rounding is seen (the check compares something), and sits well below the tolerance.
+    assert 0 < verdict.worst < selfcheck.TOLERANCE / 2, verdict
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_the_reference_itself_agrees_exactly_in_float32(op):
+    verdict = selfcheck.check(op, selfcheck.REFERENCES[op], device=CPU, dtype=torch.float32)
+    assert verdict.ok and verdict.worst < 1e-5, verdict
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_a_kernel_that_raises_is_dropped_with_its_error(op):
+    verdict = selfcheck.check(op, _raises, device=CPU, dtype=BF16)
+    assert not verdict.ok
+    assert "raised RuntimeError: Mosaic failed to compile the kernel" in verdict.reason
+    assert "second line" not in verdict.reason
+    line = selfcheck.banner(verdict)
+    assert "\n" not in line and selfcheck.KERNEL_NAMES[op] in line and op in line, line
+
+
+@pytest.mark.parametrize("op", ops.OPS)
+def test_a_kernel_that_disagrees_is_dropped_with_the_numbers(op):
+    verdict = selfcheck.check(op, DISAGREEING[op], device=CPU, dtype=BF16)
+    assert not verdict.ok, verdict
+    assert "differs from the reference" in verdict.reason and verdict.worst > selfcheck.TOLERANCE, verdict
+
+
+def test_a_wrong_scale_just_above_the_tolerance_is_caught_and_just_below_is_not():
+    # The bound is relative to the output's magnitude: a kernel off by 2x the tolerance fails,
+    # one off by half of it (plus bf16 rounding) passes. Guards the comparison's arithmetic.
+    def scaled(factor):
+        return lambda h, w, labels: ce_bf16(h, w, labels) * factor
+
+    assert not selfcheck.check("linear_cross_entropy", scaled(1 + 2 * selfcheck.TOLERANCE), device=CPU, dtype=BF16).ok
+    assert selfcheck.check("linear_cross_entropy", scaled(1 + selfcheck.TOLERANCE / 4), device=CPU, dtype=BF16).ok
+
+
+def test_non_finite_output_is_dropped():
+    verdict = selfcheck.check("grouped_mm", lambda x, w, s: grouped_bf16(x, w, s) * float("nan"), device=CPU, dtype=BF16)
+    assert not verdict.ok and "not finite" in verdict.reason
+
+
+def test_select_registers_only_the_kernels_that_passed_and_prints_one_line_per_failure(capsys):
+    impls = {"causal_attention": AGREEING["causal_attention"], "grouped_mm": _raises,
+             "linear_cross_entropy": DISAGREEING["linear_cross_entropy"]}
+    saved = {op: ops.register(op, None) for op in ops.OPS}
+    try:
+        passed, verdicts = selfcheck.run(impls, device=CPU, dtype=BF16, head_dim=32)
+        assert set(passed) == {"causal_attention"}
+        line = kernels._register_tpu("auto", passed, verdicts, saved=[])
+        assert ops.implementation("causal_attention") is impls["causal_attention"]
+        assert ops.implementation("grouped_mm") is ops.torch_grouped_mm  # the reference
+        assert ops.implementation("linear_cross_entropy") is ops.chunked_linear_cross_entropy
+    finally:
+        for op, fn in saved.items():
+            ops.register(op, fn)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("titan-tpu: kernel self-check: gmm (grouped_mm) failed") and "RuntimeError" in err[0]
+    assert err[1].startswith("titan-tpu: kernel self-check: fused CE (linear_cross_entropy) failed")
+    assert line.startswith("splash (") and "self-check failed: gmm, fused CE" in line, line
+
+
+def test_splash_failing_its_check_falls_back_to_sdpa_even_when_asked_for(capsys):
+    saved = {op: ops.register(op, None) for op in ops.OPS}
+    try:
+        passed, verdicts = selfcheck.run({"causal_attention": _raises}, device=CPU, dtype=BF16)
+        line = kernels._register_tpu("splash", passed, verdicts, saved=[])
+        assert ops.implementation("causal_attention") is ops.sdpa_causal_attention
+    finally:
+        for op, fn in saved.items():
+            ops.register(op, fn)
+    assert line.startswith("sdpa (") and "splash" in line
+    assert "splash (causal_attention) failed" in capsys.readouterr().err
+
+
+# --- the JAX platform pin (nothing of jax is imported here) -------------------------------------
+
+
+def test_jax_is_pinned_to_the_cpu_unless_the_user_chose(monkeypatch):
+    import sys
+
+    assert "jax" not in sys.modules
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert pin_jax_platform() is None and os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert pin_jax_platform() is None
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    warning = pin_jax_platform()
+    assert os.environ["JAX_PLATFORMS"] == "tpu"  # the user's explicit choice stands
+    assert warning and "JAX_PLATFORMS='tpu'" in warning and "\n" not in warning
+
+
+# --- tiles per generation ------------------------------------------------------------------------
+
+# Expert shapes of the MoE recipes (k x n of each projection) at 65,536 token copies, 128
+# experts; the loss heads of Llama 3 8B / 70B and Qwen 3 (dim, vocab).
+GMM_SHAPES = [(2048, 768), (768, 2048), (4096, 1536), (1536, 4096)]
+CE_SHAPES = [(4096, 128256), (8192, 128256), (5120, 151936)]
+
+
+def test_the_table_names_every_generation_and_parses():
+    table = tiles.load_table()
+    for kernel in ("gmm", "fused_ce"):
+        assert set(table[kernel]) == {*tiles.GENERATIONS, "unknown"}
+
+
+@pytest.mark.parametrize("gen", [*tiles.GENERATIONS, None])
+def test_gmm_tiles_fit_the_scoped_vmem_and_divide_the_weight(gen):
+    limit = tiles.hardware(gen).scoped_vmem_bytes
+    for k, n in GMM_SHAPES:
+        tm, tk, tn = tiles.gmm_tiles(gen, 65536, k, n, 128)
+        assert tiles.gmm_vmem_bytes(tm, tk, tn) <= tiles.BUDGET_FRACTION * limit, (gen, k, n, tm, tk, tn)
+        assert k % tk == 0 and n % tn == 0 and tm % 8 == 0 and tm >= 128
+        # The backward's dx call has K and N swapped; its tiles fit too.
+        assert tiles.gmm_vmem_bytes(tm, *tiles.gmm_kn_tiles(gen, tm, n, k)) <= tiles.BUDGET_FRACTION * limit
+
+
+def test_gmm_tiles_grow_with_the_generation_and_beat_the_old_ones_on_the_roofline():
+    old = (128, 512, 256)  # what gmm.py used for 2048 x 768 before the table
+    for gen in tiles.GENERATIONS:
+        new = tiles.gmm_tiles(gen, 65536, 2048, 768, 128)
+        ridge = tiles.hardware(gen).ridge
+        assert tiles.gmm_cost(*new, 65536, 2048, 128, ridge) < tiles.gmm_cost(*old, 65536, 2048, 128, ridge), gen
+    # Memory-bound (v6e's high ridge point): the largest row tile. On a chip with a low ridge
+    # point (v5p, compute-bound sooner) with many groups, the rows wasted in tiles that straddle
+    # group boundaries pull it down.
+    assert tiles.gmm_tiles("v6e", 65536, 2048, 768, 8)[0] == 512
+    assert tiles.gmm_tiles("v5p", 65536, 2048, 768, 128)[0] == 256
+
+
+@pytest.mark.parametrize("gen", [*tiles.GENERATIONS, None])
+def test_loss_blocks_fit_their_vmem_limit_and_the_limit_fits_the_chip(gen):
+    limit = tiles.ce_vmem_limit(gen)
+    assert limit <= tiles.hardware(gen).vmem_bytes
+    for dim, vocab in CE_SHAPES:
+        bn, bv = tiles.ce_blocks(gen, 8192, vocab, dim)
+        assert bn >= 128 and bv >= 128
+        fits = tiles.ce_vmem_bytes(bn, bv, dim) <= tiles.BUDGET_FRACTION * limit
+        # The kernel keeps whole rows of h (and of its f32 gradient) in VMEM: at dim 8192 even
+        # 128 x 128 blocks need ~16 MiB, all of v4's VMEM. There the start-up self-check (a
+        # failed compile) hands the loss to the torch reference; everywhere else the rule fits.
+        assert fits == (dim < 8192 or tiles.hardware(gen).vmem_bytes > 16 * tiles.MiB), (gen, dim, bn, bv)
+
+
+def test_v4_gets_smaller_loss_blocks_than_v6e():
+    # The old fixed 48 MiB assumption was wrong for v4 (16 MiB of VMEM).
+    assert tiles.ce_vmem_limit("v4") == 16 * tiles.MiB
+    v4, v6e = tiles.ce_blocks("v4", 8192, 128256, 4096), tiles.ce_blocks("v6e", 8192, 128256, 4096)
+    assert v4[0] * v4[1] < v6e[0] * v6e[1], (v4, v6e)
+
+
+@pytest.mark.parametrize("kind,gen", [("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5", "v5p"), ("v5litepod-16", "v5e"),
+                                      ("TPU v6 lite", "v6e"), ("v6e-8", "v6e"), ("TPU7x", "v7x"), ("tpu7x-64", "v7x"),
+                                      ("TPU", None), ("", None)])
+def test_generation_from_device_kind(kind, gen):
+    assert tiles.generation_of(kind) == gen
+
+
+def test_detect_generation_reads_the_accelerator_type(monkeypatch):
+    monkeypatch.delenv("ACCELERATOR_TYPE", raising=False)
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    assert tiles.detect_generation("TPU") == "v5e"  # torch-tpu's bare "TPU" names nothing
+    assert tiles.detect_generation("TPU v6 lite") == "v6e"
+
+
+@pytest.mark.parametrize("bad,match", [({"gmm": {"v6e": {"default": [512, 1024]}}}, "gmm.v6e.default"),
+                                       ({"gmm": {"v6e": {"2048x768": [512, 1024, 1024]}}}, "no default"),
+                                       ({"fused_ce": {"v9": {"default": [512, 512]}}}, "unknown generation"),
+                                       ({"fused_ce": {"v4": {"default": [500, 512]}}}, "multiples of 8")])
+def test_a_bad_table_entry_is_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        tiles.check_table(bad)
