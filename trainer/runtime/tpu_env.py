@@ -1,7 +1,9 @@
-"""What a TPU run sets up for torch-tpu and libtpu before its first device op: XLA / libtpu flags
-(`[device]` flag_bundle, libtpu_init_args, xla_flags), torch-tpu's compilation cache
-(`[compile]` cache_dir, host_cache), the compilation-cache miss count the loop logs, and the
-profiler a `[profiling]` step runs under. None of it has run on a TPU (docs/tpu.md).
+"""The TPU runtime's environment: XLA / libtpu flags and torch-tpu's compilation cache, set before
+the first device op; the cache-miss count and the profiler of a TPU run.
+
+`[device]` flag_bundle, libtpu_init_args, xla_flags; `[compile]` cache_dir, host_cache; the
+compilation-cache misses the loop logs; the profiler a `[profiling]` step runs under. None of it
+has run on a TPU (docs/tpu.md).
 
 When the variables are read (torch-tpu 0.2.0, libtpu 0.0.52; docs/tpu.md, "XLA and libtpu
 flags"): `import torch` on a TPU host autoloads torch-tpu and registers the device, but the PJRT
