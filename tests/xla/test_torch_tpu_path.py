@@ -31,6 +31,14 @@ all-to-all has no autograd kernel, so `kernels.collectives.differentiable` gives
 ragged all-to-all (before, the backward body had none and EP got no gradient on a TPU). The
 unrolled step reaches the lowering too (it once failed in our remat pass: a recomputed op's
 name clashed).
+
+Compile mode (`compile_blocks*`, in a fourth probe process): `[compile] mode = "compile"` on the
+tpu backend compiles each block on its own. With the blocks traced under `spmd_safe`
+(parallelisms/compile.py), SplitCompiler hands torch-tpu's compiler one partition for the block
+forward and one for its backward; the control without the annotation is cut at every
+SimpleFSDP all-gather (forward) and reduce-scatter (backward): 2 x collectives + 1 partitions.
+Here torch-tpu's per-partition compiler is a recorder that runs each partition on the CPU, so
+the backward is compiled as well (the graph-mode variants stop at the first lowering call).
 """
 
 from __future__ import annotations
@@ -44,11 +52,18 @@ TPU_RUN_VARIANTS = ("scan_flipped", "tpu_unrolled", "tpu_scan")
 """Run in a second probe process (the first, conftest's TORCH_TPU_VARIANTS, starts early)."""
 MOE_VARIANTS = ("tpu_moe_ep2", "tpu_moe_ep2_equal", "tpu_moe_ep2_unrolled")
 """Run in a third probe process (Qwen 3 MoE debug at ep 2; about 40 s each on one core)."""
+COMPILE_VARIANTS = ("compile_blocks", "compile_blocks_unannotated")
+"""`[compile] mode = "compile"`, in a fourth probe process (about 50 s for both on one core)."""
 
 
 @pytest.fixture(scope="module")
 def tpu_run_path(probe) -> dict:
     return probe("ttpu", "torch_tpu_path.py", *TPU_RUN_VARIANTS, timeout=1500)
+
+
+@pytest.fixture(scope="module")
+def compile_path(probe) -> dict:
+    return probe("ttpu", "torch_tpu_path.py", *COMPILE_VARIANTS, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +219,35 @@ def test_moe_ep_gradient_moves_through_ragged_all_to_all(request):
 def test_moe_ep_unrolled_reaches_lowering(request):
     res = _variant(request, "tpu_moe_ep2_unrolled")
     assert res["mlir_symbolic_count"] == 0 and res["mlir_host_reads"] == {}, res
+
+
+# --- compile mode: one program per block ---------------------------------------------------------------
+
+
+def _compile_variant(request, name: str) -> dict:
+    res = request.getfixturevalue("compile_path")["variants"][name]
+    assert "error" not in res, f"{name}: {res['error']}\n{res.get('traceback', '')}"
+    return res
+
+
+def test_compile_mode_is_one_partition_per_block_forward_and_backward(request):
+    res = _compile_variant(request, "compile_blocks")
+    calls = res["split_calls"]
+    # One Dynamo graph serves both blocks (the block is the same code); its forward and its
+    # backward each reach SplitCompiler once, with SimpleFSDP's collectives, all annotated.
+    assert [c["is_fwd"] for c in calls] == [True, False], calls
+    for call in calls:
+        assert call["collectives"] > 0 and call["spmd_safe"] == call["collectives"], call
+        assert call["partitions"] == 1, call
+    assert res["params_with_grad"] == res["params"], res
+    assert res["block_forward_types"] == ["function", "function"], res  # the spmd_safe wrapper
+
+
+def test_compile_mode_without_spmd_safe_is_split_at_every_collective(request):
+    res = _compile_variant(request, "compile_blocks_unannotated")
+    calls = res["split_calls"]
+    assert [c["is_fwd"] for c in calls] == [True, False], calls
+    for call in calls:
+        assert call["collectives"] > 0 and call["spmd_safe"] == 0, call
+        # Each collective in a partition of its own, with compute before, between and after.
+        assert call["partitions"] == 2 * call["collectives"] + 1, call

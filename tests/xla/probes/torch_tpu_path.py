@@ -2,7 +2,7 @@
 run up to its lowering call `fx_to_mlir` (which needs a live TPU: it builds the MLIR and the PJRT
 executable in one call; reference/xla_cpu_path.md §D).
 
-    python torch_tpu_path.py unrolled|scan|unrolled_unannotated|scan_flipped|tpu_unrolled|tpu_scan|tpu_moe_ep2[...] [...]
+    python torch_tpu_path.py unrolled|scan|unrolled_unannotated|scan_flipped|tpu_unrolled|tpu_scan|tpu_moe_ep2[...]|compile_blocks[_unannotated] [...]
 
 Rank 0 of a fake process group of 2 (`FakeStore`, no peer) builds the Llama 3 debug flavor
 (2 layers) with SimpleFSDP over dp_shard = 2 and `build_graph_step(backend="tpu")`. Stand-ins
@@ -37,6 +37,12 @@ Variants:
   the shapes reaching the lowering (any symbolic one), host reads, the grouped-matmul and
   all-to-all ops per graph, and the ops torch's autograd warned it backpropagated through
   without an autograd kernel (a silently dropped gradient).
+
+`compile_blocks`, `compile_blocks_unannotated`: `[compile] mode = "compile"` instead of graph mode
+(`run_compile_blocks`): each block compiled with the `tpu` backend under `spmd_safe`
+(parallelisms/compile.py), or without it (the control); torch-tpu's per-partition compiler is
+replaced by a recorder so that forward and backward both compile, and every SplitCompiler call
+is recorded with the partitions it made.
 
 For every scan that reaches the lowering the probe then calls torch-tpu's own scan lowering
 (`torch_tpu/_internal/compile/scan.py: _handle_scan_impl`, what `fx_to_mlir`'s interpreter
@@ -342,6 +348,79 @@ def _lower_scans(gm, seen: dict) -> list:
     return out
 
 
+COMPILE_VARIANTS = ("compile_blocks", "compile_blocks_unannotated")
+"""`[compile] mode = "compile"` on the tpu backend: each block compiled on its own (parallelisms/
+compile.py, under torch-tpu's `spmd_safe`); the control without the annotation."""
+
+
+def run_compile_blocks(variant: str) -> dict:
+    """Llama 3 debug (2 layers, fp32, plain loss, no AC) with SimpleFSDP over dp_shard = 2 and
+    `compile_backend="tpu"`, as `parallelize_model` builds it for compile mode on a TPU; one
+    forward and backward. torch-tpu's TpuBackend runs for real (Dynamo, its AOT, SplitCompiler);
+    its per-partition compiler (`StaticCompiler.__call__`, which lowers and needs a TPU) is
+    replaced by a recorder that returns the partition's graph to run on the CPU, so the backward
+    is compiled too. Recorded per SplitCompiler call: forward or backward, its functional
+    collectives, how many carry `spmd_safe`, and the partitions it made."""
+    import functools
+
+    from torch_tpu._internal.compile import compiler as tpu_compiler
+    from torch_tpu._internal.compile import split_compiler
+
+    import parallelisms.parallelize as parallelize_mod
+    from models.llama3 import FLAVORS, Transformer
+    from models.llama3.plan import PLAN
+    from parallelisms import ParallelDims, build_mesh, parallelize_model
+    from parallelisms.compile import apply_compile
+    from trainer.step.loss import lm_loss
+
+    torch._dynamo.reset()
+    calls: list = []
+    real_static, real_split = tpu_compiler.StaticCompiler.__call__, split_compiler.SplitCompiler._compile_graph
+
+    def static_call(self, graph_module, example_inputs, is_fwd=True, module_name=None, **kwargs):
+        calls[-1]["partitions"] += 1
+        calls[-1]["partition_nodes"].append(_compute_nodes(graph_module))
+        return graph_module  # runs the partition on the CPU
+
+    def split_call(self, graph_module, example_inputs, is_fwd=True, *args, **kwargs):
+        coll = _collectives(graph_module)
+        calls.append({"is_fwd": is_fwd, "nodes": _compute_nodes(graph_module), "collectives": len(coll),
+                      "spmd_safe": sum(1 for n in coll if n.meta.get("custom", {}).get("spmd_safe", False)),
+                      "partitions": 0, "partition_nodes": []})
+        return real_split(self, graph_module, example_inputs, is_fwd, *args, **kwargs)
+
+    tpu_compiler.StaticCompiler.__call__ = static_call
+    split_compiler.SplitCompiler._compile_graph = split_call
+    real_apply = parallelize_mod.apply_compile
+    if variant == "compile_blocks_unannotated":
+        parallelize_mod.apply_compile = functools.partial(apply_compile, spmd_safe=lambda fn: fn)
+    start = time.perf_counter()
+    try:
+        dims = ParallelDims(world_size=2, dp_shard=2)
+        mesh = build_mesh(dims, "cpu")
+        args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, max_seq_len=32)
+        with torch.device("meta"):
+            model = Transformer(args)
+        parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
+                          reduce_dtype=torch.float32, compile_backend="tpu")
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+        grads = sum(1 for p in model.parameters() if p.grad is not None)
+    finally:
+        tpu_compiler.StaticCompiler.__call__ = real_static
+        split_compiler.SplitCompiler._compile_graph = real_split
+        parallelize_mod.apply_compile = real_apply
+        torch._dynamo.reset()
+    wrapped = [type(b.forward).__name__ for _, b in PLAN.iter_blocks(model)]
+    return {"seconds": time.perf_counter() - start, "split_calls": calls, "params_with_grad": grads,
+            "params": sum(1 for _ in model.parameters()), "block_forward_types": wrapped}
+
+
 def main() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -372,7 +451,7 @@ def main() -> None:
     results = {}
     for variant in sys.argv[1:]:
         try:
-            results[variant] = run(variant, seen)
+            results[variant] = run_compile_blocks(variant) if variant in COMPILE_VARIANTS else run(variant, seen)
         except Exception as e:
             results[variant] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-3000:]}
     import importlib.metadata as md
