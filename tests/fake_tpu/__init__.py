@@ -1,0 +1,1 @@
+"""A fake TPU for CI's run of scripts/tpu_smoke.sh (`--shim`): the launch-environment command."""
