@@ -45,7 +45,7 @@ def test_a_bundle_per_generation_each_flag_with_its_source():
         flags = [*bundle.libtpu_init_args, *bundle.xla_flags]
         assert flags, name
         for flag in flags:
-            assert bundle.sources[tpu_env._flag_name(flag)].strip(), (name, flag)
+            assert bundle.sources[tpu_env.flag_name(flag)].strip(), (name, flag)
     # The scoped VMEM limit never exceeds the core's VMEM (v6e 128 MiB, v7x 64 MiB:
     # jax/_src/pallas/mosaic/tpu_info.py); v4/v5e/v5p keep libtpu's default.
     vmem = {n: [f for f in b.libtpu_init_args if "scoped_vmem_limit_kib" in f] for n, b in BUNDLES.items()}
@@ -101,7 +101,7 @@ def test_a_malformed_flag_is_refused(flag):
 
 def test_flag_names_are_checked_against_the_runtime_library(tmp_path):
     lib = tmp_path / "libtpu.so"
-    names = {tpu_env._flag_name(f) for b in BUNDLES.values() for f in b.libtpu_init_args}
+    names = {tpu_env.flag_name(f) for b in BUNDLES.values() for f in b.libtpu_init_args}
     # As a flag table stores them: NUL-terminated C strings, some sharing a tail with a longer one.
     lib.write_bytes(b"\0garbage\0" + b"\0".join(n.encode() for n in sorted(names)) + b"\0my_xla_tail_flag\0")
     ok = _env(libraries=[lib], libtpu_init_args=["--xla_tail_flag=1"])

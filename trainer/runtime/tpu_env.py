@@ -77,9 +77,9 @@ def load_bundles(path: Path = FLAGS_FILE) -> dict[str, FlagBundle]:
     for name, raw in data.get("bundle", {}).items():
         flags = [*raw.get("libtpu_init_args", []), *raw.get("xla_flags", [])]
         for flag in flags:
-            flag_name = _flag_name(flag)
-            assert flag_name is not None, f"{path}: bundle {name}: {flag!r} is not --name[=value]"
-            assert raw.get("sources", {}).get(flag_name) in sources, f"{path}: bundle {name}: {flag_name} has no source"
+            key = flag_name(flag)
+            assert key is not None, f"{path}: bundle {name}: {flag!r} is not --name[=value]"
+            assert raw.get("sources", {}).get(key) in sources, f"{path}: bundle {name}: {key} has no source"
         bundles[name] = FlagBundle(
             name=name, generations=tuple(raw["generations"]), libtpu_init_args=tuple(raw.get("libtpu_init_args", [])),
             xla_flags=tuple(raw.get("xla_flags", [])),
@@ -87,7 +87,8 @@ def load_bundles(path: Path = FLAGS_FILE) -> dict[str, FlagBundle]:
     return bundles
 
 
-def _flag_name(flag: str) -> str | None:
+def flag_name(flag: str) -> str | None:
+    """The name of a `--name[=value]` flag, or None when `flag` is not one."""
     match = _FLAG.match(flag)
     return match.group(1) if match else None
 
@@ -101,7 +102,7 @@ def check_flags(key: str, flags: Iterable) -> list[str]:
     """`flags` as strings, each `--name` or `--name=value`; ConfigError naming `key` otherwise."""
     out = []
     for flag in flags:
-        if not isinstance(flag, str) or _flag_name(flag) is None:
+        if not isinstance(flag, str) or flag_name(flag) is None:
             raise ConfigError(f"{key}: {flag!r} is not a flag; allowed: a list of \"--name=value\" or \"--name\" strings")
         out.append(flag)
     return out
@@ -114,7 +115,7 @@ def merge_flags(*layers: Iterable[str]) -> list[str]:
     merged: dict[str, str] = {}
     for layer in layers:
         for flag in layer:
-            merged[_flag_name(flag) or flag] = flag
+            merged[flag_name(flag) or flag] = flag
     return list(merged.values())
 
 
@@ -239,7 +240,7 @@ def _pick_bundle(flag_bundle: str, generation: str | None) -> FlagBundle | None:
 def _check_known(flags: list[tuple[str, str]], libraries: list[Path]) -> None:
     if not libraries:
         return
-    names = {_flag_name(f): (f, key) for f, key in flags if _flag_name(f)}
+    names = {flag_name(f): (f, key) for f, key in flags if flag_name(f)}
     known = known_flag_names(names, libraries)
     for name, (flag, key) in names.items():
         if name not in known:
