@@ -6,14 +6,18 @@
 #   scripts/xla_env.sh ttpu    torch 2.13.0 + torch-tpu 0.2.0 (cp311 only) + jax 0.10.2 + torchax:
 #                              torch-tpu's own compile path up to its lowering call
 # These venvs are separate from .venv on purpose: torchax and torch-tpu change process globals,
-# so nothing of them may load into the main test process. Versions are pinned exactly.
+# so nothing of them may load into the main test process. Versions are pinned exactly; ttpu also
+# installs under constraints/tpu.txt (what a TPU VM gets; tests/xla/test_install_pins.py checks the
+# venv against it; the stamp hashes only the list, so a pin change there needs rm -r .venv-ttpu).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NAME="${1:?usage: scripts/xla_env.sh xla|tpuc|ttpu}"
+PIP_ARGS=()
 case "$NAME" in
   xla)  PKGS=(torch==2.13.0 "jax[cpu]==0.10.2" jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy) ;;
   tpuc) PKGS=("jax[tpu]==0.10.2" flatbuffers numpy) ;;
-  ttpu) PKGS=(torch==2.13.0 torch-tpu==0.2.0 jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy) ;;
+  ttpu) PKGS=(torch==2.13.0 torch-tpu==0.2.0 jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy)
+        PIP_ARGS=(-c "$ROOT/constraints/tpu.txt") ;;
   *) echo "error: scripts/xla_env.sh: unknown environment '$NAME'; allowed: xla, tpuc, ttpu" >&2; exit 2 ;;
 esac
 VENV="${TITAN_XLA_VENV_ROOT:-$ROOT}/.venv-$NAME"
@@ -27,7 +31,7 @@ if [ ! -f "$STAMP" ]; then
   if [ ! -f "$STAMP" ]; then
     echo "setting up $VENV (one time) ..." >&2
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q "${PKGS[@]}" >&2
+    "$VENV/bin/pip" install -q ${PIP_ARGS[@]+"${PIP_ARGS[@]}"} "${PKGS[@]}" >&2
     touch "$STAMP"
   fi
   flock -u 9

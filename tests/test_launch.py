@@ -10,6 +10,7 @@ process with the same global batch.
 """
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -48,8 +49,11 @@ def test_gke_v6e_plan_and_torch_tpu_env():
     plan = launch.build_plan(_args(), GKE_V6E, tpu_env=fake_tpu_env)
     assert (plan.platform, plan.nnodes, plan.node_rank, plan.nproc_per_node) == ("gke", 4, 2, 4)
     assert (plan.master_addr, plan.master_port, plan.device) == ("h0.job", launch.DEFAULT_PORT, "tpu")
-    # torch-tpu saw the host list and worker id; its global WORLD_SIZE is not passed on
+    # torch-tpu saw the host list and worker id, and what its set_tpu_launch_env reads (it never
+    # reads TPU_WORKER_ID); its global WORLD_SIZE is not passed on
     assert seen["TPU_WORKER_HOSTNAMES"] == GKE_V6E["TPU_WORKER_HOSTNAMES"] and seen["TPU_WORKER_ID"] == "2"
+    assert (seen["NODE_RANK"], seen["NNODES"], seen["TORCH_TPU_DEVICES_PER_HOST"]) == ("2", "4", "4")
+    assert (seen["MASTER_ADDR"], seen["MASTER_PORT"]) == ("h0.job", str(launch.DEFAULT_PORT))
     assert plan.env["TORCH_TPU_TOPOLOGY"] == "4x4"
     assert plan.env["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == "h0.job:8471,h1.job:8471"
     assert "WORLD_SIZE" not in plan.env and plan.env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "1"
@@ -74,6 +78,61 @@ def test_tpu_vm_metadata_plan():
     single = {"agent-worker-number": "0", "accelerator-type": "v6e-8", "worker-network-endpoints": "w:0:10.1.1.1"}
     plan = launch.build_plan(_args(platform="tpu-vm"), {}, metadata=lambda: single, tpu_env=lambda e: {})
     assert (plan.nnodes, plan.nproc_per_node) == (1, 8)
+
+
+def test_tpu_vm_single_host_v7x_counts_two_devices_per_chip():
+    """`tpu7x-8` (4 chips, 8 TensorCores): was "chips per host unknown; pass --nproc-per-node"."""
+    seen = {}
+    meta = {"agent-worker-number": "0", "accelerator-type": "tpu7x-8", "worker-network-endpoints": "w:0:10.1.1.1"}
+    plan = launch.build_plan(_args(platform="tpu-vm"), {}, metadata=lambda: meta,
+                             tpu_env=lambda e: seen.update(e) or {})
+    assert (plan.nnodes, plan.node_rank, plan.nproc_per_node) == (1, 0, 8)
+    assert (seen["NODE_RANK"], seen["NNODES"], seen["TORCH_TPU_DEVICES_PER_HOST"]) == ("0", "1", "8")
+    for accelerator, nproc in (("tpu7x-2", 2), ("v5p-8", 4), ("v5litepod-4", 4), ("v4-8", 4)):
+        meta["accelerator-type"] = accelerator
+        plan = launch.build_plan(_args(platform="tpu-vm"), {}, metadata=lambda: meta, tpu_env=lambda e: {})
+        assert plan.nproc_per_node == nproc, accelerator
+
+
+# The end of torch-tpu 0.2.0's stderr for a 2-host slice without NODE_RANK (tests/xla/test_launch_ttpu.py
+# runs the real thing): warnings first, then the traceback, then absl lines may follow.
+TORCH_TPU_STDERR = """\
+/venv/lib/python3.11/site-packages/torch_tpu/__init__.py:37: UserWarning: <TorchTpu/Performance/TcMalloc/> tcmalloc is not loaded
+  _tcmalloc_check.check_tcmalloc()
+WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+I0000 00:00:1796305328.019082   15212 pjrt_api.cc:119] GetPjrtApi was found for TPU at /venv/libtpu.so
+Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch_tpu/_internal/distributed/distributed.py", line 230, in _calculate_topological_node_rank
+    raise ValueError(
+ValueError: set_tpu_launch_env(): expected either TPU device coordinates together with environment variable TORCH_TPU_TOPOLOGY, or environment variable JOB_COMPLETION_INDEX to be a 0-based index of this host (Kubernetes Indexed Jobs set this automatically), to determine NODE_RANK, got neither
+I0000 00:00:1796305329.1 15212 tpu_runtime.cc:1] shutting down
+"""
+
+
+def test_torch_tpu_failure_is_one_config_error_line():
+    summary = launch.failure_summary(TORCH_TPU_STDERR)
+    assert summary.startswith("ValueError: set_tpu_launch_env(): expected either TPU device coordinates")
+    assert summary.endswith("got neither")
+    assert launch.failure_summary("Error while finding module specification for 'torch.tpu.distributed' "
+                                  "(ModuleNotFoundError: No module named 'torch.tpu')\n").startswith("Error while")
+    assert len(launch.failure_summary("x" * 5000)) == 600
+
+    def failing(argv, env):  # what _run_torch_tpu_distributed raises for a non-zero exit
+        raise ConfigError(f"launch: python -m torch.tpu.distributed failed (exit 1): "
+                          f"{launch.failure_summary(TORCH_TPU_STDERR)}")
+
+    env = {"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
+    with pytest.raises(ConfigError, match="failed \\(exit 1\\): ValueError: set_tpu_launch_env"):
+        launch.build_plan(_args(), env, tpu_env=lambda e: launch.torch_tpu_launch_env(e, run=failing))
+
+
+def test_torch_tpu_output_parsing_drops_empty_values_and_checks_node_rank():
+    printed = ('TORCH_TPU_TOPOLOGY=""\nTORCH_TPU_SLICEBUILDER_ADDRESSES="a:8070,b:8070"\nWORLD_SIZE=2\n'
+               'NODE_RANK="1"\nNNODES="2"\n')
+    values = launch.torch_tpu_launch_env({"NODE_RANK": "1"}, run=lambda argv, e: printed)
+    assert values == {"TORCH_TPU_SLICEBUILDER_ADDRESSES": "a:8070,b:8070", "NODE_RANK": "1", "NNODES": "2"}
+    with pytest.raises(ConfigError, match="printed NODE_RANK=1 for NODE_RANK=0"):
+        launch.torch_tpu_launch_env({"NODE_RANK": "0"}, run=lambda argv, e: printed)
 
 
 def test_slurm_plan():
@@ -109,6 +168,13 @@ def test_cli_error_is_one_line_exit_2_and_dry_run_prints_the_command():
     assert dry.returncode == 0, dry.stderr
     assert "--rdzv_endpoint=h0.job:29501" in dry.stdout and "--device.type=cpu" in dry.stdout
     assert "TORCH_TPU" not in dry.stdout  # a CPU launch never asks torch-tpu
+    # a TPU launch (the gke default) from a Python without torch-tpu: one line with the install command
+    if importlib.util.find_spec("torch_tpu") is None:
+        tpu = subprocess.run([sys.executable, "-m", "trainer.launch", "--platform", "gke", "--dry-run", "--",
+                              "--config", "configs/llama3_debug.toml"], cwd=REPO, capture_output=True, text=True,
+                             env={**env, **GKE_V6E}, timeout=120)
+        assert tpu.returncode == 2 and len(tpu.stderr.strip().splitlines()) == 1
+        assert tpu.stderr.startswith("error: launch: device tpu needs torch-tpu") and "scripts/env.sh tpu" in tpu.stderr
 
 
 def _free_port() -> int:

@@ -20,16 +20,25 @@ Platforms (`--platform`, default `auto` = the first whose variables are present)
 Processes per host: one per TPU *device*, i.e. the product of `TPU_CHIPS_PER_HOST_BOUNDS`
 times 2 on v7x (two TensorCores per chip, each its own device), times 1 elsewhere; one per GPU.
 On TPU the torch-tpu launch variables (`TORCH_TPU_TOPOLOGY`, `TORCH_TPU_SLICEBUILDER_ADDRESSES`,
-...) come from `python -m torch.tpu.distributed`, run here with the host list and worker id set,
-and are exported to torchrun's workers; its `WORLD_SIZE` is the global size and is *not* used for
-`--nproc_per_node`. `--dry-run` prints the plan and the command instead of running it.
+...) come from `python -m torch.tpu.distributed` (torch-tpu 0.2.0's `set_tpu_launch_env`), run
+here with everything it reads already set from the plan: `TPU_WORKER_HOSTNAMES`, `NODE_RANK`
+(the worker id: torch-tpu itself finds it only in `JOB_COMPLETION_INDEX` or from device
+coordinates plus a slice topology), `NNODES`, `MASTER_ADDR`/`MASTER_PORT` (the rendezvous) and
+`TORCH_TPU_DEVICES_PER_HOST` (its slice-builder address list has that many ports per host; it
+would guess 8 on a host without a visible TPU). Its output is exported to torchrun's workers; its
+`WORLD_SIZE` is the global size and is *not* used for `--nproc_per_node`, and the empty values it
+prints for what it could not detect are not exported. `--dry-run` prints the plan and the command
+instead of running it.
 
-Bad or missing launch variables give one `error:` line naming the variable and exit code 2.
+Bad or missing launch variables give one `error:` line naming the variable and exit code 2; so
+does a failure of `python -m torch.tpu.distributed` (the line carries its error message) and a
+TPU launch from a Python without torch-tpu.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -43,6 +52,8 @@ from dataclasses import dataclass, field
 from models.errors import ConfigError
 
 DEFAULT_PORT = 29501
+TORCH_TPU_ENV_TIMEOUT_S = 300  # torch-tpu's own device-coordinate query may take 60 s
+INSTALL_HINT = "source scripts/env.sh tpu (Python 3.11, constraints/tpu.txt; docs/tpu.md)"
 _METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/"
 
 
@@ -103,7 +114,10 @@ def _tpu_plan(platform: str, *, hosts: list[str], worker: int, accelerator: str,
         nproc = chips_per_host * devices_per_chip(accelerator)
     env = {"TPU_WORKER_HOSTNAMES": ",".join(hosts), "TPU_WORKER_ID": str(worker)}
     if device == "tpu":
-        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "1"
+        # What torch-tpu's set_tpu_launch_env reads and cannot work out itself on a TPU VM
+        # slice (it never reads TPU_WORKER_ID); it keeps every value that is already set.
+        env.update(TORCH_DEVICE_BACKEND_AUTOLOAD="1", NODE_RANK=str(worker), NNODES=str(len(hosts)),
+                   MASTER_ADDR=hosts[0], MASTER_PORT=str(port), TORCH_TPU_DEVICES_PER_HOST=str(nproc))
     return LaunchPlan(platform, nnodes=len(hosts), node_rank=worker, nproc_per_node=nproc, master_addr=hosts[0],
                       master_port=port, device=device, env=env)
 
@@ -144,15 +158,16 @@ def _tpu_vm_chips_per_host(accelerator: str, n_hosts: int) -> int | None:
 
     Multi-host slices of v4, v5e, v5p, v6e and v7x have 4 chips per host. A single host has the
     whole slice: the size suffix counts chips on v5e (`v5litepod-8`) and v6e, TensorCores (2 per
-    chip) on v4 and v5p; for other names None (pass --nproc-per-node).
+    chip) on v4, v5p and v7x (`tpu7x-8`: 4 chips, 8 devices; Google's v5p convention, not seen on
+    a machine here); for other names None (pass --nproc-per-node).
     """
     if n_hosts > 1:
         return 4
-    m = re.match(r"^(v\d+\w*)-(\d+)$", accelerator.lower())
+    m = re.match(r"^((?:v|tpu)\d+\w*)-(\d+)$", accelerator.lower())
     if not m:
         return None
     kind, count = m.group(1), int(m.group(2))
-    if kind in ("v4", "v5p"):
+    if kind in ("v4", "v5p", "tpu7x", "v7x", "tpu7"):
         return max(count // 2, 1)
     if kind in ("v5litepod", "v5e", "v6e"):
         return count
@@ -210,23 +225,61 @@ def detect_platform(env: Mapping[str, str]) -> str:
     return "manual"
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit|Interrupt)\b:?")
+
+
+def failure_summary(stderr: str, *, max_chars: int = 600) -> str:
+    """The meaningful end of a failed Python child's stderr, as one line.
+
+    The last exception line of its traceback (`ValueError: set_tpu_launch_env(): ...`), else the
+    last non-empty line that is not a log or warning line; torch-tpu prints libtpu and tcmalloc
+    warnings before (and absl log lines after) the error itself.
+    """
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    pick = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), None)
+    if pick is None:
+        noise = re.compile(r"^(?:[IWE]\d{4} |WARNING|INFO|\[|.*Warning:)")
+        pick = next((ln for ln in reversed(lines) if not noise.match(ln)), lines[-1] if lines else "")
+    pick = " ".join(pick.split())
+    return pick if len(pick) <= max_chars else pick[:max_chars - 3] + "..."
+
+
+def _run_torch_tpu_distributed(argv: list[str], child_env: dict) -> str:
+    if importlib.util.find_spec("torch_tpu") is None:
+        raise ConfigError(f"launch: device tpu needs torch-tpu, which is not installed for {sys.executable}; "
+                          f"allowed: install it with `{INSTALL_HINT}`, or --device cpu|cuda")
+    try:
+        out = subprocess.run(argv, env=child_env, capture_output=True, text=True, timeout=TORCH_TPU_ENV_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"launch: {shlex.join(argv[1:])} did not finish within {TORCH_TPU_ENV_TIMEOUT_S} s; "
+                          "allowed: a TPU host whose devices are free (no other process holding them)") from None
+    if out.returncode != 0:
+        raise ConfigError(f"launch: python -m torch.tpu.distributed failed (exit {out.returncode}): "
+                          f"{failure_summary(out.stderr) or 'no message'}")
+    return out.stdout
+
+
 def torch_tpu_launch_env(env: Mapping[str, str], run: Callable[[list[str], dict], str] | None = None
                          ) -> dict[str, str]:
     """torch-tpu's per-slice launch variables (`python -m torch.tpu.distributed`, KEY=VALUE lines).
 
-    Its `WORLD_SIZE` is the global size; torchrun sets each worker's own, so it is dropped here.
+    Its `WORLD_SIZE` is the global size; torchrun sets each worker's own, so it is dropped here,
+    and so is every empty value (it prints `TORCH_TPU_TOPOLOGY=""` where it detected no TPU; an
+    exported empty variable is not the same as an unset one). A failure of the command is a
+    ConfigError carrying its error message (`failure_summary`).
     """
-    def _run(argv: list[str], child_env: dict) -> str:
-        return subprocess.run(argv, env=child_env, check=True, capture_output=True, text=True).stdout
-
-    out = (run or _run)([sys.executable, "-m", "torch.tpu.distributed"], dict(env))
+    out = (run or _run_torch_tpu_distributed)([sys.executable, "-m", "torch.tpu.distributed"], dict(env))
     values = {}
     for line in out.splitlines():
         key, sep, value = line.strip().removeprefix("export ").partition("=")
-        if sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
-            values[key] = value.strip().strip("'\"")
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+        value = value.strip().strip("'\"")
+        if sep and value and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
+            values[key] = value
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         values.pop(key, None)
+    if "NODE_RANK" in env and values.get("NODE_RANK", env["NODE_RANK"]) != env["NODE_RANK"]:
+        raise ConfigError(f"launch: python -m torch.tpu.distributed printed NODE_RANK={values['NODE_RANK']} for "
+                          f"NODE_RANK={env['NODE_RANK']}; allowed: the same (torch-tpu keeps a set value)")
     return values
 
 

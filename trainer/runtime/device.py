@@ -13,6 +13,7 @@ import os
 import platform
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -72,13 +73,43 @@ def tpu_present() -> bool:
     return acc is not None and acc.type == "tpu"
 
 
+def tpu_chips_on_pci() -> int:
+    """TPU chips on this host's PCI bus (Google's vendor id and a TPU device id); sysfs only."""
+    from trainer.runtime.flops import _GOOGLE_PCI_VENDOR, _TPU_PCI_IDS
+
+    count = 0
+    for device in Path("/sys/bus/pci/devices").glob("*"):
+        try:
+            if (device / "vendor").read_text().strip() == _GOOGLE_PCI_VENDOR:
+                count += (device / "device").read_text().strip() in _TPU_PCI_IDS
+        except OSError:
+            continue
+    return count
+
+
+def _no_torch_tpu(why: str) -> ConfigError:
+    return ConfigError(f"device.type: {why}, but torch-tpu is not installed for {sys.executable} (Python "
+                       f"{platform.python_version()}); allowed: install it with `source scripts/env.sh tpu` "
+                       "(Python 3.11, pins in constraints/tpu.txt; docs/tpu.md), or device.type = cpu")
+
+
 def pick_device(kind: str = "auto") -> torch.device:
-    """`[device] type`: auto | cpu | cuda | tpu -> the torch.device this process trains on."""
+    """`[device] type`: auto | cpu | cuda | tpu -> the torch.device this process trains on.
+
+    A TPU requested, or `auto` on a host with TPU chips, without torch-tpu installed is refused
+    (one `error:` line with the install command) rather than trained on the CPU by surprise.
+    """
     if kind == "auto":
+        if not torch_tpu_installed() and (chips := tpu_chips_on_pci()):
+            raise _no_torch_tpu(f"auto found {chips} TPU chip(s) on this host")
         kind = "tpu" if tpu_present() else "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "tpu":
+        if not torch_tpu_installed():
+            raise _no_torch_tpu("tpu requested")
         if not tpu_present():
-            raise ConfigError("device.type: tpu requested but torch-tpu found no TPU (pip install '.[tpu]' on a TPU VM)")
+            raise ConfigError("device.type: tpu requested but torch-tpu found no TPU (TORCH_DEVICE_BACKEND_AUTOLOAD="
+                              f"{os.environ.get('TORCH_DEVICE_BACKEND_AUTOLOAD', '1')}); allowed: a TPU VM with "
+                              "TORCH_DEVICE_BACKEND_AUTOLOAD=1 (trainer.launch sets it), or device.type = cpu")
         return torch.device("tpu")  # one process per TPU device; torch-tpu owns the index
     if kind == "cuda":
         if not torch.cuda.is_available():
