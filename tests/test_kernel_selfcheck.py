@@ -11,7 +11,11 @@ VMEM facts it encodes.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,8 +159,6 @@ def test_splash_failing_its_check_falls_back_to_sdpa_even_when_asked_for(capsys)
 
 
 def test_jax_is_pinned_to_the_cpu_unless_the_user_chose(monkeypatch):
-    import sys
-
     assert "jax" not in sys.modules
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     assert pin_jax_platform() is None and os.environ["JAX_PLATFORMS"] == "cpu"
@@ -248,3 +250,48 @@ def test_detect_generation_reads_the_accelerator_type(monkeypatch):
 def test_a_bad_table_entry_is_named(bad, match):
     with pytest.raises(ValueError, match=match):
         tiles.check_table(bad)
+
+
+# --- the tile sweep's enumeration and VMEM filter (list mode: pure Python) ----------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep(*args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep_kernel_tiles.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_sweep_lists_candidates_filters_by_vmem_and_writes_a_table_the_kernels_read(tmp_path):
+    out = tmp_path / "tiles.toml"
+    run = _sweep("--mode", "list", "--generation", "v5e", "--generation", "v4", "--out", str(out), "--json")
+    assert run.returncode == 0, run.stderr
+    results = json.loads(run.stdout.strip().splitlines()[-1])["results"]
+    assert {(r["kernel"], r["generation"]) for r in results} == {(k, g) for k in ("gmm", "fused_ce") for g in ("v4", "v5e")}
+    for r in results:
+        gen, shape = r["generation"], r["shape"]
+        for row in r["candidates"]:
+            if r["kernel"] == "gmm":
+                assert tiles.gmm_vmem_bytes(*row["tiles"]) <= tiles.BUDGET_FRACTION * tiles.hardware(gen).scoped_vmem_bytes
+                assert shape["k"] % row["tiles"][1] == 0 and shape["n"] % row["tiles"][2] == 0
+            else:
+                assert tiles.ce_vmem_bytes(*row["tiles"], shape["dim"]) <= tiles.BUDGET_FRACTION * tiles.ce_vmem_limit(gen)
+        assert r["dropped_by_vmem"] > 0, r  # the filter did something at these shapes
+    # v4 cannot hold the loss at dim 8192 at all (see the VMEM test above): no candidate, no entry.
+    v4_8192 = next(r for r in results if r["kernel"] == "fused_ce" and r["generation"] == "v4" and r["shape"]["dim"] == 8192)
+    assert v4_8192["kept"] == 0 and v4_8192["pick"] is None
+    # The written table parses, keeps the other generations, and the kernels' rule takes its entries.
+    table = tiles.load_table(str(out))
+    assert set(table["gmm"]) == {*tiles.GENERATIONS, "unknown"}
+    assert "--mode list" in table["source"]["v5e"] and "reasoned" in table["source"]["v6e"]
+    pick = next(r["pick"] for r in results if r["kernel"] == "gmm" and r["generation"] == "v5e"
+                and r["shape"]["class"] == "2048x768")
+    assert list(tiles.gmm_tiles("v5e", 65536, 2048, 768, 128, table=table)) == pick
+
+
+@pytest.mark.parametrize("args,names", [(["--generation", "v9"], "--generation"), (["--kernel", "attention"], "--kernel"),
+                                        (["--groups", "0"], "--groups"), (["--out", "/no/such/dir/t.toml"], "--out")])
+def test_sweep_bad_arguments_are_one_error_line(args, names):
+    run = _sweep(*args)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: ") and names in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr

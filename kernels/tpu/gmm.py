@@ -46,16 +46,22 @@ class GmmTiling:
 
 
 def grouped_mm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-               generation: str | None = None, interpret: bool = False) -> jax.Array:
-    """Rows of group g times w[g] (w[g]^T with `transpose_rhs`); see the module docstring."""
+               generation: str | None = None, tiling: tuple[int, int, int] | None = None,
+               interpret: bool = False) -> jax.Array:
+    """Rows of group g times w[g] (w[g]^T with `transpose_rhs`); see the module docstring.
+    `tiling`: explicit (tm, tk, tn) for every call, forward and backward (the tile sweep);
+    default: the generation's (tiles.py)."""
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
-    tm = tiles.gmm_tiles(generation, m, k, n, w.shape[0], itemsize=x.dtype.itemsize)[0]
+    if tiling is None:
+        tm = tiles.gmm_tiles(generation, m, k, n, w.shape[0], itemsize=x.dtype.itemsize)[0]
+        lut = GmmTiling(generation, tm, x.dtype.itemsize)
+    else:
+        tm, lut = tiling[0], tuple(tiling)
     pad = (-m) % tm
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
-    out = megablox.gmm(x, w, group_sizes.astype(jnp.int32), x.dtype, GmmTiling(generation, tm, x.dtype.itemsize),
-                       None, None, transpose_rhs, interpret)
+    out = megablox.gmm(x, w, group_sizes.astype(jnp.int32), x.dtype, lut, None, None, transpose_rhs, interpret)
     return out[:m] if pad else out
 
 

@@ -25,9 +25,10 @@ The rule for any shape (a table entry or the generation's default, then fitted):
    the default scoped limit, tk first, which costs no reuse, then tn; the estimate undercounts
    the compiler by ~10 %: 28 MiB estimated, 31 MiB used on v4. The loss: half its raised
    limit, the vocab block down to the MXU width, then the row block, then the vocab block);
-3. gmm's row tile: of the entry's tm, tm/2, ..., 128 the one with the lowest roofline time
+3. gmm's row tile: of the default's tm, tm/2, ..., 128 the one with the lowest roofline time
    (`gmm_cost`): a larger tm reads each expert weight fewer times, but a tile straddling a
    group boundary is computed once per group, so many small groups favour a smaller tm.
+   An entry for the exact shape class (a sweep measured it) is taken as is (rules 1-2 only).
 An unknown generation (None) gets the most conservative facts (v4's 16 MiB, 128-wide MXU).
 
 Why the defaults (before a sweep on a TPU measures them): megablox reads each active row
@@ -144,6 +145,12 @@ def _entry(kernel: str, generation: str | None, shape: str, table: dict | None) 
     return list(per_gen.get(shape, per_gen["default"]))
 
 
+def _listed(kernel: str, generation: str | None, shape: str, table: dict | None) -> bool:
+    """Whether the table has an entry for exactly this shape class (a measured one)."""
+    entries = (table or load_table()).get(kernel, {})
+    return shape in (entries.get(generation or "unknown") or {})
+
+
 def fit(tile: int, dim: int) -> int:
     """Rule 1: `dim` itself when the tile covers it (one block); else the largest of tile,
     tile/2, ... (>= MIN_TILE) that divides `dim`; else the tile (megablox masks the irregular
@@ -200,6 +207,9 @@ def gmm_tiles(generation: str | None, m: int, k: int, n: int, groups: int, *, it
     tm0 = _entry("gmm", generation, f"{k}x{n}", table)[0]
     hw = hardware(generation)
     budget = BUDGET_FRACTION * hw.scoped_vmem_bytes
+    if _listed("gmm", generation, f"{k}x{n}", table):  # measured for this shape: taken as is
+        tm = min(tm0, -(-m // 8) * 8)
+        return (tm, *gmm_kn_tiles(generation, tm, k, n, itemsize=itemsize, table=table))
     candidates, tm = [], min(tm0, -(-m // 8) * 8)
     while True:
         tk, tn = gmm_kn_tiles(generation, tm, k, n, itemsize=itemsize, table=table)

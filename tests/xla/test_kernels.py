@@ -1,11 +1,17 @@
 """Pallas kernels (kernels/tpu) against the torch references of the ops they serve, without a TPU.
 
-Three kinds of checks, each probe in its own subprocess (tests/xla/probes/kernels_*.py):
+Four kinds of checks, each probe in its own subprocess (tests/xla/probes/kernels_*.py):
 - interpret mode (xla venv): forward and backward of each kernel run in Pallas' interpreter on
   the CPU, float32, odd sizes; the same inputs go through the op's torch reference
-  (models/common/ops.py), and both are compared with that reference in float64.
-- deviceless TPU compile (tpuc venv): forward + backward of each kernel, bf16, lowered with
-  Mosaic and compiled by XLA:TPU for v5e, v6e and TPU7x compile-only devices.
+  (models/common/ops.py), and both are compared with that reference in float64. Splash's
+  backward is the residual one (kernels/tpu/splash.py `backward`), and its lowered backward
+  holds the backward kernel alone (the names of the Pallas calls in its jaxpr).
+- the start-up self-check (kernels/tpu/selfcheck.py) with the real kernels in interpret mode,
+  bf16, as its implementations: it must pass them (the tolerance is argued there; the measured
+  errors are recorded in docs/tpu.md).
+- deviceless TPU compile (ttpu venv: libtpu 0.0.52, the one torch-tpu 0.2.0 runs): forward +
+  backward of each kernel with each generation's tiles (kernels/tpu/tiles.py), bf16, lowered
+  with Mosaic and compiled by XLA:TPU for v4, v5e, v5p, v6e and TPU7x compile-only devices.
 - torch-tpu registration (ttpu venv): the torch ops of kernels/tpu/register.py defined
   through `jax_op`, run forward and backward on fake tensors.
 
@@ -23,14 +29,20 @@ import pytest
 pytestmark = pytest.mark.xla
 
 U_FP32 = 2.0 ** -24
-CHIPS = ("v5e:2x2", "v6e:2x2", "tpu7x:2x2x1")
+GENERATIONS = ("v4", "v5e", "v5p", "v6e", "v7x")
 KERNELS = ("splash", "gmm", "fused_ce")
+RUNTIME_LIBTPU = "0.0.52"  # what torch-tpu 0.2.0 pins (its wheel's metadata; scripts/xla_env.sh ttpu)
 
 
 @pytest.fixture(scope="module")
-def interpreted(probe):
+def interpreted_all(probe):
     """One probe process runs every kernel's cases (one jax + torch start-up)."""
-    return probe("xla", "kernels_interpret.py", *KERNELS)["kernels"]
+    return probe("xla", "kernels_interpret.py", *KERNELS, "selfcheck", "splash_structure")
+
+
+@pytest.fixture(scope="module")
+def interpreted(interpreted_all):
+    return interpreted_all["kernels"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -46,18 +58,59 @@ def test_interpret_matches_torch_reference(interpreted, kernel):
             assert out["torch_err"] <= bound, f"{where}: torch fp32 error {out['torch_err']:.3g} > {bound:.3g}"
 
 
-def test_deviceless_tpu_compile(probe):
-    result = probe("tpuc", "kernels_compile.py", *CHIPS)
-    assert set(result["devices"]) == set(CHIPS)
-    for chip in CHIPS:
-        for kernel in (*KERNELS, "fused_ce_8b"):
-            out = result["compiles"][f"{kernel}@{chip}"]
-            assert "error" not in out, f"{kernel} on {chip}: {out['error']}"
-            # Mosaic kernels survive into the TPU program (forward and backward).
-            assert out["mosaic_calls"] >= 2, f"{kernel} on {chip}: {out}"
+def test_selfcheck_passes_the_real_kernels_in_bf16(interpreted_all):
+    """The self-check's tolerance (2^-5 of scale) is argued from bf16 rounding; the real kernels,
+    bf16 in and float32 accumulation as on the MXU, must pass it, with room to spare."""
+    verdicts = interpreted_all["selfcheck"]
+    assert set(verdicts) == {"causal_attention", "grouped_mm", "linear_cross_entropy"}
+    for op, v in verdicts.items():
+        assert v["ok"], f"{op}: {v['reason']}"
+        assert 0 < v["worst"] < v["tolerance"] / 2, (op, v)
+
+
+@pytest.mark.parametrize("mask", ["causal", "segments"])
+def test_splash_backward_runs_only_the_backward_kernel(interpreted_all, mask):
+    """The forward saves (out, lse); the backward op calls the fused dq/dkv kernel on them, not
+    the forward kernel again (as `jax.vjp` of the forward did)."""
+    calls = interpreted_all["splash_structure"][mask]
+    assert len(calls["forward"]) == 1 and "fwd" in calls["forward"][0] and "residuals" in calls["forward"][0], calls
+    assert len(calls["backward"]) == 1 and "dkv" in calls["backward"][0], calls
+    assert not any("fwd" in name for name in calls["backward"]), calls
+
+
+@pytest.fixture(scope="module")
+def compiled(probe):
+    return probe("ttpu", "kernels_compile.py", "--cases", "small", *GENERATIONS, timeout=900)
+
+
+def test_deviceless_tpu_compile_per_generation_with_the_runtime_libtpu(compiled):
+    assert compiled["versions"]["libtpu"] == RUNTIME_LIBTPU, compiled["versions"]
+    assert compiled["devices"] == {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite",
+                                   "v7x": "TPU7x"}
+    # Mosaic calls in the compiled program: splash forward + fused backward; its backward op
+    # from residuals: the backward kernel alone; gmm: gmm, gmm (dx), tgmm (dw); the loss: 3.
+    expected = {"splash": 2, "splash_bwd": 1, "gmm": 3, "fused_ce": 3, "fused_ce_8b": 3}
+    for gen in GENERATIONS:
+        for case, calls in expected.items():
+            out = compiled["compiles"][f"{case}@{gen}"]
+            assert "error" not in out, f"{case} on {gen} ({out.get('tiles')}): {out['error']}"
+            assert out["mosaic_calls"] == calls, f"{case} on {gen}: {out}"
+
+
+def test_each_generation_gets_its_own_tiles(compiled):
+    # The 8B head's loss blocks follow each chip's VMEM: v4 (16 MiB) the smallest.
+    blocks = {gen: compiled["compiles"][f"fused_ce_8b@{gen}"]["tiles"] for gen in GENERATIONS}
+    assert blocks["v4"] == "block_n 128 block_v 128", blocks
+    assert blocks["v5e"] != blocks["v4"], blocks
+    for gen in GENERATIONS:
+        out = compiled["compiles"][f"fused_ce_8b@{gen}"]
+        assert out["est_vmem_mib"] <= out["limit_mib"], (gen, out)
+
+
+def test_kernels_export_without_a_device(compiled):
     # torch-tpu's jax_op exports each kernel for "tpu" with no device at registration.
-    for kernel in KERNELS:
-        assert result["exports"][kernel]["ok"], f"{kernel}: deviceless jax.export failed: {result['exports'][kernel]}"
+    for case, out in compiled["exports"].items():
+        assert out["ok"], f"{case}: deviceless jax.export failed: {out}"
 
 
 def test_torch_tpu_jax_op_registration(probe):
@@ -70,3 +123,25 @@ def test_torch_tpu_jax_op_registration(probe):
     assert expected <= set(result["ops"]), result["ops"]
     for name, status in result["checks"].items():
         assert status == "ok", f"{name}: {status}"
+
+
+def test_sweep_compile_mode_compiles_candidates_and_writes_the_table(tmp_path):
+    """scripts/sweep_kernel_tiles.py's dry mode (no TPU): the two best loss candidates by the
+    model at a small shape, compiled for v5e with the runtime libtpu, picked, written."""
+    import json
+    import subprocess
+
+    from tests.xla.conftest import ROOT, _probe_env, xla_python
+
+    out = tmp_path / "tiles.toml"
+    run = subprocess.run([str(xla_python("ttpu")), str(ROOT / "scripts" / "sweep_kernel_tiles.py"), "--mode", "compile",
+                          "--generation", "v5e", "--kernel", "fused_ce", "--shape-class", "d4096", "--ce-rows", "1024",
+                          "--vocab", "4096", "--max-candidates", "2", "--out", str(out), "--json"],
+                         capture_output=True, text=True, env=_probe_env(), cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (result,) = json.loads(run.stdout.strip().splitlines()[-1])["results"]
+    assert len(result["candidates"]) == 2
+    assert all(row["compiled"] for row in result["candidates"]), result
+    assert result["pick"] == result["candidates"][0]["tiles"]
+    text = out.read_text()
+    assert '"d4096" = ' + json.dumps(result["pick"]) in text and "--mode compile" in text

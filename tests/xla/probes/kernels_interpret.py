@@ -1,6 +1,6 @@
 """Probe (xla venv): the Pallas kernels of kernels/tpu in interpret mode against the torch references.
 
-    python kernels_interpret.py [splash] [gmm] [fused_ce]
+    python kernels_interpret.py [splash] [gmm] [fused_ce] [selfcheck] [splash_structure]
 
 Runs each named kernel's cases (float32, odd sizes that force padding and several grid blocks) forward
 and backward in Pallas' interpreter on the CPU, and the same op's torch reference
@@ -10,6 +10,12 @@ a vector-Jacobian product with a fixed random cotangent.
 Prints one JSON line: {"jax", "torch", "kernels": {kernel: [{"case", "n", "outputs": {name:
 {"pallas_err", "torch_err", "scale"}}, "seconds"}]}} where errors are max |x - exact|, `scale` is max |exact|
 and `n` the longest reduction in the case (for the test's rounding bound).
+
+`selfcheck`: the start-up self-check (kernels/tpu/selfcheck.py) with the real kernels in
+interpret mode as the implementations, in bf16 (bf16 operands, float32 accumulation, as the
+MXU): {"selfcheck": {op: {"ok", "worst", "reason"}}}. `splash_structure`: the names of the
+Pallas calls in the jaxprs of splash's forward and of its backward from residuals:
+{"splash_structure": {"causal"|"segments": {"forward": [names], "backward": [names]}}}.
 """
 
 from __future__ import annotations
@@ -112,10 +118,103 @@ def fused_ce_cases() -> list[dict]:
     return cases
 
 
+def _to_jax(t: torch.Tensor):
+    dtype = {torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32}.get(t.dtype)
+    if dtype is None:
+        return jnp.asarray(t.numpy())
+    return jnp.asarray(t.detach().float().numpy(), dtype=dtype)
+
+
+def _to_torch(a, dtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(a, np.float32)).to(dtype)
+
+
+def _as_torch_op(jax_fn, n_diff: int):
+    """A torch function of (n_diff differentiable tensors, *constants) running `jax_fn` (the
+    kernel in interpret mode) forward and its JAX VJP backward: what register.py's jax_op
+    binding does on a TPU, with numpy in place of the device."""
+
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *tensors):
+            diff, const = tensors[:n_diff], [_to_jax(t) for t in tensors[n_diff:]]
+            out, vjp = jax.vjp(lambda *d: jax_fn(*d, *const), *[_to_jax(t) for t in diff])
+            ctx.vjp, ctx.dtypes, ctx.n_args = vjp, [t.dtype for t in diff], len(tensors)
+            return _to_torch(out, tensors[0].dtype if out.dtype != jnp.float32 else torch.float32)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grads = ctx.vjp(_to_jax(grad.contiguous()).astype(grad.dtype == torch.bfloat16 and jnp.bfloat16
+                                                               or jnp.float32))
+            return (*[_to_torch(g, dt) for g, dt in zip(grads, ctx.dtypes)], *([None] * (ctx.n_args - len(grads))))
+
+    return Op.apply
+
+
+def _interpret_impls() -> dict:
+    attention = _as_torch_op(lambda q, k, v, *seg: splash.splash_attention(q, k, v, seg[0] if seg else None,
+                                                                          interpret=True), 3)
+
+    def causal_attention(q, k, v, segment_ids=None):
+        return attention(q, k, v) if segment_ids is None else attention(q, k, v, segment_ids.to(torch.int32))
+
+    linear_layout = _as_torch_op(lambda x, w_nk, sizes: gmm.grouped_mm(x, w_nk, sizes, transpose_rhs=True,
+                                                                       interpret=True), 2)
+
+    def grouped_mm(x, w, group_sizes):  # as register.py: the experts' [G, N, K] weight, no copy
+        return linear_layout(x, w.transpose(-2, -1), group_sizes.to(torch.int32))
+
+    loss = _as_torch_op(lambda h, w, labels: fused_ce.linear_cross_entropy(h, w, labels, interpret=True), 2)
+
+    def linear_cross_entropy(h, w, labels):
+        return loss(h, w, labels.to(torch.int32))
+
+    return {"causal_attention": causal_attention, "grouped_mm": grouped_mm, "linear_cross_entropy": linear_cross_entropy}
+
+
+def selfcheck_cases() -> dict:
+    from kernels.tpu import selfcheck
+
+    _, verdicts = selfcheck.run(_interpret_impls(), device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=128)
+    return {v.op: {"ok": v.ok, "worst": v.worst, "reason": v.reason, "tolerance": selfcheck.TOLERANCE} for v in verdicts}
+
+
+def _pallas_names(jaxpr) -> list[str]:
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            names.append(str(eqn.params.get("name") or eqn.params.get("name_and_src_info")))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                names.extend(_pallas_names(inner))
+    return names
+
+
+def splash_structure() -> dict:
+    out = {}
+    for label, docs in (("causal", False), ("segments", True)):
+        b, hq, hkv, s, d = 1, 4, 2, 200, 32
+        q, k, v = (jnp.asarray(_normal(b, h, s, d)) for h in (hq, hkv, hkv))
+        seg = jnp.asarray(np.sort(RNG.integers(0, 3, (b, s)), axis=1).astype(np.int32)) if docs else None
+        fwd = jax.make_jaxpr(lambda q, k, v: splash.forward(q, k, v, seg, interpret=True))(q, k, v)
+        o, lse = splash.forward(q, k, v, seg, interpret=True)
+        bwd = jax.make_jaxpr(lambda q, k, v, o, lse, do: splash.backward(q, k, v, seg, o, lse, do, interpret=True))(
+            q, k, v, o, lse, jnp.ones_like(o))
+        out[label] = {"forward": _pallas_names(fwd.jaxpr), "backward": _pallas_names(bwd.jaxpr)}
+    return out
+
+
 def main() -> None:
     runners = {"splash": splash_cases, "gmm": gmm_cases, "fused_ce": fused_ce_cases}
-    results = {kernel: runners[kernel]() for kernel in sys.argv[1:]}
-    print(json.dumps({"jax": jax.__version__, "torch": torch.__version__, "kernels": results}))
+    asked = sys.argv[1:]
+    results = {kernel: runners[kernel]() for kernel in asked if kernel in runners}
+    extra = {}
+    if "selfcheck" in asked:
+        extra["selfcheck"] = selfcheck_cases()
+    if "splash_structure" in asked:
+        extra["splash_structure"] = splash_structure()
+    print(json.dumps({"jax": jax.__version__, "torch": torch.__version__, "kernels": results, **extra}))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,17 @@ def main() -> None:
                          "titan_tpu::splash_seg_fwd"], names
 
     checks["saved_ops"] = _check(saved)
+
+    def residual_backward():
+        # splash's forward ops return (out, lse); the backward ops take them (no forward rerun).
+        fwd, bwd = torch.ops.titan_tpu.splash_fwd.default._schema, torch.ops.titan_tpu.splash_bwd.default._schema
+        seg_bwd = torch.ops.titan_tpu.splash_seg_bwd.default._schema
+        assert len(fwd.returns) == 2, fwd
+        assert [a.name for a in bwd.arguments] == ["q", "k", "v", "out", "lse", "dout"], bwd
+        assert [a.name for a in seg_bwd.arguments] == ["q", "k", "v", "segment_ids", "out", "lse", "dout"], seg_bwd
+
+    checks["splash_residual_backward"] = _check(residual_backward)
+    checks["generation"] = "ok" if register.device_generation() is None else f"unexpected: {register.device_generation()}"
     print(json.dumps({"ops": names, "checks": checks}))
 
 
