@@ -19,7 +19,7 @@ import tarfile
 import pytest
 
 from tools import tpu_smoke
-from tools.tpu_smoke import cache_misses, compare, parse_launch_env
+from tools.tpu_smoke import cache_misses, compare, counter_misses, parse_launch_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
@@ -40,7 +40,7 @@ def _row(report: str, name: str) -> list[str]:
 
 HEADER = ["run", "what", "status", "steps", "final loss", "vs", "Δ loss (rel.)", "verdict", "setup s",
           "first step s", "graph compile s", "median step s", "tokens/s/device", "MFU %",
-          "cache misses after step 3"]
+          "cache misses after step 3 (counter / log)"]
 
 
 @pytest.mark.linux  # the timeout kill walks /proc for torchrun's workers
@@ -49,7 +49,8 @@ def test_shim_run_end_to_end(tmp_path):
     r = _smoke("--shim", "4", "--out", str(out), "--runs", "cpu,compile,graph_scan,moe_ep2,save,resume",
                "--set", "compile:--training.dataset=/nonexistent/smoke.jsonl", "--run-timeout", "graph_scan=3",
                # eager saves and resumes in seconds; graph mode's capture takes a minute on 2 busy cores
-               "--set", "save:--compile.mode=eager", "--set", "resume:--compile.mode=eager")
+               "--set", "save:--compile.mode=eager", "--set", "save:--compile.scan_layers=false",
+               "--set", "resume:--compile.mode=eager", "--set", "resume:--compile.scan_layers=false")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     tarball = out.with_name("smoke.tar.gz")
     assert f"tarball: {tarball}" in r.stderr and f"report: {out / 'report.md'}" in r.stderr
@@ -84,7 +85,7 @@ def test_shim_run_end_to_end(tmp_path):
     assert row["tokens/s/device"] == f"{statistics.median([save[s]['tokens_per_sec'] for s in (3, 4)]):,.0f}"
     assert row["graph compile s"] == "-" and "compile_s" not in save[1]  # eager: nothing captured
     assert row["first step s"] == f"{save[1]['elapsed_s']:.1f}" and row["setup s"] == f"{save[1]['setup_s']:.1f}"
-    assert row["cache misses after step 3"] == "0"
+    assert row["cache misses after step 3 (counter / log)"] == "- / 0"  # no counter off a TPU
     # Save + resume: the same device, state restored exactly, so the losses agree (CPU: bit for bit).
     row = dict(zip(HEADER, _row(report, "resume")))
     assert row["vs"] == "save" and row["steps"] == "3-4" and row["verdict"] == "ok", row
@@ -96,11 +97,15 @@ def test_shim_run_end_to_end(tmp_path):
     assert dict(zip(HEADER, _row(report, "compile")))["status"] == "failed (rc 1)"
     log = (out / "runs" / "compile.log").read_text()
     err = [x for x in log.splitlines() if x.startswith("error:")]
-    assert err and "training.dataset" in err[0] and err[0] in report.split("## Logs of the runs")[1]
+    assert err and "/nonexistent/smoke.jsonl" in err[0]
+    section = report.split("### compile: failed")[1].split("###")[0]
+    assert section.count(err[0]) == 2  # among the error lines and in the tail
+    assert "ChildFailedError" in section  # torchrun's summary
     assert "### compile: failed" in report
     # The killed run: "timed out after 3 s", and the kill noted at the end of its log tail.
     assert dict(zip(HEADER, _row(report, "graph_scan")))["status"] == "timed out after 3 s"
-    assert "### graph_scan: timed out" in report and "timed out after 3 s: SIGTERM" in report
+    section = report.split("### graph_scan: timed out")[1].split("###")[0]
+    assert "tools.tpu_smoke: timed out after 3 s: SIGTERM" in section
     # The skipped run says why.
     assert dict(zip(HEADER, _row(report, "moe_ep2")))["status"] == "skipped: needs 2 devices, this host has 1"
 
@@ -126,7 +131,7 @@ def test_shim_run_end_to_end(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     report = (out / "report.md").read_text()
-    assert dict(zip(HEADER, _row(report, "save")))["cache misses after step 3"] == "2"
+    assert dict(zip(HEADER, _row(report, "save")))["cache misses after step 3 (counter / log)"] == "- / 2"
 
 
 def test_shim_without_a_launch_environment_skips_the_tpu_runs(tmp_path):
@@ -187,6 +192,23 @@ def test_cache_misses_are_counted_after_the_step_3_line():
     assert cache_misses(log, after_step=1) == 3
     assert cache_misses(log, pattern="no such text") == 0
     assert cache_misses("step  2/20  loss 8.5\nCompilation cache STATIC MISS") is None  # never reached step 3
+
+
+def test_error_lines():
+    log = ("step 1/4 loss 8.1\nerror: dataset /x: no such file\nTraceback (most recent call last):\n  File x\n"
+           "[rank1]: RuntimeError: collective timed out\nValueError: bad\nValueError: bad\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nan Error in prose\n")
+    assert tpu_smoke.error_lines(log) == [
+        "error: dataset /x: no such file", "[rank1]: RuntimeError: collective timed out", "ValueError: bad",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
+
+
+def test_cache_misses_by_the_trainers_counter():
+    records = [{"step": s, "compile_cache_misses": c} for s, c in [(1, 40), (2, 41), (3, 41), (4, 41), (5, 43)]]
+    assert counter_misses(records) == 2
+    assert counter_misses(records[:3]) == 0
+    assert counter_misses([{"step": s} for s in range(1, 6)]) is None  # off a TPU: no counter
+    assert counter_misses(records[3:]) is None  # resumed after step 3
 
 
 def test_launch_env_is_parsed_as_torch_tpu_prints_it():

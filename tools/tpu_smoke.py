@@ -45,9 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CACHE_MISS_PATTERN = "Compilation cache STATIC MISS"
-"""Text of torch-tpu's log line for a compilation-cache miss (a new program compiled); the report
-counts the lines holding it after the step-3 console line of each run's log. Any count there
-means a program recompiled in steady state (e.g. a per-step Python scalar baked in)."""
+"""Text of torch-tpu's own log line for a compilation-cache miss (a string in its binary; whether
+0.2.0 prints it without verbose logging is unknown): the report counts the log lines holding it
+after each run's step-3 console line. The other count comes from the trainer: on a TPU it logs
+torch-tpu's miss counter as `compile_cache_misses` in metrics.jsonl (trainer/runtime/tpu_env.py).
+Any miss after step 3 means a program compiled again in steady state (e.g. a per-step Python
+scalar baked into it)."""
 
 DEFAULT_TIMEOUT_S = 1800
 """Per run: compilation of the debug recipes on a TPU takes minutes; a hang must not take hours."""
@@ -160,8 +163,30 @@ def cache_misses(log_text: str, pattern: str = CACHE_MISS_PATTERN, after_step: i
     return None
 
 
+def counter_misses(records: list[dict], after_step: int = 3) -> int | None:
+    """Compilation cache misses in the steps after `after_step` by torch-tpu's counter (the
+    cumulative `compile_cache_misses` of metrics.jsonl), or None where the run has no counter."""
+    by_step = {r["step"]: r.get("compile_cache_misses") for r in records}
+    if by_step.get(after_step) is None or not records or records[-1].get("compile_cache_misses") is None:
+        return None
+    return int(records[-1]["compile_cache_misses"] - by_step[after_step])
+
+
 def tail(log_text: str, n: int = TAIL_LINES) -> str:
     return "\n".join(log_text.splitlines()[-n:])
+
+
+_ERROR_LINE = re.compile(r"^(\[(default)?\d+\]:?\s*|\[rank\d+\]:\s*)?(error: |[A-Za-z_][\w.]*(Error|Exception)\b)")
+
+
+def error_lines(log_text: str, limit: int = 10) -> list[str]:
+    """The trainer's `error:` lines and the exception lines of any traceback, once each (a
+    torchrun failure's summary can push a worker's error out of the tail)."""
+    seen: dict[str, None] = {}
+    for line in log_text.splitlines():
+        if _ERROR_LINE.match(line) and len(seen) < limit:
+            seen.setdefault(line.rstrip(), None)
+    return list(seen)
 
 
 def banner_lines(log_text: str) -> list[str]:
@@ -461,6 +486,7 @@ def summarize(records: list[dict]) -> dict:
             "setup_s": first.get("setup_s"), "first_step_s": first.get("elapsed_s"),
             "compile_s": first.get("compile_s"), "median_step_s": statistics.median(times) if times else None,
             "tokens_per_sec": median("tokens_per_sec"), "mfu_pct": median("mfu_pct"),
+            "counter_misses": counter_misses(records, after_step=first["step"] + 2),
             "losses": {r["step"]: r.get("loss") for r in records}}
 
 
@@ -508,14 +534,16 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
           f"- {meta['steps']} steps per run, log every step; global batch {meta['global_batch']} sequences on "
           f"every run ({meta['devices']} device(s): {meta['global_batch'] // max(meta['devices'], 1)} per device); "
           f"timeout {meta['timeout_s']:g} s per run unless noted",
-          f"- cache misses: lines with `{pattern}` (torch-tpu's message) after the step-3 line of each log", ""]
+          "- cache misses after step 3: torch-tpu's counter (`compile_cache_misses` in metrics.jsonl, TPU only) "
+          f"/ log lines with `{pattern}` (torch-tpu's message) after the step-3 line (a resumed run: after its "
+          "own third step)", ""]
 
     counts = {}
     for r in runs.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     L += ["## Runs", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
     L += ["| run | what | status | steps | final loss | vs | Δ loss (rel.) | verdict | setup s | first step s | "
-          "graph compile s | median step s | tokens/s/device | MFU % | cache misses after step 3 |",
+          "graph compile s | median step s | tokens/s/device | MFU % | cache misses after step 3 (counter / log) |",
           "|" + "---|" * 15]
     for name, r in runs.items():
         s = stats[name]
@@ -530,14 +558,16 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
         verdict, rel = "-", None
         if r.get("ref") and s and r["ref"] in stats and stats[r["ref"]]:
             verdict, rel = compare(s, stats[r["ref"]], exact=r["exact"])
-        misses = cache_misses(logs[name], pattern) if logs[name] else None
+        third = s["first_step"] + 2 if s else 3  # step 3; a resumed run's own third step
+        log_misses = cache_misses(logs[name], pattern, after_step=third) if logs[name] else None
+        misses = f"{_fmt(s.get('counter_misses'), 'd')} / {_fmt(log_misses, 'd')}"
         steps = f"{s['first_step']}-{s['last_step']}" if s else "-"
         L.append(f"| {name} | {r['what']} | {status} | {steps} | {_fmt(s.get('final_loss'))} | "
                  f"{r.get('ref') or '-'} | {_fmt(rel, '+.2e') if r.get('exact') else _fmt(rel, '+.2%')} | {verdict} | "
                  f"{_fmt(s.get('setup_s'), '.1f')} | {_fmt(s.get('first_step_s'), '.1f')} | "
                  f"{_fmt(s.get('compile_s'), '.1f')} | {_fmt(s.get('median_step_s'), '.3f')} | "
                  f"{_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu_pct'), '.2f')} | "
-                 f"{'-' if misses is None else misses} |")
+                 f"{misses} |")
     L += ["", "Columns: *Δ loss* is the run's median loss over the last (up to 5) steps both runs logged minus "
           "its reference's, relative (resume: the largest per-step difference from the uninterrupted run). "
           f"*Verdict*: ok within {REL_TOL_VS_CPU:.0%} of the CPU reference (different initial weights: each "
@@ -579,8 +609,11 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
     if not failed:
         L += ["none", ""]
     for name in failed:
-        L += [f"### {name}: {runs[name]['status']} (last {TAIL_LINES} lines of runs/{name}.log)", "",
-              "```", tail(logs[name]) or "(empty log)", "```", ""]
+        L += [f"### {name}: {runs[name]['status']}", ""]
+        errors = error_lines(logs[name])
+        if errors:
+            L += ["Error lines anywhere in the log:", "", "```", *errors, "```", ""]
+        L += [f"Last {TAIL_LINES} lines of runs/{name}.log:", "", "```", tail(logs[name]) or "(empty log)", "```", ""]
 
     L += ["## pip freeze", "", "```", _read(out / "pip_freeze.txt").strip(), "```", ""]
     return "\n".join(L)
