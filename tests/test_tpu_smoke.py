@@ -211,6 +211,15 @@ def test_cache_misses_by_the_trainers_counter():
     assert counter_misses(records[3:]) is None  # resumed after step 3
 
 
+def test_start_up_lines_leave_out_the_per_step_miss_lines():
+    from trainer.runtime.tpu_env import CACHE_MISS_LINE
+
+    assert tpu_smoke.TRAINER_MISS_LINE == CACHE_MISS_LINE
+    log = ("titan-tpu: llama3 debugmodel\nstep 1/4 loss 8\n" + f"{CACHE_MISS_LINE} 1: +3 (total 40)\n"
+           + "titan-tpu: llama3 debugmodel\ntitan-tpu: kernel self-check: splash failed\n")
+    assert tpu_smoke.banner_lines(log) == ["titan-tpu: llama3 debugmodel", "titan-tpu: kernel self-check: splash failed"]
+
+
 def test_launch_env_is_parsed_as_torch_tpu_prints_it():
     # torch-tpu 0.2.0's _print_launch_env: quoted values, WORLD_SIZE bare, NNODES etc. on several hosts.
     text = ('TORCH_TPU_TOPOLOGY="2x2x1"\nTORCH_TPU_SLICEBUILDER_ADDRESSES="localhost:1,localhost:2"\n'

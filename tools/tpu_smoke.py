@@ -52,6 +52,11 @@ torch-tpu's miss counter as `compile_cache_misses` in metrics.jsonl (trainer/run
 Any miss after step 3 means a program compiled again in steady state (e.g. a per-step Python
 scalar baked into it)."""
 
+TRAINER_MISS_LINE = "titan-tpu: compile cache misses at step"
+"""The start of the trainer's per-step line for the same counter (trainer.runtime.tpu_env.
+CACHE_MISS_LINE; not imported: this process must not import torch), kept out of the start-up
+lines the report quotes."""
+
 DEFAULT_TIMEOUT_S = 1800
 """Per run: compilation of the debug recipes on a TPU takes minutes; a hang must not take hours."""
 KILL_GRACE_S = 15
@@ -194,7 +199,7 @@ def banner_lines(log_text: str) -> list[str]:
     fallbacks), once each, in order."""
     seen: dict[str, None] = {}
     for line in log_text.splitlines():
-        if line.startswith("titan-tpu:"):
+        if line.startswith("titan-tpu:") and not line.startswith(TRAINER_MISS_LINE):
             seen.setdefault(line.rstrip(), None)
     return list(seen)
 
