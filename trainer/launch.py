@@ -238,7 +238,7 @@ def failure_summary(stderr: str, *, max_chars: int = 600) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     pick = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), None)
     if pick is None:
-        noise = re.compile(r"^(?:[IWE]\d{4} |WARNING|INFO|\[|.*Warning:)")
+        noise = re.compile(r"^(?:[IW]\d{4} |WARNING|INFO|\[|.*Warning:)")
         pick = next((ln for ln in reversed(lines) if not noise.match(ln)), lines[-1] if lines else "")
     pick = " ".join(pick.split())
     return pick if len(pick) <= max_chars else pick[:max_chars - 3] + "..."
