@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from kernels import cpu_attention
-from trainer.runtime import flops
+from trainer.runtime import flops, pci
 
 aten = torch.ops.aten
 
@@ -163,6 +163,6 @@ def test_tpu_found_from_pci_ids(tmp_path, monkeypatch, device_id, gen):
     (other / "device").write_text("0x0076\n")
     for var in ("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(flops.glob, "glob", lambda pattern: [str(dev / "vendor"), str(other / "vendor")])
+    monkeypatch.setattr(flops, "tpu_generations_on_pci", lambda: pci.tpu_generations_on_pci(str(tmp_path)))
     assert flops._tpu_kind_candidates() == [gen]
     assert flops.tpu_generation(gen) == gen

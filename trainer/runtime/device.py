@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from models.errors import ConfigError
+from trainer.runtime.pci import tpu_generations_on_pci
 
 GLOO_SERIAL = "gloo_serial"
 """The CPU process-group backend: torch's gloo with ONE worker thread (`cpu_backend`)."""
@@ -75,16 +76,7 @@ def tpu_present() -> bool:
 
 def tpu_chips_on_pci() -> int:
     """TPU chips on this host's PCI bus (Google's vendor id and a TPU device id); sysfs only."""
-    from trainer.runtime.flops import _GOOGLE_PCI_VENDOR, _TPU_PCI_IDS
-
-    count = 0
-    for device in Path("/sys/bus/pci/devices").glob("*"):
-        try:
-            if (device / "vendor").read_text().strip() == _GOOGLE_PCI_VENDOR:
-                count += (device / "device").read_text().strip() in _TPU_PCI_IDS
-        except OSError:
-            continue
-    return count
+    return len(tpu_generations_on_pci())
 
 
 def _no_torch_tpu(why: str) -> ConfigError:

@@ -16,12 +16,12 @@ MFU = achieved model FLOP/s per device / peak dense bf16 FLOP/s per device.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
-from pathlib import Path
 
 import torch
+
+from trainer.runtime.pci import tpu_generations_on_pci
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +69,6 @@ GPU_PEAK_TFLOPS = [
     ("a100", 312.0),
 ]
 
-# Google's PCI device ids for TPU chips (vendor 0x1ae0), as in the public jax / cloud-tpu
-# client sources; v7x's 0x0076 as in torch-tpu 0.2.0's hardware table (docs/metrics.md, docs/tpu.md).
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-_TPU_PCI_IDS = {"0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e", "0x006f": "v6e", "0x0076": "v7x"}
-
-
 def tpu_generation(kind: str) -> str | None:
     """Map any TPU kind string to a key of TPU_PEAK_TFLOPS, or None.
 
@@ -110,15 +104,7 @@ def _tpu_kind_candidates() -> list[str]:
     for var in ("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE"):
         if os.environ.get(var):
             found.append(os.environ[var])
-    for vendor_file in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        try:
-            if Path(vendor_file).read_text().strip() != _GOOGLE_PCI_VENDOR:
-                continue
-            device_id = (Path(vendor_file).parent / "device").read_text().strip()
-        except OSError:
-            continue
-        if device_id in _TPU_PCI_IDS:
-            found.append(_TPU_PCI_IDS[device_id])
+    found.extend(tpu_generations_on_pci())
     return found
 
 
