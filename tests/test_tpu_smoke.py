@@ -110,6 +110,7 @@ def test_shim_run_end_to_end(tmp_path):
     assert dict(zip(HEADER, _row(report, "moe_ep2")))["status"] == "skipped: needs 2 devices, this host has 1"
 
     # What the report records: flags per run (command line + launch env), versions, topology.
+    assert "  python -m torch.distributed.run --standalone --nproc_per_node=1 -m trainer.train --config" in report
     assert "--device.type=cpu" in report and "--training.mixed_precision_param=bfloat16" in report
     assert "TORCH_TPU_TOPOLOGY=fake-1x1" in report and "WORLD_SIZE=1" in report
     assert "## pip freeze" in report and "torch==" in report

@@ -602,7 +602,7 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
             L += [f"not run: {r.get('reason', '-')}", ""]
             continue
         env = " ".join(f"{k}={v}" for k, v in r["env"].items())
-        L += ["```", f"{env} \\", "  " + " ".join(r["cmd"][1:]), "```", ""]
+        L += ["```", f"{env} \\", "  " + " ".join(r["cmd"]), "```", ""]
         L += [f"exit {r['rc'] if r.get('rc') is not None else 'none (killed)'}, {r.get('wall_s', '-')} s wall"
               + (f"; {r['reason']}" if r.get("reason") else ""), ""]
         banner = banner_lines(logs[name])
