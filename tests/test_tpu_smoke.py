@@ -145,6 +145,31 @@ def test_shim_without_a_launch_environment_skips_the_tpu_runs(tmp_path):
     assert "ValueError: set_tpu_launch_env()" in report  # the command's output is in the report
 
 
+@pytest.mark.linux
+def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
+    """SIGINT to the smoke (a terminal's Ctrl-C): the current run's processes are stopped, the
+    runs not reached are listed as such, and the report and tarball are written."""
+    import signal
+    import time
+
+    out = tmp_path / "smoke"
+    proc = subprocess.Popen([sys.executable, "-m", "tools.tpu_smoke", "run", "--shim", "--out", str(out), "--runs",
+                             "cpu,eager"], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "runs" / "cpu.log").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # the trainer is starting
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "interrupted: writing the report of the runs so far" in err and "tarball: " in err
+    report = (out / "report.md").read_text()
+    assert dict(zip(HEADER, _row(report, "cpu")))["status"] == "failed: interrupted (Ctrl-C)"
+    assert dict(zip(HEADER, _row(report, "eager")))["status"] == "not run: interrupted before it started"
+    assert "tools.tpu_smoke: interrupted (Ctrl-C)" in (out / "runs" / "cpu.log").read_text()
+    assert out.with_name("smoke.tar.gz").is_file()
+
+
 @pytest.mark.parametrize("args, names", [
     (["run", "--shim", "3"], "steps: 3"),
     (["run", "--shim", "--runs", "eager,nope"], "run 'nope'"),
