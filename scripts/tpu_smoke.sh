@@ -15,7 +15,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SHIM="${TITAN_SMOKE_SHIM:-0}"
 for arg in "$@"; do
-  if [ "$arg" = "--shim" ]; then SHIM=1; fi
+  case "$arg" in
+    --shim) SHIM=1 ;;
+    -h|--help) exec "${PYTHON:-python3}" -m tools.tpu_smoke run --help ;;   # no venv needed
+  esac
 done
 if [ "$SHIM" = 1 ]; then
   PY="${PYTHON:-python}"
