@@ -295,3 +295,28 @@ def test_sweep_bad_arguments_are_one_error_line(args, names):
     run = _sweep(*args)
     assert run.returncode == 2
     assert run.stderr.startswith("error: ") and names in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def _two_rank_agree(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        impls = {"grouped_mm": _raises if rank == 1 else AGREEING["grouped_mm"],
+                 "linear_cross_entropy": AGREEING["linear_cross_entropy"]}
+        passed, verdicts = selfcheck.run(impls, device=CPU, dtype=BF16)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"passed": sorted(passed),
+                                                             "reasons": {v.op: v.reason for v in verdicts}}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_ranks_agree_a_kernel_that_failed_on_one_rank_is_dropped_on_all(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_agree, args=(2, f"file://{tmp_path / 'pg'}", str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["passed"] == r1["passed"] == ["linear_cross_entropy"]
+    assert r0["reasons"]["grouped_mm"] == "failed on another rank (see its log)"
+    assert "raised RuntimeError" in r1["reasons"]["grouped_mm"]

@@ -35,7 +35,7 @@ JAX_PLATFORM = "cpu"
 def pin_jax_platform() -> str | None:
     """Keep JAX off the TPU in this process (module docstring); a warning line, or None."""
     user = os.environ.get("JAX_PLATFORMS")
-    if user is not None and user != JAX_PLATFORM:
+    if user and user != JAX_PLATFORM:  # JAX reads an empty value as unset, so do we
         return (f"titan-tpu: JAX_PLATFORMS={user!r} is set; the Pallas kernels need JAX only to lower "
                 f"(JAX_PLATFORMS={JAX_PLATFORM} is what was tested): a JAX TPU backend in this process "
                 "competes with torch-tpu for the chips and may fail or hang at the first kernel call")

@@ -182,16 +182,28 @@ def check(op: str, impl: Callable, *, device: torch.device, dtype: torch.dtype, 
 
 def run(impls: dict[str, Callable], *, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
         references: dict[str, Callable] | None = None) -> tuple[dict[str, Callable], list[Verdict]]:
-    """Self-check every implementation in `impls` ({op: fn}); return (the ones that passed,
-    every Verdict). `references` overrides the torch references (tests)."""
-    kept, verdicts = {}, []
-    for op, impl in impls.items():
-        verdict = check(op, impl, device=device, dtype=dtype, head_dim=head_dim or 64,
-                        reference=(references or {}).get(op))
-        verdicts.append(verdict)
-        if verdict.ok:
-            kept[op] = impl
-    return kept, verdicts
+    """Self-check every implementation in `impls` ({op: fn}); return (the ones that passed on
+    every rank, every Verdict). `references` overrides the torch references (tests)."""
+    verdicts = [check(op, impl, device=device, dtype=dtype, head_dim=head_dim or 64,
+                      reference=(references or {}).get(op)) for op, impl in impls.items()]
+    verdicts = agree(verdicts, device=device)
+    return {v.op: impls[v.op] for v in verdicts if v.ok}, verdicts
+
+
+def agree(verdicts: list[Verdict], *, device: torch.device) -> list[Verdict]:
+    """The verdicts every rank of the default process group shares: a kernel that failed on any
+    rank is dropped on all (ranks that served an op differently would trace different programs
+    and stop at their first mismatched collective). One all-reduce (MIN) of a pass vector on
+    `device`; nothing without an initialised group of more than one rank."""
+    import torch.distributed as dist
+
+    if not verdicts or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return verdicts
+    passed = torch.tensor([1.0 if v.ok else 0.0 for v in verdicts], device=device)
+    dist.all_reduce(passed, op=dist.ReduceOp.MIN)
+    everywhere = passed.cpu().tolist()
+    return [v if (v.ok == bool(p)) else dataclasses.replace(v, ok=False, reason="failed on another rank (see its log)")
+            for v, p in zip(verdicts, everywhere)]
 
 
 def banner(verdict: Verdict) -> str:
