@@ -84,8 +84,8 @@ UNKNOWN = Generation("unknown", 16 * MiB, 16 * MiB, 128, 240.0, "", "")
 
 def generation_of(kind: str | None) -> str | None:
     """A key of GENERATIONS for a device kind ("TPU v5 lite", "TPU7x") or accelerator type
-    ("v5litepod-16", "v6e-8", "tpu7x-64"), else None. (trainer/runtime/flops.py has the same
-    mapping for the peak table; the kernels sit below the trainer and cannot import it.)"""
+    ("v5litepod-16", "v6e-8", "tpu7x-64"), else None. The product's one mapping: the trainer's
+    peak table (`trainer.runtime.flops.tpu_generation`) and flag bundles read it too."""
     if not kind:
         return None
     s = kind.lower().replace("_", " ").replace("-", " ").strip().removeprefix("tpu").strip()

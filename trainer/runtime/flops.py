@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from kernels.tpu.tiles import generation_of
 from trainer.runtime.pci import tpu_generations_on_pci
 
 logger = logging.getLogger(__name__)
@@ -74,19 +75,10 @@ def tpu_generation(kind: str) -> str | None:
 
     Accepts JAX/PJRT device kinds ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite",
     "TPU7x"), accelerator types ("v5litepod-16", "v5p-128", "v6e-8", "tpu7x-64") and our short
-    names ("v6e", "v7x"). A bare "TPU v5" is v5p (v5e always says "lite" or "e").
+    names ("v6e", "v7x"). A bare "TPU v5" is v5p (v5e always says "lite" or "e"). One mapping
+    for the whole product: the kernels' tile table reads the same (`kernels.tpu.tiles`).
     """
-    s = kind.lower().replace("_", " ").replace("-", " ").strip()
-    s = s.removeprefix("tpu").strip()
-    if s.startswith("7") or s.startswith("v7") or "ironwood" in s:
-        return "v7x"
-    if s.startswith("v6") or "trillium" in s:
-        return "v6e"
-    if s.startswith("v5"):
-        return "v5e" if ("lite" in s or s.startswith("v5e")) else "v5p"
-    if s.startswith("v4"):
-        return "v4"
-    return None
+    return generation_of(kind)
 
 
 def _tpu_kind_candidates() -> list[str]:
