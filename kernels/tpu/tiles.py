@@ -45,7 +45,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from pathlib import Path
 
 TABLE = Path(__file__).with_name("tiles.toml")
