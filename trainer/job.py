@@ -44,6 +44,7 @@ from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
                                     resolve_compute_dtype, set_seed, torch_dtype)
+from trainer.runtime.runlock import lock_run
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
 from trainer.tasks import TASK_CLASSES, build_task
@@ -247,6 +248,15 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
         runtime_env.apply()
         runtime_notes = runtime_env.notes
     info = init_distributed(device)
+    if purpose == "train":
+        # One writer per run folder (trainer/runtime/runlock.py): rank 0 locks the dump folder
+        # (and a checkpoint folder outside it) and checks both are writable, before anything in
+        # them is read or written; a refusal reaches every rank (ConfigError, exit 2).
+        ck_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+        inside = os.path.realpath(ck_folder).startswith(os.path.realpath(cfg.job.dump_folder) + os.sep)
+        lock_run(locks=[("job.dump_folder", cfg.job.dump_folder)]
+                 + ([] if inside or not cfg.checkpoint.enable else [("checkpoint.folder", ck_folder)]),
+                 writable=[("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else [])
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
     cfg.training.mixed_precision_param = compute.name

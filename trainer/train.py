@@ -27,6 +27,8 @@ from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, Pree
                              StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
                              shutdown_distributed)
 from trainer.runtime.tpu_env import CacheMissCounter, profile_step, profiler_plan
+from trainer.runtime.atomic import WriteFailed
+from trainer.runtime.runlock import release_all
 from trainer.step import StepPlan, local_scalar
 
 
@@ -255,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     except StartupTimeout as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (ckpt.CheckpointSaveError, WriteFailed) as e:  # disk full, file too large, permission
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
+        release_all()
         shutdown_distributed()
 
 

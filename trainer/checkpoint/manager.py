@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from models.errors import ConfigError
+from trainer.runtime.atomic import errno_text
 from trainer.runtime.device import cpu_backend
 
 from trainer.checkpoint.manifest import MANIFEST, verify_checkpoint, write_manifest, CorruptCheckpointError
@@ -107,11 +108,15 @@ def _then_manifest(future: Any, folder: Path) -> None:
     write_manifest(folder)
 
 
-def _result(future: Any, step: int) -> None:
-    try:
-        future.result()
-    except _DCP_ERRORS as e:
-        raise CheckpointSaveError(f"checkpoint: saving step {step} failed: {short_error(e)}") from e
+def _save_failed(error: BaseException, what: str, tmp: Path, *, remove: bool) -> CheckpointSaveError:
+    """One line for a failed save: what failed and why (the errno text when the error carries one:
+    "No space left on device", "File too large", "Permission denied"); `remove` (rank 0) deletes
+    the partial `.tmp-step-N` first, so nothing of the failed save stays on disk."""
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)
+    why = errno_text(error, tmp.parent) or short_error(error)
+    gone = "its partial files were removed; " if remove else ""
+    return CheckpointSaveError(f"checkpoint: {what} failed: {why}; {gone}earlier checkpoints in {tmp.parent} are intact")
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
@@ -299,8 +304,11 @@ class CheckpointManager:
         self.wait()  # one save in flight at a time; also publishes the previous one
         tmp = self.folder / f".tmp-step-{step}"
         if self._is_rank0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self._remove_leftovers()
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._remove_leftovers()
+            except OSError as e:
+                raise _save_failed(e, f"saving step {step} into {self.folder}", tmp, remove=False) from e
         self._barrier()
         state_dict = {name: state.state_dict() for name, state in states.items()}
         self._last_saved_step = step
@@ -316,14 +324,14 @@ class CheckpointManager:
                 return
             dcp.save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
         except _DCP_ERRORS as e:
-            raise CheckpointSaveError(f"checkpoint: saving {tmp} failed: {short_error(e)}") from e
+            raise _save_failed(e, f"saving step {step} to {tmp}", tmp, remove=self._is_rank0) from e
         self._barrier()  # every rank's shards are written before the checkpoint becomes visible
         if self._is_rank0:
             try:
                 write_manifest(tmp)
+                self._publish(step)
             except OSError as e:
-                raise CheckpointSaveError(f"checkpoint: writing {tmp / MANIFEST} failed: {short_error(e)}") from e
-            self._publish(step)
+                raise _save_failed(e, f"writing {tmp / MANIFEST} and publishing step {step}", tmp, remove=True) from e
         self._barrier()
 
     def _poll_async(self) -> None:
@@ -334,7 +342,7 @@ class CheckpointManager:
         if not future.done():
             return
         self._pending = None
-        _result(future, step)  # re-raise a failed write on every rank
+        self._result(future, step)  # re-raise a failed write on every rank
         # DCP's coordinator (rank 0) writes .metadata only after gathering every rank's write
         # results, so on rank 0 a finished future means the whole checkpoint is on disk.
         if self._is_rank0:
@@ -346,10 +354,17 @@ class CheckpointManager:
             return
         future, step = self._pending
         self._pending = None
-        _result(future, step)
+        self._result(future, step)
         if self._is_rank0:
             self._publish(step)
         self._barrier()
+
+    def _result(self, future: Any, step: int) -> None:
+        try:
+            future.result()
+        except _DCP_ERRORS as e:
+            tmp = self.folder / f".tmp-step-{step}"
+            raise _save_failed(e, f"saving step {step} to {tmp}", tmp, remove=self._is_rank0) from e
 
     def close(self) -> None:
         """Finish any in-flight save and release the checkpoint process group."""

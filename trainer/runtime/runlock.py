@@ -1,0 +1,216 @@
+"""One writer per run folder: a lock file that the OS releases when its holder dies.
+
+`RunLock(folder, key=...)` holds an exclusive `flock` on `folder/.run.lock`, a file that also
+records the holder (host, pid, start time, command) for the message a second run gets. The OS
+drops an flock when the holding process exits for any reason (normal end, error, SIGTERM and
+exit 75, SIGKILL, a crash), so a lock left by a dead run never blocks: the next run takes it and
+overwrites the owner record. Where the file system has no flock (some network mounts), the
+record alone decides: a holder on this host whose pid is gone is stale; one on another host is
+reported with the file to delete.
+
+`lock_run(locks=..., writable=...)` is the trainer's start-up step (trainer/job.py, right after
+the process group exists, before anything in the run folder is read or written): rank 0 alone
+takes the locks and checks that the folders are writable, and its verdict is broadcast, so a
+refusal reaches every rank and every rank raises the same ConfigError (exit 2, one `error:`
+line) before any collective of the run. Every rank must share the run folder (as DCP needs for
+the checkpoint folder), so one lock on rank 0 covers the job on every host.
+
+Locks are per process and re-entrant: a process that already holds a folder's lock (a test that
+builds two jobs in one process) gets it again; `release_all()` (the trainer's exit) drops them.
+"""
+
+from __future__ import annotations
+
+import errno as errno_codes
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from models.errors import ConfigError
+from trainer.runtime.atomic import check_writable_dir, make_dir, write_error_text
+
+LOCK_NAME = ".run.lock"
+_NO_FLOCK = (errno_codes.ENOLCK, errno_codes.EOPNOTSUPP, errno_codes.ENOSYS, errno_codes.EINVAL)
+
+
+class FolderInUse(ConfigError):
+    """Another live process holds the folder's lock."""
+
+
+def _owner_record() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "command": " ".join(sys.argv)[:120]}
+
+
+def describe_owner(record: dict | None) -> str:
+    if not record:
+        return "owner unknown (its record is being written or was damaged)"
+    return (f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}"
+            + (f", command: {record['command']}" if record.get("command") else ""))
+
+
+def read_owner(path: str | os.PathLike) -> dict | None:
+    """The owner record of lock file `path` (None if absent or unreadable)."""
+    try:
+        with open(path) as f:
+            record = json.loads(f.read() or "null")
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError):
+        return True
+    return True
+
+
+_HELD: dict[str, RunLock] = {}
+
+
+class RunLock:
+    """The lock of one folder (see the module docstring). `acquire()` raises FolderInUse naming
+    the owner, or ConfigError naming `key` when the folder or its lock file cannot be made."""
+
+    def __init__(self, folder: str | os.PathLike, *, key: str = "job.dump_folder",
+                 allowed: str = "a folder no other run writes: wait for that run, stop it, or choose another folder"):
+        self.folder = Path(folder)
+        self.key = key
+        self.allowed = allowed
+        self.path = self.folder / LOCK_NAME
+        self._fd: int | None = None
+        self._count = 0
+
+    def _refuse(self, record: dict | None, extra: str = "") -> FolderInUse:
+        return FolderInUse(f"{self.key}: {self.folder} is in use by another run ({describe_owner(record)}){extra}; "
+                           f"allowed: {self.allowed}")
+
+    def acquire(self) -> RunLock:
+        real = os.path.realpath(self.folder)
+        held = _HELD.get(real)
+        if held is not None:  # this process holds it already
+            held._count += 1
+            return held
+        make_dir(self.folder, key=self.key)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"{self.key}: cannot create the lock file {self.path}: {write_error_text(e, self.folder)}; "
+                              "allowed: a folder this process can write") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno_codes.EWOULDBLOCK, errno_codes.EAGAIN, errno_codes.EACCES):
+                    raise self._refuse(self._read_settled()) from None
+                if e.errno not in _NO_FLOCK:
+                    raise
+                self._check_record_only()
+            record = _owner_record()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+            check_writable_dir(self.folder, key=self.key)  # the lock file may be old: prove a new file can be made
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self._count = fd, 1
+        _HELD[real] = self
+        return self
+
+    def _read_settled(self) -> dict | None:
+        """The holder's record; a holder that just took the lock may not have written it yet."""
+        for _ in range(20):
+            record = read_owner(self.path)
+            if record:
+                return record
+            time.sleep(0.05)
+        return None
+
+    def _check_record_only(self) -> None:
+        """No flock on this file system: decide from the owner record."""
+        record = read_owner(self.path)
+        if not record:
+            return
+        if record.get("host") == socket.gethostname():
+            if record.get("pid") != os.getpid() and _pid_alive(record.get("pid")):
+                raise self._refuse(record)
+            return  # its holder is gone: stale
+        raise self._refuse(record, extra=f"; this file system has no flock, so a run on another host cannot be "
+                                         f"checked: delete {self.path} if that run has ended")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self._count -= 1
+        if self._count > 0:
+            return
+        fd, self._fd = self._fd, None
+        _HELD.pop(os.path.realpath(self.folder), None)
+        try:
+            # Emptied, not deleted: deleting would let a waiting opener lock an unlinked inode
+            # while a third process creates a new file (two holders).
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)  # drops the flock
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def release_all() -> None:
+    """Drop every lock this process holds (the trainer's exit; the OS would at process exit)."""
+    for lock in list(_HELD.values()):
+        lock._count = 1
+        lock.release()
+
+
+def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
+             writable: Sequence[tuple[str, str | os.PathLike]] = ()) -> list[RunLock]:
+    """Rank 0 takes a RunLock on each (key, folder) of `locks` and checks each (key, folder) of
+    `writable` (made if missing, a file created in it); the verdict is broadcast from rank 0, and
+    every rank raises the same ConfigError if it is a refusal. A collective: call it on every
+    rank, before anything in the folders is read or written."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank = dist.get_rank() if distributed else 0
+    held: list[RunLock] = []
+    problem = None
+    if rank == 0:
+        try:
+            for key, folder in locks:
+                held.append(RunLock(folder, key=key).acquire())
+            for key, folder in writable:
+                check_writable_dir(folder, key=key)
+        except ConfigError as e:
+            problem = str(e)
+    if distributed:
+        from trainer.runtime.device import cpu_backend
+
+        on_cpu = dist.get_backend() in ("gloo", cpu_backend())
+        group = dist.group.WORLD if on_cpu else dist.new_group(backend=cpu_backend())
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, group=group)
+        problem = box[0]
+        if not on_cpu:
+            dist.destroy_process_group(group)
+    if problem is not None:
+        for lock in held:
+            lock.release()
+        raise ConfigError(problem)
+    return held
