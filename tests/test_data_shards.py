@@ -63,19 +63,35 @@ def files(tmp_path_factory):
     return str(folder / "*.jsonl")
 
 
+def _docs(n: int, words: int = 60) -> list[str]:
+    return [f"doc {d}: " + " ".join(f"w{(d * 37 + j) % 97}" for j in range(words)) for d in range(n)]
+
+
+def _jsonl(path, texts) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def few(tmp_path_factory):
+    """5 documents in one file: fewer than the 64 auto shards (issue 29: refused, then)."""
+    return _jsonl(tmp_path_factory.mktemp("few") / "few.jsonl", _docs(5))
+
+
 CASES = [  # (dataset, dataset_shards, shuffle_block_docs)
     pytest.param("bundled", 0, 8192, id="documents-64-shards"),  # 456 documents dealt to 64 shards
     pytest.param("bundled", 16, 32, id="documents-small-blocks"),  # 2-document shuffle blocks: many blocks
     pytest.param("files", 8, 8, id="files-8-shards"),  # 16 files: whole files per shard
+    pytest.param("few", 0, 8192, id="few-documents-auto"),  # 5 documents: auto reads them as one shard
 ]
 
 
 @pytest.mark.parametrize("dataset, shards, block_docs", CASES)
-def test_resume_4_to_2_ranks_continues_the_global_order(tok, files, dataset, shards, block_docs):
+def test_resume_4_to_2_ranks_continues_the_global_order(tok, files, few, dataset, shards, block_docs):
     """4 ranks for N calls, checkpoint, 2 ranks for M calls: the windows are exactly those of an
     uninterrupted 4-rank run and of a 1-rank run over the same windows, in the same order: no
     window repeated, none skipped."""
-    dataset = files if dataset == "files" else dataset
+    dataset = {"files": files, "few": few}.get(dataset, dataset)
     kw = dict(num_shards=shards, shuffle_block_docs=block_docs)
     n, m = 7, 30  # 7 x 8 + 30 x 4 = 176 windows: > 1 epoch of every shard in the small cases
     four = _loaders(tok, dataset, 4, **kw)
@@ -190,6 +206,60 @@ def test_resume_with_other_shards_is_config_error(tok):
     partial = _loaders(tok, "bundled", 2)[0].local_state()  # rank 0's shards only
     with pytest.raises(ConfigError, match="no position for data shard"):
         _loaders(tok, "bundled", 1)[0].load_state_dict(partial)
+
+
+def _small(kind: str, path) -> str:
+    """Data sets that trained before data shards and have fewer non-empty documents than 64."""
+    if kind == "one-document":  # one long document (~6k tokens)
+        return _jsonl(path / "one.jsonl", [" ".join(f"w{j % 97}" for j in range(3000))])
+    if kind == "few-documents":
+        return _jsonl(path / "few.jsonl", _docs(5))
+    if kind == "one-paragraph-txt":  # a .txt file is one document per paragraph: here one
+        (path / "book.txt").write_text("A book in one paragraph. " * 400)
+        return str(path / "book.txt")
+    if kind == "empty-rows-interleaved":  # 128 rows, but every odd row is empty: 32 of 64 shards get no text
+        return _jsonl(path / "odd.jsonl", [t if i % 2 == 0 else "" for i, t in enumerate(_docs(128, 10))])
+    assert kind == "files-one-empty-shard"  # 64 files, >= S: whole files per shard; file 3 is empty
+    for f in range(64):
+        _jsonl(path / f"part-{f:02d}.jsonl", [] if f == 3 else _docs(1, 20))
+    return str(path / "*.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["one-document", "few-documents", "one-paragraph-txt", "empty-rows-interleaved",
+                                  "files-one-empty-shard"])
+def test_small_data_sets_train_with_the_default_shards(tok, tmp_path, kind):
+    """dataset_shards = 0 (the default) on data that would leave an auto shard without text:
+    one shard, the same global windows for 1 rank x 8 and 4 ranks x 2 (mesh-independent), and
+    the state resumes on 2 ranks in that order."""
+    spec = _small(kind, tmp_path)
+    single = _loaders(tok, spec, 1, local_batch_size=8)
+    four = _loaders(tok, spec, 4)
+    assert [loader.num_shards for loader in single + four] == [1] * 5
+    calls = 3 if kind == "files-one-empty-shard" else 6  # 64 small files: each epoch opens all of them
+    want = _global_ids(single, 2 * calls)
+    got = _global_ids(four, calls)
+    state = _roundtrip(merge_states([loader.local_state() for loader in four]))
+    two = _loaders(tok, spec, 2, local_batch_size=4)
+    for loader in two:
+        loader.load_state_dict(state)
+    assert got + _global_ids(two, calls) == want
+    assert len(set(want)) > 1  # windows differ (the ids are not all the same)
+
+
+def test_data_with_text_in_every_shard_keeps_the_auto_shards(tok, tmp_path, files):
+    """Only data that would leave a shard empty is read as one shard: 64 documents (one per
+    shard), 16 files of 12 documents (dealt rows), and the bundled corpus keep 64 shards."""
+    exact = _jsonl(tmp_path / "64.jsonl", _docs(64, 5))
+    for spec in (exact, files, "bundled"):
+        assert _loaders(tok, spec, 2, local_batch_size=4)[0].num_shards == 64, spec
+    assert _loaders(tok, _jsonl(tmp_path / "63.jsonl", _docs(63, 5)), 1)[0].num_shards == 1
+
+
+def test_explicit_shards_on_small_data_name_the_way_out(tok, few):
+    """An explicit dataset_shards is kept as asked: too many for the data is a ConfigError that
+    names the auto value, which reads small data as one shard."""
+    with pytest.raises(ConfigError, match=r"no text in split 'train' for data shard 5 of 8 .*dataset_shards = 0"):
+        _loaders(tok, few, 1, local_batch_size=8, num_shards=8)[0].next_batch()
 
 
 def _worker(out: str) -> None:

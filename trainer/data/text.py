@@ -21,12 +21,17 @@ labels = w[1:]). Global window g is window g div S of shard g mod S.
 
 Call c of `next_batch` on dp rank r returns global windows `c*D*B + r*B + [0, B)`
 (D = dp_degree, B = local_batch_size), so optimizer step s with A accumulation calls covers
-windows `[s*G, (s+1)*G)`, G = B*D*A, whatever the mesh. S is a multiple of D*B, so rank r
+windows `[s*G, (s+1)*G)`, G = B*D*A, whatever the mesh. S is 1 (every rank reads the one
+stream and keeps its windows) or a multiple of D*B, so rank r
 reads only the S/D shards s with (s - W0) mod D*B in [r*B, r*B + B) (W0: the window where the
 run started): it opens only its shards' files, or, with fewer files than shards, parses every
 row but tokenizes only its own. The training data work per rank falls as 1/D. Validation
 (any split but "train") is one shard read in order: every rank reads the validation stream
 and keeps its slice, so all ranks agree where it ends.
+
+With `dataset_shards = 0` (auto), a data set that would leave one of the auto shards without a
+non-empty document (one document of any size, a few documents, one paragraph of text) is read
+as one shard: decided from the data alone, so the order stays mesh-independent.
 
 The state (`state_dict`) is the global window count and each shard's position (epoch, block,
 token offset in the block, windows taken), gathered from every rank (`gather`), so it is the
@@ -284,8 +289,32 @@ def shard_windows(windows: int, shard: int, num_shards: int) -> int:
 
 def auto_shards(global_micro_batch: int) -> int:
     """`training.dataset_shards = 0`: the smallest multiple of DEFAULT_SHARDS that the global
-    micro-batch (dp degree x local batch) divides: 64 whenever the micro-batch divides 64."""
+    micro-batch (dp degree x local batch) divides: 64 whenever the micro-batch divides 64.
+    `build_dataloader` reads a data set that would leave one of them without text as one
+    shard instead (`_every_shard_has_text`)."""
     return math.lcm(DEFAULT_SHARDS, global_micro_batch)
+
+
+def _every_shard_has_text(source: _Source, text_field: str, num_shards: int) -> bool:
+    """Whether each of `num_shards` shards gets at least one non-empty document, decided from
+    the data alone (the same answer on every rank and every mesh). With fewer files than
+    shards (row i -> shard i mod S) the rows are parsed until every residue has a non-empty
+    one: about S rows for a large data set, one pass (no tokenizing) for a small one. With at
+    least S local files a shard is empty when all its files are 0 bytes (a stat, so that a rank
+    still opens only its own files); a Hub dataset with >= S data files is not checked."""
+    if num_shards == 1:
+        return True
+    if _num_files(source) >= num_shards:
+        if source.kind == "hub":
+            return True
+        return all(any(os.path.getsize(p) for p in source.files[s:: num_shards]) for s in range(num_shards))
+    missing = set(range(num_shards))
+    for i, text in enumerate(_iter_texts(source, text_field)):
+        if text:
+            missing.discard(i % num_shards)
+            if not missing:
+                return True
+    return False
 
 
 class _FileShards:
@@ -430,8 +459,9 @@ class _ShardStream:
                     raise ConfigError(f"{where} (0 tokens); allowed: rows with a non-empty "
                                       f"{loader.text_field!r} field")
                 raise ConfigError(f"{where} for data shard {self.shard} of {loader.num_shards} (fewer non-empty "
-                                  f"documents than shards?); allowed: training.dataset_shards <= the number of "
-                                  f"documents, and rows with a non-empty {loader.text_field!r} field")
+                                  f"documents than shards?); allowed: training.dataset_shards = 0 (auto: a data "
+                                  f"set this small is read as one shard) or <= the number of documents, and "
+                                  f"rows with a non-empty {loader.text_field!r} field")
             if not loader.repeat:
                 return False
             self.epoch, self.block, self.epoch_tokens = self.epoch + 1, 0, 0
@@ -650,15 +680,23 @@ def build_dataloader(*, dataset: str, tokenizer, seq_len: int, local_batch_size:
         raise ConfigError(f"shuffle_block_docs: {shuffle_block_docs} must be >= 1")
     train = split == "train"
     micro = dp_degree * local_batch_size
+    source = resolve_dataset(dataset, split)
     if not train:
         num_shards = 1
     elif num_shards == 0:
         num_shards = auto_shards(micro)
+        if not _every_shard_has_text(source, text_field, num_shards):
+            # Fewer non-empty documents than shards (one document, a few, one text file): one
+            # stream whose windows are dealt to the ranks in order, as before data shards. It
+            # depends on the data only, and only data that the auto layout cannot read gets it.
+            logging.getLogger(__name__).info(
+                "dataset %s: some of %d data shards would hold no text (fewer non-empty documents "
+                "than shards); reading it as one shard, which every rank tokenizes", dataset, num_shards)
+            num_shards = 1
     elif num_shards < 0 or num_shards % micro:
         raise ConfigError(f"training.dataset_shards: {num_shards} is not a multiple of the global micro-batch "
                           f"(data-parallel degree {dp_degree} x local batch {local_batch_size} = {micro}); "
                           f"allowed: 0 (auto) or a multiple of {micro}, e.g. {auto_shards(micro)}")
-    source = resolve_dataset(dataset, split)
     return TokenLoader(source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
                        dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, text_field=text_field,
                        shuffle=train, repeat=train, shuffle_block_docs=shuffle_block_docs,
