@@ -24,6 +24,7 @@ process group. Bad input prints one `error:` line and exits with status 2.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -53,6 +54,8 @@ from trainer.checkpoint import (  # noqa: E402
     write_manifest,
 )
 from trainer.config import ModelConfig, coerce, model_args, parse_value  # noqa: E402  (the trainer's own parser)
+from trainer.runtime.atomic import WriteFailed, atomic_dir, errno_text  # noqa: E402
+from trainer.runtime.runlock import lock_destination  # noqa: E402
 
 # [model] keys of a run that are not fields of the model's args (see trainer.config.ModelConfig).
 _RUN_ONLY_MODEL_KEYS = {name: typ for name, typ in typing.get_type_hints(ModelConfig).items()
@@ -99,10 +102,38 @@ def _layer_groups(keys: list[str]) -> list[list[str]]:
     return [top] + [blocks[k] for k in sorted(blocks, key=lambda k: (stacks.index(k[0]), k[1]))]
 
 
+def _check_destination(out_dir: Path) -> None:
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
+        raise ConfigError(f"{out_dir}: exists and is not an empty folder; allowed: a new or empty folder "
+                          "(a conversion never writes over or into earlier output)")
+
+
+@contextlib.contextmanager
+def _destination(out_dir: Path, *, what: str):
+    """A temporary folder beside `out_dir`, renamed to it when the conversion has written every file
+    (trainer/runtime/atomic.py): a failed or killed conversion leaves nothing at `out_dir`. The
+    destination is locked for the conversion's time (a second conversion into it is refused,
+    naming the first) and must be new or an empty folder."""
+    _check_destination(out_dir)
+    with lock_destination(out_dir, key=str(out_dir), who="conversion"):
+        _check_destination(out_dir)  # again, under the lock
+        with atomic_dir(out_dir, what=what) as tmp:
+            yield tmp
+
+
 def convert_to_hf(
     checkpoint: Path, family: ModelFamily, args, out_dir: Path, *, dtype: torch.dtype | None = None
 ) -> list[Path]:
-    """DCP checkpoint -> HF folder (config.json + safetensors). Returns the safetensors files written."""
+    """DCP checkpoint -> HF folder (config.json + safetensors), published atomically (`_destination`).
+    Returns the safetensors files written."""
+    with _destination(out_dir, what="Hugging Face folder") as tmp:
+        written = _convert_to_hf(checkpoint, family, args, tmp, dtype=dtype)
+    return [out_dir / path.name for path in written]
+
+
+def _convert_to_hf(
+    checkpoint: Path, family: ModelFamily, args, out_dir: Path, *, dtype: torch.dtype | None = None
+) -> list[Path]:
     checkpoint = _resolve_checkpoint(checkpoint)
     try:
         verify_checkpoint(checkpoint)
@@ -224,7 +255,13 @@ class _StreamingSavePlanner(DefaultSavePlanner):
 
 
 def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = None) -> tuple[str, object]:
-    """HF folder -> DCP checkpoint with keys `model.<param>`. Returns (family name, args)."""
+    """HF folder -> DCP checkpoint with keys `model.<param>`, published atomically (`_destination`).
+    Returns (family name, args)."""
+    with _destination(out_dir, what="DCP checkpoint") as tmp:
+        return _convert_from_hf(hf_dir, tmp, dtype=dtype, dest=out_dir)
+
+
+def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, dest: Path) -> tuple[str, object]:
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{config_path}: not found; allowed: a Hugging Face model folder with config.json")
@@ -251,11 +288,16 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
     meta = {k: torch.empty(entry.shape, dtype=dtype or reader.dtype(entry.pieces[0].hf_key), device="meta")
             for k, entry in layout.items()}
 
+    read_failed = []  # a failed read is bad input (exit 2); anything else failed writing
+
     def make(fqn: str) -> torch.Tensor:
         name = fqn[len(MODEL_PREFIX):]
         entry = layout[name]
         try:
             value = read_box_of(entry, (0,) * len(entry.shape), entry.shape, reader)
+        except BaseException:
+            read_failed.append(name)
+            raise
         finally:
             reader.release()  # unmap the file: its touched pages leave the resident set
         return value.to(meta[name].dtype, copy=True)  # a copy: `value` may be a view of the map
@@ -266,7 +308,10 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
     try:
         dcp.save({"model": meta}, storage_writer=writer, planner=_StreamingSavePlanner(make))
     except (Exception, CheckpointException) as e:  # DCP reports a failed read as CheckpointException
-        raise ConfigError(f"{hf_dir}: cannot read its safetensors: {short_error(e)}") from e
+        if read_failed:
+            raise ConfigError(f"{hf_dir}: cannot read its safetensors: {short_error(e)}") from e
+        why = errno_text(e, out_dir.parent) or short_error(e)
+        raise WriteFailed(f"writing DCP checkpoint {dest} failed: {why}; nothing was left at the destination") from e
     write_manifest(out_dir)
     return family.name, args
 
@@ -340,6 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WriteFailed as e:  # disk full, file too large, permission: the destination is untouched
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -92,7 +92,13 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
 def _publish(tmp: Path, dest: Path, *, replace: bool) -> None:
+    if _is_empty_dir(dest):
+        os.rmdir(dest)  # an empty folder made for the output: taken over (fails if it filled meanwhile)
     if dest.exists() or dest.is_symlink():
         if not replace:
             raise FileExistsError(errno_codes.EEXIST, os.strerror(errno_codes.EEXIST), str(dest))
@@ -111,8 +117,8 @@ def _publish(tmp: Path, dest: Path, *, replace: bool) -> None:
 def atomic_dir(dest: str | os.PathLike, *, what: str = "output", replace: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `dest`; rename it to `dest` when the block ends.
 
-    replace: an existing `dest` is replaced (moved aside, then removed); otherwise it is an error
-    (the caller refuses occupied destinations before doing any work). On any exception the
+    replace: an existing `dest` is replaced (moved aside, then removed); otherwise only an empty
+    folder is (the caller refuses occupied destinations before doing any work). On any exception the
     temporary folder is removed; an OSError becomes WriteFailed with the errno text.
     """
     dest = Path(dest)
@@ -126,9 +132,7 @@ def atomic_dir(dest: str | os.PathLike, *, what: str = "output", replace: bool =
         _publish(tmp, dest, replace=replace)
     except BaseException as e:
         _remove(tmp)
-        if isinstance(e, WriteFailed):
-            raise
-        if isinstance(e, OSError) or _errno_in(e) is not None or any(m in str(e) for m in _LOST_ERRNO_MARKERS):
+        if _is_write_error(e):
             raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; "
                               "nothing was left at the destination") from e
         raise
@@ -154,10 +158,19 @@ def atomic_file(dest: str | os.PathLike, *, what: str = "file", mode: str = "wb"
         os.replace(tmp, dest)
     except BaseException as e:
         _remove(tmp)
-        if isinstance(e, OSError) or _errno_in(e) is not None or any(m in str(e) for m in _LOST_ERRNO_MARKERS):
+        if _is_write_error(e):
             raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; "
                               f"{dest} is unchanged") from e
         raise
+
+
+def _is_write_error(error: BaseException) -> bool:
+    """A failure of the write itself (wrapped as WriteFailed), not a refusal of bad input
+    (ConfigError) or an earlier WriteFailed, which pass through unchanged."""
+    if isinstance(error, (ConfigError, WriteFailed)):
+        return False
+    return (isinstance(error, OSError) or _errno_in(error) is not None
+            or any(marker in str(error) for marker in _LOST_ERRNO_MARKERS))
 
 
 def _umask() -> int:

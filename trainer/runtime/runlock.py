@@ -83,17 +83,22 @@ class RunLock:
     the owner, or ConfigError naming `key` when the folder or its lock file cannot be made."""
 
     def __init__(self, folder: str | os.PathLike, *, key: str = "job.dump_folder",
-                 allowed: str = "a folder no other run writes: wait for that run, stop it, or choose another folder"):
+                 allowed: str = "a folder no other run writes: wait for that run, stop it, or choose another folder",
+                 lock_path: str | os.PathLike | None = None, who: str = "run"):
         self.folder = Path(folder)
         self.key = key
         self.allowed = allowed
-        self.path = self.folder / LOCK_NAME
+        self.who = who
+        # A destination not made yet (a conversion's output, a data-set build) is locked through
+        # a file beside it, removed on release (lock_destination).
+        self.path = Path(lock_path) if lock_path is not None else self.folder / LOCK_NAME
+        self._remove_on_release = lock_path is not None
         self._fd: int | None = None
         self._count = 0
 
     def _refuse(self, record: dict | None, extra: str = "") -> FolderInUse:
-        return FolderInUse(f"{self.key}: {self.folder} is in use by another run ({describe_owner(record)}){extra}; "
-                           f"allowed: {self.allowed}")
+        return FolderInUse(f"{self.key}: {self.folder} is in use by another {self.who} ({describe_owner(record)})"
+                           f"{extra}; allowed: {self.allowed}")
 
     def acquire(self) -> RunLock:
         real = os.path.realpath(self.folder)
@@ -101,7 +106,7 @@ class RunLock:
         if held is not None:  # this process holds it already
             held._count += 1
             return held
-        make_dir(self.folder, key=self.key)
+        make_dir(self.path.parent, key=self.key)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -119,7 +124,7 @@ class RunLock:
             record = _owner_record()
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-            check_writable_dir(self.folder, key=self.key)  # the lock file may be old: prove a new file can be made
+            check_writable_dir(self.path.parent, key=self.key)  # the lock file may be old: prove a file can be made
         except BaseException:
             os.close(fd)
             raise
@@ -157,9 +162,15 @@ class RunLock:
         fd, self._fd = self._fd, None
         _HELD.pop(os.path.realpath(self.folder), None)
         try:
-            # Emptied, not deleted: deleting would let a waiting opener lock an unlinked inode
-            # while a third process creates a new file (two holders).
-            os.ftruncate(fd, 0)
+            if self._remove_on_release:
+                # A beside-file would be litter. (A run opening it in this instant may lock the
+                # unlinked file; the atomic publish, which never replaces occupied output, is the
+                # last guard then.)
+                self.path.unlink(missing_ok=True)
+            else:
+                # Emptied, not deleted: deleting would let a waiting opener lock an unlinked
+                # inode while a third process creates a new file (two holders).
+                os.ftruncate(fd, 0)
         except OSError:
             pass
         finally:
@@ -170,6 +181,15 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def lock_destination(dest: str | os.PathLike, *, key: str, who: str) -> RunLock:
+    """The lock of an output that is written elsewhere and renamed into place (a conversion's
+    folder, a data-set build): `.NAME.lock` beside `dest`, removed on release. FolderInUse names
+    the process that holds it."""
+    dest = Path(dest)
+    return RunLock(dest, key=key, who=who, lock_path=dest.parent / f".{dest.name}.lock",
+                   allowed=f"a destination no other {who} writes: wait for it or choose another").acquire()
 
 
 def release_all() -> None:
