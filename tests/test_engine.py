@@ -19,6 +19,7 @@ SDPA attention, so differences come from summation order only. Bounds, and why:
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -395,3 +396,112 @@ def test_grpo_example_reward_rises():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     _worker(sys.argv[2])
+
+
+# --- the API contract: loads drop pending gradients, misuse is one EngineError, nothing changed ----
+
+def test_load_and_load_state_dict_drop_pending_gradients(tmp_path):
+    """Issue 29: gradients accumulated before a load were applied to the loaded weights at the
+    next step. The step after a load must be the checkpoint's own step, whatever was pending,
+    and a second load into the same engine must work (it used to refuse: the schedule's
+    `resume_notes` entered its state dict)."""
+    e = _engine()
+    e.forward_backward({"tokens": _tokens(2)})
+    e.optimizer_step()
+    e.save(tmp_path / "ckpt")
+    saved = {k: v.clone() for k, v in e.state_dict()["model"].items()}
+    e.forward_backward({"tokens": _tokens(2)})
+    want = e.optimizer_step()
+    for load in (lambda: e.load(tmp_path / "ckpt"), lambda: e.load(tmp_path / "ckpt"),
+                 lambda: e.load_state_dict({"model": saved, "train_state": {"step": 1}})):
+        e.forward_backward({"tokens": _tokens(2, seed=1)})  # pending, computed on other weights
+        assert e.pending_gradients
+        load()
+        assert not e.pending_gradients and all(p.grad is None for p in e.model.parameters())
+        e.forward_backward({"tokens": _tokens(2)})
+        got = e.optimizer_step()
+        # Same weights, same batch: the same fp32 gradient norm exactly (stale gradients added
+        # in gave 24.93 vs 16.44 before the fix).
+        assert got["grad_norm"] == want["grad_norm"]
+    e.close()
+
+
+def _misuses(vocab: int):
+    good = {"tokens": _tokens(2)}
+    return [
+        ("optimizer_step", lambda e: e.optimizer_step(), "no gradients"),
+        ("weight nan", lambda e: e.forward_backward(good, weight=float("nan")), "weight = nan"),
+        ("weight 0", lambda e: e.forward_backward(good, weight=0), "weight = 0"),
+        ("weight str", lambda e: e.forward_backward(good, weight="1"), "weight = '1'"),
+        ("temperature inf", lambda e: e.forward_backward(good, temperature=float("inf")), "temperature = inf"),
+        ("output", lambda e: e.forward_backward(good, output="probs"), "output = 'probs'"),
+        ("no tokens", lambda e: e.forward_backward({"ids": good["tokens"]}), "no 'tokens'"),
+        ("float tokens", lambda e: e.forward_backward({"tokens": good["tokens"].float()}), "expected int64"),
+        ("one token", lambda e: e.forward_backward({"tokens": good["tokens"][:, :1]}), "at least 2 tokens"),
+        ("too long", lambda e: e.forward_backward({"tokens": torch.zeros(1, SEQ + 2, dtype=torch.int64)}),
+         "raise training.seq_len"),
+        ("id >= vocab", lambda e: e.forward_backward({"tokens": torch.full((1, 4), vocab)}), f"0..{vocab - 1}"),
+        ("id < 0", lambda e: e.compute_logprobs(torch.full((1, 4), -1)), f"0..{vocab - 1}"),
+        ("list tokens", lambda e: e.next_token_logits([[1, 2]]), "expected int64"),
+        ("vector loss", lambda e: e.forward_backward(good, lambda x, b: -x.mean(dim=1)), "shape [2]"),
+        ("constant loss", lambda e: e.forward_backward(good, lambda x, b: torch.tensor(1.0)), "requires_grad=False"),
+        ("state dict", lambda e: e.load_state_dict({"weights": {}}), "allowed: a mapping with some of"),
+    ]
+
+
+def test_every_misuse_is_one_engine_error_and_changes_nothing():
+    from models.errors import ConfigError
+    from trainer.engine import EngineError
+
+    e = _engine()
+    assert issubclass(EngineError, ConfigError)
+    e.forward_backward({"tokens": _tokens(2, seed=3)})  # pending: every refusal below must keep it
+    grads = {n: p.grad.clone() for n, p in e.model.named_parameters()}
+    weights = _params(e)
+    for name, call, match in _misuses(e.args.vocab_size):
+        if name == "optimizer_step":
+            continue  # needs no pending gradients: below
+        with pytest.raises(EngineError, match=re.escape(match)):
+            call(e)
+        assert e.pending_gradients, name
+        assert all(torch.equal(p.grad, grads[n]) for n, p in e.model.named_parameters()), name
+    assert all(torch.equal(v, weights[k]) for k, v in _params(e).items())
+    e.zero_grad()
+    with pytest.raises(EngineError, match="no gradients"):
+        e.optimizer_step()
+    assert e.step == 0
+    e.close()
+    for call in (lambda: e.forward_backward({"tokens": _tokens(2)}), e.optimizer_step, e.state_dict,
+                 lambda: e.save("unused"), lambda: e.load("unused"), lambda: next(e.hf_state_dict())):
+        with pytest.raises(EngineError, match="closed"):
+            call()
+    assert not os.path.exists("unused")
+
+
+def test_a_failed_load_blocks_every_call_until_a_load_succeeds(tmp_path, monkeypatch):
+    from trainer import checkpoint as ckpt
+    from trainer.engine import EngineError
+
+    e = _engine()
+    e.save(tmp_path / "ckpt")
+    real = ckpt.CheckpointManager.load
+
+    def half_load(self, states):  # the first tensor overwritten, then the disk fails
+        next(iter(e.model.parameters())).data.add_(1.0)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt.CheckpointManager, "load", half_load)
+    e.forward_backward({"tokens": _tokens(2)})
+    with pytest.raises(OSError):
+        e.load(tmp_path / "ckpt")
+    assert not e.pending_gradients
+    for call in (lambda: e.forward_backward({"tokens": _tokens(2)}), lambda: e.save(tmp_path / "other"),
+                 lambda: e.compute_logprobs(_tokens(1))):
+        with pytest.raises(EngineError, match="the last load from .* failed .*Input/output error.* partly overwritten"):
+            call()
+    assert not (tmp_path / "other").exists()
+    monkeypatch.setattr(ckpt.CheckpointManager, "load", real)
+    assert e.load(tmp_path / "ckpt") == 0
+    e.forward_backward({"tokens": _tokens(2)})
+    assert e.optimizer_step()["step"] == 1
+    e.close()

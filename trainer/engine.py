@@ -17,6 +17,10 @@ Under torchrun every rank builds the engine and makes the same calls in the same
 hold collectives); each data-parallel rank passes its own part of the batch, as in the trainer.
 docs/engine.md maps these calls onto VeRL's `BaseEngine`.
 
+Every misuse of the API (a call out of order, a bad argument, a call after `close()` or after a
+failed `load`) raises `EngineError` (a `ConfigError`, so a `ValueError`) with one message that
+names the call and what is allowed, before any state changes; docs/engine.md lists them.
+
 Not here, refused by the step plan's rules (`caller_loss`, trainer/step/plan.py): graph mode
 (it captures the LM loss and the optimizer update into one graph, so it cannot run a caller's
 loss function), the fused loss (it never forms the log-probs an RL loss reads) and families
@@ -25,6 +29,7 @@ whose task is not an LM.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +46,11 @@ from trainer.job import build_job
 from trainer import checkpoint as ckpt
 from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed
 from trainer.step import local_scalar, step_if_finite
+
+class EngineError(ConfigError):
+    """A misuse of the engine API: the message names the call and what is allowed. Raised before
+    the call changes anything (a `ConfigError`, so entry points print it as one `error:` line)."""
+
 
 LossFn = Callable[[torch.Tensor, dict], Any]
 """loss_fn(logprobs or logits, batch) -> scalar loss, or (scalar loss, {metric: value})."""
@@ -104,6 +114,7 @@ class Engine:
         self._train_state = ckpt.TrainState()
         self._accum_weight = 0.0
         self._hf_layouts: dict[str, list[str]] = {}
+        self._unusable: str | None = None  # why every call but load/close is refused (close, failed load)
 
     @classmethod
     def from_recipe(cls, path: str | None, overrides: Sequence[str | tuple[str, str]] = ()) -> "Engine":
@@ -115,17 +126,42 @@ class Engine:
         """Optimizer steps taken (restored by `load`)."""
         return self._train_state.step
 
+    @property
+    def pending_gradients(self) -> bool:
+        """True while gradients from `forward_backward` calls wait for `optimizer_step`."""
+        return self._accum_weight > 0
+
+    def _check_usable(self, call: str) -> None:
+        if self._unusable is not None:
+            raise EngineError(f"engine.{call}: {self._unusable}")
+
     # -- forward / backward ---------------------------------------------------------------------
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
+    def _check_tokens(self, call: str, tokens: Any, *, min_length: int) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype != torch.int64:
+            got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise EngineError(f"engine.{call}: tokens: expected int64 [batch, length], got {got}")
+        if tokens.shape[0] < 1 or tokens.shape[1] < min_length:
+            raise EngineError(f"engine.{call}: tokens: {list(tokens.shape)}; allowed: at least 1 sequence of at "
+                              f"least {min_length} tokens")
+        length = tokens.shape[1] - (min_length - 1)  # positions the model reads
+        if length > self.args.max_seq_len:
+            raise EngineError(f"engine.{call}: tokens: the model reads {length} positions, more than "
+                              f"training.seq_len = {self.args.max_seq_len} (its RoPE tables); raise training.seq_len")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.args.vocab_size:
+            raise EngineError(f"engine.{call}: tokens: ids {low}..{high}; allowed: 0..{self.args.vocab_size - 1} "
+                              "(the model's vocab_size)")
+
+    @staticmethod
+    def _check_positive(call: str, name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise EngineError(f"engine.{call}: {name} = {value!r}; allowed: a finite number > 0")
+
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
-        if inputs.ndim != 2 or inputs.dtype != torch.int64:
-            raise ValueError(f"tokens: expected int64 [batch, length], got {inputs.dtype} {list(inputs.shape)}")
-        if inputs.shape[1] > self.args.max_seq_len:
-            raise ValueError(f"tokens: the model reads {inputs.shape[1]} positions, more than training.seq_len "
-                             f"= {self.args.max_seq_len} (its RoPE tables); raise training.seq_len")
         return self.model(inputs)
 
     def forward_backward(self, batch: Mapping[str, Any], loss_fn: LossFn | None = None, *,
@@ -143,14 +179,21 @@ class Engine:
             the summed weights, so equal weights average the calls (the trainer's accumulation)
             and weight = tokens per call with a per-token-mean loss gives the token mean.
         Returns {"loss": mean over ranks, **metrics} (one host sync).
+        Misuse (bad arguments or tokens, a loss that is not a scalar tensor) raises `EngineError`
+        before anything is accumulated; an exception in backward drops this step's gradients
+        (all of them: a partial backward cannot be told apart) before it propagates.
         """
+        call = "forward_backward"
+        self._check_usable(call)
         if output not in ("logprobs", "logits"):
-            raise ConfigError(f"forward_backward output: {output!r}; allowed: logprobs, logits")
-        if weight <= 0:
-            raise ConfigError(f"forward_backward weight: {weight}; allowed: > 0")
+            raise EngineError(f"engine.{call}: output = {output!r}; allowed: logprobs, logits")
+        self._check_positive(call, "weight", weight)
+        self._check_positive(call, "temperature", temperature)
         loss_fn = nll_loss if loss_fn is None else loss_fn
-        if "tokens" not in batch:
-            raise ValueError(f"forward_backward: the batch has no 'tokens' (int64 [B, T]); keys: {sorted(batch)}")
+        if not isinstance(batch, Mapping) or "tokens" not in batch:
+            keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise EngineError(f"engine.{call}: the batch has no 'tokens' (int64 [B, T]); got {keys}")
+        self._check_tokens(call, batch["tokens"], min_length=2)
         batch = self._to_device(batch)
         tokens = batch["tokens"]
         with self.step_plan.loss_context():
@@ -159,8 +202,19 @@ class Engine:
             result = loss_fn(x, batch)
             loss, metrics = result if isinstance(result, tuple) else (result, {})
             aux = self.model.pop_aux_loss()
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                got = (f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
+                       if isinstance(loss, torch.Tensor) else type(loss).__name__)
+                raise EngineError(f"engine.{call}: loss_fn returned {got}; allowed: a scalar tensor computed "
+                                  "from its first argument (or (scalar, metrics))")
             total = loss if aux is None else loss + self.cfg.training.aux_loss_coef * aux
-            (total * weight).backward()
+            try:
+                (total.reshape(()) * weight).backward()
+            except BaseException as e:
+                self.zero_grad()
+                e.add_note("engine: backward failed; the gradients accumulated since the last optimizer_step "
+                           "were dropped (zero_grad)")
+                raise
         self._accum_weight += weight
         out = {"loss": global_mean(local_scalar(loss.detach()))}
         if aux is not None:
@@ -178,8 +232,10 @@ class Engine:
         """
         from parallelisms import clip_grad_norm_
 
+        self._check_usable("optimizer_step")
         if self._accum_weight == 0:
-            raise RuntimeError("optimizer_step: no forward_backward since the last step")
+            raise EngineError("engine.optimizer_step: no gradients: no forward_backward since the last "
+                              "optimizer_step, zero_grad or load; allowed: forward_backward first")
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self._accum_weight != 1.0:
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
@@ -198,13 +254,16 @@ class Engine:
         return {"grad_norm": float(grad_norm), "lr": lr, "step": self.step, "skipped": not finite}
 
     def zero_grad(self) -> None:
-        """Drop the gradients accumulated since the last `optimizer_step`."""
+        """Drop the gradients accumulated since the last `optimizer_step` (always allowed)."""
         self.optimizer.zero_grad(set_to_none=True)
         self._accum_weight = 0.0
 
     @torch.no_grad()
     def compute_logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
         """fp32 log p(tokens[:, t+1] | tokens[:, :t+1]) at `temperature`, [B, T-1]; no grad."""
+        self._check_usable("compute_logprobs")
+        self._check_positive("compute_logprobs", "temperature", temperature)
+        self._check_tokens("compute_logprobs", tokens, min_length=2)
         tokens = tokens.to(self.device)
         with self.step_plan.loss_context():
             logprobs = token_logprobs(self._logits(tokens[:, :-1]), tokens[:, 1:], temperature=temperature)
@@ -214,6 +273,8 @@ class Engine:
     @torch.no_grad()
     def next_token_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the token after each sequence, [B, V] (for a sampling loop); no grad."""
+        self._check_usable("next_token_logits")
+        self._check_tokens("next_token_logits", tokens, min_length=1)
         logits = self._logits(tokens.to(self.device))
         self.model.pop_aux_loss()
         if isinstance(logits, DTensor):  # vocab-sharded under loss parallel
@@ -229,20 +290,47 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer", "lr_scheduler", "train_state"}: this rank's (DTensor-sharded)
         states, keyed as in the trainer's checkpoints; for `torch.distributed.checkpoint`."""
+        self._check_usable("state_dict")
         return {name: state.state_dict() for name, state in self._states().items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what `state_dict` returned (the keys present); the config's lr and betas win."""
-        for name, state in self._states().items():
-            if name in state_dict:
-                state.load_state_dict(state_dict[name])
+        """Restore what `state_dict` returned (the keys present); the config's lr and betas win.
+        Pending gradients are dropped first, as by `load`."""
+        if self._unusable is not None and self._unusable.startswith("closed"):
+            self._check_usable("load_state_dict")
+        states = self._states()
+        if not isinstance(state_dict, Mapping) or not set(state_dict) & set(states):
+            got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise EngineError(f"engine.load_state_dict: got {got}; allowed: a mapping with some of {sorted(states)} "
+                              "(what state_dict() returns)")
+        self.zero_grad()
+        self._loading(lambda: [state.load_state_dict(state_dict[name]) for name, state in states.items()
+                               if name in state_dict], what="load_state_dict")
+
+    def _loading(self, load: Callable[[], Any], *, what: str) -> Any:
+        """Run a load; if it fails the weights may be partly overwritten, so every call but another
+        load (or close) is refused until one succeeds."""
+        # The schedule's `resume_notes` (what a load changed) would otherwise become part of its
+        # state dict, so a second load would find it missing from the checkpoint and refuse.
+        self.scheduler.__dict__.pop("resume_notes", None)
+        try:
+            result = load()
+        except BaseException as e:
+            self._unusable = (f"the last {what} failed ({type(e).__name__}: {e}); the weights may be partly "
+                              "overwritten; allowed: load a checkpoint again, or close()")
+            raise
+        self.scheduler.__dict__.pop("resume_notes", None)
+        self._unusable = None
+        return result
 
     def _manager(self, folder: str | Path, load_step: int = -1):
         return ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled",
                                  enable=True, load_step=load_step)
 
     def save(self, folder: str | Path) -> Path:
-        """Write `folder/step-N` (N = `step`) through DCP, atomically, with a manifest; every rank calls it."""
+        """Write `folder/step-N` (N = `step`) through DCP, atomically, with a manifest; every rank calls it.
+        Pending gradients are not written (a checkpoint is a step boundary) and are kept."""
+        self._check_usable("save")
         manager = self._manager(folder)
         manager.save(self.step, self._states())
         manager.close()
@@ -250,7 +338,10 @@ class Engine:
 
     def load(self, folder: str | Path, step: int = -1) -> int:
         """Load the newest `folder/step-N` (or `step`), saved by `save` or by the trainer
-        (its data-loader state is not read); on any mesh. Returns N; ConfigError if none."""
+        (its data-loader state is not read); on any mesh. Returns N; ConfigError if none.
+        Gradients accumulated before the load are dropped (they belong to other weights)."""
+        if self._unusable is not None and self._unusable.startswith("closed"):
+            self._check_usable("load")
         manager = self._manager(folder, load_step=step)
         try:
             if not manager.complete_steps():
@@ -259,7 +350,7 @@ class Engine:
             # Gradients accumulated before the load belong to other weights: dropped first (with
             # them present, DCP's optimizer state dict would not set up the moments to load into).
             self.zero_grad()
-            loaded = manager.load(self._states())
+            loaded = self._loading(lambda: manager.load(self._states()), what=f"load from {folder}")
         finally:
             manager.close()
         return loaded
@@ -301,6 +392,7 @@ class Engine:
         dtype: cast each yielded tensor (e.g. torch.bfloat16 for an inference engine).
         Names and values are what `family.hf_adapter.to_hf` gives for the full state dict.
         """
+        self._check_usable("hf_state_dict")
         if self.family.hf_adapter is None:
             raise ConfigError(f"model.name: {self.family.name} has no hf.py adapter, so it has no Hugging Face "
                               "names; allowed: a family with hf_adapter (llama3, qwen3)")
@@ -345,7 +437,9 @@ class Engine:
                    ShardInfo(global_shape[1:], offset[1:], where))
 
     def close(self) -> None:
-        """Destroy the process group this engine started (also the world-of-one group)."""
+        """Destroy the process group this engine started (also the world-of-one group); every
+        later call raises `EngineError` (closing twice is allowed)."""
+        self._unusable = "closed: this engine was closed; allowed: build a new Engine"
         shutdown_distributed()
 
     def __enter__(self) -> "Engine":
@@ -355,4 +449,4 @@ class Engine:
         self.close()
 
 
-__all__ = ["Engine", "ShardInfo", "nll_loss", "token_logprobs"]
+__all__ = ["Engine", "EngineError", "ShardInfo", "nll_loss", "token_logprobs"]
