@@ -15,6 +15,12 @@ if [ "$TPU" = 1 ]; then VENV="${TITAN_VENV:-$ROOT/.venv-tpu}"; else VENV="${TITA
 PINS=""
 [ "$TPU" = 1 ] && PINS="$(sha1sum < "$ROOT/constraints/tpu.txt")"
 STAMP="$VENV/.titan-installed-$( (cat "$ROOT/pyproject.toml"; printf '%s' "$PINS") | sha1sum | cut -c1-12)${EXTRAS:+-$EXTRAS}"
+if [ ! -f "$STAMP" ] && [ -n "${TITAN_NO_INSTALL:-}" ]; then
+  # TITAN_NO_INSTALL=1: use an existing venv as it is, never install into it (tests that run the
+  # scripts on a clone with TITAN_VENV pointing at a shared venv).
+  echo "error: scripts/env.sh: $VENV is not set up from this pyproject.toml${EXTRAS:+ with [$EXTRAS]} (no $(basename "$STAMP")) and TITAN_NO_INSTALL is set; allowed: a venv made by scripts/env.sh ${EXTRAS:-\"\"} from the same pyproject.toml, or TITAN_NO_INSTALL unset (installs)" >&2
+  return 2 2>/dev/null || exit 2
+fi
 if [ ! -f "$STAMP" ]; then
   echo "setting up $VENV (one time) ..." >&2
   if [ "$TPU" = 1 ]; then
