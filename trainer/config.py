@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import types
@@ -448,6 +449,8 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML and the command line both spell nan and inf
+                raise ConfigError(f"{key}: {value!r} is not a finite number; allowed: a finite number")
             return float(value)
     elif typ is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
