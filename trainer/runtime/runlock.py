@@ -177,7 +177,7 @@ class RunLock:
             os.close(fd)  # drops the flock
 
     def __enter__(self) -> RunLock:
-        return self.acquire()
+        return self if self._fd is not None else self.acquire()  # `with lock_destination(...)`: taken
 
     def __exit__(self, *exc) -> None:
         self.release()

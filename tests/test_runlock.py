@@ -1,0 +1,193 @@
+"""One writer per run folder (trainer/runtime/runlock.py): a second run on a folder another live
+process holds is refused with one `error:` line naming the owner (exit 2, nothing touched, on
+every rank); a lock whose holder died never blocks; unusable dump and checkpoint folders fail
+before step 1 naming the key and the errno text."""
+
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.trainer_runs import ENV, REPO, launch_command
+from trainer.runtime import atomic, runlock
+from trainer.runtime.runlock import LOCK_NAME, FolderInUse, RunLock, read_owner
+
+FAST = ["--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
+        "--validation.enable=false", "--metrics.enable_tensorboard=false", "--training.local_batch_size=2",
+        "--training.mixed_precision_param=float32", "--metrics.log_freq=1"]
+
+_HOLDER = """
+import sys, time
+from trainer.runtime.runlock import RunLock, lock_destination
+if sys.argv[1] == "dest":
+    lock_destination(sys.argv[2], key=sys.argv[2], who="conversion")
+else:
+    RunLock(sys.argv[2]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold(path, kind: str = "run") -> subprocess.Popen:
+    """Another process that holds the lock of `path` (kind run: the folder's; dest: a destination's)."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, kind, str(path)], cwd=REPO, env=ENV,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _lines(path) -> int:
+    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+
+
+def _snapshot(folder) -> dict:
+    """Every file under `folder` with its size, mtime and content hash (what a refused run must not change)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = (st.st_size, st.st_mtime_ns, hash(f.read()))
+    return out
+
+
+def test_a_live_holder_refuses_and_a_dead_ones_lock_is_taken(tmp_path):
+    holder = hold(tmp_path)
+    try:
+        before = _snapshot(tmp_path)
+        with pytest.raises(FolderInUse) as refused:
+            RunLock(tmp_path).acquire()
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1
+        assert message.startswith(f"job.dump_folder: {tmp_path} is in use by another run (host {socket.gethostname()}, "
+                                  f"pid {holder.pid}, started "), message
+        assert _snapshot(tmp_path) == before  # the refusal changed nothing, the owner record included
+    finally:
+        holder.kill()  # SIGKILL: no clean-up runs; the OS drops the flock
+        holder.wait()
+    assert read_owner(tmp_path / LOCK_NAME)["pid"] == holder.pid  # the dead owner's record is still there
+    lock = RunLock(tmp_path).acquire()  # ... and does not block
+    try:
+        assert read_owner(tmp_path / LOCK_NAME)["pid"] == os.getpid()
+        assert RunLock(tmp_path).acquire() is lock  # re-entrant within a process
+        lock.release()
+        assert runlock._HELD  # still held once
+    finally:
+        runlock.release_all()
+    assert not runlock._HELD and read_owner(tmp_path / LOCK_NAME) is None  # released: the record is emptied
+
+
+def test_without_flock_a_record_of_a_gone_pid_on_this_host_is_stale(tmp_path, monkeypatch):
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(runlock.fcntl, "flock", no_flock)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = '{"host": "%s", "pid": %s, "started": "then"}' % (socket.gethostname(), gone.stdout.strip())
+    (tmp_path / LOCK_NAME).write_text(record)
+    RunLock(tmp_path).acquire()
+    runlock.release_all()
+    (tmp_path / LOCK_NAME).write_text('{"host": "%s", "pid": %d, "started": "now"}' % (socket.gethostname(),
+                                                                                        os.getppid()))
+    with pytest.raises(FolderInUse, match=f"pid {os.getppid()}, started now"):
+        RunLock(tmp_path).acquire()
+    (tmp_path / LOCK_NAME).write_text('{"host": "elsewhere", "pid": 1, "started": "now"}')
+    with pytest.raises(FolderInUse, match=f"host elsewhere.*delete {tmp_path / LOCK_NAME}"):
+        RunLock(tmp_path).acquire()
+
+
+@pytest.mark.multiprocess
+def test_second_training_run_is_refused_and_the_first_keeps_its_folder(tmp_path):
+    """Two real trainer processes on one folder: the second exits 2 naming the first and touches
+    nothing; the first, preempted (exit 75), releases the folder, and the relaunch resumes."""
+    folder = tmp_path / "run"
+    args = [*FAST, f"--job.dump_folder={folder}", "--checkpoint.enable=true", "--checkpoint.interval=1000"]
+    log = tmp_path / "first.log"  # a file, not a pipe: nobody reads while it trains
+    with open(log, "w") as sink:
+        first = subprocess.Popen(launch_command(1, [*args, "--training.steps=100000"]), cwd=REPO, env=ENV,
+                                 stdout=sink, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while _lines(folder / "metrics.jsonl") < 2 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # two steps logged: the loop (and its SIGTERM handler) runs
+        assert first.poll() is None, log.read_text()[-3000:]
+        first.send_signal(signal.SIGSTOP)  # frozen, so that its folder can be compared before and after
+        before = _snapshot(folder)
+        second = subprocess.run(launch_command(1, [*args, "--training.steps=4"]), cwd=REPO, env=ENV,
+                                capture_output=True, text=True, timeout=300)
+        assert _snapshot(folder) == before  # no metrics line, no checkpoint read or written, no config.toml
+        first.send_signal(signal.SIGCONT)
+    except BaseException:
+        first.kill()
+        raise
+    assert second.returncode == 2, second.stderr[-3000:]
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert lines[0].startswith(f"error: job.dump_folder: {folder} is in use by another run (host "
+                               f"{socket.gethostname()}, pid {first.pid}, started "), lines[0]
+    first.send_signal(signal.SIGTERM)  # preemption: the first saves its step and exits 75
+    assert first.wait(timeout=120) == 75, log.read_text()[-3000:]
+    resumed = subprocess.run(launch_command(1, [*args, "--training.steps=1"]), cwd=REPO, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint: resumed from" in resumed.stdout + resumed.stderr
+
+
+@pytest.mark.multiprocess
+def test_the_refusal_reaches_every_rank(tmp_path):
+    """Rank 0 holds the verdict; rank 1 gets it by broadcast, so neither waits at a barrier."""
+    holder = hold(tmp_path)
+    try:
+        proc = subprocess.run(launch_command(2, [*FAST, f"--job.dump_folder={tmp_path}", "--training.steps=2",
+                                                 "--parallelism.data_parallel_shard_degree=2"]),
+                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    refusals = [line for line in proc.stderr.splitlines()
+                if f"error: job.dump_folder: {tmp_path} is in use by another run" in line and f"pid {holder.pid}" in line]
+    assert proc.returncode != 0 and len(refusals) == 2, proc.stderr[-3000:]  # one line from each rank
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+
+
+def _main(argv) -> int:
+    from trainer.train import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize("case", ["dump_under_file", "file_in_place_of_dump", "checkpoint_under_file",
+                                  "checkpoint_not_writable"])
+def test_unusable_folders_fail_before_step_1(tmp_path, capsys, monkeypatch, case):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder\n")
+    dump, checkpoint, key, why = tmp_path / "run", "checkpoints", "checkpoint.folder", "Not a directory"
+    if case == "dump_under_file":
+        dump, key = blocker / "run", "job.dump_folder"
+    elif case == "file_in_place_of_dump":
+        dump, key = blocker, "job.dump_folder"
+    elif case == "checkpoint_under_file":
+        checkpoint = str(blocker / "ck")
+    else:  # no permission (injected: tests may run as root, which chmod does not stop)
+        real_mkstemp = atomic.tempfile.mkstemp
+
+        def mkstemp(*a, dir=None, **kw):
+            if str(dir).endswith("checkpoints"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+            return real_mkstemp(*a, dir=dir, **kw)
+
+        monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
+        why = "Permission denied"
+    code = _main([*FAST, f"--job.dump_folder={dump}", "--training.steps=2", "--checkpoint.enable=true",
+                  f"--checkpoint.folder={checkpoint}"])
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith(f"error: {key}: ") and why in err, err
+    assert "step " not in out  # before step 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
