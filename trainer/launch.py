@@ -33,6 +33,14 @@ instead of running it.
 Bad or missing launch variables give one `error:` line naming the variable and exit code 2; so
 does a failure of `python -m torch.tpu.distributed` (the line carries its error message) and a
 TPU launch from a Python without torch-tpu.
+
+Exit codes an orchestrator can act on (`run_torchrun`): torchrun runs as a child in its own
+session, and the launcher exits with 0 on success, **75 when every worker of this node exited 75**
+(preempted: each wrote its checkpoint; read from the codes the workers record,
+trainer/runtime/exit_status.py, since torchrun itself exits 1 either way), else torchrun's code
+(never 75). SIGTERM or SIGINT sent to the launcher is passed to torchrun once, which passes it to
+the workers (they finish the step, save, exit 75); torchrun's failure report is one line, not a
+traceback.
 """
 
 from __future__ import annotations
@@ -43,13 +51,19 @@ import math
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from models.errors import ConfigError
+from trainer.runtime.exit_status import (EXIT_STATUS_ENV, PREEMPTED_EXIT_CODE, launcher_exit_code,
+                                         read_exit_statuses)
 
 DEFAULT_PORT = 29501
 TORCH_TPU_ENV_TIMEOUT_S = 300  # torch-tpu's own device-coordinate query may take 60 s
@@ -312,6 +326,87 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str], *,
     return plan
 
 
+def torchrun_child() -> int:
+    """torchrun (`torch.distributed.run`, arguments in sys.argv) as the launcher's child: its two
+    ways of failing are one stderr line each instead of a traceback. The exit code is 1 for both;
+    the launcher decides its own from the workers' recorded codes (`run_torchrun`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(sys.argv[1:])
+    except ChildFailedError as e:
+        failed = ", ".join(f"rank {rank} exit {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+                           for rank, f in sorted(e.failures.items()))
+        print(f"launch: torchrun: workers failed: {failed}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as e:
+        print(f"launch: torchrun got {e.sigval.name} and stopped its workers", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+_CHILD = "import sys; from trainer.launch import torchrun_child; sys.exit(torchrun_child())"
+
+
+def _shutdown_timeout_s(env: Mapping[str, str]) -> float:
+    """How long torchrun gives its workers after a signal before SIGKILL (its default: 30 s)."""
+    try:
+        return float(env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
+    except ValueError:
+        return 30.0
+
+
+def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
+    """Run the torchrun command `cmd` (`LaunchPlan.torchrun_argv`) to its end; the launcher's exit code.
+
+    The workers record their exit codes in a fresh folder (`TITAN_EXIT_STATUS_DIR`). torchrun runs
+    in its own session, so a signal to the launcher's process group reaches it once, from here:
+    the first SIGTERM or SIGINT is passed on (torchrun passes it to the workers and gives them its
+    shutdown timeout to save), later ones are not (a second one would cut torchrun's shutdown
+    short). If torchrun ends before every worker recorded a code (it was signalled directly
+    too), the launcher waits for them up to that timeout.
+    """
+    status_dir = tempfile.mkdtemp(prefix="titan-exit-")
+    proc: subprocess.Popen | None = None
+    signals: list[int] = []
+
+    def on_signal(signum, frame) -> None:
+        if not signals and proc is not None and proc.poll() is None:
+            proc.send_signal(signum)
+        if signals:
+            print(f"launch: {signal.Signals(signum).name} again: already stopping (the workers are saving); "
+                  f"kill -9 {os.getpid()} to abort", file=sys.stderr, flush=True)
+        signals.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, *cmd[3:]], env={**env, EXIT_STATUS_ENV: status_dir},
+                                start_new_session=True)
+        if signals:  # arrived while starting it
+            proc.send_signal(signals[0])
+        torchrun_code = proc.wait()
+        codes = read_exit_statuses(status_dir)
+        deadline = time.monotonic() + _shutdown_timeout_s(env)
+        while signals and len(codes) < nproc and time.monotonic() < deadline:
+            time.sleep(0.2)
+            codes = read_exit_statuses(status_dir)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(status_dir, ignore_errors=True)
+    code = launcher_exit_code(torchrun_code, codes, nproc)
+    if code == PREEMPTED_EXIT_CODE:
+        print(f"launch: preempted: all {nproc} workers of this node exited {PREEMPTED_EXIT_CODE} (checkpoint "
+              f"written); exit {PREEMPTED_EXIT_CODE}: relaunch the same command to resume", file=sys.stderr, flush=True)
+    elif code != 0:
+        shown = ", ".join(f"local rank {r}: {c}" for r, c in sorted(codes.items())) or "none recorded"
+        print(f"launch: failed: worker exit codes {shown} (of {nproc}); torchrun exit {torchrun_code}; exit {code}",
+              file=sys.stderr, flush=True)
+    return code
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", default="auto", choices=["auto", "gke", "tpu-vm", "slurm", "manual"])
@@ -352,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export {key}={shlex.quote(value)}")
         print(shlex.join(cmd))
         return 0
-    os.execvpe(cmd[0], cmd, {**os.environ, **plan.env})
+    return run_torchrun(cmd, {**os.environ, **plan.env}, plan.nproc_per_node)
 
 
 if __name__ == "__main__":

@@ -273,4 +273,7 @@ if __name__ == "__main__":
     # collective state torn down after Python's. Exiting here leaves nothing to tear down.
     sys.stdout.flush()
     sys.stderr.flush()
+    from trainer.runtime.exit_status import record_exit_status  # read by python -m trainer.launch
+
+    record_exit_status(code)
     os._exit(code)

@@ -7,19 +7,23 @@ every step, which takes the maximum of the flag over all ranks (one tiny all-red
 gloo group, so the accelerator is never synchronised), so every rank stops after the same step
 even when the signal reaches them at different times. The loop then writes a checkpoint of that
 step (whatever `checkpoint.interval` says) and exits with `PREEMPTED_EXIT_CODE` (75, EX_TEMPFAIL:
-"try again"); the next launch resumes from it like from any checkpoint.
+"try again"); the next launch resumes from it like from any checkpoint. Once a preemption is
+requested the handler stays installed to the end of the process: a second SIGTERM (torchrun
+stops the remaining workers as soon as the first one exits 75) cannot cut a save or an exit short.
+How the code reaches an orchestrator through the launcher: trainer/runtime/exit_status.py.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
 import torch.distributed as dist
 
 from trainer.runtime.device import cpu_backend
+from trainer.runtime.exit_status import PREEMPTED_EXIT_CODE
 
-PREEMPTED_EXIT_CODE = 75
 
 
 class Preempted(Exception):
@@ -57,6 +61,9 @@ class PreemptionHandler:
         return bool(flag.item())
 
     def close(self) -> None:
+        if self._flag:  # preempting: keep ignoring SIGTERM (it only sets the flag) until the exit
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
