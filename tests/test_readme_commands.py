@@ -7,8 +7,11 @@ overrides win), or skipped with the reason (a TPU, 8 devices, files that are not
 command without a row, or a row that matches no command, fails `test_every_readme_command_has_a_row`,
 so a new README command cannot go untested by accident.
 
-Each block runs in its own `git clone` of this checkout (the committed tree, nothing else) in a
-shell like a new user's: the venv is not on PATH, no PYTHONPATH. The clone reuses the venv that
+The blocks run in one `git clone` of this checkout (the committed tree, nothing else), each
+after its `outputs/` is removed, in a shell like a new user's: the venv is not on PATH, no
+PYTHONPATH. One clone, and its own TORCH_EXTENSIONS_DIR, because the CPU attention kernel's
+build is keyed by its source path: it builds once (~20-50 s), and the checkout's own build in
+~/.cache/torch_extensions is left alone. The clone reuses the venv that
 runs these tests instead of making its own: `TITAN_VENV` points at it and the clone's `.venv`
 is a link to it (so `.venv/bin/python`, as written, works), and `TITAN_NO_INSTALL=1` makes
 scripts/env.sh refuse rather than install into it when it is not set up from this
@@ -113,11 +116,14 @@ def _fresh_shell_env(venv: Path) -> dict[str, str]:
     return env
 
 
-def _clone(tmp_path: Path) -> Path:
-    clone = tmp_path / "titan-tpu"
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("readme")
+    clone = base / "titan-tpu"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True,
                    capture_output=True, timeout=120)
     (clone / ".venv").symlink_to(_venv(), target_is_directory=True)
+    (base / "torch_extensions").mkdir()
     return clone
 
 
@@ -125,15 +131,22 @@ def _block_id(block: list[str]) -> str:
     return re.sub(r"[^\w.=-]+", "_", block[0])[:48] if block else "empty"
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"{i}-{_block_id(b)}" for i, b in enumerate(BLOCKS)])
-def test_readme_block_runs_on_a_fresh_clone(block, tmp_path):
-    """The block's commands in order, in one fresh clone; each must exit 0."""
+def _param(i: int, block: list[str]):
+    """Blocks that start several processes are `multiprocess` and `slow` (~1.5-3 min on 2 shared cores)."""
+    marks = [pytest.mark.multiprocess, pytest.mark.slow] if any(c.startswith("NPROC=") for c in block) else []
+    return pytest.param(block, id=f"{i}-{_block_id(block)}", marks=marks)
+
+
+@pytest.mark.parametrize("block", [_param(i, b) for i, b in enumerate(BLOCKS)])
+def test_readme_block_runs_on_a_fresh_clone(block, clone):
+    """The block's commands in order, in the fresh clone without outputs/; each must exit 0."""
     plans = [plan_for(c) for c in block]
     runnable = [(c, p) for c, p in zip(block, plans) if not (isinstance(p, tuple) and p[0] == "skip")]
     if not runnable:
         pytest.skip("; ".join(f"{c!r}: needs {p[1]}" for c, p in zip(block, plans)))
-    clone = _clone(tmp_path)
+    shutil.rmtree(clone / "outputs", ignore_errors=True)
     env = _fresh_shell_env(_venv())
+    env["TORCH_EXTENSIONS_DIR"] = str(clone.parent / "torch_extensions")
     ready = subprocess.run(["bash", "-c", "source scripts/env.sh dev"], cwd=clone, env=env,
                            capture_output=True, text=True, timeout=60)
     if ready.returncode:
@@ -148,4 +161,3 @@ def test_readme_block_runs_on_a_fresh_clone(block, tmp_path):
                               timeout=600)
         print(f"rc={proc.returncode} {time.monotonic() - start:5.1f}s  {line}")
         assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    shutil.rmtree(clone / "outputs", ignore_errors=True)
