@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
+from trainer.runtime.atomic import WriteFailed  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +70,10 @@ def write_sidecar(path: str, prompts: list[str], *, ncols: int, header: str) -> 
     for i, prompt in enumerate(prompts):
         r, c = divmod(i, ncols)
         lines.append(f"row {r} col {c}: {prompt}")
-    Path(path).write_text("\n".join(lines) + "\n")
+    from trainer.runtime.atomic import atomic_file
+
+    with atomic_file(path, what="prompt list", mode="w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _run(argv: list[str]) -> int:
@@ -92,7 +96,10 @@ def _run(argv: list[str]) -> int:
                            guidance=run.guidance(ns.guidance))
     ncols = ns.ncols or math.ceil(math.sqrt(len(prompts)))
     grid = image_grid(images, ncols=ncols)
-    save_png(grid, ns.out, scale=ns.scale)
+    from trainer.runtime.atomic import atomic_path
+
+    with atomic_path(ns.out, what="sample grid") as tmp:  # a failed write leaves no partial PNG at --out
+        save_png(grid, str(tmp), scale=ns.scale)
     source = run.checkpoint or "untrained (initialized) model"
     sidecar = str(Path(ns.out).with_suffix(".txt"))
     write_sidecar(sidecar, prompts, ncols=ncols,
@@ -109,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WriteFailed as e:  # disk full, file too large, permission: nothing partial at --out
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
