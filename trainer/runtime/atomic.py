@@ -1,6 +1,6 @@
 """Writes that never leave half a file or folder at their destination, and one line when a write fails.
 
-- `atomic_dir(dest)` / `atomic_file(dest)`: write under a temporary name next to `dest` (same
+- `atomic_dir(dest)` / `atomic_file(dest)` / `atomic_path(dest)`: write under a temporary name next to `dest` (same
   folder, so the same file system) and rename onto `dest` only when the block finishes; on any
   error the temporary output is removed and `dest` is as it was. An OSError (disk full, file too
   large, permission) comes out as `WriteFailed`, one line with the errno text.
@@ -154,6 +154,31 @@ def atomic_file(dest: str | os.PathLike, *, what: str = "file", mode: str = "wb"
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, dest)
+    except BaseException as e:
+        _remove(tmp)
+        if _is_write_error(e):
+            raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; "
+                              f"{dest} is unchanged") from e
+        raise
+
+
+@contextlib.contextmanager
+def atomic_path(dest: str | os.PathLike, *, what: str = "file") -> Iterator[Path]:
+    """Yield a temporary path beside `dest` with the same suffix (for writers that take a path and
+    read the format from its extension, e.g. PIL's `Image.save`); renamed to `dest` when the block
+    ends, removed on any error (see atomic_dir)."""
+    dest = Path(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".tmp-{dest.stem}-", suffix=dest.suffix, dir=dest.parent)
+        os.close(fd)
+    except OSError as e:
+        raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}") from e
+    tmp = Path(name)
+    try:
+        yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, dest)
     except BaseException as e:
