@@ -11,10 +11,21 @@
 #       inside an sbatch allocation: one launcher per node with srun, one process per GPU
 #   scripts/launch_pod.sh local NHOSTS NPROC -- --config ...
 #       simulate NHOSTS hosts on this machine (loopback, NPROC processes each)
+#   scripts/launch_pod.sh host ENV [LAUNCHER OPTIONS] -- --config ...
+#       what the platforms above run on each host: `source scripts/env.sh ENV` (tpu; base: no
+#       extras; none: the python on PATH as it is), then the launcher, with SIGTERM/SIGINT passed
+#       on to it. LAUNCH_POD_HOST_ENV overrides the ENV the platforms pass (tpu; slurm: base).
 # Set DRY_RUN=1 to print what would run.
+#
+# Exit codes (docs/launch.md): 0 every host succeeded; 75 every host's launcher exited 75
+# (preempted, checkpoints written: relaunch resumes); 2 bad input; else non-zero, never 75.
+# SIGTERM/SIGINT to this script is passed to the launchers it started (local), to srun (which
+# passes it to its tasks) or to gcloud's ssh sessions. Each host prints
+# `launch_pod.sh: host NAME exit CODE`. With xpk this script ends when the workload is submitted;
+# the pods' exit codes are the launchers' (75 on preemption), for the workload's restart policy.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-platform="${1:?usage: scripts/launch_pod.sh tpu-vm|xpk|slurm|local ... -- TRAIN ARGS}"
+platform="${1:?usage: scripts/launch_pod.sh tpu-vm|xpk|slurm|local|host ... -- TRAIN ARGS}"
 shift
 pre=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do pre+=("$1"); shift; done
@@ -22,29 +33,106 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do pre+=("$1"); shift; done
 [ $# -gt 0 ] || { echo "error: launch_pod.sh: nothing to train; allowed: ... -- --config RECIPE.toml" >&2; exit 2; }
 train_args=$(printf '%q ' "$@")
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi; }
-remote="cd $(printf '%q' "$ROOT") && source scripts/env.sh tpu && python -m trainer.launch"
+host_cmd() {  # the command line each host runs: $1 = env (tpu, base, none), then launcher options
+  local env="${LAUNCH_POD_HOST_ENV:-$1}"; shift
+  printf '%q ' bash "$ROOT/scripts/launch_pod.sh" host "$env" "$@" --; printf '%s' "$train_args"
+}
+
+combine() {  # the job's exit code from each host's: all 0 -> 0, all 75 -> 75, any 2 -> 2, else the first failure
+  local all0=1 all75=1 bad=0 first=""
+  for c in "$@"; do
+    [ "$c" = 0 ] || all0=0; [ "$c" = 75 ] || all75=0; [ "$c" = 2 ] && bad=1
+    if [ -z "$first" ] && [ "$c" != 0 ] && [ "$c" != 75 ]; then first=$c; fi
+  done
+  if [ $# -eq 0 ]; then echo 1; elif [ $all0 = 1 ]; then echo 0; elif [ $all75 = 1 ]; then echo 75
+  elif [ $bad = 1 ]; then echo 2; elif [ -n "$first" ]; then echo "$first"; else echo 1; fi
+}
+
+nsig=0
+waited=0
+wait_for() {  # wait_for PID: its exit code in $waited; waits again when a (trapped) signal interrupted the wait
+  local n
+  while :; do
+    n=$nsig
+    wait "$1" && waited=0 || waited=$?
+    if [ "$n" = "$nsig" ] || [ "$waited" -le 128 ]; then return; fi
+  done
+}
+
+codes_in() {  # the host exit codes printed in log $1
+  sed -n 's/.*launch_pod\.sh: host .* exit \([0-9][0-9]*\)$/\1/p' "$1"
+}
 
 case "$platform" in
+  host)
+    env="${pre[0]:?host needs ENV (tpu, base or none)}"
+    cd "$ROOT"
+    case "$env" in
+      none) ;;
+      base) set +u; source scripts/env.sh; set -u ;;
+      *) set +u; source scripts/env.sh "$env"; set -u ;;
+    esac
+    pid=""
+    trap 'nsig=$((nsig + 1)); [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null || true' TERM
+    trap 'nsig=$((nsig + 1)); [ -n "$pid" ] && kill -INT "$pid" 2>/dev/null || true' INT
+    python -m trainer.launch "${pre[@]:1}" -- "$@" &
+    pid=$!
+    wait_for "$pid"; rc=$waited
+    echo "launch_pod.sh: host $(hostname) exit $rc" >&2
+    # srun returns the highest code of its tasks: a failure must rank above 75 there, so that
+    # one crashed host and others preempted is not 75 (slurm below maps 76/77 back).
+    if [ "${LAUNCH_POD_RANKED:-0}" = 1 ]; then
+      case "$rc" in 0|75) exit "$rc" ;; 2) exit 77 ;; *) exit 76 ;; esac
+    fi
+    exit "$rc" ;;
   tpu-vm)
     name="${pre[0]:?tpu-vm needs NAME ZONE}"; zone="${pre[1]:?tpu-vm needs NAME ZONE}"
     project=(); [ -n "${pre[2]:-}" ] && project=(--project "${pre[2]}")
-    run gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all \
-      --command "$remote --platform tpu-vm -- $train_args" ;;
+    cmd=$(host_cmd tpu --platform tpu-vm)
+    if [ "${DRY_RUN:-0}" = 1 ]; then
+      run gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all --command "$cmd"; exit 0
+    fi
+    log=$(mktemp); trap 'rm -f "$log"' EXIT
+    pid=""
+    trap 'nsig=$((nsig + 1)); [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null || true' TERM INT
+    gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all --command "$cmd" \
+      2> >(tee -a "$log" >&2) &
+    pid=$!
+    wait_for "$pid"; rc=$waited
+    sleep 0.2  # the tee of gcloud's stderr
+    # gcloud's own code for many workers is not documented: the hosts' lines decide when present.
+    mapfile -t codes < <(codes_in "$log")
+    if [ ${#codes[@]} -gt 0 ]; then exit "$(combine "${codes[@]}")"; fi
+    [ "$rc" = 75 ] && rc=1
+    exit "$rc" ;;
   xpk)
     cluster="${pre[0]:?xpk needs CLUSTER WORKLOAD TPU_TYPE NUM_SLICES}"; workload="${pre[1]:?}"
     tpu_type="${pre[2]:?}"; slices="${pre[3]:-1}"
     run xpk workload create --cluster "$cluster" --workload "$workload" --tpu-type "$tpu_type" \
-      --num-slices "$slices" --command "$remote --platform gke -- $train_args" ;;
+      --num-slices "$slices" --command "$(host_cmd tpu --platform gke)" ;;
   slurm)
-    run srun --ntasks-per-node=1 bash -c "cd $(printf '%q' "$ROOT") && source scripts/env.sh && python -m trainer.launch --platform slurm -- $train_args" ;;
+    cmd="LAUNCH_POD_RANKED=1 $(host_cmd base --platform slurm)"
+    if [ "${DRY_RUN:-0}" = 1 ]; then run srun --ntasks-per-node=1 bash -c "$cmd"; exit 0; fi
+    pid=""
+    trap 'nsig=$((nsig + 1)); [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null || true' TERM INT
+    srun --ntasks-per-node=1 bash -c "$cmd" &
+    pid=$!
+    wait_for "$pid"; rc=$waited
+    case "$rc" in 0|75) exit "$rc" ;; 77) exit 2 ;; 76) exit 1 ;; *) exit "$rc" ;; esac ;;
   local)
     hosts="${pre[0]:?local needs NHOSTS NPROC}"; nproc="${pre[1]:?local needs NHOSTS NPROC}"
     port="${MASTER_PORT:-29511}"; pids=()
+    trap 'nsig=$((nsig + 1)); for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done' TERM INT
     for ((h = 0; h < hosts; h++)); do
-      run python -m trainer.launch --platform manual --device cpu --nnodes "$hosts" --node-rank "$h" \
-        --master-addr 127.0.0.1 --master-port "$port" --nproc-per-node "$nproc" -- "$@" &
+      launcher=(python -m trainer.launch --platform manual --device cpu --nnodes "$hosts" --node-rank "$h"
+                --master-addr 127.0.0.1 --master-port "$port" --nproc-per-node "$nproc" -- "$@")
+      if [ "${DRY_RUN:-0}" = 1 ]; then run "${launcher[@]}"; continue; fi
+      "${launcher[@]}" &  # the launcher itself (not a subshell around it): the trap signals it
       pids+=($!)
     done
-    rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done; exit "$rc" ;;
-  *) echo "error: launch_pod.sh: platform $platform; allowed: tpu-vm, xpk, slurm, local" >&2; exit 2 ;;
+    [ "${DRY_RUN:-0}" = 1 ] && exit 0
+    codes=()
+    for p in "${pids[@]}"; do wait_for "$p"; codes+=("$waited"); done
+    exit "$(combine "${codes[@]}")" ;;
+  *) echo "error: launch_pod.sh: platform $platform; allowed: tpu-vm, xpk, slurm, local, host" >&2; exit 2 ;;
 esac

@@ -212,3 +212,96 @@ def test_simulated_two_host_slice_trains(tmp_path):
     # Same global batch of 4 on the same init: the fp32 losses agree up to summation order
     # (tests/test_parallel_e2e.py's bound).
     assert max(abs(a - b) / abs(b) for a, b in zip(two_host, single)) < 1e-5
+
+
+# --- scripts/launch_pod.sh passes the launchers' exit codes through on every platform ------------
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# `python -m trainer.launch ...` stand-in on simulated host $FAKE_WORKER: exits with FAKE_EXIT_<host>
+eval "code=\\${FAKE_EXIT_${FAKE_WORKER:-0}}"
+exit "$code"
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun stand-in: `bash -c CMD` once per node (FAKE_NODES); returns the highest task code, Slurm's rule
+while [ "$1" != "bash" ]; do shift; done; shift; shift
+max=0; pids=()
+for ((i = 0; i < FAKE_NODES; i++)); do FAKE_WORKER=$i bash -c "$1" & pids+=($!); done
+for p in "${pids[@]}"; do wait "$p" && c=0 || c=$?; [ "$c" -gt "$max" ] && max=$c; done
+exit "$max"
+"""
+FAKE_GCLOUD = """#!/usr/bin/env bash
+# gcloud ... ssh --worker=all --command CMD stand-in: CMD once per worker (FAKE_NODES); 1 if any failed
+while [ "$1" != "--command" ]; do shift; done
+fail=0; pids=()
+for ((i = 0; i < FAKE_NODES; i++)); do FAKE_WORKER=$i bash -c "$2" & pids+=($!); done
+for p in "${pids[@]}"; do wait "$p" || fail=1; done
+exit "$fail"
+"""
+
+
+@pytest.fixture
+def fake_platform(tmp_path):
+    """A PATH with stand-ins for srun, gcloud and the hosts' python (the launcher)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("srun", FAKE_SRUN), ("gcloud", FAKE_GCLOUD)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {**ENV, "PATH": f"{bin_dir}:{ENV['PATH']}", "LAUNCH_POD_HOST_ENV": "none", "FAKE_NODES": "2"}
+
+
+@pytest.mark.parametrize("platform", [["slurm"], ["tpu-vm", "NAME", "ZONE"]], ids=["slurm", "tpu-vm"])
+@pytest.mark.parametrize("codes, want", [
+    ((0, 0), 0),
+    ((75, 75), 75),   # every host preempted
+    ((1, 75), 1),     # a crash on one host while the other was preempted: never 75 (srun alone says 75)
+    ((75, 137), 1),   # killed on one host: slurm reports its mapped "failure" code; tpu-vm the first failure
+    ((2, 2), 2),      # bad input
+    ((75, 2), 2),
+])
+def test_launch_pod_passes_exit_codes_through(fake_platform, platform, codes, want):
+    env = {**fake_platform, **{f"FAKE_EXIT_{i}": str(c) for i, c in enumerate(codes)}}
+    proc = subprocess.run(["bash", "scripts/launch_pod.sh", *platform, "--", "--config", "x.toml"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=60)
+    expect = 137 if (codes, platform[0]) == ((75, 137), "tpu-vm") else want
+    assert proc.returncode == expect, proc.stderr
+    assert sorted(int(line.rsplit(" ", 1)[1]) for line in proc.stderr.splitlines()
+                  if "launch_pod.sh: host" in line) == sorted(codes)
+
+
+@pytest.mark.multiprocess
+def test_launch_pod_local_sigterm_exits_75(tmp_path):
+    """SIGTERM to launch_pod.sh local (2 simulated hosts, 1 process each): passed to both launchers,
+    then to torchrun and the workers; both save the same step and the script exits 75."""
+    import signal
+    import time
+
+    folder = tmp_path / "run"
+    env = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+    env = {**env, "MASTER_PORT": str(_free_port()), "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
+    args = ["--config", "configs/llama3_debug.toml", "--training.steps=10000", "--training.seq_len=32",
+            "--model.n_layers=1", "--model.attn_backend=sdpa", "--metrics.log_freq=1", "--validation.enable=false",
+            "--metrics.enable_tensorboard=false", "--training.local_batch_size=1",
+            "--parallelism.data_parallel_shard_degree=2", "--checkpoint.enable=true", "--checkpoint.interval=100000",
+            f"--job.dump_folder={folder}"]
+    log = open(tmp_path / "log.txt", "w+")
+    proc = subprocess.Popen(["bash", "scripts/launch_pod.sh", "local", "2", "1", "--", *args], cwd=REPO, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the job ended before it could be preempted"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.seek(0)
+        out = log.read()
+    assert proc.returncode == 75, out[-3000:]
+    assert out.count("launch: preempted: all 1 workers of this node exited 75") == 2, out[-3000:]
+    saved = [d for d in os.listdir(folder / "checkpoints") if d.startswith("step-")]
+    assert len(saved) == 1, saved
