@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
 from trainer.data.flux_build import BuildParams, build_dataset, ensure_procedural_dataset  # noqa: E402
+from trainer.runtime.atomic import WriteFailed, atomic_dir  # noqa: E402
+from trainer.runtime.runlock import lock_destination  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,12 +76,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if os.path.exists(ns.out):
                 raise ConfigError(f"--out {ns.out}: already exists; allowed: a path that does not exist yet")
-            build_dataset(params, ns.out, device=ns.device)
+            # Built under a temporary name beside --out and renamed when complete; a second build
+            # into the same --out is refused while this one runs (trainer/runtime/runlock.py).
+            with lock_destination(ns.out, key="--out", who="data-set build"):
+                if os.path.exists(ns.out):
+                    raise ConfigError(f"--out {ns.out}: already exists; allowed: a path that does not exist yet")
+                with atomic_dir(ns.out, what="FLUX data set") as tmp:
+                    os.rmdir(tmp)  # build_dataset makes its folder
+                    build_dataset(params, str(tmp), device=ns.device)
             folder = ns.out
         print(f"FLUX data set: {folder}")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WriteFailed as e:  # disk full, file too large, permission: nothing partial left
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
