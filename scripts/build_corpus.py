@@ -33,6 +33,12 @@ import shutil
 import sys
 import sysconfig
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from models.errors import ConfigError  # noqa: E402
+from trainer.runtime.atomic import WriteFailed, atomic_file  # noqa: E402
+from trainer.runtime.runlock import lock_destination  # noqa: E402
+
 # Directories that hold tests, third-party packages or build artefacts rather than library
 # documentation (tests have many tiny docstrings and some deliberately broken files).
 _SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib-dynload", "_bundled"}
@@ -152,7 +158,7 @@ def write_jsonl_gz(path: str, docs: list[dict]) -> str:
         for doc in docs:
             gz.write((json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8"))
     data = raw.getvalue()
-    with open(path, "wb") as f:
+    with atomic_file(path, what="corpus split") as f:
         f.write(data)
     return hashlib.sha256(data).hexdigest()
 
@@ -170,7 +176,15 @@ def main(argv: list[str] | None = None) -> None:
     for doc in docs:
         splits["validation" if is_validation(doc["source"], args.validation_per_mille) else "train"].append(doc)
 
-    os.makedirs(args.out, exist_ok=True)
+    # Each file is written under a temporary name and renamed (a failed write leaves the earlier
+    # file), the manifest last; a second build into the same folder is refused while this one runs.
+    with lock_destination(args.out, key="--out", who="corpus build"):
+        manifest = _write(args, splits, stats)
+    json.dump(manifest, sys.stdout, indent=2, sort_keys=True)
+    print()
+
+
+def _write(args, splits: dict, stats: dict) -> dict:
     manifest = {
         "python_version": platform.python_version(),
         "python_implementation": platform.python_implementation(),
@@ -191,13 +205,17 @@ def main(argv: list[str] | None = None) -> None:
         }
     license_src = os.path.join(args.stdlib, "LICENSE.txt")
     if os.path.exists(license_src):
-        shutil.copyfile(license_src, os.path.join(args.out, "LICENSE.PSF.txt"))
-    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+        with open(license_src, "rb") as src, atomic_file(os.path.join(args.out, "LICENSE.PSF.txt")) as f:
+            shutil.copyfileobj(src, f)
+    with atomic_file(os.path.join(args.out, "manifest.json"), what="corpus manifest", mode="w") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
-    json.dump(manifest, sys.stdout, indent=2, sort_keys=True)
-    print()
+    return manifest
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, WriteFailed) as e:  # an occupied --out, a failed write: one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)

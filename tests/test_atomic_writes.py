@@ -217,3 +217,36 @@ def test_conversion_destinations_occupied_or_in_use_are_refused(tmp_path, dcp_ch
     assert convert.main(_to_hf(step, busy)) == 0  # the holder is gone: its lock file does not block
     assert sorted(os.listdir(busy)) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "checkpoints", "occupied"]
+
+
+# -- data-set builds ------------------------------------------------------------------------------
+
+
+def _half_then_fail(code: int):
+    def build_dataset(params, folder, **kwargs):
+        os.makedirs(folder)
+        (Path(folder) / "train-00000-of-00001.parquet").write_bytes(b"PAR1 half")  # a partial shard
+        raise OSError(code, os.strerror(code))
+
+    return build_dataset
+
+
+@pytest.mark.parametrize("code", ERRNOS)
+def test_failed_flux_data_builds_leave_nothing_and_say_why(tmp_path, monkeypatch, capsys, code):
+    from trainer.data import flux_build
+
+    spec = importlib.util.spec_from_file_location("build_flux_data",
+                                                  Path(__file__).parents[1] / "scripts" / "build_flux_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "build_dataset", _half_then_fail(code))
+    out = tmp_path / "sets" / "mine"
+    assert script.main(["--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: writing FLUX data set {out} failed: {os.strerror(code)}; nothing was left at the destination\n"
+    assert os.listdir(tmp_path / "sets") == []
+    # the shared cache the trainer builds into: no half-built set, no temporary folder left
+    monkeypatch.setattr(flux_build, "build_dataset", _half_then_fail(code))
+    with pytest.raises(WriteFailed, match=f"building the FLUX data set in .* failed: {os.strerror(code)}; its partial"):
+        flux_build.ensure_procedural_dataset(cache_root=str(tmp_path / "cache"), log=lambda msg: None)
+    assert [p for p in os.listdir(tmp_path / "cache") if not p.endswith(".lock")] == []

@@ -30,6 +30,8 @@ of every build parameter. Concurrent ranks do not race: one holds an `flock` on
 `<folder>.lock` and builds into a private temporary folder that is renamed into place; the
 others wait on the lock and find the folder (if locks do not work, e.g. on some network file
 systems, every rank builds its own copy and the first rename wins; the copies are identical).
+A build whose write fails (disk full, file too large, permission) removes its temporary folder
+and raises `WriteFailed` with the errno text (the trainer's one `error:` line, exit 1).
 
 The reader and loader are `trainer/data/flux.py`; `scripts/build_flux_data.py` runs the build
 for a local folder, and the trainer runs it once for the default `procedural` set.
@@ -52,6 +54,7 @@ import numpy as np
 import torch
 
 from models.errors import ConfigError
+from trainer.runtime.atomic import WriteFailed, write_error_text
 
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (0.90, 0.12, 0.10),
@@ -383,7 +386,10 @@ def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root
             pass  # no locks here: every rank builds and the first rename wins
         if os.path.isfile(os.path.join(folder, "meta.json")):
             return folder
-        tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
+        try:
+            tmp = tempfile.mkdtemp(prefix=".build-", dir=root)
+        except OSError as e:
+            raise WriteFailed(f"building the FLUX data set in {folder} failed: {write_error_text(e, root)}") from e
         try:
             log(f"building the procedural FLUX data set in {folder} (first use)")
             build_dataset(params, os.path.join(tmp, "data"), device=device, log=log)
@@ -392,6 +398,9 @@ def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root
             except OSError:
                 if not os.path.isfile(os.path.join(folder, "meta.json")):
                     raise
+        except OSError as e:  # disk full, file too large, permission: say so on one line
+            raise WriteFailed(f"building the FLUX data set in {folder} failed: {write_error_text(e, root)}; "
+                              "its partial files were removed") from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
