@@ -21,6 +21,12 @@ converts to and from a diffusers `FluxTransformer2DModel` folder (`config.json` 
 `_class_name`, `diffusion_pytorch_model*.safetensors`), loadable by
 `FluxTransformer2DModel.from_pretrained`. Runs in one process, no
 process group. Bad input prints one `error:` line and exits with status 2.
+
+Both directions write into a temporary folder beside OUT and rename it to OUT when every file
+is written, holding a lock on OUT meanwhile (trainer/runtime/atomic.py, runlock.py): a failed or
+killed conversion leaves nothing at OUT. OUT must be new or an empty folder (else exit 2); a
+second conversion into the same OUT is refused naming the first (exit 2); a failed write (disk
+full, file too large, permission) is one `error:` line with the errno text, exit 1.
 """
 
 import argparse
