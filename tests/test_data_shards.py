@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -260,6 +261,29 @@ def test_explicit_shards_on_small_data_name_the_way_out(tok, few):
     names the auto value, which reads small data as one shard."""
     with pytest.raises(ConfigError, match=r"no text in split 'train' for data shard 5 of 8 .*dataset_shards = 0"):
         _loaders(tok, few, 1, local_batch_size=8, num_shards=8)[0].next_batch()
+
+
+@pytest.mark.slow  # two trainer runs, ~15-40 s on the shared 2 cores
+def test_trainer_resumes_exactly_on_one_document(tmp_path):
+    """The trainer on a one-document data set with the default shards (one shard): a run
+    resumed from its step-2 checkpoint trains steps 3-4 with the losses of the uninterrupted
+    run, bit for bit (float32, 1 process: the same windows in the same order give the same
+    sums)."""
+    from tests.trainer_runs import read_metrics, run
+
+    data = _small("one-document", tmp_path)
+    common = ["-m", "trainer.train", "--config", "configs/llama3_debug.toml", f"--training.dataset={data}",
+              "--training.seq_len=64", "--training.local_batch_size=2", "--model.n_layers=1",
+              "--training.mixed_precision_param=float32", "--validation.enable=false", "--metrics.log_freq=1",
+              "--metrics.enable_tensorboard=false", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0",
+              "--training.steps=4"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    run([sys.executable, *common, f"--job.dump_folder={full}"])
+    shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    run([sys.executable, *common, f"--job.dump_folder={resumed}"])
+    want, got = read_metrics(full), read_metrics(resumed)
+    assert sorted(got) == [3, 4] and sorted(want) == [1, 2, 3, 4]
+    assert [got[s]["loss"] for s in (3, 4)] == [want[s]["loss"] for s in (3, 4)]
 
 
 def _worker(out: str) -> None:
