@@ -78,7 +78,7 @@ case "$platform" in
     python -m trainer.launch "${pre[@]:1}" -- "$@" &
     pid=$!
     wait_for "$pid"; rc=$waited
-    echo "launch_pod.sh: host $(hostname) exit $rc" >&2
+    echo "launch_pod.sh: host ${HOSTNAME:-$(uname -n)} exit $rc" >&2
     # srun returns the highest code of its tasks: a failure must rank above 75 there, so that
     # one crashed host and others preempted is not 75 (slurm below maps 76/77 back).
     if [ "${LAUNCH_POD_RANKED:-0}" = 1 ]; then
