@@ -37,8 +37,8 @@ TPU launch from a Python without torch-tpu.
 Exit codes an orchestrator can act on (`run_torchrun`): torchrun runs as a child in its own
 session, and the launcher exits with 0 on success, **75 when every worker of this node exited 75**
 (preempted: each wrote its checkpoint; read from the codes the workers record,
-trainer/runtime/exit_status.py, since torchrun itself exits 1 either way), else torchrun's code
-(never 75). SIGTERM or SIGINT sent to the launcher is passed to torchrun once, which passes it to
+trainer/runtime/exit_status.py, since torchrun itself exits 1 either way), 2 when the workers that
+recorded a code all said 2 (bad input), else torchrun's code (never 75). SIGTERM or SIGINT sent to the launcher is passed to torchrun once, which passes it to
 the workers (they finish the step, save, exit 75); torchrun's failure report is one line, not a
 traceback.
 """
