@@ -190,3 +190,16 @@ def test_unusable_folders_fail_before_step_1(tmp_path, capsys, monkeypatch, case
     assert err.count("\n") == 1 and err.startswith(f"error: {key}: ") and why in err, err
     assert "step " not in out  # before step 1
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_failed_build_releases_the_lock_it_took(tmp_path):
+    held = RunLock(tmp_path / "earlier").acquire()
+    try:
+        with pytest.raises(ValueError):
+            with runlock.released_on_error():
+                RunLock(tmp_path / "run").acquire()
+                raise ValueError("bad data, found after the lock was taken")
+        assert list(runlock._HELD.values()) == [held]  # the one taken before the block stays held
+        assert read_owner(tmp_path / "run" / LOCK_NAME) is None
+    finally:
+        runlock.release_all()

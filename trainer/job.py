@@ -44,7 +44,7 @@ from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
                                     resolve_compute_dtype, set_seed, torch_dtype)
-from trainer.runtime.runlock import lock_run
+from trainer.runtime.runlock import lock_run, released_on_error
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
 from trainer.tasks import TASK_CLASSES, build_task
@@ -225,7 +225,12 @@ def _capture_only(plan: StepPlan) -> StepPlan:
 def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = None) -> Job:
     """Build the run of `cfg` (module docstring); `purpose`: train (the loop) | engine (RL) |
     check (the start-up of a run on `device_type` devices, on meta tensors, in the caller's
-    process group)."""
+    process group). A training run's folder lock is released again if the build fails."""
+    with released_on_error():
+        return _build_job(cfg, purpose=purpose, device_type=device_type)
+
+
+def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     assert purpose in PURPOSES, purpose
     check = purpose == "check"
     assert check == (device_type is not None), "device_type is the check's target device type"

@@ -217,9 +217,16 @@ def make_dir(path: str | os.PathLike, *, key: str) -> None:
         raise ConfigError(f"{key}: cannot create {path}: {write_error_text(e, path)}; {_ALLOWED_DIR}") from None
 
 
-def check_writable_dir(path: str | os.PathLike, *, key: str) -> None:
+def check_writable_dir(path: str | os.PathLike, *, key: str, keep: bool = True) -> None:
     """`make_dir`, then create (and remove) a file in the folder; ConfigError naming `key`, the
-    path and the errno text if either fails."""
+    path and the errno text if either fails. keep=False: folders made for the check are removed
+    again (a run that stops on bad input later leaves no empty checkpoint folder behind)."""
+    path = Path(path).absolute()
+    first_missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        first_missing = p
     make_dir(path, key=key)
     try:
         fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=path)
@@ -227,3 +234,10 @@ def check_writable_dir(path: str | os.PathLike, *, key: str) -> None:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"{key}: cannot write to {path}: {write_error_text(e, path)}; {_ALLOWED_DIR}") from None
+    finally:
+        if not keep and first_missing is not None:
+            with contextlib.suppress(OSError):
+                for p in (path, *path.parents):
+                    os.rmdir(p)
+                    if p == first_missing:
+                        break

@@ -21,6 +21,7 @@ builds two jobs in one process) gets it again; `release_all()` (the trainer's ex
 
 from __future__ import annotations
 
+import contextlib
 import errno as errno_codes
 import fcntl
 import json
@@ -192,6 +193,21 @@ def lock_destination(dest: str | os.PathLike, *, key: str, who: str) -> RunLock:
                    allowed=f"a destination no other {who} writes: wait for it or choose another").acquire()
 
 
+@contextlib.contextmanager
+def released_on_error():
+    """Locks this process takes inside the block are released if the block raises (a run that
+    stops on bad input after taking its lock frees the folder at once, not at process exit)."""
+    before = set(_HELD)
+    try:
+        yield
+    except BaseException:
+        for folder in set(_HELD) - before:
+            lock = _HELD[folder]
+            lock._count = 1
+            lock.release()
+        raise
+
+
 def release_all() -> None:
     """Drop every lock this process holds (the trainer's exit; the OS would at process exit)."""
     for lock in list(_HELD.values()):
@@ -216,7 +232,7 @@ def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
             for key, folder in locks:
                 held.append(RunLock(folder, key=key).acquire())
             for key, folder in writable:
-                check_writable_dir(folder, key=key)
+                check_writable_dir(folder, key=key, keep=False)  # proved writable, made when first used
         except ConfigError as e:
             problem = str(e)
     if distributed:
