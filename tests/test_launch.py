@@ -177,6 +177,24 @@ def test_cli_error_is_one_line_exit_2_and_dry_run_prints_the_command():
         assert tpu.stderr.startswith("error: launch: device tpu needs torch-tpu") and "scripts/env.sh tpu" in tpu.stderr
 
 
+@pytest.mark.parametrize("extra, env, line", [
+    (["--node-rank", "abc"], {}, "error: launch: argument --node-rank: invalid int value: 'abc'; allowed:"),
+    (["--platform", "bogus"], {}, "error: launch: argument --platform: invalid choice: 'bogus'"),
+    (["--master-port", "70000"], {}, "error: launch: --master-port is 70000; allowed: a TCP port, 1..65535"),
+    ([], {"MASTER_PORT": "abc"}, "error: launch: environment variable MASTER_PORT is 'abc'; allowed: a TCP port"),
+], ids=["wrong-type", "bad-choice", "port-range", "env-port"])
+def test_bad_option_or_port_is_one_line_exit_2(extra, env, line):
+    """Before: argparse's usage block + its own error line (8 lines), a port of 70000 passed on to
+    torchrun, and MASTER_PORT=abc a ValueError traceback (exit 1)."""
+    base = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_"))}
+    manual = ["--platform", "manual", "--device", "cpu", "--dry-run", "--nnodes", "1", "--node-rank", "0",
+              "--master-addr", "127.0.0.1", "--nproc-per-node", "1"]
+    proc = subprocess.run([sys.executable, "-m", "trainer.launch", *manual, *extra, "--", "--config", "x.toml"],
+                          cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.startswith(line) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -301,7 +301,13 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str], *,
                metadata: Callable[[], Mapping[str, str]] = read_tpu_vm_metadata,
                tpu_env: Callable[[Mapping[str, str]], dict[str, str]] = torch_tpu_launch_env) -> LaunchPlan:
     platform = detect_platform(env) if args.platform == "auto" else args.platform
-    port = args.master_port or int(env.get("MASTER_PORT", DEFAULT_PORT))
+    if args.master_port is not None:
+        port, where = args.master_port, "--master-port"
+    else:
+        port, where = env.get("MASTER_PORT", str(DEFAULT_PORT)), "environment variable MASTER_PORT"
+    if not str(port).strip().isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"launch: {where} is {port!r}; allowed: a TCP port, 1..65535")
+    port = int(port)
     default_device = {"gke": "tpu", "tpu-vm": "tpu", "slurm": "cuda"}.get(platform, "auto")
     device = default_device if args.device == "auto" else args.device
     if platform == "gke":
@@ -407,8 +413,17 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
     return code
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A bad option is one `error:` line and exit code 2, like every other bad input (argparse
+        would print its usage block first)."""
+        print(f"error: launch: {message}; allowed: python -m trainer.launch [options] -- --config RECIPE.toml "
+              "(options: python -m trainer.launch --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", default="auto", choices=["auto", "gke", "tpu-vm", "slurm", "manual"])
     p.add_argument("--device", default="auto", choices=["auto", "tpu", "cuda", "cpu"],
                    help="what workers train on (default: tpu for gke/tpu-vm, cuda for slurm, the recipe's otherwise)")
