@@ -90,22 +90,35 @@ QUICK = {"seq_len": 256, "batch": 2, "repeats": 1, "steps": 4, "warmup": 1}
 # ------------------------------------------------------------------------------ pure helpers
 
 
+def _refuse(message: str) -> SystemExit:
+    """Bad input: print the one `error:` line now; the SystemExit to raise exits with 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one `error:` line (exit 2), like the trainer."""
+
+    def error(self, message: str):
+        raise _refuse(message)
+
+
 def parse_variants(names: str, custom: list[str]) -> dict[str, list[str]]:
     """--variants a,b and --variant NAME='overrides' -> {name: [override, ...]} (ordered)."""
     out: dict[str, list[str]] = {}
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name not in VARIANTS:
-            raise SystemExit(f"error: --variants: unknown variant {name!r}; allowed: {', '.join(VARIANTS)} "
-                             "(or --variant NAME='--section.key=value ...')")
+            raise _refuse(f"--variants: unknown variant {name!r}; allowed: {', '.join(VARIANTS)} "
+                          "(or --variant NAME='--section.key=value ...')")
         out[name] = list(VARIANTS[name])
     for spec in custom:
         name, sep, overrides = spec.partition("=")
         if not sep or not name:
-            raise SystemExit(f"error: --variant: expected NAME='--section.key=value ...', got {spec!r}")
+            raise _refuse(f"--variant: expected NAME='--section.key=value ...', got {spec!r}")
         split_nprocs(name)  # checks an @N suffix
         out[name] = shlex.split(overrides)
     if not out:
-        raise SystemExit("error: no variants to run")
+        raise _refuse("--variants: no variants to run")
     return out
 
 
@@ -120,7 +133,7 @@ def split_nprocs(name: str) -> set[int] | None:
     except ValueError:
         nprocs = set()
     if not nprocs or min(nprocs) < 1:
-        raise SystemExit(f"error: --variant: {name!r}: after @ expected process counts like 2 or 2+4")
+        raise _refuse(f"--variant: {name!r}: after @ expected process counts like 2 or 2+4")
     return nprocs
 
 
@@ -151,7 +164,7 @@ def build_peer_command(*, peer: str, python: str, nproc: int, dump_folder: str, 
                        seq_len: int, batch: int, extra: list[str]) -> list[str]:
     """The peer harness's command line for one run (it launches the peer's own torchrun itself)."""
     if peer not in PEERS:
-        raise SystemExit(f"error: --peer: unknown peer {peer!r}; allowed: {', '.join(PEERS)}")
+        raise _refuse(f"--peer: unknown peer {peer!r}; allowed: {', '.join(PEERS)}")
     cmd = [python, str(PEER_SCRIPT), "--dump-folder", dump_folder, "--steps", str(steps), "--warmup", str(warmup),
            "--nproc", str(nproc), "--seq-len", str(seq_len), "--batch", str(batch)]
     return cmd + (["--", *extra] if extra else [])
@@ -401,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="recipe TOML (required unless --preset)")
     parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: eager)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES", help="a custom variant")
@@ -459,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: --peer-python: {args.peer_python} not found; build the peer venv with "
                   "`bash scripts/peer_env.sh`", file=sys.stderr)
             return 2
-    nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
+    nprocs = _check_args(args, parser)
     root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
     env = dict(os.environ)
     if args.threads is not None:
@@ -490,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             job["cmd"] = build_command(recipe=args.config, overrides=variants[name], nproc=nproc,
                                        dump_folder=str(folder), steps=args.steps, extra=extra)
         jobs.append(job)
+    _check_runs(jobs, parser)
     if args.dry_run:
         for job in jobs:
             print(" & ".join(shlex.join(cmd) for cmd in job.get("cmds", [job.get("cmd")])))
@@ -508,6 +521,48 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(out.with_name(out.stem + "_runs" + out.suffix), runs)
     print(f"\nwrote {out} and {out.with_name(out.stem + '_runs' + out.suffix)}")
     return 0 if all(r["ok"] == r["runs"] for r in rows) else 1
+
+
+def _check_args(args, parser) -> list[int]:
+    """The process counts; every number in range, before the first run starts."""
+    import math
+
+    try:
+        nprocs = [int(n) for n in args.nproc.split(",") if n.strip()]
+    except ValueError:
+        nprocs = []
+    if not nprocs or min(nprocs) < 1:
+        parser.error(f"--nproc: {args.nproc!r}; allowed: a comma list of process counts >= 1, e.g. 1,2")
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--steps", args.steps, 1),
+                               ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
+                               ("--peer-seq-len", args.peer_seq_len, 1), ("--peer-batch", args.peer_batch, 1)):
+        if value is not None and value < least:
+            parser.error(f"{flag}: {value}; allowed: >= {least}")
+    for flag, value in (("--max-busy", args.max_busy), ("--max-wait", args.max_wait), ("--timeout", args.timeout)):
+        if not math.isfinite(value) or value < 0 or (flag == "--timeout" and value == 0):
+            parser.error(f"{flag}: {value}; allowed: a finite number {'> 0' if flag == '--timeout' else '>= 0'}")
+    return nprocs
+
+
+def _check_runs(jobs: list[dict], parser) -> None:
+    """Resolve the config of each variant's trainer command line as the trainer will (recipe,
+    variant overrides, the arguments after --), so a bad recipe or key stops here, not in a run."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from models.errors import ConfigError
+    from trainer.config import build_config, split_cli
+
+    seen = set()
+    for job in jobs:
+        for cmd in job.get("cmds", [job.get("cmd")]):
+            if job["variant"] in seen or "trainer.train" not in cmd:
+                continue
+            seen.add(job["variant"])
+            try:
+                recipe, _, cli = split_cli(cmd[cmd.index("trainer.train") + 1:])
+                build_config(recipe, cli)
+            except ConfigError as e:
+                parser.error(f"{e} (variant {job['variant']})")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,17 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
+def _check_values(ns) -> None:
+    """Sizes and counts in range, the dtype one of the two, before anything is built."""
+    for flag, value, least in (("--image-size", ns.image_size, 1), ("--num-train", ns.num_train, 1),
+                               ("--num-heldout", ns.num_heldout, 1), ("--text-length", ns.text_length, 1),
+                               ("--shard-rows", ns.shard_rows, 1), ("--vae-steps", ns.vae_steps, 0)):
+        if value < least:
+            raise ConfigError(f"{flag}: {value}; allowed: an integer >= {least}")
+    if ns.encoder_dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"--encoder-dtype: {ns.encoder_dtype!r}; allowed: float32, bfloat16")
+
+
 def main(argv: list[str] | None = None) -> int:
     d = BuildParams()
     parser = _Parser(prog="build_flux_data.py", description=__doc__,
@@ -66,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="where local encoders and VAE run, e.g. cuda")
     try:
         ns = parser.parse_args(argv)
+        _check_values(ns)
         params = BuildParams(image_size=ns.image_size, num_train=ns.num_train, num_heldout=ns.num_heldout,
                              seed=ns.seed, text_length=ns.text_length, shard_rows=ns.shard_rows,
                              vae_steps=ns.vae_steps, t5_path=ns.t5, clip_path=ns.clip,

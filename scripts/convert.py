@@ -145,7 +145,11 @@ def _convert_to_hf(
         verify_checkpoint(checkpoint)
     except CorruptCheckpointError as e:
         raise ConfigError(f"--checkpoint {checkpoint} is corrupt: {e}") from None
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    try:
+        metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises any of a dozen types
+        raise ConfigError(f"--checkpoint {checkpoint}: cannot read its .metadata ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); allowed: a DCP checkpoint folder") from None
     stored = {
         k[len(MODEL_PREFIX):]: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")
     }
@@ -267,14 +271,41 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None = 
         return _convert_from_hf(hf_dir, tmp, dtype=dtype, dest=out_dir)
 
 
+def _read_hf_config(path: Path) -> dict:
+    """config.json as a dict; ConfigError naming the file otherwise."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise ConfigError(f"{path}: cannot read as JSON ({reason}); allowed: a Hugging Face config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}; "
+                          "allowed: a Hugging Face config.json")
+    return config
+
+
+def _check_hf_args(args, path: Path) -> None:
+    """The model args read from config.json: each field of its declared type (the trainer's
+    `coerce`: finite numbers), no negative sizes; ConfigError naming the file and the field."""
+    import dataclasses
+
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if f.name in hints:
+            coerce(f"{path}: {f.name}", value, hints[f.name])
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{path}: {f.name} = {value}; allowed: >= 0")
+
+
 def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, dest: Path) -> tuple[str, object]:
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise ConfigError(f"{config_path}: not found; allowed: a Hugging Face model folder with config.json")
-    config = json.loads(config_path.read_text())
+    config = _read_hf_config(config_path)
     # transformers configs name the architecture in model_type, diffusers in _class_name.
     model_type = config.get("model_type", config.get("_class_name"))
-    if model_type not in HF_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
         raise ConfigError(f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}")
     family = get_model_family(HF_MODEL_TYPES[model_type])
     files = safetensors_files(hf_dir)
@@ -282,7 +313,16 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
         raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     try:
         reader = SafetensorsSlices(files)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{hf_dir}: {e}") from e
+    try:
         args = family.hf_adapter.args_from_hf_config(config)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
+        raise ConfigError(f"{config_path}: {what}; allowed: a config.json of the architecture "
+                          f"{model_type!r} describes") from None
+    _check_hf_args(args, config_path)
+    try:
         layout = family.hf_adapter.hf_layout(reader.shapes(), args)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{hf_dir}: {e}") from e

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import sys
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def _run(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     if ns.samples_per_prompt < 1 or ns.steps < 1:
         raise ConfigError("--samples-per-prompt / --steps: allowed: >= 1")
+    if not math.isfinite(ns.cfg_scale) or ns.cfg_scale < 0:
+        raise ConfigError(f"--cfg-scale: {ns.cfg_scale}; allowed: a finite number >= 0")
     from tools.flux_run import load_run
     from trainer.tasks.flux_sample import image_grid, save_png
     from scripts.sample import write_sidecar

@@ -59,7 +59,13 @@ def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
         path = Path(prompts_file)
         if not path.is_file():
             raise ConfigError(f"--prompts-file {prompts_file}: no such file; allowed: a text file, one prompt per line")
-        out += [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError(f"--prompts-file {prompts_file}: cannot read as UTF-8 text ({reason}); "
+                              "allowed: a text file, one prompt per line") from None
+        out += [line.strip() for line in text.splitlines() if line.strip()]
     if not out:
         raise ConfigError("--prompt / --prompts-file: no prompts given; allowed: at least one prompt")
     return out
@@ -82,8 +88,10 @@ def _run(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     if ns.steps < 1:
         raise ConfigError(f"--steps: {ns.steps}; allowed: >= 1")
-    if ns.cfg_scale < 0:
-        raise ConfigError(f"--cfg-scale: {ns.cfg_scale}; allowed: >= 0")
+    if not math.isfinite(ns.cfg_scale) or ns.cfg_scale < 0:
+        raise ConfigError(f"--cfg-scale: {ns.cfg_scale}; allowed: a finite number >= 0")
+    if ns.guidance is not None and (not math.isfinite(ns.guidance) or ns.guidance < 0):
+        raise ConfigError(f"--guidance: {ns.guidance}; allowed: a finite number >= 0")
     if ns.scale < 1 or (ns.ncols is not None and ns.ncols < 1):
         raise ConfigError("--scale / --ncols: allowed: >= 1")
     prompts = read_prompts(ns.prompt, ns.prompts_file)

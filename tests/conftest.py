@@ -68,6 +68,7 @@ XDIST_GROUPS = {
     "tests/test_qwen3_e2e.py": "qwen3_e2e",
     "tests/test_flux_train.py": "flux_train",
     "tests/test_engine.py": "engine",
+    "tests/test_contract.py": "contract",
 }
 
 

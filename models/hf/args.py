@@ -111,11 +111,54 @@ def load_config(path: str) -> Any:
     try:
         with open(file) as f:
             raw = json.load(f)
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a JSON object, got {type(raw).__name__}")
         model_type = raw.pop("model_type")
-        return AutoConfig.for_model(model_type, **raw)
-    except (OSError, json.JSONDecodeError, KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"hf_config: cannot read {file} as a transformers config ({type(e).__name__}: {e}); "
+        config = AutoConfig.for_model(model_type, **raw)
+    except Exception as e:  # noqa: BLE001 - transformers' strict fields raise their own error types
+        reason = " ".join(str(e).split()) if str(e) else ""
+        raise ValueError(f"hf_config: cannot read {file} as a transformers config ({type(e).__name__}: {reason}); "
                          "allowed: a config.json with a model_type that transformers knows") from None
+    _check_sizes(config, file)
+    try:  # what the architecture itself refuses (built once on the meta device; cached for the counts)
+        _counts(_config_key(config))
+    except Exception as e:  # noqa: BLE001 - any failure to build from this file is bad input
+        reason = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"hf_config: {file} does not build a model ({type(e).__name__}: {reason}); "
+                         "allowed: a config.json whose sizes fit its architecture") from None
+    return config
+
+
+_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                  "num_experts_per_tok", "vocab_size", "max_position_embeddings")
+_POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta")
+
+
+def _check_sizes(config: Any, file: str) -> None:
+    """Sizes of the text config: positive integers and finite positive numbers where set, heads
+    that divide (query heads by key/value heads, the width by the heads when head_dim is unset).
+    ValueError naming the file and the field."""
+    import math
+
+    text = config.get_text_config()
+    values = {**{k: getattr(text, k, None) for k in _POSITIVE_INTS + _POSITIVE_FLOATS},
+              **{k: v for k, v in (getattr(text, "rope_parameters", None) or {}).items() if k == "rope_theta"}}
+    for key in _POSITIVE_INTS:
+        v = values[key]
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"hf_config: {file}: {key} = {v!r}; allowed: an integer >= 1")
+    for key in _POSITIVE_FLOATS:
+        v = values[key]
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"hf_config: {file}: {key} = {v!r}; allowed: a finite number > 0")
+    heads, kv = values["num_attention_heads"], values["num_key_value_heads"]
+    if heads and kv and heads % kv:
+        raise ValueError(f"hf_config: {file}: num_attention_heads = {heads} is not a multiple of "
+                         f"num_key_value_heads = {kv}; allowed: key/value heads that divide the query heads")
+    if heads and values["hidden_size"] and not values["head_dim"] and values["hidden_size"] % heads:
+        raise ValueError(f"hf_config: {file}: hidden_size = {values['hidden_size']} is not a multiple of "
+                         f"num_attention_heads = {heads} (and head_dim is not set)")
 
 
 def _with_sizes(config: Any, *, n_layers: int, vocab_size: int) -> Any:

@@ -38,11 +38,12 @@ class FluxDataset:
         if not os.path.isfile(meta_path):
             raise ConfigError(f"FLUX data set {folder}: no meta.json; allowed: a folder written by "
                               "scripts/build_flux_data.py, or 'procedural'")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        if self.meta.get("format") != _FORMAT_VERSION:
-            raise ConfigError(f"FLUX data set {folder}: format {self.meta.get('format')}; this version reads "
-                              f"format {_FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py")
+        self.meta = _read_meta(meta_path)
+        for name, split in self.meta["splits"].items():  # a lost shard is found now, not epochs later
+            for shard in split["shards"]:
+                if not os.path.isfile(os.path.join(folder, shard["file"])):
+                    raise ConfigError(f"FLUX data set: {os.path.join(folder, shard['file'])} (split {name!r}) is "
+                                      f"missing or not a file; {_REBUILD}")
         self.folder = folder
         self.latent_shape = tuple(self.meta["shapes"]["latent"])
         self.t5_shape = tuple(self.meta["shapes"]["t5"])
@@ -63,10 +64,15 @@ class FluxDataset:
         out, first = [], 0
         for shard in self._split(split)["shards"]:
             pf = self._file(shard["file"])
+            rows = 0
             for g in range(pf.num_row_groups):
                 n = pf.metadata.row_group(g).num_rows
                 out.append((shard["file"], g, first, n))
                 first += n
+                rows += n
+            if rows != shard["rows"]:
+                raise ConfigError(f"FLUX data set: {os.path.join(self.folder, shard['file'])} holds {rows} rows, "
+                                  f"meta.json says {shard['rows']}; {_REBUILD}")
         return out
 
     def _file(self, name: str):
@@ -77,28 +83,48 @@ class FluxDataset:
             try:
                 self._files[name] = pq.ParquetFile(path)
             except (OSError, ValueError) as e:
-                raise ConfigError(f"FLUX data set: cannot read {path} ({type(e).__name__}: {e}); rebuild the "
-                                  "data set with scripts/build_flux_data.py") from None
+                raise ConfigError(f"FLUX data set: cannot read {path} ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}") from None
         return self._files[name]
 
     def read_group(self, file: str, group: int) -> dict[str, np.ndarray]:
-        table = self._file(file).read_row_group(group, columns=["index", "latent", "t5", "clip"])
+        import pyarrow as pa
 
-        def floats(name, shape):
-            col = table.column(name).combine_chunks()
-            return col.values.to_numpy(zero_copy_only=False).reshape(len(table), *shape)
+        path = os.path.join(self.folder, file)
+        try:
+            table = self._file(file).read_row_group(group, columns=["index", "latent", "t5", "clip"])
 
-        return {"index": table.column("index").to_numpy(), "latent": floats("latent", self.latent_shape),
-                "t5": floats("t5", self.t5_shape), "clip": floats("clip", self.clip_shape)}
+            def floats(name, shape):
+                col = table.column(name).combine_chunks()
+                values = col.values.to_numpy(zero_copy_only=False)
+                if values.dtype != np.float32:
+                    raise ValueError(f"column {name} holds {values.dtype}, expected float32")
+                return values.reshape(len(table), *shape)
+
+            out = {"index": table.column("index").to_numpy(), "latent": floats("latent", self.latent_shape),
+                   "t5": floats("t5", self.t5_shape), "clip": floats("clip", self.clip_shape)}
+        except (OSError, ValueError, KeyError, AttributeError, pa.ArrowException) as e:
+            raise ConfigError(f"FLUX data set: cannot read row group {group} of {path} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}") from None
+        for name, values in out.items():
+            if name != "index" and not np.isfinite(values).all():
+                raise ConfigError(f"FLUX data set: row group {group} of {path}: column {name} holds non-finite "
+                                  f"values; {_REBUILD}")
+        return out
 
     def captions(self, split: str) -> list[dict]:
         """{index, caption, colour, shape, position} of every row of `split`, in row order."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         rows = []
         for shard in self._split(split)["shards"]:
-            table = pq.read_table(os.path.join(self.folder, shard["file"]),
-                                  columns=["index", "caption", "colour", "shape", "position"])
+            path = os.path.join(self.folder, shard["file"])
+            try:
+                table = pq.read_table(path, columns=["index", "caption", "colour", "shape", "position"])
+            except (OSError, ValueError, KeyError, pa.ArrowException) as e:
+                raise ConfigError(f"FLUX data set: cannot read {path} ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}") from None
             rows.extend(table.to_pylist())
         return rows
 
@@ -122,6 +148,62 @@ class FluxDataset:
         from models.flux import conditioning as cond
 
         return cond.load_vae(os.path.join(self.folder, "vae"))
+
+
+_REBUILD = "rebuild the data set with scripts/build_flux_data.py"
+
+
+def _read_meta(path: str) -> dict:
+    """meta.json of a data set folder, its shape checked (what the reader and the loader use):
+    ConfigError naming the file and the key otherwise."""
+    def refuse(what: str):
+        raise ConfigError(f"FLUX data set {path}: {what}; {_REBUILD}")
+
+    def count(value, key: str, least: int = 0) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            refuse(f"{key} = {value!r}; allowed: an integer >= {least}")
+        return value
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        refuse(f"cannot read as JSON ({reason})")
+    if not isinstance(meta, dict):
+        refuse(f"expected a JSON object, got {type(meta).__name__}")
+    if meta.get("format") != _FORMAT_VERSION:
+        raise ConfigError(f"FLUX data set {os.path.dirname(path)}: format {meta.get('format')}; this version reads "
+                          f"format {_FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py")
+    shapes = meta.get("shapes")
+    if not isinstance(shapes, dict):
+        refuse("shapes is not an object of latent, t5, clip")
+    for name, dims in (("latent", 3), ("t5", 2), ("clip", 1)):
+        shape = shapes.get(name)
+        if not isinstance(shape, list) or len(shape) != dims:
+            refuse(f"shapes.{name} = {shape!r}; allowed: a list of {dims} sizes")
+        for i, n in enumerate(shape):
+            count(n, f"shapes.{name}[{i}]", 1)
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        refuse("splits is not a non-empty object of split name -> {rows, shards}")
+    for name, split in splits.items():
+        if not isinstance(split, dict) or not isinstance(split.get("shards"), list):
+            refuse(f"splits.{name} is not an object with rows and a list of shards")
+        total = 0
+        for i, shard in enumerate(split["shards"]):
+            if not isinstance(shard, dict) or not isinstance(shard.get("file"), str) or not shard["file"]:
+                refuse(f"splits.{name}.shards[{i}] is not an object with a file name")
+            total += count(shard.get("rows"), f"splits.{name}.shards[{i}].rows")
+        if count(split.get("rows"), f"splits.{name}.rows") != total:
+            refuse(f"splits.{name}.rows = {split['rows']}, its shards hold {total}")
+    params = meta.get("params")
+    if not isinstance(params, dict):
+        refuse("params is not an object")
+    count(params.get("text_length"), "params.text_length", 1)
+    if not isinstance(meta.get("text_ids"), str):
+        refuse(f"text_ids = {meta.get('text_ids')!r}; allowed: a string")
+    return meta
 
 
 def resolve_flux_dataset(path: str | None, *, cache_root: str | None = None) -> FluxDataset:

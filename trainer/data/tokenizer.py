@@ -179,11 +179,14 @@ def _json_pattern(pre: dict | None, path: str) -> str:
     ByteLevel with use_regex, which is GPT-2's pattern)."""
     gpt2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
     steps = (pre or {}).get("pretokenizers") if (pre or {}).get("type") == "Sequence" else [pre or {}]
+    if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
+        raise ConfigError(f"tokenizer file {path}: pre_tokenizer.pretokenizers is not a list of objects; "
+                          "allowed: a byte-level BPE (Split regex + ByteLevel, or ByteLevel)")
     pattern = None
     for step in steps:
         kind = step.get("type")
         if kind == "Split":
-            regex = (step.get("pattern") or {}).get("Regex")
+            regex = step.get("pattern").get("Regex") if isinstance(step.get("pattern"), dict) else None
             if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
                 raise ConfigError(f"tokenizer file {path}: pre_tokenizer Split must be an isolated Regex "
                                   "split; this tokenizer cannot be expressed as a tiktoken encoding")
@@ -199,6 +202,58 @@ def _json_pattern(pre: dict | None, path: str) -> str:
     if pattern is None:
         raise ConfigError(f"tokenizer file {path}: no byte-level pre-tokenizer; allowed: a byte-level BPE")
     return pattern
+
+
+def _json_tables(spec, path: str) -> tuple[dict[str, int], dict[str, int], list[tuple[str, str]]]:
+    """(vocab, added tokens, merges) of a tokenizer.json, each checked for shape and type, with
+    every id a non-negative integer held by one token only (an added token may repeat its own
+    vocab entry); ConfigError naming the file and the entry otherwise."""
+    def refuse(what: str):
+        raise ConfigError(f"tokenizer file {path}: {what}; {_ALLOWED}")
+
+    if not isinstance(spec, dict):
+        refuse(f"expected a JSON object, got {type(spec).__name__}")
+    model = spec.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE":
+        raise ConfigError(f"tokenizer file {path}: model type "
+                          f"{model.get('type') if isinstance(model, dict) else model!r}; allowed: BPE")
+    for key in ("normalizer", "pre_tokenizer"):
+        if spec.get(key) is not None and not isinstance(spec[key], dict):
+            refuse(f"{key} is a {type(spec[key]).__name__}; allowed: an object or null")
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not vocab:
+        refuse("model.vocab is not a non-empty object of token -> id")
+    owner: dict[int, str] = {}
+    for token, idx in vocab.items():
+        if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            refuse(f"model.vocab[{token!r}] = {idx!r}; allowed: an integer id >= 0")
+        if idx in owner:
+            refuse(f"model.vocab: tokens {owner[idx]!r} and {token!r} share id {idx}; every id names one token")
+        owner[idx] = token
+    entries = spec.get("added_tokens") or []
+    if not isinstance(entries, list):
+        refuse(f"added_tokens is a {type(entries).__name__}; allowed: a list of {{content, id}} objects")
+    added: dict[str, int] = {}
+    for i, t in enumerate(entries):
+        content, idx = (t.get("content"), t.get("id")) if isinstance(t, dict) else (None, None)
+        if not isinstance(content, str) or not content or not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
+            refuse(f"added_tokens[{i}] is not {{content: a string, id: an integer >= 0}}")
+        if content in added or (idx in owner and owner[idx] != content) or idx in added.values():
+            other = owner.get(idx) or next((k for k, v in added.items() if v == idx), content)
+            refuse(f"added_tokens[{i}] {content!r} has id {idx}, the id of {other!r}; every id names one token")
+        if content in vocab and vocab[content] != idx:
+            refuse(f"added_tokens[{i}] {content!r} has id {idx}, model.vocab gives it {vocab[content]}")
+        added[content] = idx
+    raw_merges = model.get("merges") or []
+    if not isinstance(raw_merges, list):
+        refuse(f"model.merges is a {type(raw_merges).__name__}; allowed: a list")
+    merges = []
+    for i, m in enumerate(raw_merges):
+        pair = m.split(" ", 1) if isinstance(m, str) else m
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
+            refuse(f"model.merges[{i}] = {m!r}; allowed: \"a b\" or [\"a\", \"b\"]")
+        merges.append((pair[0], pair[1]))
+    return vocab, added, merges
 
 
 def load_hf_tokenizer_json(path: str) -> Tokenizer:
@@ -218,36 +273,36 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
         with open(path, encoding="utf-8") as f:
             spec = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"tokenizer file {path}: cannot read as JSON ({e}); {_ALLOWED}") from None
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        raise ConfigError(f"tokenizer file {path}: model type {model.get('type')!r}; allowed: BPE")
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        raise ConfigError(f"tokenizer file {path}: cannot read as JSON ({reason}); {_ALLOWED}") from None
+    vocab, added, merges = _json_tables(spec, path)
     norm = spec.get("normalizer")
     nfc = bool(norm) and norm.get("type") == "NFC"
     if norm and not nfc:
         raise ConfigError(f"tokenizer file {path}: normalizer {norm.get('type')} is not supported; allowed: none or NFC")
     pattern = _json_pattern(spec.get("pre_tokenizer"), path)
     alphabet = _bytes_to_unicode()
-    added = {t["content"]: int(t["id"]) for t in spec.get("added_tokens") or []}
+
+    def token_bytes(token: str, where: str) -> bytes:
+        try:
+            return bytes(alphabet[c] for c in token)
+        except KeyError:
+            raise ConfigError(f"tokenizer file {path}: {where} {token!r} is not byte-level; "
+                              "allowed: a byte-level BPE") from None
+
     ranks: dict[bytes, int] = {}
-    for token, idx in model["vocab"].items():
+    for token, idx in vocab.items():
         if token in added:
             continue
-        try:
-            ranks[bytes(alphabet[c] for c in token)] = int(idx)
-        except KeyError:
-            raise ConfigError(f"tokenizer file {path}: vocab entry {token!r} is not byte-level; "
-                              "allowed: a byte-level BPE") from None
+        ranks[token_bytes(token, "vocab entry")] = idx
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise ConfigError(f"tokenizer file {path}: {len(missing)} single-byte tokens missing; a byte-level BPE needs all 256")
     last = -1
-    for i, merge in enumerate(model.get("merges") or []):
-        a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
-        joined = bytes(alphabet[c] for c in a + b)
-        rank = ranks.get(joined)
-        if rank is None or rank <= last or rank <= max(ranks[bytes(alphabet[c] for c in a)],
-                                                        ranks[bytes(alphabet[c] for c in b)]):
+    for i, (a, b) in enumerate(merges):
+        rank = ranks.get(token_bytes(a + b, f"merge {i}"))
+        parts = [ranks.get(token_bytes(x, f"merge {i}")) for x in (a, b)]
+        if rank is None or None in parts or rank <= last or rank <= max(parts):
             raise ConfigError(f"tokenizer file {path}: merge {i} ({a!r} + {b!r}) does not follow id order; "
                               "this BPE cannot be expressed as tiktoken ranks")
         last = rank
@@ -256,8 +311,13 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
         raise ConfigError(f"tokenizer file {path}: no end-of-text added token (<|endoftext|>, {EOS_TOKEN} or </s>)")
     bos = BOS_TOKEN if BOS_TOKEN in added else None
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf"
-    return Tokenizer(name=name, ranks=ranks, special_tokens=added, pattern=pattern, bos_token=bos,
-                     eos_token=eos, nfc=nfc)
+    if not isinstance(pattern, str):
+        raise ConfigError(f"tokenizer file {path}: pre_tokenizer regex {pattern!r} is not a string; {_ALLOWED}")
+    try:
+        return Tokenizer(name=name, ranks=ranks, special_tokens=added, pattern=pattern, bos_token=bos,
+                         eos_token=eos, nfc=nfc)
+    except ValueError as e:  # tiktoken: the split regex does not compile
+        raise ConfigError(f"tokenizer file {path}: {str(e).splitlines()[0]}; {_ALLOWED}") from None
 
 
 def build_tokenizer(spec: str = "bundled") -> Tokenizer:
