@@ -69,6 +69,7 @@ XDIST_GROUPS = {
     "tests/test_flux_train.py": "flux_train",
     "tests/test_engine.py": "engine",
     "tests/test_contract.py": "contract",
+    "tests/test_readme_commands.py": "readme",  # one clone and one kernel build for all blocks
 }
 
 
