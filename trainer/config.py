@@ -98,8 +98,9 @@ class TrainingConfig:
     from shard g mod S, so each data-parallel rank reads and tokenizes only S/D shards (whole
     files when the data has >= S files, else every S-th document). Must be a multiple of the
     global micro-batch (dp degree x local batch); 0 = auto: lcm(64, dp degree x local batch),
-    i.e. 64 whenever that divides 64. Part of the data order: a checkpoint resumes only with
-    the same value."""
+    i.e. 64 whenever that divides 64, or 1 when the data would leave one of those shards
+    without text (a few documents, one file: read as one stream, docs/data.md). Part of the
+    data order: a checkpoint resumes only with the same value."""
     local_batch_size: int = field(default=8, metadata=_range(ge=1))
     """Sequences per micro-batch on each data-parallel rank; with global_batch_size set, the
     largest micro-batch allowed (the split follows the mesh)."""
