@@ -84,13 +84,16 @@ class _State:
         self.tensors = state_dict
 
 
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
 @pytest.mark.parametrize("code", ERRNOS)
-def test_failed_checkpoint_save_removes_its_files_and_says_why(tmp_path, fail_dcp_writes, code):
-    manager = CheckpointManager(folder=tmp_path, interval=1, keep_latest_k=0, async_mode="disabled", enable=True)
+def test_failed_checkpoint_save_removes_its_files_and_says_why(tmp_path, fail_dcp_writes, code, async_mode):
+    manager = CheckpointManager(folder=tmp_path, interval=1, keep_latest_k=0, async_mode=async_mode, enable=True)
     manager.save(1, {"model": _State(1)})
+    manager.wait()
     fail_dcp_writes(code)
     with pytest.raises(CheckpointSaveError) as failed:
         manager.save(2, {"model": _State(2)})
+        manager.wait()  # an async save's failure surfaces here
     message = str(failed.value)
     assert len(message.splitlines()) == 1 and os.strerror(code) in message, message
     assert message.startswith(f"checkpoint: saving step 2 to {tmp_path / '.tmp-step-2'} failed: {os.strerror(code)}")
