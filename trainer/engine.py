@@ -199,9 +199,11 @@ class Engine:
         with self.step_plan.loss_context():
             logits = self._logits(tokens[:, :-1])
             x = logits if output == "logits" else token_logprobs(logits, tokens[:, 1:], temperature=temperature)
-            result = loss_fn(x, batch)
+            try:
+                result = loss_fn(x, batch)
+            finally:  # also when the loss function raises: no layer keeps this graph's aux loss
+                aux = self.model.pop_aux_loss()
             loss, metrics = result if isinstance(result, tuple) else (result, {})
-            aux = self.model.pop_aux_loss()
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 got = (f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
                        if isinstance(loss, torch.Tensor) else type(loss).__name__)
