@@ -505,3 +505,26 @@ def test_a_failed_load_blocks_every_call_until_a_load_succeeds(tmp_path, monkeyp
     e.forward_backward({"tokens": _tokens(2)})
     assert e.optimizer_step()["step"] == 1
     e.close()
+
+
+def test_a_failed_backward_drops_the_pending_gradients():
+    """Part of a backward may have added into .grad before it failed; the engine cannot tell
+    which part, so it drops every pending gradient, and the next step starts clean."""
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise MemoryError("injected")
+
+    e = _engine()
+    e.forward_backward({"tokens": _tokens(2)})
+    with pytest.raises(MemoryError, match="injected"):
+        e.forward_backward({"tokens": _tokens(2)}, lambda x, b: -FailingBackward.apply(x).mean())
+    assert not e.pending_gradients and all(p.grad is None for p in e.model.parameters())
+    e.forward_backward({"tokens": _tokens(2)})
+    assert e.optimizer_step()["step"] == 1
+    e.close()

@@ -214,8 +214,9 @@ class Engine:
                 (total.reshape(()) * weight).backward()
             except BaseException as e:
                 self.zero_grad()
-                e.add_note("engine: backward failed; the gradients accumulated since the last optimizer_step "
-                           "were dropped (zero_grad)")
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note("engine: backward failed; the gradients accumulated since the last "
+                               "optimizer_step were dropped (zero_grad)")
                 raise
         self._accum_weight += weight
         out = {"loss": global_mean(local_scalar(loss.detach()))}
