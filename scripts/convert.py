@@ -319,8 +319,8 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
         args = family.hf_adapter.args_from_hf_config(config)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e).splitlines()[0]
-        raise ConfigError(f"{config_path}: {what}; allowed: a config.json of the architecture "
-                          f"{model_type!r} describes") from None
+        allowed = "" if "allowed:" in what else f"; allowed: a config.json of a {model_type!r} model"
+        raise ConfigError(f"{config_path}: {what}{allowed}") from None
     _check_hf_args(args, config_path)
     try:
         layout = family.hf_adapter.hf_layout(reader.shapes(), args)

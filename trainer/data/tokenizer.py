@@ -219,20 +219,20 @@ def _json_tables(spec, path: str) -> tuple[dict[str, int], dict[str, int], list[
                           f"{model.get('type') if isinstance(model, dict) else model!r}; allowed: BPE")
     for key in ("normalizer", "pre_tokenizer"):
         if spec.get(key) is not None and not isinstance(spec[key], dict):
-            refuse(f"{key} is a {type(spec[key]).__name__}; allowed: an object or null")
+            refuse(f"{key} is a {type(spec[key]).__name__}, expected an object or null")
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab:
         refuse("model.vocab is not a non-empty object of token -> id")
     owner: dict[int, str] = {}
     for token, idx in vocab.items():
         if not isinstance(idx, int) or isinstance(idx, bool) or idx < 0:
-            refuse(f"model.vocab[{token!r}] = {idx!r}; allowed: an integer id >= 0")
+            refuse(f"model.vocab[{token!r}] = {idx!r}, expected an integer id >= 0")
         if idx in owner:
             refuse(f"model.vocab: tokens {owner[idx]!r} and {token!r} share id {idx}; every id names one token")
         owner[idx] = token
     entries = spec.get("added_tokens") or []
     if not isinstance(entries, list):
-        refuse(f"added_tokens is a {type(entries).__name__}; allowed: a list of {{content, id}} objects")
+        refuse(f"added_tokens is a {type(entries).__name__}, expected a list of {{content, id}} objects")
     added: dict[str, int] = {}
     for i, t in enumerate(entries):
         content, idx = (t.get("content"), t.get("id")) if isinstance(t, dict) else (None, None)
@@ -246,12 +246,12 @@ def _json_tables(spec, path: str) -> tuple[dict[str, int], dict[str, int], list[
         added[content] = idx
     raw_merges = model.get("merges") or []
     if not isinstance(raw_merges, list):
-        refuse(f"model.merges is a {type(raw_merges).__name__}; allowed: a list")
+        refuse(f"model.merges is a {type(raw_merges).__name__}, expected a list")
     merges = []
     for i, m in enumerate(raw_merges):
         pair = m.split(" ", 1) if isinstance(m, str) else m
         if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
-            refuse(f"model.merges[{i}] = {m!r}; allowed: \"a b\" or [\"a\", \"b\"]")
+            refuse(f"model.merges[{i}] = {m!r}, expected \"a b\" or [\"a\", \"b\"]")
         merges.append((pair[0], pair[1]))
     return vocab, added, merges
 
