@@ -203,3 +203,21 @@ def test_a_failed_build_releases_the_lock_it_took(tmp_path):
         assert read_owner(tmp_path / "run" / LOCK_NAME) is None
     finally:
         runlock.release_all()
+
+
+def test_a_run_stopped_by_bad_input_leaves_the_folder_as_it_found_it(tmp_path, capsys):
+    """Bad data is found after the lock is taken (build_job step 3): the lock file and the folders
+    made for it are put back (the contract: bad input touches nothing)."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "no text field"}\n')
+    fresh = tmp_path / "new" / "run"
+    assert _main([*FAST, f"--job.dump_folder={fresh}", "--training.steps=2", f"--training.dataset={bad}"]) == 2
+    assert not (tmp_path / "new").exists()
+    used = tmp_path / "used"  # a folder an earlier run left, with its (emptied) lock file
+    used.mkdir()
+    (used / LOCK_NAME).write_text("")
+    os.utime(used / LOCK_NAME, ns=(1_000_000_000, 2_000_000_000))
+    before = _snapshot(used)
+    assert _main([*FAST, f"--job.dump_folder={used}", "--training.steps=2", f"--training.dataset={bad}"]) == 2
+    assert _snapshot(used) == before and os.stat(used / LOCK_NAME).st_mtime_ns == 2_000_000_000
+    assert capsys.readouterr().err.count("error: ") == 2 and not runlock._HELD

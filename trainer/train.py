@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return train(cfg)
     except ConfigError as e:
+        release_all(undo=True)  # bad input: the run folder's lock file as it was found
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLoss as e:

@@ -107,7 +107,17 @@ class RunLock:
         if held is not None:  # this process holds it already
             held._count += 1
             return held
+        made = [p for p in (self.path.parent.absolute(), *self.path.parent.absolute().parents) if not p.exists()]
         make_dir(self.path.parent, key=self.key)
+        existed = self.path.exists()
+        if existed:  # kept, so that a run stopped by bad input can leave the file as it found it
+            try:
+                st = os.stat(self.path)
+                self._before = (made, self.path.read_bytes(), st.st_atime_ns, st.st_mtime_ns)
+            except OSError:
+                self._before = (made, None, 0, 0)
+        else:
+            self._before = (made, None, 0, 0)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -126,7 +136,11 @@ class RunLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             check_writable_dir(self.path.parent, key=self.key)  # the lock file may be old: prove a file can be made
+        except FolderInUse:
+            os.close(fd)  # only opened: nothing changed
+            raise
         except BaseException:
+            self._undo(fd)
             os.close(fd)
             raise
         self._fd, self._count = fd, 1
@@ -154,7 +168,24 @@ class RunLock:
         raise self._refuse(record, extra=f"; this file system has no flock, so a run on another host cannot be "
                                          f"checked: delete {self.path} if that run has ended")
 
-    def release(self) -> None:
+    def _undo(self, fd: int) -> None:
+        """Put the lock file (and the folders made for it) back as acquire found them."""
+        made, old, atime_ns, mtime_ns = self._before
+        try:
+            if old is None:
+                self.path.unlink(missing_ok=True)
+                for p in made:  # deepest first; stops at the first that is not empty
+                    os.rmdir(p)
+            else:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, old, 0)
+                os.utime(self.path, ns=(atime_ns, mtime_ns))
+        except OSError:
+            pass
+
+    def release(self, *, undo: bool = False) -> None:
+        """Drop the lock (the last of a re-entrant count). undo: a run stopped by bad input; the
+        lock file and any folder made for it are put back as they were (nothing touched)."""
         if self._fd is None:
             return
         self._count -= 1
@@ -162,6 +193,10 @@ class RunLock:
             return
         fd, self._fd = self._fd, None
         _HELD.pop(os.path.realpath(self.folder), None)
+        if undo:
+            self._undo(fd)
+            os.close(fd)
+            return
         try:
             if self._remove_on_release:
                 # A beside-file would be litter. (A run opening it in this instant may lock the
@@ -196,7 +231,8 @@ def lock_destination(dest: str | os.PathLike, *, key: str, who: str) -> RunLock:
 @contextlib.contextmanager
 def released_on_error():
     """Locks this process takes inside the block are released if the block raises (a run that
-    stops on bad input after taking its lock frees the folder at once, not at process exit)."""
+    stops on bad input after taking its lock frees the folder at once, and leaves the lock file
+    and the folders made for it as they were)."""
     before = set(_HELD)
     try:
         yield
@@ -204,15 +240,16 @@ def released_on_error():
         for folder in set(_HELD) - before:
             lock = _HELD[folder]
             lock._count = 1
-            lock.release()
+            lock.release(undo=True)
         raise
 
 
-def release_all() -> None:
-    """Drop every lock this process holds (the trainer's exit; the OS would at process exit)."""
+def release_all(*, undo: bool = False) -> None:
+    """Drop every lock this process holds (the trainer's exit; the OS would at process exit).
+    undo: the run stopped on bad input; put each lock file back as it was found."""
     for lock in list(_HELD.values()):
         lock._count = 1
-        lock.release()
+        lock.release(undo=undo)
 
 
 def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
@@ -247,6 +284,6 @@ def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
             dist.destroy_process_group(group)
     if problem is not None:
         for lock in held:
-            lock.release()
+            lock.release(undo=True)
         raise ConfigError(problem)
     return held
