@@ -12,7 +12,9 @@ repeats. Prints a table and writes CSV (summary to --out, one row per run to <ou
 
 Variants: eager, compile, graph, graph_scan, or NAME='--section.key=value ...' via --variant
 (NAME@2 or NAME@2+4: only at those process counts).
-Arguments after `--` are passed to every run of ours.
+Arguments after `--` are passed to every run of ours. Bad input (a flag, the recipe, a variant's
+overrides or the arguments after `--`, resolved as the trainer will) prints one `error:` line and
+exits with status 2 before the first run starts.
 
 `--peer torchtitan` adds TorchTitan 0.3.0's own trainer (scripts/reference_torchtitan.py, run in the
 peer venv that scripts/peer_env.sh builds) to every repeat, interleaved with our variants, and a

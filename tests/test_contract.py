@@ -265,8 +265,7 @@ def rows(v) -> dict[str, list[ci.Case]]:
         for cls, label, apply, names in damages:
             work = work_dir()
             dst = _copy(src, os.path.join(work, dst_name))
-            target = dst if os.path.isfile(dst) else dst
-            apply(target)
+            apply(dst)
             r = _in(work, recipe)
             set_path(r, dst)
             rpath = os.path.join(work, "recipe.toml")
