@@ -451,6 +451,22 @@ def rows(v) -> dict[str, list[ci.Case]]:
         out["launch"].append(ci.Case("launch", cls, label, ["-m", "trainer.launch", "--platform", "manual",
                                                             "--device", "cpu", "--dry-run", *manual, flag, bad, "--",
                                                             "--config", lm_path], [flag, words[flag]]))
+    # the launcher's environment (Slurm's variables, the rendezvous port) and a TPU launch without torch-tpu
+    slurm = {"SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node1", "MASTER_PORT": "29501"}
+    env_keys = [("SLURM_NNODES",), ("SLURM_NODEID",),
+                (("MASTER_PORT",), [("wrong_type", "str", "many"), ("out_of_range", "65536", 65536)])]
+    for cls, label, env in ci.damage_data({k: int(v) if v.isdigit() else v for k, v in slurm.items()}, env_keys):
+        key = label.split("=")[0]
+        out["launch"].append(ci.Case("launch", cls, label, ["-m", "trainer.launch", "--platform", "slurm", "--device",
+                                                            "cpu", "--nproc-per-node", "1", "--dry-run", "--",
+                                                            "--config", lm_path], [key],
+                                     env={k: str(val) for k, val in env.items()}))
+    import importlib.util
+
+    if importlib.util.find_spec("torch_tpu") is None:
+        out["launch"].append(ci.Case("launch", "inconsistent", "device-tpu-without-torch-tpu",
+                                     ["-m", "trainer.launch", "--platform", "manual", "--device", "tpu", *manual,
+                                      "--dry-run", "--", "--config", lm_path], ["torch-tpu"]))
     return out
 
 
@@ -498,6 +514,8 @@ def table(valid, tmp_path_factory):
 
 
 KNOWN: dict[str, str] = {
+    "launch-out_of_range-SLURM_N": "trainer/launch.py (another part of issue 29): a negative SLURM_NNODES or "
+                                   "SLURM_NODEID is refused as 'node rank 0 of -2 nodes', not naming the variable",
 }
 """Case-id prefixes of failures in files this test's part does not own, reported to their owner;
 the test requires them to still fail, so a fix shows up here and its entry is removed."""
@@ -577,7 +595,8 @@ def test_runner_matches_a_real_process(table):
     """The forked runner gives what a real `python ...` process gives: the same exit status and
     stderr for one case of each of three entry points (a module, a script, a script reading a run)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for entry in ("train", "convert_from_hf", "sample"):
+    entries = [e for e in ("train", "convert_from_hf", "sample") if table.get(e)]  # all but with CONTRACT_ONLY
+    for entry in entries:
         case, result, _, _ = table[entry][0]
         proc = subprocess.run([PY, *case.argv], cwd=ROOT, env={**env, **case.env}, capture_output=True, text=True,
                               timeout=300)
