@@ -513,10 +513,7 @@ def table(valid, tmp_path_factory):
     return out
 
 
-KNOWN: dict[str, str] = {
-    "launch-out_of_range-SLURM_N": "trainer/launch.py (another part of issue 29): a negative SLURM_NNODES or "
-                                   "SLURM_NODEID is refused as 'node rank 0 of -2 nodes', not naming the variable",
-}
+KNOWN: dict[str, str] = {}
 """Case-id prefixes of failures in files this test's part does not own, reported to their owner;
 the test requires them to still fail, so a fix shows up here and its entry is removed."""
 

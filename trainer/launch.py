@@ -213,6 +213,12 @@ def plan_slurm(env: Mapping[str, str], *, port: int, nproc_override: int | None 
                device: str = "cuda") -> LaunchPlan:
     nnodes = _int(env, "SLURM_NNODES", allowed="the job's node count (Slurm sets it)")
     rank = _int(env, "SLURM_NODEID", allowed="this node's index (Slurm sets it)")
+    if nnodes < 1:
+        raise ConfigError(f"launch: environment variable SLURM_NNODES is {nnodes}; allowed: the job's node "
+                          "count, >= 1 (Slurm sets it)")
+    if not 0 <= rank < nnodes:
+        raise ConfigError(f"launch: environment variable SLURM_NODEID is {rank}; allowed: this node's index, "
+                          f"0 .. SLURM_NNODES - 1 = {nnodes - 1} (Slurm sets it)")
     if "SLURM_JOB_NODELIST" not in env:
         raise ConfigError("launch: environment variable SLURM_JOB_NODELIST is not set; allowed: the job's node list")
     nproc = nproc_override if nproc_override is not None else _local_gpus()
