@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
+from trainer.runtime.atomic import WriteFailed  # noqa: E402
 
 CHANCE = {"colour": 1 / 6, "position": 1 / 5}
 
@@ -106,6 +107,7 @@ def _run(argv: list[str]) -> int:
     from tools.flux_run import load_run
     from trainer.tasks.flux_sample import image_grid, save_png
     from scripts.sample import write_sidecar
+    from trainer.runtime.atomic import atomic_file, atomic_path
 
     trained = load_run(ns.run, step=ns.step, seed=ns.seed)
     untrained = load_run(ns.run, untrained=True, seed=ns.seed)
@@ -121,11 +123,11 @@ def _run(argv: list[str]) -> int:
                                 cfg_scale=ns.cfg_scale, seed=ns.seed)
         results[name] = summary(rows)
         all_rows += [{"model": name, **r} for r in rows]
-        save_png(image_grid(images, ncols=ns.samples_per_prompt), str(png), scale=4)
+        with atomic_path(png, what="evaluation grid") as tmp:  # a failed write leaves no partial PNG
+            save_png(image_grid(images, ncols=ns.samples_per_prompt), str(tmp), scale=4)
         write_sidecar(str(png.with_suffix(".txt")), [p["caption"] for p in prompts for _ in range(ns.samples_per_prompt)],
                       ncols=ns.samples_per_prompt, header=f"# {name}: {run.checkpoint or 'initialized model'}")
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(csv_path, "w", newline="") as f:
+    with atomic_file(csv_path, what="evaluation table", mode="w") as f:
         writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
         writer.writeheader()
         writer.writerows(all_rows)
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WriteFailed as e:  # disk full, file too large, permission: nothing partial at the destination
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -212,3 +212,27 @@ def test_eval_flux_runs_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
     assert {(r["colour"], r["shape"], r["position"]) for r in rows} == set(HELDOUT_COMBOS)
     assert all(r["colour_ok"] == str(int(r["read_colour"] == r["colour"])) for r in rows)
     assert (tmp_path / "eval.png").is_file() and (tmp_path / "eval_untrained.png").is_file()
+
+
+def test_eval_flux_disk_full_leaves_nothing_partial(tiny_run, tmp_path, capsys, monkeypatch):
+    """A write that fails (ENOSPC injected into the PNG writer after it wrote a partial file) is one
+    `error:` line with the errno text, exit 1, and leaves no file and no temporary at the outputs."""
+    import errno
+
+    from trainer.tasks import flux_sample
+
+    real = flux_sample.save_png
+
+    def failing_save_png(grid, path, **kw):
+        real(grid, path, **kw)  # a partial output exists when the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(flux_sample, "save_png", failing_save_png)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, _, err = _main("eval_flux", capsys, "--run", str(tiny_run[0]), "--samples-per-prompt", "1",
+                         "--steps", "1", "--csv", str(out_dir / "eval.csv"), "--grid", str(out_dir / "eval.png"))
+    assert code == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]  # (transformers' load bars also print)
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "Traceback" not in err
+    assert list(out_dir.iterdir()) == []
