@@ -142,26 +142,10 @@ def atomic_dir(dest: str | os.PathLike, *, what: str = "output", replace: bool =
 def atomic_file(dest: str | os.PathLike, *, what: str = "file", mode: str = "wb") -> Iterator:
     """Yield a file object open on a temporary name next to `dest`; flush, fsync and rename it to
     `dest` when the block ends (replacing an older `dest`). Removed on any error (see atomic_dir)."""
-    dest = Path(dest)
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".tmp-{dest.name}-", dir=dest.parent)
-    except OSError as e:
-        raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}") from e
-    tmp = Path(name)
-    try:
-        with os.fdopen(fd, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, dest)
-    except BaseException as e:
-        _remove(tmp)
-        if _is_write_error(e):
-            raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; "
-                              f"{dest} is unchanged") from e
-        raise
+    with atomic_path(dest, what=what) as tmp, open(tmp, mode) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager
