@@ -160,16 +160,7 @@ def recipe_cases(recipe: dict, keys: list, *, file_damage: bool = True):
 
 def _rebind(apply):
     """damage_file's closures act on the path they were made for; re-make them per case path."""
-    name = apply.__name__
-
-    def run(path):
-        fmt = "toml" if path.endswith(".toml") else "json" if path.endswith(".json") else "text"
-        for _, _, fn in ci.damage_file(path, fmt=fmt):
-            if fn.__name__ == name:
-                fn()
-                return
-        raise AssertionError(name)
-    return run
+    return _rebind_as(apply, None)
 
 
 def _in(work: str, data: dict) -> dict:
@@ -471,10 +462,12 @@ def rows(v) -> dict[str, list[ci.Case]]:
 
 
 def _rebind_as(apply, fmt):
+    """`_rebind` for a file read as `fmt` whatever its name (None: from the extension)."""
     name = apply.__name__
 
     def run(path):
-        for _, _, fn in ci.damage_file(path, fmt=fmt):
+        kind = fmt or ("toml" if path.endswith(".toml") else "json" if path.endswith(".json") else "text")
+        for _, _, fn in ci.damage_file(path, fmt=kind):
             if fn.__name__ == name:
                 fn()
                 return
