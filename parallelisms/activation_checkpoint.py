@@ -29,7 +29,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-import kernels
+import titan_kernels
 from models.common.plan import ModelPlan
 from models.errors import ConfigError
 
@@ -55,7 +55,7 @@ _SAVE_OPS = _save_ops()
 def sac_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective AC: save matmul / attention / reduce-scatter outputs, recompute the rest."""
     del ctx, args, kwargs
-    save = func in _SAVE_OPS or func in kernels.saved_ops()
+    save = func in _SAVE_OPS or func in titan_kernels.saved_ops()
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 

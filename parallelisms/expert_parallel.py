@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kernels.collectives import ragged_all_to_all_for
+from titan_kernels.collectives import ragged_all_to_all_for
 
 from models.common.plan import ModelPlan
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
@@ -210,8 +210,8 @@ def dispatch_combine_static(
     leaves them uninitialised) and are replaced by zeros before they go anywhere; they are never
     sent back, so neither they nor their gradients reach a real row.
 
-    Transport: with `ragged_all_to_all` (torch-tpu's op, or `kernels.collectives`' emulation;
-    contract in kernels/collectives.py) only real rows travel, with device-side offsets; without
+    Transport: with `ragged_all_to_all` (torch-tpu's op, or `titan_kernels.collectives`' emulation;
+    contract in titan_kernels/collectives.py) only real rows travel, with device-side offsets; without
     it, equal-split all-to-alls of the worst-case buffers (`ep x P` rows each way; any backend).
     `ep_group` is the 1-D EP mesh or `(process group name, size, rank in it)`: a layer-scan body
     must name its groups (a mesh or ProcessGroup object cannot enter torch's scan).

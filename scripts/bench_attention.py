@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import cpu_attention  # noqa: E402
+from titan_kernels import cpu_attention  # noqa: E402
 
 
 def _time_s(fn) -> float:

@@ -50,7 +50,7 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
     """Measure one (variant, n_layers) in this process; returns a result row."""
     import torch
 
-    import kernels
+    import titan_kernels
     from models.llama3 import FLAVORS, Transformer
     from models.llama3.plan import PLAN
     from parallelisms import clip_grad_norm_
@@ -61,7 +61,7 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
     from trainer.step import EagerStep
 
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=n_layers, max_seq_len=seq)
-    kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
+    titan_kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
 
     def build(kind: str):
         torch.manual_seed(0)

@@ -55,7 +55,7 @@ def main() -> int:
 
     import torch
 
-    import kernels
+    import titan_kernels
     from models.llama3 import FLAVORS, Transformer
     from models.llama3.plan import PLAN
     from parallelisms.simple_fsdp import data_parallel
@@ -66,7 +66,7 @@ def main() -> int:
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=a.n_layers, max_seq_len=max(a.seq, 2048))
     if a.ttshape:
         args = dataclasses.replace(args, n_kv_heads=16, vocab_size=2048, multiple_of=256)
-    kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
+    titan_kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
 
     def build(variant: str):
         torch.manual_seed(0)

@@ -1,6 +1,7 @@
 # Sourced by train.sh and test.sh: make .venv if it is missing or out of date, then activate it.
 # On a machine without torch, the pinned torch goes in first so that hosts with a local CPU wheel
 # take it (an unpinned torch would pull a multi-GB CUDA build). Override with TORCH_SPEC=...
+# The rest installs under the lock constraints/dev.txt (exact versions of the [dev] tree).
 #
 # `source scripts/env.sh tpu` (TPU VMs; never on CPU CI): a separate venv, .venv-tpu, on Python
 # 3.11 (torch-tpu 0.2.0 is a cp311 wheel): python3 when it is 3.11, else `uv venv --python 3.11`
@@ -12,8 +13,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${1:-}"
 case ",$EXTRAS," in *,tpu,*) TPU=1 ;; *) TPU=0 ;; esac
 if [ "$TPU" = 1 ]; then VENV="${TITAN_VENV:-$ROOT/.venv-tpu}"; else VENV="${TITAN_VENV:-$ROOT/.venv}"; fi
-PINS=""
-[ "$TPU" = 1 ] && PINS="$(sha1sum < "$ROOT/constraints/tpu.txt")"
+if [ "$TPU" = 1 ]; then LOCK="$ROOT/constraints/tpu.txt"; else LOCK="$ROOT/constraints/dev.txt"; fi
+PINS="$(sha1sum < "$LOCK")"
 STAMP="$VENV/.titan-installed-$( (cat "$ROOT/pyproject.toml"; printf '%s' "$PINS") | sha1sum | cut -c1-12)${EXTRAS:+-$EXTRAS}"
 if [ ! -f "$STAMP" ] && [ -n "${TITAN_NO_INSTALL:-}" ]; then
   # TITAN_NO_INSTALL=1: use an existing venv as it is, never install into it (tests that run the
@@ -58,7 +59,7 @@ if [ ! -f "$STAMP" ]; then
     if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
       "$VENV/bin/pip" install -q "${TORCH_SPEC:-torch==2.13.0}"
     fi
-    "$VENV/bin/pip" install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    "$VENV/bin/pip" install -q -c "$LOCK" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   fi
   touch "$STAMP"
 fi

@@ -15,7 +15,7 @@ would run on a TPU (`trainer.step.plan_step` with device tpu): full depth, `[com
 `mixed_precision_param` cast, the global batch (local batch x devices), and the Pallas kernels a
 TPU run calls as opaque ops (`--kernels pallas`, the default: splash attention, megablox gmm for
 MoE experts, the fused linear + cross-entropy when `[training] fused_loss` selects it, which
-`auto` does on TPU; kernels/tpu/capture.py). torchax lowers it; it is compiled for a compile-only
+`auto` does on TPU; titan_kernels/tpu/capture.py). torchax lowers it; it is compiled for a compile-only
 topology of the target (`jax.experimental.topologies`) with every tensor sharded over all devices
 (parameters and optimizer state: SimpleFSDP's Shard(0) where dim 0 divides, else the largest dim
 that divides; tokens: data parallel). XLA's SPMD partitioner turns that into the per-device
@@ -415,7 +415,7 @@ def worker(spec: dict) -> dict:
     if not step_plan.scan:  # unrolled blocks are checkpointed where the trainer does it
         apply_ac(model, plan=plan, mode=step_plan.block_ac)
     if spec["kernels"] == "pallas":
-        from kernels.tpu import capture
+        from titan_kernels.tpu import capture
 
         capture.install()
     record_first_call(clone=False, stop=True)

@@ -33,12 +33,13 @@ WIDTH = 100
 NAME_COL = 16
 EXPANDED = ("trainer", "models", "parallelisms")
 """Top-level packages whose modules are listed; trainer's subpackages are listed one level deeper."""
-ORDER = ("trainer", "models", "kernels", "parallelisms", "planner", "tools", "configs", "constraints", "scripts",
+ORDER = ("trainer", "models", "titan_kernels", "parallelisms", "planner", "tools", "configs", "constraints", "scripts",
          "tests", "examples", "assets", "docs")
 FOLDERS = {
     "configs": "TOML recipes, <model>_<size>[_<target>].toml; a pod recipe names its `[job] target`",
-    "constraints": "tpu.txt: the TPU stack's exact pins (torch CPU build, torch-tpu, libtpu, jax), used by "
-                   "scripts/env.sh tpu (docs/tpu.md)",
+    "constraints": "dev.txt: the CPU/GPU venv's lock (every package of the [dev] tree, exact), used by "
+                   "scripts/env.sh for .venv; tpu.txt: the TPU stack's exact pins (torch CPU build, torch-tpu, "
+                   "libtpu, jax), used by scripts/env.sh tpu (docs/tpu.md)",
     "scripts": "train.sh, test.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, convert.py (HF <-> DCP), "
                "sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders, bench_*.py, "
                "the doc generators",

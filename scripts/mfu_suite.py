@@ -357,7 +357,7 @@ def program_times(costs: dict, *, peak: float, hbm: float, ici: dict, target_dev
     summary = xp.summarize(Path(costs["hlo"]).read_text(), mesh={"fsdp": devices})
     ops = summary["ops"]
     xla_s = xp.compute_time(ops, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
-    # Kernels: the capture's model (kernels/tpu/capture.py) for every kernel call, with the bytes of
+    # Kernels: the capture's model (titan_kernels/tpu/capture.py) for every kernel call, with the bytes of
     # the calls that carry their own CostEstimate (megablox gmm / tgmm) replaced by it.
     model = costs.get("kernel_cost") or {}
     est = [o for o in ops if o.kind == "kernel"]

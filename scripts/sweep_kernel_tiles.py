@@ -10,7 +10,7 @@ For each kernel, generation and shape (the recipes' by default: the MoE experts'
 rows and `--vocab`), the candidates are every combination of power-of-two tiles from 128 up
 (gmm: tm to 1024, tk/tn to 2048; loss: block_n to 1024, block_v to 2048) that the kernel
 accepts (tk, tn whole dimensions or dividing them) and whose working-set estimate fits the
-generation's VMEM budget (kernels/tpu/tiles.py: the same estimate and budget the kernels use).
+generation's VMEM budget (titan_kernels/tpu/tiles.py: the same estimate and budget the kernels use).
 - `list`: print the candidates and what the filter dropped; with `--out`, write the rule's
   pick (the roofline model for gmm, the largest row block for the loss) as the table. Pure
   Python (no jax): runs anywhere.
@@ -41,7 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "kernels" / "tpu"))
+sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))
 import tiles  # noqa: E402  (pure Python; the kernels import it the same way in the probes)
 
 KERNELS = ("gmm", "fused_ce")
@@ -189,7 +189,7 @@ def write_table(path: Path, picks: dict, sources: dict) -> None:
             table.setdefault(kernel, {}).setdefault(gen, {}).update(entries)
     table.setdefault("source", {}).update(sources)
     tiles.check_table(table)
-    lines = ["# Block sizes of the Pallas kernels per TPU generation (read by kernels/tpu/tiles.py; the rule",
+    lines = ["# Block sizes of the Pallas kernels per TPU generation (read by titan_kernels/tpu/tiles.py; the rule",
              "# for shapes not listed is in its docstring). Written by scripts/sweep_kernel_tiles.py.",
              "# gmm: shape class \"KxN\" -> [tm, tk, tn]; fused_ce: \"d<dim>\" -> [block_n, block_v].", "",
              "[source]"]

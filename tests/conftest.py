@@ -2,7 +2,7 @@
 the platform and device markers skip what this host cannot run.
 
 `trainer.train` (run in-process by some tests) registers kernels for the rest of its process
-(`kernels.select`); without this reset a later test would silently run on whatever an earlier
+(`titan_kernels.select`); without this reset a later test would silently run on whatever an earlier
 test selected, and its result would depend on the CPU's instruction set.
 
 Markers (pyproject.toml): `linux` (reads /proc; `linux_only` below marks and skips off Linux),

@@ -1,4 +1,4 @@
-"""The CPU attention kernel (kernels/cpu_attention) against SDPA in float64, and its op plumbing.
+"""The CPU attention kernel (titan_kernels/cpu_attention) against SDPA in float64, and its op plumbing.
 
 fp32 must match the float64 reference to 2e-5 (forward and all three gradients); bf16 must be
 no worse than ATen's own bf16 flash kernel on the same inputs (x1.25, plus 1e-3 slack).
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_attention
+import titan_kernels
+from titan_kernels import cpu_attention
 from models.common.attention import Attention
 
 
@@ -112,7 +112,7 @@ def test_attention_module_backends_agree():
     outs, grads = {}, {}
     for name, module in attn.items():
         xi = x.clone().requires_grad_()
-        with kernels.use(attention=name) as chosen:
+        with titan_kernels.use(attention=name) as chosen:
             assert chosen.startswith(name)
             outs[name] = module(xi, cos, sin)
         outs[name].square().sum().backward()
@@ -141,9 +141,9 @@ def test_inputs_the_kernel_does_not_handle_go_to_sdpa():
     """head_dim 24 is not a multiple of the vector width: served by SDPA, same result."""
     attn = Attention(dim=96, n_heads=4, n_kv_heads=4, head_dim=24)
     x, cos, sin = torch.randn(1, 8, 96), torch.ones(8, 24), torch.zeros(8, 24)
-    with kernels.use(attention="sdpa"):
+    with titan_kernels.use(attention="sdpa"):
         want = attn(x, cos, sin)
-    with kernels.use(attention="cpu_kernel"):
+    with titan_kernels.use(attention="cpu_kernel"):
         got = attn(x, cos, sin)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
@@ -171,7 +171,7 @@ def test_selective_ac_saves_the_kernel_output():
 
     from parallelisms.activation_checkpoint import sac_policy
 
-    kernels.select(attention="auto", device=torch.device("cpu"))  # registers the kernel's ops as saved
+    titan_kernels.select(attention="auto", device=torch.device("cpu"))  # registers the kernel's ops as saved
     assert sac_policy(None, torch.ops.titan_cpu.attn_fwd.default) == CheckpointPolicy.MUST_SAVE
 
 
@@ -210,12 +210,12 @@ def test_avx2_build_matches_float64(tmp_path):
 @needs_kernel
 def test_select_reports_the_kernel():
     cpu = torch.device("cpu")
-    with kernels.use(attention="auto") as chosen:
+    with titan_kernels.use(attention="auto") as chosen:
         assert chosen.startswith("auto (cpu kernel loaded")
-        assert kernels.saved_ops() >= set(cpu_attention.ops())
-    with kernels.use(attention="sdpa") as chosen:
+        assert titan_kernels.saved_ops() >= set(cpu_attention.ops())
+    with titan_kernels.use(attention="sdpa") as chosen:
         assert chosen == "sdpa"
-    assert kernels.select(attention="auto", device=torch.device("meta")) == "sdpa"  # not a CPU run
+    assert titan_kernels.select(attention="auto", device=torch.device("meta")) == "sdpa"  # not a CPU run
     del cpu
 
 
@@ -227,15 +227,15 @@ def test_select_falls_back_where_the_kernel_cannot_build(monkeypatch):
 
     monkeypatch.setattr(cpu_attention, "_state", {"ok": False, "error": "no compiler"})
     cpu = torch.device("cpu")
-    with kernels.use(attention="auto") as chosen:
+    with titan_kernels.use(attention="auto") as chosen:
         assert chosen == "sdpa (cpu kernel unavailable: no compiler)"
         assert ops.implementation("causal_attention") is ops.sdpa_causal_attention
     with pytest.raises(ConfigError, match="model.attn_backend: cpu_kernel cannot be built here"):
-        kernels.select(attention="cpu_kernel", device=cpu)
+        titan_kernels.select(attention="cpu_kernel", device=cpu)
     with pytest.raises(ConfigError, match="CPU only"):
-        kernels.select(attention="cpu_kernel", device=torch.device("meta"))
+        titan_kernels.select(attention="cpu_kernel", device=torch.device("meta"))
     with pytest.raises(ConfigError, match="model.attn_backend: 'flash' is not supported"):
-        kernels.select(attention="flash", device=cpu)
+        titan_kernels.select(attention="flash", device=cpu)
 
 
 def test_stale_build_lock_is_removed(tmp_path):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("trainer", "models", "parallelisms", "planner", "tools", "kernels")
+PACKAGES = ("trainer", "models", "parallelisms", "planner", "tools", "titan_kernels")
 FILE_ROOTS = PACKAGES + ("scripts", "tests", "examples", "configs")
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 

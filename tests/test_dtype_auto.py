@@ -1,6 +1,6 @@
 """`[training] mixed_precision_param = "auto"`: the CPU matmul probe, its cache, the choice, the
 ranks' agreement, the attention line and the MFU peak that follow from it (trainer/runtime/device.py,
-trainer/runtime/flops.py, kernels.select). The probe's timings are mocked except in one test that
+trainer/runtime/flops.py, titan_kernels.select). The probe's timings are mocked except in one test that
 measures for real, so the choice tested never depends on this machine's CPU."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import kernels
-from kernels import cpu_attention
+import titan_kernels
+from titan_kernels import cpu_attention
 from models.errors import ConfigError
 from trainer.runtime import device as dev
 from trainer.runtime import flops
@@ -169,9 +169,9 @@ def test_attention_line_follows_the_dtype(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_ISA", ("avx512", "flags", 16, False))  # AVX-512 without BF16
     assert cpu_attention.applies(torch.float32, 16) and cpu_attention.applies(torch.float32, 32)
     assert not cpu_attention.applies(torch.float32, 64) and not cpu_attention.applies(torch.bfloat16, 16)
-    line = kernels.select(attention="auto", device=CPU, dtype=torch.float32, head_dim=16)
+    line = titan_kernels.select(attention="auto", device=CPU, dtype=torch.float32, head_dim=16)
     assert line == "auto (cpu kernel for float32 at head_dim 16)"
-    line = kernels.select(attention="auto", device=CPU, dtype=torch.bfloat16, head_dim=16)
+    line = titan_kernels.select(attention="auto", device=CPU, dtype=torch.bfloat16, head_dim=16)
     assert line.startswith("auto (sdpa") and "bfloat16" in line
     monkeypatch.setattr(cpu_attention, "_ISA", ("avx512_bf16", "flags", 16, True))
     monkeypatch.setitem(cpu_attention._state, "amx", False)  # AVX512-BF16 dot products: bf16 up to 128

@@ -166,13 +166,13 @@ def test_static_dispatch_equals_ragged_dispatch(routing, world_size, transport):
     """`dispatch_combine_static` = `dispatch_combine`: same rows back and the same input and
     expert-weight gradients, to fp32 summation order (1e-6), with both transports (equal-split
     all-to-alls; torch-tpu's ragged all-to-all contract, emulated), and with the emulation run
-    without autograd inside `kernels.collectives.differentiable` (as torch-tpu's op, which has no
+    without autograd inside `titan_kernels.collectives.differentiable` (as torch-tpu's op, which has no
     autograd kernel: the gradients then come from its reverse all-to-all). The experts get counts
     that cover the real rows only (the same counts as the ragged dispatch gives them), and
     padding rows whose outputs and gradients are NaN leak into nothing."""
     import functools
 
-    from kernels.collectives import differentiable, emulate_ragged_all_to_all
+    from titan_kernels.collectives import differentiable, emulate_ragged_all_to_all
     from models.common.moe import GroupedExperts
     from parallelisms.expert_parallel import dispatch_combine, dispatch_combine_static
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from kernels import cpu_attention
+from titan_kernels import cpu_attention
 from trainer.runtime import flops, pci
 
 aten = torch.ops.aten

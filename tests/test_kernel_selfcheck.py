@@ -1,11 +1,11 @@
 """The TPU kernels' start-up self-check, the JAX platform pin and the tile rule, on the CPU.
 
-kernels/tpu/selfcheck.py decides, per op, whether a kernel may serve the run: it runs the
+titan_kernels/tpu/selfcheck.py decides, per op, whether a kernel may serve the run: it runs the
 implementation and the op's torch reference on tiny inputs and compares. Here the
 implementations are injected torch functions (no jax, no torch-tpu in this process): one that
 agrees as a bf16 kernel would (an independent formula computed in bf16), one that raises, and
 ones that disagree the way kernel bugs do (no causal mask, a shifted group, a missing ignore
-mask, a non-finite value). kernels/tpu/tiles.py is pure Python; its rule is checked against the
+mask, a non-finite value). titan_kernels/tpu/tiles.py is pure Python; its rule is checked against the
 VMEM facts it encodes.
 """
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.tpu import pin_jax_platform, selfcheck, tiles
+import titan_kernels
+from titan_kernels.tpu import pin_jax_platform, selfcheck, tiles
 from models.common import ops
 
 BF16 = torch.bfloat16
@@ -128,7 +128,7 @@ def test_select_registers_only_the_kernels_that_passed_and_prints_one_line_per_f
     try:
         passed, verdicts = selfcheck.run(impls, device=CPU, dtype=BF16, head_dim=32)
         assert set(passed) == {"causal_attention"}
-        line = kernels._register_tpu("auto", passed, verdicts, saved=[])
+        line = titan_kernels._register_tpu("auto", passed, verdicts, saved=[])
         assert ops.implementation("causal_attention") is impls["causal_attention"]
         assert ops.implementation("grouped_mm") is ops.torch_grouped_mm  # the reference
         assert ops.implementation("linear_cross_entropy") is ops.chunked_linear_cross_entropy
@@ -146,7 +146,7 @@ def test_splash_failing_its_check_falls_back_to_sdpa_even_when_asked_for(capsys)
     saved = {op: ops.register(op, None) for op in ops.OPS}
     try:
         passed, verdicts = selfcheck.run({"causal_attention": _raises}, device=CPU, dtype=BF16)
-        line = kernels._register_tpu("splash", passed, verdicts, saved=[])
+        line = titan_kernels._register_tpu("splash", passed, verdicts, saved=[])
         assert ops.implementation("causal_attention") is ops.sdpa_causal_attention
     finally:
         for op, fn in saved.items():

@@ -2,7 +2,7 @@
 
 Read from the source with `ast` (nothing is imported), counting every import, the function-local
 ones too (they hide the dependency graph, not remove it):
-- the layering is tools -> planner -> trainer -> parallelisms -> kernels -> models, with
+- the layering is tools -> planner -> trainer -> parallelisms -> titan_kernels -> models, with
   nothing running back up, and no product package imports `tools` (tests and scripts only);
 - no import cycle between modules of the product;
 - no private name (`_x`) is imported across packages (trainer's subpackages count as packages);
@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("models", "kernels", "parallelisms", "trainer", "planner", "tools")  # bottom to top
+LAYERS = ("models", "titan_kernels", "parallelisms", "trainer", "planner", "tools")  # bottom to top
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 
@@ -134,3 +134,19 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
                   test_no_private_names_imported_across_packages):
         with pytest.raises(AssertionError):
             check()
+
+
+def test_top_level_packages_shadow_no_installed_distribution():
+    """Our top-level package names must not be another distribution's import name: transformers
+    5.25 made Hugging Face's `kernels` a dependency, and our package then called `kernels` shadowed
+    it (`from kernels import CUDAProperties` failed inside `import transformers.activations`). Checked
+    against every distribution installed next to us (the [dev] extras pull transformers, diffusers,
+    datasets and their trees) and against a few import names of that ecosystem that are easy to take."""
+    import importlib.metadata
+
+    owners = importlib.metadata.packages_distributions()
+    taken = {"kernels", "accelerate", "peft", "optimum", "torchtitan", "torchax", "torch_xla"}
+    for pkg in LAYERS:
+        others = sorted(d for d in owners.get(pkg, []) if d.lower().replace("_", "-") != "titan-tpu")
+        assert not others, f"top-level package {pkg!r} is also the import name of {others}"
+        assert pkg not in taken, f"top-level package {pkg!r} is a known import name of another project"

@@ -1,4 +1,4 @@
-"""The torch references of the model ops (models/common/ops.py) and their selection (kernels/).
+"""The torch references of the model ops (models/common/ops.py) and their selection (titan_kernels/).
 
 These references serve every device that has no kernel for an op, so they must be exact and
 traceable without host reads. Bounds (float32, u = 2^-24): two computations of the same sums
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
+import titan_kernels
 from models.common import ops
 from models.errors import ConfigError
 
@@ -203,15 +203,15 @@ def test_linear_cross_entropy_compiles_fullgraph():
 
 def test_splash_is_tpu_only():
     with pytest.raises(ConfigError, match="splash runs on TPU only"):
-        kernels.select(attention="splash", device=torch.device("cpu"))
+        titan_kernels.select(attention="splash", device=torch.device("cpu"))
 
 
 def test_tpu_selection_registers_the_pallas_kernels(monkeypatch):
     """On a TPU `auto` and `splash` serve attention with splash, and gmm / the fused loss serve
     their ops whatever the attention backend; without the kernels `auto` falls back to SDPA and
-    `splash` is a config error. (kernels/tpu is faked: the real one needs torch-tpu.)"""
-    from kernels import tpu
-    from kernels.tpu import selfcheck
+    `splash` is a config error. (titan_kernels/tpu is faked: the real one needs torch-tpu.)"""
+    from titan_kernels import tpu
+    from titan_kernels.tpu import selfcheck
 
     tpu_device = types.SimpleNamespace(type="tpu")
     fake = {op: (lambda *a, op=op: op) for op in ("causal_attention", "grouped_mm", "linear_cross_entropy")}
@@ -220,14 +220,14 @@ def test_tpu_selection_registers_the_pallas_kernels(monkeypatch):
     # The fakes cannot pass the start-up self-check (tests/test_kernel_selfcheck.py tests it): all pass here.
     monkeypatch.setattr(selfcheck, "run", lambda impls, **kwargs: (dict(impls), []))
     for attention in ("auto", "splash"):
-        assert "splash" in kernels.select(attention=attention, device=tpu_device)
+        assert "splash" in titan_kernels.select(attention=attention, device=tpu_device)
         assert all(ops.implementation(op) is fake[op] for op in fake)
-    assert kernels.select(attention="sdpa", device=tpu_device).startswith("sdpa")
+    assert titan_kernels.select(attention="sdpa", device=tpu_device).startswith("sdpa")
     assert ops.implementation("causal_attention") is ops.sdpa_causal_attention
     assert ops.implementation("grouped_mm") is fake["grouped_mm"]
     monkeypatch.setattr(tpu, "load", lambda: None)
     monkeypatch.setattr(tpu, "load_error", lambda: "no jax")
-    assert "unavailable: no jax" in kernels.select(attention="auto", device=tpu_device)
+    assert "unavailable: no jax" in titan_kernels.select(attention="auto", device=tpu_device)
     assert ops.implementation("grouped_mm") is ops.torch_grouped_mm
     with pytest.raises(ConfigError, match="splash cannot be loaded here"):
-        kernels.select(attention="splash", device=tpu_device)
+        titan_kernels.select(attention="splash", device=tpu_device)

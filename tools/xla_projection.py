@@ -18,7 +18,7 @@ What is counted (docs/benchmarks.md, "Projections"):
   counted). Op time = max(FLOPs / peak, bytes / HBM bandwidth); compute time = the sum.
 - Mosaic (Pallas) custom calls: the `cost_estimate` their kernel attached (megablox gmm/tgmm)
   where the HLO carries one; the others are counted as `kernel_calls_without_estimate` and the
-  caller adds their FLOPs and bytes from its own model (kernels/tpu/capture.py).
+  caller adds their FLOPs and bytes from its own model (titan_kernels/tpu/capture.py).
 - Collectives: all-gather, reduce-scatter (also XLA:TPU's `all-reduce-scatter` fusions: an
   all-reduce whose result is sliced), all-reduce, all-to-all, collective-permute, sync or
   async (`*-start`). Bytes per device: the gathered result of an all-gather, the unscattered

@@ -25,7 +25,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from kernels import ATTENTION_BACKENDS
+from titan_kernels import ATTENTION_BACKENDS
 from models.errors import ConfigError
 from parallelisms.activation_checkpoint import AC_MODES
 from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
@@ -69,7 +69,7 @@ class ModelConfig:
     """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (hf: its one flavor, config); qwen3's MoE flavors are
     debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
     attn_backend: str = field(default="auto", metadata=_choices(*ATTENTION_BACKENDS))
-    """Implementation of the attention op (kernels/): auto (the CPU kernel for small head dims
+    """Implementation of the attention op (titan_kernels/): auto (the CPU kernel for small head dims
     on the CPU, splash on TPU, SDPA elsewhere), sdpa, cpu_kernel, or splash (Pallas, TPU only;
     see docs/attention.md)."""
     tokenizer: str = "bundled"

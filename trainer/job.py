@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-import kernels
+import titan_kernels
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from trainer import checkpoint as ckpt
@@ -163,7 +163,7 @@ class Job:
     local_batch_size: int
     grad_accum_steps: int
     attention: str
-    """The attention kernel `kernels.select` chose."""
+    """The attention kernel `titan_kernels.select` chose."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
@@ -288,10 +288,10 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
 
     # 4. Kernels, model.
     if check:  # the capture runs the ops' references; the kernels are the compile's (--compile)
-        kernels.check_attention_for(cfg.model.attn_backend, device_type)
+        titan_kernels.check_attention_for(cfg.model.attn_backend, device_type)
         attention = f"{cfg.model.attn_backend} on {device_type} (captured with the references)"
     else:
-        attention = kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
+        attention = titan_kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
                                    head_dim=plan.args.shape().head_dim)
     model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
                         parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,

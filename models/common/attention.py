@@ -3,7 +3,7 @@
 Heads are recovered with `view(batch, seq, -1, head_dim)`, so a tensor-parallel shard of
 `wq`/`wk`/`wv` (fewer local heads) runs unchanged; the GQA group size is likewise read from the
 local shapes. The attention product is the op `models.common.ops.causal_attention`, whose
-implementation (SDPA, the CPU kernel, a TPU kernel) `kernels/` chooses at start-up.
+implementation (SDPA, the CPU kernel, a TPU kernel) `titan_kernels/` chooses at start-up.
 """
 
 import torch

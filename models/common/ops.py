@@ -1,9 +1,9 @@
-"""The device-dependent ops that models call: one function per op, implementations from `kernels/`.
+"""The device-dependent ops that models call: one function per op, implementations from `titan_kernels/`.
 
 A model calls `causal_attention(q, k, v)`, `grouped_mm(x, w, group_sizes)` or
 `linear_cross_entropy(h, w, labels)`; it never picks an implementation. Which one serves an op
 on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at start-up by
-`kernels.select(...)`, which the trainer calls before building the model. With nothing
+`titan_kernels.select(...)`, which the trainer calls before building the model. With nothing
 registered the torch references below run; every kernel also falls back to them for inputs it
 does not handle. The references are exact, run on every device, and read nothing on the host
 (no `.item()`/`.tolist()`), so a model traces into one program with any of them.

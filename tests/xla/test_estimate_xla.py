@@ -1,7 +1,7 @@
 """scripts/estimate_xla.py: the deviceless XLA:TPU compile of a recipe's step with the Pallas kernels.
 
 The capture serves attention with `titan_capture::splash_*` ops and the fused loss (on by
-default on TPU) with `titan_capture::ce_*` (kernels/tpu/capture.py), lowered to the Pallas
+default on TPU) with `titan_capture::ce_*` (titan_kernels/tpu/capture.py), lowered to the Pallas
 kernels inside `shard_map`; libtpu's cost analysis gives a Mosaic call no FLOPs, so the worker
 adds each kernel call's FLOPs from its shapes. What can fail here:
 - the attention or the LM head is not in the kernels: then the compiler's own FLOPs (XLA ops)

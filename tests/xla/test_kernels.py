@@ -1,18 +1,18 @@
-"""Pallas kernels (kernels/tpu) against the torch references of the ops they serve, without a TPU.
+"""Pallas kernels (titan_kernels/tpu) against the torch references of the ops they serve, without a TPU.
 
 Four kinds of checks, each probe in its own subprocess (tests/xla/probes/kernels_*.py):
 - interpret mode (xla venv): forward and backward of each kernel run in Pallas' interpreter on
   the CPU, float32, odd sizes; the same inputs go through the op's torch reference
   (models/common/ops.py), and both are compared with that reference in float64. Splash's
-  backward is the residual one (kernels/tpu/splash.py `backward`), and its lowered backward
+  backward is the residual one (titan_kernels/tpu/splash.py `backward`), and its lowered backward
   holds the backward kernel alone (the names of the Pallas calls in its jaxpr).
-- the start-up self-check (kernels/tpu/selfcheck.py) with the real kernels in interpret mode,
+- the start-up self-check (titan_kernels/tpu/selfcheck.py) with the real kernels in interpret mode,
   bf16, as its implementations: it must pass them (the tolerance is argued there; the measured
   errors are recorded in docs/tpu.md).
 - deviceless TPU compile (ttpu venv: libtpu 0.0.52, the one torch-tpu 0.2.0 runs): forward +
-  backward of each kernel with each generation's tiles (kernels/tpu/tiles.py), bf16, lowered
+  backward of each kernel with each generation's tiles (titan_kernels/tpu/tiles.py), bf16, lowered
   with Mosaic and compiled by XLA:TPU for v4, v5e, v5p, v6e and TPU7x compile-only devices.
-- torch-tpu registration (ttpu venv): the torch ops of kernels/tpu/register.py defined
+- torch-tpu registration (ttpu venv): the torch ops of titan_kernels/tpu/register.py defined
   through `jax_op`, run forward and backward on fake tensors.
 
 Bound: a float32 sum of n products carries a rounding error of at most about n * u * (sum of
@@ -114,7 +114,7 @@ def test_kernels_export_without_a_device(compiled):
 
 
 def test_torch_tpu_jax_op_registration(probe):
-    """kernels/tpu/register.py under torch-tpu 0.2.0 (no TPU): the ops are defined through
+    """titan_kernels/tpu/register.py under torch-tpu 0.2.0 (no TPU): the ops are defined through
     jax_op, and each model-op implementation runs forward and backward on fake tensors (shapes
     and dtypes from jax_op's fake kernels, i.e. `jax.export` of the kernels for TPU)."""
     result = probe("ttpu", "kernels_register.py")

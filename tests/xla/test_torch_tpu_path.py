@@ -27,7 +27,7 @@ MoE (`tpu_moe_*`, a third probe process): Qwen 3 MoE debug at ep = 2 on the same
 static-shape EP dispatch. With layer scan it reaches the lowering as one program with int shapes
 only, no host read, the Pallas grouped matmul and the all-to-alls (torch-tpu's ragged one, or
 equal-split). The gradient reaches the experts through both transports: torch-tpu's ragged
-all-to-all has no autograd kernel, so `kernels.collectives.differentiable` gives it the reverse
+all-to-all has no autograd kernel, so `titan_kernels.collectives.differentiable` gives it the reverse
 ragged all-to-all (before, the backward body had none and EP got no gradient on a TPU). The
 unrolled step reaches the lowering too (it once failed in our remat pass: a recomputed op's
 name clashed).
@@ -209,7 +209,7 @@ def test_moe_ep_gradient_moves_through_equal_split_all_to_all(request):
 
 def test_moe_ep_gradient_moves_through_ragged_all_to_all(request):
     # Backward body: the recomputed forward's two ragged moves plus the reverse dispatch and
-    # combine (`kernels.collectives.differentiable`).
+    # combine (`titan_kernels.collectives.differentiable`).
     res = _variant(request, "tpu_moe_ep2")
     _, fwd, bwd = res["mlir_per_graph"]
     assert res["backprop_without_autograd_kernel"] == [], res["backprop_without_autograd_kernel"]

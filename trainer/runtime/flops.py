@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from kernels.tpu.tiles import generation_of
+from titan_kernels.tpu.tiles import generation_of
 from trainer.runtime.pci import tpu_generations_on_pci
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def tpu_generation(kind: str) -> str | None:
     Accepts JAX/PJRT device kinds ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite",
     "TPU7x"), accelerator types ("v5litepod-16", "v5p-128", "v6e-8", "tpu7x-64") and our short
     names ("v6e", "v7x"). A bare "TPU v5" is v5p (v5e always says "lite" or "e"). One mapping
-    for the whole product: the kernels' tile table reads the same (`kernels.tpu.tiles`).
+    for the whole product: the kernels' tile table reads the same (`titan_kernels.tpu.tiles`).
     """
     return generation_of(kind)
 

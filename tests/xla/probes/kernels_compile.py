@@ -1,11 +1,11 @@
-"""Probe (ttpu or tpuc venv): compile the Pallas kernels of kernels/tpu for each TPU generation without a TPU.
+"""Probe (ttpu or tpuc venv): compile the Pallas kernels of titan_kernels/tpu for each TPU generation without a TPU.
 
     python kernels_compile.py [--cases small|recipe] [--csv FILE] GEN [GEN ...]   GEN: v4 v5e v5p v6e v7x
 
 For device 0 of each generation's compile-only topology (`jax.experimental.topologies`, from
 the venv's libtpu: 0.0.52 in ttpu, the one torch-tpu 0.2.0 runs; 0.0.42.1 in tpuc) it lowers
 and compiles, with Mosaic (interpret=False), bf16, each case with that generation's tiles
-(kernels/tpu/tiles.py, passed as `generation=`):
+(titan_kernels/tpu/tiles.py, passed as `generation=`):
 - small (the test): splash fwd+bwd (GQA 8/2 heads, seq 1000 padded to 1024, head_dim 128,
   segment ids) and its backward alone from saved (out, lse); gmm fwd+bwd (8 groups, M 1000,
   K 512, N 256, nn.Linear layout); fused CE fwd+bwd at N 1000, D 256, vocab 5000 and at
@@ -48,7 +48,7 @@ from jax.experimental import topologies  # noqa: E402
 
 # The kernels are pure JAX modules; import them directly (the `kernels` package imports torch,
 # which the tpuc venv does not have).
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "kernels" / "tpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "titan_kernels" / "tpu"))
 import fused_ce  # noqa: E402
 import gmm  # noqa: E402
 import splash  # noqa: E402

@@ -1,4 +1,4 @@
-"""Probe (xla venv): the Pallas kernels of kernels/tpu in interpret mode against the torch references.
+"""Probe (xla venv): the Pallas kernels of titan_kernels/tpu in interpret mode against the torch references.
 
     python kernels_interpret.py [splash] [gmm] [fused_ce] [selfcheck] [splash_structure]
 
@@ -11,7 +11,7 @@ Prints one JSON line: {"jax", "torch", "kernels": {kernel: [{"case", "n", "outpu
 {"pallas_err", "torch_err", "scale"}}, "seconds"}]}} where errors are max |x - exact|, `scale` is max |exact|
 and `n` the longest reduction in the case (for the test's rounding bound).
 
-`selfcheck`: the start-up self-check (kernels/tpu/selfcheck.py) with the real kernels in
+`selfcheck`: the start-up self-check (titan_kernels/tpu/selfcheck.py) with the real kernels in
 interpret mode as the implementations, in bf16 (bf16 operands, float32 accumulation, as the
 MXU): {"selfcheck": {op: {"ok", "worst", "reason"}}}. `splash_structure`: the names of the
 Pallas calls in the jaxprs of splash's forward and of its backward from residuals:
@@ -32,7 +32,7 @@ import torch
 
 from models.common import ops
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "kernels" / "tpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "titan_kernels" / "tpu"))
 import fused_ce  # noqa: E402
 import gmm  # noqa: E402
 import splash  # noqa: E402
@@ -173,7 +173,7 @@ def _interpret_impls() -> dict:
 
 
 def selfcheck_cases() -> dict:
-    from kernels.tpu import selfcheck
+    from titan_kernels.tpu import selfcheck
 
     _, verdicts = selfcheck.run(_interpret_impls(), device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=128)
     return {v.op: {"ok": v.ok, "worst": v.worst, "reason": v.reason, "tolerance": selfcheck.TOLERANCE} for v in verdicts}

@@ -1,4 +1,4 @@
-"""Probe (ttpu venv): kernels/tpu/register.py defines its torch ops through torch-tpu's jax_op.
+"""Probe (ttpu venv): titan_kernels/tpu/register.py defines its torch ops through torch-tpu's jax_op.
 
     python kernels_register.py
 
@@ -20,7 +20,7 @@ import torch
 import torch_tpu  # noqa: F401  (explicit: autoload is off in tests)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kernels.tpu import register
+from titan_kernels.tpu import register
 
 
 def _check(fn) -> str:

@@ -21,7 +21,7 @@ Variants:
   (`CaptureBackend.reverse_scans = False`): torch's flipped backward reaches the lowering;
 - `tpu_unrolled`, `tpu_scan`: the path a TPU run takes, as the trainer plans it
   (`plan_step(device_type="tpu", ac_mode="full", fused_loss="auto")`): bf16 parameters and
-  compute (fp32 reduce), the `titan_tpu::*` Pallas ops of kernels/tpu/register.py (splash
+  compute (fp32 reduce), the `titan_tpu::*` Pallas ops of titan_kernels/tpu/register.py (splash
   attention, the fused linear + cross-entropy loss; built through torch-tpu's `jax_op`, with
   the device check `_on_tpu` forced true, as tests/xla/probes/kernels_register.py does: the
   tensors are CPU tensors here), activation checkpointing full (the recomputed ops fenced by
@@ -112,8 +112,8 @@ def _op_name(n) -> str:
 
 
 def _kernels(variant: str) -> None:
-    """Serve the model's ops as a TPU run does (kernels.select on a TPU): the Pallas ops."""
-    from kernels.tpu import register
+    """Serve the model's ops as a TPU run does (titan_kernels.select on a TPU): the Pallas ops."""
+    from titan_kernels.tpu import register
     from models.common import ops
 
     impls = register.build()
@@ -132,7 +132,7 @@ TPU run selects it (`select_dispatch`), or the equal-split all-to-alls of a trac
 def _ragged_as_on_tpu(on: bool) -> None:
     """`select_dispatch` picks torch-tpu's `ragged_all_to_all` for these CPU tensors, as for TPU
     ones, through the same wrapper (`collectives.differentiable`) a TPU run gets."""
-    from kernels import collectives
+    from titan_kernels import collectives
     from parallelisms import expert_parallel
 
     expert_parallel.ragged_all_to_all_for = (

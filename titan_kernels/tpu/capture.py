@@ -8,7 +8,7 @@ the compiler's HBM bytes and temporaries are then the math kernel's) and MoE exp
 instead serves `causal_attention`, `grouped_mm` and `linear_cross_entropy`, on every device,
 with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
 so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis)` then
-lowers each node to the kernel a TPU run calls (kernels/tpu/splash.py, gmm.py, fused_ce.py;
+lowers each node to the kernel a TPU run calls (titan_kernels/tpu/splash.py, gmm.py, fused_ce.py;
 Mosaic, not interpreted), inside `shard_map` over `axis`: XLA's SPMD partitioner cannot split a Mosaic custom
 call and would otherwise replicate it on every device.
 
@@ -17,10 +17,10 @@ call and would otherwise replicate it on every device.
   shard's group sizes are its slice of the global groups (rows of group g that fall in the
   shard), so every row meets its own expert's weight once;
 - fused CE: the rows (tokens) are split over `axis`, the output projection's weight is gathered;
-  the forward returns per-row losses and log-sum-exps (the op kernels/tpu/register.py binds on
+  the forward returns per-row losses and log-sum-exps (the op titan_kernels/tpu/register.py binds on
   a TPU, same mean over valid rows in torch), the backward's dw is summed over the shards.
 
-Backward ops take the JAX VJP of the forward kernel, as kernels/tpu/register.py does on a TPU.
+Backward ops take the JAX VJP of the forward kernel, as titan_kernels/tpu/register.py does on a TPU.
 
 libtpu's cost analysis counts a Mosaic custom call as zero FLOPs (splash forward, 1 x 8 heads x
 2048 x 128 on v6e: 8.4e6 FLOPs, the q scaling only, for 8.6e9 of matmuls), so each lowered kernel
@@ -114,7 +114,7 @@ def grouped_mm(x, w, group_sizes):
 
 
 def linear_cross_entropy(h, w, labels):
-    # As kernels/tpu/register.py's op on a TPU: per-row losses from the kernel, mean over valid rows.
+    # As titan_kernels/tpu/register.py's op on a TPU: per-row losses from the kernel, mean over valid rows.
     rows, _ = getattr(torch.ops, NAMESPACE).ce_fwd(h.contiguous(), w.contiguous(), labels.to(torch.int32))
     valid = labels != ops.IGNORE_INDEX
     return torch.where(valid, rows, 0.0).sum() / valid.sum()
@@ -148,7 +148,7 @@ def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool) -> tuple[
     p^T dO). Bytes: q and the output once, K and V once per query block row of the grid; the
     backward reads and writes about three times the forward's (a model, not a measurement).
     """
-    from kernels.tpu import splash
+    from titan_kernels.tpu import splash
 
     b, hq, s, d = q_shape
     padded = s + (-s) % splash.TILE
@@ -169,13 +169,13 @@ def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool)
 
 
 def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool) -> tuple[float, float]:
-    """(FLOPs, HBM bytes) of the fused linear + CE on h [n, d], w [vocab, d] (kernels/tpu/fused_ce.py).
+    """(FLOPs, HBM bytes) of the fused linear + CE on h [n, d], w [vocab, d] (titan_kernels/tpu/fused_ce.py).
 
     Forward: one n x vocab x d matmul (the logits, tile by tile). Backward: the dh kernel and the
     dw kernel each recompute the logits tile and do one matmul: four. Bytes: h and the labels
     once, w once per row block (the vocabulary is the inner grid axis); the backward reads h and
     w once per block of the other operand in each of its two kernels and writes dh, dw (a model)."""
-    from kernels.tpu import tiles
+    from titan_kernels.tpu import tiles
 
     matmul = 2.0 * n * vocab * d
     block_n, block_v = tiles.ce_blocks(None, n, vocab, d, itemsize=itemsize)  # no generation here: the conservative rule
@@ -198,7 +198,7 @@ def add_lowerings(env, mesh, axis: str) -> None:
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    from kernels.tpu import fused_ce, gmm, splash
+    from titan_kernels.tpu import fused_ce, gmm, splash
 
     op = getattr(torch.ops, NAMESPACE)
 

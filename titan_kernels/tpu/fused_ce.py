@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-try:  # a package import (kernels.tpu.fused_ce) or a plain module next to tiles.py (the probes)
-    from kernels.tpu import tiles
-except ImportError:  # pragma: no cover - the XLA-tier probes put kernels/tpu on sys.path
+try:  # a package import (titan_kernels.tpu.fused_ce) or a plain module next to tiles.py (the probes)
+    from titan_kernels.tpu import tiles
+except ImportError:  # pragma: no cover - the XLA-tier probes put titan_kernels/tpu on sys.path
     import tiles
 
 IGNORE_INDEX = -100

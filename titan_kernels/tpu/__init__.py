@@ -5,10 +5,10 @@
 - `tiles.py`: block sizes per TPU generation (VMEM, MXU) from the table `tiles.toml`, which
   `scripts/sweep_kernel_tiles.py` writes; pure Python.
 - `register.py`: wraps them as torch ops (`titan_tpu::*`) with autograd; imports torch-tpu and
-  jax, so only `load()` below imports it, and `kernels.select` calls `load()` only when the run's
+  jax, so only `load()` below imports it, and `titan_kernels.select` calls `load()` only when the run's
   device is a TPU. Nothing in this file imports jax.
 - `selfcheck.py`: the start-up check of each selected kernel against its torch reference
-  (torch only); `kernels.select` runs it after `load()`.
+  (torch only); `titan_kernels.select` runs it after `load()`.
 
 JAX's platform. torch-tpu owns the chips of this process; the kernels only need JAX to trace,
 lower and export them (`jax_op` runs `jax.export(platforms=["tpu"])`, which needs no device).
@@ -66,7 +66,7 @@ def load() -> dict[str, Callable] | None:
         if warning:
             print(warning, file=sys.stderr, flush=True)
         try:
-            from kernels.tpu import register
+            from titan_kernels.tpu import register
 
             _state["ops"] = register.build()
         except Exception as exc:  # jax missing, torch-tpu without jax_op: the references serve
@@ -85,6 +85,6 @@ def saved_ops() -> list:
     grouped matmuls, like their ATen counterparts); empty until `load()` succeeded."""
     if "ops" not in _state:
         return []
-    from kernels.tpu import register
+    from titan_kernels.tpu import register
 
     return register.saved_ops()

@@ -1,6 +1,6 @@
 """The Pallas kernels as torch ops on TPU, through torch-tpu's `torch.tpu.pallas.jax_op`.
 
-Imported only by `kernels.tpu.load()` on a TPU run (it imports jax and needs torch-tpu).
+Imported only by `titan_kernels.tpu.load()` on a TPU run (it imports jax and needs torch-tpu).
 `build()` defines, once per process:
 - `titan_tpu::splash_fwd / splash_bwd` and `splash_seg_fwd / splash_seg_bwd` (with segment ids):
   the forward returns (out, lse), the backward takes them and runs only the splash backward
@@ -15,7 +15,7 @@ residuals (out and lse; lse), so their backward ops do not recompute the forward
 
 Tiles: `build()` detects the TPU generation once (`tiles.detect_generation`: torch-tpu's device
 name, then the accelerator-type variables) and every kernel takes that generation's blocks
-(kernels/tpu/tiles.py); an unrecognised one gets the conservative rule.
+(titan_kernels/tpu/tiles.py); an unrecognised one gets the conservative rule.
 
 `build()` returns {op name: torch function} for `models.common.ops.register`; each function
 falls back to the op's torch reference for tensors that are not on the TPU.
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import jax
 import torch
 
-from kernels.tpu import fused_ce, gmm, splash, tiles
+from titan_kernels.tpu import fused_ce, gmm, splash, tiles
 from models.common import ops
 
 NAMESPACE = "titan_tpu"

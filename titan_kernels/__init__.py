@@ -6,18 +6,18 @@ model; benchmarks and tests call it (or `use`, which undoes itself) to pin a pat
 
 Attention backends (`[model] attn_backend`):
 - `sdpa`: the torch reference, `F.scaled_dot_product_attention` (every device).
-- `cpu_kernel`: the C++ kernel in `kernels/cpu_attention` (CPU only; built on first use, ~20 s,
+- `cpu_kernel`: the C++ kernel in `titan_kernels/cpu_attention` (CPU only; built on first use, ~20 s,
   then cached); inputs it does not handle (dtype, head_dim, segment ids) go to SDPA.
-- `splash`: the Pallas splash-attention kernel in `kernels/tpu` (TPU only; causal, GQA,
+- `splash`: the Pallas splash-attention kernel in `titan_kernels/tpu` (TPU only; causal, GQA,
   document masking by segment ids).
 - `auto`: `cpu_kernel` on the CPU where it builds, `splash` on TPU where the Pallas kernels
   load, else `sdpa`.
 
 On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`) are served by their
 Pallas kernels (megablox gmm, the fused vocabulary-tiled loss) whenever those load, whatever
-the attention backend; elsewhere their torch references serve them. `kernels/tpu` (jax,
+the attention backend; elsewhere their torch references serve them. `titan_kernels/tpu` (jax,
 torch-tpu) is imported only when the device is a TPU. On TPU each selected kernel first runs a
-self-check on tiny tensors against its torch reference (`kernels/tpu/selfcheck.py`); one that
+self-check on tiny tensors against its torch reference (`titan_kernels/tpu/selfcheck.py`); one that
 raises or disagrees is replaced by its reference for the run, with one banner line saying why.
 """
 
@@ -62,7 +62,7 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
     `splash` off TPU, or a kernel that cannot be built or loaded here); `auto` falls back to
     SDPA and says why. The ops without a backend setting (`grouped_mm`,
     `linear_cross_entropy`) get their TPU kernels on TPU and their references elsewhere.
-    On TPU a kernel that fails its start-up self-check (kernels/tpu/selfcheck.py) is replaced
+    On TPU a kernel that fails its start-up self-check (titan_kernels/tpu/selfcheck.py) is replaced
     by its reference, also under an explicit `splash`, with one banner line on stderr.
     dtype, head_dim: the run's compute dtype and attention head dim, when known: on the CPU the
     kernel serves only some (dtype, head_dim) pairs (each call checks its inputs), and the
@@ -76,7 +76,7 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
     if device.type != "cpu" or attention == "sdpa":
         ops.register("causal_attention", None)
         return "sdpa"
-    from kernels import cpu_attention
+    from titan_kernels import cpu_attention
 
     if cpu_attention.load():
         _SAVED_OPS.update(cpu_attention.ops())
@@ -115,10 +115,10 @@ def saved_ops() -> set:
 
 
 def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
-    """TPU: the Pallas kernels of kernels/tpu serve every op they can (attention per `attention`)
+    """TPU: the Pallas kernels of titan_kernels/tpu serve every op they can (attention per `attention`)
     that passes its start-up self-check; the references serve the rest."""
-    from kernels import tpu
-    from kernels.tpu import selfcheck
+    from titan_kernels import tpu
+    from titan_kernels.tpu import selfcheck
 
     pallas = tpu.load()
     if pallas is None:
@@ -135,7 +135,7 @@ def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, hea
 def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) -> str:
     """Register the kernels that passed their self-check (references for the rest), print one
     banner line per kernel that failed, describe the choice."""
-    from kernels.tpu import selfcheck
+    from titan_kernels.tpu import selfcheck
 
     for verdict in verdicts:
         if not verdict.ok:
@@ -159,7 +159,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
 
 def _cpu_kernel_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    from kernels import cpu_attention
+    from titan_kernels import cpu_attention
 
     if segment_ids is None and cpu_attention.supports(q, k):
         return cpu_attention.causal_attention(q, k, v)

@@ -15,7 +15,7 @@ k/v [B, Hkv, S, D], segment_ids [B, S] or None) and returns [B, Hq, S, D]. It wr
   JAX's splash backward kernel (`_splash_attention_bwd`, fused dq/dkv) directly, so the
   backward op never runs the forward kernel again (it did when it was `jax.vjp` of the
   forward: one extra attention forward per layer and step). `splash_attention` binds the two
-  as a custom VJP for JAX callers; kernels/tpu/register.py binds them as two torch ops.
+  as a custom VJP for JAX callers; titan_kernels/tpu/register.py binds them as two torch ops.
   (`_splash_attention_bwd` is private in jax 0.10.2, pinned; tests/xla checks it.)
 `interpret=True` runs the same kernels in Pallas' interpreter (CPU tests).
 """

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-try:  # a package import (kernels.tpu.gmm) or a plain module next to tiles.py (the probes)
-    from kernels.tpu import tiles
-except ImportError:  # pragma: no cover - the XLA-tier probes put kernels/tpu on sys.path
+try:  # a package import (titan_kernels.tpu.gmm) or a plain module next to tiles.py (the probes)
+    from titan_kernels.tpu import tiles
+except ImportError:  # pragma: no cover - the XLA-tier probes put titan_kernels/tpu on sys.path
     import tiles
 
 

@@ -11,7 +11,7 @@ kernel and why.
 
 Imports torch and models.common.ops only (no jax, no torch-tpu), so the decision logic is
 tested on the CPU with injected implementations (tests/test_kernel_selfcheck.py); on a TPU the
-implementations are those of kernels/tpu/register.py.
+implementations are those of titan_kernels/tpu/register.py.
 
 Tolerance: every output (the forward value and each input gradient) must satisfy
 `max|kernel - reference| <= TOLERANCE * max|reference|` with TOLERANCE = 2^-5 (3.1 %), the
