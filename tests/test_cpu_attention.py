@@ -238,17 +238,35 @@ def test_select_falls_back_where_the_kernel_cannot_build(monkeypatch):
         titan_kernels.select(attention="flash", device=cpu)
 
 
-def test_stale_build_lock_is_removed(tmp_path):
-    """A build killed mid-way leaves torch's lock file; the next load must not wait on it forever."""
-    import os
+def test_a_killed_build_blocks_nobody(tmp_path):
+    """A build killed mid-way (SIGKILL) leaves torch's FileBaton `lock`, on which torch would wait
+    forever: the next build takes the flock its holder's death released and removes the lock.
+    While a live process holds the flock, another one waits (checked with a non-blocking try)."""
+    import fcntl
+    import signal
+    import subprocess
+    import sys
     import time
+    from pathlib import Path
 
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    cpu_attention._clear_stale_lock(lock)
-    assert lock.exists()  # a fresh lock belongs to a build in progress
-    old = time.time() - cpu_attention._STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    cpu_attention._clear_stale_lock(lock)
-    assert not lock.exists()
-    cpu_attention._clear_stale_lock(lock)  # no lock: nothing to do
+    build_dir = tmp_path / "titan_cpu_attention_x"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from titan_kernels import cpu_attention as c\n"
+         f"with c._build_lock(Path({str(build_dir)!r})):\n"
+         f"    (Path({str(build_dir)!r}) / 'lock').write_text('')\n"
+         "    print('held', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(build_dir.with_name(build_dir.name + ".flock"), "a") as handle:
+            with pytest.raises(BlockingIOError):  # held by a live build: others wait
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert (build_dir / "lock").exists()  # what a killed build leaves behind
+    start = time.monotonic()
+    with cpu_attention._build_lock(build_dir):
+        assert not (build_dir / "lock").exists()
+    assert time.monotonic() - start < 30

@@ -20,7 +20,6 @@ import re
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -83,14 +82,16 @@ def _load() -> bool:
         _state["error"] = "this CPU has neither AVX-512 nor AVX2+FMA"
         return False
     name, cflags, _, _ = isa
-    # The source's hash in the name: two checkouts (or versions) never share one build folder.
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(cflags).encode()).hexdigest()[:8]
-    ext_name = f"titan_cpu_attention_{name}_{digest}"
+    # The source, the flags and the torch install in the name: a build folder is never shared by
+    # two venvs (cpp_extension rebuilds whenever build.ninja's include paths change, so two venvs
+    # taking turns would rebuild each other's kernel), nor by two versions of the source.
+    key = _SOURCE.read_bytes() + " ".join(cflags).encode() + str(Path(torch.__file__).parent).encode()
+    ext_name = f"titan_cpu_attention_{name}_{hashlib.sha1(key).hexdigest()[:8]}"
     try:
         from torch.utils.cpp_extension import _get_build_directory, load as build
 
-        _clear_stale_lock(Path(_get_build_directory(ext_name, verbose=False)) / "lock")
-        with _ninja_on_path():
+        build_dir = Path(_get_build_directory(ext_name, verbose=False))
+        with _build_lock(build_dir), _ninja_on_path():
             build(
                 name=ext_name,
                 sources=[str(_SOURCE)],
@@ -109,19 +110,25 @@ def _load() -> bool:
     return True
 
 
-_STALE_LOCK_S = 600
-"""A build takes ~20 s (a few minutes on a loaded machine); an older lock was left by a killed
-build, and torch's FileBaton would wait on it forever."""
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an exclusive `flock` on `<build_dir>.flock` for the build. The kernel drops it when its
+    holder dies, so a build killed mid-way blocks nobody; and since every build runs under it, a
+    torch FileBaton `lock` file found while we hold it was left by a killed build (torch would
+    wait on it forever) and is removed."""
+    import fcntl
 
-
-def _clear_stale_lock(lock: Path) -> None:
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > _STALE_LOCK_S:
-        print(f"titan-tpu: removing a stale build lock ({age:.0f} s old): {lock}", file=sys.stderr)
-        lock.unlink(missing_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".flock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / "lock"
+            if baton.exists():
+                print(f"titan-tpu: removing a build lock left by a killed build: {baton}", file=sys.stderr)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
