@@ -171,3 +171,23 @@ def test_train_cli_tpu_without_torch_tpu_is_one_error_line():
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(
         "error: device.type: tpu requested, but torch-tpu is not installed")
+
+
+def test_dev_lock_covers_the_test_extras_and_is_what_this_venv_holds():
+    """constraints/dev.txt is the .venv's lock (scripts/env.sh installs under it): it pins every
+    package of the [dev] extra exactly (an upstream release cannot change what CI runs: transformers
+    5.25.0's new `kernels` dependency broke CI once), and the venv the suite runs in holds exactly
+    those versions (pip honoured the lock). torch is pinned by env.sh itself, not here."""
+    import importlib.metadata
+
+    lock = read_pins(ROOT / "constraints" / "dev.txt")
+    assert "torch" not in lock
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    for requirement in dev:
+        name = normalize(re.match(r"[A-Za-z0-9_.-]+", requirement).group(0))
+        assert name in lock, f"[dev] extra {name!r} is not pinned in constraints/dev.txt"
+    if not list(Path(sys.prefix).glob(".titan-installed-*")):
+        pytest.skip("not running in a venv made by scripts/env.sh (no .titan-installed-* stamp)")
+    installed = {normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    off = {n: (v, installed[n]) for n, v in lock.items() if n in installed and installed[n] != v}
+    assert not off, f"installed versions differ from constraints/dev.txt (lock, installed): {off}"
