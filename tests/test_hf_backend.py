@@ -143,6 +143,26 @@ def test_hf_safetensors_load_and_save(tmp_path, arch):
     assert set(saved) == set(load_file(str(tmp_path / "hf_weights" / "model.safetensors")))
 
 
+def test_hub_kernel_routing_is_bypassed_for_scan(tmp_path):
+    """transformers >= 5.25 with Hugging Face's `kernels` installed wraps attention forwards in a
+    hub-kernel router that writes a global on each compiled call, which a scan body cannot capture.
+    Our model runs those modules' plain forwards, and a layer scan traces (fullgraph, no graph
+    break) and gives the unrolled stack's logits exactly (same ops, same order)."""
+    pytest.importorskip("kernels")  # Hugging Face's package (ours is titan_kernels)
+    model = _built(_args(tmp_path, "llama"))
+    routed = [m for m in model.modules() if "_kernel_funcs" in vars(m)]
+    if not routed:
+        pytest.skip("this transformers applies no hub-kernel routing")
+    for module in routed:
+        assert module.forward.__func__ is type(module).forward.__wrapped__, type(module).__name__
+    tokens = torch.randint(0, model.args.shape().vocab_size, (2, 16))
+    with torch.no_grad():
+        want = model(tokens)
+        model.layers.enable_scan()
+        got = torch.compile(model, backend="eager", fullgraph=True)(tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_scan_refused_for_alternating_layers(tmp_path):
     """Gemma 3 alternates sliding and global attention layers: scan would run layer 0's kind for
     all, so it is refused with a ConfigError naming the key."""

@@ -13,6 +13,9 @@ model's own forward; only two things change:
   that runs the whole stack with positional tensors `(h, attention_mask, position_ids, cos, sin)`:
   that is the fixed block signature a scan needs. Otherwise the HF loop calls each layer itself
   (everything but scan still applies).
+- Modules whose forward Hugging Face's `kernels` package wraps for hub-kernel routing (transformers
+  >= 5.25) get their plain forward back (`_bypass_hub_kernel_routing`): the wrapper writes a global
+  on each call under compile, which layer scan cannot capture; we never kernelize.
 - `init_weights` re-runs the HF model's own `_init_weights` on every module of the materialized
   (possibly sharded) model, which also recomputes the rotary `inv_freq` buffers that `to_empty`
   leaves uninitialised (they are non-persistent).
@@ -49,6 +52,7 @@ class HFCausalLM(nn.Module):
         if list(hf.named_parameters(recurse=False)) or list(hf.named_buffers(recurse=False)):
             raise ConfigError(f"model.hf_config: {self.architecture} keeps tensors on its root module; "
                               "allowed: models whose weights all live in submodules")
+        _bypass_hub_kernel_routing(hf)
         base = hf.base_model
         if not isinstance(getattr(base, "layers", None), nn.ModuleList):
             raise ConfigError(f"model.hf_config: {self.architecture} has no `layers` list of decoder blocks "
@@ -178,6 +182,23 @@ def _router_aux(hf: nn.Module, sink: list):
         return loss_fn(logits, num_experts, text.num_experts_per_tok, None)
 
     return aux
+
+
+def _bypass_hub_kernel_routing(hf: nn.Module) -> None:
+    """Give each module that Hugging Face's `kernels` package routes (`use_kernelized_func`, applied
+    by transformers >= 5.25 when `kernels` is installed) its undecorated forward back.
+
+    The decorated forward sets a context variable around every call (which hub kernel serves this
+    model's `apply_rotary_pos_emb` and the like); under `torch.compile` that is a write to a Python
+    global, a side effect a scan body or a checkpointed region cannot replay (layer scan failed with
+    UncapturedHigherOrderOpError). We never `kernelize`, so with nothing set the functions run their
+    plain torch code either way: the bypass changes no numerics."""
+    import types
+
+    for module in hf.modules():
+        forward = getattr(type(module).forward, "__wrapped__", None)
+        if "_kernel_funcs" in vars(module) and forward is not None:
+            module.forward = types.MethodType(forward, module)
 
 
 def _non_uniform_reason(config) -> str | None:
