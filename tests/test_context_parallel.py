@@ -1,0 +1,218 @@
+"""Context parallelism (parallelisms/context_parallel.py) against single-process references.
+
+- layout: `shard_sequence` / `unshard_sequence` / `positions` are inverse and agree.
+- tracing: `make_fx` of the CP attention's forward and backward (on a fake 2-rank process
+  group) is one FX graph holding the functional all-gathers of k, v, segment ids and the
+  reduce-scatters of dk, dv: what the graph trainer's capture and XLA see.
+- attention on 2 and 4 gloo processes: fp32 outputs and dq, dk, dv equal the full-sequence
+  causal attention (plain and document-masked, MHA and GQA) within the bound argued in
+  `test_attention_matches_full_sequence`.
+- a Llama 3 debug model (2 layers) whose attention op and RoPE rows take the CP path on
+  2 gloo ranks: its loss and every parameter gradient equal the single-process run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.common import ops
+from models.errors import ConfigError
+from parallelisms.context_parallel import (
+    CPGroup,
+    context_parallel_attention,
+    cp_attention_fn,
+    cp_group,
+    positions,
+    shard_sequence,
+    unshard_sequence,
+)
+from tests.test_parallel_harness import Llama3, llama3_args, lm_loss, reference_state, run_processes
+
+U = 2.0**-24  # fp32 unit roundoff
+
+
+# --- layout -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_shard_unshard_positions(cp_size):
+    seq_len = 24 if cp_size != 4 else 16
+    x = torch.arange(3 * seq_len).view(3, seq_len)
+    shards = [shard_sequence(x, 1, r, cp_size) for r in range(cp_size)]
+    assert all(s.shape == (3, seq_len // cp_size) for s in shards)
+    assert torch.equal(unshard_sequence(torch.cat(shards, dim=1), 1, cp_size), x)
+    covered = torch.cat([positions(seq_len, r, cp_size) for r in range(cp_size)])
+    assert torch.equal(covered.sort().values, torch.arange(seq_len))
+    for r in range(cp_size):
+        assert torch.equal(positions(seq_len, r, cp_size), shard_sequence(x[0], 0, r, cp_size))
+    if cp_size > 1:  # load balance: every rank holds the same sum of positions (causal work)
+        sums = {int(positions(seq_len, r, cp_size).sum()) for r in range(cp_size)}
+        assert len(sums) == 1
+
+
+def test_bad_seq_len_names_the_key():
+    with pytest.raises(ConfigError, match=r"parallelism\.context_parallel_degree: 4 .* divisible by 2 x 4 = 8"):
+        shard_sequence(torch.zeros(2, 12), 1, 0, 4)
+
+
+# --- tracing ------------------------------------------------------------------------------------
+
+
+def test_make_fx_graph_has_the_collectives():
+    """The functional collectives trace: one graph with 3 all-gathers (k, v, segment ids) in
+    the forward and 2 reduce-scatters (dk, dv) in the backward, on a fake 2-rank group."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cp = cp_group(dist.group.WORLD)
+
+        def step(q, k, v, seg):
+            out = context_parallel_attention(q, k, v, seg, cp=cp)
+            return torch.autograd.grad(out.sum(), (q, k, v))
+
+        q = torch.randn(1, 4, 8, 8, requires_grad=True)
+        k = torch.randn(1, 2, 8, 8, requires_grad=True)
+        v = torch.randn(1, 2, 8, 8, requires_grad=True)
+        seg = torch.zeros(1, 8, dtype=torch.int64)
+        gm = make_fx(step, tracing_mode="fake")(q, k, v, seg)
+    finally:
+        dist.destroy_process_group()
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count("_c10d_functional.all_gather_into_tensor.default") == 3, targets
+    assert targets.count("_c10d_functional.reduce_scatter_tensor.default") == 2, targets
+    assert targets.count("_c10d_functional.wait_tensor.default") >= 5
+
+
+# --- attention on gloo ranks --------------------------------------------------------------------
+
+B, SEQ, HEAD_DIM = 2, 64, 16
+CASES = {  # name: (q heads, kv heads, with segment ids)
+    "mha": (4, 4, False),
+    "gqa_documents": (4, 2, True),
+}
+
+
+def _attention_inputs(q_heads: int, kv_heads: int, documents: bool):
+    g = torch.Generator().manual_seed(q_heads * 10 + kv_heads + documents)
+    q = torch.randn(B, q_heads, SEQ, HEAD_DIM, generator=g)
+    k = torch.randn(B, kv_heads, SEQ, HEAD_DIM, generator=g)
+    v = torch.randn(B, kv_heads, SEQ, HEAD_DIM, generator=g)
+    grad_out = torch.randn(B, q_heads, SEQ, HEAD_DIM, generator=g)
+    # Documents of random lengths (a new one starts with probability 1/8 at each token).
+    segment_ids = torch.cumsum(torch.rand(B, SEQ, generator=g) < 0.125, dim=1) if documents else None
+    return q, k, v, grad_out, segment_ids
+
+
+def _attention_on_rank():
+    cp = cp_group(dist.group.WORLD)
+    results = {}
+    for name, case in CASES.items():
+        q, k, v, grad_out, seg = _attention_inputs(*case)
+        q, k, v = (shard_sequence(t, 2, cp.rank, cp.size).requires_grad_() for t in (q, k, v))
+        seg = None if seg is None else shard_sequence(seg, 1, cp.rank, cp.size)
+        out = context_parallel_attention(q, k, v, seg, cp=cp)
+        out.backward(shard_sequence(grad_out, 2, cp.rank, cp.size))
+        results[name] = [t.detach() for t in (out, q.grad, k.grad, v.grad)]
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_attention_matches_full_sequence(cp_size):
+    """fp32 out, dq, dk, dv equal the single-process `sdpa_causal_attention` of the whole
+    sequence (gathered in global order) within `8 (s + d) u max|reference|`, u = 2^-24.
+
+    Why that bound: both sides compute the same q.k products and the same visible set (a
+    masked key contributes exp(-inf) = 0 exactly), so they differ only in the order and
+    blocking of sums: dot products of length d, softmax denominators and P.V / P^T.dO /
+    dS.K sums over at most s terms, and (dk, dv) a sum over cp ranks of the reduce-scatter.
+    A length-n sum in any order is off by at most (n - 1) u times the sum of its absolute
+    terms; the terms are convex-combination weights times values of the size of the result
+    (p_ij in [0, 1], sum_j p_ij = 1), so each of the two implementations is within
+    ~(s + d) u max|result| of the exact value per accumulation stage, and with the softmax,
+    its normalisation and the backward's rowsum(dO * O) term there are at most about four
+    such stages: 8 (s + d) u max|ref| (1.2e-5 relative at s = 64, d = 16) covers both. A
+    wrong mask, chunk order or position is an O(1) relative error.
+    """
+    results = run_processes(cp_size, _attention_on_rank)
+    for name, case in CASES.items():
+        q, k, v, grad_out, seg = _attention_inputs(*case)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        ref_out = ops.sdpa_causal_attention(q, k, v, seg)
+        ref_out.backward(grad_out)
+        refs = (ref_out.detach(), q.grad, k.grad, v.grad)
+        for what, ref, i in zip(("out", "dq", "dk", "dv"), refs, range(4)):
+            got = unshard_sequence(torch.cat([r[name][i] for r in results], dim=2), 2, cp_size)
+            bound = 8 * (SEQ + HEAD_DIM) * U * ref.abs().max().item()
+            err = (got - ref).abs().max().item()
+            assert err <= bound, f"{name} {what}: max abs error {err:.3g} > bound {bound:.3g}"
+
+
+# --- a whole model --------------------------------------------------------------------------------
+
+
+def _model_on_rank(state, tokens, labels):
+    """Llama 3 forward/backward on this rank's load-balanced tokens, attention and RoPE on
+    the CP path; the loss is this rank's token sum over the global count, and the loss and
+    gradients are summed over the cp ranks (what SimpleFSDP over dp x cp would do)."""
+    cp = cp_group(dist.group.WORLD)
+    model = Llama3(llama3_args())
+    model.load_state_dict(state, strict=False)
+    seq_len = tokens.shape[1]
+    pos = positions(seq_len, cp.rank, cp.size)
+    tokens_local = shard_sequence(tokens, 1, cp.rank, cp.size)
+    labels_local = shard_sequence(labels, 1, cp.rank, cp.size)
+    previous = ops.register("causal_attention", cp_attention_fn(cp))
+    try:
+        h = model.tok_embeddings(tokens_local)
+        h = model.layers(h, model.rope_cos[pos], model.rope_sin[pos])
+        logits = model.output(model.norm(h))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels_local.flatten(), reduction="sum")
+        loss = loss / labels.numel()
+        loss.backward()
+    finally:
+        ops.register("causal_attention", previous)
+    dist.all_reduce(loss.detach())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+    return loss.detach(), grads
+
+
+@pytest.mark.multiprocess
+def test_llama3_cp2_matches_single_process():
+    """Loss within 1e-6 relative and every gradient within 1e-5 of its tensor's max |value|.
+
+    The two runs differ only in summation order: attention sums (bounded as in
+    `test_attention_matches_full_sequence`, ~1e-5 relative at s = 16), the loss split into
+    two partial sums, and each weight gradient summed over the two ranks' tokens instead of
+    in one matmul over all of them. The loss is a mean of 64 O(8) terms, each off by a few
+    u, so 1e-6 relative is 15 u with room; the gradients are the attention bound carried
+    through two layers of O(1)-conditioned linear maps (RMSNorm, SwiGLU, projections).
+    """
+    state = reference_state("llama3")
+    g = torch.Generator().manual_seed(3)
+    seq = llama3_args().max_seq_len
+    tokens = torch.randint(0, llama3_args().vocab_size, (4, seq + 1), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    model = Llama3(llama3_args())
+    model.load_state_dict(state, strict=False)
+    ref_loss = lm_loss(model(inputs), labels)
+    ref_loss.backward()
+
+    for loss, grads in run_processes(2, _model_on_rank, state, inputs, labels):
+        assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+        for name, param in model.named_parameters():
+            ref = param.grad
+            err = (grads[name] - ref).abs().max().item()
+            assert err <= 1e-5 * ref.abs().max().item(), f"{name}: {err:.3g}"
