@@ -157,6 +157,48 @@ def test_attention_matches_full_sequence(cp_size):
             assert err <= bound, f"{name} {what}: max abs error {err:.3g} > bound {bound:.3g}"
 
 
+def _compiled_on_rank():
+    """`torch.compile(fullgraph=True)` of the CP attention (documents, GQA): no graph break,
+    the collectives in the AOT forward/backward graphs, the same numbers as eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return make_boxed_func(gm.forward)
+
+    cp = cp_group(dist.group.WORLD)
+    q, k, v, grad_out, seg = _attention_inputs(*CASES["gqa_documents"])
+    q, k, v, grad_out = (shard_sequence(t, 2, cp.rank, cp.size) for t in (q, k, v, grad_out))
+    seg = shard_sequence(seg, 1, cp.rank, cp.size)
+    runs = []
+    for fn in (context_parallel_attention,
+               torch.compile(context_parallel_attention, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, seg, cp=cp)
+        out.backward(grad_out)
+        runs.append([out.detach()] + [t.grad for t in leaves])
+    return runs, graphs
+
+
+@pytest.mark.multiprocess
+def test_torch_compile_fullgraph():
+    """Compiled (Dynamo + AOTAutograd, fullgraph) equals eager within 8 (s + d) u max|eager|
+    (the argument of `test_attention_matches_full_sequence`: AOT may only reorder sums), and
+    its forward graph all-gathers k, v and the segment ids, its backward reduce-scatters dk
+    and dv."""
+    for runs, graphs in run_processes(2, _compiled_on_rank):
+        for eager, compiled in zip(*runs):
+            bound = 8 * (SEQ + HEAD_DIM) * U * eager.abs().max().item()
+            assert (compiled - eager).abs().max().item() <= bound
+        forward, backward = graphs
+        assert forward.count("_c10d_functional.all_gather_into_tensor.default") == 3, forward
+        assert backward.count("_c10d_functional.reduce_scatter_tensor.default") == 2, backward
+
+
 # --- a whole model --------------------------------------------------------------------------------
 
 
