@@ -227,7 +227,7 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
 
     Needs an initialized default process group of `parallel_dims.world_size` ranks. The
     flattened `dp` axis (replicate x shard) is created too and can be fetched with
-    `flat_dp_mesh(mesh)`.
+    `flat_dp_mesh(mesh)`; with cp > 1 also `dp_shard_cp` (`dp_shard_cp_mesh(mesh)`).
     """
     assert dist.is_initialized(), "init the process group before build_mesh"
     if dist.get_world_size() != parallel_dims.world_size:
@@ -242,12 +242,28 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     else:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     flat_dp_mesh(mesh)
+    if parallel_dims.cp_enabled:
+        dp_shard_cp_mesh(mesh)
     return mesh
 
 
 def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D `dp` mesh (dp_replicate x dp_shard flattened); cached by DeviceMesh."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D `dp_shard_cp` axis (dp_shard x cp flattened), cached by DeviceMesh: with context
+    parallelism SimpleFSDP shards parameters over it (as TorchTitan does), so the cp ranks,
+    which hold the same parameters, share their storage and average their gradients."""
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+
+def fsdp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The world's ranks as `("dp_replicate", "dp_shard_cp", "tp")`: the mesh SimpleFSDP
+    (`data_parallel(..., shard_axis="dp_shard_cp")`) takes when cp > 1; its `tp` axis is the
+    world mesh's."""
+    return DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp_mesh(mesh), mesh["tp"]])
 
 
 def build_ep_mesh(parallel_dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:

@@ -3,12 +3,15 @@
 - layout: `shard_sequence` / `unshard_sequence` / `positions` are inverse and agree.
 - tracing: `make_fx` of the CP attention's forward and backward (on a fake 2-rank process
   group) is one FX graph holding the functional all-gathers of k, v, segment ids and the
-  reduce-scatters of dk, dv: what the graph trainer's capture and XLA see.
+  reduce-scatters of dk, dv: what the graph trainer's capture and XLA see; and
+  `torch.compile(fullgraph=True)` of it on 2 gloo ranks equals eager.
 - attention on 2 and 4 gloo processes: fp32 outputs and dq, dk, dv equal the full-sequence
   causal attention (plain and document-masked, MHA and GQA) within the bound argued in
   `test_attention_matches_full_sequence`.
-- Llama 3 and Qwen 3 (dense, q/k norm, GQA) debug models (2 layers) whose attention op and RoPE rows take the CP path on
-  2 gloo ranks: its loss and every parameter gradient equal the single-process run.
+- Llama 3 and Qwen 3 (dense, q/k norm, GQA) debug models (2 layers) whose attention op and
+  RoPE rows take the CP path on 2 gloo ranks: loss and every parameter gradient equal the
+  single-process run; also through `parallelize_model` on meshes with a cp axis (SimpleFSDP
+  over dp_shard x cp; cp = 2, dp 2 x cp 2, cp 2 x tp 2).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from parallelisms.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from tests.test_parallel_harness import FAMILIES, lm_loss, reference_state, run_processes
+from parallelisms import ParallelDims, build_mesh, parallelize_model
+from tests.test_parallel_harness import FAMILIES, full, lm_loss, load_full_state, reference_state, run_processes
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -274,3 +278,69 @@ def test_model_cp2_matches_single_process(family):
             ref = param.grad
             err = (grads[name] - ref).abs().max().item()
             assert err <= 1e-5 * ref.abs().max().item(), f"{name}: {err:.3g}"
+
+
+def _parallel_model_on_rank(family, degrees, state, tokens, labels):
+    """`parallelize_model` on a mesh with a cp axis (SimpleFSDP over dp_shard x cp, TP when
+    asked), then one forward/backward with attention and RoPE on the CP path. Each rank's
+    loss is the mean over its own tokens (equal counts), and SimpleFSDP's gradient mean over
+    the dp_shard x cp ranks makes that the global mean, as in TorchTitan."""
+    world_size = dist.get_world_size()
+    dims = ParallelDims(world_size=world_size, **degrees)
+    mesh = build_mesh(dims, "cpu")
+    cls, make_args, plan = FAMILIES[family]
+    with torch.device("meta"):
+        model = cls(make_args())
+    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh,
+                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()  # RoPE buffers; the weights come from `state`
+    load_full_state(model, state)
+    cp = cp_group(mesh["cp"])
+    dp_rank = dims.dp_rank(mesh)
+    pos = positions(tokens.shape[1], cp.rank, cp.size)
+    tokens_local, labels_local = (shard_sequence(t.chunk(dims.dp_degree)[dp_rank], 1, cp.rank, cp.size)
+                                  for t in (tokens, labels))
+    previous = ops.register("causal_attention", cp_attention_fn(cp))
+    try:
+        h = model.tok_embeddings(tokens_local)
+        h = model.layers(h, model.rope_cos[pos], model.rope_sin[pos])
+        loss = lm_loss(model.output(model.norm(h)), labels_local)
+        loss.backward()
+    finally:
+        ops.register("causal_attention", previous)
+    loss = full(loss.detach()).clone()
+    dist.all_reduce(loss)  # TP ranks hold equal copies: the mean over all ranks is the global mean
+    loss /= world_size
+    mesh_axes = dict(model.named_parameters())["output.weight"].device_mesh.mesh_dim_names
+    return loss, {n: full(p.grad) for n, p in model.named_parameters()}, mesh_axes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, world_size, degrees", [
+    ("llama3", 2, dict(dp_shard=1, cp=2)),
+    ("llama3", 4, dict(dp_shard=2, cp=2)),
+    ("qwen3", 4, dict(dp_shard=1, cp=2, tp=2)),
+], ids=["llama3-cp2", "llama3-dp2xcp2", "qwen3-cp2xtp2"])
+def test_parallelized_model_with_cp_axis(family, world_size, degrees):
+    """SimpleFSDP over dp x cp (and TP) with CP attention: loss and gradients equal the
+    single-process run within the bounds of `test_model_cp2_matches_single_process` (the
+    gradient mean over ranks adds one more reordered sum of a few terms)."""
+    cls, make_args, _ = FAMILIES[family]
+    args = make_args()
+    state = reference_state(family)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, args.vocab_size, (4, args.max_seq_len + 1), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    model = cls(args)
+    model.load_state_dict(state, strict=False)
+    ref_loss = lm_loss(model(inputs), labels)
+    ref_loss.backward()
+    for loss, grads, mesh_axes in run_processes(world_size, _parallel_model_on_rank, family, degrees, state,
+                                                inputs, labels):
+        assert "dp_shard_cp" in mesh_axes, mesh_axes  # parameters are sharded over dp x cp
+        assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+        for name, param in model.named_parameters():
+            err = (grads[name] - param.grad).abs().max().item()
+            assert err <= 1e-5 * param.grad.abs().max().item(), f"{name}: {err:.3g}"
