@@ -280,7 +280,7 @@ def test_model_cp2_matches_single_process(family):
             assert err <= 1e-5 * ref.abs().max().item(), f"{name}: {err:.3g}"
 
 
-def _parallel_model_on_rank(family, degrees, state, tokens, labels):
+def _parallel_model_on_rank(family, degrees, state, tokens, labels, compile_backend=None):
     """`parallelize_model` on a mesh with a cp axis (SimpleFSDP over dp_shard x cp, TP when
     asked), then one forward/backward with attention and RoPE on the CP path. Each rank's
     loss is the mean over its own tokens (equal counts), and SimpleFSDP's gradient mean over
@@ -291,7 +291,7 @@ def _parallel_model_on_rank(family, degrees, state, tokens, labels):
     cls, make_args, plan = FAMILIES[family]
     with torch.device("meta"):
         model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh,
+    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, compile_backend=compile_backend,
                       param_dtype=torch.float32, reduce_dtype=torch.float32)
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -318,13 +318,15 @@ def _parallel_model_on_rank(family, degrees, state, tokens, labels):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, world_size, degrees", [
-    ("llama3", 2, dict(dp_shard=1, cp=2)),
-    ("llama3", 4, dict(dp_shard=2, cp=2)),
-    ("qwen3", 4, dict(dp_shard=1, cp=2, tp=2)),
-], ids=["llama3-cp2", "llama3-dp2xcp2", "qwen3-cp2xtp2"])
-def test_parallelized_model_with_cp_axis(family, world_size, degrees):
-    """SimpleFSDP over dp x cp (and TP) with CP attention: loss and gradients equal the
+@pytest.mark.parametrize("family, world_size, degrees, compile_backend", [
+    ("llama3", 2, dict(dp_shard=1, cp=2), None),
+    ("llama3", 4, dict(dp_shard=2, cp=2), None),
+    ("qwen3", 4, dict(dp_shard=1, cp=2, tp=2), None),
+    ("llama3", 2, dict(dp_shard=1, cp=2), "aot_eager"),
+], ids=["llama3-cp2", "llama3-dp2xcp2", "qwen3-cp2xtp2", "llama3-cp2-block-compile"])
+def test_parallelized_model_with_cp_axis(family, world_size, degrees, compile_backend):
+    """SimpleFSDP over dp x cp (and TP; and per-block compile, the CP attention traced inside
+    each compiled block) with CP attention: loss and gradients equal the
     single-process run within the bounds of `test_model_cp2_matches_single_process` (the
     gradient mean over ranks adds one more reordered sum of a few terms)."""
     cls, make_args, _ = FAMILIES[family]
@@ -338,7 +340,7 @@ def test_parallelized_model_with_cp_axis(family, world_size, degrees):
     ref_loss = lm_loss(model(inputs), labels)
     ref_loss.backward()
     for loss, grads, mesh_axes in run_processes(world_size, _parallel_model_on_rank, family, degrees, state,
-                                                inputs, labels):
+                                                inputs, labels, compile_backend):
         assert "dp_shard_cp" in mesh_axes, mesh_axes  # parameters are sharded over dp x cp
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
         for name, param in model.named_parameters():
