@@ -8,7 +8,8 @@ Rows per sequence length, each run in fresh processes of one thread each:
 - `cp<N>`: N gloo processes, each `context_parallel_attention` on its load-balanced shard (k/v
   all-gathered, their gradients reduce-scattered).
 Columns: median over --repeats of the slowest rank's fwd+bwd time (ranks start together at a
-barrier); `gather_ms`: median time of the forward all-gathers of k and v alone; `peak_mib`:
+barrier); `cpu_ms`: the same for the process CPU time (what the rank computed; on a shared
+machine wall time also holds the waits for a core); `gather_ms`: median time of the forward all-gathers of k and v alone; `peak_mib`:
 the largest per-process growth of the resident set during the timed calls over the resident
 set after warm-up (Linux: VmHWM after resetting it through /proc/self/clear_refs; the inputs
 are in the baseline). Prints the CPU model and a table, writes CSV.
@@ -97,12 +98,13 @@ def _worker(rank: int, world: int, mode: str, cfg: dict, init_file: str, out_dir
     barrier()
     baseline_kib = _status_kib("VmRSS")
     peak_ok = _reset_peak()
-    times = []
+    times, cpu_times = [], []
     for _ in range(cfg["repeats"]):
         barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     peak_kib = _status_kib("VmHWM")
     gathers = []
     if world > 1:
@@ -115,6 +117,7 @@ def _worker(rank: int, world: int, mode: str, cfg: dict, init_file: str, out_dir
                 gathers.append(time.perf_counter() - t0)
     result = {
         "times": times,
+        "cpu_times": cpu_times,
         "gathers": gathers,
         "peak_mib": (peak_kib - baseline_kib) / 1024 if peak_ok and peak_kib and baseline_kib else None,
     }
@@ -132,11 +135,13 @@ def _run(world: int, mode: str, cfg: dict) -> dict:
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
     slowest = [max(ts) for ts in zip(*(r["times"] for r in ranks))]
+    busiest = [max(ts) for ts in zip(*(r["cpu_times"] for r in ranks))]
     gathers = [max(ts) for ts in zip(*(r["gathers"] for r in ranks))] if world > 1 else []
     peaks = [r["peak_mib"] for r in ranks if r["peak_mib"] is not None]
     return {
         "fwd_bwd_ms": round(1e3 * statistics.median(slowest), 1),
         "min_ms": round(1e3 * min(slowest), 1),
+        "cpu_ms": round(1e3 * statistics.median(busiest), 1),
         "gather_ms": round(1e3 * statistics.median(gathers), 1) if gathers else "",
         "peak_mib": round(max(peaks), 1) if peaks else "",
     }
@@ -171,11 +176,14 @@ def main() -> None:
     for row in rows:  # speedup of the slowest rank over the single-process causal baseline
         base = next(r for r in rows if r["seq"] == row["seq"] and r["variant"] == "cp1_causal")
         row["speedup_vs_cp1"] = round(base["fwd_bwd_ms"] / row["fwd_bwd_ms"], 2)
+        row["cpu_speedup_vs_cp1"] = round(base["cpu_ms"] / row["cpu_ms"], 2)
     header = list(rows[0])
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(str(row[h]) for h in header) + " |")
     print(f"load average after {os.getloadavg()[0]:.2f}")
+    for row in rows:
+        row["load_after"] = round(os.getloadavg()[0], 2)
     if args.out:
         with open(args.out, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["cpu", *header])
