@@ -170,7 +170,8 @@ def main() -> None:
         runs = [("cp1_causal", 1, "causal"), ("cp1_masked", 1, "cp")]
         runs += [(f"cp{n}", n, "cp") for n in map(int, args.cps.split(","))]
         for name, world, mode in runs:
-            row = {"seq": seq, "variant": name, "processes": world, **_run(world, mode, cfg)}
+            load = round(os.getloadavg()[0], 2)  # 1-minute load average before the row
+            row = {"seq": seq, "variant": name, "processes": world, **_run(world, mode, cfg), "load_before": load}
             rows.append(row)
             print(" | ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     for row in rows:  # speedup of the slowest rank over the single-process causal baseline
@@ -182,8 +183,6 @@ def main() -> None:
     for row in rows:
         print("| " + " | ".join(str(row[h]) for h in header) + " |")
     print(f"load average after {os.getloadavg()[0]:.2f}")
-    for row in rows:
-        row["load_after"] = round(os.getloadavg()[0], 2)
     if args.out:
         with open(args.out, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["cpu", *header])
