@@ -6,7 +6,7 @@ Entry points: `ParallelDims` + `build_mesh` (degrees and the named DeviceMesh) a
 
 from parallelisms.activation_checkpoint import AC_MODES, apply_ac, checkpoint_fn
 from parallelisms.compile import apply_compile
-from parallelisms.parallel_dims import ParallelDims, build_ep_mesh, build_mesh, flat_dp_mesh
+from parallelisms.parallel_dims import ParallelDims, build_ep_mesh, build_mesh, dp_shard_cp_mesh, flat_dp_mesh
 from parallelisms.parallelize import parallelize_model
 from parallelisms.simple_fsdp import (
     clip_grad_norm_,
@@ -27,6 +27,7 @@ __all__ = [
     "checkpoint_fn",
     "clip_grad_norm_",
     "data_parallel",
+    "dp_shard_cp_mesh",
     "disable_active_parametrization",
     "flat_dp_mesh",
     "local_bytes",

@@ -1,16 +1,19 @@
 """Parallel degrees, their validation, and the named DeviceMesh built from them.
 
-`ParallelDims` holds the degrees of a job (`dp_replicate`, `dp_shard`, `tp`, `ep`) as plain
-ints, checks them against the world size and against a model's sizes, and answers the
+`ParallelDims` holds the degrees of a job (`dp_replicate`, `dp_shard`, `cp`, `tp`, `ep`) as
+plain ints, checks them against the world size and against a model's sizes, and answers the
 questions other components ask (data-parallel degree and rank, which parallelisms are on).
-`build_mesh` turns it into one DeviceMesh with the axes `("dp_replicate", "dp_shard", "tp")`
-on cpu (gloo), cuda (nccl) or tpu (topology-aware rank order).
+`build_mesh` turns it into one DeviceMesh with the axes `("dp_replicate", "dp_shard", "cp",
+"tp")` on cpu (gloo), cuda (nccl) or tpu (topology-aware rank order).
 
-Rules (documented in docs/parallelism.md):
-- `dp_replicate * dp_shard * tp == world_size`; `dp_shard = -1` takes whatever is left.
-- `ep` borrows ranks from the `dp_shard x tp` block, as TorchTitan does: it must divide
-  `dp_shard * tp`; the expert mesh is `(dp_replicate, efsdp, ep)` with
-  `efsdp = dp_shard * tp / ep` (experts are data-parallel-sharded over `efsdp`).
+Rules (documented in docs/parallelism.md and docs/context_parallel.md):
+- `dp_replicate * dp_shard * cp * tp == world_size`; `dp_shard = -1` takes whatever is left.
+- `cp` (context parallelism, parallelisms/context_parallel.py) splits the sequence: the `cp`
+  ranks of one data-parallel group read the same batch rows; the sequence length must
+  divide by `2 * cp` (and by `2 * cp * tp` with sequence-parallel TP).
+- `ep` borrows ranks from the `dp_shard x cp x tp` block, as TorchTitan does: it must divide
+  `dp_shard * cp * tp`; the expert mesh is `(dp_replicate, efsdp, ep)` with
+  `efsdp = dp_shard * cp * tp / ep` (experts are data-parallel-sharded over `efsdp`).
 - With tensor parallelism, heads, kv heads, the FFN hidden size and (for MoE) the expert
   hidden size must divide by `tp`; experts must divide by `ep`.
 """
@@ -26,14 +29,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from models.contract import ModelShape
 from models.errors import ConfigError
+from parallelisms.context_parallel import check_seq_len
 
 # Mesh axis names, outermost first. The busiest axis (tp) is innermost so that on TPU the
-# topology-aware order keeps it on the fastest ICI links and on GPU it stays inside a host.
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+# topology-aware order keeps it on the fastest ICI links and on GPU it stays inside a host;
+# cp (an all-gather of k/v per layer) comes next, as in TorchTitan. An axis of degree 1 is
+# still built, so code indexes `mesh["tp"]` or `mesh["cp"]` unconditionally.
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 # Names of the config keys each degree comes from, used in error messages.
 _KEYS = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
     "tp": "parallelism.tensor_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
 }
@@ -47,6 +54,8 @@ class ParallelDims:
     """HSDP replicas (gradients all-reduced across them)."""
     dp_shard: int = -1
     """FSDP shards (parameters, gradients and optimizer state split across them)."""
+    cp: int = 1
+    """Context parallel degree: the sequence is split (load-balanced) over this many ranks."""
     tp: int = 1
     """Tensor (and sequence) parallel degree."""
     ep: int = 1
@@ -57,7 +66,7 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {self.world_size}")
-        for name in ("dp_replicate", "tp", "ep"):
+        for name in ("dp_replicate", "cp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{_KEYS[name]}: must be an integer >= 1, got {value!r}")
@@ -66,29 +75,31 @@ class ParallelDims:
                 f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), "
                 f"got {self.dp_shard!r}"
             )
-        others = self.dp_replicate * self.tp
+        cp_text = f"context_parallel_degree ({self.cp}) x " if self.cp != 1 else ""
+        others = self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others != 0:
                 raise ConfigError(
                     f"{_KEYS['dp_shard']}: -1 cannot fill world size {self.world_size} because "
-                    f"data_parallel_replicate_degree ({self.dp_replicate}) x "
+                    f"data_parallel_replicate_degree ({self.dp_replicate}) x {cp_text}"
                     f"tensor_parallel_degree ({self.tp}) = {others} does not divide it"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ConfigError(
                 f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
-                f"data_parallel_shard_degree ({self.dp_shard}) x tensor_parallel_degree "
+                f"data_parallel_shard_degree ({self.dp_shard}) x {cp_text}tensor_parallel_degree "
                 f"({self.tp}) = {product}, but the world size is {self.world_size}; "
                 f"the product must equal the world size (set data_parallel_shard_degree = -1 "
                 f"to fill it)"
             )
-        if (self.dp_shard * self.tp) % self.ep != 0:
+        block = self.dp_shard * self.cp * self.tp
+        if block % self.ep != 0:
             raise ConfigError(
                 f"{_KEYS['ep']}: {self.ep} must divide data_parallel_shard_degree x "
-                f"tensor_parallel_degree = {self.dp_shard * self.tp} (expert parallelism borrows "
-                f"its ranks from the FSDP x TP ranks)"
+                f"{'context_parallel_degree x ' if self.cp != 1 else ''}tensor_parallel_degree = "
+                f"{block} (expert parallelism borrows its ranks from the FSDP x CP x TP ranks)"
             )
 
     # --- what is on -------------------------------------------------------------------------
@@ -103,6 +114,10 @@ class ParallelDims:
     @property
     def dp_enabled(self) -> bool:
         return self.dp_degree > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -120,20 +135,22 @@ class ParallelDims:
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that see the same batch (for per-device token counts in metrics)."""
-        return self.tp
+        """Ranks that see the same batch rows (for per-device token counts in metrics): each
+        of the cp x tp ranks of a data-parallel group processes 1/(cp x tp) of its tokens."""
+        return self.cp * self.tp
 
     @property
     def efsdp(self) -> int:
-        """FSDP degree of expert parameters: the `dp_shard x tp` ranks left after `ep`."""
-        return self.dp_shard * self.tp // self.ep
+        """FSDP degree of expert parameters: the `dp_shard x cp x tp` ranks left after `ep`."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
-        """Data-parallel rank of this process: TP ranks of one dp group get the same number.
+        """Data-parallel rank of this process: the CP and TP ranks of one dp group get the
+        same number.
 
         It is the row-major index of (dp_replicate, dp_shard) coordinates, i.e. the rank in
         the flattened `dp` axis; the data loader reads shard `dp_rank` of `dp_degree`.
@@ -145,7 +162,7 @@ class ParallelDims:
         assert coordinate is not None, "this rank is not part of the mesh"
         names = mesh.mesh_dim_names
         assert names is not None and tuple(names) == MESH_AXES, f"unexpected mesh axes {names}"
-        replicate, shard, _ = coordinate
+        replicate, shard, _, _ = coordinate
         return replicate * self.dp_shard + shard
 
     # --- model checks ----------------------------------------------------------------------
@@ -157,7 +174,7 @@ class ParallelDims:
         `vocab_size` need not divide: DTensor shards embedding rows and norm weights
         unevenly when needed.
         """
-        if self.tp_enabled:
+        if self.tp_enabled:  # with cp, the sequence-parallel split of s / cp is checked below
             checks = [
                 ("n_heads", shape.n_heads),
                 ("n_kv_heads", shape.n_kv_heads),
@@ -171,6 +188,14 @@ class ParallelDims:
                         f"{_KEYS['tp']}: {self.tp} does not divide the model's {what} "
                         f"({value}); allowed: divisors of {value}"
                     )
+        if self.cp_enabled:
+            check_seq_len(seq_len, self.cp)
+            if self.tp_enabled and (seq_len // self.cp) % self.tp != 0:
+                raise ConfigError(
+                    f"{_KEYS['tp']}: {self.tp} does not divide the sequence length per context-"
+                    f"parallel rank ({seq_len} / {self.cp} = {seq_len // self.cp}); allowed: "
+                    f"divisors of {seq_len // self.cp}"
+                )
         if self.ep_enabled:
             if not shape.is_moe:
                 raise ConfigError(
@@ -198,11 +223,11 @@ def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """Build the named world mesh `("dp_replicate", "dp_shard", "tp")`.
+    """Build the named world mesh `("dp_replicate", "dp_shard", "cp", "tp")`.
 
     Needs an initialized default process group of `parallel_dims.world_size` ranks. The
     flattened `dp` axis (replicate x shard) is created too and can be fetched with
-    `flat_dp_mesh(mesh)`.
+    `flat_dp_mesh(mesh)`; with cp > 1 also `dp_shard_cp` (`dp_shard_cp_mesh(mesh)`).
     """
     assert dist.is_initialized(), "init the process group before build_mesh"
     if dist.get_world_size() != parallel_dims.world_size:
@@ -217,6 +242,8 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     else:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     flat_dp_mesh(mesh)
+    if parallel_dims.cp_enabled:
+        dp_shard_cp_mesh(mesh)
     return mesh
 
 
@@ -225,14 +252,28 @@ def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
+def dp_shard_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D `dp_shard_cp` axis (dp_shard x cp flattened), cached by DeviceMesh: with context
+    parallelism SimpleFSDP shards parameters over it (as TorchTitan does), so the cp ranks,
+    which hold the same parameters, share their storage and average their gradients."""
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+
+def fsdp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The world's ranks as `("dp_replicate", "dp_shard_cp", "tp")`: the mesh SimpleFSDP
+    (`data_parallel(..., shard_axis="dp_shard_cp")`) takes when cp > 1; its `tp` axis is the
+    world mesh's."""
+    return DeviceMesh._concatenate([mesh["dp_replicate"], dp_shard_cp_mesh(mesh), mesh["tp"]])
+
+
 def build_ep_mesh(parallel_dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
     """The expert mesh `("dp_replicate", "efsdp", "ep")` over the same ranks as `mesh`.
 
-    The `dp_shard x tp` block is flattened and split again into `efsdp x ep` with `ep`
+    The `dp_shard x cp x tp` block is flattened and split again into `efsdp x ep` with `ep`
     innermost, so an EP group is a run of neighbouring ranks (the TP ones first).
     """
     assert math.prod(mesh.mesh.shape) == parallel_dims.world_size
-    flat = mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    flat = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
     inner = flat._unflatten(0, (parallel_dims.efsdp, parallel_dims.ep), ("efsdp", "ep"))
     if not parallel_dims.dp_replicate_enabled:
         return inner._unflatten(0, (1, parallel_dims.efsdp), ("dp_replicate", "efsdp"))

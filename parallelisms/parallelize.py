@@ -11,6 +11,7 @@ Order (each step relies on the previous ones):
    compile is lazy, so it traces the SimpleFSDP gathers added next.
 5. SimpleFSDP (`data_parallel`): parameters become dp-sharded DTensors (2-D with TP) and
    are gathered at use, cast to `param_dtype`; gradients are reduced in `reduce_dtype`.
+   With context parallelism (`cp > 1`) the shard axis is `dp_shard x cp` (`dp_shard_cp`).
 
 The model goes in on the meta device and comes out still on meta; the caller then runs
 `model.to_empty(device=...)` and `model.init_weights(buffer_device=...)`.
@@ -25,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from models.common.plan import ModelPlan
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import ParallelDims, fsdp_cp_mesh
 from parallelisms.simple_fsdp import data_parallel
 from parallelisms.tensor_parallel import apply_tp
 from models.errors import ConfigError
@@ -72,7 +73,12 @@ def parallelize_model(
     apply_ac(model, plan=plan, mode=ac_mode)
     if compile_backend is not None:
         apply_compile(model, plan=plan, backend=compile_backend)
-    data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # With context parallelism the cp ranks hold the same parameters: shard them over dp x cp.
+    if parallel_dims.cp_enabled:
+        data_parallel(model, mesh=fsdp_cp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                      shard_axis="dp_shard_cp")
+    else:
+        data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model
 
 

@@ -31,6 +31,9 @@ def test_dp_shard_fills_the_world():
     (dict(dp_shard=-2, world_size=4), "parallelism.data_parallel_shard_degree: must be"),
     (dict(dp_replicate=0, world_size=4), "parallelism.data_parallel_replicate_degree: must be"),
     (dict(dp_shard=2, tp=2, ep=3, world_size=4), "parallelism.expert_parallel_degree: 3 must divide"),
+    (dict(cp=0, world_size=4), "parallelism.context_parallel_degree: must be"),
+    (dict(dp_shard=2, cp=3, world_size=4), "context_parallel_degree (3)"),
+    (dict(cp=3, dp_shard=-1, world_size=4), "context_parallel_degree (3) x tensor_parallel_degree (1) = 3"),
 ])
 def test_bad_degrees_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match="parallelism") as info:
@@ -73,12 +76,12 @@ def fake_world():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("rank, coordinate, dp_rank", [(0, (0, 0, 0), 0), (5, (1, 0, 1), 2), (6, (1, 1, 0), 3)])
+@pytest.mark.parametrize("rank, coordinate, dp_rank", [(0, (0, 0, 0, 0), 0), (5, (1, 0, 0, 1), 2), (6, (1, 1, 0, 0), 3)])
 def test_mesh_axes_and_dp_rank(fake_world, rank, coordinate, dp_rank):
     fake_world(rank, 8)
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, ep=2, world_size=8)
     mesh = build_mesh(dims, "cpu")
-    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
     assert mesh.get_coordinate() == coordinate
     assert dims.dp_rank(mesh) == dp_rank
     # TP ranks of one dp group read the same data; the flattened dp axis agrees.
@@ -96,6 +99,25 @@ def test_ep_mesh_spans_dp_shard_and_tp(fake_world):
     ep_mesh = build_ep_mesh(dims, build_mesh(dims, "cpu"))
     assert ep_mesh.mesh.tolist() == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
     assert ep_mesh["ep"].mesh.tolist() == [0, 1, 2, 3]
+
+
+def test_cp_axis(fake_world):
+    """cp sits between dp_shard and tp; its ranks share a dp rank; EP borrows from dp_shard x cp x tp."""
+    fake_world(5, 8)
+    dims = ParallelDims(dp_shard=-1, cp=2, tp=2, ep=4, world_size=8)
+    assert (dims.dp_shard, dims.non_data_parallel_size, dims.efsdp, dims.cp_enabled) == (2, 4, 2, True)
+    mesh = build_mesh(dims, "cpu")
+    assert mesh.get_coordinate() == (0, 1, 0, 1)
+    assert mesh["cp"].mesh.tolist() == [5, 7] and mesh["tp"].mesh.tolist() == [4, 5]
+    assert dims.dp_rank(mesh) == 1
+    assert build_ep_mesh(dims, mesh)["ep"].mesh.tolist() == [4, 5, 6, 7]
+    llama = dataclasses.replace(LLAMA3["debugmodel"], max_seq_len=64)
+    dims = dataclasses.replace(dims, ep=1)
+    dims.validate_for_model(llama.shape(), seq_len=64)
+    with pytest.raises(ConfigError, match=r"context_parallel_degree: 2 needs a sequence length divisible by 2 x 2 = 4"):
+        dims.validate_for_model(llama.shape(), seq_len=30)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree: 4 does not divide the sequence length per context"):
+        ParallelDims(dp_shard=1, cp=2, tp=4, world_size=8).validate_for_model(llama.shape(), seq_len=12)
 
 
 def test_mesh_size_must_match_process_group(fake_world):

@@ -190,6 +190,10 @@ class ParallelismConfig:
     """Tensor (and sequence) parallel degree."""
     expert_parallel_degree: int = field(default=1, metadata=_range(ge=1))
     """Expert parallel degree for MoE models, carved out of the data-parallel ranks."""
+    context_parallel_degree: int = field(default=1, metadata=_range(ge=1))
+    """Context parallel degree: the sequence split over this many ranks with causal load
+    balancing, keys/values all-gathered for attention (docs/context_parallel.md). Only 1 runs
+    in the trainer yet: the mechanism (parallelisms/context_parallel.py) is not wired in."""
     enable_loss_parallel: bool = False
     """With TP, compute the cross entropy on vocab-sharded logits instead of gathering them."""
 
@@ -588,6 +592,11 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
+    if p.context_parallel_degree > 1:
+        # Until the train step shards batches, positions and the loss over cp
+        # (docs/context_parallel.md, "Not wired yet"); then this moves to the RULES table.
+        raise ConfigError(f"parallelism.context_parallel_degree: {p.context_parallel_degree} is not wired "
+                          "into the trainer yet (parallelisms/context_parallel.py is the mechanism); allowed: 1")
     f = cfg.flow
     if f.resolution_shift and f.shift != 1.0:
         raise ConfigError(f"flow.shift: {f.shift} with flow.resolution_shift = true; set one of them "
