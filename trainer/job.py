@@ -73,7 +73,9 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         ac_mode=cfg.activation_checkpoint.mode, loss_parallel=cfg.parallelism.enable_loss_parallel,
         tp_degree=tp_degree, device_type=device_type, fused_loss=cfg.training.fused_loss,
         model_has_hidden=callable(getattr(family.model_cls, "hidden", None)), task=getattr(family, "task", "lm"),
-        caller_loss=caller_loss)
+        caller_loss=caller_loss, document_mask=cfg.training.document_mask,
+        document_positions=cfg.training.document_positions,
+        model_document_mask=bool(getattr(family, "document_mask", False)))
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
