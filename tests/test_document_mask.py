@@ -292,9 +292,9 @@ def _error_lines(err: str) -> list[str]:
 
 
 def test_training_runs_with_document_mask_eager_and_graph(tmp_path, _cwd):
-    """The debug recipe trains with document masking in eager mode and as one captured graph
-    with layer scan and activation checkpointing (backend aot_eager: the captured ops run one
-    by one). fp32: the graph step computes the eager math (tests/test_graph_step.py: losses
+    """The debug recipe trains with document masking in eager mode, as one captured graph with
+    layer scan and activation checkpointing (backend aot_eager: the captured ops run one by one),
+    and with the fused loss and a validation pass. fp32: the graph step computes the eager math (tests/test_graph_step.py: losses
     within 1e-5 relative), so the two runs' losses agree to 1e-5; both differ from the run
     without masking (the data set's short documents put several in each 64-token window; the
     bundled corpus's median document has 680 tokens, too long to show it in three steps)."""
@@ -306,6 +306,11 @@ def test_training_runs_with_document_mask_eager_and_graph(tmp_path, _cwd):
         "graph": ["--training.document_mask=true", "--training.document_positions=restart",
                   "--compile.mode=graph", "--compile.backend=eager", "--compile.scan_layers=true",
                   "--activation_checkpoint.mode=full"],
+        # The fused loss starts from model.hidden(inputs, segment_ids, positions); validation
+        # reads the same batch layout.
+        "fused": ["--training.document_mask=true", "--training.document_positions=restart",
+                  "--training.fused_loss=on", "--validation.enable=true", f"--validation.dataset={data}",
+                  "--validation.freq=3", "--validation.steps=1"],
     }
     losses = {}
     for name, extra in runs.items():
@@ -313,6 +318,10 @@ def test_training_runs_with_document_mask_eager_and_graph(tmp_path, _cwd):
         losses[name] = _losses(tmp_path / name)
     assert len(losses["eager"]) == 3 and all(np.isfinite(losses["eager"]))
     assert losses["graph"] == pytest.approx(losses["eager"], rel=1e-5)
+    assert losses["fused"] == pytest.approx(losses["eager"], rel=1e-5)  # as tests/test_train_e2e.py
+    with open(tmp_path / "fused" / "metrics.jsonl") as f:
+        val = [r["val_loss"] for r in map(json.loads, f) if "val_loss" in r]
+    assert len(val) == 1 and np.isfinite(val).all()
     assert abs(losses["eager"][0] - losses["plain"][0]) > 1e-4
 
 
@@ -359,3 +368,61 @@ def test_rules_refuse_models_without_segment_ids():
     assert plan.document_mask and plan.restart_positions
     plan = plan_step(**base, model_document_mask=True)
     assert plan.document_mask and not plan.restart_positions
+
+
+# ----------------------------------------------------------------- tensor parallel (2 ranks)
+
+
+def _tp_rank(state, inputs, labels, segment_ids, positions):
+    """Per-token losses and full gradients of the TP=2 (sequence-parallel) Llama 3 on one rank."""
+    import torch.distributed as dist
+
+    from parallelisms import ParallelDims, build_mesh, parallelize_model
+    from tests.test_parallel_harness import LLAMA3_PLAN, Llama3, full, llama3_args, load_full_state
+
+    dims = ParallelDims(world_size=dist.get_world_size(), dp_shard=1, tp=2)
+    mesh = build_mesh(dims, "cpu")
+    with torch.device("meta"):
+        model = Llama3(llama3_args())
+    parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
+                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    load_full_state(model, state)
+    logits = full(model(inputs, segment_ids=segment_ids, positions=positions))
+    loss = _per_token_loss(logits, labels)
+    loss.sum().backward()
+    return loss.detach(), {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_passes_segment_ids():
+    """TP=2 with sequence parallelism (2 gloo processes): the attention modules get the segment
+    ids and per-token positions next to their all-gathered input, and compute what one process
+    computes. fp32; TP splits the heads (attention per head is unchanged) and the rowwise
+    projections sum two partial products (one extra rounding, ~u relative): per-token losses
+    within 1e-5 absolute and gradients within 5e-6 of each tensor's largest entry, as above."""
+    from tests.test_parallel_harness import SEQ_LEN, Llama3, llama3_args, reference_state, run_processes
+
+    state = reference_state("llama3", seed=3)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(3, 4096, (2, SEQ_LEN + 1), generator=g)
+    tokens[0, [4, 9]] = EOS
+    tokens[1, [6]] = EOS
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    segment_ids = torch.from_numpy(document_ids(inputs.numpy(), EOS))
+    positions = document_positions(segment_ids)
+    assert segment_ids.max() == 2
+
+    model = Llama3(llama3_args())
+    model.load_state_dict(state, strict=False)
+    ref = _per_token_loss(model(inputs, segment_ids=segment_ids, positions=positions), labels)
+    ref.sum().backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+
+    for loss, grads in run_processes(2, _tp_rank, state, inputs, labels, segment_ids, positions):
+        torch.testing.assert_close(loss, ref.detach(), rtol=0, atol=1e-5)
+        for n, grad in grads.items():
+            scale = ref_grads[n].abs().max().item()
+            assert (grad - ref_grads[n]).abs().max().item() <= 5e-6 * scale + 1e-12, n
