@@ -295,6 +295,9 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     else:
         attention = titan_kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
                                    head_dim=plan.args.shape().head_dim)
+    if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
+        attention += ("; document mask: segment ids" if device_type == "tpu"
+                      else "; document mask: SDPA with a block-diagonal causal mask")
     model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
                         parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
                         reduce_dtype=torch_dtype(t.mixed_precision_reduce))
