@@ -120,11 +120,11 @@ class Decoder(nn.Module):
         assert seqlen <= self.rope_cos.shape[0], (
             f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
         )
+        h = self.tok_embeddings(tokens)
         if positions is None:
             cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         else:
             cos, sin = gather_cos_sin(self.rope_cos, self.rope_sin, positions)
-        h = self.tok_embeddings(tokens)
         # The blocks get segment ids only when given, so an unmasked model traces as before.
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
         h = self.layers(h, *args)

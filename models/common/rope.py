@@ -86,9 +86,10 @@ def apply_rope(
     The rotation runs in float32 (as TorchTitan's complex version does) and the result is cast
     back to the input dtype, which keeps bf16 training accurate at long positions.
     """
-    # [seq, 1, d] or [batch, seq, 1, d]: broadcast over the heads (and the batch).
-    cos = cos.unsqueeze(-2).float()
-    sin = sin.unsqueeze(-2).float()
+    # -> [1 or batch, seq, 1, head_dim], broadcast over the heads (and the batch).
+    lead = None if cos.dim() == 2 else slice(None)
+    cos = cos[lead, :, None, :].float()
+    sin = sin[lead, :, None, :].float()
     q_fp32, k_fp32 = q.float(), k.float()
     q_out = q_fp32 * cos + _rotate_half(q_fp32) * sin
     k_out = k_fp32 * cos + _rotate_half(k_fp32) * sin
