@@ -329,7 +329,7 @@ def test_training_runs_with_document_mask_eager_and_graph(tmp_path, _cwd):
 def test_qwen3_moe_graph_scan_matches_eager_with_document_mask(tmp_path, _cwd):
     """Qwen 3 MoE (debug recipe, 2 layers) with document masking and restart positions: the
     captured graph with layer scan (aot_eager) trains like eager; fp32, losses within 1e-5
-    relative as above (measured: equal bit for bit). ~2 min on a busy 2-core machine (compile)."""
+    relative as above (measured: equal bit for bit). ~15 s on an idle core, minutes under load."""
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 4))
     argv = ["--config", "configs/qwen3_moe_debug.toml", *TINY[2:], f"--training.dataset={data}",
