@@ -56,6 +56,9 @@ class ModelFamily:
     plan_for: Callable[[Any], ModelPlan] | None = None
     """For a family whose plan depends on its args (`hf`: TP styles from the config): args -> plan.
     `for_args` applies it; None: `plan` serves every flavor."""
+    document_mask: bool = False
+    """The model takes packed-document inputs: `forward(tokens, segment_ids, positions)` and the
+    same for `hidden` (`models.contract.LanguageModel`); `[training] document_mask` needs it."""
 
     def for_args(self, args: Any) -> "ModelFamily":
         """This family with the plan of `args` (itself unless `plan_for` is set)."""
@@ -85,6 +88,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model_cls=llama3.Transformer,
         plan=LLAMA3_PLAN,
         hf_adapter=llama3_hf,
+        document_mask=True,
     ),
     "qwen3": ModelFamily(
         name="qwen3",
@@ -93,6 +97,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model_cls=qwen3.Transformer,
         plan=QWEN3_PLAN,
         hf_adapter=qwen3_hf,
+        document_mask=True,
     ),
     "flux": ModelFamily(
         name="flux",

@@ -86,6 +86,11 @@ class LanguageModel(Protocol):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter in place (they may be sharded DTensors) and rebuild buffers."""
 
+    # Optional, for `[training] document_mask` (a family that sets `ModelFamily.document_mask`):
+    # `__call__(tokens, segment_ids, positions)` and `hidden(tokens, segment_ids, positions)`,
+    # segment_ids [batch, seq] integers (attention stays inside a segment) and positions
+    # [batch, seq] integers (the RoPE positions) or None (0..seq-1 in every row).
+
     # Optional, for `[training] fused_loss`: `hidden(tokens) -> [batch, seq, dim]`, the states
     # that the `output` projection (an nn.Linear, weight [vocab_size, dim]) turns into logits.
     # A family without them trains with the plain loss (fused_loss = "on" is then an error).

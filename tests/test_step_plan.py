@@ -103,6 +103,9 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(fused_loss="on"), StepRequest(loss_parallel=True, task="flow"),
         StepRequest(mode="graph", caller_loss=True), StepRequest(fused_loss="on", model_has_hidden=True, caller_loss=True),
         StepRequest(task="flow", caller_loss=True),
+        StepRequest(document_positions="first"), StepRequest(document_positions="restart"),
+        StepRequest(document_mask=True, task="flow"), StepRequest(document_mask=True),
+        StepRequest(document_mask=True, model_document_mask=True, caller_loss=True),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

@@ -32,7 +32,7 @@ from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FOR
 from trainer.optim import DECAY_TYPES
 from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
 from trainer.runtime.tpu_env import FLAG_BUNDLES, check_flags
-from trainer.step.plan import BACKENDS, FUSED_LOSS, MODES
+from trainer.step.plan import BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES
 from trainer.tasks.flow import TIMESTEP_SAMPLING
 
 
@@ -135,6 +135,16 @@ class TrainingConfig:
     vocabulary (a Pallas kernel on TPU): the [tokens, vocab] logits and their fp32 copy never
     exist whole. auto: on for TPU, off elsewhere; on: every device (not with tensor
     parallelism, which shards the vocabulary); off: logits, then fp32 cross entropy."""
+    document_mask: bool = False
+    """LM task: attention never crosses a document boundary inside a packed window. The loader
+    emits each window's document ids (a new document starts after each EOS token), the model
+    passes them to every attention call (a block-diagonal causal mask: SDPA on CPU/GPU, splash
+    with segment ids on TPU). The loss and the data order are unchanged. Llama 3 and Qwen 3 only
+    (docs/data.md#document-masking)."""
+    document_positions: str = field(default="global", metadata=_choices(*DOCUMENT_POSITIONS))
+    """RoPE positions with `document_mask`: global = the token's place in the packed window
+    (0..seq_len-1, as without masking); restart = its place in its own document (0 at each
+    document start, as if the document were trained alone). restart needs document_mask = true."""
     skip_nonfinite_updates: bool = False
     """A step whose gradient norm is not finite never updates the weights (the update is skipped
     on the device). false: the run stops with an error at the next logged or checkpoint step,

@@ -73,7 +73,9 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         ac_mode=cfg.activation_checkpoint.mode, loss_parallel=cfg.parallelism.enable_loss_parallel,
         tp_degree=tp_degree, device_type=device_type, fused_loss=cfg.training.fused_loss,
         model_has_hidden=callable(getattr(family.model_cls, "hidden", None)), task=getattr(family, "task", "lm"),
-        caller_loss=caller_loss)
+        caller_loss=caller_loss, document_mask=cfg.training.document_mask,
+        document_positions=cfg.training.document_positions,
+        model_document_mask=bool(getattr(family, "document_mask", False)))
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
@@ -293,6 +295,9 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     else:
         attention = titan_kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
                                    head_dim=plan.args.shape().head_dim)
+    if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
+        attention += ("; document mask: segment ids" if device_type == "tpu"
+                      else "; document mask: SDPA with a block-diagonal causal mask")
     model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
                         parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
                         reduce_dtype=torch_dtype(t.mixed_precision_reduce))

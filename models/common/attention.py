@@ -2,7 +2,8 @@
 
 Heads are recovered with `view(batch, seq, -1, head_dim)`, so a tensor-parallel shard of
 `wq`/`wk`/`wv` (fewer local heads) runs unchanged; the GQA group size is likewise read from the
-local shapes. The attention product is the op `models.common.ops.causal_attention`, whose
+local shapes. With `segment_ids` (packed documents, `[training] document_mask`) attention never
+crosses a segment boundary. The attention product is the op `models.common.ops.causal_attention`, whose
 implementation (SDPA, the CPU kernel, a TPU kernel) `titan_kernels/` chooses at start-up.
 """
 
@@ -39,7 +40,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [bs, seq, dim]; RoPE tables [seq, head_dim] or per token [bs, seq, head_dim];
+        `segment_ids` [bs, seq] (document masking): a token attends only within its segment."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -49,7 +53,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q, k = apply_rope(q, k, rope_cos, rope_sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
-        out = ops.causal_attention(q, k, v)
+        out = ops.causal_attention(q, k, v, segment_ids)
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)
         return self.wo(out)
 

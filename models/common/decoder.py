@@ -14,7 +14,7 @@ from models.common.feed_forward import FeedForward
 from models.common.init import depth_scaled_std, trunc_normal_
 from models.common.moe import MoE
 from models.common.norm import RMSNorm
-from models.common.rope import RopeConfig
+from models.common.rope import RopeConfig, gather_cos_sin
 from models.common.stack import BlockStack
 
 
@@ -44,10 +44,11 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """-> the new h; an MoE block returns `(h, aux_loss)` (the `BlockStack` sums the aux terms)."""
-        h = h + self.attention(self.attention_norm(h), rope_cos, rope_sin)
+    def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """-> the new h; an MoE block returns `(h, aux_loss)` (the `BlockStack` sums the aux terms).
+        `segment_ids` [batch, seq]: document masking (see `Attention`)."""
+        h = h + self.attention(self.attention_norm(h), rope_cos, rope_sin, segment_ids)
         if self.is_moe:
             out, aux_loss = self.moe(self.ffn_norm(h))
             return h + out, aux_loss
@@ -63,7 +64,8 @@ class TransformerBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    """Embedding -> blocks -> final norm -> vocabulary projection. `forward(tokens) -> logits`."""
+    """Embedding -> blocks -> final norm -> vocabulary projection.
+    `forward(tokens, segment_ids=None, positions=None) -> logits`."""
 
     def __init__(
         self,
@@ -101,19 +103,31 @@ class Decoder(nn.Module):
         if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]."""
-        return self.output(self.hidden(tokens))
+    def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]. Packed documents
+        (`[training] document_mask`): `segment_ids` [batch, seq] keeps attention inside each
+        document, `positions` [batch, seq] (integers < max_seq_len) are the RoPE positions of the
+        tokens (default 0..seq-1 in every row)."""
+        return self.output(self.hidden(tokens, segment_ids, positions))
 
-    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] that `output`
-        projects to logits (a fused linear + cross-entropy loss starts from these)."""
+        projects to logits (a fused linear + cross-entropy loss starts from these); the optional
+        inputs as in `forward`."""
         seqlen = tokens.shape[1]
         assert seqlen <= self.rope_cos.shape[0], (
             f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
         )
         h = self.tok_embeddings(tokens)
-        h = self.layers(h, self.rope_cos[:seqlen], self.rope_sin[:seqlen])
+        if positions is None:
+            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        else:
+            cos, sin = gather_cos_sin(self.rope_cos, self.rope_sin, positions)
+        # The blocks get segment ids only when given, so an unmasked model traces as before.
+        args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
+        h = self.layers(h, *args)
         return self.norm(h)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -79,17 +79,43 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate `q`, `k` ([batch, seq, heads, head_dim]) by tables `cos`, `sin` ([seq, head_dim]).
+    """Rotate `q`, `k` ([batch, seq, heads, head_dim]) by tables `cos`, `sin`: [seq, head_dim]
+    (positions 0..seq-1 of every row), or [batch, seq, head_dim] gathered per token
+    (`gather_cos_sin`, e.g. positions that restart at each packed document).
 
     The rotation runs in float32 (as TorchTitan's complex version does) and the result is cast
     back to the input dtype, which keeps bf16 training accurate at long positions.
     """
-    cos = cos[None, :, None, :].float()
-    sin = sin[None, :, None, :].float()
+    # -> [1 or batch, seq, 1, head_dim], broadcast over the heads (and the batch).
+    lead = None if cos.dim() == 2 else slice(None)
+    cos = cos[lead, :, None, :].float()
+    sin = sin[lead, :, None, :].float()
     q_fp32, k_fp32 = q.float(), k.float()
     q_out = q_fp32 * cos + _rotate_half(q_fp32) * sin
     k_out = k_fp32 * cos + _rotate_half(k_fp32) * sin
     return q_out.type_as(q), k_out.type_as(k)
+
+
+def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """segment_ids [batch, seq] (constant within a segment; a new segment starts wherever the id
+    changes) -> int32 positions [batch, seq] that restart at 0 at each segment start.
+
+    Static shapes and no host read (a running max of the start indices), so it traces anywhere.
+    """
+    seq = segment_ids.shape[-1]
+    index = torch.arange(seq, device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[..., 1:] = segment_ids[..., 1:] != segment_ids[..., :-1]
+    start_index = torch.cummax(torch.where(starts, index, 0), dim=-1).values
+    return (index - start_index).to(torch.int32)
+
+
+def gather_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the tables [max_seq_len, head_dim] at integer `positions` [batch, seq] ->
+    `(cos, sin)` [batch, seq, head_dim], for `apply_rope`."""
+    index = positions.long()
+    return cos[index], sin[index]
 
 
 @dataclass(frozen=True)

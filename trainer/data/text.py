@@ -19,6 +19,10 @@ K = ceil(shuffle_block_docs / S) documents, permutes each block by a hash keyed 
 concatenation of all its epochs into windows of `seq_len + 1` tokens (inputs = w[:-1],
 labels = w[1:]). Global window g is window g div S of shard g mod S.
 
+With `[training] document_mask` each batch also carries the windows' document ids
+(`document_ids`: a new id after each EOS, counted from 0 in each row), derived from the tokens,
+so the state and the order are the same with and without them.
+
 Call c of `next_batch` on dp rank r returns global windows `c*D*B + r*B + [0, B)`
 (D = dp_degree, B = local_batch_size), so optimizer step s with A accumulation calls covers
 windows `[s*G, (s+1)*G)`, G = B*D*A, whatever the mesh. S is 1 (every rank reads the one
@@ -499,6 +503,20 @@ class _ShardStream:
         return True
 
 
+def document_ids(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+    """int32 document ids [rows, seq] of packed input windows [rows, seq]: 0 from each row's first
+    token, +1 at every token that follows an EOS (every document is `[BOS] tokens [EOS]`, so
+    that is where the next one starts; a tokenizer without BOS, like Qwen's, is served alike).
+
+    Local to the row: a document cut by the window edge keeps one id within each row it
+    touches. A function of the window's tokens alone, so a resumed loader, which yields the same
+    windows, yields the same ids. An EOS that ends a window's inputs starts no document inside it.
+    """
+    starts = np.zeros(inputs.shape, dtype=np.int32)
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    return np.cumsum(starts, axis=1, dtype=np.int32)
+
+
 def merge_states(states: list[dict]) -> dict:
     """One loader state from every rank's `local_state()`: each shard's position comes from the
     rank that reads it (ranks that read the same shard, e.g. tensor-parallel peers, agree)."""
@@ -521,7 +539,8 @@ class TokenLoader:
     def __init__(self, *, source: _Source, tokenizer, seq_len: int, local_batch_size: int,
                  dp_rank: int, dp_degree: int, seed: int, text_field: str = "text",
                  shuffle: bool = True, repeat: bool = True, shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS,
-                 num_shards: int = 1, gather: Callable[[dict], list[dict]] | None = None):
+                 num_shards: int = 1, gather: Callable[[dict], list[dict]] | None = None,
+                 document_ids: bool = False):
         assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
         assert shuffle_block_docs >= 1 and num_shards >= 1
         self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
@@ -531,6 +550,7 @@ class TokenLoader:
         self.num_shards = num_shards
         self.shard_block_docs = -(-shuffle_block_docs // num_shards)  # K: a shard's shuffle block
         self.gather = gather  # every rank's local_state(), for state_dict (None: this process only)
+        self.document_ids = document_ids  # batches also carry document ids (`[training] document_mask`)
         self.docs_tokenized = 0  # documents this loader has tokenized (tests, scripts/bench_data.py)
         self._by_file: bool | None = None  # decided on first read (a Hub dataset must be opened)
         self.reset()
@@ -568,8 +588,9 @@ class TokenLoader:
         return self._reader_obj
 
     # -- public API ----------------------------------------------------------------------
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels), both int64 [local_batch_size, seq_len], for this rank.
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels), both int64 [local_batch_size, seq_len], for this rank; with
+        `document_ids` also their int32 document ids [local_batch_size, seq_len] (`document_ids`).
         Raises StopIteration when a non-repeating split has no full global micro-batch left."""
         if self._exhausted:
             raise StopIteration
@@ -594,7 +615,10 @@ class TokenLoader:
             raise StopIteration
         self._windows = end
         tokens = torch.from_numpy(out).long()
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if not self.document_ids:
+            return inputs, labels
+        return inputs, labels, torch.from_numpy(document_ids(out[:, :-1], self.tokenizer.eos_id))
 
     def check(self, micro_batches: int) -> int:
         """Read (and tokenize) the first `micro_batches` micro-batches now, then start over.
@@ -667,11 +691,13 @@ class TokenLoader:
 def build_dataloader(*, dataset: str, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
                      dp_degree: int, seed: int, split: str = "train", text_field: str = "text",
                      shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS, num_shards: int = 0,
-                     gather: Callable[[dict], list[dict]] | None = None) -> TokenLoader:
+                     gather: Callable[[dict], list[dict]] | None = None,
+                     document_ids: bool = False) -> TokenLoader:
     """Loader for `dataset` (see the module docstring). `split="train"` shuffles and repeats
     epochs over `num_shards` data shards (0: `auto_shards`); any other split (e.g.
     "validation") is one shard, read once, in order, from the start. `gather` (training, more
-    than one process): returns every rank's object for one object of this rank."""
+    than one process): returns every rank's object for one object of this rank. `document_ids`:
+    batches are (inputs, labels, document ids) (`[training] document_mask`)."""
     if seq_len < 1:
         raise ConfigError(f"training.seq_len: {seq_len} must be >= 1")
     if local_batch_size < 1:
@@ -700,4 +726,4 @@ def build_dataloader(*, dataset: str, tokenizer, seq_len: int, local_batch_size:
     return TokenLoader(source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
                        dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, text_field=text_field,
                        shuffle=train, repeat=train, shuffle_block_docs=shuffle_block_docs,
-                       num_shards=num_shards, gather=gather if train else None)
+                       num_shards=num_shards, gather=gather if train else None, document_ids=document_ids)

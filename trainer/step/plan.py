@@ -40,6 +40,7 @@ MODES = ("eager", "compile", "graph")
 BACKENDS = ("auto", "inductor", "aot_eager", "eager", "tpu")
 FUSED_LOSS = ("auto", "on", "off")
 TASKS = ("lm", "flow")
+DOCUMENT_POSITIONS = ("global", "restart")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class StepRequest:
     """The family's task: lm | flow."""
     caller_loss: bool = False
     """The step runs a caller's loss function on the logits (the RL engine), not the task's."""
+    document_mask: bool = False
+    """`[training] document_mask`: micro-batches carry document (segment) ids."""
+    document_positions: str = "global"
+    """`[training] document_positions`: global | restart."""
+    model_document_mask: bool = False
+    """The family's model takes segment ids and positions (`ModelFamily.document_mask`)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ RULES: tuple[Rule, ...] = (
     Rule("training.fused_loss", lambda r: r.fused_loss not in FUSED_LOSS,
          f"{{r.fused_loss!r}}; allowed: {', '.join(FUSED_LOSS)}"),
     Rule("model.name", lambda r: r.task not in TASKS, f"the family declares task {{r.task!r}}; allowed: {', '.join(TASKS)}"),
+    Rule("training.document_positions", lambda r: r.document_positions not in DOCUMENT_POSITIONS,
+         f"{{r.document_positions!r}}; allowed: {', '.join(DOCUMENT_POSITIONS)}"),
     # Device.
     Rule("compile.backend", lambda r: r.backend == "tpu" and r.device_type != "tpu",
          f"tpu needs a TPU device; allowed here: {_others(BACKENDS, 'tpu')}"),
@@ -108,6 +117,16 @@ RULES: tuple[Rule, ...] = (
          "on needs a model with hidden() (models/contract.py); allowed for this model: auto, off"),
     Rule("parallelism.enable_loss_parallel", lambda r: r.loss_parallel and r.task == "flow",
          "shards an LM's vocabulary; a flow model has none; allowed: false"),
+    # Document masking (packed documents; docs/data.md#document-masking).
+    Rule("training.document_positions", lambda r: r.document_positions == "restart" and not r.document_mask,
+         "restart needs training.document_mask = true; allowed without it: global"),
+    Rule("training.document_mask", lambda r: r.document_mask and r.task != "lm",
+         "true applies to packed token windows (task lm); this family's task is {r.task}; allowed: false"),
+    Rule("training.document_mask", lambda r: r.document_mask and r.task == "lm" and not r.model_document_mask,
+         "true needs a model that takes segment ids (ModelFamily.document_mask: llama3, qwen3; the hf "
+         "backend's transformers model does not); allowed for this model: false"),
+    Rule("training.document_mask", lambda r: r.document_mask and r.caller_loss,
+         "true applies to the trainer's packed windows; the engine takes its caller's batches; allowed: false"),
     # The engine runs a caller's loss on the logits.
     Rule("compile.mode", lambda r: r.caller_loss and r.mode == "graph",
          '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
@@ -144,6 +163,10 @@ class StepPlan:
     """The LM loss runs on vocab-sharded logits under `loss_parallel_context` (TP only)."""
     fused_loss: bool = False
     """The LM loss is `ops.linear_cross_entropy(model.hidden(x), model.output.weight, y)`."""
+    document_mask: bool = False
+    """LM micro-batches are `(inputs, labels, segment_ids)` and the model gets the segment ids."""
+    restart_positions: bool = False
+    """With `document_mask`: micro-batches also carry per-document RoPE positions (4 tensors)."""
 
     @property
     def scan_flips(self) -> bool:
@@ -162,16 +185,24 @@ class StepPlan:
 
         return loss_parallel_context(self.loss_parallel)
 
-    def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim)."""
+    def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor,
+                segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim). With document
+        masking the micro-batch also holds `segment_ids` (and `positions`), passed to the model;
+        the loss itself is the same mean over every token."""
+        extra = {}
+        if segment_ids is not None:
+            extra["segment_ids"] = segment_ids
+        if positions is not None:
+            extra["positions"] = positions
         if self.fused_loss:
             from models.common import ops
 
             # The weight is read here, after the forward, on every call: under SimpleFSDP the
             # access is the all-gather, which must not be cached across steps.
-            return ops.linear_cross_entropy(model.hidden(inputs).flatten(0, 1), model.output.weight,
+            return ops.linear_cross_entropy(model.hidden(inputs, **extra).flatten(0, 1), model.output.weight,
                                             labels.flatten())
-        return lm_loss(model(inputs), labels)
+        return lm_loss(model(inputs, **extra), labels)
 
 
 def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
@@ -212,4 +243,6 @@ def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
         scan_ac=r.ac_mode if scan else "none",
         loss_parallel=r.loss_parallel and tp,
         fused_loss=fused,
+        document_mask=r.document_mask,
+        restart_positions=r.document_mask and r.document_positions == "restart",
     )

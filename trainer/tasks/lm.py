@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from models.common.rope import document_positions
 from models.errors import ConfigError
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.runtime.device import gather_objects
@@ -40,11 +41,16 @@ class LMTask:
             dataset=t.dataset if split == "train" else self.cfg.validation.dataset, tokenizer=self.tokenizer,
             seq_len=t.seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
             seed=t.seed, split=split, text_field=t.dataset_text_field, num_shards=t.dataset_shards,
-            gather=gather_objects() if split == "train" else None,
+            gather=gather_objects() if split == "train" else None, document_ids=t.document_mask,
         )
 
     def prepare(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(batch)  # (inputs, labels)
+        """(inputs, labels), or with `[training] document_mask` (inputs, labels, segment_ids) and,
+        with `document_positions = "restart"`, the per-document RoPE positions after them."""
+        batch = tuple(batch)
+        if self.cfg.training.document_mask and self.cfg.training.document_positions == "restart":
+            batch = (*batch, document_positions(batch[2]))
+        return batch
 
     def loss_fn(self, step_plan) -> Callable:
         return step_plan.lm_loss
@@ -52,7 +58,13 @@ class LMTask:
     def example_batch(self, local_batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """A micro-batch of the shapes and dtypes `prepare` returns (the recipe check captures with it)."""
         ids = torch.zeros(local_batch_size, self.cfg.training.seq_len, dtype=torch.long, device=device)
-        return ids, ids.clone()
+        t = self.cfg.training
+        if not t.document_mask:
+            return ids, ids.clone()
+        segment_ids = torch.zeros_like(ids, dtype=torch.int32)
+        if t.document_positions == "restart":
+            return ids, ids.clone(), segment_ids, segment_ids.clone()
+        return ids, ids.clone(), segment_ids
 
     def sample_grid(self, model) -> None:
         return None
