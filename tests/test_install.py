@@ -173,13 +173,48 @@ def test_train_cli_tpu_without_torch_tpu_is_one_error_line():
         "error: device.type: tpu requested, but torch-tpu is not installed")
 
 
+def _venv_distributions() -> dict:
+    """Normalized name -> the distribution installed in this venv's site-packages. Only there:
+    setuptools vendors older importlib_metadata, zipp, packaging and tomli with their dist-info,
+    which `importlib.metadata.distributions()` also lists once something put setuptools/_vendor on
+    sys.path (cpp_extension imports setuptools): those are not the venv's packages."""
+    import importlib.metadata
+    import site
+
+    out = {}
+    for dist in importlib.metadata.distributions(path=site.getsitepackages()):
+        out.setdefault(normalize(dist.metadata["Name"]), dist)
+    return out
+
+
+def _requirement_closure(root: str, extras: tuple[str, ...]) -> set[str]:
+    """Normalized names of `root` (with `extras`) and everything it requires, transitively, as
+    installed here: each distribution's `Requires-Dist` whose marker holds on this interpreter
+    (for `root` with its extras, for the others with none). Absent distributions end a branch."""
+    from packaging.requirements import Requirement
+
+    dists = _venv_distributions()
+    seen, todo = set(), [(root, extras)]
+    while todo:
+        name, wanted = todo.pop()
+        if normalize(name) in seen or normalize(name) not in dists:
+            continue
+        requires = dists[normalize(name)].requires or []
+        seen.add(normalize(name))
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (*wanted, "")):
+                todo.append((req.name, tuple(req.extras)))
+    return seen
+
+
 def test_dev_lock_covers_the_test_extras_and_is_what_this_venv_holds():
     """constraints/dev.txt is the .venv's lock (scripts/env.sh installs under it): it pins every
     package of the [dev] extra exactly (an upstream release cannot change what CI runs: transformers
-    5.25.0's new `kernels` dependency broke CI once), and the venv the suite runs in holds exactly
-    those versions (pip honoured the lock). torch is pinned by env.sh itself, not here."""
-    import importlib.metadata
-
+    5.25.0's new `kernels` dependency broke CI once), and every package pip resolved for
+    titan-tpu[dev] (its requirement closure, markers evaluated here) is at the locked version.
+    Packages outside that closure (e.g. put in the venv by another install) are not pip's to pin.
+    torch is pinned by env.sh itself, not here."""
     lock = read_pins(ROOT / "constraints" / "dev.txt")
     assert "torch" not in lock
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
@@ -188,6 +223,8 @@ def test_dev_lock_covers_the_test_extras_and_is_what_this_venv_holds():
         assert name in lock, f"[dev] extra {name!r} is not pinned in constraints/dev.txt"
     if not list(Path(sys.prefix).glob(".titan-installed-*")):
         pytest.skip("not running in a venv made by scripts/env.sh (no .titan-installed-* stamp)")
-    installed = {normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
-    off = {n: (v, installed[n]) for n, v in lock.items() if n in installed and installed[n] != v}
+    closure = _requirement_closure("titan-tpu", ("dev",))
+    assert {"transformers", "kernels", "diffusers", "datasets", "tiktoken"} <= closure, sorted(closure)
+    installed = {name: dist.version for name, dist in _venv_distributions().items()}
+    off = {n: (v, installed[n]) for n, v in lock.items() if n in closure and n in installed and installed[n] != v}
     assert not off, f"installed versions differ from constraints/dev.txt (lock, installed): {off}"
