@@ -23,9 +23,10 @@ from models.common.rope import document_positions
 from models.errors import ConfigError
 from trainer.data import build_dataloader
 from trainer.data.text import document_ids
-from trainer.data.tokenizer import build_tokenizer
 from trainer.step import StepRequest, plan_step, refusals
 from trainer.train import main
+
+from tests.test_data import DOCS, jsonl, tok  # noqa: F401  (the loader fixtures: one corpus for both files)
 
 EOS = 2  # any id: the model tests below build rows by hand
 VOCAB = 512
@@ -166,21 +167,6 @@ def test_document_positions():
 
 
 # ------------------------------------------------------------------------------- the loader
-
-DOCS = [f"Document {i}: " + " ".join(f"word{j * i % 17}" for j in range(3 + (i * 7) % 23)) for i in range(24)]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer("bundled")
-
-
-@pytest.fixture
-def jsonl(tmp_path):
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    return str(path)
-
 
 def _loader(tok, dataset, **kw):
     args = dict(dataset=dataset, tokenizer=tok, seq_len=16, local_batch_size=4, dp_rank=0, dp_degree=1, seed=7,

@@ -187,13 +187,12 @@ def _venv_distributions() -> dict:
     return out
 
 
-def _requirement_closure(root: str, extras: tuple[str, ...]) -> set[str]:
+def _requirement_closure(dists: dict, root: str, extras: tuple[str, ...]) -> set[str]:
     """Normalized names of `root` (with `extras`) and everything it requires, transitively, as
-    installed here: each distribution's `Requires-Dist` whose marker holds on this interpreter
+    installed in `dists` (`_venv_distributions()`): each distribution's `Requires-Dist` whose marker holds on this interpreter
     (for `root` with its extras, for the others with none). Absent distributions end a branch."""
     from packaging.requirements import Requirement
 
-    dists = _venv_distributions()
     seen, todo = set(), [(root, extras)]
     while todo:
         name, wanted = todo.pop()
@@ -223,8 +222,9 @@ def test_dev_lock_covers_the_test_extras_and_is_what_this_venv_holds():
         assert name in lock, f"[dev] extra {name!r} is not pinned in constraints/dev.txt"
     if not list(Path(sys.prefix).glob(".titan-installed-*")):
         pytest.skip("not running in a venv made by scripts/env.sh (no .titan-installed-* stamp)")
-    closure = _requirement_closure("titan-tpu", ("dev",))
+    dists = _venv_distributions()
+    closure = _requirement_closure(dists, "titan-tpu", ("dev",))
     assert {"transformers", "kernels", "diffusers", "datasets", "tiktoken"} <= closure, sorted(closure)
-    installed = {name: dist.version for name, dist in _venv_distributions().items()}
+    installed = {name: dist.version for name, dist in dists.items()}
     off = {n: (v, installed[n]) for n, v in lock.items() if n in closure and n in installed and installed[n] != v}
     assert not off, f"installed versions differ from constraints/dev.txt (lock, installed): {off}"
