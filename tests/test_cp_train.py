@@ -117,22 +117,24 @@ def llama_reference(tmp_path_factory):
 
 # --- eager, on each mesh ----------------------------------------------------------------------------
 
+LOSS_PARALLEL = ("--parallelism.enable_loss_parallel=true",)
 MESHES = [
-    pytest.param(2, dict(cp=2), id="cp2"),
-    pytest.param(4, dict(cp=4), id="cp4", marks=pytest.mark.slow),
-    pytest.param(4, dict(cp=2, dp_shard=2), id="cp2xdp2", marks=pytest.mark.slow),
-    pytest.param(4, dict(cp=2, tp=2), id="cp2xtp2", marks=pytest.mark.slow),
+    pytest.param(2, dict(cp=2), (), id="cp2"),
+    pytest.param(4, dict(cp=4), (), id="cp4", marks=pytest.mark.slow),
+    pytest.param(4, dict(cp=2, dp_shard=2), (), id="cp2xdp2", marks=pytest.mark.slow),
+    pytest.param(4, dict(cp=2, tp=2), (), id="cp2xtp2", marks=pytest.mark.slow),
+    pytest.param(4, dict(cp=2, tp=2), LOSS_PARALLEL, id="cp2xtp2-loss-parallel", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size, degrees", MESHES)
-def test_eager_cp_matches_single_process(tmp_path, llama_reference, world_size, degrees):
-    got = _run(tmp_path, LLAMA, world_size, _degrees(**degrees))
+@pytest.mark.parametrize("world_size, degrees, extra", MESHES)
+def test_eager_cp_matches_single_process(tmp_path, llama_reference, world_size, degrees, extra):
+    got = _run(tmp_path, LLAMA, world_size, _degrees(**degrees) + extra)
     seq_local = 64 // degrees["cp"]
     # inputs, labels and the positions: this rank's shard of each window
     assert got["shapes"] == [(4 // degrees.get("dp_shard", 1), seq_local)] * 3
-    _compare(llama_reference, got, f"llama3 eager {degrees}")
+    _compare(llama_reference, got, f"llama3 eager {degrees} {' '.join(extra)}")
 
 
 # --- graph mode + layer scan ------------------------------------------------------------------------
@@ -229,8 +231,11 @@ def test_resume_across_a_change_of_cp(tmp_path):
         diff = abs(record["loss"] - continuous[step]["loss"]) / continuous[step]["loss"]
         print(f"resume cp2 -> cp1: step {step} loss rel diff {diff:.2e}")
         assert diff <= 1e-5, (step, record["loss"], continuous[step]["loss"])
-    # metrics per device: each of the 2 cp ranks counts half of the global batch's tokens
-    assert first[2]["tokens_per_sec"] > 0
+    # MFU: FLOPs per token are the full window's (attention over all 64 positions), whatever cp;
+    # the per-device token count divides by cp x tp (`ParallelDims.non_data_parallel_size`).
+    for step in (1, 2):
+        per_token = first[step]["tflops"] / first[step]["tokens_per_sec"]
+        assert per_token == pytest.approx(continuous[step]["tflops"] / continuous[step]["tokens_per_sec"], rel=1e-9)
 
 
 # --- what CP does not cover: refused by the step plan's rules ------------------------------------
