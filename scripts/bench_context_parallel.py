@@ -24,8 +24,9 @@ cp = N (N gloo processes, one thread each). Rounds interleave the variants (roun
 (seq, variant) once, in fresh processes: a warm-up step, then `--steps` timed steps); the table
 quotes the median over rounds of the slowest rank's step time, the job's tokens/s (window
 tokens / step time) and per process (/ N, the trainer's per-device convention), and the
-per-process peak resident set: absolute (weights, optimizer, data) and its growth during the
-timed steps over the resident set after warm-up.
+per-process peak resident set: absolute (weights, optimizer, data, activations) and its growth
+over the built job's resident set before the first step (activations, gradients, optimizer
+state: the step's memory).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_context_parallel.py --train-step \\
         --seq-lens 4096,8192 --rounds 3 --out docs/results/cpu_context_parallel_train.csv
@@ -164,9 +165,12 @@ def _train_worker(rank: int, world: int, cfg: dict, init_file: str, out_dir: str
         float(out.loss)  # wait for the step
         return time.perf_counter() - t0, time.process_time() - c0
 
-    run_step()  # warm-up
+    # The step's memory: the resident-set peak over the steps (warm-up included: it creates the
+    # optimizer state, and the host heap keeps what a step freed, `[device] host_malloc`) over
+    # the resident set of the built job (weights, data) before the first step.
     baseline_kib = _status_kib("VmRSS")
     peak_ok = _reset_peak()
+    run_step()  # warm-up
     timed = [run_step() for _ in range(cfg["steps"])]
     peak_kib = _status_kib("VmHWM")
     result = {"times": [t for t, _ in timed], "cpu_times": [c for _, c in timed],
@@ -210,7 +214,7 @@ def train_step_table(args) -> list[dict]:
                      "cpu_s": round(statistics.median(x["cpu_s"] for x in rs), 3),
                      "tokens_per_s": round(seq / step_s, 1), "tokens_per_s_per_process": round(seq / step_s / cp, 1),
                      "peak_mib_per_process": round(statistics.median(x["peak_mib"] for x in rs)),
-                     "step_growth_mib_per_process": round(statistics.median(x["growth_mib"] for x in rs)),
+                     "step_mib_per_process": round(statistics.median(x["growth_mib"] for x in rs)),
                      "load_before_median": statistics.median(x["load"] for x in rs)})
     for row in rows:
         base = next(r for r in rows if r["seq"] == row["seq"] and r["cp"] == 1)

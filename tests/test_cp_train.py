@@ -251,3 +251,64 @@ def test_rules_refuse_what_cp_does_not_cover(request_fields, pattern):
     with pytest.raises(ConfigError, match=pattern):
         plan_step(**fields)
     plan_step(cp_degree=2, model_document_mask=True)  # an LM that takes positions: allowed
+
+
+# --- the loss with ignored labels --------------------------------------------------------------
+
+
+class _EmbeddingLM(torch.nn.Module):
+    """logits = a [vocab, vocab] table's rows at the tokens (RoPE positions accepted, unused)."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(table.clone())
+
+    def forward(self, tokens, segment_ids=None, positions=None):
+        return self.table[tokens]
+
+
+def _ignored_labels_on_rank(table, inputs, labels):
+    from trainer.config import Config
+    from trainer.step import plan_step
+    from trainer.tasks import LMTask
+    from parallelisms.context_parallel import cp_group
+
+    task = LMTask.__new__(LMTask)  # the task's loss and prepare only: no tokenizer, no loader
+    task.cfg = Config()
+    task.shard_over_context(cp_group(dist.group.WORLD))
+    model = _EmbeddingLM(table)
+    micro = task.prepare((inputs, labels))
+    loss = task.loss_fn(plan_step())(model, *micro)
+    loss.backward()
+    # what SimpleFSDP's Partial("avg") over dp_shard x cp does, and the logged global mean
+    grad = model.table.grad
+    dist.all_reduce(grad)
+    grad /= dist.get_world_size()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return mean / dist.get_world_size(), grad, int((micro[1] != -100).sum())
+
+
+@pytest.mark.multiprocess
+def test_loss_with_ignored_labels_is_the_global_mean():
+    """Labels ignored (-100) unevenly over the cp shards (rank 0 keeps 6 of its 16, rank 1 all
+    16): the cp loss (token sum x cp / the group's count) averaged like SimpleFSDP averages
+    gradients gives the one-process mean over the 22 kept labels and its gradient, where a mean
+    of per-rank means would weigh rank 0's tokens 16/6 times too much. fp32 sums of 22 O(3)
+    terms in another order: 1e-6 relative is ~20 u."""
+    g = torch.Generator().manual_seed(0)
+    vocab, seq = 11, 16
+    table = torch.randn(vocab, vocab, generator=g)
+    inputs = torch.randint(0, vocab, (2, seq), generator=g)
+    labels = torch.randint(0, vocab, (2, seq), generator=g)
+    # rank 0 holds chunks 0 and 3 (positions 0-3, 12-15) of each row: ignore most of them
+    labels[:, 0:4] = -100
+    labels[0, 12:14] = -100
+    model = _EmbeddingLM(table)
+    ref = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+    ref.backward()
+    results = run_processes(2, _ignored_labels_on_rank, table, inputs, labels)
+    assert [kept for _, _, kept in results] == [6, 16]
+    for mean, grad, _ in results:
+        assert abs(mean.item() - ref.item()) <= 1e-6 * abs(ref.item()), (mean, ref)
+        assert (grad - model.table.grad).abs().max() <= 1e-6 * model.table.grad.abs().max()
