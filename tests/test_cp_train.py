@@ -46,8 +46,9 @@ COMMON = ("--training.steps=3", "--training.seq_len=64", "--model.n_layers=2", "
 STEPS = 3
 
 
-def _degrees(cp=1, dp_shard=1, tp=1, ep=1) -> tuple[str, ...]:
+def _degrees(cp=1, dp_shard=1, tp=1, ep=1, dp_replicate=1) -> tuple[str, ...]:
     return (f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={dp_shard}",
+            f"--parallelism.data_parallel_replicate_degree={dp_replicate}",
             f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.expert_parallel_degree={ep}")
 
 
@@ -124,6 +125,10 @@ MESHES = [
     pytest.param(4, dict(cp=2, dp_shard=2), (), id="cp2xdp2", marks=pytest.mark.slow),
     pytest.param(4, dict(cp=2, tp=2), (), id="cp2xtp2", marks=pytest.mark.slow),
     pytest.param(4, dict(cp=2, tp=2), LOSS_PARALLEL, id="cp2xtp2-loss-parallel", marks=pytest.mark.slow),
+    pytest.param(4, dict(cp=2, dp_replicate=2), (), id="cp2xhsdp2", marks=pytest.mark.slow),
+    # per-block compile: each block compiled (aot_eager), the cp attention's collectives inside
+    pytest.param(2, dict(cp=2), ("--compile.mode=compile", "--compile.backend=aot_eager"), id="cp2-compile",
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -133,8 +138,8 @@ def test_eager_cp_matches_single_process(tmp_path, llama_reference, world_size, 
     got = _run(tmp_path, LLAMA, world_size, _degrees(**degrees) + extra)
     seq_local = 64 // degrees["cp"]
     # inputs, labels and the positions: this rank's shard of each window
-    assert got["shapes"] == [(4 // degrees.get("dp_shard", 1), seq_local)] * 3
-    _compare(llama_reference, got, f"llama3 eager {degrees} {' '.join(extra)}")
+    assert got["shapes"] == [(4 // degrees.get("dp_shard", 1) // degrees.get("dp_replicate", 1), seq_local)] * 3
+    _compare(llama_reference, got, f"llama3 {degrees} {' '.join(extra) or 'eager'}")
 
 
 # --- graph mode + layer scan ------------------------------------------------------------------------
