@@ -16,6 +16,20 @@ are in the baseline). Prints the CPU model and a table, writes CSV.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_context_parallel.py \\
         --out docs/results/cpu_context_parallel.csv
+
+`--train-step`: the trainer's whole step instead (`build_job` + the job's eager step, the path
+`trainer.train` runs: `LMTask.prepare` shards each window, the cp attention serves the op): the
+debug Llama 3 (2 layers, fp32, batch 1) at each sequence length, cp = 1 (one process) against
+cp = N (N gloo processes, one thread each). Rounds interleave the variants (round r runs every
+(seq, variant) once, in fresh processes: a warm-up step, then `--steps` timed steps); the table
+quotes the median over rounds of the slowest rank's step time, the job's tokens/s (window
+tokens / step time) and per process (/ N, the trainer's per-device convention), and the
+per-process peak resident set: absolute (weights, optimizer, data, activations) and its growth
+over the built job's resident set before the first step (activations, gradients, optimizer
+state: the step's memory).
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_context_parallel.py --train-step \\
+        --seq-lens 4096,8192 --rounds 3 --out docs/results/cpu_context_parallel_train.csv
 """
 
 from __future__ import annotations
@@ -127,6 +141,87 @@ def _worker(rank: int, world: int, mode: str, cfg: dict, init_file: str, out_dir
         dist.destroy_process_group()
 
 
+def _train_worker(rank: int, world: int, cfg: dict, init_file: str, out_dir: str) -> None:
+    """The trainer's job and step at cp = `world` (every rank a cp rank of one dp group)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from trainer.config import build_config, split_cli
+    from trainer.job import build_job
+
+    recipe = "configs/llama3_debug.toml"
+    _, _, overrides = split_cli([
+        "--config", recipe, f"--training.seq_len={cfg['seq']}", "--model.n_layers=2", "--training.local_batch_size=1",
+        "--training.global_batch_size=1", "--training.mixed_precision_param=float32", "--checkpoint.enable=false",
+        "--validation.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={out_dir}/job",
+        f"--parallelism.context_parallel_degree={world}", "--parallelism.data_parallel_shard_degree=1"])
+    job = build_job(build_config(recipe, overrides), purpose="train")
+    step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
+
+    def run_step():
+        batch = tuple(x.to(job.device) for x in job.task.prepare(job.loader.next_batch()))
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = step([batch], job.scheduler.get_last_lr()[0])
+        float(out.loss)  # wait for the step
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    # The step's memory: the resident-set peak over the steps (warm-up included: it creates the
+    # optimizer state, and the host heap keeps what a step freed, `[device] host_malloc`) over
+    # the resident set of the built job (weights, data) before the first step.
+    baseline_kib = _status_kib("VmRSS")
+    peak_ok = _reset_peak()
+    run_step()  # warm-up
+    timed = [run_step() for _ in range(cfg["steps"])]
+    peak_kib = _status_kib("VmHWM")
+    result = {"times": [t for t, _ in timed], "cpu_times": [c for _, c in timed],
+              "peak_mib": peak_kib / 1024 if peak_ok and peak_kib else None,
+              "growth_mib": (peak_kib - baseline_kib) / 1024 if peak_ok and peak_kib and baseline_kib else None}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _run_train(world: int, cfg: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_train_worker, args=(world, cfg, os.path.join(tmp, "pg"), tmp), nprocs=world)
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    return {"step_s": statistics.median(max(ts) for ts in zip(*(r["times"] for r in ranks))),
+            "cpu_s": statistics.median(max(ts) for ts in zip(*(r["cpu_times"] for r in ranks))),
+            "peak_mib": max(r["peak_mib"] or 0 for r in ranks), "growth_mib": max(r["growth_mib"] or 0 for r in ranks)}
+
+
+def train_step_table(args) -> list[dict]:
+    """Rounds x (seq, variant), interleaved; medians over rounds (module docstring)."""
+    seqs = list(map(int, args.seq_lens.split(",")))
+    variants = [1, *map(int, args.cps.split(","))]
+    runs: dict[tuple[int, int], list[dict]] = {}
+    for r in range(args.rounds):
+        for seq in seqs:
+            for cp in variants:
+                load = round(os.getloadavg()[0], 2)
+                res = _run_train(cp, dict(seq=seq, steps=args.steps))
+                res["load"] = load
+                runs.setdefault((seq, cp), []).append(res)
+                print(f"round {r + 1} seq {seq} cp {cp}: step {res['step_s']:.2f} s (cpu {res['cpu_s']:.2f} s), "
+                      f"peak {res['peak_mib']:.0f} MiB (+{res['growth_mib']:.0f}), load before {load}", flush=True)
+    rows = []
+    for (seq, cp), rs in runs.items():
+        step_s = statistics.median(x["step_s"] for x in rs)
+        rows.append({"seq": seq, "cp": cp, "processes": cp, "rounds": len(rs), "step_s": round(step_s, 3),
+                     "cpu_s": round(statistics.median(x["cpu_s"] for x in rs), 3),
+                     "tokens_per_s": round(seq / step_s, 1), "tokens_per_s_per_process": round(seq / step_s / cp, 1),
+                     "peak_mib_per_process": round(statistics.median(x["peak_mib"] for x in rs)),
+                     "step_mib_per_process": round(statistics.median(x["growth_mib"] for x in rs)),
+                     "load_before_median": statistics.median(x["load"] for x in rs)})
+    for row in rows:
+        base = next(r for r in rows if r["seq"] == row["seq"] and r["cp"] == 1)
+        row["speedup_vs_cp1"] = round(base["step_s"] / row["step_s"], 2)
+    return rows
+
+
 def _run(world: int, mode: str, cfg: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, mode, cfg, os.path.join(tmp, "pg"), tmp), nprocs=world)
@@ -157,7 +252,33 @@ def main() -> None:
     parser.add_argument("--cps", default="2", help="cp degrees besides the cp = 1 rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--train-step", action="store_true",
+                        help="time the trainer's step (debug Llama 3, 2 layers) instead of the attention alone")
+    parser.add_argument("--rounds", type=int, default=3, help="--train-step: interleaved rounds")
+    parser.add_argument("--steps", type=int, default=1, help="--train-step: timed steps per process")
     args = parser.parse_args()
+    from trainer.runtime.device import cpu_model
+
+    if args.train_step:
+        print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible); one thread per process; torch "
+              f"{torch.__version__}; load average before {os.getloadavg()[0]:.2f}; trainer step, llama3 debugmodel "
+              f"2 layers, fp32, batch 1", flush=True)
+        rows = train_step_table(args)
+    else:
+        rows = attention_table(args)
+    header = list(rows[0])
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(row[h]) for h in header) + " |")
+    print(f"load average after {os.getloadavg()[0]:.2f}")
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["cpu", *header])
+            writer.writeheader()
+            writer.writerows({"cpu": cpu_model(), **row} for row in rows)
+
+
+def attention_table(args) -> list[dict]:
     from trainer.runtime.device import cpu_model
 
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible); one thread per process; torch "
@@ -178,16 +299,7 @@ def main() -> None:
         base = next(r for r in rows if r["seq"] == row["seq"] and r["variant"] == "cp1_causal")
         row["speedup_vs_cp1"] = round(base["fwd_bwd_ms"] / row["fwd_bwd_ms"], 2)
         row["cpu_speedup_vs_cp1"] = round(base["cpu_ms"] / row["cpu_ms"], 2)
-    header = list(rows[0])
-    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(str(row[h]) for h in header) + " |")
-    print(f"load average after {os.getloadavg()[0]:.2f}")
-    if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["cpu", *header])
-            writer.writeheader()
-            writer.writerows({"cpu": cpu_model(), **row} for row in rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -63,16 +63,15 @@ def test_bad_seq_len_names_the_key():
         shard_sequence(torch.zeros(2, 12), 1, 0, 4)
 
 
-@pytest.mark.parametrize("value, pattern", [
-    ("0", r"parallelism\.context_parallel_degree: 0 is out of range"),
-    ("2", r"parallelism\.context_parallel_degree: 2 is not wired into the trainer yet.*allowed: 1"),
-])
-def test_config_key(value, pattern):
+def test_config_key():
+    """The key parses (2 is accepted: what CP does not cover is refused by the step plan's
+    RULES, tests/test_cp_train.py); 0 is out of range."""
     from trainer.config import build_config
 
     assert build_config(None, []).parallelism.context_parallel_degree == 1
-    with pytest.raises(ConfigError, match=pattern):
-        build_config(None, [("parallelism.context_parallel_degree", value)])
+    assert build_config(None, [("parallelism.context_parallel_degree", "2")]).parallelism.context_parallel_degree == 2
+    with pytest.raises(ConfigError, match=r"parallelism\.context_parallel_degree: 0 is out of range"):
+        build_config(None, [("parallelism.context_parallel_degree", "0")])
 
 
 # --- tracing ------------------------------------------------------------------------------------

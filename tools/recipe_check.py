@@ -123,7 +123,7 @@ def _step_summary(plan) -> str:
 
 def _mesh_summary(dims) -> str:
     axes = [f"{name} {size}" for name, size in (("dp_rep", dims.dp_replicate), ("fsdp", dims.dp_shard),
-                                                  ("tp", dims.tp), ("ep", dims.ep)) if size > 1]
+                                                  ("cp", dims.cp), ("tp", dims.tp), ("ep", dims.ep)) if size > 1]
     return " x ".join(axes) or "1"
 
 

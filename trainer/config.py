@@ -201,9 +201,13 @@ class ParallelismConfig:
     expert_parallel_degree: int = field(default=1, metadata=_range(ge=1))
     """Expert parallel degree for MoE models, carved out of the data-parallel ranks."""
     context_parallel_degree: int = field(default=1, metadata=_range(ge=1))
-    """Context parallel degree: the sequence split over this many ranks with causal load
-    balancing, keys/values all-gathered for attention (docs/context_parallel.md). Only 1 runs
-    in the trainer yet: the mechanism (parallelisms/context_parallel.py) is not wired in."""
+    """Context parallel degree: each sequence split over this many ranks with causal load
+    balancing (chunks r and 2 cp - 1 - r of 2 cp), RoPE positions per shard, keys/values
+    all-gathered over cp for attention and the loss normalised by the global token count
+    (docs/context_parallel.md). The cp ranks of a data-parallel group read the same rows;
+    SimpleFSDP shards parameters over dp_shard x cp. `training.seq_len` must divide by
+    2 x cp (and by 2 x cp x tp with tensor parallelism). LM models that take RoPE positions
+    (llama3, qwen3 dense and MoE) only: not FLUX, the hf backend or the RL engine."""
     enable_loss_parallel: bool = False
     """With TP, compute the cross entropy on vocab-sharded logits instead of gathering them."""
 
@@ -602,11 +606,6 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
-    if p.context_parallel_degree > 1:
-        # Until the train step shards batches, positions and the loss over cp
-        # (docs/context_parallel.md, "Not wired yet"); then this moves to the RULES table.
-        raise ConfigError(f"parallelism.context_parallel_degree: {p.context_parallel_degree} is not wired "
-                          "into the trainer yet (parallelisms/context_parallel.py is the mechanism); allowed: 1")
     f = cfg.flow
     if f.resolution_shift and f.shift != 1.0:
         raise ConfigError(f"flow.shift: {f.shift} with flow.resolution_shift = true; set one of them "

@@ -37,8 +37,10 @@ from typing import Any
 import torch
 
 import titan_kernels
+from models.common import ops
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
+from parallelisms.context_parallel import cp_attention_fn, cp_group
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -75,7 +77,8 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         model_has_hidden=callable(getattr(family.model_cls, "hidden", None)), task=getattr(family, "task", "lm"),
         caller_loss=caller_loss, document_mask=cfg.training.document_mask,
         document_positions=cfg.training.document_positions,
-        model_document_mask=bool(getattr(family, "document_mask", False)))
+        model_document_mask=bool(getattr(family, "document_mask", False)),
+        cp_degree=cfg.parallelism.context_parallel_degree)
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
@@ -89,7 +92,8 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     shape = args.shape()
     p = cfg.parallelism
     parallel_dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                                 tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, world_size=world_size)
+                                 cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
+                                 ep=p.expert_parallel_degree, world_size=world_size)
     request = step_request(cfg, family, tp_degree=parallel_dims.tp, device_type=device_type, caller_loss=caller_loss)
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
@@ -298,6 +302,16 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
         attention += ("; document mask: segment ids" if device_type == "tpu"
                       else "; document mask: SDPA with a block-diagonal causal mask")
+    if plan.parallel_dims.cp_enabled:
+        # Context parallelism: the op `causal_attention` is served, for this job, by the cp
+        # attention (k/v all-gathered over cp, dense-mask SDPA, parallelisms/context_parallel.py),
+        # in place of the kernel picked above; the task shards each window (`prepare`).
+        cp = cp_group(mesh["cp"])
+        ops.register("causal_attention", cp_attention_fn(cp))
+        if task is not None:
+            task.shard_over_context(cp)
+        attention = (f"context parallel over {cp.size} ranks (k/v all-gather, SDPA with a causal mask), "
+                     f"replacing {attention}")
     model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
                         parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
                         reduce_dtype=torch_dtype(t.mixed_precision_reduce))

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over all tokens of the micro-batch, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy over the micro-batch's tokens, computed in fp32: the mean over
+    the labels that are not ignored (-100), or with `reduction="sum"` their sum."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction)
 
 
 def plain_loss(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,8 @@ class StepRequest:
     """`[training] document_positions`: global | restart."""
     model_document_mask: bool = False
     """The family's model takes segment ids and positions (`ModelFamily.document_mask`)."""
+    cp_degree: int = 1
+    """`[parallelism] context_parallel_degree`."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,17 @@ RULES: tuple[Rule, ...] = (
          "backend's transformers model does not); allowed for this model: false"),
     Rule("training.document_mask", lambda r: r.document_mask and r.caller_loss,
          "true applies to the trainer's packed windows; the engine takes its caller's batches; allowed: false"),
+    # Context parallelism (docs/context_parallel.md): the LM step shards token windows, passes
+    # the shards' RoPE positions and serves `causal_attention` with the cp all-gather attention.
+    Rule("parallelism.context_parallel_degree", lambda r: r.cp_degree > 1 and r.task != "lm",
+         "{r.cp_degree} shards the token windows of task lm; this family's task is {r.task}; allowed: 1"),
+    Rule("parallelism.context_parallel_degree",
+         lambda r: r.cp_degree > 1 and r.task == "lm" and not r.model_document_mask,
+         "{r.cp_degree} needs a model that takes RoPE positions and runs attention through the op "
+         "causal_attention (ModelFamily.document_mask: llama3, qwen3; the hf backend's transformers "
+         "model does not); allowed for this model: 1"),
+    Rule("parallelism.context_parallel_degree", lambda r: r.cp_degree > 1 and r.caller_loss,
+         "{r.cp_degree}: the engine runs its caller's loss on whole sequences; allowed: 1"),
     # The engine runs a caller's loss on the logits.
     Rule("compile.mode", lambda r: r.caller_loss and r.mode == "graph",
          '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
@@ -186,10 +199,12 @@ class StepPlan:
         return loss_parallel_context(self.loss_parallel)
 
     def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor,
-                segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                *, reduction: str = "mean") -> torch.Tensor:
         """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim). With document
         masking the micro-batch also holds `segment_ids` (and `positions`), passed to the model;
-        the loss itself is the same mean over every token."""
+        the loss itself is the same mean over every token. `reduction="sum"`: the sum over the
+        labels that are not ignored (context parallelism divides it by the global count)."""
         extra = {}
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
@@ -200,9 +215,10 @@ class StepPlan:
 
             # The weight is read here, after the forward, on every call: under SimpleFSDP the
             # access is the all-gather, which must not be cached across steps.
-            return ops.linear_cross_entropy(model.hidden(inputs, **extra).flatten(0, 1), model.output.weight,
+            mean = ops.linear_cross_entropy(model.hidden(inputs, **extra).flatten(0, 1), model.output.weight,
                                             labels.flatten())
-        return lm_loss(model(inputs, **extra), labels)
+            return mean if reduction == "mean" else mean * (labels != ops.IGNORE_INDEX).sum()
+        return lm_loss(model(inputs, **extra), labels, reduction)
 
 
 def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:
