@@ -307,7 +307,7 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     optimizer = build_optimizer_for(model, name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                     muon_momentum=o.muon_momentum, muon_nesterov=o.muon_nesterov,
                                     muon_ns_steps=o.muon_ns_steps, muon_ns_dtype=o.muon_ns_dtype,
-                                    muon_exclude=o.muon_exclude)
+                                    muon_exclude=o.muon_exclude, qk_clip_tau=o.qk_clip_tau)
     scheduler = build_lr_scheduler(optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
                                    decay_type=s.decay_type, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor)
     manager = None

@@ -126,7 +126,9 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, muon_params, adamw_params, *, lr: float, weight_decay: float, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, ns_dtype: str = "bfloat16", betas=(0.9, 0.95),
-                 eps: float = 1e-8):
+                 eps: float = 1e-8, qk_clip=None):
+        self.qk_clip = qk_clip
+        """A `trainer.qk_clip.QKClip` (MuonClip) applied after each step, or None."""
         groups = []
         muon_params, adamw_params = list(muon_params), list(adamw_params)
         if muon_params:
@@ -147,6 +149,15 @@ class Muon(torch.optim.Optimizer):
                 self._muon_group(group, params)
             else:
                 self._adamw_group(group, params)
+        if self.qk_clip is not None:
+            self.qk_clip.apply()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # A step starts here (eager step, engine): MuonClip's max logits start afresh too, so a
+        # skipped (non-finite) step's logits do not carry over.
+        super().zero_grad(set_to_none=set_to_none)
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
 
     def _muon_group(self, group: dict, params: list[torch.Tensor]) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
@@ -184,11 +195,16 @@ class Muon(torch.optim.Optimizer):
 
 
 def build_muon(model: nn.Module, *, lr: float, weight_decay: float, betas, eps: float, momentum: float,
-               nesterov: bool, ns_steps: int, ns_dtype: str, exclude) -> Muon:
-    """Muon over `model`'s parameters, split by `split_muon_params`."""
+               nesterov: bool, ns_steps: int, ns_dtype: str, exclude, qk_clip_tau: float = 0.0) -> Muon:
+    """Muon over `model`'s parameters, split by `split_muon_params`; MuonClip when qk_clip_tau > 0."""
+    qk_clip = None
+    if qk_clip_tau > 0:
+        from trainer.qk_clip import QKClip
+
+        qk_clip = QKClip(model, qk_clip_tau)
     muon, adamw = split_muon_params(model.named_parameters(), exclude)
     return Muon(muon, adamw, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                ns_steps=ns_steps, ns_dtype=ns_dtype, betas=betas, eps=eps)
+                ns_steps=ns_steps, ns_dtype=ns_dtype, betas=betas, eps=eps, qk_clip=qk_clip)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
