@@ -408,3 +408,99 @@ def test_qk_clip_needs_muon_and_no_qk_norm():
     qwen = Qwen3(dataclasses.replace(QWEN3_FLAVORS["debugmodel"], n_layers=1, max_seq_len=16))
     with pytest.raises(ConfigError, match=r"optimizer.qk_clip_tau: .*qk_norm"):
         QKClip(qwen, 100.0)
+
+
+# --- graph mode ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_graph_step_matches_eager(scan):
+    """The captured step (aot_eager) with Muon vs the eager step, 3 steps at a changing lr, on
+    the reduced Llama 3 debug flavor (tests/test_graph_common.py), fp32 Newton-Schulz. With
+    layer scan the NS runs batched over the stacked [n_layers, m, n] matrices.
+
+    Bound: the graph computes the same ops with a tensor lr; gradients differ by fp32 summation
+    order (~1e-7 relative), NS amplifies that at most ~480x on updates of entries ~lr*0.2 = 2e-4
+    (lr 1e-3), i.e. ~1e-8; the AdamW parameters follow test_graph_step's 2e-6 (0.2 % of lr).
+    Checked: parameters and the momentum buffers 2e-6, losses and gradient norms 1e-5 relative
+    (the graph-step tests' bounds). One graph for the 3 steps."""
+    from tests.test_graph_common import PLAN, batches, build_model, eager_step, max_param_diff, run
+    from trainer.graph import build_graph_step
+
+    kw = dict(MUON_KW, lr=1e-3)
+    ref_model, model = build_model(2), build_model(2)
+    ref_opt, opt = build_muon(ref_model, **kw), build_muon(model, **kw)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
+                            plan=PLAN)
+    data = batches(3)
+    ref = run(eager_step(ref_model, ref_opt), ref_opt, data)
+    got = run(step, opt, data)
+    for (l1, n1), (l2, n2) in zip(ref, got):
+        assert abs(l1 - l2) <= 1e-5 * abs(l1) and abs(n1 - n2) <= 1e-5 * abs(n1), (ref, got)
+    assert max_param_diff(ref_model, model) <= 2e-6
+    sa, sb = ref_opt.state_dict()["state"], opt.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for key in sa[i]:
+            assert (sa[i][key].float().cpu() - sb[i][key].float().cpu()).abs().max() <= 2e-6, (i, key)
+    assert step.capture.num_graphs == 1
+
+
+def test_graph_step_refuses_qk_clip():
+    from tests.test_graph_common import build_model
+    from trainer.graph import build_graph_step
+
+    model = build_model(1)
+    opt = build_muon(model, **MUON_KW, qk_clip_tau=100.0)
+    with pytest.raises(ConfigError, match=r"optimizer.qk_clip_tau: QK clip runs in the eager step only"):
+        build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager")
+
+
+def _graph_fsdp_on_rank(state, scan):
+    import torch.distributed as dist
+
+    from tests.test_graph_fsdp import _fsdp_model, _lr, _train
+    from trainer.graph import build_graph_step
+
+    dims = ParallelDims(world_size=2, dp_shard=2)
+    mesh = build_mesh(dims, "cpu")
+    model = _fsdp_model(state, mesh, dims)
+    opt = build_muon(model, **dict(MUON_KW, lr=_lr(0)))
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
+                            plan=FAMILIES["llama3"][2])
+    losses = _train(step, dist.get_rank())
+    return losses, {n: full(p).detach().clone() for n, p in model.named_parameters()}, dict(step.stats.collectives)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
+    """Graph mode + SimpleFSDP (dp_shard 2, gloo) + Muon vs one eager process, 3 steps with
+    clipping at a changing lr (tests/test_graph_fsdp.py's setup). The Muon matrices are
+    all-gathered inside the graph: one extra all-gather per Muon matrix (per stacked matrix with
+    scan). Bounds: the sharded tests' (Muon matrices 2e-6, AdamW parameters 2e-4, losses 1e-5
+    relative as in test_graph_fsdp)."""
+    from tests.test_graph_fsdp import STEPS, _lr
+
+    state = reference_state(n_layers=2)
+    model = _model(state=state)
+    opt = build_muon(model, **dict(MUON_KW, lr=_lr(0)))
+    ref_losses = []
+    for s in range(STEPS):
+        inputs, labels = batch(4096, batch_size=4, seed=s)
+        for g in opt.param_groups:
+            g["lr"] = _lr(s)
+        opt.zero_grad()
+        loss = lm_loss(model(inputs), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ref_losses.append(loss.item())
+    losses, params, collectives = run_processes(2, _graph_fsdp_on_rank, state, scan)[0]
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) <= 1e-5 * abs(a), (ref_losses, losses)
+    for name, p in model.named_parameters():
+        atol = 2e-6 if p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output") else 2e-4
+        torch.testing.assert_close(params[name], p.detach(), atol=atol, rtol=0, msg=name)
+    assert collectives["all_gather_into_tensor"] >= 14  # the forward's + one per Muon matrix

@@ -185,15 +185,17 @@ class OptimizerConfig:
     muon_ns_steps: int = field(default=5, metadata=_range(ge=1))
     """name = muon: quintic Newton-Schulz iterations (5 as published)."""
     muon_ns_dtype: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32"))
-    """name = muon: dtype of the Newton-Schulz iteration (bf16 as published; float32 costs more
-    and changes the result by ~1e-2 relative, within the iteration's own spread)."""
+    """name = muon: dtype of the Newton-Schulz iteration (bf16 as published: the iteration only
+    needs the singular values pushed into ~[0.7, 1.2]; float32 for exact comparisons)."""
     muon_exclude: list = field(default_factory=lambda: ["tok_embeddings", "output", "gate"])
     """name = muon: module-path components (names between dots) whose matrices stay on AdamW:
     default the token embedding, the output head and the MoE router gate."""
     qk_clip_tau: float = field(default=0.0, metadata=_range(ge=0))
-    """MuonClip's QK clip: after each step, a head whose largest pre-softmax logit of the step
-    (q.k / sqrt(head_dim), max over the batch) exceeded tau has its W_q and W_k rows scaled by
-    sqrt(tau / max) (Kimi K2 uses 100). 0 = off (no logit tracking, no cost). Eager steps only."""
+    """name = muon: MuonClip's QK clip. After each step, a head whose largest pre-softmax logit
+    of the step (q.k / sqrt(head_dim), max over the global batch) exceeded tau has its logits
+    scaled by tau / max through its weights (MHA: W_q and W_k rows by sqrt(tau / max); GQA: its
+    W_q rows by tau / max; docs/optimizers.md). Kimi K2 uses 100. 0 = off (no logit tracking,
+    no cost). Eager and compile modes; not with TP or q/k-norm models."""
 
 
 @dataclass
