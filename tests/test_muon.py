@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -504,3 +505,26 @@ def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
         atol = 2e-6 if p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output") else 2e-4
         torch.testing.assert_close(params[name], p.detach(), atol=atol, rtol=0, msg=name)
     assert collectives["all_gather_into_tensor"] >= 14  # the forward's + one per Muon matrix
+
+
+def test_checkpoint_state_round_trip():
+    """Muon's state through DCP's optimizer state dict (what trainer/checkpoint saves): a fresh
+    optimizer loaded from it continues bit for bit (same ops on the same values), with both
+    kinds of state (momentum_buffer; step, exp_avg, exp_avg_sq) present."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = reference_state(n_layers=1)
+    args = llama3_args(1)
+    a, b = _model(args=args, state=state), _model(args=args, state=state)
+    opt_a, opt_b = build_muon(a, **MUON_KW), build_muon(b, **MUON_KW)
+    vocab = a.tok_embeddings.weight.shape[0]
+    _train(a, opt_a, vocab, steps=1)
+    saved = copy.deepcopy(get_optimizer_state_dict(a, opt_a))  # its tensors alias opt_a's state
+    keys = {k for v in saved["state"].values() for k in v}
+    assert keys == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}, keys
+    b.load_state_dict(a.state_dict())
+    set_optimizer_state_dict(b, opt_b, saved)
+    _train(a, opt_a, vocab, steps=1)
+    _train(b, opt_b, vocab, steps=1)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name

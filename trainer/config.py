@@ -195,7 +195,7 @@ class OptimizerConfig:
     of the step (q.k / sqrt(head_dim), max over the global batch) exceeded tau has its logits
     scaled by tau / max through its weights (MHA: W_q and W_k rows by sqrt(tau / max); GQA: its
     W_q rows by tau / max; docs/optimizers.md). Kimi K2 uses 100. 0 = off (no logit tracking,
-    no cost). Eager and compile modes; not with TP or q/k-norm models."""
+    no cost). Eager mode (compile mode untested); not with graph mode, TP or q/k-norm models."""
 
 
 @dataclass
