@@ -528,3 +528,54 @@ def test_checkpoint_state_round_trip():
     _train(b, opt_b, vocab, steps=1)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
+
+
+def _qk_clip_run(degrees: dict, world_size: int, state: dict, tau: float):
+    """On a rank: 2 Muon + QK clip steps; each rank sees its own half of the batch (dp), so the
+    max logits must be all-reduced for the ranks to clip alike."""
+    import torch.distributed as dist
+
+    dims = ParallelDims(world_size=world_size, **degrees)
+    mesh = build_mesh(dims, "cpu")
+    cls, make_args, plan = FAMILIES["llama3"]
+    with torch.device("meta"):
+        model = cls(make_args())
+    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
+                      reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    load_full_state(model, state)
+    opt = build_muon(model, **MUON_KW, qk_clip_tau=tau)
+    rank = dist.get_rank()
+    for i in range(2):
+        inputs, labels = batch(4096, seed=10 + i)
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(inputs[2 * rank:2 * rank + 2]), labels[2 * rank:2 * rank + 2]).backward()
+        opt.step()
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters() if "attention.w" in n}
+
+
+def test_qk_clip_simple_fsdp_two_ranks_equal_one_process():
+    """QK clip under SimpleFSDP (dp_shard 2, thread ranks, each rank half the batch): the max
+    logits are all-reduced (MAX) and each rank scales its own rows of the Shard(0) W_q. Equal
+    to one process on the whole batch within the sharded tests' bound (2e-6; the clip is one
+    fp32 multiply per row). tau 0.3 sits inside the heads' max-logit range of the first step
+    (0.24-0.47 at init on this model), so some heads are clipped and others not."""
+    state = reference_state()
+    tau = 0.3
+    model = _model(state=state)
+    opt = build_muon(model, **MUON_KW, qk_clip_tau=tau)
+    clipped = 0
+    for i in range(2):
+        inputs, labels = batch(4096, seed=10 + i)
+        opt.zero_grad(set_to_none=True)
+        lm_loss(model(inputs), labels).backward()
+        clipped += sum(int((layer.attention.max_logit > tau).sum()) for layer in model.layers.values())
+        opt.step()
+    assert 0 < clipped < 2 * 2 * 16
+    results = run_threads(2, lambda: _qk_clip_run(dict(dp_shard=2), 2, state, tau))
+    ref = dict(model.named_parameters())
+    for params in results:
+        for name, p in params.items():
+            torch.testing.assert_close(p, ref[name].detach(), atol=2e-6, rtol=0, msg=name)
