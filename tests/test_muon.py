@@ -579,3 +579,18 @@ def test_qk_clip_simple_fsdp_two_ranks_equal_one_process():
     for params in results:
         for name, p in params.items():
             torch.testing.assert_close(p, ref[name].detach(), atol=2e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("compile.mode", "graph")],
+     r"optimizer.qk_clip_tau: > 0 runs in the eager step only"),
+    ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("parallelism.tensor_parallel_degree", "2")],
+     r"optimizer.qk_clip_tau: > 0 with tensor parallelism is not implemented"),
+])
+def test_qk_clip_rules_refuse_before_building(overrides, pattern):
+    """The step plan's RULES refuse QK clip with graph mode and with TP (read before anything is built)."""
+    from trainer.job import plan_job
+
+    cfg = build_config("configs/llama3_debug.toml", overrides)
+    with pytest.raises(ConfigError, match=pattern):
+        plan_job(cfg, world_size=2, device_type="cpu")

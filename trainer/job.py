@@ -75,7 +75,7 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         model_has_hidden=callable(getattr(family.model_cls, "hidden", None)), task=getattr(family, "task", "lm"),
         caller_loss=caller_loss, document_mask=cfg.training.document_mask,
         document_positions=cfg.training.document_positions,
-        model_document_mask=bool(getattr(family, "document_mask", False)))
+        model_document_mask=bool(getattr(family, "document_mask", False)), qk_clip=cfg.optimizer.qk_clip_tau > 0)
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
