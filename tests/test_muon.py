@@ -41,7 +41,7 @@ from trainer.qk_clip import QKClip, gqa_qk_clip_, mla_qk_clip_
 
 LR, WD, BETAS, EPS, MOMENTUM = 2e-2, 0.1, (0.9, 0.95), 1e-8, 0.95
 MUON_KW = dict(lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, momentum=MOMENTUM, nesterov=True, ns_steps=5,
-               ns_dtype="float32", exclude=("tok_embeddings", "output", "gate"))
+               ns_dtype="float32", exclude=("tok_embeddings", "output", "gate", "embed_tokens", "lm_head"))
 
 
 # --- a plain reference of the published algorithm ------------------------------------------------
@@ -163,6 +163,12 @@ def test_split_llama_and_qwen_moe():
                                          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
     assert {names[id(p)] for p in adamw} == {"tok_embeddings.weight", "output.weight", "norm.weight",
                                              "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"}
+    # The hf backend's names: the router `gate` stays on AdamW, the FFN's `gate_proj` does not.
+    hf = [(n, torch.nn.Parameter(torch.zeros(4, 4))) for n in (
+        "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.gate_proj.weight")]
+    muon, adamw = split_muon_params(hf)
+    assert [id(p) for p in muon] == [id(hf[3][1])] and len(adamw) == 3
     args = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], n_layers=1, max_seq_len=16)
     moe = Qwen3(args)
     muon, adamw = split_muon_params(moe.named_parameters())

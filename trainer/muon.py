@@ -12,7 +12,8 @@ as in AdamW.
 
 Which parameters get Muon (`split_muon_params`): every parameter with 2 or more dims, except
 those whose module path has a component in `[optimizer] muon_exclude` (default: the token
-embedding, the output head and the MoE router gate). Embeddings are lookups, not linear maps
+embedding, the output head and the MoE router gate, under this tree's names and Hugging Face's:
+`tok_embeddings`/`embed_tokens`, `output`/`lm_head`, `gate`, which is not `gate_proj`). Embeddings are lookups, not linear maps
 (a row is updated only when its token appears, which orthogonalisation of the whole matrix
 ignores); the head's rows are per-token logits, where Moonshot and Keller Jordan both keep AdamW;
 the router gate is a small [n_experts, dim] matrix whose row norms set the routing temperature,
@@ -46,7 +47,7 @@ from torch.optim.adamw import adamw as adamw_functional
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic Newton-Schulz coefficients (a, b, c): X <- aX + b(XX^T)X + c(XX^T)^2 X."""
 
-MUON_EXCLUDE_DEFAULT = ("tok_embeddings", "output", "gate")
+MUON_EXCLUDE_DEFAULT = ("tok_embeddings", "output", "gate", "embed_tokens", "lm_head")
 """Module-path components whose parameters stay on AdamW (`[optimizer] muon_exclude`)."""
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
