@@ -29,7 +29,7 @@ from titan_kernels import ATTENTION_BACKENDS
 from models.errors import ConfigError
 from parallelisms.activation_checkpoint import AC_MODES
 from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
-from trainer.optim import DECAY_TYPES
+from trainer.optim import DECAY_TYPES, OPTIMIZERS
 from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
 from trainer.runtime.tpu_env import FLAG_BUNDLES, check_flags
 from trainer.step.plan import BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES
@@ -165,6 +165,11 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = field(default="adamw", metadata=_choices(*OPTIMIZERS))
+    """adamw, or muon: Newton-Schulz orthogonalised momentum for the 2-D (and expert 3-D) weight
+    matrices of the blocks, AdamW (betas, eps) for embeddings, output head, router gate, norms
+    and biases (docs/optimizers.md). Muon's update RMS is matched to AdamW's
+    (0.2 x sqrt(max(rows, cols))), so lr and weight_decay apply to both kinds of parameters."""
     lr: float = field(default=8e-4, metadata=_range(gt=0))
     """Peak learning rate."""
     weight_decay: float = field(default=0.1, metadata=_range(ge=0))
@@ -173,6 +178,25 @@ class OptimizerConfig:
     """Adam betas [beta1, beta2], each in [0, 1)."""
     eps: float = field(default=1e-8, metadata=_range(gt=0))
     """Adam epsilon."""
+    muon_momentum: float = field(default=0.95, metadata=_range(ge=0))
+    """name = muon: momentum (beta) of the Muon matrices, in [0, 1)."""
+    muon_nesterov: bool = True
+    """name = muon: Nesterov momentum (the published default)."""
+    muon_ns_steps: int = field(default=5, metadata=_range(ge=1))
+    """name = muon: quintic Newton-Schulz iterations (5 as published)."""
+    muon_ns_dtype: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32"))
+    """name = muon: dtype of the Newton-Schulz iteration (bf16 as published: the iteration only
+    needs the singular values pushed into ~[0.7, 1.2]; float32 for exact comparisons)."""
+    muon_exclude: list = field(default_factory=lambda: ["tok_embeddings", "output", "gate", "embed_tokens", "lm_head"])
+    """name = muon: module-path components (names between dots) whose matrices stay on AdamW:
+    default the token embedding, the output head and the MoE router gate (this tree's names and
+    the hf backend's; a FLUX model's matrices all take Muon unless listed here)."""
+    qk_clip_tau: float = field(default=0.0, metadata=_range(ge=0))
+    """name = muon: MuonClip's QK clip. After each step, a head whose largest pre-softmax logit
+    of the step (q.k / sqrt(head_dim), max over the global batch) exceeded tau has its logits
+    scaled by tau / max through its weights (MHA: W_q and W_k rows by sqrt(tau / max); GQA: its
+    W_q rows by tau / max; docs/optimizers.md). Kimi K2 uses 100. 0 = off (no logit tracking,
+    no cost). Eager mode (compile mode untested); not with graph mode, TP or q/k-norm models."""
 
 
 @dataclass
@@ -601,6 +625,12 @@ def validate(cfg: Config) -> None:
     betas = cfg.optimizer.betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+    if not cfg.optimizer.muon_momentum < 1:
+        raise ConfigError(f"optimizer.muon_momentum: {cfg.optimizer.muon_momentum!r}; allowed: a number in [0, 1)")
+    exclude = cfg.optimizer.muon_exclude
+    if not isinstance(exclude, list) or not all(isinstance(x, str) and x and "." not in x for x in exclude):
+        raise ConfigError(f"optimizer.muon_exclude: {exclude!r}; allowed: a list of module-path components "
+                          "(names without dots), e.g. [\"tok_embeddings\", \"output\", \"gate\"]")
     check_flags("device.libtpu_init_args", cfg.device.libtpu_init_args)
     check_flags("device.xla_flags", cfg.device.xla_flags)
     p = cfg.parallelism

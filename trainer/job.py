@@ -43,7 +43,7 @@ from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_
 from parallelisms.context_parallel import cp_attention_fn, cp_group
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer_for
 from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
                                     resolve_compute_dtype, set_seed, torch_dtype)
 from trainer.runtime.runlock import lock_run, released_on_error
@@ -78,7 +78,7 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         caller_loss=caller_loss, document_mask=cfg.training.document_mask,
         document_positions=cfg.training.document_positions,
         model_document_mask=bool(getattr(family, "document_mask", False)),
-        cp_degree=cfg.parallelism.context_parallel_degree)
+        cp_degree=cfg.parallelism.context_parallel_degree, qk_clip=cfg.optimizer.qk_clip_tau > 0)
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
@@ -318,7 +318,10 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
 
     # 5. Optimizer, schedule (over training.steps optimizer steps), checkpoint manager.
     o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizer = build_optimizer(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    optimizer = build_optimizer_for(model, name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                    muon_momentum=o.muon_momentum, muon_nesterov=o.muon_nesterov,
+                                    muon_ns_steps=o.muon_ns_steps, muon_ns_dtype=o.muon_ns_dtype,
+                                    muon_exclude=o.muon_exclude, qk_clip_tau=o.qk_clip_tau)
     scheduler = build_lr_scheduler(optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
                                    decay_type=s.decay_type, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor)
     manager = None

@@ -15,9 +15,14 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from models.errors import ConfigError
+
 
 _FUSED_DEVICES = ("cpu", "cuda")
 
+
+OPTIMIZERS = ("adamw", "muon")
+"""`[optimizer] name` choices (`build_optimizer`; muon: trainer/muon.py)."""
 
 DECAY_TYPES = ("linear", "cosine", "wsd", "constant")
 """`[lr_scheduler] decay_type` choices (`lr_factor`)."""
@@ -37,6 +42,30 @@ def build_optimizer(params, *, lr: float, betas, eps: float, weight_decay: float
         params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
         fused=fused, foreach=None if fused else False,
     )
+
+
+def build_optimizer_for(model, *, name: str, lr: float, betas, eps: float, weight_decay: float,
+                        muon_momentum: float = 0.95, muon_nesterov: bool = True, muon_ns_steps: int = 5,
+                        muon_ns_dtype: str = "bfloat16", muon_exclude=None,
+                        qk_clip_tau: float = 0.0) -> torch.optim.Optimizer:
+    """The `[optimizer] name` optimizer over `model`'s parameters (the job's one entry point).
+
+    adamw: `build_optimizer`; muon: `trainer.muon.Muon` (Muon for the blocks' matrices, AdamW
+    with these betas/eps for the rest; `muon_exclude`: `trainer.muon.split_muon_params`;
+    `qk_clip_tau` > 0: MuonClip, trainer/qk_clip.py).
+    """
+    assert name in OPTIMIZERS, name
+    if qk_clip_tau > 0 and name != "muon":
+        raise ConfigError(f"optimizer.qk_clip_tau: QK clip is MuonClip, part of the Muon step; got name = {name!r}; "
+                          "allowed: 0, or optimizer.name = \"muon\"")
+    if name == "adamw":
+        return build_optimizer(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    from trainer.muon import MUON_EXCLUDE_DEFAULT, build_muon
+
+    return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=muon_momentum,
+                      nesterov=muon_nesterov, ns_steps=muon_ns_steps, ns_dtype=muon_ns_dtype,
+                      exclude=MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude),
+                      qk_clip_tau=qk_clip_tau)
 
 
 def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_type: str, decay_ratio: float,

@@ -1,4 +1,4 @@
-"""The optimizer half of the graph step: global-norm clipping and a functional AdamW.
+"""The optimizer half of the graph step: global-norm clipping and a functional AdamW / Muon.
 
 The state lives in the real `torch.optim.AdamW` object (`state[p]` = `step`, `exp_avg`,
 `exp_avg_sq`), created eagerly here before capture, so checkpoints have the same format in
@@ -10,6 +10,12 @@ With layer scan, one update covers a whole stacked tensor `[n_layers, ...]`: the
 state of the per-layer parameters is moved into stacked storage too (each per-layer state
 tensor becomes a view of its row), and `step` is a `[n_layers]` vector whose rows are the
 per-layer `step` tensors. So the graph holds one update per parameter *name*, not per layer.
+
+Muon (`trainer.muon.Muon`) runs the same way: its AdamW groups take the update above, its Muon
+groups `muon_update_` on their `momentum_buffer` (stacked like the moments under layer scan: the
+Newton-Schulz of a stacked [n_layers, m, n] tensor is batched over the layers). A sharded
+Muon matrix is all-gathered whole inside the graph (`funcol.all_gather_tensor` per sharded
+mesh axis), orthogonalised, and cut back to this rank's rows, as in the eager step.
 """
 
 from __future__ import annotations
@@ -39,13 +45,29 @@ class UpdateSlot:
     """Index of the optimizer param group (hyperparameters)."""
     members: list[torch.Tensor] = field(default_factory=list)
     """Stacked slot only: the per-layer parameters whose optimizer state views the rows."""
+    momentum: torch.Tensor | None = None
+    """Muon slot: the `momentum_buffer` (then exp_avg, exp_avg_sq and step are None)."""
+    shards: tuple = ()
+    """Muon slot of a sharded parameter: `(mesh, mesh_dim, tensor_dim, index, size)` per sharded
+    mesh axis, tensor_dim counted on the slot's tensor (stacked: + 1)."""
+
+
+def _is_muon(optimizer: torch.optim.Optimizer) -> bool:
+    from trainer.muon import Muon
+
+    return isinstance(optimizer, Muon)
 
 
 def check_adamw(optimizer: torch.optim.Optimizer) -> None:
-    """The graph step implements AdamW's default variant only; say so early."""
+    """The graph step implements AdamW's default variant and Muon only; say so early."""
+    if _is_muon(optimizer):
+        if optimizer.qk_clip is not None:
+            raise ConfigError("optimizer.qk_clip_tau: QK clip runs in the eager step only (the captured step does "
+                              "not track max logits); allowed: 0 with compile.mode = \"graph\"")
+        return
     if not isinstance(optimizer, torch.optim.AdamW):
-        raise ConfigError(f"optimizer: graph mode implements AdamW, got {type(optimizer).__name__}; "
-                          "allowed: AdamW")
+        raise ConfigError(f"optimizer: graph mode implements AdamW and Muon, got {type(optimizer).__name__}; "
+                          "allowed: AdamW, trainer.muon.Muon")
     for i, group in enumerate(optimizer.param_groups):
         # `fused` only picks the kernel of torch.optim's own step, which graph mode replaces.
         for key in ("amsgrad", "maximize", "differentiable", "capturable"):
@@ -68,6 +90,10 @@ def init_adamw_state(optimizer: torch.optim.AdamW) -> None:
         for p in group["params"]:
             state = optimizer.state[p]
             device = _local(p).device
+            if group.get("use_muon"):
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                continue
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -104,10 +130,15 @@ class AdamWSlots:
             if len(groups) != 1:
                 raise ConfigError(f"optimizer: layer-scanned parameter {name} is split over param groups "
                                   f"{sorted(groups)}; allowed: one group for all layers' copies")
+            if optimizer.param_groups[groups.pop()].get("use_muon"):
+                self._stack_state[name] = (torch.zeros_like(stack, requires_grad=False),)
+                continue
             exp_avg = torch.zeros_like(stack, requires_grad=False)
             exp_avg_sq = torch.zeros_like(stack, requires_grad=False)
             step = torch.zeros(len(members), dtype=torch.float32, device=stack.device)
             self._stack_state[name] = (exp_avg, exp_avg_sq, step)
+        self._shards = {id(p): muon_shards(p) for group in optimizer.param_groups if group.get("use_muon")
+                        for p in group["params"]}
         self.refresh()
 
     def refresh(self) -> int:
@@ -115,7 +146,8 @@ class AdamWSlots:
         init_adamw_state(self.optimizer)
         fixed = 0
         for name, (_, members) in self._stacked.items():
-            for key, stack in zip(("exp_avg", "exp_avg_sq", "step"), self._stack_state[name]):
+            keys = ("momentum_buffer",) if len(self._stack_state[name]) == 1 else ("exp_avg", "exp_avg_sq", "step")
+            for key, stack in zip(keys, self._stack_state[name]):
                 fixed += view_rows(stack, [self.optimizer.state[p][key] for p in members])
         return fixed
 
@@ -126,9 +158,18 @@ class AdamWSlots:
             if not p.requires_grad:
                 continue
             s = self.optimizer.state[p]
+            if "momentum_buffer" in s:
+                out.append(UpdateSlot(p, None, None, None, self._group_of[id(p)], momentum=s["momentum_buffer"],
+                                      shards=self._shards[id(p)]))
+                continue
             out.append(UpdateSlot(p, s["exp_avg"], s["exp_avg_sq"], s["step"], self._group_of[id(p)]))
         for name, (stack, members) in self._stacked.items():
             if not stack.requires_grad:
+                continue
+            if len(self._stack_state[name]) == 1:
+                shards = tuple((m, md, d + 1, i, n) for m, md, d, i, n in self._shards[id(members[0])])
+                out.append(UpdateSlot(stack, None, None, None, self._group_of[id(members[0])], members,
+                                      momentum=self._stack_state[name][0], shards=shards))
                 continue
             exp_avg, exp_avg_sq, step = self._stack_state[name]
             out.append(UpdateSlot(stack, exp_avg, exp_avg_sq, step, self._group_of[id(members[0])], members))
@@ -138,6 +179,11 @@ class AdamWSlots:
         """(beta1, beta2, eps, weight_decay) per param group, as Python floats (baked into the graph)."""
         out = []
         for group in self.optimizer.param_groups:
+            if group.get("use_muon"):
+                out.append({"momentum": float(group["momentum"]), "nesterov": bool(group["nesterov"]),
+                            "ns_steps": int(group["ns_steps"]), "ns_dtype": group["ns_dtype"],
+                            "weight_decay": float(group["weight_decay"])})
+                continue
             beta1, beta2 = group["betas"]
             out.append({"beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
                         "weight_decay": float(group["weight_decay"])})
@@ -185,6 +231,56 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     param.copy_(new_param)
     exp_avg.copy_(new_avg)
     exp_avg_sq.copy_(new_avg_sq)
+
+
+def muon_shards(p: torch.Tensor) -> tuple:
+    """`(mesh, mesh_dim, tensor_dim, index, size)` per mesh axis over which parameter `p` is
+    sharded (empty: whole on this rank). The graph gathers with equal-size all-gathers, so
+    each sharded dim must divide evenly and be sharded by one mesh axis (no _StridedShard)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not isinstance(p, DTensor):
+        return ()
+    mesh, out, dims = p.device_mesh, [], set()
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            continue
+        size = mesh.size(mesh_dim)
+        if type(placement) is not Shard or placement.dim in dims or p.shape[placement.dim] % size:
+            raise ConfigError(f"optimizer.name: graph-mode Muon gathers evenly sharded matrices only; a parameter "
+                              f"of shape {tuple(p.shape)} has placements {p.placements}; allowed: optimizer.name = "
+                              "\"adamw\", or compile.mode = \"eager\"")
+        dims.add(placement.dim)
+        out.append((mesh, mesh_dim, placement.dim, mesh.get_local_rank(mesh_dim), size))
+    return tuple(out)
+
+
+def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, *, lr: torch.Tensor,
+                 momentum: float, nesterov: bool, ns_steps: int, ns_dtype: str, weight_decay: float,
+                 apply: torch.Tensor | None = None, shards: tuple = ()) -> None:
+    """One Muon update in place on local tensors (the arithmetic of `trainer.muon.Muon`).
+
+    `shards` (`muon_shards`): the update is all-gathered along each sharded dim, orthogonalised
+    whole (batched over leading dims: stacked layers, experts) and narrowed back to this rank's
+    slice. `apply` gates the update on the device, as in `adamw_update_`.
+    """
+    from trainer.muon import NS_DTYPES, newton_schulz5, update_scale
+
+    new_buf = momentum_buffer.lerp(grad, 1 - momentum)
+    u = grad.lerp(new_buf, momentum) if nesterov else new_buf
+    for mesh, mesh_dim, dim, _, _ in shards:
+        u = funcol.all_gather_tensor(u, dim, (mesh, mesh_dim))
+    o = newton_schulz5(u, steps=ns_steps, dtype=NS_DTYPES[ns_dtype]).to(u.dtype) * update_scale(u.shape)
+    for _, _, dim, index, size in shards:
+        chunk = o.shape[dim] // size
+        o = o.narrow(dim, index * chunk, chunk)
+    new_param = param * (1 - lr * weight_decay) if weight_decay != 0 else param
+    new_param = new_param - lr * o
+    if apply is not None:
+        new_param = torch.where(apply, new_param, param)
+        new_buf = torch.where(apply, new_buf, momentum_buffer)
+    param.copy_(new_param)
+    momentum_buffer.copy_(new_buf)
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float,

@@ -3,8 +3,8 @@
 One call of the returned `GraphStep` runs, inside one captured graph: for each micro-batch
 the forward, the LM loss (mean cross entropy over tokens, plus `aux_loss_coef` times the MoE
 load-balancing loss when the model has MoE blocks) and `torch.autograd.grad`, accumulating
-the gradients; then global-norm clipping and the AdamW update of parameters and optimizer
-state in place. The graph is captured on the first call and replayed after that; the
+the gradients; then global-norm clipping and the optimizer update (AdamW, or Muon:
+trainer/muon.py) of parameters and optimizer state in place. The graph is captured on the first call and replayed after that; the
 learning rate is a tensor input, so the schedule never recompiles. Gradient accumulation is
 unrolled in the graph (the micro-batch count is fixed by the config), so the graph grows
 with `gradient_accumulation_steps`, and not with `n_layers` when layer scan is on.
@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from models.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
-from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes
+from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes, muon_update_
 from trainer.step.loss import StepOutput, lm_loss, local_scalar
 
 class GraphStep:
@@ -147,6 +147,10 @@ class GraphStep:
             grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
+                if slot.momentum is not None:  # a Muon matrix (trainer/muon.py)
+                    muon_update_(_local(slot.param), g, _local(slot.momentum), lr=lr, apply=apply,
+                                 shards=slot.shards, **self._hyper[slot.group])
+                    continue
                 adamw_update_(_local(slot.param), g, _local(slot.exp_avg), _local(slot.exp_avg_sq),
                               slot.step, lr=lr, apply=apply, **self._hyper[slot.group])
         aux_mean = local_scalar(aux_total) / n if aux_total is not None else None
@@ -206,8 +210,9 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
 
     The trainer calls this through `trainer.job.Job.build_step`, which resolves the settings below
     from the config (`plan_step`).
-    - `optimizer`: a `torch.optim.AdamW` over the model's parameters (all groups at one lr;
-      its state is created now, before capture, in torch.optim's format).
+    - `optimizer`: a `torch.optim.AdamW` or a `trainer.muon.Muon` (without QK clip) over the
+      model's parameters (all groups at one lr; its state is created now, before capture, in
+      the eager optimizer's format).
     - `backend`: inductor | aot_eager | tpu (already resolved: `trainer.step.resolve_backend`).
     - `scan_layers`: run each of the plan's block containers (`plan.stacks`, each a `BlockStack`)
       as one scan over its stacked per-layer parameters (FLUX: one scan over the double blocks,

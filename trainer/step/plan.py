@@ -77,6 +77,8 @@ class StepRequest:
     """The family's model takes segment ids and positions (`ModelFamily.document_mask`)."""
     cp_degree: int = 1
     """`[parallelism] context_parallel_degree`."""
+    qk_clip: bool = False
+    """`[optimizer] qk_clip_tau` > 0 (MuonClip's QK clip, trainer/qk_clip.py)."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,14 @@ RULES: tuple[Rule, ...] = (
          "on never forms the log-probs the engine's loss functions read; allowed: auto, off"),
     Rule("model.name", lambda r: r.caller_loss and r.task != "lm",
          "the engine trains language models (task lm); this family's task is {r.task}"),
+    # MuonClip's QK clip (docs/optimizers.md): the attention forward records its max logits as a
+    # module side effect, which the captured step does not run; with TP each rank sees only its heads.
+    Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.mode == "graph",
+         '> 0 runs in the eager step only (the captured step does not track max logits); allowed with '
+         'compile.mode = "graph": 0'),
+    Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.tp_degree > 1,
+         "> 0 with tensor parallelism is not implemented (each rank tracks only its own heads); allowed "
+         "with tensor_parallel_degree > 1: 0"),
 )
 
 
