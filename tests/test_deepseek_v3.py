@@ -264,3 +264,32 @@ def test_graph_mode_scan_matches_eager(tmp_path, eager_losses):
     """Graph mode with layer scan over both stacks (dense blocks scanned as their own stack)."""
     _close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
                    "--compile.scan_layers=true"), eager_losses)
+
+
+def test_qwen3_moe_expert_bias_is_opt_in():
+    """Qwen 3 MoE gets the selection bias only with `moe_expert_bias`; its default state dict and
+    numbers are unchanged, and the HF adapters fill/drop the (zero) bias."""
+    from models.qwen3 import hf as qwen3_hf
+
+    family = models.get_model_family("qwen3")
+    plain = family.model_cls(family.get_args("debugmodel_moe", n_layers=2, max_seq_len=64))
+    biased_args = family.get_args("debugmodel_moe", n_layers=2, max_seq_len=64, moe_expert_bias=True)
+    biased = family.model_cls(biased_args)
+    assert not any("expert_bias" in k for k in plain.state_dict())
+    missing, unexpected = biased.load_state_dict(plain.state_dict(), strict=False)
+    assert missing == ["layers.0.moe.router.expert_bias", "layers.1.moe.router.expert_bias"] and not unexpected
+    with torch.no_grad():
+        for block in biased.layers.values():
+            block.moe.router.expert_bias.zero_()
+    tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain(tokens), biased(tokens))  # a zero bias selects as no bias
+        biased.layers["0"].moe.router.expert_bias[0] = 10.0  # expert 0 always selected
+        assert not torch.equal(plain(tokens), biased(tokens))
+    hf_sd = qwen3_hf.to_hf(plain.state_dict(), biased_args)
+    biased.load_state_dict(qwen3_hf.from_hf(hf_sd, biased_args), strict=True)
+    assert not biased.layers["0"].moe.router.expert_bias.any()
+    with torch.no_grad():
+        biased.layers["0"].moe.router.expert_bias[0] = 10.0
+    with pytest.raises(ValueError, match="expert_bias"):
+        qwen3_hf.to_hf(biased.state_dict(), biased_args)
