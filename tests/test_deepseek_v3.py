@@ -254,9 +254,10 @@ def _close(got: list[float], want: list[float]) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(tp=2)], ids=["fsdp2", "tp2"])
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(tp=2), dict(dp_shard=2, ep=2)], ids=["fsdp2", "tp2", "ep2"])
 def test_parallel_matches_single_process(tmp_path, eager_losses, degrees):
-    """SimpleFSDP over 2 ranks, and TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py)."""
+    """SimpleFSDP over 2 ranks; TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py); EP over
+    2 ranks (experts split, shared experts and router data-parallel)."""
     _close(_losses(tmp_path, 2, degrees), eager_losses)
 
 
