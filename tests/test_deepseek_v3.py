@@ -92,6 +92,12 @@ def test_hf_round_trip_both_expert_layouts():
     assert "model.layers.2.mlp.experts.7.down_proj.weight" in hub
     again = ds_hf.from_hf(hub, args)
     assert again.keys() == ours.keys() and all(torch.equal(again[k], ours[k]) for k in ours)
+    # The box layout (per-rank loading, convert from-hf) builds the same tensors from both layouts.
+    from models.common.hf import apply_layout
+
+    for sd in (hf_sd, hub):
+        laid = apply_layout(ds_hf.hf_layout({k: tuple(v.shape) for k, v in sd.items()}, args), sd)
+        assert laid.keys() == ours.keys() and all(torch.equal(laid[k], ours[k]) for k in ours)
     # The multi-token-prediction layer of V3 checkpoints is skipped.
     extra = {**hub, f"model.layers.{args.n_layers}.eh_proj.weight": torch.zeros(2, 2)}
     assert ds_hf.from_hf(extra, args).keys() == ours.keys()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from models.common.hf import HFEntry, HFLayout, HFPiece, whole
 from models.deepseek_v3.args import DeepSeekV3Args
 
 _LAYER = {
@@ -113,6 +114,75 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *,
             raise ValueError(f"model.layers.{layer}.mlp.experts: expected experts 0..{args.num_experts - 1}, "
                              f"found {sorted(experts)}")
         out[_ours(layer, f"moe.experts.{name}", args)] = torch.stack([experts[j] for j in range(args.num_experts)])
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    elif "output.weight" not in out:
+        raise ValueError("lm_head.weight: missing, and tie_word_embeddings is false")
+    return out
+
+
+def _rope_entry(key: str, shape: tuple[int, ...], args: DeepSeekV3Args, *, is_key: bool) -> HFEntry:
+    """`_rope_rows(..., to_half=True)` as boxes: the non-rope rows as blocks, each rope row alone
+    (our row j of a head's rope part is HF row perm[j])."""
+    r, cols = args.qk_rope_head_dim, shape[1]
+    perm = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2)]).tolist()
+    pieces = []
+    if is_key:
+        blocks = [(0, args.kv_lora_rank)]
+    else:
+        blocks = [(h * args.qk_head_dim, args.qk_nope_head_dim) for h in range(shape[0] // args.qk_head_dim)]
+    for start, rows in blocks:
+        pieces.append(HFPiece(key, (start, 0), (rows, cols), (start, 0)))
+        pieces.extend(HFPiece(key, (start + rows + j, 0), (1, cols), (start + rows + perm[j], 0)) for j in range(r))
+    return HFEntry(tuple(shape), tuple(pieces))
+
+
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args) -> HFLayout:
+    """HF names and shapes -> how each of our parameters is made of them (models/common/hf.py),
+    for per-rank loading and `scripts/convert.py from-hf`; the same mapping as `from_hf`
+    (interleaved RoPE rows, as every DeepSeek-V3 / Kimi K2 checkpoint)."""
+    out: HFLayout = {}
+    per_expert: dict[tuple[int, str], dict[int, str]] = {}
+    for key, shape in hf_shapes.items():
+        shape = tuple(shape)
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        if key in _TOP:
+            out[_TOP[key]] = whole(key, shape)
+            continue
+        match = _HF_LAYER.fullmatch(key)
+        if match is None:
+            raise ValueError(f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP)} + model.layers.N.*")
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer >= args.n_layers:
+            continue
+        if rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+            out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=False)
+        elif rest == "self_attn.kv_a_proj_with_mqa.weight":
+            out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=True)
+        elif rest in _LAYER:
+            out[_ours(layer, _LAYER[rest], args)] = whole(key, shape)
+        elif rest == "mlp.experts.gate_up_proj":
+            half = (shape[0], shape[1] // 2, *shape[2:])
+            zero = (0,) * len(shape)
+            out[_ours(layer, "moe.experts.w1", args)] = HFEntry(half, (HFPiece(key, zero, half, zero),))
+            out[_ours(layer, "moe.experts.w3", args)] = HFEntry(half, (HFPiece(key, zero, half, (0, half[1], 0)),))
+        elif rest == "mlp.experts.down_proj":
+            out[_ours(layer, "moe.experts.w2", args)] = whole(key, shape)
+        elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
+            per_expert.setdefault((layer, _EXPERT[expert.group(2)]), {})[int(expert.group(1))] = key
+        else:
+            raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
+    for (layer, name), experts in sorted(per_expert.items()):
+        if sorted(experts) != list(range(args.num_experts)):
+            raise ValueError(f"model.layers.{layer}.mlp.experts: expected experts 0..{args.num_experts - 1}, "
+                             f"found {sorted(experts)}")
+        shape = tuple(hf_shapes[experts[0]])
+        zero = (0,) * len(shape)
+        pieces = tuple(HFPiece(experts[j], (j, *zero), (1, *shape), zero) for j in range(args.num_experts))
+        out[_ours(layer, f"moe.experts.{name}", args)] = HFEntry((args.num_experts, *shape), pieces)
+    if "tok_embeddings.weight" not in out:
+        raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     elif "output.weight" not in out:
