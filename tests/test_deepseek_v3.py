@@ -300,3 +300,33 @@ def test_qwen3_moe_expert_bias_is_opt_in():
         biased.layers["0"].moe.router.expert_bias[0] = 10.0
     with pytest.raises(ValueError, match="expert_bias"):
         qwen3_hf.to_hf(biased.state_dict(), biased_args)
+
+
+def test_convert_hf_folder_to_dcp_and_back(tmp_path):
+    """`scripts/convert.py from-hf` (through `hf_layout`) then `to-hf`: the HF safetensors come back
+    bit for bit (selection bias included) and load with `from_pretrained`."""
+    import glob
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    args = _args()
+    _hf_model(args).save_pretrained(tmp_path / "hf")
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    for cmd in (["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")],
+                ["to-hf", "--checkpoint", str(tmp_path / "dcp"), "--model.name", "deepseek_v3", "--model.flavor",
+                 "debugmodel", "--model.max_seq_len=1024", str(tmp_path / "hf2")]):
+        r = subprocess.run([sys.executable, "scripts/convert.py", *cmd], cwd=root, capture_output=True, text=True,
+                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+
+    def tensors(folder):
+        out = {}
+        for f in glob.glob(str(folder / "*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    want, got = tensors(tmp_path / "hf"), tensors(tmp_path / "hf2")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").config.model_type == "deepseek_v3"
