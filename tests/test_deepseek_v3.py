@@ -260,13 +260,18 @@ def _close(got: list[float], want: list[float]) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(tp=2), dict(dp_shard=2, ep=2)], ids=["fsdp2", "tp2", "ep2"])
+@pytest.mark.parametrize("degrees", [
+    pytest.param(dict(dp_shard=2), id="fsdp2"),
+    pytest.param(dict(tp=2), id="tp2"),
+    pytest.param(dict(dp_shard=2, ep=2), id="ep2", marks=pytest.mark.slow),
+])
 def test_parallel_matches_single_process(tmp_path, eager_losses, degrees):
     """SimpleFSDP over 2 ranks; TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py); EP over
     2 ranks (experts split, shared experts and router data-parallel)."""
     _close(_losses(tmp_path, 2, degrees), eager_losses)
 
 
+@pytest.mark.slow
 def test_graph_mode_scan_matches_eager(tmp_path, eager_losses):
     """Graph mode with layer scan over both stacks (dense blocks scanned as their own stack)."""
     _close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
