@@ -173,8 +173,8 @@ class TokenChoiceTopKRouter(nn.Module):
 
         `global_counts` [E]: the token copies each expert received since the last update, summed
         over every rank that routes its own tokens (the trainer all-reduces this router's
-        `tokens_per_expert`); `rate` is DeepSeek's gamma (0.001 in their training). May be a
-        DTensor-free plain tensor on any device; the bias stays float32.
+        `tokens_per_expert`); `rate` is DeepSeek's gamma (0.001 in their training). A plain tensor
+        on any device; the bias stays float32 (a bf16 bias could not hold 0.001 steps).
         """
         assert self.expert_bias is not None, "update_expert_bias: this router has no expert_bias"
         counts = global_counts.to(device=self.expert_bias.device, dtype=torch.float32)
