@@ -21,8 +21,10 @@ from typing import Any
 
 from torch import nn
 
-from models import flux, hf, llama3, qwen3
+from models import deepseek_v3, flux, hf, llama3, qwen3
 from models.common.plan import ModelPlan
+from models.deepseek_v3 import hf as deepseek_v3_hf
+from models.deepseek_v3.plan import PLAN as DEEPSEEK_V3_PLAN
 from models.flux import hf as flux_hf
 from models.flux.plan import PLAN as FLUX_PLAN
 from models.hf import hf as hf_hf
@@ -99,6 +101,15 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_adapter=qwen3_hf,
         document_mask=True,
     ),
+    "deepseek_v3": ModelFamily(
+        name="deepseek_v3",
+        args_cls=deepseek_v3.DeepSeekV3Args,
+        flavors=deepseek_v3.FLAVORS,
+        model_cls=deepseek_v3.DeepSeekV3,
+        plan=DEEPSEEK_V3_PLAN,
+        hf_adapter=deepseek_v3_hf,
+        document_mask=True,
+    ),
     "flux": ModelFamily(
         name="flux",
         args_cls=flux.FluxArgs,
@@ -122,7 +133,8 @@ FAMILIES: dict[str, ModelFamily] = {
 
 # Hugging Face `model_type` (transformers) or `_class_name` (diffusers) -> our family name
 # (used by HF -> DCP conversion).
-HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "FluxTransformer2DModel": "flux"}
+HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3",
+                  "kimi_k2": "deepseek_v3", "FluxTransformer2DModel": "flux"}
 
 
 def get_model_family(name: str) -> ModelFamily:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -120,6 +120,29 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
+class HeadSharedParallel(ParallelStyle):
+    """Identity forward, gradient summed over the TP ranks in the backward ("head_shared").
+
+    For a tensor every rank holds in full but uses only for its own heads (MLA's RoPE key, one
+    for all heads): each rank's gradient is the part of the sum over its heads. The input is
+    declared `Replicate` and handed on as a local tensor whose gradient is declared `Partial`,
+    so the `from_local` backward all-reduces it.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert not list(module.parameters()), "head_shared: for parameter-free modules"
+
+        def pre_hook(mod, args):
+            x, *rest = args
+            if isinstance(x, DTensor):
+                x = x.to_local()
+            x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            return (x.to_local(grad_placements=(Partial(),)), *rest)
+
+        module.register_forward_pre_hook(pre_hook)
+        return module
+
+
 def _wait(tensor):
     return funcol.wait_tensor(tensor) if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
@@ -142,6 +165,8 @@ def style_for(style: str, *, enable_loss_parallel: bool = False) -> ParallelStyl
     elif style == "head_norm":
         # (batch, seq, heads, head_dim): heads are the TP-sharded dim here.
         result = SequenceParallel(sequence_dim=2, use_local_output=True)
+    elif style == "head_shared":
+        result = HeadSharedParallel()
     elif style == "block_input":
         result = GatherSequenceInput()
     elif style == "output":

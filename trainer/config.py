@@ -61,13 +61,14 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 | flux | hf (qwen3: dense and MoE flavors; flux: the FLUX.1
+    """Model family: llama3 | qwen3 | deepseek_v3 | flux | hf (qwen3: dense and MoE flavors;
+    deepseek_v3: DeepSeek-V3 and Kimi K2, MLA + DeepSeek MoE, docs/models.md; flux: the FLUX.1
     diffusion transformer, docs/flux.md; hf: any transformers causal LM from `hf_config`,
     docs/hf_backend.md), or `package.module:NAME` of a
     `models.ModelFamily` defined outside this repository (docs/adding_a_model.md)."""
     flavor: str = "debugmodel"
     """Size of the family, e.g. debugmodel, 1B, 8B, 70B, 405B (hf: its one flavor, config); qwen3's MoE flavors are
-    debugmodel_moe, 30B-A3B, 235B-A22B (see docs/models.md)."""
+    debugmodel_moe, 30B-A3B, 235B-A22B; deepseek_v3's are debugmodel, 16B, 671B, kimi_k2 (see docs/models.md)."""
     attn_backend: str = field(default="auto", metadata=_choices(*ATTENTION_BACKENDS))
     """Implementation of the attention op (titan_kernels/): auto (the CPU kernel for small head dims
     on the CPU, splash on TPU, SDPA elsewhere), sdpa, cpu_kernel, or splash (Pallas, TPU only;

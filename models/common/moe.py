@@ -10,6 +10,29 @@ The split of work matches what expert parallelism needs:
 - `GroupedExperts.forward(x, num_tokens_per_expert)` is pure compute on tokens already sorted by
   expert, so an expert-parallel wrapper can all-to-all tokens in before it and back after it.
 
+Options for DeepSeek-V3 (and Kimi K2), all off by default so Qwen 3 MoE computes exactly what it
+did: `score_func="sigmoid"` (per-expert sigmoid scores; the k selected scores are renormalised
+with `norm_topk_prob`), group-limited selection (`num_groups` groups of experts, each scored by
+the sum of its two best experts; only experts of the `top_groups` best groups are eligible),
+`route_scale` (the routed scaling factor, multiplying the k weights), shared experts
+(`shared_hidden_dim > 0`: a dense SwiGLU every token goes through, added to the routed output),
+auxiliary-loss-free load balancing (`expert_bias=True`) and the sequence-wise auxiliary loss
+(`aux_loss="sequence"`).
+
+Auxiliary-loss-free load balancing (DeepSeek-V3, section 2.1.2): the router holds a persistent
+float32 buffer `expert_bias` [E] (zeros at start; in checkpoints, as DeepSeek's
+`e_score_correction_bias`) that is added to the scores for the **selection** of the k experts
+only; the weights that multiply the expert outputs are the unbiased scores. The router also keeps
+`tokens_per_expert` [E] (float32, non-persistent), the token copies it routed to each expert,
+accumulated over the forwards since the last `update_expert_bias(global_counts, rate)`: the
+trainer sums those counts over the data-parallel ranks and calls it after the optimizer step;
+it moves each expert's bias by `rate` towards balance (down for experts above the mean load, up
+for those below) and resets the counts.
+The counts are recorded in eager forwards only: under `torch.compile` (and so in graph mode and
+in a layer scan, whose body may not mutate its stacked buffers) `tokens_per_expert` stays as it
+is; getting them out of a compiled step (e.g. as a per-layer scan output) belongs to the
+trainer-side update, which is not wired yet.
+
 Auxiliary loss: `MoE.forward` returns `(out, aux_loss)`, the layer's load-balancing loss being
 a 0-dim float32 tensor in the autograd graph. It is an output, not state left on the module, so
 the layer runs unchanged inside a layer scan (the scan body returns it as a per-layer output;
@@ -31,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from models.common import ops
+from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 
 
@@ -59,25 +83,103 @@ def load_balance_loss(
     return num_experts * torch.sum(frac_tokens * mean_probs)
 
 
-class TokenChoiceTopKRouter(nn.Module):
-    """Scores each token against every expert with `gate` and keeps the top k experts."""
+def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20, without its factor alpha, which is
+    `training.aux_loss_coef`), averaged over the sequences of the batch.
 
-    def __init__(self, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    scores [bs, seq, E] (the affinities, sigmoid or softmax), selected_experts [bs, seq, k].
+    Per sequence: `sum_i f_i * P_i` with `f_i = E / (k * seq) * (copies routed to i)` and `P_i`
+    the mean over the sequence of the scores normalised to sum to 1 per token. Perfect balance
+    gives 1. Only `P_i` carries gradient.
+    """
+    bs, seqlen, top_k = selected_experts.shape
+    counts = torch.zeros(bs, num_experts, dtype=torch.float32, device=scores.device).scatter_add_(
+        1, selected_experts.reshape(bs, -1), torch.ones(bs, seqlen * top_k, dtype=torch.float32, device=scores.device))
+    frac = counts * (num_experts / (top_k * seqlen))
+    scores = scores.float()
+    probs = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return (frac * probs).sum(dim=-1).mean()
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """Scores each token against every expert with `gate` and keeps the top k experts.
+
+    Defaults are Qwen 3 MoE's (softmax, one group, scale 1, no bias); the other options are
+    DeepSeek-V3's (module docstring).
+    """
+
+    def __init__(self, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 score_func: str = "softmax", num_groups: int = 1, top_groups: int = 1,
+                 route_scale: float = 1.0, expert_bias: bool = False):
         super().__init__()
         assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in [1, num_experts={num_experts}]"
+        assert score_func in ("softmax", "sigmoid"), f"score_func {score_func!r}"
+        assert num_experts % num_groups == 0 and 1 <= top_groups <= num_groups, (num_experts, num_groups, top_groups)
+        assert num_groups == 1 or num_experts // num_groups >= 2, "a group scores by its two best experts"
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.score_func = score_func
+        self.num_groups = num_groups
+        self.top_groups = top_groups
+        self.route_scale = route_scale
+        if expert_bias:
+            # Selection-only bias (persistent: checkpoints hold it) and the load since the last update.
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
+            self.tokens_per_expert = None
+
+    def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
+        """Router logits -> float32 affinities (softmax over experts, or per-expert sigmoid)."""
+        if self.score_func == "sigmoid":
+            return torch.sigmoid(router_logits.float())
+        return torch.softmax(router_logits.float(), dim=-1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (top_scores [N, k] in x.dtype, selected_experts [N, k] int64, logits [N, E])."""
         router_logits = self.gate(x)
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        top_scores, selected_experts = torch.topk(probs, self.top_k, dim=-1)
+        probs = self.scores(router_logits)
+        if self.expert_bias is None and self.num_groups == 1:
+            top_scores, selected_experts = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            choice = probs if self.expert_bias is None else probs + self.expert_bias
+            if self.num_groups > 1:
+                # Group-limited routing: keep the experts of the `top_groups` groups whose two
+                # best (biased) scores sum highest.
+                grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+                top_group_idx = group_scores.topk(self.top_groups, dim=-1).indices
+                keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_group_idx, True)
+                choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, self.num_experts)
+            selected_experts = torch.topk(choice, self.top_k, dim=-1).indices
+            top_scores = probs.gather(1, selected_experts)
         if self.norm_topk_prob:
-            top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
+            denom = top_scores.sum(dim=-1, keepdim=True)
+            # DeepSeek's epsilon guards sigmoid scores that underflow; softmax keeps Qwen's exact division.
+            top_scores = top_scores / (denom + 1e-20 if self.score_func == "sigmoid" else denom)
+        if self.route_scale != 1.0:
+            top_scores = top_scores * self.route_scale
         return top_scores.to(x.dtype), selected_experts, router_logits
+
+    @torch.no_grad()
+    def update_expert_bias(self, global_counts: torch.Tensor, rate: float) -> None:
+        """Auxiliary-loss-free balancing step (DeepSeek-V3): `expert_bias += rate * sign(mean -
+        count)` per expert, so overloaded experts become less likely to be selected and
+        underloaded ones more; then reset `tokens_per_expert`.
+
+        `global_counts` [E]: the token copies each expert received since the last update, summed
+        over every rank that routes its own tokens (the trainer all-reduces this router's
+        `tokens_per_expert`); `rate` is DeepSeek's gamma (0.001 in their training). A plain tensor
+        on any device; the bias stays float32 (a bf16 bias could not hold 0.001 steps).
+        """
+        assert self.expert_bias is not None, "update_expert_bias: this router has no expert_bias"
+        counts = global_counts.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias.add_(torch.sign(counts.mean() - counts) * rate)
+        self.tokens_per_expert.zero_()
 
 
 class GroupedExperts(nn.Module):
@@ -122,19 +224,36 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Dropless token-choice top-k MoE layer (no shared experts), as in Qwen 3 MoE."""
+    """Dropless token-choice top-k MoE layer; Qwen 3 MoE by default, DeepSeek-V3 with the options.
 
-    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    `aux_loss`: "load_balance" (the global-batch Switch loss, `load_balance_loss`), "sequence"
+    (DeepSeek-V3's sequence-wise loss, `sequence_balance_loss`) or "none" (a zero).
+    `shared_hidden_dim > 0` adds the shared experts as one SwiGLU of that width (DeepSeek's
+    `n_shared_experts * moe_intermediate_size`).
+    """
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 score_func: str = "softmax", num_groups: int = 1, top_groups: int = 1,
+                 route_scale: float = 1.0, expert_bias: bool = False, shared_hidden_dim: int = 0,
+                 aux_loss: str = "load_balance"):
         super().__init__()
+        assert aux_loss in ("load_balance", "sequence", "none"), f"aux_loss {aux_loss!r}"
         self.router = TokenChoiceTopKRouter(
-            dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob
+            dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob,
+            score_func=score_func, num_groups=num_groups, top_groups=top_groups,
+            route_scale=route_scale, expert_bias=expert_bias,
         )
         self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        if shared_hidden_dim > 0:
+            self.shared_experts = FeedForward(dim=dim, hidden_dim=shared_hidden_dim)
+        else:
+            self.shared_experts = None
+        self.aux_loss = aux_loss
         # Sums expert counts over the ranks holding the rest of the global batch (parallelisms/).
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [bs, seq, dim] -> (out [bs, seq, dim], load-balancing loss: 0-dim float32)."""
+        """x [bs, seq, dim] -> (out [bs, seq, dim], auxiliary loss: 0-dim float32)."""
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
         top_scores, selected_experts, router_logits = self.router(x)
@@ -145,7 +264,19 @@ class MoE(nn.Module):
         num_tokens_per_expert = torch.zeros(
             num_experts, dtype=torch.int64, device=x.device
         ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
+        if self.router.tokens_per_expert is not None and not torch.compiler.is_compiling():
+            # The load for the bias update (an in-place buffer update, outside autograd). Eager
+            # forwards only: a layer-scan body cannot mutate its (stacked) buffers, so compiled
+            # steps do not count (module docstring).
+            with torch.no_grad():
+                self.router.tokens_per_expert.add_(num_tokens_per_expert.float())
+        if self.aux_loss == "load_balance":
+            aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
+        elif self.aux_loss == "sequence":
+            aux_loss = sequence_balance_loss(self.router.scores(router_logits).view(bs, seqlen, -1),
+                                             selected_experts.view(bs, seqlen, -1), num_experts)
+        else:
+            aux_loss = router_logits.new_zeros((), dtype=torch.float32)
 
         # Sort slots by expert; stable keeps token order within each expert's batch.
         order = torch.argsort(flat_experts, stable=True)
@@ -153,10 +284,19 @@ class MoE(nn.Module):
         # Undo the sort with a gather (deterministic, unlike a scatter-add), weight, sum over k.
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
         routed_out = routed_out[inverse].view(-1, top_k, dim)
-        out = (routed_out * top_scores.unsqueeze(-1)).sum(dim=1)
-        return out.view(bs, seqlen, dim), aux_loss
+        out = (routed_out * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
+        if self.shared_experts is not None:
+            # On the flat tokens [N, dim], like the router (a per-token layer under TP).
+            out = out + self.shared_experts(x).view(bs, seqlen, dim)
+        return out, aux_loss
 
     def init_weights(self, init_std: float) -> None:
-        """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`."""
+        """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`;
+        shared experts: `FeedForward.init_weights`; `expert_bias` and the counts: zeros."""
         trunc_normal_(self.router.gate.weight, std=init_std)
         self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        if self.router.expert_bias is not None:
+            nn.init.zeros_(self.router.expert_bias)
+            self.router.tokens_per_expert.zero_()

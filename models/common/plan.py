@@ -25,6 +25,9 @@ residual stream replicated and uses the `rowwise_replicate` / `replicate` styles
 - "replicate": a module every TP rank runs in full on a replicated input (FLUX's adaLN
   modulation linears); its parameters become Replicate DTensors on the TP mesh, its
   gradient is computed identically on every rank and is not summed.
+- "head_shared": a parameter-free pass-through (identity) module on a tensor that every TP rank
+  holds in full and uses for its own heads only (MLA's RoPE key, shared by all heads): the
+  forward is the identity, the backward sums the gradient over the TP ranks.
 - "output": the LM head; sequence-sharded input is all-gathered, logits are gathered to
   full vocab (or left vocab-sharded for loss parallel).
 """
@@ -34,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TP_STYLES = ("embedding", "colwise", "rowwise", "rowwise_replicate", "replicate",
-             "sequence_parallel", "block_input", "head_norm", "output")
+             "sequence_parallel", "block_input", "head_norm", "head_shared", "output")
 
 
 @dataclass(frozen=True)

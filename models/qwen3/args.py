@@ -44,6 +44,11 @@ class Qwen3Args:
     """Width of each expert's SwiGLU MLP (HF moe_intermediate_size); MoE only."""
     norm_topk_prob: bool = True
     """Renormalise the top-k routing weights to sum to 1 (True for all released Qwen 3 MoE models)."""
+    moe_expert_bias: bool = False
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias `moe.router.expert_bias`,
+    zeros at start and saved in checkpoints, added to the router scores for the selection of the
+    experts only (models/common/moe.py); MoE only. Off for the released models (HF Qwen 3 MoE has
+    no such bias: export refuses a nonzero one)."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "hidden_dim", "max_seq_len"):

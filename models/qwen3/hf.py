@@ -10,7 +10,11 @@ from models.qwen3.args import Qwen3Args
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
     """HF Qwen 3 state dict (per-expert hub layout or transformers-5 fused experts) -> ours."""
-    return decoder_from_hf(hf_state_dict, tie_embeddings=args.tie_embeddings, num_experts=args.num_experts)
+    out = decoder_from_hf(hf_state_dict, tie_embeddings=args.tie_embeddings, num_experts=args.num_experts)
+    if args.is_moe and args.moe_expert_bias:  # HF has no selection bias: start from zeros
+        for i in range(args.n_layers):
+            out[f"layers.{i}.moe.router.expert_bias"] = torch.zeros(args.num_experts, dtype=torch.float32)
+    return out
 
 
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args) -> HFLayout:
@@ -21,7 +25,14 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args) -> HFLayout:
 def to_hf(
     state_dict: dict[str, torch.Tensor], args: Qwen3Args, *, fused_experts: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Our state dict -> HF Qwen 3 state dict; experts per expert (hub layout) unless `fused_experts`."""
+    """Our state dict -> HF Qwen 3 state dict; experts per expert (hub layout) unless `fused_experts`.
+    `moe.router.expert_bias` (`moe_expert_bias`) has no HF form: zeros are dropped, anything else
+    is a ValueError (the HF model would route differently)."""
+    biases = [k for k in state_dict if k.endswith(".moe.router.expert_bias")]
+    for key in biases:
+        if bool(state_dict[key].any()):
+            raise ValueError(f"{key}: a nonzero expert bias has no Qwen3MoeForCausalLM form; allowed: zeros")
+    state_dict = {k: v for k, v in state_dict.items() if k not in biases}
     return decoder_to_hf(state_dict, tie_embeddings=args.tie_embeddings, fused_experts=fused_experts)
 
 

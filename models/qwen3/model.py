@@ -37,6 +37,7 @@ class Transformer(Decoder):
                         num_experts=args.num_experts,
                         top_k=args.num_experts_per_tok,
                         norm_topk_prob=args.norm_topk_prob,
+                        expert_bias=args.moe_expert_bias,
                     )
                     if args.is_moe
                     else None
