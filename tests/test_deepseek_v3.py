@@ -261,7 +261,7 @@ def _close(got: list[float], want: list[float]) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("degrees", [
-    pytest.param(dict(dp_shard=2), id="fsdp2"),
+    pytest.param(dict(dp_shard=2), id="fsdp2", marks=pytest.mark.exhaustive),  # SimpleFSDP is family-generic
     pytest.param(dict(tp=2), id="tp2"),
     pytest.param(dict(dp_shard=2, ep=2), id="ep2", marks=pytest.mark.slow),
 ])
