@@ -30,6 +30,7 @@ from planner.search import (
     model_flops_per_token,
     plan_estimate,
     preference_key,
+    search_key,
     recommend,
     suggest_fixes,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "parse_target",
     "plan_estimate",
     "preference_key",
+    "search_key",
     "recommend",
     "shard_model",
     "suggest_fixes",

@@ -105,7 +105,8 @@ def planned(cfg: Config, target: planner.Target, *, headroom: float = 0.1) -> pl
     p = cfg.parallelism
     return planner.plan_estimate(
         plan_inputs(cfg), target, dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
+        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, cp=p.context_parallel_degree,
+        ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel, headroom=headroom)
 
 
@@ -123,7 +124,7 @@ def _step_summary(plan) -> str:
 
 def _mesh_summary(dims) -> str:
     axes = [f"{name} {size}" for name, size in (("dp_rep", dims.dp_replicate), ("fsdp", dims.dp_shard),
-                                                  ("tp", dims.tp), ("ep", dims.ep)) if size > 1]
+                                                  ("cp", dims.cp), ("tp", dims.tp), ("ep", dims.ep)) if size > 1]
     return " x ".join(axes) or "1"
 
 

@@ -602,11 +602,6 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
-    if p.context_parallel_degree > 1:
-        # Until the train step shards batches, positions and the loss over cp
-        # (docs/context_parallel.md, "Not wired yet"); then this moves to the RULES table.
-        raise ConfigError(f"parallelism.context_parallel_degree: {p.context_parallel_degree} is not wired "
-                          "into the trainer yet (parallelisms/context_parallel.py is the mechanism); allowed: 1")
     f = cfg.flow
     if f.resolution_shift and f.shift != 1.0:
         raise ConfigError(f"flow.shift: {f.shift} with flow.resolution_shift = true; set one of them "
