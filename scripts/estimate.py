@@ -347,7 +347,7 @@ def _run(argv: list[str]) -> int:
         est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp, cp=best.cp,
                                     ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
         assert est.total == best.total, "one-block probe and full model disagree"
-        print("recommended (heuristic in docs/planner.md: pure FSDP first, then TP; least recompute; most tokens):")
+        print("recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; most tokens):")
         print(format_estimate(est, flow=flow))
         print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
