@@ -18,7 +18,7 @@ A model is used only through its family's contract (`models/contract.py`). Nothi
 touches an accelerator; it runs in seconds on a laptop CPU.
 """
 
-from planner.activations import ActivationBytes, activation_bytes, measure_saved_bytes
+from planner.activations import ActivationBytes, activation_bytes, cp_gathered_kv_bytes, measure_saved_bytes
 from planner.memory import RECOMPUTE_FACTOR, RECOMPUTE_RANK, Estimate, estimate
 from planner.search import (
     AC_SEARCH_ORDER,
@@ -53,6 +53,7 @@ __all__ = [
     "activation_bytes",
     "best_per_layout",
     "build_parallel_model",
+    "cp_gathered_kv_bytes",
     "devices_needed",
     "estimate",
     "fake_process_group",
