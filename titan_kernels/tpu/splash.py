@@ -218,8 +218,13 @@ def _offset_kernel(q_len: int, kv_len: int, offset: int, group: int, interpret: 
     `offset .. offset + q_len` against keys `0 .. kv_len` (causal); cf. `_kernel`."""
     mask = sm.MultiHeadMask([sm.CausalMask((q_len, kv_len), offset=offset)] * group)
     bq, bkv = block_size(q_len), block_size(kv_len)
+    # Separate dq and dkv backward kernels: the fused one accumulates dq unreduced over the kv
+    # blocks ([kv_len / bkv, heads, q_len, d] float32, summed afterwards): at 128k tokens that is
+    # 256 x a chunk's dq per head, and the compiler's temporaries for one Llama 3 8B attention
+    # layer at cp 4 came to 34.7 GB of v6e's 31.2 (CompileTimeHbmOom). The split backward
+    # computes the scores twice and keeps only [q_len, d] per head.
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                          block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
+                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv, use_fused_bwd_kernel=False)
     with jax.ensure_compile_time_eval():
         kernel = sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     save_residuals=True, interpret=interpret)
@@ -287,7 +292,7 @@ def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: j
     qs = mqa(q * jnp.asarray(head_dim ** -0.5, dtype=q.dtype))
     og, dog = mqa(out), mqa(dout.astype(out.dtype))
     lseg = lse.reshape(batch, kv_heads, group, s_local)
-    dqs, dk_all, dv_all = [], jnp.zeros(k_all.shape, jnp.float32), jnp.zeros(v_all.shape, jnp.float32)
+    dqs, dks, dvs = [], [], []
     for part, n_keys, offset in _cp_chunks(q, k_all, cp_rank, cp_size):
         kernel = _offset_kernel(part.stop - part.start, n_keys, offset, group, interpret)
         kw = kernel.kwargs
@@ -305,12 +310,16 @@ def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: j
         dq, dk, dv = _per_head(head, (qs[:, :, :, part], k_all[:, :, :n_keys], v_all[:, :, :n_keys],
                                       og[:, :, :, part], lseg[:, :, :, part], dog[:, :, :, part]), q_ids, kv_ids)
         dqs.append(dq)
-        # The early chunk's keys are the first s / 2: its dk / dv add to those rows only.
-        dk_all = dk_all.at[:, :, :n_keys].add(dk.astype(jnp.float32))
-        dv_all = dv_all.at[:, :, :n_keys].add(dv.astype(jnp.float32))
+        dks.append(dk)
+        dvs.append(dv)
     dq = jnp.concatenate(dqs, axis=3).reshape(batch, q_heads, s_local, head_dim)
     dq = dq * jnp.asarray(head_dim ** -0.5, dtype=dq.dtype)
-    del seq
+    # The early chunk's keys are the first s / 2: its dk / dv add to those rows of the late
+    # chunk's (all s keys), in the keys' dtype, as the reduce-scatter that follows sums them:
+    # no float32 copy of the gathered sequence (the planner counts one bf16 dk, dv pair).
+    half = seq // 2
+    dk_all = dks[1].at[:, :, :half].add(dks[0].astype(dks[1].dtype))
+    dv_all = dvs[1].at[:, :, :half].add(dvs[0].astype(dvs[1].dtype))
     return dq, dk_all.astype(k_all.dtype), dv_all.astype(v_all.dtype)
 
 

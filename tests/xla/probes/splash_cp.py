@@ -1,7 +1,7 @@
 """Probe: splash attention for context parallelism (titan_kernels/tpu/splash.py `splash_cp_attention`).
 
     python splash_cp.py interpret                       # xla venv: Pallas interpreter vs the dense reference
-    python splash_cp.py compile [--csv FILE] CASE...    # tpuc venv: deviceless XLA:TPU compiles
+    python splash_cp.py [--csv FILE] compile CASE...    # ttpu venv (libtpu 0.0.52): deviceless XLA:TPU compiles
 
 `interpret`: for cp 2 and 4, every rank, with and without document segment ids, float32: the
 rank's output and the VJP (dq, and dk / dv of the gathered keys) of the interpreted kernels
@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "titan_kernels" / "
 import splash  # noqa: E402
 
 RNG = np.random.default_rng(0)
+DUMP = os.environ.get("SPLASH_CP_DUMP")
+"""A folder to write each compiled program's HLO text to (compile mode)."""
 
 
 def _normal(*shape):
@@ -166,15 +168,21 @@ def compile_case(spec: str) -> dict:
     for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
                   "generated_code_size_in_bytes"):
         entry[field] = int(getattr(mem, field, 0) or 0)
+    lowered_text = lowered.as_text()
+    # What the program asks for (StableHLO), then what the compiler made of it (its HLO: the
+    # all-gather's transpose may be scheduled as a reduce-scatter or an all-reduce + slice).
+    entry["stablehlo_all_gather"] = len(re.findall(r"stablehlo\.all_gather", lowered_text))
+    entry["stablehlo_reduce_scatter"] = len(re.findall(r"stablehlo\.reduce_scatter", lowered_text))
     try:
         text, entry["counted_in"] = compiled.as_text(), "compiled HLO"
-        entry["all_gather"] = len(re.findall(r"= \S+ all-gather(?:-start)?\(", text))
-        entry["reduce_scatter"] = len(re.findall(r"= \S+ reduce-scatter(?:-start)?\(", text))
     except Exception as e:  # jaxlib 0.10.2 cannot always print what libtpu compiled (kernels_compile.py)
-        text, entry["counted_in"] = lowered.as_text(), f"lowered StableHLO ({type(e).__name__})"
-        entry["all_gather"] = len(re.findall(r"stablehlo\.all_gather", text))
-        entry["reduce_scatter"] = len(re.findall(r"stablehlo\.reduce_scatter", text))
+        text, entry["counted_in"] = lowered_text, f"lowered StableHLO ({type(e).__name__})"
+    for op in ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all"):
+        entry[op.replace("-", "_")] = len(re.findall(rf"\s{op}(?:-start)?\(", text))
     entry["mosaic_calls"] = len(re.findall(r"tpu_custom_call", text))
+    if DUMP:
+        Path(DUMP).mkdir(parents=True, exist_ok=True)
+        (Path(DUMP) / f"{name}.hlo.txt").write_text(text)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     entry["xla_flops"] = float((cost or {}).get("flops", 0.0))
