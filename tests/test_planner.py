@@ -508,3 +508,20 @@ def test_shipped_128k_recipes_are_the_planners_choice():
         assert (best.cp, best.tp, best.dp_replicate, best.ac_mode, best.local_batch_size) == (
             p.context_parallel_degree, p.tensor_parallel_degree, p.data_parallel_replicate_degree,
             cfg.activation_checkpoint.mode, cfg.training.local_batch_size), name
+
+
+def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
+    """`--cp` is the shorthand of `parallelism.context_parallel_degree`: the plan line, the
+    note and the CSV carry it; a cp that does not cut the sequence is one `error:` line."""
+    from scripts.estimate import main
+
+    path = tmp_path / "cp.csv"
+    rc = main(["--model", "llama3", "--flavor", "8B", "--target", "v7x-256", "--seq-len", "131072", "--cp", "4",
+               "--ac", "full", "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "dp_shard 64 x cp 4 x tp 1" in out and "note: context parallelism 4: 32768 tokens per device" in out
+    row = next(csv.DictReader(open(path)))
+    assert row["cp"] == "4" and row["tokens_per_device_step"] == "32768.0"
+    assert main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--seq-len", "8190", "--cp", "4"]) == 2
+    assert capsys.readouterr().err.startswith("error: parallelism.context_parallel_degree: 4 needs a sequence")
