@@ -517,6 +517,7 @@ def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
 
     path = tmp_path / "cp.csv"
     rc = main(["--model", "llama3", "--flavor", "8B", "--target", "v7x-256", "--seq-len", "131072", "--cp", "4",
+               "--local-batch", "1",
                "--ac", "full", "--csv", str(path)])
     out = capsys.readouterr().out
     assert rc == 0, out
