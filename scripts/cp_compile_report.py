@@ -54,9 +54,9 @@ def main() -> int:
             "planner_step_total_gib": round(est.total / GiB, 2), "planner_usable_gib": round(est.usable / GiB, 2),
             "planner_layer_attention_gib": round(attention / GiB, 3),
             "planner_block_backward_gib": round(est.transient_block / GiB, 3),
-            "compiler_args_gib": round(int(c["argument_size_in_bytes"]) / GiB, 3) if c.get("argument_size_in_bytes") else "",
-            "compiler_out_gib": round(int(c["output_size_in_bytes"]) / GiB, 3) if c.get("output_size_in_bytes") else "",
-            "compiler_temp_gib": round(int(c["temp_size_in_bytes"]) / GiB, 3) if c.get("temp_size_in_bytes") else "",
+            **{f"compiler_{short}_gib": round(int(c[field]) / GiB, 3) if c.get(field) else ""
+               for short, field in (("args", "argument_size_in_bytes"), ("out", "output_size_in_bytes"),
+                                    ("temp", "temp_size_in_bytes"))},
             "compile_s": c.get("compile_s", ""), "lower_s": c.get("lower_s", ""),
             "stablehlo_all_gather": c.get("stablehlo_all_gather", ""),
             "stablehlo_reduce_scatter": c.get("stablehlo_reduce_scatter", ""),

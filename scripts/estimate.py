@@ -137,7 +137,8 @@ SUMMARY_HEADER = ("dp_rep  dp_shard  cp  tp  AC         batch  tok/dev/step   pa
 
 def format_summary_row(est: planner.Estimate) -> str:
     static = est.params + est.grads + est.optimizer
-    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ac_mode:<9}  {est.local_batch_size:>5}  "
+    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ac_mode:<9}  "
+            f"{est.local_batch_size:>5}  "
             f"{est.tokens_per_device_step:>12,.0f}  {gib(static):>10}  {gib(est.saved_weights):>8}  "
             f"{gib(est.activations.total):>6}  {gib(est.transient):>9}  {gib(est.total):>9}  "
             f"{'yes' if est.fits else 'NO':>4}  {est.step_time_s:>6.2f}  {est.tokens_per_s:>9,.0f}")
@@ -347,7 +348,8 @@ def _run(argv: list[str]) -> int:
         est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp, cp=best.cp,
                                     ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
         assert est.total == best.total, "one-block probe and full model disagree"
-        print("recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; most tokens):")
+        print("recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; "
+              "most tokens):")
         print(format_estimate(est, flow=flow))
         print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
