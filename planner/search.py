@@ -235,8 +235,8 @@ class Fixes:
     """What would make a plan that does not fit, fit (`suggest_fixes`)."""
 
     single_changes: list[Estimate]
-    """Fitting plans that differ in one of AC mode, local batch and TP degree (or only turn on
-    loss parallel), best first."""
+    """Fitting plans that differ in one of AC mode, local batch, TP degree and CP degree (or only
+    turn on loss parallel), best first."""
     best: Estimate | None
     """`recommend`'s choice for the target; None when no plan fits it."""
     devices_needed: int = 0
@@ -249,7 +249,7 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
     """For a plan that does not fit: single changes that would fit, then the best plan overall.
 
     Tries the other AC modes, smaller local batches, larger TP (up to a host) with loss
-    parallel, and loss parallel alone; then runs `recommend` for the target.
+    parallel, CP degrees (decoder LMs), and loss parallel alone; then runs `recommend` for the target.
     """
     target = est.target
     kw = dict(headroom=est.headroom, assumed_mfu=est.assumed_mfu)
@@ -262,7 +262,8 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
     for c in near:
         if not c.fits or len(single) >= limit:
             continue
-        changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp]
+        changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp,
+                   c.cp != est.cp]
         if sum(changed) == 1 or (sum(changed) == 0 and c.loss_parallel != est.loss_parallel):
             single.append(c)
     everything = recommend(inputs, target, **kw)
