@@ -526,3 +526,17 @@ def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
     assert row["cp"] == "4" and row["tokens_per_device_step"] == "32768.0"
     assert main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--seq-len", "8190", "--cp", "4"]) == 2
     assert capsys.readouterr().err.startswith("error: parallelism.context_parallel_degree: 4 needs a sequence")
+
+
+def test_suggest_fixes_offers_a_cp_degree_for_a_long_sequence():
+    """8B at 128k tokens, eager step (full-vocab fp32 log-probs), AC full, cp 1 on v7x-256 does not
+    fit (the loss alone is 4 x 131072 x 128256 bytes = 62.6 GiB); raising only the CP degree is
+    one of the single changes offered, and the formatted line names the key."""
+    inputs = _inputs("8B", seq=131072)
+    est = P.plan_estimate(inputs, P.parse_target("v7x-256"), ac_mode="full", probe=True)
+    assert not est.fits
+    fixes = P.suggest_fixes(inputs, est)
+    cp_only = [c for c in fixes.single_changes if c.cp > 1 and (c.tp, c.ac_mode, c.local_batch_size) == (1, "full", 1)]
+    assert cp_only and all(c.fits for c in cp_only)
+    assert any(line.startswith(f"parallelism.context_parallel_degree = {cp_only[0].cp}:")
+               for line in report.format_fixes(est, fixes))
