@@ -155,17 +155,24 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               segment_ids: torch.Tensor | None = None, *, cp: CPGroup
-                               ) -> torch.Tensor:
+                               segment_ids: torch.Tensor | None = None, *, cp: CPGroup,
+                               local_attention=None) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys.
 
     q [b, q_heads, s/cp, d], k and v [b, kv_heads, s/cp, d] and `segment_ids` [b, s/cp] (or
     None) in the load-balanced layout of `shard_sequence` -> [b, q_heads, s/cp, d], the rows
     of the full-sequence `causal_attention` that this rank holds. k, v and the segment ids
     are all-gathered over `cp` (their gradients reduce-scattered back).
+
+    `local_attention(q, k_all, v_all, segment_ids, segment_ids_all)`: a kernel for this rank's
+    queries against the gathered k/v (kv heads, unrepeated), e.g. TPU splash with the rank's
+    causal offsets (`titan_kernels.tpu.cp_attention`); None: the dense-mask SDPA below.
     """
     s_local = q.shape[2]
     assert s_local % 2 == 0 and k.shape[2] == s_local, f"bad local lengths {q.shape} {k.shape}"
+    if local_attention is not None:
+        seg_all = None if segment_ids is None else gather_sequence(segment_ids, 1, cp)
+        return local_attention(q, gather_sequence(k, 2, cp), gather_sequence(v, 2, cp), segment_ids, seg_all)
     chunk, seq_len = s_local // 2, s_local * cp.size
     n_rep = q.shape[1] // k.shape[1]
     k_all = repeat_kv(gather_sequence(k, 2, cp), n_rep)
@@ -187,11 +194,21 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.cat(outs, dim=2)
 
 
-def cp_attention_fn(cp: CPGroup):
+def cp_attention_fn(cp: CPGroup, device_type: str = "cpu"):
     """`context_parallel_attention` bound to `cp`, with the signature of the op
-    `causal_attention` (`(q, k, v)` or `(q, k, v, segment_ids)`), for `ops.register`."""
+    `causal_attention` (`(q, k, v)` or `(q, k, v, segment_ids)`), for `ops.register`.
+
+    On `device_type` "tpu" the local product is splash with this rank's causal offsets
+    (`titan_kernels.tpu.cp_attention`, built here, once, outside any trace) when the TPU kernels
+    loaded; tensors not on the TPU still take the dense-mask SDPA."""
+    local = None
+    if device_type == "tpu":
+        from titan_kernels.tpu import cp_attention
+
+        local = cp_attention(cp.rank, cp.size)
 
     def attention(q, k, v, segment_ids=None):
-        return context_parallel_attention(q, k, v, segment_ids, cp=cp)
+        kernel = local if local is not None and q.device.type == "tpu" else None
+        return context_parallel_attention(q, k, v, segment_ids, cp=cp, local_attention=kernel)
 
     return attention

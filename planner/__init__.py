@@ -18,7 +18,7 @@ A model is used only through its family's contract (`models/contract.py`). Nothi
 touches an accelerator; it runs in seconds on a laptop CPU.
 """
 
-from planner.activations import ActivationBytes, activation_bytes, measure_saved_bytes
+from planner.activations import ActivationBytes, activation_bytes, cp_gathered_kv_bytes, measure_saved_bytes
 from planner.memory import RECOMPUTE_FACTOR, RECOMPUTE_RANK, Estimate, estimate
 from planner.search import (
     AC_SEARCH_ORDER,
@@ -30,6 +30,7 @@ from planner.search import (
     model_flops_per_token,
     plan_estimate,
     preference_key,
+    search_key,
     recommend,
     suggest_fixes,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "activation_bytes",
     "best_per_layout",
     "build_parallel_model",
+    "cp_gathered_kv_bytes",
     "devices_needed",
     "estimate",
     "fake_process_group",
@@ -61,6 +63,7 @@ __all__ = [
     "parse_target",
     "plan_estimate",
     "preference_key",
+    "search_key",
     "recommend",
     "shard_model",
     "suggest_fixes",

@@ -60,19 +60,33 @@ def _moe_none_per_token(s: ModelShape) -> int:
     return 4 * k * s.dim + 8 * k * s.moe_hidden + 12 * e + 30 * k + 8
 
 
+def cp_gathered_kv_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, cp: int) -> int:
+    """One layer's all-gathered keys and values under context parallelism: [b, kv/tp, s, d] x 2,
+    bf16, the whole sequence (parallelisms/context_parallel.py gathers kv heads only; splash
+    reads them in its MQA form, unrepeated). 0 without CP."""
+    if cp <= 1:
+        return 0
+    return 2 * 2 * local_batch_size * (shape.n_kv_heads // tp) * seq_len * shape.head_dim
+
+
 def activation_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str,
-                     loss_parallel: bool) -> ActivationBytes:
+                     loss_parallel: bool, cp: int = 1) -> ActivationBytes:
     """Saved-for-backward bytes per device, bf16 compute, one micro-batch (see docs/planner.md).
 
-    T = local_batch_size * seq_len tokens per micro-batch; with TP the residual stream and the
-    norms hold T/tp tokens (sequence parallel) and the projections the full T with heads/hidden
-    split by tp.
+    T = local_batch_size * seq_len / cp tokens per micro-batch and device (context parallelism
+    splits the sequence); with TP the residual stream and the norms hold T/tp tokens (sequence
+    parallel) and the projections T with heads/hidden split by tp.
+
+    With cp > 1 the attention is the TPU one (splash over all-gathered k/v, no dense mask): a
+    block keeps q, the output and the log-sum-exp of its own T tokens, and the gathered k/v of
+    the whole sequence (`cp_gathered_kv_bytes`) instead of its T tokens' repeated k/v.
     """
     if ac_mode not in AC_MODES:
         raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    assert seq_len % cp == 0, f"seq_len {seq_len} does not split over cp {cp}"
     s = shape
     d, hd = s.dim, s.head_dim
-    t_full = local_batch_size * seq_len
+    t_full = local_batch_size * seq_len // cp
     t_seq = t_full // tp  # sequence-parallel tokens (seq_len divides by tp: checked by ParallelDims)
     heads, kv_heads = s.n_heads // tp, s.n_kv_heads // tp
     norm = 6 * d + 4  # RMSNorm: fp32 copy of its input, fp32 rsqrt, bf16 normalized value
@@ -81,9 +95,13 @@ def activation_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, 
     # (TP all-gathers it; without TP it is the norm's output).
     none = 2 * norm * t_seq + 2 * (2 * d) * t_full
     attention = 8 * heads * hd + 4 * heads  # q, repeated k, repeated v, SDPA out (bf16), logsumexp (fp32)
+    if cp > 1:  # q, out, logsumexp per local token; k/v are the gathered ones below
+        attention = 4 * heads * hd + 4 * heads
     if s.qk_norm:  # per-head RMSNorm on q and k: fp32 copy, rsqrt, bf16 normalized
         attention += 6 * heads * hd + 4 * heads + 6 * kv_heads * hd + 4 * kv_heads
     none += attention * t_full
+    gathered_kv = cp_gathered_kv_bytes(s, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
+    none += gathered_kv
     if s.is_moe:
         assert tp == 1, "MoE blocks have no tensor-parallel plan"
         none += _moe_none_per_token(s) * t_full
@@ -103,6 +121,8 @@ def activation_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, 
             saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * d)
         else:
             saved += 4 * _cdiv(s.ffn_hidden, tp) + 2 * d  # w1, w3, w2
+        # With cp > 1 the k/v all-gather is recomputed (selective AC recomputes collectives), so
+        # the gathered k/v are a transient of the block's backward, not kept.
         per_block = block_input + saved * t_full + (2 * 2 * d * t_seq if tp > 1 else 0)
 
     # -- outside the blocks

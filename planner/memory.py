@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from models.contract import ModelShape
 from parallelisms.activation_checkpoint import AC_MODES
-from planner.activations import ActivationBytes, activation_bytes
+from planner.activations import ActivationBytes, activation_bytes, cp_gathered_kv_bytes
 from planner.shard import ShardStats
 from planner.targets import Target
 
@@ -71,6 +71,9 @@ class Estimate:
     update: int = 0
     """New parameter and AdamW moment buffers an undonated update writes (`StepPlan.undonated_update`)."""
     fused_loss: bool = False
+    cp: int = 1
+    """Context-parallel degree: each of the `cp` ranks of a data-parallel group holds `seq_len / cp`
+    tokens of its rows (parallelisms/context_parallel.py)."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
@@ -105,8 +108,8 @@ class Estimate:
     # -- throughput
     @property
     def tokens_per_device_step(self) -> float:
-        """Tokens per optimizer step per device (TP ranks share their dp rank's tokens)."""
-        return self.local_batch_size * self.seq_len * self.grad_accum / self.tp
+        """Tokens per optimizer step per device (the TP and CP ranks share their dp rank's tokens)."""
+        return self.local_batch_size * self.seq_len * self.grad_accum / (self.tp * self.cp)
 
     @property
     def step_time_s(self) -> float:
@@ -128,9 +131,9 @@ class Estimate:
     @property
     def fsdp_bound(self) -> bool:
         """True when a micro-batch is too small to hide FSDP's all-gathers (see GENERATIONS)."""
-        if self.fsdp_min_tokens is None or self.dp_shard == 1:
-            return False
-        return self.local_batch_size * self.seq_len < self.fsdp_min_tokens
+        if self.fsdp_min_tokens is None or self.dp_shard * self.cp == 1:
+            return False  # (SimpleFSDP shards over dp_shard x cp)
+        return self.local_batch_size * self.seq_len // self.cp < self.fsdp_min_tokens
 
 
 def ep_dispatch_bytes(shape: ModelShape, *, tokens: int, ep: int) -> int:
@@ -158,12 +161,12 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     `activations`: the model's own activation bytes (FLUX: `planner.flux.flux_activation_bytes`);
     None: the decoder-LM model `activation_bytes`. `fused_loss`, `scan_flips`,
     `undonated_update`: the step plan's (trainer/step/plan.py `StepPlan`)."""
-    tp = parallel_dims.tp
+    tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
     acts = activations if activations is not None else activation_bytes(
         shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, ac_mode=ac_mode,
-        loss_parallel=loss_parallel)
-    tokens = local_batch_size * seq_len
+        loss_parallel=loss_parallel, cp=cp)
+    tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
     if fused_loss:
         # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]
         # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM).
@@ -189,9 +192,15 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     recompute = {"none": 0, "full": acts.per_block_none,
                  "selective": max(0, acts.per_block_none - acts.per_block)}[ac_mode]
     regather = 2 * stats.block_gathered_numel if ac_mode != "none" else 0
-    t_proj = local_batch_size * seq_len
+    t_proj = tokens
+    # CP: the attention backward produces the gradients of the gathered k/v (bf16, the whole
+    # sequence) before their reduce-scatter; the gathered k/v themselves are in `recompute` (AC)
+    # or kept (no AC). Splash's working set (one block_q x block_kv tile of scores per step) is
+    # in VMEM, not HBM, and no [s/cp, s] mask exists on TPU.
+    gathered_kv_grads = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
     transient_block = (regather + recompute + 6 * stats.largest_block_param_gathered
-                       + 2 * (2 * shape.dim * t_proj) + ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep))
+                       + 2 * (2 * shape.dim * t_proj) + ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep)
+                       + gathered_kv_grads)
     sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
     gen = target.generation
     est = Estimate(
@@ -202,7 +211,7 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
         transient_loss=transient_loss, transient_block=transient_block, headroom=headroom,
         assumed_mfu=assumed_mfu, flops_per_token=flops_per_token, recompute_factor=RECOMPUTE_FACTOR[ac_mode],
         fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity) if gen.fsdp_min_tokens else None,
-        probed=stats.probed, fused_loss=fused_loss,
+        probed=stats.probed, fused_loss=fused_loss, cp=cp,
         # torch's scan autograd flips every stacked input of the backward scan: the saved block
         # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
         scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
@@ -215,7 +224,11 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
         est.notes.append(f"expert parallelism: the static dispatch's worst-case buffers "
                          f"({ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep) / 2**30:.2f} GiB) are in the "
                          "block backward")
+    if cp > 1:
+        est.notes.append(f"context parallelism {cp}: {tokens} tokens per device and micro-batch; each layer "
+                         f"all-gathers k/v of the whole sequence ({gathered_kv_grads / 2**30:.2f} GiB, splash "
+                         "attention; the gradients reduce-scattered back)")
     if est.fsdp_bound:
-        est.notes.append(f"{local_batch_size * seq_len} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
+        est.notes.append(f"{tokens} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
                          f"that hide FSDP's all-gathers on {gen.name}: expect exposed communication")
     return est

@@ -95,11 +95,11 @@ def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> f
 
 
 def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, world_size: int,
-                       shape: ModelShape, seq_len: int) -> ParallelDims:
+                       shape: ModelShape, seq_len: int, cp: int = 1) -> ParallelDims:
     """Validated `ParallelDims` (ConfigError naming the key if the degrees cannot work)."""
     from parallelisms.parallel_dims import ParallelDims
 
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, world_size=world_size)
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
     dims.validate_for_model(shape, seq_len=seq_len)
     if shape.is_moe and tp > 1:
         # The trainer runs MoE x TP (experts on the EP mesh, attention TP-sharded), but this
@@ -113,15 +113,18 @@ def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, wo
 
 def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
                   ep: int = 1, ac_mode: str = "none", loss_parallel: bool = False, headroom: float = 0.1,
-                  assumed_mfu: float = 0.4, probe: bool = False) -> Estimate:
+                  assumed_mfu: float = 0.4, probe: bool = False, cp: int = 1) -> Estimate:
     """Estimate one explicit plan: validate (degrees, and the trainer's step rules), shard the
     real model on a fake world, add activations."""
     refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target)
     if refused:
         raise ConfigError(refused[0])
+    if cp > 1 and inputs.flow_tokens is not None:
+        raise ConfigError(f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
+                          "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1")
     step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
     shape = inputs.args.shape()
-    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep,
+    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, cp=cp,
                               world_size=target.devices, shape=shape, seq_len=inputs.split_seq_len)
     with fake_process_group(target.devices):
         stats = shard_model(inputs.family, inputs.args, dims, probe=probe)
@@ -150,36 +153,62 @@ def preference_key(est: Estimate) -> tuple:
     1. micro-batches big enough to hide FSDP's all-gathers on this generation;
     2. the smallest TP degree (TP puts activation collectives on every layer's critical path,
        FSDP's weight gathers overlap with compute): pure FSDP first, then add TP;
-    3. the least recompute: none, then selective, then full;
-    4. the most tokens per device per step (amortizes the per-step FSDP traffic);
-    5. the fewest replicas (HSDP only when it costs nothing else).
+    3. the smallest CP degree (CP all-gathers k/v on every layer: with GQA a fraction of TP's
+       activation traffic, so CP is added before TP, but only when the sequence needs it);
+    4. the least recompute: none, then selective, then full;
+    5. the most tokens per device per step (amortizes the per-step FSDP traffic);
+    6. the fewest replicas (HSDP only when it costs nothing else).
     """
-    return (est.fsdp_bound, est.tp, RECOMPUTE_RANK[est.ac_mode], -est.tokens_per_device_step, est.dp_replicate)
+    return (est.fsdp_bound, est.tp, est.cp, RECOMPUTE_RANK[est.ac_mode], -est.tokens_per_device_step,
+            est.dp_replicate)
+
+
+def search_key(est: Estimate, max_global_tokens: int) -> tuple:
+    """`recommend`'s order: first the plans whose global batch stays within `max_global_tokens`
+    (one sequence per data-parallel rank can exceed it: 128k tokens x 256 ranks is 32M; context
+    or tensor parallelism puts several devices on one sequence and brings it back), then
+    `preference_key`."""
+    return (est.global_batch_tokens > max_global_tokens, *preference_key(est))
 
 
 def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assumed_mfu: float = 0.4,
               max_global_tokens: int = 16 * 2**20, max_local_batch: int = 64,
               tp_choices: list[int] | None = None, ac_modes: tuple[str, ...] = AC_SEARCH_ORDER,
-              dp_replicate_choices: list[int] | None = None) -> list[Estimate]:
-    """Search dp_replicate, tp (<= devices per host), AC mode and local batch for `target`.
+              dp_replicate_choices: list[int] | None = None, cp_choices: list[int] | None = None,
+              max_cp: int = 16) -> list[Estimate]:
+    """Search dp_replicate, tp (<= devices per host), cp, AC mode and local batch for `target`.
 
     Returns every candidate evaluated (fitting or not), best first by `preference_key` among
     those that fit; a layout the trainer's rules refuse (`PlanInputs.step`) is not evaluated. Shard sizes come from the real plan applied to a one-block copy (exact:
     blocks are identical); `plan_estimate(..., probe=False)` re-checks a choice on the full model.
+    CP degrees (powers of two up to `max_cp` with `seq_len % (2 cp tp) == 0`; decoder LMs only)
+    are searched in increasing order, and a larger one only while no plan of a smaller one fits
+    at the smallest tp with its FSDP gathers hidden: `preference_key` would rank such a plan
+    first anyway, so the search is exact and costs nothing extra for sequences that fit.
     """
     shape = inputs.args.shape()
     world = target.devices
     tps = tp_choices or _powers_of_two_dividing(world, target.generation.devices_per_host)
+    if inputs.flow_tokens is not None:
+        cps = [1]
+    else:
+        cps = cp_choices or _powers_of_two_dividing(world, max_cp)
     fpt = inputs.flops_per_token(shape)
     candidates: list[Estimate] = []
     with fake_process_group(world):
-        for tp in tps:
-            for dp_replicate in dp_replicate_choices or _powers_of_two_dividing(world // tp, world // tp):
+        for tp, cp in ((tp, cp) for cp in cps for tp in tps if world % (tp * cp) == 0):
+            if cp > 1 and tp == tps[0] and any(c.fits and not c.fsdp_bound and c.tp == tps[0]
+                                               and c.global_batch_tokens <= max_global_tokens for c in candidates):
+                # A smaller cp already fits at the smallest tp, within the global batch, without
+                # exposed FSDP traffic: no plan with this cp can come first (`search_key`).
+                break
+            for dp_replicate in dp_replicate_choices or _powers_of_two_dividing(world // (tp * cp),
+                                                                                 world // (tp * cp)):
                 try:
-                    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=1, world_size=world,
-                                              shape=shape, seq_len=inputs.split_seq_len)
+                    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=1, cp=cp,
+                                              world_size=world, shape=shape, seq_len=inputs.split_seq_len)
                 except ConfigError:
-                    continue  # this tp does not divide the model's heads / hidden sizes / seq_len
+                    continue  # this tp / cp does not divide the model's heads / hidden sizes / seq_len
                 stats = shard_model(inputs.family, inputs.args, dims, probe=True)
                 dp = dims.dp_degree
                 batches = [b for b in (2**i for i in range(0, 12)) if b <= max_local_batch
@@ -196,7 +225,7 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                             flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
                             activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode),
                             **_step_terms(step)))
-    fitting = sorted((c for c in candidates if c.fits), key=preference_key)
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest
 
@@ -206,8 +235,8 @@ class Fixes:
     """What would make a plan that does not fit, fit (`suggest_fixes`)."""
 
     single_changes: list[Estimate]
-    """Fitting plans that differ in one of AC mode, local batch and TP degree (or only turn on
-    loss parallel), best first."""
+    """Fitting plans that differ in one of AC mode, local batch, TP degree and CP degree (or only
+    turn on loss parallel), best first."""
     best: Estimate | None
     """`recommend`'s choice for the target; None when no plan fits it."""
     devices_needed: int = 0
@@ -220,7 +249,7 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
     """For a plan that does not fit: single changes that would fit, then the best plan overall.
 
     Tries the other AC modes, smaller local batches, larger TP (up to a host) with loss
-    parallel, and loss parallel alone; then runs `recommend` for the target.
+    parallel, CP degrees (decoder LMs), and loss parallel alone; then runs `recommend` for the target.
     """
     target = est.target
     kw = dict(headroom=est.headroom, assumed_mfu=est.assumed_mfu)
@@ -233,7 +262,8 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
     for c in near:
         if not c.fits or len(single) >= limit:
             continue
-        changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp]
+        changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp,
+                   c.cp != est.cp]
         if sum(changed) == 1 or (sum(changed) == 0 and c.loss_parallel != est.loss_parallel):
             single.append(c)
     everything = recommend(inputs, target, **kw)

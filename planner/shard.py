@@ -48,8 +48,9 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-# Mesh axes whose shards SimpleFSDP all-gathers before use; every other axis (tp, ep) stays split.
-_DP_AXES = frozenset({"dp_replicate", "dp_shard", "dp", "efsdp"})
+# Mesh axes whose shards SimpleFSDP all-gathers before use (with context parallelism it shards over
+# the flattened `dp_shard_cp`); every other axis (tp, ep) stays split.
+_DP_AXES = frozenset({"dp_replicate", "dp_shard", "dp", "efsdp", "dp_shard_cp"})
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

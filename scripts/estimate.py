@@ -67,7 +67,8 @@ def target_table() -> str:
 
 def plan_str(est: planner.Estimate) -> str:
     ep = f" x ep {est.ep}" if est.ep > 1 else ""
-    return (f"dp_replicate {est.dp_replicate} x dp_shard {est.dp_shard} x tp {est.tp}{ep}, AC {est.ac_mode}, "
+    cp = f" x cp {est.cp}" if est.cp > 1 else ""
+    return (f"dp_replicate {est.dp_replicate} x dp_shard {est.dp_shard}{cp} x tp {est.tp}{ep}, AC {est.ac_mode}, "
             f"local batch {est.local_batch_size} x seq {est.seq_len}"
             + (f" x accum {est.grad_accum}" if est.grad_accum > 1 else "")
             + (", loss parallel" if est.loss_parallel and est.tp > 1 else ""))
@@ -130,13 +131,14 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
     return "\n".join(lines)
 
 
-SUMMARY_HEADER = ("dp_rep  dp_shard  tp  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
+SUMMARY_HEADER = ("dp_rep  dp_shard  cp  tp  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
                   "transient  total GiB  fits  step s  tok/s/dev")
 
 
 def format_summary_row(est: planner.Estimate) -> str:
     static = est.params + est.grads + est.optimizer
-    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.tp:>2}  {est.ac_mode:<9}  {est.local_batch_size:>5}  "
+    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ac_mode:<9}  "
+            f"{est.local_batch_size:>5}  "
             f"{est.tokens_per_device_step:>12,.0f}  {gib(static):>10}  {gib(est.saved_weights):>8}  "
             f"{gib(est.activations.total):>6}  {gib(est.transient):>9}  {gib(est.total):>9}  "
             f"{'yes' if est.fits else 'NO':>4}  {est.step_time_s:>6.2f}  {est.tokens_per_s:>9,.0f}")
@@ -157,6 +159,8 @@ def format_fixes(est: planner.Estimate, fixes: planner.Fixes) -> list[str]:
             out.append(f"training.local_batch_size = {c.local_batch_size}")
         if c.tp != est.tp:
             out.append(f"parallelism.tensor_parallel_degree = {c.tp}")
+        if c.cp != est.cp:
+            out.append(f"parallelism.context_parallel_degree = {c.cp}")
         if c.loss_parallel != est.loss_parallel:
             out.append("parallelism.enable_loss_parallel = true")
         return f"{', '.join(out)}: {gib(c.total)} GiB (fits)"
@@ -177,7 +181,7 @@ def format_fixes(est: planner.Estimate, fixes: planner.Fixes) -> list[str]:
 
 
 CSV_FIELDS = (
-    "model", "target", "devices", "hbm_bytes", "dp_replicate", "dp_shard", "tp", "ep", "ac_mode",
+    "model", "target", "devices", "hbm_bytes", "dp_replicate", "dp_shard", "cp", "tp", "ep", "ac_mode",
     "local_batch_size", "seq_len", "grad_accum", "loss_parallel", "params_bytes", "grads_bytes",
     "optimizer_bytes", "saved_weights_bytes", "block_activation_bytes", "outside_activation_bytes",
     "loss_bytes", "transient_bytes", "total_bytes", "usable_bytes", "fits", "tokens_per_device_step",
@@ -190,7 +194,7 @@ def csv_row(est: planner.Estimate) -> dict:
     return {
         "model": est.model, "target": est.target.name, "devices": est.target.devices,
         "hbm_bytes": est.target.hbm_bytes, "dp_replicate": est.dp_replicate, "dp_shard": est.dp_shard,
-        "tp": est.tp, "ep": est.ep, "ac_mode": est.ac_mode, "local_batch_size": est.local_batch_size,
+        "cp": est.cp, "tp": est.tp, "ep": est.ep, "ac_mode": est.ac_mode, "local_batch_size": est.local_batch_size,
         "seq_len": est.seq_len, "grad_accum": est.grad_accum, "loss_parallel": est.loss_parallel,
         "params_bytes": est.params, "grads_bytes": est.grads, "optimizer_bytes": est.optimizer,
         "saved_weights_bytes": est.saved_weights, "block_activation_bytes": a.blocks,
@@ -220,6 +224,7 @@ def recipe_snippet(est: planner.Estimate) -> str:
         "[parallelism]",
         f"data_parallel_replicate_degree = {est.dp_replicate}",
         f"data_parallel_shard_degree = {est.dp_shard}",
+        f"context_parallel_degree = {est.cp}",
         f"tensor_parallel_degree = {est.tp}",
         f"enable_loss_parallel = {'true' if est.loss_parallel else 'false'}",
         "[activation_checkpoint]",
@@ -239,6 +244,7 @@ _SHORT = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
     "dp_shard": "parallelism.data_parallel_shard_degree",
     "tp": "parallelism.tensor_parallel_degree",
+    "cp": "parallelism.context_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
     "ac": "activation_checkpoint.mode",
 }
@@ -262,11 +268,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-replicate", type=int, help="parallelism.data_parallel_replicate_degree")
     p.add_argument("--dp-shard", type=int, help="parallelism.data_parallel_shard_degree (-1 fills)")
     p.add_argument("--tp", type=int, help="parallelism.tensor_parallel_degree")
+    p.add_argument("--cp", type=int, help="parallelism.context_parallel_degree")
     p.add_argument("--ep", type=int, help="parallelism.expert_parallel_degree")
     p.add_argument("--ac", help="activation_checkpoint.mode: none | selective | full")
     p.add_argument("--loss-parallel", action="store_true", help="parallelism.enable_loss_parallel = true")
     p.add_argument("--recommend", action="store_true",
-                   help="search dp_replicate, tp, AC mode and local batch for the target and print the best plan")
+                   help="search dp_replicate, tp, cp, AC mode and local batch for the target and print the best plan")
     p.add_argument("--csv", help="write one CSV row per evaluated plan to this path")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of HBM kept free (default 0.10)")
     p.add_argument("--mfu", type=float, default=0.40,
@@ -338,17 +345,19 @@ def _run(argv: list[str]) -> int:
         best = fitting[0]
         # Re-check the choice on the full model (every block sharded, not one block x n_layers).
         inputs = dataclasses.replace(inputs, local_batch_size=best.local_batch_size, grad_accum=1)
-        est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp,
+        est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp, cp=best.cp,
                                     ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
         assert est.total == best.total, "one-block probe and full model disagree"
-        print("recommended (heuristic in docs/planner.md: pure FSDP first, then TP; least recompute; most tokens):")
+        print("recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; "
+              "most tokens):")
         print(format_estimate(est, flow=flow))
         print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
 
     est = planner.plan_estimate(
         inputs, target, dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
+        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, cp=p.context_parallel_degree,
+        ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel, **kw)
     if ns.csv:
         write_csv([est], ns.csv)

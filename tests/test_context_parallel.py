@@ -126,22 +126,41 @@ def _attention_inputs(q_heads: int, kv_heads: int, documents: bool):
     return q, k, v, grad_out, segment_ids
 
 
-def _attention_on_rank():
+def _dense_local_attention(cp):
+    """The kernel interface TPU splash serves (`local_attention(q, k_all, v_all, seg, seg_all)`:
+    this rank's queries at their global positions against the gathered, unrepeated k/v), here
+    as a dense masked SDPA, to test the gather / reduce-scatter plumbing around a kernel."""
+
+    def local(q, k_all, v_all, seg, seg_all):
+        n_rep = q.shape[1] // k_all.shape[1]
+        q_pos = positions(k_all.shape[2], cp.rank, cp.size)
+        mask = torch.arange(k_all.shape[2])[None, :] <= q_pos[:, None]
+        if seg is not None:
+            mask = (mask[None] & (seg[:, :, None] == seg_all[:, None, :]))[:, None]
+        return F.scaled_dot_product_attention(q, ops.repeat_kv(k_all, n_rep), ops.repeat_kv(v_all, n_rep),
+                                              attn_mask=mask)
+
+    return local
+
+
+def _attention_on_rank(with_kernel: bool = False):
     cp = cp_group(dist.group.WORLD)
     results = {}
     for name, case in CASES.items():
         q, k, v, grad_out, seg = _attention_inputs(*case)
         q, k, v = (shard_sequence(t, 2, cp.rank, cp.size).requires_grad_() for t in (q, k, v))
         seg = None if seg is None else shard_sequence(seg, 1, cp.rank, cp.size)
-        out = context_parallel_attention(q, k, v, seg, cp=cp)
+        out = context_parallel_attention(q, k, v, seg, cp=cp,
+                                         local_attention=_dense_local_attention(cp) if with_kernel else None)
         out.backward(shard_sequence(grad_out, 2, cp.rank, cp.size))
         results[name] = [t.detach() for t in (out, q.grad, k.grad, v.grad)]
     return results
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp_size", [2, 4])
-def test_attention_matches_full_sequence(cp_size):
+@pytest.mark.parametrize("cp_size, with_kernel", [(2, False), (4, False), (2, True)],
+                         ids=["cp2", "cp4", "cp2_kernel_interface"])
+def test_attention_matches_full_sequence(cp_size, with_kernel):
     """fp32 out, dq, dk, dv equal the single-process `sdpa_causal_attention` of the whole
     sequence (gathered in global order) within `8 (s + d) u max|reference|`, u = 2^-24.
 
@@ -158,8 +177,12 @@ def test_attention_matches_full_sequence(cp_size):
     wrong mask, chunk order or position is an O(1) relative error (dropping the late
     chunks' reversal gives 1.8). Measured (cp = 2 and 4): out and dq bit-identical, dk and
     dv <= 3.1e-7 relative (the cp-rank sum of the reduce-scatter).
+
+    `with_kernel`: the `local_attention` path the TPU splash kernel takes (gathered k/v handed to
+    a kernel whose k/v gradients the gather's reduce-scatter returns), with a dense stand-in
+    for the kernel (the kernel itself: tests/xla/test_splash_cp.py); same bound.
     """
-    results = run_processes(cp_size, _attention_on_rank)
+    results = run_processes(cp_size, _attention_on_rank, with_kernel)
     for name, case in CASES.items():
         q, k, v, grad_out, seg = _attention_inputs(*case)
         q, k, v = (t.requires_grad_() for t in (q, k, v))

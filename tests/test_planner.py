@@ -299,11 +299,15 @@ def test_recommend_prefers_pure_fsdp_then_adds_tp():
     best = next(c for c in P.recommend(_inputs("8B"), P.parse_target("v6e-256")) if c.fits)
     assert (best.tp, best.dp_replicate, best.dp_shard) == (1, 1, 256)
     # 16 GiB v5e: no pure-FSDP plan fits 8B at seq 8192 (full-vocab fp32 logits), TP 2 does.
-    cands = P.recommend(_inputs("8B"), P.parse_target("v5e-256"))
+    cands = P.recommend(_inputs("8B"), P.parse_target("v5e-256"), cp_choices=[1])
     assert not any(c.fits for c in cands if c.tp == 1)
     best = cands[0]
     assert best.fits and best.tp == 2 and best.loss_parallel
     assert all(not c.fits or P.preference_key(best) <= P.preference_key(c) for c in cands)
+    # With CP searched (the default), CP 2 halves the tokens and the logits per device at tp 1,
+    # and CP comes before TP (one k/v all-gather per layer against TP's activation collectives).
+    best = P.recommend(_inputs("8B"), P.parse_target("v5e-256"))[0]
+    assert best.fits and (best.tp, best.cp, best.dp_shard) == (1, 2, 128)
 
 
 def run_cli(*argv):
@@ -390,3 +394,149 @@ def test_expert_weights_count_one_over_efsdp_times_ep_beyond_the_experts():
             assert experts
             for name, p in experts.items():
                 assert local_tensor(p).numel() * 32 == p.numel(), (name, tuple(local_tensor(p).shape))
+
+
+# --- context parallelism ---------------------------------------------------------------------
+
+
+def test_cp_activation_model_divides_tokens_and_adds_the_gathered_kv():
+    """Per device, CP keeps 1/cp of the tokens; the attention keeps the gathered k/v of the
+    whole sequence ([b, kv, s, d] x 2, bf16) instead of its tokens' repeated k/v. Exact
+    integer identities of the formulas (docs/planner.md), no tolerance."""
+    shape = LLAMA.flavors["8B"].shape()
+    b, s, cp = 2, 16384, 4
+    hd, kv, h = shape.head_dim, shape.n_kv_heads, shape.n_heads
+    kw = dict(local_batch_size=b, tp=1, loss_parallel=False)
+    gathered = 2 * 2 * b * kv * s * hd
+    assert P.cp_gathered_kv_bytes(shape, seq_len=s, cp=cp, local_batch_size=b, tp=1) == gathered
+    for ac in AC_MODES:
+        with_cp = P.activation_bytes(shape, seq_len=s, ac_mode=ac, cp=cp, **kw)
+        short = P.activation_bytes(shape, seq_len=s // cp, ac_mode=ac, **kw)  # the same tokens, no CP
+        t = b * s // cp
+        assert with_cp.outside == short.outside and with_cp.loss == short.loss
+        # no AC: repeated k/v of its own tokens (4 h d bytes per token) out, gathered k/v in
+        assert with_cp.per_block_none == short.per_block_none - 4 * h * hd * t + gathered
+        if ac == "none":
+            assert with_cp.per_block == with_cp.per_block_none
+        else:  # full: the block input; selective: the k/v all-gather is recomputed, not kept
+            assert with_cp.per_block == short.per_block
+    assert P.activation_bytes(shape, seq_len=s, ac_mode="full", cp=1, **kw) == \
+        P.activation_bytes(shape, seq_len=s, ac_mode="full", **kw)
+
+
+def test_cp_shards_parameters_over_dp_shard_times_cp():
+    """SimpleFSDP shards over the flattened `dp_shard_cp` axis: per-device parameters with
+    dp_shard 16 x cp 4 equal pure FSDP over 64, and the gathered block (what the backward
+    materialises in bf16) is the whole block, i.e. `dp_shard_cp` counts as a data-parallel axis."""
+    args = LLAMA.flavors["8B"]
+    shape = args.shape()
+    with P.fake_process_group(64):
+        cp_stats = P.shard_model(LLAMA, args, P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=1, cp=4,
+                                                                    world_size=64, shape=shape, seq_len=8192),
+                                 probe=True)
+        fsdp_stats = P.shard_model(LLAMA, args, P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=1,
+                                                                      world_size=64, shape=shape, seq_len=8192),
+                                   probe=True)
+    assert cp_stats.param_numel == fsdp_stats.param_numel
+    assert cp_stats.block_gathered_numel == fsdp_stats.block_gathered_numel
+    d, hd = shape.dim, shape.head_dim
+    block = (d * shape.n_heads * hd + 2 * d * shape.n_kv_heads * hd + shape.n_heads * hd * d
+             + 3 * d * shape.ffn_hidden + 2 * d)
+    assert cp_stats.block_gathered_numel == block
+
+
+def test_cp_estimate_per_device_terms_and_refusals():
+    target = P.parse_target("v6e-256")
+    inputs = _inputs("8B", seq=131072)
+    est = P.plan_estimate(inputs, target, cp=4, ac_mode="full", probe=True)
+    plain = P.plan_estimate(_inputs("8B", seq=131072 // 4, batch=1), target, ac_mode="full", probe=True)
+    assert (est.cp, est.dp_shard) == (4, 64)
+    assert est.tokens_per_device_step == 131072 / 4
+    assert est.global_batch_tokens == 64 * 131072
+    # The same tokens per device as a plain 32k plan; on top: the gathered k/v's gradients in
+    # the block backward (and, inside the recompute, the gathered k/v themselves).
+    shape = inputs.args.shape()
+    gathered = P.cp_gathered_kv_bytes(shape, local_batch_size=1, seq_len=131072, tp=1, cp=4)
+    assert est.activations.blocks == plain.activations.blocks
+    assert est.transient_block - plain.transient_block == 2 * gathered - 4 * shape.n_heads * shape.head_dim * 32768
+    assert est.params == plain.params  # 256 shards either way (dp_shard x cp vs dp_shard)
+    with pytest.raises(ConfigError, match=r"parallelism\.context_parallel_degree: 3 needs a sequence length "
+                                          r"divisible by 2 x 3"):
+        P.plan_estimate(_inputs("8B", seq=8192), P.parse_target("v6e-192"), cp=3)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree: 8 does not divide the sequence length per "
+                                          r"context-parallel rank"):
+        P.plan_estimate(_inputs("8B", seq=8 * 1021), P.parse_target("h100-64"), cp=2, tp=8)
+
+
+def _graph_inputs(seq: int) -> P.PlanInputs:
+    """8B with the pod recipes' step: graph mode, layer scan, the fused loss (auto picks it on TPU)."""
+    from trainer.step.plan import StepRequest
+
+    step = StepRequest(mode="graph", scan_layers=True, fused_loss="auto", model_has_hidden=True)
+    return dataclasses.replace(_inputs("8B", seq=seq), step=step)
+
+
+def test_recommend_adds_cp_only_when_the_sequence_needs_it():
+    """At 8k, a plan without CP fits: no cp > 1 candidate is even evaluated (the search stops,
+    exactly: none could come first). At 128k on v6e-256 (graph step, fused loss): cp 1 and 2 do
+    not fit in 28.8 GiB (the checkpointed block inputs alone are 32 and 16 GiB), cp 4 does and is
+    chosen, at tp 1."""
+    target = P.parse_target("v6e-256")
+    short = P.recommend(_graph_inputs(8192), target)
+    assert {c.cp for c in short} == {1}
+    long = P.recommend(_graph_inputs(131072), target)
+    assert not any(c.fits for c in long if c.cp < 4 and c.tp == 1)
+    best = long[0]
+    assert best.fits and (best.cp, best.tp, best.dp_shard, best.ac_mode) == (4, 1, 64, "full")
+    # On v7x (86 GiB usable) cp 1 would fit, but one 128k row per device makes a 32M-token global
+    # batch, over the 16M default: the search takes cp 2 (16M tokens).
+    v7x = P.recommend(_graph_inputs(131072), P.parse_target("v7x-256"))
+    assert any(c.fits and c.cp == 1 for c in v7x)
+    assert (v7x[0].cp, v7x[0].tp, v7x[0].global_batch_tokens) == (2, 1, 16 * 2**20)
+
+
+def test_shipped_128k_recipes_are_the_planners_choice():
+    """The 128k recipes' degrees are `recommend`'s first plan for their targets and step settings."""
+    from tools.recipe_check import plan_inputs
+    from trainer.config import build_config
+
+    for name in ("llama3_8b_128k_v6e", "llama3_8b_128k_v7x", "qwen3_32b_128k_v6e", "qwen3_32b_128k_v7x"):
+        cfg = build_config(os.path.join(ROOT, "configs", f"{name}.toml"))
+        best = P.recommend(plan_inputs(cfg), P.parse_target(cfg.job.target))[0]
+        p = cfg.parallelism
+        assert best.fits, name
+        assert (best.cp, best.tp, best.dp_replicate, best.ac_mode, best.local_batch_size) == (
+            p.context_parallel_degree, p.tensor_parallel_degree, p.data_parallel_replicate_degree,
+            cfg.activation_checkpoint.mode, cfg.training.local_batch_size), name
+
+
+def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
+    """`--cp` is the shorthand of `parallelism.context_parallel_degree`: the plan line, the
+    note and the CSV carry it; a cp that does not cut the sequence is one `error:` line."""
+    from scripts.estimate import main
+
+    path = tmp_path / "cp.csv"
+    rc = main(["--model", "llama3", "--flavor", "8B", "--target", "v7x-256", "--seq-len", "131072", "--cp", "4",
+               "--local-batch", "1",
+               "--ac", "full", "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "dp_shard 64 x cp 4 x tp 1" in out and "note: context parallelism 4: 32768 tokens per device" in out
+    row = next(csv.DictReader(open(path)))
+    assert row["cp"] == "4" and row["tokens_per_device_step"] == "32768.0"
+    assert main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--seq-len", "8190", "--cp", "4"]) == 2
+    assert capsys.readouterr().err.startswith("error: parallelism.context_parallel_degree: 4 needs a sequence")
+
+
+def test_suggest_fixes_offers_a_cp_degree_for_a_long_sequence():
+    """8B at 128k tokens, eager step (full-vocab fp32 log-probs), AC full, cp 1 on v7x-256 does not
+    fit (the loss alone is 4 x 131072 x 128256 bytes = 62.6 GiB); raising only the CP degree is
+    one of the single changes offered, and the formatted line names the key."""
+    inputs = _inputs("8B", seq=131072)
+    est = P.plan_estimate(inputs, P.parse_target("v7x-256"), ac_mode="full", probe=True)
+    assert not est.fits
+    fixes = P.suggest_fixes(inputs, est)
+    cp_only = [c for c in fixes.single_changes if c.cp > 1 and (c.tp, c.ac_mode, c.local_batch_size) == (1, "full", 1)]
+    assert cp_only and all(c.fits for c in cp_only)
+    assert any(line.startswith(f"parallelism.context_parallel_degree = {cp_only[0].cp}:")
+               for line in report.format_fixes(est, fixes))

@@ -105,7 +105,8 @@ def planned(cfg: Config, target: planner.Target, *, headroom: float = 0.1) -> pl
     p = cfg.parallelism
     return planner.plan_estimate(
         plan_inputs(cfg), target, dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
+        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, cp=p.context_parallel_degree,
+        ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel, headroom=headroom)
 
 

@@ -304,14 +304,15 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
                       else "; document mask: SDPA with a block-diagonal causal mask")
     if plan.parallel_dims.cp_enabled:
         # Context parallelism: the op `causal_attention` is served, for this job, by the cp
-        # attention (k/v all-gathered over cp, dense-mask SDPA, parallelisms/context_parallel.py),
-        # in place of the kernel picked above; the task shards each window (`prepare`).
+        # attention (k/v all-gathered over cp; the local product is splash with this rank's causal
+        # offsets on TPU, dense-mask SDPA elsewhere: parallelisms/context_parallel.py), in place of
+        # the kernel picked above; the task shards each window (`prepare`).
         cp = cp_group(mesh["cp"])
-        ops.register("causal_attention", cp_attention_fn(cp))
+        ops.register("causal_attention", cp_attention_fn(cp, device_type))
         if task is not None:
             task.shard_over_context(cp)
-        attention = (f"context parallel over {cp.size} ranks (k/v all-gather, SDPA with a causal mask), "
-                     f"replacing {attention}")
+        local = "splash with per-rank causal offsets" if device_type == "tpu" else "SDPA with a causal mask"
+        attention = f"context parallel over {cp.size} ranks (k/v all-gather, {local}), replacing {attention}"
     model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
                         parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
                         reduce_dtype=torch_dtype(t.mixed_precision_reduce))

@@ -74,6 +74,17 @@ def load() -> dict[str, Callable] | None:
     return _state.get("ops")  # type: ignore[return-value]
 
 
+def cp_attention(cp_rank: int, cp_size: int) -> Callable | None:
+    """Context parallelism's local attention on TPU: `fn(q, k_all, v_all, segment_ids=None,
+    segment_ids_all=None)` with splash (register.build_cp), or None where `load()` found no TPU
+    kernels (the caller's dense-mask SDPA serves)."""
+    if load() is None:
+        return None
+    from titan_kernels.tpu import register
+
+    return register.build_cp(cp_rank, cp_size)
+
+
 def load_error() -> str | None:
     """Why `load()` returned None, else None."""
     error = _state.get("error")

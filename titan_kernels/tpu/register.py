@@ -8,6 +8,8 @@ Imported only by `titan_kernels.tpu.load()` on a TPU run (it imports jax and nee
 - `titan_tpu::gmm / gmm_bwd` (w as [G, K, N]) and `gmm_t / gmm_t_bwd` (w in nn.Linear layout
   [G, N, K], what the MoE experts hold: their transposed view is passed without a copy);
 - `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients).
+`build_cp(cp_rank, cp_size)` adds, per context-parallel rank, `titan_tpu::splash_cp{size}r{rank}_fwd
+/ _bwd` (and `_seg_`): splash over all-gathered keys with that rank's causal offsets.
 Each forward op gets autograd through `register_autograd` with its backward op (jax_op registers
 none). The gmm backward ops take the JAX VJP of the forward (megablox's own: gmm for dx, tgmm
 for dw; the unused forward is dead code that XLA drops). Splash and the fused loss save their
@@ -33,6 +35,7 @@ from models.common import ops
 
 NAMESPACE = "titan_tpu"
 _BUILT: dict[str, Callable] = {}
+_BUILT_CP: dict[str, Callable] = {}
 GENERATION: dict[str, str | None] = {}
 
 
@@ -58,6 +61,68 @@ def build() -> dict[str, Callable]:
         _BUILT.update(causal_attention=_build_splash(jax_op), grouped_mm=_build_gmm(jax_op, gen),
                       linear_cross_entropy=_build_linear_ce(jax_op, gen))
     return dict(_BUILT)
+
+
+def build_cp(cp_rank: int, cp_size: int) -> Callable:
+    """The splash kernels for context-parallel rank `cp_rank` of `cp_size` as torch ops (once per
+    process): `titan_tpu::splash_cp{size}r{rank}_fwd / _bwd` and the `_seg_` pair, with autograd.
+
+    Returns `attention(q, k_all, v_all, segment_ids=None, segment_ids_all=None)`: this rank's
+    queries (its two load-balanced chunks) against the keys and values already all-gathered in
+    global order (parallelisms/context_parallel.py gathers them, and reduce-scatters their
+    gradients); see splash.py "context parallelism". The rank is part of the op because the
+    kernels' block tables are built from its static query offsets. Call `build()` first (a TPU
+    run does, in `titan_kernels.tpu.load()`)."""
+    key = f"cp{cp_size}r{cp_rank}"
+    if key in _BUILT_CP:
+        return _BUILT_CP[key]
+    jax_op = torch.tpu.pallas.jax_op
+    kw = dict(cp_rank=cp_rank, cp_size=cp_size)
+
+    @jax_op(f"{NAMESPACE}::splash_{key}_fwd")
+    def fwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return splash.cp_forward(q, k_all, v_all, **kw)
+
+    @jax_op(f"{NAMESPACE}::splash_{key}_bwd")
+    def bwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array, out: jax.Array, lse: jax.Array,
+            dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return splash.cp_backward(q, k_all, v_all, None, None, out, lse, dout, **kw)
+
+    @jax_op(f"{NAMESPACE}::splash_{key}_seg_fwd")
+    def seg_fwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array,
+                segment_ids_all: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return splash.cp_forward(q, k_all, v_all, segment_ids, segment_ids_all, **kw)
+
+    @jax_op(f"{NAMESPACE}::splash_{key}_seg_bwd")
+    def seg_bwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array,
+                segment_ids_all: jax.Array, out: jax.Array, lse: jax.Array,
+                dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return splash.cp_backward(q, k_all, v_all, segment_ids, segment_ids_all, out, lse, dout, **kw)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+
+    def backward(ctx, dout, d_lse):
+        del d_lse
+        return bwd(*ctx.saved_tensors, dout.contiguous())
+
+    def backward_seg(ctx, dout, d_lse):
+        del d_lse
+        q, k_all, v_all, seg, seg_all, out, lse = ctx.saved_tensors
+        return (*seg_bwd(q, k_all, v_all, seg, seg_all, out, lse, dout.contiguous()), None, None)
+
+    fwd.register_autograd(backward, setup_context=setup)
+    seg_fwd.register_autograd(backward_seg, setup_context=setup)
+
+    def attention(q, k_all, v_all, segment_ids=None, segment_ids_all=None):
+        q, k_all, v_all = q.contiguous(), k_all.contiguous(), v_all.contiguous()
+        if segment_ids is None:
+            return fwd(q, k_all, v_all)[0]
+        return seg_fwd(q, k_all, v_all, segment_ids.to(torch.int32).contiguous(),
+                       segment_ids_all.to(torch.int32).contiguous())[0]
+
+    _BUILT_CP[key] = attention
+    return attention
 
 
 def saved_ops() -> list:

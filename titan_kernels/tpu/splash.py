@@ -194,3 +194,182 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array |
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     scores = jnp.where(mask, scores, -jnp.inf)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+# --- context parallelism: local queries against the all-gathered keys --------------------------
+#
+# parallelisms/context_parallel.py's layout: the sequence of length s is cut into 2 cp chunks of
+# c = s / (2 cp) tokens and CP rank r holds chunks r and 2 cp - 1 - r (its queries, in that
+# order); the keys and values are all-gathered over cp into global order (the gather is the
+# caller's: a torch functional collective, or `jax.lax.all_gather` in a shard_map). Rank r's
+# early chunk (queries at r c + i) sees keys [0, r c + i] -- all within the first s / 2 -- and its
+# late chunk (queries at (2 cp - 1 - r) c + i) keys [0, (2 cp - 1 - r) c + i]. Each chunk is one
+# splash call with a causal mask whose query rows start at that chunk's global offset
+# (`CausalMask((c, n_keys), offset)`: q + offset >= kv), against the first s / 2 keys (early) or
+# all s (late). Splash skips the fully masked blocks, so a rank computes about
+# (2 cp + 1) / (4 cp) of the dense [s / cp, s] product and no mask tensor exists; the offsets
+# are static per rank (the kernel's block tables are built from them), so a rank's program
+# holds its own two kernels (a shard_map over cp selects them by `lax.axis_index`).
+
+
+@functools.lru_cache(maxsize=64)
+def _offset_kernel(q_len: int, kv_len: int, offset: int, group: int, interpret: bool):
+    """The MQA splash kernel for `group` query heads of one KV head, queries at global rows
+    `offset .. offset + q_len` against keys `0 .. kv_len` (causal); cf. `_kernel`."""
+    mask = sm.MultiHeadMask([sm.CausalMask((q_len, kv_len), offset=offset)] * group)
+    bq, bkv = block_size(q_len), block_size(kv_len)
+    # Separate dq and dkv backward kernels: the fused one accumulates dq unreduced over the kv
+    # blocks ([kv_len / bkv, heads, q_len, d] float32, summed afterwards): at 128k tokens that is
+    # 256 x a chunk's dq per head, and the compiler's temporaries for one Llama 3 8B attention
+    # layer at cp 4 came to 34.7 GB of v6e's 31.2 (CompileTimeHbmOom). The split backward
+    # computes the scores twice and keeps only [q_len, d] per head.
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv, use_fused_bwd_kernel=False)
+    with jax.ensure_compile_time_eval():
+        kernel = sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    save_residuals=True, interpret=interpret)
+        return jax.tree_util.tree_map(np.asarray, kernel)
+
+
+def _cp_chunks(q: jax.Array, k_all: jax.Array, cp_rank: int, cp_size: int):
+    """[(query slice, number of keys, global offset)] of the rank's early and late chunk."""
+    s_local, seq = q.shape[2], k_all.shape[2]
+    assert s_local * cp_size == seq and s_local % 2 == 0, f"local {q.shape} vs gathered {k_all.shape}, cp {cp_size}"
+    chunk = s_local // 2
+    assert chunk % TILE == 0, f"CP splash needs chunks of a multiple of {TILE} tokens, got {chunk}"
+    assert 0 <= cp_rank < cp_size
+    return [(slice(0, chunk), seq // 2, cp_rank * chunk),
+            (slice(chunk, s_local), seq, (2 * cp_size - 1 - cp_rank) * chunk)]
+
+
+def _per_head(fn, batch_args, q_ids, kv_ids):
+    """vmap `fn(*head_args, SegmentIds | None)` over batch and KV heads (cf. `_Layout.per_head`)."""
+    if q_ids is None:
+        return jax.vmap(jax.vmap(lambda *a: fn(*a, None)))(*batch_args)
+    inner = jax.vmap(lambda *a: fn(*a[:-2], sk.SegmentIds(q=a[-2], kv=a[-1])),
+                     in_axes=(*(0,) * len(batch_args), None, None))
+    return jax.vmap(inner)(*batch_args, q_ids, kv_ids)
+
+
+def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None = None,
+               segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int,
+               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Rank `cp_rank`'s causal attention under CP: q [B, Hq, s/cp, D] (its two chunks, local
+    order), k_all / v_all [B, Hkv, s, D] and `segment_ids_all` [B, s] gathered in global order,
+    `segment_ids` [B, s/cp] its own -> (out [B, Hq, s/cp, D], lse [B, Hq, s/cp] float32)."""
+    batch, q_heads, s_local, head_dim = q.shape
+    kv_heads = k_all.shape[1]
+    group = q_heads // kv_heads
+    qs = (q * jnp.asarray(head_dim ** -0.5, dtype=q.dtype)).reshape(batch, kv_heads, group, s_local, head_dim)
+    outs, lses = [], []
+    for part, n_keys, offset in _cp_chunks(q, k_all, cp_rank, cp_size):
+        kernel = _offset_kernel(part.stop - part.start, n_keys, offset, group, interpret)
+
+        def head(qh, kh, vh, seg, kernel=kernel):
+            out, (lse,) = kernel(qh, kh, vh, segment_ids=seg)
+            return out, lse
+
+        q_ids = None if segment_ids is None else segment_ids[:, part].astype(jnp.int32)
+        kv_ids = None if segment_ids_all is None else segment_ids_all[:, :n_keys].astype(jnp.int32)
+        out, lse = _per_head(head, (qs[:, :, :, part], k_all[:, :, :n_keys], v_all[:, :, :n_keys]), q_ids, kv_ids)
+        outs.append(out)
+        lses.append(lse)
+    out = jnp.concatenate(outs, axis=3).reshape(batch, q_heads, s_local, head_dim)
+    lse = jnp.concatenate(lses, axis=3).reshape(batch, q_heads, s_local).astype(jnp.float32)
+    return out, lse
+
+
+def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None,
+                segment_ids_all: jax.Array | None, out: jax.Array, lse: jax.Array, dout: jax.Array, *,
+                cp_rank: int, cp_size: int, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq [B, Hq, s/cp, D], dk_all, dv_all [B, Hkv, s, D]) from `cp_forward`'s residuals with the
+    splash backward kernel alone; dk_all / dv_all are this rank's contributions to every key's
+    gradient (the caller reduce-scatters them over cp: the all-gather's transpose)."""
+    batch, q_heads, s_local, head_dim = q.shape
+    kv_heads, seq = k_all.shape[1], k_all.shape[2]
+    group = q_heads // kv_heads
+    mqa = lambda t: t.reshape(batch, kv_heads, group, s_local, t.shape[-1])  # noqa: E731
+    qs = mqa(q * jnp.asarray(head_dim ** -0.5, dtype=q.dtype))
+    og, dog = mqa(out), mqa(dout.astype(out.dtype))
+    lseg = lse.reshape(batch, kv_heads, group, s_local)
+    dqs, dks, dvs = [], [], []
+    for part, n_keys, offset in _cp_chunks(q, k_all, cp_rank, cp_size):
+        kernel = _offset_kernel(part.stop - part.start, n_keys, offset, group, interpret)
+        kw = kernel.kwargs
+        dq_info, dkv_info = _collapsed(kernel.dq_mask_info), _collapsed(kernel.dkv_mask_info)
+
+        def head(qh, kh, vh, oh, lh, doh, seg, kw=kw, dq_info=dq_info, dkv_info=dkv_info):
+            res = (qh, kh, vh, seg, None, oh, lh, dq_info, dkv_info)
+            grads = sk._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"],
+                                             kw["residual_checkpoint_name"], kw["mask_function"],
+                                             kw["attn_logits_soft_cap"], kw["interpret"], res, doh)
+            return grads[3], grads[4], grads[5]
+
+        q_ids = None if segment_ids is None else segment_ids[:, part].astype(jnp.int32)
+        kv_ids = None if segment_ids_all is None else segment_ids_all[:, :n_keys].astype(jnp.int32)
+        dq, dk, dv = _per_head(head, (qs[:, :, :, part], k_all[:, :, :n_keys], v_all[:, :, :n_keys],
+                                      og[:, :, :, part], lseg[:, :, :, part], dog[:, :, :, part]), q_ids, kv_ids)
+        dqs.append(dq)
+        dks.append(dk)
+        dvs.append(dv)
+    dq = jnp.concatenate(dqs, axis=3).reshape(batch, q_heads, s_local, head_dim)
+    dq = dq * jnp.asarray(head_dim ** -0.5, dtype=dq.dtype)
+    # The early chunk's keys are the first s / 2: its dk / dv add to those rows of the late
+    # chunk's (all s keys), in the keys' dtype, as the reduce-scatter that follows sums them:
+    # no float32 copy of the gathered sequence (the planner counts one bf16 dk, dv pair).
+    half = seq // 2
+    dk_all = dks[1].at[:, :, :half].add(dks[0].astype(dks[1].dtype))
+    dv_all = dvs[1].at[:, :, :half].add(dvs[0].astype(dvs[1].dtype))
+    return dq, dk_all.astype(k_all.dtype), dv_all.astype(v_all.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _cp_attention(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank, cp_size, interpret):
+    return cp_forward(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank=cp_rank, cp_size=cp_size,
+                      interpret=interpret)[0]
+
+
+def _cp_attention_fwd(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank, cp_size, interpret):
+    out, lse = cp_forward(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank=cp_rank, cp_size=cp_size,
+                          interpret=interpret)
+    return out, (q, k_all, v_all, segment_ids, segment_ids_all, out, lse)
+
+
+def _cp_attention_bwd(cp_rank, cp_size, interpret, res, dout):
+    q, k_all, v_all, segment_ids, segment_ids_all, out, lse = res
+    dq, dk, dv = cp_backward(q, k_all, v_all, segment_ids, segment_ids_all, out, lse, dout, cp_rank=cp_rank,
+                             cp_size=cp_size, interpret=interpret)
+    return dq, dk, dv, None, None
+
+
+_cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
+
+
+def splash_cp_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None = None,
+                        segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int,
+                        interpret: bool = False) -> jax.Array:
+    """`cp_forward`'s output, differentiable in JAX with the residual backward (`cp_backward`)."""
+    return _cp_attention(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank, cp_size, interpret)
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int) -> np.ndarray:
+    """The global positions rank `cp_rank` holds (parallelisms/context_parallel.py `positions`)."""
+    chunk = seq_len // (2 * cp_size)
+    return np.concatenate([cp_rank * chunk + np.arange(chunk), (2 * cp_size - 1 - cp_rank) * chunk + np.arange(chunk)])
+
+
+def cp_reference(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None = None,
+                 segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int) -> jax.Array:
+    """Dense jnp attention (float32) of the rank's queries at their global positions against
+    all keys, mask `key <= query` (and same segment): what `splash_cp_attention` computes
+    (float32, or float64 for float64 inputs)."""
+    dtype = jnp.result_type(q.dtype, jnp.float32)
+    group = q.shape[1] // k_all.shape[1]
+    k, v = (jnp.repeat(t, group, axis=1).astype(dtype) for t in (k_all, v_all))
+    q_pos = jnp.asarray(cp_positions(k_all.shape[2], cp_rank, cp_size))
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q.astype(dtype), k) * q.shape[-1] ** -0.5
+    mask = (jnp.arange(k_all.shape[2])[None, :] <= q_pos[:, None])[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids_all[:, None, None, :])
+    scores = jnp.where(mask, scores, -jnp.inf)
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)

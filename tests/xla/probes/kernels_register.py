@@ -65,8 +65,20 @@ def main() -> None:
         dh, dw = torch.autograd.grad(value, (h, w))
         assert dh.shape == h.shape and dh.dtype == bf16 and dw.shape == w.shape
 
+    def cp_attention(segments: bool):
+        # rank 1 of cp 2: its two chunks of 128 queries against the 512 gathered keys
+        fn = register.build_cp(1, 2)
+        q, k_all, v_all = leaf(2, 8, 256, 128), leaf(2, 2, 512, 128), leaf(2, 2, 512, 128)
+        seg = torch.zeros(2, 256, dtype=torch.int64) if segments else None
+        seg_all = torch.zeros(2, 512, dtype=torch.int64) if segments else None
+        out = fn(q, k_all, v_all, seg, seg_all)
+        assert out.shape == q.shape and out.dtype == bf16, out
+        dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k_all, v_all))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k_all.shape, v_all.shape)
+
     checks = {}
     for name, fn in (("splash", lambda: attention(False)), ("splash_segments", lambda: attention(True)),
+                     ("splash_cp", lambda: cp_attention(False)), ("splash_cp_segments", lambda: cp_attention(True)),
                      ("gmm_kn", lambda: grouped(False)), ("gmm_linear_layout", lambda: grouped(True)),
                      ("linear_ce", loss)):
         with FakeTensorMode():
