@@ -37,7 +37,7 @@ def test_recipe_passes_the_rules_at_its_declared_degrees(recipe):
     world, device_type, _ = world_of(cfg)
     plan = plan_job(cfg, world_size=world, device_type=device_type)
     dims = plan.parallel_dims
-    assert dims.dp_replicate * dims.dp_shard * dims.tp == world
+    assert dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp == world
     assert plan.step_plan.mode == cfg.compile.mode
     assert plan.step_plan.scan == (cfg.compile.mode == "graph" and cfg.compile.scan_layers)
 
@@ -71,7 +71,7 @@ def test_a_refused_plan_builds_nothing(monkeypatch):
     def must_not_run(*a, **k):
         raise AssertionError("built something after a refused plan")
 
-    for name in ("build_task", "build_mesh", "build_model", "build_optimizer"):
+    for name in ("build_task", "build_mesh", "build_model", "build_optimizer_for"):
         monkeypatch.setattr(job_module, name, must_not_run)
     small = build_config(os.path.join(ROOT, "configs", "llama3_debug.toml"),
                          [("training.fused_loss", "on"),
