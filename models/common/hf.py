@@ -128,6 +128,60 @@ _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
+def expert_layout_entry(out: HFLayout, per_expert: dict, *, key: str, shape: tuple[int, ...], layer: int, rest: str,
+                        ours: Callable[[str], str]) -> bool:
+    """One HF MoE expert tensor of a layer (`rest` after `model.layers.N.`) into a layout: the
+    fused `gate_up_proj` [E, 2 hidden, dim] (gate rows first) splits into `ours("w1")` and
+    `ours("w3")`, `down_proj` is `ours("w2")`; a per-expert projection is noted in `per_expert`
+    for `stack_expert_entries`. False when `rest` is not an expert tensor."""
+    if rest == "mlp.experts.gate_up_proj":
+        half = (shape[0], (shape[1] + 1) // 2, *shape[2:])  # torch.chunk(2, dim=1)
+        rest_shape = (shape[0], shape[1] - half[1], *shape[2:])
+        zero = (0,) * len(shape)
+        out[ours("w1")] = HFEntry(half, (HFPiece(key, zero, half, zero),))
+        out[ours("w3")] = HFEntry(rest_shape, (HFPiece(key, zero, rest_shape, (0, half[1], *zero[2:])),))
+    elif rest == "mlp.experts.down_proj":
+        out[ours("w2")] = whole(key, shape)
+    elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
+        per_expert.setdefault((layer, _EXPERT_PROJ[expert.group(2)]), {})[int(expert.group(1))] = key
+    else:
+        return False
+    return True
+
+
+def stack_expert_entries(out: HFLayout, per_expert: dict, hf_shapes: Mapping[str, tuple[int, ...]],
+                         num_experts: int, *, ours: Callable[[int, str], str]) -> None:
+    """The per-expert projections `expert_layout_entry` noted, as one stacked [E, ...] entry each
+    (`ours(layer, "w1")`...); every layer must hold experts 0..num_experts-1 of one shape."""
+    for (layer, name), experts in sorted(per_expert.items()):
+        if sorted(experts) != list(range(num_experts)):
+            raise ValueError(
+                f"model.layers.{layer}.mlp.experts: expected experts 0..{num_experts - 1}, found {sorted(experts)}"
+            )
+        shape = tuple(hf_shapes[experts[0]])
+        if any(tuple(hf_shapes[experts[j]]) != shape for j in range(num_experts)):
+            raise ValueError(f"model.layers.{layer}.mlp.experts: experts of different shapes")
+        zero = (0,) * len(shape)
+        pieces = tuple(HFPiece(experts[j], (j, *zero), (1, *shape), zero) for j in range(num_experts))
+        out[ours(layer, name)] = HFEntry((num_experts, *shape), pieces)
+
+
+def experts_to_hf(out: dict[str, torch.Tensor], prefix: str, name: str, value: torch.Tensor, *,
+                  w3: torch.Tensor | None, fused: bool) -> None:
+    """Our stacked expert weight `name` (w1, w2 or w3) of the layer `prefix` (`model.layers.N.`)
+    as HF tensors: fused (`gate_up_proj` = cat(w1, w3), written at w1; `down_proj`) or one fresh
+    tensor per expert (`mlp.experts.j.{gate,up,down}_proj.weight`, the hub layout)."""
+    if fused:
+        if name == "w1":
+            out[prefix + "mlp.experts.gate_up_proj"] = torch.cat([value, w3], dim=1)
+        elif name == "w2":
+            out[prefix + "mlp.experts.down_proj"] = value
+        return
+    proj = {ours: hf for hf, ours in _EXPERT_PROJ.items()}[name]
+    for j in range(value.shape[0]):
+        out[f"{prefix}mlp.experts.{j}.{proj}.weight"] = value[j].clone()
+
+
 def decoder_hf_layout(
     hf_shapes: Mapping[str, tuple[int, ...]], *, tie_embeddings: bool, num_experts: int = 0
 ) -> HFLayout:
@@ -153,31 +207,10 @@ def decoder_hf_layout(
         layer, rest = match.group(1), match.group(2)
         if rest in _LAYER_KEYS:
             out[f"layers.{layer}.{_LAYER_KEYS[rest]}"] = whole(key, shape)
-        elif rest == "mlp.experts.gate_up_proj":  # [E, 2*hidden, dim], gate rows first
-            half = (shape[0], (shape[1] + 1) // 2, *shape[2:])  # torch.chunk(2, dim=1)
-            rest_shape = (shape[0], shape[1] - half[1], *shape[2:])
-            zero = (0,) * len(shape)
-            out[f"layers.{layer}.moe.experts.w1"] = HFEntry(half, (HFPiece(key, zero, half, zero),))
-            out[f"layers.{layer}.moe.experts.w3"] = HFEntry(
-                rest_shape, (HFPiece(key, zero, rest_shape, (0, half[1], *zero[2:])),))
-        elif rest == "mlp.experts.down_proj":
-            out[f"layers.{layer}.moe.experts.w2"] = whole(key, shape)
-        elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
-            slot = (int(layer), _EXPERT_PROJ[expert.group(2)])
-            per_expert.setdefault(slot, {})[int(expert.group(1))] = key
-        else:
+        elif not expert_layout_entry(out, per_expert, key=key, shape=shape, layer=int(layer), rest=rest,
+                                     ours=lambda n, layer=layer: f"layers.{layer}.moe.experts.{n}"):
             raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
-    for (layer, name), experts in sorted(per_expert.items()):
-        if sorted(experts) != list(range(num_experts)):
-            raise ValueError(
-                f"model.layers.{layer}.mlp.experts: expected experts 0..{num_experts - 1}, found {sorted(experts)}"
-            )
-        shape = tuple(hf_shapes[experts[0]])
-        if any(tuple(hf_shapes[experts[j]]) != shape for j in range(num_experts)):
-            raise ValueError(f"model.layers.{layer}.mlp.experts: experts of different shapes")
-        zero = (0,) * len(shape)
-        pieces = tuple(HFPiece(experts[j], (j, *zero), (1, *shape), zero) for j in range(num_experts))
-        out[f"layers.{layer}.moe.experts.{name}"] = HFEntry((num_experts, *shape), pieces)
+    stack_expert_entries(out, per_expert, hf_shapes, num_experts, ours=lambda layer, n: f"layers.{layer}.moe.experts.{n}")
     if "tok_embeddings.weight" not in out:
         raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
     if tie_embeddings:
@@ -226,16 +259,8 @@ def decoder_to_hf(
             out[prefix + _LAYER_KEYS_INV[rest]] = value
         elif rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
             name = rest.rsplit(".", 1)[1]
-            if fused_experts:
-                if name == "w1":
-                    w3 = state_dict[f"layers.{layer}.moe.experts.w3"]
-                    out[prefix + "mlp.experts.gate_up_proj"] = torch.cat([value, w3], dim=1)
-                elif name == "w2":
-                    out[prefix + "mlp.experts.down_proj"] = value
-                continue
-            proj = {ours: hf for hf, ours in _EXPERT_PROJ.items()}[name]
-            for j in range(value.shape[0]):
-                out[f"{prefix}mlp.experts.{j}.{proj}.weight"] = value[j].clone()
+            experts_to_hf(out, prefix, name, value, w3=state_dict.get(f"layers.{layer}.moe.experts.w3"),
+                          fused=fused_experts)
         else:
             raise ValueError(f"{key}: unknown model parameter")
     return out

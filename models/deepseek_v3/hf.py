@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from models.common.hf import HFEntry, HFLayout, HFPiece, whole
+from models.common.hf import (HFEntry, HFLayout, HFPiece, expert_layout_entry, experts_to_hf, stack_expert_entries,
+                               whole)
 from models.deepseek_v3.args import DeepSeekV3Args
 
 _LAYER = {
@@ -162,25 +163,11 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args) -> HF
             out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=True)
         elif rest in _LAYER:
             out[_ours(layer, _LAYER[rest], args)] = whole(key, shape)
-        elif rest == "mlp.experts.gate_up_proj":
-            half = (shape[0], shape[1] // 2, *shape[2:])
-            zero = (0,) * len(shape)
-            out[_ours(layer, "moe.experts.w1", args)] = HFEntry(half, (HFPiece(key, zero, half, zero),))
-            out[_ours(layer, "moe.experts.w3", args)] = HFEntry(half, (HFPiece(key, zero, half, (0, half[1], 0)),))
-        elif rest == "mlp.experts.down_proj":
-            out[_ours(layer, "moe.experts.w2", args)] = whole(key, shape)
-        elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
-            per_expert.setdefault((layer, _EXPERT[expert.group(2)]), {})[int(expert.group(1))] = key
-        else:
+        elif not expert_layout_entry(out, per_expert, key=key, shape=shape, layer=layer, rest=rest,
+                                     ours=lambda n, layer=layer: _ours(layer, f"moe.experts.{n}", args)):
             raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
-    for (layer, name), experts in sorted(per_expert.items()):
-        if sorted(experts) != list(range(args.num_experts)):
-            raise ValueError(f"model.layers.{layer}.mlp.experts: expected experts 0..{args.num_experts - 1}, "
-                             f"found {sorted(experts)}")
-        shape = tuple(hf_shapes[experts[0]])
-        zero = (0,) * len(shape)
-        pieces = tuple(HFPiece(experts[j], (j, *zero), (1, *shape), zero) for j in range(args.num_experts))
-        out[_ours(layer, f"moe.experts.{name}", args)] = HFEntry((args.num_experts, *shape), pieces)
+    stack_expert_entries(out, per_expert, hf_shapes, args.num_experts,
+                         ours=lambda layer, n: _ours(layer, f"moe.experts.{n}", args))
     if "tok_embeddings.weight" not in out:
         raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
     if args.tie_embeddings:
@@ -215,16 +202,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *,
             out[prefix + _LAYER_INV[rest]] = value
         elif rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
             name = rest.rsplit(".", 1)[1]
-            if fused_experts:
-                if name == "w1":
-                    out[prefix + "mlp.experts.gate_up_proj"] = torch.cat(
-                        [value, state_dict[key[: -len("w1")] + "w3"]], dim=1)
-                elif name == "w2":
-                    out[prefix + "mlp.experts.down_proj"] = value
-                continue
-            proj = {ours: hf for hf, ours in _EXPERT.items()}[name]
-            for j in range(value.shape[0]):
-                out[f"{prefix}mlp.experts.{j}.{proj}.weight"] = value[j].clone()
+            experts_to_hf(out, prefix, name, value, w3=state_dict.get(key[: -len(name)] + "w3"), fused=fused_experts)
         else:
             raise ValueError(f"{key}: unknown model parameter")
     return out
