@@ -14,7 +14,7 @@ from models.common.feed_forward import FeedForward
 from models.common.init import depth_scaled_std, trunc_normal_
 from models.common.moe import MoE
 from models.common.norm import RMSNorm
-from models.common.rope import RopeConfig, gather_cos_sin
+from models.common.rope import RopeConfig, rope_rows
 from models.common.stack import BlockStack
 
 
@@ -116,15 +116,8 @@ class Decoder(nn.Module):
         """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] that `output`
         projects to logits (a fused linear + cross-entropy loss starts from these); the optional
         inputs as in `forward`."""
-        seqlen = tokens.shape[1]
-        assert seqlen <= self.rope_cos.shape[0], (
-            f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
-        )
         h = self.tok_embeddings(tokens)
-        if positions is None:
-            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        else:
-            cos, sin = gather_cos_sin(self.rope_cos, self.rope_sin, positions)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, tokens.shape[1], positions)
         # The blocks get segment ids only when given, so an unmasked model traces as before.
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
         h = self.layers(h, *args)

@@ -81,7 +81,7 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `q`, `k` ([batch, seq, heads, head_dim]) by tables `cos`, `sin`: [seq, head_dim]
     (positions 0..seq-1 of every row), or [batch, seq, head_dim] gathered per token
-    (`gather_cos_sin`, e.g. positions that restart at each packed document).
+    (`rope_rows`, e.g. positions that restart at each packed document).
 
     The rotation runs in float32 (as TorchTitan's complex version does) and the result is cast
     back to the input dtype, which keeps bf16 training accurate at long positions.
@@ -110,10 +110,14 @@ def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return (index - start_index).to(torch.int32)
 
 
-def gather_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the tables [max_seq_len, head_dim] at integer `positions` [batch, seq] ->
-    `(cos, sin)` [batch, seq, head_dim], for `apply_rope`."""
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, seqlen: int, positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the tables [max_seq_len, head_dim] a sequence of `seqlen` tokens uses, for
+    `apply_rope`: the first `seqlen` ([seqlen, head_dim]), or those at integer `positions`
+    [batch, seq] ([batch, seq, head_dim]: restarted per document, or a context-parallel shard's)."""
+    assert seqlen <= cos.shape[0], f"sequence length {seqlen} exceeds max_seq_len {cos.shape[0]}"
+    if positions is None:
+        return cos[:seqlen], sin[:seqlen]
     index = positions.long()
     return cos[index], sin[index]
 

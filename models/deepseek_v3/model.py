@@ -20,7 +20,7 @@ from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 from models.common.moe import MoE
 from models.common.norm import RMSNorm
-from models.common.rope import apply_rope, gather_cos_sin
+from models.common.rope import apply_rope, rope_rows
 from models.common.stack import BlockStack
 from models.deepseek_v3.args import DeepSeekV3Args, yarn_mscale
 
@@ -189,13 +189,8 @@ class DeepSeekV3(nn.Module):
     def hidden(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim] (what `output` projects)."""
-        seqlen = tokens.shape[1]
-        assert seqlen <= self.rope_cos.shape[0], f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
         h = self.tok_embeddings(tokens)
-        if positions is None:
-            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        else:
-            cos, sin = gather_cos_sin(self.rope_cos, self.rope_sin, positions)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, tokens.shape[1], positions)
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
         h = self.dense_layers(h, *args)
         h = self.moe_layers(h, *args)
