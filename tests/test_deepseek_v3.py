@@ -230,7 +230,7 @@ def test_sequence_aux_loss_is_one_when_balanced():
 # is computed per sequence shard under TP (docs/models.md), which Adam makes visible (3.6e-5
 # measured on tp=2), so it is not a parity subject there.
 
-from tests.trainer_runs import train  # noqa: E402
+from tests.trainer_runs import assert_losses_close, train_losses  # noqa: E402
 
 STEPS = 6
 COMMON = [
@@ -242,9 +242,7 @@ COMMON = [
 
 
 def _losses(folder, nproc: int, degrees: dict, *extra: str) -> list[float]:
-    records = train(folder, nproc, degrees, *COMMON, *extra)
-    assert sorted(records) == list(range(1, STEPS + 1))
-    return [records[s]["loss"] for s in range(1, STEPS + 1)]
+    return train_losses(folder, nproc, degrees, STEPS, *COMMON, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -252,11 +250,6 @@ def eager_losses(tmp_path_factory):
     losses = _losses(tmp_path_factory.mktemp("eager"), 1, {})
     assert losses[-1] < losses[0]
     return losses
-
-
-def _close(got: list[float], want: list[float]) -> None:
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-    assert worst < 1e-5, (got, want)
 
 
 @pytest.mark.multiprocess
@@ -268,14 +261,14 @@ def _close(got: list[float], want: list[float]) -> None:
 def test_parallel_matches_single_process(tmp_path, eager_losses, degrees):
     """SimpleFSDP over 2 ranks; TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py); EP over
     2 ranks (experts split, shared experts and router data-parallel)."""
-    _close(_losses(tmp_path, 2, degrees), eager_losses)
+    assert_losses_close(_losses(tmp_path, 2, degrees), eager_losses)
 
 
 @pytest.mark.slow
 def test_graph_mode_scan_matches_eager(tmp_path, eager_losses):
     """Graph mode with layer scan over both stacks (dense blocks scanned as their own stack)."""
-    _close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
-                   "--compile.scan_layers=true"), eager_losses)
+    assert_losses_close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
+                                       "--compile.scan_layers=true"), eager_losses)
 
 
 def test_qwen3_moe_expert_bias_is_opt_in():

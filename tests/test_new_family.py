@@ -12,7 +12,7 @@ fails on any real difference (a wrong shard, a missing gradient reduction: >= 1e
 
 import pytest
 
-from tests.trainer_runs import train
+from tests.trainer_runs import assert_losses_close, train_losses
 
 STEPS = 6
 COMMON = [
@@ -24,9 +24,7 @@ COMMON = [
 
 
 def _losses(folder, nproc: int, degrees: dict, *extra: str) -> list[float]:
-    records = train(folder, nproc, degrees, *COMMON, *extra)
-    assert sorted(records) == list(range(1, STEPS + 1))
-    return [records[s]["loss"] for s in range(1, STEPS + 1)]
+    return train_losses(folder, nproc, degrees, STEPS, *COMMON, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +34,12 @@ def eager_losses(tmp_path_factory):
     return losses
 
 
-def _close(got: list[float], want: list[float]) -> float:
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
-    assert worst < 1e-5, (got, want)
-    return worst
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(tp=2)], ids=["fsdp2", "tp2"])
 def test_new_family_parallel_matches_single_process(tmp_path, eager_losses, degrees):
-    _close(_losses(tmp_path, 2, degrees), eager_losses)
+    assert_losses_close(_losses(tmp_path, 2, degrees), eager_losses)
 
 
 def test_new_family_graph_scan_matches_eager(tmp_path, eager_losses):
-    _close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
-                   "--compile.scan_layers=true"), eager_losses)
+    assert_losses_close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
+                                       "--compile.scan_layers=true"), eager_losses)

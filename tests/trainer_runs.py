@@ -45,3 +45,17 @@ def train(folder, nproc: int, degrees: dict, *args: str) -> dict[int, dict]:
         f"--parallelism.expert_parallel_degree={degrees.get('ep', 1)}",
     ]))
     return read_metrics(folder)
+
+
+def train_losses(folder, nproc: int, degrees: dict, steps: int, *args: str) -> list[float]:
+    """`train`'s logged losses of steps 1..`steps` (`args` must run that many steps, logging each)."""
+    records = train(folder, nproc, degrees, *args)
+    assert sorted(records) == list(range(1, steps + 1))
+    return [records[s]["loss"] for s in range(1, steps + 1)]
+
+
+def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5) -> float:
+    """The largest relative difference of two loss curves, asserted below `rtol`."""
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    assert worst < rtol, (got, want)
+    return worst
