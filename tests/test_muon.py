@@ -233,8 +233,8 @@ def test_matches_reference_three_steps(family):
 # --- sharded vs one process ------------------------------------------------------------------------
 
 
-def _sharded_run(degrees: dict, world_size: int, state: dict):
-    """On a rank: the 2-layer Llama under `degrees`, fp32, Muon 3 steps; full params + losses."""
+def _parallel_llama(degrees: dict, world_size: int, state: dict):
+    """On a rank: the 2-layer Llama parallelized under `degrees` (fp32), holding `state`."""
     dims = ParallelDims(world_size=world_size, **degrees)
     mesh = build_mesh(dims, "cpu")
     cls, make_args, plan = FAMILIES["llama3"]
@@ -246,6 +246,12 @@ def _sharded_run(degrees: dict, world_size: int, state: dict):
     with torch.no_grad():
         model.init_weights()  # rebuilds the RoPE buffers; the weights come next
     load_full_state(model, state)
+    return model
+
+
+def _sharded_run(degrees: dict, world_size: int, state: dict):
+    """On a rank: the 2-layer Llama under `degrees`, fp32, Muon 3 steps; full params + losses."""
+    model = _parallel_llama(degrees, world_size, state)
     opt = build_muon(model, **MUON_KW)
     losses = []
     for i in range(3):
@@ -541,17 +547,7 @@ def _qk_clip_run(degrees: dict, world_size: int, state: dict, tau: float):
     max logits must be all-reduced for the ranks to clip alike."""
     import torch.distributed as dist
 
-    dims = ParallelDims(world_size=world_size, **degrees)
-    mesh = build_mesh(dims, "cpu")
-    cls, make_args, plan = FAMILIES["llama3"]
-    with torch.device("meta"):
-        model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                      reduce_dtype=torch.float32)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
-    load_full_state(model, state)
+    model = _parallel_llama(degrees, world_size, state)
     opt = build_muon(model, **MUON_KW, qk_clip_tau=tau)
     rank = dist.get_rank()
     for i in range(2):
