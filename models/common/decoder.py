@@ -116,8 +116,12 @@ class Decoder(nn.Module):
         """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] that `output`
         projects to logits (a fused linear + cross-entropy loss starts from these); the optional
         inputs as in `forward`."""
+        seqlen = tokens.shape[1]
+        assert seqlen <= self.rope_cos.shape[0], f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
+        # (checked before the embedding: the captured graph's inputs keep their order, which
+        # tests/golden/graph_step_llama3_scan.txt pins)
         h = self.tok_embeddings(tokens)
-        cos, sin = rope_rows(self.rope_cos, self.rope_sin, tokens.shape[1], positions)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, seqlen, positions)
         # The blocks get segment ids only when given, so an unmasked model traces as before.
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
         h = self.layers(h, *args)
