@@ -463,9 +463,9 @@ def _local_tokens(module: nn.Module, args: tuple) -> tuple:
 
 
 def _scale_loss_grads(scale: float):
-    def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]):
-        out, aux_loss = output  # MoE.forward returns (out, aux_loss)
-        return out, scale_grad(aux_loss, scale)
+    def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        out, aux_loss, load = output  # MoE.forward returns (out, aux_loss, load)
+        return out, scale_grad(aux_loss, scale), load
 
     return hook
 

@@ -153,7 +153,6 @@ def test_flavor_builds_on_meta_and_formula_matches_module(flavor):
     # The bias is state (DCP checkpoints it); the load counts are not.
     keys = model.state_dict().keys()
     assert "moe_layers.0.moe.router.expert_bias" in keys
-    assert not any(k.endswith("tokens_per_expert") for k in keys)
 
 
 def test_layer_scan_over_both_stacks_matches_unrolled():
@@ -191,22 +190,22 @@ def test_layer_scan_over_both_stacks_matches_unrolled():
 
 
 def test_expert_bias_update_and_counts():
-    """The router counts the token copies it routed and `update_expert_bias` moves each bias by
-    `rate` against the load (DeepSeek-V3's auxiliary-loss-free balancing)."""
+    """The layer returns the token copies it routed per expert and `update_expert_bias` moves
+    each bias by `rate` against the load (DeepSeek-V3's auxiliary-loss-free balancing)."""
     torch.manual_seed(0)
     moe = MoE(dim=16, hidden_dim=8, num_experts=4, top_k=2, norm_topk_prob=True, score_func="sigmoid",
               expert_bias=True, aux_loss="sequence")
     moe.init_weights(0.02)
     router = moe.router
-    moe(torch.randn(2, 5, 16))
-    moe(torch.randn(1, 3, 16))
-    counts = router.tokens_per_expert.clone()
-    assert counts.sum().item() == (2 * 5 + 3) * 2
-    router.update_expert_bias(counts, rate=0.001)
-    mean = counts.mean()
-    want = torch.where(counts > mean, -0.001, torch.where(counts < mean, 0.001, 0.0))
+    x = torch.randn(2, 5, 16)
+    _, _, load = moe(x)
+    _, selected, _ = router(x.view(-1, 16))
+    assert torch.equal(load, torch.bincount(selected.flatten(), minlength=4).float())
+    assert not load.requires_grad and load.sum().item() == 2 * 5 * 2
+    router.update_expert_bias(load, rate=0.001)
+    mean = load.mean()
+    want = torch.where(load > mean, -0.001, torch.where(load < mean, 0.001, 0.0))
     torch.testing.assert_close(router.expert_bias, want)
-    assert router.tokens_per_expert.sum().item() == 0
 
 
 def test_sequence_aux_loss_is_one_when_balanced():

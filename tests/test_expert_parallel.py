@@ -84,7 +84,7 @@ def _moe_case(routing: str, world_size: int, dim: int, hidden: int):
 
 
 def _rank_loss(moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    out, aux_loss = moe(x)
+    out, aux_loss, _ = moe(x)
     return (out * grad_out).sum() + AUX_COEF * aux_loss
 
 
@@ -103,7 +103,7 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
         x = x.clone().requires_grad_()
         # The data-parallel gradient is the mean of the ranks' losses.
         (_rank_loss(moe_ref, x, g) / world_size).backward()
-        out, aux = moe_ref(x)
+        out, aux, _ = moe_ref(x)
         want_out.append(out.detach())
         want_aux.append(aux.item())
         want_dx.append(x.grad * world_size)  # the rank itself differentiates its own loss
@@ -124,7 +124,7 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
         moe = model.layers["0"].moe
         x = xs[rank].clone().requires_grad_()
         _rank_loss(moe, x, grads_out[rank]).backward()
-        out, aux = moe(x)
+        out, aux, _ = moe(x)
         return (out.detach(), x.grad, aux.item(),
                 {n: full(p.grad) for n, p in model.named_parameters()})
 
@@ -250,7 +250,7 @@ def _capture_ep_moe_step(dispatch: str):
 
         def step(x, w1, w2, w3):
             experts.w1, experts.w2, experts.w3 = w1, w2, w3
-            out, aux = moe(x)
+            out, aux, _ = moe(x)
             return torch.autograd.grad(out.square().sum() + aux, (x, w1, w2, w3))
 
         inputs = [torch.randn(1, NUM_TOKENS, 16, requires_grad=True)]

@@ -151,7 +151,7 @@ def test_moe_layer_matches_per_token_loop(top_k):
         # Experts 0-3 have positive logits, experts 4 and 5 negative ones: 4 and 5 get no tokens.
         moe.router.gate.weight[:4] = moe.router.gate.weight[:4].abs()
         moe.router.gate.weight[4:] = -1.0
-    out, aux_loss = moe(x)
+    out, aux_loss, _ = moe(x)
     assert out.shape == x.shape
     torch.testing.assert_close(out.view(-1, 16), _moe_reference(moe, x.view(-1, 16)), atol=1e-6, rtol=1e-5)
     assert aux_loss.dim() == 0 and aux_loss.requires_grad
@@ -167,7 +167,7 @@ def test_moe_all_tokens_to_one_expert():
     with torch.no_grad():
         moe.router.gate.weight.zero_()
         moe.router.gate.weight[2] = 1.0  # expert 2's logit = sum(x) > 0 = the others
-    out, aux_loss = moe(x)
+    out, aux_loss, _ = moe(x)
     _, experts, _ = moe.router(x.view(-1, 8))
     assert experts.flatten().tolist() == [2] * 10
     torch.testing.assert_close(out.view(-1, 8), _moe_reference(moe, x.view(-1, 8)), atol=1e-6, rtol=1e-5)

@@ -131,6 +131,11 @@ class TrainingConfig:
     """Dtype of gradient reductions across data-parallel ranks."""
     aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))
     """Weight of the MoE load-balancing loss added to the LM loss (MoE models only)."""
+    expert_bias_rate: float = field(default=0.001, metadata=_range(ge=0))
+    """Auxiliary-loss-free balancing (MoE routers with a selection bias: deepseek_v3, Qwen 3 MoE
+    with `[model] moe_expert_bias = true`): after each step every expert's bias moves by this
+    much towards balance, `bias += rate * sign(mean load - load)` over the global batch
+    (DeepSeek-V3's gamma: 0.001; 0 freezes the bias). docs/moe.md."""
     fused_loss: str = field(default="auto", metadata=_choices(*FUSED_LOSS))
     """LM loss from the final hidden states by `ops.linear_cross_entropy`, chunked over the
     vocabulary (a Pallas kernel on TPU): the [tokens, vocab] logits and their fp32 copy never

@@ -43,6 +43,7 @@ from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_
 from parallelisms.context_parallel import cp_attention_fn, cp_group
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
+from trainer.expert_balance import ExpertBalance
 from trainer.optim import build_lr_scheduler, build_optimizer_for
 from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
                                     resolve_compute_dtype, set_seed, torch_dtype)
@@ -208,10 +209,11 @@ class Job:
         passes_as = None
         if self.device.type == "meta":
             passes_as, plan = plan.backend, _capture_only(plan)
+        balance = ExpertBalance(self.model, rate=t.expert_bias_rate) or None
         if plan.mode != "graph":
             return EagerStep(model=self.model, optimizer=self.optimizer, max_norm=t.max_norm,
                              aux_loss_coef=t.aux_loss_coef, clip_grad_norm=clip_grad_norm_,
-                             loss_context=plan.loss_context, loss_fn=loss_fn)
+                             loss_context=plan.loss_context, loss_fn=loss_fn, balance=balance)
         from trainer.graph import build_graph_step
 
         return build_graph_step(
@@ -219,6 +221,7 @@ class Job:
             aux_loss_coef=t.aux_loss_coef, backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac,
             dump_graph=dump_graph, grad_accum_steps=self.grad_accum_steps, loss_context=plan.loss_context,
             loss_fn=loss_fn, bucket_cap_mb=c.bucket_cap_mb, gloo_all_to_all=c.gloo_all_to_all, passes_as=passes_as,
+            balance=balance,
         )
 
 

@@ -192,6 +192,8 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
                     values["compile_cache_misses"] = cache_misses.total
                 if out.aux_loss is not None:
                     values["moe_aux_loss"] = global_mean(out.aux_loss)
+                if out.moe_max_vio is not None:
+                    values["moe_max_vio"] = float(out.moe_max_vio)
                 if extra_first is not None:
                     if step_fn.compile_s is not None:
                         extra_first.update(compile_s=round(step_fn.compile_s, 3), graph_nodes=step_fn.graph_nodes)

@@ -45,13 +45,14 @@ class TransformerBlock(nn.Module):
             self.feed_forward = feed_forward
 
     def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """-> the new h; an MoE block returns `(h, aux_loss)` (the `BlockStack` sums the aux terms).
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """-> the new h; an MoE block returns `(h, aux_loss, load)` (the `BlockStack` sums the aux
+        terms and stacks the expert loads).
         `segment_ids` [batch, seq]: document masking (see `Attention`)."""
         h = h + self.attention(self.attention_norm(h), rope_cos, rope_sin, segment_ids)
         if self.is_moe:
-            out, aux_loss = self.moe(self.ffn_norm(h))
-            return h + out, aux_loss
+            out, aux_loss, load = self.moe(self.ffn_norm(h))
+            return h + out, aux_loss, load
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:

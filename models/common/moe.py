@@ -22,18 +22,20 @@ auxiliary-loss-free load balancing (`expert_bias=True`) and the sequence-wise au
 Auxiliary-loss-free load balancing (DeepSeek-V3, section 2.1.2): the router holds a persistent
 float32 buffer `expert_bias` [E] (zeros at start; in checkpoints, as DeepSeek's
 `e_score_correction_bias`) that is added to the scores for the **selection** of the k experts
-only; the weights that multiply the expert outputs are the unbiased scores. The router also keeps
-`tokens_per_expert` [E] (float32, non-persistent), the token copies it routed to each expert,
-accumulated over the forwards since the last `update_expert_bias(global_counts, rate)`: the
-trainer sums those counts over the data-parallel ranks and calls it after the optimizer step;
-it moves each expert's bias by `rate` towards balance (down for experts above the mean load, up
-for those below) and resets the counts.
-The counts are recorded in eager forwards only: under `torch.compile` (and so in graph mode and
-in a layer scan, whose body may not mutate its stacked buffers) `tokens_per_expert` stays as it
-is; getting them out of a compiled step (e.g. as a per-layer scan output) belongs to the
-trainer-side update, which is not wired yet.
+only; the weights that multiply the expert outputs are the unbiased scores. After each
+optimizer step the trainer (trainer/expert_balance.py) sums every layer's load over the ranks
+and calls `update_expert_bias(global_load, rate)`, which moves each expert's bias by `rate`
+towards balance (down for experts above the mean load, up for those below).
 
-Auxiliary loss: `MoE.forward` returns `(out, aux_loss)`, the layer's load-balancing loss being
+Expert load: `MoE.forward` returns `(out, aux_loss, load)`, `load` [E] float32 being the token
+copies the layer routed to each expert (no gradient). Like the aux loss it is an output, not
+state on the module, so it leaves a compiled step and a layer scan (a per-layer scan output)
+the same way it leaves an eager forward; the `BlockStack` stacks it over layers
+(`pop_expert_load()`). float32 holds the counts exactly up to 2^24 copies per expert and
+step; above that the relative rounding (6e-8) only matters to an expert within one copy of
+the mean, where the sign of the bias step is arbitrary anyway.
+
+Auxiliary loss: `MoE.forward` returns `aux_loss`, the layer's load-balancing loss being
 a 0-dim float32 tensor in the autograd graph. It is an output, not state left on the module, so
 the layer runs unchanged inside a layer scan (the scan body returns it as a per-layer output;
 models/common/stack.py). The block passes it up, the `BlockStack` sums it over layers and the
@@ -125,13 +127,10 @@ class TokenChoiceTopKRouter(nn.Module):
         self.top_groups = top_groups
         self.route_scale = route_scale
         if expert_bias:
-            # Selection-only bias (persistent: checkpoints hold it) and the load since the last update.
+            # Selection-only bias (persistent: checkpoints hold it).
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
-            self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32),
-                                 persistent=False)
         else:
             self.expert_bias = None
-            self.tokens_per_expert = None
 
     def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
         """Router logits -> float32 affinities (softmax over experts, or per-expert sigmoid)."""
@@ -166,20 +165,19 @@ class TokenChoiceTopKRouter(nn.Module):
         return top_scores.to(x.dtype), selected_experts, router_logits
 
     @torch.no_grad()
-    def update_expert_bias(self, global_counts: torch.Tensor, rate: float) -> None:
+    def update_expert_bias(self, global_load: torch.Tensor, rate: float | torch.Tensor) -> None:
         """Auxiliary-loss-free balancing step (DeepSeek-V3): `expert_bias += rate * sign(mean -
-        count)` per expert, so overloaded experts become less likely to be selected and
-        underloaded ones more; then reset `tokens_per_expert`.
+        load)` per expert, so overloaded experts become less likely to be selected and
+        underloaded ones more (a balanced expert keeps its bias).
 
-        `global_counts` [E]: the token copies each expert received since the last update, summed
-        over every rank that routes its own tokens (the trainer all-reduces this router's
-        `tokens_per_expert`); `rate` is DeepSeek's gamma (0.001 in their training). A plain tensor
-        on any device; the bias stays float32 (a bf16 bias could not hold 0.001 steps).
+        `global_load` [E]: the token copies each expert received in the step, summed over every
+        rank that routes its own tokens (trainer/expert_balance.py); `rate` is DeepSeek's gamma
+        (0.001 in their training), a float or a 0-dim tensor (0 where a skipped step must not
+        move the bias). The bias stays float32 (a bf16 bias could not hold 0.001 steps).
         """
         assert self.expert_bias is not None, "update_expert_bias: this router has no expert_bias"
-        counts = global_counts.to(device=self.expert_bias.device, dtype=torch.float32)
-        self.expert_bias.add_(torch.sign(counts.mean() - counts) * rate)
-        self.tokens_per_expert.zero_()
+        load = global_load.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias.add_(torch.sign(load.mean() - load) * rate)
 
 
 class GroupedExperts(nn.Module):
@@ -252,8 +250,9 @@ class MoE(nn.Module):
         # Sums expert counts over the ranks holding the rest of the global batch (parallelisms/).
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [bs, seq, dim] -> (out [bs, seq, dim], auxiliary loss: 0-dim float32)."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [bs, seq, dim] -> (out [bs, seq, dim], auxiliary loss: 0-dim float32, load: [E] float32
+        token copies routed to each expert, no gradient)."""
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
         top_scores, selected_experts, router_logits = self.router(x)
@@ -264,12 +263,6 @@ class MoE(nn.Module):
         num_tokens_per_expert = torch.zeros(
             num_experts, dtype=torch.int64, device=x.device
         ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
-        if self.router.tokens_per_expert is not None and not torch.compiler.is_compiling():
-            # The load for the bias update (an in-place buffer update, outside autograd). Eager
-            # forwards only: a layer-scan body cannot mutate its (stacked) buffers, so compiled
-            # steps do not count (module docstring).
-            with torch.no_grad():
-                self.router.tokens_per_expert.add_(num_tokens_per_expert.float())
         if self.aux_loss == "load_balance":
             aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
         elif self.aux_loss == "sequence":
@@ -288,15 +281,14 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             # On the flat tokens [N, dim], like the router (a per-token layer under TP).
             out = out + self.shared_experts(x).view(bs, seqlen, dim)
-        return out, aux_loss
+        return out, aux_loss, num_tokens_per_expert.float()
 
     def init_weights(self, init_std: float) -> None:
         """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`;
-        shared experts: `FeedForward.init_weights`; `expert_bias` and the counts: zeros."""
+        shared experts: `FeedForward.init_weights`; `expert_bias`: zeros."""
         trunc_normal_(self.router.gate.weight, std=init_std)
         self.experts.init_weights(init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
         if self.router.expert_bias is not None:
             nn.init.zeros_(self.router.expert_bias)
-            self.router.tokens_per_expert.zero_()

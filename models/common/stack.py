@@ -2,11 +2,12 @@
 
 It is an `nn.ModuleDict` keyed "0".."n-1", so parameter names (`layers.3.attention.wq.weight`)
 match TorchTitan checkpoints and parallel plans. Blocks take a fixed tuple of tensors
-`(h, *args)` and return the new `h`, or `(h, aux)` where `aux` is a 0-dim auxiliary loss term
-of the layer (an MoE block's load-balancing loss). The stack sums the aux terms over its layers
-and keeps the sum for `pop_aux_loss()`; the sum is taken outside the blocks, so a block never
-leaves state on itself and never knows how the stack runs it: a scan over stacked weights
-replaces the Python loop here without touching any block.
+`(h, *args)` and return the new `h`, or `(h, aux, load)` where `aux` is a 0-dim auxiliary loss
+term of the layer (an MoE block's load-balancing loss) and `load` its expert load [E] (token
+copies routed to each expert). The stack sums the aux terms over its layers and keeps the sum
+for `pop_aux_loss()`, and stacks the loads `[n_layers, E]` for `pop_expert_load()`; both are
+taken outside the blocks, so a block never leaves state on itself and never knows how the stack
+runs it: a scan over stacked weights replaces the Python loop here without touching any block.
 
 Layer scan (`enable_scan()`, used by the graph trainer): every block's parameter `name` is
 moved into one stacked tensor `[n_layers, *shape]`, and each block's parameter becomes a view
@@ -15,7 +16,8 @@ unchanged and a checkpoint saved with scan loads without it (and the reverse). U
 `torch.compile` the stack then runs as one `torch.ops.higher_order.scan` over the stacked
 tensors (block "0" is the template, called with `torch.func.functional_call` on one row per
 step), so a captured graph holds one copy of the block whatever `n_layers` is. A block's aux
-term is a per-layer output of the scan (stacked `[n_layers]`, summed after it). Outside
+term and load are per-layer outputs of the scan (stacked `[n_layers]` and `[n_layers, E]`; the
+aux terms summed after it). Outside
 compilation the plain loop runs on the same storage: eager scan is slow and gains nothing.
 """
 
@@ -50,20 +52,23 @@ class BlockStack(nn.ModuleDict):
         super().__init__({str(i): block for i, block in enumerate(blocks)})
         self._scan: _ScanState | None = None
         self._aux_loss: torch.Tensor | None = None
+        self._expert_load: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
         if self._scan is not None and torch.compiler.is_compiling():
-            h, self._aux_loss = self._scan_forward(h, args)
+            h, self._aux_loss, self._expert_load = self._scan_forward(h, args)
             return h
-        aux_total = None
+        aux_total, loads = None, []
         for block in self.values():
             out = block(h, *args)
             if isinstance(out, tuple):
-                h, aux = out
+                h, aux, load = out
                 aux_total = aux if aux_total is None else aux_total + aux
+                loads.append(load)
             else:
                 h = out
         self._aux_loss = aux_total
+        self._expert_load = torch.stack(loads) if loads else None
         return h
 
     def pop_aux_loss(self) -> torch.Tensor | None:
@@ -71,6 +76,12 @@ class BlockStack(nn.ModuleDict):
         one, or if it was already popped); clears it."""
         aux, self._aux_loss = self._aux_loss, None
         return aux
+
+    def pop_expert_load(self) -> torch.Tensor | None:
+        """The blocks' expert loads of the last forward, `[n_layers, E]` float32 (None if no block
+        returns one, or if it was already popped); clears it."""
+        load, self._expert_load = self._expert_load, None
+        return load
 
     # --- layer scan ------------------------------------------------------------------------
 
@@ -134,7 +145,7 @@ class BlockStack(nn.ModuleDict):
         return sum(view_rows(stack, self._scan.members[name]) for name, stack in self._scan.stacked.items())
 
     def _scan_forward(self, h: torch.Tensor, args: tuple[torch.Tensor, ...]
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         from torch._higher_order_ops.scan import scan
 
         state = self._scan
@@ -146,14 +157,15 @@ class BlockStack(nn.ModuleDict):
                 params = state.param_fn(params)
             tensors = {**params, **{n: row[n] for n in state.buffer_names}}
             out = torch.func.functional_call(template, tensors, (carry, *args))
-            if isinstance(out, tuple):  # (h, aux): the aux term is a per-layer output
-                return out[0], [out[1]]
+            if isinstance(out, tuple):  # (h, aux, load): per-layer outputs
+                return out[0], [out[1], out[2]]
             # `[]`: no per-layer outputs (scan rejects None here).
             return out, []
 
         h, ys = scan(body, h, state.stacked)
-        # ys[0] is [n_layers]: the layers' aux terms, summed here as the loop sums them.
-        return h, (ys[0].sum() if ys else None)
+        # ys[0] is [n_layers]: the layers' aux terms, summed here as the loop sums them; ys[1] the
+        # loads [n_layers, E].
+        return (h, ys[0].sum(), ys[1].detach()) if ys else (h, None, None)
 
 
 @dataclass

@@ -206,7 +206,7 @@ class DeepSeekV3(nn.Module):
           `moe.experts.w2/w3`, `moe.shared_experts.w2` and the router `moe.router.gate`: std
           `0.02 / sqrt(2 * (i + 1))` (TorchTitan's depth init).
         - every RMSNorm weight (block norms, `q_norm`, `kv_norm`, `norm`): ones.
-        - `moe.router.expert_bias` (and the routed-token counts): zeros.
+        - `moe.router.expert_bias`: zeros.
         - `output`: truncated normal, std `dim ** -0.5` (keeps the embedding's init when tied).
         - `rope_cos`/`rope_sin`: the YaRN tables, recomputed in float32 on `buffer_device`
           (default: where they are now), so this works after `to_empty()`.

@@ -42,7 +42,7 @@ class GraphStep:
                  scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True,
-                 passes_as: str | None = None):
+                 passes_as: str | None = None, balance=None):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -54,6 +54,8 @@ class GraphStep:
         self._scan_context = scan_context
         self._loss_context = loss_context
         self._loss_fn = loss_fn
+        # MoE models: the loads leave the graph as an output; the bias update runs after it.
+        self.balance = balance if balance else None
         # One update slot per (stack, parameter name): the stacks' names keep FLUX's two
         # stacks apart, whose blocks may share parameter names.
         stacked = {f"{sname}.{pname}": value for sname, stack in self.block_stacks.items()
@@ -107,7 +109,7 @@ class GraphStep:
         try:
             with (capture_config(scan_ac_mode=self.ac_mode if scanning else None), self._scan_context(),
                   self._loss_context()):
-                loss, grad_norm, aux = self._compiled(inputs, self._lr)
+                loss, grad_norm, aux, load = self._compiled(inputs, self._lr)
         finally:
             self._current_slots = None
         if self.compile_s is None:
@@ -119,7 +121,8 @@ class GraphStep:
         self.slots.set_lr(lr)
         # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
         self.optimizer._opt_called = True
-        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux)
+        vio = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
+        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, moe_max_vio=vio)
 
     # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
     # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.
@@ -128,7 +131,7 @@ class GraphStep:
         leaves = [s.param for s in slots]
         k = self._arity
         n = len(inputs) // k
-        grads, lm_total, aux_total = None, None, None
+        grads, lm_total, aux_total, load = None, None, None, None
         for i in range(n):
             microbatch = inputs[k * i: k * (i + 1)]
             lm = (self._loss_fn(self.model, *microbatch) if self._loss_fn is not None
@@ -138,6 +141,9 @@ class GraphStep:
             if aux is not None:
                 loss = lm + self.aux_loss_coef * aux
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+            if self.balance is not None:
+                mb_load = self.balance.pop()
+                load = mb_load if load is None else load + mb_load
             mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
             grads = list(mb_grads) if grads is None else [
                 b if a is None else (a if b is None else a + b) for a, b in zip(grads, mb_grads)]
@@ -154,7 +160,7 @@ class GraphStep:
                 adamw_update_(_local(slot.param), g, _local(slot.exp_avg), _local(slot.exp_avg_sq),
                               slot.step, lr=lr, apply=apply, **self._hyper[slot.group])
         aux_mean = local_scalar(aux_total) / n if aux_total is not None else None
-        return local_scalar(lm_total) / n, grad_norm, aux_mean
+        return local_scalar(lm_total) / n, grad_norm, aux_mean, load
 
 
 _STEP_IDS = itertools.count()
@@ -205,7 +211,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
                      plan=None,
                      loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                      loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0,
-                     gloo_all_to_all: bool = True, passes_as: str | None = None) -> GraphStep:
+                     gloo_all_to_all: bool = True, passes_as: str | None = None, balance=None) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
     The trainer calls this through `trainer.job.Job.build_step`, which resolves the settings below
@@ -234,6 +240,8 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
       the gradient's dtype before its up-cast (`passes.gloo_reduce_scatter_pass`).
     - `passes_as`: run the graph passes of this backend instead of `backend`'s (a check job
       captures with aot_eager on meta tensors what the target's backend would compile).
+    - `balance`: a `trainer.expert_balance.ExpertBalance` of an MoE model (the loads are a graph
+      output; the selection-bias update and the MaxVio metric run after the graph), or None.
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -260,7 +268,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
                      backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
                      grad_accum_steps=grad_accum_steps, block_stacks=block_stacks, scan_context=scan_context,
                      loss_context=loss_context, loss_fn=loss_fn, bucket_cap_mb=bucket_cap_mb,
-                     gloo_all_to_all=gloo_all_to_all, passes_as=passes_as)
+                     gloo_all_to_all=gloo_all_to_all, passes_as=passes_as, balance=balance)
 
 
 def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:

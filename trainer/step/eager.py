@@ -33,7 +33,7 @@ class EagerStep:
     graph_nodes = None
 
     def __init__(self, *, model, optimizer, max_norm: float, aux_loss_coef: float, clip_grad_norm,
-                 loss_context=contextlib.nullcontext, loss_fn=None):
+                 loss_context=contextlib.nullcontext, loss_fn=None, balance=None):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = max_norm
@@ -45,16 +45,21 @@ class EagerStep:
         # loss_fn(model, *micro_batch) -> the micro-batch's mean loss (trainer/tasks/); default:
         # an LM micro-batch (inputs, labels): logits, then lm_loss.
         self.loss_fn = loss_fn if loss_fn is not None else plain_loss
+        # MoE models: the expert loads and the selection-bias update (trainer/expert_balance.py).
+        self.balance = balance if balance else None
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
         self.optimizer.zero_grad(set_to_none=True)
         n = len(microbatches)
-        lm_sum, aux_sum = 0.0, None
+        lm_sum, aux_sum, load = 0.0, None, None
         for microbatch in microbatches:
             with self.loss_context():
                 lm = self.loss_fn(self.model, *microbatch)
                 aux = self.model.pop_aux_loss()
+                if self.balance is not None:
+                    mb_load = self.balance.pop()
+                    load = mb_load if load is None else load + mb_load
                 loss = lm if aux is None else lm + self.aux_loss_coef * aux
                 (loss / n).backward()
             lm_sum = lm_sum + local_scalar(lm.detach())
@@ -63,5 +68,7 @@ class EagerStep:
                 aux_sum = aux if aux_sum is None else aux_sum + aux
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         grad_norm = self.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], max_norm)
-        step_if_finite(self.optimizer, grad_norm)
-        return StepOutput(loss=lm_sum / n, grad_norm=grad_norm, aux_loss=None if aux_sum is None else aux_sum / n)
+        nonfinite = step_if_finite(self.optimizer, grad_norm)
+        vio = None if self.balance is None else self.balance.finish(load, apply=~nonfinite)
+        return StepOutput(loss=lm_sum / n, grad_norm=grad_norm, aux_loss=None if aux_sum is None else aux_sum / n,
+                          moe_max_vio=vio)

@@ -35,3 +35,6 @@ class StepOutput:
     """Global gradient norm before clipping (0-dim, equal on every rank)."""
     aux_loss: torch.Tensor | None = None
     """Mean auxiliary (MoE load-balancing) loss over the micro-batches, unscaled; None without."""
+    moe_max_vio: torch.Tensor | None = None
+    """MoE models: the step's expert-load imbalance over the global batch, DeepSeek's MaxVio
+    averaged over the MoE layers (0-dim, equal on every rank; trainer/expert_balance.py)."""

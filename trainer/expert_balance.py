@@ -1,0 +1,82 @@
+"""Expert load after each step, and auxiliary-loss-free balancing (DeepSeek-V3, section 2.1.2).
+
+Every MoE layer returns its expert load (token copies routed to each expert) as an output of its
+forward, and the `BlockStack`s stack them (models/common/moe.py, models/common/stack.py), so the
+load leaves an eager forward, a compiled step and a layer scan alike. `ExpertBalance` collects
+it:
+
+- `pop(model-forward)`: inside the step, after each micro-batch's forward, one flat float32
+  tensor with every MoE layer's load (the step sums it over its micro-batches; in graph mode it
+  is an output of the captured graph);
+- `finish(load, apply)`: after the optimizer update, one all-reduce (SUM, the world group) of
+  that flat tensor gives the global batch's load per layer, whatever the mesh: every rank counts
+  the tokens it routed itself (data-parallel and context-parallel ranks hold different tokens;
+  under TP the MoE runs on each rank's sequence shard; under EP tokens are counted before
+  dispatch). Then every router with a selection bias (`moe.router.expert_bias`: deepseek_v3
+  always, Qwen 3 MoE with `moe_expert_bias`) takes its step
+  `bias += rate * sign(mean - load)` (`TokenChoiceTopKRouter.update_expert_bias`), with rate
+  `training.expert_bias_rate` times `apply` (0 when the step's update was skipped for a
+  non-finite gradient norm: the bias then keeps its value too). Identical global loads on every
+  rank give identical biases, so the replicated buffer needs no broadcast.
+
+It also returns the step's balance metric, `max_vio`: DeepSeek's MaxVio, (max load - mean load)
+/ mean load of each layer over the global batch, averaged over the layers (0 = perfectly
+balanced; logged as `moe_max_vio`). The bias lives in the model's state dict, so checkpoints
+hold it and a resumed run continues its trajectory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.common.moe import MoE
+from models.common.stack import BlockStack
+
+
+class ExpertBalance:
+    """The MoE layers of one model, in the order their loads are popped."""
+
+    def __init__(self, model: nn.Module, *, rate: float):
+        self.rate = float(rate)
+        self.stacks: list[BlockStack] = []
+        self.layers: list[MoE] = []
+        for module in model.modules():
+            if isinstance(module, BlockStack):
+                moes = [m for m in module.modules() if isinstance(m, MoE)]
+                if moes:
+                    self.stacks.append(module)
+                    self.layers.extend(moes)
+        self.num_experts = {m.router.num_experts for m in self.layers}
+        self.biased = any(m.router.expert_bias is not None for m in self.layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def pop(self) -> torch.Tensor:
+        """The last forward's loads, flat `[sum of layers x experts]` float32 (clears them)."""
+        loads = [stack.pop_expert_load() for stack in self.stacks]
+        missing = [i for i, load in enumerate(loads) if load is None]
+        assert not missing, "the expert loads are available once after each forward"
+        return torch.cat([load.reshape(-1) for load in loads])
+
+    @torch.no_grad()
+    def finish(self, load: torch.Tensor, apply: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum the step's `load` (from `pop`, summed over micro-batches) over all ranks, move the
+        selection biases (module docstring), and return MaxVio (0-dim float32, every rank equal)."""
+        load = load.detach().float().clone()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(load)
+        rate = self.rate if apply is None else apply.to(torch.float32) * self.rate
+        offset, vios = 0, []
+        for moe in self.layers:
+            n = moe.router.num_experts
+            layer = load[offset:offset + n]
+            offset += n
+            if moe.router.expert_bias is not None and self.rate != 0:
+                moe.router.update_expert_bias(layer, rate)
+            mean = layer.mean()
+            vios.append((layer.max() - mean) / mean.clamp(min=1.0))
+        assert offset == load.numel(), (offset, load.numel())
+        return torch.stack(vios).mean()
