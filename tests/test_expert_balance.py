@@ -141,3 +141,30 @@ def test_resume_continues_the_bias_trajectory(tmp_path, reference):
     records = train(tmp_path, 1, {}, *COMMON)
     assert [records[s]["moe_max_vio"] for s in (3, 4)] == pytest.approx(reference[0][2:], abs=1e-6)
     assert all(torch.equal(b, reference[1][k]) for k, b in _biases(tmp_path).items())
+
+
+def test_engine_optimizer_step_moves_the_biases():
+    """The RL engine sums the loads of its forward_backward calls and updates the biases in
+    optimizer_step, as the trainer's step does (Qwen 3 MoE with `moe_expert_bias`)."""
+    from trainer.engine import Engine
+
+    engine = Engine.from_recipe("configs/qwen3_moe_debug.toml", [
+        "model.moe_expert_bias=true", "training.seq_len=32", "training.mixed_precision_param=float32",
+        "checkpoint.enable=false", "metrics.enable_tensorboard=false", f"training.expert_bias_rate={RATE}"])
+    tokens = [torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+    routers = [m.router for m in engine.model.modules() if isinstance(m, MoE)]
+    balance = ExpertBalance(engine.model, rate=RATE)
+    want = 0
+    with torch.no_grad():  # the loads the two calls will route (weights do not change before the step)
+        for t in tokens:
+            engine.model(t[:, :-1])
+            engine.model.pop_aux_loss()
+            want = want + balance.pop()
+    for t in tokens:
+        engine.forward_backward({"tokens": t}, weight=1.0)
+    out = engine.optimizer_step()
+    assert out["moe_max_vio"] >= 0
+    got = torch.cat([r.expert_bias for r in routers])
+    want_bias = torch.cat([torch.sign(l.mean() - l) * RATE for l in want.view(len(routers), -1)])
+    assert torch.equal(got, want_bias) and got.abs().sum() > 0
+    engine.close()

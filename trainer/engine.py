@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from models.errors import ConfigError
 from models.errors import NonFiniteLoss
 from trainer.config import Config, build_config, parse_overrides
+from trainer.expert_balance import ExpertBalance
 from trainer.job import build_job
 from trainer import checkpoint as ckpt
 from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed
@@ -113,6 +114,9 @@ class Engine:
         arrival_barrier("engine-built", cfg.training.startup_timeout_s)
         self._train_state = ckpt.TrainState()
         self._accum_weight = 0.0
+        # MoE: the expert loads since the last optimizer_step, for the selection-bias update.
+        self._balance = ExpertBalance(self.model, rate=cfg.training.expert_bias_rate) or None
+        self._load: torch.Tensor | None = None
         self._hf_layouts: dict[str, list[str]] = {}
         self._unusable: str | None = None  # why every call but load/close is refused (close, failed load)
 
@@ -203,6 +207,7 @@ class Engine:
                 result = loss_fn(x, batch)
             finally:  # also when the loss function raises: no layer keeps this graph's aux loss
                 aux = self.model.pop_aux_loss()
+                load = self._balance.pop() if self._balance is not None else None
             loss, metrics = result if isinstance(result, tuple) else (result, {})
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
                 got = (f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
@@ -219,6 +224,8 @@ class Engine:
                                "optimizer_step were dropped (zero_grad)")
                 raise
         self._accum_weight += weight
+        if load is not None:
+            self._load = load if self._load is None else self._load + load
         out = {"loss": global_mean(local_scalar(loss.detach()))}
         if aux is not None:
             out["moe_aux_loss"] = global_mean(local_scalar(aux.detach()))
@@ -246,20 +253,27 @@ class Engine:
         max_norm = self.cfg.training.max_norm if self.cfg.training.max_norm > 0 else float("inf")
         grad_norm = clip_grad_norm_(params, max_norm)
         lr = self.scheduler.get_last_lr()[0]
-        finite = not bool(step_if_finite(self.optimizer, grad_norm))
+        nonfinite = step_if_finite(self.optimizer, grad_norm)
+        finite = not bool(nonfinite)
+        vio = None
+        if self._balance is not None and self._load is not None:  # MoE: the selection biases' step
+            vio = float(self._balance.finish(self._load, apply=~nonfinite))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._accum_weight = 0.0
+        self._accum_weight, self._load = 0.0, None
         self._train_state.step += 1
         if not finite and not self.cfg.training.skip_nonfinite_updates:
             raise NonFiniteLoss(f"non-finite gradient norm at engine step {self.step} (its update was skipped); "
                                 "lower optimizer.lr, or set training.skip_nonfinite_updates = true")
-        return {"grad_norm": float(grad_norm), "lr": lr, "step": self.step, "skipped": not finite}
+        out = {"grad_norm": float(grad_norm), "lr": lr, "step": self.step, "skipped": not finite}
+        if vio is not None:
+            out["moe_max_vio"] = vio
+        return out
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated since the last `optimizer_step` (always allowed)."""
         self.optimizer.zero_grad(set_to_none=True)
-        self._accum_weight = 0.0
+        self._accum_weight, self._load = 0.0, None
 
     @torch.no_grad()
     def compute_logprobs(self, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:

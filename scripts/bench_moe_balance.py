@@ -1,0 +1,141 @@
+"""Expert-load balance of the DeepSeek-V3 debug model: selection bias vs auxiliary losses.
+
+Builds the job of configs/deepseek_v3_debug.toml once (the trainer's `build_job`), draws
+`--steps` training batches and `--val-batches` validation batches once, and for each variant
+restores the same initial weights (selection biases at zero), builds the recipe's AdamW and lr
+schedule, and runs the trainer's eager step (`Job.build_step`, with its `ExpertBalance`) over
+the same batches. A variant sets the auxiliary loss (none, the global-batch load-balancing loss
+of Qwen 3, DeepSeek-V3's sequence-wise loss), its coefficient, and the bias rate
+(`training.expert_bias_rate`; 0 keeps the bias at zero, so routing is by the scores alone).
+
+Per step it records MaxVio over the global batch (max load / mean load - 1, averaged over the MoE
+layers; trainer/expert_balance.py) and the LM loss; per variant the mean MaxVio of the second
+half of the run, the final max/mean load ratio, the training loss (last 10 steps), the
+validation loss and tokens/s. Writes `<out>_curves.csv` and `<out>.csv`; prints a table.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_moe_balance.py --steps 200 \\
+        --out docs/results/moe_balance
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from models.common.moe import MoE  # noqa: E402
+from trainer.config import build_config  # noqa: E402
+from trainer.job import build_job  # noqa: E402
+from trainer.optim import build_lr_scheduler, build_optimizer_for  # noqa: E402
+from trainer.runtime.device import cpu_model  # noqa: E402
+
+# name -> (aux loss, aux coefficient, bias rate)
+VARIANTS = {
+    "none": ("none", 0.0, 0.0),
+    "global LBL 1e-3": ("load_balance", 1e-3, 0.0),
+    "global LBL 1e-2": ("load_balance", 1e-2, 0.0),
+    "sequence 1e-4": ("sequence", 1e-4, 0.0),
+    "bias 1e-3": ("none", 0.0, 1e-3),
+    "bias 1e-3 + sequence 1e-4": ("sequence", 1e-4, 1e-3),
+    "bias 1e-2": ("none", 0.0, 1e-2),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/deepseek_v3_debug.toml")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=4, help="local batch size (sequences)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--val-batches", type=int, default=8)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    ap.add_argument("--out", default="docs/results/moe_balance", help="CSV prefix")
+    args = ap.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        print(f"error: --variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
+        sys.exit(2)
+
+    overrides = [("training.steps", str(args.steps)), ("training.local_batch_size", str(args.batch)),
+                 ("training.seq_len", str(args.seq_len)), ("checkpoint.enable", "false"),
+                 ("metrics.enable_tensorboard", "false"), ("job.dump_folder", "/tmp/bench_moe_balance"),
+                 ("training.mixed_precision_param", "float32")]
+    cfg = build_config(args.config, overrides)
+    job = build_job(cfg)
+    task, device = job.task, job.device
+    loss_fn = task.loss_fn(job.step_plan)
+    batches = [tuple(x.to(device) for x in task.prepare(job.loader.next_batch())) for _ in range(args.steps)]
+    val_loader = job.build_val_loader()
+    val = [tuple(x.to(device) for x in task.prepare(val_loader.next_batch())) for _ in range(args.val_batches)]
+    initial = copy.deepcopy(job.model.state_dict())
+    moes = [m for m in job.model.modules() if isinstance(m, MoE)]
+    tokens_per_step = args.batch * args.seq_len
+    o, s = cfg.optimizer, cfg.lr_scheduler
+    curves, summary = [], []
+    for name in names:
+        aux, coef, rate = VARIANTS[name]
+        job.model.load_state_dict(initial)
+        for m in moes:
+            m.aux_loss = aux
+        optimizer = build_optimizer_for(job.model, name="adamw", lr=o.lr, betas=o.betas, eps=o.eps,
+                                        weight_decay=o.weight_decay)
+        scheduler = build_lr_scheduler(optimizer, total_steps=args.steps, warmup_steps=s.warmup_steps,
+                                       decay_type=s.decay_type, decay_ratio=s.decay_ratio,
+                                       min_lr_factor=s.min_lr_factor)
+        run_cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, aux_loss_coef=coef,
+                                                                         expert_bias_rate=rate))
+        step_fn = dataclasses.replace(job, cfg=run_cfg, optimizer=optimizer,
+                                      scheduler=scheduler).build_step(loss_fn=loss_fn)
+        t_steps, losses, vios = 0.0, [], []
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            out = step_fn([batch], scheduler.get_last_lr()[0])
+            loss, vio = float(out.loss), float(out.moe_max_vio)
+            scheduler.step()
+            if i > 0:  # first step: allocations, lazy state
+                t_steps += time.perf_counter() - t0
+            losses.append(loss)
+            vios.append(vio)
+            curves.append({"variant": name, "step": i + 1, "loss": round(loss, 5), "max_vio": round(vio, 4)})
+        with torch.no_grad():
+            val_loss = sum(float(loss_fn(job.model, *b)) for b in val) / len(val)
+        half = vios[len(vios) // 2:]
+        row = {"variant": name, "aux_loss": aux, "aux_coef": coef, "bias_rate": rate,
+               "max_vio_first": round(vios[0], 3), "max_vio_second_half_mean": round(statistics.fmean(half), 3),
+               "max_over_mean_final": round(1 + vios[-1], 3),
+               "bias_abs_max": round(max((m.router.expert_bias.abs().max().item() for m in moes
+                                          if m.router.expert_bias is not None), default=0.0), 4),
+               "train_loss_last10": round(statistics.fmean(losses[-10:]), 4), "val_loss": round(val_loss, 4),
+               "tokens_per_s": round((args.steps - 1) * tokens_per_step / t_steps)}
+        summary.append(row)
+        print(row, flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, rows in ((f"{out}_curves.csv", curves), (f"{out}.csv", summary)):
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"\n{args.steps} steps x {tokens_per_step} tokens, lr {o.lr:g}, {cpu_model()}, attention {job.attention}, "
+          "float32")
+    print("| variant | MaxVio step 1 | MaxVio 2nd half (mean) | max/mean load, last step | max abs bias | "
+          "train loss (last 10) | val loss | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in summary:
+        print(f"| {r['variant']} | {r['max_vio_first']} | {r['max_vio_second_half_mean']} | "
+              f"{r['max_over_mean_final']} | {r['bias_abs_max']} | {r['train_loss_last10']} | {r['val_loss']} | "
+              f"{r['tokens_per_s']:,} |")
+
+
+if __name__ == "__main__":
+    main()
