@@ -264,16 +264,19 @@ def _one_process_clip(key: str, state: dict):
 
 
 def _check_against_one_process(key, degrees, world_size):
-    """Sharded = one process within the sharded Muon tests' bound, atol 2e-6 on the attention
-    weights (tests/test_muon.py: reduction-order gradient differences through Muon; the clip adds
-    one fp32 multiply per row with gammas from maxima equal to ~1e-7 relative)."""
+    """Sharded = one process within the sharded Muon tests' bounds (tests/test_muon.py
+    `_check_same`): the attention matrices (Muon) atol 2e-6, reduction-order gradient differences
+    through Newton-Schulz, plus the clip's one fp32 multiply per row with gammas from maxima equal
+    to ~1e-7 relative; MLA's latent norm weights (AdamW, whose first steps are ~lr-sized
+    sign-like updates of tiny-gradient entries) atol 2e-4."""
     state = initial_state(key)  # in the main thread: the thread ranks share the global RNG
     tau, ref = _one_process_clip(key, state)
     results = run_threads(world_size, lambda: _sharded_clip_run(key, degrees, world_size, state, tau))
     for params in results:
         assert params
         for name, p in params.items():
-            torch.testing.assert_close(p, ref[name].detach(), atol=2e-6, rtol=0, msg=name)
+            atol = 2e-6 if p.dim() >= 2 else 2e-4
+            torch.testing.assert_close(p, ref[name].detach(), atol=atol, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("key", ["mla_lora_q", "mla_full_q"])
