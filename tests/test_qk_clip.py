@@ -6,9 +6,9 @@
   here per head (q_C, k_C x sqrt(gamma), q_R x gamma); heads under tau bit-unchanged.
 - With lr = 0 (the step is the clip alone) the recomputed max logit of every clipped head on the
   same inputs is tau, and the others are unchanged.
-- SimpleFSDP (dp_shard 2), TP 2 and dp_shard 2 x TP 2 (thread ranks over gloo-style comms, each
-  data-parallel rank its half of the batch) = one process on the whole batch: Llama 3 (GQA and
-  MHA) and DeepSeek-V3 (MLA).
+- SimpleFSDP (dp_shard 2), TP 2 and dp_shard 2 x TP 2 (thread ranks, each data-parallel rank its
+  share of the batch) = one process on the whole batch: Llama 3 (GQA and MHA) and DeepSeek-V3
+  (MLA); MLA under TP 2 also on 2 gloo processes.
 """
 
 from __future__ import annotations
@@ -19,14 +19,22 @@ import math
 import pytest
 import torch
 
-from models.common.attention import max_causal_logit
 from models.common.rope import apply_rope
 from models.deepseek_v3 import FLAVORS as DS_FLAVORS
 from models.deepseek_v3 import DeepSeekV3
 from models.deepseek_v3.model import MLA
 from models.deepseek_v3.plan import PLAN as DS_PLAN
 from parallelisms import ParallelDims, build_mesh, parallelize_model
-from tests.test_parallel_harness import FAMILIES, batch, full, llama3_args, lm_loss, load_full_state, run_threads
+from tests.test_parallel_harness import (
+    FAMILIES,
+    batch,
+    full,
+    llama3_args,
+    lm_loss,
+    load_full_state,
+    run_processes,
+    run_threads,
+)
 from trainer.muon import build_muon
 from trainer.qk_clip import QKClip
 
@@ -263,7 +271,7 @@ def _one_process_clip(key: str, state: dict):
     return tau, dict(model.named_parameters())
 
 
-def _check_against_one_process(key, degrees, world_size):
+def _check_against_one_process(key, degrees, world_size, processes=False):
     """Sharded = one process within the sharded Muon tests' bounds (tests/test_muon.py
     `_check_same`): the attention matrices (Muon) atol 2e-6, reduction-order gradient differences
     through Newton-Schulz, plus the clip's one fp32 multiply per row with gammas from maxima equal
@@ -271,7 +279,10 @@ def _check_against_one_process(key, degrees, world_size):
     sign-like updates of tiny-gradient entries) atol 2e-4."""
     state = initial_state(key)  # in the main thread: the thread ranks share the global RNG
     tau, ref = _one_process_clip(key, state)
-    results = run_threads(world_size, lambda: _sharded_clip_run(key, degrees, world_size, state, tau))
+    if processes:
+        results = run_processes(world_size, _sharded_clip_run, key, degrees, world_size, state, tau)
+    else:
+        results = run_threads(world_size, lambda: _sharded_clip_run(key, degrees, world_size, state, tau))
     for params in results:
         assert params
         for name, p in params.items():
@@ -296,3 +307,9 @@ def test_clip_fsdp_and_tensor_parallel_four_ranks_equal_one_process(key):
     """dp_shard 2 x TP 2: the rows are TP-sharded then FSDP-sharded (_StridedShard); the scale is
     distributed with the weight's own placements."""
     _check_against_one_process(key, dict(dp_shard=2, tp=2), 4)
+
+
+@pytest.mark.multiprocess
+def test_deepseek_clip_tensor_parallel_two_gloo_processes():
+    """The MLA TP case on 2 gloo processes (the thread tests' all-reduce is the threaded backend's)."""
+    _check_against_one_process("mla_lora_q", dict(dp_shard=1, tp=2), 2, processes=True)
