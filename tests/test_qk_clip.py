@@ -36,7 +36,7 @@ from tests.test_parallel_harness import (
     run_threads,
 )
 from trainer.muon import build_muon
-from trainer.qk_clip import QKClip
+from trainer.qk_clip import QKClip, clip_factors
 
 LR, WD = 2e-2, 0.1
 MUON_KW = dict(lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, nesterov=True, ns_steps=5,
@@ -127,6 +127,13 @@ def test_mla_tracks_the_softmax_logit(key):
     for m, (x, cos, sin) in inputs.items():
         ref = reference_mla_logits(m, x, cos, sin).amax(dim=(0, 2, 3))
         torch.testing.assert_close(m.max_logit, ref, rtol=1e-5, atol=0)
+
+
+def test_clip_factors_leave_heads_under_tau_alone():
+    """gamma = tau / S over tau, exactly 1 at or under it, including negative and -inf maxima
+    (min(1, tau / S) would flip or zero those heads' weights)."""
+    s = torch.tensor([4.0, 2.0, 1.0, -3.0, float("-inf")])
+    assert torch.equal(clip_factors(s, 2.0), torch.tensor([0.5, 1.0, 1.0, 1.0, 1.0]))
 
 
 def reference_mla_rule_(m: MLA, s_h: torch.Tensor, tau: float) -> None:

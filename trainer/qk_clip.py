@@ -16,7 +16,7 @@ logits through the weights, so the same inputs would now reach at most tau:
   from W_kv_a) untouched: `mla_qk_clip_`. MLA's logit is softmax_scale * q.k (YaRN's mscale
   included), which the module tracks as it is.
 
-gamma_h = min(1, tau / S_h), so heads under tau are multiplied by exactly 1. Every data-parallel
+gamma_h = tau / S_h if S_h > tau else 1: heads under tau are multiplied by exactly 1. Every data-parallel
 rank saw a different part of the batch and holds (a shard of) the same weights; with tensor
 parallelism a rank runs (and tracks) only its own heads, a contiguous block of them (the plans
 shard W_q / W_k / W_q_b / W_kv_b colwise, Shard(0) on the `tp` axis). So each rank writes its
@@ -42,8 +42,10 @@ from models.errors import ConfigError
 
 
 def clip_factors(max_logit: torch.Tensor, tau: float) -> torch.Tensor:
-    """gamma_h = min(1, tau / S_h) per head (fp32)."""
-    return torch.clamp(tau / max_logit.float(), max=1.0)
+    """gamma_h = tau / S_h where S_h > tau, else 1 (fp32). Not `min(1, tau / S_h)`: a head whose
+    largest logit is negative (or -inf, no pair seen) would get a negative (or -0) factor."""
+    s = max_logit.float()
+    return torch.where(s > tau, tau / s, torch.ones_like(s))
 
 
 def gqa_qk_clip_(wq: torch.Tensor, wk: torch.Tensor, max_logit: torch.Tensor, tau: float) -> None:
@@ -114,6 +116,7 @@ class _Head:
         from models.common.attention import Attention
 
         self.module = module
+        self.mla = not isinstance(module, Attention)
         # `_parameters`: SimpleFSDP computes `linear.weight` (the gathered weight) through a
         # property; the stored parameter (the shard the optimizer updates) stays there.
         if isinstance(module, Attention):
@@ -138,7 +141,7 @@ class _Head:
 
     def clip(self, max_logit: torch.Tensor, tau: float) -> None:
         m = self.module
-        if hasattr(m, "wkv_b"):
+        if self.mla:
             mla_qk_clip_({"wq": self.wq, "wkv_b": self.wk}, max_logit, tau, n_heads=self.n_heads,
                          qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                          v_head_dim=m.v_head_dim)
