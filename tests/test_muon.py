@@ -586,16 +586,26 @@ def test_qk_clip_simple_fsdp_two_ranks_equal_one_process():
 @pytest.mark.parametrize("overrides, pattern", [
     ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("compile.mode", "graph")],
      r"optimizer.qk_clip_tau: > 0 runs in the eager step only"),
-    ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("parallelism.tensor_parallel_degree", "2")],
-     r"optimizer.qk_clip_tau: > 0 with tensor parallelism is not implemented"),
+    ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("parallelism.context_parallel_degree", "2")],
+     r"optimizer.qk_clip_tau: > 0 with context parallelism is not implemented"),
 ])
 def test_qk_clip_rules_refuse_before_building(overrides, pattern):
-    """The step plan's RULES refuse QK clip with graph mode and with TP (read before anything is built)."""
+    """The step plan's RULES refuse QK clip with graph mode and with CP (read before anything is built)."""
     from trainer.job import plan_job
 
     cfg = build_config("configs/llama3_debug.toml", overrides)
     with pytest.raises(ConfigError, match=pattern):
         plan_job(cfg, world_size=2, device_type="cpu")
+
+
+@pytest.mark.parametrize("recipe", ["configs/llama3_debug.toml", "configs/deepseek_v3_debug.toml"])
+def test_qk_clip_plans_with_tensor_parallelism(recipe):
+    """QK clip with TP 2 (and MLA) passes the step plan's RULES (tests/test_qk_clip.py runs it)."""
+    from trainer.job import plan_job
+
+    cfg = build_config(recipe, [("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"),
+                                ("parallelism.tensor_parallel_degree", "2")])
+    plan_job(cfg, world_size=2, device_type="cpu")
 
 
 def _moe_args():

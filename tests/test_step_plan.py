@@ -108,7 +108,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(document_mask=True, model_document_mask=True, caller_loss=True),
         StepRequest(cp_degree=2, task="flow"), StepRequest(cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, caller_loss=True),
-        StepRequest(qk_clip=True, mode="graph"), StepRequest(qk_clip=True, tp_degree=2),
+        StepRequest(qk_clip=True, mode="graph"),
         StepRequest(qk_clip=True, cp_degree=2),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}

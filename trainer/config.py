@@ -199,10 +199,12 @@ class OptimizerConfig:
     the hf backend's; a FLUX model's matrices all take Muon unless listed here)."""
     qk_clip_tau: float = field(default=0.0, metadata=_range(ge=0))
     """name = muon: MuonClip's QK clip. After each step, a head whose largest pre-softmax logit
-    of the step (q.k / sqrt(head_dim), max over the global batch) exceeded tau has its logits
-    scaled by tau / max through its weights (MHA: W_q and W_k rows by sqrt(tau / max); GQA: its
-    W_q rows by tau / max; docs/optimizers.md). Kimi K2 uses 100. 0 = off (no logit tracking,
-    no cost). Eager mode (compile mode untested); not with graph mode, TP or q/k-norm models."""
+    of the step (the logit the softmax sees, max over the global batch) exceeded tau has its
+    logits scaled by tau / max through its weights (MHA: W_q and W_k rows by sqrt(tau / max);
+    GQA: its W_q rows by tau / max; MLA (deepseek_v3): the nope rows of W_q and of W_kv_b's key
+    half by sqrt(tau / max), the rope q rows by tau / max; docs/optimizers.md). Kimi K2 uses 100.
+    0 = off (no logit tracking, no cost). Eager mode (compile mode untested), with SimpleFSDP
+    and TP; not with graph mode, context parallelism or q/k-norm models (Qwen 3)."""
 
 
 @dataclass

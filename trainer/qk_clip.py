@@ -10,19 +10,25 @@ logits through the weights, so the same inputs would now reach at most tau:
   gamma_h, the shared W_k untouched. Our choice, the GQA analogue of the paper's rule for MLA's
   shared rotary key (below): each head's logits scale by exactly its own gamma_h, where scaling
   the shared k by the group's minimum would also shrink the logits of heads that were below tau;
-- MLA (DeepSeek-V3): the head-specific parts q_C, k_C (the "nope" dims of W_q and of the key half
-  of W_kv_b) each by sqrt(gamma_h), the head's rotary q_R rows by gamma_h, the rotary key k_R
-  (shared by all heads) untouched: `mla_qk_clip_`, a function over the named weights, not
-  wired to a model yet (no MLA family in this tree).
+- MLA (DeepSeek-V3, `models.deepseek_v3.model.MLA`): the head-specific parts q_C, k_C (the
+  "nope" dims of W_q -- W_q_b with the low-rank query -- and of the key half of W_kv_b) each by
+  sqrt(gamma_h), the head's rotary q_R rows by gamma_h, the rotary key k_R (shared by all heads,
+  from W_kv_a) untouched: `mla_qk_clip_`. MLA's logit is softmax_scale * q.k (YaRN's mscale
+  included), which the module tracks as it is.
 
-gamma_h = min(1, tau / S_h), so heads below tau are multiplied by exactly 1. The max logits are
-all-reduced (MAX) over all ranks: every data-parallel rank saw a different part of the batch
-and holds (a shard of) the same weights. The scale runs every step with no host sync.
+gamma_h = tau / S_h if S_h > tau else 1: heads under tau are multiplied by exactly 1. Every data-parallel
+rank saw a different part of the batch and holds (a shard of) the same weights; with tensor
+parallelism a rank runs (and tracks) only its own heads, a contiguous block of them (the plans
+shard W_q / W_k / W_q_b / W_kv_b colwise, Shard(0) on the `tp` axis). So each rank writes its
+local maxima at its heads' offset into a [n_heads] row of -inf and one all-reduce (MAX) over
+all ranks gives every rank every head's global max; the scale is built for the full weight and
+each rank multiplies its own shard's rows (no gather of weights). The scale runs every step with
+no host sync.
 
-Not supported (ConfigError where the job is built): tensor parallelism (each rank sees only
-its heads; the head index map is not written), q/k-norm models (Qwen 3: the logits are set by
-the norms' weights, which scaling W_q/W_k does not change), graph mode (the captured step does
-not run the tracking's side effect nor this clip).
+Not supported (ConfigError where the job is built): q/k-norm models (Qwen 3: the logits are set
+by the norms' weights, which scaling W_q/W_k does not change), context parallelism (a rank's
+logits see only its own keys), graph mode (the captured step does not run the tracking's side
+effect nor this clip).
 """
 
 from __future__ import annotations
@@ -30,14 +36,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models.errors import ConfigError
 
 
 def clip_factors(max_logit: torch.Tensor, tau: float) -> torch.Tensor:
-    """gamma_h = min(1, tau / S_h) per head (fp32)."""
-    return torch.clamp(tau / max_logit.float(), max=1.0)
+    """gamma_h = tau / S_h where S_h > tau, else 1 (fp32). Not `min(1, tau / S_h)`: a head whose
+    largest logit is negative (or -inf, no pair seen) would get a negative (or -0) factor."""
+    s = max_logit.float()
+    return torch.where(s > tau, tau / s, torch.ones_like(s))
 
 
 def gqa_qk_clip_(wq: torch.Tensor, wk: torch.Tensor, max_logit: torch.Tensor, tau: float) -> None:
@@ -85,28 +93,81 @@ def _scale_rows_(w: torch.Tensor, per_row: torch.Tensor) -> None:
         w.mul_(scale)
 
 
+def _tp_coordinate(w: torch.Tensor) -> tuple[int, int]:
+    """(rank, size) of `w`'s `tp` mesh axis: (0, 1) for a plain tensor or a mesh without TP.
+    The heads of a colwise weight are split in contiguous blocks over that axis."""
+    if not isinstance(w, DTensor):
+        return 0, 1
+    mesh = w.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names or mesh.size(names.index("tp")) == 1:
+        return 0, 1
+    axis = names.index("tp")
+    assert isinstance(w.placements[axis], Shard) and w.placements[axis].dim == 0, \
+        f"QK clip: a head projection must be colwise (Shard(0)) on tp, got {w.placements}"
+    return mesh.get_local_rank("tp"), mesh.size(axis)
+
+
+class _Head:
+    """One attention module as QK clip sees it: its head weights (the stored parameters) and how
+    to apply the rule to them."""
+
+    def __init__(self, module: nn.Module):
+        from models.common.attention import Attention
+
+        self.module = module
+        self.mla = not isinstance(module, Attention)
+        # `_parameters`: SimpleFSDP computes `linear.weight` (the gathered weight) through a
+        # property; the stored parameter (the shard the optimizer updates) stays there.
+        if isinstance(module, Attention):
+            self.wq = module.wq._parameters["weight"]
+            self.wk = module.wk._parameters["weight"]
+            self.n_heads = self.wq.shape[0] // module.head_dim
+        else:  # MLA
+            self.wq = (module.wq_b if module.q_lora_rank > 0 else module.wq)._parameters["weight"]
+            self.wk = module.wkv_b._parameters["weight"]
+            self.n_heads = self.wq.shape[0] // module.qk_head_dim
+        self.tp_rank, self.tp_size = _tp_coordinate(self.wq)
+        assert self.n_heads % self.tp_size == 0, (self.n_heads, self.tp_size)
+
+    def global_row(self) -> torch.Tensor:
+        """This rank's tracked maxima [local heads] at their place in a [n_heads] row of -inf."""
+        local = self.module.max_logit
+        n_local = self.n_heads // self.tp_size
+        assert local.numel() == n_local, (local.shape, self.n_heads, self.tp_size)
+        row = torch.full((self.n_heads,), float("-inf"), dtype=torch.float32, device=local.device)
+        row[self.tp_rank * n_local:(self.tp_rank + 1) * n_local] = local.float()
+        return row
+
+    def clip(self, max_logit: torch.Tensor, tau: float) -> None:
+        m = self.module
+        if self.mla:
+            mla_qk_clip_({"wq": self.wq, "wkv_b": self.wk}, max_logit, tau, n_heads=self.n_heads,
+                         qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                         v_head_dim=m.v_head_dim)
+        else:
+            gqa_qk_clip_(self.wq, self.wk, max_logit, tau)
+
+
 class QKClip:
-    """The MuonClip hook of one model: turns on max-logit tracking in its attention modules,
-    and after each optimizer step clips the heads over `tau` and resets the tracking."""
+    """The MuonClip hook of one model: turns on max-logit tracking in its attention modules
+    (`Attention`: Llama 3, Qwen 3 without qk-norm; `MLA`: DeepSeek-V3 / Kimi K2), and after each
+    optimizer step clips the heads over `tau` and resets the tracking."""
 
     def __init__(self, model: nn.Module, tau: float):
         from models.common.attention import Attention
+        from models.deepseek_v3.model import MLA
 
         self.tau = float(tau)
-        self.modules = [m for m in model.modules() if isinstance(m, Attention)]
+        self.modules = [m for m in model.modules() if isinstance(m, (Attention, MLA))]
         if not self.modules:
-            raise ConfigError("optimizer.qk_clip_tau: the model has no standard attention modules to clip; "
-                              "allowed: 0 for this model")
-        if any(m.q_norm is not None for m in self.modules):
+            raise ConfigError("optimizer.qk_clip_tau: the model has no attention modules QK clip knows "
+                              "(standard multi-head / grouped-query attention, MLA); allowed: 0 for this model")
+        if any(isinstance(m, Attention) and m.q_norm is not None for m in self.modules):
             raise ConfigError("optimizer.qk_clip_tau: the model normalises q and k per head (qk_norm), so "
                               "scaling W_q/W_k does not change its logits; allowed: 0 for this model")
+        self.heads = [_Head(m) for m in self.modules]
         for m in self.modules:
-            w = m.wq._parameters["weight"]
-            if isinstance(w, DTensor) and any(name == "tp" and w.device_mesh.size(i) > 1
-                                              for i, name in enumerate(w.device_mesh.mesh_dim_names or ())):
-                raise ConfigError("optimizer.qk_clip_tau: QK clip with tensor parallelism is not implemented "
-                                  "(each rank tracks only its own heads); allowed: 0, or "
-                                  "parallelism.tensor_parallel_degree = 1")
             m.track_max_logit = True
 
     def reset(self) -> None:
@@ -116,14 +177,13 @@ class QKClip:
     @torch.no_grad()
     def apply(self) -> None:
         """Clip every head whose tracked max logit exceeded tau; then reset the tracking."""
-        tracked = [m for m in self.modules if m.max_logit is not None]
+        tracked = [h for h in self.heads if h.module.max_logit is not None]
         if not tracked:
             return
-        maxes = torch.stack([m.max_logit for m in tracked])  # [layers, heads]
+        rows = [h.global_row() for h in tracked]
+        maxes = torch.cat(rows)  # [sum of n_heads]: each module's heads, global index
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-        for m, row in zip(tracked, maxes):
-            # `_parameters`: SimpleFSDP computes `linear.weight` (the gathered weight) through a
-            # property; the stored parameter (the shard the optimizer updates) stays there.
-            gqa_qk_clip_(m.wq._parameters["weight"], m.wk._parameters["weight"], row, self.tau)
+        for h, row in zip(tracked, maxes.split([r.numel() for r in rows])):
+            h.clip(row, self.tau)
         self.reset()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.common import ops
+from models.common.attention import max_causal_logit
 from models.common.decoder import TransformerBlock
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
@@ -104,6 +105,12 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=False)
         self.k_rope = HeadShared()
+        # MuonClip (trainer/qk_clip.py) turns this on to read each head's largest pre-softmax
+        # logit of the step (softmax_scale * q.k, YaRN's mscale included: what the softmax sees):
+        # `max_logit` [local heads], a running max over the forwards since the trainer last reset
+        # it to None. Off: no extra work.
+        self.track_max_logit = False
+        self.max_logit: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,6 +134,11 @@ class MLA(nn.Module):
         if width > self.v_head_dim:
             v = F.pad(v, (0, width - self.v_head_dim))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, width]
+        if self.track_max_logit:
+            # q carries softmax_scale * sqrt(width) and the tracker divides by sqrt(width): its
+            # value is the logit the attention op's softmax sees.
+            step_max = max_causal_logit(q.detach(), k.detach(), segment_ids)
+            self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
         out = ops.causal_attention(q, k, v, segment_ids)[..., : self.v_head_dim]
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)
         return self.wo(out)

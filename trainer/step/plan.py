@@ -151,14 +151,11 @@ RULES: tuple[Rule, ...] = (
     Rule("model.name", lambda r: r.caller_loss and r.task != "lm",
          "the engine trains language models (task lm); this family's task is {r.task}"),
     # MuonClip's QK clip (docs/optimizers.md): the attention forward records its max logits as a
-    # module side effect, which the captured step does not run; with TP each rank sees only its heads,
-    # with CP only its own keys.
+    # module side effect, which the captured step does not run; with CP a rank sees only its own keys.
+    # (TP runs: each rank tracks its own heads and the maxima meet in one all-reduce, trainer/qk_clip.py.)
     Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.mode == "graph",
          '> 0 runs in the eager step only (the captured step does not track max logits); allowed with '
          'compile.mode = "graph": 0'),
-    Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.tp_degree > 1,
-         "> 0 with tensor parallelism is not implemented (each rank tracks only its own heads); allowed "
-         "with tensor_parallel_degree > 1: 0"),
     Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.cp_degree > 1,
          "> 0 with context parallelism is not implemented (a rank's max logits would see only its own "
          "keys, at local positions); allowed with context_parallel_degree > 1: 0"),
