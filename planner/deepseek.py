@@ -20,8 +20,9 @@ r_kv = kv_lora_rank, v = v_head_dim, per token:
 - MoE block, no AC: the routed part as Qwen 3's (`planner.activations`: token copies in and out
   4kd, grouped SwiGLU 8kF, indices and scores), the shared experts' SwiGLU (8 x shared width)
   and DeepSeek's router: the sigmoid scores kept by the router and by the sequence-wise balance
-  loss (2 x 4E), the group-limited selection's indices and mask (16G + 8 top_groups + G), the
-  normalised top-k scores (2 x 4k + 4).
+  loss (2 x 4E). The group-limited selection keeps nothing (only its indices, which carry no
+  gradient, are used). Per block and sequence, not per token, the balance loss keeps a few
+  [E]-sized fp32 tensors (4E x batch + ~100 bytes: not modelled).
 - full AC: the block input (2d); selective AC: the outputs of every matmul and of the attention
   (wq_a 2 r_q, wq_b 2h(qk), wkv_a 2(r_kv + rope), wkv_b 2h(nope + v), SDPA 2hw + 4h, wo 2d;
   dense: w1, w3, w2 = 4 hidden + 2d; MoE: router logits 2E, grouped gate/up/down k(4F + 2d),
@@ -57,12 +58,15 @@ def mla_attention_per_token(args) -> int:
 
 def moe_per_token(args) -> int:
     """Bytes one DeepSeek MoE layer keeps per token without AC (routed + shared experts, router)."""
-    k, e, g = args.num_experts_per_tok, args.num_experts, args.num_expert_groups
+    k, e = args.num_experts_per_tok, args.num_experts
+    # Token copies in and out, grouped SwiGLU, and the k-wide bookkeeping: top-k indices, fp32
+    # gathered scores (kept by the renormalising division), bf16 weights, sort and unsort indices.
     routed = 4 * k * args.dim + 8 * k * args.moe_hidden_dim + 30 * k + 8
     shared = 8 * args.num_shared_experts * args.moe_hidden_dim
-    router = 8 * e + 8 * k + 4
-    if g > 1:
-        router += 16 * g + 8 * args.num_limited_groups + g
+    # The sigmoid scores, kept by the router and by the sequence-wise balance loss. The
+    # group-limited selection keeps nothing: only its indices are used, which carry no gradient,
+    # so autograd frees its nodes (and their saved indices and mask) during the forward.
+    router = 8 * e
     return routed + shared + router
 
 
