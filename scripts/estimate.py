@@ -87,7 +87,9 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
         ("gradients (fp32 shards)", est.grads),
         ("optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
         ("bf16 weights kept for backward (SimpleFSDP gathers)", est.saved_weights),
-        (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
+        (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})"
+         if a.blocks == est.n_layers * a.per_block else  # two block kinds (DeepSeek-V3: dense + MoE)
+         f"activations: blocks ({est.n_layers}, the largest {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
         ("activations: final norm, LM-head input, token ids" if flow is None else
          "activations: embedders' inputs, RoPE table, final layer", a.outside),
         ("loss: fp32 log-sum-exp per token (fused loss)" if est.fused_loss else
@@ -263,8 +265,8 @@ def _parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets)")
     p.add_argument("--list-targets", action="store_true", help="print the generations and exit")
-    p.add_argument("--model", help="model.name (llama3, qwen3)")
-    p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, ...)")
+    p.add_argument("--model", help="model.name (llama3, qwen3, deepseek_v3, flux)")
+    p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, 671B, kimi_k2, ...)")
     p.add_argument("--seq-len", type=int, help="training.seq_len")
     p.add_argument("--local-batch", type=int, help="training.local_batch_size (sequences per micro-batch per dp rank)")
     p.add_argument("--grad-accum", type=int, help="training.gradient_accumulation_steps")
