@@ -177,7 +177,7 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     # the final norm sit outside the checkpointed blocks, so their copies are always kept.
     kept = stats.root_kept_gathered_numel
     if ac_mode == "none":
-        kept += stats.block_gathered_numel * stats.n_layers
+        kept += stats.blocks_gathered_numel
     # Transients. Loss: see below. Block backward under AC: the recompute
     # re-gathers the whole block's bf16 weights and re-creates its activations; in every mode
     # one weight gradient at a time exists unsharded (bf16 + fp32 copy for the reduce-scatter,

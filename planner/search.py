@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from models.contract import ModelShape
 from models.errors import ConfigError
 from parallelisms.activation_checkpoint import AC_MODES
+from planner.deepseek import is_mla, mla_activation_bytes
 from planner.memory import RECOMPUTE_RANK, Estimate, estimate
 from planner.shard import fake_process_group, shard_model
 from planner.targets import Target
@@ -71,9 +72,13 @@ class PlanInputs:
             return flux_flops_per_token(self.args, img_tokens=img, txt_tokens=txt)
         return model_flops_per_token(self.args, shape, self.seq_len)
 
-    def activations(self, *, local_batch_size: int, tp: int, ac_mode: str):
-        """FLUX's activation bytes; None (the LM model in `estimate`) for a decoder LM."""
+    def activations(self, *, local_batch_size: int, tp: int, ac_mode: str, cp: int = 1):
+        """FLUX's and DeepSeek-V3's (MLA, two stacks) activation bytes; None (the decoder-LM
+        model in `estimate`) for a GQA decoder LM."""
         if self.flow_tokens is None:
+            if is_mla(self.args):
+                return mla_activation_bytes(self.args, local_batch_size=local_batch_size, seq_len=self.seq_len,
+                                            tp=tp, ac_mode=ac_mode, cp=cp)
             return None
         from planner.flux import flux_activation_bytes
 
@@ -133,7 +138,7 @@ def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, 
                     loss_parallel=loss_parallel, grad_accum=inputs.grad_accum, headroom=headroom,
                     assumed_mfu=assumed_mfu, flops_per_token=inputs.flops_per_token(shape),
                     activations=inputs.activations(local_batch_size=inputs.local_batch_size, tp=dims.tp,
-                                                   ac_mode=ac_mode),
+                                                   ac_mode=ac_mode, cp=dims.cp),
                     **_step_terms(step))
 
 
@@ -157,10 +162,12 @@ def preference_key(est: Estimate) -> tuple:
        activation traffic, so CP is added before TP, but only when the sequence needs it);
     4. the least recompute: none, then selective, then full;
     5. the most tokens per device per step (amortizes the per-step FSDP traffic);
-    6. the fewest replicas (HSDP only when it costs nothing else).
+    6. MoE: the largest expert-parallel degree (each rank gathers num_experts / ep experts per
+       layer; the dispatch's all-to-all moves tokens x top-k rows whatever the degree);
+    7. the fewest replicas (HSDP only when it costs nothing else).
     """
     return (est.fsdp_bound, est.tp, est.cp, RECOMPUTE_RANK[est.ac_mode], -est.tokens_per_device_step,
-            est.dp_replicate)
+            -est.ep, est.dp_replicate)
 
 
 def search_key(est: Estimate, max_global_tokens: int) -> tuple:
@@ -175,8 +182,11 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
               max_global_tokens: int = 16 * 2**20, max_local_batch: int = 64,
               tp_choices: list[int] | None = None, ac_modes: tuple[str, ...] = AC_SEARCH_ORDER,
               dp_replicate_choices: list[int] | None = None, cp_choices: list[int] | None = None,
-              max_cp: int = 16) -> list[Estimate]:
-    """Search dp_replicate, tp (<= devices per host), cp, AC mode and local batch for `target`.
+              max_cp: int = 16, ep_choices: list[int] | None = None, max_ep: int = 64) -> list[Estimate]:
+    """Search dp_replicate, tp (<= devices per host), cp, ep, AC mode and local batch for `target`.
+
+    MoE models: expert-parallel degrees are powers of two up to `max_ep` that divide the experts
+    (`ep_choices` overrides; dense models: 1). DeepSeek-V3 (MLA): cp = 1 only (`planner.deepseek`).
 
     Returns every candidate evaluated (fitting or not), best first by `preference_key` among
     those that fit; a layout the trainer's rules refuse (`PlanInputs.step`) is not evaluated. Shard sizes come from the real plan applied to a one-block copy (exact:
@@ -189,10 +199,11 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
     shape = inputs.args.shape()
     world = target.devices
     tps = tp_choices or _powers_of_two_dividing(world, target.generation.devices_per_host)
-    if inputs.flow_tokens is not None:
+    if inputs.flow_tokens is not None or is_mla(inputs.args):
         cps = [1]
     else:
         cps = cp_choices or _powers_of_two_dividing(world, max_cp)
+    eps = ep_choices or (_powers_of_two_dividing(shape.num_experts, max_ep) if shape.is_moe else [1])
     fpt = inputs.flops_per_token(shape)
     candidates: list[Estimate] = []
     with fake_process_group(world):
@@ -202,10 +213,10 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                 # A smaller cp already fits at the smallest tp, within the global batch, without
                 # exposed FSDP traffic: no plan with this cp can come first (`search_key`).
                 break
-            for dp_replicate in dp_replicate_choices or _powers_of_two_dividing(world // (tp * cp),
-                                                                                 world // (tp * cp)):
+            for dp_replicate, ep in ((r, e) for e in eps for r in dp_replicate_choices or
+                                     _powers_of_two_dividing(world // (tp * cp), world // (tp * cp))):
                 try:
-                    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=1, cp=cp,
+                    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=ep, cp=cp,
                                               world_size=world, shape=shape, seq_len=inputs.split_seq_len)
                 except ConfigError:
                     continue  # this tp / cp does not divide the model's heads / hidden sizes / seq_len
@@ -223,7 +234,7 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                             local_batch_size=batch, seq_len=inputs.seq_len, ac_mode=ac_mode,
                             loss_parallel=tp > 1 and inputs.flow_tokens is None,
                             flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
-                            activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode),
+                            activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
                             **_step_terms(step)))
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
@@ -235,7 +246,7 @@ class Fixes:
     """What would make a plan that does not fit, fit (`suggest_fixes`)."""
 
     single_changes: list[Estimate]
-    """Fitting plans that differ in one of AC mode, local batch, TP degree and CP degree (or only
+    """Fitting plans that differ in one of AC mode, local batch, TP, CP and EP degree (or only
     turn on loss parallel), best first."""
     best: Estimate | None
     """`recommend`'s choice for the target; None when no plan fits it."""
@@ -263,7 +274,7 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
         if not c.fits or len(single) >= limit:
             continue
         changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp,
-                   c.cp != est.cp]
+                   c.cp != est.cp, c.ep != est.ep]
         if sum(changed) == 1 or (sum(changed) == 0 and c.loss_parallel != est.loss_parallel):
             single.append(c)
     everything = recommend(inputs, target, **kw)
@@ -277,10 +288,10 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
 
 
 def best_per_layout(estimates: list[Estimate]) -> list[Estimate]:
-    """The first (best) estimate of each (tp, AC mode), in the given order."""
+    """The first (best) estimate of each (tp, ep, AC mode), in the given order."""
     seen, out = set(), []
     for est in estimates:
-        key = (est.tp, est.ac_mode)
+        key = (est.tp, est.ep, est.ac_mode)
         if key not in seen:
             seen.add(key)
             out.append(est)

@@ -85,6 +85,9 @@ class ShardStats:
     """Local elements of all blocks together."""
     block_gathered_numel: int
     """Elements of the largest block after the dp all-gather (what SimpleFSDP materializes in bf16)."""
+    blocks_gathered_numel: int
+    """Elements of all blocks after the dp all-gather (what the backward keeps in bf16 without AC;
+    n_layers x `block_gathered_numel` when the blocks are all alike)."""
     largest_block_param_gathered: int
     """Elements of the largest single block parameter after the dp all-gather."""
     root_gathered: dict[str, int]
@@ -126,18 +129,27 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     """Apply the real plan to the meta model on the current (fake) world; count rank 0's shards.
 
     `probe=True` shards a one-block copy and multiplies the block by `n_layers`; exact for
-    these models, whose blocks all have the same parameters, and fast for 100+ layers.
+    these models, whose blocks all have the same parameters, and fast for 100+ layers. A model of
+    dense blocks then MoE blocks (DeepSeek-V3: `n_dense_layers`, two stacks) is probed with one
+    block of each stack, each multiplied by its stack's length.
     """
     assert dist.is_initialized() and dist.get_world_size() == parallel_dims.world_size, (
         "run shard_model inside fake_process_group(parallel_dims.world_size)"
     )
     n_layers = args.n_layers
     prefixes = tuple(f"{stack}." for stack in family.plan.stacks)
-    # A one-block probe replaces n_layers; a model of several stacks (FLUX: depth double +
-    # depth_single_blocks single blocks, of different sizes) is sharded whole (meta: cheap).
-    probe = probe and len(prefixes) == 1
-    model = build_parallel_model(family, dataclasses.replace(args, n_layers=1) if probe else args,
-                                 parallel_dims)
+    # A one-block probe replaces n_layers; DeepSeek-V3's dense + MoE stacks are probed with one
+    # block each (`stack_lengths`); other models of several stacks (FLUX: depth double +
+    # depth_single_blocks single blocks, of different sizes) are sharded whole (meta: cheap).
+    dense_moe = len(prefixes) == 2 and hasattr(args, "n_dense_layers")
+    probe = probe and (len(prefixes) == 1 or dense_moe)
+    if probe and dense_moe:
+        probe_args = dataclasses.replace(args, n_layers=2, n_dense_layers=1)
+        stack_lengths = {prefixes[0]: args.n_dense_layers, prefixes[1]: n_layers - args.n_dense_layers}
+    else:
+        probe_args = dataclasses.replace(args, n_layers=1) if probe else args
+        stack_lengths = {prefixes[0]: n_layers} if probe else {}
+    model = build_parallel_model(family, probe_args, parallel_dims)
     root_numel = 0
     root_gathered: dict[str, int] = {}
     block_local: dict[str, int] = {}
@@ -161,10 +173,16 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
             root_gathered[name] = _gathered_numel(param)
             shapes[name] = tuple(local.shape)
     assert first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
-    blocks_numel = block_local[first_block] * n_layers if probe else sum(block_local.values())
+    if probe:  # one block per stack, times the stack's length
+        count = lambda block: stack_lengths[next(p for p in prefixes if block.startswith(p))]  # noqa: E731
+        blocks_numel = sum(n * count(b) for b, n in block_local.items())
+        blocks_gathered = sum(n * count(b) for b, n in block_gathered.items())
+    else:
+        blocks_numel, blocks_gathered = sum(block_local.values()), sum(block_gathered.values())
     head, kept = _lm_head_and_kept(family, root_gathered)
     return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,
-                      block_gathered_numel=max(block_gathered.values()), largest_block_param_gathered=largest,
+                      block_gathered_numel=max(block_gathered.values()), blocks_gathered_numel=blocks_gathered,
+                      largest_block_param_gathered=largest,
                       root_gathered=root_gathered, lm_head_gathered_numel=head, root_kept_gathered_numel=kept,
                       local_shapes=shapes, probed=probe)
 

@@ -87,7 +87,9 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
         ("gradients (fp32 shards)", est.grads),
         ("optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
         ("bf16 weights kept for backward (SimpleFSDP gathers)", est.saved_weights),
-        (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
+        (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})"
+         if a.blocks == est.n_layers * a.per_block else  # two block kinds (DeepSeek-V3: dense + MoE)
+         f"activations: blocks ({est.n_layers}, the largest {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
         ("activations: final norm, LM-head input, token ids" if flow is None else
          "activations: embedders' inputs, RoPE table, final layer", a.outside),
         ("loss: fp32 log-sum-exp per token (fused loss)" if est.fused_loss else
@@ -131,13 +133,13 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
     return "\n".join(lines)
 
 
-SUMMARY_HEADER = ("dp_rep  dp_shard  cp  tp  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
+SUMMARY_HEADER = ("dp_rep  dp_shard  cp  tp  ep  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
                   "transient  total GiB  fits  step s  tok/s/dev")
 
 
 def format_summary_row(est: planner.Estimate) -> str:
     static = est.params + est.grads + est.optimizer
-    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ac_mode:<9}  "
+    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ep:>2}  {est.ac_mode:<9}  "
             f"{est.local_batch_size:>5}  "
             f"{est.tokens_per_device_step:>12,.0f}  {gib(static):>10}  {gib(est.saved_weights):>8}  "
             f"{gib(est.activations.total):>6}  {gib(est.transient):>9}  {gib(est.total):>9}  "
@@ -161,6 +163,8 @@ def format_fixes(est: planner.Estimate, fixes: planner.Fixes) -> list[str]:
             out.append(f"parallelism.tensor_parallel_degree = {c.tp}")
         if c.cp != est.cp:
             out.append(f"parallelism.context_parallel_degree = {c.cp}")
+        if c.ep != est.ep:
+            out.append(f"parallelism.expert_parallel_degree = {c.ep}")
         if c.loss_parallel != est.loss_parallel:
             out.append("parallelism.enable_loss_parallel = true")
         return f"{', '.join(out)}: {gib(c.total)} GiB (fits)"
@@ -226,6 +230,7 @@ def recipe_snippet(est: planner.Estimate) -> str:
         f"data_parallel_shard_degree = {est.dp_shard}",
         f"context_parallel_degree = {est.cp}",
         f"tensor_parallel_degree = {est.tp}",
+        *([f"expert_parallel_degree = {est.ep}"] if est.ep > 1 else []),
         f"enable_loss_parallel = {'true' if est.loss_parallel else 'false'}",
         "[activation_checkpoint]",
         f'mode = "{est.ac_mode}"',
@@ -260,8 +265,8 @@ def _parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets)")
     p.add_argument("--list-targets", action="store_true", help="print the generations and exit")
-    p.add_argument("--model", help="model.name (llama3, qwen3)")
-    p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, ...)")
+    p.add_argument("--model", help="model.name (llama3, qwen3, deepseek_v3, flux)")
+    p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, 671B, kimi_k2, ...)")
     p.add_argument("--seq-len", type=int, help="training.seq_len")
     p.add_argument("--local-batch", type=int, help="training.local_batch_size (sequences per micro-batch per dp rank)")
     p.add_argument("--grad-accum", type=int, help="training.gradient_accumulation_steps")
@@ -273,7 +278,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ac", help="activation_checkpoint.mode: none | selective | full")
     p.add_argument("--loss-parallel", action="store_true", help="parallelism.enable_loss_parallel = true")
     p.add_argument("--recommend", action="store_true",
-                   help="search dp_replicate, tp, cp, AC mode and local batch for the target and print the best plan")
+                   help="search dp_replicate, tp, cp, ep (MoE), AC mode and local batch for the target and print the best plan")
     p.add_argument("--csv", help="write one CSV row per evaluated plan to this path")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of HBM kept free (default 0.10)")
     p.add_argument("--mfu", type=float, default=0.40,
@@ -346,7 +351,7 @@ def _run(argv: list[str]) -> int:
         # Re-check the choice on the full model (every block sharded, not one block x n_layers).
         inputs = dataclasses.replace(inputs, local_batch_size=best.local_batch_size, grad_accum=1)
         est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp, cp=best.cp,
-                                    ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
+                                    ep=best.ep, ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
         assert est.total == best.total, "one-block probe and full model disagree"
         print("recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; "
               "most tokens):")
