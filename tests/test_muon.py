@@ -519,6 +519,46 @@ def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
     assert collectives["all_gather_into_tensor"] >= 14  # the forward's + one per Muon matrix
 
 
+def _uneven_muon_on_rank(param, grad, buf, stacked: bool):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainer.graph.optim import muon_shards, muon_update_
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    dim = 1 if stacked else 0  # a stacked [layers, rows, cols] tensor is sharded on its rows
+    p, g, b = (distribute_tensor(t, mesh, [Shard(dim)]) for t in (param, grad, buf))
+    shards = muon_shards(p[0] if stacked else p)
+    if stacked:
+        shards = tuple((m, md, d + 1, i, n, f) for m, md, d, i, n, f in shards)
+    local = p.to_local().clone()
+    muon_update_(local, g.to_local(), b.to_local().clone(), lr=torch.tensor(0.1), momentum=0.95, nesterov=True,
+                 ns_steps=5, ns_dtype="float32", weight_decay=0.1, shards=shards)
+    return local
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stacked", [False, True], ids=["matrix", "stacked"])
+def test_graph_muon_update_of_unevenly_sharded_matrices(stacked):
+    """5 rows over 4 ranks (DTensor chunks of 2, 2, 1 and 0 rows: Kimi K2's `wq_a` over 1024 FSDP
+    ranks has the same shape of split): the zero-padded all-gather gives every rank its slice of
+    the whole-matrix update. Bound: the same float32 ops on the same whole matrix (the padding
+    rows are cut off before Newton-Schulz), so the slices are equal to rounding, 1e-6."""
+    from trainer.graph.optim import muon_update_
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (3, 5, 8) if stacked else (5, 8)
+    param, grad, buf = (torch.randn(shape, generator=gen) for _ in range(3))
+    want = param.clone()
+    muon_update_(want, grad, buf.clone(), lr=torch.tensor(0.1), momentum=0.95, nesterov=True, ns_steps=5,
+                 ns_dtype="float32", weight_decay=0.1)
+    got = run_processes(4, _uneven_muon_on_rank, param, grad, buf, stacked)
+    rows = [t.shape[-2] for t in got]
+    assert rows == [2, 2, 1, 0]
+    torch.testing.assert_close(torch.cat(got, dim=-2), want, atol=1e-6, rtol=0)
+
+
 def test_checkpoint_state_round_trip():
     """Muon's state through DCP's optimizer state dict (what trainer/checkpoint saves): a fresh
     optimizer loaded from it continues bit for bit (same ops on the same values), with both

@@ -167,7 +167,7 @@ class AdamWSlots:
             if not stack.requires_grad:
                 continue
             if len(self._stack_state[name]) == 1:
-                shards = tuple((m, md, d + 1, i, n) for m, md, d, i, n in self._shards[id(members[0])])
+                shards = tuple((m, md, d + 1, i, n, f) for m, md, d, i, n, f in self._shards[id(members[0])])
                 out.append(UpdateSlot(stack, None, None, None, self._group_of[id(members[0])], members,
                                       momentum=self._stack_state[name][0], shards=shards))
                 continue
@@ -234,9 +234,11 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 
 
 def muon_shards(p: torch.Tensor) -> tuple:
-    """`(mesh, mesh_dim, tensor_dim, index, size)` per mesh axis over which parameter `p` is
-    sharded (empty: whole on this rank). The graph gathers with equal-size all-gathers, so
-    each sharded dim must divide evenly and be sharded by one mesh axis (no _StridedShard)."""
+    """`(mesh, mesh_dim, tensor_dim, index, size, full)` per mesh axis over which parameter `p`
+    is sharded (empty: whole on this rank); `full` is the dim's global length. Each sharded dim
+    must be sharded by one mesh axis (no _StridedShard). Uneven splits are allowed: DTensor's
+    `Shard` gives ranks chunks of ceil(full / size) rows, the last ones fewer or none (Kimi K2's
+    `wq_a`, 1536 rows, over 1024 FSDP ranks: 768 ranks hold 2 rows, 256 hold none)."""
     from torch.distributed.tensor import Replicate, Shard
 
     if not isinstance(p, DTensor):
@@ -246,12 +248,12 @@ def muon_shards(p: torch.Tensor) -> tuple:
         if isinstance(placement, Replicate):
             continue
         size = mesh.size(mesh_dim)
-        if type(placement) is not Shard or placement.dim in dims or p.shape[placement.dim] % size:
-            raise ConfigError(f"optimizer.name: graph-mode Muon gathers evenly sharded matrices only; a parameter "
+        if type(placement) is not Shard or placement.dim in dims:
+            raise ConfigError(f"optimizer.name: graph-mode Muon gathers matrices sharded once per dim; a parameter "
                               f"of shape {tuple(p.shape)} has placements {p.placements}; allowed: optimizer.name = "
                               "\"adamw\", or compile.mode = \"eager\"")
         dims.add(placement.dim)
-        out.append((mesh, mesh_dim, placement.dim, mesh.get_local_rank(mesh_dim), size))
+        out.append((mesh, mesh_dim, placement.dim, mesh.get_local_rank(mesh_dim), size, p.shape[placement.dim]))
     return tuple(out)
 
 
@@ -262,18 +264,27 @@ def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch
 
     `shards` (`muon_shards`): the update is all-gathered along each sharded dim, orthogonalised
     whole (batched over leading dims: stacked layers, experts) and narrowed back to this rank's
-    slice. `apply` gates the update on the device, as in `adamw_update_`.
+    slice. An uneven dim is zero-padded to `size` equal chunks for the all-gather (collectives
+    take equal sizes) and the padding cut off before Newton-Schulz. `apply` gates the update on
+    the device, as in `adamw_update_`.
     """
     from trainer.muon import NS_DTYPES, newton_schulz5, update_scale
 
     new_buf = momentum_buffer.lerp(grad, 1 - momentum)
     u = grad.lerp(new_buf, momentum) if nesterov else new_buf
-    for mesh, mesh_dim, dim, _, _ in shards:
+    for mesh, mesh_dim, dim, _, size, full in shards:
+        chunk = -(-full // size)
+        if u.shape[dim] != chunk:  # an uneven split: this rank holds fewer rows (or none)
+            pad = [0, 0] * (u.ndim - 1 - dim) + [0, chunk - u.shape[dim]]
+            u = torch.nn.functional.pad(u, pad)
         u = funcol.all_gather_tensor(u, dim, (mesh, mesh_dim))
+        if chunk * size != full:
+            u = u.narrow(dim, 0, full)
     o = newton_schulz5(u, steps=ns_steps, dtype=NS_DTYPES[ns_dtype]).to(u.dtype) * update_scale(u.shape)
-    for _, _, dim, index, size in shards:
-        chunk = o.shape[dim] // size
-        o = o.narrow(dim, index * chunk, chunk)
+    for _, _, dim, index, size, full in shards:
+        chunk = -(-full // size)
+        start = min(index * chunk, full)
+        o = o.narrow(dim, start, min(full, start + chunk) - start)
     new_param = param * (1 - lr * weight_decay) if weight_decay != 0 else param
     new_param = new_param - lr * o
     if apply is not None:
