@@ -229,7 +229,7 @@ def test_sequence_aux_loss_is_one_when_balanced():
 # is computed per sequence shard under TP (docs/models.md), which Adam makes visible (3.6e-5
 # measured on tp=2), so it is not a parity subject there.
 
-from tests.trainer_runs import assert_losses_close, train_losses  # noqa: E402
+from tests.trainer_runs import assert_losses_close, train  # noqa: E402
 
 STEPS = 6
 COMMON = [
@@ -240,15 +240,30 @@ COMMON = [
 ]
 
 
-def _losses(folder, nproc: int, degrees: dict, *extra: str) -> list[float]:
-    return train_losses(folder, nproc, degrees, STEPS, *COMMON, *extra)
+def _curves(folder, nproc: int, degrees: dict, *extra: str) -> tuple[list[float], list[float]]:
+    """The logged losses and global gradient norms (before clipping) of steps 1..STEPS."""
+    records = train(folder, nproc, degrees, *COMMON, *extra)
+    assert sorted(records) == list(range(1, STEPS + 1))
+    return ([records[s]["loss"] for s in range(1, STEPS + 1)], [records[s]["grad_norm"] for s in range(1, STEPS + 1)])
 
 
 @pytest.fixture(scope="module")
-def eager_losses(tmp_path_factory):
-    losses = _losses(tmp_path_factory.mktemp("eager"), 1, {})
+def eager_curves(tmp_path_factory):
+    losses, norms = _curves(tmp_path_factory.mktemp("eager"), 1, {})
     assert losses[-1] < losses[0]
-    return losses
+    return losses, norms
+
+
+def _assert_curves_close(got, want):
+    """Losses of every step within 1e-5 relative; the global gradient norms of steps 1-2 (the
+    warmup, at lr <= 1.5e-3) within 1e-5 too: the same fp32 gradients summed in another order
+    (~1e-6; measured up to 1.9e-6). Later norms are not compared: at the full lr (3e-3) AdamW turns
+    summation-order noise in near-zero gradient entries into full-size updates, and the norms
+    of both meshes drift apart by up to 8e-5 relative by step 6 while the losses still agree to
+    3e-7; the same drift shows for Llama 3 on dp_shard 2 (measured), so it is the optimizer's,
+    not this family's."""
+    assert_losses_close(got[0], want[0])
+    assert_losses_close(got[1][:2], want[1][:2])
 
 
 @pytest.mark.multiprocess
@@ -257,17 +272,18 @@ def eager_losses(tmp_path_factory):
     pytest.param(dict(tp=2), id="tp2"),
     pytest.param(dict(dp_shard=2, ep=2), id="ep2", marks=pytest.mark.slow),
 ])
-def test_parallel_matches_single_process(tmp_path, eager_losses, degrees):
+def test_parallel_matches_single_process(tmp_path, eager_curves, degrees):
     """SimpleFSDP over 2 ranks; TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py); EP over
-    2 ranks (experts split, shared experts and router data-parallel)."""
-    assert_losses_close(_losses(tmp_path, 2, degrees), eager_losses)
+    2 ranks (experts split, shared experts and router data-parallel). Losses and gradient norms
+    per step; the selection biases' trajectory: tests/test_expert_balance.py."""
+    _assert_curves_close(_curves(tmp_path, 2, degrees), eager_curves)
 
 
 @pytest.mark.slow
-def test_graph_mode_scan_matches_eager(tmp_path, eager_losses):
+def test_graph_mode_scan_matches_eager(tmp_path, eager_curves):
     """Graph mode with layer scan over both stacks (dense blocks scanned as their own stack)."""
-    assert_losses_close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
-                                       "--compile.scan_layers=true"), eager_losses)
+    _assert_curves_close(_curves(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
+                                 "--compile.scan_layers=true"), eager_curves)
 
 
 def test_qwen3_moe_expert_bias_is_opt_in():
