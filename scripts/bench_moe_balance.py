@@ -20,9 +20,6 @@ validation loss and tokens/s. Writes `<out>_curves.csv` and `<out>.csv`; prints 
 from __future__ import annotations
 
 import argparse
-import copy
-import csv
-import dataclasses
 import statistics
 import sys
 import time
@@ -30,12 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
 from models.common.moe import MoE  # noqa: E402
-from trainer.config import build_config  # noqa: E402
-from trainer.job import build_job  # noqa: E402
-from trainer.optim import build_lr_scheduler, build_optimizer_for  # noqa: E402
+from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 # name -> (aux loss, aux coefficient, bias rate)
@@ -66,36 +59,21 @@ def main() -> None:
         print(f"error: --variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
         sys.exit(2)
 
-    overrides = [("training.steps", str(args.steps)), ("training.local_batch_size", str(args.batch)),
-                 ("training.seq_len", str(args.seq_len)), ("checkpoint.enable", "false"),
-                 ("metrics.enable_tensorboard", "false"), ("job.dump_folder", "/tmp/bench_moe_balance"),
-                 ("training.mixed_precision_param", "float32")]
-    cfg = build_config(args.config, overrides)
-    job = build_job(cfg)
-    task, device = job.task, job.device
-    loss_fn = task.loss_fn(job.step_plan)
-    batches = [tuple(x.to(device) for x in task.prepare(job.loader.next_batch())) for _ in range(args.steps)]
-    val_loader = job.build_val_loader()
-    val = [tuple(x.to(device) for x in task.prepare(val_loader.next_batch())) for _ in range(args.val_batches)]
-    initial = copy.deepcopy(job.model.state_dict())
+    fixed = FixedBatches.build(args.config, [("training.local_batch_size", str(args.batch)),
+                                             ("training.seq_len", str(args.seq_len)),
+                                             ("job.dump_folder", "/tmp/bench_moe_balance"),
+                                             ("training.mixed_precision_param", "float32")],
+                               steps=args.steps, val_batches=args.val_batches)
+    job, batches, lr = fixed.job, fixed.batches, fixed.cfg.optimizer.lr
     moes = [m for m in job.model.modules() if isinstance(m, MoE)]
     tokens_per_step = args.batch * args.seq_len
-    o, s = cfg.optimizer, cfg.lr_scheduler
     curves, summary = [], []
     for name in names:
         aux, coef, rate = VARIANTS[name]
-        job.model.load_state_dict(initial)
-        for m in moes:
+        step_fn, _, scheduler = fixed.restart(optimizer="adamw", lr=lr, training_overrides=dict(
+            aux_loss_coef=coef, expert_bias_rate=rate))
+        for m in moes:  # after the restart's weight reload: a plain attribute of each layer
             m.aux_loss = aux
-        optimizer = build_optimizer_for(job.model, name="adamw", lr=o.lr, betas=o.betas, eps=o.eps,
-                                        weight_decay=o.weight_decay)
-        scheduler = build_lr_scheduler(optimizer, total_steps=args.steps, warmup_steps=s.warmup_steps,
-                                       decay_type=s.decay_type, decay_ratio=s.decay_ratio,
-                                       min_lr_factor=s.min_lr_factor)
-        run_cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, aux_loss_coef=coef,
-                                                                         expert_bias_rate=rate))
-        step_fn = dataclasses.replace(job, cfg=run_cfg, optimizer=optimizer,
-                                      scheduler=scheduler).build_step(loss_fn=loss_fn)
         t_steps, losses, vios = 0.0, [], []
         for i, batch in enumerate(batches):
             t0 = time.perf_counter()
@@ -107,8 +85,7 @@ def main() -> None:
             losses.append(loss)
             vios.append(vio)
             curves.append({"variant": name, "step": i + 1, "loss": round(loss, 5), "max_vio": round(vio, 4)})
-        with torch.no_grad():
-            val_loss = sum(float(loss_fn(job.model, *b)) for b in val) / len(val)
+        val_loss = fixed.val_loss()
         half = vios[len(vios) // 2:]
         row = {"variant": name, "aux_loss": aux, "aux_coef": coef, "bias_rate": rate,
                "max_vio_first": round(vios[0], 3), "max_vio_second_half_mean": round(statistics.fmean(half), 3),
@@ -119,14 +96,8 @@ def main() -> None:
                "tokens_per_s": round((args.steps - 1) * tokens_per_step / t_steps)}
         summary.append(row)
         print(row, flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, rows in ((f"{out}_curves.csv", curves), (f"{out}.csv", summary)):
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-    print(f"\n{args.steps} steps x {tokens_per_step} tokens, lr {o.lr:g}, {cpu_model()}, attention {job.attention}, "
+    write_csvs(args.out, {"_curves": curves, "": summary})
+    print(f"\n{args.steps} steps x {tokens_per_step} tokens, lr {lr:g}, {cpu_model()}, attention {job.attention}, "
           "float32")
     print("| variant | MaxVio step 1 | MaxVio 2nd half (mean) | max/mean load, last step | max abs bias | "
           "train loss (last 10) | val loss | tokens/s |")

@@ -21,7 +21,7 @@ import torch
 
 from models.common.moe import MoE
 from models.common.stack import BlockStack
-from tests.trainer_runs import read_metrics, train
+from tests.trainer_runs import train
 from trainer.expert_balance import ExpertBalance
 
 STEPS = 4

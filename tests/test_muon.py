@@ -20,7 +20,7 @@ import torch
 
 from models.common.attention import max_causal_logit
 from models.errors import ConfigError
-from parallelisms import ParallelDims, build_mesh, parallelize_model
+from parallelisms import ParallelDims, build_mesh
 from tests.test_parallel_harness import (
     FAMILIES,
     QWEN3_FLAVORS,
@@ -29,7 +29,7 @@ from tests.test_parallel_harness import (
     full,
     llama3_args,
     lm_loss,
-    load_full_state,
+    parallel_fp32_model,
     reference_state,
     run_processes,
     run_threads,
@@ -235,18 +235,8 @@ def test_matches_reference_three_steps(family):
 
 def _parallel_llama(degrees: dict, world_size: int, state: dict):
     """On a rank: the 2-layer Llama parallelized under `degrees` (fp32), holding `state`."""
-    dims = ParallelDims(world_size=world_size, **degrees)
-    mesh = build_mesh(dims, "cpu")
     cls, make_args, plan = FAMILIES["llama3"]
-    with torch.device("meta"):
-        model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                      reduce_dtype=torch.float32)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()  # rebuilds the RoPE buffers; the weights come next
-    load_full_state(model, state)
-    return model
+    return parallel_fp32_model(cls, make_args(), plan, ParallelDims(world_size=world_size, **degrees), state)[0]
 
 
 def _sharded_run(degrees: dict, world_size: int, state: dict):
@@ -659,15 +649,7 @@ def _moe_ep_run(state: dict):
     import torch.distributed as dist
 
     dims = ParallelDims(world_size=2, dp_shard=2, ep=2)
-    mesh = build_mesh(dims, "cpu")
-    with torch.device("meta"):
-        model = Qwen3(_moe_args())
-    parallelize_model(model, plan=FAMILIES["qwen3"][2], parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                      reduce_dtype=torch.float32)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
-    load_full_state(model, state)
+    model, _ = parallel_fp32_model(Qwen3, _moe_args(), FAMILIES["qwen3"][2], dims, state)
     opt = build_muon(model, **MUON_KW)
     rank = dist.get_rank()
     for i in range(2):

@@ -81,6 +81,23 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> N
             param.copy_(full)
 
 
+def parallel_fp32_model(cls, args, plan, dims, state: dict[str, torch.Tensor]):
+    """On a rank: `cls(args)` built on meta, parallelized by `plan` over `dims` (fp32 params and
+    reductions), materialized, initialised (the RoPE buffers) and holding `state`; -> (model, mesh)."""
+    from parallelisms import build_mesh, parallelize_model
+
+    mesh = build_mesh(dims, "cpu")
+    with torch.device("meta"):
+        model = cls(args)
+    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
+                      reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()  # rebuilds the RoPE buffers; the weights come next
+    load_full_state(model, state)
+    return model, mesh
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 

@@ -24,14 +24,14 @@ from models.deepseek_v3 import FLAVORS as DS_FLAVORS
 from models.deepseek_v3 import DeepSeekV3
 from models.deepseek_v3.model import MLA
 from models.deepseek_v3.plan import PLAN as DS_PLAN
-from parallelisms import ParallelDims, build_mesh, parallelize_model
+from parallelisms import ParallelDims
 from tests.test_parallel_harness import (
     FAMILIES,
     batch,
     full,
     llama3_args,
     lm_loss,
-    load_full_state,
+    parallel_fp32_model,
     run_processes,
     run_threads,
 )
@@ -235,15 +235,7 @@ def parallel_model(key: str, degrees: dict, world_size: int, state: dict):
     rank's data-parallel coordinate."""
     cls, make_args, plan = MODELS[key]
     dims = ParallelDims(world_size=world_size, **degrees)
-    mesh = build_mesh(dims, "cpu")
-    with torch.device("meta"):
-        model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                      reduce_dtype=torch.float32)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()  # rebuilds the RoPE buffers; the weights come next
-    load_full_state(model, state)
+    model, mesh = parallel_fp32_model(cls, make_args(), plan, dims, state)
     return model, dims.dp_rank(mesh), dims.dp_shard * dims.dp_replicate
 
 
