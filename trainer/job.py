@@ -279,7 +279,7 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     plan = plan_job(cfg, world_size=info.world_size, device_type=device_type, caller_loss=purpose == "engine")
 
     # 3. Task (the engine's caller brings its own tokens and loss: none), mesh, batch split, data.
-    task = build_task(cfg, family=plan.family, args=plan.args) if purpose != "engine" else None
+    task = build_task(cfg, family=plan.family, args=plan.args, step_plan=plan.step_plan) if purpose != "engine" else None
     mesh = build_mesh(plan.parallel_dims, "cpu" if check else device.type)
     dp_rank, dp_degree = plan.parallel_dims.dp_rank(mesh), plan.parallel_dims.dp_degree
     t = cfg.training

@@ -29,9 +29,10 @@ assert tuple(TASK_CLASSES) == TASKS, "a task the step plan's rules do not know"
 __all__ = ["TASKS", "TASK_CLASSES", "FlowTask", "LMTask", "build_task"]
 
 
-def build_task(cfg, *, family, args):
-    """The task object of `family` (its `task` field) for this run."""
+def build_task(cfg, *, family, args, step_plan=None):
+    """The task object of `family` (its `task` field) for this run; `step_plan` (trainer/step)
+    decides what a micro-batch carries (LM: segment ids, restart positions)."""
     task = getattr(family, "task", "lm")
     # An unknown task is refused by the step plan's rules (`plan_job`) before anything is built.
     assert task in TASK_CLASSES, f"{family.name} declares task {task!r}: plan_job refuses it first"
-    return TASK_CLASSES[task](cfg, args=args)
+    return TASK_CLASSES[task](cfg, args=args, step_plan=step_plan)

@@ -28,7 +28,7 @@ class FlowTask:
     def seq_len_to_divide(training) -> int:
         return 0  # the FLUX plan shards heads and MLP widths only, not the sequence
 
-    def __init__(self, cfg, *, args):
+    def __init__(self, cfg, *, args, step_plan=None):  # the plan changes nothing a batch holds
         self.cfg = cfg
         self.args = args
         f = cfg.flow

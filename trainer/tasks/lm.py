@@ -30,9 +30,11 @@ class LMTask:
         """The sequence length the parallel degrees must divide: the LM's windows."""
         return training.seq_len
 
-    def __init__(self, cfg, *, args):
+    def __init__(self, cfg, *, args, step_plan=None):
         self.cfg = cfg
         self.args = args
+        # The step plan decodes `document_mask` / `document_positions` (without a plan: global positions).
+        self.restart_positions = bool(step_plan is not None and step_plan.restart_positions)
         self.units_per_sample = cfg.training.seq_len
         self.tokenizer = build_tokenizer(cfg.model.tokenizer)
         if self.tokenizer.n_vocab > args.vocab_size:
@@ -65,8 +67,7 @@ class LMTask:
         shard's global positions, or the restart-per-document positions of the whole window,
         sharded the same way (a document cut by a shard boundary keeps counting)."""
         batch = tuple(batch)
-        t = self.cfg.training
-        restart = t.document_mask and t.document_positions == "restart"
+        restart = self.restart_positions
         if restart:
             batch = (*batch, document_positions(batch[2]))
         if self.cp is None:
@@ -81,7 +82,7 @@ class LMTask:
     def loss_fn(self, step_plan) -> Callable:
         if self.cp is None:
             return step_plan.lm_loss
-        cp, document_mask = self.cp, self.cfg.training.document_mask
+        cp, document_mask = self.cp, step_plan.document_mask
 
         def cp_lm_loss(model, inputs, labels, *extra):
             """This rank's token sum x cp / the cp group's token count: SimpleFSDP's gradient
