@@ -166,8 +166,11 @@ def saved_bytes(model: nn.Module, run: Callable[[], object]) -> int:
     returns, a storage still referenced by someone other than the recorder is kept by autograd
     (saved tensors, checkpoint inputs, SAC caches). Parameters and buffers are excluded; the
     bf16 weight copies SimpleFSDP makes and the backward keeps are included. The value `run`
-    returns (the loss) is held until the count is done, then released.
+    returns (the loss) is held until the count is done, then released. The MoE layers' expert
+    loads are popped first, as the train step pops them after each forward (a few floats per
+    layer for the bias update, docs/moe.md; not activations).
     """
+    from models.common.stack import BlockStack
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -191,6 +194,9 @@ def saved_bytes(model: nn.Module, run: Callable[[], object]) -> int:
     recorder = _Recorder()
     with recorder:
         loss = run()
+    for stack in model.modules():
+        if isinstance(stack, BlockStack):
+            stack.pop_expert_load()
     gc.collect()
     total = 0
     for key, storage in recorder.storages.items():
