@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from models.common.hf import (HFEntry, HFLayout, HFPiece, expert_layout_entry, experts_to_hf, stack_expert_entries,
-                               whole)
+from models.common.hf import (HFEntry, HFLayout, HFPiece, apply_layout, expert_layout_entry, experts_to_hf,
+                               stack_expert_entries, whole)
 from models.deepseek_v3.args import DeepSeekV3Args
 
 _LAYER = {
@@ -50,9 +50,7 @@ _TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight
         "lm_head.weight": "output.weight"}
 _TOP_INV = {ours: hf for hf, ours in _TOP.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _OURS_LAYER = re.compile(r"(dense_layers|moe_layers)\.(\d+)\.(.+)")
-_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def _rope_rows(weight: torch.Tensor, args: DeepSeekV3Args, *, key: bool, to_half: bool) -> torch.Tensor:
@@ -78,48 +76,11 @@ def _ours(layer: int, rest: str, args: DeepSeekV3Args) -> str:
 
 def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *,
             rope_interleave: bool = True) -> dict[str, torch.Tensor]:
-    """HF DeepSeek-V3 state dict (per-expert hub layout or transformers-5 fused experts) -> ours.
-    `rope_interleave`: the checkpoint's config value (True for DeepSeek-V3 and Kimi K2)."""
-    out: dict[str, torch.Tensor] = {}
-    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-    for key, value in hf_state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue
-        if key in _TOP:
-            out[_TOP[key]] = value
-            continue
-        match = _HF_LAYER.fullmatch(key)
-        if match is None:
-            raise ValueError(f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP)} + model.layers.N.*")
-        layer, rest = int(match.group(1)), match.group(2)
-        if layer >= args.n_layers:
-            continue  # the multi-token-prediction module
-        if rest in _LAYER:
-            if rope_interleave and rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
-                value = _rope_rows(value, args, key=False, to_half=True)
-            elif rope_interleave and rest == "self_attn.kv_a_proj_with_mqa.weight":
-                value = _rope_rows(value, args, key=True, to_half=True)
-            out[_ours(layer, _LAYER[rest], args)] = value
-        elif rest == "mlp.experts.gate_up_proj":  # [E, 2 * hidden, dim], gate rows first
-            w1, w3 = value.chunk(2, dim=1)
-            out[_ours(layer, "moe.experts.w1", args)] = w1
-            out[_ours(layer, "moe.experts.w3", args)] = w3
-        elif rest == "mlp.experts.down_proj":
-            out[_ours(layer, "moe.experts.w2", args)] = value
-        elif (expert := _HF_EXPERT.fullmatch(rest)) is not None:
-            per_expert.setdefault((layer, _EXPERT[expert.group(2)]), {})[int(expert.group(1))] = value
-        else:
-            raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
-    for (layer, name), experts in sorted(per_expert.items()):
-        if sorted(experts) != list(range(args.num_experts)):
-            raise ValueError(f"model.layers.{layer}.mlp.experts: expected experts 0..{args.num_experts - 1}, "
-                             f"found {sorted(experts)}")
-        out[_ours(layer, f"moe.experts.{name}", args)] = torch.stack([experts[j] for j in range(args.num_experts)])
-    if args.tie_embeddings:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    elif "output.weight" not in out:
-        raise ValueError("lm_head.weight: missing, and tie_word_embeddings is false")
-    return out
+    """HF DeepSeek-V3 state dict (per-expert hub layout or transformers-5 fused experts) -> ours:
+    `hf_layout` applied to the tensors. `rope_interleave`: the checkpoint's config value (True for
+    DeepSeek-V3 and Kimi K2)."""
+    layout = hf_layout({k: tuple(v.shape) for k, v in hf_state_dict.items()}, args, rope_interleave=rope_interleave)
+    return apply_layout(layout, hf_state_dict)
 
 
 def _rope_entry(key: str, shape: tuple[int, ...], args: DeepSeekV3Args, *, is_key: bool) -> HFEntry:
@@ -138,10 +99,12 @@ def _rope_entry(key: str, shape: tuple[int, ...], args: DeepSeekV3Args, *, is_ke
     return HFEntry(tuple(shape), tuple(pieces))
 
 
-def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args) -> HFLayout:
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *,
+              rope_interleave: bool = True) -> HFLayout:
     """HF names and shapes -> how each of our parameters is made of them (models/common/hf.py),
-    for per-rank loading and `scripts/convert.py from-hf`; the same mapping as `from_hf`
-    (interleaved RoPE rows, as every DeepSeek-V3 / Kimi K2 checkpoint)."""
+    for per-rank loading, `scripts/convert.py from-hf` and `from_hf`. `rope_interleave` (every
+    DeepSeek-V3 / Kimi K2 checkpoint): the rope rows of the query and key projections are
+    permuted to the half layout; without it they are taken as they are."""
     out: HFLayout = {}
     per_expert: dict[tuple[int, str], dict[int, str]] = {}
     for key, shape in hf_shapes.items():
@@ -157,9 +120,9 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args) -> HF
         layer, rest = int(match.group(1)), match.group(2)
         if layer >= args.n_layers:
             continue
-        if rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+        if rope_interleave and rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
             out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=False)
-        elif rest == "self_attn.kv_a_proj_with_mqa.weight":
+        elif rope_interleave and rest == "self_attn.kv_a_proj_with_mqa.weight":
             out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=True)
         elif rest in _LAYER:
             out[_ours(layer, _LAYER[rest], args)] = whole(key, shape)
