@@ -22,6 +22,8 @@ class LMTask:
 
     name = "lm"
     unit = "tokens"
+    restart_positions: bool = False
+    """Micro-batches carry per-document RoPE positions (from the step plan; off without one)."""
     cp: CPGroup | None = None
     """The cp group when the windows are split over context-parallel ranks (`shard_over_context`)."""
 
