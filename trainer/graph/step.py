@@ -55,7 +55,7 @@ class GraphStep:
         self._loss_context = loss_context
         self._loss_fn = loss_fn
         # MoE models: the loads leave the graph as an output; the bias update runs after it.
-        self.balance = balance if balance else None
+        self.balance = balance
         # One update slot per (stack, parameter name): the stacks' names keep FLUX's two
         # stacks apart, whose blocks may share parameter names.
         stacked = {f"{sname}.{pname}": value for sname, stack in self.block_stacks.items()

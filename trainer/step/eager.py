@@ -46,7 +46,7 @@ class EagerStep:
         # an LM micro-batch (inputs, labels): logits, then lm_loss.
         self.loss_fn = loss_fn if loss_fn is not None else plain_loss
         # MoE models: the expert loads and the selection-bias update (trainer/expert_balance.py).
-        self.balance = balance if balance else None
+        self.balance = balance
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
