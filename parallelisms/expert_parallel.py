@@ -110,7 +110,8 @@ def apply_ep(
 
 
 def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: DeviceMesh | None) -> nn.Module:
-    """Make every "moe" layer's load-balancing loss global over the mesh (models/common/moe.py).
+    """Make every "moe" layer's load-balancing loss global over the mesh, and its sequence-wise
+    loss whole-sequence over the ranks sharing the sequences (models/common/moe.py).
 
     `mesh` is the world mesh; the expert counts are summed over all its ranks (the world group)
     with a functional all-reduce (traced into graph mode like any collective). Counting each rank's own tokens once is right on any
@@ -120,12 +121,15 @@ def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: Device
     if mesh is None or mesh.size() == 1:
         return model
     assert mesh.size() == torch.distributed.get_world_size(), "the world mesh is expected"
-    # Named by its process-group name, not the group object: a collective inside a layer-scan
-    # body must not close over a ProcessGroup (Dynamo would lift it as an opaque object).
-    group_name = torch.distributed.group.WORLD.group_name
-
-    def reduce_counts(t: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(t, "sum", group_name)
+    reduce_counts = _sum_over(torch.distributed.group.WORLD.group_name)
+    # The ranks holding shards of the same sequences: cp (each rank two chunks of every sequence)
+    # x tp (the MoE runs on the rank's sequence shard); their per-sequence counts are summed for
+    # DeepSeek's sequence-wise loss.
+    seq_axes = [name for name in ("cp", "tp") if mesh[name].size() > 1]
+    reduce_seq_counts = None
+    if seq_axes:
+        seq_mesh = mesh[seq_axes[0]] if len(seq_axes) == 1 else mesh["cp", "tp"]._flatten("cp_tp")
+        reduce_seq_counts = _sum_over(seq_mesh.get_group().group_name)
 
     paths = [path for path, style in plan.ep_block.items() if style == "moe"]
     for _, block in plan.iter_blocks(model):
@@ -133,7 +137,19 @@ def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: Device
             module = _submodule(block, path)
             if module is not None:
                 module.reduce_counts = reduce_counts
+                module.reduce_seq_counts = reduce_seq_counts
     return model
+
+
+def _sum_over(group_name: str):
+    """A functional all-reduce (sum) over the group of that name, traced into graph mode like any
+    collective. Named by its process-group name, not the group object: a collective inside a
+    layer-scan body must not close over a ProcessGroup (Dynamo would lift it as an opaque object)."""
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(t, "sum", group_name)
+
+    return reduce
 
 
 def is_expert_parallel(module: nn.Module) -> bool:

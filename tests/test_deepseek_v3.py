@@ -220,14 +220,45 @@ def test_sequence_aux_loss_is_one_when_balanced():
     assert sequence_balance_loss(peaked, skewed, 4).item() > 1.5  # 2 x 0.9 / 1.0 x 2 = 1.8
 
 
+def test_sequence_aux_loss_over_sequence_shards_is_the_whole_sequences():
+    """Two equal shards of every sequence (what context parallelism or TP's sequence shards give
+    two ranks), each with `reduce_counts` summing the shards' counts: the mean of the two shard
+    losses, and its gradient, equal the loss on the whole sequences (to fp32 rounding of a sum of
+    ~100 terms, 1e-6). Without the reduction the shard losses differ from it."""
+    from models.common.moe import sequence_balance_loss
+
+    g = torch.Generator().manual_seed(0)
+    E, k = 8, 2
+    scores = torch.rand(3, 12, E, generator=g).requires_grad_()
+    # Skewed selections, different in the two halves, so per-shard fractions differ from the whole.
+    selected = torch.stack([torch.randperm(E, generator=g)[:k] % (3 + i // 6) for i in range(3 * 12)])
+    selected = selected.view(3, 12, k)
+    whole = sequence_balance_loss(scores, selected, E)
+    (want,) = torch.autograd.grad(whole, scores)
+
+    halves = [(scores[:, :6], selected[:, :6]), (scores[:, 6:], selected[:, 6:])]
+
+    def counts(sel):
+        c = torch.zeros(3, E).scatter_add_(1, sel.reshape(3, -1), torch.ones(3, 6 * k))
+        return torch.cat([c.reshape(-1), torch.tensor([6.0])])
+
+    totals = counts(halves[0][1]) + counts(halves[1][1])
+    shards = [sequence_balance_loss(sc, sel, E, reduce_counts=lambda t: totals) for sc, sel in halves]
+    mean = (shards[0] + shards[1]) / 2
+    (got,) = torch.autograd.grad(mean, scores)
+    torch.testing.assert_close(mean, whole, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    per_shard = sum(sequence_balance_loss(sc, sel, E) for sc, sel in halves) / 2
+    assert abs(per_shard.item() - whole.item()) > 1e-3
+
+
 # --- training under the parallelisms (trainer.train, as users launch it) -------------------------
 # fp32, seq 64, global batch 4, 6 steps. Bound on the losses against the 1-process eager run: 1e-5
 # relative (as tests/test_new_family.py argues): another mesh or a captured graph only changes the
 # summation order (~1e-7 relative per step); a wrong shard or a missing gradient sum (e.g. MLA's
-# shared RoPE key without its TP sum) moves a loss by 1e-3 or more. The runs use the global-batch
-# load-balancing loss, which is mesh-exact (models/common/moe.py); the default sequence-wise loss
-# is computed per sequence shard under TP (docs/models.md), which Adam makes visible (3.6e-5
-# measured on tp=2), so it is not a parity subject there.
+# shared RoPE key without its TP sum) moves a loss by 1e-3 or more. The runs use the recipe's
+# sequence-wise balance loss, whole-sequence under TP's sequence shards (models/common/moe.py; per
+# shard it moved the tp=2 losses by 3.6e-5); the global-batch loss: tests/test_expert_parallel.py.
 
 from tests.trainer_runs import assert_losses_close, train  # noqa: E402
 
@@ -236,7 +267,6 @@ COMMON = [
     "--config", "configs/deepseek_v3_debug.toml", f"--training.steps={STEPS}", "--training.seq_len=64",
     "--metrics.log_freq=1", "--checkpoint.enable=false", "--validation.enable=false",
     "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2",
-    "--model.aux_loss=load_balance",
 ]
 
 
@@ -271,12 +301,17 @@ def _assert_curves_close(got, want):
     pytest.param(dict(dp_shard=2), id="fsdp2", marks=pytest.mark.exhaustive),  # SimpleFSDP is family-generic
     pytest.param(dict(tp=2), id="tp2"),
     pytest.param(dict(dp_shard=2, ep=2), id="ep2", marks=pytest.mark.slow),
+    # Context parallelism is family-generic (tests/test_cp_train.py); this point adds the
+    # sequence-wise loss over the cp ranks' chunks.
+    pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.exhaustive),
 ])
 def test_parallel_matches_single_process(tmp_path, eager_curves, degrees):
     """SimpleFSDP over 2 ranks; TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py); EP over
-    2 ranks (experts split, shared experts and router data-parallel). Losses and gradient norms
-    per step; the selection biases' trajectory: tests/test_expert_balance.py."""
-    _assert_curves_close(_curves(tmp_path, 2, degrees), eager_curves)
+    2 ranks (experts split, shared experts and router data-parallel); context parallelism over 2
+    ranks. Losses and gradient norms per step; the selection biases' trajectory:
+    tests/test_expert_balance.py."""
+    extra = [f"--parallelism.context_parallel_degree={degrees['cp']}"] if "cp" in degrees else []
+    _assert_curves_close(_curves(tmp_path, 2, degrees, *extra), eager_curves)
 
 
 @pytest.mark.slow

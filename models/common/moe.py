@@ -85,7 +85,8 @@ def load_balance_loss(
     return num_experts * torch.sum(frac_tokens * mean_probs)
 
 
-def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, num_experts: int,
+                          reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20, without its factor alpha, which is
     `training.aux_loss_coef`), averaged over the sequences of the batch.
 
@@ -93,11 +94,23 @@ def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, 
     Per sequence: `sum_i f_i * P_i` with `f_i = E / (k * seq) * (copies routed to i)` and `P_i`
     the mean over the sequence of the scores normalised to sum to 1 per token. Perfect balance
     gives 1. Only `P_i` carries gradient.
+
+    When each rank holds an equal shard of every sequence (context parallelism, or the MoE on
+    TP's sequence shards), `reduce_counts` sums the per-sequence counts and lengths over the
+    ranks sharing the sequences, so `f_i` is the whole sequence's; `P_i` stays the shard's mean,
+    and the trainer's mean over those ranks (their gradients are averaged) makes it the
+    sequence's mean: the same value and gradient as one process on whole sequences.
     """
     bs, seqlen, top_k = selected_experts.shape
     counts = torch.zeros(bs, num_experts, dtype=torch.float32, device=scores.device).scatter_add_(
         1, selected_experts.reshape(bs, -1), torch.ones(bs, seqlen * top_k, dtype=torch.float32, device=scores.device))
-    frac = counts * (num_experts / (top_k * seqlen))
+    # From `counts` (not a Python number), as in load_balance_loss.
+    length = counts.new_full((1,), float(seqlen))
+    if reduce_counts is not None:
+        # One all-reduce of bs x E + 1 numbers: the sequences' counts and their whole length.
+        both = reduce_counts(torch.cat([counts.reshape(-1), length]))
+        counts, length = both[:-1].view(bs, num_experts), both[-1:]
+    frac = counts * (num_experts / top_k) / length
     scores = scores.float()
     probs = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
     return (frac * probs).sum(dim=-1).mean()
@@ -249,6 +262,8 @@ class MoE(nn.Module):
         self.aux_loss = aux_loss
         # Sums expert counts over the ranks holding the rest of the global batch (parallelisms/).
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Sums per-sequence counts over the ranks holding the rest of the same sequences (cp x tp).
+        self.reduce_seq_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [bs, seq, dim] -> (out [bs, seq, dim], auxiliary loss: 0-dim float32, load: [E] float32
@@ -267,7 +282,8 @@ class MoE(nn.Module):
             aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
         elif self.aux_loss == "sequence":
             aux_loss = sequence_balance_loss(self.router.scores(router_logits).view(bs, seqlen, -1),
-                                             selected_experts.view(bs, seqlen, -1), num_experts)
+                                             selected_experts.view(bs, seqlen, -1), num_experts,
+                                             self.reduce_seq_counts)
         else:
             aux_loss = router_logits.new_zeros((), dtype=torch.float32)
 
