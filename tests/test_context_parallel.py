@@ -416,7 +416,11 @@ def _graph_on_rank(state, scan):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("scan", [
+    False,
+    # CP under graph mode + scan through the trainer: tests/test_cp_train.py.
+    pytest.param(True, marks=pytest.mark.exhaustive),
+], ids=["unrolled", "scan"])
 def test_graph_step_with_cp(scan):
     """Graph mode (and layer scan) with CP attention and SimpleFSDP over cp = 2: 3 AdamW steps
     equal one eager process with the tolerances of tests/test_graph_fsdp.py (losses 1e-5

@@ -133,6 +133,7 @@ def test_two_stack_scan_ac_shrinks_saved_activations():
     assert saved["full"] < saved["selective"] <= saved["none"], saved
 
 
+@pytest.mark.exhaustive  # test_flux_node_count_constant_with_scan: the real two-stack FLUX
 def test_two_stack_node_count_constant_with_scan():
     def nodes(depth, single, scan):
         args = TwoStackArgs(depth=depth, depth_single_blocks=single)

@@ -85,7 +85,8 @@ def test_per_block_compile_matches_eager(degrees):
 
 @pytest.mark.parametrize("world_size, degrees", [
     (2, dict(dp_shard=2)),
-    pytest.param(4, dict(dp_shard=2, tp=2), marks=pytest.mark.slow),  # ~60 s on 2 cores
+    # ~30-60 s on 2 cores; graph mode with TP through the trainer: tests/test_parallel_e2e.py.
+    pytest.param(4, dict(dp_shard=2, tp=2), marks=[pytest.mark.slow, pytest.mark.exhaustive]),
 ])
 def test_whole_step_is_one_graph_with_fsdp_collectives(world_size, degrees):
     results = run_processes(world_size, _eager_and_compiled, degrees, None, "step")

@@ -73,6 +73,7 @@ def test_llama3_scan_tp2_matches_single_process_and_unrolled(tmp_path, llama3_si
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # scan + TP: the test above; loss parallel on TP: tests/test_parallel_e2e.py
 @multiprocess
 def test_llama3_scan_tp2_loss_parallel_matches_single_process(tmp_path, llama3_single):
     losses = _run(tmp_path, LLAMA3, 2, dict(tp=2), *SCAN, *LOSS_PARALLEL)
