@@ -213,7 +213,7 @@ def test_static_dispatch_equals_ragged_dispatch(routing, world_size, transport):
         return results
 
     for ragged, static in run_threads(world_size, rank_fn):
-        (ragged_rows, ragged_sizes), (static_rows, static_sizes) = ragged[-1], static[-1]
+        (_, ragged_sizes), (static_rows, static_sizes) = ragged[-1], static[-1]
         assert torch.equal(static_sizes, ragged_sizes)  # same groups: only the real rows
         assert static_rows == world_size * NUM_TOKENS * 2  # the worst-case buffer
         for a, b in zip(ragged[:-1], static[:-1]):
