@@ -238,6 +238,13 @@ def _profile(enabled: bool, folder: str, step: int, rank: int, device: torch.dev
         yield
 
 
+def _stderr_line(text: str) -> None:
+    """One write of the whole line: every rank of a torchrun job shares one stderr pipe, and
+    print() writes the text and its newline separately, so two ranks' lines could interleave."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -249,19 +256,19 @@ def main(argv: list[str] | None = None) -> int:
         return train(cfg)
     except ConfigError as e:
         release_all(undo=True)  # bad input: the run folder's lock file as it was found
-        print(f"error: {e}", file=sys.stderr)
+        _stderr_line(f"error: {e}")
         return 2
     except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
+        _stderr_line(f"error: {e}")
         return 1
     except Preempted as e:
-        print(e, file=sys.stderr, flush=True)
+        _stderr_line(str(e))
         return PREEMPTED_EXIT_CODE
     except StartupTimeout as e:
-        print(f"error: {e}", file=sys.stderr)
+        _stderr_line(f"error: {e}")
         return 1
     except (ckpt.CheckpointSaveError, WriteFailed) as e:  # disk full, file too large, permission
-        print(f"error: {e}", file=sys.stderr)
+        _stderr_line(f"error: {e}")
         return 1
     finally:
         release_all()
