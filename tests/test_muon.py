@@ -480,7 +480,7 @@ def _graph_fsdp_on_rank(state, scan):
 @pytest.mark.parametrize("scan", [
     False,
     # Scanned Muon in graph mode: test_graph_step_matches_eager[scan]; its uneven stacked shards:
-    # test_graph_muon_update_of_unevenly_sharded_matrices[stacked].
+    # test_graph_muon_update_of_sharded_matrices.
     pytest.param(True, marks=pytest.mark.exhaustive),
 ], ids=["unrolled", "scan"])
 def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
@@ -511,47 +511,86 @@ def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
     for name, p in model.named_parameters():
         atol = 2e-6 if p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output") else 2e-4
         torch.testing.assert_close(params[name], p.detach(), atol=atol, rtol=0, msg=name)
-    assert collectives["all_gather_into_tensor"] >= 14  # the forward's + one per Muon matrix
+    # Muon reaches whole matrices by all-to-alls (trainer.graph.optim._orthogonalize_spread,
+    # counted in test_graph_muon_update_of_sharded_matrices), never by gathering them: the only
+    # all-gathers are SimpleFSDP's parameter gathers, 2 layers x 9 + 3 (unrolled: the forward's;
+    # scan: the body's forward and its recompute in the backward body, 9 + 9, + 3). Gathering the
+    # Muon matrices would add 14 (unrolled) or 7 (stacked).
+    assert collectives["all_gather_into_tensor"] == 21, collectives
+    assert collectives["all_to_all_single"] >= 2 * 7 * (1 if scan else 2), collectives
 
 
-def _uneven_muon_on_rank(param, grad, buf, stacked: bool):
+MUON_LAYOUTS = {
+    # name: (whole shape, mesh shape, placements' dims (one per mesh axis), collectives expected)
+    "matrix": ((5, 8), (4,), (0,), {"all_to_all_single": 2}),  # one matrix: rows 2, 2, 1, 0
+    "stacked": ((3, 5, 8), (4,), (1,), {"all_to_all_single": 2}),  # [layers, rows, cols]: 3 over 4
+    "columns": ((3, 8, 5), (4,), (2,), {"all_to_all_single": 2}),  # the other matrix dim
+    "layers": ((6, 5, 8), (4,), (0,), {}),  # a leading dim: whole matrices already, no traffic
+    "experts_and_rows": ((4, 6, 5), (2, 2), (0, 1), {"all_to_all_single": 2}),
+    "rows_and_columns": ((3, 6, 5), (2, 2), (1, 2), {"all_gather_tensor": 1, "all_to_all_single": 2}),
+}
+
+
+def _sharded_muon_on_rank(tensors: dict):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from trainer.graph import optim
     from trainer.graph.optim import muon_shards, muon_update_
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
-    dim = 1 if stacked else 0  # a stacked [layers, rows, cols] tensor is sharded on its rows
-    p, g, b = (distribute_tensor(t, mesh, [Shard(dim)]) for t in (param, grad, buf))
-    shards = muon_shards(p[0] if stacked else p)
-    if stacked:
-        shards = tuple((m, md, d + 1, i, n, f) for m, md, d, i, n, f in shards)
-    local = p.to_local().clone()
-    muon_update_(local, g.to_local(), b.to_local().clone(), lr=torch.tensor(0.1), momentum=0.95, nesterov=True,
-                 ns_steps=5, ns_dtype="float32", weight_decay=0.1, shards=shards)
-    return local
+    calls: dict[str, int] = {}
+    funcol = optim.funcol
+    for op in ("all_gather_tensor", "all_to_all_single"):
+        def counted(*args, _op=getattr(funcol, op), _name=op, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _op(*args, **kwargs)
+        setattr(funcol, op, counted)
+    out = {}
+    for layout, (param, grad, buf) in tensors.items():
+        _, mesh_shape, dims, _ = MUON_LAYOUTS[layout]
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("a", "b")[:len(mesh_shape)])
+        p, g, b = (distribute_tensor(t, mesh, [Shard(d) for d in dims]) for t in (param, grad, buf))
+        calls.clear()
+        local = p.to_local().clone()
+        muon_update_(local, g.to_local(), b.to_local().clone(), lr=torch.tensor(0.1), momentum=0.95,
+                     nesterov=True, ns_steps=5, ns_dtype="float32", weight_decay=0.1, shards=muon_shards(p))
+        out[layout] = (local, dict(calls))
+    return dist.get_rank(), out
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stacked", [False, True], ids=["matrix", "stacked"])
-def test_graph_muon_update_of_unevenly_sharded_matrices(stacked):
-    """5 rows over 4 ranks (DTensor chunks of 2, 2, 1 and 0 rows: Kimi K2's `wq_a` over 1024 FSDP
-    ranks has the same shape of split): the zero-padded all-gather gives every rank its slice of
-    the whole-matrix update. Bound: the same float32 ops on the same whole matrix (the padding
-    rows are cut off before Newton-Schulz), so the slices are equal to rounding, 1e-6."""
+def test_graph_muon_update_of_sharded_matrices():
+    """Graph-mode Muon on every way a matrix stack can be sharded (MUON_LAYOUTS), 4 gloo ranks,
+    against the same update on the whole tensor in one process: uneven rows (5 over 4 ranks:
+    DTensor chunks of 2, 2, 1 and 0, as Kimi K2's `wq_a` over 1024 FSDP ranks), fewer matrices
+    than ranks (3 layers over 4: the all-to-all pads with zero matrices), the column dim, a
+    leading dim (no collective at all), and 2-D meshes. Bound: the same float32 ops on the same
+    whole matrices (padding is cut off before it is used, zeros stay zeros), so equal to
+    rounding, 1e-6. The collectives are counted: two all-to-alls per sharded stack (there and
+    back), a gather only for a second sharded matrix dim, never a gather of the whole stack."""
     from trainer.graph.optim import muon_update_
 
     gen = torch.Generator().manual_seed(0)
-    shape = (3, 5, 8) if stacked else (5, 8)
-    param, grad, buf = (torch.randn(shape, generator=gen) for _ in range(3))
-    want = param.clone()
-    muon_update_(want, grad, buf.clone(), lr=torch.tensor(0.1), momentum=0.95, nesterov=True, ns_steps=5,
-                 ns_dtype="float32", weight_decay=0.1)
-    got = run_processes(4, _uneven_muon_on_rank, param, grad, buf, stacked)
-    rows = [t.shape[-2] for t in got]
-    assert rows == [2, 2, 1, 0]
-    torch.testing.assert_close(torch.cat(got, dim=-2), want, atol=1e-6, rtol=0)
+    tensors, wants = {}, {}
+    for layout, (shape, *_) in MUON_LAYOUTS.items():
+        param, grad, buf = (torch.randn(shape, generator=gen) for _ in range(3))
+        tensors[layout] = (param, grad, buf)
+        wants[layout] = param.clone()
+        muon_update_(wants[layout], grad, buf.clone(), lr=torch.tensor(0.1), momentum=0.95, nesterov=True,
+                     ns_steps=5, ns_dtype="float32", weight_decay=0.1)
+    results = dict(run_processes(4, _sharded_muon_on_rank, tensors))
+    assert [results[r]["matrix"][0].shape[0] for r in range(4)] == [2, 2, 1, 0]
+    for layout, (_, mesh_shape, dims, expected) in MUON_LAYOUTS.items():
+        for rank in range(4):
+            local, calls = results[rank][layout]
+            coords = torch.arange(4).reshape(mesh_shape).eq(rank).nonzero()[0].tolist()
+            piece = wants[layout]
+            for axis, dim in enumerate(dims):
+                chunks = torch.chunk(piece, mesh_shape[axis], dim=dim)
+                piece = chunks[coords[axis]] if coords[axis] < len(chunks) else piece.narrow(dim, 0, 0)
+            assert calls == expected, (layout, rank, calls)
+            torch.testing.assert_close(local, piece, atol=1e-6, rtol=0, msg=f"{layout}, rank {rank}")
 
 
 def test_checkpoint_state_round_trip():

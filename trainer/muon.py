@@ -22,11 +22,15 @@ AdamW. MoE experts' weights [n_experts, out, in] get one Newton-Schulz per exper
 the leading dims), scaled by that expert matrix's own shape.
 
 Sharded parameters (SimpleFSDP, TP, EP: DTensors): the momentum update is elementwise on the
-local shard; the matrix to orthogonalise is then gathered whole (`DTensor.full_tensor`, one
-all-gather of the matrix per step: the parameter's size in fp32, the same bytes as the
-forward's parameter all-gather in fp32), every rank runs Newton-Schulz on the whole matrix
-(redundant compute: 5 x 3 matmuls of the matrix's size per rank), and each rank keeps its own
-shard of the result (`distribute_tensor(..., src_data_rank=None)`: a local slice, no traffic).
+local shard; the matrices to orthogonalise are then gathered whole over the mesh axes that
+shard their last two dims (one all-gather per step: the parameter's size in fp32, the same bytes
+as the forward's parameter all-gather in fp32; an axis that shards experts or stacked layers
+moves nothing), every rank runs Newton-Schulz on the whole matrices it holds (redundant compute
+over the gathering axes: 5 x 3 matmuls of the matrix's size per rank), and each rank keeps its
+own shard of the result (a local slice, no traffic). Graph mode (`[compile] mode = "graph"`,
+the pod recipes' mode) replaces the gather by two all-to-alls that give each rank ceil(B/D) of
+the B whole matrices (`trainer.graph.optim.orthogonalize_sharded`): no redundant compute, and
+no rank holds the whole stack.
 
 Optimizer state uses torch.optim's names so checkpoints look familiar: Muon parameters hold
 `momentum_buffer` (a DTensor like the parameter), AdamW parameters `step`, `exp_avg`,
@@ -41,7 +45,7 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.adamw import adamw as adamw_functional
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -100,13 +104,26 @@ def split_muon_params(named_params, exclude=MUON_EXCLUDE_DEFAULT) -> tuple[list,
 def orthogonalize(update: torch.Tensor, *, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """Newton-Schulz of a (maybe sharded) update, scaled; returns the local shard in update's dtype.
 
-    A DTensor is gathered whole first (one all-gather of the matrix), orthogonalised on every
-    rank, and cut back to this rank's shard with no communication.
+    A DTensor has its matrix dims (the last two) gathered (`redistribute` to Replicate on the
+    mesh axes that shard them); axes that shard a leading dim (stacked layers, experts under EP)
+    stay sharded, since each matrix is orthogonalised on its own. Every rank runs Newton-Schulz on
+    the matrices it then holds, and keeps its own shard of the result (a local slice, no
+    communication). The graph step does the same with all-to-alls instead of gathers
+    (`trainer.graph.optim.orthogonalize_sharded`).
     """
     if isinstance(update, DTensor):
-        full = update.full_tensor()
-        ortho = newton_schulz5(full, steps=steps, dtype=dtype).to(full.dtype) * update_scale(full.shape)
-        return distribute_tensor(ortho, update.device_mesh, update.placements, src_data_rank=None).to_local()
+        mesh, placements = update.device_mesh, update.placements
+        whole = tuple(Replicate() if p.is_shard() and p.dim >= update.ndim - 2 else p for p in placements)
+        if all(p.is_replicate() for p in whole) or any(type(p) not in (Shard, Replicate) for p in placements):
+            # Whole on every rank (also the TP x FSDP _StridedShard layouts, which redistribute
+            # to a partial Replicate does not take).
+            full = update.full_tensor()
+            ortho = newton_schulz5(full, steps=steps, dtype=dtype).to(full.dtype) * update_scale(full.shape)
+            return distribute_tensor(ortho, mesh, placements, src_data_rank=None).to_local()
+        matrices = update.redistribute(mesh, whole).to_local()
+        ortho = newton_schulz5(matrices, steps=steps, dtype=dtype).to(matrices.dtype) * update_scale(update.shape)
+        ortho = DTensor.from_local(ortho, mesh, whole, shape=update.shape, stride=update.stride())
+        return ortho.redistribute(mesh, placements).to_local()
     return newton_schulz5(update, steps=steps, dtype=dtype).to(update.dtype) * update_scale(update.shape)
 
 

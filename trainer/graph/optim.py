@@ -13,13 +13,15 @@ per-layer `step` tensors. So the graph holds one update per parameter *name*, no
 
 Muon (`trainer.muon.Muon`) runs the same way: its AdamW groups take the update above, its Muon
 groups `muon_update_` on their `momentum_buffer` (stacked like the moments under layer scan: the
-Newton-Schulz of a stacked [n_layers, m, n] tensor is batched over the layers). A sharded
-Muon matrix is all-gathered whole inside the graph (`funcol.all_gather_tensor` per sharded
-mesh axis), orthogonalised, and cut back to this rank's rows, as in the eager step.
+Newton-Schulz of a stacked [n_layers, m, n] tensor is batched over the layers). A Muon stack
+sharded on a matrix dim is redistributed by an all-to-all into whole matrices, ceil(B / D) of its
+B on each of the D ranks, orthogonalised there and sent back (`orthogonalize_sharded`); a shard
+of a leading dim (layers, experts) needs no communication.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -262,29 +264,21 @@ def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch
                  apply: torch.Tensor | None = None, shards: tuple = ()) -> None:
     """One Muon update in place on local tensors (the arithmetic of `trainer.muon.Muon`).
 
-    `shards` (`muon_shards`): the update is all-gathered along each sharded dim, orthogonalised
-    whole (batched over leading dims: stacked layers, experts) and narrowed back to this rank's
-    slice. An uneven dim is zero-padded to `size` equal chunks for the all-gather (collectives
-    take equal sizes) and the padding cut off before Newton-Schulz. `apply` gates the update on
-    the device, as in `adamw_update_`.
+    `shards` (`muon_shards`) says how the local tensors are cut from the whole one; Newton-Schulz
+    needs whole matrices (the last two dims), so (`orthogonalize_sharded`):
+    - a shard of a leading dim (stacked layers, experts) needs nothing: whole matrices, each
+      orthogonalised on the rank that holds it;
+    - the matrix dim sharded over the largest mesh axis is redistributed by an all-to-all from
+      "rows of every matrix" to "whole matrices, ceil(B / D) of the B on each of the D ranks",
+      orthogonalised there and sent back by the inverse all-to-all;
+    - a second sharded matrix dim (TP rowwise beside FSDP) is all-gathered first and cut back last.
+    `apply` gates the update on the device, as in `adamw_update_`.
     """
-    from trainer.muon import NS_DTYPES, newton_schulz5, update_scale
+    from trainer.muon import NS_DTYPES
 
     new_buf = momentum_buffer.lerp(grad, 1 - momentum)
     u = grad.lerp(new_buf, momentum) if nesterov else new_buf
-    for mesh, mesh_dim, dim, _, size, full in shards:
-        chunk = -(-full // size)
-        if u.shape[dim] != chunk:  # an uneven split: this rank holds fewer rows (or none)
-            pad = [0, 0] * (u.ndim - 1 - dim) + [0, chunk - u.shape[dim]]
-            u = torch.nn.functional.pad(u, pad)
-        u = funcol.all_gather_tensor(u, dim, (mesh, mesh_dim))
-        if chunk * size != full:
-            u = u.narrow(dim, 0, full)
-    o = newton_schulz5(u, steps=ns_steps, dtype=NS_DTYPES[ns_dtype]).to(u.dtype) * update_scale(u.shape)
-    for _, _, dim, index, size, full in shards:
-        chunk = -(-full // size)
-        start = min(index * chunk, full)
-        o = o.narrow(dim, start, min(full, start + chunk) - start)
+    o = orthogonalize_sharded(u, shards, steps=ns_steps, dtype=NS_DTYPES[ns_dtype])
     new_param = param * (1 - lr * weight_decay) if weight_decay != 0 else param
     new_param = new_param - lr * o
     if apply is not None:
@@ -292,6 +286,72 @@ def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch
         new_buf = torch.where(apply, new_buf, momentum_buffer)
     param.copy_(new_param)
     momentum_buffer.copy_(new_buf)
+
+
+def orthogonalize_sharded(u: torch.Tensor, shards: tuple, *, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Muon's scaled Newton-Schulz of the whole tensor that `u` is this rank's shard of, returned
+    as this rank's shard (see `muon_update_`). Every rank must call it with the same `shards`
+    layout (the collectives are matched by order)."""
+    from trainer.muon import newton_schulz5, update_scale
+
+    matrix_dims = [s for s in shards if s[2] >= u.ndim - 2]  # shards of leading dims need nothing
+    if not matrix_dims:
+        return newton_schulz5(u, steps=steps, dtype=dtype).to(u.dtype) * update_scale(u.shape)
+    # The dim over the most ranks is spread by all-to-all; by position, not identity (Dynamo
+    # rebuilds tuples, so `is` does not hold inside the captured step).
+    at = max(range(len(matrix_dims)), key=lambda i: matrix_dims[i][4])
+    spread, gathered = matrix_dims[at], matrix_dims[:at] + matrix_dims[at + 1:]
+    for mesh, mesh_dim, dim, _, size, full in gathered:
+        chunk = -(-full // size)
+        u = funcol.all_gather_tensor(_pad_dim(u, dim, chunk), dim, (mesh, mesh_dim)).narrow(dim, 0, full)
+    o = _orthogonalize_spread(u, spread, steps=steps, dtype=dtype)
+    for _, _, dim, index, size, full in gathered:
+        chunk = -(-full // size)
+        start = min(index * chunk, full)
+        o = o.narrow(dim, start, min(full, start + chunk) - start)
+    return o
+
+
+def _orthogonalize_spread(u: torch.Tensor, shard: tuple, *, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz of matrices whose dim `shard[2]` (one of the last two) is split over a mesh
+    axis of D ranks, by two all-to-alls of equal splits (what XLA's all-to-all takes):
+
+        [B, rows/D (padded to c), n]  --all-to-all-->  [ceil(B/D), D*c -> rows, n]  (whole matrices)
+
+    Each rank sends and receives ceil(B/D) x rows x n x (D-1)/D elements per direction, against
+    B x rows x n x (D-1)/D for all-gathering the whole stack, and holds ceil(B/D) whole matrices
+    instead of B. Padding (rows to D*c, B to D*ceil(B/D)) is zeros, which Newton-Schulz maps to
+    zeros (the norm's eps), and is cut off before the result is used.
+    """
+    from trainer.muon import newton_schulz5, update_scale
+
+    mesh, mesh_dim, dim, _, size, full = shard
+    group = (mesh, mesh_dim)
+    transposed = dim == u.ndim - 1  # NS(x^T) = NS(x)^T exactly: newton_schulz5 orients by shape
+    x = u.mT if transposed else u
+    lead, local_rows, cols = x.shape[:-2], x.shape[-2], x.shape[-1]
+    chunk = -(-full // size)
+    count = math.prod(lead)
+    x = _pad_dim(x.reshape(count, local_rows, cols), 1, chunk)
+    per_rank = -(-count // size)
+    x = _pad_dim(x, 0, per_rank * size)  # rank j gets matrices [j * per_rank, (j + 1) * per_rank)
+    splits = [per_rank] * size  # equal; given explicitly (Dynamo traced None as one split per group)
+    x = funcol.all_to_all_single(x.contiguous(), splits, splits, group)
+    whole = x.reshape(size, per_rank, chunk, cols).transpose(0, 1).reshape(per_rank, size * chunk, cols)
+    whole = whole.narrow(1, 0, full)
+    o = newton_schulz5(whole, steps=steps, dtype=dtype).to(u.dtype) * update_scale((full, cols))
+    o = _pad_dim(o, 1, size * chunk).reshape(per_rank, size, chunk, cols).transpose(0, 1)
+    o = funcol.all_to_all_single(o.reshape(size * per_rank, chunk, cols).contiguous(), splits, splits, group)
+    o = o.narrow(0, 0, count).narrow(1, 0, local_rows).reshape(*lead, local_rows, cols)
+    return o.mT if transposed else o
+
+
+def _pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`t` zero-padded at the end of `dim` to `length` (unchanged when it already is)."""
+    if t.shape[dim] == length:
+        return t
+    pad = [0, 0] * (t.ndim - 1 - dim) + [0, length - t.shape[dim]]
+    return torch.nn.functional.pad(t, pad)
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float,
