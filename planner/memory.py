@@ -1,6 +1,7 @@
 """Totals: per-device memory and step time of one plan on one target.
 
-`estimate` adds fp32 master parameters, fp32 gradients, AdamW state (2 x fp32), and the larger
+`estimate` adds fp32 master parameters, fp32 gradients, optimizer state (AdamW: 2 x fp32; Muon:
+1 x fp32 on its matrices, with its update's whole matrices as a transient), and the larger
 the backward's peak (saved activations, the bf16 weights it keeps, and the larger of two
 transient peaks: loss/LM head backward, one block's backward plus the scan's flipped copies
 where the backend makes them) and, for an undonated optimizer update (torch-tpu's compile
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
 RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 """Hardware FLOPs / model FLOPs: full AC repeats the forward (2 of the 6 FLOPs per param per
 token); selective AC recomputes only pointwise ops, norms and all-gathers (no matmuls)."""
+
+MUON_BYTES_PER_WHOLE_ELEMENT = 12
+"""Muon's update per element of the whole matrices a rank holds (`trainer.graph.optim`): the
+received update and the result in fp32 (4 + 4) and Newton-Schulz's input and next iterate in
+bf16 (2 + 2); the [m, m] Gram products (m <= n) are not counted. A model, not measured."""
 
 RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
 """How much each AC mode recomputes, least first: `recommend`'s preference and search order."""
@@ -74,12 +80,17 @@ class Estimate:
     cp: int = 1
     """Context-parallel degree: each of the `cp` ranks of a data-parallel group holds `seq_len / cp`
     tokens of its rows (parallelisms/context_parallel.py)."""
+    optimizer_name: str = "adamw"
+    """`[optimizer] name`: AdamW keeps two fp32 moments per parameter; Muon one on its matrices."""
+    muon_update: int = 0
+    """Muon's update transient (bytes): the whole matrices a rank holds for Newton-Schulz."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
     @property
     def transient(self) -> int:
-        return max(self.transient_loss, self.transient_block + self.scan_flips)
+        # Muon's update runs after the backward, with the activations freed.
+        return max(self.transient_loss, self.transient_block + self.scan_flips, self.muon_update)
 
     @property
     def backward_peak(self) -> int:
@@ -155,12 +166,16 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
              local_batch_size: int, seq_len: int, ac_mode: str, loss_parallel: bool,
              flops_per_token: float, grad_accum: int = 1, headroom: float = 0.1,
              assumed_mfu: float = 0.4, activations: ActivationBytes | None = None, fused_loss: bool = False,
-             scan_flips: bool = False, undonated_update: bool = False) -> Estimate:
+             scan_flips: bool = False, undonated_update: bool = False, optimizer: str = "adamw",
+             stacked: bool = False) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
     `activations`: the model's own activation bytes (FLUX: `planner.flux.flux_activation_bytes`);
     None: the decoder-LM model `activation_bytes`. `fused_loss`, `scan_flips`,
-    `undonated_update`: the step plan's (trainer/step/plan.py `StepPlan`)."""
+    `undonated_update`: the step plan's (trainer/step/plan.py `StepPlan`). `optimizer`: "adamw", or
+    "muon": one fp32 moment on the Muon matrices (`stats.muon_numel`) and the update's whole
+    matrices (`stats.muon_whole_numel`, or `muon_whole_stacked_numel` when `stacked`, the
+    layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
     acts = activations if activations is not None else activation_bytes(
@@ -172,6 +187,12 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
         # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM).
         acts = dataclasses.replace(acts, loss=4 * tokens, logits_transient=0)
     local = stats.param_numel
+    muon = stats.muon_numel if optimizer == "muon" else 0
+    moments = 8 * local - 4 * muon
+    muon_update = 0
+    if muon:
+        muon_update = MUON_BYTES_PER_WHOLE_ELEMENT * (stats.muon_whole_stacked_numel if stacked
+                                                      else stats.muon_whole_numel)
     # Weights the backward needs in bf16: SimpleFSDP gathers (or casts) a weight where it is
     # used and the matmul keeps that copy, unless AC recomputes the block. The LM head and
     # the final norm sit outside the checkpointed blocks, so their copies are always kept.
@@ -207,7 +228,7 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
         model=model, target=target, n_layers=shape.n_layers, dp_replicate=parallel_dims.dp_replicate,
         dp_shard=parallel_dims.dp_shard, tp=tp, ep=parallel_dims.ep, ac_mode=ac_mode,
         local_batch_size=local_batch_size, seq_len=seq_len, grad_accum=grad_accum, loss_parallel=loss_parallel,
-        params=4 * local, grads=4 * local, optimizer=8 * local, saved_weights=2 * kept, activations=acts,
+        params=4 * local, grads=4 * local, optimizer=moments, saved_weights=2 * kept, activations=acts,
         transient_loss=transient_loss, transient_block=transient_block, headroom=headroom,
         assumed_mfu=assumed_mfu, flops_per_token=flops_per_token, recompute_factor=RECOMPUTE_FACTOR[ac_mode],
         fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity) if gen.fsdp_min_tokens else None,
@@ -215,8 +236,13 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
         # torch's scan autograd flips every stacked input of the backward scan: the saved block
         # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
         scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
-        update=12 * local if undonated_update else 0,
+        update=4 * local + moments if undonated_update else 0,
+        optimizer_name=optimizer, muon_update=muon_update,
     )
+    if muon:
+        est.notes.append(f"Muon: one fp32 moment on {muon / 1e6:.1f} M local matrix elements (AdamW: two); its "
+                         f"update holds {muon_update / 2**30:.2f} GiB of whole matrices (the largest "
+                         f"{'stack' if stacked else 'matrix set'} after the all-to-all)")
     if tp > gen.devices_per_host:
         est.notes.append(f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
                          "TP collectives would leave the host's fastest links")

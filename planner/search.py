@@ -139,13 +139,14 @@ def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, 
                     assumed_mfu=assumed_mfu, flops_per_token=inputs.flops_per_token(shape),
                     activations=inputs.activations(local_batch_size=inputs.local_batch_size, tp=dims.tp,
                                                    ac_mode=ac_mode, cp=dims.cp),
-                    **_step_terms(step))
+                    **_step_terms(step, inputs))
 
 
-def _step_terms(step: StepPlan | None) -> dict[str, bool]:
-    """The memory terms a step plan switches on (`planner.memory.estimate`)."""
+def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
+    """The memory terms a step plan and the recipe's optimizer switch on (`planner.memory.estimate`)."""
     return dict(fused_loss=bool(step and step.fused_loss), scan_flips=bool(step and step.scan_flips),
-                undonated_update=bool(step and step.undonated_update))
+                undonated_update=bool(step and step.undonated_update), stacked=bool(step and step.scan),
+                optimizer=inputs.step.optimizer if inputs.step is not None else "adamw")
 
 
 def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
@@ -235,7 +236,7 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                             loss_parallel=tp > 1 and inputs.flow_tokens is None,
                             flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
                             activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
-                            **_step_terms(step)))
+                            **_step_terms(step, inputs)))
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest

@@ -103,6 +103,16 @@ class ShardStats:
     probed: bool
     """True when one block was sharded and multiplied by n_layers (blocks are identical)."""
 
+    muon_numel: int = 0
+    """Local elements of the parameters Muon would update (`trainer.muon.split_muon_params` with
+    the default exclusions: the blocks' and root's matrices but the embedding, head and router)."""
+    muon_whole_numel: int = 0
+    """Elements of whole matrices one rank holds at once in Muon's update, for the parameter where
+    that is largest: ceil(B/D) x m x n after the all-to-all (`trainer.graph.optim.orthogonalize_sharded`),
+    B the matrices of this rank's leading dims (experts), D the ranks splitting a matrix dim."""
+    muon_whole_stacked_numel: int = 0
+    """The same with layer scan: B counts a whole stack's layers."""
+
     @property
     def param_numel(self) -> int:
         return self.root_numel + self.blocks_numel
@@ -157,8 +167,24 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     largest = 0
     shapes: dict[str, tuple[int, ...]] = {}
     first_block = None
+    from trainer.muon import split_muon_params  # the optimizer's own rule for which parameters are Muon's
+
+    muon_ids = {id(p) for p in split_muon_params(model.named_parameters())[0]}
+    muon_root, muon_block, whole, whole_stacked = 0, {}, 0, 0
+    blocks_per_stack = {p: len({n[len(p):].split(".")[0] for n, _ in model.named_parameters() if n.startswith(p)})
+                        for p in prefixes}
     for name, param in model.named_parameters():
         local = local_tensor(param)
+        if id(param) in muon_ids:
+            prefix = next((p for p in prefixes if name.startswith(p)), None)
+            if prefix is None:
+                muon_root += local.numel()
+            else:
+                block = prefix + name[len(prefix):].split(".")[0]
+                muon_block[block] = muon_block.get(block, 0) + local.numel()
+            length = 1 if prefix is None else (stack_lengths.get(prefix) if probe else blocks_per_stack[prefix])
+            whole = max(whole, _muon_whole_numel(param, 1))
+            whole_stacked = max(whole_stacked, _muon_whole_numel(param, length))
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         if prefix is not None:
             block = prefix + name[len(prefix):].split(".")[0]  # "layers.0", "single_blocks.3"
@@ -177,14 +203,35 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
         count = lambda block: stack_lengths[next(p for p in prefixes if block.startswith(p))]  # noqa: E731
         blocks_numel = sum(n * count(b) for b, n in block_local.items())
         blocks_gathered = sum(n * count(b) for b, n in block_gathered.items())
+        muon_numel = muon_root + sum(n * count(b) for b, n in muon_block.items())
     else:
         blocks_numel, blocks_gathered = sum(block_local.values()), sum(block_gathered.values())
+        muon_numel = muon_root + sum(muon_block.values())
     head, kept = _lm_head_and_kept(family, root_gathered)
     return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,
                       block_gathered_numel=max(block_gathered.values()), blocks_gathered_numel=blocks_gathered,
                       largest_block_param_gathered=largest,
                       root_gathered=root_gathered, lm_head_gathered_numel=head, root_kept_gathered_numel=kept,
-                      local_shapes=shapes, probed=probe)
+                      local_shapes=shapes, probed=probe, muon_numel=muon_numel, muon_whole_numel=whole,
+                      muon_whole_stacked_numel=whole_stacked)
+
+
+def _muon_whole_numel(param: torch.Tensor, stack_length: int) -> int:
+    """Whole-matrix elements this rank holds in Muon's graph update of `param` (stacked
+    `stack_length` layers deep): see `ShardStats.muon_whole_numel`. A matrix dim split by a
+    _StridedShard (TP x SimpleFSDP on one dim, which graph-mode Muon refuses) counts as gathered."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    m, n = param.shape[-2:]
+    matrices = stack_length * math.prod(local_tensor(param).shape[:-2])
+    spread = 1
+    if isinstance(param, DTensor):
+        for axis, placement in enumerate(param.placements):
+            if isinstance(placement, Shard) and placement.dim >= param.dim() - 2:
+                if type(placement) is not Shard:
+                    return stack_length * math.prod(param.shape[:-2]) * m * n
+                spread = max(spread, param.device_mesh.size(axis))
+    return -(-matrices // spread) * m * n
 
 
 def _lm_head_and_kept(family: ModelFamily, root_gathered: dict[str, int]) -> tuple[int, int]:

@@ -85,7 +85,8 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
     rows = [
         ("parameters (fp32 master shards)", est.params),
         ("gradients (fp32 shards)", est.grads),
-        ("optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
+        ("optimizer state (Muon momentum on the matrices, AdamW exp_avg + exp_avg_sq on the rest, fp32)"
+         if est.optimizer_name == "muon" else "optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
         ("bf16 weights kept for backward (SimpleFSDP gathers)", est.saved_weights),
         (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})"
          if a.blocks == est.n_layers * a.per_block else  # two block kinds (DeepSeek-V3: dense + MoE)
@@ -96,7 +97,8 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
          f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})" if flow is None else
          "loss: fp32 velocity prediction and target", a.loss),
         (f"transient peak (max of loss/LM head {gib(est.transient_loss)}, block backward "
-         f"{gib(est.transient_block)}" + (f" + scan flips {gib(est.scan_flips)}" if est.scan_flips else "") + ")",
+         f"{gib(est.transient_block)}" + (f" + scan flips {gib(est.scan_flips)}" if est.scan_flips else "")
+         + (f", Muon update {gib(est.muon_update)}" if est.muon_update else "") + ")",
          est.transient),
     ]
     if est.update:

@@ -540,3 +540,49 @@ def test_suggest_fixes_offers_a_cp_degree_for_a_long_sequence():
     assert cp_only and all(c.fits for c in cp_only)
     assert any(line.startswith(f"parallelism.context_parallel_degree = {cp_only[0].cp}:")
                for line in report.format_fixes(est, fixes))
+
+
+# --- Muon ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family,flavor,target,ep", [(LLAMA, "debugmodel", "v6e-4", 1),
+                                                     (QWEN, "debugmodel_moe", "v6e-32", 2)],
+                         ids=["llama3_fsdp4", "qwen3_moe_fsdp32_ep2"])
+def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, ep):
+    """`[optimizer] name = "muon"`: the optimizer state drops by 4 bytes per local element of the
+    Muon matrices (one fp32 moment, not two), counted independently here from the sharded model
+    with the optimizer's own split; the update's transient is 12 bytes per element of the whole
+    matrices a rank receives, worked out by hand for the largest stack: Llama's w1/w3 [768, 256]
+    rows over 4 ranks, 6 layers stacked -> ceil(6/4) = 2 matrices; Qwen MoE's experts on 32 ranks
+    with EP 2 (4 local experts of [256 hidden, 256], hidden split over efsdp 16) -> ceil(6 x 4 / 16)
+    = 2 matrices stacked, ceil(4 / 16) = 1 unrolled. The undonated update writes one moment less."""
+    from planner.shard import local_tensor, shard_model
+    from trainer.muon import split_muon_params
+    from trainer.step.plan import StepRequest
+
+    tgt = P.parse_target(target)
+    args = family.flavors[flavor]
+    inputs = {}
+    for opt in ("adamw", "muon"):
+        step = StepRequest(mode="graph", scan_layers=True, backend="tpu", device_type="tpu", optimizer=opt)
+        inputs[opt] = P.PlanInputs(family=family, args=args, model_name=flavor, seq_len=256, local_batch_size=1,
+                                   step=step)
+    adamw = P.plan_estimate(inputs["adamw"], tgt, ep=ep, ac_mode="full")
+    muon = P.plan_estimate(inputs["muon"], tgt, ep=ep, ac_mode="full")
+    from parallelisms.parallel_dims import ParallelDims
+
+    dims = ParallelDims(dp_shard=tgt.devices, ep=ep, world_size=tgt.devices)
+    with P.fake_process_group(tgt.devices):
+        model = P.build_parallel_model(family, args, dims)
+        muon_numel = sum(local_tensor(p).numel() for p in split_muon_params(model.named_parameters())[0])
+        stats = shard_model(family, args, dims)
+    assert stats.muon_numel == muon_numel > 0
+    assert adamw.optimizer - muon.optimizer == 4 * muon_numel
+    assert adamw.update - muon.update == 4 * muon_numel  # the tpu backend's undonated update
+    stacked_matrices = 2
+    unrolled_matrices = 1
+    m, n = (args.ffn_hidden_dim, args.dim) if ep == 1 else (args.moe_hidden_dim, args.dim)
+    assert stats.muon_whole_stacked_numel == stacked_matrices * m * n
+    assert stats.muon_whole_numel == unrolled_matrices * m * n
+    assert muon.muon_update == 12 * stacked_matrices * m * n and adamw.muon_update == 0
+    assert muon.total < adamw.total

@@ -79,6 +79,8 @@ class StepRequest:
     """`[parallelism] context_parallel_degree`."""
     qk_clip: bool = False
     """`[optimizer] qk_clip_tau` > 0 (MuonClip's QK clip, trainer/qk_clip.py)."""
+    optimizer: str = "adamw"
+    """`[optimizer] name` (the planner counts Muon's one moment and its update buffers)."""
 
 
 @dataclass(frozen=True)
