@@ -170,34 +170,30 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     from trainer.muon import split_muon_params  # the optimizer's own rule for which parameters are Muon's
 
     muon_ids = {id(p) for p in split_muon_params(model.named_parameters())[0]}
-    muon_root, muon_block, whole, whole_stacked = 0, {}, 0, 0
-    blocks_per_stack = {p: len({n[len(p):].split(".")[0] for n, _ in model.named_parameters() if n.startswith(p)})
-                        for p in prefixes}
+    muon_root, muon_block = 0, {}
+    muon_params: list[tuple[torch.Tensor, str | None]] = []  # (parameter, its stack's prefix or None)
     for name, param in model.named_parameters():
         local = local_tensor(param)
-        if id(param) in muon_ids:
-            prefix = next((p for p in prefixes if name.startswith(p)), None)
-            if prefix is None:
-                muon_root += local.numel()
-            else:
-                block = prefix + name[len(prefix):].split(".")[0]
-                muon_block[block] = muon_block.get(block, 0) + local.numel()
-            length = 1 if prefix is None else (stack_lengths.get(prefix) if probe else blocks_per_stack[prefix])
-            whole = max(whole, _muon_whole_numel(param, 1))
-            whole_stacked = max(whole_stacked, _muon_whole_numel(param, length))
+        muon = id(param) in muon_ids
         prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if muon:
+            muon_params.append((param, prefix))
         if prefix is not None:
             block = prefix + name[len(prefix):].split(".")[0]  # "layers.0", "single_blocks.3"
             first_block = first_block or block
             block_local[block] = block_local.get(block, 0) + local.numel()
             block_gathered[block] = block_gathered.get(block, 0) + _gathered_numel(param)
             largest = max(largest, _gathered_numel(param))
+            if muon:
+                muon_block[block] = muon_block.get(block, 0) + local.numel()
             if block.endswith(".0"):  # the first block of each stack
                 shapes[name] = tuple(local.shape)
         else:
             root_numel += local.numel()
             root_gathered[name] = _gathered_numel(param)
             shapes[name] = tuple(local.shape)
+            if muon:
+                muon_root += local.numel()
     assert first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
     if probe:  # one block per stack, times the stack's length
         count = lambda block: stack_lengths[next(p for p in prefixes if block.startswith(p))]  # noqa: E731
@@ -207,6 +203,11 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     else:
         blocks_numel, blocks_gathered = sum(block_local.values()), sum(block_gathered.values())
         muon_numel = muon_root + sum(muon_block.values())
+    # Layers per stack (what layer scan stacks): the probe's stack lengths, else the blocks seen.
+    layers = {p: stack_lengths[p] if probe else sum(b.startswith(p) for b in block_local) for p in prefixes}
+    whole = max((_muon_whole_numel(p, 1) for p, _ in muon_params), default=0)
+    whole_stacked = max((_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in muon_params),
+                        default=0)
     head, kept = _lm_head_and_kept(family, root_gathered)
     return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,
                       block_gathered_numel=max(block_gathered.values()), blocks_gathered_numel=blocks_gathered,

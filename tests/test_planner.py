@@ -556,6 +556,7 @@ def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, 
     rows over 4 ranks, 6 layers stacked -> ceil(6/4) = 2 matrices; Qwen MoE's experts on 32 ranks
     with EP 2 (4 local experts of [256 hidden, 256], hidden split over efsdp 16) -> ceil(6 x 4 / 16)
     = 2 matrices stacked, ceil(4 / 16) = 1 unrolled. The undonated update writes one moment less."""
+    from parallelisms.parallel_dims import ParallelDims
     from planner.shard import local_tensor, shard_model
     from trainer.muon import split_muon_params
     from trainer.step.plan import StepRequest
@@ -569,8 +570,6 @@ def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, 
                                    step=step)
     adamw = P.plan_estimate(inputs["adamw"], tgt, ep=ep, ac_mode="full")
     muon = P.plan_estimate(inputs["muon"], tgt, ep=ep, ac_mode="full")
-    from parallelisms.parallel_dims import ParallelDims
-
     dims = ParallelDims(dp_shard=tgt.devices, ep=ep, world_size=tgt.devices)
     with P.fake_process_group(tgt.devices):
         model = P.build_parallel_model(family, args, dims)
