@@ -135,3 +135,20 @@ def test_the_check_names_the_recipe_and_the_rule_or_the_shortfall(tmp_path):
 
     bad = run(os.path.join(ROOT, "configs", "nope.toml"))
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_recipes_checked_in_one_process_do_not_leak_into_each_other():
+    """`check_recipe.py --all` runs every recipe in one process: a context-parallel job serves
+    `causal_attention` with a closure bound to its (fake) cp group, and the next job, in a new
+    fake world, must not call it (before: `Could not resolve the process group registered under
+    the name ...` for every recipe after a CP one). Each build_job starts from a clean op table."""
+    from models.common import ops
+    from tools.recipe_check import check_recipe
+
+    debug = os.path.join(ROOT, "configs", "llama3_debug.toml")
+    cp = check_recipe(debug, overrides=[("parallelism.context_parallel_degree", "2"),
+                                        ("parallelism.data_parallel_shard_degree", "2")])
+    assert cp.ok and "cp 2" in cp.mesh, cp.error
+    plain = check_recipe(debug)
+    assert plain.ok, plain.error
+    assert all(ops._impls.get(op) is None for op in ops.OPS)  # nothing left bound after the check

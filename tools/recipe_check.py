@@ -76,7 +76,8 @@ def world_of(cfg: Config) -> tuple[int, str, planner.Target | None]:
         target = planner.parse_target(cfg.job.target)
         return target.devices, target.device_type, target
     p = cfg.parallelism
-    degrees = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree)
+    degrees = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
+               p.tensor_parallel_degree)
     return math.prod(d for d in degrees if d > 0), "cpu", None
 
 

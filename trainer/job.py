@@ -245,6 +245,10 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     check = purpose == "check"
     assert check == (device_type is not None), "device_type is the check's target device type"
     t_start = time.perf_counter()
+    # Every job starts from a clean op table: a previous job in this process (the recipe check
+    # runs many) may have served `causal_attention` with a closure bound to its own process group.
+    for op in ops.OPS:
+        ops.register(op, None)
     # 1. Device, heap policy (before any large tensor), process group, seed, compute dtype: `auto`
     #    -> bfloat16 | float32 once, the same on every rank; from here on the config holds it.
     if check:
@@ -312,7 +316,8 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
         # offsets on TPU, dense-mask SDPA elsewhere: parallelisms/context_parallel.py), in place of
         # the kernel picked above; the task shards each window (`prepare`).
         cp = cp_group(mesh["cp"])
-        ops.register("causal_attention", cp_attention_fn(cp, device_type))
+        # A check job captures with the references (the TPU kernels are the compile's: tools/tpu_compile.py).
+        ops.register("causal_attention", cp_attention_fn(cp, "cpu" if check else device_type))
         if task is not None:
             task.shard_over_context(cp)
         local = "splash with per-rank causal offsets" if device_type == "tpu" else "SDPA with a causal mask"
