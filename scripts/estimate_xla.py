@@ -461,7 +461,11 @@ def worker(spec: dict) -> dict:
     devices = topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices
     mesh = Mesh(np.array(devices), ("fsdp",))
     if spec["kernels"] == "pallas":
-        capture.add_lowerings(torchax.default_env(), mesh, "fsdp")
+        from titan_kernels.tpu import tiles
+
+        # The kernels' blocks are the target chip's (as a run there detects it), not the conservative rule.
+        capture.add_lowerings(torchax.default_env(), mesh, "fsdp",
+                              generation=tiles.generation_of(devices[0].device_kind))
     n = len(devices)
 
     def shard_dim(shape):

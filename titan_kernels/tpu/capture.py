@@ -7,10 +7,11 @@ the compiler's HBM bytes and temporaries are then the math kernel's) and MoE exp
 `_grouped_mm`/dense fallbacks, and the fused loss as the chunked torch reference. `install()`
 instead serves `causal_attention`, `grouped_mm` and `linear_cross_entropy`, on every device,
 with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
-so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis)` then
-lowers each node to the kernel a TPU run calls (titan_kernels/tpu/splash.py, gmm.py, fused_ce.py;
-Mosaic, not interpreted), inside `shard_map` over `axis`: XLA's SPMD partitioner cannot split a Mosaic custom
-call and would otherwise replicate it on every device.
+so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis,
+generation=...)` then lowers each node to the kernel a TPU run calls (titan_kernels/tpu/splash.py,
+gmm.py, fused_ce.py; Mosaic, not interpreted; the loss with the target generation's blocks),
+inside `shard_map` over `axis`: XLA's SPMD partitioner cannot split a Mosaic custom call and
+would otherwise replicate it on every device.
 
 - splash: the batch is split over `axis` (the batch is the data-parallel dim of the step);
 - gmm: the rows (tokens sorted by expert) are split over `axis`, the weight is gathered, and each
@@ -168,8 +169,10 @@ def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool)
     return (2 * flops, 2 * fwd_bytes) if backward else (flops, fwd_bytes)
 
 
-def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool) -> tuple[float, float]:
-    """(FLOPs, HBM bytes) of the fused linear + CE on h [n, d], w [vocab, d] (titan_kernels/tpu/fused_ce.py).
+def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool, *,
+            generation: str | None) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of the fused linear + CE on h [n, d], w [vocab, d] (titan_kernels/tpu/fused_ce.py)
+    with `generation`'s blocks (tiles.py; None: the conservative rule).
 
     Forward: one n x vocab x d matmul (the logits, tile by tile). Backward: the dh kernel and the
     dw kernel each recompute the logits tile and do one matmul: four. Bytes: h and the labels
@@ -178,7 +181,7 @@ def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool) -> tuple[
     from titan_kernels.tpu import tiles
 
     matmul = 2.0 * n * vocab * d
-    block_n, block_v = tiles.ce_blocks(None, n, vocab, d, itemsize=itemsize)  # no generation here: the conservative rule
+    block_n, block_v = tiles.ce_blocks(generation, n, vocab, d, itemsize=itemsize)
     row_blocks = max(1, -(-n // block_n))
     vocab_blocks = max(1, -(-vocab // block_v))
     fwd_bytes = itemsize * (n * d + vocab * d * row_blocks) + 12 * n
@@ -191,9 +194,15 @@ def kernel_costs() -> dict[str, float]:
     return {"flops": sum(c[1] for c in COSTS), "bytes": sum(c[2] for c in COSTS), "calls": len(COSTS)}
 
 
-def add_lowerings(env, mesh, axis: str) -> None:
+def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     """Lower the `titan_capture` ops on torchax environment `env` to the Pallas kernels, each in
-    `shard_map` over mesh axis `axis` (module docstring)."""
+    `shard_map` over mesh axis `axis` (module docstring).
+
+    generation: the TPU generation the program is compiled for (a key of tiles.GENERATIONS, e.g.
+    `tiles.generation_of(device.device_kind)` of the target topology): the fused loss takes its
+    blocks and VMEM limit, as a run on that chip does (register.py). None is the conservative
+    rule (v4's 16 MiB), which cannot hold a 70B-wide (8192) head: compiled for v6e that way, the
+    loss' backward stopped at "17.90M of 16.00M" scoped VMEM (docs/tpu.md, fused-CE regression)."""
     import jax
     from jax.sharding import PartitionSpec as P
     from torchax import interop
@@ -252,16 +261,17 @@ def add_lowerings(env, mesh, axis: str) -> None:
         return splash_bwd(q, k, v, dout, seg)
 
     def ce_fwd(h, w, labels):
-        return fused_ce.forward_rows(h, w, labels)
+        return fused_ce.forward_rows(h, w, labels, generation=generation)
 
     def ce_bwd(h, w, labels, lse, g):
-        dh, dw = fused_ce.backward_rows(h, w, labels, lse, g)
+        dh, dw = fused_ce.backward_rows(h, w, labels, lse, g, generation=generation)
         return dh, jax.lax.psum(dw, axis)  # every shard's rows contribute to the head's gradient
 
     def ce_costs(backward):
         def cost(h, w, *rest):
             return ("ce_bwd" if backward else "ce_fwd",
-                    *ce_cost(h.shape[0] // shards, h.shape[1], w.shape[0], h.dtype.itemsize, backward=backward))
+                    *ce_cost(h.shape[0] // shards, h.shape[1], w.shape[0], h.dtype.itemsize, backward=backward,
+                             generation=generation))
         return cost
 
     env.override_op_definition(op.ce_fwd.default, sharded(ce_fwd, (batch, P(), batch), (batch, batch), ce_costs(False)))
