@@ -110,6 +110,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(cp_degree=2, model_document_mask=True, caller_loss=True),
         StepRequest(qk_clip=True, mode="graph"),
         StepRequest(qk_clip=True, cp_degree=2),
+        StepRequest(cp_degree=2, model_document_mask=True, device_type="tpu", seq_len=1000),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]
@@ -117,3 +118,30 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         section, key = rule.key.split(".")
         assert key in sections[section], rule.key
     assert refusals(StepRequest()) == []
+
+
+def test_context_parallel_chunks_hold_whole_splash_tiles_on_tpu():
+    """seq_len / (2 cp) tokens per chunk: on TPU a multiple of splash's 128-token tile, refused
+    before anything is built (the kernel asserts it mid-trace); elsewhere any chunk runs (SDPA)."""
+    cp = dict(model_document_mask=True, device_type="tpu")
+    (message,) = refusals(StepRequest(cp_degree=4, seq_len=1000, **cp))
+    assert message.startswith("training.seq_len: 1000 with parallelism.context_parallel_degree = 4 "), message
+    assert "= 125 tokens" in message and "multiple of 2 * cp * 128 = 1024" in message, message
+    assert "\n" not in message
+    assert refusals(StepRequest(cp_degree=2, seq_len=8192 + 128, **cp))  # chunks of 2080: not whole tiles
+    for seq, degree in ((8192, 2), (131072, 8), (3072, 4), (256, 1), (1000, 1)):
+        assert refusals(StepRequest(cp_degree=degree, seq_len=seq, **cp)) == [], (seq, degree)
+    assert refusals(StepRequest(cp_degree=4, seq_len=1000, model_document_mask=True, device_type="cpu")) == []
+    with pytest.raises(ConfigError, match=r"^training\.seq_len: "):
+        plan_step(StepRequest(cp_degree=4, seq_len=1000, **cp))
+
+
+def test_the_cp_tile_is_splash_s():
+    """The rule's tile is the one titan_kernels/tpu/splash.py asserts (read as text: no jax here)."""
+    import re
+    from pathlib import Path
+
+    from trainer.step.plan import CP_TILE
+
+    text = (Path(__file__).resolve().parents[1] / "titan_kernels" / "tpu" / "splash.py").read_text()
+    assert re.search(r"^TILE = (\d+)$", text, re.M).group(1) == str(CP_TILE)

@@ -79,7 +79,8 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         caller_loss=caller_loss, document_mask=cfg.training.document_mask,
         document_positions=cfg.training.document_positions,
         model_document_mask=bool(getattr(family, "document_mask", False)),
-        cp_degree=cfg.parallelism.context_parallel_degree, qk_clip=cfg.optimizer.qk_clip_tau > 0,
+        cp_degree=cfg.parallelism.context_parallel_degree, seq_len=cfg.training.seq_len,
+        qk_clip=cfg.optimizer.qk_clip_tau > 0,
         optimizer=cfg.optimizer.name)
 
 

@@ -41,6 +41,9 @@ BACKENDS = ("auto", "inductor", "aot_eager", "eager", "tpu")
 FUSED_LOSS = ("auto", "on", "off")
 TASKS = ("lm", "flow")
 DOCUMENT_POSITIONS = ("global", "restart")
+CP_TILE = 128
+"""Tokens of the TPU splash kernel's query tile (titan_kernels/tpu/splash.py `TILE`, which asserts
+it mid-trace); a context-parallel chunk must hold whole tiles."""
 
 
 @dataclass(frozen=True)
@@ -77,10 +80,23 @@ class StepRequest:
     """The family's model takes segment ids and positions (`ModelFamily.document_mask`)."""
     cp_degree: int = 1
     """`[parallelism] context_parallel_degree`."""
+    seq_len: int = 0
+    """`[training] seq_len` (0: not known to the caller; no rule reads it then)."""
     qk_clip: bool = False
     """`[optimizer] qk_clip_tau` > 0 (MuonClip's QK clip, trainer/qk_clip.py)."""
     optimizer: str = "adamw"
     """`[optimizer] name` (the planner counts Muon's one moment and its update buffers)."""
+
+    @property
+    def cp_chunk(self) -> int | float:
+        """Tokens per context-parallel chunk: each window is cut into 2 x cp chunks (load balance)."""
+        chunks = 2 * self.cp_degree
+        return self.seq_len // chunks if self.seq_len % chunks == 0 else self.seq_len / chunks
+
+    @property
+    def cp_seq_multiple(self) -> int:
+        """What `seq_len` must be a multiple of for whole splash tiles per context-parallel chunk."""
+        return 2 * self.cp_degree * CP_TILE
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,14 @@ RULES: tuple[Rule, ...] = (
          "model does not); allowed for this model: 1"),
     Rule("parallelism.context_parallel_degree", lambda r: r.cp_degree > 1 and r.caller_loss,
          "{r.cp_degree}: the engine runs its caller's loss on whole sequences; allowed: 1"),
+    # On TPU each cp rank's two chunks (seq_len / (2 cp) tokens each) are splash's query blocks at
+    # static offsets (titan_kernels/tpu/splash.py, `cp_forward`): whole 128-token tiles only.
+    Rule("training.seq_len",
+         lambda r: r.device_type == "tpu" and r.cp_degree > 1 and r.seq_len % r.cp_seq_multiple != 0,
+         "{r.seq_len} with parallelism.context_parallel_degree = {r.cp_degree} makes context-parallel "
+         "chunks of seq_len / (2 * cp) = {r.cp_chunk} tokens; on TPU the splash kernel takes whole "
+         f"{CP_TILE}-token tiles per chunk; allowed: a seq_len that is a multiple of 2 * cp * {CP_TILE} = "
+         "{r.cp_seq_multiple}, or a context_parallel_degree for which it is one"),
     # The engine runs a caller's loss on the logits.
     Rule("compile.mode", lambda r: r.caller_loss and r.mode == "graph",
          '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
