@@ -25,9 +25,24 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 
+_SERVED: list[Callable] = []
+"""A ragged all-to-all served for every device (`serve`): the TPU program compile
+(tools/tpu_compile.py) captures the dispatch a TPU run emits, on meta tensors."""
+
+
+def serve(op: Callable | None) -> None:
+    """Serve `op` (the module docstring's contract, no autograd) for tensors on any device from
+    now on; None: back to torch-tpu's on TPU only."""
+    _SERVED.clear()
+    if op is not None:
+        _SERVED.append(op)
+
+
 def ragged_all_to_all_for(device: torch.device) -> Callable | None:
     """torch-tpu's `ragged_all_to_all` for TPU tensors, with its backward (`differentiable`);
-    None elsewhere."""
+    the op given to `serve` for any device; None elsewhere."""
+    if _SERVED:
+        return differentiable(_SERVED[0])
     if device.type != "tpu":
         return None
     ops = getattr(getattr(torch, "tpu", None), "ops", None)
