@@ -105,7 +105,8 @@ class ShardStats:
 
     muon_numel: int = 0
     """Local elements of the parameters Muon would update (`trainer.muon.split_muon_params` with
-    the default exclusions: the blocks' and root's matrices but the embedding, head and router)."""
+    the recipe's `muon_exclude`; by default the blocks' and root's matrices but the embedding,
+    head and router)."""
     muon_whole_numel: int = 0
     """Elements of whole matrices one rank holds at once in Muon's update, for the parameter where
     that is largest: ceil(B/D) x m x n after the all-to-all (`trainer.graph.optim.orthogonalize_sharded`),
@@ -135,7 +136,7 @@ def build_parallel_model(family: ModelFamily, args: ModelArgs, parallel_dims: Pa
 
 
 def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDims, *,
-                probe: bool = False) -> ShardStats:
+                probe: bool = False, muon_exclude: tuple[str, ...] | None = None) -> ShardStats:
     """Apply the real plan to the meta model on the current (fake) world; count rank 0's shards.
 
     `probe=True` shards a one-block copy and multiplies the block by `n_layers`; exact for
@@ -169,7 +170,10 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     first_block = None
     from trainer.muon import split_muon_params  # the optimizer's own rule for which parameters are Muon's
 
-    muon_ids = {id(p) for p in split_muon_params(model.named_parameters())[0]}
+    from trainer.muon import MUON_EXCLUDE_DEFAULT
+
+    exclude = MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude)
+    muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude)[0]}
     muon_root, muon_block = 0, {}
     muon_params: list[tuple[torch.Tensor, str | None]] = []  # (parameter, its stack's prefix or None)
     for name, param in model.named_parameters():

@@ -16,7 +16,8 @@ PIP_ARGS=()
 case "$NAME" in
   xla)  PKGS=(torch==2.13.0 "jax[cpu]==0.10.2" jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy) ;;
   tpuc) PKGS=("jax[tpu]==0.10.2" flatbuffers numpy) ;;
-  ttpu) PKGS=(torch==2.13.0 torch-tpu==0.2.0 jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy)
+  ttpu) PKGS=(torch==2.13.0 torch-tpu==0.2.0 jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy
+              tiktoken==0.14.0 safetensors==0.8.0)  # the trainer's start-up (tools/tpu_compile.py builds the job)
         PIP_ARGS=(-c "$ROOT/constraints/tpu.txt") ;;
   *) echo "error: scripts/xla_env.sh: unknown environment '$NAME'; allowed: xla, tpuc, ttpu" >&2; exit 2 ;;
 esac

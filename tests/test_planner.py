@@ -585,3 +585,33 @@ def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, 
     assert stats.muon_whole_numel == unrolled_matrices * m * n
     assert muon.muon_update == 12 * stacked_matrices * m * n and adamw.muon_update == 0
     assert muon.total < adamw.total
+
+
+def test_muon_counts_the_recipes_exclusions():
+    """The planner counts the Muon matrices the recipe's `[optimizer] muon_exclude` selects (it
+    used the default exclusions whatever the recipe said): excluding the attention projections too
+    moves their local elements from Muon's one moment to AdamW's two (+4 bytes each)."""
+    from parallelisms.parallel_dims import ParallelDims
+    from planner.shard import local_tensor, shard_model
+    from trainer.muon import MUON_EXCLUDE_DEFAULT, split_muon_params
+    from trainer.step.plan import StepRequest
+
+    tgt = P.parse_target("v6e-4")
+    args = LLAMA.flavors["debugmodel"]
+    more = (*MUON_EXCLUDE_DEFAULT, "attention")
+    estimates = {}
+    for exclude in (None, more):
+        step = StepRequest(mode="graph", scan_layers=True, backend="tpu", device_type="tpu", optimizer="muon",
+                           muon_exclude=exclude)
+        estimates[exclude] = P.plan_estimate(P.PlanInputs(family=LLAMA, args=args, model_name="debug", seq_len=256,
+                                                          local_batch_size=1, step=step), tgt, ac_mode="full")
+    dims = ParallelDims(dp_shard=4, world_size=4)
+    with P.fake_process_group(4):
+        model = P.build_parallel_model(LLAMA, args, dims)
+        muon_default = {id(p) for p in split_muon_params(model.named_parameters())[0]}
+        muon_more = {id(p) for p in split_muon_params(model.named_parameters(), more)[0]}
+        moved = sum(local_tensor(p).numel() for p in model.parameters() if id(p) in muon_default - muon_more)
+        assert shard_model(LLAMA, args, dims, muon_exclude=more).muon_numel == (
+            shard_model(LLAMA, args, dims).muon_numel - moved)
+    assert moved > 0
+    assert estimates[more].optimizer - estimates[None].optimizer == 4 * moved

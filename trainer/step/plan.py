@@ -86,6 +86,9 @@ class StepRequest:
     """`[optimizer] qk_clip_tau` > 0 (MuonClip's QK clip, trainer/qk_clip.py)."""
     optimizer: str = "adamw"
     """`[optimizer] name` (the planner counts Muon's one moment and its update buffers)."""
+    muon_exclude: tuple[str, ...] | None = None
+    """`[optimizer] muon_exclude` (None: the optimizer's default): which matrices the planner counts
+    as Muon's."""
 
     @property
     def cp_chunk(self) -> int | float:
