@@ -21,6 +21,7 @@ Rules (documented in docs/parallelism.md and docs/context_parallel.md):
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -208,9 +209,40 @@ class ParallelDims:
                 )
 
 
+def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None, generation=None):
+    """The layout torch-tpu will give this mesh on a TPU (`parallelisms/tpu_topology.py`), checked
+    before anything is built; ConfigError (naming the axis and the slice) when it cannot be laid out
+    even splitting physical axes; None when the slice is not known yet.
+
+    What is known when: the slice a run is on, from torch-tpu's launcher (`TORCH_TPU_TOPOLOGY`,
+    which describes the whole slice only on one host) when its device count is the world size; else
+    the recipe's `[job] target` when its device count is the world size (the recipe check, or a run
+    on the target it names). Otherwise only torch-tpu knows, at `build_mesh` (`_tpu_rank_grid`).
+    """
+    from parallelisms import tpu_topology
+
+    env = os.environ if env is None else env
+    topology = None
+    if env.get("TORCH_TPU_TOPOLOGY"):
+        if generation is None:
+            from trainer.runtime.tpu_env import detect_generation
+
+            generation = detect_generation()
+        topology = tpu_topology.topology_from_env(generation, env)
+    if (topology is None or topology.devices != parallel_dims.world_size) and target:
+        topology = tpu_topology.topology_of(target)
+    if topology is None or topology.devices != parallel_dims.world_size:
+        return None
+    return tpu_topology.map_mesh(topology, parallel_dims.mesh_shape, names=MESH_AXES)
+
+
 def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
     """Global ranks laid out in `shape`, ordered by the TPU interconnect topology.
 
+    torch-tpu places each axis on whole physical axes of the slice and raises NotImplementedError
+    where it cannot (e.g. cp 4 on a 16x16 v6e-256); only then is it asked again with
+    allow_split_physical_axes=True (an axis on a segment of a physical axis: the costs are in the
+    banner's `mesh:` notes when the slice was known at start-up, `tpu_mesh_layout`).
     Reached only when the device type is "tpu", i.e. when torch has loaded the torch-tpu
     backend itself; this file never imports torch_tpu (it has side effects on CPU hosts).
     """
@@ -219,7 +251,21 @@ def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
         raise RuntimeError("device type 'tpu' requested but torch.tpu is not available")
     # The JAX convention: axes ordered by increasing network intensity, so tp (last) gets
     # the nearest neighbours; on several slices the DCN split lands on axis 0 (dp_replicate).
-    return tpu.distributed.topology_aware_mesh(shape)
+    # Every rank computes the layout from the same all-gathered device list, so every rank fails
+    # (and retries) alike.
+    try:
+        return tpu.distributed.topology_aware_mesh(shape)
+    except NotImplementedError as whole:
+        try:
+            ranks = tpu.distributed.topology_aware_mesh(shape, allow_split_physical_axes=True)
+        except Exception as e:
+            raise ConfigError(
+                f"parallelism: torch-tpu cannot lay out the mesh {dict(zip(MESH_AXES, shape))} on this slice, "
+                f"not even splitting physical axes ({type(e).__name__}: {e}); whole axes: {whole}") from e
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"titan-tpu: mesh: {dict(zip(MESH_AXES, shape))} is no product of whole physical axes here; "
+                  f"built with allow_split_physical_axes=True ({str(whole).split('. ')[0]})", flush=True)
+        return ranks
 
 
 def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:

@@ -53,6 +53,11 @@ class PlanInputs:
     degrees and AC mode the step plan's rules refuse is refused (`plan_estimate`) or skipped
     (`recommend`). None: no mode rules (an eager step)."""
 
+    @property
+    def muon_exclude(self) -> tuple[str, ...] | None:
+        """The recipe's `[optimizer] muon_exclude` (None: the optimizer's default)."""
+        return None if self.step is None else self.step.muon_exclude
+
     def _request(self, *, tp: int, ac_mode: str, target: Target) -> StepRequest:
         return dataclasses.replace(self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type)
 
@@ -116,6 +121,19 @@ def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, wo
     return dims
 
 
+def tpu_layout(target: Target, dims: ParallelDims) -> list[str]:
+    """The notes of torch-tpu's layout of `dims` on a TPU target (parallelisms/tpu_topology.py:
+    the split axes and their cost; empty when every axis takes whole physical axes, off a TPU, or
+    for a slice without a known grid); ConfigError when torch-tpu could not lay the mesh out."""
+    from parallelisms.tpu_topology import map_mesh, topology_of
+
+    topology = topology_of(target) if target.device_type == "tpu" else None
+    if topology is None or topology.devices != dims.world_size:
+        return []
+    layout = map_mesh(topology, dims.mesh_shape)
+    return [f"mesh {layout.summary()}: {note}" for note in layout.notes()]
+
+
 def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
                   ep: int = 1, ac_mode: str = "none", loss_parallel: bool = False, headroom: float = 0.1,
                   assumed_mfu: float = 0.4, probe: bool = False, cp: int = 1) -> Estimate:
@@ -131,15 +149,18 @@ def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, 
     shape = inputs.args.shape()
     dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, cp=cp,
                               world_size=target.devices, shape=shape, seq_len=inputs.split_seq_len)
+    layout_notes = tpu_layout(target, dims)  # ConfigError where torch-tpu could not build the mesh
     with fake_process_group(target.devices):
-        stats = shard_model(inputs.family, inputs.args, dims, probe=probe)
-    return estimate(model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
+        stats = shard_model(inputs.family, inputs.args, dims, probe=probe, muon_exclude=inputs.muon_exclude)
+    est = estimate(model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
                     local_batch_size=inputs.local_batch_size, seq_len=inputs.seq_len, ac_mode=ac_mode,
                     loss_parallel=loss_parallel, grad_accum=inputs.grad_accum, headroom=headroom,
                     assumed_mfu=assumed_mfu, flops_per_token=inputs.flops_per_token(shape),
                     activations=inputs.activations(local_batch_size=inputs.local_batch_size, tp=dims.tp,
                                                    ac_mode=ac_mode, cp=dims.cp),
                     **_step_terms(step, inputs))
+    est.notes.extend(layout_notes)
+    return est
 
 
 def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
@@ -219,9 +240,11 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                 try:
                     dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=ep, cp=cp,
                                               world_size=world, shape=shape, seq_len=inputs.split_seq_len)
+                    layout_notes = tpu_layout(target, dims)
                 except ConfigError:
-                    continue  # this tp / cp does not divide the model's heads / hidden sizes / seq_len
-                stats = shard_model(inputs.family, inputs.args, dims, probe=True)
+                    continue  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
+                    # torch-tpu could not lay the mesh out on the target's slice
+                stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
                 dp = dims.dp_degree
                 batches = [b for b in (2**i for i in range(0, 12)) if b <= max_local_batch
                            and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)]
@@ -237,6 +260,7 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
                             flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
                             activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
                             **_step_terms(step, inputs)))
+                        candidates[-1].notes.extend(layout_notes)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest

@@ -35,16 +35,16 @@ def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-HEADER = ("recipe", "target", "mesh", "step plan", "planned GiB", "usable GiB", "fits", "capture", "flips GiB",
-          "s", "verdict")
+HEADER = ("recipe", "target", "mesh", "tpu mesh", "step plan", "planned GiB", "usable GiB", "fits", "capture",
+          "flips GiB", "s", "verdict")
 
 
 def row(r) -> tuple[str, ...]:
     fits = {None: "-", True: "yes", False: "NO"}[r.fits]
     flips = "-" if r.flips_gib is None else f"{r.flips_gib:.1f} (planned {_gib(r.planned_flips_gib)})"
     verdict = "starts" if r.ok else ("refused" if r.error else "does not fit")
-    return (os.path.basename(r.recipe), r.target, r.mesh, r.step, _gib(r.planned_gib), _gib(r.hbm_gib), fits,
-            r.capture, flips, f"{r.seconds:.1f}", verdict)
+    return (os.path.basename(r.recipe), r.target, r.mesh, r.tpu_mesh, r.step, _gib(r.planned_gib), _gib(r.hbm_gib),
+            fits, r.capture, flips, f"{r.seconds:.1f}", verdict)
 
 
 def table(rows: list[tuple[str, ...]]) -> str:
@@ -77,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(path):
             print(f"error: {path}: no such recipe file", file=sys.stderr)
             return 2
-    from tools.recipe_check import check_recipe
+    from tools.recipe_check import check_recipe, torch_tpu_layouts
+
+    torch_tpu = torch_tpu_layouts(paths, overrides)  # once for all recipes; None: the port answers
 
     results = []
     for path in paths:
-        r = check_recipe(path, capture=not ns.no_capture, overrides=overrides)
+        r = check_recipe(path, capture=not ns.no_capture, overrides=overrides, torch_tpu=torch_tpu)
         results.append(r)
         print(f"{os.path.basename(path)}: {'ok' if r.ok else 'FAILED'} ({r.seconds:.1f} s)", file=sys.stderr,
               flush=True)

@@ -53,6 +53,9 @@ class RecipeCheck:
     flips_gib: float | None = None
     """Bytes of `aten.flip` outputs in the captured graph (the scan backward's copies)."""
     planned_flips_gib: float | None = None
+    tpu_mesh: str = "-"
+    """On a TPU target: the mesh as torch-tpu lays it out on the target's slice, and which code said so
+    (`tpu_mesh_check`)."""
     seconds: float = 0.0
     error: str | None = None
     """The refusal (the trainer's `ConfigError`) or the failure; None: it would start."""
@@ -174,7 +177,115 @@ def start_up(cfg: Config, *, devices: int, device_type: str, report: RecipeCheck
     torch._dynamo.reset()
 
 
-def check_recipe(path: str, *, capture: bool = True, overrides=()) -> RecipeCheck:
+# --- the TPU mesh: torch-tpu's layout on the target's slice --------------------------------------
+
+
+def _ttpu_python() -> str | None:
+    """The XLA tier's torch-tpu venv (scripts/xla_env.sh ttpu) when it is already made; never made here."""
+    import glob
+
+    root = os.environ.get("TITAN_XLA_VENV_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    venv = os.path.join(root, ".venv-ttpu")
+    python = os.path.join(venv, "bin", "python")
+    return python if os.path.exists(python) and glob.glob(os.path.join(venv, ".titan-*")) else None
+
+
+def _mesh_case(cfg: Config):
+    """(topology, mesh shape) of a recipe with a TPU target whose slice has a known grid, else None."""
+    from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.tpu_topology import topology_of
+
+    if not cfg.job.target:
+        return None
+    target = planner.parse_target(cfg.job.target)
+    topology = topology_of(target) if target.device_type == "tpu" else None
+    if topology is None:
+        return None
+    p = cfg.parallelism
+    dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree,
+                        world_size=target.devices)
+    return topology, dims.mesh_shape
+
+
+def torch_tpu_layouts(paths, overrides=()) -> dict | None:
+    """torch-tpu's own `create_device_mesh` on stand-in devices of each TPU recipe's slice, whole axes
+    and split, in ONE subprocess of the ttpu venv for all recipes (tools/torch_tpu_mesh.py): {(topology,
+    shape): {"whole": result, "split": result, "version": v}}; None when that venv is not made or the
+    probe fails (the check then uses the port, parallelisms/tpu_topology.py, and says so)."""
+    import json
+    import subprocess
+
+    python = _ttpu_python()
+    if python is None:
+        return None
+    cases = {}
+    for path in paths:
+        try:
+            case = _mesh_case(build_config(path, list(overrides)))
+        except Exception:  # noqa: BLE001  (the recipe's own check reports it)
+            continue
+        if case is not None:
+            cases[case] = None
+    if not cases:
+        return {}
+    request = [dict(generation=t.generation, chips=list(t.chips), devices_per_chip=t.devices_per_chip,
+                    shape=list(shape), allow_split=split) for t, shape in cases for split in (False, True)]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_tpu_mesh.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(TORCH_DEVICE_BACKEND_AUTOLOAD="0", JAX_PLATFORMS="cpu")
+    try:
+        out = subprocess.run([python, script], input=json.dumps({"cases": request}), capture_output=True,
+                             text=True, env=env, timeout=300)
+        reply = json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception:  # noqa: BLE001  (no torch-tpu answer: the port answers)
+        return None
+    results = iter(reply["results"])
+    return {case: {"whole": next(results), "split": next(results), "version": reply["torch_tpu"]} for case in cases}
+
+
+def tpu_mesh_check(cfg: Config, report: RecipeCheck, torch_tpu: dict | None = None) -> None:
+    """Fill `report.tpu_mesh` for a recipe with a TPU target: the layout the trainer gets (whole
+    physical axes, else split ones: parallelisms/parallel_dims.py `_tpu_rank_grid`), from torch-tpu's
+    own function when `torch_tpu` (`torch_tpu_layouts`) has this recipe's case, else from the port;
+    ConfigError when neither layout exists (the recipe then fails)."""
+    import numpy as np
+
+    from parallelisms.tpu_topology import map_mesh
+
+    case = _mesh_case(cfg)
+    if case is None:
+        if cfg.job.target and planner.parse_target(cfg.job.target).device_type == "tpu":
+            report.tpu_mesh = "slice not known (no grid for this size): not checked"
+        return
+    topology, shape = case
+    theirs = (torch_tpu or {}).get(case)
+    try:
+        layout = map_mesh(topology, shape)
+        port_ids = [int(v) for v in np.asarray(layout.device_ids).reshape(-1)]
+    except ConfigError as e:
+        layout, port_ids, port_error = None, None, e
+    if theirs is None:
+        if layout is None:
+            raise port_error
+        report.tpu_mesh = f"{layout.summary()} [port]"
+        report.notes.extend(f"mesh: {n}" for n in layout.notes())
+        return
+    whole, split = theirs["whole"], theirs["split"]
+    built = whole if "ids" in whole else split if whole["error"].startswith("NotImplementedError") else whole
+    who = f"torch-tpu {theirs['version']}"
+    if "error" in built:
+        axes = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), shape))
+        raise ConfigError(f"parallelism: {who} cannot lay out the mesh {axes} on {topology}: {built['error']}")
+    if layout is None or built["ids"] != port_ids or (built is split) != layout.split:
+        report.tpu_mesh = f"built by {who} ({'split axes' if built is split else 'whole axes'}) [port disagrees]"
+        report.notes.append(f"mesh: {who} lays out {shape} on {topology} differently from parallelisms/tpu_topology.py")
+        return
+    report.tpu_mesh = f"{layout.summary()} [{who}]"
+    report.notes.extend(f"mesh: {n}" for n in layout.notes())
+
+
+def check_recipe(path: str, *, capture: bool = True, overrides=(), torch_tpu: dict | None = None) -> RecipeCheck:
     """Check one recipe (module docstring); never raises for the recipe's own faults."""
     t0 = time.perf_counter()
     report = RecipeCheck(recipe=path)
@@ -188,6 +299,7 @@ def check_recipe(path: str, *, capture: bool = True, overrides=()) -> RecipeChec
             report.planned_gib = est.total / GiB
             report.hbm_gib = est.usable / GiB
             report.planned_flips_gib = est.scan_flips / GiB if est.scan_flips else None
+            tpu_mesh_check(cfg, report, torch_tpu)
         if capture:  # after the planner: the start-up resolves `auto` settings in `cfg`
             start_up(_with_tokenizer(cfg, report), devices=devices, device_type=device_type, report=report)
         else:

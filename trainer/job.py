@@ -41,6 +41,7 @@ from models.common import ops
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import cp_attention_fn, cp_group
+from parallelisms.parallel_dims import tpu_mesh_layout
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
 from trainer.expert_balance import ExpertBalance
@@ -65,6 +66,8 @@ class JobPlan:
     """The flavor's args with the recipe's `[model]` overrides and `max_seq_len` applied."""
     parallel_dims: ParallelDims
     step_plan: StepPlan
+    tpu_mesh: Any = None
+    """On a TPU whose slice is known now: torch-tpu's layout of the mesh (`tpu_mesh_layout`)."""
 
 
 def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = "cpu",
@@ -100,7 +103,10 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     request = step_request(cfg, family, tp_degree=parallel_dims.tp, device_type=device_type, caller_loss=caller_loss)
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
-    return JobPlan(family=family, args=args, parallel_dims=parallel_dims, step_plan=step_plan)
+    # On a TPU, the mesh as torch-tpu will lay it out on the slice (when the slice is known now):
+    # refused here when no layout exists, before anything is built (parallelisms/tpu_topology.py).
+    tpu_mesh = tpu_mesh_layout(parallel_dims, target=cfg.job.target) if device_type == "tpu" else None
+    return JobPlan(family=family, args=args, parallel_dims=parallel_dims, step_plan=step_plan, tpu_mesh=tpu_mesh)
 
 
 def batch_split(*, global_batch_size: int, local_batch_size: int, gradient_accumulation_steps: int,
@@ -283,6 +289,8 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
 
     # 2. Everything checked before anything is built.
     plan = plan_job(cfg, world_size=info.world_size, device_type=device_type, caller_loss=purpose == "engine")
+    if plan.tpu_mesh is not None:
+        runtime_notes = [*runtime_notes, *plan.tpu_mesh.banner()]
 
     # 3. Task (the engine's caller brings its own tokens and loss: none), mesh, batch split, data.
     task = build_task(cfg, family=plan.family, args=plan.args, step_plan=plan.step_plan) if purpose != "engine" else None
