@@ -212,7 +212,8 @@ class ParallelDims:
 def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None, generation=None):
     """The layout torch-tpu will give this mesh on a TPU (`parallelisms/tpu_topology.py`), checked
     before anything is built; ConfigError (naming the axis and the slice) when it cannot be laid out
-    even splitting physical axes; None when the slice is not known yet.
+    even splitting physical axes; None when the slice is not known yet. `generation`: the local TPU
+    generation, or a function returning it (called only when the launcher's variable is set).
 
     What is known when: the slice a run is on, from torch-tpu's launcher (`TORCH_TPU_TOPOLOGY`,
     which describes the whole slice only on one host) when its device count is the world size; else
@@ -224,10 +225,8 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
     env = os.environ if env is None else env
     topology = None
     if env.get("TORCH_TPU_TOPOLOGY"):
-        if generation is None:
-            from trainer.runtime.tpu_env import detect_generation
-
-            generation = detect_generation()
+        if callable(generation):
+            generation = generation()
         topology = tpu_topology.topology_from_env(generation, env)
     if (topology is None or topology.devices != parallel_dims.world_size) and target:
         topology = tpu_topology.topology_of(target)

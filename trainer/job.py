@@ -105,7 +105,8 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
     # On a TPU, the mesh as torch-tpu will lay it out on the slice (when the slice is known now):
     # refused here when no layout exists, before anything is built (parallelisms/tpu_topology.py).
-    tpu_mesh = tpu_mesh_layout(parallel_dims, target=cfg.job.target) if device_type == "tpu" else None
+    tpu_mesh = (tpu_mesh_layout(parallel_dims, target=cfg.job.target, generation=detect_generation)
+                if device_type == "tpu" else None)
     return JobPlan(family=family, args=args, parallel_dims=parallel_dims, step_plan=step_plan, tpu_mesh=tpu_mesh)
 
 
