@@ -31,6 +31,38 @@ def test_pod_recipes_declare_their_target():
     assert pods and all(build_config(r).job.target for r in pods), pods
 
 
+POD_RECIPES = [r for r in RECIPES if "debug" not in os.path.basename(r)]
+
+
+@pytest.mark.parametrize("recipe", POD_RECIPES, ids=os.path.basename)
+def test_pod_recipes_turn_on_both_compilation_caches(recipe):
+    """Compile once on a pod (docs/tpu.md, "Compile cache"): every pod recipe sets torch-tpu's
+    persistent cache (a per-host path by default) and the host cache."""
+    cfg = build_config(recipe)
+    assert cfg.compile.cache_dir and cfg.compile.host_cache, (cfg.compile.cache_dir, cfg.compile.host_cache)
+
+
+def test_a_pod_recipe_sets_both_cache_variables_before_the_runtime_starts(monkeypatch):
+    """The environment `build_job` applies on a TPU for a pod recipe holds both cache variables:
+    the recipe's per-host path made absolute, and the same recipe with a shared gs:// folder
+    (accepted by the rules, passed through as written)."""
+    from trainer.runtime.tpu_env import HOST_CACHE_NAME, TIER2_CACHE_VAR, TIER3_CACHE_VAR, tpu_runtime_env
+
+    monkeypatch.setenv("HOME", "/home/tpu-user")
+    recipe = os.path.join(ROOT, "configs", "llama3_8b_128k_v7x.toml")
+    for overrides, tier3 in (([], "/home/tpu-user/.cache/titan-tpu/torch_tpu_compile"),
+                             ([("compile.cache_dir", "gs://bucket/titan-tpu/compile-cache")],
+                              "gs://bucket/titan-tpu/compile-cache")):
+        cfg = build_config(recipe, overrides)
+        world, device_type, _ = world_of(cfg)
+        plan_job(cfg, world_size=world, device_type=device_type)  # the rules accept the folder
+        env = tpu_runtime_env(device_type=device_type, generation="v7x", flag_bundle=cfg.device.flag_bundle,
+                              libtpu_init_args=cfg.device.libtpu_init_args, xla_flags=cfg.device.xla_flags,
+                              cache_dir=cfg.compile.cache_dir, host_cache=cfg.compile.host_cache,
+                              environ={}, libraries=[])
+        assert env.env[TIER3_CACHE_VAR] == tier3 and env.env[TIER2_CACHE_VAR] == HOST_CACHE_NAME, env.env
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=os.path.basename)
 def test_recipe_passes_the_rules_at_its_declared_degrees(recipe):
     cfg = build_config(recipe)

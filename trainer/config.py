@@ -270,11 +270,13 @@ class CompileConfig:
     """TPU: torch-tpu's persistent compilation cache, a local directory or a gs:// path shared by
     every process and run (TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT): a relaunch, a resumed run or
     another host loads the compiled programs instead of compiling them again. "" = off (or what
-    the environment already exports). Ignored on cpu/cuda. See docs/tpu.md, "Compile cache"."""
+    the environment already exports). Every pod recipe sets a per-host path
+    (~/.cache/titan-tpu/torch_tpu_compile); on a pod a gs:// bucket every host can read shares
+    one cache. Ignored on cpu/cuda. See docs/tpu.md, "Compile cache"."""
     host_cache: bool = False
     """TPU: torch-tpu's host-local compilation cache (TORCH_TPU_TIER2_COMPILATION_CACHE, under
     /dev/shm), so the processes of one host compile each program once between them instead of
-    once each; torch-tpu turns it off in a world of 1. Ignored on cpu/cuda."""
+    once each; torch-tpu turns it off in a world of 1. Every pod recipe sets it. Ignored on cpu/cuda."""
 
 
 @dataclass
