@@ -32,6 +32,15 @@ ragged all-to-all (before, the backward body had none and EP got no gradient on 
 unrolled step reaches the lowering too (it once failed in our remat pass: a recomputed op's
 name clashed).
 
+Context parallelism (`tpu_cp2`, `tpu_cp2_doc`, a fifth probe process): Llama 3 debug at cp = 2,
+seq 512 (128-token chunks), layer scan, the TPU plan, attention as `build_job` sets it up on a TPU
+with cp > 1: k/v (and the segment ids with the document mask) all-gathered over cp inside the
+scan bodies, and rank 0's own splash ops `titan_tpu::splash_cp2r0[_seg]_fwd / _bwd`
+(`register.build_cp`). The step reaches the lowering as one program, every collective
+`spmd_safe` (scan bodies too), the backward scan a reverse loop; the gathered keys' gradients go
+back by reduce-scatter in the backward body; the only flips are the CP gather's reorder over the
+cp axis. Rank 1's program (other ops, same shapes) is not traced here.
+
 Compile mode (`compile_blocks*`, in a fourth probe process): `[compile] mode = "compile"` on the
 tpu backend compiles each block on its own. With the blocks traced under `spmd_safe`
 (parallelisms/compile.py), SplitCompiler hands torch-tpu's compiler one partition for the block
@@ -54,6 +63,8 @@ MOE_VARIANTS = ("tpu_moe_ep2", "tpu_moe_ep2_equal", "tpu_moe_ep2_unrolled")
 """Run in a third probe process (Qwen 3 MoE debug at ep 2; about 40 s each on one core)."""
 COMPILE_VARIANTS = ("compile_blocks", "compile_blocks_unannotated")
 """`[compile] mode = "compile"`, in a fourth probe process (about 50 s for both on one core)."""
+CP_VARIANTS = ("tpu_cp2", "tpu_cp2_doc")
+"""Context parallelism at cp 2, in a fifth probe process (about 40 s for both on one core)."""
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +82,16 @@ def tpu_moe_path(probe) -> dict:
     return probe("ttpu", "torch_tpu_path.py", *MOE_VARIANTS, timeout=1500)
 
 
+@pytest.fixture(scope="module")
+def tpu_cp_path(probe) -> dict:
+    return probe("ttpu", "torch_tpu_path.py", *CP_VARIANTS, timeout=1500)
+
+
 def _variant(source, name: str) -> dict:
     """The probe's result for variant `name`; `source` is the probe's JSON or the pytest request."""
     if not isinstance(source, dict):
-        source = source.getfixturevalue("tpu_moe_path" if name in MOE_VARIANTS else
+        source = source.getfixturevalue("tpu_cp_path" if name in CP_VARIANTS else
+                                        "tpu_moe_path" if name in MOE_VARIANTS else
                                         "tpu_run_path" if name in TPU_RUN_VARIANTS else "torch_tpu_path")
     res = source["variants"][name]
     assert "error" not in res, f"{name}: {res['error']}\n{res.get('traceback', '')}"
@@ -219,6 +236,52 @@ def test_moe_ep_gradient_moves_through_ragged_all_to_all(request):
 def test_moe_ep_unrolled_reaches_lowering(request):
     res = _variant(request, "tpu_moe_ep2_unrolled")
     assert res["mlir_symbolic_count"] == 0 and res["mlir_host_reads"] == {}, res
+
+
+# --- context parallelism ------------------------------------------------------------------------------
+# Llama 3 debug (2 layers) at cp 2, seq 512, layer scan, the TPU plan; rank 0 of the cp group.
+
+
+@pytest.mark.parametrize("name", CP_VARIANTS)
+def test_cp_step_reaches_lowering_with_rank_specific_splash(request, name):
+    res = _variant(request, name)
+    doc = name.endswith("_doc")
+    assert res["plan"] == {"param_dtype": "torch.bfloat16", "block_ac": "none", "scan_ac": "full",
+                           "fused_loss": True, "scan": True}, res
+    # One program: SplitCompiler hands fx_to_mlir the whole graph; every collective, the k/v
+    # all-gathers in the scan bodies included, carries spmd_safe.
+    assert res["split_collectives"] > 0 and res["split_collectives_spmd_safe"] == res["split_collectives"], res
+    assert res["split_body_collectives"] > 0, res
+    assert res["split_body_collectives_spmd_safe"] == res["split_body_collectives"], res
+    assert res["mlir_nodes"] == res["split_input_nodes"] and res["mlir_scans"] == 2, res
+    assert res["mlir_matmuls"] > 0 and res["mlir_bf16_matmuls"] == res["mlir_matmuls"], res
+    # Attention is this rank's CP splash (forward, its recompute under AC full, backward), no SDPA.
+    op = "titan_tpu::splash_cp2r0_seg" if doc else "titan_tpu::splash_cp2r0"
+    assert res["mlir_sdpa"] == 0, res
+    assert res["mlir_titan_tpu_ops"] == {"titan_tpu::linear_ce_bwd": 1, "titan_tpu::linear_ce_fwd": 1,
+                                         f"{op}_bwd": 1, f"{op}_fwd": 2}, res
+    step, fwd, bwd = res["cp_per_graph"]
+    assert fwd[f"{op}_fwd"] == 1 and bwd[f"{op}_fwd"] == 1 and bwd[f"{op}_bwd"] == 1, res["cp_per_graph"]
+    # The backward body gathers again what the forward body gathered (SimpleFSDP's weights, k/v,
+    # the segment ids), and reduce-scatters the gradient of each but the segment ids.
+    ag, rs = "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor"
+    assert fwd[ag] == bwd[ag] and bwd[rs] == fwd[ag] - doc, res["cp_per_graph"]
+    # The loss's token count is all-reduced over cp at the top level.
+    assert step.get("_c10d_functional::all_reduce", 0) >= 1, step
+    forward, backward = res["scan_lowering"]
+    assert "error" not in forward and "error" not in backward, res["scan_lowering"]
+    assert forward["direction"] == "kForward" and backward["direction"] == "kReverse", res["scan_lowering"]
+    # The only flips: the CP gather's reorder of the late chunks over the cp axis ([cp, chunk, ...]),
+    # two per body pass (k, v; and the segment ids), none over a scan's layer axis.
+    assert res["cp_flips"] and all(f["dims"] == [0] and f["shape"][:2] == [2, 128] for f in res["cp_flips"]), \
+        res["cp_flips"]
+    assert res["mlir_flips"] == len(res["cp_flips"]), res
+
+
+def test_cp_document_mask_gathers_the_segment_ids(request):
+    plain, doc = (_variant(request, name)["cp_per_graph"] for name in CP_VARIANTS)
+    ag = "_c10d_functional::all_gather_into_tensor"
+    assert doc[1][ag] == plain[1][ag] + 1 and doc[2][ag] == plain[2][ag] + 1, (plain, doc)
 
 
 # --- compile mode: one program per block ---------------------------------------------------------------

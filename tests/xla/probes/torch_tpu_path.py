@@ -38,6 +38,16 @@ Variants:
   all-to-all ops per graph, and the ops torch's autograd warned it backpropagated through
   without an autograd kernel (a silently dropped gradient).
 
+- `tpu_cp2`, `tpu_cp2_doc`: the same TPU plan (layer scan) for Llama 3 debug at cp = 2 (the fake
+  world of 2 is one cp group; SimpleFSDP shards over dp_shard x cp = 2) at seq 512, so each of the
+  2 x cp chunks is one 128-token splash tile. Attention is what `build_job` registers on a TPU
+  with cp > 1 (`cp_attention_fn`): k/v (and, with `document_mask`, the segment ids) all-gathered
+  over cp, and rank 0's own splash ops `titan_tpu::splash_cp2r0_fwd / _bwd` (`_seg_` with the
+  document mask) from `register.build_cp`; the device check (`q.device.type == "tpu"`) is forced
+  as for the other Pallas ops. The micro-batch is the LM task's CP shard (`LMTask.prepare`: chunks
+  0 and 3 of the window, with their global RoPE positions) and the loss its CP loss (the token
+  count all-reduced over cp). `_doc`: two documents per window (`[training] document_mask`).
+
 `compile_blocks`, `compile_blocks_unannotated`: `[compile] mode = "compile"` instead of graph mode
 (`run_compile_blocks`): each block compiled with the `tpu` backend under `spmd_safe`
 (parallelisms/compile.py), or without it (the control); torch-tpu's per-partition compiler is
@@ -140,6 +150,39 @@ def _ragged_as_on_tpu(on: bool) -> None:
         else collectives.ragged_all_to_all_for)
 
 
+CP_VARIANTS = {"tpu_cp2": {"document_mask": False}, "tpu_cp2_doc": {"document_mask": True}}
+"""Llama 3 debug (2 layers, layer scan) at cp 2, seq 512: the CP splash ops of rank 0, without
+and with the document mask (segment ids)."""
+CP_SEQ_LEN = 512
+"""2 x cp chunks of 128 tokens: splash's tile (the TPU rule `training.seq_len / (2 cp) % 128`)."""
+
+
+def _cp_setup(mesh, plan, tokens: torch.Tensor, document_mask: bool):
+    """Attention and data as `build_job` sets them up on a TPU with cp > 1, on CPU tensors: the
+    CP attention over rank 0's splash ops (device check forced), the LM task's CP shard of one
+    micro-batch and its CP loss. Returns (micro-batch, loss_fn)."""
+    from models.common import ops
+    from parallelisms.context_parallel import context_parallel_attention, cp_group
+    from titan_kernels.tpu import register
+    from trainer.tasks.lm import LMTask
+
+    cp = cp_group(mesh["cp"])
+    local = register.build_cp(cp.rank, cp.size)  # what cp_attention_fn(cp, "tpu") builds on a TPU
+
+    def attention(q, k, v, segment_ids=None):  # cp_attention_fn's closure with q.device.type forced "tpu"
+        return context_parallel_attention(q, k, v, segment_ids, cp=cp, local_attention=local)
+
+    ops.register("causal_attention", attention)
+    task = LMTask.__new__(LMTask)  # no tokenizer or loader: only its CP shard and loss
+    task.restart_positions = False
+    task.shard_over_context(cp)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    if document_mask:  # two documents per window, the second starting at token 200
+        seg = (torch.arange(tokens.shape[1] - 1) >= 200).to(torch.int32).expand(tokens.shape[0], -1)
+        batch = (*batch, seg.contiguous())
+    return task.prepare(batch), task.loss_fn(plan)
+
+
 def run(variant: str, seen: dict) -> dict:
     if variant in MOE_VARIANTS:
         from models.qwen3 import FLAVORS, Transformer
@@ -154,16 +197,19 @@ def run(variant: str, seen: dict) -> dict:
 
     seen.clear()
     tpu_run = variant.startswith("tpu_")
-    moe = MOE_VARIANTS.get(variant)
-    scan = variant in ("scan", "scan_flipped", "tpu_scan") or bool(moe and moe["scan"])
+    moe, cp = MOE_VARIANTS.get(variant), CP_VARIANTS.get(variant)
+    scan = variant in ("scan", "scan_flipped", "tpu_scan") or bool(moe and moe["scan"]) or cp is not None
+    seq_len = CP_SEQ_LEN if cp else 32
     plan = plan_step(mode="graph", backend="tpu", scan_layers=scan, ac_mode="full" if tpu_run else "none",
-                     device_type="tpu", fused_loss="auto" if tpu_run else "off", model_has_hidden=True)
+                     device_type="tpu", fused_loss="auto" if tpu_run else "off", model_has_hidden=True,
+                     cp_degree=2 if cp else 1, seq_len=seq_len, document_mask=bool(cp and cp["document_mask"]),
+                     model_document_mask=cp is not None)
     _kernels(variant)
     _ragged_as_on_tpu(bool(moe and moe["ragged"]))
     dtype = torch.bfloat16 if tpu_run else torch.float32
-    dims = ParallelDims(world_size=2, dp_shard=2, ep=2 if moe else 1)
+    dims = ParallelDims(world_size=2, dp_shard=1 if cp else 2, cp=2 if cp else 1, ep=2 if moe else 1)
     mesh = build_mesh(dims, "cpu")
-    args = dataclasses.replace(FLAVORS["debugmodel_moe" if moe else "debugmodel"], n_layers=2, max_seq_len=32)
+    args = dataclasses.replace(FLAVORS["debugmodel_moe" if moe else "debugmodel"], n_layers=2, max_seq_len=seq_len)
     with torch.device("meta"):
         model = Transformer(args)
     parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=dtype,
@@ -174,24 +220,27 @@ def run(variant: str, seen: dict) -> dict:
     opt = build_optimizer(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
     import trainer.graph.tpu as graph_tpu
 
+    tokens = torch.randint(0, args.vocab_size, (2, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    micro_batch, loss_fn = (tokens[:, :-1], tokens[:, 1:]), plan.lm_loss
+    if cp:
+        micro_batch, loss_fn = _cp_setup(mesh, plan, tokens, cp["document_mask"])
     annotate = graph_tpu.spmd_safe
     if variant == "unrolled_unannotated":
         graph_tpu.spmd_safe = lambda fn: fn
     try:
         step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=plan.backend,
                                 scan_layers=plan.scan, ac_mode=plan.scan_ac, plan=PLAN,
-                                loss_fn=plan.lm_loss, aux_loss_coef=1e-3 if moe else 0.0)
+                                loss_fn=loss_fn, aux_loss_coef=1e-3 if moe else 0.0)
     finally:
         graph_tpu.spmd_safe = annotate
     if variant == "scan_flipped":
         step.capture.reverse_scans = False  # torch's flipped backward scan, as before tag_reverse_scans
-    tokens = torch.randint(0, args.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     start = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                step([(tokens[:, :-1], tokens[:, 1:])], 1e-3)
+                step([micro_batch], 1e-3)
             finally:
                 seen["no_autograd"] = sorted({str(w.message).split(":")[0] for w in caught
                                               if "autograd kernel was not registered" in str(w.message)})
@@ -244,7 +293,30 @@ def run(variant: str, seen: dict) -> dict:
         res["scan_lowering"] = _lower_scans(gm, seen)
         if moe:
             res.update(_static_facts(gm))
+        if cp:
+            res.update(_cp_facts(gm))
     return res
+
+
+def _cp_facts(gm) -> dict:
+    """Per graph (the step, the forward scan body, the backward one): the collectives and the CP
+    splash ops that reach the lowering, and every flip with its operand's shape (the CP gather
+    puts the late chunks back in global order with a flip over the cp axis, `_rank_major_to_global`;
+    a flip over a scan's layer axis would be one `tag_reverse_scans` missed)."""
+    per_graph, flips = [], []
+    for i, g in enumerate(_all_graphs(gm)):
+        names = collections.Counter()
+        for n in g.graph.nodes:
+            if n.op != "call_function":
+                continue
+            name = _op_name(n)
+            if name.startswith(("_c10d_functional::", "titan_tpu::splash")) and "wait_tensor" not in name:
+                names[name] += 1
+            if name in ("aten::flip", "prims::rev"):
+                src = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+                flips.append({"graph": i, "shape": list(getattr(src, "shape", ())), "dims": list(n.args[1])})
+        per_graph.append(dict(sorted(names.items())))
+    return {"cp_per_graph": per_graph, "cp_flips": flips}
 
 
 def _static_facts(gm) -> dict:
