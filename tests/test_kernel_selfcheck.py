@@ -320,3 +320,152 @@ def test_ranks_agree_a_kernel_that_failed_on_one_rank_is_dropped_on_all(tmp_path
     assert r0["passed"] == r1["passed"] == ["linear_cross_entropy"]
     assert r0["reasons"]["grouped_mm"] == "failed on another rank (see its log)"
     assert "raised RuntimeError" in r1["reasons"]["grouped_mm"]
+
+
+# --- the self-check at the run's widths (issue 37) ------------------------------------------------
+
+
+def test_kernel_shapes_are_the_widths_the_run_calls():
+    from models import get_model_family
+
+    llama = titan_kernels.KernelShapes.of(get_model_family("llama3").flavors["70B"], tokens=8192)
+    assert (llama.hidden, llama.vocab, llama.qk_head_dim, llama.v_head_dim, llama.num_experts) == (8192, 128256, 128,
+                                                                                                    128, 0)
+    mla = get_model_family("deepseek_v3").flavors["671B"]
+    assert (mla.qk_head_dim, mla.v_head_dim) == (192, 128)
+    shapes = titan_kernels.KernelShapes.of(mla, cp=4, cp_rank=3)
+    # The model pads v to the q/k width before the op (models/deepseek_v3/model.py): splash runs at 192.
+    assert (shapes.qk_head_dim, shapes.v_head_dim) == (192, 192)
+    assert (shapes.hidden, shapes.expert_hidden, shapes.num_experts, shapes.top_k) == (7168, 2048, 256, 8)
+    assert (shapes.cp, shapes.cp_rank) == (4, 3)
+
+
+def test_cases_take_the_run_widths():
+    shapes = selfcheck.KernelShapes(hidden=96, vocab=5000, qk_head_dim=48, v_head_dim=32, expert_hidden=160)
+    (causal, segments) = selfcheck.cases("causal_attention", shapes=shapes)
+    q, k, v = causal.args
+    assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (48, 48, 32)
+    up, down = selfcheck.cases("grouped_mm", shapes=shapes)
+    assert up.args[0].shape[1] == 96 and up.args[1].shape[1:] == (160, 96)  # x [m, dim], w [G, N, K]
+    assert down.args[0].shape[1] == 160 and down.args[1].shape[1:] == (96, 160)
+    (loss,) = selfcheck.cases("linear_cross_entropy", shapes=shapes)
+    assert loss.args[0].shape[1] == 96 and loss.args[1].shape == (1000, 96)  # numerics: small vocabulary
+
+
+def test_a_kernel_is_checked_at_distinct_q_and_v_widths():
+    """v narrower than q/k (MLA unpadded): the reference and an agreeing kernel take it."""
+    shapes = selfcheck.KernelShapes(qk_head_dim=48, v_head_dim=32)
+    verdict = selfcheck.check("causal_attention", AGREEING["causal_attention"], device=CPU, dtype=BF16, shapes=shapes)
+    assert verdict.ok and 0 < verdict.worst < selfcheck.TOLERANCE / 2, verdict
+    assert "q/k 48, v 32" in verdict.checked
+
+
+def _v4_loss_compile(op):
+    # What titan_kernels/tpu/compile_check.py answers for the 70B-wide loss on v4 (tests/xla shows the real one).
+    if op != "linear_cross_entropy":
+        return None
+    return False, ("backward at rows 8192, hidden 8192, vocab 128256, blocks 128 x 128 does not compile for v4: "
+                   "JaxRuntimeError: RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: (17.90M of 16.00M scoped VMEM)")
+
+
+def test_a_kernel_that_does_not_compile_at_the_run_width_falls_back_with_one_line(capsys):
+    shapes = selfcheck.KernelShapes(hidden=64, vocab=128256)
+    impls = dict(AGREEING)
+    saved = {op: ops.register(op, None) for op in ops.OPS}
+    try:
+        passed, verdicts = selfcheck.run(impls, device=CPU, dtype=BF16, shapes=shapes, compile_check=_v4_loss_compile)
+        line = titan_kernels._register_tpu("auto", passed, verdicts, saved=[])
+        assert ops.implementation("linear_cross_entropy") is ops.chunked_linear_cross_entropy
+        assert ops.implementation("grouped_mm") is impls["grouped_mm"]
+    finally:
+        for op, fn in saved.items():
+            ops.register(op, fn)
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("titan-tpu: kernel self-check: fused CE (linear_cross_entropy) failed, the torch reference "
+                          "serves it: backward at rows 8192, hidden 8192, vocab 128256"), err
+    assert "CompileTimeScopedVmemOom" in err and "17.90M of 16.00M" in err
+    assert "self-check failed: fused CE" in line
+
+
+def test_a_compile_check_that_passes_or_raises():
+    def compiled(op):
+        return (True, "forward + backward compiled for v6e (0.5 s, not run)") if op == "linear_cross_entropy" else None
+
+    verdict = selfcheck.check("linear_cross_entropy", AGREEING["linear_cross_entropy"], device=CPU, dtype=BF16,
+                              compile_check=compiled)
+    assert verdict.ok and "compiled for v6e" in verdict.checked, verdict
+
+    def broken(op):
+        raise RuntimeError("no libtpu here\nmore")
+
+    verdict = selfcheck.check("grouped_mm", AGREEING["grouped_mm"], device=CPU, dtype=BF16, compile_check=broken)
+    assert not verdict.ok and verdict.reason == "the compile-only check raised RuntimeError: no libtpu here"
+
+
+def cp_attention_bf16(cp_rank, cp_size, *, rank_offsets=None):
+    """Independent CP local attention in bf16: explicit loops over the rank's two chunks."""
+    def attention(q, k_all, v_all, segment_ids=None, segment_ids_all=None):
+        seq, local = k_all.shape[2], q.shape[2]
+        chunk = local // 2
+        r = cp_size - 1 - cp_rank if rank_offsets == "mirrored" else cp_rank
+        starts = (r * chunk, (2 * cp_size - 1 - r) * chunk)
+        group = q.shape[1] // k_all.shape[1]
+        k, v = ops.repeat_kv(k_all, group), ops.repeat_kv(v_all, group)
+        outs = []
+        for c, start in enumerate(starts):
+            qc = q[:, :, c * chunk:(c + 1) * chunk]
+            scores = ((qc * qc.shape[-1] ** -0.5) @ k.transpose(-2, -1)).float()
+            mask = torch.arange(seq)[None, :] <= (start + torch.arange(chunk))[:, None]
+            mask = mask[None, None]
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, None, c * chunk:(c + 1) * chunk, None] == segment_ids_all[:, None, None, :])
+            outs.append(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype) @ v)
+        return torch.cat(outs, dim=2)
+
+    return attention
+
+
+@pytest.mark.parametrize("cp_rank", [0, 2])
+def test_the_cp_kernel_is_checked_against_dense_attention_at_its_positions(cp_rank):
+    shapes = selfcheck.KernelShapes(qk_head_dim=32, v_head_dim=32, cp=4, cp_rank=cp_rank)
+    good = selfcheck.check("cp_attention", cp_attention_bf16(cp_rank, 4), device=CPU, dtype=BF16, shapes=shapes)
+    assert good.ok and 0 < good.worst < selfcheck.TOLERANCE / 2, good
+    # Another rank's offsets: the classic CP bug (a kernel built for the wrong rank).
+    wrong = selfcheck.check("cp_attention", cp_attention_bf16(cp_rank, 4, rank_offsets="mirrored"), device=CPU,
+                            dtype=BF16, shapes=shapes)
+    assert not wrong.ok and "differs from the reference" in wrong.reason, wrong
+
+
+def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(monkeypatch, capsys):
+    """`_select_tpu` with the TPU pieces injected (load, the CP kernel, the compile check): what
+    it checks at which widths, and a failed CP kernel leaves CP's local product to SDPA."""
+    from titan_kernels import tpu
+
+    shapes = selfcheck.KernelShapes(hidden=64, vocab=128256, qk_head_dim=48, v_head_dim=48, expert_hidden=96,
+                                    num_experts=8, top_k=2, cp=2, cp_rank=1, tokens=4096)
+    asked = []
+
+    def checker(run_shapes):
+        assert run_shapes is shapes
+        return lambda op: asked.append(op) or _v4_loss_compile(op)
+
+    built, real_cp_attention = [], tpu.cp_attention
+    monkeypatch.setattr(tpu, "load", lambda: dict(AGREEING))
+    monkeypatch.setattr(tpu, "saved_ops", lambda: [])
+    monkeypatch.setattr(tpu, "compile_checker", checker)
+    monkeypatch.setattr(tpu, "cp_attention", lambda rank, size: built.append((rank, size)) or _raises)
+    saved = {op: ops.register(op, None) for op in ops.OPS}
+    try:
+        line = titan_kernels._select_tpu("auto", device=CPU, dtype=BF16, head_dim=None, shapes=shapes)
+    finally:
+        for op, fn in saved.items():
+            ops.register(op, fn)
+    assert built == [(1, 2)]
+    assert set(asked) == {"causal_attention", "grouped_mm", "linear_cross_entropy", "cp_attention"}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [e.split(" failed")[0] for e in err] == ["titan-tpu: kernel self-check: fused CE (linear_cross_entropy)",
+                                                     "titan-tpu: kernel self-check: CP splash (cp_attention)"], err
+    # Loaded, but the CP kernel was refused: context parallelism gets None and takes SDPA.
+    assert real_cp_attention(1, 2) is None
+    tpu.refuse_cp(None)
+    assert line.startswith("splash (Pallas: gmm for MoE experts;") and "self-check failed: fused CE, CP splash" in line

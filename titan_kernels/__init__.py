@@ -30,6 +30,7 @@ import torch
 
 from models.common import ops
 from models.errors import ConfigError
+from titan_kernels.tpu.selfcheck import KernelShapes
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_kernel", "splash")
 
@@ -55,7 +56,7 @@ def check_attention_for(attention: str, device_type: str) -> None:
 
 
 def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = None,
-           head_dim: int | None = None) -> str:
+           head_dim: int | None = None, shapes: KernelShapes | None = None) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
 
     ConfigError where the asked-for backend cannot serve this device (`cpu_kernel` off the CPU,
@@ -67,12 +68,14 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
     dtype, head_dim: the run's compute dtype and attention head dim, when known: on the CPU the
     kernel serves only some (dtype, head_dim) pairs (each call checks its inputs), and the
     returned line then says which backend this run's attention takes.
+    shapes: the widths the run calls the kernels at (`KernelShapes.of(args, ...)`): on TPU the
+    self-check runs (and compiles) each kernel there, and the CP splash kernel when `shapes.cp > 1`.
     """
     check_attention_for(attention, device.type)
     for op in ("grouped_mm", "linear_cross_entropy"):
         ops.register(op, None)
     if device.type == "tpu":
-        return _select_tpu(attention, device=device, dtype=dtype or torch.bfloat16, head_dim=head_dim)
+        return _select_tpu(attention, device=device, dtype=dtype or torch.bfloat16, head_dim=head_dim, shapes=shapes)
     if device.type != "cpu" or attention == "sdpa":
         ops.register("causal_attention", None)
         return "sdpa"
@@ -114,9 +117,13 @@ def saved_ops() -> set:
     return _SAVED_OPS
 
 
-def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str:
+def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, head_dim: int | None,
+                shapes: KernelShapes | None = None) -> str:
     """TPU: the Pallas kernels of titan_kernels/tpu serve every op they can (attention per `attention`)
-    that passes its start-up self-check; the references serve the rest."""
+    that passes its start-up self-check at the run's `shapes` (compiled there for this host's
+    generation, titan_kernels/tpu/compile_check.py); the references serve the rest. With context
+    parallelism this rank's CP splash kernel is checked too; if it fails, CP's local product is
+    the dense-mask SDPA."""
     from titan_kernels import tpu
     from titan_kernels.tpu import selfcheck
 
@@ -128,7 +135,13 @@ def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, hea
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
     selected = {op: fn for op, fn in pallas.items() if op != "causal_attention" or attention != "sdpa"}
-    passed, verdicts = selfcheck.run(selected, device=device, dtype=dtype, head_dim=head_dim)
+    tpu.refuse_cp(None)
+    cp = tpu.cp_attention(shapes.cp_rank, shapes.cp) if shapes is not None and shapes.cp > 1 else None
+    if cp is not None:  # parallelisms/context_parallel.py serves CP's local product with it on TPU
+        selected["cp_attention"] = cp
+    compile_check = tpu.compile_checker(shapes) if shapes is not None else None
+    passed, verdicts = selfcheck.run(selected, device=device, dtype=dtype, head_dim=head_dim, shapes=shapes,
+                                     compile_check=compile_check)
     return _register_tpu(attention, passed, verdicts, saved=tpu.saved_ops())
 
 
@@ -143,9 +156,14 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
     _SAVED_OPS.update(saved)
     for op in ("grouped_mm", "linear_cross_entropy", "causal_attention"):
         ops.register(op, passed.get(op))
+    from titan_kernels import tpu
+
+    cp = next((v for v in verdicts if v.op == "cp_attention"), None)
+    tpu.refuse_cp(None if cp is None or cp.ok else cp.reason)  # CP's local product: splash, or SDPA
     served = "splash" if "causal_attention" in passed else "sdpa"
     pallas = [name for op, name in (("grouped_mm", "gmm for MoE experts"),
-                                    ("linear_cross_entropy", "fused linear+cross-entropy")) if op in passed]
+                                    ("linear_cross_entropy", "fused linear+cross-entropy"),
+                                    ("cp_attention", "CP splash")) if op in passed]
     failed = [v.kernel for v in verdicts if not v.ok]
     note = f"Pallas: {', '.join(pallas)}" if pallas else "no Pallas kernel"
     if failed:

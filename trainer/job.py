@@ -316,7 +316,11 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
         attention = f"{cfg.model.attn_backend} on {device_type} (captured with the references)"
     else:
         attention = titan_kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
-                                   head_dim=plan.args.shape().head_dim)
+                                   head_dim=plan.args.shape().head_dim,
+                                   shapes=titan_kernels.KernelShapes.of(
+                                       plan.args, cp=plan.parallel_dims.cp,
+                                       cp_rank=mesh["cp"].get_local_rank() if plan.parallel_dims.cp_enabled else 0,
+                                       tokens=local_batch * t.seq_len // plan.parallel_dims.cp))
     if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
         attention += ("; document mask: segment ids" if device_type == "tpu"
                       else "; document mask: SDPA with a block-diagonal causal mask")

@@ -8,7 +8,9 @@
   jax, so only `load()` below imports it, and `titan_kernels.select` calls `load()` only when the run's
   device is a TPU. Nothing in this file imports jax.
 - `selfcheck.py`: the start-up check of each selected kernel against its torch reference
-  (torch only); `titan_kernels.select` runs it after `load()`.
+  (torch only), at the run's widths; `titan_kernels.select` runs it after `load()`.
+- `compile_check.py`: compiles (never runs) a kernel at the run's shapes for this host's
+  generation's compile-only device; the self-check's check of what is too large to run.
 
 JAX's platform. torch-tpu owns the chips of this process; the kernels only need JAX to trace,
 lower and export them (`jax_op` runs `jax.export(platforms=["tpu"])`, which needs no device).
@@ -77,12 +79,28 @@ def load() -> dict[str, Callable] | None:
 def cp_attention(cp_rank: int, cp_size: int) -> Callable | None:
     """Context parallelism's local attention on TPU: `fn(q, k_all, v_all, segment_ids=None,
     segment_ids_all=None)` with splash (register.build_cp), or None where `load()` found no TPU
-    kernels (the caller's dense-mask SDPA serves)."""
-    if load() is None:
+    kernels or the start-up self-check refused the CP kernel (`refuse_cp`; the caller's dense-mask
+    SDPA serves)."""
+    if load() is None or _state.get("cp_refused"):
         return None
     from titan_kernels.tpu import register
 
     return register.build_cp(cp_rank, cp_size)
+
+
+def compile_checker(shapes) -> Callable:
+    """`fn(op) -> None | (ok, note)`: the kernel of `op` compiled, not run, at the run's `shapes`
+    for this host's TPU generation (titan_kernels/tpu/compile_check.py); after `load()`."""
+    from titan_kernels.tpu import compile_check as compiles, register
+
+    generation = register.device_generation()
+    return lambda op: compiles.compile_kernel(op, shapes, generation)
+
+
+def refuse_cp(reason: str | None) -> None:
+    """Record the self-check's verdict on the CP splash kernel: `reason` (it failed) makes
+    `cp_attention` answer None for the rest of the process; None clears it."""
+    _state["cp_refused"] = reason
 
 
 def load_error() -> str | None:

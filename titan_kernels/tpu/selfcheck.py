@@ -9,6 +9,23 @@ the same (dtype-rounded) inputs. A kernel that raises, returns a non-finite valu
 is dropped: the reference serves that op for the whole run, and one banner line names the
 kernel and why.
 
+At the run's widths (`KernelShapes`, from the model and the mesh; `titan_kernels.select(shapes=)`):
+what a kernel compiles to depends on its widths (tiles, VMEM, the MXU's lane padding), so a
+check at other widths proves little for the run. With `shapes`:
+- splash runs at the q/k and v head widths the op receives (MLA: the width the model pads q, k
+  and v to, 192 for DeepSeek-V3; `KernelShapes.of`);
+- gmm runs at the experts' two matmuls, dim -> expert hidden and expert hidden -> dim;
+- the fused loss runs at the model's hidden size (small vocabulary and rows), and
+  `compile_check(op)` compiles its forward and backward, without running them, at the run's
+  rows per device, hidden size and whole vocabulary, so with the vocabulary block the run uses
+  (titan_kernels/tpu/compile_check.py on TPU; too large to run at start-up: 2 GiB of weight and as
+  much of gradient for Llama 3 70B); gmm is compiled at the run's rows the same way;
+- with context parallelism (`shapes.cp > 1`), the CP splash kernel of this rank
+  (register.build_cp) runs on one 128-token chunk per half against its gathered keys, compared
+  with dense attention at the chunks' global positions (`cp_reference`); a failure makes
+  context parallelism's local product the dense-mask SDPA (parallelisms/context_parallel.py).
+A kernel whose compile-only check fails is dropped like one that raises.
+
 Imports torch and models.common.ops only (no jax, no torch-tpu), so the decision logic is
 tested on the CPU with injected implementations (tests/test_kernel_selfcheck.py); on a TPU the
 implementations are those of titan_kernels/tpu/register.py.
@@ -43,7 +60,8 @@ from models.common import ops
 TOLERANCE = 2.0 ** -5
 """Largest accepted max|kernel - reference| / max|reference| per output (module docstring)."""
 
-KERNEL_NAMES = {"causal_attention": "splash", "grouped_mm": "gmm", "linear_cross_entropy": "fused CE"}
+KERNEL_NAMES = {"causal_attention": "splash", "grouped_mm": "gmm", "linear_cross_entropy": "fused CE",
+                "cp_attention": "CP splash"}
 """The kernel that serves each op on TPU, as the banner names it."""
 
 REFERENCES = {"causal_attention": ops.sdpa_causal_attention, "grouped_mm": ops.torch_grouped_mm,
@@ -72,20 +90,80 @@ class Verdict:
     reason: str = ""
     worst: float = 0.0
     """Largest error / scale over the op's outputs (for the banner and the docs)."""
+    checked: str = ""
+    """What was checked, at which widths (for the start-up line and the docs)."""
 
     @property
     def kernel(self) -> str:
         return KERNEL_NAMES.get(self.op, self.op)
 
 
-def cases(op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -> list[Case]:
-    """Tiny inputs for `op` on the CPU, rounded to `dtype` (seeded: the same every run).
+@dataclasses.dataclass(frozen=True)
+class KernelShapes:
+    """The widths at which a run calls the kernels (`titan_kernels.select(shapes=)`; module docstring)."""
+
+    hidden: int = 128
+    """Residual width: the fused loss' h and w rows; the experts' input and output width."""
+    vocab: int = 1000
+    """Rows of the output projection (the fused loss' vocabulary); 0: no LM head."""
+    qk_head_dim: int = 64
+    """Head width of q and k as the attention op receives them."""
+    v_head_dim: int = 64
+    """Head width of v as the attention op receives it."""
+    expert_hidden: int = 256
+    """Each expert's MLP width (gmm's other width); with `num_experts` 0 the check uses it anyway."""
+    num_experts: int = 0
+    """Routed experts (0: a dense model, gmm is not called by the run)."""
+    top_k: int = 0
+    """Experts per token (gmm's rows are tokens x top_k)."""
+    cp: int = 1
+    """Context-parallel degree; > 1 adds the CP splash check."""
+    cp_rank: int = 0
+    """This process' rank in its context-parallel group (the CP kernels are per rank)."""
+    tokens: int = 0
+    """Tokens per device per micro-batch (the loss' rows); 0: not known (compile checks use 8192)."""
+
+    @classmethod
+    def of(cls, args, *, cp: int = 1, cp_rank: int = 0, tokens: int = 0) -> KernelShapes:
+        """The shapes of a run of a model with `args` (a family's args dataclass)."""
+        shape = args.shape()
+        qk = v = shape.head_dim
+        if hasattr(args, "qk_head_dim") and hasattr(args, "v_head_dim"):
+            # MLA (models/deepseek_v3/model.py) pads q, k and v to one width before the op (the
+            # mean width in `shape()` is a FLOP-count device): that width is what splash runs at.
+            qk = v = max(args.qk_head_dim, args.v_head_dim)
+        return cls(hidden=shape.dim, vocab=shape.vocab_size, qk_head_dim=qk, v_head_dim=v,
+                   expert_hidden=shape.moe_hidden or 256, num_experts=shape.num_experts, top_k=shape.top_k,
+                   cp=cp, cp_rank=cp_rank, tokens=tokens)
+
+    def describe(self, op: str) -> str:
+        """The widths `op` is checked at, in words."""
+        if op == "causal_attention":
+            return f"q/k {self.qk_head_dim}, v {self.v_head_dim}"
+        if op == "grouped_mm":
+            return f"{self.hidden} -> {self.expert_hidden} -> {self.hidden}"
+        if op == "linear_cross_entropy":
+            return f"hidden {self.hidden}" + (f", vocab {self.vocab}" if self.vocab else "")
+        if op == "cp_attention":
+            return f"cp {self.cp} rank {self.cp_rank}, q/k {self.qk_head_dim}, v {self.v_head_dim}"
+        return ""
+
+
+CP_CHUNK = 128
+"""Tokens per chunk in the CP splash check: splash's tile, the smallest chunk the kernel takes."""
+
+
+def cases(op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16,
+          shapes: KernelShapes | None = None) -> list[Case]:
+    """Tiny inputs for `op` on the CPU, rounded to `dtype` (seeded: the same every run), at the
+    widths of `shapes` (default: small ones, attention at `head_dim`).
 
     Sizes: small enough to compile and run in seconds, large enough to cover what differs from
     a plain matmul: GQA (2 q heads per kv head), a length that is not a multiple of the splash
     tile (padding), two documents (segment ids); an empty expert and uneven groups; a vocabulary
     that is not a multiple of the loss' vocab block and ignored labels.
     """
+    shapes = shapes or KernelShapes(qk_head_dim=head_dim, v_head_dim=head_dim)
     gen = torch.Generator().manual_seed(1234)
 
     def normal(*shape, std=1.0):
@@ -93,21 +171,58 @@ def cases(op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16) -
 
     if op == "causal_attention":
         b, hq, hkv, s = 1, 4, 2, 200
-        q, k, v = normal(b, hq, s, head_dim), normal(b, hkv, s, head_dim), normal(b, hkv, s, head_dim)
+        dq, dv = shapes.qk_head_dim, shapes.v_head_dim
+        q, k, v = normal(b, hq, s, dq), normal(b, hkv, s, dq), normal(b, hkv, s, dv)
         seg = torch.cat([torch.zeros(b, 120, dtype=torch.int64), torch.ones(b, s - 120, dtype=torch.int64)], 1)
         return [Case("causal", (q, k, v), (0, 1, 2)), Case("segments", (q, k, v, seg), (0, 1, 2))]
     if op == "grouped_mm":
         sizes = torch.tensor([40, 0, 36, 20])
-        m, k, n = int(sizes.sum()), 128, 256
-        x, w_nk = normal(m, k), normal(len(sizes), n, k, std=k ** -0.5)
-        return [Case("linear-layout", (x, w_nk, sizes), (0, 1), views=((1, _experts_view),))]
+        out = []
+        for name, k, n in (("up", shapes.hidden, shapes.expert_hidden), ("down", shapes.expert_hidden, shapes.hidden)):
+            x, w_nk = normal(int(sizes.sum()), k), normal(len(sizes), n, k, std=k ** -0.5)
+            out.append(Case(f"linear-layout {name} {k}x{n}", (x, w_nk, sizes), (0, 1), views=((1, _experts_view),)))
+        return out
     if op == "linear_cross_entropy":
-        n, d, vocab = 100, 128, 1000
+        n, d, vocab = 100, shapes.hidden, 1000
         h, w = normal(n, d), normal(vocab, d, std=d ** -0.5)
         labels = torch.randint(0, vocab, (n,), generator=gen)
         labels[:7] = ops.IGNORE_INDEX
         return [Case("ignored-labels", (h, w, labels), (0, 1))]
+    if op == "cp_attention":
+        b, hq, hkv, cp = 1, 4, 2, shapes.cp
+        seq, local = 2 * cp * CP_CHUNK, 2 * CP_CHUNK
+        dq, dv = shapes.qk_head_dim, shapes.v_head_dim
+        q, k_all, v_all = normal(b, hq, local, dq), normal(b, hkv, seq, dq), normal(b, hkv, seq, dv)
+        seg_all = (torch.arange(seq) >= seq // 3).to(torch.int64)[None].expand(b, seq).contiguous()
+        seg = seg_all[:, cp_positions(seq, shapes.cp_rank, cp)]
+        return [Case("causal", (q, k_all, v_all), (0, 1, 2)),
+                Case("segments", (q, k_all, v_all, seg, seg_all), (0, 1, 2))]
     raise AssertionError(f"no self-check case for op {op!r}")
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions of the tokens rank `cp_rank` holds: chunks r and 2 cp - 1 - r of
+    seq_len / (2 cp) (parallelisms/context_parallel.py's layout; splash.py `cp_positions`)."""
+    chunk = seq_len // (2 * cp_size)
+    return torch.cat([cp_rank * chunk + torch.arange(chunk), (2 * cp_size - 1 - cp_rank) * chunk + torch.arange(chunk)])
+
+
+def cp_reference(cp_rank: int, cp_size: int) -> Callable:
+    """The CP splash kernel's reference for rank `cp_rank`: `fn(q, k_all, v_all, segment_ids=None,
+    segment_ids_all=None)`, SDPA of the rank's queries at their global positions against all keys
+    (key <= query, same segment)."""
+
+    def attention(q, k_all, v_all, segment_ids=None, segment_ids_all=None):
+        seq = k_all.shape[2]
+        pos = cp_positions(seq, cp_rank, cp_size).to(q.device)
+        mask = (torch.arange(seq, device=q.device)[None, :] <= pos[:, None])[None, None]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, None, :, None] == segment_ids_all[:, None, None, :])
+        n_rep = q.shape[1] // k_all.shape[1]
+        k, v = ops.repeat_kv(k_all, n_rep), ops.repeat_kv(v_all, n_rep)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return attention
 
 
 def _experts_view(w: torch.Tensor) -> torch.Tensor:
@@ -159,33 +274,61 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str])
     return None, worst
 
 
+CompileCheck = Callable[[str], "tuple[bool, str] | None"]
+"""`compile_check(op)`: None (nothing to compile for `op`), (True, what compiled) or (False, why
+not): the kernel of `op` compiled, not run, at the run's shapes (titan_kernels/tpu/compile_check.py)."""
+
+
+def _first_line(exc: Exception) -> str:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {message[:200]}"
+
+
 def check(op: str, impl: Callable, *, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
-          reference: Callable | None = None) -> Verdict:
+          reference: Callable | None = None, shapes: KernelShapes | None = None,
+          compile_check: CompileCheck | None = None) -> Verdict:
     """Run `impl` (the kernel's op implementation) and `reference` (default: the op's torch
-    reference) on `cases(op)`; the Verdict says whether `impl` may serve `op`."""
-    reference = reference or REFERENCES[op]
+    reference) on `cases(op)` at the widths of `shapes`, after `compile_check(op)` if given; the
+    Verdict says whether `impl` may serve `op`."""
+    shapes = shapes or KernelShapes(qk_head_dim=head_dim, v_head_dim=head_dim)
+    if reference is None:
+        reference = cp_reference(shapes.cp_rank, shapes.cp) if op == "cp_attention" else REFERENCES[op]
+    checked = shapes.describe(op)
+    if compile_check is not None:
+        try:
+            compiled = compile_check(op)
+        except Exception as exc:  # the check itself broke: the kernel is not known to compile
+            compiled = (False, f"the compile-only check raised {_first_line(exc)}")
+        if compiled is not None:
+            ok, note = compiled
+            if not ok:
+                return Verdict(op, False, note, checked=checked)
+            checked += f"; {note}"
     worst = 0.0
-    for case in cases(op, head_dim=head_dim, dtype=dtype):
+    for case in cases(op, head_dim=head_dim, dtype=dtype, shapes=shapes):
         names = ["out"] + [f"grad[{i}]" for i in case.grad_args]
         try:
             got = _call(impl, case, device, dtype, upcast=False)
         except Exception as exc:  # whatever the kernel raises, the reference serves
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            return Verdict(op, False, f"{case.name} case raised {type(exc).__name__}: {message[:200]}")
+            return Verdict(op, False, f"{case.name} case raised {_first_line(exc)}", checked=checked)
         want = _call(reference, case, torch.device("cpu"), dtype, upcast=True)
         why, rel = compare(got, want, names)
         worst = max(worst, rel)
         if why:
-            return Verdict(op, False, f"{case.name} case: {why}", worst)
-    return Verdict(op, True, worst=worst)
+            return Verdict(op, False, f"{case.name} case: {why}", worst, checked=checked)
+    return Verdict(op, True, worst=worst, checked=checked)
 
 
 def run(impls: dict[str, Callable], *, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
-        references: dict[str, Callable] | None = None) -> tuple[dict[str, Callable], list[Verdict]]:
-    """Self-check every implementation in `impls` ({op: fn}); return (the ones that passed on
-    every rank, every Verdict). `references` overrides the torch references (tests)."""
+        references: dict[str, Callable] | None = None, shapes: KernelShapes | None = None,
+        compile_check: CompileCheck | None = None) -> tuple[dict[str, Callable], list[Verdict]]:
+    """Self-check every implementation in `impls` ({op: fn}; "cp_attention": this rank's CP
+    splash, `fn(q, k_all, v_all, segment_ids=None, segment_ids_all=None)`) at the widths of
+    `shapes`, each after `compile_check(op)`; return (the ones that passed on every rank, every
+    Verdict). `references` overrides the torch references (tests)."""
     verdicts = [check(op, impl, device=device, dtype=dtype, head_dim=head_dim or 64,
-                      reference=(references or {}).get(op)) for op, impl in impls.items()]
+                      reference=(references or {}).get(op), shapes=shapes, compile_check=compile_check)
+                for op, impl in impls.items()]
     verdicts = agree(verdicts, device=device)
     return {v.op: impls[v.op] for v in verdicts if v.ok}, verdicts
 
