@@ -152,7 +152,18 @@ def test_cache_miss_counter_reports_growth_only():
     assert counter.step_done(2) is None and counter.total == 9
     assert counter.step_done(3) == "titan-tpu: compile cache misses at step 3: +1 (total 10)"
     off = CacheMissCounter("cpu")
-    assert off.total is None and off.step_done(1) is None
+    assert off.total is None and off.step_done(1) is None and off.compiled() is None
+
+
+def test_compilations_read_torch_tpus_cache_stats():
+    """`compilations` (metrics.jsonl) is torch-tpu's `_get_cache_stats().num_compilations` (a
+    PerfStats with num_cache_hits / num_cache_reqs / num_compilations in the 0.2.0 wheel)."""
+    stats = types.SimpleNamespace(num_cache_hits=3, num_cache_reqs=10, num_compilations=7)
+    assert tpu_env.compilations("tpu", types.SimpleNamespace(_get_cache_stats=lambda: stats)) == 7
+    assert tpu_env.compilations("tpu", types.SimpleNamespace()) is None  # a torch-tpu without the stats
+    assert tpu_env.compilations("cpu") is None
+    counter = CacheMissCounter("tpu", read=lambda: 4, read_compiled=lambda: 2)
+    assert counter.total == 4 and counter.compiled() == 2
 
 
 def test_cache_misses_read_torch_tpus_counter():

@@ -190,6 +190,8 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
                     values["skipped_updates"] = skipped
                 if cache_misses.total is not None:
                     values["compile_cache_misses"] = cache_misses.total
+                    if (compiled := cache_misses.compiled()) is not None:
+                        values["compilations"] = compiled
                 if out.aux_loss is not None:
                     values["moe_aux_loss"] = global_mean(out.aux_loss)
                 if out.moe_max_vio is not None:

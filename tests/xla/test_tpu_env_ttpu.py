@@ -8,7 +8,8 @@
   (not at `import torch`, not at device registration), so `build_job` setting them after
   picking the device and before the process group is in time. On this host libtpu then fails
   (no TPU); the test reads what happened before.
-- The profiler config and the cache-miss counter with the real `torch.tpu` (probe tpu_env_ttpu.py).
+- The profiler config, the cache-miss counter and the compilation count with the real `torch.tpu`
+  (probe tpu_env_ttpu.py).
 """
 
 from __future__ import annotations
@@ -108,3 +109,4 @@ def test_profiler_config_and_cache_counter_with_real_torch_tpu(probe):
     assert res["activities"] == ["CPU", "PrivateUse1"] and res["chrome_trace"] is False, res
     assert res["cache_misses_getter"], res
     assert res["cache_misses_without_device"] in (0, None), res
+    assert res["compilations_without_device"] == 0, res  # torch-tpu's PerfStats.num_compilations, read

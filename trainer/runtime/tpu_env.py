@@ -280,13 +280,34 @@ def compile_cache_misses(device_type: str, tpu_module=None) -> int | None:
         return None
 
 
+def compilations(device_type: str, tpu_module=None) -> int | None:
+    """How many programs torch-tpu compiled in this process (`torch.tpu._get_cache_stats()`'s
+    `num_compilations`), or None off a TPU or when torch-tpu cannot say. Beside the miss count
+    because a program missing the in-memory cache may be loaded from the host or persistent
+    cache instead of compiled; whether torch-tpu 0.2.0 counts such a load as a miss is not
+    known (docs/tpu.md, "Compile cache"), this count tells them apart."""
+    if device_type != "tpu":
+        return None
+    if tpu_module is None:
+        import torch
+
+        tpu_module = getattr(torch, "tpu", None)
+    try:
+        return int(tpu_module._get_cache_stats().num_compilations)
+    except Exception:  # not initialised, or a torch-tpu without the stats
+        return None
+
+
 class CacheMissCounter:
     """Per-step compilation cache misses on a TPU: `step_done(step)` after each step returns the
     console line to print when the count grew (the loop prints it on rank 0), and `total` is the
-    count to log in metrics.jsonl (`compile_cache_misses`). On other devices both stay None."""
+    count to log in metrics.jsonl (`compile_cache_misses`); `compiled()` the programs compiled so
+    far (`compilations`, read on logged steps only). On other devices all stay None."""
 
-    def __init__(self, device_type: str, read: Callable[[], int | None] | None = None):
+    def __init__(self, device_type: str, read: Callable[[], int | None] | None = None,
+                 read_compiled: Callable[[], int | None] | None = None):
         self._read = read if read is not None else (lambda: compile_cache_misses(device_type))
+        self.compiled = read_compiled if read_compiled is not None else (lambda: compilations(device_type))
         self.total = self._read()
 
     def step_done(self, step: int) -> str | None:

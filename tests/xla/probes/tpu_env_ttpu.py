@@ -23,7 +23,7 @@ import torch
 def main() -> None:
     import torch_tpu  # noqa: F401  (autoload is off: installs torch.tpu, no device)
 
-    from trainer.runtime.tpu_env import compile_cache_misses, profiler_plan
+    from trainer.runtime.tpu_env import compilations, compile_cache_misses, profiler_plan
 
     out: dict = {}
     try:
@@ -41,6 +41,7 @@ def main() -> None:
     getter = getattr(torch.tpu, "_get_cache_misses", None)
     out["cache_misses_getter"] = callable(getter)
     out["cache_misses_without_device"] = compile_cache_misses("tpu")
+    out["compilations_without_device"] = compilations("tpu")
     import importlib.metadata as md
 
     out["versions"] = {p: md.version(p) for p in ("torch", "torch-tpu", "libtpu")}
