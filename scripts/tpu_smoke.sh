@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # First run on a TPU VM (one host): make the Python 3.11 TPU venv, train the debug recipes on the
 # CPU (the reference) and on the TPU (eager, compile, graph + scan, AC full, fused loss, splash,
-# Qwen 3 MoE at EP 1 and 2, save + resume), each under a timeout, and pack one report with the
-# logs into a tarball to send back:
+# Qwen 3 MoE at EP 1 and 2, save + resume, context parallel 2 with and without the document mask,
+# DeepSeek V3's MLA at EP 2, and a short run launched twice on one compile cache), each under a
+# timeout, and pack one report with the logs into a tarball to send back:
 #   scripts/tpu_smoke.sh [STEPS] [--timeout S] [--run-timeout RUN=S] [--runs A,B] [--out DIR]
 #                        [--set RUN:--section.key=value] [--shim]
 # STEPS defaults to 20; the report is DIR/report.md, DIR defaults to outputs/tpu_smoke/<UTC time>,

@@ -46,11 +46,14 @@ HEADER = ["run", "what", "status", "steps", "final loss", "vs", "Δ loss (rel.)"
 @pytest.mark.linux  # the timeout kill walks /proc for torchrun's workers
 def test_shim_run_end_to_end(tmp_path):
     out = tmp_path / "smoke"
-    r = _smoke("--shim", "4", "--out", str(out), "--runs", "cpu,compile,graph_scan,moe_ep2,save,resume",
+    r = _smoke("--shim", "4", "--out", str(out), "--runs",
+               "cpu,compile,graph_scan,moe_ep2,save,resume,cp2,cache_cold,cache_warm",
                "--set", "compile:--training.dataset=/nonexistent/smoke.jsonl", "--run-timeout", "graph_scan=3",
                # eager saves and resumes in seconds; graph mode's capture takes a minute on 2 busy cores
                "--set", "save:--compile.mode=eager", "--set", "save:--compile.scan_layers=false",
-               "--set", "resume:--compile.mode=eager", "--set", "resume:--compile.scan_layers=false")
+               "--set", "resume:--compile.mode=eager", "--set", "resume:--compile.scan_layers=false",
+               *[x for run in ("cache_cold", "cache_warm") for x in
+                 ("--set", f"{run}:--compile.mode=eager", "--set", f"{run}:--compile.scan_layers=false")])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     tarball = out.with_name("smoke.tar.gz")
     assert f"tarball: {tarball}" in r.stderr and f"report: {out / 'report.md'}" in r.stderr
@@ -58,7 +61,7 @@ def test_shim_run_end_to_end(tmp_path):
     meta = json.loads((out / "smoke.json").read_text())
     status = {name: run["status"] for name, run in meta["runs"].items()}
     assert status == {"cpu": "ok", "compile": "failed", "graph_scan": "timed out", "moe_ep2": "skipped",
-                      "save": "ok", "resume": "ok"}, status
+                      "save": "ok", "resume": "ok", "cp2": "skipped", "cache_cold": "ok", "cache_warm": "ok"}, status
     # torchrun exits 1 whatever its worker's code (here the trainer's 2); a killed run has none
     assert meta["runs"]["compile"]["rc"] == 1 and meta["runs"]["graph_scan"]["rc"] is None
 
@@ -108,6 +111,17 @@ def test_shim_run_end_to_end(tmp_path):
     assert "tools.tpu_smoke: timed out after 3 s: SIGTERM" in section
     # The skipped run says why.
     assert dict(zip(HEADER, _row(report, "moe_ep2")))["status"] == "skipped: needs 2 devices, this host has 1"
+    assert dict(zip(HEADER, _row(report, "cp2")))["status"] == "skipped: needs 2 devices, this host has 1"
+    # The compile-cache pair: 4 steps (the smoke's, under CACHE_STEPS), the relaunch compared step by step
+    # with its first launch (same program, same seed), each with a host cache of its own in its flags,
+    # the persistent one named by the recipe key; no counter off a TPU, so the verdict says so.
+    row = dict(zip(HEADER, _row(report, "cache_warm")))
+    assert row["steps"] == "1-4" and row["vs"] == "cache_cold" and row["verdict"] == "ok", row
+    assert "**second launch: not measured (no compile_cache_misses through step 3" in report
+    cold, warm = meta["runs"]["cache_cold"], meta["runs"]["cache_warm"]
+    assert cold["tier2"] != warm["tier2"] and warm["env"]["TORCH_TPU_TIER2_COMPILATION_CACHE"] == warm["tier2"]
+    assert f"--compile.cache_dir={out / 'compile_cache'}" in warm["cmd"]
+    assert "titan-tpu: cache_dir not applied on cpu (TPU only)" in report
 
     # What the report records: flags per run (command line + launch env), versions, topology.
     assert "  python -m torch.distributed.run --standalone --nproc_per_node=1 -m trainer.train --config" in report
@@ -278,8 +292,9 @@ def test_plan_and_commands():
     """Every TPU run splits the CPU reference's global batch over the devices and records bf16;
     the shim swaps splash (TPU only) for SDPA and the device for the CPU."""
     runs = {r.name: r for r in tpu_smoke.plan(20)}
-    assert set(runs) == {"cpu", "cpu_moe", "eager", "compile", "graph_scan", "ac_full", "fused_loss", "splash",
-                         "moe_ep1", "moe_ep2", "save", "resume"}
+    assert set(runs) == {"cpu", "cpu_moe", "cpu_doc", "cpu_mla", "eager", "compile", "graph_scan", "ac_full",
+                         "fused_loss", "splash", "moe_ep1", "moe_ep2", "save", "resume", "cp2", "cp2_doc", "mla_ep2",
+                         "cache_cold", "cache_warm"}
     out = tpu_smoke.ROOT / "outputs" / "x"
     for shim in (False, True):
         for name, run in runs.items():
@@ -287,7 +302,119 @@ def test_plan_and_commands():
             assert "--training.mixed_precision_param=bfloat16" in cmd and cmd[-1] == "--a.b=1"
             want_device = "cpu" if run.device == "cpu" or shim else "tpu"
             assert f"--device.type={want_device}" in cmd
-            assert f"--training.local_batch_size={8 if run.device == 'cpu' else 2}" in cmd
+            # 8 sequences per step: over 4 data-parallel ranks, or 2 with cp 2 (cp ranks share theirs)
+            local = 8 if run.device == "cpu" else 4 if name.startswith("cp2") else 2
+            assert f"--training.local_batch_size={local}" in cmd
             assert ("--nproc_per_node=4" in cmd) == (run.device == "tpu")
-            assert ("--model.attn_backend=splash" in cmd) == (name == "splash" and not shim), cmd
+            splash = name in ("splash", "cp2", "cp2_doc", "mla_ep2")
+            assert ("--model.attn_backend=splash" in cmd) == (splash and not shim), cmd
+            assert ("--parallelism.context_parallel_degree=2" in cmd) == name.startswith("cp2"), cmd
+            cache = f"--compile.cache_dir={out / 'compile_cache'}"
+            assert (cache in cmd) == name.startswith("cache_"), cmd
+            assert f"--training.steps={6 if name.startswith('cache_') else 20}" in cmd
     assert "--checkpoint.interval=10" in runs["save"].args and runs["resume"].resume_of == "save"
+    assert runs["cache_warm"].relaunch_of == "cache_cold" and runs["cache_warm"].ref == "cache_cold"
+    assert runs["cp2_doc"].ref == "cpu_doc" and runs["mla_ep2"].ref == "cpu_mla"
+
+
+@pytest.mark.parametrize("nproc", [2, 4, 8])
+def test_every_run_passes_the_rules_at_its_world_size(nproc):
+    """Each run's command line, parsed as the trainer parses it, passes `plan_job` (every rule the
+    trainer checks before it builds anything; on a TPU: the rules a TPU run sees, CP's 128-token
+    chunks included) at the device count of a one-host slice (v6e-8 / tpu7x-8: 8 devices, v5p-8 /
+    v6e-4: 4), and splits the CPU reference's 8 sequences over its data-parallel ranks."""
+    from trainer import plan_job
+    from trainer.config import build_config, split_cli
+    from trainer.job import batch_split
+
+    global_batch = -(-tpu_smoke.GLOBAL_BATCH // nproc) * nproc
+    checked = []
+    for run in tpu_smoke.plan(20):
+        if run.device == "tpu" and (nproc < run.min_devices or nproc % run.cp):
+            continue
+        cmd = tpu_smoke.command(run, steps=20, nproc=nproc, global_batch=global_batch,
+                                out=tpu_smoke.ROOT / "outputs" / "x", shim=False, extra=[])
+        recipe, _, overrides = split_cli(cmd[cmd.index("trainer.train") + 1:])
+        cfg = build_config(os.path.join(REPO, recipe), overrides)
+        world, device_type = (1, "cpu") if run.device == "cpu" else (nproc, "tpu")
+        plan = plan_job(cfg, world_size=world, device_type=device_type)
+        dims = plan.parallel_dims
+        assert dims.cp == run.cp and dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp == world, (run.name, dims)
+        t = cfg.training
+        local, accum = batch_split(global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
+                                   gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=dims.dp_degree)
+        assert local * accum * dims.dp_degree == (tpu_smoke.GLOBAL_BATCH if run.device == "cpu" else global_batch)
+        checked.append(run.name)
+    assert {"cp2", "cp2_doc", "mla_ep2", "cache_cold", "cache_warm"} <= set(checked), checked
+    assert {"cpu_doc", "cpu_mla"} <= set(checked)
+    mla = build_config(os.path.join(REPO, tpu_smoke.MLA))
+    assert mla.model.name == "deepseek_v3"  # the MLA family
+
+
+def test_cp_runs_are_skipped_where_the_devices_do_not_split(tmp_path):
+    """A cp 2 run on 3 devices is skipped with the reason; so is a relaunch whose first launch did not run."""
+    import argparse
+
+    meta = {"global_batch": 9, "runs": {}}
+    args = argparse.Namespace(run_timeout={}, timeout=10, shim=True, steps=5, set={})
+    runs = {r.name: r for r in tpu_smoke.plan(5)}
+    for name in ("cp2", "cache_warm"):
+        meta["runs"][name] = {"status": "not run"}
+        tpu_smoke._one(runs[name], meta, args=args, out=tmp_path, base_env={}, launch_rc=0, nproc=3)
+    assert meta["runs"]["cp2"]["reason"] == "context parallel 2 needs a device count divisible by 2, this host has 3"
+    assert meta["runs"]["cache_warm"]["reason"] == "relaunches cache_cold, which did not run"
+
+
+def _records(counts, compiled=None):
+    return [{"step": s, "compile_cache_misses": c, **({"compilations": compiled} if compiled is not None else {})}
+            for s, c in enumerate(counts, start=1)]
+
+
+def test_relaunch_verdict_from_metrics():
+    first = _records([40, 42, 42, 42, 43, 43])  # 42 programs through step 3, 1 more after
+    assert tpu_smoke.misses_through(first) == 42 and counter_misses(first) == 1
+    assert tpu_smoke.relaunch_verdict(first, _records([0] * 6)) == (
+        "second launch: 0 misses after step 3, 0 at restart (first launch: 1 after step 3, 42 at start): "
+        "compiled nothing, the cache served every program")
+    assert tpu_smoke.relaunch_verdict(first, _records([5, 6, 6, 6, 6, 6])) == (
+        "second launch: 0 misses after step 3, 6 at restart (first launch: 1 after step 3, 42 at start): "
+        "the cache served 36 of the first launch's 42 programs, the rest compiled again")
+    assert tpu_smoke.relaunch_verdict(first, first).startswith(
+        "second launch: 1 misses after step 3, 42 at restart (first launch: 1 after step 3, 42 at start): "
+        "missed as much as a cold start")
+    # Off a TPU (no counter) or stopped before step 3: said so, nothing made up.
+    assert tpu_smoke.relaunch_verdict(first, [{"step": s} for s in range(1, 7)]).startswith(
+        "second launch: not measured")
+    assert tpu_smoke.relaunch_verdict(first, _records([3, 3])).startswith("second launch: not measured")
+    # Without the first launch's numbers the line still stands.
+    assert tpu_smoke.relaunch_verdict([], _records([0] * 6)) == (
+        "second launch: 0 misses after step 3, 0 at restart: compiled nothing, the cache served every program")
+
+
+def test_report_has_the_relaunch_section(tmp_path):
+    """report.md from synthetic metrics files: the verdict line and both launches' numbers."""
+    out = tmp_path / "smoke"
+    for name, counts, compiled in (("cache_cold", [40, 42, 42, 42, 43, 43], 43), ("cache_warm", [2] * 6, 0)):
+        folder = out / "runs" / name
+        folder.mkdir(parents=True)
+        recs = [{**r, "loss": 9.0 - r["step"] / 10, "elapsed_s": 10.0 * r["step"]} for r in _records(counts, compiled)]
+        recs[0].update(setup_s=3.0, compile_s=55.5 if name == "cache_cold" else 1.2)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (out / "runs" / f"{name}.log").write_text("step 1/6 loss 8.9\n")
+    run = {"device": "tpu", "exact": True, "recipe": tpu_smoke.LLAMA, "steps": 6, "status": "ok", "rc": 0,
+           "timeout_s": 1800}
+    meta = {"shim": False, "started": "-", "git": "x", "steps": 20, "global_batch": 8, "devices": 8, "timeout_s": 1800,
+            "launch_rc": 0, "runs": {
+                "cache_cold": {**run, "what": "first", "ref": None, "relaunch_of": None, "tier2": "t-cold",
+                               "tier3_after": {"files": 12, "bytes": 5_000_000}, "tier2_after": {"files": 12, "bytes": 1}},
+                "cache_warm": {**run, "what": "second", "ref": "cache_cold", "relaunch_of": "cache_cold",
+                               "tier2": "t-warm", "tier3_after": {"files": 12, "bytes": 5_000_000}, "tier2_after": None}}}
+    (out / "smoke.json").write_text(json.dumps(meta))
+    (out / "env.txt").write_text("python 3.11\n")
+    report = tpu_smoke.render_report(out)
+    assert ("**second launch: 0 misses after step 3, 2 at restart (first launch: 1 after step 3, 42 at start): "
+            "the cache served 40 of the first launch's 42 programs, the rest compiled again**") in report
+    assert "| first | cache_cold | ok | 42 | 1 | 43 | 10.0 | 55.5 | 12, 5.0 | 12 |" in report
+    assert "| second | cache_warm | ok | 2 | 0 | 0 | 10.0 | 1.2 | 12, 5.0 | none |" in report
+    # 6 steps is complete for these runs (not the smoke's 20), and the relaunch matches its first launch.
+    assert dict(zip(HEADER, _row(report, "cache_warm")))["verdict"] == "ok"

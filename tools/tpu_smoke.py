@@ -11,7 +11,11 @@ each run changes). Every run has its own timeout, log and dump folder; a failed,
 skipped run never stops the next one. The report gives versions, topology, flags, and per run
 its status, losses against its reference with a verdict, compile and step times, tokens/s, MFU,
 the compilation-cache misses after step 3 and, for every run that did not finish, the tail of
-its log; everything (report, logs, metrics, launch environment) goes into DIR.tar.gz.
+its log; everything (report, logs, metrics, launch environment) goes into DIR.tar.gz. Two short
+runs show the persistent compilation cache: `cache_cold` fills a fresh cache folder (DIR/
+compile_cache), `cache_warm` relaunches the same run on it, and the report's verdict line says
+how many programs the second launch still missed ("second launch: N misses after step 3, M at
+restart").
 
 `--shim` (what CI runs, tests/test_tpu_smoke.py): the "TPU" runs train on the CPU with a tiny
 model and the aot_eager backend, the topology comes from tests/fake_tpu (TITAN_SMOKE_SHIM_DEVICES
@@ -96,7 +100,17 @@ PLAIN = ["--model.attn_backend=sdpa", "--training.fused_loss=off"]
 Pallas kernels, which have their own runs (the MoE experts take gmm on TPU whatever is set)."""
 SHIM = ["--model.n_layers=2", "--training.seq_len=64", "--compile.backend=aot_eager"]
 """--shim: a tiny model and no Inductor, so CI's end-to-end run takes seconds per run."""
-LLAMA, MOE = "configs/llama3_debug.toml", "configs/qwen3_moe_debug.toml"
+LLAMA, MOE, MLA = "configs/llama3_debug.toml", "configs/qwen3_moe_debug.toml", "configs/deepseek_v3_debug.toml"
+CACHE_STEPS = 6
+"""Steps of the two compile-cache runs: past step 3, where the misses are counted from."""
+CACHE_FOLDER = "compile_cache"
+"""DIR/compile_cache: the persistent compilation cache (tier 3) of the compile-cache runs, fresh
+for each smoke, left out of the tarball."""
+TIER2_VAR, TIER2_ROOT = "TORCH_TPU_TIER2_COMPILATION_CACHE", Path("/dev/shm/torch_tpu_cache")
+"""torch-tpu's host cache: a name under TIER2_ROOT (the root is a string in its binary). Each
+compile-cache run gets a name of its own, so the relaunch cannot be served from the first
+launch's host cache and what it loads comes from the persistent folder, as on a new host; the
+smoke removes both folders after its runs."""
 
 
 @dataclasses.dataclass
@@ -116,6 +130,19 @@ class Run:
     min_devices: int = 1
     resume_of: str | None = None
     """Starts from this run's checkpoint at step `checkpoint_step` (copied into its folder)."""
+    cp: int = 1
+    """Context-parallel degree: the run sets it, and the device count must divide by it."""
+    steps: int | None = None
+    """At most this many steps (default: the smoke's STEPS)."""
+    cache: bool = False
+    """Uses the smoke's persistent compilation cache DIR/compile_cache and a host cache of its own."""
+    relaunch_of: str | None = None
+    """The second launch of this run on the same persistent cache (skipped if that one did not run)."""
+
+
+def run_steps(run: Run, steps: int) -> int:
+    """The steps `run` trains when the smoke's runs train `steps`."""
+    return min(steps, run.steps) if run.steps else steps
 
 
 def checkpoint_step(steps: int) -> int:
@@ -128,9 +155,16 @@ def plan(steps: int) -> list[Run]:
     k = checkpoint_step(steps)
     save = ["--checkpoint.enable=true", f"--checkpoint.interval={k}", "--checkpoint.keep_latest_k=0"]
     graph = ["--compile.mode=graph", "--compile.scan_layers=true"]
+    doc = ["--training.document_mask=true"]
+    # What the pod recipes run beyond the runs above: context parallelism (the 128k recipes: k/v
+    # all-gather, each rank's own splash ops) and MLA attention with expert parallelism
+    # (DeepSeek V3 / Kimi K2). Attention is splash there, as `auto` picks on a TPU.
+    splash = [*PLAIN, *graph, "--model.attn_backend=splash"]
     return [
         Run("cpu", "Llama 3 debug, eager, CPU reference", LLAMA, PLAIN, device="cpu"),
         Run("cpu_moe", "Qwen 3 MoE debug, eager, CPU reference", MOE, PLAIN, device="cpu"),
+        Run("cpu_doc", "Llama 3 debug, eager, document mask, CPU reference", LLAMA, [*PLAIN, *doc], device="cpu"),
+        Run("cpu_mla", "DeepSeek V3 debug (MLA, MoE), eager, CPU reference", MLA, PLAIN, device="cpu"),
         Run("eager", "Llama 3 debug, eager", LLAMA, [*PLAIN, "--compile.mode=eager"], ref="cpu"),
         Run("compile", "Llama 3 debug, torch.compile per block", LLAMA, [*PLAIN, "--compile.mode=compile"],
             ref="cpu"),
@@ -148,6 +182,16 @@ def plan(steps: int) -> list[Run]:
         Run("save", f"graph_scan, checkpoints every {k} steps", LLAMA, [*PLAIN, *graph, *save], ref="cpu"),
         Run("resume", f"resumes save's step-{k} checkpoint and continues", LLAMA, [*PLAIN, *graph, *save],
             ref="save", exact=True, resume_of="save"),
+        Run("cp2", "graph_scan + context parallel 2 (k/v all-gather, per-rank CP splash), splash attention",
+            LLAMA, splash, ref="cpu", min_devices=2, cp=2),
+        Run("cp2_doc", "cp2 + document mask (CP splash with segment ids)", LLAMA, [*splash, *doc], ref="cpu_doc",
+            min_devices=2, cp=2),
+        Run("mla_ep2", "DeepSeek V3 debug: MLA attention (splash), MoE, graph + scan, gmm experts, EP 2", MLA,
+            [*splash, "--parallelism.expert_parallel_degree=2"], ref="cpu_mla", min_devices=2),
+        Run("cache_cold", f"graph_scan, {CACHE_STEPS} steps, fills a fresh persistent compile cache", LLAMA,
+            [*PLAIN, *graph], steps=CACHE_STEPS, cache=True),  # graph_scan has the loss verdict
+        Run("cache_warm", "cache_cold launched again on its persistent compile cache", LLAMA, [*PLAIN, *graph],
+            ref="cache_cold", exact=True, steps=CACHE_STEPS, cache=True, relaunch_of="cache_cold"),
     ]
 
 
@@ -175,6 +219,34 @@ def counter_misses(records: list[dict], after_step: int = 3) -> int | None:
     if by_step.get(after_step) is None or not records or records[-1].get("compile_cache_misses") is None:
         return None
     return int(records[-1]["compile_cache_misses"] - by_step[after_step])
+
+
+def misses_through(records: list[dict], step: int = 3) -> int | None:
+    """torch-tpu's cumulative miss count at `step` (start-up and steps 1..step), or None where the
+    run logged no counter there."""
+    value = next((r.get("compile_cache_misses") for r in records if r["step"] == step), None)
+    return None if value is None else int(value)
+
+
+def relaunch_verdict(first: list[dict], second: list[dict], after_step: int = 3) -> str:
+    """The compile cache's verdict line from the metrics.jsonl records of a run (`first`) and of
+    its relaunch on the same persistent cache (`second`): "second launch: N misses after step 3,
+    M at restart", M counting from the process start through step 3, then the first launch's two
+    numbers and what they say. A relaunch served wholly by the cache compiles nothing (0 and 0)."""
+    n, m = counter_misses(second, after_step), misses_through(second, after_step)
+    if n is None or m is None:
+        return (f"second launch: not measured (no compile_cache_misses through step {after_step} in its "
+                "metrics.jsonl: not on a TPU, or it stopped early)")
+    line = f"second launch: {n} misses after step {after_step}, {m} at restart"
+    n0, m0 = counter_misses(first, after_step), misses_through(first, after_step)
+    if m0 is not None:
+        line += f" (first launch: {_fmt(n0, 'd')} after step {after_step}, {m0} at start)"
+    if n == 0 and m == 0:
+        return line + ": compiled nothing, the cache served every program"
+    if m0 is not None and m < m0:
+        return line + f": the cache served {m0 - m} of the first launch's {m0} programs, the rest compiled again"
+    return line + (": missed as much as a cold start (no cache read, or torch-tpu counts a program loaded "
+                   "from the cache as a miss: see `compilations` and the first step's time)")
 
 
 def tail(log_text: str, n: int = TAIL_LINES) -> str:
@@ -321,9 +393,13 @@ def command(run: Run, *, steps: int, nproc: int, global_batch: int, out: Path, s
     args = list(run.args)
     if shim:  # no splash off the TPU: the shim's splash run checks the plumbing with SDPA
         args = [a if a != "--model.attn_backend=splash" else "--model.attn_backend=sdpa" for a in args]
-    return [*_launch(run, procs), "--config", run.recipe, f"--training.steps={steps}", *COMMON,
+    if run.cp > 1:  # cp ranks share their data-parallel rank's sequences: dp = procs / cp
+        args.append(f"--parallelism.context_parallel_degree={run.cp}")
+    if run.cache:
+        args.append(f"--compile.cache_dir={out / CACHE_FOLDER}")
+    return [*_launch(run, procs), "--config", run.recipe, f"--training.steps={run_steps(run, steps)}", *COMMON,
             *(SHIM if shim else []), *args, f"--device.type={device}",
-            f"--training.local_batch_size={global_batch // procs}",
+            f"--training.local_batch_size={global_batch * run.cp // procs}",
             f"--job.dump_folder={out / 'runs' / run.name}",
             *extra]
 
@@ -354,7 +430,8 @@ def run_all(args: argparse.Namespace) -> int:
             "python": sys.executable, "git": _git(), "runs": {}}
     for run in selected:
         meta["runs"][run.name] = {"what": run.what, "device": run.device, "ref": run.ref, "exact": run.exact,
-                                  "recipe": run.recipe, "status": "not run", "reason": "not reached"}
+                                  "recipe": run.recipe, "steps": run_steps(run, args.steps),
+                                  "relaunch_of": run.relaunch_of, "status": "not run", "reason": "not reached"}
     try:
         for run in selected:
             _one(run, meta, args=args, out=out, base_env=base_env, launch_rc=rc, nproc=nproc)
@@ -366,6 +443,10 @@ def run_all(args: argparse.Namespace) -> int:
                 r.update(status="failed", reason="interrupted (Ctrl-C)", rc=None)
             elif r["status"] == "not run":
                 r["reason"] = "interrupted before it started"
+    finally:  # the compile-cache runs' host caches live in /dev/shm (memory): ours, named per run
+        for r in meta["runs"].values():
+            if r.get("tier2"):
+                shutil.rmtree(TIER2_ROOT / r["tier2"], ignore_errors=True)
     meta["finished"] = _utc(time.time())
     (out / "smoke.json").write_text(json.dumps(meta, indent=1) + "\n")
     (out / "report.md").write_text(render_report(out))
@@ -387,6 +468,11 @@ def _one(run: Run, meta: dict, *, args: argparse.Namespace, out: Path, base_env:
         skip = f"no launch environment (`{' '.join(_topology_cmd(args.shim)[1:])}` exited {rc}; launch_env.txt)"
     elif run.device == "tpu" and nproc < run.min_devices:
         skip = f"needs {run.min_devices} devices, this host has {nproc}"
+    elif run.device == "tpu" and nproc % run.cp:
+        skip = f"context parallel {run.cp} needs a device count divisible by {run.cp}, this host has {nproc}"
+    elif run.relaunch_of is not None and meta["runs"].get(run.relaunch_of, {}).get("status") in (None, "skipped",
+                                                                                                  "not run"):
+        skip = f"relaunches {run.relaunch_of}, which did not run"
     elif run.resume_of is not None:
         src = runs_dir / run.resume_of / "checkpoints" / f"step-{checkpoint_step(args.steps)}"
         if not src.is_dir():
@@ -399,6 +485,9 @@ def _one(run: Run, meta: dict, *, args: argparse.Namespace, out: Path, base_env:
         return
     env = {**base_env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1" if run.device == "tpu" and not args.shim else "0"}
     set_env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": env["TORCH_DEVICE_BACKEND_AUTOLOAD"]}
+    if run.cache:  # a host cache of its own (TIER2_ROOT), the persistent one shared: DIR/compile_cache
+        result["tier2"] = set_env[TIER2_VAR] = env[TIER2_VAR] = re.sub(r"[^A-Za-z0-9_.-]", "-",
+                                                                        f"titan-smoke-{out.name}-{run.name}")
     if run.device == "tpu":  # fresh ports for each run: a killed run's may still be held
         trc, launch_run = topology(runs_dir, shim=args.shim, env=base_env, name=f"{run.name}.launch_env")
         if trc != 0:
@@ -414,8 +503,19 @@ def _one(run: Run, meta: dict, *, args: argparse.Namespace, out: Path, base_env:
     code, wall = run_logged(cmd, env=env, log=runs_dir / f"{run.name}.log", timeout_s=timeout_s)
     result.update(rc=code, wall_s=round(wall, 1),
                   status="timed out" if code is None else ("ok" if code == 0 else "failed"))
+    if run.cache:  # what each launch left in the caches: written at all, and by which tier
+        result["tier3_after"] = folder_stats(out / CACHE_FOLDER)
+        result["tier2_after"] = folder_stats(TIER2_ROOT / result["tier2"])
     print(f"   {result['status']}" + (f" (rc {code})" if code else "") + f", {wall:.0f} s", file=sys.stderr,
           flush=True)
+
+
+def folder_stats(folder: Path) -> dict | None:
+    """{"files": n, "bytes": b} of everything under `folder`, or None if there is no such folder."""
+    if not folder.is_dir():
+        return None
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
 
 
 def _utc(t: float) -> str:
@@ -459,7 +559,7 @@ def pack(out: Path) -> Path:
     tarball = out.with_name(out.name + ".tar.gz")
 
     def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        return None if "/checkpoints" in info.name else info
+        return None if "/checkpoints" in info.name or f"/{CACHE_FOLDER}" in info.name else info
 
     with tarfile.open(tarball, "w:gz") as tar:
         tar.add(out, arcname=out.name, filter=keep)
@@ -492,6 +592,8 @@ def summarize(records: list[dict]) -> dict:
             "compile_s": first.get("compile_s"), "median_step_s": statistics.median(times) if times else None,
             "tokens_per_sec": median("tokens_per_sec"), "mfu_pct": median("mfu_pct"),
             "counter_misses": counter_misses(records, after_step=first["step"] + 2),
+            "misses_through_3": misses_through(records, first["step"] + 2),
+            "compilations": last.get("compilations"),
             "losses": {r["step"]: r.get("loss") for r in records}}
 
 
@@ -525,7 +627,7 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
         log = out / "runs" / f"{name}.log"
         logs[name] = log.read_text(errors="replace") if log.is_file() else ""
         stats[name] = summarize(read_metrics(out / "runs" / name))
-        if r.get("status") == "ok" and stats[name].get("last_step") != meta["steps"]:
+        if r.get("status") == "ok" and stats[name].get("last_step") != r.get("steps", meta["steps"]):
             r["status"] = "failed"
             r["reason"] = f"exit 0 but metrics.jsonl ends at step {stats[name].get('last_step')}"
 
@@ -582,6 +684,32 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
           "step including its compilation; *graph compile s*: graph mode's capture and compile; *median step "
           "s*, *tokens/s/device*, *MFU %*: medians over steps 3 and later (every step syncs to log, so "
           "these are upper bounds on step time).", ""]
+
+    relaunches = [n for n, r in runs.items() if r.get("relaunch_of") in runs]
+    for name in relaunches:
+        first = runs[name]["relaunch_of"]
+        records = {n: read_metrics(out / "runs" / n) for n in (first, name)}
+        L += ["## Compile cache: second launch", "",
+              f"**{relaunch_verdict(records[first], records[name])}**", "",
+              f"`{name}` is `{first}` launched again on the persistent compilation cache `{first}` filled "
+              f"(`[compile] cache_dir = {CACHE_FOLDER}/`, TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT), with a host "
+              f"cache of its own (TORCH_TPU_TIER2_COMPILATION_CACHE under {TIER2_ROOT}), so what it did not "
+              "compile came from the persistent folder. Misses are torch-tpu's counter (`compile_cache_misses` "
+              "in metrics.jsonl, TPU only): *at start / at restart* from the process start through step 3, "
+              "*after step 3* the rest; *compilations* is torch-tpu's own count of programs compiled "
+              "(`compilations`, last step); a launch served by the cache should have few or none.", "",
+              "| launch | run | status | misses through step 3 | misses after step 3 | compilations | "
+              "first step s | graph compile s | persistent cache after (files, MB) | host cache after (files) |",
+              "|" + "---|" * 10]
+        for label, n in (("first", first), ("second", name)):
+            s, r = stats[n], runs[n]
+            t3, t2 = r.get("tier3_after"), r.get("tier2_after")
+            L.append(f"| {label} | {n} | {r['status']} | {_fmt(s.get('misses_through_3'), 'd')} | "
+                     f"{_fmt(s.get('counter_misses'), 'd')} | {_fmt(s.get('compilations'), 'd')} | "
+                     f"{_fmt(s.get('first_step_s'), '.1f')} | {_fmt(s.get('compile_s'), '.1f')} | "
+                     + (f"{t3['files']}, {t3['bytes'] / 1e6:.1f}" if t3 else "none") + " | "
+                     + (str(t2["files"]) if t2 else "none") + " |")
+        L.append("")
 
     if "resume" in runs and stats.get("resume") and stats.get("save"):
         a, b = stats["resume"]["losses"], stats["save"]["losses"]
