@@ -17,8 +17,11 @@ On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`) are 
 Pallas kernels (megablox gmm, the fused vocabulary-tiled loss) whenever those load, whatever
 the attention backend; elsewhere their torch references serve them. `titan_kernels/tpu` (jax,
 torch-tpu) is imported only when the device is a TPU. On TPU each selected kernel first runs a
-self-check on tiny tensors against its torch reference (`titan_kernels/tpu/selfcheck.py`); one that
-raises or disagrees is replaced by its reference for the run, with one banner line saying why.
+self-check on tiny tensors against its torch reference at the widths the run calls it
+(`KernelShapes`; `titan_kernels/tpu/selfcheck.py`), what is too large to run there compiled for
+this generation without running (`titan_kernels/tpu/compile_check.py`), and with context
+parallelism this rank's CP splash kernel too; one that fails is replaced by its reference for
+the run, with one banner line saying why.
 """
 
 from __future__ import annotations
