@@ -312,6 +312,8 @@ def test_plan_and_commands():
             cache = f"--compile.cache_dir={out / 'compile_cache'}"
             assert (cache in cmd) == name.startswith("cache_"), cmd
             assert f"--training.steps={6 if name.startswith('cache_') else 20}" in cmd
+            # the shim's 2 layers: DeepSeek V3 keeps 1 dense block and 1 MoE block
+            assert ("--model.n_dense_layers=1" in cmd) == (shim and run.recipe == tpu_smoke.MLA), cmd
     assert "--checkpoint.interval=10" in runs["save"].args and runs["resume"].resume_of == "save"
     assert runs["cache_warm"].relaunch_of == "cache_cold" and runs["cache_warm"].ref == "cache_cold"
     assert runs["cp2_doc"].ref == "cpu_doc" and runs["mla_ep2"].ref == "cpu_mla"

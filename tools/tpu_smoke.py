@@ -101,6 +101,8 @@ Pallas kernels, which have their own runs (the MoE experts take gmm on TPU whate
 SHIM = ["--model.n_layers=2", "--training.seq_len=64", "--compile.backend=aot_eager"]
 """--shim: a tiny model and no Inductor, so CI's end-to-end run takes seconds per run."""
 LLAMA, MOE, MLA = "configs/llama3_debug.toml", "configs/qwen3_moe_debug.toml", "configs/deepseek_v3_debug.toml"
+SHIM_RECIPE = {MLA: ["--model.n_dense_layers=1"]}
+"""--shim, per recipe: what SHIM's 2 layers need (DeepSeek V3: 1 dense block + 1 MoE block)."""
 CACHE_STEPS = 6
 """Steps of the two compile-cache runs: past step 3, where the misses are counted from."""
 CACHE_FOLDER = "compile_cache"
@@ -398,7 +400,7 @@ def command(run: Run, *, steps: int, nproc: int, global_batch: int, out: Path, s
     if run.cache:
         args.append(f"--compile.cache_dir={out / CACHE_FOLDER}")
     return [*_launch(run, procs), "--config", run.recipe, f"--training.steps={run_steps(run, steps)}", *COMMON,
-            *(SHIM if shim else []), *args, f"--device.type={device}",
+            *([*SHIM, *SHIM_RECIPE.get(run.recipe, [])] if shim else []), *args, f"--device.type={device}",
             f"--training.local_batch_size={global_batch * run.cp // procs}",
             f"--job.dump_folder={out / 'runs' / run.name}",
             *extra]
