@@ -117,6 +117,9 @@ class ProgramCompile:
     """The compiler's memory analysis, bytes per device."""
     compiler_gib: float | None = None
     planned_gib: float | None = None
+    planned_arguments_gib: float | None = None
+    """The planner's state the program reads (parameters and optimizer moments), the compiler's
+    `arguments` counterpart."""
     usable_gib: float | None = None
     hbm_gib: float | None = None
     oom: str | None = None
@@ -176,6 +179,7 @@ def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: st
         report.target, report.topology = target.name, topology_name(target)
         est = planned(cfg, target)
         report.planned_gib, report.usable_gib = est.total / GiB, est.usable / GiB
+        report.planned_arguments_gib = (est.params + est.optimizer) / GiB
         report.hbm_gib = target.hbm_bytes / GiB
         spec = dict(recipe=str(Path(path).resolve()), overrides=[list(o) for o in overrides], topology=report.topology,
                     generation=target.generation.name)
