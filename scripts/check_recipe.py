@@ -11,6 +11,15 @@ the first step captured) inside PyTorch's fake process group at the world size o
 `[job] target`, plus the planner's per-device memory for that plan against the target's HBM.
 `--no-capture` stops after the rules (about a second per recipe).
 
+`--compile` then compiles, for every recipe with a TPU target, the per-device program the pod
+runs (tools/tpu_compile.py: the captured step with the recipe's kernels, SimpleFSDP's, EP's and
+CP's collectives as written, lowered by torchax inside one shard_map over the target's topology
+and compiled deviceless by libtpu in the XLA tier's ttpu venv) and prints a second table: the
+mesh as compiled, the program (kernels, collectives, scans), the compile time, the compiler's
+memory (arguments, outputs, temporaries, code) against the planner's, and a verdict; a recipe
+whose program does not compile, does not fit, or differs from the plan by more than the stated
+band fails. Minutes per pod recipe.
+
 One row per recipe. Exit status: 0 every recipe would start and fits; 1 one would not (an
 `error:` line per recipe names it and the rule or the shortfall); 2 bad input.
 """
@@ -61,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="every recipe in configs/")
     ap.add_argument("--no-capture", action="store_true", help="rules and planner only (no model, no capture)")
     ap.add_argument("--csv", help="write one row per recipe here")
+    ap.add_argument("--compile", action="store_true",
+                    help="also compile each TPU recipe's per-device program deviceless (tools/tpu_compile.py)")
+    ap.add_argument("--compile-csv", metavar="PATH", help="with --compile: write one row per compiled recipe here")
     ns, rest = ap.parse_known_args(argv)
     overrides = []
     for arg in rest:
@@ -101,9 +113,73 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         why = r.error or (f"needs {r.planned_gib:.1f} GiB per device, {r.hbm_gib:.1f} GiB usable on {r.target} "
                           "(scripts/estimate.py --config ... for the breakdown)")
-        print(f"error: {os.path.relpath(r.recipe, ROOT) if os.path.isabs(r.recipe) else r.recipe}: {why}",
-              file=sys.stderr)
-    return 1 if failed else 0
+        print(f"error: {_name(r.recipe)}: {why}", file=sys.stderr)
+    compile_failed = _compile(paths, overrides, csv_path=ns.compile_csv) if ns.compile else []
+    return 1 if failed or compile_failed else 0
+
+
+def _name(recipe: str) -> str:
+    return os.path.relpath(recipe, ROOT) if os.path.isabs(recipe) else recipe
+
+
+COMPILE_HEADER = ("recipe", "target", "topology", "mesh as compiled", "program", "compile s", "args GiB", "out GiB",
+                  "temp GiB", "code MiB", "compiler GiB", "planned GiB", "verdict")
+
+
+def compile_row(r) -> tuple[str, ...]:
+    m = r.memory or {}
+    gib = lambda k: f"{m[k] / 2**30:.2f}" if k in m else "-"  # noqa: E731
+    return (os.path.basename(r.recipe), r.target, r.topology, r.mesh, r.program, f"{r.compile_s:.0f}",
+            gib("argument_size_in_bytes"), gib("output_size_in_bytes"), gib("temp_size_in_bytes"),
+            f"{m['generated_code_size_in_bytes'] / 2**20:.0f}" if "generated_code_size_in_bytes" in m else "-",
+            _gib(r.compiler_gib), _gib(r.planned_gib), r.verdict)
+
+
+def _compile(paths: list[str], overrides: list, *, csv_path: str | None) -> list:
+    """The TPU program of every recipe with a TPU target (tools/tpu_compile.py); the failed ones."""
+    import planner
+    from tools.tpu_compile import BAND, compile_recipe
+    from trainer.config import build_config
+
+    reports = []
+    for path in paths:
+        target = build_config(path, overrides).job.target
+        if not target or planner.parse_target(target).device_type != "tpu":
+            continue
+        r = compile_recipe(path, overrides=overrides)
+        reports.append(r)
+        print(f"{os.path.basename(path)}: compile {r.verdict} ({r.wall_s:.0f} s)", file=sys.stderr, flush=True)
+    if not reports:
+        print("note: --compile: no recipe with a TPU target")
+        return []
+    print()
+    rows = [compile_row(r) for r in reports]
+    widths = [max(len(x[i]) for x in [COMPILE_HEADER, *rows]) for i in range(len(COMPILE_HEADER))]
+    print("  ".join(h.ljust(w) for h, w in zip(COMPILE_HEADER, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    for r in reports:
+        for note in r.notes:
+            print(f"note: {os.path.basename(r.recipe)}: {note}")
+    if csv_path:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(COMPILE_HEADER)
+            w.writerows(rows)
+    failed = [r for r in reports if not r.ok]
+    for r in failed:
+        if r.error:
+            why = f"the TPU program did not compile: {r.error}"
+        elif r.oom:
+            why = f"the compiler refused the program: {r.oom}"
+        elif r.verdict == "does not fit":
+            why = f"the program needs {r.compiler_gib:.1f} GiB per device, {r.hbm_gib:.1f} GiB on {r.target}"
+        else:
+            why = (f"the compiler's {r.compiler_gib:.1f} GiB per device and the planner's {r.planned_gib:.1f} GiB "
+                   f"differ by more than {BAND:.0%}")
+        print(f"error: {_name(r.recipe)}: {why}", file=sys.stderr)
+    return failed
 
 
 if __name__ == "__main__":

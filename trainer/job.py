@@ -84,7 +84,7 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         model_document_mask=bool(getattr(family, "document_mask", False)),
         cp_degree=cfg.parallelism.context_parallel_degree, seq_len=cfg.training.seq_len,
         qk_clip=cfg.optimizer.qk_clip_tau > 0,
-        optimizer=cfg.optimizer.name)
+        optimizer=cfg.optimizer.name, muon_exclude=tuple(cfg.optimizer.muon_exclude))
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
