@@ -63,6 +63,9 @@ GRIDS: dict[str, dict[int, tuple[int, int, int]]] = {
     "v7x": {2 * chips: grid for chips, grid in _3D.items()},
 }
 DEVICES_PER_CHIP = {"v4": 1, "v5e": 1, "v5p": 1, "v6e": 1, "v7x": 2}
+# A TPU target's name counts TensorCores; a megacore chip's two cores are one device
+# (planner/targets.py `cores_per_device`; tests/test_tpu_topology.py checks the two agree).
+CORES_PER_DEVICE = {"v4": 2, "v5p": 2}
 # PJRT `device_kind` of each generation: torch-tpu picks its small-slice handlers by it.
 DEVICE_KIND = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "v7x": "TPU7x"}
 
@@ -115,15 +118,17 @@ class Topology:
 def topology_of(target) -> Topology | None:
     """The slice of a planner `Target` (or target name); None for a GPU target or a TPU size
     without a known single-slice grid (the mapping cannot be checked then)."""
-    if isinstance(target, str):
-        from planner.targets import parse_target
-
-        target = parse_target(target)
-    gen = target.generation.name
-    grid = GRIDS.get(gen, {}).get(target.devices)
+    if isinstance(target, str):  # the planner's names, read here (parallelisms sits below the planner)
+        gen, _, size = target.partition("-")
+        if gen not in GRIDS or not size.isdigit():
+            return None
+        name, devices = target, int(size) // CORES_PER_DEVICE.get(gen, 1)
+    else:
+        gen, name, devices = target.generation.name, target.name, target.devices
+    grid = GRIDS.get(gen, {}).get(devices)
     if grid is None:
         return None
-    return Topology(generation=gen, chips=grid, devices_per_chip=DEVICES_PER_CHIP[gen], target=target.name)
+    return Topology(generation=gen, chips=grid, devices_per_chip=DEVICES_PER_CHIP[gen], target=name)
 
 
 def topology_from_env(generation: str | None, env: dict) -> Topology | None:

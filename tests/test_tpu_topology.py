@@ -255,3 +255,16 @@ def test_recipe_check_reports_the_tpu_mesh_from_the_port_or_torch_tpu():
     with pytest.raises(ConfigError, match="torch-tpu 0.2.0 cannot lay out the mesh"):
         tpu_mesh_check(cfg, RecipeCheck(recipe="r"),
                        {case: {"whole": whole_error, "split": {"error": "TypeError: x"}, "version": "0.2.0"}})
+
+
+def test_target_names_read_here_agree_with_the_planner():
+    """parallelisms/ sits below the planner, so tpu_topology reads target names itself: the same
+    slice as from the planner's parsed Target, for every grid it knows."""
+    import planner
+
+    for gen, grids in tt.GRIDS.items():
+        for devices in grids:
+            name = f"{gen}-{devices * tt.CORES_PER_DEVICE.get(gen, 1)}"
+            target = planner.parse_target(name)
+            assert target.devices == devices, name
+            assert tt.topology_of(name) == tt.topology_of(target), name
