@@ -20,7 +20,8 @@ Pieces for torchax 0.0.13 on torch 2.13:
 - `add_lowerings(env)`: ATen ops of the captured step that torchax has no rule for:
   the scan higher-order op (-> `jax.lax.scan`, one `stablehlo.while`; `reverse=True` for a body
   that `trainer.graph.passes.tag_reverse_scans` tagged, as torch-tpu honours it), `detach_copy`
-  (functionalized `detach` in scan bodies), `prims.fma` (torch 2.13's `lerp_` decomposition
+  (functionalized `detach` in scan bodies), `native_layer_norm_backward` (torchax 0.0.13 takes 5-6
+  of its 8 arguments), `prims.fma` (torch 2.13's `lerp_` decomposition
   in the AdamW update), `repeat_interleave(..., output_size=)` (MoE dispatch) and the remat
   fence `titan::optimization_barrier` (-> `jax.lax.optimization_barrier`; trainer/graph/remat.py).
 """
@@ -131,9 +132,30 @@ def add_lowerings(env):
             lambda r: jnp.repeat(jnp.arange(r.shape[0], dtype=r.dtype), r, total_repeat_length=output_size),
             repeats)
 
+    def layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+        # torchax 0.0.13's rule takes 5-6 arguments; ATen's op has 8 (FLUX's LayerNorms reach it).
+        # dx = rstd (g w - mean(g w) - xhat mean(g w xhat)) over the normalized dims.
+        def fn(g, x, mean, rstd, w):
+            axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
+            outer = tuple(range(x.ndim - len(normalized_shape)))
+            xhat = (x.astype(jnp.float32) - mean) * rstd
+            gf = g.astype(jnp.float32)
+            gw = gf if w is None else gf * w.astype(jnp.float32)
+            dx = rstd * (gw - gw.mean(axis=axes, keepdims=True) - xhat * (gw * xhat).mean(axis=axes, keepdims=True))
+            dw = None if w is None else (gf * xhat).sum(axis=outer).astype(w.dtype)
+            db = None if w is None else gf.sum(axis=outer).astype(w.dtype)
+            return dx.astype(x.dtype), dw, db
+
+        dx, dw, db = interop.call_jax(fn, grad, x, mean, rstd, weight)
+        return (dx if output_mask[0] else None, dw if output_mask[1] and weight is not None else None,
+                db if output_mask[2] and bias is not None else None)
+
+    env.override_op_definition(torch.ops.aten.native_layer_norm_backward.default, layer_norm_backward)
     env.override_op_definition(torch.ops.higher_order.scan, scan)
     env.override_op_definition(torch.ops.aten.detach_copy.default, lambda x: x.clone())
-    env.override_op_definition(torch.ops.prims.fma.default, lambda a, b, c: a * b + c)
+    fma = getattr(torch.ops.prims, "fma", None)  # registered once a capture has decomposed lerp_
+    if fma is not None:
+        env.override_op_definition(fma.default, lambda a, b, c: a * b + c)
     env.override_op_definition(torch.ops.aten.repeat_interleave.self_Tensor, repeat_interleave_self)
     env.override_op_definition(torch.ops.aten.repeat_interleave.Tensor, repeat_interleave_counts)
     from trainer.graph.remat import OPTIMIZATION_BARRIER
