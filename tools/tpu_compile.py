@@ -382,7 +382,7 @@ def _capture(spec: dict) -> dict:
         bounds |= {math.prod(sizes[i:]) for i in range(len(sizes))}
     radices = refine_axes(bounds, world)
     return dict(gm=gm, groups=groups, radices=radices, mesh_shape=tuple(dims.mesh_shape), capture_s=time.perf_counter() - t,
-                notes=notes.notes, generation=spec["generation"])
+                notes=notes.notes, generation=spec["generation"], target=target.name)
 
 
 def _is_group_name(s: str) -> bool:
@@ -537,6 +537,33 @@ def _tpu_generation_of(kind: str) -> str:
     return {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5": "v5p", "TPU7x": "v7x"}.get(kind, kind)
 
 
+def _lay_out(devices, mesh_shape, target: str):
+    """(devices in `mesh_shape`, description): where the trainer's mesh axes sit on the chips.
+
+    torch-tpu's own layout (`parallelisms.tpu_topology.map_mesh`, the port the XLA tier checks
+    against torch-tpu's `create_device_mesh`: whole physical axes, split ones where whole ones do
+    not map), matched to the compile-only topology's devices by chip coordinates and core; JAX's
+    `create_device_mesh` for a slice the port does not know."""
+    import numpy as np
+    from jax.experimental import mesh_utils
+
+    from parallelisms.tpu_topology import map_mesh, topology_of
+
+    topology = topology_of(target)
+    if topology is None or topology.devices != len(devices):
+        laid = mesh_utils.create_device_mesh(mesh_shape, devices=devices, allow_split_physical_axes=True)
+        return laid, "JAX's create_device_mesh (slice not known to the port)"
+    mapping = map_mesh(topology, mesh_shape)
+    x_size, y_size, _ = topology.chips
+    per_chip = topology.devices_per_chip
+    by_id = {((d.coords[2] * y_size + d.coords[1]) * x_size + d.coords[0]) * per_chip
+             + (getattr(d, "core_on_chip", 0) if per_chip > 1 else 0): d for d in devices}
+    assert len(by_id) == len(devices), "compile-only devices do not match the slice's chips"
+    ids = np.asarray(mapping.device_ids)
+    laid = np.vectorize(by_id.__getitem__, otypes=[object])(ids)
+    return laid, f"{mapping.summary()} (torch-tpu's layout: {mapping.method})"
+
+
 def worker(spec: dict) -> dict:
     """Capture, lower and compile one recipe's per-device program; a dict of results."""
     import copy
@@ -557,7 +584,7 @@ def worker(spec: dict) -> dict:
     torchax = load_torchax()
     import jax
     import numpy as np
-    from jax.experimental import mesh_utils, topologies
+    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     env = torchax.default_env()
@@ -566,9 +593,8 @@ def worker(spec: dict) -> dict:
     axis_names = [f"a{i}" for i in range(len(radices))]
     _lowerings(env, axis_names=axis_names, groups=cap["groups"], radices=radices, generation=cap["generation"])
     devices = topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices
-    # The trainer's mesh shape laid on the chips as JAX lays a mesh (torch-tpu's topology_aware_mesh
-    # is a port of it), split physical axes allowed; then refined row-major into the program's axes.
-    laid = mesh_utils.create_device_mesh(cap["mesh_shape"], devices=devices, allow_split_physical_axes=True)
+    laid, layout = _lay_out(devices, cap["mesh_shape"], cap["target"])
+    # The trainer's mesh laid on the chips, then refined row-major into the program's axes.
     mesh = Mesh(np.asarray(laid).reshape(radices), tuple(axis_names))
     every = PartitionSpec(tuple(axis_names))
     fn, idx = as_jax_function(RECORD)
@@ -592,7 +618,7 @@ def worker(spec: dict) -> dict:
     t = time.perf_counter()
     lowered = jax.jit(mapped).lower(*abstract)
     lower_s = time.perf_counter() - t
-    result = dict(mesh=" x ".join(f"{a} {r}" for a, r in zip(axis_names, radices)) + f" (trainer mesh {cap['mesh_shape']})",
+    result = dict(mesh=f"{layout}; axes {' x '.join(str(r) for r in radices)}",
                   kernels=kernels, collectives=colls, scans=scans, capture_s=cap["capture_s"], lower_s=lower_s,
                   notes=cap["notes"], device_kind=devices[0].device_kind)
     t = time.perf_counter()
