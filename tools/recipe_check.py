@@ -11,7 +11,9 @@ tpu) inside PyTorch's fake process group at that world size:
      graph passes, layer scan), with `aot_eager` in place of the target's compiler;
   3. the planner's per-device memory for the same plan and step plan (planner.plan_estimate),
      against the target's HBM.
-A recipe without a target runs at the world its degrees multiply to, as a CPU run.
+A recipe without a target runs at the world its degrees multiply to, as a CPU run. On a TPU
+target the mesh is also laid out as torch-tpu lays it on the slice (`tpu_mesh_check`), and
+`scripts/check_recipe.py --compile` compiles the per-device program (tools/tpu_compile.py).
 
 The rules are the trainer's: a refusal here is the `ConfigError` the trainer would raise, with
 the key to change. `scripts/check_recipe.py` prints one row per recipe; tests/test_recipes.py

@@ -22,7 +22,9 @@ the same steps for a run on a target's devices, inside the process group its cal
 (PyTorch's fake backend at the target's world size), with every tensor on the meta device: the
 task is built (its tokenizer checked) but no data is read, the model is parallelized but never
 materialized, there is no checkpoint manager, and compilers are replaced by `aot_eager` (the
-step is captured, not compiled for the target: that is `scripts/estimate_xla.py`).
+step is captured, not compiled for the target: that is tools/tpu_compile.py, which serves the ops
+with the TPU kernels' capture ops after this build and compiles the captured program). Every job
+starts from a clean op table (`models.common.ops`): the recipe check builds many in one process.
 """
 
 from __future__ import annotations
