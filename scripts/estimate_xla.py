@@ -64,26 +64,11 @@ sys.path.insert(0, str(ROOT))
 
 from models.errors import ConfigError  # noqa: E402
 
-# Target generation -> (jax topology prefix, devices per chip, chip grid by device count).
-_TOPOLOGIES = {
-    "v5e": ("v5e", 1, {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
-    "v6e": ("v6e", 1, {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
-    "v5p": ("v5p", 1, {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}),
-    "v7x": ("tpu7x", 2, {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8",
-                         512: "4x8x8"}),
-}
-
-
 def topology_name(target) -> str:
     """The jax topology name of a planner Target (e.g. v6e-16 -> v6e:4x4, v7x-8 -> tpu7x:2x2x1)."""
-    gen = target.generation.name
-    if gen not in _TOPOLOGIES:
-        raise ConfigError(f"--target: no compile-only topology for {gen}; allowed: {', '.join(_TOPOLOGIES)}")
-    prefix, _, grids = _TOPOLOGIES[gen]
-    if target.devices not in grids:
-        raise ConfigError(f"--target: {target.name}: {target.devices} devices has no topology here; allowed "
-                          f"device counts for {gen}: {sorted(grids)} (or pass --topology)")
-    return f"{prefix}:{grids[target.devices]}"
+    from tools.tpu_compile import topology_name as of_target
+
+    return of_target(target, key="--target")
 
 
 # ---------------------------------------------------------------------------------------------

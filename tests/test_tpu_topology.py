@@ -10,7 +10,6 @@ checks the port against torch-tpu's own function.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import types
 
@@ -46,15 +45,17 @@ def test_topologies_of_the_planner_targets():
     assert tt.topology_of("h100-64") is None and tt.topology_of("v6e-96") is None
 
 
-def test_grids_match_the_deviceless_compile_topologies():
-    spec = importlib.util.spec_from_file_location("estimate_xla", os.path.join(ROOT, "scripts", "estimate_xla.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    for gen, (_, per_chip, grids) in module._TOPOLOGIES.items():
-        assert tt.DEVICES_PER_CHIP[gen] == per_chip
-        for devices, grid in grids.items():
-            dims = tuple(int(v) for v in grid.split("x"))
-            assert tt.GRIDS[gen][devices] == dims + (1,) * (3 - len(dims)), (gen, devices)
+def test_the_deviceless_compile_topologies_come_from_the_grids():
+    """The compile-only topology names (tools/tpu_compile.py, scripts/estimate_xla.py) are the
+    slices' chip grids: the names the earlier table spelled out and the compiles ran on."""
+    import planner
+    from tools.tpu_compile import topology_name
+
+    expected = {"v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16", "v5e-4": "v5e:2x2",
+                "v5p-128": "v5p:4x4x4", "v7x-8": "tpu7x:2x2x1", "v7x-256": "tpu7x:4x4x8", "v7x-512": "tpu7x:4x8x8",
+                "v7x-1024": "tpu7x:8x8x8"}
+    for name, topology in expected.items():
+        assert topology_name(planner.parse_target(name)) == topology, name
 
 
 def test_keys_and_axes_are_parallel_dims_own():

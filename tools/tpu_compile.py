@@ -68,30 +68,27 @@ vs 74.7); the MoE dispatch buffers and CP gathers are modelled coarser (the wors
 Three times the dense error leaves room for those and still catches a planner term that is
 wrong by a layer's activations or a whole extra copy of the state."""
 
-# Target generation -> (jax topology prefix, chip grid by device count); v7x has 2 devices per chip.
-TOPOLOGIES = {
-    "v5e": ("v5e", {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
-    "v6e": ("v6e", {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}),
-    "v5p": ("v5p", {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
-                    512: "8x8x8"}),
-    "v7x": ("tpu7x", {8: "2x2x1", 16: "2x2x2", 32: "2x2x4", 64: "2x4x4", 128: "4x4x4", 256: "4x4x8", 512: "4x8x8",
-                      1024: "8x8x8"}),
-}
+JAX_TOPOLOGY_PREFIX = {"v4": "v4", "v5e": "v5e", "v5p": "v5p", "v6e": "v6e", "v7x": "tpu7x"}
+"""The generation's name in `jax.experimental.topologies` (`v6e:16x16`, `tpu7x:4x8x8`)."""
 
 
-def topology_name(target) -> str:
-    """The jax compile-only topology of a planner Target (v6e-256 -> v6e:16x16, v7x-512 -> tpu7x:4x8x8)."""
+def topology_name(target, *, key: str = "job.target") -> str:
+    """The jax compile-only topology of a planner Target, from the slice's chip grid
+    (parallelisms/tpu_topology.py): v6e-256 -> v6e:16x16, v7x-512 -> tpu7x:4x8x8."""
     from models.errors import ConfigError
+    from parallelisms.tpu_topology import topology_of
 
     gen = target.generation.name
-    if gen not in TOPOLOGIES:
-        raise ConfigError(f"job.target: {target.name}: no compile-only topology for {gen}; "
-                          f"allowed: {', '.join(TOPOLOGIES)}")
-    prefix, grids = TOPOLOGIES[gen]
-    if target.devices not in grids:
-        raise ConfigError(f"job.target: {target.name}: {target.devices} devices has no compile-only topology here; "
-                          f"allowed device counts for {gen}: {sorted(grids)}")
-    return f"{prefix}:{grids[target.devices]}"
+    if gen not in JAX_TOPOLOGY_PREFIX:
+        raise ConfigError(f"{key}: {target.name}: no compile-only topology for {gen}; "
+                          f"allowed: {', '.join(JAX_TOPOLOGY_PREFIX)} targets")
+    topology = topology_of(target)
+    if topology is None:
+        raise ConfigError(f"{key}: {target.name}: {target.devices} devices is no single slice known here; allowed: "
+                          f"a slice size of {gen}, e.g. {gen}-256")
+    x, y, z = topology.chips
+    dims = (x, y) if gen in ("v5e", "v6e") else (x, y, z)
+    return f"{JAX_TOPOLOGY_PREFIX[gen]}:{'x'.join(str(d) for d in dims)}"
 
 
 @dataclass
