@@ -176,16 +176,22 @@ def test_without_spmd_safe_the_step_is_split(torch_tpu_path):
 # equal-split all-to-alls (the control for the gradient); `tpu_moe_ep2_unrolled`: no scan.
 
 
-@pytest.mark.parametrize("name", ["tpu_moe_ep2", "tpu_moe_ep2_equal"])
-def test_moe_ep_step_reaches_lowering_with_static_shapes(request, name):
-    res = _variant(request, name)
+def _one_scanned_tpu_program(res):
+    """The TPU plan (bf16, AC full in the scan, fused loss) reached fx_to_mlir as one program with
+    its forward and backward scans, every collective (scan bodies included) spmd_safe."""
     assert res["plan"] == {"param_dtype": "torch.bfloat16", "block_ac": "none", "scan_ac": "full",
                            "fused_loss": True, "scan": True}, res
-    # One program: SplitCompiler hands fx_to_mlir the whole graph, every collective spmd_safe.
     assert res["split_collectives"] > 0 and res["split_collectives_spmd_safe"] == res["split_collectives"], res
     assert res["split_body_collectives"] > 0, res
     assert res["split_body_collectives_spmd_safe"] == res["split_body_collectives"], res
     assert res["mlir_nodes"] == res["split_input_nodes"] and res["mlir_scans"] == 2, res
+
+
+@pytest.mark.parametrize("name", ["tpu_moe_ep2", "tpu_moe_ep2_equal"])
+def test_moe_ep_step_reaches_lowering_with_static_shapes(request, name):
+    res = _variant(request, name)
+    # One program: SplitCompiler hands fx_to_mlir the whole graph, every collective spmd_safe.
+    _one_scanned_tpu_program(res)
     # Static shapes: every node that reaches the lowering (graph and scan bodies) has a value
     # whose shape is all ints; nothing reads a device value on the host.
     assert res["mlir_symbolic_count"] == 0 and res["mlir_nodes_without_val"] == 0, res["mlir_symbolic_shapes"]
@@ -246,14 +252,9 @@ def test_moe_ep_unrolled_reaches_lowering(request):
 def test_cp_step_reaches_lowering_with_rank_specific_splash(request, name):
     res = _variant(request, name)
     doc = name.endswith("_doc")
-    assert res["plan"] == {"param_dtype": "torch.bfloat16", "block_ac": "none", "scan_ac": "full",
-                           "fused_loss": True, "scan": True}, res
     # One program: SplitCompiler hands fx_to_mlir the whole graph; every collective, the k/v
     # all-gathers in the scan bodies included, carries spmd_safe.
-    assert res["split_collectives"] > 0 and res["split_collectives_spmd_safe"] == res["split_collectives"], res
-    assert res["split_body_collectives"] > 0, res
-    assert res["split_body_collectives_spmd_safe"] == res["split_body_collectives"], res
-    assert res["mlir_nodes"] == res["split_input_nodes"] and res["mlir_scans"] == 2, res
+    _one_scanned_tpu_program(res)
     assert res["mlir_matmuls"] > 0 and res["mlir_bf16_matmuls"] == res["mlir_matmuls"], res
     # Attention is this rank's CP splash (forward, its recompute under AC full, backward), no SDPA.
     op = "titan_tpu::splash_cp2r0_seg" if doc else "titan_tpu::splash_cp2r0"
