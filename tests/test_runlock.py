@@ -26,6 +26,10 @@ import sys, time
 from trainer.runtime.runlock import RunLock, lock_destination
 if sys.argv[1] == "dest":
     lock_destination(sys.argv[2], key=sys.argv[2], who="conversion")
+elif sys.argv[1] == "unchecked":  # a run that looked for others before the caller locked
+    import trainer.runtime.runlock as runlock
+    runlock.other_run = lambda *a, **k: None
+    RunLock(sys.argv[2]).acquire()
 else:
     RunLock(sys.argv[2]).acquire()
 print("held", flush=True)
@@ -34,7 +38,8 @@ time.sleep(600)
 
 
 def hold(path, kind: str = "run") -> subprocess.Popen:
-    """Another process that holds the lock of `path` (kind run: the folder's; dest: a destination's)."""
+    """Another process that holds the lock of `path` (kind run: the folder's; dest: a destination's;
+    unchecked: the folder's, taken without looking at the folders above and below)."""
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER, kind, str(path)], cwd=REPO, env=ENV,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
@@ -102,6 +107,86 @@ def test_without_flock_a_record_of_a_gone_pid_on_this_host_is_stale(tmp_path, mo
         RunLock(tmp_path).acquire()
 
 
+def test_a_lock_covers_the_folders_above_and_below_it_by_resolved_path(tmp_path):
+    """A run's folder inside another live run's folder, one that contains it, or the same folder
+    by another spelling (a symlink) is refused before anything is made; a dead run's is free."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    holders = [hold(tmp_path / "a"), hold(tmp_path / "b" / "checkpoints"), hold(tmp_path / "real")]
+    try:
+        before = _snapshot(tmp_path)
+        cases = [(tmp_path / "a" / "checkpoints", f"is inside {tmp_path / 'a'}, the folder of another run", 0),
+                 (tmp_path / "b", f"contains {tmp_path / 'b' / 'checkpoints'}, the folder of another run", 1),
+                 (tmp_path / "link" / "..", f"contains {tmp_path}{os.sep}", None),  # any of the three
+                 (tmp_path / "link", "is in use by another run", 2),
+                 (tmp_path / "link" / "x" / "y", f"is inside {tmp_path / 'real'}, the folder of another run", 2)]
+        for folder, where, owner in cases:
+            with pytest.raises(FolderInUse) as refused:
+                RunLock(folder, key="checkpoint.folder").acquire()
+            message = str(refused.value)
+            assert len(message.splitlines()) == 1 and message.startswith(f"checkpoint.folder: {folder} {where}"), message
+            assert f", the folder of another run (host {socket.gethostname()}, pid " in message or owner == 2, message
+            assert owner is None or f"pid {holders[owner].pid}," in message, message
+            assert runlock.other_run(folder) is not None
+        assert _snapshot(tmp_path) == before and not (tmp_path / "a" / "checkpoints").exists()
+        assert not runlock._HELD
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert runlock.other_run(tmp_path) is None  # dead holders: nothing held
+    RunLock(tmp_path / "a" / "checkpoints").acquire()
+    try:
+        assert RunLock(tmp_path / "a").acquire()  # this process's own folders do not refuse each other
+    finally:
+        runlock.release_all()
+
+
+def test_a_lock_taken_meanwhile_below_is_seen_after_locking(tmp_path, monkeypatch):
+    """Two runs starting at once on nested folders: each locks, then looks again, so the one that
+    looks last refuses and puts its lock file back."""
+    real_flock, holder = runlock._flock_retrying, []
+
+    def flock_then_other_run_starts(fd):
+        real_flock(fd)
+        holder.append(hold(tmp_path / "run" / "checkpoints", "unchecked"))
+
+    monkeypatch.setattr(runlock, "_flock_retrying", flock_then_other_run_starts)
+    try:
+        with pytest.raises(FolderInUse, match="contains .*checkpoints, the folder of another run"):
+            RunLock(tmp_path / "run").acquire()
+        assert not (tmp_path / "run" / LOCK_NAME).exists() and not runlock._HELD
+    finally:
+        for proc in holder:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("case", ["checkpoint_in_a_live_runs_dump", "default_checkpoint_written_by_a_live_run"])
+def test_a_run_sharing_a_live_runs_checkpoint_folder_is_refused(tmp_path, capsys, case):
+    """issue 38: (a) `checkpoint.folder` set, by absolute path, to a live run's checkpoint folder
+    inside that run's dump folder; (b) a run whose default checkpoint folder another run writes.
+    Both were accepted and the two runs deleted each other's checkpoints; now exit 2 naming the
+    key and the other run, nothing touched."""
+    if case == "checkpoint_in_a_live_runs_dump":
+        holder, args = hold(tmp_path / "A"), [f"--job.dump_folder={tmp_path / 'B'}",
+                                              f"--checkpoint.folder={tmp_path / 'A' / 'checkpoints'}"]
+        (tmp_path / "A" / "checkpoints" / "step-2").mkdir(parents=True)
+        want = f"error: checkpoint.folder: {tmp_path / 'A' / 'checkpoints'} is inside {tmp_path / 'A'}, the folder of"
+    else:
+        holder, args = hold(tmp_path / "B" / "checkpoints"), [f"--job.dump_folder={tmp_path / 'B'}"]
+        want = f"error: checkpoint.folder: {tmp_path / 'B' / 'checkpoints'} is in use by another run"
+    try:
+        before = _snapshot(tmp_path)
+        code = _main([*FAST, "--training.steps=2", "--checkpoint.enable=true", *args])
+        assert _snapshot(tmp_path) == before and not (tmp_path / "B" / LOCK_NAME).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(want) and f"pid {holder.pid}," in err, err
+
+
 @pytest.mark.multiprocess
 def test_second_training_run_is_refused_and_the_first_keeps_its_folder(tmp_path):
     """Two real trainer processes on one folder: the second exits 2 naming the first and touches
@@ -139,20 +224,25 @@ def test_second_training_run_is_refused_and_the_first_keeps_its_folder(tmp_path)
 
 
 @pytest.mark.multiprocess
-def test_the_refusal_reaches_every_rank(tmp_path):
+@pytest.mark.parametrize("case", ["dump_folder", "checkpoint_in_a_live_runs_dump"])
+def test_the_refusal_reaches_every_rank(tmp_path, case):
     """Rank 0 holds the verdict; rank 1 gets it by broadcast, so neither waits at a barrier."""
     holder = hold(tmp_path)
+    args, refusal = [f"--job.dump_folder={tmp_path}"], f"error: job.dump_folder: {tmp_path} is in use by another run"
+    if case == "checkpoint_in_a_live_runs_dump":
+        ck = tmp_path / "checkpoints"
+        args = [f"--job.dump_folder={tmp_path}_b", "--checkpoint.enable=true", f"--checkpoint.folder={ck}"]
+        refusal = f"error: checkpoint.folder: {ck} is inside {tmp_path}, the folder of another run"
     try:
-        proc = subprocess.run(launch_command(2, [*FAST, f"--job.dump_folder={tmp_path}", "--training.steps=2",
+        proc = subprocess.run(launch_command(2, [*FAST, *args, "--training.steps=2",
                                                  "--parallelism.data_parallel_shard_degree=2"]),
                               cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     finally:
         holder.kill()
         holder.wait()
-    refusals = [line for line in proc.stderr.splitlines()
-                if f"error: job.dump_folder: {tmp_path} is in use by another run" in line and f"pid {holder.pid}" in line]
+    refusals = [line for line in proc.stderr.splitlines() if refusal in line and f"pid {holder.pid}" in line]
     assert proc.returncode != 0 and len(refusals) == 2, proc.stderr[-3000:]  # one line from each rank
-    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME] and not os.path.exists(f"{tmp_path}_b")
 
 
 def _main(argv) -> int:

@@ -279,13 +279,14 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     info = init_distributed(device)
     if purpose == "train":
         # One writer per run folder (trainer/runtime/runlock.py): rank 0 locks the dump folder
-        # (and a checkpoint folder outside it) and checks both are writable, before anything in
-        # them is read or written; a refusal reaches every rank (ConfigError, exit 2).
+        # (and a checkpoint folder outside it; one inside is checked against other runs' locks
+        # first, by its own key) and checks both are writable, before anything in them is read or
+        # written; a lock covers the folders below it; a refusal reaches every rank (exit 2).
         ck_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
         inside = os.path.realpath(ck_folder).startswith(os.path.realpath(cfg.job.dump_folder) + os.sep)
-        lock_run(locks=[("job.dump_folder", cfg.job.dump_folder)]
-                 + ([] if inside or not cfg.checkpoint.enable else [("checkpoint.folder", ck_folder)]),
-                 writable=[("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else [])
+        ck = [("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else []
+        lock_run(locks=[("job.dump_folder", cfg.job.dump_folder), *([] if inside else ck)],
+                 claims=ck if inside else [], writable=ck)
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
     cfg.training.mixed_precision_param = compute.name

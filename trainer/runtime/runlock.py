@@ -15,6 +15,13 @@ refusal reaches every rank and every rank raises the same ConfigError (exit 2, o
 line) before any collective of the run. Every rank must share the run folder (as DCP needs for
 the checkpoint folder), so one lock on rank 0 covers the job on every host.
 
+A run's lock covers its folder and everything under it: a folder is refused while another live
+run holds the same folder, a folder above it (a checkpoint folder inside another run's dump
+folder) or a folder below it (a dump folder that contains another run's checkpoint folder).
+Paths are compared resolved (realpath), so two spellings of one folder collide. Folders below are
+found by a bounded walk (`_NESTED_DEPTH` levels, at most `_NESTED_DIRS` folders, not into hidden
+folders or `step-N` checkpoints): a live run's folder deeper than that is not seen.
+
 Locks are per process and re-entrant: a process that already holds a folder's lock (a test that
 builds two jobs in one process) gets it again; `release_all()` (the trainer's exit) drops them.
 """
@@ -26,6 +33,7 @@ import errno as errno_codes
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -37,6 +45,11 @@ from trainer.runtime.atomic import check_writable_dir, make_dir, write_error_tex
 
 LOCK_NAME = ".run.lock"
 _NO_FLOCK = (errno_codes.ENOLCK, errno_codes.EOPNOTSUPP, errno_codes.ENOSYS, errno_codes.EINVAL)
+_ALLOWED = "a folder no other run writes: wait for that run, stop it, or choose another folder"
+_BUSY = (errno_codes.EWOULDBLOCK, errno_codes.EAGAIN, errno_codes.EACCES)
+_NESTED_DEPTH = 3  # levels below a folder searched for another run's lock
+_NESTED_DIRS = 2000  # folders looked into at most
+_SKIP_DIR = re.compile(r"^(\.|step-\d+$)")  # hidden folders (tmp/old saves), checkpoints
 
 
 class FolderInUse(ConfigError):
@@ -79,12 +92,112 @@ def _pid_alive(pid) -> bool:
 _HELD: dict[str, RunLock] = {}
 
 
+def _read_settled(path: str | os.PathLike) -> dict | None:
+    """The holder's record; a holder that just took the lock may not have written it yet."""
+    for _ in range(20):
+        record = read_owner(path)
+        if record:
+            return record
+        time.sleep(0.05)
+    return None
+
+
+def _record_live(record: dict | None) -> bool:
+    """Without flock: whether an owner record names a live holder (another host cannot be checked)."""
+    if not record:
+        return False
+    if record.get("host") != socket.gethostname():
+        return True
+    return record.get("pid") != os.getpid() and _pid_alive(record.get("pid"))
+
+
+def _live_owner(folder: str) -> tuple[bool, dict | None]:
+    """Whether another live process holds the lock of (resolved) `folder`, and its owner record.
+    A shared, non-blocking probe that takes nothing: a folder this process holds is not another's."""
+    if folder in _HELD:
+        return False, None
+    path = os.path.join(folder, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False, None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in _BUSY:
+                return True, _read_settled(path)
+            if e.errno not in _NO_FLOCK:
+                return False, None
+            record = read_owner(path)
+            return _record_live(record), record
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False, None
+    finally:
+        os.close(fd)
+
+
+def _nested_folders(root: str):
+    """Folders below `root` (resolved, existing) within the walk's bounds (module docstring)."""
+    level, seen = [root], 0
+    for _ in range(_NESTED_DEPTH):
+        below = []
+        for parent in level:
+            try:
+                with os.scandir(parent) as entries:
+                    for entry in entries:
+                        if _SKIP_DIR.match(entry.name) or not entry.is_dir(follow_symlinks=False):
+                            continue
+                        seen += 1
+                        if seen > _NESTED_DIRS:
+                            return
+                        yield entry.path
+                        below.append(entry.path)
+            except OSError:
+                continue
+        level = below
+
+
+def _flock_retrying(fd: int) -> None:
+    """An exclusive, non-blocking flock; a busy lock is tried again for 0.2 s, since another run's
+    `_live_owner` probe holds it shared for an instant."""
+    for attempt in range(5):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            if e.errno not in _BUSY or attempt == 4:
+                raise
+            time.sleep(0.05)
+
+
+def other_run(folder: str | os.PathLike, *, itself: bool = True, above: bool = True) -> str | None:
+    """What another live run holds of `folder` (the folder itself unless `itself` is False, one
+    above it unless `above` is False, or one below it) as the rest of a refusal after the folder's
+    name ("is inside X, the folder of another run (owner)"); None if nothing. Takes no lock and
+    writes nothing."""
+    real = os.path.realpath(folder)
+    if itself:
+        live, record = _live_owner(real)
+        if live:
+            return f"is in use by another run ({describe_owner(record)})"
+    for parent in map(str, Path(real).parents if above else ()):
+        live, record = _live_owner(parent)
+        if live:
+            return f"is inside {parent}, the folder of another run ({describe_owner(record)})"
+    if os.path.isdir(real):
+        for below in _nested_folders(real):
+            live, record = _live_owner(below)
+            if live:
+                return f"contains {below}, the folder of another run ({describe_owner(record)})"
+    return None
+
+
 class RunLock:
     """The lock of one folder (see the module docstring). `acquire()` raises FolderInUse naming
     the owner, or ConfigError naming `key` when the folder or its lock file cannot be made."""
 
-    def __init__(self, folder: str | os.PathLike, *, key: str = "job.dump_folder",
-                 allowed: str = "a folder no other run writes: wait for that run, stop it, or choose another folder",
+    def __init__(self, folder: str | os.PathLike, *, key: str = "job.dump_folder", allowed: str = _ALLOWED,
                  lock_path: str | os.PathLike | None = None, who: str = "run"):
         self.folder = Path(folder)
         self.key = key
@@ -97,9 +210,9 @@ class RunLock:
         self._fd: int | None = None
         self._count = 0
 
-    def _refuse(self, record: dict | None, extra: str = "") -> FolderInUse:
-        return FolderInUse(f"{self.key}: {self.folder} is in use by another {self.who} ({describe_owner(record)})"
-                           f"{extra}; allowed: {self.allowed}")
+    def _refuse(self, record: dict | None, extra: str = "", *, where: str | None = None) -> FolderInUse:
+        where = where or f"is in use by another {self.who} ({describe_owner(record)})"
+        return FolderInUse(f"{self.key}: {self.folder} {where}{extra}; allowed: {self.allowed}")
 
     def acquire(self) -> RunLock:
         real = os.path.realpath(self.folder)
@@ -107,6 +220,9 @@ class RunLock:
         if held is not None:  # this process holds it already
             held._count += 1
             return held
+        nested = not self._remove_on_release  # a run folder: one above or below it may be another run's
+        if nested and (where := other_run(self.folder, itself=False)):
+            raise self._refuse(None, where=where)  # before anything is made or opened
         made = [p for p in (self.path.parent.absolute(), *self.path.parent.absolute().parents) if not p.exists()]
         make_dir(self.path.parent, key=self.key)
         existed = self.path.exists()
@@ -125,19 +241,24 @@ class RunLock:
                               "allowed: a folder this process can write") from None
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_retrying(fd)
             except OSError as e:
-                if e.errno in (errno_codes.EWOULDBLOCK, errno_codes.EAGAIN, errno_codes.EACCES):
-                    raise self._refuse(self._read_settled()) from None
+                if e.errno in _BUSY:
+                    raise self._refuse(_read_settled(self.path)) from None
                 if e.errno not in _NO_FLOCK:
                     raise
                 self._check_record_only()
+            # Checked again now that the lock is held: of two runs starting at once on nested
+            # folders, each locks before it looks, so at least one sees the other.
+            if nested and (where := other_run(self.folder, itself=False)):
+                self._undo(fd)
+                raise self._refuse(None, where=where)
             record = _owner_record()
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             check_writable_dir(self.path.parent, key=self.key)  # the lock file may be old: prove a file can be made
         except FolderInUse:
-            os.close(fd)  # only opened: nothing changed
+            os.close(fd)  # only opened (or put back by _undo): nothing changed
             raise
         except BaseException:
             self._undo(fd)
@@ -146,15 +267,6 @@ class RunLock:
         self._fd, self._count = fd, 1
         _HELD[real] = self
         return self
-
-    def _read_settled(self) -> dict | None:
-        """The holder's record; a holder that just took the lock may not have written it yet."""
-        for _ in range(20):
-            record = read_owner(self.path)
-            if record:
-                return record
-            time.sleep(0.05)
-        return None
 
     def _check_record_only(self) -> None:
         """No flock on this file system: decide from the owner record."""
@@ -253,11 +365,15 @@ def release_all(*, undo: bool = False) -> None:
 
 
 def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
+             claims: Sequence[tuple[str, str | os.PathLike]] = (),
              writable: Sequence[tuple[str, str | os.PathLike]] = ()) -> list[RunLock]:
-    """Rank 0 takes a RunLock on each (key, folder) of `locks` and checks each (key, folder) of
-    `writable` (made if missing, a file created in it); the verdict is broadcast from rank 0, and
-    every rank raises the same ConfigError if it is a refusal. A collective: call it on every
-    rank, before anything in the folders is read or written."""
+    """Rank 0 checks that no other live run holds, contains or is inside each (key, folder) of
+    `claims` (folders covered by one of `locks`, such as a checkpoint folder inside the dump
+    folder: checked first, so that the refusal names the folder the runs share), takes a RunLock
+    on each (key, folder) of `locks`, and checks each (key, folder) of `writable` (made if missing,
+    a file created in it); the verdict is broadcast from rank 0, and every rank raises the same
+    ConfigError if it is a refusal. A collective: call it on every rank, before anything in the
+    folders is read or written."""
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -266,6 +382,9 @@ def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
     problem = None
     if rank == 0:
         try:
+            for key, folder in claims:
+                if where := other_run(folder, above=False):  # above: the lock that covers it looks
+                    raise FolderInUse(f"{key}: {folder} {where}; allowed: {_ALLOWED}")
             for key, folder in locks:
                 held.append(RunLock(folder, key=key).acquire())
             for key, folder in writable:
