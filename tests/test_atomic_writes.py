@@ -103,6 +103,42 @@ def test_failed_checkpoint_save_removes_its_files_and_says_why(tmp_path, fail_dc
     assert torch.equal(back["model"].tensors["w"], _State(1).tensors["w"])
 
 
+@pytest.fixture
+def gloo_group():
+    """A one-process gloo group, as the trainer has: DCP then gathers each rank's write failure
+    (pickled, even for one rank) instead of raising it in place."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_full_disk_inside_torch_save_is_named_through_a_process_group(tmp_path, fail_dcp_writes, gloo_group,
+                                                                        code):
+    """issue 38: on a full disk a checkpoint save said torch's "unexpected pos 704 vs 598" (the zip
+    writer drops the OSError; DCP's gather dropped what was left of it). The write fails here in
+    the middle of a tensor's torch.save, as on a real disk; the line names the folder and the
+    cause, and the previous checkpoint still loads."""
+    manager = CheckpointManager(folder=tmp_path, interval=1, keep_latest_k=0, async_mode="disabled", enable=True)
+    assert manager._distributed
+    manager.save(1, {"model": _State(1)})
+    fail_dcp_writes(code)
+    with pytest.raises(CheckpointSaveError) as failed:
+        manager.save(2, {"model": _State(2)})
+    message = str(failed.value)
+    assert message.startswith(f"checkpoint: saving step 2 to {tmp_path / '.tmp-step-2'} failed: {os.strerror(code)}; "
+                              f"its partial files were removed; earlier checkpoints in {tmp_path} are intact"), message
+    assert "unexpected pos" not in message and len(message.splitlines()) == 1
+    assert sorted(os.listdir(tmp_path)) == ["step-1"]
+    back = {"model": _State(3)}
+    assert manager.load(back) == 1
+    assert torch.equal(back["model"].tensors["w"], _State(1).tensors["w"])
+
+
 def test_trainer_reports_a_failed_save_on_one_line(tmp_path, fail_dcp_writes, capsys):
     from trainer.train import main
 
@@ -115,6 +151,44 @@ def test_trainer_reports_a_failed_save_on_one_line(tmp_path, fail_dcp_writes, ca
     assert err.strip().splitlines()[-1].startswith(
         f"error: checkpoint: saving step 1 to {tmp_path / 'checkpoints' / '.tmp-step-1'} failed: No space left on device")
     assert os.listdir(tmp_path / "checkpoints") == []
+
+
+@pytest.mark.parametrize("target", ["config", "metrics"])
+def test_a_failed_run_folder_write_ends_the_run_on_one_line(tmp_path, monkeypatch, capsys, target):
+    """config.toml is published whole (atomic_file); a failed write of it or of metrics.jsonl (a
+    full disk, a quota, a read-only mount: injected) ends the run with one line naming the file
+    and the cause, and leaves the earlier config.toml as it was."""
+    from trainer.runtime import metrics
+    from trainer.train import main
+
+    code_errno = errno.EDQUOT if target == "metrics" else errno.ENOSPC
+    (tmp_path / "config.toml").write_text("# an earlier run's\n")
+    if target == "config":
+        real_fsync = os.fsync
+
+        def fsync(fd):
+            if ".tmp-config-" in os.readlink(f"/proc/self/fd/{fd}"):
+                raise OSError(code_errno, os.strerror(code_errno))
+            return real_fsync(fd)
+
+        monkeypatch.setattr(atomic.os, "fsync", fsync)
+        want = (f"error: writing config {tmp_path / 'config.toml'} failed: {os.strerror(code_errno)}; "
+                f"{tmp_path / 'config.toml'} is unchanged")
+    else:
+        class Full(io.StringIO):
+            def write(self, text):
+                raise OSError(code_errno, os.strerror(code_errno))
+
+        monkeypatch.setattr(metrics, "open", lambda *a, **k: Full(), raising=False)
+        want = f"error: writing metrics {tmp_path / 'metrics.jsonl'} failed: {os.strerror(code_errno)}"
+    code = main(["--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=1",
+                 "--validation.enable=false", "--metrics.enable_tensorboard=false", "--training.local_batch_size=2",
+                 "--training.steps=1", "--checkpoint.enable=false", f"--job.dump_folder={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and err.strip().splitlines()[-1] == want, err
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".tmp-")]
+    config = (tmp_path / "config.toml").read_text()
+    assert config == "# an earlier run's\n" if target == "config" else f'dump_folder = "{tmp_path}"' in config
 
 
 def test_the_zip_writers_lost_errno_is_recovered_from_free_space(tmp_path, monkeypatch):

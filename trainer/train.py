@@ -27,7 +27,7 @@ from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, Pree
                              StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
                              shutdown_distributed)
 from trainer.runtime.tpu_env import CacheMissCounter, profile_step, profiler_plan
-from trainer.runtime.atomic import WriteFailed
+from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.runlock import release_all
 from trainer.step import StepPlan, local_scalar
 
@@ -90,10 +90,9 @@ def train(cfg: Config) -> int:
             print(f"already trained to step {start_step} (training.steps = {t.steps}); nothing to do")
         return 0
 
-    if is_rank0:
-        os.makedirs(dump_folder, exist_ok=True)
-        with open(os.path.join(dump_folder, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
+    if is_rank0:  # the resolved config, published whole (a failed write: WriteFailed naming the cause)
+        with atomic_file(os.path.join(dump_folder, "config.toml"), what="config") as f:
+            f.write(to_toml(cfg).encode("utf-8"))
     # Every rank is built and resumed: meet before the first compile, so that a rank stuck in
     # data, checkpoint or set-up work is named instead of the others hanging in a collective.
     arrival_barrier("before-first-step", t.startup_timeout_s)

@@ -26,6 +26,7 @@ All ranks must share the checkpoint folder (a shared or network file system acro
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 import re
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
 from trainer.runtime.atomic import errno_text
@@ -99,6 +101,34 @@ def _stored_shapes(path: Path) -> dict[str, tuple | None]:
 
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed (disk full, permissions...); earlier checkpoints are intact."""
+
+
+class _ErrnoKeepingFileSystem(FileSystem):
+    """DCP's local file system, except that a write which fails inside `torch.save` fails with its
+    OSError. torch's zip writer reports a full disk as "unexpected pos 704 vs 598" and keeps the
+    OSError only as the exception's `__context__`, which DCP's gather of the per-rank failures
+    (pickled, even for one rank) drops; so it is recovered here, on the rank that wrote."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        with super().create_stream(path, mode) as stream:
+            try:
+                yield stream
+            except Exception as e:
+                lost = e.__cause__ or e.__context__
+                while lost is not None and not (isinstance(lost, OSError) and lost.errno):
+                    lost = lost.__cause__ or lost.__context__
+                if isinstance(e, OSError) or lost is None:
+                    raise
+                raise OSError(lost.errno, os.strerror(lost.errno), str(path)) from e
+
+
+def _storage_writer(path: Path) -> FileSystemWriter:
+    """DCP's writer for a local checkpoint folder (what `checkpoint_id=path` picks) on the file
+    system above."""
+    writer = FileSystemWriter(str(path))
+    writer.fs = _ErrnoKeepingFileSystem()
+    return writer
 
 
 def _then_manifest(future: Any, folder: Path) -> None:
@@ -314,7 +344,7 @@ class CheckpointManager:
         self._last_saved_step = step
         try:
             if self.async_mode == "async":
-                future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self._pg,
+                future = dcp.async_save(state_dict, storage_writer=_storage_writer(tmp), process_group=self._pg,
                                         no_dist=not self._distributed)
                 if self._is_rank0:
                     # The manifest is written in the background too, once DCP's write is done.
@@ -322,7 +352,8 @@ class CheckpointManager:
                     future = self._hasher.submit(_then_manifest, future, tmp)
                 self._pending = (future, step)
                 return
-            dcp.save(state_dict, checkpoint_id=str(tmp), process_group=self._pg, no_dist=not self._distributed)
+            dcp.save(state_dict, storage_writer=_storage_writer(tmp), process_group=self._pg,
+                     no_dist=not self._distributed)
         except _DCP_ERRORS as e:
             raise _save_failed(e, f"saving step {step} to {tmp}", tmp, remove=self._is_rank0) from e
         self._barrier()  # every rank's shards are written before the checkpoint becomes visible

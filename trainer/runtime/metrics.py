@@ -17,6 +17,7 @@ device's peak is unknown.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.runtime.atomic import WriteFailed, atomic_file, write_error_text
 
 _GIB = 1024**3
 
@@ -97,9 +100,8 @@ def set_aside(path: Path, start_step: int) -> int:
         return 0
     with open(path.with_name(ROLLED_BACK), "a", encoding="utf-8") as f:
         f.write("".join(m + "\n" for m in moved))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep), encoding="utf-8")
-    tmp.replace(path)
+    with atomic_file(path, what="metrics") as f:
+        f.write("".join(keep).encode("utf-8"))
     return len(moved)
 
 
@@ -163,10 +165,11 @@ class MetricsLogger:
         self.jsonl_path = Path(dump_folder) / "metrics.jsonl"
         if not is_rank0:
             return
-        self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
         # Append: a resumed run keeps the records of the run it continues, up to its step.
-        set_aside(self.jsonl_path, start_step)
-        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+        with self._failed_write():
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            set_aside(self.jsonl_path, start_step)
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -254,13 +257,24 @@ class MetricsLogger:
             self._write(record, eta_s)
         return record
 
+    @contextlib.contextmanager
+    def _failed_write(self):
+        """A failed write of metrics.jsonl (disk full, quota, read-only, permission) ends the run
+        with one line naming the file and the cause (WriteFailed: `error: ...`, exit 1)."""
+        try:
+            yield
+        except OSError as e:
+            raise WriteFailed(f"writing metrics {self.jsonl_path} failed: "
+                              f"{write_error_text(e, self.jsonl_path.parent)}") from e
+
     def _write(self, record: dict[str, Any], eta_s: float | None) -> None:
         step = record["step"]
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         # NaN/inf losses are real events: JSON has no literal for them, so they become null
         # there and stay visible on the console and in TensorBoard.
-        self._jsonl.write(json.dumps(clean) + "\n")
-        self._jsonl.flush()
+        with self._failed_write():
+            self._jsonl.write(json.dumps(clean) + "\n")
+            self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and value is not None:
