@@ -96,19 +96,21 @@ class Target:
         return "tpu" if self.generation.kind == "tpu" else "cuda"
 
 
-def parse_target(name: str) -> Target:
-    """`v6e-256`, `v5p-1024`, `v7x-512` (also `tpu7x-512`), `v5litepod-64`, `h100-64`, ..."""
+def parse_target(name: str, *, key: str = "--target") -> Target:
+    """`v6e-256`, `v5p-1024`, `v7x-512` (also `tpu7x-512`), `v5litepod-64`, `h100-64`, ...
+
+    `key` is what a refusal names: the flag, or `job.target` when the name came from a recipe."""
     m = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
     allowed = f"allowed: <generation>-<size> with generation one of {', '.join(GENERATIONS)}, e.g. v6e-256"
     if not m:
-        raise ConfigError(f"--target: {name!r} is not a target name; {allowed}")
+        raise ConfigError(f"{key}: {name!r} is not a target name; {allowed}")
     gen_name, size = _ALIASES.get(m.group(1), m.group(1)), int(m.group(2))
     if gen_name not in GENERATIONS:
-        raise ConfigError(f"--target: unknown generation {m.group(1)!r}; {allowed}")
+        raise ConfigError(f"{key}: unknown generation {m.group(1)!r}; {allowed}")
     gen = GENERATIONS[gen_name]
     if size < 1 or size % gen.cores_per_device or size % gen.cores_per_chip:
         raise ConfigError(
-            f"--target: {name}: the size counts {'TensorCores' if gen.kind == 'tpu' else 'GPUs'} and must be a "
+            f"{key}: {name}: the size counts {'TensorCores' if gen.kind == 'tpu' else 'GPUs'} and must be a "
             f"positive multiple of {max(gen.cores_per_chip, gen.cores_per_device)} for {gen_name}"
         )
     return Target(name=f"{gen_name}-{size}", generation=gen, devices=size // gen.cores_per_device,

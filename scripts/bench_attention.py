@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 from titan_kernels import cpu_attention  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def _amx(on: bool):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=16, help="fewer than --heads for GQA")
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not cpu_attention.load():
-        sys.exit(f"error: the CPU attention kernel is unavailable: {cpu_attention.load_error()}")
+        cli.fail(f"the CPU attention kernel is unavailable: {cpu_attention.load_error()}", code=1)
     from trainer.runtime.device import cpu_model
 
     amx = cpu_attention.uses_amx()
@@ -122,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

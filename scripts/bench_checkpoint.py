@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 from trainer import checkpoint as ckpt  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
@@ -104,7 +105,7 @@ def measure(size: str, root: Path, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="debug,2.5", help="comma list: debug and/or GB of checkpoint")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
@@ -133,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

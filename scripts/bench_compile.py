@@ -35,6 +35,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.runtime import cli  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("eager", "compile", "graph", "graph_scan")
 
@@ -126,7 +129,7 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default="2,8,32", help="comma-separated n_layers")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
@@ -197,4 +200,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 from models.common import ops  # noqa: E402
 from parallelisms.context_parallel import (  # noqa: E402
     CPGroup,
@@ -243,7 +244,7 @@ def _run(world: int, mode: str, cfg: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", default="8192,16384")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=4)
@@ -303,4 +304,4 @@ def attention_table(args) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

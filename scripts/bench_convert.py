@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from trainer.runtime import cli  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -114,7 +115,7 @@ def _load_worker(hf: Path, layers: int, dim: int, mode: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
@@ -183,4 +184,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

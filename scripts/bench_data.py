@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 from trainer.data import TokenLoader, build_dataloader, resolve_dataset  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 from trainer.data.tokenizer import build_tokenizer  # noqa: E402
@@ -51,7 +52,7 @@ def _time_rank(mode: str, steps: int, **kw) -> tuple[float, int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="1,2,4", help="data-parallel world sizes, comma separated")
     parser.add_argument("--dataset", default="bundled")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -103,4 +104,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli.run(main))

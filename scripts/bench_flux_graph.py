@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.runtime import cli  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -49,7 +50,7 @@ def batch(batch_size: int = 8, seed: int = 0):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default="eager,graph,graph_scan")
@@ -95,4 +96,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

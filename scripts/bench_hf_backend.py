@@ -22,6 +22,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.runtime import cli  # noqa: E402
 
 from trainer.runtime.device import cpu_model  # noqa: E402
 
@@ -49,7 +50,7 @@ def run(argv: list[str], folder: str) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seq_len", type=int, default=512)
@@ -91,4 +92,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 
 from models.common.moe import MoE  # noqa: E402
 from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
@@ -44,7 +45,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/deepseek_v3_debug.toml")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=4, help="local batch size (sequences)")
@@ -56,8 +57,7 @@ def main() -> None:
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
-        print(f"error: --variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(f"--variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}")
 
     fixed = FixedBatches.build(args.config, [("training.local_batch_size", str(args.batch)),
                                              ("training.seq_len", str(args.seq_len)),
@@ -109,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

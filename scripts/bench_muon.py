@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 
 from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/llama3_debug.toml")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=4, help="local batch size (sequences)")
@@ -84,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

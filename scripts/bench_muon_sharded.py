@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from trainer.runtime import cli  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -100,7 +101,7 @@ def _rank(rank: int, world: int, init_file: str, shapes: list[tuple[int, int, in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4", help="comma-separated gloo process counts")
     ap.add_argument("--shapes", default="16x512x1536,64x256x768,3x1024x1024",
                     help="comma-separated BxMxN stacks (B matrices of M rows x N columns, rows sharded)")
@@ -129,4 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

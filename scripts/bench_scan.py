@@ -28,12 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.runtime import cli  # noqa: E402
 
 VARIANTS = ("graph", "graph_scan_flip", "graph_scan", "graph_scan_sel")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
@@ -134,4 +135,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli.run(main))

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from trainer.runtime import cli  # noqa: E402
 
 VARIANTS = {
     "eager": ["--compile.mode=eager"],
@@ -93,16 +95,9 @@ QUICK = {"seq_len": 256, "batch": 2, "repeats": 1, "steps": 4, "warmup": 1}
 
 
 def _refuse(message: str) -> SystemExit:
-    """Bad input: print the one `error:` line now; the SystemExit to raise exits with 2."""
-    print(f"error: {message}", file=sys.stderr)
+    """Bad input: write the one `error:` line now; the SystemExit to raise exits with 2."""
+    cli.error_line(message)
     return SystemExit(2)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one `error:` line (exit 2), like the trainer."""
-
-    def error(self, message: str):
-        raise _refuse(message)
 
 
 def parse_variants(names: str, custom: list[str]) -> dict[str, list[str]]:
@@ -416,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="recipe TOML (required unless --preset)")
     parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: eager)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES", help="a custom variant")
@@ -470,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.peer in variants:
             parser.error(f"--variant: {args.peer!r} is the peer's name")
         if not args.dry_run and not Path(args.peer_python).is_file():
-            print(f"error: --peer-python: {args.peer_python} not found; build the peer venv with "
-                  "`bash scripts/peer_env.sh`", file=sys.stderr)
+            cli.error_line(f"--peer-python: {args.peer_python} not found; build the peer venv with "
+                           "`bash scripts/peer_env.sh`")
             return 2
     nprocs = _check_args(args, parser)
     root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
@@ -568,4 +564,4 @@ def _check_runs(jobs: list[dict], parser) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -35,7 +35,7 @@ import sysconfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.errors import ConfigError  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.atomic import WriteFailed, atomic_file  # noqa: E402
 from trainer.runtime.runlock import lock_destination  # noqa: E402
 
@@ -164,7 +164,7 @@ def write_jsonl_gz(path: str, docs: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="standard library folder")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "assets", "corpus"))
     parser.add_argument("--min-chars", type=int, default=400, help="drop documents shorter than this")
@@ -215,7 +215,7 @@ def _write(args, splits: dict, stats: dict) -> dict:
 
 if __name__ == "__main__":
     try:
-        main()
-    except (ConfigError, WriteFailed) as e:  # an occupied --out, a failed write: one line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, ConfigError) else 1)
+        sys.exit(cli.run(main))  # an occupied --out, a bad flag: one line, exit 2
+    except WriteFailed as e:  # a failed write: one line, exit 1
+        cli.error_line(str(e))
+        sys.exit(1)

@@ -32,15 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
 from trainer.data.flux_build import BuildParams, build_dataset, ensure_procedural_dataset  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.atomic import WriteFailed, atomic_dir  # noqa: E402
 from trainer.runtime.runlock import lock_destination  # noqa: E402
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one `error:` line (exit 2), like the trainer."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{self.prog}: {message}")
 
 
 def _check_values(ns) -> None:
@@ -56,8 +50,8 @@ def _check_values(ns) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     d = BuildParams()
-    parser = _Parser(prog="build_flux_data.py", description=__doc__,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(prog="build_flux_data.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="output folder (must not exist); default: the cache "
                         "folder the loader uses ($TITAN_CACHE/flux_data/procedural-<key>)")
     parser.add_argument("--image-size", type=int, default=d.image_size)
@@ -99,13 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             folder = ns.out
         print(f"FLUX data set: {folder}")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 2
     except WriteFailed as e:  # disk full, file too large, permission: nothing partial left
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

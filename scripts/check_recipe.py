@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models.errors import ConfigError
+from trainer.runtime import cli
 
 
 def _gib(x: float | None) -> str:
@@ -65,7 +65,8 @@ def table(rows: list[tuple[str, ...]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0],
+                            epilog="Recipe keys: --section.key=value after the recipes, as in training.")
     ap.add_argument("configs", nargs="*", help="recipe TOML files")
     ap.add_argument("--all", action="store_true", help="every recipe in configs/")
     ap.add_argument("--no-capture", action="store_true", help="rules and planner only (no model, no capture)")
@@ -77,17 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     overrides = []
     for arg in rest:
         if not arg.startswith("--") or "=" not in arg:
-            print(f"error: {arg}: not a recipe key override; allowed: --section.key=value", file=sys.stderr)
+            cli.error_line(f"{arg}: not a recipe key override; allowed: --section.key=value")
             return 2
         key, value = arg[2:].split("=", 1)
         overrides.append((key, value))
     paths = sorted(glob.glob(str(ROOT / "configs" / "*.toml"))) if ns.all else ns.configs
     if not paths:
-        print("error: no recipe given; allowed: CONFIG... or --all", file=sys.stderr)
+        cli.error_line("no recipe given; allowed: CONFIG... or --all")
         return 2
     for path in paths:
         if not os.path.isfile(path):
-            print(f"error: {path}: no such recipe file", file=sys.stderr)
+            cli.error_line(f"{path}: no such recipe file")
             return 2
     from tools.recipe_check import check_recipe, torch_tpu_layouts
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         why = r.error or (f"needs {r.planned_gib:.1f} GiB per device, {r.hbm_gib:.1f} GiB usable on {r.target} "
                           "(scripts/estimate.py --config ... for the breakdown)")
-        print(f"error: {_name(r.recipe)}: {why}", file=sys.stderr)
+        cli.error_line(f"{_name(r.recipe)}: {why}")
     compile_failed = _compile(paths, overrides, csv_path=ns.compile_csv) if ns.compile else []
     return 1 if failed or compile_failed else 0
 
@@ -178,13 +179,9 @@ def _compile(paths: list[str], overrides: list, *, csv_path: str | None) -> list
         else:
             why = (f"the compiler's {r.compiler_gib:.1f} GiB per device and the planner's {r.planned_gib:.1f} GiB "
                    f"differ by more than {BAND:.0%}")
-        print(f"error: {_name(r.recipe)}: {why}", file=sys.stderr)
+        cli.error_line(f"{_name(r.recipe)}: {why}")
     return failed
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(cli.run(main))

@@ -60,6 +60,7 @@ from trainer.checkpoint import (  # noqa: E402
     write_manifest,
 )
 from trainer.config import ModelConfig, coerce, model_args, parse_value  # noqa: E402  (the trainer's own parser)
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.atomic import WriteFailed, atomic_dir, errno_text  # noqa: E402
 from trainer.runtime.runlock import lock_destination  # noqa: E402
 
@@ -395,15 +396,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one `error:` line (exit 2), like the trainer."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{self.prog}: {message}")
-
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_to = sub.add_parser("to-hf", help="DCP checkpoint -> Hugging Face folder")
     p_to.add_argument("--checkpoint", required=True, type=Path, help="checkpoints/step-N (or checkpoints/)")
@@ -429,13 +424,13 @@ def main(argv: list[str] | None = None) -> int:
             name, args = convert_from_hf(ns.hf_dir, ns.out, dtype=_dtype(ns.dtype))
             print(f"wrote DCP checkpoint {ns.out} (keys {MODEL_PREFIX}*); model.name={name}, args={args}")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 2
     except WriteFailed as e:  # disk full, file too large, permission: the destination is untouched
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -22,12 +22,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from trainer.runtime import cli  # noqa: E402
 
 GiB = 2**30
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = cli.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("compiles")
     ap.add_argument("--csv")
     ns = ap.parse_args()
@@ -41,7 +42,7 @@ def main() -> int:
         if not recipe.exists():
             continue
         cfg = build_config(str(recipe))
-        target = planner.parse_target(cfg.job.target)
+        target = planner.parse_target(cfg.job.target, key="job.target")
         est = planned(cfg, target)
         shape = plan_inputs(cfg).args.shape()
         tokens = cfg.training.local_batch_size * cfg.training.seq_len // est.cp
@@ -66,7 +67,7 @@ def main() -> int:
         }
         rows.append(row)
     if not rows:
-        print("error: no row of COMPILES names a recipe in configs/", file=sys.stderr)
+        cli.error_line("no row of COMPILES names a recipe in configs/")
         return 2
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items() if v != ""))
@@ -79,4 +80,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -21,6 +21,10 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from trainer.runtime import cli  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 STEP = re.compile(r"step\s+(\d+)/")
@@ -86,7 +90,7 @@ def last_step(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from-step", type=int, default=10, help="window start (after compile and warm-up)")
     parser.add_argument("--to-step", type=int, default=40, help="window end (<= the run's steps)")
     parser.add_argument("--log", default="cpu_split.log", help="where COMMAND's output goes")
@@ -105,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         after, t1, k1, m1 = thread_cpu(proc.pid), time.perf_counter(), last_step(args.log), machine_ticks()
         rc = proc.wait()
     if rc != 0 or k1 <= k0:
-        print(f"error: the command exited with {rc} at step {k1} (window {args.from_step}..{args.to_step}); "
-              f"its output is in {args.log}", file=sys.stderr)
+        cli.error_line(f"the command exited with {rc} at step {k1} (window {args.from_step}..{args.to_step}); "
+                       f"its output is in {args.log}")
         return 2
     steps, wall = k1 - k0, t1 - t0
     cores = os.cpu_count() or 1
@@ -129,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Plan a pod job without the pod: per-device memory, fit verdict and step time of a plan.
 
-    python scripts/estimate.py --config configs/llama3_70b_v6e.toml --target v6e-256
+    python scripts/estimate.py --config configs/llama3_70b_v6e.toml          # on its [job] target
+    python scripts/estimate.py --config configs/llama3_70b_v6e.toml --target v6e-512
     python scripts/estimate.py --model llama3 --flavor 70B --target v6e-256 --tp 4 --ac full \\
         --local-batch 1 --seq-len 8192
     python scripts/estimate.py --model llama3 --flavor 405B --target v7x-1024 --recommend --csv plans.csv
@@ -16,8 +17,9 @@ One process, PyTorch's fake process group and meta tensors: the real mesh, the r
 and the real plan (`parallelize_model`) give the parameter shards; an analytic model gives the
 activations (docs/planner.md). The `planner/` package computes; this script prints the reports,
 the CSV and the recipe keys. Recipe keys work as in training (`--section.key=value`); the
-short flags below override them. Exit status: 0 the plan fits (or --recommend found one),
-1 it does not fit (the table and the verdict are printed), 2 invalid input (one `error:` line).
+short flags below override them, and `--target` overrides the recipe's `[job] target`.
+Exit status: 0 the plan fits (or --recommend found one), 1 it does not fit (the table and the
+verdict are printed), 2 invalid input (one `error:` line), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import planner  # noqa: E402
 from models.errors import ConfigError  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 
 # ================================================================================ reports
 
@@ -257,15 +260,12 @@ _SHORT = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one `error:` line and exit 2, like the trainer
-        raise ConfigError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets)")
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Recipe keys: --section.key=value, as in training (docs/config.md).")
+    p.add_argument("--target", help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets); "
+                                    "default: the recipe's [job] target")
     p.add_argument("--list-targets", action="store_true", help="print the generations and exit")
     p.add_argument("--model", help="model.name (llama3, qwen3, deepseek_v3, flux)")
     p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, 671B, kimi_k2, ...)")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 2
 
 
@@ -309,13 +309,11 @@ def _run(argv: list[str]) -> int:
         print("\nA TPU target's size counts TensorCores, as Cloud TPU accelerator types do: "
               "v6e-256 = 256 devices, v5p-1024 = 512 chips = 512 devices, v7x-1024 = 512 chips = 1024 devices.")
         return 0
-    if not ns.target:
-        raise ConfigError("--target: required, e.g. --target v6e-256 (see --list-targets)")
     if not 0 <= ns.headroom < 1:
         raise ConfigError(f"--headroom: {ns.headroom} is out of range; allowed: 0 <= headroom < 1")
     if not 0 < ns.mfu <= 1:
         raise ConfigError(f"--mfu: {ns.mfu} is out of range; allowed: 0 < mfu <= 1")
-    target = planner.parse_target(ns.target)
+    target = planner.parse_target(ns.target) if ns.target else None
     recipe, _, overrides = split_cli(rest)
     for name, key in _SHORT.items():
         value = getattr(ns, name)
@@ -324,6 +322,13 @@ def _run(argv: list[str]) -> int:
     if ns.loss_parallel:
         overrides.append(("parallelism.enable_loss_parallel", "true"))
     cfg = build_config(recipe, overrides)
+    if target is None:  # the recipe's [job] target; a bad one names the recipe key, not the flag
+        if recipe is None:
+            raise ConfigError("--target: required without a recipe, e.g. --target v6e-256 (see --list-targets)")
+        if not cfg.job.target:
+            raise ConfigError(f"job.target: {recipe} sets no [job] target and no --target was given; allowed: a "
+                              "[job] target in the recipe or --target, e.g. --target v6e-256 (see --list-targets)")
+        target = planner.parse_target(cfg.job.target, key="job.target")
     p = cfg.parallelism
     from tools.recipe_check import plan_inputs
 
@@ -378,4 +383,4 @@ def _run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

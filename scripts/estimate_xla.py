@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.errors import ConfigError  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 
 def topology_name(target) -> str:
     """The jax topology name of a planner Target (e.g. v6e-16 -> v6e:4x4, v7x-8 -> tpu7x:2x2x1)."""
@@ -81,7 +82,8 @@ def _run(argv: list[str]) -> int:
     from trainer.job import step_request
     from trainer.step.plan import plan_step
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                           epilog="Recipe keys: --section.key=value, as in training (docs/config.md).")
     p.add_argument("--target", help="e.g. v6e-256, v7x-512 (planner names); default: the recipe's [job] target")
     p.add_argument("--topology", help="jax topology name instead of the one derived from the target")
     p.add_argument("--timeout", type=float, default=3600, help="seconds for capture + compile (default 3600)")
@@ -101,8 +103,10 @@ def _run(argv: list[str]) -> int:
     recipe, _, overrides = split_cli(rest)
     cfg = build_config(recipe, overrides)
     if not (ns.target or cfg.job.target):
-        raise ConfigError("--target: required for a recipe without a [job] target, e.g. --target v6e-16")
-    target = planner.parse_target(ns.target or cfg.job.target)
+        raise ConfigError("job.target: the recipe names no target; allowed: a [job] target in the recipe or "
+                          "--target, e.g. --target v6e-16")
+    target = (planner.parse_target(ns.target) if ns.target else
+              planner.parse_target(cfg.job.target, key="job.target"))
     topology = ns.topology or topology_name(target)
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     if getattr(family, "task", "lm") != "lm":
@@ -557,9 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -29,18 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.atomic import WriteFailed  # noqa: E402
 
 CHANCE = {"colour": 1 / 6, "position": 1 / 5}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(f"{self.prog}: {message}")
-
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="scripts/eval_flux.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="scripts/eval_flux.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="dump folder of a FLUX training run on the procedural data set")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--samples-per-prompt", type=int, default=4, help="images per held-out prompt (default 4)")
@@ -142,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 2
     except WriteFailed as e:  # disk full, file too large, permission: nothing partial at the destination
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

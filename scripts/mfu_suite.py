@@ -50,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from trainer.runtime import cli  # noqa: E402
 
 try:
     import tomllib
@@ -611,7 +612,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma list of recipe names (configs/) or paths")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(bench.VARIANTS)}")
     p.add_argument("--nproc", default="1,2", help="comma list of process counts (devices)")
@@ -638,8 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         return _main(argv)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (InputError, cli.ConfigError) as e:  # ConfigError: a bad flag
+        cli.error_line(str(e))
         return 2
 
 
@@ -738,4 +739,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

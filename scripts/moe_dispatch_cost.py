@@ -29,6 +29,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.runtime import cli  # noqa: E402
 
 from models.qwen3 import FLAVORS  # noqa: E402
 
@@ -95,7 +96,7 @@ def measure_debug(routing_seed: int = 0) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--csv", help="write the table here")
     parser.add_argument("--measure", action="store_true", help="count the debug shape's rows on CPU ranks")
     opts = parser.parse_args()
@@ -120,4 +121,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -24,18 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.atomic import WriteFailed  # noqa: E402
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one `error:` line (exit 2)."""
-
-    def error(self, message: str):
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="scripts/sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(prog="scripts/sample.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="dump folder of a FLUX training run (holds config.toml, checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step to load (default: the newest)")
     p.add_argument("--untrained", action="store_true", help="sample the initialized, untrained model instead")
@@ -122,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 2
     except WriteFailed as e:  # disk full, file too large, permission: nothing partial at --out
-        print(f"error: {e}", file=sys.stderr)
+        cli.error_line(str(e))
         return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

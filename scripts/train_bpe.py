@@ -27,6 +27,7 @@ import time
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from trainer.runtime import cli  # noqa: E402
 from trainer.data.tokenizer import BUNDLED_SPECIAL_TOKENS, LLAMA3_PATTERN  # noqa: E402
 from trainer.data.tokenizer import Tokenizer as TiktokenTokenizer  # noqa: E402
 from trainer.data.tokenizer import load_bpe_ranks  # noqa: E402
@@ -95,7 +96,7 @@ def write_ranks(path: str, ranks: dict[bytes, int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default=os.path.join(_ROOT, "assets", "corpus"))
     parser.add_argument("--out", default=os.path.join(_ROOT, "assets", "tokenizer", "titan_bpe_4k.tiktoken"))
     parser.add_argument("--n-vocab", type=int, default=4096, help="total ids including the 2 special tokens")
@@ -136,4 +137,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

@@ -78,7 +78,7 @@ def world_of(cfg: Config) -> tuple[int, str, planner.Target | None]:
     """(devices, device type, target) a recipe declares: its `[job] target`, else the CPU world
     its explicit degrees multiply to."""
     if cfg.job.target:
-        target = planner.parse_target(cfg.job.target)
+        target = planner.parse_target(cfg.job.target, key="job.target")
         return target.devices, target.device_type, target
     p = cfg.parallelism
     degrees = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
@@ -199,7 +199,7 @@ def _mesh_case(cfg: Config):
 
     if not cfg.job.target:
         return None
-    target = planner.parse_target(cfg.job.target)
+    target = planner.parse_target(cfg.job.target, key="job.target")
     topology = topology_of(target) if target.device_type == "tpu" else None
     if topology is None:
         return None
@@ -257,7 +257,7 @@ def tpu_mesh_check(cfg: Config, report: RecipeCheck, torch_tpu: dict | None = No
 
     case = _mesh_case(cfg)
     if case is None:
-        if cfg.job.target and planner.parse_target(cfg.job.target).device_type == "tpu":
+        if cfg.job.target and planner.parse_target(cfg.job.target, key="job.target").device_type == "tpu":
             report.tpu_mesh = "slice not known (no grid for this size): not checked"
         return
     topology, shape = case

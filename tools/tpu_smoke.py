@@ -46,6 +46,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from trainer.runtime import cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CACHE_MISS_PATTERN = "Compilation cache STATIC MISS"
@@ -419,8 +421,8 @@ def run_all(args: argparse.Namespace) -> int:
     nnodes = int(launch.get("NNODES") or 1)
     nproc = int(launch.get("WORLD_SIZE") or 0) if rc == 0 else 0
     if rc == 0 and nnodes > 1:
-        print(f"error: tpu_smoke.sh runs on one host; this slice has NNODES={nnodes} hosts "
-              "(use a single-host slice, e.g. v6e-8 or v5litepod-8)", file=sys.stderr)
+        cli.error_line(f"tpu_smoke.sh runs on one host; this slice has NNODES={nnodes} hosts "
+                       "(use a single-host slice, e.g. v6e-8 or v5litepod-8)")
         return 2
     global_batch = GLOBAL_BATCH if nproc <= 1 else -(-GLOBAL_BATCH // nproc) * nproc
     selected = plan(args.steps)
@@ -789,7 +791,7 @@ def _sets(items: list[str]) -> dict[str, list[str]]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.tpu_smoke", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m tools.tpu_smoke", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train every run, write report.md and the tarball")
     r.add_argument("steps", nargs="?", type=int, default=None, help="steps per run (default 20; --shim 5)")
@@ -840,8 +842,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
-    except _Fail as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (_Fail, cli.ConfigError) as e:  # ConfigError: a bad flag
+        cli.error_line(str(e))
         return 2
     if args.cmd == "report":
         (args.dir / "report.md").write_text(render_report(args.dir, args.cache_miss_pattern))

@@ -38,9 +38,11 @@ Exit codes an orchestrator can act on (`run_torchrun`): torchrun runs as a child
 session, and the launcher exits with 0 on success, **75 when every worker of this node exited 75**
 (preempted: each wrote its checkpoint; read from the codes the workers record,
 trainer/runtime/exit_status.py, since torchrun itself exits 1 either way), 2 when the workers that
-recorded a code all said 2 (bad input), else torchrun's code (never 75). SIGTERM or SIGINT sent to the launcher is passed to torchrun once, which passes it to
-the workers (they finish the step, save, exit 75); torchrun's failure report is one line, not a
-traceback.
+recorded a code all said 2 (bad input), 130 after a Ctrl-C, else torchrun's code (never 75). SIGTERM
+or SIGINT sent to the launcher is passed to torchrun once, which passes it to the workers: on
+SIGTERM they finish the step, save, exit 75; on SIGINT (Ctrl-C) each stops at once with one
+`interrupted` line (no traceback) and exit 130. torchrun's failure report is one line, not a
+traceback. Options and bad options go through trainer/runtime/cli.py (`--help`; one `error:` line).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from models.errors import ConfigError
+from trainer.runtime import cli
 from trainer.runtime.exit_status import (EXIT_STATUS_ENV, PREEMPTED_EXIT_CODE, launcher_exit_code,
                                          read_exit_statuses)
 
@@ -409,6 +412,11 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
             signal.signal(sig, handler)
         shutil.rmtree(status_dir, ignore_errors=True)
     code = launcher_exit_code(torchrun_code, codes, nproc)
+    if code != 0 and signals and signals[0] == signal.SIGINT:  # Ctrl-C: each worker wrote one line
+        shown = ", ".join(f"local rank {r}: {c}" for r, c in sorted(codes.items())) or "none recorded"
+        cli.stderr_line(f"launch: interrupted (Ctrl-C): torchrun stopped the workers (exit codes {shown}); "
+                        f"exit {cli.INTERRUPTED_EXIT_CODE}")
+        return cli.INTERRUPTED_EXIT_CODE
     if code == PREEMPTED_EXIT_CODE:
         print(f"launch: preempted: all {nproc} workers of this node exited {PREEMPTED_EXIT_CODE} (checkpoint "
               f"written); exit {PREEMPTED_EXIT_CODE}: relaunch the same command to resume", file=sys.stderr, flush=True)
@@ -419,17 +427,15 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
     return code
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """A bad option is one `error:` line and exit code 2, like every other bad input (argparse
-        would print its usage block first)."""
-        print(f"error: launch: {message}; allowed: python -m trainer.launch [options] -- --config RECIPE.toml "
-              "(options: python -m trainer.launch --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0])
+    # a bad option is one `error:` line and exit code 2, like every other bad input
+    p = cli.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0],
+                           usage="%(prog)s [options] -- --config RECIPE.toml [--section.key=value ...]",
+                           epilog="Everything after -- goes to python -m trainer.train (its options: python -m "
+                                  "trainer.train --help). Exit codes: 0 done, 2 bad input, 75 every worker "
+                                  "preempted (relaunch to resume), 130 interrupted (Ctrl-C), else a failure.",
+                           name="launch", hint="python -m trainer.launch [options] -- --config RECIPE.toml "
+                                               "(options: python -m trainer.launch --help)")
     p.add_argument("--platform", default="auto", choices=["auto", "gke", "tpu-vm", "slurm", "manual"])
     p.add_argument("--device", default="auto", choices=["auto", "tpu", "cuda", "cpu"],
                    help="what workers train on (default: tpu for gke/tpu-vm, cuda for slurm, the recipe's otherwise)")
@@ -450,14 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ours, train_args = argv, []
     args = _parser().parse_args(ours)
-    try:
-        if not train_args:
-            raise ConfigError("launch: nothing to train; allowed: python -m trainer.launch [options] -- "
-                              "--config RECIPE.toml [--section.key=value ...]")
-        plan = build_plan(args, os.environ)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not train_args:
+        raise ConfigError("launch: nothing to train; allowed: python -m trainer.launch [options] -- "
+                          "--config RECIPE.toml [--section.key=value ...]")
+    plan = build_plan(args, os.environ)
     if plan.device in ("tpu", "cuda", "cpu") and not any(a.startswith("--device.type") for a in train_args):
         train_args = train_args + [f"--device.type={plan.device}"]
     cmd = plan.torchrun_argv(train_args)
@@ -472,4 +474,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main, interrupted="launch: nothing was started"))
