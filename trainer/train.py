@@ -27,6 +27,7 @@ from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, Pree
                              StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
                              shutdown_distributed)
 from trainer.runtime.tpu_env import CacheMissCounter, profile_step, profiler_plan
+from trainer.runtime import cli
 from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.runlock import release_all
 from trainer.step import StepPlan, local_scalar
@@ -239,15 +240,30 @@ def _profile(enabled: bool, folder: str, step: int, rank: int, device: torch.dev
         yield
 
 
-def _stderr_line(text: str) -> None:
-    """One write of the whole line: every rank of a torchrun job shares one stderr pipe, and
-    print() writes the text and its newline separately, so two ranks' lines could interleave."""
-    sys.stderr.write(f"{text}\n")
-    sys.stderr.flush()
+def _parser() -> cli.ArgumentParser:
+    """The options, for `--help` only: `split_cli` parses the command line (a recipe key override
+    is any `--section.key=value`, which argparse cannot declare)."""
+    from dataclasses import fields
+
+    sections = ", ".join(f.name for f in fields(Config))
+    p = cli.ArgumentParser(prog="python -m trainer.train",
+                           description="Train a model from a TOML recipe (one process per device).",
+                           usage="%(prog)s --config RECIPE.toml [--print-config] [--section.key=value ...]",
+                           epilog="--section.key=value (or --section.key VALUE) overrides one recipe key, e.g. "
+                                  f"--training.steps=10; sections: {sections}. Every key: docs/config.md. "
+                                  "Several processes: torchrun --nproc_per_node=N -m trainer.train ... or "
+                                  "python -m trainer.launch. Exit codes: 0 done, 2 bad input, 75 preempted "
+                                  "(relaunch to resume), 130 interrupted (Ctrl-C), 1 anything else.")
+    p.add_argument("--config", metavar="RECIPE.toml", help="the TOML recipe (configs/*.toml)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        _parser().print_help()
+        return 0
     try:
         recipe, print_config, overrides = split_cli(argv)
         cfg = build_config(recipe, overrides)
@@ -257,20 +273,24 @@ def main(argv: list[str] | None = None) -> int:
         return train(cfg)
     except ConfigError as e:
         release_all(undo=True)  # bad input: the run folder's lock file as it was found
-        _stderr_line(f"error: {e}")
-        return 2
+        cli.error_line(str(e))
+        return cli.BAD_INPUT_EXIT_CODE
     except NonFiniteLoss as e:
-        _stderr_line(f"error: {e}")
+        cli.error_line(str(e))
         return 1
     except Preempted as e:
-        _stderr_line(str(e))
+        cli.stderr_line(str(e))
         return PREEMPTED_EXIT_CODE
     except StartupTimeout as e:
-        _stderr_line(f"error: {e}")
+        cli.error_line(str(e))
         return 1
     except (ckpt.CheckpointSaveError, WriteFailed) as e:  # disk full, file too large, permission
-        _stderr_line(f"error: {e}")
+        cli.error_line(str(e))
         return 1
+    except KeyboardInterrupt:  # Ctrl-C (torchrun passes the launcher's SIGINT to every rank): one line a rank
+        cli.interrupted_line("stopped; this step was not saved (a relaunch resumes from the newest checkpoint, "
+                             "if any)")
+        return cli.INTERRUPTED_EXIT_CODE
     finally:
         release_all()
         shutdown_distributed()
