@@ -24,6 +24,11 @@
 # `launch_pod.sh: host NAME exit CODE`. With xpk this script ends when the workload is submitted;
 # the pods' exit codes are the launchers' (75 on preemption), for the workload's restart policy.
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # this header, as the usage
+  echo "usage: scripts/launch_pod.sh tpu-vm|xpk|slurm|local|host ... -- --config RECIPE.toml [--section.key=value ...]"
+  sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 platform="${1:?usage: scripts/launch_pod.sh tpu-vm|xpk|slurm|local|host ... -- TRAIN ARGS}"
 shift

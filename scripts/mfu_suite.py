@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         return _main(argv)
-    except (InputError, cli.ConfigError) as e:  # ConfigError: a bad flag
+    except InputError as e:  # a bad flag: ConfigError, through cli.run
         cli.error_line(str(e))
         return 2
 

@@ -1,8 +1,8 @@
 """The command-line manners every entry point shares (trainer/runtime/cli.py).
 
 - `--help` prints the usage on stdout and exits 0, for every user command, benchmark and tool
-  (`python -m trainer.train --help` and `scripts/train.sh --help` were refused as an unknown
-  argument before);
+  (`python -m trainer.train --help`, `scripts/train.sh --help` and `scripts/launch_pod.sh --help`
+  were refused before);
 - a flag nobody knows exits 2 with exactly one stderr line starting `error:` and no traceback
   (argparse printed its usage block, and some scripts a traceback);
 - `scripts/estimate.py --config R` plans on the recipe's `[job] target` (it demanded `--target`),
@@ -103,6 +103,24 @@ def test_train_sh_help_and_a_bad_flag():
     assert bad.stderr.strip().splitlines() == [
         "error: unrecognized argument '--no-such-flag'; use --config RECIPE.toml, --print-config or "
         "--section.key=value"], bad.stderr
+
+
+@pytest.mark.parametrize("script", ["scripts/launch_pod.sh", "scripts/tpu_smoke.sh"])
+def test_shell_entry_points_answer_help(script):
+    """The other shell commands: --help prints the usage (tpu_smoke.sh: its Python's, no venv needed)."""
+    proc = subprocess.run(["bash", script, "--help"], cwd=REPO, env={**ENV, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage:") and "Traceback" not in proc.stderr, proc.stderr
+    bad = subprocess.run(["bash", "scripts/launch_pod.sh", "--no-such-flag", "--", "--config", "x.toml"], cwd=REPO,
+                         env=ENV, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: launch_pod.sh: platform --no-such-flag; allowed: tpu-vm, xpk, slurm, local, host"]
+
+
+def test_the_wrapper_imports_no_torch():
+    """So that a light script's --help is instant and tools/tpu_smoke.py's --help runs without the venv."""
+    code = "import sys, trainer.runtime.cli; sys.exit('torch' in sys.modules or 'models' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, timeout=60).returncode == 0
 
 
 def test_trainer_help_keeps_overrides_working(capsys):

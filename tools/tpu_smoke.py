@@ -842,7 +842,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
-    except (_Fail, cli.ConfigError) as e:  # ConfigError: a bad flag
+    except _Fail as e:  # a bad flag: ConfigError (or a plain exit 2 without torch), through cli.run
         cli.error_line(str(e))
         return 2
     if args.cmd == "report":
@@ -853,4 +853,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -12,7 +12,10 @@
   130 (128 + SIGINT, what a shell reports), never a traceback. Use `sys.exit(run(main))`.
 
 A usage error is a `ConfigError` like any other bad input, so a script's own handling of bad
-input (a lock to release, a return code for an in-process caller) covers it too.
+input (a lock to release, a return code for an in-process caller) covers it too. This module
+imports no torch (the `models` package does, so `ConfigError` is looked up when needed): a
+script's `--help` answers at once, and `scripts/tpu_smoke.sh --help` works on a Python without
+the venv (a bad flag there is still one `error:` line, exit 2).
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
-
-from models.errors import ConfigError
 
 BAD_INPUT_EXIT_CODE = 2
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
@@ -50,6 +51,21 @@ def interrupted_line(what: str = "") -> None:
     stderr_line(f"interrupted (Ctrl-C){': ' + what if what else ''}")
 
 
+def _config_error() -> type[Exception] | None:
+    """`models.errors.ConfigError`, or None on a Python where `models` (torch) cannot be imported."""
+    try:
+        from models.errors import ConfigError
+    except ImportError:
+        return None
+    return ConfigError
+
+
+def is_bad_input(error: BaseException) -> bool:
+    """True for a ConfigError (bad input). Without `models` imported nothing can have raised one."""
+    errors = sys.modules.get("models.errors")
+    return errors is not None and isinstance(error, errors.ConfigError)
+
+
 def _typed_path(argv0: str) -> str:
     """A script's path relative to the working folder when it lies below it, else its name."""
     path = os.path.relpath(os.path.abspath(argv0)) if argv0 else ""
@@ -72,7 +88,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         tail = f"; allowed: {self.error_hint}" if self.error_hint else f"; see {self.prog} --help"
-        raise ConfigError(f"{self.error_name or self.prog}: {message}{tail}")
+        bad_input = _config_error()
+        if bad_input is None:
+            fail(f"{self.error_name or self.prog}: {message}{tail}")
+        raise bad_input(f"{self.error_name or self.prog}: {message}{tail}")
 
 
 def run(main: Callable[..., int | None], *args, interrupted: str = "", **kwargs) -> int:
@@ -83,7 +102,9 @@ def run(main: Callable[..., int | None], *args, interrupted: str = "", **kwargs)
     (argparse's `--help`, `fail`) passes through."""
     try:
         code = main(*args, **kwargs)
-    except ConfigError as e:
+    except Exception as e:
+        if not is_bad_input(e):
+            raise
         error_line(str(e))
         return BAD_INPUT_EXIT_CODE
     except KeyboardInterrupt:
