@@ -111,6 +111,9 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(qk_clip=True, mode="graph"),
         StepRequest(qk_clip=True, cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, device_type="tpu", seq_len=1000),
+        StepRequest(moe_routing="top1"), StepRequest(moe_routing="random"),
+        StepRequest(moe_routing="random", model_has_experts=False),
+        StepRequest(moe_routing="random", routing_benchmark_only=True, grad_accum=2),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

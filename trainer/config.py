@@ -32,7 +32,7 @@ from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FOR
 from trainer.optim import DECAY_TYPES, OPTIMIZERS
 from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
 from trainer.runtime.tpu_env import FLAG_BUNDLES, check_flags
-from trainer.step.plan import BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES
+from trainer.step.plan import BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES, ROUTINGS
 from trainer.tasks.flow import TIMESTEP_SAMPLING
 
 
@@ -414,6 +414,23 @@ class DeviceConfig:
 
 
 @dataclass
+class MoEConfig:
+    # `capacity_factor` (the capacity-bounded dispatch, issue 39) will sit here; until then every
+    # path is dropless.
+    routing: str = field(default="learned", metadata=_choices(*ROUTINGS))
+    """Which experts each token goes to: `learned` (the router's top k; the only choice for
+    training a model), `random` (a seeded draw per token, step and layer: k distinct experts
+    uniformly; the same on every mesh) or `balanced` (round-robin: every expert the same count).
+    random and balanced are for throughput benchmarks only (MaxText's published MoE numbers use
+    random routing): the router still runs and its scores still weight the expert outputs, only
+    the choice is replaced. Needs routing_benchmark_only = true and a model with experts.
+    docs/moe.md#benchmark-routing."""
+    routing_benchmark_only: bool = False
+    """Marks the recipe as a throughput benchmark whose loss is not a model's: required for
+    routing = random or balanced, so a training recipe cannot carry them by accident."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -429,6 +446,7 @@ class Config:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}

@@ -40,6 +40,7 @@ import torch
 
 import titan_kernels
 from models.common import ops
+from models.common.moe import set_routing_key, use_routing
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import cp_attention_fn, cp_group
@@ -73,9 +74,11 @@ class JobPlan:
 
 
 def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = "cpu",
-                 caller_loss: bool = False) -> StepRequest:
+                 caller_loss: bool = False, model_has_experts: bool = True,
+                 grad_accum: int = 1) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
-    degrees and device of each layout it tries)."""
+    degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
+    model args and the batch split when known)."""
     return StepRequest(
         mode=cfg.compile.mode, backend=cfg.compile.backend, scan_layers=cfg.compile.scan_layers,
         ac_mode=cfg.activation_checkpoint.mode, loss_parallel=cfg.parallelism.enable_loss_parallel,
@@ -86,7 +89,9 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         model_document_mask=bool(getattr(family, "document_mask", False)),
         cp_degree=cfg.parallelism.context_parallel_degree, seq_len=cfg.training.seq_len,
         qk_clip=cfg.optimizer.qk_clip_tau > 0,
-        optimizer=cfg.optimizer.name, muon_exclude=tuple(cfg.optimizer.muon_exclude))
+        optimizer=cfg.optimizer.name, muon_exclude=tuple(cfg.optimizer.muon_exclude),
+        moe_routing=cfg.moe.routing, routing_benchmark_only=cfg.moe.routing_benchmark_only,
+        model_has_experts=model_has_experts, grad_accum=grad_accum)
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
@@ -102,7 +107,14 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     parallel_dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
                                  cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
                                  ep=p.expert_parallel_degree, world_size=world_size)
-    request = step_request(cfg, family, tp_degree=parallel_dims.tp, device_type=device_type, caller_loss=caller_loss)
+    # Benchmark routing is refused with gradient accumulation (the rule says why): the split is
+    # only worked out for it here, so a learned-routing plan reads nothing new.
+    t = cfg.training
+    grad_accum = 1 if cfg.moe.routing == "learned" else batch_split(
+        global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=parallel_dims.dp_degree)[1]
+    request = step_request(cfg, family, tp_degree=parallel_dims.tp, device_type=device_type, caller_loss=caller_loss,
+                           model_has_experts=shape.num_experts > 0, grad_accum=grad_accum)
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
     # On a TPU, the mesh as torch-tpu will lay it out on the slice (when the slice is known now):
@@ -138,11 +150,15 @@ def batch_split(*, global_batch_size: int, local_batch_size: int, gradient_accum
 
 
 def build_model(family, args, *, step_plan: StepPlan, parallel_dims, mesh, device: torch.device,
-                param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+                param_dtype: torch.dtype, reduce_dtype: torch.dtype, moe_routing: str = "learned"):
     """Meta device -> parallelize -> materialize -> init_weights."""
-    # 1. Build on meta: no memory is touched, whatever the flavor's size.
+    # 1. Build on meta: no memory is touched, whatever the flavor's size. Benchmark routing
+    #    (`[moe] routing`, allowed by the step plan's rules) is set on the model as built, so its
+    #    `routing_key` buffers travel through the parallelisms like any buffer.
     with torch.device("meta"):
         model = family.model_cls(args)
+    if moe_routing != "learned":
+        use_routing(model, moe_routing)
     # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP
     #    (the step plan says which AC and compile apply; the order is the same in every mode).
     model = parallelize_model(
@@ -207,6 +223,14 @@ class Job:
             ckpt.load_initial(self.model, path=ck.initial_load_path, fmt=ck.initial_load_format,
                               hf_adapter=self.family.hf_adapter, args=self.args,
                               hf_config_mismatch=ck.hf_config_mismatch)
+
+    def before_step(self, step: int) -> None:
+        """Per-step model state the step reads: the benchmark routing's key (`[moe] routing`
+        random / balanced; nothing for learned routing). Rank `r`'s first token in the step's
+        global batch is `r x local_batch_size x seq_len` (trainer/data/text.py's window order)."""
+        if self.cfg.moe.routing != "learned":
+            set_routing_key(self.model, seed=self.cfg.training.seed, step=step,
+                            first_token=self.dp_rank * self.local_batch_size * self.cfg.training.seq_len)
 
     def build_step(self, *, loss_fn: Callable, dump_graph: str | None = None):
         """The step of this job's plan: `step(microbatches, lr) -> StepOutput`.
@@ -341,7 +365,9 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
         attention = f"context parallel over {cp.size} ranks (k/v all-gather, {local}), replacing {attention}"
     model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
                         parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
-                        reduce_dtype=torch_dtype(t.mixed_precision_reduce))
+                        reduce_dtype=torch_dtype(t.mixed_precision_reduce), moe_routing=cfg.moe.routing)
+    if cfg.moe.routing != "learned" and not check:  # a defined key before any step sets it
+        set_routing_key(model, seed=t.seed, step=0, first_token=dp_rank * local_batch * t.seq_len)
 
     # 5. Optimizer, schedule (over training.steps optimizer steps), checkpoint manager.
     o, s = cfg.optimizer, cfg.lr_scheduler

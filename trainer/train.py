@@ -160,6 +160,7 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
                 data_s = time.perf_counter() - t_data
                 microbatches = [tuple(x.to(device) for x in batch) for batch in batches]
                 lr = scheduler.get_last_lr()[0]
+                job.before_step(step)
                 out = step_fn(microbatches, lr)
                 scheduler.step()
             train_state.step = step

@@ -35,6 +35,19 @@ the same way it leaves an eager forward; the `BlockStack` stacks it over layers
 step; above that the relative rounding (6e-8) only matters to an expert within one copy of
 the mean, where the sign of the bias step is arbitrary anyway.
 
+Benchmark routing (`TokenChoiceTopKRouter.use_routing`; docs/moe.md#benchmark-routing): "learned"
+(the default, everything above), "random" (the router's scores replaced, for the **selection**
+only, by a seeded hash of (key, token, expert): k distinct experts per token, uniformly) and
+"balanced" (token t goes to experts `t*k ... t*k + k-1` modulo E: round-robin, every expert the
+same count). The selection ignores groups and `expert_bias`. As in MaxText's random routing the
+router still runs and the weights that multiply the expert outputs are the router's own scores
+at the chosen experts (renormalised and scaled as learned routing does), so the router, the
+combine and the backward cost what they cost under learned routing and the gate still gets a
+gradient. The draw reads no global state: the trainer writes the router's `routing_key` buffer
+([key of (seed, step, layer), index of this rank's first token in the step's global batch],
+`set_routing_key`) before each step, so a token's experts depend on the seed, the step, the layer
+and the token's place in the global batch, never on the mesh.
+
 Auxiliary loss: `MoE.forward` returns `aux_loss`, the layer's load-balancing loss being
 a 0-dim float32 tensor in the autograd graph. It is an output, not state left on the module, so
 the layer runs unchanged inside a layer scan (the scan body returns it as a per-layer output;
@@ -116,6 +129,52 @@ def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, 
     return (frac * probs).sum(dim=-1).mean()
 
 
+ROUTINGS = ("learned", "random", "balanced")
+"""`[moe] routing`: the router's own choice, a seeded random draw, or round-robin (benchmarks only)."""
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer hash (xorshift-multiply rounds), on Python ints or int64 tensors alike.
+
+    Inputs and outputs lie in [0, 2^32); every product stays below 2^63 (multipliers < 2^31), so
+    int64 arithmetic never overflows and the host and every device compute the same bits.
+    """
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _MASK32
+    return x ^ (x >> 16)
+
+
+def routing_key(*, seed: int, step: int, layer: int) -> int:
+    """The per-(seed, step, layer) key of the random routing draw (a Python int in [0, 2^32))."""
+    return _mix32(_mix32(_mix32(seed) ^ step) ^ (layer * 0x3C6EF372 & _MASK32))
+
+
+def random_experts(key: torch.Tensor, tokens: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+    """k distinct experts per token, uniformly at random: the top k of a hash of (key, token,
+    expert). `key`: 0-dim int64; `tokens` [N] int64 global token indices -> [N, k] int64.
+
+    The hash's low 9 bits are replaced by the expert index, so no two experts of a token tie
+    (E <= 512) and `topk` picks the same experts on every backend.
+    """
+    assert num_experts <= 512, "random routing keys expert ties on 9 bits"
+    per_token = _mix32(_mix32(tokens) ^ key)
+    experts = torch.arange(num_experts, device=tokens.device)
+    draw = _mix32(per_token.unsqueeze(1) ^ ((experts * 0x61C88647) & _MASK32))
+    return torch.topk((draw >> 9 << 9) | experts, top_k, dim=-1).indices
+
+
+def balanced_experts(tokens: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
+    """Round-robin: token t -> experts (t*k + j) mod E, j < k (distinct when k <= E); over any run
+    of consecutive tokens whose copies are a multiple of E, every expert gets the same count."""
+    slots = tokens.unsqueeze(1) * top_k + torch.arange(top_k, device=tokens.device)
+    return slots % num_experts
+
+
 class TokenChoiceTopKRouter(nn.Module):
     """Scores each token against every expert with `gate` and keeps the top k experts.
 
@@ -144,6 +203,27 @@ class TokenChoiceTopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
+        # Benchmark routing (module docstring); learned routing registers no `routing_key`, so
+        # its module tree, state dict and captured graphs are what they were.
+        self.routing = "learned"
+
+    def use_routing(self, routing: str) -> None:
+        """Route by `routing` (one of ROUTINGS) from now on. "random" and "balanced" register the
+        non-persistent int64 buffer `routing_key` [2] (key, first global token index), which
+        `set_routing_key` writes before each step. Call it on the model as built (before
+        parallelisms, layer scan and materialization: the buffer then travels like any other)."""
+        assert routing in ROUTINGS, f"routing {routing!r}; allowed: {', '.join(ROUTINGS)}"
+        self.routing = routing
+        if routing != "learned" and "routing_key" not in self._buffers:
+            self.register_buffer("routing_key", torch.zeros(2, dtype=torch.int64, device=self.gate.weight.device),
+                                 persistent=False)
+
+    def synthetic_experts(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """The experts [N, k] that "random" or "balanced" routing picks for this rank's N tokens."""
+        tokens = self.routing_key[1] + torch.arange(num_tokens, device=device)
+        if self.routing == "balanced":
+            return balanced_experts(tokens, self.num_experts, self.top_k)
+        return random_experts(self.routing_key[0], tokens, self.num_experts, self.top_k)
 
     def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
         """Router logits -> float32 affinities (softmax over experts, or per-expert sigmoid)."""
@@ -155,7 +235,11 @@ class TokenChoiceTopKRouter(nn.Module):
         """x [N, dim] -> (top_scores [N, k] in x.dtype, selected_experts [N, k] int64, logits [N, E])."""
         router_logits = self.gate(x)
         probs = self.scores(router_logits)
-        if self.expert_bias is None and self.num_groups == 1:
+        if self.routing != "learned":
+            # Benchmark routing: the choice is synthetic, the weights the router's own (docstring).
+            selected_experts = self.synthetic_experts(x.shape[0], x.device)
+            top_scores = probs.gather(1, selected_experts)
+        elif self.expert_bias is None and self.num_groups == 1:
             top_scores, selected_experts = torch.topk(probs, self.top_k, dim=-1)
         else:
             choice = probs if self.expert_bias is None else probs + self.expert_bias
@@ -191,6 +275,28 @@ class TokenChoiceTopKRouter(nn.Module):
         assert self.expert_bias is not None, "update_expert_bias: this router has no expert_bias"
         load = global_load.to(device=self.expert_bias.device, dtype=torch.float32)
         self.expert_bias.add_(torch.sign(load.mean() - load) * rate)
+
+
+def use_routing(model: nn.Module, routing: str) -> int:
+    """Set every router of `model` to `routing` (see `TokenChoiceTopKRouter.use_routing`), numbering
+    them in module order (the layer index of the draw's key); returns how many there are."""
+    routers = [m for m in model.modules() if isinstance(m, TokenChoiceTopKRouter)]
+    for layer, router in enumerate(routers):
+        router.use_routing(routing)
+        router.routing_layer = layer
+    return len(routers)
+
+
+@torch.no_grad()
+def set_routing_key(model: nn.Module, *, seed: int, step: int, first_token: int) -> None:
+    """Before a step: write each benchmark-routed router's `routing_key` = (the key of (seed, step,
+    its layer), `first_token`: the global index of this rank's first token in the step's batch,
+    i.e. its first window's index times seq_len). In place, so a scanned stack's rows and a
+    captured graph's inputs see it."""
+    for module in model.modules():
+        if isinstance(module, TokenChoiceTopKRouter) and module.routing != "learned":
+            key = routing_key(seed=seed, step=step, layer=module.routing_layer)
+            module.routing_key.copy_(torch.tensor([key, first_token], dtype=torch.int64))
 
 
 class GroupedExperts(nn.Module):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.common.moe import ROUTINGS
 from models.errors import ConfigError
 from trainer.step.loss import lm_loss
 
@@ -89,6 +90,14 @@ class StepRequest:
     muon_exclude: tuple[str, ...] | None = None
     """`[optimizer] muon_exclude` (None: the optimizer's default): which matrices the planner counts
     as Muon's."""
+    moe_routing: str = "learned"
+    """`[moe] routing`: learned | random | balanced."""
+    routing_benchmark_only: bool = False
+    """`[moe] routing_benchmark_only`: the recipe marks itself a throughput benchmark."""
+    model_has_experts: bool = True
+    """The model has MoE layers (False: a dense flavor, FLUX, ...; True when not known)."""
+    grad_accum: int = 1
+    """Gradient accumulation steps (1 when not known to the caller)."""
 
     @property
     def cp_chunk(self) -> int | float:
@@ -188,6 +197,23 @@ RULES: tuple[Rule, ...] = (
     Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.cp_degree > 1,
          "> 0 with context parallelism is not implemented (a rank's max logits would see only its own "
          "keys, at local positions); allowed with context_parallel_degree > 1: 0"),
+    # Benchmark routing (models/common/moe.py, docs/moe.md#benchmark-routing): a synthetic choice
+    # of experts is for measuring throughput, never for training a model.
+    Rule("moe.routing", lambda r: r.moe_routing not in ROUTINGS,
+         f"{{r.moe_routing!r}}; allowed: {', '.join(ROUTINGS)}"),
+    Rule("moe.routing", lambda r: r.moe_routing in ROUTINGS and r.moe_routing != "learned" and not r.model_has_experts,
+         "{r.moe_routing} routes tokens to experts; this model has none; allowed: learned"),
+    Rule("moe.routing", lambda r: r.moe_routing in ROUTINGS and r.moe_routing != "learned"
+         and r.model_has_experts and not r.routing_benchmark_only,
+         "{r.moe_routing} is for throughput benchmarks only (the loss is not a model's); allowed for "
+         "training: learned, or mark the recipe a benchmark with moe.routing_benchmark_only = true"),
+    # The draw is keyed by a token's place in the step's global batch, which the router knows
+    # from its rank's first token: whole windows per rank, one micro-batch per step.
+    Rule("moe.routing", lambda r: r.moe_routing in ("random", "balanced")
+         and (r.tp_degree > 1 or r.cp_degree > 1 or r.grad_accum > 1),
+         "{r.moe_routing} with tensor or context parallelism or gradient accumulation is not "
+         "implemented (the router keys tokens by whole windows, one micro-batch per step); allowed "
+         "there: learned"),
 )
 
 
