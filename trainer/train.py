@@ -118,6 +118,9 @@ def _banner(job: Job, start_step: int, peak_name: str) -> None:
           f"loss {loss_name}; steps {start_step + 1}..{cfg.training.steps}", flush=True)
     print(f"titan-tpu: compute dtype {job.compute.name} ({job.compute.reason})", flush=True)
     print(f"titan-tpu: host malloc {job.host_malloc}", flush=True)
+    if cfg.moe.routing != "learned":  # throughput only: label the run (docs/moe.md#benchmark-routing)
+        print(f"titan-tpu: MoE routing {cfg.moe.routing} (benchmark only: the experts are not the router's "
+              "choice, so the loss is not a trained model's)", flush=True)
     for line in job.runtime_notes:
         print(line, flush=True)
 
