@@ -8,6 +8,7 @@
 - mesh independence: one process on the global batch and 2 ranks (threads, gloo) with EP 2 x
   FSDP 2, each on its half, send every token to the same experts (and so reach the same loss);
   and the trainer end to end, 1 process vs torchrun 2 processes (gloo) with EP 2: the same losses;
+- the per-step key reaches a captured, layer-scanned graph step: its losses equal eager's;
 - the step plan's rules refuse random / balanced outside a recipe marked a benchmark, on a model
   without experts, and where the draw's token index is not implemented (TP, CP, accumulation).
 """
@@ -153,6 +154,23 @@ def test_trainer_random_routing_1_process_equals_ep2(tmp_path, monkeypatch):
             "--moe.routing=random", "--moe.routing_benchmark_only=true"]
     want = train_losses(tmp_path / "one", 1, {}, 3, *args)
     got = train_losses(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), 3, *args)
+    assert_losses_close(got, want)
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: an eager and a graph-mode (layer scan) trainer run
+def test_trainer_random_routing_scanned_graph_equals_eager(tmp_path, monkeypatch):
+    """The key buffer reaches a captured, layer-scanned step anew each step (stacked per layer,
+    written in place by `Job.before_step`): graph mode with scan gives eager's losses."""
+    from tests.trainer_runs import REPO, assert_losses_close, train_losses
+
+    monkeypatch.chdir(REPO)
+    args = ["--config", "configs/qwen3_moe_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
+            "--metrics.log_freq=1", "--validation.enable=false", "--training.mixed_precision_param=float32",
+            "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", "--training.steps=3",
+            "--moe.routing=random", "--moe.routing_benchmark_only=true"]
+    want = train_losses(tmp_path / "eager", 1, {}, 3, *args)
+    got = train_losses(tmp_path / "graph", 1, {}, 3, *args, "--compile.mode=graph", "--compile.scan_layers=true",
+                       "--compile.backend=aot_eager")
     assert_losses_close(got, want)
 
 
