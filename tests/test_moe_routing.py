@@ -49,6 +49,13 @@ def test_random_routing_is_a_function_of_key_and_token():
     assert ((counts - 1024).abs() < 120).all(), counts
 
 
+@pytest.mark.parametrize("num_experts, top_k", [(2, 2), (384, 8), (1000, 16)])
+def test_random_routing_picks_distinct_experts_at_any_width(num_experts, top_k):
+    chosen = _draw(routing_key(seed=0, step=1, layer=0), 0, 256, num_experts, top_k)
+    assert ((chosen >= 0) & (chosen < num_experts)).all()
+    assert all(len(set(row.tolist())) == top_k for row in chosen)
+
+
 @pytest.mark.parametrize("num_experts, top_k", [(8, 2), (8, 8), (6, 4)])
 def test_balanced_routing_gives_equal_counts(num_experts, top_k):
     num_tokens = 3 * num_experts  # copies a multiple of E
@@ -186,6 +193,7 @@ def test_rules_refuse_routing_outside_benchmarks():
         "tp": StepRequest(moe_routing="random", tp_degree=2, **bench),
         "cp": StepRequest(moe_routing="random", cp_degree=2, model_document_mask=True, **bench),
         "accum": StepRequest(moe_routing="balanced", grad_accum=2, **bench),
+        "engine": StepRequest(moe_routing="random", caller_loss=True, **bench),
     }
     for name, request in cases.items():
         messages = refusals(request)

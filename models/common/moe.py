@@ -158,14 +158,14 @@ def random_experts(key: torch.Tensor, tokens: torch.Tensor, num_experts: int, to
     """k distinct experts per token, uniformly at random: the top k of a hash of (key, token,
     expert). `key`: 0-dim int64; `tokens` [N] int64 global token indices -> [N, k] int64.
 
-    The hash's low 9 bits are replaced by the expert index, so no two experts of a token tie
-    (E <= 512) and `topk` picks the same experts on every backend.
+    The 32-bit hash is shifted up and the expert index put in the bits below it, so no two
+    experts of a token tie and `topk` picks the same experts on every backend.
     """
-    assert num_experts <= 512, "random routing keys expert ties on 9 bits"
+    bits = max(1, (num_experts - 1).bit_length())
     per_token = _mix32(_mix32(tokens) ^ key)
     experts = torch.arange(num_experts, device=tokens.device)
     draw = _mix32(per_token.unsqueeze(1) ^ ((experts * 0x61C88647) & _MASK32))
-    return torch.topk((draw >> 9 << 9) | experts, top_k, dim=-1).indices
+    return torch.topk((draw << bits) | experts, top_k, dim=-1).indices
 
 
 def balanced_experts(tokens: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:

@@ -208,12 +208,13 @@ RULES: tuple[Rule, ...] = (
          "{r.moe_routing} is for throughput benchmarks only (the loss is not a model's); allowed for "
          "training: learned, or mark the recipe a benchmark with moe.routing_benchmark_only = true"),
     # The draw is keyed by a token's place in the step's global batch, which the router knows
-    # from its rank's first token: whole windows per rank, one micro-batch per step.
+    # from its rank's first token: whole windows per rank, one micro-batch per step, written by
+    # the trainer's loop (the engine's caller owns its steps and batches).
     Rule("moe.routing", lambda r: r.moe_routing in ("random", "balanced")
-         and (r.tp_degree > 1 or r.cp_degree > 1 or r.grad_accum > 1),
-         "{r.moe_routing} with tensor or context parallelism or gradient accumulation is not "
-         "implemented (the router keys tokens by whole windows, one micro-batch per step); allowed "
-         "there: learned"),
+         and (r.tp_degree > 1 or r.cp_degree > 1 or r.grad_accum > 1 or r.caller_loss),
+         "{r.moe_routing} with tensor or context parallelism, gradient accumulation or the engine is "
+         "not implemented (the trainer keys tokens by whole windows, one micro-batch per step); "
+         "allowed there: learned"),
 )
 
 
