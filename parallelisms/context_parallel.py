@@ -25,7 +25,8 @@ are multiplied against the first `s / 2` keys and the late ones against all `s` 
 with an explicit boolean mask `key_pos <= query_pos` (and `same segment`). That is 3/4 of the
 work of an `s / cp x s` masked product, with shapes that are the same on every rank (only
 the mask's contents depend on the rank), so every rank traces the same program. It runs
-`F.scaled_dot_product_attention` with a mask (the CPU flash kernel takes one); k/v heads are
+`F.scaled_dot_product_attention` with a mask (the CPU flash kernel takes one; a v narrower or
+wider than q/k, MLA's, through `models.common.ops.sdpa`, which pads to one width); k/v heads are
 repeated for grouped-query attention after the gather (`models.common.ops.repeat_kv`), so the
 collective moves only the kv heads. A TPU splash-attention version would take the same
 gathered k/v and, instead of a dense mask, a mask *function* of (query position, key
@@ -48,10 +49,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from models.common.ops import repeat_kv
+from models.common.ops import repeat_kv, sdpa
 from models.errors import ConfigError
 
 CP_KEY = "parallelism.context_parallel_degree"
@@ -151,7 +151,7 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     if q_seg is not None:
         mask = mask[None] & (q_seg[:, :, None] == k_seg[:, None, :])  # [b, m, n]
         mask = mask[:, None]  # [b, 1, m, n]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return sdpa(q, k, v, attn_mask=mask)  # v at its own width (MLA), as the op allows
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

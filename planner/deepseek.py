@@ -3,19 +3,20 @@
 `ModelShape` describes a GQA decoder; MLA does not fit it (its keys and values come from one
 low-rank latent, its q.k and value widths differ), and the model has two block stacks of
 different kinds (`dense_layers`, then `moe_layers`). `mla_activation_bytes` counts what autograd
-keeps per token in models/deepseek_v3/model.py (bf16 compute, SDPA/flash attention: no seq^2
-term, fp32 RMSNorm internals) from the model's own arguments (`DeepSeekV3Args`). Training
-shapes, no KV cache. With d = dim, h = heads, w = max(qk_nope + qk_rope, v) (the one width
-`ops.causal_attention` takes: the narrower of q.k and v is zero-padded), r_q = q_lora_rank,
+keeps per token in models/deepseek_v3/model.py (bf16 compute, fp32 RMSNorm internals) with the
+attention op as TPU splash serves it (titan_kernels/tpu/register.py: no seq^2 term, q/k and v at
+their own widths, unpadded) from the model's own arguments (`DeepSeekV3Args`). Training shapes,
+no KV cache. With d = dim, h = heads, qk = qk_nope + qk_rope, r_q = q_lora_rank,
 r_kv = kv_lora_rank, v = v_head_dim, per token:
 
 - both kinds, no AC: the two block RMSNorms (fp32 copy, fp32 rsqrt, bf16 normalized: 6d + 4
   each) and their weighted outputs, the in-projections' inputs (2 x 2d); MLA: the q LoRA
   output through q_norm (8 r_q + 4: the norm's 6 r_q + 4 and its weighted output, wq_b's input;
-  0 without a q LoRA), the kv latent through kv_norm (8 r_kv + 4, wkv_b's input), q, the
-  expanded k ([k_nope | shared k_rope] per head) and the zero-padded v that SDPA keeps with its
-  output (4 x 2hw) and fp32 log-sum-exp (4h), and the sliced output copied for wo (2hv). RoPE
-  keeps nothing (its fp32 tables need no gradient).
+  0 without a q LoRA), the kv latent through kv_norm (8 r_kv + 4, wkv_b's input), q and the
+  expanded k ([k_nope | shared k_rope] per head; 2 x 2h qk) and v that the op keeps with its
+  output (2 x 2hv) and fp32 log-sum-exp (4h), and the output copied to [seq, heads x v] for wo
+  (2hv). RoPE keeps nothing (its fp32 tables need no gradient). (The SDPA reference, which CPU
+  runs take, pads v to qk inside the op for ATen's one-width kernels: 2 x 2h (qk - v) more.)
 - dense block, no AC: the SwiGLU's w1 out, silu, w3 out and product: 8 x hidden_dim.
 - MoE block, no AC: the routed part as Qwen 3's (`planner.activations`: token copies in and out
   4kd, grouped SwiGLU 8kF, indices and scores), the shared experts' SwiGLU (8 x shared width)
@@ -24,7 +25,7 @@ r_kv = kv_lora_rank, v = v_head_dim, per token:
   gradient, are used). Per block and sequence, not per token, the balance loss keeps a few
   [E]-sized fp32 tensors (4E x batch + ~100 bytes: not modelled).
 - full AC: the block input (2d); selective AC: the outputs of every matmul and of the attention
-  (wq_a 2 r_q, wq_b 2h(qk), wkv_a 2(r_kv + rope), wkv_b 2h(nope + v), SDPA 2hw + 4h, wo 2d;
+  (wq_a 2 r_q, wq_b 2h(qk), wkv_a 2(r_kv + rope), wkv_b 2h(nope + v), attention 2hv + 4h, wo 2d;
   dense: w1, w3, w2 = 4 hidden + 2d; MoE: router logits 2E, grouped gate/up/down k(4F + 2d),
   shared w1, w3, w2 = 4 F_shared + 2d) plus the block input.
 
@@ -49,11 +50,11 @@ def is_mla(args: object) -> bool:
 def mla_attention_per_token(args) -> int:
     """Bytes one MLA layer keeps per token without AC (tp = 1), the block norms excluded."""
     h = args.n_heads
-    w = max(args.qk_head_dim, args.v_head_dim)
     q_lora = 8 * args.q_lora_rank + 4 if args.q_lora_rank else 0
     kv_latent = 8 * args.kv_lora_rank + 4
-    sdpa = 4 * 2 * h * w + 4 * h  # q, k, padded v, output (bf16) + log-sum-exp (fp32)
-    return q_lora + kv_latent + sdpa + 2 * h * args.v_head_dim
+    # q, k at qk; v and the output at v (bf16, unpadded: splash takes both widths) + log-sum-exp (fp32)
+    attention = 2 * 2 * h * args.qk_head_dim + 2 * 2 * h * args.v_head_dim + 4 * h
+    return q_lora + kv_latent + attention + 2 * h * args.v_head_dim
 
 
 def moe_per_token(args) -> int:
@@ -72,10 +73,9 @@ def moe_per_token(args) -> int:
 
 def _selective_per_token(args, *, moe: bool) -> int:
     h, d = args.n_heads, args.dim
-    w = max(args.qk_head_dim, args.v_head_dim)
     saved = 2 * args.q_lora_rank + 2 * h * args.qk_head_dim
     saved += 2 * (args.kv_lora_rank + args.qk_rope_head_dim) + 2 * h * (args.qk_nope_head_dim + args.v_head_dim)
-    saved += 2 * h * w + 4 * h + 2 * d  # SDPA out + lse, wo
+    saved += 2 * h * args.v_head_dim + 4 * h + 2 * d  # attention out (v's width) + lse, wo
     if moe:
         shared = args.num_shared_experts * args.moe_hidden_dim
         saved += 2 * args.num_experts + args.num_experts_per_tok * (4 * args.moe_hidden_dim + 2 * d)

@@ -397,3 +397,42 @@ def test_document_mask_equals_separate_documents():
         got = model(packed, segment_ids, document_positions(segment_ids))
         want = torch.cat([model(a), model(b)], dim=1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "671B", "kimi_k2"])
+def test_attention_op_receives_unpadded_v(flavor):
+    """MLA hands the attention op q/k at `qk_head_dim` and v at `v_head_dim` (DeepSeek-V3 /
+    Kimi K2: 192 and 128), no zero-padded columns, and gets the output back at v's width: splash
+    takes both widths, so the +50 % PV product and V residuals of padding are not paid (the SDPA
+    reference pads inside, for ATen's one-width kernels; tests/test_attention_widths.py). The
+    full-size flavors run one MLA layer on the meta device (shapes only)."""
+    from models.common import ops
+    from models.deepseek_v3.model import MLA
+
+    args = FLAVORS[flavor]
+    seen = []
+
+    def recording(q, k, v, segment_ids=None):
+        seen.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return ops.sdpa_causal_attention(q, k, v, segment_ids)
+
+    device = "cpu" if flavor == "debugmodel" else "meta"
+    seq = 8
+    with torch.device(device):
+        mla = MLA(args)
+        x = torch.randn(1, seq, args.dim)
+        cos, sin = torch.randn(seq, args.qk_rope_head_dim), torch.randn(seq, args.qk_rope_head_dim)
+    if device == "cpu":
+        mla.init_weights(0.02)
+    previous = ops.register("causal_attention", recording)
+    try:
+        out = mla(x, cos, sin)
+    finally:
+        ops.register("causal_attention", previous)
+    (q_shape, k_shape, v_shape), = seen
+    h = args.n_heads
+    assert q_shape == k_shape == (1, h, seq, args.qk_head_dim)
+    assert v_shape == (1, h, seq, args.v_head_dim)
+    assert out.shape == (1, seq, args.dim)
+    if flavor != "debugmodel":
+        assert (args.qk_head_dim, args.v_head_dim) == (192, 128)

@@ -334,8 +334,10 @@ def test_kernel_shapes_are_the_widths_the_run_calls():
     mla = get_model_family("deepseek_v3").flavors["671B"]
     assert (mla.qk_head_dim, mla.v_head_dim) == (192, 128)
     shapes = titan_kernels.KernelShapes.of(mla, cp=4, cp_rank=3)
-    # The model pads v to the q/k width before the op (models/deepseek_v3/model.py): splash runs at 192.
-    assert (shapes.qk_head_dim, shapes.v_head_dim) == (192, 192)
+    # The model hands the op v at its own width (models/deepseek_v3/model.py, no padding): splash
+    # runs at q/k 192 and v 128.
+    assert (shapes.qk_head_dim, shapes.v_head_dim) == (192, 128)
+    assert shapes.describe("causal_attention") == "q/k 192, v 128"
     assert (shapes.hidden, shapes.expert_hidden, shapes.num_experts, shapes.top_k) == (7168, 2048, 256, 8)
     assert (shapes.cp, shapes.cp_rank) == (4, 3)
 

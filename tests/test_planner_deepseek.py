@@ -1,7 +1,9 @@
 """The pod planner on DeepSeek-V3 / Kimi K2 (planner/deepseek.py, docs/planner.md).
 
 - The MLA + DeepSeek MoE activation model equals the bytes a real CPU forward of the debug
-  flavor keeps for backward (`measure_saved_bytes`), every AC mode, with and without a q LoRA.
+  flavor keeps for backward (`measure_saved_bytes`), every AC mode, with and without a q LoRA,
+  with the attention op served as TPU splash serves it (q/k and v at their own widths; a CPU
+  stand-in that saves what titan_kernels/tpu/register.py's splash op saves).
 - The dense + MoE probe (one block per stack) shards exactly like the whole 671B model.
 - `recommend` searches the expert-parallel degree, and the shipped pod recipes are its choice;
   both pass the recipe check's rules and memory half (`--no-capture`) on their targets.
@@ -27,12 +29,63 @@ RECIPES = {"deepseek_v3_671b_v7x": ("v7x-512", 4, 2), "kimi_k2_v7x": ("v7x-1024"
 """recipe -> (target, expert-parallel degree, local batch) the planner chose (docs/planner.md)."""
 
 
+@pytest.fixture
+def splash_stand_in():
+    """Serve `causal_attention` with a CPU op that keeps for the backward what TPU splash keeps
+    (titan_kernels/tpu/register.py): q, k, v as contiguous [b, h, s, width] copies at their own
+    widths (no padding), the output [b, h, s, v] and the fp32 log-sum-exp [b, h, s]; selective
+    AC saves its outputs as it saves splash's (`titan_kernels.saved_ops`). The values are the
+    reference's; only what stays alive is splash's."""
+    import titan_kernels
+    from models.common import ops
+
+    name = "titan_test_planner::splash_like"
+    if not hasattr(torch.ops.titan_test_planner, "splash_like"):
+        @torch.library.custom_op(name, mutates_args=())
+        def splash_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            n_rep = q.shape[1] // k.shape[1]
+            kr = ops.repeat_kv(k, n_rep).float()
+            scores = (q.float() @ kr.transpose(-2, -1)) * q.shape[-1] ** -0.5
+            seq = q.shape[2]
+            scores = scores.masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(), float("-inf"))
+            lse = scores.logsumexp(-1)
+            out = (scores - lse[..., None]).exp() @ ops.repeat_kv(v, n_rep).float()
+            return out.to(q.dtype), lse
+
+        @splash_like.register_fake
+        def _(q, k, v):
+            return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+        def setup(ctx, inputs, output):
+            ctx.save_for_backward(*inputs, *output)
+
+        def backward(ctx, dout, dlse):
+            q, k, v, _, _ = ctx.saved_tensors
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out = ops.sdpa_causal_attention(*leaves)
+            return torch.autograd.grad(out, leaves, dout)
+
+        splash_like.register_autograd(backward, setup_context=setup)
+    op = torch.ops.titan_test_planner.splash_like.default
+
+    def attention(q, k, v, segment_ids=None):
+        assert segment_ids is None
+        return op(q.contiguous(), k.contiguous(), v.contiguous())[0]
+
+    ops.register("causal_attention", attention)
+    titan_kernels.saved_ops().add(op)
+    yield
+    titan_kernels.saved_ops().discard(op)
+    ops.register("causal_attention", None)
+
+
 @pytest.mark.parametrize("ac_mode", AC_MODES)
 @pytest.mark.parametrize("q_lora_rank", [64, 0], ids=["q-lora", "full-rank-q"])
-def test_mla_activation_model_matches_measured_saved_bytes(ac_mode, q_lora_rank):
+def test_mla_activation_model_matches_measured_saved_bytes(ac_mode, q_lora_rank, splash_stand_in):
     """Predicted saved activations + kept bf16 weights vs a real forward + loss of the debug flavor
-    (2 dense + 3 MoE blocks, 8 experts in 4 groups, top-2, one shared expert; SDPA as on the
-    accelerators) on one rank.
+    (2 dense + 3 MoE blocks, 8 experts in 4 groups, top-2, one shared expert; the attention op
+    as splash serves it on TPU: `splash_stand_in`) on one rank.
 
     Tolerance: the formulas count every per-token tensor (docs/planner.md), so they must agree to
     the byte except for what is not per token: the sequence-wise balance loss keeps a few [E] and

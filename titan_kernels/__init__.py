@@ -182,6 +182,6 @@ def _cpu_kernel_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     from titan_kernels import cpu_attention
 
-    if segment_ids is None and cpu_attention.supports(q, k):
+    if segment_ids is None and cpu_attention.supports(q, k, v):
         return cpu_attention.causal_attention(q, k, v)
     return ops.sdpa_causal_attention(q, k, v, segment_ids)

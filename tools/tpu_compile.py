@@ -247,8 +247,11 @@ def _define_program_ops():
     ns = f"{PROGRAM_NS}::"
     torch.library.register_fake(ns + "ragged_all_to_all", lib=lib)(
         lambda operand, output, *rest: torch.empty_like(output))
-    torch.library.register_fake(ns + "splash_cp_fwd", lib=lib)(lambda q, k, v, r, s: torch.empty_like(q))
-    torch.library.register_fake(ns + "splash_cp_seg_fwd", lib=lib)(lambda q, k, v, a, b, r, s: torch.empty_like(q))
+    # The output has v's width (MLA: q/k 192, v 128), not q's.
+    torch.library.register_fake(ns + "splash_cp_fwd", lib=lib)(
+        lambda q, k, v, r, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
+    torch.library.register_fake(ns + "splash_cp_seg_fwd", lib=lib)(
+        lambda q, k, v, a, b, r, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
     torch.library.register_fake(ns + "splash_cp_bwd", lib=lib)(
         lambda q, k, v, d, r, s: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     torch.library.register_fake(ns + "splash_cp_seg_bwd", lib=lib)(

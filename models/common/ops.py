@@ -60,16 +60,39 @@ def document_causal_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention(q, k, v, **kwargs)` with v at its own width (MLA).
+
+    v narrower or wider than q/k: the narrower side is zero-padded to one width and the output
+    sliced back to v's, with the scale kept at q's width. Exact (zero columns add nothing to q.k;
+    padded value columns are sliced off, their gradients dropped), and needed: ATen's CPU flash
+    kernel takes one width, and SDPA would otherwise fall back to the math kernel, which keeps
+    the [seq, seq] probabilities for the backward. Kernels that take two widths (splash) are
+    given them unpadded."""
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    if head_dim == v_head_dim:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    width = max(head_dim, v_head_dim)
+    if width > head_dim:
+        q, k = F.pad(q, (0, width - head_dim)), F.pad(k, (0, width - head_dim))
+        kwargs.setdefault("scale", head_dim ** -0.5)  # SDPA's default would be the padded width's
+    if width > v_head_dim:
+        v = F.pad(v, (0, width - v_head_dim))
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return out[..., :v_head_dim] if width > v_head_dim else out
+
+
 def sdpa_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The reference: `F.scaled_dot_product_attention` with k/v heads repeated; causal, or
-    causal within documents (a block-diagonal causal mask) when `segment_ids` is given."""
+    causal within documents (a block-diagonal causal mask) when `segment_ids` is given; v at its
+    own width (`sdpa`)."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     if segment_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(segment_ids))
+        return sdpa(q, k, v, is_causal=True)
+    return sdpa(q, k, v, attn_mask=document_causal_mask(segment_ids))
 
 
 def causal_attention(
@@ -77,11 +100,13 @@ def causal_attention(
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(head_dim), causal) v.
 
-    q [batch, q_heads, seq, head_dim], k and v [batch, kv_heads, seq, head_dim] with q_heads a
-    multiple of kv_heads (grouped-query attention) -> [batch, q_heads, seq, head_dim] (possibly a
-    transposed view). `segment_ids` [batch, seq] (integers, e.g. the document index of each
-    token in a packed row): a token attends only to earlier tokens of its own segment.
-    Implementations take `(q, k, v)` or `(q, k, v, segment_ids)`.
+    q and k [batch, q_heads | kv_heads, seq, head_dim], v [batch, kv_heads, seq, v_head_dim] with
+    q_heads a multiple of kv_heads (grouped-query attention) -> [batch, q_heads, seq, v_head_dim]
+    (possibly a transposed view). The scale is q's width (`head_dim`); v's width may differ from
+    it (MLA: q/k 192, v 128): every implementation takes that, or hands such inputs to the
+    reference (the CPU kernel does). `segment_ids` [batch, seq] (integers, e.g. the document
+    index of each token in a packed row): a token attends only to earlier tokens of its own
+    segment. Implementations take `(q, k, v)` or `(q, k, v, segment_ids)`.
     """
     fn = _impls.get("causal_attention", sdpa_causal_attention)
     if segment_ids is None:

@@ -11,7 +11,6 @@ Face's `model.layers.N.*` (block N of `moe_layers` is HF layer `n_dense_layers +
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.common import ops
@@ -78,10 +77,10 @@ class MLA(nn.Module):
     wkv_b(kv_norm(c_kv)) gives per head [k_nope | v]; k_rope (one head) is shared by all heads.
     RoPE acts on the rope parts only. Scores are scaled by `softmax_scale` (YaRN's mscale**2
     included). Heads come from local shapes (`view(bs, seq, -1, ...)`), so a tensor-parallel shard
-    of wq/wq_b/wkv_b/wo runs unchanged. The product goes through `ops.causal_attention`, whose
-    implementations take one head width: q is pre-scaled so that its `1/sqrt(width)` gives
-    `softmax_scale`, and the narrower of q.k / v is zero-padded (exact: zero columns add nothing
-    to q.k, and padded value columns are sliced off).
+    of wq/wq_b/wkv_b/wo runs unchanged. The product goes through `ops.causal_attention` with q/k
+    at `qk_head_dim` and v at `v_head_dim`, unpadded (the op takes two widths; splash runs them
+    as they are, the SDPA reference pads inside for ATen's one-width kernels): q is pre-scaled so
+    that the op's `1/sqrt(qk_head_dim)` gives `softmax_scale`.
     """
 
     def __init__(self, args: DeepSeekV3Args):
@@ -126,20 +125,15 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         q_rope, k_rope = apply_rope(q_rope, k_rope.unsqueeze(2), rope_cos, rope_sin)
         n_local_heads = q.shape[2]
-        width = max(self.qk_head_dim, self.v_head_dim)
-        q = torch.cat([q_nope, q_rope], dim=-1) * (self.softmax_scale * math.sqrt(width))
+        q = torch.cat([q_nope, q_rope], dim=-1) * (self.softmax_scale * math.sqrt(self.qk_head_dim))
         k = torch.cat([k_nope, k_rope.expand(-1, -1, n_local_heads, -1)], dim=-1)
-        if width > self.qk_head_dim:
-            q, k = (F.pad(t, (0, width - self.qk_head_dim)) for t in (q, k))
-        if width > self.v_head_dim:
-            v = F.pad(v, (0, width - self.v_head_dim))
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, width]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, qk_head_dim | v_head_dim]
         if self.track_max_logit:
-            # q carries softmax_scale * sqrt(width) and the tracker divides by sqrt(width): its
-            # value is the logit the attention op's softmax sees.
+            # q carries softmax_scale * sqrt(qk_head_dim) and the tracker divides by sqrt(q's
+            # width): its value is the logit the attention op's softmax sees.
             step_max = max_causal_logit(q.detach(), k.detach(), segment_ids)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
-        out = ops.causal_attention(q, k, v, segment_ids)[..., : self.v_head_dim]
+        out = ops.causal_attention(q, k, v, segment_ids)  # [bs, heads, seq, v_head_dim]
         out = out.transpose(1, 2).reshape(bs, seqlen, -1)
         return self.wo(out)
 

@@ -7,7 +7,8 @@ tests/xla/probes/selfcheck_widths.py (ttpu venv: libtpu 0.0.52, the one torch-tp
   topology (v4's tiles) and for `v6e:2x2`; and the tile rule's VMEM arithmetic alone (generation
   not detected). The numeric part runs the real kernel in Pallas' interpreter.
 - numerics: the real kernels (interpret mode, bf16) pass the self-check at recipe widths,
-  including MLA's 192 and the CP splash kernel of a cp rank.
+  including MLA's q/k 192 with v 128 (unpadded, as the model calls it) and the CP splash kernel of
+  a cp rank (also at MLA's widths).
 """
 
 from __future__ import annotations
@@ -55,4 +56,6 @@ def test_the_real_kernels_pass_at_recipe_widths_in_interpret_mode(widths):
     for label, r in results.items():
         assert r["ok"], f"{label}: {r['reason']}"
         assert 0 < r["worst"] < 2 ** -5 / 2, (label, r)
-    assert results["splash MLA padded 192/192"]["checked"] == "q/k 192, v 192"
+    # MLA's widths as DeepSeek-V3 / Kimi K2 hand them to the op (KernelShapes.of: q/k 192, v 128).
+    assert results["splash MLA 192/128"]["checked"] == "q/k 192, v 128"
+    assert results["CP splash cp2 rank1 MLA 192/128"]["checked"] == "cp 2 rank 1, q/k 192, v 128"

@@ -203,13 +203,16 @@ def _register() -> None:
         return sdpa_backward_flop_count(dout_shape, q_shape, k_shape, v_shape)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> bool:
     """Whether the kernel handles these inputs and beats ATen's flash kernel on them.
 
-    CPU tensors with equal q/k dtypes that `applies` to (their dtype, head_dim).
+    CPU tensors with equal q/k dtypes that `applies` to (their dtype, head_dim), and v (when
+    given) of q's width: the kernel takes one head width (MLA's narrower v goes to SDPA).
     False until `load()` has succeeded.
     """
     if q.device.type != "cpu" or k.dtype != q.dtype:
+        return False
+    if v is not None and (v.shape[-1] != q.shape[-1] or v.dtype != q.dtype):
         return False
     return applies(q.dtype, q.shape[-1])
 

@@ -61,8 +61,9 @@ def _define() -> None:
     def fake(name):
         return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=lib)
 
-    fake("splash_fwd")(lambda q, k, v: torch.empty_like(q, memory_format=torch.contiguous_format))
-    fake("splash_seg_fwd")(lambda q, k, v, s: torch.empty_like(q, memory_format=torch.contiguous_format))
+    # The output has v's width (MLA: q/k 192, v 128), not q's.
+    fake("splash_fwd")(lambda q, k, v: q.new_empty(*q.shape[:-1], v.shape[-1]))
+    fake("splash_seg_fwd")(lambda q, k, v, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
     fake("splash_bwd")(lambda q, k, v, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     fake("splash_seg_bwd")(lambda q, k, v, s, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     fake("gmm")(lambda x, w, sizes: x.new_empty(x.shape[0], w.shape[-1]))
@@ -140,24 +141,30 @@ def shard_group_sizes(group_sizes, rows: int, shard):
     return (jnp.clip(ends - lo, 0, rows) - jnp.clip(starts - lo, 0, rows)).astype(jnp.int32)
 
 
-def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool) -> tuple[float, float]:
-    """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads.
+def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int | None = None
+                ) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads of
+    value width `v_dim` (Dv; default D: MLA's v is narrower, 128 beside 192).
 
     The kernel visits only the causal blocks: (n + 1) / 2n of the n x n grid of its blocks. A
-    forward is two S x S x D matmuls (q k^T, p v) per head over those blocks; the backward op
-    re-runs the forward (for its residuals) and does five (q k^T again, dO v^T, dS k, dS^T q,
-    p^T dO). Bytes: q and the output once, K and V once per query block row of the grid; the
-    backward reads and writes about three times the forward's (a model, not a measurement).
+    forward is two S x S matmuls per head over those blocks, q k^T (width D) and p v (Dv); the
+    backward op re-runs the forward (for its residuals) and does five: q k^T again, dS k and
+    dS^T q at D, dO v^T and p^T dO at Dv. Bytes: q (D) and the output (Dv) once, K (D) and V (Dv)
+    once per query block row of the grid; the backward reads and writes about three times the
+    forward's (a model, not a measurement).
     """
     from titan_kernels.tpu import splash
 
     b, hq, s, d = q_shape
+    dv = d if v_dim is None else v_dim
     padded = s + (-s) % splash.TILE
     n = padded // splash.block_size(padded)
     causal = (n + 1) / (2 * n)
-    matmul = 2.0 * b * hq * padded * padded * d * causal
-    fwd_bytes = itemsize * (2 * b * hq * padded * d + 2 * b * kv_heads * padded * d * n * causal)
-    return ((2 + 5) * matmul, 4 * fwd_bytes) if backward else (2 * matmul, fwd_bytes)
+    per_width = 2.0 * b * hq * padded * padded * causal  # one S x S matmul's FLOPs per unit of width
+    fwd_bytes = itemsize * (b * hq * padded * (d + dv) + b * kv_heads * padded * (d + dv) * n * causal)
+    if backward:
+        return per_width * ((d + dv) + (3 * d + 2 * dv)), 4 * fwd_bytes
+    return per_width * (d + dv), fwd_bytes
 
 
 def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool) -> tuple[float, float]:
@@ -235,9 +242,10 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
         return tuple(jax.vjp(lambda q, k, v: splash.splash_attention(q, k, v, seg), q, k, v)[1](dout))
 
     def splash_costs(backward):
-        def cost(q, k, *rest):
+        def cost(q, k, v, *rest):
             return ("splash_bwd" if backward else "splash_fwd",
-                    *splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward))
+                    *splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward,
+                                 v_dim=v.shape[-1]))
         return cost
 
     def local_sizes(x, sizes):

@@ -12,8 +12,8 @@ kernel and why.
 At the run's widths (`KernelShapes`, from the model and the mesh; `titan_kernels.select(shapes=)`):
 what a kernel compiles to depends on its widths (tiles, VMEM, the MXU's lane padding), so a
 check at other widths proves little for the run. With `shapes`:
-- splash runs at the q/k and v head widths the op receives (MLA: the width the model pads q, k
-  and v to, 192 for DeepSeek-V3; `KernelShapes.of`);
+- splash runs at the q/k and v head widths the op receives (MLA: q/k 192, v 128 for
+  DeepSeek-V3 / Kimi K2, unpadded; `KernelShapes.of`);
 - gmm runs at the experts' two matmuls, dim -> expert hidden and expert hidden -> dim;
 - the fused loss runs at the model's hidden size (small vocabulary and rows), and
   `compile_check(op)` compiles its forward and backward, without running them, at the run's
@@ -130,9 +130,9 @@ class KernelShapes:
         shape = args.shape()
         qk = v = shape.head_dim
         if hasattr(args, "qk_head_dim") and hasattr(args, "v_head_dim"):
-            # MLA (models/deepseek_v3/model.py) pads q, k and v to one width before the op (the
-            # mean width in `shape()` is a FLOP-count device): that width is what splash runs at.
-            qk = v = max(args.qk_head_dim, args.v_head_dim)
+            # MLA (models/deepseek_v3/model.py) hands the op q/k and v at their own widths (the
+            # mean width in `shape()` is a FLOP-count device): those are what splash runs at.
+            qk, v = args.qk_head_dim, args.v_head_dim
         return cls(hidden=shape.dim, vocab=shape.vocab_size, qk_head_dim=qk, v_head_dim=v,
                    expert_hidden=shape.moe_hidden or 256, num_experts=shape.num_experts, top_k=shape.top_k,
                    cp=cp, cp_rank=cp_rank, tokens=tokens)

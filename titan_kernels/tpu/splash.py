@@ -1,8 +1,11 @@
 """Splash attention (Pallas, TPU) for the op `causal_attention`: causal, GQA, document masking.
 
 Pure JAX: `splash_attention(q, k, v, segment_ids=None)` takes the op's layout (q [B, Hq, S, D],
-k/v [B, Hkv, S, D], segment_ids [B, S] or None) and returns [B, Hq, S, D]. It wraps JAX's
-`splash_attention` kernel:
+k [B, Hkv, S, D], v [B, Hkv, S, Dv], segment_ids [B, S] or None) and returns [B, Hq, S, Dv]. It
+wraps JAX's `splash_attention` kernel:
+- Two head widths: the kernel's q.k products run at D and its p.v products at Dv (its blocks
+  take each operand's own last dim), so MLA's v (128 beside q/k 192 in DeepSeek-V3) is passed
+  unpadded; tests/xla checks forward and backward at 192 / 128 in interpret mode.
 - GQA without repeating K/V: the kernel's MQA form runs the `Hq / Hkv` query heads of one KV
   head against that head's K/V, vmapped over batch and KV heads.
 - Document masking: `segment_ids` become the kernel's `SegmentIds` (q and kv ids are the same
@@ -115,7 +118,7 @@ class _Layout:
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
             interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(out [B, Hq, S, D], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
+    """(out [B, Hq, S, Dv], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
     each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile)."""
     lay = _Layout(q, k, interpret)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
@@ -255,8 +258,9 @@ def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: ja
                segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int,
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """Rank `cp_rank`'s causal attention under CP: q [B, Hq, s/cp, D] (its two chunks, local
-    order), k_all / v_all [B, Hkv, s, D] and `segment_ids_all` [B, s] gathered in global order,
-    `segment_ids` [B, s/cp] its own -> (out [B, Hq, s/cp, D], lse [B, Hq, s/cp] float32)."""
+    order), k_all [B, Hkv, s, D] / v_all [B, Hkv, s, Dv] and `segment_ids_all` [B, s] gathered in
+    global order, `segment_ids` [B, s/cp] its own -> (out [B, Hq, s/cp, Dv], lse [B, Hq, s/cp]
+    float32)."""
     batch, q_heads, s_local, head_dim = q.shape
     kv_heads = k_all.shape[1]
     group = q_heads // kv_heads
@@ -274,7 +278,7 @@ def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: ja
         out, lse = _per_head(head, (qs[:, :, :, part], k_all[:, :, :n_keys], v_all[:, :, :n_keys]), q_ids, kv_ids)
         outs.append(out)
         lses.append(lse)
-    out = jnp.concatenate(outs, axis=3).reshape(batch, q_heads, s_local, head_dim)
+    out = jnp.concatenate(outs, axis=3).reshape(batch, q_heads, s_local, v_all.shape[-1])
     lse = jnp.concatenate(lses, axis=3).reshape(batch, q_heads, s_local).astype(jnp.float32)
     return out, lse
 
@@ -282,7 +286,7 @@ def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: ja
 def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None,
                 segment_ids_all: jax.Array | None, out: jax.Array, lse: jax.Array, dout: jax.Array, *,
                 cp_rank: int, cp_size: int, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq [B, Hq, s/cp, D], dk_all, dv_all [B, Hkv, s, D]) from `cp_forward`'s residuals with the
+    """(dq [B, Hq, s/cp, D], dk_all [B, Hkv, s, D], dv_all [B, Hkv, s, Dv]) from `cp_forward`'s residuals with the
     splash backward kernel alone; dk_all / dv_all are this rank's contributions to every key's
     gradient (the caller reduce-scatters them over cp: the all-gather's transpose)."""
     batch, q_heads, s_local, head_dim = q.shape

@@ -74,17 +74,20 @@ def _case(label, n, names, torch_fn, jax_fn, inputs, cot) -> dict:
 
 def splash_cases() -> list[dict]:
     cases = []
-    for b, hq, hkv, s, d, docs in ((2, 4, 2, 200, 32, True), (1, 2, 2, 77, 16, False)):
-        q, k, v = _normal(b, hq, s, d), _normal(b, hkv, s, d), _normal(b, hkv, s, d)
+    # The last case has MLA's widths (DeepSeek-V3 / Kimi K2: q/k 192, v 128), unpadded.
+    for b, hq, hkv, s, d, dv, docs in ((2, 4, 2, 200, 32, 32, True), (1, 2, 2, 77, 16, 16, False),
+                                       (1, 2, 1, 200, 192, 128, True)):
+        q, k, v = _normal(b, hq, s, d), _normal(b, hkv, s, d), _normal(b, hkv, s, dv)
         seg = np.sort(RNG.integers(0, 4, (b, s)), axis=1).astype(np.int32) if docs else None
         seg_t = torch.tensor(seg) if docs else None
         seg_j = jnp.asarray(seg) if docs else None
+        width = f"d{d}" if d == dv else f"d{d} dv{dv}"
         cases.append(_case(
-            f"b{b} hq{hq} hkv{hkv} s{s} d{d} {'segments' if docs else 'causal'}", s + d,
+            f"b{b} hq{hq} hkv{hkv} s{s} {width} {'segments' if docs else 'causal'}", s + d,
             ["out", "dq", "dk", "dv"],
             lambda q, k, v: ops.sdpa_causal_attention(q, k, v, seg_t),
             lambda q, k, v: splash.splash_attention(q, k, v, seg_j, interpret=True),
-            [q, k, v], _normal(b, hq, s, d)))
+            [q, k, v], _normal(b, hq, s, dv)))
     return cases
 
 

@@ -11,9 +11,10 @@ check's answer, the verdict, the banner lines `_register_tpu` prints and what th
 `linear_cross_entropy`: {"fallback": {"v4"|"v6e"|"none": {"compile": [ok, note], "ok", "reason",
 "worst", "banner": [lines], "serves": "kernel"|"reference"}}}.
 `numerics`: the self-check's worst error (of scale) with the real kernels in interpret mode at
-recipe widths: splash at head width 128, at MLA's padded 192 and at q/k 192 with v 128; gmm at
-Qwen3-235B-A22B's experts (4096 -> 1536 -> 4096); the loss at hidden 8192; CP splash
-(register.build_cp's `splash.cp_forward/cp_backward`) for cp 2 rank 1 and cp 4 rank 0:
+recipe widths: splash at head width 128 and at MLA's q/k 192 with v 128 (what DeepSeek-V3 / Kimi K2
+hand the op, unpadded); gmm at Qwen3-235B-A22B's experts (4096 -> 1536 -> 4096); the loss at
+hidden 8192; CP splash (register.build_cp's `splash.cp_forward/cp_backward`) for cp 2 rank 1 and
+cp 4 rank 0, and at MLA's widths for cp 2 rank 1:
 {"numerics": {label: {"ok", "worst", "reason", "checked", "seconds"}}}.
 """
 
@@ -88,10 +89,8 @@ def numerics() -> dict:
     runs = {
         "splash d128": ("causal_attention", impls["causal_attention"], selfcheck.KernelShapes(qk_head_dim=128,
                                                                                              v_head_dim=128)),
-        "splash MLA padded 192/192": ("causal_attention", impls["causal_attention"],
-                                      selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=192)),
-        "splash MLA unpadded 192/128": ("causal_attention", impls["causal_attention"],
-                                        selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128)),
+        "splash MLA 192/128": ("causal_attention", impls["causal_attention"],
+                               selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128)),
         "gmm qwen3-235b 4096/1536": ("grouped_mm", impls["grouped_mm"],
                                      selfcheck.KernelShapes(hidden=4096, expert_hidden=1536)),
         "fused CE hidden 8192": ("linear_cross_entropy", impls["linear_cross_entropy"], LLAMA3_70B),
@@ -99,6 +98,8 @@ def numerics() -> dict:
                                      selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128, cp=2, cp_rank=1)),
         "CP splash cp4 rank0 d128": ("cp_attention", _cp_impl(0, 4),
                                      selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128, cp=4, cp_rank=0)),
+        "CP splash cp2 rank1 MLA 192/128": ("cp_attention", _cp_impl(1, 2),
+                                            selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128, cp=2, cp_rank=1)),
     }
     out = {}
     for label, (op, impl, shapes) in runs.items():
