@@ -187,9 +187,9 @@ GIB = 2.0**30
 def compiler_total(res: dict) -> int:
     """Peak bytes the program needs on one device: arguments + outputs + temporaries, less what
     the outputs alias (donated inputs)."""
-    m = res["memory"]
-    return (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0) + m.get("temp_size_in_bytes", 0)
-            - m.get("alias_size_in_bytes", 0))
+    from tools.tpu_compile import compiler_total as of_memory
+
+    return of_memory(res["memory"])
 
 
 def planner_terms(est) -> dict[str, int]:
@@ -345,26 +345,6 @@ def hbm_oom(message: str) -> dict | None:
     return {"required": float(m.group(1)) * GIB, "available": float(m.group(2)) * GIB, "message": m.group(0)[:300]}
 
 
-def _flip_count(gm) -> int:
-    """`aten.flip` nodes in the captured graph and its subgraphs (torch 2.13's scan backward reads
-    flipped copies of the stacked weights and saved activations; docs/graph_trainer.md)."""
-    import torch
-
-    flips = (torch.ops.aten.flip.default, torch.ops.prims.rev.default)
-    return sum(1 for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes if n.target in flips)
-
-
-def _mutated_inputs(gm) -> set[int]:
-    """Positions of the graph inputs the step writes (`copy_` into a placeholder): parameters,
-    moments, the step count. The rest (tokens, buffers) is read only."""
-    import torch
-
-    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    index = {n: i for i, n in enumerate(places)}
-    return {index[n.args[0]] for n in gm.graph.nodes
-            if n.target is torch.ops.aten.copy_.default and n.args[0] in index}
-
-
 def worker(spec: dict) -> dict:
     import resource
 
@@ -374,8 +354,8 @@ def worker(spec: dict) -> dict:
     from models.common.stack import abstract_model
     from parallelisms.activation_checkpoint import apply_ac
     from parallelisms.simple_fsdp import data_parallel
-    from tools.xla_lowering import (RECORD, CaptureDone, add_lowerings, as_jax_function, load_torchax,
-                                   record_first_call)
+    from tools.xla_lowering import (RECORD, CaptureDone, add_lowerings, as_jax_function, flip_count, load_torchax,
+                                   mutated_inputs, record_first_call)
     from trainer.graph import build_graph_step
     from trainer.optim import build_optimizer
     from trainer.step.plan import StepPlan
@@ -423,7 +403,7 @@ def worker(spec: dict) -> dict:
     assert "pre" in RECORD, "the graph step was not captured"
     capture_s = time.perf_counter() - start
     gm = RECORD["gm"]
-    flips = _flip_count(gm)
+    flips = flip_count(gm)
     # The graph torch-tpu would lower: the backward scans without flips, their bodies tagged
     # reverse (trainer.graph.passes.tag_reverse_scans; the torchax lowering honours the tag).
     graphs, reverse_scan, tag_error = [(gm, flips)], None, None
@@ -435,7 +415,7 @@ def worker(spec: dict) -> dict:
         tagged = copy.deepcopy(gm)
         reverse_scan = tag_reverse_scans(tagged)
         if reverse_scan:
-            graphs.insert(0, (tagged, _flip_count(tagged)))
+            graphs.insert(0, (tagged, flip_count(tagged)))
     # Bytes of captured inputs that have host storage (0: everything is a meta tensor).
     host_bytes = sum(a.numel() * a.element_size() for a in RECORD["pre"]
                      if torch.is_tensor(a) and a.device.type != "meta")
@@ -486,7 +466,7 @@ def worker(spec: dict) -> dict:
                                for s, a in zip(shapes, abstract) if shard_dim(s) is None)
         # Only the written inputs come back (torch-tpu: the updated state is a new buffer, copied
         # back by eager copy_s afterwards; R6 in docs/tpu.md), donated only with --donate.
-        mutated = _mutated_inputs(graph)
+        mutated = mutated_inputs(graph)
         written = [k for k, i in enumerate(idx) if i in mutated]
 
         def step_fn(*tensors):  # scalar outputs (loss, grad norm, aux) replicated; state keeps its sharding

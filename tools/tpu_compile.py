@@ -404,7 +404,6 @@ def program_counts(gm) -> tuple[dict, dict, int]:
             if n.target is torch.ops.higher_order.scan:
                 scans += 1
                 continue
-            name = getattr(n.target, "__name__", str(n.target))
             ns = getattr(getattr(n.target, "_schema", None), "name", "")
             if ns.startswith(("titan_capture::", f"{PROGRAM_NS}::")):
                 op = ns.split("::")[1]
@@ -415,7 +414,6 @@ def program_counts(gm) -> tuple[dict, dict, int]:
             elif ns.startswith("_c10d_functional::") and "wait_tensor" not in ns:
                 kind = ns.split("::")[1].split(".")[0]
                 colls[kind] = colls.get(kind, 0) + 1
-            del name
     return kernels, colls, scans
 
 
@@ -533,10 +531,6 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
             h, w, lab, lse, g))
 
 
-def _tpu_generation_of(kind: str) -> str:
-    return {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e", "TPU v5": "v5p", "TPU7x": "v7x"}.get(kind, kind)
-
-
 def _lay_out(devices, mesh_shape, target: str):
     """(devices in `mesh_shape`, description): where the trainer's mesh axes sit on the chips.
 
@@ -572,11 +566,10 @@ def worker(spec: dict) -> dict:
 
     cap = _capture(spec)
     gm = cap["gm"]
-    from tools.xla_lowering import RECORD, add_lowerings, as_jax_function, load_torchax
+    from tools.xla_lowering import RECORD, add_lowerings, as_jax_function, flip_count, load_torchax, mutated_inputs
     from trainer.graph.passes import tag_reverse_scans
 
-    flips = (torch.ops.aten.flip.default, torch.ops.prims.rev.default)
-    if any(n.target in flips for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes):
+    if flip_count(gm):
         gm = copy.deepcopy(gm)
         tag_reverse_scans(gm)
         RECORD["gm"] = gm
@@ -602,10 +595,7 @@ def worker(spec: dict) -> dict:
     jdtype = {torch.float32: np.float32, torch.bfloat16: jax.numpy.bfloat16, torch.int64: np.int32,
               torch.int32: np.int32, torch.bool: np.bool_, torch.float16: np.float16}
     n = len(devices)
-    places = [p for p in gm.graph.nodes if p.op == "placeholder"]
-    index = {p: i for i, p in enumerate(places)}
-    mutated = {index[x.args[0]] for x in gm.graph.nodes
-               if x.target is torch.ops.aten.copy_.default and x.args[0] in index}
+    mutated = mutated_inputs(gm)
     written = [k for k, i in enumerate(idx) if i in mutated]
 
     def per_device(*tensors):  # each input is one device's tensor with a leading axis of 1

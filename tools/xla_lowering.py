@@ -211,3 +211,19 @@ def as_jax_function(record: dict):
         return list(outs), [args[i] for i in tensor_idx]
 
     return interop.jax_view(step), tensor_idx
+
+
+def flip_count(gm) -> int:
+    """`aten.flip` nodes in the captured graph and its subgraphs (torch 2.13's scan backward reads
+    flipped copies of the stacked weights and saved activations; docs/graph_trainer.md)."""
+    flips = (torch.ops.aten.flip.default, torch.ops.prims.rev.default)
+    return sum(1 for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes if n.target in flips)
+
+
+def mutated_inputs(gm) -> set[int]:
+    """Positions of the graph inputs the step writes (`copy_` into a placeholder): parameters,
+    moments, the step count. The rest (tokens, buffers) is read only."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(places)}
+    return {index[n.args[0]] for n in gm.graph.nodes
+            if n.target is torch.ops.aten.copy_.default and n.args[0] in index}
