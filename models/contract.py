@@ -18,7 +18,7 @@ what is declared here; none of them reaches into a model's modules by name. A fa
   weights load per rank reading only each rank's slices and convert one tensor at a time
   (docs/checkpointing.md); without it every rank reads all weights and calls `from_hf`.
 
-docs/adding_a_model.md walks through a new family; tests/toy_family.py is one that lives outside
+docs/adding_a_model.md walks through a new family; tests/support/toy_family.py is one that lives outside
 `models/` and trains under every parallelism with no edit to `trainer/` or `parallelisms/`.
 """
 

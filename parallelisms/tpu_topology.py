@@ -64,7 +64,7 @@ GRIDS: dict[str, dict[int, tuple[int, int, int]]] = {
 }
 DEVICES_PER_CHIP = {"v4": 1, "v5e": 1, "v5p": 1, "v6e": 1, "v7x": 2}
 # A TPU target's name counts TensorCores; a megacore chip's two cores are one device
-# (planner/targets.py `cores_per_device`; tests/test_tpu_topology.py checks the two agree).
+# (planner/targets.py `cores_per_device`; tests/unit/test_tpu_topology.py checks the two agree).
 CORES_PER_DEVICE = {"v4": 2, "v5p": 2}
 # PJRT `device_kind` of each generation: torch-tpu picks its small-slice handlers by it.
 DEVICE_KIND = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "v7x": "TPU7x"}

@@ -5,7 +5,7 @@ code base (bf16 compute, SDPA/flash attention so no seq^2 term, fp32 RMSNorm int
 log-probs for the loss) under each activation checkpointing mode, from the model's declared
 sizes (`args.shape()`, `models.contract.ModelShape`). The formulas are in docs/planner.md;
 they match the bytes measured by `measure_saved_bytes` (a real CPU forward) to within a few
-bytes (tests/test_planner.py).
+bytes (tests/unit/test_planner.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ r_kv = kv_lora_rank, v = v_head_dim, per token:
 
 The MoE blocks are planned at tp = 1 and cp = 1 (the decoder planner's MoE rule; MLA under CP
 has no TPU path here), with expert parallelism's dispatch buffers in the block backward
-(`planner.memory.ep_dispatch_bytes`). tests/test_planner_deepseek.py checks these formulas
+(`planner.memory.ep_dispatch_bytes`). tests/unit/test_planner_deepseek.py checks these formulas
 against `planner.activations.measure_saved_bytes` of a real forward of the debug flavor.
 """
 

@@ -5,7 +5,7 @@ A FLUX sample is one sequence of `txt_tokens` T5 tokens and `img_tokens` packed 
 `depth_single_blocks` single-stream blocks. The planner treats it as a sequence of
 `txt + img` tokens (`seq_len` in the reports), takes its training FLOPs from the model's own
 counter (`models.flux.flops.flops_per_sample`, checked against FlopCounterMode in
-tests/test_flux_model.py) and its saved activations from `flux_activation_bytes` below.
+tests/unit/test_flux_model.py) and its saved activations from `flux_activation_bytes` below.
 
 `flux_activation_bytes` counts what autograd keeps per token in this code base's FLUX blocks
 (models/flux/model.py) with bf16 compute (SimpleFSDP's bf16 parameters, bf16 residual stream),
@@ -31,7 +31,7 @@ With d = hidden, D = d / tp (local q/k/v width), H = heads / tp, F = mlp_hidden 
   token), final layer (LayerNorm in/out, modulated input: 6d + 8 per image token), and the loss's
   fp32 prediction and target (8 x out_channels per image token).
 
-tests/test_flux_planner.py checks the block formulas against `planner.activations.saved_bytes`
+tests/unit/test_flux_planner.py checks the block formulas against `planner.activations.saved_bytes`
 of a real bf16 FLUX forward on the CPU.
 """
 

@@ -1,7 +1,7 @@
 """Write the generated blocks of README.md and docs/training.md from the code they describe.
 
     python scripts/gen_doc_blocks.py            # rewrite the blocks
-    python scripts/gen_doc_blocks.py --check    # exit 1 if a block is stale (used by tests/test_docs.py)
+    python scripts/gen_doc_blocks.py --check    # exit 1 if a block is stale (used by tests/unit/test_docs.py)
 
 A block sits between `<!-- BEGIN generated:NAME ... -->` and `<!-- END generated:NAME -->`;
 only its inside is rewritten. The blocks:

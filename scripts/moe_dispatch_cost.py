@@ -69,7 +69,7 @@ def measure_debug(routing_seed: int = 0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallelisms.expert_parallel import dispatch_combine_static
-    from tests.test_parallel_harness import run_threads
+    from tests.support.parallel_harness import run_threads
 
     args = FLAVORS["debugmodel_moe"]
     ep, tokens, top_k, num_experts = 2, 8 * 512, args.num_experts_per_tok, args.num_experts

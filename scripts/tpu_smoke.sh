@@ -10,7 +10,7 @@
 # the tarball DIR.tar.gz (both paths printed at the end). The runs and the report are
 # tools/tpu_smoke.py (`python -m tools.tpu_smoke --help`); docs/tpu.md, "First run".
 # --shim (or TITAN_SMOKE_SHIM=1): no TPU and no install; the "TPU" runs train on the CPU in the
-# current Python, for CI (tests/test_tpu_smoke.py).
+# current Python, for CI (tests/e2e/test_tpu_smoke.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

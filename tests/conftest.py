@@ -63,13 +63,13 @@ def pytest_runtest_setup(item):
 # through an attribute pytest no longer reads; so the scheduler below groups by path.)
 XDIST_GROUPS = {
     "tests/xla/": "xla",
-    "tests/test_hf_backend.py": "hf_backend",
-    "tests/test_parallel_e2e.py": "parallel_e2e",
-    "tests/test_qwen3_e2e.py": "qwen3_e2e",
-    "tests/test_flux_train.py": "flux_train",
-    "tests/test_engine.py": "engine",
-    "tests/test_contract.py": "contract",
-    "tests/test_readme_commands.py": "readme",  # one clone and one kernel build for all blocks
+    "tests/e2e/test_hf_backend.py": "hf_backend",
+    "tests/e2e/test_parallel_e2e.py": "parallel_e2e",
+    "tests/e2e/test_qwen3_e2e.py": "qwen3_e2e",
+    "tests/e2e/test_flux_train.py": "flux_train",
+    "tests/e2e/test_engine.py": "engine",
+    "tests/e2e/test_contract.py": "contract",
+    "tests/e2e/test_readme_commands.py": "readme",  # one clone and one kernel build for all blocks
 }
 
 
@@ -130,3 +130,22 @@ def _reference_ops():
     _reset()
     yield
     _reset()
+
+
+# Recorded durations (docs/testing.md "Budget"): with TITAN_RECORD_DURATIONS=FILE the controller
+# writes each test's setup + call + teardown seconds to FILE as JSON at the end of the run; the
+# tier test (tests/unit/test_tiers.py) holds the default tier's sum under its budget.
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("TITAN_RECORD_DURATIONS"):
+        _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("TITAN_RECORD_DURATIONS")
+    if out and not hasattr(session.config, "workerinput") and _DURATIONS:
+        import json
+        with open(out, "w") as f:
+            json.dump({k: round(v, 2) for k, v in sorted(_DURATIONS.items())}, f, indent=0)

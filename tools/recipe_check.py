@@ -16,7 +16,7 @@ target the mesh is also laid out as torch-tpu lays it on the slice (`tpu_mesh_ch
 `scripts/check_recipe.py --compile` compiles the per-device program (tools/tpu_compile.py).
 
 The rules are the trainer's: a refusal here is the `ConfigError` the trainer would raise, with
-the key to change. `scripts/check_recipe.py` prints one row per recipe; tests/test_recipes.py
+the key to change. `scripts/check_recipe.py` prints one row per recipe; tests/e2e/test_recipes.py
 runs it over every recipe in configs/.
 """
 

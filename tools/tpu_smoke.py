@@ -17,8 +17,8 @@ compile_cache), `cache_warm` relaunches the same run on it, and the report's ver
 how many programs the second launch still missed ("second launch: N misses after step 3, M at
 restart").
 
-`--shim` (what CI runs, tests/test_tpu_smoke.py): the "TPU" runs train on the CPU with a tiny
-model and the aot_eager backend, the topology comes from tests/fake_tpu (TITAN_SMOKE_SHIM_DEVICES
+`--shim` (what CI runs, tests/e2e/test_tpu_smoke.py): the "TPU" runs train on the CPU with a tiny
+model and the aot_eager backend, the topology comes from tests/support/fake_tpu (TITAN_SMOKE_SHIM_DEVICES
 devices, default 1), and no torch-tpu is needed; the runs, timeouts, failure capture, report
 and tarball are the real ones.
 
@@ -90,7 +90,7 @@ run that trains wrong (a flat loss, a wrong lr or gradient) shows as DIFFERS."""
 REL_TOL_RESUME = 1e-5
 """Largest relative loss difference of the resumed run from the uninterrupted one: the same
 device, program and batches, the state restored bit for bit (fp32 weights and moments, data
-position, RNG); only a reduction order may differ, a few fp32 ulps (tests/test_resume_e2e.py
+position, RNG); only a reduction order may differ, a few fp32 ulps (tests/e2e/test_resume_e2e.py
 holds 1e-5 even across meshes)."""
 
 COMMON = ["--metrics.log_freq=1", "--validation.enable=false", "--metrics.enable_tensorboard=false",
@@ -370,7 +370,7 @@ def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, timeout_s: flo
 
 
 def _topology_cmd(shim: bool) -> list[str]:
-    module = "tests.fake_tpu.distributed" if shim else "torch.tpu.distributed"
+    module = "tests.support.fake_tpu.distributed" if shim else "torch.tpu.distributed"
     return [sys.executable, "-m", module]
 
 
@@ -639,7 +639,7 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
     if meta["shim"]:
         L += ["**Fake TPU shim (`--shim`, CI): nothing here ran on a TPU.** The \"TPU\" runs trained on the "
               "CPU with a tiny model (`" + " ".join(SHIM) + "`), the splash run with SDPA, and the topology "
-              "below is made up by `tests/fake_tpu/distributed.py`; losses and times say nothing about a TPU. "
+              "below is made up by `tests/support/fake_tpu/distributed.py`; losses and times say nothing about a TPU. "
               "The runs, timeouts, failure capture, report and tarball are the real ones.", ""]
     L += [f"- started {meta['started']}, finished {meta.get('finished', '-')}; commit {meta['git']}",
           f"- {meta['steps']} steps per run, log every step; global batch {meta['global_batch']} sequences on "
@@ -724,7 +724,7 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
         L.append("")
 
     L += ["## Environment", "", "```", (out / "env.txt").read_text().strip(), "```", "",
-          f"Topology: `{'python -m tests.fake_tpu.distributed' if meta['shim'] else 'python -m torch.tpu.distributed'}` "
+          f"Topology: `{'python -m tests.support.fake_tpu.distributed' if meta['shim'] else 'python -m torch.tpu.distributed'}` "
           f"(exit {meta['launch_rc']}):", "", "```", _read(out / "launch_env.txt").strip() or "(no output)", "```", ""]
 
     L += ["## Flags and start-up lines per run", ""]

@@ -120,7 +120,7 @@ class Decoder(nn.Module):
         seqlen = tokens.shape[1]
         assert seqlen <= self.rope_cos.shape[0], f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
         # (checked before the embedding: the captured graph's inputs keep their order, which
-        # tests/golden/graph_step_llama3_scan.txt pins)
+        # tests/support/golden/graph_step_llama3_scan.txt pins)
         h = self.tok_embeddings(tokens)
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, seqlen, positions)
         # The blocks get segment ids only when given, so an unmasked model traces as before.

@@ -1,7 +1,7 @@
 """FLUX.1 transformer arguments and flavors (field names as in BFL's `FluxParams` / TorchTitan).
 
 The parameter count is computed from the shape (`param_counts`) without building a module;
-`tests/test_flux_model.py` checks it against a built model, a diffusers
+`tests/unit/test_flux_model.py` checks it against a built model, a diffusers
 `FluxTransformer2DModel` built on the meta device, and the published FLUX.1-dev figure.
 """
 

@@ -16,7 +16,7 @@ Forward, per sample with L image and S text tokens, T = S + L:
 
 The 3x convention slightly overcounts what a training step runs: the first linears of the
 model (`img_in`, `txt_in`, the embedders' `in_layer`) get no input gradient, because the
-inputs need none. `tests/test_flux_model.py` checks both against FlopCounterMode.
+inputs need none. `tests/unit/test_flux_model.py` checks both against FlopCounterMode.
 """
 
 from __future__ import annotations

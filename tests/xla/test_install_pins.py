@@ -29,7 +29,7 @@ import urllib.request
 
 import pytest
 
-from tests.test_install import normalize, read_pins
+from tests.e2e.test_install import normalize, read_pins
 from tests.xla.conftest import ROOT, xla_python
 
 pytestmark = pytest.mark.xla

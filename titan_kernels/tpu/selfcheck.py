@@ -27,7 +27,7 @@ check at other widths proves little for the run. With `shapes`:
 A kernel whose compile-only check fails is dropped like one that raises.
 
 Imports torch and models.common.ops only (no jax, no torch-tpu), so the decision logic is
-tested on the CPU with injected implementations (tests/test_kernel_selfcheck.py); on a TPU the
+tested on the CPU with injected implementations (tests/unit/test_kernel_selfcheck.py); on a TPU the
 implementations are those of titan_kernels/tpu/register.py.
 
 Tolerance: every output (the forward value and each input gradient) must satisfy

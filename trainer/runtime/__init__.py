@@ -4,7 +4,7 @@ start-up barrier (watchdog), FLOPs and peak tables (flops), metrics.jsonl / Tens
 
 The face loads each module on first use of one of its names: `trainer.runtime.device` must stay
 importable alone, before anything else, so that the heap policy is applied to a process that
-has allocated as little as possible (tests/test_device.py runs it in a bare subprocess).
+has allocated as little as possible (tests/e2e/test_device.py runs it in a bare subprocess).
 """
 
 import importlib

@@ -16,7 +16,7 @@ into a `StepPlan`; everything that depends on the mode reads that object and not
 `RULES` is the table of every combination (mode x parallelism x model x device x caller) that
 cannot be honoured. It is read before anything is built: by `build_job` (trainer and engine),
 by the planner's search (`planner.search.recommend` skips refused layouts) and by the
-recipe tests (`tests/test_recipes.py`: every shipped recipe at its declared degrees). A rule names the config
+recipe tests (`tests/e2e/test_recipes.py`: every shipped recipe at its declared degrees). A rule names the config
 key the user changes and what is allowed instead.
 """
 

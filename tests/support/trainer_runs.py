@@ -1,0 +1,61 @@
+"""Run `trainer.train` the way users do, for the end-to-end tests (no tests here).
+
+One process runs `python -m trainer.train`; several run under `torchrun --standalone`. Every
+process gets one thread (OMP_NUM_THREADS=1) and runs from the repository root.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GLOBAL_BATCH = 4
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def launch_command(nproc: int, args, extra_launcher=()) -> list[str]:
+    """The command line for `nproc` trainer processes (torchrun launcher options in `extra_launcher`)."""
+    if nproc == 1:
+        return [sys.executable, "-m", "trainer.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *extra_launcher,
+            f"--nproc_per_node={nproc}", "-m", "trainer.train", *args]
+
+
+def run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def read_metrics(folder) -> dict[int, dict]:
+    """metrics.jsonl by step (one record per step: a restarted run moves the records it redoes
+    to metrics.rolled_back.jsonl)."""
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def train(folder, nproc: int, degrees: dict, *args: str) -> dict[int, dict]:
+    """Train on `nproc` processes with these parallel degrees and a global batch of GLOBAL_BATCH sequences."""
+    dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
+    run(launch_command(nproc, [
+        *args, f"--job.dump_folder={folder}", f"--training.local_batch_size={GLOBAL_BATCH // dp}",
+        f"--parallelism.data_parallel_replicate_degree={degrees.get('dp_replicate', 1)}",
+        f"--parallelism.data_parallel_shard_degree={degrees.get('dp_shard', 1)}",
+        f"--parallelism.tensor_parallel_degree={degrees.get('tp', 1)}",
+        f"--parallelism.expert_parallel_degree={degrees.get('ep', 1)}",
+    ]))
+    return read_metrics(folder)
+
+
+def train_losses(folder, nproc: int, degrees: dict, steps: int, *args: str) -> list[float]:
+    """`train`'s logged losses of steps 1..`steps` (`args` must run that many steps, logging each)."""
+    records = train(folder, nproc, degrees, *args)
+    assert sorted(records) == list(range(1, steps + 1))
+    return [records[s]["loss"] for s in range(1, steps + 1)]
+
+
+def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5) -> float:
+    """The largest relative difference of two loss curves, asserted below `rtol`."""
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    assert worst < rtol, (got, want)
+    return worst

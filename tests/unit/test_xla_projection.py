@@ -1,0 +1,286 @@
+"""tools/xla_projection.py on a hand-written HLO program: parsing, FLOPs and bytes per op, while
+trip counts, collectives and their mesh axes, the ring times and the bound. Plain text, no jax."""
+
+import math
+
+import pytest
+
+from tools import xla_projection as xp
+
+# 8 devices as a (data=2, fsdp=4) mesh. A while loop (3 trips) holds an all-gather over fsdp, a
+# fusion with a dot, and a Mosaic call with a cost estimate; ENTRY holds a reduce-scatter over fsdp
+# in XLA:TPU's fused form, an all-reduce over data (iota groups), an async all-gather over both
+# axes (mesh form), an all-to-all over fsdp and a collective-permute.
+HLO = r"""
+HloModule jit_step_fn, entry_computation_layout={(bf16[64,32]{1,0})->bf16[64,32]{1,0}}
+
+%fused_dot (p0: bf16[16,32], p1: bf16[32,64]) -> bf16[16,64] {
+  %p0 = bf16[16,32]{1,0} parameter(0)
+  %p1 = bf16[32,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[16,64]{1,0:T(8,128)(2,1)} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_conv (q0: bf16[4,16,32,1], q1: bf16[8,64,32,1]) -> bf16[4,16,8,64] {
+  %q0 = bf16[4,16,32,1]{3,2,1,0} parameter(0)
+  %q1 = bf16[8,64,32,1]{3,2,1,0} parameter(1)
+  ROOT %convolution.3 = bf16[4,16,8,64]{3,2,1,0} convolution(%q0, %q1), window={size=1x8 pad=0_0x7_7 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter (input: f32[64,32]) -> f32[16,32] {
+  %input = f32[64,32]{1,0} parameter(0)
+  %all-reduce.9 = f32[64,32]{1,0} all-reduce(%input), channel_id=9, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %offset = s32[] constant(0)
+  ROOT %dynamic-slice.1 = f32[16,32]{1,0} dynamic-slice(%all-reduce.9, %offset, %offset), dynamic_slice_sizes={16,32}
+}
+
+%body (state: (s32[], bf16[16,32], bf16[8,64])) -> (s32[], bf16[16,32], bf16[8,64]) {
+  %state = (s32[], bf16[16,32]{1,0}, bf16[8,64]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = bf16[16,32]{1,0} get-tuple-element(%state), index=1
+  %w = bf16[8,64]{1,0} get-tuple-element(%state), index=2
+  %all-gather.1 = bf16[32,64]{1,0:T(8,128)(2,1)} all-gather(%w), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %fusion.1 = bf16[16,64]{1,0} fusion(%x, %all-gather.1), kind=kOutput, calls=%fused_dot
+  %kernel.1 = bf16[16,32]{1,0} custom-call(%x, %w), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{}"
+}}, backend_config={"custom_call_config":{"body":"AAAA","cost_estimate":{"bytes_accessed":"5000","flops":"1000000","transcendentals":"0"}}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[16,32], bf16[8,64]) tuple(%next, %kernel.1, %w)
+}
+
+%cond (cstate: (s32[], bf16[16,32], bf16[8,64])) -> pred[] {
+  %cstate = (s32[], bf16[16,32]{1,0}, bf16[8,64]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%cstate), index=0
+  %limit = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ci, %limit), direction=LT
+}
+
+ENTRY %main (param.0: bf16[16,32], param.1: bf16[8,64], param.2: f32[64,32], param.3: bf16[4,16,32,1], param.4: bf16[8,64,32,1]) -> bf16[16,32] {
+  %param.0 = bf16[16,32]{1,0} parameter(0)
+  %param.1 = bf16[8,64]{1,0} parameter(1)
+  %param.2 = f32[64,32]{1,0} parameter(2)
+  %param.3 = bf16[4,16,32,1]{3,2,1,0} parameter(3)
+  %param.4 = bf16[8,64,32,1]{3,2,1,0} parameter(4)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[16,32]{1,0}, bf16[8,64]{1,0}) tuple(%zero, %param.0, %param.1)
+  %while.1 = (s32[], bf16[16,32]{1,0}, bf16[8,64]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %fusion.2 = f32[16,32]{1,0:T(8,128)S(1)} fusion(%param.2), kind=kCustom, calls=%all-reduce-scatter
+  %all-reduce.2 = f32[16,32]{1,0} all-reduce(%fusion.2), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true, to_apply=%add
+  %all-gather-start.3 = (bf16[16,32]{1,0}, bf16[128,32]{1,0}) all-gather-start(%param.0), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, dimensions={0}
+  %all-gather-done.3 = bf16[128,32]{1,0} all-gather-done(%all-gather-start.3)
+  %all-to-all.4 = bf16[16,32]{1,0} all-to-all(%param.0), channel_id=4, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}
+  %collective-permute.5 = bf16[16,32]{1,0} collective-permute(%param.0), channel_id=5, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %fusion.3 = bf16[4,16,8,64]{3,2,1,0} fusion(%param.3, %param.4), kind=kOutput, calls=%fused_conv
+  ROOT %result = bf16[16,32]{1,0} get-tuple-element(%while.1), index=1
+}
+"""
+
+MESH = {"data": 2, "fsdp": 4}
+
+
+@pytest.fixture(scope="module")
+def hlo():
+    return xp.parse_hlo(HLO)
+
+
+def test_parse_and_loops(hlo):
+    assert hlo.entry == "main"
+    assert set(hlo.computations) >= {"main", "body", "cond", "fused_dot", "all-reduce-scatter"}
+    kernel = hlo.computations["body"].by_name["kernel.1"]  # joined across its three lines
+    assert kernel.opcode == "custom-call" and xp.cost_estimate(kernel)["flops"] == 1e6
+    runs = {c.name: t for c, t in xp.executed(hlo)}
+    assert runs == {"main": 1.0, "body": 3.0, "cond": 4.0}  # fusion bodies are parts of their op
+    assert xp.array_bytes("(bf16[16,32]{1,0}, f32[4]{0:T(128)S(1)})") == 16 * 32 * 2 + 16
+    assert xp.array_bytes("(bf16[16,32]{1,0}, f32[4]{0:T(128)S(1)})", hbm_only=True) == 16 * 32 * 2
+
+
+def test_compute_ops(hlo):
+    ops = {o.name: o for o in xp.compute_ops(hlo)}
+    dot = ops["fusion.1"]
+    assert dot.flops == 2 * 16 * 64 * 32 and dot.times == 3
+    assert dot.bytes == 2 * (16 * 32 + 32 * 64 + 16 * 64)  # operands + result, read/written once
+    # the padded 1x8 window over an input of width 1 meets one position: 2 x out x 32 features
+    assert ops["fusion.3"].flops == 2 * (4 * 16 * 8 * 64) * 32
+    kern = ops["kernel.1"]
+    assert (kern.kind, kern.flops, kern.bytes, kern.times) == ("kernel", 1e6, 5000, 3)
+    assert kern.io == 2 * (16 * 32 * 2 + 8 * 64)
+    assert "fusion.2" not in ops  # the all-reduce-scatter fusion is a collective
+    peak, hbm = 1e12, 1e9
+    expect = sum(o.times * max(o.flops / peak, o.bytes / hbm) for o in ops.values() if o.kind in ("xla", "kernel"))
+    assert xp.compute_time(list(ops.values()), peak_flops=peak, hbm_bytes_per_s=hbm) == pytest.approx(expect)
+
+
+def test_collectives_and_axes(hlo):
+    colls = {c.name: c for c in xp.collectives(hlo, MESH)}
+    ag = colls["all-gather.1"]
+    assert (ag.kind, ag.bytes, ag.group_size, ag.axes, ag.times) == ("all-gather", 32 * 64 * 2, 4, ("fsdp",), 3)
+    rs = colls["all-reduce.9"]  # inside the all-reduce-scatter fusion: a reduce-scatter of its operand
+    assert (rs.kind, rs.bytes, rs.axes, rs.times) == ("reduce-scatter", 64 * 32 * 4, ("fsdp",), 1)
+    ar = colls["all-reduce.2"]  # iota groups [4,2]<=[2,4]T(1,0): {0,4},{1,5},...: the data axis
+    assert (ar.kind, ar.group_size, ar.axes) == ("all-reduce", 2, ("data",))
+    ag3 = colls["all-gather-start.3"]  # async: the result element of the start tuple
+    assert (ag3.bytes, ag3.group_size, ag3.axes) == (128 * 32 * 2, 8, ("data", "fsdp"))
+    assert colls["all-to-all.4"].axes == ("fsdp",) and colls["all-to-all.4"].group_size == 4
+    assert colls["collective-permute.5"].kind == "collective-permute"
+    assert colls["collective-permute.5"].axes == ("fsdp",)
+    assert "all-gather-done.3" not in colls
+
+
+def test_groups_to_axes():
+    assert xp.axes_of_group([0, 1, 2, 3], MESH) == ["fsdp"]
+    assert xp.axes_of_group([1, 5], MESH) == ["data"]
+    assert xp.axes_of_group(list(range(8)), MESH) == ["data", "fsdp"]
+    assert xp._iota_transposed([2, 4], [1, 0]) == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_ring_times_and_bandwidth():
+    ici = {"chip_bidirectional_gbps": 800.0, "ports": 4, "torus_dims": 2, "devices_per_chip": 1}
+    link = xp.link_bytes_per_s(ici)
+    assert link == 100e9  # one direction of one v6e link
+    assert xp.axis_bandwidth(ici, 2) == 400e9 and xp.axis_bandwidth(ici, 1) == 200e9
+    c = xp.Collective("c", "all-gather", 1e9, 4, ("fsdp",), 1)
+    assert xp.collective_time(c, 400e9, link) == pytest.approx(0.75 * 1e9 / 400e9)
+    assert xp.collective_time(c, 400e9, link, n=256) == pytest.approx(255 / 256 * 1e9 / 400e9)
+    ar = xp.Collective("a", "all-reduce", 1e9, 4, ("fsdp",), 1)
+    assert xp.collective_time(ar, 400e9, link) == pytest.approx(2 * 0.75 * 1e9 / 400e9)
+    a2a = xp.Collective("t", "all-to-all", 1e9, 8, ("fsdp",), 1)
+    assert xp.collective_time(a2a, 200e9, link) == pytest.approx(7 / 8 * 1e9 * 2 / 200e9)  # ring: n/4 hops
+    assert xp.mean_hops(256, 2) == pytest.approx(8.0)  # 16 x 16 torus: 4 + 4
+    assert xp.mean_hops(512, 3, devices_per_chip=2) == pytest.approx(3 * 256 ** (1 / 3) / 4)
+    perm = xp.Collective("p", "collective-permute", 1e9, 2, ("fsdp",), 1)
+    assert xp.collective_time(perm, 400e9, link) == pytest.approx(1e9 / link)
+    single = xp.Collective("s", "all-gather", 1e9, 1, ("fsdp",), 1)
+    assert xp.collective_time(single, 400e9, link) == 0.0
+
+
+def test_comm_by_axis(hlo):
+    ici = {"chip_bidirectional_gbps": 800.0, "ports": 4, "torus_dims": 2, "devices_per_chip": 1}
+    comm = xp.comm_by_axis(xp.collectives(hlo, MESH), ici=ici, axis_dims={"data": 1, "fsdp": 1})
+    assert set(comm) == {"fsdp", "data", "data+fsdp"}
+    ag = 3 * 0.75 * 32 * 64 * 2 / 200e9  # the loop's all-gather, 3 trips, one torus dim
+    rs = 0.75 * 64 * 32 * 4 / 200e9
+    a2a = 0.75 * 16 * 32 * 2 * 1.0 / 200e9  # 4 devices on one dim: mean hops max(4/4, 1)
+    perm = 16 * 32 * 2 / 100e9  # 0->1->2->3->0 on 8 devices: not one ring step, charged in full
+    assert comm["fsdp"] == pytest.approx(ag + rs + a2a + perm)
+    assert comm["data"] == pytest.approx(2 * 0.5 * 16 * 32 * 4 / 200e9)
+    assert comm["data+fsdp"] == pytest.approx(7 / 8 * 128 * 32 * 2 / 400e9)  # two dims: both links
+
+
+def test_bound_never_above_100():
+    peak = 1e12
+    r = xp.bound(compute_s=0.5, comm_s=0.3, model_flops=0.8e12, peak_flops=peak)  # compute below the model's
+    assert r["compute_s"] == 0.8  # floored at model FLOPs / peak
+    assert r["step_exposed_s"] == pytest.approx(1.1) and r["step_overlapped_s"] == pytest.approx(0.8)
+    assert r["mfu_overlapped_pct"] == pytest.approx(100.0) and r["mfu_exposed_pct"] == pytest.approx(100 * 0.8 / 1.1)
+    r = xp.bound(compute_s=1.0, comm_s=2.0, model_flops=0.5e12, peak_flops=peak)
+    assert r["step_overlapped_s"] == 2.0 and r["mfu_overlapped_pct"] == pytest.approx(25.0)
+    assert math.isclose(r["mfu_exposed_pct"], 100 * 0.5 / 3.0)
+
+
+def test_ici_table_is_sourced():
+    ici = xp.load_ici()
+    assert set(ici) >= {"v5e", "v5p", "v6e", "v7x"}
+    for gen, row in ici.items():
+        assert row["source"].startswith("Cloud TPU docs"), gen
+        assert row["chip_bidirectional_gbps"] > 0 and row["ports"] in (4, 6) and row["torus_dims"] in (2, 3)
+    assert ici["v7x"]["devices_per_chip"] == 2
+
+
+def test_no_entry_is_an_error():
+    with pytest.raises(ValueError):
+        xp.parse_hlo("HloModule m\n")
+
+
+def test_suite_bound_from_two_programs(tmp_path):
+    """scripts/mfu_suite.py's hlo_bound: the 1- and 2-layer programs' times extrapolated to the
+    recipe's layers, both ways, MFU never above 100 %."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("mfu_suite_for_xp", root / "scripts" / "mfu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    one = tmp_path / "one.txt"
+    one.write_text(HLO)
+    # the 2-layer program: the loop runs 6 times instead of 3
+    two = tmp_path / "two.txt"
+    two.write_text(HLO.replace('"known_trip_count":{"n":"3"}', '"known_trip_count":{"n":"6"}'))
+    ici = xp.load_ici()["v6e"]
+    costs = [{"hlo": str(p), "devices": 8, "tokens": 100.0, "kernel_cost": {"flops": 0.0, "bytes": 0.0}}
+             for p in (one, two)]
+    kw = dict(generation="v6e", peak=1e12, hbm=1e9, flops_per_token={"palm": 2.0, "causal": 1.0},
+              target_devices=256, ici=ici)
+    a = suite.program_times(costs[0], peak=1e12, hbm=1e9, ici=ici, target_devices=256)
+    b = suite.program_times(costs[1], peak=1e12, hbm=1e9, ici=ici, target_devices=256)
+    r = suite.hlo_bound(*costs, n_layers=5, model_flops=1.0, **kw)
+    per_layer = b["compute_s"] - a["compute_s"]
+    assert per_layer > 0 and r["hlo_compute_raw_s"] == pytest.approx(a["compute_s"] + 4 * per_layer)
+    comm = sum(a["comm"].values()) + 4 * (sum(b["comm"].values()) - sum(a["comm"].values()))
+    assert r["comm_s"] == pytest.approx(comm)
+    assert r["step_exposed_s"] == pytest.approx(r["hlo_compute_s"] + comm)
+    assert r["step_overlapped_s"] == pytest.approx(max(r["hlo_compute_s"], comm))
+    big = suite.hlo_bound(*costs, n_layers=5, model_flops=1e15, **kw)  # model FLOPs above the HLO's
+    assert big["mfu_causal_overlapped"] <= 100.0 + 1e-9 and big["mfu_palm_overlapped"] <= 100.0
+
+
+COUNTED_LOOP = r"""
+HloModule windowed
+
+%wbody (wp: (bf16[8,8], u32[])) -> (bf16[8,8], u32[]) {
+  %wp = (bf16[8,8]{1,0}, u32[]) parameter(0)
+  %x = bf16[8,8]{1,0} get-tuple-element(%wp), index=0
+  %c = u32[] get-tuple-element(%wp), index=1
+  %two = u32[] constant(2)
+  %next = u32[] add(%c, %two)
+  %ag = bf16[32,8]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %t = (bf16[8,8]{1,0}, u32[]) tuple(%x, %next)
+}
+
+%wcond (cp: (bf16[8,8], u32[])) -> pred[] {
+  %cp = (bf16[8,8]{1,0}, u32[]) parameter(0)
+  %limit = u32[] constant(7)
+  %cc = u32[] get-tuple-element(%cp), index=1
+  ROOT %lt = pred[] compare(%limit, %cc), direction=GT
+}
+
+ENTRY %m (p: bf16[8,8]) -> bf16[8,8] {
+  %p = bf16[8,8]{1,0} parameter(0)
+  %start = u32[] constant(1)
+  %init = (bf16[8,8]{1,0}, u32[]) tuple(%p, %start)
+  %loop = (bf16[8,8]{1,0}, u32[]) while(%init), condition=%wcond, body=%wbody
+  ROOT %out = bf16[8,8]{1,0} get-tuple-element(%loop), index=0
+}
+"""
+
+
+def test_trip_count_read_off_a_counted_loop():
+    """No known_trip_count (XLA:TPU's windowed-einsum loops): counter from 1, += 2, while 7 > it:
+    1, 3, 5 -> 3 trips; the all-gather inside runs 3 times."""
+    hlo = xp.parse_hlo(COUNTED_LOOP)
+    loop = hlo.computations["m"].by_name["loop"]
+    assert xp.trip_count(loop) is None  # not in the backend config
+    assert xp.trip_count(loop, hlo, hlo.computations["m"]) == 3
+    unknown: list = []
+    runs = {c.name: t for c, t in xp.executed(hlo, unknown=unknown)}
+    assert runs["wbody"] == 3 and unknown == []
+    (ag,) = xp.collectives(hlo, {"fsdp": 4})
+    assert ag.times == 3
+
+
+def test_ring_permutes_in_opposite_directions_overlap():
+    ici = {"chip_bidirectional_gbps": 800.0, "ports": 4, "torus_dims": 2, "devices_per_chip": 1}
+    fwd = xp.Collective("f", "collective-permute", 1e9, 2, ("fsdp",), 3, direction=1)
+    back = xp.Collective("b", "collective-permute", 2e9, 2, ("fsdp",), 1, direction=-1)
+    comm = xp.comm_by_axis([fwd, back], ici=ici, axis_dims={"fsdp": 2})
+    assert comm["fsdp"] == pytest.approx(3e9 / 100e9)  # max(3 x 1e9, 2e9) over one link direction
+    hlo = xp.parse_hlo(HLO.replace("source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+                                   "source_target_pairs={{0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}"))
+    perm = next(c for c in xp.collectives(hlo, MESH) if c.kind == "collective-permute")
+    assert perm.direction == -1
