@@ -104,7 +104,7 @@ class ShardStats:
     """True when one block was sharded and multiplied by n_layers (blocks are identical)."""
 
     muon_numel: int = 0
-    """Local elements of the parameters Muon would update (`trainer.muon.split_muon_params` with
+    """Local elements of the parameters Muon would update (`trainer.optim.muon.split_muon_params` with
     the recipe's `muon_exclude`; by default the blocks' and root's matrices but the embedding,
     head and router)."""
     muon_whole_numel: int = 0
@@ -168,9 +168,9 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     largest = 0
     shapes: dict[str, tuple[int, ...]] = {}
     first_block = None
-    from trainer.muon import split_muon_params  # the optimizer's own rule for which parameters are Muon's
+    from trainer.optim.muon import split_muon_params  # the optimizer's own rule for which parameters are Muon's
 
-    from trainer.muon import MUON_EXCLUDE_DEFAULT
+    from trainer.optim.muon import MUON_EXCLUDE_DEFAULT
 
     exclude = MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude)
     muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude)[0]}

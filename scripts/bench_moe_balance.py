@@ -9,7 +9,7 @@ of Qwen 3, DeepSeek-V3's sequence-wise loss), its coefficient, and the bias rate
 (`training.expert_bias_rate`; 0 keeps the bias at zero, so routing is by the scores alone).
 
 Per step it records MaxVio over the global batch (max load / mean load - 1, averaged over the MoE
-layers; trainer/expert_balance.py) and the LM loss; per variant the mean MaxVio of the second
+layers; trainer/optim/expert_balance.py) and the LM loss; per variant the mean MaxVio of the second
 half of the run, the final max/mean load ratio, the training loss (last 10 steps), the
 validation loss and tokens/s. Writes `<out>_curves.csv` and `<out>.csv`; prints a table.
 

@@ -43,7 +43,7 @@ NS_STEPS = 5
 def _gather_variant(u: torch.Tensor, group, full: int, index: int, size: int) -> torch.Tensor:
     import torch.distributed._functional_collectives as funcol
 
-    from trainer.muon import newton_schulz5, update_scale
+    from trainer.optim.muon import newton_schulz5, update_scale
 
     chunk = -(-full // size)
     rows = u.shape[-2]

@@ -8,9 +8,9 @@ The face (loaded on first use, so that `import trainer.config` stays light):
 
 Packages by concern, each with a face in its `__init__`: `step/` (plan and rules, loss, eager
 step), `graph/` (the captured step), `tasks/` (lm, flow), `data/` (text, tokenizer, FLUX),
-`checkpoint/` (manager, state, manifest, initial weights), `runtime/` (device, preemption,
-watchdog, flops, metrics). Modules: `config.py` (the recipe), `optim.py`, `launch.py` (the
-multi-host launcher CLI, `python -m trainer.launch`).
+`optim/` (AdamW, Muon, QK clip, lr schedule, expert balance), `checkpoint/` (manager, state,
+manifest, initial weights), `runtime/` (device, preemption, watchdog, flops, metrics). Modules:
+`config.py` (the recipe), `launch.py` (the multi-host launcher CLI, `python -m trainer.launch`).
 """
 
 _FACE = {"train": "trainer.train", "main": "trainer.train", "Engine": "trainer.engine",

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from models.errors import ConfigError
 from models.errors import NonFiniteLoss
 from trainer.config import Config, build_config, parse_overrides
-from trainer.expert_balance import ExpertBalance
+from trainer.optim.expert_balance import ExpertBalance
 from trainer.job import build_job
 from trainer import checkpoint as ckpt
 from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed

@@ -47,7 +47,7 @@ from parallelisms.context_parallel import cp_attention_fn, cp_group
 from parallelisms.parallel_dims import tpu_mesh_layout
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
-from trainer.expert_balance import ExpertBalance
+from trainer.optim.expert_balance import ExpertBalance
 from trainer.optim import build_lr_scheduler, build_optimizer_for
 from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
                                     resolve_compute_dtype, set_seed, torch_dtype)

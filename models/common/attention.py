@@ -39,7 +39,7 @@ class Attention(nn.Module):
         # Qwen 3 normalises each head of q and k (weights shared across heads) before RoPE.
         self.q_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
-        # MuonClip (trainer/qk_clip.py) turns this on to read each head's largest pre-softmax
+        # MuonClip (trainer/optim/qk_clip.py) turns this on to read each head's largest pre-softmax
         # logit of the step: `max_logit` [local heads], a running max over the forwards since
         # the trainer last reset it to None. Off: no extra work.
         self.track_max_logit = False

@@ -23,7 +23,7 @@ Auxiliary-loss-free load balancing (DeepSeek-V3, section 2.1.2): the router hold
 float32 buffer `expert_bias` [E] (zeros at start; in checkpoints, as DeepSeek's
 `e_score_correction_bias`) that is added to the scores for the **selection** of the k experts
 only; the weights that multiply the expert outputs are the unbiased scores. After each
-optimizer step the trainer (trainer/expert_balance.py) sums every layer's load over the ranks
+optimizer step the trainer (trainer/optim/expert_balance.py) sums every layer's load over the ranks
 and calls `update_expert_bias(global_load, rate)`, which moves each expert's bias by `rate`
 towards balance (down for experts above the mean load, up for those below).
 
@@ -268,7 +268,7 @@ class TokenChoiceTopKRouter(nn.Module):
         underloaded ones more (a balanced expert keeps its bias).
 
         `global_load` [E]: the token copies each expert received in the step, summed over every
-        rank that routes its own tokens (trainer/expert_balance.py); `rate` is DeepSeek's gamma
+        rank that routes its own tokens (trainer/optim/expert_balance.py); `rate` is DeepSeek's gamma
         (0.001 in their training), a float or a 0-dim tensor (0 where a skipped step must not
         move the bias). The bias stays float32 (a bf16 bias could not hold 0.001 steps).
         """

@@ -104,7 +104,7 @@ class MLA(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=False)
         self.k_rope = HeadShared()
-        # MuonClip (trainer/qk_clip.py) turns this on to read each head's largest pre-softmax
+        # MuonClip (trainer/optim/qk_clip.py) turns this on to read each head's largest pre-softmax
         # logit of the step (softmax_scale * q.k, YaRN's mscale included: what the softmax sees):
         # `max_logit` [local heads], a running max over the forwards since the trainer last reset
         # it to None. Off: no extra work.

@@ -1,4 +1,4 @@
-"""Auxiliary-loss-free load balancing (trainer/expert_balance.py): the bias step, its gating,
+"""Auxiliary-loss-free load balancing (trainer/optim/expert_balance.py): the bias step, its gating,
 the MaxVio metric, and the bias trajectory of real training runs across meshes and modes.
 
 Bias parity is exact, not a tolerance: each step moves a bias by exactly +-rate or 0, decided by
@@ -22,7 +22,7 @@ import torch
 from models.common.moe import MoE
 from models.common.stack import BlockStack
 from tests.support.trainer_runs import train
-from trainer.expert_balance import ExpertBalance
+from trainer.optim.expert_balance import ExpertBalance
 
 STEPS = 4
 RATE = 0.001

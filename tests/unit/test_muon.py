@@ -1,4 +1,4 @@
-"""Muon (trainer/muon.py) and MuonClip's QK clip (trainer/qk_clip.py).
+"""Muon (trainer/optim/muon.py) and MuonClip's QK clip (trainer/optim/qk_clip.py).
 
 - Newton-Schulz: the output's singular values land in the published band; batched = per matrix.
 - The parameter split on Llama 3 and Qwen 3 MoE.
@@ -35,9 +35,9 @@ from tests.support.parallel_harness import (
     run_threads,
 )
 from trainer.config import build_config
-from trainer.muon import Muon, build_muon, newton_schulz5, split_muon_params, update_scale
+from trainer.optim.muon import Muon, build_muon, newton_schulz5, split_muon_params, update_scale
 from trainer.optim import build_optimizer_for
-from trainer.qk_clip import QKClip, gqa_qk_clip_, mla_qk_clip_
+from trainer.optim.qk_clip import QKClip, gqa_qk_clip_, mla_qk_clip_
 
 LR, WD, BETAS, EPS, MOMENTUM = 2e-2, 0.1, (0.9, 0.95), 1e-8, 0.95
 MUON_KW = dict(lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, momentum=MOMENTUM, nesterov=True, ns_steps=5,

@@ -559,7 +559,7 @@ def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, 
     = 2 matrices stacked, ceil(4 / 16) = 1 unrolled. The undonated update writes one moment less."""
     from parallelisms.parallel_dims import ParallelDims
     from planner.shard import local_tensor, shard_model
-    from trainer.muon import split_muon_params
+    from trainer.optim.muon import split_muon_params
     from trainer.step.plan import StepRequest
 
     tgt = P.parse_target(target)
@@ -594,7 +594,7 @@ def test_muon_counts_the_recipes_exclusions():
     moves their local elements from Muon's one moment to AdamW's two (+4 bytes each)."""
     from parallelisms.parallel_dims import ParallelDims
     from planner.shard import local_tensor, shard_model
-    from trainer.muon import MUON_EXCLUDE_DEFAULT, split_muon_params
+    from trainer.optim.muon import MUON_EXCLUDE_DEFAULT, split_muon_params
     from trainer.step.plan import StepRequest
 
     tgt = P.parse_target("v6e-4")

@@ -1,4 +1,4 @@
-"""MuonClip's QK clip on MLA (DeepSeek-V3) and under tensor parallelism (trainer/qk_clip.py).
+"""MuonClip's QK clip on MLA (DeepSeek-V3) and under tensor parallelism (trainer/optim/qk_clip.py).
 
 - MLA's tracked max logit = a plain recomputation of softmax_scale * q.k (YaRN mscale included)
   from the module's inputs and weights; tracking does not change the forward's output.
@@ -35,8 +35,8 @@ from tests.support.parallel_harness import (
     run_processes,
     run_threads,
 )
-from trainer.muon import build_muon
-from trainer.qk_clip import QKClip, clip_factors
+from trainer.optim.muon import build_muon
+from trainer.optim.qk_clip import QKClip, clip_factors
 
 LR, WD = 2e-2, 0.1
 MUON_KW = dict(lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, nesterov=True, ns_steps=5,

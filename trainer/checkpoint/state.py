@@ -93,7 +93,7 @@ class OptimizerState:
         """Restore the moments (and step counts) from the checkpoint; keep this run's
         hyperparameters (betas, eps, weight_decay...: the optimizer was built from the config).
 
-        The lr is left as loaded: the lr schedule owns it (trainer/optim.py's schedule puts the
+        The lr is left as loaded: the lr schedule owns it (trainer/optim/build.py's schedule puts the
         config's lr back when it loads). `resume_notes` lists what differed from the checkpoint.
         """
         own = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]

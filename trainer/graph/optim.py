@@ -11,7 +11,7 @@ state of the per-layer parameters is moved into stacked storage too (each per-la
 tensor becomes a view of its row), and `step` is a `[n_layers]` vector whose rows are the
 per-layer `step` tensors. So the graph holds one update per parameter *name*, not per layer.
 
-Muon (`trainer.muon.Muon`) runs the same way: its AdamW groups take the update above, its Muon
+Muon (`trainer.optim.muon.Muon`) runs the same way: its AdamW groups take the update above, its Muon
 groups `muon_update_` on their `momentum_buffer` (stacked like the moments under layer scan: the
 Newton-Schulz of a stacked [n_layers, m, n] tensor is batched over the layers). A Muon stack
 sharded on a matrix dim is redistributed by an all-to-all into whole matrices, ceil(B / D) of its
@@ -55,7 +55,7 @@ class UpdateSlot:
 
 
 def _is_muon(optimizer: torch.optim.Optimizer) -> bool:
-    from trainer.muon import Muon
+    from trainer.optim.muon import Muon
 
     return isinstance(optimizer, Muon)
 
@@ -69,7 +69,7 @@ def check_adamw(optimizer: torch.optim.Optimizer) -> None:
         return
     if not isinstance(optimizer, torch.optim.AdamW):
         raise ConfigError(f"optimizer: graph mode implements AdamW and Muon, got {type(optimizer).__name__}; "
-                          "allowed: AdamW, trainer.muon.Muon")
+                          "allowed: AdamW, trainer.optim.muon.Muon")
     for i, group in enumerate(optimizer.param_groups):
         # `fused` only picks the kernel of torch.optim's own step, which graph mode replaces.
         for key in ("amsgrad", "maximize", "differentiable", "capturable"):
@@ -262,7 +262,7 @@ def muon_shards(p: torch.Tensor) -> tuple:
 def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, *, lr: torch.Tensor,
                  momentum: float, nesterov: bool, ns_steps: int, ns_dtype: str, weight_decay: float,
                  apply: torch.Tensor | None = None, shards: tuple = ()) -> None:
-    """One Muon update in place on local tensors (the arithmetic of `trainer.muon.Muon`).
+    """One Muon update in place on local tensors (the arithmetic of `trainer.optim.muon.Muon`).
 
     `shards` (`muon_shards`) says how the local tensors are cut from the whole one; Newton-Schulz
     needs whole matrices (the last two dims), so (`orthogonalize_sharded`):
@@ -274,7 +274,7 @@ def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch
     - a second sharded matrix dim (TP rowwise beside FSDP) is all-gathered first and cut back last.
     `apply` gates the update on the device, as in `adamw_update_`.
     """
-    from trainer.muon import NS_DTYPES
+    from trainer.optim.muon import NS_DTYPES
 
     new_buf = momentum_buffer.lerp(grad, 1 - momentum)
     u = grad.lerp(new_buf, momentum) if nesterov else new_buf
@@ -292,7 +292,7 @@ def orthogonalize_sharded(u: torch.Tensor, shards: tuple, *, steps: int, dtype: 
     """Muon's scaled Newton-Schulz of the whole tensor that `u` is this rank's shard of, returned
     as this rank's shard (see `muon_update_`). Every rank must call it with the same `shards`
     layout (the collectives are matched by order)."""
-    from trainer.muon import newton_schulz5, update_scale
+    from trainer.optim.muon import newton_schulz5, update_scale
 
     matrix_dims = [s for s in shards if s[2] >= u.ndim - 2]  # shards of leading dims need nothing
     if not matrix_dims:
@@ -323,7 +323,7 @@ def _orthogonalize_spread(u: torch.Tensor, shard: tuple, *, steps: int, dtype: t
     instead of B. Padding (rows to D*c, B to D*ceil(B/D)) is zeros, which Newton-Schulz maps to
     zeros (the norm's eps), and is cut off before the result is used.
     """
-    from trainer.muon import newton_schulz5, update_scale
+    from trainer.optim.muon import newton_schulz5, update_scale
 
     mesh, mesh_dim, dim, _, size, full = shard
     group = (mesh, mesh_dim)

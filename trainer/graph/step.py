@@ -4,7 +4,7 @@ One call of the returned `GraphStep` runs, inside one captured graph: for each m
 the forward, the LM loss (mean cross entropy over tokens, plus `aux_loss_coef` times the MoE
 load-balancing loss when the model has MoE blocks) and `torch.autograd.grad`, accumulating
 the gradients; then global-norm clipping and the optimizer update (AdamW, or Muon:
-trainer/muon.py) of parameters and optimizer state in place. The graph is captured on the first call and replayed after that; the
+trainer/optim/muon.py) of parameters and optimizer state in place. The graph is captured on the first call and replayed after that; the
 learning rate is a tensor input, so the schedule never recompiles. Gradient accumulation is
 unrolled in the graph (the micro-batch count is fixed by the config), so the graph grows
 with `gradient_accumulation_steps`, and not with `n_layers` when layer scan is on.
@@ -153,7 +153,7 @@ class GraphStep:
             grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
-                if slot.momentum is not None:  # a Muon matrix (trainer/muon.py)
+                if slot.momentum is not None:  # a Muon matrix (trainer/optim/muon.py)
                     muon_update_(_local(slot.param), g, _local(slot.momentum), lr=lr, apply=apply,
                                  shards=slot.shards, **self._hyper[slot.group])
                     continue
@@ -216,7 +216,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
 
     The trainer calls this through `trainer.job.Job.build_step`, which resolves the settings below
     from the config (`plan_step`).
-    - `optimizer`: a `torch.optim.AdamW` or a `trainer.muon.Muon` (without QK clip) over the
+    - `optimizer`: a `torch.optim.AdamW` or a `trainer.optim.muon.Muon` (without QK clip) over the
       model's parameters (all groups at one lr; its state is created now, before capture, in
       the eager optimizer's format).
     - `backend`: inductor | aot_eager | tpu (already resolved: `trainer.step.resolve_backend`).
@@ -240,7 +240,7 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
       the gradient's dtype before its up-cast (`passes.gloo_reduce_scatter_pass`).
     - `passes_as`: run the graph passes of this backend instead of `backend`'s (a check job
       captures with aot_eager on meta tensors what the target's backend would compile).
-    - `balance`: a `trainer.expert_balance.ExpertBalance` of an MoE model (the loads are a graph
+    - `balance`: a `trainer.optim.expert_balance.ExpertBalance` of an MoE model (the loads are a graph
       output; the selection-bias update and the MaxVio metric run after the graph), or None.
     """
     from models.common.plan import ModelPlan

@@ -45,7 +45,7 @@ class EagerStep:
         # loss_fn(model, *micro_batch) -> the micro-batch's mean loss (trainer/tasks/); default:
         # an LM micro-batch (inputs, labels): logits, then lm_loss.
         self.loss_fn = loss_fn if loss_fn is not None else plain_loss
-        # MoE models: the expert loads and the selection-bias update (trainer/expert_balance.py).
+        # MoE models: the expert loads and the selection-bias update (trainer/optim/expert_balance.py).
         self.balance = balance
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:

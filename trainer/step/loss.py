@@ -37,4 +37,4 @@ class StepOutput:
     """Mean auxiliary (MoE load-balancing) loss over the micro-batches, unscaled; None without."""
     moe_max_vio: torch.Tensor | None = None
     """MoE models: the step's expert-load imbalance over the global batch, DeepSeek's MaxVio
-    averaged over the MoE layers (0-dim, equal on every rank; trainer/expert_balance.py)."""
+    averaged over the MoE layers (0-dim, equal on every rank; trainer/optim/expert_balance.py)."""

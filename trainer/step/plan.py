@@ -84,7 +84,7 @@ class StepRequest:
     seq_len: int = 0
     """`[training] seq_len` (0: not known to the caller; no rule reads it then)."""
     qk_clip: bool = False
-    """`[optimizer] qk_clip_tau` > 0 (MuonClip's QK clip, trainer/qk_clip.py)."""
+    """`[optimizer] qk_clip_tau` > 0 (MuonClip's QK clip, trainer/optim/qk_clip.py)."""
     optimizer: str = "adamw"
     """`[optimizer] name` (the planner counts Muon's one moment and its update buffers)."""
     muon_exclude: tuple[str, ...] | None = None
@@ -190,7 +190,7 @@ RULES: tuple[Rule, ...] = (
          "the engine trains language models (task lm); this family's task is {r.task}"),
     # MuonClip's QK clip (docs/optimizers.md): the attention forward records its max logits as a
     # module side effect, which the captured step does not run; with CP a rank sees only its own keys.
-    # (TP runs: each rank tracks its own heads and the maxima meet in one all-reduce, trainer/qk_clip.py.)
+    # (TP runs: each rank tracks its own heads and the maxima meet in one all-reduce, trainer/optim/qk_clip.py.)
     Rule("optimizer.qk_clip_tau", lambda r: r.qk_clip and r.mode == "graph",
          '> 0 runs in the eager step only (the captured step does not track max logits); allowed with '
          'compile.mode = "graph": 0'),

@@ -22,7 +22,7 @@ _FUSED_DEVICES = ("cpu", "cuda")
 
 
 OPTIMIZERS = ("adamw", "muon")
-"""`[optimizer] name` choices (`build_optimizer`; muon: trainer/muon.py)."""
+"""`[optimizer] name` choices (`build_optimizer`; muon: trainer/optim/muon.py)."""
 
 DECAY_TYPES = ("linear", "cosine", "wsd", "constant")
 """`[lr_scheduler] decay_type` choices (`lr_factor`)."""
@@ -50,9 +50,9 @@ def build_optimizer_for(model, *, name: str, lr: float, betas, eps: float, weigh
                         qk_clip_tau: float = 0.0) -> torch.optim.Optimizer:
     """The `[optimizer] name` optimizer over `model`'s parameters (the job's one entry point).
 
-    adamw: `build_optimizer`; muon: `trainer.muon.Muon` (Muon for the blocks' matrices, AdamW
-    with these betas/eps for the rest; `muon_exclude`: `trainer.muon.split_muon_params`;
-    `qk_clip_tau` > 0: MuonClip, trainer/qk_clip.py).
+    adamw: `build_optimizer`; muon: `trainer.optim.muon.Muon` (Muon for the blocks' matrices, AdamW
+    with these betas/eps for the rest; `muon_exclude`: `trainer.optim.muon.split_muon_params`;
+    `qk_clip_tau` > 0: MuonClip, trainer/optim/qk_clip.py).
     """
     assert name in OPTIMIZERS, name
     if qk_clip_tau > 0 and name != "muon":
@@ -60,7 +60,7 @@ def build_optimizer_for(model, *, name: str, lr: float, betas, eps: float, weigh
                           "allowed: 0, or optimizer.name = \"muon\"")
     if name == "adamw":
         return build_optimizer(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    from trainer.muon import MUON_EXCLUDE_DEFAULT, build_muon
+    from trainer.optim.muon import MUON_EXCLUDE_DEFAULT, build_muon
 
     return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=muon_momentum,
                       nesterov=muon_nesterov, ns_steps=muon_ns_steps, ns_dtype=muon_ns_dtype,

@@ -36,7 +36,7 @@ Optimizer state uses torch.optim's names so checkpoints look familiar: Muon para
 `momentum_buffer` (a DTensor like the parameter), AdamW parameters `step`, `exp_avg`,
 `exp_avg_sq` exactly as `torch.optim.AdamW` (its functional kernel does their update).
 
-MuonClip's QK clip (Kimi K2) is in `trainer/qk_clip.py`.
+MuonClip's QK clip (Kimi K2) is in `trainer/optim/qk_clip.py`.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class Muon(torch.optim.Optimizer):
                  nesterov: bool = True, ns_steps: int = 5, ns_dtype: str = "bfloat16", betas=(0.9, 0.95),
                  eps: float = 1e-8, qk_clip=None):
         self.qk_clip = qk_clip
-        """A `trainer.qk_clip.QKClip` (MuonClip) applied after each step, or None."""
+        """A `trainer.optim.qk_clip.QKClip` (MuonClip) applied after each step, or None."""
         groups = []
         muon_params, adamw_params = list(muon_params), list(adamw_params)
         if muon_params:
@@ -217,7 +217,7 @@ def build_muon(model: nn.Module, *, lr: float, weight_decay: float, betas, eps: 
     """Muon over `model`'s parameters, split by `split_muon_params`; MuonClip when qk_clip_tau > 0."""
     qk_clip = None
     if qk_clip_tau > 0:
-        from trainer.qk_clip import QKClip
+        from trainer.optim.qk_clip import QKClip
 
         qk_clip = QKClip(model, qk_clip_tau)
     muon, adamw = split_muon_params(model.named_parameters(), exclude)
