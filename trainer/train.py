@@ -26,7 +26,8 @@ from trainer.job import Job, build_job
 from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, PreemptionHandler, StartupTimeout,
                              StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
                              shutdown_distributed)
-from trainer.runtime.tpu_env import CacheMissCounter, profile_step, profiler_plan
+from trainer.runtime.profiler import profile_step, profiler_plan
+from trainer.runtime.tpu_env import CacheMissCounter
 from trainer.runtime import cli
 from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.runlock import release_all
@@ -234,7 +235,7 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
 @contextlib.contextmanager
 def _profile(enabled: bool, folder: str, step: int, rank: int, device: torch.device):
     """Profile one step into `folder/step-N/`: a Chrome trace per rank on cpu/cuda, torch-tpu's
-    XPlane file on a TPU (`trainer.runtime.tpu_env.profiler_plan`)."""
+    XPlane file on a TPU (`trainer.runtime.profiler.profiler_plan`)."""
     if not enabled:
         yield
         return

@@ -1,7 +1,8 @@
 """The TPU runtime environment (trainer/runtime/tpu_env.py), on the CPU with the TPU side injected:
 flag bundles and their merge into LIBTPU_INIT_ARGS / XLA_FLAGS, the refusals (exit 2, one line),
-torch-tpu's compilation-cache variables, the cache-miss counter, the profiler choice, the block
-compile's SPMD annotation, and the per-step scalars that reach a captured program as inputs.
+torch-tpu's compilation-cache variables, the cache-miss counter, the profiler choice
+(trainer/runtime/profiler.py), the block compile's SPMD annotation, and the per-step scalars that
+reach a captured program as inputs.
 
 Nothing here imports torch-tpu; the XLA tier checks the bundles against the runtime's libtpu.so
 (tests/xla/test_tpu_flags.py) and the annotation against torch-tpu's SplitCompiler
@@ -21,8 +22,9 @@ import torch
 
 from models.errors import ConfigError
 from trainer.runtime import tpu_env
+from trainer.runtime.profiler import profile_step, profiler_plan
 from trainer.runtime.tpu_env import (BUNDLES, FLAG_BUNDLES, TIER2_CACHE_VAR, TIER3_CACHE_VAR, CacheMissCounter,
-                                     merge_flags, profile_step, profiler_plan, tpu_runtime_env)
+                                     merge_flags, tpu_runtime_env)
 
 CF = "--xla_tpu_enable_async_collective_fusion=true"
 

@@ -1,9 +1,9 @@
 """The TPU runtime's environment: XLA / libtpu flags and torch-tpu's compilation cache, set before
-the first device op; the cache-miss count and the profiler of a TPU run.
+the first device op; the cache-miss count of a TPU run.
 
 `[device]` flag_bundle, libtpu_init_args, xla_flags; `[compile]` cache_dir, host_cache; the
-compilation-cache misses the loop logs; the profiler a `[profiling]` step runs under. None of it
-has run on a TPU (docs/tpu.md).
+compilation-cache misses the loop logs (the profiler a `[profiling]` step runs under, TPU
+included, is trainer/runtime/profiler.py). None of it has run on a TPU (docs/tpu.md).
 
 When the variables are read (torch-tpu 0.2.0, libtpu 0.0.52; docs/tpu.md, "XLA and libtpu
 flags"): `import torch` on a TPU host autoloads torch-tpu and registers the device, but the PJRT
@@ -21,7 +21,6 @@ On cpu and cuda nothing is set; the settings are reported as not applied.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
@@ -320,52 +319,3 @@ class CacheMissCounter:
         if now > before:
             return f"{CACHE_MISS_LINE} {step}: +{now - before} (total {now})"
         return None
-
-
-# ----------------------------------------------------------------------------- profiling
-
-
-@dataclass(frozen=True)
-class ProfilerPlan:
-    """How a profiled step is recorded: keyword arguments of `torch.profiler.profile`, and
-    whether the trace is exported as Chrome JSON afterwards (cpu / cuda) or written by the
-    backend itself (tpu: torch-tpu's profiler writes an XPlane file that xprof and TensorBoard's
-    profile plugin read)."""
-
-    kwargs: dict
-    chrome_trace: bool
-    what: str
-
-
-def profiler_plan(device_type: str, *, folder: str, rank: int, tpu_module=None, cuda: bool = False) -> ProfilerPlan:
-    """`[profiling]` for one step: on a TPU torch-tpu's `TpuProfilerConfig` (its run_dir is
-    `folder`, the file named with this rank) through `experimental_config`, with the CPU and the
-    PrivateUse1 (TPU) activities; elsewhere torch.profiler's CPU (+ CUDA) activities and a
-    Chrome trace. `tpu_module` stands for `torch.tpu` (tests inject one)."""
-    from torch.profiler import ProfilerActivity
-
-    if device_type == "tpu":
-        if tpu_module is None:
-            import torch
-
-            tpu_module = torch.tpu
-        config = tpu_module.profiler.TpuProfilerConfig(run_dir=folder, worker_rank=str(rank))
-        return ProfilerPlan(kwargs={"activities": [ProfilerActivity.CPU, ProfilerActivity.PrivateUse1],
-                                    "experimental_config": config},
-                            chrome_trace=False, what=f"XPlane (torch-tpu TpuProfilerConfig) under {folder}")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    return ProfilerPlan(kwargs={"activities": activities, "record_shapes": True}, chrome_trace=True,
-                        what=f"Chrome trace under {folder}")
-
-
-@contextlib.contextmanager
-def profile_step(plan: ProfilerPlan, *, trace_path: str):
-    """Run the body under `torch.profiler.profile(**plan.kwargs)`; write the Chrome trace to
-    `trace_path` when the plan asks for one (its folder is made)."""
-    from torch.profiler import profile
-
-    os.makedirs(os.path.dirname(trace_path), exist_ok=True)
-    with profile(**plan.kwargs) as prof:
-        yield
-    if plan.chrome_trace:
-        prof.export_chrome_trace(trace_path)

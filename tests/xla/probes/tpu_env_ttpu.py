@@ -1,4 +1,4 @@
-"""Probe (ttpu venv): trainer/runtime/tpu_env.py against the real torch-tpu 0.2.0, without a TPU.
+"""Probe (ttpu venv): trainer/runtime/tpu_env.py and profiler.py against the real torch-tpu 0.2.0, without a TPU.
 
     python tpu_env_ttpu.py
 
@@ -23,7 +23,8 @@ import torch
 def main() -> None:
     import torch_tpu  # noqa: F401  (autoload is off: installs torch.tpu, no device)
 
-    from trainer.runtime.tpu_env import compilations, compile_cache_misses, profiler_plan
+    from trainer.runtime.profiler import profiler_plan
+    from trainer.runtime.tpu_env import compilations, compile_cache_misses
 
     out: dict = {}
     try:
