@@ -1,13 +1,29 @@
 #!/usr/bin/env bash
 # Run the test suite on the CPU (makes .venv with the [dev] extras on first use).
-#   scripts/test.sh [pytest args]      e.g. scripts/test.sh -m "not slow" -x
+#   scripts/test.sh [--all] [--record] [pytest args]
+#     (no flag)  the default tier: what CI runs on every submission, under 20 minutes on 2 vCPUs
+#     --all      every tier: the default one plus the scheduled tier (tests/support/tiers.py:
+#                the exhaustive matrix points, README blocks on a clone, the whole TPU-program
+#                table; .ci/scheduled runs this)
+#     --record   write each test's duration to tests/support/durations.json (the tier budget
+#                test, tests/unit/test_tiers.py, reads it; record with --all so every test has one)
+#   e.g. scripts/test.sh -m "not slow" -x;  scripts/test.sh -n 0 tests/unit/test_config.py -k recipe
 # Tests run on TITAN_TEST_WORKERS pytest-xdist workers (default 2; tests/conftest.py groups the
 # ones that share an expensive fixture); `scripts/test.sh -n 0 ...` runs them in this process.
-# The XLA tier (tests/xla, marker `xla`) is part of the suite: its probes run in their own venvs,
-# made on first use by scripts/xla_env.sh under TITAN_XLA_VENV_ROOT (default: the checkout);
-# deselect it with -m "not xla". See docs/tpu.md.
+# The XLA tier (tests/xla, marker `xla`) runs its probes in their own venvs, made on first use by
+# scripts/xla_env.sh under TITAN_XLA_VENV_ROOT (default: the checkout); deselect it with
+# -m "not xla". docs/testing.md.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh" dev
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --all) export TITAN_TEST_TIER=all; shift ;;
+    --record) export TITAN_RECORD_DURATIONS="$ROOT/tests/support/durations.json"; shift ;;
+    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) break ;;
+  esac
+done
+source "$ROOT/scripts/env.sh" dev
 # One thread per process: on small shared CPUs torch's default thread count can make a step
 # 10-400x slower; multi-process tests also get one thread per rank.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

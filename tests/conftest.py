@@ -10,8 +10,9 @@ Markers (pyproject.toml): `linux` (reads /proc; `linux_only` below marks and ski
 TPU in this process: `trainer.runtime.device.tpu_present`, which never imports torch-tpu itself;
 on a TPU VM run pytest with `TORCH_DEVICE_BACKEND_AUTOLOAD=1`). `exhaustive`: one more point of
 a matrix whose mechanism another test of the default run already proves (another mesh of the
-same parallelism, another wire of the same pass); skipped unless `TITAN_TEST_EXHAUSTIVE=1`, which
-the scheduled run sets (`.ci/scheduled`, docs/testing.md).
+same parallelism, another wire of the same pass); it and every other test of the scheduled tier
+(tests/support/tiers.py: each names the default-tier test that covers its mechanism) run only
+with `scripts/test.sh --all` (`TITAN_TEST_TIER=all`, `.ci/scheduled`, docs/testing.md).
 """
 
 import functools
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from models.common import ops
+from tests.support import tiers
 from trainer.runtime.device import tpu_present
 
 ON_LINUX = sys.platform.startswith("linux")
@@ -43,15 +45,33 @@ _NO_DEVICE = {
 }
 
 
-EXHAUSTIVE = os.environ.get("TITAN_TEST_EXHAUSTIVE") == "1"
-
-
 def pytest_runtest_setup(item):
     for device, reason in _NO_DEVICE.items():
         if item.get_closest_marker(device) is not None and not _devices()[device]:
             pytest.skip(reason)
-    if item.get_closest_marker("exhaustive") is not None and not EXHAUSTIVE:
-        pytest.skip("exhaustive matrix point: runs with TITAN_TEST_EXHAUSTIVE=1 (the scheduled run, .ci/scheduled)")
+
+
+# Tiers (tests/support/tiers.py, docs/testing.md): the default tier (scripts/test.sh, CI) leaves
+# out the scheduled tier's tests (`deselected` in pytest's summary); `scripts/test.sh --all`
+# (TITAN_TEST_TIER=all; .ci/scheduled) runs everything. With TITAN_DUMP_COLLECTION=FILE the
+# collection (every test, its tier, its `exhaustive` mark) is written to FILE as JSON, before any
+# deselection (tests/unit/test_tiers.py reads it).
+def pytest_collection_modifyitems(config, items):
+    dump = os.environ.get("TITAN_DUMP_COLLECTION")
+    if dump and not hasattr(config, "workerinput"):
+        import json
+        with open(dump, "w") as f:
+            json.dump([{"nodeid": i.nodeid, "scheduled": tiers.scheduled(i.nodeid) is not None,
+                        "exhaustive": i.get_closest_marker("exhaustive") is not None} for i in items], f)
+    if tiers.TIER == "all":
+        return
+    keep, drop = [], []
+    for item in items:
+        scheduled = tiers.scheduled(item.nodeid) is not None or item.get_closest_marker("exhaustive")
+        (drop if scheduled else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) every test is its own work
 # unit, handed to whichever worker is free, except these groups, each run whole on one worker:
