@@ -1,6 +1,6 @@
 """Build a FLUX precomputed-embedding data set: procedural captioned images -> parquet.
 
-Renders the procedural set (trainer/data/flux.py: one coloured shape at one position per
+Renders the procedural set (trainer/flux_data/build.py: one coloured shape at one position per
 image, "a red circle on the left"), encodes every image with the VAE and every caption with
 T5 and CLIP, and writes parquet shards of (index, caption, colour, shape, position,
 latent [16, h, w], t5 [S, D], clip [D]) for the `train` and `heldout` splits, plus the
@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.errors import ConfigError  # noqa: E402
-from trainer.data.flux_build import BuildParams, build_dataset, ensure_procedural_dataset  # noqa: E402
+from trainer.flux_data.build import BuildParams, build_dataset, ensure_procedural_dataset  # noqa: E402
 from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.atomic import WriteFailed, atomic_dir  # noqa: E402
 from trainer.runtime.runlock import lock_destination  # noqa: E402

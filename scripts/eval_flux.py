@@ -4,12 +4,12 @@
     python scripts/eval_flux.py --run outputs/flux_debug
     python scripts/eval_flux.py --run outputs/flux_debug --samples-per-prompt 8 --cfg-scale 4 --csv eval.csv
 
-The procedural data set (trainer/data/flux.py) holds out 12 (colour, shape, position)
+The procedural data set (trainer/flux_data/build.py) holds out 12 (colour, shape, position)
 combinations from training; every colour, shape and position, and every pair, is still
 trained. For each held-out caption ("a cyan square at the top") this samples
 `--samples-per-prompt` images from the run's checkpoint and from the same model untrained
 (initialized with the same seed, never stepped), reads each image's dominant colour and
-position from its pixels with the data set's classifier (`trainer.data.flux.classify`, the same
+position from its pixels with the data set's classifier (`trainer.flux_data.build.classify`, the same
 one that checks the training captions against their pixels), and prints how often they match
 the prompt: colour %, position %, both %; chance is 1/6 for colour and 1/5 for position.
 
@@ -64,7 +64,7 @@ def heldout_prompts(dataset) -> list[dict]:
 
 def evaluate(run, prompts: list[dict], *, samples: int, steps: int, cfg_scale: float, seed: int):
     """(images [P * samples, 3, H, W], rows): row-major by prompt, one row per image."""
-    from trainer.data.flux_build import classify
+    from trainer.flux_data.build import classify
     from trainer.tasks.flux_sample import sample_images
 
     captions = [p["caption"] for p in prompts for _ in range(samples)]

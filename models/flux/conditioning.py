@@ -21,7 +21,7 @@ Two ways to get them:
   Their ids come from a byte-level BPE passed in by the caller (the project's bundled
   tiktoken BPE; the HF tokenizers need vocab files we do not ship). The debug VAE must
   invert itself to be useful, so `scripts/build_flux_data.py` trains it briefly (see
-  `trainer.data.flux_build.train_vae`); its shift/scale are then fitted to the latent statistics (mean 0, std 1),
+  `trainer.flux_data.build.train_vae`); its shift/scale are then fitted to the latent statistics (mean 0, std 1),
   the job FLUX's constants do for its VAE.
 
 This module imports transformers/diffusers lazily (they take seconds to import) and never

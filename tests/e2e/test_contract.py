@@ -96,7 +96,7 @@ def _dcp_checkpoint(path: str) -> None:
 @pytest.fixture(scope="module")
 def valid(tmp_path_factory):
     """The valid inputs every case is generated from (paths under one folder)."""
-    from trainer.data import flux_build as fb
+    from trainer.flux_data import build as fb
 
     base = str(tmp_path_factory.mktemp("contract"))
     v = {"base": base}

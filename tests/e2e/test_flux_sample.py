@@ -95,7 +95,7 @@ def tiny_run(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from trainer.data import flux_build as fb
+    from trainer.flux_data import build as fb
     from trainer.config import model_args
 
     root = tmp_path_factory.mktemp("flux_run")
@@ -206,7 +206,7 @@ def test_eval_flux_runs_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
     assert code == 0, err
     assert "trained (step-3)" in stdout and "untrained (init)" in stdout and "chance" in stdout
     rows = list(csv.DictReader(open(out)))
-    from trainer.data.flux_build import HELDOUT_COMBOS
+    from trainer.flux_data.build import HELDOUT_COMBOS
 
     assert len(rows) == 2 * len(HELDOUT_COMBOS) * 2
     assert {(r["colour"], r["shape"], r["position"]) for r in rows} == set(HELDOUT_COMBOS)

@@ -310,7 +310,7 @@ def _half_then_fail(code: int):
 
 @pytest.mark.parametrize("code", ERRNOS)
 def test_failed_flux_data_builds_leave_nothing_and_say_why(tmp_path, monkeypatch, capsys, code):
-    from trainer.data import flux_build
+    from trainer.flux_data import build as flux_build
 
     spec = importlib.util.spec_from_file_location("build_flux_data",
                                                   Path(__file__).parents[2] / "scripts" / "build_flux_data.py")

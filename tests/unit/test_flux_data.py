@@ -19,7 +19,7 @@ import torch
 
 from models.errors import ConfigError
 from trainer.data import flux as fd
-from trainer.data import flux_build as fb
+from trainer.flux_data import build as fb
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = fb.BuildParams(num_train=200, num_heldout=24, shard_rows=96, row_group_rows=16, vae_steps=2)
@@ -274,7 +274,7 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
 def test_concurrent_first_use_builds_once(tmp_path):
     """Two processes asking for the same uncached set at once: one builds (under the lock),
     the other waits and reuses it; both get the same folder and no temporary folder is left."""
-    code = ("import sys; from trainer.data import flux_build as fb; "
+    code = ("import sys; from trainer.flux_data import build as fb; "
             "p = fb.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
             "print('FOLDER', fb.ensure_procedural_dataset(p, cache_root=sys.argv[1]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, text=True,

@@ -1,5 +1,5 @@
 """Data: text data sets packed into token windows (text), the tiktoken BPE (tokenizer), and the
-FLUX data set's reader and loader (flux; building it: flux_build)."""
+FLUX data set's reader and loader (flux; building it: trainer/flux_data)."""
 
 from trainer.data.text import (BUNDLED_CORPUS_DIR, DEFAULT_SHARDS, SHUFFLE_BLOCK_DOCS, TokenLoader, auto_shards,
                                build_dataloader, merge_states, resolve_dataset, shard_windows)

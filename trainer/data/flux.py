@@ -1,4 +1,4 @@
-"""FLUX data: the reader of a built data set folder and the loader (building: flux_build.py).
+"""FLUX data: the reader of a built data set folder and the loader (building: trainer/flux_data/build.py).
 
 **Loader** (`build_flux_dataloader`): global sample order position q (0, 1, 2, ... across
 epochs) is sample `order(q mod N)` of epoch `q div N`. Train: each epoch shuffles row
@@ -21,7 +21,7 @@ import torch
 
 from models.errors import ConfigError
 
-from trainer.data.flux_build import _FORMAT_VERSION, ensure_procedural_dataset
+from trainer.flux_data.build import FORMAT_VERSION, ensure_procedural_dataset
 
 SHUFFLE_BLOCK_GROUPS = 8
 """Row groups per train shuffle block (see the module docstring)."""
@@ -172,9 +172,9 @@ def _read_meta(path: str) -> dict:
         refuse(f"cannot read as JSON ({reason})")
     if not isinstance(meta, dict):
         refuse(f"expected a JSON object, got {type(meta).__name__}")
-    if meta.get("format") != _FORMAT_VERSION:
+    if meta.get("format") != FORMAT_VERSION:
         raise ConfigError(f"FLUX data set {os.path.dirname(path)}: format {meta.get('format')}; this version reads "
-                          f"format {_FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py")
+                          f"format {FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py")
     shapes = meta.get("shapes")
     if not isinstance(shapes, dict):
         refuse("shapes is not an object of latent, t5, clip")

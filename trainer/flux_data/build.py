@@ -222,12 +222,12 @@ class BuildParams:
     """dtype of local encoders and VAE (float32 | bfloat16); stored embeddings are float32."""
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True) + f"/format{_FORMAT_VERSION}/build{_BUILD_VERSION}"
+        blob = json.dumps(asdict(self), sort_keys=True) + f"/format{FORMAT_VERSION}/build{_BUILD_VERSION}"
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 # The folder layout the reader understands; bump it when the layout changes.
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 1
 # Part of the cache key: bump it whenever the build's output changes (image rendering,
 # encoders, VAE training, encoding), so a cached set from older code is never reused.
 _BUILD_VERSION = 3
@@ -303,7 +303,7 @@ def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=
                       "seconds": time.perf_counter() - t0}
 
     os.makedirs(folder)
-    meta = {"format": _FORMAT_VERSION, "build": _BUILD_VERSION, "params": asdict(params), "splits": {},
+    meta = {"format": FORMAT_VERSION, "build": _BUILD_VERSION, "params": asdict(params), "splits": {},
             "conditioning": cond.describe(vae, text), "text_ids": "bundled-bpe" if bpe is not None else "hf",
             "row_group_rows": params.row_group_rows}
     for split, (images, rows) in splits.items():
