@@ -1,7 +1,7 @@
 """Entry point: `python -m trainer.train --config RECIPE.toml [--section.key=value ...]`.
 
 Also launched by torchrun (one process per device). The run, in order:
-  1. config (TOML -> dataclasses -> CLI overrides -> validation; trainer/config.py)
+  1. config (TOML -> dataclasses -> CLI overrides -> validation; trainer/config/)
   2. `build_job` (trainer/job.py): device, process group, every rule checked, task, mesh, data,
      model (meta -> parallelize -> materialize -> init), optimizer, schedule, checkpoint manager
   3. resume from the run's newest checkpoint (or load initial weights), meet every rank

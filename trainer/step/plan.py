@@ -128,7 +128,7 @@ def _others(choices: tuple[str, ...], *drop: str) -> str:
 
 
 RULES: tuple[Rule, ...] = (
-    # Choices (the config's `allowed` lists are these same tuples, trainer/config.py).
+    # Choices (the config's `allowed` lists are these same tuples, trainer/config/schema.py).
     Rule("compile.mode", lambda r: r.mode not in MODES, f"{{r.mode!r}}; allowed: {', '.join(MODES)}"),
     Rule("compile.backend", lambda r: r.backend not in BACKENDS, f"{{r.backend!r}}; allowed: {', '.join(BACKENDS)}"),
     Rule("training.fused_loss", lambda r: r.fused_loss not in FUSED_LOSS,
