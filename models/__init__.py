@@ -23,16 +23,16 @@ from torch import nn
 
 from models import deepseek_v3, flux, hf, llama3, qwen3
 from models.common.plan import ModelPlan
-from models.deepseek_v3 import hf as deepseek_v3_hf
+from models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
 from models.deepseek_v3.plan import PLAN as DEEPSEEK_V3_PLAN
-from models.flux import hf as flux_hf
+from models.flux import hf_adapter as flux_adapter
 from models.flux.plan import PLAN as FLUX_PLAN
-from models.hf import hf as hf_hf
+from models.hf import hf_adapter as hf_family_adapter
 from models.hf.plan import PLAN as HF_PLAN
 from models.hf.plan import plan_for as hf_plan_for
-from models.llama3 import hf as llama3_hf
+from models.llama3 import hf_adapter as llama3_adapter
 from models.llama3.plan import PLAN as LLAMA3_PLAN
-from models.qwen3 import hf as qwen3_hf
+from models.qwen3 import hf_adapter as qwen3_adapter
 from models.qwen3.plan import PLAN as QWEN3_PLAN
 
 
@@ -89,7 +89,7 @@ FAMILIES: dict[str, ModelFamily] = {
         flavors=llama3.FLAVORS,
         model_cls=llama3.Transformer,
         plan=LLAMA3_PLAN,
-        hf_adapter=llama3_hf,
+        hf_adapter=llama3_adapter,
         document_mask=True,
     ),
     "qwen3": ModelFamily(
@@ -98,7 +98,7 @@ FAMILIES: dict[str, ModelFamily] = {
         flavors=qwen3.FLAVORS,
         model_cls=qwen3.Transformer,
         plan=QWEN3_PLAN,
-        hf_adapter=qwen3_hf,
+        hf_adapter=qwen3_adapter,
         document_mask=True,
     ),
     "deepseek_v3": ModelFamily(
@@ -107,7 +107,7 @@ FAMILIES: dict[str, ModelFamily] = {
         flavors=deepseek_v3.FLAVORS,
         model_cls=deepseek_v3.DeepSeekV3,
         plan=DEEPSEEK_V3_PLAN,
-        hf_adapter=deepseek_v3_hf,
+        hf_adapter=deepseek_v3_adapter,
         document_mask=True,
     ),
     "flux": ModelFamily(
@@ -116,7 +116,7 @@ FAMILIES: dict[str, ModelFamily] = {
         flavors=flux.FLAVORS,
         model_cls=flux.FluxTransformer,
         plan=FLUX_PLAN,
-        hf_adapter=flux_hf,
+        hf_adapter=flux_adapter,
         task="flow",
     ),
     # Any transformers causal LM from `[model] hf_config` (docs/hf_backend.md).
@@ -126,7 +126,7 @@ FAMILIES: dict[str, ModelFamily] = {
         flavors=hf.FLAVORS,
         model_cls=hf.HFCausalLM,
         plan=HF_PLAN,
-        hf_adapter=hf_hf,
+        hf_adapter=hf_family_adapter,
         plan_for=hf_plan_for,
     ),
 }

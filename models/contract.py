@@ -14,7 +14,7 @@ what is declared here; none of them reaches into a model's modules by name. A fa
   `FlowModel` (task "flow") below.
 - `hf_adapter` (optional): `from_hf`, `to_hf`, `hf_config`, `args_from_hf_config`, and
   optionally `hf_layout(hf_shapes, args)`: for each of our parameters, the boxes of HF tensors
-  it is copied from (`models.common.hf.HFEntry`), from names and shapes alone. With it, HF
+  it is copied from (`models.common.hf_adapter.HFEntry`), from names and shapes alone. With it, HF
   weights load per rank reading only each rank's slices and convert one tensor at a time
   (docs/checkpointing.md); without it every rank reads all weights and calls `from_hf`.
 

@@ -411,7 +411,7 @@ class Engine:
         """
         self._check_usable("hf_state_dict")
         if self.family.hf_adapter is None:
-            raise ConfigError(f"model.name: {self.family.name} has no hf.py adapter, so it has no Hugging Face "
+            raise ConfigError(f"model.name: {self.family.name} has no hf_adapter.py, so it has no Hugging Face "
                               "names; allowed: a family with hf_adapter (llama3, qwen3)")
         for name, param in self._named_tensors():
             hf_names = self._hf_names(name, param)

@@ -4,7 +4,7 @@ The blocks are `models.common.decoder.TransformerBlock`s (pre-norm attention + F
 two `BlockStack`s run in order, `dense_layers` (the first `n_dense_layers` blocks, dense SwiGLU)
 and `moe_layers` (the rest, `models.common.moe.MoE` with DeepSeek's routing options), so each
 stack is uniform and layer scan runs each as one scan. Parameter names follow TorchTitan's
-DeepSeek-V3 (`attention.wq_a`, `wkv_a`, `kv_norm`, `wkv_b`, ...); `hf.py` maps them to Hugging
+DeepSeek-V3 (`attention.wq_a`, `wkv_a`, `kv_norm`, `wkv_b`, ...); `hf_adapter.py` maps them to Hugging
 Face's `model.layers.N.*` (block N of `moe_layers` is HF layer `n_dense_layers + N`).
 """
 

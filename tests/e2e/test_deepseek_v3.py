@@ -20,7 +20,7 @@ import transformers  # the [dev] extra
 import models
 from models.common.moe import MoE
 from models.deepseek_v3 import FLAVORS, DeepSeekV3
-from models.deepseek_v3 import hf as ds_hf
+from models.deepseek_v3 import hf_adapter as ds_hf
 
 REL_TOL = 1e-5
 
@@ -93,7 +93,7 @@ def test_hf_round_trip_both_expert_layouts():
     again = ds_hf.from_hf(hub, args)
     assert again.keys() == ours.keys() and all(torch.equal(again[k], ours[k]) for k in ours)
     # The box layout (per-rank loading, convert from-hf) builds the same tensors from both layouts.
-    from models.common.hf import apply_layout
+    from models.common.hf_adapter import apply_layout
 
     for sd in (hf_sd, hub):
         laid = apply_layout(ds_hf.hf_layout({k: tuple(v.shape) for k, v in sd.items()}, args), sd)
@@ -324,7 +324,7 @@ def test_graph_mode_scan_matches_eager(tmp_path, eager_curves):
 def test_qwen3_moe_expert_bias_is_opt_in():
     """Qwen 3 MoE gets the selection bias only with `moe_expert_bias`; its default state dict and
     numbers are unchanged, and the HF adapters fill/drop the (zero) bias."""
-    from models.qwen3 import hf as qwen3_hf
+    from models.qwen3 import hf_adapter as qwen3_hf
 
     family = models.get_model_family("qwen3")
     plain = family.model_cls(family.get_args("debugmodel_moe", n_layers=2, max_seq_len=64))

@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from models.flux import FLAVORS, FluxArgs, FluxTransformer, hf, latents
+from models.flux import FLAVORS, FluxArgs, FluxTransformer, hf_adapter, latents
 from models.flux.flops import first_layer_flops_per_sample, flops_per_sample, forward_flops_per_sample
 from models.flux.plan import PLAN
 
@@ -64,11 +64,11 @@ def _inputs(args: FluxArgs, batch: int, height: int, width: int, txt_len: int, g
 def _diffusers_model(args: FluxArgs, state: dict[str, torch.Tensor] | None = None):
     import diffusers
 
-    cfg = hf.hf_config(args)
+    cfg = hf_adapter.hf_config(args)
     cfg.pop("_class_name")
     ref = diffusers.FluxTransformer2DModel(**cfg)
     if state is not None:
-        ref.load_state_dict(hf.to_hf(state, args), strict=True)
+        ref.load_state_dict(hf_adapter.to_hf(state, args), strict=True)
     return ref
 
 
@@ -166,13 +166,13 @@ def test_velocity_matches_diffusers(batch, height, width, txt_len, guidance):
 def test_adapter_round_trip_is_exact(guidance):
     args = _args(guidance)
     state = _random_model(args, seed=3).state_dict()
-    hf_state = hf.to_hf(state, args)
+    hf_state = hf_adapter.to_hf(state, args)
     assert set(hf_state) == set(_diffusers_model(args).state_dict())
-    back = hf.from_hf(hf_state, args)
+    back = hf_adapter.from_hf(hf_state, args)
     assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
-    assert hf.args_from_hf_config(hf.hf_config(args)) == args
+    assert hf_adapter.args_from_hf_config(hf_adapter.hf_config(args)) == args
     with pytest.raises(ValueError, match="^bogus.weight: not a parameter"):
-        hf.from_hf({"bogus.weight": torch.zeros(1)}, args)
+        hf_adapter.from_hf({"bogus.weight": torch.zeros(1)}, args)
 
 
 @needs_diffusers

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import models
-from models.common.hf import read_box
+from models.common.hf_adapter import read_box
 from trainer import checkpoint as ckpt
 from tests.conftest import linux_only
 from tests.unit.test_parallel_fsdp import _parallel_model

@@ -12,10 +12,10 @@ import torch
 import transformers  # the [dev] extra; scripts/test.sh installs it, so HF checks never vanish as skips
 
 from models.common.moe import load_balance_loss  # noqa: E402
-from models.llama3 import hf as llama3_hf  # noqa: E402
+from models.llama3 import hf_adapter as llama3_hf  # noqa: E402
 from models.llama3.args import Llama3Args  # noqa: E402
 from models.llama3.model import Transformer as Llama3  # noqa: E402
-from models.qwen3 import hf as qwen3_hf  # noqa: E402
+from models.qwen3 import hf_adapter as qwen3_hf  # noqa: E402
 from models.qwen3.args import Qwen3Args  # noqa: E402
 from models.qwen3.model import Transformer as Qwen3  # noqa: E402
 

@@ -176,7 +176,7 @@ def _data_ptr(value: torch.Tensor) -> int:
 
 def read_box_of(entry: Any, offset: tuple[int, ...], shape: tuple[int, ...], reader: SafetensorsSlices) -> torch.Tensor:
     """Box [offset, offset + shape) of our parameter `entry` (an `HFEntry`) read through `reader`."""
-    from models.common.hf import read_box
+    from models.common.hf_adapter import read_box
 
     return read_box(entry, offset, shape, reader.dtype(entry.pieces[0].hf_key), reader.read)
 
@@ -196,7 +196,7 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
         (if any) is verified first.
     fmt "hf": a folder of *.safetensors (with model.safetensors.index.json if sharded) or one
         .safetensors file, with the model's config.json next to it; `hf_adapter` is the model
-        family's hf module (or its `from_hf` function). With an adapter that has `hf_layout`,
+        family's hf_adapter module (or its `from_hf` function). With an adapter that has `hf_layout`,
         each rank reads every file's header and then, for each parameter, only the slices of
         the HF tensors that its own shard covers (`safe_open(...).get_slice`); files holding
         none of them are never opened. With only `from_hf(hf_state_dict, args)`, every rank
@@ -249,7 +249,7 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
     from_hf = getattr(hf_adapter, "from_hf", hf_adapter)
     if from_hf is None:
         raise ConfigError("checkpoint.initial_load_format: 'hf' is not supported for this model "
-                          "(no hf.py adapter); allowed: dcp")
+                          "(no hf_adapter.py); allowed: dcp")
     if hasattr(hf_adapter, "args_from_hf_config") and args is not None:
         check_hf_config(root if root.is_dir() else root.parent, hf_adapter=hf_adapter, args=args,
                         mismatch=hf_config_mismatch)

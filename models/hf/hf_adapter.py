@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from models.common.hf import HFLayout, apply_layout, whole
+from models.common.hf_adapter import HFLayout, apply_layout, whole
 from models.hf.args import HFArgs
 
 

@@ -4,7 +4,7 @@ from typing import Any
 
 import torch
 
-from models.common.hf import HFLayout, decoder_from_hf, decoder_hf_layout, decoder_to_hf
+from models.common.hf_adapter import HFLayout, decoder_from_hf, decoder_hf_layout, decoder_to_hf
 from models.llama3.args import Llama3Args
 
 
@@ -14,7 +14,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Llama3Args) -> dict[st
 
 
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args) -> HFLayout:
-    """HF names and shapes -> how each of our parameters is made of them (see models/common/hf.py)."""
+    """HF names and shapes -> how each of our parameters is made of them (see models/common/hf_adapter.py)."""
     return decoder_hf_layout(hf_shapes, tie_embeddings=args.tie_embeddings)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from models.common.hf import HFEntry, HFLayout, HFPiece, apply_layout, whole
+from models.common.hf_adapter import HFEntry, HFLayout, HFPiece, apply_layout, whole
 from models.flux.args import FluxArgs
 
 CLASS_NAME = "FluxTransformer2DModel"

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from models.common.hf import (HFEntry, HFLayout, HFPiece, apply_layout, expert_layout_entry, experts_to_hf,
+from models.common.hf_adapter import (HFEntry, HFLayout, HFPiece, apply_layout, expert_layout_entry, experts_to_hf,
                                stack_expert_entries, whole)
 from models.deepseek_v3.args import DeepSeekV3Args
 
@@ -101,7 +101,7 @@ def _rope_entry(key: str, shape: tuple[int, ...], args: DeepSeekV3Args, *, is_ke
 
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *,
               rope_interleave: bool = True) -> HFLayout:
-    """HF names and shapes -> how each of our parameters is made of them (models/common/hf.py),
+    """HF names and shapes -> how each of our parameters is made of them (models/common/hf_adapter.py),
     for per-rank loading, `scripts/convert.py from-hf` and `from_hf`. `rope_interleave` (every
     DeepSeek-V3 / Kimi K2 checkpoint): the rope rows of the query and key projections are
     permuted to the half layout; without it they are taken as they are."""
