@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from models.contract import ModelShape
 from models.errors import ConfigError
 from parallelisms.context_parallel import check_seq_len
+from models.common import distributed
 
 # Mesh axis names, outermost first. The busiest axis (tp) is innermost so that on TPU the
 # topology-aware order keeps it on the fastest ICI links and on GPU it stays inside a host;
@@ -261,7 +262,7 @@ def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
             raise ConfigError(
                 f"parallelism: torch-tpu cannot lay out the mesh {dict(zip(MESH_AXES, shape))} on this slice, "
                 f"not even splitting physical axes ({type(e).__name__}: {e}); whole axes: {whole}") from e
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if distributed.rank() == 0:
             print(f"titan-tpu: mesh: {dict(zip(MESH_AXES, shape))} is no product of whole physical axes here; "
                   f"built with allow_split_physical_axes=True ({str(whole).split('. ')[0]})", flush=True)
         return ranks
@@ -274,7 +275,7 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     flattened `dp` axis (replicate x shard) is created too and can be fetched with
     `flat_dp_mesh(mesh)`; with cp > 1 also `dp_shard_cp` (`dp_shard_cp_mesh(mesh)`).
     """
-    assert dist.is_initialized(), "init the process group before build_mesh"
+    assert distributed.is_up(), "init the process group before build_mesh"
     if dist.get_world_size() != parallel_dims.world_size:
         raise ConfigError(
             f"parallelism: degrees were resolved for world size {parallel_dims.world_size} but "

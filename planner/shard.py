@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+from models.common import distributed
 
 if TYPE_CHECKING:
     from models import ModelFamily
@@ -39,7 +40,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
+    if distributed.is_up():
         raise RuntimeError("the planner needs its own (fake) process group, but one is already initialized")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -144,7 +145,7 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     dense blocks then MoE blocks (DeepSeek-V3: `n_dense_layers`, two stacks) is probed with one
     block of each stack, each multiplied by its stack's length.
     """
-    assert dist.is_initialized() and dist.get_world_size() == parallel_dims.world_size, (
+    assert distributed.world_size() == parallel_dims.world_size and distributed.is_up(), (
         "run shard_model inside fake_process_group(parallel_dims.world_size)"
     )
     n_layers = args.n_layers

@@ -57,6 +57,7 @@ from collections.abc import Callable
 import torch
 
 from models.common import ops
+from models.common import distributed
 
 TOLERANCE = 2.0 ** -5
 """Largest accepted max|kernel - reference| / max|reference| per output (module docstring)."""
@@ -341,7 +342,7 @@ def agree(verdicts: list[Verdict], *, device: torch.device) -> list[Verdict]:
     `device`; nothing without an initialised group of more than one rank."""
     import torch.distributed as dist
 
-    if not verdicts or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not verdicts or not distributed.multi_rank():
         return verdicts
     passed = torch.tensor([1.0 if v.ok else 0.0 for v in verdicts], device=device)
     dist.all_reduce(passed, op=dist.ReduceOp.MIN)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from models.common import distributed
 
 
 
@@ -51,7 +52,7 @@ class Stateful(Protocol):
 
 
 def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return distributed.is_up()
 
 
 def _rank() -> int:

@@ -33,6 +33,7 @@ from torch import nn
 
 from models.common.moe import MoE
 from models.common.stack import BlockStack
+from models.common import distributed
 
 
 class ExpertBalance:
@@ -69,7 +70,7 @@ class ExpertBalance:
         """Sum the step's `load` (from `pop`, summed over micro-batches) over all ranks, move the
         selection biases (module docstring), and return MaxVio (0-dim float32, every rank equal)."""
         load = load.detach().float().clone()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed.multi_rank():
             dist.all_reduce(load)
         per_layer = load.view(len(self.layers), self.num_experts)
         if self.rate != 0:

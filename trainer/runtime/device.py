@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from models.errors import ConfigError
 from trainer.runtime.pci import tpu_generations_on_pci
+from models.common import distributed
 
 GLOO_SERIAL = "gloo_serial"
 """The CPU process-group backend: torch's gloo with ONE worker thread (`cpu_backend`)."""
@@ -126,7 +127,7 @@ def init_distributed(device: torch.device) -> DistInfo:
     world-size-1 group (through a file store) so that DeviceMesh, DTensor and DCP run the same
     code path at any scale.
     """
-    if dist.is_initialized():
+    if distributed.is_up():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
     backend = cpu_backend() if device.type == "cpu" else BACKENDS[device.type]
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -149,7 +150,7 @@ def init_distributed(device: torch.device) -> DistInfo:
 
 
 def shutdown_distributed() -> None:
-    if dist.is_initialized():
+    if distributed.is_up():
         dist.destroy_process_group()
 
 
@@ -317,7 +318,7 @@ def cpu_matmul_peaks() -> dict[str, float]:
     import torch.distributed as dist
 
     threads = torch.get_num_threads()
-    group = dist.is_initialized() and dist.get_world_size() > 1
+    group = distributed.multi_rank()
     # Under a group every rank joins the broadcast on every call (a rank never skips it because
     # of its own process cache: thread ranks share one); only rank 0's numbers are cached.
     if not group or dist.get_rank() == 0:
@@ -377,7 +378,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def global_mean(t: torch.Tensor) -> float:
     """Mean of a per-rank scalar over all ranks (TP replicas hold equal values); a host sync."""
     t = t.detach().float().reshape(1).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if distributed.multi_rank():
         dist.all_reduce(t)
         t /= dist.get_world_size()
     return t.item()
@@ -387,7 +388,7 @@ def gather_objects():
     """`gather(obj) -> [every rank's obj]` over a gloo group made here (a collective: call it on
     every rank), or None in a single process. The LM loader gathers every rank's data-shard
     positions into the checkpointed state with it."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed.multi_rank():
         return None
     group = dist.new_group(backend=cpu_backend())
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from trainer.runtime.device import cpu_backend
 from trainer.runtime.exit_status import PREEMPTED_EXIT_CODE
+from models.common import distributed
 
 
 
@@ -45,7 +46,7 @@ class PreemptionHandler:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread: leave the default handler
                 pass
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed.multi_rank():
             self._group = (dist.group.WORLD if dist.get_backend() in ("gloo", cpu_backend())
                            else dist.new_group(backend=cpu_backend()))
 

@@ -376,8 +376,10 @@ def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
     folders is read or written."""
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    rank = dist.get_rank() if distributed else 0
+    from models.common import distributed
+
+    multi = distributed.multi_rank()
+    rank = distributed.rank()
     held: list[RunLock] = []
     problem = None
     if rank == 0:
@@ -391,7 +393,7 @@ def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
                 check_writable_dir(folder, key=key, keep=False)  # proved writable, made when first used
         except ConfigError as e:
             problem = str(e)
-    if distributed:
+    if multi:
         from trainer.runtime.device import cpu_backend
 
         on_cpu = dist.get_backend() in ("gloo", cpu_backend())

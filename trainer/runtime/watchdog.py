@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from models.common import distributed
 
 
 class StartupTimeout(RuntimeError):
@@ -39,7 +40,7 @@ _barrier_calls: dict[str, int] = {}
 
 def arrival_barrier(tag: str, timeout_s: float) -> None:
     """Wait until every rank reached `tag`; after `timeout_s` raise naming the missing ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not distributed.multi_rank():
         return
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
