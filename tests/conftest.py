@@ -152,7 +152,7 @@ def _reference_ops():
     _reset()
 
 
-# Recorded durations (docs/testing.md "Budget"): with TITAN_RECORD_DURATIONS=FILE the controller
+# Recorded durations (docs/testing.md "Tiers"): with TITAN_RECORD_DURATIONS=FILE the controller
 # writes each test's setup + call + teardown seconds to FILE as JSON at the end of the run; the
 # tier test (tests/unit/test_tiers.py) holds the default tier's sum under its budget.
 _DURATIONS: dict[str, float] = {}
