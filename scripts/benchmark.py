@@ -16,8 +16,8 @@ Arguments after `--` are passed to every run of ours. Bad input (a flag, the rec
 overrides or the arguments after `--`, resolved as the trainer will) prints one `error:` line and
 exits with status 2 before the first run starts.
 
-`--peer torchtitan` adds TorchTitan 0.3.0's own trainer (scripts/reference_torchtitan.py, run in the
-peer venv that scripts/peer_env.sh builds) to every repeat, interleaved with our variants, and a
+`--peer torchtitan` adds TorchTitan 0.3.0's own trainer (scripts/bench/reference_torchtitan.py, run in the
+peer venv that scripts/bench/peer_env.sh builds) to every repeat, interleaved with our variants, and a
 `vs peer` column: our tokens/s per device over the peer's at the same process count. The issue's
 side-by-side table (ours eager/graph/graph_scan in bf16 and fp32 at TorchTitan's shape, against
 TorchTitan) is one command:
@@ -66,7 +66,7 @@ RUN_OVERRIDES = [
 METRICS = ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal", "data_loading_pct")
 
 PEERS = ("torchtitan",)
-PEER_SCRIPT = REPO / "scripts" / "reference_torchtitan.py"
+PEER_SCRIPT = REPO / "scripts" / "bench" / "reference_torchtitan.py"
 PEER_PYTHON = REPO / ".venv-peer" / "bin" / "python"
 
 # --preset ttshape: our debug model at TorchTitan's debugmodel shape, eager/graph/graph_scan in bf16
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=None, help="first steps dropped (compile, caches; default 5)")
     parser.add_argument("--peer", default=None, choices=PEERS, help="also run this peer's own trainer, interleaved")
-    parser.add_argument("--peer-python", default=str(PEER_PYTHON), help="the peer venv's python (scripts/peer_env.sh)")
+    parser.add_argument("--peer-python", default=str(PEER_PYTHON), help="the peer venv's python (scripts/bench/peer_env.sh)")
     parser.add_argument("--peer-seq-len", type=int, default=2048, help="the peer's seq_len (ours: the recipe's)")
     parser.add_argument("--peer-batch", type=int, default=8, help="the peer's local batch size (ours: the recipe's)")
     parser.add_argument("--peer-arg", action="append", default=[], metavar="ARG", help="an argument for the peer's CLI")
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--variant: {args.peer!r} is the peer's name")
         if not args.dry_run and not Path(args.peer_python).is_file():
             cli.error_line(f"--peer-python: {args.peer_python} not found; build the peer venv with "
-                           "`bash scripts/peer_env.sh`")
+                           "`bash scripts/bench/peer_env.sh`")
             return 2
     nprocs = _check_args(args, parser)
     root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))

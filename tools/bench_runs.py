@@ -1,5 +1,5 @@
-"""Shared set-up of the optimizer-comparison benchmarks (scripts/bench_muon.py,
-scripts/bench_moe_balance.py): one job, fixed batches, restartable runs, CSV output."""
+"""Shared set-up of the optimizer-comparison benchmarks (scripts/bench/bench_muon.py,
+scripts/bench/bench_moe_balance.py): one job, fixed batches, restartable runs, CSV output."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The peer harness and scripts/benchmark.py's --peer path, with a fake peer: no TorchTitan, no network.
 
-What runs TorchTitan for real is scripts/reference_torchtitan.py in the peer venv (docs/benchmarks.md);
+What runs TorchTitan for real is scripts/bench/reference_torchtitan.py in the peer venv (docs/benchmarks.md);
 here we check everything around it that can be wrong without it: the command lines, the parsing of
 TorchTitan's log into our metrics schema, the interleaving, the ratio column, the CPU/thread record,
 and that our recipe really has TorchTitan's debugmodel shape.
@@ -33,7 +33,7 @@ def bench():
 
 @pytest.fixture(scope="module")
 def harness():
-    return _load("reference_torchtitan_script", ROOT / "scripts" / "reference_torchtitan.py")
+    return _load("reference_torchtitan_script", ROOT / "scripts" / "bench" / "reference_torchtitan.py")
 
 
 # TorchTitan 0.3.0's metric line as its MetricsProcessor.log formats it (with and without colours, and
@@ -65,7 +65,7 @@ def test_peer_commands(harness, bench):
     # TorchTitan's own launch (torchrun, as run_train.sh) of its own entry point through the shim.
     assert cmd[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                        "--local-ranks-filter=0"]
-    assert cmd[6] == str(ROOT / "scripts" / "peer" / "torchtitan_cpu_shim.py")
+    assert cmd[6] == str(ROOT / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py")
     pairs = dict(zip(cmd[7::2], cmd[8::2]))
     assert pairs["--module"] == "scripts.peer.torchtitan_cpu_shim" and pairs["--config"] == "llama3_debugmodel_sdpa"
     for flag, value in [("--training.steps", "7"), ("--training.seq-len", "2048"), ("--training.local-batch-size", "8"),
@@ -77,7 +77,7 @@ def test_peer_commands(harness, bench):
 
     run = bench.build_peer_command(peer="torchtitan", python="/peer/python", nproc=1, dump_folder="/d", steps=9,
                                    warmup=2, seq_len=256, batch=2, extra=["--x", "1"])
-    assert run[:2] == ["/peer/python", str(ROOT / "scripts" / "reference_torchtitan.py")]
+    assert run[:2] == ["/peer/python", str(ROOT / "scripts" / "bench" / "reference_torchtitan.py")]
     assert run[run.index("--steps") + 1] == "9" and run[run.index("--warmup") + 1] == "2"
     assert run[run.index("--seq-len") + 1] == "256" and run[-3:] == ["--", "--x", "1"]
     with pytest.raises(SystemExit):
@@ -183,7 +183,7 @@ def test_ttshape_recipe_is_torchtitans_debugmodel():
 
 def test_shim_cpu_device_module():
     """The shim's CPU stand-in answers every call TorchTitan's trainer and metrics make on its device module."""
-    shim = _load("torchtitan_cpu_shim", ROOT / "scripts" / "peer" / "torchtitan_cpu_shim.py")
+    shim = _load("torchtitan_cpu_shim", ROOT / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py")
     module = shim._cpu_device_module()
     assert module.current_device() == 0  # barrier(device_ids=[...]) takes integers
     assert module.memory_stats() == {} and module.device_count() == 1

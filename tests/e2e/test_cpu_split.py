@@ -1,4 +1,4 @@
-"""scripts/cpu_split.py: its /proc readers on fixture files, then once on a real fake trainer.
+"""scripts/bench/cpu_split.py: its /proc readers on fixture files, then once on a real fake trainer.
 
 The readers take the /proc root as an argument, so the process-tree walk (torchrun's launcher
 left out, other runs on the machine ignored, vanished processes skipped), the stat parsing
@@ -18,7 +18,7 @@ from pathlib import Path
 from tests.conftest import linux_only
 
 ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location("cpu_split", ROOT / "scripts" / "cpu_split.py")
+_SPEC = importlib.util.spec_from_file_location("cpu_split", ROOT / "scripts" / "bench" / "cpu_split.py")
 cpu_split = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(cpu_split)
 
@@ -116,7 +116,7 @@ sys.exit(int(sys.argv[1]))
 
 def _split(tmp_path, rc: int, spin: float, *window: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "cpu_split.py"), *window, "--log", str(tmp_path / "run.log"),
+        [sys.executable, str(ROOT / "scripts" / "bench" / "cpu_split.py"), *window, "--log", str(tmp_path / "run.log"),
          "--", sys.executable, "-c", FAKE, str(rc), str(spin)],
         capture_output=True, text=True, timeout=300)
 

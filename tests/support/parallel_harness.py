@@ -1,9 +1,9 @@
 """Shared helpers of the tests/test_parallel_*.py files (this module has no tests itself).
 
-- `run_threads(world_size, fn)`: run `fn()` on `world_size` ranks that are threads of this
-  process, with the in-process "threaded" process group (fast; DTensor, TP and SimpleFSDP
-  run unchanged). The global RNG is shared by the threads, so random numbers are drawn in
-  the main thread (or under `RNG_LOCK`).
+- `run_threads(world_size, fn)` (tools/thread_world.py): run `fn()` on `world_size` ranks that
+  are threads of this process, with the in-process "threaded" process group (fast; DTensor, TP
+  and SimpleFSDP run unchanged). The global RNG is shared by the threads, so random numbers are
+  drawn in the main thread (or under `RNG_LOCK`).
 - `run_processes(world_size, fn, *args)`: `torch.multiprocessing.spawn` with gloo, for what
   threads cannot do (torch.compile).
 - Small Llama 3 / Qwen 3 models of the real debug flavors (fewer layers, short sequences).
@@ -22,7 +22,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.testing._internal.common_distributed import spawn_threads_and_init_comms
 
 from models.llama3 import FLAVORS as LLAMA3_FLAVORS
 from models.llama3 import Transformer as Llama3
@@ -32,6 +31,7 @@ from models.qwen3 import Transformer as Qwen3
 from models.qwen3.plan import PLAN as QWEN3_PLAN
 from trainer.runtime.device import cpu_backend
 from trainer.step import lm_loss  # noqa: F401  (re-exported for the parallel tests)
+from tools.thread_world import run_threads  # noqa: F401  (re-exported for the parallel tests)
 
 RNG_LOCK = threading.Lock()
 # full_tensor() of 2-D (_StridedShard, Shard) weights in the checks warns about sequential
@@ -104,17 +104,6 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
-
-
-def run_threads(world_size: int, fn) -> list:
-    """Run `fn()` on `world_size` thread ranks; return the per-rank results (rank order)."""
-    results: dict[int, object] = {}
-
-    def body(_self):
-        results[dist.get_rank()] = fn()
-
-    spawn_threads_and_init_comms(world_size=world_size)(body)(None)
-    return [results[r] for r in range(world_size)]
 
 
 def _process_entry(rank: int, world_size: int, init_file: str, fn, args, out_dir: str) -> None:

@@ -130,8 +130,8 @@ def test_print_config_cli():
 
 
 def test_config_docs_are_current():
-    r = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], cwd=ROOT)
-    assert r.returncode == 0, "docs/config.md is stale: run python scripts/gen_config_docs.py"
+    r = subprocess.run([sys.executable, "scripts/dev/gen_config_docs.py", "--check"], cwd=ROOT)
+    assert r.returncode == 0, "docs/config.md is stale: run python scripts/dev/gen_config_docs.py"
 
 
 # ----------------------------------------------------------- one type check for every override

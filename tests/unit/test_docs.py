@@ -1,7 +1,7 @@
 """The docs stay true to the code: generated blocks are current, and cited code exists.
 
 - README.md's layout and recipe-section blocks and docs/training.md's rule table are generated
-  (scripts/gen_doc_blocks.py); a stale block fails here, as docs/config.md fails in
+  (scripts/dev/gen_doc_blocks.py); a stale block fails here, as docs/config.md fails in
   tests/unit/test_config.py.
 - Every page under docs/ is in README's documentation table.
 - Every code name the docs cite as a dotted path (`trainer.step.plan_step`) or a file
@@ -27,9 +27,9 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 def test_generated_doc_blocks_are_current():
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    r = subprocess.run([sys.executable, "scripts/gen_doc_blocks.py", "--check"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "scripts/dev/gen_doc_blocks.py", "--check"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr or "stale: run python scripts/gen_doc_blocks.py"
+    assert r.returncode == 0, r.stderr or "stale: run python scripts/dev/gen_doc_blocks.py"
 
 
 def test_every_docs_page_is_in_the_readme_table():

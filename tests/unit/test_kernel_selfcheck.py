@@ -258,7 +258,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sweep(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep_kernel_tiles.py"), *args],
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"), *args],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -126,7 +126,7 @@ def test_torch_tpu_jax_op_registration(probe):
 
 
 def test_sweep_compile_mode_compiles_candidates_and_writes_the_table(tmp_path):
-    """scripts/sweep_kernel_tiles.py's dry mode (no TPU): the two best loss candidates by the
+    """scripts/bench/sweep_kernel_tiles.py's dry mode (no TPU): the two best loss candidates by the
     model at a small shape, compiled for v5e with the runtime libtpu, picked, written."""
     import json
     import subprocess
@@ -134,7 +134,7 @@ def test_sweep_compile_mode_compiles_candidates_and_writes_the_table(tmp_path):
     from tests.xla.conftest import ROOT, _probe_env, xla_python
 
     out = tmp_path / "tiles.toml"
-    run = subprocess.run([str(xla_python("ttpu")), str(ROOT / "scripts" / "sweep_kernel_tiles.py"), "--mode", "compile",
+    run = subprocess.run([str(xla_python("ttpu")), str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"), "--mode", "compile",
                           "--generation", "v5e", "--kernel", "fused_ce", "--shape-class", "d4096", "--ce-rows", "1024",
                           "--vocab", "4096", "--max-candidates", "2", "--out", str(out), "--json"],
                          capture_output=True, text=True, env=_probe_env(), cwd=ROOT, timeout=600)

@@ -3,7 +3,7 @@
 - `splash.py`, `gmm.py`, `fused_ce.py`: pure JAX/Pallas (no torch), runnable in Pallas'
   interpreter on the CPU (tests/xla) and compilable for TPU without one.
 - `tiles.py`: block sizes per TPU generation (VMEM, MXU) from the table `tiles.toml`, which
-  `scripts/sweep_kernel_tiles.py` writes; pure Python.
+  `scripts/bench/sweep_kernel_tiles.py` writes; pure Python.
 - `register.py`: wraps them as torch ops (`titan_tpu::*`) with autograd; imports torch-tpu and
   jax, so only `load()` below imports it, and `titan_kernels.select` calls `load()` only when the run's
   device is a TPU. Nothing in this file imports jax.

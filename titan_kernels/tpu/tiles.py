@@ -1,7 +1,7 @@
 """Block sizes of the Pallas kernels per TPU generation: a table plus a rule for every other shape.
 
 Pure Python (no jax, no torch): the kernels (`gmm.py`, `fused_ce.py`) call it at trace time with
-static shapes, `scripts/sweep_kernel_tiles.py` enumerates and filters candidates with it, and
+static shapes, `scripts/bench/sweep_kernel_tiles.py` enumerates and filters candidates with it, and
 the CPU tests read it directly.
 
 Hardware per generation (`GENERATIONS`): VMEM per TensorCore and MXU width from JAX 0.10.2's

@@ -551,7 +551,7 @@ class TokenLoader:
         self.shard_block_docs = -(-shuffle_block_docs // num_shards)  # K: a shard's shuffle block
         self.gather = gather  # every rank's local_state(), for state_dict (None: this process only)
         self.document_ids = document_ids  # batches also carry document ids (`[training] document_mask`)
-        self.docs_tokenized = 0  # documents this loader has tokenized (tests, scripts/bench_data.py)
+        self.docs_tokenized = 0  # documents this loader has tokenized (tests, scripts/bench/bench_data.py)
         self._by_file: bool | None = None  # decided on first read (a Hub dataset must be opened)
         self.reset()
 

@@ -14,7 +14,7 @@ the largest per-process growth of the resident set during the timed calls over t
 set after warm-up (Linux: VmHWM after resetting it through /proc/self/clear_refs; the inputs
 are in the baseline). Prints the CPU model and a table, writes CSV.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_context_parallel.py \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_context_parallel.py \\
         --out docs/results/cpu_context_parallel.csv
 
 `--train-step`: the trainer's whole step instead (`build_job` + the job's eager step, the path
@@ -28,7 +28,7 @@ per-process peak resident set: absolute (weights, optimizer, data, activations) 
 over the built job's resident set before the first step (activations, gradients, optimizer
 state: the step's memory).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_context_parallel.py --train-step \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_context_parallel.py --train-step \\
         --seq-lens 4096,8192 --rounds 3 --out docs/results/cpu_context_parallel_train.csv
 """
 
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 from models.common import ops  # noqa: E402
 from parallelisms.context_parallel import (  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Step time of the FLUX debugmodel train step: eager vs graph (unrolled) vs graph + layer scan.
 
-    OMP_NUM_THREADS=1 python scripts/bench_flux_graph.py [--backend aot_eager|inductor] [--repeats 10]
+    OMP_NUM_THREADS=1 python scripts/bench/bench_flux_graph.py [--backend aot_eager|inductor] [--repeats 10]
 
 One process, fp32, the trainer's pieces: meta build -> SimpleFSDP (one process) -> init,
 AdamW, `trainer.tasks.flow.flow_loss`; batch 8 of the debug data's shapes (16 x 8 x 8 latents =
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a CPU training run's cores go: CPU time per thread of each trainer process, per step.
 
-    python scripts/cpu_split.py [--from-step 10] [--to-step 40] -- COMMAND ...
+    python scripts/bench/cpu_split.py [--from-step 10] [--to-step 40] -- COMMAND ...
 
 Runs COMMAND (a `python -m trainer.train` or `torchrun ... -m trainer.train` line), reads the
 step counter from its output, and between the two steps samples every thread of COMMAND's
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")

@@ -1,6 +1,6 @@
 """Peak resident memory of HF <-> DCP conversion and of the per-rank HF load, vs checkpoint size.
 
-    python scripts/bench_convert.py [--layers 16] [--dim 1024] [--repeats 3] [--out bench_convert.csv]
+    python scripts/bench/bench_convert.py [--layers 16] [--dim 1024] [--repeats 3] [--out bench_convert.csv]
 
 Builds a Llama 3 checkpoint of random weights (a flavor override, ~1 GB in fp32 with the
 defaults) in a temporary folder, then measures, each in a fresh process (peak = VmHWM, "added"
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from trainer.runtime import cli  # noqa: E402
 

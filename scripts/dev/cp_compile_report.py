@@ -2,7 +2,7 @@
 """The 128k CP recipes: the planner's per-device memory beside the deviceless compiles of their
 attention sublayer (tests/xla/probes/splash_cp.py, docs/context_parallel.md "128k recipes").
 
-    python scripts/cp_compile_report.py COMPILES.csv [--csv OUT.csv]
+    python scripts/dev/cp_compile_report.py COMPILES.csv [--csv OUT.csv]
 
 COMPILES.csv: the probe's `--csv` output (one row per case, named after the recipe). For each
 recipe row: the planner's whole-step total and usable HBM per device (tools/recipe_check.py
@@ -20,7 +20,7 @@ import csv
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from trainer.runtime import cli  # noqa: E402
 

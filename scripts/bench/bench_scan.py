@@ -15,7 +15,7 @@ median wall time and the median CPU time of the process per step (`time.process_
 one thread the CPU time is the robust number when other jobs take turns on the cores), the
 ratio of each variant's median to the unrolled one and the paired per-round ratios.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_scan.py --batch 8 --seq 512 --repeats 9
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_scan.py --batch 8 --seq 512 --repeats 9
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
 VARIANTS = ("graph", "graph_scan_flip", "graph_scan", "graph_scan_sel")

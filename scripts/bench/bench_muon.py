@@ -8,7 +8,7 @@ cosine), and runs the trainer's eager step over the same batches. Records per st
 loss, and per run the final validation loss, tokens/s of the whole step and the milliseconds of
 the optimizer's step alone. Writes a CSV of the curves and one of the summary; prints a table.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_muon.py --steps 150 \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_muon.py --steps 150 \\
         --out docs/results/muon_vs_adamw
 """
 
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
 from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402

@@ -1,6 +1,6 @@
 """Throughput of the `hf` Llama path vs the native Llama 3 family, same shape, side by side.
 
-    OMP_NUM_THREADS=1 python scripts/bench_hf_backend.py [--steps 8] [--repeats 3] [--out DIR]
+    OMP_NUM_THREADS=1 python scripts/bench/bench_hf_backend.py [--steps 8] [--repeats 3] [--out DIR]
 
 The shape is the debug recipe's (configs/llama3_debug.toml: Llama 3 debugmodel, seq 512, batch 8,
 bf16 parameters) unless overridden. The `hf` run trains `transformers`' LlamaForCausalLM built
@@ -21,7 +21,7 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from trainer.runtime import cli  # noqa: E402
 
 from trainer.runtime.device import cpu_model  # noqa: E402

@@ -7,7 +7,7 @@ kernel's bf16 calls take the AMX path, bf16 rows also time its AVX512-BF16 (`vdp
 (TITAN_CPU_ATTN_AMX=0) in the same rounds (columns vdp_*). Prints the CPU model, a table, and
 writes CSV.
 
-    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench_attention.py --out attention.csv
+    OMP_NUM_THREADS=2 .venv/bin/python scripts/bench/bench_attention.py --out attention.csv
 """
 
 import argparse
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 from titan_kernels import cpu_attention  # noqa: E402
 

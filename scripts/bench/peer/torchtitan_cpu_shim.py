@@ -1,6 +1,6 @@
 """Run TorchTitan 0.3.0's own trainer (`torchtitan.train.main`) with the changes it needs on a CPU.
 
-This file runs inside the peer venv (scripts/peer_env.sh), never in ours. It is the whole shim:
+This file runs inside the peer venv (scripts/bench/peer_env.sh), never in ours. It is the whole shim:
 
 1. **Device helpers.** `torchtitan.tools.utils` decides its device once, at import:
    `_get_available_device_type() or "cuda"`, so a machine without CUDA gets "cuda" and the trainer
@@ -21,9 +21,9 @@ This file runs inside the peer venv (scripts/peer_env.sh), never in ours. It is 
    when it is missing (on every device; TorchTitan 0.3.0 was cut against a newer nightly).
 
 Everything else (config system, model build, SelectiveAC, loss, AdamW, LR schedule, data loader,
-metrics, the train loop) is TorchTitan's own code. Usage (what scripts/reference_torchtitan.py runs):
+metrics, the train loop) is TorchTitan's own code. Usage (what scripts/bench/reference_torchtitan.py runs):
 
-    .venv-peer/bin/python scripts/peer/torchtitan_cpu_shim.py \
+    .venv-peer/bin/python scripts/bench/peer/torchtitan_cpu_shim.py \
         --module scripts.peer.torchtitan_cpu_shim --config llama3_debugmodel_sdpa \
         --hf-assets-path DIR --dataloader.dataset-path DIR [--section.key value ...]
 """
@@ -94,7 +94,7 @@ def llama3_debugmodel_sdpa():
 
 def main() -> None:
     # `--module scripts.peer.torchtitan_cpu_shim` must import this file by that name.
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[3])
     if repo not in sys.path:
         sys.path.insert(0, repo)
     point_device_helpers_at_cpu()

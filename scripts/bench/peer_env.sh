@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build the peer venv for scripts/reference_torchtitan.py: TorchTitan 0.3.0 with the same torch as ours.
+# Build the peer venv for scripts/bench/reference_torchtitan.py: TorchTitan 0.3.0 with the same torch as ours.
 #
-#   bash scripts/peer_env.sh            # makes .venv-peer/ in the repository root
-#   PEER_VENV=/tmp/ttv bash scripts/peer_env.sh
+#   bash scripts/bench/peer_env.sh            # makes .venv-peer/ in the repository root
+#   PEER_VENV=/tmp/ttv bash scripts/bench/peer_env.sh
 #
 # The peer lives in its own venv because TorchTitan pins its own dependencies (tyro, torchdata,
 # tokenizers, ...); it must never be installed into the project's .venv. torch is pinned to the
@@ -10,7 +10,7 @@
 # the CPU wheel (the +cpu build from the local wheel cache when there is one). Set PEER_TORCH to pin
 # another build, e.g. PEER_TORCH="torch==2.13.0" with PIP_INDEX_URL pointing at a CUDA index on a GPU host.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 venv="${PEER_VENV:-.venv-peer}"
 torch_spec="${PEER_TORCH:-torch==2.13.0}"
 python="${PYTHON:-python3}"

@@ -18,7 +18,7 @@ device and training step (forward + backward = 3x the forward matmul FLOPs, all 
 `dispatch_combine_static` on CPU thread ranks and counts the rows its experts are given, next
 to the old dispatch's `ep x M` rows. Writes CSV with `--csv`.
 
-    python scripts/moe_dispatch_cost.py [--measure] [--csv out.csv]
+    python scripts/bench/moe_dispatch_cost.py [--measure] [--csv out.csv]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import csv
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from trainer.runtime import cli  # noqa: E402
 
 from models.qwen3 import FLAVORS  # noqa: E402
@@ -69,7 +69,7 @@ def measure_debug(routing_seed: int = 0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallelisms.expert_parallel import dispatch_combine_static
-    from tests.support.parallel_harness import run_threads
+    from tools.thread_world import run_threads
 
     args = FLAVORS["debugmodel_moe"]
     ep, tokens, top_k, num_experts = 2, 8 * 512, args.num_experts_per_tok, args.num_experts

@@ -1,14 +1,14 @@
 """The peer harness: run TorchTitan 0.3.0's own trainer at its llama3 debug shape and report it like ours.
 
-Runs in the peer venv (`bash scripts/peer_env.sh` builds `.venv-peer/`), not in ours:
+Runs in the peer venv (`bash scripts/bench/peer_env.sh` builds `.venv-peer/`), not in ours:
 
-    OMP_NUM_THREADS=2 .venv-peer/bin/python scripts/reference_torchtitan.py \
+    OMP_NUM_THREADS=2 .venv-peer/bin/python scripts/bench/reference_torchtitan.py \
         --dump-folder outputs/peer/tt --steps 20 --warmup 5 --out tt.csv
 
 What it runs is `torchtitan.train.main` (TorchTitan's entry point, config system and `Trainer`) on its
 `llama3_debugmodel` config (dim 256, 6 layers, 16 heads, 16 kv heads, FFN 768, vocab 2048, fused
 QKV, SelectiveAC, AdamW lr 8e-4, bf16 mixed precision; seq 2048, batch 8), launched with torchrun as
-TorchTitan's run_train.sh does, through scripts/peer/torchtitan_cpu_shim.py (the two changes the CPU
+TorchTitan's run_train.sh does, through scripts/bench/peer/torchtitan_cpu_shim.py (the two changes the CPU
 needs: its device helpers and its SDPA attention module; the shim's docstring says why). Per run:
 
 1. Assets: TorchTitan's debug config reads a Hugging Face tokenizer and the `c4_test` JSON dataset
@@ -40,8 +40,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SHIM = REPO / "scripts" / "peer" / "torchtitan_cpu_shim.py"
+REPO = Path(__file__).resolve().parents[2]
+SHIM = REPO / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py"
 PEER_MODULE, PEER_CONFIG = "scripts.peer.torchtitan_cpu_shim", "llama3_debugmodel_sdpa"
 PEER_VOCAB = 2048  # TorchTitan 0.3.0 llama3 `_debugmodel`: vocab_size=2048
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")

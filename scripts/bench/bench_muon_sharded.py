@@ -15,7 +15,7 @@ all-to-alls together; the one all-gather) and
 the whole matrices it holds at once, and the max |difference| of the two results. Prints a table
 and writes a CSV.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_muon_sharded.py --ranks 2,4 \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_muon_sharded.py --ranks 2,4 \\
         --out docs/results/muon_sharded
 """
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
 import torch  # noqa: E402

@@ -14,7 +14,7 @@ compile caches disabled, so each compile time is a cold compile. Prints a table,
 (--out), and checks the two targets: graph_scan compile at the largest n_layers <= 1.5 x at
 the smallest, and graph step time <= eager step time (`vs_eager`, each n_layers).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_compile.py --out results.csv
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_compile.py --out results.csv
 
 compile_s of `compile` is (first step - steady step): per-block compilation happens lazily
 inside the first step. The CPU busy fraction (from /proc/stat, other processes included) is
@@ -35,10 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ("eager", "compile", "graph", "graph_scan")
 
 

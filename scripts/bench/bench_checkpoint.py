@@ -9,7 +9,7 @@ adds the same disk time to both the hash and the DCP load. Prints a table and wr
 are the minimum over the repeats: on a shared machine other processes only ever add time (the
 load average is printed with the results).
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_checkpoint.py --sizes debug,2.5 --out ckpt.csv
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_checkpoint.py --sizes debug,2.5 --out ckpt.csv
 
 Sizes: `debug` (the Llama 3 debug model of configs/llama3_debug.toml) or a number of GB of
 checkpoint (a stack of square fp32 Linear layers).
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 from trainer import checkpoint as ckpt  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU benchmark (CUDA): the debug recipe and a Llama 3 8B-shaped model with fewer
 # layers, eager vs torch.compile vs graph vs graph + scan, through scripts/benchmark.py.
-# Usage: OUT=results_dir bash scripts/bench_gpu.sh   (results: $OUT/*.csv, $OUT/*.log)
+# Usage: OUT=results_dir bash scripts/bench/bench_gpu.sh   (results: $OUT/*.csv, $OUT/*.log)
 set -uo pipefail
 OUT="${OUT:-outputs/bench_gpu}"
 mkdir -p "$OUT"

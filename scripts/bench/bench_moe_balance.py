@@ -13,7 +13,7 @@ layers; trainer/optim/expert_balance.py) and the LM loss; per variant the mean M
 half of the run, the final max/mean load ratio, the training loss (last 10 steps), the
 validation loss and tokens/s. Writes `<out>_curves.csv` and `<out>.csv`; prints a table.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_moe_balance.py --steps 200 \\
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_moe_balance.py --steps 200 \\
         --out docs/results/moe_balance
 """
 
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 
 from models.common.moe import MoE  # noqa: E402

@@ -13,7 +13,7 @@ counts) and times `next_batch` over `--steps` calls, tokenization and file readi
 The per-rank time per step should stay flat with D when sharded, and grow ~D-fold for the
 whole stream. Each number is the median over `--repeats` runs. Prints a table, writes CSV.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_data.py --worlds 1,2,4 --out data.csv
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/bench_data.py --worlds 1,2,4 --out data.csv
 
 Default shape: the debug recipe's (configs/llama3_debug.toml: bundled corpus, seq_len 512,
 local batch 8, 200 steps).
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trainer.runtime import cli  # noqa: E402
 from trainer.data import TokenLoader, build_dataloader, resolve_dataset  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402

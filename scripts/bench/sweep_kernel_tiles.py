@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Sweep the Pallas kernels' tiles per TPU generation and write the table they read.
 
-    python scripts/sweep_kernel_tiles.py --mode list    [--generation GEN ...] [--kernel gmm|fused_ce ...]
-    python scripts/sweep_kernel_tiles.py --mode compile [--generation GEN ...] [--out FILE]   (no TPU)
-    python scripts/sweep_kernel_tiles.py --mode time    [--out FILE]                         (on a TPU VM)
+    python scripts/bench/sweep_kernel_tiles.py --mode list    [--generation GEN ...] [--kernel gmm|fused_ce ...]
+    python scripts/bench/sweep_kernel_tiles.py --mode compile [--generation GEN ...] [--out FILE]   (no TPU)
+    python scripts/bench/sweep_kernel_tiles.py --mode time    [--out FILE]                         (on a TPU VM)
 
 For each kernel, generation and shape (the recipes' by default: the MoE experts' K x N at
 `--gmm-rows` token copies and `--groups` experts; the loss heads' hidden sizes at `--ce-rows`
@@ -40,7 +40,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))
 import tiles  # noqa: E402  (pure Python; the kernels import it the same way in the probes)
 
@@ -190,7 +190,7 @@ def write_table(path: Path, picks: dict, sources: dict) -> None:
     table.setdefault("source", {}).update(sources)
     tiles.check_table(table)
     lines = ["# Block sizes of the Pallas kernels per TPU generation (read by titan_kernels/tpu/tiles.py; the rule",
-             "# for shapes not listed is in its docstring). Written by scripts/sweep_kernel_tiles.py.",
+             "# for shapes not listed is in its docstring). Written by scripts/bench/sweep_kernel_tiles.py.",
              "# gmm: shape class \"KxN\" -> [tm, tk, tn]; fused_ce: \"d<dim>\" -> [block_n, block_v].", "",
              "[source]"]
     lines += [f"{gen} = {json.dumps(text)}" for gen, text in table["source"].items()]

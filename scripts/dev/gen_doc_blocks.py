@@ -1,7 +1,7 @@
 """Write the generated blocks of README.md and docs/training.md from the code they describe.
 
-    python scripts/gen_doc_blocks.py            # rewrite the blocks
-    python scripts/gen_doc_blocks.py --check    # exit 1 if a block is stale (used by tests/unit/test_docs.py)
+    python scripts/dev/gen_doc_blocks.py            # rewrite the blocks
+    python scripts/dev/gen_doc_blocks.py --check    # exit 1 if a block is stale (used by tests/unit/test_docs.py)
 
 A block sits between `<!-- BEGIN generated:NAME ... -->` and `<!-- END generated:NAME -->`;
 only its inside is rewritten. The blocks:
@@ -26,7 +26,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 WIDTH = 100
@@ -40,9 +40,10 @@ FOLDERS = {
     "constraints": "dev.txt: the CPU/GPU venv's lock (every package of the [dev] tree, exact), used by "
                    "scripts/env.sh for .venv; tpu.txt: the TPU stack's exact pins (torch CPU build, torch-tpu, "
                    "libtpu, jax), used by scripts/env.sh tpu (docs/tpu.md)",
-    "scripts": "train.sh, test.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, convert.py (HF <-> DCP), "
-               "sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders, bench_*.py, "
-               "the doc generators",
+    "scripts": "the commands a user runs: train.sh, test.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, "
+               "convert.py (HF <-> DCP), sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders; "
+               "bench/: the single-purpose benchmarks (bench_*.py), the TorchTitan peer of benchmark.py --peer, "
+               "the TPU kernel tile sweep; dev/: the doc generators and other developer tools",
     "tests": "pytest, CPU only by default (markers for multi-process, slow, tpu, cuda); toy_family.py is "
              "a model family defined outside models/; tests/xla is the XLA tier (its own venvs)",
     "examples": "grpo_debug.py: GRPO on the debug Llama 3 through the engine API (docs/engine.md)",
@@ -101,7 +102,7 @@ def render_layout() -> str:
     folders = _top_level_folders()
     unknown = [f for f in folders if f not in ORDER]
     if unknown:
-        raise SystemExit(f"scripts/gen_doc_blocks.py: top-level folder(s) {unknown} have no layout line; "
+        raise SystemExit(f"scripts/dev/gen_doc_blocks.py: top-level folder(s) {unknown} have no layout line; "
                          "add them to ORDER (and to FOLDERS unless they are Python packages)")
     out = ["```"]
     for name in ORDER:
@@ -206,7 +207,7 @@ def main() -> int:
             if not check:
                 path.write_text(new)
     if check and stale:
-        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/gen_doc_blocks.py", file=sys.stderr)
+        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/dev/gen_doc_blocks.py", file=sys.stderr)
         return 1
     return 0
 
