@@ -310,7 +310,7 @@ def _half_then_fail(code: int):
 
 @pytest.mark.parametrize("code", ERRNOS)
 def test_failed_flux_data_builds_leave_nothing_and_say_why(tmp_path, monkeypatch, capsys, code):
-    from trainer.flux_data import build as flux_build
+    from trainer.flux_data import build as fb
 
     spec = importlib.util.spec_from_file_location("build_flux_data",
                                                   Path(__file__).parents[2] / "scripts" / "build_flux_data.py")
@@ -323,7 +323,7 @@ def test_failed_flux_data_builds_leave_nothing_and_say_why(tmp_path, monkeypatch
     assert err == f"error: writing FLUX data set {out} failed: {os.strerror(code)}; nothing was left at the destination\n"
     assert os.listdir(tmp_path / "sets") == []
     # the shared cache the trainer builds into: no half-built set, no temporary folder left
-    monkeypatch.setattr(flux_build, "build_dataset", _half_then_fail(code))
+    monkeypatch.setattr(fb, "build_dataset", _half_then_fail(code))
     with pytest.raises(WriteFailed, match=f"building the FLUX data set in .* failed: {os.strerror(code)}; its partial"):
-        flux_build.ensure_procedural_dataset(cache_root=str(tmp_path / "cache"), log=lambda msg: None)
+        fb.ensure_procedural_dataset(cache_root=str(tmp_path / "cache"), log=lambda msg: None)
     assert [p for p in os.listdir(tmp_path / "cache") if not p.endswith(".lock")] == []
