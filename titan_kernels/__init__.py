@@ -36,6 +36,9 @@ from models.errors import ConfigError
 from titan_kernels.tpu.selfcheck import KernelShapes
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_kernel", "splash")
+ATTENTION_DEVICES = {"cpu_kernel": "cpu", "splash": "tpu"}
+"""The backends that serve one device type only; the step plan's RULES (trainer/step/plan.py)
+refuse them on any other before anything is built."""
 
 _SAVED_OPS: set = set()
 
@@ -47,23 +50,26 @@ def check_attention_backend(backend: str) -> None:
                           f"allowed: {', '.join(ATTENTION_BACKENDS)}")
 
 
+def attention_backends_for(device_type: str) -> tuple[str, ...]:
+    """The `[model] attn_backend` values that can serve a `device_type` run."""
+    return tuple(b for b in ATTENTION_BACKENDS if ATTENTION_DEVICES.get(b, device_type) == device_type)
+
+
 def check_attention_for(attention: str, device_type: str) -> None:
-    """ConfigError unless `[model] attn_backend = attention` can serve a `device_type` run."""
+    """ConfigError unless `attention` is a backend; a backend for another device is refused by
+    the step plan's RULES (`model.attn_backend`) first, so here it is an internal check."""
     check_attention_backend(attention)
-    if attention == "cpu_kernel" and device_type != "cpu":
-        raise ConfigError(f"model.attn_backend: cpu_kernel runs on the CPU only, not on {device_type}; "
-                          f"allowed here: {'auto, sdpa, splash' if device_type == 'tpu' else 'auto, sdpa'}")
-    if attention == "splash" and device_type != "tpu":
-        raise ConfigError(f"model.attn_backend: splash runs on TPU only, not on {device_type}; "
-                          f"allowed here: {'auto, sdpa, cpu_kernel' if device_type == 'cpu' else 'auto, sdpa'}")
+    assert attention in attention_backends_for(device_type), (
+        f"attn_backend {attention} on {device_type}: the step plan's RULES refuse it first")
 
 
 def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = None,
            head_dim: int | None = None, shapes: KernelShapes | None = None) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
 
-    ConfigError where the asked-for backend cannot serve this device (`cpu_kernel` off the CPU,
-    `splash` off TPU, or a kernel that cannot be built or loaded here); `auto` falls back to
+    ConfigError where the asked-for kernel cannot be built or loaded here (a backend for another
+    device, `cpu_kernel` off the CPU or `splash` off TPU, is refused by the step plan's RULES
+    before this runs, and asserted here); `auto` falls back to
     SDPA and says why. The ops without a backend setting (`grouped_mm`,
     `linear_cross_entropy`) get their TPU kernels on TPU and their references elsewhere.
     On TPU a kernel that fails its start-up self-check (titan_kernels/tpu/selfcheck.py) is replaced

@@ -79,6 +79,13 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
     model args and the batch split when known)."""
+    tp_refusal = None
+    if cfg.model.name == "hf":  # its TP plan is translated from the transformers model's (models/hf/plan.py)
+        from models.hf.plan import tp_refusal as hf_tp_refusal
+        from trainer.config import model_args
+
+        m = cfg.model
+        tp_refusal = hf_tp_refusal(model_args(m.name, m.flavor, {**m.overrides, "hf_config": m.hf_config})[1])
     return StepRequest(
         mode=cfg.compile.mode, backend=cfg.compile.backend, scan_layers=cfg.compile.scan_layers,
         ac_mode=cfg.activation_checkpoint.mode, loss_parallel=cfg.parallelism.enable_loss_parallel,
@@ -91,7 +98,8 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         qk_clip=cfg.optimizer.qk_clip_tau > 0,
         optimizer=cfg.optimizer.name, muon_exclude=tuple(cfg.optimizer.muon_exclude),
         moe_routing=cfg.moe.routing, routing_benchmark_only=cfg.moe.routing_benchmark_only,
-        model_has_experts=model_has_experts, grad_accum=grad_accum)
+        model_has_experts=model_has_experts, grad_accum=grad_accum, attn_backend=cfg.model.attn_backend,
+        tp_refusal=tp_refusal, flow_shift=cfg.flow.shift, flow_resolution_shift=cfg.flow.resolution_shift)
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:

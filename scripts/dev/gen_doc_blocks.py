@@ -1,4 +1,4 @@
-"""Write the generated blocks of README.md and docs/training.md from the code they describe.
+"""Write the generated blocks of README.md and docs/rules.md from the code they describe.
 
     python scripts/dev/gen_doc_blocks.py            # rewrite the blocks
     python scripts/dev/gen_doc_blocks.py --check    # exit 1 if a block is stale (used by tests/unit/test_docs.py)
@@ -12,8 +12,11 @@ only its inside is rewritten. The blocks:
   Python packages (and tests/) have their line in FOLDERS below; a top-level folder missing from
   ORDER is an error.
 - README.md `sections`: the recipe sections and their keys (`trainer.config.field_docs`).
-- docs/training.md `rules`: the step plan's refusal table (`trainer.step.plan.RULES`): the key,
-  when the rule refuses (its predicate over `StepRequest` fields, as written) and the message.
+- docs/rules.md `rules`: the step plan's refusal table (`trainer.step.plan.RULES`): the key,
+  when the rule refuses (its `when` text, and its predicate over `StepRequest` fields as
+  written) and what its message allows.
+- docs/rules.md `build_checks`: the refusals made where a built model, the mesh or the host is
+  known (`trainer.step.checks.BUILD_CHECKS`): the key, the function, what it refuses.
 """
 
 from __future__ import annotations
@@ -156,8 +159,7 @@ def _predicates() -> list[str]:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "RULES":
             out = []
             for call in node.value.elts:
-                lam = call.args[1]
-                assert isinstance(lam, ast.Lambda), ast.dump(call)
+                (lam,) = [a for a in call.args if isinstance(a, ast.Lambda)]
                 out.append(re.sub(r"\br\.", "", ast.unparse(lam.body)))
             return out
     raise SystemExit("trainer/step/plan.py: no RULES table")
@@ -168,11 +170,23 @@ def render_rules() -> str:
 
     predicates = _predicates()
     assert len(predicates) == len(RULES), (len(predicates), len(RULES))
-    out = ["| # | key | refused when (`StepRequest` fields) | message after `error: key:` |", "|---|---|---|---|"]
-    for i, (rule, when) in enumerate(zip(RULES, predicates), 1):
-        why = rule.why.format(r=_Placeholders()).replace("|", "\\|")
-        when = when.replace("|", "\\|")
-        out.append(f"| {i} | `{rule.key}` | `{when}` | {why} |")
+    out = ["| # | key | refused when | allowed (the message's end) | test over `StepRequest` fields |",
+           "|---|---|---|---|---|"]
+    for i, (rule, predicate) in enumerate(zip(RULES, predicates), 1):
+        why = rule.why.format(r=_Placeholders())
+        allowed = why[why.rindex("allowed"):]  # every message ends in what is allowed (tests/unit/test_step_plan.py)
+        cells = [f"`{rule.key}`", rule.when, allowed, f"`{predicate}`"]
+        out.append(f"| {i} | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out)
+
+
+def render_build_checks() -> str:
+    from trainer.step.checks import BUILD_CHECKS
+
+    out = ["| key | where | refuses |", "|---|---|---|"]
+    for check in BUILD_CHECKS:
+        cells = [f"`{check.key}`", f"`{check.where}`", check.what]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out)
 
 
@@ -180,7 +194,7 @@ def render_rules() -> str:
 
 BLOCKS = {
     "README.md": {"layout": render_layout, "sections": render_sections},
-    "docs/training.md": {"rules": render_rules},
+    "docs/rules.md": {"rules": render_rules, "build_checks": render_build_checks},
 }
 
 

@@ -207,12 +207,8 @@ def test_config_errors(tmp_path):
                                                      ("model.hf_config", str(tmp_path / "nope"))])
     with pytest.raises(ConfigError, match=r"^model.hf_config: .*nope.* is not a config.json"):
         resolve_model_args(cfg.model, seq_len=32)
-    phi3 = write_config(str(tmp_path), "phi3")
-    with pytest.raises(ConfigError, match=r"^parallelism.tensor_parallel_degree: Phi3ForCausalLM's "
-                                          r"base_model_tp_plan uses style 'colwise_gather_output'"):
-        build_config("configs/llama3_debug.toml", [("model.name", "hf"), ("model.flavor", "config"),
-                                                   ("model.hf_config", phi3),
-                                                   ("parallelism.tensor_parallel_degree", "2")])
+    # TP with an architecture whose plan does not translate: a step-plan rule, refused by plan_job
+    # (tests/unit/test_step_plan.py::test_tp_on_an_hf_model_without_a_plan_is_a_rule).
 
 
 def test_bad_hf_config_is_one_error_line(tmp_path):

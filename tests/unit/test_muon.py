@@ -432,7 +432,9 @@ def test_bad_muon_config(overrides, pattern):
 
 
 def test_qk_clip_needs_muon_and_no_qk_norm():
-    with pytest.raises(ConfigError, match=r"optimizer.qk_clip_tau: .*allowed: 0, or optimizer.name"):
+    """Without Muon: a rule of the step plan (tests/unit/test_step_plan.py), asserted here; qk_norm
+    needs the built model (trainer/step/checks.py BUILD_CHECKS)."""
+    with pytest.raises(AssertionError, match="RULES refuse it first"):
         build_optimizer_for(_model(args=llama3_args(1)), name="adamw", lr=1e-3, betas=BETAS, eps=EPS,
                             weight_decay=0.0, qk_clip_tau=100.0)
     qwen = Qwen3(dataclasses.replace(QWEN3_FLAVORS["debugmodel"], n_layers=1, max_seq_len=16))
@@ -476,13 +478,15 @@ def test_graph_step_matches_eager(scan):
     assert step.capture.num_graphs == 1
 
 
-def test_graph_step_refuses_qk_clip():
+def test_graph_step_asserts_no_qk_clip():
+    """QK clip in graph mode is refused by the step plan's RULES (test_qk_clip_rules_refuse_before_building);
+    the graph step asserts it."""
     from tests.support.graph_common import build_model
     from trainer.graph import build_graph_step
 
     model = build_model(1)
     opt = build_muon(model, **MUON_KW, qk_clip_tau=100.0)
-    with pytest.raises(ConfigError, match=r"optimizer.qk_clip_tau: QK clip runs in the eager step only"):
+    with pytest.raises(AssertionError, match="RULES refuse it first"):
         build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager")
 
 
@@ -689,9 +693,11 @@ def test_qk_clip_simple_fsdp_two_ranks_equal_one_process():
      r"optimizer.qk_clip_tau: > 0 runs in the eager step only"),
     ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("parallelism.context_parallel_degree", "2")],
      r"optimizer.qk_clip_tau: > 0 with context parallelism is not implemented"),
+    ([("optimizer.qk_clip_tau", "100")], r"optimizer.qk_clip_tau: > 0 is MuonClip, part of the Muon step"),
 ])
 def test_qk_clip_rules_refuse_before_building(overrides, pattern):
-    """The step plan's RULES refuse QK clip with graph mode and with CP (read before anything is built)."""
+    """The step plan's RULES refuse QK clip without Muon, with graph mode and with CP (read before
+    anything is built)."""
     from trainer.job import plan_job
 
     cfg = build_config("configs/llama3_debug.toml", overrides)

@@ -202,7 +202,12 @@ def test_linear_cross_entropy_compiles_fullgraph():
 
 
 def test_splash_is_tpu_only():
-    with pytest.raises(ConfigError, match="splash runs on TPU only"):
+    """A rule of the step plan (tests/unit/test_step_plan.py), asserted by `select`."""
+    from trainer.step import StepRequest, refusals
+
+    assert refusals(StepRequest(attn_backend="splash")) == [
+        "model.attn_backend: splash runs on TPU only, not on cpu; allowed here: auto, sdpa, cpu_kernel"]
+    with pytest.raises(AssertionError, match="RULES refuse it first"):
         titan_kernels.select(attention="splash", device=torch.device("cpu"))
 
 

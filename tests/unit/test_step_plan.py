@@ -6,6 +6,7 @@ the rule table (`RULES`) the trainer, the engine and the planner read.
 """
 
 import pytest
+import torch
 
 from models.errors import ConfigError
 from trainer.step import RULES, plan_step, refusals, resolve_backend, StepRequest
@@ -114,13 +115,139 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(moe_routing="top1"), StepRequest(moe_routing="random"),
         StepRequest(moe_routing="random", model_has_experts=False),
         StepRequest(moe_routing="random", routing_benchmark_only=True, grad_accum=2),
+        StepRequest(attn_backend="cpu_kernel", device_type="tpu"), StepRequest(attn_backend="splash"),
+        StepRequest(tp_degree=2, tp_refusal="no plan"), StepRequest(qk_clip=True, optimizer="adamw"),
+        StepRequest(flow_shift=3.0, flow_resolution_shift=True),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]
     for rule in RULES:
         section, key = rule.key.split(".")
         assert key in sections[section], rule.key
+        assert rule.when and "allowed" in rule.why, rule  # `key: what is wrong; allowed: ...`
     assert refusals(StepRequest()) == []
+
+
+def _cfg(recipe="configs/llama3_debug.toml", **overrides):
+    from trainer.config import build_config
+
+    return build_config(recipe, [(k.replace("__", "."), v) for k, v in overrides.items()])
+
+
+@pytest.mark.parametrize("overrides, device_type, pattern", [
+    # QK clip is part of the Muon step (was trainer/optim/build.py).
+    (dict(optimizer__qk_clip_tau="100"), "cpu",
+     r'^optimizer\.qk_clip_tau: > 0 is MuonClip, part of the Muon step; optimizer\.name is \'adamw\'; '
+     r'allowed: 0, or optimizer\.name = "muon"$'),
+    (dict(optimizer__name="muon", optimizer__qk_clip_tau="100", compile__mode="graph"), "cpu",
+     r"^optimizer\.qk_clip_tau: > 0 runs in the eager step only .*; allowed with compile\.mode = \"graph\": 0$"),
+    # Attention kernels that serve one device (was titan_kernels/__init__.py).
+    (dict(model__attn_backend="splash"), "cpu", r"^model\.attn_backend: splash runs on TPU only, not on cpu; "
+                                                r"allowed here: auto, sdpa, cpu_kernel$"),
+    (dict(model__attn_backend="splash"), "cuda", r"^model\.attn_backend: splash .* allowed here: auto, sdpa$"),
+    (dict(model__attn_backend="cpu_kernel"), "tpu", r"^model\.attn_backend: cpu_kernel runs on the CPU only, not "
+                                                    r"on tpu; allowed here: auto, sdpa, splash$"),
+    # Two keys of [flow] (was trainer/config/load.py).
+    (dict(flow__shift="3", flow__resolution_shift="true"), "cpu",
+     r"^flow\.shift: 3\.0 with flow\.resolution_shift = true sets the shift twice; allowed: 1\.0 with "),
+])
+def test_moved_refusals_are_rules_with_one_message(overrides, device_type, pattern):
+    """Refusals that lived in other modules are rules: `plan_job` refuses them with one message
+    naming the key (the `error:` line), and `refusals` lists exactly that one."""
+    import re
+
+    from trainer.config import resolve_model_args
+    from trainer.job import plan_job, step_request
+
+    recipe = "configs/flux_debug.toml" if "flow__shift" in overrides else "configs/llama3_debug.toml"
+    cfg = _cfg(recipe, **overrides)  # the config loads: only the rules refuse it
+    with pytest.raises(ConfigError, match=pattern) as e:
+        plan_job(cfg, world_size=1, device_type=device_type)
+    assert "\n" not in str(e.value)
+    family, _ = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    found = refusals(step_request(cfg, family, device_type=device_type))
+    assert len(found) == 1 and re.match(pattern, found[0]), found
+
+
+def test_tp_on_an_hf_model_without_a_plan_is_a_rule(tmp_path):
+    """TP with an hf-backend architecture whose TP plan does not translate (was
+    trainer/config/load.py): the config loads, `plan_job` refuses, with the reason of
+    models/hf/plan.py `tp_refusal`; at TP 1 the same model plans."""
+    pytest.importorskip("transformers")
+    from tests.support.hf_configs import write_config
+    from trainer.job import plan_job
+
+    phi3 = write_config(str(tmp_path), "phi3")
+    hf = dict(model__name="hf", model__flavor="config", model__hf_config=phi3)
+    cfg = _cfg(**hf, parallelism__tensor_parallel_degree="2")
+    with pytest.raises(ConfigError, match=r"^parallelism\.tensor_parallel_degree: Phi3ForCausalLM's "
+                                          r"base_model_tp_plan uses style 'colwise_gather_output'.*; "
+                                          r"allowed for this model: 1$"):
+        plan_job(cfg, world_size=2, device_type="cpu")
+    plan_job(_cfg(**hf), world_size=1, device_type="cpu")
+
+
+def test_rule_messages_name_the_registry_s_document_mask_families():
+    """The families a message names as having `ModelFamily.document_mask` are the registry's
+    (computed: adding a family updates them)."""
+    import re
+
+    from models import FAMILIES
+
+    registry = {name for name, family in FAMILIES.items() if family.document_mask}
+    named = [rule for rule in RULES if "ModelFamily.document_mask" in rule.why]
+    assert len(named) == 2, [r.key for r in named]
+    for rule in named:
+        listed = re.search(r"ModelFamily\.document_mask: ([^;)]*)", rule.why).group(1)
+        assert set(listed.split(", ")) == registry, (rule.key, listed)
+
+
+def test_old_sites_assert_what_the_rules_refuse():
+    """Where a moved refusal is re-checked after the rules ran, it is an internal assert."""
+    import titan_kernels
+    from trainer.optim import build_optimizer_for
+
+    with pytest.raises(AssertionError, match="RULES"):
+        titan_kernels.check_attention_for("splash", "cpu")
+    with pytest.raises(AssertionError, match="RULES"):
+        build_optimizer_for(torch.nn.Linear(2, 2), name="adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.0, qk_clip_tau=100.0)
+
+
+def _names_key(module, source: str, key: str) -> bool:
+    """`source` names `key`: literally, or through a module constant holding it (`CP_KEY`, `_KEYS[...]`)."""
+    import re
+
+    if key in source:
+        return True
+    for name, value in vars(module).items():
+        holds = value == key if isinstance(value, str) else isinstance(value, dict) and key in value.values()
+        if holds and re.search(rf"\b{re.escape(name)}\b", source):
+            return True
+    return False
+
+
+def test_build_checks_name_functions_that_refuse_their_key():
+    """Each entry of BUILD_CHECKS names a function that exists and raises a ConfigError naming
+    the entry's key (read from its source)."""
+    import importlib
+    import inspect
+    import re
+
+    from trainer.step.checks import BUILD_CHECKS
+
+    assert len({(c.key, c.where) for c in BUILD_CHECKS}) == len(BUILD_CHECKS)
+    for check in BUILD_CHECKS:
+        module_name, _, path = check.where.partition(":")
+        module = importlib.import_module(module_name)
+        obj = module
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        source = inspect.getsource(obj)
+        raised = [getattr(module, name, None) for name in re.findall(r"raise (\w+)\(", source)]
+        assert any(isinstance(e, type) and issubclass(e, ConfigError) for e in raised), check.where
+        assert _names_key(module, source, check.key), (check.key, check.where)
+        assert check.what, check
 
 
 def test_context_parallel_chunks_hold_whole_splash_tiles_on_tpu():

@@ -240,17 +240,16 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
-    f = cfg.flow
-    if f.resolution_shift and f.shift != 1.0:
-        raise ConfigError(f"flow.shift: {f.shift} with flow.resolution_shift = true; set one of them "
-                          "(shift = 1.0 with resolution_shift, or resolution_shift = false)")
     _validate_hf_config(cfg)
-    # Combinations (mode x parallelism x model x device x caller) are refused by one table,
+    # Combinations (mode x parallelism x model x device x caller, `flow.shift` x
+    # `flow.resolution_shift`, TP x an hf model's plan, ...) are refused by one table,
     # trainer/step/plan.py RULES, once the device and the mesh are known (trainer.job.plan_job).
 
 
 def _validate_hf_config(cfg: Config) -> None:
-    """`model.hf_config` goes with `model.name = "hf"` (both ways), and TP needs the model's own plan."""
+    """`model.hf_config` goes with `model.name = "hf"` (both ways): it decides which family and
+    args there are, so it is checked here, before a step request can be made. (TP with an hf
+    model whose plan does not translate is a rule, trainer/step/plan.py.)"""
     m = cfg.model
     if m.hf_config and m.name != "hf":
         raise ConfigError(f"model.hf_config: only used with model.name = \"hf\" (got {m.name!r}); "
@@ -260,13 +259,6 @@ def _validate_hf_config(cfg: Config) -> None:
     if not m.hf_config:
         raise ConfigError('model.hf_config: required with model.name = "hf"; allowed: a local directory '
                           "holding config.json, or a config.json file")
-    if cfg.parallelism.tensor_parallel_degree > 1:
-        from models.hf.plan import tp_refusal
-
-        _, args = model_args(m.name, m.flavor, {**m.overrides, "hf_config": m.hf_config})
-        reason = tp_refusal(args)
-        if reason is not None:
-            raise ConfigError(f"parallelism.tensor_parallel_degree: {reason}; allowed for this model: 1")
 
 
 def model_args(name: str, flavor: str, overrides: typing.Mapping[str, Any] = {}):

@@ -129,8 +129,9 @@ class TrainingConfig:
     """LM task: attention never crosses a document boundary inside a packed window. The loader
     emits each window's document ids (a new document starts after each EOS token), the model
     passes them to every attention call (a block-diagonal causal mask: SDPA on CPU/GPU, splash
-    with segment ids on TPU). The loss and the data order are unchanged. Llama 3 and Qwen 3 only
-    (docs/data.md#document-masking)."""
+    with segment ids on TPU). The loss and the data order are unchanged. Families with
+    `ModelFamily.document_mask` only: the step plan's rule names them (docs/rules.md,
+    docs/data.md#document-masking)."""
     document_positions: str = field(default="global", metadata=_choices(*DOCUMENT_POSITIONS))
     """RoPE positions with `document_mask`: global = the token's place in the packed window
     (0..seq_len-1, as without masking); restart = its place in its own document (0 at each
@@ -222,8 +223,9 @@ class ParallelismConfig:
     all-gathered over cp for attention and the loss normalised by the global token count
     (docs/context_parallel.md). The cp ranks of a data-parallel group read the same rows;
     SimpleFSDP shards parameters over dp_shard x cp. `training.seq_len` must divide by
-    2 x cp (and by 2 x cp x tp with tensor parallelism). LM models that take RoPE positions
-    (llama3, qwen3 dense and MoE) only: not FLUX, the hf backend or the RL engine."""
+    2 x cp (and by 2 x cp x tp with tensor parallelism). LM families that take RoPE positions
+    (`ModelFamily.document_mask`: the step plan's rule names them, docs/rules.md) only: not FLUX,
+    the hf backend or the RL engine."""
     enable_loss_parallel: bool = False
     """With TP, compute the cross entropy on vocab-sharded logits instead of gathering them."""
 

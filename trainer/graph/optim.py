@@ -63,9 +63,7 @@ def _is_muon(optimizer: torch.optim.Optimizer) -> bool:
 def check_adamw(optimizer: torch.optim.Optimizer) -> None:
     """The graph step implements AdamW's default variant and Muon only; say so early."""
     if _is_muon(optimizer):
-        if optimizer.qk_clip is not None:
-            raise ConfigError("optimizer.qk_clip_tau: QK clip runs in the eager step only (the captured step does "
-                              "not track max logits); allowed: 0 with compile.mode = \"graph\"")
+        assert optimizer.qk_clip is None, "QK clip in graph mode: the step plan's RULES refuse it first"
         return
     if not isinstance(optimizer, torch.optim.AdamW):
         raise ConfigError(f"optimizer: graph mode implements AdamW and Muon, got {type(optimizer).__name__}; "

@@ -15,9 +15,6 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from models.errors import ConfigError
-
-
 _FUSED_DEVICES = ("cpu", "cuda")
 
 
@@ -55,9 +52,8 @@ def build_optimizer_for(model, *, name: str, lr: float, betas, eps: float, weigh
     `qk_clip_tau` > 0: MuonClip, trainer/optim/qk_clip.py).
     """
     assert name in OPTIMIZERS, name
-    if qk_clip_tau > 0 and name != "muon":
-        raise ConfigError(f"optimizer.qk_clip_tau: QK clip is MuonClip, part of the Muon step; got name = {name!r}; "
-                          "allowed: 0, or optimizer.name = \"muon\"")
+    assert not (qk_clip_tau > 0 and name != "muon"), (
+        f"qk_clip_tau > 0 with optimizer {name}: the step plan's RULES refuse it first")
     if name == "adamw":
         return build_optimizer(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     from trainer.optim.muon import MUON_EXCLUDE_DEFAULT, build_muon
