@@ -99,7 +99,9 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         optimizer=cfg.optimizer.name, muon_exclude=tuple(cfg.optimizer.muon_exclude),
         moe_routing=cfg.moe.routing, routing_benchmark_only=cfg.moe.routing_benchmark_only,
         model_has_experts=model_has_experts, grad_accum=grad_accum, attn_backend=cfg.model.attn_backend,
-        tp_refusal=tp_refusal, flow_shift=cfg.flow.shift, flow_resolution_shift=cfg.flow.resolution_shift)
+        tp_refusal=tp_refusal, flow_shift=cfg.flow.shift, flow_resolution_shift=cfg.flow.resolution_shift,
+        initial_load_format=cfg.checkpoint.initial_load_format if cfg.checkpoint.initial_load_path else "",
+        model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None)
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:

@@ -118,6 +118,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(attn_backend="cpu_kernel", device_type="tpu"), StepRequest(attn_backend="splash"),
         StepRequest(tp_degree=2, tp_refusal="no plan"), StepRequest(qk_clip=True, optimizer="adamw"),
         StepRequest(flow_shift=3.0, flow_resolution_shift=True),
+        StepRequest(initial_load_format="hf", model_has_hf_adapter=False),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]
@@ -147,6 +148,10 @@ def _cfg(recipe="configs/llama3_debug.toml", **overrides):
     (dict(model__attn_backend="splash"), "cuda", r"^model\.attn_backend: splash .* allowed here: auto, sdpa$"),
     (dict(model__attn_backend="cpu_kernel"), "tpu", r"^model\.attn_backend: cpu_kernel runs on the CPU only, not "
                                                     r"on tpu; allowed here: auto, sdpa, splash$"),
+    # HF weights for a family without hf_adapter.py (was trainer/checkpoint/initial.py, after the build).
+    (dict(model__name="tests.support.toy_family:TOY", model__flavor="debugmodel",
+          checkpoint__initial_load_path="/nonexistent", checkpoint__initial_load_format="hf"), "cpu",
+     r"^checkpoint\.initial_load_format: 'hf' is not supported for this model \(no hf_adapter\.py\); allowed: dcp$"),
     # Two keys of [flow] (was trainer/config/load.py).
     (dict(flow__shift="3", flow__resolution_shift="true"), "cpu",
      r"^flow\.shift: 3\.0 with flow\.resolution_shift = true sets the shift twice; allowed: 1\.0 with "),
@@ -202,13 +207,18 @@ def test_rule_messages_name_the_registry_s_document_mask_families():
         assert set(listed.split(", ")) == registry, (rule.key, listed)
 
 
-def test_old_sites_assert_what_the_rules_refuse():
+def test_old_sites_assert_what_the_rules_refuse(tmp_path):
     """Where a moved refusal is re-checked after the rules ran, it is an internal assert."""
     import titan_kernels
+    from trainer.checkpoint.initial import load_initial
     from trainer.optim import build_optimizer_for
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
 
     with pytest.raises(AssertionError, match="RULES"):
         titan_kernels.check_attention_for("splash", "cpu")
+    with pytest.raises(AssertionError, match="RULES"):
+        load_initial(torch.nn.Linear(2, 2), path=tmp_path, fmt="hf", hf_adapter=None)
     with pytest.raises(AssertionError, match="RULES"):
         build_optimizer_for(torch.nn.Linear(2, 2), name="adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.0, qk_clip_tau=100.0)

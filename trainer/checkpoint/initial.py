@@ -247,9 +247,7 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
         raise ConfigError(f"{key}: no safetensors weights at {root}; "
                           "expected *.safetensors (and model.safetensors.index.json if sharded)")
     from_hf = getattr(hf_adapter, "from_hf", hf_adapter)
-    if from_hf is None:
-        raise ConfigError("checkpoint.initial_load_format: 'hf' is not supported for this model "
-                          "(no hf_adapter.py); allowed: dcp")
+    assert from_hf is not None, "initial_load_format hf without an hf_adapter: the step plan's RULES refuse it first"
     if hasattr(hf_adapter, "args_from_hf_config") and args is not None:
         check_hf_config(root if root.is_dir() else root.parent, hf_adapter=hf_adapter, args=args,
                         mismatch=hf_config_mismatch)

@@ -98,8 +98,6 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
                "a tokenizer with more tokens than the model's vocab_size"),
     BuildCheck("flow.latent_size", "trainer.tasks.flux:FlowTask.example_batch",
                "the recipe check of a FLUX recipe without latent_size and text_seq_len"),
-    BuildCheck("checkpoint.initial_load_format", "trainer.checkpoint.initial:load_initial",
-               "format hf for a family without hf_adapter.py"),
     BuildCheck("model.name", "trainer.engine:Engine.hf_state_dict",
                "the engine's Hugging Face export for a family without hf_adapter.py"),
     BuildCheck("device.flag_bundle", "trainer.runtime.tpu_env:_pick_bundle",

@@ -116,6 +116,10 @@ class StepRequest:
     """`[flow] shift`."""
     flow_resolution_shift: bool = False
     """`[flow] resolution_shift`."""
+    initial_load_format: str = ""
+    """`[checkpoint] initial_load_format` when `initial_load_path` is set ("": nothing is loaded)."""
+    model_has_hf_adapter: bool = True
+    """The family has an `hf_adapter` (Hugging Face names: `ModelFamily.hf_adapter`)."""
 
     @property
     def attn_backends_here(self) -> str:
@@ -282,6 +286,11 @@ RULES: tuple[Rule, ...] = (
          "{r.moe_routing} with tensor or context parallelism, gradient accumulation or the engine is "
          "not implemented (the trainer keys tokens by whole windows, one micro-batch per step); "
          "allowed there: learned"),
+    # Initial weights in Hugging Face form are read through the family's adapter
+    # (trainer/checkpoint/initial.py `load_initial`).
+    Rule("checkpoint.initial_load_format", "hf weights to load into a family without hf_adapter.py",
+         lambda r: r.initial_load_format == "hf" and not r.model_has_hf_adapter,
+         "'hf' is not supported for this model (no hf_adapter.py); allowed: dcp"),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule("flow.shift", "a fixed shift other than 1.0 together with flow.resolution_shift = true",
          lambda r: r.flow_resolution_shift and r.flow_shift != 1.0,
