@@ -411,8 +411,12 @@ class Engine:
         """
         self._check_usable("hf_state_dict")
         if self.family.hf_adapter is None:
+            from models import FAMILIES  # the families that have one, from the registry
+
+            with_adapter = ", ".join(name for name, f in FAMILIES.items()
+                                     if f.hf_adapter is not None and getattr(f, "task", "lm") == "lm")
             raise ConfigError(f"model.name: {self.family.name} has no hf_adapter.py, so it has no Hugging Face "
-                              "names; allowed: a family with hf_adapter (llama3, qwen3)")
+                              f"names; allowed: a family with hf_adapter ({with_adapter})")
         for name, param in self._named_tensors():
             hf_names = self._hf_names(name, param)
             if not hf_names:
