@@ -28,13 +28,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from trainer.engine import Engine  # noqa: E402
-from trainer.runtime import global_mean  # noqa: E402
+from trainer.runtime import cli, global_mean  # noqa: E402
 
 RECIPE = "configs/llama3_debug.toml"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", default=RECIPE)
     p.add_argument("--updates", type=int, default=16, help="GRPO updates (sample, score, optimize)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per update")
@@ -142,15 +142,9 @@ def run(argv: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from models.errors import ConfigError
-
-    try:
-        run(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    run(sys.argv[1:] if argv is None else argv)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

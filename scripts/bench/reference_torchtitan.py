@@ -41,6 +41,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from trainer.runtime import cli  # noqa: E402  (standard library only: runs in the peer venv)
 SHIM = REPO / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py"
 PEER_MODULE, PEER_CONFIG = "scripts.peer.torchtitan_cpu_shim", "llama3_debugmodel_sdpa"
 PEER_VOCAB = 2048  # TorchTitan 0.3.0 llama3 `_debugmodel`: vocab_size=2048
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump-folder", required=True, help="run folder: stdout.log, metrics.jsonl, TorchTitan's dump")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="first steps dropped from the summary")
@@ -195,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(folder / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
     if rc != 0:
-        print(f"error: TorchTitan exited {rc}; see {folder / 'stdout.log'}", file=sys.stderr)
+        cli.error_line(f"TorchTitan exited {rc}; see {folder / 'stdout.log'}")
         return 1
     if not records:
-        print(f"error: no TorchTitan step lines in {folder / 'stdout.log'}", file=sys.stderr)
+        cli.error_line(f"no TorchTitan step lines in {folder / 'stdout.log'}")
         return 1
 
     bench = _load_benchmark()
@@ -211,4 +213,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

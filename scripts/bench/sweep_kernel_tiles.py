@@ -42,7 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))
+sys.path.insert(1, str(ROOT))
 import tiles  # noqa: E402  (pure Python; the kernels import it the same way in the probes)
+
+from trainer.runtime import cli  # noqa: E402  (standard library only: runs in the jax venvs)
 
 KERNELS = ("gmm", "fused_ce")
 GMM_SHAPES = ((2048, 768), (768, 2048), (4096, 1536), (1536, 4096))
@@ -205,7 +208,7 @@ def write_table(path: Path, picks: dict, sources: dict) -> None:
 
 
 def parse(argv: list[str]):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("list", "compile", "time"), default="list")
     p.add_argument("--generation", action="append", help=f"one of {', '.join(tiles.GENERATIONS)} (repeatable; "
                    "default: all for list/compile, the local TPU for time)")
@@ -240,17 +243,17 @@ def main(argv: list[str]) -> int:
     try:
         args = parse(argv)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        cli.error_line(str(e))
+        return cli.BAD_INPUT_EXIT_CODE
     if args.mode == "time":
         import jax
 
         kind = jax.devices()[0].device_kind
         gen = tiles.generation_of(kind)
         if jax.devices()[0].platform != "tpu" or gen is None:
-            print(f"error: --mode time: needs a TPU of a known generation; this host's device is {kind!r} "
-                  "(use --mode compile without one)", file=sys.stderr)
-            return 2
+            cli.error_line(f"--mode time: needs a TPU of a known generation; this host's device is {kind!r} "
+                           "(use --mode compile without one)")
+            return cli.BAD_INPUT_EXIT_CODE
         gens = [gen]
     else:
         gens = args.generation or list(tiles.GENERATIONS)
@@ -300,4 +303,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:]))
