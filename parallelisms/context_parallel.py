@@ -212,3 +212,18 @@ def cp_attention_fn(cp: CPGroup, device_type: str = "cpu"):
         return context_parallel_attention(q, k, v, segment_ids, cp=cp, local_attention=kernel)
 
     return attention
+
+
+def apply_cp(cp: CPGroup, device_type: str, *, replacing: str, references: bool = False) -> str:
+    """Context parallelism's step of `parallelize_model`'s order, taken with the kernel choice
+    (`trainer.job.choose_attention`) because it serves an op rather than wrapping a module: the op
+    `causal_attention` is served, for this job, by `cp_attention_fn(cp, device_type)` in place of
+    the kernel chosen for a whole sequence (described by `replacing`); `references`: a capture
+    for `device_type` (the recipe check) serves the dense-mask SDPA. Returns the banner's
+    attention line. The windows are sharded by the task, given `cp` at construction; the
+    parameters are sharded over dp_shard x cp by SimpleFSDP (`parallelize_model`)."""
+    from models.common import ops
+
+    ops.register("causal_attention", cp_attention_fn(cp, "cpu" if references else device_type))
+    local = "splash with per-rank causal offsets" if device_type == "tpu" else "SDPA with a causal mask"
+    return f"context parallel over {cp.size} ranks (k/v all-gather, {local}), replacing {replacing}"

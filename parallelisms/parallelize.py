@@ -6,6 +6,10 @@ Order (each step relies on the previous ones):
    `tp > 1` when the plan has EP entries: they also make MoE layers TP-aware).
    MoE layers ("moe" style) then sum their expert counts over the world for the global-batch
    load-balancing loss (`apply_global_load_balance`).
+   Context parallelism (`cp > 1`) wraps no module: its attention serves the op
+   `causal_attention` (`parallelisms.context_parallel.apply_cp`, applied with the kernel choice,
+   trainer/job.py `choose_attention`), the task shards each window (given the cp group at
+   construction), and its parameter sharding is step 5's.
 3. Activation checkpointing (`apply_ac`): wraps each block's forward.
 4. Per-block torch.compile (`apply_compile`): compiles the (checkpointed) blocks; the
    compile is lazy, so it traces the SimpleFSDP gathers added next.

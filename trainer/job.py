@@ -1,19 +1,22 @@
 """`build_job(cfg)`: everything a run needs, built once, in one order, for the trainer and the engine.
 
-The steps, in order (the trainer's loop and the RL engine both start here; nothing else builds a
-run):
-  1. device, host heap policy, the TPU runtime's flags and compilation cache (before the first
-     device request), process group, seed, the compute dtype (`auto` resolved once)
+The phases, in order, each a function returning one object (the trainer's loop and the RL engine
+both start here; nothing else builds a run). What a purpose needs is declared in `PURPOSES`
+(`Purpose`: a task, data, saving, capture only, the caller's loss); the phases read its fields.
+  1. `start_runtime`: device, host heap policy, the TPU runtime's flags and compilation cache
+     (before the first device request), process group, run lock (training), seed, the compute
+     dtype (`auto` resolved once; it travels as `Job.compute`, the config is never written)
   2. `plan_job`: model args, parallel degrees and the step plan, checked against every rule
      (trainer/step/plan.py RULES) before anything is built; the recipe tests call
      `plan_job` alone at a recipe's declared world size, and the planner's search reads the
      same RULES through `refusals`
-  3. (training) the task (LM tokens or FLUX latents; the tokenizer is checked here), the named
-     DeviceMesh, the batch split, and (training) the data loaders: bad data fails before any
-     checkpoint
-  4. kernels, then the model: meta -> parallelize (TP, EP, AC, compile, SimpleFSDP) ->
+  3. `build_data`: the named DeviceMesh, the task (LM tokens or FLUX latents; the tokenizer is
+     checked here; told the cp group at construction), the batch split, and (training) the data
+     loaders: bad data fails before any checkpoint
+  4. `choose_attention`: every op's kernel, the attention's included (context parallelism's)
+  5. `build_job_model`: meta -> parallelize (TP, EP, CP, AC, compile, SimpleFSDP) ->
      materialize -> init_weights
-  5. optimizer and lr schedule, and (training) the checkpoint manager
+  6. `build_optimization`: optimizer and lr schedule; 7. (training) `build_checkpoint_manager`
 The caller then resumes or loads initial weights (`Job.load_initial`) and builds the step
 (`Job.build_step`), which captures the graph on its first call in graph mode.
 
@@ -43,7 +46,7 @@ from models.common import ops
 from models.common.moe import set_routing_key, use_routing
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
-from parallelisms.context_parallel import cp_attention_fn, cp_group
+from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
 from parallelisms.parallel_dims import tpu_mesh_layout
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
@@ -56,7 +59,30 @@ from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
 from trainer.tasks import TASK_CLASSES, build_task
 
-PURPOSES = ("train", "engine", "check")
+
+@dataclass(frozen=True)
+class Purpose:
+    """What a job is built for: the phases read these fields, never the purpose's name."""
+
+    name: str
+    has_task: bool = True
+    """A task is built (its tokenizer checked); the engine's caller brings its own tokens and loss."""
+    reads_data: bool = False
+    """The train (and validation) loaders are built, and validation's data read, before step 1."""
+    saves: bool = False
+    """The run folders are locked and a checkpoint manager is built."""
+    captures_only: bool = False
+    """Meta tensors in the caller's (fake) process group, compilers replaced by `aot_eager`."""
+    caller_loss: bool = False
+    """The step runs its caller's loss on the logits (the step plan's rules read it)."""
+
+
+PURPOSES = {
+    "train": Purpose("train", reads_data=True, saves=True),
+    "engine": Purpose("engine", has_task=False, caller_loss=True),
+    "check": Purpose("check", captures_only=True),
+}
+"""`build_job`'s purposes: the training loop, the RL engine, the recipe check (module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +220,7 @@ class Job:
     """The heap policy applied (`[device] host_malloc`), for the banner."""
     dist: DistInfo
     compute: ComputeDtype
-    """The resolved `mixed_precision_param` (also written back into `cfg`)."""
+    """The resolved `mixed_precision_param` (the config keeps what the user wrote, e.g. `auto`)."""
     family: Any
     args: Any
     parallel_dims: ParallelDims
@@ -280,24 +306,49 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
     """Build the run of `cfg` (module docstring); `purpose`: train (the loop) | engine (RL) |
     check (the start-up of a run on `device_type` devices, on meta tensors, in the caller's
     process group). A training run's folder lock is released again if the build fails."""
-    with released_on_error():
-        return _build_job(cfg, purpose=purpose, device_type=device_type)
-
-
-def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
     assert purpose in PURPOSES, purpose
-    check = purpose == "check"
-    assert check == (device_type is not None), "device_type is the check's target device type"
-    t_start = time.perf_counter()
-    # Every job starts from a clean op table: a previous job in this process (the recipe check
-    # runs many) may have served `causal_attention` with a closure bound to its own process group.
-    for op in ops.OPS:
-        ops.register(op, None)
-    # 1. Device, heap policy (before any large tensor), process group, seed, compute dtype: `auto`
-    #    -> bfloat16 | float32 once, the same on every rank; from here on the config holds it.
-    if check:
+    why = PURPOSES[purpose]
+    assert why.captures_only == (device_type is not None), "device_type is the check's target device type"
+    with released_on_error():
+        t_start = time.perf_counter()
+        rt = start_runtime(cfg, why, device_type=device_type)
+        plan = plan_job(cfg, world_size=rt.dist.world_size, device_type=rt.device_type,
+                        caller_loss=why.caller_loss)
+        data = build_data(cfg, plan, rt, why)
+        attention = choose_attention(cfg, plan, rt, data, why)
+        model = build_job_model(cfg, plan, rt, data, why)
+        optimizer, scheduler = build_optimization(cfg, model)
+        manager = build_checkpoint_manager(cfg) if why.saves else None
+        notes = (*rt.runtime_notes, *(plan.tpu_mesh.banner() if plan.tpu_mesh is not None else ()))
+        return Job(cfg=cfg, device=rt.device, host_malloc=rt.host_malloc, dist=rt.dist, compute=rt.compute,
+                   family=plan.family, args=plan.args, parallel_dims=plan.parallel_dims, step_plan=plan.step_plan,
+                   task=data.task, mesh=data.mesh, dp_rank=data.dp_rank, dp_degree=data.dp_degree,
+                   local_batch_size=data.local_batch_size, grad_accum_steps=data.grad_accum_steps,
+                   attention=attention, model=model, optimizer=optimizer, scheduler=scheduler, loader=data.loader,
+                   build_val_loader=data.build_val_loader, manager=manager, t_start=t_start,
+                   runtime_notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Phase 1's result: where and how this process computes."""
+
+    device: torch.device
+    device_type: str
+    """The device type the run is planned for (a check's target; else `device.type`)."""
+    host_malloc: str
+    runtime_notes: tuple[str, ...]
+    dist: DistInfo
+    compute: ComputeDtype
+
+
+def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> Runtime:
+    """Phase 1: device, heap policy (before any large tensor), the TPU runtime's environment,
+    process group, run lock, seed, compute dtype (`auto` -> bfloat16 | float32 once, the same on
+    every rank; it travels as `Job.compute`, the config keeps what the user wrote)."""
+    if purpose.captures_only:
         assert torch.distributed.is_initialized(), "a check job runs in its caller's (fake) process group"
-        device, host_malloc, runtime_notes = torch.device("meta"), "not applied (check)", []
+        device, host_malloc, notes = torch.device("meta"), "not applied (check)", ()
     else:
         device = pick_device(cfg.device.type)
         host_malloc = configure_host_malloc(cfg.device.host_malloc, device)
@@ -309,36 +360,58 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
             flag_bundle=cfg.device.flag_bundle, libtpu_init_args=cfg.device.libtpu_init_args,
             xla_flags=cfg.device.xla_flags, cache_dir=cfg.compile.cache_dir, host_cache=cfg.compile.host_cache)
         runtime_env.apply()
-        runtime_notes = runtime_env.notes
+        notes = tuple(runtime_env.notes)
     info = init_distributed(device)
-    if purpose == "train":
-        # One writer per run folder (trainer/runtime/runlock.py): rank 0 locks the dump folder
-        # (and a checkpoint folder outside it; one inside is checked against other runs' locks
-        # first, by its own key) and checks both are writable, before anything in them is read or
-        # written; a lock covers the folders below it; a refusal reaches every rank (exit 2).
-        ck_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-        inside = os.path.realpath(ck_folder).startswith(os.path.realpath(cfg.job.dump_folder) + os.sep)
-        ck = [("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else []
-        lock_run(locks=[("job.dump_folder", cfg.job.dump_folder), *([] if inside else ck)],
-                 claims=ck if inside else [], writable=ck)
+    if purpose.saves:
+        _lock_run_folders(cfg)
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
-    cfg.training.mixed_precision_param = compute.name
+    return Runtime(device=device, device_type=device_type, host_malloc=host_malloc, runtime_notes=notes,
+                   dist=info, compute=compute)
 
-    # 2. Everything checked before anything is built.
-    plan = plan_job(cfg, world_size=info.world_size, device_type=device_type, caller_loss=purpose == "engine")
-    if plan.tpu_mesh is not None:
-        runtime_notes = [*runtime_notes, *plan.tpu_mesh.banner()]
 
-    # 3. Task (the engine's caller brings its own tokens and loss: none), mesh, batch split, data.
-    task = build_task(cfg, family=plan.family, args=plan.args, step_plan=plan.step_plan) if purpose != "engine" else None
-    mesh = build_mesh(plan.parallel_dims, "cpu" if check else device.type)
+def _lock_run_folders(cfg: Config) -> None:
+    """One writer per run folder (trainer/runtime/runlock.py): rank 0 locks the dump folder (and a
+    checkpoint folder outside it; one inside is checked against other runs' locks first, by its
+    own key) and checks both are writable, before anything in them is read or written; a lock
+    covers the folders below it; a refusal reaches every rank (exit 2)."""
+    ck_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    inside = os.path.realpath(ck_folder).startswith(os.path.realpath(cfg.job.dump_folder) + os.sep)
+    ck = [("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else []
+    lock_run(locks=[("job.dump_folder", cfg.job.dump_folder), *([] if inside else ck)],
+             claims=ck if inside else [], writable=ck)
+
+
+@dataclass(frozen=True)
+class Data:
+    """Phase 3's result: the task, the mesh, the batch split and the loaders."""
+
+    task: Any
+    mesh: Any
+    cp: CPGroup | None
+    """The context-parallel group (`cp > 1`), else None."""
+    dp_rank: int
+    dp_degree: int
+    local_batch_size: int
+    grad_accum_steps: int
+    loader: Any = None
+    build_val_loader: Callable[[], Any] | None = None
+
+
+def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Data:
+    """Phase 3: the named mesh, the task (none for the engine, whose caller brings its own tokens
+    and loss; told the cp group when the windows are split over context-parallel ranks), the
+    batch split and (purpose `reads_data`) the loaders: bad data fails before any checkpoint."""
+    mesh = build_mesh(plan.parallel_dims, "cpu" if purpose.captures_only else rt.device.type)
+    cp = cp_group(mesh["cp"]) if plan.parallel_dims.cp_enabled else None
+    task = (build_task(cfg, family=plan.family, args=plan.args, step_plan=plan.step_plan,
+                       compute_dtype=rt.compute.dtype, cp=cp) if purpose.has_task else None)
     dp_rank, dp_degree = plan.parallel_dims.dp_rank(mesh), plan.parallel_dims.dp_degree
     t = cfg.training
     local_batch, accum = batch_split(global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
                                      gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=dp_degree)
     loader = build_val_loader = None
-    if purpose == "train":
+    if purpose.reads_data:
         def loader_for(split: str):
             return task.build_loader(split=split, local_batch_size=local_batch, dp_rank=dp_rank, dp_degree=dp_degree)
 
@@ -346,56 +419,70 @@ def _build_job(cfg: Config, *, purpose: str, device_type: str | None) -> Job:
         if cfg.validation.enable:
             build_val_loader = lambda: loader_for("validation")  # noqa: E731
             build_val_loader().check(cfg.validation.steps)  # read what validation reads, before step 1
+    return Data(task=task, mesh=mesh, cp=cp, dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch,
+                grad_accum_steps=accum, loader=loader, build_val_loader=build_val_loader)
 
-    # 4. Kernels, model.
-    if check:  # the capture runs the ops' references; the kernels are the compile's (--compile)
+
+def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: Data, purpose: Purpose) -> str:
+    """Phase 4: the kernel of every op this job's model calls, and the banner's line on attention.
+
+    Every job starts from a clean op table (`models.common.ops`): a previous job in this process
+    (the recipe check runs many) may have served `causal_attention` with a closure bound to its
+    own process group. With context parallelism the op `causal_attention` is served by the cp
+    attention (k/v all-gathered over cp; the local product is splash with this rank's causal
+    offsets on TPU, dense-mask SDPA elsewhere: parallelisms/context_parallel.py) in place of the
+    kernel picked for a whole sequence. A check job captures with the ops' references (the TPU
+    kernels are the compile's: tools/tpu_compile.py).
+    """
+    for op in ops.OPS:
+        ops.register(op, None)
+    device_type, cp, dims = rt.device_type, data.cp, plan.parallel_dims
+    if purpose.captures_only:
         titan_kernels.check_attention_for(cfg.model.attn_backend, device_type)
         attention = f"{cfg.model.attn_backend} on {device_type} (captured with the references)"
     else:
-        attention = titan_kernels.select(attention=cfg.model.attn_backend, device=device, dtype=compute.dtype,
-                                   head_dim=plan.args.shape().head_dim,
-                                   shapes=titan_kernels.KernelShapes.of(
-                                       plan.args, cp=plan.parallel_dims.cp,
-                                       cp_rank=mesh["cp"].get_local_rank() if plan.parallel_dims.cp_enabled else 0,
-                                       tokens=local_batch * t.seq_len // plan.parallel_dims.cp))
+        shapes = titan_kernels.KernelShapes.of(plan.args, cp=dims.cp, cp_rank=0 if cp is None else cp.rank,
+                                               tokens=data.local_batch_size * cfg.training.seq_len // dims.cp)
+        attention = titan_kernels.select(attention=cfg.model.attn_backend, device=rt.device, dtype=rt.compute.dtype,
+                                         head_dim=plan.args.shape().head_dim, shapes=shapes)
     if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
         attention += ("; document mask: segment ids" if device_type == "tpu"
                       else "; document mask: SDPA with a block-diagonal causal mask")
-    if plan.parallel_dims.cp_enabled:
-        # Context parallelism: the op `causal_attention` is served, for this job, by the cp
-        # attention (k/v all-gathered over cp; the local product is splash with this rank's causal
-        # offsets on TPU, dense-mask SDPA elsewhere: parallelisms/context_parallel.py), in place of
-        # the kernel picked above; the task shards each window (`prepare`).
-        cp = cp_group(mesh["cp"])
-        # A check job captures with the references (the TPU kernels are the compile's: tools/tpu_compile.py).
-        ops.register("causal_attention", cp_attention_fn(cp, "cpu" if check else device_type))
-        if task is not None:
-            task.shard_over_context(cp)
-        local = "splash with per-rank causal offsets" if device_type == "tpu" else "SDPA with a causal mask"
-        attention = f"context parallel over {cp.size} ranks (k/v all-gather, {local}), replacing {attention}"
-    model = build_model(plan.family, plan.args, step_plan=_capture_only(plan.step_plan) if check else plan.step_plan,
-                        parallel_dims=plan.parallel_dims, mesh=mesh, device=device, param_dtype=compute.dtype,
-                        reduce_dtype=torch_dtype(t.mixed_precision_reduce), moe_routing=cfg.moe.routing)
-    if cfg.moe.routing != "learned" and not check:  # a defined key before any step sets it
-        set_routing_key(model, seed=t.seed, step=0, first_token=dp_rank * local_batch * t.seq_len)
+    if cp is None:
+        return attention
+    return apply_cp(cp, device_type, replacing=attention, references=purpose.captures_only)
 
-    # 5. Optimizer, schedule (over training.steps optimizer steps), checkpoint manager.
+
+def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: Data, purpose: Purpose) -> torch.nn.Module:
+    """Phase 5: the model, meta -> parallelize -> materialize -> init (`build_model`; a check job
+    stays on meta and captures with `aot_eager`), with a defined benchmark-routing key."""
+    t = cfg.training
+    model = build_model(plan.family, plan.args,
+                        step_plan=_capture_only(plan.step_plan) if purpose.captures_only else plan.step_plan,
+                        parallel_dims=plan.parallel_dims, mesh=data.mesh, device=rt.device,
+                        param_dtype=rt.compute.dtype, reduce_dtype=torch_dtype(t.mixed_precision_reduce),
+                        moe_routing=cfg.moe.routing)
+    if cfg.moe.routing != "learned" and not purpose.captures_only:  # a defined key before any step sets it
+        set_routing_key(model, seed=t.seed, step=0, first_token=data.dp_rank * data.local_batch_size * t.seq_len)
+    return model
+
+
+def build_optimization(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    """Phase 6: the optimizer and its lr schedule (over `training.steps` optimizer steps)."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     optimizer = build_optimizer_for(model, name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                     muon_momentum=o.muon_momentum, muon_nesterov=o.muon_nesterov,
                                     muon_ns_steps=o.muon_ns_steps, muon_ns_dtype=o.muon_ns_dtype,
                                     muon_exclude=o.muon_exclude, qk_clip_tau=o.qk_clip_tau)
-    scheduler = build_lr_scheduler(optimizer, total_steps=t.steps, warmup_steps=s.warmup_steps,
+    scheduler = build_lr_scheduler(optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
                                    decay_type=s.decay_type, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor)
-    manager = None
-    if purpose == "train":
-        ck = cfg.checkpoint
-        manager = ckpt.CheckpointManager(
-            folder=os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
-            keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step,
-            fallback_on_corrupt=ck.fallback_on_corrupt)
-    return Job(cfg=cfg, device=device, host_malloc=host_malloc, dist=info, compute=compute, family=plan.family,
-               args=plan.args, parallel_dims=plan.parallel_dims, step_plan=plan.step_plan, task=task, mesh=mesh,
-               dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch, grad_accum_steps=accum,
-               attention=attention, model=model, optimizer=optimizer, scheduler=scheduler, loader=loader,
-               build_val_loader=build_val_loader, manager=manager, t_start=t_start, runtime_notes=tuple(runtime_notes))
+    return optimizer, scheduler
+
+
+def build_checkpoint_manager(cfg: Config) -> ckpt.CheckpointManager:
+    """Phase 7 (purpose `saves`): the run's checkpoint manager."""
+    ck = cfg.checkpoint
+    return ckpt.CheckpointManager(
+        folder=os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
+        keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step,
+        fallback_on_corrupt=ck.fallback_on_corrupt)

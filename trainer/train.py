@@ -13,6 +13,7 @@ checkpoint of the current step was written; relaunch to resume), 1 anything else
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -92,9 +93,12 @@ def train(cfg: Config) -> int:
             print(f"already trained to step {start_step} (training.steps = {t.steps}); nothing to do")
         return 0
 
-    if is_rank0:  # the resolved config, published whole (a failed write: WriteFailed naming the cause)
+    if is_rank0:  # the resolved config, published whole (a failed write: WriteFailed naming the cause),
+        # with the compute dtype the run resolved (`auto` -> job.compute) in a copy: cfg is the user's
+        resolved = dataclasses.replace(cfg, training=dataclasses.replace(
+            t, mixed_precision_param=job.compute.name))
         with atomic_file(os.path.join(dump_folder, "config.toml"), what="config") as f:
-            f.write(to_toml(cfg).encode("utf-8"))
+            f.write(to_toml(resolved).encode("utf-8"))
     # Every rank is built and resumed: meet before the first compile, so that a rank stuck in
     # data, checkpoint or set-up work is named instead of the others hanging in a collective.
     arrival_barrier("before-first-step", t.startup_timeout_s)

@@ -285,7 +285,7 @@ def _ignored_labels_on_rank(table, inputs, labels):
 
     task = LMTask.__new__(LMTask)  # the task's loss and prepare only: no tokenizer, no loader
     task.cfg = Config()
-    task.shard_over_context(cp_group(dist.group.WORLD))
+    task.cp = cp_group(dist.group.WORLD)  # what the constructor keeps of its `cp` argument
     model = _EmbeddingLM(table)
     micro = task.prepare((inputs, labels))
     loss = task.loss_fn(plan_step())(model, *micro)

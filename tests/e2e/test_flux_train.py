@@ -148,13 +148,12 @@ def test_flux_recipes_parse_and_validate(recipe):
     from trainer.tasks import FlowTask, build_task
 
     cfg = build_config(os.path.join(ROOT, recipe))
-    # The trainer resolves `auto` (flux_debug) before building the task; resolved here as for an
-    # accelerator (bf16), so the parse check runs no CPU matmul probe.
-    cfg.training.mixed_precision_param = resolve_compute_dtype(cfg.training.mixed_precision_param,
-                                                               torch.device("meta")).name
+    # The trainer resolves `auto` (flux_debug) before building the task and hands it the dtype;
+    # resolved here as for an accelerator (bf16), so the parse check runs no CPU matmul probe.
+    compute = resolve_compute_dtype(cfg.training.mixed_precision_param, torch.device("meta"))
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     assert family.task == "flow"
-    task = build_task(cfg, family=family, args=args)
+    task = build_task(cfg, family=family, args=args, compute_dtype=compute.dtype)
     assert isinstance(task, FlowTask) and task.unit == "samples"
     assert (task.guidance is not None) == (cfg.model.flavor == "flux-dev")
 

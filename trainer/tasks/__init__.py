@@ -29,10 +29,12 @@ assert tuple(TASK_CLASSES) == TASKS, "a task the step plan's rules do not know"
 __all__ = ["TASKS", "TASK_CLASSES", "FlowTask", "LMTask", "build_task"]
 
 
-def build_task(cfg, *, family, args, step_plan=None):
+def build_task(cfg, *, family, args, step_plan=None, compute_dtype=None, cp=None):
     """The task object of `family` (its `task` field) for this run; `step_plan` (trainer/step)
-    decides what a micro-batch carries (LM: segment ids, restart positions)."""
+    decides what a micro-batch carries (LM: segment ids, restart positions); `compute_dtype`:
+    the run's resolved compute dtype (`Job.compute.dtype`); `cp`: the context-parallel group
+    (`CPGroup`) when the windows are split over cp ranks, else None."""
     task = getattr(family, "task", "lm")
     # An unknown task is refused by the step plan's rules (`plan_job`) before anything is built.
     assert task in TASK_CLASSES, f"{family.name} declares task {task!r}: plan_job refuses it first"
-    return TASK_CLASSES[task](cfg, args=args, step_plan=step_plan)
+    return TASK_CLASSES[task](cfg, args=args, step_plan=step_plan, compute_dtype=compute_dtype, cp=cp)

@@ -11,7 +11,6 @@ import torch
 from models.errors import ConfigError
 from models.flux.flops import flops_per_sample
 from trainer.data.flux import build_flux_dataloader, resolve_flux_dataset
-from trainer.runtime.device import torch_dtype
 from trainer.tasks import flow
 from trainer.tasks.flux_sample import log_sample_grid
 
@@ -28,12 +27,13 @@ class FlowTask:
     def seq_len_to_divide(training) -> int:
         return 0  # the FLUX plan shards heads and MLP widths only, not the sequence
 
-    def __init__(self, cfg, *, args, step_plan=None):  # the plan changes nothing a batch holds
+    def __init__(self, cfg, *, args, step_plan=None, compute_dtype=None, cp=None):
+        # The plan changes nothing a batch holds; the FLUX plan never splits the sequence (no cp).
+        assert compute_dtype is not None, "the run's resolved compute dtype (Job.compute.dtype)"
         self.cfg = cfg
         self.args = args
-        f = cfg.flow
-        self.param_dtype = torch_dtype(cfg.training.mixed_precision_param)  # resolved from `auto` by then
-        self.guidance = f.guidance if getattr(args, "guidance_embed", False) else None
+        self.param_dtype = compute_dtype
+        self.guidance = cfg.flow.guidance if getattr(args, "guidance_embed", False) else None
         self._shapes: tuple[tuple[int, ...], int] | None = None  # (latent [16, h, w], text length)
         self._sampling = None  # (text conditioner, VAE, prompts) for sample_grid
 

@@ -25,16 +25,19 @@ class LMTask:
     restart_positions: bool = False
     """Micro-batches carry per-document RoPE positions (from the step plan; off without one)."""
     cp: CPGroup | None = None
-    """The cp group when the windows are split over context-parallel ranks (`shard_over_context`)."""
+    """The cp group when the windows are split over context-parallel ranks (given at construction):
+    `prepare` returns this rank's load-balanced shard of every window and `loss_fn` divides the
+    loss by the global token count (parallelisms/context_parallel.py)."""
 
     @staticmethod
     def seq_len_to_divide(training) -> int:
         """The sequence length the parallel degrees must divide: the LM's windows."""
         return training.seq_len
 
-    def __init__(self, cfg, *, args, step_plan=None):
+    def __init__(self, cfg, *, args, step_plan=None, compute_dtype=None, cp: CPGroup | None = None):
         self.cfg = cfg
         self.args = args
+        self.cp = cp if cp is not None and cp.size > 1 else None
         # The step plan decodes `document_mask` / `document_positions` (without a plan: global positions).
         self.restart_positions = bool(step_plan is not None and step_plan.restart_positions)
         self.units_per_sample = cfg.training.seq_len
@@ -53,12 +56,6 @@ class LMTask:
             seed=t.seed, split=split, text_field=t.dataset_text_field, num_shards=t.dataset_shards,
             gather=gather_objects() if split == "train" else None, document_ids=t.document_mask,
         )
-
-    def shard_over_context(self, cp: CPGroup) -> None:
-        """Context parallelism (`cp.size > 1`, set by `build_job` once the mesh exists): from now on
-        `prepare` returns this rank's load-balanced shard of every window and `loss_fn` divides
-        the loss by the global token count (parallelisms/context_parallel.py)."""
-        self.cp = cp if cp.size > 1 else None
 
     def prepare(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """(inputs, labels), or with `[training] document_mask` (inputs, labels, segment_ids) and,

@@ -175,7 +175,7 @@ def _cp_setup(mesh, plan, tokens: torch.Tensor, document_mask: bool):
     ops.register("causal_attention", attention)
     task = LMTask.__new__(LMTask)  # no tokenizer or loader: only its CP shard and loss
     task.restart_positions = False
-    task.shard_over_context(cp)
+    task.cp = cp  # what the constructor keeps of its `cp` argument
     batch = (tokens[:, :-1], tokens[:, 1:])
     if document_mask:  # two documents per window, the second starting at token 200
         seg = (torch.arange(tokens.shape[1] - 1) >= 200).to(torch.int32).expand(tokens.shape[0], -1)
