@@ -63,7 +63,7 @@ BAND = 0.15
 """Largest accepted |compiler total - planner total| / planner total. Why 15 %: the planner
 counts tensors, not buffers: XLA's temporaries add fusion outputs, layout padding (a lane dim
 padded to 128, a sublane to 8/16) and the scheduler's overlap of live ranges, which the dense
-full-depth compiles of session 14 put at 4-5 % of the total (70B: 24.99 vs 26.1 GiB; 405B: 73.58
+full-depth compiles of 2026-12-03 (`2ed2d29`) put at 4-5 % of the total (70B: 24.99 vs 26.1 GiB; 405B: 73.58
 vs 74.7); the MoE dispatch buffers and CP gathers are modelled coarser (the worst case, whole).
 Three times the dense error leaves room for those and still catches a planner term that is
 wrong by a layer's activations or a whole extra copy of the state."""

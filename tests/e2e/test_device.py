@@ -71,8 +71,8 @@ def test_retained_heap_reuses_large_blocks_without_page_faults():
     unmapped each time, so each of the 10 cycles faults its pages in again: at least one fault
     per cycle even with 2 MiB transparent huge pages (32 per cycle), 16,384 per cycle with
     4 KiB pages. Retained, the cycles reuse the heap's pages, unless the kernel reclaims them
-    while idle: VMs of this kind run proactive reclaim (DAMON's `kdamond`), and session 16's CI
-    saw exactly 3 of 10 cycles refault a whole block in each of 3 processes (49,152 faults vs
+    while idle: VMs of this kind run proactive reclaim (DAMON's `kdamond`), and the CI run of
+    2026-12-03 at `bac8585` saw exactly 3 of 10 cycles refault a whole block in each of 3 processes (49,152 faults vs
     163,850 without retain). That is the host's doing, not the allocator's; the policy is shown
     by the retained count staying under half the system count (at most 5 of 10 blocks refaulted,
     where glibc's defaults refault all 10). The retained count is the best of up to 3 processes;

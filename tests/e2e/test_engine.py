@@ -295,7 +295,7 @@ def _worker(out: str) -> None:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"loss": before, "grad_norm": stepped["grad_norm"], "world": world,
                        "gathers_before_first": gathers_before_first}, f)
-    # Both ranks done before either tears its process group down: once (session 8, loaded CI
+    # Both ranks done before either tears its process group down: once (2026-12-02 at `6ab6fe2`, loaded CI
     # machine) rank 0 aborted here with "terminate called without an active exception" while
     # rank 1 was still exporting; not reproduced, so this is a guess at the cause.
     dist.barrier()

@@ -82,7 +82,7 @@ def test_llama3_scan_tp2_loss_parallel_matches_single_process(tmp_path, llama3_s
     assert worst < 1e-5
 
 
-@pytest.mark.exhaustive  # measured in session 14 (docs/results.md); the scheduled run keeps it
+@pytest.mark.exhaustive  # measured 2026-12-03, `2ed2d29` (docs/results.md); the scheduled run keeps it
 @pytest.mark.slow
 @multiprocess
 def test_llama3_scan_fsdp2_tp2_matches_single_process(tmp_path, llama3_single):
@@ -92,7 +92,7 @@ def test_llama3_scan_fsdp2_tp2_matches_single_process(tmp_path, llama3_single):
     assert worst < 1e-5
 
 
-@pytest.mark.exhaustive  # measured in session 14 (docs/results.md); the scheduled run keeps it
+@pytest.mark.exhaustive  # measured 2026-12-03, `2ed2d29` (docs/results.md); the scheduled run keeps it
 @pytest.mark.slow
 @multiprocess
 def test_qwen3_scan_tp2_matches_unrolled(tmp_path):

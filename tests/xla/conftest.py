@@ -37,7 +37,7 @@ LOWERING_VARIANTS = (
     "qwen3:debugmodel:scan:2",
     "qwen3:debugmodel_moe:unrolled:2",
 )
-# No MoE scan variant yet: the trainer accepts layer scan for MoE blocks since session 5 (their
+# No MoE scan variant yet: the trainer accepts layer scan for MoE blocks since 2026-12-01, `95f2fb4` (their
 # aux loss is a scan output; tests/unit/test_models_moe.py), but that step has not been lowered here.
 # Deviceless XLA:TPU compiles: (exported variant, targets). The scanned Llama 3 step on all three
 # targets (in one process), the other dense steps on v6e only (in a second process, beside the
