@@ -190,11 +190,57 @@ def render_build_checks() -> str:
     return "\n".join(out)
 
 
+LAYER_PACKAGES = ("tools", "planner", "trainer", "parallelisms", "titan_kernels", "models")  # top to bottom
+
+
+def render_layer_imports() -> str:
+    """A table: for each product package (top to bottom), how many of its modules import each
+    package below it (every absolute import, function-local ones too), read with `ast`."""
+    import ast
+
+    counts: dict[str, dict[str, set[str]]] = {p: {q: set() for q in LAYER_PACKAGES} for p in LAYER_PACKAGES}
+    modules = {p: 0 for p in LAYER_PACKAGES}
+    for pkg in LAYER_PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            modules[pkg] += 1
+            rel = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                         else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in counts[pkg] and top != pkg:
+                        counts[pkg][top].add(rel)
+    head = "| package (modules) | " + " | ".join(f"imports `{q}`" for q in LAYER_PACKAGES) + " |"
+    lines = ["Modules of each package (row) that import each other package (column); a package imports",
+             "only those below it, so the upper triangle is empty.", "", head,
+             "|" + "---|" * (len(LAYER_PACKAGES) + 1)]
+    for p in LAYER_PACKAGES:
+        cells = [str(len(counts[p][q])) if counts[p][q] else ("-" if q != p else "·") for q in LAYER_PACKAGES]
+        lines.append(f"| `{p}` ({modules[p]}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render_scheduled() -> str:
+    """The scheduled tier (tests/support/tiers.py SCHEDULED): each entry and the default-tier
+    tests that cover its mechanism."""
+    from tests.support.tiers import SCHEDULED
+
+    out = ["| scheduled tests (node-id pattern) | covered in the default tier by | why it may wait |", "|---|---|---|"]
+    for entry in SCHEDULED:
+        cells = [f"`{entry.pattern}`", "<br>".join(f"`{c}`" for c in entry.covered_by), entry.why]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------------- blocks
 
 BLOCKS = {
     "README.md": {"layout": render_layout, "sections": render_sections},
     "docs/rules.md": {"rules": render_rules, "build_checks": render_build_checks},
+    "docs/architecture.md": {"layer_imports": render_layer_imports},
+    "docs/testing.md": {"scheduled": render_scheduled},
 }
 
 
