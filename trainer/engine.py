@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 
 from models.errors import ConfigError
@@ -47,6 +46,8 @@ from trainer.job import build_job
 from trainer import checkpoint as ckpt
 from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed
 from trainer.step import local_scalar, step_if_finite
+from trainer.step.loss import nll_loss, token_logprobs  # the engine's forms of the one LM loss
+
 
 class EngineError(ConfigError):
     """A misuse of the engine API: the message names the call and what is allowed. Raised before
@@ -55,33 +56,6 @@ class EngineError(ConfigError):
 
 LossFn = Callable[[torch.Tensor, dict], Any]
 """loss_fn(logprobs or logits, batch) -> scalar loss, or (scalar loss, {metric: value})."""
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """log p(targets[b, t] | prefix) in fp32, [B, T], from logits [B, T, V] (divided by `temperature`).
-
-    Written as a cross entropy with no reduction: the same fp32 log-softmax the trainer's loss
-    computes, and one that loss parallel (vocab-sharded logits under TP) also supports.
-    """
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
-    if isinstance(nll, DTensor):
-        # Loss parallel: each rank holds the whole (replicated) per-token values; hand the loss
-        # function a plain tensor that mixes with the batch's masks and advantages.
-        assert all(p.is_replicate() for p in nll.placements), nll.placements
-        nll = nll.to_local()
-    return -nll.view(targets.shape)
-
-
-def nll_loss(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The default loss: mean next-token NLL over the tokens, or over `batch["loss_mask"]` ([B, T-1])."""
-    mask = batch.get("loss_mask")
-    if mask is None:
-        return -logprobs.mean()
-    mask = mask.to(logprobs.dtype)
-    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
 @dataclass(frozen=True)

@@ -280,11 +280,11 @@ class _EmbeddingLM(torch.nn.Module):
 def _ignored_labels_on_rank(table, inputs, labels):
     from trainer.config import Config
     from trainer.step import plan_step
-    from trainer.tasks import LMTask
+    from trainer.tasks import LMSettings, LMTask
     from parallelisms.context_parallel import cp_group
 
     task = LMTask.__new__(LMTask)  # the task's loss and prepare only: no tokenizer, no loader
-    task.cfg = Config()
+    task.settings = LMSettings.of(Config())
     task.cp = cp_group(dist.group.WORLD)  # what the constructor keeps of its `cp` argument
     model = _EmbeddingLM(table)
     micro = task.prepare((inputs, labels))

@@ -1,12 +1,29 @@
-"""The step's loss and what a step returns: shared by the eager and the graph step."""
+"""The LM loss, in every form a step takes it, and what a step returns: shared by the eager and the
+graph step, the tasks (trainer/tasks/) and the RL engine (trainer/engine.py).
+
+- `lm_loss(logits, labels)`: next-token cross entropy in fp32 (the mean, or the sum);
+- `plain_loss(model, inputs, labels)`: `lm_loss` of the model's logits (the steps' default);
+- `model_lm_loss(model, inputs, labels, segment_ids, positions, fused=...)`: plain, or fused
+  (`ops.linear_cross_entropy` on `model.hidden`, never forming the logits); the step plan's
+  `fused_loss` picks (`StepPlan.lm_loss` delegates here);
+- `cp_scaled_lm_loss(...)`: with context parallelism, this rank's token sum scaled by
+  cp / the cp group's token count;
+- `lm_loss_fn(fused=, document_mask=, cp=)`: the task's loss function, one of the two above;
+- `token_logprobs(logits, targets)` / `nll_loss(logprobs, batch)`: the engine's forms, the same
+  fp32 cross entropy per token, and its (masked) mean.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+from models.common.ops import IGNORE_INDEX
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -17,6 +34,86 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
 
 def plain_loss(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return lm_loss(model(inputs), labels)
+
+
+def model_lm_loss(model, inputs: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None, *, fused: bool, reduction: str = "mean") -> torch.Tensor:
+    """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim). With document
+    masking the micro-batch also holds `segment_ids` (and `positions`), passed to the model;
+    the loss itself is the same mean over every token. `reduction="sum"`: the sum over the
+    labels that are not ignored (context parallelism divides it by the global count).
+    `fused`: `ops.linear_cross_entropy(model.hidden(x), model.output.weight, y)`."""
+    extra = {}
+    if segment_ids is not None:
+        extra["segment_ids"] = segment_ids
+    if positions is not None:
+        extra["positions"] = positions
+    if fused:
+        from models.common import ops
+
+        # The weight is read here, after the forward, on every call: under SimpleFSDP the
+        # access is the all-gather, which must not be cached across steps.
+        mean = ops.linear_cross_entropy(model.hidden(inputs, **extra).flatten(0, 1), model.output.weight,
+                                        labels.flatten())
+        return mean if reduction == "mean" else mean * (labels != ops.IGNORE_INDEX).sum()
+    return lm_loss(model(inputs, **extra), labels, reduction)
+
+
+def cp_scaled_lm_loss(model, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor, cp,
+                      fused: bool, document_mask: bool) -> torch.Tensor:
+    """This rank's token sum x cp / the cp group's token count (`cp`: a `CPGroup`; `extra`:
+    (segment_ids, positions) with document masking, else (positions,)): SimpleFSDP's gradient
+    mean over dp_shard x cp then gives each data-parallel group's mean over all its tokens,
+    whatever number of labels each shard ignores; the mean of the logged per-rank values over
+    cp is that group's mean loss."""
+    segment_ids, positions = (extra[0], extra[1]) if document_mask else (None, extra[0])
+    total = model_lm_loss(model, inputs, labels, segment_ids, positions, fused=fused, reduction="sum")
+    count = (labels != IGNORE_INDEX).sum().to(torch.float32)
+    # A functional collective: traced into graph mode's one graph like the k/v gathers.
+    scale = cp.size / funcol.all_reduce(count, "sum", cp.group)
+    if isinstance(total, DTensor):  # loss parallel: a replicated DTensor over tp
+        scale = DTensor.from_local(scale, total.device_mesh, total.placements, run_check=False)
+    return total * scale
+
+
+def lm_loss_fn(*, fused: bool, document_mask: bool = False, cp=None) -> Callable:
+    """The LM task's `loss(model, *micro_batch)`: `model_lm_loss` (plain or `fused`), or with
+    context parallelism (`cp`, a `CPGroup`, else None) `cp_scaled_lm_loss`."""
+    if cp is None:
+        def loss(model, inputs, labels, segment_ids=None, positions=None):
+            return model_lm_loss(model, inputs, labels, segment_ids, positions, fused=fused)
+    else:
+        def loss(model, inputs, labels, *extra):
+            return cp_scaled_lm_loss(model, inputs, labels, *extra, cp=cp, fused=fused, document_mask=document_mask)
+    return loss
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """log p(targets[b, t] | prefix) in fp32, [B, T], from logits [B, T, V] (divided by `temperature`).
+
+    Written as a cross entropy with no reduction: the same fp32 log-softmax `lm_loss` computes,
+    and one that loss parallel (vocab-sharded logits under TP) also supports.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    if isinstance(nll, DTensor):
+        # Loss parallel: each rank holds the whole (replicated) per-token values; hand the loss
+        # function a plain tensor that mixes with the batch's masks and advantages.
+        assert all(p.is_replicate() for p in nll.placements), nll.placements
+        nll = nll.to_local()
+    return -nll.view(targets.shape)
+
+
+def nll_loss(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The engine's default loss: mean next-token NLL over the tokens, or over `batch["loss_mask"]`
+    ([B, T-1])."""
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return -logprobs.mean()
+    mask = mask.to(logprobs.dtype)
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def local_scalar(t: torch.Tensor) -> torch.Tensor:

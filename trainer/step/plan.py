@@ -37,7 +37,7 @@ from models import FAMILIES
 from models.common.moe import ROUTINGS
 from models.errors import ConfigError
 from titan_kernels import ATTENTION_DEVICES, attention_backends_for
-from trainer.step.loss import lm_loss
+from trainer.step.loss import model_lm_loss
 
 FLIP_FREE_BACKENDS = ("inductor", "tpu")
 """Graph backends whose backward scans run in reverse without copies (trainer/graph/passes.py:
@@ -349,24 +349,8 @@ class StepPlan:
     def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor,
                 segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 *, reduction: str = "mean") -> torch.Tensor:
-        """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim). With document
-        masking the micro-batch also holds `segment_ids` (and `positions`), passed to the model;
-        the loss itself is the same mean over every token. `reduction="sum"`: the sum over the
-        labels that are not ignored (context parallelism divides it by the global count)."""
-        extra = {}
-        if segment_ids is not None:
-            extra["segment_ids"] = segment_ids
-        if positions is not None:
-            extra["positions"] = positions
-        if self.fused_loss:
-            from models.common import ops
-
-            # The weight is read here, after the forward, on every call: under SimpleFSDP the
-            # access is the all-gather, which must not be cached across steps.
-            mean = ops.linear_cross_entropy(model.hidden(inputs, **extra).flatten(0, 1), model.output.weight,
-                                            labels.flatten())
-            return mean if reduction == "mean" else mean * (labels != ops.IGNORE_INDEX).sum()
-        return lm_loss(model(inputs, **extra), labels, reduction)
+        """The LM loss of this plan (plain or fused): trainer/step/loss.py `model_lm_loss`."""
+        return model_lm_loss(model, inputs, labels, segment_ids, positions, fused=self.fused_loss, reduction=reduction)
 
 
 def resolve_backend(backend: str, *, mode: str, device_type: str) -> str:

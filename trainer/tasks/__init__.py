@@ -20,21 +20,25 @@ Two tasks exist: "lm" (decoder LMs: tokens in, next-token cross entropy) and "fl
 from __future__ import annotations
 
 from trainer.step.plan import TASKS
-from trainer.tasks.flux import FlowTask
-from trainer.tasks.lm import LMTask
+from trainer.tasks.flux import FlowSettings, FlowTask
+from trainer.tasks.lm import LMSettings, LMTask
 
 TASK_CLASSES = {"lm": LMTask, "flow": FlowTask}
 assert tuple(TASK_CLASSES) == TASKS, "a task the step plan's rules do not know"
 
-__all__ = ["TASKS", "TASK_CLASSES", "FlowTask", "LMTask", "build_task"]
+__all__ = ["TASKS", "TASK_CLASSES", "FlowSettings", "FlowTask", "LMSettings", "LMTask", "build_task"]
 
 
 def build_task(cfg, *, family, args, step_plan=None, compute_dtype=None, cp=None):
-    """The task object of `family` (its `task` field) for this run; `step_plan` (trainer/step)
-    decides what a micro-batch carries (LM: segment ids, restart positions); `compute_dtype`:
-    the run's resolved compute dtype (`Job.compute.dtype`); `cp`: the context-parallel group
-    (`CPGroup`) when the windows are split over cp ranks, else None."""
+    """The task object of `family` (its `task` field) for this run, given the few settings it
+    reads (`LMSettings`, `FlowSettings`): `step_plan` (trainer/step) decides what a micro-batch
+    carries (LM: segment ids, restart positions); `compute_dtype`: the run's resolved compute
+    dtype (`Job.compute.dtype`, FLUX's input cast); `cp`: the context-parallel group (`CPGroup`)
+    when the LM windows are split over cp ranks, else None."""
     task = getattr(family, "task", "lm")
     # An unknown task is refused by the step plan's rules (`plan_job`) before anything is built.
     assert task in TASK_CLASSES, f"{family.name} declares task {task!r}: plan_job refuses it first"
-    return TASK_CLASSES[task](cfg, args=args, step_plan=step_plan, compute_dtype=compute_dtype, cp=cp)
+    if task == "flow":  # the FLUX plan never splits the sequence (`seq_len_to_divide`): no cp
+        assert compute_dtype is not None, "the run's resolved compute dtype (Job.compute.dtype)"
+        return FlowTask(FlowSettings.of(cfg, compute_dtype), args=args)
+    return LMTask(LMSettings.of(cfg, step_plan), args=args, cp=cp)

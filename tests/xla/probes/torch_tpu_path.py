@@ -164,7 +164,8 @@ def _cp_setup(mesh, plan, tokens: torch.Tensor, document_mask: bool):
     from models.common import ops
     from parallelisms.context_parallel import context_parallel_attention, cp_group
     from titan_kernels.tpu import register
-    from trainer.tasks.lm import LMTask
+    from trainer.config import Config
+    from trainer.tasks.lm import LMSettings, LMTask
 
     cp = cp_group(mesh["cp"])
     local = register.build_cp(cp.rank, cp.size)  # what cp_attention_fn(cp, "tpu") builds on a TPU
@@ -174,7 +175,7 @@ def _cp_setup(mesh, plan, tokens: torch.Tensor, document_mask: bool):
 
     ops.register("causal_attention", attention)
     task = LMTask.__new__(LMTask)  # no tokenizer or loader: only its CP shard and loss
-    task.restart_positions = False
+    task.settings = LMSettings.of(Config())  # global positions (no step plan: no restart)
     task.cp = cp  # what the constructor keeps of its `cp` argument
     batch = (tokens[:, :-1], tokens[:, 1:])
     if document_mask:  # two documents per window, the second starting at token 200
