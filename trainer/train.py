@@ -22,45 +22,17 @@ import torch
 
 from models.errors import ConfigError, NonFiniteLoss
 from trainer import checkpoint as ckpt
+from trainer.callbacks import Callback, CacheMisses, FirstLogKeys, MoEKeys, NonFiniteCheck, Watchdog
 from trainer.config import Config, build_config, split_cli, to_toml
 from trainer.job import Job, build_job
 from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, PreemptionHandler, StartupTimeout,
                              StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
                              shutdown_distributed)
 from trainer.runtime.profiler import profile_step, profiler_plan
-from trainer.runtime.tpu_env import CacheMissCounter
 from trainer.runtime import cli
 from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.runlock import release_all
 from trainer.step import StepPlan, local_scalar
-
-
-class NonFiniteTracker:
-    """Non-finite gradient norms, tracked on the device so that steps need no host sync.
-
-    The steps skip a non-finite update on the device (fused AdamW's `found_inf`, or the graph
-    step's gated update), so weights stay finite. This records the first such step and the
-    count; `read()` (a host sync) runs only on logged steps and before a checkpoint is written.
-    The gradient norm is global (equal on every rank), so every rank reaches the same verdict.
-    """
-
-    def __init__(self, device: torch.device, start_step: int = 0):
-        self.first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
-        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
-        # The step number lives on the device and counts there: a Python int in the update
-        # would be a constant of its program, a new program per step on a TPU (one compile each).
-        self.step = torch.full((), start_step, dtype=torch.int64, device=device)
-
-    def update(self, grad_norm: torch.Tensor) -> None:
-        """Record the step that just ran (the one after the previous update, or start_step + 1)."""
-        self.step = self.step + 1
-        bad = ~torch.isfinite(grad_norm.detach())
-        self.first_bad_step = torch.where(bad & (self.first_bad_step == 0), self.step, self.first_bad_step)
-        self.skipped = self.skipped + bad.to(torch.int64)
-
-    def read(self) -> tuple[int, int]:
-        """(first step with a non-finite gradient norm or 0, number of skipped updates)."""
-        return int(self.first_bad_step.item()), int(self.skipped.item())
 
 
 def _validate(model, *, build_loader, prepare, loss_fn, steps: int, device: torch.device,
@@ -132,118 +104,130 @@ def _banner(job: Job, start_step: int, peak_name: str) -> None:
 
 def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: int, peak: float | None,
           peak_name: str) -> int:
-    cfg, t, task, device, manager = job.cfg, job.cfg.training, job.task, job.device, job.manager
-    dump_folder, is_rank0, accum, loader = cfg.job.dump_folder, job.is_rank0, job.grad_accum_steps, job.loader
-    model, optimizer, scheduler, step_plan = job.model, job.optimizer, job.scheduler, job.step_plan
-    build_val_loader = job.build_val_loader
-    # -- metrics, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
-    best_peak = best_peak_flops(device, peak)
-    units_per_step = job.local_batch_size * task.units_per_sample * accum / job.parallel_dims.non_data_parallel_size
-    logger = MetricsLogger(dump_folder=dump_folder, log_freq=cfg.metrics.log_freq,
-                           enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=t.steps,
-                           is_rank0=is_rank0, start_step=start_step, device=device, unit=task.unit,
-                           flops_per_token=task.flops_per_unit(), peak_flops=peak, peak_name=peak_name)
-    units = {task.unit: units_per_step}
-
-    # -- the loop. Host syncs happen only on logged, validated and checkpointed steps (and for
-    #    the profiler): elsewhere the device runs ahead of Python (docs/training.md).
-    nonfinite = NonFiniteTracker(device, start_step)
-    cache_misses = CacheMissCounter(device.type)  # TPU: torch-tpu's compilation cache misses
-    extra_first = {"setup_s": round(time.perf_counter() - job.t_start, 3)}
-    if peak is not None:  # the peak MFU is taken against, and the best compute dtype's (CPU: may differ)
-        extra_first.update(peak_tflops=peak / 1e12, peak_tflops_best=best_peak / 1e12)
+    """The steps: data -> step -> lr, then the log / validate / save decisions. Side concerns are
+    callbacks (trainer/callbacks.py). Host syncs happen only on logged, validated and
+    checkpointed steps (and for the profiler): elsewhere the device runs ahead of Python
+    (docs/training.md)."""
+    cfg, t, task, manager = job.cfg, job.cfg.training, job.task, job.manager
+    logger = _metrics_logger(job, start_step=start_step, peak=peak, peak_name=peak_name)
+    # -- throughput, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
+    units = {task.unit: job.local_batch_size * task.units_per_sample * job.grad_accum_steps
+             / job.parallel_dims.non_data_parallel_size}
+    callbacks = _callbacks(job, step_fn=step_fn, start_step=start_step, peak=peak)
+    validation = _Validation(job, loss_fn=loss_fn, logger=logger) if job.build_val_loader is not None else None
     preemption = PreemptionHandler()
-    watchdog = (StepWatchdog(folder=dump_folder, rank=job.dist.rank, factor=t.hang_dump_factor, min_s=t.hang_dump_min_s)
-                if t.hang_dump_factor > 0 else None)
     try:
         for step in range(start_step + 1, t.steps + 1):
-            if watchdog is not None:
-                watchdog.step_started(step)
-            profiling = cfg.profiling.enable and step % cfg.profiling.freq == 0
-            with _profile(profiling, os.path.join(dump_folder, cfg.profiling.folder), step, job.dist.rank, device):
-                # data_s: host time for the batches only; a copy to an accelerator can wait for
-                # the steps still queued on it, which is not the loader's time.
-                t_data = time.perf_counter()
-                batches = [task.prepare(loader.next_batch()) for _ in range(accum)]
-                data_s = time.perf_counter() - t_data
-                microbatches = [tuple(x.to(device) for x in batch) for batch in batches]
-                lr = scheduler.get_last_lr()[0]
+            for cb in callbacks:
+                cb.on_step_start(step)
+            with _profile(cfg.profiling, job.cfg.job.dump_folder, step, job.dist.rank, job.device):
+                microbatches, data_s = _next_microbatches(job)
+                lr = job.scheduler.get_last_lr()[0]
                 job.before_step(step)
                 out = step_fn(microbatches, lr)
-                scheduler.step()
+                job.scheduler.step()
             train_state.step = step
-            nonfinite.update(out.grad_norm)
-            missed = cache_misses.step_done(step)
-            if missed is not None and is_rank0:
-                print(missed, flush=True)
-            if watchdog is not None:
-                watchdog.step_finished()
+            for cb in callbacks:
+                cb.on_step_end(step, out)
             # SIGTERM (preemptible VMs, spot): every rank stops after this same step and saves it.
             preempted = preemption.requested()
             last = step == t.steps
-            validating = build_val_loader is not None and (step % cfg.validation.freq == 0 or last)
+            validating = validation is not None and validation.due(step, last)
             saving = manager.enable and (step % manager.interval == 0 or last or preempted)
             logging = logger.should_log(step) or validating
             if not (logging or saving):
                 logger.log(step, data_s=data_s, **units)
                 continue
-            first_bad, skipped = nonfinite.read()
-            if first_bad and not t.skip_nonfinite_updates:
-                raise NonFiniteLoss(
-                    f"non-finite gradient norm at step {first_bad} (its update was skipped; stopped at step "
-                    f"{step}); the newest checkpoint (if any) in {manager.folder} is from before it. Lower "
-                    "optimizer.lr and resume, or set training.skip_nonfinite_updates = true")
+            for cb in callbacks:
+                cb.on_sync(step)
             if logging:
                 values = {"loss": global_mean(out.loss), "grad_norm": out.grad_norm, "lr": lr}
-                if t.skip_nonfinite_updates:
-                    values["skipped_updates"] = skipped
-                if cache_misses.total is not None:
-                    values["compile_cache_misses"] = cache_misses.total
-                    if (compiled := cache_misses.compiled()) is not None:
-                        values["compilations"] = compiled
-                if out.aux_loss is not None:
-                    values["moe_aux_loss"] = global_mean(out.aux_loss)
-                if out.moe_max_vio is not None:
-                    values["moe_max_vio"] = float(out.moe_max_vio)
-                if extra_first is not None:
-                    if step_fn.compile_s is not None:
-                        extra_first.update(compile_s=round(step_fn.compile_s, 3), graph_nodes=step_fn.graph_nodes)
-                    values.update(extra_first)
-                    extra_first = None
+                for cb in callbacks:
+                    cb.on_log(step, out, values)
                 if validating:
-                    grid = task.sample_grid(model)
-                    if grid is not None:
-                        logger.log_image("samples", grid, step)
-                    values["val_loss"] = _validate(model, build_loader=build_val_loader, prepare=task.prepare,
-                                                   loss_fn=loss_fn, steps=cfg.validation.steps, device=device,
-                                                   step_plan=step_plan)
+                    values.update(validation.run(step))
                 logger.log(step, force=True, data_s=data_s, **units, **values)
             else:  # a checkpoint-only step: checked above, nothing to log
                 logger.log(step, data_s=data_s, **units)
             if saving:
-                if not ckpt.all_finite(model, optimizer):
-                    raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "
-                                        f"written. The newest checkpoint (if any) is in {manager.folder}")
-                manager.maybe_save(step, states, force=last or preempted)
+                _save(job, step, states, force=last or preempted)
             if preempted:  # `finally` below completes an async save before the process exits
                 raise Preempted(step, manager.folder if manager.enable else "nowhere (checkpoint.enable = false)")
     finally:
         preemption.close()
-        if watchdog is not None:
-            watchdog.close()
+        for cb in callbacks:
+            cb.close()
         manager.close()
         logger.close()
     return 0
 
 
+def _metrics_logger(job: Job, *, start_step: int, peak: float | None, peak_name: str) -> MetricsLogger:
+    cfg, task = job.cfg, job.task
+    return MetricsLogger(dump_folder=cfg.job.dump_folder, log_freq=cfg.metrics.log_freq,
+                         enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=cfg.training.steps,
+                         is_rank0=job.is_rank0, start_step=start_step, device=job.device, unit=task.unit,
+                         flops_per_token=task.flops_per_unit(), peak_flops=peak, peak_name=peak_name)
+
+
+def _callbacks(job: Job, *, step_fn, start_step: int, peak: float | None) -> list[Callback]:
+    """The loop's side concerns, in the order their hooks run (and their log keys appear)."""
+    t, device = job.cfg.training, job.device
+    best_peak = best_peak_flops(device, peak)
+    callbacks = [NonFiniteCheck(device, start_step, skip=t.skip_nonfinite_updates, folder=job.manager.folder),
+                 CacheMisses(device.type, is_rank0=job.is_rank0)]  # TPU: torch-tpu's compilation cache misses
+    if t.hang_dump_factor > 0:
+        callbacks.append(Watchdog(StepWatchdog(folder=job.cfg.job.dump_folder, rank=job.dist.rank,
+                                               factor=t.hang_dump_factor, min_s=t.hang_dump_min_s)))
+    return [*callbacks, MoEKeys(), FirstLogKeys(t_start=job.t_start, peak=peak, best_peak=best_peak, step_fn=step_fn)]
+
+
+def _next_microbatches(job: Job) -> tuple[list[tuple[torch.Tensor, ...]], float]:
+    """The step's micro-batches on the device, and `data_s`: host time for the batches only (a
+    copy to an accelerator can wait for the steps still queued on it, which is not the loader's)."""
+    t_data = time.perf_counter()
+    batches = [job.task.prepare(job.loader.next_batch()) for _ in range(job.grad_accum_steps)]
+    data_s = time.perf_counter() - t_data
+    return [tuple(x.to(job.device) for x in batch) for batch in batches], data_s
+
+
+class _Validation:
+    """`[validation]`: every `freq` steps and at the last, the held-out loss (`val_loss`) and the
+    task's sample grid (FLUX), on every rank."""
+
+    def __init__(self, job: Job, *, loss_fn, logger: MetricsLogger):
+        self.job, self.loss_fn, self.logger = job, loss_fn, logger
+
+    def due(self, step: int, last: bool) -> bool:
+        return step % self.job.cfg.validation.freq == 0 or last
+
+    def run(self, step: int) -> dict[str, float]:
+        job = self.job
+        grid = job.task.sample_grid(job.model)
+        if grid is not None:
+            self.logger.log_image("samples", grid, step)
+        return {"val_loss": _validate(job.model, build_loader=job.build_val_loader, prepare=job.task.prepare,
+                                      loss_fn=self.loss_fn, steps=job.cfg.validation.steps, device=job.device,
+                                      step_plan=job.step_plan)}
+
+
+def _save(job: Job, step: int, states: dict, *, force: bool) -> None:
+    """A checkpoint of `step`, after checking every weight and optimizer state is finite."""
+    if not ckpt.all_finite(job.model, job.optimizer):
+        raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "
+                            f"written. The newest checkpoint (if any) is in {job.manager.folder}")
+    job.manager.maybe_save(step, states, force=force)
+
+
 @contextlib.contextmanager
-def _profile(enabled: bool, folder: str, step: int, rank: int, device: torch.device):
-    """Profile one step into `folder/step-N/`: a Chrome trace per rank on cpu/cuda, torch-tpu's
-    XPlane file on a TPU (`trainer.runtime.profiler.profiler_plan`)."""
-    if not enabled:
+def _profile(profiling, dump_folder: str, step: int, rank: int, device: torch.device):
+    """`[profiling]`: every `freq` steps, profile the step into `dump_folder/folder/step-N/`: a
+    Chrome trace per rank on cpu/cuda, torch-tpu's XPlane file on a TPU
+    (`trainer.runtime.profiler.profiler_plan`)."""
+    if not (profiling.enable and step % profiling.freq == 0):
         yield
         return
-    step_folder = os.path.join(folder, f"step-{step}")
+    step_folder = os.path.join(dump_folder, profiling.folder, f"step-{step}")
     plan = profiler_plan(device.type, folder=step_folder, rank=rank, cuda=device.type == "cuda")
     with profile_step(plan, trace_path=os.path.join(step_folder, f"rank{rank}_trace.json")):
         yield

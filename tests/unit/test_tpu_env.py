@@ -255,7 +255,7 @@ def _trace(fn, *args):
 def test_nonfinite_tracker_step_is_device_data():
     """The tracker's update is the same program at every step: the step number is a device tensor
     it counts, not a constant. The control (a Python int step, as before) gives a program per step."""
-    from trainer.train import NonFiniteTracker
+    from trainer.callbacks import NonFiniteTracker
 
     def traced_update(start_step):
         tracker = NonFiniteTracker(torch.device("cpu"), start_step)
