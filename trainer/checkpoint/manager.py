@@ -41,7 +41,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
-from trainer.runtime.atomic import errno_text
+from trainer.runtime.atomic import errno_text, publish
 from trainer.runtime.device import cpu_backend
 
 from trainer.checkpoint.manifest import MANIFEST, verify_checkpoint, write_manifest, CorruptCheckpointError
@@ -413,15 +413,10 @@ class CheckpointManager:
         tmp = self.folder / f".tmp-step-{step}"
         final = self.step_path(step)
         assert (tmp / ".metadata").is_file(), f"{tmp} has no .metadata after a finished save"
-        old = self.folder / f".old-step-{step}"
-        if final.exists():
-            # Re-saving a step (resumed from an older one): move the old copy aside first, so
-            # `final` is at every instant either absent or complete.
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
+        # Re-saving a step (resumed from an older one) moves the old copy aside first, so `final`
+        # is at every instant either absent or complete (the one publisher, trainer/runtime/atomic.py).
+        publish(tmp, final, replace=True)
         _fsync_dir(self.folder)
-        shutil.rmtree(old, ignore_errors=True)
         logger.info("checkpoint: saved %s", final)
         self._purge()
 

@@ -16,6 +16,7 @@ from typing import Any
 from models.errors import ConfigError
 
 from trainer.checkpoint.state import short_error
+from trainer.runtime.atomic import atomic_file
 
 # ---------------------------------------------------------------------------------------------
 # Checksums: a manifest of per-file CRC-32s, written with each checkpoint and checked on load.
@@ -80,12 +81,8 @@ def write_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     files = {p.name: {"size": p.stat().st_size, "crc32": crcs[p]} for p in paths}
     manifest = {"format": 1, "algorithm": "crc32", "block_bytes": BLOCK_BYTES, "files": files,
                 "hash_seconds": round(time.perf_counter() - t0, 3)}
-    tmp = folder / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_file(folder / MANIFEST, what="checkpoint manifest", mode="w") as f:
         json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(folder / MANIFEST)
     return manifest
 
 

@@ -19,11 +19,11 @@ import contextlib
 import errno as errno_codes
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from models.errors import ConfigError
 
 # torch's zip writer (torch.save, PyTorchStreamWriter) drops the errno of a failed write and says
 # only that the file position is not where it should be.
@@ -96,7 +96,11 @@ def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
 
-def _publish(tmp: Path, dest: Path, *, replace: bool) -> None:
+def publish(tmp: Path, dest: Path, *, replace: bool) -> None:
+    """Rename the finished folder or file `tmp` to `dest` (the one publisher: `atomic_dir`,
+    `atomic_path` and the checkpoint manager's save all end here). An empty folder at `dest` is
+    taken over; an occupied one raises FileExistsError unless `replace`, which moves the old copy
+    aside (`.old-<name>-*`) first, so `dest` is at every instant either the old or the new one."""
     if _is_empty_dir(dest):
         os.rmdir(dest)  # an empty folder made for the output: taken over (fails if it filled meanwhile)
     if dest.exists() or dest.is_symlink():
@@ -129,7 +133,7 @@ def atomic_dir(dest: str | os.PathLike, *, what: str = "output", replace: bool =
         raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}") from e
     try:
         yield tmp
-        _publish(tmp, dest, replace=replace)
+        publish(tmp, dest, replace=replace)
     except BaseException as e:
         _remove(tmp)
         if _is_write_error(e):
@@ -164,7 +168,7 @@ def atomic_path(dest: str | os.PathLike, *, what: str = "file") -> Iterator[Path
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, dest)
+        publish(tmp, dest, replace=True)
     except BaseException as e:
         _remove(tmp)
         if _is_write_error(e):
@@ -176,7 +180,8 @@ def atomic_path(dest: str | os.PathLike, *, what: str = "file") -> Iterator[Path
 def _is_write_error(error: BaseException) -> bool:
     """A failure of the write itself (wrapped as WriteFailed), not a refusal of bad input
     (ConfigError) or an earlier WriteFailed, which pass through unchanged."""
-    if isinstance(error, (ConfigError, WriteFailed)):
+    errors = sys.modules.get("models.errors")  # nothing raised a ConfigError if it was never imported
+    if isinstance(error, WriteFailed) or (errors is not None and isinstance(error, errors.ConfigError)):
         return False
     return (isinstance(error, OSError) or _errno_in(error) is not None
             or any(marker in str(error) for marker in _LOST_ERRNO_MARKERS))
@@ -188,17 +193,23 @@ def _umask() -> int:
     return mask
 
 
+def _config_error(message: str) -> Exception:
+    from models.errors import ConfigError  # imported when needed: this module stays torch-free
+
+    return ConfigError(message)
+
+
 def make_dir(path: str | os.PathLike, *, key: str) -> None:
     """Make folder `path` (and its parents) if missing; ConfigError naming `key`, the path and the
     errno text if it cannot be (a file in its place, a path under a regular file, no permission)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"{key}: cannot use {path}: {os.strerror(errno_codes.ENOTDIR)} (a file is in its place); "
+        raise _config_error(f"{key}: cannot use {path}: {os.strerror(errno_codes.ENOTDIR)} (a file is in its place); "
                           f"{_ALLOWED_DIR}")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"{key}: cannot create {path}: {write_error_text(e, path)}; {_ALLOWED_DIR}") from None
+        raise _config_error(f"{key}: cannot create {path}: {write_error_text(e, path)}; {_ALLOWED_DIR}") from None
 
 
 def check_writable_dir(path: str | os.PathLike, *, key: str, keep: bool = True) -> None:
@@ -217,7 +228,7 @@ def check_writable_dir(path: str | os.PathLike, *, key: str, keep: bool = True) 
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"{key}: cannot write to {path}: {write_error_text(e, path)}; {_ALLOWED_DIR}") from None
+        raise _config_error(f"{key}: cannot write to {path}: {write_error_text(e, path)}; {_ALLOWED_DIR}") from None
     finally:
         if not keep and first_missing is not None:
             with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from models.errors import ConfigError
+from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.pci import tpu_generations_on_pci
 from models.common import distributed
 
@@ -298,10 +299,9 @@ def _measure_or_read(key: str) -> dict[str, float]:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_probe_file(path)
         data[key] = {**peaks, "size": PROBE_SIZE, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        tmp.replace(path)
-    except OSError:  # a read-only home: the probe still serves this process
+        with atomic_file(path, what="CPU matmul probe cache", mode="w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    except (OSError, WriteFailed):  # a read-only home: the probe still serves this process
         pass
     return peaks
 

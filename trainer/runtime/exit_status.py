@@ -25,11 +25,12 @@ def record_exit_status(code: int, env=os.environ) -> None:
     if not folder:
         return
     path = os.path.join(folder, f"local{env.get('LOCAL_RANK', '0')}.exit")
+    from trainer.runtime.atomic import WriteFailed, atomic_file  # standard library only
+
     try:
-        with open(path + ".tmp", "w") as f:
+        with atomic_file(path, what="exit status", mode="w") as f:
             f.write(f"{int(code)}\n")
-        os.replace(path + ".tmp", path)
-    except OSError:
+    except (OSError, WriteFailed):
         pass
 
 
