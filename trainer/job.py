@@ -383,7 +383,7 @@ def _lock_run_folders(cfg: Config) -> None:
 
 
 @dataclass(frozen=True)
-class Data:
+class JobData:
     """Phase 3's result: the task, the mesh, the batch split and the loaders."""
 
     task: Any
@@ -398,7 +398,7 @@ class Data:
     build_val_loader: Callable[[], Any] | None = None
 
 
-def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Data:
+def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> JobData:
     """Phase 3: the named mesh, the task (none for the engine, whose caller brings its own tokens
     and loss; told the cp group when the windows are split over context-parallel ranks), the
     batch split and (purpose `reads_data`) the loaders: bad data fails before any checkpoint."""
@@ -419,11 +419,11 @@ def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Dat
         if cfg.validation.enable:
             build_val_loader = lambda: loader_for("validation")  # noqa: E731
             build_val_loader().check(cfg.validation.steps)  # read what validation reads, before step 1
-    return Data(task=task, mesh=mesh, cp=cp, dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch,
+    return JobData(task=task, mesh=mesh, cp=cp, dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch,
                 grad_accum_steps=accum, loader=loader, build_val_loader=build_val_loader)
 
 
-def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: Data, purpose: Purpose) -> str:
+def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> str:
     """Phase 4: the kernel of every op this job's model calls, and the banner's line on attention.
 
     Every job starts from a clean op table (`models.common.ops`): a previous job in this process
@@ -453,7 +453,7 @@ def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: Data, purpos
     return apply_cp(cp, device_type, replacing=attention, references=purpose.captures_only)
 
 
-def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: Data, purpose: Purpose) -> torch.nn.Module:
+def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> torch.nn.Module:
     """Phase 5: the model, meta -> parallelize -> materialize -> init (`build_model`; a check job
     stays on meta and captures with `aot_eager`), with a defined benchmark-routing key."""
     t = cfg.training
