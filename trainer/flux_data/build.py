@@ -46,6 +46,7 @@ import json
 import os
 import shutil
 import tempfile
+from pathlib import Path
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -54,7 +55,7 @@ import numpy as np
 import torch
 
 from models.errors import ConfigError
-from trainer.runtime.atomic import WriteFailed, write_error_text
+from trainer.runtime.atomic import WriteFailed, publish, write_error_text
 
 COLOURS: dict[str, tuple[float, float, float]] = {
     "red": (0.90, 0.12, 0.10),
@@ -394,8 +395,8 @@ def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root
             log(f"building the procedural FLUX data set in {folder} (first use)")
             build_dataset(params, os.path.join(tmp, "data"), device=device, log=log)
             try:
-                os.rename(os.path.join(tmp, "data"), folder)
-            except OSError:
+                publish(Path(tmp) / "data", Path(folder), replace=False)
+            except OSError:  # another rank's build won
                 if not os.path.isfile(os.path.join(folder, "meta.json")):
                     raise
         except OSError as e:  # disk full, file too large, permission: say so on one line
