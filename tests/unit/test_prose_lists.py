@@ -1,0 +1,66 @@
+"""Prose lists in the docs follow the registries (issue 38: the README said "four families" after
+a fifth arrived, docs/training.md knew two build purposes of three and AdamW only). Each check
+reads a registry of the code and the page that lists it in prose; a new family, purpose,
+optimizer, attention backend or op fails here until its page names it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import models
+from models.common import ops
+from titan_kernels import ATTENTION_BACKENDS
+from trainer.job import PURPOSES
+from trainer.optim import OPTIMIZERS
+
+ROOT = Path(__file__).resolve().parents[2]
+NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+# How prose names each family (a new family needs an entry: the failure says so).
+DISPLAY = {"llama3": "Llama 3", "qwen3": "Qwen 3", "deepseek_v3": "DeepSeek-V3", "flux": "FLUX.1", "hf": "`hf`"}
+
+
+def read(rel: str) -> str:
+    return (ROOT / rel).read_text()
+
+
+def test_every_family_has_a_display_name():
+    assert set(DISPLAY) == set(models.FAMILIES), f"add the new family's prose name to DISPLAY: {set(models.FAMILIES)}"
+
+
+def test_readme_and_models_page_name_every_family_and_count_them():
+    count = NUMBER_WORDS[len(models.FAMILIES)]
+    row = next(line for line in read("README.md").splitlines() if line.startswith("| [docs/models.md]"))
+    assert f"the {count} families" in row, row
+    for name in DISPLAY.values():
+        assert name in row, f"README's docs/models.md row does not name {name}: {row}"
+    intro = read("docs/models.md").split("\n\n", 2)[1]
+    assert intro.startswith(f"{count.capitalize()} families"), intro[:80]
+    bullets = read("docs/models.md").split("\n\n", 3)[2]
+    for family in models.FAMILIES:
+        assert f"- `{family}`" in bullets, f"docs/models.md's family list has no bullet for `{family}`"
+
+
+@pytest.mark.parametrize("page", ["docs/training.md", "docs/architecture.md"])
+def test_build_purposes_are_all_named(page):
+    text = read(page)
+    for name in PURPOSES:
+        assert re.search(rf"`{name}`|purpose=\"{name}\"", text), f"{page} does not name the build purpose {name!r}"
+
+
+@pytest.mark.parametrize("page", ["docs/training.md", "docs/optimizers.md"])
+def test_optimizers_are_all_named(page):
+    text = read(page).lower()
+    for name in OPTIMIZERS:
+        assert name in text, f"{page} does not name the optimizer {name!r}"
+
+
+def test_attention_backends_and_ops_are_all_named():
+    text = read("docs/attention.md")
+    for backend in ATTENTION_BACKENDS:
+        assert f"`{backend}`" in text, f"docs/attention.md does not name the attention backend `{backend}`"
+    models_page = read("docs/models.md")
+    for op in ops.OPS:
+        assert op in models_page, f"docs/models.md does not name the op {op}"
