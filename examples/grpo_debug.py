@@ -54,15 +54,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [
-        "model.n_layers=2", f"model.vocab_size={args.vocab}", "model.attn_backend=sdpa",
-        f"training.seq_len={args.prompt_len + args.new_tokens}", "training.mixed_precision_param=float32",
-        f"training.steps={args.updates * args.ppo_epochs}", f"optimizer.lr={args.lr}", "optimizer.weight_decay=0.0",
-        "lr_scheduler.warmup_steps=0", "lr_scheduler.decay_type=constant", *extra,
+        "model.n_layers=2",
+        f"model.vocab_size={args.vocab}",
+        "model.attn_backend=sdpa",
+        f"training.seq_len={args.prompt_len + args.new_tokens}",
+        "training.mixed_precision_param=float32",
+        f"training.steps={args.updates * args.ppo_epochs}",
+        f"optimizer.lr={args.lr}",
+        "optimizer.weight_decay=0.0",
+        "lr_scheduler.warmup_steps=0",
+        "lr_scheduler.decay_type=constant",
+        *extra,
     ]
 
 
-def sample(engine: Engine, prompts: torch.Tensor, *, new_tokens: int, temperature: float,
-           generator: torch.Generator) -> torch.Tensor:
+def sample(
+    engine: Engine, prompts: torch.Tensor, *, new_tokens: int, temperature: float, generator: torch.Generator
+) -> torch.Tensor:
     """Append `new_tokens` sampled tokens to each prompt: one full forward per token."""
     tokens = prompts
     for _ in range(new_tokens):
@@ -119,24 +127,36 @@ def run(argv: list[str]) -> list[dict]:
         t0 = time.perf_counter()
         prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), generator=generator)
         prompts = prompts.repeat_interleave(args.group, dim=0)
-        tokens = sample(engine, prompts, new_tokens=args.new_tokens, temperature=args.temperature,
-                        generator=generator)
-        rewards = reward(tokens[:, args.prompt_len:], args.target)
+        tokens = sample(engine, prompts, new_tokens=args.new_tokens, temperature=args.temperature, generator=generator)
+        rewards = reward(tokens[:, args.prompt_len :], args.target)
         mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
-        mask[:, args.prompt_len - 1:] = 1.0  # log-prob t scores token t + 1: the completion only
-        batch = {"tokens": tokens, "mask": mask, "advantages": group_advantages(rewards, args.group),
-                 "old_logprobs": engine.compute_logprobs(tokens, temperature=args.temperature)}
+        mask[:, args.prompt_len - 1 :] = 1.0  # log-prob t scores token t + 1: the completion only
+        batch = {
+            "tokens": tokens,
+            "mask": mask,
+            "advantages": group_advantages(rewards, args.group),
+            "old_logprobs": engine.compute_logprobs(tokens, temperature=args.temperature),
+        }
         if reference is not None:
             batch["ref_logprobs"] = reference.compute_logprobs(tokens, temperature=args.temperature)
         for _ in range(args.ppo_epochs):
             out = engine.forward_backward(batch, loss_fn, temperature=args.temperature)
             step = engine.optimizer_step()
-        row = {"update": update, "reward": global_mean(rewards.mean()), "loss": out["loss"],
-               "kl": out.get("kl", 0.0), "clip_frac": out["clip_frac"], "grad_norm": step["grad_norm"],
-               "s": time.perf_counter() - t0}
+        row = {
+            "update": update,
+            "reward": global_mean(rewards.mean()),
+            "loss": out["loss"],
+            "kl": out.get("kl", 0.0),
+            "clip_frac": out["clip_frac"],
+            "grad_norm": step["grad_norm"],
+            "s": time.perf_counter() - t0,
+        }
         rows.append(row)
-        say(f"{update:>6} {row['reward']:>8.3f} {row['loss']:>9.4f} {row['kl']:>8.4f} {row['clip_frac']:>6.3f} "
-              f"{row['grad_norm']:>9.3f} {row['s']:>5.2f}", flush=True)
+        say(
+            f"{update:>6} {row['reward']:>8.3f} {row['loss']:>9.4f} {row['kl']:>8.4f} {row['clip_frac']:>6.3f} "
+            f"{row['grad_norm']:>9.3f} {row['s']:>5.2f}",
+            flush=True,
+        )
     engine.close()
     return rows
 

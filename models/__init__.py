@@ -133,8 +133,14 @@ FAMILIES: dict[str, ModelFamily] = {
 
 # Hugging Face `model_type` (transformers) or `_class_name` (diffusers) -> our family name
 # (used by HF -> DCP conversion).
-HF_MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3", "deepseek_v3": "deepseek_v3",
-                  "kimi_k2": "deepseek_v3", "FluxTransformer2DModel": "flux"}
+HF_MODEL_TYPES = {
+    "llama": "llama3",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "FluxTransformer2DModel": "flux",
+}
 
 
 def get_model_family(name: str) -> ModelFamily:

@@ -109,8 +109,16 @@ class FlowModel(Protocol):
     `n_layers` / `max_seq_len` / `vocab_size` fields of `ModelArgs` are not required.
     """
 
-    def __call__(self, img: torch.Tensor, img_ids: torch.Tensor, txt: torch.Tensor, txt_ids: torch.Tensor,
-                 timesteps: torch.Tensor, y: torch.Tensor, guidance: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        img: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt: torch.Tensor,
+        txt_ids: torch.Tensor,
+        timesteps: torch.Tensor,
+        y: torch.Tensor,
+        guidance: torch.Tensor | None,
+    ) -> torch.Tensor:
         """img [B, L, in_channels] noisy packed latents, img_ids [B, L, 3], txt [B, S, context_in_dim],
         txt_ids [B, S, 3], timesteps [B] in [0, 1], y [B, vec_in_dim], guidance [B] or None
         -> predicted velocity [B, L, in_channels]."""

@@ -40,10 +40,19 @@ AC_MODES = ("none", "full", "selective")
 
 def _save_ops() -> set:
     aten = torch.ops.aten
-    names = ["mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_flash_attention_forward", "_efficient_attention_forward"]
+    names = [
+        "mm",
+        "addmm",
+        "bmm",
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    ]
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
     return ops
@@ -75,8 +84,7 @@ def checkpoint_fn(mode: str) -> Callable[..., Any]:
         return functools.partial(checkpoint, use_reentrant=False)
     if mode == "selective":
         return functools.partial(checkpoint, use_reentrant=False, context_fn=_sac_context)
-    raise ConfigError(f"activation_checkpoint.mode: {mode!r} is not supported; allowed: "
-                      f"{', '.join(AC_MODES)}")
+    raise ConfigError(f"activation_checkpoint.mode: {mode!r} is not supported; allowed: {', '.join(AC_MODES)}")
 
 
 _CLASS_CACHE: dict[tuple[type, str], type] = {}
@@ -90,8 +98,9 @@ def _checkpointed_class(base: type, mode: str) -> type:
         def forward(self, *args, **kwargs):
             return run(base.forward, self, *args, **kwargs)
 
-        _CLASS_CACHE[key] = type(f"Checkpointed{base.__name__}", (base,),
-                                 {"forward": forward, "_ac_base": base, "_ac_mode": mode})
+        _CLASS_CACHE[key] = type(
+            f"Checkpointed{base.__name__}", (base,), {"forward": forward, "_ac_base": base, "_ac_mode": mode}
+        )
     return _CLASS_CACHE[key]
 
 

@@ -26,8 +26,9 @@ from models.common.plan import ModelPlan
 __all__ = ["apply_compile"]
 
 
-def apply_compile(model: nn.Module, *, plan: ModelPlan, backend: str,
-                  spmd_safe: Callable[[Callable], Callable] | None = None) -> nn.Module:
+def apply_compile(
+    model: nn.Module, *, plan: ModelPlan, backend: str, spmd_safe: Callable[[Callable], Callable] | None = None
+) -> nn.Module:
     """Compile every block of `model` in place with `backend` (e.g. "inductor").
 
     `spmd_safe`: a decorator for each block's forward, applied before compiling (the forward

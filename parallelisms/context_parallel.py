@@ -88,8 +88,7 @@ def check_seq_len(seq_len: int, cp_size: int) -> None:
         )
 
 
-def positions(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None
-              ) -> torch.Tensor:
+def positions(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The global positions (int64 [seq_len / cp_size]) rank `cp_rank` holds, in local order:
     chunk `cp_rank` then chunk `2 * cp_size - 1 - cp_rank`, chunks of `seq_len / (2 cp)`."""
     check_seq_len(seq_len, cp_size)
@@ -141,9 +140,15 @@ def gather_sequence(x: torch.Tensor, dim: int, cp: CPGroup) -> torch.Tensor:
     return _rank_major_to_global(gathered, cp.size).movedim(0, dim)
 
 
-def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                 k_pos: torch.Tensor, q_seg: torch.Tensor | None, k_seg: torch.Tensor | None
-                 ) -> torch.Tensor:
+def _masked_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_seg: torch.Tensor | None,
+    k_seg: torch.Tensor | None,
+) -> torch.Tensor:
     """SDPA of q [b, h, m, d] against k, v [b, h, n, d] with `k_pos <= q_pos` (and same
     segment) as the boolean mask. The key at the query's own position is always in the
     same segment and visible, so no row is fully masked."""
@@ -154,9 +159,15 @@ def _masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     return sdpa(q, k, v, attn_mask=mask)  # v at its own width (MLA), as the op allows
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               segment_ids: torch.Tensor | None = None, *, cp: CPGroup,
-                               local_attention=None) -> torch.Tensor:
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    *,
+    cp: CPGroup,
+    local_attention=None,
+) -> torch.Tensor:
     """Causal attention of this rank's queries against the whole sequence's keys.
 
     q [b, q_heads, s/cp, d], k and v [b, kv_heads, s/cp, d] and `segment_ids` [b, s/cp] (or
@@ -186,11 +197,17 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     # Early chunk (global chunk r < cp): every visible key lies in the first half.
     # Late chunk (global chunk 2cp-1-r >= cp): keys anywhere up to its own position.
     for part, n_keys in ((slice(0, chunk), half), (slice(chunk, s_local), seq_len)):
-        outs.append(_masked_sdpa(
-            q[:, :, part], k_all[:, :, :n_keys], v_all[:, :, :n_keys], q_pos[part], k_pos[:n_keys],
-            None if seg_local is None else seg_local[:, part],
-            None if seg_all is None else seg_all[:, :n_keys],
-        ))
+        outs.append(
+            _masked_sdpa(
+                q[:, :, part],
+                k_all[:, :, :n_keys],
+                v_all[:, :, :n_keys],
+                q_pos[part],
+                k_pos[:n_keys],
+                None if seg_local is None else seg_local[:, part],
+                None if seg_all is None else seg_all[:, :n_keys],
+            )
+        )
     return torch.cat(outs, dim=2)
 
 

@@ -49,20 +49,29 @@ from collections.abc import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-from torch._subclasses.fake_tensor import FakeTensor
-
-from titan_kernels.collectives import ragged_all_to_all_for
 
 from models.common.plan import ModelPlan
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
+from titan_kernels.collectives import ragged_all_to_all_for
 
-__all__ = ["EP_STYLES", "apply_ep", "apply_global_load_balance", "dispatch_combine",
-           "dispatch_combine_static", "ep_grad_scale",
-           "ep_scan_class", "expert_shard_dim", "is_expert_parallel", "scale_grad", "select_dispatch"]
+__all__ = [
+    "EP_STYLES",
+    "apply_ep",
+    "apply_global_load_balance",
+    "dispatch_combine",
+    "dispatch_combine_static",
+    "ep_grad_scale",
+    "ep_scan_class",
+    "expert_shard_dim",
+    "is_expert_parallel",
+    "scale_grad",
+    "select_dispatch",
+]
 
 EP_STYLES = ("experts", "moe", "router")
 
@@ -96,8 +105,13 @@ def apply_ep(
             if module is None:
                 continue
             if style == "experts":
-                _shard_experts(module, expert_mesh=expert_mesh, grad_scale=grad_scale,
-                               param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+                _shard_experts(
+                    module,
+                    expert_mesh=expert_mesh,
+                    grad_scale=grad_scale,
+                    param_dtype=param_dtype,
+                    reduce_dtype=reduce_dtype,
+                )
             elif tp_mesh is not None and style == "moe":
                 module.register_forward_pre_hook(_local_tokens)
                 module.register_forward_hook(_scale_loss_grads(1.0 / parallel_dims.tp))
@@ -192,13 +206,11 @@ def dispatch_combine(
     x_recv = funcol.all_to_all_single_autograd(x, output_splits, input_splits, group=ep_mesh)
     # 3. Regroup by local expert (stable: within an expert, source rank then token order).
     local_ids = torch.arange(num_local, device=x.device).repeat(ep)
-    expert_of_row = torch.repeat_interleave(local_ids, counts_recv.reshape(-1),
-                                            output_size=x_recv.shape[0])
+    expert_of_row = torch.repeat_interleave(local_ids, counts_recv.reshape(-1), output_size=x_recv.shape[0])
     order = torch.argsort(expert_of_row, stable=True)
     out = experts_fn(x_recv[order], counts_recv.sum(dim=0))
     # Undo the regrouping with a gather (deterministic, unlike a scatter-add).
-    inverse = torch.empty_like(order).scatter_(
-        0, order, torch.arange(order.numel(), device=order.device))
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     out = out[inverse]
     # 4. Combine: the reverse all-to-all returns every row to the rank it came from.
     return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group=ep_mesh)
@@ -253,8 +265,15 @@ def dispatch_combine_static(
     if ragged_all_to_all is None:
         recv = _equal_split_send(x, input_offsets, send_per_rank, per_peer, group)
     else:
-        recv = ragged_all_to_all(x, x.new_zeros(ep * per_peer, dim), input_offsets, send_per_rank,
-                                 torch.full_like(send_per_rank, rank * per_peer), recv_per_rank, group)
+        recv = ragged_all_to_all(
+            x,
+            x.new_zeros(ep * per_peer, dim),
+            input_offsets,
+            send_per_rank,
+            torch.full_like(send_per_rank, rank * per_peer),
+            recv_per_rank,
+            group,
+        )
     # 3. Compute: real rows by local expert, padding last and in no group; padding outputs zeroed.
     position = _expert_order(counts_recv, per_peer)
     gather = torch.empty_like(position).scatter_(0, position, torch.arange(position.numel(), device=device))
@@ -265,8 +284,9 @@ def dispatch_combine_static(
     # 4. Combine: the real rows go back, each to the row of x it answers.
     if ragged_all_to_all is None:
         return _equal_split_return(out, send_per_rank, input_offsets, per_peer, group)
-    return ragged_all_to_all(out, x.new_zeros(rows, dim), block_starts, recv_per_rank, peer_offsets,
-                             send_per_rank, group)
+    return ragged_all_to_all(
+        out, x.new_zeros(rows, dim), block_starts, recv_per_rank, peer_offsets, send_per_rank, group
+    )
 
 
 def _ep_group_of(ep_group: DeviceMesh | tuple[str, int, int]) -> tuple[object, int, int]:
@@ -300,8 +320,9 @@ def _expert_order(counts_recv: torch.Tensor, per_peer: int) -> torch.Tensor:
     return torch.where(expert < num_local, real_position, pad_position).reshape(-1)
 
 
-def _equal_split_send(x: torch.Tensor, input_offsets: torch.Tensor, send_per_rank: torch.Tensor,
-                      per_peer: int, group) -> torch.Tensor:
+def _equal_split_send(
+    x: torch.Tensor, input_offsets: torch.Tensor, send_per_rank: torch.Tensor, per_peer: int, group
+) -> torch.Tensor:
     """[ep * per_peer, dim]: peer r's rows at r * per_peer, zeros after (equal-split all-to-all)."""
     rows, dim = x.shape
     slot = torch.arange(per_peer, device=x.device)
@@ -311,8 +332,9 @@ def _equal_split_send(x: torch.Tensor, input_offsets: torch.Tensor, send_per_ran
     return funcol.all_to_all_single_autograd(send.reshape(-1, dim), None, None, group=group)
 
 
-def _equal_split_return(out: torch.Tensor, send_per_rank: torch.Tensor, input_offsets: torch.Tensor,
-                        per_peer: int, group) -> torch.Tensor:
+def _equal_split_return(
+    out: torch.Tensor, send_per_rank: torch.Tensor, input_offsets: torch.Tensor, per_peer: int, group
+) -> torch.Tensor:
     """The reverse of `_equal_split_send`: [rows, dim] in the order of the dispatched x."""
     ep = send_per_rank.numel()
     back = funcol.all_to_all_single_autograd(out, None, None, group=group).view(ep, per_peer, -1)
@@ -399,8 +421,11 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
     attrs.update(forward=forward, _ep_base=base)
     cls = type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
-    cls._ep_scan_class = type(f"ScannedExpertParallel{base._simple_fsdp_base.__name__}",
-                              (base._simple_fsdp_base,), dict(forward=scan_forward, _ep_base=base))
+    cls._ep_scan_class = type(
+        f"ScannedExpertParallel{base._simple_fsdp_base.__name__}",
+        (base._simple_fsdp_base,),
+        dict(forward=scan_forward, _ep_base=base),
+    )
     return cls
 
 
@@ -448,15 +473,23 @@ def _shard_experts(
         param = module._parameters[name]
         assert not isinstance(param, DTensor), f"expert weight {name} is already sharded"
         assert param.shape[0] % ep_mesh.size() == 0, (
-            f"{name}: {param.shape[0]} experts do not split over ep={ep_mesh.size()}")
+            f"{name}: {param.shape[0]} experts do not split over ep={ep_mesh.size()}"
+        )
         # src_data_rank=None: every rank cuts its experts from its own (identical) copy.
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
         module._parameters[name] = nn.Parameter(sharded, param.requires_grad)
     # SimpleFSDP on the expert mesh: the local experts are sharded over efsdp (by expert, or
     # along a hidden dim when they do not go round: `expert_shard_dim`), replicated over
     # dp_replicate; the stored DTensor spans (efsdp, ep) with the full [E, ...] shape.
-    data_parallel(module, mesh=expert_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                  replicate_axis="dp_replicate", shard_axis="efsdp", shard_dim_fn=expert_shard_dim)
+    data_parallel(
+        module,
+        mesh=expert_mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        replicate_axis="dp_replicate",
+        shard_axis="efsdp",
+        shard_dim_fn=expert_shard_dim,
+    )
     base = type(module)
     key = (base, names)
     if key not in _CLASS_CACHE:

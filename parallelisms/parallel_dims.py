@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from models.common import distributed
 from models.contract import ModelShape
 from models.errors import ConfigError
 from parallelisms.context_parallel import check_seq_len
-from models.common import distributed
 
 # Mesh axis names, outermost first. The busiest axis (tp) is innermost so that on TPU the
 # topology-aware order keeps it on the fastest ICI links and on GPU it stays inside a host;
@@ -74,8 +74,7 @@ class ParallelDims:
                 raise ConfigError(f"{_KEYS[name]}: must be an integer >= 1, got {value!r}")
         if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
             raise ConfigError(
-                f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), "
-                f"got {self.dp_shard!r}"
+                f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), got {self.dp_shard!r}"
             )
         cp_text = f"context_parallel_degree ({self.cp}) x " if self.cp != 1 else ""
         others = self.dp_replicate * self.cp * self.tp
@@ -180,8 +179,10 @@ class ParallelDims:
             checks = [
                 ("n_heads", shape.n_heads),
                 ("n_kv_heads", shape.n_kv_heads),
-                ("MoE expert hidden size" if shape.is_moe else "FFN hidden size",
-                 shape.moe_hidden if shape.is_moe else shape.ffn_hidden),
+                (
+                    "MoE expert hidden size" if shape.is_moe else "FFN hidden size",
+                    shape.moe_hidden if shape.is_moe else shape.ffn_hidden,
+                ),
                 ("sequence length (sequence parallel)", seq_len),
             ]
             for what, value in checks:
@@ -200,9 +201,7 @@ class ParallelDims:
                 )
         if self.ep_enabled:
             if not shape.is_moe:
-                raise ConfigError(
-                    f"{_KEYS['ep']}: {self.ep} > 1 but the model has no experts; allowed: 1"
-                )
+                raise ConfigError(f"{_KEYS['ep']}: {self.ep} > 1 but the model has no experts; allowed: 1")
             if shape.num_experts % self.ep != 0:
                 raise ConfigError(
                     f"{_KEYS['ep']}: {self.ep} does not divide the number of experts "
@@ -261,10 +260,14 @@ def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
         except Exception as e:
             raise ConfigError(
                 f"parallelism: torch-tpu cannot lay out the mesh {dict(zip(MESH_AXES, shape))} on this slice, "
-                f"not even splitting physical axes ({type(e).__name__}: {e}); whole axes: {whole}") from e
+                f"not even splitting physical axes ({type(e).__name__}: {e}); whole axes: {whole}"
+            ) from e
         if distributed.rank() == 0:
-            print(f"titan-tpu: mesh: {dict(zip(MESH_AXES, shape))} is no product of whole physical axes here; "
-                  f"built with allow_split_physical_axes=True ({str(whole).split('. ')[0]})", flush=True)
+            print(
+                f"titan-tpu: mesh: {dict(zip(MESH_AXES, shape))} is no product of whole physical axes here; "
+                f"built with allow_split_physical_axes=True ({str(whole).split('. ')[0]})",
+                flush=True,
+            )
         return ranks
 
 

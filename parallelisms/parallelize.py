@@ -28,12 +28,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from models.common.plan import ModelPlan
+from models.errors import ConfigError
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.parallel_dims import ParallelDims, fsdp_cp_mesh
 from parallelisms.simple_fsdp import data_parallel
 from parallelisms.tensor_parallel import apply_tp
-from models.errors import ConfigError
 
 __all__ = ["parallelize_model"]
 
@@ -66,8 +66,9 @@ def parallelize_model(
     if parallel_dims.ep_enabled or (parallel_dims.tp_enabled and plan.ep_block):
         from parallelisms.expert_parallel import apply_ep
 
-        apply_ep(model, plan=plan, parallel_dims=parallel_dims, mesh=mesh,
-                 param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_ep(
+            model, plan=plan, parallel_dims=parallel_dims, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
     if parallel_dims.tp_enabled:
         _check_block_params_sharded(model, plan)
     if plan.ep_block and parallel_dims.world_size > 1:
@@ -79,8 +80,9 @@ def parallelize_model(
         apply_compile(model, plan=plan, backend=compile_backend)
     # With context parallelism the cp ranks hold the same parameters: shard them over dp x cp.
     if parallel_dims.cp_enabled:
-        data_parallel(model, mesh=fsdp_cp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                      shard_axis="dp_shard_cp")
+        data_parallel(
+            model, mesh=fsdp_cp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype, shard_axis="dp_shard_cp"
+        )
     else:
         data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model

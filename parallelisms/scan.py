@@ -54,8 +54,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, op: str, group: tuple[str, int]) 
     """Reduce (`op`: sum | avg) the group's `x` and keep this rank's chunk along `dim`."""
     name, size = group
     x = (x.movedim(dim, 0) if dim else x).contiguous()
-    out = torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.reduce_scatter_tensor(x, op, size, name))
+    out = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(x, op, size, name))
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -83,9 +82,16 @@ class GatherShard(torch.autograd.Function):
     this rank's own rows."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, shard_group: tuple[str, int] | None,
-                replicate_groups: tuple[tuple[str, int], ...], param_dtype: torch.dtype | None,
-                reduce_dtype: torch.dtype | None, dim: int = 0, rows: int | None = None) -> torch.Tensor:
+    def forward(
+        ctx,
+        shard: torch.Tensor,
+        shard_group: tuple[str, int] | None,
+        replicate_groups: tuple[tuple[str, int], ...],
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+        dim: int = 0,
+        rows: int | None = None,
+    ) -> torch.Tensor:
         ctx.shard_group, ctx.replicate_groups, ctx.dim = shard_group, replicate_groups, dim
         ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
         ctx.local_rows, ctx.rows = shard.shape[dim], rows
@@ -173,7 +179,9 @@ def _gather_args(spec, name: str) -> tuple:
     return shard_group, tuple(replicate_groups), spec.param_dtype, spec.reduce_dtype, dim, rows
 
 
-def scan_param_fn(stack, *, name: str = "layers") -> tuple[Callable | None, Callable[[], contextlib.AbstractContextManager]]:
+def scan_param_fn(
+    stack, *, name: str = "layers"
+) -> tuple[Callable | None, Callable[[], contextlib.AbstractContextManager]]:
     """(`param_fn` for `BlockStack.enable_scan`, a context factory to wrap each scanned step).
 
     Without SimpleFSDP or TP on the blocks: (None, nullcontext). Otherwise `param_fn` gathers
@@ -201,9 +209,11 @@ def scan_param_fn(stack, *, name: str = "layers") -> tuple[Callable | None, Call
     tp = _ScanTP.of(template, name)
     for pname, p in template.named_parameters():
         if isinstance(p, DTensor) and pname not in specs and (tp is None or pname not in tp.params):
-            raise ConfigError(f"compile.scan_layers: {name}.*.{pname} is a DTensor not managed by SimpleFSDP "
-                              "or tensor parallelism; allowed: SimpleFSDP-sharded, TP-sharded or plain block "
-                              "parameters")
+            raise ConfigError(
+                f"compile.scan_layers: {name}.*.{pname} is a DTensor not managed by SimpleFSDP "
+                "or tensor parallelism; allowed: SimpleFSDP-sharded, TP-sharded or plain block "
+                "parameters"
+            )
     if not specs and tp is None:
         return None, contextlib.nullcontext
 
@@ -232,8 +242,13 @@ def scan_param_fn(stack, *, name: str = "layers") -> tuple[Callable | None, Call
 # (rowwise_replicate, replicate, colwise on a replicated input) have no scan form yet.
 SCAN_TP_STYLES = ("sequence_parallel", "head_norm", "block_input", "colwise", "rowwise")
 _SEQUENCE_DIM = 1  # the residual stream's sequence shards (GatherSequenceInput, "rowwise")
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 class _ScanTP:
@@ -254,8 +269,7 @@ class _ScanTP:
     The hook dicts holding these are built once, so each step's capture sees the same objects.
     """
 
-    def __init__(self, params: set[str], grad_sums: dict[str, tuple[str, int]],
-                 swaps: list[tuple[nn.Module, list]]):
+    def __init__(self, params: set[str], grad_sums: dict[str, tuple[str, int]], swaps: list[tuple[nn.Module, list]]):
         self.params = params
         """Names of the block parameters owned by TP-styled modules."""
         self.grad_sums = grad_sums
@@ -280,23 +294,30 @@ class _ScanTP:
                     raise ConfigError(
                         f"compile.scan_layers: {where} has forward hooks outside the model's TP plan (e.g. the "
                         "MoE layer's tensor-parallel router and token hooks), which the scan body cannot run on "
-                        "local tensors; allowed with tensor_parallel_degree > 1: false (unrolled blocks)")
+                        "local tensors; allowed with tensor_parallel_degree > 1: false (unrolled blocks)"
+                    )
                 continue
             if style.style not in SCAN_TP_STYLES:
                 raise ConfigError(
                     f"compile.scan_layers: {where} has TP style {style.style!r}, which has no scan form; "
                     f"allowed with tensor_parallel_degree > 1: false (unrolled blocks), or a plan of "
-                    f"{', '.join(SCAN_TP_STYLES)}")
+                    f"{', '.join(SCAN_TP_STYLES)}"
+                )
             if hook_ids != (style.pre_hooks, style.hooks):
-                raise ConfigError(f"compile.scan_layers: {where} carries forward hooks besides its TP style's, "
-                                  "which the scan body would drop; allowed: false (unrolled blocks)")
+                raise ConfigError(
+                    f"compile.scan_layers: {where} carries forward hooks besides its TP style's, "
+                    "which the scan body would drop; allowed: false (unrolled blocks)"
+                )
             if style.style == "colwise" and not _under_block_input(modules, mod_name):
                 raise ConfigError(
                     f"compile.scan_layers: {where} is colwise on a replicated input (no block_input "
-                    "around it), which has no scan form; allowed with tensor_parallel_degree > 1: false")
+                    "around it), which has no scan form; allowed with tensor_parallel_degree > 1: false"
+                )
             if style.style == "rowwise" and getattr(module, "bias", None) is not None:
-                raise ConfigError(f"compile.scan_layers: {where} is rowwise with a bias, which has no scan "
-                                  "form; allowed with tensor_parallel_degree > 1: false")
+                raise ConfigError(
+                    f"compile.scan_layers: {where} is rowwise with a bias, which has no scan "
+                    "form; allowed with tensor_parallel_degree > 1: false"
+                )
             for pname, _ in module.named_parameters(recurse=False):
                 full_name = f"{mod_name}.{pname}" if mod_name else pname
                 params.add(full_name)
@@ -335,8 +356,10 @@ def _gather_input_hook(group: tuple[str, int]):
         # As GatherSequenceInput: the first positional input, or `hidden_states` when called
         # with keywords only.
         if not args and "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": SequenceAllGather.apply(kwargs["hidden_states"],
-                                                                            _SEQUENCE_DIM, group)}
+            return args, {
+                **kwargs,
+                "hidden_states": SequenceAllGather.apply(kwargs["hidden_states"], _SEQUENCE_DIM, group),
+            }
         x, *rest = args
         return (SequenceAllGather.apply(x, _SEQUENCE_DIM, group), *rest), kwargs
 
@@ -346,8 +369,10 @@ def _gather_input_hook(group: tuple[str, int]):
 def _scatter_output_hook(group: tuple[str, int]):
     def hook(module, args, out):
         if out.shape[_SEQUENCE_DIM] % group[1] != 0:
-            raise ConfigError(f"compile.scan_layers: sequence length {out.shape[_SEQUENCE_DIM]} does not split "
-                              f"evenly over tensor_parallel_degree {group[1]}; allowed: a multiple of it")
+            raise ConfigError(
+                f"compile.scan_layers: sequence length {out.shape[_SEQUENCE_DIM]} does not split "
+                f"evenly over tensor_parallel_degree {group[1]}; allowed: a multiple of it"
+            )
         return SequenceReduceScatter.apply(out, _SEQUENCE_DIM, group)
 
     return hook

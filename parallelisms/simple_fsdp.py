@@ -81,8 +81,12 @@ def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
     local = param.to_local()
     if spec.dp_mesh is not None:
         sharded = DTensor.from_local(
-            local, spec.dp_mesh, spec.dp_placements, run_check=False,
-            shape=spec.dp_shape, stride=spec.dp_stride,
+            local,
+            spec.dp_mesh,
+            spec.dp_placements,
+            run_check=False,
+            shape=spec.dp_shape,
+            stride=spec.dp_stride,
         )
         full = sharded.redistribute(
             spec.dp_mesh,
@@ -100,8 +104,12 @@ def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
     # from_local's backward redistributes the gradient to the TP placements, e.g. sums the
     # Partial gradient of a replicated (sequence-parallel norm) weight over TP ranks.
     return DTensor.from_local(
-        local, spec.tp_mesh, spec.tp_placements, run_check=False,
-        shape=spec.shape, stride=spec.stride,
+        local,
+        spec.tp_mesh,
+        spec.tp_placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride,
     )
 
 
@@ -169,8 +177,7 @@ def _full_size_parameters(model: nn.Module) -> Iterator[None]:
         for name, param in module._parameters.items():
             if isinstance(param, DTensor):
                 if id(param) not in fulls:
-                    full = torch.empty(param.shape, dtype=param.dtype,
-                                       device=param.to_local().device)
+                    full = torch.empty(param.shape, dtype=param.dtype, device=param.to_local().device)
                     fulls[id(param)] = (param, nn.Parameter(full, param.requires_grad))
                 swaps.append((module, name, param))
                 module._parameters[name] = fulls[id(param)][1]
@@ -179,8 +186,7 @@ def _full_size_parameters(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for param, full in fulls.values():
                 # src_data_rank=None: each rank cuts its shard from its own (identical) copy.
-                shard = distribute_tensor(full.detach(), param.device_mesh, param.placements,
-                                          src_data_rank=None)
+                shard = distribute_tensor(full.detach(), param.device_mesh, param.placements, src_data_rank=None)
                 param.to_local().copy_(shard.to_local())
     finally:
         for module, name, param in swaps:
@@ -258,8 +264,9 @@ def _shard_param(
         names = mesh.mesh_dim_names or ()
         dp_axes = [a for a in (replicate_axis, shard_axis) if a in names and mesh[a].size() > 1]
     if not dp_axes:
-        spec = _GatherSpec(param_dtype, reduce_dtype, tp_mesh=tp_mesh,
-                           tp_placements=tp_placements, shape=shape, stride=stride)
+        spec = _GatherSpec(
+            param_dtype, reduce_dtype, tp_mesh=tp_mesh, tp_placements=tp_placements, shape=shape, stride=stride
+        )
         return param, spec
 
     dp_placements: list[Placement] = []
@@ -277,10 +284,11 @@ def _shard_param(
         # TP (or EP) split the same dim first (colwise weights, experts): the dp shard is a
         # shard of the TP shard, which DTensor spells _StridedShard (right-to-left sharding,
         # as FSDP2 + TP).
-        tp_splits_dim = math.prod(
-            tp_mesh.size(i) for i, p in enumerate(tp_placements)
-            if isinstance(p, Shard) and p.dim == dim
-        ) if tp_mesh is not None else 1
+        tp_splits_dim = (
+            math.prod(tp_mesh.size(i) for i, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == dim)
+            if tp_mesh is not None
+            else 1
+        )
         if tp_splits_dim > 1:
             full_placements.append(_StridedShard(dim, split_factor=tp_splits_dim))
         else:
@@ -290,14 +298,25 @@ def _shard_param(
     tp_names = tuple(tp_mesh.mesh_dim_names) if tp_mesh is not None else ()
     spanned = mesh[tuple(dp_axes) + tp_names] if len(dp_axes) + len(tp_names) > 1 else mesh[dp_axes[0]]
     stored = DTensor.from_local(
-        local, spanned, full_placements + list(tp_placements), run_check=False,
-        shape=shape, stride=stride,
+        local,
+        spanned,
+        full_placements + list(tp_placements),
+        run_check=False,
+        shape=shape,
+        stride=stride,
     )
     dp_mesh = mesh[tuple(dp_axes)] if len(dp_axes) > 1 else mesh[dp_axes[0]]
     spec = _GatherSpec(
-        param_dtype, reduce_dtype, dp_mesh=dp_mesh, dp_placements=tuple(dp_placements),
-        dp_shape=tuple(inner.shape), dp_stride=_contiguous_stride(tuple(inner.shape)),
-        tp_mesh=tp_mesh, tp_placements=tp_placements, shape=shape, stride=stride,
+        param_dtype,
+        reduce_dtype,
+        dp_mesh=dp_mesh,
+        dp_placements=tuple(dp_placements),
+        dp_shape=tuple(inner.shape),
+        dp_stride=_contiguous_stride(tuple(inner.shape)),
+        tp_mesh=tp_mesh,
+        tp_placements=tp_placements,
+        shape=shape,
+        stride=stride,
     )
     return stored, spec
 
@@ -338,8 +357,12 @@ def data_parallel(
             param = module._parameters[name]
             if id(param) not in converted:
                 stored, spec = _shard_param(
-                    param, mesh=mesh, replicate_axis=replicate_axis, shard_axis=shard_axis,
-                    param_dtype=param_dtype_or_none, reduce_dtype=reduce_dtype_or_none,
+                    param,
+                    mesh=mesh,
+                    replicate_axis=replicate_axis,
+                    shard_axis=shard_axis,
+                    param_dtype=param_dtype_or_none,
+                    reduce_dtype=reduce_dtype_or_none,
                     shard_dim_fn=shard_dim_fn,
                 )
                 new = stored if stored is param else nn.Parameter(stored, param.requires_grad)
@@ -400,8 +423,11 @@ def clip_grad_norm_(
         local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
         local = [t for t in local if t.numel() > 0]  # uneven shards may be empty
         if local:
-            norms = torch._foreach_norm(local, norm_type) if foreach is not False else [
-                torch.linalg.vector_norm(t, norm_type) for t in local]
+            norms = (
+                torch._foreach_norm(local, norm_type)
+                if foreach is not False
+                else [torch.linalg.vector_norm(t, norm_type) for t in local]
+            )
             norms = torch.stack([n.float() for n in norms])
             if math.isinf(norm_type):
                 value = norms.max()

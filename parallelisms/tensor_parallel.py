@@ -73,8 +73,9 @@ class GatherSequenceInput(ParallelStyle):
         return (self._full(x, mesh), *rest), kwargs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_pre_hook(lambda mod, args, kwargs: self._gather(mod, args, kwargs, device_mesh),
-                                         with_kwargs=True)
+        module.register_forward_pre_hook(
+            lambda mod, args, kwargs: self._gather(mod, args, kwargs, device_mesh), with_kwargs=True
+        )
         return module
 
 
@@ -112,8 +113,12 @@ class ReplicateParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
 
         def to_dtensor(mod, args):
-            return tuple(DTensor.from_local(a, device_mesh, (Replicate(),), run_check=False)
-                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+            return tuple(
+                DTensor.from_local(a, device_mesh, (Replicate(),), run_check=False)
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+                else a
+                for a in args
+            )
 
         module.register_forward_pre_hook(to_dtensor)
         module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
@@ -192,8 +197,7 @@ def apply_tp(
 ) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following `plan`; returns the model."""
     tied = _tied_parameters(model)
-    root = {path: style_for(style, enable_loss_parallel=enable_loss_parallel)
-            for path, style in plan.tp.items()}
+    root = {path: style_for(style, enable_loss_parallel=enable_loss_parallel) for path, style in plan.tp.items()}
     if root:
         parallelize_module(model, tp_mesh, root)
     for _, block in plan.iter_blocks(model):
@@ -239,9 +243,13 @@ def _hook_ids(module: nn.Module) -> tuple[frozenset[int], frozenset[int]]:
 def _matching(block: nn.Module, path: str) -> list[nn.Module]:
     """The submodules of `block` that `path` names (`*` matches one path component)."""
     parts = path.split(".")
-    return [module for name, module in block.named_modules() if name
-            and len(name.split(".")) == len(parts)
-            and all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))]
+    return [
+        module
+        for name, module in block.named_modules()
+        if name
+        and len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(n, p) for n, p in zip(name.split("."), parts))
+    ]
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -265,9 +273,11 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
         shared = first_module._parameters[first_name]
         for module, name in group[1:]:
             param = module._parameters[name]
-            same = (isinstance(param, DTensor) == isinstance(shared, DTensor)
-                    and (not isinstance(param, DTensor) or param.placements == shared.placements)
-                    and param.shape == shared.shape)
+            same = (
+                isinstance(param, DTensor) == isinstance(shared, DTensor)
+                and (not isinstance(param, DTensor) or param.placements == shared.placements)
+                and param.shape == shared.shape
+            )
             if not same:
                 raise ConfigError(
                     f"parallelism.tensor_parallel_degree: tied parameter {name!r} gets different "

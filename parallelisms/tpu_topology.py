@@ -51,10 +51,29 @@ PHYSICAL_AXES = ("x", "y", "z", "core")
 # Chip grids (x, y, z) by device count, per generation: the slices scripts/estimate_xla.py compiles
 # for, plus the larger documented v4/v5p shapes and their v7x counterparts. A device is a chip on
 # v4/v5p (megacore) and v5e/v6e, a TensorCore on v7x (two per chip).
-_2D = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1), 16: (4, 4, 1), 32: (4, 8, 1), 64: (8, 8, 1), 128: (8, 16, 1),
-       256: (16, 16, 1)}
-_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8), 256: (4, 8, 8),
-       512: (8, 8, 8), 1024: (8, 8, 16), 2048: (8, 16, 16), 4096: (16, 16, 16)}
+_2D = {
+    1: (1, 1, 1),
+    4: (2, 2, 1),
+    8: (2, 4, 1),
+    16: (4, 4, 1),
+    32: (4, 8, 1),
+    64: (8, 8, 1),
+    128: (8, 16, 1),
+    256: (16, 16, 1),
+}
+_3D = {
+    4: (2, 2, 1),
+    8: (2, 2, 2),
+    16: (2, 2, 4),
+    32: (2, 4, 4),
+    64: (4, 4, 4),
+    128: (4, 4, 8),
+    256: (4, 8, 8),
+    512: (8, 8, 8),
+    1024: (8, 8, 16),
+    2048: (8, 16, 16),
+    4096: (16, 16, 16),
+}
 GRIDS: dict[str, dict[int, tuple[int, int, int]]] = {
     "v5e": _2D,
     "v6e": _2D,
@@ -107,8 +126,9 @@ class Topology:
         return math.prod(self.physical_shape)
 
     def __str__(self) -> str:
-        grid = "x".join(map(str, self.chips if self.chips[2] > 1 or self.generation not in ("v5e", "v6e")
-                            else self.chips[:2]))
+        grid = "x".join(
+            map(str, self.chips if self.chips[2] > 1 or self.generation not in ("v5e", "v6e") else self.chips[:2])
+        )
         cores = f" x {self.devices_per_chip} cores" if self.devices_per_chip > 1 else ""
         tori = [name for name, w, n in zip(PHYSICAL_AXES, self.wrap, self.chips) if w and n > 1]
         ring = f"wraparound on {'/'.join(tori)}" if tori else "no wraparound"
@@ -146,8 +166,9 @@ def topology_from_env(generation: str | None, env: dict) -> Topology | None:
     if len(dims) not in (3, 4) or any(d < 1 for d in dims):
         return None
     per_chip = dims[3] if len(dims) == 4 else DEVICES_PER_CHIP[generation]
-    return Topology(generation=generation, chips=dims[:3], devices_per_chip=per_chip,
-                    target=f"{generation} slice {raw}")
+    return Topology(
+        generation=generation, chips=dims[:3], devices_per_chip=per_chip, target=f"{generation} slice {raw}"
+    )
 
 
 # --- the mapping --------------------------------------------------------------------------------
@@ -225,8 +246,9 @@ class MeshMapping:
     def banner(self) -> list[str]:
         """The start-up banner's lines: the layout, then what each split axis costs."""
         how = "needs allow_split_physical_axes=True" if self.split else self.method
-        return ([f"titan-tpu: mesh on {self.topology}: {self.summary()} (torch-tpu's layout: {how})"]
-                + [f"titan-tpu: mesh: {line}" for line in self.notes()])
+        return [f"titan-tpu: mesh on {self.topology}: {self.summary()} (torch-tpu's layout: {how})"] + [
+            f"titan-tpu: mesh: {line}" for line in self.notes()
+        ]
 
     def notes(self) -> list[str]:
         """What each split axis costs, one line per axis (empty when nothing is split)."""
@@ -241,15 +263,24 @@ class MeshMapping:
                 if count == n:
                     pieces.append(f"all {n} along {name}")
                 elif stride == 1:
-                    pieces.append(f"{count} consecutive of the {n} along {name}: a ring segment without wraparound, "
-                                  f"whose closing step crosses {count - 1} links")
+                    pieces.append(
+                        f"{count} consecutive of the {n} along {name}: a ring segment without wraparound, "
+                        f"whose closing step crosses {count - 1} links"
+                    )
                 else:
-                    closes = "closing through the wraparound" if count * stride == n and self.topology.wrap[p] else \
-                        "without wraparound"
-                    pieces.append(f"every {stride}th of the {n} along {name} ({count} of them, {closes}; each hop "
-                                  f"crosses {stride} links shared with the inner axes)")
-            out.append(f"{KEYS.get(a.name, a.name)} = {a.size} splits a physical axis of {self.topology}: "
-                       f"{'; '.join(pieces)} (torch-tpu's topology_aware_mesh with allow_split_physical_axes=True)")
+                    closes = (
+                        "closing through the wraparound"
+                        if count * stride == n and self.topology.wrap[p]
+                        else "without wraparound"
+                    )
+                    pieces.append(
+                        f"every {stride}th of the {n} along {name} ({count} of them, {closes}; each hop "
+                        f"crosses {stride} links shared with the inner axes)"
+                    )
+            out.append(
+                f"{KEYS.get(a.name, a.name)} = {a.size} splits a physical axis of {self.topology}: "
+                f"{'; '.join(pieces)} (torch-tpu's topology_aware_mesh with allow_split_physical_axes=True)"
+            )
         return out
 
 
@@ -309,14 +340,23 @@ def _whole_axes(phys: tuple[int, ...], shape: tuple[int, ...], names, topology) 
         if chosen is None:
             if size > 1:
                 left = [v for v in free]
-                sizes = sorted({math.prod(s) for k in range(1, len(phys) + 1)
-                                for s in itertools.combinations([v for v in left if v > 1], k)} | {1})
+                sizes = sorted(
+                    {
+                        math.prod(s)
+                        for k in range(1, len(phys) + 1)
+                        for s in itertools.combinations([v for v in left if v > 1], k)
+                    }
+                    | {1}
+                )
                 raise UnmappableAxis(
                     f"{KEYS[names[i]]}: {names[i]} = {size} is not a product of whole physical axes of "
                     f"{topology} (left after the inner axes: {_free_text(left)}); torch-tpu's "
                     f"topology_aware_mesh maps each mesh axis onto whole axes unless allowed to split "
                     f"one; allowed without a split: {', '.join(map(str, sizes))}",
-                    axis=names[i], size=size, split=False)
+                    axis=names[i],
+                    size=size,
+                    split=False,
+                )
             continue
         for p in chosen:
             assignment[p, i] = phys[p]
@@ -327,8 +367,11 @@ def _whole_axes(phys: tuple[int, ...], shape: tuple[int, ...], names, topology) 
         left = [PHYSICAL_AXES[p] for p in range(len(phys)) if p not in taken]
         raise UnmappableAxis(
             f"parallelism: the mesh {tuple(shape)} leaves physical axis {'/'.join(left)} of {topology} "
-            f"to no mesh axis (torch-tpu's whole-axes layout then fails)", axis=names[0], size=shape[0],
-            split=False)
+            f"to no mesh axis (torch-tpu's whole-axes layout then fails)",
+            axis=names[0],
+            size=shape[0],
+            split=False,
+        )
     return assignment
 
 
@@ -365,7 +408,10 @@ def _split_axes(phys: tuple[int, ...], shape: tuple[int, ...], names, topology) 
                 f"{KEYS[names[i]]}: {names[i]} = {size} does not fit the devices left on {topology} "
                 f"after the inner axes ({_free_text(avail)}), even splitting physical axes; allowed: "
                 f"a size made of the factors left ({math.prod(avail)} devices)",
-                axis=names[i], size=size, split=True)
+                axis=names[i],
+                size=size,
+                split=True,
+            )
         assignment[:, i] = best
     return assignment
 
@@ -403,7 +449,7 @@ def _placements(topology: Topology, assignment: np.ndarray, names) -> tuple[Axis
         for p in range(len(phys)):
             count = int(assignment[p, i])
             if count > 1:
-                parts.append((p, count, int(assignment[p, i + 1:].prod())))
+                parts.append((p, count, int(assignment[p, i + 1 :].prod())))
         size = math.prod(c for _, c, _ in parts)
         ring = None if not parts else all(c * s == phys[p] and wrap[p] for p, c, s in parts)
         split = any(c < phys[p] for p, c, _ in parts)
@@ -421,8 +467,10 @@ def assign(topology: Topology, shape, *, allow_split: bool, names=MESH_AXES) -> 
     shape = tuple(int(s) for s in shape)
     assert len(names) == len(shape), (names, shape)
     if math.prod(shape) != topology.devices:
-        raise ConfigError(f"parallelism: the mesh {shape} has {math.prod(shape)} devices but {topology} has "
-                          f"{topology.devices}; allowed: degrees whose product is {topology.devices}")
+        raise ConfigError(
+            f"parallelism: the mesh {shape} has {math.prod(shape)} devices but {topology} has "
+            f"{topology.devices}; allowed: degrees whose product is {topology.devices}"
+        )
     ring = _tray_ring(topology, shape)
     if ring is not None:
         ids = np.asarray(ring).reshape(shape)
@@ -438,8 +486,13 @@ def assign(topology: Topology, shape, *, allow_split: bool, names=MESH_AXES) -> 
         assignment = _split_axes(phys, shape, names, topology)
         method = "split axes"
     ids = _layout(_physical_ids(topology), assignment, shape)
-    return MeshMapping(topology=topology, shape=shape, method=method, axes=_placements(topology, assignment, names),
-                       device_ids=_nested(ids))
+    return MeshMapping(
+        topology=topology,
+        shape=shape,
+        method=method,
+        axes=_placements(topology, assignment, names),
+        device_ids=_nested(ids),
+    )
 
 
 def map_mesh(topology: Topology, shape, *, names=MESH_AXES) -> MeshMapping:

@@ -30,12 +30,12 @@ from planner.search import (
     model_flops_per_token,
     plan_estimate,
     preference_key,
-    search_key,
     recommend,
+    search_key,
     suggest_fixes,
 )
 from planner.shard import ShardStats, build_parallel_model, fake_process_group, shard_model
-from planner.targets import GENERATIONS, GiB, Generation, Target, parse_target
+from planner.targets import GENERATIONS, Generation, GiB, Target, parse_target
 
 __all__ = [
     "AC_SEARCH_ORDER",

@@ -69,8 +69,9 @@ def cp_gathered_kv_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: i
     return 2 * 2 * local_batch_size * (shape.n_kv_heads // tp) * seq_len * shape.head_dim
 
 
-def activation_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str,
-                     loss_parallel: bool, cp: int = 1) -> ActivationBytes:
+def activation_bytes(
+    shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str, loss_parallel: bool, cp: int = 1
+) -> ActivationBytes:
     """Saved-for-backward bytes per device, bf16 compute, one micro-batch (see docs/planner.md).
 
     T = local_batch_size * seq_len / cp tokens per micro-batch and device (context parallelism
@@ -133,13 +134,24 @@ def activation_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, 
             outside += 2 * d * t_seq  # measured: the embedding's waited reduce-scatter output stays referenced
     vocab = _cdiv(s.vocab_size, tp) if (loss_parallel and tp > 1) else s.vocab_size
     loss = 4 * t_full * vocab
-    return ActivationBytes(per_block=per_block, blocks=per_block * s.n_layers, outside=outside, loss=loss,
-                           per_block_none=none, logits_transient=8 * t_full * vocab)
+    return ActivationBytes(
+        per_block=per_block,
+        blocks=per_block * s.n_layers,
+        outside=outside,
+        loss=loss,
+        per_block_none=none,
+        logits_transient=8 * t_full * vocab,
+    )
 
 
-def measure_saved_bytes(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, *,
-                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                        loss_parallel: bool = False) -> int:
+def measure_saved_bytes(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_parallel: bool = False,
+) -> int:
     """Bytes of the tensors a real forward + loss leaves alive for backward (CPU, real data).
 
     `loss_fn(logits, labels)` is the loss whose saved tensors count: the trainer's
@@ -170,10 +182,11 @@ def saved_bytes(model: nn.Module, run: Callable[[], object]) -> int:
     loads are popped first, as the train step pops them after each forward (a few floats per
     layer for the bias update, docs/moe.md; not activations).
     """
-    from models.common.stack import BlockStack
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
+
+    from models.common.stack import BlockStack
 
     class _Recorder(TorchDispatchMode):
         def __init__(self) -> None:

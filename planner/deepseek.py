@@ -85,19 +85,24 @@ def _selective_per_token(args, *, moe: bool) -> int:
     return saved
 
 
-def mla_activation_bytes(args, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str,
-                         cp: int = 1) -> ActivationBytes:
+def mla_activation_bytes(
+    args, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str, cp: int = 1
+) -> ActivationBytes:
     """Saved-for-backward bytes per device for one micro-batch of a DeepSeek-V3-style model.
 
     `per_block` and `per_block_none` are the larger (MoE) block's; `blocks` sums both stacks."""
     if ac_mode not in AC_MODES:
         raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
     if tp != 1:
-        raise ConfigError(f"parallelism.tensor_parallel_degree: {tp}: the planner models DeepSeek-V3's MoE "
-                          "blocks at tp = 1 only (use expert_parallel_degree); allowed: 1")
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {tp}: the planner models DeepSeek-V3's MoE "
+            "blocks at tp = 1 only (use expert_parallel_degree); allowed: 1"
+        )
     if cp != 1:
-        raise ConfigError(f"parallelism.context_parallel_degree: {cp}: the planner has no MLA model under "
-                          "context parallelism; allowed: 1")
+        raise ConfigError(
+            f"parallelism.context_parallel_degree: {cp}: the planner has no MLA model under "
+            "context parallelism; allowed: 1"
+        )
     d = args.dim
     tokens = local_batch_size * seq_len
     norm = 6 * d + 4
@@ -115,6 +120,11 @@ def mla_activation_bytes(args, *, local_batch_size: int, seq_len: int, tp: int, 
     n_dense = args.n_dense_layers
     n_moe = args.n_layers - n_dense
     outside = norm * tokens + 2 * d * tokens + 8 * tokens  # final norm, LM-head input, labels
-    return ActivationBytes(per_block=max(dense, moe), blocks=n_dense * dense + n_moe * moe, outside=outside,
-                           loss=4 * tokens * args.vocab_size, per_block_none=max(none_dense, none_moe),
-                           logits_transient=8 * tokens * args.vocab_size)
+    return ActivationBytes(
+        per_block=max(dense, moe),
+        blocks=n_dense * dense + n_moe * moe,
+        outside=outside,
+        loss=4 * tokens * args.vocab_size,
+        per_block_none=max(none_dense, none_moe),
+        logits_transient=8 * tokens * args.vocab_size,
+    )

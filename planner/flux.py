@@ -71,8 +71,9 @@ def block_bytes(args, *, tokens: int, samples: int, tp: int, ac_mode: str, singl
     return block_bytes_per_token(args, tp=tp, ac_mode=ac_mode, single=single) * tokens + per_sample * samples
 
 
-def flux_activation_bytes(args, *, img_tokens: int, txt_tokens: int, local_batch_size: int, tp: int,
-                          ac_mode: str) -> ActivationBytes:
+def flux_activation_bytes(
+    args, *, img_tokens: int, txt_tokens: int, local_batch_size: int, tp: int, ac_mode: str
+) -> ActivationBytes:
     """Saved-for-backward bytes per device of one FLUX micro-batch (see the module docstring).
 
     `per_block` is the larger block kind's bytes (double blocks hold more); `blocks` sums both
@@ -86,12 +87,21 @@ def flux_activation_bytes(args, *, img_tokens: int, txt_tokens: int, local_batch
     single = block_bytes(args, ac_mode=ac_mode, single=True, **kw)
     double_none = block_bytes(args, ac_mode="none", single=False, **kw)
     d, hd = args.hidden_size, args.hidden_size // args.num_heads
-    outside = (2 * args.in_channels * b * img_tokens + 2 * args.context_in_dim * b * txt_tokens
-               + 4 * hd * tokens + (6 * d + 8) * b * img_tokens)
+    outside = (
+        2 * args.in_channels * b * img_tokens
+        + 2 * args.context_in_dim * b * txt_tokens
+        + 4 * hd * tokens
+        + (6 * d + 8) * b * img_tokens
+    )
     loss = 8 * args.out_channels * b * img_tokens
-    return ActivationBytes(per_block=double, blocks=args.depth * double + args.depth_single_blocks * single,
-                           outside=outside, loss=loss, per_block_none=double_none,
-                           logits_transient=loss)
+    return ActivationBytes(
+        per_block=double,
+        blocks=args.depth * double + args.depth_single_blocks * single,
+        outside=outside,
+        loss=loss,
+        per_block_none=double_none,
+        logits_transient=loss,
+    )
 
 
 def flux_flops_per_token(args, *, img_tokens: int, txt_tokens: int) -> float:
@@ -104,8 +114,10 @@ def flux_flops_per_token(args, *, img_tokens: int, txt_tokens: int) -> float:
 def flux_tokens(flow_cfg) -> tuple[int, int]:
     """(image tokens, text tokens) of a recipe's `[flow]` section; ConfigError if it does not say."""
     if not flow_cfg.latent_size or not flow_cfg.text_seq_len:
-        raise ConfigError("flow.latent_size / flow.text_seq_len: the planner needs the sample's shape; set both "
-                          "(e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev)")
+        raise ConfigError(
+            "flow.latent_size / flow.text_seq_len: the planner needs the sample's shape; set both "
+            "(e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev)"
+        )
     side = flow_cfg.latent_size
     if side % 2:
         raise ConfigError(f"flow.latent_size: {side}; allowed: an even latent side (2x2 packing)")

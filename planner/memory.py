@@ -162,12 +162,28 @@ def ep_dispatch_bytes(shape: ModelShape, *, tokens: int, ep: int) -> int:
     return 2 * rows * (2 * shape.dim + 3 * shape.moe_hidden) * 2
 
 
-def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats, parallel_dims: ParallelDims,
-             local_batch_size: int, seq_len: int, ac_mode: str, loss_parallel: bool,
-             flops_per_token: float, grad_accum: int = 1, headroom: float = 0.1,
-             assumed_mfu: float = 0.4, activations: ActivationBytes | None = None, fused_loss: bool = False,
-             scan_flips: bool = False, undonated_update: bool = False, optimizer: str = "adamw",
-             stacked: bool = False) -> Estimate:
+def estimate(
+    *,
+    model: str,
+    target: Target,
+    shape: ModelShape,
+    stats: ShardStats,
+    parallel_dims: ParallelDims,
+    local_batch_size: int,
+    seq_len: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    flops_per_token: float,
+    grad_accum: int = 1,
+    headroom: float = 0.1,
+    assumed_mfu: float = 0.4,
+    activations: ActivationBytes | None = None,
+    fused_loss: bool = False,
+    scan_flips: bool = False,
+    undonated_update: bool = False,
+    optimizer: str = "adamw",
+    stacked: bool = False,
+) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
     `activations`: the model's own activation bytes (FLUX: `planner.flux.flux_activation_bytes`);
@@ -178,9 +194,19 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
-    acts = activations if activations is not None else activation_bytes(
-        shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, ac_mode=ac_mode,
-        loss_parallel=loss_parallel, cp=cp)
+    acts = (
+        activations
+        if activations is not None
+        else activation_bytes(
+            shape,
+            local_batch_size=local_batch_size,
+            seq_len=seq_len,
+            tp=tp,
+            ac_mode=ac_mode,
+            loss_parallel=loss_parallel,
+            cp=cp,
+        )
+    )
     tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
     if fused_loss:
         # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]
@@ -191,8 +217,9 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     moments = 8 * local - 4 * muon
     muon_update = 0
     if muon:
-        muon_update = MUON_BYTES_PER_WHOLE_ELEMENT * (stats.muon_whole_stacked_numel if stacked
-                                                      else stats.muon_whole_numel)
+        muon_update = MUON_BYTES_PER_WHOLE_ELEMENT * (
+            stats.muon_whole_stacked_numel if stacked else stats.muon_whole_numel
+        )
     # Weights the backward needs in bf16: SimpleFSDP gathers (or casts) a weight where it is
     # used and the matmul keeps that copy, unless AC recomputes the block. The LM head and
     # the final norm sit outside the checkpointed blocks, so their copies are always kept.
@@ -210,8 +237,9 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     transient_loss = max(acts.logits_transient, 6 * head + acts.logits_transient // 4 - acts.loss)
     if fused_loss:  # the kernel's backward: the head's weight gradient (bf16 + fp32) and dh [tokens, dim]
         transient_loss = 6 * head + 2 * tokens * shape.dim
-    recompute = {"none": 0, "full": acts.per_block_none,
-                 "selective": max(0, acts.per_block_none - acts.per_block)}[ac_mode]
+    recompute = {"none": 0, "full": acts.per_block_none, "selective": max(0, acts.per_block_none - acts.per_block)}[
+        ac_mode
+    ]
     regather = 2 * stats.block_gathered_numel if ac_mode != "none" else 0
     t_proj = tokens
     # CP: the attention backward produces the gradients of the gathered k/v (bf16, the whole
@@ -219,42 +247,77 @@ def estimate(*, model: str, target: Target, shape: ModelShape, stats: ShardStats
     # or kept (no AC). Splash's working set (one block_q x block_kv tile of scores per step) is
     # in VMEM, not HBM, and no [s/cp, s] mask exists on TPU.
     gathered_kv_grads = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
-    transient_block = (regather + recompute + 6 * stats.largest_block_param_gathered
-                       + 2 * (2 * shape.dim * t_proj) + ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep)
-                       + gathered_kv_grads)
+    transient_block = (
+        regather
+        + recompute
+        + 6 * stats.largest_block_param_gathered
+        + 2 * (2 * shape.dim * t_proj)
+        + ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep)
+        + gathered_kv_grads
+    )
     sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
     gen = target.generation
     est = Estimate(
-        model=model, target=target, n_layers=shape.n_layers, dp_replicate=parallel_dims.dp_replicate,
-        dp_shard=parallel_dims.dp_shard, tp=tp, ep=parallel_dims.ep, ac_mode=ac_mode,
-        local_batch_size=local_batch_size, seq_len=seq_len, grad_accum=grad_accum, loss_parallel=loss_parallel,
-        params=4 * local, grads=4 * local, optimizer=moments, saved_weights=2 * kept, activations=acts,
-        transient_loss=transient_loss, transient_block=transient_block, headroom=headroom,
-        assumed_mfu=assumed_mfu, flops_per_token=flops_per_token, recompute_factor=RECOMPUTE_FACTOR[ac_mode],
+        model=model,
+        target=target,
+        n_layers=shape.n_layers,
+        dp_replicate=parallel_dims.dp_replicate,
+        dp_shard=parallel_dims.dp_shard,
+        tp=tp,
+        ep=parallel_dims.ep,
+        ac_mode=ac_mode,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        loss_parallel=loss_parallel,
+        params=4 * local,
+        grads=4 * local,
+        optimizer=moments,
+        saved_weights=2 * kept,
+        activations=acts,
+        transient_loss=transient_loss,
+        transient_block=transient_block,
+        headroom=headroom,
+        assumed_mfu=assumed_mfu,
+        flops_per_token=flops_per_token,
+        recompute_factor=RECOMPUTE_FACTOR[ac_mode],
         fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity) if gen.fsdp_min_tokens else None,
-        probed=stats.probed, fused_loss=fused_loss, cp=cp,
+        probed=stats.probed,
+        fused_loss=fused_loss,
+        cp=cp,
         # torch's scan autograd flips every stacked input of the backward scan: the saved block
         # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
         scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
         update=4 * local + moments if undonated_update else 0,
-        optimizer_name=optimizer, muon_update=muon_update,
+        optimizer_name=optimizer,
+        muon_update=muon_update,
     )
     if muon:
-        est.notes.append(f"Muon: one fp32 moment on {muon / 1e6:.1f} M local matrix elements (AdamW: two); its "
-                         f"update holds {muon_update / 2**30:.2f} GiB of whole matrices (the largest "
-                         f"{'stack' if stacked else 'matrix set'} after the all-to-all)")
+        est.notes.append(
+            f"Muon: one fp32 moment on {muon / 1e6:.1f} M local matrix elements (AdamW: two); its "
+            f"update holds {muon_update / 2**30:.2f} GiB of whole matrices (the largest "
+            f"{'stack' if stacked else 'matrix set'} after the all-to-all)"
+        )
     if tp > gen.devices_per_host:
-        est.notes.append(f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
-                         "TP collectives would leave the host's fastest links")
+        est.notes.append(
+            f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
+            "TP collectives would leave the host's fastest links"
+        )
     if parallel_dims.ep > 1:
-        est.notes.append(f"expert parallelism: the static dispatch's worst-case buffers "
-                         f"({ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep) / 2**30:.2f} GiB) are in the "
-                         "block backward")
+        est.notes.append(
+            f"expert parallelism: the static dispatch's worst-case buffers "
+            f"({ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep) / 2**30:.2f} GiB) are in the "
+            "block backward"
+        )
     if cp > 1:
-        est.notes.append(f"context parallelism {cp}: {tokens} tokens per device and micro-batch; each layer "
-                         f"all-gathers k/v of the whole sequence ({gathered_kv_grads / 2**30:.2f} GiB, splash "
-                         "attention; the gradients reduce-scattered back)")
+        est.notes.append(
+            f"context parallelism {cp}: {tokens} tokens per device and micro-batch; each layer "
+            f"all-gathers k/v of the whole sequence ({gathered_kv_grads / 2**30:.2f} GiB, splash "
+            "attention; the gradients reduce-scattered back)"
+        )
     if est.fsdp_bound:
-        est.notes.append(f"{tokens} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
-                         f"that hide FSDP's all-gathers on {gen.name}: expect exposed communication")
+        est.notes.append(
+            f"{tokens} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
+            f"that hide FSDP's all-gathers on {gen.name}: expect exposed communication"
+        )
     return est

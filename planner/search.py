@@ -23,6 +23,7 @@ from planner.targets import Target
 
 # See planner/targets.py: a torch-only leaf, the FLOP convention the trainer's MFU uses.
 from trainer.runtime.flops import flops_per_token
+
 # The trainer's rule table: the planner never proposes a plan the trainer refuses.
 from trainer.step.plan import StepPlan, StepRequest, plan_step, refusals
 
@@ -82,14 +83,16 @@ class PlanInputs:
         model in `estimate`) for a GQA decoder LM."""
         if self.flow_tokens is None:
             if is_mla(self.args):
-                return mla_activation_bytes(self.args, local_batch_size=local_batch_size, seq_len=self.seq_len,
-                                            tp=tp, ac_mode=ac_mode, cp=cp)
+                return mla_activation_bytes(
+                    self.args, local_batch_size=local_batch_size, seq_len=self.seq_len, tp=tp, ac_mode=ac_mode, cp=cp
+                )
             return None
         from planner.flux import flux_activation_bytes
 
         img, txt = self.flow_tokens
-        return flux_activation_bytes(self.args, img_tokens=img, txt_tokens=txt, local_batch_size=local_batch_size,
-                                     tp=tp, ac_mode=ac_mode)
+        return flux_activation_bytes(
+            self.args, img_tokens=img, txt_tokens=txt, local_batch_size=local_batch_size, tp=tp, ac_mode=ac_mode
+        )
 
     @property
     def split_seq_len(self) -> int:
@@ -99,13 +102,18 @@ class PlanInputs:
 
 def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token, PaLM convention (trainer/runtime/flops.py)."""
-    return flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True),
-                           n_layers=shape.n_layers, n_heads=shape.n_heads, head_dim=shape.head_dim,
-                           seq_len=seq_len)["palm"]
+    return flops_per_token(
+        num_matmul_params=args.num_active_params(exclude_embedding=True),
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        head_dim=shape.head_dim,
+        seq_len=seq_len,
+    )["palm"]
 
 
-def make_parallel_dims(*, dp_replicate: int, dp_shard: int, tp: int, ep: int, world_size: int,
-                       shape: ModelShape, seq_len: int, cp: int = 1) -> ParallelDims:
+def make_parallel_dims(
+    *, dp_replicate: int, dp_shard: int, tp: int, ep: int, world_size: int, shape: ModelShape, seq_len: int, cp: int = 1
+) -> ParallelDims:
     """Validated `ParallelDims` (ConfigError naming the key if the degrees cannot work)."""
     from parallelisms.parallel_dims import ParallelDims
 
@@ -134,40 +142,78 @@ def tpu_layout(target: Target, dims: ParallelDims) -> list[str]:
     return [f"mesh {layout.summary()}: {note}" for note in layout.notes()]
 
 
-def plan_estimate(inputs: PlanInputs, target: Target, *, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                  ep: int = 1, ac_mode: str = "none", loss_parallel: bool = False, headroom: float = 0.1,
-                  assumed_mfu: float = 0.4, probe: bool = False, cp: int = 1) -> Estimate:
+def plan_estimate(
+    inputs: PlanInputs,
+    target: Target,
+    *,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    tp: int = 1,
+    ep: int = 1,
+    ac_mode: str = "none",
+    loss_parallel: bool = False,
+    headroom: float = 0.1,
+    assumed_mfu: float = 0.4,
+    probe: bool = False,
+    cp: int = 1,
+) -> Estimate:
     """Estimate one explicit plan: validate (degrees, and the trainer's step rules), shard the
     real model on a fake world, add activations."""
     refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target)
     if refused:
         raise ConfigError(refused[0])
     if cp > 1 and inputs.flow_tokens is not None:
-        raise ConfigError(f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
-                          "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1")
+        raise ConfigError(
+            f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
+            "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1"
+        )
     step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
     shape = inputs.args.shape()
-    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, cp=cp,
-                              world_size=target.devices, shape=shape, seq_len=inputs.split_seq_len)
+    dims = make_parallel_dims(
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        tp=tp,
+        ep=ep,
+        cp=cp,
+        world_size=target.devices,
+        shape=shape,
+        seq_len=inputs.split_seq_len,
+    )
     layout_notes = tpu_layout(target, dims)  # ConfigError where torch-tpu could not build the mesh
     with fake_process_group(target.devices):
         stats = shard_model(inputs.family, inputs.args, dims, probe=probe, muon_exclude=inputs.muon_exclude)
-    est = estimate(model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
-                    local_batch_size=inputs.local_batch_size, seq_len=inputs.seq_len, ac_mode=ac_mode,
-                    loss_parallel=loss_parallel, grad_accum=inputs.grad_accum, headroom=headroom,
-                    assumed_mfu=assumed_mfu, flops_per_token=inputs.flops_per_token(shape),
-                    activations=inputs.activations(local_batch_size=inputs.local_batch_size, tp=dims.tp,
-                                                   ac_mode=ac_mode, cp=dims.cp),
-                    **_step_terms(step, inputs))
+    est = estimate(
+        model=inputs.model_name,
+        target=target,
+        shape=shape,
+        stats=stats,
+        parallel_dims=dims,
+        local_batch_size=inputs.local_batch_size,
+        seq_len=inputs.seq_len,
+        ac_mode=ac_mode,
+        loss_parallel=loss_parallel,
+        grad_accum=inputs.grad_accum,
+        headroom=headroom,
+        assumed_mfu=assumed_mfu,
+        flops_per_token=inputs.flops_per_token(shape),
+        activations=inputs.activations(
+            local_batch_size=inputs.local_batch_size, tp=dims.tp, ac_mode=ac_mode, cp=dims.cp
+        ),
+        **_step_terms(step, inputs),
+    )
     est.notes.extend(layout_notes)
     return est
 
 
 def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
     """The memory terms a step plan and the recipe's optimizer switch on (`planner.memory.estimate`)."""
-    return dict(fused_loss=bool(step and step.fused_loss), scan_flips=bool(step and step.scan_flips),
-                undonated_update=bool(step and step.undonated_update), stacked=bool(step and step.scan),
-                optimizer=inputs.step.optimizer if inputs.step is not None else "adamw")
+    return dict(
+        fused_loss=bool(step and step.fused_loss),
+        scan_flips=bool(step and step.scan_flips),
+        undonated_update=bool(step and step.undonated_update),
+        stacked=bool(step and step.scan),
+        optimizer=inputs.step.optimizer if inputs.step is not None else "adamw",
+    )
 
 
 def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
@@ -188,8 +234,15 @@ def preference_key(est: Estimate) -> tuple:
        layer; the dispatch's all-to-all moves tokens x top-k rows whatever the degree);
     7. the fewest replicas (HSDP only when it costs nothing else).
     """
-    return (est.fsdp_bound, est.tp, est.cp, RECOMPUTE_RANK[est.ac_mode], -est.tokens_per_device_step,
-            -est.ep, est.dp_replicate)
+    return (
+        est.fsdp_bound,
+        est.tp,
+        est.cp,
+        RECOMPUTE_RANK[est.ac_mode],
+        -est.tokens_per_device_step,
+        -est.ep,
+        est.dp_replicate,
+    )
 
 
 def search_key(est: Estimate, max_global_tokens: int) -> tuple:
@@ -200,11 +253,22 @@ def search_key(est: Estimate, max_global_tokens: int) -> tuple:
     return (est.global_batch_tokens > max_global_tokens, *preference_key(est))
 
 
-def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assumed_mfu: float = 0.4,
-              max_global_tokens: int = 16 * 2**20, max_local_batch: int = 64,
-              tp_choices: list[int] | None = None, ac_modes: tuple[str, ...] = AC_SEARCH_ORDER,
-              dp_replicate_choices: list[int] | None = None, cp_choices: list[int] | None = None,
-              max_cp: int = 16, ep_choices: list[int] | None = None, max_ep: int = 64) -> list[Estimate]:
+def recommend(
+    inputs: PlanInputs,
+    target: Target,
+    *,
+    headroom: float = 0.1,
+    assumed_mfu: float = 0.4,
+    max_global_tokens: int = 16 * 2**20,
+    max_local_batch: int = 64,
+    tp_choices: list[int] | None = None,
+    ac_modes: tuple[str, ...] = AC_SEARCH_ORDER,
+    dp_replicate_choices: list[int] | None = None,
+    cp_choices: list[int] | None = None,
+    max_cp: int = 16,
+    ep_choices: list[int] | None = None,
+    max_ep: int = 64,
+) -> list[Estimate]:
     """Search dp_replicate, tp (<= devices per host), cp, ep, AC mode and local batch for `target`.
 
     MoE models: expert-parallel degrees are powers of two up to `max_ep` that divide the experts
@@ -230,36 +294,67 @@ def recommend(inputs: PlanInputs, target: Target, *, headroom: float = 0.1, assu
     candidates: list[Estimate] = []
     with fake_process_group(world):
         for tp, cp in ((tp, cp) for cp in cps for tp in tps if world % (tp * cp) == 0):
-            if cp > 1 and tp == tps[0] and any(c.fits and not c.fsdp_bound and c.tp == tps[0]
-                                               and c.global_batch_tokens <= max_global_tokens for c in candidates):
+            if (
+                cp > 1
+                and tp == tps[0]
+                and any(
+                    c.fits and not c.fsdp_bound and c.tp == tps[0] and c.global_batch_tokens <= max_global_tokens
+                    for c in candidates
+                )
+            ):
                 # A smaller cp already fits at the smallest tp, within the global batch, without
                 # exposed FSDP traffic: no plan with this cp can come first (`search_key`).
                 break
-            for dp_replicate, ep in ((r, e) for e in eps for r in dp_replicate_choices or
-                                     _powers_of_two_dividing(world // (tp * cp), world // (tp * cp))):
+            for dp_replicate, ep in (
+                (r, e)
+                for e in eps
+                for r in dp_replicate_choices or _powers_of_two_dividing(world // (tp * cp), world // (tp * cp))
+            ):
                 try:
-                    dims = make_parallel_dims(dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=ep, cp=cp,
-                                              world_size=world, shape=shape, seq_len=inputs.split_seq_len)
+                    dims = make_parallel_dims(
+                        dp_replicate=dp_replicate,
+                        dp_shard=-1,
+                        tp=tp,
+                        ep=ep,
+                        cp=cp,
+                        world_size=world,
+                        shape=shape,
+                        seq_len=inputs.split_seq_len,
+                    )
                     layout_notes = tpu_layout(target, dims)
                 except ConfigError:
                     continue  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
                     # torch-tpu could not lay the mesh out on the target's slice
                 stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
                 dp = dims.dp_degree
-                batches = [b for b in (2**i for i in range(0, 12)) if b <= max_local_batch
-                           and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)]
+                batches = [
+                    b
+                    for b in (2**i for i in range(0, 12))
+                    if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)
+                ]
                 for ac_mode in ac_modes:
                     if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target):
                         continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
                     step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
                     for batch in batches:
-                        candidates.append(estimate(
-                            model=inputs.model_name, target=target, shape=shape, stats=stats, parallel_dims=dims,
-                            local_batch_size=batch, seq_len=inputs.seq_len, ac_mode=ac_mode,
-                            loss_parallel=tp > 1 and inputs.flow_tokens is None,
-                            flops_per_token=fpt, headroom=headroom, assumed_mfu=assumed_mfu,
-                            activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
-                            **_step_terms(step, inputs)))
+                        candidates.append(
+                            estimate(
+                                model=inputs.model_name,
+                                target=target,
+                                shape=shape,
+                                stats=stats,
+                                parallel_dims=dims,
+                                local_batch_size=batch,
+                                seq_len=inputs.seq_len,
+                                ac_mode=ac_mode,
+                                loss_parallel=tp > 1 and inputs.flow_tokens is None,
+                                flops_per_token=fpt,
+                                headroom=headroom,
+                                assumed_mfu=assumed_mfu,
+                                activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
+                                **_step_terms(step, inputs),
+                            )
+                        )
                         candidates[-1].notes.extend(layout_notes)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
@@ -291,15 +386,25 @@ def suggest_fixes(inputs: PlanInputs, est: Estimate, *, limit: int = 4) -> Fixes
     kw = dict(headroom=est.headroom, assumed_mfu=est.assumed_mfu)
     host = target.generation.devices_per_host
     tps = sorted({est.tp, *(t for t in (2 * est.tp, 4 * est.tp) if t <= host)})
-    near = recommend(dataclasses.replace(inputs, local_batch_size=est.local_batch_size), target,
-                     tp_choices=tps, dp_replicate_choices=[est.dp_replicate], max_local_batch=est.local_batch_size,
-                     **kw)
+    near = recommend(
+        dataclasses.replace(inputs, local_batch_size=est.local_batch_size),
+        target,
+        tp_choices=tps,
+        dp_replicate_choices=[est.dp_replicate],
+        max_local_batch=est.local_batch_size,
+        **kw,
+    )
     single: list[Estimate] = []
     for c in near:
         if not c.fits or len(single) >= limit:
             continue
-        changed = [c.ac_mode != est.ac_mode, c.local_batch_size != est.local_batch_size, c.tp != est.tp,
-                   c.cp != est.cp, c.ep != est.ep]
+        changed = [
+            c.ac_mode != est.ac_mode,
+            c.local_batch_size != est.local_batch_size,
+            c.tp != est.tp,
+            c.cp != est.cp,
+            c.ep != est.ep,
+        ]
         if sum(changed) == 1 or (sum(changed) == 0 and c.loss_parallel != est.loss_parallel):
             single.append(c)
     everything = recommend(inputs, target, **kw)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from models.common import distributed
 
 if TYPE_CHECKING:
@@ -120,8 +121,14 @@ class ShardStats:
         return self.root_numel + self.blocks_numel
 
 
-def build_parallel_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDims, *,
-                         ac_mode: str = "none", enable_loss_parallel: bool = False) -> nn.Module:
+def build_parallel_model(
+    family: ModelFamily,
+    args: ModelArgs,
+    parallel_dims: ParallelDims,
+    *,
+    ac_mode: str = "none",
+    enable_loss_parallel: bool = False,
+) -> nn.Module:
     """Meta model -> the project's `parallelize_model` on the real mesh (needs a process group)."""
     from parallelisms.parallel_dims import build_mesh
     from parallelisms.parallelize import parallelize_model
@@ -130,14 +137,26 @@ def build_parallel_model(family: ModelFamily, args: ModelArgs, parallel_dims: Pa
     with torch.device("meta"):
         model = family.model_cls(args)
     return parallelize_model(
-        model, plan=family.plan, parallel_dims=parallel_dims, mesh=mesh,
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, ac_mode=ac_mode,
-        compile_backend=None, enable_loss_parallel=enable_loss_parallel,
+        model,
+        plan=family.plan,
+        parallel_dims=parallel_dims,
+        mesh=mesh,
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        ac_mode=ac_mode,
+        compile_backend=None,
+        enable_loss_parallel=enable_loss_parallel,
     )
 
 
-def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDims, *,
-                probe: bool = False, muon_exclude: tuple[str, ...] | None = None) -> ShardStats:
+def shard_model(
+    family: ModelFamily,
+    args: ModelArgs,
+    parallel_dims: ParallelDims,
+    *,
+    probe: bool = False,
+    muon_exclude: tuple[str, ...] | None = None,
+) -> ShardStats:
     """Apply the real plan to the meta model on the current (fake) world; count rank 0's shards.
 
     `probe=True` shards a one-block copy and multiplies the block by `n_layers`; exact for
@@ -169,9 +188,10 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     largest = 0
     shapes: dict[str, tuple[int, ...]] = {}
     first_block = None
-    from trainer.optim.muon import split_muon_params  # the optimizer's own rule for which parameters are Muon's
-
-    from trainer.optim.muon import MUON_EXCLUDE_DEFAULT
+    from trainer.optim.muon import (
+        MUON_EXCLUDE_DEFAULT,
+        split_muon_params,  # the optimizer's own rule for which parameters are Muon's
+    )
 
     exclude = MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude)
     muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude)[0]}
@@ -184,7 +204,7 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
         if muon:
             muon_params.append((param, prefix))
         if prefix is not None:
-            block = prefix + name[len(prefix):].split(".")[0]  # "layers.0", "single_blocks.3"
+            block = prefix + name[len(prefix) :].split(".")[0]  # "layers.0", "single_blocks.3"
             first_block = first_block or block
             block_local[block] = block_local.get(block, 0) + local.numel()
             block_gathered[block] = block_gathered.get(block, 0) + _gathered_numel(param)
@@ -211,15 +231,26 @@ def shard_model(family: ModelFamily, args: ModelArgs, parallel_dims: ParallelDim
     # Layers per stack (what layer scan stacks): the probe's stack lengths, else the blocks seen.
     layers = {p: stack_lengths[p] if probe else sum(b.startswith(p) for b in block_local) for p in prefixes}
     whole = max((_muon_whole_numel(p, 1) for p, _ in muon_params), default=0)
-    whole_stacked = max((_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in muon_params),
-                        default=0)
+    whole_stacked = max(
+        (_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in muon_params), default=0
+    )
     head, kept = _lm_head_and_kept(family, root_gathered)
-    return ShardStats(n_layers=n_layers, root_numel=root_numel, blocks_numel=blocks_numel,
-                      block_gathered_numel=max(block_gathered.values()), blocks_gathered_numel=blocks_gathered,
-                      largest_block_param_gathered=largest,
-                      root_gathered=root_gathered, lm_head_gathered_numel=head, root_kept_gathered_numel=kept,
-                      local_shapes=shapes, probed=probe, muon_numel=muon_numel, muon_whole_numel=whole,
-                      muon_whole_stacked_numel=whole_stacked)
+    return ShardStats(
+        n_layers=n_layers,
+        root_numel=root_numel,
+        blocks_numel=blocks_numel,
+        block_gathered_numel=max(block_gathered.values()),
+        blocks_gathered_numel=blocks_gathered,
+        largest_block_param_gathered=largest,
+        root_gathered=root_gathered,
+        lm_head_gathered_numel=head,
+        root_kept_gathered_numel=kept,
+        local_shapes=shapes,
+        probed=probe,
+        muon_numel=muon_numel,
+        muon_whole_numel=whole,
+        muon_whole_stacked_numel=whole_stacked,
+    )
 
 
 def _muon_whole_numel(param: torch.Tensor, stack_length: int) -> int:

@@ -56,8 +56,9 @@ GENERATIONS: dict[str, Generation] = {
         Generation("v5e", "tpu", 1, 1, 16.0, 4, None, "Cloud TPU v5e: 16 GiB HBM2 per chip"),
         Generation("v5p", "tpu", 2, 2, 95.0, 4, 2550, "Cloud TPU v5p: 95 GiB HBM2e per chip, megacore"),
         Generation("v6e", "tpu", 1, 1, 32.0, 4, 5100, "Cloud TPU v6e: 32 GiB HBM per chip"),
-        Generation("v7x", "tpu", 2, 1, 96.0, 8, 12800,
-                   "Cloud TPU7x: 192 GiB HBM per chip, 2 devices (TensorCores) per chip"),
+        Generation(
+            "v7x", "tpu", 2, 1, 96.0, 8, 12800, "Cloud TPU7x: 192 GiB HBM per chip, 2 devices (TensorCores) per chip"
+        ),
         # GPUs: the capacity CUDA reports for the 80 GB / 141 GB parts; B200's vendor 180 GB
         # is taken as 10^9 bytes (not checked on a device).
         Generation("h100", "gpu", 1, 1, 79.1, 8, None, "NVIDIA H100 SXM 80 GB"),
@@ -113,5 +114,9 @@ def parse_target(name: str, *, key: str = "--target") -> Target:
             f"{key}: {name}: the size counts {'TensorCores' if gen.kind == 'tpu' else 'GPUs'} and must be a "
             f"positive multiple of {max(gen.cores_per_chip, gen.cores_per_device)} for {gen_name}"
         )
-    return Target(name=f"{gen_name}-{size}", generation=gen, devices=size // gen.cores_per_device,
-                  chips=size // gen.cores_per_chip)
+    return Target(
+        name=f"{gen_name}-{size}",
+        generation=gen,
+        devices=size // gen.cores_per_device,
+        chips=size // gen.cores_per_chip,
+    )

@@ -84,7 +84,11 @@ PRESETS = {
             "graph_scan_fp32": ["--compile.mode=graph", "--compile.scan_layers=true", _FP32],
         },
         "peer": "torchtitan",
-        "seq_len": 2048, "batch": 8, "repeats": 3, "steps": 20, "warmup": 5,
+        "seq_len": 2048,
+        "batch": 8,
+        "repeats": 3,
+        "steps": 20,
+        "warmup": 5,
     },
 }
 # --quick: a smoke run of the same table (shapes cut so that it finishes in minutes on 2 cores).
@@ -105,8 +109,10 @@ def parse_variants(names: str, custom: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name in [n.strip() for n in names.split(",") if n.strip()]:
         if name not in VARIANTS:
-            raise _refuse(f"--variants: unknown variant {name!r}; allowed: {', '.join(VARIANTS)} "
-                          "(or --variant NAME='--section.key=value ...')")
+            raise _refuse(
+                f"--variants: unknown variant {name!r}; allowed: {', '.join(VARIANTS)} "
+                "(or --variant NAME='--section.key=value ...')"
+            )
         out[name] = list(VARIANTS[name])
     for spec in custom:
         name, sep, overrides = spec.partition("=")
@@ -146,24 +152,71 @@ def runs_at(name: str, nproc: int) -> bool:
     return only is None or nproc in only
 
 
-def build_command(*, recipe: str, overrides: list[str], nproc: int, dump_folder: str, steps: int,
-                  extra: list[str], python: str = sys.executable) -> list[str]:
+def build_command(
+    *,
+    recipe: str,
+    overrides: list[str],
+    nproc: int,
+    dump_folder: str,
+    steps: int,
+    extra: list[str],
+    python: str = sys.executable,
+) -> list[str]:
     """The trainer command line of one run (torchrun for more than one process)."""
     launcher = [python, "-m", "trainer.train"]
     if nproc > 1:
-        launcher = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    "-m", "trainer.train"]
-    return [*launcher, "--config", recipe, *RUN_OVERRIDES, f"--training.steps={steps}",
-            f"--job.dump_folder={dump_folder}", *overrides, *extra]
+        launcher = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "trainer.train",
+        ]
+    return [
+        *launcher,
+        "--config",
+        recipe,
+        *RUN_OVERRIDES,
+        f"--training.steps={steps}",
+        f"--job.dump_folder={dump_folder}",
+        *overrides,
+        *extra,
+    ]
 
 
-def build_peer_command(*, peer: str, python: str, nproc: int, dump_folder: str, steps: int, warmup: int,
-                       seq_len: int, batch: int, extra: list[str]) -> list[str]:
+def build_peer_command(
+    *,
+    peer: str,
+    python: str,
+    nproc: int,
+    dump_folder: str,
+    steps: int,
+    warmup: int,
+    seq_len: int,
+    batch: int,
+    extra: list[str],
+) -> list[str]:
     """The peer harness's command line for one run (it launches the peer's own torchrun itself)."""
     if peer not in PEERS:
         raise _refuse(f"--peer: unknown peer {peer!r}; allowed: {', '.join(PEERS)}")
-    cmd = [python, str(PEER_SCRIPT), "--dump-folder", dump_folder, "--steps", str(steps), "--warmup", str(warmup),
-           "--nproc", str(nproc), "--seq-len", str(seq_len), "--batch", str(batch)]
+    cmd = [
+        python,
+        str(PEER_SCRIPT),
+        "--dump-folder",
+        dump_folder,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--nproc",
+        str(nproc),
+        "--seq-len",
+        str(seq_len),
+        "--batch",
+        str(batch),
+    ]
     return cmd + (["--", *extra] if extra else [])
 
 
@@ -245,13 +298,22 @@ def add_peer_ratio(rows: list[dict], peer: str | None) -> list[dict]:
 
 def format_table(rows: list[dict]) -> str:
     columns = [
-        ("variant", "variant", "{}"), ("nproc", "nproc", "{}"), ("threads", "threads", "{}"), ("ok", "ok/runs", None),
-        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"), ("spread", "min..max", None),
-        ("tokens_per_sec_p90", "p90 step", "{:,.0f}"), ("vs_peer", "vs peer", "{:.2f}x"),
-        ("tokens_per_sec_total", "tok/s total", "{:,.0f}"), ("tflops", "TFLOP/s/dev", "{:.3g}"),
-        ("mfu_pct", "MFU %", "{:.2f}"), ("mfu_pct_causal", "MFU % causal", "{:.2f}"),
+        ("variant", "variant", "{}"),
+        ("nproc", "nproc", "{}"),
+        ("threads", "threads", "{}"),
+        ("ok", "ok/runs", None),
+        ("tokens_per_sec", "tok/s/dev", "{:,.0f}"),
+        ("spread", "min..max", None),
+        ("tokens_per_sec_p90", "p90 step", "{:,.0f}"),
+        ("vs_peer", "vs peer", "{:.2f}x"),
+        ("tokens_per_sec_total", "tok/s total", "{:,.0f}"),
+        ("tflops", "TFLOP/s/dev", "{:.3g}"),
+        ("mfu_pct", "MFU %", "{:.2f}"),
+        ("mfu_pct_causal", "MFU % causal", "{:.2f}"),
         ("data_loading_pct", "data %", "{:.1f}"),
-        ("mem_gib", "mem GiB", "{:.2f}"), ("compile_s", "compile s", "{:.1f}"), ("busy_before", "cpu busy", "{:.2f}"),
+        ("mem_gib", "mem GiB", "{:.2f}"),
+        ("compile_s", "compile s", "{:.1f}"),
+        ("busy_before", "cpu busy", "{:.2f}"),
     ]
 
     def cell(row, key, spec):
@@ -310,8 +372,9 @@ def wait_until_quiet(max_busy: float, max_wait: float) -> float | None:
 # ------------------------------------------------------------------------------ running
 
 
-def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_busy: float,
-            max_wait: float) -> list[dict]:
+def execute(
+    jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_busy: float, max_wait: float
+) -> list[dict]:
     """Run each job (`cmd`, `folder`, optional `log` file name, plus any labels) in order, one at a time, after waiting for
     a quiet machine; returns one row per job: its labels, rc, wall_s, busy_before and the
     `summarize_run` of its metrics.jsonl. scripts/mfu_suite.py runs its sweep through this too."""
@@ -328,14 +391,14 @@ def execute(jobs: list[dict], *, env: dict, warmup: int, timeout: float, max_bus
         log_path = folder / job.get("log", "stdout.log")
         if "cmds" in job:  # independent copies at once, each in its own folder
             rc = _run_together(job["cmds"], env=env, timeout=timeout, log_path=log_path)
-            copies = [summarize_run(read_records(Path(_dump_folder(c)) / "metrics.jsonl"), warmup)
-                      for c in job["cmds"]]
+            copies = [summarize_run(read_records(Path(_dump_folder(c)) / "metrics.jsonl"), warmup) for c in job["cmds"]]
             summary = _mean_of_copies(copies)
         else:
             with open(log_path, "w") as log:
                 try:
-                    rc = subprocess.run(job["cmd"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        timeout=timeout).returncode
+                    rc = subprocess.run(
+                        job["cmd"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+                    ).returncode
                 except subprocess.TimeoutExpired:
                     rc = 124
             summary = summarize_run(read_records(folder / "metrics.jsonl"), warmup)
@@ -410,9 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
-    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = cli.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=None, help="recipe TOML (required unless --preset)")
     parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: eager)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OVERRIDES", help="a custom variant")
@@ -421,12 +485,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=None, help="first steps dropped (compile, caches; default 5)")
     parser.add_argument("--peer", default=None, choices=PEERS, help="also run this peer's own trainer, interleaved")
-    parser.add_argument("--peer-python", default=str(PEER_PYTHON), help="the peer venv's python (scripts/bench/peer_env.sh)")
+    parser.add_argument(
+        "--peer-python", default=str(PEER_PYTHON), help="the peer venv's python (scripts/bench/peer_env.sh)"
+    )
     parser.add_argument("--peer-seq-len", type=int, default=2048, help="the peer's seq_len (ours: the recipe's)")
     parser.add_argument("--peer-batch", type=int, default=8, help="the peer's local batch size (ours: the recipe's)")
     parser.add_argument("--peer-arg", action="append", default=[], metavar="ARG", help="an argument for the peer's CLI")
-    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                        help="ttshape: ours eager/graph/graph_scan bf16+fp32 at TorchTitan's shape vs TorchTitan")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="ttshape: ours eager/graph/graph_scan bf16+fp32 at TorchTitan's shape vs TorchTitan",
+    )
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} (both sides)")
     parser.add_argument("--out", default="benchmark.csv", help="summary CSV (runs go to <stem>_runs.csv)")
     parser.add_argument("--dump-root", default=None, help="run folders (default: outputs/benchmark/<time>)")
@@ -434,16 +504,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-busy", type=float, default=0.25, help="wait for CPU busy fraction below this")
     parser.add_argument("--max-wait", type=float, default=60.0, help="seconds to wait for a quiet machine per run")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    parser.add_argument("--ceiling", action="append", default=[], metavar="VARIANT",
-                        help="also run, at each process count N > 1, N independent 1-process copies of "
-                             "VARIANT at once (variant VARIANT+solo): the host's N-process ceiling, "
-                             "no communication")
+    parser.add_argument(
+        "--ceiling",
+        action="append",
+        default=[],
+        metavar="VARIANT",
+        help="also run, at each process count N > 1, N independent 1-process copies of "
+        "VARIANT at once (variant VARIANT+solo): the host's N-process ceiling, "
+        "no communication",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)
 
     preset = PRESETS.get(args.preset, {})
-    shape = {**{k: preset[k] for k in ("seq_len", "batch", "repeats", "steps", "warmup") if k in preset},
-             **(QUICK if args.quick else {})}
+    shape = {
+        **{k: preset[k] for k in ("seq_len", "batch", "repeats", "steps", "warmup") if k in preset},
+        **(QUICK if args.quick else {}),
+    }
     args.config = args.config or preset.get("config")
     if args.config is None:
         parser.error("--config is required (or --preset)")
@@ -459,15 +536,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
 
     if args.variants is None and preset:
-        variants = {**preset["variants"], **parse_variants("", args.variant)} if args.variant else dict(preset["variants"])
+        variants = (
+            {**preset["variants"], **parse_variants("", args.variant)} if args.variant else dict(preset["variants"])
+        )
     else:
         variants = parse_variants("eager" if args.variants is None else args.variants, args.variant)
     if args.peer is not None:
         if args.peer in variants:
             parser.error(f"--variant: {args.peer!r} is the peer's name")
         if not args.dry_run and not Path(args.peer_python).is_file():
-            cli.error_line(f"--peer-python: {args.peer_python} not found; build the peer venv with "
-                           "`bash scripts/bench/peer_env.sh`")
+            cli.error_line(
+                f"--peer-python: {args.peer_python} not found; build the peer venv with "
+                "`bash scripts/bench/peer_env.sh`"
+            )
             return 2
     nprocs = _check_args(args, parser)
     root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
@@ -480,39 +561,68 @@ def main(argv: list[str] | None = None) -> int:
         if name not in variants:
             parser.error(f"--ceiling: {name!r} is not one of the variants ({', '.join(variants)})")
     names = [*variants, *(f"{name}{SOLO}" for name in args.ceiling), *([args.peer] if args.peer else [])]
-    plan = [(rep, name, nproc) for rep in range(args.repeats) for name in names for nproc in nprocs
-            if runs_at(name, nproc)]
+    plan = [
+        (rep, name, nproc) for rep in range(args.repeats) for name in names for nproc in nprocs if runs_at(name, nproc)
+    ]
     jobs = []
     for rep, name, nproc in plan:
         folder = root / f"{name}-n{nproc}-r{rep}"
         job = {"variant": name, "nproc": nproc, "repeat": rep, "folder": folder}
         if name == args.peer:
-            job["cmd"] = build_peer_command(peer=name, python=args.peer_python, nproc=nproc, dump_folder=str(folder),
-                                            steps=args.steps, warmup=args.warmup, seq_len=args.peer_seq_len,
-                                            batch=args.peer_batch, extra=args.peer_arg)
+            job["cmd"] = build_peer_command(
+                peer=name,
+                python=args.peer_python,
+                nproc=nproc,
+                dump_folder=str(folder),
+                steps=args.steps,
+                warmup=args.warmup,
+                seq_len=args.peer_seq_len,
+                batch=args.peer_batch,
+                extra=args.peer_arg,
+            )
             # The peer harness's own output; TorchTitan's log is its stdout.log in the same folder.
             job["log"] = "harness.log"
         elif name.endswith(SOLO):
-            job["cmds"] = [build_command(recipe=args.config, overrides=variants[name.removesuffix(SOLO)], nproc=1,
-                                         dump_folder=str(folder / f"copy{i}"), steps=args.steps, extra=extra)
-                           for i in range(nproc)]
+            job["cmds"] = [
+                build_command(
+                    recipe=args.config,
+                    overrides=variants[name.removesuffix(SOLO)],
+                    nproc=1,
+                    dump_folder=str(folder / f"copy{i}"),
+                    steps=args.steps,
+                    extra=extra,
+                )
+                for i in range(nproc)
+            ]
         else:
-            job["cmd"] = build_command(recipe=args.config, overrides=variants[name], nproc=nproc,
-                                       dump_folder=str(folder), steps=args.steps, extra=extra)
+            job["cmd"] = build_command(
+                recipe=args.config,
+                overrides=variants[name],
+                nproc=nproc,
+                dump_folder=str(folder),
+                steps=args.steps,
+                extra=extra,
+            )
         jobs.append(job)
     _check_runs(jobs, parser)
     if args.dry_run:
         for job in jobs:
             print(" & ".join(shlex.join(cmd) for cmd in job.get("cmds", [job.get("cmd")])))
         return 0
-    runs = [{**run, **machine} for run in execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout,
-                                                  max_busy=args.max_busy, max_wait=args.max_wait)]
+    runs = [
+        {**run, **machine}
+        for run in execute(
+            jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=args.max_busy, max_wait=args.max_wait
+        )
+    ]
 
     rows = add_peer_ratio(summarize(runs), args.peer)
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-    print(f"\n{args.config}: {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} repeat(s); "
-          f"CPU {machine['cpu_model']}, {os.cpu_count()} CPUs, {machine['threads']} thread(s) per process, "
-          f"load average now {load}")
+    print(
+        f"\n{args.config}: {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} repeat(s); "
+        f"CPU {machine['cpu_model']}, {os.cpu_count()} CPUs, {machine['threads']} thread(s) per process, "
+        f"load average now {load}"
+    )
     print(format_table(rows))
     out = Path(args.out)
     write_csv(out, rows)
@@ -531,9 +641,14 @@ def _check_args(args, parser) -> list[int]:
         nprocs = []
     if not nprocs or min(nprocs) < 1:
         parser.error(f"--nproc: {args.nproc!r}; allowed: a comma list of process counts >= 1, e.g. 1,2")
-    for flag, value, least in (("--repeats", args.repeats, 1), ("--steps", args.steps, 1),
-                               ("--warmup", args.warmup, 0), ("--threads", args.threads, 1),
-                               ("--peer-seq-len", args.peer_seq_len, 1), ("--peer-batch", args.peer_batch, 1)):
+    for flag, value, least in (
+        ("--repeats", args.repeats, 1),
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--threads", args.threads, 1),
+        ("--peer-seq-len", args.peer_seq_len, 1),
+        ("--peer-batch", args.peer_batch, 1),
+    ):
         if value is not None and value < least:
             parser.error(f"{flag}: {value}; allowed: >= {least}")
     for flag, value in (("--max-busy", args.max_busy), ("--max-wait", args.max_wait), ("--timeout", args.timeout)):
@@ -557,7 +672,7 @@ def _check_runs(jobs: list[dict], parser) -> None:
                 continue
             seen.add(job["variant"])
             try:
-                recipe, _, cli = split_cli(cmd[cmd.index("trainer.train") + 1:])
+                recipe, _, cli = split_cli(cmd[cmd.index("trainer.train") + 1 :])
                 build_config(recipe, cli)
             except ConfigError as e:
                 parser.error(f"{e} (variant {job['variant']})")

@@ -21,7 +21,6 @@ with a fixed gzip header, so the same Python version gives byte-identical files:
 
 from __future__ import annotations
 
-import argparse
 import ast
 import gzip
 import hashlib

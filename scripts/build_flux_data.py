@@ -39,9 +39,14 @@ from trainer.runtime.runlock import lock_destination  # noqa: E402
 
 def _check_values(ns) -> None:
     """Sizes and counts in range, the dtype one of the two, before anything is built."""
-    for flag, value, least in (("--image-size", ns.image_size, 1), ("--num-train", ns.num_train, 1),
-                               ("--num-heldout", ns.num_heldout, 1), ("--text-length", ns.text_length, 1),
-                               ("--shard-rows", ns.shard_rows, 1), ("--vae-steps", ns.vae_steps, 0)):
+    for flag, value, least in (
+        ("--image-size", ns.image_size, 1),
+        ("--num-train", ns.num_train, 1),
+        ("--num-heldout", ns.num_heldout, 1),
+        ("--text-length", ns.text_length, 1),
+        ("--shard-rows", ns.shard_rows, 1),
+        ("--vae-steps", ns.vae_steps, 0),
+    ):
         if value < least:
             raise ConfigError(f"{flag}: {value}; allowed: an integer >= {least}")
     if ns.encoder_dtype not in ("float32", "bfloat16"):
@@ -50,10 +55,15 @@ def _check_values(ns) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     d = BuildParams()
-    parser = cli.ArgumentParser(prog="build_flux_data.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="output folder (must not exist); default: the cache "
-                        "folder the loader uses ($TITAN_CACHE/flux_data/procedural-<key>)")
+    parser = cli.ArgumentParser(
+        prog="build_flux_data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder (must not exist); default: the cache "
+        "folder the loader uses ($TITAN_CACHE/flux_data/procedural-<key>)",
+    )
     parser.add_argument("--image-size", type=int, default=d.image_size)
     parser.add_argument("--num-train", type=int, default=d.num_train)
     parser.add_argument("--num-heldout", type=int, default=d.num_heldout)
@@ -66,17 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clip", default=None, help="local CLIPTextModel folder")
     parser.add_argument("--clip-tokenizer", default=None, help="local CLIP tokenizer folder (default: --clip)")
     parser.add_argument("--vae", default=None, help="local AutoencoderKL folder (16 latent channels)")
-    parser.add_argument("--encoder-dtype", default=d.encoder_dtype, help="float32 | bfloat16: dtype of local "
-                        "encoders and VAE (embeddings are stored as float32)")
+    parser.add_argument(
+        "--encoder-dtype",
+        default=d.encoder_dtype,
+        help="float32 | bfloat16: dtype of local encoders and VAE (embeddings are stored as float32)",
+    )
     parser.add_argument("--device", default="cpu", help="where local encoders and VAE run, e.g. cuda")
     try:
         ns = parser.parse_args(argv)
         _check_values(ns)
-        params = BuildParams(image_size=ns.image_size, num_train=ns.num_train, num_heldout=ns.num_heldout,
-                             seed=ns.seed, text_length=ns.text_length, shard_rows=ns.shard_rows,
-                             vae_steps=ns.vae_steps, t5_path=ns.t5, clip_path=ns.clip,
-                             t5_tokenizer_path=ns.t5_tokenizer, clip_tokenizer_path=ns.clip_tokenizer,
-                             vae_path=ns.vae, encoder_dtype=ns.encoder_dtype)
+        params = BuildParams(
+            image_size=ns.image_size,
+            num_train=ns.num_train,
+            num_heldout=ns.num_heldout,
+            seed=ns.seed,
+            text_length=ns.text_length,
+            shard_rows=ns.shard_rows,
+            vae_steps=ns.vae_steps,
+            t5_path=ns.t5,
+            clip_path=ns.clip,
+            t5_tokenizer_path=ns.t5_tokenizer,
+            clip_tokenizer_path=ns.clip_tokenizer,
+            vae_path=ns.vae,
+            encoder_dtype=ns.encoder_dtype,
+        )
         if ns.out is None:
             folder = ensure_procedural_dataset(params, device=ns.device)
         else:

@@ -26,7 +26,6 @@ One row per recipe. Exit status: 0 every recipe would start and fits; 1 one woul
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import glob
@@ -37,42 +36,69 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainer.runtime import cli
+from trainer.runtime import cli  # noqa: E402  (after the sys.path insert)
 
 
 def _gib(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-HEADER = ("recipe", "target", "mesh", "tpu mesh", "step plan", "planned GiB", "usable GiB", "fits", "capture",
-          "flips GiB", "s", "verdict")
+HEADER = (
+    "recipe",
+    "target",
+    "mesh",
+    "tpu mesh",
+    "step plan",
+    "planned GiB",
+    "usable GiB",
+    "fits",
+    "capture",
+    "flips GiB",
+    "s",
+    "verdict",
+)
 
 
 def row(r) -> tuple[str, ...]:
     fits = {None: "-", True: "yes", False: "NO"}[r.fits]
     flips = "-" if r.flips_gib is None else f"{r.flips_gib:.1f} (planned {_gib(r.planned_flips_gib)})"
     verdict = "starts" if r.ok else ("refused" if r.error else "does not fit")
-    return (os.path.basename(r.recipe), r.target, r.mesh, r.tpu_mesh, r.step, _gib(r.planned_gib), _gib(r.hbm_gib),
-            fits, r.capture, flips, f"{r.seconds:.1f}", verdict)
+    return (
+        os.path.basename(r.recipe),
+        r.target,
+        r.mesh,
+        r.tpu_mesh,
+        r.step,
+        _gib(r.planned_gib),
+        _gib(r.hbm_gib),
+        fits,
+        r.capture,
+        flips,
+        f"{r.seconds:.1f}",
+        verdict,
+    )
 
 
 def table(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(x[i]) for x in [HEADER, *rows]) for i in range(len(HEADER))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = cli.ArgumentParser(description=__doc__.split("\n")[0],
-                            epilog="Recipe keys: --section.key=value after the recipes, as in training.")
+    ap = cli.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog="Recipe keys: --section.key=value after the recipes, as in training."
+    )
     ap.add_argument("configs", nargs="*", help="recipe TOML files")
     ap.add_argument("--all", action="store_true", help="every recipe in configs/")
     ap.add_argument("--no-capture", action="store_true", help="rules and planner only (no model, no capture)")
     ap.add_argument("--csv", help="write one row per recipe here")
-    ap.add_argument("--compile", action="store_true",
-                    help="also compile each TPU recipe's per-device program deviceless (tools/tpu_compile.py)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also compile each TPU recipe's per-device program deviceless (tools/tpu_compile.py)",
+    )
     ap.add_argument("--compile-csv", metavar="PATH", help="with --compile: write one row per compiled recipe here")
     ns, rest = ap.parse_known_args(argv)
     overrides = []
@@ -98,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         r = check_recipe(path, capture=not ns.no_capture, overrides=overrides, torch_tpu=torch_tpu)
         results.append(r)
-        print(f"{os.path.basename(path)}: {'ok' if r.ok else 'FAILED'} ({r.seconds:.1f} s)", file=sys.stderr,
-              flush=True)
+        print(
+            f"{os.path.basename(path)}: {'ok' if r.ok else 'FAILED'} ({r.seconds:.1f} s)", file=sys.stderr, flush=True
+        )
     print(table([row(r) for r in results]))
     if ns.csv:
         with open(ns.csv, "w", newline="") as f:
@@ -112,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {os.path.basename(r.recipe)}: {note}")
     failed = [r for r in results if not r.ok]
     for r in failed:
-        why = r.error or (f"needs {r.planned_gib:.1f} GiB per device, {r.hbm_gib:.1f} GiB usable on {r.target} "
-                          "(scripts/estimate.py --config ... for the breakdown)")
+        why = r.error or (
+            f"needs {r.planned_gib:.1f} GiB per device, {r.hbm_gib:.1f} GiB usable on {r.target} "
+            "(scripts/estimate.py --config ... for the breakdown)"
+        )
         cli.error_line(f"{_name(r.recipe)}: {why}")
     compile_failed = _compile(paths, overrides, csv_path=ns.compile_csv) if ns.compile else []
     return 1 if failed or compile_failed else 0
@@ -123,17 +152,41 @@ def _name(recipe: str) -> str:
     return os.path.relpath(recipe, ROOT) if os.path.isabs(recipe) else recipe
 
 
-COMPILE_HEADER = ("recipe", "target", "topology", "mesh as compiled", "program", "compile s", "args GiB", "out GiB",
-                  "temp GiB", "code MiB", "compiler GiB", "planned GiB", "verdict")
+COMPILE_HEADER = (
+    "recipe",
+    "target",
+    "topology",
+    "mesh as compiled",
+    "program",
+    "compile s",
+    "args GiB",
+    "out GiB",
+    "temp GiB",
+    "code MiB",
+    "compiler GiB",
+    "planned GiB",
+    "verdict",
+)
 
 
 def compile_row(r) -> tuple[str, ...]:
     m = r.memory or {}
     gib = lambda k: f"{m[k] / 2**30:.2f}" if k in m else "-"  # noqa: E731
-    return (os.path.basename(r.recipe), r.target, r.topology, r.mesh, r.program, f"{r.compile_s:.0f}",
-            gib("argument_size_in_bytes"), gib("output_size_in_bytes"), gib("temp_size_in_bytes"),
-            f"{m['generated_code_size_in_bytes'] / 2**20:.0f}" if "generated_code_size_in_bytes" in m else "-",
-            _gib(r.compiler_gib), _gib(r.planned_gib), r.verdict)
+    return (
+        os.path.basename(r.recipe),
+        r.target,
+        r.topology,
+        r.mesh,
+        r.program,
+        f"{r.compile_s:.0f}",
+        gib("argument_size_in_bytes"),
+        gib("output_size_in_bytes"),
+        gib("temp_size_in_bytes"),
+        f"{m['generated_code_size_in_bytes'] / 2**20:.0f}" if "generated_code_size_in_bytes" in m else "-",
+        _gib(r.compiler_gib),
+        _gib(r.planned_gib),
+        r.verdict,
+    )
 
 
 def _compile(paths: list[str], overrides: list, *, csv_path: str | None) -> list:
@@ -177,8 +230,10 @@ def _compile(paths: list[str], overrides: list, *, csv_path: str | None) -> list
         elif r.verdict == "does not fit":
             why = f"the program needs {r.compiler_gib:.1f} GiB per device, {r.hbm_gib:.1f} GiB on {r.target}"
         else:
-            why = (f"the compiler's {r.compiler_gib:.1f} GiB per device and the planner's {r.planned_gib:.1f} GiB "
-                   f"differ by more than {BAND:.0%}")
+            why = (
+                f"the compiler's {r.compiler_gib:.1f} GiB per device and the planner's {r.planned_gib:.1f} GiB "
+                f"differ by more than {BAND:.0%}"
+            )
         cli.error_line(f"{_name(r.recipe)}: {why}")
     return failed
 

@@ -52,10 +52,10 @@ from trainer.checkpoint import (  # noqa: E402
     SAFETENSORS_DTYPE_NAMES,
     CorruptCheckpointError,
     SafetensorsSlices,
-    safetensors_files,
-    short_error,
     check_entries,
     read_box_of,
+    safetensors_files,
+    short_error,
     verify_checkpoint,
     write_manifest,
 )
@@ -65,8 +65,9 @@ from trainer.runtime.atomic import WriteFailed, atomic_dir, errno_text  # noqa: 
 from trainer.runtime.runlock import lock_destination  # noqa: E402
 
 # [model] keys of a run that are not fields of the model's args (see trainer.config.ModelConfig).
-_RUN_ONLY_MODEL_KEYS = {name: typ for name, typ in typing.get_type_hints(ModelConfig).items()
-                        if name not in ("name", "flavor", "overrides")}
+_RUN_ONLY_MODEL_KEYS = {
+    name: typ for name, typ in typing.get_type_hints(ModelConfig).items() if name not in ("name", "flavor", "overrides")
+}
 
 MODEL_PREFIX = "model."
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -111,8 +112,10 @@ def _layer_groups(keys: list[str]) -> list[list[str]]:
 
 def _check_destination(out_dir: Path) -> None:
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
-        raise ConfigError(f"{out_dir}: exists and is not an empty folder; allowed: a new or empty folder "
-                          "(a conversion never writes over or into earlier output)")
+        raise ConfigError(
+            f"{out_dir}: exists and is not an empty folder; allowed: a new or empty folder "
+            "(a conversion never writes over or into earlier output)"
+        )
 
 
 @contextlib.contextmanager
@@ -149,10 +152,12 @@ def _convert_to_hf(
     try:
         metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - a damaged pickle raises any of a dozen types
-        raise ConfigError(f"--checkpoint {checkpoint}: cannot read its .metadata ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); allowed: a DCP checkpoint folder") from None
+        raise ConfigError(
+            f"--checkpoint {checkpoint}: cannot read its .metadata ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); allowed: a DCP checkpoint folder"
+        ) from None
     stored = {
-        k[len(MODEL_PREFIX):]: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")
+        k[len(MODEL_PREFIX) :]: v for k, v in metadata.items() if k.startswith(MODEL_PREFIX) and hasattr(v, "size")
     }
     expected = _meta_model_shapes(family, args)
     tie_embeddings = getattr(args, "tie_embeddings", False)
@@ -167,22 +172,27 @@ def _convert_to_hf(
     check_entries(
         expected={MODEL_PREFIX + k: tuple(v) for k, v in expected.items() if k not in tied},
         stored={MODEL_PREFIX + k: tuple(v.size) for k, v in stored.items() if k not in tied},
-        key="--checkpoint", where=str(checkpoint), what=f"{family.name} with model.flavor/overrides",
+        key="--checkpoint",
+        where=str(checkpoint),
+        what=f"{family.name} with model.flavor/overrides",
         fix="pass the --model.flavor and --model.FIELD=VALUE overrides the checkpoint was trained with",
     )
     keys = [k for k in expected if k in stored and not (tie_embeddings and k == "output.weight")]
 
     def template(group: list[str], device: str) -> dict[str, torch.Tensor]:
-        return {alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype, device=device)
-                for k in group}
+        return {
+            alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype, device=device) for k in group
+        }
 
     def convert_group(group: list[str], device: str) -> dict[str, torch.Tensor]:
         tensors = template(group, device)
         if device != "meta":
             dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
         ours = {k: tensors[alias.get(k, k)] for k in group}
-        return {hf_key: value if dtype is None else value.to(dtype)
-                for hf_key, value in family.hf_adapter.to_hf(ours, args).items()}
+        return {
+            hf_key: value if dtype is None else value.to(dtype)
+            for hf_key, value in family.hf_adapter.to_hf(ours, args).items()
+        }
 
     # Plan every file from the metadata: the adapter's to_hf on meta tensors gives the HF names,
     # shapes and dtypes of each group (one block, or the non-block entries) without any data.
@@ -225,8 +235,7 @@ def _convert_to_hf(
     return written
 
 
-def _write_safetensors(path: Path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                       chunks) -> None:
+def _write_safetensors(path: Path, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], chunks) -> None:
     """A safetensors file written as its data arrives: the header (8-byte little-endian length,
     JSON padded with spaces to 8 bytes, as the format specifies) from the planned `entries`, then
     the bytes of each tensor of each dict in `chunks`, in the order of `entries`."""
@@ -234,8 +243,11 @@ def _write_safetensors(path: Path, entries: dict[str, tuple[tuple[int, ...], tor
     offset = 0
     for key, (shape, dt) in entries.items():
         nbytes = math.prod(shape) * dt.itemsize
-        header[key] = {"dtype": SAFETENSORS_DTYPE_NAMES[dt], "shape": list(shape),
-                       "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": SAFETENSORS_DTYPE_NAMES[dt],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -247,7 +259,8 @@ def _write_safetensors(path: Path, entries: dict[str, tuple[tuple[int, ...], tor
             for key, value in tensors.items():
                 expected_key = next(order)
                 assert key == expected_key and (tuple(value.shape), value.dtype) == entries[key], (
-                    f"{key}: converted differently from its plan {expected_key} {entries[expected_key]}")
+                    f"{key}: converted differently from its plan {expected_key} {entries[expected_key]}"
+                )
                 f.write(value.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             del tensors
     assert next(order, None) is None, f"{path}: fewer tensors written than planned"
@@ -280,8 +293,9 @@ def _read_hf_config(path: Path) -> dict:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         raise ConfigError(f"{path}: cannot read as JSON ({reason}); allowed: a Hugging Face config.json") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(config).__name__}; "
-                          "allowed: a Hugging Face config.json")
+        raise ConfigError(
+            f"{path}: expected a JSON object, got {type(config).__name__}; allowed: a Hugging Face config.json"
+        )
     return config
 
 
@@ -307,7 +321,9 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
     # transformers configs name the architecture in model_type, diffusers in _class_name.
     model_type = config.get("model_type", config.get("_class_name"))
     if not isinstance(model_type, str) or model_type not in HF_MODEL_TYPES:
-        raise ConfigError(f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}")
+        raise ConfigError(
+            f"{hf_dir / 'config.json'}: model_type {model_type!r} unsupported; allowed: {list(HF_MODEL_TYPES)}"
+        )
     family = get_model_family(HF_MODEL_TYPES[model_type])
     files = safetensors_files(hf_dir)
     if not files or not all(f.is_file() for f in files):
@@ -328,17 +344,23 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
     except (OSError, ValueError) as e:
         raise ConfigError(f"{hf_dir}: {e}") from e
     expected = _meta_model_shapes(family, args)
-    check_entries(expected={k: tuple(v) for k, v in expected.items()},
-                  stored={k: tuple(entry.shape) for k, entry in layout.items()},
-                  key=str(hf_dir), where="its safetensors", what="the model its config.json describes",
-                  fix="allowed: weights that match config.json (num_hidden_layers, hidden_size, ...)")
-    meta = {k: torch.empty(entry.shape, dtype=dtype or reader.dtype(entry.pieces[0].hf_key), device="meta")
-            for k, entry in layout.items()}
+    check_entries(
+        expected={k: tuple(v) for k, v in expected.items()},
+        stored={k: tuple(entry.shape) for k, entry in layout.items()},
+        key=str(hf_dir),
+        where="its safetensors",
+        what="the model its config.json describes",
+        fix="allowed: weights that match config.json (num_hidden_layers, hidden_size, ...)",
+    )
+    meta = {
+        k: torch.empty(entry.shape, dtype=dtype or reader.dtype(entry.pieces[0].hf_key), device="meta")
+        for k, entry in layout.items()
+    }
 
     read_failed = []  # a failed read is bad input (exit 2); anything else failed writing
 
     def make(fqn: str) -> torch.Tensor:
-        name = fqn[len(MODEL_PREFIX):]
+        name = fqn[len(MODEL_PREFIX) :]
         entry = layout[name]
         try:
             value = read_box_of(entry, (0,) * len(entry.shape), entry.shape, reader)
@@ -371,7 +393,7 @@ def _split_model_overrides(argv: list[str]) -> tuple[list[str], dict]:
     rest, overrides, i = [], {}, 0
     while i < len(argv):
         item = argv[i]
-        key, sep, value = item[len("--model."):].partition("=")
+        key, sep, value = item[len("--model.") :].partition("=")
         if not item.startswith("--model.") or key in ("name", "flavor"):
             rest.append(item)
             i += 1
@@ -394,7 +416,6 @@ def _dtype(name: str | None) -> torch.dtype | None:
     if name not in _DTYPES:
         raise ConfigError(f"--dtype: {name!r} unknown; allowed: {list(_DTYPES)}")
     return _DTYPES[name]
-
 
 
 def main(argv: list[str] | None = None) -> int:

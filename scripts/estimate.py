@@ -47,15 +47,19 @@ def gib(n: float) -> str:
 def describe_target(target: planner.Target) -> str:
     g = target.generation
     unit = "TensorCores" if g.kind == "tpu" else "GPUs"
-    return (f"{target.name}: {target.size} {unit} = {target.chips} chips = {target.devices} devices, "
-            f"{g.hbm_gib_per_device:.1f} GiB HBM and {g.peak_tflops:g} TFLOP/s bf16 per device, "
-            f"{g.devices_per_host} devices per host")
+    return (
+        f"{target.name}: {target.size} {unit} = {target.chips} chips = {target.devices} devices, "
+        f"{g.hbm_gib_per_device:.1f} GiB HBM and {g.peak_tflops:g} TFLOP/s bf16 per device, "
+        f"{g.devices_per_host} devices per host"
+    )
 
 
 def target_table() -> str:
     """A printable table of the generations (per device)."""
-    rows = ["generation  device                      HBM/device GiB  peak bf16 TFLOP/s  devices/host  FSDP tokens",
-            "----------  --------------------------  --------------  -----------------  ------------  -----------"]
+    rows = [
+        "generation  device                      HBM/device GiB  peak bf16 TFLOP/s  devices/host  FSDP tokens",
+        "----------  --------------------------  --------------  -----------------  ------------  -----------",
+    ]
     for g in planner.GENERATIONS.values():
         if g.kind == "gpu":
             device = "1 GPU"
@@ -63,18 +67,22 @@ def target_table() -> str:
             device = "1 chip (megacore, 2 TC)"
         else:
             device = f"1 TensorCore ({g.cores_per_chip}/chip)"
-        rows.append(f"{g.name:<10}  {device:<26}  {g.hbm_gib_per_device:>14.1f}  {g.peak_tflops:>17g}  "
-                    f"{g.devices_per_host:>12}  {g.fsdp_min_tokens or '-':>11}")
+        rows.append(
+            f"{g.name:<10}  {device:<26}  {g.hbm_gib_per_device:>14.1f}  {g.peak_tflops:>17g}  "
+            f"{g.devices_per_host:>12}  {g.fsdp_min_tokens or '-':>11}"
+        )
     return "\n".join(rows)
 
 
 def plan_str(est: planner.Estimate) -> str:
     ep = f" x ep {est.ep}" if est.ep > 1 else ""
     cp = f" x cp {est.cp}" if est.cp > 1 else ""
-    return (f"dp_replicate {est.dp_replicate} x dp_shard {est.dp_shard}{cp} x tp {est.tp}{ep}, AC {est.ac_mode}, "
-            f"local batch {est.local_batch_size} x seq {est.seq_len}"
-            + (f" x accum {est.grad_accum}" if est.grad_accum > 1 else "")
-            + (", loss parallel" if est.loss_parallel and est.tp > 1 else ""))
+    return (
+        f"dp_replicate {est.dp_replicate} x dp_shard {est.dp_shard}{cp} x tp {est.tp}{ep}, AC {est.ac_mode}, "
+        f"local batch {est.local_batch_size} x seq {est.seq_len}"
+        + (f" x accum {est.grad_accum}" if est.grad_accum > 1 else "")
+        + (", loss parallel" if est.loss_parallel and est.tp > 1 else "")
+    )
 
 
 def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = None) -> str:
@@ -88,21 +96,42 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
     rows = [
         ("parameters (fp32 master shards)", est.params),
         ("gradients (fp32 shards)", est.grads),
-        ("optimizer state (Muon momentum on the matrices, AdamW exp_avg + exp_avg_sq on the rest, fp32)"
-         if est.optimizer_name == "muon" else "optimizer state (AdamW exp_avg + exp_avg_sq, fp32)", est.optimizer),
+        (
+            "optimizer state (Muon momentum on the matrices, AdamW exp_avg + exp_avg_sq on the rest, fp32)"
+            if est.optimizer_name == "muon"
+            else "optimizer state (AdamW exp_avg + exp_avg_sq, fp32)",
+            est.optimizer,
+        ),
         ("bf16 weights kept for backward (SimpleFSDP gathers)", est.saved_weights),
-        (f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})"
-         if a.blocks == est.n_layers * a.per_block else  # two block kinds (DeepSeek-V3: dense + MoE)
-         f"activations: blocks ({est.n_layers}, the largest {gib(a.per_block)} GiB, AC {est.ac_mode})", a.blocks),
-        ("activations: final norm, LM-head input, token ids" if flow is None else
-         "activations: embedders' inputs, RoPE table, final layer", a.outside),
-        ("loss: fp32 log-sum-exp per token (fused loss)" if est.fused_loss else
-         f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})" if flow is None else
-         "loss: fp32 velocity prediction and target", a.loss),
-        (f"transient peak (max of loss/LM head {gib(est.transient_loss)}, block backward "
-         f"{gib(est.transient_block)}" + (f" + scan flips {gib(est.scan_flips)}" if est.scan_flips else "")
-         + (f", Muon update {gib(est.muon_update)}" if est.muon_update else "") + ")",
-         est.transient),
+        (
+            f"activations: blocks ({est.n_layers} x {gib(a.per_block)} GiB, AC {est.ac_mode})"
+            if a.blocks == est.n_layers * a.per_block
+            # two block kinds (DeepSeek-V3: dense + MoE)
+            else f"activations: blocks ({est.n_layers}, the largest {gib(a.per_block)} GiB, AC {est.ac_mode})",
+            a.blocks,
+        ),
+        (
+            "activations: final norm, LM-head input, token ids"
+            if flow is None
+            else "activations: embedders' inputs, RoPE table, final layer",
+            a.outside,
+        ),
+        (
+            "loss: fp32 log-sum-exp per token (fused loss)"
+            if est.fused_loss
+            else f"loss: fp32 log-probs ({'vocab/tp' if est.loss_parallel else 'full vocab'})"
+            if flow is None
+            else "loss: fp32 velocity prediction and target",
+            a.loss,
+        ),
+        (
+            f"transient peak (max of loss/LM head {gib(est.transient_loss)}, block backward "
+            f"{gib(est.transient_block)}"
+            + (f" + scan flips {gib(est.scan_flips)}" if est.scan_flips else "")
+            + (f", Muon update {gib(est.muon_update)}" if est.muon_update else "")
+            + ")",
+            est.transient,
+        ),
     ]
     if est.update:
         rows.append(("undonated update: new params + moments (program outputs beside the temporaries)", est.update))
@@ -110,45 +139,59 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
     for label, value in rows:
         lines.append(f"  {label:<{width}}{gib(value):>9} GiB")
     lines.append(f"  {'total':<{width}}{gib(est.total):>9} GiB")
-    lines.append(f"  {'HBM / usable (' + format(est.headroom, '.0%') + ' headroom)':<{width}}"
-                 f"{gib(est.target.hbm_bytes):>9} / {gib(est.usable)} GiB")
+    lines.append(
+        f"  {'HBM / usable (' + format(est.headroom, '.0%') + ' headroom)':<{width}}"
+        f"{gib(est.target.hbm_bytes):>9} / {gib(est.usable)} GiB"
+    )
     if est.fits:
-        lines.append(f"verdict: FITS with {gib(est.spare)} GiB to spare "
-                     f"({est.total / est.target.hbm_bytes:.0%} of HBM)")
+        lines.append(
+            f"verdict: FITS with {gib(est.spare)} GiB to spare ({est.total / est.target.hbm_bytes:.0%} of HBM)"
+        )
     else:
         over = -est.spare
-        lines.append(f"verdict: DOES NOT FIT: needs {gib(est.total)} GiB, usable {gib(est.usable)} GiB; "
-                     f"over by {gib(over)} GiB ({over / est.usable:.0%})")
+        lines.append(
+            f"verdict: DOES NOT FIT: needs {gib(est.total)} GiB, usable {gib(est.usable)} GiB; "
+            f"over by {gib(over)} GiB ({over / est.usable:.0%})"
+        )
     lines.append(
         f"throughput (estimate): {est.tokens_per_device_step:,.0f} tokens/device/step, global batch "
         f"{est.global_batch_tokens:,} tokens; step {est.step_time_s:.2f} s at an assumed "
         f"{est.assumed_mfu:.0%} MFU without recompute"
-        + (f" (x{est.recompute_factor:.2f} FLOPs for AC {est.ac_mode}: MFU {est.mfu:.0%})"
-           if est.recompute_factor != 1.0 else "")
+        + (
+            f" (x{est.recompute_factor:.2f} FLOPs for AC {est.ac_mode}: MFU {est.mfu:.0%})"
+            if est.recompute_factor != 1.0
+            else ""
+        )
         + f" -> {est.tokens_per_s:,.0f} tokens/s/device"
     )
     if flow is not None:
         img, txt = flow
         per_sample = img + txt
-        lines.append(f"FLUX: {img} image + {txt} text tokens per sample; {est.tokens_per_device_step / per_sample:,.2f} "
-                     f"samples/device/step, global batch {est.global_batch_tokens // per_sample:,} samples; "
-                     f"{est.tokens_per_s / per_sample:,.3f} samples/s/device = "
-                     f"{per_sample / est.tokens_per_s:,.2f} device-s/sample")
+        lines.append(
+            f"FLUX: {img} image + {txt} text tokens per sample; {est.tokens_per_device_step / per_sample:,.2f} "
+            f"samples/device/step, global batch {est.global_batch_tokens // per_sample:,} samples; "
+            f"{est.tokens_per_s / per_sample:,.3f} samples/s/device = "
+            f"{per_sample / est.tokens_per_s:,.2f} device-s/sample"
+        )
     lines.extend(f"note: {n}" for n in est.notes)
     return "\n".join(lines)
 
 
-SUMMARY_HEADER = ("dp_rep  dp_shard  cp  tp  ep  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
-                  "transient  total GiB  fits  step s  tok/s/dev")
+SUMMARY_HEADER = (
+    "dp_rep  dp_shard  cp  tp  ep  AC         batch  tok/dev/step   params+opt  kept-wts  activ.  "
+    "transient  total GiB  fits  step s  tok/s/dev"
+)
 
 
 def format_summary_row(est: planner.Estimate) -> str:
     static = est.params + est.grads + est.optimizer
-    return (f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ep:>2}  {est.ac_mode:<9}  "
-            f"{est.local_batch_size:>5}  "
-            f"{est.tokens_per_device_step:>12,.0f}  {gib(static):>10}  {gib(est.saved_weights):>8}  "
-            f"{gib(est.activations.total):>6}  {gib(est.transient):>9}  {gib(est.total):>9}  "
-            f"{'yes' if est.fits else 'NO':>4}  {est.step_time_s:>6.2f}  {est.tokens_per_s:>9,.0f}")
+    return (
+        f"{est.dp_replicate:>6}  {est.dp_shard:>8}  {est.cp:>2}  {est.tp:>2}  {est.ep:>2}  {est.ac_mode:<9}  "
+        f"{est.local_batch_size:>5}  "
+        f"{est.tokens_per_device_step:>12,.0f}  {gib(static):>10}  {gib(est.saved_weights):>8}  "
+        f"{gib(est.activations.total):>6}  {gib(est.transient):>9}  {gib(est.total):>9}  "
+        f"{'yes' if est.fits else 'NO':>4}  {est.step_time_s:>6.2f}  {est.tokens_per_s:>9,.0f}"
+    )
 
 
 def format_summary(estimates: list[planner.Estimate]) -> str:
@@ -177,41 +220,91 @@ def format_fixes(est: planner.Estimate, fixes: planner.Fixes) -> list[str]:
     name = est.target.name
     lines = [changes(c) for c in fixes.single_changes]
     if fixes.best is not None:
-        lines.append(f"the planner's choice for {name} (--recommend): {plan_str(fixes.best)}: "
-                     f"{gib(fixes.best.total)} GiB")
+        lines.append(
+            f"the planner's choice for {name} (--recommend): {plan_str(fixes.best)}: {gib(fixes.best.total)} GiB"
+        )
     elif fixes.devices_needed:
-        lines.append(f"no plan fits {name}; about {fixes.devices_needed} devices would fit "
-                     f"{plan_str(fixes.devices_needed_plan)} "
-                     f"(its parameters, gradients and optimizer state shrink with more FSDP shards)")
+        lines.append(
+            f"no plan fits {name}; about {fixes.devices_needed} devices would fit "
+            f"{plan_str(fixes.devices_needed_plan)} "
+            f"(its parameters, gradients and optimizer state shrink with more FSDP shards)"
+        )
     else:
-        lines.append(f"no plan fits {name}, and more devices would not help: activations alone exceed HBM; "
-                     "shorten training.seq_len")
+        lines.append(
+            f"no plan fits {name}, and more devices would not help: activations alone exceed HBM; "
+            "shorten training.seq_len"
+        )
     return lines
 
 
 CSV_FIELDS = (
-    "model", "target", "devices", "hbm_bytes", "dp_replicate", "dp_shard", "cp", "tp", "ep", "ac_mode",
-    "local_batch_size", "seq_len", "grad_accum", "loss_parallel", "params_bytes", "grads_bytes",
-    "optimizer_bytes", "saved_weights_bytes", "block_activation_bytes", "outside_activation_bytes",
-    "loss_bytes", "transient_bytes", "total_bytes", "usable_bytes", "fits", "tokens_per_device_step",
-    "global_batch_tokens", "est_step_s", "est_tokens_per_s_per_device", "est_mfu_pct", "assumed_mfu_pct",
+    "model",
+    "target",
+    "devices",
+    "hbm_bytes",
+    "dp_replicate",
+    "dp_shard",
+    "cp",
+    "tp",
+    "ep",
+    "ac_mode",
+    "local_batch_size",
+    "seq_len",
+    "grad_accum",
+    "loss_parallel",
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "saved_weights_bytes",
+    "block_activation_bytes",
+    "outside_activation_bytes",
+    "loss_bytes",
+    "transient_bytes",
+    "total_bytes",
+    "usable_bytes",
+    "fits",
+    "tokens_per_device_step",
+    "global_batch_tokens",
+    "est_step_s",
+    "est_tokens_per_s_per_device",
+    "est_mfu_pct",
+    "assumed_mfu_pct",
 )
 
 
 def csv_row(est: planner.Estimate) -> dict:
     a = est.activations
     return {
-        "model": est.model, "target": est.target.name, "devices": est.target.devices,
-        "hbm_bytes": est.target.hbm_bytes, "dp_replicate": est.dp_replicate, "dp_shard": est.dp_shard,
-        "cp": est.cp, "tp": est.tp, "ep": est.ep, "ac_mode": est.ac_mode, "local_batch_size": est.local_batch_size,
-        "seq_len": est.seq_len, "grad_accum": est.grad_accum, "loss_parallel": est.loss_parallel,
-        "params_bytes": est.params, "grads_bytes": est.grads, "optimizer_bytes": est.optimizer,
-        "saved_weights_bytes": est.saved_weights, "block_activation_bytes": a.blocks,
-        "outside_activation_bytes": a.outside, "loss_bytes": a.loss, "transient_bytes": est.transient,
-        "total_bytes": est.total, "usable_bytes": est.usable, "fits": est.fits,
+        "model": est.model,
+        "target": est.target.name,
+        "devices": est.target.devices,
+        "hbm_bytes": est.target.hbm_bytes,
+        "dp_replicate": est.dp_replicate,
+        "dp_shard": est.dp_shard,
+        "cp": est.cp,
+        "tp": est.tp,
+        "ep": est.ep,
+        "ac_mode": est.ac_mode,
+        "local_batch_size": est.local_batch_size,
+        "seq_len": est.seq_len,
+        "grad_accum": est.grad_accum,
+        "loss_parallel": est.loss_parallel,
+        "params_bytes": est.params,
+        "grads_bytes": est.grads,
+        "optimizer_bytes": est.optimizer,
+        "saved_weights_bytes": est.saved_weights,
+        "block_activation_bytes": a.blocks,
+        "outside_activation_bytes": a.outside,
+        "loss_bytes": a.loss,
+        "transient_bytes": est.transient,
+        "total_bytes": est.total,
+        "usable_bytes": est.usable,
+        "fits": est.fits,
         "tokens_per_device_step": round(est.tokens_per_device_step, 3),
-        "global_batch_tokens": est.global_batch_tokens, "est_step_s": round(est.step_time_s, 4),
-        "est_tokens_per_s_per_device": round(est.tokens_per_s, 1), "est_mfu_pct": round(100 * est.mfu, 2),
+        "global_batch_tokens": est.global_batch_tokens,
+        "est_step_s": round(est.step_time_s, 4),
+        "est_tokens_per_s_per_device": round(est.tokens_per_s, 1),
+        "est_mfu_pct": round(100 * est.mfu, 2),
         "assumed_mfu_pct": round(100 * est.assumed_mfu, 2),
     }
 
@@ -226,20 +319,22 @@ def write_csv(estimates: list[planner.Estimate], path: str) -> None:
 
 def recipe_snippet(est: planner.Estimate) -> str:
     """The recipe keys that select this plan."""
-    return "\n".join([
-        "[training]",
-        f"local_batch_size = {est.local_batch_size}",
-        f"seq_len = {est.seq_len}",
-        "[parallelism]",
-        f"data_parallel_replicate_degree = {est.dp_replicate}",
-        f"data_parallel_shard_degree = {est.dp_shard}",
-        f"context_parallel_degree = {est.cp}",
-        f"tensor_parallel_degree = {est.tp}",
-        *([f"expert_parallel_degree = {est.ep}"] if est.ep > 1 else []),
-        f"enable_loss_parallel = {'true' if est.loss_parallel else 'false'}",
-        "[activation_checkpoint]",
-        f'mode = "{est.ac_mode}"',
-    ])
+    return "\n".join(
+        [
+            "[training]",
+            f"local_batch_size = {est.local_batch_size}",
+            f"seq_len = {est.seq_len}",
+            "[parallelism]",
+            f"data_parallel_replicate_degree = {est.dp_replicate}",
+            f"data_parallel_shard_degree = {est.dp_shard}",
+            f"context_parallel_degree = {est.cp}",
+            f"tensor_parallel_degree = {est.tp}",
+            *([f"expert_parallel_degree = {est.ep}"] if est.ep > 1 else []),
+            f"enable_loss_parallel = {'true' if est.loss_parallel else 'false'}",
+            "[activation_checkpoint]",
+            f'mode = "{est.ac_mode}"',
+        ]
+    )
 
 
 # ================================================================================ command line
@@ -261,11 +356,17 @@ _SHORT = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="Recipe keys: --section.key=value, as in training (docs/config.md).")
-    p.add_argument("--target", help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets); "
-                                    "default: the recipe's [job] target")
+    p = cli.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Recipe keys: --section.key=value, as in training (docs/config.md).",
+    )
+    p.add_argument(
+        "--target",
+        help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets); "
+        "default: the recipe's [job] target",
+    )
     p.add_argument("--list-targets", action="store_true", help="print the generations and exit")
     p.add_argument("--model", help="model.name (llama3, qwen3, deepseek_v3, flux)")
     p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, 671B, kimi_k2, ...)")
@@ -279,14 +380,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, help="parallelism.expert_parallel_degree")
     p.add_argument("--ac", help="activation_checkpoint.mode: none | selective | full")
     p.add_argument("--loss-parallel", action="store_true", help="parallelism.enable_loss_parallel = true")
-    p.add_argument("--recommend", action="store_true",
-                   help="search dp_replicate, tp, cp, ep (MoE), AC mode and local batch for the target and print the best plan")
+    p.add_argument(
+        "--recommend",
+        action="store_true",
+        help="search dp_replicate, tp, cp, ep (MoE), AC mode and local batch for the target and print the best plan",
+    )
     p.add_argument("--csv", help="write one CSV row per evaluated plan to this path")
     p.add_argument("--headroom", type=float, default=0.10, help="fraction of HBM kept free (default 0.10)")
-    p.add_argument("--mfu", type=float, default=0.40,
-                   help="assumed MFU without recompute, for the step-time estimate (default 0.40)")
-    p.add_argument("--max-global-tokens", type=int, default=16 * 2**20,
-                   help="--recommend: largest global batch in tokens (default 16Mi, Llama 3 405B's final batch)")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=0.40,
+        help="assumed MFU without recompute, for the step-time estimate (default 0.40)",
+    )
+    p.add_argument(
+        "--max-global-tokens",
+        type=int,
+        default=16 * 2**20,
+        help="--recommend: largest global batch in tokens (default 16Mi, Llama 3 405B's final batch)",
+    )
     p.add_argument("--top", type=int, default=8, help="--recommend: rows of the candidate table (default 8)")
     return p
 
@@ -306,8 +418,10 @@ def _run(argv: list[str]) -> int:
     ns, rest = _parser().parse_known_args(argv)
     if ns.list_targets:
         print(target_table())
-        print("\nA TPU target's size counts TensorCores, as Cloud TPU accelerator types do: "
-              "v6e-256 = 256 devices, v5p-1024 = 512 chips = 512 devices, v7x-1024 = 512 chips = 1024 devices.")
+        print(
+            "\nA TPU target's size counts TensorCores, as Cloud TPU accelerator types do: "
+            "v6e-256 = 256 devices, v5p-1024 = 512 chips = 512 devices, v7x-1024 = 512 chips = 1024 devices."
+        )
         return 0
     if not 0 <= ns.headroom < 1:
         raise ConfigError(f"--headroom: {ns.headroom} is out of range; allowed: 0 <= headroom < 1")
@@ -326,8 +440,10 @@ def _run(argv: list[str]) -> int:
         if recipe is None:
             raise ConfigError("--target: required without a recipe, e.g. --target v6e-256 (see --list-targets)")
         if not cfg.job.target:
-            raise ConfigError(f"job.target: {recipe} sets no [job] target and no --target was given; allowed: a "
-                              "[job] target in the recipe or --target, e.g. --target v6e-256 (see --list-targets)")
+            raise ConfigError(
+                f"job.target: {recipe} sets no [job] target and no --target was given; allowed: a "
+                "[job] target in the recipe or --target, e.g. --target v6e-256 (see --list-targets)"
+            )
         target = planner.parse_target(cfg.job.target, key="job.target")
     p = cfg.parallelism
     from tools.recipe_check import plan_inputs
@@ -342,14 +458,15 @@ def _run(argv: list[str]) -> int:
             write_csv(candidates, ns.csv)
         fitting = [c for c in candidates if c.fits]
         shown = planner.best_per_layout(fitting or candidates)[: ns.top]
-        print(f"{inputs.model_name} on {describe_target(target)}; seq_len {seq_len}; "
-              f"{len(candidates)} plans evaluated, {len(fitting)} fit")
+        print(
+            f"{inputs.model_name} on {describe_target(target)}; seq_len {seq_len}; "
+            f"{len(candidates)} plans evaluated, {len(fitting)} fit"
+        )
         print(format_summary(shown))
         print()
         if not fitting:
             print(format_estimate(candidates[0], flow=flow))
-            print(f"verdict: no plan fits {target.name}; the smallest needs {gib(candidates[0].total)} GiB "
-                  f"per device")
+            print(f"verdict: no plan fits {target.name}; the smallest needs {gib(candidates[0].total)} GiB per device")
             need = planner.devices_needed(candidates[0])
             if need:
                 print(f"suggestion: about {need} devices for that plan")
@@ -357,20 +474,38 @@ def _run(argv: list[str]) -> int:
         best = fitting[0]
         # Re-check the choice on the full model (every block sharded, not one block x n_layers).
         inputs = dataclasses.replace(inputs, local_batch_size=best.local_batch_size, grad_accum=1)
-        est = planner.plan_estimate(inputs, target, dp_replicate=best.dp_replicate, tp=best.tp, cp=best.cp,
-                                    ep=best.ep, ac_mode=best.ac_mode, loss_parallel=best.loss_parallel, **kw)
+        est = planner.plan_estimate(
+            inputs,
+            target,
+            dp_replicate=best.dp_replicate,
+            tp=best.tp,
+            cp=best.cp,
+            ep=best.ep,
+            ac_mode=best.ac_mode,
+            loss_parallel=best.loss_parallel,
+            **kw,
+        )
         assert est.total == best.total, "one-block probe and full model disagree"
-        print("recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; "
-              "most tokens):")
+        print(
+            "recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; "
+            "most tokens):"
+        )
         print(format_estimate(est, flow=flow))
         print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
 
     est = planner.plan_estimate(
-        inputs, target, dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, cp=p.context_parallel_degree,
+        inputs,
+        target,
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        cp=p.context_parallel_degree,
         ac_mode=cfg.activation_checkpoint.mode,
-        loss_parallel=p.enable_loss_parallel, **kw)
+        loss_parallel=p.enable_loss_parallel,
+        **kw,
+    )
     if ns.csv:
         write_csv([est], ns.csv)
     print(format_estimate(est, flow=flow))

@@ -50,7 +50,6 @@ Exit status: 0 compiled, 1 the compile failed, 2 bad input.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -64,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 from models.errors import ConfigError  # noqa: E402
 from trainer.runtime import cli  # noqa: E402
+
 
 def topology_name(target) -> str:
     """The jax topology name of a planner Target (e.g. v6e-16 -> v6e:4x4, v7x-8 -> tpu7x:2x2x1)."""
@@ -82,76 +82,149 @@ def _run(argv: list[str]) -> int:
     from trainer.job import step_request
     from trainer.step.plan import plan_step
 
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                           epilog="Recipe keys: --section.key=value, as in training (docs/config.md).")
+    p = cli.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        epilog="Recipe keys: --section.key=value, as in training (docs/config.md).",
+    )
     p.add_argument("--target", help="e.g. v6e-256, v7x-512 (planner names); default: the recipe's [job] target")
     p.add_argument("--topology", help="jax topology name instead of the one derived from the target")
     p.add_argument("--timeout", type=float, default=3600, help="seconds for capture + compile (default 3600)")
-    p.add_argument("--kernels", choices=("pallas", "reference"), default="pallas",
-                   help="attention, MoE experts and the fused loss in the captured step: the TPU run's Pallas "
-                        "kernels (default) or the torch references (math SDPA, chunked CE)")
-    p.add_argument("--donate", action="store_true",
-                   help="donate the updated state's input buffers (torch-tpu's backend does not: off by default)")
-    p.add_argument("--dump-hlo", metavar="PATH", help="write the compiled program's text (optimized HLO, or the "
-                   "StableHLO where jaxlib cannot read the optimized one back) to PATH")
-    p.add_argument("--keep-flips", action="store_true", help="compile the scan backward as torch 2.13 builds it "
-                   "(flipped copies) instead of the reverse-scan graph torch-tpu lowers (tag_reverse_scans)")
+    p.add_argument(
+        "--kernels",
+        choices=("pallas", "reference"),
+        default="pallas",
+        help="attention, MoE experts and the fused loss in the captured step: the TPU run's Pallas "
+        "kernels (default) or the torch references (math SDPA, chunked CE)",
+    )
+    p.add_argument(
+        "--donate",
+        action="store_true",
+        help="donate the updated state's input buffers (torch-tpu's backend does not: off by default)",
+    )
+    p.add_argument(
+        "--dump-hlo",
+        metavar="PATH",
+        help="write the compiled program's text (optimized HLO, or the "
+        "StableHLO where jaxlib cannot read the optimized one back) to PATH",
+    )
+    p.add_argument(
+        "--keep-flips",
+        action="store_true",
+        help="compile the scan backward as torch 2.13 builds it "
+        "(flipped copies) instead of the reverse-scan graph torch-tpu lowers (tag_reverse_scans)",
+    )
     p.add_argument("--csv", metavar="PATH", help="append one row for this recipe to PATH (header when new)")
-    p.add_argument("--json", action="store_true", help="also print the compiler's numbers as one JSON line "
-                   "(last line; scripts/mfu_suite.py reads it)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="also print the compiler's numbers as one JSON line (last line; scripts/mfu_suite.py reads it)",
+    )
     ns, rest = p.parse_known_args(argv)
     recipe, _, overrides = split_cli(rest)
     cfg = build_config(recipe, overrides)
     if not (ns.target or cfg.job.target):
-        raise ConfigError("job.target: the recipe names no target; allowed: a [job] target in the recipe or "
-                          "--target, e.g. --target v6e-16")
-    target = (planner.parse_target(ns.target) if ns.target else
-              planner.parse_target(cfg.job.target, key="job.target"))
+        raise ConfigError(
+            "job.target: the recipe names no target; allowed: a [job] target in the recipe or "
+            "--target, e.g. --target v6e-16"
+        )
+    target = planner.parse_target(ns.target) if ns.target else planner.parse_target(cfg.job.target, key="job.target")
     topology = ns.topology or topology_name(target)
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     if getattr(family, "task", "lm") != "lm":
-        raise ConfigError(f"model.name: {cfg.model.name} (task {family.task}): the compile check captures the "
-                          "LM step only; FLUX recipes are not supported")
+        raise ConfigError(
+            f"model.name: {cfg.model.name} (task {family.task}): the compile check captures the "
+            "LM step only; FLUX recipes are not supported"
+        )
     t, par = cfg.training, cfg.parallelism
     # The trainer's step plan on a TPU: scan, AC placement, fused loss (auto fuses on TPU).
     step = step_request(cfg, family, tp_degree=par.tensor_parallel_degree, device_type="tpu")
     step_plan = plan_step(step)
-    inputs = planner.PlanInputs(family=family, args=args, model_name=f"{cfg.model.name} {cfg.model.flavor}",
-                                seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-                                grad_accum=t.gradient_accumulation_steps, step=step)
-    est = planner.plan_estimate(inputs, target, dp_replicate=par.data_parallel_replicate_degree,
-                                dp_shard=par.data_parallel_shard_degree, tp=par.tensor_parallel_degree,
-                                ep=par.expert_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
-                                loss_parallel=par.enable_loss_parallel)
+    inputs = planner.PlanInputs(
+        family=family,
+        args=args,
+        model_name=f"{cfg.model.name} {cfg.model.flavor}",
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        grad_accum=t.gradient_accumulation_steps,
+        step=step,
+    )
+    est = planner.plan_estimate(
+        inputs,
+        target,
+        dp_replicate=par.data_parallel_replicate_degree,
+        dp_shard=par.data_parallel_shard_degree,
+        tp=par.tensor_parallel_degree,
+        ep=par.expert_parallel_degree,
+        ac_mode=cfg.activation_checkpoint.mode,
+        loss_parallel=par.enable_loss_parallel,
+    )
     approximated = []
     if est.tp > 1 or est.ep > 1 or est.dp_replicate > 1:
-        approximated.append(f"the recipe's mesh (dp_replicate {est.dp_replicate}, dp_shard {est.dp_shard}, "
-                            f"tp {est.tp}, ep {est.ep}) is compiled as FSDP over all {target.devices} devices: "
-                            "every tensor sharded once, experts' weights gathered like the rest (no all-to-all)")
-    spec = dict(family=cfg.model.name, args=dataclasses.asdict(args), seq_len=t.seq_len,
-                global_batch=t.local_batch_size * target.devices, grad_accum=t.gradient_accumulation_steps,
-                # `auto` is bfloat16 on a TPU (trainer.runtime.device.resolve_compute_dtype)
-                param_dtype="bfloat16" if t.mixed_precision_param == "auto" else t.mixed_precision_param,
-                reduce_dtype=t.mixed_precision_reduce, scan_layers=step_plan.scan, scan_ac=step_plan.scan_ac,
-                block_ac=step_plan.block_ac, fused_loss=step_plan.fused_loss and ns.kernels == "pallas",
-                aux_loss_coef=t.aux_loss_coef, max_norm=t.max_norm,
-                optimizer=dict(lr=cfg.optimizer.lr, betas=list(cfg.optimizer.betas), eps=cfg.optimizer.eps,
-                               weight_decay=cfg.optimizer.weight_decay),
-                topology=topology, kernels=ns.kernels, donate=ns.donate, keep_flips=ns.keep_flips,
-                dump_hlo=str(Path(ns.dump_hlo).resolve()) if ns.dump_hlo else None)
+        approximated.append(
+            f"the recipe's mesh (dp_replicate {est.dp_replicate}, dp_shard {est.dp_shard}, "
+            f"tp {est.tp}, ep {est.ep}) is compiled as FSDP over all {target.devices} devices: "
+            "every tensor sharded once, experts' weights gathered like the rest (no all-to-all)"
+        )
+    spec = dict(
+        family=cfg.model.name,
+        args=dataclasses.asdict(args),
+        seq_len=t.seq_len,
+        global_batch=t.local_batch_size * target.devices,
+        grad_accum=t.gradient_accumulation_steps,
+        # `auto` is bfloat16 on a TPU (trainer.runtime.device.resolve_compute_dtype)
+        param_dtype="bfloat16" if t.mixed_precision_param == "auto" else t.mixed_precision_param,
+        reduce_dtype=t.mixed_precision_reduce,
+        scan_layers=step_plan.scan,
+        scan_ac=step_plan.scan_ac,
+        block_ac=step_plan.block_ac,
+        fused_loss=step_plan.fused_loss and ns.kernels == "pallas",
+        aux_loss_coef=t.aux_loss_coef,
+        max_norm=t.max_norm,
+        optimizer=dict(
+            lr=cfg.optimizer.lr,
+            betas=list(cfg.optimizer.betas),
+            eps=cfg.optimizer.eps,
+            weight_decay=cfg.optimizer.weight_decay,
+        ),
+        topology=topology,
+        kernels=ns.kernels,
+        donate=ns.donate,
+        keep_flips=ns.keep_flips,
+        dump_hlo=str(Path(ns.dump_hlo).resolve()) if ns.dump_hlo else None,
+    )
     if step_plan.fused_loss and ns.kernels != "pallas":
         spec["fused_loss"] = True  # the chunked torch reference stands in for the kernel
-    venv = subprocess.run(["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True,
-                          text=True).stdout.strip().splitlines()[-1]
+    venv = (
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     # Compile-only: no TPU is used, so libtpu's one-process-per-host lock is not needed.
-    env.update(PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1", JAX_PLATFORMS="cpu",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-    print(f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips), "
-          f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...", flush=True)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+        TPU_SKIP_MDS_QUERY="1",
+        JAX_PLATFORMS="cpu",
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+    )
+    print(
+        f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips), "
+        f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...",
+        flush=True,
+    )
     wall = time.perf_counter()
-    proc = subprocess.run([str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=ns.timeout)
+    proc = subprocess.run(
+        [str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=ns.timeout,
+    )
     wall = time.perf_counter() - wall
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -161,11 +234,13 @@ def _run(argv: list[str]) -> int:
     res.update(wall_s=wall, n_layers=args.shape().n_layers, approximated=approximated, topology=topology)
     if res.get("oom"):
         oom = res["oom"]
-        print(f"verdict (compiler, {res['n_layers']} layers): does not fit: the compiler refused the program "
-              f"(CompileTimeHbmOom): {oom['required'] / GIB:.2f} GiB of temporaries for {oom['available'] / GIB:.2f} "
-              f"GiB available; planner: {'fits' if est.fits else 'does not fit'} ({est.total / GIB:.2f} GiB of "
-              f"{est.usable / GIB:.1f} usable); capture / lower / compile / wall s {res['capture_s']:.1f} / "
-              f"{res['lower_s']:.1f} / {res['compile_s']:.1f} / {wall:.1f}")
+        print(
+            f"verdict (compiler, {res['n_layers']} layers): does not fit: the compiler refused the program "
+            f"(CompileTimeHbmOom): {oom['required'] / GIB:.2f} GiB of temporaries for {oom['available'] / GIB:.2f} "
+            f"GiB available; planner: {'fits' if est.fits else 'does not fit'} ({est.total / GIB:.2f} GiB of "
+            f"{est.usable / GIB:.1f} usable); capture / lower / compile / wall s {res['capture_s']:.1f} / "
+            f"{res['lower_s']:.1f} / {res['compile_s']:.1f} / {wall:.1f}"
+        )
         for note in approximated:
             print(f"approximated: {note}")
         return 0
@@ -176,8 +251,16 @@ def _run(argv: list[str]) -> int:
     if ns.csv:
         write_csv_row(ns.csv, csv_row(recipe, est, res, step_plan))
     if ns.json:
-        print(json.dumps({**res, "target": target.name, "topology": topology,
-                          "tokens_per_device_step": est.tokens_per_device_step}))
+        print(
+            json.dumps(
+                {
+                    **res,
+                    "target": target.name,
+                    "topology": topology,
+                    "tokens_per_device_step": est.tokens_per_device_step,
+                }
+            )
+        )
     return 0
 
 
@@ -208,39 +291,49 @@ def planner_terms(est) -> dict[str, int]:
 def discrepancies(est, res: dict, limit: float = 0.10) -> list[str]:
     """Where the compiler and the planner differ by more than `limit`, term by term."""
     m = res["memory"]
-    comp = {"arguments": m.get("argument_size_in_bytes", 0),
-            "outputs": m.get("output_size_in_bytes", 0) - m.get("alias_size_in_bytes", 0),
-            "temporaries": m.get("temp_size_in_bytes", 0)}
+    comp = {
+        "arguments": m.get("argument_size_in_bytes", 0),
+        "outputs": m.get("output_size_in_bytes", 0) - m.get("alias_size_in_bytes", 0),
+        "temporaries": m.get("temp_size_in_bytes", 0),
+    }
     plan = planner_terms(est)
     out = []
     total_p, total_c = est.total, compiler_total(res)
     if abs(total_c - total_p) > limit * max(total_p, 1):
-        out.append(f"total {total_c / GIB:.2f} GiB vs planner {total_p / GIB:.2f} GiB "
-                   f"({(total_c - total_p) / max(total_p, 1):+.0%})")
+        out.append(
+            f"total {total_c / GIB:.2f} GiB vs planner {total_p / GIB:.2f} GiB "
+            f"({(total_c - total_p) / max(total_p, 1):+.0%})"
+        )
         for k in comp:
             diff = comp[k] - plan[k]
-            out.append(f"  {k}: compiler {comp[k] / GIB:.2f} GiB, planner {plan[k] / GIB:.2f} GiB ({diff / GIB:+.2f} GiB)")
+            out.append(
+                f"  {k}: compiler {comp[k] / GIB:.2f} GiB, planner {plan[k] / GIB:.2f} GiB ({diff / GIB:+.2f} GiB)"
+            )
         out.append("  " + planner_breakdown(est))
     return out
 
 
 def planner_breakdown(est) -> str:
     flips = getattr(est, "scan_flips", 0)
-    return (f"planner temporaries = grads {est.grads / GIB:.2f} + kept gathered weights "
-            f"{est.saved_weights / GIB:.2f} + activations {est.activations.total / GIB:.2f} (blocks "
-            f"{est.activations.blocks / GIB:.2f}, outside {est.activations.outside / GIB:.2f}, loss "
-            f"{est.activations.loss / GIB:.2f}) + transient {est.transient / GIB:.2f} (loss "
-            f"{est.transient_loss / GIB:.2f}, block {est.transient_block / GIB:.2f}, scan flips "
-            f"{flips / GIB:.2f}) GiB; undonated update {getattr(est, 'update', 0) / GIB:.2f} GiB")
+    return (
+        f"planner temporaries = grads {est.grads / GIB:.2f} + kept gathered weights "
+        f"{est.saved_weights / GIB:.2f} + activations {est.activations.total / GIB:.2f} (blocks "
+        f"{est.activations.blocks / GIB:.2f}, outside {est.activations.outside / GIB:.2f}, loss "
+        f"{est.activations.loss / GIB:.2f}) + transient {est.transient / GIB:.2f} (loss "
+        f"{est.transient_loss / GIB:.2f}, block {est.transient_block / GIB:.2f}, scan flips "
+        f"{flips / GIB:.2f}) GiB; undonated update {getattr(est, 'update', 0) / GIB:.2f} GiB"
+    )
 
 
 def verdict_line(est, res: dict) -> str:
     hbm = est.target.hbm_bytes
     total = compiler_total(res)
     word = "fits" if total <= hbm else "does not fit"
-    return (f"verdict (compiler, {res['n_layers']} layers): {word}: {total / GIB:.2f} GiB of "
-            f"{hbm / GIB:.1f} GiB HBM per device; planner: {'fits' if est.fits else 'does not fit'} "
-            f"({est.total / GIB:.2f} GiB of {est.usable / GIB:.1f} usable)")
+    return (
+        f"verdict (compiler, {res['n_layers']} layers): {word}: {total / GIB:.2f} GiB of "
+        f"{hbm / GIB:.1f} GiB HBM per device; planner: {'fits' if est.fits else 'does not fit'} "
+        f"({est.total / GIB:.2f} GiB of {est.usable / GIB:.1f} usable)"
+    )
 
 
 def format_table(est, res: dict, step_plan=None) -> str:
@@ -249,35 +342,78 @@ def format_table(est, res: dict, step_plan=None) -> str:
     tokens = est.tokens_per_device_step
     planner_flops = tokens * est.flops_per_token * est.recompute_factor
     scan = res["stablehlo_while"] > 0
-    steps = (f"graph, {'scan (one body)' if step_plan and step_plan.scan else 'unrolled'}, AC {est.ac_mode}, "
-             f"{'fused' if step_plan and step_plan.fused_loss else 'plain'} loss" if step_plan else "")
+    steps = (
+        f"graph, {'scan (one body)' if step_plan and step_plan.scan else 'unrolled'}, AC {est.ac_mode}, "
+        f"{'fused' if step_plan and step_plan.fused_loss else 'plain'} loss"
+        if step_plan
+        else ""
+    )
     flips = res.get("flips", 0)
     rows = [
-        ("plan", f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}",
-         f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}; {steps}"),
+        (
+            "plan",
+            f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}",
+            f"FSDP-style SPMD over {res['devices']} x {res['device_kind']}; {steps}",
+        ),
         ("layers", f"{est.n_layers}", f"{res.get('n_layers', '?')} compiled"),
-        ("arguments / device", f"{plan['arguments'] / GIB:.3f} GiB (params + moments)",
-         f"{mem.get('argument_size_in_bytes', 0) / GIB:.3f} GiB (params, AdamW moments, step, batch)"),
-        ("outputs / aliased", f"{plan['outputs'] / GIB:.3f} GiB (undonated update)", f"{mem.get('output_size_in_bytes', 0) / GIB:.3f} / "
-         f"{mem.get('alias_size_in_bytes', 0) / GIB:.3f} GiB ({'donated' if res.get('donated') else 'not donated'}: "
-         f"{res.get('written_inputs', '?')} updated tensors)"),
-        ("temporaries / device", f"{plan['temporaries'] / GIB:.3f} GiB (grads, kept weights, acts, transient)",
-         f"{mem.get('temp_size_in_bytes', 0) / GIB:.3f} GiB ({res.get('kernels', 'reference')} kernels)"),
-        ("total / device", f"{est.total / GIB:.3f} GiB of {est.usable / GIB:.1f} usable",
-         f"{compiler_total(res) / GIB:.3f} GiB of {est.target.hbm_bytes / GIB:.1f} HBM (args + out + temp - alias)"),
-        ("FLOPs / device / step", f"{planner_flops:.4g} (6N + 12LHQT per token x {tokens:g} tokens)",
-         f"{cost.get('flops', 0):.4g}" + (" (one layer: XLA counts a while body once)" if scan else "")
-         + (f" = XLA ops {res['compiler_cost'].get('flops', 0):.4g} + {res['kernel_cost']['calls']} kernel calls "
-            f"{res['kernel_cost']['flops']:.4g}" if res.get("kernel_cost", {}).get("calls") else "")),
-        ("while loops (StableHLO / optimized)", "-", f"{res['stablehlo_while']} / "
-                                                      f"{'unreadable' if res['while'] is None else res['while']}"),
-        ("scan flips in the captured graph", "-",
-         f"{flips}" + (f" after tag_reverse_scans ({res['reverse_scan']} backward scans tagged reverse)"
-                       if res.get("reverse_scan") else " (torch 2.13's flipped scan backward"
-                       + (f"; the tagged graph failed to lower: {res['tag_error']}" if res.get("tag_error") else "")
-                       + ")" if flips else "")),
-        ("capture / lower / compile / wall s", "-", f"{res['capture_s']:.1f} / {res['lower_s']:.1f} / "
-         f"{res['compile_s']:.1f} / {res.get('wall_s', 0):.1f}"),
+        (
+            "arguments / device",
+            f"{plan['arguments'] / GIB:.3f} GiB (params + moments)",
+            f"{mem.get('argument_size_in_bytes', 0) / GIB:.3f} GiB (params, AdamW moments, step, batch)",
+        ),
+        (
+            "outputs / aliased",
+            f"{plan['outputs'] / GIB:.3f} GiB (undonated update)",
+            f"{mem.get('output_size_in_bytes', 0) / GIB:.3f} / "
+            f"{mem.get('alias_size_in_bytes', 0) / GIB:.3f} GiB ({'donated' if res.get('donated') else 'not donated'}: "
+            f"{res.get('written_inputs', '?')} updated tensors)",
+        ),
+        (
+            "temporaries / device",
+            f"{plan['temporaries'] / GIB:.3f} GiB (grads, kept weights, acts, transient)",
+            f"{mem.get('temp_size_in_bytes', 0) / GIB:.3f} GiB ({res.get('kernels', 'reference')} kernels)",
+        ),
+        (
+            "total / device",
+            f"{est.total / GIB:.3f} GiB of {est.usable / GIB:.1f} usable",
+            f"{compiler_total(res) / GIB:.3f} GiB of {est.target.hbm_bytes / GIB:.1f} HBM (args + out + temp - alias)",
+        ),
+        (
+            "FLOPs / device / step",
+            f"{planner_flops:.4g} (6N + 12LHQT per token x {tokens:g} tokens)",
+            f"{cost.get('flops', 0):.4g}"
+            + (" (one layer: XLA counts a while body once)" if scan else "")
+            + (
+                f" = XLA ops {res['compiler_cost'].get('flops', 0):.4g} + {res['kernel_cost']['calls']} kernel calls "
+                f"{res['kernel_cost']['flops']:.4g}"
+                if res.get("kernel_cost", {}).get("calls")
+                else ""
+            ),
+        ),
+        (
+            "while loops (StableHLO / optimized)",
+            "-",
+            f"{res['stablehlo_while']} / {'unreadable' if res['while'] is None else res['while']}",
+        ),
+        (
+            "scan flips in the captured graph",
+            "-",
+            f"{flips}"
+            + (
+                f" after tag_reverse_scans ({res['reverse_scan']} backward scans tagged reverse)"
+                if res.get("reverse_scan")
+                else " (torch 2.13's flipped scan backward"
+                + (f"; the tagged graph failed to lower: {res['tag_error']}" if res.get("tag_error") else "")
+                + ")"
+                if flips
+                else ""
+            ),
+        ),
+        (
+            "capture / lower / compile / wall s",
+            "-",
+            f"{res['capture_s']:.1f} / {res['lower_s']:.1f} / {res['compile_s']:.1f} / {res.get('wall_s', 0):.1f}",
+        ),
         ("worker peak RSS", "-", f"{res.get('worker_peak_rss', 0) / GIB:.2f} GiB"),
     ]
     width = max(len(r[0]) for r in rows)
@@ -290,33 +426,72 @@ def format_table(est, res: dict, step_plan=None) -> str:
     return "\n".join(out)
 
 
-CSV_FIELDS = ("recipe", "target", "topology", "layers", "scan", "ac", "fused_loss", "donated", "kernels",
-              "arg_gib", "out_gib", "alias_gib", "temp_gib", "total_gib", "hbm_gib", "verdict",
-              "planner_args_gib", "planner_temp_gib", "planner_total_gib", "planner_usable_gib", "planner_verdict",
-              "total_diff_pct", "flips", "capture_s", "compile_s", "wall_s", "worker_peak_rss_gib",
-              "approximated")
+CSV_FIELDS = (
+    "recipe",
+    "target",
+    "topology",
+    "layers",
+    "scan",
+    "ac",
+    "fused_loss",
+    "donated",
+    "kernels",
+    "arg_gib",
+    "out_gib",
+    "alias_gib",
+    "temp_gib",
+    "total_gib",
+    "hbm_gib",
+    "verdict",
+    "planner_args_gib",
+    "planner_temp_gib",
+    "planner_total_gib",
+    "planner_usable_gib",
+    "planner_verdict",
+    "total_diff_pct",
+    "flips",
+    "capture_s",
+    "compile_s",
+    "wall_s",
+    "worker_peak_rss_gib",
+    "approximated",
+)
 
 
 def csv_row(recipe, est, res: dict, step_plan) -> dict:
     m = res["memory"]
     plan = planner_terms(est)
     total = compiler_total(res)
-    return dict(recipe=Path(recipe).name if recipe else "", target=est.target.name, topology=res.get("topology", ""),
-                layers=res["n_layers"], scan=int(step_plan.scan), ac=est.ac_mode, fused_loss=int(step_plan.fused_loss),
-                donated=int(res["donated"]), kernels=res["kernels"],
-                arg_gib=f"{m.get('argument_size_in_bytes', 0) / GIB:.3f}",
-                out_gib=f"{m.get('output_size_in_bytes', 0) / GIB:.3f}",
-                alias_gib=f"{m.get('alias_size_in_bytes', 0) / GIB:.3f}",
-                temp_gib=f"{m.get('temp_size_in_bytes', 0) / GIB:.3f}", total_gib=f"{total / GIB:.3f}",
-                hbm_gib=f"{est.target.hbm_bytes / GIB:.1f}",
-                verdict="fits" if total <= est.target.hbm_bytes else "does not fit",
-                planner_args_gib=f"{plan['arguments'] / GIB:.3f}", planner_temp_gib=f"{plan['temporaries'] / GIB:.3f}",
-                planner_total_gib=f"{est.total / GIB:.3f}", planner_usable_gib=f"{est.usable / GIB:.1f}",
-                planner_verdict="fits" if est.fits else "does not fit",
-                total_diff_pct=f"{100 * (total - est.total) / max(est.total, 1):+.1f}", flips=res.get("flips", 0),
-                capture_s=f"{res['capture_s']:.1f}", compile_s=f"{res['compile_s']:.1f}", wall_s=f"{res['wall_s']:.1f}",
-                worker_peak_rss_gib=f"{res.get('worker_peak_rss', 0) / GIB:.2f}",
-                approximated="; ".join(res.get("approximated", [])))
+    return dict(
+        recipe=Path(recipe).name if recipe else "",
+        target=est.target.name,
+        topology=res.get("topology", ""),
+        layers=res["n_layers"],
+        scan=int(step_plan.scan),
+        ac=est.ac_mode,
+        fused_loss=int(step_plan.fused_loss),
+        donated=int(res["donated"]),
+        kernels=res["kernels"],
+        arg_gib=f"{m.get('argument_size_in_bytes', 0) / GIB:.3f}",
+        out_gib=f"{m.get('output_size_in_bytes', 0) / GIB:.3f}",
+        alias_gib=f"{m.get('alias_size_in_bytes', 0) / GIB:.3f}",
+        temp_gib=f"{m.get('temp_size_in_bytes', 0) / GIB:.3f}",
+        total_gib=f"{total / GIB:.3f}",
+        hbm_gib=f"{est.target.hbm_bytes / GIB:.1f}",
+        verdict="fits" if total <= est.target.hbm_bytes else "does not fit",
+        planner_args_gib=f"{plan['arguments'] / GIB:.3f}",
+        planner_temp_gib=f"{plan['temporaries'] / GIB:.3f}",
+        planner_total_gib=f"{est.total / GIB:.3f}",
+        planner_usable_gib=f"{est.usable / GIB:.1f}",
+        planner_verdict="fits" if est.fits else "does not fit",
+        total_diff_pct=f"{100 * (total - est.total) / max(est.total, 1):+.1f}",
+        flips=res.get("flips", 0),
+        capture_s=f"{res['capture_s']:.1f}",
+        compile_s=f"{res['compile_s']:.1f}",
+        wall_s=f"{res['wall_s']:.1f}",
+        worker_peak_rss_gib=f"{res.get('worker_peak_rss', 0) / GIB:.2f}",
+        approximated="; ".join(res.get("approximated", [])),
+    )
 
 
 def write_csv_row(path: str, row: dict) -> None:
@@ -354,8 +529,16 @@ def worker(spec: dict) -> dict:
     from models.common.stack import abstract_model
     from parallelisms.activation_checkpoint import apply_ac
     from parallelisms.simple_fsdp import data_parallel
-    from tools.xla_lowering import (RECORD, CaptureDone, add_lowerings, as_jax_function, flip_count, load_torchax,
-                                   mutated_inputs, record_first_call)
+    from tools.xla_lowering import (
+        RECORD,
+        CaptureDone,
+        add_lowerings,
+        as_jax_function,
+        flip_count,
+        load_torchax,
+        mutated_inputs,
+        record_first_call,
+    )
     from trainer.graph import build_graph_step
     from trainer.optim import build_optimizer
     from trainer.step.plan import StepPlan
@@ -370,17 +553,32 @@ def worker(spec: dict) -> dict:
         model = family.model_cls(args)
     data_parallel(model, mesh=None, param_dtype=dtypes[spec["param_dtype"]], reduce_dtype=dtypes[spec["reduce_dtype"]])
     opt_cfg = spec["optimizer"]
-    opt = build_optimizer(model.parameters(), lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"],
-                          weight_decay=opt_cfg["weight_decay"])
+    opt = build_optimizer(
+        model.parameters(),
+        lr=opt_cfg["lr"],
+        betas=tuple(opt_cfg["betas"]),
+        eps=opt_cfg["eps"],
+        weight_decay=opt_cfg["weight_decay"],
+    )
     for group in opt.param_groups:  # the graph step keeps a state that exists (init_adamw_state)
         for p in group["params"]:
-            opt.state[p].update(step=torch.zeros((), dtype=torch.float32, device="meta"),
-                                exp_avg=torch.empty_like(p), exp_avg_sq=torch.empty_like(p))
+            opt.state[p].update(
+                step=torch.zeros((), dtype=torch.float32, device="meta"),
+                exp_avg=torch.empty_like(p),
+                exp_avg_sq=torch.empty_like(p),
+            )
     plan = family.plan
     # The trainer's step plan on a TPU (trainer.step.plan_step, resolved by the outer process).
-    step_plan = StepPlan(mode="graph", backend="aot_eager", block_ac=spec["block_ac"], block_compile=None,
-                         scan=spec["scan_layers"], scan_ac=spec["scan_ac"], loss_parallel=False,
-                         fused_loss=spec["fused_loss"])
+    step_plan = StepPlan(
+        mode="graph",
+        backend="aot_eager",
+        block_ac=spec["block_ac"],
+        block_compile=None,
+        scan=spec["scan_layers"],
+        scan_ac=spec["scan_ac"],
+        loss_parallel=False,
+        fused_loss=spec["fused_loss"],
+    )
     if not step_plan.scan:  # unrolled blocks are checkpointed where the trainer does it
         apply_ac(model, plan=plan, mode=step_plan.block_ac)
     if spec["kernels"] == "pallas":
@@ -390,10 +588,18 @@ def worker(spec: dict) -> dict:
     record_first_call(clone=False, stop=True)
     start = time.perf_counter()
     with abstract_model():
-        step = build_graph_step(model=model, optimizer=opt, max_norm=spec["max_norm"], backend="aot_eager",
-                                scan_layers=step_plan.scan, ac_mode=step_plan.scan_ac,
-                                grad_accum_steps=spec["grad_accum"], plan=plan, loss_fn=step_plan.lm_loss,
-                                aux_loss_coef=spec["aux_loss_coef"] if getattr(args, "num_experts", 0) else 0.0)
+        step = build_graph_step(
+            model=model,
+            optimizer=opt,
+            max_norm=spec["max_norm"],
+            backend="aot_eager",
+            scan_layers=step_plan.scan,
+            ac_mode=step_plan.scan_ac,
+            grad_accum_steps=spec["grad_accum"],
+            plan=plan,
+            loss_fn=step_plan.lm_loss,
+            aux_loss_coef=spec["aux_loss_coef"] if getattr(args, "num_experts", 0) else 0.0,
+        )
     step.capture.fence_remat = True  # lowered for XLA: recomputed ops behind barriers, or XLA CSEs them away
     tokens = torch.zeros(spec["global_batch"], spec["seq_len"], dtype=torch.int64, device="meta")
     try:
@@ -417,8 +623,9 @@ def worker(spec: dict) -> dict:
         if reverse_scan:
             graphs.insert(0, (tagged, flip_count(tagged)))
     # Bytes of captured inputs that have host storage (0: everything is a meta tensor).
-    host_bytes = sum(a.numel() * a.element_size() for a in RECORD["pre"]
-                     if torch.is_tensor(a) and a.device.type != "meta")
+    host_bytes = sum(
+        a.numel() * a.element_size() for a in RECORD["pre"] if torch.is_tensor(a) and a.device.type != "meta"
+    )
 
     torchax = load_torchax()
     import jax
@@ -433,8 +640,9 @@ def worker(spec: dict) -> dict:
         from titan_kernels.tpu import tiles
 
         # The kernels' blocks are the target chip's (as a run there detects it), not the conservative rule.
-        capture.add_lowerings(torchax.default_env(), mesh, "fsdp",
-                              generation=tiles.generation_of(devices[0].device_kind))
+        capture.add_lowerings(
+            torchax.default_env(), mesh, "fsdp", generation=tiles.generation_of(devices[0].device_kind)
+        )
     n = len(devices)
 
     def shard_dim(shape):
@@ -451,8 +659,13 @@ def worker(spec: dict) -> dict:
             axes[d] = "fsdp"
         return NamedSharding(mesh, PartitionSpec(*axes))
 
-    jdtype = {torch.float32: np.float32, torch.bfloat16: jax.numpy.bfloat16, torch.int64: np.int32,
-              torch.int32: np.int32, torch.bool: np.bool_}
+    jdtype = {
+        torch.float32: np.float32,
+        torch.bfloat16: jax.numpy.bfloat16,
+        torch.int64: np.int32,
+        torch.int32: np.int32,
+        torch.bool: np.bool_,
+    }
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def lower(graph):
@@ -460,10 +673,12 @@ def worker(spec: dict) -> dict:
         fn, idx = as_jax_function(RECORD)
         shapes = [tuple(RECORD["pre"][i].shape) for i in idx]
         in_sh = [sharding(s) for s in shapes]
-        abstract = [jax.ShapeDtypeStruct(s, jdtype[RECORD["pre"][i].dtype], sharding=sh)
-                    for s, i, sh in zip(shapes, idx, in_sh)]
-        replicated_bytes = sum(int(np.prod(s)) * np.dtype(a.dtype).itemsize
-                               for s, a in zip(shapes, abstract) if shard_dim(s) is None)
+        abstract = [
+            jax.ShapeDtypeStruct(s, jdtype[RECORD["pre"][i].dtype], sharding=sh) for s, i, sh in zip(shapes, idx, in_sh)
+        ]
+        replicated_bytes = sum(
+            int(np.prod(s)) * np.dtype(a.dtype).itemsize for s, a in zip(shapes, abstract) if shard_dim(s) is None
+        )
         # Only the written inputs come back (torch-tpu: the updated state is a new buffer, copied
         # back by eager copy_s afterwards; R6 in docs/tpu.md), donated only with --donate.
         mutated = mutated_inputs(graph)
@@ -477,8 +692,11 @@ def worker(spec: dict) -> dict:
             capture.COSTS.clear()
         # The one trace of the step (jit's lower below reuses it): every kernel node records its cost.
         num_outs = len(jax.eval_shape(step_fn, *abstract)[0])
-        jitted = jax.jit(step_fn, out_shardings=([replicated] * num_outs, [in_sh[k] for k in written]),
-                         donate_argnums=tuple(written) if spec["donate"] else ())
+        jitted = jax.jit(
+            step_fn,
+            out_shardings=([replicated] * num_outs, [in_sh[k] for k in written]),
+            donate_argnums=tuple(written) if spec["donate"] else (),
+        )
         return jitted.lower(*abstract), written, idx, replicated_bytes
 
     t = time.perf_counter()
@@ -499,21 +717,38 @@ def worker(spec: dict) -> dict:
         oom = hbm_oom(str(e))
         if oom is None:
             raise
-        return dict(devices=n, device_kind=devices[0].device_kind, capture_s=capture_s, lower_s=lower_s,
-                    compile_s=time.perf_counter() - t, kernels=spec["kernels"], oom=oom, flips=flips,
-                    reverse_scan=reverse_scan, host_tensor_bytes=host_bytes, donated=bool(spec["donate"]),
-                    worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return dict(
+            devices=n,
+            device_kind=devices[0].device_kind,
+            capture_s=capture_s,
+            lower_s=lower_s,
+            compile_s=time.perf_counter() - t,
+            kernels=spec["kernels"],
+            oom=oom,
+            flips=flips,
+            reverse_scan=reverse_scan,
+            host_tensor_bytes=host_bytes,
+            donated=bool(spec["donate"]),
+            worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
     compile_s = time.perf_counter() - t
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
     cost = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")}
     kernel = capture.kernel_costs() if spec["kernels"] == "pallas" else {"flops": 0.0, "bytes": 0.0, "calls": 0}
     # libtpu counts a Mosaic custom call as 0 FLOPs: add each kernel call's own (capture.py)
-    total = {"flops": cost.get("flops", 0.0) + kernel["flops"],
-             "bytes accessed": cost.get("bytes accessed", 0.0) + kernel["bytes"]}
+    total = {
+        "flops": cost.get("flops", 0.0) + kernel["flops"],
+        "bytes accessed": cost.get("bytes accessed", 0.0) + kernel["bytes"],
+    }
     mem = compiled.memory_analysis()
-    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-             "generated_code_size_in_bytes")
+    names = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     try:
         text = compiled.as_text()
         loops = text.count(" while(")
@@ -523,14 +758,30 @@ def worker(spec: dict) -> dict:
     stablehlo = lowered.as_text()
     if spec.get("dump_hlo"):
         Path(spec["dump_hlo"]).write_text(text if text is not None else stablehlo)
-    return dict(devices=n, device_kind=devices[0].device_kind, capture_s=capture_s, lower_s=lower_s,
-                compile_s=compile_s, kernels=spec["kernels"], cost=total, compiler_cost=cost, kernel_cost=kernel,
-                memory={k: int(getattr(mem, k)) for k in names if hasattr(mem, k)},
-                stablehlo_while=stablehlo.count("stablehlo.while"), flips=flips, reverse_scan=reverse_scan,
-                written_inputs=len(written), inputs=len(idx), host_tensor_bytes=host_bytes, tag_error=tag_error, replicated_bytes=replicated_bytes,
-                donated=bool(spec["donate"]), hlo_kind=hlo_kind if spec.get("dump_hlo") else None,
-                worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                **{"while": loops})
+    return dict(
+        devices=n,
+        device_kind=devices[0].device_kind,
+        capture_s=capture_s,
+        lower_s=lower_s,
+        compile_s=compile_s,
+        kernels=spec["kernels"],
+        cost=total,
+        compiler_cost=cost,
+        kernel_cost=kernel,
+        memory={k: int(getattr(mem, k)) for k in names if hasattr(mem, k)},
+        stablehlo_while=stablehlo.count("stablehlo.while"),
+        flips=flips,
+        reverse_scan=reverse_scan,
+        written_inputs=len(written),
+        inputs=len(idx),
+        host_tensor_bytes=host_bytes,
+        tag_error=tag_error,
+        replicated_bytes=replicated_bytes,
+        donated=bool(spec["donate"]),
+        hlo_kind=hlo_kind if spec.get("dump_hlo") else None,
+        worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        **{"while": loops},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

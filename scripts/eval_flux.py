@@ -35,10 +35,10 @@ from trainer.runtime.atomic import WriteFailed  # noqa: E402
 CHANCE = {"colour": 1 / 6, "position": 1 / 5}
 
 
-
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="scripts/eval_flux.py", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(
+        prog="scripts/eval_flux.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run", required=True, help="dump folder of a FLUX training run on the procedural data set")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--samples-per-prompt", type=int, default=4, help="images per held-out prompt (default 4)")
@@ -46,8 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cfg-scale", type=float, default=4.0, help="classifier-free guidance scale (default 4)")
     p.add_argument("--seed", type=int, default=0, help="noise seed, and the untrained model's init seed (default 0)")
     p.add_argument("--csv", default=None, help="per-image CSV (default <run>/eval_heldout.csv)")
-    p.add_argument("--grid", default=None, help="PNG grid of the trained model (default <run>/eval_heldout.png; "
-                                                "the untrained one next to it, suffix _untrained)")
+    p.add_argument(
+        "--grid",
+        default=None,
+        help="PNG grid of the trained model (default <run>/eval_heldout.png; "
+        "the untrained one next to it, suffix _untrained)",
+    )
     return p
 
 
@@ -68,31 +72,55 @@ def evaluate(run, prompts: list[dict], *, samples: int, steps: int, cfg_scale: f
     from trainer.tasks.flux_sample import sample_images
 
     captions = [p["caption"] for p in prompts for _ in range(samples)]
-    images = sample_images(run.model, captions, text=run.text, vae=run.vae, latent_shape=run.latent_shape,
-                           seed=seed, num_steps=steps, shift=run.shift, cfg_scale=cfg_scale,
-                           guidance=run.guidance())
+    images = sample_images(
+        run.model,
+        captions,
+        text=run.text,
+        vae=run.vae,
+        latent_shape=run.latent_shape,
+        seed=seed,
+        num_steps=steps,
+        shift=run.shift,
+        cfg_scale=cfg_scale,
+        guidance=run.guidance(),
+    )
     rows = []
     for i, (colour, position) in enumerate(classify(images)):
         p = prompts[i // samples]
-        rows.append({**p, "sample": i % samples, "read_colour": colour or "", "read_position": position or "",
-                     "colour_ok": int(colour == p["colour"]), "position_ok": int(position == p["position"])})
+        rows.append(
+            {
+                **p,
+                "sample": i % samples,
+                "read_colour": colour or "",
+                "read_position": position or "",
+                "colour_ok": int(colour == p["colour"]),
+                "position_ok": int(position == p["position"]),
+            }
+        )
     return images, rows
 
 
 def summary(rows: list[dict]) -> dict:
     n = len(rows)
-    return {"images": n, "colour": sum(r["colour_ok"] for r in rows) / n,
-            "position": sum(r["position_ok"] for r in rows) / n,
-            "both": sum(r["colour_ok"] and r["position_ok"] for r in rows) / n}
+    return {
+        "images": n,
+        "colour": sum(r["colour_ok"] for r in rows) / n,
+        "position": sum(r["position_ok"] for r in rows) / n,
+        "both": sum(r["colour_ok"] and r["position_ok"] for r in rows) / n,
+    }
 
 
 def table(results: dict[str, dict]) -> str:
     lines = [f"{'model':<26} {'images':>6} {'colour %':>9} {'position %':>11} {'both %':>7}"]
     for name, s in results.items():
-        lines.append(f"{name:<26} {s['images']:>6} {100 * s['colour']:>9.1f} {100 * s['position']:>11.1f} "
-                     f"{100 * s['both']:>7.1f}")
-    lines.append(f"{'chance':<26} {'':>6} {100 * CHANCE['colour']:>9.1f} {100 * CHANCE['position']:>11.1f} "
-                 f"{100 * CHANCE['colour'] * CHANCE['position']:>7.1f}")
+        lines.append(
+            f"{name:<26} {s['images']:>6} {100 * s['colour']:>9.1f} {100 * s['position']:>11.1f} "
+            f"{100 * s['both']:>7.1f}"
+        )
+    lines.append(
+        f"{'chance':<26} {'':>6} {100 * CHANCE['colour']:>9.1f} {100 * CHANCE['position']:>11.1f} "
+        f"{100 * CHANCE['colour'] * CHANCE['position']:>7.1f}"
+    )
     return "\n".join(lines)
 
 
@@ -102,10 +130,10 @@ def _run(argv: list[str]) -> int:
         raise ConfigError("--samples-per-prompt / --steps: allowed: >= 1")
     if not math.isfinite(ns.cfg_scale) or ns.cfg_scale < 0:
         raise ConfigError(f"--cfg-scale: {ns.cfg_scale}; allowed: a finite number >= 0")
-    from tools.flux_run import load_run
-    from trainer.tasks.flux_sample import image_grid, save_png
     from scripts.sample import write_sidecar
+    from tools.flux_run import load_run
     from trainer.runtime.atomic import atomic_file, atomic_path
+    from trainer.tasks.flux_sample import image_grid, save_png
 
     trained = load_run(ns.run, step=ns.step, seed=ns.seed)
     untrained = load_run(ns.run, untrained=True, seed=ns.seed)
@@ -115,22 +143,31 @@ def _run(argv: list[str]) -> int:
     grid_path = Path(ns.grid) if ns.grid else run_dir / "eval_heldout.png"
     step_name = Path(trained.checkpoint).name
     results, all_rows = {}, []
-    for name, run, png in ((f"trained ({step_name})", trained, grid_path),
-                           ("untrained (init)", untrained, grid_path.with_name(grid_path.stem + "_untrained.png"))):
-        images, rows = evaluate(run, prompts, samples=ns.samples_per_prompt, steps=ns.steps,
-                                cfg_scale=ns.cfg_scale, seed=ns.seed)
+    for name, run, png in (
+        (f"trained ({step_name})", trained, grid_path),
+        ("untrained (init)", untrained, grid_path.with_name(grid_path.stem + "_untrained.png")),
+    ):
+        images, rows = evaluate(
+            run, prompts, samples=ns.samples_per_prompt, steps=ns.steps, cfg_scale=ns.cfg_scale, seed=ns.seed
+        )
         results[name] = summary(rows)
         all_rows += [{"model": name, **r} for r in rows]
         with atomic_path(png, what="evaluation grid") as tmp:  # a failed write leaves no partial PNG
             save_png(image_grid(images, ncols=ns.samples_per_prompt), str(tmp), scale=4)
-        write_sidecar(str(png.with_suffix(".txt")), [p["caption"] for p in prompts for _ in range(ns.samples_per_prompt)],
-                      ncols=ns.samples_per_prompt, header=f"# {name}: {run.checkpoint or 'initialized model'}")
+        write_sidecar(
+            str(png.with_suffix(".txt")),
+            [p["caption"] for p in prompts for _ in range(ns.samples_per_prompt)],
+            ncols=ns.samples_per_prompt,
+            header=f"# {name}: {run.checkpoint or 'initialized model'}",
+        )
     with atomic_file(csv_path, what="evaluation table", mode="w") as f:
         writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
         writer.writeheader()
         writer.writerows(all_rows)
-    print(f"held-out prompts: {len(prompts)} (never trained), {ns.samples_per_prompt} samples each; "
-          f"{ns.steps} Euler steps, cfg_scale {ns.cfg_scale}, seed {ns.seed}")
+    print(
+        f"held-out prompts: {len(prompts)} (never trained), {ns.samples_per_prompt} samples each; "
+        f"{ns.steps} Euler steps, cfg_scale {ns.cfg_scale}, seed {ns.seed}"
+    )
     print(table(results))
     print(f"wrote {csv_path}, {grid_path} (+ _untrained)")
     return 0

@@ -97,8 +97,15 @@ def pod_recipes() -> list[str]:
     return [n for n in names if not n.startswith("flux")]
 
 
-def roofline(*, flops: float, bytes_accessed: float, peak_flops: float, hbm_bytes_per_s: float,
-             tokens: float, flops_per_token: dict[str, float]) -> dict:
+def roofline(
+    *,
+    flops: float,
+    bytes_accessed: float,
+    peak_flops: float,
+    hbm_bytes_per_s: float,
+    tokens: float,
+    flops_per_token: dict[str, float],
+) -> dict:
     """One step on one device, bounded by compute or by HBM traffic, whichever is slower.
 
     flops, bytes_accessed: the device's FLOPs and HBM bytes of one step (hardware FLOPs: what
@@ -111,11 +118,16 @@ def roofline(*, flops: float, bytes_accessed: float, peak_flops: float, hbm_byte
     compute_s, memory_s = flops / peak_flops, bytes_accessed / hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
     tokens_per_sec = tokens / step_s
-    return {"step_s": step_s, "compute_s": compute_s, "memory_s": memory_s,
-            "bound": "compute" if compute_s >= memory_s else "memory", "tokens_per_sec": tokens_per_sec,
-            "tflops": tokens_per_sec * flops_per_token["palm"] / 1e12,
-            "mfu_pct": 100.0 * tokens_per_sec * flops_per_token["palm"] / peak_flops,
-            "mfu_pct_causal": 100.0 * tokens_per_sec * flops_per_token["causal"] / peak_flops}
+    return {
+        "step_s": step_s,
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "bound": "compute" if compute_s >= memory_s else "memory",
+        "tokens_per_sec": tokens_per_sec,
+        "tflops": tokens_per_sec * flops_per_token["palm"] / 1e12,
+        "mfu_pct": 100.0 * tokens_per_sec * flops_per_token["palm"] / peak_flops,
+        "mfu_pct_causal": 100.0 * tokens_per_sec * flops_per_token["causal"] / peak_flops,
+    }
 
 
 def extrapolate_layers(at_1: float, at_2: float, n_layers: int) -> float:
@@ -147,8 +159,18 @@ def group_runs(runs: list[dict]) -> list[dict]:
     for (recipe, mode, nproc), group in groups.items():
         ok = [r for r in group if r["rc"] == 0 and r.get("steady_steps")]
         row = {"recipe": recipe, "mode": mode, "nproc": nproc, "runs": len(group), "ok": len(ok)}
-        for key in ("tokens_per_sec", "tflops", "mfu_pct", "mfu_pct_causal", "mfu_pct_best", "peak_tflops",
-                    "peak_tflops_best", "mem_gib", "compile_s", "busy_before"):
+        for key in (
+            "tokens_per_sec",
+            "tflops",
+            "mfu_pct",
+            "mfu_pct_causal",
+            "mfu_pct_best",
+            "peak_tflops",
+            "peak_tflops_best",
+            "mem_gib",
+            "compile_s",
+            "busy_before",
+        ):
             row[key] = bench._median([r.get(key) for r in ok])
         dtypes = sorted({r["dtype"] for r in ok if r.get("dtype")})
         row["dtype"] = "/".join(dtypes) or None
@@ -183,8 +205,13 @@ def complete(folder: Path, steps: int) -> bool:
 def reread(job: dict, warmup: int) -> dict:
     """The row `benchmark.execute` would have made for a finished run (--resume): rc 0, no timing."""
     labels = {k: v for k, v in job.items() if k not in ("cmd", "folder")}
-    return {**labels, "rc": 0, "wall_s": None, "busy_before": None,
-            **bench.summarize_run(bench.read_records(Path(job["folder"]) / "metrics.jsonl"), warmup)}
+    return {
+        **labels,
+        "rc": 0,
+        "wall_s": None,
+        "busy_before": None,
+        **bench.summarize_run(bench.read_records(Path(job["folder"]) / "metrics.jsonl"), warmup),
+    }
 
 
 # ------------------------------------------------------------------------------ projections
@@ -195,13 +222,16 @@ def xla_venv() -> tuple[Path | None, str]:
     root = Path(os.environ.get("TITAN_XLA_VENV_ROOT", ROOT))
     venv = root / ".venv-ttpu"
     if not (venv / "bin" / "python").exists() or not list(venv.glob(".titan-*")):
-        return None, (f"the XLA venv {venv} is absent or incomplete (make it with `scripts/xla_env.sh ttpu`: "
-                      "minutes, and the package registry)")
+        return None, (
+            f"the XLA venv {venv} is absent or incomplete (make it with `scripts/xla_env.sh ttpu`: "
+            "minutes, and the package registry)"
+        )
     return venv, ""
 
 
-def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], timeout: float,
-                  cache: Path | None = None) -> dict:
+def compile_costs(
+    recipe: Path, target: str, n_layers: int, extra: list[str], timeout: float, cache: Path | None = None
+) -> dict:
     """The deviceless compile's per-device FLOPs and bytes of one step at `n_layers`, scan off, and
     the path of its optimized HLO text (XLA's dump of the step's module: `XLA_FLAGS=--xla_dump_to`;
     None when the dump is missing). With `cache`, a compile whose result is already under
@@ -211,13 +241,30 @@ def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], ti
     if not (cache and result.is_file()):
         folder.mkdir(parents=True, exist_ok=True)
         dump = folder / "dump"
-        cmd = [sys.executable, str(ROOT / "scripts" / "estimate_xla.py"), "--target", target, "--json",
-               "--timeout", str(timeout), "--config", str(recipe), f"--model.n_layers={n_layers}",
-               # the small slice cannot hold the recipe's expert-parallel degree; estimate_xla compiles
-               # ep as FSDP anyway (experts sharded like every other weight)
-               "--compile.scan_layers=false", "--parallelism.expert_parallel_degree=1", *extra]
-        env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
-                                          "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step_fn").strip())
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "estimate_xla.py"),
+            "--target",
+            target,
+            "--json",
+            "--timeout",
+            str(timeout),
+            "--config",
+            str(recipe),
+            f"--model.n_layers={n_layers}",
+            # the small slice cannot hold the recipe's expert-parallel degree; estimate_xla compiles
+            # ep as FSDP anyway (experts sharded like every other weight)
+            "--compile.scan_layers=false",
+            "--parallelism.expert_parallel_degree=1",
+            *extra,
+        ]
+        env = dict(
+            os.environ,
+            XLA_FLAGS=(
+                os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
+                "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step_fn"
+            ).strip(),
+        )
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 120, env=env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
@@ -231,9 +278,15 @@ def compile_costs(recipe: Path, target: str, n_layers: int, extra: list[str], ti
     cost = res.get("cost", {})
     if not cost.get("flops") or "bytes accessed" not in cost:
         raise RuntimeError(f"the compiler's cost analysis has no flops / bytes accessed: {cost}")
-    return {"flops": cost["flops"], "bytes": cost["bytes accessed"], "tokens": res["tokens_per_device_step"],
-            "compiler_cost": res.get("compiler_cost", {}), "kernel_cost": res.get("kernel_cost", {}),
-            "devices": res.get("devices"), "hlo": str(hlo_path) if hlo_path.is_file() else None}
+    return {
+        "flops": cost["flops"],
+        "bytes": cost["bytes accessed"],
+        "tokens": res["tokens_per_device_step"],
+        "compiler_cost": res.get("compiler_cost", {}),
+        "kernel_cost": res.get("kernel_cost", {}),
+        "devices": res.get("devices"),
+        "hlo": str(hlo_path) if hlo_path.is_file() else None,
+    }
 
 
 # The compile worker allocates the model and the AdamW moments on the host but never writes them
@@ -254,8 +307,13 @@ def recipe_facts(recipe: Path) -> dict:
     _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     shape = args.shape()
     gen = tpu_generation(recipe.stem.rsplit("_", 1)[-1])
-    fpt = flops_per_token(num_matmul_params=args.num_active_params(exclude_embedding=True), n_layers=shape.n_layers,
-                          n_heads=shape.n_heads, head_dim=shape.head_dim, seq_len=cfg.training.seq_len)
+    fpt = flops_per_token(
+        num_matmul_params=args.num_active_params(exclude_embedding=True),
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        head_dim=shape.head_dim,
+        seq_len=cfg.training.seq_len,
+    )
     cfg.model.overrides["n_layers"] = 2
     _, two = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     target = getattr(cfg.job, "target", None)
@@ -265,10 +323,15 @@ def recipe_facts(recipe: Path) -> dict:
         target_devices = planner.parse_target(target).devices if target else None
     except Exception:  # noqa: BLE001 - a recipe without a known target: the compiled slice's size
         target_devices = None
-    return {"generation": gen, "n_layers": shape.n_layers, "flops_per_token": fpt, "target": target,
-            "seq_len": cfg.training.seq_len,
-            "target_devices": target_devices,
-            "capture_bytes": CAPTURE_BASE_BYTES + CAPTURE_BYTES_PER_PARAM * two.num_params()}
+    return {
+        "generation": gen,
+        "n_layers": shape.n_layers,
+        "flops_per_token": fpt,
+        "target": target,
+        "seq_len": cfg.training.seq_len,
+        "target_devices": target_devices,
+        "capture_bytes": CAPTURE_BASE_BYTES + CAPTURE_BYTES_PER_PARAM * two.num_params(),
+    }
 
 
 def host_available_bytes() -> float | None:
@@ -282,8 +345,9 @@ def host_available_bytes() -> float | None:
     return None
 
 
-def project(names: list[str], *, anchors: dict, timeout: float, costs=None,
-            cache: Path | None = None) -> tuple[list[dict], str]:
+def project(
+    names: list[str], *, anchors: dict, timeout: float, costs=None, cache: Path | None = None
+) -> tuple[list[dict], str]:
     """Roofline projections of pod recipes from the deviceless compile (`costs`, default
     `compile_costs`); ([], reason) when there is nothing to project or no XLA venv."""
     from trainer.runtime.flops import TPU_PEAK_TFLOPS
@@ -294,8 +358,13 @@ def project(names: list[str], *, anchors: dict, timeout: float, costs=None,
         venv, why = xla_venv()
         if venv is None:
             return [], why
-        costs = compile_costs if cache is None else (
-            lambda recipe, target, n, extra, timeout: compile_costs(recipe, target, n, extra, timeout, cache=cache))
+        costs = (
+            compile_costs
+            if cache is None
+            else (
+                lambda recipe, target, n, extra, timeout: compile_costs(recipe, target, n, extra, timeout, cache=cache)
+            )
+        )
     rows = []
     for name in names:
         recipe = recipe_path(name)
@@ -308,10 +377,15 @@ def project(names: list[str], *, anchors: dict, timeout: float, costs=None,
         avail = host_available_bytes()
         if avail is not None and facts["capture_bytes"] > HOST_MEMORY_SHARE * avail:
             # a machine shared with other jobs: never take more than a part of what is free
-            rows.append({"recipe": name, "target": target,
-                         "error": f"skipped: the 2-layer capture needs ~{facts['capture_bytes'] / 2**30:.0f} GiB of "
-                                  f"host memory, more than {HOST_MEMORY_SHARE:.0%} of the "
-                                  f"{avail / 2**30:.0f} GiB available"})
+            rows.append(
+                {
+                    "recipe": name,
+                    "target": target,
+                    "error": f"skipped: the 2-layer capture needs ~{facts['capture_bytes'] / 2**30:.0f} GiB of "
+                    f"host memory, more than {HOST_MEMORY_SHARE:.0%} of the "
+                    f"{avail / 2**30:.0f} GiB available",
+                }
+            )
             continue
         print(f"projection: {name}: deviceless compile for {target} at 1 and 2 layers ...", file=sys.stderr, flush=True)
         try:
@@ -329,20 +403,48 @@ def project(names: list[str], *, anchors: dict, timeout: float, costs=None,
         # 3.1e14 of 6N alone), so its count can fall below the model's own FLOPs. The step cannot
         # do less than those (causal convention: what splash computes), so that is the floor.
         floor = facts["flops_per_token"]["causal"] * one["tokens"]
-        roof = roofline(flops=max(flops, floor), bytes_accessed=bytes_accessed, peak_flops=peak,
-                        hbm_bytes_per_s=hbm, tokens=one["tokens"], flops_per_token=facts["flops_per_token"])
-        row = {"recipe": name, "kind": "projection", "target": target, "generation": gen,
-               "seq_len": facts.get("seq_len"), "recipe_target": facts.get("target"),
-               "flops_per_step": flops, "model_flops_per_step": floor,
-               "flops_source": "compiler" if flops >= floor else f"model floor (compiler {flops / floor:.0%})",
-               "bytes_per_step": bytes_accessed, "peak_tflops": peak / 1e12, **roof}
+        roof = roofline(
+            flops=max(flops, floor),
+            bytes_accessed=bytes_accessed,
+            peak_flops=peak,
+            hbm_bytes_per_s=hbm,
+            tokens=one["tokens"],
+            flops_per_token=facts["flops_per_token"],
+        )
+        row = {
+            "recipe": name,
+            "kind": "projection",
+            "target": target,
+            "generation": gen,
+            "seq_len": facts.get("seq_len"),
+            "recipe_target": facts.get("target"),
+            "flops_per_step": flops,
+            "model_flops_per_step": floor,
+            "flops_source": "compiler" if flops >= floor else f"model floor (compiler {flops / floor:.0%})",
+            "bytes_per_step": bytes_accessed,
+            "peak_tflops": peak / 1e12,
+            **roof,
+        }
         if one.get("compiler_cost") and two.get("compiler_cost"):
             for key, name_ in (("flops", "compiler_xla_flops"), ("bytes accessed", "compiler_xla_bytes")):
-                row[name_] = extrapolate_layers(one["compiler_cost"].get(key, 0.0), two["compiler_cost"].get(key, 0.0), n)
+                row[name_] = extrapolate_layers(
+                    one["compiler_cost"].get(key, 0.0), two["compiler_cost"].get(key, 0.0), n
+                )
         if one.get("hlo") and two.get("hlo"):
-            row.update(hlo_bound(one, two, n_layers=n, generation=gen, peak=peak, hbm=hbm, model_flops=floor,
-                                 flops_per_token=facts["flops_per_token"], target_devices=facts["target_devices"],
-                                 ici=anchors["ici"][gen]))
+            row.update(
+                hlo_bound(
+                    one,
+                    two,
+                    n_layers=n,
+                    generation=gen,
+                    peak=peak,
+                    hbm=hbm,
+                    model_flops=floor,
+                    flops_per_token=facts["flops_per_token"],
+                    target_devices=facts["target_devices"],
+                    ici=anchors["ici"][gen],
+                )
+            )
         else:
             row["bound_note"] = "no HLO dump from the compile: roofline only"
         rows.append(row)
@@ -370,18 +472,35 @@ def program_times(costs: dict, *, peak: float, hbm: float, ici: dict, target_dev
     kernel_s = max(kernel_flops / peak, kernel_bytes / hbm)
     # FSDP over the recipe's whole target slice: the compile's one axis spans every torus dim there
     axis_size = {"fsdp": target_devices or devices}
-    comm = xp.comm_by_axis(summary["collectives"], ici=ici, axis_dims={"fsdp": ici["torus_dims"]},
-                           axis_size=axis_size)
-    return {"compute_s": xla_s + kernel_s, "xla_s": xla_s, "kernel_s": kernel_s, "comm": comm,
-            "xla_flops": sum(o.times * o.flops for o in ops if o.kind == "xla"),
-            "xla_bytes": sum(o.times * o.bytes for o in ops if o.kind == "xla"),
-            "kernel_flops": kernel_flops, "kernel_bytes": kernel_bytes, "estimated_kernel_calls": len(est),
-            "unknown_trips": len(summary["unknown_trips"]),
-            "collective_bytes": sum(c.times * c.bytes for c in summary["collectives"])}
+    comm = xp.comm_by_axis(summary["collectives"], ici=ici, axis_dims={"fsdp": ici["torus_dims"]}, axis_size=axis_size)
+    return {
+        "compute_s": xla_s + kernel_s,
+        "xla_s": xla_s,
+        "kernel_s": kernel_s,
+        "comm": comm,
+        "xla_flops": sum(o.times * o.flops for o in ops if o.kind == "xla"),
+        "xla_bytes": sum(o.times * o.bytes for o in ops if o.kind == "xla"),
+        "kernel_flops": kernel_flops,
+        "kernel_bytes": kernel_bytes,
+        "estimated_kernel_calls": len(est),
+        "unknown_trips": len(summary["unknown_trips"]),
+        "collective_bytes": sum(c.times * c.bytes for c in summary["collectives"]),
+    }
 
 
-def hlo_bound(one: dict, two: dict, *, n_layers: int, generation: str, peak: float, hbm: float, model_flops: float,
-              flops_per_token: dict, target_devices: int | None, ici: dict) -> dict:
+def hlo_bound(
+    one: dict,
+    two: dict,
+    *,
+    n_layers: int,
+    generation: str,
+    peak: float,
+    hbm: float,
+    model_flops: float,
+    flops_per_token: dict,
+    target_devices: int | None,
+    ici: dict,
+) -> dict:
     """The step-time bound of a recipe from its 1- and 2-layer programs: compute and each axis's
     collective time extrapolated to n_layers; step time fully exposed (compute + comm) and
     perfectly overlapped (max); MFU (palm, causal) against both, never above 100 %."""
@@ -394,28 +513,35 @@ def hlo_bound(one: dict, two: dict, *, n_layers: int, generation: str, peak: flo
     res = xp.bound(compute_s=compute, comm_s=sum(comm.values()), model_flops=model_flops, peak_flops=peak)
     tokens = one["tokens"]
     palm_over_causal = flops_per_token["palm"] / flops_per_token["causal"]
-    out = {"hlo_compute_s": res["compute_s"], "hlo_compute_raw_s": compute, "comm_s": res["comm_s"],
-           "comm_by_axis": ", ".join(f"{ax} {t:.3g} s" for ax, t in comm.items()) or "none",
-           "step_exposed_s": res["step_exposed_s"], "step_overlapped_s": res["step_overlapped_s"],
-           "mfu_causal_exposed": res["mfu_exposed_pct"], "mfu_causal_overlapped": res["mfu_overlapped_pct"],
-           # the palm convention counts more FLOPs per token for the same step: capped at 100 %
-           "mfu_palm_exposed": min(100.0, res["mfu_exposed_pct"] * palm_over_causal),
-           "mfu_palm_overlapped": min(100.0, res["mfu_overlapped_pct"] * palm_over_causal),
-           "tokens_per_sec_exposed": tokens / res["step_exposed_s"],
-           "tokens_per_sec_overlapped": tokens / res["step_overlapped_s"],
-           "fsdp_devices": target_devices,
-           "hlo_xla_flops": extrapolate_layers(a["xla_flops"], b["xla_flops"], n_layers),
-           "hlo_xla_bytes": extrapolate_layers(a["xla_bytes"], b["xla_bytes"], n_layers),
-           "hlo_kernel_bytes": extrapolate_layers(a["kernel_bytes"], b["kernel_bytes"], n_layers),
-           "hlo_collective_bytes": extrapolate_layers(a["collective_bytes"], b["collective_bytes"], n_layers),
-           "kernel_calls_with_estimate": b["estimated_kernel_calls"], "loops_without_trip_count": b["unknown_trips"]}
+    out = {
+        "hlo_compute_s": res["compute_s"],
+        "hlo_compute_raw_s": compute,
+        "comm_s": res["comm_s"],
+        "comm_by_axis": ", ".join(f"{ax} {t:.3g} s" for ax, t in comm.items()) or "none",
+        "step_exposed_s": res["step_exposed_s"],
+        "step_overlapped_s": res["step_overlapped_s"],
+        "mfu_causal_exposed": res["mfu_exposed_pct"],
+        "mfu_causal_overlapped": res["mfu_overlapped_pct"],
+        # the palm convention counts more FLOPs per token for the same step: capped at 100 %
+        "mfu_palm_exposed": min(100.0, res["mfu_exposed_pct"] * palm_over_causal),
+        "mfu_palm_overlapped": min(100.0, res["mfu_overlapped_pct"] * palm_over_causal),
+        "tokens_per_sec_exposed": tokens / res["step_exposed_s"],
+        "tokens_per_sec_overlapped": tokens / res["step_overlapped_s"],
+        "fsdp_devices": target_devices,
+        "hlo_xla_flops": extrapolate_layers(a["xla_flops"], b["xla_flops"], n_layers),
+        "hlo_xla_bytes": extrapolate_layers(a["xla_bytes"], b["xla_bytes"], n_layers),
+        "hlo_kernel_bytes": extrapolate_layers(a["kernel_bytes"], b["kernel_bytes"], n_layers),
+        "hlo_collective_bytes": extrapolate_layers(a["collective_bytes"], b["collective_bytes"], n_layers),
+        "kernel_calls_with_estimate": b["estimated_kernel_calls"],
+        "loops_without_trip_count": b["unknown_trips"],
+    }
     return out
 
 
 # ------------------------------------------------------------------------------ output
 
 PROJECTION_NOTE = [
-    "Method (docs/benchmarks.md, \"Projections\"): the recipe's step compiled for a small slice (1 and 2 layers, "
+    'Method (docs/benchmarks.md, "Projections"): the recipe\'s step compiled for a small slice (1 and 2 layers, '
     "scan off, FSDP-style over one mesh axis) and extrapolated to its layers. Compute: per executed op of the "
     "optimized HLO, max(FLOPs / peak, HBM bytes / bandwidth), loop bodies times their trip count, plus the Pallas "
     "kernels (capture model; megablox's own CostEstimate bytes where the HLO carries one), floored at the model's "
@@ -433,54 +559,67 @@ def _fmt(value, spec: str) -> str:
 
 
 def measured_table(rows: list[dict]) -> list[str]:
-    lines = ["| recipe | mode | nproc | ok | dtype | tok/s/dev | tok/s total | TFLOP/s/dev | MFU % (palm) | "
-             "MFU % (causal) | MFU % vs best dtype | peak / best TFLOP/s | cpu busy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe | mode | nproc | ok | dtype | tok/s/dev | tok/s total | TFLOP/s/dev | MFU % (palm) | "
+        "MFU % (causal) | MFU % vs best dtype | peak / best TFLOP/s | cpu busy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {r['mode']} | {r['nproc']} | {r['ok']}/{r['runs']} | {r['dtype'] or '-'} | "
-                     f"{_fmt(r['tokens_per_sec'], ',.0f')} | {_fmt(r['tokens_per_sec_total'], ',.0f')} | "
-                     f"{_fmt(r['tflops'], '.3g')} | {_fmt(r['mfu_pct'], '.2f')} | {_fmt(r['mfu_pct_causal'], '.2f')} | "
-                     f"{_fmt(r['mfu_pct_best'], '.2f')} | {_fmt(r['peak_tflops'], '.3g')} / "
-                     f"{_fmt(r['peak_tflops_best'], '.3g')} | {_fmt(r['busy_before'], '.2f')} |")
+        lines.append(
+            f"| {r['recipe']} | {r['mode']} | {r['nproc']} | {r['ok']}/{r['runs']} | {r['dtype'] or '-'} | "
+            f"{_fmt(r['tokens_per_sec'], ',.0f')} | {_fmt(r['tokens_per_sec_total'], ',.0f')} | "
+            f"{_fmt(r['tflops'], '.3g')} | {_fmt(r['mfu_pct'], '.2f')} | {_fmt(r['mfu_pct_causal'], '.2f')} | "
+            f"{_fmt(r['mfu_pct_best'], '.2f')} | {_fmt(r['peak_tflops'], '.3g')} / "
+            f"{_fmt(r['peak_tflops_best'], '.3g')} | {_fmt(r['busy_before'], '.2f')} |"
+        )
     return lines
 
 
 def projection_table(rows: list[dict]) -> list[str]:
     """The step-time bound per recipe (compute + collectives from the compiled HLO), beside the
     plain roofline it replaces."""
-    lines = ["| recipe (projection) | compiled for -> FSDP over | compute s | collectives s (per axis) | "
-             "step s exposed / overlapped | tok/s/dev exposed / overlapped | upper bound on MFU % causal, "
-             "exposed / overlapped | upper bound on MFU % palm, exposed / overlapped | roofline MFU % palm (old) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe (projection) | compiled for -> FSDP over | compute s | collectives s (per axis) | "
+        "step s exposed / overlapped | tok/s/dev exposed / overlapped | upper bound on MFU % causal, "
+        "exposed / overlapped | upper bound on MFU % palm, exposed / overlapped | roofline MFU % palm (old) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |")
             continue
         if "step_exposed_s" not in r:
-            lines.append(f"| {r['recipe']} | {r['target']} | {r.get('bound_note', '-')} |  |  |  |  |  | "
-                         f"{r['mfu_pct']:.1f} |")
+            lines.append(
+                f"| {r['recipe']} | {r['target']} | {r.get('bound_note', '-')} |  |  |  |  |  | {r['mfu_pct']:.1f} |"
+            )
             continue
         lines.append(
             f"| {r['recipe']} | {r['target']} -> {r.get('fsdp_devices') or '-'} devices | {r['hlo_compute_s']:.3g} | "
             f"{r['comm_s']:.3g} ({r['comm_by_axis']}) | {r['step_exposed_s']:.3g} / {r['step_overlapped_s']:.3g} | "
             f"{r['tokens_per_sec_exposed']:,.0f} / {r['tokens_per_sec_overlapped']:,.0f} | "
             f"{r['mfu_causal_exposed']:.1f} / {r['mfu_causal_overlapped']:.1f} | "
-            f"{r['mfu_palm_exposed']:.1f} / {r['mfu_palm_overlapped']:.1f} | {r['mfu_pct']:.1f} |")
+            f"{r['mfu_palm_exposed']:.1f} / {r['mfu_palm_overlapped']:.1f} | {r['mfu_pct']:.1f} |"
+        )
     return lines
 
 
 def counts_table(rows: list[dict]) -> list[str]:
     """What the bound was made of, per recipe (per device and step, at the recipe's layers)."""
-    lines = ["| recipe | XLA-op FLOPs (HLO / compiler) | XLA-op HBM bytes (HLO / compiler) | kernel bytes "
-             "(CostEstimate where carried) | collective bytes | calls with a CostEstimate | loops without a trip "
-             "count | model FLOPs (causal) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe | XLA-op FLOPs (HLO / compiler) | XLA-op HBM bytes (HLO / compiler) | kernel bytes "
+        "(CostEstimate where carried) | collective bytes | calls with a CostEstimate | loops without a trip "
+        "count | model FLOPs (causal) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "step_exposed_s" not in r:
             continue
-        lines.append(f"| {r['recipe']} | {r['hlo_xla_flops']:.3e} / {_fmt(r.get('compiler_xla_flops'), '.3e')} | "
-                     f"{r['hlo_xla_bytes']:.3e} / {_fmt(r.get('compiler_xla_bytes'), '.3e')} | {r['hlo_kernel_bytes']:.3e} | "
-                     f"{r['hlo_collective_bytes']:.3e} | {r['kernel_calls_with_estimate']} | "
-                     f"{r['loops_without_trip_count']} | {r['model_flops_per_step']:.3e} |")
+        lines.append(
+            f"| {r['recipe']} | {r['hlo_xla_flops']:.3e} / {_fmt(r.get('compiler_xla_flops'), '.3e')} | "
+            f"{r['hlo_xla_bytes']:.3e} / {_fmt(r.get('compiler_xla_bytes'), '.3e')} | {r['hlo_kernel_bytes']:.3e} | "
+            f"{r['hlo_collective_bytes']:.3e} | {r['kernel_calls_with_estimate']} | "
+            f"{r['loops_without_trip_count']} | {r['model_flops_per_step']:.3e} |"
+        )
     return lines
 
 
@@ -497,9 +636,12 @@ def anchor_table(anchors: dict, ours: dict[str, dict]) -> list[str]:
     """Each published anchor beside our row for its recipe (measured or projection); for a
     projection of the same model, chip count and sequence length, the ratio of our bound's
     tokens/s per device to the published (overlapped / exposed)."""
-    lines = ["| published | framework | hardware | size | seq | tok/s/dev | MFU % (as published) | MFU % (palm) | "
-             "ours (recipe) | ours tok/s/dev (overlapped / exposed) | ours MFU % (palm / causal, overlapped) | "
-             "ratio ours / published (overlapped / exposed) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| published | framework | hardware | size | seq | tok/s/dev | MFU % (as published) | MFU % (palm) | "
+        "ours (recipe) | ours tok/s/dev (overlapped / exposed) | ours MFU % (palm / causal, overlapped) | "
+        "ratio ours / published (overlapped / exposed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ici = anchors.get("ici", {})
     for a in anchors.get("anchor", []):
         size = a.get("slice") or f"{a.get('chips', '?')} chips"
@@ -512,8 +654,10 @@ def anchor_table(anchors: dict, ours: dict[str, dict]) -> list[str]:
             tps = f"{mine['tokens_per_sec_overlapped']:,.0f} / {mine['tokens_per_sec_exposed']:,.0f}"
             mfu = f"{mine['mfu_palm_overlapped']:.1f} / {mine['mfu_causal_overlapped']:.1f}"
             if published and anchor_match(a, mine, ici):
-                ratio = (f"{mine['tokens_per_sec_overlapped'] / published:.2f} / "
-                         f"{mine['tokens_per_sec_exposed'] / published:.2f}")
+                ratio = (
+                    f"{mine['tokens_per_sec_overlapped'] / published:.2f} / "
+                    f"{mine['tokens_per_sec_exposed'] / published:.2f}"
+                )
             else:
                 ratio = "not the same chips / seq"
         else:
@@ -523,12 +667,15 @@ def anchor_table(anchors: dict, ours: dict[str, dict]) -> list[str]:
         lines.append(
             f"| {a['model']} | {a['framework']} | {a['hardware']} | {size} | {a.get('seq_len', '-')} | "
             f"{_fmt(published, ',.0f')} | {a['mfu_pct']:g} ({a['convention']}) | "
-            f"{_fmt(a.get('mfu_pct_palm'), 'g')} | {label} | {tps} | {mfu} | {ratio} |")
+            f"{_fmt(a.get('mfu_pct_palm'), 'g')} | {label} | {tps} | {mfu} | {ratio} |"
+        )
     lines.append("")
-    lines.append("Sources: assets/anchors.toml (each anchor's `source` and `note`). v7x per-chip numbers are halved "
-                 "to per device; MFU is the same either way. The ratio is printed only where the published run has "
-                 "the recipe's model, chip count and sequence length (batch per device and parallelism may differ: "
-                 "see each anchor's note); tokens/s per device, so no MFU convention enters it.")
+    lines.append(
+        "Sources: assets/anchors.toml (each anchor's `source` and `note`). v7x per-chip numbers are halved "
+        "to per device; MFU is the same either way. The ratio is printed only where the published run has "
+        "the recipe's model, chip count and sequence length (batch per device and parallelism may differ: "
+        "see each anchor's note); tokens/s per device, so no MFU convention enters it."
+    )
     return lines
 
 
@@ -540,15 +687,20 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
 
     paths = []
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    for (recipe, mode) in dict.fromkeys((r["recipe"], r["mode"]) for r in rows):
-        pts = sorted((r["nproc"], r["tokens_per_sec_total"], r["mfu_pct"], r["mfu_pct_causal"]) for r in rows
-                     if r["recipe"] == recipe and r["mode"] == mode and r["tokens_per_sec"] is not None)
+    for recipe, mode in dict.fromkeys((r["recipe"], r["mode"]) for r in rows):
+        pts = sorted(
+            (r["nproc"], r["tokens_per_sec_total"], r["mfu_pct"], r["mfu_pct_causal"])
+            for r in rows
+            if r["recipe"] == recipe and r["mode"] == mode and r["tokens_per_sec"] is not None
+        )
         if not pts:
             continue
         xs = [p[0] for p in pts]
-        line, = ax_t.plot(xs, [p[1] for p in pts], marker="o", label=f"{recipe} {mode}")
+        (line,) = ax_t.plot(xs, [p[1] for p in pts], marker="o", label=f"{recipe} {mode}")
         ax_m.plot(xs, [p[2] for p in pts], marker="o", color=line.get_color(), label=f"{recipe} {mode} (palm)")
-        ax_m.plot(xs, [p[3] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{recipe} {mode} (causal)")
+        ax_m.plot(
+            xs, [p[3] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{recipe} {mode} (causal)"
+        )
     for ax in (ax_t, ax_m):
         ax.set_xticks(sorted({r["nproc"] for r in rows}))
     ax_t.set(xlabel="devices (processes)", ylabel="tokens/s, all devices", title="throughput vs devices")
@@ -567,13 +719,22 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
     nmin = min((r["nproc"] for r in rows), default=1)
     width = 0.8 / max(len(modes), 1)
     for i, mode in enumerate(modes):
-        sel = [next((r for r in rows if r["recipe"] == rc and r["mode"] == mode and r["nproc"] == nmin), None)
-               for rc in recipes]
+        sel = [
+            next((r for r in rows if r["recipe"] == rc and r["mode"] == mode and r["nproc"] == nmin), None)
+            for rc in recipes
+        ]
         xs = [j + i * width for j in range(len(recipes))]
         ax_t.bar(xs, [(r or {}).get("tokens_per_sec") or 0 for r in sel], width, label=mode)
         ax_m.bar(xs, [(r or {}).get("mfu_pct") or 0 for r in sel], width, label=f"{mode} (palm)")
-        ax_m.scatter(xs, [(r or {}).get("mfu_pct_causal") or 0 for r in sel], marker="_", s=200, color="black",
-                     zorder=3, label="causal" if i == 0 else None)
+        ax_m.scatter(
+            xs,
+            [(r or {}).get("mfu_pct_causal") or 0 for r in sel],
+            marker="_",
+            s=200,
+            color="black",
+            zorder=3,
+            label="causal" if i == 0 else None,
+        )
     for ax, ylabel in ((ax_t, "tokens/s per device"), (ax_m, "MFU % per device")):
         ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(recipes))], recipes)
         ax.set(ylabel=ylabel, title=f"{ylabel.split(' per')[0]} vs mode ({nmin} process{'es' if nmin > 1 else ''})")
@@ -598,8 +759,12 @@ def machine_line() -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -611,7 +776,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma list of recipe names (configs/) or paths")
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma list of {', '.join(bench.VARIANTS)}")
@@ -619,19 +784,28 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="first steps dropped (compile, caches)")
-    p.add_argument("--project", default="pods",
-                   help="recipes to project from the deviceless compile: 'pods' (LM *_v6e/*_v7x), a comma list, or 'none'")
-    p.add_argument("--hlo-cache", default=None,
-                   help="folder for the projections' compiles (JSON + optimized HLO per recipe, slice and layer "
-                        "count); a compile found there is read back, not redone")
+    p.add_argument(
+        "--project",
+        default="pods",
+        help="recipes to project from the deviceless compile: 'pods' (LM *_v6e/*_v7x), a comma list, or 'none'",
+    )
+    p.add_argument(
+        "--hlo-cache",
+        default=None,
+        help="folder for the projections' compiles (JSON + optimized HLO per recipe, slice and layer "
+        "count); a compile found there is read back, not redone",
+    )
     p.add_argument("--out", default=None, help="output stem (default outputs/mfu_suite/<time>/mfu_suite)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per process (default: inherited, else 1)")
     p.add_argument("--max-busy", type=float, default=0.25)
     p.add_argument("--max-wait", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run and per compile")
     p.add_argument("--dry-run", action="store_true", help="print the trainer commands only")
-    p.add_argument("--resume", action="store_true",
-                   help="read, not rerun, the runs whose folder under --out already holds a record of the last step")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="read, not rerun, the runs whose folder under --out already holds a record of the last step",
+    )
     return p.parse_args(argv), extra
 
 
@@ -660,13 +834,20 @@ def _main(argv: list[str]) -> int:
         raise InputError("--recipes, --modes, --nproc: each needs at least one value (nproc >= 1)")
     if ns.warmup >= ns.steps:
         raise InputError(f"--warmup: {ns.warmup} must be below --steps {ns.steps}")
-    project_names = (pod_recipes() if ns.project == "pods" else [] if ns.project == "none"
-                     else [r.strip() for r in ns.project.split(",") if r.strip()])
+    project_names = (
+        pod_recipes()
+        if ns.project == "pods"
+        else []
+        if ns.project == "none"
+        else [r.strip() for r in ns.project.split(",") if r.strip()]
+    )
     for name in project_names:
         recipe_path(name)
     if not ns.dry_run and importlib.util.find_spec("matplotlib") is None:  # before any run
-        raise InputError("scripts/mfu_suite.py: matplotlib is not installed (its plots need it); "
-                         "install the bench extra: pip install '.[bench]'")
+        raise InputError(
+            "scripts/mfu_suite.py: matplotlib is not installed (its plots need it); "
+            "install the bench extra: pip install '.[bench]'"
+        )
     out = Path(ns.out) if ns.out else ROOT / "outputs" / "mfu_suite" / time.strftime("%Y%m%d-%H%M%S") / "mfu_suite"
     out.parent.mkdir(parents=True, exist_ok=True)
     root = out.parent / f"{out.name}_runs"
@@ -679,10 +860,17 @@ def _main(argv: list[str]) -> int:
             for mode in modes:
                 for nproc in nprocs:
                     folder = root / f"{recipe}-{mode}-n{nproc}-r{rep}"
-                    cmd = bench.build_command(recipe=str(paths[recipe]), overrides=bench.VARIANTS[mode], nproc=nproc,
-                                              dump_folder=str(folder), steps=ns.steps, extra=extra)
-                    jobs.append({"recipe": recipe, "mode": mode, "nproc": nproc, "repeat": rep, "cmd": cmd,
-                                 "folder": folder})
+                    cmd = bench.build_command(
+                        recipe=str(paths[recipe]),
+                        overrides=bench.VARIANTS[mode],
+                        nproc=nproc,
+                        dump_folder=str(folder),
+                        steps=ns.steps,
+                        extra=extra,
+                    )
+                    jobs.append(
+                        {"recipe": recipe, "mode": mode, "nproc": nproc, "repeat": rep, "cmd": cmd, "folder": folder}
+                    )
     if ns.dry_run:
         for job in jobs:
             print(shlex.join(job["cmd"]))
@@ -690,8 +878,16 @@ def _main(argv: list[str]) -> int:
 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     done = [ns.resume and complete(Path(job["folder"]), ns.steps) for job in jobs]
-    fresh = iter(bench.execute([j for j, d in zip(jobs, done) if not d], env=env, warmup=ns.warmup,
-                               timeout=ns.timeout, max_busy=ns.max_busy, max_wait=ns.max_wait))
+    fresh = iter(
+        bench.execute(
+            [j for j, d in zip(jobs, done) if not d],
+            env=env,
+            warmup=ns.warmup,
+            timeout=ns.timeout,
+            max_busy=ns.max_busy,
+            max_wait=ns.max_wait,
+        )
+    )
     runs = [reread(job, ns.warmup) if d else next(fresh) for job, d in zip(jobs, done)]
     for job, run in zip(jobs, runs):
         run["dtype"] = run_dtype(Path(job["folder"]))
@@ -699,8 +895,9 @@ def _main(argv: list[str]) -> int:
     rows = group_runs(runs)
 
     anchors = load_anchors()
-    projections, skipped = project(project_names, anchors=anchors, timeout=ns.timeout,
-                                   cache=Path(ns.hlo_cache) if ns.hlo_cache else None)
+    projections, skipped = project(
+        project_names, anchors=anchors, timeout=ns.timeout, cache=Path(ns.hlo_cache) if ns.hlo_cache else None
+    )
     if skipped:
         print(f"projections skipped: {skipped}", file=sys.stderr)
 
@@ -716,22 +913,47 @@ def _main(argv: list[str]) -> int:
     bench.write_csv(out.with_name(out.name + "_runs.csv"), runs)
     pngs = write_plots(rows, out)
     command = "python scripts/mfu_suite.py " + shlex.join(argv)
-    md = [f"# MFU suite, {started}", "",
-          f"- machine: {machine_line()}", f"- commit: {git_commit()}", f"- command: `{command}`",
-          f"- {ns.steps} steps per run, first {ns.warmup} dropped; median over steps, then over {ns.repeats} "
-          "repeat(s) (interleaved)",
-          "- MFU conventions: palm = 6N + 12·L·H·Q·T per token (TorchTitan; `mfu_pct`), causal = attention halved "
-          "(MaxText; `mfu_pct_causal`); 'vs best dtype' divides by the faster CPU compute dtype's peak "
-          "(docs/metrics.md)", "", "## Measured", "", *measured_table(rows), "",
-          "## Projections: upper bounds on MFU from the compiled program (deviceless XLA:TPU compile; not "
-          "measured)", ""]
+    md = [
+        f"# MFU suite, {started}",
+        "",
+        f"- machine: {machine_line()}",
+        f"- commit: {git_commit()}",
+        f"- command: `{command}`",
+        f"- {ns.steps} steps per run, first {ns.warmup} dropped; median over steps, then over {ns.repeats} "
+        "repeat(s) (interleaved)",
+        "- MFU conventions: palm = 6N + 12·L·H·Q·T per token (TorchTitan; `mfu_pct`), causal = attention halved "
+        "(MaxText; `mfu_pct_causal`); 'vs best dtype' divides by the faster CPU compute dtype's peak "
+        "(docs/metrics.md)",
+        "",
+        "## Measured",
+        "",
+        *measured_table(rows),
+        "",
+        "## Projections: upper bounds on MFU from the compiled program (deviceless XLA:TPU compile; not measured)",
+        "",
+    ]
     if projections:
-        md += [*projection_table(projections), "", *PROJECTION_NOTE, "", "What the bound is made of (per device "
-               "and step):", "", *counts_table(projections), ""]
+        md += [
+            *projection_table(projections),
+            "",
+            *PROJECTION_NOTE,
+            "",
+            "What the bound is made of (per device and step):",
+            "",
+            *counts_table(projections),
+            "",
+        ]
     else:
         md.append(f"Skipped: {skipped}.")
-    md += ["", "## Published anchors beside ours", "", *anchor_table(anchors, ours), "",
-           *[f"![{p.stem}]({p.name})" for p in pngs], ""]
+    md += [
+        "",
+        "## Published anchors beside ours",
+        "",
+        *anchor_table(anchors, ours),
+        "",
+        *[f"![{p.stem}]({p.name})" for p in pngs],
+        "",
+    ]
     out.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(md))
     print(f"\nwrote {out.with_suffix('.csv')}, {out.with_suffix('.md')}, " + ", ".join(str(p) for p in pngs))

@@ -29,8 +29,9 @@ from trainer.runtime.atomic import WriteFailed  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="scripts/sample.py", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(
+        prog="scripts/sample.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--run", required=True, help="dump folder of a FLUX training run (holds config.toml, checkpoints/)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step to load (default: the newest)")
     p.add_argument("--untrained", action="store_true", help="sample the initialized, untrained model instead")
@@ -38,10 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", default=None, help="a text file, one prompt per line (blank lines skipped)")
     p.add_argument("--out", default="samples.png", help="PNG path of the grid (default samples.png)")
     p.add_argument("--steps", type=int, default=20, help="Euler steps (default 20)")
-    p.add_argument("--cfg-scale", type=float, default=4.0,
-                   help="classifier-free guidance scale; 1 = conditional only (default 4)")
-    p.add_argument("--guidance", type=float, default=None,
-                   help="guidance-embedding value of a FLUX.1-dev-style model (default: the run's flow.guidance)")
+    p.add_argument(
+        "--cfg-scale", type=float, default=4.0, help="classifier-free guidance scale; 1 = conditional only (default 4)"
+    )
+    p.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help="guidance-embedding value of a FLUX.1-dev-style model (default: the run's flow.guidance)",
+    )
     p.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     p.add_argument("--ncols", type=int, default=None, help="grid columns (default: about sqrt(prompts))")
     p.add_argument("--scale", type=int, default=4, help="upscale each pixel to scale x scale in the PNG (default 4)")
@@ -58,8 +64,10 @@ def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ConfigError(f"--prompts-file {prompts_file}: cannot read as UTF-8 text ({reason}); "
-                              "allowed: a text file, one prompt per line") from None
+            raise ConfigError(
+                f"--prompts-file {prompts_file}: cannot read as UTF-8 text ({reason}); "
+                "allowed: a text file, one prompt per line"
+            ) from None
         out += [line.strip() for line in text.splitlines() if line.strip()]
     if not out:
         raise ConfigError("--prompt / --prompts-file: no prompts given; allowed: at least one prompt")
@@ -94,9 +102,18 @@ def _run(argv: list[str]) -> int:
     from trainer.tasks.flux_sample import image_grid, sample_images, save_png
 
     run = load_run(ns.run, step=ns.step, untrained=ns.untrained, seed=ns.seed)
-    images = sample_images(run.model, prompts, text=run.text, vae=run.vae, latent_shape=run.latent_shape,
-                           seed=ns.seed, num_steps=ns.steps, shift=run.shift, cfg_scale=ns.cfg_scale,
-                           guidance=run.guidance(ns.guidance))
+    images = sample_images(
+        run.model,
+        prompts,
+        text=run.text,
+        vae=run.vae,
+        latent_shape=run.latent_shape,
+        seed=ns.seed,
+        num_steps=ns.steps,
+        shift=run.shift,
+        cfg_scale=ns.cfg_scale,
+        guidance=run.guidance(ns.guidance),
+    )
     ncols = ns.ncols or math.ceil(math.sqrt(len(prompts)))
     grid = image_grid(images, ncols=ncols)
     from trainer.runtime.atomic import atomic_path
@@ -105,11 +122,17 @@ def _run(argv: list[str]) -> int:
         save_png(grid, str(tmp), scale=ns.scale)
     source = run.checkpoint or "untrained (initialized) model"
     sidecar = str(Path(ns.out).with_suffix(".txt"))
-    write_sidecar(sidecar, prompts, ncols=ncols,
-                  header=f"# {source}; steps {ns.steps}, cfg_scale {ns.cfg_scale}, shift {run.shift:.3f}, "
-                         f"guidance {run.guidance(ns.guidance)}, seed {ns.seed}")
-    print(f"wrote {ns.out} ({len(prompts)} images, {grid.shape[2] * ns.scale}x{grid.shape[1] * ns.scale} px) "
-          f"and {sidecar}")
+    write_sidecar(
+        sidecar,
+        prompts,
+        ncols=ncols,
+        header=f"# {source}; steps {ns.steps}, cfg_scale {ns.cfg_scale}, shift {run.shift:.3f}, "
+        f"guidance {run.guidance(ns.guidance)}, seed {ns.seed}",
+    )
+    print(
+        f"wrote {ns.out} ({len(prompts)} images, {grid.shape[2] * ns.scale}x{grid.shape[1] * ns.scale} px) "
+        f"and {sidecar}"
+    )
     return 0
 
 

@@ -16,7 +16,6 @@ and the share of documents whose ids equal the HF tokenizer's (mapped to tiktoke
 
 from __future__ import annotations
 
-import argparse
 import base64
 import gzip
 import json
@@ -27,10 +26,13 @@ import time
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from trainer.runtime import cli  # noqa: E402
-from trainer.data.tokenizer import BUNDLED_SPECIAL_TOKENS, LLAMA3_PATTERN  # noqa: E402
+from trainer.data.tokenizer import (  # noqa: E402
+    BUNDLED_SPECIAL_TOKENS,
+    LLAMA3_PATTERN,
+    load_bpe_ranks,  # noqa: E402
+)
 from trainer.data.tokenizer import Tokenizer as TiktokenTokenizer  # noqa: E402
-from trainer.data.tokenizer import load_bpe_ranks  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -38,8 +40,9 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def byte_to_unicode() -> dict[int, str]:
     """The GPT-2 byte-level table: printable bytes map to themselves, the other bytes to
     code points from 256 up, in byte order (what `ByteLevel` uses)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -56,10 +59,12 @@ def read_texts(path: str) -> list[str]:
 
 def train(texts: list[str], num_ranks: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     trainer = trainers.BpeTrainer(
         vocab_size=num_ranks,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

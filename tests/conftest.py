@@ -60,9 +60,19 @@ def pytest_collection_modifyitems(config, items):
     dump = os.environ.get("TITAN_DUMP_COLLECTION")
     if dump and not hasattr(config, "workerinput"):
         import json
+
         with open(dump, "w") as f:
-            json.dump([{"nodeid": i.nodeid, "scheduled": tiers.scheduled(i.nodeid) is not None,
-                        "exhaustive": i.get_closest_marker("exhaustive") is not None} for i in items], f)
+            json.dump(
+                [
+                    {
+                        "nodeid": i.nodeid,
+                        "scheduled": tiers.scheduled(i.nodeid) is not None,
+                        "exhaustive": i.get_closest_marker("exhaustive") is not None,
+                    }
+                    for i in items
+                ],
+                f,
+            )
     if tiers.TIER == "all":
         return
     keep, drop = [], []
@@ -72,6 +82,7 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
 
 # Under pytest-xdist (scripts/test.sh runs `-n 2 --dist loadgroup`) every test is its own work
 # unit, handed to whichever worker is free, except these groups, each run whole on one worker:
@@ -107,6 +118,7 @@ except ImportError:  # no pytest-xdist: tests run in one process
     LoadScopeScheduling = None
 
 if LoadScopeScheduling is not None:
+
     class GroupScheduling(LoadScopeScheduling):
         """One work unit per test, or per group of `XDIST_GROUPS`; the XLA group first, then the
         other groups (biggest first), then single tests in collection order."""
@@ -125,8 +137,9 @@ if LoadScopeScheduling is not None:
                     units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
                 if len(units) >= len(self.nodes):  # else the base class shuts the spare workers down
                     groups = set(XDIST_GROUPS.values())
-                    order = sorted(units, key=lambda s: (0, 0) if s == "xla" else
-                                   (1, -len(units[s])) if s in groups else (2, 0))
+                    order = sorted(
+                        units, key=lambda s: (0, 0) if s == "xla" else (1, -len(units[s])) if s in groups else (2, 0)
+                    )
                     self.collection = collection
                     for scope in order:
                         self.workqueue[scope] = units[scope]
@@ -167,5 +180,6 @@ def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("TITAN_RECORD_DURATIONS")
     if out and not hasattr(session.config, "workerinput") and _DURATIONS:
         import json
+
         with open(out, "w") as f:
             json.dump({k: round(v, 2) for k, v in sorted(_DURATIONS.items())}, f, indent=0)

@@ -46,8 +46,7 @@ _SAVED_OPS: set = set()
 def check_attention_backend(backend: str) -> None:
     """ConfigError naming `model.attn_backend` unless `backend` is one of ATTENTION_BACKENDS."""
     if backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"model.attn_backend: {backend!r} is not supported; "
-                          f"allowed: {', '.join(ATTENTION_BACKENDS)}")
+        raise ConfigError(f"model.attn_backend: {backend!r} is not supported; allowed: {', '.join(ATTENTION_BACKENDS)}")
 
 
 def attention_backends_for(device_type: str) -> tuple[str, ...]:
@@ -60,11 +59,18 @@ def check_attention_for(attention: str, device_type: str) -> None:
     the step plan's RULES (`model.attn_backend`) first, so here it is an internal check."""
     check_attention_backend(attention)
     assert attention in attention_backends_for(device_type), (
-        f"attn_backend {attention} on {device_type}: the step plan's RULES refuse it first")
+        f"attn_backend {attention} on {device_type}: the step plan's RULES refuse it first"
+    )
 
 
-def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = None,
-           head_dim: int | None = None, shapes: KernelShapes | None = None) -> str:
+def select(
+    *,
+    attention: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    shapes: KernelShapes | None = None,
+) -> str:
     """Register the implementation of every op for a run on `device`; describe the choice.
 
     ConfigError where the asked-for kernel cannot be built or loaded here (a backend for another
@@ -102,8 +108,9 @@ def select(*, attention: str, device: torch.device, dtype: torch.dtype | None = 
             return f"{attention} ({served} for {dt} at head_dim {head_dim})"
         return f"{attention} (cpu kernel loaded; sdpa where it does not apply)" if attention == "auto" else attention
     if attention == "cpu_kernel":
-        raise ConfigError(f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); "
-                          "allowed: auto, sdpa")
+        raise ConfigError(
+            f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); allowed: auto, sdpa"
+        )
     ops.register("causal_attention", None)
     return f"sdpa (cpu kernel unavailable: {cpu_attention.load_error()})"
 
@@ -126,8 +133,14 @@ def saved_ops() -> set:
     return _SAVED_OPS
 
 
-def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, head_dim: int | None,
-                shapes: KernelShapes | None = None) -> str:
+def _select_tpu(
+    attention: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None,
+    shapes: KernelShapes | None = None,
+) -> str:
     """TPU: the Pallas kernels of titan_kernels/tpu serve every op they can (attention per `attention`)
     that passes its start-up self-check at the run's `shapes` (compiled there for this host's
     generation, titan_kernels/tpu/compile_check.py); the references serve the rest. With context
@@ -139,8 +152,9 @@ def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, hea
     pallas = tpu.load()
     if pallas is None:
         if attention == "splash":
-            raise ConfigError(f"model.attn_backend: splash cannot be loaded here ({tpu.load_error()}); "
-                              "allowed: auto, sdpa")
+            raise ConfigError(
+                f"model.attn_backend: splash cannot be loaded here ({tpu.load_error()}); allowed: auto, sdpa"
+            )
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
     selected = {op: fn for op, fn in pallas.items() if op != "causal_attention" or attention != "sdpa"}
@@ -149,8 +163,9 @@ def _select_tpu(attention: str, *, device: torch.device, dtype: torch.dtype, hea
     if cp is not None:  # parallelisms/context_parallel.py serves CP's local product with it on TPU
         selected["cp_attention"] = cp
     compile_check = tpu.compile_checker(shapes) if shapes is not None else None
-    passed, verdicts = selfcheck.run(selected, device=device, dtype=dtype, head_dim=head_dim, shapes=shapes,
-                                     compile_check=compile_check)
+    passed, verdicts = selfcheck.run(
+        selected, device=device, dtype=dtype, head_dim=head_dim, shapes=shapes, compile_check=compile_check
+    )
     return _register_tpu(attention, passed, verdicts, saved=tpu.saved_ops())
 
 
@@ -170,9 +185,15 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
     cp = next((v for v in verdicts if v.op == "cp_attention"), None)
     tpu.refuse_cp(None if cp is None or cp.ok else cp.reason)  # CP's local product: splash, or SDPA
     served = "splash" if "causal_attention" in passed else "sdpa"
-    pallas = [name for op, name in (("grouped_mm", "gmm for MoE experts"),
-                                    ("linear_cross_entropy", "fused linear+cross-entropy"),
-                                    ("cp_attention", "CP splash")) if op in passed]
+    pallas = [
+        name
+        for op, name in (
+            ("grouped_mm", "gmm for MoE experts"),
+            ("linear_cross_entropy", "fused linear+cross-entropy"),
+            ("cp_attention", "CP splash"),
+        )
+        if op in passed
+    ]
     failed = [v.kernel for v in verdicts if not v.ok]
     note = f"Pallas: {', '.join(pallas)}" if pallas else "no Pallas kernel"
     if failed:
@@ -184,8 +205,9 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
     return f"{served} ({note})"
 
 
-def _cpu_kernel_or_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def _cpu_kernel_or_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     from titan_kernels import cpu_attention
 
     if segment_ids is None and cpu_attention.supports(q, k, v):

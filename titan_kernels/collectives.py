@@ -24,7 +24,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed._functional_collectives as funcol
 
-
 _SERVED: list[Callable] = []
 """A ragged all-to-all served for every device (`serve`): the TPU program compile
 (tools/tpu_compile.py) captures the dispatch a TPU run emits, on meta tensors."""
@@ -48,8 +47,10 @@ def ragged_all_to_all_for(device: torch.device) -> Callable | None:
     ops = getattr(getattr(torch, "tpu", None), "ops", None)
     op = getattr(ops, "ragged_all_to_all", None)
     if op is None:
-        raise RuntimeError("torch.tpu.ops.ragged_all_to_all is missing: this torch-tpu build has no "
-                           "ragged all-to-all (torch-tpu 0.2.0 has it)")
+        raise RuntimeError(
+            "torch.tpu.ops.ragged_all_to_all is missing: this torch-tpu build has no "
+            "ragged all-to-all (torch-tpu 0.2.0 has it)"
+        )
     return differentiable(op)
 
 
@@ -84,8 +85,16 @@ class _RaggedAllToAll(torch.autograd.Function):
         # this rank's rows came from (one integer per peer each way).
         landed = _exchange(output_offsets, ctx.group)
         came_from = _exchange(input_offsets, ctx.group)
-        grad_operand = ctx.op(grad.contiguous(), grad.new_zeros(ctx.operand_shape), landed, recv_sizes, came_from,
-                              send_sizes, ctx.group, **ctx.kwargs)
+        grad_operand = ctx.op(
+            grad.contiguous(),
+            grad.new_zeros(ctx.operand_shape),
+            landed,
+            recv_sizes,
+            came_from,
+            send_sizes,
+            ctx.group,
+            **ctx.kwargs,
+        )
         return grad_operand, None, None, None, None, None, None, None, None
 
 
@@ -97,8 +106,9 @@ def differentiable(op: Callable) -> Callable:
     gradient (the dispatch passes zeros)."""
 
     def call(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, process_group_name, **kwargs):
-        return _RaggedAllToAll.apply(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                     process_group_name, op, kwargs)
+        return _RaggedAllToAll.apply(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, process_group_name, op, kwargs
+        )
 
     return call
 

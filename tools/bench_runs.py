@@ -28,8 +28,15 @@ class FixedBatches:
 
     @classmethod
     def build(cls, config: str, overrides: list[tuple[str, str]], *, steps: int, val_batches: int) -> "FixedBatches":
-        cfg = build_config(config, [("training.steps", str(steps)), ("checkpoint.enable", "false"),
-                                    ("metrics.enable_tensorboard", "false"), *overrides])
+        cfg = build_config(
+            config,
+            [
+                ("training.steps", str(steps)),
+                ("checkpoint.enable", "false"),
+                ("metrics.enable_tensorboard", "false"),
+                *overrides,
+            ],
+        )
         job = build_job(cfg)
         task, device = job.task, job.device
         batches = [tuple(x.to(device) for x in task.prepare(job.loader.next_batch())) for _ in range(steps)]
@@ -42,15 +49,22 @@ class FixedBatches:
         (step_fn, optimizer, scheduler); `training_overrides` replace `[training]` keys of the step."""
         self.job.model.load_state_dict(self.initial)
         o, s, cfg = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg
-        opt = build_optimizer_for(self.job.model, name=optimizer, lr=lr, betas=o.betas, eps=o.eps,
-                                  weight_decay=o.weight_decay)
-        scheduler = build_lr_scheduler(opt, total_steps=len(self.batches), warmup_steps=s.warmup_steps,
-                                       decay_type=s.decay_type, decay_ratio=s.decay_ratio,
-                                       min_lr_factor=s.min_lr_factor)
+        opt = build_optimizer_for(
+            self.job.model, name=optimizer, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        scheduler = build_lr_scheduler(
+            opt,
+            total_steps=len(self.batches),
+            warmup_steps=s.warmup_steps,
+            decay_type=s.decay_type,
+            decay_ratio=s.decay_ratio,
+            min_lr_factor=s.min_lr_factor,
+        )
         if training_overrides:
             cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, **training_overrides))
         step_fn = dataclasses.replace(self.job, cfg=cfg, optimizer=opt, scheduler=scheduler).build_step(
-            loss_fn=self.loss_fn)
+            loss_fn=self.loss_fn
+        )
         return step_fn, opt, scheduler
 
     def val_loss(self) -> float:

@@ -57,12 +57,16 @@ def find_checkpoint(run_dir: str, cfg, *, step: int | None = None) -> str:
     folder = os.path.join(run_dir, cfg.checkpoint.folder)
     steps = {n: os.path.join(folder, f"step-{n}") for n in complete_steps(folder)}
     if not steps:
-        raise ConfigError(f"--run {run_dir}: no checkpoint (step-N with .metadata) in {folder}; allowed: the "
-                          "dump folder of a run with [checkpoint] enable = true")
+        raise ConfigError(
+            f"--run {run_dir}: no checkpoint (step-N with .metadata) in {folder}; allowed: the "
+            "dump folder of a run with [checkpoint] enable = true"
+        )
     if step is None:
         return steps[max(steps)]
     if step not in steps:
-        raise ConfigError(f"--step {step}: no such checkpoint in {folder}; allowed: {', '.join(map(str, sorted(steps)))}")
+        raise ConfigError(
+            f"--step {step}: no such checkpoint in {folder}; allowed: {', '.join(map(str, sorted(steps)))}"
+        )
     return steps[step]
 
 
@@ -77,8 +81,10 @@ def load_run(run_dir: str, *, step: int | None = None, untrained: bool = False, 
     cfg = build_config(config_path)
     family, args = model_args(cfg.model.name, cfg.model.flavor, cfg.model.overrides)
     if getattr(family, "task", "lm") != "flow":
-        raise ConfigError(f"--run {run_dir}: model.name {cfg.model.name!r} is not a flow (FLUX) model; "
-                          "allowed: a run of model.name = flux")
+        raise ConfigError(
+            f"--run {run_dir}: model.name {cfg.model.name!r} is not a flow (FLUX) model; "
+            "allowed: a run of model.name = flux"
+        )
     checkpoint = None if untrained else find_checkpoint(run_dir, cfg, step=step)
     with torch.device("meta"):
         model = family.model_cls(args)
@@ -92,5 +98,12 @@ def load_run(run_dir: str, *, step: int | None = None, untrained: bool = False, 
     model.eval()
     path = cfg.training.dataset
     dataset = resolve_flux_dataset("procedural" if path == "bundled" else path)
-    return FluxRun(cfg=cfg, model=model, args=args, dataset=dataset, text=dataset.text_conditioner(),
-                   vae=dataset.vae(), checkpoint=checkpoint)
+    return FluxRun(
+        cfg=cfg,
+        model=model,
+        args=args,
+        dataset=dataset,
+        text=dataset.text_conditioner(),
+        vae=dataset.vae(),
+        checkpoint=checkpoint,
+    )

@@ -81,8 +81,12 @@ def world_of(cfg: Config) -> tuple[int, str, planner.Target | None]:
         target = planner.parse_target(cfg.job.target, key="job.target")
         return target.devices, target.device_type, target
     p = cfg.parallelism
-    degrees = (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.context_parallel_degree,
-               p.tensor_parallel_degree)
+    degrees = (
+        p.data_parallel_replicate_degree,
+        p.data_parallel_shard_degree,
+        p.context_parallel_degree,
+        p.tensor_parallel_degree,
+    )
     return math.prod(d for d in degrees if d > 0), "cpu", None
 
 
@@ -100,20 +104,33 @@ def plan_inputs(cfg: Config) -> planner.PlanInputs:
 
         flow = flux_tokens(cfg.flow)
         seq_len = sum(flow)
-    return planner.PlanInputs(family=family, args=args, model_name=f"{cfg.model.name} {cfg.model.flavor}",
-                              seq_len=seq_len, local_batch_size=t.local_batch_size,
-                              grad_accum=t.gradient_accumulation_steps, flow_tokens=flow,
-                              step=step_request(cfg, family))
+    return planner.PlanInputs(
+        family=family,
+        args=args,
+        model_name=f"{cfg.model.name} {cfg.model.flavor}",
+        seq_len=seq_len,
+        local_batch_size=t.local_batch_size,
+        grad_accum=t.gradient_accumulation_steps,
+        flow_tokens=flow,
+        step=step_request(cfg, family),
+    )
 
 
 def planned(cfg: Config, target: planner.Target, *, headroom: float = 0.1) -> planner.Estimate:
     """The planner's estimate of the recipe's own plan on `target`."""
     p = cfg.parallelism
     return planner.plan_estimate(
-        plan_inputs(cfg), target, dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree, cp=p.context_parallel_degree,
+        plan_inputs(cfg),
+        target,
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        cp=p.context_parallel_degree,
         ac_mode=cfg.activation_checkpoint.mode,
-        loss_parallel=p.enable_loss_parallel, headroom=headroom)
+        loss_parallel=p.enable_loss_parallel,
+        headroom=headroom,
+    )
 
 
 def _step_summary(plan) -> str:
@@ -129,8 +146,17 @@ def _step_summary(plan) -> str:
 
 
 def _mesh_summary(dims) -> str:
-    axes = [f"{name} {size}" for name, size in (("dp_rep", dims.dp_replicate), ("fsdp", dims.dp_shard),
-                                                  ("cp", dims.cp), ("tp", dims.tp), ("ep", dims.ep)) if size > 1]
+    axes = [
+        f"{name} {size}"
+        for name, size in (
+            ("dp_rep", dims.dp_replicate),
+            ("fsdp", dims.dp_shard),
+            ("cp", dims.cp),
+            ("tp", dims.tp),
+            ("ep", dims.ep),
+        )
+        if size > 1
+    ]
     return " x ".join(axes) or "1"
 
 
@@ -171,8 +197,7 @@ def start_up(cfg: Config, *, devices: int, device_type: str, report: RecipeCheck
         graph_module = getattr(step, "graph_module", None)
         if graph_module is not None:
             stats = step.stats
-            report.capture = (f"{stats.nodes} nodes, {sum(stats.collectives.values())} collectives, "
-                              f"{stats.scans} scans")
+            report.capture = f"{stats.nodes} nodes, {sum(stats.collectives.values())} collectives, {stats.scans} scans"
             report.flips_gib = _flip_bytes(graph_module) / GiB
         else:
             report.capture = f"eager step, loss {tuple(out.loss.shape)} on {out.loss.device.type}"
@@ -204,9 +229,14 @@ def _mesh_case(cfg: Config):
     if topology is None:
         return None
     p = cfg.parallelism
-    dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, ep=p.expert_parallel_degree,
-                        world_size=target.devices)
+    dims = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        world_size=target.devices,
+    )
     return topology, dims.mesh_shape
 
 
@@ -231,14 +261,24 @@ def torch_tpu_layouts(paths, overrides=()) -> dict | None:
             cases[case] = None
     if not cases:
         return {}
-    request = [dict(generation=t.generation, chips=list(t.chips), devices_per_chip=t.devices_per_chip,
-                    shape=list(shape), allow_split=split) for t, shape in cases for split in (False, True)]
+    request = [
+        dict(
+            generation=t.generation,
+            chips=list(t.chips),
+            devices_per_chip=t.devices_per_chip,
+            shape=list(shape),
+            allow_split=split,
+        )
+        for t, shape in cases
+        for split in (False, True)
+    ]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_tpu_mesh.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(TORCH_DEVICE_BACKEND_AUTOLOAD="0", JAX_PLATFORMS="cpu")
     try:
-        out = subprocess.run([python, script], input=json.dumps({"cases": request}), capture_output=True,
-                             text=True, env=env, timeout=300)
+        out = subprocess.run(
+            [python, script], input=json.dumps({"cases": request}), capture_output=True, text=True, env=env, timeout=300
+        )
         reply = json.loads(out.stdout.strip().splitlines()[-1])
     except Exception:  # noqa: BLE001  (no torch-tpu answer: the port answers)
         return None

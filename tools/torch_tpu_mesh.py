@@ -61,8 +61,9 @@ def main() -> int:
     for case in request["cases"]:
         devices = stand_ins(case["generation"], case["chips"], case.get("devices_per_chip", 1))
         try:
-            mesh = du.create_device_mesh(tuple(case["shape"]), devices=devices,
-                                         allow_split_physical_axes=bool(case.get("allow_split")))
+            mesh = du.create_device_mesh(
+                tuple(case["shape"]), devices=devices, allow_split_physical_axes=bool(case.get("allow_split"))
+            )
             results.append({"ids": [int(d.id) for d in mesh.reshape(-1)], "shape": list(mesh.shape)})
         except Exception as e:  # noqa: BLE001  (every refusal is a result)
             results.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})

@@ -80,12 +80,16 @@ def topology_name(target, *, key: str = "job.target") -> str:
 
     gen = target.generation.name
     if gen not in JAX_TOPOLOGY_PREFIX:
-        raise ConfigError(f"{key}: {target.name}: no compile-only topology for {gen}; "
-                          f"allowed: {', '.join(JAX_TOPOLOGY_PREFIX)} targets")
+        raise ConfigError(
+            f"{key}: {target.name}: no compile-only topology for {gen}; "
+            f"allowed: {', '.join(JAX_TOPOLOGY_PREFIX)} targets"
+        )
     topology = topology_of(target)
     if topology is None:
-        raise ConfigError(f"{key}: {target.name}: {target.devices} devices is no single slice known here; allowed: "
-                          f"a slice size of {gen}, e.g. {gen}-256")
+        raise ConfigError(
+            f"{key}: {target.name}: {target.devices} devices is no single slice known here; allowed: "
+            f"a slice size of {gen}, e.g. {gen}-256"
+        )
     x, y, z = topology.chips
     dims = (x, y) if gen in ("v5e", "v6e") else (x, y, z)
     return f"{JAX_TOPOLOGY_PREFIX[gen]}:{'x'.join(str(d) for d in dims)}"
@@ -128,8 +132,9 @@ class ProgramCompile:
     def verdict(self) -> str:
         if self.error:
             return "failed"
-        if self.oom or (self.compiler_gib is not None and self.hbm_gib is not None
-                        and self.compiler_gib > self.hbm_gib):
+        if self.oom or (
+            self.compiler_gib is not None and self.hbm_gib is not None and self.compiler_gib > self.hbm_gib
+        ):
             return "does not fit"
         if self.compiler_gib is None or self.planned_gib is None:
             return "failed"
@@ -144,14 +149,23 @@ class ProgramCompile:
 
 def compiler_total(memory: dict) -> int:
     """Peak bytes on one device: arguments + outputs + temporaries, less what outputs alias."""
-    return (memory.get("argument_size_in_bytes", 0) + memory.get("output_size_in_bytes", 0)
-            + memory.get("temp_size_in_bytes", 0) - memory.get("alias_size_in_bytes", 0))
+    return (
+        memory.get("argument_size_in_bytes", 0)
+        + memory.get("output_size_in_bytes", 0)
+        + memory.get("temp_size_in_bytes", 0)
+        - memory.get("alias_size_in_bytes", 0)
+    )
 
 
 def ttpu_python() -> str:
     """The XLA tier's torch-tpu venv's interpreter (made on first use by scripts/xla_env.sh)."""
-    venv = subprocess.run(["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True,
-                          text=True).stdout.strip().splitlines()[-1]
+    venv = (
+        subprocess.run(
+            ["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     return str(Path(venv) / "bin" / "python")
 
 
@@ -168,8 +182,10 @@ def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: st
     try:
         cfg = build_config(path, list(overrides))
         if not cfg.job.target:
-            raise ConfigError("job.target: the TPU program compile needs a TPU target, e.g. v6e-256; allowed: "
-                              "a recipe with [job] target")
+            raise ConfigError(
+                "job.target: the TPU program compile needs a TPU target, e.g. v6e-256; allowed: "
+                "a recipe with [job] target"
+            )
         target = planner.parse_target(cfg.job.target)
         if target.device_type != "tpu":
             raise ConfigError(f"job.target: {target.name} is not a TPU; allowed: v5e, v5p, v6e, v7x targets")
@@ -178,22 +194,47 @@ def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: st
         report.planned_gib, report.usable_gib = est.total / GiB, est.usable / GiB
         report.planned_arguments_gib = (est.params + est.optimizer) / GiB
         report.hbm_gib = target.hbm_bytes / GiB
-        spec = dict(recipe=str(Path(path).resolve()), overrides=[list(o) for o in overrides], topology=report.topology,
-                    generation=target.generation.name)
+        spec = dict(
+            recipe=str(Path(path).resolve()),
+            overrides=[list(o) for o in overrides],
+            topology=report.topology,
+            generation=target.generation.name,
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         # Compile-only: no TPU is used (libtpu's one-process-per-host lock is not needed).
-        env.update(PYTHONPATH=str(ROOT), TORCH_DEVICE_BACKEND_AUTOLOAD="0", TPU_SKIP_MDS_QUERY="1",
-                   JAX_PLATFORMS="cpu", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-        proc = subprocess.run([python or ttpu_python(), "-m", "tools.tpu_compile", json.dumps(spec)],
-                              capture_output=True, text=True, env=env, timeout=timeout, cwd=str(ROOT))
+        env.update(
+            PYTHONPATH=str(ROOT),
+            TORCH_DEVICE_BACKEND_AUTOLOAD="0",
+            TPU_SKIP_MDS_QUERY="1",
+            JAX_PLATFORMS="cpu",
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+            ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+        )
+        proc = subprocess.run(
+            [python or ttpu_python(), "-m", "tools.tpu_compile", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            cwd=str(ROOT),
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or [f"exit {proc.returncode}"]
             raise RuntimeError(f"compile worker: {tail[0][:400]}")
         res = json.loads(lines[-1])
-        for k in ("mesh", "kernels", "collectives", "scans", "capture_s", "lower_s", "compile_s", "memory", "oom",
-                  "notes"):
+        for k in (
+            "mesh",
+            "kernels",
+            "collectives",
+            "scans",
+            "capture_s",
+            "lower_s",
+            "compile_s",
+            "memory",
+            "oom",
+            "notes",
+        ):
             if k in res:
                 setattr(report, k, res[k])
         if report.memory:
@@ -234,28 +275,41 @@ def _define_program_ops():
     if _LIB:
         return getattr(torch.ops, PROGRAM_NS)
     lib = torch.library.Library(PROGRAM_NS, "DEF")  # noqa: TOR901 (kept alive in _LIB)
-    lib.define("ragged_all_to_all(Tensor operand, Tensor output, Tensor input_offsets, Tensor send_sizes, "
-               "Tensor output_offsets, Tensor recv_sizes, str group_name) -> Tensor")
+    lib.define(
+        "ragged_all_to_all(Tensor operand, Tensor output, Tensor input_offsets, Tensor send_sizes, "
+        "Tensor output_offsets, Tensor recv_sizes, str group_name) -> Tensor"
+    )
     lib.define("splash_cp_fwd(Tensor q, Tensor k_all, Tensor v_all, int rank, int size) -> Tensor")
-    lib.define("splash_cp_bwd(Tensor q, Tensor k_all, Tensor v_all, Tensor dout, int rank, int size) "
-               "-> (Tensor, Tensor, Tensor)")
-    lib.define("splash_cp_seg_fwd(Tensor q, Tensor k_all, Tensor v_all, Tensor seg, Tensor seg_all, int rank, "
-               "int size) -> Tensor")
-    lib.define("splash_cp_seg_bwd(Tensor q, Tensor k_all, Tensor v_all, Tensor seg, Tensor seg_all, Tensor dout, "
-               "int rank, int size) -> (Tensor, Tensor, Tensor)")
+    lib.define(
+        "splash_cp_bwd(Tensor q, Tensor k_all, Tensor v_all, Tensor dout, int rank, int size) "
+        "-> (Tensor, Tensor, Tensor)"
+    )
+    lib.define(
+        "splash_cp_seg_fwd(Tensor q, Tensor k_all, Tensor v_all, Tensor seg, Tensor seg_all, int rank, "
+        "int size) -> Tensor"
+    )
+    lib.define(
+        "splash_cp_seg_bwd(Tensor q, Tensor k_all, Tensor v_all, Tensor seg, Tensor seg_all, Tensor dout, "
+        "int rank, int size) -> (Tensor, Tensor, Tensor)"
+    )
     _LIB.append(lib)
     ns = f"{PROGRAM_NS}::"
     torch.library.register_fake(ns + "ragged_all_to_all", lib=lib)(
-        lambda operand, output, *rest: torch.empty_like(output))
+        lambda operand, output, *rest: torch.empty_like(output)
+    )
     # The output has v's width (MLA: q/k 192, v 128), not q's.
     torch.library.register_fake(ns + "splash_cp_fwd", lib=lib)(
-        lambda q, k, v, r, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
+        lambda q, k, v, r, s: q.new_empty(*q.shape[:-1], v.shape[-1])
+    )
     torch.library.register_fake(ns + "splash_cp_seg_fwd", lib=lib)(
-        lambda q, k, v, a, b, r, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
+        lambda q, k, v, a, b, r, s: q.new_empty(*q.shape[:-1], v.shape[-1])
+    )
     torch.library.register_fake(ns + "splash_cp_bwd", lib=lib)(
-        lambda q, k, v, d, r, s: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+        lambda q, k, v, d, r, s: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    )
     torch.library.register_fake(ns + "splash_cp_seg_bwd", lib=lib)(
-        lambda q, k, v, a, b, d, r, s: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+        lambda q, k, v, a, b, d, r, s: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    )
     op = getattr(torch.ops, PROGRAM_NS)
 
     def setup(ctx, inputs, output):
@@ -266,8 +320,13 @@ def _define_program_ops():
         return (*op.splash_cp_bwd(*ctx.saved_tensors, dout.contiguous(), ctx.rank, ctx.size), None, None)
 
     def backward_seg(ctx, dout):
-        return (*op.splash_cp_seg_bwd(*ctx.saved_tensors, dout.contiguous(), ctx.rank, ctx.size),
-                None, None, None, None)
+        return (
+            *op.splash_cp_seg_bwd(*ctx.saved_tensors, dout.contiguous(), ctx.rank, ctx.size),
+            None,
+            None,
+            None,
+            None,
+        )
 
     torch.library.register_autograd(ns + "splash_cp_fwd", backward, setup_context=setup, lib=lib)
     torch.library.register_autograd(ns + "splash_cp_seg_fwd", backward_seg, setup_context=setup, lib=lib)
@@ -285,8 +344,9 @@ def _cp_local_attention(rank: int, size: int):
         q, k_all, v_all = q.contiguous(), k_all.contiguous(), v_all.contiguous()
         if segment_ids is None:
             return op.splash_cp_fwd(q, k_all, v_all, rank, size)
-        return op.splash_cp_seg_fwd(q, k_all, v_all, segment_ids.to(torch.int32), segment_ids_all.to(torch.int32),
-                                    rank, size)
+        return op.splash_cp_seg_fwd(
+            q, k_all, v_all, segment_ids.to(torch.int32), segment_ids_all.to(torch.int32), rank, size
+        )
 
     return attention
 
@@ -301,22 +361,22 @@ def refine_axes(boundaries: set[int], world: int) -> list[int]:
     cuts = sorted(b for b in boundaries | {1, world} if 1 <= b <= world)
     for a, b in zip(cuts, cuts[1:]):
         if b % a:
-            raise ValueError(f"mesh layouts do not nest (axis strides {cuts}); the program's groups are not "
-                             "products of mesh axes")
+            raise ValueError(
+                f"mesh layouts do not nest (axis strides {cuts}); the program's groups are not products of mesh axes"
+            )
     return [b // a for a, b in reversed(list(zip(cuts, cuts[1:])))] or [1]
 
 
 def group_axes(ranks: list[int], radices: list[int]) -> tuple[int, ...]:
     """The refined axes (indices) whose span, from rank 0, is exactly `ranks`, in mesh order (the
     group's rank order is then row-major over them, as torch's mesh groups are)."""
-    strides = [math.prod(radices[i + 1:]) for i in range(len(radices))]
+    strides = [math.prod(radices[i + 1 :]) for i in range(len(radices))]
     axes = tuple(i for i, (r, s) in enumerate(zip(radices, strides)) if r > 1 and s in set(ranks))
     span = [0]
     for i in axes:
         span = [b + d * strides[i] for b in span for d in range(radices[i])]
     if sorted(span) != sorted(ranks):
-        raise ValueError(f"process group of ranks {sorted(ranks)[:8]}... is not a product of mesh axes "
-                         f"{radices}")
+        raise ValueError(f"process group of ranks {sorted(ranks)[:8]}... is not a product of mesh axes {radices}")
     return axes
 
 
@@ -332,7 +392,7 @@ def _capture(spec: dict) -> dict:
     from parallelisms.context_parallel import context_parallel_attention, cp_group
     from titan_kernels import collectives
     from titan_kernels.tpu import capture
-    from tools.recipe_check import _with_tokenizer, RecipeCheck
+    from tools.recipe_check import RecipeCheck, _with_tokenizer
     from tools.xla_lowering import RECORD, CaptureDone, record_first_call
     from trainer.config import build_config
     from trainer.job import build_job
@@ -349,8 +409,10 @@ def _capture(spec: dict) -> dict:
     with planner.fake_process_group(target.devices), abstract_model():
         job = build_job(cfg, purpose="check", device_type="tpu")
         if job.step_plan.mode != "graph":
-            raise ValueError(f"compile.mode: {job.step_plan.mode}: the TPU program compile takes graph-mode recipes "
-                             "(one program per step); allowed: graph")
+            raise ValueError(
+                f"compile.mode: {job.step_plan.mode}: the TPU program compile takes graph-mode recipes "
+                "(one program per step); allowed: graph"
+            )
         capture.install()  # splash, gmm, fused CE as opaque ops (after build_job: it clears the op table)
         collectives.serve(program_op.ragged_all_to_all)
         try:
@@ -358,8 +420,12 @@ def _capture(spec: dict) -> dict:
             if dims.cp_enabled:
                 cp = cp_group(job.mesh["cp"])
                 local = _cp_local_attention(cp.rank, cp.size)
-                ops.register("causal_attention", lambda q, k, v, segment_ids=None: context_parallel_attention(
-                    q, k, v, segment_ids, cp=cp, local_attention=local))
+                ops.register(
+                    "causal_attention",
+                    lambda q, k, v, segment_ids=None: context_parallel_attention(
+                        q, k, v, segment_ids, cp=cp, local_attention=local
+                    ),
+                )
             step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
             batch = job.task.example_batch(job.local_batch_size, device=job.device)
             try:
@@ -370,10 +436,19 @@ def _capture(spec: dict) -> dict:
             collectives.serve(None)
         assert "pre" in RECORD, "the step was not captured"
         gm = RECORD["gm"]
-        names = sorted({a for m in gm.modules() if hasattr(m, "graph") for n in m.graph.nodes
-                        for a in n.args if isinstance(a, str) and _is_group_name(a)})
-        groups = {name: dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name))
-                  for name in names}
+        names = sorted(
+            {
+                a
+                for m in gm.modules()
+                if hasattr(m, "graph")
+                for n in m.graph.nodes
+                for a in n.args
+                if isinstance(a, str) and _is_group_name(a)
+            }
+        )
+        groups = {
+            name: dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(name)) for name in names
+        }
     torch._dynamo.reset()
     # Mesh layouts over the world's ranks: the trainer's world mesh and, with EP, its expert mesh.
     world = target.devices
@@ -381,8 +456,16 @@ def _capture(spec: dict) -> dict:
     for sizes in (dims.mesh_shape, (dims.dp_replicate, dims.efsdp, dims.ep)):
         bounds |= {math.prod(sizes[i:]) for i in range(len(sizes))}
     radices = refine_axes(bounds, world)
-    return dict(gm=gm, groups=groups, radices=radices, mesh_shape=tuple(dims.mesh_shape), capture_s=time.perf_counter() - t,
-                notes=notes.notes, generation=spec["generation"], target=target.name)
+    return dict(
+        gm=gm,
+        groups=groups,
+        radices=radices,
+        mesh_shape=tuple(dims.mesh_shape),
+        capture_s=time.perf_counter() - t,
+        notes=notes.notes,
+        generation=spec["generation"],
+        target=target.name,
+    )
 
 
 def _is_group_name(s: str) -> bool:
@@ -445,6 +528,7 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
         def fn(a):
             out = jax.lax.psum_scatter(a, axes(group_name), scatter_dimension=0, tiled=True)
             return out / size(group_name) if reduce_op == "avg" else out
+
         return call(fn, x)
 
     def all_reduce(x, reduce_op, group_name):
@@ -453,6 +537,7 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
                 out = jax.lax.psum(a, axes(group_name))
                 return out / size(group_name) if reduce_op == "avg" else out
             return {"max": jax.lax.pmax, "min": jax.lax.pmin}[reduce_op](a, axes(group_name))
+
         return call(fn, x)
 
     def all_to_all(x, output_split_sizes, input_split_sizes, group_name):
@@ -463,6 +548,7 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
     def coalesced(single):
         def fn(xs, *rest):
             return [single(x, *rest) for x in xs]
+
         return fn
 
     env.override_op_definition(c10d.all_gather_into_tensor.default, all_gather)
@@ -478,8 +564,10 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
     def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group_name):
         def fn(o, out, io, ss, oo, rs):
             i32 = jnp.int32
-            return jax.lax.ragged_all_to_all(o, out, io.astype(i32), ss.astype(i32), oo.astype(i32), rs.astype(i32),
-                                             axis_name=axes(group_name))
+            return jax.lax.ragged_all_to_all(
+                o, out, io.astype(i32), ss.astype(i32), oo.astype(i32), rs.astype(i32), axis_name=axes(group_name)
+            )
+
         return call(fn, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
 
     env.override_op_definition(program.ragged_all_to_all.default, ragged)
@@ -491,16 +579,20 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
         f = lambda q, k, v: splash.splash_cp_attention(q, k, v, seg, seg_all, cp_rank=rank, cp_size=size_)  # noqa: E731
         return tuple(jax.vjp(f, q, k, v)[1](dout))
 
-    env.override_op_definition(program.splash_cp_fwd.default,
-                               lambda q, k, v, r, s: call(lambda *a: cp_fwd(*a, r, s), q, k, v))
-    env.override_op_definition(program.splash_cp_bwd.default,
-                               lambda q, k, v, d, r, s: call(lambda *a: cp_bwd(*a, r, s), q, k, v, d))
+    env.override_op_definition(
+        program.splash_cp_fwd.default, lambda q, k, v, r, s: call(lambda *a: cp_fwd(*a, r, s), q, k, v)
+    )
+    env.override_op_definition(
+        program.splash_cp_bwd.default, lambda q, k, v, d, r, s: call(lambda *a: cp_bwd(*a, r, s), q, k, v, d)
+    )
     env.override_op_definition(
         program.splash_cp_seg_fwd.default,
-        lambda q, k, v, a, b, r, s: call(lambda q, k, v, a, b: cp_fwd(q, k, v, r, s, a, b), q, k, v, a, b))
+        lambda q, k, v, a, b, r, s: call(lambda q, k, v, a, b: cp_fwd(q, k, v, r, s, a, b), q, k, v, a, b),
+    )
     env.override_op_definition(
         program.splash_cp_seg_bwd.default,
-        lambda q, k, v, a, b, d, r, s: call(lambda q, k, v, a, b, d: cp_bwd(q, k, v, d, r, s, a, b), q, k, v, a, b, d))
+        lambda q, k, v, a, b, d, r, s: call(lambda q, k, v, a, b, d: cp_bwd(q, k, v, d, r, s, a, b), q, k, v, a, b, d),
+    )
 
     cap = torch.ops.titan_capture
 
@@ -514,21 +606,32 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
         return tuple(jax.vjp(lambda x, w: gmm_fwd(x, w, sizes), x, w)[1](dy))
 
     env.override_op_definition(cap.splash_fwd.default, lambda q, k, v: call(splash.splash_attention, q, k, v))
-    env.override_op_definition(cap.splash_seg_fwd.default,
-                               lambda q, k, v, s: call(lambda q, k, v, s: splash.splash_attention(q, k, v, s), q, k, v, s))
+    env.override_op_definition(
+        cap.splash_seg_fwd.default,
+        lambda q, k, v, s: call(lambda q, k, v, s: splash.splash_attention(q, k, v, s), q, k, v, s),
+    )
     env.override_op_definition(cap.splash_bwd.default, lambda q, k, v, d: call(splash_bwd, q, k, v, d))
-    env.override_op_definition(cap.splash_seg_bwd.default,
-                               lambda q, k, v, s, d: call(lambda q, k, v, s, d: splash_bwd(q, k, v, d, s), q, k, v, s, d))
+    env.override_op_definition(
+        cap.splash_seg_bwd.default,
+        lambda q, k, v, s, d: call(lambda q, k, v, s, d: splash_bwd(q, k, v, d, s), q, k, v, s, d),
+    )
     env.override_op_definition(cap.gmm.default, lambda x, w, s: call(gmm_fwd, x, w, s))
     env.override_op_definition(cap.gmm_bwd.default, lambda x, w, s, d: call(gmm_bwd, x, w, s, d))
     env.override_op_definition(
         cap.ce_fwd.default,
-        lambda h, w, lab: call(lambda h, w, lab: fused_ce.forward_rows(h, w, lab, generation=generation), h, w, lab))
+        lambda h, w, lab: call(lambda h, w, lab: fused_ce.forward_rows(h, w, lab, generation=generation), h, w, lab),
+    )
     env.override_op_definition(
         cap.ce_bwd.default,
         lambda h, w, lab, lse, g: call(
             lambda h, w, lab, lse, g: fused_ce.backward_rows(h, w, lab, lse, g, generation=generation),
-            h, w, lab, lse, g))
+            h,
+            w,
+            lab,
+            lse,
+            g,
+        ),
+    )
 
 
 def _lay_out(devices, mesh_shape, target: str):
@@ -550,8 +653,11 @@ def _lay_out(devices, mesh_shape, target: str):
     mapping = map_mesh(topology, mesh_shape)
     x_size, y_size, _ = topology.chips
     per_chip = topology.devices_per_chip
-    by_id = {((d.coords[2] * y_size + d.coords[1]) * x_size + d.coords[0]) * per_chip
-             + (getattr(d, "core_on_chip", 0) if per_chip > 1 else 0): d for d in devices}
+    by_id = {
+        ((d.coords[2] * y_size + d.coords[1]) * x_size + d.coords[0]) * per_chip
+        + (getattr(d, "core_on_chip", 0) if per_chip > 1 else 0): d
+        for d in devices
+    }
     assert len(by_id) == len(devices), "compile-only devices do not match the slice's chips"
     ids = np.asarray(mapping.device_ids)
     laid = np.vectorize(by_id.__getitem__, otypes=[object])(ids)
@@ -592,8 +698,14 @@ def worker(spec: dict) -> dict:
     every = PartitionSpec(tuple(axis_names))
     fn, idx = as_jax_function(RECORD)
     pre = RECORD["pre"]
-    jdtype = {torch.float32: np.float32, torch.bfloat16: jax.numpy.bfloat16, torch.int64: np.int32,
-              torch.int32: np.int32, torch.bool: np.bool_, torch.float16: np.float16}
+    jdtype = {
+        torch.float32: np.float32,
+        torch.bfloat16: jax.numpy.bfloat16,
+        torch.int64: np.int32,
+        torch.int32: np.int32,
+        torch.bool: np.bool_,
+        torch.float16: np.float16,
+    }
     n = len(devices)
     mutated = mutated_inputs(gm)
     written = [k for k, i in enumerate(idx) if i in mutated]
@@ -602,15 +714,23 @@ def worker(spec: dict) -> dict:
         outs, updated = fn(*[t[0] for t in tensors])
         return [o[None] for o in outs if o is not None], [updated[k][None] for k in written]
 
-    abstract = [jax.ShapeDtypeStruct((n, *pre[i].shape), jdtype[pre[i].dtype], sharding=NamedSharding(mesh, every))
-                for i in idx]
+    abstract = [
+        jax.ShapeDtypeStruct((n, *pre[i].shape), jdtype[pre[i].dtype], sharding=NamedSharding(mesh, every)) for i in idx
+    ]
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=every, out_specs=every, check_vma=False)
     t = time.perf_counter()
     lowered = jax.jit(mapped).lower(*abstract)
     lower_s = time.perf_counter() - t
-    result = dict(mesh=f"{layout}; axes {' x '.join(str(r) for r in radices)}",
-                  kernels=kernels, collectives=colls, scans=scans, capture_s=cap["capture_s"], lower_s=lower_s,
-                  notes=cap["notes"], device_kind=devices[0].device_kind)
+    result = dict(
+        mesh=f"{layout}; axes {' x '.join(str(r) for r in radices)}",
+        kernels=kernels,
+        collectives=colls,
+        scans=scans,
+        capture_s=cap["capture_s"],
+        lower_s=lower_s,
+        notes=cap["notes"],
+        device_kind=devices[0].device_kind,
+    )
     t = time.perf_counter()
     try:
         compiled = lowered.compile()
@@ -624,8 +744,13 @@ def worker(spec: dict) -> dict:
         return result
     result["compile_s"] = time.perf_counter() - t
     mem = compiled.memory_analysis()
-    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-             "generated_code_size_in_bytes")
+    names = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     result["memory"] = {k: int(getattr(mem, k)) for k in names if hasattr(mem, k)}
     return result
 

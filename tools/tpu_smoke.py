@@ -93,8 +93,13 @@ device, program and batches, the state restored bit for bit (fp32 weights and mo
 position, RNG); only a reduction order may differ, a few fp32 ulps (tests/e2e/test_resume_e2e.py
 holds 1e-5 even across meshes)."""
 
-COMMON = ["--metrics.log_freq=1", "--validation.enable=false", "--metrics.enable_tensorboard=false",
-          "--checkpoint.enable=false", "--training.mixed_precision_param=bfloat16"]
+COMMON = [
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=false",
+    "--training.mixed_precision_param=bfloat16",
+]
 """Every run: a record per step, no validation or TensorBoard, bf16 parameters on both devices
 (`auto` may pick fp32 on the CPU), no checkpoints unless the run is about them."""
 PLAIN = ["--model.attn_backend=sdpa", "--training.fused_loss=off"]
@@ -170,32 +175,95 @@ def plan(steps: int) -> list[Run]:
         Run("cpu_doc", "Llama 3 debug, eager, document mask, CPU reference", LLAMA, [*PLAIN, *doc], device="cpu"),
         Run("cpu_mla", "DeepSeek V3 debug (MLA, MoE), eager, CPU reference", MLA, PLAIN, device="cpu"),
         Run("eager", "Llama 3 debug, eager", LLAMA, [*PLAIN, "--compile.mode=eager"], ref="cpu"),
-        Run("compile", "Llama 3 debug, torch.compile per block", LLAMA, [*PLAIN, "--compile.mode=compile"],
-            ref="cpu"),
+        Run("compile", "Llama 3 debug, torch.compile per block", LLAMA, [*PLAIN, "--compile.mode=compile"], ref="cpu"),
         Run("graph_scan", "Llama 3 debug, graph mode, layer scan", LLAMA, [*PLAIN, *graph], ref="cpu"),
-        Run("ac_full", "graph_scan + full activation checkpointing", LLAMA,
-            [*PLAIN, *graph, "--activation_checkpoint.mode=full"], ref="cpu"),
-        Run("fused_loss", "graph_scan + the fused linear + cross-entropy kernel", LLAMA,
-            [*PLAIN, *graph, "--training.fused_loss=on"], ref="cpu"),
-        Run("splash", "graph_scan + splash attention", LLAMA, [*PLAIN, *graph, "--model.attn_backend=splash"],
-            ref="cpu"),
-        Run("moe_ep1", "Qwen 3 MoE debug, graph + scan, gmm experts, EP 1", MOE,
-            [*PLAIN, *graph, "--parallelism.expert_parallel_degree=1"], ref="cpu_moe"),
-        Run("moe_ep2", "Qwen 3 MoE debug, graph + scan, gmm experts, EP 2", MOE,
-            [*PLAIN, *graph, "--parallelism.expert_parallel_degree=2"], ref="cpu_moe", min_devices=2),
+        Run(
+            "ac_full",
+            "graph_scan + full activation checkpointing",
+            LLAMA,
+            [*PLAIN, *graph, "--activation_checkpoint.mode=full"],
+            ref="cpu",
+        ),
+        Run(
+            "fused_loss",
+            "graph_scan + the fused linear + cross-entropy kernel",
+            LLAMA,
+            [*PLAIN, *graph, "--training.fused_loss=on"],
+            ref="cpu",
+        ),
+        Run(
+            "splash", "graph_scan + splash attention", LLAMA, [*PLAIN, *graph, "--model.attn_backend=splash"], ref="cpu"
+        ),
+        Run(
+            "moe_ep1",
+            "Qwen 3 MoE debug, graph + scan, gmm experts, EP 1",
+            MOE,
+            [*PLAIN, *graph, "--parallelism.expert_parallel_degree=1"],
+            ref="cpu_moe",
+        ),
+        Run(
+            "moe_ep2",
+            "Qwen 3 MoE debug, graph + scan, gmm experts, EP 2",
+            MOE,
+            [*PLAIN, *graph, "--parallelism.expert_parallel_degree=2"],
+            ref="cpu_moe",
+            min_devices=2,
+        ),
         Run("save", f"graph_scan, checkpoints every {k} steps", LLAMA, [*PLAIN, *graph, *save], ref="cpu"),
-        Run("resume", f"resumes save's step-{k} checkpoint and continues", LLAMA, [*PLAIN, *graph, *save],
-            ref="save", exact=True, resume_of="save"),
-        Run("cp2", "graph_scan + context parallel 2 (k/v all-gather, per-rank CP splash), splash attention",
-            LLAMA, splash, ref="cpu", min_devices=2, cp=2),
-        Run("cp2_doc", "cp2 + document mask (CP splash with segment ids)", LLAMA, [*splash, *doc], ref="cpu_doc",
-            min_devices=2, cp=2),
-        Run("mla_ep2", "DeepSeek V3 debug: MLA attention (splash), MoE, graph + scan, gmm experts, EP 2", MLA,
-            [*splash, "--parallelism.expert_parallel_degree=2"], ref="cpu_mla", min_devices=2),
-        Run("cache_cold", f"graph_scan, {CACHE_STEPS} steps, fills a fresh persistent compile cache", LLAMA,
-            [*PLAIN, *graph], steps=CACHE_STEPS, cache=True),  # graph_scan has the loss verdict
-        Run("cache_warm", "cache_cold launched again on its persistent compile cache", LLAMA, [*PLAIN, *graph],
-            ref="cache_cold", exact=True, steps=CACHE_STEPS, cache=True, relaunch_of="cache_cold"),
+        Run(
+            "resume",
+            f"resumes save's step-{k} checkpoint and continues",
+            LLAMA,
+            [*PLAIN, *graph, *save],
+            ref="save",
+            exact=True,
+            resume_of="save",
+        ),
+        Run(
+            "cp2",
+            "graph_scan + context parallel 2 (k/v all-gather, per-rank CP splash), splash attention",
+            LLAMA,
+            splash,
+            ref="cpu",
+            min_devices=2,
+            cp=2,
+        ),
+        Run(
+            "cp2_doc",
+            "cp2 + document mask (CP splash with segment ids)",
+            LLAMA,
+            [*splash, *doc],
+            ref="cpu_doc",
+            min_devices=2,
+            cp=2,
+        ),
+        Run(
+            "mla_ep2",
+            "DeepSeek V3 debug: MLA attention (splash), MoE, graph + scan, gmm experts, EP 2",
+            MLA,
+            [*splash, "--parallelism.expert_parallel_degree=2"],
+            ref="cpu_mla",
+            min_devices=2,
+        ),
+        Run(
+            "cache_cold",
+            f"graph_scan, {CACHE_STEPS} steps, fills a fresh persistent compile cache",
+            LLAMA,
+            [*PLAIN, *graph],
+            steps=CACHE_STEPS,
+            cache=True,
+        ),  # graph_scan has the loss verdict
+        Run(
+            "cache_warm",
+            "cache_cold launched again on its persistent compile cache",
+            LLAMA,
+            [*PLAIN, *graph],
+            ref="cache_cold",
+            exact=True,
+            steps=CACHE_STEPS,
+            cache=True,
+            relaunch_of="cache_cold",
+        ),
     ]
 
 
@@ -212,7 +280,7 @@ def cache_misses(log_text: str, pattern: str = CACHE_MISS_PATTERN, after_step: i
     for i, line in enumerate(lines):
         m = _STEP_LINE.match(line)
         if m and int(m.group(1)) == after_step:
-            return sum(pattern in rest for rest in lines[i + 1:])
+            return sum(pattern in rest for rest in lines[i + 1 :])
     return None
 
 
@@ -239,8 +307,10 @@ def relaunch_verdict(first: list[dict], second: list[dict], after_step: int = 3)
     numbers and what they say. A relaunch served wholly by the cache compiles nothing (0 and 0)."""
     n, m = counter_misses(second, after_step), misses_through(second, after_step)
     if n is None or m is None:
-        return (f"second launch: not measured (no compile_cache_misses through step {after_step} in its "
-                "metrics.jsonl: not on a TPU, or it stopped early)")
+        return (
+            f"second launch: not measured (no compile_cache_misses through step {after_step} in its "
+            "metrics.jsonl: not on a TPU, or it stopped early)"
+        )
     line = f"second launch: {n} misses after step {after_step}, {m} at restart"
     n0, m0 = counter_misses(first, after_step), misses_through(first, after_step)
     if m0 is not None:
@@ -249,8 +319,10 @@ def relaunch_verdict(first: list[dict], second: list[dict], after_step: int = 3)
         return line + ": compiled nothing, the cache served every program"
     if m0 is not None and m < m0:
         return line + f": the cache served {m0 - m} of the first launch's {m0} programs, the rest compiled again"
-    return line + (": missed as much as a cold start (no cache read, or torch-tpu counts a program loaded "
-                   "from the cache as a miss: see `compilations` and the first step's time)")
+    return line + (
+        ": missed as much as a cold start (no cache read, or torch-tpu counts a program loaded "
+        "from the cache as a miss: see `compilations` and the first step's time)"
+    )
 
 
 def tail(log_text: str, n: int = TAIL_LINES) -> str:
@@ -353,15 +425,18 @@ def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, timeout_s: flo
     it timed out and was killed, wall seconds)."""
     t0 = time.perf_counter()
     with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill(proc)
             rc = None
-            f.write(f"\n== tools.tpu_smoke: timed out after {timeout_s:g} s: SIGTERM, SIGKILL after "
-                    f"{KILL_GRACE_S} s\n".encode())
+            f.write(
+                f"\n== tools.tpu_smoke: timed out after {timeout_s:g} s: SIGTERM, SIGKILL after "
+                f"{KILL_GRACE_S} s\n".encode()
+            )
         except KeyboardInterrupt:  # Ctrl-C: stop this run's processes too, then the caller reports
             _kill(proc)
             f.write(b"\n== tools.tpu_smoke: interrupted (Ctrl-C)\n")
@@ -377,20 +452,27 @@ def _topology_cmd(shim: bool) -> list[str]:
 def topology(out: Path, *, shim: bool, env: dict[str, str], name: str = "launch_env") -> tuple[int | None, dict]:
     """Run the launch-environment command into OUT/<name>.txt; (its exit code, the variables)."""
     path = out / f"{name}.txt"
-    rc, _ = run_logged(_topology_cmd(shim), env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}, log=path,
-                       timeout_s=300)
+    rc, _ = run_logged(_topology_cmd(shim), env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}, log=path, timeout_s=300)
     return rc, parse_launch_env(path.read_text())
 
 
 def _launch(run: Run, nproc: int) -> list[str]:
     if run.device == "cpu":
         return [sys.executable, "-m", "trainer.train"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "trainer.train"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "trainer.train",
+    ]
 
 
-def command(run: Run, *, steps: int, nproc: int, global_batch: int, out: Path, shim: bool,
-            extra: list[str]) -> list[str]:
+def command(
+    run: Run, *, steps: int, nproc: int, global_batch: int, out: Path, shim: bool, extra: list[str]
+) -> list[str]:
     """The full command line of `run` (what the report records as its flags)."""
     procs = 1 if run.device == "cpu" else nproc
     device = "cpu" if run.device == "cpu" or shim else "tpu"
@@ -401,11 +483,19 @@ def command(run: Run, *, steps: int, nproc: int, global_batch: int, out: Path, s
         args.append(f"--parallelism.context_parallel_degree={run.cp}")
     if run.cache:
         args.append(f"--compile.cache_dir={out / CACHE_FOLDER}")
-    return [*_launch(run, procs), "--config", run.recipe, f"--training.steps={run_steps(run, steps)}", *COMMON,
-            *([*SHIM, *SHIM_RECIPE.get(run.recipe, [])] if shim else []), *args, f"--device.type={device}",
-            f"--training.local_batch_size={global_batch * run.cp // procs}",
-            f"--job.dump_folder={out / 'runs' / run.name}",
-            *extra]
+    return [
+        *_launch(run, procs),
+        "--config",
+        run.recipe,
+        f"--training.steps={run_steps(run, steps)}",
+        *COMMON,
+        *([*SHIM, *SHIM_RECIPE.get(run.recipe, [])] if shim else []),
+        *args,
+        f"--device.type={device}",
+        f"--training.local_batch_size={global_batch * run.cp // procs}",
+        f"--job.dump_folder={out / 'runs' / run.name}",
+        *extra,
+    ]
 
 
 def run_all(args: argparse.Namespace) -> int:
@@ -421,21 +511,41 @@ def run_all(args: argparse.Namespace) -> int:
     nnodes = int(launch.get("NNODES") or 1)
     nproc = int(launch.get("WORLD_SIZE") or 0) if rc == 0 else 0
     if rc == 0 and nnodes > 1:
-        cli.error_line(f"tpu_smoke.sh runs on one host; this slice has NNODES={nnodes} hosts "
-                       "(use a single-host slice, e.g. v6e-8 or v5litepod-8)")
+        cli.error_line(
+            f"tpu_smoke.sh runs on one host; this slice has NNODES={nnodes} hosts "
+            "(use a single-host slice, e.g. v6e-8 or v5litepod-8)"
+        )
         return 2
     global_batch = GLOBAL_BATCH if nproc <= 1 else -(-GLOBAL_BATCH // nproc) * nproc
     selected = plan(args.steps)
     if args.runs:
         selected = [r for r in selected if r.name in args.runs]
-    meta = {"steps": args.steps, "timeout_s": args.timeout, "shim": args.shim, "devices": nproc,
-            "global_batch": global_batch, "checkpoint_step": checkpoint_step(args.steps),
-            "cache_miss_pattern": CACHE_MISS_PATTERN, "started": _utc(started), "launch_rc": rc,
-            "python": sys.executable, "git": _git(), "runs": {}}
+    meta = {
+        "steps": args.steps,
+        "timeout_s": args.timeout,
+        "shim": args.shim,
+        "devices": nproc,
+        "global_batch": global_batch,
+        "checkpoint_step": checkpoint_step(args.steps),
+        "cache_miss_pattern": CACHE_MISS_PATTERN,
+        "started": _utc(started),
+        "launch_rc": rc,
+        "python": sys.executable,
+        "git": _git(),
+        "runs": {},
+    }
     for run in selected:
-        meta["runs"][run.name] = {"what": run.what, "device": run.device, "ref": run.ref, "exact": run.exact,
-                                  "recipe": run.recipe, "steps": run_steps(run, args.steps),
-                                  "relaunch_of": run.relaunch_of, "status": "not run", "reason": "not reached"}
+        meta["runs"][run.name] = {
+            "what": run.what,
+            "device": run.device,
+            "ref": run.ref,
+            "exact": run.exact,
+            "recipe": run.recipe,
+            "steps": run_steps(run, args.steps),
+            "relaunch_of": run.relaunch_of,
+            "status": "not run",
+            "reason": "not reached",
+        }
     try:
         for run in selected:
             _one(run, meta, args=args, out=out, base_env=base_env, launch_rc=rc, nproc=nproc)
@@ -460,8 +570,16 @@ def run_all(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one(run: Run, meta: dict, *, args: argparse.Namespace, out: Path, base_env: dict[str, str],
-         launch_rc: int | None, nproc: int) -> None:
+def _one(
+    run: Run,
+    meta: dict,
+    *,
+    args: argparse.Namespace,
+    out: Path,
+    base_env: dict[str, str],
+    launch_rc: int | None,
+    nproc: int,
+) -> None:
     """Run one of the smoke's runs (or skip it), recording what happened in meta["runs"]."""
     runs_dir, rc, global_batch = out / "runs", launch_rc, meta["global_batch"]
     result = meta["runs"][run.name]
@@ -474,8 +592,11 @@ def _one(run: Run, meta: dict, *, args: argparse.Namespace, out: Path, base_env:
         skip = f"needs {run.min_devices} devices, this host has {nproc}"
     elif run.device == "tpu" and nproc % run.cp:
         skip = f"context parallel {run.cp} needs a device count divisible by {run.cp}, this host has {nproc}"
-    elif run.relaunch_of is not None and meta["runs"].get(run.relaunch_of, {}).get("status") in (None, "skipped",
-                                                                                                  "not run"):
+    elif run.relaunch_of is not None and meta["runs"].get(run.relaunch_of, {}).get("status") in (
+        None,
+        "skipped",
+        "not run",
+    ):
         skip = f"relaunches {run.relaunch_of}, which did not run"
     elif run.resume_of is not None:
         src = runs_dir / run.resume_of / "checkpoints" / f"step-{checkpoint_step(args.steps)}"
@@ -490,28 +611,38 @@ def _one(run: Run, meta: dict, *, args: argparse.Namespace, out: Path, base_env:
     env = {**base_env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1" if run.device == "tpu" and not args.shim else "0"}
     set_env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": env["TORCH_DEVICE_BACKEND_AUTOLOAD"]}
     if run.cache:  # a host cache of its own (TIER2_ROOT), the persistent one shared: DIR/compile_cache
-        result["tier2"] = set_env[TIER2_VAR] = env[TIER2_VAR] = re.sub(r"[^A-Za-z0-9_.-]", "-",
-                                                                        f"titan-smoke-{out.name}-{run.name}")
+        result["tier2"] = set_env[TIER2_VAR] = env[TIER2_VAR] = re.sub(
+            r"[^A-Za-z0-9_.-]", "-", f"titan-smoke-{out.name}-{run.name}"
+        )
     if run.device == "tpu":  # fresh ports for each run: a killed run's may still be held
         trc, launch_run = topology(runs_dir, shim=args.shim, env=base_env, name=f"{run.name}.launch_env")
         if trc != 0:
-            result.update(status="skipped", reason=f"the launch environment failed this time (exit {trc}; "
-                                                   f"runs/{run.name}.launch_env.txt)")
+            result.update(
+                status="skipped",
+                reason=f"the launch environment failed this time (exit {trc}; runs/{run.name}.launch_env.txt)",
+            )
             return
         env.update(launch_run)
         set_env.update(launch_run)
-    cmd = command(run, steps=args.steps, nproc=nproc, global_batch=global_batch, out=out, shim=args.shim,
-                  extra=args.set.get(run.name, []))
+    cmd = command(
+        run,
+        steps=args.steps,
+        nproc=nproc,
+        global_batch=global_batch,
+        out=out,
+        shim=args.shim,
+        extra=args.set.get(run.name, []),
+    )
     result.update(cmd=["python", *cmd[1:]], env=set_env, status="running", reason=None)
     print(f"== {run.name}: {run.what} (timeout {timeout_s:g} s)", file=sys.stderr, flush=True)
     code, wall = run_logged(cmd, env=env, log=runs_dir / f"{run.name}.log", timeout_s=timeout_s)
-    result.update(rc=code, wall_s=round(wall, 1),
-                  status="timed out" if code is None else ("ok" if code == 0 else "failed"))
+    result.update(
+        rc=code, wall_s=round(wall, 1), status="timed out" if code is None else ("ok" if code == 0 else "failed")
+    )
     if run.cache:  # what each launch left in the caches: written at all, and by which tier
         result["tier3_after"] = folder_stats(out / CACHE_FOLDER)
         result["tier2_after"] = folder_stats(TIER2_ROOT / result["tier2"])
-    print(f"   {result['status']}" + (f" (rc {code})" if code else "") + f", {wall:.0f} s", file=sys.stderr,
-          flush=True)
+    print(f"   {result['status']}" + (f" (rc {code})" if code else "") + f", {wall:.0f} s", file=sys.stderr, flush=True)
 
 
 def folder_stats(folder: Path) -> dict | None:
@@ -528,17 +659,25 @@ def _utc(t: float) -> str:
 
 def _git() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + (" (with local changes)" if dirty else "")
 
 
-FLAG_VARS = re.compile(r"^(LIBTPU_INIT_ARGS|XLA_FLAGS|JAX_PLATFORMS|JAX_.*|TPU_.*|TORCH_TPU_.*|PJRT_.*|"
-                       r"TORCH_DEVICE_BACKEND_AUTOLOAD|OMP_NUM_THREADS|TITAN_.*)$")
+FLAG_VARS = re.compile(
+    r"^(LIBTPU_INIT_ARGS|XLA_FLAGS|JAX_PLATFORMS|JAX_.*|TPU_.*|TORCH_TPU_.*|PJRT_.*|"
+    r"TORCH_DEVICE_BACKEND_AUTOLOAD|OMP_NUM_THREADS|TITAN_.*)$"
+)
 """Environment variables the report records: what libtpu, XLA, JAX and torch-tpu read."""
 
 
@@ -550,10 +689,15 @@ def write_environment(out: Path, env: dict[str, str]) -> None:
     else:  # a venv made by uv has no pip: the same list from the installed distributions
         dists = {(d.metadata["Name"] or "?"): d.version for d in importlib.metadata.distributions()}
         text = "# pip not in this venv: from importlib.metadata\n" + "".join(
-            f"{n}=={v}\n" for n, v in sorted(dists.items(), key=lambda kv: kv[0].lower()))
+            f"{n}=={v}\n" for n, v in sorted(dists.items(), key=lambda kv: kv[0].lower())
+        )
     (out / "pip_freeze.txt").write_text(text)
-    lines = [f"python {platform.python_version()} ({sys.executable})", f"host {platform.node()}",
-             f"platform {platform.platform()}", f"cpus {os.cpu_count()}"]
+    lines = [
+        f"python {platform.python_version()} ({sys.executable})",
+        f"host {platform.node()}",
+        f"platform {platform.platform()}",
+        f"cpus {os.cpu_count()}",
+    ]
     lines += [f"{k}={v}" for k, v in sorted(env.items()) if FLAG_VARS.match(k)]
     (out / "env.txt").write_text("\n".join(lines) + "\n")
 
@@ -591,14 +735,21 @@ def summarize(records: list[dict]) -> dict:
         vals = [r[key] for r in steady if r.get(key) is not None]
         return statistics.median(vals) if vals else None
 
-    return {"first_step": first["step"], "last_step": last["step"], "final_loss": last.get("loss"),
-            "setup_s": first.get("setup_s"), "first_step_s": first.get("elapsed_s"),
-            "compile_s": first.get("compile_s"), "median_step_s": statistics.median(times) if times else None,
-            "tokens_per_sec": median("tokens_per_sec"), "mfu_pct": median("mfu_pct"),
-            "counter_misses": counter_misses(records, after_step=first["step"] + 2),
-            "misses_through_3": misses_through(records, first["step"] + 2),
-            "compilations": last.get("compilations"),
-            "losses": {r["step"]: r.get("loss") for r in records}}
+    return {
+        "first_step": first["step"],
+        "last_step": last["step"],
+        "final_loss": last.get("loss"),
+        "setup_s": first.get("setup_s"),
+        "first_step_s": first.get("elapsed_s"),
+        "compile_s": first.get("compile_s"),
+        "median_step_s": statistics.median(times) if times else None,
+        "tokens_per_sec": median("tokens_per_sec"),
+        "mfu_pct": median("mfu_pct"),
+        "counter_misses": counter_misses(records, after_step=first["step"] + 2),
+        "misses_through_3": misses_through(records, first["step"] + 2),
+        "compilations": last.get("compilations"),
+        "losses": {r["step"]: r.get("loss") for r in records},
+    }
 
 
 def compare(run: dict, ref: dict, *, exact: bool) -> tuple[str, float | None]:
@@ -637,31 +788,40 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
 
     L = ["# TPU smoke report", ""]
     if meta["shim"]:
-        L += ["**Fake TPU shim (`--shim`, CI): nothing here ran on a TPU.** The \"TPU\" runs trained on the "
-              "CPU with a tiny model (`" + " ".join(SHIM) + "`), the splash run with SDPA, and the topology "
-              "below is made up by `tests/support/fake_tpu/distributed.py`; losses and times say nothing about a TPU. "
-              "The runs, timeouts, failure capture, report and tarball are the real ones.", ""]
-    L += [f"- started {meta['started']}, finished {meta.get('finished', '-')}; commit {meta['git']}",
-          f"- {meta['steps']} steps per run, log every step; global batch {meta['global_batch']} sequences on "
-          f"every run ({meta['devices']} device(s): {meta['global_batch'] // max(meta['devices'], 1)} per device); "
-          f"timeout {meta['timeout_s']:g} s per run unless noted",
-          "- cache misses after step 3: torch-tpu's counter (`compile_cache_misses` in metrics.jsonl, TPU only) "
-          f"/ log lines with `{pattern}` (torch-tpu's message) after the step-3 line (a resumed run: after its "
-          "own third step)", ""]
+        L += [
+            '**Fake TPU shim (`--shim`, CI): nothing here ran on a TPU.** The "TPU" runs trained on the '
+            "CPU with a tiny model (`" + " ".join(SHIM) + "`), the splash run with SDPA, and the topology "
+            "below is made up by `tests/support/fake_tpu/distributed.py`; losses and times say nothing about a TPU. "
+            "The runs, timeouts, failure capture, report and tarball are the real ones.",
+            "",
+        ]
+    L += [
+        f"- started {meta['started']}, finished {meta.get('finished', '-')}; commit {meta['git']}",
+        f"- {meta['steps']} steps per run, log every step; global batch {meta['global_batch']} sequences on "
+        f"every run ({meta['devices']} device(s): {meta['global_batch'] // max(meta['devices'], 1)} per device); "
+        f"timeout {meta['timeout_s']:g} s per run unless noted",
+        "- cache misses after step 3: torch-tpu's counter (`compile_cache_misses` in metrics.jsonl, TPU only) "
+        f"/ log lines with `{pattern}` (torch-tpu's message) after the step-3 line (a resumed run: after its "
+        "own third step)",
+        "",
+    ]
 
     counts = {}
     for r in runs.values():
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     L += ["## Runs", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
-    L += ["| run | what | status | steps | final loss | vs | Δ loss (rel.) | verdict | setup s | first step s | "
-          "graph compile s | median step s | tokens/s/device | MFU % | cache misses after step 3 (counter / log) |",
-          "|" + "---|" * 15]
+    L += [
+        "| run | what | status | steps | final loss | vs | Δ loss (rel.) | verdict | setup s | first step s | "
+        "graph compile s | median step s | tokens/s/device | MFU % | cache misses after step 3 (counter / log) |",
+        "|" + "---|" * 15,
+    ]
     for name, r in runs.items():
         s = stats[name]
         status = r["status"]
         if status == "failed":
             status = (f"failed (rc {r.get('rc')})" if r.get("rc") else "failed") + (
-                f": {r['reason']}" if r.get("reason") else "")
+                f": {r['reason']}" if r.get("reason") else ""
+            )
         elif status == "timed out":
             status = f"timed out after {r['timeout_s']:g} s"
         elif status in ("skipped", "not run"):
@@ -673,46 +833,61 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
         log_misses = cache_misses(logs[name], pattern, after_step=third) if logs[name] else None
         misses = f"{_fmt(s.get('counter_misses'), 'd')} / {_fmt(log_misses, 'd')}"
         steps = f"{s['first_step']}-{s['last_step']}" if s else "-"
-        L.append(f"| {name} | {r['what']} | {status} | {steps} | {_fmt(s.get('final_loss'))} | "
-                 f"{r.get('ref') or '-'} | {_fmt(rel, '+.2e') if r.get('exact') else _fmt(rel, '+.2%')} | {verdict} | "
-                 f"{_fmt(s.get('setup_s'), '.1f')} | {_fmt(s.get('first_step_s'), '.1f')} | "
-                 f"{_fmt(s.get('compile_s'), '.1f')} | {_fmt(s.get('median_step_s'), '.3f')} | "
-                 f"{_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu_pct'), '.2f')} | "
-                 f"{misses} |")
-    L += ["", "Columns: *Δ loss* is the run's median loss over the last (up to 5) steps both runs logged minus "
-          "its reference's, relative (resume: the largest per-step difference from the uninterrupted run). "
-          f"*Verdict*: ok within {REL_TOL_VS_CPU:.0%} of the CPU reference (different initial weights: each "
-          "device draws them from its own RNG; the spread that causes was measured on the CPU, docs/tpu.md), "
-          f"within {REL_TOL_RESUME:g} for the resume (same device, state restored exactly); FAIL when the loss "
-          "did not fall or was not finite. *setup s*: start to the first step; *first step s*: the first "
-          "step including its compilation; *graph compile s*: graph mode's capture and compile; *median step "
-          "s*, *tokens/s/device*, *MFU %*: medians over steps 3 and later (every step syncs to log, so "
-          "these are upper bounds on step time).", ""]
+        L.append(
+            f"| {name} | {r['what']} | {status} | {steps} | {_fmt(s.get('final_loss'))} | "
+            f"{r.get('ref') or '-'} | {_fmt(rel, '+.2e') if r.get('exact') else _fmt(rel, '+.2%')} | {verdict} | "
+            f"{_fmt(s.get('setup_s'), '.1f')} | {_fmt(s.get('first_step_s'), '.1f')} | "
+            f"{_fmt(s.get('compile_s'), '.1f')} | {_fmt(s.get('median_step_s'), '.3f')} | "
+            f"{_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu_pct'), '.2f')} | "
+            f"{misses} |"
+        )
+    L += [
+        "",
+        "Columns: *Δ loss* is the run's median loss over the last (up to 5) steps both runs logged minus "
+        "its reference's, relative (resume: the largest per-step difference from the uninterrupted run). "
+        f"*Verdict*: ok within {REL_TOL_VS_CPU:.0%} of the CPU reference (different initial weights: each "
+        "device draws them from its own RNG; the spread that causes was measured on the CPU, docs/tpu.md), "
+        f"within {REL_TOL_RESUME:g} for the resume (same device, state restored exactly); FAIL when the loss "
+        "did not fall or was not finite. *setup s*: start to the first step; *first step s*: the first "
+        "step including its compilation; *graph compile s*: graph mode's capture and compile; *median step "
+        "s*, *tokens/s/device*, *MFU %*: medians over steps 3 and later (every step syncs to log, so "
+        "these are upper bounds on step time).",
+        "",
+    ]
 
     relaunches = [n for n, r in runs.items() if r.get("relaunch_of") in runs]
     for name in relaunches:
         first = runs[name]["relaunch_of"]
         records = {n: read_metrics(out / "runs" / n) for n in (first, name)}
-        L += ["## Compile cache: second launch", "",
-              f"**{relaunch_verdict(records[first], records[name])}**", "",
-              f"`{name}` is `{first}` launched again on the persistent compilation cache `{first}` filled "
-              f"(`[compile] cache_dir = {CACHE_FOLDER}/`, TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT), with a host "
-              f"cache of its own (TORCH_TPU_TIER2_COMPILATION_CACHE under {TIER2_ROOT}), so what it did not "
-              "compile came from the persistent folder. Misses are torch-tpu's counter (`compile_cache_misses` "
-              "in metrics.jsonl, TPU only): *at start / at restart* from the process start through step 3, "
-              "*after step 3* the rest; *compilations* is torch-tpu's own count of programs compiled "
-              "(`compilations`, last step); a launch served by the cache should have few or none.", "",
-              "| launch | run | status | misses through step 3 | misses after step 3 | compilations | "
-              "first step s | graph compile s | persistent cache after (files, MB) | host cache after (files) |",
-              "|" + "---|" * 10]
+        L += [
+            "## Compile cache: second launch",
+            "",
+            f"**{relaunch_verdict(records[first], records[name])}**",
+            "",
+            f"`{name}` is `{first}` launched again on the persistent compilation cache `{first}` filled "
+            f"(`[compile] cache_dir = {CACHE_FOLDER}/`, TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT), with a host "
+            f"cache of its own (TORCH_TPU_TIER2_COMPILATION_CACHE under {TIER2_ROOT}), so what it did not "
+            "compile came from the persistent folder. Misses are torch-tpu's counter (`compile_cache_misses` "
+            "in metrics.jsonl, TPU only): *at start / at restart* from the process start through step 3, "
+            "*after step 3* the rest; *compilations* is torch-tpu's own count of programs compiled "
+            "(`compilations`, last step); a launch served by the cache should have few or none.",
+            "",
+            "| launch | run | status | misses through step 3 | misses after step 3 | compilations | "
+            "first step s | graph compile s | persistent cache after (files, MB) | host cache after (files) |",
+            "|" + "---|" * 10,
+        ]
         for label, n in (("first", first), ("second", name)):
             s, r = stats[n], runs[n]
             t3, t2 = r.get("tier3_after"), r.get("tier2_after")
-            L.append(f"| {label} | {n} | {r['status']} | {_fmt(s.get('misses_through_3'), 'd')} | "
-                     f"{_fmt(s.get('counter_misses'), 'd')} | {_fmt(s.get('compilations'), 'd')} | "
-                     f"{_fmt(s.get('first_step_s'), '.1f')} | {_fmt(s.get('compile_s'), '.1f')} | "
-                     + (f"{t3['files']}, {t3['bytes'] / 1e6:.1f}" if t3 else "none") + " | "
-                     + (str(t2["files"]) if t2 else "none") + " |")
+            L.append(
+                f"| {label} | {n} | {r['status']} | {_fmt(s.get('misses_through_3'), 'd')} | "
+                f"{_fmt(s.get('counter_misses'), 'd')} | {_fmt(s.get('compilations'), 'd')} | "
+                f"{_fmt(s.get('first_step_s'), '.1f')} | {_fmt(s.get('compile_s'), '.1f')} | "
+                + (f"{t3['files']}, {t3['bytes'] / 1e6:.1f}" if t3 else "none")
+                + " | "
+                + (str(t2["files"]) if t2 else "none")
+                + " |"
+            )
         L.append("")
 
     if "resume" in runs and stats.get("resume") and stats.get("save"):
@@ -723,9 +898,21 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
             L.append(f"| {step} | {_fmt(b[step], '.6f')} | {_fmt(a[step], '.6f')} | {_fmt(diff, '+.2e')} |")
         L.append("")
 
-    L += ["## Environment", "", "```", (out / "env.txt").read_text().strip(), "```", "",
-          f"Topology: `{'python -m tests.support.fake_tpu.distributed' if meta['shim'] else 'python -m torch.tpu.distributed'}` "
-          f"(exit {meta['launch_rc']}):", "", "```", _read(out / "launch_env.txt").strip() or "(no output)", "```", ""]
+    L += [
+        "## Environment",
+        "",
+        "```",
+        (out / "env.txt").read_text().strip(),
+        "```",
+        "",
+        f"Topology: `{'python -m tests.support.fake_tpu.distributed' if meta['shim'] else 'python -m torch.tpu.distributed'}` "
+        f"(exit {meta['launch_rc']}):",
+        "",
+        "```",
+        _read(out / "launch_env.txt").strip() or "(no output)",
+        "```",
+        "",
+    ]
 
     L += ["## Flags and start-up lines per run", ""]
     for name, r in runs.items():
@@ -735,8 +922,11 @@ def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
             continue
         env = " ".join(f"{k}={v}" for k, v in r["env"].items())
         L += ["```", f"{env} \\", "  " + " ".join(r["cmd"]), "```", ""]
-        L += [f"exit {r['rc'] if r.get('rc') is not None else 'none (killed)'}, {r.get('wall_s', '-')} s wall"
-              + (f"; {r['reason']}" if r.get("reason") else ""), ""]
+        L += [
+            f"exit {r['rc'] if r.get('rc') is not None else 'none (killed)'}, {r.get('wall_s', '-')} s wall"
+            + (f"; {r['reason']}" if r.get("reason") else ""),
+            "",
+        ]
         banner = banner_lines(logs[name])
         if banner:
             L += ["```", *banner, "```", ""]
@@ -795,15 +985,25 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="train every run, write report.md and the tarball")
     r.add_argument("steps", nargs="?", type=int, default=None, help="steps per run (default 20; --shim 5)")
-    r.add_argument("--out", type=Path, default=None,
-                   help="new folder for everything (default outputs/tpu_smoke/<UTC time>)")
+    r.add_argument(
+        "--out", type=Path, default=None, help="new folder for everything (default outputs/tpu_smoke/<UTC time>)"
+    )
     r.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per run (default %(default)s)")
     r.add_argument("--run-timeout", action="append", default=[], metavar="RUN=S", help="one run's timeout")
     r.add_argument("--runs", default="", help="comma-separated subset of: " + ", ".join(x.name for x in plan(2)))
-    r.add_argument("--set", action="append", default=[], metavar="RUN:--KEY=VALUE",
-                   help="one more trainer override for one run (repeatable)")
-    r.add_argument("--shim", action="store_true", default=os.environ.get("TITAN_SMOKE_SHIM") == "1",
-                   help="fake TPU: CPU runs, tiny model, made-up topology (CI; also TITAN_SMOKE_SHIM=1)")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="RUN:--KEY=VALUE",
+        help="one more trainer override for one run (repeatable)",
+    )
+    r.add_argument(
+        "--shim",
+        action="store_true",
+        default=os.environ.get("TITAN_SMOKE_SHIM") == "1",
+        help="fake TPU: CPU runs, tiny model, made-up topology (CI; also TITAN_SMOKE_SHIM=1)",
+    )
     rep = sub.add_parser("report", help="re-assemble DIR/report.md from DIR")
     rep.add_argument("dir", type=Path)
     rep.add_argument("--cache-miss-pattern", default=CACHE_MISS_PATTERN)
@@ -824,18 +1024,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
         if name not in names:
             raise _Fail(f"run {name!r} is not one of the smoke's runs; allowed: {', '.join(names)}")
     if args.out is None:
-        args.out = ROOT / "outputs" / "tpu_smoke" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        args.out = (
+            ROOT / "outputs" / "tpu_smoke" / datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        )
     args.out = args.out.resolve()
     if args.out.exists() and any(args.out.iterdir()):
-        raise _Fail(f"--out {args.out}: exists and is not empty (a run there would resume its checkpoints); "
-                    "allowed: a new or empty folder")
+        raise _Fail(
+            f"--out {args.out}: exists and is not empty (a run there would resume its checkpoints); "
+            "allowed: a new or empty folder"
+        )
     if not args.shim:
         if sys.version_info[:2] != (3, 11):
-            raise _Fail(f"python {platform.python_version()} ({sys.executable}): torch-tpu 0.2.0 is cp311 only; "
-                        "allowed: a Python 3.11 venv (scripts/env.sh tpu makes one)")
+            raise _Fail(
+                f"python {platform.python_version()} ({sys.executable}): torch-tpu 0.2.0 is cp311 only; "
+                "allowed: a Python 3.11 venv (scripts/env.sh tpu makes one)"
+            )
         if importlib.util.find_spec("torch_tpu") is None:
-            raise _Fail(f"torch-tpu is not installed in {sys.prefix}; install it with `source scripts/env.sh tpu` "
-                        "on the TPU VM (or run with --shim to check the script on a CPU)")
+            raise _Fail(
+                f"torch-tpu is not installed in {sys.prefix}; install it with `source scripts/env.sh tpu` "
+                "on the TPU VM (or run with --shim to check the script on a CPU)"
+            )
     return args
 
 

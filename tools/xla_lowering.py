@@ -124,13 +124,12 @@ def add_lowerings(env):
         return env.j2t_iso(list(carry) + list(ys))
 
     def repeat_interleave_self(x, repeats, dim=None, output_size=None):
-        return interop.call_jax(
-            lambda a, r: jnp.repeat(a, r, axis=dim, total_repeat_length=output_size), x, repeats)
+        return interop.call_jax(lambda a, r: jnp.repeat(a, r, axis=dim, total_repeat_length=output_size), x, repeats)
 
     def repeat_interleave_counts(repeats, output_size=None):
         return interop.call_jax(
-            lambda r: jnp.repeat(jnp.arange(r.shape[0], dtype=r.dtype), r, total_repeat_length=output_size),
-            repeats)
+            lambda r: jnp.repeat(jnp.arange(r.shape[0], dtype=r.dtype), r, total_repeat_length=output_size), repeats
+        )
 
     def layer_norm_backward(grad, x, normalized_shape, mean, rstd, weight, bias, output_mask):
         # torchax 0.0.13's rule takes 5-6 arguments; ATen's op has 8 (FLUX's LayerNorms reach it).
@@ -147,8 +146,11 @@ def add_lowerings(env):
             return dx.astype(x.dtype), dw, db
 
         dx, dw, db = interop.call_jax(fn, grad, x, mean, rstd, weight)
-        return (dx if output_mask[0] else None, dw if output_mask[1] and weight is not None else None,
-                db if output_mask[2] and bias is not None else None)
+        return (
+            dx if output_mask[0] else None,
+            dw if output_mask[1] and weight is not None else None,
+            db if output_mask[2] and bias is not None else None,
+        )
 
     env.override_op_definition(torch.ops.aten.native_layer_norm_backward.default, layer_norm_backward)
     env.override_op_definition(torch.ops.higher_order.scan, scan)
@@ -160,8 +162,9 @@ def add_lowerings(env):
     env.override_op_definition(torch.ops.aten.repeat_interleave.Tensor, repeat_interleave_counts)
     from trainer.graph.remat import OPTIMIZATION_BARRIER
 
-    env.override_op_definition(OPTIMIZATION_BARRIER,
-                               lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs))))
+    env.override_op_definition(
+        OPTIMIZATION_BARRIER, lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs)))
+    )
     return env
 
 
@@ -225,5 +228,4 @@ def mutated_inputs(gm) -> set[int]:
     moments, the step count. The rest (tokens, buffers) is read only."""
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(places)}
-    return {index[n.args[0]] for n in gm.graph.nodes
-            if n.target is torch.ops.aten.copy_.default and n.args[0] in index}
+    return {index[n.args[0]] for n in gm.graph.nodes if n.target is torch.ops.aten.copy_.default and n.args[0] in index}

@@ -49,15 +49,51 @@ except ModuleNotFoundError:  # Python < 3.11
 
 ANCHORS = Path(__file__).resolve().parents[1] / "assets" / "anchors.toml"
 
-_ITEMSIZE = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0}
+_ITEMSIZE = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\](\{[^}]*\})?")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s")
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-_NO_COST = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-            "replica-id", "while", "call", "conditional", "async-start", "async-update", "async-done",
-            "copy-start", "copy-done", "opt-barrier", "optimization-barrier", "iota"}
+_NO_COST = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "while",
+    "call",
+    "conditional",
+    "async-start",
+    "async-update",
+    "async-done",
+    "copy-start",
+    "copy-done",
+    "opt-barrier",
+    "optimization-barrier",
+    "iota",
+}
 
 
 # ------------------------------------------------------------------------------ parsing
@@ -118,9 +154,9 @@ class Instr:
         i = m.end()
         if i < len(self.attrs) and self.attrs[i] in "{[":
             open_ch = self.attrs[i]
-            return self.attrs[i:_balanced(self.attrs, i, open_ch, "}" if open_ch == "{" else "]")]
+            return self.attrs[i : _balanced(self.attrs, i, open_ch, "}" if open_ch == "{" else "]")]
         end = re.search(r",\s*[\w.\-]+=|$", self.attrs[i:])
-        return self.attrs[i:i + end.start()].strip()
+        return self.attrs[i : i + end.start()].strip()
 
 
 @dataclass
@@ -141,21 +177,28 @@ def _parse_instr(line: str) -> Instr | None:
     m = _INSTR.match(line)
     if not m:
         return None
-    rest = line[m.end():]
+    rest = line[m.end() :]
     if rest.startswith("("):
         end = _balanced(rest, 0, "(", ")")
         shape, rest = rest[:end], rest[end:].lstrip()
     else:
         sp = rest.find(" ")
-        shape, rest = rest[:sp], rest[sp + 1:].lstrip()
+        shape, rest = rest[:sp], rest[sp + 1 :].lstrip()
     op = re.match(r"([a-z][a-z0-9\-]*)\(", rest)
     if not op:
         return None
     end = _balanced(rest, op.end() - 1, "(", ")")
-    operands = re.findall(r"%([\w.\-]+)", rest[op.end():end - 1])
+    operands = re.findall(r"%([\w.\-]+)", rest[op.end() : end - 1])
     attrs = rest[end:].lstrip(", ")
-    return Instr(name=m.group(2), shape=shape, opcode=op.group(1), operands=operands, attrs=attrs,
-                 root=bool(m.group(1)), args=rest[op.end():end - 1])
+    return Instr(
+        name=m.group(2),
+        shape=shape,
+        opcode=op.group(1),
+        operands=operands,
+        attrs=attrs,
+        root=bool(m.group(1)),
+        args=rest[op.end() : end - 1],
+    )
 
 
 def parse_hlo(text: str) -> Hlo:
@@ -289,8 +332,11 @@ def executed(hlo: Hlo, *, unknown_trip: int = 1, unknown: list | None = None) ->
                 for c in _names(ins.attr("to_apply")):
                     visit(c, times)
             elif ins.opcode == "conditional":
-                for c in _names(ins.attr("branch_computations")) + _names(ins.attr("true_computation")) \
-                        + _names(ins.attr("false_computation")):
+                for c in (
+                    _names(ins.attr("branch_computations"))
+                    + _names(ins.attr("true_computation"))
+                    + _names(ins.attr("false_computation"))
+                ):
                     visit(c, times)
             elif ins.opcode == "async-start":
                 for c in _names(ins.attr("calls")):
@@ -323,8 +369,14 @@ def dot_flops(comp: Computation, ins: Instr) -> float:
     lhs = array_dims(_operand_shape(comp, ins.operands[0]))
     rhs = array_dims(_operand_shape(comp, ins.operands[1]))
     m = re.match(r"([^_]*)_([^-]*)->", ins.attr("dim_labels") or "")
-    if not rhs or not lhs or not m or len(m.group(1)) != len(lhs) or len(m.group(2)) != len(rhs) \
-            or "i" not in m.group(2):
+    if (
+        not rhs
+        or not lhs
+        or not m
+        or len(m.group(1)) != len(lhs)
+        or len(m.group(2)) != len(rhs)
+        or "i" not in m.group(2)
+    ):
         return 0.0
     lhs_l, rhs_l = m.group(1), m.group(2)
     per_out = rhs[rhs_l.index("i")]
@@ -388,7 +440,8 @@ def compute_ops(hlo: Hlo) -> list[Op]:
             if ins.opcode in _NO_COST or base in COLLECTIVES:
                 continue
             io = array_bytes(ins.shape, hbm_only=True) + sum(
-                array_bytes(_operand_shape(comp, o), hbm_only=True) for o in ins.operands)
+                array_bytes(_operand_shape(comp, o), hbm_only=True) for o in ins.operands
+            )
             if ins.opcode == "fusion":
                 called = _names(ins.attr("calls"))
                 if any(c.startswith("all-reduce-scatter") or _has_collective(hlo, c) for c in called):
@@ -401,8 +454,17 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                 est = cost_estimate(ins)
                 full_io = array_bytes(ins.shape) + sum(array_bytes(_operand_shape(comp, o)) for o in ins.operands)
                 if est is not None:
-                    ops.append(Op(ins.name, "kernel", est.get("flops", 0.0), est.get("bytes_accessed", io), times,
-                                  kind="kernel", io=full_io))
+                    ops.append(
+                        Op(
+                            ins.name,
+                            "kernel",
+                            est.get("flops", 0.0),
+                            est.get("bytes_accessed", io),
+                            times,
+                            kind="kernel",
+                            io=full_io,
+                        )
+                    )
                 else:
                     ops.append(Op(ins.name, "kernel", 0.0, io, times, kind="kernel-unestimated", io=full_io))
             else:
@@ -415,8 +477,9 @@ def _has_collective(hlo: Hlo, name: str) -> bool:
     return comp is not None and any(i.opcode.removesuffix("-start") in COLLECTIVES for i in comp.instrs)
 
 
-def compute_time(ops: list[Op], *, peak_flops: float, hbm_bytes_per_s: float,
-                 kinds: tuple[str, ...] = ("xla", "kernel")) -> float:
+def compute_time(
+    ops: list[Op], *, peak_flops: float, hbm_bytes_per_s: float, kinds: tuple[str, ...] = ("xla", "kernel")
+) -> float:
     """Sum over ops of max(FLOPs / peak, bytes / HBM bandwidth), each op times its runs."""
     return sum(o.times * max(o.flops / peak_flops, o.bytes / hbm_bytes_per_s) for o in ops if o.kind in kinds)
 
@@ -438,7 +501,9 @@ def parse_groups(ins: Instr, n_devices: int) -> tuple[list[list[int]] | None, li
             return None, None
         return [list(range(n_devices))], None
     if raw.startswith("["):  # iota form: [G,S]<=[dims]T(perm)
-        m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", ins.attrs[ins.attrs.index("replica_groups=") + 15:])
+        m = re.match(
+            r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", ins.attrs[ins.attrs.index("replica_groups=") + 15 :]
+        )
         if not m:
             return None, None
         shape = [int(x) for x in m.group(1).split(",")]
@@ -446,14 +511,14 @@ def parse_groups(ins: Instr, n_devices: int) -> tuple[list[list[int]] | None, li
         perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else list(range(len(dims)))
         ids = _iota_transposed(dims, perm)
         size = shape[-1]
-        return [ids[i:i + size] for i in range(0, len(ids), size)], None
+        return [ids[i : i + size] for i in range(0, len(ids), size)], None
     return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", raw[1:-1])], None
 
 
 def _iota_transposed(dims: list[int], perm: list[int]) -> list[int]:
     """Flattened iota(prod dims) reshaped to dims and transposed by perm."""
     n = math.prod(dims)
-    strides = [math.prod(dims[i + 1:]) for i in range(len(dims))]
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
     tdims = [dims[p] for p in perm]
     out = []
     for flat in range(n):
@@ -519,10 +584,17 @@ def collectives(hlo: Hlo, mesh: dict[str, int]) -> list[Collective]:
                 pairs = re.findall(r"\{(\d+),(\d+)\}", ins.attr("source_target_pairs") or "")
                 groups = [[int(a), int(b)] for a, b in pairs] or None
             if axis_names is not None:
-                axes = tuple(mesh_names[int(a.split("_")[1])] if re.fullmatch(r"axis_\d+", a) and
-                             int(a.split("_")[1]) < len(mesh_names) else a for a in axis_names)
-                size = math.prod(mesh.get(a, 1) for a in axes) if all(a in mesh for a in axes) else \
-                    _mesh_sizes(ins).get(axis_names[0], n_devices)
+                axes = tuple(
+                    mesh_names[int(a.split("_")[1])]
+                    if re.fullmatch(r"axis_\d+", a) and int(a.split("_")[1]) < len(mesh_names)
+                    else a
+                    for a in axis_names
+                )
+                size = (
+                    math.prod(mesh.get(a, 1) for a in axes)
+                    if all(a in mesh for a in axes)
+                    else _mesh_sizes(ins).get(axis_names[0], n_devices)
+                )
             elif groups:
                 found = sorted({a for g in groups for a in axes_of_group(g, mesh)}, key=mesh_names.index)
                 axes = tuple(found) or ("?",)
@@ -601,7 +673,9 @@ def mean_hops(n: int, torus_dims_spanned: int, devices_per_chip: int = 1) -> flo
     return max(torus_dims_spanned * side / 4, 1.0)
 
 
-def collective_time(c: Collective, bandwidth: float, link: float, n: int | None = None, hops: float | None = None) -> float:
+def collective_time(
+    c: Collective, bandwidth: float, link: float, n: int | None = None, hops: float | None = None
+) -> float:
     """Seconds of one run of `c` on n devices (default its group size): a ring for all-gather,
     reduce-scatter, all-reduce; all-to-all: every byte but the own share travels `hops` links
     (default n / 4, a bidirectional ring); collective-permute: one hop."""
@@ -618,8 +692,9 @@ def collective_time(c: Collective, bandwidth: float, link: float, n: int | None 
     return c.bytes / link  # collective-permute: one hop
 
 
-def comm_by_axis(colls: list[Collective], *, ici: dict, axis_dims: dict[str, int],
-                 axis_size: dict[str, int] | None = None) -> dict[str, float]:
+def comm_by_axis(
+    colls: list[Collective], *, ici: dict, axis_dims: dict[str, int], axis_size: dict[str, int] | None = None
+) -> dict[str, float]:
     """Seconds per step of the collectives, per mesh axis (axes joined by '+' when a group spans
     several). axis_dims: torus dims each logical axis spans at the target; axis_size: the axis
     size at the target (for the (n-1)/n factor and all-to-all's hops; default the compiled group
@@ -651,9 +726,14 @@ def bound(*, compute_s: float, comm_s: float, model_flops: float, peak_flops: fl
     (max(compute, comm)). compute_s is floored at model_flops / peak, so neither MFU exceeds 100 %."""
     compute_s = max(compute_s, model_flops / peak_flops)
     exposed, overlapped = compute_s + comm_s, max(compute_s, comm_s)
-    return {"compute_s": compute_s, "comm_s": comm_s, "step_exposed_s": exposed, "step_overlapped_s": overlapped,
-            "mfu_exposed_pct": 100.0 * model_flops / (peak_flops * exposed),
-            "mfu_overlapped_pct": 100.0 * model_flops / (peak_flops * overlapped)}
+    return {
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "step_exposed_s": exposed,
+        "step_overlapped_s": overlapped,
+        "mfu_exposed_pct": 100.0 * model_flops / (peak_flops * exposed),
+        "mfu_overlapped_pct": 100.0 * model_flops / (peak_flops * overlapped),
+    }
 
 
 def summarize(text: str, *, mesh: dict[str, int]) -> dict:

@@ -13,8 +13,14 @@ manifest, initial weights), `runtime/` (device, preemption, watchdog, flops, met
 `config.py` (the recipe), `launch.py` (the multi-host launcher CLI, `python -m trainer.launch`).
 """
 
-_FACE = {"train": "trainer.train", "main": "trainer.train", "Engine": "trainer.engine",
-         "build_job": "trainer.job", "plan_job": "trainer.job", "Job": "trainer.job"}
+_FACE = {
+    "train": "trainer.train",
+    "main": "trainer.train",
+    "Engine": "trainer.engine",
+    "build_job": "trainer.job",
+    "plan_job": "trainer.job",
+    "Job": "trainer.job",
+}
 
 __all__ = sorted(_FACE)
 

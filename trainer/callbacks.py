@@ -87,7 +87,8 @@ class NonFiniteCheck(Callback):
             raise NonFiniteLoss(
                 f"non-finite gradient norm at step {first_bad} (its update was skipped; stopped at step "
                 f"{step}); the newest checkpoint (if any) in {self.folder} is from before it. Lower "
-                "optimizer.lr and resume, or set training.skip_nonfinite_updates = true")
+                "optimizer.lr and resume, or set training.skip_nonfinite_updates = true"
+            )
 
     def on_log(self, step: int, out, values: dict[str, Any]) -> None:
         if self.skip:

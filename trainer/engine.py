@@ -38,12 +38,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from models.errors import ConfigError
-from models.errors import NonFiniteLoss
-from trainer.config import Config, build_config, parse_overrides
-from trainer.optim.expert_balance import ExpertBalance
-from trainer.job import build_job
+from models.errors import ConfigError, NonFiniteLoss
 from trainer import checkpoint as ckpt
+from trainer.config import Config, build_config, parse_overrides
+from trainer.job import build_job
+from trainer.optim.expert_balance import ExpertBalance
 from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed
 from trainer.step import local_scalar, step_if_finite
 from trainer.step.loss import nll_loss, token_logprobs  # the engine's forms of the one LM loss
@@ -82,7 +81,12 @@ class Engine:
     def __init__(self, cfg: Config):
         job = build_job(cfg, purpose="engine")  # the trainer's build; the rules refuse graph mode etc.
         self.cfg, self.device, self.dist_info, self.compute_dtype = cfg, job.device, job.dist, job.compute
-        self.family, self.args, self.parallel_dims, self.step_plan = job.family, job.args, job.parallel_dims, job.step_plan
+        self.family, self.args, self.parallel_dims, self.step_plan = (
+            job.family,
+            job.args,
+            job.parallel_dims,
+            job.step_plan,
+        )
         self.mesh, self.model, self.optimizer, self.scheduler = job.mesh, job.model, job.optimizer, job.scheduler
         job.load_initial()  # `[checkpoint] initial_load_path`, as the trainer's first start
         arrival_barrier("engine-built", cfg.training.startup_timeout_s)
@@ -123,16 +127,22 @@ class Engine:
             got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise EngineError(f"engine.{call}: tokens: expected int64 [batch, length], got {got}")
         if tokens.shape[0] < 1 or tokens.shape[1] < min_length:
-            raise EngineError(f"engine.{call}: tokens: {list(tokens.shape)}; allowed: at least 1 sequence of at "
-                              f"least {min_length} tokens")
+            raise EngineError(
+                f"engine.{call}: tokens: {list(tokens.shape)}; allowed: at least 1 sequence of at "
+                f"least {min_length} tokens"
+            )
         length = tokens.shape[1] - (min_length - 1)  # positions the model reads
         if length > self.args.max_seq_len:
-            raise EngineError(f"engine.{call}: tokens: the model reads {length} positions, more than "
-                              f"training.seq_len = {self.args.max_seq_len} (its RoPE tables); raise training.seq_len")
+            raise EngineError(
+                f"engine.{call}: tokens: the model reads {length} positions, more than "
+                f"training.seq_len = {self.args.max_seq_len} (its RoPE tables); raise training.seq_len"
+            )
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.args.vocab_size:
-            raise EngineError(f"engine.{call}: tokens: ids {low}..{high}; allowed: 0..{self.args.vocab_size - 1} "
-                              "(the model's vocab_size)")
+            raise EngineError(
+                f"engine.{call}: tokens: ids {low}..{high}; allowed: 0..{self.args.vocab_size - 1} "
+                "(the model's vocab_size)"
+            )
 
     @staticmethod
     def _check_positive(call: str, name: str, value: Any) -> None:
@@ -142,8 +152,15 @@ class Engine:
     def _logits(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)
 
-    def forward_backward(self, batch: Mapping[str, Any], loss_fn: LossFn | None = None, *,
-                         output: str = "logprobs", temperature: float = 1.0, weight: float = 1.0) -> dict[str, float]:
+    def forward_backward(
+        self,
+        batch: Mapping[str, Any],
+        loss_fn: LossFn | None = None,
+        *,
+        output: str = "logprobs",
+        temperature: float = 1.0,
+        weight: float = 1.0,
+    ) -> dict[str, float]:
         """Forward, `loss_fn`, backward; gradients add up until `optimizer_step`.
 
         batch: `tokens` int64 [B, T] (the model reads tokens[:, :-1] and is scored on
@@ -184,18 +201,25 @@ class Engine:
                 load = self._balance.pop() if self._balance is not None else None
             loss, metrics = result if isinstance(result, tuple) else (result, {})
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-                got = (f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
-                       if isinstance(loss, torch.Tensor) else type(loss).__name__)
-                raise EngineError(f"engine.{call}: loss_fn returned {got}; allowed: a scalar tensor computed "
-                                  "from its first argument (or (scalar, metrics))")
+                got = (
+                    f"a tensor of shape {list(loss.shape)}, requires_grad={loss.requires_grad}"
+                    if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__
+                )
+                raise EngineError(
+                    f"engine.{call}: loss_fn returned {got}; allowed: a scalar tensor computed "
+                    "from its first argument (or (scalar, metrics))"
+                )
             total = loss if aux is None else loss + self.cfg.training.aux_loss_coef * aux
             try:
                 (total.reshape(()) * weight).backward()
             except BaseException as e:
                 self.zero_grad()
                 if hasattr(e, "add_note"):  # Python >= 3.11
-                    e.add_note("engine: backward failed; the gradients accumulated since the last "
-                               "optimizer_step were dropped (zero_grad)")
+                    e.add_note(
+                        "engine: backward failed; the gradients accumulated since the last "
+                        "optimizer_step were dropped (zero_grad)"
+                    )
                 raise
         self._accum_weight += weight
         if load is not None:
@@ -218,8 +242,10 @@ class Engine:
 
         self._check_usable("optimizer_step")
         if self._accum_weight == 0:
-            raise EngineError("engine.optimizer_step: no gradients: no forward_backward since the last "
-                              "optimizer_step, zero_grad or load; allowed: forward_backward first")
+            raise EngineError(
+                "engine.optimizer_step: no gradients: no forward_backward since the last "
+                "optimizer_step, zero_grad or load; allowed: forward_backward first"
+            )
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self._accum_weight != 1.0:
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
@@ -237,8 +263,10 @@ class Engine:
         self._accum_weight, self._load = 0.0, None
         self._train_state.step += 1
         if not finite and not self.cfg.training.skip_nonfinite_updates:
-            raise NonFiniteLoss(f"non-finite gradient norm at engine step {self.step} (its update was skipped); "
-                                "lower optimizer.lr, or set training.skip_nonfinite_updates = true")
+            raise NonFiniteLoss(
+                f"non-finite gradient norm at engine step {self.step} (its update was skipped); "
+                "lower optimizer.lr, or set training.skip_nonfinite_updates = true"
+            )
         out = {"grad_norm": float(grad_norm), "lr": lr, "step": self.step, "skipped": not finite}
         if vio is not None:
             out["moe_max_vio"] = vio
@@ -275,8 +303,9 @@ class Engine:
     # -- state ------------------------------------------------------------------------------------
 
     def _states(self) -> dict[str, Any]:
-        return ckpt.run_states(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                               train_state=self._train_state)
+        return ckpt.run_states(
+            model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, train_state=self._train_state
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer", "lr_scheduler", "train_state"}: this rank's (DTensor-sharded)
@@ -292,11 +321,15 @@ class Engine:
         states = self._states()
         if not isinstance(state_dict, Mapping) or not set(state_dict) & set(states):
             got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise EngineError(f"engine.load_state_dict: got {got}; allowed: a mapping with some of {sorted(states)} "
-                              "(what state_dict() returns)")
+            raise EngineError(
+                f"engine.load_state_dict: got {got}; allowed: a mapping with some of {sorted(states)} "
+                "(what state_dict() returns)"
+            )
         self.zero_grad()
-        self._loading(lambda: [state.load_state_dict(state_dict[name]) for name, state in states.items()
-                               if name in state_dict], what="load_state_dict")
+        self._loading(
+            lambda: [state.load_state_dict(state_dict[name]) for name, state in states.items() if name in state_dict],
+            what="load_state_dict",
+        )
 
     def _loading(self, load: Callable[[], Any], *, what: str) -> Any:
         """Run a load; if it fails the weights may be partly overwritten, so every call but another
@@ -307,16 +340,19 @@ class Engine:
         try:
             result = load()
         except BaseException as e:
-            self._unusable = (f"the last {what} failed ({type(e).__name__}: {e}); the weights may be partly "
-                              "overwritten; allowed: load a checkpoint again, or close()")
+            self._unusable = (
+                f"the last {what} failed ({type(e).__name__}: {e}); the weights may be partly "
+                "overwritten; allowed: load a checkpoint again, or close()"
+            )
             raise
         self.scheduler.__dict__.pop("resume_notes", None)
         self._unusable = None
         return result
 
     def _manager(self, folder: str | Path, load_step: int = -1):
-        return ckpt.CheckpointManager(folder=folder, interval=1, keep_latest_k=0, async_mode="disabled",
-                                 enable=True, load_step=load_step)
+        return ckpt.CheckpointManager(
+            folder=folder, interval=1, keep_latest_k=0, async_mode="disabled", enable=True, load_step=load_step
+        )
 
     def save(self, folder: str | Path) -> Path:
         """Write `folder/step-N` (N = `step`) through DCP, atomically, with a manifest; every rank calls it.
@@ -336,8 +372,10 @@ class Engine:
         manager = self._manager(folder, load_step=step)
         try:
             if not manager.complete_steps():
-                raise ConfigError(f"engine.load: {folder} holds no checkpoint (step-N folders); allowed: a "
-                                  "folder written by Engine.save, or the trainer's checkpoint folder")
+                raise ConfigError(
+                    f"engine.load: {folder} holds no checkpoint (step-N folders); allowed: a "
+                    "folder written by Engine.save, or the trainer's checkpoint folder"
+                )
             # Gradients accumulated before the load belong to other weights: dropped first (with
             # them present, DCP's optimizer state dict would not set up the moments to load into).
             self.zero_grad()
@@ -387,10 +425,13 @@ class Engine:
         if self.family.hf_adapter is None:
             from models import FAMILIES  # the families that have one, from the registry
 
-            with_adapter = ", ".join(name for name, f in FAMILIES.items()
-                                     if f.hf_adapter is not None and getattr(f, "task", "lm") == "lm")
-            raise ConfigError(f"model.name: {self.family.name} has no hf_adapter.py, so it has no Hugging Face "
-                              f"names; allowed: a family with hf_adapter ({with_adapter})")
+            with_adapter = ", ".join(
+                name for name, f in FAMILIES.items() if f.hf_adapter is not None and getattr(f, "task", "lm") == "lm"
+            )
+            raise ConfigError(
+                f"model.name: {self.family.name} has no hf_adapter.py, so it has no Hugging Face "
+                f"names; allowed: a family with hf_adapter ({with_adapter})"
+            )
         for name, param in self._named_tensors():
             hf_names = self._hf_names(name, param)
             if not hf_names:
@@ -428,8 +469,7 @@ class Engine:
             return
         # Stacked experts: global row e of dim 0 is HF tensor hf_names[e].
         for k in range(local.shape[0]):
-            yield (hf_names[offset[0] + k], local[k],
-                   ShardInfo(global_shape[1:], offset[1:], where))
+            yield (hf_names[offset[0] + k], local[k], ShardInfo(global_shape[1:], offset[1:], where))
 
     def close(self) -> None:
         """Destroy the process group this engine started (also the world-of-one group); every

@@ -50,10 +50,18 @@ from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
 from parallelisms.parallel_dims import tpu_mesh_layout
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
-from trainer.optim.expert_balance import ExpertBalance
 from trainer.optim import build_lr_scheduler, build_optimizer_for
-from trainer.runtime.device import (ComputeDtype, DistInfo, configure_host_malloc, init_distributed, pick_device,
-                                    resolve_compute_dtype, set_seed, torch_dtype)
+from trainer.optim.expert_balance import ExpertBalance
+from trainer.runtime.device import (
+    ComputeDtype,
+    DistInfo,
+    configure_host_malloc,
+    init_distributed,
+    pick_device,
+    resolve_compute_dtype,
+    set_seed,
+    torch_dtype,
+)
 from trainer.runtime.runlock import lock_run, released_on_error
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
@@ -99,9 +107,16 @@ class JobPlan:
     """On a TPU whose slice is known now: torch-tpu's layout of the mesh (`tpu_mesh_layout`)."""
 
 
-def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = "cpu",
-                 caller_loss: bool = False, model_has_experts: bool = True,
-                 grad_accum: int = 1) -> StepRequest:
+def step_request(
+    cfg: Config,
+    family,
+    *,
+    tp_degree: int = 1,
+    device_type: str = "cpu",
+    caller_loss: bool = False,
+    model_has_experts: bool = True,
+    grad_accum: int = 1,
+) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
     model args and the batch split when known)."""
@@ -113,21 +128,36 @@ def step_request(cfg: Config, family, *, tp_degree: int = 1, device_type: str = 
         m = cfg.model
         tp_refusal = hf_tp_refusal(model_args(m.name, m.flavor, {**m.overrides, "hf_config": m.hf_config})[1])
     return StepRequest(
-        mode=cfg.compile.mode, backend=cfg.compile.backend, scan_layers=cfg.compile.scan_layers,
-        ac_mode=cfg.activation_checkpoint.mode, loss_parallel=cfg.parallelism.enable_loss_parallel,
-        tp_degree=tp_degree, device_type=device_type, fused_loss=cfg.training.fused_loss,
-        model_has_hidden=callable(getattr(family.model_cls, "hidden", None)), task=getattr(family, "task", "lm"),
-        caller_loss=caller_loss, document_mask=cfg.training.document_mask,
+        mode=cfg.compile.mode,
+        backend=cfg.compile.backend,
+        scan_layers=cfg.compile.scan_layers,
+        ac_mode=cfg.activation_checkpoint.mode,
+        loss_parallel=cfg.parallelism.enable_loss_parallel,
+        tp_degree=tp_degree,
+        device_type=device_type,
+        fused_loss=cfg.training.fused_loss,
+        model_has_hidden=callable(getattr(family.model_cls, "hidden", None)),
+        task=getattr(family, "task", "lm"),
+        caller_loss=caller_loss,
+        document_mask=cfg.training.document_mask,
         document_positions=cfg.training.document_positions,
         model_document_mask=bool(getattr(family, "document_mask", False)),
-        cp_degree=cfg.parallelism.context_parallel_degree, seq_len=cfg.training.seq_len,
+        cp_degree=cfg.parallelism.context_parallel_degree,
+        seq_len=cfg.training.seq_len,
         qk_clip=cfg.optimizer.qk_clip_tau > 0,
-        optimizer=cfg.optimizer.name, muon_exclude=tuple(cfg.optimizer.muon_exclude),
-        moe_routing=cfg.moe.routing, routing_benchmark_only=cfg.moe.routing_benchmark_only,
-        model_has_experts=model_has_experts, grad_accum=grad_accum, attn_backend=cfg.model.attn_backend,
-        tp_refusal=tp_refusal, flow_shift=cfg.flow.shift, flow_resolution_shift=cfg.flow.resolution_shift,
+        optimizer=cfg.optimizer.name,
+        muon_exclude=tuple(cfg.optimizer.muon_exclude),
+        moe_routing=cfg.moe.routing,
+        routing_benchmark_only=cfg.moe.routing_benchmark_only,
+        model_has_experts=model_has_experts,
+        grad_accum=grad_accum,
+        attn_backend=cfg.model.attn_backend,
+        tp_refusal=tp_refusal,
+        flow_shift=cfg.flow.shift,
+        flow_resolution_shift=cfg.flow.resolution_shift,
         initial_load_format=cfg.checkpoint.initial_load_format if cfg.checkpoint.initial_load_path else "",
-        model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None)
+        model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None,
+    )
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
@@ -140,28 +170,51 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     shape = args.shape()
     p = cfg.parallelism
-    parallel_dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-                                 cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
-                                 ep=p.expert_parallel_degree, world_size=world_size)
+    parallel_dims = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        world_size=world_size,
+    )
     # Benchmark routing is refused with gradient accumulation (the rule says why): the split is
     # only worked out for it here, so a learned-routing plan reads nothing new.
     t = cfg.training
-    grad_accum = 1 if cfg.moe.routing == "learned" else batch_split(
-        global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=parallel_dims.dp_degree)[1]
-    request = step_request(cfg, family, tp_degree=parallel_dims.tp, device_type=device_type, caller_loss=caller_loss,
-                           model_has_experts=shape.num_experts > 0, grad_accum=grad_accum)
+    grad_accum = (
+        1
+        if cfg.moe.routing == "learned"
+        else batch_split(
+            global_batch_size=t.global_batch_size,
+            local_batch_size=t.local_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            dp_degree=parallel_dims.dp_degree,
+        )[1]
+    )
+    request = step_request(
+        cfg,
+        family,
+        tp_degree=parallel_dims.tp,
+        device_type=device_type,
+        caller_loss=caller_loss,
+        model_has_experts=shape.num_experts > 0,
+        grad_accum=grad_accum,
+    )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
     # On a TPU, the mesh as torch-tpu will lay it out on the slice (when the slice is known now):
     # refused here when no layout exists, before anything is built (parallelisms/tpu_topology.py).
-    tpu_mesh = (tpu_mesh_layout(parallel_dims, target=cfg.job.target, generation=detect_generation)
-                if device_type == "tpu" else None)
+    tpu_mesh = (
+        tpu_mesh_layout(parallel_dims, target=cfg.job.target, generation=detect_generation)
+        if device_type == "tpu"
+        else None
+    )
     return JobPlan(family=family, args=args, parallel_dims=parallel_dims, step_plan=step_plan, tpu_mesh=tpu_mesh)
 
 
-def batch_split(*, global_batch_size: int, local_batch_size: int, gradient_accumulation_steps: int,
-                dp_degree: int) -> tuple[int, int]:
+def batch_split(
+    *, global_batch_size: int, local_batch_size: int, gradient_accumulation_steps: int, dp_degree: int
+) -> tuple[int, int]:
     """(local_batch_size, gradient_accumulation_steps) for this mesh.
 
     With `global_batch_size` > 0 the global batch is fixed and the split follows the
@@ -173,20 +226,34 @@ def batch_split(*, global_batch_size: int, local_batch_size: int, gradient_accum
     if global_batch_size <= 0:
         return local_batch_size, gradient_accumulation_steps
     if global_batch_size % dp_degree != 0:
-        raise ConfigError(f"training.global_batch_size: {global_batch_size} is not divisible by the "
-                          f"data-parallel degree {dp_degree}; allowed: multiples of {dp_degree}")
+        raise ConfigError(
+            f"training.global_batch_size: {global_batch_size} is not divisible by the "
+            f"data-parallel degree {dp_degree}; allowed: multiples of {dp_degree}"
+        )
     per_rank = global_batch_size // dp_degree
     for accum in range(gradient_accumulation_steps, per_rank + 1):
         if per_rank % accum == 0 and per_rank // accum <= local_batch_size:
             return per_rank // accum, accum
-    raise ConfigError(f"training.global_batch_size: {global_batch_size} sequences over {dp_degree} "
-                      f"data-parallel ranks leaves {per_rank} per rank, which no accumulation count >= "
-                      f"{gradient_accumulation_steps} splits into micro-batches of at most local_batch_size "
-                      f"({local_batch_size}); allowed: a global batch that is a multiple of {dp_degree}")
+    raise ConfigError(
+        f"training.global_batch_size: {global_batch_size} sequences over {dp_degree} "
+        f"data-parallel ranks leaves {per_rank} per rank, which no accumulation count >= "
+        f"{gradient_accumulation_steps} splits into micro-batches of at most local_batch_size "
+        f"({local_batch_size}); allowed: a global batch that is a multiple of {dp_degree}"
+    )
 
 
-def build_model(family, args, *, step_plan: StepPlan, parallel_dims, mesh, device: torch.device,
-                param_dtype: torch.dtype, reduce_dtype: torch.dtype, moe_routing: str = "learned"):
+def build_model(
+    family,
+    args,
+    *,
+    step_plan: StepPlan,
+    parallel_dims,
+    mesh,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    moe_routing: str = "learned",
+):
     """Meta device -> parallelize -> materialize -> init_weights."""
     # 1. Build on meta: no memory is touched, whatever the flavor's size. Benchmark routing
     #    (`[moe] routing`, allowed by the step plan's rules) is set on the model as built, so its
@@ -198,8 +265,14 @@ def build_model(family, args, *, step_plan: StepPlan, parallel_dims, mesh, devic
     # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP
     #    (the step plan says which AC and compile apply; the order is the same in every mode).
     model = parallelize_model(
-        model, plan=family.plan, parallel_dims=parallel_dims, mesh=mesh, param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype, ac_mode=step_plan.block_ac, compile_backend=step_plan.block_compile,
+        model,
+        plan=family.plan,
+        parallel_dims=parallel_dims,
+        mesh=mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        ac_mode=step_plan.block_ac,
+        compile_backend=step_plan.block_compile,
         enable_loss_parallel=step_plan.loss_parallel,
     )
     # 3. Materialize the (sharded) parameters on the device, 4. initialize them.
@@ -256,17 +329,26 @@ class Job:
         """`[checkpoint] initial_load_path` into the model (DCP or HF safetensors), if set."""
         ck = self.cfg.checkpoint
         if ck.initial_load_path:
-            ckpt.load_initial(self.model, path=ck.initial_load_path, fmt=ck.initial_load_format,
-                              hf_adapter=self.family.hf_adapter, args=self.args,
-                              hf_config_mismatch=ck.hf_config_mismatch)
+            ckpt.load_initial(
+                self.model,
+                path=ck.initial_load_path,
+                fmt=ck.initial_load_format,
+                hf_adapter=self.family.hf_adapter,
+                args=self.args,
+                hf_config_mismatch=ck.hf_config_mismatch,
+            )
 
     def before_step(self, step: int) -> None:
         """Per-step model state the step reads: the benchmark routing's key (`[moe] routing`
         random / balanced; nothing for learned routing). Rank `r`'s first token in the step's
         global batch is `r x local_batch_size x seq_len` (trainer/data/text.py's window order)."""
         if self.cfg.moe.routing != "learned":
-            set_routing_key(self.model, seed=self.cfg.training.seed, step=step,
-                            first_token=self.dp_rank * self.local_batch_size * self.cfg.training.seq_len)
+            set_routing_key(
+                self.model,
+                seed=self.cfg.training.seed,
+                step=step,
+                first_token=self.dp_rank * self.local_batch_size * self.cfg.training.seq_len,
+            )
 
     def build_step(self, *, loss_fn: Callable, dump_graph: str | None = None):
         """The step of this job's plan: `step(microbatches, lr) -> StepOutput`.
@@ -282,24 +364,43 @@ class Job:
             passes_as, plan = plan.backend, _capture_only(plan)
         balance = ExpertBalance(self.model, rate=t.expert_bias_rate) or None
         if plan.mode != "graph":
-            return EagerStep(model=self.model, optimizer=self.optimizer, max_norm=t.max_norm,
-                             aux_loss_coef=t.aux_loss_coef, clip_grad_norm=clip_grad_norm_,
-                             loss_context=plan.loss_context, loss_fn=loss_fn, balance=balance)
+            return EagerStep(
+                model=self.model,
+                optimizer=self.optimizer,
+                max_norm=t.max_norm,
+                aux_loss_coef=t.aux_loss_coef,
+                clip_grad_norm=clip_grad_norm_,
+                loss_context=plan.loss_context,
+                loss_fn=loss_fn,
+                balance=balance,
+            )
         from trainer.graph import build_graph_step
 
         return build_graph_step(
-            model=self.model, optimizer=self.optimizer, plan=self.family.plan, max_norm=t.max_norm,
-            aux_loss_coef=t.aux_loss_coef, backend=plan.backend, scan_layers=plan.scan, ac_mode=plan.scan_ac,
-            dump_graph=dump_graph, grad_accum_steps=self.grad_accum_steps, loss_context=plan.loss_context,
-            loss_fn=loss_fn, bucket_cap_mb=c.bucket_cap_mb, gloo_all_to_all=c.gloo_all_to_all, passes_as=passes_as,
+            model=self.model,
+            optimizer=self.optimizer,
+            plan=self.family.plan,
+            max_norm=t.max_norm,
+            aux_loss_coef=t.aux_loss_coef,
+            backend=plan.backend,
+            scan_layers=plan.scan,
+            ac_mode=plan.scan_ac,
+            dump_graph=dump_graph,
+            grad_accum_steps=self.grad_accum_steps,
+            loss_context=plan.loss_context,
+            loss_fn=loss_fn,
+            bucket_cap_mb=c.bucket_cap_mb,
+            gloo_all_to_all=c.gloo_all_to_all,
+            passes_as=passes_as,
             balance=balance,
         )
 
 
 def _capture_only(plan: StepPlan) -> StepPlan:
     """`plan` with `aot_eager` wherever it compiles (a `check` job captures on meta tensors)."""
-    return dataclasses.replace(plan, backend=plan.backend and "aot_eager",
-                               block_compile=plan.block_compile and "aot_eager")
+    return dataclasses.replace(
+        plan, backend=plan.backend and "aot_eager", block_compile=plan.block_compile and "aot_eager"
+    )
 
 
 def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = None) -> Job:
@@ -312,21 +413,39 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
     with released_on_error():
         t_start = time.perf_counter()
         rt = start_runtime(cfg, why, device_type=device_type)
-        plan = plan_job(cfg, world_size=rt.dist.world_size, device_type=rt.device_type,
-                        caller_loss=why.caller_loss)
+        plan = plan_job(cfg, world_size=rt.dist.world_size, device_type=rt.device_type, caller_loss=why.caller_loss)
         data = build_data(cfg, plan, rt, why)
         attention = choose_attention(cfg, plan, rt, data, why)
         model = build_job_model(cfg, plan, rt, data, why)
         optimizer, scheduler = build_optimization(cfg, model)
         manager = build_checkpoint_manager(cfg) if why.saves else None
         notes = (*rt.runtime_notes, *(plan.tpu_mesh.banner() if plan.tpu_mesh is not None else ()))
-        return Job(cfg=cfg, device=rt.device, host_malloc=rt.host_malloc, dist=rt.dist, compute=rt.compute,
-                   family=plan.family, args=plan.args, parallel_dims=plan.parallel_dims, step_plan=plan.step_plan,
-                   task=data.task, mesh=data.mesh, dp_rank=data.dp_rank, dp_degree=data.dp_degree,
-                   local_batch_size=data.local_batch_size, grad_accum_steps=data.grad_accum_steps,
-                   attention=attention, model=model, optimizer=optimizer, scheduler=scheduler, loader=data.loader,
-                   build_val_loader=data.build_val_loader, manager=manager, t_start=t_start,
-                   runtime_notes=tuple(notes))
+        return Job(
+            cfg=cfg,
+            device=rt.device,
+            host_malloc=rt.host_malloc,
+            dist=rt.dist,
+            compute=rt.compute,
+            family=plan.family,
+            args=plan.args,
+            parallel_dims=plan.parallel_dims,
+            step_plan=plan.step_plan,
+            task=data.task,
+            mesh=data.mesh,
+            dp_rank=data.dp_rank,
+            dp_degree=data.dp_degree,
+            local_batch_size=data.local_batch_size,
+            grad_accum_steps=data.grad_accum_steps,
+            attention=attention,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loader=data.loader,
+            build_val_loader=data.build_val_loader,
+            manager=manager,
+            t_start=t_start,
+            runtime_notes=tuple(notes),
+        )
 
 
 @dataclass(frozen=True)
@@ -356,9 +475,14 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
         # XLA / libtpu flags and torch-tpu's compilation cache: set before the first device
         # request (the process group's), when the TPU runtime reads them (trainer/runtime/tpu_env.py).
         runtime_env = tpu_runtime_env(
-            device_type=device_type, generation=detect_generation() if device_type == "tpu" else None,
-            flag_bundle=cfg.device.flag_bundle, libtpu_init_args=cfg.device.libtpu_init_args,
-            xla_flags=cfg.device.xla_flags, cache_dir=cfg.compile.cache_dir, host_cache=cfg.compile.host_cache)
+            device_type=device_type,
+            generation=detect_generation() if device_type == "tpu" else None,
+            flag_bundle=cfg.device.flag_bundle,
+            libtpu_init_args=cfg.device.libtpu_init_args,
+            xla_flags=cfg.device.xla_flags,
+            cache_dir=cfg.compile.cache_dir,
+            host_cache=cfg.compile.host_cache,
+        )
         runtime_env.apply()
         notes = tuple(runtime_env.notes)
     info = init_distributed(device)
@@ -366,8 +490,9 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
         _lock_run_folders(cfg)
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
-    return Runtime(device=device, device_type=device_type, host_malloc=host_malloc, runtime_notes=notes,
-                   dist=info, compute=compute)
+    return Runtime(
+        device=device, device_type=device_type, host_malloc=host_malloc, runtime_notes=notes, dist=info, compute=compute
+    )
 
 
 def _lock_run_folders(cfg: Config) -> None:
@@ -378,8 +503,11 @@ def _lock_run_folders(cfg: Config) -> None:
     ck_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
     inside = os.path.realpath(ck_folder).startswith(os.path.realpath(cfg.job.dump_folder) + os.sep)
     ck = [("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else []
-    lock_run(locks=[("job.dump_folder", cfg.job.dump_folder), *([] if inside else ck)],
-             claims=ck if inside else [], writable=ck)
+    lock_run(
+        locks=[("job.dump_folder", cfg.job.dump_folder), *([] if inside else ck)],
+        claims=ck if inside else [],
+        writable=ck,
+    )
 
 
 @dataclass(frozen=True)
@@ -404,14 +532,24 @@ def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Job
     batch split and (purpose `reads_data`) the loaders: bad data fails before any checkpoint."""
     mesh = build_mesh(plan.parallel_dims, "cpu" if purpose.captures_only else rt.device.type)
     cp = cp_group(mesh["cp"]) if plan.parallel_dims.cp_enabled else None
-    task = (build_task(cfg, family=plan.family, args=plan.args, step_plan=plan.step_plan,
-                       compute_dtype=rt.compute.dtype, cp=cp) if purpose.has_task else None)
+    task = (
+        build_task(
+            cfg, family=plan.family, args=plan.args, step_plan=plan.step_plan, compute_dtype=rt.compute.dtype, cp=cp
+        )
+        if purpose.has_task
+        else None
+    )
     dp_rank, dp_degree = plan.parallel_dims.dp_rank(mesh), plan.parallel_dims.dp_degree
     t = cfg.training
-    local_batch, accum = batch_split(global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
-                                     gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=dp_degree)
+    local_batch, accum = batch_split(
+        global_batch_size=t.global_batch_size,
+        local_batch_size=t.local_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        dp_degree=dp_degree,
+    )
     loader = build_val_loader = None
     if purpose.reads_data:
+
         def loader_for(split: str):
             return task.build_loader(split=split, local_batch_size=local_batch, dp_rank=dp_rank, dp_degree=dp_degree)
 
@@ -419,8 +557,17 @@ def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Job
         if cfg.validation.enable:
             build_val_loader = lambda: loader_for("validation")  # noqa: E731
             build_val_loader().check(cfg.validation.steps)  # read what validation reads, before step 1
-    return JobData(task=task, mesh=mesh, cp=cp, dp_rank=dp_rank, dp_degree=dp_degree, local_batch_size=local_batch,
-                grad_accum_steps=accum, loader=loader, build_val_loader=build_val_loader)
+    return JobData(
+        task=task,
+        mesh=mesh,
+        cp=cp,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        local_batch_size=local_batch,
+        grad_accum_steps=accum,
+        loader=loader,
+        build_val_loader=build_val_loader,
+    )
 
 
 def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> str:
@@ -441,13 +588,25 @@ def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, pur
         titan_kernels.check_attention_for(cfg.model.attn_backend, device_type)
         attention = f"{cfg.model.attn_backend} on {device_type} (captured with the references)"
     else:
-        shapes = titan_kernels.KernelShapes.of(plan.args, cp=dims.cp, cp_rank=0 if cp is None else cp.rank,
-                                               tokens=data.local_batch_size * cfg.training.seq_len // dims.cp)
-        attention = titan_kernels.select(attention=cfg.model.attn_backend, device=rt.device, dtype=rt.compute.dtype,
-                                         head_dim=plan.args.shape().head_dim, shapes=shapes)
+        shapes = titan_kernels.KernelShapes.of(
+            plan.args,
+            cp=dims.cp,
+            cp_rank=0 if cp is None else cp.rank,
+            tokens=data.local_batch_size * cfg.training.seq_len // dims.cp,
+        )
+        attention = titan_kernels.select(
+            attention=cfg.model.attn_backend,
+            device=rt.device,
+            dtype=rt.compute.dtype,
+            head_dim=plan.args.shape().head_dim,
+            shapes=shapes,
+        )
     if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
-        attention += ("; document mask: segment ids" if device_type == "tpu"
-                      else "; document mask: SDPA with a block-diagonal causal mask")
+        attention += (
+            "; document mask: segment ids"
+            if device_type == "tpu"
+            else "; document mask: SDPA with a block-diagonal causal mask"
+        )
     if cp is None:
         return attention
     return apply_cp(cp, device_type, replacing=attention, references=purpose.captures_only)
@@ -457,11 +616,17 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
     """Phase 5: the model, meta -> parallelize -> materialize -> init (`build_model`; a check job
     stays on meta and captures with `aot_eager`), with a defined benchmark-routing key."""
     t = cfg.training
-    model = build_model(plan.family, plan.args,
-                        step_plan=_capture_only(plan.step_plan) if purpose.captures_only else plan.step_plan,
-                        parallel_dims=plan.parallel_dims, mesh=data.mesh, device=rt.device,
-                        param_dtype=rt.compute.dtype, reduce_dtype=torch_dtype(t.mixed_precision_reduce),
-                        moe_routing=cfg.moe.routing)
+    model = build_model(
+        plan.family,
+        plan.args,
+        step_plan=_capture_only(plan.step_plan) if purpose.captures_only else plan.step_plan,
+        parallel_dims=plan.parallel_dims,
+        mesh=data.mesh,
+        device=rt.device,
+        param_dtype=rt.compute.dtype,
+        reduce_dtype=torch_dtype(t.mixed_precision_reduce),
+        moe_routing=cfg.moe.routing,
+    )
     if cfg.moe.routing != "learned" and not purpose.captures_only:  # a defined key before any step sets it
         set_routing_key(model, seed=t.seed, step=0, first_token=data.dp_rank * data.local_batch_size * t.seq_len)
     return model
@@ -470,12 +635,28 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
 def build_optimization(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     """Phase 6: the optimizer and its lr schedule (over `training.steps` optimizer steps)."""
     o, s = cfg.optimizer, cfg.lr_scheduler
-    optimizer = build_optimizer_for(model, name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                    muon_momentum=o.muon_momentum, muon_nesterov=o.muon_nesterov,
-                                    muon_ns_steps=o.muon_ns_steps, muon_ns_dtype=o.muon_ns_dtype,
-                                    muon_exclude=o.muon_exclude, qk_clip_tau=o.qk_clip_tau)
-    scheduler = build_lr_scheduler(optimizer, total_steps=cfg.training.steps, warmup_steps=s.warmup_steps,
-                                   decay_type=s.decay_type, decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor)
+    optimizer = build_optimizer_for(
+        model,
+        name=o.name,
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        muon_momentum=o.muon_momentum,
+        muon_nesterov=o.muon_nesterov,
+        muon_ns_steps=o.muon_ns_steps,
+        muon_ns_dtype=o.muon_ns_dtype,
+        muon_exclude=o.muon_exclude,
+        qk_clip_tau=o.qk_clip_tau,
+    )
+    scheduler = build_lr_scheduler(
+        optimizer,
+        total_steps=cfg.training.steps,
+        warmup_steps=s.warmup_steps,
+        decay_type=s.decay_type,
+        decay_ratio=s.decay_ratio,
+        min_lr_factor=s.min_lr_factor,
+    )
     return optimizer, scheduler
 
 
@@ -483,6 +664,11 @@ def build_checkpoint_manager(cfg: Config) -> ckpt.CheckpointManager:
     """Phase 7 (purpose `saves`): the run's checkpoint manager."""
     ck = cfg.checkpoint
     return ckpt.CheckpointManager(
-        folder=os.path.join(cfg.job.dump_folder, ck.folder), interval=ck.interval,
-        keep_latest_k=ck.keep_latest_k, async_mode=ck.async_mode, enable=ck.enable, load_step=ck.load_step,
-        fallback_on_corrupt=ck.fallback_on_corrupt)
+        folder=os.path.join(cfg.job.dump_folder, ck.folder),
+        interval=ck.interval,
+        keep_latest_k=ck.keep_latest_k,
+        async_mode=ck.async_mode,
+        enable=ck.enable,
+        load_step=ck.load_step,
+        fallback_on_corrupt=ck.fallback_on_corrupt,
+    )

@@ -65,8 +65,7 @@ from dataclasses import dataclass, field
 
 from models.errors import ConfigError
 from trainer.runtime import cli
-from trainer.runtime.exit_status import (EXIT_STATUS_ENV, PREEMPTED_EXIT_CODE, launcher_exit_code,
-                                         read_exit_statuses)
+from trainer.runtime.exit_status import EXIT_STATUS_ENV, PREEMPTED_EXIT_CODE, launcher_exit_code, read_exit_statuses
 
 DEFAULT_PORT = 29501
 TORCH_TPU_ENV_TIMEOUT_S = 300  # torch-tpu's own device-coordinate query may take 60 s
@@ -86,12 +85,21 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)  # exported to torchrun and its workers
 
     def torchrun_argv(self, train_args: list[str]) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run",
-                f"--nnodes={self.nnodes}", f"--node_rank={self.node_rank}",
-                f"--nproc_per_node={self.nproc_per_node}", "--rdzv_backend=static",
-                f"--rdzv_endpoint={self.master_addr}:{self.master_port}",
-                f"--master_addr={self.master_addr}", f"--master_port={self.master_port}",
-                "-m", "trainer.train", *train_args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={self.nnodes}",
+            f"--node_rank={self.node_rank}",
+            f"--nproc_per_node={self.nproc_per_node}",
+            "--rdzv_backend=static",
+            f"--rdzv_endpoint={self.master_addr}:{self.master_port}",
+            f"--master_addr={self.master_addr}",
+            f"--master_port={self.master_port}",
+            "-m",
+            "trainer.train",
+            *train_args,
+        ]
 
 
 def _int(env: Mapping[str, str], name: str, *, allowed: str) -> int:
@@ -105,8 +113,10 @@ def _bounds_product(env: Mapping[str, str], name: str) -> int:
     value = env.get(name, "")
     parts = value.split(",")
     if not value or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ConfigError(f"launch: environment variable {name} is {value!r}; allowed: comma-separated "
-                          "positive chip counts such as 2,2,1 (or pass --nproc-per-node)")
+        raise ConfigError(
+            f"launch: environment variable {name} is {value!r}; allowed: comma-separated "
+            "positive chip counts such as 2,2,1 (or pass --nproc-per-node)"
+        )
     return math.prod(int(p) for p in parts)
 
 
@@ -116,13 +126,24 @@ def devices_per_chip(accelerator_type: str) -> int:
     return 2 if kind.startswith(("tpu7x", "v7x", "tpu7", "v7")) else 1
 
 
-def _tpu_plan(platform: str, *, hosts: list[str], worker: int, accelerator: str, chips_per_host: int | None,
-              port: int, nproc_override: int | None, device: str, where: str) -> LaunchPlan:
+def _tpu_plan(
+    platform: str,
+    *,
+    hosts: list[str],
+    worker: int,
+    accelerator: str,
+    chips_per_host: int | None,
+    port: int,
+    nproc_override: int | None,
+    device: str,
+    where: str,
+) -> LaunchPlan:
     if not hosts or any(not h for h in hosts):
         raise ConfigError(f"launch: {where} gives no host list; allowed: comma-separated hostnames, host 0 first")
     if not 0 <= worker < len(hosts):
-        raise ConfigError(f"launch: worker id {worker} is outside the {len(hosts)} hosts of {where}; "
-                          f"allowed: 0..{len(hosts) - 1}")
+        raise ConfigError(
+            f"launch: worker id {worker} is outside the {len(hosts)} hosts of {where}; allowed: 0..{len(hosts) - 1}"
+        )
     if nproc_override is not None:
         nproc = nproc_override
     elif chips_per_host is None:
@@ -133,30 +154,57 @@ def _tpu_plan(platform: str, *, hosts: list[str], worker: int, accelerator: str,
     if device == "tpu":
         # What torch-tpu's set_tpu_launch_env reads and cannot work out itself on a TPU VM
         # slice (it never reads TPU_WORKER_ID); it keeps every value that is already set.
-        env.update(TORCH_DEVICE_BACKEND_AUTOLOAD="1", NODE_RANK=str(worker), NNODES=str(len(hosts)),
-                   MASTER_ADDR=hosts[0], MASTER_PORT=str(port), TORCH_TPU_DEVICES_PER_HOST=str(nproc))
-    return LaunchPlan(platform, nnodes=len(hosts), node_rank=worker, nproc_per_node=nproc, master_addr=hosts[0],
-                      master_port=port, device=device, env=env)
+        env.update(
+            TORCH_DEVICE_BACKEND_AUTOLOAD="1",
+            NODE_RANK=str(worker),
+            NNODES=str(len(hosts)),
+            MASTER_ADDR=hosts[0],
+            MASTER_PORT=str(port),
+            TORCH_TPU_DEVICES_PER_HOST=str(nproc),
+        )
+    return LaunchPlan(
+        platform,
+        nnodes=len(hosts),
+        node_rank=worker,
+        nproc_per_node=nproc,
+        master_addr=hosts[0],
+        master_port=port,
+        device=device,
+        env=env,
+    )
 
 
-def plan_gke(env: Mapping[str, str], *, port: int, nproc_override: int | None = None,
-             device: str = "tpu") -> LaunchPlan:
+def plan_gke(
+    env: Mapping[str, str], *, port: int, nproc_override: int | None = None, device: str = "tpu"
+) -> LaunchPlan:
     """GKE TPU pods (also XPK workloads): one pod per TPU VM host."""
     hosts = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if not hosts:
-        raise ConfigError("launch: environment variable TPU_WORKER_HOSTNAMES is not set; allowed: the "
-                          "comma-separated TPU hosts of the slice (GKE sets it), host 0 first")
+        raise ConfigError(
+            "launch: environment variable TPU_WORKER_HOSTNAMES is not set; allowed: the "
+            "comma-separated TPU hosts of the slice (GKE sets it), host 0 first"
+        )
     name = "TPU_WORKER_ID" if "TPU_WORKER_ID" in env else "JOB_COMPLETION_INDEX"
-    worker = _int(env, name, allowed="this host's index in TPU_WORKER_HOSTNAMES (TPU_WORKER_ID or "
-                                     "JOB_COMPLETION_INDEX)")
+    worker = _int(
+        env, name, allowed="this host's index in TPU_WORKER_HOSTNAMES (TPU_WORKER_ID or JOB_COMPLETION_INDEX)"
+    )
     chips = _bounds_product(env, "TPU_CHIPS_PER_HOST_BOUNDS") if nproc_override is None else None
-    return _tpu_plan("gke", hosts=hosts, worker=worker, accelerator=env.get("TPU_ACCELERATOR_TYPE", ""),
-                     chips_per_host=chips, port=port, nproc_override=nproc_override, device=device,
-                     where="TPU_WORKER_HOSTNAMES")
+    return _tpu_plan(
+        "gke",
+        hosts=hosts,
+        worker=worker,
+        accelerator=env.get("TPU_ACCELERATOR_TYPE", ""),
+        chips_per_host=chips,
+        port=port,
+        nproc_override=nproc_override,
+        device=device,
+        where="TPU_WORKER_HOSTNAMES",
+    )
 
 
-def read_tpu_vm_metadata(keys=("agent-worker-number", "worker-network-endpoints", "accelerator-type")
-                         ) -> dict[str, str]:
+def read_tpu_vm_metadata(
+    keys=("agent-worker-number", "worker-network-endpoints", "accelerator-type"),
+) -> dict[str, str]:
     """The TPU VM's own attributes from the GCE metadata server (only reachable on a TPU VM)."""
     out = {}
     for key in keys:
@@ -165,8 +213,10 @@ def read_tpu_vm_metadata(keys=("agent-worker-number", "worker-network-endpoints"
             with urllib.request.urlopen(req, timeout=5) as r:
                 out[key] = r.read().decode().strip()
         except OSError as e:
-            raise ConfigError(f"launch: TPU VM metadata {key} unreadable ({e}); allowed: --platform tpu-vm "
-                              "only on a TPU VM (elsewhere use gke, slurm or manual)") from None
+            raise ConfigError(
+                f"launch: TPU VM metadata {key} unreadable ({e}); allowed: --platform tpu-vm "
+                "only on a TPU VM (elsewhere use gke, slurm or manual)"
+            ) from None
     return out
 
 
@@ -191,16 +241,25 @@ def _tpu_vm_chips_per_host(accelerator: str, n_hosts: int) -> int | None:
     return None
 
 
-def plan_tpu_vm(metadata: Mapping[str, str], *, port: int, nproc_override: int | None = None,
-                device: str = "tpu") -> LaunchPlan:
+def plan_tpu_vm(
+    metadata: Mapping[str, str], *, port: int, nproc_override: int | None = None, device: str = "tpu"
+) -> LaunchPlan:
     # worker-network-endpoints: "id:?:ip,id:?:ip,..." in worker order; the address is the last field.
     endpoints = [e.strip() for e in metadata.get("worker-network-endpoints", "").split(",") if e.strip()]
     hosts = [e.rsplit(":", 1)[-1] for e in endpoints]
     worker = _int(metadata, "agent-worker-number", allowed="the TPU VM worker number")
     accelerator = metadata.get("accelerator-type", "")
-    return _tpu_plan("tpu-vm", hosts=hosts, worker=worker, accelerator=accelerator,
-                     chips_per_host=_tpu_vm_chips_per_host(accelerator, max(len(hosts), 1)), port=port,
-                     nproc_override=nproc_override, device=device, where="metadata worker-network-endpoints")
+    return _tpu_plan(
+        "tpu-vm",
+        hosts=hosts,
+        worker=worker,
+        accelerator=accelerator,
+        chips_per_host=_tpu_vm_chips_per_host(accelerator, max(len(hosts), 1)),
+        port=port,
+        nproc_override=nproc_override,
+        device=device,
+        where="metadata worker-network-endpoints",
+    )
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -212,21 +271,33 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
 
 
-def plan_slurm(env: Mapping[str, str], *, port: int, nproc_override: int | None = None,
-               device: str = "cuda") -> LaunchPlan:
+def plan_slurm(
+    env: Mapping[str, str], *, port: int, nproc_override: int | None = None, device: str = "cuda"
+) -> LaunchPlan:
     nnodes = _int(env, "SLURM_NNODES", allowed="the job's node count (Slurm sets it)")
     rank = _int(env, "SLURM_NODEID", allowed="this node's index (Slurm sets it)")
     if nnodes < 1:
-        raise ConfigError(f"launch: environment variable SLURM_NNODES is {nnodes}; allowed: the job's node "
-                          "count, >= 1 (Slurm sets it)")
+        raise ConfigError(
+            f"launch: environment variable SLURM_NNODES is {nnodes}; allowed: the job's node "
+            "count, >= 1 (Slurm sets it)"
+        )
     if not 0 <= rank < nnodes:
-        raise ConfigError(f"launch: environment variable SLURM_NODEID is {rank}; allowed: this node's index, "
-                          f"0 .. SLURM_NNODES - 1 = {nnodes - 1} (Slurm sets it)")
+        raise ConfigError(
+            f"launch: environment variable SLURM_NODEID is {rank}; allowed: this node's index, "
+            f"0 .. SLURM_NNODES - 1 = {nnodes - 1} (Slurm sets it)"
+        )
     if "SLURM_JOB_NODELIST" not in env:
         raise ConfigError("launch: environment variable SLURM_JOB_NODELIST is not set; allowed: the job's node list")
     nproc = nproc_override if nproc_override is not None else _local_gpus()
-    return LaunchPlan("slurm", nnodes=nnodes, node_rank=rank, nproc_per_node=nproc,
-                      master_addr=first_slurm_host(env["SLURM_JOB_NODELIST"]), master_port=port, device=device)
+    return LaunchPlan(
+        "slurm",
+        nnodes=nnodes,
+        node_rank=rank,
+        nproc_per_node=nproc,
+        master_addr=first_slurm_host(env["SLURM_JOB_NODELIST"]),
+        master_port=port,
+        device=device,
+    )
 
 
 def _local_gpus() -> int:
@@ -264,26 +335,31 @@ def failure_summary(stderr: str, *, max_chars: int = 600) -> str:
         noise = re.compile(r"^(?:[IW]\d{4} |WARNING|INFO|\[|.*Warning:)")
         pick = next((ln for ln in reversed(lines) if not noise.match(ln)), lines[-1] if lines else "")
     pick = " ".join(pick.split())
-    return pick if len(pick) <= max_chars else pick[:max_chars - 3] + "..."
+    return pick if len(pick) <= max_chars else pick[: max_chars - 3] + "..."
 
 
 def _run_torch_tpu_distributed(argv: list[str], child_env: dict) -> str:
     if importlib.util.find_spec("torch_tpu") is None:
-        raise ConfigError(f"launch: device tpu needs torch-tpu, which is not installed for {sys.executable}; "
-                          f"allowed: install it with `{INSTALL_HINT}`, or --device cpu|cuda")
+        raise ConfigError(
+            f"launch: device tpu needs torch-tpu, which is not installed for {sys.executable}; "
+            f"allowed: install it with `{INSTALL_HINT}`, or --device cpu|cuda"
+        )
     try:
         out = subprocess.run(argv, env=child_env, capture_output=True, text=True, timeout=TORCH_TPU_ENV_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise ConfigError(f"launch: {shlex.join(argv[1:])} did not finish within {TORCH_TPU_ENV_TIMEOUT_S} s; "
-                          "allowed: a TPU host whose devices are free (no other process holding them)") from None
+        raise ConfigError(
+            f"launch: {shlex.join(argv[1:])} did not finish within {TORCH_TPU_ENV_TIMEOUT_S} s; "
+            "allowed: a TPU host whose devices are free (no other process holding them)"
+        ) from None
     if out.returncode != 0:
-        raise ConfigError(f"launch: python -m torch.tpu.distributed failed (exit {out.returncode}): "
-                          f"{failure_summary(out.stderr) or 'no message'}")
+        raise ConfigError(
+            f"launch: python -m torch.tpu.distributed failed (exit {out.returncode}): "
+            f"{failure_summary(out.stderr) or 'no message'}"
+        )
     return out.stdout
 
 
-def torch_tpu_launch_env(env: Mapping[str, str], run: Callable[[list[str], dict], str] | None = None
-                         ) -> dict[str, str]:
+def torch_tpu_launch_env(env: Mapping[str, str], run: Callable[[list[str], dict], str] | None = None) -> dict[str, str]:
     """torch-tpu's per-slice launch variables (`python -m torch.tpu.distributed`, KEY=VALUE lines).
 
     Its `WORLD_SIZE` is the global size; torchrun sets each worker's own, so it is dropped here,
@@ -301,14 +377,20 @@ def torch_tpu_launch_env(env: Mapping[str, str], run: Callable[[list[str], dict]
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         values.pop(key, None)
     if "NODE_RANK" in env and values.get("NODE_RANK", env["NODE_RANK"]) != env["NODE_RANK"]:
-        raise ConfigError(f"launch: python -m torch.tpu.distributed printed NODE_RANK={values['NODE_RANK']} for "
-                          f"NODE_RANK={env['NODE_RANK']}; allowed: the same (torch-tpu keeps a set value)")
+        raise ConfigError(
+            f"launch: python -m torch.tpu.distributed printed NODE_RANK={values['NODE_RANK']} for "
+            f"NODE_RANK={env['NODE_RANK']}; allowed: the same (torch-tpu keeps a set value)"
+        )
     return values
 
 
-def build_plan(args: argparse.Namespace, env: Mapping[str, str], *,
-               metadata: Callable[[], Mapping[str, str]] = read_tpu_vm_metadata,
-               tpu_env: Callable[[Mapping[str, str]], dict[str, str]] = torch_tpu_launch_env) -> LaunchPlan:
+def build_plan(
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    *,
+    metadata: Callable[[], Mapping[str, str]] = read_tpu_vm_metadata,
+    tpu_env: Callable[[Mapping[str, str]], dict[str, str]] = torch_tpu_launch_env,
+) -> LaunchPlan:
     platform = detect_platform(env) if args.platform == "auto" else args.platform
     if args.master_port is not None:
         port, where = args.master_port, "--master-port"
@@ -326,16 +408,30 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str], *,
     elif platform == "slurm":
         plan = plan_slurm(env, port=port, nproc_override=args.nproc_per_node, device=device)
     else:
-        missing = [f"--{n}" for n in ("nnodes", "node-rank", "master-addr", "nproc-per-node")
-                   if getattr(args, n.replace("-", "_")) is None]
+        missing = [
+            f"--{n}"
+            for n in ("nnodes", "node-rank", "master-addr", "nproc-per-node")
+            if getattr(args, n.replace("-", "_")) is None
+        ]
         if missing:
-            raise ConfigError(f"launch: platform manual needs {', '.join(missing)}; allowed platforms: "
-                              "gke, tpu-vm, slurm (detected from the environment) or manual")
-        plan = LaunchPlan("manual", nnodes=args.nnodes, node_rank=args.node_rank, nproc_per_node=args.nproc_per_node,
-                          master_addr=args.master_addr, master_port=port, device=device)
+            raise ConfigError(
+                f"launch: platform manual needs {', '.join(missing)}; allowed platforms: "
+                "gke, tpu-vm, slurm (detected from the environment) or manual"
+            )
+        plan = LaunchPlan(
+            "manual",
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            nproc_per_node=args.nproc_per_node,
+            master_addr=args.master_addr,
+            master_port=port,
+            device=device,
+        )
     if not 0 <= plan.node_rank < plan.nnodes or plan.nproc_per_node < 1:
-        raise ConfigError(f"launch: node rank {plan.node_rank} of {plan.nnodes} nodes with {plan.nproc_per_node} "
-                          "processes per node; allowed: 0 <= node rank < nodes, processes >= 1")
+        raise ConfigError(
+            f"launch: node rank {plan.node_rank} of {plan.nnodes} nodes with {plan.nproc_per_node} "
+            "processes per node; allowed: 0 <= node rank < nodes, processes >= 1"
+        )
     if plan.device == "tpu":
         plan.env.update(tpu_env({**env, **plan.env}))
     return plan
@@ -352,8 +448,10 @@ def torchrun_child() -> int:
     try:
         torchrun_main(sys.argv[1:])
     except ChildFailedError as e:
-        failed = ", ".join(f"rank {rank} exit {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
-                           for rank, f in sorted(e.failures.items()))
+        failed = ", ".join(
+            f"rank {rank} exit {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+            for rank, f in sorted(e.failures.items())
+        )
         print(f"launch: torchrun: workers failed: {failed}", file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
@@ -391,14 +489,19 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
         if not signals and proc is not None and proc.poll() is None:
             proc.send_signal(signum)
         if signals:
-            print(f"launch: {signal.Signals(signum).name} again: already stopping (the workers are saving); "
-                  f"kill -9 {os.getpid()} to abort", file=sys.stderr, flush=True)
+            print(
+                f"launch: {signal.Signals(signum).name} again: already stopping (the workers are saving); "
+                f"kill -9 {os.getpid()} to abort",
+                file=sys.stderr,
+                flush=True,
+            )
         signals.append(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, *cmd[3:]], env={**env, EXIT_STATUS_ENV: status_dir},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, *cmd[3:]], env={**env, EXIT_STATUS_ENV: status_dir}, start_new_session=True
+        )
         if signals:  # arrived while starting it
             proc.send_signal(signals[0])
         torchrun_code = proc.wait()
@@ -414,31 +517,47 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
     code = launcher_exit_code(torchrun_code, codes, nproc)
     if code != 0 and signals and signals[0] == signal.SIGINT:  # Ctrl-C: each worker wrote one line
         shown = ", ".join(f"local rank {r}: {c}" for r, c in sorted(codes.items())) or "none recorded"
-        cli.stderr_line(f"launch: interrupted (Ctrl-C): torchrun stopped the workers (exit codes {shown}); "
-                        f"exit {cli.INTERRUPTED_EXIT_CODE}")
+        cli.stderr_line(
+            f"launch: interrupted (Ctrl-C): torchrun stopped the workers (exit codes {shown}); "
+            f"exit {cli.INTERRUPTED_EXIT_CODE}"
+        )
         return cli.INTERRUPTED_EXIT_CODE
     if code == PREEMPTED_EXIT_CODE:
-        print(f"launch: preempted: all {nproc} workers of this node exited {PREEMPTED_EXIT_CODE} (checkpoint "
-              f"written); exit {PREEMPTED_EXIT_CODE}: relaunch the same command to resume", file=sys.stderr, flush=True)
+        print(
+            f"launch: preempted: all {nproc} workers of this node exited {PREEMPTED_EXIT_CODE} (checkpoint "
+            f"written); exit {PREEMPTED_EXIT_CODE}: relaunch the same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
     elif code != 0:
         shown = ", ".join(f"local rank {r}: {c}" for r, c in sorted(codes.items())) or "none recorded"
-        print(f"launch: failed: worker exit codes {shown} (of {nproc}); torchrun exit {torchrun_code}; exit {code}",
-              file=sys.stderr, flush=True)
+        print(
+            f"launch: failed: worker exit codes {shown} (of {nproc}); torchrun exit {torchrun_code}; exit {code}",
+            file=sys.stderr,
+            flush=True,
+        )
     return code
 
 
 def _parser() -> argparse.ArgumentParser:
     # a bad option is one `error:` line and exit code 2, like every other bad input
-    p = cli.ArgumentParser(prog="python -m trainer.launch", description=__doc__.split("\n\n")[0],
-                           usage="%(prog)s [options] -- --config RECIPE.toml [--section.key=value ...]",
-                           epilog="Everything after -- goes to python -m trainer.train (its options: python -m "
-                                  "trainer.train --help). Exit codes: 0 done, 2 bad input, 75 every worker "
-                                  "preempted (relaunch to resume), 130 interrupted (Ctrl-C), else a failure.",
-                           name="launch", hint="python -m trainer.launch [options] -- --config RECIPE.toml "
-                                               "(options: python -m trainer.launch --help)")
+    p = cli.ArgumentParser(
+        prog="python -m trainer.launch",
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s [options] -- --config RECIPE.toml [--section.key=value ...]",
+        epilog="Everything after -- goes to python -m trainer.train (its options: python -m "
+        "trainer.train --help). Exit codes: 0 done, 2 bad input, 75 every worker "
+        "preempted (relaunch to resume), 130 interrupted (Ctrl-C), else a failure.",
+        name="launch",
+        hint="python -m trainer.launch [options] -- --config RECIPE.toml (options: python -m trainer.launch --help)",
+    )
     p.add_argument("--platform", default="auto", choices=["auto", "gke", "tpu-vm", "slurm", "manual"])
-    p.add_argument("--device", default="auto", choices=["auto", "tpu", "cuda", "cpu"],
-                   help="what workers train on (default: tpu for gke/tpu-vm, cuda for slurm, the recipe's otherwise)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "tpu", "cuda", "cpu"],
+        help="what workers train on (default: tpu for gke/tpu-vm, cuda for slurm, the recipe's otherwise)",
+    )
     p.add_argument("--nnodes", type=int)
     p.add_argument("--node-rank", type=int)
     p.add_argument("--master-addr")
@@ -452,19 +571,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
         i = argv.index("--")
-        ours, train_args = argv[:i], argv[i + 1:]
+        ours, train_args = argv[:i], argv[i + 1 :]
     else:
         ours, train_args = argv, []
     args = _parser().parse_args(ours)
     if not train_args:
-        raise ConfigError("launch: nothing to train; allowed: python -m trainer.launch [options] -- "
-                          "--config RECIPE.toml [--section.key=value ...]")
+        raise ConfigError(
+            "launch: nothing to train; allowed: python -m trainer.launch [options] -- "
+            "--config RECIPE.toml [--section.key=value ...]"
+        )
     plan = build_plan(args, os.environ)
     if plan.device in ("tpu", "cuda", "cpu") and not any(a.startswith("--device.type") for a in train_args):
         train_args = train_args + [f"--device.type={plan.device}"]
     cmd = plan.torchrun_argv(train_args)
-    print(f"launch: {plan.platform}: node {plan.node_rank}/{plan.nnodes}, {plan.nproc_per_node} processes, "
-          f"rendezvous {plan.master_addr}:{plan.master_port} (static), device {plan.device}", flush=True)
+    print(
+        f"launch: {plan.platform}: node {plan.node_rank}/{plan.nnodes}, {plan.nproc_per_node} processes, "
+        f"rendezvous {plan.master_addr}:{plan.master_port} (static), device {plan.device}",
+        flush=True,
+    )
     if args.dry_run:
         for key, value in sorted(plan.env.items()):
             print(f"export {key}={shlex.quote(value)}")

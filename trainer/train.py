@@ -22,21 +22,30 @@ import torch
 
 from models.errors import ConfigError, NonFiniteLoss
 from trainer import checkpoint as ckpt
-from trainer.callbacks import Callback, CacheMisses, FirstLogKeys, MoEKeys, NonFiniteCheck, Watchdog
+from trainer.callbacks import CacheMisses, Callback, FirstLogKeys, MoEKeys, NonFiniteCheck, Watchdog
 from trainer.config import Config, build_config, split_cli, to_toml
 from trainer.job import Job, build_job
-from trainer.runtime import (PREEMPTED_EXIT_CODE, MetricsLogger, Preempted, PreemptionHandler, StartupTimeout,
-                             StepWatchdog, arrival_barrier, best_peak_flops, global_mean, peak_flops_per_device,
-                             shutdown_distributed)
-from trainer.runtime.profiler import profile_step, profiler_plan
-from trainer.runtime import cli
+from trainer.runtime import (
+    PREEMPTED_EXIT_CODE,
+    MetricsLogger,
+    Preempted,
+    PreemptionHandler,
+    StartupTimeout,
+    StepWatchdog,
+    arrival_barrier,
+    best_peak_flops,
+    cli,
+    global_mean,
+    peak_flops_per_device,
+    shutdown_distributed,
+)
 from trainer.runtime.atomic import WriteFailed, atomic_file
+from trainer.runtime.profiler import profile_step, profiler_plan
 from trainer.runtime.runlock import release_all
 from trainer.step import StepPlan, local_scalar
 
 
-def _validate(model, *, build_loader, prepare, loss_fn, steps: int, device: torch.device,
-              step_plan: StepPlan) -> float:
+def _validate(model, *, build_loader, prepare, loss_fn, steps: int, device: torch.device, step_plan: StepPlan) -> float:
     # A held-out split may hold fewer than `steps` micro-batches per rank; every rank gets the
     # same count (samples are dealt in groups of dp_degree x batch), so collectives stay matched.
     total, count = torch.zeros(()), 0
@@ -55,8 +64,13 @@ def train(cfg: Config) -> int:
 
     # -- resume from the run's own newest checkpoint, else optional initial weights
     train_state = ckpt.TrainState()
-    states = ckpt.run_states(model=job.model, optimizer=job.optimizer, scheduler=job.scheduler,
-                             train_state=train_state, dataloader=job.loader)
+    states = ckpt.run_states(
+        model=job.model,
+        optimizer=job.optimizer,
+        scheduler=job.scheduler,
+        train_state=train_state,
+        dataloader=job.loader,
+    )
     start_step = manager.load(states)
     if start_step == 0:
         job.load_initial()
@@ -67,43 +81,58 @@ def train(cfg: Config) -> int:
 
     if is_rank0:  # the resolved config, published whole (a failed write: WriteFailed naming the cause),
         # with the compute dtype the run resolved (`auto` -> job.compute) in a copy: cfg is the user's
-        resolved = dataclasses.replace(cfg, training=dataclasses.replace(
-            t, mixed_precision_param=job.compute.name))
+        resolved = dataclasses.replace(cfg, training=dataclasses.replace(t, mixed_precision_param=job.compute.name))
         with atomic_file(os.path.join(dump_folder, "config.toml"), what="config") as f:
             f.write(to_toml(resolved).encode("utf-8"))
     # Every rank is built and resumed: meet before the first compile, so that a rank stuck in
     # data, checkpoint or set-up work is named instead of the others hanging in a collective.
     arrival_barrier("before-first-step", t.startup_timeout_s)
     loss_fn = task.loss_fn(step_plan)
-    step_fn = job.build_step(loss_fn=loss_fn,
-                             dump_graph=os.path.join(dump_folder, c.dump_graph) if c.dump_graph else None)
+    step_fn = job.build_step(
+        loss_fn=loss_fn, dump_graph=os.path.join(dump_folder, c.dump_graph) if c.dump_graph else None
+    )
     # The peak MFU is taken against (on the CPU a measured probe, a collective: every rank).
     peak, peak_name = peak_flops_per_device(job.device, job.compute.dtype)
     if is_rank0:
         _banner(job, start_step, peak_name)
-    return _loop(job, step_fn=step_fn, loss_fn=loss_fn, states=states, train_state=train_state,
-                 start_step=start_step, peak=peak, peak_name=peak_name)
+    return _loop(
+        job,
+        step_fn=step_fn,
+        loss_fn=loss_fn,
+        states=states,
+        train_state=train_state,
+        start_step=start_step,
+        peak=peak,
+        peak_name=peak_name,
+    )
 
 
 def _banner(job: Job, start_step: int, peak_name: str) -> None:
     cfg, task, accum = job.cfg, job.task, job.grad_accum_steps
     loss_name = "rectified flow" if task.name == "flow" else ("fused" if job.step_plan.fused_loss else "plain")
-    print(f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({job.args.num_params() / 1e6:.1f}M params, "
-          f"task {task.name}) on {job.dist.world_size} x {job.device.type} ({peak_name}); mesh {job.parallel_dims}; "
-          f"global batch {job.local_batch_size * job.dp_degree * accum} = {job.local_batch_size} x dp "
-          f"{job.dp_degree} x accum {accum}; compile.mode={cfg.compile.mode}; attention {job.attention}; "
-          f"loss {loss_name}; steps {start_step + 1}..{cfg.training.steps}", flush=True)
+    print(
+        f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({job.args.num_params() / 1e6:.1f}M params, "
+        f"task {task.name}) on {job.dist.world_size} x {job.device.type} ({peak_name}); mesh {job.parallel_dims}; "
+        f"global batch {job.local_batch_size * job.dp_degree * accum} = {job.local_batch_size} x dp "
+        f"{job.dp_degree} x accum {accum}; compile.mode={cfg.compile.mode}; attention {job.attention}; "
+        f"loss {loss_name}; steps {start_step + 1}..{cfg.training.steps}",
+        flush=True,
+    )
     print(f"titan-tpu: compute dtype {job.compute.name} ({job.compute.reason})", flush=True)
     print(f"titan-tpu: host malloc {job.host_malloc}", flush=True)
     if cfg.moe.routing != "learned":  # throughput only: label the run (docs/moe.md#benchmark-routing)
-        print(f"titan-tpu: MoE routing {cfg.moe.routing} (benchmark only: the experts are not the router's "
-              "choice, so the loss is not a trained model's)", flush=True)
+        print(
+            f"titan-tpu: MoE routing {cfg.moe.routing} (benchmark only: the experts are not the router's "
+            "choice, so the loss is not a trained model's)",
+            flush=True,
+        )
     for line in job.runtime_notes:
         print(line, flush=True)
 
 
-def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: int, peak: float | None,
-          peak_name: str) -> int:
+def _loop(
+    job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: int, peak: float | None, peak_name: str
+) -> int:
     """The steps: data -> step -> lr, then the log / validate / save decisions. Side concerns are
     callbacks (trainer/callbacks.py). Host syncs happen only on logged, validated and
     checkpointed steps (and for the profiler): elsewhere the device runs ahead of Python
@@ -111,8 +140,12 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
     cfg, t, task, manager = job.cfg, job.cfg.training, job.task, job.manager
     logger = _metrics_logger(job, start_step=start_step, peak=peak, peak_name=peak_name)
     # -- throughput, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
-    units = {task.unit: job.local_batch_size * task.units_per_sample * job.grad_accum_steps
-             / job.parallel_dims.non_data_parallel_size}
+    units = {
+        task.unit: job.local_batch_size
+        * task.units_per_sample
+        * job.grad_accum_steps
+        / job.parallel_dims.non_data_parallel_size
+    }
     callbacks = _callbacks(job, step_fn=step_fn, start_step=start_step, peak=peak)
     validation = _Validation(job, loss_fn=loss_fn, logger=logger) if job.build_val_loader is not None else None
     preemption = PreemptionHandler()
@@ -164,21 +197,40 @@ def _loop(job: Job, *, step_fn, loss_fn, states: dict, train_state, start_step: 
 
 def _metrics_logger(job: Job, *, start_step: int, peak: float | None, peak_name: str) -> MetricsLogger:
     cfg, task = job.cfg, job.task
-    return MetricsLogger(dump_folder=cfg.job.dump_folder, log_freq=cfg.metrics.log_freq,
-                         enable_tensorboard=cfg.metrics.enable_tensorboard, total_steps=cfg.training.steps,
-                         is_rank0=job.is_rank0, start_step=start_step, device=job.device, unit=task.unit,
-                         flops_per_token=task.flops_per_unit(), peak_flops=peak, peak_name=peak_name)
+    return MetricsLogger(
+        dump_folder=cfg.job.dump_folder,
+        log_freq=cfg.metrics.log_freq,
+        enable_tensorboard=cfg.metrics.enable_tensorboard,
+        total_steps=cfg.training.steps,
+        is_rank0=job.is_rank0,
+        start_step=start_step,
+        device=job.device,
+        unit=task.unit,
+        flops_per_token=task.flops_per_unit(),
+        peak_flops=peak,
+        peak_name=peak_name,
+    )
 
 
 def _callbacks(job: Job, *, step_fn, start_step: int, peak: float | None) -> list[Callback]:
     """The loop's side concerns, in the order their hooks run (and their log keys appear)."""
     t, device = job.cfg.training, job.device
     best_peak = best_peak_flops(device, peak)
-    callbacks = [NonFiniteCheck(device, start_step, skip=t.skip_nonfinite_updates, folder=job.manager.folder),
-                 CacheMisses(device.type, is_rank0=job.is_rank0)]  # TPU: torch-tpu's compilation cache misses
+    callbacks = [
+        NonFiniteCheck(device, start_step, skip=t.skip_nonfinite_updates, folder=job.manager.folder),
+        CacheMisses(device.type, is_rank0=job.is_rank0),
+    ]  # TPU: torch-tpu's compilation cache misses
     if t.hang_dump_factor > 0:
-        callbacks.append(Watchdog(StepWatchdog(folder=job.cfg.job.dump_folder, rank=job.dist.rank,
-                                               factor=t.hang_dump_factor, min_s=t.hang_dump_min_s)))
+        callbacks.append(
+            Watchdog(
+                StepWatchdog(
+                    folder=job.cfg.job.dump_folder,
+                    rank=job.dist.rank,
+                    factor=t.hang_dump_factor,
+                    min_s=t.hang_dump_min_s,
+                )
+            )
+        )
     return [*callbacks, MoEKeys(), FirstLogKeys(t_start=job.t_start, peak=peak, best_peak=best_peak, step_fn=step_fn)]
 
 
@@ -206,16 +258,26 @@ class _Validation:
         grid = job.task.sample_grid(job.model)
         if grid is not None:
             self.logger.log_image("samples", grid, step)
-        return {"val_loss": _validate(job.model, build_loader=job.build_val_loader, prepare=job.task.prepare,
-                                      loss_fn=self.loss_fn, steps=job.cfg.validation.steps, device=job.device,
-                                      step_plan=job.step_plan)}
+        return {
+            "val_loss": _validate(
+                job.model,
+                build_loader=job.build_val_loader,
+                prepare=job.task.prepare,
+                loss_fn=self.loss_fn,
+                steps=job.cfg.validation.steps,
+                device=job.device,
+                step_plan=job.step_plan,
+            )
+        }
 
 
 def _save(job: Job, step: int, states: dict, *, force: bool) -> None:
     """A checkpoint of `step`, after checking every weight and optimizer state is finite."""
     if not ckpt.all_finite(job.model, job.optimizer):
-        raise NonFiniteLoss(f"non-finite weights or optimizer state at step {step}; no checkpoint "
-                            f"written. The newest checkpoint (if any) is in {job.manager.folder}")
+        raise NonFiniteLoss(
+            f"non-finite weights or optimizer state at step {step}; no checkpoint "
+            f"written. The newest checkpoint (if any) is in {job.manager.folder}"
+        )
     job.manager.maybe_save(step, states, force=force)
 
 
@@ -239,14 +301,16 @@ def _parser() -> cli.ArgumentParser:
     from dataclasses import fields
 
     sections = ", ".join(f.name for f in fields(Config))
-    p = cli.ArgumentParser(prog="python -m trainer.train",
-                           description="Train a model from a TOML recipe (one process per device).",
-                           usage="%(prog)s --config RECIPE.toml [--print-config] [--section.key=value ...]",
-                           epilog="--section.key=value (or --section.key VALUE) overrides one recipe key, e.g. "
-                                  f"--training.steps=10; sections: {sections}. Every key: docs/config.md. "
-                                  "Several processes: torchrun --nproc_per_node=N -m trainer.train ... or "
-                                  "python -m trainer.launch. Exit codes: 0 done, 2 bad input, 75 preempted "
-                                  "(relaunch to resume), 130 interrupted (Ctrl-C), 1 anything else.")
+    p = cli.ArgumentParser(
+        prog="python -m trainer.train",
+        description="Train a model from a TOML recipe (one process per device).",
+        usage="%(prog)s --config RECIPE.toml [--print-config] [--section.key=value ...]",
+        epilog="--section.key=value (or --section.key VALUE) overrides one recipe key, e.g. "
+        f"--training.steps=10; sections: {sections}. Every key: docs/config.md. "
+        "Several processes: torchrun --nproc_per_node=N -m trainer.train ... or "
+        "python -m trainer.launch. Exit codes: 0 done, 2 bad input, 75 preempted "
+        "(relaunch to resume), 130 interrupted (Ctrl-C), 1 anything else.",
+    )
     p.add_argument("--config", metavar="RECIPE.toml", help="the TOML recipe (configs/*.toml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     return p
@@ -281,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.error_line(str(e))
         return 1
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes the launcher's SIGINT to every rank): one line a rank
-        cli.interrupted_line("stopped; this step was not saved (a relaunch resumes from the newest checkpoint, "
-                             "if any)")
+        cli.interrupted_line("stopped; this step was not saved (a relaunch resumes from the newest checkpoint, if any)")
         return cli.INTERRUPTED_EXIT_CODE
     finally:
         release_all()

@@ -45,8 +45,9 @@ class Attention(nn.Module):
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [bs, seq, dim]; RoPE tables [seq, head_dim] or per token [bs, seq, head_dim];
         `segment_ids` [bs, seq] (document masking): a token attends only within its segment."""
         bs, seqlen, _ = x.shape
@@ -75,8 +76,9 @@ class Attention(nn.Module):
             self.k_norm.init_weights()
 
 
-def max_causal_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                     *, chunk: int = 1024) -> torch.Tensor:
+def max_causal_logit(
+    q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor | None = None, *, chunk: int = 1024
+) -> torch.Tensor:
     """Largest pre-softmax logit q.k / sqrt(head_dim) per query head over the batch and the
     causal (and same-document) pairs: q [b, q_heads, s, d], k [b, kv_heads, s, d] -> fp32 [q_heads].
 
@@ -91,7 +93,7 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor
     positions = torch.arange(s, device=q.device)
     for start in range(0, s, chunk):
         stop = min(s, start + chunk)
-        scores = q[:, :, start:stop].float() @ kf[:, :, :stop].transpose(-2, -1) / d ** 0.5
+        scores = q[:, :, start:stop].float() @ kf[:, :, :stop].transpose(-2, -1) / d**0.5
         visible = positions[:stop][None, :] <= positions[start:stop][:, None]  # [chunk, keys]
         if segment_ids is not None:
             same = segment_ids[:, start:stop, None] == segment_ids[:, None, :stop]
@@ -99,4 +101,3 @@ def max_causal_logit(q: torch.Tensor, k: torch.Tensor, segment_ids: torch.Tensor
         scores = scores.masked_fill(~visible, float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
-

@@ -44,8 +44,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = feed_forward
 
-    def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def forward(
+        self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """-> the new h; an MoE block returns `(h, aux_loss, load)` (the `BlockStack` sums the aux
         terms and stacks the expert loads).
         `segment_ids` [batch, seq]: document masking (see `Attention`)."""
@@ -104,21 +105,25 @@ class Decoder(nn.Module):
         if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]. Packed documents
         (`[training] document_mask`): `segment_ids` [batch, seq] keeps attention inside each
         document, `positions` [batch, seq] (integers < max_seq_len) are the RoPE positions of the
         tokens (default 0..seq-1 in every row)."""
         return self.output(self.hidden(tokens, segment_ids, positions))
 
-    def hidden(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] that `output`
         projects to logits (a fused linear + cross-entropy loss starts from these); the optional
         inputs as in `forward`."""
         seqlen = tokens.shape[1]
-        assert seqlen <= self.rope_cos.shape[0], f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
+        assert seqlen <= self.rope_cos.shape[0], (
+            f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
+        )
         # (checked before the embedding: the captured graph's inputs keep their order, which
         # tests/support/golden/graph_step_llama3_scan.txt pins)
         h = self.tok_embeddings(tokens)

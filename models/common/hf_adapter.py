@@ -59,8 +59,13 @@ def whole(hf_key: str, shape: tuple[int, ...]) -> HFEntry:
     return HFEntry(shape, (HFPiece(hf_key, (0,) * len(shape), shape, (0,) * len(shape)),))
 
 
-def read_box(entry: HFEntry, start: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype,
-             read: Callable[[str, tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+def read_box(
+    entry: HFEntry,
+    start: tuple[int, ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    read: Callable[[str, tuple[slice, ...]], torch.Tensor],
+) -> torch.Tensor:
     """The box [start, start + shape) of our parameter `entry`, made by calling
     `read(hf_key, slices)` for the part of each piece that falls inside it (nothing else is read).
 
@@ -77,8 +82,10 @@ def read_box(entry: HFEntry, start: tuple[int, ...], shape: tuple[int, ...], dty
         if any(h <= low for low, h in zip(lo, hi)):
             continue
         lead = len(shape) - len(piece.hf_start)  # our dims the HF tensor lacks (all of size 1 in a piece)
-        slices = tuple(slice(lo[d] - piece.start[d] + piece.hf_start[d - lead],
-                             hi[d] - piece.start[d] + piece.hf_start[d - lead]) for d in range(lead, len(shape)))
+        slices = tuple(
+            slice(lo[d] - piece.start[d] + piece.hf_start[d - lead], hi[d] - piece.start[d] + piece.hf_start[d - lead])
+            for d in range(lead, len(shape))
+        )
         box = tuple(h - low for low, h in zip(lo, hi))
         data = read(piece.hf_key, slices).reshape(box)
         if box == shape:
@@ -92,6 +99,7 @@ def read_box(entry: HFEntry, start: tuple[int, ...], shape: tuple[int, ...], dty
 
 def apply_layout(layout: HFLayout, hf_state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict from an in-memory HF state dict (renames stay views of the HF tensors)."""
+
     def read(key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         return hf_state_dict[key][slices]
 
@@ -128,8 +136,16 @@ _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def expert_layout_entry(out: HFLayout, per_expert: dict, *, key: str, shape: tuple[int, ...], layer: int, rest: str,
-                        ours: Callable[[str], str]) -> bool:
+def expert_layout_entry(
+    out: HFLayout,
+    per_expert: dict,
+    *,
+    key: str,
+    shape: tuple[int, ...],
+    layer: int,
+    rest: str,
+    ours: Callable[[str], str],
+) -> bool:
     """One HF MoE expert tensor of a layer (`rest` after `model.layers.N.`) into a layout: the
     fused `gate_up_proj` [E, 2 hidden, dim] (gate rows first) splits into `ours("w1")` and
     `ours("w3")`, `down_proj` is `ours("w2")`; a per-expert projection is noted in `per_expert`
@@ -149,8 +165,14 @@ def expert_layout_entry(out: HFLayout, per_expert: dict, *, key: str, shape: tup
     return True
 
 
-def stack_expert_entries(out: HFLayout, per_expert: dict, hf_shapes: Mapping[str, tuple[int, ...]],
-                         num_experts: int, *, ours: Callable[[int, str], str]) -> None:
+def stack_expert_entries(
+    out: HFLayout,
+    per_expert: dict,
+    hf_shapes: Mapping[str, tuple[int, ...]],
+    num_experts: int,
+    *,
+    ours: Callable[[int, str], str],
+) -> None:
     """The per-expert projections `expert_layout_entry` noted, as one stacked [E, ...] entry each
     (`ours(layer, "w1")`...); every layer must hold experts 0..num_experts-1 of one shape."""
     for (layer, name), experts in sorted(per_expert.items()):
@@ -166,8 +188,9 @@ def stack_expert_entries(out: HFLayout, per_expert: dict, hf_shapes: Mapping[str
         out[ours(layer, name)] = HFEntry((num_experts, *shape), pieces)
 
 
-def experts_to_hf(out: dict[str, torch.Tensor], prefix: str, name: str, value: torch.Tensor, *,
-                  w3: torch.Tensor | None, fused: bool) -> None:
+def experts_to_hf(
+    out: dict[str, torch.Tensor], prefix: str, name: str, value: torch.Tensor, *, w3: torch.Tensor | None, fused: bool
+) -> None:
     """Our stacked expert weight `name` (w1, w2 or w3) of the layer `prefix` (`model.layers.N.`)
     as HF tensors: fused (`gate_up_proj` = cat(w1, w3), written at w1; `down_proj`) or one fresh
     tensor per expert (`mlp.experts.j.{gate,up,down}_proj.weight`, the hub layout)."""
@@ -207,10 +230,19 @@ def decoder_hf_layout(
         layer, rest = match.group(1), match.group(2)
         if rest in _LAYER_KEYS:
             out[f"layers.{layer}.{_LAYER_KEYS[rest]}"] = whole(key, shape)
-        elif not expert_layout_entry(out, per_expert, key=key, shape=shape, layer=int(layer), rest=rest,
-                                     ours=lambda n, layer=layer: f"layers.{layer}.moe.experts.{n}"):
+        elif not expert_layout_entry(
+            out,
+            per_expert,
+            key=key,
+            shape=shape,
+            layer=int(layer),
+            rest=rest,
+            ours=lambda n, layer=layer: f"layers.{layer}.moe.experts.{n}",
+        ):
             raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
-    stack_expert_entries(out, per_expert, hf_shapes, num_experts, ours=lambda layer, n: f"layers.{layer}.moe.experts.{n}")
+    stack_expert_entries(
+        out, per_expert, hf_shapes, num_experts, ours=lambda layer, n: f"layers.{layer}.moe.experts.{n}"
+    )
     if "tok_embeddings.weight" not in out:
         raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
     if tie_embeddings:
@@ -227,8 +259,9 @@ def decoder_from_hf(
 ) -> dict[str, torch.Tensor]:
     """Hugging Face `*ForCausalLM` state dict -> our `Decoder` state dict (`decoder_hf_layout`
     applied to it: renamed and split tensors are views of the given ones, stacked experts new)."""
-    layout = decoder_hf_layout({k: tuple(v.shape) for k, v in hf_state_dict.items()},
-                               tie_embeddings=tie_embeddings, num_experts=num_experts)
+    layout = decoder_hf_layout(
+        {k: tuple(v.shape) for k, v in hf_state_dict.items()}, tie_embeddings=tie_embeddings, num_experts=num_experts
+    )
     return apply_layout(layout, hf_state_dict)
 
 
@@ -259,8 +292,9 @@ def decoder_to_hf(
             out[prefix + _LAYER_KEYS_INV[rest]] = value
         elif rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
             name = rest.rsplit(".", 1)[1]
-            experts_to_hf(out, prefix, name, value, w3=state_dict.get(f"layers.{layer}.moe.experts.w3"),
-                          fused=fused_experts)
+            experts_to_hf(
+                out, prefix, name, value, w3=state_dict.get(f"layers.{layer}.moe.experts.w3"), fused=fused_experts
+            )
         else:
             raise ValueError(f"{key}: unknown model parameter")
     return out

@@ -64,17 +64,19 @@ value and gradient as one process on that batch, whatever the mesh.
 
 from collections.abc import Callable
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from models.common import ops
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 
 
 def load_balance_loss(
-    router_logits: torch.Tensor, num_tokens_per_expert: torch.Tensor, num_experts: int,
+    router_logits: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    num_experts: int,
     reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss for one layer, as Hugging Face computes it.
@@ -98,8 +100,12 @@ def load_balance_loss(
     return num_experts * torch.sum(frac_tokens * mean_probs)
 
 
-def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, num_experts: int,
-                          reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def sequence_balance_loss(
+    scores: torch.Tensor,
+    selected_experts: torch.Tensor,
+    num_experts: int,
+    reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20, without its factor alpha, which is
     `training.aux_loss_coef`), averaged over the sequences of the batch.
 
@@ -116,7 +122,8 @@ def sequence_balance_loss(scores: torch.Tensor, selected_experts: torch.Tensor, 
     """
     bs, seqlen, top_k = selected_experts.shape
     counts = torch.zeros(bs, num_experts, dtype=torch.float32, device=scores.device).scatter_add_(
-        1, selected_experts.reshape(bs, -1), torch.ones(bs, seqlen * top_k, dtype=torch.float32, device=scores.device))
+        1, selected_experts.reshape(bs, -1), torch.ones(bs, seqlen * top_k, dtype=torch.float32, device=scores.device)
+    )
     # From `counts` (not a Python number), as in load_balance_loss.
     length = counts.new_full((1,), float(seqlen))
     if reduce_counts is not None:
@@ -182,9 +189,19 @@ class TokenChoiceTopKRouter(nn.Module):
     DeepSeek-V3's (module docstring).
     """
 
-    def __init__(self, *, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 score_func: str = "softmax", num_groups: int = 1, top_groups: int = 1,
-                 route_scale: float = 1.0, expert_bias: bool = False):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        score_func: str = "softmax",
+        num_groups: int = 1,
+        top_groups: int = 1,
+        route_scale: float = 1.0,
+        expert_bias: bool = False,
+    ):
         super().__init__()
         assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in [1, num_experts={num_experts}]"
         assert score_func in ("softmax", "sigmoid"), f"score_func {score_func!r}"
@@ -215,8 +232,9 @@ class TokenChoiceTopKRouter(nn.Module):
         assert routing in ROUTINGS, f"routing {routing!r}; allowed: {', '.join(ROUTINGS)}"
         self.routing = routing
         if routing != "learned" and "routing_key" not in self._buffers:
-            self.register_buffer("routing_key", torch.zeros(2, dtype=torch.int64, device=self.gate.weight.device),
-                                 persistent=False)
+            self.register_buffer(
+                "routing_key", torch.zeros(2, dtype=torch.int64, device=self.gate.weight.device), persistent=False
+            )
 
     def synthetic_experts(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """The experts [N, k] that "random" or "balanced" routing picks for this rank's N tokens."""
@@ -349,16 +367,34 @@ class MoE(nn.Module):
     `n_shared_experts * moe_intermediate_size`).
     """
 
-    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 score_func: str = "softmax", num_groups: int = 1, top_groups: int = 1,
-                 route_scale: float = 1.0, expert_bias: bool = False, shared_hidden_dim: int = 0,
-                 aux_loss: str = "load_balance"):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        score_func: str = "softmax",
+        num_groups: int = 1,
+        top_groups: int = 1,
+        route_scale: float = 1.0,
+        expert_bias: bool = False,
+        shared_hidden_dim: int = 0,
+        aux_loss: str = "load_balance",
+    ):
         super().__init__()
         assert aux_loss in ("load_balance", "sequence", "none"), f"aux_loss {aux_loss!r}"
         self.router = TokenChoiceTopKRouter(
-            dim=dim, num_experts=num_experts, top_k=top_k, norm_topk_prob=norm_topk_prob,
-            score_func=score_func, num_groups=num_groups, top_groups=top_groups,
-            route_scale=route_scale, expert_bias=expert_bias,
+            dim=dim,
+            num_experts=num_experts,
+            top_k=top_k,
+            norm_topk_prob=norm_topk_prob,
+            score_func=score_func,
+            num_groups=num_groups,
+            top_groups=top_groups,
+            route_scale=route_scale,
+            expert_bias=expert_bias,
         )
         self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
         if shared_hidden_dim > 0:
@@ -381,15 +417,18 @@ class MoE(nn.Module):
 
         flat_experts = selected_experts.reshape(-1)  # [N * k] token copies ("slots")
         # A fixed-size count (not bincount) keeps shapes static for compile and XLA.
-        num_tokens_per_expert = torch.zeros(
-            num_experts, dtype=torch.int64, device=x.device
-        ).scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+        num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts)
+        )
         if self.aux_loss == "load_balance":
             aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
         elif self.aux_loss == "sequence":
-            aux_loss = sequence_balance_loss(self.router.scores(router_logits).view(bs, seqlen, -1),
-                                             selected_experts.view(bs, seqlen, -1), num_experts,
-                                             self.reduce_seq_counts)
+            aux_loss = sequence_balance_loss(
+                self.router.scores(router_logits).view(bs, seqlen, -1),
+                selected_experts.view(bs, seqlen, -1),
+                num_experts,
+                self.reduce_seq_counts,
+            )
         else:
             aux_loss = router_logits.new_zeros((), dtype=torch.float32)
 

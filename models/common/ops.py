@@ -75,7 +75,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.T
     width = max(head_dim, v_head_dim)
     if width > head_dim:
         q, k = F.pad(q, (0, width - head_dim)), F.pad(k, (0, width - head_dim))
-        kwargs.setdefault("scale", head_dim ** -0.5)  # SDPA's default would be the padded width's
+        kwargs.setdefault("scale", head_dim**-0.5)  # SDPA's default would be the padded width's
     if width > v_head_dim:
         v = F.pad(v, (0, width - v_head_dim))
     out = F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -208,7 +208,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         lse = torch.full((n,), float("-inf"), dtype=torch.float32, device=h.device)
         target = torch.zeros(n, dtype=torch.float32, device=h.device)
         for start in range(0, vocab, chunk_size):
-            logits = F.linear(h, w[start:start + chunk_size]).float()
+            logits = F.linear(h, w[start : start + chunk_size]).float()
             lse = torch.logaddexp(lse, torch.logsumexp(logits, dim=-1))
             local = labels - start
             inside = (local >= 0) & (local < logits.shape[-1])
@@ -229,7 +229,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[0] else None
         dw_chunks = []
         for start in range(0, w.shape[0], chunk_size):
-            w_chunk = w[start:start + chunk_size]
+            w_chunk = w[start : start + chunk_size]
             logits = F.linear(h, w_chunk).float()
             grad = torch.exp(logits - lse.unsqueeze(-1))
             cols = torch.arange(start, start + w_chunk.shape[0], device=h.device)
@@ -243,7 +243,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_linear_cross_entropy(
-    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, *, chunk_size: int = 8192,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int = 8192,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """The reference for `linear_cross_entropy` (see `_ChunkedLinearCrossEntropy`)."""

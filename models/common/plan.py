@@ -36,8 +36,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TP_STYLES = ("embedding", "colwise", "rowwise", "rowwise_replicate", "replicate",
-             "sequence_parallel", "block_input", "head_norm", "head_shared", "output")
+TP_STYLES = (
+    "embedding",
+    "colwise",
+    "rowwise",
+    "rowwise_replicate",
+    "replicate",
+    "sequence_parallel",
+    "block_input",
+    "head_norm",
+    "head_shared",
+    "output",
+)
 
 
 @dataclass(frozen=True)
@@ -64,8 +74,7 @@ class ModelPlan:
 
     def iter_blocks(self, model) -> list[tuple[str, "object"]]:
         """`(qualified name, block module)` for every block of every stack of `model`."""
-        return [(f"{stack}.{key}", block) for stack in self.stacks
-                for key, block in getattr(model, stack).items()]
+        return [(f"{stack}.{key}", block) for stack in self.stacks for key, block in getattr(model, stack).items()]
 
     def __post_init__(self) -> None:
         assert self.stacks, "plan: at least one block container"

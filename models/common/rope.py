@@ -110,8 +110,9 @@ def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
     return (index - start_index).to(torch.int32)
 
 
-def rope_rows(cos: torch.Tensor, sin: torch.Tensor, seqlen: int, positions: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_rows(
+    cos: torch.Tensor, sin: torch.Tensor, seqlen: int, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of the tables [max_seq_len, head_dim] a sequence of `seqlen` tokens uses, for
     `apply_rope`: the first `seqlen` ([seqlen, head_dim]), or those at integer `positions`
     [batch, seq] ([batch, seq, head_dim]: restarted per document, or a context-parallel shard's)."""

@@ -85,8 +85,9 @@ class BlockStack(nn.ModuleDict):
 
     # --- layer scan ------------------------------------------------------------------------
 
-    def enable_scan(self, *, param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-                    ) -> None:
+    def enable_scan(
+        self, *, param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    ) -> None:
         """Stack the blocks' parameters and buffers and run the stack as a scan when compiled.
 
         `param_fn`, if given, maps one layer's row `{name: tensor}` to what the template block
@@ -100,8 +101,10 @@ class BlockStack(nn.ModuleDict):
         buffer_names = [n for n, _ in template.named_buffers()]
         for i, block in enumerate(blocks):
             if type(block) is not type(template):
-                raise ValueError(f"layer scan: block {i} is a {type(block).__name__}, block 0 a "
-                                 f"{type(template).__name__}; scanned blocks must be identical")
+                raise ValueError(
+                    f"layer scan: block {i} is a {type(block).__name__}, block 0 a "
+                    f"{type(template).__name__}; scanned blocks must be identical"
+                )
             names = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
             if names != param_names + buffer_names:
                 raise ValueError(f"layer scan: block {i} has different parameters/buffers than block 0")
@@ -115,8 +118,10 @@ class BlockStack(nn.ModuleDict):
                 ref = locals_[0]
                 for i, t in enumerate(locals_):
                     if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
-                        raise ValueError(f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
-                                         f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}")
+                        raise ValueError(
+                            f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
+                            f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}"
+                        )
                     if t.device.type == "meta" and not _ABSTRACT.get():
                         raise ValueError("layer scan: materialize the model before enable_scan()")
                 stack = torch.stack([t.detach() for t in locals_])
@@ -126,8 +131,9 @@ class BlockStack(nn.ModuleDict):
                     stack.requires_grad_(True)
                 stacked[name] = stack
                 members[name] = tensors
-        self._scan = _ScanState(param_names=param_names, buffer_names=buffer_names,
-                                stacked=stacked, members=members, param_fn=param_fn)
+        self._scan = _ScanState(
+            param_names=param_names, buffer_names=buffer_names, stacked=stacked, members=members, param_fn=param_fn
+        )
 
     def stacked_parameters(self) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
         """`{name: (stacked [n_layers, ...], [per-layer parameter of each block])}`."""
@@ -144,8 +150,9 @@ class BlockStack(nn.ModuleDict):
         assert self._scan is not None, "layer scan is not enabled"
         return sum(view_rows(stack, self._scan.members[name]) for name, stack in self._scan.stacked.items())
 
-    def _scan_forward(self, h: torch.Tensor, args: tuple[torch.Tensor, ...]
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _scan_forward(
+        self, h: torch.Tensor, args: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         from torch._higher_order_ops.scan import scan
 
         state = self._scan

@@ -89,31 +89,53 @@ class DeepSeekV3Args:
     """Share one matrix between the token embedding and the output projection (no released flavor does)."""
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "vocab_size", "hidden_dim", "kv_lora_rank", "qk_nope_head_dim",
-                     "qk_rope_head_dim", "v_head_dim", "num_experts", "num_experts_per_tok", "moe_hidden_dim",
-                     "num_expert_groups", "num_limited_groups", "max_seq_len", "rope_original_max_seq_len"):
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "vocab_size",
+            "hidden_dim",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_hidden_dim",
+            "num_expert_groups",
+            "num_limited_groups",
+            "max_seq_len",
+            "rope_original_max_seq_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         for name in ("q_lora_rank", "num_shared_experts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.n_dense_layers < self.n_layers:
-            raise ValueError(f"n_dense_layers: must be in [1, n_layers - 1 = {self.n_layers - 1}], "
-                             f"got {self.n_dense_layers}")
+            raise ValueError(
+                f"n_dense_layers: must be in [1, n_layers - 1 = {self.n_layers - 1}], got {self.n_dense_layers}"
+            )
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim: must be even for RoPE, got {self.qk_rope_head_dim}")
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], "
-                             f"got {self.num_experts_per_tok}")
+            raise ValueError(
+                f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            )
         if self.num_experts % self.num_expert_groups:
-            raise ValueError(f"num_expert_groups: must divide num_experts {self.num_experts}, "
-                             f"got {self.num_expert_groups}")
+            raise ValueError(
+                f"num_expert_groups: must divide num_experts {self.num_experts}, got {self.num_expert_groups}"
+            )
         if self.num_expert_groups > 1 and self.num_experts // self.num_expert_groups < 2:
-            raise ValueError("num_expert_groups: each group needs at least 2 experts (a group scores by its "
-                             f"two best), got {self.num_expert_groups} groups of {self.num_experts}")
+            raise ValueError(
+                "num_expert_groups: each group needs at least 2 experts (a group scores by its "
+                f"two best), got {self.num_expert_groups} groups of {self.num_experts}"
+            )
         if not 1 <= self.num_limited_groups <= self.num_expert_groups:
-            raise ValueError(f"num_limited_groups: must be in [1, num_expert_groups={self.num_expert_groups}], "
-                             f"got {self.num_limited_groups}")
+            raise ValueError(
+                f"num_limited_groups: must be in [1, num_expert_groups={self.num_expert_groups}], "
+                f"got {self.num_limited_groups}"
+            )
         if self.num_limited_groups * (self.num_experts // self.num_expert_groups) < self.num_experts_per_tok:
             raise ValueError("num_limited_groups: the allowed groups hold fewer experts than num_experts_per_tok")
         if self.score_func not in ("sigmoid", "softmax"):
@@ -135,15 +157,23 @@ class DeepSeekV3Args:
     def softmax_scale(self) -> float:
         """`qk_head_dim ** -0.5`, times YaRN's `mscale(factor, mscale_all_dim) ** 2`."""
         m = yarn_mscale(self.rope_factor, self.rope_mscale_all_dim)
-        return self.qk_head_dim ** -0.5 * m * m
+        return self.qk_head_dim**-0.5 * m * m
 
     def shape(self) -> ModelShape:
         # head_dim: the mean of the q.k and the value widths, so that the attention FLOPs
         # 12 * L * H * head_dim * T equal MLA's 6 * L * H * (qk_head_dim + v_head_dim) * T.
-        return ModelShape(n_layers=self.n_layers, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_heads,
-                          head_dim=(self.qk_head_dim + self.v_head_dim) // 2, vocab_size=self.vocab_size,
-                          ffn_hidden=self.hidden_dim, num_experts=self.num_experts,
-                          top_k=self.num_experts_per_tok, moe_hidden=self.moe_hidden_dim)
+        return ModelShape(
+            n_layers=self.n_layers,
+            dim=self.dim,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_heads,
+            head_dim=(self.qk_head_dim + self.v_head_dim) // 2,
+            vocab_size=self.vocab_size,
+            ffn_hidden=self.hidden_dim,
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            moe_hidden=self.moe_hidden_dim,
+        )
 
     def _counts(self) -> tuple[int, int, int]:
         """(total, active, embedding) parameter counts, as the modules hold them."""
@@ -152,8 +182,11 @@ class DeepSeekV3Args:
             q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
         else:
             q = d * h * self.qk_head_dim
-        kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-              + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim))
+        kv = (
+            d * (self.kv_lora_rank + self.qk_rope_head_dim)
+            + self.kv_lora_rank
+            + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        )
         attention = q + kv + h * self.v_head_dim * d + 2 * d  # + wo, the two block norms
         dense = attention + 3 * d * self.hidden_dim
         expert = 3 * d * self.moe_hidden_dim
@@ -164,8 +197,11 @@ class DeepSeekV3Args:
         table = self.vocab_size * d
         outer = table + d + (0 if self.tie_embeddings else table)
         dense_all = self.n_dense_layers * dense
-        return (outer + dense_all + self.n_moe_layers * moe_total, outer + dense_all + self.n_moe_layers * moe_active,
-                0 if self.tie_embeddings else table)
+        return (
+            outer + dense_all + self.n_moe_layers * moe_total,
+            outer + dense_all + self.n_moe_layers * moe_active,
+            0 if self.tie_embeddings else table,
+        )
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:
         """Distinct parameters; `exclude_embedding` drops the token-embedding table."""
@@ -184,9 +220,18 @@ def yarn_mscale(factor: float, mscale: float) -> float:
 
 
 _V3 = dict(
-    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-    moe_hidden_dim=2048, hidden_dim=18432, dim=7168, n_layers=61, norm_eps=1e-6,
-    rope_original_max_seq_len=4096, rope_beta_slow=1.0,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    moe_hidden_dim=2048,
+    hidden_dim=18432,
+    dim=7168,
+    n_layers=61,
+    norm_eps=1e-6,
+    rope_original_max_seq_len=4096,
+    rope_beta_slow=1.0,
 )
 
 FLAVORS: dict[str, DeepSeekV3Args] = {
@@ -194,34 +239,96 @@ FLAVORS: dict[str, DeepSeekV3Args] = {
     # 4 groups of which 2 are eligible, one shared expert, YaRN on; vocab 4096 matches the
     # bundled tokenizer.
     "debugmodel": DeepSeekV3Args(
-        dim=256, n_layers=5, n_dense_layers=2, n_heads=8, vocab_size=4096, hidden_dim=512,
-        q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        num_experts=8, num_experts_per_tok=2, num_shared_experts=1, moe_hidden_dim=128,
-        num_expert_groups=4, num_limited_groups=2, route_scale=2.5,
-        rope_theta=10000.0, rope_factor=4.0, rope_original_max_seq_len=256, rope_beta_fast=32.0,
-        rope_mscale=1.0, rope_mscale_all_dim=1.0, max_seq_len=2048,
+        dim=256,
+        n_layers=5,
+        n_dense_layers=2,
+        n_heads=8,
+        vocab_size=4096,
+        hidden_dim=512,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        moe_hidden_dim=128,
+        num_expert_groups=4,
+        num_limited_groups=2,
+        route_scale=2.5,
+        rope_theta=10000.0,
+        rope_factor=4.0,
+        rope_original_max_seq_len=256,
+        rope_beta_fast=32.0,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+        max_seq_len=2048,
     ),
     # DeepSeek-V2-Lite's sizes (15.7B total, 2.4B active) with V3 routing (sigmoid, normalised top-k).
     "16B": DeepSeekV3Args(
-        dim=2048, n_layers=27, n_dense_layers=1, n_heads=16, vocab_size=102400, hidden_dim=10944,
-        q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        num_experts=64, num_experts_per_tok=6, num_shared_experts=2, moe_hidden_dim=1408,
-        num_expert_groups=1, num_limited_groups=1, route_scale=1.0,
-        rope_theta=10000.0, rope_factor=40.0, rope_original_max_seq_len=4096, rope_beta_fast=32.0,
-        rope_mscale=0.707, rope_mscale_all_dim=0.707, max_seq_len=163840,
+        dim=2048,
+        n_layers=27,
+        n_dense_layers=1,
+        n_heads=16,
+        vocab_size=102400,
+        hidden_dim=10944,
+        q_lora_rank=0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=6,
+        num_shared_experts=2,
+        moe_hidden_dim=1408,
+        num_expert_groups=1,
+        num_limited_groups=1,
+        route_scale=1.0,
+        rope_theta=10000.0,
+        rope_factor=40.0,
+        rope_original_max_seq_len=4096,
+        rope_beta_fast=32.0,
+        rope_mscale=0.707,
+        rope_mscale_all_dim=0.707,
+        max_seq_len=163840,
     ),
     # DeepSeek-V3 / V3.1 / R1: 671B total, 37B active.
     "671B": DeepSeekV3Args(
-        n_dense_layers=3, n_heads=128, vocab_size=129280, num_experts=256, num_experts_per_tok=8,
-        num_shared_experts=1, num_expert_groups=8, num_limited_groups=4, route_scale=2.5,
-        rope_theta=10000.0, rope_factor=40.0, rope_beta_fast=32.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
-        max_seq_len=163840, **_V3,
+        n_dense_layers=3,
+        n_heads=128,
+        vocab_size=129280,
+        num_experts=256,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        num_expert_groups=8,
+        num_limited_groups=4,
+        route_scale=2.5,
+        rope_theta=10000.0,
+        rope_factor=40.0,
+        rope_beta_fast=32.0,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+        max_seq_len=163840,
+        **_V3,
     ),
     # Kimi K2: 1.04T total, 32B active; 384 experts, one dense block, 64 heads.
     "kimi_k2": DeepSeekV3Args(
-        n_dense_layers=1, n_heads=64, vocab_size=163840, num_experts=384, num_experts_per_tok=8,
-        num_shared_experts=1, num_expert_groups=1, num_limited_groups=1, route_scale=2.827,
-        rope_theta=50000.0, rope_factor=32.0, rope_beta_fast=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
-        max_seq_len=131072, **_V3,
+        n_dense_layers=1,
+        n_heads=64,
+        vocab_size=163840,
+        num_experts=384,
+        num_experts_per_tok=8,
+        num_shared_experts=1,
+        num_expert_groups=1,
+        num_limited_groups=1,
+        route_scale=2.827,
+        rope_theta=50000.0,
+        rope_factor=32.0,
+        rope_beta_fast=1.0,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+        max_seq_len=131072,
+        **_V3,
     ),
 }

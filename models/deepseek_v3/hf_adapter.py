@@ -21,8 +21,16 @@ from typing import Any
 
 import torch
 
-from models.common.hf_adapter import (HFEntry, HFLayout, HFPiece, apply_layout, expert_layout_entry, experts_to_hf,
-                               stack_expert_entries, whole)
+from models.common.hf_adapter import (
+    HFEntry,
+    HFLayout,
+    HFPiece,
+    apply_layout,
+    expert_layout_entry,
+    experts_to_hf,
+    stack_expert_entries,
+    whole,
+)
 from models.deepseek_v3.args import DeepSeekV3Args
 
 _LAYER = {
@@ -46,8 +54,11 @@ _LAYER = {
     "mlp.shared_experts.down_proj.weight": "moe.shared_experts.w2.weight",
 }
 _LAYER_INV = {ours: hf for hf, ours in _LAYER.items()}
-_TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-        "lm_head.weight": "output.weight"}
+_TOP = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
 _TOP_INV = {ours: hf for hf, ours in _TOP.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _OURS_LAYER = re.compile(r"(dense_layers|moe_layers)\.(\d+)\.(.+)")
@@ -64,7 +75,7 @@ def _rope_rows(weight: torch.Tensor, args: DeepSeekV3Args, *, key: bool, to_half
         lead = args.kv_lora_rank
         return torch.cat([weight[:lead], weight[lead:][perm]])
     w = weight.view(-1, args.qk_head_dim, weight.shape[-1])
-    rope = w[:, args.qk_nope_head_dim:][:, perm]
+    rope = w[:, args.qk_nope_head_dim :][:, perm]
     return torch.cat([w[:, : args.qk_nope_head_dim], rope], dim=1).reshape(weight.shape)
 
 
@@ -74,8 +85,9 @@ def _ours(layer: int, rest: str, args: DeepSeekV3Args) -> str:
     return f"moe_layers.{layer - args.n_dense_layers}.{rest}"
 
 
-def from_hf(hf_state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *,
-            rope_interleave: bool = True) -> dict[str, torch.Tensor]:
+def from_hf(
+    hf_state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *, rope_interleave: bool = True
+) -> dict[str, torch.Tensor]:
     """HF DeepSeek-V3 state dict (per-expert hub layout or transformers-5 fused experts) -> ours:
     `hf_layout` applied to the tensors. `rope_interleave`: the checkpoint's config value (True for
     DeepSeek-V3 and Kimi K2)."""
@@ -99,8 +111,7 @@ def _rope_entry(key: str, shape: tuple[int, ...], args: DeepSeekV3Args, *, is_ke
     return HFEntry(tuple(shape), tuple(pieces))
 
 
-def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *,
-              rope_interleave: bool = True) -> HFLayout:
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *, rope_interleave: bool = True) -> HFLayout:
     """HF names and shapes -> how each of our parameters is made of them (models/common/hf_adapter.py),
     for per-rank loading, `scripts/convert.py from-hf` and `from_hf`. `rope_interleave` (every
     DeepSeek-V3 / Kimi K2 checkpoint): the rope rows of the query and key projections are
@@ -126,11 +137,19 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *,
             out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=True)
         elif rest in _LAYER:
             out[_ours(layer, _LAYER[rest], args)] = whole(key, shape)
-        elif not expert_layout_entry(out, per_expert, key=key, shape=shape, layer=layer, rest=rest,
-                                     ours=lambda n, layer=layer: _ours(layer, f"moe.experts.{n}", args)):
+        elif not expert_layout_entry(
+            out,
+            per_expert,
+            key=key,
+            shape=shape,
+            layer=layer,
+            rest=rest,
+            ours=lambda n, layer=layer: _ours(layer, f"moe.experts.{n}", args),
+        ):
             raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
-    stack_expert_entries(out, per_expert, hf_shapes, args.num_experts,
-                         ours=lambda layer, n: _ours(layer, f"moe.experts.{n}", args))
+    stack_expert_entries(
+        out, per_expert, hf_shapes, args.num_experts, ours=lambda layer, n: _ours(layer, f"moe.experts.{n}", args)
+    )
     if "tok_embeddings.weight" not in out:
         raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
     if args.tie_embeddings:
@@ -140,8 +159,9 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *,
     return out
 
 
-def to_hf(state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *,
-          fused_experts: bool = False) -> dict[str, torch.Tensor]:
+def to_hf(
+    state_dict: dict[str, torch.Tensor], args: DeepSeekV3Args, *, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
     """Our state dict -> HF DeepSeek-V3 (`rope_interleave: true`, as `hf_config` writes); experts
     one tensor per expert (hub layout) unless `fused_experts`."""
     out: dict[str, torch.Tensor] = {}
@@ -177,10 +197,16 @@ def hf_config(args: DeepSeekV3Args) -> dict[str, Any]:
         raise ValueError(f"model.score_func: {args.score_func!r} has no DeepseekV3ForCausalLM form; allowed: 'sigmoid'")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_factor > 1.0:
-        rope = {"rope_type": "yarn", "rope_theta": args.rope_theta, "factor": args.rope_factor,
-                "original_max_position_embeddings": args.rope_original_max_seq_len,
-                "beta_fast": args.rope_beta_fast, "beta_slow": args.rope_beta_slow,
-                "mscale": args.rope_mscale, "mscale_all_dim": args.rope_mscale_all_dim}
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": args.rope_theta,
+            "factor": args.rope_factor,
+            "original_max_position_embeddings": args.rope_original_max_seq_len,
+            "beta_fast": args.rope_beta_fast,
+            "beta_slow": args.rope_beta_slow,
+            "mscale": args.rope_mscale,
+            "mscale_all_dim": args.rope_mscale_all_dim,
+        }
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -229,8 +255,9 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
     if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ValueError("scoring_func/topk_method: only sigmoid scores with noaux_tc selection are supported")
     if not cfg.get("rope_interleave", True):
-        raise ValueError("rope_interleave: only the interleaved RoPE layout of DeepSeek checkpoints is converted; "
-                         "allowed: true")
+        raise ValueError(
+            "rope_interleave: only the interleaved RoPE layout of DeepSeek checkpoints is converted; allowed: true"
+        )
     if cfg.get("moe_layer_freq", 1) != 1:
         raise ValueError("moe_layer_freq: only 1 (every block after the dense ones is MoE) is supported")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -239,23 +266,40 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
         raise ValueError(f"rope_parameters.rope_type: {rope_type!r} unsupported; allowed: 'default', 'yarn'")
     yarn = {}
     if rope_type == "yarn":
-        yarn = dict(rope_factor=float(rope["factor"]),
-                    rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-                    rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
-                    rope_mscale=float(rope.get("mscale") or 1.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0))
+        yarn = dict(
+            rope_factor=float(rope["factor"]),
+            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+            rope_beta_fast=float(rope.get("beta_fast") or 32),
+            rope_beta_slow=float(rope.get("beta_slow") or 1),
+            rope_mscale=float(rope.get("mscale") or 1.0),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        )
     else:
         yarn = dict(rope_factor=1.0)
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return DeepSeekV3Args(
-        dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_dense_layers=cfg.get("first_k_dense_replace", 3),
-        n_heads=cfg["num_attention_heads"], vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
-        q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
-        qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-        v_head_dim=cfg["v_head_dim"], num_experts=cfg["n_routed_experts"],
-        num_experts_per_tok=cfg["num_experts_per_tok"], num_shared_experts=cfg.get("n_shared_experts") or 0,
-        moe_hidden_dim=cfg["moe_intermediate_size"], num_expert_groups=cfg.get("n_group") or 1,
-        num_limited_groups=cfg.get("topk_group") or 1, route_scale=float(cfg.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta), max_seq_len=cfg.get("max_position_embeddings", 163840),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **yarn,
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_dense_layers=cfg.get("first_k_dense_replace", 3),
+        n_heads=cfg["num_attention_heads"],
+        vocab_size=cfg["vocab_size"],
+        hidden_dim=cfg["intermediate_size"],
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        num_experts=cfg["n_routed_experts"],
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        num_shared_experts=cfg.get("n_shared_experts") or 0,
+        moe_hidden_dim=cfg["moe_intermediate_size"],
+        num_expert_groups=cfg.get("n_group") or 1,
+        num_limited_groups=cfg.get("topk_group") or 1,
+        route_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_seq_len=cfg.get("max_position_embeddings", 163840),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **yarn,
     )

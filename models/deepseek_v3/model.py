@@ -40,6 +40,7 @@ def yarn_cos_sin(args: DeepSeekV3Args, device: torch.device | str | None = None)
     inv_freq = 1.0 / pos_freqs
     scale = 1.0
     if factor > 1.0:
+
         def correction_dim(rotations: float) -> float:
             return dim * math.log(args.rope_original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -111,8 +112,9 @@ class MLA(nn.Module):
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [bs, seq, dim]; RoPE tables [seq, qk_rope_head_dim] or per token [bs, seq, ...];
         `segment_ids` [bs, seq]: a token attends only within its segment."""
         bs, seqlen, _ = x.shape
@@ -160,13 +162,25 @@ class DeepSeekV3(nn.Module):
         def block(layer_id: int) -> TransformerBlock:
             moe = None
             if layer_id >= args.n_dense_layers:
-                moe = MoE(dim=args.dim, hidden_dim=args.moe_hidden_dim, num_experts=args.num_experts,
-                          top_k=args.num_experts_per_tok, norm_topk_prob=args.norm_topk_prob,
-                          score_func=args.score_func, num_groups=args.num_expert_groups,
-                          top_groups=args.num_limited_groups, route_scale=args.route_scale, expert_bias=True,
-                          shared_hidden_dim=args.num_shared_experts * args.moe_hidden_dim, aux_loss=args.aux_loss)
+                moe = MoE(
+                    dim=args.dim,
+                    hidden_dim=args.moe_hidden_dim,
+                    num_experts=args.num_experts,
+                    top_k=args.num_experts_per_tok,
+                    norm_topk_prob=args.norm_topk_prob,
+                    score_func=args.score_func,
+                    num_groups=args.num_expert_groups,
+                    top_groups=args.num_limited_groups,
+                    route_scale=args.route_scale,
+                    expert_bias=True,
+                    shared_hidden_dim=args.num_shared_experts * args.moe_hidden_dim,
+                    aux_loss=args.aux_loss,
+                )
             return TransformerBlock(
-                layer_id=layer_id, dim=args.dim, norm_eps=args.norm_eps, attention=MLA(args),
+                layer_id=layer_id,
+                dim=args.dim,
+                norm_eps=args.norm_eps,
+                attention=MLA(args),
                 feed_forward=None if moe is not None else FeedForward(dim=args.dim, hidden_dim=args.hidden_dim),
                 moe=moe,
             )
@@ -186,14 +200,16 @@ class DeepSeekV3(nn.Module):
         if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [batch, seq] (int64) -> logits [batch, seq, vocab_size]; packed documents as in
         `models.common.decoder.Decoder.forward`."""
         return self.output(self.hidden(tokens, segment_ids, positions))
 
-    def hidden(self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim] (what `output` projects)."""
         h = self.tok_embeddings(tokens)
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, tokens.shape[1], positions)
@@ -226,7 +242,7 @@ class DeepSeekV3(nn.Module):
                 block.init_weights()
         self.norm.init_weights()
         if not self.args.tie_embeddings:
-            trunc_normal_(self.output.weight, std=self.args.dim ** -0.5)
+            trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 
     def pop_aux_loss(self) -> torch.Tensor | None:
         """Sum over the MoE blocks of their auxiliary loss of the last forward (0-dim float32); clears it."""

@@ -57,12 +57,23 @@ class FluxArgs:
 
     def __post_init__(self) -> None:
         axes = self.axes_dim
-        if (not isinstance(axes, (tuple, list)) or len(axes) != 3
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 and d % 2 == 0 for d in axes)):
+        if (
+            not isinstance(axes, (tuple, list))
+            or len(axes) != 3
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 and d % 2 == 0 for d in axes)
+        ):
             raise ValueError(f"axes_dim: three positive even integers, e.g. [16, 56, 56]; got {axes!r}")
         self.axes_dim = tuple(axes)
-        for name in ("in_channels", "out_channels", "vec_in_dim", "context_in_dim", "hidden_size",
-                     "num_heads", "depth", "theta"):
+        for name in (
+            "in_channels",
+            "out_channels",
+            "vec_in_dim",
+            "context_in_dim",
+            "hidden_size",
+            "num_heads",
+            "depth",
+            "theta",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
         if self.depth_single_blocks < 0:
@@ -70,10 +81,13 @@ class FluxArgs:
         if self.mlp_ratio <= 0 or self.mlp_hidden_dim <= 0:
             raise ValueError(f"mlp_ratio: must give a positive MLP width, got {self.mlp_ratio}")
         if self.hidden_size % self.num_heads != 0:
-            raise ValueError(f"num_heads: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+            raise ValueError(
+                f"num_heads: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
         if sum(self.axes_dim) != self.head_dim:
-            raise ValueError(f"axes_dim: must sum to head_dim = hidden_size // num_heads = {self.head_dim}, "
-                             f"got {self.axes_dim}")
+            raise ValueError(
+                f"axes_dim: must sum to head_dim = hidden_size // num_heads = {self.head_dim}, got {self.axes_dim}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -93,9 +107,16 @@ class FluxArgs:
         return 0
 
     def shape(self) -> ModelShape:
-        return ModelShape(n_layers=self.n_layers, dim=self.hidden_size, n_heads=self.num_heads,
-                          n_kv_heads=self.num_heads, head_dim=self.head_dim, vocab_size=0, qk_norm=True,
-                          ffn_hidden=self.mlp_hidden_dim)
+        return ModelShape(
+            n_layers=self.n_layers,
+            dim=self.hidden_size,
+            n_heads=self.num_heads,
+            n_kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            vocab_size=0,
+            qk_norm=True,
+            ffn_hidden=self.mlp_hidden_dim,
+        )
 
     def param_counts(self) -> FluxParamCounts:
         """Counts by kind, from the shape alone (see `FluxParamCounts`)."""
@@ -134,8 +155,16 @@ class FluxArgs:
 FLAVORS: dict[str, FluxArgs] = {
     # CPU-sized; the text widths match the debug T5/CLIP encoders of models/flux/conditioning.py.
     # No guidance embedding: trained from scratch with classifier-free guidance, as schnell.
-    "debugmodel": FluxArgs(vec_in_dim=64, context_in_dim=64, hidden_size=256, num_heads=4, depth=2,
-                           depth_single_blocks=2, axes_dim=(16, 24, 24), guidance_embed=False),
+    "debugmodel": FluxArgs(
+        vec_in_dim=64,
+        context_in_dim=64,
+        hidden_size=256,
+        num_heads=4,
+        depth=2,
+        depth_single_blocks=2,
+        axes_dim=(16, 24, 24),
+        guidance_embed=False,
+    ),
     # FLUX.1-schnell: the 12B shape without the guidance embedder.
     "flux-schnell": FluxArgs(guidance_embed=False),
     # FLUX.1-dev: 19 double + 38 single blocks, hidden 3072, 24 heads, RoPE axes 16/56/56.

@@ -86,12 +86,14 @@ class HfIds:
         self.t5_tok, self.clip_tok, self.max_length = t5_tokenizer, clip_tokenizer, max_length
 
     def t5(self, texts: Sequence[str]) -> torch.Tensor:
-        return self.t5_tok(list(texts), padding="max_length", max_length=self.max_length, truncation=True,
-                           return_tensors="pt").input_ids
+        return self.t5_tok(
+            list(texts), padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
+        ).input_ids
 
     def clip(self, texts: Sequence[str], length: int) -> torch.Tensor:
-        return self.clip_tok(list(texts), padding="max_length", max_length=length, truncation=True,
-                             return_tensors="pt").input_ids
+        return self.clip_tok(
+            list(texts), padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+        ).input_ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,20 +103,41 @@ def debug_t5_config(vocab_size: int, *, width: int = DEBUG_WIDTH):
     """T5 v1.1-style encoder (gated GELU, relative position buckets) at width 64, 2 layers."""
     from transformers import T5Config
 
-    return T5Config(vocab_size=vocab_size, d_model=width, d_kv=width // 4, d_ff=2 * width, num_layers=2,
-                    num_heads=4, feed_forward_proj="gated-gelu", dropout_rate=0.0, is_encoder_decoder=False,
-                    pad_token_id=vocab_size - 1, eos_token_id=None, tie_word_embeddings=False)
+    return T5Config(
+        vocab_size=vocab_size,
+        d_model=width,
+        d_kv=width // 4,
+        d_ff=2 * width,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        dropout_rate=0.0,
+        is_encoder_decoder=False,
+        pad_token_id=vocab_size - 1,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
 
 
-def debug_clip_config(vocab_size: int, *, eos_token_id: int, bos_token_id: int, max_positions: int,
-                      width: int = DEBUG_WIDTH):
+def debug_clip_config(
+    vocab_size: int, *, eos_token_id: int, bos_token_id: int, max_positions: int, width: int = DEBUG_WIDTH
+):
     """CLIP text transformer (causal, quick-GELU, learned positions) at width 64, 2 layers."""
     from transformers import CLIPTextConfig
 
-    return CLIPTextConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width,
-                          projection_dim=width, num_hidden_layers=2, num_attention_heads=4,
-                          max_position_embeddings=max_positions, hidden_act="quick_gelu",
-                          eos_token_id=eos_token_id, bos_token_id=bos_token_id, pad_token_id=eos_token_id)
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        projection_dim=width,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=max_positions,
+        hidden_act="quick_gelu",
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
+        pad_token_id=eos_token_id,
+    )
 
 
 def debug_vae_config() -> dict:
@@ -123,11 +146,21 @@ def debug_vae_config() -> dict:
     Three resolution levels, so the spatial factor is 4 (FLUX's VAE has four: factor 8): a
     32x32 debug image gives an 8x8 latent, 16 image tokens after 2x2 packing.
     """
-    return dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
-                latent_channels=LATENT_CHANNELS, norm_num_groups=8, use_quant_conv=False,
-                use_post_quant_conv=False, mid_block_add_attention=False,
-                scaling_factor=FLUX_VAE_SCALING_FACTOR, shift_factor=FLUX_VAE_SHIFT_FACTOR)
+    return dict(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 32),
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+        scaling_factor=FLUX_VAE_SCALING_FACTOR,
+        shift_factor=FLUX_VAE_SHIFT_FACTOR,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,25 +209,39 @@ def build_debug_text_conditioner(bpe, *, max_length: int, seed: int) -> TextCond
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         t5 = T5EncoderModel(debug_t5_config(ids.vocab_size))
-        clip = CLIPTextModel(debug_clip_config(ids.vocab_size, eos_token_id=ids.eos_id, bos_token_id=ids.bos_id,
-                                               max_positions=max_length))
+        clip = CLIPTextModel(
+            debug_clip_config(
+                ids.vocab_size, eos_token_id=ids.eos_id, bos_token_id=ids.bos_id, max_positions=max_length
+            )
+        )
     return TextConditioner(t5, clip, ids)
 
 
 def _require_dir(path: str, what: str) -> str:
     path = os.path.expanduser(path)
     if not os.path.isdir(path):
-        raise ConfigError(f"{what}: folder {path} does not exist; allowed: a local folder written by "
-                          "save_pretrained (weights are never downloaded)")
+        raise ConfigError(
+            f"{what}: folder {path} does not exist; allowed: a local folder written by "
+            "save_pretrained (weights are never downloaded)"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{what}: folder {path} has no config.json; allowed: a local folder written by "
-                          "save_pretrained")
+        raise ConfigError(
+            f"{what}: folder {path} has no config.json; allowed: a local folder written by save_pretrained"
+        )
     return path
 
 
-def load_text_conditioner(*, t5_path: str, clip_path: str, max_length: int, bpe=None,
-                          t5_tokenizer_path: str | None = None, clip_tokenizer_path: str | None = None,
-                          device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> TextConditioner:
+def load_text_conditioner(
+    *,
+    t5_path: str,
+    clip_path: str,
+    max_length: int,
+    bpe=None,
+    t5_tokenizer_path: str | None = None,
+    clip_tokenizer_path: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> TextConditioner:
     """Encoders from local folders (`local_files_only`: never downloads).
 
     Ids: with `bpe` (the debug encoders) from the BPE; otherwise from Hugging Face tokenizers
@@ -211,16 +258,20 @@ def load_text_conditioner(*, t5_path: str, clip_path: str, max_length: int, bpe=
     from transformers import AutoTokenizer
 
     tokenizers = []
-    for path, what in ((t5_tokenizer_path or t5_path, "T5 tokenizer"), (clip_tokenizer_path or clip_path,
-                                                                       "CLIP tokenizer")):
+    for path, what in (
+        (t5_tokenizer_path or t5_path, "T5 tokenizer"),
+        (clip_tokenizer_path or clip_path, "CLIP tokenizer"),
+    ):
         path = os.path.expanduser(path)
         if not os.path.isdir(path):
             raise ConfigError(f"{what}: folder {path} does not exist; allowed: a local tokenizer folder")
         try:
             tokenizers.append(AutoTokenizer.from_pretrained(path, local_files_only=True))
         except (OSError, ValueError) as e:
-            raise ConfigError(f"{what}: cannot load a tokenizer from {path} ({type(e).__name__}); allowed: a "
-                              "folder with tokenizer files (tokenizer.json or spiece.model / vocab.json)") from None
+            raise ConfigError(
+                f"{what}: cannot load a tokenizer from {path} ({type(e).__name__}); allowed: a "
+                "folder with tokenizer files (tokenizer.json or spiece.model / vocab.json)"
+            ) from None
     return TextConditioner(t5, clip, HfIds(*tokenizers, max_length=max_length))
 
 
@@ -276,11 +327,30 @@ def load_vae(path: str, *, device: str | torch.device = "cpu", dtype: torch.dtyp
 
 def describe(vae: FluxVae, text: TextConditioner) -> dict:
     """JSON-able summary of the conditioning (stored in the data set's meta.json)."""
-    return {"t5_dim": text.t5_dim, "clip_dim": text.clip_dim, "max_length": text.max_length,
-            "latent_channels": LATENT_CHANNELS, "vae_spatial_factor": vae.spatial_factor,
-            "vae_scaling_factor": vae.scaling_factor, "vae_shift_factor": vae.shift_factor}
+    return {
+        "t5_dim": text.t5_dim,
+        "clip_dim": text.clip_dim,
+        "max_length": text.max_length,
+        "latent_channels": LATENT_CHANNELS,
+        "vae_spatial_factor": vae.spatial_factor,
+        "vae_scaling_factor": vae.scaling_factor,
+        "vae_shift_factor": vae.shift_factor,
+    }
 
 
-__all__ = ["BpeIds", "HfIds", "TextConditioner", "FluxVae", "build_debug_text_conditioner", "build_debug_vae",
-           "load_text_conditioner", "load_vae", "describe", "debug_t5_config", "debug_clip_config",
-           "debug_vae_config", "FLUX_VAE_SCALING_FACTOR", "FLUX_VAE_SHIFT_FACTOR"]
+__all__ = [
+    "BpeIds",
+    "HfIds",
+    "TextConditioner",
+    "FluxVae",
+    "build_debug_text_conditioner",
+    "build_debug_vae",
+    "load_text_conditioner",
+    "load_vae",
+    "describe",
+    "debug_t5_config",
+    "debug_clip_config",
+    "debug_vae_config",
+    "FLUX_VAE_SCALING_FACTOR",
+    "FLUX_VAE_SHIFT_FACTOR",
+]

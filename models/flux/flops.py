@@ -29,10 +29,13 @@ def forward_flops_per_sample(args: FluxArgs, img_tokens: int, txt_tokens: int) -
     h, m, L, S = args.hidden_size, args.mlp_hidden_dim, img_tokens, txt_tokens
     T = S + L
     stream = 4 * h * h + 2 * h * m  # q, k, v, out-projection, MLP in and out (weights)
-    tokens = (args.in_channels * h * L + args.context_in_dim * h * S
-              + args.depth * stream * (L + S)
-              + args.depth_single_blocks * (4 * h * h + 2 * h * m) * T
-              + h * args.out_channels * L)
+    tokens = (
+        args.in_channels * h * L
+        + args.context_in_dim * h * S
+        + args.depth * stream * (L + S)
+        + args.depth_single_blocks * (4 * h * h + 2 * h * m) * T
+        + h * args.out_channels * L
+    )
     embedders = (TIME_EMBED_DIM * h + h * h) * (2 if args.guidance_embed else 1) + args.vec_in_dim * h + h * h
     modulation = args.depth * 2 * 6 * h * h + args.depth_single_blocks * 3 * h * h + 2 * h * h
     attention = (args.depth + args.depth_single_blocks) * 4 * T * T * h

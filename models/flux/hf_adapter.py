@@ -106,7 +106,7 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: FluxArgs) -> HFLayout
         elif key.startswith(_FINAL_MOD[1] + "."):
             if shape[0] % 2:
                 raise ValueError(f"{key}: odd number of rows {shape[0]}; expected (scale, shift) halves")
-            out[_FINAL_MOD[0] + key[len(_FINAL_MOD[1]):]] = _swapped_halves(key, shape)
+            out[_FINAL_MOD[0] + key[len(_FINAL_MOD[1]) :]] = _swapped_halves(key, shape)
         elif key.startswith("single_transformer_blocks.") and key.endswith(".proj_out.weight"):
             i, h = key.split(".")[1], args.hidden_size
             if len(shape) != 2 or shape[1] <= h:
@@ -134,7 +134,7 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torc
         if key in renames:
             out[renames[key]] = value
         elif key.startswith(_FINAL_MOD[0] + "."):
-            out[_FINAL_MOD[1] + key[len(_FINAL_MOD[0]):]] = _swap_halves(value)
+            out[_FINAL_MOD[1] + key[len(_FINAL_MOD[0]) :]] = _swap_halves(value)
         elif key.startswith("single_blocks.") and key.endswith(".attn.wo.weight"):
             i = key.split(".")[1]
             mlp_key = f"single_blocks.{i}.mlp.w2.weight"

@@ -260,7 +260,7 @@ class FluxTransformer(nn.Module):
         h = torch.cat([txt, img], dim=1)
         h = self.double_blocks(h, vec, pe, txt_ids)
         h = self.single_blocks(h, vec, pe)
-        return self.final_layer(h[:, txt_ids.shape[1]:], vec)
+        return self.final_layer(h[:, txt_ids.shape[1] :], vec)
 
     def pop_aux_loss(self) -> None:
         return None

@@ -15,8 +15,14 @@ parameter next to DTensors breaks the fused AdamW step and the gradient-norm gro
 
 from models.common.plan import ModelPlan
 
-_ATTN = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "q_norm": "head_norm", "k_norm": "head_norm",
-         "wo": "rowwise_replicate"}
+_ATTN = {
+    "wq": "colwise",
+    "wk": "colwise",
+    "wv": "colwise",
+    "q_norm": "head_norm",
+    "k_norm": "head_norm",
+    "wo": "rowwise_replicate",
+}
 _MLP = {"w1": "colwise", "w2": "rowwise_replicate"}
 
 TP_BLOCK: dict[str, str] = {

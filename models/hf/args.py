@@ -38,8 +38,11 @@ class HFArgs:
             return  # the registered flavor: the trainer requires [model] hf_config
         config = load_config(self.hf_config)
         if self.n_layers < 0 or self.vocab_size < 0:
-            raise ValueError("n_layers: must be >= 0 (0 = the config's value)" if self.n_layers < 0
-                             else "vocab_size: must be >= 0 (0 = the config's value)")
+            raise ValueError(
+                "n_layers: must be >= 0 (0 = the config's value)"
+                if self.n_layers < 0
+                else "vocab_size: must be >= 0 (0 = the config's value)"
+            )
         self._config = _with_sizes(config, n_layers=self.n_layers, vocab_size=self.vocab_size)
         text = self._config.get_text_config()
         self.n_layers = text.num_hidden_layers
@@ -57,8 +60,10 @@ class HFArgs:
     def config(self) -> Any:
         """A copy of the `transformers` config the model is built from (with n_layers / vocab_size)."""
         if self._config is None:
-            raise ValueError("hf_config: required with model.name = \"hf\"; allowed: a local directory "
-                             "holding config.json, or a config.json file")
+            raise ValueError(
+                'hf_config: required with model.name = "hf"; allowed: a local directory '
+                "holding config.json, or a config.json file"
+            )
         return copy.deepcopy(self._config)
 
     @property
@@ -72,11 +77,15 @@ class HFArgs:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // n_heads
         num_experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
         return ModelShape(
-            n_layers=text.num_hidden_layers, dim=text.hidden_size, n_heads=n_heads,
-            n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads, head_dim=head_dim,
+            n_layers=text.num_hidden_layers,
+            dim=text.hidden_size,
+            n_heads=n_heads,
+            n_kv_heads=getattr(text, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
             vocab_size=text.vocab_size,
             ffn_hidden=0 if num_experts else int(getattr(text, "intermediate_size", 0) or 0),
-            num_experts=num_experts, top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if num_experts else 0,
+            num_experts=num_experts,
+            top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if num_experts else 0,
             moe_hidden=int(getattr(text, "moe_intermediate_size", 0) or 0) if num_experts else 0,
         )
 
@@ -101,13 +110,17 @@ def load_config(path: str) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise ValueError("hf_config: the hf family needs the transformers package; allowed: install "
-                         "the [hf] extra (pip install -e '.[hf]')") from None
+        raise ValueError(
+            "hf_config: the hf family needs the transformers package; allowed: install "
+            "the [hf] extra (pip install -e '.[hf]')"
+        ) from None
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ValueError(f"hf_config: {path!r} is not a config.json file or a directory holding one; "
-                         "allowed: a local directory with config.json, or the file (nothing is downloaded)")
+        raise ValueError(
+            f"hf_config: {path!r} is not a config.json file or a directory holding one; "
+            "allowed: a local directory with config.json, or the file (nothing is downloaded)"
+        )
     try:
         with open(file) as f:
             raw = json.load(f)
@@ -117,21 +130,36 @@ def load_config(path: str) -> Any:
         config = AutoConfig.for_model(model_type, **raw)
     except Exception as e:  # noqa: BLE001 - transformers' strict fields raise their own error types
         reason = " ".join(str(e).split()) if str(e) else ""
-        raise ValueError(f"hf_config: cannot read {file} as a transformers config ({type(e).__name__}: {reason}); "
-                         "allowed: a config.json with a model_type that transformers knows") from None
+        raise ValueError(
+            f"hf_config: cannot read {file} as a transformers config ({type(e).__name__}: {reason}); "
+            "allowed: a config.json with a model_type that transformers knows"
+        ) from None
     _check_sizes(config, file)
     try:  # what the architecture itself refuses (built once on the meta device; cached for the counts)
         _counts(_config_key(config))
     except Exception as e:  # noqa: BLE001 - any failure to build from this file is bad input
         reason = str(e).splitlines()[0] if str(e) else ""
-        raise ValueError(f"hf_config: {file} does not build a model ({type(e).__name__}: {reason}); "
-                         "allowed: a config.json whose sizes fit its architecture") from None
+        raise ValueError(
+            f"hf_config: {file} does not build a model ({type(e).__name__}: {reason}); "
+            "allowed: a config.json whose sizes fit its architecture"
+        ) from None
     return config
 
 
-_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-                  "num_experts_per_tok", "vocab_size", "max_position_embeddings")
+_POSITIVE_INTS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "vocab_size",
+    "max_position_embeddings",
+)
 _POSITIVE_FLOATS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "rope_theta")
 
 
@@ -142,8 +170,10 @@ def _check_sizes(config: Any, file: str) -> None:
     import math
 
     text = config.get_text_config()
-    values = {**{k: getattr(text, k, None) for k in _POSITIVE_INTS + _POSITIVE_FLOATS},
-              **{k: v for k, v in (getattr(text, "rope_parameters", None) or {}).items() if k == "rope_theta"}}
+    values = {
+        **{k: getattr(text, k, None) for k in _POSITIVE_INTS + _POSITIVE_FLOATS},
+        **{k: v for k, v in (getattr(text, "rope_parameters", None) or {}).items() if k == "rope_theta"},
+    }
     for key in _POSITIVE_INTS:
         v = values[key]
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -154,11 +184,15 @@ def _check_sizes(config: Any, file: str) -> None:
             raise ValueError(f"hf_config: {file}: {key} = {v!r}; allowed: a finite number > 0")
     heads, kv = values["num_attention_heads"], values["num_key_value_heads"]
     if heads and kv and heads % kv:
-        raise ValueError(f"hf_config: {file}: num_attention_heads = {heads} is not a multiple of "
-                         f"num_key_value_heads = {kv}; allowed: key/value heads that divide the query heads")
+        raise ValueError(
+            f"hf_config: {file}: num_attention_heads = {heads} is not a multiple of "
+            f"num_key_value_heads = {kv}; allowed: key/value heads that divide the query heads"
+        )
     if heads and values["hidden_size"] and not values["head_dim"] and values["hidden_size"] % heads:
-        raise ValueError(f"hf_config: {file}: hidden_size = {values['hidden_size']} is not a multiple of "
-                         f"num_attention_heads = {heads} (and head_dim is not set)")
+        raise ValueError(
+            f"hf_config: {file}: hidden_size = {values['hidden_size']} is not a multiple of "
+            f"num_attention_heads = {heads} (and head_dim is not set)"
+        )
 
 
 def _with_sizes(config: Any, *, n_layers: int, vocab_size: int) -> Any:
@@ -166,8 +200,10 @@ def _with_sizes(config: Any, *, n_layers: int, vocab_size: int) -> Any:
     text = config.get_text_config()
     if n_layers:
         if n_layers > text.num_hidden_layers:
-            raise ValueError(f"n_layers: {n_layers} is more than the config's {text.num_hidden_layers}; "
-                             f"allowed: 1..{text.num_hidden_layers} (or 0 for all)")
+            raise ValueError(
+                f"n_layers: {n_layers} is more than the config's {text.num_hidden_layers}; "
+                f"allowed: 1..{text.num_hidden_layers} (or 0 for all)"
+            )
         text.num_hidden_layers = n_layers
         if getattr(text, "layer_types", None) is not None:
             text.layer_types = list(text.layer_types)[:n_layers]

@@ -47,16 +47,22 @@ class HFCausalLM(nn.Module):
         try:
             hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
         except ValueError as e:
-            raise ConfigError(f"model.hf_config: transformers cannot build a causal LM for {self.architecture} "
-                              f"({e}); allowed: configs of decoder-only causal LMs") from None
+            raise ConfigError(
+                f"model.hf_config: transformers cannot build a causal LM for {self.architecture} "
+                f"({e}); allowed: configs of decoder-only causal LMs"
+            ) from None
         if list(hf.named_parameters(recurse=False)) or list(hf.named_buffers(recurse=False)):
-            raise ConfigError(f"model.hf_config: {self.architecture} keeps tensors on its root module; "
-                              "allowed: models whose weights all live in submodules")
+            raise ConfigError(
+                f"model.hf_config: {self.architecture} keeps tensors on its root module; "
+                "allowed: models whose weights all live in submodules"
+            )
         _bypass_hub_kernel_routing(hf)
         base = hf.base_model
         if not isinstance(getattr(base, "layers", None), nn.ModuleList):
-            raise ConfigError(f"model.hf_config: {self.architecture} has no `layers` list of decoder blocks "
-                              "in its base model; allowed: decoder-only causal LMs with `base_model.layers`")
+            raise ConfigError(
+                f"model.hf_config: {self.architecture} has no `layers` list of decoder blocks "
+                "in its base model; allowed: decoder-only causal LMs with `base_model.layers`"
+            )
         base.layers = HFBlockStack(list(base.layers), non_uniform_reason=_non_uniform_reason(config))
         for name, child in hf.named_children():
             self.add_module(name, child)
@@ -66,8 +72,10 @@ class HFCausalLM(nn.Module):
         self._router_logits: list[torch.Tensor] = []
         self._aux_fn = _router_aux(hf, self._router_logits) if args.shape().is_moe else None
         if self._aux_fn is not None:
-            base.layers.scan_refusal = ("the MoE layers hand their router logits out through forward hooks, "
-                                        "a side effect a scan body cannot have")
+            base.layers.scan_refusal = (
+                "the MoE layers hand their router logits out through forward hooks, "
+                "a side effect a scan body cannot have"
+            )
         # Tied parameters (e.g. lm_head.weight is model.embed_tokens.weight): (alias, owner) names.
         # `to_empty` from meta gives each name its own tensor, so init_weights ties them again.
         first: dict[int, str] = {}
@@ -121,8 +129,7 @@ class HFCausalLM(nn.Module):
         types = getattr(text, "layer_types", None)  # uniform here
         sliding = types[0] == "sliding_attention" if types else getattr(text, "sliding_window", None) is not None
         make = masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
-        mask = make(config=text, inputs_embeds=dummy, attention_mask=None, cache=None,
-                    position_ids=position_ids)
+        mask = make(config=text, inputs_embeds=dummy, attention_mask=None, cache=None, position_ids=position_ids)
         return {"position_ids": position_ids, "attention_mask": mask}
 
     def train(self, mode: bool = True) -> "HFCausalLM":
@@ -165,8 +172,10 @@ def _router_aux(hf: nn.Module, sink: list):
     text = hf.config.get_text_config()
     num_experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     if spec is None or loss_fn is None or getattr(spec, "target_class", None) is None:
-        raise ConfigError(f"model.hf_config: {type(hf).__name__} is a MoE model without a router output "
-                          "spec or load_balancing_loss_func; allowed: MoE models that declare both")
+        raise ConfigError(
+            f"model.hf_config: {type(hf).__name__} is a MoE model without a router output "
+            "spec or load_balancing_loss_func; allowed: MoE models that declare both"
+        )
     index = spec.index
 
     def record(module, args, output):
@@ -241,20 +250,32 @@ class HFBlockStack(BlockStack):
         if self.scan_refusal is not None:
             raise ConfigError(f"compile.scan_layers: {self.scan_refusal}; allowed: false for this model")
         if self.non_uniform_reason is not None:
-            raise ConfigError(f"compile.scan_layers: the decoder layers are not uniform: "
-                              f"{self.non_uniform_reason}; allowed: false for this model")
+            raise ConfigError(
+                f"compile.scan_layers: the decoder layers are not uniform: "
+                f"{self.non_uniform_reason}; allowed: false for this model"
+            )
         first = self["0"]
         names = [n for n, _ in first.named_parameters()]
         for key, block in self.items():
             if type(block) is not type(first) or [n for n, _ in block.named_parameters()] != names:
-                raise ConfigError(f"compile.scan_layers: decoder layer {key} differs from layer 0 "
-                                  f"({type(block).__name__}); allowed: false for this model")
+                raise ConfigError(
+                    f"compile.scan_layers: decoder layer {key} differs from layer 0 "
+                    f"({type(block).__name__}); allowed: false for this model"
+                )
         super().enable_scan(**kwargs)
 
 
 _PACKED = ("attention_mask", "position_ids", "position_embeddings")
-_UNUSED = ("cache", "past_key_values", "layer_past", "use_cache", "cache_position", "output_attentions",
-           "output_hidden_states", "output_router_logits")  # flags read by HF output recording, not by layers
+_UNUSED = (
+    "cache",
+    "past_key_values",
+    "layer_past",
+    "use_cache",
+    "cache_position",
+    "output_attentions",
+    "output_hidden_states",
+    "output_router_logits",
+)  # flags read by HF output recording, not by layers
 
 
 class _WholeStack:
@@ -266,9 +287,14 @@ class _WholeStack:
     def __getattr__(self, name: str):
         return getattr(self.stack["0"], name)  # e.g. `attention_type`, read by some HF loops
 
-    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None,
-                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         for name, value in kwargs.items():
             if value is not None and value is not False and name not in _UNUSED:
                 raise NotImplementedError(f"hf backend: decoder layer argument {name!r} is not supported")
@@ -286,9 +312,11 @@ def _positional_class(base: type) -> type:
     """A subclass of an HF decoder layer whose forward takes `(h, mask, position_ids, cos, sin)`,
     with an empty tensor standing for None, so every block has one fixed positional signature."""
     if base not in _CLASS_CACHE:
+
         def forward(self, hidden_states, attention_mask, position_ids, cos, sin):
             out = base.forward(
-                self, hidden_states,
+                self,
+                hidden_states,
                 attention_mask=attention_mask if attention_mask.numel() else None,
                 position_ids=position_ids if position_ids.numel() else None,
                 position_embeddings=(cos, sin) if cos.numel() else None,

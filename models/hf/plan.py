@@ -75,8 +75,11 @@ def _translate(config_json: str):
     for path, style in hf_plan.items():
         if path.startswith("layers.*."):
             if style not in _DIRECT:
-                return None, f"{arch}'s base_model_tp_plan uses style {style!r} for {path}, which has no equivalent here"
-            tp_block[path[len("layers.*."):]] = _DIRECT[style]
+                return (
+                    None,
+                    f"{arch}'s base_model_tp_plan uses style {style!r} for {path}, which has no equivalent here",
+                )
+            tp_block[path[len("layers.*.") :]] = _DIRECT[style]
         elif style in _TOP:
             tp[f"{prefix}.{path}"] = _TOP[style]
         else:

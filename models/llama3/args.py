@@ -80,8 +80,15 @@ class Llama3Args:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def shape(self) -> ModelShape:
-        return ModelShape(n_layers=self.n_layers, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.num_kv_heads,
-                          head_dim=self.head_dim, vocab_size=self.vocab_size, ffn_hidden=self.ffn_hidden_dim)
+        return ModelShape(
+            n_layers=self.n_layers,
+            dim=self.dim,
+            n_heads=self.n_heads,
+            n_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            ffn_hidden=self.ffn_hidden_dim,
+        )
 
     def param_counts(self) -> ParamCounts:
         return decoder_param_counts(
@@ -124,24 +131,51 @@ FLAVORS: dict[str, Llama3Args] = {
     ),
     # Llama 3.2 1B / 3B (tied embeddings).
     "1B": Llama3Args(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-        tie_embeddings=True, **_LLAMA32_ROPE,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        tie_embeddings=True,
+        **_LLAMA32_ROPE,
     ),
     "3B": Llama3Args(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
-        tie_embeddings=True, **_LLAMA32_ROPE,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        tie_embeddings=True,
+        **_LLAMA32_ROPE,
     ),
     # Llama 3.1 8B / 70B / 405B.
     "8B": Llama3Args(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
         **_LLAMA31_ROPE,
     ),
     "70B": Llama3Args(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
         **_LLAMA31_ROPE,
     ),
     "405B": Llama3Args(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
         **_LLAMA31_ROPE,
     ),
 }

@@ -76,9 +76,16 @@ class Qwen3Args:
 
     def shape(self) -> ModelShape:
         moe = dict(num_experts=self.num_experts, top_k=self.num_experts_per_tok, moe_hidden=self.moe_hidden_dim)
-        return ModelShape(n_layers=self.n_layers, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                          head_dim=self.head_dim, vocab_size=self.vocab_size, qk_norm=True,
-                          **(moe if self.is_moe else dict(ffn_hidden=self.hidden_dim)))
+        return ModelShape(
+            n_layers=self.n_layers,
+            dim=self.dim,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            qk_norm=True,
+            **(moe if self.is_moe else dict(ffn_hidden=self.hidden_dim)),
+        )
 
     def param_counts(self) -> ParamCounts:
         return decoder_param_counts(
@@ -112,8 +119,15 @@ _QWEN3 = dict(head_dim=128, vocab_size=151936, rope_theta=1000000.0, max_seq_len
 FLAVORS: dict[str, Qwen3Args] = {
     # Tiny dense model for CPU runs and tests; vocab 4096 matches the bundled tokenizer.
     "debugmodel": Qwen3Args(
-        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=32, vocab_size=4096, hidden_dim=768,
-        rope_theta=1000000.0, max_seq_len=2048,
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        vocab_size=4096,
+        hidden_dim=768,
+        rope_theta=1000000.0,
+        max_seq_len=2048,
     ),
     "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=3072, tie_embeddings=True, **_QWEN3),
     "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, hidden_dim=6144, tie_embeddings=True, **_QWEN3),
@@ -123,16 +137,40 @@ FLAVORS: dict[str, Qwen3Args] = {
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, hidden_dim=25600, **_QWEN3),
     # Tiny MoE model: 8 experts, top-2.
     "debugmodel_moe": Qwen3Args(
-        dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=32, vocab_size=4096, hidden_dim=768,
-        rope_theta=1000000.0, max_seq_len=2048,
-        num_experts=8, num_experts_per_tok=2, moe_hidden_dim=256, norm_topk_prob=True,
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=32,
+        vocab_size=4096,
+        hidden_dim=768,
+        rope_theta=1000000.0,
+        max_seq_len=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_hidden_dim=256,
+        norm_topk_prob=True,
     ),
     "30B-A3B": Qwen3Args(
-        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, hidden_dim=6144,
-        num_experts=128, num_experts_per_tok=8, moe_hidden_dim=768, **_QWEN3,
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        hidden_dim=6144,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_hidden_dim=768,
+        **_QWEN3,
     ),
     "235B-A22B": Qwen3Args(
-        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, hidden_dim=12288,
-        num_experts=128, num_experts_per_tok=8, moe_hidden_dim=1536, **_QWEN3,
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        hidden_dim=12288,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_hidden_dim=1536,
+        **_QWEN3,
     ),
 }

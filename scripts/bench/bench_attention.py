@@ -10,7 +10,6 @@ writes CSV.
     OMP_NUM_THREADS=2 .venv/bin/python scripts/bench/bench_attention.py --out attention.csv
 """
 
-import argparse
 import contextlib
 import csv
 import os
@@ -22,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
 from titan_kernels import cpu_attention  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 
 
 def _time_s(fn) -> float:
@@ -70,10 +69,12 @@ def main() -> None:
             batch = max(1, 8 * 16 // head_dim)  # constant batch * head_dim: same FLOPs per row
             g = torch.Generator().manual_seed(0)
             q = torch.randn(batch, args.seq_len, args.heads, head_dim, generator=g).to(dtype).transpose(1, 2)
-            k, v = (torch.randn(batch, args.seq_len, args.kv_heads, head_dim, generator=g).to(dtype).transpose(1, 2)
-                    for _ in range(2))
+            k, v = (
+                torch.randn(batch, args.seq_len, args.kv_heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+                for _ in range(2)
+            )
             dout = torch.randn(q.shape, generator=g).to(dtype)
-            scale = head_dim ** -0.5
+            scale = head_dim**-0.5
             rep = args.heads // args.kv_heads
             k_rep, v_rep = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             with torch.no_grad():
@@ -87,29 +88,40 @@ def main() -> None:
                     if both:
                         with _amx(False):
                             t["vdp_fwd"].append(_time_s(lambda: torch.ops.titan_cpu.attn_fwd(q, k, v, scale)))
-                            t["vdp_bwd"].append(_time_s(
-                                lambda: torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, scale)))
+                            t["vdp_bwd"].append(
+                                _time_s(lambda: torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, scale))
+                            )
                     t["kernel_fwd"].append(_time_s(lambda: torch.ops.titan_cpu.attn_fwd(q, k, v, scale)))
                     t["flash_fwd"].append(_time_s(lambda: flash(q, k_rep, v_rep, 0.0, True, scale=scale)))
-                    t["kernel_bwd"].append(_time_s(
-                        lambda: torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, scale)))
-                    t["flash_bwd"].append(_time_s(
-                        lambda: flash_bwd(dout, q, k_rep, v_rep, f_out, f_lse, 0.0, True, scale=scale)))
+                    t["kernel_bwd"].append(
+                        _time_s(lambda: torch.ops.titan_cpu.attn_bwd(dout, q, k, v, out, lse, scale))
+                    )
+                    t["flash_bwd"].append(
+                        _time_s(lambda: flash_bwd(dout, q, k_rep, v_rep, f_out, f_lse, 0.0, True, scale=scale))
+                    )
             med = {name: statistics.median(ts) for name, ts in t.items()}
             kernel, aten = med["kernel_fwd"] + med["kernel_bwd"], med["flash_fwd"] + med["flash_bwd"]
-            causal_flops = 3 * 2 * 2 * batch * args.heads * args.seq_len ** 2 * head_dim / 2  # fwd 2 GEMMs, bwd 4
+            causal_flops = 3 * 2 * 2 * batch * args.heads * args.seq_len**2 * head_dim / 2  # fwd 2 GEMMs, bwd 4
             vdp = med["vdp_fwd"] + med["vdp_bwd"] if "vdp_fwd" in med else None
-            rows.append({
-                "dtype": dtype_name, "path": "amx" if both else "vector",
-                "head_dim": head_dim, "batch": batch, "heads": f"{args.heads}/{args.kv_heads}",
-                "seq": args.seq_len, "threads": torch.get_num_threads(),
-                **{f"{name}_ms": round(1e3 * med[name], 1) if name in med else ""
-                   for name in ("kernel_fwd", "kernel_bwd", "flash_fwd", "flash_bwd", "vdp_fwd", "vdp_bwd")},
-                "vs_vdp": round(vdp / kernel, 2) if vdp else "",
-                "speedup": round(aten / kernel, 2),
-                "kernel_gflops": round(causal_flops / kernel / 1e9, 1),
-                "flash_gflops": round(causal_flops / aten / 1e9, 1),
-            })
+            rows.append(
+                {
+                    "dtype": dtype_name,
+                    "path": "amx" if both else "vector",
+                    "head_dim": head_dim,
+                    "batch": batch,
+                    "heads": f"{args.heads}/{args.kv_heads}",
+                    "seq": args.seq_len,
+                    "threads": torch.get_num_threads(),
+                    **{
+                        f"{name}_ms": round(1e3 * med[name], 1) if name in med else ""
+                        for name in ("kernel_fwd", "kernel_bwd", "flash_fwd", "flash_bwd", "vdp_fwd", "vdp_bwd")
+                    },
+                    "vs_vdp": round(vdp / kernel, 2) if vdp else "",
+                    "speedup": round(aten / kernel, 2),
+                    "kernel_gflops": round(causal_flops / kernel / 1e9, 1),
+                    "flash_gflops": round(causal_flops / aten / 1e9, 1),
+                }
+            )
             print(" | ".join(f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     header = list(rows[0])
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))

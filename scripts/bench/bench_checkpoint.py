@@ -15,7 +15,6 @@ Sizes: `debug` (the Llama 3 debug model of configs/llama3_debug.toml) or a numbe
 checkpoint (a stack of square fp32 Linear layers).
 """
 
-import argparse
 import csv
 import os
 import shutil
@@ -28,8 +27,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
 from trainer import checkpoint as ckpt  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 
@@ -95,12 +94,17 @@ def measure(size: str, root: Path, repeats: int) -> dict:
         shutil.rmtree(folder)
     med = {k: min(v) for k, v in rows.items()}
     return {
-        "size": size, "params_M": round(n_params / 1e6, 1), "checkpoint_GB": round(nbytes / 1e9, 3),
-        "save_s": round(med["save_s"], 3), "manifest_s": round(med["manifest_s"], 3),
+        "size": size,
+        "params_M": round(n_params / 1e6, 1),
+        "checkpoint_GB": round(nbytes / 1e9, 3),
+        "save_s": round(med["save_s"], 3),
+        "manifest_s": round(med["manifest_s"], 3),
         "save_overhead_pct": round(100 * med["manifest_s"] / (med["save_s"] - med["manifest_s"]), 1),
-        "load_s": round(med["load_s"], 3), "verify_s": round(med["verify_s"], 3),
+        "load_s": round(med["load_s"], 3),
+        "verify_s": round(med["verify_s"], 3),
         "load_overhead_pct": round(100 * med["verify_s"] / med["load_s"], 1),
-        "hash_GB_per_s": round(nbytes / 1e9 / med["verify_s"], 2), "repeats": repeats,
+        "hash_GB_per_s": round(nbytes / 1e9 / med["verify_s"], 2),
+        "repeats": repeats,
     }
 
 
@@ -111,8 +115,10 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument("--out", default=None, help="CSV file")
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible), torch {torch.__version__}, "
-          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, hash threads {ckpt.hash_threads()}")
+    print(
+        f"CPU: {cpu_model()} ({os.cpu_count()} cores visible), torch {torch.__version__}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, hash threads {ckpt.hash_threads()}"
+    )
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for size in args.sizes.split(","):

@@ -79,10 +79,12 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
             model.init_weights()
         opt = build_optimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         if kind.startswith("graph"):
-            return model, build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=backend,
-                                           scan_layers=kind == "graph_scan", plan=PLAN)
-        return model, EagerStep(model=model, optimizer=opt, max_norm=1.0, aux_loss_coef=0.0,
-                                clip_grad_norm=clip_grad_norm_)
+            return model, build_graph_step(
+                model=model, optimizer=opt, max_norm=1.0, backend=backend, scan_layers=kind == "graph_scan", plan=PLAN
+            )
+        return model, EagerStep(
+            model=model, optimizer=opt, max_norm=1.0, aux_loss_coef=0.0, clip_grad_norm=clip_grad_norm_
+        )
 
     model, step = build(variant)
     # An eager step on an identical model in the same process, timed alternately with the
@@ -116,9 +118,13 @@ def _one(variant: str, n_layers: int, *, backend: str, batch: int, seq: int, rep
     compile_s = step.compile_s if step.compile_s is not None else (first_s - steady if variant == "compile" else 0.0)
     ncpu = os.cpu_count() or 1
     return {
-        "variant": variant, "n_layers": n_layers, "backend": backend if variant != "eager" else "",
-        "compile_s": round(compile_s, 2), "step_ms": round(steady * 1e3, 2),
-        "step_ms_min": round(min(times) * 1e3, 2), "first_step_s": round(first_s, 2),
+        "variant": variant,
+        "n_layers": n_layers,
+        "backend": backend if variant != "eager" else "",
+        "compile_s": round(compile_s, 2),
+        "step_ms": round(steady * 1e3, 2),
+        "step_ms_min": round(min(times) * 1e3, 2),
+        "first_step_s": round(first_s, 2),
         "eager_step_ms_same_process": round(statistics.median(eager_times) * 1e3, 2) if eager_times else "",
         "vs_eager": round(steady / statistics.median(eager_times), 3) if eager_times else 1.0,
         "graph_nodes": getattr(step, "graph_nodes", None) or "",
@@ -149,25 +155,45 @@ def main() -> int:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         p.error(f"--variants: unknown {sorted(unknown)}; allowed: {', '.join(VARIANTS)}")
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+        "PYTHONPATH": str(REPO),
+    }
     rows = []
     with open("/proc/loadavg") as f:
         print(f"load average before: {f.read().split()[:3]}", flush=True)
     for n_layers in layers:
         for variant in variants:
-            cmd = [sys.executable, __file__, "--one", variant, str(n_layers), "--backend", a.backend,
-                   "--batch", str(a.batch), "--seq", str(a.seq), "--repeats", str(a.repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                variant,
+                str(n_layers),
+                "--backend",
+                a.backend,
+                "--batch",
+                str(a.batch),
+                "--seq",
+                str(a.seq),
+                "--repeats",
+                str(a.repeats),
+            ]
             proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 print(f"{variant} n_layers={n_layers} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
                 return 1
-            row = json.loads(lines[-1][len("RESULT "):])
+            row = json.loads(lines[-1][len("RESULT ") :])
             rows.append(row)
-            print(f"{variant:>10} L={n_layers:<3} compile {row['compile_s']:>7.2f} s  step {row['step_ms']:>9.2f} ms"
-                  f"  (x{row['vs_eager']} eager in-process)  nodes {row['graph_nodes']!s:>6}"
-                  f"  cpu busy {row['cpu_busy_cores']}", flush=True)
+            print(
+                f"{variant:>10} L={n_layers:<3} compile {row['compile_s']:>7.2f} s  step {row['step_ms']:>9.2f} ms"
+                f"  (x{row['vs_eager']} eager in-process)  nodes {row['graph_nodes']!s:>6}"
+                f"  cpu busy {row['cpu_busy_cores']}",
+                flush=True,
+            )
     with open("/proc/loadavg") as f:
         print(f"load average after: {f.read().split()[:3]}")
 
@@ -194,8 +220,10 @@ def main() -> int:
         if r["variant"] in ("graph", "graph_scan"):
             good = r["vs_eager"] <= 1.0
             ok &= good
-            print(f"target: {r['variant']} step / eager step (same process, alternating) at L={r['n_layers']} = "
-                  f"{r['vs_eager']:.2f} (<= 1.0): {'met' if good else 'MISSED'}")
+            print(
+                f"target: {r['variant']} step / eager step (same process, alternating) at L={r['n_layers']} = "
+                f"{r['vs_eager']:.2f} (<= 1.0): {'met' if good else 'MISSED'}"
+            )
     return 0 if ok else 3
 
 

@@ -34,7 +34,6 @@ state: the step's memory).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -49,7 +48,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
 from models.common import ops  # noqa: E402
 from parallelisms.context_parallel import (  # noqa: E402
     CPGroup,
@@ -58,6 +56,7 @@ from parallelisms.context_parallel import (  # noqa: E402
     gather_sequence,
     shard_sequence,
 )
+from trainer.runtime import cli  # noqa: E402
 
 
 def _status_kib(field: str) -> int | None:
@@ -150,11 +149,23 @@ def _train_worker(rank: int, world: int, cfg: dict, init_file: str, out_dir: str
     from trainer.job import build_job
 
     recipe = "configs/llama3_debug.toml"
-    _, _, overrides = split_cli([
-        "--config", recipe, f"--training.seq_len={cfg['seq']}", "--model.n_layers=2", "--training.local_batch_size=1",
-        "--training.global_batch_size=1", "--training.mixed_precision_param=float32", "--checkpoint.enable=false",
-        "--validation.enable=false", "--metrics.enable_tensorboard=false", f"--job.dump_folder={out_dir}/job",
-        f"--parallelism.context_parallel_degree={world}", "--parallelism.data_parallel_shard_degree=1"])
+    _, _, overrides = split_cli(
+        [
+            "--config",
+            recipe,
+            f"--training.seq_len={cfg['seq']}",
+            "--model.n_layers=2",
+            "--training.local_batch_size=1",
+            "--training.global_batch_size=1",
+            "--training.mixed_precision_param=float32",
+            "--checkpoint.enable=false",
+            "--validation.enable=false",
+            "--metrics.enable_tensorboard=false",
+            f"--job.dump_folder={out_dir}/job",
+            f"--parallelism.context_parallel_degree={world}",
+            "--parallelism.data_parallel_shard_degree=1",
+        ]
+    )
     job = build_job(build_config(recipe, overrides), purpose="train")
     step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
 
@@ -174,9 +185,12 @@ def _train_worker(rank: int, world: int, cfg: dict, init_file: str, out_dir: str
     run_step()  # warm-up
     timed = [run_step() for _ in range(cfg["steps"])]
     peak_kib = _status_kib("VmHWM")
-    result = {"times": [t for t, _ in timed], "cpu_times": [c for _, c in timed],
-              "peak_mib": peak_kib / 1024 if peak_ok and peak_kib else None,
-              "growth_mib": (peak_kib - baseline_kib) / 1024 if peak_ok and peak_kib and baseline_kib else None}
+    result = {
+        "times": [t for t, _ in timed],
+        "cpu_times": [c for _, c in timed],
+        "peak_mib": peak_kib / 1024 if peak_ok and peak_kib else None,
+        "growth_mib": (peak_kib - baseline_kib) / 1024 if peak_ok and peak_kib and baseline_kib else None,
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -189,9 +203,12 @@ def _run_train(world: int, cfg: dict) -> dict:
         for r in range(world):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
-    return {"step_s": statistics.median(max(ts) for ts in zip(*(r["times"] for r in ranks))),
-            "cpu_s": statistics.median(max(ts) for ts in zip(*(r["cpu_times"] for r in ranks))),
-            "peak_mib": max(r["peak_mib"] or 0 for r in ranks), "growth_mib": max(r["growth_mib"] or 0 for r in ranks)}
+    return {
+        "step_s": statistics.median(max(ts) for ts in zip(*(r["times"] for r in ranks))),
+        "cpu_s": statistics.median(max(ts) for ts in zip(*(r["cpu_times"] for r in ranks))),
+        "peak_mib": max(r["peak_mib"] or 0 for r in ranks),
+        "growth_mib": max(r["growth_mib"] or 0 for r in ranks),
+    }
 
 
 def train_step_table(args) -> list[dict]:
@@ -206,17 +223,29 @@ def train_step_table(args) -> list[dict]:
                 res = _run_train(cp, dict(seq=seq, steps=args.steps))
                 res["load"] = load
                 runs.setdefault((seq, cp), []).append(res)
-                print(f"round {r + 1} seq {seq} cp {cp}: step {res['step_s']:.2f} s (cpu {res['cpu_s']:.2f} s), "
-                      f"peak {res['peak_mib']:.0f} MiB (+{res['growth_mib']:.0f}), load before {load}", flush=True)
+                print(
+                    f"round {r + 1} seq {seq} cp {cp}: step {res['step_s']:.2f} s (cpu {res['cpu_s']:.2f} s), "
+                    f"peak {res['peak_mib']:.0f} MiB (+{res['growth_mib']:.0f}), load before {load}",
+                    flush=True,
+                )
     rows = []
     for (seq, cp), rs in runs.items():
         step_s = statistics.median(x["step_s"] for x in rs)
-        rows.append({"seq": seq, "cp": cp, "processes": cp, "rounds": len(rs), "step_s": round(step_s, 3),
-                     "cpu_s": round(statistics.median(x["cpu_s"] for x in rs), 3),
-                     "tokens_per_s": round(seq / step_s, 1), "tokens_per_s_per_process": round(seq / step_s / cp, 1),
-                     "peak_mib_per_process": round(statistics.median(x["peak_mib"] for x in rs)),
-                     "step_mib_per_process": round(statistics.median(x["growth_mib"] for x in rs)),
-                     "load_before_median": statistics.median(x["load"] for x in rs)})
+        rows.append(
+            {
+                "seq": seq,
+                "cp": cp,
+                "processes": cp,
+                "rounds": len(rs),
+                "step_s": round(step_s, 3),
+                "cpu_s": round(statistics.median(x["cpu_s"] for x in rs), 3),
+                "tokens_per_s": round(seq / step_s, 1),
+                "tokens_per_s_per_process": round(seq / step_s / cp, 1),
+                "peak_mib_per_process": round(statistics.median(x["peak_mib"] for x in rs)),
+                "step_mib_per_process": round(statistics.median(x["growth_mib"] for x in rs)),
+                "load_before_median": statistics.median(x["load"] for x in rs),
+            }
+        )
     for row in rows:
         base = next(r for r in rows if r["seq"] == row["seq"] and r["cp"] == 1)
         row["speedup_vs_cp1"] = round(base["step_s"] / row["step_s"], 2)
@@ -253,17 +282,23 @@ def main() -> None:
     parser.add_argument("--cps", default="2", help="cp degrees besides the cp = 1 rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--train-step", action="store_true",
-                        help="time the trainer's step (debug Llama 3, 2 layers) instead of the attention alone")
+    parser.add_argument(
+        "--train-step",
+        action="store_true",
+        help="time the trainer's step (debug Llama 3, 2 layers) instead of the attention alone",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--train-step: interleaved rounds")
     parser.add_argument("--steps", type=int, default=1, help="--train-step: timed steps per process")
     args = parser.parse_args()
     from trainer.runtime.device import cpu_model
 
     if args.train_step:
-        print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible); one thread per process; torch "
-              f"{torch.__version__}; load average before {os.getloadavg()[0]:.2f}; trainer step, llama3 debugmodel "
-              f"2 layers, fp32, batch 1", flush=True)
+        print(
+            f"CPU: {cpu_model()} ({os.cpu_count()} cores visible); one thread per process; torch "
+            f"{torch.__version__}; load average before {os.getloadavg()[0]:.2f}; trainer step, llama3 debugmodel "
+            f"2 layers, fp32, batch 1",
+            flush=True,
+        )
         rows = train_step_table(args)
     else:
         rows = attention_table(args)
@@ -282,13 +317,22 @@ def main() -> None:
 def attention_table(args) -> list[dict]:
     from trainer.runtime.device import cpu_model
 
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores visible); one thread per process; torch "
-          f"{torch.__version__}; load average before {os.getloadavg()[0]:.2f}; fp32, batch {args.batch}, "
-          f"heads {args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}", flush=True)
+    print(
+        f"CPU: {cpu_model()} ({os.cpu_count()} cores visible); one thread per process; torch "
+        f"{torch.__version__}; load average before {os.getloadavg()[0]:.2f}; fp32, batch {args.batch}, "
+        f"heads {args.heads}/{args.kv_heads} (q/kv), head_dim {args.head_dim}",
+        flush=True,
+    )
     rows = []
     for seq in map(int, args.seq_lens.split(",")):
-        cfg = dict(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                   seq=seq, repeats=args.repeats)
+        cfg = dict(
+            batch=args.batch,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            seq=seq,
+            repeats=args.repeats,
+        )
         runs = [("cp1_causal", 1, "causal"), ("cp1_masked", 1, "cp")]
         runs += [(f"cp{n}", n, "cp") for n in map(int, args.cps.split(","))]
         for name, world, mode in runs:

@@ -43,8 +43,15 @@ def _args(layers: int, dim: int):
     import models
 
     return models.get_model_family("llama3").get_args(
-        "debugmodel", n_layers=layers, dim=dim, n_heads=dim // 64, n_kv_heads=dim // 64, vocab_size=4096,
-        hidden_dim=int(dim * 3.5), max_seq_len=64)
+        "debugmodel",
+        n_layers=layers,
+        dim=dim,
+        n_heads=dim // 64,
+        n_kv_heads=dim // 64,
+        vocab_size=4096,
+        hidden_dim=int(dim * 3.5),
+        max_seq_len=64,
+    )
 
 
 def _build(folder: Path, layers: int, dim: int) -> None:
@@ -90,7 +97,6 @@ def _load_worker(hf: Path, layers: int, dim: int, mode: str) -> dict:
     import models
     from parallelisms import ParallelDims, build_mesh, parallelize_model
     from trainer import checkpoint as ckpt
-
     from trainer.runtime.device import cpu_backend
 
     dist.init_process_group(cpu_backend())
@@ -101,8 +107,9 @@ def _load_worker(hf: Path, layers: int, dim: int, mode: str) -> dict:
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = family.model_cls(args)
-    parallelize_model(model, plan=family.plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                      reduce_dtype=torch.float32)
+    parallelize_model(
+        model, plan=family.plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+    )
     model.to_empty(device="cpu")
     shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
     dist.barrier()
@@ -145,8 +152,13 @@ def main() -> int:
         samples: dict[tuple[str, object], list[dict]] = {}
         for _ in range(ns.repeats):
             for kind in ("from-hf", "to-hf"):
-                out = subprocess.run(me + ["--worker", kind, "--dir", str(tmp)], check=True, env=env,
-                                     capture_output=True, text=True).stdout.strip().splitlines()[-1]
+                out = (
+                    subprocess.run(
+                        me + ["--worker", kind, "--dir", str(tmp)], check=True, env=env, capture_output=True, text=True
+                    )
+                    .stdout.strip()
+                    .splitlines()[-1]
+                )
                 samples.setdefault((f"convert {kind}", "-"), []).append(json.loads(out))
                 if kind == "to-hf":
                     shutil.rmtree(tmp / "back")
@@ -154,8 +166,13 @@ def main() -> int:
             for mode in ("sliced", "full"):
                 proc = subprocess.run(
                     [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517"]
-                    + me[1:] + ["--worker", mode, "--dir", str(tmp)], check=True, env=env, capture_output=True,
-                    text=True)
+                    + me[1:]
+                    + ["--worker", mode, "--dir", str(tmp)],
+                    check=True,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 for line in proc.stdout.splitlines():
                     if line.startswith("{"):
                         r = json.loads(line)
@@ -164,17 +181,27 @@ def main() -> int:
             before = statistics.median(r["before"] for r in runs)
             peak = statistics.median(r["peak"] for r in runs)
             added = statistics.median(r["peak"] - r["before"] for r in runs)
-            rows.append({"what": what, "rank": rank, "checkpoint_mb": size / 1e6,
-                         "shard_mb": runs[0]["shard"] / 1e6 if "shard" in runs[0] else "",
-                         "before_mb": before / 1e6, "peak_mb": peak / 1e6, "added_mb": added / 1e6})
-    print(f"CPU: {cpu_model()}; Llama 3 override n_layers={ns.layers} dim={ns.dim}, fp32; "
-          f"median of {ns.repeats} runs")
+            rows.append(
+                {
+                    "what": what,
+                    "rank": rank,
+                    "checkpoint_mb": size / 1e6,
+                    "shard_mb": runs[0]["shard"] / 1e6 if "shard" in runs[0] else "",
+                    "before_mb": before / 1e6,
+                    "peak_mb": peak / 1e6,
+                    "added_mb": added / 1e6,
+                }
+            )
+    print(f"CPU: {cpu_model()}; Llama 3 override n_layers={ns.layers} dim={ns.dim}, fp32; median of {ns.repeats} runs")
     header = ["what", "rank", "checkpoint_mb", "shard_mb", "before_mb", "peak_mb", "added_mb"]
     print(" | ".join(f"{h:>20}" if i == 0 else f"{h:>13}" for i, h in enumerate(header)))
     for row in rows:
-        print(" | ".join(f"{row[h]:>20}" if i == 0 else
-                         (f"{row[h]:>13.0f}" if isinstance(row[h], float) else f"{row[h]!s:>13}")
-                         for i, h in enumerate(header)))
+        print(
+            " | ".join(
+                f"{row[h]:>20}" if i == 0 else (f"{row[h]:>13.0f}" if isinstance(row[h], float) else f"{row[h]!s:>13}")
+                for i, h in enumerate(header)
+            )
+        )
     with open(ns.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=header)
         writer.writeheader()

@@ -19,7 +19,6 @@ Default shape: the debug recipe's (configs/llama3_debug.toml: bundled corpus, se
 local batch 8, 200 steps).
 """
 
-import argparse
 import csv
 import os
 import statistics
@@ -28,18 +27,33 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
 from trainer.data import TokenLoader, build_dataloader, resolve_dataset  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
 from trainer.data.tokenizer import build_tokenizer  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
+from trainer.runtime.device import cpu_model  # noqa: E402
 
 
 def _loader(mode: str, *, tok, dataset: str, seq_len: int, batch: int, rank: int, world: int):
     if mode == "sharded":
-        return build_dataloader(dataset=dataset, tokenizer=tok, seq_len=seq_len, local_batch_size=batch,
-                                dp_rank=rank, dp_degree=world, seed=42)
-    return TokenLoader(source=resolve_dataset(dataset), tokenizer=tok, seq_len=seq_len, local_batch_size=batch,
-                       dp_rank=rank, dp_degree=world, seed=42, num_shards=1)
+        return build_dataloader(
+            dataset=dataset,
+            tokenizer=tok,
+            seq_len=seq_len,
+            local_batch_size=batch,
+            dp_rank=rank,
+            dp_degree=world,
+            seed=42,
+        )
+    return TokenLoader(
+        source=resolve_dataset(dataset),
+        tokenizer=tok,
+        seq_len=seq_len,
+        local_batch_size=batch,
+        dp_rank=rank,
+        dp_degree=world,
+        seed=42,
+        num_shards=1,
+    )
 
 
 def _time_rank(mode: str, steps: int, **kw) -> tuple[float, int]:
@@ -63,8 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_data.csv")
     args = parser.parse_args(argv)
     tok = build_tokenizer("bundled")
-    _time_rank("sharded", 1, tok=tok, dataset=args.dataset, seq_len=args.seq_len, batch=args.batch,
-               rank=0, world=1)  # warm-up: imports `datasets`, fills the page cache
+    _time_rank(
+        "sharded", 1, tok=tok, dataset=args.dataset, seq_len=args.seq_len, batch=args.batch, rank=0, world=1
+    )  # warm-up: imports `datasets`, fills the page cache
 
     rows = []
     for mode in args.modes.split(","):
@@ -73,28 +88,46 @@ def main(argv=None) -> int:
             docs = [0] * world
             for _ in range(args.repeats):
                 for rank in range(world):
-                    seconds, docs[rank] = _time_rank(mode, args.steps, tok=tok, dataset=args.dataset,
-                                                     seq_len=args.seq_len, batch=args.batch, rank=rank, world=world)
+                    seconds, docs[rank] = _time_rank(
+                        mode,
+                        args.steps,
+                        tok=tok,
+                        dataset=args.dataset,
+                        seq_len=args.seq_len,
+                        batch=args.batch,
+                        rank=rank,
+                        world=world,
+                    )
                     per_rank[rank].append(seconds)
             medians = [statistics.median(times) for times in per_rank]
             tokens = args.batch * (args.seq_len + 1)
-            rows.append({
-                "mode": mode, "world": world, "steps": args.steps,
-                "ms_per_step_mean_rank": round(1e3 * statistics.mean(medians), 3),
-                "ms_per_step_max_rank": round(1e3 * max(medians), 3),
-                "tokens_per_s_per_rank": round(tokens / statistics.mean(medians)),
-                "docs_tokenized_per_rank": round(statistics.mean(docs), 1),
-            })
+            rows.append(
+                {
+                    "mode": mode,
+                    "world": world,
+                    "steps": args.steps,
+                    "ms_per_step_mean_rank": round(1e3 * statistics.mean(medians), 3),
+                    "ms_per_step_max_rank": round(1e3 * max(medians), 3),
+                    "tokens_per_s_per_rank": round(tokens / statistics.mean(medians)),
+                    "docs_tokenized_per_rank": round(statistics.mean(docs), 1),
+                }
+            )
             print(rows[-1], flush=True)
 
-    print(f"\nCPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}; dataset {args.dataset}, seq_len "
-          f"{args.seq_len}, local batch {args.batch}, {args.steps} steps per rank, median of {args.repeats}")
-    header = f"{'mode':<13} {'world':>5} {'ms/step (rank mean)':>20} {'ms/step (max rank)':>19} " \
-             f"{'tokens/s/rank':>14} {'docs tokenized/rank':>20}"
+    print(
+        f"\nCPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}; dataset {args.dataset}, seq_len "
+        f"{args.seq_len}, local batch {args.batch}, {args.steps} steps per rank, median of {args.repeats}"
+    )
+    header = (
+        f"{'mode':<13} {'world':>5} {'ms/step (rank mean)':>20} {'ms/step (max rank)':>19} "
+        f"{'tokens/s/rank':>14} {'docs tokenized/rank':>20}"
+    )
     print(header)
     for r in rows:
-        print(f"{r['mode']:<13} {r['world']:>5} {r['ms_per_step_mean_rank']:>20.2f} {r['ms_per_step_max_rank']:>19.2f} "
-              f"{r['tokens_per_s_per_rank']:>14,} {r['docs_tokenized_per_rank']:>20,.1f}")
+        print(
+            f"{r['mode']:<13} {r['world']:>5} {r['ms_per_step_mean_rank']:>20.2f} {r['ms_per_step_max_rank']:>19.2f} "
+            f"{r['tokens_per_s_per_rank']:>14,} {r['docs_tokenized_per_rank']:>20,.1f}"
+        )
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -11,7 +11,6 @@ count and the median (and min/max) of `--repeats` timed steps after 2 warm-up st
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -19,10 +18,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
-
 import torch  # noqa: E402
 
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 
@@ -44,9 +42,14 @@ def build(seed: int = 0):
 def batch(batch_size: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x0 = torch.randn(batch_size, 16, 8, 8, generator=g)
-    return (x0, torch.randn(batch_size, 16, 64, generator=g), torch.randn(batch_size, 64, generator=g),
-            torch.randn(batch_size, 16, 8, 8, generator=g), torch.rand(batch_size, generator=g),
-            torch.ones(batch_size))
+    return (
+        x0,
+        torch.randn(batch_size, 16, 64, generator=g),
+        torch.randn(batch_size, 64, generator=g),
+        torch.randn(batch_size, 16, 8, 8, generator=g),
+        torch.rand(batch_size, generator=g),
+        torch.ones(batch_size),
+    )
 
 
 def main() -> int:
@@ -55,18 +58,21 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default="eager,graph,graph_scan")
     ns = p.parse_args()
-    from trainer.tasks.flow import flow_loss
-    from trainer.graph import build_graph_step
     from models.flux.plan import PLAN
+    from trainer.graph import build_graph_step
+    from trainer.tasks.flow import flow_loss
 
     loss_fn = functools.partial(flow_loss, guidance=None)
     mb = batch()
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
-          f"backend {ns.backend}; FLUX debugmodel, batch 8, 16 image + 16 text tokens, fp32")
+    print(
+        f"CPU: {cpu_model()}; torch {torch.__version__}; threads {torch.get_num_threads()}; "
+        f"backend {ns.backend}; FLUX debugmodel, batch 8, 16 image + 16 text tokens, fp32"
+    )
     for mode in ns.modes.split(","):
         model, opt = build()
         compile_s, nodes = None, None
         if mode == "eager":
+
             def step():
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(model, *mb)
@@ -75,11 +81,19 @@ def main() -> int:
                 opt.step()
                 return loss
         else:
-            graph = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=ns.backend,
-                                     scan_layers=mode == "graph_scan", plan=PLAN, loss_fn=loss_fn)
+            graph = build_graph_step(
+                model=model,
+                optimizer=opt,
+                max_norm=1.0,
+                backend=ns.backend,
+                scan_layers=mode == "graph_scan",
+                plan=PLAN,
+                loss_fn=loss_fn,
+            )
 
             def step():
                 return graph([mb], 1e-4).loss
+
         times = []
         for i in range(2 + ns.repeats):
             start = time.perf_counter()
@@ -90,8 +104,11 @@ def main() -> int:
             if i >= 2:
                 times.append(elapsed)
         extra = f", compile {compile_s:.1f} s, {nodes} graph nodes" if compile_s is not None else ""
-        print(f"{mode:<11} median {1e3 * statistics.median(times):8.1f} ms/step (min {1e3 * min(times):.1f}, "
-              f"max {1e3 * max(times):.1f}, {ns.repeats} steps){extra}", flush=True)
+        print(
+            f"{mode:<11} median {1e3 * statistics.median(times):8.1f} ms/step (min {1e3 * min(times):.1f}, "
+            f"max {1e3 * max(times):.1f}, {ns.repeats} steps){extra}",
+            flush=True,
+        )
     return 0
 
 

@@ -14,7 +14,6 @@ bench_hf_backend.csv in `--out`.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -23,7 +22,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from trainer.runtime import cli  # noqa: E402
-
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 
@@ -59,11 +57,21 @@ def main() -> int:
     p.add_argument("--out", default="outputs/bench_hf_backend")
     a = p.parse_args()
     config_dir = write_llama_config(os.path.join(a.out, "llama_config"), max_seq_len=a.seq_len)
-    common = ["--config", "configs/llama3_debug.toml", f"--training.steps={a.steps}", f"--training.seq_len={a.seq_len}",
-              f"--training.local_batch_size={a.batch}", "--metrics.log_freq=1", "--checkpoint.enable=false",
-              "--validation.enable=false", "--metrics.enable_tensorboard=false"]
-    families = {"native llama3": ["--model.name=llama3", "--model.flavor=debugmodel"],
-                "hf LlamaForCausalLM": ["--model.name=hf", "--model.flavor=config", f"--model.hf_config={config_dir}"]}
+    common = [
+        "--config",
+        "configs/llama3_debug.toml",
+        f"--training.steps={a.steps}",
+        f"--training.seq_len={a.seq_len}",
+        f"--training.local_batch_size={a.batch}",
+        "--metrics.log_freq=1",
+        "--checkpoint.enable=false",
+        "--validation.enable=false",
+        "--metrics.enable_tensorboard=false",
+    ]
+    families = {
+        "native llama3": ["--model.name=llama3", "--model.flavor=debugmodel"],
+        "hf LlamaForCausalLM": ["--model.name=hf", "--model.flavor=config", f"--model.hf_config={config_dir}"],
+    }
     modes = {"eager": ["--compile.mode=eager"], "graph": ["--compile.mode=graph", f"--compile.backend={a.backend}"]}
     results: dict[tuple[str, str], list[float]] = {}
     for r in range(a.repeats):
@@ -72,15 +80,25 @@ def main() -> int:
                 folder = os.path.join(a.out, f"{fam.split()[0]}_{mode}_{r}")
                 results.setdefault((fam, mode), []).append(run([*common, *fam_args, *mode_args], folder))
     cpu = cpu_model()
-    print(f"\ntokens/s (median of {a.repeats} runs, each the median of steps 3..{a.steps}); "
-          f"seq {a.seq_len} x batch {a.batch}, bf16; CPU: {cpu}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+    print(
+        f"\ntokens/s (median of {a.repeats} runs, each the median of steps 3..{a.steps}); "
+        f"seq {a.seq_len} x batch {a.batch}, bf16; CPU: {cpu}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
     print(f"| family | {' | '.join(modes)} |\n|---|{'---|' * len(modes)}")
     rows = []
     for fam in families:
         meds = [statistics.median(results[(fam, m)]) for m in modes]
         print(f"| {fam} | {' | '.join(f'{x:,.0f}' for x in meds)} |")
-        rows += [{"family": fam, "mode": m, "tokens_per_sec_median": statistics.median(results[(fam, m)]),
-                  "runs": results[(fam, m)], "cpu": cpu} for m in modes]
+        rows += [
+            {
+                "family": fam,
+                "mode": m,
+                "tokens_per_sec_median": statistics.median(results[(fam, m)]),
+                "runs": results[(fam, m)],
+                "cpu": cpu,
+            }
+            for m in modes
+        ]
     with open(os.path.join(a.out, "bench_hf_backend.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -19,17 +19,15 @@ validation loss and tokens/s. Writes `<out>_curves.csv` and `<out>.csv`; prints 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
-
 from models.common.moe import MoE  # noqa: E402
 from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 # name -> (aux loss, aux coefficient, bias rate)
@@ -59,19 +57,26 @@ def main() -> None:
     if unknown:
         cli.fail(f"--variants: {unknown} unknown; allowed: {', '.join(VARIANTS)}")
 
-    fixed = FixedBatches.build(args.config, [("training.local_batch_size", str(args.batch)),
-                                             ("training.seq_len", str(args.seq_len)),
-                                             ("job.dump_folder", "/tmp/bench_moe_balance"),
-                                             ("training.mixed_precision_param", "float32")],
-                               steps=args.steps, val_batches=args.val_batches)
+    fixed = FixedBatches.build(
+        args.config,
+        [
+            ("training.local_batch_size", str(args.batch)),
+            ("training.seq_len", str(args.seq_len)),
+            ("job.dump_folder", "/tmp/bench_moe_balance"),
+            ("training.mixed_precision_param", "float32"),
+        ],
+        steps=args.steps,
+        val_batches=args.val_batches,
+    )
     job, batches, lr = fixed.job, fixed.batches, fixed.cfg.optimizer.lr
     moes = [m for m in job.model.modules() if isinstance(m, MoE)]
     tokens_per_step = args.batch * args.seq_len
     curves, summary = [], []
     for name in names:
         aux, coef, rate = VARIANTS[name]
-        step_fn, _, scheduler = fixed.restart(optimizer="adamw", lr=lr, training_overrides=dict(
-            aux_loss_coef=coef, expert_bias_rate=rate))
+        step_fn, _, scheduler = fixed.restart(
+            optimizer="adamw", lr=lr, training_overrides=dict(aux_loss_coef=coef, expert_bias_rate=rate)
+        )
         for m in moes:  # after the restart's weight reload: a plain attribute of each layer
             m.aux_loss = aux
         t_steps, losses, vios = 0.0, [], []
@@ -86,26 +91,43 @@ def main() -> None:
             vios.append(vio)
             curves.append({"variant": name, "step": i + 1, "loss": round(loss, 5), "max_vio": round(vio, 4)})
         val_loss = fixed.val_loss()
-        half = vios[len(vios) // 2:]
-        row = {"variant": name, "aux_loss": aux, "aux_coef": coef, "bias_rate": rate,
-               "max_vio_first": round(vios[0], 3), "max_vio_second_half_mean": round(statistics.fmean(half), 3),
-               "max_over_mean_final": round(1 + vios[-1], 3),
-               "bias_abs_max": round(max((m.router.expert_bias.abs().max().item() for m in moes
-                                          if m.router.expert_bias is not None), default=0.0), 4),
-               "train_loss_last10": round(statistics.fmean(losses[-10:]), 4), "val_loss": round(val_loss, 4),
-               "tokens_per_s": round((args.steps - 1) * tokens_per_step / t_steps)}
+        half = vios[len(vios) // 2 :]
+        row = {
+            "variant": name,
+            "aux_loss": aux,
+            "aux_coef": coef,
+            "bias_rate": rate,
+            "max_vio_first": round(vios[0], 3),
+            "max_vio_second_half_mean": round(statistics.fmean(half), 3),
+            "max_over_mean_final": round(1 + vios[-1], 3),
+            "bias_abs_max": round(
+                max(
+                    (m.router.expert_bias.abs().max().item() for m in moes if m.router.expert_bias is not None),
+                    default=0.0,
+                ),
+                4,
+            ),
+            "train_loss_last10": round(statistics.fmean(losses[-10:]), 4),
+            "val_loss": round(val_loss, 4),
+            "tokens_per_s": round((args.steps - 1) * tokens_per_step / t_steps),
+        }
         summary.append(row)
         print(row, flush=True)
     write_csvs(args.out, {"_curves": curves, "": summary})
-    print(f"\n{args.steps} steps x {tokens_per_step} tokens, lr {lr:g}, {cpu_model()}, attention {job.attention}, "
-          "float32")
-    print("| variant | MaxVio step 1 | MaxVio 2nd half (mean) | max/mean load, last step | max abs bias | "
-          "train loss (last 10) | val loss | tokens/s |")
+    print(
+        f"\n{args.steps} steps x {tokens_per_step} tokens, lr {lr:g}, {cpu_model()}, attention {job.attention}, float32"
+    )
+    print(
+        "| variant | MaxVio step 1 | MaxVio 2nd half (mean) | max/mean load, last step | max abs bias | "
+        "train loss (last 10) | val loss | tokens/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in summary:
-        print(f"| {r['variant']} | {r['max_vio_first']} | {r['max_vio_second_half_mean']} | "
-              f"{r['max_over_mean_final']} | {r['bias_abs_max']} | {r['train_loss_last10']} | {r['val_loss']} | "
-              f"{r['tokens_per_s']:,} |")
+        print(
+            f"| {r['variant']} | {r['max_vio_first']} | {r['max_vio_second_half_mean']} | "
+            f"{r['max_over_mean_final']} | {r['bias_abs_max']} | {r['train_loss_last10']} | {r['val_loss']} | "
+            f"{r['tokens_per_s']:,} |"
+        )
 
 
 if __name__ == "__main__":

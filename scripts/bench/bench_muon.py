@@ -14,15 +14,13 @@ the optimizer's step alone. Writes a CSV of the curves and one of the summary; p
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
-
 from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 
@@ -39,22 +37,28 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/muon_vs_adamw", help="CSV prefix")
     args = ap.parse_args()
 
-    fixed = FixedBatches.build(args.config, [("training.local_batch_size", str(args.batch)),
-                                             ("training.seq_len", str(args.seq_len)),
-                                             ("job.dump_folder", "/tmp/bench_muon"),
-                                             ("lr_scheduler.warmup_steps", str(args.warmup))],
-                               steps=args.steps, val_batches=args.val_batches)
+    fixed = FixedBatches.build(
+        args.config,
+        [
+            ("training.local_batch_size", str(args.batch)),
+            ("training.seq_len", str(args.seq_len)),
+            ("job.dump_folder", "/tmp/bench_muon"),
+            ("lr_scheduler.warmup_steps", str(args.warmup)),
+        ],
+        steps=args.steps,
+        val_batches=args.val_batches,
+    )
     job, batches = fixed.job, fixed.batches
     tokens_per_step = args.batch * args.seq_len
-    runs = [("adamw", float(lr)) for lr in args.adamw_lrs.split(",")] + \
-           [("muon", float(lr)) for lr in args.muon_lrs.split(",")]
+    runs = [("adamw", float(lr)) for lr in args.adamw_lrs.split(",")] + [
+        ("muon", float(lr)) for lr in args.muon_lrs.split(",")
+    ]
     curves, summary = [], []
     for name, lr in runs:
         step_fn, optimizer, scheduler = fixed.restart(optimizer=name, lr=lr)
         opt_s, started = [0.0], [0.0]
         optimizer.register_step_pre_hook(lambda *_: started.__setitem__(0, time.perf_counter()))
-        optimizer.register_step_post_hook(
-            lambda *_: opt_s.__setitem__(0, opt_s[0] + time.perf_counter() - started[0]))
+        optimizer.register_step_post_hook(lambda *_: opt_s.__setitem__(0, opt_s[0] + time.perf_counter() - started[0]))
         t_steps, losses = 0.0, []
         for i, batch in enumerate(batches):
             t0 = time.perf_counter()
@@ -69,19 +73,28 @@ def main() -> None:
             curves.append({"optimizer": name, "lr": lr, "step": i + 1, "loss": round(loss, 5)})
         val_loss = fixed.val_loss()
         timed = args.steps - 1
-        row = {"optimizer": name, "lr": lr, "final_train_loss_avg10": round(sum(losses[-10:]) / len(losses[-10:]), 4),
-               "val_loss": round(val_loss, 4), "tokens_per_s": round(timed * tokens_per_step / t_steps),
-               "optimizer_step_ms": round(1000 * opt_s[0] / timed, 1)}
+        row = {
+            "optimizer": name,
+            "lr": lr,
+            "final_train_loss_avg10": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+            "val_loss": round(val_loss, 4),
+            "tokens_per_s": round(timed * tokens_per_step / t_steps),
+            "optimizer_step_ms": round(1000 * opt_s[0] / timed, 1),
+        }
         summary.append(row)
         print(row, flush=True)
     write_csvs(args.out, {"_curves": curves, "": summary})
-    print(f"\n{args.steps} steps x {tokens_per_step} tokens, {cpu_model()}, attention {job.attention}, "
-          f"compute {job.compute.dtype if hasattr(job.compute, 'dtype') else job.compute}")
+    print(
+        f"\n{args.steps} steps x {tokens_per_step} tokens, {cpu_model()}, attention {job.attention}, "
+        f"compute {job.compute.dtype if hasattr(job.compute, 'dtype') else job.compute}"
+    )
     print("| optimizer | lr | train loss (last 10) | val loss | tokens/s | optimizer step ms |")
     print("|---|---|---|---|---|---|")
     for r in summary:
-        print(f"| {r['optimizer']} | {r['lr']:g} | {r['final_train_loss_avg10']} | {r['val_loss']} | "
-              f"{r['tokens_per_s']:,} | {r['optimizer_step_ms']} |")
+        print(
+            f"| {r['optimizer']} | {r['lr']:g} | {r['final_train_loss_avg10']} | {r['val_loss']} | "
+            f"{r['tokens_per_s']:,} | {r['optimizer_step_ms']} |"
+        )
 
 
 if __name__ == "__main__":

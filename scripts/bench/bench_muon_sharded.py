@@ -21,7 +21,6 @@ and writes a CSV.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,11 +29,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
-
 import torch  # noqa: E402
 
 from tools.bench_runs import write_csvs  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 from trainer.runtime.device import cpu_model  # noqa: E402
 
 NS_STEPS = 5
@@ -88,14 +86,19 @@ def _rank(rank: int, world: int, init_file: str, shapes: list[tuple[int, int, in
         per_rank = -(-b // world)
         chunk = -(-m // world)
         for name, ts in times.items():
-            rows_out.append({
-                "ranks": world, "stack": f"{b}x{m}x{n}", "variant": name,
-                "median_ms": 1000 * statistics.median(ts),
-                "received_elems": (per_rank * chunk * n * (world - 1) * 2 if name == "all_to_all"
-                                   else b * chunk * n * (world - 1)),
-                "whole_matrices_held": per_rank if name == "all_to_all" else b,
-                "max_abs_diff": diff,
-            })
+            rows_out.append(
+                {
+                    "ranks": world,
+                    "stack": f"{b}x{m}x{n}",
+                    "variant": name,
+                    "median_ms": 1000 * statistics.median(ts),
+                    "received_elems": (
+                        per_rank * chunk * n * (world - 1) * 2 if name == "all_to_all" else b * chunk * n * (world - 1)
+                    ),
+                    "whole_matrices_held": per_rank if name == "all_to_all" else b,
+                    "max_abs_diff": diff,
+                }
+            )
     torch.save(rows_out, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -103,8 +106,11 @@ def _rank(rank: int, world: int, init_file: str, shapes: list[tuple[int, int, in
 def main() -> None:
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4", help="comma-separated gloo process counts")
-    ap.add_argument("--shapes", default="16x512x1536,64x256x768,3x1024x1024",
-                    help="comma-separated BxMxN stacks (B matrices of M rows x N columns, rows sharded)")
+    ap.add_argument(
+        "--shapes",
+        default="16x512x1536,64x256x768,3x1024x1024",
+        help="comma-separated BxMxN stacks (B matrices of M rows x N columns, rows sharded)",
+    )
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default="docs/results/muon_sharded", help="CSV prefix")
     args = ap.parse_args()
@@ -112,20 +118,31 @@ def main() -> None:
     table = []
     for world in (int(r) for r in args.ranks.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
-            torch.multiprocessing.spawn(_rank, args=(world, os.path.join(tmp, "pg"), shapes, args.repeats, tmp),
-                                        nprocs=world)
+            torch.multiprocessing.spawn(
+                _rank, args=(world, os.path.join(tmp, "pg"), shapes, args.repeats, tmp), nprocs=world
+            )
             per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
         for i, row in enumerate(per_rank[0]):
-            row = dict(row, median_ms=max(rows[i]["median_ms"] for rows in per_rank),
-                       max_abs_diff=max(rows[i]["max_abs_diff"] for rows in per_rank), cpu=cpu_model())
+            row = dict(
+                row,
+                median_ms=max(rows[i]["median_ms"] for rows in per_rank),
+                max_abs_diff=max(rows[i]["max_abs_diff"] for rows in per_rank),
+                cpu=cpu_model(),
+            )
             table.append(row)
-    print(f"CPU: {cpu_model()}; fp32 Newton-Schulz ({NS_STEPS} steps); median of {args.repeats} interleaved "
-          "repeats, slowest rank")
-    print(f"{'ranks':>5} {'stack':>14} {'variant':>10} {'ms':>9} {'recv elems/rank':>16} {'matrices held':>13} "
-          f"{'max |diff|':>10}")
+    print(
+        f"CPU: {cpu_model()}; fp32 Newton-Schulz ({NS_STEPS} steps); median of {args.repeats} interleaved "
+        "repeats, slowest rank"
+    )
+    print(
+        f"{'ranks':>5} {'stack':>14} {'variant':>10} {'ms':>9} {'recv elems/rank':>16} {'matrices held':>13} "
+        f"{'max |diff|':>10}"
+    )
     for r in table:
-        print(f"{r['ranks']:>5} {r['stack']:>14} {r['variant']:>10} {r['median_ms']:>9.1f} {r['received_elems']:>16,} "
-              f"{r['whole_matrices_held']:>13} {r['max_abs_diff']:>10.1e}")
+        print(
+            f"{r['ranks']:>5} {r['stack']:>14} {r['variant']:>10} {r['median_ms']:>9.1f} {r['received_elems']:>16,} "
+            f"{r['whole_matrices_held']:>13} {r['max_abs_diff']:>10.1e}"
+        )
     write_csvs(args.out, {"": table})
 
 

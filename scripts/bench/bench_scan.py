@@ -42,13 +42,19 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="SimpleFSDP param_dtype")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
     p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--host-malloc", default="retain", choices=["retain", "system"],
-                   help="glibc malloc policy for the process ([device] host_malloc; the trainer's "
-                        "default on the CPU is retain)")
+    p.add_argument(
+        "--host-malloc",
+        default="retain",
+        choices=["retain", "system"],
+        help="glibc malloc policy for the process ([device] host_malloc; the trainer's default on the CPU is retain)",
+    )
     p.add_argument("--out", default=None, help="also write the table as CSV here")
-    p.add_argument("--ttshape", action="store_true",
-                   help="TorchTitan's debugmodel shape (16 kv heads, vocab 2048, FFN multiple of 256), as "
-                        "configs/llama3_debug_ttshape.toml")
+    p.add_argument(
+        "--ttshape",
+        action="store_true",
+        help="TorchTitan's debugmodel shape (16 kv heads, vocab 2048, FFN multiple of 256), as "
+        "configs/llama3_debug_ttshape.toml",
+    )
     a = p.parse_args()
     variants = [v for v in a.variants.split(",") if v]
     if unknown := set(variants) - set(VARIANTS):
@@ -60,9 +66,9 @@ def main() -> int:
     from models.llama3 import FLAVORS, Transformer
     from models.llama3.plan import PLAN
     from parallelisms.simple_fsdp import data_parallel
-    from trainer.runtime.device import configure_host_malloc, cpu_model
     from trainer.graph import build_graph_step
     from trainer.optim import build_optimizer
+    from trainer.runtime.device import configure_host_malloc, cpu_model
 
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=a.n_layers, max_seq_len=max(a.seq, 2048))
     if a.ttshape:
@@ -78,9 +84,15 @@ def main() -> int:
         with torch.no_grad():
             model.init_weights()
         opt = build_optimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=a.backend,
-                                scan_layers=variant != "graph", plan=PLAN,
-                                ac_mode="selective" if variant == "graph_scan_sel" else "none")
+        step = build_graph_step(
+            model=model,
+            optimizer=opt,
+            max_norm=1.0,
+            backend=a.backend,
+            scan_layers=variant != "graph",
+            plan=PLAN,
+            ac_mode="selective" if variant == "graph_scan_sel" else "none",
+        )
         if variant == "graph_scan_flip":
             step.capture.reverse_scans = False
         return step
@@ -92,8 +104,11 @@ def main() -> int:
         return [(tokens[:, :-1], tokens[:, 1:])]
 
     malloc = configure_host_malloc(a.host_malloc, torch.device("cpu"))
-    print(f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}; "
-          f"host malloc {malloc}", flush=True)
+    print(
+        f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}; "
+        f"host malloc {malloc}",
+        flush=True,
+    )
     steps = {}
     for v in variants:
         start = time.perf_counter()
@@ -117,12 +132,27 @@ def main() -> int:
     for v in variants:
         ratio = cpu_ms[v] / cpu_ms[base]
         paired = sorted(b / x for x, b in zip(cpu[base], cpu[v]))
-        print(f"{v:>16}: wall {wall_ms[v]:8.0f} ms  cpu {cpu_ms[v]:8.0f} ms"
-              f"  cpu vs {base} {ratio:.3f} (paired {paired[0]:.2f}..{paired[-1]:.2f})")
-        rows.append({"cpu_model": cpu_model(), "variant": v, "batch": a.batch, "seq": a.seq, "n_layers": a.n_layers,
-                     "dtype": a.dtype, "host_malloc": a.host_malloc, "repeats": a.repeats, "wall_ms": round(wall_ms[v], 1),
-                     "cpu_ms": round(cpu_ms[v], 1), "wall_vs_base": round(wall_ms[v] / wall_ms[base], 4),
-                     "cpu_vs_base": round(ratio, 4), "base": base})
+        print(
+            f"{v:>16}: wall {wall_ms[v]:8.0f} ms  cpu {cpu_ms[v]:8.0f} ms"
+            f"  cpu vs {base} {ratio:.3f} (paired {paired[0]:.2f}..{paired[-1]:.2f})"
+        )
+        rows.append(
+            {
+                "cpu_model": cpu_model(),
+                "variant": v,
+                "batch": a.batch,
+                "seq": a.seq,
+                "n_layers": a.n_layers,
+                "dtype": a.dtype,
+                "host_malloc": a.host_malloc,
+                "repeats": a.repeats,
+                "wall_ms": round(wall_ms[v], 1),
+                "cpu_ms": round(cpu_ms[v], 1),
+                "wall_vs_base": round(wall_ms[v] / wall_ms[base], 4),
+                "cpu_vs_base": round(ratio, 4),
+                "base": base,
+            }
+        )
     if a.out:
         import csv
 

@@ -36,7 +36,7 @@ def _stat_fields(path: str) -> tuple[str, list[str]] | None:
         stat = open(path).read()
     except FileNotFoundError:
         return None
-    return stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
 
 
 def trainer_pids(root: int, proc: str = "/proc") -> list[int]:
@@ -109,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         after, t1, k1, m1 = thread_cpu(proc.pid), time.perf_counter(), last_step(args.log), machine_ticks()
         rc = proc.wait()
     if rc != 0 or k1 <= k0:
-        cli.error_line(f"the command exited with {rc} at step {k1} (window {args.from_step}..{args.to_step}); "
-                       f"its output is in {args.log}")
+        cli.error_line(
+            f"the command exited with {rc} at step {k1} (window {args.from_step}..{args.to_step}); "
+            f"its output is in {args.log}"
+        )
         return 2
     steps, wall = k1 - k0, t1 - t0
     cores = os.cpu_count() or 1
@@ -124,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if spent * 1000 / steps >= 5:
             print(f"{key[0]:>8} {name:<18} {1000 * spent / steps:>12.0f}")
     idle = cores * wall - used
-    print(f"all threads (those under 5 ms/step not listed): {1000 * used / steps:.0f} ms/step "
-          f"({used / wall:.2f} cores) in {len(pids)} process(es); idle {1000 * idle / steps:.0f} ms/step "
-          f"over the {cores} cores")
+    print(
+        f"all threads (those under 5 ms/step not listed): {1000 * used / steps:.0f} ms/step "
+        f"({used / wall:.2f} cores) in {len(pids)} process(es); idle {1000 * idle / steps:.0f} ms/step "
+        f"over the {cores} cores"
+    )
     names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
     print("/proc/stat, cores:", " ".join(f"{n} {(b - a) / TICK / wall:.2f}" for n, a, b in zip(names, m0, m1)))
     return 0

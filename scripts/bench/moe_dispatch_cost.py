@@ -23,15 +23,13 @@ to the old dispatch's `ep x M` rows. Writes CSV with `--csv`.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from trainer.runtime import cli  # noqa: E402
-
 from models.qwen3 import FLAVORS  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 
 BYTES = 2  # bf16 rows on the wire (the recipes' param dtype)
 # (recipe, flavor, local batch, seq, ep): the pod recipes' own settings; the debug recipe at
@@ -53,11 +51,18 @@ def cost_row(recipe: str, flavor: str, batch: int, seq: int, ep: int) -> dict:
     padded_rows = ep * copies
     a2a = lambda rows: 2 * 2 * rows * args.dim * BYTES * layers  # noqa: E731 - dispatch+combine, fwd+bwd
     return {
-        "recipe": recipe, "ep": ep, "rows_per_layer_min": copies, "rows_per_layer_old": padded_rows,
+        "recipe": recipe,
+        "ep": ep,
+        "rows_per_layer_min": copies,
+        "rows_per_layer_old": padded_rows,
         "rows_per_layer_new": copies,
-        "expert_tflop_min": minimum / 1e12, "expert_tflop_old": padded_rows * per_row * layers / 1e12,
-        "expert_tflop_new": minimum / 1e12, "old_over_min": padded_rows / copies, "new_over_min": 1.0,
-        "a2a_gib_ragged": a2a(copies) / 2**30, "a2a_gib_equal_split": a2a(padded_rows) / 2**30,
+        "expert_tflop_min": minimum / 1e12,
+        "expert_tflop_old": padded_rows * per_row * layers / 1e12,
+        "expert_tflop_new": minimum / 1e12,
+        "old_over_min": padded_rows / copies,
+        "new_over_min": 1.0,
+        "a2a_gib_ragged": a2a(copies) / 2**30,
+        "a2a_gib_equal_split": a2a(padded_rows) / 2**30,
         "recv_buffer_gib_per_layer": padded_rows * args.dim * BYTES / 2**30,
     }
 
@@ -91,8 +96,11 @@ def measure_debug(routing_seed: int = 0) -> dict:
         return seen[0]
 
     per_rank = run_threads(ep, rank_fn)
-    return {"buffer_rows": [b for b, _ in per_rank], "covered_rows": [c for _, c in per_rank],
-            "copies_per_rank": tokens * top_k}
+    return {
+        "buffer_rows": [b for b, _ in per_rank],
+        "covered_rows": [c for _, c in per_rank],
+        "copies_per_rank": tokens * top_k,
+    }
 
 
 def main() -> None:
@@ -101,17 +109,23 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="count the debug shape's rows on CPU ranks")
     opts = parser.parse_args()
     rows = [cost_row(*recipe) for recipe in RECIPES]
-    print(f"{'recipe':30} {'ep':>3} {'expert TFLOP/step: min':>23} {'old padded':>11} {'new':>9} "
-          f"{'old/min':>7} {'a2a GiB: real rows':>19} {'equal split':>12} {'recv buf GiB/layer':>19}")
+    print(
+        f"{'recipe':30} {'ep':>3} {'expert TFLOP/step: min':>23} {'old padded':>11} {'new':>9} "
+        f"{'old/min':>7} {'a2a GiB: real rows':>19} {'equal split':>12} {'recv buf GiB/layer':>19}"
+    )
     for r in rows:
-        print(f"{r['recipe']:30} {r['ep']:>3} {r['expert_tflop_min']:>23.3f} {r['expert_tflop_old']:>11.2f} "
-              f"{r['expert_tflop_new']:>9.3f} {r['old_over_min']:>6.0f}x {r['a2a_gib_ragged']:>19.2f} "
-              f"{r['a2a_gib_equal_split']:>12.2f} {r['recv_buffer_gib_per_layer']:>19.3f}")
+        print(
+            f"{r['recipe']:30} {r['ep']:>3} {r['expert_tflop_min']:>23.3f} {r['expert_tflop_old']:>11.2f} "
+            f"{r['expert_tflop_new']:>9.3f} {r['old_over_min']:>6.0f}x {r['a2a_gib_ragged']:>19.2f} "
+            f"{r['a2a_gib_equal_split']:>12.2f} {r['recv_buffer_gib_per_layer']:>19.3f}"
+        )
     if opts.measure:
         got = measure_debug()
-        print(f"measured (debug MoE layer, ep 2, random routing): experts given {got['covered_rows']} real rows "
-              f"of buffers of {got['buffer_rows']} rows per rank ({got['copies_per_rank']} copies sent per rank); "
-              f"the old padded dispatch gave them the whole buffer")
+        print(
+            f"measured (debug MoE layer, ep 2, random routing): experts given {got['covered_rows']} real rows "
+            f"of buffers of {got['buffer_rows']} rows per rank ({got['copies_per_rank']} copies sent per rank); "
+            f"the old padded dispatch gave them the whole buffer"
+        )
     if opts.csv:
         with open(opts.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -30,7 +30,6 @@ Arguments after `--` go to TorchTitan's command line (its tyro syntax: `--traini
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.util
 import json
@@ -43,6 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from trainer.runtime import cli  # noqa: E402  (standard library only: runs in the peer venv)
+
 SHIM = REPO / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py"
 PEER_MODULE, PEER_CONFIG = "scripts.peer.torchtitan_cpu_shim", "llama3_debugmodel_sdpa"
 PEER_VOCAB = 2048  # TorchTitan 0.3.0 llama3 `_debugmodel`: vocab_size=2048
@@ -60,18 +60,50 @@ _STEP_LINE = re.compile(
 # ------------------------------------------------------------------------------ pure helpers
 
 
-def build_peer_command(*, python: str, nproc: int, dump_folder: str, steps: int, seq_len: int, batch: int,
-                       tokenizer_dir: str, data_dir: str, extra: list[str]) -> list[str]:
+def build_peer_command(
+    *,
+    python: str,
+    nproc: int,
+    dump_folder: str,
+    steps: int,
+    seq_len: int,
+    batch: int,
+    tokenizer_dir: str,
+    data_dir: str,
+    extra: list[str],
+) -> list[str]:
     """TorchTitan's launch, as run_train.sh does it (torchrun even for one process: it reads LOCAL_RANK)."""
     return [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "--local-ranks-filter=0", str(SHIM),
-        "--module", PEER_MODULE, "--config", PEER_CONFIG,
-        "--hf-assets-path", tokenizer_dir, "--dataloader.dataset-path", data_dir,
-        "--dump-folder", dump_folder,
-        "--training.steps", str(steps), "--training.seq-len", str(seq_len), "--training.local-batch-size", str(batch),
-        "--checkpoint.no-enable", "--validator.no-enable", "--profiler.no-enable-profiling",
-        "--metrics.no-enable-tensorboard", "--metrics.log-freq", "1", "--metrics.disable-color-printing",
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--local-ranks-filter=0",
+        str(SHIM),
+        "--module",
+        PEER_MODULE,
+        "--config",
+        PEER_CONFIG,
+        "--hf-assets-path",
+        tokenizer_dir,
+        "--dataloader.dataset-path",
+        data_dir,
+        "--dump-folder",
+        dump_folder,
+        "--training.steps",
+        str(steps),
+        "--training.seq-len",
+        str(seq_len),
+        "--training.local-batch-size",
+        str(batch),
+        "--checkpoint.no-enable",
+        "--validator.no-enable",
+        "--profiler.no-enable-profiling",
+        "--metrics.no-enable-tensorboard",
+        "--metrics.log-freq",
+        "1",
+        "--metrics.disable-color-printing",
         *extra,
     ]
 
@@ -124,22 +156,37 @@ def make_tokenizer(out_dir: Path, corpus: Path) -> None:
     from trainer.data.tokenizer import LLAMA3_PATTERN
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=PEER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=PEER_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     with gzip.open(corpus, "rt") as f:
         texts = [json.loads(line)["text"] for line in f if line.strip()]
     tokenizer.train_from_iterator(texts, trainer=trainer)
     assert tokenizer.get_vocab_size() == PEER_VOCAB, tokenizer.get_vocab_size()
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": SPECIAL_TOKENS[0], "eos_token": SPECIAL_TOKENS[1], "add_bos_token": True,
-         "add_eos_token": True}, indent=1) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": SPECIAL_TOKENS[0],
+                "eos_token": SPECIAL_TOKENS[1],
+                "add_bos_token": True,
+                "add_eos_token": True,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def _load_benchmark():
@@ -158,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump-folder", required=True, help="run folder: stdout.log, metrics.jsonl, TorchTitan's dump")
     parser.add_argument("--steps", type=int, default=20)
@@ -168,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="local batch size per process")
     parser.add_argument("--tokenizer", default=str(TOKENIZER), help="tokenizer.json directory (2,048 tokens)")
     parser.add_argument("--assets", default=str(REPO / "outputs" / "peer_assets"), help="dataset cache folder")
-    parser.add_argument("--make-tokenizer", metavar="DIR", default=None,
-                        help="train the 2,048-token BPE into DIR and exit (how --tokenizer's default was made)")
+    parser.add_argument(
+        "--make-tokenizer",
+        metavar="DIR",
+        default=None,
+        help="train the 2,048-token BPE into DIR and exit (how --tokenizer's default was made)",
+    )
     parser.add_argument("--corpus", default=str(REPO / "assets" / "corpus" / "train.jsonl.gz"))
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", default=None, help="summary CSV, in scripts/benchmark.py's row format")
@@ -180,12 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.make_tokenizer:
         make_tokenizer(Path(args.make_tokenizer), Path(args.corpus))
         return 0
-    tokenizer_dir, data_dir = Path(args.tokenizer).resolve(), prepare_data(Path(args.assets), Path(args.corpus)).resolve()
+    tokenizer_dir, data_dir = (
+        Path(args.tokenizer).resolve(),
+        prepare_data(Path(args.assets), Path(args.corpus)).resolve(),
+    )
     folder = Path(args.dump_folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = build_peer_command(python=sys.executable, nproc=args.nproc, dump_folder=str(folder / "torchtitan"),
-                             steps=args.steps, seq_len=args.seq_len, batch=args.batch,
-                             tokenizer_dir=str(tokenizer_dir), data_dir=str(data_dir), extra=extra)
+    cmd = build_peer_command(
+        python=sys.executable,
+        nproc=args.nproc,
+        dump_folder=str(folder / "torchtitan"),
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        tokenizer_dir=str(tokenizer_dir),
+        data_dir=str(data_dir),
+        extra=extra,
+    )
     with open(folder / "stdout.log", "w") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
@@ -204,8 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     bench = _load_benchmark()
-    row = {"variant": "torchtitan", "nproc": args.nproc, "repeat": 0, "rc": rc,
-           **bench.summarize_run(records, args.warmup), **bench.machine_fields()}
+    row = {
+        "variant": "torchtitan",
+        "nproc": args.nproc,
+        "repeat": 0,
+        "rc": rc,
+        **bench.summarize_run(records, args.warmup),
+        **bench.machine_fields(),
+    }
     print(" | ".join(f"{k} {v}" for k, v in row.items()))
     if args.out:
         bench.write_csv(Path(args.out), [row])

@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -109,11 +109,10 @@ def candidates(kernel: str, gen: str, shape: dict) -> tuple[list[tuple], list[tu
 
 def _jax_step(kernel: str, shape: dict, cand: tuple, gen: str):
     """(fn, ShapeDtypeStruct args) of the candidate's forward + backward, bf16."""
-    import jax
-    import jax.numpy as jnp
-
     import fused_ce
     import gmm
+    import jax
+    import jax.numpy as jnp
 
     s, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     if kernel == "gmm":
@@ -127,8 +126,14 @@ def _jax_step(kernel: str, shape: dict, cand: tuple, gen: str):
     n, vocab, dim = shape["n"], shape["vocab"], shape["dim"]
 
     def fn(h, w, labels):
-        loss = lambda h, w: fused_ce.linear_cross_entropy(h, w, labels, block_n=cand[0], block_v=cand[1],  # noqa: E731
-                                                          generation=gen)
+        loss = lambda h, w: fused_ce.linear_cross_entropy(
+            h,
+            w,
+            labels,
+            block_n=cand[0],
+            block_v=cand[1],  # noqa: E731
+            generation=gen,
+        )
         return jax.value_and_grad(loss, argnums=(0, 1))(h, w)
 
     return fn, [s((n, dim), bf16), s((vocab, dim), bf16), s((n,), jnp.int32)]
@@ -192,10 +197,13 @@ def write_table(path: Path, picks: dict, sources: dict) -> None:
             table.setdefault(kernel, {}).setdefault(gen, {}).update(entries)
     table.setdefault("source", {}).update(sources)
     tiles.check_table(table)
-    lines = ["# Block sizes of the Pallas kernels per TPU generation (read by titan_kernels/tpu/tiles.py; the rule",
-             "# for shapes not listed is in its docstring). Written by scripts/bench/sweep_kernel_tiles.py.",
-             "# gmm: shape class \"KxN\" -> [tm, tk, tn]; fused_ce: \"d<dim>\" -> [block_n, block_v].", "",
-             "[source]"]
+    lines = [
+        "# Block sizes of the Pallas kernels per TPU generation (read by titan_kernels/tpu/tiles.py; the rule",
+        "# for shapes not listed is in its docstring). Written by scripts/bench/sweep_kernel_tiles.py.",
+        '# gmm: shape class "KxN" -> [tm, tk, tn]; fused_ce: "d<dim>" -> [block_n, block_v].',
+        "",
+        "[source]",
+    ]
     lines += [f"{gen} = {json.dumps(text)}" for gen, text in table["source"].items()]
     for kernel in KERNELS:
         for gen, entries in table.get(kernel, {}).items():
@@ -210,8 +218,12 @@ def write_table(path: Path, picks: dict, sources: dict) -> None:
 def parse(argv: list[str]):
     p = cli.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("list", "compile", "time"), default="list")
-    p.add_argument("--generation", action="append", help=f"one of {', '.join(tiles.GENERATIONS)} (repeatable; "
-                   "default: all for list/compile, the local TPU for time)")
+    p.add_argument(
+        "--generation",
+        action="append",
+        help=f"one of {', '.join(tiles.GENERATIONS)} (repeatable; "
+        "default: all for list/compile, the local TPU for time)",
+    )
     p.add_argument("--kernel", action="append", help="gmm or fused_ce (repeatable; default both)")
     p.add_argument("--gmm-rows", type=int, default=65536)
     p.add_argument("--groups", type=int, default=128)
@@ -251,8 +263,10 @@ def main(argv: list[str]) -> int:
         kind = jax.devices()[0].device_kind
         gen = tiles.generation_of(kind)
         if jax.devices()[0].platform != "tpu" or gen is None:
-            cli.error_line(f"--mode time: needs a TPU of a known generation; this host's device is {kind!r} "
-                           "(use --mode compile without one)")
+            cli.error_line(
+                f"--mode time: needs a TPU of a known generation; this host's device is {kind!r} "
+                "(use --mode compile without one)"
+            )
             return cli.BAD_INPUT_EXIT_CODE
         gens = [gen]
     else:
@@ -267,11 +281,13 @@ def main(argv: list[str]) -> int:
                 kept, dropped = candidates(kernel, gen, shape)
                 kept.sort(key=lambda c: model_rank(kernel, gen, shape, c))
                 if args.max_candidates:
-                    kept = kept[:args.max_candidates]
+                    kept = kept[: args.max_candidates]
                 rows = [{"tiles": list(c), "model": model_rank(kernel, gen, shape, c)[0]} for c in kept]
                 if args.mode == "compile":
                     for row in rows:
-                        row["compiled"], row["compile_s"], row["error"] = compile_ok(kernel, gen, shape, tuple(row["tiles"]))
+                        row["compiled"], row["compile_s"], row["error"] = compile_ok(
+                            kernel, gen, shape, tuple(row["tiles"])
+                        )
                         row["compile_s"] = round(row["compile_s"], 2)
                     usable = [r for r in rows if r["compiled"]]
                 elif args.mode == "time":
@@ -286,14 +302,29 @@ def main(argv: list[str]) -> int:
                 pick = usable[0]["tiles"] if usable else None
                 if pick:
                     picks.setdefault(kernel, {}).setdefault(gen, {})[shape["class"]] = pick
-                results.append({"kernel": kernel, "generation": gen, "shape": shape, "kept": len(kept),
-                                "dropped_by_vmem": len(dropped), "pick": pick, "candidates": rows})
-                print(f"{kernel} {gen} {shape['class']}: {len(kept)} candidates, {len(dropped)} over the VMEM budget, "
-                      f"pick {pick}", file=sys.stderr, flush=True)
+                results.append(
+                    {
+                        "kernel": kernel,
+                        "generation": gen,
+                        "shape": shape,
+                        "kept": len(kept),
+                        "dropped_by_vmem": len(dropped),
+                        "pick": pick,
+                        "candidates": rows,
+                    }
+                )
+                print(
+                    f"{kernel} {gen} {shape['class']}: {len(kept)} candidates, {len(dropped)} over the VMEM budget, "
+                    f"pick {pick}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for gen in gens:
-            how = {"list": "the rule's model pick (not compiled, not timed)",
-                   "compile": "compiled deviceless, the model's pick among those that compile (not timed)",
-                   "time": "timed on this TPU, fastest median"}[args.mode]
+            how = {
+                "list": "the rule's model pick (not compiled, not timed)",
+                "compile": "compiled deviceless, the model's pick among those that compile (not timed)",
+                "time": "timed on this TPU, fastest median",
+            }[args.mode]
             sources[gen] = f"sweep_kernel_tiles.py --mode {args.mode}: {how}"
     if args.out:
         write_table(Path(args.out), picks, sources)

@@ -15,7 +15,6 @@ the compiler's arguments, outputs and temporaries for the attention sublayer's f
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ def main() -> int:
     ap.add_argument("--csv")
     ns = ap.parse_args()
     import planner
-    from tools.recipe_check import planned, plan_inputs
+    from tools.recipe_check import plan_inputs, planned
     from trainer.config import build_config
 
     rows = []
@@ -46,24 +45,38 @@ def main() -> int:
         est = planned(cfg, target)
         shape = plan_inputs(cfg).args.shape()
         tokens = cfg.training.local_batch_size * cfg.training.seq_len // est.cp
-        gathered = planner.cp_gathered_kv_bytes(shape, local_batch_size=cfg.training.local_batch_size,
-                                                seq_len=cfg.training.seq_len, tp=est.tp, cp=est.cp)
+        gathered = planner.cp_gathered_kv_bytes(
+            shape, local_batch_size=cfg.training.local_batch_size, seq_len=cfg.training.seq_len, tp=est.tp, cp=est.cp
+        )
         attention = (4 * shape.n_heads * shape.head_dim + 4 * shape.n_heads) * tokens + 2 * gathered
         row = {
-            "recipe": c["case"], "target": target.name, "compiled_for": f"{c['topology']} ({c['device_kind']})",
-            "cp": est.cp, "tokens_per_device": tokens,
-            "planner_step_total_gib": round(est.total / GiB, 2), "planner_usable_gib": round(est.usable / GiB, 2),
+            "recipe": c["case"],
+            "target": target.name,
+            "compiled_for": f"{c['topology']} ({c['device_kind']})",
+            "cp": est.cp,
+            "tokens_per_device": tokens,
+            "planner_step_total_gib": round(est.total / GiB, 2),
+            "planner_usable_gib": round(est.usable / GiB, 2),
             "planner_layer_attention_gib": round(attention / GiB, 3),
             "planner_block_backward_gib": round(est.transient_block / GiB, 3),
-            **{f"compiler_{short}_gib": round(int(c[field]) / GiB, 3) if c.get(field) else ""
-               for short, field in (("args", "argument_size_in_bytes"), ("out", "output_size_in_bytes"),
-                                    ("temp", "temp_size_in_bytes"))},
-            "compile_s": c.get("compile_s", ""), "lower_s": c.get("lower_s", ""),
+            **{
+                f"compiler_{short}_gib": round(int(c[field]) / GiB, 3) if c.get(field) else ""
+                for short, field in (
+                    ("args", "argument_size_in_bytes"),
+                    ("out", "output_size_in_bytes"),
+                    ("temp", "temp_size_in_bytes"),
+                )
+            },
+            "compile_s": c.get("compile_s", ""),
+            "lower_s": c.get("lower_s", ""),
             "stablehlo_all_gather": c.get("stablehlo_all_gather", ""),
             "stablehlo_reduce_scatter": c.get("stablehlo_reduce_scatter", ""),
-            "hlo_all_gather": c.get("all_gather", ""), "hlo_reduce_scatter": c.get("reduce_scatter", ""),
-            "hlo_all_reduce": c.get("all_reduce", ""), "counted_in": c.get("counted_in", ""),
-            "mosaic_calls": c.get("mosaic_calls", ""), "error": (c.get("error") or "")[:200],
+            "hlo_all_gather": c.get("all_gather", ""),
+            "hlo_reduce_scatter": c.get("reduce_scatter", ""),
+            "hlo_all_reduce": c.get("all_reduce", ""),
+            "counted_in": c.get("counted_in", ""),
+            "mosaic_calls": c.get("mosaic_calls", ""),
+            "error": (c.get("error") or "")[:200],
         }
         rows.append(row)
     if not rows:

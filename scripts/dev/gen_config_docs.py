@@ -1,7 +1,7 @@
 """Write docs/config.md from the field docstrings of trainer/config/schema.py.
 
-    python scripts/dev/gen_config_docs.py            # rewrite docs/config.md
-    python scripts/dev/gen_config_docs.py --check    # exit 1 if docs/config.md is stale (used by a test)
+python scripts/dev/gen_config_docs.py            # rewrite docs/config.md
+python scripts/dev/gen_config_docs.py --check    # exit 1 if docs/config.md is stale (used by a test)
 """
 
 import os
@@ -33,7 +33,9 @@ def render() -> str:
 
 
 def main() -> int:
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "config.md")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "config.md"
+    )
     text = render()
     if "--check" in sys.argv:
         with open(path) as f:

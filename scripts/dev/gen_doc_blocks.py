@@ -36,22 +36,35 @@ WIDTH = 100
 NAME_COL = 16
 EXPANDED = ("trainer", "models", "parallelisms")
 """Top-level packages whose modules are listed; trainer's subpackages are listed one level deeper."""
-ORDER = ("trainer", "models", "titan_kernels", "parallelisms", "planner", "tools", "configs", "constraints", "scripts",
-         "tests", "examples", "assets", "docs")
+ORDER = (
+    "trainer",
+    "models",
+    "titan_kernels",
+    "parallelisms",
+    "planner",
+    "tools",
+    "configs",
+    "constraints",
+    "scripts",
+    "tests",
+    "examples",
+    "assets",
+    "docs",
+)
 FOLDERS = {
     "configs": "TOML recipes, <model>_<size>[_<target>].toml; a pod recipe names its `[job] target`",
     "constraints": "dev.txt: the CPU/GPU venv's lock (every package of the [dev] tree, exact), used by "
-                   "scripts/env.sh for .venv; tpu.txt: the TPU stack's exact pins (torch CPU build, torch-tpu, "
-                   "libtpu, jax), used by scripts/env.sh tpu (docs/tpu.md)",
+    "scripts/env.sh for .venv; tpu.txt: the TPU stack's exact pins (torch CPU build, torch-tpu, "
+    "libtpu, jax), used by scripts/env.sh tpu (docs/tpu.md)",
     "scripts": "the commands a user runs: train.sh, test.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, "
-               "convert.py (HF <-> DCP), sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders; "
-               "bench/: the single-purpose benchmarks (bench_*.py), the TorchTitan peer of benchmark.py --peer, "
-               "the TPU kernel tile sweep; dev/: the doc generators and other developer tools",
+    "convert.py (HF <-> DCP), sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders; "
+    "bench/: the single-purpose benchmarks (bench_*.py), the TorchTitan peer of benchmark.py --peer, "
+    "the TPU kernel tile sweep; dev/: the doc generators and other developer tools",
     "tests": "pytest, CPU only by default (markers for multi-process, slow, tpu, cuda); toy_family.py is "
-             "a model family defined outside models/; tests/xla is the XLA tier (its own venvs)",
+    "a model family defined outside models/; tests/xla is the XLA tier (its own venvs)",
     "examples": "grpo_debug.py: GRPO on the debug Llama 3 through the engine API (docs/engine.md)",
     "assets": "the bundled corpus and BPE tokenizers (offline debug runs), anchors.toml (published "
-              "numbers that benchmarks compare against)",
+    "numbers that benchmarks compare against)",
     "docs": "the pages in the table above; results/ holds every measurement's CSV",
 }
 
@@ -105,8 +118,10 @@ def render_layout() -> str:
     folders = _top_level_folders()
     unknown = [f for f in folders if f not in ORDER]
     if unknown:
-        raise SystemExit(f"scripts/dev/gen_doc_blocks.py: top-level folder(s) {unknown} have no layout line; "
-                         "add them to ORDER (and to FOLDERS unless they are Python packages)")
+        raise SystemExit(
+            f"scripts/dev/gen_doc_blocks.py: top-level folder(s) {unknown} have no layout line; "
+            "add them to ORDER (and to FOLDERS unless they are Python packages)"
+        )
     out = ["```"]
     for name in ORDER:
         if name not in folders:
@@ -134,8 +149,9 @@ def render_sections() -> str:
     for section, rows in field_docs().items():
         keys = [key for key, _, _ in rows if key != "overrides"]
         extra = ", and any field of the flavor's args" if section == "model" else ""
-        lines += textwrap.wrap(f"- `[{section}]` {', '.join(keys)}{extra}", width=WIDTH, subsequent_indent="  ",
-                               break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"- `[{section}]` {', '.join(keys)}{extra}", width=WIDTH, subsequent_indent="  ", break_on_hyphens=False
+        )
     return "\n".join(lines)
 
 
@@ -170,11 +186,13 @@ def render_rules() -> str:
 
     predicates = _predicates()
     assert len(predicates) == len(RULES), (len(predicates), len(RULES))
-    out = ["| # | key | refused when | allowed (the message's end) | test over `StepRequest` fields |",
-           "|---|---|---|---|---|"]
+    out = [
+        "| # | key | refused when | allowed (the message's end) | test over `StepRequest` fields |",
+        "|---|---|---|---|---|",
+    ]
     for i, (rule, predicate) in enumerate(zip(RULES, predicates), 1):
         why = rule.why.format(r=_Placeholders())
-        allowed = why[why.rindex("allowed"):]  # every message ends in what is allowed (tests/unit/test_step_plan.py)
+        allowed = why[why.rindex("allowed") :]  # every message ends in what is allowed (tests/unit/test_step_plan.py)
         cells = [f"`{rule.key}`", rule.when, allowed, f"`{predicate}`"]
         out.append(f"| {i} | " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out)
@@ -205,17 +223,25 @@ def render_layer_imports() -> str:
             modules[pkg] += 1
             rel = str(path.relative_to(ROOT))
             for node in ast.walk(ast.parse(path.read_text())):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
-                         else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                    else []
+                )
                 for name in names:
                     top = name.split(".")[0]
                     if top in counts[pkg] and top != pkg:
                         counts[pkg][top].add(rel)
     head = "| package (modules) | " + " | ".join(f"imports `{q}`" for q in LAYER_PACKAGES) + " |"
-    lines = ["Modules of each package (row) that import each other package (column); a package imports",
-             "only those below it, so the upper triangle is empty.", "", head,
-             "|" + "---|" * (len(LAYER_PACKAGES) + 1)]
+    lines = [
+        "Modules of each package (row) that import each other package (column); a package imports",
+        "only those below it, so the upper triangle is empty.",
+        "",
+        head,
+        "|" + "---|" * (len(LAYER_PACKAGES) + 1),
+    ]
     for p in LAYER_PACKAGES:
         cells = [str(len(counts[p][q])) if counts[p][q] else ("-" if q != p else "·") for q in LAYER_PACKAGES]
         lines.append(f"| `{p}` ({modules[p]}) | " + " | ".join(cells) + " |")
@@ -248,9 +274,10 @@ def replace_block(text: str, name: str, body: str, *, path: str) -> str:
     begin = re.search(rf"<!-- BEGIN generated:{name}\b[^>]*-->\n", text)
     end = re.search(rf"<!-- END generated:{name} -->", text)
     if not begin or not end or end.start() < begin.end():
-        raise SystemExit(f"{path}: no '<!-- BEGIN generated:{name} ... -->' ... "
-                         f"'<!-- END generated:{name} -->' markers")
-    return text[:begin.end()] + body + "\n" + text[end.start():]
+        raise SystemExit(
+            f"{path}: no '<!-- BEGIN generated:{name} ... -->' ... '<!-- END generated:{name} -->' markers"
+        )
+    return text[: begin.end()] + body + "\n" + text[end.start() :]
 
 
 def main() -> int:
@@ -267,7 +294,9 @@ def main() -> int:
             if not check:
                 path.write_text(new)
     if check and stale:
-        print(f"stale generated blocks in {', '.join(stale)}: run python scripts/dev/gen_doc_blocks.py", file=sys.stderr)
+        print(
+            f"stale generated blocks in {', '.join(stale)}: run python scripts/dev/gen_doc_blocks.py", file=sys.stderr
+        )
         return 1
     return 0
 

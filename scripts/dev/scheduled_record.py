@@ -68,8 +68,10 @@ def main(argv: list[str]) -> int:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, out)
-    print(f"scheduled tier: {record['passed']} passed, {record['failed']} failed, {record['errors']} errors, "
-          f"{record['skipped']} skipped in {record['wall_s']} s -> {out}")
+    print(
+        f"scheduled tier: {record['passed']} passed, {record['failed']} failed, {record['errors']} errors, "
+        f"{record['skipped']} skipped in {record['wall_s']} s -> {out}"
+    )
     return 0
 
 

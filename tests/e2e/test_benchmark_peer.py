@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
@@ -60,36 +59,69 @@ def test_parse_torchtitan_log(harness):
 
 
 def test_peer_commands(harness, bench):
-    cmd = harness.build_peer_command(python="py", nproc=2, dump_folder="/d/tt", steps=7, seq_len=2048, batch=8,
-                                     tokenizer_dir="/tok", data_dir="/data", extra=["--training.dtype", "float32"])
+    cmd = harness.build_peer_command(
+        python="py",
+        nproc=2,
+        dump_folder="/d/tt",
+        steps=7,
+        seq_len=2048,
+        batch=8,
+        tokenizer_dir="/tok",
+        data_dir="/data",
+        extra=["--training.dtype", "float32"],
+    )
     # TorchTitan's own launch (torchrun, as run_train.sh) of its own entry point through the shim.
-    assert cmd[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       "--local-ranks-filter=0"]
+    assert cmd[:6] == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--local-ranks-filter=0",
+    ]
     assert cmd[6] == str(ROOT / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py")
     pairs = dict(zip(cmd[7::2], cmd[8::2]))
     assert pairs["--module"] == "scripts.peer.torchtitan_cpu_shim" and pairs["--config"] == "llama3_debugmodel_sdpa"
-    for flag, value in [("--training.steps", "7"), ("--training.seq-len", "2048"), ("--training.local-batch-size", "8"),
-                        ("--hf-assets-path", "/tok"), ("--dataloader.dataset-path", "/data"), ("--dump-folder", "/d/tt"),
-                        ("--metrics.log-freq", "1")]:
+    for flag, value in [
+        ("--training.steps", "7"),
+        ("--training.seq-len", "2048"),
+        ("--training.local-batch-size", "8"),
+        ("--hf-assets-path", "/tok"),
+        ("--dataloader.dataset-path", "/data"),
+        ("--dump-folder", "/d/tt"),
+        ("--metrics.log-freq", "1"),
+    ]:
         assert cmd[cmd.index(flag) + 1] == value, flag
     assert {"--checkpoint.no-enable", "--validator.no-enable", "--metrics.no-enable-tensorboard"} <= set(cmd)
     assert cmd[-2:] == ["--training.dtype", "float32"]
 
-    run = bench.build_peer_command(peer="torchtitan", python="/peer/python", nproc=1, dump_folder="/d", steps=9,
-                                   warmup=2, seq_len=256, batch=2, extra=["--x", "1"])
+    run = bench.build_peer_command(
+        peer="torchtitan",
+        python="/peer/python",
+        nproc=1,
+        dump_folder="/d",
+        steps=9,
+        warmup=2,
+        seq_len=256,
+        batch=2,
+        extra=["--x", "1"],
+    )
     assert run[:2] == ["/peer/python", str(ROOT / "scripts" / "bench" / "reference_torchtitan.py")]
     assert run[run.index("--steps") + 1] == "9" and run[run.index("--warmup") + 1] == "2"
     assert run[run.index("--seq-len") + 1] == "256" and run[-3:] == ["--", "--x", "1"]
     with pytest.raises(SystemExit):
-        bench.build_peer_command(peer="megatron", python="p", nproc=1, dump_folder="/d", steps=9, warmup=2,
-                                 seq_len=1, batch=1, extra=[])
+        bench.build_peer_command(
+            peer="megatron", python="p", nproc=1, dump_folder="/d", steps=9, warmup=2, seq_len=1, batch=1, extra=[]
+        )
 
 
 def test_peer_ratio(bench):
-    rows = [{"variant": "eager", "nproc": 1, "tokens_per_sec": 3000.0},
-            {"variant": "eager", "nproc": 2, "tokens_per_sec": 2000.0},
-            {"variant": "graph", "nproc": 1, "tokens_per_sec": None},
-            {"variant": "torchtitan", "nproc": 1, "tokens_per_sec": 1500.0}]
+    rows = [
+        {"variant": "eager", "nproc": 1, "tokens_per_sec": 3000.0},
+        {"variant": "eager", "nproc": 2, "tokens_per_sec": 2000.0},
+        {"variant": "graph", "nproc": 1, "tokens_per_sec": None},
+        {"variant": "torchtitan", "nproc": 1, "tokens_per_sec": 1500.0},
+    ]
     out = {(r["variant"], r["nproc"]): r["vs_peer"] for r in bench.add_peer_ratio(rows, "torchtitan")}
     assert out[("eager", 1)] == 2.0 and out[("torchtitan", 1)] == 1.0
     assert out[("eager", 2)] is None  # no peer run at 2 processes: no ratio, not a ratio against nproc 1
@@ -119,10 +151,35 @@ def test_benchmark_main_with_fake_peer(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PEER_SCRIPT", fake)  # the peer python runs the fake instead of the harness
     monkeypatch.setattr(bench, "wait_until_quiet", lambda *a: 0.0)
     out = tmp_path / "b.csv"
-    rc = bench.main(["--config", "r.toml", "--variants=", "--variant", "a=fast", "--variant", "b=slow", "--peer", "torchtitan",
-                     "--peer-python", sys.executable, "--peer-arg=--tps", "--peer-arg=1500", "--repeats", "2",
-                     "--steps", "4", "--warmup", "1", "--threads", "1", "--dump-root", str(tmp_path / "runs"),
-                     "--out", str(out)])
+    rc = bench.main(
+        [
+            "--config",
+            "r.toml",
+            "--variants=",
+            "--variant",
+            "a=fast",
+            "--variant",
+            "b=slow",
+            "--peer",
+            "torchtitan",
+            "--peer-python",
+            sys.executable,
+            "--peer-arg=--tps",
+            "--peer-arg=1500",
+            "--repeats",
+            "2",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--threads",
+            "1",
+            "--dump-root",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     with open(out) as f:
         rows = {r["variant"]: r for r in csv.DictReader(f)}
@@ -135,8 +192,18 @@ def test_benchmark_main_with_fake_peer(bench, tmp_path, monkeypatch):
 
 
 def test_benchmark_peer_venv_missing_is_a_clean_error(bench, tmp_path, capsys):
-    rc = bench.main(["--config", "r.toml", "--peer", "torchtitan", "--peer-python", str(tmp_path / "nope"),
-                     "--out", str(tmp_path / "o.csv")])
+    rc = bench.main(
+        [
+            "--config",
+            "r.toml",
+            "--peer",
+            "torchtitan",
+            "--peer-python",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "o.csv"),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: --peer-python") and "peer_env.sh" in err[0]
 

@@ -26,7 +26,6 @@ import time
 
 import pytest
 
-from tests.support import contract_inputs as ci
 from tests.support.trainer_runs import ENV, REPO
 
 # Scripts that keep their own parser: none. The two that run in other venvs (the TorchTitan peer
@@ -71,8 +70,13 @@ def results(tmp_path_factory):
     with open(todo, "w") as f:
         json.dump(cases, f)
     env = {**ENV, "PYTHONPATH": REPO}
-    subprocess.run([sys.executable, os.path.join(REPO, "tests", "support", "contract_inputs.py"), todo, done, work], cwd=REPO,
-                   env=env, check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "support", "contract_inputs.py"), todo, done, work],
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=600,
+    )
     with open(done) as f:
         return dict(zip(keys, json.load(f)))
 
@@ -92,29 +96,48 @@ def test_help_and_a_bad_flag(results, entry):
 
 def test_train_sh_help_and_a_bad_flag():
     """train.sh answers --help itself (before making the environment); a bad flag reaches the trainer."""
-    helped = subprocess.run(["bash", "scripts/train.sh", "--help"], cwd=REPO, env=ENV, capture_output=True,
-                            text=True, timeout=60)
+    helped = subprocess.run(
+        ["bash", "scripts/train.sh", "--help"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60
+    )
     assert helped.returncode == 0 and helped.stdout.startswith("usage: scripts/train.sh"), helped.stderr
     assert "python -m trainer.train --help" in helped.stdout
-    bad = subprocess.run(["bash", "scripts/train.sh", "--no-such-flag"], cwd=REPO, capture_output=True, text=True,
-                         env={**ENV, "TITAN_NO_INSTALL": "1", "TITAN_VENV": os.path.dirname(os.path.dirname(
-                             sys.executable))}, timeout=300)
+    bad = subprocess.run(
+        ["bash", "scripts/train.sh", "--no-such-flag"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**ENV, "TITAN_NO_INSTALL": "1", "TITAN_VENV": os.path.dirname(os.path.dirname(sys.executable))},
+        timeout=300,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert bad.stderr.strip().splitlines() == [
-        "error: unrecognized argument '--no-such-flag'; use --config RECIPE.toml, --print-config or "
-        "--section.key=value"], bad.stderr
+        "error: unrecognized argument '--no-such-flag'; use --config RECIPE.toml, --print-config or --section.key=value"
+    ], bad.stderr
 
 
 @pytest.mark.parametrize("script", ["scripts/launch_pod.sh", "scripts/tpu_smoke.sh"])
 def test_shell_entry_points_answer_help(script):
     """The other shell commands: --help prints the usage (tpu_smoke.sh: its Python's, no venv needed)."""
-    proc = subprocess.run(["bash", script, "--help"], cwd=REPO, env={**ENV, "PYTHON": sys.executable},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", script, "--help"],
+        cwd=REPO,
+        env={**ENV, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("usage:") and "Traceback" not in proc.stderr, proc.stderr
-    bad = subprocess.run(["bash", "scripts/launch_pod.sh", "--no-such-flag", "--", "--config", "x.toml"], cwd=REPO,
-                         env=ENV, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        ["bash", "scripts/launch_pod.sh", "--no-such-flag", "--", "--config", "x.toml"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: launch_pod.sh: platform --no-such-flag; allowed: tpu-vm, xpk, slurm, local, host"]
+        "error: launch_pod.sh: platform --no-such-flag; allowed: tpu-vm, xpk, slurm, local, host"
+    ]
 
 
 def test_the_wrapper_imports_no_torch():
@@ -132,10 +155,14 @@ def test_trainer_help_keeps_overrides_working(capsys):
     out = capsys.readouterr().out
     assert "--section.key=value" in out and "training" in out and "docs/config.md" in out
     assert split_cli(["--config", "r.toml", "--training.steps=3", "--model.n_layers", "2"]) == (
-        "r.toml", False, [("training.steps", "3"), ("model.n_layers", "2")])
+        "r.toml",
+        False,
+        [("training.steps", "3"), ("model.n_layers", "2")],
+    )
 
 
 # --- scripts/estimate.py: the target from the recipe --------------------------------------------
+
 
 def test_estimate_reads_the_recipes_target(tmp_path, capsys):
     from scripts import estimate
@@ -160,6 +187,7 @@ def test_estimate_reads_the_recipes_target(tmp_path, capsys):
 
 # --- Ctrl-C through the launcher ----------------------------------------------------------------
 
+
 def _free_port() -> int:
     import socket
 
@@ -175,14 +203,44 @@ def test_ctrl_c_through_the_launcher_stops_every_rank_without_a_traceback(tmp_pa
     launcher one summary line and exits 130, in seconds (torchrun's 30 s kill is not needed)."""
     folder = tmp_path / "run"
     env = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    args = ["--config", "configs/llama3_debug.toml", "--training.steps=10000", "--training.seq_len=32",
-            "--model.n_layers=1", "--metrics.log_freq=1", "--validation.enable=false",
-            "--metrics.enable_tensorboard=false", "--training.local_batch_size=1",
-            "--parallelism.data_parallel_shard_degree=2", "--checkpoint.enable=false", f"--job.dump_folder={folder}"]
-    launch = ["--platform", "manual", "--device", "cpu", "--nnodes", "1", "--node-rank", "0", "--master-addr",
-              "127.0.0.1", "--master-port", str(_free_port()), "--nproc-per-node", "2"]
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", *launch, "--", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [
+        "--config",
+        "configs/llama3_debug.toml",
+        "--training.steps=10000",
+        "--training.seq_len=32",
+        "--model.n_layers=1",
+        "--metrics.log_freq=1",
+        "--validation.enable=false",
+        "--metrics.enable_tensorboard=false",
+        "--training.local_batch_size=1",
+        "--parallelism.data_parallel_shard_degree=2",
+        "--checkpoint.enable=false",
+        f"--job.dump_folder={folder}",
+    ]
+    launch = [
+        "--platform",
+        "manual",
+        "--device",
+        "cpu",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--nproc-per-node",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.launch", *launch, "--", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
@@ -199,6 +257,8 @@ def test_ctrl_c_through_the_launcher_stops_every_rank_without_a_traceback(tmp_pa
     assert proc.returncode == 130, out[-3000:]
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert sum(line.startswith("interrupted (Ctrl-C): stopped") for line in out.splitlines()) == 2, out[-3000:]
-    assert "launch: interrupted (Ctrl-C): torchrun stopped the workers (exit codes local rank 0: 130, local rank " \
-           "1: 130); exit 130" in out, out[-3000:]
+    assert (
+        "launch: interrupted (Ctrl-C): torchrun stopped the workers (exit codes local rank 0: 130, local rank "
+        "1: 130); exit 130" in out
+    ), out[-3000:]
     assert time.monotonic() - sent < 25, "the ranks waited for torchrun's kill instead of stopping"

@@ -23,22 +23,25 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from tests.support import contract_inputs as ci
 
 ROOT = ci.ROOT
 PY = sys.executable
-ENGINE = ("import sys\nfrom models.errors import ConfigError\nfrom trainer.engine import Engine\n"
-          "try:\n    Engine.from_recipe(sys.argv[1])\nexcept ConfigError as e:\n"
-          "    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n")
+ENGINE = (
+    "import sys\nfrom models.errors import ConfigError\nfrom trainer.engine import Engine\n"
+    "try:\n    Engine.from_recipe(sys.argv[1])\nexcept ConfigError as e:\n"
+    "    print(f'error: {e}', file=sys.stderr)\n    sys.exit(2)\n"
+)
 """The engine's contract is an exception: `Engine.from_recipe` raises ConfigError (one line) for
 bad input; this snippet is how a caller turns it into the command-line contract."""
 
 
 # --------------------------------------------------------------------------------- valid inputs
+
 
 def _recipe(name: str, work: str, **sections) -> dict:
     with open(os.path.join(ROOT, "configs", name), "rb") as f:
@@ -62,8 +65,12 @@ def _tokenizer_json(path: str) -> None:
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer=trainer)
     tok.save(path)
 
@@ -107,8 +114,11 @@ def valid(tmp_path_factory):
     v["dcp"] = os.path.join(base, "dcp", "step-1")
     _dcp_checkpoint(v["dcp"])
     v["flux_data"] = os.path.join(base, "flux_data")
-    fb.build_dataset(fb.BuildParams(num_train=32, num_heldout=12, shard_rows=16, row_group_rows=8, vae_steps=1),
-                     v["flux_data"], log=lambda _: None)
+    fb.build_dataset(
+        fb.BuildParams(num_train=32, num_heldout=12, shard_rows=16, row_group_rows=8, vae_steps=1),
+        v["flux_data"],
+        log=lambda _: None,
+    )
     v["flux_run"] = os.path.join(base, "flux_run")
     os.makedirs(v["flux_run"])
     run_recipe = _recipe("flux_debug.toml", base, training={"dataset": v["flux_data"]})
@@ -126,6 +136,7 @@ def valid(tmp_path_factory):
 # (`work`, a copy of nothing) and the valid inputs, and yields (class, label, argv, names,
 # watch, prepare): `prepare()` builds the damaged input inside `work`.
 
+
 def _copy(src: str, dst: str) -> str:
     if os.path.isdir(src):
         shutil.copytree(src, dst)
@@ -138,22 +149,26 @@ def _copy(src: str, dst: str) -> str:
 def recipe_cases(recipe: dict, keys: list, *, file_damage: bool = True):
     """Cases of a TOML recipe: the file's damages, then each key's (`ci.damage_data`).
     Yields (class, label, write(work) -> recipe path, names)."""
+
     def write_valid_then(apply):
         def write(work):
             path = os.path.join(work, "recipe.toml")
             ci.write_toml(path, _in(work, recipe))
             apply(path)
             return path
+
         return write
 
     if file_damage:
         for cls, label, apply in ci.damage_file("recipe.toml", fmt="toml"):
             yield cls, label, write_valid_then(_rebind(apply)), ["recipe.toml"]
     for cls, label, data in ci.damage_data(recipe, keys):
+
         def write(work, data=data):
             path = os.path.join(work, "recipe.toml")
             ci.write_toml(path, _in(work, data))
             return path
+
         key = label.split("=")[0]
         yield cls, label, write, [key, key.split(".")[-1]]
 
@@ -183,16 +198,29 @@ def cli_cases(flags: dict[str, object]):
 
 
 # Keys of the LM recipe damaged for the trainer, the engine and the planner scripts.
-LM_KEYS = [("training", "steps"), ("optimizer", "lr"), (("optimizer", "weight_decay"), ("wrong_type", "non_finite")),
-           ("model", "flavor"), ("parallelism",)]
-FLOW_KEYS = [(("flow", "logit_mean"), ("wrong_type", "non_finite")), ("flow", "shift"), ("flow", "guidance"),
-             ("flow", "cfg_scale")]
+LM_KEYS = [
+    ("training", "steps"),
+    ("optimizer", "lr"),
+    (("optimizer", "weight_decay"), ("wrong_type", "non_finite")),
+    ("model", "flavor"),
+    ("parallelism",),
+]
+FLOW_KEYS = [
+    (("flow", "logit_mean"), ("wrong_type", "non_finite")),
+    ("flow", "shift"),
+    ("flow", "guidance"),
+    ("flow", "cfg_scale"),
+]
 # A JSON file's keys and the classes that fit each.
-HF_KEYS = [("hidden_size",), ("num_attention_heads",), ("model_type",),
-           (("rms_norm_eps",), ("wrong_type", "non_finite", "out_of_range")),
-           (("rope_parameters", "rope_theta"), ("wrong_type", "non_finite", "out_of_range")),
-           (("num_key_value_heads",), [("inconsistent", "heads=3", 3)]),
-           (("vocab_size",), [("inconsistent", "below-tokenizer", 100)])]
+HF_KEYS = [
+    ("hidden_size",),
+    ("num_attention_heads",),
+    ("model_type",),
+    (("rms_norm_eps",), ("wrong_type", "non_finite", "out_of_range")),
+    (("rope_parameters", "rope_theta"), ("wrong_type", "non_finite", "out_of_range")),
+    (("num_key_value_heads",), [("inconsistent", "heads=3", 3)]),
+    (("vocab_size",), [("inconsistent", "below-tokenizer", 100)]),
+]
 
 
 def _json_cases(src: str, keys: list):
@@ -214,9 +242,14 @@ def _tokenizer_keys(v) -> list:
     a, b = sorted(vocab, key=vocab.get)[260:262]
     dup = [("inconsistent", "two-tokens-one-id", vocab[a])]  # b's id becomes a's
     eos_dup = [("inconsistent", "special-id-of-a-token", vocab[a])]
-    return [(("model", "vocab", b), dup), (("added_tokens", 1, "id"), eos_dup), ("model", "vocab"),
-            (("model", "merges"), [("wrong_type", "int", 7)]), (("added_tokens",), [("wrong_type", "int", 7)]),
-            (("model", "vocab", b), [("wrong_type", "str", "x"), ("out_of_range", "neg", -1)])]
+    return [
+        (("model", "vocab", b), dup),
+        (("added_tokens", 1, "id"), eos_dup),
+        ("model", "vocab"),
+        (("model", "merges"), [("wrong_type", "int", 7)]),
+        (("added_tokens",), [("wrong_type", "int", 7)]),
+        (("model", "vocab", b), [("wrong_type", "str", "x"), ("out_of_range", "neg", -1)]),
+    ]
 
 
 def rows(v) -> dict[str, list[ci.Case]]:
@@ -230,8 +263,9 @@ def rows(v) -> dict[str, list[ci.Case]]:
         os.makedirs(d)
         return d
 
-    lm = _recipe("llama3_debug.toml", base, training={"seq_len": 32}, checkpoint={"enable": False},
-                 model={"n_layers": 1})
+    lm = _recipe(
+        "llama3_debug.toml", base, training={"seq_len": 32}, checkpoint={"enable": False}, model={"n_layers": 1}
+    )
     flux = _recipe("flux_debug.toml", base, training={"dataset": v["flux_data"]}, checkpoint={"enable": False})
 
     # --- recipes: trainer, engine, estimate, estimate_xla, benchmark ------------------------------
@@ -241,15 +275,36 @@ def rows(v) -> dict[str, list[ci.Case]]:
         "engine": (lambda r: ["-c", ENGINE, r], lm, LM_KEYS[1:2]),
         "estimate": (lambda r: ["scripts/estimate.py", "--config", r, "--target", "v6e-8"], lm, LM_KEYS[:2]),
         "estimate_xla": (lambda r: ["scripts/estimate_xla.py", "--config", r, "--target", "v6e-8"], lm, LM_KEYS[:1]),
-        "benchmark": (lambda r: ["scripts/benchmark.py", "--config", r, "--steps", "2", "--warmup", "1",
-                                 "--out", os.path.join(os.path.dirname(r), "bench.csv")], lm, LM_KEYS[1:2]),
+        "benchmark": (
+            lambda r: [
+                "scripts/benchmark.py",
+                "--config",
+                r,
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--out",
+                os.path.join(os.path.dirname(r), "bench.csv"),
+            ],
+            lm,
+            LM_KEYS[1:2],
+        ),
     }
     for entry, (argv_of, recipe, keys) in recipe_users.items():
         for cls, label, write, names in recipe_cases(recipe, keys, file_damage=entry != "train_flow"):
             work = work_dir()
             path = write(work)
-            out[entry].append(ci.Case(entry, cls, label, argv_of(path), names,
-                                      watch=[os.path.join(work, "dump"), os.path.join(work, "bench.csv")]))
+            out[entry].append(
+                ci.Case(
+                    entry,
+                    cls,
+                    label,
+                    argv_of(path),
+                    names,
+                    watch=[os.path.join(work, "dump"), os.path.join(work, "bench.csv")],
+                )
+            )
 
     # --- files a recipe names: tokenizer.json, HF config.json, FLUX data set ---------------------
     def recipe_naming(entry, recipe, set_path, src, dst_name, damages):
@@ -261,27 +316,55 @@ def rows(v) -> dict[str, list[ci.Case]]:
             set_path(r, dst)
             rpath = os.path.join(work, "recipe.toml")
             ci.write_toml(rpath, r)
-            out[entry].append(ci.Case(entry, cls, label, ["-m", "trainer.train", "--config", rpath],
-                                      names, watch=[os.path.join(work, "dump")]))
+            out[entry].append(
+                ci.Case(
+                    entry,
+                    cls,
+                    label,
+                    ["-m", "trainer.train", "--config", rpath],
+                    names,
+                    watch=[os.path.join(work, "dump")],
+                )
+            )
 
     def set_tok(r, p):
         r["model"]["tokenizer"] = p
-    recipe_naming("train_tokenizer", lm, set_tok, v["tokenizer"], "tokenizer.json",
-                  _json_cases(v["tokenizer"], _tokenizer_keys(v)))
+
+    recipe_naming(
+        "train_tokenizer",
+        lm,
+        set_tok,
+        v["tokenizer"],
+        "tokenizer.json",
+        _json_cases(v["tokenizer"], _tokenizer_keys(v)),
+    )
 
     hf = _in(base, lm)
     hf["model"] = {"name": "hf", "flavor": "config"}
 
     def set_hf(r, p):
         r["model"]["hf_config"] = p
-    recipe_naming("train_hf", hf, set_hf, os.path.join(v["hf"], "config.json"), "config.json",
-                  _json_cases(os.path.join(v["hf"], "config.json"), HF_KEYS))
+
+    recipe_naming(
+        "train_hf",
+        hf,
+        set_hf,
+        os.path.join(v["hf"], "config.json"),
+        "config.json",
+        _json_cases(os.path.join(v["hf"], "config.json"), HF_KEYS),
+    )
 
     def set_data(r, p):
         r["training"]["dataset"] = os.path.dirname(p)
+
     meta = os.path.join(v["flux_data"], "meta.json")
-    meta_keys = [("shapes", "latent"), ("splits",), ("splits", "train", "rows"), ("params",),
-                 (("shapes", "t5"), [("wrong_type", "str", "16x64"), ("out_of_range", "neg", [-16, 64])])]
+    meta_keys = [
+        ("shapes", "latent"),
+        ("splits",),
+        ("splits", "train", "rows"),
+        ("params",),
+        (("shapes", "t5"), [("wrong_type", "str", "16x64"), ("out_of_range", "neg", [-16, 64])]),
+    ]
     for cls, label, apply, names in _json_cases(meta, meta_keys):
         work = work_dir()
         data = _copy(v["flux_data"], os.path.join(work, "data"))
@@ -290,9 +373,16 @@ def rows(v) -> dict[str, list[ci.Case]]:
         r["training"]["dataset"] = data
         rpath = os.path.join(work, "recipe.toml")
         ci.write_toml(rpath, r)
-        out["train_flux_data"].append(ci.Case("train_flux_data", cls, label, ["-m", "trainer.train", "--config",
-                                                                              rpath], names + ["meta.json"],
-                                              watch=[os.path.join(work, "dump")]))
+        out["train_flux_data"].append(
+            ci.Case(
+                "train_flux_data",
+                cls,
+                label,
+                ["-m", "trainer.train", "--config", rpath],
+                names + ["meta.json"],
+                watch=[os.path.join(work, "dump")],
+            )
+        )
     shard = sorted(f for f in os.listdir(v["flux_data"]) if f.startswith("train-"))[0]
     for cls, label, apply in ci.damage_file(os.path.join(v["flux_data"], shard), fmt="parquet"):
         work = work_dir()
@@ -302,33 +392,61 @@ def rows(v) -> dict[str, list[ci.Case]]:
         r["training"]["dataset"] = data
         rpath = os.path.join(work, "recipe.toml")
         ci.write_toml(rpath, r)
-        out["train_flux_data"].append(ci.Case("train_flux_data", cls, label, ["-m", "trainer.train", "--config",
-                                                                              rpath], [shard],
-                                              watch=[os.path.join(work, "dump")]))
+        out["train_flux_data"].append(
+            ci.Case(
+                "train_flux_data",
+                cls,
+                label,
+                ["-m", "trainer.train", "--config", rpath],
+                [shard],
+                watch=[os.path.join(work, "dump")],
+            )
+        )
 
     # --- convert: from-hf (config.json, safetensors, destination), to-hf (DCP, destination) --------
     for cls, label, apply, names in _json_cases(os.path.join(v["hf"], "config.json"), HF_KEYS[:3]):
         work = work_dir()
         hf_dir = _copy(v["hf"], os.path.join(work, "hf"))
         apply(os.path.join(hf_dir, "config.json"))
-        out["convert_from_hf"].append(ci.Case("convert_from_hf", cls, label,
-                                              ["scripts/convert.py", "from-hf", hf_dir, os.path.join(work, "out")],
-                                              names, watch=[os.path.join(work, "out")]))
+        out["convert_from_hf"].append(
+            ci.Case(
+                "convert_from_hf",
+                cls,
+                label,
+                ["scripts/convert.py", "from-hf", hf_dir, os.path.join(work, "out")],
+                names,
+                watch=[os.path.join(work, "out")],
+            )
+        )
     for cls, label, apply in ci.damage_file(os.path.join(v["hf"], "model.safetensors"), fmt="safetensors"):
         work = work_dir()
         hf_dir = _copy(v["hf"], os.path.join(work, "hf"))
         _rebind_as(apply, "safetensors")(os.path.join(hf_dir, "model.safetensors"))
-        out["convert_from_hf"].append(ci.Case("convert_from_hf", cls, label,
-                                              ["scripts/convert.py", "from-hf", hf_dir, os.path.join(work, "out")],
-                                              ["model.safetensors", "safetensors"], watch=[os.path.join(work, "out")]))
+        out["convert_from_hf"].append(
+            ci.Case(
+                "convert_from_hf",
+                cls,
+                label,
+                ["scripts/convert.py", "from-hf", hf_dir, os.path.join(work, "out")],
+                ["model.safetensors", "safetensors"],
+                watch=[os.path.join(work, "out")],
+            )
+        )
     work = work_dir()
     occupied = os.path.join(work, "out")
     os.makedirs(occupied)
     with open(os.path.join(occupied, "keep.txt"), "w") as f:
         f.write("earlier work\n")
-    out["convert_from_hf"].append(ci.Case("convert_from_hf", "occupied", "out", ["scripts/convert.py", "from-hf",
-                                                                                 v["hf"], occupied],
-                                          [occupied], watch=[occupied]))
+    out["convert_from_hf"].append(
+        ci.Case(
+            "convert_from_hf",
+            "occupied",
+            "out",
+            ["scripts/convert.py", "from-hf", v["hf"], occupied],
+            [occupied],
+            watch=[occupied],
+        )
+    )
     to_hf = ["--model.name", "llama3", "--model.flavor", "debugmodel", "--model.n_layers=1"]
     for cls, label, apply in ci.damage_file(os.path.join(v["dcp"], ".metadata"), fmt="safetensors"):
         if cls == "malformed":
@@ -336,29 +454,63 @@ def rows(v) -> dict[str, list[ci.Case]]:
         work = work_dir()
         ckpt = _copy(v["dcp"], os.path.join(work, "step-1"))
         _rebind_as(apply, "safetensors")(os.path.join(ckpt, ".metadata"))
-        out["convert_to_hf"].append(ci.Case("convert_to_hf", cls, label,
-                                            ["scripts/convert.py", "to-hf", "--checkpoint", ckpt, *to_hf,
-                                             os.path.join(work, "out")], [ckpt, ".metadata"],
-                                            watch=[os.path.join(work, "out")]))
-    for cls, label, flag, bad in cli_cases({"--model.n_layers": (1, ("wrong_type", "out_of_range")),
-                                            "--model.dim": (64, ("wrong_type", "non_finite", "out_of_range"))}):
+        out["convert_to_hf"].append(
+            ci.Case(
+                "convert_to_hf",
+                cls,
+                label,
+                ["scripts/convert.py", "to-hf", "--checkpoint", ckpt, *to_hf, os.path.join(work, "out")],
+                [ckpt, ".metadata"],
+                watch=[os.path.join(work, "out")],
+            )
+        )
+    for cls, label, flag, bad in cli_cases(
+        {
+            "--model.n_layers": (1, ("wrong_type", "out_of_range")),
+            "--model.dim": (64, ("wrong_type", "non_finite", "out_of_range")),
+        }
+    ):
         work = work_dir()
-        argv = ["scripts/convert.py", "to-hf", "--checkpoint", v["dcp"], "--model.name", "llama3",
-                "--model.flavor", "debugmodel", f"{flag}={bad}", os.path.join(work, "out")]
-        out["convert_to_hf"].append(ci.Case("convert_to_hf", cls, label, argv, [flag.split(".")[-1]],
-                                            watch=[os.path.join(work, "out")]))
-    out["convert_to_hf"].append(ci.Case("convert_to_hf", "occupied", "out",
-                                        ["scripts/convert.py", "to-hf", "--checkpoint", v["dcp"], *to_hf, occupied],
-                                        [occupied], watch=[occupied]))
+        argv = [
+            "scripts/convert.py",
+            "to-hf",
+            "--checkpoint",
+            v["dcp"],
+            "--model.name",
+            "llama3",
+            "--model.flavor",
+            "debugmodel",
+            f"{flag}={bad}",
+            os.path.join(work, "out"),
+        ]
+        out["convert_to_hf"].append(
+            ci.Case("convert_to_hf", cls, label, argv, [flag.split(".")[-1]], watch=[os.path.join(work, "out")])
+        )
+    out["convert_to_hf"].append(
+        ci.Case(
+            "convert_to_hf",
+            "occupied",
+            "out",
+            ["scripts/convert.py", "to-hf", "--checkpoint", v["dcp"], *to_hf, occupied],
+            [occupied],
+            watch=[occupied],
+        )
+    )
 
     # --- FLUX run folder: sample.py, eval_flux.py ------------------------------------------------
     with open(os.path.join(v["flux_run"], "config.toml"), "rb") as f:
         run_cfg = tomllib.load(f)
-    for entry, script, extra in (("sample", "scripts/sample.py", ["--untrained", "--prompt", "a red circle"]),
-                                 ("eval_flux", "scripts/eval_flux.py", [])):
+    for entry, script, extra in (
+        ("sample", "scripts/sample.py", ["--untrained", "--prompt", "a red circle"]),
+        ("eval_flux", "scripts/eval_flux.py", []),
+    ):
+
         def run_argv(run, work, more=()):
-            dest = ["--out", os.path.join(work, "s.png")] if entry == "sample" else [
-                "--csv", os.path.join(work, "e.csv"), "--grid", os.path.join(work, "e.png")]
+            dest = (
+                ["--out", os.path.join(work, "s.png")]
+                if entry == "sample"
+                else ["--csv", os.path.join(work, "e.csv"), "--grid", os.path.join(work, "e.png")]
+            )
             return [script, "--run", run, *extra, *dest, *more]
 
         watch = lambda work: [os.path.join(work, n) for n in ("s.png", "s.txt", "e.csv", "e.png", "run")]
@@ -366,8 +518,7 @@ def rows(v) -> dict[str, list[ci.Case]]:
             work = work_dir()
             run = _copy(v["flux_run"], os.path.join(work, "run"))
             _rebind(apply)(os.path.join(run, "config.toml"))
-            out[entry].append(ci.Case(entry, cls, label, run_argv(run, work), ["config.toml", run],
-                                      watch=watch(work)))
+            out[entry].append(ci.Case(entry, cls, label, run_argv(run, work), ["config.toml", run], watch=watch(work)))
         for cls, label, data in ci.damage_data(run_cfg, [("flow", "shift")]):
             work = work_dir()
             run = _copy(v["flux_run"], os.path.join(work, "run"))
@@ -378,86 +529,230 @@ def rows(v) -> dict[str, list[ci.Case]]:
         flags.update({"--guidance": 1.0, "--scale": 2} if entry == "sample" else {"--samples-per-prompt": 2})
         for cls, label, flag, bad in cli_cases(flags):
             work = work_dir()
-            out[entry].append(ci.Case(entry, cls, label, run_argv(v["flux_run"], work, [flag, bad]), [flag],
-                                      watch=watch(work)))
+            out[entry].append(
+                ci.Case(entry, cls, label, run_argv(v["flux_run"], work, [flag, bad]), [flag], watch=watch(work))
+            )
         work = work_dir()
-        out[entry].append(ci.Case(entry, "missing", "run", run_argv(os.path.join(work, "nope"), work),
-                                  [os.path.join(work, "nope")], watch=watch(work)))
+        out[entry].append(
+            ci.Case(
+                entry,
+                "missing",
+                "run",
+                run_argv(os.path.join(work, "nope"), work),
+                [os.path.join(work, "nope")],
+                watch=watch(work),
+            )
+        )
     for cls, label, apply in ci.damage_file(v["prompts"], fmt="text"):
         work = work_dir()
         prompts = _copy(v["prompts"], os.path.join(work, "prompts.txt"))
         _rebind(apply)(prompts)
-        out["sample"].append(ci.Case("sample", cls, label, ["scripts/sample.py", "--run", v["flux_run"], "--untrained",
-                                                            "--prompts-file", prompts, "--out",
-                                                            os.path.join(work, "s.png")],
-                                     ["prompts.txt", "--prompts-file"], watch=[os.path.join(work, "s.png")]))
+        out["sample"].append(
+            ci.Case(
+                "sample",
+                cls,
+                label,
+                [
+                    "scripts/sample.py",
+                    "--run",
+                    v["flux_run"],
+                    "--untrained",
+                    "--prompts-file",
+                    prompts,
+                    "--out",
+                    os.path.join(work, "s.png"),
+                ],
+                ["prompts.txt", "--prompts-file"],
+                watch=[os.path.join(work, "s.png")],
+            )
+        )
 
     # --- build_flux_data.py ------------------------------------------------------------------------
-    for cls, label, flag, bad in cli_cases({"--image-size": 32, "--num-train": 32, "--text-length": 16,
-                                            "--shard-rows": 16, "--encoder-dtype": "float32"}):
+    for cls, label, flag, bad in cli_cases(
+        {"--image-size": 32, "--num-train": 32, "--text-length": 16, "--shard-rows": 16, "--encoder-dtype": "float32"}
+    ):
         work = work_dir()
-        out["build_flux_data"].append(ci.Case("build_flux_data", cls, label,
-                                              ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"),
-                                               *SMALL_BUILD, flag, bad], [flag],
-                                              watch=[os.path.join(work, "out")]))
+        out["build_flux_data"].append(
+            ci.Case(
+                "build_flux_data",
+                cls,
+                label,
+                ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"), *SMALL_BUILD, flag, bad],
+                [flag],
+                watch=[os.path.join(work, "out")],
+            )
+        )
     for flags in (("--t5", "--clip"), ("--vae",)):
         work = work_dir()
         missing = [os.path.join(work, f"weights{i}") for i in range(len(flags))]
-        out["build_flux_data"].append(ci.Case("build_flux_data", "missing", flags[0],
-                                              ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"),
-                                               *[x for pair in zip(flags, missing) for x in pair]], missing[:1],
-                                              watch=[os.path.join(work, "out")]))
+        out["build_flux_data"].append(
+            ci.Case(
+                "build_flux_data",
+                "missing",
+                flags[0],
+                [
+                    "scripts/build_flux_data.py",
+                    "--out",
+                    os.path.join(work, "out"),
+                    *[x for pair in zip(flags, missing) for x in pair],
+                ],
+                missing[:1],
+                watch=[os.path.join(work, "out")],
+            )
+        )
     work = work_dir()
-    out["build_flux_data"].append(ci.Case("build_flux_data", "inconsistent", "--t5-without-clip",
-                                          ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"),
-                                           "--t5", v["base"]], ["t5_path", "--t5"], watch=[os.path.join(work, "out")]))
-    out["build_flux_data"].append(ci.Case("build_flux_data", "occupied", "out",
-                                          ["scripts/build_flux_data.py", "--out", occupied], [occupied],
-                                          watch=[occupied]))
+    out["build_flux_data"].append(
+        ci.Case(
+            "build_flux_data",
+            "inconsistent",
+            "--t5-without-clip",
+            ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"), "--t5", v["base"]],
+            ["t5_path", "--t5"],
+            watch=[os.path.join(work, "out")],
+        )
+    )
+    out["build_flux_data"].append(
+        ci.Case(
+            "build_flux_data",
+            "occupied",
+            "out",
+            ["scripts/build_flux_data.py", "--out", occupied],
+            [occupied],
+            watch=[occupied],
+        )
+    )
 
     # --- command-line values of the planner scripts, the benchmark and the launcher ----------------
     lm_path = os.path.join(base, "lm.toml")
     ci.write_toml(lm_path, lm)
-    keys = {"--seq-len": "training.seq_len", "--local-batch": "training.local_batch_size",
-            "--tp": "parallelism.tensor_parallel_degree"}  # the short flags set these recipe keys
-    for cls, label, flag, bad in cli_cases({"--mfu": 0.4, "--headroom": 0.1, "--seq-len": 64, "--local-batch": 1,
-                                            "--tp": 1, "--target": "v6e-8"}):
-        out["estimate"].append(ci.Case("estimate", cls, label, ["scripts/estimate.py", "--config", lm_path,
-                                                                "--target", "v6e-8", flag, bad],
-                                       [flag, keys.get(flag, flag)]))
+    keys = {
+        "--seq-len": "training.seq_len",
+        "--local-batch": "training.local_batch_size",
+        "--tp": "parallelism.tensor_parallel_degree",
+    }  # the short flags set these recipe keys
+    for cls, label, flag, bad in cli_cases(
+        {"--mfu": 0.4, "--headroom": 0.1, "--seq-len": 64, "--local-batch": 1, "--tp": 1, "--target": "v6e-8"}
+    ):
+        out["estimate"].append(
+            ci.Case(
+                "estimate",
+                cls,
+                label,
+                ["scripts/estimate.py", "--config", lm_path, "--target", "v6e-8", flag, bad],
+                [flag, keys.get(flag, flag)],
+            )
+        )
     for cls, label, flag, bad in cli_cases({"--target": "v6e-8"}):
-        out["estimate_xla"].append(ci.Case("estimate_xla", cls, label, ["scripts/estimate_xla.py", "--config",
-                                                                        lm_path, flag, bad], [flag]))
+        out["estimate_xla"].append(
+            ci.Case("estimate_xla", cls, label, ["scripts/estimate_xla.py", "--config", lm_path, flag, bad], [flag])
+        )
     for cls, label, flag, bad in cli_cases({"--steps": 2, "--warmup": 1, "--nproc": "1"}):
         work = work_dir()
         bench = os.path.join(work, "bench.csv")
-        out["benchmark"].append(ci.Case("benchmark", cls, label, ["scripts/benchmark.py", "--config", lm_path,
-                                                                  "--out", bench, flag, bad], [flag],
-                                        watch=[bench, os.path.join(base, "dump")]))
-    for cls, label, flag, bad in cli_cases({"--nnodes": 1, "--node-rank": (0, ("wrong_type", "out_of_range")),
-                                            "--master-port": 29501, "--nproc-per-node": 1}):
-        words = {"--nnodes": "nodes", "--node-rank": "node rank", "--master-port": "port",
-                 "--nproc-per-node": "processes"}  # how the launcher's message names them
+        out["benchmark"].append(
+            ci.Case(
+                "benchmark",
+                cls,
+                label,
+                ["scripts/benchmark.py", "--config", lm_path, "--out", bench, flag, bad],
+                [flag],
+                watch=[bench, os.path.join(base, "dump")],
+            )
+        )
+    for cls, label, flag, bad in cli_cases(
+        {
+            "--nnodes": 1,
+            "--node-rank": (0, ("wrong_type", "out_of_range")),
+            "--master-port": 29501,
+            "--nproc-per-node": 1,
+        }
+    ):
+        words = {
+            "--nnodes": "nodes",
+            "--node-rank": "node rank",
+            "--master-port": "port",
+            "--nproc-per-node": "processes",
+        }  # how the launcher's message names them
         manual = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--nproc-per-node", "1"]
-        out["launch"].append(ci.Case("launch", cls, label, ["-m", "trainer.launch", "--platform", "manual",
-                                                            "--device", "cpu", "--dry-run", *manual, flag, bad, "--",
-                                                            "--config", lm_path], [flag, words[flag]]))
+        out["launch"].append(
+            ci.Case(
+                "launch",
+                cls,
+                label,
+                [
+                    "-m",
+                    "trainer.launch",
+                    "--platform",
+                    "manual",
+                    "--device",
+                    "cpu",
+                    "--dry-run",
+                    *manual,
+                    flag,
+                    bad,
+                    "--",
+                    "--config",
+                    lm_path,
+                ],
+                [flag, words[flag]],
+            )
+        )
     # the launcher's environment (Slurm's variables, the rendezvous port) and a TPU launch without torch-tpu
     slurm = {"SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node1", "MASTER_PORT": "29501"}
-    env_keys = [("SLURM_NNODES",), ("SLURM_NODEID",),
-                (("MASTER_PORT",), [("wrong_type", "str", "many"), ("out_of_range", "65536", 65536)])]
+    env_keys = [
+        ("SLURM_NNODES",),
+        ("SLURM_NODEID",),
+        (("MASTER_PORT",), [("wrong_type", "str", "many"), ("out_of_range", "65536", 65536)]),
+    ]
     for cls, label, env in ci.damage_data({k: int(v) if v.isdigit() else v for k, v in slurm.items()}, env_keys):
         key = label.split("=")[0]
-        out["launch"].append(ci.Case("launch", cls, label, ["-m", "trainer.launch", "--platform", "slurm", "--device",
-                                                            "cpu", "--nproc-per-node", "1", "--dry-run", "--",
-                                                            "--config", lm_path], [key],
-                                     env={k: str(val) for k, val in env.items()}))
+        out["launch"].append(
+            ci.Case(
+                "launch",
+                cls,
+                label,
+                [
+                    "-m",
+                    "trainer.launch",
+                    "--platform",
+                    "slurm",
+                    "--device",
+                    "cpu",
+                    "--nproc-per-node",
+                    "1",
+                    "--dry-run",
+                    "--",
+                    "--config",
+                    lm_path,
+                ],
+                [key],
+                env={k: str(val) for k, val in env.items()},
+            )
+        )
     import importlib.util
 
     if importlib.util.find_spec("torch_tpu") is None:
-        out["launch"].append(ci.Case("launch", "inconsistent", "device-tpu-without-torch-tpu",
-                                     ["-m", "trainer.launch", "--platform", "manual", "--device", "tpu", *manual,
-                                      "--dry-run", "--", "--config", lm_path], ["torch-tpu"]))
+        out["launch"].append(
+            ci.Case(
+                "launch",
+                "inconsistent",
+                "device-tpu-without-torch-tpu",
+                [
+                    "-m",
+                    "trainer.launch",
+                    "--platform",
+                    "manual",
+                    "--device",
+                    "tpu",
+                    *manual,
+                    "--dry-run",
+                    "--",
+                    "--config",
+                    lm_path,
+                ],
+                ["torch-tpu"],
+            )
+        )
     return out
 
 
@@ -472,6 +767,7 @@ def _rebind_as(apply, fmt):
                 fn()
                 return
         raise AssertionError(name)
+
     return run
 
 
@@ -483,6 +779,7 @@ SMALL_BUILD = ["--num-train", "32", "--num-heldout", "12", "--shard-rows", "16",
 """A build that would take seconds, should a bad value be let through."""
 
 # --------------------------------------------------------------------------------- running
+
 
 @pytest.fixture(scope="module")
 def table(valid, tmp_path_factory):
@@ -496,8 +793,13 @@ def table(valid, tmp_path_factory):
         json.dump([{"argv": c.argv, "env": c.env} for c in cases], f)
     done = os.path.join(work, "results.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    subprocess.run([PY, os.path.join(ROOT, "tests", "support", "contract_inputs.py"), todo, done, work], cwd=ROOT, env=env,
-                   check=True, timeout=900)
+    subprocess.run(
+        [PY, os.path.join(ROOT, "tests", "support", "contract_inputs.py"), todo, done, work],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=900,
+    )
     with open(done) as f:
         results = json.load(f)
     out = collections.defaultdict(list)
@@ -543,8 +845,10 @@ def test_contract_table(table):
                     failures.append(f"{case.id}: now keeps the contract; remove its KNOWN entry ({owner})")
                 continue
             if bad:
-                failures.append(f"{case.id}: {'; '.join(bad)}\n    argv: {case.argv[-4:]}\n    stderr: "
-                                f"{result['stderr'].strip()[-600:]}")
+                failures.append(
+                    f"{case.id}: {'; '.join(bad)}\n    argv: {case.argv[-4:]}\n    stderr: "
+                    f"{result['stderr'].strip()[-600:]}"
+                )
     print("\n" + format_counts(counts))
     print(f"known failures elsewhere: {len(known)} ({', '.join(sorted(set(KNOWN)))})")
     assert not failures, f"{len(failures)} cases break the contract:\n" + "\n".join(failures)
@@ -571,6 +875,7 @@ def test_runner_matches_a_real_process(table):
     entries = [e for e in ("train", "convert_from_hf", "sample") if table.get(e)]  # all but with CONTRACT_ONLY
     for entry in entries:
         case, result, _, _ = table[entry][0]
-        proc = subprocess.run([PY, *case.argv], cwd=ROOT, env={**env, **case.env}, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [PY, *case.argv], cwd=ROOT, env={**env, **case.env}, capture_output=True, text=True, timeout=300
+        )
         assert (proc.returncode, proc.stderr) == (result["rc"], result["stderr"]), case.id

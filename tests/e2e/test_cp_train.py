@@ -40,23 +40,36 @@ from trainer.step import plan_step
 
 LLAMA = "configs/llama3_debug.toml"
 MOE = "configs/qwen3_moe_debug.toml"
-COMMON = ("--training.steps=3", "--training.seq_len=64", "--model.n_layers=2", "--metrics.log_freq=1",
-          "--validation.enable=false", "--training.mixed_precision_param=float32",
-          "--metrics.enable_tensorboard=false", "--training.global_batch_size=4", "--training.local_batch_size=4")
+COMMON = (
+    "--training.steps=3",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+    "--training.global_batch_size=4",
+    "--training.local_batch_size=4",
+)
 STEPS = 3
 
 
 def _degrees(cp=1, dp_shard=1, tp=1, ep=1, dp_replicate=1) -> tuple[str, ...]:
-    return (f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={dp_shard}",
-            f"--parallelism.data_parallel_replicate_degree={dp_replicate}",
-            f"--parallelism.tensor_parallel_degree={tp}", f"--parallelism.expert_parallel_degree={ep}")
+    return (
+        f"--parallelism.context_parallel_degree={cp}",
+        f"--parallelism.data_parallel_shard_degree={dp_shard}",
+        f"--parallelism.data_parallel_replicate_degree={dp_replicate}",
+        f"--parallelism.tensor_parallel_degree={tp}",
+        f"--parallelism.expert_parallel_degree={ep}",
+    )
 
 
 def _config(recipe: str, folder: str, extra: tuple[str, ...]):
     from trainer.config import build_config, split_cli
 
-    _, _, overrides = split_cli(["--config", recipe, *COMMON, f"--job.dump_folder={folder}",
-                                 "--checkpoint.enable=false", *extra])
+    _, _, overrides = split_cli(
+        ["--config", recipe, *COMMON, f"--job.dump_folder={folder}", "--checkpoint.enable=false", *extra]
+    )
     return build_config(recipe, overrides)
 
 
@@ -72,8 +85,9 @@ def _steps_on_rank(recipe: str, folder: str, extra: tuple[str, ...]) -> dict:
     step = job.build_step(loss_fn=task.loss_fn(job.step_plan))
     losses, norms, grads = [], [], None
     for i in range(STEPS):
-        microbatches = [tuple(x.to(job.device) for x in task.prepare(job.loader.next_batch()))
-                        for _ in range(job.grad_accum_steps)]
+        microbatches = [
+            tuple(x.to(job.device) for x in task.prepare(job.loader.next_batch())) for _ in range(job.grad_accum_steps)
+        ]
         out = step(microbatches, job.scheduler.get_last_lr()[0])
         job.scheduler.step()
         losses.append(global_mean(out.loss))
@@ -95,10 +109,13 @@ def _compare(ref: dict, got: dict, what: str) -> dict:
     grad = None
     if got["grads"] is not None:
         assert set(got["grads"]) == set(ref["grads"])
-        grad = max(((got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
-                   for n, g in ref["grads"].items())
-    print(f"{what}: loss {loss:.2e} rel, grad {grad if grad is None else f'{grad:.2e}'} rel-to-max, "
-          f"grad_norm {norm:.2e} rel, weights {weight:.2e} abs")
+        grad = max(
+            ((got["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in ref["grads"].items()
+        )
+    print(
+        f"{what}: loss {loss:.2e} rel, grad {grad if grad is None else f'{grad:.2e}'} rel-to-max, "
+        f"grad_norm {norm:.2e} rel, weights {weight:.2e} abs"
+    )
     assert loss <= 1e-5, (what, got["losses"], ref["losses"])
     assert norm <= 1e-5, (what, got["norms"], ref["norms"])
     assert grad is None or grad <= 1e-5, (what, grad)
@@ -131,8 +148,9 @@ MESHES = [
     pytest.param(4, dict(cp=2, tp=2), LOSS_PARALLEL, id="cp2xtp2-loss-parallel", marks=EXHAUSTIVE),
     pytest.param(4, dict(cp=2, dp_replicate=2), (), id="cp2xhsdp2", marks=EXHAUSTIVE),
     # per-block compile: each block compiled (aot_eager), the cp attention's collectives inside
-    pytest.param(2, dict(cp=2), ("--compile.mode=compile", "--compile.backend=aot_eager"), id="cp2-compile",
-                 marks=EXHAUSTIVE),
+    pytest.param(
+        2, dict(cp=2), ("--compile.mode=compile", "--compile.backend=aot_eager"), id="cp2-compile", marks=EXHAUSTIVE
+    ),
 ]
 
 
@@ -155,8 +173,12 @@ def test_graph_scan_cp2_matches_single_process(tmp_path, llama_reference):
     """Graph mode (aot_eager) with layer scan: the k/v all-gathers and the count all-reduce are
     captured with SimpleFSDP's collectives into the one step graph; the same bounds as eager (the
     captured step computes the same fp32 math, tests/e2e/test_parallel_e2e.py)."""
-    got = _run(tmp_path, LLAMA, 2, _degrees(cp=2) + ("--compile.mode=graph", "--compile.backend=aot_eager",
-                                                    "--compile.scan_layers=true"))
+    got = _run(
+        tmp_path,
+        LLAMA,
+        2,
+        _degrees(cp=2) + ("--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true"),
+    )
     _compare(llama_reference, got, "llama3 graph+scan cp2")
 
 
@@ -169,8 +191,9 @@ def moe_reference(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees", [pytest.param(dict(cp=2), marks=pytest.mark.exhaustive), dict(cp=2, ep=2)],
-                         ids=["cp2", "cp2xep2"])
+@pytest.mark.parametrize(
+    "degrees", [pytest.param(dict(cp=2), marks=pytest.mark.exhaustive), dict(cp=2, ep=2)], ids=["cp2", "cp2xep2"]
+)
 def test_moe_cp_matches_single_process(tmp_path, moe_reference, degrees):
     """Qwen 3 MoE (aux loss on): the routing is per token, so a cp rank routes its own tokens;
     the load-balancing loss counts experts over the world (global-batch LBL), and its router
@@ -199,10 +222,14 @@ def test_document_mask_cp2_matches_single_process(tmp_path, positions):
     with open(data, "w") as f:
         for _ in range(400):
             n = int(torch.randint(2, 10, (), generator=g))
-            f.write(json.dumps({"text": " ".join(words[int(i)] for i in torch.randint(0, 10, (n,), generator=g))})
-                    + "\n")
-    extra = ("--training.document_mask=true", f"--training.document_positions={positions}",
-             f"--training.dataset={data}")
+            f.write(
+                json.dumps({"text": " ".join(words[int(i)] for i in torch.randint(0, 10, (n,), generator=g))}) + "\n"
+            )
+    extra = (
+        "--training.document_mask=true",
+        f"--training.document_positions={positions}",
+        f"--training.dataset={data}",
+    )
     ref = _run(tmp_path / "ref", LLAMA, 1, _degrees() + extra)
     got = _run(tmp_path / "cp", LLAMA, 2, _degrees(cp=2) + extra)
     assert got["shapes"] == [(4, 32)] * 4  # inputs, labels, segment ids, positions
@@ -250,12 +277,19 @@ def test_resume_across_a_change_of_cp(tmp_path, llama_reference):
 
 # --- what CP does not cover: refused by the step plan's rules ------------------------------------
 
-@pytest.mark.parametrize("request_fields, pattern", [
-    (dict(task="flow"), r"parallelism\.context_parallel_degree: 2 shards the token windows of task lm.*allowed: 1"),
-    (dict(model_document_mask=False), r"parallelism\.context_parallel_degree: 2 needs a model that takes RoPE "
-                                      r"positions.*hf backend.*allowed for this model: 1"),
-    (dict(caller_loss=True), r"parallelism\.context_parallel_degree: 2: the engine.*allowed: 1"),
-])
+
+@pytest.mark.parametrize(
+    "request_fields, pattern",
+    [
+        (dict(task="flow"), r"parallelism\.context_parallel_degree: 2 shards the token windows of task lm.*allowed: 1"),
+        (
+            dict(model_document_mask=False),
+            r"parallelism\.context_parallel_degree: 2 needs a model that takes RoPE "
+            r"positions.*hf backend.*allowed for this model: 1",
+        ),
+        (dict(caller_loss=True), r"parallelism\.context_parallel_degree: 2: the engine.*allowed: 1"),
+    ],
+)
 def test_rules_refuse_what_cp_does_not_cover(request_fields, pattern):
     fields = dict(cp_degree=2, model_document_mask=True) | request_fields
     with pytest.raises(ConfigError, match=pattern):
@@ -278,10 +312,10 @@ class _EmbeddingLM(torch.nn.Module):
 
 
 def _ignored_labels_on_rank(table, inputs, labels):
+    from parallelisms.context_parallel import cp_group
     from trainer.config import Config
     from trainer.step import plan_step
     from trainer.tasks import LMSettings, LMTask
-    from parallelisms.context_parallel import cp_group
 
     task = LMTask.__new__(LMTask)  # the task's loss and prepare only: no tokenizer, no loader
     task.settings = LMSettings.of(Config())

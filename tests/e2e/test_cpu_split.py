@@ -22,14 +22,23 @@ _SPEC = importlib.util.spec_from_file_location("cpu_split", ROOT / "scripts" / "
 cpu_split = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(cpu_split)
 
-TORCHRUN = [b"/venv/bin/python", b"-m", b"torch.distributed.run", b"--standalone", b"--nproc_per_node=2",
-            b"-m", b"trainer.train"]
+TORCHRUN = [
+    b"/venv/bin/python",
+    b"-m",
+    b"torch.distributed.run",
+    b"--standalone",
+    b"--nproc_per_node=2",
+    b"-m",
+    b"trainer.train",
+]
 TRAINER = [b"/venv/bin/python", b"-m", b"trainer.train", b"--config", b"x.toml"]
 
 
 def _stat(pid: int, name: str, ppid: int, utime: int = 0, stime: int = 0) -> str:
     """A /proc/<pid>/stat line (proc(5)): pid (comm) state ppid ..., utime and stime fields 14, 15."""
-    return f"{pid} ({name}) S {ppid} {pid} {pid} 0 -1 4194304 99 0 0 0 {utime} {stime} 0 0 20 0 1 0 117611 3133440 406\n"
+    return (
+        f"{pid} ({name}) S {ppid} {pid} {pid} 0 -1 4194304 99 0 0 0 {utime} {stime} 0 0 20 0 1 0 117611 3133440 406\n"
+    )
 
 
 def _process(proc: Path, pid: int, ppid: int, argv: list[bytes] | None, threads: dict[int, tuple[str, int, int]]):
@@ -53,8 +62,13 @@ def _fake_proc(tmp_path: Path) -> Path:
     _process(proc, 1, 0, [b"/sbin/init"], {1: ("systemd", 5, 5)})
     _process(proc, 50, 1, [b"bash"], {50: ("bash", 1, 1)})
     _process(proc, 100, 50, TORCHRUN, {100: ("python", 700, 30)})
-    _process(proc, 101, 100, TRAINER, {101: ("python", 1234, 56), 105: ("pt_gloo_runloop", 300, 200),
-                                       106: ("gloo) (x", 7, 0), 107: ("gone", 1, 1)})
+    _process(
+        proc,
+        101,
+        100,
+        TRAINER,
+        {101: ("python", 1234, 56), 105: ("pt_gloo_runloop", 300, 200), 106: ("gloo) (x", 7, 0), 107: ("gone", 1, 1)},
+    )
     (proc / "101" / "task" / "107" / "stat").unlink()  # a thread that exited between listdir and read
     _process(proc, 102, 100, TRAINER, {102: ("python", 1000, 0)})
     _process(proc, 103, 101, [b"/venv/bin/python", b"-c", b"compile_worker()"], {103: ("python", 40, 2)})
@@ -63,7 +77,9 @@ def _fake_proc(tmp_path: Path) -> Path:
     _process(proc, 201, 200, TRAINER, {201: ("python", 5000, 5000)})
     (proc / "300").mkdir()
     (proc / "self").mkdir()
-    (proc / "stat").write_text("cpu  92377 0 17243 122676 912 0 240 1184 0 0\ncpu0 38736 0 7564 69826 480 0 17 604 0 0\n")
+    (proc / "stat").write_text(
+        "cpu  92377 0 17243 122676 912 0 240 1184 0 0\ncpu0 38736 0 7564 69826 480 0 17 604 0 0\n"
+    )
     return proc
 
 
@@ -73,7 +89,9 @@ def test_trainer_pids_is_the_job_without_its_launcher(tmp_path):
     assert sorted(cpu_split.trainer_pids(101, str(proc))) == [101, 103]  # a single-process run: itself too
     assert cpu_split.trainer_pids(999, str(proc)) == []
     # the launcher as its console script (argv[1] = .../torchrun) is left out as well
-    _process(proc, 400, 1, [b"/venv/bin/python", b"/venv/bin/torchrun", b"-m", b"trainer.train"], {400: ("pt_elastic", 1, 1)})
+    _process(
+        proc, 400, 1, [b"/venv/bin/python", b"/venv/bin/torchrun", b"-m", b"trainer.train"], {400: ("pt_elastic", 1, 1)}
+    )
     _process(proc, 401, 400, TRAINER, {401: ("python", 1, 1)})
     assert cpu_split.trainer_pids(400, str(proc)) == [401]
 
@@ -116,9 +134,23 @@ sys.exit(int(sys.argv[1]))
 
 def _split(tmp_path, rc: int, spin: float, *window: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench" / "cpu_split.py"), *window, "--log", str(tmp_path / "run.log"),
-         "--", sys.executable, "-c", FAKE, str(rc), str(spin)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench" / "cpu_split.py"),
+            *window,
+            "--log",
+            str(tmp_path / "run.log"),
+            "--",
+            sys.executable,
+            "-c",
+            FAKE,
+            str(rc),
+            str(spin),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @linux_only

@@ -37,8 +37,19 @@ def _ids(inputs, labels) -> list[str]:
 
 
 def _loaders(tok, dataset, dp_degree, local_batch_size=B, **kw):
-    return [build_dataloader(dataset=dataset, tokenizer=tok, seq_len=SEQ, local_batch_size=local_batch_size,
-                             dp_rank=r, dp_degree=dp_degree, seed=5, **kw) for r in range(dp_degree)]
+    return [
+        build_dataloader(
+            dataset=dataset,
+            tokenizer=tok,
+            seq_len=SEQ,
+            local_batch_size=local_batch_size,
+            dp_rank=r,
+            dp_degree=dp_degree,
+            seed=5,
+            **kw,
+        )
+        for r in range(dp_degree)
+    ]
 
 
 def _global_ids(loaders, calls) -> list[str]:
@@ -58,8 +69,10 @@ def files(tmp_path_factory):
     """16 jsonl files of 12 documents: with 8 shards, each shard reads 2 whole files."""
     folder = tmp_path_factory.mktemp("files")
     for f in range(16):
-        docs = [f"file {f} doc {d}: " + " ".join(f"w{(f * 131 + d * 17 + j) % 89}" for j in range(20 + (d * 7) % 30))
-                for d in range(12)]
+        docs = [
+            f"file {f} doc {d}: " + " ".join(f"w{(f * 131 + d * 17 + j) % 89}" for j in range(20 + (d * 7) % 30))
+            for d in range(12)
+        ]
         (folder / f"part-{f:02d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
     return str(folder / "*.jsonl")
 
@@ -187,8 +200,12 @@ def test_hub_datasets_shard_by_file_like_local_files(tok, files, monkeypatch):
 
     monkeypatch.setattr(trainer.data.text, "_load_streaming", fake_hub)
     hub = _Source(spec="owner/name", kind="hub", hub_path="owner/name", split="train")
-    loaders = [TokenLoader(source=hub, tokenizer=tok, seq_len=SEQ, local_batch_size=B, dp_rank=r, dp_degree=4,
-                           seed=5, num_shards=8) for r in range(4)]
+    loaders = [
+        TokenLoader(
+            source=hub, tokenizer=tok, seq_len=SEQ, local_batch_size=B, dp_rank=r, dp_degree=4, seed=5, num_shards=8
+        )
+        for r in range(4)
+    ]
     assert _global_ids(loaders, 12) == _global_ids(_loaders(tok, files, 4, num_shards=8), 12)
     assert all(loader._by_file for loader in loaders)
 
@@ -226,8 +243,9 @@ def _small(kind: str, path) -> str:
     return str(path / "*.jsonl")
 
 
-@pytest.mark.parametrize("kind", ["one-document", "few-documents", "one-paragraph-txt", "empty-rows-interleaved",
-                                  "files-one-empty-shard"])
+@pytest.mark.parametrize(
+    "kind", ["one-document", "few-documents", "one-paragraph-txt", "empty-rows-interleaved", "files-one-empty-shard"]
+)
 def test_small_data_sets_train_with_the_default_shards(tok, tmp_path, kind):
     """dataset_shards = 0 (the default) on data that would leave an auto shard without text:
     one shard, the same global windows for 1 rank x 8 and 4 ranks x 2 (mesh-independent), and
@@ -272,11 +290,23 @@ def test_trainer_resumes_exactly_on_one_document(tmp_path):
     from tests.support.trainer_runs import read_metrics, run
 
     data = _small("one-document", tmp_path)
-    common = ["-m", "trainer.train", "--config", "configs/llama3_debug.toml", f"--training.dataset={data}",
-              "--training.seq_len=64", "--training.local_batch_size=2", "--model.n_layers=1",
-              "--training.mixed_precision_param=float32", "--validation.enable=false", "--metrics.log_freq=1",
-              "--metrics.enable_tensorboard=false", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0",
-              "--training.steps=4"]
+    common = [
+        "-m",
+        "trainer.train",
+        "--config",
+        "configs/llama3_debug.toml",
+        f"--training.dataset={data}",
+        "--training.seq_len=64",
+        "--training.local_batch_size=2",
+        "--model.n_layers=1",
+        "--training.mixed_precision_param=float32",
+        "--validation.enable=false",
+        "--metrics.log_freq=1",
+        "--metrics.enable_tensorboard=false",
+        "--checkpoint.interval=2",
+        "--checkpoint.keep_latest_k=0",
+        "--training.steps=4",
+    ]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     run([sys.executable, *common, f"--job.dump_folder={full}"])
     shutil.copytree(full / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
@@ -292,13 +322,20 @@ def _worker(out: str) -> None:
     import torch.distributed as dist
 
     from trainer.runtime import gather_objects
-
     from trainer.runtime.device import cpu_backend
 
     dist.init_process_group(cpu_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
-    loader = build_dataloader(dataset="bundled", tokenizer=build_tokenizer("bundled"), seq_len=SEQ,
-                              local_batch_size=B, dp_rank=rank, dp_degree=world, seed=5, gather=gather_objects())
+    loader = build_dataloader(
+        dataset="bundled",
+        tokenizer=build_tokenizer("bundled"),
+        seq_len=SEQ,
+        local_batch_size=B,
+        dp_rank=rank,
+        dp_degree=world,
+        seed=5,
+        gather=gather_objects(),
+    )
     ids = [_ids(*loader.next_batch()) for _ in range(5)]
     state = loader.state_dict()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -313,10 +350,23 @@ def test_torchrun_ranks_gather_the_state_and_resume_on_other_degrees(tok, tmp_pa
     """2 processes (gloo; 2 rather than 4 keeps it near 10 s on 2 cores; the 4 -> 2 order is
     tested in-process above): every rank's state_dict() is the same complete state, each rank
     tokenized only its half, and the state resumes on 1 rank and on 4 ranks in the global order."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO},
-                          capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.abspath(__file__),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     state = ranks[0]["state"]

@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-
 import transformers  # the [dev] extra
 
 import models
@@ -51,8 +50,9 @@ def _tokens(args, seqlen=24):
     return torch.randint(0, args.vocab_size, (2, seqlen), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("kw", [{}, dict(q_lora_rank=0, num_shared_experts=2, v_head_dim=64)],
-                         ids=["lowrank_q", "full_q"])
+@pytest.mark.parametrize(
+    "kw", [{}, dict(q_lora_rank=0, num_shared_experts=2, v_head_dim=64)], ids=["lowrank_q", "full_q"]
+)
 def test_logits_match_transformers(kw):
     """First-k dense blocks, shared experts, sigmoid group-limited routing with a nonzero
     correction bias, routed scaling, YaRN (factor 4, mscale != mscale_all_dim)."""
@@ -123,17 +123,23 @@ def test_hf_config_rejects_variants():
 # embedding table, as the V2-Lite card counts), 671.03 / 37.55, 1026.4 / 32.86: V3 within 0.5%,
 # the rounded "37B" and K2's figures (whose exact basis the report does not give) within 3%.
 PUBLISHED = [
-    ("16B", "total", 15.7, 0.005), ("16B", "active_non_embedding", 2.4, 0.03),
-    ("671B", "total", 671.0, 0.005), ("671B", "active", 37.0, 0.02),
-    ("kimi_k2", "total", 1040.0, 0.02), ("kimi_k2", "active", 32.0, 0.03),
+    ("16B", "total", 15.7, 0.005),
+    ("16B", "active_non_embedding", 2.4, 0.03),
+    ("671B", "total", 671.0, 0.005),
+    ("671B", "active", 37.0, 0.02),
+    ("kimi_k2", "total", 1040.0, 0.02),
+    ("kimi_k2", "active", 32.0, 0.03),
 ]
 
 
 @pytest.mark.parametrize("flavor,what,published,rel", PUBLISHED)
 def test_published_sizes(flavor, what, published, rel):
     args = FLAVORS[flavor]
-    count = {"total": args.num_params(), "active": args.num_active_params(),
-             "active_non_embedding": args.num_active_params(exclude_embedding=True)}[what] / 1e9
+    count = {
+        "total": args.num_params(),
+        "active": args.num_active_params(),
+        "active_non_embedding": args.num_active_params(exclude_embedding=True),
+    }[what] / 1e9
     assert abs(count - published) <= rel * published, (flavor, what, count)
 
 
@@ -193,8 +199,16 @@ def test_expert_bias_update_and_counts():
     """The layer returns the token copies it routed per expert and `update_expert_bias` moves
     each bias by `rate` against the load (DeepSeek-V3's auxiliary-loss-free balancing)."""
     torch.manual_seed(0)
-    moe = MoE(dim=16, hidden_dim=8, num_experts=4, top_k=2, norm_topk_prob=True, score_func="sigmoid",
-              expert_bias=True, aux_loss="sequence")
+    moe = MoE(
+        dim=16,
+        hidden_dim=8,
+        num_experts=4,
+        top_k=2,
+        norm_topk_prob=True,
+        score_func="sigmoid",
+        expert_bias=True,
+        aux_loss="sequence",
+    )
     moe.init_weights(0.02)
     router = moe.router
     x = torch.randn(2, 5, 16)
@@ -264,9 +278,16 @@ from tests.support.trainer_runs import assert_losses_close, train  # noqa: E402
 
 STEPS = 6
 COMMON = [
-    "--config", "configs/deepseek_v3_debug.toml", f"--training.steps={STEPS}", "--training.seq_len=64",
-    "--metrics.log_freq=1", "--checkpoint.enable=false", "--validation.enable=false",
-    "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false", "--lr_scheduler.warmup_steps=2",
+    "--config",
+    "configs/deepseek_v3_debug.toml",
+    f"--training.steps={STEPS}",
+    "--training.seq_len=64",
+    "--metrics.log_freq=1",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+    "--lr_scheduler.warmup_steps=2",
 ]
 
 
@@ -297,14 +318,17 @@ def _assert_curves_close(got, want):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees", [
-    pytest.param(dict(dp_shard=2), id="fsdp2", marks=pytest.mark.exhaustive),  # SimpleFSDP is family-generic
-    pytest.param(dict(tp=2), id="tp2"),
-    pytest.param(dict(dp_shard=2, ep=2), id="ep2", marks=pytest.mark.slow),
-    # Context parallelism is family-generic (tests/e2e/test_cp_train.py); this point adds the
-    # sequence-wise loss over the cp ranks' chunks.
-    pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.exhaustive),
-])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        pytest.param(dict(dp_shard=2), id="fsdp2", marks=pytest.mark.exhaustive),  # SimpleFSDP is family-generic
+        pytest.param(dict(tp=2), id="tp2"),
+        pytest.param(dict(dp_shard=2, ep=2), id="ep2", marks=pytest.mark.slow),
+        # Context parallelism is family-generic (tests/e2e/test_cp_train.py); this point adds the
+        # sequence-wise loss over the cp ranks' chunks.
+        pytest.param(dict(cp=2), id="cp2", marks=pytest.mark.exhaustive),
+    ],
+)
 def test_parallel_matches_single_process(tmp_path, eager_curves, degrees):
     """SimpleFSDP over 2 ranks; TP over 2 ranks with the MLA plan (models/deepseek_v3/plan.py); EP over
     2 ranks (experts split, shared experts and router data-parallel); context parallelism over 2
@@ -317,8 +341,10 @@ def test_parallel_matches_single_process(tmp_path, eager_curves, degrees):
 @pytest.mark.slow
 def test_graph_mode_scan_matches_eager(tmp_path, eager_curves):
     """Graph mode with layer scan over both stacks (dense blocks scanned as their own stack)."""
-    _assert_curves_close(_curves(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
-                                 "--compile.scan_layers=true"), eager_curves)
+    _assert_curves_close(
+        _curves(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true"),
+        eager_curves,
+    )
 
 
 def test_qwen3_moe_expert_bias_is_opt_in():
@@ -362,11 +388,28 @@ def test_convert_hf_folder_to_dcp_and_back(tmp_path):
     args = _args()
     _hf_model(args).save_pretrained(tmp_path / "hf")
     root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
-    for cmd in (["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")],
-                ["to-hf", "--checkpoint", str(tmp_path / "dcp"), "--model.name", "deepseek_v3", "--model.flavor",
-                 "debugmodel", "--model.max_seq_len=1024", str(tmp_path / "hf2")]):
-        r = subprocess.run([sys.executable, "scripts/convert.py", *cmd], cwd=root, capture_output=True, text=True,
-                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    for cmd in (
+        ["from-hf", str(tmp_path / "hf"), str(tmp_path / "dcp")],
+        [
+            "to-hf",
+            "--checkpoint",
+            str(tmp_path / "dcp"),
+            "--model.name",
+            "deepseek_v3",
+            "--model.flavor",
+            "debugmodel",
+            "--model.max_seq_len=1024",
+            str(tmp_path / "hf2"),
+        ],
+    ):
+        r = subprocess.run(
+            [sys.executable, "scripts/convert.py", *cmd],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
 
     def tensors(folder):
@@ -429,7 +472,7 @@ def test_attention_op_receives_unpadded_v(flavor):
         out = mla(x, cos, sin)
     finally:
         ops.register("causal_attention", previous)
-    (q_shape, k_shape, v_shape), = seen
+    ((q_shape, k_shape, v_shape),) = seen
     h = args.n_heads
     assert q_shape == k_shape == (1, h, seq, args.qk_head_dim)
     assert v_shape == (1, h, seq, args.v_head_dim)

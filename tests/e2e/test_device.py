@@ -57,8 +57,9 @@ _FAULTS = textwrap.dedent("""
 
 
 def _faults(mode: str) -> tuple[str, int]:
-    r = subprocess.run([sys.executable, "-c", _FAULTS, mode], cwd=REPO, env=ENV, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _FAULTS, mode], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     banner, faults = r.stdout.strip().split("\n")
     return banner, int(faults)

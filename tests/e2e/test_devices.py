@@ -30,9 +30,16 @@ import pytest
 from tests.support.trainer_runs import ENV, REPO, read_metrics
 
 RECIPE = [
-    "--config", "configs/llama3_debug.toml", "--model.n_layers=2", "--training.seq_len=64",
-    "--training.local_batch_size=4", "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1",
-    "--metrics.enable_tensorboard=false", "--validation.enable=false", "--model.attn_backend=sdpa",
+    "--config",
+    "configs/llama3_debug.toml",
+    "--model.n_layers=2",
+    "--training.seq_len=64",
+    "--training.local_batch_size=4",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--validation.enable=false",
+    "--model.attn_backend=sdpa",
 ]
 FP32 = "--training.mixed_precision_param=float32"
 CPU_ENV = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # torch-tpu stays unloaded in CPU runs (docs/tpu.md)
@@ -41,8 +48,14 @@ TPU_REL = 5e-4
 
 
 def _train(folder, args, *, env=CPU_ENV, launcher=(sys.executable, "-m", "trainer.train")) -> dict[int, dict]:
-    proc = subprocess.run([*launcher, *RECIPE, f"--job.dump_folder={folder}", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*launcher, *RECIPE, f"--job.dump_folder={folder}", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(folder)
 
@@ -51,15 +64,21 @@ def _train(folder, args, *, env=CPU_ENV, launcher=(sys.executable, "-m", "traine
 def weights(tmp_path_factory) -> str:
     """The model of a 20-step CPU run (DCP), the starting point of every run below."""
     folder = tmp_path_factory.mktemp("weights")
-    _train(folder, [FP32, "--device.type=cpu", "--training.steps=20", "--checkpoint.enable=true",
-                    "--checkpoint.interval=20"])
+    _train(
+        folder,
+        [FP32, "--device.type=cpu", "--training.steps=20", "--checkpoint.enable=true", "--checkpoint.interval=20"],
+    )
     return str(folder / "checkpoints" / "step-20")
 
 
 def _from(weights: str, steps: int) -> list[str]:
     """Start from `weights`, train `steps` steps on the batches of seed 45, save nothing."""
-    return [f"--checkpoint.initial_load_path={weights}", f"--training.steps={steps}", "--checkpoint.enable=false",
-            "--training.seed=45"]
+    return [
+        f"--checkpoint.initial_load_path={weights}",
+        f"--training.steps={steps}",
+        "--checkpoint.enable=false",
+        "--training.seed=45",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +113,9 @@ def _tpu_launch_env() -> dict[str, str]:
     """torch-tpu's launch variables (`python -m torch.tpu.distributed`, docs/tpu.md): even one
     process goes through torchrun with them."""
     env = {**ENV, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.tpu.distributed"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.tpu.distributed"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     for line in out.stdout.splitlines():
         match = re.match(r"^(?:export\s+)?([A-Z_][A-Z0-9_]*)=(.*)$", line.strip())
@@ -113,10 +133,18 @@ def test_tpu_step1_loss_matches_the_cpu_fp32_run(weights, cpu_step1, tmp_path):
     5.5x that. It fails a run on another batch (>= 1.7e-3 measured, 3.4x the bound) or from
     other weights (> 1.8e-1), or any numerics further off than bf16 rounding."""
     steps = 3
-    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
-                "trainer.train")
-    got = _train(tmp_path, [*_from(weights, steps), FP32, "--device.type=tpu"], env=_tpu_launch_env(),
-                 launcher=launcher)
+    launcher = (
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "trainer.train",
+    )
+    got = _train(
+        tmp_path, [*_from(weights, steps), FP32, "--device.type=tpu"], env=_tpu_launch_env(), launcher=launcher
+    )
     _check_run(got, steps)
     assert got[1]["loss"] == pytest.approx(cpu_step1, rel=TPU_REL), (got[1]["loss"], cpu_step1)
 
@@ -127,6 +155,14 @@ def test_cpu_pipeline_meets_the_cuda_bound_under_another_summation_order(weights
     ln(4096) = 8.3; 8.9 measured at initialization), and two accumulated micro-batches of 2
     (another summation order of the same fp32 math) give its step-1 loss within the cuda bound."""
     assert cpu_step1 < math.log(4096) - 0.5, cpu_step1
-    got = _train(tmp_path, [*_from(weights, 1), FP32, "--device.type=cpu", "--training.local_batch_size=2",
-                            "--training.gradient_accumulation_steps=2"])
+    got = _train(
+        tmp_path,
+        [
+            *_from(weights, 1),
+            FP32,
+            "--device.type=cpu",
+            "--training.local_batch_size=2",
+            "--training.gradient_accumulation_steps=2",
+        ],
+    )
     assert got[1]["loss"] == pytest.approx(cpu_step1, rel=CUDA_REL), (got[1]["loss"], cpu_step1)

@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import titan_kernels
-from titan_kernels import cpu_attention
 from models.errors import ConfigError
+from titan_kernels import cpu_attention
+from trainer.config import build_config
 from trainer.runtime import device as dev
 from trainer.runtime import flops
-from trainer.config import build_config
 
 CPU = torch.device("cpu")
 
@@ -46,10 +46,13 @@ def fake_probe(monkeypatch, tflops: dict[str, float]) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("tflops, want", [
-    ({"bfloat16": 0.175, "float32": 0.340}, "float32"),   # Xeon with AVX512-BF16, no AMX
-    ({"bfloat16": 1.500, "float32": 0.330}, "bfloat16"),  # EPYC / AMX: bf16 several times faster
-])
+@pytest.mark.parametrize(
+    "tflops, want",
+    [
+        ({"bfloat16": 0.175, "float32": 0.340}, "float32"),  # Xeon with AVX512-BF16, no AMX
+        ({"bfloat16": 1.500, "float32": 0.330}, "bfloat16"),  # EPYC / AMX: bf16 several times faster
+    ],
+)
 def test_auto_picks_the_faster_dtype(monkeypatch, tflops, want):
     calls = fake_probe(monkeypatch, tflops)
     got = dev.resolve_compute_dtype("auto", CPU)
@@ -122,11 +125,20 @@ def test_explicit_dtypes_and_accelerators_never_probe(monkeypatch):
 def test_bad_value_is_one_error_line(tmp_path, capsys):
     from trainer.train import main
 
-    with pytest.raises(ConfigError, match=r"training.mixed_precision_param: 'fp16' is not allowed; "
-                                          r"allowed: bfloat16, float32, auto"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.mixed_precision_param: 'fp16' is not allowed; "
+        r"allowed: bfloat16, float32, auto",
+    ):
         build_config("configs/llama3_debug.toml", [("training.mixed_precision_param", "fp16")])
-    rc = main(["--config", "configs/llama3_debug.toml", "--training.mixed_precision_param=fp16",
-               f"--job.dump_folder={tmp_path}"])
+    rc = main(
+        [
+            "--config",
+            "configs/llama3_debug.toml",
+            "--training.mixed_precision_param=fp16",
+            f"--job.dump_folder={tmp_path}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: training.mixed_precision_param"), err
 

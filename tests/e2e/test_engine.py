@@ -31,8 +31,12 @@ from tests.support.trainer_runs import ENV, REPO, read_metrics
 RECIPE = "configs/llama3_debug.toml"
 SEQ = 32
 COMMON = [
-    "model.n_layers=2", "model.attn_backend=sdpa", f"training.seq_len={SEQ}",
-    "training.mixed_precision_param=float32", "metrics.log_freq=1", "validation.enable=false",
+    "model.n_layers=2",
+    "model.attn_backend=sdpa",
+    f"training.seq_len={SEQ}",
+    "training.mixed_precision_param=float32",
+    "metrics.log_freq=1",
+    "validation.enable=false",
     "metrics.enable_tensorboard=false",
 ]
 LR = 1e-4
@@ -43,6 +47,8 @@ def assert_weights_close(actual: torch.Tensor, expected: torch.Tensor, name: str
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=0.1 * LR, msg=name)
     beyond = ((actual - expected).abs() > 1e-7 + 1e-5 * expected.abs()).float().mean().item()
     assert beyond <= 1e-3, f"{name}: {beyond:.1e} of the elements differ by more than 1e-7"
+
+
 LOSS = dict(rtol=1e-6, atol=0.0)
 
 
@@ -67,19 +73,32 @@ def test_engine_steps_equal_the_trainers_steps(tmp_path):
     """Two trainer steps (trainer.train.main, its loader's batches) vs the engine on the same batches:
     loss and grad norm per step, and the weights in the trainer's step-2 checkpoint."""
     from trainer.data import build_dataloader
-    from trainer.engine import nll_loss
     from trainer.data.tokenizer import build_tokenizer
+    from trainer.engine import nll_loss
     from trainer.train import main
 
     dump = tmp_path / "run"
-    run = [*COMMON, "training.steps=2", "training.local_batch_size=2", "checkpoint.enable=true",
-           "checkpoint.interval=2", f"job.dump_folder={dump}"]
+    run = [
+        *COMMON,
+        "training.steps=2",
+        "training.local_batch_size=2",
+        "checkpoint.enable=true",
+        "checkpoint.interval=2",
+        f"job.dump_folder={dump}",
+    ]
     assert main(["--config", RECIPE, *[f"--{o}" for o in run]]) == 0
     metrics = read_metrics(dump)
 
     engine = _engine("training.steps=2", "training.local_batch_size=2")
-    loader = build_dataloader(dataset="bundled", tokenizer=build_tokenizer("bundled"), seq_len=SEQ,
-                              local_batch_size=2, dp_rank=0, dp_degree=1, seed=42)
+    loader = build_dataloader(
+        dataset="bundled",
+        tokenizer=build_tokenizer("bundled"),
+        seq_len=SEQ,
+        local_batch_size=2,
+        dp_rank=0,
+        dp_degree=1,
+        seed=42,
+    )
     for step in (1, 2):
         inputs, labels = loader.next_batch()
         tokens = torch.cat([inputs, labels[:, -1:]], dim=1)  # the loader's window of SEQ + 1 tokens
@@ -111,7 +130,7 @@ def test_accumulation_over_two_calls_equals_one_call_on_the_concatenated_batch()
     after_one = _params(one)
 
     two = _engine()
-    halves = [two.forward_backward({"tokens": tokens[i:i + 2]}, nll_loss)["loss"] for i in (0, 2)]
+    halves = [two.forward_backward({"tokens": tokens[i : i + 2]}, nll_loss)["loss"] for i in (0, 2)]
     norm_two = two.optimizer_step()["grad_norm"]
     torch.testing.assert_close(sum(halves) / 2, whole, **LOSS)
     torch.testing.assert_close(norm_two, norm_one, rtol=1e-5, atol=0.0)
@@ -133,10 +152,13 @@ def test_accumulation_over_two_calls_equals_one_call_on_the_concatenated_batch()
     masked.close()
 
 
-@pytest.mark.parametrize("extra", [
-    pytest.param(("activation_checkpoint.mode=full",), id="ac-full"),
-    pytest.param(("compile.mode=compile", "compile.backend=aot_eager"), id="compile-aot_eager"),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(("activation_checkpoint.mode=full",), id="ac-full"),
+        pytest.param(("compile.mode=compile", "compile.backend=aot_eager"), id="compile-aot_eager"),
+    ],
+)
 def test_block_modes_leave_the_step_unchanged(extra):
     """The recipe's activation checkpointing / per-block compile reach the blocks (as the trainer's
     parallelize_model applies them) and compute the same fp32 step and log-probs as plain eager."""
@@ -261,6 +283,7 @@ def test_bad_input_is_a_config_error():
 
 # --- 1 rank vs 2 ranks (torchrun) ------------------------------------------------------------------
 
+
 def _worker(out: str) -> None:
     """Under torchrun: one step on this rank's half of a fixed global batch, then both exports."""
     import torch.distributed as dist
@@ -274,7 +297,7 @@ def _worker(out: str) -> None:
     tokens = _tokens(4)
     dp_rank = engine.parallel_dims.dp_rank(engine.mesh)
     rows = tokens.shape[0] // dp
-    mine = tokens[dp_rank * rows:(dp_rank + 1) * rows]
+    mine = tokens[dp_rank * rows : (dp_rank + 1) * rows]
     # An all-ones mask: the same loss, through the masked path (a plain tensor times the log-probs).
     before = engine.forward_backward({"tokens": mine, "loss_mask": torch.ones(rows, SEQ)})["loss"]
     stepped = engine.optimizer_step()
@@ -287,14 +310,23 @@ def _worker(out: str) -> None:
     gathers_before_first = len(gathers)
     DTensor.full_tensor = full_tensor
     full = {name: value.clone() for name, value in [first, *export]}
-    shards = [(name, value.clone(), info.global_shape, info.offset)
-              for name, value, info in engine.hf_state_dict(sharded=True)]
+    shards = [
+        (name, value.clone(), info.global_shape, info.offset)
+        for name, value, info in engine.hf_state_dict(sharded=True)
+    ]
     torch.save(shards, os.path.join(out, f"shards_rank{rank}.pt"))
     if rank == 0:
         torch.save(full, os.path.join(out, "full.pt"))
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"loss": before, "grad_norm": stepped["grad_norm"], "world": world,
-                       "gathers_before_first": gathers_before_first}, f)
+            json.dump(
+                {
+                    "loss": before,
+                    "grad_norm": stepped["grad_norm"],
+                    "world": world,
+                    "gathers_before_first": gathers_before_first,
+                },
+                f,
+            )
     # Both ranks done before either tears its process group down: once (2026-12-02 at `6ab6fe2`, loaded CI
     # machine) rank 0 aborted here with "terminate called without an active exception" while
     # rank 1 was still exporting; not reproduced, so this is a guess at the cause.
@@ -304,10 +336,19 @@ def _worker(out: str) -> None:
 
 def _launch(out, nproc: int, recipe: str, *extra: str) -> dict:
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "tests", "e2e", "test_engine.py"), "--worker", str(out), recipe, *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "PYTHONPATH": REPO}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.join(REPO, "tests", "e2e", "test_engine.py"),
+        "--worker",
+        str(out),
+        recipe,
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env={**ENV, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(out, "result.json")) as f:
         return json.load(f)
@@ -346,26 +387,67 @@ MOE = "configs/qwen3_moe_debug.toml"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recipe, nproc, degrees", [
-    pytest.param(RECIPE, 2, ("parallelism.data_parallel_shard_degree=2",), id="fsdp2"),
-    pytest.param(RECIPE, 2, ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1"),
-                 id="tp2", marks=pytest.mark.slow),
-    pytest.param(RECIPE, 2, ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1",
-                          "parallelism.enable_loss_parallel=true"), id="tp2-loss-parallel", marks=pytest.mark.slow),
-    # Replicas: each tensor is yielded by one rank of the dp_replicate axis only.
-    pytest.param(RECIPE, 2, ("parallelism.data_parallel_replicate_degree=2",
-                             "parallelism.data_parallel_shard_degree=1"), id="hsdp-replicate2", marks=pytest.mark.slow),
-    # 2-D (dp_shard, tp): the dp shard of a TP shard (_StridedShard) is still one block.
-    pytest.param(RECIPE, 4, ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=2"),
-                 id="fsdp2-tp2", marks=pytest.mark.slow),
-    # Stacked experts [8, ...] split over ranks: per-expert HF tensors at the right global index.
-    # No load-balancing loss: it is a product of per-batch fractions, so half batches on two
-    # ranks give another (equally valid) gradient than the whole batch on one.
-    pytest.param(MOE, 2, ("parallelism.data_parallel_shard_degree=2", "training.aux_loss_coef=0"),
-                 id="moe-fsdp2", marks=pytest.mark.slow),
-    pytest.param(MOE, 2, ("parallelism.data_parallel_shard_degree=2", "parallelism.expert_parallel_degree=2",
-                       "training.aux_loss_coef=0"), id="moe-ep2", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "recipe, nproc, degrees",
+    [
+        pytest.param(RECIPE, 2, ("parallelism.data_parallel_shard_degree=2",), id="fsdp2"),
+        pytest.param(
+            RECIPE,
+            2,
+            ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=1"),
+            id="tp2",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            RECIPE,
+            2,
+            (
+                "parallelism.tensor_parallel_degree=2",
+                "parallelism.data_parallel_shard_degree=1",
+                "parallelism.enable_loss_parallel=true",
+            ),
+            id="tp2-loss-parallel",
+            marks=pytest.mark.slow,
+        ),
+        # Replicas: each tensor is yielded by one rank of the dp_replicate axis only.
+        pytest.param(
+            RECIPE,
+            2,
+            ("parallelism.data_parallel_replicate_degree=2", "parallelism.data_parallel_shard_degree=1"),
+            id="hsdp-replicate2",
+            marks=pytest.mark.slow,
+        ),
+        # 2-D (dp_shard, tp): the dp shard of a TP shard (_StridedShard) is still one block.
+        pytest.param(
+            RECIPE,
+            4,
+            ("parallelism.tensor_parallel_degree=2", "parallelism.data_parallel_shard_degree=2"),
+            id="fsdp2-tp2",
+            marks=pytest.mark.slow,
+        ),
+        # Stacked experts [8, ...] split over ranks: per-expert HF tensors at the right global index.
+        # No load-balancing loss: it is a product of per-batch fractions, so half batches on two
+        # ranks give another (equally valid) gradient than the whole batch on one.
+        pytest.param(
+            MOE,
+            2,
+            ("parallelism.data_parallel_shard_degree=2", "training.aux_loss_coef=0"),
+            id="moe-fsdp2",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            MOE,
+            2,
+            (
+                "parallelism.data_parallel_shard_degree=2",
+                "parallelism.expert_parallel_degree=2",
+                "training.aux_loss_coef=0",
+            ),
+            id="moe-ep2",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_hf_export_one_rank_equals_two_ranks(tmp_path, one_rank, recipe, nproc, degrees):
     one = one_rank(recipe)
     two = _launch(tmp_path / "two", nproc, recipe, *degrees)
@@ -400,6 +482,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
 
 # --- the API contract: loads drop pending gradients, misuse is one EngineError, nothing changed ----
 
+
 def test_load_and_load_state_dict_drop_pending_gradients(tmp_path):
     """Issue 29: gradients accumulated before a load were applied to the loaded weights at the
     next step. The step after a load must be the checkpoint's own step, whatever was pending,
@@ -412,8 +495,11 @@ def test_load_and_load_state_dict_drop_pending_gradients(tmp_path):
     saved = {k: v.clone() for k, v in e.state_dict()["model"].items()}
     e.forward_backward({"tokens": _tokens(2)})
     want = e.optimizer_step()
-    for load in (lambda: e.load(tmp_path / "ckpt"), lambda: e.load(tmp_path / "ckpt"),
-                 lambda: e.load_state_dict({"model": saved, "train_state": {"step": 1}})):
+    for load in (
+        lambda: e.load(tmp_path / "ckpt"),
+        lambda: e.load(tmp_path / "ckpt"),
+        lambda: e.load_state_dict({"model": saved, "train_state": {"step": 1}}),
+    ):
         e.forward_backward({"tokens": _tokens(2, seed=1)})  # pending, computed on other weights
         assert e.pending_gradients
         load()
@@ -438,8 +524,11 @@ def _misuses(vocab: int):
         ("no tokens", lambda e: e.forward_backward({"ids": good["tokens"]}), "no 'tokens'"),
         ("float tokens", lambda e: e.forward_backward({"tokens": good["tokens"].float()}), "expected int64"),
         ("one token", lambda e: e.forward_backward({"tokens": good["tokens"][:, :1]}), "at least 2 tokens"),
-        ("too long", lambda e: e.forward_backward({"tokens": torch.zeros(1, SEQ + 2, dtype=torch.int64)}),
-         "raise training.seq_len"),
+        (
+            "too long",
+            lambda e: e.forward_backward({"tokens": torch.zeros(1, SEQ + 2, dtype=torch.int64)}),
+            "raise training.seq_len",
+        ),
         ("id >= vocab", lambda e: e.forward_backward({"tokens": torch.full((1, 4), vocab)}), f"0..{vocab - 1}"),
         ("id < 0", lambda e: e.compute_logprobs(torch.full((1, 4), -1)), f"0..{vocab - 1}"),
         ("list tokens", lambda e: e.next_token_logits([[1, 2]]), "expected int64"),
@@ -471,8 +560,14 @@ def test_every_misuse_is_one_engine_error_and_changes_nothing():
         e.optimizer_step()
     assert e.step == 0
     e.close()
-    for call in (lambda: e.forward_backward({"tokens": _tokens(2)}), e.optimizer_step, e.state_dict,
-                 lambda: e.save("unused"), lambda: e.load("unused"), lambda: next(e.hf_state_dict())):
+    for call in (
+        lambda: e.forward_backward({"tokens": _tokens(2)}),
+        e.optimizer_step,
+        e.state_dict,
+        lambda: e.save("unused"),
+        lambda: e.load("unused"),
+        lambda: next(e.hf_state_dict()),
+    ):
         with pytest.raises(EngineError, match="closed"):
             call()
     assert not os.path.exists("unused")
@@ -495,8 +590,11 @@ def test_a_failed_load_blocks_every_call_until_a_load_succeeds(tmp_path, monkeyp
     with pytest.raises(OSError):
         e.load(tmp_path / "ckpt")
     assert not e.pending_gradients
-    for call in (lambda: e.forward_backward({"tokens": _tokens(2)}), lambda: e.save(tmp_path / "other"),
-                 lambda: e.compute_logprobs(_tokens(1))):
+    for call in (
+        lambda: e.forward_backward({"tokens": _tokens(2)}),
+        lambda: e.save(tmp_path / "other"),
+        lambda: e.compute_logprobs(_tokens(1)),
+    ):
         with pytest.raises(EngineError, match="the last load from .* failed .*Input/output error.* partly overwritten"):
             call()
     assert not (tmp_path / "other").exists()

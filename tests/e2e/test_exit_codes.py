@@ -24,20 +24,23 @@ from tests.support.trainer_runs import ENV, REPO
 from trainer.runtime.exit_status import launcher_exit_code, read_exit_statuses, record_exit_status
 
 
-@pytest.mark.parametrize("torchrun, workers, want", [
-    (0, {0: 0, 1: 0}, 0),
-    (1, {0: 75, 1: 75}, 75),          # preempted: every worker saved and exited 75
-    (1, {0: 2, 1: 2}, 2),             # bad input on every rank
-    (1, {1: 2}, 2),                   # bad input; torchrun killed rank 0 before it said so
-    (1, {0: 2, 1: 1}, 1),
-    (1, {0: 75}, 1),                  # one worker recorded nothing (killed): not a preemption
-    (1, {0: 75, 1: 1}, 1),            # one crashed while the other was preempted
-    (1, {0: 75, 1: 0}, 1),
-    (1, {}, 1),                       # torchrun failed before any worker ended
-    (-15, {}, 143),                   # torchrun killed by SIGTERM before its workers started
-    (-9, {0: 75, 1: 75}, 75),         # torchrun killed after its workers saved
-    (75, {}, 1),                      # never 75 unless the workers said so
-])
+@pytest.mark.parametrize(
+    "torchrun, workers, want",
+    [
+        (0, {0: 0, 1: 0}, 0),
+        (1, {0: 75, 1: 75}, 75),  # preempted: every worker saved and exited 75
+        (1, {0: 2, 1: 2}, 2),  # bad input on every rank
+        (1, {1: 2}, 2),  # bad input; torchrun killed rank 0 before it said so
+        (1, {0: 2, 1: 1}, 1),
+        (1, {0: 75}, 1),  # one worker recorded nothing (killed): not a preemption
+        (1, {0: 75, 1: 1}, 1),  # one crashed while the other was preempted
+        (1, {0: 75, 1: 0}, 1),
+        (1, {}, 1),  # torchrun failed before any worker ended
+        (-15, {}, 143),  # torchrun killed by SIGTERM before its workers started
+        (-9, {0: 75, 1: 75}, 75),  # torchrun killed after its workers saved
+        (75, {}, 1),  # never 75 unless the workers said so
+    ],
+)
 def test_launcher_exit_code(torchrun, workers, want):
     assert launcher_exit_code(torchrun, workers, 2) == want
 
@@ -59,15 +62,45 @@ def _free_port() -> int:
 
 def _launch(folder, *extra: str, steps: int = 10_000) -> subprocess.Popen:
     """A 2-process CPU job through the launcher; long enough that only a signal ends it."""
-    args = ["--config", "configs/llama3_debug.toml", f"--training.steps={steps}", "--training.seq_len=32",
-            "--model.n_layers=1", "--model.attn_backend=sdpa", "--metrics.log_freq=1", "--validation.enable=false",
-            "--metrics.enable_tensorboard=false", "--training.local_batch_size=1",
-            "--parallelism.data_parallel_shard_degree=2", "--checkpoint.enable=true",
-            "--checkpoint.interval=100000", f"--job.dump_folder={folder}", *extra]
+    args = [
+        "--config",
+        "configs/llama3_debug.toml",
+        f"--training.steps={steps}",
+        "--training.seq_len=32",
+        "--model.n_layers=1",
+        "--model.attn_backend=sdpa",
+        "--metrics.log_freq=1",
+        "--validation.enable=false",
+        "--metrics.enable_tensorboard=false",
+        "--training.local_batch_size=1",
+        "--parallelism.data_parallel_shard_degree=2",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=100000",
+        f"--job.dump_folder={folder}",
+        *extra,
+    ]
     env = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    cmd = [sys.executable, "-m", "trainer.launch", "--platform", "manual", "--device", "cpu", "--nnodes", "1",
-           "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "--nproc-per-node", "2", "--", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--platform",
+        "manual",
+        "--device",
+        "cpu",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--nproc-per-node",
+        "2",
+        "--",
+        *args,
+    ]
     os.makedirs(folder.parent / "logs", exist_ok=True)
     log = open(folder.parent / "logs" / f"{folder.name}.txt", "w+")  # a file: a full pipe would stall the job
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -127,7 +160,9 @@ def _worker_pid(launcher: int, rank: int) -> int:
 
 def _saved_steps(folder) -> list[int]:
     ckpt = os.path.join(folder, "checkpoints")
-    return sorted(int(d.split("-")[1]) for d in os.listdir(ckpt) if d.startswith("step-")) if os.path.isdir(ckpt) else []
+    return (
+        sorted(int(d.split("-")[1]) for d in os.listdir(ckpt) if d.startswith("step-")) if os.path.isdir(ckpt) else []
+    )
 
 
 def _assert_preempted(proc, folder, err: str) -> None:

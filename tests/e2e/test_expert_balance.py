@@ -27,10 +27,18 @@ from trainer.optim.expert_balance import ExpertBalance
 STEPS = 4
 RATE = 0.001
 COMMON = [
-    "--config", "configs/deepseek_v3_debug.toml", f"--training.steps={STEPS}", "--training.seq_len=64",
-    "--metrics.log_freq=1", "--validation.enable=false", "--checkpoint.interval=2",
-    "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false",
-    "--lr_scheduler.warmup_steps=2", f"--training.expert_bias_rate={RATE}", "--optimizer.lr=3e-4",
+    "--config",
+    "configs/deepseek_v3_debug.toml",
+    f"--training.steps={STEPS}",
+    "--training.seq_len=64",
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--checkpoint.interval=2",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+    "--lr_scheduler.warmup_steps=2",
+    f"--training.expert_bias_rate={RATE}",
+    "--optimizer.lr=3e-4",
 ]
 
 
@@ -117,12 +125,15 @@ def _assert_same(got, want):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("degrees, extra", [
-    pytest.param(dict(dp_shard=2), (), id="fsdp2"),
-    pytest.param(dict(tp=2), (), id="tp2"),
-    pytest.param(dict(dp_shard=2, ep=2), (), id="ep2", marks=pytest.mark.slow),
-    pytest.param({}, ("--parallelism.context_parallel_degree=2",), id="cp2", marks=pytest.mark.exhaustive),
-])
+@pytest.mark.parametrize(
+    "degrees, extra",
+    [
+        pytest.param(dict(dp_shard=2), (), id="fsdp2"),
+        pytest.param(dict(tp=2), (), id="tp2"),
+        pytest.param(dict(dp_shard=2, ep=2), (), id="ep2", marks=pytest.mark.slow),
+        pytest.param({}, ("--parallelism.context_parallel_degree=2",), id="cp2", marks=pytest.mark.exhaustive),
+    ],
+)
 def test_bias_trajectory_matches_single_process(tmp_path, reference, degrees, extra):
     """SimpleFSDP (ranks route different sequences), TP (each rank routes its sequence shard),
     EP (tokens counted before dispatch), CP (each rank holds two chunks of every sequence)."""
@@ -131,8 +142,10 @@ def test_bias_trajectory_matches_single_process(tmp_path, reference, degrees, ex
 
 def test_graph_mode_scan_bias_matches_eager(tmp_path, reference):
     """The loads leave the captured graph as a layer-scan output; the update runs after it."""
-    _assert_same(_run(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
-                      "--compile.scan_layers=true"), reference)
+    _assert_same(
+        _run(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true"),
+        reference,
+    )
 
 
 def test_resume_continues_the_bias_trajectory(tmp_path, reference):
@@ -148,9 +161,17 @@ def test_engine_optimizer_step_moves_the_biases():
     optimizer_step, as the trainer's step does (Qwen 3 MoE with `moe_expert_bias`)."""
     from trainer.engine import Engine
 
-    engine = Engine.from_recipe("configs/qwen3_moe_debug.toml", [
-        "model.moe_expert_bias=true", "training.seq_len=32", "training.mixed_precision_param=float32",
-        "checkpoint.enable=false", "metrics.enable_tensorboard=false", f"training.expert_bias_rate={RATE}"])
+    engine = Engine.from_recipe(
+        "configs/qwen3_moe_debug.toml",
+        [
+            "model.moe_expert_bias=true",
+            "training.seq_len=32",
+            "training.mixed_precision_param=float32",
+            "checkpoint.enable=false",
+            "metrics.enable_tensorboard=false",
+            f"training.expert_bias_rate={RATE}",
+        ],
+    )
     tokens = [torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
     routers = [m.router for m in engine.model.modules() if isinstance(m, MoE)]
     balance = ExpertBalance(engine.model, rate=RATE)

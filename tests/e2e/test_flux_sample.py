@@ -21,8 +21,8 @@ import sys
 import pytest
 import torch
 
-from trainer.tasks import flow
 from tools import flux_run
+from trainer.tasks import flow
 from trainer.tasks import flux_sample as fs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,19 +95,23 @@ def tiny_run(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from trainer.flux_data import build as fb
     from trainer.config import model_args
+    from trainer.flux_data import build as fb
 
     root = tmp_path_factory.mktemp("flux_run")
     data = str(root / "data")
-    fb.build_dataset(fb.BuildParams(image_size=16, num_train=24, num_heldout=12, shard_rows=24, row_group_rows=8,
-                                    vae_steps=2), data, log=lambda _: None)
+    fb.build_dataset(
+        fb.BuildParams(image_size=16, num_train=24, num_heldout=12, shard_rows=24, row_group_rows=8, vae_steps=2),
+        data,
+        log=lambda _: None,
+    )
     run = root / "run"
     run.mkdir()
     overrides = "\n".join(f"{k} = {v}" for k, v in MODEL_OVERRIDES.items())
     (run / "config.toml").write_text(
         f'[job]\ndump_folder = "{run}"\n[model]\nname = "flux"\nflavor = "debugmodel"\n{overrides}\n'
-        f'[training]\ndataset = "{data}"\n[flow]\nshift = 2.0\n')
+        f'[training]\ndataset = "{data}"\n[flow]\nshift = 2.0\n'
+    )
     family, args = model_args("flux", "debugmodel", MODEL_OVERRIDES)
     with torch.device("meta"):
         model = family.model_cls(args)
@@ -146,8 +150,14 @@ def test_log_sample_grid_is_deterministic(tiny_run):
 def _script(name, *args):
     """Run `scripts/<name>` as a process (exit code, one-line stderr, no traceback)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
 
 
 def _main(module, capsys, *args):
@@ -165,24 +175,45 @@ def test_sample_script_writes_png_grid(tiny_run, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle on the left\n\na green triangle on the right\na cyan square at the top\n")
     out = tmp_path / "grid.png"
-    code, _, err = _main("sample", capsys, "--run", str(tiny_run[0]), "--prompts-file", str(prompts), "--prompt",
-                         "a blue diamond", "--steps", "2", "--cfg-scale", "3", "--out", str(out), "--scale", "2")
+    code, _, err = _main(
+        "sample",
+        capsys,
+        "--run",
+        str(tiny_run[0]),
+        "--prompts-file",
+        str(prompts),
+        "--prompt",
+        "a blue diamond",
+        "--steps",
+        "2",
+        "--cfg-scale",
+        "3",
+        "--out",
+        str(out),
+        "--scale",
+        "2",
+    )
     assert code == 0, err
     image = Image.open(out)
     side = 16  # image_size of the tiny data set
     assert image.mode == "RGB" and image.size == (2 * (2 * (side + 2) + 2), 2 * (2 * (side + 2) + 2))
     lines = (tmp_path / "grid.txt").read_text().splitlines()
     assert "step-3" in lines[0] and lines[1:] == [
-        "row 0 col 0: a blue diamond", "row 0 col 1: a red circle on the left",
-        "row 1 col 0: a green triangle on the right", "row 1 col 1: a cyan square at the top"]
+        "row 0 col 0: a blue diamond",
+        "row 0 col 1: a red circle on the left",
+        "row 1 col 0: a green triangle on the right",
+        "row 1 col 1: a cyan square at the top",
+    ]
 
 
 def test_sample_script_bad_input(tiny_run, tmp_path, capsys):
-    for args, key in ((["--run", str(tmp_path), "--prompt", "x"], "config.toml"),
-                      (["--run", str(tiny_run[0])], "--prompt"),
-                      (["--run", str(tiny_run[0]), "--prompt", "x", "--step", "9"], "--step 9"),
-                      (["--run", str(tiny_run[0]), "--prompts-file", str(tmp_path / "none.txt")], "--prompts-file"),
-                      (["--run", str(tiny_run[0]), "--prompt", "x", "--steps", "0"], "--steps")):
+    for args, key in (
+        (["--run", str(tmp_path), "--prompt", "x"], "config.toml"),
+        (["--run", str(tiny_run[0])], "--prompt"),
+        (["--run", str(tiny_run[0]), "--prompt", "x", "--step", "9"], "--step 9"),
+        (["--run", str(tiny_run[0]), "--prompts-file", str(tmp_path / "none.txt")], "--prompts-file"),
+        (["--run", str(tiny_run[0]), "--prompt", "x", "--steps", "0"], "--steps"),
+    ):
         code, _, err = _main("sample", capsys, *args)
         assert code == 2 and err.startswith("error: ") and key in err, (args, err)
         assert len(err.strip().splitlines()) == 1, err
@@ -201,8 +232,20 @@ def test_eval_flux_runs_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
     import csv
 
     out = tmp_path / "eval.csv"
-    code, stdout, err = _main("eval_flux", capsys, "--run", str(tiny_run[0]), "--samples-per-prompt", "2",
-                              "--steps", "2", "--csv", str(out), "--grid", str(tmp_path / "eval.png"))
+    code, stdout, err = _main(
+        "eval_flux",
+        capsys,
+        "--run",
+        str(tiny_run[0]),
+        "--samples-per-prompt",
+        "2",
+        "--steps",
+        "2",
+        "--csv",
+        str(out),
+        "--grid",
+        str(tmp_path / "eval.png"),
+    )
     assert code == 0, err
     assert "trained (step-3)" in stdout and "untrained (init)" in stdout and "chance" in stdout
     rows = list(csv.DictReader(open(out)))
@@ -230,8 +273,20 @@ def test_eval_flux_disk_full_leaves_nothing_partial(tiny_run, tmp_path, capsys, 
     monkeypatch.setattr(flux_sample, "save_png", failing_save_png)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    code, _, err = _main("eval_flux", capsys, "--run", str(tiny_run[0]), "--samples-per-prompt", "1",
-                         "--steps", "1", "--csv", str(out_dir / "eval.csv"), "--grid", str(out_dir / "eval.png"))
+    code, _, err = _main(
+        "eval_flux",
+        capsys,
+        "--run",
+        str(tiny_run[0]),
+        "--samples-per-prompt",
+        "1",
+        "--steps",
+        "1",
+        "--csv",
+        str(out_dir / "eval.csv"),
+        "--grid",
+        str(out_dir / "eval.png"),
+    )
     assert code == 1, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]  # (transformers' load bars also print)
     assert len(errors) == 1 and "No space left on device" in errors[0] and "Traceback" not in err

@@ -17,8 +17,15 @@ from trainer.tasks import flow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-DRAW = dict(latent_shape=(16, 4, 4), seed=7, timestep_sampling="logit_normal", logit_mean=0.0, logit_std=1.0,
-            shift=1.0, text_dropout=0.25)
+DRAW = dict(
+    latent_shape=(16, 4, 4),
+    seed=7,
+    timestep_sampling="logit_normal",
+    logit_mean=0.0,
+    logit_std=1.0,
+    shift=1.0,
+    text_dropout=0.25,
+)
 
 
 # ----------------------------------------------------------------------------- the objective
@@ -158,15 +165,21 @@ def test_flux_recipes_parse_and_validate(recipe):
     assert (task.guidance is not None) == (cfg.model.flavor == "flux-dev")
 
 
-@pytest.mark.parametrize("override, pattern", [
-    ("--flow.timestep_sampling=cosine", "flow.timestep_sampling: 'cosine' is not allowed; allowed: uniform, logit_normal"),
-    ("--flow.text_dropout=1.5", "flow.text_dropout: 1.5 is out of range; must be <= 1"),
-    ("--flow.logit_std=0", "flow.logit_std: 0.0 is out of range; must be > 0"),
-    ("--flow.shit=2", "unknown key flow.shit"),
-    ("--flow.shift=3", "flow.shift: 3.0 with flow.resolution_shift = true"),
-    ("--parallelism.enable_loss_parallel=true", "parallelism.enable_loss_parallel: shards an LM's vocabulary"),
-    ("--model.hidden_size=100", "model.num_heads"),
-])
+@pytest.mark.parametrize(
+    "override, pattern",
+    [
+        (
+            "--flow.timestep_sampling=cosine",
+            "flow.timestep_sampling: 'cosine' is not allowed; allowed: uniform, logit_normal",
+        ),
+        ("--flow.text_dropout=1.5", "flow.text_dropout: 1.5 is out of range; must be <= 1"),
+        ("--flow.logit_std=0", "flow.logit_std: 0.0 is out of range; must be > 0"),
+        ("--flow.shit=2", "unknown key flow.shit"),
+        ("--flow.shift=3", "flow.shift: 3.0 with flow.resolution_shift = true"),
+        ("--parallelism.enable_loss_parallel=true", "parallelism.enable_loss_parallel: shards an LM's vocabulary"),
+        ("--model.hidden_size=100", "model.num_heads"),
+    ],
+)
 def test_flux_recipe_bad_keys_give_one_error_line(capsys, override, pattern):
     """In process (`trainer.train.main`, what `python -m trainer.train` runs): exit code 2 and
     exactly one `error:` line; one case also runs as a real command below."""
@@ -178,9 +191,21 @@ def test_flux_recipe_bad_keys_give_one_error_line(capsys, override, pattern):
 
 
 def test_flux_bad_key_from_the_command_line():
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", "configs/flux_debug.toml",
-                           "--flow.timestep_sampling=cosine"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "--config",
+            "configs/flux_debug.toml",
+            "--flow.timestep_sampling=cosine",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: flow."), proc.stderr
 
 
@@ -189,13 +214,23 @@ def test_flux_bad_key_from_the_command_line():
 # machine into the titan-tpu cache, as a user's first run does).
 
 E2E = [
-    "--config", "configs/flux_debug.toml", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
-    "--validation.enable=false", "--checkpoint.enable=false",
+    "--config",
+    "configs/flux_debug.toml",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--validation.enable=false",
+    "--checkpoint.enable=false",
 ]
 # Mesh parity and resume: fp32 (so the comparison is not dominated by bf16 rounding), 6 steps,
 # a global batch of 4 samples, a constant lr after 1 warmup step.
-PARITY = [*E2E, "--training.mixed_precision_param=float32", "--training.steps=6", "--optimizer.lr=1e-3",
-          "--lr_scheduler.warmup_steps=1", "--lr_scheduler.decay_type=constant"]
+PARITY = [
+    *E2E,
+    "--training.mixed_precision_param=float32",
+    "--training.steps=6",
+    "--optimizer.lr=1e-3",
+    "--lr_scheduler.warmup_steps=1",
+    "--lr_scheduler.decay_type=constant",
+]
 
 
 def _flux_losses(folder, nproc, degrees, *extra):
@@ -244,8 +279,12 @@ def test_flux_checkpoint_round_trip(tmp_path):
     run exactly (one process: same summation order; the draws depend on the sample index only)."""
     from tests.support.trainer_runs import read_metrics, run
 
-    ck = ["--checkpoint.enable=true", "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0",
-          "--training.local_batch_size=4"]
+    ck = [
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=3",
+        "--checkpoint.keep_latest_k=0",
+        "--training.local_batch_size=4",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     run([sys.executable, "-m", "trainer.train", *PARITY, *ck, f"--job.dump_folder={full}"])
     run([sys.executable, "-m", "trainer.train", *PARITY, *ck, f"--job.dump_folder={part}", "--training.steps=3"])
@@ -264,14 +303,27 @@ def test_flux_debug_recipe_loss_falls(tmp_path):
     held-out validation loss is below the loss of the first step."""
     from tests.support.trainer_runs import read_metrics, run
 
-    run([sys.executable, "-m", "trainer.train", *E2E, f"--job.dump_folder={tmp_path}", f"--training.steps={FALL_STEPS}",
-         "--training.mixed_precision_param=bfloat16",  # the recipe's `auto` would depend on the CPU
-         "--validation.enable=true", f"--validation.freq={FALL_STEPS}", "--metrics.enable_tensorboard=true"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            *E2E,
+            f"--job.dump_folder={tmp_path}",
+            f"--training.steps={FALL_STEPS}",
+            "--training.mixed_precision_param=bfloat16",  # the recipe's `auto` would depend on the CPU
+            "--validation.enable=true",
+            f"--validation.freq={FALL_STEPS}",
+            "--metrics.enable_tensorboard=true",
+        ]
+    )
     records = read_metrics(tmp_path)
     losses = [records[s]["loss"] for s in sorted(records)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
-    print(f"flux debug {FALL_STEPS} steps: loss {first:.4f} -> {last:.4f} (ratio {last / first:.3f}), "
-          f"val {records[FALL_STEPS]['val_loss']:.4f}")
+    print(
+        f"flux debug {FALL_STEPS} steps: loss {first:.4f} -> {last:.4f} (ratio {last / first:.3f}), "
+        f"val {records[FALL_STEPS]['val_loss']:.4f}"
+    )
     assert last < LOSS_FALL * first
     assert records[FALL_STEPS]["val_loss"] < losses[0]
     assert records[FALL_STEPS]["samples_per_sec"] > 0 and "tokens_per_sec" not in records[FALL_STEPS]

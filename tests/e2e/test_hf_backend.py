@@ -203,8 +203,10 @@ def test_config_errors(tmp_path):
         build_config("configs/llama3_debug.toml", [("model.name", "hf"), ("model.flavor", "config")])
     with pytest.raises(ConfigError, match=r"^model.hf_config: only used with model.name"):
         build_config("configs/llama3_debug.toml", [("model.hf_config", str(tmp_path))])
-    cfg = build_config("configs/llama3_debug.toml", [("model.name", "hf"), ("model.flavor", "config"),
-                                                     ("model.hf_config", str(tmp_path / "nope"))])
+    cfg = build_config(
+        "configs/llama3_debug.toml",
+        [("model.name", "hf"), ("model.flavor", "config"), ("model.hf_config", str(tmp_path / "nope"))],
+    )
     with pytest.raises(ConfigError, match=r"^model.hf_config: .*nope.* is not a config.json"):
         resolve_model_args(cfg.model, seq_len=32)
     # TP with an architecture whose plan does not translate: a step-plan rule, refused by plan_job
@@ -212,10 +214,24 @@ def test_config_errors(tmp_path):
 
 
 def test_bad_hf_config_is_one_error_line(tmp_path):
-    proc = subprocess.run(launch_command(1, ["--config", "configs/llama3_debug.toml", "--model.name=hf",
-                                             "--model.flavor=config", f"--model.hf_config={tmp_path}/missing",
-                                             f"--job.dump_folder={tmp_path}/out"]),
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        launch_command(
+            1,
+            [
+                "--config",
+                "configs/llama3_debug.toml",
+                "--model.name=hf",
+                "--model.flavor=config",
+                f"--model.hf_config={tmp_path}/missing",
+                f"--job.dump_folder={tmp_path}/out",
+            ],
+        ),
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")]
     assert len(lines) == 1 and lines[0].startswith("error: model.hf_config: "), proc.stderr
@@ -228,8 +244,12 @@ MODES = {
     "ac": ["--activation_checkpoint.mode=full"],
     "compile": ["--compile.mode=compile", "--compile.backend=aot_eager"],
     "graph": ["--compile.mode=graph", "--compile.backend=aot_eager"],
-    "scan": ["--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true",
-             "--compile.dump_graph=graph.txt"],
+    "scan": [
+        "--compile.mode=graph",
+        "--compile.backend=aot_eager",
+        "--compile.scan_layers=true",
+        "--compile.dump_graph=graph.txt",
+    ],
 }
 # Refused with an `error:` line, by design (docs/hf_backend.md): scan needs uniform layers without
 # router logits collected by hooks during forward; TP needs a translatable base_model_tp_plan and uniform masks.
@@ -238,11 +258,23 @@ TP_ARCHS = ["llama", "qwen3", "mistral", "gpt_neox", "starcoder2"]
 
 
 def _argv(folder, arch_dir, *extra):
-    return ["--config", "configs/llama3_debug.toml", "--model.name=hf", "--model.flavor=config",
-            f"--model.hf_config={arch_dir}", f"--training.steps={STEPS}", f"--training.seq_len={SEQ}",
-            "--metrics.log_freq=1", "--checkpoint.enable=false", "--validation.enable=false",
-            "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false",
-            "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={folder}", *extra]
+    return [
+        "--config",
+        "configs/llama3_debug.toml",
+        "--model.name=hf",
+        "--model.flavor=config",
+        f"--model.hf_config={arch_dir}",
+        f"--training.steps={STEPS}",
+        f"--training.seq_len={SEQ}",
+        "--metrics.log_freq=1",
+        "--checkpoint.enable=false",
+        "--validation.enable=false",
+        "--training.mixed_precision_param=float32",
+        "--metrics.enable_tensorboard=false",
+        "--lr_scheduler.warmup_steps=1",
+        f"--job.dump_folder={folder}",
+        *extra,
+    ]
 
 
 def run_matrix(tmp_path, jobs: dict[str, list[str]], nproc: int = 1) -> dict[str, dict]:
@@ -252,8 +284,17 @@ def run_matrix(tmp_path, jobs: dict[str, list[str]], nproc: int = 1) -> dict[str
     if nproc == 1:
         cmd = [sys.executable, "-m", "tests.support.hf_matrix", str(jobs_file), str(results_file)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "tests.support.hf_matrix", str(jobs_file), str(results_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "tests.support.hf_matrix",
+            str(jobs_file),
+            str(results_file),
+        ]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(results_file.read_text())
@@ -271,9 +312,13 @@ def single_process(tmp_path_factory):
     """Every architecture in every mode, 1 process, local batch 4: {"arch/mode": result}
     (each result also holds `folder`, its dump folder)."""
     tmp = tmp_path_factory.mktemp("hf_matrix")
-    jobs = {f"{arch}/{mode}": _argv(tmp / f"{arch}_{mode}", write_config(str(tmp), arch),
-                                     f"--training.local_batch_size={BATCH}", *flags)
-            for arch in ARCHS for mode, flags in MODES.items()}
+    jobs = {
+        f"{arch}/{mode}": _argv(
+            tmp / f"{arch}_{mode}", write_config(str(tmp), arch), f"--training.local_batch_size={BATCH}", *flags
+        )
+        for arch in ARCHS
+        for mode, flags in MODES.items()
+    }
     results = run_matrix(tmp, jobs)
     for name, result in results.items():
         result["folder"] = str(tmp / name.replace("/", "_"))
@@ -305,9 +350,15 @@ def test_fsdp_two_ranks_match_one(single_process, tmp_path):
     gives the 1-process losses for every architecture (one torchrun launch for all). Dense models
     agree to ~1e-7; the MoE model to ~4e-6, because its load-balancing loss is a product of
     batch means computed per rank (as in any data-parallel MoE), still inside the 1e-5 bound."""
-    jobs = {arch: _argv(tmp_path / arch, write_config(str(tmp_path), arch), f"--training.local_batch_size={BATCH // 2}",
-                        "--parallelism.data_parallel_shard_degree=2")
-            for arch in ARCHS}
+    jobs = {
+        arch: _argv(
+            tmp_path / arch,
+            write_config(str(tmp_path), arch),
+            f"--training.local_batch_size={BATCH // 2}",
+            "--parallelism.data_parallel_shard_degree=2",
+        )
+        for arch in ARCHS
+    }
     results = run_matrix(tmp_path, jobs, nproc=2)
     for arch in ARCHS:
         assert "losses" in results[arch], (arch, results[arch])
@@ -323,10 +374,14 @@ def test_tp_two_ranks_match_one(single_process, tmp_path):
     for arch in ARCHS:
         modes = ("eager", "graph") if arch in TP_ARCHS else ("eager",)
         for mode in modes:
-            jobs[f"{arch}/{mode}"] = _argv(tmp_path / f"{arch}_{mode}", write_config(str(tmp_path), arch),
-                                           f"--training.local_batch_size={BATCH}",
-                                           "--parallelism.tensor_parallel_degree=2",
-                                           "--parallelism.data_parallel_shard_degree=1", *MODES[mode])
+            jobs[f"{arch}/{mode}"] = _argv(
+                tmp_path / f"{arch}_{mode}",
+                write_config(str(tmp_path), arch),
+                f"--training.local_batch_size={BATCH}",
+                "--parallelism.tensor_parallel_degree=2",
+                "--parallelism.data_parallel_shard_degree=1",
+                *MODES[mode],
+            )
     results = run_matrix(tmp_path, jobs, nproc=2)
     for name, result in results.items():
         arch, mode = name.split("/")
@@ -364,8 +419,11 @@ def test_hf_path_matches_native_families(tmp_path):
     for family_name in ("llama3", "qwen3"):
         overrides = {"n_layers": 2, "max_seq_len": SEQ}
         weights = _native_weights(tmp_path, family_name, overrides)
-        load = [f"--checkpoint.initial_load_path={weights}", "--checkpoint.initial_load_format=hf",
-                f"--training.local_batch_size={BATCH}"]
+        load = [
+            f"--checkpoint.initial_load_path={weights}",
+            "--checkpoint.initial_load_format=hf",
+            f"--training.local_batch_size={BATCH}",
+        ]
         jobs[f"{family_name}/hf"] = _argv(tmp_path / f"{family_name}_hf", weights, *load)
         native = _argv(tmp_path / f"{family_name}_native", weights, *load, "--model.attn_backend=sdpa")
         native[native.index("--model.name=hf")] = f"--model.name={family_name}"

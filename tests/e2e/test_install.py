@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -93,8 +94,13 @@ def _run_env_sh(tmp_path: Path, venv: Path, stubs: dict[str, str]) -> subprocess
     for name, body in stubs.items():
         _script(bin_dir / name, body)
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "TITAN_VENV": str(venv), "LOG": str(tmp_path / "calls")}
-    return subprocess.run([shutil.which("bash"), "-c", f"source {ROOT}/scripts/env.sh tpu && echo sourced"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [shutil.which("bash"), "-c", f"source {ROOT}/scripts/env.sh tpu && echo sourced"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _error_line(out: subprocess.CompletedProcess) -> str:
@@ -118,10 +124,19 @@ def test_env_sh_tpu_without_python_311_is_one_error_line(tmp_path):
 
 def test_env_sh_tpu_makes_the_venv_with_uv_when_python3_is_not_311(tmp_path):
     # the uv stand-in records its call and fails: that is one error line, and nothing after it runs
-    out = _run_env_sh(tmp_path, tmp_path / "venv", {"python3": PY312, "uv": 'echo "uv $*" >> "$LOG"; exit 7\n',
-                                                    "python3.11": 'echo "python3.11 $*" >> "$LOG"; exit 1\n'})
+    out = _run_env_sh(
+        tmp_path,
+        tmp_path / "venv",
+        {
+            "python3": PY312,
+            "uv": 'echo "uv $*" >> "$LOG"; exit 7\n',
+            "python3.11": 'echo "python3.11 $*" >> "$LOG"; exit 1\n',
+        },
+    )
     assert out.returncode == 2 and _error_line(out).startswith("error: scripts/env.sh tpu: 'uv venv")
-    assert (tmp_path / "calls").read_text().splitlines() == [f"uv venv --quiet --seed --python 3.11 {tmp_path / 'venv'}"]
+    assert (tmp_path / "calls").read_text().splitlines() == [
+        f"uv venv --quiet --seed --python 3.11 {tmp_path / 'venv'}"
+    ]
 
 
 def test_env_sh_tpu_refuses_an_existing_venv_on_another_python(tmp_path):
@@ -137,22 +152,30 @@ def test_env_sh_tpu_refuses_when_torch_tpu_did_not_install(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     # a 3.11 venv that has torch, whose pip "succeeds" without installing torch-tpu
-    _script(venv / "bin" / "python", 'case "$*" in -m\\ pip*) echo "pip ${*:3}" >> "$LOG" ;;\n'
-                                     '  *torch_tpu*) exit 1 ;; esac\nexit 0\n')
+    _script(
+        venv / "bin" / "python",
+        'case "$*" in -m\\ pip*) echo "pip ${*:3}" >> "$LOG" ;;\n  *torch_tpu*) exit 1 ;; esac\nexit 0\n',
+    )
     out = _run_env_sh(tmp_path, venv, {})
     assert out.returncode == 2 and "sourced" not in out.stdout
-    assert _error_line(out) == (f"error: scripts/env.sh tpu: torch-tpu did not install into {venv}; allowed: Linux "
-                                  "x86_64 with Python 3.11 and the pins of constraints/tpu.txt (see pip's messages above)")
+    assert _error_line(out) == (
+        f"error: scripts/env.sh tpu: torch-tpu did not install into {venv}; allowed: Linux "
+        "x86_64 with Python 3.11 and the pins of constraints/tpu.txt (see pip's messages above)"
+    )
     assert (tmp_path / "calls").read_text().splitlines() == [f"pip install -q -c {CONSTRAINTS} -e {ROOT}[tpu]"]
     assert not list(venv.glob(".titan-installed-*"))  # not stamped: the next source tries again
 
 
 # --- the trainer's refusal ----------------------------------------------------------------------
 
+
 def test_pick_device_refuses_tpu_without_torch_tpu(monkeypatch):
     monkeypatch.setattr(device, "torch_tpu_installed", lambda: False)
-    with pytest.raises(ConfigError, match=r"^device\.type: tpu requested, but torch-tpu is not installed .*"
-                                          r"source scripts/env\.sh tpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^device\.type: tpu requested, but torch-tpu is not installed .*"
+        r"source scripts/env\.sh tpu",
+    ):
         device.pick_device("tpu")
     monkeypatch.setattr(device, "tpu_chips_on_pci", lambda: 4)
     with pytest.raises(ConfigError, match=r"^device\.type: auto found 4 TPU chip\(s\) on this host, but torch-tpu"):
@@ -166,11 +189,18 @@ def test_train_cli_tpu_without_torch_tpu_is_one_error_line():
     if device.torch_tpu_installed():
         pytest.skip("torch-tpu is installed in this venv")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "trainer.train", "--config", "configs/llama3_debug.toml",
-                          "--device.type=tpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", "configs/llama3_debug.toml", "--device.type=tpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(
-        "error: device.type: tpu requested, but torch-tpu is not installed")
+        "error: device.type: tpu requested, but torch-tpu is not installed"
+    )
 
 
 def _venv_distributions() -> dict:

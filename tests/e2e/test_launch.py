@@ -24,8 +24,15 @@ from trainer import launch
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(platform="auto", device="auto", nnodes=None, node_rank=None, master_addr=None, master_port=None,
-                nproc_per_node=None)
+    base = dict(
+        platform="auto",
+        device="auto",
+        nnodes=None,
+        node_rank=None,
+        master_addr=None,
+        master_port=None,
+        nproc_per_node=None,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -33,8 +40,12 @@ def _no_tpu_env(env):
     raise AssertionError("torch-tpu must not be asked for a CPU/GPU launch")
 
 
-GKE_V6E = {"TPU_WORKER_HOSTNAMES": "h0.job,h1.job,h2.job,h3.job", "TPU_WORKER_ID": "2",
-           "TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
+GKE_V6E = {
+    "TPU_WORKER_HOSTNAMES": "h0.job,h1.job,h2.job,h3.job",
+    "TPU_WORKER_ID": "2",
+    "TPU_ACCELERATOR_TYPE": "v6e-16",
+    "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+}
 
 
 def test_gke_v6e_plan_and_torch_tpu_env():
@@ -42,9 +53,13 @@ def test_gke_v6e_plan_and_torch_tpu_env():
 
     def fake_tpu_env(env):
         seen.update(env)
-        return launch.torch_tpu_launch_env(env, run=lambda argv, e: (
-            "TORCH_TPU_TOPOLOGY=4x4\nexport TORCH_TPU_SLICEBUILDER_ADDRESSES='h0.job:8471,h1.job:8471'\n"
-            "WORLD_SIZE=16\nnot a variable line\n"))
+        return launch.torch_tpu_launch_env(
+            env,
+            run=lambda argv, e: (
+                "TORCH_TPU_TOPOLOGY=4x4\nexport TORCH_TPU_SLICEBUILDER_ADDRESSES='h0.job:8471,h1.job:8471'\n"
+                "WORLD_SIZE=16\nnot a variable line\n"
+            ),
+        )
 
     plan = launch.build_plan(_args(), GKE_V6E, tpu_env=fake_tpu_env)
     assert (plan.platform, plan.nnodes, plan.node_rank, plan.nproc_per_node) == ("gke", 4, 2, 4)
@@ -63,16 +78,24 @@ def test_gke_v6e_plan_and_torch_tpu_env():
 
 
 def test_gke_v7x_runs_two_processes_per_chip_and_job_completion_index():
-    env = {"TPU_WORKER_HOSTNAMES": "a,b", "JOB_COMPLETION_INDEX": "1", "TPU_ACCELERATOR_TYPE": "tpu7x-16",
-           "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1", "MASTER_PORT": "1234"}
+    env = {
+        "TPU_WORKER_HOSTNAMES": "a,b",
+        "JOB_COMPLETION_INDEX": "1",
+        "TPU_ACCELERATOR_TYPE": "tpu7x-16",
+        "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+        "MASTER_PORT": "1234",
+    }
     plan = launch.build_plan(_args(), env, tpu_env=lambda e: {})
     assert (plan.nnodes, plan.node_rank, plan.nproc_per_node, plan.master_port) == (2, 1, 8, 1234)
 
 
 def test_tpu_vm_metadata_plan():
-    meta = {"agent-worker-number": "1", "accelerator-type": "v5p-64",
-            "worker-network-endpoints": "w0:0:10.0.0.2,w1:0:10.0.0.3,w2:0:10.0.0.4,w3:0:10.0.0.5,"
-                                        "w4:0:10.0.0.6,w5:0:10.0.0.7,w6:0:10.0.0.8,w7:0:10.0.0.9"}
+    meta = {
+        "agent-worker-number": "1",
+        "accelerator-type": "v5p-64",
+        "worker-network-endpoints": "w0:0:10.0.0.2,w1:0:10.0.0.3,w2:0:10.0.0.4,w3:0:10.0.0.5,"
+        "w4:0:10.0.0.6,w5:0:10.0.0.7,w6:0:10.0.0.8,w7:0:10.0.0.9",
+    }
     plan = launch.build_plan(_args(platform="tpu-vm"), {}, metadata=lambda: meta, tpu_env=lambda e: {})
     assert (plan.nnodes, plan.node_rank, plan.nproc_per_node, plan.master_addr) == (8, 1, 4, "10.0.0.2")
     single = {"agent-worker-number": "0", "accelerator-type": "v6e-8", "worker-network-endpoints": "w:0:10.1.1.1"}
@@ -84,8 +107,9 @@ def test_tpu_vm_single_host_v7x_counts_two_devices_per_chip():
     """`tpu7x-8` (4 chips, 8 TensorCores): was "chips per host unknown; pass --nproc-per-node"."""
     seen = {}
     meta = {"agent-worker-number": "0", "accelerator-type": "tpu7x-8", "worker-network-endpoints": "w:0:10.1.1.1"}
-    plan = launch.build_plan(_args(platform="tpu-vm"), {}, metadata=lambda: meta,
-                             tpu_env=lambda e: seen.update(e) or {})
+    plan = launch.build_plan(
+        _args(platform="tpu-vm"), {}, metadata=lambda: meta, tpu_env=lambda e: seen.update(e) or {}
+    )
     assert (plan.nnodes, plan.node_rank, plan.nproc_per_node) == (1, 0, 8)
     assert (seen["NODE_RANK"], seen["NNODES"], seen["TORCH_TPU_DEVICES_PER_HOST"]) == ("0", "1", "8")
     for accelerator, nproc in (("tpu7x-2", 2), ("v5p-8", 4), ("v5litepod-4", 4), ("v4-8", 4)):
@@ -113,13 +137,16 @@ def test_torch_tpu_failure_is_one_config_error_line():
     summary = launch.failure_summary(TORCH_TPU_STDERR)
     assert summary.startswith("ValueError: set_tpu_launch_env(): expected either TPU device coordinates")
     assert summary.endswith("got neither")
-    assert launch.failure_summary("Error while finding module specification for 'torch.tpu.distributed' "
-                                  "(ModuleNotFoundError: No module named 'torch.tpu')\n").startswith("Error while")
+    assert launch.failure_summary(
+        "Error while finding module specification for 'torch.tpu.distributed' "
+        "(ModuleNotFoundError: No module named 'torch.tpu')\n"
+    ).startswith("Error while")
     assert len(launch.failure_summary("x" * 5000)) == 600
 
     def failing(argv, env):  # what _run_torch_tpu_distributed raises for a non-zero exit
-        raise ConfigError(f"launch: python -m torch.tpu.distributed failed (exit 1): "
-                          f"{launch.failure_summary(TORCH_TPU_STDERR)}")
+        raise ConfigError(
+            f"launch: python -m torch.tpu.distributed failed (exit 1): {launch.failure_summary(TORCH_TPU_STDERR)}"
+        )
 
     env = {"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}
     with pytest.raises(ConfigError, match="failed \\(exit 1\\): ValueError: set_tpu_launch_env"):
@@ -127,8 +154,10 @@ def test_torch_tpu_failure_is_one_config_error_line():
 
 
 def test_torch_tpu_output_parsing_drops_empty_values_and_checks_node_rank():
-    printed = ('TORCH_TPU_TOPOLOGY=""\nTORCH_TPU_SLICEBUILDER_ADDRESSES="a:8070,b:8070"\nWORLD_SIZE=2\n'
-               'NODE_RANK="1"\nNNODES="2"\n')
+    printed = (
+        'TORCH_TPU_TOPOLOGY=""\nTORCH_TPU_SLICEBUILDER_ADDRESSES="a:8070,b:8070"\nWORLD_SIZE=2\n'
+        'NODE_RANK="1"\nNNODES="2"\n'
+    )
     values = launch.torch_tpu_launch_env({"NODE_RANK": "1"}, run=lambda argv, e: printed)
     assert values == {"TORCH_TPU_SLICEBUILDER_ADDRESSES": "a:8070,b:8070", "NODE_RANK": "1", "NNODES": "2"}
     with pytest.raises(ConfigError, match="printed NODE_RANK=1 for NODE_RANK=0"):
@@ -141,16 +170,31 @@ def test_slurm_plan():
     env = {"SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "dgx[12-15]"}
     plan = launch.build_plan(_args(nproc_per_node=8), env, tpu_env=_no_tpu_env)
     assert (plan.platform, plan.nnodes, plan.node_rank, plan.nproc_per_node, plan.master_addr, plan.device) == (
-        "slurm", 4, 3, 8, "dgx12", "cuda")
+        "slurm",
+        4,
+        3,
+        8,
+        "dgx12",
+        "cuda",
+    )
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}, "JOB_COMPLETION_INDEX"),
-    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "5", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}, "outside the 2 hosts"),
-    ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "0", "TPU_CHIPS_PER_HOST_BOUNDS": "2,x"}, "TPU_CHIPS_PER_HOST_BOUNDS"),
-    ({"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}, "SLURM_NODEID"),
-    ({}, "--nnodes"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"TPU_WORKER_HOSTNAMES": "a,b", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}, "JOB_COMPLETION_INDEX"),
+        (
+            {"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "5", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"},
+            "outside the 2 hosts",
+        ),
+        (
+            {"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "0", "TPU_CHIPS_PER_HOST_BOUNDS": "2,x"},
+            "TPU_CHIPS_PER_HOST_BOUNDS",
+        ),
+        ({"SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}, "SLURM_NODEID"),
+        ({}, "--nnodes"),
+    ],
+)
 def test_bad_launch_environment_is_a_config_error(env, match):
     with pytest.raises(ConfigError, match=match):
         launch.build_plan(_args(), env, tpu_env=lambda e: {})
@@ -158,39 +202,100 @@ def test_bad_launch_environment_is_a_config_error(env, match):
 
 def test_cli_error_is_one_line_exit_2_and_dry_run_prints_the_command():
     env = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_"))}
-    bad = subprocess.run([sys.executable, "-m", "trainer.launch", "--platform", "gke", "--", "--config", "x.toml"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainer.launch", "--platform", "gke", "--", "--config", "x.toml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: launch: environment variable TPU_WORKER_HOSTNAMES")
     assert len(bad.stderr.strip().splitlines()) == 1
-    dry = subprocess.run([sys.executable, "-m", "trainer.launch", "--platform", "gke", "--device", "cpu", "--dry-run",
-                          "--", "--config", "configs/llama3_debug.toml"], cwd=REPO, capture_output=True, text=True,
-                         env={**env, **GKE_V6E}, timeout=120)
+    dry = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--platform",
+            "gke",
+            "--device",
+            "cpu",
+            "--dry-run",
+            "--",
+            "--config",
+            "configs/llama3_debug.toml",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**env, **GKE_V6E},
+        timeout=120,
+    )
     assert dry.returncode == 0, dry.stderr
     assert "--rdzv_endpoint=h0.job:29501" in dry.stdout and "--device.type=cpu" in dry.stdout
     assert "TORCH_TPU" not in dry.stdout  # a CPU launch never asks torch-tpu
     # a TPU launch (the gke default) from a Python without torch-tpu: one line with the install command
     if importlib.util.find_spec("torch_tpu") is None:
-        tpu = subprocess.run([sys.executable, "-m", "trainer.launch", "--platform", "gke", "--dry-run", "--",
-                              "--config", "configs/llama3_debug.toml"], cwd=REPO, capture_output=True, text=True,
-                             env={**env, **GKE_V6E}, timeout=120)
+        tpu = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainer.launch",
+                "--platform",
+                "gke",
+                "--dry-run",
+                "--",
+                "--config",
+                "configs/llama3_debug.toml",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**env, **GKE_V6E},
+            timeout=120,
+        )
         assert tpu.returncode == 2 and len(tpu.stderr.strip().splitlines()) == 1
         assert tpu.stderr.startswith("error: launch: device tpu needs torch-tpu") and "scripts/env.sh tpu" in tpu.stderr
 
 
-@pytest.mark.parametrize("extra, env, line", [
-    (["--node-rank", "abc"], {}, "error: launch: argument --node-rank: invalid int value: 'abc'; allowed:"),
-    (["--platform", "bogus"], {}, "error: launch: argument --platform: invalid choice: 'bogus'"),
-    (["--master-port", "70000"], {}, "error: launch: --master-port is 70000; allowed: a TCP port, 1..65535"),
-    ([], {"MASTER_PORT": "abc"}, "error: launch: environment variable MASTER_PORT is 'abc'; allowed: a TCP port"),
-], ids=["wrong-type", "bad-choice", "port-range", "env-port"])
+@pytest.mark.parametrize(
+    "extra, env, line",
+    [
+        (["--node-rank", "abc"], {}, "error: launch: argument --node-rank: invalid int value: 'abc'; allowed:"),
+        (["--platform", "bogus"], {}, "error: launch: argument --platform: invalid choice: 'bogus'"),
+        (["--master-port", "70000"], {}, "error: launch: --master-port is 70000; allowed: a TCP port, 1..65535"),
+        ([], {"MASTER_PORT": "abc"}, "error: launch: environment variable MASTER_PORT is 'abc'; allowed: a TCP port"),
+    ],
+    ids=["wrong-type", "bad-choice", "port-range", "env-port"],
+)
 def test_bad_option_or_port_is_one_line_exit_2(extra, env, line):
     """Before: argparse's usage block + its own error line (8 lines), a port of 70000 passed on to
     torchrun, and MASTER_PORT=abc a ValueError traceback (exit 1)."""
     base = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_"))}
-    manual = ["--platform", "manual", "--device", "cpu", "--dry-run", "--nnodes", "1", "--node-rank", "0",
-              "--master-addr", "127.0.0.1", "--nproc-per-node", "1"]
-    proc = subprocess.run([sys.executable, "-m", "trainer.launch", *manual, *extra, "--", "--config", "x.toml"],
-                          cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=120)
+    manual = [
+        "--platform",
+        "manual",
+        "--device",
+        "cpu",
+        "--dry-run",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "127.0.0.1",
+        "--nproc-per-node",
+        "1",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.launch", *manual, *extra, "--", "--config", "x.toml"],
+        cwd=REPO,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.startswith(line) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
@@ -201,9 +306,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-TRAIN = ["--config", "configs/llama3_debug.toml", "--training.steps=3", "--training.seq_len=64",
-         "--model.n_layers=2", "--metrics.log_freq=1", "--checkpoint.enable=false", "--validation.enable=false",
-         "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false"]
+TRAIN = [
+    "--config",
+    "configs/llama3_debug.toml",
+    "--training.steps=3",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+]
 
 
 @pytest.mark.multiprocess
@@ -212,13 +326,29 @@ def test_simulated_two_host_slice_trains(tmp_path):
     port = _free_port()
     dump = tmp_path / "two_host"
     base = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
-    gke = {"TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1", "TPU_ACCELERATOR_TYPE": "v6e-2",
-           "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1", "MASTER_PORT": str(port)}
-    args = [*TRAIN, f"--job.dump_folder={dump}", "--training.local_batch_size=2",
-            "--parallelism.data_parallel_shard_degree=2"]
-    procs = [subprocess.Popen([sys.executable, "-m", "trainer.launch", "--device", "cpu", "--", *args], cwd=REPO,
-                              env={**base, **gke, "TPU_WORKER_ID": str(worker)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for worker in (0, 1)]
+    gke = {
+        "TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1",
+        "TPU_ACCELERATOR_TYPE": "v6e-2",
+        "TPU_CHIPS_PER_HOST_BOUNDS": "1,1,1",
+        "MASTER_PORT": str(port),
+    }
+    args = [
+        *TRAIN,
+        f"--job.dump_folder={dump}",
+        "--training.local_batch_size=2",
+        "--parallelism.data_parallel_shard_degree=2",
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trainer.launch", "--device", "cpu", "--", *args],
+            cwd=REPO,
+            env={**base, **gke, "TPU_WORKER_ID": str(worker)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for worker in (0, 1)
+    ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     for worker, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"host {worker}:\n{log[-3000:]}"
@@ -269,22 +399,32 @@ def fake_platform(tmp_path):
 
 
 @pytest.mark.parametrize("platform", [["slurm"], ["tpu-vm", "NAME", "ZONE"]], ids=["slurm", "tpu-vm"])
-@pytest.mark.parametrize("codes, want", [
-    ((0, 0), 0),
-    ((75, 75), 75),   # every host preempted
-    ((1, 75), 1),     # a crash on one host while the other was preempted: never 75 (srun alone says 75)
-    ((75, 137), 1),   # killed on one host: slurm reports its mapped "failure" code; tpu-vm the first failure
-    ((2, 2), 2),      # bad input
-    ((75, 2), 2),
-])
+@pytest.mark.parametrize(
+    "codes, want",
+    [
+        ((0, 0), 0),
+        ((75, 75), 75),  # every host preempted
+        ((1, 75), 1),  # a crash on one host while the other was preempted: never 75 (srun alone says 75)
+        ((75, 137), 1),  # killed on one host: slurm reports its mapped "failure" code; tpu-vm the first failure
+        ((2, 2), 2),  # bad input
+        ((75, 2), 2),
+    ],
+)
 def test_launch_pod_passes_exit_codes_through(fake_platform, platform, codes, want):
     env = {**fake_platform, **{f"FAKE_EXIT_{i}": str(c) for i, c in enumerate(codes)}}
-    proc = subprocess.run(["bash", "scripts/launch_pod.sh", *platform, "--", "--config", "x.toml"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", "scripts/launch_pod.sh", *platform, "--", "--config", "x.toml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     expect = 137 if (codes, platform[0]) == ((75, 137), "tpu-vm") else want
     assert proc.returncode == expect, proc.stderr
-    assert sorted(int(line.rsplit(" ", 1)[1]) for line in proc.stderr.splitlines()
-                  if "launch_pod.sh: host" in line) == sorted(codes)
+    assert sorted(
+        int(line.rsplit(" ", 1)[1]) for line in proc.stderr.splitlines() if "launch_pod.sh: host" in line
+    ) == sorted(codes)
 
 
 @pytest.mark.multiprocess
@@ -297,14 +437,30 @@ def test_launch_pod_local_sigterm_exits_75(tmp_path):
     folder = tmp_path / "run"
     env = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
     env = {**env, "MASTER_PORT": str(_free_port()), "PATH": f"{os.path.dirname(sys.executable)}:{env['PATH']}"}
-    args = ["--config", "configs/llama3_debug.toml", "--training.steps=10000", "--training.seq_len=32",
-            "--model.n_layers=1", "--model.attn_backend=sdpa", "--metrics.log_freq=1", "--validation.enable=false",
-            "--metrics.enable_tensorboard=false", "--training.local_batch_size=1",
-            "--parallelism.data_parallel_shard_degree=2", "--checkpoint.enable=true", "--checkpoint.interval=100000",
-            f"--job.dump_folder={folder}"]
+    args = [
+        "--config",
+        "configs/llama3_debug.toml",
+        "--training.steps=10000",
+        "--training.seq_len=32",
+        "--model.n_layers=1",
+        "--model.attn_backend=sdpa",
+        "--metrics.log_freq=1",
+        "--validation.enable=false",
+        "--metrics.enable_tensorboard=false",
+        "--training.local_batch_size=1",
+        "--parallelism.data_parallel_shard_degree=2",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=100000",
+        f"--job.dump_folder={folder}",
+    ]
     log = open(tmp_path / "log.txt", "w+")
-    proc = subprocess.Popen(["bash", "scripts/launch_pod.sh", "local", "2", "1", "--", *args], cwd=REPO, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["bash", "scripts/launch_pod.sh", "local", "2", "1", "--", *args],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:

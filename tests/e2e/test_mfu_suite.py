@@ -4,8 +4,8 @@ sweep end to end with the trainer runs replaced by fake metrics (no timing is te
 from __future__ import annotations
 
 import csv
-import json
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -26,15 +26,17 @@ FPT = {"palm": 6e9, "causal": 5e9}
 
 def test_roofline_compute_and_memory_bound():
     # 1e15 FLOPs at 1e15 FLOP/s = 1 s; 1e12 bytes at 2e12 B/s = 0.5 s: compute bound
-    r = suite.roofline(flops=1e15, bytes_accessed=1e12, peak_flops=1e15, hbm_bytes_per_s=2e12, tokens=1e5,
-                       flops_per_token=FPT)
+    r = suite.roofline(
+        flops=1e15, bytes_accessed=1e12, peak_flops=1e15, hbm_bytes_per_s=2e12, tokens=1e5, flops_per_token=FPT
+    )
     assert r["bound"] == "compute" and r["step_s"] == pytest.approx(1.0)
     assert r["tokens_per_sec"] == pytest.approx(1e5)
     assert r["mfu_pct"] == pytest.approx(100 * 1e5 * 6e9 / 1e15)  # 60 %: model FLOPs < executed FLOPs
     assert r["mfu_pct_causal"] == pytest.approx(50.0)
     # 4e12 bytes at 2e12 B/s = 2 s > 1 s: memory bound, half the throughput
-    r = suite.roofline(flops=1e15, bytes_accessed=4e12, peak_flops=1e15, hbm_bytes_per_s=2e12, tokens=1e5,
-                       flops_per_token=FPT)
+    r = suite.roofline(
+        flops=1e15, bytes_accessed=4e12, peak_flops=1e15, hbm_bytes_per_s=2e12, tokens=1e5, flops_per_token=FPT
+    )
     assert r["bound"] == "memory" and r["step_s"] == pytest.approx(2.0) and r["mfu_pct"] == pytest.approx(30.0)
 
 
@@ -77,11 +79,24 @@ def _fake_execute(jobs, **_):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "stdout.log").write_text("titan-tpu: compute dtype float32 (auto: ...)\n")
         tps = 1000.0 if job["nproc"] == 1 else 900.0
-        runs.append({**{k: v for k, v in job.items() if k not in ("cmd", "folder")}, "rc": 0, "wall_s": 1.0,
-                     "busy_before": 0.1, "tokens_per_sec": tps, "tflops": tps * 6e9 / 1e12,
-                     "mfu_pct": tps * 6e9 / 1e11 * 100, "mfu_pct_causal": tps * 5e9 / 1e11 * 100,
-                     "peak_tflops": 0.1, "peak_tflops_best": 0.4, "mem_gib": 1.0, "compile_s": None,
-                     "steady_steps": 4, "last_loss": 8.0})
+        runs.append(
+            {
+                **{k: v for k, v in job.items() if k not in ("cmd", "folder")},
+                "rc": 0,
+                "wall_s": 1.0,
+                "busy_before": 0.1,
+                "tokens_per_sec": tps,
+                "tflops": tps * 6e9 / 1e12,
+                "mfu_pct": tps * 6e9 / 1e11 * 100,
+                "mfu_pct_causal": tps * 5e9 / 1e11 * 100,
+                "peak_tflops": 0.1,
+                "peak_tflops_best": 0.4,
+                "mem_gib": 1.0,
+                "compile_s": None,
+                "steady_steps": 4,
+                "last_loss": 8.0,
+            }
+        )
     return runs
 
 
@@ -96,8 +111,22 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(suite, "xla_venv", lambda: (tmp_path, ""))
     monkeypatch.setattr(suite, "host_available_bytes", lambda: 1e15)
     out = tmp_path / "suite"
-    rc = suite.main(["--recipes", "llama3_debug", "--modes", "eager,graph_scan", "--nproc", "1,2", "--repeats", "2",
-                     "--project", "llama3_8b_v6e", "--out", str(out)])
+    rc = suite.main(
+        [
+            "--recipes",
+            "llama3_debug",
+            "--modes",
+            "eager,graph_scan",
+            "--nproc",
+            "1,2",
+            "--repeats",
+            "2",
+            "--project",
+            "llama3_8b_v6e",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
     measured = [r for r in rows if r["mode"] != "projection"]
@@ -113,8 +142,12 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
     assert proj["recipe"] == "llama3_8b_v6e" and proj["bound"] == "compute" and proj["flops_source"] == "compiler"
     assert float(proj["step_s"]) == pytest.approx(65e13 / 918e12)
     # a compiler count below the model's FLOPs (loop bodies counted once) is replaced by them
-    low, _ = suite.project(["llama3_8b_v6e"], anchors=suite.load_anchors(), timeout=1,
-                           costs=lambda r, t, n, e, s: {"flops": 1e12 * n, "bytes": 1.0, "tokens": 8192.0})
+    low, _ = suite.project(
+        ["llama3_8b_v6e"],
+        anchors=suite.load_anchors(),
+        timeout=1,
+        costs=lambda r, t, n, e, s: {"flops": 1e12 * n, "bytes": 1.0, "tokens": 8192.0},
+    )
     floor = float(proj["model_flops_per_step"])
     assert low[0]["flops_source"].startswith("model floor (compiler ") and low[0]["model_flops_per_step"] == floor
     assert low[0]["step_s"] == pytest.approx(floor / 918e12)
@@ -157,12 +190,30 @@ def test_bad_input_is_one_error_line(capsys, monkeypatch):
 
 
 def test_dry_run_interleaves_repeats(capsys):
-    assert suite.main(["--recipes", "llama3_debug,qwen3_debug", "--modes", "eager", "--nproc", "1,2",
-                       "--repeats", "2", "--dry-run", "--", "--training.seq_len=64"]) == 0
+    assert (
+        suite.main(
+            [
+                "--recipes",
+                "llama3_debug,qwen3_debug",
+                "--modes",
+                "eager",
+                "--nproc",
+                "1,2",
+                "--repeats",
+                "2",
+                "--dry-run",
+                "--",
+                "--training.seq_len=64",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 8
-    order = [("llama3" if "llama3_debug" in ln else "qwen3", "nproc_per_node=2" in ln, ln.split("-r")[-1][:1])
-             for ln in lines]
+    order = [
+        ("llama3" if "llama3_debug" in ln else "qwen3", "nproc_per_node=2" in ln, ln.split("-r")[-1][:1])
+        for ln in lines
+    ]
     assert [o[2] for o in order] == ["0"] * 4 + ["1"] * 4  # repeat 0 of every group, then repeat 1
     assert all(ln.endswith("--training.seq_len=64") for ln in lines)
 
@@ -173,9 +224,15 @@ def test_resume_reads_finished_runs(tmp_path, monkeypatch):
     out = tmp_path / "s"
     folder = tmp_path / "s_runs" / "llama3_debug-eager-n1-r0"
     folder.mkdir(parents=True)
-    (folder / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "tokens_per_sec": 100.0 * s, "mfu_pct": 1.0, "peak_tflops": 0.1,
-                    "peak_tflops_best": 0.1}) + "\n" for s in range(1, 7)))
+    (folder / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"step": s, "tokens_per_sec": 100.0 * s, "mfu_pct": 1.0, "peak_tflops": 0.1, "peak_tflops_best": 0.1}
+            )
+            + "\n"
+            for s in range(1, 7)
+        )
+    )
     ran = []
 
     def execute(jobs, **kw):
@@ -183,8 +240,26 @@ def test_resume_reads_finished_runs(tmp_path, monkeypatch):
         return _fake_execute(jobs, **kw)
 
     monkeypatch.setattr(suite.bench, "execute", execute)
-    assert suite.main(["--recipes", "llama3_debug", "--modes", "eager", "--nproc", "1,2", "--repeats", "1",
-                       "--project", "none", "--resume", "--out", str(out)]) == 0
+    assert (
+        suite.main(
+            [
+                "--recipes",
+                "llama3_debug",
+                "--modes",
+                "eager",
+                "--nproc",
+                "1,2",
+                "--repeats",
+                "1",
+                "--project",
+                "none",
+                "--resume",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert ran == ["llama3_debug-eager-n2-r0"]
     rows = {r["nproc"]: r for r in csv.DictReader(open(out.with_suffix(".csv")))}
     assert float(rows["1"]["tokens_per_sec"]) == pytest.approx(450.0)  # median of steps 3..6 (warmup 2)

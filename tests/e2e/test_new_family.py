@@ -16,9 +16,17 @@ from tests.support.trainer_runs import assert_losses_close, train_losses
 
 STEPS = 6
 COMMON = [
-    "--config", "configs/llama3_debug.toml", "--model.name=tests.support.toy_family:TOY", "--model.flavor=debugmodel",
-    f"--training.steps={STEPS}", "--training.seq_len=64", "--metrics.log_freq=1", "--checkpoint.enable=false",
-    "--validation.enable=false", "--training.mixed_precision_param=float32", "--metrics.enable_tensorboard=false",
+    "--config",
+    "configs/llama3_debug.toml",
+    "--model.name=tests.support.toy_family:TOY",
+    "--model.flavor=debugmodel",
+    f"--training.steps={STEPS}",
+    "--training.seq_len=64",
+    "--metrics.log_freq=1",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
     "--lr_scheduler.warmup_steps=2",
 ]
 
@@ -41,5 +49,7 @@ def test_new_family_parallel_matches_single_process(tmp_path, eager_losses, degr
 
 
 def test_new_family_graph_scan_matches_eager(tmp_path, eager_losses):
-    assert_losses_close(_losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager",
-                                       "--compile.scan_layers=true"), eager_losses)
+    assert_losses_close(
+        _losses(tmp_path, 1, {}, "--compile.mode=graph", "--compile.backend=aot_eager", "--compile.scan_layers=true"),
+        eager_losses,
+    )

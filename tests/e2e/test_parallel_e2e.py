@@ -20,9 +20,15 @@ from tests.support.trainer_runs import train
 pytestmark = pytest.mark.multiprocess
 
 COMMON = [
-    "--config", "configs/llama3_debug.toml", "--training.steps=10", "--training.seq_len=64",
-    "--model.n_layers=2", "--metrics.log_freq=1", "--checkpoint.enable=false",
-    "--validation.enable=false", "--training.mixed_precision_param=float32",
+    "--config",
+    "configs/llama3_debug.toml",
+    "--training.steps=10",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
     "--metrics.enable_tensorboard=false",
 ]
 

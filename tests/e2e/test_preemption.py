@@ -14,11 +14,17 @@ pytestmark = pytest.mark.multiprocess
 
 STEPS = 12
 OPTIONS = {
-    "training.steps": STEPS, "training.seq_len": 64, "model.n_layers": 2, "metrics.log_freq": 1,
-    "validation.enable": "false", "training.mixed_precision_param": "float32",
-    "metrics.enable_tensorboard": "false", "training.local_batch_size": 2,
+    "training.steps": STEPS,
+    "training.seq_len": 64,
+    "model.n_layers": 2,
+    "metrics.log_freq": 1,
+    "validation.enable": "false",
+    "training.mixed_precision_param": "float32",
+    "metrics.enable_tensorboard": "false",
+    "training.local_batch_size": 2,
     "parallelism.data_parallel_shard_degree": 2,
-    "checkpoint.enable": "true", "checkpoint.interval": 1000,  # only the preemption save in between
+    "checkpoint.enable": "true",
+    "checkpoint.interval": 1000,  # only the preemption save in between
 }
 
 
@@ -68,7 +74,8 @@ def test_preempted_single_process_exits_75(tmp_path):
 
 
 def _run(folder):
-    proc = subprocess.run(launch_command(2, _args(folder)), cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        launch_command(2, _args(folder)), cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return folder

@@ -20,8 +20,11 @@ from trainer.train import main
 DENSE = "configs/qwen3_debug.toml"
 MOE = "configs/qwen3_moe_debug.toml"
 PARITY = [
-    "--training.seq_len=64", "--model.n_layers=2", "--metrics.log_freq=1",
-    "--validation.enable=false", "--training.mixed_precision_param=float32",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
     "--metrics.enable_tensorboard=false",
 ]
 MOE_PARITY = PARITY
@@ -43,10 +46,23 @@ def _cwd(monkeypatch):
 
 @pytest.mark.parametrize("config", [DENSE, MOE])
 def test_debug_recipe_loss_falls(tmp_path, config):
-    rc = main(["--config", config, f"--job.dump_folder={tmp_path}", "--model.n_layers=2",
-               "--training.seq_len=64", "--training.local_batch_size=8", "--training.steps=60",
-               "--optimizer.lr=5e-3", "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1",
-               "--metrics.enable_tensorboard=false", "--validation.enable=false", *NO_CKPT])
+    rc = main(
+        [
+            "--config",
+            config,
+            f"--job.dump_folder={tmp_path}",
+            "--model.n_layers=2",
+            "--training.seq_len=64",
+            "--training.local_batch_size=8",
+            "--training.steps=60",
+            "--optimizer.lr=5e-3",
+            "--lr_scheduler.warmup_steps=2",
+            "--metrics.log_freq=1",
+            "--metrics.enable_tensorboard=false",
+            "--validation.enable=false",
+            *NO_CKPT,
+        ]
+    )
     assert rc == 0
     metrics = read_metrics(tmp_path)
     first = metrics[1]["loss"]
@@ -65,14 +81,12 @@ def test_debug_recipe_loss_falls(tmp_path, config):
 
 @pytest.fixture(scope="module")
 def dense_single(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("dense1"), 1, {}, "--config", DENSE, *PARITY, *NO_CKPT,
-                 "--training.steps=10")
+    return train(tmp_path_factory.mktemp("dense1"), 1, {}, "--config", DENSE, *PARITY, *NO_CKPT, "--training.steps=10")
 
 
 @pytest.fixture(scope="module")
 def moe_single(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("moe1"), 1, {}, "--config", MOE, *MOE_PARITY, *NO_CKPT,
-                 "--training.steps=10")
+    return train(tmp_path_factory.mktemp("moe1"), 1, {}, "--config", MOE, *MOE_PARITY, *NO_CKPT, "--training.steps=10")
 
 
 @pytest.mark.multiprocess
@@ -100,8 +114,10 @@ def test_moe_losses_match_single_process(tmp_path, moe_single, nproc, degrees):
     worst = max_rel_diff(got, moe_single, range(1, 11))
     print(f"qwen3 moe {degrees}: max relative loss difference over 10 steps {worst:.2e}")
     assert worst < 1e-5
-    aux = max(abs(got[s]["moe_aux_loss"] - moe_single[s]["moe_aux_loss"]) / moe_single[s]["moe_aux_loss"]
-              for s in range(1, 11))
+    aux = max(
+        abs(got[s]["moe_aux_loss"] - moe_single[s]["moe_aux_loss"]) / moe_single[s]["moe_aux_loss"]
+        for s in range(1, 11)
+    )
     print(f"qwen3 moe {degrees}: max relative aux-loss difference {aux:.2e}")
     assert aux < 1e-5
 
@@ -109,11 +125,15 @@ def test_moe_losses_match_single_process(tmp_path, moe_single, nproc, degrees):
 @pytest.mark.multiprocess
 def test_checkpoint_from_ep2_resumes_with_ep1(tmp_path):
     """Save with ep=2 on 2 processes, resume the step-3 checkpoint on 1 process (ep=1)."""
-    common = [*MOE_PARITY, "--training.steps=6", "--checkpoint.enable=true",
-              "--checkpoint.interval=3", "--checkpoint.keep_latest_k=0"]
+    common = [
+        *MOE_PARITY,
+        "--training.steps=6",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=3",
+        "--checkpoint.keep_latest_k=0",
+    ]
     want = train(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), "--config", MOE, *common)
-    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-3",
-                    tmp_path / "ep1" / "checkpoints" / "step-3")
+    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-3", tmp_path / "ep1" / "checkpoints" / "step-3")
     got = train(tmp_path / "ep1", 1, {}, "--config", MOE, *common)
     worst = max_rel_diff(got, {s: want[s] for s in (4, 5, 6)}, (4, 5, 6))
     print(f"qwen3 moe ep=2 -> ep=1 resume: max relative loss difference {worst:.2e}")
@@ -126,8 +146,16 @@ def test_graph_mode_with_ep_matches_eager(tmp_path):
     """The graph trainer traces the all-to-alls (unbacked split sizes) into its one graph."""
     common = [*MOE_PARITY, *NO_CKPT, "--training.steps=3"]
     eager = train(tmp_path / "eager", 2, dict(dp_shard=2, ep=2), "--config", MOE, *common)
-    graph = train(tmp_path / "graph", 2, dict(dp_shard=2, ep=2), "--config", MOE, *common,
-                  "--compile.mode=graph", "--compile.backend=aot_eager")
+    graph = train(
+        tmp_path / "graph",
+        2,
+        dict(dp_shard=2, ep=2),
+        "--config",
+        MOE,
+        *common,
+        "--compile.mode=graph",
+        "--compile.backend=aot_eager",
+    )
     assert graph[1]["graph_nodes"] > 0
     worst = max_rel_diff(graph, eager, range(1, 4))
     print(f"qwen3 moe ep=2 graph vs eager: max relative loss difference {worst:.2e}")

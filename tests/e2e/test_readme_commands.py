@@ -48,8 +48,10 @@ PLAN: list[tuple[str, object]] = [
     (r"^scripts/train\.sh configs/llama3_debug\.toml --training\.steps=50 ", STEPS2),
     (r"^\.venv/bin/python -m trainer\.train .*--print-config$", None),
     (r"^scripts/train\.sh configs/qwen3_moe_debug\.toml$", STEPS2),
-    (r"^torchrun --nproc_per_node=8 ", ("skip", "8 devices (a v6e host), Meta's tokenizer.model and the C4 "
-                                                "stream from the Hub")),
+    (
+        r"^torchrun --nproc_per_node=8 ",
+        ("skip", "8 devices (a v6e host), Meta's tokenizer.model and the C4 stream from the Hub"),
+    ),
     (r"^source scripts/env\.sh tpu$", ("skip", "a TPU VM: installs torch-tpu into .venv-tpu (Python 3.11)")),
     (r"^scripts/tpu_smoke\.sh$", ("skip", "a TPU")),
     (r"^NPROC=4 scripts/train\.sh configs/llama3_debug\.toml ", STEPS2),
@@ -114,10 +116,17 @@ def _venv() -> Path:
 def _fresh_shell_env(venv: Path) -> dict[str, str]:
     """The environment of a new user's shell: no venv on PATH, no PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and Path(p).resolve() != venv / "bin")
-    env.update(TITAN_VENV=str(venv), TITAN_NO_INSTALL="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if p and Path(p).resolve() != venv / "bin"
+    )
+    env.update(
+        TITAN_VENV=str(venv),
+        TITAN_NO_INSTALL="1",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -125,8 +134,9 @@ def _fresh_shell_env(venv: Path) -> dict[str, str]:
 def clone(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("readme")
     clone = base / "titan-tpu"
-    subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], check=True, capture_output=True, timeout=120
+    )
     (clone / ".venv").symlink_to(_venv(), target_is_directory=True)
     (base / "torch_extensions").mkdir()
     return clone
@@ -152,8 +162,9 @@ def test_readme_block_runs_on_a_fresh_clone(block, clone):
     shutil.rmtree(clone / "outputs", ignore_errors=True)
     env = _fresh_shell_env(_venv())
     env["TORCH_EXTENSIONS_DIR"] = str(clone.parent / "torch_extensions")
-    ready = subprocess.run(["bash", "-c", "source scripts/env.sh dev"], cwd=clone, env=env,
-                           capture_output=True, text=True, timeout=60)
+    ready = subprocess.run(
+        ["bash", "-c", "source scripts/env.sh dev"], cwd=clone, env=env, capture_output=True, text=True, timeout=60
+    )
     if ready.returncode:
         pytest.skip(f"the venv is not set up from this pyproject.toml: {ready.stderr.strip()}")
     for command, plan in zip(block, plans):
@@ -162,7 +173,6 @@ def test_readme_block_runs_on_a_fresh_clone(block, clone):
             continue
         line = command if plan is None else f"{command} {plan}"
         start = time.monotonic()
-        proc = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(["bash", "-c", line], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
         print(f"rc={proc.returncode} {time.monotonic() - start:5.1f}s  {line}")
         assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

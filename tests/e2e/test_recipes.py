@@ -50,16 +50,24 @@ def test_a_pod_recipe_sets_both_cache_variables_before_the_runtime_starts(monkey
 
     monkeypatch.setenv("HOME", "/home/tpu-user")
     recipe = os.path.join(ROOT, "configs", "llama3_8b_128k_v7x.toml")
-    for overrides, tier3 in (([], "/home/tpu-user/.cache/titan-tpu/torch_tpu_compile"),
-                             ([("compile.cache_dir", "gs://bucket/titan-tpu/compile-cache")],
-                              "gs://bucket/titan-tpu/compile-cache")):
+    for overrides, tier3 in (
+        ([], "/home/tpu-user/.cache/titan-tpu/torch_tpu_compile"),
+        ([("compile.cache_dir", "gs://bucket/titan-tpu/compile-cache")], "gs://bucket/titan-tpu/compile-cache"),
+    ):
         cfg = build_config(recipe, overrides)
         world, device_type, _ = world_of(cfg)
         plan_job(cfg, world_size=world, device_type=device_type)  # the rules accept the folder
-        env = tpu_runtime_env(device_type=device_type, generation="v7x", flag_bundle=cfg.device.flag_bundle,
-                              libtpu_init_args=cfg.device.libtpu_init_args, xla_flags=cfg.device.xla_flags,
-                              cache_dir=cfg.compile.cache_dir, host_cache=cfg.compile.host_cache,
-                              environ={}, libraries=[])
+        env = tpu_runtime_env(
+            device_type=device_type,
+            generation="v7x",
+            flag_bundle=cfg.device.flag_bundle,
+            libtpu_init_args=cfg.device.libtpu_init_args,
+            xla_flags=cfg.device.xla_flags,
+            cache_dir=cfg.compile.cache_dir,
+            host_cache=cfg.compile.host_cache,
+            environ={},
+            libraries=[],
+        )
         assert env.env[TIER3_CACHE_VAR] == tier3 and env.env[TIER2_CACHE_VAR] == HOST_CACHE_NAME, env.env
 
 
@@ -82,8 +90,14 @@ def test_scan_with_tensor_parallelism_is_accepted():
     plan = plan_job(cfg, world_size=512, device_type="tpu")
     assert plan.parallel_dims.tp == 2 and plan.step_plan.scan
 
-    inputs = planner.PlanInputs(family=None, args=None, model_name="405B", seq_len=8192, local_batch_size=1,
-                                step=StepRequest(mode="graph", scan_layers=True))
+    inputs = planner.PlanInputs(
+        family=None,
+        args=None,
+        model_name="405B",
+        seq_len=8192,
+        local_batch_size=1,
+        step=StepRequest(mode="graph", scan_layers=True),
+    )
     target = planner.parse_target("v7x-512")
     assert not inputs.refusals(tp=2, ac_mode="full", target=target)
     assert not inputs.refusals(tp=1, ac_mode="full", target=target)
@@ -92,8 +106,14 @@ def test_scan_with_tensor_parallelism_is_accepted():
 def test_a_refused_plan_builds_nothing(monkeypatch):
     """A combination the rules refuse (here the fused loss with TP) fails in build_job before the
     task, the mesh or the model exist; the planner skips it too."""
-    inputs = planner.PlanInputs(family=None, args=None, model_name="405B", seq_len=8192, local_batch_size=1,
-                                step=StepRequest(mode="graph", fused_loss="on", model_has_hidden=True))
+    inputs = planner.PlanInputs(
+        family=None,
+        args=None,
+        model_name="405B",
+        seq_len=8192,
+        local_batch_size=1,
+        step=StepRequest(mode="graph", fused_loss="on", model_has_hidden=True),
+    )
     target = planner.parse_target("v7x-512")
     assert inputs.refusals(tp=2, ac_mode="full", target=target)
     assert not inputs.refusals(tp=1, ac_mode="full", target=target)
@@ -105,11 +125,17 @@ def test_a_refused_plan_builds_nothing(monkeypatch):
 
     for name in ("build_task", "build_mesh", "build_model", "build_optimizer_for"):
         monkeypatch.setattr(job_module, name, must_not_run)
-    small = build_config(os.path.join(ROOT, "configs", "llama3_debug.toml"),
-                         [("training.fused_loss", "on"),
-                          ("parallelism.tensor_parallel_degree", "2"), ("parallelism.data_parallel_shard_degree", "1")])
-    monkeypatch.setattr(job_module, "init_distributed", lambda device: job_module.DistInfo(rank=0, world_size=2,
-                                                                                            local_rank=0))
+    small = build_config(
+        os.path.join(ROOT, "configs", "llama3_debug.toml"),
+        [
+            ("training.fused_loss", "on"),
+            ("parallelism.tensor_parallel_degree", "2"),
+            ("parallelism.data_parallel_shard_degree", "1"),
+        ],
+    )
+    monkeypatch.setattr(
+        job_module, "init_distributed", lambda device: job_module.DistInfo(rank=0, world_size=2, local_rank=0)
+    )
     with pytest.raises(ConfigError, match="training.fused_loss: on needs the whole vocabulary"):
         build_job(small)
 
@@ -123,9 +149,14 @@ def test_a_refused_plan_builds_nothing(monkeypatch):
 SLOW_STARTS = {"deepseek_v3_671b_v7x.toml": pytest.mark.slow, "kimi_k2_v7x.toml": pytest.mark.exhaustive}
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=SLOW_STARTS[os.path.basename(r)])
-                                    if os.path.basename(r) in SLOW_STARTS else r for r in RECIPES],
-                         ids=os.path.basename)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(r, marks=SLOW_STARTS[os.path.basename(r)]) if os.path.basename(r) in SLOW_STARTS else r
+        for r in RECIPES
+    ],
+    ids=os.path.basename,
+)
 def test_recipe_starts_on_its_target(recipe):
     """`check_recipe`: build_job (purpose check) at the target's world size on meta tensors, the
     step captured once, the planner's per-device memory within the usable HBM. On a TPU target a
@@ -148,9 +179,15 @@ def test_the_check_names_the_recipe_and_the_rule_or_the_shortfall(tmp_path):
     recipe = os.path.join(ROOT, "configs", "llama3_70b_v6e.toml")
 
     def run(*args):
-        return subprocess.run([sys.executable, script, "--no-capture", *args], capture_output=True, text=True,
-                              timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              check=False)
+        return subprocess.run(
+            [sys.executable, script, "--no-capture", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
+        )
 
     ok = run(recipe)
     assert ok.returncode == 0, ok.stderr
@@ -162,8 +199,9 @@ def test_the_check_names_the_recipe_and_the_rule_or_the_shortfall(tmp_path):
 
     too_big = run(recipe, "--training.local_batch_size=8")
     assert too_big.returncode == 1
-    assert re.search(r"error: configs/llama3_70b_v6e.toml: needs [\d.]+ GiB per device, 28.8 GiB usable on v6e-256",
-                     too_big.stderr), too_big.stderr
+    assert re.search(
+        r"error: configs/llama3_70b_v6e.toml: needs [\d.]+ GiB per device, 28.8 GiB usable on v6e-256", too_big.stderr
+    ), too_big.stderr
 
     bad = run(os.path.join(ROOT, "configs", "nope.toml"))
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
@@ -178,8 +216,9 @@ def test_recipes_checked_in_one_process_do_not_leak_into_each_other():
     from tools.recipe_check import check_recipe
 
     debug = os.path.join(ROOT, "configs", "llama3_debug.toml")
-    cp = check_recipe(debug, overrides=[("parallelism.context_parallel_degree", "2"),
-                                        ("parallelism.data_parallel_shard_degree", "2")])
+    cp = check_recipe(
+        debug, overrides=[("parallelism.context_parallel_degree", "2"), ("parallelism.data_parallel_shard_degree", "2")]
+    )
     assert cp.ok and "cp 2" in cp.mesh, cp.error
     plain = check_recipe(debug)
     assert plain.ok, plain.error

@@ -22,18 +22,30 @@ from tests.support.trainer_runs import ENV, GLOBAL_BATCH, REPO, launch_command, 
 pytestmark = pytest.mark.multiprocess
 
 COMMON = [
-    "--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
-    "--metrics.log_freq=1", "--validation.enable=false", "--training.mixed_precision_param=float32",
-    "--metrics.enable_tensorboard=false", "--checkpoint.enable=true", "--checkpoint.keep_latest_k=0",
+    "--config",
+    "configs/llama3_debug.toml",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=true",
+    "--checkpoint.keep_latest_k=0",
 ]
 
 
 def command(folder, nproc, *, dp_shard=None, tp=1, steps, interval, extra_launcher=()):
     dp = nproc // tp
-    args = [*COMMON, f"--job.dump_folder={folder}", f"--training.steps={steps}",
-            f"--checkpoint.interval={interval}", f"--training.local_batch_size={GLOBAL_BATCH // dp}",
-            f"--parallelism.data_parallel_shard_degree={dp_shard or dp}",
-            f"--parallelism.tensor_parallel_degree={tp}"]
+    args = [
+        *COMMON,
+        f"--job.dump_folder={folder}",
+        f"--training.steps={steps}",
+        f"--checkpoint.interval={interval}",
+        f"--training.local_batch_size={GLOBAL_BATCH // dp}",
+        f"--parallelism.data_parallel_shard_degree={dp_shard or dp}",
+        f"--parallelism.tensor_parallel_degree={tp}",
+    ]
     return launch_command(nproc, args, extra_launcher)
 
 
@@ -82,9 +94,14 @@ def test_torchrun_restarts_from_newest_checkpoint_after_a_killed_worker(tmp_path
     run(command(ref, 2, steps=steps, interval=4))
     folder = tmp_path / "killed"
     log = open(tmp_path / "torchrun.log", "w+")
-    proc = subprocess.Popen(command(folder, 2, steps=steps, interval=4,
-                                    extra_launcher=("--max-restarts=1",)),
-                            cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        command(folder, 2, steps=steps, interval=4, extra_launcher=("--max-restarts=1",)),
+        cwd=REPO,
+        env=ENV,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     killed = None
     deadline = time.time() + 300
     while killed is None and proc.poll() is None and time.time() < deadline:

@@ -17,9 +17,17 @@ from tests.support.trainer_runs import ENV, REPO, launch_command
 from trainer.runtime import atomic, runlock
 from trainer.runtime.runlock import LOCK_NAME, FolderInUse, RunLock, read_owner
 
-FAST = ["--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
-        "--validation.enable=false", "--metrics.enable_tensorboard=false", "--training.local_batch_size=2",
-        "--training.mixed_precision_param=float32", "--metrics.log_freq=1"]
+FAST = [
+    "--config",
+    "configs/llama3_debug.toml",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--validation.enable=false",
+    "--metrics.enable_tensorboard=false",
+    "--training.local_batch_size=2",
+    "--training.mixed_precision_param=float32",
+    "--metrics.log_freq=1",
+]
 
 _HOLDER = """
 import sys, time
@@ -40,8 +48,9 @@ time.sleep(600)
 def hold(path, kind: str = "run") -> subprocess.Popen:
     """Another process that holds the lock of `path` (kind run: the folder's; dest: a destination's;
     unchecked: the folder's, taken without looking at the folders above and below)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, kind, str(path)], cwd=REPO, env=ENV,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, kind, str(path)], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -70,8 +79,10 @@ def test_a_live_holder_refuses_and_a_dead_ones_lock_is_taken(tmp_path):
             RunLock(tmp_path).acquire()
         message = str(refused.value)
         assert len(message.splitlines()) == 1
-        assert message.startswith(f"job.dump_folder: {tmp_path} is in use by another run (host {socket.gethostname()}, "
-                                  f"pid {holder.pid}, started "), message
+        assert message.startswith(
+            f"job.dump_folder: {tmp_path} is in use by another run (host {socket.gethostname()}, "
+            f"pid {holder.pid}, started "
+        ), message
         assert _snapshot(tmp_path) == before  # the refusal changed nothing, the owner record included
     finally:
         holder.kill()  # SIGKILL: no clean-up runs; the OS drops the flock
@@ -98,8 +109,9 @@ def test_without_flock_a_record_of_a_gone_pid_on_this_host_is_stale(tmp_path, mo
     (tmp_path / LOCK_NAME).write_text(record)
     RunLock(tmp_path).acquire()
     runlock.release_all()
-    (tmp_path / LOCK_NAME).write_text('{"host": "%s", "pid": %d, "started": "now"}' % (socket.gethostname(),
-                                                                                        os.getppid()))
+    (tmp_path / LOCK_NAME).write_text(
+        '{"host": "%s", "pid": %d, "started": "now"}' % (socket.gethostname(), os.getppid())
+    )
     with pytest.raises(FolderInUse, match=f"pid {os.getppid()}, started now"):
         RunLock(tmp_path).acquire()
     (tmp_path / LOCK_NAME).write_text('{"host": "elsewhere", "pid": 1, "started": "now"}')
@@ -115,16 +127,20 @@ def test_a_lock_covers_the_folders_above_and_below_it_by_resolved_path(tmp_path)
     holders = [hold(tmp_path / "a"), hold(tmp_path / "b" / "checkpoints"), hold(tmp_path / "real")]
     try:
         before = _snapshot(tmp_path)
-        cases = [(tmp_path / "a" / "checkpoints", f"is inside {tmp_path / 'a'}, the folder of another run", 0),
-                 (tmp_path / "b", f"contains {tmp_path / 'b' / 'checkpoints'}, the folder of another run", 1),
-                 (tmp_path / "link" / "..", f"contains {tmp_path}{os.sep}", None),  # any of the three
-                 (tmp_path / "link", "is in use by another run", 2),
-                 (tmp_path / "link" / "x" / "y", f"is inside {tmp_path / 'real'}, the folder of another run", 2)]
+        cases = [
+            (tmp_path / "a" / "checkpoints", f"is inside {tmp_path / 'a'}, the folder of another run", 0),
+            (tmp_path / "b", f"contains {tmp_path / 'b' / 'checkpoints'}, the folder of another run", 1),
+            (tmp_path / "link" / "..", f"contains {tmp_path}{os.sep}", None),  # any of the three
+            (tmp_path / "link", "is in use by another run", 2),
+            (tmp_path / "link" / "x" / "y", f"is inside {tmp_path / 'real'}, the folder of another run", 2),
+        ]
         for folder, where, owner in cases:
             with pytest.raises(FolderInUse) as refused:
                 RunLock(folder, key="checkpoint.folder").acquire()
             message = str(refused.value)
-            assert len(message.splitlines()) == 1 and message.startswith(f"checkpoint.folder: {folder} {where}"), message
+            assert len(message.splitlines()) == 1 and message.startswith(f"checkpoint.folder: {folder} {where}"), (
+                message
+            )
             assert f", the folder of another run (host {socket.gethostname()}, pid " in message or owner == 2, message
             assert owner is None or f"pid {holders[owner].pid}," in message, message
             assert runlock.other_run(folder) is not None
@@ -169,8 +185,10 @@ def test_a_run_sharing_a_live_runs_checkpoint_folder_is_refused(tmp_path, capsys
     Both were accepted and the two runs deleted each other's checkpoints; now exit 2 naming the
     key and the other run, nothing touched."""
     if case == "checkpoint_in_a_live_runs_dump":
-        holder, args = hold(tmp_path / "A"), [f"--job.dump_folder={tmp_path / 'B'}",
-                                              f"--checkpoint.folder={tmp_path / 'A' / 'checkpoints'}"]
+        holder, args = (
+            hold(tmp_path / "A"),
+            [f"--job.dump_folder={tmp_path / 'B'}", f"--checkpoint.folder={tmp_path / 'A' / 'checkpoints'}"],
+        )
         (tmp_path / "A" / "checkpoints" / "step-2").mkdir(parents=True)
         want = f"error: checkpoint.folder: {tmp_path / 'A' / 'checkpoints'} is inside {tmp_path / 'A'}, the folder of"
     else:
@@ -195,8 +213,14 @@ def test_second_training_run_is_refused_and_the_first_keeps_its_folder(tmp_path)
     args = [*FAST, f"--job.dump_folder={folder}", "--checkpoint.enable=true", "--checkpoint.interval=1000"]
     log = tmp_path / "first.log"  # a file, not a pipe: nobody reads while it trains
     with open(log, "w") as sink:
-        first = subprocess.Popen(launch_command(1, [*args, "--training.steps=100000"]), cwd=REPO, env=ENV,
-                                 stdout=sink, stderr=subprocess.STDOUT, text=True)
+        first = subprocess.Popen(
+            launch_command(1, [*args, "--training.steps=100000"]),
+            cwd=REPO,
+            env=ENV,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     try:
         deadline = time.monotonic() + 300
         while _lines(folder / "metrics.jsonl") < 2 and first.poll() is None and time.monotonic() < deadline:
@@ -204,8 +228,14 @@ def test_second_training_run_is_refused_and_the_first_keeps_its_folder(tmp_path)
         assert first.poll() is None, log.read_text()[-3000:]
         first.send_signal(signal.SIGSTOP)  # frozen, so that its folder can be compared before and after
         before = _snapshot(folder)
-        second = subprocess.run(launch_command(1, [*args, "--training.steps=4"]), cwd=REPO, env=ENV,
-                                capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            launch_command(1, [*args, "--training.steps=4"]),
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert _snapshot(folder) == before  # no metrics line, no checkpoint read or written, no config.toml
         first.send_signal(signal.SIGCONT)
     except BaseException:
@@ -214,8 +244,10 @@ def test_second_training_run_is_refused_and_the_first_keeps_its_folder(tmp_path)
     assert second.returncode == 2, second.stderr[-3000:]
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
-    assert lines[0].startswith(f"error: job.dump_folder: {folder} is in use by another run (host "
-                               f"{socket.gethostname()}, pid {first.pid}, started "), lines[0]
+    assert lines[0].startswith(
+        f"error: job.dump_folder: {folder} is in use by another run (host "
+        f"{socket.gethostname()}, pid {first.pid}, started "
+    ), lines[0]
     first.send_signal(signal.SIGTERM)  # preemption: the first saves its step and exits 75
     assert first.wait(timeout=120) == 75, log.read_text()[-3000:]
     assert read_owner(folder / LOCK_NAME) is None  # released on the way out (the OS would anyway)
@@ -234,9 +266,14 @@ def test_the_refusal_reaches_every_rank(tmp_path, case):
         args = [f"--job.dump_folder={tmp_path}_b", "--checkpoint.enable=true", f"--checkpoint.folder={ck}"]
         refusal = f"error: checkpoint.folder: {ck} is inside {tmp_path}, the folder of another run"
     try:
-        proc = subprocess.run(launch_command(2, [*FAST, *args, "--training.steps=2",
-                                                 "--parallelism.data_parallel_shard_degree=2"]),
-                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            launch_command(2, [*FAST, *args, "--training.steps=2", "--parallelism.data_parallel_shard_degree=2"]),
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -251,8 +288,9 @@ def _main(argv) -> int:
     return main(argv)
 
 
-@pytest.mark.parametrize("case", ["dump_under_file", "file_in_place_of_dump", "checkpoint_under_file",
-                                  "checkpoint_not_writable"])
+@pytest.mark.parametrize(
+    "case", ["dump_under_file", "file_in_place_of_dump", "checkpoint_under_file", "checkpoint_not_writable"]
+)
 def test_unusable_folders_fail_before_step_1(tmp_path, capsys, monkeypatch, case):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder\n")
@@ -273,8 +311,15 @@ def test_unusable_folders_fail_before_step_1(tmp_path, capsys, monkeypatch, case
 
         monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp)
         why = "Permission denied"
-    code = _main([*FAST, f"--job.dump_folder={dump}", "--training.steps=2", "--checkpoint.enable=true",
-                  f"--checkpoint.folder={checkpoint}"])
+    code = _main(
+        [
+            *FAST,
+            f"--job.dump_folder={dump}",
+            "--training.steps=2",
+            "--checkpoint.enable=true",
+            f"--checkpoint.folder={checkpoint}",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith(f"error: {key}: ") and why in err, err

@@ -30,8 +30,13 @@ from tests.support.trainer_runs import train
 multiprocess = pytest.mark.multiprocess
 
 COMMON = [
-    "--training.steps=10", "--training.seq_len=64", "--model.n_layers=2", "--metrics.log_freq=1",
-    "--checkpoint.enable=false", "--validation.enable=false", "--training.mixed_precision_param=float32",
+    "--training.steps=10",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
     "--metrics.enable_tensorboard=false",
 ]
 LLAMA3 = "configs/llama3_debug.toml"
@@ -66,8 +71,10 @@ def test_llama3_scan_tp2_matches_single_process_and_unrolled(tmp_path, llama3_si
     scanned = _run(tmp_path, LLAMA3, 2, dict(tp=2), *SCAN)
     vs_single = _worst(scanned, llama3_single, "loss")
     vs_unrolled = (_worst(scanned, llama3_unrolled_tp2, "loss"), _worst(scanned, llama3_unrolled_tp2, "grad_norm"))
-    print(f"llama3 scan tp=2: loss vs 1 process {vs_single:.2e}; vs unrolled tp=2 loss {vs_unrolled[0]:.2e}, "
-          f"grad_norm {vs_unrolled[1]:.2e}")
+    print(
+        f"llama3 scan tp=2: loss vs 1 process {vs_single:.2e}; vs unrolled tp=2 loss {vs_unrolled[0]:.2e}, "
+        f"grad_norm {vs_unrolled[1]:.2e}"
+    )
     assert vs_single < 1e-5
     assert vs_unrolled[0] < 1e-6 and vs_unrolled[1] < 3e-6
 
@@ -138,8 +145,9 @@ def test_llama3_block_tp_has_a_scan_form():
         with context():
             # attention / feed_forward gather their input, wo / w2 reduce-scatter their output;
             # the colwise projections and the norms run hook-free.
-            hooks = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in template.named_modules()
-                     if name}
+            hooks = {
+                name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in template.named_modules() if name
+            }
             assert hooks["attention"] == hooks["feed_forward"] == (1, 0)
             assert hooks["attention.wo"] == hooks["feed_forward.w2"] == (0, 1)
             assert hooks["attention.wq"] == hooks["attention_norm"] == (0, 0)
@@ -147,10 +155,13 @@ def test_llama3_block_tp_has_a_scan_form():
         assert before == {name: [getattr(m, a) for a in _HOOK_DICTS] for name, m in template.named_modules()}
 
 
-@pytest.mark.parametrize("model_name, flavor, overrides, message", [
-    ("qwen3", "debugmodel_moe", {"n_layers": 2}, "layers.*.moe has forward hooks outside the model's TP plan"),
-    ("flux", "debugmodel", {}, "has TP style 'rowwise_replicate'|has TP style 'replicate'|colwise on a replicated"),
-])
+@pytest.mark.parametrize(
+    "model_name, flavor, overrides, message",
+    [
+        ("qwen3", "debugmodel_moe", {"n_layers": 2}, "layers.*.moe has forward hooks outside the model's TP plan"),
+        ("flux", "debugmodel", {}, "has TP style 'rowwise_replicate'|has TP style 'replicate'|colwise on a replicated"),
+    ],
+)
 def test_block_tp_without_a_scan_form_is_refused(model_name, flavor, overrides, message):
     from parallelisms.scan import scan_param_fn
     from planner.shard import fake_process_group

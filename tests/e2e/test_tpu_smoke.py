@@ -26,8 +26,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
 
 
 def _smoke(*args, env=None, timeout=600):
-    return subprocess.run(["bash", "scripts/tpu_smoke.sh", *args], cwd=REPO, env={**ENV, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "scripts/tpu_smoke.sh", *args],
+        cwd=REPO,
+        env={**ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _row(report: str, name: str) -> list[str]:
@@ -38,38 +44,81 @@ def _row(report: str, name: str) -> list[str]:
     raise AssertionError(f"no row for {name} in the report")
 
 
-HEADER = ["run", "what", "status", "steps", "final loss", "vs", "Δ loss (rel.)", "verdict", "setup s",
-          "first step s", "graph compile s", "median step s", "tokens/s/device", "MFU %",
-          "cache misses after step 3 (counter / log)"]
+HEADER = [
+    "run",
+    "what",
+    "status",
+    "steps",
+    "final loss",
+    "vs",
+    "Δ loss (rel.)",
+    "verdict",
+    "setup s",
+    "first step s",
+    "graph compile s",
+    "median step s",
+    "tokens/s/device",
+    "MFU %",
+    "cache misses after step 3 (counter / log)",
+]
 
 
 @pytest.mark.linux  # the timeout kill walks /proc for torchrun's workers
 def test_shim_run_end_to_end(tmp_path):
     out = tmp_path / "smoke"
-    r = _smoke("--shim", "4", "--out", str(out), "--runs",
-               "cpu,compile,graph_scan,moe_ep2,save,resume,cp2,cache_cold,cache_warm",
-               "--set", "compile:--training.dataset=/nonexistent/smoke.jsonl", "--run-timeout", "graph_scan=3",
-               # eager saves and resumes in seconds; graph mode's capture takes a minute on 2 busy cores
-               "--set", "save:--compile.mode=eager", "--set", "save:--compile.scan_layers=false",
-               "--set", "resume:--compile.mode=eager", "--set", "resume:--compile.scan_layers=false",
-               *[x for run in ("cache_cold", "cache_warm") for x in
-                 ("--set", f"{run}:--compile.mode=eager", "--set", f"{run}:--compile.scan_layers=false")])
+    r = _smoke(
+        "--shim",
+        "4",
+        "--out",
+        str(out),
+        "--runs",
+        "cpu,compile,graph_scan,moe_ep2,save,resume,cp2,cache_cold,cache_warm",
+        "--set",
+        "compile:--training.dataset=/nonexistent/smoke.jsonl",
+        "--run-timeout",
+        "graph_scan=3",
+        # eager saves and resumes in seconds; graph mode's capture takes a minute on 2 busy cores
+        "--set",
+        "save:--compile.mode=eager",
+        "--set",
+        "save:--compile.scan_layers=false",
+        "--set",
+        "resume:--compile.mode=eager",
+        "--set",
+        "resume:--compile.scan_layers=false",
+        *[
+            x
+            for run in ("cache_cold", "cache_warm")
+            for x in ("--set", f"{run}:--compile.mode=eager", "--set", f"{run}:--compile.scan_layers=false")
+        ],
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     tarball = out.with_name("smoke.tar.gz")
     assert f"tarball: {tarball}" in r.stderr and f"report: {out / 'report.md'}" in r.stderr
 
     meta = json.loads((out / "smoke.json").read_text())
     status = {name: run["status"] for name, run in meta["runs"].items()}
-    assert status == {"cpu": "ok", "compile": "failed", "graph_scan": "timed out", "moe_ep2": "skipped",
-                      "save": "ok", "resume": "ok", "cp2": "skipped", "cache_cold": "ok", "cache_warm": "ok"}, status
+    assert status == {
+        "cpu": "ok",
+        "compile": "failed",
+        "graph_scan": "timed out",
+        "moe_ep2": "skipped",
+        "save": "ok",
+        "resume": "ok",
+        "cp2": "skipped",
+        "cache_cold": "ok",
+        "cache_warm": "ok",
+    }, status
     # torchrun exits 1 whatever its worker's code (here the trainer's 2); a killed run has none
     assert meta["runs"]["compile"]["rc"] == 1 and meta["runs"]["graph_scan"]["rc"] is None
 
     report = (out / "report.md").read_text()
     assert "Fake TPU shim" in report
     lines = report.splitlines()
-    assert [c.strip() for c in lines[lines.index(next(x for x in lines if x.startswith("| run |")))]
-            .strip().strip("|").split("|")] == HEADER
+    assert [
+        c.strip()
+        for c in lines[lines.index(next(x for x in lines if x.startswith("| run |")))].strip().strip("|").split("|")
+    ] == HEADER
 
     # Losses and numbers: the report's cells are the runs' metrics.jsonl, recomputed here.
     def metrics(name):
@@ -80,11 +129,15 @@ def test_shim_run_end_to_end(tmp_path):
     assert sorted(cpu) == sorted(save) == [1, 2, 3, 4] and sorted(resume) == [3, 4]  # resumed at step 2
     row = dict(zip(HEADER, _row(report, "save")))
     assert row["final loss"] == f"{save[4]['loss']:.4f}" and row["vs"] == "cpu" and row["steps"] == "1-4"
-    rel = (statistics.median(save[s]["loss"] for s in (1, 2, 3, 4))
-           - statistics.median(cpu[s]["loss"] for s in (1, 2, 3, 4))) / statistics.median(
-        cpu[s]["loss"] for s in (1, 2, 3, 4))
+    rel = (
+        statistics.median(save[s]["loss"] for s in (1, 2, 3, 4))
+        - statistics.median(cpu[s]["loss"] for s in (1, 2, 3, 4))
+    ) / statistics.median(cpu[s]["loss"] for s in (1, 2, 3, 4))
     assert row["Δ loss (rel.)"] == f"{rel:+.2%}"
-    assert row["median step s"] == f"{statistics.median([save[s]['elapsed_s'] - save[s - 1]['elapsed_s'] for s in (3, 4)]):.3f}"
+    assert (
+        row["median step s"]
+        == f"{statistics.median([save[s]['elapsed_s'] - save[s - 1]['elapsed_s'] for s in (3, 4)]):.3f}"
+    )
     assert row["tokens/s/device"] == f"{statistics.median([save[s]['tokens_per_sec'] for s in (3, 4)]):,.0f}"
     assert row["graph compile s"] == "-" and "compile_s" not in save[1]  # eager: nothing captured
     assert row["first step s"] == f"{save[1]['elapsed_s']:.1f}" and row["setup s"] == f"{save[1]['setup_s']:.1f}"
@@ -133,17 +186,33 @@ def test_shim_run_end_to_end(tmp_path):
     # The tarball holds the report, logs, metrics and launch env, not the checkpoints.
     with tarfile.open(tarball) as tar:
         names = set(tar.getnames())
-    for want in ("report.md", "smoke.json", "env.txt", "pip_freeze.txt", "launch_env.txt", "runs/save.log",
-                 "runs/save/metrics.jsonl", "runs/resume/metrics.jsonl", "runs/compile.log",
-                 "runs/graph_scan.log", "runs/save.launch_env.txt"):
+    for want in (
+        "report.md",
+        "smoke.json",
+        "env.txt",
+        "pip_freeze.txt",
+        "launch_env.txt",
+        "runs/save.log",
+        "runs/save/metrics.jsonl",
+        "runs/resume/metrics.jsonl",
+        "runs/compile.log",
+        "runs/graph_scan.log",
+        "runs/save.launch_env.txt",
+    ):
         assert f"smoke/{want}" in names, want
     assert not [n for n in names if "checkpoints" in n]
 
     # `report` re-assembles from the folder: cache-miss lines after step 3 are counted.
     with open(out / "runs" / "save.log", "a") as f:
         f.write(f"I1203 tpu_compiler.cc] {tpu_smoke.CACHE_MISS_PATTERN} for program 7\n" * 2)
-    r = subprocess.run([sys.executable, "-m", "tools.tpu_smoke", "report", str(out)], cwd=REPO, env=ENV,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.tpu_smoke", "report", str(out)],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     report = (out / "report.md").read_text()
     assert dict(zip(HEADER, _row(report, "save")))["cache misses after step 3 (counter / log)"] == "- / 2"
@@ -167,8 +236,14 @@ def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
     import time
 
     out = tmp_path / "smoke"
-    proc = subprocess.Popen([sys.executable, "-m", "tools.tpu_smoke", "run", "--shim", "--out", str(out), "--runs",
-                             "cpu,eager"], cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tools.tpu_smoke", "run", "--shim", "--out", str(out), "--runs", "cpu,eager"],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not (out / "runs" / "cpu.log").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -184,50 +259,68 @@ def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
     assert out.with_name("smoke.tar.gz").is_file()
 
 
-@pytest.mark.parametrize("args, names", [
-    (["run", "--shim", "3"], "steps: 3"),
-    (["run", "--shim", "--runs", "eager,nope"], "run 'nope'"),
-    (["run", "--shim", "--run-timeout", "eager=abc"], "--run-timeout 'eager=abc'"),
-    (["run", "--shim", "--set", "eager:training.steps=3"], "--set 'eager:training.steps=3'"),
-    (["run", "--shim", "--timeout", "0"], "--timeout"),
-    (["report", "/nonexistent/smoke"], "/nonexistent/smoke: no smoke.json"),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["run", "--shim", "3"], "steps: 3"),
+        (["run", "--shim", "--runs", "eager,nope"], "run 'nope'"),
+        (["run", "--shim", "--run-timeout", "eager=abc"], "--run-timeout 'eager=abc'"),
+        (["run", "--shim", "--set", "eager:training.steps=3"], "--set 'eager:training.steps=3'"),
+        (["run", "--shim", "--timeout", "0"], "--timeout"),
+        (["report", "/nonexistent/smoke"], "/nonexistent/smoke: no smoke.json"),
+    ],
+)
 def test_bad_arguments_are_one_error_line(args, names):
-    r = subprocess.run([sys.executable, "-m", "tools.tpu_smoke", *args], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.tpu_smoke", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60
+    )
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and names in err[0], r.stderr
 
 
 def test_existing_output_folder_is_refused(tmp_path):
     (tmp_path / "old.txt").write_text("a previous smoke")
-    r = subprocess.run([sys.executable, "-m", "tools.tpu_smoke", "run", "--shim", "--out", str(tmp_path)], cwd=REPO,
-                       env=ENV, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.tpu_smoke", "run", "--shim", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.startswith(f"error: --out {tmp_path}: exists and is not empty")
 
 
 def test_without_torch_tpu_the_run_is_refused(tmp_path):
     """Outside the shim the smoke needs Python 3.11 with torch-tpu; this venv has none."""
-    r = subprocess.run([sys.executable, "-m", "tools.tpu_smoke", "run", "--out", str(tmp_path / "x")], cwd=REPO,
-                       env={**ENV, "TITAN_SMOKE_SHIM": "0"}, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.tpu_smoke", "run", "--out", str(tmp_path / "x")],
+        cwd=REPO,
+        env={**ENV, "TITAN_SMOKE_SHIM": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and ("torch-tpu is not installed" in err[0] or "cp311" in err[0])
     assert not (tmp_path / "x").exists()
 
 
 def test_cache_misses_are_counted_after_the_step_3_line():
-    log = "\n".join([
-        "titan-tpu: llama3 debugmodel ...",
-        "W tpu] Compilation cache STATIC MISS a",           # step 1's compile: not counted
-        "step 1/20  loss 8.7963  grad_norm 10.042",
-        "step  2/20  loss 8.5389",
-        "W tpu] Compilation cache STATIC MISS b",           # before step 3's line: not counted
-        "step  3/20  loss 8.2389",
-        "W tpu] Compilation cache STATIC MISS c",
-        "step  4/20  loss 8.0220",
-        "[rank1] W tpu] Compilation cache STATIC MISS d",  # any rank's line counts
-        "step 13/20  loss 7.1",
-    ])
+    log = "\n".join(
+        [
+            "titan-tpu: llama3 debugmodel ...",
+            "W tpu] Compilation cache STATIC MISS a",  # step 1's compile: not counted
+            "step 1/20  loss 8.7963  grad_norm 10.042",
+            "step  2/20  loss 8.5389",
+            "W tpu] Compilation cache STATIC MISS b",  # before step 3's line: not counted
+            "step  3/20  loss 8.2389",
+            "W tpu] Compilation cache STATIC MISS c",
+            "step  4/20  loss 8.0220",
+            "[rank1] W tpu] Compilation cache STATIC MISS d",  # any rank's line counts
+            "step 13/20  loss 7.1",
+        ]
+    )
     assert cache_misses(log) == 2
     assert cache_misses(log, after_step=1) == 3
     assert cache_misses(log, pattern="no such text") == 0
@@ -235,12 +328,17 @@ def test_cache_misses_are_counted_after_the_step_3_line():
 
 
 def test_error_lines():
-    log = ("step 1/4 loss 8.1\nerror: dataset /x: no such file\nTraceback (most recent call last):\n  File x\n"
-           "[rank1]: RuntimeError: collective timed out\nValueError: bad\nValueError: bad\n"
-           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nan Error in prose\n")
+    log = (
+        "step 1/4 loss 8.1\nerror: dataset /x: no such file\nTraceback (most recent call last):\n  File x\n"
+        "[rank1]: RuntimeError: collective timed out\nValueError: bad\nValueError: bad\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \nan Error in prose\n"
+    )
     assert tpu_smoke.error_lines(log) == [
-        "error: dataset /x: no such file", "[rank1]: RuntimeError: collective timed out", "ValueError: bad",
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
+        "error: dataset /x: no such file",
+        "[rank1]: RuntimeError: collective timed out",
+        "ValueError: bad",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+    ]
 
 
 def test_cache_misses_by_the_trainers_counter():
@@ -255,18 +353,30 @@ def test_start_up_lines_leave_out_the_per_step_miss_lines():
     from trainer.runtime.tpu_env import CACHE_MISS_LINE
 
     assert tpu_smoke.TRAINER_MISS_LINE == CACHE_MISS_LINE
-    log = ("titan-tpu: llama3 debugmodel\nstep 1/4 loss 8\n" + f"{CACHE_MISS_LINE} 1: +3 (total 40)\n"
-           + "titan-tpu: llama3 debugmodel\ntitan-tpu: kernel self-check: splash failed\n")
-    assert tpu_smoke.banner_lines(log) == ["titan-tpu: llama3 debugmodel", "titan-tpu: kernel self-check: splash failed"]
+    log = (
+        "titan-tpu: llama3 debugmodel\nstep 1/4 loss 8\n"
+        + f"{CACHE_MISS_LINE} 1: +3 (total 40)\n"
+        + "titan-tpu: llama3 debugmodel\ntitan-tpu: kernel self-check: splash failed\n"
+    )
+    assert tpu_smoke.banner_lines(log) == [
+        "titan-tpu: llama3 debugmodel",
+        "titan-tpu: kernel self-check: splash failed",
+    ]
 
 
 def test_launch_env_is_parsed_as_torch_tpu_prints_it():
     # torch-tpu 0.2.0's _print_launch_env: quoted values, WORLD_SIZE bare, NNODES etc. on several hosts.
-    text = ('TORCH_TPU_TOPOLOGY="2x2x1"\nTORCH_TPU_SLICEBUILDER_ADDRESSES="localhost:1,localhost:2"\n'
-            'TORCH_TPU_XPROF_SESSION_ID=""\nWORLD_SIZE=4\nNODE_RANK="0"\nsome warning: x=1\n')
-    assert parse_launch_env(text) == {"TORCH_TPU_TOPOLOGY": "2x2x1",
-                                      "TORCH_TPU_SLICEBUILDER_ADDRESSES": "localhost:1,localhost:2",
-                                      "TORCH_TPU_XPROF_SESSION_ID": "", "WORLD_SIZE": "4", "NODE_RANK": "0"}
+    text = (
+        'TORCH_TPU_TOPOLOGY="2x2x1"\nTORCH_TPU_SLICEBUILDER_ADDRESSES="localhost:1,localhost:2"\n'
+        'TORCH_TPU_XPROF_SESSION_ID=""\nWORLD_SIZE=4\nNODE_RANK="0"\nsome warning: x=1\n'
+    )
+    assert parse_launch_env(text) == {
+        "TORCH_TPU_TOPOLOGY": "2x2x1",
+        "TORCH_TPU_SLICEBUILDER_ADDRESSES": "localhost:1,localhost:2",
+        "TORCH_TPU_XPROF_SESSION_ID": "",
+        "WORLD_SIZE": "4",
+        "NODE_RANK": "0",
+    }
 
 
 def _losses(values, first=1):
@@ -292,9 +402,27 @@ def test_plan_and_commands():
     """Every TPU run splits the CPU reference's global batch over the devices and records bf16;
     the shim swaps splash (TPU only) for SDPA and the device for the CPU."""
     runs = {r.name: r for r in tpu_smoke.plan(20)}
-    assert set(runs) == {"cpu", "cpu_moe", "cpu_doc", "cpu_mla", "eager", "compile", "graph_scan", "ac_full",
-                         "fused_loss", "splash", "moe_ep1", "moe_ep2", "save", "resume", "cp2", "cp2_doc", "mla_ep2",
-                         "cache_cold", "cache_warm"}
+    assert set(runs) == {
+        "cpu",
+        "cpu_moe",
+        "cpu_doc",
+        "cpu_mla",
+        "eager",
+        "compile",
+        "graph_scan",
+        "ac_full",
+        "fused_loss",
+        "splash",
+        "moe_ep1",
+        "moe_ep2",
+        "save",
+        "resume",
+        "cp2",
+        "cp2_doc",
+        "mla_ep2",
+        "cache_cold",
+        "cache_warm",
+    }
     out = tpu_smoke.ROOT / "outputs" / "x"
     for shim in (False, True):
         for name, run in runs.items():
@@ -334,17 +462,28 @@ def test_every_run_passes_the_rules_at_its_world_size(nproc):
     for run in tpu_smoke.plan(20):
         if run.device == "tpu" and (nproc < run.min_devices or nproc % run.cp):
             continue
-        cmd = tpu_smoke.command(run, steps=20, nproc=nproc, global_batch=global_batch,
-                                out=tpu_smoke.ROOT / "outputs" / "x", shim=False, extra=[])
-        recipe, _, overrides = split_cli(cmd[cmd.index("trainer.train") + 1:])
+        cmd = tpu_smoke.command(
+            run,
+            steps=20,
+            nproc=nproc,
+            global_batch=global_batch,
+            out=tpu_smoke.ROOT / "outputs" / "x",
+            shim=False,
+            extra=[],
+        )
+        recipe, _, overrides = split_cli(cmd[cmd.index("trainer.train") + 1 :])
         cfg = build_config(os.path.join(REPO, recipe), overrides)
         world, device_type = (1, "cpu") if run.device == "cpu" else (nproc, "tpu")
         plan = plan_job(cfg, world_size=world, device_type=device_type)
         dims = plan.parallel_dims
         assert dims.cp == run.cp and dims.dp_replicate * dims.dp_shard * dims.cp * dims.tp == world, (run.name, dims)
         t = cfg.training
-        local, accum = batch_split(global_batch_size=t.global_batch_size, local_batch_size=t.local_batch_size,
-                                   gradient_accumulation_steps=t.gradient_accumulation_steps, dp_degree=dims.dp_degree)
+        local, accum = batch_split(
+            global_batch_size=t.global_batch_size,
+            local_batch_size=t.local_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            dp_degree=dims.dp_degree,
+        )
         assert local * accum * dims.dp_degree == (tpu_smoke.GLOBAL_BATCH if run.device == "cpu" else global_batch)
         checked.append(run.name)
     assert {"cp2", "cp2_doc", "mla_ep2", "cache_cold", "cache_warm"} <= set(checked), checked
@@ -368,8 +507,10 @@ def test_cp_runs_are_skipped_where_the_devices_do_not_split(tmp_path):
 
 
 def _records(counts, compiled=None):
-    return [{"step": s, "compile_cache_misses": c, **({"compilations": compiled} if compiled is not None else {})}
-            for s, c in enumerate(counts, start=1)]
+    return [
+        {"step": s, "compile_cache_misses": c, **({"compilations": compiled} if compiled is not None else {})}
+        for s, c in enumerate(counts, start=1)
+    ]
 
 
 def test_relaunch_verdict_from_metrics():
@@ -377,20 +518,25 @@ def test_relaunch_verdict_from_metrics():
     assert tpu_smoke.misses_through(first) == 42 and counter_misses(first) == 1
     assert tpu_smoke.relaunch_verdict(first, _records([0] * 6)) == (
         "second launch: 0 misses after step 3, 0 at restart (first launch: 1 after step 3, 42 at start): "
-        "compiled nothing, the cache served every program")
+        "compiled nothing, the cache served every program"
+    )
     assert tpu_smoke.relaunch_verdict(first, _records([5, 6, 6, 6, 6, 6])) == (
         "second launch: 0 misses after step 3, 6 at restart (first launch: 1 after step 3, 42 at start): "
-        "the cache served 36 of the first launch's 42 programs, the rest compiled again")
+        "the cache served 36 of the first launch's 42 programs, the rest compiled again"
+    )
     assert tpu_smoke.relaunch_verdict(first, first).startswith(
         "second launch: 1 misses after step 3, 42 at restart (first launch: 1 after step 3, 42 at start): "
-        "missed as much as a cold start")
+        "missed as much as a cold start"
+    )
     # Off a TPU (no counter) or stopped before step 3: said so, nothing made up.
     assert tpu_smoke.relaunch_verdict(first, [{"step": s} for s in range(1, 7)]).startswith(
-        "second launch: not measured")
+        "second launch: not measured"
+    )
     assert tpu_smoke.relaunch_verdict(first, _records([3, 3])).startswith("second launch: not measured")
     # Without the first launch's numbers the line still stands.
     assert tpu_smoke.relaunch_verdict([], _records([0] * 6)) == (
-        "second launch: 0 misses after step 3, 0 at restart: compiled nothing, the cache served every program")
+        "second launch: 0 misses after step 3, 0 at restart: compiled nothing, the cache served every program"
+    )
 
 
 def test_report_has_the_relaunch_section(tmp_path):
@@ -403,19 +549,52 @@ def test_report_has_the_relaunch_section(tmp_path):
         recs[0].update(setup_s=3.0, compile_s=55.5 if name == "cache_cold" else 1.2)
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         (out / "runs" / f"{name}.log").write_text("step 1/6 loss 8.9\n")
-    run = {"device": "tpu", "exact": True, "recipe": tpu_smoke.LLAMA, "steps": 6, "status": "ok", "rc": 0,
-           "timeout_s": 1800}
-    meta = {"shim": False, "started": "-", "git": "x", "steps": 20, "global_batch": 8, "devices": 8, "timeout_s": 1800,
-            "launch_rc": 0, "runs": {
-                "cache_cold": {**run, "what": "first", "ref": None, "relaunch_of": None, "tier2": "t-cold",
-                               "tier3_after": {"files": 12, "bytes": 5_000_000}, "tier2_after": {"files": 12, "bytes": 1}},
-                "cache_warm": {**run, "what": "second", "ref": "cache_cold", "relaunch_of": "cache_cold",
-                               "tier2": "t-warm", "tier3_after": {"files": 12, "bytes": 5_000_000}, "tier2_after": None}}}
+    run = {
+        "device": "tpu",
+        "exact": True,
+        "recipe": tpu_smoke.LLAMA,
+        "steps": 6,
+        "status": "ok",
+        "rc": 0,
+        "timeout_s": 1800,
+    }
+    meta = {
+        "shim": False,
+        "started": "-",
+        "git": "x",
+        "steps": 20,
+        "global_batch": 8,
+        "devices": 8,
+        "timeout_s": 1800,
+        "launch_rc": 0,
+        "runs": {
+            "cache_cold": {
+                **run,
+                "what": "first",
+                "ref": None,
+                "relaunch_of": None,
+                "tier2": "t-cold",
+                "tier3_after": {"files": 12, "bytes": 5_000_000},
+                "tier2_after": {"files": 12, "bytes": 1},
+            },
+            "cache_warm": {
+                **run,
+                "what": "second",
+                "ref": "cache_cold",
+                "relaunch_of": "cache_cold",
+                "tier2": "t-warm",
+                "tier3_after": {"files": 12, "bytes": 5_000_000},
+                "tier2_after": None,
+            },
+        },
+    }
     (out / "smoke.json").write_text(json.dumps(meta))
     (out / "env.txt").write_text("python 3.11\n")
     report = tpu_smoke.render_report(out)
-    assert ("**second launch: 0 misses after step 3, 2 at restart (first launch: 1 after step 3, 42 at start): "
-            "the cache served 40 of the first launch's 42 programs, the rest compiled again**") in report
+    assert (
+        "**second launch: 0 misses after step 3, 2 at restart (first launch: 1 after step 3, 42 at start): "
+        "the cache served 40 of the first launch's 42 programs, the rest compiled again**"
+    ) in report
     assert "| first | cache_cold | ok | 42 | 1 | 43 | 10.0 | 55.5 | 12, 5.0 | 12 |" in report
     assert "| second | cache_warm | ok | 2 | 0 | 0 | 10.0 | 1.2 | 12, 5.0 | none |" in report
     # 6 steps is complete for these runs (not the smoke's 20), and the relaunch matches its first launch.

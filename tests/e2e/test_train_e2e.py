@@ -12,9 +12,14 @@ from trainer.train import main
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support", "golden", "llama3_debug_losses.json")
 GOLDEN_PINS = ["--training.mixed_precision_param=float32", "--model.attn_backend=sdpa"]
 TINY = [
-    "--config", "configs/llama3_debug.toml",
-    "--model.n_layers=2", "--training.seq_len=64", "--training.local_batch_size=4",
-    "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
+    "--config",
+    "configs/llama3_debug.toml",
+    "--model.n_layers=2",
+    "--training.seq_len=64",
+    "--training.local_batch_size=4",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
     "--validation.enable=false",
 ]
 
@@ -56,8 +61,13 @@ def test_golden_losses_first_steps(tmp_path):
 
 
 def test_loss_falls(tmp_path):
-    losses = run(tmp_path, "--training.steps=60", "--checkpoint.enable=false", "--optimizer.lr=5e-3",
-                 "--training.local_batch_size=8")
+    losses = run(
+        tmp_path,
+        "--training.steps=60",
+        "--checkpoint.enable=false",
+        "--optimizer.lr=5e-3",
+        "--training.local_batch_size=8",
+    )
     first = losses[1]
     last = sum(losses[s] for s in range(56, 61)) / 5
     assert last < first - 1.0, (first, last)  # an untrained model stays near ln(4096) = 8.3
@@ -65,8 +75,12 @@ def test_loss_falls(tmp_path):
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["--training.steps=6", "--checkpoint.enable=true", "--checkpoint.interval=3",
-              "--checkpoint.keep_latest_k=0"]
+    common = [
+        "--training.steps=6",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=3",
+        "--checkpoint.keep_latest_k=0",
+    ]
     want = run(full, *common)
     # Same run, killed after step 3's checkpoint: keep only that checkpoint, then relaunch.
     shutil.copytree(full / "checkpoints" / "step-3", resumed / "checkpoints" / "step-3")
@@ -77,18 +91,34 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 def test_fp32_and_grad_accumulation(tmp_path):
     # accumulation over 2 micro-batches of 2 == one micro-batch of 4 (same windows, fp32)
-    a = run(tmp_path / "a", "--training.steps=3", "--checkpoint.enable=false",
-            "--training.mixed_precision_param=float32")
-    b = run(tmp_path / "b", "--training.steps=3", "--checkpoint.enable=false",
-            "--training.mixed_precision_param=float32", "--training.local_batch_size=2",
-            "--training.gradient_accumulation_steps=2")
+    a = run(
+        tmp_path / "a", "--training.steps=3", "--checkpoint.enable=false", "--training.mixed_precision_param=float32"
+    )
+    b = run(
+        tmp_path / "b",
+        "--training.steps=3",
+        "--checkpoint.enable=false",
+        "--training.mixed_precision_param=float32",
+        "--training.local_batch_size=2",
+        "--training.gradient_accumulation_steps=2",
+    )
     assert [b[s] for s in (1, 2, 3)] == pytest.approx([a[s] for s in (1, 2, 3)], rel=1e-5)
 
 
 def test_non_finite_gradient_stops_before_any_checkpoint_holds_it(tmp_path, capsys):
-    rc = main([*TINY, f"--job.dump_folder={tmp_path}", "--training.steps=8", "--optimizer.lr=1e12",
-               "--lr_scheduler.warmup_steps=0", "--training.max_norm=0", "--checkpoint.enable=true",
-               "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0"])
+    rc = main(
+        [
+            *TINY,
+            f"--job.dump_folder={tmp_path}",
+            "--training.steps=8",
+            "--optimizer.lr=1e12",
+            "--lr_scheduler.warmup_steps=0",
+            "--training.max_norm=0",
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=1",
+            "--checkpoint.keep_latest_k=0",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     assert "non-finite gradient norm at step" in err
@@ -100,9 +130,19 @@ def test_non_finite_gradient_stops_before_any_checkpoint_holds_it(tmp_path, caps
 def test_non_finite_updates_are_skipped_and_counted(tmp_path):
     """With skip_nonfinite_updates the run goes on; the skipped updates never reach the weights,
     so the final checkpoint is written (its weights are checked finite before the save)."""
-    rc = main([*TINY, f"--job.dump_folder={tmp_path}", "--training.steps=6", "--optimizer.lr=1e12",
-               "--lr_scheduler.warmup_steps=0", "--training.max_norm=0", "--checkpoint.enable=true",
-               "--checkpoint.interval=6", "--training.skip_nonfinite_updates=true"])
+    rc = main(
+        [
+            *TINY,
+            f"--job.dump_folder={tmp_path}",
+            "--training.steps=6",
+            "--optimizer.lr=1e12",
+            "--lr_scheduler.warmup_steps=0",
+            "--training.max_norm=0",
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=6",
+            "--training.skip_nonfinite_updates=true",
+        ]
+    )
     assert rc == 0
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -137,9 +177,18 @@ def _error_lines(err: str) -> list[str]:
 def test_bad_validation_data_fails_before_any_step(tmp_path, capsys):
     bad = tmp_path / "val.jsonl"
     bad.write_text('{"body": "no text field"}\n')
-    rc = main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=4", "--checkpoint.enable=true",
-               "--checkpoint.interval=1", "--validation.enable=true", "--validation.freq=2",
-               f"--validation.dataset={bad}"])
+    rc = main(
+        [
+            *TINY,
+            f"--job.dump_folder={tmp_path / 'run'}",
+            "--training.steps=4",
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=1",
+            "--validation.enable=true",
+            "--validation.freq=2",
+            f"--validation.dataset={bad}",
+        ]
+    )
     lines = _error_lines(capsys.readouterr().err)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "no field 'text'" in lines[0], lines
     # Before: trained, saved step-1, and failed at the first validation (step 2).
@@ -158,9 +207,18 @@ def test_bad_json_mid_training_stops_cleanly_and_keeps_checkpoints(tmp_path, cap
     docs = [" ".join(f"word{(i * 31 + j) % 997}" for j in range(150)) for i in range(8)]
     (data / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     (data / "b.jsonl").write_text(json.dumps({"text": docs[0]}) + "\n\n" + '{"text": "cut' + "\n")
-    rc = main([*TINY, f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=40", "--checkpoint.enable=true",
-               "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0", f"--training.dataset={data}/*.jsonl",
-               "--training.dataset_shards=4"])  # 9 rows: 4 shards of 1-row blocks, read in chunks of 4 rows
+    rc = main(
+        [
+            *TINY,
+            f"--job.dump_folder={tmp_path / 'run'}",
+            "--training.steps=40",
+            "--checkpoint.enable=true",
+            "--checkpoint.interval=2",
+            "--checkpoint.keep_latest_k=0",
+            f"--training.dataset={data}/*.jsonl",
+            "--training.dataset_shards=4",
+        ]
+    )  # 9 rows: 4 shards of 1-row blocks, read in chunks of 4 rows
     lines = _error_lines(capsys.readouterr().err)
     assert rc == 2, lines
     assert len(lines) == 1 and f"file {data}/b.jsonl line 3 is not valid JSON" in lines[0], lines

@@ -143,12 +143,18 @@ BARRIER = textwrap.dedent("""
 def test_arrival_barrier_names_the_ranks_that_did_not_arrive(tmp_path):
     script = tmp_path / "barrier.py"
     script.write_text(BARRIER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           str(script)], cwd=REPO, env={**ENV, "PYTHONPATH": REPO}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(script)],
+        cwd=REPO,
+        env={**ENV, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout
     for rank in (0, 2):
-        assert (f"rank {rank}: start-up barrier 'before-compile': ranks 1, 3 of 4 did not arrive within 1 s"
-                in out), out + proc.stderr[-2000:]
+        assert f"rank {rank}: start-up barrier 'before-compile': ranks 1, 3 of 4 did not arrive within 1 s" in out, (
+            out + proc.stderr[-2000:]
+        )
     for rank in (1, 3):
         assert f"rank {rank}: passed" in out, out + proc.stderr[-2000:]

@@ -40,14 +40,25 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CLASSES = ("missing", "unreadable", "binary", "malformed", "truncated", "wrong_type", "non_finite",
-           "out_of_range", "inconsistent", "occupied")
+CLASSES = (
+    "missing",
+    "unreadable",
+    "binary",
+    "malformed",
+    "truncated",
+    "wrong_type",
+    "non_finite",
+    "out_of_range",
+    "inconsistent",
+    "occupied",
+)
 
 
 @dataclass
 class Case:
     """One bad input for one entry point: run `argv` in `cwd` with `env`; expect exit 2, one
     `error:` line containing `names` (any of them), and `watch` (paths) left as they were."""
+
     entry: str
     cls: str
     label: str
@@ -63,6 +74,7 @@ class Case:
 
 # --------------------------------------------------------------------------------- damages
 
+
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -73,6 +85,7 @@ def _remove(path: str) -> None:
 def damage_file(path: str, *, fmt: str) -> Iterator[tuple[str, str, Callable[[], None]]]:
     """(class, label, apply) for the damages of a whole file of format `fmt` (json, toml,
     safetensors, parquet, text) at `path`; `apply` changes the file in place."""
+
     def missing():
         _remove(path)
 
@@ -178,6 +191,7 @@ def damage_data(data, keys: list, *, classes=CLASSES) -> Iterator[tuple[str, str
 
 # --------------------------------------------------------------------------------- writers
 
+
 def write_json(path: str, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1, allow_nan=True)  # NaN / Infinity: what Python's json reads
@@ -236,8 +250,15 @@ def snapshot(paths: list[str]) -> dict[str, object]:
 
 # --------------------------------------------------------------------------------- runner
 
-PRELOAD = ("torch", "torch.distributed.checkpoint", "numpy", "pyarrow.parquet", "safetensors.torch", "tiktoken",
-           "transformers")
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "numpy",
+    "pyarrow.parquet",
+    "safetensors.torch",
+    "tiktoken",
+    "transformers",
+)
 
 
 def _child(case: dict, out_dir: str) -> None:

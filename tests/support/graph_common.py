@@ -25,8 +25,16 @@ LR = 1e-3
 
 
 def small_args(n_layers: int = 2):
-    return dataclasses.replace(FLAVORS["debugmodel"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2,
-                               vocab_size=VOCAB, max_seq_len=SEQ, multiple_of=64)
+    return dataclasses.replace(
+        FLAVORS["debugmodel"],
+        n_layers=n_layers,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        multiple_of=64,
+    )
 
 
 def build_model(n_layers: int = 2, seed: int = 0, param_dtype=torch.float32) -> torch.nn.Module:
@@ -47,8 +55,7 @@ def build_opt(model: torch.nn.Module) -> torch.optim.AdamW:
 
 
 def eager_step(model, opt, max_norm: float = 1.0) -> EagerStep:
-    return EagerStep(model=model, optimizer=opt, max_norm=max_norm, aux_loss_coef=0.0,
-                     clip_grad_norm=clip_grad_norm_)
+    return EagerStep(model=model, optimizer=opt, max_norm=max_norm, aux_loss_coef=0.0, clip_grad_norm=clip_grad_norm_)
 
 
 def batches(steps: int, accum: int = 1, seed: int = 1) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -106,9 +113,24 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def max_state_diff(oa: torch.optim.Optimizer, ob: torch.optim.Optimizer) -> float:
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert sa.keys() == sb.keys()
-    return max((sa[i][k].float().cpu() - sb[i][k].float().cpu()).abs().max().item()
-               for i in sa for k in ("exp_avg", "exp_avg_sq", "step"))
+    return max(
+        (sa[i][k].float().cpu() - sb[i][k].float().cpu()).abs().max().item()
+        for i in sa
+        for k in ("exp_avg", "exp_avg_sq", "step")
+    )
 
 
-__all__ = ["PLAN", "build_model", "build_opt", "eager_step", "batches", "run", "max_param_diff",
-           "max_state_diff", "small_args", "lr_at", "param_tolerance", "snapshot"]
+__all__ = [
+    "PLAN",
+    "build_model",
+    "build_opt",
+    "eager_step",
+    "batches",
+    "run",
+    "max_param_diff",
+    "max_state_diff",
+    "small_args",
+    "lr_at",
+    "param_tolerance",
+    "snapshot",
+]

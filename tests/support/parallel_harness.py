@@ -20,7 +20,6 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.llama3 import FLAVORS as LLAMA3_FLAVORS
@@ -29,9 +28,9 @@ from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import FLAVORS as QWEN3_FLAVORS
 from models.qwen3 import Transformer as Qwen3
 from models.qwen3.plan import PLAN as QWEN3_PLAN
+from tools.thread_world import run_threads  # noqa: F401  (re-exported for the parallel tests)
 from trainer.runtime.device import cpu_backend
 from trainer.step import lm_loss  # noqa: F401  (re-exported for the parallel tests)
-from tools.thread_world import run_threads  # noqa: F401  (re-exported for the parallel tests)
 
 RNG_LOCK = threading.Lock()
 # full_tensor() of 2-D (_StridedShard, Shard) weights in the checks warns about sequential
@@ -89,8 +88,9 @@ def parallel_fp32_model(cls, args, plan, dims, state: dict[str, torch.Tensor]):
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = cls(args)
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                      reduce_dtype=torch.float32)
+    parallelize_model(
+        model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()  # rebuilds the RoPE buffers; the weights come next
@@ -108,8 +108,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _process_entry(rank: int, world_size: int, init_file: str, fn, args, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(cpu_backend(), init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
+    dist.init_process_group(cpu_backend(), init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result = fn(*args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -122,5 +121,4 @@ def run_processes(world_size: int, fn, *args) -> list:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "pg")
         mp.spawn(_process_entry, args=(world_size, init_file, fn, args, tmp), nprocs=world_size)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-                for r in range(world_size)]
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

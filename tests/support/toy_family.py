@@ -50,8 +50,15 @@ class ToyArgs:
         return self.dim // self.n_heads
 
     def shape(self) -> ModelShape:
-        return ModelShape(n_layers=self.n_layers, dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_heads,
-                          head_dim=self.head_dim, vocab_size=self.vocab_size, ffn_hidden=self.mlp_ratio * self.dim)
+        return ModelShape(
+            n_layers=self.n_layers,
+            dim=self.dim,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            ffn_hidden=self.mlp_ratio * self.dim,
+        )
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:
         d, h = self.dim, self.mlp_ratio * self.dim
@@ -80,8 +87,7 @@ class ParallelBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.norm = RMSNorm(args.dim)
-        self.attention = Attention(dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_heads,
-                                   head_dim=args.head_dim)
+        self.attention = Attention(dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_heads, head_dim=args.head_dim)
         self.mlp = GeluMLP(args.dim, args.mlp_ratio * args.dim)
 
     def forward(self, h: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
@@ -123,7 +129,7 @@ class ParallelLM(nn.Module):
             trunc_normal_(block.mlp.fc_in.weight, std=0.02)
             trunc_normal_(block.mlp.fc_out.weight, std=out_std)
         self.norm.init_weights()
-        trunc_normal_(self.output.weight, std=self.args.dim ** -0.5)
+        trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
 
     def pop_aux_loss(self) -> torch.Tensor | None:
         return None

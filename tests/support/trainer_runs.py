@@ -18,8 +18,17 @@ def launch_command(nproc: int, args, extra_launcher=()) -> list[str]:
     """The command line for `nproc` trainer processes (torchrun launcher options in `extra_launcher`)."""
     if nproc == 1:
         return [sys.executable, "-m", "trainer.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", *extra_launcher,
-            f"--nproc_per_node={nproc}", "-m", "trainer.train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        *extra_launcher,
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "trainer.train",
+        *args,
+    ]
 
 
 def run(cmd: list[str]) -> None:
@@ -37,13 +46,20 @@ def read_metrics(folder) -> dict[int, dict]:
 def train(folder, nproc: int, degrees: dict, *args: str) -> dict[int, dict]:
     """Train on `nproc` processes with these parallel degrees and a global batch of GLOBAL_BATCH sequences."""
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)
-    run(launch_command(nproc, [
-        *args, f"--job.dump_folder={folder}", f"--training.local_batch_size={GLOBAL_BATCH // dp}",
-        f"--parallelism.data_parallel_replicate_degree={degrees.get('dp_replicate', 1)}",
-        f"--parallelism.data_parallel_shard_degree={degrees.get('dp_shard', 1)}",
-        f"--parallelism.tensor_parallel_degree={degrees.get('tp', 1)}",
-        f"--parallelism.expert_parallel_degree={degrees.get('ep', 1)}",
-    ]))
+    run(
+        launch_command(
+            nproc,
+            [
+                *args,
+                f"--job.dump_folder={folder}",
+                f"--training.local_batch_size={GLOBAL_BATCH // dp}",
+                f"--parallelism.data_parallel_replicate_degree={degrees.get('dp_replicate', 1)}",
+                f"--parallelism.data_parallel_shard_degree={degrees.get('dp_shard', 1)}",
+                f"--parallelism.tensor_parallel_degree={degrees.get('tp', 1)}",
+                f"--parallelism.expert_parallel_degree={degrees.get('ep', 1)}",
+            ],
+        )
+    )
     return read_metrics(folder)
 
 

@@ -80,8 +80,7 @@ class DoubleBlock(nn.Module):
             parts.append(stream.qkv(_modulate(F.layer_norm(x, x.shape[-1:]), m[0], m[1])))
         attn = _attention(torch.cat(parts, dim=1), self.n_heads)
         out = []
-        for x, a, m, stream in ((h[:, :s], attn[:, :s], mods[0], self.txt),
-                                (h[:, s:], attn[:, s:], mods[1], self.img)):
+        for x, a, m, stream in ((h[:, :s], attn[:, :s], mods[0], self.txt), (h[:, s:], attn[:, s:], mods[1], self.img)):
             x = x + m[2][:, None] * stream.proj(a)
             y = _modulate(F.layer_norm(x, x.shape[-1:]), m[3], m[4])
             out.append(x + m[5][:, None] * stream.mlp_out(F.gelu(stream.mlp_in(y), approximate="tanh")))
@@ -165,18 +164,30 @@ def velocity_loss(model, latents, txt, y, noise, t, keep):
     return (pred - (noise - latents)).square().mean()
 
 
-def batches(args: TwoStackArgs, steps: int, accum: int = 1, *, batch: int = 2, img_len: int = 12,
-            txt_len: int = 5, seed: int = 1):
+def batches(
+    args: TwoStackArgs,
+    steps: int,
+    accum: int = 1,
+    *,
+    batch: int = 2,
+    img_len: int = 12,
+    txt_len: int = 5,
+    seed: int = 1,
+):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         mbs = []
         for _ in range(accum):
-            mbs.append((torch.randn(batch, img_len, args.in_channels, generator=g),
-                        torch.randn(batch, txt_len, args.context_in_dim, generator=g),
-                        torch.randn(batch, args.vec_in_dim, generator=g),
-                        torch.randn(batch, img_len, args.in_channels, generator=g),
-                        torch.rand(batch, generator=g),
-                        (torch.rand(batch, generator=g) > 0.2).float()))
+            mbs.append(
+                (
+                    torch.randn(batch, img_len, args.in_channels, generator=g),
+                    torch.randn(batch, txt_len, args.context_in_dim, generator=g),
+                    torch.randn(batch, args.vec_in_dim, generator=g),
+                    torch.randn(batch, img_len, args.in_channels, generator=g),
+                    torch.rand(batch, generator=g),
+                    (torch.rand(batch, generator=g) > 0.2).float(),
+                )
+            )
         out.append(mbs)
     return out

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 import models
 from tests.e2e.test_runlock import hold
-from trainer.checkpoint import CheckpointManager, CheckpointSaveError, complete_steps
+from trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from trainer.runtime import atomic
 from trainer.runtime.atomic import WriteFailed, atomic_dir, atomic_file, write_error_text
 
@@ -117,8 +117,7 @@ def gloo_group():
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
-def test_a_full_disk_inside_torch_save_is_named_through_a_process_group(tmp_path, fail_dcp_writes, gloo_group,
-                                                                        code):
+def test_a_full_disk_inside_torch_save_is_named_through_a_process_group(tmp_path, fail_dcp_writes, gloo_group, code):
     """issue 38: on a full disk a checkpoint save said torch's "unexpected pos 704 vs 598" (the zip
     writer drops the OSError; DCP's gather dropped what was left of it). The write fails here in
     the middle of a tensor's torch.save, as on a real disk; the line names the folder and the
@@ -130,8 +129,10 @@ def test_a_full_disk_inside_torch_save_is_named_through_a_process_group(tmp_path
     with pytest.raises(CheckpointSaveError) as failed:
         manager.save(2, {"model": _State(2)})
     message = str(failed.value)
-    assert message.startswith(f"checkpoint: saving step 2 to {tmp_path / '.tmp-step-2'} failed: {os.strerror(code)}; "
-                              f"its partial files were removed; earlier checkpoints in {tmp_path} are intact"), message
+    assert message.startswith(
+        f"checkpoint: saving step 2 to {tmp_path / '.tmp-step-2'} failed: {os.strerror(code)}; "
+        f"its partial files were removed; earlier checkpoints in {tmp_path} are intact"
+    ), message
     assert "unexpected pos" not in message and len(message.splitlines()) == 1
     assert sorted(os.listdir(tmp_path)) == ["step-1"]
     back = {"model": _State(3)}
@@ -143,13 +144,29 @@ def test_trainer_reports_a_failed_save_on_one_line(tmp_path, fail_dcp_writes, ca
     from trainer.train import main
 
     fail_dcp_writes(errno.ENOSPC)
-    code = main(["--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=1",
-                 "--validation.enable=false", "--metrics.enable_tensorboard=false", "--training.local_batch_size=2",
-                 "--training.steps=1", "--checkpoint.enable=true", f"--job.dump_folder={tmp_path}"])
+    code = main(
+        [
+            "--config",
+            "configs/llama3_debug.toml",
+            "--training.seq_len=64",
+            "--model.n_layers=1",
+            "--validation.enable=false",
+            "--metrics.enable_tensorboard=false",
+            "--training.local_batch_size=2",
+            "--training.steps=1",
+            "--checkpoint.enable=true",
+            f"--job.dump_folder={tmp_path}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith(
-        f"error: checkpoint: saving step 1 to {tmp_path / 'checkpoints' / '.tmp-step-1'} failed: No space left on device")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: checkpoint: saving step 1 to {tmp_path / 'checkpoints' / '.tmp-step-1'} failed: No space left on device"
+        )
+    )
     assert os.listdir(tmp_path / "checkpoints") == []
 
 
@@ -172,18 +189,32 @@ def test_a_failed_run_folder_write_ends_the_run_on_one_line(tmp_path, monkeypatc
             return real_fsync(fd)
 
         monkeypatch.setattr(atomic.os, "fsync", fsync)
-        want = (f"error: writing config {tmp_path / 'config.toml'} failed: {os.strerror(code_errno)}; "
-                f"{tmp_path / 'config.toml'} is unchanged")
+        want = (
+            f"error: writing config {tmp_path / 'config.toml'} failed: {os.strerror(code_errno)}; "
+            f"{tmp_path / 'config.toml'} is unchanged"
+        )
     else:
+
         class Full(io.StringIO):
             def write(self, text):
                 raise OSError(code_errno, os.strerror(code_errno))
 
         monkeypatch.setattr(metrics, "open", lambda *a, **k: Full(), raising=False)
         want = f"error: writing metrics {tmp_path / 'metrics.jsonl'} failed: {os.strerror(code_errno)}"
-    code = main(["--config", "configs/llama3_debug.toml", "--training.seq_len=64", "--model.n_layers=1",
-                 "--validation.enable=false", "--metrics.enable_tensorboard=false", "--training.local_batch_size=2",
-                 "--training.steps=1", "--checkpoint.enable=false", f"--job.dump_folder={tmp_path}"])
+    code = main(
+        [
+            "--config",
+            "configs/llama3_debug.toml",
+            "--training.seq_len=64",
+            "--model.n_layers=1",
+            "--validation.enable=false",
+            "--metrics.enable_tensorboard=false",
+            "--training.local_batch_size=2",
+            "--training.steps=1",
+            "--checkpoint.enable=false",
+            f"--job.dump_folder={tmp_path}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err and err.strip().splitlines()[-1] == want, err
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".tmp-")]
@@ -239,8 +270,17 @@ def dcp_checkpoint(tmp_path) -> tuple[Path, object, object]:
 
 
 def _to_hf(step, out) -> list[str]:
-    return ["to-hf", "--checkpoint", str(step), "--model.name", "llama3", "--model.flavor", "debugmodel",
-            "--model.n_layers=1", str(out)]
+    return [
+        "to-hf",
+        "--checkpoint",
+        str(step),
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        "debugmodel",
+        "--model.n_layers=1",
+        str(out),
+    ]
 
 
 @pytest.mark.parametrize("code", ERRNOS)
@@ -256,7 +296,10 @@ def test_failed_to_hf_leaves_nothing_and_says_why(tmp_path, dcp_checkpoint, monk
     out = tmp_path / "exports" / "hf"
     assert convert.main(_to_hf(step, out)) == 1
     err = capsys.readouterr().err
-    assert err == f"error: writing Hugging Face folder {out} failed: {os.strerror(code)}; nothing was left at the destination\n"
+    assert (
+        err
+        == f"error: writing Hugging Face folder {out} failed: {os.strerror(code)}; nothing was left at the destination\n"
+    )
     assert os.listdir(tmp_path / "exports") == []  # no temporary folder, no lock file, no `hf`
 
 
@@ -267,8 +310,10 @@ def test_failed_from_hf_leaves_nothing_and_says_why(tmp_path, dcp_checkpoint, fa
     fail_dcp_writes(code)
     assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back" / "dcp")]) == 1
     err = capsys.readouterr().err
-    assert err == (f"error: writing DCP checkpoint {tmp_path / 'back' / 'dcp'} failed: {os.strerror(code)}; "
-                   "nothing was left at the destination\n")
+    assert err == (
+        f"error: writing DCP checkpoint {tmp_path / 'back' / 'dcp'} failed: {os.strerror(code)}; "
+        "nothing was left at the destination\n"
+    )
     assert os.listdir(tmp_path / "back") == []
 
 
@@ -278,8 +323,10 @@ def test_conversion_destinations_occupied_or_in_use_are_refused(tmp_path, dcp_ch
     occupied.mkdir()
     (occupied / "keep.txt").write_text("earlier work\n")
     assert convert.main(_to_hf(step, occupied)) == 2
-    assert capsys.readouterr().err == (f"error: {occupied}: exists and is not an empty folder; allowed: a new or empty "
-                                       "folder (a conversion never writes over or into earlier output)\n")
+    assert capsys.readouterr().err == (
+        f"error: {occupied}: exists and is not an empty folder; allowed: a new or empty "
+        "folder (a conversion never writes over or into earlier output)\n"
+    )
     assert os.listdir(occupied) == ["keep.txt"]
     busy = tmp_path / "busy"
     holder = hold(busy, "dest")  # another conversion is writing `busy`
@@ -289,7 +336,9 @@ def test_conversion_destinations_occupied_or_in_use_are_refused(tmp_path, dcp_ch
         holder.kill()
         holder.wait()
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {busy}: {busy} is in use by another conversion (host ") and f"pid {holder.pid}" in err
+    assert (
+        err.startswith(f"error: {busy}: {busy} is in use by another conversion (host ") and f"pid {holder.pid}" in err
+    )
     assert err.count("\n") == 1 and not busy.exists()
     assert convert.main(_to_hf(step, busy)) == 0  # the holder is gone: its lock file does not block
     assert sorted(os.listdir(busy)) == ["config.json", "model.safetensors"]
@@ -312,15 +361,18 @@ def _half_then_fail(code: int):
 def test_failed_flux_data_builds_leave_nothing_and_say_why(tmp_path, monkeypatch, capsys, code):
     from trainer.flux_data import build as fb
 
-    spec = importlib.util.spec_from_file_location("build_flux_data",
-                                                  Path(__file__).parents[2] / "scripts" / "build_flux_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "build_flux_data", Path(__file__).parents[2] / "scripts" / "build_flux_data.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     monkeypatch.setattr(script, "build_dataset", _half_then_fail(code))
     out = tmp_path / "sets" / "mine"
     assert script.main(["--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert err == f"error: writing FLUX data set {out} failed: {os.strerror(code)}; nothing was left at the destination\n"
+    assert (
+        err == f"error: writing FLUX data set {out} failed: {os.strerror(code)}; nothing was left at the destination\n"
+    )
     assert os.listdir(tmp_path / "sets") == []
     # the shared cache the trainer builds into: no half-built set, no temporary folder left
     monkeypatch.setattr(fb, "build_dataset", _half_then_fail(code))

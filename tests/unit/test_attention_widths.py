@@ -78,8 +78,9 @@ CASES = [(4, 4, False), (4, 2, True)]  # (q heads, kv heads, documents): MHA cau
 
 
 @pytest.mark.parametrize("v_dim", WIDTHS.values(), ids=WIDTHS.keys())
-@pytest.mark.parametrize("backend", [None, SDPBackend.MATH, SDPBackend.FLASH_ATTENTION],
-                         ids=["default", "math", "flash"])
+@pytest.mark.parametrize(
+    "backend", [None, SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], ids=["default", "math", "flash"]
+)
 def test_sdpa_reference_takes_two_widths(v_dim, backend):
     for case in CASES:
         inputs = _inputs(*case, v_dim)
@@ -173,4 +174,3 @@ def test_capture_fakes_return_v_width():
         seg_all = torch.zeros(2, 512, dtype=torch.int32)
         assert program.splash_cp_fwd(q, k_all, v_all, 1, 2).shape == (2, 4, 256, 128)
         assert program.splash_cp_seg_fwd(q, k_all, v_all, seg.int(), seg_all, 1, 2).shape == (2, 4, 256, 128)
-

@@ -19,8 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from trainer import checkpoint as ckpt
 from models.errors import ConfigError
+from trainer import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -269,8 +269,14 @@ CRASH_CHILD = textwrap.dedent(
 def test_killed_mid_save_leaves_newest_loadable(tmp_path):
     folder = tmp_path / "ckpt"
     code = CRASH_CHILD.format(repo=str(REPO), folder=str(folder))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     leftover = folder / ".tmp-step-2"
     assert any(leftover.glob("*.distcp")) and not (leftover / ".metadata").exists()
@@ -336,8 +342,11 @@ def test_load_initial_dcp_prefixed_and_bare(tmp_path):
     ckpt.load_initial(dst2.model, path=bare, fmt="dcp")
     assert_same(dst2.params(), src.params())
 
-    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path: .* entries of the model are not in it "
-                                          r"\(first: layers.2.attention.wq.weight"):
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint.initial_load_path: .* entries of the model are not in it "
+        r"\(first: layers.2.attention.wq.weight",
+    ):
         ckpt.load_initial(TinyLM(n_layers=3), path=bare, fmt="dcp")
 
 
@@ -413,9 +422,7 @@ def _two_rank_worker(rank: int, world: int, store: str, folder: str, out: str):
         mgr.close()
         assert mgr.complete_steps() == [1]
         full = {k: v.full_tensor() for k, v in run.model.state_dict().items()}
-        exp_avg = {
-            k: run.optimizer.state[p]["exp_avg"].full_tensor() for k, p in run.model.named_parameters()
-        }
+        exp_avg = {k: run.optimizer.state[p]["exp_avg"].full_tensor() for k, p in run.model.named_parameters()}
         # Reload on the same 2-rank mesh into a fresh sharded model.
         fresh = Run(seed=42)
         _shard(fresh.model, mesh)
@@ -479,8 +486,9 @@ def test_resume_takes_hyperparameters_from_the_config(tmp_path, capsys):
     def run(**kw):
         r = Run(seed=0, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         r.optimizer = torch.optim.AdamW(r.model.parameters(), **{**r.optimizer_kw, **kw})
-        r.scheduler = build_lr_scheduler(r.optimizer, total_steps=10, warmup_steps=2, decay_type="linear",
-                                         decay_ratio=0.2, min_lr_factor=0.1)
+        r.scheduler = build_lr_scheduler(
+            r.optimizer, total_steps=10, warmup_steps=2, decay_type="linear", decay_ratio=0.2, min_lr_factor=0.1
+        )
         r.states.update(optimizer=ckpt.OptimizerState(r.model, r.optimizer), lr_scheduler=r.scheduler)
         return r
 
@@ -497,15 +505,20 @@ def test_resume_takes_hyperparameters_from_the_config(tmp_path, capsys):
     for group in new.optimizer.param_groups:
         assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.99), 1e-6, 0.0)
         # The config's lr for step 4 (same arithmetic as LambdaLR.step, so exact equality).
-        assert group["lr"] == 5e-3 * lr_factor(4, total_steps=10, warmup_steps=2, decay_type="linear",
-                                               decay_ratio=0.2, min_lr_factor=0.1)
+        assert group["lr"] == 5e-3 * lr_factor(
+            4, total_steps=10, warmup_steps=2, decay_type="linear", decay_ratio=0.2, min_lr_factor=0.1
+        )
         assert group["initial_lr"] == 5e-3
     # The moments still come from the checkpoint.
     for (p_ref, m), p_new in zip(moments.items(), new.optimizer.state):
         torch.testing.assert_close(new.optimizer.state[p_new]["exp_avg"], m, rtol=0, atol=0)
     assert "resumed from" in out and "lr, schedule, betas, eps and weight_decay from the config" in out
-    for needle in ("optimizer.betas: checkpoint [0.9, 0.95] -> config [0.8, 0.99]", "optimizer.eps: checkpoint 1e-08 -> config 1e-06",
-                   "optimizer.weight_decay: checkpoint 0.1 -> config 0", "optimizer.lr (peak): checkpoint 0.01 -> config 0.005"):
+    for needle in (
+        "optimizer.betas: checkpoint [0.9, 0.95] -> config [0.8, 0.99]",
+        "optimizer.eps: checkpoint 1e-08 -> config 1e-06",
+        "optimizer.weight_decay: checkpoint 0.1 -> config 0",
+        "optimizer.lr (peak): checkpoint 0.01 -> config 0.005",
+    ):
         assert needle in out, out
 
     # Unchanged config: nothing to report, and the lr is the checkpoint's to the bit.
@@ -525,10 +538,16 @@ def test_resume_refuses_another_layer_count_either_way(tmp_path, saved, loaded):
     src.step()
     manager(tmp_path).save(1, src.states)
     before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*"))
-    needle = ("it has .* entries this run's model and optimizer lacks" if saved > loaded
-              else "entries of this run's model and optimizer are not in it")
-    with pytest.raises(ConfigError, match=rf"checkpoint.folder: .*step-1 does not match .*{needle} "
-                                          r"\(first: model.layers.2.attention.wq.weight"):
+    needle = (
+        "it has .* entries this run's model and optimizer lacks"
+        if saved > loaded
+        else "entries of this run's model and optimizer are not in it"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"checkpoint.folder: .*step-1 does not match .*{needle} "
+        r"\(first: model.layers.2.attention.wq.weight",
+    ):
         manager(tmp_path).load(Run(n_layers=loaded).states)
     assert sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*")) == before
 
@@ -544,23 +563,31 @@ def test_initial_weights_refuse_another_layer_count_either_way(tmp_path, saved, 
     save_file({hf_names(k): v.contiguous() for k, v in src.model.state_dict().items()}, str(tmp_path / "m.safetensors"))
     names = list(TinyLM(n_layers=max(saved, loaded)).state_dict())
     with pytest.raises(ConfigError, match=r"checkpoint.initial_load_path: .*does not match the model: .*layers.2"):
-        ckpt.load_initial(TinyLM(n_layers=loaded), path=tmp_path / "m.safetensors", fmt="hf",
-                          hf_adapter=from_hf, args=names)
+        ckpt.load_initial(
+            TinyLM(n_layers=loaded), path=tmp_path / "m.safetensors", fmt="hf", hf_adapter=from_hf, args=names
+        )
 
 
 def test_shape_mismatch_names_the_first_entry(tmp_path):
     src = Run(dim=8)
     manager(tmp_path).save(1, src.states)
-    with pytest.raises(ConfigError, match=r"differ in shape \(first: model.layers.0.attention.wq.weight is \[8, 8\] "
-                                          r"there, \[12, 12\] in"):
+    with pytest.raises(
+        ConfigError,
+        match=r"differ in shape \(first: model.layers.0.attention.wq.weight is \[8, 8\] "
+        r"there, \[12, 12\] in",
+    ):
         manager(tmp_path).load(Run(dim=12).states)
 
 
 def test_check_entries_orders_layers_naturally():
     exp = {f"layers.{i}.w": (2,) for i in range(12)}
     with pytest.raises(ConfigError, match=r"first: layers.10.w, layers.11.w\)"):
-        ckpt.check_entries(expected={k: v for k, v in exp.items() if not k.startswith("layers.1")} |
-                           {"layers.1.w": (2,)}, stored=exp, key="k", where="w")
+        ckpt.check_entries(
+            expected={k: v for k, v in exp.items() if not k.startswith("layers.1")} | {"layers.1.w": (2,)},
+            stored=exp,
+            key="k",
+            where="w",
+        )
 
 
 # ------------------------------------------------------------------ checksums
@@ -570,7 +597,7 @@ def _garble(path: Path) -> None:
     """Overwrite the middle of a file in place with same-size garbage (size and mtime-ish unchanged)."""
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid: mid + 64] = bytes((b + 1) % 256 for b in data[mid: mid + 64])
+    data[mid : mid + 64] = bytes((b + 1) % 256 for b in data[mid : mid + 64])
     path.write_bytes(bytes(data))
 
 
@@ -592,8 +619,11 @@ def test_save_writes_a_manifest_and_load_verifies_it(tmp_path):
     _garble(shard)
     assert shard.stat().st_size == size
     before = sorted((p.relative_to(tmp_path), p.stat().st_size) for p in tmp_path.rglob("*"))
-    with pytest.raises(ConfigError, match=rf"checkpoint.folder: .*step-2 is corrupt: .*{shard.name} fails its checksum"
-                                          r".*set checkpoint.load_step = 1 \(or checkpoint.fallback_on_corrupt = true\)"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"checkpoint.folder: .*step-2 is corrupt: .*{shard.name} fails its checksum"
+        r".*set checkpoint.load_step = 1 \(or checkpoint.fallback_on_corrupt = true\)",
+    ):
         manager(tmp_path).load(Run().states)
     with pytest.raises(ConfigError, match=rf"checkpoint.load_step: .*step-2 is corrupt: .*{shard.name}"):
         manager(tmp_path, load_step=2, fallback_on_corrupt=True).load(Run().states)
@@ -651,8 +681,9 @@ def _hf_folder(folder: Path, family_name: str, flavor: str, **overrides):
     """A Hugging Face folder (safetensors + config.json) of a small model of the family."""
     import json
 
-    import models
     from safetensors.torch import save_file
+
+    import models
 
     family = models.get_model_family(family_name)
     args = family.get_args(flavor, n_layers=1, **overrides)
@@ -660,23 +691,29 @@ def _hf_folder(folder: Path, family_name: str, flavor: str, **overrides):
     model = family.model_cls(args)
     model.init_weights()
     folder.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in family.hf_adapter.to_hf(model.state_dict(), args).items()},
-              str(folder / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in family.hf_adapter.to_hf(model.state_dict(), args).items()},
+        str(folder / "model.safetensors"),
+    )
     (folder / "config.json").write_text(json.dumps(family.hf_adapter.hf_config(args)))
     return family, args, model
 
 
-@pytest.mark.parametrize("family_name, flavor, field, value, hf_key", [
-    ("llama3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
-    ("llama3", "debugmodel", "rope_scaling_factor", None, "rope_scaling"),
-    ("llama3", "debugmodel", "rope_scaling_factor", 32.0, "rope_scaling"),
-    ("llama3", "debugmodel", "rope_high_freq_factor", 2.0, "rope_scaling"),
-    ("llama3", "debugmodel", "norm_eps", 1e-6, "rms_norm_eps"),
-    ("qwen3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
-    ("qwen3", "debugmodel_moe", "norm_topk_prob", False, "norm_topk_prob"),
-])
-def test_hf_weights_refuse_an_architecture_other_than_config_json(tmp_path, capsys, family_name, flavor, field,
-                                                                   value, hf_key):
+@pytest.mark.parametrize(
+    "family_name, flavor, field, value, hf_key",
+    [
+        ("llama3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
+        ("llama3", "debugmodel", "rope_scaling_factor", None, "rope_scaling"),
+        ("llama3", "debugmodel", "rope_scaling_factor", 32.0, "rope_scaling"),
+        ("llama3", "debugmodel", "rope_high_freq_factor", 2.0, "rope_scaling"),
+        ("llama3", "debugmodel", "norm_eps", 1e-6, "rms_norm_eps"),
+        ("qwen3", "debugmodel", "rope_theta", 10000.0, "rope_theta"),
+        ("qwen3", "debugmodel_moe", "norm_topk_prob", False, "norm_topk_prob"),
+    ],
+)
+def test_hf_weights_refuse_an_architecture_other_than_config_json(
+    tmp_path, capsys, family_name, flavor, field, value, hf_key
+):
     import dataclasses
 
     family, args, src = _hf_folder(tmp_path / "hf", family_name, flavor)
@@ -685,13 +722,17 @@ def test_hf_weights_refuse_an_architecture_other_than_config_json(tmp_path, caps
     model = family.model_cls(recipe)
     model.init_weights()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ConfigError, match=rf"checkpoint.initial_load_path: the recipe's model differs from "
-                                          rf".*config.json: {hf_key}: config.json .*, recipe .*hf_config_mismatch"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"checkpoint.initial_load_path: the recipe's model differs from "
+        rf".*config.json: {hf_key}: config.json .*, recipe .*hf_config_mismatch",
+    ):
         ckpt.load_initial(model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe)
     assert_same(model.state_dict(), before)  # nothing loaded
     # The explicit option trains the recipe's model on these weights and says what differs.
-    ckpt.load_initial(model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe,
-                      hf_config_mismatch="override")
+    ckpt.load_initial(
+        model, path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=recipe, hf_config_mismatch="override"
+    )
     assert f"hf_config_mismatch = override: {hf_key} is" in capsys.readouterr().out
     assert_same(model.state_dict(), src.state_dict())
     # The same architecture (only the RoPE table length differs) loads without a word.
@@ -704,7 +745,15 @@ def test_hf_weights_without_config_json(tmp_path, capsys):
     family, args, _ = _hf_folder(tmp_path / "hf", "llama3", "debugmodel")
     (tmp_path / "hf" / "config.json").unlink()
     with pytest.raises(ConfigError, match=r"config.json not found, so the architecture .* cannot be checked"):
-        ckpt.load_initial(family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args)
-    ckpt.load_initial(family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args,
-                      hf_config_mismatch="override")
+        ckpt.load_initial(
+            family.model_cls(args), path=tmp_path / "hf", fmt="hf", hf_adapter=family.hf_adapter, args=args
+        )
+    ckpt.load_initial(
+        family.model_cls(args),
+        path=tmp_path / "hf",
+        fmt="hf",
+        hf_adapter=family.hf_adapter,
+        args=args,
+        hf_config_mismatch="override",
+    )
     assert "not checked" in capsys.readouterr().out

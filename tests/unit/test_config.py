@@ -30,7 +30,9 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
 
 
 def test_cli_forms():
-    recipe, printcfg, ov = split_cli(["--config", "a.toml", "--training.steps=3", "--optimizer.lr", "0.5", "--print-config"])
+    recipe, printcfg, ov = split_cli(
+        ["--config", "a.toml", "--training.steps=3", "--optimizer.lr", "0.5", "--print-config"]
+    )
     assert recipe == "a.toml" and printcfg
     assert ov == [("training.steps", "3"), ("optimizer.lr", "0.5")]
     cfg = build_config(None, ov + [("optimizer.betas", "[0.8, 0.99]"), ("compile.scan_layers", "false")])
@@ -97,8 +99,9 @@ def test_every_recipe_parses_and_builds_on_meta(recipe):
 
 def run_cli(*argv, cwd=ROOT):
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    return subprocess.run([sys.executable, "-m", "trainer.train", *argv], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,8 +167,12 @@ GOOD = {int: ("4", 4), float: ("1.5", 1.5)}
 def test_union_fields_are_found():
     # The parametrization below must not go empty silently.
     ids = {p.id for p in UNION_FIELDS}
-    assert {"llama3.n_kv_heads", "llama3.hidden_dim", "llama3.ffn_dim_multiplier",
-            "llama3.rope_scaling_factor"} <= ids, ids
+    assert {
+        "llama3.n_kv_heads",
+        "llama3.hidden_dim",
+        "llama3.ffn_dim_multiplier",
+        "llama3.rope_scaling_factor",
+    } <= ids, ids
 
 
 @pytest.mark.parametrize("name, field, inner", UNION_FIELDS)
@@ -189,7 +196,9 @@ def test_wrong_typed_optional_field_exits_2_on_the_cli(tmp_path, field):
     r = run_cli("--config", "configs/llama3_debug.toml", f"--model.{field}=abc", f"--job.dump_folder={tmp_path}/out")
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert lines == [f"error: model.{field}: expected {'an integer' if field in ('n_kv_heads', 'hidden_dim') else 'a number'} or none, got 'abc'"], r.stderr
+    assert lines == [
+        f"error: model.{field}: expected {'an integer' if field in ('n_kv_heads', 'hidden_dim') else 'a number'} or none, got 'abc'"
+    ], r.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from models.common import ops
 from models.errors import ConfigError
+from parallelisms import ParallelDims, build_mesh, parallelize_model
 from parallelisms.context_parallel import (
     context_parallel_attention,
     cp_attention_fn,
@@ -33,7 +33,6 @@ from parallelisms.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from parallelisms import ParallelDims, build_mesh, parallelize_model
 from tests.support.parallel_harness import FAMILIES, full, lm_loss, load_full_state, reference_state, run_processes
 
 U = 2.0**-24  # fp32 unit roundoff
@@ -137,8 +136,9 @@ def _dense_local_attention(cp):
         mask = torch.arange(k_all.shape[2])[None, :] <= q_pos[:, None]
         if seg is not None:
             mask = (mask[None] & (seg[:, :, None] == seg_all[:, None, :]))[:, None]
-        return F.scaled_dot_product_attention(q, ops.repeat_kv(k_all, n_rep), ops.repeat_kv(v_all, n_rep),
-                                              attn_mask=mask)
+        return F.scaled_dot_product_attention(
+            q, ops.repeat_kv(k_all, n_rep), ops.repeat_kv(v_all, n_rep), attn_mask=mask
+        )
 
     return local
 
@@ -150,16 +150,18 @@ def _attention_on_rank(with_kernel: bool = False):
         q, k, v, grad_out, seg = _attention_inputs(*case)
         q, k, v = (shard_sequence(t, 2, cp.rank, cp.size).requires_grad_() for t in (q, k, v))
         seg = None if seg is None else shard_sequence(seg, 1, cp.rank, cp.size)
-        out = context_parallel_attention(q, k, v, seg, cp=cp,
-                                         local_attention=_dense_local_attention(cp) if with_kernel else None)
+        out = context_parallel_attention(
+            q, k, v, seg, cp=cp, local_attention=_dense_local_attention(cp) if with_kernel else None
+        )
         out.backward(shard_sequence(grad_out, 2, cp.rank, cp.size))
         results[name] = [t.detach() for t in (out, q.grad, k.grad, v.grad)]
     return results
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp_size, with_kernel", [(2, False), (4, False), (2, True)],
-                         ids=["cp2", "cp4", "cp2_kernel_interface"])
+@pytest.mark.parametrize(
+    "cp_size, with_kernel", [(2, False), (4, False), (2, True)], ids=["cp2", "cp4", "cp2_kernel_interface"]
+)
 def test_attention_matches_full_sequence(cp_size, with_kernel):
     """fp32 out, dq, dk, dv equal the single-process `sdpa_causal_attention` of the whole
     sequence (gathered in global order) within `8 (s + d) u max|reference|`, u = 2^-24.
@@ -213,9 +215,12 @@ def _compiled_on_rank():
     q, k, v, grad_out = (shard_sequence(t, 2, cp.rank, cp.size) for t in (q, k, v, grad_out))
     seg = shard_sequence(seg, 1, cp.rank, cp.size)
     runs = []
-    for fn in (context_parallel_attention,
-               torch.compile(context_parallel_attention, fullgraph=True,
-                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))):
+    for fn in (
+        context_parallel_attention,
+        torch.compile(
+            context_parallel_attention, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)
+        ),
+    ):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves, seg, cp=cp)
         out.backward(grad_out)
@@ -314,8 +319,15 @@ def _parallel_model_on_rank(family, degrees, state, tokens, labels, compile_back
     cls, make_args, plan = FAMILIES[family]
     with torch.device("meta"):
         model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh, compile_backend=compile_backend,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+    parallelize_model(
+        model,
+        plan=plan,
+        parallel_dims=dims,
+        mesh=mesh,
+        compile_backend=compile_backend,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()  # RoPE buffers; the weights come from `state`
@@ -323,8 +335,9 @@ def _parallel_model_on_rank(family, degrees, state, tokens, labels, compile_back
     cp = cp_group(mesh["cp"])
     dp_rank = dims.dp_rank(mesh)
     pos = positions(tokens.shape[1], cp.rank, cp.size)
-    tokens_local, labels_local = (shard_sequence(t.chunk(dims.dp_degree)[dp_rank], 1, cp.rank, cp.size)
-                                  for t in (tokens, labels))
+    tokens_local, labels_local = (
+        shard_sequence(t.chunk(dims.dp_degree)[dp_rank], 1, cp.rank, cp.size) for t in (tokens, labels)
+    )
     previous = ops.register("causal_attention", cp_attention_fn(cp))
     try:
         h = model.tok_embeddings(tokens_local)
@@ -341,12 +354,16 @@ def _parallel_model_on_rank(family, degrees, state, tokens, labels, compile_back
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family, world_size, degrees, compile_backend", [
-    ("llama3", 2, dict(dp_shard=1, cp=2), None),
-    ("llama3", 4, dict(dp_shard=2, cp=2), None),
-    ("qwen3", 4, dict(dp_shard=1, cp=2, tp=2), None),
-    pytest.param("llama3", 2, dict(dp_shard=1, cp=2), "aot_eager", marks=pytest.mark.slow),  # ~30 s
-], ids=["llama3-cp2", "llama3-dp2xcp2", "qwen3-cp2xtp2", "llama3-cp2-block-compile"])
+@pytest.mark.parametrize(
+    "family, world_size, degrees, compile_backend",
+    [
+        ("llama3", 2, dict(dp_shard=1, cp=2), None),
+        ("llama3", 4, dict(dp_shard=2, cp=2), None),
+        ("qwen3", 4, dict(dp_shard=1, cp=2, tp=2), None),
+        pytest.param("llama3", 2, dict(dp_shard=1, cp=2), "aot_eager", marks=pytest.mark.slow),  # ~30 s
+    ],
+    ids=["llama3-cp2", "llama3-dp2xcp2", "qwen3-cp2xtp2", "llama3-cp2-block-compile"],
+)
 def test_parallelized_model_with_cp_axis(family, world_size, degrees, compile_backend):
     """SimpleFSDP over dp x cp (and TP; and per-block compile, the CP attention traced inside
     each compiled block) with CP attention: loss and gradients equal the
@@ -362,8 +379,9 @@ def test_parallelized_model_with_cp_axis(family, world_size, degrees, compile_ba
     model.load_state_dict(state, strict=False)
     ref_loss = lm_loss(model(inputs), labels)
     ref_loss.backward()
-    for loss, grads, mesh_axes in run_processes(world_size, _parallel_model_on_rank, family, degrees, state,
-                                                inputs, labels, compile_backend):
+    for loss, grads, mesh_axes in run_processes(
+        world_size, _parallel_model_on_rank, family, degrees, state, inputs, labels, compile_backend
+    ):
         assert "dp_shard_cp" in mesh_axes, mesh_axes  # parameters are sharded over dp x cp
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
         for name, param in model.named_parameters():
@@ -375,8 +393,8 @@ def _graph_on_rank(state, scan):
     """The graph trainer's step (trainer/graph: forward, loss, backward, clipping and AdamW in
     one captured graph, aot_eager) over SimpleFSDP on dp_shard x cp, the CP forward as its
     `loss_fn`: 3 steps on this rank's load-balanced half of each sequence."""
-    from tests.unit.test_graph_fsdp import EPS, MAX_NORM, STEPS, _lr
     from tests.support.parallel_harness import LLAMA3_PLAN, batch
+    from tests.unit.test_graph_fsdp import EPS, MAX_NORM, STEPS, _lr
     from trainer.graph import build_graph_step
 
     dims = ParallelDims(world_size=2, dp_shard=1, cp=2)
@@ -384,8 +402,9 @@ def _graph_on_rank(state, scan):
     cls, make_args, plan = FAMILIES["llama3"]
     with torch.device("meta"):
         model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+    parallelize_model(
+        model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -398,8 +417,15 @@ def _graph_on_rank(state, scan):
         return lm_loss(model.output(model.norm(h)), labels)
 
     opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
-                            scan_layers=scan, plan=LLAMA3_PLAN, loss_fn=cp_loss)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=MAX_NORM,
+        backend="aot_eager",
+        scan_layers=scan,
+        plan=LLAMA3_PLAN,
+        loss_fn=cp_loss,
+    )
     previous = ops.register("causal_attention", cp_attention_fn(cp))
     losses = []
     try:
@@ -416,11 +442,15 @@ def _graph_on_rank(state, scan):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("scan", [
-    False,
-    # CP under graph mode + scan through the trainer: tests/e2e/test_cp_train.py.
-    pytest.param(True, marks=pytest.mark.exhaustive),
-], ids=["unrolled", "scan"])
+@pytest.mark.parametrize(
+    "scan",
+    [
+        False,
+        # CP under graph mode + scan through the trainer: tests/e2e/test_cp_train.py.
+        pytest.param(True, marks=pytest.mark.exhaustive),
+    ],
+    ids=["unrolled", "scan"],
+)
 def test_graph_step_with_cp(scan):
     """Graph mode (and layer scan) with CP attention and SimpleFSDP over cp = 2: 3 AdamW steps
     equal one eager process with the tolerances of tests/unit/test_graph_fsdp.py (losses 1e-5

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import titan_kernels
-from titan_kernels import cpu_attention
 from models.common.attention import Attention
+from titan_kernels import cpu_attention
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +189,14 @@ def test_avx2_build_matches_float64(tmp_path):
     for macro in ("TORCH_LIBRARY(", "TORCH_LIBRARY_IMPL("):
         source = source.replace(f"{macro}titan_cpu,", f"{macro}titan_cpu_avx2_test,")
     (tmp_path / "attention_avx2.cpp").write_text(source)
-    build(name="titan_cpu_attention_avx2_test", sources=[str(tmp_path / "attention_avx2.cpp")],
-          extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2",
-                        "-DCPU_CAPABILITY_AVX2"],
-          extra_ldflags=["-fopenmp"], build_directory=str(tmp_path), is_python_module=False)
+    build(
+        name="titan_cpu_attention_avx2_test",
+        sources=[str(tmp_path / "attention_avx2.cpp")],
+        extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+        is_python_module=False,
+    )
     ops = torch.ops.titan_cpu_avx2_test
     for shape in [(2, 4, 2, 37, 8), (2, 4, 4, 100, 16), (1, 4, 1, 65, 32), (1, 2, 2, 40, 64)]:
         q, k, v = _qkv(*shape, torch.float64)
@@ -251,12 +255,18 @@ def test_a_killed_build_blocks_nobody(tmp_path):
 
     build_dir = tmp_path / "titan_cpu_attention_x"
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from titan_kernels import cpu_attention as c\n"
-         f"with c._build_lock(Path({str(build_dir)!r})):\n"
-         f"    (Path({str(build_dir)!r}) / 'lock').write_text('')\n"
-         "    print('held', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parents[2]))
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from titan_kernels import cpu_attention as c\n"
+            f"with c._build_lock(Path({str(build_dir)!r})):\n"
+            f"    (Path({str(build_dir)!r}) / 'lock').write_text('')\n"
+            "    print('held', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(Path(__file__).resolve().parents[2]),
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with open(build_dir.with_name(build_dir.name + ".flock"), "a") as handle:

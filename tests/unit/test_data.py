@@ -9,32 +9,24 @@ import warnings
 import pytest
 import torch
 
-from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, merge_states, resolve_dataset
 from models.errors import ConfigError
-from trainer.data.tokenizer import build_tokenizer
-
-# Documents of varied length, so windows cut through documents and hold several of them.
-DOCS = [f"Document {i}: " + " ".join(f"word{j * i % 17}" for j in range(3 + (i * 7) % 23)) for i in range(24)]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_tokenizer("bundled")
-
-
-@pytest.fixture
-def jsonl(tmp_path):
-    path = tmp_path / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
-    return str(path)
-
+from tests.support.corpus import DOCS
+from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, merge_states, resolve_dataset
 
 SHARDS = 8  # 24 documents: 3 per data shard
 
 
 def _loader(tok, dataset, **kw):
-    args = dict(dataset=dataset, tokenizer=tok, seq_len=16, local_batch_size=4, dp_rank=0, dp_degree=1, seed=7,
-                num_shards=SHARDS)
+    args = dict(
+        dataset=dataset,
+        tokenizer=tok,
+        seq_len=16,
+        local_batch_size=4,
+        dp_rank=0,
+        dp_degree=1,
+        seed=7,
+        num_shards=SHARDS,
+    )
     args.update(kw)
     return build_dataloader(**args)
 
@@ -85,7 +77,7 @@ def test_shuffled_epochs_hold_every_document_once(tok, jsonl):
     streams = _shard_streams(_windows(_batches(loader, calls)), SHARDS)
     orders = []
     for s in range(SHARDS):
-        epoch0, epoch1 = streams[s][: per_epoch[s]], streams[s][per_epoch[s]: 2 * per_epoch[s]]
+        epoch0, epoch1 = streams[s][: per_epoch[s]], streams[s][per_epoch[s] : 2 * per_epoch[s]]
         assert sorted(_docs_in(epoch0, tok)) == sorted(DOCS[s::SHARDS])
         assert sorted(_docs_in(epoch1, tok)) == sorted(DOCS[s::SHARDS])
         orders.append((_docs_in(epoch0, tok), _docs_in(epoch1, tok)))
@@ -116,8 +108,10 @@ def test_seed_determinism(tok, jsonl):
 @pytest.mark.parametrize("dp_degree", [2, 4])
 def test_rank_slices_concatenate_to_the_single_rank_batch(tok, jsonl, dp_degree):
     single = _batches(_loader(tok, jsonl, local_batch_size=8), 12)
-    ranks = [_batches(_loader(tok, jsonl, local_batch_size=8 // dp_degree, dp_rank=r, dp_degree=dp_degree), 12)
-             for r in range(dp_degree)]
+    ranks = [
+        _batches(_loader(tok, jsonl, local_batch_size=8 // dp_degree, dp_rank=r, dp_degree=dp_degree), 12)
+        for r in range(dp_degree)
+    ]
     for call, (x, y) in enumerate(single):
         assert torch.equal(torch.cat([ranks[r][call][0] for r in range(dp_degree)]), x)
         assert torch.equal(torch.cat([ranks[r][call][1] for r in range(dp_degree)]), y)
@@ -252,8 +246,9 @@ def test_local_data_never_touches_the_network(tok, jsonl, monkeypatch):
     x, y = train.next_batch()
     assert x.shape == (2, 64) and int(x.max()) < tok.n_vocab
     val = _loader(tok, "bundled", split="validation", seq_len=64, local_batch_size=2)
-    assert torch.equal(val.next_batch()[0], _loader(tok, "bundled", split="validation", seq_len=64,
-                                                    local_batch_size=2).next_batch()[0])
+    assert torch.equal(
+        val.next_batch()[0], _loader(tok, "bundled", split="validation", seq_len=64, local_batch_size=2).next_batch()[0]
+    )
     assert not torch.equal(val.next_batch()[0], x)
     assert attempts == []  # datasets swallows connection errors, so count the attempts
 
@@ -288,22 +283,25 @@ def _file(path, content):
     return str(path)
 
 
-@pytest.mark.parametrize("make,needle", [
-    (lambda p: str(p / "nothing-*.jsonl"), "matches no file"),
-    (lambda p: str(p / "missing.jsonl"), "no such file"),
-    (lambda p: "./relative/missing", "no such file"),
-    (lambda p: _file(p / "e.jsonl", ""), "no text"),
-    (lambda p: _file(p / "b.jsonl", '{"text": ""}\n{"text": null}\n'), "no text"),
-    (lambda p: _file(p / "u.jsonl", b'{"text": "caf\xe9"}\n'), "UTF-8"),
-    (lambda p: _file(p / "u.txt", b"ok\n\nbad \xff\xfe\n"), "UTF-8"),
-    (lambda p: _file(p / "f.jsonl", '{"body": "x"}\n'), "no field 'text'"),
-    (lambda p: _file(p / "i.jsonl", '{"text": 3}\n'), "holds int"),
-    (lambda p: _file(p / "z.jsonl.gz", b"not gzip at all"), "cannot read file"),
-    (lambda p: _file(p / "j.jsonl", '{"text": "a"\n'), "line 1 is not valid JSON"),
-    (lambda p: _file(p / "c.csv", "text\nx\n") and str(p / "*.csv"), "unsupported type"),
-    (lambda p: _file(p / "m.jsonl", "{}\n") and _file(p / "m.txt", "x") and str(p / "m.*"), "mixes"),
-    (lambda p: "bundled", None),
-])
+@pytest.mark.parametrize(
+    "make,needle",
+    [
+        (lambda p: str(p / "nothing-*.jsonl"), "matches no file"),
+        (lambda p: str(p / "missing.jsonl"), "no such file"),
+        (lambda p: "./relative/missing", "no such file"),
+        (lambda p: _file(p / "e.jsonl", ""), "no text"),
+        (lambda p: _file(p / "b.jsonl", '{"text": ""}\n{"text": null}\n'), "no text"),
+        (lambda p: _file(p / "u.jsonl", b'{"text": "caf\xe9"}\n'), "UTF-8"),
+        (lambda p: _file(p / "u.txt", b"ok\n\nbad \xff\xfe\n"), "UTF-8"),
+        (lambda p: _file(p / "f.jsonl", '{"body": "x"}\n'), "no field 'text'"),
+        (lambda p: _file(p / "i.jsonl", '{"text": 3}\n'), "holds int"),
+        (lambda p: _file(p / "z.jsonl.gz", b"not gzip at all"), "cannot read file"),
+        (lambda p: _file(p / "j.jsonl", '{"text": "a"\n'), "line 1 is not valid JSON"),
+        (lambda p: _file(p / "c.csv", "text\nx\n") and str(p / "*.csv"), "unsupported type"),
+        (lambda p: _file(p / "m.jsonl", "{}\n") and _file(p / "m.txt", "x") and str(p / "m.*"), "mixes"),
+        (lambda p: "bundled", None),
+    ],
+)
 def test_bad_inputs_raise_config_error(tok, tmp_path, make, needle):
     spec = make(tmp_path)
     if needle is None:  # the bundled corpus has no "test" split

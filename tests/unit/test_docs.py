@@ -27,8 +27,14 @@ PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 
 def test_generated_doc_blocks_are_current():
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    r = subprocess.run([sys.executable, "scripts/dev/gen_doc_blocks.py", "--check"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "scripts/dev/gen_doc_blocks.py", "--check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr or "stale: run python scripts/dev/gen_doc_blocks.py"
 
 
@@ -55,8 +61,9 @@ def _statements(body):
         if isinstance(node, (ast.If, ast.Try, ast.With)):
             for field in ("body", "orelse", "finalbody", "handlers"):
                 for child in getattr(node, field, []):
-                    yield from _statements(getattr(child, "body", [child]) if isinstance(child, ast.ExceptHandler)
-                                           else [child])
+                    yield from _statements(
+                        getattr(child, "body", [child]) if isinstance(child, ast.ExceptHandler) else [child]
+                    )
 
 
 def _defined(body) -> dict[str, ast.AST]:

@@ -21,12 +21,11 @@ import torch.nn.functional as F
 from models import FAMILIES
 from models.common.rope import document_positions
 from models.errors import ConfigError
+from tests.support.corpus import DOCS  # the loader fixtures tok, jsonl: tests/unit/conftest.py
 from trainer.data import build_dataloader
 from trainer.data.text import document_ids
 from trainer.step import StepRequest, plan_step, refusals
 from trainer.train import main
-
-from tests.unit.test_data import DOCS, jsonl, tok  # noqa: F401  (the loader fixtures: one corpus for both files)
 
 EOS = 2  # any id: the model tests below build rows by hand
 VOCAB = 512
@@ -116,7 +115,9 @@ def test_packed_row_equals_each_document_alone(name, flavor, restart):
     for row, bounds in enumerate(spans):
         for a, b in bounds:
             doc_positions = None if restart else torch.arange(a, b, dtype=torch.int32)[None]
-            loss = _per_token_loss(model(inputs[row:row + 1, a:b], positions=doc_positions), labels[row:row + 1, a:b])
+            loss = _per_token_loss(
+                model(inputs[row : row + 1, a:b], positions=doc_positions), labels[row : row + 1, a:b]
+            )
             loss.sum().backward()
             alone[row, a:b] = loss.detach()[0]
     alone_grads = _grads(model)
@@ -154,8 +155,11 @@ def test_without_segment_ids_the_model_is_unchanged():
     with torch.no_grad():
         plain = model(tokens)
         again = model(tokens, segment_ids=None, positions=None)
-        one_doc = model(tokens, segment_ids=torch.zeros(2, SEQ, dtype=torch.int32),
-                        positions=torch.arange(SEQ, dtype=torch.int32).expand(2, SEQ))
+        one_doc = model(
+            tokens,
+            segment_ids=torch.zeros(2, SEQ, dtype=torch.int32),
+            positions=torch.arange(SEQ, dtype=torch.int32).expand(2, SEQ),
+        )
     assert torch.equal(plain, again)
     torch.testing.assert_close(one_doc, plain, rtol=0, atol=1e-5)
 
@@ -168,9 +172,19 @@ def test_document_positions():
 
 # ------------------------------------------------------------------------------- the loader
 
+
 def _loader(tok, dataset, **kw):
-    args = dict(dataset=dataset, tokenizer=tok, seq_len=16, local_batch_size=4, dp_rank=0, dp_degree=1, seed=7,
-                num_shards=8, document_ids=True)
+    args = dict(
+        dataset=dataset,
+        tokenizer=tok,
+        seq_len=16,
+        local_batch_size=4,
+        dp_rank=0,
+        dp_degree=1,
+        seed=7,
+        num_shards=8,
+        document_ids=True,
+    )
     args.update(kw)
     return build_dataloader(**args)
 
@@ -260,11 +274,19 @@ def _cwd(monkeypatch):
 
 
 TINY = [
-    "--config", "configs/llama3_debug.toml",
-    "--model.n_layers=2", "--training.seq_len=64", "--training.local_batch_size=4",
-    "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
-    "--validation.enable=false", "--checkpoint.enable=false", "--training.mixed_precision_param=float32",
-    "--model.attn_backend=sdpa", "--training.steps=3",
+    "--config",
+    "configs/llama3_debug.toml",
+    "--model.n_layers=2",
+    "--training.seq_len=64",
+    "--training.local_batch_size=4",
+    "--lr_scheduler.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--metrics.enable_tensorboard=false",
+    "--validation.enable=false",
+    "--checkpoint.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--model.attn_backend=sdpa",
+    "--training.steps=3",
 ]
 
 
@@ -289,14 +311,25 @@ def test_training_runs_with_document_mask_eager_and_graph(tmp_path, _cwd):
     runs = {
         "plain": [],
         "eager": ["--training.document_mask=true", "--training.document_positions=restart"],
-        "graph": ["--training.document_mask=true", "--training.document_positions=restart",
-                  "--compile.mode=graph", "--compile.backend=eager", "--compile.scan_layers=true",
-                  "--activation_checkpoint.mode=full"],
+        "graph": [
+            "--training.document_mask=true",
+            "--training.document_positions=restart",
+            "--compile.mode=graph",
+            "--compile.backend=eager",
+            "--compile.scan_layers=true",
+            "--activation_checkpoint.mode=full",
+        ],
         # The fused loss starts from model.hidden(inputs, segment_ids, positions); validation
         # reads the same batch layout.
-        "fused": ["--training.document_mask=true", "--training.document_positions=restart",
-                  "--training.fused_loss=on", "--validation.enable=true", f"--validation.dataset={data}",
-                  "--validation.freq=3", "--validation.steps=1"],
+        "fused": [
+            "--training.document_mask=true",
+            "--training.document_positions=restart",
+            "--training.fused_loss=on",
+            "--validation.enable=true",
+            f"--validation.dataset={data}",
+            "--validation.freq=3",
+            "--validation.steps=1",
+        ],
     }
     losses = {}
     for name, extra in runs.items():
@@ -318,8 +351,14 @@ def test_qwen3_moe_graph_scan_matches_eager_with_document_mask(tmp_path, _cwd):
     relative as above (measured: equal bit for bit). ~15 s on an idle core, minutes under load."""
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 4))
-    argv = ["--config", "configs/qwen3_moe_debug.toml", *TINY[2:], f"--training.dataset={data}",
-            "--training.document_mask=true", "--training.document_positions=restart"]
+    argv = [
+        "--config",
+        "configs/qwen3_moe_debug.toml",
+        *TINY[2:],
+        f"--training.dataset={data}",
+        "--training.document_mask=true",
+        "--training.document_positions=restart",
+    ]
     graph = ["--compile.mode=graph", "--compile.backend=eager", "--compile.scan_layers=true"]
     assert main([*argv, f"--job.dump_folder={tmp_path / 'eager'}"]) == 0
     assert main([*argv, *graph, f"--job.dump_folder={tmp_path / 'graph'}"]) == 0
@@ -331,10 +370,14 @@ BAD = {
     "positions": (["--training.document_positions=begin"], "training.document_positions: 'begin'"),
     "mask": (["--training.document_mask=maybe"], "training.document_mask"),
     "restart_without_mask": (["--training.document_positions=restart"], "training.document_positions: restart needs"),
-    "flux": (["--config", "configs/flux_debug.toml", "--training.document_mask=true"],
-             "training.document_mask: true applies to packed token windows (task lm)"),
-    "hf": (["--model.name=hf", "--model.flavor=config", "--model.hf_config={hf}", "--training.document_mask=true"],
-           "training.document_mask: true needs a model that takes segment ids"),
+    "flux": (
+        ["--config", "configs/flux_debug.toml", "--training.document_mask=true"],
+        "training.document_mask: true applies to packed token windows (task lm)",
+    ),
+    "hf": (
+        ["--model.name=hf", "--model.flavor=config", "--model.hf_config={hf}", "--training.document_mask=true"],
+        "training.document_mask: true needs a model that takes segment ids",
+    ),
 }
 
 
@@ -346,8 +389,11 @@ def test_bad_values_exit_2_with_one_error_line(tmp_path, _cwd, capsys, case):
 
     extra, needle = BAD[case]
     extra = [a.format(hf=write_config(str(tmp_path), "llama")) for a in extra]
-    argv = extra + [f"--job.dump_folder={tmp_path / 'run'}"] if extra[0] == "--config" else \
-        [*TINY, f"--job.dump_folder={tmp_path / 'run'}", *extra]
+    argv = (
+        extra + [f"--job.dump_folder={tmp_path / 'run'}"]
+        if extra[0] == "--config"
+        else [*TINY, f"--job.dump_folder={tmp_path / 'run'}", *extra]
+    )
     rc = main(argv)
     lines = _error_lines(capsys.readouterr().err)
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (rc, lines)
@@ -386,8 +432,9 @@ def _tp_rank(state, inputs, labels, segment_ids, positions):
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = Llama3(llama3_args())
-    parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32)
+    parallelize_model(
+        model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()

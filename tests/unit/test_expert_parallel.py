@@ -50,8 +50,7 @@ class _Layers(nn.Module):
         self.layers = nn.ModuleDict({"0": _Block(dim, hidden)})
 
 
-_LAYER_PLAN = ModelPlan(block="layers", ep_block={"moe": "moe", "moe.router.gate": "router",
-                                                 "moe.experts": "experts"})
+_LAYER_PLAN = ModelPlan(block="layers", ep_block={"moe": "moe", "moe.router.gate": "router", "moe.experts": "experts"})
 NUM_TOKENS = 10  # per rank
 AUX_COEF = 0.1
 
@@ -77,8 +76,7 @@ def _moe_case(routing: str, world_size: int, dim: int, hidden: int):
         gate = torch.zeros(8, dim)
         gate[:, :8] = torch.eye(8)
         ref.layers["0"].moe.router.gate.weight.copy_(gate)
-    xs = [torch.randn(1, NUM_TOKENS, dim) * 0.5 + _routing_bias(routing, r, dim)
-          for r in range(world_size)]
+    xs = [torch.randn(1, NUM_TOKENS, dim) * 0.5 + _routing_bias(routing, r, dim) for r in range(world_size)]
     grads_out = [torch.randn(1, NUM_TOKENS, dim) for _ in range(world_size)]
     return ref, xs, grads_out
 
@@ -89,11 +87,14 @@ def _rank_loss(moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert", "last_experts", "per_rank"])
-@pytest.mark.parametrize("world_size, ep, dim, hidden", [
-    (2, 2, 16, 32),   # grouped GEMM path
-    (4, 4, 16, 32),   # one rank per pair of experts
-    (4, 2, 8, 10),    # EP x FSDP (efsdp = 2), exact per-expert fallback loop
-])
+@pytest.mark.parametrize(
+    "world_size, ep, dim, hidden",
+    [
+        (2, 2, 16, 32),  # grouped GEMM path
+        (4, 4, 16, 32),  # one rank per pair of experts
+        (4, 2, 8, 10),  # EP x FSDP (efsdp = 2), exact per-expert fallback loop
+    ],
+)
 def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidden):
     ref, xs, grads_out = _moe_case(routing, world_size, dim, hidden)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
@@ -116,8 +117,14 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             model = _Layers(dim, hidden)
-        apply_ep(model, plan=_LAYER_PLAN, parallel_dims=dims, mesh=mesh,
-                 param_dtype=torch.float32, reduce_dtype=torch.float32)
+        apply_ep(
+            model,
+            plan=_LAYER_PLAN,
+            parallel_dims=dims,
+            mesh=mesh,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+        )
         data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
         load_full_state(model, state)
@@ -125,8 +132,7 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
         x = xs[rank].clone().requires_grad_()
         _rank_loss(moe, x, grads_out[rank]).backward()
         out, aux, _ = moe(x)
-        return (out.detach(), x.grad, aux.item(),
-                {n: full(p.grad) for n, p in model.named_parameters()})
+        return (out.detach(), x.grad, aux.item(), {n: full(p.grad) for n, p in model.named_parameters()})
 
     results = run_threads(world_size, rank_fn)
     if routing != "random":  # the routing really is as extreme as intended
@@ -172,9 +178,9 @@ def test_static_dispatch_equals_ragged_dispatch(routing, world_size, transport):
     padding rows whose outputs and gradients are NaN leak into nothing."""
     import functools
 
-    from titan_kernels.collectives import differentiable, emulate_ragged_all_to_all
     from models.common.moe import GroupedExperts
     from parallelisms.expert_parallel import dispatch_combine, dispatch_combine_static
+    from titan_kernels.collectives import differentiable, emulate_ragged_all_to_all
 
     dim, num_experts = 16, 8
     torch.manual_seed(0)
@@ -243,8 +249,9 @@ def _capture_ep_moe_step(dispatch: str):
         class _Experts(nn.Module):  # rank 0's 4 experts, weights set per call; EP forward
             def forward(self, x, counts):
                 fn = ep_module.select_dispatch(x) if dispatch == "select" else ep_module.dispatch_combine
-                return fn(x, counts, lambda r, c: GroupedExperts.forward(self, r, c),
-                          group if dispatch == "select" else mesh)
+                return fn(
+                    x, counts, lambda r, c: GroupedExperts.forward(self, r, c), group if dispatch == "select" else mesh
+                )
 
         experts = moe.experts = _Experts()
 
@@ -304,8 +311,14 @@ def test_expert_weights_are_sharded_over_efsdp_and_ep():
         data_parallel(model, mesh=mesh)
         experts = model.layers["0"].moe.experts
         w1 = experts._parameters["w1"]
-        return (is_expert_parallel(experts), sorted(model.state_dict()), tuple(w1.shape),
-                tuple(w1.to_local().shape), w1.placements, w1.device_mesh.mesh_dim_names)
+        return (
+            is_expert_parallel(experts),
+            sorted(model.state_dict()),
+            tuple(w1.shape),
+            tuple(w1.to_local().shape),
+            w1.placements,
+            w1.device_mesh.mesh_dim_names,
+        )
 
     with torch.device("meta"):
         keys = sorted(_Layers(16, 32).state_dict())
@@ -348,19 +361,22 @@ def _reference(state, num_experts: int = 8):
     return lm.item(), aux.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world_size, degrees", [
-    (2, dict(dp_shard=2, ep=2)),
-    (2, dict(dp_shard=1, tp=2, ep=2)),
-    (4, dict(dp_shard=4, ep=2)),
-    (4, dict(dp_shard=2, tp=2, ep=4)),
-    (4, dict(dp_replicate=2, dp_shard=2, ep=2)),
-    # ep = 1 with TP: experts whole on every rank, FSDP over dp_shard x tp (parallelize_model
-    # only calls apply_ep for ep > 1, so this case assembles the steps itself).
-    (2, dict(dp_shard=1, tp=2, ep=1)),
-    # More ranks than experts: 2 experts, ep 2, efsdp 2 > 1 local expert, so the experts are
-    # sharded along their hidden dim (expert_shard_dim) and every rank holds a quarter.
-    (4, dict(dp_shard=4, ep=2, num_experts=2)),
-])
+@pytest.mark.parametrize(
+    "world_size, degrees",
+    [
+        (2, dict(dp_shard=2, ep=2)),
+        (2, dict(dp_shard=1, tp=2, ep=2)),
+        (4, dict(dp_shard=4, ep=2)),
+        (4, dict(dp_shard=2, tp=2, ep=4)),
+        (4, dict(dp_replicate=2, dp_shard=2, ep=2)),
+        # ep = 1 with TP: experts whole on every rank, FSDP over dp_shard x tp (parallelize_model
+        # only calls apply_ep for ep > 1, so this case assembles the steps itself).
+        (2, dict(dp_shard=1, tp=2, ep=1)),
+        # More ranks than experts: 2 experts, ep 2, efsdp 2 > 1 local expert, so the experts are
+        # sharded along their hidden dim (expert_shard_dim) and every rank holds a quarter.
+        (4, dict(dp_shard=4, ep=2, num_experts=2)),
+    ],
+)
 def test_qwen3_moe_matches_single_process(world_size, degrees):
     degrees = dict(degrees)
     num_experts = degrees.pop("num_experts", 8)
@@ -380,12 +396,14 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
         with torch.device("meta"):
             model = Transformer(_qwen3_args(num_experts))
         if dims.ep_enabled:
-            parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
-                              param_dtype=torch.float32, reduce_dtype=torch.float32)
+            parallelize_model(
+                model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+            )
         else:
             apply_tp(model, plan=PLAN, tp_mesh=mesh["tp"])
-            apply_ep(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
-                     param_dtype=torch.float32, reduce_dtype=torch.float32)
+            apply_ep(
+                model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+            )
             apply_global_load_balance(model, plan=PLAN, mesh=mesh)
             data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
@@ -393,7 +411,7 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
             model.init_weights()
         load_full_state(model, state)
         r, n = dims.dp_rank(mesh), GLOBAL_BATCH // dims.dp_degree
-        lm = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n])
+        lm = lm_loss(model(inputs[r * n : (r + 1) * n]), labels[r * n : (r + 1) * n])
         aux = model.pop_aux_loss()
         (lm + QWEN_AUX * aux).backward()
         experts = {n: (p.to_local().numel(), p.numel()) for n, p in model.named_parameters() if ".experts." in n}
@@ -441,8 +459,9 @@ def test_experts_beyond_ranks_train_and_resume(tmp_path, monkeypatch):
     got = train(tmp_path / "ep2", 4, dict(dp_shard=4, ep=2), *common, *ckpt)
     want = train(tmp_path / "single", 1, {}, *common, "--checkpoint.enable=false")
     assert max_rel_diff(got, want, range(1, 7)) < 1e-5
-    assert max(abs(got[s]["moe_aux_loss"] - want[s]["moe_aux_loss"]) / want[s]["moe_aux_loss"]
-               for s in range(1, 7)) < 1e-5
+    assert (
+        max(abs(got[s]["moe_aux_loss"] - want[s]["moe_aux_loss"]) / want[s]["moe_aux_loss"] for s in range(1, 7)) < 1e-5
+    )
     # The checkpoint holds the hidden-dim expert shards; DCP reshards them for 1 process.
     shutil.copytree(tmp_path / "ep2" / "checkpoints" / "step-3", tmp_path / "resume" / "checkpoints" / "step-3")
     resumed = train(tmp_path / "resume", 1, {}, *common, *ckpt)
@@ -451,10 +470,14 @@ def test_experts_beyond_ranks_train_and_resume(tmp_path, monkeypatch):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # two 2-process trainer runs, one of them compiling the scanned graph step
-@pytest.mark.parametrize("degrees", [
-    pytest.param(dict(dp_shard=2), marks=pytest.mark.exhaustive),  # the fsdp2-ep2 point holds it
-    dict(dp_shard=2, ep=2),
-], ids=["fsdp2", "fsdp2-ep2"])
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        pytest.param(dict(dp_shard=2), marks=pytest.mark.exhaustive),  # the fsdp2-ep2 point holds it
+        dict(dp_shard=2, ep=2),
+    ],
+    ids=["fsdp2", "fsdp2-ep2"],
+)
 def test_moe_layer_scan_matches_eager(tmp_path, monkeypatch, degrees):
     """Graph mode with layer scan on 2 ranks (the global-batch load-balancing loss's count
     all-reduce runs inside the scan body; with ep 2 the static-shape padded dispatch does too)
@@ -466,11 +489,20 @@ def test_moe_layer_scan_matches_eager(tmp_path, monkeypatch, degrees):
     monkeypatch.chdir(REPO)
     common = [*MOE_PARITY, "--config", MOE, "--training.steps=3", "--checkpoint.enable=false"]
     eager = train(tmp_path / "eager", 2, degrees, *common)
-    scan = train(tmp_path / "scan", 2, degrees, *common, "--compile.mode=graph",
-                 "--compile.backend=aot_eager", "--compile.scan_layers=true")
+    scan = train(
+        tmp_path / "scan",
+        2,
+        degrees,
+        *common,
+        "--compile.mode=graph",
+        "--compile.backend=aot_eager",
+        "--compile.scan_layers=true",
+    )
     assert max_rel_diff(scan, eager, range(1, 4)) < 1e-5
-    assert max(abs(scan[s]["moe_aux_loss"] - eager[s]["moe_aux_loss"]) / eager[s]["moe_aux_loss"]
-               for s in range(1, 4)) < 1e-5
+    assert (
+        max(abs(scan[s]["moe_aux_loss"] - eager[s]["moe_aux_loss"]) / eager[s]["moe_aux_loss"] for s in range(1, 4))
+        < 1e-5
+    )
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])

@@ -68,7 +68,10 @@ def test_flops_per_token_matches_flop_counter(family, flavor):
     args, matmul, attention, total = _count(family, flavor, seq_len)
     expected = flops.flops_per_token(
         num_matmul_params=args.num_active_params(exclude_embedding=True),
-        n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=seq_len,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        head_dim=args.head_dim,
+        seq_len=seq_len,
     )
     attention_palm = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
     # The 6N part: every weight matmul forward + two backward; N also holds the norm weights
@@ -99,12 +102,23 @@ def test_flops_formula_by_hand():
 @pytest.mark.parametrize(
     "kind,gen",
     [
-        ("TPU v4", "v4"), ("v4-8", "v4"),
-        ("TPU v5 lite", "v5e"), ("v5litepod-16", "v5e"), ("v5e", "v5e"),
-        ("TPU v5", "v5p"), ("TPU v5p", "v5p"), ("v5p-128", "v5p"),
-        ("TPU v6 lite", "v6e"), ("v6e-8", "v6e"), ("Trillium", "v6e"),
-        ("TPU7x", "v7x"), ("tpu7x-64", "v7x"), ("TPU v7x", "v7x"),
-        ("TPU", None), ("NVIDIA H100", None), ("Tesla V100", None),
+        ("TPU v4", "v4"),
+        ("v4-8", "v4"),
+        ("TPU v5 lite", "v5e"),
+        ("v5litepod-16", "v5e"),
+        ("v5e", "v5e"),
+        ("TPU v5", "v5p"),
+        ("TPU v5p", "v5p"),
+        ("v5p-128", "v5p"),
+        ("TPU v6 lite", "v6e"),
+        ("v6e-8", "v6e"),
+        ("Trillium", "v6e"),
+        ("TPU7x", "v7x"),
+        ("tpu7x-64", "v7x"),
+        ("TPU v7x", "v7x"),
+        ("TPU", None),
+        ("NVIDIA H100", None),
+        ("Tesla V100", None),
     ],
 )
 def test_tpu_generation(kind, gen):
@@ -135,9 +149,15 @@ def test_tpu_kind_from_environment(monkeypatch):
 @pytest.mark.parametrize(
     "name,tflops",
     [
-        ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-        ("NVIDIA H200", 989), ("NVIDIA B200", 2250), ("NVIDIA GB200", 2500),
-        ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA GeForce RTX 4090", None), ("Tesla T4", None),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),
+        ("NVIDIA B200", 2250),
+        ("NVIDIA GB200", 2500),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("Tesla T4", None),
     ],
 )
 def test_gpu_peaks(monkeypatch, name, tflops):

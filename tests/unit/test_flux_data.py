@@ -33,8 +33,9 @@ def tiny(tmp_path_factory):
 
 
 def _loader(folder, dp_rank=0, dp_degree=1, batch=8, split="train", seed=3):
-    return fd.build_flux_dataloader(path=folder, local_batch_size=batch, dp_rank=dp_rank, dp_degree=dp_degree,
-                                    seed=seed, split=split)
+    return fd.build_flux_dataloader(
+        path=folder, local_batch_size=batch, dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, split=split
+    )
 
 
 # --- the procedural set ------------------------------------------------------------------
@@ -148,7 +149,7 @@ def test_loader_reads_only_the_row_groups_it_needs(tiny, monkeypatch):
     loader.next_batch()
     assert 1 <= len(reads) <= 4
     order, _ = loader._blocks(0)
-    first_block = {loader.groups[g][:2] for g in order[:fd.SHUFFLE_BLOCK_GROUPS]}
+    first_block = {loader.groups[g][:2] for g in order[: fd.SHUFFLE_BLOCK_GROUPS]}
     assert set(reads) <= first_block and len(first_block) < len(loader.groups)
 
 
@@ -216,8 +217,7 @@ def test_local_weight_folders_load_through_the_real_classes(tmp_path):
 
     from models.flux import conditioning as cond
 
-    words = ["<pad>", "</s>", "<unk>", "<|startoftext|>", "<|endoftext|>", "a", "red", "circle", "on", "the",
-             "left"]
+    words = ["<pad>", "</s>", "<unk>", "<|startoftext|>", "<|endoftext|>", "a", "red", "circle", "on", "the", "left"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
@@ -226,16 +226,21 @@ def test_local_weight_folders_load_through_the_real_classes(tmp_path):
     fast.save_pretrained(str(tmp_path / "t5"))
     fast.save_pretrained(str(tmp_path / "clip"))
     cond.build_debug_vae(0).save(str(tmp_path / "vae"))
-    loaded = cond.load_text_conditioner(t5_path=str(tmp_path / "t5"), clip_path=str(tmp_path / "clip"),
-                                        max_length=8)
+    loaded = cond.load_text_conditioner(t5_path=str(tmp_path / "t5"), clip_path=str(tmp_path / "clip"), max_length=8)
     t5, clip = loaded.encode(["a red circle on the left", "a circle"])
     assert t5.shape == (2, 8, 64) and clip.shape == (2, 64)
     vae = cond.load_vae(str(tmp_path / "vae"))
     assert vae.encode(torch.rand(1, 3, 16, 16)).shape == (1, 16, 4, 4)
     # The build with local weights (the real-weights path: no VAE training, HF tokenizers),
     # and its saved encoders + tokenizers reproduce the stored embeddings.
-    params = fb.BuildParams(num_train=16, num_heldout=12, text_length=8, t5_path=str(tmp_path / "t5"),
-                            clip_path=str(tmp_path / "clip"), vae_path=str(tmp_path / "vae"))
+    params = fb.BuildParams(
+        num_train=16,
+        num_heldout=12,
+        text_length=8,
+        t5_path=str(tmp_path / "t5"),
+        clip_path=str(tmp_path / "clip"),
+        vae_path=str(tmp_path / "vae"),
+    )
     meta = fb.build_dataset(params, str(tmp_path / "data"), log=lambda _: None)
     assert meta["text_ids"] == "hf" and meta["vae_training"] is None
     assert meta["shapes"] == {"latent": [16, 8, 8], "t5": [8, 64], "clip": [64]}
@@ -261,9 +266,22 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         cond.load_vae(str(tmp_path))
     missing = str(tmp_path / "t5-weights")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build_flux_data.py"), "--out",
-                           str(tmp_path / "out"), "--t5", missing, "--clip", str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "build_flux_data.py"),
+            "--out",
+            str(tmp_path / "out"),
+            "--t5",
+            missing,
+            "--clip",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and missing in lines[0], proc.stderr
@@ -274,12 +292,22 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
 def test_concurrent_first_use_builds_once(tmp_path):
     """Two processes asking for the same uncached set at once: one builds (under the lock),
     the other waits and reuses it; both get the same folder and no temporary folder is left."""
-    code = ("import sys; from trainer.flux_data import build as fb; "
-            "p = fb.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
-            "print('FOLDER', fb.ensure_procedural_dataset(p, cache_root=sys.argv[1]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    code = (
+        "import sys; from trainer.flux_data import build as fb; "
+        "p = fb.BuildParams(num_train=40, num_heldout=12, vae_steps=1, shard_rows=32, row_group_rows=8); "
+        "print('FOLDER', fb.ensure_procedural_dataset(p, cache_root=sys.argv[1]))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     folders = {line for out, _ in outs for line in out.splitlines() if line.startswith("FOLDER")}

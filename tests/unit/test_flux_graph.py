@@ -72,8 +72,9 @@ def _max_diff(a, b):
 def _state_diff(oa, ob):
     sa, sb = oa.state_dict()["state"], ob.state_dict()["state"]
     assert sa.keys() == sb.keys()
-    return max((sa[i][k].float() - sb[i][k].float()).abs().max().item()
-               for i in sa for k in ("exp_avg", "exp_avg_sq", "step"))
+    return max(
+        (sa[i][k].float() - sb[i][k].float()).abs().max().item() for i in sa for k in ("exp_avg", "exp_avg_sq", "step")
+    )
 
 
 def _parity(*, scan: bool, ac_mode: str = "none", accum: int = 1, steps: int = 3, args=None):
@@ -82,9 +83,17 @@ def _parity(*, scan: bool, ac_mode: str = "none", accum: int = 1, steps: int = 3
     ref_opt, opt = _opt(ref), _opt(model)
     if not scan:  # unrolled blocks are checkpointed where the trainer does it (parallelize_model)
         apply_ac(model, plan=PLAN, mode=ac_mode)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            ac_mode=ac_mode if scan else "none", grad_accum_steps=accum, plan=PLAN,
-                            loss_fn=velocity_loss)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=1.0,
+        backend="aot_eager",
+        scan_layers=scan,
+        ac_mode=ac_mode if scan else "none",
+        grad_accum_steps=accum,
+        plan=PLAN,
+        loss_fn=velocity_loss,
+    )
     data = batches(args, steps, accum)
     want = _eager_run(ref, ref_opt, data)
     got = _graph_run(step, opt, data)
@@ -128,8 +137,9 @@ def test_two_stack_block_ac_unrolled(ac_mode):
 
 @pytest.mark.slow
 def test_two_stack_scan_ac_shrinks_saved_activations():
-    saved = {mode: _parity(scan=True, ac_mode=mode, steps=2).stats.scan_saved_bytes
-             for mode in ("none", "selective", "full")}
+    saved = {
+        mode: _parity(scan=True, ac_mode=mode, steps=2).stats.scan_saved_bytes for mode in ("none", "selective", "full")
+    }
     assert saved["full"] < saved["selective"] <= saved["none"], saved
 
 
@@ -139,8 +149,15 @@ def test_two_stack_node_count_constant_with_scan():
         args = TwoStackArgs(depth=depth, depth_single_blocks=single)
         model = build(args)
         opt = _opt(model)
-        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager",
-                                scan_layers=scan, plan=PLAN, loss_fn=velocity_loss)
+        step = build_graph_step(
+            model=model,
+            optimizer=opt,
+            max_norm=1.0,
+            backend="aot_eager",
+            scan_layers=scan,
+            plan=PLAN,
+            loss_fn=velocity_loss,
+        )
         _graph_run(step, opt, batches(args, 1))
         return step.graph_nodes, step.stats.nodes_total
 
@@ -155,11 +172,18 @@ def test_scan_refuses_a_stack_that_is_not_a_block_stack():
 
     model = build(TwoStackArgs())
     with pytest.raises(ConfigError, match="compile.scan_layers: the model's `final`"):
-        build_graph_step(model=model, optimizer=_opt(model), max_norm=1.0, backend="aot_eager",
-                         scan_layers=True, plan=ModelPlan(block=("double_blocks", "final")))
+        build_graph_step(
+            model=model,
+            optimizer=_opt(model),
+            max_norm=1.0,
+            backend="aot_eager",
+            scan_layers=True,
+            plan=ModelPlan(block=("double_blocks", "final")),
+        )
 
 
 # --- FLUX.1 debugmodel (models/flux) with the trainer's rectified-flow loss (trainer/tasks/flow.py) ---
+
 
 def _flux(guidance_embed: bool, *, depth: int = 2, single: int = 2, seed: int = 0):
     """FLUX debugmodel narrowed to hidden 128 / 2 heads (head_dim 64 = RoPE axes 16+24+24), built
@@ -169,8 +193,14 @@ def _flux(guidance_embed: bool, *, depth: int = 2, single: int = 2, seed: int = 
     from models.flux import FLAVORS, FluxTransformer
     from parallelisms.simple_fsdp import data_parallel
 
-    args = dataclasses.replace(FLAVORS["debugmodel"], hidden_size=128, num_heads=2, depth=depth,
-                               depth_single_blocks=single, guidance_embed=guidance_embed)
+    args = dataclasses.replace(
+        FLAVORS["debugmodel"],
+        hidden_size=128,
+        num_heads=2,
+        depth=depth,
+        depth_single_blocks=single,
+        guidance_embed=guidance_embed,
+    )
     with torch.device("meta"):
         model = FluxTransformer(args)
     data_parallel(model, mesh=None, param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -188,10 +218,20 @@ def _flux(guidance_embed: bool, *, depth: int = 2, single: int = 2, seed: int = 
 
 def _flux_batches(steps: int, accum: int = 1, batch: int = 2, seed: int = 3):
     g = torch.Generator().manual_seed(seed)
-    return [[(torch.randn(batch, 16, 4, 4, generator=g), torch.randn(batch, 8, 64, generator=g),
-              torch.randn(batch, 64, generator=g), torch.randn(batch, 16, 4, 4, generator=g),
-              torch.rand(batch, generator=g), (torch.rand(batch, generator=g) > 0.3).float())
-             for _ in range(accum)] for _ in range(steps)]
+    return [
+        [
+            (
+                torch.randn(batch, 16, 4, 4, generator=g),
+                torch.randn(batch, 8, 64, generator=g),
+                torch.randn(batch, 64, generator=g),
+                torch.randn(batch, 16, 4, 4, generator=g),
+                torch.rand(batch, generator=g),
+                (torch.rand(batch, generator=g) > 0.3).float(),
+            )
+            for _ in range(accum)
+        ]
+        for _ in range(steps)
+    ]
 
 
 def _flux_parity(*, scan: bool, ac_mode: str = "none", guidance_embed: bool = True, steps: int = 3):
@@ -205,8 +245,16 @@ def _flux_parity(*, scan: bool, ac_mode: str = "none", guidance_embed: bool = Tr
     ref_opt, opt = _opt(ref), _opt(model)
     if not scan:
         apply_ac(model, plan=FLUX_PLAN, mode=ac_mode)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            ac_mode=ac_mode if scan else "none", plan=FLUX_PLAN, loss_fn=loss_fn)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=1.0,
+        backend="aot_eager",
+        scan_layers=scan,
+        ac_mode=ac_mode if scan else "none",
+        plan=FLUX_PLAN,
+        loss_fn=loss_fn,
+    )
     data = _flux_batches(steps)
     want, got = [], []
     for i, mbs in enumerate(data):
@@ -263,8 +311,15 @@ def test_flux_node_count_constant_with_scan():
     def nodes(depth, single):
         model = _flux(False, depth=depth, single=single)
         opt = _opt(model)
-        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
-                                plan=FLUX_PLAN, loss_fn=functools.partial(flow_loss, guidance=None))
+        step = build_graph_step(
+            model=model,
+            optimizer=opt,
+            max_norm=1.0,
+            backend="aot_eager",
+            scan_layers=True,
+            plan=FLUX_PLAN,
+            loss_fn=functools.partial(flow_loss, guidance=None),
+        )
         step(_flux_batches(1)[0], LR)
         return step.graph_nodes, step.stats.nodes_total
 

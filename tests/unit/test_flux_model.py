@@ -28,8 +28,9 @@ from models.flux.plan import PLAN
 
 # diffusers is a dev extra: the tests that compare with it skip without it. Imported lazily, so
 # the spawned ranks of the parallel tests (which import this module) do not pay for it.
-needs_diffusers = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None,
-                                     reason="diffusers (the dev extra) is not installed")
+needs_diffusers = pytest.mark.skipif(
+    importlib.util.find_spec("diffusers") is None, reason="diffusers (the dev extra) is not installed"
+)
 
 PARITY_RTOL = 1e-5
 PARALLEL_RTOL = 1e-5
@@ -54,9 +55,12 @@ def _inputs(args: FluxArgs, batch: int, height: int, width: int, txt_len: int, g
     g = torch.Generator().manual_seed(seed)
     img = latents.pack(torch.randn(batch, 16, height, width, generator=g))
     return dict(
-        img=img, img_ids=latents.image_ids(batch, height, width),
-        txt=torch.randn(batch, txt_len, args.context_in_dim, generator=g), txt_ids=latents.text_ids(batch, txt_len),
-        timesteps=torch.rand(batch, generator=g), y=torch.randn(batch, args.vec_in_dim, generator=g),
+        img=img,
+        img_ids=latents.image_ids(batch, height, width),
+        txt=torch.randn(batch, txt_len, args.context_in_dim, generator=g),
+        txt_ids=latents.text_ids(batch, txt_len),
+        timesteps=torch.rand(batch, generator=g),
+        y=torch.randn(batch, args.vec_in_dim, generator=g),
         guidance=(1 + 4 * torch.rand(batch, generator=g)) if guidance else None,
     )
 
@@ -75,9 +79,16 @@ def _diffusers_model(args: FluxArgs, state: dict[str, torch.Tensor] | None = Non
 def _diffusers_forward(ref, x: dict) -> torch.Tensor:
     # diffusers: ids without the batch dim (shared by the batch); t and guidance scaled x1000 inside.
     with torch.no_grad():
-        return ref(hidden_states=x["img"], encoder_hidden_states=x["txt"], pooled_projections=x["y"],
-                   timestep=x["timesteps"], img_ids=x["img_ids"][0], txt_ids=x["txt_ids"][0],
-                   guidance=x["guidance"], return_dict=False)[0]
+        return ref(
+            hidden_states=x["img"],
+            encoder_hidden_states=x["txt"],
+            pooled_projections=x["y"],
+            timestep=x["timesteps"],
+            img_ids=x["img_ids"][0],
+            txt_ids=x["txt_ids"][0],
+            guidance=x["guidance"],
+            return_dict=False,
+        )[0]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -103,24 +114,38 @@ def test_num_params_matches_built_model_and_diffusers(flavor):
     assert args.num_params() == ours == theirs
     assert args.num_active_params() == ours
     counts = args.param_counts()
-    assert counts.total == counts.matmul + counts.per_sample + (2 * args.depth + args.depth_single_blocks) * 2 * args.head_dim
+    assert (
+        counts.total
+        == counts.matmul + counts.per_sample + (2 * args.depth + args.depth_single_blocks) * 2 * args.head_dim
+    )
 
 
 def test_flux_dev_is_the_published_12b():
     dev, schnell = FLAVORS["flux-dev"], FLAVORS["flux-schnell"]
     assert dev.num_params() == FLUX_DEV_PARAMS
     assert round(dev.num_params() / 1e9) == 12 and round(2 * dev.num_params() / 1e9, 1) == 23.8
-    assert (dev.depth, dev.depth_single_blocks, dev.hidden_size, dev.num_heads, dev.axes_dim) == (19, 38, 3072, 24, (16, 56, 56))
+    assert (dev.depth, dev.depth_single_blocks, dev.hidden_size, dev.num_heads, dev.axes_dim) == (
+        19,
+        38,
+        3072,
+        24,
+        (16, 56, 56),
+    )
     # schnell lacks only the guidance embedder: two linears 256 -> 3072 -> 3072
     assert dev.num_params() - schnell.num_params() == 256 * 3072 + 3072 + 3072 * 3072 + 3072
     shape = dev.shape()
     assert (shape.n_layers, shape.dim, shape.n_heads, shape.head_dim, shape.ffn_hidden) == (57, 3072, 24, 128, 12288)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(num_heads=5), "num_heads"), (dict(axes_dim=(16, 24, 22)), "axes_dim"),
-    (dict(axes_dim=(15, 25, 24)), "axes_dim"), (dict(depth=0), "depth"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(num_heads=5), "num_heads"),
+        (dict(axes_dim=(16, 24, 22)), "axes_dim"),
+        (dict(axes_dim=(15, 25, 24)), "axes_dim"),
+        (dict(depth=0), "depth"),
+    ],
+)
 def test_bad_args_name_the_field(bad, match):
     with pytest.raises(ValueError, match=rf"^{match}:"):
         dataclasses.replace(FLAVORS["debugmodel"], **bad)
@@ -181,8 +206,8 @@ def test_convert_to_diffusers_and_back(tmp_path):
     -> DCP with the same tensors."""
     import torch.distributed.checkpoint as dcp
 
-    from scripts.convert import convert_from_hf, convert_to_hf
     from models import get_model_family
+    from scripts.convert import convert_from_hf, convert_to_hf
     from trainer.checkpoint import write_manifest
 
     args = _args(True)
@@ -336,9 +361,16 @@ def _parallel_rank(world_size: int, degrees: dict, state: dict, x: dict, proj: t
     args = _args(True)
     with torch.device("meta"):
         model = FluxTransformer(args)
-    parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32,
-                      ac_mode="selective" if compile_backend else "none", compile_backend=compile_backend)
+    parallelize_model(
+        model,
+        plan=PLAN,
+        parallel_dims=dims,
+        mesh=mesh,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        ac_mode="selective" if compile_backend else "none",
+        compile_backend=compile_backend,
+    )
     model.to_empty(device="cpu")
     load_full_state(model, state)
     rank, n = dims.dp_rank(mesh), dims.dp_degree
@@ -413,8 +445,14 @@ def test_tp2_bf16_forward_backward():
         dims = ParallelDims(world_size=2, dp_shard=1, tp=2)
         with torch.device("meta"):
             tp_model = FluxTransformer(args)
-        parallelize_model(tp_model, plan=PLAN, parallel_dims=dims, mesh=build_mesh(dims, "cpu"),
-                          param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        parallelize_model(
+            tp_model,
+            plan=PLAN,
+            parallel_dims=dims,
+            mesh=build_mesh(dims, "cpu"),
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+        )
         tp_model.to_empty(device="cpu")
         load_full_state(tp_model, state)
         out = tp_model(**x)
@@ -442,8 +480,9 @@ def test_tp_without_the_replicate_style_is_refused():
         with torch.device("meta"):
             model = FluxTransformer(_args(True))
         try:
-            parallelize_model(model, plan=plan, parallel_dims=dims, mesh=build_mesh(dims, "cpu"),
-                              param_dtype=torch.float32)
+            parallelize_model(
+                model, plan=plan, parallel_dims=dims, mesh=build_mesh(dims, "cpu"), param_dtype=torch.float32
+            )
         except ConfigError as e:
             return str(e)
         return None

@@ -43,8 +43,9 @@ def _measure(depth: int, single: int, ac_mode: str) -> tuple[int, torch.nn.Modul
     x0 = torch.randn(B, 16, SIDE, SIDE, generator=g)
     t5, clip = torch.randn(B, S, 64, generator=g), torch.randn(B, 64, generator=g)
     noise, t = torch.randn_like(x0), torch.rand(B, generator=g)
-    return saved_bytes(model, lambda: flow_loss(model, x0, t5, clip, noise, t, torch.ones(B), guidance=None,
-                                                 dtype=torch.bfloat16)), model
+    return saved_bytes(
+        model, lambda: flow_loss(model, x0, t5, clip, noise, t, torch.ones(B), guidance=None, dtype=torch.bfloat16)
+    ), model
 
 
 @pytest.mark.parametrize("ac_mode", ["none", "selective", "full"])
@@ -62,10 +63,12 @@ def test_block_activation_bytes_match_a_real_forward(ac_mode):
         want = block_bytes(args, tokens=tokens, samples=B, tp=1, ac_mode=ac_mode, single=single)
         tol = 0.01 if ac_mode == "none" else 0.0
         assert abs(got - want) <= tol * want, (single, got, want)
-    acts = flux_activation_bytes(args, img_tokens=(SIDE // 2) ** 2, txt_tokens=S, local_batch_size=B, tp=1,
-                                 ac_mode=ac_mode)
-    assert acts.blocks == sum(block_bytes(args, tokens=tokens, samples=B, tp=1, ac_mode=ac_mode, single=s)
-                              for s in (False, True))  # one block of each kind
+    acts = flux_activation_bytes(
+        args, img_tokens=(SIDE // 2) ** 2, txt_tokens=S, local_batch_size=B, tp=1, ac_mode=ac_mode
+    )
+    assert acts.blocks == sum(
+        block_bytes(args, tokens=tokens, samples=B, tp=1, ac_mode=ac_mode, single=s) for s in (False, True)
+    )  # one block of each kind
 
 
 def test_tensor_parallel_splits_heads_and_mlp_not_the_stream():
@@ -83,7 +86,8 @@ def test_flops_per_token_is_the_models_count():
 
     args = FLAVORS["flux-dev"]
     assert flux_flops_per_token(args, img_tokens=4096, txt_tokens=512) * 4608 == pytest.approx(
-        flops_per_sample(args, 4096, 512))
+        flops_per_sample(args, 4096, 512)
+    )
 
 
 def test_estimate_prints_a_flux_plan(capsys):

@@ -48,8 +48,7 @@ def _dir_bytes(path) -> int:
 
 
 def _graph(model, opt, scan: bool):
-    return build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            plan=PLAN)
+    return build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan, plan=PLAN)
 
 
 def test_scan_checkpoint_loads_without_scan_and_back(tmp_path):

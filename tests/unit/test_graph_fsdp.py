@@ -60,8 +60,9 @@ def _reference(state):
 def _fsdp_model(state, mesh, dims, param_dtype=torch.float32):
     with torch.device("meta"):
         model = Llama3(llama3_args())
-    parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
-                      param_dtype=param_dtype, reduce_dtype=torch.float32)
+    parallelize_model(
+        model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh, param_dtype=param_dtype, reduce_dtype=torch.float32
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -74,7 +75,7 @@ def _train(step, rank: int) -> list[float]:
     losses = []
     for s in range(STEPS):
         inputs, labels = batch(4096, batch_size=4, seed=s)
-        mb = [(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])]
+        mb = [(inputs[2 * rank : 2 * rank + 2], labels[2 * rank : 2 * rank + 2])]
         mean = step(mb, _lr(s)).loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / 2)
@@ -89,12 +90,18 @@ def _graph_on_rank(state, scan_variants):
     for scan in scan_variants:
         model = _fsdp_model(state, mesh, dims)
         opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
-        step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
-                                scan_layers=scan, plan=LLAMA3_PLAN)
+        step = build_graph_step(
+            model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager", scan_layers=scan, plan=LLAMA3_PLAN
+        )
         losses = _train(step, rank)
         stats = step.stats
-        results[scan] = (losses, {n: full(p).detach().clone() for n, p in model.named_parameters()},
-                         dict(stats.collectives), stats.scans, stats.prefetched_gathers)
+        results[scan] = (
+            losses,
+            {n: full(p).detach().clone() for n, p in model.named_parameters()},
+            dict(stats.collectives),
+            stats.scans,
+            stats.prefetched_gathers,
+        )
     return results
 
 
@@ -133,13 +140,26 @@ def _wire_on_rank(state):
     for all_to_all in (False, True):
         model = _fsdp_model(state, mesh, dims, param_dtype=torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
-        step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
-                                plan=LLAMA3_PLAN, gloo_all_to_all=all_to_all)
+        step = build_graph_step(
+            model=model,
+            optimizer=opt,
+            max_norm=MAX_NORM,
+            backend="aot_eager",
+            plan=LLAMA3_PLAN,
+            gloo_all_to_all=all_to_all,
+        )
         losses = _train(step, rank)
-        wire = Counter(str(n.args[0].meta["val"].dtype) for n in step.capture.graph_module.graph.nodes
-                       if n.target is torch.ops._c10d_functional.all_to_all_single.default)
-        results[all_to_all] = (losses, {n: full(p).detach().clone() for n, p in model.named_parameters()},
-                               dict(step.stats.collectives), wire)
+        wire = Counter(
+            str(n.args[0].meta["val"].dtype)
+            for n in step.capture.graph_module.graph.nodes
+            if n.target is torch.ops._c10d_functional.all_to_all_single.default
+        )
+        results[all_to_all] = (
+            losses,
+            {n: full(p).detach().clone() for n, p in model.named_parameters()},
+            dict(step.stats.collectives),
+            wire,
+        )
     return results
 
 
@@ -165,12 +185,19 @@ def _bucketed_on_rank(state, all_to_all):
     rank = dist.get_rank()
     model = _fsdp_model(state, mesh, dims)
     opt = torch.optim.AdamW(model.parameters(), lr=_lr(0), eps=EPS, weight_decay=0.1, foreach=False)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="inductor",
-                            plan=LLAMA3_PLAN, bucket_cap_mb=1000.0, gloo_all_to_all=all_to_all)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=MAX_NORM,
+        backend="inductor",
+        plan=LLAMA3_PLAN,
+        bucket_cap_mb=1000.0,
+        gloo_all_to_all=all_to_all,
+    )
     losses, calls = [], Counter()
     for s in range(STEPS):
         inputs, labels = batch(4096, batch_size=4, seed=s)
-        mb = [(inputs[2 * rank:2 * rank + 2], labels[2 * rank:2 * rank + 2])]
+        mb = [(inputs[2 * rank : 2 * rank + 2], labels[2 * rank : 2 * rank + 2])]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             loss = step(mb, _lr(s)).loss
         if s == STEPS - 1:
@@ -181,14 +208,24 @@ def _bucketed_on_rank(state, all_to_all):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / 2)
-    return losses, {n: full(p).detach().clone() for n, p in model.named_parameters()}, \
-        dict(step.stats.collectives), dict(calls)
+    return (
+        losses,
+        {n: full(p).detach().clone() for n, p in model.named_parameters()},
+        dict(step.stats.collectives),
+        dict(calls),
+    )
 
 
-@pytest.mark.parametrize("all_to_all", [
-    # Bucketing is one Inductor pass whatever the wire; the default wire on gloo (all-to-all)
-    # runs by default, gloo's own reduce-scatter in the scheduled run.
-    pytest.param(False, marks=pytest.mark.exhaustive), True], ids=["reduce-scatter", "all-to-all"])
+@pytest.mark.parametrize(
+    "all_to_all",
+    [
+        # Bucketing is one Inductor pass whatever the wire; the default wire on gloo (all-to-all)
+        # runs by default, gloo's own reduce-scatter in the scheduled run.
+        pytest.param(False, marks=pytest.mark.exhaustive),
+        True,
+    ],
+    ids=["reduce-scatter", "all-to-all"],
+)
 def test_inductor_bucketing_merges_fsdp_collectives(all_to_all):
     """`compile.bucket_cap_mb`: with a cap above the model's size, the compiled step runs ONE
     all-gather and ONE reduce-scatter (the captured graph has one per parameter), and still

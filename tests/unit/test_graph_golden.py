@@ -40,19 +40,23 @@ def test_golden_graph_text():
     if os.environ.get("TITAN_UPDATE_GOLDEN") != "1":
         recorded = GOLDEN.read_text().splitlines(True)[0]
         if recorded != header:
-            pytest.skip(f"{GOLDEN.name} was captured with {recorded.strip()[2:]}; this is torch "
-                        f"{_torch_release()}: regenerate it (TITAN_UPDATE_GOLDEN=1) to guard this version")
+            pytest.skip(
+                f"{GOLDEN.name} was captured with {recorded.strip()[2:]}; this is torch "
+                f"{_torch_release()}: regenerate it (TITAN_UPDATE_GOLDEN=1) to guard this version"
+            )
     model = build_model(2)  # SDPA attention (tests/conftest.py), whatever the CPU
     opt = build_opt(model)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
-                            plan=PLAN)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True, plan=PLAN)
     run(step, opt, batches(1))
     text = header + normalized_graph_text(step.graph_module)
     if os.environ.get("TITAN_UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(text)
     expected = GOLDEN.read_text()
     if text != expected:
-        diff = "".join(list(difflib.unified_diff(expected.splitlines(True), text.splitlines(True),
-                                                 "golden", "captured"))[:80])
-        raise AssertionError(f"captured graph differs from {GOLDEN.name} (TITAN_UPDATE_GOLDEN=1 to "
-                             f"regenerate after an intended change):\n{diff}")
+        diff = "".join(
+            list(difflib.unified_diff(expected.splitlines(True), text.splitlines(True), "golden", "captured"))[:80]
+        )
+        raise AssertionError(
+            f"captured graph differs from {GOLDEN.name} (TITAN_UPDATE_GOLDEN=1 to "
+            f"regenerate after an intended change):\n{diff}"
+        )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.errors import ConfigError
+from parallelisms.activation_checkpoint import apply_ac
 from tests.support.graph_common import (
     PLAN,
     batches,
@@ -22,8 +24,6 @@ from tests.support.graph_common import (
     max_state_diff,
     run,
 )
-from models.errors import ConfigError
-from parallelisms.activation_checkpoint import apply_ac
 from trainer.graph import build_graph_step
 
 PARAM_TOL, REL_TOL = 2e-6, 1e-5
@@ -35,16 +35,32 @@ def _compare(ref, got):
         assert abs(n1 - n2) <= REL_TOL * abs(n1), (ref, got)
 
 
-def _parity(*, scan: bool, accum: int = 1, ac_mode: str = "none", steps: int = 5, n_layers: int = 2,
-            reverse_scans: bool = False, fence_remat: bool = False):
+def _parity(
+    *,
+    scan: bool,
+    accum: int = 1,
+    ac_mode: str = "none",
+    steps: int = 5,
+    n_layers: int = 2,
+    reverse_scans: bool = False,
+    fence_remat: bool = False,
+):
     ref_model = build_model(n_layers)
     ref_opt = build_opt(ref_model)
     model = build_model(n_layers)
     opt = build_opt(model)
     if not scan:  # unrolled blocks are checkpointed where the trainer does it (parallelize_model)
         apply_ac(model, plan=PLAN, mode=ac_mode)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            ac_mode=ac_mode if scan else "none", grad_accum_steps=accum, plan=PLAN)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=1.0,
+        backend="aot_eager",
+        scan_layers=scan,
+        ac_mode=ac_mode if scan else "none",
+        grad_accum_steps=accum,
+        plan=PLAN,
+    )
     step.capture.reverse_scans = reverse_scans  # what Inductor gets (scan_reverse_pass), run by aot_eager
     step.capture.fence_remat = fence_remat  # what an XLA backend gets (remat behind barriers)
     data = batches(steps, accum)
@@ -86,15 +102,18 @@ def test_reverse_scan_is_the_flipped_scan():
 
     model = build_model(2)
     opt = build_opt(model)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
-                            plan=PLAN)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True, plan=PLAN)
     run(step, opt, batches(1))
     gm = step.graph_module
     assert gm.graph.find_nodes(op="call_function", target=torch.ops.aten.flip.default)
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     g = torch.Generator().manual_seed(3)
-    real = [torch.randint(0, 512, v.shape, generator=g) if not v.dtype.is_floating_point
-            else torch.rand(v.shape, generator=g, dtype=v.dtype) * 0.05 for v in inputs]
+    real = [
+        torch.randint(0, 512, v.shape, generator=g)
+        if not v.dtype.is_floating_point
+        else torch.rand(v.shape, generator=g, dtype=v.dtype) * 0.05
+        for v in inputs
+    ]
     ref = gm(*[t.clone() for t in real])
     assert scan_reverse_pass(gm) == 1
     gm.graph.eliminate_dead_code()
@@ -155,8 +174,9 @@ def test_node_count_constant_with_scan():
     def nodes(n_layers, scan):
         model = build_model(n_layers)
         opt = build_opt(model)
-        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager",
-                                scan_layers=scan, plan=PLAN)
+        step = build_graph_step(
+            model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan, plan=PLAN
+        )
         step.capture.reverse_scans = scan  # the reversed backward loop must not grow with depth either
         run(step, opt, batches(1))
         return step.graph_nodes, step.stats.nodes_total
@@ -169,8 +189,9 @@ def test_dump_graph(tmp_path):
     model = build_model(2)
     opt = build_opt(model)
     path = tmp_path / "graph.txt"
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
-                            dump_graph=str(path), plan=PLAN)
+    step = build_graph_step(
+        model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True, dump_graph=str(path), plan=PLAN
+    )
     run(step, opt, batches(1))
     text = path.read_text()
     assert text.startswith("# titan-tpu graph step\n# nodes ")
@@ -199,8 +220,7 @@ def test_inductor_scan_matches_eager():
     ref_opt = build_opt(ref_model)
     model = build_model(2)
     opt = build_opt(model)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="inductor", scan_layers=True,
-                            plan=PLAN)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="inductor", scan_layers=True, plan=PLAN)
     data = batches(3)
     ref = run(eager_step(ref_model, ref_opt), ref_opt, data)
     got = run(step, opt, data)

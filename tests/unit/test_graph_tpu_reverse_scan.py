@@ -13,8 +13,6 @@ in tests/xla/test_torch_tpu_path.py.
 
 from __future__ import annotations
 
-import operator
-
 import pytest
 import torch
 from torch import fx
@@ -55,14 +53,19 @@ class TpuScanSemantics(fx.Interpreter):
 def _captured(ac_mode: str = "none"):
     model = build_model(2)
     opt = build_opt(model)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True,
-                            ac_mode=ac_mode, plan=PLAN)
+    step = build_graph_step(
+        model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=True, ac_mode=ac_mode, plan=PLAN
+    )
     run(step, opt, batches(1))
     gm = step.graph_module
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     g = torch.Generator().manual_seed(3)
-    real = [torch.randint(0, 512, v.shape, generator=g) if not v.dtype.is_floating_point
-            else torch.rand(v.shape, generator=g, dtype=v.dtype) * 0.05 for v in inputs]
+    real = [
+        torch.randint(0, 512, v.shape, generator=g)
+        if not v.dtype.is_floating_point
+        else torch.rand(v.shape, generator=g, dtype=v.dtype) * 0.05
+        for v in inputs
+    ]
     return gm, real
 
 

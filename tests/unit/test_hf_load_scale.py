@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor
 
 import models
 from models.common.hf_adapter import read_box
-from trainer import checkpoint as ckpt
 from tests.conftest import linux_only
-from tests.unit.test_parallel_fsdp import _parallel_model
 from tests.support.parallel_harness import full, run_threads
+from tests.unit.test_parallel_fsdp import _parallel_model
+from trainer import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -82,8 +82,9 @@ MESHES = [
 
 
 @pytest.mark.parametrize("family, world_size, degrees, split", MESHES, ids=["fsdp2", "tp2", "fsdp2xtp2", "ep2_moe"])
-def test_sliced_load_equals_full_load_and_reads_only_owned_bytes(tmp_path, monkeypatch, family, world_size,
-                                                                degrees, split):
+def test_sliced_load_equals_full_load_and_reads_only_owned_bytes(
+    tmp_path, monkeypatch, family, world_size, degrees, split
+):
     family_name = "qwen3" if family == "qwen3_moe" else "llama3"
     fam = models.get_model_family(family_name)
     args = fam.get_args("debugmodel_moe" if family == "qwen3_moe" else "debugmodel", n_layers=2, max_seq_len=16)
@@ -243,11 +244,24 @@ print(json.dumps({{"before": before, "peak": status("VmHWM")}}))
 
 def measure_rss(kind: str, src: Path, dst: Path, args, warm_src: Path, warm_dst: Path, warm_args) -> dict:
     fields = lambda a: {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}  # noqa: E731
-    code = _MEASURE.format(root=str(ROOT), script=str(ROOT / "scripts" / "convert.py"), kind=kind, src=str(src),
-                           dst=str(dst), args=fields(args), warm_src=str(warm_src), warm_dst=str(warm_dst),
-                           warm_args=fields(warm_args))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    code = _MEASURE.format(
+        root=str(ROOT),
+        script=str(ROOT / "scripts" / "convert.py"),
+        kind=kind,
+        src=str(src),
+        dst=str(dst),
+        args=fields(args),
+        warm_src=str(warm_src),
+        warm_dst=str(warm_dst),
+        warm_args=fields(warm_args),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -255,21 +269,25 @@ def measure_rss(kind: str, src: Path, dst: Path, args, warm_src: Path, warm_dst:
 @linux_only  # VmRSS / VmHWM from /proc/self/status
 def test_streaming_conversion_peak_memory_is_bounded(tmp_path):
     fam = models.get_model_family("llama3")
-    args = fam.get_args("debugmodel", n_layers=12, dim=384, n_heads=6, n_kv_heads=6, vocab_size=256,
-                        hidden_dim=1152)
+    args = fam.get_args("debugmodel", n_layers=12, dim=384, n_heads=6, n_kv_heads=6, vocab_size=256, hidden_dim=1152)
     tiny = fam.get_args("debugmodel", n_layers=1, dim=64, n_heads=2, n_kv_heads=2, vocab_size=256, hidden_dim=128)
     _write_hf_folder(tmp_path / "hf", "llama3", args)
     _write_hf_folder(tmp_path / "tiny_hf", "llama3", tiny)
     model_bytes = sum(f.stat().st_size for f in (tmp_path / "hf").glob("*.safetensors"))
     assert model_bytes > 90e6
     bound = model_bytes / 2 + 16 * 1024**2
-    from_hf = measure_rss("from-hf", tmp_path / "hf", tmp_path / "dcp", args,
-                          tmp_path / "tiny_hf", tmp_path / "tiny_dcp", tiny)
+    from_hf = measure_rss(
+        "from-hf", tmp_path / "hf", tmp_path / "dcp", args, tmp_path / "tiny_hf", tmp_path / "tiny_dcp", tiny
+    )
     assert from_hf["peak"] - from_hf["before"] < bound, (from_hf, model_bytes)
-    to_hf = measure_rss("to-hf", tmp_path / "dcp", tmp_path / "back", args,
-                        tmp_path / "tiny_dcp", tmp_path / "tiny_back", tiny)
+    to_hf = measure_rss(
+        "to-hf", tmp_path / "dcp", tmp_path / "back", args, tmp_path / "tiny_dcp", tmp_path / "tiny_back", tiny
+    )
     assert to_hf["peak"] - to_hf["before"] < bound, (to_hf, model_bytes)
-    assert math.isclose(sum(f.stat().st_size for f in (tmp_path / "back").glob("*.safetensors")), model_bytes,
-                        rel_tol=1e-3)
-    print(f"model {model_bytes / 1e6:.0f} MB; added: from-hf {(from_hf['peak'] - from_hf['before']) / 1e6:.0f} MB, "
-          f"to-hf {(to_hf['peak'] - to_hf['before']) / 1e6:.0f} MB; bound {bound / 1e6:.0f} MB")
+    assert math.isclose(
+        sum(f.stat().st_size for f in (tmp_path / "back").glob("*.safetensors")), model_bytes, rel_tol=1e-3
+    )
+    print(
+        f"model {model_bytes / 1e6:.0f} MB; added: from-hf {(from_hf['peak'] - from_hf['before']) / 1e6:.0f} MB, "
+        f"to-hf {(to_hf['peak'] - to_hf['before']) / 1e6:.0f} MB; bound {bound / 1e6:.0f} MB"
+    )

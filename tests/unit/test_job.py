@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_global_batch_split_follows_the_mesh():
     def split(global_batch, local, accum, dp):
-        return batch_split(global_batch_size=global_batch, local_batch_size=local,
-                           gradient_accumulation_steps=accum, dp_degree=dp)
+        return batch_split(
+            global_batch_size=global_batch, local_batch_size=local, gradient_accumulation_steps=accum, dp_degree=dp
+        )
 
     assert split(-1, 8, 2, 4) == (8, 2)  # unset: the configured values stand
     assert split(32, 8, 1, 1) == (8, 4)  # 1 device: accumulate up to the global batch
@@ -25,16 +26,21 @@ def test_global_batch_split_follows_the_mesh():
     for g, local, accum, dp in [(32, 8, 1, 1), (32, 8, 1, 4), (12, 8, 1, 1), (24, 2, 3, 2)]:
         micro, n = split(g, local, accum, dp)
         assert micro * n * dp == g and micro <= local and n >= accum
-    with pytest.raises(ConfigError, match="training.global_batch_size: 30 is not divisible by the data-parallel degree 4"):
+    with pytest.raises(
+        ConfigError, match="training.global_batch_size: 30 is not divisible by the data-parallel degree 4"
+    ):
         split(30, 8, 1, 4)
     with pytest.raises(ConfigError, match="training.global_batch_size: 8 sequences over 1"):
         split(8, 8, 16, 1)  # accumulation 16 > 8 sequences: no split
 
 
-@pytest.mark.parametrize("overrides, pattern", [
-    ([("compile.mode", "graph")], 'compile.mode: "graph" captures the LM loss'),
-    ([("training.fused_loss", "on")], "training.fused_loss: on never forms the log-probs"),
-])
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        ([("compile.mode", "graph")], 'compile.mode: "graph" captures the LM loss'),
+        ([("training.fused_loss", "on")], "training.fused_loss: on never forms the log-probs"),
+    ],
+)
 def test_engine_refusals_are_rules_checked_before_the_model_is_built(overrides, pattern, monkeypatch):
     import trainer.job as job_module
     from trainer.config import build_config

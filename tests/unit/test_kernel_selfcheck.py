@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import titan_kernels
-from titan_kernels.tpu import pin_jax_platform, selfcheck, tiles
 from models.common import ops
+from titan_kernels.tpu import pin_jax_platform, selfcheck, tiles
 
 BF16 = torch.bfloat16
 
@@ -117,13 +117,18 @@ def test_a_wrong_scale_just_above_the_tolerance_is_caught_and_just_below_is_not(
 
 
 def test_non_finite_output_is_dropped():
-    verdict = selfcheck.check("grouped_mm", lambda x, w, s: grouped_bf16(x, w, s) * float("nan"), device=CPU, dtype=BF16)
+    verdict = selfcheck.check(
+        "grouped_mm", lambda x, w, s: grouped_bf16(x, w, s) * float("nan"), device=CPU, dtype=BF16
+    )
     assert not verdict.ok and "not finite" in verdict.reason
 
 
 def test_select_registers_only_the_kernels_that_passed_and_prints_one_line_per_failure(capsys):
-    impls = {"causal_attention": AGREEING["causal_attention"], "grouped_mm": _raises,
-             "linear_cross_entropy": DISAGREEING["linear_cross_entropy"]}
+    impls = {
+        "causal_attention": AGREEING["causal_attention"],
+        "grouped_mm": _raises,
+        "linear_cross_entropy": DISAGREEING["linear_cross_entropy"],
+    }
     saved = {op: ops.register(op, None) for op in ops.OPS}
     try:
         passed, verdicts = selfcheck.run(impls, device=CPU, dtype=BF16, head_dim=32)
@@ -229,9 +234,21 @@ def test_v4_gets_smaller_loss_blocks_than_v6e():
     assert v4[0] * v4[1] < v6e[0] * v6e[1], (v4, v6e)
 
 
-@pytest.mark.parametrize("kind,gen", [("TPU v4", "v4"), ("TPU v5 lite", "v5e"), ("TPU v5", "v5p"), ("v5litepod-16", "v5e"),
-                                      ("TPU v6 lite", "v6e"), ("v6e-8", "v6e"), ("TPU7x", "v7x"), ("tpu7x-64", "v7x"),
-                                      ("TPU", None), ("", None)])
+@pytest.mark.parametrize(
+    "kind,gen",
+    [
+        ("TPU v4", "v4"),
+        ("TPU v5 lite", "v5e"),
+        ("TPU v5", "v5p"),
+        ("v5litepod-16", "v5e"),
+        ("TPU v6 lite", "v6e"),
+        ("v6e-8", "v6e"),
+        ("TPU7x", "v7x"),
+        ("tpu7x-64", "v7x"),
+        ("TPU", None),
+        ("", None),
+    ],
+)
 def test_generation_from_device_kind(kind, gen):
     assert tiles.generation_of(kind) == gen
 
@@ -243,10 +260,15 @@ def test_detect_generation_reads_the_accelerator_type(monkeypatch):
     assert tiles.detect_generation("TPU v6 lite") == "v6e"
 
 
-@pytest.mark.parametrize("bad,match", [({"gmm": {"v6e": {"default": [512, 1024]}}}, "gmm.v6e.default"),
-                                       ({"gmm": {"v6e": {"2048x768": [512, 1024, 1024]}}}, "no default"),
-                                       ({"fused_ce": {"v9": {"default": [512, 512]}}}, "unknown generation"),
-                                       ({"fused_ce": {"v4": {"default": [500, 512]}}}, "multiples of 8")])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"gmm": {"v6e": {"default": [512, 1024]}}}, "gmm.v6e.default"),
+        ({"gmm": {"v6e": {"2048x768": [512, 1024, 1024]}}}, "no default"),
+        ({"fused_ce": {"v9": {"default": [512, 512]}}}, "unknown generation"),
+        ({"fused_ce": {"v4": {"default": [500, 512]}}}, "multiples of 8"),
+    ],
+)
 def test_a_bad_table_entry_is_named(bad, match):
     with pytest.raises(ValueError, match=match):
         tiles.check_table(bad)
@@ -258,8 +280,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sweep(*args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_sweep_lists_candidates_filters_by_vmem_and_writes_a_table_the_kernels_read(tmp_path):
@@ -267,34 +293,54 @@ def test_sweep_lists_candidates_filters_by_vmem_and_writes_a_table_the_kernels_r
     run = _sweep("--mode", "list", "--generation", "v5e", "--generation", "v4", "--out", str(out), "--json")
     assert run.returncode == 0, run.stderr
     results = json.loads(run.stdout.strip().splitlines()[-1])["results"]
-    assert {(r["kernel"], r["generation"]) for r in results} == {(k, g) for k in ("gmm", "fused_ce") for g in ("v4", "v5e")}
+    assert {(r["kernel"], r["generation"]) for r in results} == {
+        (k, g) for k in ("gmm", "fused_ce") for g in ("v4", "v5e")
+    }
     for r in results:
         gen, shape = r["generation"], r["shape"]
         for row in r["candidates"]:
             if r["kernel"] == "gmm":
-                assert tiles.gmm_vmem_bytes(*row["tiles"]) <= tiles.BUDGET_FRACTION * tiles.hardware(gen).scoped_vmem_bytes
+                assert (
+                    tiles.gmm_vmem_bytes(*row["tiles"]) <= tiles.BUDGET_FRACTION * tiles.hardware(gen).scoped_vmem_bytes
+                )
                 assert shape["k"] % row["tiles"][1] == 0 and shape["n"] % row["tiles"][2] == 0
             else:
-                assert tiles.ce_vmem_bytes(*row["tiles"], shape["dim"]) <= tiles.BUDGET_FRACTION * tiles.ce_vmem_limit(gen)
+                assert tiles.ce_vmem_bytes(*row["tiles"], shape["dim"]) <= tiles.BUDGET_FRACTION * tiles.ce_vmem_limit(
+                    gen
+                )
         assert r["dropped_by_vmem"] > 0, r  # the filter did something at these shapes
     # v4 cannot hold the loss at dim 8192 at all (see the VMEM test above): no candidate, no entry.
-    v4_8192 = next(r for r in results if r["kernel"] == "fused_ce" and r["generation"] == "v4" and r["shape"]["dim"] == 8192)
+    v4_8192 = next(
+        r for r in results if r["kernel"] == "fused_ce" and r["generation"] == "v4" and r["shape"]["dim"] == 8192
+    )
     assert v4_8192["kept"] == 0 and v4_8192["pick"] is None
     # The written table parses, keeps the other generations, and the kernels' rule takes its entries.
     table = tiles.load_table(str(out))
     assert set(table["gmm"]) == {*tiles.GENERATIONS, "unknown"}
     assert "--mode list" in table["source"]["v5e"] and "reasoned" in table["source"]["v6e"]
-    pick = next(r["pick"] for r in results if r["kernel"] == "gmm" and r["generation"] == "v5e"
-                and r["shape"]["class"] == "2048x768")
+    pick = next(
+        r["pick"]
+        for r in results
+        if r["kernel"] == "gmm" and r["generation"] == "v5e" and r["shape"]["class"] == "2048x768"
+    )
     assert list(tiles.gmm_tiles("v5e", 65536, 2048, 768, 128, table=table)) == pick
 
 
-@pytest.mark.parametrize("args,names", [(["--generation", "v9"], "--generation"), (["--kernel", "attention"], "--kernel"),
-                                        (["--groups", "0"], "--groups"), (["--out", "/no/such/dir/t.toml"], "--out")])
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (["--generation", "v9"], "--generation"),
+        (["--kernel", "attention"], "--kernel"),
+        (["--groups", "0"], "--groups"),
+        (["--out", "/no/such/dir/t.toml"], "--out"),
+    ],
+)
 def test_sweep_bad_arguments_are_one_error_line(args, names):
     run = _sweep(*args)
     assert run.returncode == 2
-    assert run.stderr.startswith("error: ") and names in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert run.stderr.startswith("error: ") and names in run.stderr and len(run.stderr.strip().splitlines()) == 1, (
+        run.stderr
+    )
 
 
 def _two_rank_agree(rank: int, world: int, init: str, out: str) -> None:
@@ -302,11 +348,14 @@ def _two_rank_agree(rank: int, world: int, init: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        impls = {"grouped_mm": _raises if rank == 1 else AGREEING["grouped_mm"],
-                 "linear_cross_entropy": AGREEING["linear_cross_entropy"]}
+        impls = {
+            "grouped_mm": _raises if rank == 1 else AGREEING["grouped_mm"],
+            "linear_cross_entropy": AGREEING["linear_cross_entropy"],
+        }
         passed, verdicts = selfcheck.run(impls, device=CPU, dtype=BF16)
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"passed": sorted(passed),
-                                                             "reasons": {v.op: v.reason for v in verdicts}}))
+        Path(out, f"rank{rank}.json").write_text(
+            json.dumps({"passed": sorted(passed), "reasons": {v.op: v.reason for v in verdicts}})
+        )
     finally:
         dist.destroy_process_group()
 
@@ -329,8 +378,13 @@ def test_kernel_shapes_are_the_widths_the_run_calls():
     from models import get_model_family
 
     llama = titan_kernels.KernelShapes.of(get_model_family("llama3").flavors["70B"], tokens=8192)
-    assert (llama.hidden, llama.vocab, llama.qk_head_dim, llama.v_head_dim, llama.num_experts) == (8192, 128256, 128,
-                                                                                                    128, 0)
+    assert (llama.hidden, llama.vocab, llama.qk_head_dim, llama.v_head_dim, llama.num_experts) == (
+        8192,
+        128256,
+        128,
+        128,
+        0,
+    )
     mla = get_model_family("deepseek_v3").flavors["671B"]
     assert (mla.qk_head_dim, mla.v_head_dim) == (192, 128)
     shapes = titan_kernels.KernelShapes.of(mla, cp=4, cp_rank=3)
@@ -366,8 +420,10 @@ def _v4_loss_compile(op):
     # What titan_kernels/tpu/compile_check.py answers for the 70B-wide loss on v4 (tests/xla shows the real one).
     if op != "linear_cross_entropy":
         return None
-    return False, ("backward at rows 8192, hidden 8192, vocab 128256, blocks 128 x 128 does not compile for v4: "
-                   "JaxRuntimeError: RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: (17.90M of 16.00M scoped VMEM)")
+    return False, (
+        "backward at rows 8192, hidden 8192, vocab 128256, blocks 128 x 128 does not compile for v4: "
+        "JaxRuntimeError: RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: (17.90M of 16.00M scoped VMEM)"
+    )
 
 
 def test_a_kernel_that_does_not_compile_at_the_run_width_falls_back_with_one_line(capsys):
@@ -383,8 +439,10 @@ def test_a_kernel_that_does_not_compile_at_the_run_width_falls_back_with_one_lin
         for op, fn in saved.items():
             ops.register(op, fn)
     (err,) = capsys.readouterr().err.strip().splitlines()
-    assert err.startswith("titan-tpu: kernel self-check: fused CE (linear_cross_entropy) failed, the torch reference "
-                          "serves it: backward at rows 8192, hidden 8192, vocab 128256"), err
+    assert err.startswith(
+        "titan-tpu: kernel self-check: fused CE (linear_cross_entropy) failed, the torch reference "
+        "serves it: backward at rows 8192, hidden 8192, vocab 128256"
+    ), err
     assert "CompileTimeScopedVmemOom" in err and "17.90M of 16.00M" in err
     assert "self-check failed: fused CE" in line
 
@@ -393,8 +451,9 @@ def test_a_compile_check_that_passes_or_raises():
     def compiled(op):
         return (True, "forward + backward compiled for v6e (0.5 s, not run)") if op == "linear_cross_entropy" else None
 
-    verdict = selfcheck.check("linear_cross_entropy", AGREEING["linear_cross_entropy"], device=CPU, dtype=BF16,
-                              compile_check=compiled)
+    verdict = selfcheck.check(
+        "linear_cross_entropy", AGREEING["linear_cross_entropy"], device=CPU, dtype=BF16, compile_check=compiled
+    )
     assert verdict.ok and "compiled for v6e" in verdict.checked, verdict
 
     def broken(op):
@@ -406,6 +465,7 @@ def test_a_compile_check_that_passes_or_raises():
 
 def cp_attention_bf16(cp_rank, cp_size, *, rank_offsets=None):
     """Independent CP local attention in bf16: explicit loops over the rank's two chunks."""
+
     def attention(q, k_all, v_all, segment_ids=None, segment_ids_all=None):
         seq, local = k_all.shape[2], q.shape[2]
         chunk = local // 2
@@ -415,12 +475,14 @@ def cp_attention_bf16(cp_rank, cp_size, *, rank_offsets=None):
         k, v = ops.repeat_kv(k_all, group), ops.repeat_kv(v_all, group)
         outs = []
         for c, start in enumerate(starts):
-            qc = q[:, :, c * chunk:(c + 1) * chunk]
+            qc = q[:, :, c * chunk : (c + 1) * chunk]
             scores = ((qc * qc.shape[-1] ** -0.5) @ k.transpose(-2, -1)).float()
             mask = torch.arange(seq)[None, :] <= (start + torch.arange(chunk))[:, None]
             mask = mask[None, None]
             if segment_ids is not None:
-                mask = mask & (segment_ids[:, None, c * chunk:(c + 1) * chunk, None] == segment_ids_all[:, None, None, :])
+                mask = mask & (
+                    segment_ids[:, None, c * chunk : (c + 1) * chunk, None] == segment_ids_all[:, None, None, :]
+                )
             outs.append(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype) @ v)
         return torch.cat(outs, dim=2)
 
@@ -433,8 +495,9 @@ def test_the_cp_kernel_is_checked_against_dense_attention_at_its_positions(cp_ra
     good = selfcheck.check("cp_attention", cp_attention_bf16(cp_rank, 4), device=CPU, dtype=BF16, shapes=shapes)
     assert good.ok and 0 < good.worst < selfcheck.TOLERANCE / 2, good
     # Another rank's offsets: the classic CP bug (a kernel built for the wrong rank).
-    wrong = selfcheck.check("cp_attention", cp_attention_bf16(cp_rank, 4, rank_offsets="mirrored"), device=CPU,
-                            dtype=BF16, shapes=shapes)
+    wrong = selfcheck.check(
+        "cp_attention", cp_attention_bf16(cp_rank, 4, rank_offsets="mirrored"), device=CPU, dtype=BF16, shapes=shapes
+    )
     assert not wrong.ok and "differs from the reference" in wrong.reason, wrong
 
 
@@ -443,8 +506,18 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     it checks at which widths, and a failed CP kernel leaves CP's local product to SDPA."""
     from titan_kernels import tpu
 
-    shapes = selfcheck.KernelShapes(hidden=64, vocab=128256, qk_head_dim=48, v_head_dim=48, expert_hidden=96,
-                                    num_experts=8, top_k=2, cp=2, cp_rank=1, tokens=4096)
+    shapes = selfcheck.KernelShapes(
+        hidden=64,
+        vocab=128256,
+        qk_head_dim=48,
+        v_head_dim=48,
+        expert_hidden=96,
+        num_experts=8,
+        top_k=2,
+        cp=2,
+        cp_rank=1,
+        tokens=4096,
+    )
     asked = []
 
     def checker(run_shapes):
@@ -465,8 +538,10 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     assert built == [(1, 2)]
     assert set(asked) == {"causal_attention", "grouped_mm", "linear_cross_entropy", "cp_attention"}
     err = capsys.readouterr().err.strip().splitlines()
-    assert [e.split(" failed")[0] for e in err] == ["titan-tpu: kernel self-check: fused CE (linear_cross_entropy)",
-                                                     "titan-tpu: kernel self-check: CP splash (cp_attention)"], err
+    assert [e.split(" failed")[0] for e in err] == [
+        "titan-tpu: kernel self-check: fused CE (linear_cross_entropy)",
+        "titan-tpu: kernel self-check: CP splash (cp_attention)",
+    ], err
     # Loaded, but the CP kernel was refused: context parallelism gets None and takes SDPA.
     assert real_cp_attention(1, 2) is None
     tpu.refuse_cp(None)

@@ -69,8 +69,9 @@ def _package(module: str) -> str:
 
 
 def test_layers_only_point_down_and_tools_stay_out_of_the_product():
-    upward = [(m, t) for m, targets in _edges().items() for t in targets
-              if RANK[t.split(".")[0]] > RANK[m.split(".")[0]]]
+    upward = [
+        (m, t) for m, targets in _edges().items() for t in targets if RANK[t.split(".")[0]] > RANK[m.split(".")[0]]
+    ]
     assert not upward, upward
 
 
@@ -130,8 +131,11 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     (tmp_path / "b.py").write_text("def f():\n    from models.fake_a import x\n    from trainer.job import _y\n")
     monkeypatch.setitem(MODULES, "models.fake_a", tmp_path / "a.py")
     monkeypatch.setitem(MODULES, "models.fake_b", tmp_path / "b.py")
-    for check in (test_layers_only_point_down_and_tools_stay_out_of_the_product, test_no_import_cycles,
-                  test_no_private_names_imported_across_packages):
+    for check in (
+        test_layers_only_point_down_and_tools_stay_out_of_the_product,
+        test_no_import_cycles,
+        test_no_private_names_imported_across_packages,
+    ):
         with pytest.raises(AssertionError):
             check()
 

@@ -43,14 +43,28 @@ def read_tb(folder):
 def run_steps(logger, clock, steps, *, tokens=1000, dt=0.5, loss=lambda s: 10.0 / s, data_s=lambda s: 0.0):
     for step in steps:
         clock.now += dt
-        logger.log(step, tokens=tokens, data_s=data_s(step), loss=torch.tensor(loss(step)),
-                   grad_norm=torch.tensor(1.5), lr=3e-4)
+        logger.log(
+            step,
+            tokens=tokens,
+            data_s=data_s(step),
+            loss=torch.tensor(loss(step)),
+            grad_norm=torch.tensor(1.5),
+            lr=3e-4,
+        )
 
 
 def test_records_throughput_and_mfu(tmp_path, clock, capsys):
     fpt = {"palm": 6e6, "causal": 5e6}
-    logger = MetricsLogger(dump_folder=tmp_path, log_freq=2, enable_tensorboard=True, total_steps=5, is_rank0=True,
-                           flops_per_token=fpt, peak_flops=1e11, device=torch.device("cpu"))
+    logger = MetricsLogger(
+        dump_folder=tmp_path,
+        log_freq=2,
+        enable_tensorboard=True,
+        total_steps=5,
+        is_rank0=True,
+        flops_per_token=fpt,
+        peak_flops=1e11,
+        device=torch.device("cpu"),
+    )
     run_steps(logger, clock, range(1, 6), data_s=lambda s: 0.01 * s)
     logger.log(6, tokens=0, loss=1.0, force=True, val_loss=torch.tensor(2.5))
     logger.close()
@@ -108,8 +122,9 @@ def test_resume_appends_and_hides_stale_tensorboard_steps(tmp_path, clock):
     run_steps(first, clock, range(1, 5), loss=lambda s: float(s))
     first.close()
     # The run crashed after a checkpoint at step 2; the resumed run redoes 3 and 4.
-    resumed = MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=True, total_steps=4, is_rank0=True,
-                            start_step=2)
+    resumed = MetricsLogger(
+        dump_folder=tmp_path, log_freq=1, enable_tensorboard=True, total_steps=4, is_rank0=True, start_step=2
+    )
     run_steps(resumed, clock, [3, 4], loss=lambda s: 100.0 + s)
     resumed.close()
     # One record per step: the resumed run's 3 and 4 (the earlier ones were duplicated before).
@@ -122,21 +137,24 @@ def test_resume_appends_and_hides_stale_tensorboard_steps(tmp_path, clock):
     # Roll back further (load_step=1) with a line cut short by a kill: same rule.
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "lo')
-    MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=4, is_rank0=True,
-                  start_step=1).close()
+    MetricsLogger(
+        dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=4, is_rank0=True, start_step=1
+    ).close()
     assert [r["step"] for r in read_jsonl(tmp_path)] == [1]
     with open(tmp_path / "metrics.rolled_back.jsonl") as f:
         aside = [json.loads(line) for line in f]
     assert [r.get("step") for r in aside[2:]] == [2, 3, 4, None] and aside[-1]["unreadable"] == '{"step": 5, "lo'
     # A non-zero rank never touches the files.
-    MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=4, is_rank0=False,
-                  start_step=0).close()
+    MetricsLogger(
+        dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=4, is_rank0=False, start_step=0
+    ).close()
     assert [r["step"] for r in read_jsonl(tmp_path)] == [1]
 
 
 def test_other_ranks_write_nothing(tmp_path, clock, capsys):
-    logger = MetricsLogger(dump_folder=tmp_path / "out", log_freq=1, enable_tensorboard=True, total_steps=2,
-                           is_rank0=False)
+    logger = MetricsLogger(
+        dump_folder=tmp_path / "out", log_freq=1, enable_tensorboard=True, total_steps=2, is_rank0=False
+    )
     run_steps(logger, clock, [1, 2])
     logger.close()
     assert not (tmp_path / "out").exists()
@@ -144,8 +162,9 @@ def test_other_ranks_write_nothing(tmp_path, clock, capsys):
 
 
 def test_rejects_non_scalar_values(tmp_path, clock):
-    with MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=1,
-                       is_rank0=True) as logger:
+    with MetricsLogger(
+        dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=1, is_rank0=True
+    ) as logger:
         with pytest.raises(TypeError, match="scalar"):
             logger.log(1, tokens=1, loss=torch.ones(3))
 
@@ -168,9 +187,16 @@ def _fake_run(folder, tokens_per_sec, *, steps=6, compile_s=12.0, resumed_dup=Fa
     folder.mkdir(parents=True)
     lines = []
     for step in range(1, steps + 1):
-        record = {"step": step, "loss": 5.0 - step * 0.1, "tokens_per_sec": tokens_per_sec[step - 1],
-                  "tflops": tokens_per_sec[step - 1] * 1e-6, "mfu_pct": tokens_per_sec[step - 1] * 1e-3,
-                  "mem_gib": 1.0 + step / 10, "elapsed_s": step, "data_loading_pct": float(step)}
+        record = {
+            "step": step,
+            "loss": 5.0 - step * 0.1,
+            "tokens_per_sec": tokens_per_sec[step - 1],
+            "tflops": tokens_per_sec[step - 1] * 1e-6,
+            "mfu_pct": tokens_per_sec[step - 1] * 1e-3,
+            "mem_gib": 1.0 + step / 10,
+            "elapsed_s": step,
+            "data_loading_pct": float(step),
+        }
         if step == 1:
             record["compile_s"] = compile_s
         lines.append(json.dumps(record))
@@ -197,8 +223,14 @@ def test_benchmark_parses_and_aggregates(tmp_path):
         {"variant": "eager", "nproc": 2, "repeat": 0, "rc": 0, "busy_before": 0.1, **a},
         {"variant": "eager", "nproc": 2, "repeat": 1, "rc": 0, "busy_before": 0.3, **b},
         {"variant": "eager", "nproc": 2, "repeat": 2, "rc": 0, "busy_before": 0.2, **c},
-        {"variant": "compile", "nproc": 2, "repeat": 0, "rc": 1, "busy_before": 0.0,
-         **bench.summarize_run([], warmup=2)},
+        {
+            "variant": "compile",
+            "nproc": 2,
+            "repeat": 0,
+            "rc": 1,
+            "busy_before": 0.0,
+            **bench.summarize_run([], warmup=2),
+        },
     ]
     rows = {(r["variant"], r["nproc"]): r for r in bench.summarize(runs)}
     eager = rows[("eager", 2)]
@@ -236,14 +268,37 @@ def test_benchmark_commands_and_variants():
     assert [n for n in (1, 2, 4) if bench.runs_at("b@2+4", n)] == [2, 4]
     assert [n for n in (1, 2, 4) if bench.runs_at("graph" + bench.SOLO, n)] == [2, 4]
     # A ceiling run's copies: per-process throughput averaged, memory the worst copy's.
-    copies = [{"tokens_per_sec": 100.0, "tflops": 1.0, "mfu_pct": 10.0, "mfu_pct_causal": 9.0, "compile_s": 4.0,
-               "mem_gib": 1.0, "steady_steps": 5},
-              {"tokens_per_sec": 80.0, "tflops": 0.8, "mfu_pct": 8.0, "mfu_pct_causal": 7.0, "compile_s": 6.0,
-               "mem_gib": 1.5, "steady_steps": 4}]
+    copies = [
+        {
+            "tokens_per_sec": 100.0,
+            "tflops": 1.0,
+            "mfu_pct": 10.0,
+            "mfu_pct_causal": 9.0,
+            "compile_s": 4.0,
+            "mem_gib": 1.0,
+            "steady_steps": 5,
+        },
+        {
+            "tokens_per_sec": 80.0,
+            "tflops": 0.8,
+            "mfu_pct": 8.0,
+            "mfu_pct_causal": 7.0,
+            "compile_s": 6.0,
+            "mem_gib": 1.5,
+            "steady_steps": 4,
+        },
+    ]
     mean = bench._mean_of_copies(copies)
     assert mean["tokens_per_sec"] == 90.0 and mean["mem_gib"] == 1.5 and mean["steady_steps"] == 4
-    one = bench.build_command(recipe="r.toml", overrides=["--compile.mode=eager"], nproc=1, dump_folder="/d",
-                              steps=9, extra=["--x.y=1"], python="py")
+    one = bench.build_command(
+        recipe="r.toml",
+        overrides=["--compile.mode=eager"],
+        nproc=1,
+        dump_folder="/d",
+        steps=9,
+        extra=["--x.y=1"],
+        python="py",
+    )
     assert one[:3] == ["py", "-m", "trainer.train"] and one[-2:] == ["--compile.mode=eager", "--x.y=1"]
     assert "--training.steps=9" in one and "--job.dump_folder=/d" in one and "--checkpoint.enable=false" in one
     four = bench.build_command(recipe="r.toml", overrides=[], nproc=4, dump_folder="/d", steps=9, extra=[], python="py")

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 import transformers  # the [dev] extra; scripts/test.sh installs it, so HF checks never vanish as skips
 
 import models  # noqa: E402
@@ -130,16 +129,43 @@ def test_bad_input_exits_2(tmp_path, capsys):
     cases = [
         (base + ["--model.flavor", "7B", str(tmp_path / "o")], "model.flavor"),
         (base + ["--model.flavor", "debugmodel", str(tmp_path / "o")], "are not in it (first: model.layers.2."),
-        (base + ["--model.flavor", "debugmodel", "--model.n_layers=2", "--model.dim=128", str(tmp_path / "o")], "shape"),
-        (["to-hf", "--checkpoint", str(tmp_path), "--model.name", "llama3", "--model.flavor", "debugmodel",
-          str(tmp_path / "o")], "not a DCP checkpoint"),
-        (base + ["--model.flavor", "debugmodel", "--model.n_layers=two", str(tmp_path / "o")],
-         "model.n_layers: expected an integer, got 'two'"),
-        (base + ["--model.flavor", "debugmodel", "--model.n_layers=2", "--model.rope_scaling_factor=abc",
-                 str(tmp_path / "o")], "model.rope_scaling_factor: expected a number or none, got 'abc'"),
+        (
+            base + ["--model.flavor", "debugmodel", "--model.n_layers=2", "--model.dim=128", str(tmp_path / "o")],
+            "shape",
+        ),
+        (
+            [
+                "to-hf",
+                "--checkpoint",
+                str(tmp_path),
+                "--model.name",
+                "llama3",
+                "--model.flavor",
+                "debugmodel",
+                str(tmp_path / "o"),
+            ],
+            "not a DCP checkpoint",
+        ),
+        (
+            base + ["--model.flavor", "debugmodel", "--model.n_layers=two", str(tmp_path / "o")],
+            "model.n_layers: expected an integer, got 'two'",
+        ),
+        (
+            base
+            + [
+                "--model.flavor",
+                "debugmodel",
+                "--model.n_layers=2",
+                "--model.rope_scaling_factor=abc",
+                str(tmp_path / "o"),
+            ],
+            "model.rope_scaling_factor: expected a number or none, got 'abc'",
+        ),
         # A checkpoint with MORE layers than the args (2 saved, 1 asked) used to convert silently.
-        (base + ["--model.flavor", "debugmodel", "--model.n_layers=1", str(tmp_path / "o")],
-         "it has 9 entries llama3 with model.flavor/overrides lacks (first: model.layers.1."),
+        (
+            base + ["--model.flavor", "debugmodel", "--model.n_layers=1", str(tmp_path / "o")],
+            "it has 9 entries llama3 with model.flavor/overrides lacks (first: model.layers.1.",
+        ),
         (["to-hf", "--model.name", "llama3", str(tmp_path / "o")], "required"),
         (["from-hf", str(tmp_path), str(tmp_path / "o")], "config.json"),
     ]
@@ -155,8 +181,19 @@ def test_string_overrides_use_the_trainer_parser(tmp_path):
     # --model.attn_backend=sdpa used to fail with "expected str" (the scripts had their own check).
     model = _our_model("llama3", "debugmodel", n_layers=2)
     checkpoints = _save_training_checkpoint(model, tmp_path)
-    argv = ["to-hf", "--checkpoint", str(checkpoints), "--model.name", "llama3", "--model.flavor", "debugmodel",
-            "--model.n_layers=2", "--model.attn_backend=sdpa", "--model.rope_scaling_factor=none", str(tmp_path / "o")]
+    argv = [
+        "to-hf",
+        "--checkpoint",
+        str(checkpoints),
+        "--model.name",
+        "llama3",
+        "--model.flavor",
+        "debugmodel",
+        "--model.n_layers=2",
+        "--model.attn_backend=sdpa",
+        "--model.rope_scaling_factor=none",
+        str(tmp_path / "o"),
+    ]
     assert convert.main(argv) == 0
     config = json.loads((tmp_path / "o" / "config.json").read_text())
     assert config["rope_scaling"] is None and config["num_hidden_layers"] == 2

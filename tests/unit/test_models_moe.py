@@ -225,14 +225,24 @@ def test_grouped_experts_bf16_compiles_fullgraph():
 # counts, an argsort of all N*k token copies, grouped GEMMs that take device counts), so the
 # dropless dispatch lives inside torch's scan HOP as is: no capacity, no padding.
 
+
 def _moe_model(n_layers: int = 3):
     import dataclasses
 
     from models.qwen3 import FLAVORS, Transformer
     from parallelisms.simple_fsdp import data_parallel
 
-    args = dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2,
-                               head_dim=16, vocab_size=512, max_seq_len=32, moe_hidden_dim=32)
+    args = dataclasses.replace(
+        FLAVORS["debugmodel_moe"],
+        n_layers=n_layers,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_seq_len=32,
+        moe_hidden_dim=32,
+    )
     with torch.device("meta"):
         model = Transformer(args)
     data_parallel(model, mesh=None, param_dtype=torch.float32, reduce_dtype=torch.float32)
@@ -277,7 +287,7 @@ def test_moe_scan_forward_backward_matches_the_loop():
     for (name, _), grad in zip(stacked.items(), grads):
         ref = torch.stack([want[f"layers.{i}.{name}"].grad for i in range(2)])
         torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(), msg=name)
-    for (name, _), grad in zip(others.items(), grads[len(stacked):]):
+    for (name, _), grad in zip(others.items(), grads[len(stacked) :]):
         ref = want[name].grad
         torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(), msg=name)
 
@@ -297,10 +307,15 @@ def test_moe_graph_step_with_scan_matches_unrolled_and_eager():
     models = [_moe_model(2) for _ in range(3)]
     opts = [build_opt(m) for m in models]
     torch._dynamo.reset()
-    steps = [EagerStep(model=models[0], optimizer=opts[0], max_norm=1.0, aux_loss_coef=0.01,
-                       clip_grad_norm=clip_grad_norm_)]
-    steps += [build_graph_step(model=m, optimizer=o, max_norm=1.0, backend="aot_eager", aux_loss_coef=0.01,
-                               plan=PLAN, scan_layers=scan) for m, o, scan in zip(models[1:], opts[1:], (False, True))]
+    steps = [
+        EagerStep(model=models[0], optimizer=opts[0], max_norm=1.0, aux_loss_coef=0.01, clip_grad_norm=clip_grad_norm_)
+    ]
+    steps += [
+        build_graph_step(
+            model=m, optimizer=o, max_norm=1.0, backend="aot_eager", aux_loss_coef=0.01, plan=PLAN, scan_layers=scan
+        )
+        for m, o, scan in zip(models[1:], opts[1:], (False, True))
+    ]
     data = batches(3)
     curves = []
     for step, opt in zip(steps, opts):
@@ -315,6 +330,6 @@ def test_moe_graph_step_with_scan_matches_unrolled_and_eager():
     assert steps[2].stats.scans == 2 and steps[1].stats.scans == 0
     for curve in curves[1:]:
         for got, want in zip(curve, curves[0]):
-            assert got == pytest.approx(want, rel=1e-5), (curves)
+            assert got == pytest.approx(want, rel=1e-5), curves
     assert max_param_diff(models[0], models[2]) <= 2e-6
     assert max_param_diff(models[1], models[2]) <= 2e-6

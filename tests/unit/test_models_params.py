@@ -110,8 +110,12 @@ def test_init_weights_after_to_empty(family_name, flavor):
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             assert torch.equal(p, torch.ones_like(p)), name
-    cos, sin = rope_cos_sin(model.rope_config.head_dim, args.max_seq_len, args.rope_theta,
-                            scaling_factor=getattr(args, "rope_scaling_factor", None))
+    cos, sin = rope_cos_sin(
+        model.rope_config.head_dim,
+        args.max_seq_len,
+        args.rope_theta,
+        scaling_factor=getattr(args, "rope_scaling_factor", None),
+    )
     assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
     assert "rope_cos" not in model.state_dict()  # non-persistent
     tokens = torch.randint(0, args.vocab_size, (2, 16))
@@ -146,7 +150,9 @@ def test_init_weights_on_dtensor_parameters():
                 if p is None:  # Linear(bias=False) lists bias as None
                     continue
                 local = torch.full((p.shape[0] // 2, *p.shape[1:]), float("nan"))
-                module._parameters[name] = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+                module._parameters[name] = torch.nn.Parameter(
+                    DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+                )
         model.init_weights(buffer_device=torch.device("cpu"))
         wq = model.layers["0"].attention.wq.weight
         assert isinstance(wq, DTensor)

@@ -8,7 +8,6 @@ round trip `to_hf(from_hf(sd))` must give back the HF tensors.
 
 import pytest
 import torch
-
 import transformers  # the [dev] extra; scripts/test.sh installs it, so HF checks never vanish as skips
 
 from models.common.moe import load_balance_loss  # noqa: E402
@@ -63,9 +62,7 @@ def _llama(**kw) -> Llama3Args:
 
 
 def _qwen(**kw) -> Qwen3Args:
-    base = dict(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=160, hidden_dim=96, max_seq_len=64
-    )
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=160, hidden_dim=96, max_seq_len=64)
     return Qwen3Args(**{**base, **kw})
 
 

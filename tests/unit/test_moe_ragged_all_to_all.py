@@ -41,15 +41,16 @@ def _probe() -> dict:
         return torch._grouped_mm(rows, w, offs=torch.cumsum(counts, 0, dtype=torch.int32))
 
     def step(x, counts):
-        return dispatch_combine_static(x, counts, experts, group,
-                                       ragged_all_to_all=torch.tpu.ops.ragged_all_to_all)
+        return dispatch_combine_static(x, counts, experts, group, ragged_all_to_all=torch.tpu.ops.ragged_all_to_all)
 
     x = torch.randn(20, 16, dtype=torch.bfloat16)
     counts = torch.tensor([3, 2, 5, 0, 4, 1, 3, 2])
     graph = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(x, counts)
     nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
-    return {"ragged_shapes": [list(n.meta["val"].shape) for n in nodes if "ragged_all_to_all" in str(n.target)],
-            "host_reads": sum("_local_scalar_dense" in str(n.target) for n in nodes)}
+    return {
+        "ragged_shapes": [list(n.meta["val"].shape) for n in nodes if "ragged_all_to_all" in str(n.target)],
+        "host_reads": sum("_local_scalar_dense" in str(n.target) for n in nodes),
+    }
 
 
 def test_static_dispatch_traces_with_torch_tpu_ragged_all_to_all():
@@ -58,10 +59,13 @@ def test_static_dispatch_traces_with_torch_tpu_ragged_all_to_all():
     if not TTPU_PYTHON.exists():
         pytest.skip("no torch-tpu venv (.venv-ttpu; scripts/xla_env.sh)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
-               PYTHONWARNINGS="ignore:<TorchTpu/Performance/TcMalloc/")
-    r = subprocess.run([str(TTPU_PYTHON), __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        JAX_PLATFORMS="cpu",
+        PYTHONWARNINGS="ignore:<TorchTpu/Performance/TcMalloc/",
+    )
+    r = subprocess.run([str(TTPU_PYTHON), __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["ragged_shapes"] == [[40, 16], [20, 16]]  # dispatch into ep x M rows, combine to M

@@ -20,13 +20,12 @@ import dataclasses
 import pytest
 import torch
 
-from models.common.moe import (MoE, balanced_experts, random_experts, routing_key, set_routing_key,
-                               use_routing)
+from models.common.moe import MoE, balanced_experts, random_experts, routing_key, set_routing_key, use_routing
+from models.errors import ConfigError
 from models.qwen3 import FLAVORS, Transformer
 from models.qwen3.plan import PLAN
-from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, parallelize_model
-from tests.support.parallel_harness import SEQ_LEN, batch, load_full_state, lm_loss, run_threads
+from tests.support.parallel_harness import SEQ_LEN, batch, lm_loss, load_full_state, run_threads
 from trainer.step.plan import StepRequest, plan_step, refusals
 
 
@@ -40,8 +39,11 @@ def test_random_routing_is_a_function_of_key_and_token():
     assert torch.equal(a, _draw(key, 0, 4096))
     # The same tokens drawn in two pieces (two ranks' halves) are the same draw.
     assert torch.equal(a, torch.cat([_draw(key, 0, 2048), _draw(key, 2048, 2048)]))
-    for other in (routing_key(seed=42, step=4, layer=1), routing_key(seed=42, step=3, layer=2),
-                  routing_key(seed=7, step=3, layer=1)):
+    for other in (
+        routing_key(seed=42, step=4, layer=1),
+        routing_key(seed=42, step=3, layer=2),
+        routing_key(seed=7, step=3, layer=1),
+    ):
         assert (a != _draw(other, 0, 4096)).any(dim=1).float().mean() > 0.5
     # k distinct experts per token, every expert near its share (4096 x 2 / 8 = 1024).
     assert (a[:, 0] != a[:, 1]).all()
@@ -126,8 +128,9 @@ def test_routing_is_the_same_on_one_process_and_ep2(routing):
         with torch.device("meta"):
             model = Transformer(_args())
         use_routing(model, routing)
-        parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh,
-                          param_dtype=torch.float32, reduce_dtype=torch.float32)
+        parallelize_model(
+            model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+        )
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
@@ -135,14 +138,14 @@ def test_routing_is_the_same_on_one_process_and_ep2(routing):
         r, n = dims.dp_rank(mesh), global_batch // dims.dp_degree
         set_routing_key(model, seed=seed, step=step, first_token=r * n * SEQ_LEN)
         rank_seen = _experts_seen(model)
-        loss = lm_loss(model(inputs[r * n:(r + 1) * n]), labels[r * n:(r + 1) * n]).item()
+        loss = lm_loss(model(inputs[r * n : (r + 1) * n]), labels[r * n : (r + 1) * n]).item()
         return r, n, loss, rank_seen
 
     results = run_threads(2, rank_fn)
     for r, n, _, rank_seen in results:
         assert len(rank_seen) == len(want) == 2
         for layer, got in enumerate(rank_seen):
-            assert torch.equal(got.view(n, SEQ_LEN, -1), want[layer][r * n:(r + 1) * n]), (r, layer)
+            assert torch.equal(got.view(n, SEQ_LEN, -1), want[layer][r * n : (r + 1) * n]), (r, layer)
     assert not torch.equal(want[0], want[1]) or routing == "balanced"  # layers draw apart
     assert sum(loss for *_, loss, _ in results) / 2 == pytest.approx(want_loss, rel=1e-5)
 
@@ -155,10 +158,20 @@ def test_trainer_random_routing_1_process_equals_ep2(tmp_path, monkeypatch):
     from tests.support.trainer_runs import REPO, assert_losses_close, train_losses
 
     monkeypatch.chdir(REPO)
-    args = ["--config", "configs/qwen3_moe_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
-            "--metrics.log_freq=1", "--validation.enable=false", "--training.mixed_precision_param=float32",
-            "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", "--training.steps=3",
-            "--moe.routing=random", "--moe.routing_benchmark_only=true"]
+    args = [
+        "--config",
+        "configs/qwen3_moe_debug.toml",
+        "--training.seq_len=64",
+        "--model.n_layers=2",
+        "--metrics.log_freq=1",
+        "--validation.enable=false",
+        "--training.mixed_precision_param=float32",
+        "--metrics.enable_tensorboard=false",
+        "--checkpoint.enable=false",
+        "--training.steps=3",
+        "--moe.routing=random",
+        "--moe.routing_benchmark_only=true",
+    ]
     want = train_losses(tmp_path / "one", 1, {}, 3, *args)
     got = train_losses(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), 3, *args)
     assert_losses_close(got, want)
@@ -171,13 +184,31 @@ def test_trainer_random_routing_scanned_graph_equals_eager(tmp_path, monkeypatch
     from tests.support.trainer_runs import REPO, assert_losses_close, train_losses
 
     monkeypatch.chdir(REPO)
-    args = ["--config", "configs/qwen3_moe_debug.toml", "--training.seq_len=64", "--model.n_layers=2",
-            "--metrics.log_freq=1", "--validation.enable=false", "--training.mixed_precision_param=float32",
-            "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", "--training.steps=3",
-            "--moe.routing=random", "--moe.routing_benchmark_only=true"]
+    args = [
+        "--config",
+        "configs/qwen3_moe_debug.toml",
+        "--training.seq_len=64",
+        "--model.n_layers=2",
+        "--metrics.log_freq=1",
+        "--validation.enable=false",
+        "--training.mixed_precision_param=float32",
+        "--metrics.enable_tensorboard=false",
+        "--checkpoint.enable=false",
+        "--training.steps=3",
+        "--moe.routing=random",
+        "--moe.routing_benchmark_only=true",
+    ]
     want = train_losses(tmp_path / "eager", 1, {}, 3, *args)
-    got = train_losses(tmp_path / "graph", 1, {}, 3, *args, "--compile.mode=graph", "--compile.scan_layers=true",
-                       "--compile.backend=aot_eager")
+    got = train_losses(
+        tmp_path / "graph",
+        1,
+        {},
+        3,
+        *args,
+        "--compile.mode=graph",
+        "--compile.scan_layers=true",
+        "--compile.backend=aot_eager",
+    )
     assert_losses_close(got, want)
 
 
@@ -204,15 +235,21 @@ def test_rules_refuse_routing_outside_benchmarks():
         plan_step(cases["train"])
 
 
-@pytest.mark.parametrize("recipe, overrides, refused", [
-    ("configs/qwen3_moe_debug.toml", ["moe.routing=random"], "benchmarks only"),
-    ("configs/qwen3_moe_debug.toml", ["moe.routing=random", "moe.routing_benchmark_only=true"], None),
-    ("configs/deepseek_v3_debug.toml", ["moe.routing=balanced", "moe.routing_benchmark_only=true"], None),
-    ("configs/qwen3_debug.toml", ["moe.routing=balanced", "moe.routing_benchmark_only=true"], "has none"),
-    ("configs/qwen3_moe_debug.toml", ["moe.routing=random", "moe.routing_benchmark_only=true",
-                                      "training.gradient_accumulation_steps=2"], "accumulation"),
-    ("configs/qwen3_moe_debug.toml", ["moe.routing=learned", "training.gradient_accumulation_steps=2"], None),
-])
+@pytest.mark.parametrize(
+    "recipe, overrides, refused",
+    [
+        ("configs/qwen3_moe_debug.toml", ["moe.routing=random"], "benchmarks only"),
+        ("configs/qwen3_moe_debug.toml", ["moe.routing=random", "moe.routing_benchmark_only=true"], None),
+        ("configs/deepseek_v3_debug.toml", ["moe.routing=balanced", "moe.routing_benchmark_only=true"], None),
+        ("configs/qwen3_debug.toml", ["moe.routing=balanced", "moe.routing_benchmark_only=true"], "has none"),
+        (
+            "configs/qwen3_moe_debug.toml",
+            ["moe.routing=random", "moe.routing_benchmark_only=true", "training.gradient_accumulation_steps=2"],
+            "accumulation",
+        ),
+        ("configs/qwen3_moe_debug.toml", ["moe.routing=learned", "training.gradient_accumulation_steps=2"], None),
+    ],
+)
 def test_plan_job_reads_the_moe_section(recipe, overrides, refused):
     """The recipe's `[moe]` section reaches the rules through `plan_job` (the trainer's step 2)."""
     from trainer.config import build_config, parse_overrides

@@ -22,8 +22,17 @@ from tests.unit.test_ops import NoHostSync
 from trainer.graph import build_graph_step
 from trainer.step import EagerStep
 
-ARGS = dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
-                           vocab_size=512, max_seq_len=32, moe_hidden_dim=32)
+ARGS = dataclasses.replace(
+    FLAVORS["debugmodel_moe"],
+    n_layers=2,
+    dim=64,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_seq_len=32,
+    moe_hidden_dim=32,
+)
 
 
 def _model(dtype=torch.float32) -> torch.nn.Module:
@@ -51,12 +60,14 @@ def test_moe_forward_backward_has_no_host_sync(dtype):
 def test_qwen3_moe_graph_step_is_one_graph_without_scalar_capture():
     ref_model, model = _model(), _model()
     ref_opt, opt = build_opt(ref_model), build_opt(model)
-    eager = EagerStep(model=ref_model, optimizer=ref_opt, max_norm=1.0, aux_loss_coef=0.01,
-                      clip_grad_norm=clip_grad_norm_)
+    eager = EagerStep(
+        model=ref_model, optimizer=ref_opt, max_norm=1.0, aux_loss_coef=0.01, clip_grad_norm=clip_grad_norm_
+    )
     torch._dynamo.reset()
     with torch._dynamo.config.patch(capture_scalar_outputs=False):
-        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager",
-                                aux_loss_coef=0.01, plan=PLAN)
+        step = build_graph_step(
+            model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", aux_loss_coef=0.01, plan=PLAN
+        )
         data = batches(3)
         ref = run(eager, ref_opt, data)
         got = run(step, opt, data)

@@ -35,13 +35,22 @@ from tests.support.parallel_harness import (
     run_threads,
 )
 from trainer.config import build_config
-from trainer.optim.muon import Muon, build_muon, newton_schulz5, split_muon_params, update_scale
 from trainer.optim import build_optimizer_for
+from trainer.optim.muon import Muon, build_muon, newton_schulz5, split_muon_params, update_scale
 from trainer.optim.qk_clip import QKClip, gqa_qk_clip_, mla_qk_clip_
 
 LR, WD, BETAS, EPS, MOMENTUM = 2e-2, 0.1, (0.9, 0.95), 1e-8, 0.95
-MUON_KW = dict(lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, momentum=MOMENTUM, nesterov=True, ns_steps=5,
-               ns_dtype="float32", exclude=("tok_embeddings", "output", "gate", "embed_tokens", "lm_head"))
+MUON_KW = dict(
+    lr=LR,
+    weight_decay=WD,
+    betas=BETAS,
+    eps=EPS,
+    momentum=MOMENTUM,
+    nesterov=True,
+    ns_steps=5,
+    ns_dtype="float32",
+    exclude=("tok_embeddings", "output", "gate", "embed_tokens", "lm_head"),
+)
 
 
 # --- a plain reference of the published algorithm ------------------------------------------------
@@ -159,14 +168,34 @@ def test_split_llama_and_qwen_moe():
     muon, adamw = split_muon_params(model.named_parameters())
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(names[id(p)] for p in muon) == sorted(
-        f"layers.0.{m}.weight" for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                                         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
-    assert {names[id(p)] for p in adamw} == {"tok_embeddings.weight", "output.weight", "norm.weight",
-                                             "layers.0.attention_norm.weight", "layers.0.ffn_norm.weight"}
+        f"layers.0.{m}.weight"
+        for m in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    )
+    assert {names[id(p)] for p in adamw} == {
+        "tok_embeddings.weight",
+        "output.weight",
+        "norm.weight",
+        "layers.0.attention_norm.weight",
+        "layers.0.ffn_norm.weight",
+    }
     # The hf backend's names: the router `gate` stays on AdamW, the FFN's `gate_proj` does not.
-    hf = [(n, torch.nn.Parameter(torch.zeros(4, 4))) for n in (
-        "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
-        "model.layers.0.mlp.gate_proj.weight")]
+    hf = [
+        (n, torch.nn.Parameter(torch.zeros(4, 4)))
+        for n in (
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+        )
+    ]
     muon, adamw = split_muon_params(hf)
     assert [id(p) for p in muon] == [id(hf[3][1])] and len(adamw) == 3
     args = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], n_layers=1, max_seq_len=16)
@@ -297,8 +326,9 @@ def _check_same(results, reference):
     for losses, params in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
         for name, p in params.items():
-            assert_params_close(p, ref_params[name], name,
-                                muon=p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output"))
+            assert_params_close(
+                p, ref_params[name], name, muon=p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output")
+            )
 
 
 @pytest.mark.multiprocess
@@ -327,8 +357,10 @@ def test_max_causal_logit_matches_dense():
     kk = k.repeat_interleave(2, dim=1)
     scores = q @ kk.transpose(-2, -1) / math.sqrt(8)
     causal = torch.ones(13, 13, dtype=torch.bool).tril()
-    for segment_ids, mask in ((None, causal[None, None]),
-                              (seg, (causal & (seg[:, :, None] == seg[:, None, :]))[:, None])):
+    for segment_ids, mask in (
+        (None, causal[None, None]),
+        (seg, (causal & (seg[:, :, None] == seg[:, None, :]))[:, None]),
+    ):
         dense = scores.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
         torch.testing.assert_close(max_causal_logit(q, k, segment_ids, chunk=5), dense, rtol=1e-6, atol=0)
 
@@ -372,7 +404,10 @@ def test_mla_clip_caps_every_head():
     cq = torch.randn(2, s, q_in, generator=gen)
     ckv = torch.randn(2, s, kv_lora, generator=gen)
     k_rope = torch.randn(2, 1, s, rope, generator=gen)
-    wq = torch.randn(h * (nope + rope), q_in, generator=gen) * torch.tensor([0.5, 1.5, 3.0]).repeat_interleave(nope + rope)[:, None]
+    wq = (
+        torch.randn(h * (nope + rope), q_in, generator=gen)
+        * torch.tensor([0.5, 1.5, 3.0]).repeat_interleave(nope + rope)[:, None]
+    )
     wkv_b = torch.randn(h * (nope + vd), kv_lora, generator=gen)
 
     def head_max(wq, wkv_b):
@@ -412,20 +447,24 @@ def test_muon_step_applies_qk_clip():
     assert all(layer.attention.max_logit is None for layer in clipped.layers.values())  # reset
     for layer_p, layer_c, s_h in zip(plain.layers.values(), clipped.layers.values(), maxes):
         gamma = torch.clamp(tau / s_h, max=1.0).repeat_interleave(layer_p.attention.head_dim)
-        torch.testing.assert_close(layer_c.attention.wq.weight, layer_p.attention.wq.weight * gamma[:, None],
-                                   rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            layer_c.attention.wq.weight, layer_p.attention.wq.weight * gamma[:, None], rtol=1e-6, atol=0
+        )
         assert torch.equal(layer_c.attention.wk.weight, layer_p.attention.wk.weight)
 
 
 # --- config ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides, pattern", [
-    ([("optimizer.name", "sgd")], r"optimizer.name: 'sgd' is not allowed; allowed: adamw, muon"),
-    ([("optimizer.muon_momentum", "1.0")], r"optimizer.muon_momentum: .*allowed: a number in \[0, 1\)"),
-    ([("optimizer.muon_ns_dtype", "fp8")], r"optimizer.muon_ns_dtype: 'fp8' is not allowed"),
-    ([("optimizer.muon_exclude", '["a.b"]')], r"optimizer.muon_exclude: .*allowed: a list of module-path"),
-])
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        ([("optimizer.name", "sgd")], r"optimizer.name: 'sgd' is not allowed; allowed: adamw, muon"),
+        ([("optimizer.muon_momentum", "1.0")], r"optimizer.muon_momentum: .*allowed: a number in \[0, 1\)"),
+        ([("optimizer.muon_ns_dtype", "fp8")], r"optimizer.muon_ns_dtype: 'fp8' is not allowed"),
+        ([("optimizer.muon_exclude", '["a.b"]')], r"optimizer.muon_exclude: .*allowed: a list of module-path"),
+    ],
+)
 def test_bad_muon_config(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
         build_config(None, overrides)
@@ -435,8 +474,15 @@ def test_qk_clip_needs_muon_and_no_qk_norm():
     """Without Muon: a rule of the step plan (tests/unit/test_step_plan.py), asserted here; qk_norm
     needs the built model (trainer/step/checks.py BUILD_CHECKS)."""
     with pytest.raises(AssertionError, match="RULES refuse it first"):
-        build_optimizer_for(_model(args=llama3_args(1)), name="adamw", lr=1e-3, betas=BETAS, eps=EPS,
-                            weight_decay=0.0, qk_clip_tau=100.0)
+        build_optimizer_for(
+            _model(args=llama3_args(1)),
+            name="adamw",
+            lr=1e-3,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=0.0,
+            qk_clip_tau=100.0,
+        )
     qwen = Qwen3(dataclasses.replace(QWEN3_FLAVORS["debugmodel"], n_layers=1, max_seq_len=16))
     with pytest.raises(ConfigError, match=r"optimizer.qk_clip_tau: .*qk_norm"):
         QKClip(qwen, 100.0)
@@ -462,8 +508,7 @@ def test_graph_step_matches_eager(scan):
     kw = dict(MUON_KW, lr=1e-3)
     ref_model, model = build_model(2), build_model(2)
     ref_opt, opt = build_muon(ref_model, **kw), build_muon(model, **kw)
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            plan=PLAN)
+    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan, plan=PLAN)
     data = batches(3)
     ref = run(eager_step(ref_model, ref_opt), ref_opt, data)
     got = run(step, opt, data)
@@ -500,20 +545,25 @@ def _graph_fsdp_on_rank(state, scan):
     mesh = build_mesh(dims, "cpu")
     model = _fsdp_model(state, mesh, dims)
     opt = build_muon(model, **dict(MUON_KW, lr=_lr(0)))
-    step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan,
-                            plan=FAMILIES["llama3"][2])
+    step = build_graph_step(
+        model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", scan_layers=scan, plan=FAMILIES["llama3"][2]
+    )
     losses = _train(step, dist.get_rank())
     return losses, {n: full(p).detach().clone() for n, p in model.named_parameters()}, dict(step.stats.collectives)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("scan", [
-    False,
-    # Scanned Muon in graph mode: test_graph_step_matches_eager[scan]; its uneven stacked shards:
-    # test_graph_muon_update_of_sharded_matrices.
-    pytest.param(True, marks=pytest.mark.exhaustive),
-], ids=["unrolled", "scan"])
+@pytest.mark.parametrize(
+    "scan",
+    [
+        False,
+        # Scanned Muon in graph mode: test_graph_step_matches_eager[scan]; its uneven stacked shards:
+        # test_graph_muon_update_of_sharded_matrices.
+        pytest.param(True, marks=pytest.mark.exhaustive),
+    ],
+    ids=["unrolled", "scan"],
+)
 def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
     """Graph mode + SimpleFSDP (dp_shard 2, gloo) + Muon vs one eager process, 3 steps with
     clipping at a changing lr (tests/unit/test_graph_fsdp.py's setup). The Muon matrices are
@@ -540,8 +590,9 @@ def test_graph_step_simple_fsdp_two_gloo_ranks(scan):
     for a, b in zip(ref_losses, losses):
         assert abs(a - b) <= 1e-5 * abs(a), (ref_losses, losses)
     for name, p in model.named_parameters():
-        assert_params_close(params[name], p.detach(), name,
-                            muon=p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output"))
+        assert_params_close(
+            params[name], p.detach(), name, muon=p.dim() >= 2 and name.split(".")[0] not in ("tok_embeddings", "output")
+        )
     # Muon reaches whole matrices by all-to-alls (trainer.graph.optim._orthogonalize_spread,
     # counted in test_graph_muon_update_of_sharded_matrices), never by gathering them: the only
     # all-gathers are SimpleFSDP's parameter gathers, 2 layers x 9 + 3 (unrolled: the forward's;
@@ -573,19 +624,31 @@ def _sharded_muon_on_rank(tensors: dict):
     calls: dict[str, int] = {}
     funcol = optim.funcol
     for op in ("all_gather_tensor", "all_to_all_single"):
+
         def counted(*args, _op=getattr(funcol, op), _name=op, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _op(*args, **kwargs)
+
         setattr(funcol, op, counted)
     out = {}
     for layout, (param, grad, buf) in tensors.items():
         _, mesh_shape, dims, _ = MUON_LAYOUTS[layout]
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("a", "b")[:len(mesh_shape)])
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("a", "b")[: len(mesh_shape)])
         p, g, b = (distribute_tensor(t, mesh, [Shard(d) for d in dims]) for t in (param, grad, buf))
         calls.clear()
         local = p.to_local().clone()
-        muon_update_(local, g.to_local(), b.to_local().clone(), lr=torch.tensor(0.1), momentum=0.95,
-                     nesterov=True, ns_steps=5, ns_dtype="float32", weight_decay=0.1, shards=muon_shards(p))
+        muon_update_(
+            local,
+            g.to_local(),
+            b.to_local().clone(),
+            lr=torch.tensor(0.1),
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=5,
+            ns_dtype="float32",
+            weight_decay=0.1,
+            shards=muon_shards(p),
+        )
         out[layout] = (local, dict(calls))
     return dist.get_rank(), out
 
@@ -608,8 +671,17 @@ def test_graph_muon_update_of_sharded_matrices():
         param, grad, buf = (torch.randn(shape, generator=gen) for _ in range(3))
         tensors[layout] = (param, grad, buf)
         wants[layout] = param.clone()
-        muon_update_(wants[layout], grad, buf.clone(), lr=torch.tensor(0.1), momentum=0.95, nesterov=True,
-                     ns_steps=5, ns_dtype="float32", weight_decay=0.1)
+        muon_update_(
+            wants[layout],
+            grad,
+            buf.clone(),
+            lr=torch.tensor(0.1),
+            momentum=0.95,
+            nesterov=True,
+            ns_steps=5,
+            ns_dtype="float32",
+            weight_decay=0.1,
+        )
     results = dict(run_processes(4, _sharded_muon_on_rank, tensors))
     assert [results[r]["matrix"][0].shape[0] for r in range(4)] == [2, 2, 1, 0]
     for layout, (_, mesh_shape, dims, expected) in MUON_LAYOUTS.items():
@@ -658,7 +730,7 @@ def _qk_clip_run(degrees: dict, world_size: int, state: dict, tau: float):
     for i in range(2):
         inputs, labels = batch(4096, seed=10 + i)
         opt.zero_grad(set_to_none=True)
-        lm_loss(model(inputs[2 * rank:2 * rank + 2]), labels[2 * rank:2 * rank + 2]).backward()
+        lm_loss(model(inputs[2 * rank : 2 * rank + 2]), labels[2 * rank : 2 * rank + 2]).backward()
         opt.step()
     return {n: full(p.detach()).clone() for n, p in model.named_parameters() if "attention.w" in n}
 
@@ -688,13 +760,24 @@ def test_qk_clip_simple_fsdp_two_ranks_equal_one_process():
             torch.testing.assert_close(p, ref[name].detach(), atol=2e-6, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("overrides, pattern", [
-    ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("compile.mode", "graph")],
-     r"optimizer.qk_clip_tau: > 0 runs in the eager step only"),
-    ([("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("parallelism.context_parallel_degree", "2")],
-     r"optimizer.qk_clip_tau: > 0 with context parallelism is not implemented"),
-    ([("optimizer.qk_clip_tau", "100")], r"optimizer.qk_clip_tau: > 0 is MuonClip, part of the Muon step"),
-])
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        (
+            [("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("compile.mode", "graph")],
+            r"optimizer.qk_clip_tau: > 0 runs in the eager step only",
+        ),
+        (
+            [
+                ("optimizer.name", "muon"),
+                ("optimizer.qk_clip_tau", "100"),
+                ("parallelism.context_parallel_degree", "2"),
+            ],
+            r"optimizer.qk_clip_tau: > 0 with context parallelism is not implemented",
+        ),
+        ([("optimizer.qk_clip_tau", "100")], r"optimizer.qk_clip_tau: > 0 is MuonClip, part of the Muon step"),
+    ],
+)
 def test_qk_clip_rules_refuse_before_building(overrides, pattern):
     """The step plan's RULES refuse QK clip without Muon, with graph mode and with CP (read before
     anything is built)."""
@@ -710,8 +793,10 @@ def test_qk_clip_plans_with_tensor_parallelism(recipe):
     """QK clip with TP 2 (and MLA) passes the step plan's RULES (tests/unit/test_qk_clip.py runs it)."""
     from trainer.job import plan_job
 
-    cfg = build_config(recipe, [("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"),
-                                ("parallelism.tensor_parallel_degree", "2")])
+    cfg = build_config(
+        recipe,
+        [("optimizer.name", "muon"), ("optimizer.qk_clip_tau", "100"), ("parallelism.tensor_parallel_degree", "2")],
+    )
     plan_job(cfg, world_size=2, device_type="cpu")
 
 
@@ -732,7 +817,7 @@ def _moe_ep_run(state: dict):
     for i in range(2):
         inputs, labels = batch(_moe_args().vocab_size, seed=10 + i)
         opt.zero_grad(set_to_none=True)
-        lm_loss(model(inputs[2 * rank:2 * rank + 2]), labels[2 * rank:2 * rank + 2]).backward()
+        lm_loss(model(inputs[2 * rank : 2 * rank + 2]), labels[2 * rank : 2 * rank + 2]).backward()
         opt.step()
     return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
 
@@ -755,5 +840,9 @@ def test_expert_parallel_two_ranks_equal_one_process():
     want = dict(ref.named_parameters())
     for params in run_threads(2, lambda: _moe_ep_run(state)):
         for name, p in params.items():
-            assert_params_close(p, want[name].detach(), name, muon=want[name].dim() >= 2
-                                and not {"tok_embeddings", "output", "gate"} & set(name.split(".")))
+            assert_params_close(
+                p,
+                want[name].detach(),
+                name,
+                muon=want[name].dim() >= 2 and not {"tok_embeddings", "output", "gate"} & set(name.split(".")),
+            )

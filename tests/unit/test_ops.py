@@ -19,7 +19,7 @@ import titan_kernels
 from models.common import ops
 from models.errors import ConfigError
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 
 
 class NoHostSync(TorchDispatchMode):
@@ -64,8 +64,12 @@ def test_segment_ids_equal_attention_per_document():
     # Without segments the later documents see the earlier ones: the mask matters.
     assert (ops.causal_attention(q, k, v)[:, :, 4:] - out[:, :, 4:]).abs().max() > 0.01
     # One segment is plain causal attention.
-    torch.testing.assert_close(ops.causal_attention(q, k, v, torch.zeros(1, 13, dtype=torch.long)),
-                               ops.causal_attention(q, k, v), atol=4 * 13 * U32 * 4, rtol=0)
+    torch.testing.assert_close(
+        ops.causal_attention(q, k, v, torch.zeros(1, 13, dtype=torch.long)),
+        ops.causal_attention(q, k, v),
+        atol=4 * 13 * U32 * 4,
+        rtol=0,
+    )
 
 
 def test_attention_implementations_receive_segment_ids_only_when_given():
@@ -83,7 +87,7 @@ def test_attention_implementations_receive_segment_ids_only_when_given():
 def _grouped_loop(x, w, sizes):
     out, start = [], 0
     for g, n in enumerate(sizes.tolist()):
-        out.append(x[start:start + n] @ w[g])
+        out.append(x[start : start + n] @ w[g])
         start += n
     return torch.cat(out)
 
@@ -99,7 +103,7 @@ def test_grouped_mm_reference_matches_per_group_loop(dtype, k, n):
     with NoHostSync():
         out = ops.grouped_mm(x, w, sizes)
     ref = _grouped_loop(x.double(), w.double(), sizes)
-    u = U32 if dtype == torch.float32 else 2.0 ** -8
+    u = U32 if dtype == torch.float32 else 2.0**-8
     assert (out.double() - ref).abs().max() <= 4 * k * u * ref.abs().max() + u * ref.abs().max()
 
 
@@ -159,7 +163,7 @@ def test_linear_cross_entropy_matches_unfused_loss(dtype):
     ref = F.cross_entropy(F.linear(h, w).float(), labels)
     ref_grads = torch.autograd.grad(ref, (h, w))
     assert fused.dtype == torch.float32 and fused.shape == ()
-    rel = 4 * (vocab + dim) * U32 if dtype == torch.float32 else 4 * 2.0 ** -8
+    rel = 4 * (vocab + dim) * U32 if dtype == torch.float32 else 4 * 2.0**-8
     assert abs(fused.item() - ref.item()) <= 4 * (vocab + dim) * U32 * ref.item()
     for got, want in zip(fused_grads, ref_grads):
         assert got.dtype == want.dtype
@@ -187,8 +191,9 @@ def test_linear_cross_entropy_compiles_fullgraph():
     h, w = torch.randn(20, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
     labels = torch.randint(0, 50, (20,))
     torch._dynamo.reset()
-    fn = torch.compile(lambda h, w, y: ops.chunked_linear_cross_entropy(h, w, y, chunk_size=16),
-                       fullgraph=True, backend="aot_eager")
+    fn = torch.compile(
+        lambda h, w, y: ops.chunked_linear_cross_entropy(h, w, y, chunk_size=16), fullgraph=True, backend="aot_eager"
+    )
     got = fn(h, w, labels)
     gh, gw = torch.autograd.grad(got, (h, w))
     ref = F.cross_entropy(h @ w.T, labels)
@@ -206,7 +211,8 @@ def test_splash_is_tpu_only():
     from trainer.step import StepRequest, refusals
 
     assert refusals(StepRequest(attn_backend="splash")) == [
-        "model.attn_backend: splash runs on TPU only, not on cpu; allowed here: auto, sdpa, cpu_kernel"]
+        "model.attn_backend: splash runs on TPU only, not on cpu; allowed here: auto, sdpa, cpu_kernel"
+    ]
     with pytest.raises(AssertionError, match="RULES refuse it first"):
         titan_kernels.select(attention="splash", device=torch.device("cpu"))
 

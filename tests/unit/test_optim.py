@@ -52,7 +52,9 @@ def test_run_shorter_than_warmup_stops_part_way_up_the_ramp():
     for decay in ("linear", "cosine", "wsd", "constant"):
         assert [lr_factor(s, decay_type=decay, **short) for s in (1, 10)] == [1 / 30, 10 / 30]
     # The same ramp as in the longer run it may be resumed into.
-    assert lr_factor(10, decay_type="cosine", **short) == lr_factor(10, decay_type="cosine", **{**short, "total_steps": 300})
+    assert lr_factor(10, decay_type="cosine", **short) == lr_factor(
+        10, decay_type="cosine", **{**short, "total_steps": 300}
+    )
 
 
 def _trained(lr, steps, **sched_kw):

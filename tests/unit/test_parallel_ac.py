@@ -7,6 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from models.common.decoder import TransformerBlock
+from models.errors import ConfigError
 from parallelisms import ParallelDims, apply_ac, build_mesh, checkpoint_fn, parallelize_model
 from tests.support.parallel_harness import (
     FAMILIES,
@@ -19,7 +20,6 @@ from tests.support.parallel_harness import (
     rel_diff,
     run_threads,
 )
-from models.errors import ConfigError
 
 FP32 = dict(param_dtype=torch.float32, reduce_dtype=torch.float32)
 
@@ -38,8 +38,7 @@ def _single_process(family: str, mode: str, state):
     cls, make_args, plan = FAMILIES[family]
     with torch.device("meta"):
         model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=ParallelDims(world_size=1), mesh=None,
-                      ac_mode=mode, **FP32)
+    parallelize_model(model, plan=plan, parallel_dims=ParallelDims(world_size=1), mesh=None, ac_mode=mode, **FP32)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -72,8 +71,9 @@ def test_modes_give_the_same_grads(family):
     # The attention forward is SDPA's CPU flash op or, where it applies, the CPU kernel's attn_fwd.
     for attention_op in ("_scaled_dot_product_flash_attention_for_cpu", "attn_fwd"):
         assert attention_op not in backward_ops["selective"]
-    assert (backward_ops["full"]["_scaled_dot_product_flash_attention_for_cpu"]
-            + backward_ops["full"]["attn_fwd"]) == layers
+    assert (
+        backward_ops["full"]["_scaled_dot_product_flash_attention_for_cpu"] + backward_ops["full"]["attn_fwd"]
+    ) == layers
 
 
 def test_paths_unchanged_and_applied_once():

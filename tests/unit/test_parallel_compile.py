@@ -33,8 +33,9 @@ def _build(degrees, state, **kwargs):
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = cls(make_args())
-    parallelize_model(model, plan=plan, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32, **kwargs)
+    parallelize_model(
+        model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, **kwargs
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -59,6 +60,7 @@ def _eager_and_compiled(degrees, backend, how):
                 def record(graph, _):
                     graphs.append([str(n.target) for n in graph.graph.nodes])
                     return graph
+
                 return aot_module_simplified(gm, example_inputs, fw_compiler=record)
 
             def step(x, y):
@@ -83,11 +85,14 @@ def test_per_block_compile_matches_eager(degrees):
         assert loss_diff < 1e-6 and grad_diff < 1e-5
 
 
-@pytest.mark.parametrize("world_size, degrees", [
-    (2, dict(dp_shard=2)),
-    # ~30-60 s on 2 cores; graph mode with TP through the trainer: tests/e2e/test_parallel_e2e.py.
-    pytest.param(4, dict(dp_shard=2, tp=2), marks=[pytest.mark.slow, pytest.mark.exhaustive]),
-])
+@pytest.mark.parametrize(
+    "world_size, degrees",
+    [
+        (2, dict(dp_shard=2)),
+        # ~30-60 s on 2 cores; graph mode with TP through the trainer: tests/e2e/test_parallel_e2e.py.
+        pytest.param(4, dict(dp_shard=2, tp=2), marks=[pytest.mark.slow, pytest.mark.exhaustive]),
+    ],
+)
 def test_whole_step_is_one_graph_with_fsdp_collectives(world_size, degrees):
     results = run_processes(world_size, _eager_and_compiled, degrees, None, "step")
     for loss_diff, grad_diff, graphs in results:

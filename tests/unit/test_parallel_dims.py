@@ -6,10 +6,10 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from models.errors import ConfigError
 from models.llama3 import FLAVORS as LLAMA3
 from models.qwen3 import FLAVORS as QWEN3
 from parallelisms import ParallelDims, build_ep_mesh, build_mesh, flat_dp_mesh
-from models.errors import ConfigError
 
 
 def test_dp_shard_fills_the_world():
@@ -23,18 +23,21 @@ def test_dp_shard_fills_the_world():
     assert single.dp_rank(None) == 0
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    (dict(dp_shard=3, world_size=4), "data_parallel_shard_degree (3)"),
-    (dict(dp_shard=2, tp=3, world_size=4), "tensor_parallel_degree (3)"),
-    (dict(dp_replicate=3, dp_shard=-1, world_size=4), "parallelism.data_parallel_shard_degree: -1"),
-    (dict(tp=0, world_size=4), "parallelism.tensor_parallel_degree: must be"),
-    (dict(dp_shard=-2, world_size=4), "parallelism.data_parallel_shard_degree: must be"),
-    (dict(dp_replicate=0, world_size=4), "parallelism.data_parallel_replicate_degree: must be"),
-    (dict(dp_shard=2, tp=2, ep=3, world_size=4), "parallelism.expert_parallel_degree: 3 must divide"),
-    (dict(cp=0, world_size=4), "parallelism.context_parallel_degree: must be"),
-    (dict(dp_shard=2, cp=3, world_size=4), "context_parallel_degree (3)"),
-    (dict(cp=3, dp_shard=-1, world_size=4), "context_parallel_degree (3) x tensor_parallel_degree (1) = 3"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        (dict(dp_shard=3, world_size=4), "data_parallel_shard_degree (3)"),
+        (dict(dp_shard=2, tp=3, world_size=4), "tensor_parallel_degree (3)"),
+        (dict(dp_replicate=3, dp_shard=-1, world_size=4), "parallelism.data_parallel_shard_degree: -1"),
+        (dict(tp=0, world_size=4), "parallelism.tensor_parallel_degree: must be"),
+        (dict(dp_shard=-2, world_size=4), "parallelism.data_parallel_shard_degree: must be"),
+        (dict(dp_replicate=0, world_size=4), "parallelism.data_parallel_replicate_degree: must be"),
+        (dict(dp_shard=2, tp=2, ep=3, world_size=4), "parallelism.expert_parallel_degree: 3 must divide"),
+        (dict(cp=0, world_size=4), "parallelism.context_parallel_degree: must be"),
+        (dict(dp_shard=2, cp=3, world_size=4), "context_parallel_degree (3)"),
+        (dict(cp=3, dp_shard=-1, world_size=4), "context_parallel_degree (3) x tensor_parallel_degree (1) = 3"),
+    ],
+)
 def test_bad_degrees_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match="parallelism") as info:
         ParallelDims(**kwargs)
@@ -76,7 +79,9 @@ def fake_world():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("rank, coordinate, dp_rank", [(0, (0, 0, 0, 0), 0), (5, (1, 0, 0, 1), 2), (6, (1, 1, 0, 0), 3)])
+@pytest.mark.parametrize(
+    "rank, coordinate, dp_rank", [(0, (0, 0, 0, 0), 0), (5, (1, 0, 0, 1), 2), (6, (1, 1, 0, 0), 3)]
+)
 def test_mesh_axes_and_dp_rank(fake_world, rank, coordinate, dp_rank):
     fake_world(rank, 8)
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, ep=2, world_size=8)

@@ -64,6 +64,7 @@ def _reference_grads(family: str, state, inputs, labels):
 
 def test_shard_layout():
     """Shapes and placements of stored parameters, on the meta device (no data needed)."""
+
     def rank_fn(degrees):
         dims = ParallelDims(world_size=4, **degrees)
         mesh = build_mesh(dims, "cpu")
@@ -71,9 +72,15 @@ def test_shard_layout():
             model = Llama3(llama3_args())
         parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh)
         params = dict(model.named_parameters())
-        return {name: (tuple(params[name].placements), tuple(params[name].to_local().shape))
-                for name in ("layers.0.attention.wq.weight", "layers.0.attention.wo.weight",
-                             "layers.0.attention_norm.weight", "tok_embeddings.weight")}
+        return {
+            name: (tuple(params[name].placements), tuple(params[name].to_local().shape))
+            for name in (
+                "layers.0.attention.wq.weight",
+                "layers.0.attention.wo.weight",
+                "layers.0.attention_norm.weight",
+                "tok_embeddings.weight",
+            )
+        }
 
     # dim 256, vocab 4096
     fsdp = run_threads(4, lambda: rank_fn(dict(dp_shard=4)))[1]
@@ -89,12 +96,15 @@ def test_shard_layout():
     assert two_d["tok_embeddings.weight"] == ((_StridedShard(0, split_factor=2), Shard(0)), (1024, 256))
 
 
-@pytest.mark.parametrize("family, degrees", [
-    ("llama3", dict(dp_shard=4)),
-    ("llama3", dict(dp_replicate=2, dp_shard=2)),
-    ("llama3", dict(dp_shard=2, tp=2)),
-    ("qwen3", dict(dp_shard=1, tp=4)),  # q_norm / k_norm on head-sharded activations
-])
+@pytest.mark.parametrize(
+    "family, degrees",
+    [
+        ("llama3", dict(dp_shard=4)),
+        ("llama3", dict(dp_replicate=2, dp_shard=2)),
+        ("llama3", dict(dp_shard=2, tp=2)),
+        ("qwen3", dict(dp_shard=1, tp=4)),  # q_norm / k_norm on head-sharded activations
+    ],
+)
 def test_grads_match_single_process(family, degrees):
     """Each dp rank takes its slice of the global batch; the averaged grads are the full-batch grads."""
     state = reference_state(family)
@@ -105,8 +115,7 @@ def test_grads_match_single_process(family, degrees):
         model, dims, mesh = _parallel_model(family, 4, degrees, **FP32)
         load_full_state(model, state)
         dp_rank = dims.dp_rank(mesh)
-        loss = lm_loss(model(inputs.chunk(dims.dp_degree)[dp_rank]),
-                       labels.chunk(dims.dp_degree)[dp_rank])
+        loss = lm_loss(model(inputs.chunk(dims.dp_degree)[dp_rank]), labels.chunk(dims.dp_degree)[dp_rank])
         loss.backward()
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         placements = {n: p.grad.placements == p.placements for n, p in model.named_parameters()}
@@ -144,8 +153,12 @@ def test_tied_embeddings_stay_tied(world_size, degrees):
         rank = dims.dp_rank(mesh)
         lm_loss(model(inputs.chunk(dims.dp_degree)[rank]), labels.chunk(dims.dp_degree)[rank]).backward()
         shared = model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
-        return (shared, len(list(model.parameters())), "output.weight" in model.state_dict(),
-                rel_diff(full(model.tok_embeddings._parameters["weight"].grad), ref_grad))
+        return (
+            shared,
+            len(list(model.parameters())),
+            "output.weight" in model.state_dict(),
+            rel_diff(full(model.tok_embeddings._parameters["weight"].grad), ref_grad),
+        )
 
     for shared, num_params, key, grad_diff in run_threads(world_size, rank_fn):
         assert shared and num_params == 2 * 9 + 2 and key  # 2 blocks x 9, embedding, norm
@@ -158,10 +171,15 @@ def test_state_dict_keys_and_paths_unchanged():
     keys, modules = list(plain.state_dict()), [n for n, _ in plain.named_modules()]
 
     def rank_fn():
-        model, _, _ = _parallel_model("llama3", 4, dict(dp_shard=2, tp=2), ac_mode="selective",
-                                      compile_backend="aot_eager")
-        return (list(model.state_dict()), [n for n, _ in model.named_modules()],
-                list(get_model_state_dict(model)), [n for n, _ in model.named_parameters()])
+        model, _, _ = _parallel_model(
+            "llama3", 4, dict(dp_shard=2, tp=2), ac_mode="selective", compile_backend="aot_eager"
+        )
+        return (
+            list(model.state_dict()),
+            [n for n, _ in model.named_modules()],
+            list(get_model_state_dict(model)),
+            [n for n, _ in model.named_parameters()],
+        )
 
     for sd_keys, paths, dcp_keys, param_names in run_threads(4, rank_fn):
         assert sd_keys == keys and paths == modules
@@ -189,8 +207,9 @@ def test_mixed_precision_bf16_compute_fp32_master():
 
     def rank_fn():
         world = 2 if torch.distributed.get_world_size() == 2 else 1
-        model, dims, mesh = _parallel_model("llama3", world, dict(dp_shard=world),
-                                            param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model, dims, mesh = _parallel_model(
+            "llama3", world, dict(dp_shard=world), param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
         load_full_state(model, state)
         wq = model.layers["0"].attention.wq
         assert wq._parameters["weight"].dtype == torch.float32  # master weight

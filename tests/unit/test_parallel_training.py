@@ -55,9 +55,15 @@ def _train_on_rank(world_size, degrees, state, enable_loss_parallel=False, loss_
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = Llama3(llama3_args())
-    parallelize_model(model, plan=LLAMA3_PLAN, parallel_dims=dims, mesh=mesh,
-                      param_dtype=torch.float32, reduce_dtype=torch.float32,
-                      enable_loss_parallel=enable_loss_parallel)
+    parallelize_model(
+        model,
+        plan=LLAMA3_PLAN,
+        parallel_dims=dims,
+        mesh=mesh,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        enable_loss_parallel=enable_loss_parallel,
+    )
     model.to_empty(device="cpu")
     with RNG_LOCK, torch.no_grad():
         model.init_weights()  # RoPE buffers; the weights come from `state`
@@ -114,8 +120,7 @@ def test_loss_parallel_matches(reference):
     # loss_parallel() edits DTensor's global op table on enter and exit, so with thread
     # ranks it is entered once, here, rather than by each rank.
     with loss_parallel_context(True):
-        results = run_threads(2, lambda: _train_on_rank(2, dict(dp_shard=1, tp=2), state,
-                                                        enable_loss_parallel=True))
+        results = run_threads(2, lambda: _train_on_rank(2, dict(dp_shard=1, tp=2), state, enable_loss_parallel=True))
     for losses, params in results:
         assert rel_diff(losses, ref_losses) < 1e-5
         assert max((params[n] - ref_params[n]).abs().max().item() for n in ref_params) < 1e-5

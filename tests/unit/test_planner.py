@@ -47,9 +47,15 @@ def hand_local_numel(args, *, dp: int, tp: int) -> dict[str, int]:
     colwise = lambda out, inp: cdiv(cdiv(out, tp), dp) * inp  # noqa: E731  (Shard(0) on tp, then dp)
     rowwise = lambda out, inp: cdiv(out, dp) * cdiv(inp, tp)  # noqa: E731  (Shard(1) on tp, dp on dim 0)
     block = {
-        "attention_norm": cdiv(d, dp), "ffn_norm": cdiv(d, dp),
-        "wq": colwise(q, d), "wk": colwise(kv, d), "wv": colwise(kv, d), "wo": rowwise(d, q),
-        "w1": colwise(ffn, d), "w3": colwise(ffn, d), "w2": rowwise(d, ffn),
+        "attention_norm": cdiv(d, dp),
+        "ffn_norm": cdiv(d, dp),
+        "wq": colwise(q, d),
+        "wk": colwise(kv, d),
+        "wv": colwise(kv, d),
+        "wo": rowwise(d, q),
+        "w1": colwise(ffn, d),
+        "w3": colwise(ffn, d),
+        "w2": rowwise(d, ffn),
     }
     root = {"tok_embeddings": colwise(vocab, d), "norm": cdiv(d, dp), "output": colwise(vocab, d)}
     return {"block": sum(block.values()), **{f"root.{k}": v for k, v in root.items()}, **block}
@@ -80,8 +86,9 @@ def test_targets_count_tensorcores_and_take_peaks_from_flops_table():
 
 def test_llama3_8b_shards_on_fake_64_device_mesh_match_hand_computation():
     args = LLAMA.flavors["8B"]
-    dims = P.make_parallel_dims(dp_replicate=1, dp_shard=16, tp=4, ep=1, world_size=64, shape=args.shape(),
-                                seq_len=8192)
+    dims = P.make_parallel_dims(
+        dp_replicate=1, dp_shard=16, tp=4, ep=1, world_size=64, shape=args.shape(), seq_len=8192
+    )
     with P.fake_process_group(64):
         stats = P.shard_model(LLAMA, args, dims)
         probed = P.shard_model(LLAMA, args, dims, probe=True)
@@ -95,14 +102,27 @@ def test_llama3_8b_shards_on_fake_64_device_mesh_match_hand_computation():
     assert shapes["norm.weight"] == (256,)  # replicated over TP, sharded over dp
     hand = hand_local_numel(args, dp=16, tp=4)
     assert stats.blocks_numel == 32 * hand["block"]
-    assert stats.param_numel == 32 * hand["block"] + hand["root.tok_embeddings"] + hand["root.norm"] + hand["root.output"]
+    assert (
+        stats.param_numel == 32 * hand["block"] + hand["root.tok_embeddings"] + hand["root.norm"] + hand["root.output"]
+    )
     assert probed.param_numel == stats.param_numel
     # One block after the dp all-gather: the TP-local block.
-    assert stats.block_gathered_numel == sum(hand_local_numel(args, dp=1, tp=4)[k] for k in
-                                             ("attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1", "w2", "w3"))
-    est = P.estimate(model="8B", target=P.parse_target("v6e-64"), shape=args.shape(),
-                     stats=stats, parallel_dims=dims, local_batch_size=1, seq_len=8192, ac_mode="full",
-                     loss_parallel=True, flops_per_token=1.0)
+    assert stats.block_gathered_numel == sum(
+        hand_local_numel(args, dp=1, tp=4)[k]
+        for k in ("attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1", "w2", "w3")
+    )
+    est = P.estimate(
+        model="8B",
+        target=P.parse_target("v6e-64"),
+        shape=args.shape(),
+        stats=stats,
+        parallel_dims=dims,
+        local_batch_size=1,
+        seq_len=8192,
+        ac_mode="full",
+        loss_parallel=True,
+        flops_per_token=1.0,
+    )
     assert est.params == 4 * stats.param_numel and est.grads == est.params and est.optimizer == 2 * est.params
 
 
@@ -110,8 +130,14 @@ def test_llama3_405b_on_fake_1024_ranks_takes_seconds_and_matches_hand_computati
     args = LLAMA.flavors["405B"]
     target = P.parse_target("v7x-1024")
     start = time.perf_counter()
-    est = P.plan_estimate(P.PlanInputs(family=LLAMA, args=args, model_name="405B", seq_len=8192, local_batch_size=1),
-                          target, tp=8, ac_mode="full", loss_parallel=True, probe=True)
+    est = P.plan_estimate(
+        P.PlanInputs(family=LLAMA, args=args, model_name="405B", seq_len=8192, local_batch_size=1),
+        target,
+        tp=8,
+        ac_mode="full",
+        loss_parallel=True,
+        probe=True,
+    )
     elapsed = time.perf_counter() - start
     hand = hand_local_numel(args, dp=128, tp=8)  # embedding rows: ceil(ceil(128256 / 8) / 128) = 126
     expected = 126 * hand["block"] + hand["root.tok_embeddings"] + hand["root.norm"] + hand["root.output"]
@@ -121,8 +147,9 @@ def test_llama3_405b_on_fake_1024_ranks_takes_seconds_and_matches_hand_computati
     assert elapsed < 30, elapsed
 
 
-@pytest.mark.parametrize("degrees", [dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2)],
-                         ids=["fsdp2xtp2", "hsdp2x2"])
+@pytest.mark.parametrize(
+    "degrees", [dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2)], ids=["fsdp2xtp2", "hsdp2x2"]
+)
 def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
     """Per rank: params, grads and AdamW state of a real run == the planner's numbers for that rank."""
     from parallelisms.parallel_dims import ParallelDims, build_mesh
@@ -139,8 +166,9 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             model = LLAMA.model_cls(args)
-        parallelize_model(model, plan=LLAMA.plan, parallel_dims=dims, mesh=mesh,
-                          param_dtype=torch.float32, reduce_dtype=torch.float32)
+        parallelize_model(
+            model, plan=LLAMA.plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+        )
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
@@ -156,12 +184,23 @@ def test_planner_bytes_equal_a_real_4_rank_run_with_adamw(degrees):
     shape = args.shape()
     planned = []
     for rank in range(world):
-        dims = P.make_parallel_dims(world_size=world, ep=1, shape=shape, seq_len=32,
-                                    **{"dp_replicate": 1, "dp_shard": -1, "tp": 1, **degrees})
+        dims = P.make_parallel_dims(
+            world_size=world, ep=1, shape=shape, seq_len=32, **{"dp_replicate": 1, "dp_shard": -1, "tp": 1, **degrees}
+        )
         with P.fake_process_group(world, rank=rank):
             stats = P.shard_model(LLAMA, args, dims)
-        est = P.estimate(model="debug", target=P.parse_target("v6e-4"), shape=shape, stats=stats, parallel_dims=dims,
-                         local_batch_size=2, seq_len=32, ac_mode="none", loss_parallel=False, flops_per_token=1.0)
+        est = P.estimate(
+            model="debug",
+            target=P.parse_target("v6e-4"),
+            shape=shape,
+            stats=stats,
+            parallel_dims=dims,
+            local_batch_size=2,
+            seq_len=32,
+            ac_mode="none",
+            loss_parallel=False,
+            flops_per_token=1.0,
+        )
         planned.append((est.params, est.grads, est.optimizer))
     assert planned == measured
     assert len(set(planned)) > 1  # the uneven vocabulary split gives ranks different sizes
@@ -175,8 +214,11 @@ def test_planner_reads_a_family_outside_models_through_its_contract_only():
     args = TOY.flavors["debugmodel"]
     d, vocab = args.dim, args.vocab_size
     with P.fake_process_group(1):
-        one = P.shard_model(TOY, args, P.make_parallel_dims(dp_replicate=1, dp_shard=1, tp=1, ep=1, world_size=1,
-                                                            shape=args.shape(), seq_len=64))
+        one = P.shard_model(
+            TOY,
+            args,
+            P.make_parallel_dims(dp_replicate=1, dp_shard=1, tp=1, ep=1, world_size=1, shape=args.shape(), seq_len=64),
+        )
     assert one.param_numel == args.num_params()
     assert one.lm_head_gathered_numel == vocab * d  # the plan's "output" module
     assert one.root_kept_gathered_numel == vocab * d + d  # LM head + final norm, not the embedding
@@ -212,8 +254,11 @@ _ACT_CASES = [
 
 
 @pytest.mark.parametrize("ac_mode", AC_MODES)
-@pytest.mark.parametrize("name,flavor,world,tp,loss_parallel", _ACT_CASES,
-                         ids=["llama", "llama-fsdp2-tp2-lp", "llama-tp2", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize(
+    "name,flavor,world,tp,loss_parallel",
+    _ACT_CASES,
+    ids=["llama", "llama-fsdp2-tp2-lp", "llama-tp2", "qwen3", "qwen3-moe"],
+)
 def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, loss_parallel, ac_mode):
     from trainer.step import lm_loss
 
@@ -226,20 +271,31 @@ def test_activation_model_matches_measured_saved_bytes(name, flavor, world, tp, 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
     with P.fake_process_group(world):
-        dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=tp, ep=1, world_size=world, shape=shape,
-                                    seq_len=seq)
+        dims = P.make_parallel_dims(
+            dp_replicate=1, dp_shard=-1, tp=tp, ep=1, world_size=world, shape=shape, seq_len=seq
+        )
         stats = P.shard_model(family, args, dims)
-        est = P.estimate(model=name, target=P.parse_target("v6e-4"), shape=shape, stats=stats, parallel_dims=dims,
-                         local_batch_size=batch, seq_len=seq, ac_mode=ac_mode, loss_parallel=loss_parallel,
-                         flops_per_token=1.0)
+        est = P.estimate(
+            model=name,
+            target=P.parse_target("v6e-4"),
+            shape=shape,
+            stats=stats,
+            parallel_dims=dims,
+            local_batch_size=batch,
+            seq_len=seq,
+            ac_mode=ac_mode,
+            loss_parallel=loss_parallel,
+            flops_per_token=1.0,
+        )
         # A real CPU model with the same plan; collectives of the fake group do not move data,
         # which changes values, not the tensors autograd keeps.
         model = P.build_parallel_model(family, args, dims, ac_mode=ac_mode, enable_loss_parallel=loss_parallel)
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights(buffer_device=torch.device("cpu"))
-        measured = P.measure_saved_bytes(model, tokens[:, :-1], tokens[:, 1:], loss_fn=lm_loss,
-                                         loss_parallel=loss_parallel)
+        measured = P.measure_saved_bytes(
+            model, tokens[:, :-1], tokens[:, 1:], loss_fn=lm_loss, loss_parallel=loss_parallel
+        )
     predicted = est.activations.total + est.saved_weights
     # 2%: under TP + AC, whether the embedding's (waited) sequence-sharded output stays
     # referenced differs between meshes by one residual-sized buffer (~1.4% at these sizes).
@@ -266,8 +322,9 @@ def test_activation_model_scales_with_batch_tp_and_ac():
 
 
 def _inputs(flavor="8B", seq=8192, batch=1, family=LLAMA):
-    return P.PlanInputs(family=family, args=family.flavors[flavor], model_name=flavor, seq_len=seq,
-                        local_batch_size=batch)
+    return P.PlanInputs(
+        family=family, args=family.flavors[flavor], model_name=flavor, seq_len=seq, local_batch_size=batch
+    )
 
 
 def test_refuses_impossible_degrees_and_tp_not_dividing_heads():
@@ -312,8 +369,9 @@ def test_recommend_prefers_pure_fsdp_then_adds_tp():
 
 def run_cli(*argv):
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    return subprocess.run([sys.executable, "scripts/estimate.py", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "scripts/estimate.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_invalid_plan_is_one_error_line_and_exit_2():
@@ -326,8 +384,12 @@ def test_cli_invalid_plan_is_one_error_line_and_exit_2():
 def test_cli_errors_in_process(capsys):
     from scripts.estimate import main
 
-    assert main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256",
-                 "--parallelism.data_parallel_shard_degree=3"]) == 2
+    assert (
+        main(
+            ["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--parallelism.data_parallel_shard_degree=3"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: parallelism:") and "the world size is 256" in err
     assert main(["--model", "llama3", "--flavor", "8B"]) == 2
@@ -341,8 +403,22 @@ def test_cli_errors_in_process(capsys):
 def test_cli_does_not_fit_prints_table_and_exits_1(capsys):
     from scripts.estimate import main
 
-    rc = main(["--model", "llama3", "--flavor", "70B", "--target", "v6e-256", "--seq-len", "8192",
-               "--local-batch", "1", "--ac", "none"])
+    rc = main(
+        [
+            "--model",
+            "llama3",
+            "--flavor",
+            "70B",
+            "--target",
+            "v6e-256",
+            "--seq-len",
+            "8192",
+            "--local-batch",
+            "1",
+            "--ac",
+            "none",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1
     assert "DOES NOT FIT" in out and "parameters (fp32 master shards)" in out and "suggestions:" in out
@@ -352,8 +428,21 @@ def test_cli_recommend_writes_csv(tmp_path, capsys):
     from scripts.estimate import main
 
     path = tmp_path / "plans.csv"
-    rc = main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--seq-len", "8192", "--recommend",
-               "--csv", str(path)])
+    rc = main(
+        [
+            "--model",
+            "llama3",
+            "--flavor",
+            "8B",
+            "--target",
+            "v6e-256",
+            "--seq-len",
+            "8192",
+            "--recommend",
+            "--csv",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "recommended" in out and "tensor_parallel_degree = 1" in out
     rows = list(csv.DictReader(path.open()))
@@ -361,8 +450,15 @@ def test_cli_recommend_writes_csv(tmp_path, capsys):
     assert any(r["fits"] == "True" for r in rows) and any(r["fits"] == "False" for r in rows)
 
 
-@pytest.mark.parametrize("recipe,target", [("llama3_8b_v6e", "v6e-256"), ("llama3_70b_v6e", "v6e-256"),
-                                           ("llama3_405b_v7x", "v7x-512"), ("llama3_405b_v7x", "v7x-1024")])
+@pytest.mark.parametrize(
+    "recipe,target",
+    [
+        ("llama3_8b_v6e", "v6e-256"),
+        ("llama3_70b_v6e", "v6e-256"),
+        ("llama3_405b_v7x", "v7x-512"),
+        ("llama3_405b_v7x", "v7x-1024"),
+    ],
+)
 def test_shipped_pod_recipes_fit_their_targets(recipe, target):
     from trainer.config import build_config, resolve_model_args
 
@@ -370,11 +466,21 @@ def test_shipped_pod_recipes_fit_their_targets(recipe, target):
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     p = cfg.parallelism
     est = P.plan_estimate(
-        P.PlanInputs(family=family, args=args, model_name=recipe, seq_len=cfg.training.seq_len,
-                     local_batch_size=cfg.training.local_batch_size),
-        P.parse_target(target), dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree, tp=p.tensor_parallel_degree, ac_mode=cfg.activation_checkpoint.mode,
-        loss_parallel=p.enable_loss_parallel, probe=True)
+        P.PlanInputs(
+            family=family,
+            args=args,
+            model_name=recipe,
+            seq_len=cfg.training.seq_len,
+            local_batch_size=cfg.training.local_batch_size,
+        ),
+        P.parse_target(target),
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        ac_mode=cfg.activation_checkpoint.mode,
+        loss_parallel=p.enable_loss_parallel,
+        probe=True,
+    )
     assert est.fits, report.format_estimate(est)
 
 
@@ -420,8 +526,9 @@ def test_cp_activation_model_divides_tokens_and_adds_the_gathered_kv():
             assert with_cp.per_block == with_cp.per_block_none
         else:  # full: the block input; selective: the k/v all-gather is recomputed, not kept
             assert with_cp.per_block == short.per_block
-    assert P.activation_bytes(shape, seq_len=s, ac_mode="full", cp=1, **kw) == \
-        P.activation_bytes(shape, seq_len=s, ac_mode="full", **kw)
+    assert P.activation_bytes(shape, seq_len=s, ac_mode="full", cp=1, **kw) == P.activation_bytes(
+        shape, seq_len=s, ac_mode="full", **kw
+    )
 
 
 def test_cp_shards_parameters_over_dp_shard_times_cp():
@@ -431,17 +538,30 @@ def test_cp_shards_parameters_over_dp_shard_times_cp():
     args = LLAMA.flavors["8B"]
     shape = args.shape()
     with P.fake_process_group(64):
-        cp_stats = P.shard_model(LLAMA, args, P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=1, cp=4,
-                                                                    world_size=64, shape=shape, seq_len=8192),
-                                 probe=True)
-        fsdp_stats = P.shard_model(LLAMA, args, P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=1,
-                                                                      world_size=64, shape=shape, seq_len=8192),
-                                   probe=True)
+        cp_stats = P.shard_model(
+            LLAMA,
+            args,
+            P.make_parallel_dims(
+                dp_replicate=1, dp_shard=-1, tp=1, ep=1, cp=4, world_size=64, shape=shape, seq_len=8192
+            ),
+            probe=True,
+        )
+        fsdp_stats = P.shard_model(
+            LLAMA,
+            args,
+            P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=1, world_size=64, shape=shape, seq_len=8192),
+            probe=True,
+        )
     assert cp_stats.param_numel == fsdp_stats.param_numel
     assert cp_stats.block_gathered_numel == fsdp_stats.block_gathered_numel
     d, hd = shape.dim, shape.head_dim
-    block = (d * shape.n_heads * hd + 2 * d * shape.n_kv_heads * hd + shape.n_heads * hd * d
-             + 3 * d * shape.ffn_hidden + 2 * d)
+    block = (
+        d * shape.n_heads * hd
+        + 2 * d * shape.n_kv_heads * hd
+        + shape.n_heads * hd * d
+        + 3 * d * shape.ffn_hidden
+        + 2 * d
+    )
     assert cp_stats.block_gathered_numel == block
 
 
@@ -460,11 +580,17 @@ def test_cp_estimate_per_device_terms_and_refusals():
     assert est.activations.blocks == plain.activations.blocks
     assert est.transient_block - plain.transient_block == 2 * gathered - 4 * shape.n_heads * shape.head_dim * 32768
     assert est.params == plain.params  # 256 shards either way (dp_shard x cp vs dp_shard)
-    with pytest.raises(ConfigError, match=r"parallelism\.context_parallel_degree: 3 needs a sequence length "
-                                          r"divisible by 2 x 3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallelism\.context_parallel_degree: 3 needs a sequence length "
+        r"divisible by 2 x 3",
+    ):
         P.plan_estimate(_inputs("8B", seq=8192), P.parse_target("v6e-192"), cp=3)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree: 8 does not divide the sequence length per "
-                                          r"context-parallel rank"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tensor_parallel_degree: 8 does not divide the sequence length per "
+        r"context-parallel rank",
+    ):
         P.plan_estimate(_inputs("8B", seq=8 * 1021), P.parse_target("h100-64"), cp=2, tp=8)
 
 
@@ -506,8 +632,12 @@ def test_shipped_128k_recipes_are_the_planners_choice():
         p = cfg.parallelism
         assert best.fits, name
         assert (best.cp, best.tp, best.dp_replicate, best.ac_mode, best.local_batch_size) == (
-            p.context_parallel_degree, p.tensor_parallel_degree, p.data_parallel_replicate_degree,
-            cfg.activation_checkpoint.mode, cfg.training.local_batch_size), name
+            p.context_parallel_degree,
+            p.tensor_parallel_degree,
+            p.data_parallel_replicate_degree,
+            cfg.activation_checkpoint.mode,
+            cfg.training.local_batch_size,
+        ), name
 
 
 def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
@@ -516,9 +646,26 @@ def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
     from scripts.estimate import main
 
     path = tmp_path / "cp.csv"
-    rc = main(["--model", "llama3", "--flavor", "8B", "--target", "v7x-256", "--seq-len", "131072", "--cp", "4",
-               "--local-batch", "1",
-               "--ac", "full", "--csv", str(path)])
+    rc = main(
+        [
+            "--model",
+            "llama3",
+            "--flavor",
+            "8B",
+            "--target",
+            "v7x-256",
+            "--seq-len",
+            "131072",
+            "--cp",
+            "4",
+            "--local-batch",
+            "1",
+            "--ac",
+            "full",
+            "--csv",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "dp_shard 64 x cp 4 x tp 1" in out and "note: context parallelism 4: 32768 tokens per device" in out
@@ -526,7 +673,9 @@ def test_cli_cp_flag_plans_context_parallelism(capsys, tmp_path):
     assert row["cp"] == "4" and row["tokens_per_device_step"] == "32768.0"
     assert main(["--model", "llama3", "--flavor", "8B", "--target", "v6e-256", "--seq-len", "8190", "--cp", "4"]) == 2
     # On a TPU target the splash-tile rule (chunks of whole 128-token tiles) is the first to refuse it.
-    assert capsys.readouterr().err.startswith("error: training.seq_len: 8190 with parallelism.context_parallel_degree = 4")
+    assert capsys.readouterr().err.startswith(
+        "error: training.seq_len: 8190 with parallelism.context_parallel_degree = 4"
+    )
 
 
 def test_suggest_fixes_offers_a_cp_degree_for_a_long_sequence():
@@ -539,16 +688,20 @@ def test_suggest_fixes_offers_a_cp_degree_for_a_long_sequence():
     fixes = P.suggest_fixes(inputs, est)
     cp_only = [c for c in fixes.single_changes if c.cp > 1 and (c.tp, c.ac_mode, c.local_batch_size) == (1, "full", 1)]
     assert cp_only and all(c.fits for c in cp_only)
-    assert any(line.startswith(f"parallelism.context_parallel_degree = {cp_only[0].cp}:")
-               for line in report.format_fixes(est, fixes))
+    assert any(
+        line.startswith(f"parallelism.context_parallel_degree = {cp_only[0].cp}:")
+        for line in report.format_fixes(est, fixes)
+    )
 
 
 # --- Muon ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family,flavor,target,ep", [(LLAMA, "debugmodel", "v6e-4", 1),
-                                                     (QWEN, "debugmodel_moe", "v6e-32", 2)],
-                         ids=["llama3_fsdp4", "qwen3_moe_fsdp32_ep2"])
+@pytest.mark.parametrize(
+    "family,flavor,target,ep",
+    [(LLAMA, "debugmodel", "v6e-4", 1), (QWEN, "debugmodel_moe", "v6e-32", 2)],
+    ids=["llama3_fsdp4", "qwen3_moe_fsdp32_ep2"],
+)
 def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, ep):
     """`[optimizer] name = "muon"`: the optimizer state drops by 4 bytes per local element of the
     Muon matrices (one fp32 moment, not two), counted independently here from the sharded model
@@ -567,8 +720,9 @@ def test_muon_counts_one_moment_and_its_update_matrices(family, flavor, target, 
     inputs = {}
     for opt in ("adamw", "muon"):
         step = StepRequest(mode="graph", scan_layers=True, backend="tpu", device_type="tpu", optimizer=opt)
-        inputs[opt] = P.PlanInputs(family=family, args=args, model_name=flavor, seq_len=256, local_batch_size=1,
-                                   step=step)
+        inputs[opt] = P.PlanInputs(
+            family=family, args=args, model_name=flavor, seq_len=256, local_batch_size=1, step=step
+        )
     adamw = P.plan_estimate(inputs["adamw"], tgt, ep=ep, ac_mode="full")
     muon = P.plan_estimate(inputs["muon"], tgt, ep=ep, ac_mode="full")
     dims = ParallelDims(dp_shard=tgt.devices, ep=ep, world_size=tgt.devices)
@@ -602,10 +756,14 @@ def test_muon_counts_the_recipes_exclusions():
     more = (*MUON_EXCLUDE_DEFAULT, "attention")
     estimates = {}
     for exclude in (None, more):
-        step = StepRequest(mode="graph", scan_layers=True, backend="tpu", device_type="tpu", optimizer="muon",
-                           muon_exclude=exclude)
-        estimates[exclude] = P.plan_estimate(P.PlanInputs(family=LLAMA, args=args, model_name="debug", seq_len=256,
-                                                          local_batch_size=1, step=step), tgt, ac_mode="full")
+        step = StepRequest(
+            mode="graph", scan_layers=True, backend="tpu", device_type="tpu", optimizer="muon", muon_exclude=exclude
+        )
+        estimates[exclude] = P.plan_estimate(
+            P.PlanInputs(family=LLAMA, args=args, model_name="debug", seq_len=256, local_batch_size=1, step=step),
+            tgt,
+            ac_mode="full",
+        )
     dims = ParallelDims(dp_shard=4, world_size=4)
     with P.fake_process_group(4):
         model = P.build_parallel_model(LLAMA, args, dims)
@@ -613,6 +771,7 @@ def test_muon_counts_the_recipes_exclusions():
         muon_more = {id(p) for p in split_muon_params(model.named_parameters(), more)[0]}
         moved = sum(local_tensor(p).numel() for p in model.parameters() if id(p) in muon_default - muon_more)
         assert shard_model(LLAMA, args, dims, muon_exclude=more).muon_numel == (
-            shard_model(LLAMA, args, dims).muon_numel - moved)
+            shard_model(LLAMA, args, dims).muon_numel - moved
+        )
     assert moved > 0
     assert estimates[more].optimizer - estimates[None].optimizer == 4 * moved

@@ -41,6 +41,7 @@ def splash_stand_in():
 
     name = "titan_test_planner::splash_like"
     if not hasattr(torch.ops.titan_test_planner, "splash_like"):
+
         @torch.library.custom_op(name, mutates_args=())
         def splash_like(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             n_rep = q.shape[1] // k.shape[1]
@@ -103,9 +104,19 @@ def test_mla_activation_model_matches_measured_saved_bytes(ac_mode, q_lora_rank,
         dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=1, world_size=1, shape=shape, seq_len=seq)
         stats = P.shard_model(DEEPSEEK, args, dims)
         acts = mla_activation_bytes(args, local_batch_size=batch, seq_len=seq, tp=1, ac_mode=ac_mode)
-        est = P.estimate(model="deepseek_v3", target=P.parse_target("v6e-4"), shape=shape, stats=stats,
-                         parallel_dims=dims, local_batch_size=batch, seq_len=seq, ac_mode=ac_mode,
-                         loss_parallel=False, flops_per_token=1.0, activations=acts)
+        est = P.estimate(
+            model="deepseek_v3",
+            target=P.parse_target("v6e-4"),
+            shape=shape,
+            stats=stats,
+            parallel_dims=dims,
+            local_batch_size=batch,
+            seq_len=seq,
+            ac_mode=ac_mode,
+            loss_parallel=False,
+            flops_per_token=1.0,
+            activations=acts,
+        )
         model = P.build_parallel_model(DEEPSEEK, args, dims, ac_mode=ac_mode)
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -139,13 +150,18 @@ def test_dense_moe_probe_shards_like_the_whole_model():
     args = dataclasses.replace(DEEPSEEK.flavors["671B"], max_seq_len=4096)
     shape = args.shape()
     with P.fake_process_group(512):
-        dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=4, world_size=512, shape=shape,
-                                    seq_len=4096)
+        dims = P.make_parallel_dims(dp_replicate=1, dp_shard=-1, tp=1, ep=4, world_size=512, shape=shape, seq_len=4096)
         whole = P.shard_model(DEEPSEEK, args, dims)
         probed = P.shard_model(DEEPSEEK, args, dims, probe=True)
     assert probed.probed and not whole.probed
-    for field in ("root_numel", "blocks_numel", "block_gathered_numel", "blocks_gathered_numel",
-                  "largest_block_param_gathered", "lm_head_gathered_numel"):
+    for field in (
+        "root_numel",
+        "blocks_numel",
+        "block_gathered_numel",
+        "blocks_gathered_numel",
+        "largest_block_param_gathered",
+        "lm_head_gathered_numel",
+    ):
         assert getattr(probed, field) == getattr(whole, field), field
 
 
@@ -163,7 +179,12 @@ def test_pod_recipe_is_the_planners_choice_and_passes_the_check(recipe):
     best = P.recommend(plan_inputs(cfg), P.parse_target(target))[0]
     p = cfg.parallelism
     assert best.fits and (best.ep, best.local_batch_size, best.ac_mode, best.tp, best.cp) == (
-        p.expert_parallel_degree, cfg.training.local_batch_size, cfg.activation_checkpoint.mode, 1, 1)
+        p.expert_parallel_degree,
+        cfg.training.local_batch_size,
+        cfg.activation_checkpoint.mode,
+        1,
+        1,
+    )
     assert (best.ep, best.local_batch_size) == (ep, batch)
     r = check_recipe(path, capture=False)
     assert r.ok, r.error

@@ -39,16 +39,26 @@ from trainer.optim.muon import build_muon
 from trainer.optim.qk_clip import QKClip, clip_factors
 
 LR, WD = 2e-2, 0.1
-MUON_KW = dict(lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8, momentum=0.95, nesterov=True, ns_steps=5,
-               ns_dtype="float32", exclude=("tok_embeddings", "output", "gate"))
+MUON_KW = dict(
+    lr=LR,
+    weight_decay=WD,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    momentum=0.95,
+    nesterov=True,
+    ns_steps=5,
+    ns_dtype="float32",
+    exclude=("tok_embeddings", "output", "gate"),
+)
 
 
 def ds_args(q_lora: bool = True):
     """DeepSeek-V3 debug sizes (8 heads, nope 32 + rope 16, v 32, YaRN factor 4: softmax_scale
     carries mscale**2 = 1.30), one dense and one MoE block (QK clip must find the MLA of both
     stacks)."""
-    return dataclasses.replace(DS_FLAVORS["debugmodel"], n_layers=2, n_dense_layers=1, max_seq_len=16,
-                               q_lora_rank=64 if q_lora else 0)
+    return dataclasses.replace(
+        DS_FLAVORS["debugmodel"], n_layers=2, n_dense_layers=1, max_seq_len=16, q_lora_rank=64 if q_lora else 0
+    )
 
 
 def mha_args():
@@ -92,11 +102,13 @@ def reference_mla_logits(m: MLA, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     q_in = m.q_norm(x @ m.wq_a.weight.t()) if m.q_lora_rank > 0 else x
     q = (q_in @ q_weight(m).t()).view(bs, s, -1, nope + rope)
     latent = x @ m.wkv_a.weight.t()
-    c_kv, k_r = latent[..., : m.kv_lora_rank], latent[..., m.kv_lora_rank:]
+    c_kv, k_r = latent[..., : m.kv_lora_rank], latent[..., m.kv_lora_rank :]
     kv = (m.kv_norm(c_kv) @ m.wkv_b.weight.t()).view(bs, s, -1, nope + m.v_head_dim)
     q_r, k_r = apply_rope(q[..., nope:], k_r[:, :, None, :], cos, sin)
-    scores = (torch.einsum("bqhd,bkhd->bhqk", q[..., :nope], kv[..., :nope])
-              + torch.einsum("bqhd,bkd->bhqk", q_r, k_r[:, :, 0])) * m.softmax_scale
+    scores = (
+        torch.einsum("bqhd,bkhd->bhqk", q[..., :nope], kv[..., :nope])
+        + torch.einsum("bqhd,bkd->bhqk", q_r, k_r[:, :, 0])
+    ) * m.softmax_scale
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     return scores.masked_fill(~causal, float("-inf"))
 
@@ -146,9 +158,9 @@ def reference_mla_rule_(m: MLA, s_h: torch.Tensor, tau: float) -> None:
             if s <= tau:
                 continue
             gamma = tau / s
-            wq[h * (nope + rope): h * (nope + rope) + nope] *= math.sqrt(gamma)
-            wq[h * (nope + rope) + nope: (h + 1) * (nope + rope)] *= gamma
-            wkv_b[h * (nope + vd): h * (nope + vd) + nope] *= math.sqrt(gamma)
+            wq[h * (nope + rope) : h * (nope + rope) + nope] *= math.sqrt(gamma)
+            wq[h * (nope + rope) + nope : (h + 1) * (nope + rope)] *= gamma
+            wkv_b[h * (nope + vd) : h * (nope + vd) + nope] *= math.sqrt(gamma)
 
 
 def _step(model, opt, seed, rows=slice(None)):
@@ -193,7 +205,7 @@ def test_deepseek_muon_clip_matches_reference_rule(key):
         else:
             assert torch.equal(clip_params[name], p), name
     for m_plain, m_clip in zip(plain_mla, (m for m in clipped.modules() if isinstance(m, MLA))):
-        under = (s_ref[m_plain] <= tau * (1 - 1e-5))
+        under = s_ref[m_plain] <= tau * (1 - 1e-5)
         rows_q = under.repeat_interleave(m_plain.qk_head_dim)
         assert torch.equal(q_weight(m_clip)[rows_q], q_weight(m_plain)[rows_q])
         rows_kv = under.repeat_interleave(m_plain.qk_nope_head_dim + m_plain.v_head_dim)

@@ -9,18 +9,31 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from trainer.step import RULES, plan_step, refusals, resolve_backend, StepRequest
+from trainer.step import RULES, StepRequest, plan_step, refusals, resolve_backend
 
 
 def _plan(**kw):
-    base = dict(mode="eager", backend="auto", scan_layers=False, ac_mode="none", loss_parallel=False,
-                tp_degree=1, device_type="cpu")
+    base = dict(
+        mode="eager",
+        backend="auto",
+        scan_layers=False,
+        ac_mode="none",
+        loss_parallel=False,
+        tp_degree=1,
+        device_type="cpu",
+    )
     return plan_step(**{**base, **kw})
 
 
 def test_eager_compiles_nothing_and_checkpoints_blocks():
     plan = _plan(ac_mode="full")
-    assert (plan.backend, plan.block_compile, plan.block_ac, plan.scan, plan.scan_ac) == (None, None, "full", False, "none")
+    assert (plan.backend, plan.block_compile, plan.block_ac, plan.scan, plan.scan_ac) == (
+        None,
+        None,
+        "full",
+        False,
+        "none",
+    )
 
 
 def test_compile_mode_compiles_blocks_with_the_resolved_backend():
@@ -45,18 +58,21 @@ def test_loss_parallel_needs_tensor_parallelism():
     assert _plan(mode="graph", loss_parallel=True, tp_degree=2).loss_parallel
 
 
-@pytest.mark.parametrize("kw, pattern", [
-    (dict(scan_layers=True), "compile.scan_layers: needs compile.mode"),
-    (dict(mode="compile", scan_layers=True), "compile.scan_layers"),
-    (dict(mode="jit"), "compile.mode"),
-    (dict(mode="graph", backend="tpu"), "compile.backend: tpu needs a TPU"),
-    (dict(mode="compile", backend="xla"), "compile.backend"),
-    (dict(loss_parallel=True, task="flow"), "parallelism.enable_loss_parallel: shards an LM's vocabulary"),
-    (dict(mode="graph", caller_loss=True), "compile.mode: \"graph\" captures the LM loss"),
-    (dict(fused_loss="on", model_has_hidden=True, caller_loss=True), "training.fused_loss: on never forms"),
-    (dict(task="flow", caller_loss=True), "model.name: the engine trains language models"),
-    (dict(task="diffusion"), "model.name: the family declares task 'diffusion'"),
-])
+@pytest.mark.parametrize(
+    "kw, pattern",
+    [
+        (dict(scan_layers=True), "compile.scan_layers: needs compile.mode"),
+        (dict(mode="compile", scan_layers=True), "compile.scan_layers"),
+        (dict(mode="jit"), "compile.mode"),
+        (dict(mode="graph", backend="tpu"), "compile.backend: tpu needs a TPU"),
+        (dict(mode="compile", backend="xla"), "compile.backend"),
+        (dict(loss_parallel=True, task="flow"), "parallelism.enable_loss_parallel: shards an LM's vocabulary"),
+        (dict(mode="graph", caller_loss=True), 'compile.mode: "graph" captures the LM loss'),
+        (dict(fused_loss="on", model_has_hidden=True, caller_loss=True), "training.fused_loss: on never forms"),
+        (dict(task="flow", caller_loss=True), "model.name: the engine trains language models"),
+        (dict(task="diffusion"), "model.name: the family declares task 'diffusion'"),
+    ],
+)
 def test_refused_combinations(kw, pattern):
     with pytest.raises(ConfigError, match=pattern):
         _plan(**kw)
@@ -95,28 +111,42 @@ def test_every_rule_refuses_something_and_names_a_config_key():
 
     from trainer.config import Config
 
-    sections = {f.name: {g.name for g in fields(f.type if isinstance(f.type, type) else type(getattr(Config(), f.name)))}
-                for f in fields(Config)}
+    sections = {
+        f.name: {g.name for g in fields(f.type if isinstance(f.type, type) else type(getattr(Config(), f.name)))}
+        for f in fields(Config)
+    }
     examples = [
-        StepRequest(mode="jit"), StepRequest(backend="xla"), StepRequest(fused_loss="maybe"), StepRequest(task="x"),
-        StepRequest(mode="graph", backend="tpu"), StepRequest(scan_layers=True),
+        StepRequest(mode="jit"),
+        StepRequest(backend="xla"),
+        StepRequest(fused_loss="maybe"),
+        StepRequest(task="x"),
+        StepRequest(mode="graph", backend="tpu"),
+        StepRequest(scan_layers=True),
         StepRequest(fused_loss="on", tp_degree=2, model_has_hidden=True),
-        StepRequest(fused_loss="on"), StepRequest(loss_parallel=True, task="flow"),
-        StepRequest(mode="graph", caller_loss=True), StepRequest(fused_loss="on", model_has_hidden=True, caller_loss=True),
+        StepRequest(fused_loss="on"),
+        StepRequest(loss_parallel=True, task="flow"),
+        StepRequest(mode="graph", caller_loss=True),
+        StepRequest(fused_loss="on", model_has_hidden=True, caller_loss=True),
         StepRequest(task="flow", caller_loss=True),
-        StepRequest(document_positions="first"), StepRequest(document_positions="restart"),
-        StepRequest(document_mask=True, task="flow"), StepRequest(document_mask=True),
+        StepRequest(document_positions="first"),
+        StepRequest(document_positions="restart"),
+        StepRequest(document_mask=True, task="flow"),
+        StepRequest(document_mask=True),
         StepRequest(document_mask=True, model_document_mask=True, caller_loss=True),
-        StepRequest(cp_degree=2, task="flow"), StepRequest(cp_degree=2),
+        StepRequest(cp_degree=2, task="flow"),
+        StepRequest(cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, caller_loss=True),
         StepRequest(qk_clip=True, mode="graph"),
         StepRequest(qk_clip=True, cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, device_type="tpu", seq_len=1000),
-        StepRequest(moe_routing="top1"), StepRequest(moe_routing="random"),
+        StepRequest(moe_routing="top1"),
+        StepRequest(moe_routing="random"),
         StepRequest(moe_routing="random", model_has_experts=False),
         StepRequest(moe_routing="random", routing_benchmark_only=True, grad_accum=2),
-        StepRequest(attn_backend="cpu_kernel", device_type="tpu"), StepRequest(attn_backend="splash"),
-        StepRequest(tp_degree=2, tp_refusal="no plan"), StepRequest(qk_clip=True, optimizer="adamw"),
+        StepRequest(attn_backend="cpu_kernel", device_type="tpu"),
+        StepRequest(attn_backend="splash"),
+        StepRequest(tp_degree=2, tp_refusal="no plan"),
+        StepRequest(qk_clip=True, optimizer="adamw"),
         StepRequest(flow_shift=3.0, flow_resolution_shift=True),
         StepRequest(initial_load_format="hf", model_has_hf_adapter=False),
     ]
@@ -135,27 +165,54 @@ def _cfg(recipe="configs/llama3_debug.toml", **overrides):
     return build_config(recipe, [(k.replace("__", "."), v) for k, v in overrides.items()])
 
 
-@pytest.mark.parametrize("overrides, device_type, pattern", [
-    # QK clip is part of the Muon step (was trainer/optim/build.py).
-    (dict(optimizer__qk_clip_tau="100"), "cpu",
-     r'^optimizer\.qk_clip_tau: > 0 is MuonClip, part of the Muon step; optimizer\.name is \'adamw\'; '
-     r'allowed: 0, or optimizer\.name = "muon"$'),
-    (dict(optimizer__name="muon", optimizer__qk_clip_tau="100", compile__mode="graph"), "cpu",
-     r"^optimizer\.qk_clip_tau: > 0 runs in the eager step only .*; allowed with compile\.mode = \"graph\": 0$"),
-    # Attention kernels that serve one device (was titan_kernels/__init__.py).
-    (dict(model__attn_backend="splash"), "cpu", r"^model\.attn_backend: splash runs on TPU only, not on cpu; "
-                                                r"allowed here: auto, sdpa, cpu_kernel$"),
-    (dict(model__attn_backend="splash"), "cuda", r"^model\.attn_backend: splash .* allowed here: auto, sdpa$"),
-    (dict(model__attn_backend="cpu_kernel"), "tpu", r"^model\.attn_backend: cpu_kernel runs on the CPU only, not "
-                                                    r"on tpu; allowed here: auto, sdpa, splash$"),
-    # HF weights for a family without hf_adapter.py (was trainer/checkpoint/initial.py, after the build).
-    (dict(model__name="tests.support.toy_family:TOY", model__flavor="debugmodel",
-          checkpoint__initial_load_path="/nonexistent", checkpoint__initial_load_format="hf"), "cpu",
-     r"^checkpoint\.initial_load_format: 'hf' is not supported for this model \(no hf_adapter\.py\); allowed: dcp$"),
-    # Two keys of [flow] (was trainer/config/load.py).
-    (dict(flow__shift="3", flow__resolution_shift="true"), "cpu",
-     r"^flow\.shift: 3\.0 with flow\.resolution_shift = true sets the shift twice; allowed: 1\.0 with "),
-])
+@pytest.mark.parametrize(
+    "overrides, device_type, pattern",
+    [
+        # QK clip is part of the Muon step (was trainer/optim/build.py).
+        (
+            dict(optimizer__qk_clip_tau="100"),
+            "cpu",
+            r"^optimizer\.qk_clip_tau: > 0 is MuonClip, part of the Muon step; optimizer\.name is \'adamw\'; "
+            r'allowed: 0, or optimizer\.name = "muon"$',
+        ),
+        (
+            dict(optimizer__name="muon", optimizer__qk_clip_tau="100", compile__mode="graph"),
+            "cpu",
+            r"^optimizer\.qk_clip_tau: > 0 runs in the eager step only .*; allowed with compile\.mode = \"graph\": 0$",
+        ),
+        # Attention kernels that serve one device (was titan_kernels/__init__.py).
+        (
+            dict(model__attn_backend="splash"),
+            "cpu",
+            r"^model\.attn_backend: splash runs on TPU only, not on cpu; "
+            r"allowed here: auto, sdpa, cpu_kernel$",
+        ),
+        (dict(model__attn_backend="splash"), "cuda", r"^model\.attn_backend: splash .* allowed here: auto, sdpa$"),
+        (
+            dict(model__attn_backend="cpu_kernel"),
+            "tpu",
+            r"^model\.attn_backend: cpu_kernel runs on the CPU only, not "
+            r"on tpu; allowed here: auto, sdpa, splash$",
+        ),
+        # HF weights for a family without hf_adapter.py (was trainer/checkpoint/initial.py, after the build).
+        (
+            dict(
+                model__name="tests.support.toy_family:TOY",
+                model__flavor="debugmodel",
+                checkpoint__initial_load_path="/nonexistent",
+                checkpoint__initial_load_format="hf",
+            ),
+            "cpu",
+            r"^checkpoint\.initial_load_format: 'hf' is not supported for this model \(no hf_adapter\.py\); allowed: dcp$",
+        ),
+        # Two keys of [flow] (was trainer/config/load.py).
+        (
+            dict(flow__shift="3", flow__resolution_shift="true"),
+            "cpu",
+            r"^flow\.shift: 3\.0 with flow\.resolution_shift = true sets the shift twice; allowed: 1\.0 with ",
+        ),
+    ],
+)
 def test_moved_refusals_are_rules_with_one_message(overrides, device_type, pattern):
     """Refusals that lived in other modules are rules: `plan_job` refuses them with one message
     naming the key (the `error:` line), and `refusals` lists exactly that one."""
@@ -185,9 +242,12 @@ def test_tp_on_an_hf_model_without_a_plan_is_a_rule(tmp_path):
     phi3 = write_config(str(tmp_path), "phi3")
     hf = dict(model__name="hf", model__flavor="config", model__hf_config=phi3)
     cfg = _cfg(**hf, parallelism__tensor_parallel_degree="2")
-    with pytest.raises(ConfigError, match=r"^parallelism\.tensor_parallel_degree: Phi3ForCausalLM's "
-                                          r"base_model_tp_plan uses style 'colwise_gather_output'.*; "
-                                          r"allowed for this model: 1$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^parallelism\.tensor_parallel_degree: Phi3ForCausalLM's "
+        r"base_model_tp_plan uses style 'colwise_gather_output'.*; "
+        r"allowed for this model: 1$",
+    ):
         plan_job(cfg, world_size=2, device_type="cpu")
     plan_job(_cfg(**hf), world_size=1, device_type="cpu")
 
@@ -220,8 +280,15 @@ def test_old_sites_assert_what_the_rules_refuse(tmp_path):
     with pytest.raises(AssertionError, match="RULES"):
         load_initial(torch.nn.Linear(2, 2), path=tmp_path, fmt="hf", hf_adapter=None)
     with pytest.raises(AssertionError, match="RULES"):
-        build_optimizer_for(torch.nn.Linear(2, 2), name="adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=0.0, qk_clip_tau=100.0)
+        build_optimizer_for(
+            torch.nn.Linear(2, 2),
+            name="adamw",
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.0,
+            qk_clip_tau=100.0,
+        )
 
 
 def _names_key(module, source: str, key: str) -> bool:

@@ -24,8 +24,14 @@ def collection(tmp_path_factory) -> list[dict]:
     """Every test of the suite (both tiers), as a fresh pytest collects it."""
     out = tmp_path_factory.mktemp("tiers") / "collection.json"
     env = {**os.environ, "TITAN_TEST_TIER": "all", "TITAN_DUMP_COLLECTION": str(out)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider",
-                        "tests"], cwd=tiers.ROOT, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=tiers.ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -41,14 +47,17 @@ def test_every_scheduled_entry_names_tests_and_default_tests_that_cover_it(colle
         assert any(fnmatch.fnmatchcase(i, entry.pattern) for i in ids), f"{entry.pattern}: matches no test"
         assert entry.covered_by and entry.why, entry
         for prefix in entry.covered_by:
-            assert any(_matches(prefix, i) for i in default), \
+            assert any(_matches(prefix, i) for i in default), (
                 f"{entry.pattern}: covered_by {prefix!r} matches no default-tier test"
+            )
 
 
 def test_every_exhaustive_test_is_in_the_table(collection):
     missing = [t["nodeid"] for t in collection if t["exhaustive"] and not t["scheduled"]]
-    assert not missing, ("marked `exhaustive` but without a tests/support/tiers.py entry naming the "
-                         f"default test that covers it: {missing}")
+    assert not missing, (
+        "marked `exhaustive` but without a tests/support/tiers.py entry naming the "
+        f"default test that covers it: {missing}"
+    )
 
 
 def estimate_wall(durations: dict[str, float], nodeids: list[str], workers: int) -> tuple[float, list[str]]:
@@ -82,9 +91,11 @@ def test_the_default_tier_fits_its_budget(collection):
     durations = json.loads(tiers.DURATIONS.read_text())
     default = [t["nodeid"] for t in collection if not t["scheduled"] and not t["exhaustive"]]
     wall, unrecorded = estimate_wall(durations, default, tiers.WORKERS)
-    assert len(unrecorded) <= UNRECORDED_MAX, \
+    assert len(unrecorded) <= UNRECORDED_MAX, (
         f"{len(unrecorded)} default-tier tests have no recorded duration: rerun scripts/test.sh --all --record"
+    )
     assert wall <= tiers.BUDGET_S, (
         f"the default tier's estimated wall time is {wall / 60:.1f} min on {tiers.WORKERS} workers, above its "
         f"{tiers.BUDGET_S / 60:.0f}-minute budget: move matrix points to the scheduled tier (tests/support/tiers.py, "
-        f"naming the default test that covers each) or make tests cheaper")
+        f"naming the default test that covers each) or make tests cheaper"
+    )

@@ -108,17 +108,20 @@ def test_llama3_sized_file_gives_llama3_ids(tmp_path):
     assert tok.decode(tok.encode(TEXTS[2], bos=False, eos=False)) == TEXTS[2]
 
 
-@pytest.mark.parametrize("content,needle", [
-    (None, "does not exist"),
-    (b"", "no ranks"),
-    (b"\x89PNG\r\n\x1a\n\x00\x00binary", "line 1"),
-    (b'{"model": {"type": "BPE", "vocab": {}}}\n', "line 1"),
-    (b"IQ== 0 extra\n", "line 1"),
-    (b"!!!notbase64 0\n", "line 1"),
-    (b"IQ== zero\n", "line 1"),
-    (b"IQ== 0\nIg== 0\n", "repeats"),
-    (b"IQ== 0\nIg== 1\n", "single-byte"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (None, "does not exist"),
+        (b"", "no ranks"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00binary", "line 1"),
+        (b'{"model": {"type": "BPE", "vocab": {}}}\n', "line 1"),
+        (b"IQ== 0 extra\n", "line 1"),
+        (b"!!!notbase64 0\n", "line 1"),
+        (b"IQ== zero\n", "line 1"),
+        (b"IQ== 0\nIg== 0\n", "repeats"),
+        (b"IQ== 0\nIg== 1\n", "single-byte"),
+    ],
+)
 def test_bad_files_raise_config_error(tmp_path, content, needle):
     path = tmp_path / "bad.tiktoken"
     if content is not None:
@@ -149,14 +152,16 @@ def test_bundled_bpe_is_reproducible(tmp_path):
 
 # --- Hugging Face tokenizer.json (byte-level BPE) ---------------------------------------------
 
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 MULTILINGUAL = TEXTS + [
     "Die Würde des Menschen ist unantastbar. 人人生而自由，在尊严和权利上一律平等。",
     "كل إنسان له الحق في الحياة والحرية. हर व्यक्ति को जीवन का अधिकार है।",
     "Cafe\u0301 vs Café (NFD vs NFC), ﬁ ligature, １２３ full-width digits, 12345678 and 3.14159",
     "한국어 문장입니다. Türkçe İstanbul ıı, Tiếng Việt có dấu.",
-    "    for i in range(10):\n        print(f\"{i:>4}\")  # 🚀\n",
+    '    for i in range(10):\n        print(f"{i:>4}")  # 🚀\n',
 ]
 
 
@@ -168,18 +173,26 @@ def _train_hf_bpe(tmp_path, *, qwen_style: bool):
     tok = tokenizers.Tokenizer(models.BPE())
     if qwen_style:  # Qwen 2/3's layout: NFC, an isolated regex split, then ByteLevel without regex
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(QWEN_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     else:  # GPT-2's layout: ByteLevel with its built-in regex
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         specials = ["<|begin_of_text|>", "<|end_of_text|>"]
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = MULTILINGUAL * 20 + [open(os.path.join(os.path.dirname(BUNDLED_BPE_PATH), "..", "corpus",
-                                                    "README.md"), encoding="utf-8").read()]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = MULTILINGUAL * 20 + [
+        open(os.path.join(os.path.dirname(BUNDLED_BPE_PATH), "..", "corpus", "README.md"), encoding="utf-8").read()
+    ]
     tok.train_from_iterator(corpus, trainer=trainer)
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
@@ -204,7 +217,8 @@ def test_tokenizer_json_ids_equal_reference(tmp_path, qwen_style):
         assert ours.encode(text, bos=False, eos=False) == expected, text
         assert ours.decode(expected) == ref.decode(expected, skip_special_tokens=False), text
     assert ours.encode_batch(held_out, bos=False, eos=True) == [
-        ref.encode(t, add_special_tokens=False).ids + [ours.eos_id] for t in held_out]
+        ref.encode(t, add_special_tokens=False).ids + [ours.eos_id] for t in held_out
+    ]
     if qwen_style:  # Qwen: no BOS, EOS is <|endoftext|> with the file's id
         assert ours.bos_id is None and ours.eos_id == ref.token_to_id("<|endoftext|>")
         assert ours.encode("a", bos=True, eos=False) == ours.encode("a", bos=False, eos=False)

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +21,15 @@ import torch
 from models.errors import ConfigError
 from trainer.runtime import tpu_env
 from trainer.runtime.profiler import profile_step, profiler_plan
-from trainer.runtime.tpu_env import (BUNDLES, FLAG_BUNDLES, TIER2_CACHE_VAR, TIER3_CACHE_VAR, CacheMissCounter,
-                                     merge_flags, tpu_runtime_env)
+from trainer.runtime.tpu_env import (
+    BUNDLES,
+    FLAG_BUNDLES,
+    TIER2_CACHE_VAR,
+    TIER3_CACHE_VAR,
+    CacheMissCounter,
+    merge_flags,
+    tpu_runtime_env,
+)
 
 CF = "--xla_tpu_enable_async_collective_fusion=true"
 
@@ -51,26 +56,38 @@ def test_a_bundle_per_generation_each_flag_with_its_source():
     # The scoped VMEM limit never exceeds the core's VMEM (v6e 128 MiB, v7x 64 MiB:
     # jax/_src/pallas/mosaic/tpu_info.py); v4/v5e/v5p keep libtpu's default.
     vmem = {n: [f for f in b.libtpu_init_args if "scoped_vmem_limit_kib" in f] for n, b in BUNDLES.items()}
-    assert vmem == {"v4": [], "v5e": [], "v5p": [], "v6e": ["--xla_tpu_scoped_vmem_limit_kib=98304"],
-                    "v7x": ["--xla_tpu_scoped_vmem_limit_kib=65536"]}
+    assert vmem == {
+        "v4": [],
+        "v5e": [],
+        "v5p": [],
+        "v6e": ["--xla_tpu_scoped_vmem_limit_kib=98304"],
+        "v7x": ["--xla_tpu_scoped_vmem_limit_kib=65536"],
+    }
 
 
 def test_config_choices_are_the_bundles():
-    from trainer.config import DeviceConfig
     import dataclasses
+
+    from trainer.config import DeviceConfig
 
     field = next(f for f in dataclasses.fields(DeviceConfig) if f.name == "flag_bundle")
     assert field.metadata["choices"] == FLAG_BUNDLES == ("auto", "none", *BUNDLES)
 
 
 def test_auto_takes_the_generations_bundle_and_the_recipe_and_environment_override_it():
-    out = _env(libtpu_init_args=["--xla_tpu_scoped_vmem_limit_kib=65536", "--xla_foo=1"],
-               environ={"LIBTPU_INIT_ARGS": "--xla_foo=2 --xla_bar"})
+    out = _env(
+        libtpu_init_args=["--xla_tpu_scoped_vmem_limit_kib=65536", "--xla_foo=1"],
+        environ={"LIBTPU_INIT_ARGS": "--xla_foo=2 --xla_bar"},
+    )
     flags = out.env["LIBTPU_INIT_ARGS"].split()
     # Bundle order first, then new names; the recipe replaced the bundle's VMEM value, the
     # environment the recipe's --xla_foo.
-    assert flags == [*BUNDLES["v6e"].libtpu_init_args[:-1], "--xla_tpu_scoped_vmem_limit_kib=65536",
-                     "--xla_foo=2", "--xla_bar"]
+    assert flags == [
+        *BUNDLES["v6e"].libtpu_init_args[:-1],
+        "--xla_tpu_scoped_vmem_limit_kib=65536",
+        "--xla_foo=2",
+        "--xla_bar",
+    ]
     assert "XLA_FLAGS" not in out.env
     assert any("bundle v6e" in line for line in out.notes)
 
@@ -90,8 +107,11 @@ def test_merging_is_idempotent_so_a_launcher_may_export_it_first():
 
 
 def test_a_bundle_of_another_generation_is_refused():
-    with pytest.raises(ConfigError, match=r"^device\.flag_bundle: 'v6e' is recorded for v6e, and this host is v5p; "
-                                          r"allowed here: auto, none, v5p$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^device\.flag_bundle: 'v6e' is recorded for v6e, and this host is v5p; "
+        r"allowed here: auto, none, v5p$",
+    ):
         _env(flag_bundle="v6e", generation="v5p")
 
 
@@ -108,16 +128,20 @@ def test_flag_names_are_checked_against_the_runtime_library(tmp_path):
     lib.write_bytes(b"\0garbage\0" + b"\0".join(n.encode() for n in sorted(names)) + b"\0my_xla_tail_flag\0")
     ok = _env(libraries=[lib], libtpu_init_args=["--xla_tail_flag=1"])
     assert "--xla_tail_flag=1" in ok.env["LIBTPU_INIT_ARGS"]
-    with pytest.raises(ConfigError, match=r"^device\.libtpu_init_args: '--xla_tpu_scoped_vmem_limit=1' is not a flag "
-                                          r"of the installed TPU runtime"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^device\.libtpu_init_args: '--xla_tpu_scoped_vmem_limit=1' is not a flag "
+        r"of the installed TPU runtime",
+    ):
         _env(libraries=[lib], libtpu_init_args=["--xla_tpu_scoped_vmem_limit=1"])
     with pytest.raises(ConfigError, match=r"^LIBTPU_INIT_ARGS \(bundle or environment\): '--typo_flag'"):
         _env(libraries=[lib], environ={"LIBTPU_INIT_ARGS": "--typo_flag"})
 
 
 def test_nothing_is_set_on_cpu_and_the_settings_are_named():
-    out = tpu_runtime_env(device_type="cpu", generation=None, flag_bundle="v6e", libtpu_init_args=["--a=1"],
-                          cache_dir="/x", environ={})
+    out = tpu_runtime_env(
+        device_type="cpu", generation=None, flag_bundle="v6e", libtpu_init_args=["--a=1"], cache_dir="/x", environ={}
+    )
     assert out.env == {}
     assert out.notes == ["titan-tpu: flag_bundle, libtpu_init_args, cache_dir not applied on cpu (TPU only)"]
     assert tpu_runtime_env(device_type="cuda", generation=None, environ={}).notes == []
@@ -150,7 +174,9 @@ def test_cache_miss_counter_reports_growth_only():
     counter = CacheMissCounter("tpu", read=lambda: next(reads))
     assert counter.total == 5
     line = counter.step_done(1)
-    assert line == "titan-tpu: compile cache misses at step 1: +4 (total 9)" and line.startswith(tpu_env.CACHE_MISS_LINE)
+    assert line == "titan-tpu: compile cache misses at step 1: +4 (total 9)" and line.startswith(
+        tpu_env.CACHE_MISS_LINE
+    )
     assert counter.step_done(2) is None and counter.total == 9
     assert counter.step_done(3) == "titan-tpu: compile cache misses at step 3: +1 (total 10)"
     off = CacheMissCounter("cpu")
@@ -191,8 +217,10 @@ def test_tpu_profiling_uses_torch_tpus_profiler_config():
     plan = profiler_plan("tpu", folder="/out/step-3", rank=5, tpu_module=fake_tpu)
     assert _FakeTpuProfilerConfig.calls[-1] == {"run_dir": "/out/step-3", "worker_rank": "5"}
     assert isinstance(plan.kwargs["experimental_config"], _FakeTpuProfilerConfig)
-    assert plan.kwargs["activities"] == [torch.profiler.ProfilerActivity.CPU,
-                                         torch.profiler.ProfilerActivity.PrivateUse1]
+    assert plan.kwargs["activities"] == [
+        torch.profiler.ProfilerActivity.CPU,
+        torch.profiler.ProfilerActivity.PrivateUse1,
+    ]
     assert not plan.chrome_trace
 
 
@@ -220,6 +248,7 @@ def test_compile_mode_traces_each_block_under_the_annotation():
         def wrapper(*args, **kwargs):
             with torch.fx.traceback.annotate({"spmd_safe": True}):
                 return fn(*args, **kwargs)
+
         return wrapper
 
     graphs = []
@@ -295,8 +324,14 @@ def test_graph_step_takes_the_lr_as_an_input():
         step(data, lr)
     assert step.capture.num_graphs == 1
     gm = step.graph_module
-    scalars = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-               and n.meta["val"].dim() == 0 and n.meta["val"].dtype == torch.float32]
+    scalars = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "placeholder"
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and n.meta["val"].dim() == 0
+        and n.meta["val"].dtype == torch.float32
+    ]
     assert scalars, "no 0-dim fp32 input"
     constants = [a for n in gm.graph.nodes for a in (*n.args, *n.kwargs.values()) if isinstance(a, float)]
     assert not any(c == pytest.approx(lr, rel=1e-9) for c in constants for lr in lrs), constants
@@ -313,5 +348,6 @@ def test_bad_flag_bundle_is_one_error_line_exit_2():
     with contextlib.redirect_stderr(err):
         code = main(["--device.flag_bundle=v9", "--print-config"])
     assert code == 2
-    assert err.getvalue() == ("error: device.flag_bundle: 'v9' is not allowed; allowed: auto, none, v4, v5e, v5p, "
-                              "v6e, v7x\n")
+    assert err.getvalue() == (
+        "error: device.flag_bundle: 'v9' is not allowed; allowed: auto, none, v4, v5e, v5p, v6e, v7x\n"
+    )

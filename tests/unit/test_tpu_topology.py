@@ -32,8 +32,12 @@ def _recipe(name: str) -> str:
 
 def test_topologies_of_the_planner_targets():
     v6e = tt.topology_of("v6e-256")
-    assert (v6e.chips, v6e.physical_shape, v6e.wrap, v6e.device_kind) == ((16, 16, 1), (16, 16, 1),
-                                                                         (True, True, False), "TPU v6 lite")
+    assert (v6e.chips, v6e.physical_shape, v6e.wrap, v6e.device_kind) == (
+        (16, 16, 1),
+        (16, 16, 1),
+        (True, True, False),
+        "TPU v6 lite",
+    )
     assert str(v6e) == "v6e-256 (16x16 chips, wraparound on x/y)"
     v7x = tt.topology_of("v7x-256")  # 256 TensorCores = 128 chips, two devices each
     assert (v7x.chips, v7x.physical_shape, v7x.devices) == ((4, 4, 8), (4, 4, 8, 2), 256)
@@ -51,9 +55,17 @@ def test_the_deviceless_compile_topologies_come_from_the_grids():
     import planner
     from tools.tpu_compile import topology_name
 
-    expected = {"v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-256": "v6e:16x16", "v5e-4": "v5e:2x2",
-                "v5p-128": "v5p:4x4x4", "v7x-8": "tpu7x:2x2x1", "v7x-256": "tpu7x:4x4x8", "v7x-512": "tpu7x:4x8x8",
-                "v7x-1024": "tpu7x:8x8x8"}
+    expected = {
+        "v6e-8": "v6e:2x4",
+        "v6e-16": "v6e:4x4",
+        "v6e-256": "v6e:16x16",
+        "v5e-4": "v5e:2x2",
+        "v5p-128": "v5p:4x4x4",
+        "v7x-8": "tpu7x:2x2x1",
+        "v7x-256": "tpu7x:4x4x8",
+        "v7x-512": "tpu7x:4x8x8",
+        "v7x-1024": "tpu7x:8x8x8",
+    }
     for name, topology in expected.items():
         assert topology_name(planner.parse_target(name)) == topology, name
 
@@ -71,7 +83,8 @@ def test_v6e_128k_shapes_map_only_with_split_axes(shape, cp):
     assert str(e.value) == (
         f"parallelism.context_parallel_degree: cp = {cp} is not a product of whole physical axes of v6e-256 "
         "(16x16 chips, wraparound on x/y) (left after the inner axes: 16x16x-); torch-tpu's topology_aware_mesh "
-        "maps each mesh axis onto whole axes unless allowed to split one; allowed without a split: 1, 16, 256")
+        "maps each mesh axis onto whole axes unless allowed to split one; allowed without a split: 1, 16, 256"
+    )
     layout = tt.map_mesh(topo, shape)
     assert layout.split and layout.method == "split axes"
     fsdp = shape[1]
@@ -118,13 +131,16 @@ def test_a_shape_that_cannot_map_is_refused_with_the_key_and_the_slice():
     topo = tt.topology_of("v6e-256")
     with pytest.raises(ConfigError) as e:
         tt.map_mesh(topo, (1, 64, 2, 1))  # 128 devices on a 256-device slice: no layout at all
-    assert str(e.value) == ("parallelism: the mesh (1, 64, 2, 1) has 128 devices but v6e-256 (16x16 chips, "
-                            "wraparound on x/y) has 256; allowed: degrees whose product is 256")
+    assert str(e.value) == (
+        "parallelism: the mesh (1, 64, 2, 1) has 128 devices but v6e-256 (16x16 chips, "
+        "wraparound on x/y) has 256; allowed: degrees whose product is 256"
+    )
     # and the split search names the axis when the factors left cannot make it
     with pytest.raises(tt.UnmappableAxis) as e:
         tt._split_axes((16, 16, 1), (1, 3, 1, 1), tt.MESH_AXES, topo)
-    assert str(e.value).startswith("parallelism.data_parallel_shard_degree: dp_shard = 3 does not fit the devices "
-                                   "left on v6e-256")
+    assert str(e.value).startswith(
+        "parallelism.data_parallel_shard_degree: dp_shard = 3 does not fit the devices left on v6e-256"
+    )
 
 
 def test_topology_from_the_launcher_variable():
@@ -132,7 +148,9 @@ def test_topology_from_the_launcher_variable():
     assert (t.chips, t.devices) == ((2, 4, 1), 8)
     t = tt.topology_from_env("v7x", {"TORCH_TPU_TOPOLOGY": "2,2,1,2"})
     assert (t.physical_shape, t.devices) == ((2, 2, 1, 2), 8)
-    assert tt.topology_from_env("v6e", {}) is None and tt.topology_from_env(None, {"TORCH_TPU_TOPOLOGY": "2,4,1"}) is None
+    assert (
+        tt.topology_from_env("v6e", {}) is None and tt.topology_from_env(None, {"TORCH_TPU_TOPOLOGY": "2,4,1"}) is None
+    )
     assert tt.topology_from_env("v6e", {"TORCH_TPU_TOPOLOGY": "2,x"}) is None
 
 
@@ -146,8 +164,12 @@ def _fake_tpu(monkeypatch, behaviour):
         calls.append(kwargs.get("allow_split_physical_axes", False))
         return behaviour(shape, calls[-1])
 
-    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(distributed=types.SimpleNamespace(
-        topology_aware_mesh=topology_aware_mesh)), raising=False)
+    monkeypatch.setattr(
+        torch,
+        "tpu",
+        types.SimpleNamespace(distributed=types.SimpleNamespace(topology_aware_mesh=topology_aware_mesh)),
+        raising=False,
+    )
     return calls
 
 
@@ -180,11 +202,15 @@ def test_plan_job_lays_out_the_tpu_mesh_before_building(monkeypatch):
     plan = plan_job(build_config(_recipe("llama3_8b_128k_v6e.toml")), world_size=256, device_type="tpu")
     assert plan.tpu_mesh.split
     banner = plan.tpu_mesh.banner()
-    assert banner[0] == ("titan-tpu: mesh on v6e-256 (16x16 chips, wraparound on x/y): fsdp 64 <- x[::4]*y (split), "
-                         "cp 4 <- x[:4] (split, no wraparound) (torch-tpu's layout: needs allow_split_physical_axes=True)")
+    assert banner[0] == (
+        "titan-tpu: mesh on v6e-256 (16x16 chips, wraparound on x/y): fsdp 64 <- x[::4]*y (split), "
+        "cp 4 <- x[:4] (split, no wraparound) (torch-tpu's layout: needs allow_split_physical_axes=True)"
+    )
     assert any("4 consecutive of the 16 along x" in line for line in banner[1:])
     # not a TPU, or a world the target's slice does not describe: nothing is known yet
-    assert plan_job(build_config(_recipe("llama3_8b_128k_v6e.toml")), world_size=256, device_type="cpu").tpu_mesh is None
+    assert (
+        plan_job(build_config(_recipe("llama3_8b_128k_v6e.toml")), world_size=256, device_type="cpu").tpu_mesh is None
+    )
     dims = pd.ParallelDims(dp_shard=-1, cp=2, world_size=8)
     assert pd.tpu_mesh_layout(dims, target="v6e-256", env={}) is None
     # on a TPU host: the launcher's slice, when it is the whole world
@@ -196,8 +222,12 @@ def test_plan_job_refuses_a_mesh_torch_tpu_cannot_lay_out(monkeypatch):
     from trainer.job import plan_job
 
     def refuse(topology, shape, **_):
-        raise tt.UnmappableAxis(f"parallelism.context_parallel_degree: cp = {shape[2]} ... on {topology}",
-                                axis="cp", size=shape[2], split=True)
+        raise tt.UnmappableAxis(
+            f"parallelism.context_parallel_degree: cp = {shape[2]} ... on {topology}",
+            axis="cp",
+            size=shape[2],
+            split=True,
+        )
 
     monkeypatch.setattr(tt, "map_mesh", refuse)
     with pytest.raises(ConfigError, match=r"^parallelism.context_parallel_degree: cp = 4 \.\.\. on v6e-256"):
@@ -254,8 +284,11 @@ def test_recipe_check_reports_the_tpu_mesh_from_the_port_or_torch_tpu():
     tpu_mesh_check(cfg, report, {case: {"whole": whole_error, "split": {"ids": ids[::-1]}, "version": "0.2.0"}})
     assert report.tpu_mesh == "built by torch-tpu 0.2.0 (split axes) [port disagrees]"
     with pytest.raises(ConfigError, match="torch-tpu 0.2.0 cannot lay out the mesh"):
-        tpu_mesh_check(cfg, RecipeCheck(recipe="r"),
-                       {case: {"whole": whole_error, "split": {"error": "TypeError: x"}, "version": "0.2.0"}})
+        tpu_mesh_check(
+            cfg,
+            RecipeCheck(recipe="r"),
+            {case: {"whole": whole_error, "split": {"error": "TypeError: x"}, "version": "0.2.0"}},
+        )
 
 
 def test_target_names_read_here_agree_with_the_planner():

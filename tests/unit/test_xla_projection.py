@@ -213,10 +213,12 @@ def test_suite_bound_from_two_programs(tmp_path):
     two = tmp_path / "two.txt"
     two.write_text(HLO.replace('"known_trip_count":{"n":"3"}', '"known_trip_count":{"n":"6"}'))
     ici = xp.load_ici()["v6e"]
-    costs = [{"hlo": str(p), "devices": 8, "tokens": 100.0, "kernel_cost": {"flops": 0.0, "bytes": 0.0}}
-             for p in (one, two)]
-    kw = dict(generation="v6e", peak=1e12, hbm=1e9, flops_per_token={"palm": 2.0, "causal": 1.0},
-              target_devices=256, ici=ici)
+    costs = [
+        {"hlo": str(p), "devices": 8, "tokens": 100.0, "kernel_cost": {"flops": 0.0, "bytes": 0.0}} for p in (one, two)
+    ]
+    kw = dict(
+        generation="v6e", peak=1e12, hbm=1e9, flops_per_token={"palm": 2.0, "causal": 1.0}, target_devices=256, ici=ici
+    )
     a = suite.program_times(costs[0], peak=1e12, hbm=1e9, ici=ici, target_devices=256)
     b = suite.program_times(costs[1], peak=1e12, hbm=1e9, ici=ici, target_devices=256)
     r = suite.hlo_bound(*costs, n_layers=5, model_flops=1.0, **kw)
@@ -280,7 +282,11 @@ def test_ring_permutes_in_opposite_directions_overlap():
     back = xp.Collective("b", "collective-permute", 2e9, 2, ("fsdp",), 1, direction=-1)
     comm = xp.comm_by_axis([fwd, back], ici=ici, axis_dims={"fsdp": 2})
     assert comm["fsdp"] == pytest.approx(3e9 / 100e9)  # max(3 x 1e9, 2e9) over one link direction
-    hlo = xp.parse_hlo(HLO.replace("source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
-                                   "source_target_pairs={{0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}"))
+    hlo = xp.parse_hlo(
+        HLO.replace(
+            "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+            "source_target_pairs={{0,7},{1,0},{2,1},{3,2},{4,3},{5,4},{6,5},{7,6}}",
+        )
+    )
     perm = next(c for c in xp.collectives(hlo, MESH) if c.kind == "collective-permute")
     assert perm.direction == -1

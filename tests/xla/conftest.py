@@ -108,8 +108,14 @@ class Probe:
     def __init__(self, venv: str, probe: str, *args: str, timeout: float = 600):
         self.name = f"{probe} {' '.join(args)}"
         self.timeout = timeout
-        self.proc = subprocess.Popen([str(xla_python(venv)), str(PROBES / probe), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=_probe_env(), cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [str(xla_python(venv)), str(PROBES / probe), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_probe_env(),
+            cwd=ROOT,
+        )
         self._result = None
 
     def result(self) -> dict:
@@ -122,8 +128,11 @@ class Probe:
                 pytest.fail(f"probe {self.name} timed out after {self.timeout} s\n{stderr[-4000:]}", pytrace=False)
             if self.proc.returncode != 0:
                 # rc 134 (SIGABRT) is what a stray TPU initialisation does on a host without a TPU.
-                pytest.fail(f"probe {self.name} exited {self.proc.returncode}\n--- stdout\n{stdout[-4000:]}"
-                            f"\n--- stderr\n{stderr[-8000:]}", pytrace=False)
+                pytest.fail(
+                    f"probe {self.name} exited {self.proc.returncode}\n--- stdout\n{stdout[-4000:]}"
+                    f"\n--- stderr\n{stderr[-8000:]}",
+                    pytrace=False,
+                )
             lines = [ln for ln in stdout.splitlines() if ln.strip()]
             assert lines, f"probe {self.name} printed nothing; stderr:\n{stderr[-4000:]}"
             self._result = json.loads(lines[-1])
@@ -155,11 +164,17 @@ def _xla_tier_start(request):
     """Before the tier's first test: start making every venv the selected tests need (in
     threads, so pip overlaps the probes), and start the torch-tpu probe as soon as its venv is
     ready, beside the lowering probe (2 cores: one probe each)."""
-    used = {f for item in request.session.items if Path(str(item.fspath)).is_relative_to(Path(__file__).parent)
-            for f in getattr(item, "fixturenames", ()) if f in _FIXTURE_VENVS}
+    used = {
+        f
+        for item in request.session.items
+        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent)
+        for f in getattr(item, "fixturenames", ())
+        if f in _FIXTURE_VENVS
+    }
     for venv in sorted({v for f in used for v in _FIXTURE_VENVS[f]}):
         start_venv(venv)
     if "torch_tpu_path" in used:
+
         def start():
             _VENV_THREADS["ttpu"].join()
             if "ttpu" in _VENVS:

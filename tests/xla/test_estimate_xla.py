@@ -28,9 +28,19 @@ pytestmark = pytest.mark.xla
 
 def _estimate(ac_mode: str) -> dict:
     xla_python("ttpu")  # made (once) by the tier's venv threads
-    cmd = [sys.executable, str(ROOT / "scripts" / "estimate_xla.py"), "--target", "v6e-4", "--json",
-           "--config", str(ROOT / "configs" / "llama3_debug.toml"), "--model.n_layers=2",
-           "--training.local_batch_size=2", "--training.seq_len=512", f"--activation_checkpoint.mode={ac_mode}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "estimate_xla.py"),
+        "--target",
+        "v6e-4",
+        "--json",
+        "--config",
+        str(ROOT / "configs" / "llama3_debug.toml"),
+        "--model.n_layers=2",
+        "--training.local_batch_size=2",
+        "--training.seq_len=512",
+        f"--activation_checkpoint.mode={ac_mode}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-6000:]
@@ -102,8 +112,11 @@ def test_checkpointing_survives_xla_cse(estimate, model_args):
     args, s = model_args, model_args.shape()
     with torch.device("meta"):
         model = get_model_family("llama3").model_cls(args)
-    recomputed_params = sum(p.numel() for n, p in model.named_parameters()
-                            if n.startswith("layers.") and p.dim() == 2 and not n.endswith(("wo.weight", "w2.weight")))
+    recomputed_params = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if n.startswith("layers.") and p.dim() == 2 and not n.endswith(("wo.weight", "w2.weight"))
+    )
     recompute = 2.0 * recomputed_params * estimate["tokens_per_device_step"]
     gained = full["compiler_cost"]["flops"] - estimate["compiler_cost"]["flops"]
     # The recomputed ops also redo their elementwise work (norms, RoPE, SiLU): 14 % more here.

@@ -24,10 +24,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import urllib.request
 
 import pytest
+import tomllib
 
 from tests.e2e.test_install import normalize, read_pins
 from tests.xla.conftest import ROOT, xla_python
@@ -63,20 +63,58 @@ def test_pins_resolve_for_cp311(tmp_path):
     if not _pypi_reachable():
         pytest.skip(f"{INDEX} is not reachable: the pins cannot be resolved here")
     env = _isolated_pip_env()
-    got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                          "--index-url", INDEX, "-d", str(tmp_path), PIP], env=env, capture_output=True, text=True,
-                         timeout=120)
+    got = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--index-url",
+            INDEX,
+            "-d",
+            str(tmp_path),
+            PIP,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert got.returncode == 0, got.stderr[-2000:]
     (wheel,) = tmp_path.glob("pip-*.whl")
     report = tmp_path / "report.json"
     requirements = _requirements()
-    out = subprocess.run([sys.executable, f"{wheel}/pip", "install", "--dry-run", "--ignore-installed", "-q",
-                          "--report", str(report), "--python-version", "3.11", "--only-binary=:all:",
-                          "--index-url", INDEX, "-c", str(ROOT / "constraints" / "tpu.txt"), *requirements],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            f"{wheel}/pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "-q",
+            "--report",
+            str(report),
+            "--python-version",
+            "3.11",
+            "--only-binary=:all:",
+            "--index-url",
+            INDEX,
+            "-c",
+            str(ROOT / "constraints" / "tpu.txt"),
+            *requirements,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, f"pip could not resolve {requirements} under constraints/tpu.txt:\n{out.stderr[-4000:]}"
-    resolved = {normalize(i["metadata"]["name"]): i["metadata"]["version"]
-                for i in json.loads(report.read_text())["install"]}
+    resolved = {
+        normalize(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+    }
     assert {name: resolved.get(name) for name in PINS} == PINS
     # every source is PyPI's (no local folder or mirror answered)
     urls = {i["download_info"]["url"].split("/packages/")[0] for i in json.loads(report.read_text())["install"]}
@@ -84,8 +122,7 @@ def test_pins_resolve_for_cp311(tmp_path):
 
 
 def test_ttpu_venv_matches_the_pins():
-    code = ("import json, sys, importlib.metadata as m; "
-            "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))")
+    code = "import json, sys, importlib.metadata as m; print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
     out = subprocess.run([str(xla_python("ttpu")), "-c", code, *PINS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     installed = {name: version.split("+")[0] for name, version in json.loads(out.stdout).items()}

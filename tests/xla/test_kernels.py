@@ -28,7 +28,7 @@ import pytest
 
 pytestmark = pytest.mark.xla
 
-U_FP32 = 2.0 ** -24
+U_FP32 = 2.0**-24
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "v7x")
 KERNELS = ("splash", "gmm", "fused_ce")
 RUNTIME_LIBTPU = "0.0.52"  # what torch-tpu 0.2.0 pins (its wheel's metadata; scripts/xla_env.sh ttpu)
@@ -85,8 +85,13 @@ def compiled(probe):
 
 def test_deviceless_tpu_compile_per_generation_with_the_runtime_libtpu(compiled):
     assert compiled["versions"]["libtpu"] == RUNTIME_LIBTPU, compiled["versions"]
-    assert compiled["devices"] == {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite",
-                                   "v7x": "TPU7x"}
+    assert compiled["devices"] == {
+        "v4": "TPU v4",
+        "v5e": "TPU v5 lite",
+        "v5p": "TPU v5",
+        "v6e": "TPU v6 lite",
+        "v7x": "TPU7x",
+    }
     # Mosaic calls in the compiled program: splash forward + fused backward; its backward op
     # from residuals: the backward kernel alone; gmm: gmm, gmm (dx), tgmm (dw); the loss: 3.
     expected = {"splash": 2, "splash_bwd": 1, "gmm": 3, "fused_ce": 3, "fused_ce_8b": 3}
@@ -118,8 +123,18 @@ def test_torch_tpu_jax_op_registration(probe):
     jax_op, and each model-op implementation runs forward and backward on fake tensors (shapes
     and dtypes from jax_op's fake kernels, i.e. `jax.export` of the kernels for TPU)."""
     result = probe("ttpu", "kernels_register.py")
-    expected = {"splash_fwd", "splash_bwd", "splash_seg_fwd", "splash_seg_bwd", "gmm", "gmm_bwd", "gmm_t",
-                "gmm_t_bwd", "linear_ce_fwd", "linear_ce_bwd"}
+    expected = {
+        "splash_fwd",
+        "splash_bwd",
+        "splash_seg_fwd",
+        "splash_seg_bwd",
+        "gmm",
+        "gmm_bwd",
+        "gmm_t",
+        "gmm_t_bwd",
+        "linear_ce_fwd",
+        "linear_ce_bwd",
+    }
     assert expected <= set(result["ops"]), result["ops"]
     for name, status in result["checks"].items():
         assert status == "ok", f"{name}: {status}"
@@ -134,10 +149,34 @@ def test_sweep_compile_mode_compiles_candidates_and_writes_the_table(tmp_path):
     from tests.xla.conftest import ROOT, _probe_env, xla_python
 
     out = tmp_path / "tiles.toml"
-    run = subprocess.run([str(xla_python("ttpu")), str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"), "--mode", "compile",
-                          "--generation", "v5e", "--kernel", "fused_ce", "--shape-class", "d4096", "--ce-rows", "1024",
-                          "--vocab", "4096", "--max-candidates", "2", "--out", str(out), "--json"],
-                         capture_output=True, text=True, env=_probe_env(), cwd=ROOT, timeout=600)
+    run = subprocess.run(
+        [
+            str(xla_python("ttpu")),
+            str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"),
+            "--mode",
+            "compile",
+            "--generation",
+            "v5e",
+            "--kernel",
+            "fused_ce",
+            "--shape-class",
+            "d4096",
+            "--ce-rows",
+            "1024",
+            "--vocab",
+            "4096",
+            "--max-candidates",
+            "2",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=_probe_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     (result,) = json.loads(run.stdout.strip().splitlines()[-1])["results"]
     assert len(result["candidates"]) == 2

@@ -19,11 +19,15 @@ from tests.xla.conftest import ROOT, _probe_env, run_probe, xla_python
 
 pytestmark = pytest.mark.xla
 
-NODE_RANK_ERROR = ("error: launch: python -m torch.tpu.distributed failed (exit 1): ValueError: set_tpu_launch_env(): "
-                   "expected either TPU device coordinates together with environment variable TORCH_TPU_TOPOLOGY, or "
-                   "environment variable JOB_COMPLETION_INDEX")
-NO_TPU_ERROR = ("error: launch: python -m torch.tpu.distributed failed (exit 1): ValueError: set_tpu_launch_env(): "
-                "expected TPU devices, got none")
+NODE_RANK_ERROR = (
+    "error: launch: python -m torch.tpu.distributed failed (exit 1): ValueError: set_tpu_launch_env(): "
+    "expected either TPU device coordinates together with environment variable TORCH_TPU_TOPOLOGY, or "
+    "environment variable JOB_COMPLETION_INDEX"
+)
+NO_TPU_ERROR = (
+    "error: launch: python -m torch.tpu.distributed failed (exit 1): ValueError: set_tpu_launch_env(): "
+    "expected TPU devices, got none"
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +39,14 @@ def _addresses(hosts: list[str], per_host: int) -> str:
     return ",".join(f"{h}:{8070 + i}" for h in hosts for i in range(per_host))
 
 
-@pytest.mark.parametrize("name, hosts, worker", [
-    ("tpu-vm v5p-16, 2 hosts, worker 1", ["10.0.0.2", "10.0.0.3"], 1),
-    ("tpu-vm v6e-16, 4 hosts, worker 2", ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"], 2),
-    ("gke v6e-16, 4 hosts, JOB_COMPLETION_INDEX 3", ["w0.job", "w1.job", "w2.job", "w3.job"], 3),
-])
+@pytest.mark.parametrize(
+    "name, hosts, worker",
+    [
+        ("tpu-vm v5p-16, 2 hosts, worker 1", ["10.0.0.2", "10.0.0.3"], 1),
+        ("tpu-vm v6e-16, 4 hosts, worker 2", ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"], 2),
+        ("gke v6e-16, 4 hosts, JOB_COMPLETION_INDEX 3", ["w0.job", "w1.job", "w2.job", "w3.job"], 3),
+    ],
+)
 def test_multi_host_env_from_real_torch_tpu(launch_env, name, hosts, worker):
     after = launch_env["cases"][name]["after"]
     assert "error" not in after, after
@@ -90,11 +97,29 @@ def test_single_host_plan_and_torch_tpu_refusal_without_a_tpu(launch_env, name, 
 def test_cli_reports_torch_tpu_failure_as_one_error_line():
     """`python -m trainer.launch` in the ttpu venv, one simulated GKE host, no TPU: exit 2 and
     exactly one stderr line carrying torch-tpu's message (was a CalledProcessError traceback)."""
-    env = {k: v for k, v in _probe_env().items()
-           if not k.startswith(("TPU_WORKER", "JOB_COMPLETION", "NODE_RANK", "NNODES", "MASTER_", "TORCH_TPU_"))}
+    env = {
+        k: v
+        for k, v in _probe_env().items()
+        if not k.startswith(("TPU_WORKER", "JOB_COMPLETION", "NODE_RANK", "NNODES", "MASTER_", "TORCH_TPU_"))
+    }
     env.update(TPU_WORKER_HOSTNAMES="h0", TPU_WORKER_ID="0", TPU_CHIPS_PER_HOST_BOUNDS="2,2,1")
-    out = subprocess.run([str(xla_python("ttpu")), "-m", "trainer.launch", "--platform", "gke", "--dry-run", "--",
-                          "--config", "configs/llama3_debug.toml"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [
+            str(xla_python("ttpu")),
+            "-m",
+            "trainer.launch",
+            "--platform",
+            "gke",
+            "--dry-run",
+            "--",
+            "--config",
+            "configs/llama3_debug.toml",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip() == NO_TPU_ERROR

@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.xla
 
-U_FP32 = 2.0 ** -24
+U_FP32 = 2.0**-24
 
 
 def test_qwen3_moe_lowers_to_one_program(probe):

@@ -30,8 +30,10 @@ def test_the_70b_wide_loss_does_not_compile_for_v4_and_the_reference_serves_it(w
     assert "vmem" in note.lower() and "blocks 128 x 128" in note, note
     assert not v4["ok"] and v4["serves"] == "reference", v4
     (line,) = v4["banner"]
-    assert line.startswith("titan-tpu: kernel self-check: fused CE (linear_cross_entropy) failed, the torch "
-                           "reference serves it: backward at rows 8192, hidden 8192, vocab 128256"), line
+    assert line.startswith(
+        "titan-tpu: kernel self-check: fused CE (linear_cross_entropy) failed, the torch "
+        "reference serves it: backward at rows 8192, hidden 8192, vocab 128256"
+    ), line
 
 
 def test_the_same_head_compiles_for_v6e_and_the_kernel_serves(widths):
@@ -39,7 +41,7 @@ def test_the_same_head_compiles_for_v6e_and_the_kernel_serves(widths):
     ok, note = v6e["compile"]
     assert ok and "forward + backward compiled for v6e" in note and "not run" in note, note
     assert v6e["ok"] and v6e["serves"] == "kernel" and v6e["banner"] == [], v6e
-    assert 0 < v6e["worst"] < 2 ** -5 / 2, v6e
+    assert 0 < v6e["worst"] < 2**-5 / 2, v6e
 
 
 def test_an_undetected_generation_is_decided_by_the_tile_rule(widths):
@@ -51,11 +53,15 @@ def test_an_undetected_generation_is_decided_by_the_tile_rule(widths):
 
 def test_the_real_kernels_pass_at_recipe_widths_in_interpret_mode(widths):
     results = widths["numerics"]
-    assert {r["op"] for r in results.values()} == {"causal_attention", "grouped_mm", "linear_cross_entropy",
-                                                   "cp_attention"}
+    assert {r["op"] for r in results.values()} == {
+        "causal_attention",
+        "grouped_mm",
+        "linear_cross_entropy",
+        "cp_attention",
+    }
     for label, r in results.items():
         assert r["ok"], f"{label}: {r['reason']}"
-        assert 0 < r["worst"] < 2 ** -5 / 2, (label, r)
+        assert 0 < r["worst"] < 2**-5 / 2, (label, r)
     # MLA's widths as DeepSeek-V3 / Kimi K2 hand them to the op (KernelShapes.of: q/k 192, v 128).
     assert results["splash MLA 192/128"]["checked"] == "q/k 192, v 128"
     assert results["CP splash cp2 rank1 MLA 192/128"]["checked"] == "cp 2 rank 1, q/k 192, v 128"

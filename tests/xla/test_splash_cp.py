@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.xla
 
-U_FP32 = 2.0 ** -24
+U_FP32 = 2.0**-24
 
 # name:topology:cp:seq:dim:heads:kv_heads:head_dim -- small sublayers (seconds to compile).
 SMALL = ("cp2:v6e:2x2:2:4096:512:4:2:128", "cp4:v6e:2x2:4:8192:512:4:2:128")
@@ -68,7 +68,8 @@ def test_deviceless_compile_has_the_cp_collectives_and_the_mosaic_splash(compile
         # The compiler keeps the all-gathers; it may schedule a reduce-scatter as an all-reduce
         # (it did at 128k on v6e). Where the compiled text cannot be printed, the StableHLO counts.
         assert row["counted_in"] != "compiled HLO" or (
-            row["all_gather"] >= 2 and row["reduce_scatter"] + row["all_reduce"] >= 2), row
+            row["all_gather"] >= 2 and row["reduce_scatter"] + row["all_reduce"] >= 2
+        ), row
         assert row["mosaic_calls"] == 6 * cp, row
         weights = 2 * dim * heads * head_dim + 2 * dim * kv_heads * head_dim
         assert row["argument_size_in_bytes"] == 2 * (2 * seq // cp * dim + weights), row

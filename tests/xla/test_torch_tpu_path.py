@@ -90,13 +90,21 @@ def tpu_cp_path(probe) -> dict:
 def _variant(source, name: str) -> dict:
     """The probe's result for variant `name`; `source` is the probe's JSON or the pytest request."""
     if not isinstance(source, dict):
-        source = source.getfixturevalue("tpu_cp_path" if name in CP_VARIANTS else
-                                        "tpu_moe_path" if name in MOE_VARIANTS else
-                                        "tpu_run_path" if name in TPU_RUN_VARIANTS else "torch_tpu_path")
+        source = source.getfixturevalue(
+            "tpu_cp_path"
+            if name in CP_VARIANTS
+            else "tpu_moe_path"
+            if name in MOE_VARIANTS
+            else "tpu_run_path"
+            if name in TPU_RUN_VARIANTS
+            else "torch_tpu_path"
+        )
     res = source["variants"][name]
     assert "error" not in res, f"{name}: {res['error']}\n{res.get('traceback', '')}"
     assert res["reached_fx_to_mlir"] and res["exception_chain"].endswith("ReachedLowering"), (
-        res.get("error_text"), res)
+        res.get("error_text"),
+        res,
+    )
     return res
 
 
@@ -122,8 +130,13 @@ def test_step_reaches_torch_tpu_lowering_as_one_program(request, name):
 def test_tpu_run_lowers_bf16_pallas_ops_and_checkpointing(request, name):
     res = _variant(request, name)
     scan = name == "tpu_scan"
-    assert res["plan"] == {"param_dtype": "torch.bfloat16", "block_ac": "none" if scan else "full",
-                           "scan_ac": "full" if scan else "none", "fused_loss": True, "scan": scan}, res
+    assert res["plan"] == {
+        "param_dtype": "torch.bfloat16",
+        "block_ac": "none" if scan else "full",
+        "scan_ac": "full" if scan else "none",
+        "fused_loss": True,
+        "scan": scan,
+    }, res
     # Every matmul of the step (forward, recompute, backward; in scan bodies too) runs in bf16.
     assert res["mlir_matmuls"] > 0 and res["mlir_bf16_matmuls"] == res["mlir_matmuls"], res
     # Attention is splash, the loss the fused kernel: no SDPA and one fused loss per micro-batch.
@@ -131,8 +144,12 @@ def test_tpu_run_lowers_bf16_pallas_ops_and_checkpointing(request, name):
     # forward, one recomputed forward and one backward op.
     layers = 1 if scan else 2
     assert res["mlir_sdpa"] == 0, res
-    assert res["mlir_titan_tpu_ops"] == {"titan_tpu::linear_ce_bwd": 1, "titan_tpu::linear_ce_fwd": 1,
-                                         "titan_tpu::splash_bwd": layers, "titan_tpu::splash_fwd": 2 * layers}, res
+    assert res["mlir_titan_tpu_ops"] == {
+        "titan_tpu::linear_ce_bwd": 1,
+        "titan_tpu::linear_ce_fwd": 1,
+        "titan_tpu::splash_bwd": layers,
+        "titan_tpu::splash_fwd": 2 * layers,
+    }, res
     if scan:  # the backward body recomputes from the saved layer input; no fence is needed there
         assert res["mlir_barriers"] == 0, res
     else:  # the recomputed ops read forward values through the fences, which reach the lowering
@@ -179,8 +196,13 @@ def test_without_spmd_safe_the_step_is_split(torch_tpu_path):
 def _one_scanned_tpu_program(res):
     """The TPU plan (bf16, AC full in the scan, fused loss) reached fx_to_mlir as one program with
     its forward and backward scans, every collective (scan bodies included) spmd_safe."""
-    assert res["plan"] == {"param_dtype": "torch.bfloat16", "block_ac": "none", "scan_ac": "full",
-                           "fused_loss": True, "scan": True}, res
+    assert res["plan"] == {
+        "param_dtype": "torch.bfloat16",
+        "block_ac": "none",
+        "scan_ac": "full",
+        "fused_loss": True,
+        "scan": True,
+    }, res
     assert res["split_collectives"] > 0 and res["split_collectives_spmd_safe"] == res["split_collectives"], res
     assert res["split_body_collectives"] > 0, res
     assert res["split_body_collectives_spmd_safe"] == res["split_body_collectives"], res
@@ -218,6 +240,7 @@ def test_moe_ep_step_reaches_lowering_with_static_shapes(request, name):
 def _gradient_transport(request, name: str) -> tuple[int, int, list]:
     res = _variant(request, name)
     _, fwd, bwd = res["mlir_per_graph"]
+
     def moves(graph: dict) -> int:
         return sum(c for k, c in graph.items() if "all_to_all" in k)
 
@@ -259,8 +282,12 @@ def test_cp_step_reaches_lowering_with_rank_specific_splash(request, name):
     # Attention is this rank's CP splash (forward, its recompute under AC full, backward), no SDPA.
     op = "titan_tpu::splash_cp2r0_seg" if doc else "titan_tpu::splash_cp2r0"
     assert res["mlir_sdpa"] == 0, res
-    assert res["mlir_titan_tpu_ops"] == {"titan_tpu::linear_ce_bwd": 1, "titan_tpu::linear_ce_fwd": 1,
-                                         f"{op}_bwd": 1, f"{op}_fwd": 2}, res
+    assert res["mlir_titan_tpu_ops"] == {
+        "titan_tpu::linear_ce_bwd": 1,
+        "titan_tpu::linear_ce_fwd": 1,
+        f"{op}_bwd": 1,
+        f"{op}_fwd": 2,
+    }, res
     step, fwd, bwd = res["cp_per_graph"]
     assert fwd[f"{op}_fwd"] == 1 and bwd[f"{op}_fwd"] == 1 and bwd[f"{op}_bwd"] == 1, res["cp_per_graph"]
     # The backward body gathers again what the forward body gathered (SimpleFSDP's weights, k/v,
@@ -274,8 +301,9 @@ def test_cp_step_reaches_lowering_with_rank_specific_splash(request, name):
     assert forward["direction"] == "kForward" and backward["direction"] == "kReverse", res["scan_lowering"]
     # The only flips: the CP gather's reorder of the late chunks over the cp axis ([cp, chunk, ...]),
     # two per body pass (k, v; and the segment ids), none over a scan's layer axis.
-    assert res["cp_flips"] and all(f["dims"] == [0] and f["shape"][:2] == [2, 128] for f in res["cp_flips"]), \
-        res["cp_flips"]
+    assert res["cp_flips"] and all(f["dims"] == [0] and f["shape"][:2] == [2, 128] for f in res["cp_flips"]), res[
+        "cp_flips"
+    ]
     assert res["mlir_flips"] == len(res["cp_flips"]), res
 
 

@@ -39,8 +39,13 @@ CASES = [(variant, target) for variant, targets in TPU_COMPILES for target in ta
 def _formula_flops(step: dict, *, scanned: bool) -> float:
     n_layers = 1 if scanned else step["n_layers"]
     n = step["num_matmul_params_one_layer"] if scanned else step["num_matmul_params"]
-    per_token = flops_per_token(num_matmul_params=n, n_layers=n_layers, n_heads=step["n_heads"],
-                                head_dim=step["head_dim"], seq_len=step["seq_len"])["palm"]
+    per_token = flops_per_token(
+        num_matmul_params=n,
+        n_layers=n_layers,
+        n_heads=step["n_heads"],
+        head_dim=step["head_dim"],
+        seq_len=step["seq_len"],
+    )["palm"]
     return per_token * step["tokens"]
 
 

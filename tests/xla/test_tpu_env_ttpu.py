@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -84,11 +83,13 @@ def test_libtpu_reads_its_flags_at_the_first_device_request(tmp_path):
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "rec.c"), "-ldl"], check=True)
     env = _probe_env()
     env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD")  # autoload on, as on a TPU host
-    env.update(LD_PRELOAD=str(shim), LIBTPU_INIT_ARGS="--xla_tpu_scoped_vmem_limit_kib=65536",
-               TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT=str(tmp_path / "cc"))
+    env.update(
+        LD_PRELOAD=str(shim),
+        LIBTPU_INIT_ARGS="--xla_tpu_scoped_vmem_limit_kib=65536",
+        TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT=str(tmp_path / "cc"),
+    )
     env.pop("XLA_FLAGS")
-    proc = subprocess.run([str(python), "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([str(python), "-c", _SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     events = [line for line in proc.stderr.splitlines() if line.startswith(("[mark]", "[getenv]"))]
     marks = [e for e in events if e.startswith("[mark]")]
     assert marks[:3] == ["[mark] import torch", "[mark] init device", "[mark] first tensor"], proc.stderr[-3000:]

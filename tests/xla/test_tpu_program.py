@@ -25,15 +25,31 @@ from tests.xla.conftest import ROOT, xla_python
 
 pytestmark = pytest.mark.xla
 
-SMALL = [("model.n_layers", "2"), ("model.dim", "512"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
-         ("model.vocab_size", "8192"), ("job.target", "v6e-8")]
+SMALL = [
+    ("model.n_layers", "2"),
+    ("model.dim", "512"),
+    ("model.n_heads", "4"),
+    ("model.n_kv_heads", "2"),
+    ("model.vocab_size", "8192"),
+    ("job.target", "v6e-8"),
+]
 PROGRAMS = {
     "dense": ("llama3_8b_v6e.toml", [*SMALL, ("training.seq_len", "1024")]),
-    "moe_ep2": ("qwen3_30b_a3b_v6e.toml", [*SMALL, ("model.head_dim", "128"), ("model.num_experts", "16"),
-                                          ("model.moe_hidden_dim", "256"), ("parallelism.expert_parallel_degree", "2"),
-                                          ("training.seq_len", "1024")]),
-    "cp2": ("llama3_8b_128k_v6e.toml", [*SMALL, ("parallelism.context_parallel_degree", "2"),
-                                        ("training.seq_len", "2048")]),
+    "moe_ep2": (
+        "qwen3_30b_a3b_v6e.toml",
+        [
+            *SMALL,
+            ("model.head_dim", "128"),
+            ("model.num_experts", "16"),
+            ("model.moe_hidden_dim", "256"),
+            ("parallelism.expert_parallel_degree", "2"),
+            ("training.seq_len", "1024"),
+        ],
+    ),
+    "cp2": (
+        "llama3_8b_128k_v6e.toml",
+        [*SMALL, ("parallelism.context_parallel_degree", "2"), ("training.seq_len", "2048")],
+    ),
 }
 
 
@@ -42,9 +58,10 @@ def compiled():
     from tools.tpu_compile import compile_recipe
 
     python = str(xla_python("ttpu"))
-    return {name: compile_recipe(os.path.join(ROOT, "configs", recipe), overrides=overrides, python=python,
-                                 timeout=900)
-            for name, (recipe, overrides) in PROGRAMS.items()}
+    return {
+        name: compile_recipe(os.path.join(ROOT, "configs", recipe), overrides=overrides, python=python, timeout=900)
+        for name, (recipe, overrides) in PROGRAMS.items()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -71,13 +88,19 @@ def test_the_program_compiles_with_its_kernels_and_collectives(compiled, name):
     # plus the token batch and a few scalars): within 10 % at this width, where the batch and the
     # replicated norm weights are a larger share than at pod size.
     args_gib = m["argument_size_in_bytes"] / 2**30
-    assert abs(args_gib - r.planned_arguments_gib) <= 0.10 * r.planned_arguments_gib, (args_gib, r.planned_arguments_gib)
+    assert abs(args_gib - r.planned_arguments_gib) <= 0.10 * r.planned_arguments_gib, (
+        args_gib,
+        r.planned_arguments_gib,
+    )
     # The undonated update writes new parameters and moments (torch-tpu's AOT donates nothing).
     assert m["output_size_in_bytes"] >= 0.9 * r.planned_arguments_gib * 2**30, m
 
 
-TPU_RECIPES = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*_v6e.toml"))
-                     + glob.glob(os.path.join(ROOT, "configs", "*_v7x.toml")))
+TPU_RECIPES = sorted(
+    p
+    for p in glob.glob(os.path.join(ROOT, "configs", "*_v6e.toml"))
+    + glob.glob(os.path.join(ROOT, "configs", "*_v7x.toml"))
+)
 
 
 # What the full table found (docs/recipe_check.md, docs/results/tpu_programs.csv): these programs
@@ -87,18 +110,26 @@ PLANNER_OFF = {
     "qwen3_8b_v6e.toml": "compiler 10.6 GiB vs planner 8.0 (+32 %): temporaries 9.9 vs 7.3 GiB",
     "qwen3_32b_v6e.toml": "compiler 18.2 GiB vs planner 15.0 (+21 %): temporaries 15.4 vs 12.2 GiB",
     "flux_schnell_v6e.toml": "FLUX attention is plain SDPA, lowered by torchax as the math form (scores "
-                             "materialised); the planner counts a fused kernel's activations",
+    "materialised); the planner counts a fused kernel's activations",
     "flux_dev_v7x.toml": "libtpu aborted (signal 6) in the compile of FLUX.1-dev's SDPA-math program on v7x-256, "
-                         "on a loaded 24 GiB host (not investigated)",
+    "on a loaded 24 GiB host (not investigated)",
 }
 FLAKY = {"flux_dev_v7x.toml"}  # an abort with no message: not strict
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.xfail(
-    reason=PLANNER_OFF[os.path.basename(r)], strict=os.path.basename(r) not in FLAKY))
-    if os.path.basename(r) in PLANNER_OFF else r
-    for r in TPU_RECIPES], ids=os.path.basename)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(
+            r, marks=pytest.mark.xfail(reason=PLANNER_OFF[os.path.basename(r)], strict=os.path.basename(r) not in FLAKY)
+        )
+        if os.path.basename(r) in PLANNER_OFF
+        else r
+        for r in TPU_RECIPES
+    ],
+    ids=os.path.basename,
+)
 def test_every_tpu_recipe_compiles(recipe):
     """The scheduled tier: every pod recipe's program at full size on its target fits, within the
     band of the planner (tools/tpu_compile.py BAND). The default tier's cover of the mechanism:

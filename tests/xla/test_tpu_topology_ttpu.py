@@ -27,11 +27,25 @@ pytestmark = pytest.mark.xla
 
 
 def _torch_tpu(cases: list[tuple[tt.Topology, tuple, bool]]) -> dict:
-    request = [dict(generation=t.generation, chips=list(t.chips), devices_per_chip=t.devices_per_chip,
-                    shape=list(shape), allow_split=split) for t, shape, split in cases]
-    out = subprocess.run([str(xla_python("ttpu")), str(ROOT / "tools" / "torch_tpu_mesh.py")],
-                         input=json.dumps({"cases": request}), capture_output=True, text=True, env=_probe_env(),
-                         cwd=ROOT, timeout=600)
+    request = [
+        dict(
+            generation=t.generation,
+            chips=list(t.chips),
+            devices_per_chip=t.devices_per_chip,
+            shape=list(shape),
+            allow_split=split,
+        )
+        for t, shape, split in cases
+    ]
+    out = subprocess.run(
+        [str(xla_python("ttpu")), str(ROOT / "tools" / "torch_tpu_mesh.py")],
+        input=json.dumps({"cases": request}),
+        capture_output=True,
+        text=True,
+        env=_probe_env(),
+        cwd=ROOT,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -93,6 +107,7 @@ def test_the_port_lays_out_every_mesh_as_torch_tpu_does():
             f"NotImplementedError: Failed to find assignment for logical_axis_index 2 of size {size} with remaining "
             "assignable mesh [16, 16, 0]. The size of each axis in your logical mesh must be equal to the product of "
             "some subset of the physical mesh axis sizes. E.g. logical mesh (4, 16) is compatible with physical mesh "
-            "4x4x4 since 4=4 and 16=4x4. If you want to split physical axes, set  allow_split_physical_axes to True.")
+            "4x4x4 since 4=4 and 16=4x4. If you want to split physical axes, set  allow_split_physical_axes to True."
+        )
         assert "ids" in by_case[(v6e, shape, True)]
     assert "ids" in by_case[(str(tt.topology_of("v7x-256")), (1, 128, 2, 1), False)]

@@ -48,8 +48,17 @@ def _detect_isa() -> tuple[str, list[str], int, bool] | None:
     """(name, compiler flags, fp32 lanes, has bf16 dot products) for this CPU, or None if unsupported."""
     flags = _cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"} <= flags:
-        cflags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-mf16c",
-                  "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+        cflags = [
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mfma",
+            "-mavx2",
+            "-mf16c",
+            "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512",
+        ]
         if "avx512_bf16" in flags:
             return "avx512bf16", cflags + ["-mavx512bf16"], 16, True
         return "avx512", cflags, 16, False
@@ -88,7 +97,8 @@ def _load() -> bool:
     key = _SOURCE.read_bytes() + " ".join(cflags).encode() + str(Path(torch.__file__).parent).encode()
     ext_name = f"titan_cpu_attention_{name}_{hashlib.sha1(key).hexdigest()[:8]}"
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load as build
+        from torch.utils.cpp_extension import _get_build_directory
+        from torch.utils.cpp_extension import load as build
 
         build_dir = Path(_get_build_directory(ext_name, verbose=False))
         with _build_lock(build_dir), _ninja_on_path():
@@ -176,8 +186,11 @@ def _register() -> None:
     def _bwd_fake(dout, q, k, v, out, lse, scale):
         b, h, s, d = q.shape
         kv_heads = k.shape[1]
-        return (q.new_empty(b, s, h, d).transpose(1, 2), q.new_empty(b, s, kv_heads, d).transpose(1, 2),
-                q.new_empty(b, s, kv_heads, d).transpose(1, 2))
+        return (
+            q.new_empty(b, s, h, d).transpose(1, 2),
+            q.new_empty(b, s, kv_heads, d).transpose(1, 2),
+            q.new_empty(b, s, kv_heads, d).transpose(1, 2),
+        )
 
     def setup_context(ctx, inputs, output):
         q, k, v, scale = inputs

@@ -38,9 +38,11 @@ def pin_jax_platform() -> str | None:
     """Keep JAX off the TPU in this process (module docstring); a warning line, or None."""
     user = os.environ.get("JAX_PLATFORMS")
     if user and user != JAX_PLATFORM:  # JAX reads an empty value as unset, so do we
-        return (f"titan-tpu: JAX_PLATFORMS={user!r} is set; the Pallas kernels need JAX only to lower "
-                f"(JAX_PLATFORMS={JAX_PLATFORM} is what was tested): a JAX TPU backend in this process "
-                "competes with torch-tpu for the chips and may fail or hang at the first kernel call")
+        return (
+            f"titan-tpu: JAX_PLATFORMS={user!r} is set; the Pallas kernels need JAX only to lower "
+            f"(JAX_PLATFORMS={JAX_PLATFORM} is what was tested): a JAX TPU backend in this process "
+            "competes with torch-tpu for the chips and may fail or hang at the first kernel call"
+        )
     os.environ["JAX_PLATFORMS"] = JAX_PLATFORM
     jax = sys.modules.get("jax")
     if jax is None:
@@ -50,8 +52,10 @@ def pin_jax_platform() -> str | None:
     if xla_bridge.backends_are_initialized():
         platforms = sorted({d.platform for d in jax.devices()})
         if platforms != [JAX_PLATFORM]:
-            return (f"titan-tpu: jax was imported and started its {', '.join(platforms)} backend before the "
-                    "Pallas kernels loaded; it may compete with torch-tpu for the chips")
+            return (
+                f"titan-tpu: jax was imported and started its {', '.join(platforms)} backend before the "
+                "Pallas kernels loaded; it may compete with torch-tpu for the chips"
+            )
         return None
     jax.config.update("jax_platforms", JAX_PLATFORM)
     return None
@@ -91,7 +95,8 @@ def cp_attention(cp_rank: int, cp_size: int) -> Callable | None:
 def compile_checker(shapes) -> Callable:
     """`fn(op) -> None | (ok, note)`: the kernel of `op` compiled, not run, at the run's `shapes`
     for this host's TPU generation (titan_kernels/tpu/compile_check.py); after `load()`."""
-    from titan_kernels.tpu import compile_check as compiles, register
+    from titan_kernels.tpu import compile_check as compiles
+    from titan_kernels.tpu import register
 
     generation = register.device_generation()
     return lambda op: compiles.compile_kernel(op, shapes, generation)

@@ -49,8 +49,9 @@ def _define() -> None:
     lib.define("splash_fwd(Tensor q, Tensor k, Tensor v) -> Tensor")
     lib.define("splash_bwd(Tensor q, Tensor k, Tensor v, Tensor dout) -> (Tensor, Tensor, Tensor)")
     lib.define("splash_seg_fwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids) -> Tensor")
-    lib.define("splash_seg_bwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids, Tensor dout) "
-               "-> (Tensor, Tensor, Tensor)")
+    lib.define(
+        "splash_seg_bwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids, Tensor dout) -> (Tensor, Tensor, Tensor)"
+    )
     lib.define("gmm(Tensor x, Tensor w, Tensor group_sizes) -> Tensor")
     lib.define("gmm_bwd(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)")
     lib.define("ce_fwd(Tensor h, Tensor w, Tensor labels) -> (Tensor, Tensor)")
@@ -68,8 +69,12 @@ def _define() -> None:
     fake("splash_seg_bwd")(lambda q, k, v, s, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     fake("gmm")(lambda x, w, sizes: x.new_empty(x.shape[0], w.shape[-1]))
     fake("gmm_bwd")(lambda x, w, sizes, dy: (torch.empty_like(x), torch.empty_like(w)))
-    fake("ce_fwd")(lambda h, w, labels: (h.new_empty(h.shape[0], dtype=torch.float32),
-                                         h.new_empty(h.shape[0], dtype=torch.float32)))
+    fake("ce_fwd")(
+        lambda h, w, labels: (
+            h.new_empty(h.shape[0], dtype=torch.float32),
+            h.new_empty(h.shape[0], dtype=torch.float32),
+        )
+    )
     fake("ce_bwd")(lambda h, w, labels, lse, g: (torch.empty_like(h), torch.empty_like(w)))
 
     def save_all(ctx, inputs, output):
@@ -86,8 +91,9 @@ def _define() -> None:
         return (*op.gmm_bwd(*ctx.saved_tensors, dy.contiguous()), None)
 
     torch.library.register_autograd(f"{NAMESPACE}::splash_fwd", splash_backward, setup_context=save_all, lib=lib)
-    torch.library.register_autograd(f"{NAMESPACE}::splash_seg_fwd", splash_seg_backward, setup_context=save_all,
-                                    lib=lib)
+    torch.library.register_autograd(
+        f"{NAMESPACE}::splash_seg_fwd", splash_seg_backward, setup_context=save_all, lib=lib
+    )
     torch.library.register_autograd(f"{NAMESPACE}::gmm", gmm_backward, setup_context=save_all, lib=lib)
 
     def ce_setup(ctx, inputs, output):
@@ -141,8 +147,7 @@ def shard_group_sizes(group_sizes, rows: int, shard):
     return (jnp.clip(ends - lo, 0, rows) - jnp.clip(starts - lo, 0, rows)).astype(jnp.int32)
 
 
-def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int | None = None
-                ) -> tuple[float, float]:
+def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int | None = None) -> tuple[float, float]:
     """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads of
     value width `v_dim` (Dv; default D: MLA's v is narrower, 128 beside 192).
 
@@ -176,8 +181,9 @@ def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool)
     return (2 * flops, 2 * fwd_bytes) if backward else (flops, fwd_bytes)
 
 
-def ce_cost(n: int, d: int, vocab: int, itemsize: int, backward: bool, *,
-            generation: str | None) -> tuple[float, float]:
+def ce_cost(
+    n: int, d: int, vocab: int, itemsize: int, backward: bool, *, generation: str | None
+) -> tuple[float, float]:
     """(FLOPs, HBM bytes) of the fused linear + CE on h [n, d], w [vocab, d] (titan_kernels/tpu/fused_ce.py)
     with `generation`'s blocks (tiles.py; None: the conservative rule).
 
@@ -243,9 +249,11 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
 
     def splash_costs(backward):
         def cost(q, k, v, *rest):
-            return ("splash_bwd" if backward else "splash_fwd",
-                    *splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward,
-                                 v_dim=v.shape[-1]))
+            return (
+                "splash_bwd" if backward else "splash_fwd",
+                *splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward, v_dim=v.shape[-1]),
+            )
+
         return cost
 
     def local_sizes(x, sizes):
@@ -261,8 +269,11 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     def gmm_costs(backward):
         def cost(x, w, *rest):
             m = x.shape[0] // shards
-            return ("gmm_bwd" if backward else "gmm",
-                    *gmm_cost(m, x.shape[1], w.shape[2], w.shape[0], x.dtype.itemsize, backward=backward))
+            return (
+                "gmm_bwd" if backward else "gmm",
+                *gmm_cost(m, x.shape[1], w.shape[2], w.shape[0], x.dtype.itemsize, backward=backward),
+            )
+
         return cost
 
     def splash_seg_bwd(q, k, v, seg, dout):
@@ -277,21 +288,33 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
 
     def ce_costs(backward):
         def cost(h, w, *rest):
-            return ("ce_bwd" if backward else "ce_fwd",
-                    *ce_cost(h.shape[0] // shards, h.shape[1], w.shape[0], h.dtype.itemsize, backward=backward,
-                             generation=generation))
+            return (
+                "ce_bwd" if backward else "ce_fwd",
+                *ce_cost(
+                    h.shape[0] // shards,
+                    h.shape[1],
+                    w.shape[0],
+                    h.dtype.itemsize,
+                    backward=backward,
+                    generation=generation,
+                ),
+            )
+
         return cost
 
     env.override_op_definition(op.ce_fwd.default, sharded(ce_fwd, (batch, P(), batch), (batch, batch), ce_costs(False)))
-    env.override_op_definition(op.ce_bwd.default,
-                               sharded(ce_bwd, (batch, P(), batch, batch, batch), (batch, P()), ce_costs(True)))
+    env.override_op_definition(
+        op.ce_bwd.default, sharded(ce_bwd, (batch, P(), batch, batch, batch), (batch, P()), ce_costs(True))
+    )
     env.override_op_definition(op.splash_fwd.default, sharded(splash_fwd, (batch,) * 3, batch, splash_costs(False)))
-    env.override_op_definition(op.splash_bwd.default,
-                               sharded(splash_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True)))
-    env.override_op_definition(op.splash_seg_fwd.default,
-                               sharded(splash_fwd, (batch,) * 4, batch, splash_costs(False)))
-    env.override_op_definition(op.splash_seg_bwd.default,
-                               sharded(splash_seg_bwd, (batch,) * 5, (batch,) * 3, splash_costs(True)))
+    env.override_op_definition(
+        op.splash_bwd.default, sharded(splash_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True))
+    )
+    env.override_op_definition(op.splash_seg_fwd.default, sharded(splash_fwd, (batch,) * 4, batch, splash_costs(False)))
+    env.override_op_definition(
+        op.splash_seg_bwd.default, sharded(splash_seg_bwd, (batch,) * 5, (batch,) * 3, splash_costs(True))
+    )
     env.override_op_definition(op.gmm.default, sharded(gmm_fwd, (batch, P(), P()), batch, gmm_costs(False)))
-    env.override_op_definition(op.gmm_bwd.default,
-                               sharded(gmm_bwd, (batch, P(), P(), batch), (batch, P()), gmm_costs(True)))
+    env.override_op_definition(
+        op.gmm_bwd.default, sharded(gmm_bwd, (batch, P(), P(), batch), (batch, P()), gmm_costs(True))
+    )

@@ -36,7 +36,7 @@ from titan_kernels.tpu import fused_ce, gmm, tiles
 DEFAULT_TOKENS = 8192
 """Rows per device compiled when the run's are not known."""
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 @functools.lru_cache(maxsize=8)
@@ -59,29 +59,46 @@ def programs(op: str, shapes, generation: str | None) -> list[tuple[str, object,
         words = f"rows {n}, hidden {d}, vocab {vocab}, blocks {bn} x {bv}"
         fwd = functools.partial(fused_ce.forward_rows, generation=generation)
         bwd = functools.partial(fused_ce.backward_rows, generation=generation)
-        return [("forward", fwd, [S((n, d), bf16), S((vocab, d), bf16), S((n,), i32)], words, vmem),
-                ("backward", bwd, [S((n, d), bf16), S((vocab, d), bf16), S((n,), i32), S((n,), f32), S((n,), f32)],
-                 words, vmem)]
+        return [
+            ("forward", fwd, [S((n, d), bf16), S((vocab, d), bf16), S((n,), i32)], words, vmem),
+            (
+                "backward",
+                bwd,
+                [S((n, d), bf16), S((vocab, d), bf16), S((n,), i32), S((n,), f32), S((n,), f32)],
+                words,
+                vmem,
+            ),
+        ]
     if op == "grouped_mm" and shapes.num_experts:
         m, groups = rows * max(shapes.top_k, 1), shapes.num_experts
         out = []
         for name, k, n in (("up", shapes.hidden, shapes.expert_hidden), ("down", shapes.expert_hidden, shapes.hidden)):
+
             def step(x, w_nk, sizes, dy):
-                y, vjp = jax.vjp(lambda x, w: gmm.grouped_mm(x, w, sizes, transpose_rhs=True, generation=generation),
-                                 x, w_nk)
+                y, vjp = jax.vjp(
+                    lambda x, w: gmm.grouped_mm(x, w, sizes, transpose_rhs=True, generation=generation), x, w_nk
+                )
                 return y, vjp(dy)
 
             tm, tk, tn = tiles.gmm_tiles(generation, m, k, n, groups)
             vmem = (tiles.gmm_vmem_bytes(tm, tk, tn), tiles.hardware(generation).scoped_vmem_bytes)
-            out.append((name, step, [S((m, k), bf16), S((groups, n, k), bf16), S((groups,), i32), S((m, n), bf16)],
-                        f"rows {m}, {k} -> {n}, {groups} experts, tiles {tm} x {tk} x {tn}", vmem))
+            out.append(
+                (
+                    name,
+                    step,
+                    [S((m, k), bf16), S((groups, n, k), bf16), S((groups,), i32), S((m, n), bf16)],
+                    f"rows {m}, {k} -> {n}, {groups} experts, tiles {tm} x {tk} x {tn}",
+                    vmem,
+                )
+            )
         return out
     return []
 
 
 def _vmem_words(message: str) -> str:
-    m = (re.search(r"size ([0-9.]+[MK]) and limit ([0-9.]+[MK])", message)
-         or re.search(r"Used ([0-9.]+[MK]) of ([0-9.]+[MK]) vmem", message))
+    m = re.search(r"size ([0-9.]+[MK]) and limit ([0-9.]+[MK])", message) or re.search(
+        r"Used ([0-9.]+[MK]) of ([0-9.]+[MK]) vmem", message
+    )
     return f" ({m.group(1)} of {m.group(2)} scoped VMEM)" if m else ""
 
 
@@ -102,8 +119,10 @@ def compile_kernel(op: str, shapes, generation: str | None) -> tuple[bool, str] 
     if dev is None:
         for _, _, _, words, (est, limit) in progs:
             if est > limit:
-                return False, (f"{words}: the largest kernel needs ~{est / MiB:.1f} MiB of VMEM, over the "
-                               f"{limit / MiB:.0f} MiB limit for {target} (tile rule; {why_estimate})")
+                return False, (
+                    f"{words}: the largest kernel needs ~{est / MiB:.1f} MiB of VMEM, over the "
+                    f"{limit / MiB:.0f} MiB limit for {target} (tile rule; {why_estimate})"
+                )
         words = "; ".join(dict.fromkeys(p[3] for p in progs))
         return True, f"fits {target}'s VMEM by the tile rule ({why_estimate}): {words}"
     sharding = jax.sharding.SingleDeviceSharding(dev)
@@ -115,8 +134,11 @@ def compile_kernel(op: str, shapes, generation: str | None) -> tuple[bool, str] 
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             first = next((line for line in message.splitlines() if "Error" in line or "Oom" in line), message)
-            return False, (f"{name} at {words} does not compile for {generation}: "
-                           f"{first.strip()[:160]}{_vmem_words(message)}")
+            return False, (
+                f"{name} at {words} does not compile for {generation}: {first.strip()[:160]}{_vmem_words(message)}"
+            )
     words = "; ".join(dict.fromkeys(p[3] for p in progs))
-    return True, (f"{' + '.join(p[0] for p in progs)} compiled for {generation} at {words} "
-                  f"({time.perf_counter() - start:.1f} s, not run)")
+    return True, (
+        f"{' + '.join(p[0] for p in progs)} compiled for {generation} at {words} "
+        f"({time.perf_counter() - start:.1f} s, not run)"
+    )

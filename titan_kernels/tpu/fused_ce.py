@@ -130,18 +130,29 @@ def _pad(h, w, labels, block_n, block_v, ignore_index, generation):
 
 
 def _params(interpret: bool, generation: str | None) -> dict:
-    return dict(interpret=interpret,
-                compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
-                                                     vmem_limit_bytes=tiles.ce_vmem_limit(generation)))
+    return dict(
+        interpret=interpret,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=tiles.ce_vmem_limit(generation)
+        ),
+    )
 
 
 _STATIC = ("block_n", "block_v", "ignore_index", "generation", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def forward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int | None = None,
-                 block_v: int | None = None, ignore_index: int = IGNORE_INDEX, generation: str | None = None,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def forward_rows(
+    h: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    *,
+    block_n: int | None = None,
+    block_v: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    generation: str | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """h [N, D], w [V, D], labels [N] -> (loss per row [N] f32, logsumexp per row [N] f32).
     Blocks: `block_n`/`block_v` if given, else the `generation`'s (tiles.py)."""
     n, vocab, dim = h.shape[0], w.shape[0], h.shape[1]
@@ -151,8 +162,7 @@ def forward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int 
     loss, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, vocab=vocab, block_v=bv),
         grid=(rows // bn, wp.shape[0] // bv),
-        in_specs=[col, pl.BlockSpec((bn, dim), lambda i, j: (i, 0)),
-                  pl.BlockSpec((bv, dim), lambda i, j: (j, 0))],
+        in_specs=[col, pl.BlockSpec((bn, dim), lambda i, j: (i, 0)), pl.BlockSpec((bv, dim), lambda i, j: (j, 0))],
         out_specs=[col, col],
         out_shape=[jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 2,
         scratch_shapes=[pltpu.VMEM((bn, 1), jnp.float32)] * 3,
@@ -162,9 +172,19 @@ def forward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int 
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, g: jax.Array, *,
-                  block_n: int | None = None, block_v: int | None = None, ignore_index: int = IGNORE_INDEX,
-                  generation: str | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def backward_rows(
+    h: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    lse: jax.Array,
+    g: jax.Array,
+    *,
+    block_n: int | None = None,
+    block_v: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    generation: str | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """Gradients of sum_i g_i * loss_i: (dh [N, D] in h.dtype, dw [V, D] in w.dtype)."""
     n, vocab, dim = h.shape[0], w.shape[0], h.shape[1]
     hp, wp, lab, bn, bv = _pad(h, w, labels, block_n, block_v, ignore_index, generation)
@@ -179,8 +199,13 @@ def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
     dh = pl.pallas_call(
         functools.partial(_dh_kernel, **kernel_args),
         grid=(grid_rows, grid_vocab),
-        in_specs=[col, col, col, pl.BlockSpec((bn, dim), lambda i, j: (i, 0)),
-                  pl.BlockSpec((bv, dim), lambda i, j: (j, 0))],
+        in_specs=[
+            col,
+            col,
+            col,
+            pl.BlockSpec((bn, dim), lambda i, j: (i, 0)),
+            pl.BlockSpec((bv, dim), lambda i, j: (j, 0)),
+        ],
         out_specs=pl.BlockSpec((bn, dim), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct(hp.shape, h.dtype),
         scratch_shapes=[pltpu.VMEM((bn, dim), jnp.float32)],
@@ -191,8 +216,13 @@ def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
     dw = pl.pallas_call(
         functools.partial(_dw_kernel, **kernel_args),
         grid=(grid_vocab, grid_rows),
-        in_specs=[col_t, col_t, col_t, pl.BlockSpec((bn, dim), lambda j, i: (i, 0)),
-                  pl.BlockSpec((bv, dim), lambda j, i: (j, 0))],
+        in_specs=[
+            col_t,
+            col_t,
+            col_t,
+            pl.BlockSpec((bn, dim), lambda j, i: (i, 0)),
+            pl.BlockSpec((bv, dim), lambda j, i: (j, 0)),
+        ],
         out_specs=pl.BlockSpec((bv, dim), lambda j, i: (j, 0)),
         out_shape=jax.ShapeDtypeStruct(wp.shape, w.dtype),
         scratch_shapes=[pltpu.VMEM((bv, dim), jnp.float32)],
@@ -203,29 +233,35 @@ def backward_rows(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _loss_rows(h, w, labels, block_n, block_v, generation, interpret):
-    return forward_rows(h, w, labels, block_n=block_n, block_v=block_v, generation=generation,
-                        interpret=interpret)[0]
+    return forward_rows(h, w, labels, block_n=block_n, block_v=block_v, generation=generation, interpret=interpret)[0]
 
 
 def _loss_rows_fwd(h, w, labels, block_n, block_v, generation, interpret):
-    loss, lse = forward_rows(h, w, labels, block_n=block_n, block_v=block_v, generation=generation,
-                             interpret=interpret)
+    loss, lse = forward_rows(h, w, labels, block_n=block_n, block_v=block_v, generation=generation, interpret=interpret)
     return loss, (h, w, labels, lse)
 
 
 def _loss_rows_bwd(block_n, block_v, generation, interpret, res, g):
     h, w, labels, lse = res
-    dh, dw = backward_rows(h, w, labels, lse, g, block_n=block_n, block_v=block_v, generation=generation,
-                           interpret=interpret)
+    dh, dw = backward_rows(
+        h, w, labels, lse, g, block_n=block_n, block_v=block_v, generation=generation, interpret=interpret
+    )
     return dh, dw, None
 
 
 _loss_rows.defvjp(_loss_rows_fwd, _loss_rows_bwd)
 
 
-def linear_cross_entropy(h: jax.Array, w: jax.Array, labels: jax.Array, *, block_n: int | None = None,
-                         block_v: int | None = None, generation: str | None = None,
-                         interpret: bool = False) -> jax.Array:
+def linear_cross_entropy(
+    h: jax.Array,
+    w: jax.Array,
+    labels: jax.Array,
+    *,
+    block_n: int | None = None,
+    block_v: int | None = None,
+    generation: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """mean over labels != IGNORE_INDEX of CE(h w^T, labels), float32; differentiable."""
     valid = labels != IGNORE_INDEX
     rows = _loss_rows(h, w, labels, block_n, block_v, generation, interpret)

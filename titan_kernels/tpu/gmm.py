@@ -45,9 +45,16 @@ class GmmTiling:
         return (self.tm, *tiles.gmm_kn_tiles(self.generation, self.tm, k, n, itemsize=self.itemsize))
 
 
-def grouped_mm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False,
-               generation: str | None = None, tiling: tuple[int, int, int] | None = None,
-               interpret: bool = False) -> jax.Array:
+def grouped_mm(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = False,
+    generation: str | None = None,
+    tiling: tuple[int, int, int] | None = None,
+    interpret: bool = False,
+) -> jax.Array:
     """Rows of group g times w[g] (w[g]^T with `transpose_rhs`); see the module docstring.
     `tiling`: explicit (tm, tk, tn) for every call, forward and backward (the tile sweep);
     default: the generation's (tiles.py)."""

@@ -30,8 +30,8 @@ from collections.abc import Callable
 import jax
 import torch
 
-from titan_kernels.tpu import fused_ce, gmm, splash, tiles
 from models.common import ops
+from titan_kernels.tpu import fused_ce, gmm, splash, tiles
 
 NAMESPACE = "titan_tpu"
 _BUILT: dict[str, Callable] = {}
@@ -58,8 +58,11 @@ def build() -> dict[str, Callable]:
     if not _BUILT:
         jax_op = torch.tpu.pallas.jax_op
         gen = device_generation()
-        _BUILT.update(causal_attention=_build_splash(jax_op), grouped_mm=_build_gmm(jax_op, gen),
-                      linear_cross_entropy=_build_linear_ce(jax_op, gen))
+        _BUILT.update(
+            causal_attention=_build_splash(jax_op),
+            grouped_mm=_build_gmm(jax_op, gen),
+            linear_cross_entropy=_build_linear_ce(jax_op, gen),
+        )
     return dict(_BUILT)
 
 
@@ -84,19 +87,28 @@ def build_cp(cp_rank: int, cp_size: int) -> Callable:
         return splash.cp_forward(q, k_all, v_all, **kw)
 
     @jax_op(f"{NAMESPACE}::splash_{key}_bwd")
-    def bwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array, out: jax.Array, lse: jax.Array,
-            dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def bwd(
+        q: jax.Array, k_all: jax.Array, v_all: jax.Array, out: jax.Array, lse: jax.Array, dout: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return splash.cp_backward(q, k_all, v_all, None, None, out, lse, dout, **kw)
 
     @jax_op(f"{NAMESPACE}::splash_{key}_seg_fwd")
-    def seg_fwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array,
-                segment_ids_all: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def seg_fwd(
+        q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array, segment_ids_all: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         return splash.cp_forward(q, k_all, v_all, segment_ids, segment_ids_all, **kw)
 
     @jax_op(f"{NAMESPACE}::splash_{key}_seg_bwd")
-    def seg_bwd(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array,
-                segment_ids_all: jax.Array, out: jax.Array, lse: jax.Array,
-                dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def seg_bwd(
+        q: jax.Array,
+        k_all: jax.Array,
+        v_all: jax.Array,
+        segment_ids: jax.Array,
+        segment_ids_all: jax.Array,
+        out: jax.Array,
+        lse: jax.Array,
+        dout: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return splash.cp_backward(q, k_all, v_all, segment_ids, segment_ids_all, out, lse, dout, **kw)
 
     def setup(ctx, inputs, output):
@@ -118,8 +130,9 @@ def build_cp(cp_rank: int, cp_size: int) -> Callable:
         q, k_all, v_all = q.contiguous(), k_all.contiguous(), v_all.contiguous()
         if segment_ids is None:
             return fwd(q, k_all, v_all)[0]
-        return seg_fwd(q, k_all, v_all, segment_ids.to(torch.int32).contiguous(),
-                       segment_ids_all.to(torch.int32).contiguous())[0]
+        return seg_fwd(
+            q, k_all, v_all, segment_ids.to(torch.int32).contiguous(), segment_ids_all.to(torch.int32).contiguous()
+        )[0]
 
     _BUILT_CP[key] = attention
     return attention
@@ -141,18 +154,25 @@ def _build_splash(jax_op) -> Callable:
         return splash.forward(q, k, v)
 
     @jax_op(f"{NAMESPACE}::splash_bwd")
-    def splash_bwd(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
-                   dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def splash_bwd(
+        q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, dout: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return splash.backward(q, k, v, None, out, lse, dout)
 
     @jax_op(f"{NAMESPACE}::splash_seg_fwd")
-    def splash_seg_fwd(q: jax.Array, k: jax.Array, v: jax.Array,
-                       segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def splash_seg_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         return splash.forward(q, k, v, segment_ids)
 
     @jax_op(f"{NAMESPACE}::splash_seg_bwd")
-    def splash_seg_bwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, out: jax.Array,
-                       lse: jax.Array, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def splash_seg_bwd(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        segment_ids: jax.Array,
+        out: jax.Array,
+        lse: jax.Array,
+        dout: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         return splash.backward(q, k, v, segment_ids, out, lse, dout)
 
     def setup(ctx, inputs, output):
@@ -196,8 +216,9 @@ def _build_gmm(jax_op, gen: str | None) -> Callable:
 
     @jax_op(f"{NAMESPACE}::gmm_t_bwd")
     def gmm_nk_bwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return tuple(jax.vjp(lambda x, w: gmm.grouped_mm(x, w, group_sizes, transpose_rhs=True, generation=gen),
-                             x, w)[1](dy))
+        return tuple(
+            jax.vjp(lambda x, w: gmm.grouped_mm(x, w, group_sizes, transpose_rhs=True, generation=gen), x, w)[1](dy)
+        )
 
     def setup(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
@@ -229,8 +250,9 @@ def _build_linear_ce(jax_op, gen: str | None) -> Callable:
         return fused_ce.forward_rows(h, w, labels, generation=gen)
 
     @jax_op(f"{NAMESPACE}::linear_ce_bwd")
-    def ce_bwd(h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array,
-               g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def ce_bwd(
+        h: jax.Array, w: jax.Array, labels: jax.Array, lse: jax.Array, g: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         return fused_ce.backward_rows(h, w, labels, lse, g, generation=gen)
 
     def setup(ctx, inputs, output):

@@ -56,18 +56,24 @@ from collections.abc import Callable
 
 import torch
 
-from models.common import ops
-from models.common import distributed
+from models.common import distributed, ops
 
-TOLERANCE = 2.0 ** -5
+TOLERANCE = 2.0**-5
 """Largest accepted max|kernel - reference| / max|reference| per output (module docstring)."""
 
-KERNEL_NAMES = {"causal_attention": "splash", "grouped_mm": "gmm", "linear_cross_entropy": "fused CE",
-                "cp_attention": "CP splash"}
+KERNEL_NAMES = {
+    "causal_attention": "splash",
+    "grouped_mm": "gmm",
+    "linear_cross_entropy": "fused CE",
+    "cp_attention": "CP splash",
+}
 """The kernel that serves each op on TPU, as the banner names it."""
 
-REFERENCES = {"causal_attention": ops.sdpa_causal_attention, "grouped_mm": ops.torch_grouped_mm,
-              "linear_cross_entropy": ops.chunked_linear_cross_entropy}
+REFERENCES = {
+    "causal_attention": ops.sdpa_causal_attention,
+    "grouped_mm": ops.torch_grouped_mm,
+    "linear_cross_entropy": ops.chunked_linear_cross_entropy,
+}
 """The torch reference of each op (what every other device runs, and the TPU fallback)."""
 
 
@@ -134,9 +140,18 @@ class KernelShapes:
             # MLA (models/deepseek_v3/model.py) hands the op q/k and v at their own widths (the
             # mean width in `shape()` is a FLOP-count device): those are what splash runs at.
             qk, v = args.qk_head_dim, args.v_head_dim
-        return cls(hidden=shape.dim, vocab=shape.vocab_size, qk_head_dim=qk, v_head_dim=v,
-                   expert_hidden=shape.moe_hidden or 256, num_experts=shape.num_experts, top_k=shape.top_k,
-                   cp=cp, cp_rank=cp_rank, tokens=tokens)
+        return cls(
+            hidden=shape.dim,
+            vocab=shape.vocab_size,
+            qk_head_dim=qk,
+            v_head_dim=v,
+            expert_hidden=shape.moe_hidden or 256,
+            num_experts=shape.num_experts,
+            top_k=shape.top_k,
+            cp=cp,
+            cp_rank=cp_rank,
+            tokens=tokens,
+        )
 
     def describe(self, op: str) -> str:
         """The widths `op` is checked at, in words."""
@@ -155,8 +170,9 @@ CP_CHUNK = 128
 """Tokens per chunk in the CP splash check: splash's tile, the smallest chunk the kernel takes."""
 
 
-def cases(op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16,
-          shapes: KernelShapes | None = None) -> list[Case]:
+def cases(
+    op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16, shapes: KernelShapes | None = None
+) -> list[Case]:
     """Tiny inputs for `op` on the CPU, rounded to `dtype` (seeded: the same every run), at the
     widths of `shapes` (default: small ones, attention at `head_dim`).
 
@@ -181,12 +197,12 @@ def cases(op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16,
         sizes = torch.tensor([40, 0, 36, 20])
         out = []
         for name, k, n in (("up", shapes.hidden, shapes.expert_hidden), ("down", shapes.expert_hidden, shapes.hidden)):
-            x, w_nk = normal(int(sizes.sum()), k), normal(len(sizes), n, k, std=k ** -0.5)
+            x, w_nk = normal(int(sizes.sum()), k), normal(len(sizes), n, k, std=k**-0.5)
             out.append(Case(f"linear-layout {name} {k}x{n}", (x, w_nk, sizes), (0, 1), views=((1, _experts_view),)))
         return out
     if op == "linear_cross_entropy":
         n, d, vocab = 100, shapes.hidden, 1000
-        h, w = normal(n, d), normal(vocab, d, std=d ** -0.5)
+        h, w = normal(n, d), normal(vocab, d, std=d**-0.5)
         labels = torch.randint(0, vocab, (n,), generator=gen)
         labels[:7] = ops.IGNORE_INDEX
         return [Case("ignored-labels", (h, w, labels), (0, 1))]
@@ -197,8 +213,10 @@ def cases(op: str, *, head_dim: int = 64, dtype: torch.dtype = torch.bfloat16,
         q, k_all, v_all = normal(b, hq, local, dq), normal(b, hkv, seq, dq), normal(b, hkv, seq, dv)
         seg_all = (torch.arange(seq) >= seq // 3).to(torch.int64)[None].expand(b, seq).contiguous()
         seg = seg_all[:, cp_positions(seq, shapes.cp_rank, cp)]
-        return [Case("causal", (q, k_all, v_all), (0, 1, 2)),
-                Case("segments", (q, k_all, v_all, seg, seg_all), (0, 1, 2))]
+        return [
+            Case("causal", (q, k_all, v_all), (0, 1, 2)),
+            Case("segments", (q, k_all, v_all, seg, seg_all), (0, 1, 2)),
+        ]
     raise AssertionError(f"no self-check case for op {op!r}")
 
 
@@ -271,8 +289,9 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor], names: list[str])
         rel = err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
         worst = max(worst, rel)
         if rel > TOLERANCE:
-            return (f"{name} differs from the reference by {err:.3g} (scale {scale:.3g}: "
-                    f"{rel:.2%} > {TOLERANCE:.2%})"), worst
+            return (
+                f"{name} differs from the reference by {err:.3g} (scale {scale:.3g}: {rel:.2%} > {TOLERANCE:.2%})"
+            ), worst
     return None, worst
 
 
@@ -286,9 +305,17 @@ def _first_line(exc: Exception) -> str:
     return f"{type(exc).__name__}: {message[:200]}"
 
 
-def check(op: str, impl: Callable, *, device: torch.device, dtype: torch.dtype, head_dim: int = 64,
-          reference: Callable | None = None, shapes: KernelShapes | None = None,
-          compile_check: CompileCheck | None = None) -> Verdict:
+def check(
+    op: str,
+    impl: Callable,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int = 64,
+    reference: Callable | None = None,
+    shapes: KernelShapes | None = None,
+    compile_check: CompileCheck | None = None,
+) -> Verdict:
     """Run `impl` (the kernel's op implementation) and `reference` (default: the op's torch
     reference) on `cases(op)` at the widths of `shapes`, after `compile_check(op)` if given; the
     Verdict says whether `impl` may serve `op`."""
@@ -321,16 +348,33 @@ def check(op: str, impl: Callable, *, device: torch.device, dtype: torch.dtype, 
     return Verdict(op, True, worst=worst, checked=checked)
 
 
-def run(impls: dict[str, Callable], *, device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
-        references: dict[str, Callable] | None = None, shapes: KernelShapes | None = None,
-        compile_check: CompileCheck | None = None) -> tuple[dict[str, Callable], list[Verdict]]:
+def run(
+    impls: dict[str, Callable],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    references: dict[str, Callable] | None = None,
+    shapes: KernelShapes | None = None,
+    compile_check: CompileCheck | None = None,
+) -> tuple[dict[str, Callable], list[Verdict]]:
     """Self-check every implementation in `impls` ({op: fn}; "cp_attention": this rank's CP
     splash, `fn(q, k_all, v_all, segment_ids=None, segment_ids_all=None)`) at the widths of
     `shapes`, each after `compile_check(op)`; return (the ones that passed on every rank, every
     Verdict). `references` overrides the torch references (tests)."""
-    verdicts = [check(op, impl, device=device, dtype=dtype, head_dim=head_dim or 64,
-                      reference=(references or {}).get(op), shapes=shapes, compile_check=compile_check)
-                for op, impl in impls.items()]
+    verdicts = [
+        check(
+            op,
+            impl,
+            device=device,
+            dtype=dtype,
+            head_dim=head_dim or 64,
+            reference=(references or {}).get(op),
+            shapes=shapes,
+            compile_check=compile_check,
+        )
+        for op, impl in impls.items()
+    ]
     verdicts = agree(verdicts, device=device)
     return {v.op: impls[v.op] for v in verdicts if v.ok}, verdicts
 
@@ -347,12 +391,16 @@ def agree(verdicts: list[Verdict], *, device: torch.device) -> list[Verdict]:
     passed = torch.tensor([1.0 if v.ok else 0.0 for v in verdicts], device=device)
     dist.all_reduce(passed, op=dist.ReduceOp.MIN)
     everywhere = passed.cpu().tolist()
-    return [v if (v.ok == bool(p)) else dataclasses.replace(v, ok=False, reason="failed on another rank (see its log)")
-            for v, p in zip(verdicts, everywhere)]
+    return [
+        v if (v.ok == bool(p)) else dataclasses.replace(v, ok=False, reason="failed on another rank (see its log)")
+        for v, p in zip(verdicts, everywhere)
+    ]
 
 
 def banner(verdict: Verdict) -> str:
     """The one start-up line for a kernel that failed its self-check."""
     assert not verdict.ok, verdict
-    return (f"titan-tpu: kernel self-check: {verdict.kernel} ({verdict.op}) failed, the torch reference "
-            f"serves it: {verdict.reason}")
+    return (
+        f"titan-tpu: kernel self-check: {verdict.kernel} ({verdict.op}) failed, the torch reference "
+        f"serves it: {verdict.reason}"
+    )

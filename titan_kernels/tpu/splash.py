@@ -52,16 +52,23 @@ def _kernel(seq_len: int, group: int, block: int, interpret: bool):
     Built with `save_residuals=True`: calling it returns (out, (logsumexp,)), the residuals its
     backward needs; `backward` below calls that backward kernel on them directly."""
     mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len))] * group)
-    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                          block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                          use_fused_bwd_kernel=True)
+    sizes = sk.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
     # Built on first use, usually inside a trace: without compile-time evaluation the kernel's
     # mask tables (jnp arrays) would be tracers of that trace, and this cache would leak them
     # into the next one. As numpy arrays they are plain literals of every program that uses
     # them (`jax.export`, which torch-tpu's jax_op runs, cannot take hoisted jax constants).
     with jax.ensure_compile_time_eval():
-        kernel = sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    save_residuals=True, interpret=interpret)
+        kernel = sk.make_splash_mqa(
+            mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=True, interpret=interpret
+        )
         return jax.tree_util.tree_map(np.asarray, kernel)
 
 
@@ -84,7 +91,7 @@ class _Layout:
         self.group = self.q_heads // self.kv_heads
         self.pad = (-self.seq) % TILE
         self.padded = self.seq + self.pad
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.kernel = _kernel(self.padded, self.group, block_size(self.padded), interpret)
 
     def seq_pad(self, t: jax.Array) -> jax.Array:
@@ -97,7 +104,7 @@ class _Layout:
 
     def from_mqa(self, t: jax.Array) -> jax.Array:
         """[B, Hkv, group, S_pad, D] -> [B, Hq, S, D]."""
-        return t.reshape(self.batch, self.q_heads, self.padded, t.shape[-1])[:, :, :self.seq]
+        return t.reshape(self.batch, self.q_heads, self.padded, t.shape[-1])[:, :, : self.seq]
 
     def ids(self, segment_ids: jax.Array | None) -> jax.Array | None:
         if segment_ids is None:
@@ -111,13 +118,13 @@ class _Layout:
         """vmap `fn(*per_head_args, segment_ids)` over batch and KV heads."""
         if ids is None:
             return jax.vmap(jax.vmap(lambda *a: fn(*a, None)))(*args)
-        inner = jax.vmap(lambda *a: fn(*a[:-1], sk.SegmentIds(q=a[-1], kv=a[-1])),
-                         in_axes=(*(0,) * len(args), None))
+        inner = jax.vmap(lambda *a: fn(*a[:-1], sk.SegmentIds(q=a[-1], kv=a[-1])), in_axes=(*(0,) * len(args), None))
         return jax.vmap(inner)(*args, ids)
 
 
-def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *,
-            interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def forward(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, interpret: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """(out [B, Hq, S, Dv], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
     each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile)."""
     lay = _Layout(q, k, interpret)
@@ -132,8 +139,17 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | N
     return lay.from_mqa(out), lse.reshape(lay.batch, lay.q_heads, lay.padded).astype(jnp.float32)
 
 
-def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, out: jax.Array,
-             lse: jax.Array, dout: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) from the forward's residuals (out, lse) with the splash backward kernel
     alone (fused dq/dkv), without running the forward kernel again.
 
@@ -150,14 +166,23 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | 
 
     def head(qh, kh, vh, oh, lh, doh, seg):
         res = (qh, kh, vh, seg, None, oh, lh, dq_info, dkv_info)
-        grads = sk._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"],
-                                         kw["residual_checkpoint_name"], kw["mask_function"],
-                                         kw["attn_logits_soft_cap"], kw["interpret"], res, doh)
+        grads = sk._splash_attention_bwd(
+            False,
+            kw["mask_value"],
+            kw["is_mqa"],
+            kw["block_sizes"],
+            kw["residual_checkpoint_name"],
+            kw["mask_function"],
+            kw["attn_logits_soft_cap"],
+            kw["interpret"],
+            res,
+            doh,
+        )
         return grads[3], grads[4], grads[5]
 
     dq, dk, dv = lay.per_head(head, qg, k, v, og, lseg, dog, ids=lay.ids(segment_ids))
     dq = lay.from_mqa(dq * jnp.asarray(lay.scale, dtype=dq.dtype))
-    return dq, dk[:, :, :lay.seq], dv[:, :, :lay.seq]
+    return dq, dk[:, :, : lay.seq], dv[:, :, : lay.seq]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -179,8 +204,9 @@ def _attention_bwd(interpret, res, dout):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                     *, interpret: bool = False) -> jax.Array:
+def splash_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, interpret: bool = False
+) -> jax.Array:
     """softmax(q k^T / sqrt(D), causal [within segments]) v; differentiable in JAX with the
     residual backward (`forward` + `backward`); see the module docstring."""
     return _attention(q, k, v, segment_ids, interpret)
@@ -226,11 +252,21 @@ def _offset_kernel(q_len: int, kv_len: int, offset: int, group: int, interpret: 
     # 256 x a chunk's dq per head, and the compiler's temporaries for one Llama 3 8B attention
     # layer at cp 4 came to 34.7 GB of v6e's 31.2 (CompileTimeHbmOom). The split backward
     # computes the scores twice and keeps only [q_len, d] per head.
-    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
-                          block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv, use_fused_bwd_kernel=False)
+    sizes = sk.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+        use_fused_bwd_kernel=False,
+    )
     with jax.ensure_compile_time_eval():
-        kernel = sk.make_splash_mqa(mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    save_residuals=True, interpret=interpret)
+        kernel = sk.make_splash_mqa(
+            mask=mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, save_residuals=True, interpret=interpret
+        )
         return jax.tree_util.tree_map(np.asarray, kernel)
 
 
@@ -241,22 +277,33 @@ def _cp_chunks(q: jax.Array, k_all: jax.Array, cp_rank: int, cp_size: int):
     chunk = s_local // 2
     assert chunk % TILE == 0, f"CP splash needs chunks of a multiple of {TILE} tokens, got {chunk}"
     assert 0 <= cp_rank < cp_size
-    return [(slice(0, chunk), seq // 2, cp_rank * chunk),
-            (slice(chunk, s_local), seq, (2 * cp_size - 1 - cp_rank) * chunk)]
+    return [
+        (slice(0, chunk), seq // 2, cp_rank * chunk),
+        (slice(chunk, s_local), seq, (2 * cp_size - 1 - cp_rank) * chunk),
+    ]
 
 
 def _per_head(fn, batch_args, q_ids, kv_ids):
     """vmap `fn(*head_args, SegmentIds | None)` over batch and KV heads (cf. `_Layout.per_head`)."""
     if q_ids is None:
         return jax.vmap(jax.vmap(lambda *a: fn(*a, None)))(*batch_args)
-    inner = jax.vmap(lambda *a: fn(*a[:-2], sk.SegmentIds(q=a[-2], kv=a[-1])),
-                     in_axes=(*(0,) * len(batch_args), None, None))
+    inner = jax.vmap(
+        lambda *a: fn(*a[:-2], sk.SegmentIds(q=a[-2], kv=a[-1])), in_axes=(*(0,) * len(batch_args), None, None)
+    )
     return jax.vmap(inner)(*batch_args, q_ids, kv_ids)
 
 
-def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None = None,
-               segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int,
-               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def cp_forward(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    segment_ids: jax.Array | None = None,
+    segment_ids_all: jax.Array | None = None,
+    *,
+    cp_rank: int,
+    cp_size: int,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
     """Rank `cp_rank`'s causal attention under CP: q [B, Hq, s/cp, D] (its two chunks, local
     order), k_all [B, Hkv, s, D] / v_all [B, Hkv, s, Dv] and `segment_ids_all` [B, s] gathered in
     global order, `segment_ids` [B, s/cp] its own -> (out [B, Hq, s/cp, Dv], lse [B, Hq, s/cp]
@@ -264,7 +311,7 @@ def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: ja
     batch, q_heads, s_local, head_dim = q.shape
     kv_heads = k_all.shape[1]
     group = q_heads // kv_heads
-    qs = (q * jnp.asarray(head_dim ** -0.5, dtype=q.dtype)).reshape(batch, kv_heads, group, s_local, head_dim)
+    qs = (q * jnp.asarray(head_dim**-0.5, dtype=q.dtype)).reshape(batch, kv_heads, group, s_local, head_dim)
     outs, lses = [], []
     for part, n_keys, offset in _cp_chunks(q, k_all, cp_rank, cp_size):
         kernel = _offset_kernel(part.stop - part.start, n_keys, offset, group, interpret)
@@ -283,9 +330,20 @@ def cp_forward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: ja
     return out, lse
 
 
-def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None,
-                segment_ids_all: jax.Array | None, out: jax.Array, lse: jax.Array, dout: jax.Array, *,
-                cp_rank: int, cp_size: int, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def cp_backward(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    segment_ids: jax.Array | None,
+    segment_ids_all: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    cp_rank: int,
+    cp_size: int,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq [B, Hq, s/cp, D], dk_all [B, Hkv, s, D], dv_all [B, Hkv, s, Dv]) from `cp_forward`'s residuals with the
     splash backward kernel alone; dk_all / dv_all are this rank's contributions to every key's
     gradient (the caller reduce-scatters them over cp: the all-gather's transpose)."""
@@ -293,7 +351,7 @@ def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: j
     kv_heads, seq = k_all.shape[1], k_all.shape[2]
     group = q_heads // kv_heads
     mqa = lambda t: t.reshape(batch, kv_heads, group, s_local, t.shape[-1])  # noqa: E731
-    qs = mqa(q * jnp.asarray(head_dim ** -0.5, dtype=q.dtype))
+    qs = mqa(q * jnp.asarray(head_dim**-0.5, dtype=q.dtype))
     og, dog = mqa(out), mqa(dout.astype(out.dtype))
     lseg = lse.reshape(batch, kv_heads, group, s_local)
     dqs, dks, dvs = [], [], []
@@ -304,20 +362,40 @@ def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: j
 
         def head(qh, kh, vh, oh, lh, doh, seg, kw=kw, dq_info=dq_info, dkv_info=dkv_info):
             res = (qh, kh, vh, seg, None, oh, lh, dq_info, dkv_info)
-            grads = sk._splash_attention_bwd(False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"],
-                                             kw["residual_checkpoint_name"], kw["mask_function"],
-                                             kw["attn_logits_soft_cap"], kw["interpret"], res, doh)
+            grads = sk._splash_attention_bwd(
+                False,
+                kw["mask_value"],
+                kw["is_mqa"],
+                kw["block_sizes"],
+                kw["residual_checkpoint_name"],
+                kw["mask_function"],
+                kw["attn_logits_soft_cap"],
+                kw["interpret"],
+                res,
+                doh,
+            )
             return grads[3], grads[4], grads[5]
 
         q_ids = None if segment_ids is None else segment_ids[:, part].astype(jnp.int32)
         kv_ids = None if segment_ids_all is None else segment_ids_all[:, :n_keys].astype(jnp.int32)
-        dq, dk, dv = _per_head(head, (qs[:, :, :, part], k_all[:, :, :n_keys], v_all[:, :, :n_keys],
-                                      og[:, :, :, part], lseg[:, :, :, part], dog[:, :, :, part]), q_ids, kv_ids)
+        dq, dk, dv = _per_head(
+            head,
+            (
+                qs[:, :, :, part],
+                k_all[:, :, :n_keys],
+                v_all[:, :, :n_keys],
+                og[:, :, :, part],
+                lseg[:, :, :, part],
+                dog[:, :, :, part],
+            ),
+            q_ids,
+            kv_ids,
+        )
         dqs.append(dq)
         dks.append(dk)
         dvs.append(dv)
     dq = jnp.concatenate(dqs, axis=3).reshape(batch, q_heads, s_local, head_dim)
-    dq = dq * jnp.asarray(head_dim ** -0.5, dtype=dq.dtype)
+    dq = dq * jnp.asarray(head_dim**-0.5, dtype=dq.dtype)
     # The early chunk's keys are the first s / 2: its dk / dv add to those rows of the late
     # chunk's (all s keys), in the keys' dtype, as the reduce-scatter that follows sums them:
     # no float32 copy of the gathered sequence (the planner counts one bf16 dk, dv pair).
@@ -329,29 +407,50 @@ def cp_backward(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: j
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _cp_attention(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank, cp_size, interpret):
-    return cp_forward(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank=cp_rank, cp_size=cp_size,
-                      interpret=interpret)[0]
+    return cp_forward(
+        q, k_all, v_all, segment_ids, segment_ids_all, cp_rank=cp_rank, cp_size=cp_size, interpret=interpret
+    )[0]
 
 
 def _cp_attention_fwd(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank, cp_size, interpret):
-    out, lse = cp_forward(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank=cp_rank, cp_size=cp_size,
-                          interpret=interpret)
+    out, lse = cp_forward(
+        q, k_all, v_all, segment_ids, segment_ids_all, cp_rank=cp_rank, cp_size=cp_size, interpret=interpret
+    )
     return out, (q, k_all, v_all, segment_ids, segment_ids_all, out, lse)
 
 
 def _cp_attention_bwd(cp_rank, cp_size, interpret, res, dout):
     q, k_all, v_all, segment_ids, segment_ids_all, out, lse = res
-    dq, dk, dv = cp_backward(q, k_all, v_all, segment_ids, segment_ids_all, out, lse, dout, cp_rank=cp_rank,
-                             cp_size=cp_size, interpret=interpret)
+    dq, dk, dv = cp_backward(
+        q,
+        k_all,
+        v_all,
+        segment_ids,
+        segment_ids_all,
+        out,
+        lse,
+        dout,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        interpret=interpret,
+    )
     return dq, dk, dv, None, None
 
 
 _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 
-def splash_cp_attention(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None = None,
-                        segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int,
-                        interpret: bool = False) -> jax.Array:
+def splash_cp_attention(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    segment_ids: jax.Array | None = None,
+    segment_ids_all: jax.Array | None = None,
+    *,
+    cp_rank: int,
+    cp_size: int,
+    interpret: bool = False,
+) -> jax.Array:
     """`cp_forward`'s output, differentiable in JAX with the residual backward (`cp_backward`)."""
     return _cp_attention(q, k_all, v_all, segment_ids, segment_ids_all, cp_rank, cp_size, interpret)
 
@@ -362,8 +461,16 @@ def cp_positions(seq_len: int, cp_rank: int, cp_size: int) -> np.ndarray:
     return np.concatenate([cp_rank * chunk + np.arange(chunk), (2 * cp_size - 1 - cp_rank) * chunk + np.arange(chunk)])
 
 
-def cp_reference(q: jax.Array, k_all: jax.Array, v_all: jax.Array, segment_ids: jax.Array | None = None,
-                 segment_ids_all: jax.Array | None = None, *, cp_rank: int, cp_size: int) -> jax.Array:
+def cp_reference(
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    segment_ids: jax.Array | None = None,
+    segment_ids_all: jax.Array | None = None,
+    *,
+    cp_rank: int,
+    cp_size: int,
+) -> jax.Array:
     """Dense jnp attention (float32) of the rank's queries at their global positions against
     all keys, mask `key <= query` (and same segment): what `splash_cp_attention` computes
     (float32, or float64 for float64 inputs)."""

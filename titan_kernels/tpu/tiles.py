@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -52,7 +53,7 @@ except ModuleNotFoundError:  # Python 3.10
 from pathlib import Path
 
 TABLE = Path(__file__).with_name("tiles.toml")
-MiB = 2 ** 20
+MiB = 2**20
 BUDGET_FRACTION = 0.8
 MIN_TILE = 128
 
@@ -137,8 +138,11 @@ def check_table(table: dict) -> None:
             if "default" not in entries:
                 raise ValueError(f"{kernel}.{gen}: no default entry")
             for shape, tiles in entries.items():
-                if not (isinstance(tiles, list) and len(tiles) == n
-                        and all(isinstance(t, int) and t > 0 and t % 8 == 0 for t in tiles)):
+                if not (
+                    isinstance(tiles, list)
+                    and len(tiles) == n
+                    and all(isinstance(t, int) and t > 0 and t % 8 == 0 for t in tiles)
+                ):
                     raise ValueError(f"{kernel}.{gen}.{shape}: {tiles!r}; allowed: {n} positive multiples of 8")
 
 
@@ -188,8 +192,9 @@ def gmm_cost(tm: int, tk: int, tn: int, m: int, k: int, groups: int, ridge: floa
     return max(compute, memory)
 
 
-def gmm_kn_tiles(generation: str | None, tm: int, k: int, n: int, *, itemsize: int = 2,
-                 table: dict | None = None) -> tuple[int, int]:
+def gmm_kn_tiles(
+    generation: str | None, tm: int, k: int, n: int, *, itemsize: int = 2, table: dict | None = None
+) -> tuple[int, int]:
     """(tk, tn) for a megablox call with row tile `tm` (rules 1 and 2)."""
     _, tk, tn = _entry("gmm", generation, f"{k}x{n}", table)
     tk, tn = fit(tk, k), fit(tn, n)
@@ -204,8 +209,9 @@ def gmm_kn_tiles(generation: str | None, tm: int, k: int, n: int, *, itemsize: i
     return tk, tn
 
 
-def gmm_tiles(generation: str | None, m: int, k: int, n: int, groups: int, *, itemsize: int = 2,
-              table: dict | None = None) -> tuple[int, int, int]:
+def gmm_tiles(
+    generation: str | None, m: int, k: int, n: int, groups: int, *, itemsize: int = 2, table: dict | None = None
+) -> tuple[int, int, int]:
     """(tm, tk, tn) for megablox at rows m, weight [groups, k, n] (module docstring's rule)."""
     tm0 = _entry("gmm", generation, f"{k}x{n}", table)[0]
     hw = hardware(generation)
@@ -244,8 +250,9 @@ def ce_vmem_bytes(bn: int, bv: int, dim: int, itemsize: int = 2) -> int:
     return 2 * itemsize * (bn + bv) * dim + 4 * big * dim + 2 * itemsize * big * dim + 3 * 4 * bn * bv
 
 
-def ce_blocks(generation: str | None, n: int, vocab: int, dim: int, *, itemsize: int = 2,
-              table: dict | None = None) -> tuple[int, int]:
+def ce_blocks(
+    generation: str | None, n: int, vocab: int, dim: int, *, itemsize: int = 2, table: dict | None = None
+) -> tuple[int, int]:
     """(block_n, block_v) of the fused loss at rows n, vocabulary `vocab`, hidden `dim`."""
     bn, bv = _entry("fused_ce", generation, f"d{dim}", table)
     bn = min(bn, -(-n // 8) * 8)

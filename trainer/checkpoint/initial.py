@@ -1,8 +1,6 @@
 """Initial weights: a DCP checkpoint or Hugging Face safetensors (read slice by slice, so each
 rank reads only its shards), and the HF config.json check against the model args."""
 
-
-
 from __future__ import annotations
 
 import json
@@ -19,11 +17,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.errors import ConfigError
-
-from trainer.checkpoint.state import _dist_on, _rank, _say, short_error, logger
 from trainer.checkpoint.manager import _shape, _stored_shapes, check_entries
 from trainer.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
-from trainer.checkpoint.state import _DCP_ERRORS, _fmt
+from trainer.checkpoint.state import _DCP_ERRORS, _dist_on, _fmt, _rank, _say, logger, short_error
 
 # ---------------------------------------------------------------------------------------------
 # Initial weights.
@@ -41,9 +37,18 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 SAFETENSORS_DTYPE_NAMES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 
@@ -125,12 +130,20 @@ def local_box(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
     shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     assert tuple(shape) == tuple(value.to_local().shape), (
-        f"local box {shape} != local shard {tuple(value.to_local().shape)} for placements {value.placements}")
+        f"local box {shape} != local shard {tuple(value.to_local().shape)} for placements {value.placements}"
+    )
     return tuple(offset), tuple(shape)
 
 
-def _load_hf_sliced(model: torch.nn.Module, files: list[Path], *, hf_layout: Any, args: Any,
-                    expected: dict[str, tuple | None], root: Path) -> SafetensorsSlices:
+def _load_hf_sliced(
+    model: torch.nn.Module,
+    files: list[Path],
+    *,
+    hf_layout: Any,
+    args: Any,
+    expected: dict[str, tuple | None],
+    root: Path,
+) -> SafetensorsSlices:
     """Each rank reads only the HF bytes of its own shard of each parameter (see load_initial)."""
     from safetensors import SafetensorError
     from torch.distributed.tensor import DTensor
@@ -144,8 +157,13 @@ def _load_hf_sliced(model: torch.nn.Module, files: list[Path], *, hf_layout: Any
         layout = hf_layout(reader.shapes(), args)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"{key}: {root} does not match the model: {short_error(e)}") from e
-    check_entries(expected=expected, stored={k: entry.shape for k, entry in layout.items()}, key=key,
-                  where=str(root), what="the model")
+    check_entries(
+        expected=expected,
+        stored={k: entry.shape for k, entry in layout.items()},
+        key=key,
+        where=str(root),
+        what="the model",
+    )
     model_sd = get_model_state_dict(model)
     try:
         with torch.no_grad():
@@ -185,8 +203,15 @@ HF_CONFIG_MISMATCH = ("error", "override")
 INITIAL_LOAD_FORMATS = ("dcp", "hf")
 
 
-def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, hf_adapter: Any = None,
-                 args: Any = None, hf_config_mismatch: str = "error") -> None:
+def load_initial(
+    model: torch.nn.Module,
+    *,
+    path: str | os.PathLike,
+    fmt: str,
+    hf_adapter: Any = None,
+    args: Any = None,
+    hf_config_mismatch: str = "error",
+) -> None:
     """Load model weights (only) to start training from: a DCP folder or HF safetensors.
 
     Call on every rank after the model is materialized (and parallelized: DTensor parameters
@@ -212,15 +237,19 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
     if fmt not in INITIAL_LOAD_FORMATS:
         raise ConfigError(f"checkpoint.initial_load_format: {fmt!r}; allowed: {', '.join(INITIAL_LOAD_FORMATS)}")
     if hf_config_mismatch not in HF_CONFIG_MISMATCH:
-        raise ConfigError(f"checkpoint.hf_config_mismatch: {hf_config_mismatch!r}; allowed: {', '.join(HF_CONFIG_MISMATCH)}")
+        raise ConfigError(
+            f"checkpoint.hf_config_mismatch: {hf_config_mismatch!r}; allowed: {', '.join(HF_CONFIG_MISMATCH)}"
+        )
     root = Path(path) if path else None
     if root is None or not root.exists():
         raise ConfigError(f"{key}: {str(path)!r} does not exist; expected a DCP checkpoint folder or HF safetensors")
     expected = {k: _shape(v) for k, v in get_model_state_dict(model).items()}
     if fmt == "dcp":
         if not (root / ".metadata").is_file():
-            raise ConfigError(f"{key}: {root} is not a DCP checkpoint folder (no .metadata); "
-                              'for safetensors set initial_load_format = "hf"')
+            raise ConfigError(
+                f"{key}: {root} is not a DCP checkpoint folder (no .metadata); "
+                'for safetensors set initial_load_format = "hf"'
+            )
         try:
             verify_checkpoint(root)
         except CorruptCheckpointError as e:
@@ -231,7 +260,7 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
             raise ConfigError(f"{key}: {root} is not a readable DCP checkpoint ({short_error(e)})") from e
         prefixed = any(k.startswith("model.") for k in stored)
         if prefixed:
-            stored = {k[len("model."):]: v for k, v in stored.items() if k.startswith("model.")}
+            stored = {k[len("model.") :]: v for k, v in stored.items() if k.startswith("model.")}
         check_entries(expected=expected, stored=stored, key=key, where=str(root), what="the model")
         model_sd = get_model_state_dict(model)
         dest = {"model": model_sd} if prefixed else model_sd
@@ -244,18 +273,26 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
 
     files = safetensors_files(root)
     if not files or not all(f.is_file() for f in files):
-        raise ConfigError(f"{key}: no safetensors weights at {root}; "
-                          "expected *.safetensors (and model.safetensors.index.json if sharded)")
+        raise ConfigError(
+            f"{key}: no safetensors weights at {root}; "
+            "expected *.safetensors (and model.safetensors.index.json if sharded)"
+        )
     from_hf = getattr(hf_adapter, "from_hf", hf_adapter)
     assert from_hf is not None, "initial_load_format hf without an hf_adapter: the step plan's RULES refuse it first"
     if hasattr(hf_adapter, "args_from_hf_config") and args is not None:
-        check_hf_config(root if root.is_dir() else root.parent, hf_adapter=hf_adapter, args=args,
-                        mismatch=hf_config_mismatch)
+        check_hf_config(
+            root if root.is_dir() else root.parent, hf_adapter=hf_adapter, args=args, mismatch=hf_config_mismatch
+        )
     hf_layout = getattr(hf_adapter, "hf_layout", None)
     if hf_layout is not None:
         reader = _load_hf_sliced(model, files, hf_layout=hf_layout, args=args, expected=expected, root=root)
-        logger.info("checkpoint: rank %d read %.1f MB of tensor data from %d of %d safetensors files",
-                    _rank(), reader.bytes_read / 1e6, len(reader.files_read), len(files))
+        logger.info(
+            "checkpoint: rank %d read %.1f MB of tensor data from %d of %d safetensors files",
+            _rank(),
+            reader.bytes_read / 1e6,
+            len(reader.files_read),
+            len(files),
+        )
         return
     # An adapter with only `from_hf` (a state dict in, a state dict out): every rank reads all.
     from safetensors.torch import load_file
@@ -270,8 +307,13 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
         state_dict = from_hf(hf_state_dict, args)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"{key}: {root} does not match the model: {short_error(e)}") from e
-    check_entries(expected=expected, stored={k: _shape(v) for k, v in state_dict.items()}, key=key,
-                  where=str(root), what="the model")
+    check_entries(
+        expected=expected,
+        stored={k: _shape(v) for k, v in state_dict.items()},
+        key=key,
+        where=str(root),
+        what="the model",
+    )
     try:
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
     except RuntimeError as e:  # anything the checks above did not foresee
@@ -280,9 +322,17 @@ def load_initial(model: torch.nn.Module, *, path: str | os.PathLike, fmt: str, h
 
 # Keys of hf_config(args) that are not architecture: the RoPE table length (the trainer sets it to
 # the training seq_len), bookkeeping, and values that follow from compared ones.
-_NOT_ARCHITECTURE = {"max_position_embeddings", "max_window_layers", "architectures", "torch_dtype",
-                     "use_cache", "initializer_range", "transformers_version", "router_aux_loss_coef",
-                     "output_router_logits"}
+_NOT_ARCHITECTURE = {
+    "max_position_embeddings",
+    "max_window_layers",
+    "architectures",
+    "torch_dtype",
+    "use_cache",
+    "initializer_range",
+    "transformers_version",
+    "router_aux_loss_coef",
+    "output_router_logits",
+}
 
 
 def hf_config_differences(hf_config: dict[str, Any], *, hf_adapter: Any, args: Any) -> list[tuple[str, Any, Any]]:
@@ -320,11 +370,15 @@ def check_hf_config(folder: Path, *, hf_adapter: Any, args: Any, mismatch: str) 
     path = folder / "config.json"
     if not path.is_file():
         if mismatch == "override":
-            _say(f"checkpoint: {path} not found; the architecture of the HF weights is not checked "
-                 "(checkpoint.hf_config_mismatch = override)")
+            _say(
+                f"checkpoint: {path} not found; the architecture of the HF weights is not checked "
+                "(checkpoint.hf_config_mismatch = override)"
+            )
             return
-        raise ConfigError(f"{key}: {path} not found, so the architecture of the weights cannot be checked; "
-                          f"allowed: a Hugging Face folder with config.json, or {option}")
+        raise ConfigError(
+            f"{key}: {path} not found, so the architecture of the weights cannot be checked; "
+            f"allowed: a Hugging Face folder with config.json, or {option}"
+        )
     try:
         hf_config = json.loads(path.read_text())
         diffs = hf_config_differences(hf_config, hf_adapter=hf_adapter, args=args)
@@ -337,7 +391,9 @@ def check_hf_config(folder: Path, *, hf_adapter: Any, args: Any, mismatch: str) 
     listed = ", ".join(f"{k}: config.json {_fmt(a)}, recipe {_fmt(b)}" for k, a, b in diffs[:4])
     more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
     if mismatch == "error":
-        raise ConfigError(f"{key}: the recipe's model differs from {path}: {listed}{more}; set the [model] "
-                          f"fields to match, or {option}")
+        raise ConfigError(
+            f"{key}: the recipe's model differs from {path}: {listed}{more}; set the [model] "
+            f"fields to match, or {option}"
+        )
     for k, a, b in diffs:
         _say(f"checkpoint: hf_config_mismatch = override: {k} is {_fmt(b)} (recipe), not {_fmt(a)} ({path})")

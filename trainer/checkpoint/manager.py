@@ -23,14 +23,13 @@ run resumed on more ranks) keeps its seeded RNG and says so.
 All ranks must share the checkpoint folder (a shared or network file system across hosts).
 """
 
-
 from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +40,22 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
+from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
+from trainer.checkpoint.state import (
+    _DCP_ERRORS,
+    _STEP_DIR,
+    ASYNC_MODES,
+    Stateful,
+    _dist_on,
+    _drop_missing_rank_entries,
+    _fsync_dir,
+    _rank,
+    _say,
+    logger,
+    short_error,
+)
 from trainer.runtime.atomic import errno_text, publish
 from trainer.runtime.device import cpu_backend
-
-from trainer.checkpoint.manifest import MANIFEST, verify_checkpoint, write_manifest, CorruptCheckpointError
-from trainer.checkpoint.state import (ASYNC_MODES, Stateful, _dist_on, _rank, _say, short_error, _fsync_dir,
-    _drop_missing_rank_entries, _DCP_ERRORS, _STEP_DIR, logger)
 
 # ---------------------------------------------------------------------------------------------
 # Key and shape checks: every load path refuses a state that does not match in either direction.
@@ -57,8 +66,15 @@ def _natural(key: str) -> list:
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", key)]
 
 
-def check_entries(*, expected: dict[str, tuple | None], stored: dict[str, tuple | None], key: str,
-                  where: str, what: str = "the model", fix: str = "") -> None:
+def check_entries(
+    *,
+    expected: dict[str, tuple | None],
+    stored: dict[str, tuple | None],
+    key: str,
+    where: str,
+    what: str = "the model",
+    fix: str = "",
+) -> None:
     """ConfigError naming the first differing entries unless `stored` has exactly the names of
     `expected` and the same shapes (None = not a tensor, shape not compared).
 
@@ -68,8 +84,11 @@ def check_entries(*, expected: dict[str, tuple | None], stored: dict[str, tuple 
     """
     missing = sorted(set(expected) - set(stored), key=_natural)
     unexpected = sorted(set(stored) - set(expected), key=_natural)
-    reshaped = [k for k in sorted(set(expected) & set(stored), key=_natural)
-                if expected[k] is not None and stored[k] is not None and tuple(expected[k]) != tuple(stored[k])]
+    reshaped = [
+        k
+        for k in sorted(set(expected) & set(stored), key=_natural)
+        if expected[k] is not None and stored[k] is not None and tuple(expected[k]) != tuple(stored[k])
+    ]
     if not (missing or unexpected or reshaped):
         return
     parts = []
@@ -79,10 +98,15 @@ def check_entries(*, expected: dict[str, tuple | None], stored: dict[str, tuple 
         parts.append(f"it has {len(unexpected)} entries {what} lacks (first: {', '.join(unexpected[:3])})")
     if reshaped:
         k = reshaped[0]
-        parts.append(f"{len(reshaped)} entries differ in shape (first: {k} is {list(stored[k])} there, "
-                     f"{list(expected[k])} in {what})")
-    raise ConfigError(f"{key}: {where} does not match {what}: " + "; ".join(parts)
-                      + (f"; {fix}" if fix else "; allowed: a checkpoint of the same model args (n_layers, dim, ...)"))
+        parts.append(
+            f"{len(reshaped)} entries differ in shape (first: {k} is {list(stored[k])} there, "
+            f"{list(expected[k])} in {what})"
+        )
+    raise ConfigError(
+        f"{key}: {where} does not match {what}: "
+        + "; ".join(parts)
+        + (f"; {fix}" if fix else "; allowed: a checkpoint of the same model args (n_layers, dim, ...)")
+    )
 
 
 def _shape(value: Any) -> tuple | None:
@@ -146,7 +170,9 @@ def _save_failed(error: BaseException, what: str, tmp: Path, *, remove: bool) ->
         shutil.rmtree(tmp, ignore_errors=True)
     why = errno_text(error, tmp.parent) or short_error(error)
     gone = "its partial files were removed; " if remove else ""
-    return CheckpointSaveError(f"checkpoint: {what} failed: {why}; {gone}earlier checkpoints in {tmp.parent} are intact")
+    return CheckpointSaveError(
+        f"checkpoint: {what} failed: {why}; {gone}earlier checkpoints in {tmp.parent} are intact"
+    )
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
@@ -181,8 +207,17 @@ class CheckpointManager:
     Every rank constructs the manager and calls every method (the calls hold collectives).
     """
 
-    def __init__(self, *, folder: str | os.PathLike, interval: int, keep_latest_k: int, async_mode: str,
-                 enable: bool, load_step: int = -1, fallback_on_corrupt: bool = False):
+    def __init__(
+        self,
+        *,
+        folder: str | os.PathLike,
+        interval: int,
+        keep_latest_k: int,
+        async_mode: str,
+        enable: bool,
+        load_step: int = -1,
+        fallback_on_corrupt: bool = False,
+    ):
         if async_mode not in ASYNC_MODES:
             raise ConfigError(f"checkpoint.async_mode: {async_mode!r} is not a mode; allowed: {', '.join(ASYNC_MODES)}")
         if interval < 1:
@@ -251,19 +286,23 @@ class CheckpointManager:
             problem = self._verify(path)
             if problem is None:
                 break
-            older = candidates[i + 1:] if self.load_step < 0 else [s for s in available if s < step][::-1]
+            older = candidates[i + 1 :] if self.load_step < 0 else [s for s in available if s < step][::-1]
             if self.load_step < 0 and self.fallback_on_corrupt and older:
                 _say(f"checkpoint: {problem}; checkpoint.fallback_on_corrupt is set: trying step-{older[0]}")
                 continue
             if older:
-                hint = (f"to resume from the previous checkpoint set checkpoint.load_step = {older[0]} "
-                        "(or checkpoint.fallback_on_corrupt = true)")
+                hint = (
+                    f"to resume from the previous checkpoint set checkpoint.load_step = {older[0]} "
+                    "(or checkpoint.fallback_on_corrupt = true)"
+                )
             else:
                 hint = "no older checkpoint to fall back to; move the folder away to start fresh"
             raise ConfigError(f"{key}: {path} is corrupt: {problem}; {hint}")
         self._load_path(path, states, key)
-        _say(f"checkpoint: resumed from {path} (step {step}): weights, optimizer moments, lr-schedule step, "
-             "data position and RNG from the checkpoint; lr, schedule, betas, eps and weight_decay from the config")
+        _say(
+            f"checkpoint: resumed from {path} (step {step}): weights, optimizer moments, lr-schedule step, "
+            "data position and RNG from the checkpoint; lr, schedule, betas, eps and weight_decay from the config"
+        )
         for state in states.values():
             for note in getattr(state, "resume_notes", ()):
                 _say(f"checkpoint:   {note}")
@@ -296,9 +335,13 @@ class CheckpointManager:
         # Model and optimizer moments must match exactly, in both directions (a checkpoint with
         # more layers must not load into fewer); the small states only need what this run reads.
         strict = ("model.", "optimizer.state.")
-        check_entries(expected={k: _shape(v) for k, v in flat.items() if k.startswith(strict)},
-                      stored={k: v for k, v in stored.items() if k.startswith(strict)},
-                      key=key, where=str(path), what="this run's model and optimizer")
+        check_entries(
+            expected={k: _shape(v) for k, v in flat.items() if k.startswith(strict)},
+            stored={k: v for k, v in stored.items() if k.startswith(strict)},
+            key=key,
+            where=str(path),
+            what="this run's model and optimizer",
+        )
         missing = [k for k in flat if k not in stored]
         if missing:
             raise ConfigError(
@@ -344,16 +387,21 @@ class CheckpointManager:
         self._last_saved_step = step
         try:
             if self.async_mode == "async":
-                future = dcp.async_save(state_dict, storage_writer=_storage_writer(tmp), process_group=self._pg,
-                                        no_dist=not self._distributed)
+                future = dcp.async_save(
+                    state_dict,
+                    storage_writer=_storage_writer(tmp),
+                    process_group=self._pg,
+                    no_dist=not self._distributed,
+                )
                 if self._is_rank0:
                     # The manifest is written in the background too, once DCP's write is done.
                     self._hasher = self._hasher or ThreadPoolExecutor(1, thread_name_prefix="ckpt-manifest")
                     future = self._hasher.submit(_then_manifest, future, tmp)
                 self._pending = (future, step)
                 return
-            dcp.save(state_dict, storage_writer=_storage_writer(tmp), process_group=self._pg,
-                     no_dist=not self._distributed)
+            dcp.save(
+                state_dict, storage_writer=_storage_writer(tmp), process_group=self._pg, no_dist=not self._distributed
+            )
         except _DCP_ERRORS as e:
             raise _save_failed(e, f"saving step {step} to {tmp}", tmp, remove=self._is_rank0) from e
         self._barrier()  # every rank's shards are written before the checkpoint becomes visible
@@ -436,5 +484,3 @@ class CheckpointManager:
     def _barrier(self) -> None:
         if self._distributed:
             dist.barrier(group=self._pg)
-
-

@@ -1,7 +1,5 @@
 """Checksums: a manifest of per-file CRC-32s, written with each checkpoint and checked on load."""
 
-
-
 from __future__ import annotations
 
 import json
@@ -12,9 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-
 from models.errors import ConfigError
-
 from trainer.checkpoint.state import short_error
 from trainer.runtime.atomic import atomic_file
 
@@ -75,12 +71,18 @@ def write_manifest(folder: str | os.PathLike) -> dict[str, Any]:
     Call after every rank's files and .metadata are written."""
     folder = Path(folder)
     t0 = time.perf_counter()
-    paths = [p for p in sorted(folder.iterdir(), key=lambda p: p.name)
-             if p.is_file() and not p.name.startswith(MANIFEST)]
+    paths = [
+        p for p in sorted(folder.iterdir(), key=lambda p: p.name) if p.is_file() and not p.name.startswith(MANIFEST)
+    ]
     crcs = crc32_blocks(paths)
     files = {p.name: {"size": p.stat().st_size, "crc32": crcs[p]} for p in paths}
-    manifest = {"format": 1, "algorithm": "crc32", "block_bytes": BLOCK_BYTES, "files": files,
-                "hash_seconds": round(time.perf_counter() - t0, 3)}
+    manifest = {
+        "format": 1,
+        "algorithm": "crc32",
+        "block_bytes": BLOCK_BYTES,
+        "files": files,
+        "hash_seconds": round(time.perf_counter() - t0, 3),
+    }
     with atomic_file(folder / MANIFEST, what="checkpoint manifest", mode="w") as f:
         json.dump(manifest, f, indent=1)
     return manifest
@@ -118,10 +120,11 @@ def verify_checkpoint(folder: str | os.PathLike) -> bool:
             if a != b:
                 start, n = _blocks(entry["size"])[i]
                 where = f" in bytes {start}-{start + n - 1}" if len(got) > 1 else ""
-                raise CorruptCheckpointError(f"{folder / name} fails its checksum{where} "
-                                             f"(crc32 {a}, {MANIFEST} says {b})")
+                raise CorruptCheckpointError(
+                    f"{folder / name} fails its checksum{where} (crc32 {a}, {MANIFEST} says {b})"
+                )
         if len(got) != len(entry["crc32"]):
-            raise CorruptCheckpointError(f"{folder / name}: {MANIFEST} lists {len(entry['crc32'])} blocks, not {len(got)}")
+            raise CorruptCheckpointError(
+                f"{folder / name}: {MANIFEST} lists {len(entry['crc32'])} blocks, not {len(got)}"
+            )
     return True
-
-

@@ -1,8 +1,6 @@
 """Checkpoint state: the wrappers DCP saves (model, optimizer, train state with RNG), the
 finiteness check before a save, and the small helpers the other checkpoint modules share."""
 
-
-
 from __future__ import annotations
 
 import logging
@@ -25,9 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
 from models.common import distributed
-
-
 
 logger = logging.getLogger(__name__)
 
@@ -163,16 +160,22 @@ def _restore_rng(state: dict[str, Any]) -> None:
         if len(state["cuda"]) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(state["cuda"])
         else:
-            logger.warning("checkpoint: CUDA RNG state saved for %d devices, %d present; not restored",
-                           len(state["cuda"]), torch.cuda.device_count())
+            logger.warning(
+                "checkpoint: CUDA RNG state saved for %d devices, %d present; not restored",
+                len(state["cuda"]),
+                torch.cuda.device_count(),
+            )
     if "tpu" in state:
         generators = _tpu_generators()
         if generators is not None and len(generators) == len(state["tpu"]):
             for generator, saved in zip(generators, state["tpu"]):
                 generator.set_state(saved)
         else:
-            logger.warning("checkpoint: TPU RNG state saved for %d devices, %s here; not restored",
-                           len(state["tpu"]), "none" if generators is None else len(generators))
+            logger.warning(
+                "checkpoint: TPU RNG state saved for %d devices, %s here; not restored",
+                len(state["tpu"]),
+                "none" if generators is None else len(generators),
+            )
     if "numpy" in state:
         import numpy
 
@@ -199,8 +202,13 @@ class TrainState:
 
 def run_states(*, model, optimizer, scheduler, train_state: TrainState, dataloader=None) -> dict[str, Any]:
     """The states a checkpoint holds, under `CHECKPOINT_KEYS` (the engine's have no data loader)."""
-    states = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "lr_scheduler": scheduler,
-              "dataloader": dataloader, "train_state": train_state}
+    states = {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": scheduler,
+        "dataloader": dataloader,
+        "train_state": train_state,
+    }
     return {key: states[key] for key in CHECKPOINT_KEYS if states[key] is not None}
 
 
@@ -263,10 +271,11 @@ def all_finite(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
             ok = False
             break
     if _dist_on() and dist.get_world_size() > 1:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
-                            device=tensors[0].device if tensors and tensors[0].device.type != "meta" else "cpu")
+        flag = torch.tensor(
+            [1 if ok else 0],
+            dtype=torch.int32,
+            device=tensors[0].device if tensors and tensors[0].device.type != "meta" else "cpu",
+        )
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         ok = bool(flag.item())
     return ok
-
-

@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import math
 import os
-import sys
 import types
 import typing
 from typing import Any
@@ -55,8 +54,14 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               list: "a list such as [0.9, 0.95]", dict: "a table"}
+_TYPE_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list such as [0.9, 0.95]",
+    dict: "a table",
+}
 
 
 def _type_name(typ: Any) -> str:
@@ -233,8 +238,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optimizer.muon_momentum: {cfg.optimizer.muon_momentum!r}; allowed: a number in [0, 1)")
     exclude = cfg.optimizer.muon_exclude
     if not isinstance(exclude, list) or not all(isinstance(x, str) and x and "." not in x for x in exclude):
-        raise ConfigError(f"optimizer.muon_exclude: {exclude!r}; allowed: a list of module-path components "
-                          "(names without dots), e.g. [\"tok_embeddings\", \"output\", \"gate\"]")
+        raise ConfigError(
+            f"optimizer.muon_exclude: {exclude!r}; allowed: a list of module-path components "
+            '(names without dots), e.g. ["tok_embeddings", "output", "gate"]'
+        )
     check_flags("device.libtpu_init_args", cfg.device.libtpu_init_args)
     check_flags("device.xla_flags", cfg.device.xla_flags)
     p = cfg.parallelism
@@ -252,13 +259,16 @@ def _validate_hf_config(cfg: Config) -> None:
     model whose plan does not translate is a rule, trainer/step/plan.py.)"""
     m = cfg.model
     if m.hf_config and m.name != "hf":
-        raise ConfigError(f"model.hf_config: only used with model.name = \"hf\" (got {m.name!r}); "
-                          "allowed: empty for this model")
+        raise ConfigError(
+            f'model.hf_config: only used with model.name = "hf" (got {m.name!r}); allowed: empty for this model'
+        )
     if m.name != "hf":
         return
     if not m.hf_config:
-        raise ConfigError('model.hf_config: required with model.name = "hf"; allowed: a local directory '
-                          "holding config.json, or a config.json file")
+        raise ConfigError(
+            'model.hf_config: required with model.name = "hf"; allowed: a local directory '
+            "holding config.json, or a config.json file"
+        )
 
 
 def model_args(name: str, flavor: str, overrides: typing.Mapping[str, Any] = {}):
@@ -357,7 +367,11 @@ def field_docs() -> dict[str, list[tuple[str, str, str]]]:
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 doc = ""
-                if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr) and isinstance(body[i + 1].value, ast.Constant):
+                if (
+                    i + 1 < len(body)
+                    and isinstance(body[i + 1], ast.Expr)
+                    and isinstance(body[i + 1].value, ast.Constant)
+                ):
                     doc = " ".join(str(body[i + 1].value.value).split())
                 name = node.target.id
                 rows.append((name, _toml_value(getattr(defaults, name)) if name != "overrides" else "", doc))

@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from titan_kernels import ATTENTION_BACKENDS
 from parallelisms.activation_checkpoint import AC_MODES
+from titan_kernels import ATTENTION_BACKENDS
 from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
 from trainer.optim import DECAY_TYPES, OPTIMIZERS
 from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
 from trainer.runtime.tpu_env import FLAG_BUNDLES
 from trainer.step.plan import BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES, ROUTINGS
 from trainer.tasks.flow import TIMESTEP_SAMPLING
+
 
 def _choices(*values: str) -> dict:
     return {"choices": values}

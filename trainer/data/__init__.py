@@ -1,9 +1,31 @@
 """Data: text data sets packed into token windows (text), the tiktoken BPE (tokenizer), and the
 FLUX data set's reader and loader (flux; building it: trainer/flux_data)."""
 
-from trainer.data.text import (BUNDLED_CORPUS_DIR, DEFAULT_SHARDS, SHUFFLE_BLOCK_DOCS, TokenLoader, auto_shards,
-                               build_dataloader, merge_states, resolve_dataset, shard_windows)
+from trainer.data.text import (
+    BUNDLED_CORPUS_DIR,
+    DEFAULT_SHARDS,
+    SHUFFLE_BLOCK_DOCS,
+    TokenLoader,
+    auto_shards,
+    build_dataloader,
+    merge_states,
+    resolve_dataset,
+    shard_windows,
+)
 from trainer.data.tokenizer import BUNDLED_BPE_PATH, Tokenizer, build_tokenizer, load_bpe_ranks
 
-__all__ = ["BUNDLED_BPE_PATH", "BUNDLED_CORPUS_DIR", "DEFAULT_SHARDS", "SHUFFLE_BLOCK_DOCS", "TokenLoader", "Tokenizer", "auto_shards",
-           "build_dataloader", "build_tokenizer", "load_bpe_ranks", "merge_states", "resolve_dataset", "shard_windows"]
+__all__ = [
+    "BUNDLED_BPE_PATH",
+    "BUNDLED_CORPUS_DIR",
+    "DEFAULT_SHARDS",
+    "SHUFFLE_BLOCK_DOCS",
+    "TokenLoader",
+    "Tokenizer",
+    "auto_shards",
+    "build_dataloader",
+    "build_tokenizer",
+    "load_bpe_ranks",
+    "merge_states",
+    "resolve_dataset",
+    "shard_windows",
+]

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from models.errors import ConfigError
-
 from trainer.flux_data.build import FORMAT_VERSION, ensure_procedural_dataset
 
 SHUFFLE_BLOCK_GROUPS = 8
@@ -36,14 +35,18 @@ class FluxDataset:
     def __init__(self, folder: str):
         meta_path = os.path.join(folder, "meta.json")
         if not os.path.isfile(meta_path):
-            raise ConfigError(f"FLUX data set {folder}: no meta.json; allowed: a folder written by "
-                              "scripts/build_flux_data.py, or 'procedural'")
+            raise ConfigError(
+                f"FLUX data set {folder}: no meta.json; allowed: a folder written by "
+                "scripts/build_flux_data.py, or 'procedural'"
+            )
         self.meta = _read_meta(meta_path)
         for name, split in self.meta["splits"].items():  # a lost shard is found now, not epochs later
             for shard in split["shards"]:
                 if not os.path.isfile(os.path.join(folder, shard["file"])):
-                    raise ConfigError(f"FLUX data set: {os.path.join(folder, shard['file'])} (split {name!r}) is "
-                                      f"missing or not a file; {_REBUILD}")
+                    raise ConfigError(
+                        f"FLUX data set: {os.path.join(folder, shard['file'])} (split {name!r}) is "
+                        f"missing or not a file; {_REBUILD}"
+                    )
         self.folder = folder
         self.latent_shape = tuple(self.meta["shapes"]["latent"])
         self.t5_shape = tuple(self.meta["shapes"]["t5"])
@@ -55,8 +58,9 @@ class FluxDataset:
 
     def _split(self, split: str) -> dict:
         if split not in self.meta["splits"]:
-            raise ConfigError(f"FLUX data set {self.folder}: no split {split!r}; allowed: "
-                              f"{', '.join(self.meta['splits'])}")
+            raise ConfigError(
+                f"FLUX data set {self.folder}: no split {split!r}; allowed: {', '.join(self.meta['splits'])}"
+            )
         return self.meta["splits"][split]
 
     def row_groups(self, split: str) -> list[tuple[str, int, int, int]]:
@@ -71,8 +75,10 @@ class FluxDataset:
                 first += n
                 rows += n
             if rows != shard["rows"]:
-                raise ConfigError(f"FLUX data set: {os.path.join(self.folder, shard['file'])} holds {rows} rows, "
-                                  f"meta.json says {shard['rows']}; {_REBUILD}")
+                raise ConfigError(
+                    f"FLUX data set: {os.path.join(self.folder, shard['file'])} holds {rows} rows, "
+                    f"meta.json says {shard['rows']}; {_REBUILD}"
+                )
         return out
 
     def _file(self, name: str):
@@ -83,8 +89,10 @@ class FluxDataset:
             try:
                 self._files[name] = pq.ParquetFile(path)
             except (OSError, ValueError) as e:
-                raise ConfigError(f"FLUX data set: cannot read {path} ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}") from None
+                raise ConfigError(
+                    f"FLUX data set: cannot read {path} ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}"
+                ) from None
         return self._files[name]
 
     def read_group(self, file: str, group: int) -> dict[str, np.ndarray]:
@@ -101,15 +109,22 @@ class FluxDataset:
                     raise ValueError(f"column {name} holds {values.dtype}, expected float32")
                 return values.reshape(len(table), *shape)
 
-            out = {"index": table.column("index").to_numpy(), "latent": floats("latent", self.latent_shape),
-                   "t5": floats("t5", self.t5_shape), "clip": floats("clip", self.clip_shape)}
+            out = {
+                "index": table.column("index").to_numpy(),
+                "latent": floats("latent", self.latent_shape),
+                "t5": floats("t5", self.t5_shape),
+                "clip": floats("clip", self.clip_shape),
+            }
         except (OSError, ValueError, KeyError, AttributeError, pa.ArrowException) as e:
-            raise ConfigError(f"FLUX data set: cannot read row group {group} of {path} "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}") from None
+            raise ConfigError(
+                f"FLUX data set: cannot read row group {group} of {path} "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}"
+            ) from None
         for name, values in out.items():
             if name != "index" and not np.isfinite(values).all():
-                raise ConfigError(f"FLUX data set: row group {group} of {path}: column {name} holds non-finite "
-                                  f"values; {_REBUILD}")
+                raise ConfigError(
+                    f"FLUX data set: row group {group} of {path}: column {name} holds non-finite values; {_REBUILD}"
+                )
         return out
 
     def captions(self, split: str) -> list[dict]:
@@ -123,8 +138,10 @@ class FluxDataset:
             try:
                 table = pq.read_table(path, columns=["index", "caption", "colour", "shape", "position"])
             except (OSError, ValueError, KeyError, pa.ArrowException) as e:
-                raise ConfigError(f"FLUX data set: cannot read {path} ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}") from None
+                raise ConfigError(
+                    f"FLUX data set: cannot read {path} ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else e!r}); {_REBUILD}"
+                ) from None
             rows.extend(table.to_pylist())
         return rows
 
@@ -139,9 +156,12 @@ class FluxDataset:
             bpe = build_tokenizer("bundled")
         p = self.meta["params"]
         # Hugging Face tokenizers were saved next to their encoders (TextConditioner.save).
-        return cond.load_text_conditioner(t5_path=os.path.join(self.folder, "encoders", "t5"),
-                                          clip_path=os.path.join(self.folder, "encoders", "clip"),
-                                          max_length=p["text_length"], bpe=bpe)
+        return cond.load_text_conditioner(
+            t5_path=os.path.join(self.folder, "encoders", "t5"),
+            clip_path=os.path.join(self.folder, "encoders", "clip"),
+            max_length=p["text_length"],
+            bpe=bpe,
+        )
 
     def vae(self):
         """The VAE the latents were encoded with (`FluxVae`: `decode(latents) -> images in [0, 1]`)."""
@@ -156,6 +176,7 @@ _REBUILD = "rebuild the data set with scripts/build_flux_data.py"
 def _read_meta(path: str) -> dict:
     """meta.json of a data set folder, its shape checked (what the reader and the loader use):
     ConfigError naming the file and the key otherwise."""
+
     def refuse(what: str):
         raise ConfigError(f"FLUX data set {path}: {what}; {_REBUILD}")
 
@@ -173,8 +194,10 @@ def _read_meta(path: str) -> dict:
     if not isinstance(meta, dict):
         refuse(f"expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT_VERSION:
-        raise ConfigError(f"FLUX data set {os.path.dirname(path)}: format {meta.get('format')}; this version reads "
-                          f"format {FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py")
+        raise ConfigError(
+            f"FLUX data set {os.path.dirname(path)}: format {meta.get('format')}; this version reads "
+            f"format {FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py"
+        )
     shapes = meta.get("shapes")
     if not isinstance(shapes, dict):
         refuse("shapes is not an object of latent, t5, clip")
@@ -213,8 +236,10 @@ def resolve_flux_dataset(path: str | None, *, cache_root: str | None = None) -> 
         return FluxDataset(ensure_procedural_dataset(cache_root=cache_root))
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
-        raise ConfigError(f"FLUX data set {path}: no such folder; allowed: 'procedural' or a folder written by "
-                          "scripts/build_flux_data.py")
+        raise ConfigError(
+            f"FLUX data set {path}: no such folder; allowed: 'procedural' or a folder written by "
+            "scripts/build_flux_data.py"
+        )
     return FluxDataset(folder)
 
 
@@ -228,8 +253,18 @@ def _hash_order(n: int, key: str) -> list[int]:
 class FluxLoader:
     """This rank's micro-batches of the global sample order (see the module docstring)."""
 
-    def __init__(self, *, dataset: FluxDataset, split: str, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 seed: int, shuffle: bool, repeat: bool):
+    def __init__(
+        self,
+        *,
+        dataset: FluxDataset,
+        split: str,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        seed: int,
+        shuffle: bool,
+        repeat: bool,
+    ):
         assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
         self.dataset, self.split = dataset, split
         self.local_batch_size, self.dp_rank, self.dp_degree = local_batch_size, dp_rank, dp_degree
@@ -248,9 +283,13 @@ class FluxLoader:
         """(row groups in epoch order, first epoch position of each shuffle block)."""
         if self._epoch_blocks is None or self._epoch_blocks[0] != epoch:
             num_groups = len(self.groups)
-            perm = _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups") if self.shuffle else list(range(num_groups))
-            sizes = [sum(self.groups[g][3] for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS])
-                     for lo in range(0, num_groups, SHUFFLE_BLOCK_GROUPS)]
+            perm = (
+                _hash_order(num_groups, f"flux/{self.seed}/{epoch}/groups") if self.shuffle else list(range(num_groups))
+            )
+            sizes = [
+                sum(self.groups[g][3] for g in perm[lo : lo + SHUFFLE_BLOCK_GROUPS])
+                for lo in range(0, num_groups, SHUFFLE_BLOCK_GROUPS)
+            ]
             self._epoch_blocks = (epoch, perm, np.cumsum([0] + sizes[:-1]))
         return self._epoch_blocks[1], self._epoch_blocks[2]
 
@@ -260,7 +299,7 @@ class FluxLoader:
         if self._block_order is None or self._block_order[:2] != (epoch, block):
             perm, _ = self._blocks(epoch)
             lo = block * SHUFFLE_BLOCK_GROUPS
-            members = [(g, r) for g in perm[lo: lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
+            members = [(g, r) for g in perm[lo : lo + SHUFFLE_BLOCK_GROUPS] for r in range(self.groups[g][3])]
             if self.shuffle:
                 members = [members[i] for i in _hash_order(len(members), f"flux/{self.seed}/{epoch}/{block}")]
             self._block_order = (epoch, block, members)
@@ -291,15 +330,21 @@ class FluxLoader:
         global_batch = b * d
         if not self.repeat and self.position + global_batch > self.num_samples:
             if self.position == 0:
-                raise ConfigError(f"FLUX data set {self.dataset.folder}: split {self.split!r} has "
-                                  f"{self.num_samples} samples, fewer than one micro-batch across data-parallel "
-                                  f"ranks ({d} x {b})")
+                raise ConfigError(
+                    f"FLUX data set {self.dataset.folder}: split {self.split!r} has "
+                    f"{self.num_samples} samples, fewer than one micro-batch across data-parallel "
+                    f"ranks ({d} x {b})"
+                )
             raise StopIteration
         start = self.position + self.dp_rank * b
         rows = self._rows(range(start, start + b))
         self.position += global_batch
-        return (torch.from_numpy(rows["latent"]), torch.from_numpy(rows["t5"]), torch.from_numpy(rows["clip"]),
-                torch.from_numpy(rows["index"]).long())
+        return (
+            torch.from_numpy(rows["latent"]),
+            torch.from_numpy(rows["t5"]),
+            torch.from_numpy(rows["clip"]),
+            torch.from_numpy(rows["index"]).long(),
+        )
 
     def check(self, micro_batches: int) -> int:
         """Read the first `micro_batches` micro-batches now, then start over; returns how many
@@ -322,18 +367,36 @@ class FluxLoader:
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_samples"):
             if int(state[key]) != getattr(self, key):
-                raise ConfigError(f"checkpoint data loader state: {key} was {int(state[key])}, this run has "
-                                  f"{getattr(self, key)}; resume with the same seed and FLUX data set")
+                raise ConfigError(
+                    f"checkpoint data loader state: {key} was {int(state[key])}, this run has "
+                    f"{getattr(self, key)}; resume with the same seed and FLUX data set"
+                )
         self.position = int(state["position"])
 
 
-def build_flux_dataloader(*, path: str | None, local_batch_size: int, dp_rank: int, dp_degree: int, seed: int,
-                          split: str = "train", cache_root: str | None = None) -> FluxLoader:
+def build_flux_dataloader(
+    *,
+    path: str | None,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    split: str = "train",
+    cache_root: str | None = None,
+) -> FluxLoader:
     """Loader over the FLUX data set at `path` ('procedural' / None: the cached debug set).
     `split="train"` shuffles and repeats epochs; any other split is read once, in order."""
     if local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1")
     dataset = resolve_flux_dataset(path, cache_root=cache_root)
     train = split == "train"
-    return FluxLoader(dataset=dataset, split=split, local_batch_size=local_batch_size, dp_rank=dp_rank,
-                      dp_degree=dp_degree, seed=seed, shuffle=train, repeat=train)
+    return FluxLoader(
+        dataset=dataset,
+        split=split,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        seed=seed,
+        shuffle=train,
+        repeat=train,
+    )

@@ -113,8 +113,11 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
         if not matches:
             raise ConfigError(f"dataset {spec}: the glob matches no file; allowed: {_ALLOWED}")
     elif os.path.isdir(path):
-        matches = [p for p in globlib.glob(os.path.join(path, "**", "*"), recursive=True)
-                   if os.path.isfile(p) and _file_kind(p)]
+        matches = [
+            p
+            for p in globlib.glob(os.path.join(path, "**", "*"), recursive=True)
+            if os.path.isfile(p) and _file_kind(p)
+        ]
         if not matches:
             raise ConfigError(f"dataset {spec}: the folder holds no .json/.jsonl/.parquet/.txt file")
     elif os.path.isfile(path):
@@ -130,14 +133,17 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
     for p in matches:
         kind = _file_kind(p)
         if kind is None:
-            raise ConfigError(f"dataset {spec}: file {p} has an unsupported type; allowed: "
-                              ".json .jsonl .parquet .txt (optionally .gz .bz2 .xz)")
+            raise ConfigError(
+                f"dataset {spec}: file {p} has an unsupported type; allowed: "
+                ".json .jsonl .parquet .txt (optionally .gz .bz2 .xz)"
+            )
         kinds.setdefault(kind, p)
         if not os.access(p, os.R_OK):
             raise ConfigError(f"dataset {spec}: file {p} is not readable")
     if len(kinds) > 1:
-        raise ConfigError(f"dataset {spec}: mixes file kinds {sorted(kinds)} (e.g. {list(kinds.values())}); "
-                          "use one kind per dataset")
+        raise ConfigError(
+            f"dataset {spec}: mixes file kinds {sorted(kinds)} (e.g. {list(kinds.values())}); use one kind per dataset"
+        )
     return _Source(spec=spec, kind=next(iter(kinds)), files=matches, split=split)
 
 
@@ -165,8 +171,10 @@ def _open_hub(source: _Source):
     try:
         return _load_streaming(source.hub_path, local=False, name=source.hub_config, split=source.split)
     except Exception as e:  # noqa: BLE001 - any failure to open a hub dataset is a bad spec or no network
-        raise ConfigError(f"dataset {source.spec}: not a local file or folder, and cannot open it from the "
-                          f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"dataset {source.spec}: not a local file or folder, and cannot open it from the "
+            f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}"
+        ) from None
 
 
 def _num_files(source: _Source) -> int:
@@ -174,8 +182,9 @@ def _num_files(source: _Source) -> int:
     return len(source.files) if source.kind != "hub" else int(getattr(_open_hub(source), "num_shards", 1) or 1)
 
 
-def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0,
-                file_shard: tuple[int, int] | None = None) -> Iterator[str]:
+def _iter_texts(
+    source: _Source, text_field: str, skip_rows: int = 0, file_shard: tuple[int, int] | None = None
+) -> Iterator[str]:
     """Document texts in a fixed order, starting after `skip_rows` rows (skipped rows are
     parsed, not tokenized). A row whose field is None or empty yields "" so that row
     positions stay stable. `file_shard=(s, S)` reads only files s, s+S, s+2S, ... (for a Hub
@@ -187,7 +196,7 @@ def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0,
         yield from itertools.islice(_rows_to_texts(ds, source.spec, text_field), skip_rows, None)
         return
     extra = {"sample_by": "paragraph"} if source.kind == "text" else {}
-    files = source.files if file_shard is None else source.files[file_shard[0]:: file_shard[1]]
+    files = source.files if file_shard is None else source.files[file_shard[0] :: file_shard[1]]
     for path in files:
         # One streaming dataset per file so that a read error names its file.
         rows = 0  # rows of this file already read: the reader's error row numbers count from its chunk
@@ -202,18 +211,24 @@ def _iter_texts(source: _Source, text_field: str, skip_rows: int = 0,
         except ConfigError:
             raise
         except UnicodeDecodeError as e:
-            raise ConfigError(f"dataset {source.spec}: file {path} is not valid UTF-8 ({e.reason} at byte "
-                              f"{e.start}); allowed: UTF-8 text") from None
+            raise ConfigError(
+                f"dataset {source.spec}: file {path} is not valid UTF-8 ({e.reason} at byte "
+                f"{e.start}); allowed: UTF-8 text"
+            ) from None
         except StopIteration:
             continue  # datasets raises it for an empty json file: no rows
         except Exception as e:  # noqa: BLE001 - a malformed or unreadable file, reported by name
             where = _json_error_line(path, rows, str(e)) if source.kind == "json" else None
             if where is not None:
                 line, reason = where
-                raise ConfigError(f"dataset {source.spec}: file {path} line {line} is not valid JSON ({reason}); "
-                                  "allowed: one JSON object per line") from None
-            raise ConfigError(f"dataset {source.spec}: cannot read file {path} as {source.kind}: "
-                              f"{type(e).__name__}: {_one_line(str(e))}") from None
+                raise ConfigError(
+                    f"dataset {source.spec}: file {path} line {line} is not valid JSON ({reason}); "
+                    "allowed: one JSON object per line"
+                ) from None
+            raise ConfigError(
+                f"dataset {source.spec}: cannot read file {path} as {source.kind}: "
+                f"{type(e).__name__}: {_one_line(str(e))}"
+            ) from None
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -243,7 +258,7 @@ def _json_error_line(path: str, rows_before: int, message: str) -> tuple[int, st
     match = re.search(r"in row (\d+)", message)
     guess = rows_before + int(match.group(1)) if match else 0
     try:
-        for start in ((guess, 0) if guess else (0,)):
+        for start in (guess, 0) if guess else (0,):
             row = -1
             with _open_text(path) as f:
                 for number, line in enumerate(f, 1):
@@ -268,14 +283,15 @@ def _json_error_line(path: str, rows_before: int, message: str) -> tuple[int, st
 def _rows_to_texts(ds, where: str, text_field: str) -> Iterator[str]:
     for row in ds:
         if text_field not in row:
-            raise ConfigError(f"dataset {where}: rows have no field {text_field!r}; fields found: "
-                              f"{sorted(row)}; set the text field to one of them")
+            raise ConfigError(
+                f"dataset {where}: rows have no field {text_field!r}; fields found: "
+                f"{sorted(row)}; set the text field to one of them"
+            )
         text = row[text_field]
         if text is None:
             text = ""
         if not isinstance(text, str):
-            raise ConfigError(f"dataset {where}: field {text_field!r} holds {type(text).__name__}, "
-                              "not text")
+            raise ConfigError(f"dataset {where}: field {text_field!r} holds {type(text).__name__}, not text")
         yield text
 
 
@@ -311,7 +327,7 @@ def _every_shard_has_text(source: _Source, text_field: str, num_shards: int) -> 
     if _num_files(source) >= num_shards:
         if source.kind == "hub":
             return True
-        return all(any(os.path.getsize(p) for p in source.files[s:: num_shards]) for s in range(num_shards))
+        return all(any(os.path.getsize(p) for p in source.files[s::num_shards]) for s in range(num_shards))
     missing = set(range(num_shards))
     for i, text in enumerate(_iter_texts(source, text_field)):
         if text:
@@ -335,8 +351,12 @@ class _FileShards:
         if nxt is not None and nxt[0] == block:
             rows = nxt[1]
         else:
-            rows = _iter_texts(self.source, self.text_field, skip_rows=block * self.block_docs,
-                               file_shard=(shard, self.num_shards) if self.num_shards > 1 else None)
+            rows = _iter_texts(
+                self.source,
+                self.text_field,
+                skip_rows=block * self.block_docs,
+                file_shard=(shard, self.num_shards) if self.num_shards > 1 else None,
+            )
         texts = list(itertools.islice(rows, self.block_docs))
         self._open[shard] = (block + 1, rows)
         return texts
@@ -357,8 +377,17 @@ class _DealtDocs:
     the whole run instead, and the data is parsed once (the bundled corpus: 456 rows).
     Large data should come as >= S files (`_FileShards`)."""
 
-    def __init__(self, *, source: _Source, text_field: str, num_shards: int, block_docs: int,
-                 shards: list[int], position, store_rows: int):
+    def __init__(
+        self,
+        *,
+        source: _Source,
+        text_field: str,
+        num_shards: int,
+        block_docs: int,
+        shards: list[int],
+        position,
+        store_rows: int,
+    ):
         self.source, self.text_field, self.num_shards, self.block_docs = source, text_field, num_shards, block_docs
         self.shards = set(shards)
         self.position = position  # shard -> (epoch, next block it loads)
@@ -441,9 +470,11 @@ class _ShardStream:
         loader.docs_tokenized += len(texts)
         self.tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=sum(map(len, ids)))
         if self.pending_offset > len(self.tokens):
-            raise ConfigError(f"checkpoint data loader state: offset {self.pending_offset} is past the end of "
-                              f"block {self.block} of shard {self.shard} of dataset {loader.source.spec}; the data "
-                              "changed since the checkpoint")
+            raise ConfigError(
+                f"checkpoint data loader state: offset {self.pending_offset} is past the end of "
+                f"block {self.block} of shard {self.shard} of dataset {loader.source.spec}; the data "
+                "changed since the checkpoint"
+            )
         self.pos, self.pending_offset = self.pending_offset, 0
         if self.epoch_tokens is not None:
             self.epoch_tokens += len(self.tokens)
@@ -460,12 +491,13 @@ class _ShardStream:
             if self.epoch_tokens == 0:
                 where = f"dataset {loader.source.spec}: no text in split {loader.source.split!r}"
                 if loader.num_shards == 1:
-                    raise ConfigError(f"{where} (0 tokens); allowed: rows with a non-empty "
-                                      f"{loader.text_field!r} field")
-                raise ConfigError(f"{where} for data shard {self.shard} of {loader.num_shards} (fewer non-empty "
-                                  f"documents than shards?); allowed: training.dataset_shards = 0 (auto: a data "
-                                  f"set this small is read as one shard) or <= the number of documents, and "
-                                  f"rows with a non-empty {loader.text_field!r} field")
+                    raise ConfigError(f"{where} (0 tokens); allowed: rows with a non-empty {loader.text_field!r} field")
+                raise ConfigError(
+                    f"{where} for data shard {self.shard} of {loader.num_shards} (fewer non-empty "
+                    f"documents than shards?); allowed: training.dataset_shards = 0 (auto: a data "
+                    f"set this small is read as one shard) or <= the number of documents, and "
+                    f"rows with a non-empty {loader.text_field!r} field"
+                )
             if not loader.repeat:
                 return False
             self.epoch, self.block, self.epoch_tokens = self.epoch + 1, 0, 0
@@ -482,7 +514,7 @@ class _ShardStream:
                     continue
             take = min(n - done, len(self.tokens) - self.pos)
             if out is not None:
-                out[done: done + take] = self.tokens[self.pos: self.pos + take]
+                out[done : done + take] = self.tokens[self.pos : self.pos + take]
             self.pos += take
             done += take
         return True
@@ -536,11 +568,24 @@ def merge_states(states: list[dict]) -> dict:
 class TokenLoader:
     """Yields this rank's micro-batches of the global window stream (see the module docstring)."""
 
-    def __init__(self, *, source: _Source, tokenizer, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, seed: int, text_field: str = "text",
-                 shuffle: bool = True, repeat: bool = True, shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS,
-                 num_shards: int = 1, gather: Callable[[dict], list[dict]] | None = None,
-                 document_ids: bool = False):
+    def __init__(
+        self,
+        *,
+        source: _Source,
+        tokenizer,
+        seq_len: int,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        seed: int,
+        text_field: str = "text",
+        shuffle: bool = True,
+        repeat: bool = True,
+        shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS,
+        num_shards: int = 1,
+        gather: Callable[[dict], list[dict]] | None = None,
+        document_ids: bool = False,
+    ):
         assert 0 <= dp_rank < dp_degree, (dp_rank, dp_degree)
         assert shuffle_block_docs >= 1 and num_shards >= 1
         self.source, self.tokenizer, self.text_field = source, tokenizer, text_field
@@ -577,14 +622,21 @@ class TokenLoader:
         if self._reader_obj is None:
             if self._by_file is None:
                 self._by_file = self.num_shards == 1 or _num_files(self.source) >= self.num_shards
-            common = dict(source=self.source, text_field=self.text_field, num_shards=self.num_shards,
-                          block_docs=self.shard_block_docs)
+            common = dict(
+                source=self.source,
+                text_field=self.text_field,
+                num_shards=self.num_shards,
+                block_docs=self.shard_block_docs,
+            )
             if self._by_file:
                 self._reader_obj = _FileShards(**common)
             else:
-                self._reader_obj = _DealtDocs(**common, shards=list(self._streams),
-                                              position=lambda s: self._streams[s].next_block_key(),
-                                              store_rows=4 * self.shuffle_block_docs)
+                self._reader_obj = _DealtDocs(
+                    **common,
+                    shards=list(self._streams),
+                    position=lambda s: self._streams[s].next_block_key(),
+                    store_rows=4 * self.shuffle_block_docs,
+                )
         return self._reader_obj
 
     # -- public API ----------------------------------------------------------------------
@@ -609,9 +661,11 @@ class TokenLoader:
             self._exhausted = True
             if start == 0:
                 need = self.dp_degree * batch * (self.seq_len + 1)
-                raise ConfigError(f"dataset {self.source.spec}: split {self.source.split!r} has fewer "
-                                  f"tokens than one micro-batch across data-parallel ranks "
-                                  f"({self.dp_degree} x {batch} x {self.seq_len + 1} = {need})")
+                raise ConfigError(
+                    f"dataset {self.source.spec}: split {self.source.split!r} has fewer "
+                    f"tokens than one micro-batch across data-parallel ranks "
+                    f"({self.dp_degree} x {batch} x {self.seq_len + 1} = {need})"
+                )
             raise StopIteration
         self._windows = end
         tokens = torch.from_numpy(out).long()
@@ -662,37 +716,58 @@ class TokenLoader:
         names = {"num_shards": "training.dataset_shards"}
         for key in ("seq_len", "seed", "shuffle_block_docs", "num_shards"):
             if key not in state:
-                raise ConfigError(f"checkpoint data loader state: no {key!r} (written by an older loader "
-                                  "without data shards); resume it with the version that wrote it")
+                raise ConfigError(
+                    f"checkpoint data loader state: no {key!r} (written by an older loader "
+                    "without data shards); resume it with the version that wrote it"
+                )
             if int(state[key]) != getattr(self, key):
-                raise ConfigError(f"checkpoint data loader state: {names.get(key, key)} was {int(state[key])}, "
-                                  f"this run has {getattr(self, key)}; resume with the same value")
+                raise ConfigError(
+                    f"checkpoint data loader state: {names.get(key, key)} was {int(state[key])}, "
+                    f"this run has {getattr(self, key)}; resume with the same value"
+                )
         windows = int(state["windows_consumed"])
         self._set_windows(windows)
         for s, stream in self._streams.items():
             entry = state["shards"][s]
             if entry is None:
-                raise ConfigError(f"checkpoint data loader state: no position for data shard {s} (saved "
-                                  "without every rank's shards); it cannot resume")
+                raise ConfigError(
+                    f"checkpoint data loader state: no position for data shard {s} (saved "
+                    "without every rank's shards); it cannot resume"
+                )
             epoch, block, offset, shard_window = (int(v) for v in entry)
             if shard_window != shard_windows(windows, s, self.num_shards):
-                raise ConfigError(f"checkpoint data loader state: shard {s} is at window {shard_window}, "
-                                  f"but {windows} global windows put it at "
-                                  f"{shard_windows(windows, s, self.num_shards)}; the state is corrupt")
+                raise ConfigError(
+                    f"checkpoint data loader state: shard {s} is at window {shard_window}, "
+                    f"but {windows} global windows put it at "
+                    f"{shard_windows(windows, s, self.num_shards)}; the state is corrupt"
+                )
             stream.set_position(epoch=epoch, block=block, offset=offset, windows=shard_window)
         # Load the saved blocks now, so a checkpoint that no longer fits the data fails at load.
         for s, stream in self._streams.items():
             if (stream.epoch, stream.block, stream.pending_offset) != (0, 0, 0) and not stream.load_block():
-                raise ConfigError(f"checkpoint data loader state: block {stream.block} of epoch {stream.epoch} "
-                                  f"of shard {s} is past the end of dataset {self.source.spec}; the data changed "
-                                  "since the checkpoint")
+                raise ConfigError(
+                    f"checkpoint data loader state: block {stream.block} of epoch {stream.epoch} "
+                    f"of shard {s} is past the end of dataset {self.source.spec}; the data changed "
+                    "since the checkpoint"
+                )
 
 
-def build_dataloader(*, dataset: str, tokenizer, seq_len: int, local_batch_size: int, dp_rank: int,
-                     dp_degree: int, seed: int, split: str = "train", text_field: str = "text",
-                     shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS, num_shards: int = 0,
-                     gather: Callable[[dict], list[dict]] | None = None,
-                     document_ids: bool = False) -> TokenLoader:
+def build_dataloader(
+    *,
+    dataset: str,
+    tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    seed: int,
+    split: str = "train",
+    text_field: str = "text",
+    shuffle_block_docs: int = SHUFFLE_BLOCK_DOCS,
+    num_shards: int = 0,
+    gather: Callable[[dict], list[dict]] | None = None,
+    document_ids: bool = False,
+) -> TokenLoader:
     """Loader for `dataset` (see the module docstring). `split="train"` shuffles and repeats
     epochs over `num_shards` data shards (0: `auto_shards`); any other split (e.g.
     "validation") is one shard, read once, in order, from the start. `gather` (training, more
@@ -717,13 +792,30 @@ def build_dataloader(*, dataset: str, tokenizer, seq_len: int, local_batch_size:
             # depends on the data only, and only data that the auto layout cannot read gets it.
             logging.getLogger(__name__).info(
                 "dataset %s: some of %d data shards would hold no text (fewer non-empty documents "
-                "than shards); reading it as one shard, which every rank tokenizes", dataset, num_shards)
+                "than shards); reading it as one shard, which every rank tokenizes",
+                dataset,
+                num_shards,
+            )
             num_shards = 1
     elif num_shards < 0 or num_shards % micro:
-        raise ConfigError(f"training.dataset_shards: {num_shards} is not a multiple of the global micro-batch "
-                          f"(data-parallel degree {dp_degree} x local batch {local_batch_size} = {micro}); "
-                          f"allowed: 0 (auto) or a multiple of {micro}, e.g. {auto_shards(micro)}")
-    return TokenLoader(source=source, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=local_batch_size,
-                       dp_rank=dp_rank, dp_degree=dp_degree, seed=seed, text_field=text_field,
-                       shuffle=train, repeat=train, shuffle_block_docs=shuffle_block_docs,
-                       num_shards=num_shards, gather=gather if train else None, document_ids=document_ids)
+        raise ConfigError(
+            f"training.dataset_shards: {num_shards} is not a multiple of the global micro-batch "
+            f"(data-parallel degree {dp_degree} x local batch {local_batch_size} = {micro}); "
+            f"allowed: 0 (auto) or a multiple of {micro}, e.g. {auto_shards(micro)}"
+        )
+    return TokenLoader(
+        source=source,
+        tokenizer=tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        dp_rank=dp_rank,
+        dp_degree=dp_degree,
+        seed=seed,
+        text_field=text_field,
+        shuffle=train,
+        repeat=train,
+        shuffle_block_docs=shuffle_block_docs,
+        num_shards=num_shards,
+        gather=gather if train else None,
+        document_ids=document_ids,
+    )

@@ -69,8 +69,10 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise ConfigError(f"tokenizer file {path}: cannot read ({e.strerror or e}); "
-                          "allowed: 'bundled' or a path to a tiktoken BPE file") from None
+        raise ConfigError(
+            f"tokenizer file {path}: cannot read ({e.strerror or e}); "
+            "allowed: 'bundled' or a path to a tiktoken BPE file"
+        ) from None
     ranks: dict[bytes, int] = {}
     seen_ranks: set[int] = set()
     for lineno, line in enumerate(data.splitlines(), start=1):
@@ -87,10 +89,13 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
         except (ValueError, binascii.Error):
             raise ConfigError(
                 f"tokenizer file {path}: line {lineno} is not `base64(token_bytes) rank`; "
-                "allowed: a tiktoken BPE file such as Llama 3's tokenizer.model") from None
+                "allowed: a tiktoken BPE file such as Llama 3's tokenizer.model"
+            ) from None
         if token in ranks or rank in seen_ranks:
-            raise ConfigError(f"tokenizer file {path}: line {lineno} repeats a token or rank "
-                              f"({rank}); every token and rank must be unique")
+            raise ConfigError(
+                f"tokenizer file {path}: line {lineno} repeats a token or rank "
+                f"({rank}); every token and rank must be unique"
+            )
         ranks[token] = rank
         seen_ranks.add(rank)
     if not ranks:
@@ -98,8 +103,10 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
     # Byte-level BPE can encode any text only if every single byte is a token.
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise ConfigError(f"tokenizer file {path}: {len(missing)} of the 256 single-byte tokens "
-                          f"are missing (e.g. byte {missing[0]}); a byte-level BPE needs all 256")
+        raise ConfigError(
+            f"tokenizer file {path}: {len(missing)} of the 256 single-byte tokens "
+            f"are missing (e.g. byte {missing[0]}); a byte-level BPE needs all 256"
+        )
     return ranks
 
 
@@ -110,16 +117,23 @@ class Tokenizer:
     given, e.g. from a tokenizer.json). `bos_token` None: documents get no BOS (Qwen).
     """
 
-    def __init__(self, *, name: str, ranks: dict[bytes, int], special_tokens: Sequence[str] | dict[str, int],
-                 pattern: str = LLAMA3_PATTERN, bos_token: str | None = BOS_TOKEN, eos_token: str = EOS_TOKEN,
-                 nfc: bool = False):
+    def __init__(
+        self,
+        *,
+        name: str,
+        ranks: dict[bytes, int],
+        special_tokens: Sequence[str] | dict[str, int],
+        pattern: str = LLAMA3_PATTERN,
+        bos_token: str | None = BOS_TOKEN,
+        eos_token: str = EOS_TOKEN,
+        nfc: bool = False,
+    ):
         if isinstance(special_tokens, dict):
             specials = dict(special_tokens)
         else:
             first_special = max(ranks.values()) + 1
             specials = {tok: first_special + i for i, tok in enumerate(special_tokens)}
-        self._encoding = tiktoken.Encoding(
-            name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+        self._encoding = tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
         self.special_tokens: dict[str, int] = specials
         self.bos_id: int | None = specials[bos_token] if bos_token is not None else None
         self.eos_id: int = specials[eos_token]
@@ -140,8 +154,7 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def encode_batch(self, texts: Sequence[str], *, bos: bool, eos: bool,
-                     num_threads: int = 4) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], *, bos: bool, eos: bool, num_threads: int = 4) -> list[list[int]]:
         """`encode` for many texts; tiktoken releases the GIL and runs them in threads."""
         batch = self._encoding.encode_ordinary_batch([self._normalize(t) for t in texts], num_threads=num_threads)
         if bos or eos:
@@ -180,16 +193,20 @@ def _json_pattern(pre: dict | None, path: str) -> str:
     gpt2 = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
     steps = (pre or {}).get("pretokenizers") if (pre or {}).get("type") == "Sequence" else [pre or {}]
     if not isinstance(steps, list) or not all(isinstance(step, dict) for step in steps):
-        raise ConfigError(f"tokenizer file {path}: pre_tokenizer.pretokenizers is not a list of objects; "
-                          "allowed: a byte-level BPE (Split regex + ByteLevel, or ByteLevel)")
+        raise ConfigError(
+            f"tokenizer file {path}: pre_tokenizer.pretokenizers is not a list of objects; "
+            "allowed: a byte-level BPE (Split regex + ByteLevel, or ByteLevel)"
+        )
     pattern = None
     for step in steps:
         kind = step.get("type")
         if kind == "Split":
             regex = step.get("pattern").get("Regex") if isinstance(step.get("pattern"), dict) else None
             if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
-                raise ConfigError(f"tokenizer file {path}: pre_tokenizer Split must be an isolated Regex "
-                                  "split; this tokenizer cannot be expressed as a tiktoken encoding")
+                raise ConfigError(
+                    f"tokenizer file {path}: pre_tokenizer Split must be an isolated Regex "
+                    "split; this tokenizer cannot be expressed as a tiktoken encoding"
+                )
             pattern = regex
         elif kind == "ByteLevel":
             if step.get("add_prefix_space"):
@@ -197,8 +214,10 @@ def _json_pattern(pre: dict | None, path: str) -> str:
             if step.get("use_regex", True):
                 pattern = pattern or gpt2
         elif kind is not None:
-            raise ConfigError(f"tokenizer file {path}: pre_tokenizer {kind} is not supported; "
-                              "allowed: a byte-level BPE (Split regex + ByteLevel, or ByteLevel)")
+            raise ConfigError(
+                f"tokenizer file {path}: pre_tokenizer {kind} is not supported; "
+                "allowed: a byte-level BPE (Split regex + ByteLevel, or ByteLevel)"
+            )
     if pattern is None:
         raise ConfigError(f"tokenizer file {path}: no byte-level pre-tokenizer; allowed: a byte-level BPE")
     return pattern
@@ -208,6 +227,7 @@ def _json_tables(spec, path: str) -> tuple[dict[str, int], dict[str, int], list[
     """(vocab, added tokens, merges) of a tokenizer.json, each checked for shape and type, with
     every id a non-negative integer held by one token only (an added token may repeat its own
     vocab entry); ConfigError naming the file and the entry otherwise."""
+
     def refuse(what: str):
         raise ConfigError(f"tokenizer file {path}: {what}; {_ALLOWED}")
 
@@ -215,8 +235,10 @@ def _json_tables(spec, path: str) -> tuple[dict[str, int], dict[str, int], list[
         refuse(f"expected a JSON object, got {type(spec).__name__}")
     model = spec.get("model")
     if not isinstance(model, dict) or model.get("type") != "BPE":
-        raise ConfigError(f"tokenizer file {path}: model type "
-                          f"{model.get('type') if isinstance(model, dict) else model!r}; allowed: BPE")
+        raise ConfigError(
+            f"tokenizer file {path}: model type "
+            f"{model.get('type') if isinstance(model, dict) else model!r}; allowed: BPE"
+        )
     for key in ("normalizer", "pre_tokenizer"):
         if spec.get(key) is not None and not isinstance(spec[key], dict):
             refuse(f"{key} is a {type(spec[key]).__name__}, expected an object or null")
@@ -251,7 +273,7 @@ def _json_tables(spec, path: str) -> tuple[dict[str, int], dict[str, int], list[
     for i, m in enumerate(raw_merges):
         pair = m.split(" ", 1) if isinstance(m, str) else m
         if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
-            refuse(f"model.merges[{i}] = {m!r}, expected \"a b\" or [\"a\", \"b\"]")
+            refuse(f'model.merges[{i}] = {m!r}, expected "a b" or ["a", "b"]')
         merges.append((pair[0], pair[1]))
     return vocab, added, merges
 
@@ -279,7 +301,9 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
     norm = spec.get("normalizer")
     nfc = bool(norm) and norm.get("type") == "NFC"
     if norm and not nfc:
-        raise ConfigError(f"tokenizer file {path}: normalizer {norm.get('type')} is not supported; allowed: none or NFC")
+        raise ConfigError(
+            f"tokenizer file {path}: normalizer {norm.get('type')} is not supported; allowed: none or NFC"
+        )
     pattern = _json_pattern(spec.get("pre_tokenizer"), path)
     alphabet = _bytes_to_unicode()
 
@@ -287,8 +311,9 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
         try:
             return bytes(alphabet[c] for c in token)
         except KeyError:
-            raise ConfigError(f"tokenizer file {path}: {where} {token!r} is not byte-level; "
-                              "allowed: a byte-level BPE") from None
+            raise ConfigError(
+                f"tokenizer file {path}: {where} {token!r} is not byte-level; allowed: a byte-level BPE"
+            ) from None
 
     ranks: dict[bytes, int] = {}
     for token, idx in vocab.items():
@@ -297,14 +322,18 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
         ranks[token_bytes(token, "vocab entry")] = idx
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
-        raise ConfigError(f"tokenizer file {path}: {len(missing)} single-byte tokens missing; a byte-level BPE needs all 256")
+        raise ConfigError(
+            f"tokenizer file {path}: {len(missing)} single-byte tokens missing; a byte-level BPE needs all 256"
+        )
     last = -1
     for i, (a, b) in enumerate(merges):
         rank = ranks.get(token_bytes(a + b, f"merge {i}"))
         parts = [ranks.get(token_bytes(x, f"merge {i}")) for x in (a, b)]
         if rank is None or None in parts or rank <= last or rank <= max(parts):
-            raise ConfigError(f"tokenizer file {path}: merge {i} ({a!r} + {b!r}) does not follow id order; "
-                              "this BPE cannot be expressed as tiktoken ranks")
+            raise ConfigError(
+                f"tokenizer file {path}: merge {i} ({a!r} + {b!r}) does not follow id order; "
+                "this BPE cannot be expressed as tiktoken ranks"
+            )
         last = rank
     eos = next((t for t in ("<|endoftext|>", EOS_TOKEN, "</s>") if t in added), None)
     if eos is None:
@@ -314,8 +343,9 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
     if not isinstance(pattern, str):
         raise ConfigError(f"tokenizer file {path}: pre_tokenizer regex {pattern!r} is not a string; {_ALLOWED}")
     try:
-        return Tokenizer(name=name, ranks=ranks, special_tokens=added, pattern=pattern, bos_token=bos,
-                         eos_token=eos, nfc=nfc)
+        return Tokenizer(
+            name=name, ranks=ranks, special_tokens=added, pattern=pattern, bos_token=bos, eos_token=eos, nfc=nfc
+        )
     except ValueError as e:  # tiktoken: the split regex does not compile
         raise ConfigError(f"tokenizer file {path}: {str(e).splitlines()[0]}; {_ALLOWED}") from None
 

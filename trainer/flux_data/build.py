@@ -40,16 +40,16 @@ for a local folder, and the trainer runs it once for the default `procedural` se
 from __future__ import annotations
 
 import fcntl
-import math
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
-from pathlib import Path
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,11 +68,15 @@ COLOURS: dict[str, tuple[float, float, float]] = {
 SHAPES = ("circle", "square", "triangle", "diamond")
 POSITIONS = ("left", "right", "top", "bottom", "center")
 BACKGROUND = (0.12, 0.12, 0.14)
-_PHRASE = {"left": "on the left", "right": "on the right", "top": "at the top", "bottom": "at the bottom",
-           "center": "in the center"}
+_PHRASE = {
+    "left": "on the left",
+    "right": "on the right",
+    "top": "at the top",
+    "bottom": "at the bottom",
+    "center": "in the center",
+}
 # Shape centre as a fraction of the image side (x, y); y grows downwards.
-_ANCHORS = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75),
-            "center": (0.5, 0.5)}
+_ANCHORS = {"left": (0.25, 0.5), "right": (0.75, 0.5), "top": (0.5, 0.25), "bottom": (0.5, 0.75), "center": (0.5, 0.5)}
 
 
 def _heldout_combos() -> tuple[tuple[str, str, str], ...]:
@@ -80,13 +84,19 @@ def _heldout_combos() -> tuple[tuple[str, str, str], ...]:
     residues of c are distinct, likewise for fixed (c, p) over s and for (c, s) over p, so at
     most one combination per pair is held out: every pair still occurs in train. 12 of 120."""
     colours = list(COLOURS)
-    return tuple((colours[c], SHAPES[s], POSITIONS[p]) for c in range(len(colours)) for s in range(len(SHAPES))
-                 for p in range(len(POSITIONS)) if (c + 2 * s + 3 * p) % 10 == 0)
+    return tuple(
+        (colours[c], SHAPES[s], POSITIONS[p])
+        for c in range(len(colours))
+        for s in range(len(SHAPES))
+        for p in range(len(POSITIONS))
+        if (c + 2 * s + 3 * p) % 10 == 0
+    )
 
 
 HELDOUT_COMBOS = _heldout_combos()
-TRAIN_COMBOS = tuple((c, s, p) for c in COLOURS for s in SHAPES for p in POSITIONS
-                     if (c, s, p) not in set(HELDOUT_COMBOS))
+TRAIN_COMBOS = tuple(
+    (c, s, p) for c in COLOURS for s in SHAPES for p in POSITIONS if (c, s, p) not in set(HELDOUT_COMBOS)
+)
 SPLITS = ("train", "heldout")
 
 
@@ -141,8 +151,15 @@ def procedural_samples(split: str, count: int, *, size: int, seed: int) -> tuple
     for i in range(count):
         colour, shape, position = sample_attributes(split, i)
         images[i] = render(colour, shape, position, size=size, rng=_sample_rng(seed, split, i))
-        rows.append({"index": i, "caption": caption(colour, shape, position), "colour": colour, "shape": shape,
-                     "position": position})
+        rows.append(
+            {
+                "index": i,
+                "caption": caption(colour, shape, position),
+                "colour": colour,
+                "shape": shape,
+                "position": position,
+            }
+        )
     return images, rows
 
 
@@ -239,13 +256,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
     if image_factor is not None and (p.image_size < 8 or p.image_size % (2 * image_factor)):
-        raise ConfigError(f"FLUX data image_size: {p.image_size}; allowed: a multiple of {2 * image_factor} "
-                          f"(VAE factor {image_factor} x 2x2 packing), at least 8")
+        raise ConfigError(
+            f"FLUX data image_size: {p.image_size}; allowed: a multiple of {2 * image_factor} "
+            f"(VAE factor {image_factor} x 2x2 packing), at least 8"
+        )
     if p.num_train < 1 or p.num_heldout < 1:
         raise ConfigError(f"FLUX data num_train/num_heldout: {p.num_train}/{p.num_heldout}; allowed: >= 1")
     if p.shard_rows < 1 or p.row_group_rows < 1 or p.vae_steps < 1:
-        raise ConfigError(f"FLUX data shard_rows/row_group_rows/vae_steps: {p.shard_rows}/{p.row_group_rows}/"
-                          f"{p.vae_steps}; allowed: >= 1")
+        raise ConfigError(
+            f"FLUX data shard_rows/row_group_rows/vae_steps: {p.shard_rows}/{p.row_group_rows}/"
+            f"{p.vae_steps}; allowed: >= 1"
+        )
     if p.encoder_dtype not in _DTYPES:
         raise ConfigError(f"FLUX data encoder_dtype: {p.encoder_dtype!r}; allowed: {', '.join(_DTYPES)}")
     if p.text_length < 3:
@@ -255,8 +276,10 @@ def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
     for key in ("t5_path", "clip_path", "t5_tokenizer_path", "clip_tokenizer_path", "vae_path"):
         path = getattr(p, key)
         if path is not None and not os.path.isdir(os.path.expanduser(path)):
-            raise ConfigError(f"FLUX data {key}: folder {path} does not exist; allowed: a local folder written "
-                              "by save_pretrained (weights are never downloaded)")
+            raise ConfigError(
+                f"FLUX data {key}: folder {path} does not exist; allowed: a local folder written "
+                "by save_pretrained (weights are never downloaded)"
+            )
 
 
 def _log(msg: str) -> None:
@@ -283,62 +306,99 @@ def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=
         bpe = build_tokenizer("bundled")
         text = cond.build_debug_text_conditioner(bpe, max_length=params.text_length, seed=params.seed)
     else:
-        text = cond.load_text_conditioner(t5_path=params.t5_path, clip_path=params.clip_path, device=device,
-                                          dtype=_DTYPES[params.encoder_dtype],
-                                          max_length=params.text_length, t5_tokenizer_path=params.t5_tokenizer_path,
-                                          clip_tokenizer_path=params.clip_tokenizer_path)
+        text = cond.load_text_conditioner(
+            t5_path=params.t5_path,
+            clip_path=params.clip_path,
+            device=device,
+            dtype=_DTYPES[params.encoder_dtype],
+            max_length=params.text_length,
+            t5_tokenizer_path=params.t5_tokenizer_path,
+            clip_tokenizer_path=params.clip_tokenizer_path,
+        )
     if params.vae_path:
         vae = cond.load_vae(params.vae_path, device=device, dtype=_DTYPES[params.encoder_dtype])
     else:
         vae = cond.build_debug_vae(params.seed)
     _check_params(params, vae.spatial_factor)
 
-    splits = {split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
-              for split, count in (("train", params.num_train), ("heldout", params.num_heldout))}
+    splits = {
+        split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
+        for split, count in (("train", params.num_train), ("heldout", params.num_heldout))
+    }
     vae_report = None
     if params.vae_path is None:
         t0 = time.perf_counter()
-        losses = train_vae(vae, _to_tensor(splits["train"][0]), steps=params.vae_steps,
-                                batch_size=params.vae_batch_size, seed=params.seed, log=log)
-        vae_report = {"steps": params.vae_steps, "batch_size": params.vae_batch_size, "final_loss": losses[-1],
-                      "seconds": time.perf_counter() - t0}
+        losses = train_vae(
+            vae,
+            _to_tensor(splits["train"][0]),
+            steps=params.vae_steps,
+            batch_size=params.vae_batch_size,
+            seed=params.seed,
+            log=log,
+        )
+        vae_report = {
+            "steps": params.vae_steps,
+            "batch_size": params.vae_batch_size,
+            "final_loss": losses[-1],
+            "seconds": time.perf_counter() - t0,
+        }
 
     os.makedirs(folder)
-    meta = {"format": FORMAT_VERSION, "build": _BUILD_VERSION, "params": asdict(params), "splits": {},
-            "conditioning": cond.describe(vae, text), "text_ids": "bundled-bpe" if bpe is not None else "hf",
-            "row_group_rows": params.row_group_rows}
+    meta = {
+        "format": FORMAT_VERSION,
+        "build": _BUILD_VERSION,
+        "params": asdict(params),
+        "splits": {},
+        "conditioning": cond.describe(vae, text),
+        "text_ids": "bundled-bpe" if bpe is not None else "hf",
+        "row_group_rows": params.row_group_rows,
+    }
     for split, (images, rows) in splits.items():
         x = _to_tensor(images)
         vae_device = vae.autoencoder.device
         latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(_CHUNK)])
         # Reconstruction check on up to RECON_CHECK_ROWS rows (decoding is the build's costliest
         # pass after VAE training; 512 rows cover every train combination 4+ times).
-        recon = torch.cat([vae.decode(chunk.to(vae_device)).cpu() for chunk in latents[:RECON_CHECK_ROWS].split(_CHUNK)])
+        recon = torch.cat(
+            [vae.decode(chunk.to(vae_device)).cpu() for chunk in latents[:RECON_CHECK_ROWS].split(_CHUNK)]
+        )
         agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
         t5, clip = _encode_captions(text, [row["caption"] for row in rows])
         shards = []
         for s, lo in enumerate(range(0, len(rows), params.shard_rows)):
             hi = min(lo + params.shard_rows, len(rows))
-            table = pa.table({
-                "index": pa.array([row["index"] for row in rows[lo:hi]], pa.int64()),
-                "caption": [row["caption"] for row in rows[lo:hi]],
-                "colour": [row["colour"] for row in rows[lo:hi]],
-                "shape": [row["shape"] for row in rows[lo:hi]],
-                "position": [row["position"] for row in rows[lo:hi]],
-                "latent": _fixed_list(latents[lo:hi]),
-                "t5": _fixed_list(t5[lo:hi]),
-                "clip": _fixed_list(clip[lo:hi]),
-            })
+            table = pa.table(
+                {
+                    "index": pa.array([row["index"] for row in rows[lo:hi]], pa.int64()),
+                    "caption": [row["caption"] for row in rows[lo:hi]],
+                    "colour": [row["colour"] for row in rows[lo:hi]],
+                    "shape": [row["shape"] for row in rows[lo:hi]],
+                    "position": [row["position"] for row in rows[lo:hi]],
+                    "latent": _fixed_list(latents[lo:hi]),
+                    "t5": _fixed_list(t5[lo:hi]),
+                    "clip": _fixed_list(clip[lo:hi]),
+                }
+            )
             shards.append((lo, hi))
             num = (len(rows) + params.shard_rows - 1) // params.shard_rows
-            pq.write_table(table, os.path.join(folder, f"{split}-{s:05d}-of-{num:05d}.parquet"),
-                           row_group_size=params.row_group_rows)
-        meta["splits"][split] = {"rows": len(rows), "shards": [
-            {"file": f"{split}-{s:05d}-of-{len(shards):05d}.parquet", "rows": hi - lo}
-            for s, (lo, hi) in enumerate(shards)], "vae_reconstruction_agreement": float(agree),
-            "vae_reconstruction_rows": len(recon)}
-        log(f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%} "
-            f"(first {len(recon)} rows)")
+            pq.write_table(
+                table,
+                os.path.join(folder, f"{split}-{s:05d}-of-{num:05d}.parquet"),
+                row_group_size=params.row_group_rows,
+            )
+        meta["splits"][split] = {
+            "rows": len(rows),
+            "shards": [
+                {"file": f"{split}-{s:05d}-of-{len(shards):05d}.parquet", "rows": hi - lo}
+                for s, (lo, hi) in enumerate(shards)
+            ],
+            "vae_reconstruction_agreement": float(agree),
+            "vae_reconstruction_rows": len(recon),
+        }
+        log(
+            f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%} "
+            f"(first {len(recon)} rows)"
+        )
     meta["shapes"] = {"latent": list(latents.shape[1:]), "t5": list(t5.shape[1:]), "clip": list(clip.shape[1:])}
     meta["vae_training"] = vae_report
     text.save(os.path.join(folder, "encoders"))
@@ -354,8 +414,10 @@ def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=
 def _encode_captions(text, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode each distinct caption once (the procedural set repeats them)."""
     distinct = sorted(set(captions))
-    t5, clip = [torch.cat(parts).cpu() for parts in zip(*(text.encode(distinct[i: i + 256])
-                                                            for i in range(0, len(distinct), 256)))]
+    t5, clip = [
+        torch.cat(parts).cpu()
+        for parts in zip(*(text.encode(distinct[i : i + 256]) for i in range(0, len(distinct), 256)))
+    ]
     where = {c: i for i, c in enumerate(distinct)}
     rows = torch.tensor([where[c] for c in captions])
     return t5[rows], clip[rows]
@@ -372,8 +434,9 @@ def default_cache_root() -> str:
     return os.path.join(os.path.expanduser(os.environ.get("TITAN_CACHE", "~/.cache/titan-tpu")), "flux_data")
 
 
-def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root: str | None = None,
-                              device: str = "cpu", log=_log) -> str:
+def ensure_procedural_dataset(
+    params: BuildParams = BuildParams(), *, cache_root: str | None = None, device: str = "cpu", log=_log
+) -> str:
     """The folder of the data set for `params`, building it first if it is not cached."""
     root = cache_root or default_cache_root()
     folder = os.path.join(root, f"procedural-{params.key()}")
@@ -400,16 +463,27 @@ def ensure_procedural_dataset(params: BuildParams = BuildParams(), *, cache_root
                 if not os.path.isfile(os.path.join(folder, "meta.json")):
                     raise
         except OSError as e:  # disk full, file too large, permission: say so on one line
-            raise WriteFailed(f"building the FLUX data set in {folder} failed: {write_error_text(e, root)}; "
-                              "its partial files were removed") from e
+            raise WriteFailed(
+                f"building the FLUX data set in {folder} failed: {write_error_text(e, root)}; "
+                "its partial files were removed"
+            ) from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
-def train_vae(vae, images: torch.Tensor, *, steps: int, batch_size: int, seed: int, lr: float = 3e-3,
-              kl_weight: float = 1e-6, foreground_weight: float = 10.0,
-              log: Callable[[str], None] | None = None) -> list[float]:
+def train_vae(
+    vae,
+    images: torch.Tensor,
+    *,
+    steps: int,
+    batch_size: int,
+    seed: int,
+    lr: float = 3e-3,
+    kl_weight: float = 1e-6,
+    foreground_weight: float = 10.0,
+    log: Callable[[str], None] | None = None,
+) -> list[float]:
     """Train the debug VAE to reconstruct `images` ([N, 3, H, W] in [0, 1]); returns the losses.
 
     Loss: weighted mean squared error of the decoded posterior sample + `kl_weight` x KL (the

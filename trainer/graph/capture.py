@@ -33,9 +33,17 @@ from trainer.step.plan import FLIP_FREE_BACKENDS
 class CaptureBackend:
     """A `torch.compile` backend that keeps the captured graph, its stats and timings."""
 
-    def __init__(self, *, backend: str, dump_path: str | None = None, reverse_scans: bool | None = None,
-                 fence_remat: bool | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True,
-                 passes_as: str | None = None):
+    def __init__(
+        self,
+        *,
+        backend: str,
+        dump_path: str | None = None,
+        reverse_scans: bool | None = None,
+        fence_remat: bool | None = None,
+        bucket_cap_mb: float = 0.0,
+        gloo_all_to_all: bool = True,
+        passes_as: str | None = None,
+    ):
         assert backend in ("aot_eager", "inductor", "tpu"), backend
         self.backend = backend
         self.passes_as = passes_as or backend
@@ -84,8 +92,9 @@ class CaptureBackend:
             self._on_graph(graph)
             return make_boxed_func(graph.forward)
 
-        return self._mark_ready(aot_module_simplified(
-            gm, example_inputs, fw_compiler=run_as_is, keep_inference_input_mutations=True))
+        return self._mark_ready(
+            aot_module_simplified(gm, example_inputs, fw_compiler=run_as_is, keep_inference_input_mutations=True)
+        )
 
     def _inductor_options(self) -> dict:
         options = {}
@@ -98,9 +107,12 @@ class CaptureBackend:
             # become one collective over a concatenated buffer per bucket (in graph order).
             # The size rule is part of Inductor's cache key, so it must pickle (no lambda).
             cap = functools.partial(_bucket_cap_mb, self.bucket_cap_mb)
-            options.update(bucket_all_gathers_fx="all", bucket_reduce_scatters_fx="all",
-                           bucket_all_gathers_fx_bucket_size_determinator=cap,
-                           bucket_reduce_scatters_fx_bucket_size_determinator=cap)
+            options.update(
+                bucket_all_gathers_fx="all",
+                bucket_reduce_scatters_fx="all",
+                bucket_all_gathers_fx_bucket_size_determinator=cap,
+                bucket_reduce_scatters_fx_bucket_size_determinator=cap,
+            )
         return options
 
     def _on_graph(self, graph: fx.GraphModule) -> None:
@@ -111,9 +123,13 @@ class CaptureBackend:
 
             decompositions = select_decomp_table()
         reverse = ("tag" if self.passes_as == "tpu" else "loop") if self.reverse_scans else None
-        self.stats = run_passes(graph, reverse_scans=reverse, decompositions=decompositions,
-                                fence_remat=self.fence_remat,
-                                gloo_all_to_all=self.gloo_all_to_all)
+        self.stats = run_passes(
+            graph,
+            reverse_scans=reverse,
+            decompositions=decompositions,
+            fence_remat=self.fence_remat,
+            gloo_all_to_all=self.gloo_all_to_all,
+        )
         self.graph_module = graph
         if self.dump_path:
             with open(self.dump_path, "w") as f:
@@ -144,13 +160,15 @@ def capture_config(*, scan_ac_mode: str | None) -> contextlib.AbstractContextMan
     with contextlib.ExitStack() as stack:
         # Trace loss.backward()/autograd.grad into the step graph instead of breaking it.
         stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
-        stack.enter_context(_patch_existing(
-            torch._functorch.config,
-            # Our remat pass replaces torch's (one backward region only, no attention).
-            remat_using_tags_for_fwd_loss_bwd_graph=False,
-            # A cache hit would skip our passes and leave no graph to inspect.
-            enable_autograd_cache=False,
-        ))
+        stack.enter_context(
+            _patch_existing(
+                torch._functorch.config,
+                # Our remat pass replaces torch's (one backward region only, no attention).
+                remat_using_tags_for_fwd_loss_bwd_graph=False,
+                # A cache hit would skip our passes and leave no graph to inspect.
+                enable_autograd_cache=False,
+            )
+        )
         if scan_ac_mode is not None:
             stack.enter_context(scan_remat(scan_ac_mode))
         yield
@@ -164,5 +182,7 @@ def _patch_existing(config, **values):
 def check_torch() -> None:
     """Graph mode needs Dynamo to trace autograd.grad (torch >= 2.11 has the flag)."""
     if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
-        raise ConfigError(f"compile.mode: graph needs torch._dynamo.config.trace_autograd_ops "
-                          f"(torch {torch.__version__} lacks it); allowed here: eager, compile")
+        raise ConfigError(
+            f"compile.mode: graph needs torch._dynamo.config.trace_autograd_ops "
+            f"(torch {torch.__version__} lacks it); allowed here: eager, compile"
+        )

@@ -66,14 +66,18 @@ def check_adamw(optimizer: torch.optim.Optimizer) -> None:
         assert optimizer.qk_clip is None, "QK clip in graph mode: the step plan's RULES refuse it first"
         return
     if not isinstance(optimizer, torch.optim.AdamW):
-        raise ConfigError(f"optimizer: graph mode implements AdamW and Muon, got {type(optimizer).__name__}; "
-                          "allowed: AdamW, trainer.optim.muon.Muon")
+        raise ConfigError(
+            f"optimizer: graph mode implements AdamW and Muon, got {type(optimizer).__name__}; "
+            "allowed: AdamW, trainer.optim.muon.Muon"
+        )
     for i, group in enumerate(optimizer.param_groups):
         # `fused` only picks the kernel of torch.optim's own step, which graph mode replaces.
         for key in ("amsgrad", "maximize", "differentiable", "capturable"):
             if group.get(key):
-                raise ConfigError(f"optimizer: param group {i} sets {key}=True, which graph mode does not "
-                                  "implement; allowed: AdamW with amsgrad/maximize/capturable off")
+                raise ConfigError(
+                    f"optimizer: param group {i} sets {key}=True, which graph mode does not "
+                    "implement; allowed: AdamW with amsgrad/maximize/capturable off"
+                )
         if not group.get("decoupled_weight_decay", True):
             raise ConfigError("optimizer: graph mode implements decoupled weight decay (AdamW) only")
 
@@ -125,11 +129,15 @@ class AdamWSlots:
         for name, (stack, members) in self._stacked.items():
             groups = {self._group_of.get(id(p)) for p in members}
             if None in groups:
-                raise ConfigError(f"optimizer: layer-scanned parameter {name} is missing from the optimizer "
-                                  "for some layers; allowed: every layer's copy in the same param group")
+                raise ConfigError(
+                    f"optimizer: layer-scanned parameter {name} is missing from the optimizer "
+                    "for some layers; allowed: every layer's copy in the same param group"
+                )
             if len(groups) != 1:
-                raise ConfigError(f"optimizer: layer-scanned parameter {name} is split over param groups "
-                                  f"{sorted(groups)}; allowed: one group for all layers' copies")
+                raise ConfigError(
+                    f"optimizer: layer-scanned parameter {name} is split over param groups "
+                    f"{sorted(groups)}; allowed: one group for all layers' copies"
+                )
             if optimizer.param_groups[groups.pop()].get("use_muon"):
                 self._stack_state[name] = (torch.zeros_like(stack, requires_grad=False),)
                 continue
@@ -137,8 +145,9 @@ class AdamWSlots:
             exp_avg_sq = torch.zeros_like(stack, requires_grad=False)
             step = torch.zeros(len(members), dtype=torch.float32, device=stack.device)
             self._stack_state[name] = (exp_avg, exp_avg_sq, step)
-        self._shards = {id(p): muon_shards(p) for group in optimizer.param_groups if group.get("use_muon")
-                        for p in group["params"]}
+        self._shards = {
+            id(p): muon_shards(p) for group in optimizer.param_groups if group.get("use_muon") for p in group["params"]
+        }
         self.refresh()
 
     def refresh(self) -> int:
@@ -159,8 +168,17 @@ class AdamWSlots:
                 continue
             s = self.optimizer.state[p]
             if "momentum_buffer" in s:
-                out.append(UpdateSlot(p, None, None, None, self._group_of[id(p)], momentum=s["momentum_buffer"],
-                                      shards=self._shards[id(p)]))
+                out.append(
+                    UpdateSlot(
+                        p,
+                        None,
+                        None,
+                        None,
+                        self._group_of[id(p)],
+                        momentum=s["momentum_buffer"],
+                        shards=self._shards[id(p)],
+                    )
+                )
                 continue
             out.append(UpdateSlot(p, s["exp_avg"], s["exp_avg_sq"], s["step"], self._group_of[id(p)]))
         for name, (stack, members) in self._stacked.items():
@@ -168,8 +186,18 @@ class AdamWSlots:
                 continue
             if len(self._stack_state[name]) == 1:
                 shards = tuple((m, md, d + 1, i, n, f) for m, md, d, i, n, f in self._shards[id(members[0])])
-                out.append(UpdateSlot(stack, None, None, None, self._group_of[id(members[0])], members,
-                                      momentum=self._stack_state[name][0], shards=shards))
+                out.append(
+                    UpdateSlot(
+                        stack,
+                        None,
+                        None,
+                        None,
+                        self._group_of[id(members[0])],
+                        members,
+                        momentum=self._stack_state[name][0],
+                        shards=shards,
+                    )
+                )
                 continue
             exp_avg, exp_avg_sq, step = self._stack_state[name]
             out.append(UpdateSlot(stack, exp_avg, exp_avg_sq, step, self._group_of[id(members[0])], members))
@@ -180,13 +208,25 @@ class AdamWSlots:
         out = []
         for group in self.optimizer.param_groups:
             if group.get("use_muon"):
-                out.append({"momentum": float(group["momentum"]), "nesterov": bool(group["nesterov"]),
-                            "ns_steps": int(group["ns_steps"]), "ns_dtype": group["ns_dtype"],
-                            "weight_decay": float(group["weight_decay"])})
+                out.append(
+                    {
+                        "momentum": float(group["momentum"]),
+                        "nesterov": bool(group["nesterov"]),
+                        "ns_steps": int(group["ns_steps"]),
+                        "ns_dtype": group["ns_dtype"],
+                        "weight_decay": float(group["weight_decay"]),
+                    }
+                )
                 continue
             beta1, beta2 = group["betas"]
-            out.append({"beta1": float(beta1), "beta2": float(beta2), "eps": float(group["eps"]),
-                        "weight_decay": float(group["weight_decay"])})
+            out.append(
+                {
+                    "beta1": float(beta1),
+                    "beta2": float(beta2),
+                    "eps": float(group["eps"]),
+                    "weight_decay": float(group["weight_decay"]),
+                }
+            )
         return out
 
     def set_lr(self, lr: float) -> None:
@@ -198,9 +238,20 @@ class AdamWSlots:
                 group["lr"] = lr
 
 
-def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  step: torch.Tensor, *, lr: torch.Tensor, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, apply: torch.Tensor | None = None) -> None:
+def adamw_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    lr: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    apply: torch.Tensor | None = None,
+) -> None:
     """One AdamW update in place (decoupled weight decay, bias-corrected moments).
 
     Same arithmetic as `torch.optim.adamw`'s single-tensor path; `step` (and so the bias
@@ -249,17 +300,30 @@ def muon_shards(p: torch.Tensor) -> tuple:
             continue
         size = mesh.size(mesh_dim)
         if type(placement) is not Shard or placement.dim in dims:
-            raise ConfigError(f"optimizer.name: graph-mode Muon gathers matrices sharded once per dim; a parameter "
-                              f"of shape {tuple(p.shape)} has placements {p.placements}; allowed: optimizer.name = "
-                              "\"adamw\", or compile.mode = \"eager\"")
+            raise ConfigError(
+                f"optimizer.name: graph-mode Muon gathers matrices sharded once per dim; a parameter "
+                f"of shape {tuple(p.shape)} has placements {p.placements}; allowed: optimizer.name = "
+                '"adamw", or compile.mode = "eager"'
+            )
         dims.add(placement.dim)
         out.append((mesh, mesh_dim, placement.dim, mesh.get_local_rank(mesh_dim), size, p.shape[placement.dim]))
     return tuple(out)
 
 
-def muon_update_(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: torch.Tensor, *, lr: torch.Tensor,
-                 momentum: float, nesterov: bool, ns_steps: int, ns_dtype: str, weight_decay: float,
-                 apply: torch.Tensor | None = None, shards: tuple = ()) -> None:
+def muon_update_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    *,
+    lr: torch.Tensor,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_dtype: str,
+    weight_decay: float,
+    apply: torch.Tensor | None = None,
+    shards: tuple = (),
+) -> None:
     """One Muon update in place on local tensors (the arithmetic of `trainer.optim.muon.Muon`).
 
     `shards` (`muon_shards`) says how the local tensors are cut from the whole one; Newton-Schulz
@@ -298,7 +362,7 @@ def orthogonalize_sharded(u: torch.Tensor, shards: tuple, *, steps: int, dtype: 
     # The dim over the most ranks is spread by all-to-all; by position, not identity (Dynamo
     # rebuilds tuples, so `is` does not hold inside the captured step).
     at = max(range(len(matrix_dims)), key=lambda i: matrix_dims[i][4])
-    spread, gathered = matrix_dims[at], matrix_dims[:at] + matrix_dims[at + 1:]
+    spread, gathered = matrix_dims[at], matrix_dims[:at] + matrix_dims[at + 1 :]
     for mesh, mesh_dim, dim, _, size, full in gathered:
         chunk = -(-full // size)
         u = funcol.all_gather_tensor(_pad_dim(u, dim, chunk), dim, (mesh, mesh_dim)).narrow(dim, 0, full)
@@ -352,8 +416,7 @@ def _pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float,
-                reduce_axes: list[tuple]) -> torch.Tensor:
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, reduce_axes: list[tuple]) -> torch.Tensor:
     """Scale `grads` in place to a global L2 norm of at most `max_norm`; return the norm.
 
     `grads` are plain tensors (a DTensor gradient's local shard); `reduce_axes[i]` lists the

@@ -37,8 +37,15 @@ from torch import fx
 
 from trainer.graph.remat import remat_pass
 
-_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
-                "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
+_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_reduce_coalesced",
+)
 _MATMULS = ("mm", "addmm", "bmm", "_grouped_mm")
 
 
@@ -67,9 +74,11 @@ class GraphStats:
 
     def summary(self) -> str:
         coll = ", ".join(f"{k} {v}" for k, v in sorted(self.collectives.items())) or "none"
-        return (f"nodes {self.nodes} (with subgraphs {self.nodes_total}), placeholders {self.placeholders}, "
-                f"scans {self.scans} (saved {self.scan_saved_bytes / 2**20:.2f} MiB), matmuls {self.matmuls}, "
-                f"recomputed {self.recomputed}, prefetched gathers {self.prefetched_gathers}, input mutations {self.input_mutations}, collectives: {coll}")
+        return (
+            f"nodes {self.nodes} (with subgraphs {self.nodes_total}), placeholders {self.placeholders}, "
+            f"scans {self.scans} (saved {self.scan_saved_bytes / 2**20:.2f} MiB), matmuls {self.matmuls}, "
+            f"recomputed {self.recomputed}, prefetched gathers {self.prefetched_gathers}, input mutations {self.input_mutations}, collectives: {coll}"
+        )
 
 
 def _short(target) -> str:
@@ -166,8 +175,11 @@ def scan_transpose_view_pass(gm: fx.GraphModule) -> int:
                 continue
             if node.target is torch.ops.aten.t_copy.default:
                 as_view.add(node)
-            elif (node.target is torch.ops.aten.clone.default and isinstance(node.args[0], fx.Node)
-                  and node.args[0].target in _TRANSPOSES):
+            elif (
+                node.target is torch.ops.aten.clone.default
+                and isinstance(node.args[0], fx.Node)
+                and node.args[0].target in _TRANSPOSES
+            ):
                 as_view.add(node)
         for node in as_view:
             if node.target is torch.ops.aten.t_copy.default:
@@ -188,8 +200,9 @@ _FLIPS = (_FLIP, torch.ops.prims.rev.default)
 
 
 def _is_flip0(node) -> bool:
-    return (isinstance(node, fx.Node) and node.op == "call_function" and node.target in _FLIPS
-            and list(node.args[1]) == [0])
+    return (
+        isinstance(node, fx.Node) and node.op == "call_function" and node.target in _FLIPS and list(node.args[1]) == [0]
+    )
 
 
 def scan_reverse_pass(gm: fx.GraphModule, *, decompositions: dict | None = None) -> int:
@@ -226,8 +239,11 @@ def scan_reverse_pass(gm: fx.GraphModule, *, decompositions: dict | None = None)
         ys_vals = list(node.meta["val"])[n_carry:]
         inputs = [*init, *[x.args[0] for x in xs], *additional]
         fake_inputs = [a.meta["val"] if isinstance(a, fx.Node) else a for a in inputs]
-        traced = make_fx(_reversed_loop(body, n_carry, n_xs, ys_vals, _extract_carry_and_out),
-                         decomposition_table=decompositions, tracing_mode="real")
+        traced = make_fx(
+            _reversed_loop(body, n_carry, n_xs, ys_vals, _extract_carry_and_out),
+            decomposition_table=decompositions,
+            tracing_mode="real",
+        )
         with detect_fake_mode(fake_inputs):
             loop_gm = traced(*fake_inputs)
         outs = _inline(gm, loop_gm, inputs, before=node)
@@ -258,7 +274,7 @@ def _reversed_loop(body, n_carry: int, n_xs: int, ys_vals: list, extract):
     last to the first; `ys[k]` is the output of row k (layer order)."""
 
     def fn(*flat):
-        init, xs, additional = flat[:n_carry], flat[n_carry:n_carry + n_xs], flat[n_carry + n_xs:]
+        init, xs, additional = flat[:n_carry], flat[n_carry : n_carry + n_xs], flat[n_carry + n_xs :]
         length = xs[0].size(0)
         n_ys = len(ys_vals)
         bufs = [torch.empty_strided(y.size(), y.stride(), dtype=y.dtype, device=y.device) for y in ys_vals]
@@ -267,8 +283,8 @@ def _reversed_loop(body, n_carry: int, n_xs: int, ys_vals: list, extract):
             return i < length
 
         def body_fn(i, *rest):
-            ys_out, carry = rest[:n_ys], rest[n_ys:n_ys + n_carry]
-            xs_in, add_in = rest[n_ys + n_carry:n_ys + n_carry + n_xs], rest[n_ys + n_carry + n_xs:]
+            ys_out, carry = rest[:n_ys], rest[n_ys : n_ys + n_carry]
+            xs_in, add_in = rest[n_ys + n_carry : n_ys + n_carry + n_xs], rest[n_ys + n_carry + n_xs :]
             row = length - 1 - i.item()
             torch._check(row >= 0)
             torch._check(row < length)
@@ -278,9 +294,10 @@ def _reversed_loop(body, n_carry: int, n_xs: int, ys_vals: list, extract):
             return (i + 1, *ys_out, *next_carry)
 
         # The loop counter lives on the host (as in Inductor's lowering): `.item()` is free.
-        out = torch.ops.higher_order.while_loop(cond_fn, body_fn, (torch.zeros([], dtype=torch.int64), *bufs, *init),
-                                                (*xs, *additional))
-        return [*out[1 + n_ys:], *out[1:1 + n_ys]]
+        out = torch.ops.higher_order.while_loop(
+            cond_fn, body_fn, (torch.zeros([], dtype=torch.int64), *bufs, *init), (*xs, *additional)
+        )
+        return [*out[1 + n_ys :], *out[1 : 1 + n_ys]]
 
     return fn
 
@@ -444,8 +461,10 @@ def prefetch_all_gathers_pass(gm: fx.GraphModule, lookahead: int = ALL_GATHER_LO
             if node in seen or order[node] < order[target]:
                 continue
             seen.add(node)
-            if node.op != "call_function" or (node is not gathers[i] and (
-                    node.is_impure() or _short(node.target) in _COLLECTIVES or _short(node.target) == "wait_tensor")):
+            if node.op != "call_function" or (
+                node is not gathers[i]
+                and (node.is_impure() or _short(node.target) in _COLLECTIVES or _short(node.target) == "wait_tensor")
+            ):
                 ok = False
                 break
             chain.append(node)
@@ -503,14 +522,22 @@ def gloo_reduce_scatter_pass(gm: fx.GraphModule) -> int:
                 continue
             inp, op, size, name = rs.args[:4]
             waits = list(rs.users)
-            if (op not in ("sum", "avg") or not _on_gloo(name) or len(waits) != 1
-                    or waits[0].target is not c10d.wait_tensor.default):
+            if (
+                op not in ("sum", "avg")
+                or not _on_gloo(name)
+                or len(waits) != 1
+                or waits[0].target is not c10d.wait_tensor.default
+            ):
                 continue
             wait, val = waits[0], inp.meta["val"]
             src = inp
-            if (inp.target in casts and set(inp.kwargs) <= {"dtype"} and val.dtype.is_floating_point
-                    and inp.args[0].meta["val"].dtype.is_floating_point
-                    and inp.args[0].meta["val"].dtype.itemsize < val.dtype.itemsize):
+            if (
+                inp.target in casts
+                and set(inp.kwargs) <= {"dtype"}
+                and val.dtype.is_floating_point
+                and inp.args[0].meta["val"].dtype.is_floating_point
+                and inp.args[0].meta["val"].dtype.itemsize < val.dtype.itemsize
+            ):
                 src = inp.args[0]
             part = val.shape[0] // size
             splits = [part] * size
@@ -544,8 +571,14 @@ def _call_function(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
-def run_passes(gm: fx.GraphModule, *, reverse_scans: str | bool | None = None, decompositions: dict | None = None,
-               fence_remat: bool = False, gloo_all_to_all: bool = True) -> GraphStats:
+def run_passes(
+    gm: fx.GraphModule,
+    *,
+    reverse_scans: str | bool | None = None,
+    decompositions: dict | None = None,
+    fence_remat: bool = False,
+    gloo_all_to_all: bool = True,
+) -> GraphStats:
     """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), (gloo
     reduce-scatters as all-to-alls: `gloo_all_to_all`), all-gather prefetch, dead-code
     elimination, stats. `reverse_scans`: None / False: backward scans keep torch's flips;
@@ -573,8 +606,7 @@ def run_passes(gm: fx.GraphModule, *, reverse_scans: str | bool | None = None, d
 def graph_text(gm: fx.GraphModule, stats: GraphStats | None = None) -> str:
     """Readable dump: a stats header, then the graph and its scan bodies with shapes."""
     head = f"# titan-tpu graph step\n# {stats.summary()}\n\n" if stats is not None else ""
-    return head + gm.print_readable(print_output=False, include_stride=False, include_device=False,
-                                    colored=False)
+    return head + gm.print_readable(print_output=False, include_stride=False, include_device=False, colored=False)
 
 
 _SOURCE = re.compile(r"\s*(File: .*|No stacktrace found.*)$")
@@ -584,8 +616,9 @@ _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 def normalized_graph_text(gm: fx.GraphModule) -> str:
     """`graph_text` without source locations and object addresses (stable across edits elsewhere)."""
     lines = []
-    for line in gm.print_readable(print_output=False, include_stride=True, include_device=False,
-                                  colored=False).splitlines():
+    for line in gm.print_readable(
+        print_output=False, include_stride=True, include_device=False, colored=False
+    ).splitlines():
         if line.lstrip().startswith("#"):
             # Comments carry node annotations (recompute tags) and source locations: keep
             # the former, drop the latter (they move whenever an unrelated line moves).

@@ -99,8 +99,10 @@ def _check_rng(nodes: list[fx.Node]) -> None:
             continue
         p = _dropout_p(node)
         if p is None or p != 0:
-            raise ConfigError(f"activation_checkpoint.mode: graph mode cannot recompute the random op "
-                              f"{node.target} (dropout/RNG in a checkpointed block); allowed: none")
+            raise ConfigError(
+                f"activation_checkpoint.mode: graph mode cannot recompute the random op "
+                f"{node.target} (dropout/RNG in a checkpointed block); allowed: none"
+            )
 
 
 def _normalize_tags(nodes: list[fx.Node]) -> None:
@@ -187,8 +189,12 @@ def _fence(graph: fx.Graph, copies: list[fx.Node]) -> None:
     for dup in copies:
         for arg in dup.all_input_nodes:
             # constants (get_attr) need no fence: an op that also reads a fenced value is not CSE'd
-            if (arg not in inside and arg not in outside and arg.op != "get_attr"
-                    and isinstance(arg.meta.get("val"), torch.Tensor)):
+            if (
+                arg not in inside
+                and arg not in outside
+                and arg.op != "get_attr"
+                and isinstance(arg.meta.get("val"), torch.Tensor)
+            ):
                 outside.append(arg)
     if not outside:
         return

@@ -33,16 +33,31 @@ from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes, muon_update_
 from trainer.step.loss import StepOutput, lm_loss, local_scalar
 
+
 class GraphStep:
     """The captured train step. Call as `step(microbatches, lr)`; built by `build_graph_step`."""
 
-    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
-                 aux_loss_coef: float, backend: str, device: torch.device, ac_mode: str,
-                 dump_graph: str | None, grad_accum_steps: int, block_stacks: dict[str, nn.Module] | None = None,
-                 scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0, gloo_all_to_all: bool = True,
-                 passes_as: str | None = None, balance=None):
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        aux_loss_coef: float,
+        backend: str,
+        device: torch.device,
+        ac_mode: str,
+        dump_graph: str | None,
+        grad_accum_steps: int,
+        block_stacks: dict[str, nn.Module] | None = None,
+        scan_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        loss_fn: Callable | None = None,
+        bucket_cap_mb: float = 0.0,
+        gloo_all_to_all: bool = True,
+        passes_as: str | None = None,
+        balance=None,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -58,12 +73,20 @@ class GraphStep:
         self.balance = balance
         # One update slot per (stack, parameter name): the stacks' names keep FLUX's two
         # stacks apart, whose blocks may share parameter names.
-        stacked = {f"{sname}.{pname}": value for sname, stack in self.block_stacks.items()
-                   for pname, value in stack.stacked_parameters().items()} or None
+        stacked = {
+            f"{sname}.{pname}": value
+            for sname, stack in self.block_stacks.items()
+            for pname, value in stack.stacked_parameters().items()
+        } or None
         self.slots = AdamWSlots(optimizer, stacked=stacked)
         self._hyper = self.slots.hyperparams()
-        self.capture = CaptureBackend(backend=backend, dump_path=dump_graph, bucket_cap_mb=bucket_cap_mb,
-                                      gloo_all_to_all=gloo_all_to_all, passes_as=passes_as)
+        self.capture = CaptureBackend(
+            backend=backend,
+            dump_path=dump_graph,
+            bucket_cap_mb=bucket_cap_mb,
+            gloo_all_to_all=gloo_all_to_all,
+            passes_as=passes_as,
+        )
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._arity = 2
         step_fn = _own_code(self._step)
@@ -107,8 +130,11 @@ class GraphStep:
         scanning = bool(self.block_stacks)
         start = time.perf_counter()
         try:
-            with (capture_config(scan_ac_mode=self.ac_mode if scanning else None), self._scan_context(),
-                  self._loss_context()):
+            with (
+                capture_config(scan_ac_mode=self.ac_mode if scanning else None),
+                self._scan_context(),
+                self._loss_context(),
+            ):
                 loss, grad_norm, aux, load = self._compiled(inputs, self._lr)
         finally:
             self._current_slots = None
@@ -116,8 +142,10 @@ class GraphStep:
             self.compile_s = (self.capture.ready_at or time.perf_counter()) - start
             self.graph_nodes = self.capture.stats.nodes if self.capture.stats is not None else None
         if self.capture.num_graphs > 1:
-            raise RuntimeError(f"graph step recompiled ({self.capture.num_graphs} graphs); the step's inputs "
-                               "must keep their shapes and dtypes from step to step")
+            raise RuntimeError(
+                f"graph step recompiled ({self.capture.num_graphs} graphs); the step's inputs "
+                "must keep their shapes and dtypes from step to step"
+            )
         self.slots.set_lr(lr)
         # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
         self.optimizer._opt_called = True
@@ -133,9 +161,12 @@ class GraphStep:
         n = len(inputs) // k
         grads, lm_total, aux_total, load = None, None, None, None
         for i in range(n):
-            microbatch = inputs[k * i: k * (i + 1)]
-            lm = (self._loss_fn(self.model, *microbatch) if self._loss_fn is not None
-                  else lm_loss(self.model(microbatch[0]), microbatch[1]))
+            microbatch = inputs[k * i : k * (i + 1)]
+            lm = (
+                self._loss_fn(self.model, *microbatch)
+                if self._loss_fn is not None
+                else lm_loss(self.model(microbatch[0]), microbatch[1])
+            )
             loss = lm
             aux = self.model.pop_aux_loss()
             if aux is not None:
@@ -145,8 +176,11 @@ class GraphStep:
                 mb_load = self.balance.pop()
                 load = mb_load if load is None else load + mb_load
             mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
-            grads = list(mb_grads) if grads is None else [
-                b if a is None else (a if b is None else a + b) for a, b in zip(grads, mb_grads)]
+            grads = (
+                list(mb_grads)
+                if grads is None
+                else [b if a is None else (a if b is None else a + b) for a, b in zip(grads, mb_grads)]
+            )
             lm_total = lm.detach() if lm_total is None else lm_total + lm.detach()
         with torch.no_grad():
             used = [(s, _local(g)) for s, g in zip(slots, grads) if g is not None]
@@ -154,11 +188,26 @@ class GraphStep:
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
                 if slot.momentum is not None:  # a Muon matrix (trainer/optim/muon.py)
-                    muon_update_(_local(slot.param), g, _local(slot.momentum), lr=lr, apply=apply,
-                                 shards=slot.shards, **self._hyper[slot.group])
+                    muon_update_(
+                        _local(slot.param),
+                        g,
+                        _local(slot.momentum),
+                        lr=lr,
+                        apply=apply,
+                        shards=slot.shards,
+                        **self._hyper[slot.group],
+                    )
                     continue
-                adamw_update_(_local(slot.param), g, _local(slot.exp_avg), _local(slot.exp_avg_sq),
-                              slot.step, lr=lr, apply=apply, **self._hyper[slot.group])
+                adamw_update_(
+                    _local(slot.param),
+                    g,
+                    _local(slot.exp_avg),
+                    _local(slot.exp_avg_sq),
+                    slot.step,
+                    lr=lr,
+                    apply=apply,
+                    **self._hyper[slot.group],
+                )
         aux_mean = local_scalar(aux_total) / n if aux_total is not None else None
         return local_scalar(lm_total) / n, grad_norm, aux_mean, load
 
@@ -191,8 +240,9 @@ def _own_code(method):
     """
     fn = method.__func__
     code = fn.__code__.replace(co_name=f"graph_step_{next(_STEP_IDS)}")
-    return types.MethodType(types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
-                                               fn.__closure__), method.__self__)
+    return types.MethodType(
+        types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__), method.__self__
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -205,13 +255,25 @@ def _reduce_axes(slot) -> tuple:
     return grad_reduce_axes(slot.members[0] if slot.members else slot.param)
 
 
-def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
-                     backend: str, scan_layers: bool = False, ac_mode: str = "none",
-                     dump_graph: str | None = None, grad_accum_steps: int = 1, aux_loss_coef: float = 0.0,
-                     plan=None,
-                     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                     loss_fn: Callable | None = None, bucket_cap_mb: float = 0.0,
-                     gloo_all_to_all: bool = True, passes_as: str | None = None, balance=None) -> GraphStep:
+def build_graph_step(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    backend: str,
+    scan_layers: bool = False,
+    ac_mode: str = "none",
+    dump_graph: str | None = None,
+    grad_accum_steps: int = 1,
+    aux_loss_coef: float = 0.0,
+    plan=None,
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    loss_fn: Callable | None = None,
+    bucket_cap_mb: float = 0.0,
+    gloo_all_to_all: bool = True,
+    passes_as: str | None = None,
+    balance=None,
+) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
     The trainer calls this through `trainer.job.Job.build_step`, which resolves the settings below
@@ -250,8 +312,10 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     # The settings come from a `StepPlan` (trainer/step/plan.py: its RULES refused what cannot
     # run, including `tpu` off a TPU); these are the internal invariants of a direct call.
     assert ac_mode in AC_MODES, ac_mode
-    assert ac_mode == "none" or scan_layers, ("ac_mode applies inside a scanned body only; checkpoint unrolled "
-                                              "blocks with parallelisms.apply_ac (parallelize_model) first")
+    assert ac_mode == "none" or scan_layers, (
+        "ac_mode applies inside a scanned body only; checkpoint unrolled "
+        "blocks with parallelisms.apply_ac (parallelize_model) first"
+    )
     assert backend in ("aot_eager", "inductor", "tpu"), f"an unresolved backend {backend!r} (resolve_backend)"
     if grad_accum_steps < 1:
         raise ConfigError("training.gradient_accumulation_steps: must be >= 1")
@@ -264,11 +328,25 @@ def build_graph_step(*, model: nn.Module, optimizer: torch.optim.Optimizer, max_
     block_stacks, scan_context = {}, contextlib.nullcontext
     if scan_layers:
         block_stacks, scan_context = _enable_scans(model, plan)
-    return GraphStep(model=model, optimizer=optimizer, max_norm=max_norm, aux_loss_coef=aux_loss_coef,
-                     backend=backend, device=device, ac_mode=ac_mode, dump_graph=dump_graph,
-                     grad_accum_steps=grad_accum_steps, block_stacks=block_stacks, scan_context=scan_context,
-                     loss_context=loss_context, loss_fn=loss_fn, bucket_cap_mb=bucket_cap_mb,
-                     gloo_all_to_all=gloo_all_to_all, passes_as=passes_as, balance=balance)
+    return GraphStep(
+        model=model,
+        optimizer=optimizer,
+        max_norm=max_norm,
+        aux_loss_coef=aux_loss_coef,
+        backend=backend,
+        device=device,
+        ac_mode=ac_mode,
+        dump_graph=dump_graph,
+        grad_accum_steps=grad_accum_steps,
+        block_stacks=block_stacks,
+        scan_context=scan_context,
+        loss_context=loss_context,
+        loss_fn=loss_fn,
+        bucket_cap_mb=bucket_cap_mb,
+        gloo_all_to_all=gloo_all_to_all,
+        passes_as=passes_as,
+        balance=balance,
+    )
 
 
 def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:
@@ -285,8 +363,9 @@ def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callabl
     for name in plan.stacks:
         stack = getattr(model, name, None)
         if not isinstance(stack, BlockStack):
-            raise ConfigError(f"compile.scan_layers: the model's `{name}` is not a BlockStack; "
-                              "allowed: false for this model")
+            raise ConfigError(
+                f"compile.scan_layers: the model's `{name}` is not a BlockStack; allowed: false for this model"
+            )
         stacks[name] = stack
     contexts = []
     for name, stack in stacks.items():

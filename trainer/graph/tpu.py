@@ -53,8 +53,9 @@ def spmd_safe(step_fn: Callable) -> Callable:
     return _torch_tpu().distributed.spmd_safe(step_fn)
 
 
-def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: list, *,
-                         on_graph: Callable[[fx.GraphModule], None]) -> Callable:
+def compile_dynamo_graph(
+    gm: fx.GraphModule, example_inputs: list, *, on_graph: Callable[[fx.GraphModule], None]
+) -> Callable:
     """AOT-capture `gm`, run `on_graph` (passes, stats, dump), compile with the `tpu` backend."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.registry import lookup_backend
@@ -71,5 +72,4 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: list, *,
         compiled = tpu_backend(graph, inputs, options={"name": "titan_train_step", "async_compile": False})
         return compiled if getattr(compiled, "_boxed_call", False) else make_boxed_func(compiled)
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_aten,
-                                 keep_inference_input_mutations=True)
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compile_aten, keep_inference_input_mutations=True)

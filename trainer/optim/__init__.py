@@ -7,8 +7,22 @@
 - `expert_balance.py`: the MoE expert loads and the auxiliary-loss-free bias step.
 """
 
-from trainer.optim.build import (DECAY_TYPES, OPTIMIZERS, Schedule, build_lr_scheduler, build_optimizer,
-                                 build_optimizer_for, lr_factor)
+from trainer.optim.build import (
+    DECAY_TYPES,
+    OPTIMIZERS,
+    Schedule,
+    build_lr_scheduler,
+    build_optimizer,
+    build_optimizer_for,
+    lr_factor,
+)
 
-__all__ = ["DECAY_TYPES", "OPTIMIZERS", "Schedule", "build_lr_scheduler", "build_optimizer", "build_optimizer_for",
-           "lr_factor"]
+__all__ = [
+    "DECAY_TYPES",
+    "OPTIMIZERS",
+    "Schedule",
+    "build_lr_scheduler",
+    "build_optimizer",
+    "build_optimizer_for",
+    "lr_factor",
+]

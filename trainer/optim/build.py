@@ -24,6 +24,7 @@ OPTIMIZERS = ("adamw", "muon")
 DECAY_TYPES = ("linear", "cosine", "wsd", "constant")
 """`[lr_scheduler] decay_type` choices (`lr_factor`)."""
 
+
 def build_optimizer(params, *, lr: float, betas, eps: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW; fused where torch has the fused kernel for the parameters' device (CPU, CUDA).
 
@@ -36,15 +37,31 @@ def build_optimizer(params, *, lr: float, betas, eps: float, weight_decay: float
     device = (first.to_local() if hasattr(first, "to_local") else first).device
     fused = device.type in _FUSED_DEVICES
     return torch.optim.AdamW(
-        params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-        fused=fused, foreach=None if fused else False,
+        params,
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+        fused=fused,
+        foreach=None if fused else False,
     )
 
 
-def build_optimizer_for(model, *, name: str, lr: float, betas, eps: float, weight_decay: float,
-                        muon_momentum: float = 0.95, muon_nesterov: bool = True, muon_ns_steps: int = 5,
-                        muon_ns_dtype: str = "bfloat16", muon_exclude=None,
-                        qk_clip_tau: float = 0.0) -> torch.optim.Optimizer:
+def build_optimizer_for(
+    model,
+    *,
+    name: str,
+    lr: float,
+    betas,
+    eps: float,
+    weight_decay: float,
+    muon_momentum: float = 0.95,
+    muon_nesterov: bool = True,
+    muon_ns_steps: int = 5,
+    muon_ns_dtype: str = "bfloat16",
+    muon_exclude=None,
+    qk_clip_tau: float = 0.0,
+) -> torch.optim.Optimizer:
     """The `[optimizer] name` optimizer over `model`'s parameters (the job's one entry point).
 
     adamw: `build_optimizer`; muon: `trainer.optim.muon.Muon` (Muon for the blocks' matrices, AdamW
@@ -53,19 +70,30 @@ def build_optimizer_for(model, *, name: str, lr: float, betas, eps: float, weigh
     """
     assert name in OPTIMIZERS, name
     assert not (qk_clip_tau > 0 and name != "muon"), (
-        f"qk_clip_tau > 0 with optimizer {name}: the step plan's RULES refuse it first")
+        f"qk_clip_tau > 0 with optimizer {name}: the step plan's RULES refuse it first"
+    )
     if name == "adamw":
         return build_optimizer(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     from trainer.optim.muon import MUON_EXCLUDE_DEFAULT, build_muon
 
-    return build_muon(model, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=muon_momentum,
-                      nesterov=muon_nesterov, ns_steps=muon_ns_steps, ns_dtype=muon_ns_dtype,
-                      exclude=MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude),
-                      qk_clip_tau=qk_clip_tau)
+    return build_muon(
+        model,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=betas,
+        eps=eps,
+        momentum=muon_momentum,
+        nesterov=muon_nesterov,
+        ns_steps=muon_ns_steps,
+        ns_dtype=muon_ns_dtype,
+        exclude=MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude),
+        qk_clip_tau=qk_clip_tau,
+    )
 
 
-def lr_factor(step: int, *, total_steps: int, warmup_steps: int, decay_type: str, decay_ratio: float,
-              min_lr_factor: float) -> float:
+def lr_factor(
+    step: int, *, total_steps: int, warmup_steps: int, decay_type: str, decay_ratio: float, min_lr_factor: float
+) -> float:
     """Multiplier of the peak lr at optimizer step `step` (1-based).
 
     Warmup is `step / warmup_steps` whatever `total_steps` is: a run shorter than its warmup
@@ -113,18 +141,28 @@ class Schedule(LambdaLR):
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.resume_notes = []
         if saved_base != own:
-            self.resume_notes.append(f"optimizer.lr (peak): checkpoint {saved_base[0]:.6g} -> config {own[0]:.6g} "
-                                     "(the config wins)")
+            self.resume_notes.append(
+                f"optimizer.lr (peak): checkpoint {saved_base[0]:.6g} -> config {own[0]:.6g} (the config wins)"
+            )
         if saved_lr and saved_lr != self._last_lr:
-            self.resume_notes.append(f"lr of step {self.last_epoch + 1}: checkpoint schedule {saved_lr[0]:.6g} -> "
-                                     f"config schedule {self._last_lr[0]:.6g} (the config wins)")
+            self.resume_notes.append(
+                f"lr of step {self.last_epoch + 1}: checkpoint schedule {saved_lr[0]:.6g} -> "
+                f"config schedule {self._last_lr[0]:.6g} (the config wins)"
+            )
 
 
-def build_lr_scheduler(optimizer, *, total_steps: int, warmup_steps: int, decay_type: str,
-                       decay_ratio: float, min_lr_factor: float) -> Schedule:
+def build_lr_scheduler(
+    optimizer, *, total_steps: int, warmup_steps: int, decay_type: str, decay_ratio: float, min_lr_factor: float
+) -> Schedule:
     # LambdaLR evaluates its lambda at 0 on construction (the lr of step 1), then at i for step i+1.
     def factor(i: int) -> float:
-        return lr_factor(i + 1, total_steps=total_steps, warmup_steps=warmup_steps, decay_type=decay_type,
-                         decay_ratio=decay_ratio, min_lr_factor=min_lr_factor)
+        return lr_factor(
+            i + 1,
+            total_steps=total_steps,
+            warmup_steps=warmup_steps,
+            decay_type=decay_type,
+            decay_ratio=decay_ratio,
+            min_lr_factor=min_lr_factor,
+        )
 
     return Schedule(optimizer, factor)

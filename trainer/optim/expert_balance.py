@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from models.common import distributed
 from models.common.moe import MoE
 from models.common.stack import BlockStack
-from models.common import distributed
 
 
 class ExpertBalance:

@@ -57,8 +57,9 @@ MUON_EXCLUDE_DEFAULT = ("tok_embeddings", "output", "gate", "embed_tokens", "lm_
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def newton_schulz5(g: torch.Tensor, *, steps: int, dtype: torch.dtype = torch.bfloat16,
-                   eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz5(
+    g: torch.Tensor, *, steps: int, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7
+) -> torch.Tensor:
     """Approximate the orthogonal polar factor U V^T of each matrix g[..., m, n] (g = U S V^T).
 
     Quintic Newton-Schulz in `dtype` (bf16 as published: the iteration only needs singular
@@ -142,16 +143,36 @@ class Muon(torch.optim.Optimizer):
         W   <- W*(1 - lr*wd) - lr * 0.2*sqrt(max(m, n)) * NS5(u)
     """
 
-    def __init__(self, muon_params, adamw_params, *, lr: float, weight_decay: float, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5, ns_dtype: str = "bfloat16", betas=(0.9, 0.95),
-                 eps: float = 1e-8, qk_clip=None):
+    def __init__(
+        self,
+        muon_params,
+        adamw_params,
+        *,
+        lr: float,
+        weight_decay: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_dtype: str = "bfloat16",
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        qk_clip=None,
+    ):
         self.qk_clip = qk_clip
         """A `trainer.optim.qk_clip.QKClip` (MuonClip) applied after each step, or None."""
         groups = []
         muon_params, adamw_params = list(muon_params), list(adamw_params)
         if muon_params:
-            groups.append({"params": muon_params, "use_muon": True, "momentum": momentum, "nesterov": nesterov,
-                           "ns_steps": ns_steps, "ns_dtype": ns_dtype})
+            groups.append(
+                {
+                    "params": muon_params,
+                    "use_muon": True,
+                    "momentum": momentum,
+                    "nesterov": nesterov,
+                    "ns_steps": ns_steps,
+                    "ns_dtype": ns_dtype,
+                }
+            )
         if adamw_params:
             groups.append({"params": adamw_params, "use_muon": False, "betas": tuple(betas), "eps": eps})
         super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
@@ -188,8 +209,11 @@ class Muon(torch.optim.Optimizer):
             grad_local, buf_local, p_local = _local(p.grad), _local(buf), _local(p)
             buf_local.lerp_(grad_local, 1 - beta)
             u_local = grad_local.lerp(buf_local, beta) if group["nesterov"] else buf_local.clone()
-            u = (DTensor.from_local(u_local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                 if isinstance(p, DTensor) else u_local)
+            u = (
+                DTensor.from_local(u_local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                if isinstance(p, DTensor)
+                else u_local
+            )
             delta = orthogonalize(u, steps=group["ns_steps"], dtype=dtype)
             if wd != 0:
                 p_local.mul_(1 - lr * wd)
@@ -207,13 +231,38 @@ class Muon(torch.optim.Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
-        adamw_functional(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], steps, foreach=False,
-                         amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                         eps=group["eps"], maximize=False)
+        adamw_functional(
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
-def build_muon(model: nn.Module, *, lr: float, weight_decay: float, betas, eps: float, momentum: float,
-               nesterov: bool, ns_steps: int, ns_dtype: str, exclude, qk_clip_tau: float = 0.0) -> Muon:
+def build_muon(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas,
+    eps: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_dtype: str,
+    exclude,
+    qk_clip_tau: float = 0.0,
+) -> Muon:
     """Muon over `model`'s parameters, split by `split_muon_params`; MuonClip when qk_clip_tau > 0."""
     qk_clip = None
     if qk_clip_tau > 0:
@@ -221,8 +270,19 @@ def build_muon(model: nn.Module, *, lr: float, weight_decay: float, betas, eps: 
 
         qk_clip = QKClip(model, qk_clip_tau)
     muon, adamw = split_muon_params(model.named_parameters(), exclude)
-    return Muon(muon, adamw, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                ns_steps=ns_steps, ns_dtype=ns_dtype, betas=betas, eps=eps, qk_clip=qk_clip)
+    return Muon(
+        muon,
+        adamw,
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        betas=betas,
+        eps=eps,
+        qk_clip=qk_clip,
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

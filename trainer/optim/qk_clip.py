@@ -61,18 +61,30 @@ def gqa_qk_clip_(wq: torch.Tensor, wk: torch.Tensor, max_logit: torch.Tensor, ta
         _scale_head_rows_(wq, gamma)
 
 
-def mla_qk_clip_(weights: dict[str, torch.Tensor], max_logit: torch.Tensor, tau: float, *, n_heads: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int) -> None:
+def mla_qk_clip_(
+    weights: dict[str, torch.Tensor],
+    max_logit: torch.Tensor,
+    tau: float,
+    *,
+    n_heads: int,
+    qk_nope_head_dim: int,
+    qk_rope_head_dim: int,
+    v_head_dim: int,
+) -> None:
     """Clip one MLA layer in place, DeepSeek-V3's weight layout:
     `weights["wq"]` [n_heads * (nope + rope), q_in] (W_q, or W_q_b after the q LoRA), each head's
     rows nope first then rope; `weights["wkv_b"]` [n_heads * (nope + v), kv_lora], each head's rows
     k_nope then v. The shared rotary key (in W_kv_a) is not touched."""
     gamma = clip_factors(max_logit, tau)
     wq, wkv_b = weights["wq"], weights["wkv_b"]
-    q_rows = torch.cat([gamma.sqrt()[:, None].expand(n_heads, qk_nope_head_dim),
-                        gamma[:, None].expand(n_heads, qk_rope_head_dim)], dim=1).reshape(-1)
-    kv_rows = torch.cat([gamma.sqrt()[:, None].expand(n_heads, qk_nope_head_dim),
-                         torch.ones(n_heads, v_head_dim, device=gamma.device)], dim=1).reshape(-1)
+    q_rows = torch.cat(
+        [gamma.sqrt()[:, None].expand(n_heads, qk_nope_head_dim), gamma[:, None].expand(n_heads, qk_rope_head_dim)],
+        dim=1,
+    ).reshape(-1)
+    kv_rows = torch.cat(
+        [gamma.sqrt()[:, None].expand(n_heads, qk_nope_head_dim), torch.ones(n_heads, v_head_dim, device=gamma.device)],
+        dim=1,
+    ).reshape(-1)
     _scale_rows_(wq, q_rows)
     _scale_rows_(wkv_b, kv_rows)
 
@@ -103,8 +115,9 @@ def _tp_coordinate(w: torch.Tensor) -> tuple[int, int]:
     if "tp" not in names or mesh.size(names.index("tp")) == 1:
         return 0, 1
     axis = names.index("tp")
-    assert isinstance(w.placements[axis], Shard) and w.placements[axis].dim == 0, \
+    assert isinstance(w.placements[axis], Shard) and w.placements[axis].dim == 0, (
         f"QK clip: a head projection must be colwise (Shard(0)) on tp, got {w.placements}"
+    )
     return mesh.get_local_rank("tp"), mesh.size(axis)
 
 
@@ -136,15 +149,21 @@ class _Head:
         n_local = self.n_heads // self.tp_size
         assert local.numel() == n_local, (local.shape, self.n_heads, self.tp_size)
         row = torch.full((self.n_heads,), float("-inf"), dtype=torch.float32, device=local.device)
-        row[self.tp_rank * n_local:(self.tp_rank + 1) * n_local] = local.float()
+        row[self.tp_rank * n_local : (self.tp_rank + 1) * n_local] = local.float()
         return row
 
     def clip(self, max_logit: torch.Tensor, tau: float) -> None:
         m = self.module
         if self.mla:
-            mla_qk_clip_({"wq": self.wq, "wkv_b": self.wk}, max_logit, tau, n_heads=self.n_heads,
-                         qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
-                         v_head_dim=m.v_head_dim)
+            mla_qk_clip_(
+                {"wq": self.wq, "wkv_b": self.wk},
+                max_logit,
+                tau,
+                n_heads=self.n_heads,
+                qk_nope_head_dim=m.qk_nope_head_dim,
+                qk_rope_head_dim=m.qk_rope_head_dim,
+                v_head_dim=m.v_head_dim,
+            )
         else:
             gqa_qk_clip_(self.wq, self.wk, max_logit, tau)
 
@@ -161,11 +180,15 @@ class QKClip:
         self.tau = float(tau)
         self.modules = [m for m in model.modules() if isinstance(m, (Attention, MLA))]
         if not self.modules:
-            raise ConfigError("optimizer.qk_clip_tau: the model has no attention modules QK clip knows "
-                              "(standard multi-head / grouped-query attention, MLA); allowed: 0 for this model")
+            raise ConfigError(
+                "optimizer.qk_clip_tau: the model has no attention modules QK clip knows "
+                "(standard multi-head / grouped-query attention, MLA); allowed: 0 for this model"
+            )
         if any(isinstance(m, Attention) and m.q_norm is not None for m in self.modules):
-            raise ConfigError("optimizer.qk_clip_tau: the model normalises q and k per head (qk_norm), so "
-                              "scaling W_q/W_k does not change its logits; allowed: 0 for this model")
+            raise ConfigError(
+                "optimizer.qk_clip_tau: the model normalises q and k per head (qk_norm), so "
+                "scaling W_q/W_k does not change its logits; allowed: 0 for this model"
+            )
         self.heads = [_Head(m) for m in self.modules]
         for m in self.modules:
             m.track_max_logit = True

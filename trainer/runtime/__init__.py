@@ -10,9 +10,20 @@ has allocated as little as possible (tests/e2e/test_device.py runs it in a bare 
 import importlib
 
 _FACE = {
-    "trainer.runtime.device": ("ComputeDtype", "DistInfo", "configure_host_malloc", "cpu_backend", "gather_objects",
-                               "global_mean", "init_distributed", "pick_device", "resolve_compute_dtype", "set_seed",
-                               "shutdown_distributed", "torch_dtype"),
+    "trainer.runtime.device": (
+        "ComputeDtype",
+        "DistInfo",
+        "configure_host_malloc",
+        "cpu_backend",
+        "gather_objects",
+        "global_mean",
+        "init_distributed",
+        "pick_device",
+        "resolve_compute_dtype",
+        "set_seed",
+        "shutdown_distributed",
+        "torch_dtype",
+    ),
     "trainer.runtime.flops": ("best_peak_flops", "flops_per_token", "peak_flops_per_device"),
     "trainer.runtime.metrics": ("MetricsLogger",),
     "trainer.runtime.preemption": ("PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler"),

@@ -24,7 +24,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-
 # torch's zip writer (torch.save, PyTorchStreamWriter) drops the errno of a failed write and says
 # only that the file position is not where it should be.
 _LOST_ERRNO_MARKERS = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
@@ -137,8 +136,9 @@ def atomic_dir(dest: str | os.PathLike, *, what: str = "output", replace: bool =
     except BaseException as e:
         _remove(tmp)
         if _is_write_error(e):
-            raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; "
-                              "nothing was left at the destination") from e
+            raise WriteFailed(
+                f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; nothing was left at the destination"
+            ) from e
         raise
 
 
@@ -172,8 +172,9 @@ def atomic_path(dest: str | os.PathLike, *, what: str = "file") -> Iterator[Path
     except BaseException as e:
         _remove(tmp)
         if _is_write_error(e):
-            raise WriteFailed(f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; "
-                              f"{dest} is unchanged") from e
+            raise WriteFailed(
+                f"writing {what} {dest} failed: {write_error_text(e, dest.parent)}; {dest} is unchanged"
+            ) from e
         raise
 
 
@@ -183,8 +184,11 @@ def _is_write_error(error: BaseException) -> bool:
     errors = sys.modules.get("models.errors")  # nothing raised a ConfigError if it was never imported
     if isinstance(error, WriteFailed) or (errors is not None and isinstance(error, errors.ConfigError)):
         return False
-    return (isinstance(error, OSError) or _errno_in(error) is not None
-            or any(marker in str(error) for marker in _LOST_ERRNO_MARKERS))
+    return (
+        isinstance(error, OSError)
+        or _errno_in(error) is not None
+        or any(marker in str(error) for marker in _LOST_ERRNO_MARKERS)
+    )
 
 
 def _umask() -> int:
@@ -204,8 +208,9 @@ def make_dir(path: str | os.PathLike, *, key: str) -> None:
     errno text if it cannot be (a file in its place, a path under a regular file, no permission)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise _config_error(f"{key}: cannot use {path}: {os.strerror(errno_codes.ENOTDIR)} (a file is in its place); "
-                          f"{_ALLOWED_DIR}")
+        raise _config_error(
+            f"{key}: cannot use {path}: {os.strerror(errno_codes.ENOTDIR)} (a file is in its place); {_ALLOWED_DIR}"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -17,16 +17,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from models.common import distributed
 from models.errors import ConfigError
 from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.pci import tpu_generations_on_pci
-from models.common import distributed
 
 GLOO_SERIAL = "gloo_serial"
 """The CPU process-group backend: torch's gloo with ONE worker thread (`cpu_backend`)."""
@@ -82,9 +82,11 @@ def tpu_chips_on_pci() -> int:
 
 
 def _no_torch_tpu(why: str) -> ConfigError:
-    return ConfigError(f"device.type: {why}, but torch-tpu is not installed for {sys.executable} (Python "
-                       f"{platform.python_version()}); allowed: install it with `source scripts/env.sh tpu` "
-                       "(Python 3.11, pins in constraints/tpu.txt; docs/tpu.md), or device.type = cpu")
+    return ConfigError(
+        f"device.type: {why}, but torch-tpu is not installed for {sys.executable} (Python "
+        f"{platform.python_version()}); allowed: install it with `source scripts/env.sh tpu` "
+        "(Python 3.11, pins in constraints/tpu.txt; docs/tpu.md), or device.type = cpu"
+    )
 
 
 def pick_device(kind: str = "auto") -> torch.device:
@@ -101,9 +103,11 @@ def pick_device(kind: str = "auto") -> torch.device:
         if not torch_tpu_installed():
             raise _no_torch_tpu("tpu requested")
         if not tpu_present():
-            raise ConfigError("device.type: tpu requested but torch-tpu found no TPU (TORCH_DEVICE_BACKEND_AUTOLOAD="
-                              f"{os.environ.get('TORCH_DEVICE_BACKEND_AUTOLOAD', '1')}); allowed: a TPU VM with "
-                              "TORCH_DEVICE_BACKEND_AUTOLOAD=1 (trainer.launch sets it), or device.type = cpu")
+            raise ConfigError(
+                "device.type: tpu requested but torch-tpu found no TPU (TORCH_DEVICE_BACKEND_AUTOLOAD="
+                f"{os.environ.get('TORCH_DEVICE_BACKEND_AUTOLOAD', '1')}); allowed: a TPU VM with "
+                "TORCH_DEVICE_BACKEND_AUTOLOAD=1 (trainer.launch sets it), or device.type = cpu"
+            )
         return torch.device("tpu")  # one process per TPU device; torch-tpu owns the index
     if kind == "cuda":
         if not torch.cuda.is_available():
@@ -138,10 +142,18 @@ def init_distributed(device: torch.device) -> DistInfo:
         else:
             # After a torchrun restart, keys of the failed attempt can still be in the store;
             # gloo then reads a dead peer's address. A per-attempt key prefix keeps rounds apart.
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                  is_master=False, timeout=timedelta(minutes=10))
-            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"titan/attempt_{restart}", store),
-                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(minutes=10),
+            )
+            dist.init_process_group(
+                backend=backend,
+                store=dist.PrefixStore(f"titan/attempt_{restart}", store),
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+            )
     else:
         fd, path = tempfile.mkstemp(prefix="titan-pg-")
         os.close(fd)
@@ -159,7 +171,6 @@ def set_seed(seed: int) -> None:
     """Same seed on every rank: weights are initialised identically before sharding."""
     random.seed(seed)
     torch.manual_seed(seed)
-
 
 
 HOST_MALLOC = ("auto", "retain", "system")
@@ -235,8 +246,7 @@ _PROBES: dict[int, dict[str, float]] = {}  # this process: thread count -> {dtyp
 BUSY_SHARE = 0.75
 
 
-def measure_matmul(dtype: torch.dtype, *, size: int = PROBE_SIZE,
-                   repeats: int = _PROBE_REPEATS) -> tuple[float, float]:
+def measure_matmul(dtype: torch.dtype, *, size: int = PROBE_SIZE, repeats: int = _PROBE_REPEATS) -> tuple[float, float]:
     """(TFLOP/s, CPU share) of a size x size x size matmul in `dtype` on this process's torch threads.
 
     One untimed warm-up (allocation, oneDNN kernel selection), then the best of `repeats` timed
@@ -292,8 +302,11 @@ def _measure_or_read(key: str) -> dict[str, float]:
         peaks[name] = tflops * 1e12
         shares.append(share)
     if min(shares) < BUSY_SHARE:
-        print(f"titan-tpu: the CPU matmul probe ran on a busy machine (this process had {min(shares):.0%} of its "
-              f"{torch.get_num_threads()} thread(s)' cores); its result is used but not cached", flush=True)
+        print(
+            f"titan-tpu: the CPU matmul probe ran on a busy machine (this process had {min(shares):.0%} of its "
+            f"{torch.get_num_threads()} thread(s)' cores); its result is used but not cached",
+            flush=True,
+        )
         return peaks
     try:  # re-read: another job may have written other keys meanwhile; write atomically
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -326,8 +339,9 @@ def cpu_matmul_peaks() -> dict[str, float]:
             _PROBES[threads] = _measure_or_read(probe_cache_key(threads))
         peaks = _PROBES[threads]
     if group:
-        buf = torch.tensor([peaks[n] for n in PROBE_DTYPES] if dist.get_rank() == 0 else [0.0] * len(PROBE_DTYPES),
-                           dtype=torch.float64)
+        buf = torch.tensor(
+            [peaks[n] for n in PROBE_DTYPES] if dist.get_rank() == 0 else [0.0] * len(PROBE_DTYPES), dtype=torch.float64
+        )
         dist.broadcast(buf, src=0)
         peaks = dict(zip(PROBE_DTYPES, buf.tolist()))
     return dict(peaks)
@@ -363,9 +377,12 @@ def resolve_compute_dtype(name: str, device: torch.device | str) -> ComputeDtype
     peaks = cpu_matmul_peaks()
     best = max(peaks, key=peaks.get)
     other = min(peaks, key=peaks.get)
-    return ComputeDtype(best, f"auto: {best} matmul {peaks[best] / 1e9:.0f} GFLOP/s vs {other} "
-                              f"{peaks[other] / 1e9:.0f} on this CPU (probe {PROBE_SIZE}³, {torch.get_num_threads()} "
-                              f"thread(s), cached in {probe_cache_path()})")
+    return ComputeDtype(
+        best,
+        f"auto: {best} matmul {peaks[best] / 1e9:.0f} GFLOP/s vs {other} "
+        f"{peaks[other] / 1e9:.0f} on this CPU (probe {PROBE_SIZE}³, {torch.get_num_threads()} "
+        f"thread(s), cached in {probe_cache_path()})",
+    )
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -398,4 +415,3 @@ def gather_objects():
         return out
 
     return gather
-

@@ -27,8 +27,9 @@ from trainer.runtime.pci import tpu_generations_on_pci
 logger = logging.getLogger(__name__)
 
 
-def flops_per_token(*, num_matmul_params: int, n_layers: int, n_heads: int, head_dim: int,
-                    seq_len: int) -> dict[str, float]:
+def flops_per_token(
+    *, num_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int
+) -> dict[str, float]:
     """Training FLOPs per token (forward + backward = 3 × forward).
 
     num_matmul_params: N, the parameters that take part in a matmul for one token: every
@@ -70,6 +71,7 @@ GPU_PEAK_TFLOPS = [
     ("a100", 312.0),
 ]
 
+
 def tpu_generation(kind: str) -> str | None:
     """Map any TPU kind string to a key of TPU_PEAK_TFLOPS, or None.
 
@@ -108,8 +110,9 @@ def _gpu_peak(name: str) -> float | None:
     return None
 
 
-def peak_flops_per_device(device: torch.device, dtype: torch.dtype = torch.bfloat16, *,
-                          override: float | str | None = None) -> tuple[float | None, str]:
+def peak_flops_per_device(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, *, override: float | str | None = None
+) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, a one-line description of where it came from).
 
     override: a number is the peak in TFLOP/s; a string names the device kind ("v6e", "TPU7x",

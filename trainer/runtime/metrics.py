@@ -182,11 +182,19 @@ class MetricsLogger:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._pbar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
-                              dynamic_ncols=True, leave=True)
+            self._pbar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                leave=True,
+            )
 
-    def set_flops(self, *, flops_per_token: dict[str, float] | float | None, peak_flops: float | None,
-                  peak_name: str = "given") -> None:
+    def set_flops(
+        self, *, flops_per_token: dict[str, float] | float | None, peak_flops: float | None, peak_name: str = "given"
+    ) -> None:
         """Set the model FLOPs per token and the device peak used for TFLOP/s and MFU.
 
         flops_per_token: trainer.runtime.flops.flops_per_token(...) ({"palm", "causal"}) or a number
@@ -205,8 +213,9 @@ class MetricsLogger:
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == self.start_step + 1 or step == self.total_steps
 
-    def log(self, step: int, *, tokens: int = 0, samples: float = 0, data_s: float = 0.0, force: bool = False,
-            **values: Any) -> dict[str, Any] | None:
+    def log(
+        self, step: int, *, tokens: int = 0, samples: float = 0, data_s: float = 0.0, force: bool = False, **values: Any
+    ) -> dict[str, Any] | None:
         """Account one step; on a logging step write and return its record (else None).
 
         tokens / samples: what this device processed in this step (all micro-batches), in the
@@ -264,8 +273,9 @@ class MetricsLogger:
         try:
             yield
         except OSError as e:
-            raise WriteFailed(f"writing metrics {self.jsonl_path} failed: "
-                              f"{write_error_text(e, self.jsonl_path.parent)}") from e
+            raise WriteFailed(
+                f"writing metrics {self.jsonl_path} failed: {write_error_text(e, self.jsonl_path.parent)}"
+            ) from e
 
     def _write(self, record: dict[str, Any], eta_s: float | None) -> None:
         step = record["step"]
@@ -301,7 +311,8 @@ class MetricsLogger:
                 fmt("loss", "loss", ".4f"),
                 fmt("grad_norm", "grad_norm", ".3f"),
                 fmt("lr", "lr", ".2e"),
-                fmt("tok/s", "tokens_per_sec", ",.0f") if "samples_per_sec" not in record
+                fmt("tok/s", "tokens_per_sec", ",.0f")
+                if "samples_per_sec" not in record
                 else fmt("samples/s", "samples_per_sec", ",.3g"),
                 fmt("TFLOP/s", "tflops", ".3g"),
                 fmt("MFU", "mfu_pct", ".2f", "%"),

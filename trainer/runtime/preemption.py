@@ -15,24 +15,23 @@ How the code reaches an orchestrator through the launcher: trainer/runtime/exit_
 
 from __future__ import annotations
 
-import os
 import signal
 
 import torch
 import torch.distributed as dist
 
-from trainer.runtime.device import cpu_backend
-from trainer.runtime.exit_status import PREEMPTED_EXIT_CODE
 from models.common import distributed
-
+from trainer.runtime.device import cpu_backend
+from trainer.runtime.exit_status import PREEMPTED_EXIT_CODE  # noqa: F401  (re-exported: trainer.runtime)
 
 
 class Preempted(Exception):
     """Raised by the loop after the preemption checkpoint is written."""
 
     def __init__(self, step: int, folder: str):
-        super().__init__(f"preempted (SIGTERM): checkpoint of step {step} written to {folder}; "
-                         "relaunch the same command to resume")
+        super().__init__(
+            f"preempted (SIGTERM): checkpoint of step {step} written to {folder}; relaunch the same command to resume"
+        )
         self.step = step
 
 
@@ -47,8 +46,11 @@ class PreemptionHandler:
             except ValueError:  # not the main thread: leave the default handler
                 pass
         if distributed.multi_rank():
-            self._group = (dist.group.WORLD if dist.get_backend() in ("gloo", cpu_backend())
-                           else dist.new_group(backend=cpu_backend()))
+            self._group = (
+                dist.group.WORLD
+                if dist.get_backend() in ("gloo", cpu_backend())
+                else dist.new_group(backend=cpu_backend())
+            )
 
     def _on_signal(self, signum, frame) -> None:
         self._flag = True
@@ -67,4 +69,3 @@ class PreemptionHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-

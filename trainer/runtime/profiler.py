@@ -36,12 +36,15 @@ def profiler_plan(device_type: str, *, folder: str, rank: int, tpu_module=None, 
 
             tpu_module = torch.tpu
         config = tpu_module.profiler.TpuProfilerConfig(run_dir=folder, worker_rank=str(rank))
-        return ProfilerPlan(kwargs={"activities": [ProfilerActivity.CPU, ProfilerActivity.PrivateUse1],
-                                    "experimental_config": config},
-                            chrome_trace=False, what=f"XPlane (torch-tpu TpuProfilerConfig) under {folder}")
+        return ProfilerPlan(
+            kwargs={"activities": [ProfilerActivity.CPU, ProfilerActivity.PrivateUse1], "experimental_config": config},
+            chrome_trace=False,
+            what=f"XPlane (torch-tpu TpuProfilerConfig) under {folder}",
+        )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    return ProfilerPlan(kwargs={"activities": activities, "record_shapes": True}, chrome_trace=True,
-                        what=f"Chrome trace under {folder}")
+    return ProfilerPlan(
+        kwargs={"activities": activities, "record_shapes": True}, chrome_trace=True, what=f"Chrome trace under {folder}"
+    )
 
 
 @contextlib.contextmanager

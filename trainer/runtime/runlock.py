@@ -57,16 +57,20 @@ class FolderInUse(ConfigError):
 
 
 def _owner_record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "command": " ".join(sys.argv)[:120]}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": " ".join(sys.argv)[:120],
+    }
 
 
 def describe_owner(record: dict | None) -> str:
     if not record:
         return "owner unknown (its record is being written or was damaged)"
-    return (f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}"
-            + (f", command: {record['command']}" if record.get("command") else ""))
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}" + (
+        f", command: {record['command']}" if record.get("command") else ""
+    )
 
 
 def read_owner(path: str | os.PathLike) -> dict | None:
@@ -197,8 +201,15 @@ class RunLock:
     """The lock of one folder (see the module docstring). `acquire()` raises FolderInUse naming
     the owner, or ConfigError naming `key` when the folder or its lock file cannot be made."""
 
-    def __init__(self, folder: str | os.PathLike, *, key: str = "job.dump_folder", allowed: str = _ALLOWED,
-                 lock_path: str | os.PathLike | None = None, who: str = "run"):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        key: str = "job.dump_folder",
+        allowed: str = _ALLOWED,
+        lock_path: str | os.PathLike | None = None,
+        who: str = "run",
+    ):
         self.folder = Path(folder)
         self.key = key
         self.allowed = allowed
@@ -237,8 +248,10 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise ConfigError(f"{self.key}: cannot create the lock file {self.path}: {write_error_text(e, self.folder)}; "
-                              "allowed: a folder this process can write") from None
+            raise ConfigError(
+                f"{self.key}: cannot create the lock file {self.path}: {write_error_text(e, self.folder)}; "
+                "allowed: a folder this process can write"
+            ) from None
         try:
             try:
                 _flock_retrying(fd)
@@ -277,8 +290,11 @@ class RunLock:
             if record.get("pid") != os.getpid() and _pid_alive(record.get("pid")):
                 raise self._refuse(record)
             return  # its holder is gone: stale
-        raise self._refuse(record, extra=f"; this file system has no flock, so a run on another host cannot be "
-                                         f"checked: delete {self.path} if that run has ended")
+        raise self._refuse(
+            record,
+            extra=f"; this file system has no flock, so a run on another host cannot be "
+            f"checked: delete {self.path} if that run has ended",
+        )
 
     def _undo(self, fd: int) -> None:
         """Put the lock file (and the folders made for it) back as acquire found them."""
@@ -336,8 +352,13 @@ def lock_destination(dest: str | os.PathLike, *, key: str, who: str) -> RunLock:
     folder, a data-set build): `.NAME.lock` beside `dest`, removed on release. FolderInUse names
     the process that holds it."""
     dest = Path(dest)
-    return RunLock(dest, key=key, who=who, lock_path=dest.parent / f".{dest.name}.lock",
-                   allowed=f"a destination no other {who} writes: wait for it or choose another").acquire()
+    return RunLock(
+        dest,
+        key=key,
+        who=who,
+        lock_path=dest.parent / f".{dest.name}.lock",
+        allowed=f"a destination no other {who} writes: wait for it or choose another",
+    ).acquire()
 
 
 @contextlib.contextmanager
@@ -364,9 +385,12 @@ def release_all(*, undo: bool = False) -> None:
         lock.release(undo=undo)
 
 
-def lock_run(*, locks: Sequence[tuple[str, str | os.PathLike]],
-             claims: Sequence[tuple[str, str | os.PathLike]] = (),
-             writable: Sequence[tuple[str, str | os.PathLike]] = ()) -> list[RunLock]:
+def lock_run(
+    *,
+    locks: Sequence[tuple[str, str | os.PathLike]],
+    claims: Sequence[tuple[str, str | os.PathLike]] = (),
+    writable: Sequence[tuple[str, str | os.PathLike]] = (),
+) -> list[RunLock]:
     """Rank 0 checks that no other live run holds, contains or is inside each (key, folder) of
     `claims` (folders covered by one of `locks`, such as a checkpoint folder inside the dump
     folder: checked first, so that the refusal names the folder the runs share), takes a RunLock

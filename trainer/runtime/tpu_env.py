@@ -80,9 +80,12 @@ def load_bundles(path: Path = FLAGS_FILE) -> dict[str, FlagBundle]:
             assert key is not None, f"{path}: bundle {name}: {flag!r} is not --name[=value]"
             assert raw.get("sources", {}).get(key) in sources, f"{path}: bundle {name}: {key} has no source"
         bundles[name] = FlagBundle(
-            name=name, generations=tuple(raw["generations"]), libtpu_init_args=tuple(raw.get("libtpu_init_args", [])),
+            name=name,
+            generations=tuple(raw["generations"]),
+            libtpu_init_args=tuple(raw.get("libtpu_init_args", [])),
             xla_flags=tuple(raw.get("xla_flags", [])),
-            sources={k: " ".join(sources[v].split()) for k, v in raw.get("sources", {}).items()})
+            sources={k: " ".join(sources[v].split()) for k, v in raw.get("sources", {}).items()},
+        )
     return bundles
 
 
@@ -102,7 +105,7 @@ def check_flags(key: str, flags: Iterable) -> list[str]:
     out = []
     for flag in flags:
         if not isinstance(flag, str) or flag_name(flag) is None:
-            raise ConfigError(f"{key}: {flag!r} is not a flag; allowed: a list of \"--name=value\" or \"--name\" strings")
+            raise ConfigError(f'{key}: {flag!r} is not a flag; allowed: a list of "--name=value" or "--name" strings')
         out.append(flag)
     return out
 
@@ -159,10 +162,18 @@ class RuntimeEnv:
         (os.environ if environ is None else environ).update(self.env)
 
 
-def tpu_runtime_env(*, device_type: str, generation: str | None, flag_bundle: str = "auto",
-                    libtpu_init_args: Iterable[str] = (), xla_flags: Iterable[str] = (), cache_dir: str = "",
-                    host_cache: bool = False, environ: Mapping[str, str] | None = None,
-                    libraries: Iterable[Path] | None = None) -> RuntimeEnv:
+def tpu_runtime_env(
+    *,
+    device_type: str,
+    generation: str | None,
+    flag_bundle: str = "auto",
+    libtpu_init_args: Iterable[str] = (),
+    xla_flags: Iterable[str] = (),
+    cache_dir: str = "",
+    host_cache: bool = False,
+    environ: Mapping[str, str] | None = None,
+    libraries: Iterable[Path] | None = None,
+) -> RuntimeEnv:
     """The variables a run on `device_type` sets (`[device]` flags, `[compile]` cache), merged
     with what `environ` (default os.environ) already exports.
 
@@ -183,8 +194,17 @@ def tpu_runtime_env(*, device_type: str, generation: str | None, flag_bundle: st
         raise ConfigError(f"device.flag_bundle: {flag_bundle!r}; allowed: {', '.join(FLAG_BUNDLES)}")
     out = RuntimeEnv()
     if device_type != "tpu":
-        asked = [k for k, v in (("flag_bundle", flag_bundle not in ("auto", "none")), ("libtpu_init_args", libtpu_args),
-                                ("xla_flags", xla), ("cache_dir", cache_dir), ("host_cache", host_cache)) if v]
+        asked = [
+            k
+            for k, v in (
+                ("flag_bundle", flag_bundle not in ("auto", "none")),
+                ("libtpu_init_args", libtpu_args),
+                ("xla_flags", xla),
+                ("cache_dir", cache_dir),
+                ("host_cache", host_cache),
+            )
+            if v
+        ]
         if asked:
             out.notes.append(f"titan-tpu: {', '.join(asked)} not applied on {device_type} (TPU only)")
         return out
@@ -194,10 +214,14 @@ def tpu_runtime_env(*, device_type: str, generation: str | None, flag_bundle: st
     env_xla = shlex.split(environ.get("XLA_FLAGS", ""))
     merged_libtpu = merge_flags(bundle.libtpu_init_args if bundle else (), libtpu_args, env_libtpu)
     merged_xla = merge_flags(bundle.xla_flags if bundle else (), xla, env_xla)
-    _check_known([(f, "device.libtpu_init_args" if f in libtpu_args else "LIBTPU_INIT_ARGS (bundle or environment)")
-                  for f in merged_libtpu]
-                 + [(f, "device.xla_flags" if f in xla else "XLA_FLAGS (bundle or environment)") for f in merged_xla],
-                 runtime_libraries() if libraries is None else list(libraries))
+    _check_known(
+        [
+            (f, "device.libtpu_init_args" if f in libtpu_args else "LIBTPU_INIT_ARGS (bundle or environment)")
+            for f in merged_libtpu
+        ]
+        + [(f, "device.xla_flags" if f in xla else "XLA_FLAGS (bundle or environment)") for f in merged_xla],
+        runtime_libraries() if libraries is None else list(libraries),
+    )
     if merged_libtpu:
         out.env["LIBTPU_INIT_ARGS"] = " ".join(merged_libtpu)
     if merged_xla:
@@ -208,16 +232,22 @@ def tpu_runtime_env(*, device_type: str, generation: str | None, flag_bundle: st
         which = "no bundle (flag_bundle = none)"
     else:
         which = f"no bundle (none recorded for {generation or 'an unknown TPU generation'})"
-    out.notes.append(f"titan-tpu: flags: {which}; LIBTPU_INIT_ARGS={out.env.get('LIBTPU_INIT_ARGS', '')!r} "
-                     f"XLA_FLAGS={out.env.get('XLA_FLAGS', '')!r}")
+    out.notes.append(
+        f"titan-tpu: flags: {which}; LIBTPU_INIT_ARGS={out.env.get('LIBTPU_INIT_ARGS', '')!r} "
+        f"XLA_FLAGS={out.env.get('XLA_FLAGS', '')!r}"
+    )
 
     if cache_dir:
-        out.env[TIER3_CACHE_VAR] = cache_dir if cache_dir.startswith("gs://") else os.path.abspath(
-            os.path.expanduser(cache_dir))
+        out.env[TIER3_CACHE_VAR] = (
+            cache_dir if cache_dir.startswith("gs://") else os.path.abspath(os.path.expanduser(cache_dir))
+        )
     if host_cache:
         out.env[TIER2_CACHE_VAR] = HOST_CACHE_NAME
-    caches = [f"{var}={out.env.get(var, environ.get(var))}" for var in (TIER3_CACHE_VAR, TIER2_CACHE_VAR)
-              if out.env.get(var, environ.get(var))]
+    caches = [
+        f"{var}={out.env.get(var, environ.get(var))}"
+        for var in (TIER3_CACHE_VAR, TIER2_CACHE_VAR)
+        if out.env.get(var, environ.get(var))
+    ]
     out.notes.append(f"titan-tpu: compilation cache: {', '.join(caches) if caches else 'in memory only'}")
     return out
 
@@ -230,9 +260,11 @@ def _pick_bundle(flag_bundle: str, generation: str | None) -> FlagBundle | None:
     bundle = BUNDLES[flag_bundle]
     if generation not in bundle.generations:
         here = [n for n, b in BUNDLES.items() if generation in b.generations]
-        raise ConfigError(f"device.flag_bundle: {flag_bundle!r} is recorded for {', '.join(bundle.generations)}, and this "
-                          f"host is {generation or 'an unknown TPU generation'}; allowed here: "
-                          f"{', '.join(['auto', 'none', *here])}")
+        raise ConfigError(
+            f"device.flag_bundle: {flag_bundle!r} is recorded for {', '.join(bundle.generations)}, and this "
+            f"host is {generation or 'an unknown TPU generation'}; allowed here: "
+            f"{', '.join(['auto', 'none', *here])}"
+        )
     return bundle
 
 
@@ -243,9 +275,11 @@ def _check_known(flags: list[tuple[str, str]], libraries: list[Path]) -> None:
     known = known_flag_names(names, libraries)
     for name, (flag, key) in names.items():
         if name not in known:
-            raise ConfigError(f"{key}: {flag!r} is not a flag of the installed TPU runtime "
-                              f"({', '.join(str(p) for p in libraries)}); libtpu would stop the process on it. "
-                              "allowed: flags libtpu knows (check the name)")
+            raise ConfigError(
+                f"{key}: {flag!r} is not a flag of the installed TPU runtime "
+                f"({', '.join(str(p) for p in libraries)}); libtpu would stop the process on it. "
+                "allowed: flags libtpu knows (check the name)"
+            )
 
 
 def detect_generation() -> str | None:
@@ -303,8 +337,12 @@ class CacheMissCounter:
     count to log in metrics.jsonl (`compile_cache_misses`); `compiled()` the programs compiled so
     far (`compilations`, read on logged steps only). On other devices all stay None."""
 
-    def __init__(self, device_type: str, read: Callable[[], int | None] | None = None,
-                 read_compiled: Callable[[], int | None] | None = None):
+    def __init__(
+        self,
+        device_type: str,
+        read: Callable[[], int | None] | None = None,
+        read_compiled: Callable[[], int | None] | None = None,
+    ):
         self._read = read if read is not None else (lambda: compile_cache_misses(device_type))
         self.compiled = read_compiled if read_compiled is not None else (lambda: compilations(device_type))
         self.total = self._read()

@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
 from models.common import distributed
 
 
@@ -65,14 +66,25 @@ def arrival_barrier(tag: str, timeout_s: float) -> None:
     raise StartupTimeout(
         f"start-up barrier '{tag}': ranks {shown} of {world} did not arrive within {timeout_s:.0f} s "
         f"(node ranks {', '.join(map(str, nodes[:16]))} with {local} processes per node); look at those "
-        "hosts' logs (data, checkpoint or compile) or raise training.startup_timeout_s")
+        "hosts' logs (data, checkpoint or compile) or raise training.startup_timeout_s"
+    )
 
 
 class StepWatchdog:
     """Dumps all threads' stacks when a step runs `factor` x longer than the recent median."""
 
-    def __init__(self, *, folder: str | None, rank: int, factor: float = 10.0, min_s: float = 60.0,
-                 window: int = 20, poll_s: float = 1.0, stream=None, clock=time.monotonic):
+    def __init__(
+        self,
+        *,
+        folder: str | None,
+        rank: int,
+        factor: float = 10.0,
+        min_s: float = 60.0,
+        window: int = 20,
+        poll_s: float = 1.0,
+        stream=None,
+        clock=time.monotonic,
+    ):
         self.folder, self.rank = folder, rank
         self._clock = clock
         self.factor, self.min_s, self.poll_s = factor, min_s, poll_s
@@ -106,7 +118,7 @@ class StepWatchdog:
     def step_finished(self) -> None:
         with self._lock:
             if self._started is not None:
-                self._times = (self._times + [self._clock() - self._started])[-self.window:]
+                self._times = (self._times + [self._clock() - self._started])[-self.window :]
             self._started = None
 
     def _run(self) -> None:
@@ -129,8 +141,10 @@ class StepWatchdog:
         return True
 
     def _dump(self, step: int, elapsed: float, limit: float) -> None:
-        header = (f"watchdog: rank {self.rank} step {step} has run {elapsed:.0f} s (> {limit:.0f} s = "
-                  f"{self.factor:g} x the median recent step, at least {self.min_s:g} s); Python stacks:\n")
+        header = (
+            f"watchdog: rank {self.rank} step {step} has run {elapsed:.0f} s (> {limit:.0f} s = "
+            f"{self.factor:g} x the median recent step, at least {self.min_s:g} s); Python stacks:\n"
+        )
         self._stream.write(header)
         self._stream.flush()
         faulthandler.dump_traceback(file=self._stream, all_threads=True)

@@ -27,79 +27,156 @@ class BuildCheck:
 
 BUILD_CHECKS: tuple[BuildCheck, ...] = (
     # Resolving the model (before a request exists: these decide the family and its args).
-    BuildCheck("model.hf_config", "trainer.config.load:_validate_hf_config",
-               'hf_config with a model.name other than "hf", or model.name = "hf" without one'),
-    BuildCheck("model.max_seq_len", "trainer.config.load:resolve_model_args",
-               "a max_seq_len override shorter than training.seq_len"),
+    BuildCheck(
+        "model.hf_config",
+        "trainer.config.load:_validate_hf_config",
+        'hf_config with a model.name other than "hf", or model.name = "hf" without one',
+    ),
+    BuildCheck(
+        "model.max_seq_len",
+        "trainer.config.load:resolve_model_args",
+        "a max_seq_len override shorter than training.seq_len",
+    ),
     # Degrees against the world and the model's sizes (plan_job, before anything is built).
-    BuildCheck("parallelism.data_parallel_shard_degree", "parallelisms.parallel_dims:ParallelDims.__post_init__",
-               "degrees whose product is not the world size, or -1 that cannot fill it"),
-    BuildCheck("parallelism.expert_parallel_degree", "parallelisms.parallel_dims:ParallelDims.__post_init__",
-               "an EP degree that does not divide dp_shard x cp x tp"),
-    BuildCheck("parallelism.tensor_parallel_degree", "parallelisms.parallel_dims:ParallelDims.validate_for_model",
-               "a TP degree that does not divide the heads, kv heads, FFN / expert hidden size or the "
-               "(per-CP-rank) sequence"),
-    BuildCheck("parallelism.expert_parallel_degree", "parallelisms.parallel_dims:ParallelDims.validate_for_model",
-               "EP > 1 for a model without experts, or a degree that does not divide the experts"),
-    BuildCheck("parallelism.context_parallel_degree", "parallelisms.context_parallel:check_seq_len",
-               "a sequence length not divisible by 2 x cp (two load-balanced chunks per rank)"),
+    BuildCheck(
+        "parallelism.data_parallel_shard_degree",
+        "parallelisms.parallel_dims:ParallelDims.__post_init__",
+        "degrees whose product is not the world size, or -1 that cannot fill it",
+    ),
+    BuildCheck(
+        "parallelism.expert_parallel_degree",
+        "parallelisms.parallel_dims:ParallelDims.__post_init__",
+        "an EP degree that does not divide dp_shard x cp x tp",
+    ),
+    BuildCheck(
+        "parallelism.tensor_parallel_degree",
+        "parallelisms.parallel_dims:ParallelDims.validate_for_model",
+        "a TP degree that does not divide the heads, kv heads, FFN / expert hidden size or the (per-CP-rank) sequence",
+    ),
+    BuildCheck(
+        "parallelism.expert_parallel_degree",
+        "parallelisms.parallel_dims:ParallelDims.validate_for_model",
+        "EP > 1 for a model without experts, or a degree that does not divide the experts",
+    ),
+    BuildCheck(
+        "parallelism.context_parallel_degree",
+        "parallelisms.context_parallel:check_seq_len",
+        "a sequence length not divisible by 2 x cp (two load-balanced chunks per rank)",
+    ),
     # The mesh on the devices.
-    BuildCheck("parallelism.tensor_parallel_degree", "parallelisms.tpu_topology:_split_axes",
-               "a mesh axis (tp, cp, ...: the key of that axis) that does not fit the TPU slice, not even "
-               "splitting physical axes (plan_job, when the slice is known: `tpu_mesh_layout`)"),
-    BuildCheck("parallelism", "parallelisms.parallel_dims:_tpu_rank_grid",
-               "a mesh torch-tpu cannot lay out on this TPU slice (at build_mesh)"),
-    BuildCheck("parallelism", "parallelisms.tpu_topology:assign",
-               "a mesh whose device count is not the topology's"),
-    BuildCheck("parallelism", "parallelisms.parallel_dims:build_mesh",
-               "degrees resolved for another world size than the process group's"),
+    BuildCheck(
+        "parallelism.tensor_parallel_degree",
+        "parallelisms.tpu_topology:_split_axes",
+        "a mesh axis (tp, cp, ...: the key of that axis) that does not fit the TPU slice, not even "
+        "splitting physical axes (plan_job, when the slice is known: `tpu_mesh_layout`)",
+    ),
+    BuildCheck(
+        "parallelism",
+        "parallelisms.parallel_dims:_tpu_rank_grid",
+        "a mesh torch-tpu cannot lay out on this TPU slice (at build_mesh)",
+    ),
+    BuildCheck("parallelism", "parallelisms.tpu_topology:assign", "a mesh whose device count is not the topology's"),
+    BuildCheck(
+        "parallelism",
+        "parallelisms.parallel_dims:build_mesh",
+        "degrees resolved for another world size than the process group's",
+    ),
     # The built model under its parallelisms.
-    BuildCheck("parallelism.tensor_parallel_degree", "parallelisms.parallelize:_check_block_params_sharded",
-               "a block parameter without a TP or EP style in the model's plan (its gradient would miss "
-               "the TP sum)"),
-    BuildCheck("parallelism.tensor_parallel_degree", "parallelisms.tensor_parallel:_retie",
-               "tied parameters that get different TP layouts"),
-    BuildCheck("optimizer.qk_clip_tau", "trainer.optim.qk_clip:QKClip.__init__",
-               "QK clip on a model without attention modules it knows, or with per-head qk_norm"),
+    BuildCheck(
+        "parallelism.tensor_parallel_degree",
+        "parallelisms.parallelize:_check_block_params_sharded",
+        "a block parameter without a TP or EP style in the model's plan (its gradient would miss the TP sum)",
+    ),
+    BuildCheck(
+        "parallelism.tensor_parallel_degree",
+        "parallelisms.tensor_parallel:_retie",
+        "tied parameters that get different TP layouts",
+    ),
+    BuildCheck(
+        "optimizer.qk_clip_tau",
+        "trainer.optim.qk_clip:QKClip.__init__",
+        "QK clip on a model without attention modules it knows, or with per-head qk_norm",
+    ),
     # Layer scan (graph mode): the scan form of the built blocks.
-    BuildCheck("compile.scan_layers", "trainer.graph.step:_enable_scans",
-               "a model whose block stack is not a BlockStack"),
-    BuildCheck("compile.scan_layers", "models.hf.model:HFBlockStack.enable_scan",
-               "an hf architecture without a scan form, or whose decoder layers are not uniform"),
-    BuildCheck("compile.scan_layers", "parallelisms.scan:scan_param_fn",
-               "a block parameter that is a DTensor managed by neither SimpleFSDP nor TP"),
-    BuildCheck("compile.scan_layers", "parallelisms.scan:_ScanTP.of",
-               "a block TP style without a scan form (hooks outside the TP plan, rowwise with a bias, ...)"),
-    BuildCheck("compile.scan_layers", "parallelisms.scan:_scatter_output_hook",
-               "a sequence that does not split evenly over the TP degree in the scan body"),
+    BuildCheck(
+        "compile.scan_layers", "trainer.graph.step:_enable_scans", "a model whose block stack is not a BlockStack"
+    ),
+    BuildCheck(
+        "compile.scan_layers",
+        "models.hf.model:HFBlockStack.enable_scan",
+        "an hf architecture without a scan form, or whose decoder layers are not uniform",
+    ),
+    BuildCheck(
+        "compile.scan_layers",
+        "parallelisms.scan:scan_param_fn",
+        "a block parameter that is a DTensor managed by neither SimpleFSDP nor TP",
+    ),
+    BuildCheck(
+        "compile.scan_layers",
+        "parallelisms.scan:_ScanTP.of",
+        "a block TP style without a scan form (hooks outside the TP plan, rowwise with a bias, ...)",
+    ),
+    BuildCheck(
+        "compile.scan_layers",
+        "parallelisms.scan:_scatter_output_hook",
+        "a sequence that does not split evenly over the TP degree in the scan body",
+    ),
     # The graph step: its optimizer, its capture.
-    BuildCheck("optimizer", "trainer.graph.step:build_graph_step",
-               "param groups with different learning rates"),
-    BuildCheck("optimizer", "trainer.graph.optim:check_adamw",
-               "an optimizer other than AdamW's default variant or Muon"),
-    BuildCheck("optimizer", "trainer.graph.optim:AdamWSlots.__init__",
-               "a layer-scanned parameter missing from, or split over, the param groups"),
-    BuildCheck("optimizer.name", "trainer.graph.optim:muon_shards",
-               "graph-mode Muon on a parameter sharded more than once per dim"),
-    BuildCheck("activation_checkpoint.mode", "trainer.graph.remat:_check_rng",
-               "a random op (dropout) in a checkpointed block of the captured graph"),
-    BuildCheck("compile.mode", "trainer.graph.capture:check_torch",
-               "graph mode with a torch that lacks trace_autograd_ops"),
-    BuildCheck("compile.backend", "trainer.graph.tpu:_torch_tpu",
-               "backend tpu where torch-tpu finds no TPU"),
+    BuildCheck("optimizer", "trainer.graph.step:build_graph_step", "param groups with different learning rates"),
+    BuildCheck(
+        "optimizer", "trainer.graph.optim:check_adamw", "an optimizer other than AdamW's default variant or Muon"
+    ),
+    BuildCheck(
+        "optimizer",
+        "trainer.graph.optim:AdamWSlots.__init__",
+        "a layer-scanned parameter missing from, or split over, the param groups",
+    ),
+    BuildCheck(
+        "optimizer.name",
+        "trainer.graph.optim:muon_shards",
+        "graph-mode Muon on a parameter sharded more than once per dim",
+    ),
+    BuildCheck(
+        "activation_checkpoint.mode",
+        "trainer.graph.remat:_check_rng",
+        "a random op (dropout) in a checkpointed block of the captured graph",
+    ),
+    BuildCheck(
+        "compile.mode", "trainer.graph.capture:check_torch", "graph mode with a torch that lacks trace_autograd_ops"
+    ),
+    BuildCheck("compile.backend", "trainer.graph.tpu:_torch_tpu", "backend tpu where torch-tpu finds no TPU"),
     # Data, tokenizer, kernels, host.
-    BuildCheck("model.attn_backend", "titan_kernels:select",
-               "cpu_kernel where the C++ kernel cannot be built on this host"),
-    BuildCheck("model.attn_backend", "titan_kernels:_select_tpu",
-               "splash where the Pallas kernels cannot be loaded on this host"),
-    BuildCheck("training.dataset_shards", "trainer.data.text:build_dataloader",
-               "a shard count that is not a multiple of dp degree x local batch"),
-    BuildCheck("model.tokenizer", "trainer.tasks.lm:LMTask.__init__",
-               "a tokenizer with more tokens than the model's vocab_size"),
-    BuildCheck("flow.latent_size", "trainer.tasks.flux:FlowTask.example_batch",
-               "the recipe check of a FLUX recipe without latent_size and text_seq_len"),
-    BuildCheck("model.name", "trainer.engine:Engine.hf_state_dict",
-               "the engine's Hugging Face export for a family without hf_adapter.py"),
-    BuildCheck("device.flag_bundle", "trainer.runtime.tpu_env:_pick_bundle",
-               "a flag bundle recorded for other TPU generations than this host's"),
+    BuildCheck(
+        "model.attn_backend", "titan_kernels:select", "cpu_kernel where the C++ kernel cannot be built on this host"
+    ),
+    BuildCheck(
+        "model.attn_backend",
+        "titan_kernels:_select_tpu",
+        "splash where the Pallas kernels cannot be loaded on this host",
+    ),
+    BuildCheck(
+        "training.dataset_shards",
+        "trainer.data.text:build_dataloader",
+        "a shard count that is not a multiple of dp degree x local batch",
+    ),
+    BuildCheck(
+        "model.tokenizer",
+        "trainer.tasks.lm:LMTask.__init__",
+        "a tokenizer with more tokens than the model's vocab_size",
+    ),
+    BuildCheck(
+        "flow.latent_size",
+        "trainer.tasks.flux:FlowTask.example_batch",
+        "the recipe check of a FLUX recipe without latent_size and text_seq_len",
+    ),
+    BuildCheck(
+        "model.name",
+        "trainer.engine:Engine.hf_state_dict",
+        "the engine's Hugging Face export for a family without hf_adapter.py",
+    ),
+    BuildCheck(
+        "device.flag_bundle",
+        "trainer.runtime.tpu_env:_pick_bundle",
+        "a flag bundle recorded for other TPU generations than this host's",
+    ),
 )

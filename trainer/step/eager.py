@@ -32,8 +32,18 @@ class EagerStep:
     compile_s = None
     graph_nodes = None
 
-    def __init__(self, *, model, optimizer, max_norm: float, aux_loss_coef: float, clip_grad_norm,
-                 loss_context=contextlib.nullcontext, loss_fn=None, balance=None):
+    def __init__(
+        self,
+        *,
+        model,
+        optimizer,
+        max_norm: float,
+        aux_loss_coef: float,
+        clip_grad_norm,
+        loss_context=contextlib.nullcontext,
+        loss_fn=None,
+        balance=None,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.max_norm = max_norm
@@ -70,5 +80,6 @@ class EagerStep:
         grad_norm = self.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], max_norm)
         nonfinite = step_if_finite(self.optimizer, grad_norm)
         vio = None if self.balance is None else self.balance.finish(load, apply=~nonfinite)
-        return StepOutput(loss=lm_sum / n, grad_norm=grad_norm, aux_loss=None if aux_sum is None else aux_sum / n,
-                          moe_max_vio=vio)
+        return StepOutput(
+            loss=lm_sum / n, grad_norm=grad_norm, aux_loss=None if aux_sum is None else aux_sum / n, moe_max_vio=vio
+        )

@@ -36,8 +36,16 @@ def plain_loss(model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return lm_loss(model(inputs), labels)
 
 
-def model_lm_loss(model, inputs: torch.Tensor, labels: torch.Tensor, segment_ids: torch.Tensor | None = None,
-                  positions: torch.Tensor | None = None, *, fused: bool, reduction: str = "mean") -> torch.Tensor:
+def model_lm_loss(
+    model,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    *,
+    fused: bool,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """Mean next-token cross entropy of `model` on one micro-batch (fp32, 0-dim). With document
     masking the micro-batch also holds `segment_ids` (and `positions`), passed to the model;
     the loss itself is the same mean over every token. `reduction="sum"`: the sum over the
@@ -53,14 +61,16 @@ def model_lm_loss(model, inputs: torch.Tensor, labels: torch.Tensor, segment_ids
 
         # The weight is read here, after the forward, on every call: under SimpleFSDP the
         # access is the all-gather, which must not be cached across steps.
-        mean = ops.linear_cross_entropy(model.hidden(inputs, **extra).flatten(0, 1), model.output.weight,
-                                        labels.flatten())
+        mean = ops.linear_cross_entropy(
+            model.hidden(inputs, **extra).flatten(0, 1), model.output.weight, labels.flatten()
+        )
         return mean if reduction == "mean" else mean * (labels != ops.IGNORE_INDEX).sum()
     return lm_loss(model(inputs, **extra), labels, reduction)
 
 
-def cp_scaled_lm_loss(model, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor, cp,
-                      fused: bool, document_mask: bool) -> torch.Tensor:
+def cp_scaled_lm_loss(
+    model, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor, cp, fused: bool, document_mask: bool
+) -> torch.Tensor:
     """This rank's token sum x cp / the cp group's token count (`cp`: a `CPGroup`; `extra`:
     (segment_ids, positions) with document masking, else (positions,)): SimpleFSDP's gradient
     mean over dp_shard x cp then gives each data-parallel group's mean over all its tokens,
@@ -80,11 +90,14 @@ def lm_loss_fn(*, fused: bool, document_mask: bool = False, cp=None) -> Callable
     """The LM task's `loss(model, *micro_batch)`: `model_lm_loss` (plain or `fused`), or with
     context parallelism (`cp`, a `CPGroup`, else None) `cp_scaled_lm_loss`."""
     if cp is None:
+
         def loss(model, inputs, labels, segment_ids=None, positions=None):
             return model_lm_loss(model, inputs, labels, segment_ids, positions, fused=fused)
     else:
+
         def loss(model, inputs, labels, *extra):
             return cp_scaled_lm_loss(model, inputs, labels, *extra, cp=cp, fused=fused, document_mask=document_mask)
+
     return loss
 
 

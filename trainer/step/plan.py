@@ -159,143 +159,254 @@ def _others(choices: tuple[str, ...], *drop: str) -> str:
 
 RULES: tuple[Rule, ...] = (
     # Choices (the config's `allowed` lists are these same tuples, trainer/config/schema.py).
-    Rule("compile.mode", "the mode is not one of MODES",
-         lambda r: r.mode not in MODES, f"{{r.mode!r}}; allowed: {', '.join(MODES)}"),
-    Rule("compile.backend", "the backend is not one of BACKENDS",
-         lambda r: r.backend not in BACKENDS, f"{{r.backend!r}}; allowed: {', '.join(BACKENDS)}"),
-    Rule("training.fused_loss", "the value is not one of FUSED_LOSS", lambda r: r.fused_loss not in FUSED_LOSS,
-         f"{{r.fused_loss!r}}; allowed: {', '.join(FUSED_LOSS)}"),
-    Rule("model.name", "the family declares a task the trainer has no task for", lambda r: r.task not in TASKS,
-         f"the family declares task {{r.task!r}}; allowed: a family whose task is one of {', '.join(TASKS)}"),
-    Rule("training.document_positions", "the value is not one of DOCUMENT_POSITIONS",
-         lambda r: r.document_positions not in DOCUMENT_POSITIONS,
-         f"{{r.document_positions!r}}; allowed: {', '.join(DOCUMENT_POSITIONS)}"),
+    Rule(
+        "compile.mode",
+        "the mode is not one of MODES",
+        lambda r: r.mode not in MODES,
+        f"{{r.mode!r}}; allowed: {', '.join(MODES)}",
+    ),
+    Rule(
+        "compile.backend",
+        "the backend is not one of BACKENDS",
+        lambda r: r.backend not in BACKENDS,
+        f"{{r.backend!r}}; allowed: {', '.join(BACKENDS)}",
+    ),
+    Rule(
+        "training.fused_loss",
+        "the value is not one of FUSED_LOSS",
+        lambda r: r.fused_loss not in FUSED_LOSS,
+        f"{{r.fused_loss!r}}; allowed: {', '.join(FUSED_LOSS)}",
+    ),
+    Rule(
+        "model.name",
+        "the family declares a task the trainer has no task for",
+        lambda r: r.task not in TASKS,
+        f"the family declares task {{r.task!r}}; allowed: a family whose task is one of {', '.join(TASKS)}",
+    ),
+    Rule(
+        "training.document_positions",
+        "the value is not one of DOCUMENT_POSITIONS",
+        lambda r: r.document_positions not in DOCUMENT_POSITIONS,
+        f"{{r.document_positions!r}}; allowed: {', '.join(DOCUMENT_POSITIONS)}",
+    ),
     # Device.
-    Rule("compile.backend", "backend tpu on a device that is not a TPU",
-         lambda r: r.backend == "tpu" and r.device_type != "tpu",
-         f"tpu needs a TPU device; allowed here: {_others(BACKENDS, 'tpu')}"),
+    Rule(
+        "compile.backend",
+        "backend tpu on a device that is not a TPU",
+        lambda r: r.backend == "tpu" and r.device_type != "tpu",
+        f"tpu needs a TPU device; allowed here: {_others(BACKENDS, 'tpu')}",
+    ),
     # Attention kernels that serve one device type (titan_kernels/__init__.py ATTENTION_DEVICES).
-    Rule("model.attn_backend", "cpu_kernel on a device that is not the CPU",
-         lambda r: r.attn_backend == "cpu_kernel" and r.device_type != ATTENTION_DEVICES["cpu_kernel"],
-         "cpu_kernel runs on the CPU only, not on {r.device_type}; allowed here: {r.attn_backends_here}"),
-    Rule("model.attn_backend", "splash on a device that is not a TPU",
-         lambda r: r.attn_backend == "splash" and r.device_type != ATTENTION_DEVICES["splash"],
-         "splash runs on TPU only, not on {r.device_type}; allowed here: {r.attn_backends_here}"),
+    Rule(
+        "model.attn_backend",
+        "cpu_kernel on a device that is not the CPU",
+        lambda r: r.attn_backend == "cpu_kernel" and r.device_type != ATTENTION_DEVICES["cpu_kernel"],
+        "cpu_kernel runs on the CPU only, not on {r.device_type}; allowed here: {r.attn_backends_here}",
+    ),
+    Rule(
+        "model.attn_backend",
+        "splash on a device that is not a TPU",
+        lambda r: r.attn_backend == "splash" and r.device_type != ATTENTION_DEVICES["splash"],
+        "splash runs on TPU only, not on {r.device_type}; allowed here: {r.attn_backends_here}",
+    ),
     # Layer scan.
-    Rule("compile.scan_layers", "scan_layers outside graph mode",
-         lambda r: r.scan_layers and r.mode != "graph", 'needs compile.mode = "graph"; allowed otherwise: false'),
+    Rule(
+        "compile.scan_layers",
+        "scan_layers outside graph mode",
+        lambda r: r.scan_layers and r.mode != "graph",
+        'needs compile.mode = "graph"; allowed otherwise: false',
+    ),
     # Scan with tensor parallelism runs the decoder TP styles in the body on local tensors
     # (parallelisms/scan.py); a plan style without a scan form is refused when the step is built
     # (BUILD_CHECKS, trainer/step/checks.py).
     # Tensor parallelism of the hf backend: its plan is translated from the transformers model's
     # own (models/hf/plan.py `tp_refusal` says why an architecture has none).
-    Rule("parallelism.tensor_parallel_degree", "TP > 1 on an hf-backend model whose TP plan does not translate",
-         lambda r: r.tp_degree > 1 and r.tp_refusal is not None, "{r.tp_refusal}; allowed for this model: 1"),
+    Rule(
+        "parallelism.tensor_parallel_degree",
+        "TP > 1 on an hf-backend model whose TP plan does not translate",
+        lambda r: r.tp_degree > 1 and r.tp_refusal is not None,
+        "{r.tp_refusal}; allowed for this model: 1",
+    ),
     # Loss.
-    Rule("training.fused_loss", "fused loss on, with tensor parallelism",
-         lambda r: r.fused_loss == "on" and r.tp_degree > 1,
-         "on needs the whole vocabulary on each rank, but tensor parallelism shards it; allowed with "
-         "tensor_parallel_degree > 1: auto, off"),
-    Rule("training.fused_loss", "fused loss on, for a model without hidden()",
-         lambda r: r.fused_loss == "on" and not r.model_has_hidden,
-         "on needs a model with hidden() (models/contract.py); allowed for this model: auto, off"),
-    Rule("parallelism.enable_loss_parallel", "loss parallel for a flow model",
-         lambda r: r.loss_parallel and r.task == "flow",
-         "shards an LM's vocabulary; a flow model has none; allowed: false"),
+    Rule(
+        "training.fused_loss",
+        "fused loss on, with tensor parallelism",
+        lambda r: r.fused_loss == "on" and r.tp_degree > 1,
+        "on needs the whole vocabulary on each rank, but tensor parallelism shards it; allowed with "
+        "tensor_parallel_degree > 1: auto, off",
+    ),
+    Rule(
+        "training.fused_loss",
+        "fused loss on, for a model without hidden()",
+        lambda r: r.fused_loss == "on" and not r.model_has_hidden,
+        "on needs a model with hidden() (models/contract.py); allowed for this model: auto, off",
+    ),
+    Rule(
+        "parallelism.enable_loss_parallel",
+        "loss parallel for a flow model",
+        lambda r: r.loss_parallel and r.task == "flow",
+        "shards an LM's vocabulary; a flow model has none; allowed: false",
+    ),
     # Document masking (packed documents; docs/data.md#document-masking).
-    Rule("training.document_positions", "restart positions without document masking",
-         lambda r: r.document_positions == "restart" and not r.document_mask,
-         "restart needs training.document_mask = true; allowed without it: global"),
-    Rule("training.document_mask", "document masking for a task other than lm",
-         lambda r: r.document_mask and r.task != "lm",
-         "true applies to packed token windows (task lm); this family's task is {r.task}; allowed: false"),
-    Rule("training.document_mask", "document masking for an LM family without ModelFamily.document_mask",
-         lambda r: r.document_mask and r.task == "lm" and not r.model_document_mask,
-         f"true needs a model that takes segment ids (ModelFamily.document_mask: {DOCUMENT_MASK_FAMILIES_TEXT}; "
-         "the hf backend's transformers model does not); allowed for this model: false"),
-    Rule("training.document_mask", "document masking in the engine (its caller's batches)",
-         lambda r: r.document_mask and r.caller_loss,
-         "true applies to the trainer's packed windows; the engine takes its caller's batches; allowed: false"),
+    Rule(
+        "training.document_positions",
+        "restart positions without document masking",
+        lambda r: r.document_positions == "restart" and not r.document_mask,
+        "restart needs training.document_mask = true; allowed without it: global",
+    ),
+    Rule(
+        "training.document_mask",
+        "document masking for a task other than lm",
+        lambda r: r.document_mask and r.task != "lm",
+        "true applies to packed token windows (task lm); this family's task is {r.task}; allowed: false",
+    ),
+    Rule(
+        "training.document_mask",
+        "document masking for an LM family without ModelFamily.document_mask",
+        lambda r: r.document_mask and r.task == "lm" and not r.model_document_mask,
+        f"true needs a model that takes segment ids (ModelFamily.document_mask: {DOCUMENT_MASK_FAMILIES_TEXT}; "
+        "the hf backend's transformers model does not); allowed for this model: false",
+    ),
+    Rule(
+        "training.document_mask",
+        "document masking in the engine (its caller's batches)",
+        lambda r: r.document_mask and r.caller_loss,
+        "true applies to the trainer's packed windows; the engine takes its caller's batches; allowed: false",
+    ),
     # Context parallelism (docs/context_parallel.md): the LM step shards token windows, passes
     # the shards' RoPE positions and serves `causal_attention` with the cp all-gather attention.
-    Rule("parallelism.context_parallel_degree", "CP > 1 for a task other than lm",
-         lambda r: r.cp_degree > 1 and r.task != "lm",
-         "{r.cp_degree} shards the token windows of task lm; this family's task is {r.task}; allowed: 1"),
-    Rule("parallelism.context_parallel_degree", "CP > 1 for an LM family without ModelFamily.document_mask",
-         lambda r: r.cp_degree > 1 and r.task == "lm" and not r.model_document_mask,
-         "{r.cp_degree} needs a model that takes RoPE positions and runs attention through the op "
-         f"causal_attention (ModelFamily.document_mask: {DOCUMENT_MASK_FAMILIES_TEXT}; the hf backend's "
-         "transformers model does not); allowed for this model: 1"),
-    Rule("parallelism.context_parallel_degree", "CP > 1 in the engine (its caller's loss on whole sequences)",
-         lambda r: r.cp_degree > 1 and r.caller_loss,
-         "{r.cp_degree}: the engine runs its caller's loss on whole sequences; allowed: 1"),
+    Rule(
+        "parallelism.context_parallel_degree",
+        "CP > 1 for a task other than lm",
+        lambda r: r.cp_degree > 1 and r.task != "lm",
+        "{r.cp_degree} shards the token windows of task lm; this family's task is {r.task}; allowed: 1",
+    ),
+    Rule(
+        "parallelism.context_parallel_degree",
+        "CP > 1 for an LM family without ModelFamily.document_mask",
+        lambda r: r.cp_degree > 1 and r.task == "lm" and not r.model_document_mask,
+        "{r.cp_degree} needs a model that takes RoPE positions and runs attention through the op "
+        f"causal_attention (ModelFamily.document_mask: {DOCUMENT_MASK_FAMILIES_TEXT}; the hf backend's "
+        "transformers model does not); allowed for this model: 1",
+    ),
+    Rule(
+        "parallelism.context_parallel_degree",
+        "CP > 1 in the engine (its caller's loss on whole sequences)",
+        lambda r: r.cp_degree > 1 and r.caller_loss,
+        "{r.cp_degree}: the engine runs its caller's loss on whole sequences; allowed: 1",
+    ),
     # On TPU each cp rank's two chunks (seq_len / (2 cp) tokens each) are splash's query blocks at
     # static offsets (titan_kernels/tpu/splash.py, `cp_forward`): whole 128-token tiles only.
-    Rule("training.seq_len", f"on TPU with CP > 1, a seq_len that is not a multiple of 2 * cp * {CP_TILE}",
-         lambda r: r.device_type == "tpu" and r.cp_degree > 1 and r.seq_len % r.cp_seq_multiple != 0,
-         "{r.seq_len} with parallelism.context_parallel_degree = {r.cp_degree} makes context-parallel "
-         "chunks of seq_len / (2 * cp) = {r.cp_chunk} tokens; on TPU the splash kernel takes whole "
-         f"{CP_TILE}-token tiles per chunk; allowed: a seq_len that is a multiple of 2 * cp * {CP_TILE} = "
-         "{r.cp_seq_multiple}, or a context_parallel_degree for which it is one"),
+    Rule(
+        "training.seq_len",
+        f"on TPU with CP > 1, a seq_len that is not a multiple of 2 * cp * {CP_TILE}",
+        lambda r: r.device_type == "tpu" and r.cp_degree > 1 and r.seq_len % r.cp_seq_multiple != 0,
+        "{r.seq_len} with parallelism.context_parallel_degree = {r.cp_degree} makes context-parallel "
+        "chunks of seq_len / (2 * cp) = {r.cp_chunk} tokens; on TPU the splash kernel takes whole "
+        f"{CP_TILE}-token tiles per chunk; allowed: a seq_len that is a multiple of 2 * cp * {CP_TILE} = "
+        "{r.cp_seq_multiple}, or a context_parallel_degree for which it is one",
+    ),
     # The engine runs a caller's loss on the logits.
-    Rule("compile.mode", "graph mode in the engine (its caller's loss)",
-         lambda r: r.caller_loss and r.mode == "graph",
-         '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
-         "a caller's loss function; allowed: eager, compile"),
-    Rule("training.fused_loss", "fused loss on in the engine (its caller reads log-probs)",
-         lambda r: r.caller_loss and r.fused_loss == "on",
-         "on never forms the log-probs the engine's loss functions read; allowed: auto, off"),
-    Rule("model.name", "a family whose task is not lm in the engine",
-         lambda r: r.caller_loss and r.task != "lm",
-         "the engine trains language models (task lm); this family's task is {r.task}; allowed: a family "
-         "with task lm"),
+    Rule(
+        "compile.mode",
+        "graph mode in the engine (its caller's loss)",
+        lambda r: r.caller_loss and r.mode == "graph",
+        '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
+        "a caller's loss function; allowed: eager, compile",
+    ),
+    Rule(
+        "training.fused_loss",
+        "fused loss on in the engine (its caller reads log-probs)",
+        lambda r: r.caller_loss and r.fused_loss == "on",
+        "on never forms the log-probs the engine's loss functions read; allowed: auto, off",
+    ),
+    Rule(
+        "model.name",
+        "a family whose task is not lm in the engine",
+        lambda r: r.caller_loss and r.task != "lm",
+        "the engine trains language models (task lm); this family's task is {r.task}; allowed: a family with task lm",
+    ),
     # MuonClip's QK clip (docs/optimizers.md): part of the Muon step; the attention forward records
     # its max logits as a module side effect, which the captured step does not run; with CP a rank
     # sees only its own keys. (TP runs: each rank tracks its own heads and the maxima meet in one
     # all-reduce, trainer/optim/qk_clip.py.)
-    Rule("optimizer.qk_clip_tau", "QK clip with an optimizer other than Muon",
-         lambda r: r.qk_clip and r.optimizer != "muon",
-         '> 0 is MuonClip, part of the Muon step; optimizer.name is {r.optimizer!r}; allowed: 0, or '
-         'optimizer.name = "muon"'),
-    Rule("optimizer.qk_clip_tau", "QK clip in graph mode",
-         lambda r: r.qk_clip and r.mode == "graph",
-         '> 0 runs in the eager step only (the captured step does not track max logits); allowed with '
-         'compile.mode = "graph": 0'),
-    Rule("optimizer.qk_clip_tau", "QK clip with context parallelism",
-         lambda r: r.qk_clip and r.cp_degree > 1,
-         "> 0 with context parallelism is not implemented (a rank's max logits would see only its own "
-         "keys, at local positions); allowed with context_parallel_degree > 1: 0"),
+    Rule(
+        "optimizer.qk_clip_tau",
+        "QK clip with an optimizer other than Muon",
+        lambda r: r.qk_clip and r.optimizer != "muon",
+        "> 0 is MuonClip, part of the Muon step; optimizer.name is {r.optimizer!r}; allowed: 0, or "
+        'optimizer.name = "muon"',
+    ),
+    Rule(
+        "optimizer.qk_clip_tau",
+        "QK clip in graph mode",
+        lambda r: r.qk_clip and r.mode == "graph",
+        "> 0 runs in the eager step only (the captured step does not track max logits); allowed with "
+        'compile.mode = "graph": 0',
+    ),
+    Rule(
+        "optimizer.qk_clip_tau",
+        "QK clip with context parallelism",
+        lambda r: r.qk_clip and r.cp_degree > 1,
+        "> 0 with context parallelism is not implemented (a rank's max logits would see only its own "
+        "keys, at local positions); allowed with context_parallel_degree > 1: 0",
+    ),
     # Benchmark routing (models/common/moe.py, docs/moe.md#benchmark-routing): a synthetic choice
     # of experts is for measuring throughput, never for training a model.
-    Rule("moe.routing", "the routing is not one of ROUTINGS", lambda r: r.moe_routing not in ROUTINGS,
-         f"{{r.moe_routing!r}}; allowed: {', '.join(ROUTINGS)}"),
-    Rule("moe.routing", "benchmark routing for a model without experts",
-         lambda r: r.moe_routing in ROUTINGS and r.moe_routing != "learned" and not r.model_has_experts,
-         "{r.moe_routing} routes tokens to experts; this model has none; allowed: learned"),
-    Rule("moe.routing", "benchmark routing in a recipe not marked a benchmark",
-         lambda r: r.moe_routing in ROUTINGS and r.moe_routing != "learned"
-         and r.model_has_experts and not r.routing_benchmark_only,
-         "{r.moe_routing} is for throughput benchmarks only (the loss is not a model's); allowed for "
-         "training: learned, or mark the recipe a benchmark with moe.routing_benchmark_only = true"),
+    Rule(
+        "moe.routing",
+        "the routing is not one of ROUTINGS",
+        lambda r: r.moe_routing not in ROUTINGS,
+        f"{{r.moe_routing!r}}; allowed: {', '.join(ROUTINGS)}",
+    ),
+    Rule(
+        "moe.routing",
+        "benchmark routing for a model without experts",
+        lambda r: r.moe_routing in ROUTINGS and r.moe_routing != "learned" and not r.model_has_experts,
+        "{r.moe_routing} routes tokens to experts; this model has none; allowed: learned",
+    ),
+    Rule(
+        "moe.routing",
+        "benchmark routing in a recipe not marked a benchmark",
+        lambda r: (
+            r.moe_routing in ROUTINGS
+            and r.moe_routing != "learned"
+            and r.model_has_experts
+            and not r.routing_benchmark_only
+        ),
+        "{r.moe_routing} is for throughput benchmarks only (the loss is not a model's); allowed for "
+        "training: learned, or mark the recipe a benchmark with moe.routing_benchmark_only = true",
+    ),
     # The draw is keyed by a token's place in the step's global batch, which the router knows
     # from its rank's first token: whole windows per rank, one micro-batch per step, written by
     # the trainer's loop (the engine's caller owns its steps and batches).
-    Rule("moe.routing", "benchmark routing with TP, CP, gradient accumulation or the engine",
-         lambda r: r.moe_routing in ("random", "balanced")
-         and (r.tp_degree > 1 or r.cp_degree > 1 or r.grad_accum > 1 or r.caller_loss),
-         "{r.moe_routing} with tensor or context parallelism, gradient accumulation or the engine is "
-         "not implemented (the trainer keys tokens by whole windows, one micro-batch per step); "
-         "allowed there: learned"),
+    Rule(
+        "moe.routing",
+        "benchmark routing with TP, CP, gradient accumulation or the engine",
+        lambda r: (
+            r.moe_routing in ("random", "balanced")
+            and (r.tp_degree > 1 or r.cp_degree > 1 or r.grad_accum > 1 or r.caller_loss)
+        ),
+        "{r.moe_routing} with tensor or context parallelism, gradient accumulation or the engine is "
+        "not implemented (the trainer keys tokens by whole windows, one micro-batch per step); "
+        "allowed there: learned",
+    ),
     # Initial weights in Hugging Face form are read through the family's adapter
     # (trainer/checkpoint/initial.py `load_initial`).
-    Rule("checkpoint.initial_load_format", "hf weights to load into a family without hf_adapter.py",
-         lambda r: r.initial_load_format == "hf" and not r.model_has_hf_adapter,
-         "'hf' is not supported for this model (no hf_adapter.py); allowed: dcp"),
+    Rule(
+        "checkpoint.initial_load_format",
+        "hf weights to load into a family without hf_adapter.py",
+        lambda r: r.initial_load_format == "hf" and not r.model_has_hf_adapter,
+        "'hf' is not supported for this model (no hf_adapter.py); allowed: dcp",
+    ),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
-    Rule("flow.shift", "a fixed shift other than 1.0 together with flow.resolution_shift = true",
-         lambda r: r.flow_resolution_shift and r.flow_shift != 1.0,
-         "{r.flow_shift} with flow.resolution_shift = true sets the shift twice; allowed: 1.0 with "
-         "resolution_shift, or flow.resolution_shift = false"),
+    Rule(
+        "flow.shift",
+        "a fixed shift other than 1.0 together with flow.resolution_shift = true",
+        lambda r: r.flow_resolution_shift and r.flow_shift != 1.0,
+        "{r.flow_shift} with flow.resolution_shift = true sets the shift twice; allowed: 1.0 with "
+        "resolution_shift, or flow.resolution_shift = false",
+    ),
 )
 
 
@@ -346,9 +457,16 @@ class StepPlan:
 
         return loss_parallel_context(self.loss_parallel)
 
-    def lm_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor,
-                segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                *, reduction: str = "mean") -> torch.Tensor:
+    def lm_loss(
+        self,
+        model,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        *,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         """The LM loss of this plan (plain or fused): trainer/step/loss.py `model_lm_loss`."""
         return model_lm_loss(model, inputs, labels, segment_ids, positions, fused=self.fused_loss, reduction=reduction)
 
@@ -378,8 +496,12 @@ def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
         raise ConfigError(refused[0])
     tp = r.tp_degree > 1
     # The engine's caller reads logits or log-probs, which the fused loss never forms.
-    fused = (r.model_has_hidden and not tp and not r.caller_loss
-             and (r.fused_loss == "on" or (r.fused_loss == "auto" and r.device_type == "tpu")))
+    fused = (
+        r.model_has_hidden
+        and not tp
+        and not r.caller_loss
+        and (r.fused_loss == "on" or (r.fused_loss == "auto" and r.device_type == "tpu"))
+    )
     resolved = None if r.mode == "eager" else resolve_backend(r.backend, mode=r.mode, device_type=r.device_type)
     scan = r.mode == "graph" and r.scan_layers
     return StepPlan(

@@ -26,7 +26,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-
 TIMESTEP_SAMPLING = ("uniform", "logit_normal")
 
 # FLUX's resolution-dependent shift: mu grows linearly in the image token count from
@@ -58,9 +57,17 @@ def sample_seed(seed: int, index: int) -> int:
     return ((seed * _MIX) ^ (index + 1) * 0xBF58476D1CE4E5B9) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def draw(index: torch.Tensor, *, latent_shape: tuple[int, ...], seed: int, timestep_sampling: str,
-         logit_mean: float, logit_std: float, shift: float, text_dropout: float
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def draw(
+    index: torch.Tensor,
+    *,
+    latent_shape: tuple[int, ...],
+    seed: int,
+    timestep_sampling: str,
+    logit_mean: float,
+    logit_std: float,
+    shift: float,
+    text_dropout: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noise [B, *latent_shape], t [B], keep [B]) for the samples whose global indices are `index` [B].
 
     Float32, on the CPU. Each sample's generator draws, in this order: the timestep variate,
@@ -97,9 +104,18 @@ def uncond_conditioning(t5: torch.Tensor, clip: torch.Tensor) -> tuple[torch.Ten
     return torch.zeros_like(t5), torch.zeros_like(clip)
 
 
-def flow_loss(model, latents: torch.Tensor, t5: torch.Tensor, clip: torch.Tensor, noise: torch.Tensor,
-              t: torch.Tensor, keep: torch.Tensor, *, guidance: float | None,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def flow_loss(
+    model,
+    latents: torch.Tensor,
+    t5: torch.Tensor,
+    clip: torch.Tensor,
+    noise: torch.Tensor,
+    t: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    guidance: float | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Mean squared velocity error of `model` (a FLUX transformer) on one micro-batch (fp32, 0-dim).
 
     latents, noise [B, 16, h, w]; t5 [B, S, D_t5]; clip [B, D_clip]; t, keep [B] (from `draw`).
@@ -115,6 +131,13 @@ def flow_loss(model, latents: torch.Tensor, t5: torch.Tensor, clip: torch.Tensor
     keep_t5 = keep.to(t5.dtype).reshape(-1, 1, 1)
     keep_clip = keep.to(clip.dtype).reshape(-1, 1)
     g = None if guidance is None else torch.full((batch,), float(guidance), dtype=t.dtype, device=t.device)
-    velocity = model(pack(x_t).to(dtype), image_ids(batch, h, w).to(latents.device), (t5 * keep_t5).to(dtype),
-                     text_ids(batch, t5.shape[1]).to(latents.device), t, (clip * keep_clip).to(dtype), g)
+    velocity = model(
+        pack(x_t).to(dtype),
+        image_ids(batch, h, w).to(latents.device),
+        (t5 * keep_t5).to(dtype),
+        text_ids(batch, t5.shape[1]).to(latents.device),
+        t,
+        (clip * keep_clip).to(dtype),
+        g,
+    )
     return F.mse_loss(velocity.float(), pack(target).float())

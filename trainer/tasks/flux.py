@@ -33,8 +33,13 @@ class FlowSettings:
 
     @classmethod
     def of(cls, cfg, compute_dtype: torch.dtype) -> FlowSettings:
-        return cls(flow=cfg.flow, dataset=cfg.training.dataset, validation_dataset=cfg.validation.dataset,
-                   seed=cfg.training.seed, compute_dtype=compute_dtype)
+        return cls(
+            flow=cfg.flow,
+            dataset=cfg.training.dataset,
+            validation_dataset=cfg.validation.dataset,
+            seed=cfg.training.seed,
+            compute_dtype=compute_dtype,
+        )
 
 
 class FlowTask:
@@ -62,8 +67,15 @@ class FlowTask:
         path = "procedural" if path == "bundled" else path  # the offline default of each task
         # Validation reads the data set's held-out split: caption combinations never trained on.
         split = "train" if split == "train" else "heldout"
-        build = functools.partial(build_flux_dataloader, path=path, local_batch_size=local_batch_size,
-                                  dp_rank=dp_rank, dp_degree=dp_degree, seed=self.settings.seed, split=split)
+        build = functools.partial(
+            build_flux_dataloader,
+            path=path,
+            local_batch_size=local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            seed=self.settings.seed,
+            split=split,
+        )
         if split == "train" and self._shapes is None:
             self._shapes = self._check_shapes(build())  # a throwaway loader: the real one starts at 0
         return build()
@@ -73,19 +85,27 @@ class FlowTask:
         latents, t5, clip, _ = loader.next_batch()
         where = f"dataset {self.settings.dataset}"
         if latents.shape[1] * 4 != self.args.in_channels:
-            raise ConfigError(f"{where}: latents have {latents.shape[1]} channels, packed to {latents.shape[1] * 4}, "
-                              f"but model.in_channels is {self.args.in_channels}; allowed: in_channels = 4 x channels")
+            raise ConfigError(
+                f"{where}: latents have {latents.shape[1]} channels, packed to {latents.shape[1] * 4}, "
+                f"but model.in_channels is {self.args.in_channels}; allowed: in_channels = 4 x channels"
+            )
         if t5.shape[-1] != self.args.context_in_dim or clip.shape[-1] != self.args.vec_in_dim:
-            raise ConfigError(f"{where}: text embeddings are T5 {t5.shape[-1]} / CLIP {clip.shape[-1]} wide but "
-                              f"the model takes context_in_dim {self.args.context_in_dim} / vec_in_dim "
-                              f"{self.args.vec_in_dim}; build the data with the matching encoders")
+            raise ConfigError(
+                f"{where}: text embeddings are T5 {t5.shape[-1]} / CLIP {clip.shape[-1]} wide but "
+                f"the model takes context_in_dim {self.args.context_in_dim} / vec_in_dim "
+                f"{self.args.vec_in_dim}; build the data with the matching encoders"
+            )
         f = self.settings.flow
         if f.latent_size and tuple(latents.shape[2:]) != (f.latent_size, f.latent_size):
-            raise ConfigError(f"flow.latent_size: {f.latent_size}, but {where} holds {tuple(latents.shape[2:])} "
-                              "latents; allowed: the data set's latent side, or 0 (take it from the data)")
+            raise ConfigError(
+                f"flow.latent_size: {f.latent_size}, but {where} holds {tuple(latents.shape[2:])} "
+                "latents; allowed: the data set's latent side, or 0 (take it from the data)"
+            )
         if f.text_seq_len and t5.shape[1] != f.text_seq_len:
-            raise ConfigError(f"flow.text_seq_len: {f.text_seq_len}, but {where} holds {t5.shape[1]} T5 tokens; "
-                              "allowed: the data set's length, or 0 (take it from the data)")
+            raise ConfigError(
+                f"flow.text_seq_len: {f.text_seq_len}, but {where} holds {t5.shape[1]} T5 tokens; "
+                "allowed: the data set's length, or 0 (take it from the data)"
+            )
         return tuple(latents.shape[1:]), t5.shape[1]
 
     def shift(self, image_tokens: int) -> float:
@@ -102,13 +122,22 @@ class FlowTask:
             path = self.settings.validation_dataset
             dataset = resolve_flux_dataset("procedural" if path == "bundled" else path)
             prompts = list(dict.fromkeys(row["caption"] for row in dataset.captions("heldout")))
-            self._sampling = (dataset.text_conditioner(), dataset.vae(), prompts[:f.sample_prompts])
+            self._sampling = (dataset.text_conditioner(), dataset.vae(), prompts[: f.sample_prompts])
         text, vae, prompts = self._sampling
         latent_shape, _ = self._shapes
-        return log_sample_grid(model, prompts, text=text, vae=vae, latent_shape=latent_shape,
-                               seed=self.settings.seed, num_steps=f.sample_steps,
-                               shift=self.shift(self.image_tokens(latent_shape)), cfg_scale=f.cfg_scale,
-                               guidance=self.guidance, dtype=self.param_dtype)
+        return log_sample_grid(
+            model,
+            prompts,
+            text=text,
+            vae=vae,
+            latent_shape=latent_shape,
+            seed=self.settings.seed,
+            num_steps=f.sample_steps,
+            shift=self.shift(self.image_tokens(latent_shape)),
+            cfg_scale=f.cfg_scale,
+            guidance=self.guidance,
+            dtype=self.param_dtype,
+        )
 
     def image_tokens(self, latent_shape: tuple[int, ...]) -> int:
         return (latent_shape[-2] // 2) * (latent_shape[-1] // 2)
@@ -117,9 +146,16 @@ class FlowTask:
         latents, t5, clip, index = batch
         f = self.settings.flow
         shift = self.shift(self.image_tokens(latents.shape))
-        noise, t, keep = flow.draw(index, latent_shape=tuple(latents.shape[1:]), seed=self.settings.seed,
-                                   timestep_sampling=f.timestep_sampling, logit_mean=f.logit_mean,
-                                   logit_std=f.logit_std, shift=shift, text_dropout=f.text_dropout)
+        noise, t, keep = flow.draw(
+            index,
+            latent_shape=tuple(latents.shape[1:]),
+            seed=self.settings.seed,
+            timestep_sampling=f.timestep_sampling,
+            logit_mean=f.logit_mean,
+            logit_std=f.logit_std,
+            shift=shift,
+            text_dropout=f.text_dropout,
+        )
         return latents, t5, clip, noise, t, keep
 
     def example_batch(self, local_batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -127,12 +163,19 @@ class FlowTask:
         `text_seq_len` (the recipe check captures with it)."""
         f, a, b = self.settings.flow, self.args, local_batch_size
         if not f.latent_size or not f.text_seq_len:
-            raise ConfigError("flow.latent_size / flow.text_seq_len: the recipe check needs the sample's shape; "
-                              "set both (e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev)")
+            raise ConfigError(
+                "flow.latent_size / flow.text_seq_len: the recipe check needs the sample's shape; "
+                "set both (e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev)"
+            )
         latents = torch.zeros(b, a.in_channels // 4, f.latent_size, f.latent_size, device=device)
-        return (latents, torch.zeros(b, f.text_seq_len, a.context_in_dim, device=device),
-                torch.zeros(b, a.vec_in_dim, device=device), torch.zeros_like(latents),
-                torch.zeros(b, device=device), torch.ones(b, device=device))
+        return (
+            latents,
+            torch.zeros(b, f.text_seq_len, a.context_in_dim, device=device),
+            torch.zeros(b, a.vec_in_dim, device=device),
+            torch.zeros_like(latents),
+            torch.zeros(b, device=device),
+            torch.ones(b, device=device),
+        )
 
     def loss_fn(self, step_plan) -> Callable:
         return functools.partial(flow.flow_loss, guidance=self.guidance, dtype=self.param_dtype)

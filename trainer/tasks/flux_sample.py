@@ -52,9 +52,18 @@ def initial_noise(count: int, latent_shape: Sequence[int], *, seed: int, first: 
 
 
 @torch.no_grad()
-def euler_sample(model, noise: torch.Tensor, t5: torch.Tensor, clip: torch.Tensor, *, num_steps: int,
-                 shift: float = 1.0, cfg_scale: float = 1.0, guidance: float | None = None,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def euler_sample(
+    model,
+    noise: torch.Tensor,
+    t5: torch.Tensor,
+    clip: torch.Tensor,
+    *,
+    num_steps: int,
+    shift: float = 1.0,
+    cfg_scale: float = 1.0,
+    guidance: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Latents [B, 16, h, w] (fp32) from `noise` [B, 16, h, w] and the prompts' t5 [B, S, D] / clip [B, D].
 
     `model` is a FLUX transformer (interface: `model(img, img_ids, txt, txt_ids, t, y, guidance)`).
@@ -98,7 +107,7 @@ def image_grid(images: torch.Tensor, *, ncols: int | None = None, pad: int = 2, 
     for i, image in enumerate(images):
         r, col = divmod(i, ncols)
         y, x = pad + r * (h + pad), pad + col * (w + pad)
-        grid[:, y:y + h, x:x + w] = image.float().cpu()
+        grid[:, y : y + h, x : x + w] = image.float().cpu()
     return grid
 
 
@@ -113,9 +122,21 @@ def save_png(image: torch.Tensor, path: str, *, scale: int = 1) -> None:
     Image.fromarray(x.permute(1, 2, 0).cpu().numpy()).save(path)
 
 
-def sample_images(model, prompts: Sequence[str], *, text, vae, latent_shape: Sequence[int], seed: int = 0,
-                  num_steps: int = 20, shift: float = 1.0, cfg_scale: float = 4.0, guidance: float | None = None,
-                  dtype: torch.dtype = torch.float32, batch_size: int = 16) -> torch.Tensor:
+def sample_images(
+    model,
+    prompts: Sequence[str],
+    *,
+    text,
+    vae,
+    latent_shape: Sequence[int],
+    seed: int = 0,
+    num_steps: int = 20,
+    shift: float = 1.0,
+    cfg_scale: float = 4.0,
+    guidance: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    batch_size: int = 16,
+) -> torch.Tensor:
     """Images [len(prompts), 3, H, W] in [0, 1]: encode the prompts (`text`, a TextConditioner),
     sample latents of `latent_shape` ([16, h, w]) and decode them (`vae`, a FluxVae).
 
@@ -126,24 +147,55 @@ def sample_images(model, prompts: Sequence[str], *, text, vae, latent_shape: Seq
     model.eval()
     try:
         for first in range(0, len(prompts), batch_size):
-            chunk = list(prompts[first:first + batch_size])
+            chunk = list(prompts[first : first + batch_size])
             with torch.no_grad():
                 t5, clip = text.encode(chunk)
             noise = initial_noise(len(chunk), latent_shape, seed=seed, first=first).to(device)
-            latents = euler_sample(model, noise, t5.to(device), clip.to(device), num_steps=num_steps, shift=shift,
-                                   cfg_scale=cfg_scale, guidance=guidance, dtype=dtype)
+            latents = euler_sample(
+                model,
+                noise,
+                t5.to(device),
+                clip.to(device),
+                num_steps=num_steps,
+                shift=shift,
+                cfg_scale=cfg_scale,
+                guidance=guidance,
+                dtype=dtype,
+            )
             out.append(vae.decode(latents.cpu()))
     finally:
         model.train(was_training)
     return torch.cat(out)
 
 
-def log_sample_grid(model, prompts: Sequence[str], *, text, vae, latent_shape: Sequence[int], seed: int = 0,
-                    num_steps: int = 20, shift: float = 1.0, cfg_scale: float = 4.0,
-                    guidance: float | None = None, dtype: torch.dtype = torch.float32,
-                    ncols: int | None = None) -> torch.Tensor:
+def log_sample_grid(
+    model,
+    prompts: Sequence[str],
+    *,
+    text,
+    vae,
+    latent_shape: Sequence[int],
+    seed: int = 0,
+    num_steps: int = 20,
+    shift: float = 1.0,
+    cfg_scale: float = 4.0,
+    guidance: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    ncols: int | None = None,
+) -> torch.Tensor:
     """The sample grid of `prompts` as one float32 [3, H, W] image in [0, 1], row-major in prompt
     order, for `SummaryWriter.add_image(tag, grid, step)` (validation every `freq` steps)."""
-    images = sample_images(model, prompts, text=text, vae=vae, latent_shape=latent_shape, seed=seed,
-                           num_steps=num_steps, shift=shift, cfg_scale=cfg_scale, guidance=guidance, dtype=dtype)
+    images = sample_images(
+        model,
+        prompts,
+        text=text,
+        vae=vae,
+        latent_shape=latent_shape,
+        seed=seed,
+        num_steps=num_steps,
+        shift=shift,
+        cfg_scale=cfg_scale,
+        guidance=guidance,
+        dtype=dtype,
+    )
     return image_grid(images, ncols=ncols)

@@ -42,10 +42,17 @@ class LMSettings:
     @classmethod
     def of(cls, cfg, step_plan=None) -> LMSettings:
         t = cfg.training
-        return cls(seq_len=t.seq_len, tokenizer=cfg.model.tokenizer, dataset=t.dataset,
-                   validation_dataset=cfg.validation.dataset, seed=t.seed, text_field=t.dataset_text_field,
-                   num_shards=t.dataset_shards, document_mask=t.document_mask,
-                   restart_positions=bool(step_plan is not None and step_plan.restart_positions))
+        return cls(
+            seq_len=t.seq_len,
+            tokenizer=cfg.model.tokenizer,
+            dataset=t.dataset,
+            validation_dataset=cfg.validation.dataset,
+            seed=t.seed,
+            text_field=t.dataset_text_field,
+            num_shards=t.dataset_shards,
+            document_mask=t.document_mask,
+            restart_positions=bool(step_plan is not None and step_plan.restart_positions),
+        )
 
 
 class LMTask:
@@ -78,10 +85,18 @@ class LMTask:
     def build_loader(self, *, split: str, local_batch_size: int, dp_rank: int, dp_degree: int):
         s = self.settings
         return build_dataloader(
-            dataset=s.dataset if split == "train" else s.validation_dataset, tokenizer=self.tokenizer,
-            seq_len=s.seq_len, local_batch_size=local_batch_size, dp_rank=dp_rank, dp_degree=dp_degree,
-            seed=s.seed, split=split, text_field=s.text_field, num_shards=s.num_shards,
-            gather=gather_objects() if split == "train" else None, document_ids=s.document_mask,
+            dataset=s.dataset if split == "train" else s.validation_dataset,
+            tokenizer=self.tokenizer,
+            seq_len=s.seq_len,
+            local_batch_size=local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=dp_degree,
+            seed=s.seed,
+            split=split,
+            text_field=s.text_field,
+            num_shards=s.num_shards,
+            gather=gather_objects() if split == "train" else None,
+            document_ids=s.document_mask,
         )
 
     def prepare(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -101,8 +116,7 @@ class LMTask:
         rank, size = self.cp.rank, self.cp.size
         if not restart:  # global positions: position i of the window is i
             window = batch[0]
-            batch = (*batch, torch.arange(window.shape[1], dtype=torch.int32, device=window.device)
-                     .expand_as(window))
+            batch = (*batch, torch.arange(window.shape[1], dtype=torch.int32, device=window.device).expand_as(window))
         return tuple(shard_sequence(x, 1, rank, size) for x in batch)
 
     def loss_fn(self, step_plan) -> Callable:
@@ -122,6 +136,10 @@ class LMTask:
 
     def flops_per_unit(self) -> dict[str, float]:
         shape = self.args.shape()
-        return flops_per_token(num_matmul_params=self.args.num_active_params(exclude_embedding=True),
-                               n_layers=shape.n_layers, n_heads=shape.n_heads, head_dim=shape.head_dim,
-                               seq_len=self.settings.seq_len)
+        return flops_per_token(
+            num_matmul_params=self.args.num_active_params(exclude_embedding=True),
+            n_layers=shape.n_layers,
+            n_heads=shape.n_heads,
+            head_dim=shape.head_dim,
+            seq_len=self.settings.seq_len,
+        )

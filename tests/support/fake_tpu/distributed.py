@@ -12,8 +12,11 @@ import sys
 
 def main() -> int:
     if os.environ.get("TITAN_SMOKE_SHIM_FAIL") == "1":
-        print("Traceback (most recent call last):\n  ...\n"
-              "ValueError: set_tpu_launch_env(): expected TPU devices, got none (fake TPU shim)", file=sys.stderr)
+        print(
+            "Traceback (most recent call last):\n  ...\n"
+            "ValueError: set_tpu_launch_env(): expected TPU devices, got none (fake TPU shim)",
+            file=sys.stderr,
+        )
         return 1
     devices = int(os.environ.get("TITAN_SMOKE_SHIM_DEVICES", "1"))
     print('TORCH_TPU_TOPOLOGY="fake-1x%d"' % devices)

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 
-from tools.xla_lowering import load_torchax  # noqa: E402
 from titan_kernels.tpu import capture  # noqa: E402
+from tools.xla_lowering import load_torchax  # noqa: E402
 
 # recipe -> (generation, hidden, vocab, rows per device): configs/llama3_70b_v6e.toml and
 # configs/llama3_405b_v7x.toml (local_batch_size 1 x seq_len 8192; flavors 70B / 405B).
@@ -42,8 +42,9 @@ CASES = {
 
 def _vmem(message: str) -> dict:
     """libtpu's "Scoped allocation with size 17.90M and limit 16.00M" (or "Used X of Y vmem") in MiB."""
-    m = (re.search(r"size ([0-9.]+)([MK]) and limit ([0-9.]+)([MK])", message)
-         or re.search(r"Used ([0-9.]+)([MK]) of ([0-9.]+)([MK]) vmem", message))
+    m = re.search(r"size ([0-9.]+)([MK]) and limit ([0-9.]+)([MK])", message) or re.search(
+        r"Used ([0-9.]+)([MK]) of ([0-9.]+)([MK]) vmem", message
+    )
     if not m:
         return {}
     scale = lambda v, u: float(v) / (1024 if u == "K" else 1)  # noqa: E731
@@ -59,7 +60,8 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
     from torchax import interop
 
     from titan_kernels.tpu import tiles
@@ -69,8 +71,7 @@ def main() -> None:
     for arg in sys.argv[1:]:
         case, _, gen_arg = arg.partition(":")
         target, hidden, vocab, rows = CASES[case]
-        devices = topologies.get_topology_desc(topology_name=tiles.GENERATIONS[target].topology,
-                                               platform="tpu").devices
+        devices = topologies.get_topology_desc(topology_name=tiles.GENERATIONS[target].topology, platform="tpu").devices
         mesh = Mesh(np.array(devices), ("fsdp",))
         gen = None if gen_arg == "none" else (gen_arg or tiles.generation_of(devices[0].device_kind))
         env = torchax.default_env()
@@ -81,14 +82,23 @@ def main() -> None:
         w = jax.ShapeDtypeStruct((vocab, hidden), jnp.bfloat16, sharding=whole)
         labels = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=split)
         f32 = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=split)
-        programs = {"fwd": (interop.jax_view(lambda h, w, y: tuple(op.ce_fwd(h, w, y))), (h, w, labels)),
-                    "bwd": (interop.jax_view(lambda h, w, y, lse, g: tuple(op.ce_bwd(h, w, y, lse, g))),
-                            (h, w, labels, f32, f32))}
+        programs = {
+            "fwd": (interop.jax_view(lambda h, w, y: tuple(op.ce_fwd(h, w, y))), (h, w, labels)),
+            "bwd": (
+                interop.jax_view(lambda h, w, y, lse, g: tuple(op.ce_bwd(h, w, y, lse, g))),
+                (h, w, labels, f32, f32),
+            ),
+        }
         bn, bv = tiles.ce_blocks(gen, rows, vocab, hidden)
         for name, (fn, avals) in programs.items():
-            entry = {"devices": len(devices), "device_kind": devices[0].device_kind, "rows_per_device": rows,
-                     "blocks": [bn, bv], "est_vmem_mib": round(tiles.ce_vmem_bytes(bn, bv, hidden) / 2**20, 2),
-                     "limit_mib": round(tiles.ce_vmem_limit(gen) / 2**20, 2)}
+            entry = {
+                "devices": len(devices),
+                "device_kind": devices[0].device_kind,
+                "rows_per_device": rows,
+                "blocks": [bn, bv],
+                "est_vmem_mib": round(tiles.ce_vmem_bytes(bn, bv, hidden) / 2**20, 2),
+                "limit_mib": round(tiles.ce_vmem_limit(gen) / 2**20, 2),
+            }
             start = time.perf_counter()
             try:
                 with env:
@@ -99,8 +109,12 @@ def main() -> None:
                 entry.update(compiled=False, error=message[:1500], **_vmem(message))
             entry["compile_s"] = round(time.perf_counter() - start, 2)
             out["compiles"][f"{case}@{gen or 'none'}:{name}"] = entry
-            print(f"{case}@{gen or 'none'}:{name}: {entry['compile_s']} s "
-                  f"{'ok' if entry['compiled'] else entry['error'][:200]}", file=sys.stderr, flush=True)
+            print(
+                f"{case}@{gen or 'none'}:{name}: {entry['compile_s']} s "
+                f"{'ok' if entry['compiled'] else entry['error'][:200]}",
+                file=sys.stderr,
+                flush=True,
+            )
     print(json.dumps(out))
 
 

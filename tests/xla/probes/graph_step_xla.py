@@ -54,14 +54,21 @@ def _build(family_name: str, flavor: str, n_layers: int):
 
 def capture(variant: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from trainer.graph import build_graph_step
+
     from tools.xla_lowering import RECORD
+    from trainer.graph import build_graph_step
 
     family, flavor, mode, n_layers, *rest = variant.split(":")
     args, model, opt, plan = _build(family, flavor, int(n_layers))
-    step = build_graph_step(model=model, optimizer=opt, max_norm=MAX_NORM, backend="aot_eager",
-                            scan_layers=(mode == "scan"), aux_loss_coef=1e-3 if getattr(args, "num_experts", 0) else 0.0,
-                            plan=plan)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=MAX_NORM,
+        backend="aot_eager",
+        scan_layers=(mode == "scan"),
+        aux_loss_coef=1e-3 if getattr(args, "num_experts", 0) else 0.0,
+        plan=plan,
+    )
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), generator=g)
     RECORD.clear()
@@ -78,16 +85,28 @@ def capture(variant: str) -> dict:
         roles[slot.exp_avg.data_ptr()] = ("exp_avg", slot.param.data_ptr())
     rec["roles"] = [roles.get(a.data_ptr()) if torch.is_tensor(a) else None for a in rec.pop("originals")]
     assert rec["gm"] is step.graph_module
-    rec.update(lower_only=rest == ["lower"],
-               info=dict(graph_nodes=step.graph_nodes, scans=step.stats.scans, capture_s=time.perf_counter() - start,
-                         loss=float(loss), grad_norm=float(grad_norm),
-                         n_layers=args.n_layers, n_heads=args.n_heads, head_dim=args.head_dim, seq_len=SEQ,
-                         tokens=BATCH * SEQ, num_experts=getattr(args, "num_experts", 0) or 0,
-                         num_matmul_params=args.num_active_params(exclude_embedding=True),
-                         num_matmul_params_one_layer=dataclasses.replace(args, n_layers=1).num_active_params(
-                             exclude_embedding=True),
-                         num_params=args.num_params(),
-                         lr=LR, eps=EPS, beta1=BETAS[0]))
+    rec.update(
+        lower_only=rest == ["lower"],
+        info=dict(
+            graph_nodes=step.graph_nodes,
+            scans=step.stats.scans,
+            capture_s=time.perf_counter() - start,
+            loss=float(loss),
+            grad_norm=float(grad_norm),
+            n_layers=args.n_layers,
+            n_heads=args.n_heads,
+            head_dim=args.head_dim,
+            seq_len=SEQ,
+            tokens=BATCH * SEQ,
+            num_experts=getattr(args, "num_experts", 0) or 0,
+            num_matmul_params=args.num_active_params(exclude_embedding=True),
+            num_matmul_params_one_layer=dataclasses.replace(args, n_layers=1).num_active_params(exclude_embedding=True),
+            num_params=args.num_params(),
+            lr=LR,
+            eps=EPS,
+            beta1=BETAS[0],
+        ),
+    )
     return rec
 
 
@@ -126,8 +145,13 @@ def _param_check(rec: dict, post_xla: list) -> dict:
         dp = np.abs(p_xla - p_ref)
         max_param_diff = max(max_param_diff, float(dp.max()))
         worst_param = max(worst_param, float((dp / bound).max()))
-    return dict(max_grad_diff=max_grad_diff, grad_diff_rel=grad_rel, max_param_diff=max_param_diff,
-                param_diff_over_bound=worst_param, params_checked=len(by_param))
+    return dict(
+        max_grad_diff=max_grad_diff,
+        grad_diff_rel=grad_rel,
+        max_param_diff=max_param_diff,
+        param_diff_over_bound=worst_param,
+        params_checked=len(by_param),
+    )
 
 
 def lower_and_run(torchax, rec: dict, out_path: str) -> dict:
@@ -158,14 +182,19 @@ def lower_and_run(torchax, rec: dict, out_path: str) -> dict:
     jax.block_until_ready(post)
     res["xla_run_s"] = time.perf_counter() - t
     ref_loss, ref_norm = (float(rec["out"][k]) for k in (0, 1))
-    res.update(xla_loss=float(np.asarray(outs[0])), aot_loss=ref_loss,
-               xla_grad_norm=float(np.asarray(outs[1])), aot_grad_norm=ref_norm)
+    res.update(
+        xla_loss=float(np.asarray(outs[0])),
+        aot_loss=ref_loss,
+        xla_grad_norm=float(np.asarray(outs[1])),
+        aot_grad_norm=ref_norm,
+    )
     post_full = list(rec["pre"])
     for i, v in zip(tensor_idx, post):
         post_full[i] = np.asarray(v)
     # Every tensor the graph mutates must come back the same (parameters, moments, step counters).
-    res["max_mutated_diff"] = max(float(np.abs(post_full[i] - rec["post"][i].numpy()).max())
-                                  for i in tensor_idx if rec["post"][i].numel())
+    res["max_mutated_diff"] = max(
+        float(np.abs(post_full[i] - rec["post"][i].numpy()).max()) for i in tensor_idx if rec["post"][i].numel()
+    )
     res.update(_param_check(rec, post_full))
     t = time.perf_counter()
     exported = jax.export.export(jitted, platforms=["tpu"])(*inputs)
@@ -188,8 +217,11 @@ def main() -> None:
         try:
             records[v] = capture(v)
         except Exception as e:  # reported per variant; the test decides
-            results[v] = {"error": f"{type(e).__name__}: {e}"[:2000], "stage": "capture",
-                          "traceback": traceback.format_exc()[-3000:]}
+            results[v] = {
+                "error": f"{type(e).__name__}: {e}"[:2000],
+                "stage": "capture",
+                "traceback": traceback.format_exc()[-3000:],
+            }
     from tools.xla_lowering import add_lowerings, load_torchax
 
     torchax = load_torchax()
@@ -199,8 +231,11 @@ def main() -> None:
             path = os.path.join(out_dir, v.replace(":", "_") + ".jax_export")
             results[v] = lower_and_run(torchax, rec, path)
         except Exception as e:
-            results[v] = {"error": f"{type(e).__name__}: {e}"[:2000], "stage": "lower",
-                          "traceback": traceback.format_exc()[-3000:]}
+            results[v] = {
+                "error": f"{type(e).__name__}: {e}"[:2000],
+                "stage": "lower",
+                "traceback": traceback.format_exc()[-3000:],
+            }
     import importlib.metadata as md
 
     versions = {p: md.version(p) for p in ("torch", "jax", "jaxlib", "torchax")}

@@ -63,8 +63,13 @@ def _splash(b, hq, hkv, s, d, gen):
         out, vjp = jax.vjp(lambda q, k, v: splash.splash_attention(q, k, v, seg), q, k, v)
         return out, vjp(do)
 
-    avals = [S((b, hq, s, d), BF16), S((b, hkv, s, d), BF16), S((b, hkv, s, d), BF16), S((b, s), jnp.int32),
-             S((b, hq, s, d), BF16)]
+    avals = [
+        S((b, hq, s, d), BF16),
+        S((b, hkv, s, d), BF16),
+        S((b, hkv, s, d), BF16),
+        S((b, s), jnp.int32),
+        S((b, hq, s, d), BF16),
+    ]
     return step, avals, f"b{b} hq{hq} hkv{hkv} s{s} d{d}", f"block {splash.block_size(-(-s // 128) * 128)}", None
 
 
@@ -74,8 +79,15 @@ def _splash_bwd(b, hq, hkv, s, d, gen):
     def bwd(q, k, v, seg, out, lse, do):
         return splash.backward(q, k, v, seg, out, lse, do)
 
-    avals = [S((b, hq, s, d), BF16), S((b, hkv, s, d), BF16), S((b, hkv, s, d), BF16), S((b, s), jnp.int32),
-             S((b, hq, s, d), BF16), S((b, hq, padded), jnp.float32), S((b, hq, s, d), BF16)]
+    avals = [
+        S((b, hq, s, d), BF16),
+        S((b, hkv, s, d), BF16),
+        S((b, hkv, s, d), BF16),
+        S((b, s), jnp.int32),
+        S((b, hq, s, d), BF16),
+        S((b, hq, padded), jnp.float32),
+        S((b, hq, s, d), BF16),
+    ]
     return bwd, avals, f"b{b} hq{hq} hkv{hkv} s{s} d{d}, backward op alone", f"block {splash.block_size(padded)}", None
 
 
@@ -87,18 +99,30 @@ def _gmm(m, k, n, groups, gen):
     tm, tk, tn = tiles.gmm_tiles(gen, m, k, n, groups)
     avals = [S((m, k), BF16), S((groups, n, k), BF16), S((groups,), jnp.int32), S((m, n), BF16)]
     est = max(tiles.gmm_vmem_bytes(tm, tk, tn), tiles.gmm_vmem_bytes(tm, *tiles.gmm_kn_tiles(gen, tm, n, k)))
-    return step, avals, f"m{m} k{k} n{n} groups{groups}", f"tm {tm} tk {tk} tn {tn}", (est, tiles.hardware(gen).scoped_vmem_bytes)
+    return (
+        step,
+        avals,
+        f"m{m} k{k} n{n} groups{groups}",
+        f"tm {tm} tk {tk} tn {tn}",
+        (est, tiles.hardware(gen).scoped_vmem_bytes),
+    )
 
 
 def _ce(n, d, vocab, gen):
     def step(h, w, labels):
-        return jax.value_and_grad(lambda h, w: fused_ce.linear_cross_entropy(h, w, labels, generation=gen),
-                                  argnums=(0, 1))(h, w)
+        return jax.value_and_grad(
+            lambda h, w: fused_ce.linear_cross_entropy(h, w, labels, generation=gen), argnums=(0, 1)
+        )(h, w)
 
     bn, bv = tiles.ce_blocks(gen, n, vocab, d)
     avals = [S((n, d), BF16), S((vocab, d), BF16), S((n,), jnp.int32)]
-    return step, avals, f"n{n} d{d} vocab{vocab}", f"block_n {bn} block_v {bv}", (tiles.ce_vmem_bytes(bn, bv, d),
-                                                                                  tiles.ce_vmem_limit(gen))
+    return (
+        step,
+        avals,
+        f"n{n} d{d} vocab{vocab}",
+        f"block_n {bn} block_v {bv}",
+        (tiles.ce_vmem_bytes(bn, bv, d), tiles.ce_vmem_limit(gen)),
+    )
 
 
 CASES = {
@@ -176,20 +200,37 @@ def main() -> None:
                 entry["mosaic_calls"] = len(re.findall(r"tpu_custom_call", hlo))
             except Exception as e:
                 message = f"{type(e).__name__}: {e}"
-                entry.update(error=message[:3000], traceback=traceback.format_exc()[-2000:],
-                             compile_s=round(time.perf_counter() - start, 2))
+                entry.update(
+                    error=message[:3000],
+                    traceback=traceback.format_exc()[-2000:],
+                    compile_s=round(time.perf_counter() - start, 2),
+                )
                 used = _vmem_used(message)
                 if used is not None:
                     entry["vmem_used_mib"] = used
             compiles[f"{case}@{gen}"] = entry
-            rows.append({"libtpu": versions["libtpu"], "generation": gen, "device_kind": devices[gen], "case": case,
-                         "shape": shape, "tiles": tile_text, "est_vmem_mib": entry.get("est_vmem_mib", ""),
-                         "vmem_limit_mib": entry.get("limit_mib", ""),
-                         "compiled": "error" not in entry, "compile_s": entry["compile_s"],
-                         "mosaic_calls": entry.get("mosaic_calls", ""), "counted_in": entry.get("counted_in", ""),
-                         "error": entry.get("error", "").splitlines()[0][:160] if "error" in entry else ""})
-            print(f"{case}@{gen}: {entry.get('compile_s')} s {'ok' if 'error' not in entry else entry['error'][:120]}",
-                  file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "libtpu": versions["libtpu"],
+                    "generation": gen,
+                    "device_kind": devices[gen],
+                    "case": case,
+                    "shape": shape,
+                    "tiles": tile_text,
+                    "est_vmem_mib": entry.get("est_vmem_mib", ""),
+                    "vmem_limit_mib": entry.get("limit_mib", ""),
+                    "compiled": "error" not in entry,
+                    "compile_s": entry["compile_s"],
+                    "mosaic_calls": entry.get("mosaic_calls", ""),
+                    "counted_in": entry.get("counted_in", ""),
+                    "error": entry.get("error", "").splitlines()[0][:160] if "error" in entry else "",
+                }
+            )
+            print(
+                f"{case}@{gen}: {entry.get('compile_s')} s {'ok' if 'error' not in entry else entry['error'][:120]}",
+                file=sys.stderr,
+                flush=True,
+            )
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

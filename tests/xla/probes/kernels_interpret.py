@@ -58,9 +58,14 @@ def _vjp_jax(fn, inputs: list[np.ndarray], cot: np.ndarray | None) -> list[np.nd
 
 
 def _compare(names, exact, pallas, ref32) -> dict:
-    return {name: {"pallas_err": float(np.abs(p - e).max()), "torch_err": float(np.abs(t - e).max()),
-                   "scale": float(np.abs(e).max())}
-            for name, e, p, t in zip(names, exact, pallas, ref32)}
+    return {
+        name: {
+            "pallas_err": float(np.abs(p - e).max()),
+            "torch_err": float(np.abs(t - e).max()),
+            "scale": float(np.abs(e).max()),
+        }
+        for name, e, p, t in zip(names, exact, pallas, ref32)
+    }
 
 
 def _case(label, n, names, torch_fn, jax_fn, inputs, cot) -> dict:
@@ -68,26 +73,38 @@ def _case(label, n, names, torch_fn, jax_fn, inputs, cot) -> dict:
     exact = _vjp_torch(torch_fn, inputs, cot, torch.float64)
     ref32 = _vjp_torch(torch_fn, inputs, cot, torch.float32)
     pallas = _vjp_jax(jax_fn, inputs, cot)
-    return {"case": label, "n": n, "outputs": _compare(names, exact, pallas, ref32),
-            "seconds": round(time.perf_counter() - start, 2)}
+    return {
+        "case": label,
+        "n": n,
+        "outputs": _compare(names, exact, pallas, ref32),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 def splash_cases() -> list[dict]:
     cases = []
     # The last case has MLA's widths (DeepSeek-V3 / Kimi K2: q/k 192, v 128), unpadded.
-    for b, hq, hkv, s, d, dv, docs in ((2, 4, 2, 200, 32, 32, True), (1, 2, 2, 77, 16, 16, False),
-                                       (1, 2, 1, 200, 192, 128, True)):
+    for b, hq, hkv, s, d, dv, docs in (
+        (2, 4, 2, 200, 32, 32, True),
+        (1, 2, 2, 77, 16, 16, False),
+        (1, 2, 1, 200, 192, 128, True),
+    ):
         q, k, v = _normal(b, hq, s, d), _normal(b, hkv, s, d), _normal(b, hkv, s, dv)
         seg = np.sort(RNG.integers(0, 4, (b, s)), axis=1).astype(np.int32) if docs else None
         seg_t = torch.tensor(seg) if docs else None
         seg_j = jnp.asarray(seg) if docs else None
         width = f"d{d}" if d == dv else f"d{d} dv{dv}"
-        cases.append(_case(
-            f"b{b} hq{hq} hkv{hkv} s{s} {width} {'segments' if docs else 'causal'}", s + d,
-            ["out", "dq", "dk", "dv"],
-            lambda q, k, v: ops.sdpa_causal_attention(q, k, v, seg_t),
-            lambda q, k, v: splash.splash_attention(q, k, v, seg_j, interpret=True),
-            [q, k, v], _normal(b, hq, s, dv)))
+        cases.append(
+            _case(
+                f"b{b} hq{hq} hkv{hkv} s{s} {width} {'segments' if docs else 'causal'}",
+                s + d,
+                ["out", "dq", "dk", "dv"],
+                lambda q, k, v: ops.sdpa_causal_attention(q, k, v, seg_t),
+                lambda q, k, v: splash.splash_attention(q, k, v, seg_j, interpret=True),
+                [q, k, v],
+                _normal(b, hq, s, dv),
+            )
+        )
     return cases
 
 
@@ -97,12 +114,17 @@ def gmm_cases() -> list[dict]:
         x = _normal(m, k)
         w = _normal(len(sizes), n, k) if transposed else _normal(len(sizes), k, n)
         gs_t, gs_j = torch.tensor(sizes), jnp.asarray(sizes, jnp.int32)
-        cases.append(_case(
-            f"m{m} k{k} n{n} groups{list(sizes)} {'linear-layout' if transposed else 'kn-layout'}", max(m, k, n),
-            ["out", "dx", "dw"],
-            lambda x, w: ops.torch_grouped_mm(x, w.transpose(-2, -1) if transposed else w, gs_t),
-            lambda x, w: gmm.grouped_mm(x, w, gs_j, transpose_rhs=transposed, interpret=True),
-            [x, w], _normal(m, n)))
+        cases.append(
+            _case(
+                f"m{m} k{k} n{n} groups{list(sizes)} {'linear-layout' if transposed else 'kn-layout'}",
+                max(m, k, n),
+                ["out", "dx", "dw"],
+                lambda x, w: ops.torch_grouped_mm(x, w.transpose(-2, -1) if transposed else w, gs_t),
+                lambda x, w: gmm.grouped_mm(x, w, gs_j, transpose_rhs=transposed, interpret=True),
+                [x, w],
+                _normal(m, n),
+            )
+        )
     return cases
 
 
@@ -113,11 +135,17 @@ def fused_ce_cases() -> list[dict]:
         labels = RNG.integers(0, v, n)
         labels[:ignored] = ops.IGNORE_INDEX
         lab_t, lab_j = torch.tensor(labels), jnp.asarray(labels, jnp.int32)
-        cases.append(_case(
-            f"n{n} vocab{v} d{d} ignored{ignored} blocks(64,128)", n + v + d, ["loss", "dh", "dw"],
-            lambda h, w: ops.chunked_linear_cross_entropy(h, w, lab_t, chunk_size=128),
-            lambda h, w: fused_ce.linear_cross_entropy(h, w, lab_j, block_n=64, block_v=128, interpret=True),
-            [h, w], None))
+        cases.append(
+            _case(
+                f"n{n} vocab{v} d{d} ignored{ignored} blocks(64,128)",
+                n + v + d,
+                ["loss", "dh", "dw"],
+                lambda h, w: ops.chunked_linear_cross_entropy(h, w, lab_t, chunk_size=128),
+                lambda h, w: fused_ce.linear_cross_entropy(h, w, lab_j, block_n=64, block_v=128, interpret=True),
+                [h, w],
+                None,
+            )
+        )
     return cases
 
 
@@ -147,22 +175,25 @@ def _as_torch_op(jax_fn, n_diff: int):
 
         @staticmethod
         def backward(ctx, grad):
-            grads = ctx.vjp(_to_jax(grad.contiguous()).astype(grad.dtype == torch.bfloat16 and jnp.bfloat16
-                                                               or jnp.float32))
+            grads = ctx.vjp(
+                _to_jax(grad.contiguous()).astype(grad.dtype == torch.bfloat16 and jnp.bfloat16 or jnp.float32)
+            )
             return (*[_to_torch(g, dt) for g, dt in zip(grads, ctx.dtypes)], *([None] * (ctx.n_args - len(grads))))
 
     return Op.apply
 
 
 def _interpret_impls() -> dict:
-    attention = _as_torch_op(lambda q, k, v, *seg: splash.splash_attention(q, k, v, seg[0] if seg else None,
-                                                                          interpret=True), 3)
+    attention = _as_torch_op(
+        lambda q, k, v, *seg: splash.splash_attention(q, k, v, seg[0] if seg else None, interpret=True), 3
+    )
 
     def causal_attention(q, k, v, segment_ids=None):
         return attention(q, k, v) if segment_ids is None else attention(q, k, v, segment_ids.to(torch.int32))
 
-    linear_layout = _as_torch_op(lambda x, w_nk, sizes: gmm.grouped_mm(x, w_nk, sizes, transpose_rhs=True,
-                                                                       interpret=True), 2)
+    linear_layout = _as_torch_op(
+        lambda x, w_nk, sizes: gmm.grouped_mm(x, w_nk, sizes, transpose_rhs=True, interpret=True), 2
+    )
 
     def grouped_mm(x, w, group_sizes):  # as register.py: the experts' [G, N, K] weight, no copy
         return linear_layout(x, w.transpose(-2, -1), group_sizes.to(torch.int32))
@@ -172,14 +203,20 @@ def _interpret_impls() -> dict:
     def linear_cross_entropy(h, w, labels):
         return loss(h, w, labels.to(torch.int32))
 
-    return {"causal_attention": causal_attention, "grouped_mm": grouped_mm, "linear_cross_entropy": linear_cross_entropy}
+    return {
+        "causal_attention": causal_attention,
+        "grouped_mm": grouped_mm,
+        "linear_cross_entropy": linear_cross_entropy,
+    }
 
 
 def selfcheck_cases() -> dict:
     from titan_kernels.tpu import selfcheck
 
     _, verdicts = selfcheck.run(_interpret_impls(), device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=128)
-    return {v.op: {"ok": v.ok, "worst": v.worst, "reason": v.reason, "tolerance": selfcheck.TOLERANCE} for v in verdicts}
+    return {
+        v.op: {"ok": v.ok, "worst": v.worst, "reason": v.reason, "tolerance": selfcheck.TOLERANCE} for v in verdicts
+    }
 
 
 def _pallas_names(jaxpr) -> list[str]:
@@ -203,7 +240,8 @@ def splash_structure() -> dict:
         fwd = jax.make_jaxpr(lambda q, k, v: splash.forward(q, k, v, seg, interpret=True))(q, k, v)
         o, lse = splash.forward(q, k, v, seg, interpret=True)
         bwd = jax.make_jaxpr(lambda q, k, v, o, lse, do: splash.backward(q, k, v, seg, o, lse, do, interpret=True))(
-            q, k, v, o, lse, jnp.ones_like(o))
+            q, k, v, o, lse, jnp.ones_like(o)
+        )
         out[label] = {"forward": _pallas_names(fwd.jaxpr), "backward": _pallas_names(bwd.jaxpr)}
     return out
 

@@ -33,7 +33,9 @@ def _check(fn) -> str:
 
 def main() -> None:
     impls = register.build()
-    names = sorted(n for n in dir(torch.ops.titan_tpu) if isinstance(getattr(torch.ops.titan_tpu, n), torch._ops.OpOverloadPacket))
+    names = sorted(
+        n for n in dir(torch.ops.titan_tpu) if isinstance(getattr(torch.ops.titan_tpu, n), torch._ops.OpOverloadPacket)
+    )
     register._on_tpu = lambda *tensors: True
     bf16 = torch.bfloat16
 
@@ -77,16 +79,23 @@ def main() -> None:
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k_all.shape, v_all.shape)
 
     checks = {}
-    for name, fn in (("splash", lambda: attention(False)), ("splash_segments", lambda: attention(True)),
-                     ("splash_cp", lambda: cp_attention(False)), ("splash_cp_segments", lambda: cp_attention(True)),
-                     ("gmm_kn", lambda: grouped(False)), ("gmm_linear_layout", lambda: grouped(True)),
-                     ("linear_ce", loss)):
+    for name, fn in (
+        ("splash", lambda: attention(False)),
+        ("splash_segments", lambda: attention(True)),
+        ("splash_cp", lambda: cp_attention(False)),
+        ("splash_cp_segments", lambda: cp_attention(True)),
+        ("gmm_kn", lambda: grouped(False)),
+        ("gmm_linear_layout", lambda: grouped(True)),
+        ("linear_ce", loss),
+    ):
         with FakeTensorMode():
             checks[name] = _check(fn)
+
     def saved():
         names = sorted(op.name() for op in register.saved_ops())
-        assert names == ["titan_tpu::gmm", "titan_tpu::gmm_t", "titan_tpu::splash_fwd",
-                         "titan_tpu::splash_seg_fwd"], names
+        assert names == ["titan_tpu::gmm", "titan_tpu::gmm_t", "titan_tpu::splash_fwd", "titan_tpu::splash_seg_fwd"], (
+            names
+        )
 
     checks["saved_ops"] = _check(saved)
 
@@ -99,7 +108,9 @@ def main() -> None:
         assert [a.name for a in seg_bwd.arguments] == ["q", "k", "v", "segment_ids", "out", "lse", "dout"], seg_bwd
 
     checks["splash_residual_backward"] = _check(residual_backward)
-    checks["generation"] = "ok" if register.device_generation() is None else f"unexpected: {register.device_generation()}"
+    checks["generation"] = (
+        "ok" if register.device_generation() is None else f"unexpected: {register.device_generation()}"
+    )
     print(json.dumps({"ops": names, "checks": checks}))
 
 

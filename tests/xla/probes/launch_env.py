@@ -23,10 +23,25 @@ from models.errors import ConfigError
 from trainer import launch
 
 # Variables a launcher or torch-tpu sets; none may leak in from the probe's own environment.
-LAUNCH_VARS = ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX", "TPU_ACCELERATOR_TYPE",
-               "TPU_CHIPS_PER_HOST_BOUNDS", "NODE_RANK", "NNODES", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
-               "RANK", "LOCAL_RANK", "TORCH_TPU_TOPOLOGY", "TORCH_TPU_SLICEBUILDER_ADDRESSES",
-               "TORCH_TPU_DEVICES_PER_HOST", "TORCH_TPU_BASE_PORT", "TORCH_TPU_XPROF_SESSION_ID")
+LAUNCH_VARS = (
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_WORKER_ID",
+    "JOB_COMPLETION_INDEX",
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_CHIPS_PER_HOST_BOUNDS",
+    "NODE_RANK",
+    "NNODES",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "TORCH_TPU_TOPOLOGY",
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES",
+    "TORCH_TPU_DEVICES_PER_HOST",
+    "TORCH_TPU_BASE_PORT",
+    "TORCH_TPU_XPROF_SESSION_ID",
+)
 BASE = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
 
 
@@ -36,23 +51,49 @@ def _endpoints(n: int) -> str:
 
 # name: (platform, platform variables or TPU VM metadata, run the before-the-fix control)
 CASES = {
-    "tpu-vm v6e-8, 1 host": ("tpu-vm", {"agent-worker-number": "0", "accelerator-type": "v6e-8",
-                                        "worker-network-endpoints": _endpoints(1)}, False),
-    "tpu-vm v5p-16, 2 hosts, worker 1": ("tpu-vm", {"agent-worker-number": "1", "accelerator-type": "v5p-16",
-                                                    "worker-network-endpoints": _endpoints(2)}, True),
-    "tpu-vm v6e-16, 4 hosts, worker 2": ("tpu-vm", {"agent-worker-number": "2", "accelerator-type": "v6e-16",
-                                                    "worker-network-endpoints": _endpoints(4)}, True),
+    "tpu-vm v6e-8, 1 host": (
+        "tpu-vm",
+        {"agent-worker-number": "0", "accelerator-type": "v6e-8", "worker-network-endpoints": _endpoints(1)},
+        False,
+    ),
+    "tpu-vm v5p-16, 2 hosts, worker 1": (
+        "tpu-vm",
+        {"agent-worker-number": "1", "accelerator-type": "v5p-16", "worker-network-endpoints": _endpoints(2)},
+        True,
+    ),
+    "tpu-vm v6e-16, 4 hosts, worker 2": (
+        "tpu-vm",
+        {"agent-worker-number": "2", "accelerator-type": "v6e-16", "worker-network-endpoints": _endpoints(4)},
+        True,
+    ),
     "gke v6e-16, 4 hosts, JOB_COMPLETION_INDEX 3": (
-        "gke", {"TPU_WORKER_HOSTNAMES": "w0.job,w1.job,w2.job,w3.job", "JOB_COMPLETION_INDEX": "3",
-                "TPU_ACCELERATOR_TYPE": "v6e-16", "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1"}, True),
-    "tpu-vm tpu7x-8, 1 host": ("tpu-vm", {"agent-worker-number": "0", "accelerator-type": "tpu7x-8",
-                                          "worker-network-endpoints": _endpoints(1)}, False),
+        "gke",
+        {
+            "TPU_WORKER_HOSTNAMES": "w0.job,w1.job,w2.job,w3.job",
+            "JOB_COMPLETION_INDEX": "3",
+            "TPU_ACCELERATOR_TYPE": "v6e-16",
+            "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+        },
+        True,
+    ),
+    "tpu-vm tpu7x-8, 1 host": (
+        "tpu-vm",
+        {"agent-worker-number": "0", "accelerator-type": "tpu7x-8", "worker-network-endpoints": _endpoints(1)},
+        False,
+    ),
 }
 
 
 def _args(platform: str) -> argparse.Namespace:
-    return argparse.Namespace(platform=platform, device="tpu", nnodes=None, node_rank=None, master_addr=None,
-                              master_port=None, nproc_per_node=None)
+    return argparse.Namespace(
+        platform=platform,
+        device="tpu",
+        nnodes=None,
+        node_rank=None,
+        master_addr=None,
+        master_port=None,
+        nproc_per_node=None,
+    )
 
 
 def after(platform: str, values: dict) -> dict:
@@ -68,9 +109,14 @@ def after(platform: str, values: dict) -> dict:
         plan = launch.build_plan(_args(platform), env, metadata=lambda: values, tpu_env=tpu_env)
     except ConfigError as e:
         return {"to_torch_tpu": seen, "error": f"error: {e}"}
-    return {"to_torch_tpu": seen, "nnodes": plan.nnodes, "node_rank": plan.node_rank,
-            "nproc_per_node": plan.nproc_per_node, "master": f"{plan.master_addr}:{plan.master_port}",
-            "env": plan.env}
+    return {
+        "to_torch_tpu": seen,
+        "nnodes": plan.nnodes,
+        "node_rank": plan.node_rank,
+        "nproc_per_node": plan.nproc_per_node,
+        "master": f"{plan.master_addr}:{plan.master_port}",
+        "env": plan.env,
+    }
 
 
 def before(platform: str, values: dict) -> dict:
@@ -80,8 +126,7 @@ def before(platform: str, values: dict) -> dict:
         hosts = [e.rsplit(":", 1)[-1] for e in values["worker-network-endpoints"].split(",")]
         given = {"TPU_WORKER_HOSTNAMES": ",".join(hosts), "TPU_WORKER_ID": values["agent-worker-number"]}
     else:
-        given = {k: values[k] for k in ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX")
-                 if k in values}
+        given = {k: values[k] for k in ("TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "JOB_COMPLETION_INDEX") if k in values}
     try:
         out = launch.torch_tpu_launch_env({**BASE, **given, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
     except ConfigError as e:

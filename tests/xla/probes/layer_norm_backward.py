@@ -19,12 +19,14 @@ op = torch.ops.aten.native_layer_norm_backward.default
 env = load_torchax().default_env()
 add_lowerings(env)
 cases = {}
-for name, (weight, bias, mask) in {"affine": (w, b, [True, True, True]), "plain": (None, None, [True, False, False])}.items():
+for name, (weight, bias, mask) in {
+    "affine": (w, b, [True, True, True]),
+    "plain": (None, None, [True, False, False]),
+}.items():
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [32], weight, bias, 1e-6)
     want = op(g, x, [32], mean, rstd, weight, bias, mask)
     with env:
         moved = [None if t is None else t.to("jax") for t in (g, x, mean, rstd, weight, bias)]
         got = [None if t is None else t.to("cpu") for t in op(*moved[:2], [32], *moved[2:], mask)]
-    cases[name] = [None if a is None else [float((a - e).abs().max()), float(e.abs().max())]
-                   for a, e in zip(got, want)]
+    cases[name] = [None if a is None else [float((a - e).abs().max()), float(e.abs().max())] for a, e in zip(got, want)]
 print(json.dumps({"cases": cases}))

@@ -23,8 +23,17 @@ from tools.xla_lowering import load_torchax  # torchax on torch 2.13 (its import
 
 
 def main() -> None:
-    args = dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
-                               head_dim=16, vocab_size=512, max_seq_len=32, moe_hidden_dim=32)
+    args = dataclasses.replace(
+        FLAVORS["debugmodel_moe"],
+        n_layers=2,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        max_seq_len=32,
+        moe_hidden_dim=32,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -48,10 +57,19 @@ def main() -> None:
     value, grads = lowered.compile()(weights, jt)
     torch_grads = {n: p.grad.numpy() for n, p in model.named_parameters()}
     diffs = [float(np.abs(np.asarray(grads[n]) - g).max()) for n, g in torch_grads.items() if n in grads]
-    print(json.dumps({"loss": float(value), "loss_torch": float(ref.detach()), "max_grad_diff": max(diffs),
-                      "grad_scale": max(float(np.abs(g).max()) for g in torch_grads.values()),
-                      "num_grads": len(diffs), "num_params": len(torch_grads),
-                      "host_callbacks": lowered.as_text().count("callback")}))
+    print(
+        json.dumps(
+            {
+                "loss": float(value),
+                "loss_torch": float(ref.detach()),
+                "max_grad_diff": max(diffs),
+                "grad_scale": max(float(np.abs(g).max()) for g in torch_grads.values()),
+                "num_grads": len(diffs),
+                "num_params": len(torch_grads),
+                "host_callbacks": lowered.as_text().count("callback"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
+import kernels_interpret  # noqa: E402  (the real kernels in interpret mode as torch functions)
 import torch  # noqa: E402
 
-import kernels_interpret  # noqa: E402  (the real kernels in interpret mode as torch functions)
 import titan_kernels  # noqa: E402
 from models.common import ops  # noqa: E402
 from titan_kernels.tpu import compile_check, selfcheck, splash  # noqa: E402
@@ -55,8 +55,13 @@ def fallback() -> dict:
         saved = {op: ops.register(op, None) for op in ops.OPS}
         err = io.StringIO()
         try:
-            passed, verdicts = selfcheck.run({"linear_cross_entropy": impl}, device=CPU, dtype=BF16, shapes=LLAMA3_70B,
-                                             compile_check=lambda op: answer)
+            passed, verdicts = selfcheck.run(
+                {"linear_cross_entropy": impl},
+                device=CPU,
+                dtype=BF16,
+                shapes=LLAMA3_70B,
+                compile_check=lambda op: answer,
+            )
             with contextlib.redirect_stderr(err):
                 line = titan_kernels._register_tpu("auto", passed, verdicts, saved=[])
             serves = "kernel" if ops.implementation("linear_cross_entropy") is impl else "reference"
@@ -64,17 +69,28 @@ def fallback() -> dict:
             for op, fn in saved.items():
                 ops.register(op, fn)
         (v,) = verdicts
-        out[gen or "none"] = {"compile": list(answer), "compile_s": round(compile_s, 2), "ok": v.ok,
-                              "reason": v.reason, "worst": v.worst, "checked": v.checked,
-                              "banner": err.getvalue().strip().splitlines(), "line": line, "serves": serves}
+        out[gen or "none"] = {
+            "compile": list(answer),
+            "compile_s": round(compile_s, 2),
+            "ok": v.ok,
+            "reason": v.reason,
+            "worst": v.worst,
+            "checked": v.checked,
+            "banner": err.getvalue().strip().splitlines(),
+            "line": line,
+            "serves": serves,
+        }
         print(f"fallback {gen}: {answer[0]} {v.ok} {v.reason[:160]}", file=sys.stderr, flush=True)
     return out
 
 
 def _cp_impl(cp_rank: int, cp_size: int):
     fn = kernels_interpret._as_torch_op(
-        lambda q, k, v, *seg: splash.splash_cp_attention(q, k, v, *(seg or (None, None)), cp_rank=cp_rank,
-                                                         cp_size=cp_size, interpret=True), 3)
+        lambda q, k, v, *seg: splash.splash_cp_attention(
+            q, k, v, *(seg or (None, None)), cp_rank=cp_rank, cp_size=cp_size, interpret=True
+        ),
+        3,
+    )
 
     def attention(q, k_all, v_all, segment_ids=None, segment_ids_all=None):
         if segment_ids is None:
@@ -87,26 +103,50 @@ def _cp_impl(cp_rank: int, cp_size: int):
 def numerics() -> dict:
     impls = kernels_interpret._interpret_impls()
     runs = {
-        "splash d128": ("causal_attention", impls["causal_attention"], selfcheck.KernelShapes(qk_head_dim=128,
-                                                                                             v_head_dim=128)),
-        "splash MLA 192/128": ("causal_attention", impls["causal_attention"],
-                               selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128)),
-        "gmm qwen3-235b 4096/1536": ("grouped_mm", impls["grouped_mm"],
-                                     selfcheck.KernelShapes(hidden=4096, expert_hidden=1536)),
+        "splash d128": (
+            "causal_attention",
+            impls["causal_attention"],
+            selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128),
+        ),
+        "splash MLA 192/128": (
+            "causal_attention",
+            impls["causal_attention"],
+            selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128),
+        ),
+        "gmm qwen3-235b 4096/1536": (
+            "grouped_mm",
+            impls["grouped_mm"],
+            selfcheck.KernelShapes(hidden=4096, expert_hidden=1536),
+        ),
         "fused CE hidden 8192": ("linear_cross_entropy", impls["linear_cross_entropy"], LLAMA3_70B),
-        "CP splash cp2 rank1 d128": ("cp_attention", _cp_impl(1, 2),
-                                     selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128, cp=2, cp_rank=1)),
-        "CP splash cp4 rank0 d128": ("cp_attention", _cp_impl(0, 4),
-                                     selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128, cp=4, cp_rank=0)),
-        "CP splash cp2 rank1 MLA 192/128": ("cp_attention", _cp_impl(1, 2),
-                                            selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128, cp=2, cp_rank=1)),
+        "CP splash cp2 rank1 d128": (
+            "cp_attention",
+            _cp_impl(1, 2),
+            selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128, cp=2, cp_rank=1),
+        ),
+        "CP splash cp4 rank0 d128": (
+            "cp_attention",
+            _cp_impl(0, 4),
+            selfcheck.KernelShapes(qk_head_dim=128, v_head_dim=128, cp=4, cp_rank=0),
+        ),
+        "CP splash cp2 rank1 MLA 192/128": (
+            "cp_attention",
+            _cp_impl(1, 2),
+            selfcheck.KernelShapes(qk_head_dim=192, v_head_dim=128, cp=2, cp_rank=1),
+        ),
     }
     out = {}
     for label, (op, impl, shapes) in runs.items():
         start = time.perf_counter()
         v = selfcheck.check(op, impl, device=CPU, dtype=BF16, shapes=shapes)
-        out[label] = {"op": op, "ok": v.ok, "worst": v.worst, "reason": v.reason, "checked": v.checked,
-                      "seconds": round(time.perf_counter() - start, 1)}
+        out[label] = {
+            "op": op,
+            "ok": v.ok,
+            "worst": v.worst,
+            "reason": v.reason,
+            "checked": v.checked,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
         print(f"numerics {label}: {v.ok} {v.worst:.4f} {v.reason[:120]}", file=sys.stderr, flush=True)
     return out
 

@@ -69,8 +69,8 @@ def interpret() -> dict:
             seg_full = None
             if segmented:  # three documents, boundaries off the chunk and block edges
                 seg_full = np.zeros((b, seq), np.int32)
-                seg_full[:, seq // 3:] = 1
-                seg_full[:, (3 * seq) // 4 + 5:] = 2
+                seg_full[:, seq // 3 :] = 1
+                seg_full[:, (3 * seq) // 4 + 5 :] = 2
             outs = []
             for rank in range(cp):
                 q = _shard(q_full, 2, rank, cp)
@@ -95,12 +95,19 @@ def interpret() -> dict:
                 print(f"{name}: {json.dumps(result)} {seconds:.1f} s", file=sys.stderr, flush=True)
                 outs.append(np.asarray(out, np.float64))
             # The ranks' rows, back in global order, are the single-device causal attention.
-            gathered = np.concatenate([o[:, :, :seq // (2 * cp)] for o in outs]
-                                      + [o[:, :, seq // (2 * cp):] for o in outs[::-1]], axis=2)
-            whole = np.asarray(splash.reference(*(jnp.asarray(x, jnp.float64) for x in (q_full, k_full, v_full)),
-                                                None if seg_full is None else jnp.asarray(seg_full)))
+            gathered = np.concatenate(
+                [o[:, :, : seq // (2 * cp)] for o in outs] + [o[:, :, seq // (2 * cp) :] for o in outs[::-1]], axis=2
+            )
+            whole = np.asarray(
+                splash.reference(
+                    *(jnp.asarray(x, jnp.float64) for x in (q_full, k_full, v_full)),
+                    None if seg_full is None else jnp.asarray(seg_full),
+                )
+            )
             global_check[f"cp{cp}_s{seq}{'_segments' if segmented else ''}"] = {
-                "err": float(np.abs(gathered - whole).max()), "scale": float(np.abs(whole).max())}
+                "err": float(np.abs(gathered - whole).max()),
+                "scale": float(np.abs(whole).max()),
+            }
     return {"jax": jax.__version__, "cases": cases, "global": global_check}
 
 
@@ -134,7 +141,8 @@ def attention_sublayer(cp: int, heads: int, kv_heads: int, head_dim: int):
 def compile_case(spec: str) -> dict:
     from jax.experimental import topologies
     from jax.experimental.shard_map import shard_map
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     name, gen, shape, cp, seq, dim, heads, kv_heads, head_dim = spec.split(":")
     cp, seq, dim, heads, kv_heads, head_dim = map(int, (cp, seq, dim, heads, kv_heads, head_dim))
@@ -147,17 +155,29 @@ def compile_case(spec: str) -> dict:
     def step(x, wq, wk, wv, wo, cot):
         def loss(x, wq, wk, wv, wo):
             return jnp.sum((sharded(x, wq, wk, wv, wo) * cot).astype(jnp.float32))
+
         return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, wq, wk, wv, wo)
 
     bf16 = jnp.bfloat16
     S = jax.ShapeDtypeStruct
     seq_sharding = NamedSharding(mesh, P(None, "cp", None))
     rep = NamedSharding(mesh, P())
-    avals = [S((1, seq, dim), bf16, sharding=seq_sharding), S((dim, heads * head_dim), bf16, sharding=rep),
-             S((dim, kv_heads * head_dim), bf16, sharding=rep), S((dim, kv_heads * head_dim), bf16, sharding=rep),
-             S((heads * head_dim, dim), bf16, sharding=rep), S((1, seq, dim), bf16, sharding=seq_sharding)]
-    entry = {"case": name, "topology": f"{gen}:{shape}", "device_kind": devices[0].device_kind, "cp": cp,
-             "seq": seq, "tokens_per_device": seq // cp}
+    avals = [
+        S((1, seq, dim), bf16, sharding=seq_sharding),
+        S((dim, heads * head_dim), bf16, sharding=rep),
+        S((dim, kv_heads * head_dim), bf16, sharding=rep),
+        S((dim, kv_heads * head_dim), bf16, sharding=rep),
+        S((heads * head_dim, dim), bf16, sharding=rep),
+        S((1, seq, dim), bf16, sharding=seq_sharding),
+    ]
+    entry = {
+        "case": name,
+        "topology": f"{gen}:{shape}",
+        "device_kind": devices[0].device_kind,
+        "cp": cp,
+        "seq": seq,
+        "tokens_per_device": seq // cp,
+    }
     t0 = time.perf_counter()
     lowered = jax.jit(step).lower(*avals)
     entry["lower_s"] = round(time.perf_counter() - t0, 1)
@@ -165,8 +185,13 @@ def compile_case(spec: str) -> dict:
     compiled = lowered.compile()
     entry["compile_s"] = round(time.perf_counter() - t0, 1)
     mem = compiled.memory_analysis()
-    for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
-                  "generated_code_size_in_bytes"):
+    for field in (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "temp_size_in_bytes",
+        "alias_size_in_bytes",
+        "generated_code_size_in_bytes",
+    ):
         entry[field] = int(getattr(mem, field, 0) or 0)
     lowered_text = lowered.as_text()
     # What the program asks for (StableHLO), then what the compiler made of it (its HLO: the

@@ -88,9 +88,13 @@ def _compute_nodes(gm) -> int:
 
 
 def _collectives(gm) -> list:
-    return [n for n in gm.graph.nodes
-            if n.op == "call_function" and str(getattr(n.target, "namespace", "")) == "_c10d_functional"
-            and "wait_tensor" not in str(n.target)]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and str(getattr(n.target, "namespace", "")) == "_c10d_functional"
+        and "wait_tensor" not in str(n.target)
+    ]
 
 
 def _scans(gm) -> int:
@@ -123,8 +127,8 @@ def _op_name(n) -> str:
 
 def _kernels(variant: str) -> None:
     """Serve the model's ops as a TPU run does (titan_kernels.select on a TPU): the Pallas ops."""
-    from titan_kernels.tpu import register
     from models.common import ops
+    from titan_kernels.tpu import register
 
     impls = register.build()
     register._on_tpu = lambda *tensors: True  # CPU tensors here; the real check is the device type
@@ -133,8 +137,11 @@ def _kernels(variant: str) -> None:
         ops.register(op, impls[op] if variant.startswith("tpu_") and moe_op else None)
 
 
-MOE_VARIANTS = {"tpu_moe_ep2": {"scan": True, "ragged": True}, "tpu_moe_ep2_unrolled": {"scan": False, "ragged": True},
-                "tpu_moe_ep2_equal": {"scan": True, "ragged": False}}
+MOE_VARIANTS = {
+    "tpu_moe_ep2": {"scan": True, "ragged": True},
+    "tpu_moe_ep2_unrolled": {"scan": False, "ragged": True},
+    "tpu_moe_ep2_equal": {"scan": True, "ragged": False},
+}
 """Qwen 3 MoE debug (2 layers) at ep 2: layer scan or unrolled; torch-tpu's ragged all-to-all as a
 TPU run selects it (`select_dispatch`), or the equal-split all-to-alls of a traced CPU step."""
 
@@ -142,12 +149,14 @@ TPU run selects it (`select_dispatch`), or the equal-split all-to-alls of a trac
 def _ragged_as_on_tpu(on: bool) -> None:
     """`select_dispatch` picks torch-tpu's `ragged_all_to_all` for these CPU tensors, as for TPU
     ones, through the same wrapper (`collectives.differentiable`) a TPU run gets."""
-    from titan_kernels import collectives
     from parallelisms import expert_parallel
+    from titan_kernels import collectives
 
     expert_parallel.ragged_all_to_all_for = (
-        (lambda device: collectives.differentiable(torch.tpu.ops.ragged_all_to_all)) if on
-        else collectives.ragged_all_to_all_for)
+        (lambda device: collectives.differentiable(torch.tpu.ops.ragged_all_to_all))
+        if on
+        else collectives.ragged_all_to_all_for
+    )
 
 
 CP_VARIANTS = {"tpu_cp2": {"document_mask": False}, "tpu_cp2_doc": {"document_mask": True}}
@@ -201,10 +210,19 @@ def run(variant: str, seen: dict) -> dict:
     moe, cp = MOE_VARIANTS.get(variant), CP_VARIANTS.get(variant)
     scan = variant in ("scan", "scan_flipped", "tpu_scan") or bool(moe and moe["scan"]) or cp is not None
     seq_len = CP_SEQ_LEN if cp else 32
-    plan = plan_step(mode="graph", backend="tpu", scan_layers=scan, ac_mode="full" if tpu_run else "none",
-                     device_type="tpu", fused_loss="auto" if tpu_run else "off", model_has_hidden=True,
-                     cp_degree=2 if cp else 1, seq_len=seq_len, document_mask=bool(cp and cp["document_mask"]),
-                     model_document_mask=cp is not None)
+    plan = plan_step(
+        mode="graph",
+        backend="tpu",
+        scan_layers=scan,
+        ac_mode="full" if tpu_run else "none",
+        device_type="tpu",
+        fused_loss="auto" if tpu_run else "off",
+        model_has_hidden=True,
+        cp_degree=2 if cp else 1,
+        seq_len=seq_len,
+        document_mask=bool(cp and cp["document_mask"]),
+        model_document_mask=cp is not None,
+    )
     _kernels(variant)
     _ragged_as_on_tpu(bool(moe and moe["ragged"]))
     dtype = torch.bfloat16 if tpu_run else torch.float32
@@ -213,8 +231,15 @@ def run(variant: str, seen: dict) -> dict:
     args = dataclasses.replace(FLAVORS["debugmodel_moe" if moe else "debugmodel"], n_layers=2, max_seq_len=seq_len)
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=dtype,
-                      reduce_dtype=torch.float32, ac_mode=plan.block_ac)
+    parallelize_model(
+        model,
+        plan=PLAN,
+        parallel_dims=dims,
+        mesh=mesh,
+        param_dtype=dtype,
+        reduce_dtype=torch.float32,
+        ac_mode=plan.block_ac,
+    )
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -229,9 +254,17 @@ def run(variant: str, seen: dict) -> dict:
     if variant == "unrolled_unannotated":
         graph_tpu.spmd_safe = lambda fn: fn
     try:
-        step = build_graph_step(model=model, optimizer=opt, max_norm=1.0, backend=plan.backend,
-                                scan_layers=plan.scan, ac_mode=plan.scan_ac, plan=PLAN,
-                                loss_fn=loss_fn, aux_loss_coef=1e-3 if moe else 0.0)
+        step = build_graph_step(
+            model=model,
+            optimizer=opt,
+            max_norm=1.0,
+            backend=plan.backend,
+            scan_layers=plan.scan,
+            ac_mode=plan.scan_ac,
+            plan=PLAN,
+            loss_fn=loss_fn,
+            aux_loss_coef=1e-3 if moe else 0.0,
+        )
     finally:
         graph_tpu.spmd_safe = annotate
     if variant == "scan_flipped":
@@ -243,8 +276,13 @@ def run(variant: str, seen: dict) -> dict:
             try:
                 step([micro_batch], 1e-3)
             finally:
-                seen["no_autograd"] = sorted({str(w.message).split(":")[0] for w in caught
-                                              if "autograd kernel was not registered" in str(w.message)})
+                seen["no_autograd"] = sorted(
+                    {
+                        str(w.message).split(":")[0]
+                        for w in caught
+                        if "autograd kernel was not registered" in str(w.message)
+                    }
+                )
         chain = "the step ran to completion (fx_to_mlir was not reached)"
     except Exception as e:  # walk the chain: Dynamo wraps backend errors
         err, chain = e, []
@@ -254,10 +292,18 @@ def run(variant: str, seen: dict) -> dict:
         chain = " <- ".join(chain)
         if not isinstance(e, ReachedLowering) and "ReachedLowering" not in chain:
             seen["error_text"] = f"{type(e).__name__}: {e}"[:3000] + "\n" + traceback.format_exc()[-4000:]
-    res = {"seconds": time.perf_counter() - start, "exception_chain": chain,
-           "reached_fx_to_mlir": "mlir" in seen, "plan": {
-               "param_dtype": str(dtype), "block_ac": plan.block_ac, "scan_ac": plan.scan_ac,
-               "fused_loss": plan.fused_loss, "scan": plan.scan}}
+    res = {
+        "seconds": time.perf_counter() - start,
+        "exception_chain": chain,
+        "reached_fx_to_mlir": "mlir" in seen,
+        "plan": {
+            "param_dtype": str(dtype),
+            "block_ac": plan.block_ac,
+            "scan_ac": plan.scan_ac,
+            "fused_loss": plan.fused_loss,
+            "scan": plan.scan,
+        },
+    }
     if moe:  # ops backpropagated through without an autograd kernel (torch's warning: zero gradient)
         res["backprop_without_autograd_kernel"] = seen.get("no_autograd")
     if "mlir" not in seen:
@@ -275,8 +321,7 @@ def run(variant: str, seen: dict) -> dict:
         coll = _collectives(split)
         res["split_input_nodes"] = _compute_nodes(split)
         res["split_collectives"] = len(coll)
-        res["split_collectives_spmd_safe"] = sum(
-            1 for n in coll if n.meta.get("custom", {}).get("spmd_safe", False))
+        res["split_collectives_spmd_safe"] = sum(1 for n in coll if n.meta.get("custom", {}).get("spmd_safe", False))
         res["split_scans"] = _scans(split)
         res["split_body_collectives"], res["split_body_collectives_spmd_safe"] = _body_collectives(split)
     if "mlir" in seen:
@@ -286,8 +331,9 @@ def run(variant: str, seen: dict) -> dict:
         res["mlir_collectives"] = len(_collectives(gm))
         names = [_op_name(n) for g in _all_graphs(gm) for n in g.graph.nodes if n.op == "call_function"]
         res["mlir_flips"] = sum(1 for name in names if name in ("aten::flip", "prims::rev"))
-        res["mlir_titan_tpu_ops"] = dict(sorted(collections.Counter(
-            name for name in names if name.startswith("titan_tpu::")).items()))
+        res["mlir_titan_tpu_ops"] = dict(
+            sorted(collections.Counter(name for name in names if name.startswith("titan_tpu::")).items())
+        )
         res["mlir_barriers"] = sum(1 for name in names if name == "titan::optimization_barrier")
         res["mlir_sdpa"] = sum(1 for name in names if "scaled_dot_product" in name)
         res["mlir_bf16_matmuls"], res["mlir_matmuls"] = _matmul_dtypes(gm)
@@ -333,21 +379,37 @@ def _static_facts(gm) -> dict:
             if vals is None:
                 missing += n.op == "call_function" and _op_name(n) not in ("_operator.getitem",)
                 continue
-            for v in (vals if isinstance(vals, (list, tuple)) else [vals]):
+            for v in vals if isinstance(vals, (list, tuple)) else [vals]:
                 if isinstance(v, torch.Tensor) and not all(type(d) is int for d in v.shape):
                     symbolic.append(f"{n.name}: {_op_name(n)} {tuple(v.shape)}")
                 elif isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
                     symbolic.append(f"{n.name}: {_op_name(n)} {v}")
-    host = {k: c for k, c in ops.items()
-            if k in ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select")}
-    return {"mlir_symbolic_shapes": symbolic[:20], "mlir_symbolic_count": len(symbolic),
-            "mlir_nodes_without_val": missing, "mlir_host_reads": host,
-            "mlir_gmm": {k: c for k, c in ops.items() if "gmm" in k or "grouped_mm" in k},
-            "mlir_all_to_all": {k: c for k, c in ops.items() if "all_to_all" in k},
-            "mlir_per_graph": [dict(sorted(collections.Counter(
-                _op_name(n) for n in g.graph.nodes if n.op == "call_function"
-                and any(k in _op_name(n) for k in ("gmm", "all_to_all", "grouped_mm"))).items()))
-                for g in _all_graphs(gm)]}
+    host = {
+        k: c
+        for k, c in ops.items()
+        if k in ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select")
+    }
+    return {
+        "mlir_symbolic_shapes": symbolic[:20],
+        "mlir_symbolic_count": len(symbolic),
+        "mlir_nodes_without_val": missing,
+        "mlir_host_reads": host,
+        "mlir_gmm": {k: c for k, c in ops.items() if "gmm" in k or "grouped_mm" in k},
+        "mlir_all_to_all": {k: c for k, c in ops.items() if "all_to_all" in k},
+        "mlir_per_graph": [
+            dict(
+                sorted(
+                    collections.Counter(
+                        _op_name(n)
+                        for n in g.graph.nodes
+                        if n.op == "call_function"
+                        and any(k in _op_name(n) for k in ("gmm", "all_to_all", "grouped_mm"))
+                    ).items()
+                )
+            )
+            for g in _all_graphs(gm)
+        ],
+    }
 
 
 def _matmul_dtypes(gm) -> tuple[int, int]:
@@ -381,14 +443,24 @@ def _lower_scans(gm, seen: dict) -> list:
         return torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t
 
     def create_scan_op(*, inits, inputs, body_module, scan_direction, dummy_ys, num_scan_inputs):
-        seen["scan_calls"].append({"direction": scan_direction.name, "num_scan_inputs": num_scan_inputs,
-                                   "inits": len(inits), "inputs": len(inputs), "ys": len(dummy_ys)})
+        seen["scan_calls"].append(
+            {
+                "direction": scan_direction.name,
+                "num_scan_inputs": num_scan_inputs,
+                "inits": len(inits),
+                "inputs": len(inputs),
+                "ys": len(dummy_ys),
+            }
+        )
         return [*inits, *dummy_ys]
 
     stub = types.SimpleNamespace(
-        ScanDirection=real.ScanDirection, create_scan_op=create_scan_op,
+        ScanDirection=real.ScanDirection,
+        create_scan_op=create_scan_op,
         placeholder=lambda shape, dtype, requires_grad=False, is_pinned_host=False: torch.empty(shape, dtype=dtype),
-        placeholder_like=lambda t, is_pinned_host=False: torch.empty(t.shape, dtype=t.dtype))
+        placeholder_like=lambda t, is_pinned_host=False: torch.empty(t.shape, dtype=t.dtype),
+    )
+
     def body_fx_to_mlir(graph_module, args):
         seen["body_lowered"] = _compute_nodes(graph_module)
         assert len(args) == len([n for n in graph_module.graph.nodes if n.op == "placeholder"])
@@ -403,8 +475,12 @@ def _lower_scans(gm, seen: dict) -> list:
             body = getattr(gm, node.args[0].target)
             init, xs, additional = (fx.node.map_arg(a, lambda n: meta(n.meta["val"])) for a in node.args[1:])
             tagged = sum(1 for n in body.graph.nodes if n.meta.get("custom", {}).get(SCAN_REVERSE_ANNOTATION))
-            rec = {"body_nodes": len(body.graph.nodes), "body_tagged_nodes": tagged,
-                   "asks_for_reverse": tpu_scan._body_asks_for_reverse(body), "xs": len(xs)}
+            rec = {
+                "body_nodes": len(body.graph.nodes),
+                "body_tagged_nodes": tagged,
+                "asks_for_reverse": tpu_scan._body_asks_for_reverse(body),
+                "xs": len(xs),
+            }
             seen["scan_calls"] = []
             try:
                 tpu_scan._handle_scan_impl(body, list(init), list(xs), list(additional))
@@ -457,9 +533,16 @@ def run_compile_blocks(variant: str) -> dict:
 
     def split_call(self, graph_module, example_inputs, is_fwd=True, *args, **kwargs):
         coll = _collectives(graph_module)
-        calls.append({"is_fwd": is_fwd, "nodes": _compute_nodes(graph_module), "collectives": len(coll),
-                      "spmd_safe": sum(1 for n in coll if n.meta.get("custom", {}).get("spmd_safe", False)),
-                      "partitions": 0, "partition_nodes": []})
+        calls.append(
+            {
+                "is_fwd": is_fwd,
+                "nodes": _compute_nodes(graph_module),
+                "collectives": len(coll),
+                "spmd_safe": sum(1 for n in coll if n.meta.get("custom", {}).get("spmd_safe", False)),
+                "partitions": 0,
+                "partition_nodes": [],
+            }
+        )
         return real_split(self, graph_module, example_inputs, is_fwd, *args, **kwargs)
 
     tpu_compiler.StaticCompiler.__call__ = static_call
@@ -474,8 +557,15 @@ def run_compile_blocks(variant: str) -> dict:
         args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, max_seq_len=32)
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32,
-                          reduce_dtype=torch.float32, compile_backend="tpu")
+        parallelize_model(
+            model,
+            plan=PLAN,
+            parallel_dims=dims,
+            mesh=mesh,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            compile_backend="tpu",
+        )
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights()
@@ -490,16 +580,20 @@ def run_compile_blocks(variant: str) -> dict:
         parallelize_mod.apply_compile = real_apply
         torch._dynamo.reset()
     wrapped = [type(b.forward).__name__ for _, b in PLAN.iter_blocks(model)]
-    return {"seconds": time.perf_counter() - start, "split_calls": calls, "params_with_grad": grads,
-            "params": sum(1 for _ in model.parameters()), "block_forward_types": wrapped}
+    return {
+        "seconds": time.perf_counter() - start,
+        "split_calls": calls,
+        "params_with_grad": grads,
+        "params": sum(1 for _ in model.parameters()),
+        "block_forward_types": wrapped,
+    }
 
 
 def main() -> None:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import torch_tpu  # noqa: F401  (autoload is off: installs torch.tpu and the `tpu` backend, no device)
     import torch_tpu._internal.export as tpu_export
+    from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch_tpu._internal.compile import split_compiler
 
     import trainer.graph.tpu as graph_tpu

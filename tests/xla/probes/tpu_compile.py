@@ -34,8 +34,13 @@ def _cost(compiled) -> dict:
 
 def _memory(compiled) -> dict:
     mem = compiled.memory_analysis()
-    names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-             "temp_size_in_bytes", "generated_code_size_in_bytes")
+    names = (
+        "argument_size_in_bytes",
+        "output_size_in_bytes",
+        "alias_size_in_bytes",
+        "temp_size_in_bytes",
+        "generated_code_size_in_bytes",
+    )
     return {n: int(getattr(mem, n)) for n in names if mem is not None and hasattr(mem, n)}
 
 
@@ -47,8 +52,13 @@ def compile_for(exported, device) -> dict:
     compiled = jax.jit(exported.call).lower(*args, **kwargs).compile()
     seconds = time.perf_counter() - start
     hlo = compiled.as_text()
-    return {"compile_s": seconds, "while": len(re.findall(r"\bwhile\(", hlo)), "hlo_chars": len(hlo),
-            "cost": _cost(compiled), "memory": _memory(compiled)}
+    return {
+        "compile_s": seconds,
+        "while": len(re.findall(r"\bwhile\(", hlo)),
+        "hlo_chars": len(hlo),
+        "cost": _cost(compiled),
+        "memory": _memory(compiled),
+    }
 
 
 def main() -> None:
@@ -69,7 +79,10 @@ def main() -> None:
             try:
                 compiles[key] = compile_for(exported, device)
             except Exception as e:
-                compiles[key] = {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-3000:]}
+                compiles[key] = {
+                    "error": f"{type(e).__name__}: {e}"[:2000],
+                    "traceback": traceback.format_exc()[-3000:],
+                }
     import importlib.metadata as md
 
     versions = {p: md.version(p) for p in ("jax", "jaxlib", "libtpu")}
