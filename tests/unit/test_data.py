@@ -10,25 +10,12 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from tests.support.corpus import DOCS
-from trainer.data import BUNDLED_CORPUS_DIR, build_dataloader, merge_states, resolve_dataset
-
-SHARDS = 8  # 24 documents: 3 per data shard
+from tests.support.corpus import DOCS, SHARDS, small_loader
+from trainer.data import BUNDLED_CORPUS_DIR, merge_states, resolve_dataset
 
 
 def _loader(tok, dataset, **kw):
-    args = dict(
-        dataset=dataset,
-        tokenizer=tok,
-        seq_len=16,
-        local_batch_size=4,
-        dp_rank=0,
-        dp_degree=1,
-        seed=7,
-        num_shards=SHARDS,
-    )
-    args.update(kw)
-    return build_dataloader(**args)
+    return small_loader(tok, dataset, **kw)
 
 
 def _batches(loader, n):

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from models import FAMILIES
 from models.common.rope import document_positions
 from models.errors import ConfigError
-from tests.support.corpus import DOCS  # the loader fixtures tok, jsonl: tests/unit/conftest.py
-from trainer.data import build_dataloader
+from tests.support.corpus import DOCS, small_loader  # the loader fixtures tok, jsonl: tests/unit/conftest.py
 from trainer.data.text import document_ids
 from trainer.step import StepRequest, plan_step, refusals
 from trainer.train import main
@@ -174,19 +173,7 @@ def test_document_positions():
 
 
 def _loader(tok, dataset, **kw):
-    args = dict(
-        dataset=dataset,
-        tokenizer=tok,
-        seq_len=16,
-        local_batch_size=4,
-        dp_rank=0,
-        dp_degree=1,
-        seed=7,
-        num_shards=8,
-        document_ids=True,
-    )
-    args.update(kw)
-    return build_dataloader(**args)
+    return small_loader(tok, dataset, **{"document_ids": True, **kw})
 
 
 def _check_ids(inputs: torch.Tensor, ids: torch.Tensor, tok) -> tuple[int, int]:
