@@ -114,7 +114,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
         "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]kimi_k2_v7x.toml]",
         (
-            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[deepseek_v3_671b_v7x.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[deepseek_v3_debug.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees[kimi_k2_v7x.toml]",
             "tests/unit/test_planner_deepseek.py",
         ),
         "Kimi K2 is DeepSeek-V3's architecture at other sizes; the planner plans both",
@@ -139,10 +140,7 @@ SCHEDULED: tuple[Scheduled, ...] = (
     ),
     Scheduled(
         "tests/unit/test_context_parallel.py::test_graph_step_with_cp[[]scan]",
-        (
-            "tests/unit/test_context_parallel.py::test_graph_step_with_cp[unrolled]",
-            "tests/e2e/test_cp_train.py::test_graph_scan_cp2_matches_single_process",
-        ),
+        ("tests/e2e/test_cp_train.py::test_graph_scan_cp2_matches_single_process",),
         "the graph step with cp, scanned: the e2e scan + cp run covers it",
     ),
     Scheduled(
@@ -183,6 +181,345 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ("tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives",),
         "each pod recipe's whole TPU program: the reduced dense / MoE EP / CP programs compile "
         "the same kernels and collectives by default",
+    ),
+    # --- the rest of the scheduled tier: slow points whose mechanism a cheaper default test runs
+    # (chosen by the durations recorded on 2026-12-04, docs/testing.md).
+    Scheduled(
+        "tests/e2e/test_readme_commands.py::test_readme_block_runs_on_a_fresh_clone[[]*]",
+        (
+            "tests/e2e/test_readme_commands.py::test_every_readme_command_has_a_row",
+            "tests/e2e/test_train_e2e.py",
+            "tests/e2e/test_launch.py",
+            "tests/e2e/test_flux_sample.py",
+        ),
+        "README's blocks on a fresh clone (4 minutes); the commands they run are the trainer, the "
+        "launcher and the sampler, which the default tier runs, and every block must have a row",
+    ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]*_v7x.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[qwen3_30b_a3b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_128k_v6e.toml]",
+        ),
+        "the v7x pod recipes' start-ups on a fake world: every recipe passes the rules at its target "
+        "by default, and three v6e start-ups run the same build (dense, MoE EP, CP on a split mesh)",
+    ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]llama3_70b_v6e.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[qwen3_30b_a3b_v6e.toml]",
+        ),
+        "the other v6e dense start-ups (70B, Qwen 3 8B / 32B): the same build as Llama 3 8B's",
+    ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]qwen3_8b_v6e.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[qwen3_30b_a3b_v6e.toml]",
+        ),
+        "the other v6e dense start-ups (70B, Qwen 3 8B / 32B): the same build as Llama 3 8B's",
+    ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]qwen3_32b_v6e.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[qwen3_30b_a3b_v6e.toml]",
+        ),
+        "the other v6e dense start-ups (70B, Qwen 3 8B / 32B): the same build as Llama 3 8B's",
+    ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]qwen3_32b_128k_v6e.toml]",
+        ("tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_128k_v6e.toml]",),
+        "Qwen 3 32B at 128k: the same CP build on a split mesh as Llama 3 8B at 128k",
+    ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]flux_*]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees[flux_schnell_v6e.toml]",
+            "tests/e2e/test_flux_train.py::test_flux_losses_match_single_process",
+        ),
+        "the FLUX pod recipes' start-ups: their rules pass by default and FLUX's build runs in the parity tests",
+    ),
+    Scheduled(
+        "tests/unit/test_flux_graph.py::test_flux_graph_*",
+        (
+            "tests/unit/test_flux_graph.py::test_two_stack_scan_matches_eager",
+            "tests/unit/test_flux_graph.py::test_two_stack_unrolled_graph_matches_eager",
+            "tests/unit/test_flux_graph.py::test_two_stack_block_ac_unrolled",
+        ),
+        "the real FLUX model in graph mode (unrolled / scan / AC): the two-stack model of FLUX's layout "
+        "runs the same capture, scan and AC",
+    ),
+    Scheduled(
+        "tests/unit/test_flux_graph.py::test_two_stack_scan_ac_shrinks_saved_activations",
+        ("tests/unit/test_graph_step.py::test_scan_remat_shrinks_saved_activations",),
+        "scan + AC saving less: proved on the decoder stack",
+    ),
+    Scheduled(
+        "tests/unit/test_flux_graph.py::test_two_stack_scan_matches_eager_with_grad_accumulation",
+        ("tests/unit/test_flux_graph.py::test_two_stack_scan_matches_eager", "tests/unit/test_graph_step.py"),
+        "the two-stack scan with accumulation: scan and accumulation each run by default",
+    ),
+    Scheduled(
+        "tests/unit/test_graph_fsdp.py::test_gloo_all_to_all_reduce_scatter_is_exact_in_bf16",
+        ("tests/unit/test_graph_fsdp.py::test_graph_step_simple_fsdp_matches_single_process",),
+        "the all-to-all reduce-scatter wire's bf16 exactness; the FSDP graph step's parity runs it",
+    ),
+    Scheduled(
+        "tests/unit/test_context_parallel.py::test_attention_matches_full_sequence[[]cp4]",
+        ("tests/unit/test_context_parallel.py::test_attention_matches_full_sequence[cp2]",),
+        "cp 4: the same chunking and all-gather as cp 2",
+    ),
+    Scheduled(
+        "tests/unit/test_context_parallel.py::test_torch_compile_fullgraph",
+        ("tests/e2e/test_cp_train.py::test_graph_scan_cp2_matches_single_process",),
+        "cp attention under torch.compile: the graph step with cp compiles it",
+    ),
+    Scheduled(
+        "tests/unit/test_context_parallel.py::test_parallelized_model_with_cp_axis[[]*[xk]*]",
+        (
+            "tests/unit/test_context_parallel.py::test_parallelized_model_with_cp_axis[llama3-cp2]",
+            "tests/e2e/test_cp_train.py::test_eager_cp_matches_single_process[cp2xtp2]",
+        ),
+        "cp beside dp / tp / block compile on the parallelized model: cp 2 here, cp x tp end to end",
+    ),
+    Scheduled(
+        "tests/unit/test_context_parallel.py::test_model_cp2_matches_single_process[[]qwen3]",
+        ("tests/unit/test_context_parallel.py::test_model_cp2_matches_single_process[llama3]",),
+        "Qwen 3 shares the decoder and its cp path with Llama 3",
+    ),
+    Scheduled(
+        "tests/unit/test_context_parallel.py::test_graph_step_with_cp[[]unrolled]",
+        ("tests/e2e/test_cp_train.py::test_graph_scan_cp2_matches_single_process",),
+        "the graph step with cp: end to end through the trainer by default",
+    ),
+    Scheduled(
+        "tests/unit/test_attention_widths.py::test_context_parallel_attention_takes_two_widths[[]kernel_interface]",
+        (
+            "tests/unit/test_attention_widths.py::test_context_parallel_attention_takes_two_widths[dense]",
+            "tests/unit/test_context_parallel.py::test_attention_matches_full_sequence[cp2_kernel_interface]",
+        ),
+        "MLA's two widths through the kernel interface: the dense path and the kernel interface each run",
+    ),
+    Scheduled(
+        "tests/e2e/test_deepseek_v3.py::test_graph_mode_scan_matches_eager",
+        (
+            "tests/e2e/test_deepseek_v3.py::test_layer_scan_over_both_stacks_matches_unrolled",
+            "tests/unit/test_models_moe.py::test_moe_graph_step_with_scan_matches_unrolled_and_eager",
+        ),
+        "DeepSeek-V3's graph step with scan: its two-stack scan and the MoE graph scan run by default",
+    ),
+    Scheduled(
+        "tests/unit/test_cpu_attention.py::test_avx2_build_matches_float64",
+        ("tests/unit/test_cpu_attention.py::test_fp32_matches_float64_sdpa",),
+        "the kernel built for AVX2 only (a second build): the same source, built for this CPU",
+    ),
+    Scheduled(
+        "tests/e2e/test_qwen3_e2e.py::test_graph_mode_with_ep_matches_eager",
+        ("tests/unit/test_expert_parallel.py::test_moe_layer_scan_matches_eager[fsdp2-ep2]",),
+        "graph mode with EP through the trainer: the MoE layer scan under FSDP x EP",
+    ),
+    Scheduled(
+        "tests/e2e/test_qwen3_e2e.py::test_checkpoint_from_ep2_resumes_with_ep1",
+        (
+            "tests/unit/test_expert_parallel.py::test_experts_beyond_ranks_train_and_resume",
+            "tests/e2e/test_resume_e2e.py::test_checkpoint_from_one_mesh_resumes_on_others",
+        ),
+        "resharding experts on resume: experts beyond ranks resume, and meshes change on resume",
+    ),
+    Scheduled(
+        "tests/e2e/test_expert_balance.py::test_graph_mode_scan_bias_matches_eager",
+        (
+            "tests/e2e/test_expert_balance.py::test_bias_trajectory_matches_single_process[fsdp2]",
+            "tests/unit/test_models_moe.py::test_moe_graph_step_with_scan_matches_unrolled_and_eager",
+        ),
+        "the bias update in the scanned graph step: the eager trajectory and the MoE graph scan",
+    ),
+    Scheduled(
+        "tests/e2e/test_parallel_e2e.py::test_losses_match_single_process[[]4-degrees[23]]",
+        (
+            "tests/e2e/test_parallel_e2e.py::test_losses_match_single_process[4-degrees4]",
+            "tests/e2e/test_parallel_e2e.py::test_losses_match_single_process[2-degrees1]",
+        ),
+        "two more 4-rank meshes of the same parallelisms",
+    ),
+    Scheduled(
+        "tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[[]*tp2]",
+        (
+            "tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[fsdp2]",
+            "tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[tp2-loss-parallel]",
+        ),
+        "HF export from TP and FSDP x TP: FSDP and TP (loss parallel) each export by default",
+    ),
+    Scheduled(
+        "tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[[]moe-fsdp2]",
+        (
+            "tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[fsdp2]",
+            "tests/unit/test_models_convert.py",
+        ),
+        "MoE export: FSDP export and the MoE key conversion each run",
+    ),
+    Scheduled(
+        "tests/e2e/test_flux_train.py::test_flux_losses_match_single_process[[]2-degrees1]",
+        (
+            "tests/e2e/test_flux_train.py::test_flux_losses_match_single_process[2-degrees0]",
+            "tests/e2e/test_flux_train.py::test_flux_losses_match_single_process[4-degrees4]",
+        ),
+        "another 2-rank FLUX mesh",
+    ),
+    Scheduled(
+        "tests/unit/test_config.py::test_wrong_typed_optional_field_exits_2_on_the_cli[[][fhr]*]",
+        (
+            "tests/unit/test_config.py::test_wrong_typed_optional_field_exits_2_on_the_cli[n_kv_heads]",
+            "tests/e2e/test_contract.py::test_contract_table",
+        ),
+        "one process per field; the contract table feeds every key a wrong type",
+    ),
+    Scheduled(
+        "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line[[]argv[3-7]-*]",
+        (
+            "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line[argv0-configs/nope.toml]",
+            "tests/e2e/test_contract.py::test_contract_table",
+        ),
+        "one process per bad argument; the contract table covers every class of bad input",
+    ),
+    Scheduled(
+        "tests/unit/test_flux_model.py::test_tp_and_fsdp_match_single_process[[]tp2-compile]",
+        (
+            "tests/unit/test_flux_model.py::test_tp_and_fsdp_match_single_process[fsdp2xtp2]",
+            "tests/unit/test_parallel_compile.py::test_per_block_compile_matches_eager",
+        ),
+        "FLUX under TP with per-block compile: TP here, per-block compile in test_parallel_compile",
+    ),
+    Scheduled(
+        "tests/unit/test_document_mask.py::test_qwen3_moe_graph_scan_matches_eager_with_document_mask",
+        ("tests/unit/test_document_mask.py::test_training_runs_with_document_mask_eager_and_graph",),
+        "the document mask in the MoE scanned graph step: the dense graph step with the mask",
+    ),
+    # XLA tier: the default tier keeps the lowering on XLA:CPU, the kernels' interpret-mode checks,
+    # the reduced MoE EP program, the torch-tpu path of the plain step, the CP splash compile, the
+    # launcher and runtime probes; these wait:
+    Scheduled(
+        "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[[]dense]",
+        (
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+            "tests/xla/test_lowering.py",
+        ),
+        "the reduced dense program: the MoE EP program compiles the same attention, loss and FSDP "
+        "collectives plus the expert dispatch",
+    ),
+    Scheduled(
+        "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[[]cp2]",
+        (
+            "tests/xla/test_splash_cp.py::test_deviceless_compile_has_the_cp_collectives_and_the_mosaic_splash",
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+        ),
+        "the reduced CP program: the CP splash compile with its collectives, and the whole-program "
+        "compile of the MoE recipe",
+    ),
+    Scheduled(
+        "tests/xla/test_tpu_compile.py::test_deviceless_tpu_compile[[]*]",
+        (
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+            "tests/xla/test_lowering.py",
+        ),
+        "the debug models' exported steps compiled for v5e / v6e / v7x: the reduced recipe program "
+        "compiles for a TPU by default",
+    ),
+    Scheduled(
+        "tests/xla/test_kernels.py::test_deviceless_tpu_compile_per_generation_with_the_runtime_libtpu",
+        (
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference",
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+        ),
+        "every kernel compiled for every generation: the kernels' numerics and one generation's "
+        "compile of all of them run by default",
+    ),
+    Scheduled(
+        "tests/xla/test_selfcheck_widths.py::test_the_70b_wide_loss_does_not_compile_for_v4_and_the_reference_serves_it",
+        (
+            "tests/unit/test_kernel_selfcheck.py",
+            "tests/xla/test_selfcheck_widths.py::test_the_same_head_compiles_for_v6e_and_the_kernel_serves",
+        ),
+        "the v4 fallback at the 70B's width: the self-check's fallback logic runs on the CPU",
+    ),
+    Scheduled(
+        "tests/xla/test_splash_cp.py::test_interpreted_cp_splash_matches_the_dense_reference",
+        (
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference[splash]",
+            "tests/unit/test_context_parallel.py::test_attention_matches_full_sequence[cp2]",
+        ),
+        "the CP splash numerics in interpret mode: splash's numerics and the CP reference each run",
+    ),
+    Scheduled(
+        "tests/xla/test_torch_tpu_path.py::test_moe_ep_*",
+        (
+            "tests/xla/test_torch_tpu_path.py::test_step_reaches_torch_tpu_lowering_as_one_program",
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+        ),
+        "the MoE EP step on torch-tpu's lowering path: the plain step reaches it, and the EP "
+        "program compiles through torchax",
+    ),
+    Scheduled(
+        "tests/xla/test_torch_tpu_path.py::test_cp_*",
+        (
+            "tests/xla/test_torch_tpu_path.py::test_step_reaches_torch_tpu_lowering_as_one_program",
+            "tests/xla/test_splash_cp.py::test_deviceless_compile_has_the_cp_collectives_and_the_mosaic_splash",
+        ),
+        "the CP step on torch-tpu's lowering path: the plain step reaches it, CP splash compiles",
+    ),
+    Scheduled(
+        "tests/xla/test_torch_tpu_path.py::test_compile_mode_*",
+        ("tests/xla/test_torch_tpu_path.py::test_without_spmd_safe_the_step_is_split",),
+        "per-block compile on torch-tpu's path: the partitioning check runs on the whole step",
+    ),
+    Scheduled(
+        "tests/xla/test_estimate_xla.py::*",
+        (
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+            "tests/unit/test_xla_projection.py",
+        ),
+        "the projection's compile (scripts/estimate_xla.py): the recipe program compiles, and the "
+        "projection's arithmetic is unit-tested",
+    ),
+    Scheduled(
+        "tests/e2e/test_flux_train.py::test_flux_debug_recipe_loss_falls",
+        (
+            "tests/e2e/test_flux_train.py::test_flux_losses_match_single_process[2-degrees0]",
+            "tests/e2e/test_flux_train.py::test_flux_checkpoint_round_trip",
+        ),
+        "the FLUX debug recipe's loss over a longer run: FLUX training runs in the parity and checkpoint tests",
+    ),
+    Scheduled(
+        "tests/e2e/test_parallel_e2e.py::test_graph_and_loss_parallel_with_tp_match_single_process[[]graph-tp2]",
+        (
+            "tests/e2e/test_parallel_e2e.py::test_graph_and_loss_parallel_with_tp_match_single_process[graph-loss-parallel-tp2]",
+        ),
+        "the graph step on TP: the loss-parallel point runs the same graph step on TP",
+    ),
+    Scheduled(
+        "tests/e2e/test_expert_balance.py::test_bias_trajectory_matches_single_process[[][te]p2]",
+        ("tests/e2e/test_expert_balance.py::test_bias_trajectory_matches_single_process[fsdp2]",),
+        "the bias trajectory on TP and EP: the global load is reduced over every rank, shown at FSDP 2",
+    ),
+    Scheduled(
+        "tests/unit/test_flux_graph.py::test_two_stack_block_ac_unrolled[[]selective]",
+        ("tests/unit/test_flux_graph.py::test_two_stack_block_ac_unrolled[full]",),
+        "selective AC on the two-stack model: full AC runs the same wrapping",
+    ),
+    Scheduled(
+        "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[[]2-degrees2]",
+        (
+            "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[2-degrees0]",
+            "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[4-degrees4]",
+        ),
+        "another 2-rank MoE mesh",
     ),
 )
 

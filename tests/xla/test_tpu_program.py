@@ -54,13 +54,19 @@ PROGRAMS = {
 
 
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(request):
+    """The programs of the selected tests only (the default tier runs moe_ep2; tests/support/tiers.py)."""
     from tools.tpu_compile import compile_recipe
 
     python = str(xla_python("ttpu"))
+    prefix = "test_the_program_compiles_with_its_kernels_and_collectives["
+    selected = {item.name[len(prefix) : -1] for item in request.session.items if item.name.startswith(prefix)} or set(
+        PROGRAMS
+    )
     return {
         name: compile_recipe(os.path.join(ROOT, "configs", recipe), overrides=overrides, python=python, timeout=900)
         for name, (recipe, overrides) in PROGRAMS.items()
+        if name in selected
     }
 
 
