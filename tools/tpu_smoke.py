@@ -546,6 +546,10 @@ def run_all(args: argparse.Namespace) -> int:
             "status": "not run",
             "reason": "not reached",
         }
+    # Ctrl-C must reach us as KeyboardInterrupt even when this process started with SIGINT
+    # ignored (a background job of a non-interactive shell, a pytest-xdist worker's child):
+    # Python installs its handler only where SIGINT was not ignored at start-up.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         for run in selected:
             _one(run, meta, args=args, out=out, base_env=base_env, launch_rc=rc, nproc=nproc)
