@@ -77,8 +77,8 @@ def pytest_collection_modifyitems(config, items):
         return
     keep, drop = [], []
     for item in items:
-        scheduled = tiers.scheduled(item.nodeid) is not None or item.get_closest_marker("exhaustive")
-        (drop if scheduled else keep).append(item)
+        exhaustive = item.get_closest_marker("exhaustive") is not None
+        (keep if tiers.in_default_tier(item.nodeid, exhaustive=exhaustive) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -5,7 +5,7 @@
   durations recorded in `DURATIONS` (`scripts/test.sh --all --record`);
 - **scheduled** (`scripts/test.sh --all`, `.ci/scheduled`, nightly or weekly): the default tier
   plus the tests in `SCHEDULED` and every test marked `exhaustive`. `.ci/scheduled` writes its
-  result to `LAST_SCHEDULED`.
+  result to docs/results/scheduled_tier.json.
 
 Each entry of `SCHEDULED` names the default-tier tests that cover its mechanism (`covered_by`,
 node-id prefixes): a regression the scheduled test would catch must also fail one of those, or at
@@ -23,7 +23,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DURATIONS = ROOT / "tests" / "support" / "durations.json"
-LAST_SCHEDULED = ROOT / "docs" / "results" / "scheduled_tier.json"
 # Estimated pytest wall time of the default tier on 2 workers. scripts/test.sh on a clean clone adds
 # the venv set-up (1 minute with a warm pip cache, 3-4 minutes on CI's empty machine); the goal is
 # under 20 minutes in all (docs/testing.md "Tiers" has the measured numbers).
@@ -655,3 +654,8 @@ def scheduled(nodeid: str) -> Scheduled | None:
         if fnmatch.fnmatchcase(nodeid, entry.pattern):
             return entry
     return None
+
+
+def in_default_tier(nodeid: str, *, exhaustive: bool) -> bool:
+    """A test runs in the default tier unless `SCHEDULED` lists it or it is marked `exhaustive`."""
+    return not exhaustive and scheduled(nodeid) is None

@@ -42,7 +42,7 @@ def _matches(prefix: str, nodeid: str) -> bool:
 
 def test_every_scheduled_entry_names_tests_and_default_tests_that_cover_it(collection):
     ids = [t["nodeid"] for t in collection]
-    default = [t["nodeid"] for t in collection if not t["scheduled"] and not t["exhaustive"]]
+    default = [t["nodeid"] for t in collection if tiers.in_default_tier(t["nodeid"], exhaustive=t["exhaustive"])]
     for entry in tiers.SCHEDULED:
         assert any(fnmatch.fnmatchcase(i, entry.pattern) for i in ids), f"{entry.pattern}: matches no test"
         assert entry.covered_by and entry.why, entry
@@ -89,7 +89,7 @@ def test_estimate_counts_groups_whole():
 def test_the_default_tier_fits_its_budget(collection):
     assert tiers.DURATIONS.is_file(), f"{tiers.DURATIONS}: record it with scripts/test.sh --all --record"
     durations = json.loads(tiers.DURATIONS.read_text())
-    default = [t["nodeid"] for t in collection if not t["scheduled"] and not t["exhaustive"]]
+    default = [t["nodeid"] for t in collection if tiers.in_default_tier(t["nodeid"], exhaustive=t["exhaustive"])]
     wall, unrecorded = estimate_wall(durations, default, tiers.WORKERS)
     assert len(unrecorded) <= UNRECORDED_MAX, (
         f"{len(unrecorded)} default-tier tests have no recorded duration: rerun scripts/test.sh --all --record"
