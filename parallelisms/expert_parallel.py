@@ -63,6 +63,7 @@ __all__ = [
     "EP_STYLES",
     "apply_ep",
     "apply_global_load_balance",
+    "capacity_all_to_all",
     "dispatch_combine",
     "dispatch_combine_static",
     "ep_grad_scale",
@@ -289,6 +290,28 @@ def dispatch_combine_static(
     )
 
 
+def capacity_all_to_all(
+    x: torch.Tensor, experts_fn: Callable[[torch.Tensor], torch.Tensor], ep_group: DeviceMesh | tuple[str, int, int]
+) -> torch.Tensor:
+    """The capacity dispatch over EP: x [E, rows, dim] (this rank's buffer, expert-major) ->
+    [E, rows, dim], each expert's rows answered by the rank that owns it.
+
+    One equal-split all-to-all each way of exactly the capacity buffer: peer r receives the row
+    blocks of its experts `r*L .. r*L + L-1` from every rank and runs `experts_fn` on `[L, ep x
+    rows, dim]` (its local experts, every peer's rows side by side). No counts are exchanged:
+    the unused slots are zero rows, computed and sent like the rest (their cost is bounded by
+    the capacity, not by the worst case).
+    """
+    group, ep, _ = _ep_group_of(ep_group)
+    num_experts, rows, dim = x.shape
+    assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
+    num_local = num_experts // ep
+    recv = funcol.all_to_all_single_autograd(x.reshape(-1, dim), None, None, group=group)
+    recv = recv.view(ep, num_local, rows, dim).transpose(0, 1).reshape(num_local, ep * rows, dim)
+    out = experts_fn(recv).view(num_local, ep, rows, dim).transpose(0, 1).reshape(-1, dim)
+    return funcol.all_to_all_single_autograd(out, None, None, group=group).view(num_experts, rows, dim)
+
+
 def _ep_group_of(ep_group: DeviceMesh | tuple[str, int, int]) -> tuple[object, int, int]:
     """(what funcol takes as the group, size, this rank's index in it)."""
     if isinstance(ep_group, tuple):
@@ -418,13 +441,21 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
             return compute(x, num_tokens_per_expert)
         return select_dispatch(x, static=True)(x, num_tokens_per_expert, compute, self._ep_group)
 
+    def forward_capacity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # The capacity-bounded dispatch (models/common/moe.py): eager, traced and scanned alike,
+        # static shapes; the group by name (a scan body cannot hold a mesh).
+        compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
+        if self._ep_group[1] == 1:
+            return compute(x)
+        return capacity_all_to_all(x, compute, self._ep_group)
+
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
-    attrs.update(forward=forward, _ep_base=base)
+    attrs.update(forward=forward, forward_capacity=forward_capacity, _ep_base=base)
     cls = type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
     cls._ep_scan_class = type(
         f"ScannedExpertParallel{base._simple_fsdp_base.__name__}",
         (base._simple_fsdp_base,),
-        dict(forward=scan_forward, _ep_base=base),
+        dict(forward=scan_forward, forward_capacity=forward_capacity, _ep_base=base),
     )
     return cls
 

@@ -132,13 +132,17 @@ class Watchdog(Callback):
 
 
 class MoEKeys(Callback):
-    """MoE models: the step's auxiliary loss (`moe_aux_loss`) and expert-load imbalance (`moe_max_vio`)."""
+    """MoE models: the step's auxiliary loss (`moe_aux_loss`), expert-load imbalance (`moe_max_vio`)
+    and, under a capacity, the copies dropped (`moe_dropped`, `moe_dropped_pct`)."""
 
     def on_log(self, step: int, out, values: dict[str, Any]) -> None:
         if out.aux_loss is not None:
             values["moe_aux_loss"] = global_mean(out.aux_loss)
         if out.moe_max_vio is not None:
             values["moe_max_vio"] = float(out.moe_max_vio)
+        if out.moe_dropped is not None:  # `[moe] capacity_factor`: copies over capacity in the step
+            values["moe_dropped"] = int(out.moe_dropped)
+            values["moe_dropped_pct"] = float(out.moe_dropped_pct)
 
 
 class FirstLogKeys(Callback):

@@ -255,9 +255,9 @@ class Engine:
         lr = self.scheduler.get_last_lr()[0]
         nonfinite = step_if_finite(self.optimizer, grad_norm)
         finite = not bool(nonfinite)
-        vio = None
+        stats = None
         if self._balance is not None and self._load is not None:  # MoE: the selection biases' step
-            vio = float(self._balance.finish(self._load, apply=~nonfinite))
+            stats = self._balance.finish(self._load, apply=~nonfinite)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._accum_weight, self._load = 0.0, None
@@ -268,8 +268,11 @@ class Engine:
                 "lower optimizer.lr, or set training.skip_nonfinite_updates = true"
             )
         out = {"grad_norm": float(grad_norm), "lr": lr, "step": self.step, "skipped": not finite}
-        if vio is not None:
-            out["moe_max_vio"] = vio
+        if stats is not None:
+            out["moe_max_vio"] = float(stats.max_vio)
+            if stats.dropped is not None:
+                out["moe_dropped"] = int(stats.dropped)
+                out["moe_dropped_pct"] = float(stats.dropped_pct)
         return out
 
     def zero_grad(self) -> None:

@@ -43,7 +43,7 @@ import torch
 
 import titan_kernels
 from models.common import ops
-from models.common.moe import set_routing_key, use_routing
+from models.common.moe import set_routing_key, use_capacity, use_routing
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
@@ -148,6 +148,7 @@ def step_request(
         optimizer=cfg.optimizer.name,
         muon_exclude=tuple(cfg.optimizer.muon_exclude),
         moe_routing=cfg.moe.routing,
+        moe_capacity_factor=cfg.moe.capacity_factor,
         routing_benchmark_only=cfg.moe.routing_benchmark_only,
         model_has_experts=model_has_experts,
         grad_accum=grad_accum,
@@ -253,6 +254,7 @@ def build_model(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     moe_routing: str = "learned",
+    moe_capacity_factor: float = 0.0,
 ):
     """Meta device -> parallelize -> materialize -> init_weights."""
     # 1. Build on meta: no memory is touched, whatever the flavor's size. Benchmark routing
@@ -262,6 +264,8 @@ def build_model(
         model = family.model_cls(args)
     if moe_routing != "learned":
         use_routing(model, moe_routing)
+    if moe_capacity_factor > 0:  # the capacity-bounded dispatch (`[moe] capacity_factor`)
+        use_capacity(model, moe_capacity_factor)
     # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP
     #    (the step plan says which AC and compile apply; the order is the same in every mode).
     model = parallelize_model(
@@ -626,6 +630,7 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
         param_dtype=rt.compute.dtype,
         reduce_dtype=torch_dtype(t.mixed_precision_reduce),
         moe_routing=cfg.moe.routing,
+        moe_capacity_factor=cfg.moe.capacity_factor,
     )
     if cfg.moe.routing != "learned" and not purpose.captures_only:  # a defined key before any step sets it
         set_routing_key(model, seed=t.seed, step=0, first_token=data.dp_rank * data.local_batch_size * t.seq_len)

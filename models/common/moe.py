@@ -1,9 +1,23 @@
 """Mixture-of-experts feed-forward: token-choice top-k router, grouped SwiGLU experts.
 
 Routing (Qwen 3 MoE / Hugging Face numerics): router logits -> softmax in float32 -> top-k
-experts per token; with `norm_topk_prob` the k weights are renormalised to sum to 1. Routing is
-**dropless**: there is no capacity factor, every token reaches all of its k experts however
-unbalanced the routing is (expert batches have variable size, including zero).
+experts per token; with `norm_topk_prob` the k weights are renormalised to sum to 1. By default
+routing is **dropless**: every token reaches all of its k experts however unbalanced the routing
+is (expert batches have variable size, including zero).
+
+Capacity-bounded dispatch (`use_capacity(model, factor)`, `[moe] capacity_factor`;
+docs/moe.md#capacity-factor): each expert takes at most `capacity = min(seq, ceil(factor * seq
+* k / E))` token copies **per sequence**, the GShard-style group being one sequence, so which
+copies are dropped depends on that sequence's routing only, never on how the batch is split over
+ranks (the same copies drop on 1, EP 2 or EP 4 ranks). Within a (sequence, expert) group the
+copies are kept in order of their choice rank (every token's first choice before any second
+choice), then of position; the copies past the capacity contribute nothing (the token's other
+experts and the residual still carry it, as in Switch / GShard). The kept copies are laid out in
+an `[E, batch x capacity, dim]` buffer (zeros in unused slots), the experts run dense batched
+matmuls over it (`GroupedExperts.forward_capacity`; under EP one equal-split all-to-all each way
+of exactly that buffer), and the combine gathers each kept copy's row back: every pass touches
+`E x batch x capacity ~ factor x tokens x k` rows, never the `ep x tokens x k` worst case of the
+dropless static dispatch. The layer's load output then has one more entry, the copies it dropped.
 
 The split of work matches what expert parallelism needs:
 - `MoE` routes, sorts token copies by expert, calls the experts, and combines their outputs;
@@ -28,7 +42,8 @@ and calls `update_expert_bias(global_load, rate)`, which moves each expert's bia
 towards balance (down for experts above the mean load, up for those below).
 
 Expert load: `MoE.forward` returns `(out, aux_loss, load)`, `load` [E] float32 being the token
-copies the layer routed to each expert (no gradient). Like the aux loss it is an output, not
+copies the layer routed to each expert (no gradient; under a capacity, [E + 1] with the copies
+dropped last). Like the aux loss it is an output, not
 state on the module, so it leaves a compiled step and a layer scan (a per-layer scan output)
 the same way it leaves an eager forward; the `BlockStack` stacks it over layers
 (`pop_expert_load()`). float32 holds the counts exactly up to 2^24 copies per expert and
@@ -62,6 +77,7 @@ mean of the rank losses is then `E * sum_i f_i * P_i` over the global micro-batc
 value and gradient as one process on that batch, whatever the mesh.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -180,6 +196,39 @@ def balanced_experts(tokens: torch.Tensor, num_experts: int, top_k: int) -> torc
     of consecutive tokens whose copies are a multiple of E, every expert gets the same count."""
     slots = tokens.unsqueeze(1) * top_k + torch.arange(top_k, device=tokens.device)
     return slots % num_experts
+
+
+def expert_capacity(*, seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Token copies one expert takes from one sequence: `min(seq_len, ceil(factor * seq_len * k / E))`
+    (a token reaches an expert at most once, so `seq_len` is a capacity nothing exceeds)."""
+    assert factor > 0, f"capacity factor {factor} must be > 0"
+    return min(seq_len, math.ceil(factor * seq_len * top_k / num_experts))
+
+
+def capacity_slots(selected_experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """Where each token copy goes in the `[E, batch, capacity]` buffer; `E * batch * capacity` if dropped.
+
+    `selected_experts` [batch, seq, k] -> [batch * seq * k] int64 in the copies' order (token-major,
+    as `selected_experts.reshape(-1)`). Per (sequence, expert) group the copies are ranked by choice
+    rank, then position (a stable sort on the key (sequence, expert, choice rank)); a copy ranked
+    `pos < capacity` takes slot `pos` of its group. Static shapes, no host read.
+    """
+    bs, seqlen, top_k = selected_experts.shape
+    device = selected_experts.device
+    seq = torch.arange(bs, device=device).view(bs, 1, 1)
+    choice = torch.arange(top_k, device=device).view(1, 1, top_k)
+    group = (seq * num_experts + selected_experts).reshape(-1)  # (sequence, expert)
+    key = (group * top_k + choice.expand(bs, seqlen, top_k).reshape(-1)) if top_k > 1 else group
+    order = torch.argsort(key, stable=True)
+    sizes = torch.zeros(bs * num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, group, torch.ones_like(group)
+    )
+    starts = torch.cumsum(sizes, 0) - sizes
+    rank_sorted = torch.arange(order.numel(), device=device) - starts[group[order]]
+    pos = torch.empty_like(order).scatter_(0, order, rank_sorted)
+    expert, b = group % num_experts, group // num_experts
+    dump = num_experts * bs * capacity
+    return torch.where(pos < capacity, (expert * bs + b) * capacity + pos, dump)
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -305,6 +354,16 @@ def use_routing(model: nn.Module, routing: str) -> int:
     return len(routers)
 
 
+def use_capacity(model: nn.Module, factor: float) -> int:
+    """Give every MoE layer of `model` the capacity-bounded dispatch with `factor` (> 0), or the
+    dropless one (0); returns how many layers there are. Call it on the model as built."""
+    assert factor >= 0, f"capacity factor {factor} must be >= 0"
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.capacity_factor = float(factor)
+    return len(layers)
+
+
 @torch.no_grad()
 def set_routing_key(model: nn.Module, *, seed: int, step: int, first_token: int) -> None:
     """Before a step: write each benchmark-routed router's `routing_key` = (the key of (seed, step,
@@ -350,6 +409,16 @@ class GroupedExperts(nn.Module):
         gate = ops.grouped_mm(x, w1.transpose(-2, -1), num_tokens_per_expert)
         up = ops.grouped_mm(x, w3.transpose(-2, -1), num_tokens_per_expert)
         return ops.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), num_tokens_per_expert)
+
+    def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
+        """x [E, rows, dim], row block e for expert e (the capacity dispatch's buffer) -> [E, rows, dim].
+
+        Dense batched matmuls over every row, unused (zero) rows included: their outputs are
+        zeros and no combine reads them. E is the number of local experts.
+        """
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        h = F.silu(torch.bmm(x, w1.transpose(-2, -1))) * torch.bmm(x, w3.transpose(-2, -1))
+        return torch.bmm(h, w2.transpose(-2, -1))
 
     def init_weights(self, init_std: float) -> None:
         """w1: truncated normal std 0.02; w2, w3: std `init_std` (TorchTitan's expert init)."""
@@ -406,6 +475,8 @@ class MoE(nn.Module):
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Sums per-sequence counts over the ranks holding the rest of the same sequences (cp x tp).
         self.reduce_seq_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # `use_capacity`: 0 = dropless; > 0 = the capacity-bounded dispatch (module docstring).
+        self.capacity_factor = 0.0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [bs, seq, dim] -> (out [bs, seq, dim], auxiliary loss: 0-dim float32, load: [E] float32
@@ -432,17 +503,41 @@ class MoE(nn.Module):
         else:
             aux_loss = router_logits.new_zeros((), dtype=torch.float32)
 
-        # Sort slots by expert; stable keeps token order within each expert's batch.
-        order = torch.argsort(flat_experts, stable=True)
-        routed_out = self.experts(x[order // top_k], num_tokens_per_expert)
-        # Undo the sort with a gather (deterministic, unlike a scatter-add), weight, sum over k.
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-        routed_out = routed_out[inverse].view(-1, top_k, dim)
-        out = (routed_out * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
+        load = num_tokens_per_expert.float()
+        if self.capacity_factor > 0:
+            routed_out, dropped = self._capacity_experts(x, selected_experts.view(bs, seqlen, top_k))
+            load = torch.cat([load, dropped.float().reshape(1)])
+        else:
+            # Sort slots by expert; stable keeps token order within each expert's batch.
+            order = torch.argsort(flat_experts, stable=True)
+            routed_out = self.experts(x[order // top_k], num_tokens_per_expert)
+            # Undo the sort with a gather (deterministic, unlike a scatter-add).
+            inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+            routed_out = routed_out[inverse]
+        # Weight, sum over k.
+        out = (routed_out.view(-1, top_k, dim) * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
         if self.shared_experts is not None:
             # On the flat tokens [N, dim], like the router (a per-token layer under TP).
             out = out + self.shared_experts(x).view(bs, seqlen, dim)
-        return out, aux_loss, num_tokens_per_expert.float()
+        return out, aux_loss, load
+
+    def _capacity_experts(self, x: torch.Tensor, selected_experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The capacity-bounded dispatch (module docstring): x [N, dim] flat tokens, selected_experts
+        [bs, seq, k] -> (each copy's expert output [N * k, dim] in the copies' order, zero for a dropped
+        copy; the number of dropped copies, 0-dim int64)."""
+        bs, seqlen, top_k = selected_experts.shape
+        num_experts, dim = self.router.num_experts, x.shape[-1]
+        capacity = expert_capacity(seq_len=seqlen, top_k=top_k, num_experts=num_experts, factor=self.capacity_factor)
+        slots = capacity_slots(selected_experts, num_experts, capacity)
+        dump = num_experts * bs * capacity
+        # Gathers both ways (deterministic): each buffer slot reads its copy's token (slot `dump`
+        # collects the dropped copies and is discarded; unused slots read the zero row N).
+        token = torch.arange(slots.numel(), device=x.device) // top_k
+        source = torch.full((dump + 1,), x.shape[0], dtype=torch.int64, device=x.device).scatter_(0, slots, token)
+        zero_row = x.new_zeros(1, dim)
+        buffer = torch.cat([x, zero_row])[source[:dump]].view(num_experts, bs * capacity, dim)
+        out = self.experts.forward_capacity(buffer).reshape(dump, dim)
+        return torch.cat([out, zero_row])[slots], (slots == dump).sum()
 
     def init_weights(self, init_std: float) -> None:
         """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`;

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from models.common.moe import MoE
+from models.common.moe import MoE, use_capacity
 from models.common.stack import BlockStack
 from tests.support.trainer_runs import train
 from trainer.optim.expert_balance import ExpertBalance
@@ -62,7 +62,7 @@ def test_finish_moves_biases_by_the_global_load_and_reports_maxvio():
     with pytest.raises(AssertionError):  # popped once per forward
         balance.pop()
     load = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, 2.0, 2.0, 2.0])
-    vio = balance.finish(load)
+    vio = balance.finish(load).max_vio
     # layer 0: mean 1.5, max 3 -> 1.0; layer 1: mean 1.5, max 2 -> 1/3
     assert vio.item() == pytest.approx((1.0 + 1 / 3) / 2)
     assert stack["0"].moe.router.expert_bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
@@ -76,7 +76,19 @@ def test_unbiased_routers_only_report():
     stack = BlockStack([_Block(False)])
     balance = ExpertBalance(stack, rate=0.5)
     assert balance and not balance.biased
-    assert balance.finish(torch.tensor([4.0, 0.0, 0.0, 0.0])).item() == pytest.approx(3.0)
+    assert balance.finish(torch.tensor([4.0, 0.0, 0.0, 0.0])).max_vio.item() == pytest.approx(3.0)
+
+
+def test_capacity_loads_carry_the_dropped_copies():
+    """Under a capacity each layer's load ends with its dropped copies: the balance step and MaxVio
+    see the routed loads only; the step's dropped count and share are the sum over layers."""
+    stack = BlockStack([_Block(True), _Block(True)])
+    use_capacity(stack, 1.0)
+    balance = ExpertBalance(stack, rate=0.5)
+    stats = balance.finish(torch.tensor([3.0, 1.0, 1.0, 1.0, 2.0, 0.0, 2.0, 2.0, 2.0, 1.0]))
+    assert stats.max_vio.item() == pytest.approx((1.0 + 1 / 3) / 2)
+    assert stack["0"].moe.router.expert_bias.tolist() == [-0.5, 0.5, 0.5, 0.5]
+    assert stats.dropped.item() == 3.0 and stats.dropped_pct.item() == pytest.approx(100 * 3 / 12)
 
 
 def _biases(folder) -> dict[str, torch.Tensor]:

@@ -402,8 +402,15 @@ class DeviceConfig:
 
 @dataclass
 class MoEConfig:
-    # `capacity_factor` (the capacity-bounded dispatch, issue 39) will sit here; until then every
-    # path is dropless.
+    capacity_factor: float = 0.0
+    """0 (the default): dropless, every token reaches its k experts. > 0: the capacity-bounded
+    dispatch, each expert taking at most `ceil(capacity_factor x seq_len x top_k / num_experts)`
+    token copies per sequence (first choices before second choices, then by position); copies
+    over it are dropped (logged per step as moe_dropped and moe_dropped_pct) and every buffer is
+    `capacity_factor x tokens x top_k` rows instead of the dropless static dispatch's `ep x tokens
+    x top_k`. The same copies drop on any mesh. 1.0-1.5 is usual; needs a model with experts and
+    tensor_parallel_degree = context_parallel_degree = 1 (whole sequences per rank).
+    docs/moe.md#capacity-factor."""
     routing: str = field(default="learned", metadata=_choices(*ROUTINGS))
     """Which experts each token goes to: `learned` (the router's top k; the only choice for
     training a model), `random` (a seeded draw per token, step and layer: k distinct experts

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from models.errors import ConfigError
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes, muon_update_
-from trainer.step.loss import StepOutput, lm_loss, local_scalar
+from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
 
 
 class GraphStep:
@@ -149,8 +149,8 @@ class GraphStep:
         self.slots.set_lr(lr)
         # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
         self.optimizer._opt_called = True
-        vio = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
-        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, moe_max_vio=vio)
+        stats = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
+        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))
 
     # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
     # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.

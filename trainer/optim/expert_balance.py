@@ -19,6 +19,10 @@ it:
   non-finite gradient norm: the bias then keeps its value too). Identical global loads on every
   rank give identical biases, so the replicated buffer needs no broadcast.
 
+Under the capacity dispatch (`[moe] capacity_factor`) each layer's load ends with the copies it
+dropped; `finish` sums them over layers and ranks (`moe_dropped`, and `moe_dropped_pct` of the
+routed copies) and takes the balance step on the routed loads alone.
+
 It also returns the step's balance metric, `max_vio`: DeepSeek's MaxVio, (max load - mean load)
 / mean load of each layer over the global batch, averaged over the layers (0 = perfectly
 balanced; logged as `moe_max_vio`). The bias lives in the model's state dict, so checkpoints
@@ -27,6 +31,8 @@ hold it and a resumed run continues its trajectory.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -34,6 +40,18 @@ from torch import nn
 from models.common import distributed
 from models.common.moe import MoE
 from models.common.stack import BlockStack
+
+
+@dataclass
+class BalanceStats:
+    """One step's expert statistics over the global batch (0-dim float32 tensors, every rank equal)."""
+
+    max_vio: torch.Tensor
+    """DeepSeek's MaxVio averaged over the MoE layers (logged as `moe_max_vio`)."""
+    dropped: torch.Tensor | None = None
+    """Capacity dispatch: token copies over capacity, summed over layers (`moe_dropped`); None: dropless."""
+    dropped_pct: torch.Tensor | None = None
+    """`dropped` in % of the routed copies (`moe_dropped_pct`)."""
 
 
 class ExpertBalance:
@@ -52,6 +70,10 @@ class ExpertBalance:
         experts = {m.router.num_experts for m in self.layers}
         assert len(experts) <= 1, f"MoE layers with different expert counts {sorted(experts)}"
         self.num_experts = experts.pop() if experts else 0
+        capacity = {m.capacity_factor > 0 for m in self.layers}
+        assert len(capacity) <= 1, "MoE layers with and without a capacity"
+        self.capacity = capacity.pop() if capacity else False
+        """The layers drop copies over a capacity: each load row ends with the dropped count."""
         self.biased = [(i, m.router) for i, m in enumerate(self.layers) if m.router.expert_bias is not None]
         """(layer index, router) of the routers with a selection bias."""
 
@@ -66,17 +88,23 @@ class ExpertBalance:
         return torch.cat([load.reshape(-1) for load in loads])
 
     @torch.no_grad()
-    def finish(self, load: torch.Tensor, apply: torch.Tensor | None = None) -> torch.Tensor:
+    def finish(self, load: torch.Tensor, apply: torch.Tensor | None = None) -> BalanceStats:
         """Sum the step's `load` (from `pop`, summed over micro-batches) over all ranks, move the
-        selection biases (module docstring), and return MaxVio (0-dim float32, every rank equal)."""
+        selection biases (module docstring), and return the step's statistics (every rank equal)."""
         load = load.detach().float().clone()
         if distributed.multi_rank():
             dist.all_reduce(load)
-        per_layer = load.view(len(self.layers), self.num_experts)
+        per_layer = load.view(len(self.layers), self.num_experts + int(self.capacity))
+        dropped = None
+        if self.capacity:  # the capacity dispatch's last entry: the copies each layer dropped
+            per_layer, dropped = per_layer[:, :-1], per_layer[:, -1].sum()
         if self.rate != 0:
             rate = self.rate if apply is None else apply.to(torch.float32) * self.rate
             for i, router in self.biased:
                 router.update_expert_bias(per_layer[i], rate)
         # MaxVio of every layer at once (a handful of ops whatever the depth), then their mean.
         mean = per_layer.mean(dim=1)
-        return ((per_layer.amax(dim=1) - mean) / mean.clamp(min=1.0)).mean()
+        vio = ((per_layer.amax(dim=1) - mean) / mean.clamp(min=1.0)).mean()
+        if dropped is None:
+            return BalanceStats(max_vio=vio)
+        return BalanceStats(max_vio=vio, dropped=dropped, dropped_pct=100 * dropped / per_layer.sum().clamp(min=1.0))

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from trainer.step.loss import StepOutput, local_scalar, plain_loss
+from trainer.step.loss import StepOutput, local_scalar, moe_outputs, plain_loss
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,10 @@ class EagerStep:
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         grad_norm = self.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], max_norm)
         nonfinite = step_if_finite(self.optimizer, grad_norm)
-        vio = None if self.balance is None else self.balance.finish(load, apply=~nonfinite)
+        stats = None if self.balance is None else self.balance.finish(load, apply=~nonfinite)
         return StepOutput(
-            loss=lm_sum / n, grad_norm=grad_norm, aux_loss=None if aux_sum is None else aux_sum / n, moe_max_vio=vio
+            loss=lm_sum / n,
+            grad_norm=grad_norm,
+            aux_loss=None if aux_sum is None else aux_sum / n,
+            **moe_outputs(stats),
         )

@@ -148,3 +148,15 @@ class StepOutput:
     moe_max_vio: torch.Tensor | None = None
     """MoE models: the step's expert-load imbalance over the global batch, DeepSeek's MaxVio
     averaged over the MoE layers (0-dim, equal on every rank; trainer/optim/expert_balance.py)."""
+    moe_dropped: torch.Tensor | None = None
+    """MoE with `[moe] capacity_factor`: token copies dropped over capacity in the step (all layers,
+    the global batch); None when dropless."""
+    moe_dropped_pct: torch.Tensor | None = None
+    """`moe_dropped` in % of the step's routed token copies."""
+
+
+def moe_outputs(stats) -> dict[str, torch.Tensor | None]:
+    """The StepOutput fields of `ExpertBalance.finish`'s `BalanceStats` (None: not an MoE model)."""
+    if stats is None:
+        return {}
+    return dict(moe_max_vio=stats.max_vio, moe_dropped=stats.dropped, moe_dropped_pct=stats.dropped_pct)

@@ -101,6 +101,8 @@ class StepRequest:
     as Muon's."""
     moe_routing: str = "learned"
     """`[moe] routing`: learned | random | balanced."""
+    moe_capacity_factor: float = 0.0
+    """`[moe] capacity_factor`: 0 dropless, > 0 the capacity-bounded dispatch."""
     routing_benchmark_only: bool = False
     """`[moe] routing_benchmark_only`: the recipe marks itself a throughput benchmark."""
     model_has_experts: bool = True
@@ -390,6 +392,27 @@ RULES: tuple[Rule, ...] = (
         "{r.moe_routing} with tensor or context parallelism, gradient accumulation or the engine is "
         "not implemented (the trainer keys tokens by whole windows, one micro-batch per step); "
         "allowed there: learned",
+    ),
+    # The capacity-bounded dispatch (models/common/moe.py): per-sequence capacity groups, so a
+    # rank must hold whole sequences (TP's MoE sees a sequence shard, CP two chunks of it).
+    Rule(
+        "moe.capacity_factor",
+        "a negative capacity factor",
+        lambda r: r.moe_capacity_factor < 0,
+        "{r.moe_capacity_factor}; allowed: 0 (dropless) or a factor > 0, e.g. 1.25",
+    ),
+    Rule(
+        "moe.capacity_factor",
+        "a capacity for a model without experts",
+        lambda r: r.moe_capacity_factor > 0 and not r.model_has_experts,
+        "{r.moe_capacity_factor} bounds what each expert takes; this model has none; allowed: 0",
+    ),
+    Rule(
+        "moe.capacity_factor",
+        "a capacity with tensor or context parallelism",
+        lambda r: r.moe_capacity_factor > 0 and (r.tp_degree > 1 or r.cp_degree > 1),
+        "{r.moe_capacity_factor} with tensor or context parallelism is not implemented (capacity is "
+        "counted per whole sequence, which a TP or CP rank does not hold); allowed there: 0 (dropless)",
     ),
     # Initial weights in Hugging Face form are read through the family's adapter
     # (trainer/checkpoint/initial.py `load_initial`).

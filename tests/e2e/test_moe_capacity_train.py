@@ -1,0 +1,76 @@
+"""The capacity-bounded dispatch through the trainer (`[moe] capacity_factor`, docs/moe.md#capacity-factor).
+
+- 1 process vs torchrun 2 processes (gloo, FSDP 2 x EP 2): the same losses and the same copies
+  dropped per step (`moe_dropped` in metrics.jsonl, > 0 at a factor of 1.0 on the debug model);
+- graph mode with layer scan (the EP scan body's `forward_capacity`) gives eager's losses and drops;
+- the rule table refuses a capacity with TP or CP, on a model without experts, and below 0.
+
+Tolerance: fp32 (mixed_precision_param = float32); the same 1e-5 relative bound as the other
+trainer parity tests (the paths differ in summation order only, see tests/unit/test_moe_capacity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from models.errors import ConfigError
+from tests.support.trainer_runs import REPO, assert_losses_close, train
+from trainer.config import build_config, parse_overrides
+from trainer.job import plan_job
+
+STEPS = 3
+ARGS = [
+    "--config",
+    "configs/qwen3_moe_debug.toml",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=false",
+    f"--training.steps={STEPS}",
+    "--moe.capacity_factor=1.0",
+]
+
+
+def _curve(records: dict[int, dict]) -> tuple[list[float], list[int]]:
+    assert sorted(records) == list(range(1, STEPS + 1))
+    return [records[s]["loss"] for s in records], [records[s]["moe_dropped"] for s in records]
+
+
+@pytest.mark.multiprocess
+def test_capacity_1_process_equals_ep2(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    want_loss, want_dropped = _curve(train(tmp_path / "one", 1, {}, *ARGS))
+    got_loss, got_dropped = _curve(train(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), *ARGS))
+    assert sum(want_dropped) > 0  # copies really were dropped
+    assert got_dropped == want_dropped
+    assert_losses_close(got_loss, want_loss)
+
+
+def test_capacity_scanned_graph_equals_eager(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    want_loss, want_dropped = _curve(train(tmp_path / "eager", 1, {}, *ARGS))
+    graph = ["--compile.mode=graph", "--compile.scan_layers=true", "--compile.backend=aot_eager"]
+    got_loss, got_dropped = _curve(train(tmp_path / "graph", 1, {}, *ARGS, *graph))
+    assert got_dropped == want_dropped
+    assert_losses_close(got_loss, want_loss)
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, refused",
+    [
+        ("qwen3_moe_debug", ["moe.capacity_factor=-1"], "-1.0; allowed: 0"),
+        ("llama3_debug", ["moe.capacity_factor=1.25"], "this model has none"),
+        ("qwen3_moe_debug", ["moe.capacity_factor=1.25", "parallelism.tensor_parallel_degree=2"], "tensor or context"),
+        ("qwen3_moe_debug", ["moe.capacity_factor=1.25"], None),
+    ],
+)
+def test_rules(recipe, overrides, refused):
+    cfg = build_config(f"{REPO}/configs/{recipe}.toml", parse_overrides([f"--{o}" for o in overrides]))
+    if refused is None:
+        plan_job(cfg, world_size=2, device_type="cpu")
+        return
+    with pytest.raises(ConfigError, match=f"^moe.capacity_factor: .*{refused}"):
+        plan_job(cfg, world_size=2, device_type="cpu")

@@ -1,0 +1,214 @@
+"""The capacity-bounded MoE dispatch (`[moe] capacity_factor`, models/common/moe.py).
+
+- `capacity_slots`: per (sequence, expert) at most `capacity` copies, first choices before second
+  choices, then by position; kept slots distinct; the rest dropped.
+- Nothing dropped (capacity = seq): output, input gradient and every parameter gradient equal the
+  dropless layer's (fp32).
+- Copies dropped: the layer equals a token-by-token reference written from the rule (fp32), and
+  the dropped count it reports is the reference's.
+- Mesh independence: one process on the global batch and EP 2 / EP 4 (ranks as threads, gloo,
+  EP x FSDP), each rank on its own sequences, drop the same copies and give the same outputs, input
+  gradients, parameter gradients and aux loss (the layer is per sequence; the data-parallel mean
+  of the ranks' losses is the one-process loss).
+
+Tolerance: fp32 throughout; the paths differ only in the summation order of the same products
+(bmm over capacity rows vs grouped or per-token matmuls, the all-to-all's gradient sums), each
+result a sum of at most a few hundred products of O(1) terms: relative error a few 1e-7, bounded
+here by 1e-5 (the EP tests' TOL).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.moe import MoE, capacity_slots, expert_capacity, use_capacity
+from models.common.plan import ModelPlan
+from parallelisms import ParallelDims, build_mesh, data_parallel
+from parallelisms.expert_parallel import apply_ep
+from tests.support.parallel_harness import full, load_full_state, rel_diff, run_threads
+
+TOL = 1e-5
+E, K, DIM, HIDDEN = 8, 2, 16, 24
+
+
+def test_expert_capacity():
+    assert expert_capacity(seq_len=4096, top_k=8, num_experts=128, factor=1.25) == 320
+    assert expert_capacity(seq_len=10, top_k=2, num_experts=8, factor=1.0) == 3  # ceil(2.5)
+    assert expert_capacity(seq_len=10, top_k=8, num_experts=8, factor=4.0) == 10  # never above seq
+
+
+def test_capacity_slots_follow_the_rule():
+    # One sequence of 4 tokens, k = 2, 3 experts, capacity 2.
+    selected = torch.tensor([[[0, 1], [1, 0], [0, 2], [0, 1]]])
+    slots = capacity_slots(selected, num_experts=3, capacity=2).view(4, 2)
+    dump = 3 * 1 * 2
+    # Expert 0: first choices of tokens 0, 2, 3 then the second choice of token 1: tokens 0 and 2
+    # keep it (slots 0, 1), token 3's first choice and token 1's second choice are dropped.
+    assert slots[0, 0] == 0 and slots[2, 0] == 1 and slots[3, 0] == dump and slots[1, 1] == dump
+    # Expert 1: token 1's first choice, then second choices of tokens 0 and 3 (position order).
+    assert slots[1, 0] == 2 and slots[0, 1] == 3 and slots[3, 1] == dump
+    assert slots[2, 1] == 4  # expert 2: token 2's second choice
+
+
+@pytest.mark.parametrize(
+    "bs, seqlen, num_experts, top_k, capacity", [(3, 40, 8, 2, 6), (2, 33, 6, 4, 1), (1, 9, 4, 1, 2)]
+)
+def test_capacity_slots_random(bs, seqlen, num_experts, top_k, capacity):
+    g = torch.Generator().manual_seed(0)
+    selected = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(bs * seqlen)]).view(
+        bs, seqlen, top_k
+    )
+    slots = capacity_slots(selected, num_experts, capacity)
+    dump = num_experts * bs * capacity
+    kept = slots[slots != dump]
+    assert kept.unique().numel() == kept.numel()  # distinct slots
+    flat = selected.reshape(-1)
+    seq = torch.arange(bs).repeat_interleave(seqlen * top_k)
+    for b in range(bs):
+        for e in range(num_experts):
+            mine = (seq == b) & (flat == e)
+            want = min(int(mine.sum()), capacity)
+            assert int((slots[mine] != dump).sum()) == want
+            # Every kept slot lies in this (expert, sequence) block of the buffer.
+            block = slots[mine & (slots != dump)] // capacity
+            assert (block == e * bs + b).all()
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": nn.Module()})
+        self.layers["0"].moe = MoE(dim=DIM, hidden_dim=HIDDEN, num_experts=E, top_k=K, norm_topk_prob=True)
+
+
+_PLAN = ModelPlan(block="layers", ep_block={"moe": "moe", "moe.router.gate": "router", "moe.experts": "experts"})
+
+
+def _case(bs: int, seqlen: int, skew: float):
+    """A layer and inputs whose routing favours experts 0 and 1 by `skew` (so copies drop)."""
+    torch.manual_seed(0)
+    layer = _Layer()
+    with torch.no_grad():
+        gate = torch.zeros(E, DIM)
+        gate[:, :E] = torch.eye(E)
+        layer.layers["0"].moe.router.gate.weight.copy_(gate)
+    x = torch.randn(bs, seqlen, DIM)
+    x[..., :2] += skew
+    return layer, x, torch.randn(bs, seqlen, DIM)
+
+
+def _run(moe: MoE, x: torch.Tensor, grad_out: torch.Tensor):
+    x = x.clone().requires_grad_()
+    out, aux, load = moe(x)
+    ((out * grad_out).sum() + 0.1 * aux).backward()
+    return out.detach(), x.grad, aux.detach(), load
+
+
+def test_no_drop_equals_dropless():
+    layer, x, g = _case(2, 12, skew=0.0)
+    moe = layer.layers["0"].moe
+    want_out, want_dx, want_aux, want_load = _run(moe, x, g)
+    want_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    assert use_capacity(layer, float(E)) == 1  # capacity = seq: nothing can drop
+    out, dx, aux, load = _run(moe, x, g)
+    assert load.shape == (E + 1,) and load[-1] == 0 and torch.equal(load[:-1], want_load)
+    assert rel_diff(out, want_out) < TOL and rel_diff(dx, want_dx) < TOL and torch.allclose(aux, want_aux)
+    for n, p in layer.named_parameters():
+        assert rel_diff(p.grad, want_grads[n]) < TOL, n
+
+
+def _reference(moe: MoE, x: torch.Tensor, factor: float):
+    """Token by token from the documented rule: per (sequence, expert) keep copies by choice rank,
+    then position, up to the capacity; a kept copy adds weight x SwiGLU_e(token)."""
+    bs, seqlen, dim = x.shape
+    flat = x.reshape(-1, dim)
+    weights, experts, _ = moe.router(flat)
+    experts = experts.view(bs, seqlen, K)
+    weights = weights.view(bs, seqlen, K)
+    cap = expert_capacity(seq_len=seqlen, top_k=K, num_experts=E, factor=factor)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    out = torch.zeros_like(x)
+    dropped = 0
+    for b in range(bs):
+        used = [0] * E
+        for j in range(K):
+            for t in range(seqlen):
+                e = int(experts[b, t, j])
+                if used[e] >= cap:
+                    dropped += 1
+                    continue
+                used[e] += 1
+                h = F.silu(x[b, t] @ w1[e].T) * (x[b, t] @ w3[e].T)
+                out[b, t] = out[b, t] + weights[b, t, j] * (h @ w2[e].T)
+    return out, dropped
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_dropping_equals_token_reference(factor):
+    layer, x, g = _case(2, 12, skew=2.0)
+    moe = layer.layers["0"].moe
+    x = x.requires_grad_()
+    want_out, want_dropped = _reference(moe, x, factor)
+    ((want_out * g).sum()).backward()
+    want_dx = x.grad.clone()
+    want_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    assert want_dropped > 0  # the skew really overflows experts 0 and 1
+    layer.zero_grad()
+    use_capacity(layer, factor)
+    x2 = x.detach().clone().requires_grad_()
+    out, _, load = moe(x2)
+    (out * g).sum().backward()
+    assert int(load[-1]) == want_dropped
+    assert rel_diff(out, want_out) < TOL and rel_diff(x2.grad, want_dx) < TOL
+    for n, p in layer.named_parameters():
+        assert rel_diff(p.grad, want_grads[n]) < TOL, n
+
+
+@pytest.mark.parametrize("world_size, ep", [(2, 2), (4, 4), (4, 2)])
+def test_capacity_is_mesh_independent(world_size, ep):
+    """EP (x FSDP) ranks, one sequence each, against one process on all the sequences."""
+    factor = 1.0
+    layer, x, g = _case(world_size, 10, skew=1.5)
+    state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    use_capacity(layer, factor)
+    moe = layer.layers["0"].moe
+    xg = x.clone().requires_grad_()
+    out, aux, load = moe(xg)
+    # The data-parallel mean of the ranks' per-sequence losses; aux is per rank (its own
+    # tokens' probabilities with global counts), so compare it by its mean as well.
+    (out * g).sum().div(world_size).backward()
+    want_out, want_dx = out.detach(), xg.grad * world_size
+    want_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    want_dropped = int(load[-1])
+    assert want_dropped > 0
+
+    def rank_fn():
+        rank = dist.get_rank()
+        dims = ParallelDims(dp_shard=world_size, ep=ep, world_size=world_size)
+        mesh = build_mesh(dims, "cpu")
+        with torch.device("meta"):
+            model = _Layer()
+        use_capacity(model, factor)
+        apply_ep(
+            model, plan=_PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+        )
+        data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model.to_empty(device="cpu")
+        load_full_state(model, state)
+        xr = x[rank : rank + 1].clone().requires_grad_()
+        out, _, load = model.layers["0"].moe(xr)
+        (out * g[rank : rank + 1]).sum().backward()
+        return out.detach(), xr.grad, int(load[-1]), {n: full(p.grad) for n, p in model.named_parameters()}
+
+    results = run_threads(world_size, rank_fn)
+    assert sum(r[2] for r in results) == want_dropped  # the same copies dropped, counted per rank
+    for rank, (out, dx, _, grads) in enumerate(results):
+        assert rel_diff(out, want_out[rank : rank + 1]) < TOL
+        assert rel_diff(dx, want_dx[rank : rank + 1]) < TOL
+        for name, want in want_grads.items():
+            assert rel_diff(grads[name], want) < TOL, name
