@@ -24,6 +24,10 @@ TorchTitan) is one command:
 
     python scripts/benchmark.py --preset ttshape [--quick]
 
+The MoE side-by-side (our Qwen 3 MoE against TorchTitan's own qwen3_moe_debug trainer, 64 experts,
+top-8, learned routing on both sides or round-robin on both) is `--preset moe_ttshape` and
+`--preset moe_ttshape_balanced` (docs/benchmarks.md, "MoE side by side").
+
 Every row records the CPU model (lscpu) and the OpenMP thread count of its runs. The script measures how busy the CPUs are
 (/proc/stat) before each run and prints it next to the numbers: on a shared machine a busy
 fraction above ~0.2 makes throughput numbers unreliable.
@@ -90,6 +94,25 @@ PRESETS = {
         "steps": 20,
         "warmup": 5,
     },
+}
+# --preset moe_ttshape / moe_ttshape_balanced: our Qwen 3 MoE at TorchTitan's qwen3_moe_debug shape (64
+# experts, top-8, 315.8M parameters; seq cut to 256, batch 2) against TorchTitan's own MoE trainer, both
+# bf16 with selective AC; learned routing on both sides, or round-robin on both (ours `[moe] routing =
+# "balanced"`, TorchTitan's `debug.moe_force_load_balance`).
+_MOE_SHAPE = {"config": "configs/qwen3_moe_debug_ttshape.toml", "peer": "torchtitan", "peer_model": "qwen3_moe"}
+_MOE_RUNS = {"seq_len": 256, "batch": 2, "repeats": 3, "steps": 4, "warmup": 2}
+_BALANCED = ["--moe.routing=balanced", "--moe.routing_benchmark_only=true"]
+PRESETS["moe_ttshape"] = {
+    **_MOE_SHAPE,
+    "variants": {"eager_bf16": ["--compile.mode=eager"]},
+    "peer_routing": "learned",
+    **_MOE_RUNS,
+}
+PRESETS["moe_ttshape_balanced"] = {
+    **_MOE_SHAPE,
+    "variants": {"eager_bf16_balanced": ["--compile.mode=eager", *_BALANCED]},
+    "peer_routing": "balanced",
+    **_MOE_RUNS,
 }
 # --quick: a smoke run of the same table (shapes cut so that it finishes in minutes on 2 cores).
 QUICK = {"seq_len": 256, "batch": 2, "repeats": 1, "steps": 4, "warmup": 1}
@@ -197,8 +220,12 @@ def build_peer_command(
     seq_len: int,
     batch: int,
     extra: list[str],
+    model: str = "llama3",
+    routing: str = "learned",
 ) -> list[str]:
-    """The peer harness's command line for one run (it launches the peer's own torchrun itself)."""
+    """The peer harness's command line for one run (it launches the peer's own torchrun itself).
+
+    `model`/`routing`: the harness's --model (llama3, qwen3_moe) and --routing (learned, balanced)."""
     if peer not in PEERS:
         raise _refuse(f"--peer: unknown peer {peer!r}; allowed: {', '.join(PEERS)}")
     cmd = [
@@ -216,6 +243,10 @@ def build_peer_command(
         str(seq_len),
         "--batch",
         str(batch),
+        "--model",
+        model,
+        "--routing",
+        routing,
     ]
     return cmd + (["--", *extra] if extra else [])
 
@@ -495,7 +526,9 @@ def main(argv: list[str] | None = None) -> int:
         "--preset",
         default=None,
         choices=sorted(PRESETS),
-        help="ttshape: ours eager/graph/graph_scan bf16+fp32 at TorchTitan's shape vs TorchTitan",
+        help="ttshape: ours eager/graph/graph_scan bf16+fp32 at TorchTitan's llama3 debugmodel shape vs TorchTitan; "
+        "moe_ttshape (learned routing) and moe_ttshape_balanced (round-robin on both sides): our Qwen 3 MoE eager "
+        "bf16 at TorchTitan's qwen3_moe_debug shape vs TorchTitan's MoE trainer",
     )
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} (both sides)")
     parser.add_argument("--out", default="benchmark.csv", help="summary CSV (runs go to <stem>_runs.csv)")
@@ -579,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                 seq_len=args.peer_seq_len,
                 batch=args.peer_batch,
                 extra=args.peer_arg,
+                model=preset.get("peer_model", "llama3"),
+                routing=preset.get("peer_routing", "learned"),
             )
             # The peer harness's own output; TorchTitan's log is its stdout.log in the same folder.
             job["log"] = "harness.log"

@@ -1,4 +1,4 @@
-"""The peer harness: run TorchTitan 0.3.0's own trainer at its llama3 debug shape and report it like ours.
+"""The peer harness: run TorchTitan 0.3.0's own trainer on its llama3 or Qwen 3 MoE debug model, report it like ours.
 
 Runs in the peer venv (`bash scripts/bench/peer_env.sh` builds `.venv-peer/`), not in ours:
 
@@ -25,6 +25,15 @@ needs: its device helpers and its SDPA attention module; the shim's docstring sa
    TorchTitan's `tps` is its own per-device tokens/s over the whole step (data loading included).
    Its MFU is dropped on the CPU: it divides by an A100's peak when it does not know the device.
 
+`--model qwen3_moe` runs TorchTitan's own MoE trainer instead: its `qwen3_moe_debug` config (Qwen 3
+debugmodel_moe: dim 256, 8 layers, 16 heads of 128, 8 kv heads, 64 experts of width 768, top-8,
+softmax router with renormalized top-k weights, auxiliary-loss-free expert bias, vocab 2048;
+315,758,848 parameters; SelectiveAC, AdamW lr 3e-4, bf16 mixed precision through its FSDP wrapper
+even on one process) with the same SDPA swap (the shim's `qwen3_moe_debug_sdpa`); our side is
+configs/qwen3_moe_debug_ttshape.toml. `--routing balanced` turns on TorchTitan's
+`--debug.moe-force-load-balance` (token t's j-th expert is (t*k + j) mod E, the same round-robin as
+our `[moe] routing = "balanced"`).
+
 Arguments after `--` go to TorchTitan's command line (its tyro syntax: `--training.dtype float32`).
 """
 
@@ -44,8 +53,13 @@ sys.path.insert(0, str(REPO))
 from trainer.runtime import cli  # noqa: E402  (standard library only: runs in the peer venv)
 
 SHIM = REPO / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py"
-PEER_MODULE, PEER_CONFIG = "scripts.peer.torchtitan_cpu_shim", "llama3_debugmodel_sdpa"
-PEER_VOCAB = 2048  # TorchTitan 0.3.0 llama3 `_debugmodel`: vocab_size=2048
+PEER_MODULE = "scripts.bench.peer.torchtitan_cpu_shim"
+# --model: TorchTitan's config, through the shim (its SDPA swap). Both have vocab_size=2048.
+PEER_CONFIGS = {"llama3": "llama3_debugmodel_sdpa", "qwen3_moe": "qwen3_moe_debug_sdpa"}
+PEER_CONFIG = PEER_CONFIGS["llama3"]
+PEER_VOCAB = 2048  # TorchTitan 0.3.0 llama3 `_debugmodel` and qwen3 `_debugmodel_moe`: vocab_size=2048
+# --routing: TorchTitan's router as is (learned top-k) or its `debug.moe_force_load_balance` round-robin.
+ROUTING_ARGS = {"learned": [], "balanced": ["--debug.moe-force-load-balance"]}
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>")
 TOKENIZER = REPO / "assets" / "tokenizer" / "bpe_2k"  # shared by both sides: see make_tokenizer
 
@@ -71,8 +85,14 @@ def build_peer_command(
     tokenizer_dir: str,
     data_dir: str,
     extra: list[str],
+    model: str = "llama3",
+    routing: str = "learned",
 ) -> list[str]:
     """TorchTitan's launch, as run_train.sh does it (torchrun even for one process: it reads LOCAL_RANK)."""
+    if model not in PEER_CONFIGS:
+        raise ValueError(f"model {model!r}; allowed: {', '.join(PEER_CONFIGS)}")
+    if routing not in ROUTING_ARGS or (routing != "learned" and model == "llama3"):
+        raise ValueError(f"routing {routing!r} for {model}; allowed: learned, or balanced for an MoE model")
     return [
         python,
         "-m",
@@ -84,7 +104,7 @@ def build_peer_command(
         "--module",
         PEER_MODULE,
         "--config",
-        PEER_CONFIG,
+        PEER_CONFIGS[model],
         "--hf-assets-path",
         tokenizer_dir,
         "--dataloader.dataset-path",
@@ -104,6 +124,7 @@ def build_peer_command(
         "--metrics.log-freq",
         "1",
         "--metrics.disable-color-printing",
+        *ROUTING_ARGS[routing],
         *extra,
     ]
 
@@ -210,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump-folder", required=True, help="run folder: stdout.log, metrics.jsonl, TorchTitan's dump")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="first steps dropped from the summary")
+    parser.add_argument(
+        "--model", default="llama3", choices=sorted(PEER_CONFIGS), help="TorchTitan's debug model (through the shim)"
+    )
+    parser.add_argument(
+        "--routing",
+        default="learned",
+        choices=sorted(ROUTING_ARGS),
+        help="MoE routing: TorchTitan's learned top-k, or balanced (its debug.moe_force_load_balance round-robin)",
+    )
     parser.add_argument("--nproc", type=int, default=1, help="processes (data parallel, TorchTitan's FSDP)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8, help="local batch size per process")
@@ -225,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", default=None, help="summary CSV, in scripts/benchmark.py's row format")
     args = parser.parse_args(argv)
+    if args.routing != "learned" and args.model == "llama3":
+        parser.error(f"--routing: {args.routing} needs an MoE model; allowed with --model llama3: learned")
 
     import torch
 
@@ -247,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_dir=str(tokenizer_dir),
         data_dir=str(data_dir),
         extra=extra,
+        model=args.model,
+        routing=args.routing,
     )
     with open(folder / "stdout.log", "w") as log:
         log.write(" ".join(cmd) + "\n")

@@ -81,7 +81,9 @@ def test_peer_commands(harness, bench):
     ]
     assert cmd[6] == str(ROOT / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py")
     pairs = dict(zip(cmd[7::2], cmd[8::2]))
-    assert pairs["--module"] == "scripts.peer.torchtitan_cpu_shim" and pairs["--config"] == "llama3_debugmodel_sdpa"
+    assert (
+        pairs["--module"] == "scripts.bench.peer.torchtitan_cpu_shim" and pairs["--config"] == "llama3_debugmodel_sdpa"
+    )
     for flag, value in [
         ("--training.steps", "7"),
         ("--training.seq-len", "2048"),
@@ -256,3 +258,64 @@ def test_shim_cpu_device_module():
     assert module.memory_stats() == {} and module.device_count() == 1
     assert module.get_device_properties(0).total_memory > 0  # metrics divide by it
     module.set_device("cpu"), module.reset_peak_memory_stats(), module.empty_cache(), module.synchronize()
+
+
+def test_moe_peer_commands(harness):
+    """--model qwen3_moe runs TorchTitan's own MoE config through the shim; --routing balanced is its round-robin."""
+    common = dict(
+        python="py", nproc=1, dump_folder="/d", steps=4, seq_len=256, batch=2, tokenizer_dir="/t", data_dir="/x"
+    )
+    learned = harness.build_peer_command(**common, extra=[], model="qwen3_moe")
+    balanced = harness.build_peer_command(**common, extra=["--y"], model="qwen3_moe", routing="balanced")
+    assert learned[learned.index("--config") + 1] == "qwen3_moe_debug_sdpa"
+    assert "--debug.moe-force-load-balance" not in learned
+    assert balanced[-2:] == ["--debug.moe-force-load-balance", "--y"]  # the user's arguments still come last
+    llama = harness.build_peer_command(**common, extra=[])
+    assert llama[llama.index("--config") + 1] == "llama3_debugmodel_sdpa"
+    for bad in (dict(model="mixtral"), dict(model="llama3", routing="balanced"), dict(routing="random")):
+        with pytest.raises(ValueError):
+            harness.build_peer_command(**common, extra=[], **bad)
+    shim = _load("torchtitan_cpu_shim_names", ROOT / "scripts" / "bench" / "peer" / "torchtitan_cpu_shim.py")
+    assert all(callable(getattr(shim, name)) for name in harness.PEER_CONFIGS.values())
+
+
+@pytest.mark.parametrize(
+    "preset, routing, ours",
+    [("moe_ttshape", "learned", []), ("moe_ttshape_balanced", "balanced", ["--moe.routing=balanced"])],
+)
+def test_moe_preset_commands(bench, capsys, preset, routing, ours):
+    """--preset moe_ttshape[_balanced]: ours on the MoE TT-shape recipe, then TorchTitan's MoE, same routing and shape."""
+    assert bench.main(["--preset", preset, "--dry-run", "--repeats", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and all("reference_torchtitan.py" in line for line in lines[1::2])  # interleaved
+    assert all("configs/qwen3_moe_debug_ttshape.toml" in line for line in lines[::2])
+    for flag in ours:
+        assert all(flag in line for line in lines[::2])
+    assert all(("--moe.routing=balanced" in line) == (routing == "balanced") for line in lines[::2])
+    assert all(f"--seq-len 256 --batch 2 --model qwen3_moe --routing {routing}" in line for line in lines[1::2])
+
+
+def test_moe_ttshape_recipe_is_torchtitans_qwen3_moe_debug():
+    """configs/qwen3_moe_debug_ttshape.toml has TorchTitan 0.3.0's qwen3_moe_debug model.
+
+    TorchTitan logs for it "Total parameter count: dense 13,637,888, sparse 302,120,960, ... active
+    51,517,696" and "size: 315,758,848 total parameters": 8 layers of fused QKV 256 x (16+8+8) x 128,
+    output 2048 x 256, q/k norms, 2 norms, a 64-expert router and 64 SwiGLU experts 256 x 768; untied
+    2048 x 256 embedding and head. Exact counts, so any difference in a dimension fails it.
+    """
+    import torch
+
+    from trainer.config import build_config, resolve_model_args
+
+    cfg = build_config(str(ROOT / "configs" / "qwen3_moe_debug_ttshape.toml"), [])
+    family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim) == (256, 8, 16, 8, 128)
+    assert (args.num_experts, args.num_experts_per_tok, args.moe_hidden_dim, args.vocab_size) == (64, 8, 768, 2048)
+    assert args.norm_topk_prob and args.moe_expert_bias and not args.tie_embeddings
+    assert (args.rope_theta, cfg.training.aux_loss_coef, cfg.training.expert_bias_rate) == (1e6, 0.0, 1e-3)
+    assert (cfg.activation_checkpoint.mode, cfg.training.mixed_precision_param) == ("selective", "bfloat16")
+    assert (cfg.training.seq_len, cfg.training.local_batch_size) == (256, 2)  # the preset's shape, both sides
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    assert sum(p.numel() for p in model.parameters()) == 315_758_848
+    assert args.num_active_params() == 51_517_696

@@ -19,12 +19,21 @@ This file runs inside the peer venv (scripts/bench/peer_env.sh), never in ours. 
 3. **One torch name.** After step 1 TorchTitan calls `torch.distributed.set_timeout`, which the
    torch 2.13.0 release has only as `distributed_c10d._set_pg_timeout` (same signature): we alias it
    when it is missing (on every device; TorchTitan 0.3.0 was cut against a newer nightly).
+4. **The MoE model** (`qwen3_moe_debug_sdpa`, TorchTitan's `qwen3_moe_debug()`: Qwen 3 debugmodel_moe,
+   64 experts, top-8) needs only shim 2 on top of shims 1 and 3: its `qwen3` model registry defaults
+   to FlexAttention too, so every layer gets the same SDPA swap. Nothing in its MoE path needs
+   CUDA at expert-parallel degree 1: the router is plain torch (`debug.moe_force_load_balance`
+   replaces its choice by round-robin), `LocalTokenDispatcher` reorders tokens with argsort and
+   scatter_add, and `GroupedExperts` calls `torch._grouped_mm` on bf16 copies of its inputs and
+   weights, which torch 2.13 runs on the CPU. The triton kernels TorchTitan imports belong to its
+   all-to-all dispatchers (EP > 1) and are never called here. Checked 2026-12-05 by a run to
+   completion on the CPU (scripts/benchmark.py --preset moe_ttshape).
 
 Everything else (config system, model build, SelectiveAC, loss, AdamW, LR schedule, data loader,
 metrics, the train loop) is TorchTitan's own code. Usage (what scripts/bench/reference_torchtitan.py runs):
 
     .venv-peer/bin/python scripts/bench/peer/torchtitan_cpu_shim.py \
-        --module scripts.peer.torchtitan_cpu_shim --config llama3_debugmodel_sdpa \
+        --module scripts.bench.peer.torchtitan_cpu_shim --config llama3_debugmodel_sdpa|qwen3_moe_debug_sdpa \
         --hf-assets-path DIR --dataloader.dataset-path DIR [--section.key value ...]
 """
 
@@ -92,8 +101,19 @@ def llama3_debugmodel_sdpa():
     return config
 
 
+def qwen3_moe_debug_sdpa():
+    """Shim 2 for the MoE model: TorchTitan's qwen3_moe_debug() with its SDPA module in every layer."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    config = qwen3_moe_debug()
+    for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
+
+
 def main() -> None:
-    # `--module scripts.peer.torchtitan_cpu_shim` must import this file by that name.
+    # `--module scripts.bench.peer.torchtitan_cpu_shim` must import this file by that name.
     repo = str(Path(__file__).resolve().parents[3])
     if repo not in sys.path:
         sys.path.insert(0, repo)
