@@ -15,6 +15,7 @@ headroom margin. The step plan says which terms apply (`StepPlan.fused_loss`, `s
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -147,18 +148,36 @@ class Estimate:
         return self.local_batch_size * self.seq_len // self.cp < self.fsdp_min_tokens
 
 
-def ep_dispatch_bytes(shape: ModelShape, *, tokens: int, ep: int) -> int:
-    """One MoE layer's dispatch buffers under expert parallelism, forward + recomputed backward.
+def ep_dispatch_bytes(
+    shape: ModelShape,
+    *,
+    tokens: int,
+    ep: int,
+    capacity_factor: float = 0.0,
+    local_batch_size: int = 1,
+    seq_len: int = 1,
+) -> int:
+    """One MoE layer's dispatch buffers, forward + recomputed backward.
 
-    The static dispatch (parallelisms/expert_parallel.py `dispatch_combine_static`, the one a
-    TPU and every traced step use) is dropless with static shapes: it receives up to
-    `ep x tokens x top_k` rows (all its peers' copies could come here). Rows of that buffer:
-    the received tokens and the experts' output (bf16, `dim` each), the grouped SwiGLU's gate,
-    up and product (bf16, `moe_hidden` each); the backward holds their gradients too (x2).
-    0 without EP (the experts run on the local token copies, counted in the block's activations)."""
-    if ep <= 1 or not shape.is_moe:
+    Rows of a buffer: the received tokens and the experts' output (bf16, `dim` each), the SwiGLU's
+    gate, up and product (bf16, `moe_hidden` each); the backward holds their gradients too (x2).
+    - Dropless (`capacity_factor` 0): the static dispatch (parallelisms/expert_parallel.py
+      `dispatch_combine_static`, the one a TPU and every traced step use) receives up to `ep x
+      tokens x top_k` rows (all its peers' copies could come here). 0 without EP (the experts run
+      on the local token copies, counted in the block's activations).
+    - Capacity (models/common/moe.py): the `[E, batch x capacity]` buffer, `E x local_batch_size
+      x capacity` rows (`capacity = min(seq, ceil(factor x seq x k / E))` per sequence), whatever
+      the EP degree: about `factor x tokens x top_k`.
+    """
+    if not shape.is_moe:
         return 0
-    rows = ep * tokens * shape.top_k
+    if capacity_factor > 0:
+        capacity = min(seq_len, math.ceil(capacity_factor * seq_len * shape.top_k / shape.num_experts))
+        rows = shape.num_experts * local_batch_size * capacity
+    elif ep <= 1:
+        return 0
+    else:
+        rows = ep * tokens * shape.top_k
     return 2 * rows * (2 * shape.dim + 3 * shape.moe_hidden) * 2
 
 
@@ -183,6 +202,7 @@ def estimate(
     undonated_update: bool = False,
     optimizer: str = "adamw",
     stacked: bool = False,
+    moe_capacity_factor: float = 0.0,
 ) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
@@ -191,7 +211,8 @@ def estimate(
     `undonated_update`: the step plan's (trainer/step/plan.py `StepPlan`). `optimizer`: "adamw", or
     "muon": one fp32 moment on the Muon matrices (`stats.muon_numel`) and the update's whole
     matrices (`stats.muon_whole_numel`, or `muon_whole_stacked_numel` when `stacked`, the
-    layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT."""
+    layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT. `moe_capacity_factor`: `[moe] capacity_factor`
+    (the dispatch buffers of `ep_dispatch_bytes`)."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
     acts = (
@@ -247,12 +268,20 @@ def estimate(
     # or kept (no AC). Splash's working set (one block_q x block_kv tile of scores per step) is
     # in VMEM, not HBM, and no [s/cp, s] mask exists on TPU.
     gathered_kv_grads = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
+    dispatch = ep_dispatch_bytes(
+        shape,
+        tokens=t_proj,
+        ep=parallel_dims.ep,
+        capacity_factor=moe_capacity_factor,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len // cp,
+    )
     transient_block = (
         regather
         + recompute
         + 6 * stats.largest_block_param_gathered
         + 2 * (2 * shape.dim * t_proj)
-        + ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep)
+        + dispatch
         + gathered_kv_grads
     )
     sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
@@ -303,11 +332,15 @@ def estimate(
             f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
             "TP collectives would leave the host's fastest links"
         )
-    if parallel_dims.ep > 1:
+    if shape.is_moe and moe_capacity_factor > 0:
         est.notes.append(
-            f"expert parallelism: the static dispatch's worst-case buffers "
-            f"({ep_dispatch_bytes(shape, tokens=t_proj, ep=parallel_dims.ep) / 2**30:.2f} GiB) are in the "
-            "block backward"
+            f"MoE capacity factor {moe_capacity_factor:g}: the capacity dispatch's buffers "
+            f"({dispatch / 2**30:.2f} GiB) are in the block backward"
+        )
+    elif parallel_dims.ep > 1:
+        est.notes.append(
+            f"expert parallelism: the static dispatch's worst-case buffers ({dispatch / 2**30:.2f} GiB) "
+            "are in the block backward"
         )
     if cp > 1:
         est.notes.append(

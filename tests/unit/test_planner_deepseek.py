@@ -25,7 +25,7 @@ from planner.deepseek import mla_activation_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEEPSEEK = get_model_family("deepseek_v3")
-RECIPES = {"deepseek_v3_671b_v7x": ("v7x-512", 4, 2), "kimi_k2_v7x": ("v7x-1024", 4, 2)}
+RECIPES = {"deepseek_v3_671b_v7x": ("v7x-512", 64, 4), "kimi_k2_v7x": ("v7x-1024", 64, 4)}
 """recipe -> (target, expert-parallel degree, local batch) the planner chose (docs/planner.md)."""
 
 
