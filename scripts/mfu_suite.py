@@ -289,6 +289,48 @@ def compile_costs(
     }
 
 
+def override_tag(overrides: list[tuple[str, str]]) -> str:
+    """A folder-safe tag of a compile's overrides ('' without any): the cache key's part."""
+    return "".join(f"+{k}={v}" for k, v in overrides).replace("/", "_")
+
+
+def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: float, cache: Path | None = None) -> dict:
+    """The per-device program the trainer emits for `recipe` on its `[job] target` (with
+    `overrides`, e.g. job.target=v7x-16 or moe.routing=random), compiled deviceless by
+    tools/tpu_compile.py at full depth (layer scan as the recipe has it: XLA's loops carry their
+    trip counts, so nothing is extrapolated), with XLA's dump of the optimized HLO kept.
+    With `cache`, a compile already under cache/<recipe><tag>/ is read back, not redone."""
+    from tools.tpu_compile import compile_recipe
+
+    base = cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo"
+    folder = base / f"{recipe.stem}{override_tag(overrides)}"
+    result, hlo_path = folder / "program.json", folder / "program.after_optimizations.txt"
+    if not (cache and result.is_file() and hlo_path.is_file()):
+        folder.mkdir(parents=True, exist_ok=True)
+        dump = folder / "dump"
+        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+        rep = compile_recipe(str(recipe), overrides=overrides, timeout=timeout, extra_env={"XLA_FLAGS": flags.strip()})
+        dumped = sorted(
+            (q for q in dump.glob("*after_optimizations.txt") if "cpu_after" not in q.name),
+            key=lambda q: q.stat().st_size,
+        )
+        if dumped:
+            dumped[-1].replace(hlo_path)  # the step's module: the largest one
+        shutil.rmtree(dump, ignore_errors=True)  # buffer assignment and the other dumps: large, not read
+        data = {k: getattr(rep, k) for k in rep.__dataclass_fields__}
+        data["verdict"] = rep.verdict
+        result.write_text(json.dumps(data, default=str))
+    res = json.loads(result.read_text())
+    if not hlo_path.is_file() or not hlo_path.stat().st_size:
+        raise RuntimeError(f"no optimized HLO from the compile ({res.get('error') or res.get('oom') or 'no dump'})")
+    if not res.get("kernel_cost") and res.get("kernels"):  # a compile from before tpu_compile priced kernels
+        rep = compile_recipe(str(recipe), overrides=overrides, timeout=timeout, capture_only=True)
+        res["kernel_cost"] = rep.kernel_cost
+        result.write_text(json.dumps(res, default=str))
+    res["hlo"] = str(hlo_path)
+    return res
+
+
 # The compile worker allocates the model and the AdamW moments on the host but never writes them
 # (scripts/estimate_xla.py): measured peak resident 1.56 GB at 1.27 B parameters and 1.76 GB at
 # 1.49 B (Llama 3 8B at 1 and 2 layers, v6e-4), i.e. ~0.4 GB plus ~0.9 byte per parameter.
@@ -345,19 +387,55 @@ def host_available_bytes() -> float | None:
     return None
 
 
+ROUTINGS = {"learned": [], "random": [("moe.routing", "random"), ("moe.routing_benchmark_only", "true")]}
+
+
+def expert_parallel(recipe: Path) -> bool:
+    """The recipe runs its experts over an expert-parallel mesh (ep > 1)."""
+    from trainer.config import build_config
+
+    return build_config(str(recipe), []).parallelism.expert_parallel_degree > 1
+
+
 def project(
-    names: list[str], *, anchors: dict, timeout: float, costs=None, cache: Path | None = None
+    names: list[str],
+    *,
+    anchors: dict,
+    timeout: float,
+    costs=None,
+    cache: Path | None = None,
+    overrides: list[tuple[str, str]] = (),
+    routings: tuple[str, ...] = ("learned",),
+    compile=None,
 ) -> tuple[list[dict], str]:
-    """Roofline projections of pod recipes from the deviceless compile (`costs`, default
-    `compile_costs`); ([], reason) when there is nothing to project or no XLA venv."""
+    """Projections of pod recipes; ([], reason) when there is nothing to project or no XLA venv.
+    The expert-parallel recipes: the bound of the trainer's own per-device program (`program_row`,
+    once per routing in `routings`, with `overrides`). The others: the 1- and 2-layer FSDP compile
+    of scripts/estimate_xla.py (`costs`, default `compile_costs`), extrapolated."""
     from trainer.runtime.flops import TPU_PEAK_TFLOPS
 
     if not names:
         return [], "no recipes to project (--project none)"
-    if costs is None:
+    rows = []
+    program_names = [n for n in names if expert_parallel(recipe_path(n))]
+    names = [n for n in names if n not in program_names]
+    if (program_names and compile is None) or (names and costs is None):
         venv, why = xla_venv()
         if venv is None:
             return [], why
+    for name in program_names:
+        for routing in routings:
+            rows.append(
+                program_row(
+                    name,
+                    [*ROUTINGS[routing], *overrides],
+                    anchors=anchors,
+                    timeout=timeout,
+                    cache=cache,
+                    compile=compile,
+                )
+            )
+    if costs is None:
         costs = (
             compile_costs
             if cache is None
@@ -365,7 +443,6 @@ def project(
                 lambda recipe, target, n, extra, timeout: compile_costs(recipe, target, n, extra, timeout, cache=cache)
             )
         )
-    rows = []
     for name in names:
         recipe = recipe_path(name)
         facts = recipe_facts(recipe)
@@ -538,6 +615,310 @@ def hlo_bound(
     return out
 
 
+# ------------------------------------------------------------------------------ the trainer's program
+
+# The ATen ops of the expert-parallel dispatch and combine (parallelisms/expert_parallel.py
+# `dispatch_combine_static`: the permutation of the routed rows by peer and by expert, their
+# inverse, the counts), as jax names them in the HLO metadata's op_name, outside the kernels.
+DISPATCH_SOURCES = re.compile(
+    r"titan_program::ragged_all_to_all|aten::(?:index|index_put|_index_put_impl|scatter|scatter_add|gather|sort|"
+    r"argsort|cumsum|bincount|histc|repeat_interleave|searchsorted)[.:/]"
+)
+
+
+def is_dispatch_op(op) -> bool:
+    """An XLA op of the EP dispatch / combine: a permutation, scatter or count op
+    (DISPATCH_SOURCES: index, gather, scatter, sort, cumsum ... as the HLO metadata names the ATen
+    op) outside the kernels. Both dispatches build their buffers with them (the dropless one's
+    sorted rows and worst-case receive buffer, the capacity one's [experts, batch x capacity]
+    slots); the model's other ops are matmuls, elementwise and reductions."""
+    return op.kind == "xla" and "titan_capture::" not in op.source and bool(DISPATCH_SOURCES.search(op.source))
+
+
+def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
+    """What the bound needs from a recipe with overrides: generation, peak, FLOPs per token,
+    routed rows per device (tokens x top-k), the target's topology."""
+    import planner
+    from parallelisms.tpu_topology import topology_of
+    from trainer.config import build_config, resolve_model_args
+    from trainer.runtime.flops import TPU_PEAK_TFLOPS, flops_per_token
+
+    cfg = build_config(str(recipe), list(overrides))
+    _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    shape = args.shape()
+    target = planner.parse_target(cfg.job.target)
+    gen = target.generation.name
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+    return {
+        "generation": gen,
+        "target": target.name,
+        "devices": target.devices,
+        "chips": target.devices // (2 if gen == "v7x" else 1),
+        "topology": topology_of(target),
+        "peak": TPU_PEAK_TFLOPS[gen] * 1e12,
+        "seq_len": cfg.training.seq_len,
+        "tokens": tokens,
+        "routed_rows": tokens * (getattr(shape, "top_k", 0) or 0),
+        "ep": cfg.parallelism.expert_parallel_degree,
+        "flops_per_token": flops_per_token(
+            num_matmul_params=args.num_active_params(exclude_embedding=True),
+            n_layers=shape.n_layers,
+            n_heads=shape.n_heads,
+            head_dim=shape.head_dim,
+            seq_len=cfg.training.seq_len,
+        ),
+    }
+
+
+def kernel_times(kernel_cost: dict, est_ops: list, *, routed_rows: int, peak: float, hbm: float) -> dict:
+    """Seconds of the Pallas kernels per step, per kernel op. The capture model's count
+    (tpu_compile's `kernel_cost`), with the grouped matmuls' FLOPs and bytes taken from megablox's
+    own CostEstimate in the HLO where it has one (`est_ops`), and scaled from the worst-case buffer
+    the program is compiled for (`rows`: every routed row of every peer landing here) to the rows a
+    balanced routing brings (`routed_rows`): megablox's grid is sized on the device from the group
+    sizes (its first operand, a scalar), so the tiles past the routed rows never run."""
+    out = {}
+    est_flops = sum(o.times * o.flops for o in est_ops)
+    est_bytes = sum(o.times * o.bytes for o in est_ops)
+    gmm_model = {k: v for k, v in kernel_cost.items() if k.startswith("gmm")}
+    model_flops = sum(v["flops"] for v in gmm_model.values())
+    for op, c in kernel_cost.items():
+        flops, nbytes = c["flops"], c["bytes"]
+        if op.startswith("gmm"):
+            if est_ops and model_flops:  # megablox's estimate, split over gmm / gmm_bwd as the model splits
+                share = flops / model_flops
+                flops, nbytes = est_flops * share, est_bytes * share
+            scale = min(1.0, routed_rows / c["rows"]) if c.get("rows") and routed_rows else 1.0
+            flops, nbytes = flops * scale, nbytes * scale
+        out[op] = {"flops": flops, "bytes": nbytes, "s": max(flops / peak, nbytes / hbm)}
+    return out
+
+
+def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, compute_s: float | None = None) -> dict:
+    """The step-time bound of one compiled per-device program (`program_compile`'s result):
+    compute = XLA ops (per-op roofline) + kernels (`kernel_times`), floored at the model's FLOPs;
+    collectives priced where the mesh puts their groups on the torus (`placement`: default the
+    compile's own; another size's for the weak scaling); the EP dispatch's share."""
+    from tools import xla_projection as xp
+
+    gen, peak = facts["generation"], facts["peak"]
+    hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
+    ici = anchors["ici"][gen]
+    topo = facts["topology"]
+    own = xp.Placement(
+        radices=list(res["radices"]),
+        coords=[tuple(c) for c in res["device_coords"]],
+        chips=topo.chips,
+        wrap=topo.wrap[:3],
+    )
+    summary = xp.summarize(Path(res["hlo"]).read_text(), mesh=own.mesh)
+    ops = summary["ops"]
+    xla_s = xp.compute_time(ops, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
+    est = [o for o in ops if o.kind == "kernel"]
+    kernels = kernel_times(res.get("kernel_cost", {}), est, routed_rows=facts["routed_rows"], peak=peak, hbm=hbm)
+    kernel_s = sum(k["s"] for k in kernels.values())
+    colls = summary["collectives"]
+    comm = xp.comm_on_placement(colls, ici=ici, placement=placement or own)
+    model_flops = facts["flops_per_token"]["causal"] * facts["tokens"]
+    compute = xla_s + kernel_s if compute_s is None else compute_s
+    b = xp.bound(compute_s=compute, comm_s=sum(comm.values()), model_flops=model_flops, peak_flops=peak)
+    palm = facts["flops_per_token"]["palm"] / facts["flops_per_token"]["causal"]
+    # the dispatch: its all-to-alls (ragged token exchange and the counts) and its permutation ops
+    a2a = [c for c in colls if c.kind == "all-to-all"]
+    a2a_s = sum(xp.comm_on_placement([c], ici=ici, placement=placement or own).get("+".join(c.axes), 0.0) for c in a2a)
+    disp = [o for o in ops if is_dispatch_op(o)]
+    disp_s = xp.compute_time(disp, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
+    return {
+        "compute_s": b["compute_s"],
+        "xla_s": xla_s,
+        "kernel_s": kernel_s,
+        "kernels": {k: v["s"] for k, v in kernels.items()},
+        "comm_s": b["comm_s"],
+        "comm_by_axis": comm,
+        "step_exposed_s": b["step_exposed_s"],
+        "step_overlapped_s": b["step_overlapped_s"],
+        "mfu_causal_exposed": b["mfu_exposed_pct"],
+        "mfu_causal_overlapped": b["mfu_overlapped_pct"],
+        "mfu_palm_exposed": min(100.0, b["mfu_exposed_pct"] * palm),
+        "mfu_palm_overlapped": min(100.0, b["mfu_overlapped_pct"] * palm),
+        "tokens_per_s_exposed": facts["tokens"] / b["step_exposed_s"],
+        "tokens_per_s_overlapped": facts["tokens"] / b["step_overlapped_s"],
+        "a2a_bytes": sum(c.times * c.bytes for c in a2a),
+        "a2a_s": a2a_s,
+        "a2a_count": sum(c.times for c in a2a),
+        "dispatch_ops_bytes": sum(o.times * o.bytes for o in disp),
+        "dispatch_ops_s": disp_s,
+        "collective_bytes": sum(c.times * c.bytes for c in colls),
+        "loops_without_trip_count": len(summary["unknown_trips"]),
+        "xla_bytes": sum(o.times * o.bytes for o in ops if o.kind == "xla"),
+        "_collectives": colls,
+        "_xla_ops": ops,
+    }
+
+
+PROGRAM_KIND = "projection (trainer's program)"
+
+
+def program_row(
+    name: str, overrides: list[tuple[str, str]], *, anchors: dict, timeout: float, cache: Path | None, compile=None
+) -> dict:
+    """One recipe's bound from the trainer's own per-device program (`program_compile`) with
+    `overrides`; a row with `error` when it cannot be had."""
+    compile = compile or program_compile
+    recipe = recipe_path(name)
+    label = name + "".join(f" {k}={v}" for k, v in overrides)
+    try:
+        facts = program_facts(recipe, overrides)
+    except Exception as e:  # noqa: BLE001 - a row per recipe
+        return {"recipe": label, "kind": PROGRAM_KIND, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    print(f"projection: {label}: the trainer's program for {facts['target']} ...", file=sys.stderr, flush=True)
+    try:
+        res = compile(recipe, overrides, timeout, cache)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return {
+            "recipe": label,
+            "kind": PROGRAM_KIND,
+            "target": facts["target"],
+            "error": "failed: " + str(e).splitlines()[0][:200],
+        }
+    b = program_bound(res, facts, anchors=anchors)
+    row = {
+        "recipe": label,
+        "base_recipe": name,
+        "kind": PROGRAM_KIND,
+        "target": facts["target"],
+        "generation": facts["generation"],
+        "seq_len": facts["seq_len"],
+        "devices": facts["devices"],
+        "chips": facts["chips"],
+        "mesh": res.get("mesh"),
+        "program": res.get("program"),
+        "compile_s": res.get("compile_s"),
+        "compiler_gib": res.get("compiler_gib"),
+        "verdict": res.get("verdict"),
+        "tokens": facts["tokens"],
+        "routed_rows": facts["routed_rows"],
+        **{k: v for k, v in b.items() if not k.startswith("_")},
+    }
+    row["comm_by_axis"] = ", ".join(f"{ax} {t:.3g} s" for ax, t in b["comm_by_axis"].items()) or "none"
+    row["kernels"] = ", ".join(f"{k} {t:.3g} s" for k, t in b["kernels"].items())
+    return row
+
+
+WEAK_SCALING = {
+    # recipe: device counts (a v7x chip is 2 devices): 8 .. 1,024 chips on v7x, 8 .. 256 on v6e
+    "qwen3_235b_a22b_v7x": [16, 32, 64, 128, 256, 512, 1024, 2048],
+    "qwen3_30b_a3b_v6e": [8, 16, 32, 64, 128, 256],
+}
+
+
+def scale_compute(at: dict[int, float], n: int) -> float:
+    """Compute seconds at n devices from two compiled sizes {m1: t1, m2: t2} of the same mesh
+    structure: t = C + D / n (the state's shard scales as 1/n, the rest does not)."""
+    (m1, t1), (m2, t2) = sorted(at.items())
+    d = (t1 - t2) / (1 / m1 - 1 / m2)
+    return t2 - d / m2 + d / n
+
+
+def weak_scaling(
+    name: str,
+    sizes: list[int],
+    *,
+    anchors: dict,
+    timeout: float,
+    cache: Path | None,
+    overrides: list[tuple[str, str]] = (),
+    compiled: list[int] | None = None,
+    compile=None,
+) -> list[dict]:
+    """Per-chip throughput bound of `name` at each device count in `sizes`, same per-device batch.
+
+    The program is compiled at `compiled` sizes (default: the smallest, the smallest whose expert
+    mesh shards the experts (2 x ep devices: FSDP's expert axis >= 2) and the recipe's own; any
+    size already in the cache is read back). Between them nothing in the per-device program
+    changes but the state's shard (parameters, gradients and moments over N devices: the
+    optimizer's elementwise ops scale as 1/N) and the groups' sizes: the gathered and unsharded
+    buffers, the activations, the dispatch (ep fixed) are the same bytes at every N. So at an
+    uncompiled N: compute = C + D / N fitted through two compiled sizes with the same mesh
+    structure (`scale_compute`), and the collectives of the nearest compiled program priced on
+    N's own placement (torch-tpu's layout of the trainer's mesh on N's slice: the groups' sizes,
+    the torus dims they span, the all-to-all's hops). Efficiency: tokens/s per chip over the
+    smallest size's."""
+    from tools import xla_projection as xp
+
+    compile = compile or program_compile
+    recipe = recipe_path(name)
+    base = program_facts(recipe, list(overrides))
+    ep, gen = base["ep"], base["generation"]
+    want = sorted(set(compiled or [min(sizes), 2 * ep, base["devices"]]))
+    progs: dict[int, tuple[dict, dict]] = {}
+    for n in sorted(set(sizes) | set(want)):
+        ovs = [*overrides, ("job.target", f"{gen}-{n}")]
+        cached = cache is not None and (cache / f"{recipe.stem}{override_tag(ovs)}" / "program.json").is_file()
+        if n not in want and not cached:
+            continue
+        try:
+            res = compile(recipe, ovs, timeout, cache)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"weak scaling: {name} at {n}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+            continue
+        progs[n] = (res, program_facts(recipe, ovs))
+    rows = []
+    for n in sorted(sizes):
+        facts = program_facts(recipe, [*overrides, ("job.target", f"{gen}-{n}")])
+        if n in progs:
+            res, f = progs[n]
+            b = program_bound(res, f, anchors=anchors)
+            how = "compiled"
+        else:
+            same = sorted(m for m, (r, _) in progs.items() if len(r["radices"]) == 2)
+            if len(same) < 2:
+                rows.append({"recipe": name, "devices": n, "error": "fewer than two compiled sizes to scale from"})
+                continue
+            lo = max([m for m in same if m < n] or same[:1])
+            hi = min([m for m in same if m > n] or same[-1:])
+            if lo == hi:
+                lo, hi = same[-2], same[-1]
+            raw = {}
+            for m in (lo, hi):
+                b_ = program_bound(*progs[m], anchors=anchors)
+                raw[m] = b_["xla_s"] + b_["kernel_s"]
+            near = min(same, key=lambda m: abs(m - n))
+            place = xp.placement_of(topology_of_target(f"{gen}-{n}"), (1, n, 1, 1), [n // ep, ep])
+            b = program_bound(progs[near][0], facts, anchors=anchors, placement=place, compute_s=scale_compute(raw, n))
+            how = f"scaled from {lo} and {hi}; collectives of {near} on {n}'s placement"
+        rows.append(
+            {
+                "recipe": name,
+                "devices": n,
+                "chips": facts["chips"],
+                "how": how,
+                "compute_s": b["compute_s"],
+                "comm_s": b["comm_s"],
+                "comm_by_axis": ", ".join(f"{ax} {t:.3g}" for ax, t in b["comm_by_axis"].items()),
+                "step_exposed_s": b["step_exposed_s"],
+                "step_overlapped_s": b["step_overlapped_s"],
+                "tokens_per_device_s_exposed": b["tokens_per_s_exposed"],
+                "tokens_per_device_s_overlapped": b["tokens_per_s_overlapped"],
+                "mfu_palm_exposed": b["mfu_palm_exposed"],
+                "mfu_palm_overlapped": b["mfu_palm_overlapped"],
+            }
+        )
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        for way in ("exposed", "overlapped"):
+            r[f"efficiency_{way}"] = 100.0 * r[f"tokens_per_device_s_{way}"] / ok[0][f"tokens_per_device_s_{way}"]
+    return rows
+
+
+def topology_of_target(name: str):
+    """parallelisms.tpu_topology's Topology of a planner target name (v7x-512)."""
+    import planner
+    from parallelisms.tpu_topology import topology_of
+
+    return topology_of(planner.parse_target(name))
+
+
 # ------------------------------------------------------------------------------ output
 
 PROJECTION_NOTE = [
@@ -552,6 +933,127 @@ PROJECTION_NOTE = [
     "MFU: rated bandwidths, ideal rings, no kernel inefficiency, no host overhead; the palm convention is capped "
     "at 100 %.",
 ]
+
+
+PROGRAM_NOTE = [
+    'Method (docs/benchmarks.md, "Projections"): the per-device program the trainer emits on the recipe\'s '
+    "target (tools/tpu_compile.py: the fake world at the target's size, the real plan with expert parallelism, "
+    "the EP dispatch over a ragged all-to-all, every collective as the trainer writes it, the Pallas kernels), "
+    "compiled deviceless at full depth with the recipe's layer scan (loop bodies times their trip counts: "
+    "nothing extrapolated). Compute: XLA ops per-op roofline + kernels (capture model; megablox's CostEstimate "
+    "scaled from the worst-case receive buffer to the routed rows, its grid being sized on the device); "
+    "collectives priced where torch-tpu's layout puts each group on the torus (groups' sizes, torus dims, "
+    "all-to-all mean hops, a chip's links shared by its cores). Routing: the program's shapes are static and "
+    "worst-case, so learned and random routing compile to the same buffers; the bound prices the gmm at the "
+    "balanced rows, which random routing gives and learned routing only approaches.",
+]
+
+
+def anchor_for(anchors: dict, recipe: str) -> dict | None:
+    return next((a for a in anchors.get("anchor", []) if a.get("recipe") == recipe), None)
+
+
+def program_table(rows: list[dict], anchors: dict) -> list[str]:
+    """The bound of each MoE recipe from the trainer's program, beside MaxText's run."""
+    out = [
+        "| recipe (projection, trainer's program) | target (chips) | compute s (XLA ops + kernels) | collectives s "
+        "(per mesh axis) | step s exposed / overlapped | MFU % palm, exposed / overlapped | MFU % causal, exposed / "
+        "overlapped | published | ratio ours / published, exposed / overlapped | EP all-to-all GB / s | dispatch "
+        "ops GB / s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |" + " - |" * 8)
+            continue
+        a = anchor_for(anchors, r.get("base_recipe", r["recipe"]))
+        pub, ratio = "-", "-"
+        if a:
+            conv = a.get("convention")
+            ref = a.get("mfu_pct_palm") if a.get("mfu_pct_palm") else a.get("mfu_pct")
+            conv = "palm" if a.get("mfu_pct_palm") else conv
+            pub = f"{ref} % {conv} ({a['framework']}, {a.get('chips', '?')} chips, seq {a.get('seq_len', '?')})"
+            if conv in ("palm", "causal"):
+                ratio = f"{r[f'mfu_{conv}_exposed'] / ref:.2f} / {r[f'mfu_{conv}_overlapped'] / ref:.2f}"
+        out.append(
+            f"| {r['recipe']} | {r['target']} ({r['chips']}) | {r['compute_s']:.3g} ({r['xla_s']:.3g} + "
+            f"{r['kernel_s']:.3g}) | {r['comm_s']:.3g} ({r['comm_by_axis']}) | {r['step_exposed_s']:.3g} / "
+            f"{r['step_overlapped_s']:.3g} | {r['mfu_palm_exposed']:.1f} / {r['mfu_palm_overlapped']:.1f} | "
+            f"{r['mfu_causal_exposed']:.1f} / {r['mfu_causal_overlapped']:.1f} | {pub} | {ratio} | "
+            f"{r['a2a_bytes'] / 1e9:.3g} / {r['a2a_s']:.3g} | {r['dispatch_ops_bytes'] / 1e9:.3g} / "
+            f"{r['dispatch_ops_s']:.3g} |"
+        )
+    return out
+
+
+def weak_table(rows: list[dict]) -> list[str]:
+    out = [
+        "| recipe | chips (devices) | how | compute s | collectives s (per axis) | step s exposed / overlapped | "
+        "tokens/s per chip, exposed / overlapped | weak-scaling efficiency %, exposed / overlapped | "
+        "MFU % palm, exposed / overlapped |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['recipe']} | - ({r['devices']}) | {r['error']} |" + " - |" * 6)
+            continue
+        per_chip = r["devices"] / r["chips"]
+        out.append(
+            f"| {r['recipe']} | {r['chips']} ({r['devices']}) | {r['how']} | {r['compute_s']:.3g} | "
+            f"{r['comm_s']:.3g} ({r['comm_by_axis']}) | {r['step_exposed_s']:.3g} / {r['step_overlapped_s']:.3g} | "
+            f"{r['tokens_per_device_s_exposed'] * per_chip:.0f} / {r['tokens_per_device_s_overlapped'] * per_chip:.0f} | "
+            f"{r['efficiency_exposed']:.1f} / {r['efficiency_overlapped']:.1f} | {r['mfu_palm_exposed']:.1f} / "
+            f"{r['mfu_palm_overlapped']:.1f} |"
+        )
+    return out
+
+
+ANNOUNCED_WEAK_SCALING = (8, 1024, 93.0)
+"""The TorchTitan-on-TPU launch announcement's Qwen3-235B weak scaling, 8 -> 1,024 chips, in % (no
+stored primary source: /work/shared/reference/anchors.md section 3.6 marks it unverified)."""
+
+
+def write_weak_plot(rows: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        pts = sorted(
+            (r["chips"], r["efficiency_exposed"], r["efficiency_overlapped"])
+            for r in rows
+            if r["recipe"] == recipe and "error" not in r
+        )
+        if not pts:
+            continue
+        xs = [p[0] for p in pts]
+        (line,) = ax.plot(xs, [p[2] for p in pts], marker="o", label=f"{recipe} (overlapped)")
+        ax.plot(xs, [p[1] for p in pts], marker="x", ls="--", color=line.get_color(), label=f"{recipe} (exposed)")
+    lo, hi, pct = ANNOUNCED_WEAK_SCALING
+    ax.scatter(
+        [hi],
+        [pct],
+        marker="*",
+        s=150,
+        color="black",
+        zorder=3,
+        label=f"announced {pct:.0f} % ({lo}->{hi} chips, unverified)",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set(
+        xlabel="chips",
+        ylabel="tokens/s per chip, % of the smallest size",
+        title="weak scaling, projected (upper bound)",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out.with_name(out.name + "_weak_scaling.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _fmt(value, spec: str) -> str:
@@ -790,6 +1292,25 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="recipes to project from the deviceless compile: 'pods' (LM *_v6e/*_v7x), a comma list, or 'none'",
     )
     p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the projections from the trainer's program (repeatable), e.g. "
+        "moe.capacity_factor=1.25",
+    )
+    p.add_argument(
+        "--routing",
+        default="learned",
+        help="routing of the expert-parallel projections: learned, random (the benchmark routing) or both",
+    )
+    p.add_argument(
+        "--weak-scaling",
+        default="none",
+        help="recipes whose weak scaling to project (same per-device batch, device counts of WEAK_SCALING): "
+        "'default' (" + ", ".join(WEAK_SCALING) + "), a comma list of those, or 'none'",
+    )
+    p.add_argument(
         "--hlo-cache",
         default=None,
         help="folder for the projections' compiles (JSON + optimized HLO per recipe, slice and layer "
@@ -843,6 +1364,25 @@ def _main(argv: list[str]) -> int:
     )
     for name in project_names:
         recipe_path(name)
+    overrides = []
+    for o in ns.override:
+        key, eq, value = o.partition("=")
+        if not eq or "." not in key:
+            raise InputError(f"--override: {o!r}; allowed: section.key=value, e.g. moe.capacity_factor=1.25")
+        overrides.append((key, value))
+    routings = ("learned", "random") if ns.routing == "both" else (ns.routing,)
+    if any(r not in ROUTINGS for r in routings):
+        raise InputError(f"--routing: {ns.routing!r}; allowed: learned, random, both")
+    weak_names = (
+        list(WEAK_SCALING)
+        if ns.weak_scaling == "default"
+        else []
+        if ns.weak_scaling == "none"
+        else [r.strip() for r in ns.weak_scaling.split(",") if r.strip()]
+    )
+    for name in weak_names:
+        if name not in WEAK_SCALING:
+            raise InputError(f"--weak-scaling: {name!r}; allowed: default, none or {', '.join(WEAK_SCALING)}")
     if not ns.dry_run and importlib.util.find_spec("matplotlib") is None:  # before any run
         raise InputError(
             "scripts/mfu_suite.py: matplotlib is not installed (its plots need it); "
@@ -895,11 +1435,20 @@ def _main(argv: list[str]) -> int:
     rows = group_runs(runs)
 
     anchors = load_anchors()
+    cache = Path(ns.hlo_cache) if ns.hlo_cache else None
     projections, skipped = project(
-        project_names, anchors=anchors, timeout=ns.timeout, cache=Path(ns.hlo_cache) if ns.hlo_cache else None
+        project_names, anchors=anchors, timeout=ns.timeout, cache=cache, overrides=overrides, routings=routings
     )
     if skipped:
         print(f"projections skipped: {skipped}", file=sys.stderr)
+    programs = [p for p in projections if p.get("kind") == PROGRAM_KIND]
+    projections = [p for p in projections if p not in programs]
+    weak = []
+    if weak_names and xla_venv()[0] is not None:
+        for name in weak_names:
+            weak += weak_scaling(
+                name, WEAK_SCALING[name], anchors=anchors, timeout=ns.timeout, cache=cache, overrides=overrides
+            )
 
     ours: dict[str, dict] = {}
     for p in projections:
@@ -910,8 +1459,14 @@ def _main(argv: list[str]) -> int:
             ours[r["recipe"]] = {**r, "kind": f"measured, {r['mode']}, {r['nproc']} dev"}
 
     bench.write_csv(out.with_suffix(".csv"), rows + [{**p, "mode": "projection"} for p in projections])
+    if programs:
+        bench.write_csv(out.with_name(out.name + "_programs.csv"), programs)
+    if weak:
+        bench.write_csv(out.with_name(out.name + "_weak_scaling.csv"), weak)
     bench.write_csv(out.with_name(out.name + "_runs.csv"), runs)
     pngs = write_plots(rows, out)
+    if weak:
+        pngs.append(write_weak_plot(weak, out))
     command = "python scripts/mfu_suite.py " + shlex.join(argv)
     md = [
         f"# MFU suite, {started}",
@@ -943,8 +1498,19 @@ def _main(argv: list[str]) -> int:
             *counts_table(projections),
             "",
         ]
-    else:
+    elif not programs:
         md.append(f"Skipped: {skipped}.")
+    if programs:
+        md += [
+            "### Expert parallelism in the bound: the trainer's own per-device program",
+            "",
+            *program_table(programs, anchors),
+            "",
+            *PROGRAM_NOTE,
+            "",
+        ]
+    if weak:
+        md += ["### Weak scaling, projected (same per-device batch)", "", *weak_table(weak), ""]
     md += [
         "",
         "## Published anchors beside ours",

@@ -125,6 +125,17 @@ class ProgramCompile:
     hbm_gib: float | None = None
     oom: str | None = None
     """libtpu's CompileTimeHbmOom message, when the compiler refused the program."""
+    radices: list = field(default_factory=list)
+    """The program's mesh axes' sizes (`a0`, `a1`, ...: the trainer's axes refined, outermost first)."""
+    device_coords: list = field(default_factory=list)
+    """Per device of the mesh in row-major order: its chip's (x, y, z) and its core on the chip
+    (tools/xla_projection.py places each collective's group on the torus with them)."""
+    kernel_cost: dict = field(default_factory=dict)
+    """Per Pallas kernel op (`titan_capture::*`): calls per step (a scan body's calls times its
+    trips), FLOPs and HBM bytes of titan_kernels/tpu/capture.py's model at the graph's shapes, and
+    for the grouped matmuls the rows per call (the worst-case buffer, `rows`)."""
+    tokens_per_device: int = 0
+    """Tokens one device's program trains on per step (local batch x seq len x grad-accum steps)."""
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -169,9 +180,19 @@ def ttpu_python() -> str:
     return str(Path(venv) / "bin" / "python")
 
 
-def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: str | None = None) -> ProgramCompile:
+def compile_recipe(
+    path: str,
+    *,
+    overrides=(),
+    timeout: float = 3600,
+    python: str | None = None,
+    extra_env: dict | None = None,
+    capture_only: bool = False,
+) -> ProgramCompile:
     """Compile `path`'s per-device program for its `[job] target` (module docstring); never raises
-    for the recipe's own faults (the report's `error`)."""
+        for the recipe's own faults (the report's `error`). `capture_only`: stop after the capture (the
+    program's counts and `kernel_cost`, no lowering, no compile). `extra_env`: more environment for the
+        worker (the projection passes `XLA_FLAGS=--xla_dump_to=...` to keep the optimized HLO)."""
     import planner
     from models.errors import ConfigError
     from tools.recipe_check import planned
@@ -194,11 +215,15 @@ def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: st
         report.planned_gib, report.usable_gib = est.total / GiB, est.usable / GiB
         report.planned_arguments_gib = (est.params + est.optimizer) / GiB
         report.hbm_gib = target.hbm_bytes / GiB
+        report.tokens_per_device = (
+            cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+        )
         spec = dict(
             recipe=str(Path(path).resolve()),
             overrides=[list(o) for o in overrides],
             topology=report.topology,
             generation=target.generation.name,
+            capture_only=capture_only,
         )
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
         # Compile-only: no TPU is used (libtpu's one-process-per-host lock is not needed).
@@ -210,6 +235,7 @@ def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: st
             OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
             ALLOW_MULTIPLE_LIBTPU_LOAD="1",
         )
+        env.update(extra_env or {})
         proc = subprocess.run(
             [python or ttpu_python(), "-m", "tools.tpu_compile", json.dumps(spec)],
             capture_output=True,
@@ -234,9 +260,15 @@ def compile_recipe(path: str, *, overrides=(), timeout: float = 3600, python: st
             "memory",
             "oom",
             "notes",
+            "radices",
+            "device_coords",
+            "kernel_cost",
         ):
             if k in res:
                 setattr(report, k, res[k])
+        if capture_only:
+            report.wall_s = time.perf_counter() - t0
+            return report
         if report.memory:
             report.compiler_gib = compiler_total(report.memory) / GiB
         report.program = program_summary(report.kernels, report.collectives, report.scans)
@@ -500,6 +532,74 @@ def program_counts(gm) -> tuple[dict, dict, int]:
     return kernels, colls, scans
 
 
+def kernel_model(gm, generation: str | None) -> dict:
+    """`ProgramCompile.kernel_cost` from the captured graph: every `titan_capture::*` node, times
+    the trips of the scans around it (a scan's trip count: its xs' leading dim), priced by the
+    capture model (titan_kernels/tpu/capture.py) at the node's fake shapes (local: one device's)."""
+    import torch
+
+    from titan_kernels.tpu import capture
+
+    out: dict = {}
+
+    def shape(a):
+        v = a.meta.get("val") if hasattr(a, "meta") else None
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+    def itemsize(a):
+        return a.meta["val"].dtype.itemsize
+
+    def visit(module, times: float):
+        for n in module.graph.nodes:
+            if n.op == "call_module":
+                visit(getattr(module, n.target), times)
+                continue
+            if n.op != "call_function":
+                continue
+            if n.target is torch.ops.higher_order.scan:
+                body = getattr(module, n.args[0].target)
+                xs = [a for a in n.args[2] if shape(a)]
+                visit(body, times * (shape(xs[0])[0] if xs else 1))
+                continue
+            subgraphs = [
+                getattr(module, a.target)
+                for a in n.args
+                if isinstance(a, torch.fx.Node) and a.op == "get_attr" and hasattr(getattr(module, a.target), "graph")
+            ]
+            for sub in subgraphs:  # another higher-order op (a wrapped or invoked subgraph): runs once
+                visit(sub, times)
+            name = getattr(getattr(n.target, "_schema", None), "name", "")
+            if not name.startswith("titan_capture::"):
+                continue
+            op = name.split("::")[1]
+            a = n.args
+            backward = op.endswith("_bwd")
+            rows = 0
+            if op.startswith("splash"):
+                flops, nbytes = capture.splash_cost(
+                    shape(a[0]), shape(a[1])[1], itemsize(a[0]), backward=backward, v_dim=shape(a[2])[-1]
+                )
+            elif op.startswith("gmm"):
+                (m, k), w = shape(a[0]), shape(a[1])
+                rows = m
+                flops, nbytes = capture.gmm_cost(m, k, w[2], w[0], itemsize(a[0]), backward=backward)
+            elif op.startswith("ce"):
+                (rows_, d), vocab = shape(a[0]), shape(a[1])[0]
+                flops, nbytes = capture.ce_cost(
+                    rows_, d, vocab, itemsize(a[0]), backward=backward, generation=generation
+                )
+            else:
+                continue
+            e = out.setdefault(op, {"calls": 0.0, "flops": 0.0, "bytes": 0.0, "rows": 0})
+            e["calls"] += times
+            e["flops"] += times * flops
+            e["bytes"] += times * nbytes
+            e["rows"] = max(e["rows"], rows)
+
+    visit(gm, 1.0)
+    return out
+
+
 def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], generation: str) -> None:
     """torchax rules: collectives over their groups' mesh axes, kernels per device (no shard_map:
     the whole program already runs inside one)."""
@@ -680,6 +780,17 @@ def worker(spec: dict) -> dict:
         tag_reverse_scans(gm)
         RECORD["gm"] = gm
     kernels, colls, scans = program_counts(gm)
+    kernel_cost = kernel_model(gm, cap["generation"])
+    if spec.get("capture_only"):
+        return dict(
+            kernels=kernels,
+            collectives=colls,
+            scans=scans,
+            capture_s=cap["capture_s"],
+            notes=cap["notes"],
+            kernel_cost=kernel_cost,
+            radices=list(cap["radices"]),
+        )
     torchax = load_torchax()
     import jax
     import numpy as np
@@ -730,6 +841,9 @@ def worker(spec: dict) -> dict:
         lower_s=lower_s,
         notes=cap["notes"],
         device_kind=devices[0].device_kind,
+        radices=list(radices),
+        kernel_cost=kernel_cost,
+        device_coords=[[*d.coords[:3], getattr(d, "core_on_chip", 0)] for d in np.asarray(mesh.devices).flat],
     )
     t = time.perf_counter()
     try:

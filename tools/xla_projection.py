@@ -341,6 +341,11 @@ def executed(hlo: Hlo, *, unknown_trip: int = 1, unknown: list | None = None) ->
             elif ins.opcode == "async-start":
                 for c in _names(ins.attr("calls")):
                     visit(c, times)
+            elif ins.opcode == "custom-call" and _wraps_collective(hlo, ins):
+                # XLA:TPU wraps some collectives (the ragged all-to-all, gathers inside loops) in a
+                # custom call that runs a computation holding the collective
+                for c in _names(ins.attr("called_computations")):
+                    visit(c, times)
 
     visit(hlo.entry, 1.0)
     return [(hlo.computations[n], t) for n, t in out.items()]
@@ -421,13 +426,21 @@ class Op:
     times: float
     kind: str = "xla"  # xla | kernel | kernel-unestimated
     io: float = 0.0  # a kernel call's operand and result bytes (what a read-once model counts)
+    source: str = ""  # the metadata's op_name (jax's trace path: the ATen / titan op it came from)
+
+
+def op_source(ins: Instr) -> str:
+    """The op_name of an instruction's metadata ('' without one)."""
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return m.group(1) if m else ""
 
 
 def compute_ops(hlo: Hlo) -> list[Op]:
-    """Every executed non-collective op with its FLOPs, HBM bytes and times per step."""
+    """Every executed non-collective op with its FLOPs, HBM bytes, times per step and source."""
     ops = []
     for comp, times in executed(hlo):
         for ins in comp.instrs:
+            first = len(ops)
             base = ins.opcode.removesuffix("-start").removesuffix("-done")
             if ins.opcode == "copy-start" and ins.operands:
                 # an async copy between HBM and on-chip memory: HBM traffic once, if one side is HBM
@@ -450,6 +463,8 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                 ops.append(Op(ins.name, "fusion", flops, io, times))
             elif ins.opcode in ("dot", "convolution"):
                 ops.append(Op(ins.name, ins.opcode, dot_flops(comp, ins), io, times))
+            elif ins.opcode == "custom-call" and _wraps_collective(hlo, ins):
+                continue  # a collective in a wrapper: counted by collectives()
             elif ins.opcode == "custom-call" and '"tpu_custom_call"' in ins.attrs:
                 est = cost_estimate(ins)
                 full_io = array_bytes(ins.shape) + sum(array_bytes(_operand_shape(comp, o)) for o in ins.operands)
@@ -469,7 +484,16 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                     ops.append(Op(ins.name, "kernel", 0.0, io, times, kind="kernel-unestimated", io=full_io))
             else:
                 ops.append(Op(ins.name, ins.opcode, 0.0, io, times))
+            for op in ops[first:]:
+                op.source = op_source(ins)
     return ops
+
+
+def _wraps_collective(hlo: Hlo, ins: Instr) -> bool:
+    """A custom call whose called computations hold a collective (not a Mosaic kernel)."""
+    return '"tpu_custom_call"' not in ins.attrs and any(
+        _has_collective(hlo, c) for c in _names(ins.attr("called_computations"))
+    )
 
 
 def _has_collective(hlo: Hlo, name: str) -> bool:
@@ -613,7 +637,11 @@ def collectives(hlo: Hlo, mesh: dict[str, int]) -> list[Collective]:
             elif base == "all-reduce" and comp.name.startswith("all-reduce-scatter"):
                 kind = "reduce-scatter"  # an all-reduce whose result the fusion slices: bytes = operand
             elif base == "ragged-all-to-all":
+                # (operand, output, offsets and sizes): one of the two buffers is the worst-case
+                # receive buffer; what moves is at most the smaller (the rows actually sent)
                 kind = "all-to-all"
+                bufs = [array_bytes(_operand_shape(comp, o)) for o in ins.operands[:2]]
+                nbytes = min([nbytes, *[b for b in bufs if b]])
             direction = 0
             if base.startswith("collective-permute") and groups:
                 steps = {(t - src) % n_devices for src, t in groups}
@@ -716,6 +744,126 @@ def comm_by_axis(
             n = math.prod(axis_size[a] for a in c.axes)
         hops = mean_hops(n or c.group_size, dims, ici.get("devices_per_chip", 1))
         out[key] = out.get(key, 0.0) + c.times * collective_time(c, axis_bandwidth(ici, dims), link, n, hops)
+    for key, (back, fwd) in ring.items():
+        out[key] = out.get(key, 0.0) + max(back, fwd)
+    return out
+
+
+# ------------------------------------------------------------------------------ placement on the torus
+
+
+@dataclass
+class Placement:
+    """Where a compiled program's mesh sits on its slice: the mesh's axis sizes (`a0`, `a1`, ...,
+    outermost first, as tools/tpu_compile.py names them) and each device's chip coordinates and
+    core, row-major over the mesh (tpu_compile's `device_coords`, or `placement_of` for a layout
+    that was not compiled)."""
+
+    radices: list[int]
+    coords: list[tuple[int, ...]]
+    chips: tuple[int, int, int]
+    wrap: tuple[bool, bool, bool]
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {f"a{i}": r for i, r in enumerate(self.radices)}
+
+    def group(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Coordinates of the group that holds device 0 and spans `axes` (names a0, a1, ...)."""
+        idx = {int(a[1:]) for a in axes if re.fullmatch(r"a\d+", a)}
+        strides = [math.prod(self.radices[i + 1 :]) for i in range(len(self.radices))]
+        members = [0]
+        for i in sorted(idx):
+            members = [m + d * strides[i] for m in members for d in range(self.radices[i])]
+        return [tuple(self.coords[m]) for m in members]
+
+    def facts(self, axes: tuple[str, ...]) -> dict:
+        """n, torus_dims (chip axes the group spans), mean_hops (chip-to-chip links between two
+        distinct members, shortest way round each ring, averaged over ordered pairs), per_chip
+        (the group's devices on one chip: they share its links)."""
+        return group_facts(self.group(axes), self.chips, self.wrap)
+
+
+def group_facts(coords: list[tuple[int, ...]], chips: tuple[int, int, int], wrap: tuple[bool, ...]) -> dict:
+    """See `Placement.facts`. The mean of a sum is the sum of the means, so the mean Manhattan
+    distance is summed per chip axis from the histogram of the members' coordinates on it."""
+    n = len(coords)
+    dims = [k for k in range(3) if len({c[k] for c in coords}) > 1]
+    hops = 0.0
+    if n > 1:
+        for k in dims:
+            hist: dict[int, int] = {}
+            for c in coords:
+                hist[c[k]] = hist.get(c[k], 0) + 1
+            length = chips[k]
+            total = 0.0
+            for a, na in hist.items():
+                for b, nb in hist.items():
+                    d = abs(a - b)
+                    if wrap[k]:
+                        d = min(d, length - d)
+                    total += na * nb * d
+            hops += total / (n * (n - 1))
+    per_chip = max(
+        (sum(1 for c in coords if c[:3] == chip) for chip in {c[:3] for c in coords}),
+        default=1,
+    )
+    return {"n": n, "torus_dims": len(dims), "mean_hops": hops, "per_chip": per_chip}
+
+
+def placement_of(topology, mesh_shape, radices: list[int]) -> Placement:
+    """The placement the trainer's mesh `mesh_shape` gets on `topology` (a
+    parallelisms.tpu_topology.Topology: torch-tpu's layout, `map_mesh`), refined row-major into
+    the program's axes `radices`: what tools/tpu_compile.py compiles over, without compiling."""
+    from parallelisms.tpu_topology import map_mesh
+
+    x_size, y_size, _ = topology.chips
+    per_chip = topology.devices_per_chip
+    ids = list(_flat(map_mesh(topology, tuple(mesh_shape)).device_ids))
+
+    def coords(dev: int) -> tuple[int, ...]:
+        core, chip = dev % per_chip, dev // per_chip
+        return (chip % x_size, chip // x_size % y_size, chip // (x_size * y_size), core)
+
+    return Placement(
+        radices=list(radices), coords=[coords(d) for d in ids], chips=topology.chips, wrap=topology.wrap[:3]
+    )
+
+
+def _flat(nested):
+    if isinstance(nested, (tuple, list)):
+        for x in nested:
+            yield from _flat(x)
+    else:
+        yield nested
+
+
+def comm_on_placement(colls: list[Collective], *, ici: dict, placement: Placement) -> dict[str, float]:
+    """Seconds per step of the collectives per mesh axis (joined by '+'), each priced on the
+    torus where `placement` puts its group: ring collectives at the bandwidth of the chip axes the
+    group spans (`axis_bandwidth`; a group inside one chip gets one axis's, the die-to-die link
+    not being modelled as faster); all-to-all: every device sends (n-1)/n of its buffer, each
+    byte over the group's mean hop count, through its chip's links, which the group's devices on
+    that chip share; ring permutes as in `comm_by_axis`."""
+    out: dict[str, float] = {}
+    link = link_bytes_per_s(ici)
+    ring: dict[str, list[float]] = {}
+    cache: dict[tuple, dict] = {}
+    for c in colls:
+        key = "+".join(c.axes)
+        if c.kind == "collective-permute" and c.direction:
+            ring.setdefault(key, [0.0, 0.0])[c.direction > 0] += c.times * c.bytes / link
+            continue
+        if c.axes not in cache:
+            cache[c.axes] = placement.facts(c.axes)
+        f = cache[c.axes]
+        n = f["n"] if f["n"] > 1 else c.group_size
+        bandwidth = axis_bandwidth(ici, max(f["torus_dims"], 1))
+        if c.kind == "all-to-all":
+            t = (n - 1) / n * c.bytes * f["mean_hops"] * f["per_chip"] / bandwidth if n > 1 else 0.0
+        else:
+            t = collective_time(c, bandwidth, link, n)
+        out[key] = out.get(key, 0.0) + c.times * t
     for key, (back, fwd) in ring.items():
         out[key] = out.get(key, 0.0) + max(back, fwd)
     return out

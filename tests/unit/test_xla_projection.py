@@ -290,3 +290,118 @@ def test_ring_permutes_in_opposite_directions_overlap():
     )
     perm = next(c for c in xp.collectives(hlo, MESH) if c.kind == "collective-permute")
     assert perm.direction == -1
+
+
+# ------------------------------------------------------------------------------ placement and the EP program
+
+
+def test_group_facts_hops_on_rings_and_lines():
+    """Mean hops between distinct members, per chip axis, the wraparound taken where the slice has it."""
+    ring8 = [(i, 0, 0, 0) for i in range(8)]
+    # on a wrapped ring of 8: distances 1,2,3,4,3,2,1 from each member -> 16 / 7
+    f = xp.group_facts(ring8, (8, 1, 1), (True, False, False))
+    assert f == {"n": 8, "torus_dims": 1, "mean_hops": pytest.approx(16 / 7), "per_chip": 1}
+    # the same 8 chips on a line (no wraparound): sum |i - j| over i != j = 168, over 56 pairs
+    assert xp.group_facts(ring8, (8, 1, 1), (False, False, False))["mean_hops"] == pytest.approx(3.0)
+    # half of a 16-ring (the EP group of 8 on a v6e pod row): the wrap is never shorter there
+    assert xp.group_facts(ring8, (16, 1, 1), (True, False, False))["mean_hops"] == pytest.approx(3.0)
+    # two cores of each of 2 chips: 2 x 2 pairs on the same chip (0 hops) of 12 ordered pairs
+    cores = [(0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (1, 0, 0, 1)]
+    f = xp.group_facts(cores, (2, 1, 1), (False, False, False))
+    assert f["per_chip"] == 2 and f["torus_dims"] == 1 and f["mean_hops"] == pytest.approx(8 / 12)
+    # a 2-D group, a 4 x 4 torus: per axis, ring distances 0,1,2,1 between the 4 values (16 in
+    # all), each value held by 4 members -> 16 x 16 per axis, two axes, over 16 x 15 pairs
+    grid = [(x, y, 0, 0) for x in range(4) for y in range(4)]
+    assert xp.group_facts(grid, (4, 4, 1), (True, True, False))["mean_hops"] == pytest.approx(2 * 16 * 16 / 240)
+
+
+def test_placement_groups_follow_the_mesh_axes():
+    # 2 x 4 mesh over 8 chips in a line: a1 (inner) = neighbours, a0 = stride 4
+    p = xp.Placement(radices=[2, 4], coords=[(i, 0, 0, 0) for i in range(8)], chips=(8, 1, 1), wrap=(False,) * 3)
+    assert p.mesh == {"a0": 2, "a1": 4}
+    assert p.group(("a1",)) == [(i, 0, 0, 0) for i in range(4)]
+    assert p.group(("a0",)) == [(0, 0, 0, 0), (4, 0, 0, 0)]
+    assert len(p.group(("a0", "a1"))) == 8
+    assert p.facts(("a0",))["mean_hops"] == pytest.approx(4.0)
+
+
+def test_placement_of_is_the_trainers_layout():
+    """placement_of without a compile = torch-tpu's layout (map_mesh) refined into the program's axes."""
+    import planner
+    from parallelisms.tpu_topology import topology_of
+
+    topo = topology_of(planner.parse_target("v6e-256"))
+    p = xp.placement_of(topo, (1, 256, 1, 1), [32, 8])
+    assert len(set(p.coords)) == 256 and p.coords[0] == (0, 0, 0, 0)
+    ep = p.facts(("a1",))  # 8 consecutive devices of the FSDP ring: a line of 8 chips on one axis
+    assert ep["n"] == 8 and ep["torus_dims"] == 1 and ep["mean_hops"] == pytest.approx(3.0)
+    assert p.facts(("a0", "a1"))["torus_dims"] == 2
+    v7x = xp.placement_of(topology_of(planner.parse_target("v7x-32")), (1, 32, 1, 1), [2, 16])
+    assert v7x.facts(("a1",))["per_chip"] == 2  # the EP group holds both cores of its chips
+
+
+def test_all_to_all_on_the_placement():
+    """An all-to-all: (n-1)/n of the buffer, each byte over the mean hops, through links shared by
+    the group's devices on a chip; ring collectives as before with the group's torus dims."""
+    ici = xp.load_ici()["v7x"]
+    link = xp.link_bytes_per_s(ici)
+    coords = [(c // 2, 0, 0, c % 2) for c in range(8)]  # 4 chips x 2 cores on a line
+    p = xp.Placement(radices=[8], coords=coords, chips=(4, 1, 1), wrap=(False,) * 3)
+    a2a = xp.Collective("a", "all-to-all", 8e9, 8, ("a0",), 2.0)
+    ag = xp.Collective("g", "all-gather", 8e9, 8, ("a0",), 1.0)
+    f = p.facts(("a0",))
+    comm = xp.comm_on_placement([a2a, ag], ici=ici, placement=p)
+    expected_a2a = 2.0 * 7 / 8 * 8e9 * f["mean_hops"] * 2 / (2 * link)
+    assert comm["a0"] == pytest.approx(expected_a2a + 7 / 8 * 8e9 / (2 * link))
+
+
+def test_wrapped_collectives_and_ragged_bytes():
+    """XLA:TPU's custom-call wrappers around collectives are followed (their collective counted
+    with the loop's trips, the wrapper not costed as an op); a ragged all-to-all moves at most its
+    smaller buffer (the other is the worst-case receive buffer)."""
+    text = r"""
+HloModule m
+
+%wrapped (w0: bf16[64,128], w1: bf16[512,128], w2: s32[8], w3: s32[8], w4: s32[8], w5: s32[8]) -> bf16[512,128] {
+  %w0 = bf16[64,128]{1,0} parameter(0)
+  %w1 = bf16[512,128]{1,0} parameter(1)
+  %w2 = s32[8]{0} parameter(2)
+  %w3 = s32[8]{0} parameter(3)
+  %w4 = s32[8]{0} parameter(4)
+  %w5 = s32[8]{0} parameter(5)
+  ROOT %ragged-all-to-all.1 = bf16[512,128]{1,0} ragged-all-to-all(%w0, %w1, %w2, %w3, %w4, %w5), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}
+}
+
+%body (s: (s32[], bf16[64,128], bf16[512,128], s32[8])) -> (s32[], bf16[64,128], bf16[512,128], s32[8]) {
+  %s = (s32[], bf16[64,128]{1,0}, bf16[512,128]{1,0}, s32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %x = bf16[64,128]{1,0} get-tuple-element(%s), index=1
+  %buf = bf16[512,128]{1,0} get-tuple-element(%s), index=2
+  %k = s32[8]{0} get-tuple-element(%s), index=3
+  %cc = bf16[512,128]{1,0} custom-call(%x, %buf, %k, %k, %k, %k), custom_call_target="TODO(b/522284627)", called_computations={%wrapped}
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[64,128]{1,0}, bf16[512,128]{1,0}, s32[8]{0}) tuple(%n, %x, %cc, %k)
+}
+
+%cond (c: (s32[], bf16[64,128], bf16[512,128], s32[8])) -> pred[] {
+  %c = (s32[], bf16[64,128]{1,0}, bf16[512,128]{1,0}, s32[8]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %lim = s32[] constant(5)
+  ROOT %lt = pred[] compare(%ci, %lim), direction=LT
+}
+
+ENTRY %main (p0: bf16[64,128], p1: bf16[512,128], p2: s32[8]) -> bf16[512,128] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[512,128]{1,0} parameter(1)
+  %p2 = s32[8]{0} parameter(2)
+  %z = s32[] constant(0)
+  %init = (s32[], bf16[64,128]{1,0}, bf16[512,128]{1,0}, s32[8]{0}) tuple(%z, %p0, %p1, %p2)
+  %loop = (s32[], bf16[64,128]{1,0}, bf16[512,128]{1,0}, s32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r = bf16[512,128]{1,0} get-tuple-element(%loop), index=2
+}
+"""
+    s = xp.summarize(text, mesh={"a0": 8})
+    (c,) = s["collectives"]
+    assert c.kind == "all-to-all" and c.times == 5 and c.bytes == 64 * 128 * 2 and c.axes == ("a0",)
+    assert not [o for o in s["ops"] if o.opcode == "custom-call"]
