@@ -20,7 +20,6 @@ import threading
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.llama3 import FLAVORS as LLAMA3_FLAVORS
 from models.llama3 import Transformer as Llama3
@@ -28,7 +27,7 @@ from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import FLAVORS as QWEN3_FLAVORS
 from models.qwen3 import Transformer as Qwen3
 from models.qwen3.plan import PLAN as QWEN3_PLAN
-from tools.thread_world import run_threads  # noqa: F401  (re-exported for the parallel tests)
+from tools.thread_world import full, load_full_state, rel_diff, run_threads  # noqa: F401  (re-exported for the parallel tests)
 from trainer.runtime.device import cpu_backend
 from trainer.step import lm_loss  # noqa: F401  (re-exported for the parallel tests)
 
@@ -69,17 +68,6 @@ def batch(vocab_size: int, batch_size: int = 4, seed: int = 1) -> tuple[torch.Te
 
 
 @torch.no_grad()
-def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into a (possibly sharded) model: each rank keeps its own shard."""
-    for name, param in model.named_parameters():
-        full = state[name]
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
-
-
 def parallel_fp32_model(cls, args, plan, dims, state: dict[str, torch.Tensor]):
     """On a rank: `cls(args)` built on meta, parallelized by `plan` over `dims` (fp32 params and
     reductions), materialized, initialised (the RoPE buffers) and holding `state`; -> (model, mesh)."""
@@ -96,14 +84,6 @@ def parallel_fp32_model(cls, args, plan, dims, state: dict[str, torch.Tensor]):
         model.init_weights()  # rebuilds the RoPE buffers; the weights come next
     load_full_state(model, state)
     return model, mesh
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
 
 def _process_entry(rank: int, world_size: int, init_file: str, fn, args, out_dir: str) -> None:

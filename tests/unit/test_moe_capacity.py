@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from models.common.moe import MoE, capacity_slots, expert_capacity, use_capacity
-from models.common.plan import ModelPlan
-from parallelisms import ParallelDims, build_mesh, data_parallel
-from parallelisms.expert_parallel import apply_ep
-from tests.support.parallel_harness import full, load_full_state, rel_diff, run_threads
+from tools.moe_parity import E, K, layer_parity, skewed_case
+from tools.thread_world import rel_diff
 
 TOL = 1e-5
-E, K, DIM, HIDDEN = 8, 2, 16, 24
 
 
 def test_expert_capacity():
@@ -78,29 +73,6 @@ def test_capacity_slots_random(bs, seqlen, num_experts, top_k, capacity):
             assert (block == e * bs + b).all()
 
 
-class _Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleDict({"0": nn.Module()})
-        self.layers["0"].moe = MoE(dim=DIM, hidden_dim=HIDDEN, num_experts=E, top_k=K, norm_topk_prob=True)
-
-
-_PLAN = ModelPlan(block="layers", ep_block={"moe": "moe", "moe.router.gate": "router", "moe.experts": "experts"})
-
-
-def _case(bs: int, seqlen: int, skew: float):
-    """A layer and inputs whose routing favours experts 0 and 1 by `skew` (so copies drop)."""
-    torch.manual_seed(0)
-    layer = _Layer()
-    with torch.no_grad():
-        gate = torch.zeros(E, DIM)
-        gate[:, :E] = torch.eye(E)
-        layer.layers["0"].moe.router.gate.weight.copy_(gate)
-    x = torch.randn(bs, seqlen, DIM)
-    x[..., :2] += skew
-    return layer, x, torch.randn(bs, seqlen, DIM)
-
-
 def _run(moe: MoE, x: torch.Tensor, grad_out: torch.Tensor):
     x = x.clone().requires_grad_()
     out, aux, load = moe(x)
@@ -109,7 +81,7 @@ def _run(moe: MoE, x: torch.Tensor, grad_out: torch.Tensor):
 
 
 def test_no_drop_equals_dropless():
-    layer, x, g = _case(2, 12, skew=0.0)
+    layer, x, g = skewed_case(2, 12, skew=0.0)
     moe = layer.layers["0"].moe
     want_out, want_dx, want_aux, want_load = _run(moe, x, g)
     want_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
@@ -150,7 +122,7 @@ def _reference(moe: MoE, x: torch.Tensor, factor: float):
 
 @pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
 def test_dropping_equals_token_reference(factor):
-    layer, x, g = _case(2, 12, skew=2.0)
+    layer, x, g = skewed_case(2, 12, skew=2.0)
     moe = layer.layers["0"].moe
     x = x.requires_grad_()
     want_out, want_dropped = _reference(moe, x, factor)
@@ -169,46 +141,12 @@ def test_dropping_equals_token_reference(factor):
         assert rel_diff(p.grad, want_grads[n]) < TOL, n
 
 
+@pytest.mark.parametrize("factor", [0.0, 1.0])
 @pytest.mark.parametrize("world_size, ep", [(2, 2), (4, 4), (4, 2)])
-def test_capacity_is_mesh_independent(world_size, ep):
-    """EP (x FSDP) ranks, one sequence each, against one process on all the sequences."""
-    factor = 1.0
-    layer, x, g = _case(world_size, 10, skew=1.5)
-    state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
-    use_capacity(layer, factor)
-    moe = layer.layers["0"].moe
-    xg = x.clone().requires_grad_()
-    out, aux, load = moe(xg)
-    # The data-parallel mean of the ranks' per-sequence losses; aux is per rank (its own
-    # tokens' probabilities with global counts), so compare it by its mean as well.
-    (out * g).sum().div(world_size).backward()
-    want_out, want_dx = out.detach(), xg.grad * world_size
-    want_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    want_dropped = int(load[-1])
-    assert want_dropped > 0
-
-    def rank_fn():
-        rank = dist.get_rank()
-        dims = ParallelDims(dp_shard=world_size, ep=ep, world_size=world_size)
-        mesh = build_mesh(dims, "cpu")
-        with torch.device("meta"):
-            model = _Layer()
-        use_capacity(model, factor)
-        apply_ep(
-            model, plan=_PLAN, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
-        )
-        data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
-        model.to_empty(device="cpu")
-        load_full_state(model, state)
-        xr = x[rank : rank + 1].clone().requires_grad_()
-        out, _, load = model.layers["0"].moe(xr)
-        (out * g[rank : rank + 1]).sum().backward()
-        return out.detach(), xr.grad, int(load[-1]), {n: full(p.grad) for n, p in model.named_parameters()}
-
-    results = run_threads(world_size, rank_fn)
-    assert sum(r[2] for r in results) == want_dropped  # the same copies dropped, counted per rank
-    for rank, (out, dx, _, grads) in enumerate(results):
-        assert rel_diff(out, want_out[rank : rank + 1]) < TOL
-        assert rel_diff(dx, want_dx[rank : rank + 1]) < TOL
-        for name, want in want_grads.items():
-            assert rel_diff(grads[name], want) < TOL, name
+def test_capacity_is_mesh_independent(world_size, ep, factor):
+    """EP (x FSDP) ranks, one sequence each, against one process on all the sequences; the
+    dropless layer (factor 0) on the same skewed routing beside it."""
+    got = layer_parity(world_size=world_size, ep=ep, capacity_factor=factor)
+    assert (got["dropped_one_process"] > 0) == (factor > 0)  # the skew really overflows experts 0, 1
+    assert got["dropped_ranks"] == got["dropped_one_process"]  # counted per rank, the same copies
+    assert got["out"] < TOL and got["dx"] < TOL and got["grads"] < TOL, got
