@@ -141,8 +141,9 @@ def test_torch_tpu_jax_op_registration(probe):
 
 
 def test_sweep_compile_mode_compiles_candidates_and_writes_the_table(tmp_path):
-    """scripts/bench/sweep_kernel_tiles.py's dry mode (no TPU): the two best loss candidates by the
-    model at a small shape, compiled for v5e with the runtime libtpu, picked, written."""
+    """scripts/bench/sweep_kernel_tiles.py's compile mode (no TPU): three gmm candidates at a small
+    fixed shape compiled for v5e with the runtime libtpu; each gets libtpu's static-profile cycles
+    (which differ between the tiles), the pick is the cheapest, and the table records it."""
     import json
     import subprocess
 
@@ -153,34 +154,23 @@ def test_sweep_compile_mode_compiles_candidates_and_writes_the_table(tmp_path):
         [
             str(xla_python("ttpu")),
             str(ROOT / "scripts" / "bench" / "sweep_kernel_tiles.py"),
-            "--mode",
-            "compile",
-            "--generation",
-            "v5e",
-            "--kernel",
-            "fused_ce",
-            "--shape-class",
-            "d4096",
-            "--ce-rows",
-            "1024",
-            "--vocab",
-            "4096",
-            "--max-candidates",
-            "2",
-            "--out",
-            str(out),
-            "--json",
+            *("--mode", "compile", "--generation", "v5e", "--kernel", "gmm", "--shapes", "fixed"),
+            *("--shape-class", "768x2048", "--gmm-rows", "4096", "--groups", "4", "--max-candidates", "3"),
+            *("--out", str(out), "--json"),
         ],
         capture_output=True,
         text=True,
         env=_probe_env(),
         cwd=ROOT,
-        timeout=600,
+        timeout=900,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     (result,) = json.loads(run.stdout.strip().splitlines()[-1])["results"]
-    assert len(result["candidates"]) == 2
-    assert all(row["compiled"] for row in result["candidates"]), result
-    assert result["pick"] == result["candidates"][0]["tiles"]
+    rows = result["candidates"]
+    assert len(rows) == 3 and all(row["compiled"] and row["cycles"] > 0 for row in rows), rows
+    assert len({row["cycles"] for row in rows}) > 1, rows  # the compiled cost depends on the tiles
+    assert result["pick"] == min(rows, key=lambda r: r["cycles"])["tiles"]
+    assert result["before"] == rows[0]["tiles"]  # today's pick is compiled first, for the ratio
     text = out.read_text()
-    assert '"d4096" = ' + json.dumps(result["pick"]) in text and "--mode compile" in text
+    assert '"768x2048" = ' + json.dumps(result["pick"]) in text
+    assert "--mode compile" in text and "static LLO profile" in text

@@ -215,7 +215,10 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     `tiles.generation_of(device.device_kind)` of the target topology): the fused loss takes its
     blocks and VMEM limit, as a run on that chip does (register.py). None is the conservative
     rule (v4's 16 MiB), which cannot hold a 70B-wide (8192) head: compiled for v6e that way, the
-    loss' backward stopped at "17.90M of 16.00M" scoped VMEM (docs/tpu.md, fused-CE regression)."""
+    loss' backward stopped at "17.90M of 16.00M" scoped VMEM (docs/tpu.md, fused-CE regression).
+    Splash takes the generation's blocks too (tiles.splash_blocks)."""
+    import functools
+
     import jax
     from jax.sharding import PartitionSpec as P
     from torchax import interop
@@ -242,10 +245,11 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
         return (shape[0] // shards, *shape[1:])
 
     def splash_fwd(q, k, v, seg=None):
-        return splash.splash_attention(q, k, v, seg)
+        return splash.splash_attention(q, k, v, seg, generation=generation)
 
     def splash_bwd(q, k, v, dout, seg=None):
-        return tuple(jax.vjp(lambda q, k, v: splash.splash_attention(q, k, v, seg), q, k, v)[1](dout))
+        fwd = functools.partial(splash.splash_attention, segment_ids=seg, generation=generation)
+        return tuple(jax.vjp(fwd, q, k, v)[1](dout))
 
     def splash_costs(backward):
         def cost(q, k, v, *rest):

@@ -59,7 +59,7 @@ def build() -> dict[str, Callable]:
         jax_op = torch.tpu.pallas.jax_op
         gen = device_generation()
         _BUILT.update(
-            causal_attention=_build_splash(jax_op),
+            causal_attention=_build_splash(jax_op, gen),
             grouped_mm=_build_gmm(jax_op, gen),
             linear_cross_entropy=_build_linear_ce(jax_op, gen),
         )
@@ -148,20 +148,20 @@ def _on_tpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "tpu" for t in tensors)
 
 
-def _build_splash(jax_op) -> Callable:
+def _build_splash(jax_op, gen: str | None) -> Callable:
     @jax_op(f"{NAMESPACE}::splash_fwd")
     def splash_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return splash.forward(q, k, v)
+        return splash.forward(q, k, v, generation=gen)
 
     @jax_op(f"{NAMESPACE}::splash_bwd")
     def splash_bwd(
         q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, dout: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return splash.backward(q, k, v, None, out, lse, dout)
+        return splash.backward(q, k, v, None, out, lse, dout, generation=gen)
 
     @jax_op(f"{NAMESPACE}::splash_seg_fwd")
     def splash_seg_fwd(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return splash.forward(q, k, v, segment_ids)
+        return splash.forward(q, k, v, segment_ids, generation=gen)
 
     @jax_op(f"{NAMESPACE}::splash_seg_bwd")
     def splash_seg_bwd(
@@ -173,7 +173,7 @@ def _build_splash(jax_op) -> Callable:
         lse: jax.Array,
         dout: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return splash.backward(q, k, v, segment_ids, out, lse, dout)
+        return splash.backward(q, k, v, segment_ids, out, lse, dout, generation=gen)
 
     def setup(ctx, inputs, output):
         ctx.save_for_backward(*inputs, *output)

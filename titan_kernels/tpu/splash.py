@@ -20,6 +20,11 @@ wraps JAX's `splash_attention` kernel:
   forward: one extra attention forward per layer and step). `splash_attention` binds the two
   as a custom VJP for JAX callers; titan_kernels/tpu/register.py binds them as two torch ops.
   (`_splash_attention_bwd` is private in jax 0.10.2, pinned; tests/xla checks it.)
+- Blocks per TPU generation (`generation`, a key of `tiles.GENERATIONS` or None):
+  `tiles.splash_blocks` reads `[block_q, block_kv, block_q_dkv, block_kv_dkv]` from the tile
+  table (`"s<seq>d<head_dim>"`, else the generation's default: the largest of 512, 256, 128
+  dividing the sequence); `blocks` overrides them (the tile sweep). The context-parallel
+  kernels below keep `block_size`.
 `interpret=True` runs the same kernels in Pallas' interpreter (CPU tests).
 """
 
@@ -32,6 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+try:  # a package import (titan_kernels.tpu.splash) or a plain module next to tiles.py (the probes)
+    from titan_kernels.tpu import tiles
+except ImportError:  # pragma: no cover - the XLA-tier probes put titan_kernels/tpu on sys.path
+    import tiles
 
 TILE = 128
 """Sequence tile of the kernel; lengths are padded to a multiple of it."""
@@ -46,19 +56,20 @@ def block_size(seq_len: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(seq_len: int, group: int, block: int, interpret: bool):
+def _kernel(seq_len: int, group: int, blocks: tuple[int, int, int, int], interpret: bool):
     """The MQA splash kernel for `group` query heads sharing one KV head (built once per shape).
 
     Built with `save_residuals=True`: calling it returns (out, (logsumexp,)), the residuals its
     backward needs; `backward` below calls that backward kernel on them directly."""
     mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len))] * group)
+    bq, bkv, bq_dkv, bkv_dkv = blocks
     sizes = sk.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq_dkv,
+        block_kv_dkv=bkv_dkv,
+        block_kv_dkv_compute=bkv_dkv,
         use_fused_bwd_kernel=True,
     )
     # Built on first use, usually inside a trace: without compile-time evaluation the kernel's
@@ -84,7 +95,7 @@ def _collapsed(mask_info):
 class _Layout:
     """The op's [B, H, S, D] layout <-> the kernel's per-KV-head MQA form (padded, q scaled)."""
 
-    def __init__(self, q: jax.Array, k: jax.Array, interpret: bool):
+    def __init__(self, q: jax.Array, k: jax.Array, interpret: bool, generation: str | None = None, blocks=None):
         self.batch, self.q_heads, self.seq, self.head_dim = q.shape
         self.kv_heads = k.shape[1]
         assert self.q_heads % self.kv_heads == 0, f"q heads {self.q_heads} not a multiple of kv heads {self.kv_heads}"
@@ -92,7 +103,8 @@ class _Layout:
         self.pad = (-self.seq) % TILE
         self.padded = self.seq + self.pad
         self.scale = self.head_dim**-0.5
-        self.kernel = _kernel(self.padded, self.group, block_size(self.padded), interpret)
+        blocks = tuple(blocks) if blocks else tiles.splash_blocks(generation, self.padded, self.head_dim)
+        self.kernel = _kernel(self.padded, self.group, blocks, interpret)
 
     def seq_pad(self, t: jax.Array) -> jax.Array:
         """Pad dim 2 (the sequence) of [B, H, S, D] with zeros to the kernel's tile."""
@@ -123,11 +135,19 @@ class _Layout:
 
 
 def forward(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, interpret: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+    generation: str | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, Hq, S, Dv], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
-    each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile)."""
-    lay = _Layout(q, k, interpret)
+    each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile).
+    Blocks: `blocks` if given, else the `generation`'s (module docstring)."""
+    lay = _Layout(q, k, interpret, generation, blocks)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
     k, v = lay.seq_pad(k), lay.seq_pad(v)
 
@@ -149,13 +169,16 @@ def backward(
     dout: jax.Array,
     *,
     interpret: bool = False,
+    generation: str | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) from the forward's residuals (out, lse) with the splash backward kernel
-    alone (fused dq/dkv), without running the forward kernel again.
+    alone (fused dq/dkv), without running the forward kernel again. Blocks as `forward`'s (the
+    same `generation` / `blocks`: the backward reads the forward's kernel object).
 
     Padded query rows get out = dout = 0, so their `di = rowsum(dout * out)` is 0 and they add
     nothing; their lse is the forward's own (finite: each row sees at least itself)."""
-    lay = _Layout(q, k, interpret)
+    lay = _Layout(q, k, interpret, generation, blocks)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
     k, v = lay.seq_pad(k), lay.seq_pad(v)
     og, dog = lay.to_mqa(out), lay.to_mqa(dout.astype(out.dtype))
@@ -185,19 +208,21 @@ def backward(
     return dq, dk[:, :, : lay.seq], dv[:, :, : lay.seq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _attention(q, k, v, segment_ids, interpret):
-    return forward(q, k, v, segment_ids, interpret=interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q, k, v, segment_ids, interpret, generation, blocks):
+    return forward(q, k, v, segment_ids, interpret=interpret, generation=generation, blocks=blocks)[0]
 
 
-def _attention_fwd(q, k, v, segment_ids, interpret):
-    out, lse = forward(q, k, v, segment_ids, interpret=interpret)
+def _attention_fwd(q, k, v, segment_ids, interpret, generation, blocks):
+    out, lse = forward(q, k, v, segment_ids, interpret=interpret, generation=generation, blocks=blocks)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _attention_bwd(interpret, res, dout):
+def _attention_bwd(interpret, generation, blocks, res, dout):
     q, k, v, segment_ids, out, lse = res
-    dq, dk, dv = backward(q, k, v, segment_ids, out, lse, dout, interpret=interpret)
+    dq, dk, dv = backward(
+        q, k, v, segment_ids, out, lse, dout, interpret=interpret, generation=generation, blocks=blocks
+    )
     return dq, dk, dv, None
 
 
@@ -205,11 +230,18 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def splash_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, interpret: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    interpret: bool = False,
+    generation: str | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
 ) -> jax.Array:
     """softmax(q k^T / sqrt(D), causal [within segments]) v; differentiable in JAX with the
     residual backward (`forward` + `backward`); see the module docstring."""
-    return _attention(q, k, v, segment_ids, interpret)
+    return _attention(q, k, v, segment_ids, interpret, generation, tuple(blocks) if blocks else None)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:

@@ -17,7 +17,10 @@ generation -> shape class -> tiles, with a `default` entry per generation:
 - `gmm`: shape class `"KxN"` (the expert weight; rows vary with the batch), tiles
   `[tm, tk, tn]`;
 - `fused_ce`: shape class `"d<dim>"` (the hidden size; rows and vocab vary), blocks
-  `[block_n, block_v]`.
+  `[block_n, block_v]`;
+- `splash`: shape class `"s<seq>d<head_dim>"` (the padded sequence and the q/k head width),
+  blocks `[block_q, block_kv, block_q_dkv, block_kv_dkv]` (forward; fused backward), each block
+  also its compute block (`splash_blocks`).
 The rule for any shape (a table entry or the generation's default, then fitted):
 1. each tile is cut to the dimension (`fit`): the whole dimension when the tile covers it,
    else the largest of tile, tile/2, ... (>= 128) that divides it;
@@ -130,7 +133,7 @@ def load_table(path: str | None = None) -> dict:
 def check_table(table: dict) -> None:
     """ValueError naming the entry unless every entry is a list of positive multiples of 8 of
     the kernel's arity and every generation has a default."""
-    arity = {"gmm": 3, "fused_ce": 2}
+    arity = {"gmm": 3, "fused_ce": 2, "splash": 4}
     for kernel, n in arity.items():
         for gen, entries in table.get(kernel, {}).items():
             if gen not in GENERATIONS and gen != "unknown":
@@ -269,3 +272,23 @@ def ce_blocks(
         else:
             break
     return bn, bv
+
+
+def splash_blocks(
+    generation: str | None, seq_len: int, head_dim: int, *, table: dict | None = None
+) -> tuple[int, int, int, int]:
+    """(block_q, block_kv, block_q_dkv, block_kv_dkv) of the splash kernel at a (padded) sequence
+    length and q/k head width: the table's entry for `"s<seq>d<head_dim>"` (else the generation's
+    default), each block the largest of block, block/2, ... (>= MIN_TILE) that divides the
+    sequence (a multiple of MIN_TILE: the kernel pads to it). The default [512] * 4 gives the
+    kernels' rule from before the table had splash: the largest of 512, 256, 128 dividing it."""
+    if seq_len % MIN_TILE:
+        raise ValueError(f"splash: sequence length {seq_len} is not a multiple of {MIN_TILE}")
+    entries = (table or load_table()).get("splash")
+    blocks = _entry("splash", generation, f"s{seq_len}d{head_dim}", table) if entries else [512] * 4
+    out = []
+    for b in blocks:
+        while b > MIN_TILE and seq_len % b:
+            b //= 2
+        out.append(b)
+    return tuple(out)
