@@ -16,12 +16,19 @@ Rules (documented in docs/parallelism.md and docs/context_parallel.md):
   `efsdp = dp_shard * cp * tp / ep` (experts are data-parallel-sharded over `efsdp`).
 - With tensor parallelism, heads, kv heads, the FFN hidden size and (for MoE) the expert
   hidden size must divide by `tp`; experts must divide by `ep`.
+- Several slices (`num_slices`, multislice over the data-center network): the ranks are numbered
+  slice-major (the launcher's global node rank), so the outermost axes carry the DCN split:
+  `dcn_mesh_shape` puts it on `dp_replicate` (HSDP: shards inside a slice, gradients all-reduced
+  across slices), spilling onto `dp_shard` only when `dp_replicate` cannot hold it (the step
+  plan's rule refuses that unless `parallelism.allow_dcn_sharding`); `dp_replicate x dp_shard`
+  must divide by the slice count, so cp and tp groups never leave a slice.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +52,27 @@ _KEYS = {
     "cp": "parallelism.context_parallel_degree",
     "tp": "parallelism.tensor_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
+    "num_slices": "parallelism.num_slices",
 }
+
+
+def resolve_num_slices(configured: int, env: Mapping[str, str] | None = None) -> int:
+    """The job's slice count: `[parallelism] num_slices`, or with 0 the launcher's
+    `MEGASCALE_NUM_SLICES` (else 1). ConfigError when both are set and disagree, or the variable is
+    not a count."""
+    env = os.environ if env is None else env
+    raw = env.get("MEGASCALE_NUM_SLICES", "").strip()
+    if raw and (not raw.isdigit() or int(raw) < 1):
+        raise ConfigError(f"environment variable MEGASCALE_NUM_SLICES is {raw!r}; allowed: the number of slices, >= 1")
+    from_env = int(raw) if raw else None
+    if configured == 0:
+        return from_env or 1
+    if from_env is not None and from_env != configured:
+        raise ConfigError(
+            f"{_KEYS['num_slices']}: {configured}, but the launcher's MEGASCALE_NUM_SLICES is {from_env}; "
+            f"allowed: {from_env}, or 0 (take it from the environment)"
+        )
+    return configured
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +89,8 @@ class ParallelDims:
     """Tensor (and sequence) parallel degree."""
     ep: int = 1
     """Expert parallel degree, carved out of `dp_shard * tp`."""
+    num_slices: int = 1
+    """TPU slices the world spans (the DCN split, outermost; `dcn_mesh_shape`)."""
     world_size: int
     """Number of ranks in the job."""
 
@@ -94,6 +123,16 @@ class ParallelDims:
                 f"({self.tp}) = {product}, but the world size is {self.world_size}; "
                 f"the product must equal the world size (set data_parallel_shard_degree = -1 "
                 f"to fill it)"
+            )
+        if not isinstance(self.num_slices, int) or self.num_slices < 1:
+            raise ConfigError(f"{_KEYS['num_slices']}: must be an integer >= 1, got {self.num_slices!r}")
+        if self.num_slices > 1 and (self.dp_replicate * self.dp_shard) % self.num_slices != 0:
+            raise ConfigError(
+                f"{_KEYS['num_slices']}: {self.num_slices} slices, but data_parallel_replicate_degree "
+                f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) = "
+                f"{self.dp_replicate * self.dp_shard} does not divide by it (the slices split the "
+                "data-parallel ranks; cp and tp groups stay inside a slice); allowed: data-parallel "
+                f"degrees whose product is a multiple of {self.num_slices}"
             )
         block = self.dp_shard * self.cp * self.tp
         if block % self.ep != 0:
@@ -148,6 +187,18 @@ class ParallelDims:
     @property
     def mesh_shape(self) -> tuple[int, int, int, int]:
         return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def dcn_mesh_shape(self) -> tuple[int, int, int, int]:
+        """How many slices each mesh axis spans (product `num_slices`): all on `dp_replicate` when
+        it divides by the slice count, else what it holds there and the rest on `dp_shard`."""
+        on_replicate = math.gcd(self.dp_replicate, self.num_slices)
+        return (on_replicate, self.num_slices // on_replicate, 1, 1)
+
+    @property
+    def ici_mesh_shape(self) -> tuple[int, int, int, int]:
+        """The mesh inside one slice: `mesh_shape / dcn_mesh_shape`."""
+        return tuple(m // d for m, d in zip(self.mesh_shape, self.dcn_mesh_shape))
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """Data-parallel rank of this process: the CP and TP ranks of one dp group get the
@@ -235,7 +286,7 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
     return tpu_topology.map_mesh(topology, parallel_dims.mesh_shape, names=MESH_AXES)
 
 
-def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
+def _tpu_rank_grid(shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """Global ranks laid out in `shape`, ordered by the TPU interconnect topology.
 
     torch-tpu places each axis on whole physical axes of the slice and raises NotImplementedError
@@ -252,11 +303,13 @@ def _tpu_rank_grid(shape: tuple[int, ...]) -> torch.Tensor:
     # the nearest neighbours; on several slices the DCN split lands on axis 0 (dp_replicate).
     # Every rank computes the layout from the same all-gathered device list, so every rank fails
     # (and retries) alike.
+    # On several slices the split is ours (`ParallelDims.dcn_mesh_shape`), not torch-tpu's inference.
+    dcn = {} if dcn_mesh_shape is None else {"dcn_mesh_shape": tuple(dcn_mesh_shape)}
     try:
-        return tpu.distributed.topology_aware_mesh(shape)
+        return tpu.distributed.topology_aware_mesh(shape, **dcn)
     except NotImplementedError as whole:
         try:
-            ranks = tpu.distributed.topology_aware_mesh(shape, allow_split_physical_axes=True)
+            ranks = tpu.distributed.topology_aware_mesh(shape, allow_split_physical_axes=True, **dcn)
         except Exception as e:
             raise ConfigError(
                 f"parallelism: torch-tpu cannot lay out the mesh {dict(zip(MESH_AXES, shape))} on this slice, "
@@ -286,14 +339,33 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
         )
     shape = parallel_dims.mesh_shape
     if device_type == "tpu":
-        ranks = _tpu_rank_grid(shape)
+        dcn = parallel_dims.dcn_mesh_shape if parallel_dims.num_slices > 1 else None
+        ranks = _tpu_rank_grid(shape, dcn)
         mesh = DeviceMesh("tpu", ranks, mesh_dim_names=MESH_AXES)
     else:
+        check_slice_major(parallel_dims, rank=dist.get_rank())
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
     flat_dp_mesh(mesh)
     if parallel_dims.cp_enabled:
         dp_shard_cp_mesh(mesh)
     return mesh
+
+
+def check_slice_major(parallel_dims: ParallelDims, *, rank: int, env: Mapping[str, str] | None = None) -> None:
+    """Off TPU the mesh is row-major over the global ranks, so slice s must hold ranks
+    s x (world / slices) onwards: what the launcher's node rank (slice id x hosts per slice +
+    worker id) gives. ConfigError when this rank's `MEGASCALE_SLICE_ID` says otherwise."""
+    env = os.environ if env is None else env
+    raw = env.get("MEGASCALE_SLICE_ID", "").strip()
+    if parallel_dims.num_slices <= 1 or not raw.isdigit():
+        return
+    expected = rank // (parallel_dims.world_size // parallel_dims.num_slices)
+    if int(raw) != expected:
+        raise ConfigError(
+            f"parallelism.num_slices: rank {rank} of {parallel_dims.world_size} has MEGASCALE_SLICE_ID={raw}, "
+            f"but slice-major numbering puts it on slice {expected}; allowed: start every host through "
+            "python -m trainer.launch (node rank = slice id x hosts per slice + worker id)"
+        )
 
 
 def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

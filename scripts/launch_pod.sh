@@ -6,7 +6,12 @@
 #   scripts/launch_pod.sh tpu-vm NAME ZONE [PROJECT] -- --config configs/llama3_8b_v6e.toml [--k=v ...]
 #       every worker of a TPU VM slice, over `gcloud compute tpus tpu-vm ssh --worker=all`
 #   scripts/launch_pod.sh xpk CLUSTER WORKLOAD TPU_TYPE NUM_SLICES -- --config ...
-#       a GKE workload through XPK (one pod per TPU host; GKE sets TPU_WORKER_HOSTNAMES/TPU_WORKER_ID)
+#       a GKE workload through XPK (one pod per TPU host; GKE sets TPU_WORKER_HOSTNAMES/TPU_WORKER_ID,
+#       and with NUM_SLICES > 1 the MEGASCALE_* variables the launcher derives the job's ranks from)
+#   scripts/launch_pod.sh qr QUEUED_RESOURCE ZONE [PROJECT] -- --config ...
+#       every worker of every slice (node) of a TPU VM queued resource, over
+#       `gcloud compute tpus queued-resources ssh --node=all --worker=all`; a multislice one has the
+#       MEGASCALE_* variables in each VM's tpu-env metadata (docs/launch.md, "Several slices")
 #   scripts/launch_pod.sh slurm -- --config ...
 #       inside an sbatch allocation: one launcher per node with srun, one process per GPU
 #   scripts/launch_pod.sh local NHOSTS NPROC -- --config ...
@@ -25,12 +30,12 @@
 # the pods' exit codes are the launchers' (75 on preemption), for the workload's restart policy.
 set -euo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # this header, as the usage
-  echo "usage: scripts/launch_pod.sh tpu-vm|xpk|slurm|local|host ... -- --config RECIPE.toml [--section.key=value ...]"
+  echo "usage: scripts/launch_pod.sh tpu-vm|qr|xpk|slurm|local|host ... -- --config RECIPE.toml [--section.key=value ...]"
   sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
   exit 0
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-platform="${1:?usage: scripts/launch_pod.sh tpu-vm|xpk|slurm|local|host ... -- TRAIN ARGS}"
+platform="${1:?usage: scripts/launch_pod.sh tpu-vm|qr|xpk|slurm|local|host ... -- TRAIN ARGS}"
 shift
 pre=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do pre+=("$1"); shift; done
@@ -90,18 +95,17 @@ case "$platform" in
       case "$rc" in 0|75) exit "$rc" ;; 2) exit 77 ;; *) exit 76 ;; esac
     fi
     exit "$rc" ;;
-  tpu-vm)
-    name="${pre[0]:?tpu-vm needs NAME ZONE}"; zone="${pre[1]:?tpu-vm needs NAME ZONE}"
+  tpu-vm|qr)
+    name="${pre[0]:?$platform needs NAME ZONE}"; zone="${pre[1]:?$platform needs NAME ZONE}"
     project=(); [ -n "${pre[2]:-}" ] && project=(--project "${pre[2]}")
     cmd=$(host_cmd tpu --platform tpu-vm)
-    if [ "${DRY_RUN:-0}" = 1 ]; then
-      run gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all --command "$cmd"; exit 0
-    fi
+    ssh=(gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all)
+    [ "$platform" = qr ] && ssh=(gcloud compute tpus queued-resources ssh "$name" --zone "$zone" "${project[@]}" --node=all --worker=all)
+    if [ "${DRY_RUN:-0}" = 1 ]; then run "${ssh[@]}" --command "$cmd"; exit 0; fi
     log=$(mktemp); trap 'rm -f "$log"' EXIT
     pid=""
     trap 'nsig=$((nsig + 1)); [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null || true' TERM INT
-    gcloud compute tpus tpu-vm ssh "$name" --zone "$zone" "${project[@]}" --worker=all --command "$cmd" \
-      2> >(tee -a "$log" >&2) &
+    "${ssh[@]}" --command "$cmd" 2> >(tee -a "$log" >&2) &
     pid=$!
     wait_for "$pid"; rc=$waited
     sleep 0.2  # the tee of gcloud's stderr
@@ -139,5 +143,5 @@ case "$platform" in
     codes=()
     for p in "${pids[@]}"; do wait_for "$p"; codes+=("$waited"); done
     exit "$(combine "${codes[@]}")" ;;
-  *) echo "error: launch_pod.sh: platform $platform; allowed: tpu-vm, xpk, slurm, local, host" >&2; exit 2 ;;
+  *) echo "error: launch_pod.sh: platform $platform; allowed: tpu-vm, qr, xpk, slurm, local, host" >&2; exit 2 ;;
 esac

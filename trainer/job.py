@@ -47,7 +47,7 @@ from models.common.moe import set_routing_key, use_capacity, use_routing
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
-from parallelisms.parallel_dims import tpu_mesh_layout
+from parallelisms.parallel_dims import resolve_num_slices, tpu_mesh_layout
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer_for
@@ -116,6 +116,7 @@ def step_request(
     caller_loss: bool = False,
     model_has_experts: bool = True,
     grad_accum: int = 1,
+    num_slices: int = 1,
 ) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
@@ -158,6 +159,9 @@ def step_request(
         flow_resolution_shift=cfg.flow.resolution_shift,
         initial_load_format=cfg.checkpoint.initial_load_format if cfg.checkpoint.initial_load_path else "",
         model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None,
+        num_slices=num_slices,
+        dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
+        allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
     )
 
 
@@ -177,6 +181,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
         ep=p.expert_parallel_degree,
+        num_slices=resolve_num_slices(p.num_slices),
         world_size=world_size,
     )
     # Benchmark routing is refused with gradient accumulation (the rule says why): the split is
@@ -200,6 +205,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         caller_loss=caller_loss,
         model_has_experts=shape.num_experts > 0,
         grad_accum=grad_accum,
+        num_slices=parallel_dims.num_slices,
     )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))

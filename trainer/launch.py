@@ -17,6 +17,18 @@ Platforms (`--platform`, default `auto` = the first whose variables are present)
 | `slurm`  | GPU clusters under Slurm: `SLURM_NNODES`, `SLURM_NODEID`, `SLURM_JOB_NODELIST`; one process per visible GPU |
 | `manual` | `--nnodes/--node-rank/--master-addr/--nproc-per-node` (any other cluster) |
 
+**Several slices (multislice, DCN).** The MegaScale variables say which slice this host is on:
+`MEGASCALE_NUM_SLICES`, `MEGASCALE_SLICE_ID`, `MEGASCALE_COORDINATOR_ADDRESS` (`host[:port]`, the
+first host of slice 0) and `MEGASCALE_PORT`. XPK / GKE JobSets put them in each pod's environment;
+a TPU VM of a multislice queued resource has them in its `tpu-env` metadata attribute
+(`MEGASCALE_NUM_SLICES: '2'` lines; the process environment wins where both are set, as in
+jax's `cloud_tpu_cluster.get_tpu_env_value`). The host list and worker id are then the slice's, and
+the job's are derived (`Multislice`): node rank = slice id x hosts per slice + worker id, nodes =
+slices x hosts per slice, rendezvous at the coordinator's host. torch-tpu's launch variables stay the
+slice's own (its slice builder is per slice); libtpu joins the slices through the MegaScale
+variables, which reach the workers unchanged. A slice count < 1, a slice id outside the slices or
+a missing coordinator is one `error:` line, exit 2.
+
 Processes per host: one per TPU *device*, i.e. the product of `TPU_CHIPS_PER_HOST_BOUNDS`
 times 2 on v7x (two TensorCores per chip, each its own device), times 1 elsewhere; one per GPU.
 On TPU the torch-tpu launch variables (`TORCH_TPU_TOPOLOGY`, `TORCH_TPU_SLICEBUILDER_ADDRESSES`,
@@ -83,6 +95,7 @@ class LaunchPlan:
     master_port: int
     device: str  # tpu | cuda | cpu: what the workers train on
     env: dict[str, str] = field(default_factory=dict)  # exported to torchrun and its workers
+    multislice: Multislice | None = None
 
     def torchrun_argv(self, train_args: list[str]) -> list[str]:
         return [
@@ -120,6 +133,81 @@ def _bounds_product(env: Mapping[str, str], name: str) -> int:
     return math.prod(int(p) for p in parts)
 
 
+MEGASCALE_KEYS = ("MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_COORDINATOR_ADDRESS", "MEGASCALE_PORT")
+
+
+@dataclass(frozen=True)
+class Multislice:
+    """This host's slice in a multislice job (MegaScale variables); `None` from `read_multislice`
+    when the job is one slice."""
+
+    num_slices: int
+    slice_id: int
+    coordinator: str
+    """`MEGASCALE_COORDINATOR_ADDRESS` as given (`host` or `host:port`)."""
+    source: str
+    """Where the variables came from: `environment` or `metadata tpu-env`."""
+    port: str = ""
+    """`MEGASCALE_PORT` ("" when not given: libtpu's default)."""
+
+    @property
+    def coordinator_host(self) -> str:
+        host = self.coordinator.strip()
+        if host.startswith("["):  # [ipv6]:port
+            return host[1 : host.index("]")] if "]" in host else host
+        return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+    def job(self, hosts_per_slice: int, worker: int) -> tuple[int, int]:
+        """(global node rank, nodes): slices are numbered slice-major, as jax numbers processes."""
+        return self.slice_id * hosts_per_slice + worker, self.num_slices * hosts_per_slice
+
+
+def parse_tpu_env(text: str) -> dict[str, str]:
+    """The `tpu-env` metadata attribute of a TPU VM: `KEY: 'value'` lines."""
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key.strip()):
+            out[key.strip()] = value.strip().strip("'\"")
+    return out
+
+
+def read_multislice(env: Mapping[str, str], *, tpu_env: Mapping[str, str] | None = None) -> Multislice | None:
+    """The multislice place of this host from the MegaScale variables (`env` first, then the TPU
+    VM's `tpu-env` metadata), or None for a single slice. ConfigError naming the variable when they
+    are inconsistent: a slice count that is not >= 1, a slice id outside 0..slices-1, no coordinator."""
+    tpu_env = tpu_env or {}
+    values = {k: env[k] for k in MEGASCALE_KEYS if env.get(k, "").strip()}
+    source = "environment"
+    if "MEGASCALE_NUM_SLICES" not in values and tpu_env.get("MEGASCALE_NUM_SLICES", "").strip():
+        values = {k: tpu_env[k] for k in MEGASCALE_KEYS if tpu_env.get(k, "").strip()}
+        source = "metadata tpu-env"
+    if "MEGASCALE_NUM_SLICES" not in values:
+        return None
+    where = f"({source})"
+    num = values["MEGASCALE_NUM_SLICES"].strip()
+    if not num.isdigit() or int(num) < 1:
+        raise ConfigError(
+            f"launch: MEGASCALE_NUM_SLICES is {num!r} {where}; allowed: the number of slices, >= 1 "
+            "(XPK --num-slices, or the queued resource's node count)"
+        )
+    if int(num) == 1:
+        return None
+    slice_id = values.get("MEGASCALE_SLICE_ID", "").strip()
+    if not slice_id.isdigit() or int(slice_id) >= int(num):
+        raise ConfigError(
+            f"launch: MEGASCALE_SLICE_ID is {slice_id or 'not set'} {where} with MEGASCALE_NUM_SLICES={num}; "
+            f"allowed: this host's slice, 0..{int(num) - 1}"
+        )
+    coordinator = values.get("MEGASCALE_COORDINATOR_ADDRESS", "").strip()
+    if not coordinator:
+        raise ConfigError(
+            f"launch: MEGASCALE_COORDINATOR_ADDRESS is not set {where} with MEGASCALE_NUM_SLICES={num}; "
+            "allowed: host[:port] of the first host of slice 0 (XPK and queued resources set it)"
+        )
+    return Multislice(int(num), int(slice_id), coordinator, source, values.get("MEGASCALE_PORT", "").strip())
+
+
 def devices_per_chip(accelerator_type: str) -> int:
     """2 on TPU v7x (Ironwood: two TensorCores per chip, each a torch-tpu device), else 1."""
     kind = accelerator_type.lower()
@@ -137,6 +225,7 @@ def _tpu_plan(
     nproc_override: int | None,
     device: str,
     where: str,
+    multislice: Multislice | None = None,
 ) -> LaunchPlan:
     if not hosts or any(not h for h in hosts):
         raise ConfigError(f"launch: {where} gives no host list; allowed: comma-separated hostnames, host 0 first")
@@ -162,16 +251,35 @@ def _tpu_plan(
             MASTER_PORT=str(port),
             TORCH_TPU_DEVICES_PER_HOST=str(nproc),
         )
+    node_rank, nnodes, master = worker, len(hosts), hosts[0]
+    if multislice is not None:
+        # torch-tpu's variables above stay the slice's; torchrun's world is every slice's hosts
+        node_rank, nnodes = multislice.job(len(hosts), worker)
+        master = multislice.coordinator_host
+        env.update(multislice_env(multislice))
     return LaunchPlan(
         platform,
-        nnodes=len(hosts),
-        node_rank=worker,
+        nnodes=nnodes,
+        node_rank=node_rank,
         nproc_per_node=nproc,
-        master_addr=hosts[0],
+        master_addr=master,
         master_port=port,
         device=device,
         env=env,
+        multislice=multislice,
     )
+
+
+def multislice_env(multislice: Multislice) -> dict[str, str]:
+    """The MegaScale variables the workers (libtpu, the trainer's slice check) read."""
+    out = {
+        "MEGASCALE_NUM_SLICES": str(multislice.num_slices),
+        "MEGASCALE_SLICE_ID": str(multislice.slice_id),
+        "MEGASCALE_COORDINATOR_ADDRESS": multislice.coordinator,
+    }
+    if multislice.port:
+        out["MEGASCALE_PORT"] = multislice.port
+    return out
 
 
 def plan_gke(
@@ -199,14 +307,24 @@ def plan_gke(
         nproc_override=nproc_override,
         device=device,
         where="TPU_WORKER_HOSTNAMES",
+        multislice=read_multislice(env),
     )
 
 
 def read_tpu_vm_metadata(
     keys=("agent-worker-number", "worker-network-endpoints", "accelerator-type"),
+    optional=("tpu-env",),
 ) -> dict[str, str]:
-    """The TPU VM's own attributes from the GCE metadata server (only reachable on a TPU VM)."""
+    """The TPU VM's own attributes from the GCE metadata server (only reachable on a TPU VM);
+    `optional` ones (`tpu-env`: the MegaScale variables of a multislice queued resource) may be absent."""
     out = {}
+    for key in optional:
+        req = urllib.request.Request(_METADATA_URL + key, headers={"Metadata-Flavor": "Google"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                out[key] = r.read().decode()
+        except OSError:
+            pass
     for key in keys:
         req = urllib.request.Request(_METADATA_URL + key, headers={"Metadata-Flavor": "Google"})
         try:
@@ -242,7 +360,12 @@ def _tpu_vm_chips_per_host(accelerator: str, n_hosts: int) -> int | None:
 
 
 def plan_tpu_vm(
-    metadata: Mapping[str, str], *, port: int, nproc_override: int | None = None, device: str = "tpu"
+    metadata: Mapping[str, str],
+    *,
+    port: int,
+    nproc_override: int | None = None,
+    device: str = "tpu",
+    env: Mapping[str, str] | None = None,
 ) -> LaunchPlan:
     # worker-network-endpoints: "id:?:ip,id:?:ip,..." in worker order; the address is the last field.
     endpoints = [e.strip() for e in metadata.get("worker-network-endpoints", "").split(",") if e.strip()]
@@ -259,6 +382,7 @@ def plan_tpu_vm(
         nproc_override=nproc_override,
         device=device,
         where="metadata worker-network-endpoints",
+        multislice=read_multislice(env or {}, tpu_env=parse_tpu_env(metadata.get("tpu-env", ""))),
     )
 
 
@@ -404,7 +528,7 @@ def build_plan(
     if platform == "gke":
         plan = plan_gke(env, port=port, nproc_override=args.nproc_per_node, device=device)
     elif platform == "tpu-vm":
-        plan = plan_tpu_vm(metadata(), port=port, nproc_override=args.nproc_per_node, device=device)
+        plan = plan_tpu_vm(metadata(), port=port, nproc_override=args.nproc_per_node, device=device, env=env)
     elif platform == "slurm":
         plan = plan_slurm(env, port=port, nproc_override=args.nproc_per_node, device=device)
     else:
@@ -426,6 +550,11 @@ def build_plan(
             master_addr=args.master_addr,
             master_port=port,
             device=device,
+        )
+    if plan.multislice is None and platform in ("slurm", "manual") and read_multislice(env) is not None:
+        raise ConfigError(
+            f"launch: MEGASCALE_NUM_SLICES={env['MEGASCALE_NUM_SLICES']} with platform {platform}; allowed: "
+            "gke (XPK) or tpu-vm (queued resources) for several slices, or unset MEGASCALE_NUM_SLICES"
         )
     if not 0 <= plan.node_rank < plan.nnodes or plan.nproc_per_node < 1:
         raise ConfigError(
@@ -584,9 +713,13 @@ def main(argv: list[str] | None = None) -> int:
     if plan.device in ("tpu", "cuda", "cpu") and not any(a.startswith("--device.type") for a in train_args):
         train_args = train_args + [f"--device.type={plan.device}"]
     cmd = plan.torchrun_argv(train_args)
+    ms = plan.multislice
+    slices = (
+        f", slice {ms.slice_id}/{ms.num_slices} ({ms.source}, coordinator {ms.coordinator})" if ms is not None else ""
+    )
     print(
         f"launch: {plan.platform}: node {plan.node_rank}/{plan.nnodes}, {plan.nproc_per_node} processes, "
-        f"rendezvous {plan.master_addr}:{plan.master_port} (static), device {plan.device}",
+        f"rendezvous {plan.master_addr}:{plan.master_port} (static), device {plan.device}{slices}",
         flush=True,
     )
     if args.dry_run:

@@ -149,6 +149,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(qk_clip=True, optimizer="adamw"),
         StepRequest(flow_shift=3.0, flow_resolution_shift=True),
         StepRequest(initial_load_format="hf", model_has_hf_adapter=False),
+        StepRequest(num_slices=2, dp_replicate=1),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

@@ -229,6 +229,16 @@ class ParallelismConfig:
     the hf backend or the RL engine."""
     enable_loss_parallel: bool = False
     """With TP, compute the cross entropy on vocab-sharded logits instead of gathering them."""
+    num_slices: int = field(default=0, metadata=_range(ge=0))
+    """TPU slices the job spans (multislice: slices joined over the data-center network, DCN).
+    0 = from the launcher's environment (`MEGASCALE_NUM_SLICES`, else 1); a value > 0 must agree
+    with it when it is set. The DCN split is put on `dp_replicate`: HSDP shards inside a slice and
+    all-reduces gradients across slices, so `data_parallel_replicate_degree` must be a multiple of
+    the slice count (docs/launch.md, "Several slices")."""
+    allow_dcn_sharding: bool = False
+    """Let a layout put FSDP (or TP/EP/CP) traffic on the DCN, i.e. `num_slices` that does not
+    divide `data_parallel_replicate_degree`; refused otherwise (a per-layer collective over DCN is
+    ~10-50x slower than over ICI)."""
 
 
 @dataclass

@@ -122,6 +122,13 @@ class StepRequest:
     """`[checkpoint] initial_load_format` when `initial_load_path` is set ("": nothing is loaded)."""
     model_has_hf_adapter: bool = True
     """The family has an `hf_adapter` (Hugging Face names: `ModelFamily.hf_adapter`)."""
+    num_slices: int = 1
+    """TPU slices the job spans (`[parallelism] num_slices`, resolved against the launcher's
+    `MEGASCALE_NUM_SLICES`)."""
+    dp_replicate: int = 1
+    """`[parallelism] data_parallel_replicate_degree`."""
+    allow_dcn_sharding: bool = False
+    """`[parallelism] allow_dcn_sharding`."""
 
     @property
     def attn_backends_here(self) -> str:
@@ -421,6 +428,17 @@ RULES: tuple[Rule, ...] = (
         "hf weights to load into a family without hf_adapter.py",
         lambda r: r.initial_load_format == "hf" and not r.model_has_hf_adapter,
         "'hf' is not supported for this model (no hf_adapter.py); allowed: dcp",
+    ),
+    # Several slices (multislice): the data-center network (DCN) between slices carries the HSDP
+    # gradient all-reduce once per step; FSDP's per-layer gathers (or TP/EP/CP) over it would not keep up.
+    Rule(
+        "parallelism.data_parallel_replicate_degree",
+        "several slices whose count does not divide the replicate degree (FSDP, and with it EP, "
+        "traffic would cross the DCN), unless parallelism.allow_dcn_sharding",
+        lambda r: r.num_slices > 1 and r.dp_replicate % r.num_slices != 0 and not r.allow_dcn_sharding,
+        "{r.dp_replicate} on {r.num_slices} slices puts FSDP/EP collectives on the data-center network "
+        "between slices; allowed: a multiple of {r.num_slices} (HSDP: shard inside a slice, all-reduce "
+        "gradients across slices), or parallelism.allow_dcn_sharding = true",
     ),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule(
