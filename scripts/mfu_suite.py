@@ -25,7 +25,19 @@ CostEstimate bytes where the HLO carries one), never below the model's FLOPs; co
 fully exposed (compute + collectives) and perfectly overlapped (max): an upper bound on MFU
 either way, never above 100 %. The old roofline of the compiler's totals is printed beside it.
 Every such row is labeled "projection". Without that venv the projections are skipped with the
-reason printed. `--hlo-cache DIR` keeps the compiles and reads them back.
+reason printed. `--hlo-cache DIR` keeps the compiles and reads them back (by recipe name and
+overrides: clear it when a recipe changes).
+
+The expert-parallel recipes (ep > 1) are projected from the trainer's own per-device program
+instead: tools/tpu_compile.py (the real plan with EP on the target's fake world, the dispatch over
+its all-to-alls, every collective as the trainer writes it, the Pallas kernels) compiled at full
+depth with the recipe's layer scan, XLA's optimized HLO dumped and read by tools/xla_projection.py,
+each collective priced where torch-tpu's layout puts its group on the torus; the table adds the EP
+all-to-alls' and the dispatch ops' share. `--override KEY=VALUE` (repeatable, e.g.
+moe.capacity_factor=1.25) and `--routing learned|random|both` change what is compiled.
+`--weak-scaling default` projects Qwen3-235B on v7x from 8 to 1,024 chips and Qwen3-30B-A3B on
+v6e from 8 to 256 at the recipe's per-device batch (`weak_scaling`: a few compiles, the rest
+scaled), a table and <out>_weak_scaling.png.
 
 Anchors: assets/anchors.toml (MaxText v6e/v7x, the TorchTitan TPU fork, torchax, TorchTitan on
 H100, each with its source), printed beside our row for the same recipe.
@@ -660,6 +672,7 @@ def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
         "tokens": tokens,
         "routed_rows": tokens * (getattr(shape, "top_k", 0) or 0),
         "ep": cfg.parallelism.expert_parallel_degree,
+        "params": args.num_params(),
         "flops_per_token": flops_per_token(
             num_matmul_params=args.num_active_params(exclude_embedding=True),
             n_layers=shape.n_layers,
@@ -812,6 +825,18 @@ WEAK_SCALING = {
 }
 
 
+OPTIMIZER_BYTES_PER_PARAM = 34
+"""HBM bytes per parameter of the step's state pass, over the devices that shard it: AdamW reads
+the fp32 parameter, gradient and two moments and writes three of them back (28), the gradient
+norm reads the gradient (4), the bf16 parameter copy is written (2)."""
+
+
+def shard_compute(compute_at: float, at: int, n: int, *, params: int, hbm: float) -> float:
+    """Compute seconds at n devices from one compiled size `at`: only the state's pass changes
+    (`OPTIMIZER_BYTES_PER_PARAM` x params / devices at the HBM bandwidth)."""
+    return compute_at + OPTIMIZER_BYTES_PER_PARAM * params * (1 / n - 1 / at) / hbm
+
+
 def scale_compute(at: dict[int, float], n: int) -> float:
     """Compute seconds at n devices from two compiled sizes {m1: t1, m2: t2} of the same mesh
     structure: t = C + D / n (the state's shard scales as 1/n, the rest does not)."""
@@ -833,27 +858,30 @@ def weak_scaling(
 ) -> list[dict]:
     """Per-chip throughput bound of `name` at each device count in `sizes`, same per-device batch.
 
-    The program is compiled at `compiled` sizes (default: the smallest, the smallest whose expert
-    mesh shards the experts (2 x ep devices: FSDP's expert axis >= 2) and the recipe's own; any
-    size already in the cache is read back). Between them nothing in the per-device program
-    changes but the state's shard (parameters, gradients and moments over N devices: the
-    optimizer's elementwise ops scale as 1/N) and the groups' sizes: the gathered and unsharded
-    buffers, the activations, the dispatch (ep fixed) are the same bytes at every N. So at an
-    uncompiled N: compute = C + D / N fitted through two compiled sizes with the same mesh
-    structure (`scale_compute`), and the collectives of the nearest compiled program priced on
-    N's own placement (torch-tpu's layout of the trainer's mesh on N's slice: the groups' sizes,
-    the torus dims they span, the all-to-all's hops). Efficiency: tokens/s per chip over the
-    smallest size's."""
+    The program is compiled at `compiled` sizes (default: the recipe's own; any other size already
+    in the cache is read back and used). Between sizes nothing in the per-device program changes
+    but the state's shard (parameters, gradients and moments over N devices: the optimizer's
+    elementwise pass scales as 1/N) and the groups' sizes: the gathered and unsharded buffers, the
+    activations, the dispatch (ep fixed) are the same bytes at every N. So at an uncompiled N:
+    compute = the nearest compiled program's, with the state pass rescaled (`shard_compute`; or
+    C + D / N fitted through two compiled sizes, `scale_compute`), and that program's collectives
+    priced on N's own placement (torch-tpu's layout of the trainer's mesh on N's slice: the
+    groups' sizes, the torus dims they span, the all-to-all's hops; a mesh axis of one device
+    moves nothing). Efficiency: tokens/s per chip over the smallest size's."""
     from tools import xla_projection as xp
 
     compile = compile or program_compile
     recipe = recipe_path(name)
     base = program_facts(recipe, list(overrides))
     ep, gen = base["ep"], base["generation"]
-    want = sorted(set(compiled or [min(sizes), 2 * ep, base["devices"]]))
+    want = sorted(set(compiled or [base["devices"]]))
+
+    def at_size(n: int) -> list[tuple[str, str]]:  # the recipe's own target: its own cache entry
+        return list(overrides) + ([] if n == base["devices"] else [("job.target", f"{gen}-{n}")])
+
     progs: dict[int, tuple[dict, dict]] = {}
     for n in sorted(set(sizes) | set(want)):
-        ovs = [*overrides, ("job.target", f"{gen}-{n}")]
+        ovs = at_size(n)
         cached = cache is not None and (cache / f"{recipe.stem}{override_tag(ovs)}" / "program.json").is_file()
         if n not in want and not cached:
             continue
@@ -865,28 +893,35 @@ def weak_scaling(
         progs[n] = (res, program_facts(recipe, ovs))
     rows = []
     for n in sorted(sizes):
-        facts = program_facts(recipe, [*overrides, ("job.target", f"{gen}-{n}")])
+        facts = program_facts(recipe, at_size(n))
         if n in progs:
             res, f = progs[n]
             b = program_bound(res, f, anchors=anchors)
             how = "compiled"
         else:
             same = sorted(m for m, (r, _) in progs.items() if len(r["radices"]) == 2)
-            if len(same) < 2:
-                rows.append({"recipe": name, "devices": n, "error": "fewer than two compiled sizes to scale from"})
+            if not same:
+                rows.append({"recipe": name, "devices": n, "error": "no compiled size to scale from"})
                 continue
-            lo = max([m for m in same if m < n] or same[:1])
-            hi = min([m for m in same if m > n] or same[-1:])
-            if lo == hi:
-                lo, hi = same[-2], same[-1]
             raw = {}
-            for m in (lo, hi):
+            for m in same:
                 b_ = program_bound(*progs[m], anchors=anchors)
                 raw[m] = b_["xla_s"] + b_["kernel_s"]
             near = min(same, key=lambda m: abs(m - n))
-            place = xp.placement_of(topology_of_target(f"{gen}-{n}"), (1, n, 1, 1), [n // ep, ep])
-            b = program_bound(progs[near][0], facts, anchors=anchors, placement=place, compute_s=scale_compute(raw, n))
-            how = f"scaled from {lo} and {hi}; collectives of {near} on {n}'s placement"
+            if len(same) >= 2:
+                lo = max([m for m in same if m < n] or same[:1])
+                hi = min([m for m in same if m > n] or same[-1:])
+                if lo == hi:
+                    lo, hi = same[-2], same[-1]
+                compute = scale_compute({lo: raw[lo], hi: raw[hi]}, n)
+                how = f"compute fitted through {lo} and {hi}"
+            else:
+                hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
+                compute = shard_compute(raw[near], near, n, params=base["params"], hbm=hbm)
+                how = f"compute of {near} + the state pass at 1/{n}"
+            place = xp.placement_of(topology_of_target(f"{gen}-{n}"), (1, n, 1, 1), [max(n // ep, 1), ep])
+            b = program_bound(progs[near][0], facts, anchors=anchors, placement=place, compute_s=compute)
+            how += f"; collectives of {near} priced on {n}'s placement"
         rows.append(
             {
                 "recipe": name,

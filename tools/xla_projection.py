@@ -857,6 +857,8 @@ def comm_on_placement(colls: list[Collective], *, ici: dict, placement: Placemen
         if c.axes not in cache:
             cache[c.axes] = placement.facts(c.axes)
         f = cache[c.axes]
+        if f["n"] <= 1 and all(re.fullmatch(r"a\d+", a) for a in c.axes):
+            continue  # a group of one device at this placement (a mesh axis of size 1): no traffic
         n = f["n"] if f["n"] > 1 else c.group_size
         bandwidth = axis_bandwidth(ici, max(f["torus_dims"], 1))
         if c.kind == "all-to-all":
