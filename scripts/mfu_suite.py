@@ -26,7 +26,7 @@ fully exposed (compute + collectives) and perfectly overlapped (max): an upper b
 either way, never above 100 %. The old roofline of the compiler's totals is printed beside it.
 Every such row is labeled "projection". Without that venv the projections are skipped with the
 reason printed. `--hlo-cache DIR` keeps the compiles and reads them back (by recipe name and
-overrides: clear it when a recipe changes).
+overrides; a trainer-program compile also by the recipe file's hash).
 
 The expert-parallel recipes (ep > 1) are projected from the trainer's own per-device program
 instead: tools/tpu_compile.py (the real plan with EP on the target's fake world, the dispatch over
@@ -49,6 +49,7 @@ Output: <out>.csv (one row per group), <out>_runs.csv (per run), <out>.md, <out>
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -302,8 +303,10 @@ def compile_costs(
 
 
 def override_tag(overrides: list[tuple[str, str]]) -> str:
-    """A folder-safe tag of a compile's overrides ('' without any): the cache key's part."""
-    return "".join(f"+{k}={v}" for k, v in overrides).replace("/", "_")
+    """A folder-safe tag of a compile's overrides ('' without any): the cache key's part; a long
+    one (a folder name has 255 bytes) becomes a hash of itself."""
+    tag = "".join(f"+{k}={v}" for k, v in overrides).replace("/", "_")
+    return tag if len(tag) <= 120 else "+" + hashlib.sha1(tag.encode()).hexdigest()[:16]
 
 
 def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: float, cache: Path | None = None) -> dict:
@@ -317,7 +320,9 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
     base = cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo"
     folder = base / f"{recipe.stem}{override_tag(overrides)}"
     result, hlo_path = folder / "program.json", folder / "program.after_optimizations.txt"
-    if not (cache and result.is_file() and hlo_path.is_file()):
+    sha = hashlib.sha1(recipe.read_bytes()).hexdigest()[:12]
+    stale = result.is_file() and json.loads(result.read_text()).get("recipe_sha", sha) != sha
+    if not (cache and result.is_file() and hlo_path.is_file()) or stale:
         folder.mkdir(parents=True, exist_ok=True)
         dump = folder / "dump"
         flags = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
@@ -331,6 +336,7 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
         shutil.rmtree(dump, ignore_errors=True)  # buffer assignment and the other dumps: large, not read
         data = {k: getattr(rep, k) for k in rep.__dataclass_fields__}
         data["verdict"] = rep.verdict
+        data["recipe_sha"] = sha  # a cached compile of an older recipe file is redone
         result.write_text(json.dumps(data, default=str))
     res = json.loads(result.read_text())
     if not hlo_path.is_file() or not hlo_path.stat().st_size:
@@ -872,6 +878,7 @@ def weak_scaling(
 
     compile = compile or program_compile
     recipe = recipe_path(name)
+    label = name + "".join(f" {k}={v}" for k, v in overrides)
     base = program_facts(recipe, list(overrides))
     ep, gen = base["ep"], base["generation"]
     want = sorted(set(compiled or [base["devices"]]))
@@ -901,7 +908,7 @@ def weak_scaling(
         else:
             same = sorted(m for m, (r, _) in progs.items() if len(r["radices"]) == 2)
             if not same:
-                rows.append({"recipe": name, "devices": n, "error": "no compiled size to scale from"})
+                rows.append({"recipe": label, "devices": n, "error": "no compiled size to scale from"})
                 continue
             raw = {}
             for m in same:
@@ -924,7 +931,7 @@ def weak_scaling(
             how += f"; collectives of {near} priced on {n}'s placement"
         rows.append(
             {
-                "recipe": name,
+                "recipe": label,
                 "devices": n,
                 "chips": facts["chips"],
                 "how": how,
@@ -973,7 +980,7 @@ PROJECTION_NOTE = [
 PROGRAM_NOTE = [
     'Method (docs/benchmarks.md, "Projections"): the per-device program the trainer emits on the recipe\'s '
     "target (tools/tpu_compile.py: the fake world at the target's size, the real plan with expert parallelism, "
-    "the EP dispatch over a ragged all-to-all, every collective as the trainer writes it, the Pallas kernels), "
+    "the EP dispatch and its all-to-alls (ragged when dropless, equal-split with a capacity), every collective as the trainer writes it, the Pallas kernels), "
     "compiled deviceless at full depth with the recipe's layer scan (loop bodies times their trip counts: "
     "nothing extrapolated). Compute: XLA ops per-op roofline + kernels (capture model; megablox's CostEstimate "
     "scaled from the worst-case receive buffer to the routed rows, its grid being sized on the device); "

@@ -57,3 +57,5 @@ def test_override_tag_names_the_cache_folder():
     assert suite.override_tag([("job.target", "v7x-16"), ("moe.routing", "random")]) == (
         "+job.target=v7x-16+moe.routing=random"
     )
+    long = suite.override_tag([(f"model.key{i}", "1" * 20) for i in range(20)])
+    assert long.startswith("+") and len(long) == 17
