@@ -144,6 +144,8 @@ def topology_of(target) -> Topology | None:
             return None
         name, devices = target, int(size) // CORES_PER_DEVICE.get(gen, 1)
     else:
+        if getattr(target, "num_slices", 1) > 1:  # several slices: no one grid (the DCN joins them)
+            return None
         gen, name, devices = target.generation.name, target.name, target.devices
     grid = GRIDS.get(gen, {}).get(devices)
     if grid is None:

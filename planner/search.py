@@ -59,16 +59,24 @@ class PlanInputs:
         """The recipe's `[optimizer] muon_exclude` (None: the optimizer's default)."""
         return None if self.step is None else self.step.muon_exclude
 
-    def _request(self, *, tp: int, ac_mode: str, target: Target) -> StepRequest:
-        return dataclasses.replace(self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type)
+    def _request(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None) -> StepRequest:
+        # several slices (`v6e-256x2`): the slice rule reads the count and the replicate degree
+        slices = {"num_slices": target.num_slices}
+        if dp_replicate is not None:
+            slices["dp_replicate"] = dp_replicate
+        return dataclasses.replace(self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type, **slices)
 
-    def refusals(self, *, tp: int, ac_mode: str, target: Target) -> list[str]:
+    def refusals(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None) -> list[str]:
         """What the trainer's rules refuse in this plan (empty: it would start)."""
-        return [] if self.step is None else refusals(self._request(tp=tp, ac_mode=ac_mode, target=target))
+        if self.step is None:
+            return []
+        return refusals(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate))
 
-    def step_plan(self, *, tp: int, ac_mode: str, target: Target) -> StepPlan | None:
+    def step_plan(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None) -> StepPlan | None:
         """The trainer's step plan for this layout on `target` (None without step settings)."""
-        return None if self.step is None else plan_step(self._request(tp=tp, ac_mode=ac_mode, target=target))
+        if self.step is None:
+            return None
+        return plan_step(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate))
 
     def flops_per_token(self, shape: ModelShape) -> float:
         if self.flow_tokens is not None:
@@ -112,12 +120,23 @@ def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> f
 
 
 def make_parallel_dims(
-    *, dp_replicate: int, dp_shard: int, tp: int, ep: int, world_size: int, shape: ModelShape, seq_len: int, cp: int = 1
+    *,
+    dp_replicate: int,
+    dp_shard: int,
+    tp: int,
+    ep: int,
+    world_size: int,
+    shape: ModelShape,
+    seq_len: int,
+    cp: int = 1,
+    num_slices: int = 1,
 ) -> ParallelDims:
     """Validated `ParallelDims` (ConfigError naming the key if the degrees cannot work)."""
     from parallelisms.parallel_dims import ParallelDims
 
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, world_size=world_size)
+    dims = ParallelDims(
+        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, num_slices=num_slices, world_size=world_size
+    )
     dims.validate_for_model(shape, seq_len=seq_len)
     if shape.is_moe and tp > 1:
         # The trainer runs MoE x TP (experts on the EP mesh, attention TP-sharded), but this
@@ -159,7 +178,7 @@ def plan_estimate(
 ) -> Estimate:
     """Estimate one explicit plan: validate (degrees, and the trainer's step rules), shard the
     real model on a fake world, add activations."""
-    refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target)
+    refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
     if refused:
         raise ConfigError(refused[0])
     if cp > 1 and inputs.flow_tokens is not None:
@@ -167,7 +186,7 @@ def plan_estimate(
             f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
             "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1"
         )
-    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
+    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
     shape = inputs.args.shape()
     dims = make_parallel_dims(
         dp_replicate=dp_replicate,
@@ -178,6 +197,7 @@ def plan_estimate(
         world_size=target.devices,
         shape=shape,
         seq_len=inputs.split_seq_len,
+        num_slices=target.num_slices,
     )
     layout_notes = tpu_layout(target, dims)  # ConfigError where torch-tpu could not build the mesh
     with fake_process_group(target.devices):
@@ -310,6 +330,7 @@ def recommend(
                 (r, e)
                 for e in eps
                 for r in dp_replicate_choices or _powers_of_two_dividing(world // (tp * cp), world // (tp * cp))
+                if r % target.num_slices == 0  # several slices: HSDP, one replica group per slice at least
             ):
                 try:
                     dims = make_parallel_dims(
@@ -334,9 +355,9 @@ def recommend(
                     if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)
                 ]
                 for ac_mode in ac_modes:
-                    if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target):
+                    if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate):
                         continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
-                    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target)
+                    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
                     for batch in batches:
                         candidates.append(
                             estimate(

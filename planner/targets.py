@@ -5,6 +5,11 @@ TensorCores, as Cloud TPU accelerator types do (`v5p-1024` = 512 chips; `v7x-102
 chips). A device (one training process, one mesh rank) is a TensorCore on v5e, v6e and v7x
 (two per v7x chip) and a whole megacore chip on v4 and v5p. For GPUs the size counts GPUs.
 HBM per device comes from `GENERATIONS`, the peak from `trainer/runtime/flops.py`.
+
+Several slices (multislice, joined over the data-center network): `v6e-256x2` is two v6e-256
+slices; `devices` and `chips` count the whole job, `slice_devices` one slice. `DCN_GBPS_PER_CHIP`
+holds each generation's published DCN bandwidth (planner/multislice.py prices the cross-slice
+gradient all-reduce with it).
 """
 
 from __future__ import annotations
@@ -68,6 +73,14 @@ GENERATIONS: dict[str, Generation] = {
 }
 _ALIASES = {"tpu7x": "v7x", "v5litepod": "v5e"}
 
+DCN_GBPS_PER_CHIP: dict[str, float] = {"v5e": 25.0, "v5p": 50.0, "v6e": 100.0, "v7x": 100.0}
+"""Data-center network (DCN) bandwidth per chip, Gbit/s, as Google publishes it: "Data center
+network (DCN) bandwidth per chip (Gb/s)" 50 / 100 / 100 for v5p / v6e / TPU7x (Cloud TPU TPU7x
+page's comparison table; the v5p page also prints 50); v5e: "Data center network bandwidth per
+Pod" 6.4 Tbps over its 256 chips (Cloud TPU v6e page's v5e column; the v6e column's 25.6 Tbps /
+256 = 100 agrees with the per-chip figure, and its "4 x 200 Gbps NICs per host" is the 8-chip
+host's). v4: no published figure (None: no DCN term)."""
+
 
 @dataclass(frozen=True)
 class Target:
@@ -76,12 +89,34 @@ class Target:
     name: str
     generation: Generation
     devices: int
+    """Devices of the whole job (every slice)."""
     chips: int
+    num_slices: int = 1
+    """Slices joined over the DCN (`v6e-256x2`: 2)."""
 
     @property
     def size(self) -> int:
-        """What the name counts: TensorCores for a TPU, GPUs for a GPU cluster."""
-        return int(self.name.split("-")[-1])
+        """What the name counts, per slice: TensorCores for a TPU, GPUs for a GPU cluster."""
+        return int(self.name.split("-")[-1].split("x")[0])
+
+    @property
+    def slice_devices(self) -> int:
+        return self.devices // self.num_slices
+
+    @property
+    def hosts_per_slice(self) -> int:
+        return max(self.slice_devices // self.generation.devices_per_host, 1)
+
+    @property
+    def dcn_bytes_per_s_per_host(self) -> float | None:
+        """A host's DCN bandwidth, bytes/s (its chips' `DCN_GBPS_PER_CHIP`); None when unpublished."""
+        gbps = DCN_GBPS_PER_CHIP.get(self.generation.name)
+        if gbps is None:
+            return None
+        chips_per_host = (
+            self.generation.devices_per_host * self.generation.cores_per_device // self.generation.cores_per_chip
+        )
+        return gbps * 1e9 / 8 * chips_per_host
 
     @property
     def hbm_bytes(self) -> int:
@@ -98,14 +133,21 @@ class Target:
 
 
 def parse_target(name: str, *, key: str = "--target") -> Target:
-    """`v6e-256`, `v5p-1024`, `v7x-512` (also `tpu7x-512`), `v5litepod-64`, `h100-64`, ...
+    """`v6e-256`, `v5p-1024`, `v7x-512` (also `tpu7x-512`), `v5litepod-64`, `h100-64`, ...; several
+    TPU slices: `v6e-256x2`, `v7x-1024x4` (slice size x slice count).
 
     `key` is what a refusal names: the flag, or `job.target` when the name came from a recipe."""
-    m = re.fullmatch(r"([a-z0-9]+)-(\d+)", name.strip().lower())
-    allowed = f"allowed: <generation>-<size> with generation one of {', '.join(GENERATIONS)}, e.g. v6e-256"
+    m = re.fullmatch(r"([a-z0-9]+)-(\d+)(?:x(\d+))?", name.strip().lower())
+    allowed = (
+        f"allowed: <generation>-<size>[x<slices>] with generation one of {', '.join(GENERATIONS)}, "
+        "e.g. v6e-256 or v6e-256x2"
+    )
     if not m:
         raise ConfigError(f"{key}: {name!r} is not a target name; {allowed}")
     gen_name, size = _ALIASES.get(m.group(1), m.group(1)), int(m.group(2))
+    slices = int(m.group(3)) if m.group(3) else 1
+    if slices < 1 or (slices > 1 and GENERATIONS.get(gen_name, GENERATIONS["v6e"]).kind != "tpu"):
+        raise ConfigError(f"{key}: {name}: the slice count must be >= 1, and only TPU targets have slices; {allowed}")
     if gen_name not in GENERATIONS:
         raise ConfigError(f"{key}: unknown generation {m.group(1)!r}; {allowed}")
     gen = GENERATIONS[gen_name]
@@ -115,8 +157,9 @@ def parse_target(name: str, *, key: str = "--target") -> Target:
             f"positive multiple of {max(gen.cores_per_chip, gen.cores_per_device)} for {gen_name}"
         )
     return Target(
-        name=f"{gen_name}-{size}",
+        name=f"{gen_name}-{size}" + (f"x{slices}" if slices > 1 else ""),
         generation=gen,
-        devices=size // gen.cores_per_device,
-        chips=size // gen.cores_per_chip,
+        devices=slices * size // gen.cores_per_device,
+        chips=slices * size // gen.cores_per_chip,
+        num_slices=slices,
     )

@@ -8,6 +8,8 @@
     python scripts/estimate.py --model llama3 --flavor 405B --target v7x-1024 --recommend --csv plans.csv
     python scripts/estimate.py --config configs/flux_dev_v7x.toml --target v7x-256
     python scripts/estimate.py --list-targets
+    python scripts/estimate.py --config configs/llama3_70b_v6e.toml --target v6e-256x2      # 2 slices (DCN)
+    python scripts/estimate.py --config configs/llama3_70b_v6e.toml --weak-scaling 1,2,4    # slices of the target
 
 FLUX (task flow): a sample is `[flow] text_seq_len` T5 tokens + (latent_size / 2)^2 image
 tokens; `seq len` in the reports is their sum, FLOPs come from the model's own count
@@ -47,8 +49,9 @@ def gib(n: float) -> str:
 def describe_target(target: planner.Target) -> str:
     g = target.generation
     unit = "TensorCores" if g.kind == "tpu" else "GPUs"
+    slices = f" x {target.num_slices} slices over DCN" if target.num_slices > 1 else ""
     return (
-        f"{target.name}: {target.size} {unit} = {target.chips} chips = {target.devices} devices, "
+        f"{target.name}: {target.size} {unit}{slices} = {target.chips} chips = {target.devices} devices, "
         f"{g.hbm_gib_per_device:.1f} GiB HBM and {g.peak_tflops:g} TFLOP/s bf16 per device, "
         f"{g.devices_per_host} devices per host"
     )
@@ -364,8 +367,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--target",
-        help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets); "
-        "default: the recipe's [job] target",
+        help="slice or cluster, e.g. v6e-256, v5p-1024, v7x-1024, h100-64 (--list-targets), several slices "
+        "v6e-256x2; default: the recipe's [job] target",
+    )
+    p.add_argument(
+        "--weak-scaling",
+        help="comma-separated slice counts (e.g. 1,2,4): the plan on that many slices of the target (dp_replicate "
+        "x slices, the same per-device batch) and the projected weak-scaling efficiency (planner/multislice.py)",
     )
     p.add_argument("--list-targets", action="store_true", help="print the generations and exit")
     p.add_argument("--model", help="model.name (llama3, qwen3, deepseek_v3, flux)")
@@ -494,10 +502,16 @@ def _run(argv: list[str]) -> int:
         print("\nrecipe keys:\n" + recipe_snippet(est))
         return 0
 
+    dp_replicate = p.data_parallel_replicate_degree
+    if ns.weak_scaling:
+        return weak_scaling(inputs, target, cfg, ns.weak_scaling, **kw)
+    if target.num_slices > 1 and dp_replicate == 1 and not p.allow_dcn_sharding:
+        dp_replicate = target.num_slices  # HSDP across the slices: the recipe's layout inside each slice
+        print(f"note: {target.num_slices} slices: dp_replicate {dp_replicate} (one replica per slice)")
     est = planner.plan_estimate(
         inputs,
         target,
-        dp_replicate=p.data_parallel_replicate_degree,
+        dp_replicate=dp_replicate,
         dp_shard=p.data_parallel_shard_degree,
         tp=p.tensor_parallel_degree,
         ep=p.expert_parallel_degree,
@@ -509,12 +523,66 @@ def _run(argv: list[str]) -> int:
     if ns.csv:
         write_csv([est], ns.csv)
     print(format_estimate(est, flow=flow))
+    if target.num_slices > 1:
+        from planner.multislice import dcn_cost, describe
+
+        cost = dcn_cost(est, target)
+        print(describe(cost) if cost else f"multislice: no published DCN bandwidth for {target.generation.name}")
     if est.fits:
         return 0
     print("suggestions:")
     for line in format_fixes(est, planner.suggest_fixes(inputs, est)):
         print(f"  - {line}")
     return 1
+
+
+def weak_scaling(inputs, target: planner.Target, cfg, counts: str, **kw) -> int:
+    """The recipe's plan on 1, 2, 4, ... slices of `target`'s slice: the DCN all-reduce and the
+    weak-scaling efficiency (planner/multislice.py), fp32 and bf16 reductions."""
+    from planner.multislice import dcn_cost
+
+    try:
+        slices = [int(c) for c in counts.split(",")]
+        assert slices and all(c >= 1 for c in slices)
+    except (ValueError, AssertionError):
+        raise ConfigError(
+            f"--weak-scaling: {counts!r}; allowed: comma-separated slice counts >= 1, e.g. 1,2,4"
+        ) from None
+    p = cfg.parallelism
+    base = target.name.split("x")[0] if target.num_slices > 1 else target.name
+    print(
+        f"{inputs.model_name}, weak scaling over slices of {base} (the recipe's per-device batch; "
+        f"{planner.parse_target(base).dcn_bytes_per_s_per_host or 0:.3g} B/s DCN per host, "
+        "docs/planner.md 'Several slices')"
+    )
+    print(
+        "slices  devices  dp_rep  fits  step s  grad GiB/dev  DCN s fp32  eff fp32 overl/serial  DCN s bf16  eff bf16"
+    )
+    for n in slices:
+        t = planner.parse_target(f"{base}x{n}" if n > 1 else base)
+        est = planner.plan_estimate(
+            inputs,
+            t,
+            dp_replicate=p.data_parallel_replicate_degree * n,
+            dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree,
+            ep=p.expert_parallel_degree,
+            cp=p.context_parallel_degree,
+            ac_mode=cfg.activation_checkpoint.mode,
+            loss_parallel=p.enable_loss_parallel,
+            **kw,
+        )
+        fp32, bf16 = dcn_cost(est, t, reduce_bytes=4), dcn_cost(est, t, reduce_bytes=2)
+        if fp32 is None:
+            print(f"{n:>6}  no published DCN bandwidth for {t.generation.name}")
+            continue
+        print(
+            f"{n:>6}  {t.devices:>7}  {est.dp_replicate:>6}  {'yes' if est.fits else 'NO':>4}  {fp32.compute_s:>6.2f}  "
+            f"{fp32.bytes_per_device / planner.GiB:>12.2f}  {fp32.dcn_s:>10.3f}  "
+            f"{fp32.efficiency_overlapped:>10.1%} / {fp32.efficiency_serial:>6.1%}  {bf16.dcn_s:>10.3f}  "
+            f"{bf16.efficiency_overlapped:>8.1%}"
+        )
+    return 0
 
 
 if __name__ == "__main__":
