@@ -12,6 +12,12 @@ fastest, then x, y, z, in the id order `topology_aware_mesh` sorts them into) an
 on a single slice. Prints one JSON line: {"torch_tpu": version, "source": path, "results":
 [{"ids": nested device ids} | {"error": "Type: message"}, ...]} in the order of the cases.
 Used by tools/recipe_check.py (once per check run) and tests/xla/test_tpu_topology_ttpu.py.
+
+Several slices: a case with `"dcn_shape": [2, 1, 1, 1]` (`ParallelDims.dcn_mesh_shape`) makes
+`prod(dcn_shape)` copies of the slice, each stand-in carrying its `slice_index` (ids numbered
+slice-major), and calls `create_hybrid_device_mesh(shape / dcn_shape, dcn_shape, devices)`, what
+`topology_aware_mesh(shape, dcn_mesh_shape=dcn_shape)` runs on a multislice job; `shape` is the
+whole job's mesh.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class StandIn:
 
     platform = "tpu"
 
-    def __init__(self, i: int, coords: tuple[int, int, int], core: int, kind: str):
+    def __init__(self, i: int, coords: tuple[int, int, int], core: int, kind: str, slice_index: int = 0):
         self.id, self.coords, self.core_on_chip, self.device_kind = i, coords, core, kind
+        self.slice_index = slice_index
 
 
 def load_device_utils():
@@ -46,11 +53,12 @@ def load_device_utils():
     return module, path
 
 
-def stand_ins(generation: str, chips, per_chip: int) -> list[StandIn]:
+def stand_ins(generation: str, chips, per_chip: int, slices: int = 1) -> list[StandIn]:
     x, y, z = chips
     out = []
-    for (cz, cy, cx), core in itertools.product(itertools.product(range(z), range(y), range(x)), range(per_chip)):
-        out.append(StandIn(len(out), (cx, cy, cz), core, KINDS[generation]))
+    for s in range(slices):
+        for (cz, cy, cx), core in itertools.product(itertools.product(range(z), range(y), range(x)), range(per_chip)):
+            out.append(StandIn(len(out), (cx, cy, cz), core, KINDS[generation], s))
     return out
 
 
@@ -59,11 +67,18 @@ def main() -> int:
     du, path = load_device_utils()
     results = []
     for case in request["cases"]:
-        devices = stand_ins(case["generation"], case["chips"], case.get("devices_per_chip", 1))
+        dcn = tuple(case.get("dcn_shape") or ())
+        slices = 1
+        for d in dcn:
+            slices *= d
+        devices = stand_ins(case["generation"], case["chips"], case.get("devices_per_chip", 1), slices)
+        split = bool(case.get("allow_split"))
         try:
-            mesh = du.create_device_mesh(
-                tuple(case["shape"]), devices=devices, allow_split_physical_axes=bool(case.get("allow_split"))
-            )
+            if slices > 1:
+                ici = tuple(m // d for m, d in zip(case["shape"], dcn))
+                mesh = du.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=split)
+            else:
+                mesh = du.create_device_mesh(tuple(case["shape"]), devices=devices, allow_split_physical_axes=split)
             results.append({"ids": [int(d.id) for d in mesh.reshape(-1)], "shape": list(mesh.shape)})
         except Exception as e:  # noqa: BLE001  (every refusal is a result)
             results.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"})
