@@ -74,11 +74,16 @@ class FixedBatches:
             return sum(float(self.loss_fn(self.job.model, *b)) for b in self.val) / len(self.val)
 
 
+def write_csv(path: str, rows: list[dict]) -> None:
+    """`rows` (dicts with the first row's keys) -> a CSV file at `path`."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def write_csvs(out: str, tables: dict[str, list[dict]]) -> None:
     """`{suffix: rows}` -> `<out><suffix>.csv` each (parents created)."""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     for suffix, rows in tables.items():
-        with open(f"{out}{suffix}.csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(f"{out}{suffix}.csv", rows)

@@ -26,7 +26,6 @@ default 2, the recipes' batch before the capacity dispatch); "after" the recipe 
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import sys
@@ -195,10 +194,9 @@ def main() -> None:
             f"dropped {got['dropped']} copies"
         )
     if opts.csv:
-        with open(opts.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from tools.bench_runs import write_csv
+
+        write_csv(opts.csv, rows)
         print(f"wrote {opts.csv}")
 
 

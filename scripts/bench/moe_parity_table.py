@@ -11,7 +11,6 @@ gradients against one process on the same sequences, with the copies each side d
 
 from __future__ import annotations
 
-import csv
 import os
 import sys
 
@@ -55,10 +54,9 @@ def main() -> None:
             f"{r['dropped_one_process']:>11} / {r['dropped_ranks']:<9} {r['out']:>9.1e} {r['dx']:>9.1e} {r['grads']:>9.1e}"
         )
     if opts.csv:
-        with open(opts.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from tools.bench_runs import write_csv
+
+        write_csv(opts.csv, rows)
         print(f"wrote {opts.csv}")
 
 

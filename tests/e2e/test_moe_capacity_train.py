@@ -14,24 +14,12 @@ from __future__ import annotations
 import pytest
 
 from models.errors import ConfigError
-from tests.support.trainer_runs import REPO, assert_losses_close, train
+from tests.support.trainer_runs import MOE_SHORT_RUN, REPO, assert_losses_close, train
 from trainer.config import build_config, parse_overrides
 from trainer.job import plan_job
 
-STEPS = 3
-ARGS = [
-    "--config",
-    "configs/qwen3_moe_debug.toml",
-    "--training.seq_len=64",
-    "--model.n_layers=2",
-    "--metrics.log_freq=1",
-    "--validation.enable=false",
-    "--training.mixed_precision_param=float32",
-    "--metrics.enable_tensorboard=false",
-    "--checkpoint.enable=false",
-    f"--training.steps={STEPS}",
-    "--moe.capacity_factor=1.0",
-]
+STEPS = 3  # MOE_SHORT_RUN's
+ARGS = [*MOE_SHORT_RUN, "--moe.capacity_factor=1.0"]
 
 
 def _curve(records: dict[int, dict]) -> tuple[list[float], list[int]]:

@@ -75,3 +75,18 @@ def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5)
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
     assert worst < rtol, (got, want)
     return worst
+
+
+MOE_SHORT_RUN = (
+    "--config",
+    "configs/qwen3_moe_debug.toml",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+    "--checkpoint.enable=false",
+    "--training.steps=3",
+)
+"""The MoE debug recipe cut to 3 logged fp32 steps of 2 layers at seq 64, nothing saved (the MoE parity tests)."""

@@ -155,23 +155,10 @@ def test_routing_is_the_same_on_one_process_and_ep2(routing):
 def test_trainer_random_routing_1_process_equals_ep2(tmp_path, monkeypatch):
     """The trainer end to end (`[moe] routing = "random"`, the key written by `Job.before_step`
     each step): 1 process vs 2 processes (torchrun, gloo) with FSDP 2 x EP 2, the same losses."""
-    from tests.support.trainer_runs import REPO, assert_losses_close, train_losses
+    from tests.support.trainer_runs import MOE_SHORT_RUN, REPO, assert_losses_close, train_losses
 
     monkeypatch.chdir(REPO)
-    args = [
-        "--config",
-        "configs/qwen3_moe_debug.toml",
-        "--training.seq_len=64",
-        "--model.n_layers=2",
-        "--metrics.log_freq=1",
-        "--validation.enable=false",
-        "--training.mixed_precision_param=float32",
-        "--metrics.enable_tensorboard=false",
-        "--checkpoint.enable=false",
-        "--training.steps=3",
-        "--moe.routing=random",
-        "--moe.routing_benchmark_only=true",
-    ]
+    args = [*MOE_SHORT_RUN, "--moe.routing=random", "--moe.routing_benchmark_only=true"]
     want = train_losses(tmp_path / "one", 1, {}, 3, *args)
     got = train_losses(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), 3, *args)
     assert_losses_close(got, want)
@@ -181,23 +168,10 @@ def test_trainer_random_routing_1_process_equals_ep2(tmp_path, monkeypatch):
 def test_trainer_random_routing_scanned_graph_equals_eager(tmp_path, monkeypatch):
     """The key buffer reaches a captured, layer-scanned step anew each step (stacked per layer,
     written in place by `Job.before_step`): graph mode with scan gives eager's losses."""
-    from tests.support.trainer_runs import REPO, assert_losses_close, train_losses
+    from tests.support.trainer_runs import MOE_SHORT_RUN, REPO, assert_losses_close, train_losses
 
     monkeypatch.chdir(REPO)
-    args = [
-        "--config",
-        "configs/qwen3_moe_debug.toml",
-        "--training.seq_len=64",
-        "--model.n_layers=2",
-        "--metrics.log_freq=1",
-        "--validation.enable=false",
-        "--training.mixed_precision_param=float32",
-        "--metrics.enable_tensorboard=false",
-        "--checkpoint.enable=false",
-        "--training.steps=3",
-        "--moe.routing=random",
-        "--moe.routing_benchmark_only=true",
-    ]
+    args = [*MOE_SHORT_RUN, "--moe.routing=random", "--moe.routing_benchmark_only=true"]
     want = train_losses(tmp_path / "eager", 1, {}, 3, *args)
     got = train_losses(
         tmp_path / "graph",
