@@ -136,7 +136,7 @@ def test_shell_entry_points_answer_help(script):
         timeout=60,
     )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: launch_pod.sh: platform --no-such-flag; allowed: tpu-vm, xpk, slurm, local, host"
+        "error: launch_pod.sh: platform --no-such-flag; allowed: tpu-vm, qr, xpk, slurm, local, host"
     ]
 
 
