@@ -84,6 +84,11 @@ def topology_name(target, *, key: str = "job.target") -> str:
             f"{key}: {target.name}: no compile-only topology for {gen}; "
             f"allowed: {', '.join(JAX_TOPOLOGY_PREFIX)} targets"
         )
+    if getattr(target, "num_slices", 1) > 1:  # v6e-16x2 -> v6e:4x4,slices=2 (`topology_devices`)
+        import planner
+
+        one = planner.parse_target(target.name.rsplit("x", 1)[0], key=key)
+        return f"{topology_name(one, key=key)},slices={target.num_slices}"
     topology = topology_of(target)
     if topology is None:
         raise ConfigError(
@@ -93,6 +98,16 @@ def topology_name(target, *, key: str = "job.target") -> str:
     x, y, z = topology.chips
     dims = (x, y) if gen in ("v5e", "v6e") else (x, y, z)
     return f"{JAX_TOPOLOGY_PREFIX[gen]}:{'x'.join(str(d) for d in dims)}"
+
+
+def topology_devices(topology: str):
+    """The compile-only devices of `topology_name`'s string: jax's topology, and with `,slices=N`
+    N slices of it (jax's `num_slices`: MegaScale devices carrying `slice_index`, slice-major)."""
+    from jax.experimental import topologies
+
+    name, _, slices = topology.partition(",slices=")
+    extra = {"num_slices": int(slices)} if slices else {}
+    return topologies.get_topology_desc(topology_name=name, platform="tpu", **extra).devices
 
 
 @dataclass
@@ -746,6 +761,13 @@ def _lay_out(devices, mesh_shape, target: str):
 
     from parallelisms.tpu_topology import map_mesh, topology_of
 
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:  # the trainer's DCN split (`ParallelDims.dcn_mesh_shape`), as torch-tpu's hybrid mesh
+        on_replicate = math.gcd(mesh_shape[0], slices)
+        dcn = (on_replicate, slices // on_replicate) + (1,) * (len(mesh_shape) - 2)
+        ici = tuple(m // d for m, d in zip(mesh_shape, dcn))
+        laid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices, allow_split_physical_axes=True)
+        return laid, f"{slices} slices: DCN {dcn} x ICI {ici} (JAX's create_hybrid_device_mesh)"
     topology = topology_of(target)
     if topology is None or topology.devices != len(devices):
         laid = mesh_utils.create_device_mesh(mesh_shape, devices=devices, allow_split_physical_axes=True)
@@ -794,7 +816,6 @@ def worker(spec: dict) -> dict:
     torchax = load_torchax()
     import jax
     import numpy as np
-    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     env = torchax.default_env()
@@ -802,7 +823,7 @@ def worker(spec: dict) -> dict:
     radices = cap["radices"]
     axis_names = [f"a{i}" for i in range(len(radices))]
     _lowerings(env, axis_names=axis_names, groups=cap["groups"], radices=radices, generation=cap["generation"])
-    devices = topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices
+    devices = topology_devices(spec["topology"])
     laid, layout = _lay_out(devices, cap["mesh_shape"], cap["target"])
     # The trainer's mesh laid on the chips, then refined row-major into the program's axes.
     mesh = Mesh(np.asarray(laid).reshape(radices), tuple(axis_names))
