@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -274,16 +275,22 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
     from parallelisms import tpu_topology
 
     env = os.environ if env is None else env
+    # Several slices: each slice holds the ICI part of the mesh (`ici_mesh_shape`), laid out on that
+    # slice as on a single one; the DCN part is torch-tpu's hybrid mesh (build_mesh).
+    devices = parallel_dims.world_size // parallel_dims.num_slices
+    shape = parallel_dims.ici_mesh_shape if parallel_dims.num_slices > 1 else parallel_dims.mesh_shape
+    if target and parallel_dims.num_slices > 1 and isinstance(target, str) and re.search(r"x\d+$", target):
+        target = target.rsplit("x", 1)[0]  # v6e-256x2 -> one slice, v6e-256
     topology = None
     if env.get("TORCH_TPU_TOPOLOGY"):
         if callable(generation):
             generation = generation()
         topology = tpu_topology.topology_from_env(generation, env)
-    if (topology is None or topology.devices != parallel_dims.world_size) and target:
+    if (topology is None or topology.devices != devices) and target:
         topology = tpu_topology.topology_of(target)
-    if topology is None or topology.devices != parallel_dims.world_size:
+    if topology is None or topology.devices != devices:
         return None
-    return tpu_topology.map_mesh(topology, parallel_dims.mesh_shape, names=MESH_AXES)
+    return tpu_topology.map_mesh(topology, shape, names=MESH_AXES)
 
 
 def _tpu_rank_grid(shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | None = None) -> torch.Tensor:

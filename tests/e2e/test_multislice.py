@@ -303,3 +303,16 @@ def test_two_slices_train_like_one_process(tmp_path):
             f"1 slice {[r[key] for r in one_slice]}; max rel (2 slices, 1 slice) {rel}"
         )
         assert max(rel) < 1e-5, (key, rel)
+
+
+def test_the_slice_layout_is_checked_per_slice():
+    """On several slices the start-up layout check maps the ICI part of the mesh onto one slice."""
+    from parallelisms.parallel_dims import tpu_mesh_layout
+
+    dims = ParallelDims(dp_replicate=2, tp=4, num_slices=2, world_size=512)
+    layout = tpu_mesh_layout(dims, target="v6e-256x2", env={})
+    one = tpu_mesh_layout(ParallelDims(tp=4, world_size=256), target="v6e-256", env={})
+    assert layout is not None and layout.summary() == one.summary()
+    assert (
+        tpu_mesh_layout(ParallelDims(dp_replicate=2, num_slices=2, world_size=64), target="v6e-256x2", env={}) is None
+    )
