@@ -63,7 +63,9 @@ from trainer.runtime.device import (
     torch_dtype,
 )
 from trainer.runtime.runlock import lock_run, released_on_error
+from trainer.runtime.storage import check_shared_folder, check_storage_paths, is_remote
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
+from trainer.runtime.watchdog import arrival_barrier
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
 from trainer.tasks import TASK_CLASSES, build_task
 
@@ -495,9 +497,17 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
         )
         runtime_env.apply()
         notes = tuple(runtime_env.notes)
+    check_storage_paths(cfg)
     info = init_distributed(device)
+    # The first collective: a rank frozen before it is named within training.startup_timeout_s
+    # (lock_run's broadcast would otherwise wait for the backend's default timeout).
+    arrival_barrier("process-group", cfg.training.startup_timeout_s)
     if purpose.saves:
         _lock_run_folders(cfg)
+        if cfg.checkpoint.enable:
+            check_shared_folder(
+                _checkpoint_folder(cfg), key="checkpoint.folder", timeout_s=cfg.training.startup_timeout_s
+            )
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
     return Runtime(
@@ -505,13 +515,21 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
     )
 
 
+def _checkpoint_folder(cfg: Config) -> str:
+    """checkpoint.folder: a gs:// URL as it is, a local path under job.dump_folder."""
+    ck = cfg.checkpoint.folder
+    return ck if is_remote(ck) else os.path.join(cfg.job.dump_folder, ck)
+
+
 def _lock_run_folders(cfg: Config) -> None:
     """One writer per run folder (trainer/runtime/runlock.py): rank 0 locks the dump folder (and a
     checkpoint folder outside it; one inside is checked against other runs' locks first, by its
     own key) and checks both are writable, before anything in them is read or written; a lock
     covers the folders below it; a refusal reaches every rank (exit 2)."""
-    ck_folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-    inside = os.path.realpath(ck_folder).startswith(os.path.realpath(cfg.job.dump_folder) + os.sep)
+    ck_folder = _checkpoint_folder(cfg)
+    inside = not is_remote(ck_folder) and os.path.realpath(ck_folder).startswith(
+        os.path.realpath(cfg.job.dump_folder) + os.sep
+    )
     ck = [("checkpoint.folder", ck_folder)] if cfg.checkpoint.enable else []
     lock_run(
         locks=[("job.dump_folder", cfg.job.dump_folder), *([] if inside else ck)],
@@ -675,7 +693,7 @@ def build_checkpoint_manager(cfg: Config) -> ckpt.CheckpointManager:
     """Phase 7 (purpose `saves`): the run's checkpoint manager."""
     ck = cfg.checkpoint
     return ckpt.CheckpointManager(
-        folder=os.path.join(cfg.job.dump_folder, ck.folder),
+        folder=_checkpoint_folder(cfg),
         interval=ck.interval,
         keep_latest_k=ck.keep_latest_k,
         async_mode=ck.async_mode,

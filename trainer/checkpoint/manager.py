@@ -54,6 +54,7 @@ from trainer.checkpoint.state import (
     logger,
     short_error,
 )
+from trainer.runtime import storage
 from trainer.runtime.atomic import errno_text, publish
 from trainer.runtime.device import cpu_backend
 
@@ -113,9 +114,19 @@ def _shape(value: Any) -> tuple | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def _reader(path: Path | str):
+    """DCP's reader for a local step folder or a gs:// step (trainer/runtime/storage.py)."""
+    if storage.is_remote(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        storage.filesystem(key="checkpoint.folder")  # gcsfs present, its zonal probe off
+        return FsspecReader(str(path), **storage.fs_kwargs())
+    return dcp.FileSystemReader(str(path))
+
+
 def _stored_shapes(path: Path) -> dict[str, tuple | None]:
     """name -> global shape (None for non-tensor entries) from a DCP checkpoint's metadata."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = _reader(path).read_metadata().state_dict_metadata
     return {k: (tuple(v.size) if hasattr(v, "size") else None) for k, v in metadata.items()}
 
 
@@ -147,9 +158,24 @@ class _ErrnoKeepingFileSystem(FileSystem):
                 raise OSError(lost.errno, os.strerror(lost.errno), str(path)) from e
 
 
-def _storage_writer(path: Path) -> FileSystemWriter:
+def _storage_writer(path: Path | str) -> FileSystemWriter:
     """DCP's writer for a local checkpoint folder (what `checkpoint_id=path` picks) on the file
-    system above."""
+    system above; for a gs:// step, DCP's fsspec writer (one file per rank, like the local one)."""
+    if storage.is_remote(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        storage.filesystem(key="checkpoint.folder")
+        writer = FsspecWriter(str(path), sync_files=False, **storage.fs_kwargs())
+        # Object storage has no rename, and gcsfs's move API is missing from emulators (it retries
+        # ~30 s before it copies): DCP's `.metadata.tmp` -> `.metadata` is a copy and a delete.
+        dcp_fs = writer.fs
+
+        def rename(path, new_path) -> None:
+            dcp_fs.fs.copy(str(path), str(new_path))
+            dcp_fs.fs.rm_file(str(path))
+
+        dcp_fs.rename = rename
+        return writer
     writer = FileSystemWriter(str(path))
     writer.fs = _ErrnoKeepingFileSystem()
     return writer
@@ -159,13 +185,24 @@ def _then_manifest(future: Any, folder: Path) -> None:
     """Rank 0's async save: wait for DCP's write (every rank's files and .metadata), then write
     the manifest, in the background thread, before the checkpoint is published."""
     future.result()
-    write_manifest(folder)
+    (storage.write_manifest if storage.is_remote(folder) else write_manifest)(folder)
 
 
 def _save_failed(error: BaseException, what: str, tmp: Path, *, remove: bool) -> CheckpointSaveError:
     """One line for a failed save: what failed and why (the errno text when the error carries one:
     "No space left on device", "File too large", "Permission denied"); `remove` (rank 0) deletes
     the partial `.tmp-step-N` first, so nothing of the failed save stays on disk."""
+    if storage.is_remote(tmp):
+        if remove:
+            try:
+                storage.remove_step(tmp)
+            except Exception:  # noqa: BLE001 - without a manifest the step is ignored anyway
+                pass
+        why = storage.error_text(error, tmp)
+        gone = "its partial objects were removed; " if remove else ""
+        return CheckpointSaveError(
+            f"checkpoint: {what} failed: {why}; {gone}earlier checkpoints in {tmp.rsplit('/', 1)[0]} are intact"
+        )
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)
     why = errno_text(error, tmp.parent) or short_error(error)
@@ -176,7 +213,10 @@ def _save_failed(error: BaseException, what: str, tmp: Path, *, remove: bool) ->
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
-    """Steps with a complete checkpoint under `folder` (step-N with DCP metadata), ascending."""
+    """Steps with a complete checkpoint under `folder` (step-N with DCP metadata; on gs://, step-N
+    with its manifest, the commit point), ascending."""
+    if storage.is_remote(folder):
+        return storage.complete_steps(str(folder))
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -226,7 +266,10 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint.keep_latest_k: {keep_latest_k} must be >= 0 (0 keeps all)")
         if load_step < -1:
             raise ConfigError(f"checkpoint.load_step: {load_step}; allowed: -1 (newest) or a saved step >= 0")
-        self.folder = Path(folder)
+        self._remote = storage.is_remote(folder)
+        if self._remote:
+            storage.split_url(str(folder), key="checkpoint.folder")
+        self.folder = str(folder).rstrip("/") if self._remote else Path(folder)
         self.interval = interval
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
@@ -242,7 +285,7 @@ class CheckpointManager:
         # gloo group: async saves talk from a background thread and must not interleave with
         # the training collectives, and gloo works whatever the device backend is.
         self._pg = dist.new_group(backend=cpu_backend()) if (enable and self._distributed) else None
-        if enable and self.folder.exists() and not self.folder.is_dir():
+        if enable and not self._remote and self.folder.exists() and not self.folder.is_dir():
             raise ConfigError(f"checkpoint.folder: {self.folder} exists and is not a directory")
 
     # -- queries ----------------------------------------------------------------------------
@@ -252,7 +295,12 @@ class CheckpointManager:
         return complete_steps(self.folder)
 
     def step_path(self, step: int) -> Path:
-        return self.folder / f"step-{step}"
+        return f"{self.folder}/step-{step}" if self._remote else self.folder / f"step-{step}"
+
+    def _tmp_path(self, step: int) -> Path:
+        """Where a save of `step` is written: `.tmp-step-N`, renamed when complete; on gs://, step-N
+        itself (no rename there: the manifest, written last, is the commit point)."""
+        return self.step_path(step) if self._remote else self.folder / f".tmp-step-{step}"
 
     # -- load -------------------------------------------------------------------------------
 
@@ -314,7 +362,7 @@ class CheckpointManager:
         problem = None
         if self._is_rank0:
             try:
-                if not verify_checkpoint(path):
+                if not (storage.verify_checkpoint if self._remote else verify_checkpoint)(path):
                     logger.warning("checkpoint: %s has no %s (written before checksums); not verified", path, MANIFEST)
             except CorruptCheckpointError as e:
                 problem = str(e)
@@ -349,7 +397,13 @@ class CheckpointManager:
                 "(another model or optimizer?)"
             )
         try:
-            dcp.load(state_dict, checkpoint_id=str(path), process_group=self._pg, no_dist=not self._distributed)
+            dcp.load(
+                state_dict,
+                checkpoint_id=str(path),
+                storage_reader=_reader(path),
+                process_group=self._pg,
+                no_dist=not self._distributed,
+            )
         except _DCP_ERRORS as e:
             raise ConfigError(f"{key}: cannot load {path}: {short_error(e)}") from e
         for name, state in states.items():
@@ -375,12 +429,16 @@ class CheckpointManager:
         """Write `states` as step-N now (blocking, or started in the background when async)."""
         assert self.enable
         self.wait()  # one save in flight at a time; also publishes the previous one
-        tmp = self.folder / f".tmp-step-{step}"
+        tmp = self._tmp_path(step)
         if self._is_rank0:
             try:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                self._remove_leftovers()
-            except OSError as e:
+                if self._remote:
+                    self._remove_leftovers()
+                    storage.remove_step(tmp)  # a re-saved step: its manifest goes first
+                else:
+                    self.folder.mkdir(parents=True, exist_ok=True)
+                    self._remove_leftovers()
+            except Exception as e:
                 raise _save_failed(e, f"saving step {step} into {self.folder}", tmp, remove=False) from e
         self._barrier()
         state_dict = {name: state.state_dict() for name, state in states.items()}
@@ -407,9 +465,9 @@ class CheckpointManager:
         self._barrier()  # every rank's shards are written before the checkpoint becomes visible
         if self._is_rank0:
             try:
-                write_manifest(tmp)
+                (storage.write_manifest if self._remote else write_manifest)(tmp)
                 self._publish(step)
-            except OSError as e:
+            except Exception if self._remote else OSError as e:
                 raise _save_failed(e, f"writing {tmp / MANIFEST} and publishing step {step}", tmp, remove=True) from e
         self._barrier()
 
@@ -442,7 +500,7 @@ class CheckpointManager:
         try:
             future.result()
         except _DCP_ERRORS as e:
-            tmp = self.folder / f".tmp-step-{step}"
+            tmp = self._tmp_path(step)
             raise _save_failed(e, f"saving step {step} to {tmp}", tmp, remove=self._is_rank0) from e
 
     def close(self) -> None:
@@ -458,6 +516,10 @@ class CheckpointManager:
     # -- rank-0 file operations -----------------------------------------------------------------
 
     def _publish(self, step: int) -> None:
+        if self._remote:  # the manifest, written last, published it
+            logger.info("checkpoint: saved %s", self.step_path(step))
+            self._purge()
+            return
         tmp = self.folder / f".tmp-step-{step}"
         final = self.step_path(step)
         assert (tmp / ".metadata").is_file(), f"{tmp} has no .metadata after a finished save"
@@ -472,11 +534,18 @@ class CheckpointManager:
         if self.keep_latest_k <= 0:
             return
         for step in self.complete_steps()[: -self.keep_latest_k]:
+            if self._remote:
+                storage.remove_step(self.step_path(step))  # manifest first: invisible before any file goes
+                continue
             old = self.folder / f".old-step-{step}"
             self.step_path(step).rename(old)  # invisible to load before any file is removed
             shutil.rmtree(old, ignore_errors=True)
 
     def _remove_leftovers(self) -> None:
+        if self._remote:  # steps without a manifest: saves that were killed or failed
+            for url in storage.incomplete_steps(self.folder):
+                storage.remove_step(url)
+            return
         for entry in self.folder.iterdir():
             if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)

@@ -380,6 +380,9 @@ def released_on_error():
 def release_all(*, undo: bool = False) -> None:
     """Drop every lock this process holds (the trainer's exit; the OS would at process exit).
     undo: the run stopped on bad input; put each lock file back as it was found."""
+    storage = sys.modules.get("trainer.runtime.storage")
+    if storage is not None:
+        storage.release_all()  # gs:// locks: deleted (nothing releases them when a process ends)
     for lock in list(_HELD.values()):
         lock._count = 1
         lock.release(undo=undo)
@@ -407,14 +410,22 @@ def lock_run(
     held: list[RunLock] = []
     problem = None
     if rank == 0:
+        from trainer.runtime import storage  # gs:// folders: an object lock (trainer/runtime/storage.py)
+
         try:
             for key, folder in claims:
+                if storage.is_remote(folder):
+                    continue
                 if where := other_run(folder, above=False):  # above: the lock that covers it looks
                     raise FolderInUse(f"{key}: {folder} {where}; allowed: {_ALLOWED}")
             for key, folder in locks:
-                held.append(RunLock(folder, key=key).acquire())
+                lock_type = storage.RemoteLock if storage.is_remote(folder) else RunLock
+                held.append(lock_type(folder, key=key).acquire())
             for key, folder in writable:
-                check_writable_dir(folder, key=key, keep=False)  # proved writable, made when first used
+                if storage.is_remote(folder):
+                    storage.check_bucket(folder, key=key)
+                else:
+                    check_writable_dir(folder, key=key, keep=False)  # proved writable, made when first used
         except ConfigError as e:
             problem = str(e)
     if multi:
