@@ -273,6 +273,7 @@ def _launch_hosts(tmp_path, name: str, *, slices: int, hosts: int, nproc: int, e
     return list(read_metrics(dump).values())
 
 
+@pytest.mark.slow  # 91 s on a 2-vCPU VM at load ~9 (2026-12-05): four launchers, eight trainer starts
 @pytest.mark.multiprocess
 def test_two_slices_train_like_one_process(tmp_path):
     """2 slices x 2 hosts x 1 process (HSDP 2 x 2, the replicate axis across the slices) = one
