@@ -150,6 +150,9 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(flow_shift=3.0, flow_resolution_shift=True),
         StepRequest(initial_load_format="hf", model_has_hf_adapter=False),
         StepRequest(num_slices=2, dp_replicate=1),
+        StepRequest(moe_capacity_factor=-1.0),
+        StepRequest(moe_capacity_factor=1.25, model_has_experts=False),
+        StepRequest(moe_capacity_factor=1.25, cp_degree=2),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]
