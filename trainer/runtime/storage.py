@@ -284,6 +284,12 @@ class RemoteLock:
             "nonce": uuid.uuid4().hex,
         }
         for _ in range(2):
+            fs.invalidate_cache(self.path)
+            record = self._read(fs)  # looked at first: an emulator may ignore the precondition
+            if record is not None:
+                if not self._stale(record, mine):
+                    raise self._refuse(record)
+                fs.rm_file(self.path)  # a dead holder of this host: taken over
             try:
                 fs.pipe_file(self.path, json.dumps(mine).encode(), mode="create")  # ifGenerationMatch=0
             except FileExistsError:
@@ -299,16 +305,18 @@ class RemoteLock:
                 self.record = mine
                 _HELD[self.folder] = self
                 return self
-            stale = (
-                record is not None
-                and record.get("host") == mine["host"]
-                and record.get("pid") != mine["pid"]
-                and not _pid_alive(record.get("pid"))
-            )
-            if not stale:
-                raise self._refuse(record)
-            fs.rm_file(self.path)  # a dead holder of this host: taken over once
+            if record is not None and not self._stale(record, mine):
+                raise self._refuse(record)  # another writer created it first
         raise self._refuse(self._read(fs))
+
+    @staticmethod
+    def _stale(record: dict, mine: dict) -> bool:
+        """A record of this host whose process is gone (another host's cannot be checked)."""
+        return (
+            record.get("host") == mine["host"]
+            and record.get("pid") != mine["pid"]
+            and not _pid_alive(record.get("pid"))
+        )
 
     def release(self, *, undo: bool = False) -> None:
         """Delete the lock object if it is still this process's."""
@@ -345,7 +353,8 @@ def check_shared_folder(folder: str, *, key: str, timeout_s: float) -> None:
         return
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    hosts = int(os.environ.get("TITAN_NUM_HOSTS", "0") or 0) or -(-world // max(local_world, 1))
+    # torchrun's GROUP_WORLD_SIZE is its node count; otherwise ranks over processes per host.
+    hosts = max(int(os.environ.get("GROUP_WORLD_SIZE", "0") or 0), -(-world // max(local_world, 1)))
     if hosts <= 1:
         return
     from trainer.runtime.device import cpu_backend
