@@ -501,7 +501,8 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
     info = init_distributed(device)
     # The first collective: a rank frozen before it is named within training.startup_timeout_s
     # (lock_run's broadcast would otherwise wait for the backend's default timeout).
-    arrival_barrier("process-group", cfg.training.startup_timeout_s)
+    if not purpose.captures_only:  # a check job's (fake) process group has no store
+        arrival_barrier("process-group", cfg.training.startup_timeout_s)
     if purpose.saves:
         _lock_run_folders(cfg)
         if cfg.checkpoint.enable:
