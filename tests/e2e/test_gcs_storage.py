@@ -10,6 +10,7 @@ gcsfs or the emulator is not installed.
 - a second writer is refused by the object lock (one `error:` line, exit 2); a lock of a dead
   process of this host is stale and taken over;
 - a missing bucket, a malformed URL and a gs:// dump folder: one `error:` line naming the key, exit 2;
+- 2 ranks with async saves and keep_latest_k = 2: the resumed run equals a local-disk run;
 - the manifest-last commit: a step without its manifest is not complete, a corrupt object fails
   its CRC, deleting a step removes the manifest first.
 """
@@ -264,3 +265,42 @@ def test_gcs_error_text_maps_denied_access_and_missing_bucket():
         "access to gs://bkt denied"
     )
     assert storage.error_text(FileNotFoundError("b/bkt/o"), url) == "bucket bkt does not exist"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_gcs_two_ranks_async_save_resume_and_retention(emulator, tmp_path):
+    """2 ranks (one object per rank), async saves, keep_latest_k = 2: the resumed run's losses
+    equal a local-disk run's; only the two newest steps stay, each with its manifest."""
+    base = [*COMMON, "--training.local_batch_size=2", "--checkpoint.keep_latest_k=2", "--checkpoint.async_mode=async"]
+
+    def cmd(dump, url, steps):
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer.train",
+            *base,
+            f"--job.dump_folder={dump}",
+            f"--checkpoint.folder={url}",
+            f"--training.steps={steps}",
+            "--checkpoint.interval=2",
+        ]
+
+    local = _run(cmd(tmp_path / "local", str(tmp_path / "local_ckpt"), 6), emulator)
+    assert local.returncode == 0, local.stderr[-3000:]
+    for steps in (4, 6):
+        proc = _run(cmd(tmp_path / "gs", "gs://bkt/two", steps), emulator)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from gs://bkt/two/step-4 (step 4)" in proc.stdout + proc.stderr
+    assert _losses(tmp_path / "gs") == _losses(tmp_path / "local")
+    from trainer.runtime import storage
+
+    emulator["fs"].invalidate_cache()
+    assert storage.complete_steps("gs://bkt/two") == [4, 6]
+    names = sorted(p.rsplit("/", 1)[-1] for p in emulator["fs"].ls("bkt/two/step-6", detail=False))
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
+    assert storage.verify_checkpoint("gs://bkt/two/step-6") is True
