@@ -438,7 +438,7 @@ class CheckpointManager:
                 else:
                     self.folder.mkdir(parents=True, exist_ok=True)
                     self._remove_leftovers()
-            except Exception as e:
+            except Exception if self._remote else OSError as e:
                 raise _save_failed(e, f"saving step {step} into {self.folder}", tmp, remove=False) from e
         self._barrier()
         state_dict = {name: state.state_dict() for name, state in states.items()}
