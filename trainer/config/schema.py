@@ -143,9 +143,10 @@ class TrainingConfig:
     naming the first such step, before any checkpoint is written. true: training goes on and
     metrics.jsonl counts the skipped updates (`skipped_updates`)."""
     startup_timeout_s: float = field(default=900.0, metadata=_range(gt=0))
-    """Seconds every rank waits at the start-up barrier (after the model, optimizer and checkpoint
-    are ready, before the first step compiles) for the others; past it the run stops with an
-    error naming the ranks that did not arrive (docs/launch.md)."""
+    """Seconds every rank waits at each start-up barrier for the others: right after the process
+    group is created (tag `process-group`: a rank frozen before its first collective) and after
+    the model, optimizer and checkpoint are ready, before the first step compiles; past it the run
+    stops with an error naming the ranks that did not arrive (docs/launch.md)."""
     hang_dump_factor: float = field(default=10.0, metadata=_range(ge=0))
     """Step watchdog: when a step runs longer than this many times the median of the recent steps
     (and at least `hang_dump_min_s`), every thread's Python stack is written to stderr and
