@@ -645,6 +645,78 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "an outside family in the scanned graph step: the family trains in parallel, and the scan runs on the built-in decoder",
     ),
+    # --- added 2026-12-05 (capacity dispatch, multislice, object storage, projection).
+    Scheduled(
+        "tests/e2e/test_hf_backend.py::test_tp_two_ranks_match_one",
+        ("tests/e2e/test_hf_backend.py::test_fsdp_two_ranks_match_one", "tests/e2e/test_parallel_e2e.py"),
+        "a Hugging Face model on two ranks: FSDP runs by default, and TP's styles on the native families",
+    ),
+    Scheduled(
+        "tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[[]hsdp-replicate2]",
+        ("tests/e2e/test_engine.py::test_hf_export_one_rank_equals_two_ranks[fsdp2]",),
+        "the HF export from HSDP: the FSDP export gathers the same shards",
+    ),
+    Scheduled(
+        "tests/e2e/test_runlock.py::test_the_refusal_reaches_every_rank[[]checkpoint_in_a_live_runs_dump]",
+        ("tests/e2e/test_runlock.py::test_the_refusal_reaches_every_rank[dump_folder]",),
+        "the lock's refusal on every rank for a second folder kind: the dump folder's runs by default",
+    ),
+    Scheduled(
+        "tests/e2e/test_new_family.py::test_new_family_parallel_matches_single_process[[]tp2]",
+        ("tests/e2e/test_new_family.py::test_new_family_parallel_matches_single_process[fsdp2]",),
+        "an outside family on TP: the same family on FSDP, and TP on the built-in families",
+    ),
+    Scheduled(
+        "tests/unit/test_moe_capacity.py::test_capacity_is_mesh_independent[[]4-4-*]",
+        ("tests/unit/test_moe_capacity.py::test_capacity_is_mesh_independent[4-2",),
+        "capacity at EP 4: EP 2 x FSDP 2 on four ranks runs the same all-to-all",
+    ),
+    Scheduled(
+        "tests/e2e/test_gcs_storage.py::test_gcs_save_kill9_mid_save_then_resume_is_exact",
+        (
+            "tests/e2e/test_gcs_storage.py::test_gcs_manifest_is_the_commit_point",
+            "tests/e2e/test_gcs_storage.py::test_gcs_lock_refuses_a_second_writer_and_takes_over_a_dead_one",
+            "tests/e2e/test_resume_e2e.py::test_torchrun_restarts_from_newest_checkpoint_after_a_killed_worker",
+        ),
+        "kill -9 mid-save on gs:// and an exact resume: the manifest-last commit and the object lock against the "
+        "emulator, and kill -9 / exact resume on a local folder, run by default",
+    ),
+    Scheduled(
+        "tests/e2e/test_gcs_storage.py::test_gcs_two_ranks_async_save_resume_and_retention",
+        (
+            "tests/e2e/test_gcs_storage.py::test_gcs_manifest_is_the_commit_point",
+            "tests/e2e/test_gcs_storage.py::test_gcs_lock_refuses_a_second_writer_and_takes_over_a_dead_one",
+            "tests/e2e/test_resume_e2e.py::test_torchrun_restarts_from_newest_checkpoint_after_a_killed_worker",
+        ),
+        "two ranks with async saves on gs://: the manifest-last commit and the object lock run by default",
+    ),
+    Scheduled(
+        "tests/e2e/test_multislice.py::test_two_slices_train_like_one_process",
+        (
+            "tests/e2e/test_launch.py::test_simulated_two_host_slice_trains",
+            "tests/e2e/test_multislice.py::test_xpk_two_slices_global_rank_and_coordinator",
+            "tests/e2e/test_multislice.py::test_slice_count_from_the_environment_and_the_dcn_split",
+        ),
+        "2 slices x 2 hosts training: the multi-host launch trains by default, and the slice ranks and the DCN split are checked",
+    ),
+    Scheduled(
+        "tests/xla/test_multislice_compile.py::test_two_slice_program_compiles_with_the_dcn_split_on_dp_replicate",
+        (
+            "tests/xla/test_multislice_compile.py::test_topology_name_of_a_multislice_target",
+            "tests/xla/test_multislice_ttpu.py",
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+        ),
+        "the 2-slice deviceless compile (minutes): the topology name, torch-tpu's hybrid mesh and the one-slice program compile run by default",
+    ),
+    Scheduled(
+        "tests/xla/test_program_projection.py::*",
+        (
+            "tests/unit/test_mfu_program.py",
+            "tests/unit/test_xla_projection.py",
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+        ),
+        "the projection of a compiled EP program: its HLO reading and pricing are unit tested, the EP program compile runs by default",
+    ),
 )
 
 
