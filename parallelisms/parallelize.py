@@ -1,6 +1,9 @@
 """The one entry point that applies every parallelism to a model, in a fixed order.
 
 Order (each step relies on the previous ones):
+0. Low-precision linears (`apply_quantize`, `[quantize]`): the chosen `nn.Linear`s become
+   `QuantizedLinear` (a class swap: paths, parameters and state-dict keys unchanged), so TP's
+   styles still apply to them and SimpleFSDP still shards and gathers their fp32 weights.
 1. Tensor parallelism (`apply_tp`): parameters become TP DTensors on the `tp` axis.
 2. Expert parallelism (`parallelisms.expert_parallel.apply_ep`, when `ep > 1`, or with
    `tp > 1` when the plan has EP entries: they also make MoE layers TP-aware).
@@ -32,6 +35,7 @@ from models.errors import ConfigError
 from parallelisms.activation_checkpoint import apply_ac
 from parallelisms.compile import apply_compile
 from parallelisms.parallel_dims import ParallelDims, fsdp_cp_mesh
+from parallelisms.quantize import QuantizePlan, apply_quantize
 from parallelisms.simple_fsdp import data_parallel
 from parallelisms.tensor_parallel import apply_tp
 
@@ -49,17 +53,21 @@ def parallelize_model(
     ac_mode: str = "none",
     compile_backend: str | None = None,
     enable_loss_parallel: bool = False,
+    quantize: QuantizePlan | None = None,
 ) -> nn.Module:
-    """Apply TP -> EP -> AC -> compile -> SimpleFSDP to `model` in place and return it.
+    """Apply quantize -> TP -> EP -> AC -> compile -> SimpleFSDP to `model` in place and return it.
 
     `mesh` is the world mesh from `build_mesh` (None only for a single process).
     `compile_backend=None` leaves the blocks eager. `enable_loss_parallel` keeps the
     logits vocab-sharded (compute the loss under `loss_parallel_context(True)`).
+    `quantize`: the low-precision linears (`[quantize]`; None: none).
     """
     if mesh is None and parallel_dims.world_size != 1:
         raise AssertionError("a mesh is required when world_size > 1")
     if enable_loss_parallel and not parallel_dims.tp_enabled:
         enable_loss_parallel = False  # nothing is vocab-sharded without TP
+    if quantize is not None:
+        apply_quantize(model, recipe=quantize.recipe, filter_fqns=quantize.filter_fqns, min_dim=quantize.min_dim)
     if parallel_dims.tp_enabled:
         apply_tp(model, plan=plan, tp_mesh=mesh["tp"], enable_loss_parallel=enable_loss_parallel)
     # EP styles also carry the MoE layers' TP handling, so they apply with ep = 1 under TP.

@@ -48,6 +48,7 @@ from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
 from parallelisms.parallel_dims import resolve_num_slices, tpu_mesh_layout
+from parallelisms.quantize import QuantizePlan
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer_for
@@ -62,6 +63,7 @@ from trainer.runtime.device import (
     set_seed,
     torch_dtype,
 )
+from trainer.runtime.flops import tpu_generation
 from trainer.runtime.runlock import lock_run, released_on_error
 from trainer.runtime.storage import check_shared_folder, check_storage_paths, is_remote
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
@@ -119,6 +121,7 @@ def step_request(
     model_has_experts: bool = True,
     grad_accum: int = 1,
     num_slices: int = 1,
+    device_generation: str = "",
 ) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
@@ -164,7 +167,23 @@ def step_request(
         num_slices=num_slices,
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
+        quantize=cfg.quantize.recipe,
+        device_generation=device_generation,
     )
+
+
+def quantize_generation(cfg: Config, device_type: str) -> str:
+    """The device generation the `[quantize]` rules read (StepRequest.device_generation): this
+    host's TPU generation (else the recipe's `job.target`, for a check on another host) or CUDA
+    compute capability (`sm90`); "" with no recipe or when nothing says."""
+    if cfg.quantize.recipe == "none":
+        return ""
+    if device_type == "tpu":
+        return detect_generation() or (tpu_generation(cfg.job.target) if cfg.job.target else None) or ""
+    if device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm{major}{minor}"
+    return ""
 
 
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
@@ -208,6 +227,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         model_has_experts=shape.num_experts > 0,
         grad_accum=grad_accum,
         num_slices=parallel_dims.num_slices,
+        device_generation=quantize_generation(cfg, device_type),
     )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
@@ -263,8 +283,9 @@ def build_model(
     reduce_dtype: torch.dtype,
     moe_routing: str = "learned",
     moe_capacity_factor: float = 0.0,
+    quantize: QuantizePlan | None = None,
 ):
-    """Meta device -> parallelize -> materialize -> init_weights."""
+    """Meta device -> parallelize -> materialize -> init_weights (`quantize`: `[quantize]`)."""
     # 1. Build on meta: no memory is touched, whatever the flavor's size. Benchmark routing
     #    (`[moe] routing`, allowed by the step plan's rules) is set on the model as built, so its
     #    `routing_key` buffers travel through the parallelisms like any buffer.
@@ -286,6 +307,7 @@ def build_model(
         ac_mode=step_plan.block_ac,
         compile_backend=step_plan.block_compile,
         enable_loss_parallel=step_plan.loss_parallel,
+        quantize=quantize,
     )
     # 3. Materialize the (sharded) parameters on the device, 4. initialize them.
     model.to_empty(device=device)
@@ -656,6 +678,7 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
         reduce_dtype=torch_dtype(t.mixed_precision_reduce),
         moe_routing=cfg.moe.routing,
         moe_capacity_factor=cfg.moe.capacity_factor,
+        quantize=QuantizePlan.of(cfg.quantize),
     )
     if cfg.moe.routing != "learned" and not purpose.captures_only:  # a defined key before any step sets it
         set_routing_key(model, seed=t.seed, step=0, first_token=data.dp_rank * data.local_batch_size * t.seq_len)

@@ -1,7 +1,8 @@
 """The device-dependent ops that models call: one function per op, implementations from `titan_kernels/`.
 
 A model calls `causal_attention(q, k, v)`, `grouped_mm(x, w, group_sizes)` or
-`linear_cross_entropy(h, w, labels)`; it never picks an implementation. Which one serves an op
+`linear_cross_entropy(h, w, labels)` (and a quantized linear layer `quantized_linear(x, w,
+recipe)`, `[quantize]`); it never picks an implementation. Which one serves an op
 on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at start-up by
 `titan_kernels.select(...)`, which the trainer calls before building the model. With nothing
 registered the torch references below run; every kernel also falls back to them for inputs it
@@ -18,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from models.common.quantize import emulated_linear
+
 OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
+LOW_PRECISION_OPS = ("quantized_linear",)
+"""Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
+tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
+start-up self-check."""
 
 IGNORE_INDEX = -100
 """Label that `linear_cross_entropy` skips (F.cross_entropy's default)."""
@@ -28,7 +35,7 @@ _impls: dict[str, Callable] = {}
 
 def register(op: str, fn: Callable | None) -> Callable | None:
     """Serve `op` with `fn` from now on (None: the torch reference); return the previous one."""
-    assert op in OPS, f"unknown op {op!r}; ops: {OPS}"
+    assert op in OPS + LOW_PRECISION_OPS, f"unknown op {op!r}; ops: {OPS + LOW_PRECISION_OPS}"
     previous = _impls.pop(op, None)
     if fn is not None:
         _impls[op] = fn
@@ -265,8 +272,20 @@ def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor)
     return _impls.get("linear_cross_entropy", chunked_linear_cross_entropy)(h, w, labels)
 
 
+# --- low-precision linear ([quantize]) -----------------------------------------------------------
+
+
+def quantized_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T with the three matmuls (forward and both gradients) quantized as
+    `recipe` says (models/common/quantize.py: RECIPES), -> [..., N] in x.dtype. The reference is
+    the exact emulation (quantize, dequantize, sums in fp32); a device's kernel (XLA's float8 /
+    int8 dots on TPU, `torch._scaled_mm` on CUDA) computes the same products."""
+    return _impls.get("quantized_linear", emulated_linear)(x, w, recipe)
+
+
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
     "grouped_mm": torch_grouped_mm,
     "linear_cross_entropy": chunked_linear_cross_entropy,
+    "quantized_linear": emulated_linear,
 }

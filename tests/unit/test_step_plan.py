@@ -153,6 +153,10 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(moe_capacity_factor=-1.0),
         StepRequest(moe_capacity_factor=1.25, model_has_experts=False),
         StepRequest(moe_capacity_factor=1.25, cp_degree=2),
+        StepRequest(quantize="fp4"),
+        StepRequest(quantize="int8", device_type="tpu", device_generation="v7x"),
+        StepRequest(quantize="float8_blockwise", device_type="cuda"),
+        StepRequest(quantize="float8_rowwise", device_type="cuda", device_generation="sm80"),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from models.common.quantize import RECIPES
 from parallelisms.activation_checkpoint import AC_MODES
+from parallelisms.quantize import DEFAULT_FILTER_FQNS, DEFAULT_MIN_DIM
 from titan_kernels import ATTENTION_BACKENDS
 from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
 from trainer.optim import DECAY_TYPES, OPTIMIZERS
@@ -436,6 +438,28 @@ class MoEConfig:
 
 
 @dataclass
+class QuantizeConfig:
+    recipe: str = field(default="none", metadata=_choices(*RECIPES))
+    """Low-precision matmuls for the model's linear layers (forward and both gradients; master
+    weights, optimizer state and the gradient reduction keep their precision): `none`,
+    `float8_tensorwise` (one dynamic scale per tensor; e4m3, gradients e5m2), `float8_rowwise`
+    (a power-of-two scale per row of each matmul operand; e4m3), `float8_blockwise` (DeepSeek-V3:
+    1x128 activation tiles, 128x128 weight blocks; e4m3) or `int8` (per-token activations,
+    per-channel weights; the weight gradient in the compute dtype). Each device runs the recipes
+    its matrix units run natively (v7x: float8; v4/v5e/v5p/v6e: int8; CUDA sm89+: float8
+    tensorwise/rowwise, sm80+: int8); the CPU runs every recipe as the exact emulation. The rules
+    refuse the rest. docs/low_precision.md."""
+    filter_fqns: list = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
+    """Module-path substrings whose linears stay in the compute dtype (TorchTitan's name); the
+    default keeps the output head and the MoE router out. MoE experts (grouped weights) are not
+    quantized by any recipe yet."""
+    min_dim: int = field(default=DEFAULT_MIN_DIM, metadata=_range(ge=0))
+    """Linears whose in or out features are below this stay in the compute dtype (the automatic
+    filter: small matmuls gain less than quantizing costs); in and out features must also be
+    multiples of 16. 0 quantizes every linear the filter allows (the CPU debug runs)."""
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -452,6 +476,7 @@ class Config:
     flow: FlowConfig = field(default_factory=FlowConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in dataclasses.fields(Config)}

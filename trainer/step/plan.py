@@ -35,6 +35,7 @@ import torch
 
 from models import FAMILIES
 from models.common.moe import ROUTINGS
+from models.common.quantize import RECIPES as QUANTIZE_RECIPES
 from models.errors import ConfigError
 from titan_kernels import ATTENTION_DEVICES, attention_backends_for
 from trainer.step.loss import model_lm_loss
@@ -52,6 +53,14 @@ DOCUMENT_POSITIONS = ("global", "restart")
 CP_TILE = 128
 """Tokens of the TPU splash kernel's query tile (titan_kernels/tpu/splash.py `TILE`, which asserts
 it mid-trace); a context-parallel chunk must hold whole tiles."""
+FLOAT8_RECIPES = tuple(r for r in QUANTIZE_RECIPES if r.startswith("float8"))
+QUANTIZE_NATIVE_TPU = {"v7x": FLOAT8_RECIPES, "v6e": ("int8",), "v5e": ("int8",), "v5p": ("int8",), "v4": ()}
+"""`[quantize] recipe`s each TPU generation's MXU runs faster than bf16 (docs/low_precision.md: Google's
+tables: v7x FP8 4614 vs bf16 2307 TFLOP/s and no int8 rate; v5e/v5p/v6e int8 at twice bf16, FP8 at
+bf16's rate; v4 int8 at bf16's rate). The rules refuse the others on a known generation."""
+QUANTIZE_CUDA_MIN_SM = {"float8_tensorwise": 89, "float8_rowwise": 89, "int8": 80}
+"""The compute capability each recipe's CUDA kernel needs (`torch._scaled_mm` float8: sm89+;
+`torch._int_mm`: sm80+); float8_blockwise has no CUDA kernel wired (refused on CUDA)."""
 DOCUMENT_MASK_FAMILIES_TEXT = ", ".join(name for name, family in FAMILIES.items() if family.document_mask)
 """The registered families with `ModelFamily.document_mask`, as the rules' messages name them."""
 
@@ -129,11 +138,36 @@ class StepRequest:
     """`[parallelism] data_parallel_replicate_degree`."""
     allow_dcn_sharding: bool = False
     """`[parallelism] allow_dcn_sharding`."""
+    quantize: str = "none"
+    """`[quantize] recipe`."""
+    device_generation: str = ""
+    """The device's generation where the quantize rules need it: a TPU generation (v4, v5e, v5p,
+    v6e, v7x) or a CUDA compute capability (`sm90`); "" when unknown (no quantize rule reads it)."""
 
     @property
     def attn_backends_here(self) -> str:
         """The attention backends that serve `device_type`, for the rules' messages."""
         return ", ".join(attention_backends_for(self.device_type))
+
+    @property
+    def quantize_native_here(self) -> str:
+        """The recipes this device generation runs natively, for the quantize rules' messages."""
+        if self.device_type == "tpu":
+            native = QUANTIZE_NATIVE_TPU.get(self.device_generation, ())
+        else:
+            native = tuple(r for r, sm in QUANTIZE_CUDA_MIN_SM.items() if self.cuda_sm >= sm)
+        return ", ".join(("none",) + native)
+
+    @property
+    def quantize_min_sm(self) -> int:
+        """The compute capability the recipe's CUDA kernel needs (0: none known)."""
+        return QUANTIZE_CUDA_MIN_SM.get(self.quantize, 0)
+
+    @property
+    def cuda_sm(self) -> int:
+        """The CUDA compute capability as an integer (sm90 -> 90); 0 when not known."""
+        g = self.device_generation
+        return int(g[2:]) if g.startswith("sm") and g[2:].isdigit() else 0
 
     @property
     def cp_chunk(self) -> int | float:
@@ -439,6 +473,46 @@ RULES: tuple[Rule, ...] = (
         "{r.dp_replicate} on {r.num_slices} slices puts FSDP/EP collectives on the data-center network "
         "between slices; allowed: a multiple of {r.num_slices} (HSDP: shard inside a slice, all-reduce "
         "gradients across slices), or parallelism.allow_dcn_sharding = true",
+    ),
+    # Low-precision matmuls (`[quantize]`, parallelisms/quantize.py, docs/low_precision.md): each
+    # device runs the recipes its matrix units run natively; the CPU runs all as the emulation.
+    Rule(
+        "quantize.recipe",
+        "the recipe is not one of RECIPES",
+        lambda r: r.quantize not in QUANTIZE_RECIPES,
+        f"{{r.quantize!r}}; allowed: {', '.join(QUANTIZE_RECIPES)}",
+    ),
+    Rule(
+        "quantize.recipe",
+        "on a TPU generation whose MXU does not run the recipe faster than bf16",
+        lambda r: (
+            r.device_type == "tpu"
+            and r.quantize != "none"
+            and r.device_generation in QUANTIZE_NATIVE_TPU
+            and r.quantize not in QUANTIZE_NATIVE_TPU[r.device_generation]
+        ),
+        "{r.quantize} does not run natively on TPU {r.device_generation} (float8 needs v7x's MXU, int8 "
+        "v5e/v5p/v6e's); allowed here: {r.quantize_native_here}",
+    ),
+    Rule(
+        "quantize.recipe",
+        "float8_blockwise on CUDA (no blockwise kernel wired)",
+        lambda r: r.device_type == "cuda" and r.quantize == "float8_blockwise",
+        "float8_blockwise has no CUDA kernel here yet (it runs on TPU v7x and as the CPU emulation); "
+        "allowed on cuda: none, float8_tensorwise, float8_rowwise, int8",
+    ),
+    Rule(
+        "quantize.recipe",
+        "on a CUDA device below the recipe's compute capability",
+        lambda r: (
+            r.device_type == "cuda"
+            and r.cuda_sm > 0
+            and r.quantize in QUANTIZE_CUDA_MIN_SM
+            and r.cuda_sm < QUANTIZE_CUDA_MIN_SM[r.quantize]
+        ),
+        "{r.quantize} needs a GPU of compute capability sm{r.quantize_min_sm}+ (float8: Ada, Hopper, "
+        "Blackwell), this one is "
+        "{r.device_generation}; allowed here: {r.quantize_native_here}",
     ),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule(

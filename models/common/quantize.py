@@ -1,0 +1,263 @@
+"""Low-precision matmul recipes and their exact emulation, the reference every kernel is tested against.
+
+A recipe (`RECIPES`, `[quantize] recipe`) says how each of a linear layer's three matmuls is
+quantized: the forward `y = x w^T`, the input gradient `dx = dy w` and the weight gradient
+`dw = dy^T x`. Every matmul is written in one layout here, `a @ b^T` with a [R, K] and b [C, K]
+contracting their last dim K, and each operand is quantized along that contraction dim:
+
+- `tensor`: one scale for the whole operand (TorchTitan / torchao "tensorwise");
+- `axis`: one scale per row, over all of K ("rowwise"; int8's per-token activations and
+  per-channel weights, as AQT);
+- `tile`: one scale per row and 128 consecutive K (DeepSeek-V3's 1x128 activation tiles);
+- `block`: one scale per 128 rows x 128 K (DeepSeek-V3's 128x128 weight blocks).
+
+Scales are dynamic (from this call's amax; nothing is carried between steps) and divisors:
+q = round(t / s) with s = amax / qmax (fp32), dequantized t ~ q * s. A group whose amax is 0 gets
+the smallest normal fp32 as its scale (its q are 0, no NaN). A group with a non-finite element
+gets a NaN scale: every output it touches is NaN, so a non-finite activation or gradient
+is never hidden as a finite number; the trainer's non-finite checks then see it
+(`[training] skip_nonfinite_updates`). Values are clamped to +-qmax before the cast (torch
+saturates float8 casts, XLA does not: the clamp makes both the same).
+
+The recipes (docs/low_precision.md has the table and the sources):
+- `float8_tensorwise`: e4m3 forward operands, e5m2 gradient `dy`, e4m3 `x` and `w` in the backward
+  (torchao's tensorwise recipe, TorchTitan's default float8).
+- `float8_rowwise`: e4m3 everywhere, `axis` scales rounded up to powers of two (torchao's rowwise
+  recipe: each matmul's operands are scaled along its own contraction dim).
+- `float8_blockwise`: e4m3 everywhere, `tile` activations and gradients, `block` weights
+  (DeepSeek-V3's fine-grained recipe).
+- `int8`: symmetric int8 with round-to-nearest, per-token `x` and per-channel `w` in the forward,
+  per-row `dy` and per-input-channel `w` for the input gradient; the weight gradient stays in the
+  compute dtype (it contracts over tokens, where per-row int8 of gradients loses the most).
+
+The emulation (`emulated_linear`) quantizes with torch's casts, dequantizes, and multiplies in
+float32 in the order hardware does: integer (int8) or fp32 (float8) sums per scale group, then
+times the two scales, then the groups summed. This module imports torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+RECIPES = ("none", "float8_tensorwise", "float8_rowwise", "float8_blockwise", "int8")
+"""`[quantize] recipe` values; `none` runs every linear in the compute dtype."""
+
+BLOCK = 128
+"""Width of a `tile` and side of a `block` (DeepSeek-V3's 1x128 / 128x128)."""
+
+E4M3, E5M2, INT8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.int8
+QMAX = {E4M3: 448.0, E5M2: 57344.0, INT8: 127.0}
+"""The largest magnitude of each quantized dtype (int8 symmetric: -127..127)."""
+TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class Operand:
+    """How one matmul operand is quantized along its contraction (last) dim."""
+
+    dtype: torch.dtype | None
+    """float8_e4m3fn | float8_e5m2 | int8; None: not quantized (the compute dtype, fp32 sums)."""
+    granularity: str = "tensor"
+    """tensor | axis | tile | block (module docstring)."""
+    pow2: bool = False
+    """Scales rounded up to a power of two (exact rescaling; torchao's rowwise default)."""
+
+
+@dataclass(frozen=True)
+class MatmulSpec:
+    """The two operands of `a @ b^T`."""
+
+    a: Operand
+    b: Operand
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A linear layer's three matmuls: forward (x, w), input gradient (dy, w^T), weight
+    gradient (dy^T, x^T), each as `a @ b^T` (module docstring)."""
+
+    name: str
+    forward: MatmulSpec
+    grad_input: MatmulSpec
+    grad_weight: MatmulSpec
+
+    @property
+    def dtypes(self) -> set:
+        """The quantized dtypes the recipe's matmuls use."""
+        ops = (self.forward, self.grad_input, self.grad_weight)
+        return {o.dtype for m in ops for o in (m.a, m.b) if o.dtype is not None}
+
+
+def _same(op: Operand) -> MatmulSpec:
+    return MatmulSpec(op, op)
+
+
+HP = Operand(None)
+RECIPE_SPECS: dict[str, Recipe] = {
+    "float8_tensorwise": Recipe(
+        "float8_tensorwise",
+        forward=_same(Operand(E4M3)),
+        grad_input=MatmulSpec(Operand(E5M2), Operand(E4M3)),
+        grad_weight=MatmulSpec(Operand(E5M2), Operand(E4M3)),
+    ),
+    "float8_rowwise": Recipe(
+        "float8_rowwise",
+        forward=_same(Operand(E4M3, "axis", pow2=True)),
+        grad_input=_same(Operand(E4M3, "axis", pow2=True)),
+        grad_weight=_same(Operand(E4M3, "axis", pow2=True)),
+    ),
+    "float8_blockwise": Recipe(
+        "float8_blockwise",
+        forward=MatmulSpec(Operand(E4M3, "tile"), Operand(E4M3, "block")),
+        grad_input=MatmulSpec(Operand(E4M3, "tile"), Operand(E4M3, "block")),
+        grad_weight=MatmulSpec(Operand(E4M3, "tile"), Operand(E4M3, "tile")),
+    ),
+    "int8": Recipe(
+        "int8",
+        forward=_same(Operand(INT8, "axis")),
+        grad_input=_same(Operand(INT8, "axis")),
+        grad_weight=_same(HP),
+    ),
+}
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    missing = (-t.shape[dim]) % multiple
+    if missing == 0:
+        return t
+    pad = [0, 0] * (t.ndim - 1 - dim) + [0, missing]
+    return F.pad(t, pad)
+
+
+def group_view(t: torch.Tensor, granularity: str) -> torch.Tensor:
+    """[R, K] -> [R', T, r, k]: scale groups (R' x T of them) of r rows x k columns each, padded
+    with zeros to whole tiles/blocks (zeros change no amax and no sum)."""
+    rows, cols = t.shape
+    if granularity == "tensor":
+        return t.reshape(1, 1, rows, cols)
+    if granularity == "axis":
+        return t.reshape(rows, 1, 1, cols)
+    t = _pad_to(t, 1, BLOCK)
+    if granularity == "tile":
+        return t.reshape(rows, -1, 1, BLOCK)
+    assert granularity == "block", granularity
+    t = _pad_to(t, 0, BLOCK)
+    return t.reshape(-1, BLOCK, t.shape[1] // BLOCK, BLOCK).transpose(1, 2)
+
+
+def scales(t: torch.Tensor, op: Operand) -> torch.Tensor:
+    """The divisor scale of each group of `t` [R, K]: shape [R', T] (see `group_view`), fp32."""
+    amax = group_view(t.detach().float(), op.granularity).abs().amax(dim=(-2, -1))
+    s = amax / QMAX[op.dtype]
+    if op.pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    s = torch.clamp(s, min=TINY)  # an all-zero group: q = 0, no 0/0
+    return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
+
+
+def quantize(t: torch.Tensor, op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, K] -> (q [R', T, r, k] in op.dtype, scales [R', T] fp32); t ~ q * s per group."""
+    s = scales(t, op)
+    g = group_view(t.detach().float(), op.granularity) / s[:, :, None, None]
+    qmax = QMAX[op.dtype]
+    g = g.clamp(-qmax, qmax)  # NaN stays NaN
+    if op.dtype == INT8:
+        # torch.round is half-to-even, as XLA's round_nearest_even; NaN -> int8 is undefined, so
+        # the NaN of a non-finite group lives in its scale (q is 0 there).
+        q = torch.nan_to_num(torch.round(g), nan=0.0).to(INT8)
+    else:
+        q = g.to(op.dtype)
+    return q, s
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """The fp32 values q * s in `t`'s layout [R, K] (the inverse of `group_view`, padding cut)."""
+    g = q.float() * s[:, :, None, None]  # [R', T, r, k]
+    rows, cols = shape
+    return g.transpose(1, 2).reshape(g.shape[0] * g.shape[2], -1)[:rows, :cols]
+
+
+def qdq(t: torch.Tensor, op: Operand) -> torch.Tensor:
+    """Quantize then dequantize `t` [R, K] (fp32 result); the identity (as fp32) for `HP`."""
+    if op.dtype is None:
+        return t.float()
+    q, s = quantize(t, op)
+    return dequantize(q, s, tuple(t.shape))
+
+
+def _tile_sums(qa: torch.Tensor, qb: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """Per-K-group partial sums [R, C, T] of a @ b^T, from q of `tile`/`axis`/`tensor`/`block`
+    groups expanded to one [rows, T, k] layout each."""
+    return torch.einsum("rtk,ctk->rct", qa.to(acc), qb.to(acc))
+
+
+def _per_row(q: torch.Tensor, s: torch.Tensor, rows: int, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R', T, r, k], s [R', T] -> q [rows, T, k], s [rows, T] (each row's own K-groups)."""
+    if granularity == "block":
+        q = q.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])
+        s = s.repeat_interleave(BLOCK, dim=0)
+    elif granularity == "tensor":
+        q = q.reshape(q.shape[2], 1, q.shape[3])
+        s = s.expand(q.shape[0], 1)
+    else:  # axis, tile: one row per group row already
+        q = q.reshape(q.shape[0], q.shape[1], q.shape[3])
+    return q[:rows], s[:rows]
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, spec: MatmulSpec, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [R, K] @ b [C, K]^T as the recipe's hardware computes it (module docstring), -> out_dtype.
+
+    Quantized operands: exact products summed per K-group (int8 in float64, which holds every
+    int32 sum exactly; float8 in float32, as the MXU / tensor cores accumulate), times both
+    groups' scales, groups summed in float32. Unquantized (`HP`): a plain float32 matmul of the
+    operands as given (the compute dtype's values)."""
+    if spec.a.dtype is None or spec.b.dtype is None:
+        assert spec.a.dtype is None and spec.b.dtype is None, "mixed quantized / high-precision matmul"
+        return (a.float() @ b.float().t()).to(out_dtype)
+    # Both operands split K the same way: one group (tensor, axis) or 128-wide groups (tile, block).
+    tiled = spec.a.granularity in ("tile", "block")
+    assert tiled == (spec.b.granularity in ("tile", "block")), "operands must split K alike"
+    qa, sa = quantize(a, spec.a)
+    qb, sb = quantize(b, spec.b)
+    qa, sa = _per_row(qa, sa, a.shape[0], spec.a.granularity)
+    qb, sb = _per_row(qb, sb, b.shape[0], spec.b.granularity)
+    acc = torch.float64 if spec.a.dtype == INT8 else torch.float32
+    partial = _tile_sums(qa, qb, acc).float()  # [R, C, T]
+    out = (partial * sa[:, None, :] * sb[None, :, :]).sum(dim=-1)
+    return out.to(out_dtype)
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    """y = x w^T with the recipe's three quantized matmuls. Saves x and w in the compute dtype
+    and quantizes each again along the backward matmuls' own contraction dims; the scales are
+    constants to autograd (straight-through: the gradient of round() is taken as 1)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+        spec = RECIPE_SPECS[recipe]
+        ctx.save_for_backward(x, w)
+        ctx.recipe = recipe
+        return scaled_matmul(x, w, spec.forward, x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        spec = RECIPE_SPECS[ctx.recipe]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = scaled_matmul(dy, w.t(), spec.grad_input, x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = scaled_matmul(dy.t(), x.t(), spec.grad_weight, w.dtype)
+        return dx, dw, None
+
+
+def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The reference of the op `quantized_linear`: x [..., K] @ w [N, K]^T under `recipe`, exact
+    emulation on any device (module docstring), in x's dtype."""
+    assert recipe in RECIPE_SPECS, f"unknown recipe {recipe!r}; recipes: {RECIPES}"
+    lead = x.shape[:-1]
+    y = _QuantizedLinear.apply(x.reshape(-1, x.shape[-1]), w, recipe)
+    return y.reshape(*lead, w.shape[0])
