@@ -30,8 +30,9 @@ The recipes (docs/low_precision.md has the table and the sources):
   per-row `dy` and per-input-channel `w` for the input gradient; the weight gradient stays in the
   compute dtype (it contracts over tokens, where per-row int8 of gradients loses the most).
 
-The emulation (`emulated_linear`) quantizes with torch's casts, dequantizes, and multiplies in
-float32 in the order hardware does: integer (int8) or fp32 (float8) sums per scale group, then
+The emulation (`emulated_linear`) quantizes (round to the format's grid, exactly what torch's
+float8 / int8 casts give, kept in fp32), dequantizes, and multiplies in float32 in the order
+hardware does: integer (int8) or fp32 (float8) sums per scale group, then
 times the two scales, then the groups summed. This module imports torch only.
 """
 
@@ -158,18 +159,37 @@ def scales(t: torch.Tensor, op: Operand) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+MIN_NORMAL_EXPONENT = {E4M3: -6, E5M2: -14}
+
+
+def round_to_float8(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round fp32 `v` (|v| <= the format's max) to the nearest value of float8 `dtype`, ties to
+    even, as fp32: what `v.to(dtype).float()` gives (tests/unit/test_quantize.py checks every
+    value), without a float8 tensor. The spacing of the grid around v is 2^(exponent - mantissa
+    bits), the exponent no lower than the smallest normal's (subnormals are evenly spaced); v /
+    spacing and back are exact, and `torch.round` rounds half to even. Float8 tensors cannot be
+    the saved values of a layer scan on the CPU (torch 2.13 scatters them), so the emulation keeps
+    its quantized values in fp32."""
+    _, exponent = torch.frexp(v)  # v = m 2^exponent, 0.5 <= |m| < 1
+    exponent = torch.clamp(exponent - 1, min=MIN_NORMAL_EXPONENT[dtype]) - MANTISSA_BITS[dtype]
+    spacing = torch.ldexp(torch.ones_like(v), exponent)
+    return torch.round(v / spacing) * spacing
+
+
 def quantize(t: torch.Tensor, op: Operand) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [R, K] -> (q [R', T, r, k] in op.dtype, scales [R', T] fp32); t ~ q * s per group."""
+    """t [R, K] -> (q [R', T, r, k], scales [R', T] fp32); t ~ q * s per group. q holds the
+    quantized values (integers for int8, float8 grid values) in fp32 (`round_to_float8`)."""
     s = scales(t, op)
     g = group_view(t.detach().float(), op.granularity) / s[:, :, None, None]
     qmax = QMAX[op.dtype]
-    g = g.clamp(-qmax, qmax)  # NaN stays NaN
+    g = g.clamp(-qmax, qmax)  # NaN stays NaN; torch saturates float8 casts, XLA does not
     if op.dtype == INT8:
-        # torch.round is half-to-even, as XLA's round_nearest_even; NaN -> int8 is undefined, so
-        # the NaN of a non-finite group lives in its scale (q is 0 there).
-        q = torch.nan_to_num(torch.round(g), nan=0.0).to(INT8)
+        # torch.round is half-to-even, as XLA's round_nearest_even; the NaN of a non-finite
+        # group lives in its scale (q is 0 there, as an int8 cast of NaN is undefined).
+        q = torch.nan_to_num(torch.round(g), nan=0.0)
     else:
-        q = g.to(op.dtype)
+        q = round_to_float8(g, op.dtype)
     return q, s
 
 
