@@ -22,6 +22,11 @@ self-check on tiny tensors against its torch reference at the widths the run cal
 this generation without running (`titan_kernels/tpu/compile_check.py`), and with context
 parallelism this rank's CP splash kernel too; one that fails is replaced by its reference for
 the run, with one banner line saying why.
+
+The low-precision linear (`quantized_linear`, `[quantize]`) is served per device by
+`quantized_linear_for`: XLA's float8 / int8 dots on TPU (titan_kernels/tpu/qlinear.py),
+`torch._scaled_mm` / `torch._int_mm` on CUDA (titan_kernels/cuda_quantize.py), the exact emulation
+on the CPU (its reference).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def select(
     check_attention_for(attention, device.type)
     for op in ("grouped_mm", "linear_cross_entropy"):
         ops.register(op, None)
+    ops.register("quantized_linear", quantized_linear_for(device))
     if device.type == "tpu":
         return _select_tpu(attention, device=device, dtype=dtype or torch.bfloat16, head_dim=head_dim, shapes=shapes)
     if device.type != "cpu" or attention == "sdpa":
@@ -118,12 +124,37 @@ def select(
 @contextlib.contextmanager
 def use(*, attention: str, device: torch.device | str = "cpu"):
     """`select` for the duration of a `with` block (tests, benchmarks); yields the description."""
-    saved = {op: ops.register(op, None) for op in ops.OPS}
+    saved = {op: ops.register(op, None) for op in ops.OPS + ops.LOW_PRECISION_OPS}
     try:
         yield select(attention=attention, device=torch.device(device))
     finally:
         for op, fn in saved.items():
             ops.register(op, fn)
+
+
+def quantized_linear_for(device: torch.device):
+    """The implementation of `quantized_linear` on `device` (None: the emulation, the reference):
+    on TPU the XLA float8 / int8 dots when the Pallas stack (jax, torch-tpu) loads, on CUDA the
+    tensor-core kernels; a recipe's device rules (trainer/step/plan.py) are checked before this."""
+    if device.type == "cuda":
+        from titan_kernels import cuda_quantize
+
+        return cuda_quantize.quantized_linear
+    if device.type == "tpu":
+        from titan_kernels import tpu
+
+        if tpu.load() is None:
+            return None
+        try:
+            from titan_kernels.tpu import qlinear
+
+            return qlinear.build()
+        except Exception as exc:  # torch-tpu without jax_op, a recipe that does not export
+            print(
+                f"titan-tpu: quantized_linear on TPU takes the emulation: {type(exc).__name__}: {exc}", file=sys.stderr
+            )
+            return None
+    return None
 
 
 def saved_ops() -> set:

@@ -422,3 +422,30 @@ def test_simple_fsdp_two_thread_ranks_match_one_process(recipe):
     for _, grads, _ in results:
         worst = max((rel_diff(grads[n], ref_grads[n]), n) for n in ref_grads)
         assert worst[0] < 1e-5, worst
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_cuda_implementation_computes_the_emulation(recipe, monkeypatch):
+    """titan_kernels/cuda_quantize.py calls `torch._scaled_mm` / `torch._int_mm`, which torch 2.13
+    also runs on the CPU: with its CUDA-only guard lifted, forward and gradients equal the
+    emulation (int8: exactly, int32 sums; float8: to fp32 summation order). What this cannot show:
+    the CUDA kernels' own behaviour (no GPU here; docs/low_precision.md)."""
+    from titan_kernels import cuda_quantize as cq
+
+    monkeypatch.setattr(cq, "_kernel_ok", lambda a, b, spec: cq._kernels_take(a, b, spec, "cpu"))
+    calls = []
+    for name in ("_scaled_mm", "_int_mm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 256, generator=g, requires_grad=True)
+    w = (torch.randn(48, 256, generator=g) * 0.05).requires_grad_()
+    dy = torch.randn(64, 48, generator=g)
+    got = [cq._CudaQuantizedLinear.apply(x, w, recipe)]
+    got += torch.autograd.grad(got[0], (x, w), dy)
+    ref = [q.emulated_linear(x, w, recipe)]
+    ref += torch.autograd.grad(ref[0], (x, w), dy)
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max() <= 2 * 256 * 2.0**-24 * b.abs().max(), recipe
+    kernels = {"float8_tensorwise": 3, "float8_rowwise": 3, "float8_blockwise": 0, "int8": 2}[recipe]
+    assert len(calls) == kernels, calls  # blockwise: the emulation; int8's weight gradient: fp32

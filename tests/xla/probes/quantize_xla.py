@@ -1,0 +1,276 @@
+"""Probe: the TPU path of `[quantize]` (titan_kernels/tpu/qmatmul.py) without a TPU.
+
+    python quantize_xla.py cpu                       (xla venv: torch + jax)
+    python quantize_xla.py compile [--tokens N] GEN:RECIPE [GEN:RECIPE ...]   (tpuc or ttpu venv)
+    python quantize_xla.py register                  (ttpu venv: torch-tpu)
+
+`cpu`: the recipe table equals the torch emulation's (models/common/quantize.py RECIPE_SPECS);
+forward and both gradients of `qmatmul` run on XLA:CPU for every recipe and are compared with
+the torch emulation on the same inputs (odd sizes: K 300, padded tiles). Reports per output the
+largest difference over the largest magnitude, and the reduction length n of the bound.
+
+`compile`: one Llama 3 8B decoder block (dim 4096, 32 / 8 heads of 128, SwiGLU 14336, RMSNorm,
+causal attention in plain jnp), forward and the gradients of every weight and of the input,
+bf16 weights and activations as SimpleFSDP gathers them, `--tokens` tokens (default 4096: 2
+sequences of 2048), lowered and compiled by XLA:TPU for device 0 of GEN's compile-only topology,
+once with bf16 linears (RECIPE `bf16`; `--no-baseline` skips it) and once with RECIPE's quantized
+linears (`--small`: dim 512, 4 / 2 heads, FFN 1024, the test's). Reports the
+dots of the compiled program by operand and result dtypes (counted in the HLO text: `dot` and
+`convolution` instructions, fusion bodies included), and the compiler's `cost_analysis()`
+(flops, bytes accessed, optimal_seconds where libtpu gives it).
+
+`register`: titan_kernels/tpu/qlinear.py defines `titan_tpu::qlinear_fwd / _bwd` through
+torch-tpu's `jax_op` (no TPU: jax.export for platform "tpu"), and under `FakeTensorMode` the
+forward op with its autograd runs for every recipe on bf16 [512, 256] x [384, 256]: output and
+gradient shapes and dtypes.
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))
+import qmatmul  # noqa: E402
+
+
+def cpu_check() -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from models.common import quantize as tq
+
+    def spec_of(op):
+        if op.dtype is None:
+            return None
+        name = {tq.E4M3: "e4m3", tq.E5M2: "e5m2", tq.INT8: "int8"}[op.dtype]
+        return (name, op.granularity, op.pow2)
+
+    torch_table = {
+        name: tuple((spec_of(m.a), spec_of(m.b)) for m in (r.forward, r.grad_input, r.grad_weight))
+        for name, r in tq.RECIPE_SPECS.items()
+    }
+    rng = np.random.default_rng(0)
+    m, k, n = 96, 300, 72
+    cases = {}
+    for recipe in qmatmul.RECIPES:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+        dy = (rng.standard_normal((m, n)) * 1e-3).astype(np.float32)
+        y = np.asarray(jax.jit(qmatmul.forward, static_argnums=2)(x, w, recipe))
+        dx, dw = (np.asarray(t) for t in jax.jit(qmatmul.backward, static_argnums=3)(x, w, dy, recipe))
+        tx = torch.from_numpy(x).requires_grad_()
+        tw = torch.from_numpy(w).requires_grad_()
+        ty = tq.emulated_linear(tx, tw, recipe)
+        ty.backward(torch.from_numpy(dy))
+
+        def err(a, b):
+            b = b.detach().double().numpy()
+            return {"diff": float(np.abs(a - b).max()), "scale": float(np.abs(b).max())}
+
+        cases[recipe] = {
+            "y": {**err(y, ty), "n": k},
+            "dx": {**err(dx, tx.grad), "n": n},
+            "dw": {**err(dw, tw.grad), "n": m},
+        }
+    return {"tables_equal": torch_table == qmatmul.RECIPES, "cases": cases}
+
+
+DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
+SMALL = dict(DIM=512, HEADS=4, KV_HEADS=2, HEAD_DIM=128, FFN=1024)
+"""`--small`: the same block at widths that compile in seconds (the test's)."""
+
+
+def _rmsnorm(x, w):
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype) * w
+
+
+def block(params, x, recipe: str, seq: int):
+    """One decoder block on x [tokens, dim] (sequences of `seq`), bf16."""
+
+    def lin(h, w):
+        if recipe == "bf16":  # bf16 operands and result (the MXU accumulates in f32), as torch's bf16 linear
+            return jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=h.dtype)
+        return qmatmul.linear(h, w, recipe)
+
+    t = x.shape[0]
+    b = t // seq
+    h = _rmsnorm(x, params["attention_norm"])
+    q = lin(h, params["wq"]).reshape(b, seq, HEADS, HEAD_DIM)
+    k = lin(h, params["wk"]).reshape(b, seq, KV_HEADS, HEAD_DIM)
+    v = lin(h, params["wv"]).reshape(b, seq, KV_HEADS, HEAD_DIM)
+    k = jnp.repeat(k, HEADS // KV_HEADS, axis=2)
+    v = jnp.repeat(v, HEADS // KV_HEADS, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / HEAD_DIM**0.5
+    mask = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(x.dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(t, HEADS * HEAD_DIM)
+    y = x + lin(o, params["wo"])
+    h2 = _rmsnorm(y, params["ffn_norm"])
+    z = lin(jax.nn.silu(lin(h2, params["w1"])) * lin(h2, params["w3"]), params["w2"])
+    return y + z
+
+
+def _shapes() -> dict:
+    """The block's parameter shapes at the module's widths (read at call time: `--small`)."""
+    return {
+        "attention_norm": (DIM,),
+        "ffn_norm": (DIM,),
+        "wq": (HEADS * HEAD_DIM, DIM),
+        "wk": (KV_HEADS * HEAD_DIM, DIM),
+        "wv": (KV_HEADS * HEAD_DIM, DIM),
+        "wo": (DIM, HEADS * HEAD_DIM),
+        "w1": (FFN, DIM),
+        "w3": (FFN, DIM),
+        "w2": (DIM, FFN),
+    }
+
+
+_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", re.M)
+_DOT = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+)\[[^\n]*? (?:dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\)", re.M)
+
+
+def dots(hlo: str) -> dict[str, int]:
+    """Dot / convolution instructions of a compiled HLO module by 'lhs x rhs -> result' element
+    types; an operand's type is that of the instruction defining it (names are module-unique)."""
+    types = dict(_DEF.findall(hlo))
+    found = collections.Counter(
+        f"{types.get(lhs, '?')} x {types.get(rhs, '?')} -> {out}" for out, lhs, rhs in _DOT.findall(hlo)
+    )
+    return dict(sorted(found.items()))
+
+
+_SHLO_DOT = re.compile(r"stablehlo.dot_general.*?: \(tensor<([^>]*)>, tensor<([^>]*)>\) -> tensor<([^>]*)>")
+
+
+def stablehlo_dots(text: str) -> dict[str, int]:
+    """`stablehlo.dot_general` ops of the lowered program by operand and result element types."""
+    found = collections.Counter(
+        f"{a.split('x')[-1]} x {b.split('x')[-1]} -> {c.split('x')[-1]}" for a, b, c in _SHLO_DOT.findall(text)
+    )
+    return dict(sorted(found.items()))
+
+
+def compile_block(gen: str, recipe: str, tokens: int, seq: int) -> dict:
+    import tiles
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(topology_name=tiles.GENERATIONS[gen].topology, platform="tpu").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    S = jax.ShapeDtypeStruct
+    params = {name: S(shape, jnp.bfloat16, sharding=sharding) for name, shape in _shapes().items()}
+    x = S((tokens, DIM), jnp.bfloat16, sharding=sharding)
+    cot = S((tokens, DIM), jnp.bfloat16, sharding=sharding)
+
+    def step(params, x, cot):
+        out, vjp = jax.vjp(lambda p, xx: block(p, xx, recipe, seq), params, x)
+        return vjp(cot)
+
+    start = time.perf_counter()
+    lowered = jax.jit(step).lower(params, x, cot)
+    compiled = lowered.compile()
+    entry = {"device_kind": device.device_kind, "compile_s": round(time.perf_counter() - start, 1)}
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    entry["cost"] = {
+        k: float(v) for k, v in (cost or {}).items() if k in ("flops", "bytes accessed", "optimal_seconds")
+    }
+    try:
+        entry["dots"], entry["counted_in"] = dots(compiled.as_text()), "compiled"
+    except Exception as e:  # jaxlib cannot always print what libtpu compiled
+        entry["dots"], entry["counted_in"] = {}, f"none ({type(e).__name__})"
+    entry["stablehlo_dots"] = stablehlo_dots(lowered.as_text())
+    return entry
+
+
+def register_check() -> dict:
+    import traceback
+
+    import torch
+    import torch_tpu  # noqa: F401  (explicit: autoload is off in tests)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sys.path.insert(0, str(ROOT))
+    from titan_kernels.tpu import qlinear
+
+    qlinear.build()
+    fwd = torch.ops.titan_tpu.qlinear_fwd
+    checks = {}
+    for recipe in qmatmul.RECIPES:
+        try:
+            with FakeTensorMode():
+                x = torch.empty(512, 256, dtype=torch.bfloat16).requires_grad_()
+                w = torch.empty(384, 256, dtype=torch.bfloat16).requires_grad_()
+                y = fwd(x, w, recipe)
+                assert y.shape == (512, 384) and y.dtype == torch.bfloat16, y
+                dx, dw = torch.autograd.grad(y.float().sum(), (x, w))
+                assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == torch.bfloat16
+            checks[recipe] = "ok"
+        except Exception as e:
+            checks[recipe] = f"{type(e).__name__}: {e}"[:1500] + "\n" + traceback.format_exc()[-1500:]
+    names = sorted(n for n in dir(torch.ops.titan_tpu) if n.startswith("qlinear"))
+    return {"ops": names, "checks": checks}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("cpu", "compile", "register"))
+    parser.add_argument("targets", nargs="*", help="GEN:RECIPE, e.g. v7x:float8_rowwise (compile)")
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--small", action="store_true", help="the block at SMALL's widths")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the bf16 compile")
+    args = parser.parse_args()
+    if args.small:
+        globals().update(SMALL)
+    import importlib.metadata as md
+
+    versions = {}
+    for p in ("jax", "jaxlib", "libtpu"):
+        try:
+            versions[p] = md.version(p)
+        except md.PackageNotFoundError:
+            pass
+    if args.mode == "cpu":
+        print(json.dumps({"versions": versions, **cpu_check()}))
+        return
+    if args.mode == "register":
+        print(json.dumps({"versions": versions, **register_check()}))
+        return
+    compiles = {}
+    for target in args.targets:
+        gen, recipe = target.split(":")
+        for r in (recipe,) if args.no_baseline else ("bf16", recipe):
+            key = f"{gen}:{r}"
+            if key in compiles:
+                continue
+            try:
+                compiles[key] = compile_block(gen, r, args.tokens, args.seq)
+            except Exception as e:
+                compiles[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    widths = {"dim": DIM, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "ffn": FFN}
+    print(
+        json.dumps(
+            {"versions": versions, "tokens": args.tokens, "seq": args.seq, "widths": widths, "compiles": compiles}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The TPU path of `[quantize]` (titan_kernels/tpu/qmatmul.py, qlinear.py) without a TPU.
+
+Three probes (tests/xla/probes/quantize_xla.py), each in its venv:
+- xla venv: the JAX recipe table equals the torch emulation's, and XLA:CPU runs of the forward
+  and both gradients equal the torch emulation (models/common/quantize.py) for every recipe.
+  Both quantize identically (same scales, clamp, round-half-to-even), so they differ only in the
+  order of float32 sums: |jax - torch| <= 2 n u max|torch|, n the matmul's contraction length,
+  u = 2^-24 (the bound of tests/xla/test_kernels.py). A wrong scale, rounding or recipe costs
+  O(2^-4) of scale.
+- ttpu venv: torch-tpu's `jax_op` defines `titan_tpu::qlinear_fwd / _bwd` and, on fake tensors,
+  the forward op with its autograd gives the right shapes and dtypes for every recipe.
+- tpuc venv: a decoder block (forward and gradients, bf16) with quantized linears compiles for
+  TPU7x (float8_rowwise) and v6e (int8) without a TPU, and the compiled program's dots are
+  float8 x float8 -> f32 and s8 x s8 -> s32: the low-precision dots reach XLA:TPU's compiler and
+  stay there. The recipe-width compile against bf16 is in docs/low_precision.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.xla
+
+U_FP32 = 2.0**-24
+RECIPES = ("float8_tensorwise", "float8_rowwise", "float8_blockwise", "int8")
+
+
+def test_xla_cpu_equals_the_torch_emulation(probe):
+    result = probe("xla", "quantize_xla.py", "cpu")
+    assert result["tables_equal"], "titan_kernels/tpu/qmatmul.py RECIPES differs from RECIPE_SPECS"
+    assert set(result["cases"]) == set(RECIPES)
+    for recipe, outputs in result["cases"].items():
+        for name, out in outputs.items():
+            assert out["scale"] > 0, (recipe, name)
+            assert out["diff"] <= 2 * out["n"] * U_FP32 * out["scale"], (recipe, name, out)
+
+
+def test_torch_tpu_registers_the_ops_with_autograd(probe):
+    result = probe("ttpu", "quantize_xla.py", "register")
+    assert result["ops"] == ["qlinear_bwd", "qlinear_fwd"]
+    assert result["checks"] == {r: "ok" for r in RECIPES}, result["checks"]
+
+
+def test_the_block_compiles_to_float8_dots_on_v7x_and_int8_dots_on_v6e(probe):
+    result = probe(
+        "tpuc",
+        "quantize_xla.py",
+        "compile",
+        "v7x:float8_rowwise",
+        "v6e:int8",
+        "--small",
+        "--no-baseline",
+        "--tokens=512",
+        "--seq=256",
+    )
+    fp8, int8 = result["compiles"]["v7x:float8_rowwise"], result["compiles"]["v6e:int8"]
+    assert "error" not in fp8 and "error" not in int8, result
+    # 7 linears x 3 matmuls, less the last linear's forward (dead: the block's output is not
+    # returned, only its gradients): 20 float8 dots; int8 quantizes 2 of the 3: 13.
+    assert fp8["dots"].get("f8e4m3fn x f8e4m3fn -> f32") == 20, fp8["dots"]
+    assert int8["dots"].get("s8 x s8 -> s32") == 13, int8["dots"]
+    # The rest are attention's six and int8's seven weight gradients in bf16: nothing else
+    # was left in high precision.
+    assert sum(fp8["dots"].values()) == 26 and sum(int8["dots"].values()) == 26

@@ -1,0 +1,61 @@
+"""The op `quantized_linear` on TPU: titan_kernels/tpu/qmatmul.py (XLA's float8 / int8 dots) as torch
+ops through torch-tpu's `jax_op`.
+
+`build()` defines, once per process, `titan_tpu::qlinear_fwd(x, w, recipe) -> y` and
+`titan_tpu::qlinear_bwd(x, w, dy, recipe) -> (dx, dw)` (x [M, K], w [N, K]; the recipe a static
+string, so each recipe is its own exported program), ties them with `register_autograd` (jax_op
+registers none; the forward saves x and w, as the torch emulation does) and returns the op's
+implementation: it flattens x's leading dims, and hands tensors that are not on the TPU to the
+emulation (models/common/quantize.py). Imported only on a TPU run (`titan_kernels.
+quantized_linear_for`): it imports jax and needs torch-tpu.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import torch
+
+from models.common.quantize import emulated_linear
+from titan_kernels.tpu import qmatmul
+
+NAMESPACE = "titan_tpu"
+_BUILT: dict[str, Callable] = {}
+
+
+def build() -> Callable:
+    """Register the two ops (idempotent); return `quantized_linear(x, w, recipe)`."""
+    if "fn" in _BUILT:
+        return _BUILT["fn"]
+    jax_op = torch.tpu.pallas.jax_op
+
+    @jax_op(f"{NAMESPACE}::qlinear_fwd")
+    def qlinear_fwd(x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
+        return qmatmul.forward(x, w, recipe)
+
+    @jax_op(f"{NAMESPACE}::qlinear_bwd")
+    def qlinear_bwd(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: str) -> tuple[jax.Array, jax.Array]:
+        return qmatmul.backward(x, w, dy, recipe)
+
+    def setup(ctx, inputs, output):
+        x, w, recipe = inputs
+        ctx.save_for_backward(x, w)
+        ctx.recipe = recipe
+
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dw = qlinear_bwd(x, w, dy.contiguous(), ctx.recipe)
+        return dx, dw, None
+
+    qlinear_fwd.register_autograd(backward, setup_context=setup)
+
+    def quantized_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+        if x.device.type != "tpu" or w.device.type != "tpu":
+            return emulated_linear(x, w, recipe)
+        lead = x.shape[:-1]
+        y = qlinear_fwd(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), recipe)
+        return y.reshape(*lead, w.shape[0])
+
+    _BUILT["fn"] = quantized_linear
+    return quantized_linear
