@@ -81,8 +81,7 @@ def _hand_quantize(t: torch.Tensor, op: Operand) -> tuple[torch.Tensor, torch.Te
     return deq, scale
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_rounding_to_the_float8_grid_equals_torchs_cast(dtype):
+def _rounding_to_the_float8_grid_equals_torchs_cast(dtype):
     """`round_to_float8` (fp32 arithmetic) gives what torch's float8 cast gives, on every grid
     value, every midpoint between neighbours (the ties), values just beside them and random ones
     across the range, subnormals included."""
@@ -96,6 +95,11 @@ def test_rounding_to_the_float8_grid_equals_torchs_cast(dtype):
     assert torch.equal(q.round_to_float8(v, dtype), v.to(dtype).float())
 
 
+def test_rounding_to_the_float8_grid_equals_torchs_cast():
+    for dtype in (E4M3, E5M2):
+        _rounding_to_the_float8_grid_equals_torchs_cast(dtype)
+
+
 OPERANDS = [
     Operand(E4M3),
     Operand(E5M2),
@@ -106,8 +110,7 @@ OPERANDS = [
 ]
 
 
-@pytest.mark.parametrize("op", OPERANDS, ids=lambda o: f"{str(o.dtype)[6:]}-{o.granularity}")
-def test_quantization_equals_a_hand_written_quantizer(op):
+def _quantization_equals_a_hand_written_quantizer(op):
     """Every value and every scale is the one the loops over groups and the nearest-even rounding
     on the decoded grid give: exactly (same rounding, ties included)."""
     g = torch.Generator().manual_seed(0)
@@ -119,6 +122,11 @@ def test_quantization_equals_a_hand_written_quantizer(op):
     per_elem = q.dequantize(torch.ones_like(qv, dtype=torch.float32), s, tuple(t.shape)).double()
     assert torch.equal(per_elem, ref_scale)
     assert torch.equal(got, ref), (got - ref).abs().max()
+
+
+def test_quantization_equals_a_hand_written_quantizer():
+    for op in OPERANDS:
+        _quantization_equals_a_hand_written_quantizer(op)
 
 
 def _element_error(t: torch.Tensor, op: Operand) -> torch.Tensor:
@@ -149,8 +157,7 @@ TYPICAL = {"float8_tensorwise": 0.08, "float8_rowwise": 0.06, "float8_blockwise"
 (e4m3 ~0.035, e5m2 gradients ~0.06, int8 ~0.012: docs/low_precision.md)."""
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_each_matmul_is_within_the_argued_bound_of_fp32(recipe):
+def _each_matmul_is_within_the_argued_bound_of_fp32(recipe):
     g = torch.Generator().manual_seed(1)
     m, k, n = 96, 300, 72  # K not a multiple of 128: padded tiles and blocks
     x = torch.randn(m, k, generator=g)
@@ -170,8 +177,12 @@ def test_each_matmul_is_within_the_argued_bound_of_fp32(recipe):
         assert 0 < errors["grad_weight"] < TYPICAL[recipe], errors
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_autograd_runs_the_recipe_matmuls(recipe):
+def test_each_matmul_is_within_the_argued_bound_of_fp32():
+    for recipe in RECIPES:
+        _each_matmul_is_within_the_argued_bound_of_fp32(recipe)
+
+
+def _autograd_runs_the_recipe_matmuls(recipe):
     """The op's forward and gradients are the recipe's three matmuls, bitwise."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 40, 256, generator=g, requires_grad=True)
@@ -184,6 +195,11 @@ def test_autograd_runs_the_recipe_matmuls(recipe):
     assert torch.equal(y.detach().reshape(-1, 192), q.scaled_matmul(x2, w.detach(), spec.forward, torch.float32))
     assert torch.equal(x.grad.reshape(-1, 256), q.scaled_matmul(dy2, w.detach().t(), spec.grad_input, torch.float32))
     assert torch.equal(w.grad, q.scaled_matmul(dy2.t(), x2.t(), spec.grad_weight, torch.float32))
+
+
+def test_autograd_runs_the_recipe_matmuls():
+    for recipe in RECIPES:
+        _autograd_runs_the_recipe_matmuls(recipe)
 
 
 def test_scales_are_per_tensor_per_row_and_per_block():
@@ -207,8 +223,7 @@ def test_scales_are_per_tensor_per_row_and_per_block():
     assert torch.allclose(s[:, 0], amax.amax(dim=1) / 127, rtol=1e-7, atol=0)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_zero_input_gives_zero_and_no_nan(recipe):
+def _zero_input_gives_zero_and_no_nan(recipe):
     x = torch.zeros(8, 256, requires_grad=True)
     w = torch.zeros(64, 256, requires_grad=True)
     y = ops.quantized_linear(x, w, recipe)
@@ -217,8 +232,12 @@ def test_zero_input_gives_zero_and_no_nan(recipe):
         assert torch.equal(t, torch.zeros_like(t))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_a_non_finite_input_poisons_what_its_scale_group_touches(recipe):
+def test_zero_input_gives_zero_and_no_nan():
+    for recipe in RECIPES:
+        _zero_input_gives_zero_and_no_nan(recipe)
+
+
+def _a_non_finite_input_poisons_what_its_scale_group_touches(recipe):
     """An inf in an activation gives NaN in every output its scale group reaches (the whole
     output for tensorwise, its row otherwise) and nowhere else: never a finite wrong number that
     the trainer's non-finite checks would miss."""
@@ -234,8 +253,12 @@ def test_a_non_finite_input_poisons_what_its_scale_group_touches(recipe):
         assert bool(bad[1].all()) and not bool(bad[[0, 2, 3]].any())
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_overflow(recipe):
+def test_a_non_finite_input_poisons_what_its_scale_group_touches():
+    for recipe in RECIPES:
+        _a_non_finite_input_poisons_what_its_scale_group_touches(recipe)
+
+
+def _the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_overflow(recipe):
     """Scaling x by a power of two scales the output by it exactly (dynamic scales: the quantized
     values are the same). A broken scale fails this: a frozen scale flushes 2^-24 x to zero and
     clamps 2^20 x at the format's maximum; a scale not updated from this call's amax does too."""
@@ -249,11 +272,16 @@ def test_the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_o
         assert torch.equal(y, base * 2.0**p), p
 
 
+def test_the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_overflow():
+    for recipe in RECIPES:
+        _the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_overflow(recipe)
+
+
 def test_a_frozen_scale_is_caught(monkeypatch):
     """The test above fails when the scale does not track amax (so it can fail)."""
     monkeypatch.setattr(q, "scales", lambda t, op: torch.ones(q.group_view(t, op.granularity).shape[:2]))
     with pytest.raises(AssertionError):
-        test_the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_overflow("float8_tensorwise")
+        _the_scale_tracks_amax_so_tiny_and_huge_activations_neither_vanish_nor_overflow("float8_tensorwise")
 
 
 # --- the module swap ------------------------------------------------------------------------------
@@ -304,8 +332,7 @@ def test_quantized_linear_forward_is_the_op_plus_bias():
     assert "recipe=int8" in repr(layer)
 
 
-@pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_blockwise"])
-def test_compile_aot_eager_matches_eager(recipe):
+def _compile_aot_eager_matches_eager(recipe):
     torch.manual_seed(6)
     net = nn.Sequential(nn.Linear(256, 128), nn.GELU(), nn.Linear(128, 256))
     apply_quantize(net, recipe=recipe, min_dim=0)
@@ -319,6 +346,11 @@ def test_compile_aot_eager_matches_eager(recipe):
     assert torch.equal(out, net(x))
     for a, b in zip(eager, [p.grad for p in net.parameters()]):
         assert torch.equal(a, b)
+
+
+def test_compile_aot_eager_matches_eager():
+    for recipe in ("float8_tensorwise", "float8_blockwise"):
+        _compile_aot_eager_matches_eager(recipe)
 
 
 # --- the graph step with layer scan, SimpleFSDP ---------------------------------------------------
@@ -359,8 +391,7 @@ def test_graph_step_with_layer_scan_matches_eager(recipe):
         assert abs(l1 - l2) <= 1e-5 * abs(l1) and abs(n1 - n2) <= 1e-5 * abs(n1), (ref, got)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_simple_fsdp_two_thread_ranks_match_one_process(recipe):
+def _simple_fsdp_two_thread_ranks_match_one_process(recipe):
     """SimpleFSDP over 2 ranks, each with half of a 16-sequence batch, against one process that
     runs the same halves as two accumulated micro-batches: the fp32 master weights are sharded,
     gathered, then quantized per use, so losses and gradients agree to fp32 summation order.
@@ -424,8 +455,12 @@ def test_simple_fsdp_two_thread_ranks_match_one_process(recipe):
         assert worst[0] < 1e-5, worst
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_the_cuda_implementation_computes_the_emulation(recipe, monkeypatch):
+def test_simple_fsdp_two_thread_ranks_match_one_process():
+    for recipe in RECIPES:
+        _simple_fsdp_two_thread_ranks_match_one_process(recipe)
+
+
+def _the_cuda_implementation_computes_the_emulation(recipe, monkeypatch):
     """titan_kernels/cuda_quantize.py calls `torch._scaled_mm` / `torch._int_mm`, which torch 2.13
     also runs on the CPU: with its CUDA-only guard lifted, forward and gradients equal the
     emulation (int8: exactly, int32 sums; float8: to fp32 summation order). What this cannot show:
@@ -451,8 +486,12 @@ def test_the_cuda_implementation_computes_the_emulation(recipe, monkeypatch):
     assert len(calls) == kernels, calls  # blockwise: the emulation; int8's weight gradient: fp32
 
 
-@pytest.mark.parametrize("recipe", ["float8_tensorwise", "int8"])
-def test_tensor_parallel_two_thread_ranks_forward_equals_one_process(recipe):
+def test_the_cuda_implementation_computes_the_emulation(monkeypatch):
+    for recipe in RECIPES:
+        _the_cuda_implementation_computes_the_emulation(recipe, monkeypatch)
+
+
+def _tensor_parallel_two_thread_ranks_forward_equals_one_process(recipe):
     """TP 2 (eager): the quantized linears compute on DTensors, so a scale's amax is the global
     one (DTensor reduces it over the TP shards) and the loss is bitwise one process's. The
     gradients agree within the rounding flips of the FSDP test's docstring (here TP's sharded
@@ -502,3 +541,8 @@ def test_tensor_parallel_two_thread_ranks_forward_equals_one_process(recipe):
         assert torch.equal(loss, ref_loss.detach())
         worst = max((rel_diff(grads[n], ref_grads[n]), n) for n in ref_grads)
         assert worst[0] < 0.03, worst
+
+
+def test_tensor_parallel_two_thread_ranks_forward_equals_one_process():
+    for recipe in ("float8_tensorwise", "int8"):
+        _tensor_parallel_two_thread_ranks_forward_equals_one_process(recipe)
