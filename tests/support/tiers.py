@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DURATIONS = ROOT / "tests" / "support" / "durations.json"
 # Estimated pytest wall time of the default tier on 2 workers. scripts/test.sh on a clean clone adds
 # the venv set-up (1 minute with a warm pip cache, 3-4 minutes on CI's empty machine); the goal is
-# under 20 minutes in all (docs/testing.md "Tiers" has the measured numbers).
+# under 20 minutes in all (docs/testing.md "Tiers" has the measured numbers). Durations recorded on
+# a lightly loaded machine run short of CI's (1,101 s estimated against 1,213 s of pytest measured
+# on 2026-12-05): the slowest tests carry CI's measured times (its "slowest durations" list).
 BUDGET_S = 18 * 60
 WORKERS = 2
 
@@ -540,11 +542,6 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "random routing in the scanned graph step: random routing through the trainer, and the MoE graph scan",
     ),
     Scheduled(
-        "tests/xla/test_fused_ce_capture.py::*[[]llama3_405b_v7x]",
-        ("tests/xla/test_fused_ce_capture.py::test_fused_ce_compiles_for_the_target_generation[llama3_70b_v6e]",),
-        "the fused loss at the 405B width: the 70B width compiles by default",
-    ),
-    Scheduled(
         "tests/xla/test_kernels.py::test_sweep_compile_mode_compiles_candidates_and_writes_the_table",
         (
             "tests/xla/test_kernels.py::test_each_generation_gets_its_own_tiles",
@@ -716,6 +713,60 @@ SCHEDULED: tuple[Scheduled, ...] = (
             "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
         ),
         "the projection of a compiled EP program: its HLO reading and pricing are unit tested, the EP program compile runs by default",
+    ),
+    # --- moved 2026-12-05 (the default tier measured 20.2 min of pytest on CI's 2 vCPUs) ---
+    Scheduled(
+        "tests/e2e/test_tpu_smoke.py::test_shim_run_end_to_end",
+        (
+            "tests/e2e/test_tpu_smoke.py::test_ctrl_c_stops_the_run_and_still_reports",
+            "tests/e2e/test_tpu_smoke.py::test_plan_and_commands",
+        ),
+        "every smoke run on the shim: a shim run (stopped by Ctrl-C, still reported) and the plan run by default",
+    ),
+    Scheduled(
+        "tests/unit/test_quantize.py::test_graph_step_with_layer_scan_matches_eager[[]int8]",
+        (
+            "tests/unit/test_quantize.py::test_graph_step_with_layer_scan_matches_eager[float8_rowwise]",
+            "tests/unit/test_quantize.py::test_compile_aot_eager_matches_eager",
+        ),
+        "int8 in the scanned graph step: float8 rowwise runs the same swap in the same step",
+    ),
+    Scheduled(
+        "tests/xla/test_splash_cp.py::test_the_ranks_rows_in_global_order_are_the_causal_attention",
+        (
+            "tests/xla/test_splash_cp.py::test_deviceless_compile_has_the_cp_collectives_and_the_mosaic_splash",
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference[splash]",
+            "tests/e2e/test_cp_train.py::test_eager_cp_matches_single_process[cp2]",
+        ),
+        "CP splash in interpret mode against the whole sequence: the splash numerics, the CP program "
+        "and the chunk layout each run by default",
+    ),
+    Scheduled(
+        "tests/xla/test_fused_ce_capture.py::*",
+        (
+            "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[moe_ep2]",
+            "tests/xla/test_kernels.py::test_each_generation_gets_its_own_tiles",
+        ),
+        "the fused loss at the 70B and 405B widths (90 s on CI): the recipe program compiles its fused loss "
+        "for the recipe's generation, and each generation's loss tiles compile, by default",
+    ),
+    Scheduled(
+        "tests/xla/test_quantize_xla.py::test_the_block_compiles_to_float8_dots_on_v7x_and_int8_dots_on_v6e",
+        (
+            "tests/xla/test_quantize_xla.py::test_xla_cpu_equals_the_torch_emulation",
+            "tests/xla/test_quantize_xla.py::test_torch_tpu_registers_the_ops_with_autograd",
+        ),
+        "a quantized block compiled for TPU7x and v6e (48 s on CI): the XLA dots of each recipe run on XLA:CPU "
+        "and register through torch-tpu by default",
+    ),
+    Scheduled(
+        "tests/e2e/test_qwen3_e2e.py::test_debug_recipe_loss_falls[[]configs/qwen3_moe_debug.toml]",
+        (
+            "tests/e2e/test_qwen3_e2e.py::test_debug_recipe_loss_falls[configs/qwen3_debug.toml]",
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+            "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process",
+        ),
+        "the MoE debug recipe's loss falls: the dense recipe's does, and the MoE recipe trains in the parity tests",
     ),
 )
 

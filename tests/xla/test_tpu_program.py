@@ -44,6 +44,10 @@ PROGRAMS = {
             ("model.moe_hidden_dim", "256"),
             ("parallelism.expert_parallel_degree", "2"),
             ("training.seq_len", "1024"),
+            # The dropless dispatch (ragged all-to-all + megablox gmm); the recipe ships the
+            # capacity dispatch (dense batched matmuls, equal-split all-to-alls).
+            ("moe.capacity_factor", "0"),
+            ("training.local_batch_size", "2"),
         ],
     ),
     "cp2": (

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from models.errors import ConfigError
 from trainer.runtime.atomic import check_writable_dir, make_dir, write_error_text
+from trainer.runtime.storage import describe_owner
 
 LOCK_NAME = ".run.lock"
 _NO_FLOCK = (errno_codes.ENOLCK, errno_codes.EOPNOTSUPP, errno_codes.ENOSYS, errno_codes.EINVAL)
@@ -63,14 +64,6 @@ def _owner_record() -> dict:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": " ".join(sys.argv)[:120],
     }
-
-
-def describe_owner(record: dict | None) -> str:
-    if not record:
-        return "owner unknown (its record is being written or was damaged)"
-    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}" + (
-        f", command: {record['command']}" if record.get("command") else ""
-    )
 
 
 def read_owner(path: str | os.PathLike) -> dict | None:
@@ -419,8 +412,10 @@ def lock_run(
                 if where := other_run(folder, above=False):  # above: the lock that covers it looks
                     raise FolderInUse(f"{key}: {folder} {where}; allowed: {_ALLOWED}")
             for key, folder in locks:
-                lock_type = storage.RemoteLock if storage.is_remote(folder) else RunLock
-                held.append(lock_type(folder, key=key).acquire())
+                if storage.is_remote(folder):
+                    held.append(storage.RemoteLock(folder, key=key, in_use=FolderInUse).acquire())
+                else:
+                    held.append(RunLock(folder, key=key).acquire())
             for key, folder in writable:
                 if storage.is_remote(folder):
                     storage.check_bucket(folder, key=key)

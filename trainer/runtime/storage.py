@@ -242,13 +242,24 @@ def _pid_alive(pid) -> bool:
     return True
 
 
+def describe_owner(record: dict | None) -> str:
+    if not record:
+        return "owner unknown (its record is being written or was damaged)"
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}" + (
+        f", command: {record['command']}" if record.get("command") else ""
+    )
+
+
 class RemoteLock:
     """One writer per gs:// run folder (module docstring). `acquire()` raises FolderInUse naming
     the holder, or ConfigError naming `key` for a missing bucket or denied access."""
 
-    def __init__(self, folder: str, *, key: str):
+    def __init__(self, folder: str, *, key: str, in_use=None):
         self.folder = folder.rstrip("/")
         self.key = key
+        # The refusal's exception type (runlock's FolderInUse; a ConfigError by default): passed in,
+        # so this module imports neither runlock nor, at import time, torch.
+        self.in_use = in_use or _config_error
         split_url(self.folder, key=key)
         self.path = f"{_path(self.folder)}/{LOCK_NAME}"
         self.record: dict | None = None
@@ -263,9 +274,7 @@ class RemoteLock:
         return record if isinstance(record, dict) else {}
 
     def _refuse(self, record: dict | None) -> Exception:
-        from trainer.runtime.runlock import FolderInUse, describe_owner
-
-        return FolderInUse(
+        return self.in_use(
             f"{self.key}: {self.folder} is in use by another run ({describe_owner(record)}); object storage "
             f"cannot tell whether a run on another host still lives: delete {SCHEME}{self.path} if that run has "
             "ended; allowed: a folder no other run writes: wait for that run, stop it, or choose another folder"
