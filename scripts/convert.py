@@ -1,7 +1,7 @@
 """Convert model weights between our DCP checkpoints and Hugging Face safetensors.
 
     python scripts/convert.py to-hf --checkpoint DIR --model.name llama3 --model.flavor 8B
-        [--model.FIELD=VALUE ...] [--dtype bfloat16] OUT_DIR
+        [--model.FIELD=VALUE ...] [--dtype bfloat16] [--hf-format fp8_blockwise] OUT_DIR
     python scripts/convert.py from-hf HF_DIR OUT_DCP_DIR [--dtype float32]
 
 `to-hf` reads the model entries (DCP keys `model.<param>`) of a checkpoint directory
@@ -10,6 +10,11 @@ time and writes `config.json` plus `model.safetensors` (sharded above 5 GB, with
 loadable by `AutoModelForCausalLM.from_pretrained`. `from-hf` reads `config.json` and the
 safetensors of a Hugging Face model folder and writes a DCP checkpoint whose keys are
 `model.<param>`, which `[checkpoint] initial_load_path` can load.
+
+FP8 hub checkpoints (DeepSeek-V3, Kimi K2: float8_e4m3fn weights with a float32
+`weight_scale_inv` per 128x128 block, config.json's `quantization_config` quant_method fp8):
+`from-hf` dequantizes them (float32, or `--dtype`); `to-hf --hf-format fp8_blockwise` writes
+that format (docs/low_precision.md, "FP8 hub checkpoints").
 
 Both directions stream: the memory they need is about one layer, not the model. `to-hf`
 plans every output file from the DCP metadata first (names, shapes and dtypes through the
@@ -58,6 +63,12 @@ from trainer.checkpoint import (  # noqa: E402
     short_error,
     verify_checkpoint,
     write_manifest,
+)
+from trainer.checkpoint.hf_fp8 import (  # noqa: E402
+    HF_FORMATS,
+    HUB_QUANTIZATION_CONFIG,
+    quantization_of,
+    quantize_hf_state_dict,
 )
 from trainer.config import ModelConfig, coerce, model_args, parse_value  # noqa: E402  (the trainer's own parser)
 from trainer.runtime import cli  # noqa: E402
@@ -132,17 +143,41 @@ def _destination(out_dir: Path, *, what: str):
 
 
 def convert_to_hf(
-    checkpoint: Path, family: ModelFamily, args, out_dir: Path, *, dtype: torch.dtype | None = None
+    checkpoint: Path,
+    family: ModelFamily,
+    args,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    hf_format: str = "default",
 ) -> list[Path]:
     """DCP checkpoint -> HF folder (config.json + safetensors), published atomically (`_destination`).
-    Returns the safetensors files written."""
+    `hf_format` "fp8_blockwise": the weights the family's `fp8_hub_weight` selects are written as
+    float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block (trainer/checkpoint/hf_fp8.py),
+    and config.json gets the fp8 `quantization_config`. Returns the safetensors files written."""
+    if hf_format not in HF_FORMATS:
+        raise ConfigError(f"--hf-format: {hf_format!r} unknown; allowed: {', '.join(HF_FORMATS)}")
+    fp8_weight = getattr(family.hf_adapter, "fp8_hub_weight", None)
+    if hf_format == "fp8_blockwise" and fp8_weight is None:
+        raise ConfigError(
+            f"--hf-format fp8_blockwise: {family.name} has no FP8 hub format; allowed: deepseek_v3 "
+            "(DeepSeek-V3 / Kimi K2 checkpoints), or --hf-format default"
+        )
     with _destination(out_dir, what="Hugging Face folder") as tmp:
-        written = _convert_to_hf(checkpoint, family, args, tmp, dtype=dtype)
+        written = _convert_to_hf(
+            checkpoint, family, args, tmp, dtype=dtype, fp8_weight=fp8_weight if hf_format == "fp8_blockwise" else None
+        )
     return [out_dir / path.name for path in written]
 
 
 def _convert_to_hf(
-    checkpoint: Path, family: ModelFamily, args, out_dir: Path, *, dtype: torch.dtype | None = None
+    checkpoint: Path,
+    family: ModelFamily,
+    args,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    fp8_weight=None,
 ) -> list[Path]:
     checkpoint = _resolve_checkpoint(checkpoint)
     try:
@@ -189,10 +224,14 @@ def _convert_to_hf(
         if device != "meta":
             dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
         ours = {k: tensors[alias.get(k, k)] for k in group}
-        return {
-            hf_key: value if dtype is None else value.to(dtype)
-            for hf_key, value in family.hf_adapter.to_hf(ours, args).items()
-        }
+        hf = family.hf_adapter.to_hf(ours, args)
+        if fp8_weight is not None:  # quantized from the stored values; --dtype casts the rest
+            hf = quantize_hf_state_dict(hf, fp8_weight)
+            return {
+                k: v if dtype is None or v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv") else v.to(dtype)
+                for k, v in hf.items()
+            }
+        return {hf_key: value if dtype is None else value.to(dtype) for hf_key, value in hf.items()}
 
     # Plan every file from the metadata: the adapter's to_hf on meta tensors gives the HF names,
     # shapes and dtypes of each group (one block, or the non-block entries) without any data.
@@ -231,6 +270,8 @@ def _convert_to_hf(
     config = family.hf_adapter.hf_config(args)
     saved_dtype = dtype or stored[keys[0]].properties.dtype
     config["torch_dtype"] = str(saved_dtype).removeprefix("torch.")
+    if fp8_weight is not None:
+        config["quantization_config"] = dict(HUB_QUANTIZATION_CONFIG)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return written
 
@@ -329,7 +370,9 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
     if not files or not all(f.is_file() for f in files):
         raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     try:
-        reader = SafetensorsSlices(files)
+        reader = SafetensorsSlices(files, fp8_block=quantization_of(config, where=config_path), config=config_path)
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"{hf_dir}: {e}") from e
     try:
@@ -426,6 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     p_to.add_argument("--model.name", dest="model_name", required=True)
     p_to.add_argument("--model.flavor", dest="model_flavor", required=True)
     p_to.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16); default: as stored")
+    p_to.add_argument(
+        "--hf-format",
+        dest="hf_format",
+        default="default",
+        help="default: every weight as stored (or --dtype); fp8_blockwise: the FP8 hub format of "
+        "DeepSeek-V3 / Kimi K2 (deepseek_v3 only): attention, MLP and expert linears as float8_e4m3fn "
+        "with a float32 weight_scale_inv = amax/448 per 128x128 block, config.json's quantization_config "
+        "fp8; the other tensors as stored (or --dtype)",
+    )
     p_to.add_argument("out", type=Path)
     p_from = sub.add_parser("from-hf", help="Hugging Face folder -> DCP checkpoint")
     p_from.add_argument("hf_dir", type=Path)
@@ -437,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         ns = parser.parse_args(argv)
         if ns.command == "to-hf":
             family, args = model_args(ns.model_name, ns.model_flavor, overrides)
-            files = convert_to_hf(ns.checkpoint, family, args, ns.out, dtype=_dtype(ns.dtype))
+            files = convert_to_hf(ns.checkpoint, family, args, ns.out, dtype=_dtype(ns.dtype), hf_format=ns.hf_format)
             print(f"wrote {ns.out}: config.json + {len(files)} safetensors file(s)")
         else:
             if overrides:

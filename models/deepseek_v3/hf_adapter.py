@@ -191,6 +191,19 @@ def to_hf(
     return out
 
 
+# The linears of attention, the dense MLP, the shared and the routed experts (per-expert hub names).
+_FP8_HUB_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?[a-z_]+_proj(_with_mqa)?\.weight")
+
+
+def fp8_hub_weight(hf_key: str, shape: tuple[int, ...]) -> bool:
+    """Whether DeepSeek-V3's and Kimi K2's FP8 hub checkpoints store `hf_key` as float8_e4m3fn with
+    a 128x128 block `weight_scale_inv`: the 2-d `*_proj` weights of attention (`q_proj`, `q_a_proj`,
+    `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`), the dense MLP, the shared and the
+    routed experts. Not quantized there: the embeddings, norms, the router gate `mlp.gate.weight`,
+    `e_score_correction_bias`, and `lm_head` (trainer/checkpoint/hf_fp8.py has the format)."""
+    return len(shape) == 2 and _FP8_HUB_WEIGHT.fullmatch(hf_key) is not None
+
+
 def hf_config(args: DeepSeekV3Args) -> dict[str, Any]:
     """A `config.json` dict for `DeepseekV3ForCausalLM` (sigmoid routing only)."""
     if args.score_func != "sigmoid":

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from models.errors import ConfigError
+from trainer.checkpoint.hf_fp8 import FP8Blocks, dequantize_hf_state_dict, quantization_of
 from trainer.checkpoint.manager import _shape, _stored_shapes, check_entries
 from trainer.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trainer.checkpoint.state import _DCP_ERRORS, _dist_on, _fmt, _rank, _say, logger, short_error
@@ -80,27 +81,45 @@ class SafetensorsSlices:
     release after each of our parameters (their peak is then one parameter's box, not a file).
     A tensor `read` returns may be a view of the map (no copy; it keeps the map alive): copy
     what must outlive the next `release()`.
+
+    FP8 block-scaled folders (DeepSeek-V3 / Kimi K2 on the hub; hf_fp8.py): `fp8_block` is the
+    block size of config.json's `quantization_config` (`hf_fp8.quantization_of`), None if it
+    declares none. Every float8 weight is paired with its `weight_scale_inv` from the headers
+    (ConfigError naming the file and tensor if one is missing or misshapen); `shapes()` then
+    lists the weights without their scales, `dtype()` says float32 for them, and `read` returns
+    a box of such a weight dequantized from its fp8 box and the scales of the blocks it touches.
     """
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], *, fp8_block: tuple[int, int] | None = None, config: Path | None = None):
         self.tensors: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
         for file in files:
             for name, (shape, dtype) in safetensors_header(file).items():
                 if name in self.tensors:
                     raise ValueError(f"{name}: in both {self.tensors[name][0].name} and {file.name}")
                 self.tensors[name] = (file, shape, dtype)
+        where = config or (files[0].parent / "config.json" if files else "config.json")
+        self.fp8 = FP8Blocks.pair(self.tensors, fp8_block, config=where)
         self.bytes_read = 0
         self.files_read: set[Path] = set()
         self._open: dict[Path, Any] = {}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: shape for name, (_, shape, _) in self.tensors.items()}
+        hidden = self.fp8.scale_names if self.fp8 else set()
+        return {name: shape for name, (_, shape, _) in self.tensors.items() if name not in hidden}
 
     def dtype(self, name: str) -> torch.dtype:
+        if self.fp8 and name in self.fp8.scale_of:
+            return torch.float32  # dequantized
         return self.tensors[name][2]
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
-        """HF tensor `name`'s box `slices` (one slice per dim, step 1; () for a whole 0-d tensor)."""
+        """HF tensor `name`'s box `slices` (one slice per dim, step 1; () for a whole 0-d tensor);
+        a float8 weight's box dequantized to float32 (see the class docstring)."""
+        if self.fp8 and name in self.fp8.scale_of:
+            return self.fp8.read(name, slices, self.tensors[name][1], self._read)
+        return self._read(name, slices)
+
+    def _read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
         from safetensors import safe_open
 
         file = self.tensors[name][0]
@@ -143,6 +162,8 @@ def _load_hf_sliced(
     args: Any,
     expected: dict[str, tuple | None],
     root: Path,
+    fp8_block: tuple[int, int] | None,
+    config: Path,
 ) -> SafetensorsSlices:
     """Each rank reads only the HF bytes of its own shard of each parameter (see load_initial)."""
     from safetensors import SafetensorError
@@ -150,7 +171,9 @@ def _load_hf_sliced(
 
     key = "checkpoint.initial_load_path"
     try:
-        reader = SafetensorsSlices(files)
+        reader = SafetensorsSlices(files, fp8_block=fp8_block, config=config)
+    except ConfigError:
+        raise
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}") from e
     try:
@@ -226,6 +249,10 @@ def load_initial(
         the HF tensors that its own shard covers (`safe_open(...).get_slice`); files holding
         none of them are never opened. With only `from_hf(hf_state_dict, args)`, every rank
         reads the full weights into host memory.
+        FP8 block-scaled weights (a config.json `quantization_config` of quant_method fp8, as
+        DeepSeek-V3's and Kimi K2's hub checkpoints have) are dequantized with their
+        `weight_scale_inv` into float32 and then cast to the parameters' dtype; a rank reads the
+        fp8 bytes of its box and the scales of the blocks it touches (hf_fp8.py).
         The architecture in config.json (as `hf_adapter.args_from_hf_config` reads it) is
         compared with `args`: any difference (rope_theta, RoPE scaling, norm eps, layer
         count...) raises ConfigError when `hf_config_mismatch` is "error"; with "override" the
@@ -283,9 +310,20 @@ def load_initial(
         check_hf_config(
             root if root.is_dir() else root.parent, hf_adapter=hf_adapter, args=args, mismatch=hf_config_mismatch
         )
+    config = (root if root.is_dir() else root.parent) / "config.json"
+    fp8_block = hf_fp8_block(config)
     hf_layout = getattr(hf_adapter, "hf_layout", None)
     if hf_layout is not None:
-        reader = _load_hf_sliced(model, files, hf_layout=hf_layout, args=args, expected=expected, root=root)
+        reader = _load_hf_sliced(
+            model,
+            files,
+            hf_layout=hf_layout,
+            args=args,
+            expected=expected,
+            root=root,
+            fp8_block=fp8_block,
+            config=config,
+        )
         logger.info(
             "checkpoint: rank %d read %.1f MB of tensor data from %d of %d safetensors files",
             _rank(),
@@ -303,6 +341,7 @@ def load_initial(
             hf_state_dict.update(load_file(str(file)))
     except Exception as e:
         raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}") from e
+    hf_state_dict = dequantize_hf_state_dict(hf_state_dict, fp8_block, files=str(root), config=config)
     try:
         state_dict = from_hf(hf_state_dict, args)
     except (KeyError, ValueError) as e:
@@ -318,6 +357,18 @@ def load_initial(
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
     except RuntimeError as e:  # anything the checks above did not foresee
         raise ConfigError(f"{key}: {root} does not match the model: {short_error(e)}") from e
+
+
+def hf_fp8_block(config: Path) -> tuple[int, int] | None:
+    """The FP8 block size that `config` (an HF config.json) declares in its quantization_config,
+    None without one or without the file (hf_fp8.quantization_of; ConfigError for another kind)."""
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"checkpoint.initial_load_path: cannot read {config}: {short_error(e)}") from None
+    return quantization_of(data, where=config) if isinstance(data, dict) else None
 
 
 # Keys of hf_config(args) that are not architecture: the RoPE table length (the trainer sets it to
