@@ -31,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
+import models
 from models.common.quantize import E4M3, Operand, dequantize, quantize
 from models.deepseek_v3 import FLAVORS, DeepSeekV3
 from models.deepseek_v3 import hf_adapter as ds_hf
@@ -138,10 +139,22 @@ def _loaded(path: Path) -> DeepSeekV3:
 def test_fp8_folder_loads_dequantized(fp8_folder, tmp_path):
     folder, tensors, reference = fp8_folder
     assert sum(v.dtype == torch.float8_e4m3fn for v in tensors.values()) == N_FP8
+    # transformers reads the format the same way (its FP8 backward's dequantization, which
+    # handles partial edge blocks): a second implementation of the block loop above.
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    for key, value in tensors.items():
+        if value.dtype == torch.float8_e4m3fn:
+            theirs = _dequantize_fp8_weight(value, tensors[key + "_scale_inv"], [128, 128], torch.float32)
+            assert torch.equal(theirs, reference[key]), key
     want = ds_hf.from_hf(reference, ARGS)
     got = _loaded(folder)
     for name, value in got.state_dict().items():
         assert torch.equal(value, want[name].to(value.dtype)), name
+    # An adapter with only `from_hf` (every rank reads the whole files): the same weights.
+    whole = DeepSeekV3(ARGS)
+    ckpt.load_initial(whole, path=folder, fmt="hf", hf_adapter=ds_hf.from_hf, args=ARGS)
+    assert all(torch.equal(v, want[k]) for k, v in whole.state_dict().items())
     # The same weights from an fp32 folder of the reference: the same logits, bit for bit.
     _write(tmp_path / "fp32", reference, quantization=None)
     plain = _loaded(tmp_path / "fp32")
@@ -183,6 +196,35 @@ def test_every_box_reads_its_fp8_bytes_and_block_scales(fp8_folder):
 def _each(scale_inv: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """The scale of each element's block."""
     return scale_inv[torch.arange(shape[0]) // 128][:, torch.arange(shape[1]) // 128]
+
+
+def test_sharded_load_fsdp2_x_tp2(fp8_folder):
+    """Four thread ranks, FSDP 2 x TP 2: each rank's shards (row boxes that start inside a block,
+    e.g. 40 of wkv_a's 80 rows) load dequantized, and the gathered weights equal the reference."""
+    from parallelisms import ParallelDims, build_mesh, parallelize_model
+    from tests.support.parallel_harness import full, run_threads
+
+    folder, _, reference = fp8_folder
+    want = ds_hf.from_hf(reference, ARGS)
+    plan = models.get_model_family("deepseek_v3").plan
+
+    def rank_fn():
+        dims = ParallelDims(world_size=4, dp_shard=2, tp=2)
+        with torch.device("meta"):
+            model = DeepSeekV3(ARGS)
+        parallelize_model(
+            model,
+            plan=plan,
+            parallel_dims=dims,
+            mesh=build_mesh(dims, "cpu"),
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+        )
+        model.to_empty(device="cpu")
+        ckpt.load_initial(model, path=folder, fmt="hf", hf_adapter=ds_hf, args=ARGS)
+        return [name for name, p in model.named_parameters() if not torch.equal(full(p), want[name])]
+
+    assert run_threads(4, rank_fn) == [[]] * 4
 
 
 def _bound(want: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
