@@ -147,11 +147,16 @@ class MoEKeys(Callback):
 
 class FirstLogKeys(Callback):
     """The first logged step's one-off keys: set-up time, the peak MFU is taken against (and the
-    best compute dtype's), the compile time and graph size of the step."""
+    best compute dtype's), the compile time and graph size of the step, and after a resume its
+    step and tier (`resume_step`, `resume_local_tier`)."""
 
-    def __init__(self, *, t_start: float, peak: float | None, best_peak: float | None, step_fn):
+    def __init__(
+        self, *, t_start: float, peak: float | None, best_peak: float | None, step_fn, resumed: dict | None = None
+    ):
         self.step_fn = step_fn
         self.extra: dict[str, Any] | None = {"setup_s": round(time.perf_counter() - t_start, 3)}
+        if resumed is not None:  # which checkpoint tier the run resumed from (1 = the local tier)
+            self.extra.update(resume_step=resumed["step"], resume_local_tier=int(resumed["tier"] == "local"))
         if peak is not None:  # the peak MFU is taken against, and the best compute dtype's (CPU: may differ)
             self.extra.update(peak_tflops=peak / 1e12, peak_tflops_best=best_peak / 1e12)
 

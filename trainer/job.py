@@ -57,6 +57,7 @@ from trainer.runtime.device import (
     ComputeDtype,
     DistInfo,
     configure_host_malloc,
+    cpu_backend,
     init_distributed,
     pick_device,
     resolve_compute_dtype,
@@ -452,7 +453,7 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
         attention = choose_attention(cfg, plan, rt, data, why)
         model = build_job_model(cfg, plan, rt, data, why)
         optimizer, scheduler = build_optimization(cfg, model)
-        manager = build_checkpoint_manager(cfg) if why.saves else None
+        manager = build_checkpoint_manager(cfg, plan.parallel_dims, rank=rt.dist.rank) if why.saves else None
         notes = (*rt.runtime_notes, *(plan.tpu_mesh.banner() if plan.tpu_mesh is not None else ()))
         return Job(
             cfg=cfg,
@@ -520,13 +521,14 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
         runtime_env.apply()
         notes = tuple(runtime_env.notes)
     check_storage_paths(cfg)
-    info = init_distributed(device)
+    info = init_distributed(device, timeout_s=cfg.training.collective_timeout_s)
     # The first collective: a rank frozen before it is named within training.startup_timeout_s
     # (lock_run's broadcast would otherwise wait for the backend's default timeout).
     if not purpose.captures_only:  # a check job's (fake) process group has no store
         arrival_barrier("process-group", cfg.training.startup_timeout_s)
     if purpose.saves:
         _lock_run_folders(cfg)
+        _lock_local_folder(cfg)
         if cfg.checkpoint.enable:
             check_shared_folder(
                 _checkpoint_folder(cfg), key="checkpoint.folder", timeout_s=cfg.training.startup_timeout_s
@@ -559,6 +561,36 @@ def _lock_run_folders(cfg: Config) -> None:
         claims=ck if inside else [],
         writable=ck,
     )
+
+
+def _lock_local_folder(cfg: Config) -> None:
+    """The local tier's folder is per host: the first process of each host (LOCAL_RANK 0) locks
+    it (one run per host folder, as rank 0 does for the shared ones); a refusal on any host
+    reaches every rank (exit 2). A collective."""
+    ck = cfg.checkpoint
+    if not (ck.enable and ck.local_folder):
+        return
+    import torch.distributed as dist
+
+    from models.common import distributed
+    from trainer.runtime.runlock import RunLock
+
+    problem = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            RunLock(ck.local_folder, key="checkpoint.local_folder").acquire()
+        except ConfigError as e:
+            problem = str(e)
+    if distributed.multi_rank():
+        on_cpu = dist.get_backend() in ("gloo", cpu_backend())
+        group = dist.group.WORLD if on_cpu else dist.new_group(backend=cpu_backend())
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, problem, group=group)
+        problem = next((p for p in every if p is not None), None)
+        if not on_cpu:
+            dist.destroy_process_group(group)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 @dataclass(frozen=True)
@@ -713,10 +745,30 @@ def build_optimization(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim
     return optimizer, scheduler
 
 
-def build_checkpoint_manager(cfg: Config) -> ckpt.CheckpointManager:
-    """Phase 7 (purpose `saves`): the run's checkpoint manager."""
-    ck = cfg.checkpoint
+def build_checkpoint_manager(cfg: Config, parallel_dims: ParallelDims, *, rank: int) -> ckpt.CheckpointManager:
+    """Phase 7 (purpose `saves`): the run's checkpoint manager, with the local tier
+    (`checkpoint.local_folder`) placed by this rank's place inside its slice."""
+    ck, dims = cfg.checkpoint, parallel_dims
+    if ck.enable and ck.local_folder and dims.dcn_mesh_shape[1] > 1:
+        raise ConfigError(
+            f"checkpoint.local_folder: the {dims.num_slices} slices shard the model (parallelism.allow_dcn_sharding "
+            f"with data_parallel_replicate_degree {dims.dp_replicate}), so no slice holds a whole replica to "
+            "restore a lost one from; allowed: a data_parallel_replicate_degree that is a multiple of num_slices, "
+            "or an empty local_folder"
+        )
+    ranks_per_slice = dims.world_size // dims.num_slices
+    layout = ckpt.slice_layout(
+        mesh_shape=dims.mesh_shape,
+        dcn_mesh_shape=dims.dcn_mesh_shape,
+        ep=dims.ep,
+        world_size=dims.world_size,
+        num_slices=dims.num_slices,
+    )
     return ckpt.CheckpointManager(
+        local_folder=ck.local_folder,
+        local_interval=ck.local_interval,
+        slice_rank=rank % ranks_per_slice,
+        layout=layout,
         folder=_checkpoint_folder(cfg),
         interval=ck.interval,
         keep_latest_k=ck.keep_latest_k,

@@ -7,7 +7,9 @@ Also launched by torchrun (one process per device). The run, in order:
   3. resume from the run's newest checkpoint (or load initial weights), meet every rank
   4. the loop: step (eager / compile / graph), log, validate, profile, checkpoint
 Exit codes: 0 success, 2 bad input (one `error:` line, no traceback), 75 preempted (SIGTERM: a
-checkpoint of the current step was written; relaunch to resume), 1 anything else.
+checkpoint of the current step was written; relaunch to resume) or a lost peer (a collective
+failed: a host or slice is gone; relaunch to resume from the newest complete checkpoint tier),
+1 anything else.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from trainer.runtime import (
     best_peak_flops,
     cli,
     global_mean,
+    lost_peer,
     peak_flops_per_device,
     shutdown_distributed,
 )
@@ -167,8 +170,9 @@ def _loop(
             last = step == t.steps
             validating = validation is not None and validation.due(step, last)
             saving = manager.enable and (step % manager.interval == 0 or last or preempted)
+            saving_local = manager.local_due(step)
             logging = logger.should_log(step) or validating
-            if not (logging or saving):
+            if not (logging or saving or saving_local):
                 logger.log(step, data_s=data_s, **units)
                 continue
             for cb in callbacks:
@@ -179,9 +183,12 @@ def _loop(
                     cb.on_log(step, out, values)
                 if validating:
                     values.update(validation.run(step))
+                values.update(manager.take_save_seconds())  # the saves since the last record
                 logger.log(step, force=True, data_s=data_s, **units, **values)
             else:  # a checkpoint-only step: checked above, nothing to log
                 logger.log(step, data_s=data_s, **units)
+            if saving_local:  # first: the tier that survives a lost slice is the newest one
+                _save(job, step, states, force=False, local=True)
             if saving:
                 _save(job, step, states, force=last or preempted)
             if preempted:  # `finally` below completes an async save before the process exits
@@ -231,7 +238,11 @@ def _callbacks(job: Job, *, step_fn, start_step: int, peak: float | None) -> lis
                 )
             )
         )
-    return [*callbacks, MoEKeys(), FirstLogKeys(t_start=job.t_start, peak=peak, best_peak=best_peak, step_fn=step_fn)]
+    return [
+        *callbacks,
+        MoEKeys(),
+        FirstLogKeys(t_start=job.t_start, peak=peak, best_peak=best_peak, step_fn=step_fn, resumed=job.manager.resumed),
+    ]
 
 
 def _next_microbatches(job: Job) -> tuple[list[tuple[torch.Tensor, ...]], float]:
@@ -271,14 +282,18 @@ class _Validation:
         }
 
 
-def _save(job: Job, step: int, states: dict, *, force: bool) -> None:
-    """A checkpoint of `step`, after checking every weight and optimizer state is finite."""
+def _save(job: Job, step: int, states: dict, *, force: bool, local: bool = False) -> None:
+    """A checkpoint of `step` (the persistent tier, or with `local` this rank's local tier), after
+    checking every weight and optimizer state is finite."""
     if not ckpt.all_finite(job.model, job.optimizer):
         raise NonFiniteLoss(
             f"non-finite weights or optimizer state at step {step}; no checkpoint "
             f"written. The newest checkpoint (if any) is in {job.manager.folder}"
         )
-    job.manager.maybe_save(step, states, force=force)
+    if local:
+        job.manager.save_local(step, states)
+    else:
+        job.manager.maybe_save(step, states, force=force)
 
 
 @contextlib.contextmanager
@@ -344,6 +359,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ckpt.CheckpointSaveError, WriteFailed) as e:  # disk full, file too large, permission
         cli.error_line(str(e))
         return 1
+    except Exception as e:
+        if not lost_peer(e):
+            raise
+        # A rank of another host or slice is gone (killed, host lost, slice lost): exit 75 like a
+        # preemption, so that the launchers ask for a relaunch, which resumes from the newest
+        # complete checkpoint tier (the local tier of the surviving slices, docs/checkpointing.md).
+        cli.stderr_line(
+            f"lost a peer: a collective failed ({ckpt.short_error(e)}); exit {PREEMPTED_EXIT_CODE}: relaunch "
+            "(on the hosts left) to resume from the newest complete checkpoint tier"
+        )
+        return PREEMPTED_EXIT_CODE
     except KeyboardInterrupt:  # Ctrl-C (torchrun passes the launcher's SIGINT to every rank): one line a rank
         cli.interrupted_line("stopped; this step was not saved (a relaunch resumes from the newest checkpoint, if any)")
         return cli.INTERRUPTED_EXIT_CODE

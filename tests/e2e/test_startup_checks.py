@@ -49,8 +49,8 @@ FROZEN = textwrap.dedent("""
     cfg = build_config("configs/llama3_debug.toml", [("training.startup_timeout_s", "3"),
                                                       ("job.dump_folder", sys.argv[1])])
     real = job.init_distributed
-    def frozen_after_init(device):
-        info = real(device)
+    def frozen_after_init(device, **kw):
+        info = real(device, **kw)
         if info.rank == 1:
             time.sleep(120)  # frozen between init_process_group and the first collective
         return info

@@ -115,6 +115,9 @@ def run_cli(*argv, cwd=ROOT):
         (["--config", "configs/llama3_debug.toml", "--model.attn_backend=flash"], "model.attn_backend"),
         (["--config", "configs/llama3_debug.toml", "--model.n_layers=0"], "model.n_layers"),
         (["--bogus"], "unrecognized argument"),
+        (["--config", "configs/llama3_debug.toml", "--checkpoint.local_folder=ckpt"], "checkpoint.local_folder"),
+        (["--config", "configs/llama3_debug.toml", "--checkpoint.local_interval=0"], "checkpoint.local_interval"),
+        (["--config", "configs/llama3_debug.toml", "--training.collective_timeout_s=0"], "collective_timeout_s"),
     ],
 )
 def test_cli_errors_exit_2_with_one_line(tmp_path, argv, needle):
@@ -223,3 +226,14 @@ def test_documented_model_names_are_accepted():
     assert listed == list(FAMILIES)
     with open(os.path.join(ROOT, "docs", "config.md")) as f:
         assert "qwen3_moe." not in f.read()
+
+
+def test_local_tier_folder_is_an_absolute_host_path():
+    """checkpoint.local_folder: each host's own disk, so absolute and never gs:// (one error line
+    naming the key; docs/checkpointing.md, "Multi-tier checkpoints")."""
+    base = "configs/llama3_debug.toml"
+    for bad in ("ckpt/local", "gs://bucket/local"):
+        with pytest.raises(ConfigError, match=r"^checkpoint.local_folder: .*allowed: an absolute path"):
+            build_config(base, [("checkpoint.local_folder", bad)])
+    cfg = build_config(base, [("checkpoint.local_folder", "/mnt/local-ssd/ckpt"), ("checkpoint.local_interval", "10")])
+    assert (cfg.checkpoint.local_folder, cfg.checkpoint.local_interval) == ("/mnt/local-ssd/ckpt", 10)

@@ -1,5 +1,6 @@
 """Checkpointing: DCP save/resume with atomic publish and retention (manager), the states it
-saves (state), per-file checksums (manifest), and initial weights from DCP or HF (initial)."""
+saves (state), per-file checksums (manifest), the per-host local tier (local), and initial
+weights from DCP or HF (initial)."""
 
 from trainer.checkpoint.initial import (
     HF_CONFIG_MISMATCH,
@@ -14,6 +15,7 @@ from trainer.checkpoint.initial import (
     safetensors_files,
     safetensors_header,
 )
+from trainer.checkpoint.local import LocalTier, slice_layout
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError, check_entries, complete_steps
 from trainer.checkpoint.manifest import (
     BLOCK_BYTES,
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "CorruptCheckpointError",
+    "LocalTier",
     "ModelState",
     "OptimizerState",
     "SafetensorsSlices",
@@ -64,6 +67,7 @@ __all__ = [
     "safetensors_files",
     "safetensors_header",
     "short_error",
+    "slice_layout",
     "verify_checkpoint",
     "write_manifest",
 ]

@@ -29,6 +29,7 @@ import contextlib
 import os
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
+from trainer.checkpoint.local import LocalTier
 from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
 from trainer.checkpoint.state import (
     _DCP_ERRORS,
@@ -56,7 +58,7 @@ from trainer.checkpoint.state import (
 )
 from trainer.runtime import storage
 from trainer.runtime.atomic import errno_text, publish
-from trainer.runtime.device import cpu_backend
+from trainer.runtime.device import collective_timeout, cpu_backend
 
 # ---------------------------------------------------------------------------------------------
 # Key and shape checks: every load path refuses a state that does not match in either direction.
@@ -242,6 +244,10 @@ class CheckpointManager:
     fallback_on_corrupt: when the newest checkpoint fails its checksums (load_step -1), load the
         newest older one that passes instead of stopping with an error (which names the file
         and the older step to use).
+    local_folder, local_interval: the local tier (trainer/checkpoint/local.py), "" for none;
+        slice_rank and layout place this rank inside its slice (`local.slice_layout`). A resume
+        (load_step -1) takes the local tier's newest step complete on every rank when it is newer
+        than the persistent tier's newest; `resumed` says which tier and step were loaded.
     Every save writes manifest.json (per-file CRC-32s) into the checkpoint before it becomes
     visible; every load checks it first.
     Every rank constructs the manager and calls every method (the calls hold collectives).
@@ -257,6 +263,10 @@ class CheckpointManager:
         enable: bool,
         load_step: int = -1,
         fallback_on_corrupt: bool = False,
+        local_folder: str = "",
+        local_interval: int = 1,
+        slice_rank: int = 0,
+        layout: dict | None = None,
     ):
         if async_mode not in ASYNC_MODES:
             raise ConfigError(f"checkpoint.async_mode: {async_mode!r} is not a mode; allowed: {', '.join(ASYNC_MODES)}")
@@ -284,7 +294,20 @@ class CheckpointManager:
         # Checkpoint coordination (DCP's plan exchange, barriers, async saves) runs on its own
         # gloo group: async saves talk from a background thread and must not interleave with
         # the training collectives, and gloo works whatever the device backend is.
-        self._pg = dist.new_group(backend=cpu_backend()) if (enable and self._distributed) else None
+        self._pg = (
+            dist.new_group(backend=cpu_backend(), timeout=collective_timeout())
+            if (enable and self._distributed)
+            else None
+        )
+        self.local = (
+            LocalTier(
+                root=local_folder, interval=local_interval, slice_rank=slice_rank, layout=layout or {}, group=self._pg
+            )
+            if (enable and local_folder)
+            else None
+        )
+        self.resumed: dict[str, Any] | None = None  # {"tier": "local" | "persistent", "step": N}
+        self.save_seconds: dict[str, float] = {}  # since the last `take_save_seconds`
         if enable and not self._remote and self.folder.exists() and not self.folder.is_dir():
             raise ConfigError(f"checkpoint.folder: {self.folder} exists and is not a directory")
 
@@ -316,6 +339,10 @@ class CheckpointManager:
         if not self.enable:
             return 0
         available = self.complete_steps()
+        if self.local is not None and self.load_step < 0:
+            step = self._load_local(states, newest_persistent=max(available, default=0))
+            if step:
+                return step
         if self.load_step >= 0:
             key = "checkpoint.load_step"
             if self.load_step not in available:
@@ -347,13 +374,43 @@ class CheckpointManager:
                 hint = "no older checkpoint to fall back to; move the folder away to start fresh"
             raise ConfigError(f"{key}: {path} is corrupt: {problem}; {hint}")
         self._load_path(path, states, key)
+        tier = "the persistent tier " if self.local is not None else ""
         _say(
-            f"checkpoint: resumed from {path} (step {step}): weights, optimizer moments, lr-schedule step, "
+            f"checkpoint: resumed from {tier}{path} (step {step}): weights, optimizer moments, lr-schedule step, "
             "data position and RNG from the checkpoint; lr, schedule, betas, eps and weight_decay from the config"
         )
+        self._resumed("persistent", step, states)
+        return step
+
+    def _resumed(self, tier: str, step: int, states: dict[str, Stateful]) -> None:
+        self.resumed = {"tier": tier, "step": step}
         for state in states.values():
             for note in getattr(state, "resume_notes", ()):
                 _say(f"checkpoint:   {note}")
+
+    def _load_local(self, states: dict[str, Stateful], *, newest_persistent: int) -> int:
+        """Resume from the local tier when its newest step complete on every rank is newer than the
+        persistent tier's (a collective); 0 when it is not (or fails its checksums somewhere: then
+        the persistent tier is used, and the line says why)."""
+        local = self.local
+        step = local.newest_common()
+        if step <= newest_persistent:
+            if step:
+                _say(f"checkpoint: local tier's newest complete step {step} is not newer than {self.folder}'s")
+            return 0
+        problem = local.verify(step)
+        if problem is not None:
+            _say(f"checkpoint: local tier step {step}: {problem}; resuming from {self.folder} instead")
+            return 0
+        path = local.step_path(step)
+        self._load_path(path, states, "checkpoint.local_folder", no_dist=True)
+        persistent = f"step {newest_persistent}" if newest_persistent else "none"
+        _say(
+            f"checkpoint: resumed from the local tier {local.root}/rank-*/step-{step} (step {step}; newest in "
+            f"{self.folder}: {persistent}): weights, optimizer moments, lr-schedule step, data position and RNG "
+            "from the checkpoint; lr, schedule, betas, eps and weight_decay from the config"
+        )
+        self._resumed("local", step, states)
         return step
 
     def _verify(self, path: Path) -> str | None:
@@ -372,7 +429,9 @@ class CheckpointManager:
             problem = box[0]
         return problem
 
-    def _load_path(self, path: Path, states: dict[str, Stateful], key: str) -> None:
+    def _load_path(self, path: Path, states: dict[str, Stateful], key: str, *, no_dist: bool = False) -> None:
+        """Load `path` into `states`; no_dist: this rank reads its own files alone (a local-tier
+        step holds this rank's shards, written without collectives)."""
         try:
             stored = _stored_shapes(path)
         except Exception as e:
@@ -401,8 +460,8 @@ class CheckpointManager:
                 state_dict,
                 checkpoint_id=str(path),
                 storage_reader=_reader(path),
-                process_group=self._pg,
-                no_dist=not self._distributed,
+                process_group=None if no_dist else self._pg,
+                no_dist=no_dist or not self._distributed,
             )
         except _DCP_ERRORS as e:
             raise ConfigError(f"{key}: cannot load {path}: {short_error(e)}") from e
@@ -425,9 +484,36 @@ class CheckpointManager:
         self.save(step, states)
         return True
 
+    def local_due(self, step: int) -> bool:
+        """A local-tier save is due after `step` (every rank agrees: the same step everywhere)."""
+        return self.local is not None and self.local.due(step)
+
+    def save_local(self, step: int, states: dict[str, Stateful]) -> None:
+        """Write this rank's shards to the local tier (blocking; a collective for the RNG gather)."""
+        try:
+            self.save_seconds["ckpt_local_s"] = self.local.save(step, states)
+        except OSError as e:
+            where = self.local.folder
+            raise CheckpointSaveError(
+                f"checkpoint: saving step {step} to the local tier {where} failed: "
+                f"{errno_text(e, where) or short_error(e)}; its earlier steps are intact"
+            ) from e
+
+    def take_save_seconds(self) -> dict[str, float]:
+        """Seconds the saves since the last call blocked the loop (ckpt_local_s, ckpt_save_s)."""
+        out, self.save_seconds = self.save_seconds, {}
+        return {k: round(v, 4) for k, v in out.items()}
+
     def save(self, step: int, states: dict[str, Stateful]) -> None:
         """Write `states` as step-N now (blocking, or started in the background when async)."""
         assert self.enable
+        t0 = time.perf_counter()
+        try:
+            self._save(step, states)
+        finally:
+            self.save_seconds["ckpt_save_s"] = time.perf_counter() - t0
+
+    def _save(self, step: int, states: dict[str, Stateful]) -> None:
         self.wait()  # one save in flight at a time; also publishes the previous one
         tmp = self._tmp_path(step)
         if self._is_rank0:

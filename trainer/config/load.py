@@ -248,9 +248,23 @@ def validate(cfg: Config) -> None:
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
     _validate_hf_config(cfg)
+    _validate_local_tier(cfg.checkpoint)
     # Combinations (mode x parallelism x model x device x caller, `flow.shift` x
     # `flow.resolution_shift`, TP x an hf model's plan, ...) are refused by one table,
     # trainer/step/plan.py RULES, once the device and the mesh are known (trainer.job.plan_job).
+
+
+def _validate_local_tier(ck) -> None:
+    """`checkpoint.local_folder`: a path on each host's own disk, so absolute (it does not follow
+    job.dump_folder, which is shared) and never gs:// (the persistent tier is `folder`)."""
+    folder = ck.local_folder
+    if not folder:
+        return
+    if "://" in folder or not os.path.isabs(folder):
+        raise ConfigError(
+            f"checkpoint.local_folder: {folder!r}; allowed: an absolute path on each host's local disk "
+            "(e.g. /mnt/local-ssd/ckpt; gs:// belongs in checkpoint.folder), or empty for no local tier"
+        )
 
 
 def _validate_hf_config(cfg: Config) -> None:

@@ -149,6 +149,11 @@ class TrainingConfig:
     group is created (tag `process-group`: a rank frozen before its first collective) and after
     the model, optimizer and checkpoint are ready, before the first step compiles; past it the run
     stops with an error naming the ranks that did not arrive (docs/launch.md)."""
+    collective_timeout_s: float = field(default=1800.0, metadata=_range(gt=0))
+    """Seconds a collective (and the checkpoint's process group) waits for a peer before it fails:
+    the bound on noticing a lost host or slice whose connections stay half-open. A failed
+    collective ends the run with exit 75 (relaunch resumes from the newest complete checkpoint
+    tier). Long enough for the slowest first-step compile of the recipe."""
     hang_dump_factor: float = field(default=10.0, metadata=_range(ge=0))
     """Step watchdog: when a step runs longer than this many times the median of the recent steps
     (and at least `hang_dump_min_s`), every thread's Python stack is written to stderr and
@@ -314,6 +319,16 @@ class CheckpointConfig:
     """When the newest checkpoint fails its checksums (manifest.json), resume from the newest
     older one that passes instead of stopping with an error naming the file and that step.
     Never applies to an explicit load_step."""
+    local_folder: str = ""
+    """The local tier (docs/checkpointing.md, "Multi-tier checkpoints"): an absolute path on each
+    host's own disk (or tmpfs) where every rank writes its own shards every `local_interval` steps,
+    in `rank-R/step-N` (R: the rank's place inside its slice), and a resume takes the newest step
+    complete on every surviving rank when it is newer than `folder`'s. The replica of a lost
+    slice's shards is the same rank of another slice (HSDP); data position and every rank's RNG
+    are in each rank's files. Empty: no local tier. Not gs://."""
+    local_interval: int = field(default=50, metadata=_range(ge=1))
+    """Write the local tier every `local_interval` steps (blocking, local disk; the newest 2 kept
+    per rank). Meant to be smaller than `interval`."""
 
 
 @dataclass

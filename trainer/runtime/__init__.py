@@ -26,7 +26,7 @@ _FACE = {
     ),
     "trainer.runtime.flops": ("best_peak_flops", "flops_per_token", "peak_flops_per_device"),
     "trainer.runtime.metrics": ("MetricsLogger",),
-    "trainer.runtime.preemption": ("PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler"),
+    "trainer.runtime.preemption": ("PREEMPTED_EXIT_CODE", "Preempted", "PreemptionHandler", "lost_peer"),
     "trainer.runtime.watchdog": ("StartupTimeout", "StepWatchdog", "arrival_barrier"),
 }
 _WHERE = {name: module for module, names in _FACE.items() for name in names}

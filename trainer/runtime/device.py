@@ -125,20 +125,31 @@ class DistInfo:
     local_rank: int
 
 
-def init_distributed(device: torch.device) -> DistInfo:
+_COLLECTIVE_TIMEOUT: list[timedelta | None] = [None]
+
+
+def collective_timeout() -> timedelta | None:
+    """The job's collective timeout (`training.collective_timeout_s`, set by `init_distributed`),
+    for the process groups made later (the checkpoint's): None = the backend's default."""
+    return _COLLECTIVE_TIMEOUT[0]
+
+
+def init_distributed(device: torch.device, *, timeout_s: float | None = None) -> DistInfo:
     """Start the default process group (gloo / nccl / tpu_dist).
 
     Under torchrun the env:// rendezvous is used. A plain single process still gets a
     world-size-1 group (through a file store) so that DeviceMesh, DTensor and DCP run the same
-    code path at any scale.
+    code path at any scale. timeout_s: how long a collective waits for a peer before it fails (a
+    lost host whose connections stay half-open is noticed within it); None: the backend's default.
     """
     if distributed.is_up():
         return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
     backend = cpu_backend() if device.type == "cpu" else BACKENDS[device.type]
+    timeout = _COLLECTIVE_TIMEOUT[0] = timedelta(seconds=timeout_s) if timeout_s else None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if restart is None:
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend, timeout=timeout)
         else:
             # After a torchrun restart, keys of the failed attempt can still be in the store;
             # gloo then reads a dead peer's address. A per-attempt key prefix keeps rounds apart.
@@ -153,6 +164,7 @@ def init_distributed(device: torch.device) -> DistInfo:
                 store=dist.PrefixStore(f"titan/attempt_{restart}", store),
                 rank=int(os.environ["RANK"]),
                 world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=timeout,
             )
     else:
         fd, path = tempfile.mkstemp(prefix="titan-pg-")

@@ -69,3 +69,35 @@ class PreemptionHandler:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+# A peer that is gone: what gloo, NCCL and the c10d store raise when a rank of another host or
+# slice died (its sockets closed, or nothing came within training.collective_timeout_s).
+_LOST_PEER_TEXT = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "socket closed",
+    "no route to host",
+    "connection refused",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """True when `error` (raised in a multi-rank job) says a collective lost its peer: the job
+    cannot go on, and a relaunch on the hosts left resumes from the newest complete checkpoint
+    tier, so the trainer exits 75 (as when preempted) instead of 1. Errors in the chain count
+    (a checkpoint save wraps the collective's error)."""
+    if not distributed.multi_rank():
+        return False
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, dist.DistError):
+            return True
+        if isinstance(error, RuntimeError) and any(t in str(error).lower() for t in _LOST_PEER_TEXT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

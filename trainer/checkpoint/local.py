@@ -1,0 +1,146 @@
+"""The local checkpoint tier: every rank writes its own shards to its host's disk, often.
+
+Layout under `checkpoint.local_folder` (a path on each host's own disk):
+
+    rank-R/step-N/       this rank's complete save: DCP files written without collectives
+                         (`no_dist`: only this rank's shards), layout.json, manifest.json (last)
+    rank-R/.tmp-step-N/  a save in progress (or one that was killed); ignored, removed by the next
+
+R is the rank's place inside its slice (global rank mod ranks per slice; ranks are numbered
+slice-major), so after a slice is lost and the job is relaunched on fewer slices, rank R of the
+new job finds the files that rank R of a surviving slice wrote on the same host.
+
+Why that is a replica of the lost slice's state: with the slices on `dp_replicate` (HSDP, the
+default multislice layout), every slice holds the whole model and optimizer, sharded the same
+way inside the slice; after each step's cross-slice all-reduce the same gradients enter the same
+update, so rank R of every slice holds bitwise the same shards. A lost slice's local files are
+therefore never needed: the surviving slices' files are copies of them. What is not replicated,
+every rank's RNG state, is gathered before each save, and every rank's files carry all of them;
+the data loader's state is a mesh-independent position, the same on every rank (trainer/data).
+So any one surviving slice restores the global data order and the trajectory.
+
+A save is written to `.tmp-step-N`, checksummed (manifest.json written last), then renamed; the
+newest `KEEP` steps are kept. A step is usable when every rank of the resuming job finds it
+complete in its own `rank-R` folder with the same per-slice layout (`layout.json`); the manager
+takes it when it is newer than the persistent tier's newest (trainer/checkpoint/manager.py).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
+from trainer.checkpoint.state import _STEP_DIR, Stateful, _capture_rng, _fsync_dir, _rank, short_error
+from trainer.runtime.atomic import publish
+
+LAYOUT = "layout.json"
+KEEP = 2
+"""Steps kept per rank: the newest complete one stays while the next is written."""
+
+
+def slice_layout(*, mesh_shape: tuple, dcn_mesh_shape: tuple, ep: int, world_size: int, num_slices: int) -> dict:
+    """What must match for one rank's local files to restore the same rank of another job: the
+    mesh inside one slice (dp_replicate, dp_shard, cp, tp over the slice) and ep."""
+    ici = [m // d for m, d in zip(mesh_shape, dcn_mesh_shape)]
+    return {"ranks_per_slice": world_size // num_slices, "slice_mesh": ici, "ep": ep}
+
+
+class LocalTier:
+    """One rank's local tier: save every `interval` steps into `root/rank-R`, list complete steps.
+
+    root: checkpoint.local_folder (absolute, on this host's disk). slice_rank: R, this rank's place
+    inside its slice. layout: `slice_layout(...)` of this job. group: the checkpoint's gloo group
+    (the RNG gather before a save), or None in a single process.
+    """
+
+    def __init__(self, *, root: str, interval: int, slice_rank: int, layout: dict, group: Any):
+        self.root = Path(root)
+        self.folder = self.root / f"rank-{slice_rank}"
+        self.interval = interval
+        self.layout = layout
+        self.group = group
+
+    def step_path(self, step: int) -> Path:
+        return self.folder / f"step-{step}"
+
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def save(self, step: int, states: dict[str, Stateful]) -> float:
+        """Write this rank's shards of `states` as rank-R/step-N; the seconds it took. A collective
+        (every rank's RNG is gathered first): call it on every rank at the same step."""
+        t0 = time.perf_counter()
+        blob = pickle.dumps(_capture_rng())
+        if self.group is not None:
+            blobs: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(blobs, blob, group=self.group)
+        else:
+            blobs = [blob]
+        state_dict = {name: state.state_dict() for name, state in states.items()}
+        if "train_state" in state_dict:
+            state_dict["train_state"]["rng"] = {f"rank_{r}": b for r, b in enumerate(blobs)}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for entry in self.folder.iterdir():
+            if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+        from trainer.checkpoint.manager import _storage_writer  # the writer that keeps a full disk's errno
+
+        tmp = self.folder / f".tmp-step-{step}"
+        dcp.save(state_dict, storage_writer=_storage_writer(tmp), no_dist=True)
+        (tmp / LAYOUT).write_text(json.dumps({**self.layout, "step": step, "saved_by_rank": _rank()}))
+        write_manifest(tmp)  # the commit point of this rank's save
+        publish(tmp, self.step_path(step), replace=True)
+        _fsync_dir(self.folder)
+        for old in self.complete_steps()[:-KEEP]:
+            aside = self.folder / f".old-step-{old}"
+            self.step_path(old).rename(aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        return time.perf_counter() - t0
+
+    def complete_steps(self) -> list[int]:
+        """Steps this rank has complete (DCP metadata, manifest) with this job's layout, ascending."""
+        if not self.folder.is_dir():
+            return []
+        steps = []
+        for entry in self.folder.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if not (match and (entry / ".metadata").is_file() and (entry / MANIFEST).is_file()):
+                continue
+            try:
+                saved = json.loads((entry / LAYOUT).read_text())
+            except (OSError, ValueError):
+                continue
+            if all(saved.get(k) == v for k, v in self.layout.items()):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def newest_common(self) -> int:
+        """The newest step every rank has complete (0 if none). A collective."""
+        mine = set(self.complete_steps())
+        if self.group is not None:
+            every: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, mine, group=self.group)
+            mine = set.intersection(*every)
+        return max(mine, default=0)
+
+    def verify(self, step: int) -> str | None:
+        """This rank's files of `step` against their manifest; every rank gets the first problem
+        (None: intact everywhere). A collective."""
+        try:
+            verify_checkpoint(self.step_path(step))
+            problem = None
+        except CorruptCheckpointError as e:
+            problem = short_error(e)
+        if self.group is not None:
+            every: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(every, problem, group=self.group)
+            problem = next((p for p in every if p is not None), None)
+        return problem
