@@ -124,7 +124,9 @@ class FP8Blocks:
             file, shape, dtype = tensors[name]
             scale = name + SCALE_SUFFIX
             if dtype != torch.float8_e4m3fn:
-                raise ConfigError(f"{file}: {name} is {dtype}; allowed: float8_e4m3fn (fmt e4m3)")
+                raise ConfigError(
+                    f"{file}: {name} is {str(dtype).removeprefix('torch.')}; allowed: float8_e4m3fn (fmt e4m3)"
+                )
             if len(shape) < 2:
                 raise ConfigError(f"{file}: {name} is float8 of shape {list(shape)}; allowed: a matrix [rows, cols]")
             if scale not in tensors:
@@ -235,9 +237,9 @@ def dequantize_hf_state_dict(
     pairs = FP8Blocks.pair(tensors, block, config=config)
     if pairs is None:
         return dict(hf_state_dict)
-    out = {}
+    out, scale_names = {}, pairs.scale_names
     for key, value in hf_state_dict.items():
-        if key in pairs.scale_names:
+        if key in scale_names:
             continue
         out[key] = (
             dequantize_box(value, hf_state_dict[pairs.scale_of[key]], pairs.block) if key in pairs.scale_of else value
