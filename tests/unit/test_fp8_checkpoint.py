@@ -91,11 +91,18 @@ def _reference_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _write(folder: Path, tensors: dict[str, torch.Tensor], *, quantization: dict | None, split: bool = False) -> None:
+def _write(
+    folder: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    quantization: dict | None,
+    split: bool = False,
+    model_type: str = "deepseek_v3",
+) -> None:
     """config.json (with `quantization_config` if given) and the safetensors; `split`: two files
     with an index, every scale in the other file than its weight (the index names each)."""
     folder.mkdir(parents=True)
-    config = ds_hf.hf_config(ARGS)
+    config = {**ds_hf.hf_config(ARGS), "model_type": model_type}
     if quantization is not None:
         config["quantization_config"] = quantization
     (folder / "config.json").write_text(json.dumps(config))
@@ -112,7 +119,8 @@ def _write(folder: Path, tensors: dict[str, torch.Tensor], *, quantization: dict
 @pytest.fixture(scope="module")
 def fp8_folder(tmp_path_factory) -> tuple[Path, dict, dict]:
     """An FP8 hub folder of ARGS with random fp8 values and random scales (not made by our
-    quantizer), split over two files; returns (folder, its tensors, the dequantized reference)."""
+    quantizer), split over two files, its config.json a Kimi K2 one (`model_type: kimi_k2`; the
+    round trip below covers `deepseek_v3`); returns (folder, its tensors, the dequantized reference)."""
     gen = torch.Generator().manual_seed(1)
     tensors, reference = {}, {}
     for key, value in _hub_state_dict().items():
@@ -126,7 +134,7 @@ def fp8_folder(tmp_path_factory) -> tuple[Path, dict, dict]:
         tensors[key], tensors[key + "_scale_inv"] = q, s
         reference[key] = _reference_dequant(q, s)
     folder = tmp_path_factory.mktemp("fp8") / "hf"
-    _write(folder, tensors, quantization=dict(HUB_QUANTIZATION_CONFIG), split=True)
+    _write(folder, tensors, quantization=dict(HUB_QUANTIZATION_CONFIG), split=True, model_type="kimi_k2")
     return folder, tensors, reference
 
 
