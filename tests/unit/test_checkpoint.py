@@ -757,3 +757,87 @@ def test_hf_weights_without_config_json(tmp_path, capsys):
         hf_config_mismatch="override",
     )
     assert "not checked" in capsys.readouterr().out
+
+
+LAYOUT = {"ranks_per_slice": 1, "slice_mesh": [1, 1, 1, 1], "ep": 1}
+
+
+def tiered(tmp_path, **kw) -> ckpt.CheckpointManager:
+    """A manager with both tiers: persistent every 4 steps, local every 2 (docs/checkpointing.md)."""
+    kw = {"interval": 4, "local_folder": str(tmp_path / "host"), "local_interval": 2, "layout": LAYOUT, **kw}
+    return manager(tmp_path / "ckpt", **kw)
+
+
+def test_local_tier_newer_than_the_persistent_one_is_resumed(tmp_path, capsys):
+    """7 steps: persistent step 4, local steps 4 and 6 (the newest 2 kept of 2, 4, 6). A resume
+    takes local step 6 bit for bit (RNG included), says so in one line and in `resumed`; a
+    local step that fails its checksums, or was written with another per-slice layout, leaves
+    the persistent step 4."""
+    ref = Run(seed=0)
+    mgr = tiered(tmp_path)
+    losses, params = [], {}
+    for step in range(1, 8):
+        losses.append(ref.step())
+        if mgr.local_due(step):
+            mgr.save_local(step, ref.states)
+        mgr.maybe_save(step, ref.states)
+        params[step] = ref.params()
+    mgr.close()
+    assert mgr.complete_steps() == [4]
+    assert mgr.local.complete_steps() == [4, 6]
+    assert sorted(p.name for p in (tmp_path / "host" / "rank-0").iterdir()) == ["step-4", "step-6"]
+    assert (tmp_path / "host" / "rank-0" / "step-6" / ckpt.MANIFEST).is_file()
+    assert set(mgr.take_save_seconds()) == {"ckpt_local_s", "ckpt_save_s"}
+
+    resumed = Run(seed=123)
+    torch.rand(7)
+    mgr2 = tiered(tmp_path)
+    capsys.readouterr()
+    assert mgr2.load(resumed.states) == 6 and mgr2.resumed == {"tier": "local", "step": 6}
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "resumed from" in x]
+    assert line.startswith(f"checkpoint: resumed from the local tier {tmp_path / 'host'}/rank-*/step-6 (step 6; ")
+    assert resumed.loader.pos == 6 and resumed.scheduler.last_epoch == 6
+    assert_same(resumed.params(), params[6])
+    assert resumed.step() == losses[6]  # the noise in the step: the RNG came back too
+
+    other = tiered(tmp_path, layout={**LAYOUT, "slice_mesh": [1, 2, 1, 1]})
+    assert other.load(Run(seed=1).states) == 4 and other.resumed == {"tier": "persistent", "step": 4}
+
+    _garble(tmp_path / "host" / "rank-0" / "step-6" / "__0_0.distcp")
+    fallback = Run(seed=2)
+    mgr3 = tiered(tmp_path)
+    capsys.readouterr()
+    assert mgr3.load(fallback.states) == 4 and mgr3.resumed["tier"] == "persistent"
+    out = capsys.readouterr().out
+    assert "checkpoint: local tier step 6: " in out and "fails its checksum" in out
+    assert_same(fallback.params(), params[4])
+
+
+def test_explicit_load_step_reads_the_persistent_tier_only(tmp_path):
+    run = Run()
+    mgr = tiered(tmp_path)
+    for step in range(1, 7):
+        run.step()
+        if mgr.local_due(step):
+            mgr.save_local(step, run.states)
+        mgr.maybe_save(step, run.states)
+    assert tiered(tmp_path, load_step=4).load(Run(seed=3).states) == 4
+    assert tiered(tmp_path, enable=False).local is None
+
+
+def test_lost_peer_is_a_failed_collective_of_a_multi_rank_job(monkeypatch):
+    import torch.distributed as dist
+
+    from trainer.runtime import preemption
+
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+    assert not preemption.lost_peer(gone)  # one process: there is no peer to lose
+    monkeypatch.setattr(preemption.distributed, "multi_rank", lambda: True)
+    assert preemption.lost_peer(gone)
+    assert preemption.lost_peer(dist.DistBackendError("NCCL communicator was aborted"))
+    assert preemption.lost_peer(RuntimeError("Timed out waiting 60000ms for recv operation to complete"))
+    wrapped = ckpt.CheckpointSaveError("checkpoint: saving step 4 failed")
+    wrapped.__cause__ = gone
+    assert preemption.lost_peer(wrapped)
+    assert not preemption.lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not preemption.lost_peer(ValueError("Connection closed by peer"))

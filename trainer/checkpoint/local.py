@@ -31,6 +31,7 @@ import json
 import pickle
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +59,19 @@ class LocalTier:
 
     root: checkpoint.local_folder (absolute, on this host's disk). slice_rank: R, this rank's place
     inside its slice. layout: `slice_layout(...)` of this job. group: the checkpoint's gloo group
-    (the RNG gather before a save), or None in a single process.
+    (the RNG gather before a save), or None in a single process. writer: path -> DCP storage
+    writer (the manager's, which keeps a full disk's errno).
     """
 
-    def __init__(self, *, root: str, interval: int, slice_rank: int, layout: dict, group: Any):
+    def __init__(
+        self, *, root: str, interval: int, slice_rank: int, layout: dict, group: Any, writer: Callable[[Path], Any]
+    ):
         self.root = Path(root)
         self.folder = self.root / f"rank-{slice_rank}"
         self.interval = interval
         self.layout = layout
         self.group = group
+        self.writer = writer
 
     def step_path(self, step: int) -> Path:
         return self.folder / f"step-{step}"
@@ -91,10 +96,8 @@ class LocalTier:
         for entry in self.folder.iterdir():
             if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
-        from trainer.checkpoint.manager import _storage_writer  # the writer that keeps a full disk's errno
-
         tmp = self.folder / f".tmp-step-{step}"
-        dcp.save(state_dict, storage_writer=_storage_writer(tmp), no_dist=True)
+        dcp.save(state_dict, storage_writer=self.writer(tmp), no_dist=True)
         (tmp / LAYOUT).write_text(json.dumps({**self.layout, "step": step, "saved_by_rank": _rank()}))
         write_manifest(tmp)  # the commit point of this rank's save
         publish(tmp, self.step_path(step), replace=True)

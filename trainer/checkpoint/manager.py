@@ -301,7 +301,12 @@ class CheckpointManager:
         )
         self.local = (
             LocalTier(
-                root=local_folder, interval=local_interval, slice_rank=slice_rank, layout=layout or {}, group=self._pg
+                root=local_folder,
+                interval=local_interval,
+                slice_rank=slice_rank,
+                layout=layout or {},
+                group=self._pg,
+                writer=_storage_writer,
             )
             if (enable and local_folder)
             else None
