@@ -123,9 +123,12 @@ def fp8_folder(tmp_path_factory) -> tuple[Path, dict, dict]:
     round trip below covers `deepseek_v3`); returns (folder, its tensors, the dequantized reference)."""
     gen = torch.Generator().manual_seed(1)
     tensors, reference = {}, {}
-    for key, value in _hub_state_dict().items():
-        if not ds_hf.fp8_hub_weight(key, tuple(value.shape)):
-            tensors[key] = reference[key] = value.to(torch.bfloat16)  # the hub stores the rest in bf16
+    # V3's multi-token-prediction layer (`model.layers.{n_layers}`, fp8 `eh_proj`): paired, then skipped.
+    mtp = f"model.layers.{ARGS.n_layers}."
+    extra = {mtp + "eh_proj.weight": torch.zeros(ARGS.dim, 2 * ARGS.dim), mtp + "enorm.weight": torch.ones(ARGS.dim)}
+    for key, value in {**_hub_state_dict(), **extra}.items():
+        if not (ds_hf.fp8_hub_weight(key, tuple(value.shape)) or key.endswith("eh_proj.weight")):
+            tensors[key] = value.to(torch.bfloat16)  # the hub stores the rest in bf16
             reference[key] = tensors[key].float()
             continue
         q = (torch.randn(value.shape, generator=gen) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -146,7 +149,7 @@ def _loaded(path: Path) -> DeepSeekV3:
 
 def test_fp8_folder_loads_dequantized(fp8_folder, tmp_path):
     folder, tensors, reference = fp8_folder
-    assert sum(v.dtype == torch.float8_e4m3fn for v in tensors.values()) == N_FP8
+    assert sum(v.dtype == torch.float8_e4m3fn for v in tensors.values()) == N_FP8 + 1  # + eh_proj
     # transformers reads the format the same way (its FP8 backward's dequantization, which
     # handles partial edge blocks): a second implementation of the block loop above.
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
