@@ -20,7 +20,10 @@ and the data loader are saved as they are: their states are plain values, the sa
 differ per rank and are stored under `train_state.rng.rank_<r>`; a rank that has no entry (the
 run resumed on more ranks) keeps its seeded RNG and says so.
 
-All ranks must share the checkpoint folder (a shared or network file system across hosts).
+All ranks must share the checkpoint folder (a shared or network file system across hosts). The
+local tier (`local_folder`, trainer/checkpoint/local.py) is per host instead: each rank writes its
+own shards there more often, and a resume takes it when it is newer (docs/checkpointing.md,
+"Multi-tier checkpoints").
 """
 
 from __future__ import annotations
