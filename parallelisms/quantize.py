@@ -31,6 +31,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantizePlan",
     "apply_quantize",
+    "is_chosen",
     "quantized_modules",
     "DEFAULT_FILTER_FQNS",
     "DEFAULT_MIN_DIM",
@@ -75,11 +76,16 @@ class QuantizedLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
-def _chosen(fqn: str, module: nn.Linear, filter_fqns: tuple[str, ...], min_dim: int) -> bool:
+def is_chosen(fqn: str, dims: tuple[int, int], filter_fqns: tuple[str, ...], min_dim: int) -> bool:
+    """Whether the linear at module path `fqn` with (in or out) features `dims` is quantized (the
+    module docstring's rule; the planner asks it too, planner/low_precision.py)."""
     if any(f and f in fqn for f in filter_fqns):
         return False
-    dims = (module.in_features, module.out_features)
     return all(d >= min_dim and d % ALIGN == 0 for d in dims)
+
+
+def _chosen(fqn: str, module: nn.Linear, filter_fqns: tuple[str, ...], min_dim: int) -> bool:
+    return is_chosen(fqn, (module.in_features, module.out_features), filter_fqns, min_dim)
 
 
 def apply_quantize(

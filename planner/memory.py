@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING
 from models.contract import ModelShape
 from parallelisms.activation_checkpoint import AC_MODES
 from planner.activations import ActivationBytes, activation_bytes, cp_gathered_kv_bytes
+from planner.low_precision import quantize_transient_bytes, quantized_linear_shapes
 from planner.shard import ShardStats
 from planner.targets import Target
 
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.quantize import QuantizePlan
 
 RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 """Hardware FLOPs / model FLOPs: full AC repeats the forward (2 of the 6 FLOPs per param per
@@ -85,6 +87,11 @@ class Estimate:
     """`[optimizer] name`: AdamW keeps two fp32 moments per parameter; Muon one on its matrices."""
     muon_update: int = 0
     """Muon's update transient (bytes): the whole matrices a rank holds for Newton-Schulz."""
+    quantize_recipe: str = "none"
+    """`[quantize] recipe`."""
+    quantize_transient: int = 0
+    """The low-precision copies and scales of the largest quantized linear's backward, part of
+    `transient_block` (planner/low_precision.py)."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
@@ -203,6 +210,7 @@ def estimate(
     optimizer: str = "adamw",
     stacked: bool = False,
     moe_capacity_factor: float = 0.0,
+    quantize: QuantizePlan | None = None,
 ) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
@@ -212,7 +220,8 @@ def estimate(
     "muon": one fp32 moment on the Muon matrices (`stats.muon_numel`) and the update's whole
     matrices (`stats.muon_whole_numel`, or `muon_whole_stacked_numel` when `stacked`, the
     layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT. `moe_capacity_factor`: `[moe] capacity_factor`
-    (the dispatch buffers of `ep_dispatch_bytes`)."""
+    (the dispatch buffers of `ep_dispatch_bytes`). `quantize`: the `[quantize]` plan (the
+    low-precision copies of `planner.low_precision`, in the block backward)."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
     acts = (
@@ -276,8 +285,15 @@ def estimate(
         local_batch_size=local_batch_size,
         seq_len=seq_len // cp,
     )
+    recipe = quantize.recipe if quantize is not None else "none"
+    lowp = quantize_transient_bytes(
+        quantized_linear_shapes(stats.linear_shapes, quantize) if quantize is not None else [],
+        tokens=t_proj,
+        recipe=recipe,
+    )
     transient_block = (
-        regather
+        lowp
+        + regather
         + recompute
         + 6 * stats.largest_block_param_gathered
         + 2 * (2 * shape.dim * t_proj)
@@ -320,7 +336,15 @@ def estimate(
         update=4 * local + moments if undonated_update else 0,
         optimizer_name=optimizer,
         muon_update=muon_update,
+        quantize_recipe=recipe,
+        quantize_transient=lowp,
     )
+    if recipe != "none":
+        est.notes.append(
+            f"[quantize] {recipe}: the largest quantized linear's backward holds {lowp / 2**30:.2f} GiB of "
+            "low-precision operand copies and scales beside the bf16 gathered weight (in the block "
+            "backward); nothing more is saved for backward"
+        )
     if muon:
         est.notes.append(
             f"Muon: one fp32 moment on {muon / 1e6:.1f} M local matrix elements (AdamW: two); its "

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from models import ModelFamily
     from models.contract import ModelArgs
     from parallelisms.parallel_dims import ParallelDims
+    from parallelisms.quantize import QuantizePlan
 
 AC_SEARCH_ORDER = tuple(sorted(AC_MODES, key=RECOMPUTE_RANK.__getitem__))
 """The AC modes, least recompute first."""
@@ -53,6 +54,8 @@ class PlanInputs:
     """The recipe's step settings (mode, scan, loss...; trainer/step/plan.py): a plan whose
     degrees and AC mode the step plan's rules refuse is refused (`plan_estimate`) or skipped
     (`recommend`). None: no mode rules (an eager step)."""
+    quantize: QuantizePlan | None = None
+    """The recipe's `[quantize]` (None: no low-precision linears)."""
 
     @property
     def muon_exclude(self) -> tuple[str, ...] | None:
@@ -234,6 +237,7 @@ def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
         stacked=bool(step and step.scan),
         optimizer=inputs.step.optimizer if inputs.step is not None else "adamw",
         moe_capacity_factor=inputs.step.moe_capacity_factor if inputs.step is not None else 0.0,
+        quantize=inputs.quantize,
     )
 
 

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,18 +62,23 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _gathered_numel(param: torch.Tensor) -> int:
-    """Elements of `param` after the data-parallel all-gather (still TP/EP-sharded)."""
+def _gathered_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """Shape of `param` after the data-parallel all-gather (still TP/EP-sharded)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(param, DTensor):
-        return param.numel()
+        return tuple(param.shape)
     shape = list(param.shape)
     names = param.device_mesh.mesh_dim_names or ()
     for axis, placement in enumerate(param.placements):
         if names[axis] not in _DP_AXES and isinstance(placement, Shard):
             shape[placement.dim] = -(-shape[placement.dim] // param.device_mesh.size(axis))
-    return math.prod(shape)
+    return tuple(shape)
+
+
+def _gathered_numel(param: torch.Tensor) -> int:
+    """Elements of `param` after the data-parallel all-gather (still TP/EP-sharded)."""
+    return math.prod(_gathered_shape(param))
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class ShardStats:
     B the matrices of this rank's leading dims (experts), D the ranks splitting a matrix dim."""
     muon_whole_stacked_numel: int = 0
     """The same with layer scan: B counts a whole stack's layers."""
+    linear_shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    """Every `nn.Linear` at the root and in the first block of each stack, by module path: its
+    weight's (out, in) features whole and after the dp all-gather (still TP-sharded). What
+    `[quantize]` may quantize (planner/low_precision.py)."""
 
     @property
     def param_numel(self) -> int:
@@ -235,6 +244,12 @@ def shard_model(
         (_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in muon_params), default=0
     )
     head, kept = _lm_head_and_kept(family, root_gathered)
+    linear_shapes = {
+        name: (tuple(m.weight.shape), _gathered_shape(m.weight))
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and (not any(name.startswith(p) for p in prefixes) or any(name.startswith(f"{p}0.") for p in prefixes))
+    }
     return ShardStats(
         n_layers=n_layers,
         root_numel=root_numel,
@@ -250,6 +265,7 @@ def shard_model(
         muon_numel=muon_numel,
         muon_whole_numel=whole,
         muon_whole_stacked_numel=whole_stacked,
+        linear_shapes=linear_shapes,
     )
 
 

@@ -132,6 +132,11 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
             f"{gib(est.transient_block)}"
             + (f" + scan flips {gib(est.scan_flips)}" if est.scan_flips else "")
             + (f", Muon update {gib(est.muon_update)}" if est.muon_update else "")
+            + (
+                f", of which {est.quantize_recipe} copies {gib(est.quantize_transient)}"
+                if est.quantize_transient
+                else ""
+            )
             + ")",
             est.transient,
         ),

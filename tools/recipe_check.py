@@ -99,6 +99,7 @@ def world_of(cfg: Config) -> tuple[int, str, planner.Target | None]:
 
 def plan_inputs(cfg: Config) -> planner.PlanInputs:
     """The planner's inputs for a recipe (model, batch, step settings), as scripts/estimate.py reads it."""
+    from parallelisms.quantize import QuantizePlan
     from trainer.config import resolve_model_args
     from trainer.job import step_request
 
@@ -120,6 +121,7 @@ def plan_inputs(cfg: Config) -> planner.PlanInputs:
         grad_accum=t.gradient_accumulation_steps,
         flow_tokens=flow,
         step=step_request(cfg, family),
+        quantize=QuantizePlan.of(cfg.quantize),
     )
 
 

@@ -1,0 +1,83 @@
+"""What `[quantize]` adds to a device's memory: the low-precision copies and scales of one linear.
+
+What the code does (parallelisms/quantize.py, models/common/quantize.py, titan_kernels/tpu/
+qmatmul.py): SimpleFSDP still gathers each weight in bf16 (no float8 all-gather), and the op
+`quantized_linear` quantizes the gathered bf16 weight and the bf16 activation inside each call.
+So, per quantized linear call:
+
+- the bf16 weight copy the planner already counts (the block's gather) exists as before, and its
+  quantized copy (1 byte per element) exists beside it for the call;
+- every quantized operand of a matmul is a new 1-byte copy, with one fp32 scale per group
+  (tensor: 1; row: one per row; 1x128 tile: one per row and 128 columns; 128x128 block);
+- saved for backward: x and w in the compute dtype, exactly what a bf16 linear saves (both
+  implementations' autograd saves them and re-quantizes in the backward): nothing is added to
+  the saved activations, and with activation checkpointing nothing is kept between calls.
+
+The backward program of one linear (`qlinear_bwd`: dx = dy w and dw = dy^T x) holds the most:
+dy [M, N] and w^T [K, N] quantized along N, dy^T [N, M] and x^T [K, M] along M (int8's weight
+gradient is not quantized). The forward's x [M, K] and w [N, K] are fewer bytes than that for
+any shape. One call runs at a time, so the term is the largest linear's backward, a transient
+of the block backward. Not counted: the fp32 outputs of the low-precision dots before their
+scale-and-cast (per 128-wide K group for `float8_blockwise`): which of them XLA materializes is
+the compiler's choice, and the block compiles of docs/low_precision.md report bytes accessed, not
+buffers; nor is any fusion that avoids a copy taken off (the count is the copies the program names).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from models.common.quantize import BLOCK, RECIPE_SPECS, Operand
+from parallelisms.quantize import QuantizePlan, is_chosen
+
+__all__ = ["operand_bytes", "linear_backward_bytes", "quantize_transient_bytes", "quantized_linear_shapes"]
+
+
+def operand_bytes(rows: int, cols: int, op: Operand) -> int:
+    """Bytes of one matmul operand [rows, cols] quantized along cols: 1 byte per element plus
+    4 per fp32 scale; 0 for an operand left in the compute dtype."""
+    if op.dtype is None:
+        return 0
+    groups = {
+        "tensor": 1,
+        "axis": rows,
+        "tile": rows * math.ceil(cols / BLOCK),
+        "block": math.ceil(rows / BLOCK) * math.ceil(cols / BLOCK),
+    }[op.granularity]
+    return rows * cols + 4 * groups
+
+
+def linear_backward_bytes(out_features: int, in_features: int, tokens: int, recipe: str) -> int:
+    """The quantized operands of one linear's backward (module docstring): w [N, K], M tokens."""
+    n, k, m = out_features, in_features, tokens
+    spec = RECIPE_SPECS[recipe]
+    gi, gw = spec.grad_input, spec.grad_weight
+    return (
+        operand_bytes(m, n, gi.a)  # dy along N
+        + operand_bytes(k, n, gi.b)  # w^T along N
+        + operand_bytes(n, m, gw.a)  # dy^T along M
+        + operand_bytes(k, m, gw.b)  # x^T along M
+    )
+
+
+def quantize_transient_bytes(linears: Iterable[tuple[int, int]], *, tokens: int, recipe: str) -> int:
+    """The largest of `linears`' ((out, in) gathered shapes, the quantized ones) backward copies
+    at `tokens` per call; 0 for `none` or no quantized linear."""
+    if recipe == "none":
+        return 0
+    return max((linear_backward_bytes(n, k, tokens, recipe) for n, k in linears), default=0)
+
+
+def quantized_linear_shapes(
+    linear_shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]], plan: QuantizePlan
+) -> list[tuple[int, int]]:
+    """The (out, in) gathered shapes of the linears `plan` quantizes, from `ShardStats.linear_shapes`
+    (parallelisms/quantize.py's rule on the whole features, as it runs before TP)."""
+    if plan.recipe == "none":
+        return []
+    return [
+        gathered
+        for fqn, (whole, gathered) in linear_shapes.items()
+        if is_chosen(fqn, whole[::-1], plan.filter_fqns, plan.min_dim)
+    ]

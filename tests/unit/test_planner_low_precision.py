@@ -1,0 +1,84 @@
+"""The planner's low-precision term (planner/low_precision.py): the quantized operand copies and
+fp32 scales of one linear's backward, counted by hand for every recipe, and the term in a plan:
+Llama 3 8B at FSDP 16 x TP 4 quantizes TP-local weights, its largest linear sets the term, and
+the filtered head and the small linears add nothing."""
+
+from __future__ import annotations
+
+import planner as P
+from models import get_model_family
+from parallelisms.quantize import QuantizePlan
+from planner.low_precision import linear_backward_bytes, quantize_transient_bytes, quantized_linear_shapes
+
+LLAMA = get_model_family("llama3")
+
+# One linear, w [N, K] = [4096, 1024], M = 512 tokens. The backward quantizes dy [512, 4096] and
+# w^T [1024, 4096] along N (the input gradient), dy^T [4096, 512] and x^T [1024, 512] along M
+# (the weight gradient): 1 byte per element, 4 per fp32 scale.
+N, K, M = 4096, 1024, 512
+ELEMENTS = M * N + K * N + N * M + K * M  # 2,097,152 + 4,194,304 + 2,097,152 + 524,288
+
+
+def test_one_linear_backward_by_hand():
+    assert ELEMENTS == 8_912_896
+    # tensorwise: one scale per operand
+    assert linear_backward_bytes(N, K, M, "float8_tensorwise") == ELEMENTS + 4 * 4
+    # rowwise: one scale per row of each operand: 512 + 1024 + 4096 + 1024 rows
+    assert linear_backward_bytes(N, K, M, "float8_rowwise") == ELEMENTS + 4 * 6656 == 8_939_520
+    # blockwise: dy 1x128 tiles (512 x 32), w^T 128x128 blocks (8 x 32), dy^T tiles (4096 x 4),
+    # x^T tiles (1024 x 4)
+    assert linear_backward_bytes(N, K, M, "float8_blockwise") == ELEMENTS + 4 * (16384 + 256 + 16384 + 4096)
+    # int8: the weight gradient stays bf16, so only dy and w^T, one scale per row each
+    assert linear_backward_bytes(N, K, M, "int8") == M * N + K * N + 4 * (512 + 1024) == 6_297_600
+    # a partial edge: K = 1000 rows of w^T, 8 row blocks of 128 (the last partial), N = 4096: 32
+    assert linear_backward_bytes(N, 1000, M, "float8_blockwise") == (
+        M * N + 1000 * N + N * M + 1000 * M + 4 * (512 * 32 + 8 * 32 + 4096 * 4 + 1000 * 4)
+    )
+    assert quantize_transient_bytes([(N, K), (K, N)], tokens=M, recipe="none") == 0
+    # the largest of the linears: w [1024, 4096] holds fewer (dy is [512, 1024])
+    assert quantize_transient_bytes([(N, K), (K, N)], tokens=M, recipe="float8_rowwise") == 8_939_520
+
+
+def test_a_plan_counts_its_largest_quantized_linear_after_tp():
+    """Llama 3 8B, FSDP 16 x TP 4, 1 x 8192 tokens: w2 is [4096, 14336] whole and [4096, 3584]
+    on a TP rank; its backward (N = 4096, K = 3584, M = 8192) is the largest:
+    2 x 8192 x 4096 + 3584 x 4096 + 3584 x 8192 = 111,149,056 elements and rows 8192 + 3584 + 4096
+    + 3584 = 19,456 scales (77,824 bytes) under float8_rowwise."""
+    args = LLAMA.flavors["8B"]
+    dims = P.make_parallel_dims(
+        dp_replicate=1, dp_shard=16, tp=4, ep=1, world_size=64, shape=args.shape(), seq_len=8192
+    )
+    with P.fake_process_group(64):
+        stats = P.shard_model(LLAMA, args, dims, probe=True)
+    assert stats.linear_shapes["layers.0.feed_forward.w2"] == ((4096, 14336), (4096, 3584))
+    assert stats.linear_shapes["layers.0.attention.wq"] == ((4096, 4096), (1024, 4096))
+    rowwise = QuantizePlan("float8_rowwise")
+    shapes = quantized_linear_shapes(stats.linear_shapes, rowwise)
+    assert len(shapes) == 7  # the block's 7 linears; the output head is filtered
+    assert (128256 // 4, 4096) not in shapes and stats.linear_shapes["output"][0] == (128256, 4096)
+
+    def plan(quantize):
+        return P.estimate(
+            model="8B",
+            target=P.parse_target("v6e-64"),
+            shape=args.shape(),
+            stats=stats,
+            parallel_dims=dims,
+            local_batch_size=1,
+            seq_len=8192,
+            ac_mode="full",
+            loss_parallel=True,
+            flops_per_token=1.0,
+            quantize=quantize,
+        )
+
+    bf16, fp8 = plan(None), plan(rowwise)
+    assert fp8.quantize_transient == 111_149_056 + 77_824
+    assert fp8.transient_block - bf16.transient_block == fp8.quantize_transient
+    assert fp8.saved_weights == bf16.saved_weights and fp8.activations == bf16.activations  # nothing more saved
+    assert fp8.params + fp8.grads + fp8.optimizer == bf16.params + bf16.grads + bf16.optimizer
+    # int8: dy [8192, 4096] and w^T [3584, 4096] along N only
+    int8 = plan(QuantizePlan("int8"))
+    assert int8.quantize_transient == 8192 * 4096 + 3584 * 4096 + 4 * (8192 + 3584)
+    # min_dim above every width: nothing quantized, nothing added
+    assert plan(QuantizePlan("float8_rowwise", min_dim=1 << 20)).quantize_transient == 0
