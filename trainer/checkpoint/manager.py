@@ -302,13 +302,20 @@ class CheckpointManager:
             if (enable and self._distributed)
             else None
         )
+        # The local tier gathers on a group of its own: an async save of the persistent tier may be
+        # talking on `_pg` from its background thread at the same time.
+        self._local_pg = (
+            dist.new_group(backend=cpu_backend(), timeout=collective_timeout())
+            if (enable and local_folder and self._distributed)
+            else None
+        )
         self.local = (
             LocalTier(
                 root=local_folder,
                 interval=local_interval,
                 slice_rank=slice_rank,
                 layout=layout or {},
-                group=self._pg,
+                group=self._local_pg,
                 writer=_storage_writer,
             )
             if (enable and local_folder)
@@ -600,9 +607,10 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish any in-flight save and release the checkpoint process group."""
         self.wait()
-        if self._pg is not None and _dist_on():
-            dist.destroy_process_group(self._pg)
-        self._pg = None
+        for group in (self._pg, self._local_pg):
+            if group is not None and _dist_on():
+                dist.destroy_process_group(group)
+        self._pg = self._local_pg = None
         if self._hasher is not None:
             self._hasher.shutdown()
             self._hasher = None
