@@ -1,0 +1,268 @@
+#!/usr/bin/env python
+"""The low-precision column of the MFU projection: each `[quantize]` pod recipe's step time from
+its bf16 parent's projected program, with the quantized linears' matmuls at the chip's
+low-precision peak and the quantization passes' HBM traffic added.
+
+    python scripts/bench/low_precision_projection.py [--out docs/results/low_precision_projection.csv]
+
+Why an analytic split and not a compile of the FP8 recipe: XLA's cost analysis counts a float8 or
+int8 multiply-add like a bf16 one (docs/low_precision.md, "Compiled for TPU without one"), so a
+compiled FP8 program's FLOPs would not show the MXU's 2x rate anyway, and the pod-size compiles
+take 4-14 minutes each on the development machine. So, per recipe:
+
+- **bf16 program**: the parent's projection as `scripts/mfu_suite.py --project` wrote it (the
+  per-op compute time, the collectives at the target slice): docs/results/mfu_suite_s14 for the
+  dense recipes (FSDP-only small-slice compile, extrapolated), docs/results/mfu_suite_ep for the
+  expert-parallel ones (the trainer's own program at full size, capacity dispatch as shipped).
+- **Quantized matmul FLOPs** per device and step: the linears `apply_quantize` chooses on the
+  recipe's meta model (parallelisms/quantize.py's own rule), 2 M N K per matmul for M tokens, each
+  forward run twice under full activation checkpointing, the gradient matmuls once; int8's weight
+  gradient stays bf16. Their share of the model's FLOPs (6N + 12·L·H·Q·T per token, x 4/3 under
+  full AC) is applied to the dot FLOPs the compiled program executes where the projection has
+  them (the dense rows: the 405B program runs 11 % fewer dot FLOPs than 8N + attention, so the
+  analytic count alone would overstate the quantized part); the EP rows use the analytic count.
+  At the bf16 peak they take F / peak_bf16 of the program's compute time (the projection charges
+  a large matmul its FLOPs over the peak); at the chip's low-precision peak (v7x FP8 4614, v6e int8
+  1836 TFLOP/s per chip, twice bf16: docs/low_precision.md) half that.
+- **Quantization passes**: the HBM bytes per quantized operand element measured on the compiled
+  Llama 3 8B block (docs/results/low_precision_block_compiles.json: the bytes a recipe adds over
+  bf16 divided by the operand elements its 20 quantized dots read), times the pod step's quantized
+  operand elements, over the HBM bandwidth (assets/anchors.toml).
+
+compute_lp = compute_bf16 - F / peak_bf16 + F / peak_lp + extra bytes / HBM bandwidth; the step is
+compute + collectives (exposed) or the larger (overlapped), as the bf16 bound. Same caveats as the
+bf16 bound (docs/benchmarks.md "Projections"), plus: a matmul the projection charged by its bytes
+(memory-bound) gains less than assumed; the recipes' matmuls at these widths are compute-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import planner  # noqa: E402
+from parallelisms.quantize import QuantizePlan, apply_quantize  # noqa: E402
+from trainer.config import build_config, resolve_model_args  # noqa: E402
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+LOW_PRECISION_SPEEDUP = {"v7x": 4614 / 2307, "v6e": 1836 / 918}
+"""The chip's low-precision peak over its bf16 peak (v7x FP8, v6e int8: docs/low_precision.md's
+device table, Google's TPU7x and v6e pages)."""
+
+# (variant, bf16 parent, projection CSV of the parent, MaxText tokens/s/chip bf16 -> FP8 on v7x as
+# issue 41 quotes MaxText's TPU7x table, AI-Hypercomputer/tpu-recipes training/ironwood/README.md)
+DENSE_CSV = ROOT / "docs/results/mfu_suite_s14/mfu_suite_s14.csv"
+EP_CSV = ROOT / "docs/results/mfu_suite_ep/mfu_suite_ep_capacity_programs.csv"
+VARIANTS = [
+    ("llama3_405b_v7x_fp8", "llama3_405b_v7x", DENSE_CSV, (500, 764)),
+    ("qwen3_235b_a22b_v7x_fp8", "qwen3_235b_a22b_v7x", EP_CSV, (4246, 4737)),
+    ("deepseek_v3_671b_v7x_fp8", "deepseek_v3_671b_v7x", None, (2446, 2968)),
+    ("llama3_70b_v6e_int8", "llama3_70b_v6e", DENSE_CSV, None),
+    ("qwen3_32b_v6e_int8", "qwen3_32b_v6e", DENSE_CSV, None),
+]
+MAXTEXT_70B_V7X = (2687, 4128)
+"""Llama 3 70B on v7x, bf16 -> FP8 (no v7x 70B recipe here: beside the table, not in a row)."""
+
+BLOCK_COMPILES = ROOT / "docs/results/low_precision_block_compiles.json"
+# The compiled block: Llama 3 8B, 4096 tokens, forward + gradients, no AC; the last linear's (w2)
+# forward is dropped by the compiler (its output is not needed), so 20 quantized dots.
+BLOCK_TOKENS = 4096
+BLOCK_LINEARS = {  # (out, in)
+    "wq": (4096, 4096),
+    "wk": (1024, 4096),
+    "wv": (1024, 4096),
+    "wo": (4096, 4096),
+    "w1": (14336, 4096),
+    "w3": (14336, 4096),
+    "w2": (4096, 14336),
+}
+
+
+def matmuls(recipe: str, *, recompute: bool) -> list[str]:
+    """The quantized matmuls one linear runs per step: forward (twice under full AC), input
+    gradient, weight gradient (int8: not quantized)."""
+    out = ["fwd", "fwd"] if recompute else ["fwd"]
+    out.append("grad_input")
+    if recipe != "int8":
+        out.append("grad_weight")
+    return out
+
+
+def operand_elements(kind: str, n: int, k: int, m: int) -> int:
+    """Elements of the two quantized operands of one matmul of a linear w [n, k] at m tokens."""
+    return {"fwd": m * k + n * k, "grad_input": m * n + n * k, "grad_weight": m * n + m * k}[kind]
+
+
+def bytes_per_element(recipe: str) -> float:
+    """HBM bytes the quantization passes add per quantized operand element, from the compiled
+    8B block (module docstring)."""
+    compiles = json.loads(BLOCK_COMPILES.read_text())["compiles"]
+    target = "v6e" if recipe == "int8" else "v7x"
+    base, quant = (compiles[f"{target}:{r}"]["cost"] for r in ("bf16", recipe))
+    elements = 0
+    for name, (n, k) in BLOCK_LINEARS.items():
+        for kind in matmuls(recipe, recompute=False):
+            if name == "w2" and kind == "fwd":
+                continue
+            elements += operand_elements(kind, n, k, BLOCK_TOKENS)
+    return (quant["bytes accessed"] - base["bytes accessed"]) / elements
+
+
+def quantized_work(recipe_path: Path, tokens: int) -> dict:
+    """Quantized matmul FLOPs and operand elements per device and step at `tokens` per device."""
+    cfg = build_config(str(recipe_path))
+    family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
+    with torch.device("meta"):
+        model = family.model_cls(args)
+    plan = QuantizePlan.of(cfg.quantize)
+    chosen = set(apply_quantize(model, recipe=plan.recipe, filter_fqns=plan.filter_fqns, min_dim=plan.min_dim))
+    recompute = cfg.activation_checkpoint.mode == "full"
+    flops = elements = 0
+    for fqn, module in model.named_modules():
+        if fqn in chosen:
+            n, k = module.out_features, module.in_features
+            for kind in matmuls(plan.recipe, recompute=recompute):
+                flops += 2 * tokens * n * k
+                elements += operand_elements(kind, n, k, tokens)
+    from tools.recipe_check import plan_inputs
+
+    model_flops = plan_inputs(cfg).flops_per_token(args.shape()) * tokens * (4 / 3 if recompute else 1)
+    return {
+        "recipe": plan.recipe,
+        "flops": flops,
+        "elements": elements,
+        "linears": len(chosen),
+        "model_flops": model_flops,
+    }
+
+
+def parent_row(csv_path: Path, parent: str) -> dict:
+    for row in csv.DictReader(csv_path.open()):
+        if row["recipe"] == parent and row["kind"].startswith("projection"):
+            return row
+    raise SystemExit(f"error: {csv_path}: no projection row for {parent}")
+
+
+def project(variant: str, parent: str, csv_path: Path | None, maxtext) -> dict:
+    cfg = build_config(str(ROOT / "configs" / f"{variant}.toml"))
+    target = planner.parse_target(cfg.job.target)
+    gen = target.generation.name
+    peak = target.peak_flops  # bf16, per device
+    anchors = tomllib.loads((ROOT / "assets" / "anchors.toml").read_text())
+    hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
+    devices_per_chip = target.devices // target.chips
+    t = cfg.training
+    tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps  # per device (tp = cp = 1)
+    out = {"recipe": variant, "parent": parent, "target": cfg.job.target, "quantize": cfg.quantize.recipe}
+    if csv_path is not None:
+        row = parent_row(csv_path, parent)
+        compute = float(row.get("hlo_compute_s") or row["compute_s"])
+        comm = float(row["comm_s"])
+        # tokens per device of the projected program (the dense projection's own batch)
+        tokens = round(
+            float(row.get("tokens_per_sec_exposed") or row["tokens_per_s_exposed"]) * float(row["step_exposed_s"])
+        )
+        out["program"] = csv_path.relative_to(ROOT).as_posix()
+    work = quantized_work(ROOT / "configs" / f"{variant}.toml", tokens)
+    bpe = bytes_per_element(work["recipe"])
+    share = work["flops"] / work["model_flops"]  # of the model's FLOPs, recompute included
+    program_flops = float(row["hlo_xla_flops"]) if csv_path is not None and row.get("hlo_xla_flops") else None
+    t_bf16 = (share * program_flops if program_flops else work["flops"]) / peak
+    t_lp = t_bf16 / LOW_PRECISION_SPEEDUP[gen]
+    t_bytes = bpe * work["elements"] / hbm
+    out.update(
+        tokens_per_device=tokens,
+        quantized_linears=work["linears"],
+        quantized_tflop=work["flops"] / 1e12,
+        quantized_share_of_model_flops=share,
+        program_dot_tflop=program_flops / 1e12 if program_flops else "",
+        quantized_matmul_s_bf16=t_bf16,
+        quantized_matmul_s_lp=t_lp,
+        quantize_bytes_per_element=bpe,
+        quantize_pass_s=t_bytes,
+    )
+    if csv_path is not None:
+        compute_lp = compute - t_bf16 + t_lp + t_bytes
+        for tag, c in (("bf16", compute), ("lp", compute_lp)):
+            out[f"compute_s_{tag}"] = c
+            out[f"step_exposed_s_{tag}"] = c + comm
+            out[f"step_overlapped_s_{tag}"] = max(c, comm)
+            out[f"tokens_per_chip_exposed_{tag}"] = tokens * devices_per_chip / (c + comm)
+            out[f"tokens_per_chip_overlapped_{tag}"] = tokens * devices_per_chip / max(c, comm)
+        out["comm_s"] = comm
+        out["quantized_share_of_compute"] = t_bf16 / compute
+        out["speedup_exposed"] = out["step_exposed_s_bf16"] / out["step_exposed_s_lp"]
+        out["speedup_overlapped"] = out["step_overlapped_s_bf16"] / out["step_overlapped_s_lp"]
+        fused = compute_lp - t_bytes  # a kernel that quantizes in the matmul's prologue: no extra HBM pass
+        out["speedup_exposed_fused"] = out["step_exposed_s_bf16"] / (fused + comm)
+        out["speedup_overlapped_fused"] = out["step_overlapped_s_bf16"] / max(fused, comm)
+    if maxtext:
+        out["maxtext_bf16"], out["maxtext_fp8"] = maxtext
+        out["maxtext_ratio"] = maxtext[1] / maxtext[0]
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| recipe (target) | quantized linears: share of bf16 compute | compute s bf16 -> low precision | "
+        "collectives s | tokens/s/chip bf16 -> low precision, exposed / overlapped | speed-up exposed / overlapped | "
+        "the same, quantization fused into the matmul | MaxText tokens/s/chip bf16 -> FP8 (ratio) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mt = (
+            f"{r['maxtext_bf16']:,} -> {r['maxtext_fp8']:,} ({r['maxtext_ratio']:.2f}x)" if "maxtext_bf16" in r else "-"
+        )
+        if "compute_s_bf16" not in r:
+            lines.append(
+                f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {r['quantized_share_of_model_flops']:.0%} of the "
+                f"model's FLOPs ({r['quantized_tflop']:,.0f} TFLOP per device and step); no bf16 program projected | "
+                f"- | - | - | - | - | {mt} |"
+            )
+            continue
+        lines.append(
+            f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {r['quantized_share_of_compute']:.0%} | "
+            f"{r['compute_s_bf16']:.2f} -> {r['compute_s_lp']:.2f} | {r['comm_s']:.2f} | "
+            f"{r['tokens_per_chip_exposed_bf16']:,.0f} -> {r['tokens_per_chip_exposed_lp']:,.0f} / "
+            f"{r['tokens_per_chip_overlapped_bf16']:,.0f} -> {r['tokens_per_chip_overlapped_lp']:,.0f} | "
+            f"{r['speedup_exposed']:.2f}x / {r['speedup_overlapped']:.2f}x | "
+            f"{r['speedup_exposed_fused']:.2f}x / {r['speedup_overlapped_fused']:.2f}x | {mt} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs/results/low_precision_projection.csv")
+    a = p.parse_args(argv)
+    rows = [project(*v) for v in VARIANTS]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    out = ROOT / a.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    for recipe in ("float8_rowwise", "float8_blockwise", "int8"):
+        print(
+            f"quantization passes: {bytes_per_element(recipe):.2f} HBM bytes per quantized operand element ({recipe})"
+        )
+    print(table(rows))
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
