@@ -227,19 +227,25 @@ def _ttpu_python() -> str | None:
 
 
 def _mesh_case(cfg: Config):
-    """(topology, mesh shape) of a recipe with a TPU target whose slice has a known grid, else None."""
+    """(topology, mesh shape) of a recipe with a TPU target whose slice has a known grid, else None.
+    Several slices (`v6e-256x2`): one slice's grid and mesh, `dp_replicate / num_slices` replicas in
+    it (the DCN splits `dp_replicate`; parallelisms/parallel_dims.py), since every slice lays out the
+    same ICI mesh."""
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.tpu_topology import topology_of
 
     if not cfg.job.target:
         return None
     target = planner.parse_target(cfg.job.target, key="job.target")
+    slices = target.num_slices
+    if target.device_type == "tpu" and slices > 1:
+        target = planner.parse_target(target.name.rsplit("x", 1)[0], key="job.target")
     topology = topology_of(target) if target.device_type == "tpu" else None
-    if topology is None:
-        return None
     p = cfg.parallelism
+    if topology is None or p.data_parallel_replicate_degree % slices:
+        return None
     dims = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
+        dp_replicate=p.data_parallel_replicate_degree // slices,
         dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
@@ -351,6 +357,8 @@ def check_recipe(path: str, *, capture: bool = True, overrides=(), torch_tpu: di
             report.hbm_gib = est.usable / GiB
             report.planned_flips_gib = est.scan_flips / GiB if est.scan_flips else None
             tpu_mesh_check(cfg, report, torch_tpu)
+            if target.num_slices > 1 and report.tpu_mesh != "-":
+                report.tpu_mesh += f", per slice, x{target.num_slices} over DCN"
         if capture:  # after the planner: the start-up resolves `auto` settings in `cfg`
             start_up(_with_tokenizer(cfg, report), devices=devices, device_type=device_type, report=report)
         else:

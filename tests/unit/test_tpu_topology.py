@@ -291,6 +291,30 @@ def test_recipe_check_reports_the_tpu_mesh_from_the_port_or_torch_tpu():
         )
 
 
+def test_recipe_check_lays_out_one_slice_of_a_multislice_target():
+    """`v6e-256x2` with dp_replicate 2 (one replica per slice): each slice lays out the single-slice
+    mesh (dp_replicate 1 x fsdp 256 on the 16x16 grid); the DCN joins the slices. A replicate degree
+    the slices do not divide has no per-slice mesh and is left to the rules."""
+    from tools.recipe_check import _mesh_case
+
+    cfg = build_config(
+        _recipe("llama3_70b_v6e.toml"),
+        [
+            ("job.target", "v6e-256x2"),
+            ("parallelism.data_parallel_replicate_degree", "2"),
+            ("parallelism.num_slices", "2"),
+        ],
+    )
+    topology, shape = _mesh_case(cfg)
+    assert topology == tt.topology_of("v6e-256")
+    assert shape[0] == 1 and shape[0] * shape[1] * shape[2] * shape[3] == 256, shape
+    odd = build_config(
+        _recipe("llama3_70b_v6e.toml"),
+        [("job.target", "v6e-256x2"), ("parallelism.data_parallel_replicate_degree", "1")],
+    )
+    assert _mesh_case(odd) is None
+
+
 def test_target_names_read_here_agree_with_the_planner():
     """parallelisms/ sits below the planner, so tpu_topology reads target names itself: the same
     slice as from the planner's parsed Target, for every grid it knows."""
