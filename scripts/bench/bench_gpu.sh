@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-shot GPU benchmark (CUDA): the debug recipe and a Llama 3 8B-shaped model with fewer
-# layers, eager vs torch.compile vs graph vs graph + scan, through scripts/benchmark.py.
+# layers, eager vs torch.compile vs graph vs graph + scan, through scripts/benchmark.py; then the same
+# 8B-shaped model with float8_rowwise linears (`[quantize]`, torch._scaled_mm, sm89+) against bf16.
 # Usage: OUT=results_dir bash scripts/bench/bench_gpu.sh   (results: $OUT/*.csv, $OUT/*.log)
 set -uo pipefail
 OUT="${OUT:-outputs/bench_gpu}"
@@ -18,3 +19,11 @@ common=(--nproc 1 --max-busy 1.0 --max-wait 0 --timeout 300)
   --steps 10 --warmup 4 "${common[@]}" --out "$OUT/llama8b_l4_gpu.csv" -- --device.type=cuda --model.flavor=8B \
   --model.n_layers=4 --training.seq_len=4096 --training.local_batch_size=2 --activation_checkpoint.mode=none \
   2>&1 | tee "$OUT/llama8b_l4_gpu.log"
+# 3. Low precision (docs/low_precision.md): the same 8B-shaped model, bf16 against float8_rowwise
+# linears (every block linear; the head stays bf16), eager and compile, runs interleaved.
+fp8="--quantize.recipe=float8_rowwise"
+"$PY" scripts/benchmark.py --config configs/llama3_debug.toml --variants eager,compile \
+  --variant "eager_float8_rowwise=--compile.mode=eager $fp8" --variant "compile_float8_rowwise=--compile.mode=compile $fp8" \
+  --repeats 1 --steps 10 --warmup 4 "${common[@]}" --out "$OUT/llama8b_l4_float8_gpu.csv" -- --device.type=cuda \
+  --model.flavor=8B --model.n_layers=4 --training.seq_len=4096 --training.local_batch_size=2 \
+  --activation_checkpoint.mode=none 2>&1 | tee "$OUT/llama8b_l4_float8_gpu.log"
