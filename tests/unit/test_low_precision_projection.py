@@ -1,0 +1,43 @@
+"""scripts/bench/low_precision_projection.py: the quantized work of a pod recipe and the bytes per
+quantized operand element taken from the compiled 8B block, against hand computation."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("lpp", ROOT / "scripts" / "bench" / "low_precision_projection.py")
+lpp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lpp)
+
+
+def test_llama3_405b_quantized_work_by_hand():
+    """Llama 3 405B, 126 blocks of wq, wo [16384, 16384], wk, wv [1024, 16384], w1, w3 [53248,
+    16384], w2 [16384, 53248]; full AC: 4 float8 matmuls per linear (forward twice, both
+    gradients), 2 M N K FLOPs each, at M = 8192 tokens."""
+    per_block = 2 * 16384 * 16384 + 2 * 1024 * 16384 + 3 * 53248 * 16384
+    assert per_block == 3_187_671_040
+    work = lpp.quantized_work(ROOT / "configs" / "llama3_405b_v7x_fp8.toml", 8192)
+    assert work["linears"] == 126 * 7
+    assert work["flops"] == 4 * 2 * 8192 * 126 * per_block
+    # operand elements: forward (x, w) twice, input gradient (dy, w), weight gradient (dy, x)
+    m = 8192
+    per_linear = lambda n, k: 2 * (m * k + n * k) + (m * n + n * k) + (m * n + m * k)  # noqa: E731
+    shapes = [(16384, 16384)] * 2 + [(1024, 16384)] * 2 + [(53248, 16384)] * 2 + [(16384, 53248)]
+    assert work["elements"] == 126 * sum(per_linear(n, k) for n, k in shapes)
+
+
+def test_bytes_per_element_from_the_block_compile():
+    """float8_rowwise on TPU7x: 20,398,735,360 - 16,169,611,264 bytes accessed over the operand elements of the
+    block's 20 quantized dots (7 linears x 3 matmuls at 4096 tokens, w2's forward dropped): sum of
+    M K 159,383,552, of N K 218,103,808, of M N 176,160,768, each twice, less w2's x and w."""
+    m = 4096
+    linears = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+    elements = sum(2 * (m * k + n * k + m * n) for n, k in linears) - (m * 14336 + 4096 * 14336)
+    assert elements == 2 * (159_383_552 + 218_103_808 + 176_160_768) - 117_440_512 == 989_855_744
+    assert abs(lpp.bytes_per_element("float8_rowwise") - (20_398_735_360 - 16_169_611_264) / elements) < 1e-9
+    # int8: the forward and the input gradient only
+    int8_elements = sum((m * k + n * k) + (m * n + n * k) for n, k in linears) - (m * 14336 + 4096 * 14336)
+    assert int8_elements == 654_311_424
+    assert abs(lpp.bytes_per_element("int8") - (19_300_589_568 - 16_229_998_592) / int8_elements) < 1e-9
