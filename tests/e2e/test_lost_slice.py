@@ -104,7 +104,7 @@ def _complete_local_steps(rank_folder) -> list[int]:
 
 
 @linux_only
-@pytest.mark.slow  # 37-40 s on a 2-vCPU VM at load ~3: one reference run, two launchers, one relaunch
+@pytest.mark.slow  # 25-41 s on a 2-vCPU VM shared with other jobs: one reference run, two launchers, one relaunch
 def test_lost_slice_resumes_from_the_local_tier_on_one_slice(tmp_path):
     """Slice 0 of 2 x 1 process lost: exit 75, relaunch on 1 slice from the local tier, same losses."""
     lose_a_slice(tmp_path, nproc=1, lost=0)
