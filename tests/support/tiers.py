@@ -768,6 +768,27 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "the MoE debug recipe's loss falls: the dense recipe's does, and the MoE recipe trains in the parity tests",
     ),
+    Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]*_*[pt]8.toml]",
+        (
+            "tests/unit/test_low_precision_recipes.py",
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[llama3_8b_v6e.toml]",
+            "tests/unit/test_quantize.py::test_graph_step_with_layer_scan_matches_eager[float8_rowwise]",
+        ),
+        "the low-precision pod variants at their targets (45-260 s each): each is its parent plus [quantize] "
+        "(checked), passes the rules at its degrees, its parent starts, and the quantized graph step captures",
+    ),
+    Scheduled(
+        "tests/xla/test_launch_ttpu.py::*",
+        (
+            "tests/e2e/test_launch.py::test_gke_v6e_plan_and_torch_tpu_env",
+            "tests/e2e/test_launch.py::test_tpu_vm_metadata_plan",
+            "tests/e2e/test_launch.py::test_torch_tpu_failure_is_one_config_error_line",
+        ),
+        "the launcher's plans run through the real torch-tpu launch module (33 s): the same plans, the "
+        "environment torch-tpu derives from them and its failure line are checked by default",
+    ),
 )
 
 
