@@ -18,6 +18,7 @@ Order (each step relies on the previous ones):
    compile is lazy, so it traces the SimpleFSDP gathers added next.
 5. SimpleFSDP (`data_parallel`): parameters become dp-sharded DTensors (2-D with TP) and
    are gathered at use, cast to `param_dtype`; gradients are reduced in `reduce_dtype`.
+   With `[quantize] fsdp_float8_all_gather`, float8_tensorwise weights are gathered as e4m3.
    With context parallelism (`cp > 1`) the shard axis is `dp_shard x cp` (`dp_shard_cp`).
 
 The model goes in on the meta device and comes out still on meta; the caller then runs
@@ -86,13 +87,20 @@ def parallelize_model(
     apply_ac(model, plan=plan, mode=ac_mode)
     if compile_backend is not None:
         apply_compile(model, plan=plan, backend=compile_backend)
+    # `[quantize] fsdp_float8_all_gather`: float8_tensorwise weights are all-gathered as e4m3.
+    float8 = quantize.float8_weights if quantize is not None and quantize.fsdp_float8_all_gather else None
     # With context parallelism the cp ranks hold the same parameters: shard them over dp x cp.
     if parallel_dims.cp_enabled:
         data_parallel(
-            model, mesh=fsdp_cp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype, shard_axis="dp_shard_cp"
+            model,
+            mesh=fsdp_cp_mesh(mesh),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            shard_axis="dp_shard_cp",
+            float8_weights=float8,
         )
     else:
-        data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, float8_weights=float8)
     return model
 
 

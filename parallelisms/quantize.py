@@ -55,11 +55,19 @@ class QuantizePlan:
     recipe: str = "none"
     filter_fqns: tuple[str, ...] = DEFAULT_FILTER_FQNS
     min_dim: int = DEFAULT_MIN_DIM
+    fsdp_float8_all_gather: bool = False
+    """SimpleFSDP all-gathers float8_tensorwise weights as e4m3 (parallelisms/simple_fsdp.py)."""
 
     @classmethod
     def of(cls, section) -> QuantizePlan:
         """From a `[quantize]` section (trainer/config/schema.py: QuantizeConfig)."""
-        return cls(section.recipe, tuple(section.filter_fqns), section.min_dim)
+        return cls(section.recipe, tuple(section.filter_fqns), section.min_dim, section.fsdp_float8_all_gather)
+
+    def float8_weights(self, module: nn.Module) -> bool:
+        """Whether SimpleFSDP all-gathers `module`'s weight in float8 (`data_parallel(float8_weights=)`)."""
+        return (
+            self.fsdp_float8_all_gather and isinstance(module, QuantizedLinear) and module.recipe == "float8_tensorwise"
+        )
 
 
 class QuantizedLinear(nn.Linear):
@@ -69,8 +77,18 @@ class QuantizedLinear(nn.Linear):
     recipe: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.quantized_linear(x, self.weight, self.recipe)
+        gathered = self.float8_weight()
+        if gathered is None:
+            y = ops.quantized_linear(x, self.weight, self.recipe)
+        else:
+            y = ops.quantized_linear(x, gathered[0], self.recipe, gathered[1])
         return y if self.bias is None else y + self.bias
+
+    def float8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight already quantized, (e4m3 values, tensorwise scale), when SimpleFSDP
+        all-gathers it in float8 (`data_parallel(float8_weights=...)` overrides this); None: the
+        op quantizes `self.weight` itself."""
+        return None
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -16,6 +16,16 @@ through the property. With tensor parallelism a parameter is a DTensor on the 2-
 TP styles expect. When no dp axis has more than one rank, the property only casts to
 `param_dtype`, so single-device bf16 training runs through the same code.
 
+Float8 all-gather (`data_parallel(float8_weights=...)`, `[quantize] fsdp_float8_all_gather`):
+the weights of float8_tensorwise linears are gathered as e4m3 bytes instead: each rank takes its
+shard's amax, one all-reduce (max) over the dp axes gives the weight's amax and so its one scale
+(amax / 448, as the recipe computes it), each rank rounds its shard to e4m3 with that scale, and
+the all-gather moves 1 byte per element (the uint8 view of the e4m3 values: the same bytes, on any
+backend). The module's `float8_weight()` returns the gathered e4m3 values (held in `param_dtype`,
+which represents each exactly) and the scale, and the op `quantized_linear` uses them without
+quantizing the weight again. The backward reduce-scatters the weight's gradient in `reduce_dtype`
+as for any parameter. docs/low_precision.md, "Float8 all-gather under SimpleFSDP".
+
 Granularity: each parameter is gathered where it is used (a block's weights are gathered
 one after the other as the block runs). Under torch.compile the gathers are ordinary graph
 ops that the compiler can bucket and reorder; see docs/parallelism.md.
@@ -38,6 +48,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, _get_device_handle
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from models.common.quantize import E4M3, QMAX, Operand, round_to_float8, scale_of_amax
 
 __all__ = [
     "data_parallel",
@@ -70,6 +82,8 @@ class _GatherSpec:
     shape: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     """Global shape and stride of the parameter."""
+    float8: bool = False
+    """All-gather it as e4m3 bytes with one tensorwise scale (`_Float8Gather`); dp axes only, no TP."""
 
 
 def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
@@ -113,6 +127,58 @@ def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
     )
 
 
+_TENSORWISE_E4M3 = Operand(E4M3)
+"""float8_tensorwise's weight operand: e4m3, one scale per tensor (models/common/quantize.py)."""
+
+
+class _Float8Gather(torch.autograd.Function):
+    """The dp shard of a weight -> (the whole weight's e4m3 values in `param_dtype`, its scale).
+
+    Forward: the shard's amax, all-reduced (max) over the dp axes, gives the tensorwise scale
+    exactly as the recipe computes it from the whole weight (`scale_of_amax`); the shard divided
+    by it, clamped to +-448 and rounded to e4m3 (`round_to_float8`, bitwise torch's float8 cast)
+    is all-gathered as its uint8 view: the e4m3 bytes, 1 per element, on any backend. Backward: the
+    gradient (of the dequantized weight, straight-through) is reduce-scattered to the shard in
+    `reduce_dtype`, as `_gather`'s is. A non-finite element makes the amax inf (max keeps an inf,
+    whatever a backend does with NaN) and so the scale NaN, as the recipe's."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: _GatherSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        mesh, n = spec.dp_mesh, spec.dp_mesh.ndim
+        shard = local.detach().float()
+        amax = shard.abs().amax() if shard.numel() else shard.new_zeros(())
+        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
+        amax = DTensor.from_local(amax, mesh, [Partial("max")] * n, run_check=False)
+        amax = amax.redistribute(mesh, [Replicate()] * n).to_local()
+        scale = scale_of_amax(amax, _TENSORWISE_E4M3)
+        grid = round_to_float8((shard / scale).clamp(-QMAX[E4M3], QMAX[E4M3]), E4M3)
+        wire = grid.to(E4M3).view(torch.uint8)  # exact: grid values
+        sharded = DTensor.from_local(
+            wire, mesh, spec.dp_placements, run_check=False, shape=spec.dp_shape, stride=spec.dp_stride
+        )
+        gathered = sharded.redistribute(mesh, [Replicate()] * n).to_local()
+        ctx.spec, ctx.local_dtype = spec, local.dtype
+        ctx.mark_non_differentiable(scale)
+        return gathered.view(E4M3).to(spec.param_dtype or local.dtype), scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _scale_grad: torch.Tensor | None):
+        spec = ctx.spec
+        n = spec.dp_mesh.ndim
+        grad = grad.to(spec.reduce_dtype or grad.dtype)
+        partial = DTensor.from_local(
+            grad, spec.dp_mesh, [Partial("avg")] * n, run_check=False, shape=spec.dp_shape, stride=spec.dp_stride
+        )
+        return partial.redistribute(spec.dp_mesh, spec.dp_placements).to_local().to(ctx.local_dtype), None
+
+
+def _make_float8_weight(name: str):
+    def float8_weight(self: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return _Float8Gather.apply(self._parameters[name].to_local(), self._simple_fsdp_specs[name])
+
+    return float8_weight
+
+
 def _make_property(name: str) -> property:
     def getter(self: nn.Module) -> torch.Tensor:
         return _gather(self._parameters[name], self._simple_fsdp_specs[name])
@@ -120,15 +186,18 @@ def _make_property(name: str) -> property:
     return property(getter)
 
 
-_CLASS_CACHE: dict[tuple[type, tuple[str, ...]], type] = {}
+_CLASS_CACHE: dict[tuple[type, tuple[str, ...], str | None], type] = {}
 
 
-def _swap_class(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Give `module` a subclass of its class with one gathering property per parameter."""
+def _swap_class(module: nn.Module, names: tuple[str, ...], float8_name: str | None = None) -> None:
+    """Give `module` a subclass of its class with one gathering property per parameter (and a
+    `float8_weight()` gathering `float8_name` in float8, see `_Float8Gather`)."""
     base = type(module)
-    key = (base, names)
+    key = (base, names, float8_name)
     if key not in _CLASS_CACHE:
         attrs: dict[str, object] = {name: _make_property(name) for name in names}
+        if float8_name is not None:
+            attrs["float8_weight"] = _make_float8_weight(float8_name)
         attrs["_simple_fsdp_base"] = base
         if callable(getattr(base, "init_weights", None)):
             attrs["init_weights"] = _init_weights_unparametrized(base)
@@ -244,6 +313,7 @@ def _shard_param(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     shard_dim_fn: Callable[[tuple[int, ...], int], int] | None = None,
+    float8: bool = False,
 ) -> tuple[torch.Tensor, _GatherSpec]:
     """Return the stored (sharded) version of `param` and how to gather it.
 
@@ -317,7 +387,9 @@ def _shard_param(
         tp_placements=tp_placements,
         shape=shape,
         stride=stride,
+        float8=float8,
     )
+    assert not (float8 and tp_mesh is not None), "float8 all-gather of a TP-sharded weight (refused by the rules)"
     return stored, spec
 
 
@@ -330,6 +402,7 @@ def data_parallel(
     replicate_axis: str = "dp_replicate",
     shard_axis: str = "dp_shard",
     shard_dim_fn: Callable[[tuple[int, ...], int], int] | None = None,
+    float8_weights: Callable[[nn.Module], bool] | None = None,
 ) -> nn.Module:
     """Apply SimpleFSDP to every module of `model` that owns parameters, in place.
 
@@ -341,6 +414,11 @@ def data_parallel(
     `shard_dim_fn(local_shape, shard_axis_size) -> dim` picks the dim the shard axis splits
     (default: dim 0); expert parallelism uses it to shard experts along a hidden dim when
     the experts do not go round (parallelisms/expert_parallel.py).
+    `float8_weights(module) -> bool` picks the modules whose `weight` is all-gathered in float8
+    (`_Float8Gather`; parallelize_model passes float8_tensorwise's quantized linears under
+    `[quantize] fsdp_float8_all_gather`): they get a `float8_weight()` returning the gathered e4m3
+    values and scale, which `QuantizedLinear` computes with; their `weight` attribute still gathers
+    in `param_dtype` for any other reader. Only where a dp axis shards the weight.
     """
     param_dtype_or_none = param_dtype
     # Casting the gradient to the compute dtype is a no-op; only ask for real casts.
@@ -353,6 +431,7 @@ def data_parallel(
         if not names:
             continue
         specs = {}
+        float8_name = "weight" if float8_weights is not None and float8_weights(module) else None
         for name in names:
             param = module._parameters[name]
             if id(param) not in converted:
@@ -364,13 +443,16 @@ def data_parallel(
                     param_dtype=param_dtype_or_none,
                     reduce_dtype=reduce_dtype_or_none,
                     shard_dim_fn=shard_dim_fn,
+                    float8=name == float8_name,
                 )
                 new = stored if stored is param else nn.Parameter(stored, param.requires_grad)
                 converted[id(param)] = (new, spec)
             new, specs[name] = converted[id(param)]
             module._parameters[name] = new
         module._simple_fsdp_specs = specs
-        _swap_class(module, names)
+        if float8_name is not None and specs[float8_name].dp_mesh is None:
+            float8_name = None  # nothing to gather: the op quantizes the weight itself
+        _swap_class(module, names, float8_name)
     if not is_data_parallel(model):
         # The root may own no parameters; it still needs the unparametrized init_weights.
         model._simple_fsdp_specs = {}

@@ -1,7 +1,8 @@
 """What `[quantize]` adds to a device's memory: the low-precision copies and scales of one linear.
 
 What the code does (parallelisms/quantize.py, models/common/quantize.py, titan_kernels/tpu/
-qmatmul.py): SimpleFSDP still gathers each weight in bf16 (no float8 all-gather), and the op
+qmatmul.py): SimpleFSDP gathers each weight in bf16 (with `[quantize] fsdp_float8_all_gather`,
+float8_tensorwise weights as e4m3 bytes, decoded to bf16 values: `fsdp_gather_bytes`), and the op
 `quantized_linear` quantizes the gathered bf16 weight and the bf16 activation inside each call.
 So, per quantized linear call:
 
@@ -31,7 +32,14 @@ from collections.abc import Iterable
 from models.common.quantize import BLOCK, RECIPE_SPECS, Operand
 from parallelisms.quantize import QuantizePlan, is_chosen
 
-__all__ = ["operand_bytes", "linear_backward_bytes", "quantize_transient_bytes", "quantized_linear_shapes"]
+__all__ = [
+    "operand_bytes",
+    "linear_backward_bytes",
+    "quantize_transient_bytes",
+    "quantized_linear_shapes",
+    "fsdp_gather_bytes",
+    "block_gather_ratio",
+]
 
 
 def operand_bytes(rows: int, cols: int, op: Operand) -> int:
@@ -81,3 +89,30 @@ def quantized_linear_shapes(
         for fqn, (whole, gathered) in linear_shapes.items()
         if is_chosen(fqn, whole[::-1], plan.filter_fqns, plan.min_dim)
     ]
+
+
+def fsdp_gather_bytes(gathered_numel: int, quantized: Iterable[tuple[int, int]], *, float8_all_gather: bool) -> int:
+    """Bytes SimpleFSDP's all-gathers of `gathered_numel` parameter elements produce (a device
+    receives (dp - 1) / dp of them): 2 per element (bf16); with `fsdp_float8_all_gather` the
+    weights of `quantized` ((out, in) gathered shapes, float8_tensorwise linears among them) 1 per
+    element (e4m3). Their scales travel in a 4-byte all-reduce each, not in the gather."""
+    total = 2 * gathered_numel
+    if float8_all_gather:
+        total -= sum(n * k for n, k in quantized)
+    return total
+
+
+def block_gather_ratio(
+    linear_shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]], block_gathered_numel: int, plan: QuantizePlan
+) -> float:
+    """A block's all-gather bytes with `plan` over its bf16 bytes: 1 without the float8 all-gather,
+    down to 1/2 when every block parameter is a quantized weight. The block's linears are those of
+    `linear_shapes` under a stack's first block (`<stack>.0.`); with several stacks (DeepSeek-V3's
+    dense and MoE layers) the quantized linears of all first blocks count against the largest
+    block, and the ratio is floored at 1/2."""
+    if not (plan.fsdp_float8_all_gather and plan.recipe == "float8_tensorwise") or block_gathered_numel == 0:
+        return 1.0
+    in_block = {fqn: v for fqn, v in linear_shapes.items() if fqn.split(".")[1:2] == ["0"]}
+    quantized = quantized_linear_shapes(in_block, plan)
+    gathered = fsdp_gather_bytes(block_gathered_numel, quantized, float8_all_gather=True)
+    return max(0.5, gathered / (2 * block_gathered_numel))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from models.contract import ModelShape
 from parallelisms.activation_checkpoint import AC_MODES
 from planner.activations import ActivationBytes, activation_bytes, cp_gathered_kv_bytes
-from planner.low_precision import quantize_transient_bytes, quantized_linear_shapes
+from planner.low_precision import block_gather_ratio, quantize_transient_bytes, quantized_linear_shapes
 from planner.shard import ShardStats
 from planner.targets import Target
 
@@ -92,6 +92,10 @@ class Estimate:
     quantize_transient: int = 0
     """The low-precision copies and scales of the largest quantized linear's backward, part of
     `transient_block` (planner/low_precision.py)."""
+    fsdp_gather_ratio: float = 1.0
+    """A block's FSDP all-gather bytes over bf16's (`[quantize] fsdp_float8_all_gather`: float8
+    weights halve theirs; planner/low_precision.py `block_gather_ratio`); `fsdp_min_tokens` is
+    scaled by it (the tokens that hide a gather grow with its bytes)."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
@@ -301,6 +305,9 @@ def estimate(
         + gathered_kv_grads
     )
     sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
+    gather_ratio = (
+        block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, quantize) if quantize is not None else 1.0
+    )
     gen = target.generation
     est = Estimate(
         model=model,
@@ -326,7 +333,7 @@ def estimate(
         assumed_mfu=assumed_mfu,
         flops_per_token=flops_per_token,
         recompute_factor=RECOMPUTE_FACTOR[ac_mode],
-        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity) if gen.fsdp_min_tokens else None,
+        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity * gather_ratio) if gen.fsdp_min_tokens else None,
         probed=stats.probed,
         fused_loss=fused_loss,
         cp=cp,
@@ -338,6 +345,7 @@ def estimate(
         muon_update=muon_update,
         quantize_recipe=recipe,
         quantize_transient=lowp,
+        fsdp_gather_ratio=gather_ratio,
     )
     if recipe != "none":
         est.notes.append(

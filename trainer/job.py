@@ -123,6 +123,7 @@ def step_request(
     grad_accum: int = 1,
     num_slices: int = 1,
     device_generation: str = "",
+    fsdp_shard_degree: int = 0,
 ) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
@@ -169,6 +170,8 @@ def step_request(
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
         quantize=cfg.quantize.recipe,
+        fsdp_float8_all_gather=cfg.quantize.fsdp_float8_all_gather,
+        fsdp_shard_degree=fsdp_shard_degree,
         device_generation=device_generation,
     )
 
@@ -229,6 +232,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         grad_accum=grad_accum,
         num_slices=parallel_dims.num_slices,
         device_generation=quantize_generation(cfg, device_type),
+        fsdp_shard_degree=parallel_dims.dp_shard * parallel_dims.cp,
     )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))

@@ -275,12 +275,37 @@ def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor)
 # --- low-precision linear ([quantize]) -----------------------------------------------------------
 
 
-def quantized_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+def quantized_linear(
+    x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T with the three matmuls (forward and both gradients) quantized as
     `recipe` says (models/common/quantize.py: RECIPES), -> [..., N] in x.dtype. The reference is
     the exact emulation (quantize, dequantize, sums in fp32); a device's kernel (XLA's float8 /
-    int8 dots on TPU, `torch._scaled_mm` on CUDA) computes the same products."""
-    return _impls.get("quantized_linear", emulated_linear)(x, w, recipe)
+    int8 dots on TPU, `torch._scaled_mm` on CUDA) computes the same products.
+
+    `w_scale` (float8_tensorwise): w arrives quantized, e4m3 grid values with this one scale
+    (SimpleFSDP's float8 all-gather); the emulation uses them as they are. A device kernel that
+    does not take a quantized weight yet (TPU, CUDA) gets it dequantized, w * w_scale, and
+    quantizes it again, which gives back the same e4m3 values (the gradient passes straight
+    through the dequantization)."""
+    impl = _impls.get("quantized_linear")
+    if w_scale is None:
+        return (impl or emulated_linear)(x, w, recipe)
+    if impl is None:
+        return emulated_linear(x, w, recipe, w_scale)
+    return impl(x, _Dequantize.apply(w, w_scale), recipe)
+
+
+class _Dequantize(torch.autograd.Function):
+    """w * scale in w's dtype; the gradient passes to w unchanged (it is the dequantized weight's)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (w.float() * scale).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 _REFERENCES: dict[str, Callable] = {

@@ -152,6 +152,12 @@ def group_view(t: torch.Tensor, granularity: str) -> torch.Tensor:
 def scales(t: torch.Tensor, op: Operand) -> torch.Tensor:
     """The divisor scale of each group of `t` [R, K]: shape [R', T] (see `group_view`), fp32."""
     amax = group_view(t.detach().float(), op.granularity).abs().amax(dim=(-2, -1))
+    return scale_of_amax(amax, op)
+
+
+def scale_of_amax(amax: torch.Tensor, op: Operand) -> torch.Tensor:
+    """The divisor scale of groups whose largest magnitudes are `amax` (fp32); SimpleFSDP's
+    float8 all-gather calls it on the all-reduced amax of a weight's shards."""
     s = amax / QMAX[op.dtype]
     if op.pow2:
         s = torch.exp2(torch.ceil(torch.log2(s)))
@@ -227,13 +233,16 @@ def _per_row(q: torch.Tensor, s: torch.Tensor, rows: int, granularity: str) -> t
     return q[:rows], s[:rows]
 
 
-def scaled_matmul(a: torch.Tensor, b: torch.Tensor, spec: MatmulSpec, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_matmul(
+    a: torch.Tensor, b: torch.Tensor, spec: MatmulSpec, out_dtype: torch.dtype, b_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """a [R, K] @ b [C, K]^T as the recipe's hardware computes it (module docstring), -> out_dtype.
 
     Quantized operands: exact products summed per K-group (int8 in float64, which holds every
     int32 sum exactly; float8 in float32, as the MXU / tensor cores accumulate), times both
     groups' scales, groups summed in float32. Unquantized (`HP`): a plain float32 matmul of the
-    operands as given (the compute dtype's values)."""
+    operands as given (the compute dtype's values). `b_scale`: b is already quantized, its values
+    on the format's grid with this one (tensorwise) scale (SimpleFSDP's float8 all-gather)."""
     if spec.a.dtype is None or spec.b.dtype is None:
         assert spec.a.dtype is None and spec.b.dtype is None, "mixed quantized / high-precision matmul"
         return (a.float() @ b.float().t()).to(out_dtype)
@@ -241,7 +250,11 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, spec: MatmulSpec, out_dtype:
     tiled = spec.a.granularity in ("tile", "block")
     assert tiled == (spec.b.granularity in ("tile", "block")), "operands must split K alike"
     qa, sa = quantize(a, spec.a)
-    qb, sb = quantize(b, spec.b)
+    if b_scale is None:
+        qb, sb = quantize(b, spec.b)
+    else:
+        assert spec.b.granularity == "tensor" and not spec.b.pow2, "a pre-quantized operand has one scale"
+        qb, sb = group_view(b.float(), "tensor"), b_scale.float().reshape(1, 1)
     qa, sa = _per_row(qa, sa, a.shape[0], spec.a.granularity)
     qb, sb = _per_row(qb, sb, b.shape[0], spec.b.granularity)
     acc = torch.float64 if spec.a.dtype == INT8 else torch.float32
@@ -256,28 +269,32 @@ class _QuantizedLinear(torch.autograd.Function):
     constants to autograd (straight-through: the gradient of round() is taken as 1)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torch.Tensor | None) -> torch.Tensor:
         spec = RECIPE_SPECS[recipe]
-        ctx.save_for_backward(x, w)
+        ctx.save_for_backward(x, w, w_scale)
         ctx.recipe = recipe
-        return scaled_matmul(x, w, spec.forward, x.dtype)
+        return scaled_matmul(x, w, spec.forward, x.dtype, w_scale)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
+        x, w, w_scale = ctx.saved_tensors
         spec = RECIPE_SPECS[ctx.recipe]
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = scaled_matmul(dy, w.t(), spec.grad_input, x.dtype)
+            dx = scaled_matmul(dy, w.t(), spec.grad_input, x.dtype, w_scale)
         if ctx.needs_input_grad[1]:
             dw = scaled_matmul(dy.t(), x.t(), spec.grad_weight, w.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The reference of the op `quantized_linear`: x [..., K] @ w [N, K]^T under `recipe`, exact
-    emulation on any device (module docstring), in x's dtype."""
+    emulation on any device (module docstring), in x's dtype. With `w_scale` (float8_tensorwise
+    only), w is already quantized: e4m3 grid values whose scale is `w_scale` (SimpleFSDP's float8
+    all-gather); the forward and the input gradient use them as they are, and the weight gradient
+    is the one of the dequantized weight (straight-through, as for a weight quantized here)."""
     assert recipe in RECIPE_SPECS, f"unknown recipe {recipe!r}; recipes: {RECIPES}"
+    assert w_scale is None or recipe == "float8_tensorwise", "a pre-quantized weight is float8_tensorwise's"
     lead = x.shape[:-1]
-    y = _QuantizedLinear.apply(x.reshape(-1, x.shape[-1]), w, recipe)
+    y = _QuantizedLinear.apply(x.reshape(-1, x.shape[-1]), w, recipe, w_scale)
     return y.reshape(*lead, w.shape[0])

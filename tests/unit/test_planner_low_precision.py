@@ -82,3 +82,48 @@ def test_a_plan_counts_its_largest_quantized_linear_after_tp():
     assert int8.quantize_transient == 8192 * 4096 + 3584 * 4096 + 4 * (8192 + 3584)
     # min_dim above every width: nothing quantized, nothing added
     assert plan(QuantizePlan("float8_rowwise", min_dim=1 << 20)).quantize_transient == 0
+
+
+def test_float8_all_gather_halves_the_quantized_weights_gather_bytes():
+    """Llama 3 8B at FSDP 64 (no TP): a block gathers wq, wo [4096, 4096], wk, wv [1024, 4096],
+    w1, w3 [14336, 4096], w2 [4096, 14336] and two norms [4096]: 218,112,000 elements, 436,224,000
+    bytes in bf16. With `fsdp_float8_all_gather` the 7 weights (218,103,808 elements) move 1 byte
+    each: 218,120,192 bytes, ratio 0.500019; the FSDP-hiding threshold scales with it. Other
+    recipes, or the option off, change nothing."""
+    from planner.low_precision import block_gather_ratio, fsdp_gather_bytes
+
+    args = LLAMA.flavors["8B"]
+    dims = P.make_parallel_dims(
+        dp_replicate=1, dp_shard=64, tp=1, ep=1, world_size=64, shape=args.shape(), seq_len=8192
+    )
+    with P.fake_process_group(64):
+        stats = P.shard_model(LLAMA, args, dims, probe=True)
+    assert stats.block_gathered_numel == 218_112_000
+    on = QuantizePlan("float8_tensorwise", fsdp_float8_all_gather=True)
+    weights = quantized_linear_shapes(stats.linear_shapes, on)
+    assert sum(n * k for n, k in weights) == 218_103_808
+    assert fsdp_gather_bytes(218_112_000, weights, float8_all_gather=False) == 436_224_000
+    assert fsdp_gather_bytes(218_112_000, weights, float8_all_gather=True) == 218_120_192
+    ratio = block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, on)
+    assert ratio == 218_120_192 / 436_224_000
+    for off in (QuantizePlan("float8_tensorwise"), QuantizePlan("float8_rowwise", fsdp_float8_all_gather=True)):
+        assert block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, off) == 1.0
+
+    def plan(quantize):
+        return P.estimate(
+            model="8B",
+            target=P.parse_target("v6e-64"),
+            shape=args.shape(),
+            stats=stats,
+            parallel_dims=dims,
+            local_batch_size=1,
+            seq_len=8192,
+            ac_mode="full",
+            loss_parallel=False,
+            flops_per_token=1.0,
+            quantize=quantize,
+        )
+
+    bf16, fp8 = plan(QuantizePlan("float8_tensorwise")), plan(on)
+    assert fp8.fsdp_gather_ratio == ratio and bf16.fsdp_gather_ratio == 1.0
+    assert fp8.fsdp_min_tokens == int(bf16.fsdp_min_tokens * ratio)

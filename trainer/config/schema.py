@@ -472,6 +472,15 @@ class QuantizeConfig:
     """Linears whose in or out features are below this stay in the compute dtype (the automatic
     filter: small matmuls gain less than quantizing costs); in and out features must also be
     multiples of 16. 0 quantizes every linear the filter allows (the CPU debug runs)."""
+    fsdp_float8_all_gather: bool = False
+    """SimpleFSDP all-gathers the quantized linears' weights as float8 e4m3 (1 byte per element,
+    half bf16's traffic) instead of in the compute dtype, and the matmul uses the gathered float8
+    weight as it is (TorchTitan's `enable_fsdp_float8_all_gather`). One all-reduce of the shards'
+    amaxes gives each weight its scale before the gather; so only `float8_tensorwise` (one scale
+    per tensor; a row or block scale would need the rows' amaxes across shards, and the gathered
+    values then no longer feed a backward that scales along the other dim), and only with the
+    weights sharded (`data_parallel_shard_degree` x `context_parallel_degree` > 1) and
+    `tensor_parallel_degree = 1`. docs/low_precision.md."""
 
 
 @dataclass

@@ -140,6 +140,11 @@ class StepRequest:
     """`[parallelism] allow_dcn_sharding`."""
     quantize: str = "none"
     """`[quantize] recipe`."""
+    fsdp_float8_all_gather: bool = False
+    """`[quantize] fsdp_float8_all_gather`."""
+    fsdp_shard_degree: int = 0
+    """Ranks the SimpleFSDP shard axis splits weights over (dp_shard x cp; 0: not known to the
+    caller, and no rule reads it then)."""
     device_generation: str = ""
     """The device's generation where the quantize rules need it: a TPU generation (v4, v5e, v5p,
     v6e, v7x) or a CUDA compute capability (`sm90`); "" when unknown (no quantize rule reads it)."""
@@ -513,6 +518,21 @@ RULES: tuple[Rule, ...] = (
         "{r.quantize} needs a GPU of compute capability sm{r.quantize_min_sm}+ (float8: Ada, Hopper, "
         "Blackwell), this one is "
         "{r.device_generation}; allowed here: {r.quantize_native_here}",
+    ),
+    # Float8 all-gather of weights (parallelisms/simple_fsdp.py `_Float8Gather`): the scale is one
+    # all-reduced amax per weight, known before the gather only for a tensorwise recipe.
+    Rule(
+        "quantize.fsdp_float8_all_gather",
+        "true with a recipe other than float8_tensorwise, with tensor parallelism, or with weights "
+        "not sharded (dp_shard x cp = 1, when known)",
+        lambda r: (
+            r.fsdp_float8_all_gather
+            and (r.quantize != "float8_tensorwise" or r.tp_degree > 1 or r.fsdp_shard_degree == 1)
+        ),
+        "true needs quantize.recipe = float8_tensorwise (one scale per weight, from the shards' "
+        "all-reduced amax before the gather), tensor_parallel_degree = 1 and weights sharded by "
+        "SimpleFSDP (data_parallel_shard_degree x context_parallel_degree > 1); here recipe "
+        "{r.quantize}, tp {r.tp_degree}, shard degree {r.fsdp_shard_degree}; allowed: false",
     ),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule(
