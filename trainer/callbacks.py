@@ -148,7 +148,9 @@ class MoEKeys(Callback):
 class FirstLogKeys(Callback):
     """The first logged step's one-off keys: set-up time, the peak MFU is taken against (and the
     best compute dtype's), the compile time and graph size of the step, and after a resume its
-    step and tier (`resume_step`, `resume_local_tier`)."""
+    step and tier (`resume_step`, `resume_local_tier`) and, from the local tier, how many ranks
+    received their state from a peer in another slice and how long that took (`resume_from_peer`,
+    `resume_peer_s`)."""
 
     def __init__(
         self, *, t_start: float, peak: float | None, best_peak: float | None, step_fn, resumed: dict | None = None
@@ -157,6 +159,8 @@ class FirstLogKeys(Callback):
         self.extra: dict[str, Any] | None = {"setup_s": round(time.perf_counter() - t_start, 3)}
         if resumed is not None:  # which checkpoint tier the run resumed from (1 = the local tier)
             self.extra.update(resume_step=resumed["step"], resume_local_tier=int(resumed["tier"] == "local"))
+            if "from_peer" in resumed:
+                self.extra.update(resume_from_peer=resumed["from_peer"], resume_peer_s=resumed["peer_s"])
         if peak is not None:  # the peak MFU is taken against, and the best compute dtype's (CPU: may differ)
             self.extra.update(peak_tflops=peak / 1e12, peak_tflops_best=best_peak / 1e12)
 

@@ -793,9 +793,15 @@ def test_local_tier_newer_than_the_persistent_one_is_resumed(tmp_path, capsys):
     torch.rand(7)
     mgr2 = tiered(tmp_path)
     capsys.readouterr()
-    assert mgr2.load(resumed.states) == 6 and mgr2.resumed == {"tier": "local", "step": 6}
+    assert mgr2.load(resumed.states) == 6 and mgr2.resumed == {
+        "tier": "local",
+        "step": 6,
+        "from_peer": 0,
+        "peer_s": 0.0,
+    }
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "resumed from" in x]
     assert line.startswith(f"checkpoint: resumed from the local tier {tmp_path / 'host'}/rank-*/step-6 (step 6; ")
+    assert "; 0 of 1 ranks restored from a peer)" in line
     assert resumed.loader.pos == 6 and resumed.scheduler.last_epoch == 6
     assert_same(resumed.params(), params[6])
     assert resumed.step() == losses[6]  # the noise in the step: the RNG came back too
@@ -811,6 +817,20 @@ def test_local_tier_newer_than_the_persistent_one_is_resumed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "checkpoint: local tier step 6: " in out and "fails its checksum" in out
     assert_same(fallback.params(), params[4])
+
+
+def test_plan_restore_picks_the_newest_step_every_replica_group_holds():
+    """`plan_restore` over hand-made lists: 2 slices x 2 ranks (groups {0, 2} and {1, 3})."""
+    plan = ckpt.plan_restore
+    assert plan([[4, 6], [4, 6], [4, 6], [4, 6]], 2) == (6, {})  # nothing lost
+    assert plan([[], [], [4, 6], [4, 6]], 2) == (6, {0: 2, 1: 3})  # slice 0 replaced
+    assert plan([[4, 6], [], [4, 6], [6]], 2) == (6, {1: 3})  # one host replaced: its peer serves
+    assert plan([[4, 6], [4], [6], [4]], 2) == (4, {2: 0})  # group {1, 3} has no 6: the newest both have
+    assert plan([[2, 4], [2], [4], [4]], 2) == (4, {1: 3})  # the lowest holder of the group is the source
+    assert plan([[], [], [], [6]], 2) == (0, {})  # group {0, 2} holds nothing: the persistent tier
+    assert plan([[6], [6], [8], [8]], 4) == (0, {})  # one slice: every rank is its own group
+    assert plan([[6], [6, 8], [6, 8], [8]], 1) == (8, {0: 1})  # 4 slices x 1 rank: the lowest holder of 8
+    assert plan([[4, 6], [6], [], []], 2) == (6, {2: 0, 3: 1})
 
 
 def test_explicit_load_step_reads_the_persistent_tier_only(tmp_path):

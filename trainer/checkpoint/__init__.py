@@ -15,7 +15,7 @@ from trainer.checkpoint.initial import (
     safetensors_files,
     safetensors_header,
 )
-from trainer.checkpoint.local import LocalTier, slice_layout
+from trainer.checkpoint.local import LocalTier, plan_restore, slice_layout
 from trainer.checkpoint.manager import CheckpointManager, CheckpointSaveError, check_entries, complete_steps
 from trainer.checkpoint.manifest import (
     BLOCK_BYTES,
@@ -62,6 +62,7 @@ __all__ = [
     "hf_config_differences",
     "load_initial",
     "local_box",
+    "plan_restore",
     "read_box_of",
     "run_states",
     "safetensors_files",

@@ -20,9 +20,12 @@ the data loader's state is a mesh-independent position, the same on every rank (
 So any one surviving slice restores the global data order and the trajectory.
 
 A save is written to `.tmp-step-N`, checksummed (manifest.json written last), then renamed; the
-newest `KEEP` steps are kept. A step is usable when every rank of the resuming job finds it
+newest `KEEP` steps are kept. A step is usable when every replica group of the resuming job (the
+ranks with the same R across slices, `replica_groups`) has at least one rank that finds it
 complete in its own `rank-R` folder with the same per-slice layout (`layout.json`); the manager
 takes it when it is newer than the persistent tier's newest (trainer/checkpoint/manager.py).
+A rank without the step (a replaced host: its disk is empty) receives it from the lowest rank of
+its group that has it, which loaded its own files (`plan_restore`, `send_state`, `receive_state`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
 from trainer.checkpoint.state import _STEP_DIR, Stateful, _capture_rng, _fsync_dir, _rank, short_error
@@ -52,6 +58,70 @@ def slice_layout(*, mesh_shape: tuple, dcn_mesh_shape: tuple, ep: int, world_siz
     mesh inside one slice (dp_replicate, dp_shard, cp, tp over the slice) and ep."""
     ici = [m // d for m, d in zip(mesh_shape, dcn_mesh_shape)]
     return {"ranks_per_slice": world_size // num_slices, "slice_mesh": ici, "ep": ep}
+
+
+def replica_groups(world_size: int, ranks_per_slice: int) -> list[list[int]]:
+    """The ranks that hold the same shards: rank R of every slice (ranks are numbered slice-major,
+    so global rank g is slice g // ranks_per_slice, place g % ranks_per_slice)."""
+    return [list(range(r, world_size, ranks_per_slice)) for r in range(ranks_per_slice)]
+
+
+def plan_restore(holdings: list, ranks_per_slice: int) -> tuple[int, dict[int, int]]:
+    """The newest step every replica group can restore, and where each rank without it gets it.
+
+    holdings[g]: the steps global rank g has complete with this job's layout. Returns (step,
+    {rank: source}) for the newest step that at least one rank of every replica group holds; a
+    rank of the group that lacks it receives it from the group's lowest rank that has it (so every
+    rank computes the same plan from the same gathered lists). (0, {}) when no step qualifies.
+    """
+    held = [set(h) for h in holdings]
+    groups = replica_groups(len(held), ranks_per_slice)
+    covered = set.intersection(*(set().union(*(held[g] for g in group)) for group in groups)) if groups else set()
+    if not covered:
+        return 0, {}
+    step = max(covered)
+    sources = {}
+    for group in groups:
+        source = min(g for g in group if step in held[g])
+        sources.update({g: source for g in group if step not in held[g]})
+    return step, sources
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def send_state(state_dict: dict[str, Any], dst: int, group: Any) -> None:
+    """Send a loaded state dict to rank `dst` (global) over `group` (gloo): first its non-tensor
+    entries and the tensor names (one pickled object), then every tensor (this rank's shard of a
+    DTensor), in name order. `dst` holds the same shards (the same place in another slice)."""
+    flat, _ = flatten_state_dict(state_dict)
+    names = sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))
+    head = {"names": names, "objects": {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}}
+    dist.send_object_list([head], dst=dst, group=group)
+    for name in names:
+        dist.send(_local(flat[name]).detach().cpu().contiguous(), dst=dst, group=group)
+
+
+def receive_state(template: dict[str, Any], src: int, group: Any) -> dict[str, Any]:
+    """The state dict `send_state` sent from rank `src`, received into this rank's `template` (the
+    states' own state dicts: same names, shapes and shards); what to pass to `load_state_dict`."""
+    flat, mapping = flatten_state_dict(template)
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    head = box[0]
+    missing = [k for k in head["names"] if not isinstance(flat.get(k), torch.Tensor)]
+    if missing:
+        raise RuntimeError(f"rank {src}'s local-tier state has tensors this rank lacks, e.g. {missing[:3]}")
+    out: dict[str, Any] = dict(head["objects"])
+    with torch.no_grad():
+        for name in head["names"]:
+            local = _local(flat[name])
+            buffer = torch.empty(local.shape, dtype=local.dtype)
+            dist.recv(buffer, src=src, group=group)
+            local.copy_(buffer)
+            out[name] = flat[name]
+    return unflatten_state_dict(out, {k: mapping[k] for k in out})
 
 
 class LocalTier:
@@ -125,25 +195,21 @@ class LocalTier:
                 steps.append(int(match.group(1)))
         return sorted(steps)
 
-    def newest_common(self) -> int:
-        """The newest step every rank has complete (0 if none). A collective."""
-        mine = set(self.complete_steps())
-        if self.group is not None:
-            every: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(every, mine, group=self.group)
-            mine = set.intersection(*every)
-        return max(mine, default=0)
+    def verify(self, step: int, *, holds: bool = True) -> list[str | None]:
+        """This rank's files of `step` against their manifest (when it `holds` the step); every
+        rank's verdict, indexed by global rank (None: intact or not held). A collective."""
+        problem = None
+        if holds:
+            try:
+                verify_checkpoint(self.step_path(step))
+            except CorruptCheckpointError as e:
+                problem = short_error(e)
+        return self.gather(problem)
 
-    def verify(self, step: int) -> str | None:
-        """This rank's files of `step` against their manifest; every rank gets the first problem
-        (None: intact everywhere). A collective."""
-        try:
-            verify_checkpoint(self.step_path(step))
-            problem = None
-        except CorruptCheckpointError as e:
-            problem = short_error(e)
-        if self.group is not None:
-            every: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(every, problem, group=self.group)
-            problem = next((p for p in every if p is not None), None)
-        return problem
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, indexed by global rank. A collective."""
+        if self.group is None:
+            return [value]
+        every: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, value, group=self.group)
+        return every

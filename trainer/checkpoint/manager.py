@@ -44,7 +44,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
-from trainer.checkpoint.local import LocalTier
+from trainer.checkpoint.local import LocalTier, plan_restore, receive_state, send_state
 from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
 from trainer.checkpoint.state import (
     _DCP_ERRORS,
@@ -404,28 +404,57 @@ class CheckpointManager:
                 _say(f"checkpoint:   {note}")
 
     def _load_local(self, states: dict[str, Stateful], *, newest_persistent: int) -> int:
-        """Resume from the local tier when its newest step complete on every rank is newer than the
-        persistent tier's (a collective); 0 when it is not (or fails its checksums somewhere: then
-        the persistent tier is used, and the line says why)."""
+        """Resume from the local tier when its newest step that every replica group holds is newer
+        than the persistent tier's (a collective); 0 when it is not. Ranks that hold the step load
+        their own files; a rank without it (a replaced host) receives it from a peer that does
+        (`local.plan_restore`). A holder whose files fail their checksums is not used: another
+        holder of its group serves instead, else an older step, else the persistent tier."""
         local = self.local
-        step = local.newest_common()
-        if step <= newest_persistent:
-            if step:
-                _say(f"checkpoint: local tier's newest complete step {step} is not newer than {self.folder}'s")
-            return 0
-        problem = local.verify(step)
-        if problem is not None:
-            _say(f"checkpoint: local tier step {step}: {problem}; resuming from {self.folder} instead")
-            return 0
+        holdings = local.gather([*local.complete_steps()])
+        rank = _rank()
+        per_slice = local.layout.get("ranks_per_slice") or len(holdings)
+        while True:
+            step, sources = plan_restore(holdings, per_slice)
+            if step <= newest_persistent:
+                if step:
+                    _say(f"checkpoint: local tier's newest complete step {step} is not newer than {self.folder}'s")
+                return 0
+            problems = local.verify(step, holds=rank not in sources)
+            if not any(problems):
+                break
+            for g, problem in enumerate(problems):
+                if problem is not None:
+                    _say(f"checkpoint: local tier step {step}: {problem} (rank {g}); not restoring from those files")
+                    holdings[g] = [s for s in holdings[g] if s != step]
         path = local.step_path(step)
-        self._load_path(path, states, "checkpoint.local_folder", no_dist=True)
+        state_dict, error = None, None
+        if rank not in sources:
+            try:
+                state_dict = self._read_path(path, states, "checkpoint.local_folder", no_dist=True)
+            except ConfigError as e:
+                error = str(e)
+        first = next((e for e in local.gather(error) if e), None)
+        if first is not None:
+            raise ConfigError(first)
+        t0 = time.perf_counter()
+        if rank in sources:
+            template = {name: state.state_dict() for name, state in states.items()}
+            state_dict = receive_state(template, sources[rank], local.group)
+        for dst in sorted(g for g, src in sources.items() if src == rank):
+            send_state(state_dict, dst, local.group)
+        peer_s = max(local.gather(time.perf_counter() - t0 if rank in sources else 0.0))
+        self._apply(states, state_dict)
         persistent = f"step {newest_persistent}" if newest_persistent else "none"
+        peers = f"{len(sources)} of {len(holdings)} ranks restored from a peer" + (
+            f" in {peer_s:.2f} s" if sources else ""
+        )
         _say(
             f"checkpoint: resumed from the local tier {local.root}/rank-*/step-{step} (step {step}; newest in "
-            f"{self.folder}: {persistent}): weights, optimizer moments, lr-schedule step, data position and RNG "
-            "from the checkpoint; lr, schedule, betas, eps and weight_decay from the config"
+            f"{self.folder}: {persistent}; {peers}): weights, optimizer moments, lr-schedule step, data position "
+            "and RNG from the checkpoint; lr, schedule, betas, eps and weight_decay from the config"
         )
         self._resumed("local", step, states)
+        self.resumed.update(from_peer=len(sources), peer_s=round(peer_s, 3))
         return step
 
     def _verify(self, path: Path) -> str | None:
@@ -444,9 +473,19 @@ class CheckpointManager:
             problem = box[0]
         return problem
 
-    def _load_path(self, path: Path, states: dict[str, Stateful], key: str, *, no_dist: bool = False) -> None:
-        """Load `path` into `states`; no_dist: this rank reads its own files alone (a local-tier
-        step holds this rank's shards, written without collectives)."""
+    def _load_path(self, path: Path, states: dict[str, Stateful], key: str) -> None:
+        """Load `path` into `states`."""
+        self._apply(states, self._read_path(path, states, key))
+
+    @staticmethod
+    def _apply(states: dict[str, Stateful], state_dict: dict[str, Any]) -> None:
+        for name, state in states.items():
+            state.load_state_dict(state_dict[name])
+
+    def _read_path(self, path: Path, states: dict[str, Stateful], key: str, *, no_dist: bool = False) -> dict:
+        """`states`' state dicts with the values of `path`, checked against its entries first;
+        no_dist: this rank reads its own files alone (a local-tier step holds this rank's shards,
+        written without collectives)."""
         try:
             stored = _stored_shapes(path)
         except Exception as e:
@@ -480,8 +519,7 @@ class CheckpointManager:
             )
         except _DCP_ERRORS as e:
             raise ConfigError(f"{key}: cannot load {path}: {short_error(e)}") from e
-        for name, state in states.items():
-            state.load_state_dict(state_dict[name])
+        return state_dict
 
     # -- save -------------------------------------------------------------------------------
 
