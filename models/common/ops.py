@@ -285,9 +285,9 @@ def quantized_linear(
 
     `w_scale` (float8_tensorwise): w arrives quantized, e4m3 grid values with this one scale
     (SimpleFSDP's float8 all-gather); the emulation uses them as they are. A device kernel that
-    does not take a quantized weight yet (TPU, CUDA) gets it dequantized, w * w_scale, and
-    quantizes it again, which gives back the same e4m3 values (the gradient passes straight
-    through the dequantization)."""
+    does not take a quantized weight yet (TPU, CUDA) gets it dequantized in fp32, w * w_scale,
+    and quantizes it again: the same e4m3 values, the scale within its fp32 rounding (the
+    gradient passes straight through the dequantization)."""
     impl = _impls.get("quantized_linear")
     if w_scale is None:
         return (impl or emulated_linear)(x, w, recipe)
@@ -297,15 +297,17 @@ def quantized_linear(
 
 
 class _Dequantize(torch.autograd.Function):
-    """w * scale in w's dtype; the gradient passes to w unchanged (it is the dequantized weight's)."""
+    """w * scale in fp32 (in bf16 the amax, and so the scale found again, would move by bf16's
+    rounding); the gradient passes to w unchanged (it is the dequantized weight's), in w's dtype."""
 
     @staticmethod
     def forward(ctx, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (w.float() * scale).to(w.dtype)
+        ctx.dtype = w.dtype
+        return w.float() * scale
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        return grad.to(ctx.dtype), None
 
 
 _REFERENCES: dict[str, Callable] = {
