@@ -22,10 +22,13 @@ itself is bitwise the survivor's state: its slice holds the whole replica.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -103,26 +106,65 @@ def _complete_local_steps(rank_folder) -> list[int]:
     )
 
 
+@dataclass
+class KilledSlice:
+    """What `kill_a_slice` leaves under `root` (run/, host-0/local, host-1/local) and measured."""
+
+    root: Path
+    nproc: int
+    lost: int
+    want: dict[int, float]  # the uninterrupted run's loss per step
+    persistent: list[int]
+    local: list[int]  # the survivor's complete local steps (on every one of its ranks)
+    last_trained: int
+    detect_s: float
+    saves: dict[str, list[float]]
+
+
+@pytest.fixture(scope="module")
+def slice_0_killed(tmp_path_factory) -> KilledSlice:
+    """One uninterrupted run and one 2 x 1 process run whose slice 0 was killed, shared by the
+    relaunches below (each relaunches a copy)."""
+    return kill_a_slice(tmp_path_factory.mktemp("killed"), nproc=1, lost=0)
+
+
 @linux_only
 @pytest.mark.slow  # 25-41 s on a 2-vCPU VM shared with other jobs: one reference run, two launchers, one relaunch
-def test_lost_slice_resumes_from_the_local_tier_on_one_slice(tmp_path):
+def test_lost_slice_resumes_from_the_local_tier_on_one_slice(slice_0_killed, tmp_path):
     """Slice 0 of 2 x 1 process lost: exit 75, relaunch on 1 slice from the local tier, same losses."""
-    lose_a_slice(tmp_path, nproc=1, lost=0)
+    relaunch(slice_0_killed, tmp_path, replaced=False)
 
 
-def lose_a_slice(tmp_path, *, nproc: int, lost: int) -> None:
+@linux_only
+@pytest.mark.slow  # the relaunch alone after the test above (~10 s); alone, the shared run too
+def test_replaced_slice_restores_its_hosts_from_the_survivors_peer(slice_0_killed, tmp_path):
+    """Slice 0 of 2 x 1 process lost and replaced by one with an empty local disk: the relaunch on
+    2 slices resumes from the local tier at the same step, slice 0's rank receiving its state from
+    slice 1's, and trains the same losses."""
+    relaunch(slice_0_killed, tmp_path, replaced=True)
+
+
+def lose_a_slice(tmp_path, *, nproc: int, lost: int, replaced: bool = False) -> None:
     """The run of the module docstring with `nproc` processes per slice (FSDP over them inside
-    the slice), slice `lost` killed (0 is the one whose host holds the rendezvous and rank 0)."""
+    the slice), slice `lost` killed (0 is the one whose host holds the rendezvous and rank 0),
+    then relaunched on the survivor alone or, `replaced`, on 2 slices with the lost one's local
+    folder emptied."""
+    relaunch(kill_a_slice(tmp_path / "killed", nproc=nproc, lost=lost), tmp_path / "relaunch", replaced=replaced)
+
+
+def kill_a_slice(root: Path, *, nproc: int, lost: int) -> KilledSlice:
+    """The uninterrupted run, then the 2-slice run until the survivor's local step 6, then slice
+    `lost` killed with SIGKILL; the survivor must exit 75."""
     from tests.e2e.test_launch import _free_port
 
     survivor = 1 - lost
     batch = 4 // (2 * nproc)  # the global batch of 4 sequences on 2 slices x nproc ranks
 
-    ref = tmp_path / "ref"
+    ref = root / "ref"
     run([sys.executable, "-m", "trainer.train", *COMMON, f"--job.dump_folder={ref}", "--training.local_batch_size=4"])
     want = {s: r["loss"] for s, r in read_metrics(ref).items()}
 
-    dump, hosts = tmp_path / "run", [tmp_path / "host-0" / "local", tmp_path / "host-1" / "local"]
+    dump, hosts = root / "run", [root / "host-0" / "local", root / "host-1" / "local"]
     two_slices = [f"--training.local_batch_size={batch}", "--parallelism.data_parallel_replicate_degree=2"]
     port = _free_port()
     procs = [_host(dump, hosts[s], slices=2, slice_id=s, port=port, extra=two_slices, nproc=nproc) for s in (0, 1)]
@@ -145,36 +187,66 @@ def lose_a_slice(tmp_path, *, nproc: int, lost: int) -> None:
     persistent = sorted(int(p.name[5:]) for p in (dump / "checkpoints").glob("step-*"))
     local = sorted(set.intersection(*(set(_complete_local_steps(hosts[survivor] / f"rank-{r}")) for r in range(nproc))))
     before = read_metrics(dump)
-    last_trained = max(before)
-    newest_local = max(local)
-    assert newest_local > max(persistent, default=0), (local, persistent)
-
-    t0 = time.monotonic()
-    one_slice = [f"--training.local_batch_size={2 * batch}"]
-    again = _host(dump, hosts[survivor], slices=1, slice_id=0, port=_free_port(), extra=one_slice, nproc=nproc)
-    log = again.communicate(timeout=300)[0]
-    relaunch_s = time.monotonic() - t0
-    assert again.returncode == 0, log[-3000:]
-    resumed = [line for line in log.splitlines() if "checkpoint: resumed from" in line]
-    assert (
-        len(resumed) == 1 and f"resumed from the local tier {hosts[survivor]}/rank-*/step-{newest_local} " in resumed[0]
-    )
-    after = read_metrics(dump)
-    first = min(s for s in after if s > newest_local)
-    assert first == newest_local + 1 and max(after) == STEPS
-    assert after[first]["resume_step"] == newest_local and after[first]["resume_local_tier"] == 1
-    steps_lost = last_trained - newest_local
-    assert 0 <= steps_lost <= LOCAL_INTERVAL, (last_trained, newest_local)
-    worst = max(abs(after[s]["loss"] - want[s]) / want[s] for s in range(1, STEPS + 1))
+    assert max(local) > max(persistent, default=0), (local, persistent)
     saves = {
         k: [round(r[k], 3) for r in before.values() if r.get(k) is not None] for k in ("ckpt_local_s", "ckpt_save_s")
     }
-    print(
-        f"lost slice {lost} of 2 x {nproc} processes: persistent steps {persistent}, survivor's local steps {local}; slice {lost} killed after step "
-        f"{last_trained} was logged; survivor exited 75 after {detect_s:.1f} s; relaunch on 1 slice ({relaunch_s:.1f} s) "
-        f"resumed from the local tier at step {newest_local} (steps lost {steps_lost}); max relative loss "
-        f"difference vs the uninterrupted run over steps 1..{STEPS}: {worst:.2e}; seconds the saves blocked "
-        f"rank 0 before the loss: {saves}"
+    return KilledSlice(root, nproc, lost, want, persistent, local, max(before), detect_s, saves)
+
+
+def relaunch(killed: KilledSlice, root: Path, *, replaced: bool) -> None:
+    """Relaunch a copy of `killed`'s folders under `root`: on the survivor alone (1 slice), or
+    `replaced`: on 2 slices, the lost slice's local folder empty (a new host); either resumes from
+    the local tier at the survivor's newest step and trains the uninterrupted run's losses."""
+    from tests.e2e.test_launch import _free_port
+
+    nproc, lost, survivor = killed.nproc, killed.lost, 1 - killed.lost
+    for name in ("run", "host-0", "host-1"):
+        shutil.copytree(killed.root / name, root / name)
+    dump, hosts = root / "run", [root / "host-0" / "local", root / "host-1" / "local"]
+    newest_local = max(killed.local)
+    batch = 4 // (2 * nproc)
+
+    t0 = time.monotonic()
+    if replaced:
+        shutil.rmtree(hosts[lost])
+        hosts[lost].mkdir()
+        two_slices = [f"--training.local_batch_size={batch}", "--parallelism.data_parallel_replicate_degree=2"]
+        port = _free_port()
+        procs = [_host(dump, hosts[s], slices=2, slice_id=s, port=port, extra=two_slices, nproc=nproc) for s in (0, 1)]
+    else:
+        one_slice = [f"--training.local_batch_size={2 * batch}"]
+        procs = [_host(dump, hosts[survivor], slices=1, slice_id=0, port=_free_port(), extra=one_slice, nproc=nproc)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    relaunch_s = time.monotonic() - t0
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(log[-3000:] for log in logs)
+    rank0_host = hosts[0] if replaced else hosts[survivor]  # rank 0 prints; its own folder in the line
+    resumed = [line for line in logs[0].splitlines() if "checkpoint: resumed from" in line]
+    from_peer = nproc if replaced else 0
+    assert len(resumed) == 1, logs[0][-3000:]
+    assert f"resumed from the local tier {rank0_host}/rank-*/step-{newest_local} " in resumed[0], resumed
+    assert f"; {from_peer} of {len(procs) * nproc} ranks restored from a peer" in resumed[0], resumed
+    after = read_metrics(dump)
+    first = min(s for s in after if s > newest_local)
+    assert first == newest_local + 1 and max(after) == STEPS
+    record = after[first]
+    assert record["resume_step"] == newest_local and record["resume_local_tier"] == 1
+    assert record["resume_from_peer"] == from_peer
+    steps_lost = killed.last_trained - newest_local
+    assert 0 <= steps_lost <= LOCAL_INTERVAL, (killed.last_trained, newest_local)
+    worst = max(abs(after[s]["loss"] - killed.want[s]) / killed.want[s] for s in range(1, STEPS + 1))
+    how = (
+        f"on 2 slices, slice {lost}'s local folder emptied ({from_peer} ranks restored from a peer in "
+        f"{record['resume_peer_s']:.3f} s)"
+        if replaced
+        else "on 1 slice"
     )
-    assert detect_s < 90
+    print(
+        f"lost slice {lost} of 2 x {nproc} processes: persistent steps {killed.persistent}, survivor's local steps "
+        f"{killed.local}; slice {lost} killed after step {killed.last_trained} was logged; survivor exited 75 after "
+        f"{killed.detect_s:.1f} s; relaunch {how} ({relaunch_s:.1f} s) resumed from the local tier at step "
+        f"{newest_local} (steps lost {steps_lost}); max relative loss difference vs the uninterrupted run over "
+        f"steps 1..{STEPS}: {worst:.2e}; seconds the saves blocked rank 0 before the loss: {killed.saves}"
+    )
+    assert killed.detect_s < 90
     assert worst < 1e-5

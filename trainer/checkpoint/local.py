@@ -93,11 +93,12 @@ def _local(value: Any) -> torch.Tensor:
 
 def send_state(state_dict: dict[str, Any], dst: int, group: Any) -> None:
     """Send a loaded state dict to rank `dst` (global) over `group` (gloo): first its non-tensor
-    entries and the tensor names (one pickled object), then every tensor (this rank's shard of a
+    entries, the tensor names and the nesting (one pickled object), then every tensor (this rank's shard of a
     DTensor), in name order. `dst` holds the same shards (the same place in another slice)."""
-    flat, _ = flatten_state_dict(state_dict)
+    flat, mapping = flatten_state_dict(state_dict)
     names = sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))
-    head = {"names": names, "objects": {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}}
+    objects = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    head = {"names": names, "objects": objects, "mapping": mapping}
     dist.send_object_list([head], dst=dst, group=group)
     for name in names:
         dist.send(_local(flat[name]).detach().cpu().contiguous(), dst=dst, group=group)
@@ -106,7 +107,7 @@ def send_state(state_dict: dict[str, Any], dst: int, group: Any) -> None:
 def receive_state(template: dict[str, Any], src: int, group: Any) -> dict[str, Any]:
     """The state dict `send_state` sent from rank `src`, received into this rank's `template` (the
     states' own state dicts: same names, shapes and shards); what to pass to `load_state_dict`."""
-    flat, mapping = flatten_state_dict(template)
+    flat, _ = flatten_state_dict(template)
     box: list[Any] = [None]
     dist.recv_object_list(box, src=src, group=group)
     head = box[0]
@@ -121,7 +122,7 @@ def receive_state(template: dict[str, Any], src: int, group: Any) -> dict[str, A
             dist.recv(buffer, src=src, group=group)
             local.copy_(buffer)
             out[name] = flat[name]
-    return unflatten_state_dict(out, {k: mapping[k] for k in out})
+    return unflatten_state_dict(out, head["mapping"])  # the sender's nesting (its rng.rank_<r> entries)
 
 
 class LocalTier:

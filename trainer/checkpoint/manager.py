@@ -427,10 +427,13 @@ class CheckpointManager:
                     _say(f"checkpoint: local tier step {step}: {problem} (rank {g}); not restoring from those files")
                     holdings[g] = [s for s in holdings[g] if s != step]
         path = local.step_path(step)
-        state_dict, error = None, None
+        # Every rank builds its state dicts here, at the same point: building them may run
+        # collectives of the training mesh (DTensor states), which must not cross the gathers below.
+        state_dict = {name: state.state_dict() for name, state in states.items()}
+        error = None
         if rank not in sources:
             try:
-                state_dict = self._read_path(path, states, "checkpoint.local_folder", no_dist=True)
+                state_dict = self._read_path(path, states, "checkpoint.local_folder", no_dist=True, into=state_dict)
             except ConfigError as e:
                 error = str(e)
         first = next((e for e in local.gather(error) if e), None)
@@ -438,8 +441,7 @@ class CheckpointManager:
             raise ConfigError(first)
         t0 = time.perf_counter()
         if rank in sources:
-            template = {name: state.state_dict() for name, state in states.items()}
-            state_dict = receive_state(template, sources[rank], local.group)
+            state_dict = receive_state(state_dict, sources[rank], local.group)
         for dst in sorted(g for g, src in sources.items() if src == rank):
             send_state(state_dict, dst, local.group)
         peer_s = max(local.gather(time.perf_counter() - t0 if rank in sources else 0.0))
@@ -482,15 +484,17 @@ class CheckpointManager:
         for name, state in states.items():
             state.load_state_dict(state_dict[name])
 
-    def _read_path(self, path: Path, states: dict[str, Stateful], key: str, *, no_dist: bool = False) -> dict:
-        """`states`' state dicts with the values of `path`, checked against its entries first;
-        no_dist: this rank reads its own files alone (a local-tier step holds this rank's shards,
-        written without collectives)."""
+    def _read_path(
+        self, path: Path, states: dict[str, Stateful], key: str, *, no_dist: bool = False, into: dict | None = None
+    ) -> dict:
+        """`states`' state dicts (`into`, when already built) with the values of `path`, checked
+        against its entries first; no_dist: this rank reads its own files alone (a local-tier step
+        holds this rank's shards, written without collectives)."""
         try:
             stored = _stored_shapes(path)
         except Exception as e:
             raise ConfigError(f"{key}: {path} is not a readable DCP checkpoint ({short_error(e)})") from e
-        state_dict = {name: state.state_dict() for name, state in states.items()}
+        state_dict = into if into is not None else {name: state.state_dict() for name, state in states.items()}
         _drop_missing_rank_entries(state_dict, set(stored))
         flat = flatten_state_dict(state_dict)[0]
         # Model and optimizer moments must match exactly, in both directions (a checkpoint with
