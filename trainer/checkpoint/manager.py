@@ -249,8 +249,10 @@ class CheckpointManager:
         and the older step to use).
     local_folder, local_interval: the local tier (trainer/checkpoint/local.py), "" for none;
         slice_rank and layout place this rank inside its slice (`local.slice_layout`). A resume
-        (load_step -1) takes the local tier's newest step complete on every rank when it is newer
-        than the persistent tier's newest; `resumed` says which tier and step were loaded.
+        (load_step -1) takes the local tier's newest step that some rank of every replica group
+        has complete when it is newer than the persistent tier's newest (ranks without it receive
+        it from a peer); `resumed` says which tier and step were loaded (and, from the local tier,
+        `from_peer` ranks restored from a peer in `peer_s` seconds).
     Every save writes manifest.json (per-file CRC-32s) into the checkpoint before it becomes
     visible; every load checks it first.
     Every rank constructs the manager and calls every method (the calls hold collectives).
