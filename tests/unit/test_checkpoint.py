@@ -833,6 +833,82 @@ def test_plan_restore_picks_the_newest_step_every_replica_group_holds():
     assert plan([[4, 6], [6], [], []], 2) == (6, {2: 0, 3: 1})
 
 
+def _replaced_host_worker(rank: int, world: int, store: str, root: str):
+    """2 slices x 1 rank (one replica group): local steps 2 and 4 on each rank's own "host", then
+    resumes where rank 0's step 4 is gone, or one holder's or both holders' files are garbled."""
+    import shutil
+
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from trainer.runtime.device import cpu_backend
+
+    dist.init_process_group(cpu_backend(), init_method=f"file://{store}", rank=rank, world_size=world)
+    hosts = [Path(root) / f"host-{r}" for r in range(world)]
+
+    def tiers():
+        return ckpt.CheckpointManager(
+            folder=Path(root) / "ckpt",
+            interval=100,
+            keep_latest_k=0,
+            async_mode="disabled",
+            enable=True,
+            local_folder=str(hosts[rank]),
+            local_interval=2,
+            slice_rank=0,
+            layout=LAYOUT,
+        )
+
+    try:
+        run, mgr = Run(seed=0), tiers()
+        for step in range(1, 5):
+            run.step()  # the same seed on both ranks: the same replica, as after an all-reduce
+            if step == 4:
+                torch.manual_seed(1000 + rank)  # but each rank's own RNG from here on
+            if mgr.local_due(step):
+                mgr.save_local(step, run.states)
+        mgr.close()
+        want, want_rand = run.params(), torch.rand(3)  # the RNG right after the save
+
+        def resume(expect_step: int, expect_from_peer: int) -> None:
+            dist.barrier()
+            fresh, again = Run(seed=7 + rank), tiers()
+            assert again.load(fresh.states) == expect_step
+            assert again.resumed == {"tier": "local", "step": expect_step, "from_peer": expect_from_peer} | {
+                "peer_s": again.resumed["peer_s"]
+            }
+            if expect_step == 4:
+                assert_same(fresh.params(), want)
+                assert fresh.loader.pos == 4 and fresh.scheduler.last_epoch == 4 and fresh.train_state.step == 4
+                torch.testing.assert_close(torch.rand(3), want_rand, rtol=0, atol=0)  # its own RNG
+            again.close()
+            dist.barrier()
+
+        step4 = hosts[0] / "rank-0" / "step-4"
+        if rank == 0:
+            shutil.copytree(step4, Path(root) / "kept")
+            shutil.rmtree(step4)  # a replaced host that has the older step only
+        resume(4, 1)  # rank 0 receives step 4 from rank 1
+        if rank == 0:
+            shutil.copytree(Path(root) / "kept", step4)
+            _garble(step4 / "__0_0.distcp")  # the lowest holder, the source, is corrupt
+        resume(4, 1)  # rank 1's files serve instead: rank 0 receives
+        if rank == 1:
+            _garble(hosts[1] / "rank-0" / "step-4" / "__0_0.distcp")
+        resume(2, 0)  # no intact step 4 anywhere: the older local step, newer than the persistent (none)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replaced_host_receives_the_step_from_its_peer(tmp_path):
+    """2 ranks on gloo, one replica group: a rank without the newest local step (a replaced host)
+    receives it from the other, weights, moments, data position and its own RNG bit for bit; a
+    corrupt source is passed over for the other holder; with none left, the older step."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_replaced_host_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+
+
 def test_explicit_load_step_reads_the_persistent_tier_only(tmp_path):
     run = Run()
     mgr = tiered(tmp_path)

@@ -432,6 +432,11 @@ class CheckpointManager:
         # Every rank builds its state dicts here, at the same point: building them may run
         # collectives of the training mesh (DTensor states), which must not cross the gathers below.
         state_dict = {name: state.state_dict() for name, state in states.items()}
+        receivers = sorted(g for g, src in sources.items() if src == rank)
+        rng = state_dict.get("train_state", {}).get("rng")
+        if isinstance(rng, dict):  # a source also reads its receivers' RNG (every rank's files hold all)
+            for dst in receivers:
+                rng.setdefault(f"rank_{dst}", b"")
         error = None
         if rank not in sources:
             try:
@@ -444,7 +449,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         if rank in sources:
             state_dict = receive_state(state_dict, sources[rank], local.group)
-        for dst in sorted(g for g, src in sources.items() if src == rank):
+        for dst in receivers:
             send_state(state_dict, dst, local.group)
         peer_s = max(local.gather(time.perf_counter() - t0 if rank in sources else 0.0))
         self._apply(states, state_dict)
