@@ -10,8 +10,11 @@ lose) is killed with SIGKILL, as when a slice is lost. The survivor's next colle
 exits 75 (the launchers' restart code) within a bounded time. The relaunch on one slice
 (dp_replicate 2 -> 1, the same global batch of 4 on one process) resumes from the surviving host's
 local tier at its newest step (no step lost beyond the local interval) and trains the same losses
-as an uninterrupted run. `lose_a_slice` also runs 2 processes per slice (FSDP 2 inside each
-slice) and either slice lost; those variants ran by hand (docs/checkpointing.md), not in the suite.
+as an uninterrupted run. The relaunch on 2 slices with slice 0's local folder emptied (the slice
+replaced by a new one) resumes at the same step: slice 0's rank receives its state from slice 1's
+(trainer/checkpoint/local.py, `plan_restore`). `lose_a_slice` also runs 2 processes per slice
+(FSDP 2 inside each slice), either slice lost, relaunched on 1 slice or replaced; those variants
+ran by hand (docs/checkpointing.md), not in the suite.
 
 Bound: 1e-5 relative, as tests/e2e/test_multislice.py (2 slices = 1 process) and
 tests/e2e/test_resume_e2e.py (resume on another mesh) argue: the runs see the same global batch
