@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from models.common import ops
+from models.common.moe import GroupedExperts
 from models.common.quantize import RECIPES
 
 __all__ = [
@@ -124,7 +125,14 @@ def apply_quantize(
             module.__class__ = QuantizedLinear
             module.recipe = recipe
             swapped.append(fqn)
+        elif isinstance(module, GroupedExperts) and _experts_chosen(fqn, module, tuple(filter_fqns), min_dim):
+            module.recipe = recipe  # the op quantized_grouped_mm; "experts" in filter_fqns leaves them bf16
     return swapped
+
+
+def _experts_chosen(fqn: str, module: GroupedExperts, filter_fqns: tuple[str, ...], min_dim: int) -> bool:
+    hidden, dim = module.w1.shape[1:]
+    return is_chosen(fqn, (dim, hidden), filter_fqns, min_dim)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, str]:

@@ -87,6 +87,7 @@ from torch import nn
 from models.common import ops
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
+from models.common.quantize import emulated_batched_mm
 
 
 def load_balance_loss(
@@ -383,6 +384,10 @@ class GroupedExperts(nn.Module):
     slice has the layout of an `nn.Linear` weight.
     """
 
+    recipe: str = "none"
+    """A low-precision recipe (`[quantize]`, set by parallelisms/quantize.py): the expert matmuls
+    go through the op `quantized_grouped_mm` (per expert in the capacity layout)."""
+
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.num_experts = num_experts
@@ -406,6 +411,11 @@ class GroupedExperts(nn.Module):
         # an exact masked fallback by default, megablox gmm on TPU. The counts stay on the device,
         # so the layer traces into one program whatever the routing.
         w1, w2, w3 = self.w1, self.w2, self.w3
+        if self.recipe != "none":
+            mm = ops.quantized_grouped_mm
+            r, n = self.recipe, num_tokens_per_expert
+            gate, up = mm(x, w1.transpose(-2, -1), n, r), mm(x, w3.transpose(-2, -1), n, r)
+            return mm(F.silu(gate) * up, w2.transpose(-2, -1), n, r)
         gate = ops.grouped_mm(x, w1.transpose(-2, -1), num_tokens_per_expert)
         up = ops.grouped_mm(x, w3.transpose(-2, -1), num_tokens_per_expert)
         return ops.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), num_tokens_per_expert)
@@ -417,6 +427,10 @@ class GroupedExperts(nn.Module):
         zeros and no combine reads them. E is the number of local experts.
         """
         w1, w2, w3 = self.w1, self.w2, self.w3
+        if self.recipe != "none":
+            bmm, r = emulated_batched_mm, self.recipe
+            h = F.silu(bmm(x, w1.transpose(-2, -1), r)) * bmm(x, w3.transpose(-2, -1), r)
+            return bmm(h, w2.transpose(-2, -1), r)
         h = F.silu(torch.bmm(x, w1.transpose(-2, -1))) * torch.bmm(x, w3.transpose(-2, -1))
         return torch.bmm(h, w2.transpose(-2, -1))
 

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from models.common.quantize import emulated_linear
+from models.common.quantize import emulated_grouped_mm, emulated_linear
 
 OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
-LOW_PRECISION_OPS = ("quantized_linear",)
+LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm")
 """Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
 tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
 start-up self-check."""
@@ -310,9 +310,18 @@ class _Dequantize(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
+def quantized_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, recipe: str) -> torch.Tensor:
+    """`grouped_mm` (x [M, K] rows sorted by group, w [G, K, N]) with its three matmuls (forward,
+    input gradient, per-group weight gradient) quantized as `recipe` says, every scale group inside
+    one expert (models/common/quantize.py: emulated_grouped_mm, the reference). Rows past
+    sum(group_sizes) are unspecified."""
+    return _impls.get("quantized_grouped_mm", emulated_grouped_mm)(x, w, group_sizes, recipe)
+
+
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
     "grouped_mm": torch_grouped_mm,
     "linear_cross_entropy": chunked_linear_cross_entropy,
     "quantized_linear": emulated_linear,
+    "quantized_grouped_mm": emulated_grouped_mm,
 }

@@ -298,3 +298,29 @@ def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torc
     lead = x.shape[:-1]
     y = _QuantizedLinear.apply(x.reshape(-1, x.shape[-1]), w, recipe, w_scale)
     return y.reshape(*lead, w.shape[0])
+
+
+def emulated_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, recipe: str) -> torch.Tensor:
+    """The reference of the op `quantized_grouped_mm`: x [M, K] (rows sorted by group) @ w[g]
+    [K, N] for each group g of `group_sizes` [G], under `recipe`, -> [M, N] in x's dtype.
+
+    Each group is one `emulated_linear` of its own rows: the rows of the other groups are masked
+    to zero (zeros change no amax and no sum), so every scale group holds one expert's values only
+    (rowwise: per token row of x / dy and per output channel of w[g], the weight gradient per
+    channel over that expert's tokens; tensorwise: one scale per expert weight and one per expert's
+    slice of the activation / gradient; blockwise: 128-wide tiles of the expert's rows, 128 x 128
+    blocks of w[g]). One expert's values never move another's scale. Rows past sum(group_sizes)
+    are zero here (unspecified, as for `grouped_mm`). Cost: G dense matmuls (a reference)."""
+    ends = torch.cumsum(group_sizes, dim=0)
+    row_group = torch.searchsorted(ends, torch.arange(x.shape[0], device=x.device), right=True)  # G: past the sum
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    for g in range(w.shape[0]):
+        mask = (row_group == g).to(x.dtype)[:, None]
+        out = out + mask * emulated_linear(x * mask, w[g].transpose(0, 1), recipe)
+    return out
+
+
+def emulated_batched_mm(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """x [E, R, K] @ w [E, K, N] under `recipe`, each expert its own `emulated_linear` (the capacity
+    layout's batched matmul: no scale is shared between experts)."""
+    return torch.stack([emulated_linear(x[e], w[e].transpose(0, 1), recipe) for e in range(w.shape[0])])
