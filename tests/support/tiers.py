@@ -789,6 +789,37 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "the launcher's plans run through the real torch-tpu launch module (33 s): the same plans, the "
         "environment torch-tpu derives from them and its failure line are checked by default",
     ),
+    Scheduled(
+        "tests/unit/test_fsdp_float8_gather.py::test_gloo_moves_the_uint8_view_and_a_compiled_layer_equals_eager",
+        (
+            "tests/unit/test_fsdp_float8_gather.py::test_float8_all_gather_moves_e4m3_bytes_and_matches_the_bf16_gather",
+            "tests/unit/test_quantize.py::test_compile_aot_eager_matches_eager",
+        ),
+        "the float8 gather over real gloo processes and compiled: the gather's bytes and values run on thread "
+        "ranks, the quantized layer compiles, by default",
+    ),
+    Scheduled(
+        "tests/unit/test_quantize_moe.py::test_experts_layer_eager_compile_and_capacity_agree[[]float8_rowwise]",
+        ("tests/unit/test_quantize_moe.py::test_experts_layer_eager_compile_and_capacity_agree[int8]",),
+        "the quantized experts compiled and in the capacity layout under float8: int8 runs the same paths",
+    ),
+    Scheduled(
+        "tests/e2e/test_deepseek_v3.py::test_parallel_matches_single_process[[]tp2]",
+        (
+            "tests/e2e/test_deepseek_v3.py::test_parallel_matches_single_process[ep2]",
+            "tests/e2e/test_parallel_e2e.py::test_graph_and_loss_parallel_with_tp_match_single_process[graph-loss-parallel-tp2]",
+        ),
+        "DeepSeek-V3 on TP: its parity at EP 2 and the TP plans' styles on Llama 3 run by default",
+    ),
+    Scheduled(
+        "tests/e2e/test_lost_slice.py::test_replaced_slice_restores_its_hosts_from_the_survivors_peer",
+        (
+            "tests/unit/test_checkpoint.py::test_replaced_host_receives_the_step_from_its_peer",
+            "tests/e2e/test_lost_slice.py::test_lost_slice_resumes_from_the_local_tier_on_one_slice",
+        ),
+        "a replaced slice through the launcher: the peer transfer runs on 2 gloo ranks, the lost slice's relaunch "
+        "through the launcher, by default",
+    ),
 )
 
 
