@@ -37,7 +37,6 @@ bf16 bound (docs/benchmarks.md "Projections"), plus: a matmul the projection cha
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -51,6 +50,7 @@ import torch  # noqa: E402
 import planner  # noqa: E402
 from parallelisms.quantize import QuantizePlan, apply_quantize  # noqa: E402
 from trainer.config import build_config, resolve_model_args  # noqa: E402
+from trainer.runtime import cli  # noqa: E402
 
 try:
     import tomllib
@@ -244,8 +244,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs/results/low_precision_projection.csv")
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs/results/low_precision_projection.csv", help="the CSV to write")
     a = p.parse_args(argv)
     rows = [project(*v) for v in VARIANTS]
     keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -265,4 +265,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(cli.run(main))
