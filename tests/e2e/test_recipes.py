@@ -134,7 +134,7 @@ def test_a_refused_plan_builds_nothing(monkeypatch):
         ],
     )
     monkeypatch.setattr(
-        job_module, "init_distributed", lambda device: job_module.DistInfo(rank=0, world_size=2, local_rank=0)
+        job_module, "init_distributed", lambda device, **_: job_module.DistInfo(rank=0, world_size=2, local_rank=0)
     )
     with pytest.raises(ConfigError, match="training.fused_loss: on needs the whole vocabulary"):
         build_job(small)
