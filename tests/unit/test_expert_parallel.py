@@ -247,6 +247,8 @@ def _capture_ep_moe_step(dispatch: str):
         group = (mesh.get_group().group_name, 2, 0)
 
         class _Experts(nn.Module):  # rank 0's 4 experts, weights set per call; EP forward
+            recipe = "none"  # GroupedExperts' [quantize] recipe: not quantized
+
             def forward(self, x, counts):
                 fn = ep_module.select_dispatch(x) if dispatch == "select" else ep_module.dispatch_combine
                 return fn(
