@@ -19,6 +19,23 @@ N, K, M = 4096, 1024, 512
 ELEMENTS = M * N + K * N + N * M + K * M  # 2,097,152 + 4,194,304 + 2,097,152 + 524,288
 
 
+def _estimate_8b(args, stats, dims, quantize, *, loss_parallel):
+    """The planner's estimate of Llama 3 8B on v6e-64 at seq 8192, batch 1, full AC."""
+    return P.estimate(
+        model="8B",
+        target=P.parse_target("v6e-64"),
+        shape=args.shape(),
+        stats=stats,
+        parallel_dims=dims,
+        local_batch_size=1,
+        seq_len=8192,
+        ac_mode="full",
+        loss_parallel=loss_parallel,
+        flops_per_token=1.0,
+        quantize=quantize,
+    )
+
+
 def test_one_linear_backward_by_hand():
     assert ELEMENTS == 8_912_896
     # tensorwise: one scale per operand
@@ -58,19 +75,7 @@ def test_a_plan_counts_its_largest_quantized_linear_after_tp():
     assert (128256 // 4, 4096) not in shapes and stats.linear_shapes["output"][0] == (128256, 4096)
 
     def plan(quantize):
-        return P.estimate(
-            model="8B",
-            target=P.parse_target("v6e-64"),
-            shape=args.shape(),
-            stats=stats,
-            parallel_dims=dims,
-            local_batch_size=1,
-            seq_len=8192,
-            ac_mode="full",
-            loss_parallel=True,
-            flops_per_token=1.0,
-            quantize=quantize,
-        )
+        return _estimate_8b(args, stats, dims, quantize, loss_parallel=True)
 
     bf16, fp8 = plan(None), plan(rowwise)
     assert fp8.quantize_transient == 111_149_056 + 77_824
@@ -110,19 +115,7 @@ def test_float8_all_gather_halves_the_quantized_weights_gather_bytes():
         assert block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, off) == 1.0
 
     def plan(quantize):
-        return P.estimate(
-            model="8B",
-            target=P.parse_target("v6e-64"),
-            shape=args.shape(),
-            stats=stats,
-            parallel_dims=dims,
-            local_batch_size=1,
-            seq_len=8192,
-            ac_mode="full",
-            loss_parallel=False,
-            flops_per_token=1.0,
-            quantize=quantize,
-        )
+        return _estimate_8b(args, stats, dims, quantize, loss_parallel=False)
 
     bf16, fp8 = plan(QuantizePlan("float8_tensorwise")), plan(on)
     assert fp8.fsdp_gather_ratio == ratio and bf16.fsdp_gather_ratio == 1.0
