@@ -26,7 +26,8 @@ the run, with one banner line saying why.
 The low-precision linear (`quantized_linear`, `[quantize]`) is served per device by
 `quantized_linear_for`: XLA's float8 / int8 dots on TPU (titan_kernels/tpu/qlinear.py),
 `torch._scaled_mm` / `torch._int_mm` on CUDA (titan_kernels/cuda_quantize.py), the exact emulation
-on the CPU (its reference).
+on the CPU (its reference). The MoE experts' `quantized_grouped_mm` by `quantized_grouped_mm_for`:
+float8 / int8 ragged dots on TPU (titan_kernels/tpu/qgmm.py), the emulation elsewhere.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def select(
     for op in ("grouped_mm", "linear_cross_entropy"):
         ops.register(op, None)
     ops.register("quantized_linear", quantized_linear_for(device))
+    ops.register("quantized_grouped_mm", quantized_grouped_mm_for(device))
     if device.type == "tpu":
         return _select_tpu(attention, device=device, dtype=dtype or torch.bfloat16, head_dim=head_dim, shapes=shapes)
     if device.type != "cpu" or attention == "sdpa":
@@ -155,6 +157,27 @@ def quantized_linear_for(device: torch.device):
             )
             return None
     return None
+
+
+def quantized_grouped_mm_for(device: torch.device):
+    """The implementation of `quantized_grouped_mm` on `device` (None: the emulation, the reference):
+    on TPU the XLA float8 / int8 ragged dots when the Pallas stack (jax, torch-tpu) loads."""
+    if device.type != "tpu":
+        return None
+    from titan_kernels import tpu
+
+    if tpu.load() is None:
+        return None
+    try:
+        from titan_kernels.tpu import qlinear
+
+        return qlinear.build_grouped()
+    except Exception as exc:  # torch-tpu without jax_op, a recipe that does not export
+        print(
+            f"titan-tpu: quantized_grouped_mm on TPU takes the emulation: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return None
 
 
 def saved_ops() -> set:

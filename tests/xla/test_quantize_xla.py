@@ -1,6 +1,6 @@
 """The TPU path of `[quantize]` (titan_kernels/tpu/qmatmul.py, qlinear.py) without a TPU.
 
-Three probes (tests/xla/probes/quantize_xla.py), each in its venv:
+Probes (tests/xla/probes/quantize_xla.py), each in its venv:
 - xla venv: the JAX recipe table equals the torch emulation's, and XLA:CPU runs of the forward
   and both gradients equal the torch emulation (models/common/quantize.py) for every recipe.
   Both quantize identically (same scales, clamp, round-half-to-even), so they differ only in the
@@ -13,6 +13,9 @@ Three probes (tests/xla/probes/quantize_xla.py), each in its venv:
   TPU7x (float8_rowwise) and v6e (int8) without a TPU, and the compiled program's dots are
   float8 x float8 -> f32 and s8 x s8 -> s32: the low-precision dots reach XLA:TPU's compiler and
   stay there. The recipe-width compile against bf16 is in docs/low_precision.md.
+- xla venv (`grouped`): the MoE experts' op (titan_kernels/tpu/qgmm.py, ragged dots) on XLA:CPU
+  against `emulated_grouped_mm`, unequal and empty experts, rows past the sum.
+- tpuc venv (`compile_grouped`): that op compiles for TPU7x / v6e to float8 / int8 ragged dots.
 """
 
 from __future__ import annotations
@@ -33,6 +36,44 @@ def test_xla_cpu_equals_the_torch_emulation(probe):
         for name, out in outputs.items():
             assert out["scale"] > 0, (recipe, name)
             assert out["diff"] <= 2 * out["n"] * U_FP32 * out["scale"], (recipe, name, out)
+
+
+def test_grouped_xla_cpu_equals_the_torch_emulation(probe):
+    """titan_kernels/tpu/qgmm.py (`quantized_grouped_mm` on TPU: ragged dots) on XLA:CPU against
+    `emulated_grouped_mm`, experts of 37, 0, 150 and 61 rows (+12 rows past the sum), expert 0's
+    tokens x 1000. Both quantize the same scale groups identically, so they differ by the order of
+    float32 sums, 2 n u max|torch| (n: K, N, the expert's tokens), plus whatever the dense JAX op
+    (qmatmul, each expert's rows alone) already differs from the emulation by on the same data:
+    XLA:CPU can round a value lying exactly on a float8 tie to the other neighbour inside a fused
+    quantization (one e4m3 step of one operand element; blockwise dx here), a dense-op matter
+    the grouped op inherits and must not add to. Weight gradients get no such allowance (their
+    blockwise token tiles are global, cut at the experts' boundaries, not the dense op's)."""
+    result = probe("xla", "quantize_xla.py", "grouped")
+    assert set(result["cases"]) == set(RECIPES)
+    for recipe, case in result["cases"].items():
+        assert case["empty_expert_dw_zero"] and case["rows_past_sum_zero"], (recipe, case)
+        assert case["custom_vjp_diff"] <= 2 * 300 * U_FP32, (recipe, case["custom_vjp_diff"])
+        assert set(case["outputs"]) == {"y", "dx", "dw0", "dw2", "dw3"}
+        for name, out in case["outputs"].items():
+            assert out["scale"] > 0, (recipe, name)
+            inherited = out["dense_diff"] if name in ("y", "dx") else 0.0
+            assert out["diff"] <= 2 * out["n"] * U_FP32 * out["scale"] + inherited, (recipe, name, out)
+
+
+def test_the_grouped_op_compiles_to_float8_ragged_dots_on_v7x_and_int8_on_v6e(probe):
+    """qgmm.grouped_mm (forward output and both gradients, 8 experts, bf16, group sizes a runtime
+    array) compiled by XLA:TPU without a TPU: the forward and input-gradient matmuls reach the
+    compiled program as XLA:TPU's ragged-dot kernels on float8 (v7x, float8_rowwise) and int8 (v6e)
+    operands, and the weight gradient as one float8 dot over the experts' segments; int8's weight
+    gradient stays bf16 (the recipe's). Nothing else multiplies in high precision."""
+    result = probe("tpuc", "quantize_xla.py", "compile_grouped", "v7x:float8_rowwise", "v6e:int8", "--tokens=1024")
+    fp8, int8 = result["compiles"]["v7x:float8_rowwise"], result["compiles"]["v6e:int8"]
+    assert "error" not in fp8 and "error" not in int8, result
+    assert fp8["matmuls"] == {
+        "ragged-dot: f8e4m3fn x f8e4m3fn -> f32": 2,
+        "convolution: f8e4m3fn x f8e4m3fn -> f32": 1,
+    }, fp8
+    assert int8["matmuls"] == {"ragged-dot: s8 x s8 -> s32": 2, "convolution: bf16 x bf16 -> bf16": 1}, int8
 
 
 def test_torch_tpu_registers_the_ops_with_autograd(probe):

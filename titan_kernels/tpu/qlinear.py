@@ -1,5 +1,5 @@
-"""The op `quantized_linear` on TPU: titan_kernels/tpu/qmatmul.py (XLA's float8 / int8 dots) as torch
-ops through torch-tpu's `jax_op`.
+"""The ops `quantized_linear` and `quantized_grouped_mm` on TPU: titan_kernels/tpu/qmatmul.py (XLA's
+float8 / int8 dots) and qgmm.py (float8 / int8 ragged dots) as torch ops through torch-tpu's `jax_op`.
 
 `build()` defines, once per process, `titan_tpu::qlinear_fwd(x, w, recipe) -> y` and
 `titan_tpu::qlinear_bwd(x, w, dy, recipe) -> (dx, dw)` (x [M, K], w [N, K]; the recipe a static
@@ -8,6 +8,12 @@ registers none; the forward saves x and w, as the torch emulation does) and retu
 implementation: it flattens x's leading dims, and hands tensors that are not on the TPU to the
 emulation (models/common/quantize.py). Imported only on a TPU run (`titan_kernels.
 quantized_linear_for`): it imports jax and needs torch-tpu.
+
+`build_grouped()` does the same for the MoE experts: `titan_tpu::qgmm_fwd(x, w, group_sizes, recipe)
+-> y` and `titan_tpu::qgmm_bwd(x, w, group_sizes, dy, recipe) -> (dx, dw)` (x [M, K] rows sorted
+by expert, w [G, N, K]: the experts' nn.Linear layout, which their transposed view passes without
+a copy; group_sizes int32 on the device, never read on the host), the forward saving x, w and the
+group sizes; tensors not on the TPU go to `emulated_grouped_mm`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from collections.abc import Callable
 import jax
 import torch
 
-from models.common.quantize import emulated_linear
-from titan_kernels.tpu import qmatmul
+from models.common.quantize import emulated_grouped_mm, emulated_linear
+from titan_kernels.tpu import qgmm, qmatmul
 
 NAMESPACE = "titan_tpu"
 _BUILT: dict[str, Callable] = {}
@@ -59,3 +65,42 @@ def build() -> Callable:
 
     _BUILT["fn"] = quantized_linear
     return quantized_linear
+
+
+def build_grouped() -> Callable:
+    """Register the two grouped ops (idempotent); return `quantized_grouped_mm(x, w, group_sizes,
+    recipe)` with w [G, K, N] as the op takes it."""
+    if "grouped" in _BUILT:
+        return _BUILT["grouped"]
+    jax_op = torch.tpu.pallas.jax_op
+
+    @jax_op(f"{NAMESPACE}::qgmm_fwd")
+    def qgmm_fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: str) -> jax.Array:
+        return qgmm.forward(x, w, group_sizes, recipe)
+
+    @jax_op(f"{NAMESPACE}::qgmm_bwd")
+    def qgmm_bwd(
+        x: jax.Array, w: jax.Array, group_sizes: jax.Array, dy: jax.Array, recipe: str
+    ) -> tuple[jax.Array, jax.Array]:
+        return qgmm.backward(x, w, group_sizes, dy, recipe)
+
+    def setup(ctx, inputs, output):
+        x, w, group_sizes, recipe = inputs
+        ctx.save_for_backward(x, w, group_sizes)
+        ctx.recipe = recipe
+
+    def backward(ctx, dy):
+        x, w, group_sizes = ctx.saved_tensors
+        dx, dw = qgmm_bwd(x, w, group_sizes, dy.contiguous(), ctx.recipe)
+        return dx, dw, None, None
+
+    qgmm_fwd.register_autograd(backward, setup_context=setup)
+
+    def quantized_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, recipe: str) -> torch.Tensor:
+        if x.device.type != "tpu" or w.device.type != "tpu":
+            return emulated_grouped_mm(x, w, group_sizes, recipe)
+        w_nk = w.transpose(-2, -1).contiguous()  # a view of the experts' [G, N, K] weight: no copy
+        return qgmm_fwd(x.contiguous(), w_nk, group_sizes.to(torch.int32), recipe)
+
+    _BUILT["grouped"] = quantized_grouped_mm
+    return quantized_grouped_mm

@@ -56,22 +56,29 @@ def _groups(t: jax.Array, granularity: str) -> jax.Array:
     return t.reshape(-1, BLOCK, t.shape[1] // BLOCK, BLOCK).transpose(0, 2, 1, 3)
 
 
-def quantize(t: jax.Array, op: tuple[str, str, bool]) -> tuple[jax.Array, jax.Array]:
-    """t [R, K] -> (q [R', T, r, k] in the quantized dtype, scales [R', T] float32)."""
-    name, granularity, pow2 = op
-    g = _groups(t.astype(jnp.float32), granularity)
-    amax = jnp.max(jnp.abs(g), axis=(-2, -1))
+def scale_of_amax(amax: jax.Array, op: tuple[str, str, bool]) -> jax.Array:
+    """The divisor scale (float32) of scale groups whose largest magnitudes are `amax`."""
+    name, _, pow2 = op
     s = amax / QMAX[name]
     if pow2:
         s = jnp.exp2(jnp.ceil(jnp.log2(s)))
     s = jnp.maximum(s, TINY)
-    s = jnp.where(jnp.isfinite(amax), s, jnp.nan)
-    v = jnp.clip(g / s[:, :, None, None], -QMAX[name], QMAX[name])
+    return jnp.where(jnp.isfinite(amax), s, jnp.nan)
+
+
+def cast(v: jax.Array, name: str) -> jax.Array:
+    """Values already divided by their scale -> the quantized dtype (clamped, rounded to nearest even)."""
+    v = jnp.clip(v, -QMAX[name], QMAX[name])
     if name == "int8":
-        q = jnp.nan_to_num(jnp.round(v), nan=0.0).astype(jnp.int8)  # jnp.round: half to even
-    else:
-        q = v.astype(DTYPES[name])  # round to nearest even; in range after the clip
-    return q, s
+        return jnp.nan_to_num(jnp.round(v), nan=0.0).astype(jnp.int8)  # jnp.round: half to even
+    return v.astype(DTYPES[name])  # round to nearest even; in range after the clip
+
+
+def quantize(t: jax.Array, op: tuple[str, str, bool]) -> tuple[jax.Array, jax.Array]:
+    """t [R, K] -> (q [R', T, r, k] in the quantized dtype, scales [R', T] float32)."""
+    g = _groups(t.astype(jnp.float32), op[1])
+    s = scale_of_amax(jnp.max(jnp.abs(g), axis=(-2, -1)), op)
+    return cast(g / s[:, :, None, None], op[0]), s
 
 
 def _per_row(q: jax.Array, s: jax.Array, rows: int, granularity: str) -> tuple[jax.Array, jax.Array]:

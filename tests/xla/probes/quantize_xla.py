@@ -3,6 +3,8 @@
     python quantize_xla.py cpu                       (xla venv: torch + jax)
     python quantize_xla.py compile [--tokens N] GEN:RECIPE [GEN:RECIPE ...]   (tpuc or ttpu venv)
     python quantize_xla.py register                  (ttpu venv: torch-tpu)
+    python quantize_xla.py grouped                   (xla venv: the MoE experts' qgmm.py)
+    python quantize_xla.py compile_grouped [--tokens N] GEN:RECIPE ...   (tpuc venv)
 
 `cpu`: the recipe table equals the torch emulation's (models/common/quantize.py RECIPE_SPECS);
 forward and both gradients of `qmatmul` run on XLA:CPU for every recipe and are compared with
@@ -23,6 +25,14 @@ dots of the compiled program by operand and result dtypes (counted in the HLO te
 torch-tpu's `jax_op` (no TPU: jax.export for platform "tpu"), and under `FakeTensorMode` the
 forward op with its autograd runs for every recipe on bf16 [512, 256] x [384, 256]: output and
 gradient shapes and dtypes.
+
+`grouped`: titan_kernels/tpu/qgmm.py's forward and both gradients on XLA:CPU against the torch
+reference `emulated_grouped_mm` for every recipe (experts of GROUP_SIZES rows, 12 rows past the
+sum, K 300, N 72), beside the dense op on each expert's rows alone; per output the largest
+differences and the reduction length n.
+
+`compile_grouped`: qgmm.grouped_mm (forward and gradients) compiled by XLA:TPU for device 0 of
+GEN's compile-only topology; its matmuls by kind and operand / result types.
 
 Prints one JSON line.
 """
@@ -46,6 +56,7 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))
+import qgmm  # noqa: E402
 import qmatmul  # noqa: E402
 
 
@@ -89,6 +100,78 @@ def cpu_check() -> dict:
             "dw": {**err(dw, tw.grad), "n": m},
         }
     return {"tables_equal": torch_table == qmatmul.RECIPES, "cases": cases}
+
+
+GROUP_SIZES = (37, 0, 150, 61)
+"""`grouped`: unequal experts, an empty one, boundaries inside 128-row tiles, 12 rows past the sum."""
+
+
+def grouped_check() -> dict:
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from models.common import quantize as tq
+
+    rng = np.random.default_rng(1)
+    m, k, n = sum(GROUP_SIZES) + 12, 300, 72
+    sizes = np.asarray(GROUP_SIZES, np.int32)
+    cases = {}
+    for recipe in qgmm.RECIPES:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[: GROUP_SIZES[0]] *= 1000.0  # one expert's outliers must not move another's scales
+        w = (rng.standard_normal((len(sizes), n, k)) * 0.02).astype(np.float32)
+        dy = (rng.standard_normal((m, n)) * 1e-3).astype(np.float32)
+        y = np.asarray(jax.jit(qgmm.forward, static_argnums=3)(x, w, sizes, recipe))
+        dx, dw = (np.asarray(t) for t in jax.jit(qgmm.backward, static_argnums=4)(x, w, sizes, dy, recipe))
+        y_vjp, (dx_vjp, dw_vjp) = jax.jit(
+            lambda a, b, c: (lambda out, vjp: (out, vjp(c)))(
+                *jax.vjp(lambda a, b: qgmm.grouped_mm(a, b, sizes, recipe), a, b)
+            )
+        )(x, w, dy)
+        # The custom_vjp (what the compile check differentiates) against the two halves: the same
+        # products, summed in whatever order each compiled program picks.
+        vjp_diff = max(
+            float(np.abs(np.asarray(a) - b).max() / max(np.abs(b).max(), 1e-30))
+            for a, b in ((y_vjp, y), (dx_vjp, dx), (dw_vjp, dw))
+        )
+        tx = torch.from_numpy(x).requires_grad_()
+        tw = torch.from_numpy(w).requires_grad_()
+        ty = tq.emulated_grouped_mm(tx, tw.transpose(-2, -1), torch.from_numpy(sizes).long(), recipe)
+        ty.backward(torch.from_numpy(dy))
+        torch_out = {"y": ty.detach().numpy(), "dx": tx.grad.numpy(), "dw": tw.grad.numpy()}
+        # The dense op (qmatmul) on each expert's rows alone, stitched: what the grouped op must equal.
+        dense = {"y": np.zeros_like(y), "dx": np.zeros_like(dx), "dw": np.zeros_like(dw)}
+        start = 0
+        for g, size in enumerate(GROUP_SIZES):
+            if size:
+                rows = slice(start, start + size)
+                dense["y"][rows] = np.asarray(jax.jit(qmatmul.forward, static_argnums=2)(x[rows], w[g], recipe))
+                ddx, ddw = jax.jit(qmatmul.backward, static_argnums=3)(x[rows], w[g], dy[rows], recipe)
+                dense["dx"][rows], dense["dw"][g] = np.asarray(ddx), np.asarray(ddw)
+            start += size
+
+        def err(name, a, n_sum, index=slice(None)):
+            ref = torch_out[name][index].astype(np.float64)
+            return {
+                "diff": float(np.abs(a[index] - ref).max()),
+                "dense_diff": float(np.abs(dense[name][index] - ref).max()),
+                "self_diff": float(np.abs(a[index] - dense[name][index]).max()),
+                "scale": float(np.abs(ref).max()),
+                "n": n_sum,
+            }
+
+        outputs = {"y": err("y", y, k), "dx": err("dx", dx, n)}
+        for g, size in enumerate(GROUP_SIZES):
+            if size:
+                outputs[f"dw{g}"] = err("dw", dw, size, g)
+        end = sum(GROUP_SIZES)
+        cases[recipe] = {
+            "outputs": outputs,
+            "empty_expert_dw_zero": bool(not np.any(dw[1]) and not np.any(torch_out["dw"][1])),
+            "rows_past_sum_zero": bool(not np.any(y[end:]) and not np.any(dx[end:])),
+            "custom_vjp_diff": vjp_diff,
+        }
+    return {"group_sizes": list(GROUP_SIZES), "shape": [m, k, n], "cases": cases}
 
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 14336
@@ -199,6 +282,48 @@ def compile_block(gen: str, recipe: str, tokens: int, seq: int) -> dict:
     return entry
 
 
+_OP = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[[^\n]*? (dot|convolution|custom-call)\(([^)]*)\)([^\n]*)", re.M)
+
+
+def ragged_dots(hlo: str) -> dict[str, int]:
+    """The compiled program's matmuls by 'kind: operand types -> result': `dot` / `convolution`
+    instructions, and XLA:TPU's ragged-dot kernels (custom calls named ragged-dot-*, whose last two
+    operands are the matrices; the others are its group metadata)."""
+    types = dict(_DEF.findall(hlo))
+    found = collections.Counter()
+    for name, out, kind, args, rest in _OP.findall(hlo):
+        operands = [types.get(a.split("*/")[-1].strip().lstrip("%"), "?") for a in args.split(",") if a.strip()]
+        if kind == "custom-call":
+            if not name.startswith("ragged-dot") or "tpu_custom_call" not in rest:
+                continue
+            kind = "ragged-dot"
+        found[f"{kind}: {' x '.join(operands[-2:])} -> {out}"] += 1
+    return dict(sorted(found.items()))
+
+
+def compile_grouped(gen: str, recipe: str, tokens: int) -> dict:
+    """qgmm.grouped_mm (forward output and both gradients) at x [tokens, 512], w [8, 256, 512]
+    bf16, group sizes a runtime array, compiled by XLA:TPU for device 0 of GEN's topology."""
+    import tiles
+    from jax.experimental import topologies
+
+    device = topologies.get_topology_desc(topology_name=tiles.GENERATIONS[gen].topology, platform="tpu").devices[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    S = jax.ShapeDtypeStruct
+    x = S((tokens, 512), jnp.bfloat16, sharding=sharding)
+    w = S((8, 256, 512), jnp.bfloat16, sharding=sharding)
+    sizes = S((8,), jnp.int32, sharding=sharding)
+    cot = S((tokens, 256), jnp.bfloat16, sharding=sharding)
+
+    def step(x, w, sizes, cot):
+        y, vjp = jax.vjp(lambda a, b: qgmm.grouped_mm(a, b, sizes, recipe), x, w)
+        return y, vjp(cot)
+
+    start = time.perf_counter()
+    compiled = jax.jit(step).lower(x, w, sizes, cot).compile()
+    return {"compile_s": round(time.perf_counter() - start, 1), "matmuls": ragged_dots(compiled.as_text())}
+
+
 def register_check() -> dict:
     import traceback
 
@@ -230,7 +355,7 @@ def register_check() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("cpu", "compile", "register"))
+    parser.add_argument("mode", choices=("cpu", "grouped", "compile", "compile_grouped", "register"))
     parser.add_argument("targets", nargs="*", help="GEN:RECIPE, e.g. v7x:float8_rowwise (compile)")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=2048)
@@ -250,8 +375,20 @@ def main() -> None:
     if args.mode == "cpu":
         print(json.dumps({"versions": versions, **cpu_check()}))
         return
+    if args.mode == "grouped":
+        print(json.dumps({"versions": versions, **grouped_check()}))
+        return
     if args.mode == "register":
         print(json.dumps({"versions": versions, **register_check()}))
+        return
+    if args.mode == "compile_grouped":
+        compiles = {}
+        for target in args.targets:
+            try:
+                compiles[target] = compile_grouped(*target.split(":"), args.tokens)
+            except Exception as e:
+                compiles[target] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        print(json.dumps({"versions": versions, "tokens": args.tokens, "compiles": compiles}))
         return
     compiles = {}
     for target in args.targets:
