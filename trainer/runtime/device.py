@@ -250,6 +250,8 @@ COMPUTE_DTYPES = (*PROBE_DTYPES, "auto")
 """`[training] mixed_precision_param` choices (`resolve_compute_dtype`)."""
 PROBE_SIZE = 2048
 _PROBE_REPEATS = 3
+_PROBE_NATIVE_S = 4.0  # a 2048³ product predicted faster than this is timed at 2048 (`probe_size`)
+_PROBE_BUDGET_S = 0.5  # else: the longest one timed product of a slow dtype may take
 _PROBES: dict[int, dict[str, float]] = {}  # this process: thread count -> {dtype name: FLOP/s}
 # A GEMM of 2048^3 keeps every torch thread busy, so the best timed run's process CPU time is
 # about threads x wall (measured ~0.95-1.0 on an idle machine). Another job on the same cores
@@ -258,14 +260,43 @@ _PROBES: dict[int, dict[str, float]] = {}  # this process: thread count -> {dtyp
 BUSY_SHARE = 0.75
 
 
-def measure_matmul(dtype: torch.dtype, *, size: int = PROBE_SIZE, repeats: int = _PROBE_REPEATS) -> tuple[float, float]:
+def probe_size(dtype: torch.dtype) -> int:
+    """The matmul size the probe times `dtype` at: `PROBE_SIZE`, or smaller where the dtype is so
+    slow here that a 2048³ product would take more than `_PROBE_NATIVE_S` (the smaller size then
+    keeps one product under `_PROBE_BUDGET_S`).
+
+    A dtype the CPU has no instructions for runs at a fraction of the other's rate (bf16 on an
+    AVX2-only AMD EPYC: 0.15 GFLOP/s against fp32's 33, where one 2048³ product takes ~2 min and the
+    probe ~6). A 256³ pilot (34 MFLOP: ~0.2 s at that rate) predicts each size's time; the largest
+    that fits the budget is timed. Smaller products run somewhat below the peak, which cannot change
+    the choice between two dtypes that far apart.
+    """
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=gen).to(dtype)
+    torch.mm(a, a)  # kernel selection
+    start = time.perf_counter()
+    torch.mm(a, a)
+    rate = 2.0 * 256**3 / max(time.perf_counter() - start, 1e-9)
+    if 2.0 * PROBE_SIZE**3 / rate <= _PROBE_NATIVE_S:
+        return PROBE_SIZE
+    for size in (1024, 512):
+        if 2.0 * size**3 / rate <= _PROBE_BUDGET_S:
+            return size
+    return 256
+
+
+def measure_matmul(
+    dtype: torch.dtype, *, size: int | None = None, repeats: int = _PROBE_REPEATS
+) -> tuple[float, float]:
     """(TFLOP/s, CPU share) of a size x size x size matmul in `dtype` on this process's torch threads.
 
-    One untimed warm-up (allocation, oneDNN kernel selection), then the best of `repeats` timed
-    runs: the best, not the median, because on a shared machine interference only ever slows a
-    run down. The CPU share is the best run's process CPU time / (wall x threads) (`BUSY_SHARE`).
-    About 1 s per dtype at 2048 on one core.
+    `size` defaults to `probe_size(dtype)` (2048 unless the dtype is emulated slowly). One untimed
+    warm-up (allocation, oneDNN kernel selection), then the best of `repeats` timed runs: the best,
+    not the median, because on a shared machine interference only ever slows a run down. The CPU
+    share is the best run's process CPU time / (wall x threads) (`BUSY_SHARE`). About 1 s per
+    dtype on one core.
     """
+    size = probe_size(dtype) if size is None else size
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(dtype)
     b = torch.randn(size, size, generator=gen).to(dtype)
@@ -309,8 +340,10 @@ def _measure_or_read(key: str) -> dict[str, float]:
     if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) and entry[n] > 0 for n in PROBE_DTYPES):
         return {n: float(entry[n]) for n in PROBE_DTYPES}
     peaks, shares = {}, []
+    sizes = {}
     for name, dtype in PROBE_DTYPES.items():
-        tflops, share = measure_matmul(dtype)
+        sizes[name] = probe_size(dtype)
+        tflops, share = measure_matmul(dtype, size=sizes[name])
         peaks[name] = tflops * 1e12
         shares.append(share)
     if min(shares) < BUSY_SHARE:
@@ -323,7 +356,7 @@ def _measure_or_read(key: str) -> dict[str, float]:
     try:  # re-read: another job may have written other keys meanwhile; write atomically
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_probe_file(path)
-        data[key] = {**peaks, "size": PROBE_SIZE, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        data[key] = {**peaks, "sizes": sizes, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         with atomic_file(path, what="CPU matmul probe cache", mode="w") as f:
             f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
     except (OSError, WriteFailed):  # a read-only home: the probe still serves this process
