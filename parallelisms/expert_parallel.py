@@ -85,6 +85,7 @@ def apply_ep(
     mesh: DeviceMesh,
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
+    replicate_reduce: str = "micro_batch",
 ) -> nn.Module:
     """Apply the plan's EP styles to every block of `model` in place; returns the model.
 
@@ -112,6 +113,7 @@ def apply_ep(
                     grad_scale=grad_scale,
                     param_dtype=param_dtype,
                     reduce_dtype=reduce_dtype,
+                    replicate_reduce=replicate_reduce,
                 )
             elif tp_mesh is not None and style == "moe":
                 module.register_forward_pre_hook(_local_tokens)
@@ -496,6 +498,7 @@ def _shard_experts(
     grad_scale: float,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
+    replicate_reduce: str = "micro_batch",
 ) -> None:
     assert not is_data_parallel(module), "apply_ep must run before data_parallel"
     ep_mesh = expert_mesh["ep"]
@@ -520,6 +523,7 @@ def _shard_experts(
         replicate_axis="dp_replicate",
         shard_axis="efsdp",
         shard_dim_fn=expert_shard_dim,
+        replicate_reduce=replicate_reduce,
     )
     base = type(module)
     key = (base, names)

@@ -55,6 +55,7 @@ def parallelize_model(
     compile_backend: str | None = None,
     enable_loss_parallel: bool = False,
     quantize: QuantizePlan | None = None,
+    replicate_reduce: str = "micro_batch",
 ) -> nn.Module:
     """Apply quantize -> TP -> EP -> AC -> compile -> SimpleFSDP to `model` in place and return it.
 
@@ -62,6 +63,8 @@ def parallelize_model(
     `compile_backend=None` leaves the blocks eager. `enable_loss_parallel` keeps the
     logits vocab-sharded (compute the loss under `loss_parallel_context(True)`).
     `quantize`: the low-precision linears (`[quantize]`; None: none).
+    `replicate_reduce`: when gradients are averaged over `dp_replicate` ("micro_batch": in each
+    backward; "step": once per step by parallelisms/replicate_reduce.py).
     """
     if mesh is None and parallel_dims.world_size != 1:
         raise AssertionError("a mesh is required when world_size > 1")
@@ -76,7 +79,13 @@ def parallelize_model(
         from parallelisms.expert_parallel import apply_ep
 
         apply_ep(
-            model, plan=plan, parallel_dims=parallel_dims, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype
+            model,
+            plan=plan,
+            parallel_dims=parallel_dims,
+            mesh=mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            replicate_reduce=replicate_reduce,
         )
     if parallel_dims.tp_enabled:
         _check_block_params_sharded(model, plan)
@@ -98,9 +107,17 @@ def parallelize_model(
             reduce_dtype=reduce_dtype,
             shard_axis="dp_shard_cp",
             float8_weights=float8,
+            replicate_reduce=replicate_reduce,
         )
     else:
-        data_parallel(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype, float8_weights=float8)
+        data_parallel(
+            model,
+            mesh=mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            float8_weights=float8,
+            replicate_reduce=replicate_reduce,
+        )
     return model
 
 

@@ -168,6 +168,8 @@ def _gather_args(spec, name: str) -> tuple:
     if spec.dp_mesh is not None:
         for i, placement in enumerate(spec.dp_placements):
             group = (spec.dp_mesh.get_group(i).group_name, spec.dp_mesh.size(i))
+            if i == getattr(spec, "deferred_axis", None):
+                continue  # replicate_reduce = "step": averaged once per step (reduce_grads), not here
             if isinstance(placement, Shard):
                 assert shard_group is None, spec.dp_placements
                 dim = placement.dim

@@ -6,7 +6,9 @@ one property per parameter, so `module.weight` *computes* the full weight when t
 uses it: the shard is all-gathered by `DTensor.redistribute(-> Replicate)` (cast to
 `param_dtype` first, so the all-gather moves bf16), and the gradient is declared
 `Partial("avg")`, so autograd's backward of the all-gather is a reduce-scatter (an
-all-reduce on `dp_replicate`) run in `reduce_dtype`. The optimizer sees fp32 DTensor
+all-reduce on `dp_replicate`) run in `reduce_dtype`; with `replicate_reduce="step"` it is
+`Replicate` on `dp_replicate` instead, and parallelisms/replicate_reduce.py takes that mean once
+per optimizer step. The optimizer sees fp32 DTensor
 shards: master weights, gradients and optimizer state all take 1/dp_shard of the memory.
 
 Module paths and state-dict keys do not change (`layers.0.attention.wq.weight` stays the
@@ -50,6 +52,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from models.common.quantize import E4M3, QMAX, Operand, round_to_float8, scale_of_amax
+from parallelisms.replicate_reduce import REPLICATE_REDUCE
 
 __all__ = [
     "data_parallel",
@@ -84,6 +87,19 @@ class _GatherSpec:
     """Global shape and stride of the parameter."""
     float8: bool = False
     """All-gather it as e4m3 bytes with one tensorwise scale (`_Float8Gather`); dp axes only, no TP."""
+    deferred_axis: int | None = None
+    """Index in `dp_mesh` of `dp_replicate` when its reduction is deferred to once per step
+    (`training.replicate_reduce = "step"`, parallelisms/replicate_reduce.py): the gradient is
+    declared `Replicate` there, so the backward reduces over the other dp axes only."""
+    replicate_mesh: DeviceMesh | None = None
+    """The 1-D `dp_replicate` mesh of a deferred reduction (`deferred_meshes` in
+    parallelisms/replicate_reduce.py reads it); None otherwise."""
+
+    @property
+    def grad_placements(self) -> list[Placement]:
+        """What the gathered weight's gradient is on the dp axes: a mean still to take (`Partial`)
+        on each, but `Replicate` on a deferred `dp_replicate` (each replica keeps its own)."""
+        return [Replicate() if i == self.deferred_axis else Partial("avg") for i in range(self.dp_mesh.ndim)]
 
 
 def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
@@ -109,8 +125,8 @@ def _gather(param: torch.Tensor, spec: _GatherSpec) -> torch.Tensor:
             backward_dtype=spec.reduce_dtype,
         )
         # Partial("avg"): the backward of the all-gather reduce-scatters (all-reduces on
-        # dp_replicate) the mean gradient over the data-parallel ranks.
-        local = full.to_local(grad_placements=[Partial("avg")] * spec.dp_mesh.ndim)
+        # dp_replicate, unless deferred to once per step) the mean gradient over the dp ranks.
+        local = full.to_local(grad_placements=spec.grad_placements)
     elif spec.param_dtype is not None:
         local = local.to(spec.param_dtype)
     if spec.tp_mesh is None:
@@ -164,10 +180,9 @@ class _Float8Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _scale_grad: torch.Tensor | None):
         spec = ctx.spec
-        n = spec.dp_mesh.ndim
         grad = grad.to(spec.reduce_dtype or grad.dtype)
         partial = DTensor.from_local(
-            grad, spec.dp_mesh, [Partial("avg")] * n, run_check=False, shape=spec.dp_shape, stride=spec.dp_stride
+            grad, spec.dp_mesh, spec.grad_placements, run_check=False, shape=spec.dp_shape, stride=spec.dp_stride
         )
         return partial.redistribute(spec.dp_mesh, spec.dp_placements).to_local().to(ctx.local_dtype), None
 
@@ -314,6 +329,7 @@ def _shard_param(
     reduce_dtype: torch.dtype | None,
     shard_dim_fn: Callable[[tuple[int, ...], int], int] | None = None,
     float8: bool = False,
+    defer_replicate: DeviceMesh | None = None,
 ) -> tuple[torch.Tensor, _GatherSpec]:
     """Return the stored (sharded) version of `param` and how to gather it.
 
@@ -376,6 +392,7 @@ def _shard_param(
         stride=stride,
     )
     dp_mesh = mesh[tuple(dp_axes)] if len(dp_axes) > 1 else mesh[dp_axes[0]]
+    deferred = dp_axes.index(replicate_axis) if defer_replicate is not None and replicate_axis in dp_axes else None
     spec = _GatherSpec(
         param_dtype,
         reduce_dtype,
@@ -388,6 +405,8 @@ def _shard_param(
         shape=shape,
         stride=stride,
         float8=float8,
+        deferred_axis=deferred,
+        replicate_mesh=defer_replicate if deferred is not None else None,
     )
     assert not (float8 and tp_mesh is not None), "float8 all-gather of a TP-sharded weight (refused by the rules)"
     return stored, spec
@@ -403,6 +422,7 @@ def data_parallel(
     shard_axis: str = "dp_shard",
     shard_dim_fn: Callable[[tuple[int, ...], int], int] | None = None,
     float8_weights: Callable[[nn.Module], bool] | None = None,
+    replicate_reduce: str = "micro_batch",
 ) -> nn.Module:
     """Apply SimpleFSDP to every module of `model` that owns parameters, in place.
 
@@ -419,7 +439,13 @@ def data_parallel(
     `[quantize] fsdp_float8_all_gather`): they get a `float8_weight()` returning the gathered e4m3
     values and scale, which `QuantizedLinear` computes with; their `weight` attribute still gathers
     in `param_dtype` for any other reader. Only where a dp axis shards the weight.
+    `replicate_reduce`: "micro_batch" reduces over `replicate_axis` in each backward, "step" leaves
+    that mean to `ReplicateReducer` / `reduce_grads` once per step (parallelisms/replicate_reduce.py).
     """
+    assert replicate_reduce in REPLICATE_REDUCE, replicate_reduce
+    defer = None
+    if replicate_reduce == "step" and mesh is not None and replicate_axis in (mesh.mesh_dim_names or ()):
+        defer = mesh[replicate_axis] if mesh[replicate_axis].size() > 1 else None
     param_dtype_or_none = param_dtype
     # Casting the gradient to the compute dtype is a no-op; only ask for real casts.
     reduce_dtype_or_none = None if reduce_dtype == param_dtype else reduce_dtype
@@ -444,6 +470,7 @@ def data_parallel(
                     reduce_dtype=reduce_dtype_or_none,
                     shard_dim_fn=shard_dim_fn,
                     float8=name == float8_name,
+                    defer_replicate=defer,
                 )
                 new = stored if stored is param else nn.Parameter(stored, param.requires_grad)
                 converted[id(param)] = (new, spec)

@@ -8,11 +8,13 @@ a host's shards through its NICs (all its devices' shards share them), so
 
     t_dcn = 2 (S - 1) / S x grad_bytes_per_device x devices_per_host / dcn_bytes_per_s_per_host
 
-per reduction. SimpleFSDP reduces in each micro-batch's backward (parallelisms/simple_fsdp.py: the
-gradient of each gather), so a step pays it `grad_accum` times. Overlap: the reduction of a layer's
-gradient is issued when its backward is done, so it can run under the backward of the layers
-before it; what is left exposed is at least one layer's share and at least what exceeds the
-backward's time (`exposed_s`). Whether eager collectives on torch-tpu run asynchronously is not
+per reduction. By default SimpleFSDP reduces in each micro-batch's backward (parallelisms/simple_fsdp.py:
+the gradient of each gather), so a step pays it `grad_accum` times; with `[training]
+replicate_reduce = "step"` (parallelisms/replicate_reduce.py) once, overlapped with the last
+micro-batch's backward only. Overlap: the reduction of a layer's gradient is issued when its
+backward is done, so it can run under the backward of the layers before it; what is left exposed
+is at least one layer's share and at least what exceeds the overlapping backward's time
+(`exposed_s`). Whether eager collectives on torch-tpu run asynchronously is not
 measured here; in graph mode XLA's scheduler places them (docs/planner.md, "Several slices").
 
 Weak scaling: every slice keeps its per-device batch, so S slices do S times the work in one step;
@@ -33,11 +35,12 @@ class DcnCost:
     """Gradient bytes each device all-reduces over the DCN per reduction."""
     host_bytes_per_s: float
     reductions: int
-    """Per step (the micro-batches: SimpleFSDP reduces in each one's backward)."""
+    """Per step: the micro-batches (SimpleFSDP reduces in each one's backward), or 1 (once per step)."""
     dcn_s: float
     """The step's DCN all-reduce time, serial."""
     compute_s: float
     backward_s: float
+    """The backward time the reductions can hide under (all of it; the last micro-batch's when once per step)."""
     layers: int
 
     @property
@@ -56,19 +59,24 @@ class DcnCost:
         return self.compute_s / (self.compute_s + self.exposed_s)
 
 
-def dcn_cost(est, target: Target, *, reduce_bytes: int = 4, layers: int | None = None) -> DcnCost | None:
+def dcn_cost(
+    est, target: Target, *, reduce_bytes: int = 4, layers: int | None = None, once_per_step: bool = False
+) -> DcnCost | None:
     """The DCN all-reduce of an `Estimate` on a multislice `target` (None without a published DCN
-    figure). `reduce_bytes`: 4 (fp32, SimpleFSDP's reduce_dtype) or 2 (bf16)."""
+    figure). `reduce_bytes`: 4 (fp32) or 2 (bf16 on the wire: `mixed_precision_reduce` or
+    `replicate_reduce_dtype`). `once_per_step`: `replicate_reduce = "step"`."""
     host_bw = target.dcn_bytes_per_s_per_host
     if host_bw is None:
         return None
     s = target.num_slices
     per_device = est.grads / 4 * reduce_bytes  # Estimate.grads: the fp32 gradient shard
     per_host = per_device * target.generation.devices_per_host
-    reductions = max(est.grad_accum, 1)
+    micro = max(est.grad_accum, 1)
+    reductions = 1 if once_per_step else micro
     dcn_s = 0.0 if s == 1 else reductions * 2 * (s - 1) / s * per_host / host_bw
     rf = est.recompute_factor
     compute_s = est.step_time_s
+    backward_s = compute_s * (3 * rf - 1) / (3 * rf)  # 6N per token: 2N forward, 4N backward (+ recompute)
     return DcnCost(
         num_slices=s,
         bytes_per_device=per_device,
@@ -76,7 +84,7 @@ def dcn_cost(est, target: Target, *, reduce_bytes: int = 4, layers: int | None =
         reductions=reductions,
         dcn_s=dcn_s,
         compute_s=compute_s,
-        backward_s=compute_s * (3 * rf - 1) / (3 * rf),  # 6N per token: 2N forward, 4N backward (+ recompute)
+        backward_s=backward_s / micro if once_per_step else backward_s,
         layers=layers or est.n_layers or 1,
     )
 

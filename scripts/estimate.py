@@ -531,7 +531,7 @@ def _run(argv: list[str]) -> int:
     if target.num_slices > 1:
         from planner.multislice import dcn_cost, describe
 
-        cost = dcn_cost(est, target)
+        cost = dcn_cost(est, target, **replicate_reduction(cfg))
         print(describe(cost) if cost else f"multislice: no published DCN bandwidth for {target.generation.name}")
     if est.fits:
         return 0
@@ -539,6 +539,15 @@ def _run(argv: list[str]) -> int:
     for line in format_fixes(est, planner.suggest_fixes(inputs, est)):
         print(f"  - {line}")
     return 1
+
+
+def replicate_reduction(cfg) -> dict:
+    """`dcn_cost` keywords from the recipe: how often and in what dtype dp_replicate is reduced."""
+    t = cfg.training
+    bf16 = t.mixed_precision_reduce == "bfloat16" or (
+        t.replicate_reduce == "step" and t.replicate_reduce_dtype == "bfloat16"
+    )
+    return {"reduce_bytes": 2 if bf16 else 4, "once_per_step": t.replicate_reduce == "step"}
 
 
 def weak_scaling(inputs, target: planner.Target, cfg, counts: str, **kw) -> int:
@@ -577,7 +586,9 @@ def weak_scaling(inputs, target: planner.Target, cfg, counts: str, **kw) -> int:
             loss_parallel=p.enable_loss_parallel,
             **kw,
         )
-        fp32, bf16 = dcn_cost(est, t, reduce_bytes=4), dcn_cost(est, t, reduce_bytes=2)
+        once = cfg.training.replicate_reduce == "step"
+        fp32 = dcn_cost(est, t, reduce_bytes=4, once_per_step=once)
+        bf16 = dcn_cost(est, t, reduce_bytes=2, once_per_step=once)
         if fp32 is None:
             print(f"{n:>6}  no published DCN bandwidth for {t.generation.name}")
             continue

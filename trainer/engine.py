@@ -39,11 +39,13 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from models.errors import ConfigError, NonFiniteLoss
+from parallelisms.replicate_reduce import ReplicateReducer
 from trainer import checkpoint as ckpt
 from trainer.config import Config, build_config, parse_overrides
 from trainer.job import build_job
 from trainer.optim.expert_balance import ExpertBalance
 from trainer.runtime import arrival_barrier, global_mean, shutdown_distributed
+from trainer.runtime.device import torch_dtype
 from trainer.step import local_scalar, step_if_finite
 from trainer.step.loss import nll_loss, token_logprobs  # the engine's forms of the one LM loss
 
@@ -94,6 +96,8 @@ class Engine:
         self._accum_weight = 0.0
         # MoE: the expert loads since the last optimizer_step, for the selection-bias update.
         self._balance = ExpertBalance(self.model, rate=cfg.training.expert_bias_rate) or None
+        # `training.replicate_reduce = "step"`: the dp_replicate mean, taken in optimizer_step.
+        self._replicate = ReplicateReducer(self.model, dtype=torch_dtype(cfg.training.replicate_reduce_dtype)) or None
         self._load: torch.Tensor | None = None
         self._hf_layouts: dict[str, list[str]] = {}
         self._unusable: str | None = None  # why every call but load/close is refused (close, failed load)
@@ -246,6 +250,8 @@ class Engine:
                 "engine.optimizer_step: no gradients: no forward_backward since the last "
                 "optimizer_step, zero_grad or load; allowed: forward_backward first"
             )
+        if self._replicate is not None:
+            self._replicate.finish()
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self._accum_weight != 1.0:
             grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]

@@ -49,6 +49,7 @@ from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
 from parallelisms.parallel_dims import resolve_num_slices, tpu_mesh_layout
 from parallelisms.quantize import QuantizePlan
+from parallelisms.replicate_reduce import ReplicateReducer
 from trainer import checkpoint as ckpt
 from trainer.config import Config, resolve_model_args
 from trainer.optim import build_lr_scheduler, build_optimizer_for
@@ -169,6 +170,8 @@ def step_request(
         num_slices=num_slices,
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
+        replicate_reduce=cfg.training.replicate_reduce,
+        replicate_reduce_dtype=cfg.training.replicate_reduce_dtype,
         quantize=cfg.quantize.recipe,
         fsdp_float8_all_gather=cfg.quantize.fsdp_float8_all_gather,
         fsdp_shard_degree=fsdp_shard_degree,
@@ -289,8 +292,10 @@ def build_model(
     moe_routing: str = "learned",
     moe_capacity_factor: float = 0.0,
     quantize: QuantizePlan | None = None,
+    replicate_reduce: str = "micro_batch",
 ):
-    """Meta device -> parallelize -> materialize -> init_weights (`quantize`: `[quantize]`)."""
+    """Meta device -> parallelize -> materialize -> init_weights (`quantize`: `[quantize]`;
+    `replicate_reduce`: `training.replicate_reduce`)."""
     # 1. Build on meta: no memory is touched, whatever the flavor's size. Benchmark routing
     #    (`[moe] routing`, allowed by the step plan's rules) is set on the model as built, so its
     #    `routing_key` buffers travel through the parallelisms like any buffer.
@@ -313,6 +318,7 @@ def build_model(
         compile_backend=step_plan.block_compile,
         enable_loss_parallel=step_plan.loss_parallel,
         quantize=quantize,
+        replicate_reduce=replicate_reduce,
     )
     # 3. Materialize the (sharded) parameters on the device, 4. initialize them.
     model.to_empty(device=device)
@@ -403,6 +409,8 @@ class Job:
             passes_as, plan = plan.backend, _capture_only(plan)
         balance = ExpertBalance(self.model, rate=t.expert_bias_rate) or None
         if plan.mode != "graph":
+            # `training.replicate_reduce = "step"`: the dp_replicate mean once per step (falsy: none deferred).
+            replicate = ReplicateReducer(self.model, dtype=torch_dtype(t.replicate_reduce_dtype)) or None
             return EagerStep(
                 model=self.model,
                 optimizer=self.optimizer,
@@ -412,6 +420,7 @@ class Job:
                 loss_context=plan.loss_context,
                 loss_fn=loss_fn,
                 balance=balance,
+                replicate=replicate,
             )
         from trainer.graph import build_graph_step
 
@@ -432,6 +441,7 @@ class Job:
             gloo_all_to_all=c.gloo_all_to_all,
             passes_as=passes_as,
             balance=balance,
+            replicate_dtype=torch_dtype(t.replicate_reduce_dtype),
         )
 
 
@@ -715,6 +725,7 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
         moe_routing=cfg.moe.routing,
         moe_capacity_factor=cfg.moe.capacity_factor,
         quantize=QuantizePlan.of(cfg.quantize),
+        replicate_reduce=t.replicate_reduce,
     )
     if cfg.moe.routing != "learned" and not purpose.captures_only:  # a defined key before any step sets it
         set_routing_key(model, seed=t.seed, step=0, first_token=data.dp_rank * data.local_batch_size * t.seq_len)

@@ -78,3 +78,23 @@ def test_losses_match_single_process(tmp_path, single_process_losses, nproc, deg
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, single_process_losses))
     print(f"{degrees}: max relative loss difference over 10 steps {worst:.2e}")
     assert worst < 1e-5
+
+
+ONCE_PER_STEP = (
+    "--training.replicate_reduce=step",
+    "--training.global_batch_size=4",
+    "--training.gradient_accumulation_steps=2",
+)
+
+
+@pytest.mark.parametrize("extra", [pytest.param((), id="eager"), pytest.param(GRAPH, id="graph")])
+def test_replicate_reduce_once_per_step_matches_single_process(tmp_path, single_process_losses, extra):
+    """dp_replicate 2, two micro-batches of one sequence per replica, the replicas' gradients
+    averaged once per step (parallelisms/replicate_reduce.py; eager: bucketed from the last
+    backward's hooks, graph: `reduce_grads` in the captured step): the same fp32 mean of the same
+    four sequences as the 1-process run, in another summation order."""
+    losses = _train(tmp_path, 2, dict(dp_replicate=2), *ONCE_PER_STEP, *extra)
+    assert len(losses) == len(single_process_losses)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, single_process_losses))
+    print(f"dp_replicate=2 replicate_reduce=step {' '.join(extra)}: max relative loss difference {worst:.2e}")
+    assert worst < 1e-5

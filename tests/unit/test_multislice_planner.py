@@ -44,6 +44,15 @@ def test_dcn_all_reduce_arithmetic():
     slow = dcn_cost(SimpleNamespace(**{**vars(est), "step_time_s": 0.03, "grad_accum": 2}), parse_target("v6e-256x2"))
     assert slow.dcn_s == pytest.approx(2 * two.dcn_s) and slow.exposed_s == pytest.approx(slow.dcn_s - 0.02)
     assert dcn_cost(est, parse_target("v6e-256")).dcn_s == 0.0
+    # replicate_reduce = "step": 4 micro-batches pay one reduction, hidden only under the last
+    # micro-batch's backward (a quarter of the step's 2.0 s)
+    accum = SimpleNamespace(**{**vars(est), "grad_accum": 4})
+    per_micro, once = (
+        dcn_cost(accum, parse_target("v6e-256x2")),
+        dcn_cost(accum, parse_target("v6e-256x2"), once_per_step=True),
+    )
+    assert (per_micro.reductions, once.reductions) == (4, 1)
+    assert once.dcn_s == pytest.approx(per_micro.dcn_s / 4) and once.backward_s == pytest.approx(0.5)
 
 
 def test_recipe_check_on_two_slices():

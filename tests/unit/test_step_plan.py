@@ -158,6 +158,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(quantize="float8_blockwise", device_type="cuda"),
         StepRequest(quantize="float8_rowwise", device_type="cuda", device_generation="sm80"),
         StepRequest(quantize="float8_rowwise", fsdp_float8_all_gather=True),
+        StepRequest(replicate_reduce_dtype="bfloat16"),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from models.common.quantize import RECIPES
 from parallelisms.activation_checkpoint import AC_MODES
 from parallelisms.quantize import DEFAULT_FILTER_FQNS, DEFAULT_MIN_DIM
+from parallelisms.replicate_reduce import REPLICATE_REDUCE, REPLICATE_REDUCE_DTYPES
 from titan_kernels import ATTENTION_BACKENDS
 from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FORMATS
 from trainer.optim import DECAY_TYPES, OPTIMIZERS
@@ -115,7 +116,23 @@ class TrainingConfig:
     thread count) and cached in $TITAN_CACHE/cpu_matmul_probe.json; the start-up line says what
     was chosen and why (docs/training.md)."""
     mixed_precision_reduce: str = field(default="float32", metadata=_choices(*PROBE_DTYPES))
-    """Dtype of gradient reductions across data-parallel ranks."""
+    """Dtype of gradient reductions across data-parallel ranks (with `replicate_reduce = "step"`:
+    the reduce-scatter over dp_shard; `replicate_reduce_dtype` sets the dp_replicate one)."""
+    replicate_reduce: str = field(default="micro_batch", metadata=_choices(*REPLICATE_REDUCE))
+    """When gradients are averaged over `dp_replicate` (HSDP's replicas; on a multislice job the
+    axis across slices, over the data-center network). micro_batch: in each micro-batch's
+    backward, with the dp_shard reduce-scatter (one all-reduce per micro-batch). step: once per
+    optimizer step, after the last micro-batch: the gradients in ~25 MB buckets issued during that
+    micro-batch's backward as they become final (eager and compile modes) or as graph ops the
+    compiler schedules (graph mode); gradient accumulation then pays the replica all-reduce once
+    instead of once per micro-batch. Same result up to fp32 summation order. docs/parallelism.md,
+    "Gradient reduction across replicas"."""
+    replicate_reduce_dtype: str = field(default="float32", metadata=_choices(*REPLICATE_REDUCE_DTYPES))
+    """What the once-per-step reduction over `dp_replicate` sends. float32: an fp32 all-reduce.
+    bfloat16: bf16 on the wire with fp32 accumulation (an all-to-all of bf16 chunks, an fp32 sum,
+    an all-gather of the bf16 mean): the bytes of a bf16 all-reduce, half of fp32's, each
+    replica's gradient and the mean rounded once to bf16, no partial sum rounded. Needs
+    `replicate_reduce = "step"`."""
     aux_loss_coef: float = field(default=0.001, metadata=_range(ge=0))
     """Weight of the MoE load-balancing loss added to the LM loss (MoE models only)."""
     expert_bias_rate: float = field(default=0.001, metadata=_range(ge=0))

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.errors import ConfigError
+from parallelisms.replicate_reduce import canonical, deferred_meshes, reduce_grads
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes, muon_update_
 from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
@@ -57,6 +58,7 @@ class GraphStep:
         gloo_all_to_all: bool = True,
         passes_as: str | None = None,
         balance=None,
+        replicate_dtype: torch.dtype = torch.float32,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -71,6 +73,9 @@ class GraphStep:
         self._loss_fn = loss_fn
         # MoE models: the loads leave the graph as an output; the bias update runs after it.
         self.balance = balance
+        # `training.replicate_reduce = "step"`: the dtype of the once-per-step dp_replicate mean.
+        self.replicate_dtype = replicate_dtype
+        self._current_meshes = None
         # One update slot per (stack, parameter name): the stacks' names keep FLUX's two
         # stacks apart, whose blocks may share parameter names.
         stacked = {
@@ -122,6 +127,10 @@ class GraphStep:
             stack.resync_scan_storage()
         self.slots.refresh()
         self._current_slots = self.slots.slots()
+        # The dp_replicate mesh each slot's gradient still has to be averaged over (None for
+        # most: reduced in the backward), found here and not in the traced step.
+        deferred = deferred_meshes(self.model)
+        self._current_meshes = canonical([deferred.get(id(_slot_param(s))) for s in self._current_slots])
         set_scalar_(self._lr, lr)
         if len({len(mb) for mb in microbatches}) != 1:
             raise ValueError("graph step: every micro-batch must hold the same number of tensors")
@@ -137,7 +146,7 @@ class GraphStep:
             ):
                 loss, grad_norm, aux, load = self._compiled(inputs, self._lr)
         finally:
-            self._current_slots = None
+            self._current_slots = self._current_meshes = None
         if self.compile_s is None:
             self.compile_s = (self.capture.ready_at or time.perf_counter()) - start
             self.graph_nodes = self.capture.stats.nodes if self.capture.stats is not None else None
@@ -183,7 +192,11 @@ class GraphStep:
             )
             lm_total = lm.detach() if lm_total is None else lm_total + lm.detach()
         with torch.no_grad():
-            used = [(s, _local(g)) for s, g in zip(slots, grads) if g is not None]
+            used = [(s, _local(g), m) for s, g, m in zip(slots, grads, self._current_meshes) if g is not None]
+            if any(m is not None for _, _, m in used):  # replicate_reduce = "step"
+                means = reduce_grads([g for _, g, _ in used], [m for _, _, m in used], dtype=self.replicate_dtype)
+                used = [(s, g, None) for (s, _, _), g in zip(used, means)]
+            used = [(s, g) for s, g, _ in used]
             grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
@@ -250,9 +263,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _reduce_axes(slot) -> tuple:
+def _slot_param(slot) -> torch.Tensor:
     # A stacked tensor of local shards is sharded like each of its layers' parameters.
-    return grad_reduce_axes(slot.members[0] if slot.members else slot.param)
+    return slot.members[0] if slot.members else slot.param
+
+
+def _reduce_axes(slot) -> tuple:
+    return grad_reduce_axes(_slot_param(slot))
 
 
 def build_graph_step(
@@ -273,6 +290,7 @@ def build_graph_step(
     gloo_all_to_all: bool = True,
     passes_as: str | None = None,
     balance=None,
+    replicate_dtype: torch.dtype = torch.float32,
 ) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
@@ -304,6 +322,9 @@ def build_graph_step(
       captures with aot_eager on meta tensors what the target's backend would compile).
     - `balance`: a `trainer.optim.expert_balance.ExpertBalance` of an MoE model (the loads are a graph
       output; the selection-bias update and the MaxVio metric run after the graph), or None.
+    - `replicate_dtype`: the wire dtype of the once-per-step mean over dp_replicate of gradients
+      SimpleFSDP left unreduced there (`training.replicate_reduce = "step"`,
+      parallelisms/replicate_reduce.py `reduce_grads`: graph ops the compiler schedules).
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -346,6 +367,7 @@ def build_graph_step(
         gloo_all_to_all=gloo_all_to_all,
         passes_as=passes_as,
         balance=balance,
+        replicate_dtype=replicate_dtype,
     )
 
 

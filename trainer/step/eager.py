@@ -43,6 +43,7 @@ class EagerStep:
         loss_context=contextlib.nullcontext,
         loss_fn=None,
         balance=None,
+        replicate=None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -57,13 +58,18 @@ class EagerStep:
         self.loss_fn = loss_fn if loss_fn is not None else plain_loss
         # MoE models: the expert loads and the selection-bias update (trainer/optim/expert_balance.py).
         self.balance = balance
+        # `training.replicate_reduce = "step"`: the ReplicateReducer that averages over dp_replicate
+        # once, issuing buckets during the last micro-batch's backward (parallelisms/replicate_reduce.py).
+        self.replicate = replicate
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
         self.optimizer.zero_grad(set_to_none=True)
         n = len(microbatches)
         lm_sum, aux_sum, load = 0.0, None, None
-        for microbatch in microbatches:
+        for i, microbatch in enumerate(microbatches):
+            if self.replicate is not None and i == n - 1:
+                self.replicate.arm()
             with self.loss_context():
                 lm = self.loss_fn(self.model, *microbatch)
                 aux = self.model.pop_aux_loss()
@@ -76,6 +82,8 @@ class EagerStep:
             if aux is not None:
                 aux = local_scalar(aux.detach())
                 aux_sum = aux if aux_sum is None else aux_sum + aux
+        if self.replicate is not None:
+            self.replicate.finish()
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         grad_norm = self.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], max_norm)
         nonfinite = step_if_finite(self.optimizer, grad_norm)

@@ -138,6 +138,10 @@ class StepRequest:
     """`[parallelism] data_parallel_replicate_degree`."""
     allow_dcn_sharding: bool = False
     """`[parallelism] allow_dcn_sharding`."""
+    replicate_reduce: str = "micro_batch"
+    """`[training] replicate_reduce`."""
+    replicate_reduce_dtype: str = "float32"
+    """`[training] replicate_reduce_dtype`."""
     quantize: str = "none"
     """`[quantize] recipe`."""
     fsdp_float8_all_gather: bool = False
@@ -533,6 +537,16 @@ RULES: tuple[Rule, ...] = (
         "all-reduced amax before the gather), tensor_parallel_degree = 1 and weights sharded by "
         "SimpleFSDP (data_parallel_shard_degree x context_parallel_degree > 1); here recipe "
         "{r.quantize}, tp {r.tp_degree}, shard degree {r.fsdp_shard_degree}; allowed: false",
+    ),
+    # The once-per-step mean over dp_replicate (parallelisms/replicate_reduce.py) is the only
+    # reduction that can put bf16 on the wire while it sums in fp32.
+    Rule(
+        "training.replicate_reduce_dtype",
+        "bfloat16 while training.replicate_reduce is micro_batch",
+        lambda r: r.replicate_reduce_dtype != "float32" and r.replicate_reduce != "step",
+        "{r.replicate_reduce_dtype} applies to the once-per-step reduction over dp_replicate only "
+        '(training.replicate_reduce = "step"); here replicate_reduce is {r.replicate_reduce}; '
+        'allowed: float32, or set training.replicate_reduce = "step"',
     ),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule(
