@@ -820,6 +820,41 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "a replaced slice through the launcher: the peer transfer runs on 2 gloo ranks, the lost slice's relaunch "
         "through the launcher, by default",
     ),
+    Scheduled(
+        "tests/e2e/test_parallel_e2e.py::test_replicate_reduce_once_per_step_matches_single_process[[]graph]",
+        (
+            "tests/e2e/test_parallel_e2e.py::test_replicate_reduce_once_per_step_matches_single_process[eager]",
+            "tests/unit/test_replicate_reduce.py::test_graph_reduce_equals_the_eager_reducer",
+        ),
+        "the once-per-step replica mean in the captured step: the trainer's eager run under torchrun, and "
+        "graph mode's reduce_grads equal to the eager reducer on thread ranks",
+    ),
+    Scheduled(
+        "tests/xla/test_quantize_xla.py::test_the_grouped_op_compiles_to_float8_ragged_dots_on_v7x_and_int8_on_v6e",
+        (
+            "tests/xla/test_quantize_xla.py::test_xla_cpu_equals_the_torch_emulation",
+            "tests/unit/test_quantize_moe.py",
+        ),
+        "the grouped op's deviceless TPU compile: the dense op's XLA:CPU check runs the same quantize "
+        "helpers and jax_op path by default",
+    ),
+    Scheduled(
+        "tests/xla/test_quantize_xla.py::test_grouped_xla_cpu_equals_the_torch_emulation",
+        (
+            "tests/unit/test_quantize_moe.py",
+            "tests/xla/test_quantize_xla.py::test_xla_cpu_equals_the_torch_emulation",
+        ),
+        "the TPU grouped op on XLA:CPU: the torch emulation it must equal runs on the CPU trainer's path, and "
+        "the dense TPU op (the same scale and cast helpers, the same jax_op registration) through XLA:CPU",
+    ),
+    Scheduled(
+        "tests/e2e/test_moe_capacity_train.py::test_capacity_scanned_graph_equals_eager",
+        (
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+            "tests/unit/test_models_moe.py::test_moe_graph_step_with_scan_matches_unrolled_and_eager",
+        ),
+        "the capacity dispatch in the scanned graph: the capacity path's parity on EP 2 and the MoE scanned graph step",
+    ),
 )
 
 
