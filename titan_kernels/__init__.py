@@ -134,6 +134,22 @@ def use(*, attention: str, device: torch.device | str = "cpu"):
             ops.register(op, fn)
 
 
+def _tpu_quantized(op: str, build: str):
+    """`titan_kernels.tpu.qlinear.<build>()` when the Pallas stack (jax, torch-tpu) loads, else
+    None (the emulation), with one line saying why where the build fails."""
+    from titan_kernels import tpu
+
+    if tpu.load() is None:
+        return None
+    try:
+        from titan_kernels.tpu import qlinear
+
+        return getattr(qlinear, build)()
+    except Exception as exc:  # torch-tpu without jax_op, a recipe that does not export
+        print(f"titan-tpu: {op} on TPU takes the emulation: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
 def quantized_linear_for(device: torch.device):
     """The implementation of `quantized_linear` on `device` (None: the emulation, the reference):
     on TPU the XLA float8 / int8 dots when the Pallas stack (jax, torch-tpu) loads, on CUDA the
@@ -143,41 +159,16 @@ def quantized_linear_for(device: torch.device):
 
         return cuda_quantize.quantized_linear
     if device.type == "tpu":
-        from titan_kernels import tpu
-
-        if tpu.load() is None:
-            return None
-        try:
-            from titan_kernels.tpu import qlinear
-
-            return qlinear.build()
-        except Exception as exc:  # torch-tpu without jax_op, a recipe that does not export
-            print(
-                f"titan-tpu: quantized_linear on TPU takes the emulation: {type(exc).__name__}: {exc}", file=sys.stderr
-            )
-            return None
+        return _tpu_quantized("quantized_linear", "build")
     return None
 
 
 def quantized_grouped_mm_for(device: torch.device):
     """The implementation of `quantized_grouped_mm` on `device` (None: the emulation, the reference):
     on TPU the XLA float8 / int8 ragged dots when the Pallas stack (jax, torch-tpu) loads."""
-    if device.type != "tpu":
-        return None
-    from titan_kernels import tpu
-
-    if tpu.load() is None:
-        return None
-    try:
-        from titan_kernels.tpu import qlinear
-
-        return qlinear.build_grouped()
-    except Exception as exc:  # torch-tpu without jax_op, a recipe that does not export
-        print(
-            f"titan-tpu: quantized_grouped_mm on TPU takes the emulation: {type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
-        return None
+    if device.type == "tpu":
+        return _tpu_quantized("quantized_grouped_mm", "build_grouped")
+    return None
 
 
 def saved_ops() -> set:

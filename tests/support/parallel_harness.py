@@ -68,16 +68,23 @@ def batch(vocab_size: int, batch_size: int = 4, seed: int = 1) -> tuple[torch.Te
 
 
 @torch.no_grad()
-def parallel_fp32_model(cls, args, plan, dims, state: dict[str, torch.Tensor]):
+def parallel_fp32_model(cls, args, plan, dims, state: dict[str, torch.Tensor], **parallelize):
     """On a rank: `cls(args)` built on meta, parallelized by `plan` over `dims` (fp32 params and
-    reductions), materialized, initialised (the RoPE buffers) and holding `state`; -> (model, mesh)."""
+    reductions; `parallelize`: more `parallelize_model` keywords), materialized, initialised (the
+    RoPE buffers) and holding `state`; -> (model, mesh)."""
     from parallelisms import build_mesh, parallelize_model
 
     mesh = build_mesh(dims, "cpu")
     with torch.device("meta"):
         model = cls(args)
     parallelize_model(
-        model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32
+        model,
+        plan=plan,
+        parallel_dims=dims,
+        mesh=mesh,
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+        **parallelize,
     )
     model.to_empty(device="cpu")
     with torch.no_grad():

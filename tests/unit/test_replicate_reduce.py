@@ -18,17 +18,16 @@ debug (2 layers), fp32, two micro-batches accumulated.
 import pytest
 import torch
 
-from parallelisms import ParallelDims, build_mesh, parallelize_model
+from parallelisms import ParallelDims
 from parallelisms.replicate_reduce import BF16_UNIT_ROUNDOFF, ReplicateReducer, canonical, deferred_meshes, reduce_grads
 from tests.support.parallel_harness import (
     LLAMA3_PLAN,
-    RNG_LOCK,
     Llama3,
     batch,
     full,
     llama3_args,
     lm_loss,
-    load_full_state,
+    parallel_fp32_model,
     reference_state,
     run_threads,
 )
@@ -43,22 +42,7 @@ def state():
 
 def _model(state, mode: str):
     dims = ParallelDims(world_size=WORLD, **DEGREES)
-    mesh = build_mesh(dims, "cpu")
-    with torch.device("meta"):
-        model = Llama3(llama3_args())
-    parallelize_model(
-        model,
-        plan=LLAMA3_PLAN,
-        parallel_dims=dims,
-        mesh=mesh,
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
-        replicate_reduce=mode,
-    )
-    model.to_empty(device="cpu")
-    with RNG_LOCK, torch.no_grad():
-        model.init_weights()
-    load_full_state(model, state)
+    model, mesh = parallel_fp32_model(Llama3, llama3_args(), LLAMA3_PLAN, dims, state, replicate_reduce=mode)
     return model, dims.dp_rank(mesh), dims.dp_degree
 
 
