@@ -192,11 +192,12 @@ class GraphStep:
             )
             lm_total = lm.detach() if lm_total is None else lm_total + lm.detach()
         with torch.no_grad():
-            used = [(s, _local(g), m) for s, g, m in zip(slots, grads, self._current_meshes) if g is not None]
-            if any(m is not None for _, _, m in used):  # replicate_reduce = "step"
-                means = reduce_grads([g for _, g, _ in used], [m for _, _, m in used], dtype=self.replicate_dtype)
-                used = [(s, g, None) for (s, _, _), g in zip(used, means)]
-            used = [(s, g) for s, g, _ in used]
+            kept = [k for k, g in enumerate(grads) if g is not None]
+            used = [(slots[k], _local(grads[k])) for k in kept]
+            meshes = [self._current_meshes[k] for k in kept]
+            if any(m is not None for m in meshes):  # replicate_reduce = "step"; None: returned as given
+                means = reduce_grads([g for _, g in used], meshes, dtype=self.replicate_dtype)
+                used = [(s, g) for (s, _), g in zip(used, means)]
             grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
