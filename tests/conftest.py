@@ -101,6 +101,7 @@ XDIST_GROUPS = {
     "tests/e2e/test_engine.py": "engine",
     "tests/e2e/test_contract.py": "contract",
     "tests/e2e/test_readme_commands.py": "readme",  # one clone and one kernel build for all blocks
+    "tests/unit/test_tiers.py": "tiers",  # one collection for both tests
 }
 
 

@@ -193,11 +193,34 @@ def _xla_tier_start(request):
 _STARTER: list[threading.Thread] = []
 
 
+def _lowering_variants(items) -> tuple[str, ...]:
+    """The LOWERING_VARIANTS the selected tests read: every one when a TPU compile is selected
+    (it compiles their exports), else the `variant` parameters, a `family` parameter's three
+    variants, and all of them for any other reader. The default tier leaves out the variants
+    whose tests are scheduled (tests/support/tiers.py) and saves their lowering."""
+    need: set[str] = set()
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "tpu_compiles" in names:
+            return LOWERING_VARIANTS
+        if "lowering" not in names:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "variant" in params:
+            need.add(params["variant"])
+        elif "family" in params:
+            need.update(f"{params['family']}:{v}" for v in ("unrolled:2", "scan:2", "scan:4:lower"))
+        else:
+            return LOWERING_VARIANTS
+    return tuple(v for v in LOWERING_VARIANTS if v in need)
+
+
 @pytest.fixture(scope="session")
-def lowering(tmp_path_factory) -> dict:
-    """graph_step_xla.py over LOWERING_VARIANTS: {"versions", "variants": {variant: result}, "out_dir"}."""
+def lowering(request, tmp_path_factory) -> dict:
+    """graph_step_xla.py over the selected tests' LOWERING_VARIANTS: {"versions", "variants":
+    {variant: result}, "out_dir"}."""
     out = tmp_path_factory.mktemp("xla_exports")
-    res = run_probe("xla", "graph_step_xla.py", str(out), *LOWERING_VARIANTS)
+    res = run_probe("xla", "graph_step_xla.py", str(out), *_lowering_variants(request.session.items))
     res["out_dir"] = str(out)
     return res
 
