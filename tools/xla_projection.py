@@ -37,6 +37,7 @@ upper bound.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -366,29 +367,95 @@ def dot_flops(comp: Computation, ins: Instr) -> float:
         lhs = array_dims(_operand_shape(comp, ins.operands[0])) if ins.operands else []
         contract = [int(d) for d in re.findall(r"\d+", ins.attr("lhs_contracting_dims") or "")]
         return 2.0 * out * math.prod(lhs[d] for d in contract if d < len(lhs))
-    # convolution: every output element meets input features x the window positions that fall
-    # on the input (a padded window larger than the input, XLA:TPU's form of some dots, counts
-    # only the positions inside it)
+    # convolution: every output element meets the input features times the window positions that
+    # land on a real input element (`window_taps`): inside the input, past the padding, and, where
+    # the input is dilated, on an element rather than a hole. XLA:TPU writes some dots this way:
+    # a padded window larger than the input, and a batched matmul as a window of size E, stride
+    # E - 1, lhs_dilate E over the batch dim, of which one tap per output is real.
     if len(ins.operands) < 2:
         return 0.0
     lhs = array_dims(_operand_shape(comp, ins.operands[0]))
     rhs = array_dims(_operand_shape(comp, ins.operands[1]))
-    m = re.match(r"([^_]*)_([^-]*)->", ins.attr("dim_labels") or "")
+    outd = array_dims(ins.shape)
+    m = re.match(r"([^_]*)_([^-]*)->(.*)", ins.attr("dim_labels") or "")
     if (
         not rhs
         or not lhs
         or not m
         or len(m.group(1)) != len(lhs)
         or len(m.group(2)) != len(rhs)
+        or len(m.group(3)) != len(outd)
         or "i" not in m.group(2)
     ):
         return 0.0
-    lhs_l, rhs_l = m.group(1), m.group(2)
-    per_out = rhs[rhs_l.index("i")]
+    lhs_l, rhs_l, out_l = m.groups()
+    window = _window(ins.attr("window") or "")
+    per_out, spatial_out = rhs[rhs_l.index("i")], 1
     for k, label in enumerate(rhs_l):
-        if label.isdigit():
-            per_out *= min(rhs[k], lhs[lhs_l.index(label)]) if label in lhs_l else rhs[k]
-    return 2.0 * out * per_out
+        if not label.isdigit():
+            continue
+        j = int(label)
+        size = window.get("size", [])
+        w = size[j] if j < len(size) else rhs[k]
+        if label not in lhs_l or label not in out_l:
+            per_out *= w
+            continue
+
+        def at(key: str, default: int) -> int:
+            vals = window.get(key, [])
+            return vals[j] if j < len(vals) else default
+
+        o = outd[out_l.index(label)]
+        pad_lo = window.get("pad_lo", [])
+        taps = window_taps(
+            n=lhs[lhs_l.index(label)],
+            window=w,
+            out=o,
+            stride=at("stride", 1),
+            pad_lo=pad_lo[j] if j < len(pad_lo) else 0,
+            lhs_dilate=at("lhs_dilate", 1),
+            rhs_dilate=at("rhs_dilate", 1),
+        )
+        per_out *= taps
+        spatial_out *= o
+    return 2.0 * (out / max(spatial_out, 1)) * per_out
+
+
+def _window(attr: str) -> dict[str, list[int]]:
+    """A convolution's `window={size=1x8 stride=7 pad=0_0x7_7 lhs_dilate=8 ...}` as lists per spatial
+    dim (`pad` split into `pad_lo` and `pad_hi`)."""
+    out: dict[str, list[int]] = {}
+    for key, val in re.findall(r"(\w+)=([-0-9_x]+)", attr):
+        if key == "pad":
+            pairs = [p.split("_") for p in val.split("x")]
+            out["pad_lo"] = [int(a) for a, _ in pairs]
+            out["pad_hi"] = [int(b) for _, b in pairs]
+        else:
+            out[key] = [int(v) for v in val.split("x")]
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def window_taps(*, n: int, window: int, out: int, stride: int, pad_lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """Over one spatial dim of a convolution, the (output position, window tap) pairs whose tap
+    lands on an input element: position o * stride + k * rhs_dilate - pad_lo inside the dilated
+    input [0, (n - 1) * lhs_dilate] and a multiple of lhs_dilate."""
+    last = (n - 1) * lhs_dilate
+    total = 0
+    for o in range(out):
+        base = o * stride - pad_lo
+        if lhs_dilate == 1:
+            # k in [0, window) with 0 <= base + k * rhs_dilate <= last
+            lo = 0 if base >= 0 else (-base + rhs_dilate - 1) // rhs_dilate
+            hi = min(window - 1, (last - base) // rhs_dilate) if last >= base else -1
+            total += max(0, hi - lo + 1)
+        else:
+            total += sum(
+                1
+                for k in range(window)
+                if 0 <= base + k * rhs_dilate <= last and (base + k * rhs_dilate) % lhs_dilate == 0
+            )
+    return total
 
 
 def _fusion_flops(hlo: Hlo, name: str, seen: set | None = None) -> float:
@@ -460,7 +527,15 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                 if any(c.startswith("all-reduce-scatter") or _has_collective(hlo, c) for c in called):
                     continue  # a collective wrapped as a fusion: counted by collectives()
                 flops = sum(_fusion_flops(hlo, c) for c in called)
-                ops.append(Op(ins.name, "fusion", flops, io, times))
+                fused = hlo.computations.get(called[0]) if len(called) == 1 else None
+                ops.append(Op(ins.name, "fusion", flops, fusion_bytes(comp, ins, fused) if fused else io, times))
+            elif ins.opcode in ("dynamic-slice", "dynamic-update-slice"):
+                # reads and writes the slice only (an update in place leaves the rest untouched)
+                part = ins.shape if ins.opcode == "dynamic-slice" else _operand_shape(comp, ins.operands[1])
+                if array_bytes(ins.shape, hbm_only=True) or array_bytes(
+                    _operand_shape(comp, ins.operands[0]), hbm_only=True
+                ):
+                    ops.append(Op(ins.name, ins.opcode, 0.0, 2 * array_bytes(part), times))
             elif ins.opcode in ("dot", "convolution"):
                 ops.append(Op(ins.name, ins.opcode, dot_flops(comp, ins), io, times))
             elif ins.opcode == "custom-call" and _wraps_collective(hlo, ins):
@@ -487,6 +562,77 @@ def compute_ops(hlo: Hlo) -> list[Op]:
             for op in ops[first:]:
                 op.source = op_source(ins)
     return ops
+
+
+_PASS_THROUGH = ("bitcast", "reshape")
+
+
+def _read_bytes(fused: Computation, name: str, users: dict[str, list[Instr]]) -> float | None:
+    """The bytes a fused computation reads of value `name` when it reads part of it: every use a
+    dynamic-slice or slice of it (their results' bytes), the buffer of an in-place
+    dynamic-update-slice (nothing read), or a bitcast / reshape passing it on to such uses.
+    None when some use reads it whole."""
+    total = 0.0
+    for user in users.get(name, []):
+        if user.opcode in ("dynamic-slice", "slice") and user.operands[:1] == [name]:
+            total += array_bytes(user.shape)
+        elif user.opcode == "dynamic-update-slice" and user.operands[:1] == [name] and name not in user.operands[1:]:
+            continue
+        elif user.opcode in _PASS_THROUGH:
+            sub = _read_bytes(fused, user.name, users)
+            if sub is None:
+                return None
+            total += sub
+        else:
+            return None
+    return total
+
+
+def _written_bytes(fused: Computation, ins: Instr) -> float:
+    """The bytes a fused computation's result `ins` writes: an in-place dynamic-update-slice (under
+    bitcasts / reshapes) writes its update only; a tuple, each of its parts."""
+    if ins.opcode == "tuple":
+        return sum(_written_bytes(fused, fused.by_name[o]) for o in ins.operands if o in fused.by_name)
+    if ins.opcode in _PASS_THROUGH and ins.operands and ins.operands[0] in fused.by_name:
+        inner = fused.by_name[ins.operands[0]]
+        if inner.opcode in ("dynamic-update-slice", *_PASS_THROUGH, "tuple"):
+            return _written_bytes(fused, inner)
+    if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1 and ins.operands[1] in fused.by_name:
+        return array_bytes(fused.by_name[ins.operands[1]].shape)
+    return array_bytes(ins.shape)
+
+
+def fusion_bytes(comp: Computation, ins: Instr, fused: Computation) -> float:
+    """HBM bytes of a fusion: each operand in HBM read whole, or only the part the fused
+    computation reads (`_read_bytes`: XLA's scan loops slice one layer of a stacked [L, ...]
+    buffer and update one layer of another in place, so charging the whole buffer per trip
+    counted L times the traffic); the result in HBM written whole, or only an in-place update's
+    slice."""
+    users: dict[str, list[Instr]] = {}
+    for i in fused.instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    params = {}
+    for i in fused.instrs:
+        if i.opcode == "parameter":
+            m = re.match(r"\s*(\d+)", i.args)
+            if m:
+                params[int(m.group(1))] = i
+    total = 0.0
+    for k, operand in enumerate(ins.operands):
+        outer = _operand_shape(comp, operand)
+        if not array_bytes(outer, hbm_only=True):
+            continue  # on chip (or empty)
+        part = _read_bytes(fused, params[k].name, users) if k in params else None
+        total += array_bytes(outer, hbm_only=True) if part is None else min(part, array_bytes(outer))
+    if array_bytes(ins.shape, hbm_only=True):
+        root = next((i for i in fused.instrs if i.root), None)
+        total += (
+            array_bytes(ins.shape, hbm_only=True)
+            if root is None
+            else min(_written_bytes(fused, root), array_bytes(ins.shape, hbm_only=True))
+        )
+    return total
 
 
 def _wraps_collective(hlo: Hlo, ins: Instr) -> bool:

@@ -100,6 +100,98 @@ def test_parse_and_loops(hlo):
     assert xp.array_bytes("(bf16[16,32]{1,0}, f32[4]{0:T(128)S(1)})", hbm_only=True) == 16 * 32 * 2
 
 
+# XLA:TPU's batched matmul over E = 8 local experts (the capacity dispatch's torch.bmm), as a
+# v6e compile writes it: the expert dim is a spatial dim with window 8, stride 7, lhs_dilate 8.
+BMM_AS_CONV = r"""
+HloModule bmm
+
+ENTRY %main (x: bf16[8,2560,512], w: bf16[8,256,512]) -> bf16[8,2560,256] {
+  %x = bf16[8,2560,512]{2,1,0} parameter(0)
+  %w = bf16[8,256,512]{2,1,0} parameter(1)
+  ROOT %convolution-base-dilated.38 = bf16[8,2560,256]{2,1,0} convolution(%x, %w), window={size=8 stride=7 lhs_dilate=8}, dim_labels=0bf_0oi->0bf
+}
+"""
+
+
+def test_a_batched_matmul_written_as_a_dilated_convolution_counts_one_tap_per_output():
+    """Each output position o of the expert dim meets one real input element (dilated position
+    8 o, tap o); the other 7 taps of its window fall on the dilation's holes. Counting every
+    tap charged the capacity dispatch's expert matmuls 8x their FLOPs (E_local times)."""
+    hlo = xp.parse_hlo(BMM_AS_CONV)
+    conv = hlo.computations["main"].by_name["convolution-base-dilated.38"]
+    assert xp.dot_flops(hlo.computations["main"], conv) == 2 * 8 * 2560 * 256 * 512
+    assert xp.window_taps(n=8, window=8, out=8, stride=7, pad_lo=0, lhs_dilate=8, rhs_dilate=1) == 8
+
+
+# A layer scan's body as XLA:TPU compiles it: one fusion slices layer i of a stacked [L, ...]
+# weight and multiplies, another writes the layer's saved activation into a stacked [L, ...]
+# buffer in place (the buffer is an operand and the result, aliased).
+SCAN_BODY = r"""
+HloModule scan
+
+%fused_slice_mul (p0: bf16[64,256,512], p1: s32[], p2: bf16[256,512]) -> bf16[256,512] {
+  %p0 = bf16[64,256,512]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[256,512]{1,0} parameter(2)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,256,512]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,256,512}
+  %layer = bf16[256,512]{1,0} bitcast(%ds)
+  ROOT %mul = bf16[256,512]{1,0} multiply(%layer, %p2)
+}
+
+%fused_save (q0: bf16[64,256,512], q1: bf16[256,512], q2: s32[]) -> bf16[64,256,512] {
+  %q0 = bf16[64,256,512]{2,1,0} parameter(0)
+  %q1 = bf16[256,512]{1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %upd = bf16[1,256,512]{2,1,0} bitcast(%q1)
+  %dus = bf16[64,256,512]{2,1,0} dynamic-update-slice(%q0, %upd, %q2, %zero, %zero)
+  ROOT %out = bf16[64,256,512]{2,1,0} bitcast(%dus)
+}
+
+ENTRY %main (w: bf16[64,256,512], x: bf16[256,512], i: s32[], saved: bf16[64,256,512]) -> bf16[1,256,512] {
+  %w = bf16[64,256,512]{2,1,0} parameter(0)
+  %x = bf16[256,512]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %saved = bf16[64,256,512]{2,1,0} parameter(3)
+  %fusion.1 = bf16[256,512]{1,0} fusion(%w, %i, %x), kind=kLoop, calls=%fused_slice_mul
+  %fusion.2 = bf16[64,256,512]{2,1,0} fusion(%saved, %fusion.1, %i), kind=kLoop, calls=%fused_save
+  ROOT %ds.3 = bf16[1,256,512]{2,1,0} dynamic-slice(%fusion.2, %i, %i, %i), dynamic_slice_sizes={1,256,512}
+}
+"""
+
+
+def test_a_scan_body_is_charged_the_layer_it_slices_and_the_slice_it_updates():
+    """One layer is 256 x 512 bf16 = 256 KiB; the stacks are 64 layers. Charging the stacks whole
+    counted 64x the traffic per trip of the scan."""
+    layer = 256 * 512 * 2
+    ops = {o.name: o for o in xp.compute_ops(xp.parse_hlo(SCAN_BODY))}
+    assert ops["fusion.1"].bytes == layer + 4 + layer + layer  # the slice, the index, x, the result
+    assert ops["fusion.2"].bytes == 0 + layer + 4 + layer  # the buffer is not read; the update is written
+    assert ops["ds.3"].bytes == 2 * layer
+
+
+@pytest.mark.parametrize(
+    "n,window,out,stride,pad_lo,lhs_dilate,rhs_dilate",
+    [(8, 8, 8, 7, 0, 8, 1), (1, 8, 8, 1, 7, 1, 1), (5, 3, 4, 1, 1, 1, 1), (4, 3, 5, 2, 2, 3, 2), (6, 4, 3, 3, 0, 1, 2)],
+)
+def test_window_taps_counts_the_pairs_that_land_on_input_elements(
+    n, window, out, stride, pad_lo, lhs_dilate, rhs_dilate
+):
+    last = (n - 1) * lhs_dilate
+    brute = sum(
+        1
+        for o in range(out)
+        for k in range(window)
+        if 0 <= o * stride + k * rhs_dilate - pad_lo <= last
+        and (o * stride + k * rhs_dilate - pad_lo) % lhs_dilate == 0
+    )
+    got = xp.window_taps(
+        n=n, window=window, out=out, stride=stride, pad_lo=pad_lo, lhs_dilate=lhs_dilate, rhs_dilate=rhs_dilate
+    )
+    assert got == brute
+
+
 def test_compute_ops(hlo):
     ops = {o.name: o for o in xp.compute_ops(hlo)}
     dot = ops["fusion.1"]
