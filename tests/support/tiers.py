@@ -97,7 +97,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
         (
             "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
             "tests/e2e/test_deepseek_v3.py",
-            "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+            "tests/unit/test_expert_parallel.py",
         ),
         "SimpleFSDP is family-generic; the MoE families run it by default",
     ),
@@ -127,7 +128,10 @@ SCHEDULED: tuple[Scheduled, ...] = (
     ),
     Scheduled(
         "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[[]4-degrees3]",
-        ("tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[2-degrees0]",),
+        (
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+        ),
         "MoE at FSDP 4 x EP 2: the other 4-rank point runs EP beside FSDP",
     ),
     Scheduled(
@@ -434,9 +438,9 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/unit/test_config.py::test_wrong_typed_optional_field_exits_2_on_the_cli[[][fhr]*]",
         (
             "tests/unit/test_config.py::test_wrong_typed_optional_field_exits_2_on_the_cli[n_kv_heads]",
-            "tests/e2e/test_contract.py::test_runner_matches_a_real_process",
             "tests/e2e/test_exit_codes.py::test_bad_input_exits_2_and_a_crash_never_75",
             "tests/e2e/test_cli.py::test_help_and_a_bad_flag",
+            "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line",
         ),
         "one process per field; the contract table feeds every key a wrong type",
     ),
@@ -444,9 +448,9 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line[[]argv[3-7]-*]",
         (
             "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line[argv0-configs/nope.toml]",
-            "tests/e2e/test_contract.py::test_runner_matches_a_real_process",
             "tests/e2e/test_exit_codes.py::test_bad_input_exits_2_and_a_crash_never_75",
             "tests/e2e/test_cli.py::test_help_and_a_bad_flag",
+            "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line",
         ),
         "one process per bad argument; the contract table covers every class of bad input",
     ),
@@ -602,7 +606,10 @@ SCHEDULED: tuple[Scheduled, ...] = (
     ),
     Scheduled(
         "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[[]2-degrees2]",
-        ("tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[2-degrees0]",),
+        (
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+        ),
         "another 2-rank MoE mesh",
     ),
     Scheduled(
@@ -662,7 +669,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
         "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[[]*-degrees[1-9]]",
         (
-            "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[2-degrees0]",
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
             "tests/unit/test_expert_parallel.py",
         ),
         "more MoE meshes: FSDP 2 through the trainer and EP in the unit tests",
@@ -716,7 +724,9 @@ SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
         "tests/e2e/test_new_family.py::test_new_family_graph_scan_matches_eager",
         (
-            "tests/e2e/test_new_family.py::test_new_family_parallel_matches_single_process",
+            "tests/unit/test_models_params.py",
+            "tests/unit/test_step_plan.py",
+            "tests/e2e/test_parallel_e2e.py::test_losses_match_single_process[2-degrees0]",
             "tests/unit/test_graph_step.py::test_scan_matches_eager_with_grad_accumulation",
             "tests/unit/test_parallel_compile.py::test_per_block_compile_matches_eager",
         ),
@@ -744,7 +754,11 @@ SCHEDULED: tuple[Scheduled, ...] = (
     ),
     Scheduled(
         "tests/e2e/test_new_family.py::test_new_family_parallel_matches_single_process[[]tp2]",
-        ("tests/e2e/test_new_family.py::test_new_family_parallel_matches_single_process[fsdp2]",),
+        (
+            "tests/unit/test_models_params.py",
+            "tests/unit/test_step_plan.py",
+            "tests/e2e/test_parallel_e2e.py::test_losses_match_single_process[2-degrees0]",
+        ),
         "an outside family on TP: the same family on FSDP, and TP on the built-in families",
     ),
     Scheduled(
@@ -853,7 +867,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
         (
             "tests/e2e/test_train_e2e.py::test_loss_falls",
             "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
-            "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+            "tests/unit/test_expert_parallel.py",
         ),
         "the MoE debug recipe's loss falls: the dense recipe's does, and the MoE recipe trains in the parity tests",
     ),
@@ -1131,9 +1146,9 @@ SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
         "tests/e2e/test_contract.py::test_contract_table",
         (
-            "tests/e2e/test_contract.py::test_runner_matches_a_real_process",
             "tests/e2e/test_exit_codes.py::test_bad_input_exits_2_and_a_crash_never_75",
             "tests/e2e/test_cli.py::test_help_and_a_bad_flag",
+            "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line",
         ),
         "the contract on every entry point: the runner equals a real process, bad input exits 2 in the trainer, and every script's bad flag",
     ),
@@ -1491,6 +1506,32 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/unit/test_quantize_moe.py::test_forward_equals_a_hand_written_per_group_quantizer[[]float8_tensorwise]",
         ("tests/unit/test_quantize_moe.py::test_forward_equals_a_hand_written_per_group_quantizer",),
         "the grouped op's tensorwise scales: its rowwise and blockwise scales against the same hand-written quantizer",
+    ),
+    Scheduled(
+        "tests/e2e/test_contract.py::test_runner_matches_a_real_process",
+        (
+            "tests/e2e/test_exit_codes.py::test_bad_input_exits_2_and_a_crash_never_75",
+            "tests/e2e/test_cli.py::test_help_and_a_bad_flag",
+            "tests/unit/test_config.py::test_cli_errors_exit_2_with_one_line",
+        ),
+        "the contract table's forked runner equals a real process (it reads the whole table, 2-3 min on a 2-vCPU EPYC): real processes of the trainer, every script and the config's command line on bad input",
+    ),
+    Scheduled(
+        "tests/e2e/test_new_family.py::test_new_family_parallel_matches_single_process[[]fsdp2]",
+        (
+            "tests/unit/test_models_params.py",
+            "tests/unit/test_step_plan.py",
+            "tests/e2e/test_parallel_e2e.py::test_losses_match_single_process[2-degrees0]",
+        ),
+        "an outside family on FSDP 2 through torchrun: the outside family built, counted and planned through models/contract.py, and FSDP 2 through torchrun on a built-in family",
+    ),
+    Scheduled(
+        "tests/e2e/test_qwen3_e2e.py::test_moe_losses_match_single_process[[]2-degrees0]",
+        (
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+        ),
+        "the dropless MoE on EP 2 through torchrun: the capacity MoE on EP 2 through the trainer, and dropless EP parity on thread ranks",
     ),
 )
 
