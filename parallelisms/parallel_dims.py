@@ -331,12 +331,41 @@ def _tpu_rank_grid(shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | Non
         return ranks
 
 
-def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
+def expert_rank_grid(ranks: torch.Tensor, parallel_dims: ParallelDims, *, target: str | None) -> torch.Tensor:
+    """torch-tpu's rank grid with its dp_shard axis reordered so that each EP group is a compact
+    block of chips (`tpu_topology.compact_expert_groups`: 2 x 4 chips on a 2-D torus, 2 x 2 x 2 on
+    a 3-D one, instead of a run along one ring). The reorder is a permutation of positions,
+    computed on the port of torch-tpu's layout for the recipe's target, so every rank computes
+    the same one from the same inputs (never from TORCH_TPU_TOPOLOGY, which only one host of a
+    slice sees whole); the grid is unchanged without EP, on several slices, without a target of
+    the world's size, or where the reorder does not apply."""
+    from parallelisms import tpu_topology
+
+    if parallel_dims.ep <= 1 or parallel_dims.num_slices > 1 or not target:
+        return ranks
+    topology = tpu_topology.topology_of(target)
+    if topology is None or topology.devices != parallel_dims.world_size:
+        return ranks
+    try:
+        perm = tpu_topology.expert_group_permutation(
+            tpu_topology.map_mesh(topology, parallel_dims.mesh_shape), parallel_dims.ep
+        )
+    except ConfigError:
+        return ranks
+    if perm is None:
+        return ranks
+    return ranks.reshape(-1)[torch.as_tensor(perm)].reshape(ranks.shape)
+
+
+def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | None = None) -> DeviceMesh:
     """Build the named world mesh `("dp_replicate", "dp_shard", "cp", "tp")`.
 
     Needs an initialized default process group of `parallel_dims.world_size` ranks. The
     flattened `dp` axis (replicate x shard) is created too and can be fetched with
     `flat_dp_mesh(mesh)`; with cp > 1 also `dp_shard_cp` (`dp_shard_cp_mesh(mesh)`).
+    On a TPU with expert parallelism, when the recipe's `[job] target` is the slice the world
+    runs on, the dp_shard axis of torch-tpu's rank grid is reordered into compact EP groups
+    (`expert_rank_grid`).
     """
     assert distributed.is_up(), "init the process group before build_mesh"
     if dist.get_world_size() != parallel_dims.world_size:
@@ -347,7 +376,7 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     shape = parallel_dims.mesh_shape
     if device_type == "tpu":
         dcn = parallel_dims.dcn_mesh_shape if parallel_dims.num_slices > 1 else None
-        ranks = _tpu_rank_grid(shape, dcn)
+        ranks = expert_rank_grid(_tpu_rank_grid(shape, dcn), parallel_dims, target=target)
         mesh = DeviceMesh("tpu", ranks, mesh_dim_names=MESH_AXES)
     else:
         check_slice_major(parallel_dims, rank=dist.get_rank())

@@ -28,6 +28,7 @@ v5e/v6e slice is taken to wrap only when it spans the pod's full 16 chips.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -232,6 +233,9 @@ class MeshMapping:
     axes: tuple[AxisPlacement, ...]
     device_ids: tuple
     """Device ids (module docstring) in `shape`, as nested tuples."""
+    expert_tile: tuple[int, int, int] | None = None
+    """Chips (x, y, z) of each EP group when the trainer reordered dp_shard into compact groups
+    (`compact_expert_groups`); None: torch-tpu's order."""
 
     @property
     def split(self) -> bool:
@@ -243,7 +247,10 @@ class MeshMapping:
         if self.method == "tray ring":
             used = [f"{SHORT.get(a.name, a.name)} {a.size}" for a in self.axes if a.size > 1]
             return f"{' x '.join(used) or '1'} <- tray ring order of {self.topology.devices} devices"
-        return ", ".join(a.describe(self.topology) for a in self.axes if a.size > 1) or "1"
+        text = ", ".join(a.describe(self.topology) for a in self.axes if a.size > 1) or "1"
+        if self.expert_tile is not None:
+            text += f"; EP groups reordered into {'x'.join(map(str, self.expert_tile))}-chip blocks"
+        return text
 
     def banner(self) -> list[str]:
         """The start-up banner's lines: the layout, then what each split axis costs."""
@@ -501,3 +508,93 @@ def map_mesh(topology: Topology, shape, *, names=MESH_AXES) -> MeshMapping:
     """What the trainer builds: torch-tpu's whole-axes layout when it exists, else the split one
     (`build_mesh` then passes allow_split_physical_axes=True); ConfigError when neither maps."""
     return assign(topology, shape, allow_split=True, names=names)
+
+
+# ------------------------------------------------------------------ compact expert-parallel groups
+#
+# An EP group is `ep` consecutive ranks of the flattened dp_shard x cp x tp axis
+# (parallel_dims.build_ep_mesh). torch-tpu lays dp_shard out core fastest, then x, y, z, so on a
+# large slice a group is a run of chips along one ring (EP 8 on v6e-256: 8 chips of a 16-chip row,
+# a line without its wraparound, 3.0 hops on average, one torus dimension). Its all-to-all crosses
+# the fewest links and uses the most of them when the group is a block (2 x 4 on a 2-D torus,
+# 2 x 2 x 2 on a 3-D one). `compact_expert_groups` reorders the dp_shard axis into such blocks; every
+# other axis group (the dp_shard all-gathers over the whole slice) holds the same devices as before.
+
+
+def _line_hops(n: int) -> float:
+    """Mean hops between two of n chips in a line (no wraparound)."""
+    return (n * n - 1) / (3 * n) if n > 1 else 0.0
+
+
+def expert_tile(topology: Topology, ep: int) -> tuple[int, int, int] | None:
+    """Chips (x, y, z) of one compact EP group of `ep` devices on `topology` (the cores of a chip in
+    the same group), the block with the fewest mean hops per torus dimension it spans; None when
+    no block of whole chips holds exactly ep devices."""
+    per_chip = topology.devices_per_chip
+    if ep <= 1 or ep % per_chip:
+        return None
+    chips = ep // per_chip
+    X, Y, Z = topology.chips
+    best, best_cost = None, None
+    for tx in (d for d in range(1, X + 1) if X % d == 0):
+        for ty in (d for d in range(1, Y + 1) if Y % d == 0):
+            if chips % (tx * ty):
+                continue
+            tz = chips // (tx * ty)
+            if Z % tz:
+                continue
+            dims = sum(1 for t in (tx, ty, tz) if t > 1) or 1
+            cost = (sum(_line_hops(t) for t in (tx, ty, tz)) / dims, max(tx, ty, tz))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (tx, ty, tz), cost
+    return best
+
+
+def compact_expert_groups(mapping: MeshMapping, ep: int) -> MeshMapping | None:
+    """`mapping` with the dp_shard axis reordered so that each EP group (ep consecutive dp_shard
+    ranks) is a block of `expert_tile` chips, blocks in x, y, z order; None where it does not
+    apply: ep 1, an axis other than dp_shard larger than 1, dp_shard not the whole slice, a tray
+    ring slice, or no block of whole chips of ep devices."""
+    topology, shape = mapping.topology, mapping.shape
+    tile = expert_tile(topology, ep)
+    if (
+        tile is None
+        or mapping.method == "tray ring"
+        or len(shape) != len(MESH_AXES)
+        or shape[MESH_AXES.index("dp_shard")] != topology.devices
+        or math.prod(shape) != topology.devices
+        or tile == topology.chips
+    ):
+        return None
+    X, Y, Z = topology.chips
+    tx, ty, tz = tile
+    per_chip = topology.devices_per_chip
+    order = [
+        ((z0 + z) * Y + (y0 + y)) * X * per_chip + (x0 + x) * per_chip + core
+        for z0 in range(0, Z, tz)
+        for y0 in range(0, Y, ty)
+        for x0 in range(0, X, tx)
+        for z in range(tz)
+        for y in range(ty)
+        for x in range(tx)
+        for core in range(per_chip)
+    ]
+    return dataclasses.replace(mapping, device_ids=_nested(np.asarray(order).reshape(shape)), expert_tile=tile)
+
+
+def expert_group_permutation(mapping: MeshMapping, ep: int) -> list[int] | None:
+    """Positions of the flattened mesh such that `flat[perm]` turns torch-tpu's layout (`mapping`)
+    into `compact_expert_groups(mapping, ep)`; None where that does not apply. The trainer applies
+    it to torch-tpu's rank grid (parallel_dims.build_mesh), which `mapping` ports."""
+    compact = compact_expert_groups(mapping, ep)
+    if compact is None:
+        return None
+    where = {int(d): i for i, d in enumerate(np.asarray(mapping.device_ids).reshape(-1))}
+    return [where[int(d)] for d in np.asarray(compact.device_ids).reshape(-1)]
+
+
+def trainer_layout(topology: Topology, shape, *, ep: int = 1) -> MeshMapping:
+    """The trainer's mesh on `topology`: torch-tpu's layout (`map_mesh`) with compact EP groups
+    where `compact_expert_groups` applies."""
+    mapping = map_mesh(topology, shape)
+    return compact_expert_groups(mapping, ep) or mapping

@@ -926,7 +926,7 @@ def weak_scaling(
                 hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
                 compute = shard_compute(raw[near], near, n, params=base["params"], hbm=hbm)
                 how = f"compute of {near} + the state pass at 1/{n}"
-            place = xp.placement_of(topology_of_target(f"{gen}-{n}"), (1, n, 1, 1), [max(n // ep, 1), ep])
+            place = xp.placement_of(topology_of_target(f"{gen}-{n}"), (1, n, 1, 1), [max(n // ep, 1), ep], ep=ep)
             b = program_bound(progs[near][0], facts, anchors=anchors, placement=place, compute_s=compute)
             how += f"; collectives of {near} priced on {n}'s placement"
         rows.append(

@@ -508,6 +508,7 @@ def _capture(spec: dict) -> dict:
         groups=groups,
         radices=radices,
         mesh_shape=tuple(dims.mesh_shape),
+        ep=dims.ep,
         capture_s=time.perf_counter() - t,
         notes=notes.notes,
         generation=spec["generation"],
@@ -749,17 +750,18 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
     )
 
 
-def _lay_out(devices, mesh_shape, target: str):
+def _lay_out(devices, mesh_shape, target: str, ep: int = 1):
     """(devices in `mesh_shape`, description): where the trainer's mesh axes sit on the chips.
 
-    torch-tpu's own layout (`parallelisms.tpu_topology.map_mesh`, the port the XLA tier checks
-    against torch-tpu's `create_device_mesh`: whole physical axes, split ones where whole ones do
-    not map), matched to the compile-only topology's devices by chip coordinates and core; JAX's
+    The trainer's layout (`parallelisms.tpu_topology.trainer_layout`): torch-tpu's own
+    (`map_mesh`, the port the XLA tier checks against torch-tpu's `create_device_mesh`: whole
+    physical axes, split ones where whole ones do not map) with compact EP groups where they
+    apply, matched to the compile-only topology's devices by chip coordinates and core; JAX's
     `create_device_mesh` for a slice the port does not know."""
     import numpy as np
     from jax.experimental import mesh_utils
 
-    from parallelisms.tpu_topology import map_mesh, topology_of
+    from parallelisms.tpu_topology import topology_of, trainer_layout
 
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices > 1:  # the trainer's DCN split (`ParallelDims.dcn_mesh_shape`), as torch-tpu's hybrid mesh
@@ -772,7 +774,7 @@ def _lay_out(devices, mesh_shape, target: str):
     if topology is None or topology.devices != len(devices):
         laid = mesh_utils.create_device_mesh(mesh_shape, devices=devices, allow_split_physical_axes=True)
         return laid, "JAX's create_device_mesh (slice not known to the port)"
-    mapping = map_mesh(topology, mesh_shape)
+    mapping = trainer_layout(topology, mesh_shape, ep=ep)
     x_size, y_size, _ = topology.chips
     per_chip = topology.devices_per_chip
     by_id = {
@@ -783,7 +785,10 @@ def _lay_out(devices, mesh_shape, target: str):
     assert len(by_id) == len(devices), "compile-only devices do not match the slice's chips"
     ids = np.asarray(mapping.device_ids)
     laid = np.vectorize(by_id.__getitem__, otypes=[object])(ids)
-    return laid, f"{mapping.summary()} (torch-tpu's layout: {mapping.method})"
+    return (
+        laid,
+        f"{mapping.summary()} (torch-tpu's layout: {mapping.method}{', EP groups compact' if mapping.expert_tile else ''})",
+    )
 
 
 def worker(spec: dict) -> dict:
@@ -824,7 +829,7 @@ def worker(spec: dict) -> dict:
     axis_names = [f"a{i}" for i in range(len(radices))]
     _lowerings(env, axis_names=axis_names, groups=cap["groups"], radices=radices, generation=cap["generation"])
     devices = topology_devices(spec["topology"])
-    laid, layout = _lay_out(devices, cap["mesh_shape"], cap["target"])
+    laid, layout = _lay_out(devices, cap["mesh_shape"], cap["target"], cap.get("ep", 1))
     # The trainer's mesh laid on the chips, then refined row-major into the program's axes.
     mesh = Mesh(np.asarray(laid).reshape(radices), tuple(axis_names))
     every = PartitionSpec(tuple(axis_names))

@@ -957,15 +957,16 @@ def group_facts(coords: list[tuple[int, ...]], chips: tuple[int, int, int], wrap
     return {"n": n, "torus_dims": len(dims), "mean_hops": hops, "per_chip": per_chip}
 
 
-def placement_of(topology, mesh_shape, radices: list[int]) -> Placement:
+def placement_of(topology, mesh_shape, radices: list[int], ep: int = 1) -> Placement:
     """The placement the trainer's mesh `mesh_shape` gets on `topology` (a
-    parallelisms.tpu_topology.Topology: torch-tpu's layout, `map_mesh`), refined row-major into
-    the program's axes `radices`: what tools/tpu_compile.py compiles over, without compiling."""
-    from parallelisms.tpu_topology import map_mesh
+    parallelisms.tpu_topology.Topology: the trainer's layout, `trainer_layout`, torch-tpu's with
+    compact EP groups), refined row-major into the program's axes `radices`: what
+    tools/tpu_compile.py compiles over, without compiling."""
+    from parallelisms.tpu_topology import trainer_layout
 
     x_size, y_size, _ = topology.chips
     per_chip = topology.devices_per_chip
-    ids = list(_flat(map_mesh(topology, tuple(mesh_shape)).device_ids))
+    ids = list(_flat(trainer_layout(topology, tuple(mesh_shape), ep=ep).device_ids))
 
     def coords(dev: int) -> tuple[int, ...]:
         core, chip = dev % per_chip, dev // per_chip

@@ -627,7 +627,7 @@ def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Job
     """Phase 3: the named mesh, the task (none for the engine, whose caller brings its own tokens
     and loss; told the cp group when the windows are split over context-parallel ranks), the
     batch split and (purpose `reads_data`) the loaders: bad data fails before any checkpoint."""
-    mesh = build_mesh(plan.parallel_dims, "cpu" if purpose.captures_only else rt.device.type)
+    mesh = build_mesh(plan.parallel_dims, "cpu" if purpose.captures_only else rt.device.type, target=cfg.job.target)
     cp = cp_group(mesh["cp"]) if plan.parallel_dims.cp_enabled else None
     task = (
         build_task(

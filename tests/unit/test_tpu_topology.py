@@ -326,3 +326,73 @@ def test_target_names_read_here_agree_with_the_planner():
             target = planner.parse_target(name)
             assert target.devices == devices, name
             assert tt.topology_of(name) == tt.topology_of(target), name
+
+
+# ------------------------------------------------------------------ compact expert-parallel groups
+
+
+def _coords(topology: tt.Topology, dev: int) -> tuple[int, int, int]:
+    X, Y, _ = topology.chips
+    chip = dev // topology.devices_per_chip
+    return chip % X, chip // X % Y, chip // (X * Y)
+
+
+@pytest.mark.parametrize(
+    "target,ep,tile",
+    [("v6e-256", 8, (2, 4, 1)), ("v7x-512", 16, (2, 2, 2)), ("v7x-128", 8, (1, 2, 2)), ("v5p-128", 8, (2, 2, 2))],
+)
+def test_each_ep_group_is_a_block_of_chips_and_every_device_stays(target, ep, tile):
+    """torch-tpu runs an EP group along one ring (EP 8 on v6e-256: 8 chips of a 16-chip row); the
+    trainer's layout makes each group (ep consecutive dp_shard ranks) a block: the chips it holds
+    span exactly the tile along each axis, both cores of a chip in the same group."""
+    topology = tt.topology_of(target)
+    shape = (1, topology.devices, 1, 1)
+    torch_tpu = tt.map_mesh(topology, shape)
+    line = [_coords(topology, d) for d in np.asarray(torch_tpu.device_ids).reshape(-1)[:ep]]
+    assert (
+        len({c[0] for c in line}) * len({c[1] for c in line}) * len({c[2] for c in line})
+        == ep // topology.devices_per_chip
+    )
+    assert tt.expert_tile(topology, ep) == tile
+    compact = tt.trainer_layout(topology, shape, ep=ep)
+    ids = np.asarray(compact.device_ids).reshape(-1)
+    assert sorted(ids.tolist()) == list(range(topology.devices))
+    for g in range(topology.devices // ep):
+        chips = {_coords(topology, d) for d in ids[g * ep : (g + 1) * ep]}
+        assert len(chips) == ep // topology.devices_per_chip
+        spans = tuple(max(c[a] for c in chips) - min(c[a] for c in chips) + 1 for a in range(3))
+        assert spans == tile, (g, spans)
+    assert "EP groups reordered into" in compact.summary()
+    assert tt.trainer_layout(topology, shape, ep=1).device_ids == torch_tpu.device_ids
+
+
+def test_the_reorder_does_not_apply_beside_other_axes_or_on_a_tray():
+    v6e = tt.topology_of("v6e-256")
+    assert tt.compact_expert_groups(tt.map_mesh(v6e, (1, 128, 1, 2)), 8) is None  # tp beside dp_shard
+    assert tt.compact_expert_groups(tt.map_mesh(v6e, (2, 128, 1, 1)), 8) is None  # dp_replicate on the slice
+    small = tt.topology_of("v6e-8")
+    assert tt.compact_expert_groups(tt.map_mesh(small, (1, 8, 1, 1)), 4) is None  # tray ring order
+    v7x = tt.topology_of("v7x-512")
+    assert tt.expert_tile(v7x, 3) is None  # an odd group would split a chip's cores
+
+
+def test_the_trainer_reorders_torch_tpu_rank_grid_by_the_recipes_target():
+    """build_mesh applies to torch-tpu's rank grid the permutation that turns the port's layout
+    into the compact one, computed from the recipe's target alone (every rank the same); the EP
+    groups of the resulting mesh (dp_shard flattened with cp and tp, then split into efsdp x ep,
+    build_ep_mesh's order) are the compact blocks."""
+    topology = tt.topology_of("v7x-512")
+    dims = pd.ParallelDims(world_size=512, dp_shard=512, ep=16)
+    port = torch.as_tensor(np.asarray(tt.map_mesh(topology, dims.mesh_shape).device_ids))  # ranks = device ids
+    grid = pd.expert_rank_grid(port, dims, target="v7x-512")
+    compact = np.asarray(tt.trainer_layout(topology, dims.mesh_shape, ep=16).device_ids)
+    assert np.array_equal(grid.numpy(), compact)
+    groups = grid.reshape(dims.efsdp, dims.ep)
+    # v7x-512 is 4 x 8 x 8 chips; blocks in x, then y, then z order: the sixth is x 2-3, y 4-5, z 0-1
+    assert {_coords(topology, int(d)) for d in groups[5]} == {(x, y, z) for x in (2, 3) for y in (4, 5) for z in (0, 1)}
+    for other in (
+        pd.expert_rank_grid(port, dims, target=None),
+        pd.expert_rank_grid(port, dims, target="v7x-256"),  # not the world's slice
+        pd.expert_rank_grid(port, pd.ParallelDims(world_size=512, dp_shard=512), target="v7x-512"),
+    ):
+        assert torch.equal(other, port)
