@@ -290,7 +290,12 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
         topology = tpu_topology.topology_of(target)
     if topology is None or topology.devices != devices:
         return None
-    return tpu_topology.map_mesh(topology, shape, names=MESH_AXES)
+    mapping = tpu_topology.map_mesh(topology, shape, names=MESH_AXES)
+    named = tpu_topology.topology_of(target) if target and parallel_dims.num_slices == 1 else None
+    if named is not None and (named.chips, named.devices_per_chip) == (topology.chips, topology.devices_per_chip):
+        # build_mesh's reorder (`expert_rank_grid`), which reads the target alone
+        mapping = tpu_topology.compact_expert_groups(mapping, parallel_dims.ep) or mapping
+    return mapping
 
 
 def _tpu_rank_grid(shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | None = None) -> torch.Tensor:
