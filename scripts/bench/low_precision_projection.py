@@ -64,7 +64,7 @@ device table, Google's TPU7x and v6e pages)."""
 # (variant, bf16 parent, projection CSV of the parent, MaxText tokens/s/chip bf16 -> FP8 on v7x as
 # issue 41 quotes MaxText's TPU7x table, AI-Hypercomputer/tpu-recipes training/ironwood/README.md)
 DENSE_CSV = ROOT / "docs/results/mfu_suite_s14/mfu_suite_s14.csv"
-EP_CSV = ROOT / "docs/results/mfu_suite_ep/mfu_suite_ep_capacity_programs.csv"
+EP_CSV = ROOT / "docs/results/mfu_suite_ep_compact/mfu_suite_ep_compact_programs.csv"
 VARIANTS = [
     ("llama3_405b_v7x_fp8", "llama3_405b_v7x", DENSE_CSV, (500, 764)),
     ("qwen3_235b_a22b_v7x_fp8", "qwen3_235b_a22b_v7x", EP_CSV, (4246, 4737)),
