@@ -67,10 +67,11 @@ DENSE_CSV = ROOT / "docs/results/mfu_suite_s14/mfu_suite_s14.csv"
 # the 405B recompiled and read with the corrected per-op model (docs/benchmarks.md, 2026-12-05)
 DENSE_405_CSV = ROOT / "docs/results/mfu_suite_405_corrected/mfu_suite_405_corrected.csv"
 EP_CSV = ROOT / "docs/results/mfu_suite_ep_compact/mfu_suite_ep_compact_programs.csv"
+DSV3_CSV = ROOT / "docs/results/mfu_suite_ep_compact/mfu_suite_ep_compact_deepseek_v3_programs.csv"
 VARIANTS = [
     ("llama3_405b_v7x_fp8", "llama3_405b_v7x", DENSE_405_CSV, (500, 764)),
     ("qwen3_235b_a22b_v7x_fp8", "qwen3_235b_a22b_v7x", EP_CSV, (4246, 4737)),
-    ("deepseek_v3_671b_v7x_fp8", "deepseek_v3_671b_v7x", None, (2446, 2968)),
+    ("deepseek_v3_671b_v7x_fp8", "deepseek_v3_671b_v7x", DSV3_CSV, (2446, 2968)),
     ("llama3_70b_v6e_int8", "llama3_70b_v6e", DENSE_CSV, None),
     ("qwen3_32b_v6e_int8", "qwen3_32b_v6e", DENSE_CSV, None),
 ]
