@@ -108,6 +108,24 @@ def _complete(started: torch.Tensor, mesh: DeviceMesh, dtype: torch.dtype) -> to
     return funcol.all_gather_single(mine.to(dtype), 0, mesh).to(torch.float32)
 
 
+def cut_buckets(items, meshes, numels, *, limit_bytes: float) -> list[tuple[DeviceMesh, list]]:
+    """Consecutive `items` of one replicate mesh, cut where the mesh changes or the next item would
+    take the bucket past `limit_bytes` of fp32 (0: no limit); items whose mesh is None are skipped.
+    The eager reducer and the graph step cut alike (`ReplicateReducer`, `reduce_grads`)."""
+    out: list[tuple[DeviceMesh, list]] = []
+    size = 0
+    for item, mesh, numel in zip(items, meshes, numels):
+        if mesh is None:
+            continue
+        nbytes = numel * 4
+        if not out or out[-1][0] != mesh or (limit_bytes and size + nbytes > limit_bytes):
+            out.append((mesh, []))
+            size = 0
+        out[-1][1].append(item)
+        size += nbytes
+    return out
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh):
         self.params = params
@@ -167,18 +185,11 @@ class ReplicateReducer:
 
     def _buckets(self, params: Iterable[nn.Parameter], meshes: dict[int, DeviceMesh]) -> list[_Bucket]:
         """Consecutive parameters of one replicate group, cut at `bucket_bytes` of fp32."""
-        out, current, size, key = [], [], 0, None
-        for p in params:
-            mesh = meshes[id(p)]
-            nbytes = _local(p).numel() * 4
-            if current and (mesh != key or (self.bucket_bytes and size + nbytes > self.bucket_bytes)):
-                out.append(_Bucket(current, key))
-                current, size = [], 0
-            current.append(p)
-            size, key = size + nbytes, mesh
-        if current:
-            out.append(_Bucket(current, key))
-        return out
+        params = list(params)
+        cut = cut_buckets(
+            params, [meshes[id(p)] for p in params], [_local(p).numel() for p in params], limit_bytes=self.bucket_bytes
+        )
+        return [_Bucket(ps, mesh) for mesh, ps in cut]
 
     # -- eager: issued during the last micro-batch's backward ------------------------------------
 
@@ -239,19 +250,10 @@ def reduce_grads(
     """Graph mode: `grads` (local tensors) with those whose mesh is not None averaged over it, in
     buckets cut as the eager reducer cuts them; every bucket is issued before any is completed,
     and the compiler schedules them. A stacked gradient (layer scan) is one tensor like any other."""
-    limit = max(bucket_mb, 0.0) * 2**20
-    groups: list[tuple[DeviceMesh, list[int]]] = []
-    size = 0
-    for k in reversed(range(len(grads))):
-        mesh = meshes[k]
-        if mesh is None:
-            continue
-        nbytes = grads[k].numel() * 4
-        if not groups or groups[-1][0] is not mesh or (limit and size + nbytes > limit):
-            groups.append((mesh, []))
-            size = 0
-        groups[-1][1].append(k)
-        size += nbytes
+    order = list(reversed(range(len(grads))))
+    groups = cut_buckets(
+        order, [meshes[k] for k in order], [grads[k].numel() for k in order], limit_bytes=max(bucket_mb, 0.0) * 2**20
+    )
     out = list(grads)
     started = []
     for mesh, ks in groups:
