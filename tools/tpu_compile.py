@@ -785,10 +785,7 @@ def _lay_out(devices, mesh_shape, target: str, ep: int = 1):
     assert len(by_id) == len(devices), "compile-only devices do not match the slice's chips"
     ids = np.asarray(mapping.device_ids)
     laid = np.vectorize(by_id.__getitem__, otypes=[object])(ids)
-    return (
-        laid,
-        f"{mapping.summary()} (torch-tpu's layout: {mapping.method}{', EP groups compact' if mapping.expert_tile else ''})",
-    )
+    return laid, f"{mapping.summary()} (torch-tpu's layout: {mapping.method})"
 
 
 def worker(spec: dict) -> dict:

@@ -395,41 +395,36 @@ def dot_flops(comp: Computation, ins: Instr) -> float:
         if not label.isdigit():
             continue
         j = int(label)
-        size = window.get("size", [])
-        w = size[j] if j < len(size) else rhs[k]
-        if label not in lhs_l or label not in out_l:
-            per_out *= w
-            continue
 
         def at(key: str, default: int) -> int:
             vals = window.get(key, [])
             return vals[j] if j < len(vals) else default
 
+        w = at("size", rhs[k])
+        if label not in lhs_l or label not in out_l:
+            per_out *= w
+            continue
         o = outd[out_l.index(label)]
-        pad_lo = window.get("pad_lo", [])
-        taps = window_taps(
+        per_out *= window_taps(
             n=lhs[lhs_l.index(label)],
             window=w,
             out=o,
             stride=at("stride", 1),
-            pad_lo=pad_lo[j] if j < len(pad_lo) else 0,
+            pad_lo=at("pad_lo", 0),
             lhs_dilate=at("lhs_dilate", 1),
             rhs_dilate=at("rhs_dilate", 1),
         )
-        per_out *= taps
         spatial_out *= o
     return 2.0 * (out / max(spatial_out, 1)) * per_out
 
 
 def _window(attr: str) -> dict[str, list[int]]:
     """A convolution's `window={size=1x8 stride=7 pad=0_0x7_7 lhs_dilate=8 ...}` as lists per spatial
-    dim (`pad` split into `pad_lo` and `pad_hi`)."""
+    dim (`pad` as its low sides, `pad_lo`: the high side does not move a tap)."""
     out: dict[str, list[int]] = {}
     for key, val in re.findall(r"(\w+)=([-0-9_x]+)", attr):
         if key == "pad":
-            pairs = [p.split("_") for p in val.split("x")]
-            out["pad_lo"] = [int(a) for a, _ in pairs]
-            out["pad_hi"] = [int(b) for _, b in pairs]
+            out["pad_lo"] = [int(p.split("_")[0]) for p in val.split("x")]
         else:
             out[key] = [int(v) for v in val.split("x")]
     return out
@@ -567,7 +562,7 @@ def compute_ops(hlo: Hlo) -> list[Op]:
 _PASS_THROUGH = ("bitcast", "reshape")
 
 
-def _read_bytes(fused: Computation, name: str, users: dict[str, list[Instr]]) -> float | None:
+def _read_bytes(name: str, users: dict[str, list[Instr]]) -> float | None:
     """The bytes a fused computation reads of value `name` when it reads part of it: every use a
     dynamic-slice or slice of it (their results' bytes), the buffer of an in-place
     dynamic-update-slice (nothing read), or a bitcast / reshape passing it on to such uses.
@@ -579,7 +574,7 @@ def _read_bytes(fused: Computation, name: str, users: dict[str, list[Instr]]) ->
         elif user.opcode == "dynamic-update-slice" and user.operands[:1] == [name] and name not in user.operands[1:]:
             continue
         elif user.opcode in _PASS_THROUGH:
-            sub = _read_bytes(fused, user.name, users)
+            sub = _read_bytes(user.name, users)
             if sub is None:
                 return None
             total += sub
@@ -614,24 +609,20 @@ def fusion_bytes(comp: Computation, ins: Instr, fused: Computation) -> float:
             users.setdefault(o, []).append(i)
     params = {}
     for i in fused.instrs:
-        if i.opcode == "parameter":
-            m = re.match(r"\s*(\d+)", i.args)
-            if m:
-                params[int(m.group(1))] = i
+        m = re.match(r"\s*(\d+)", i.args) if i.opcode == "parameter" else None
+        if m:
+            params[int(m.group(1))] = i
     total = 0.0
     for k, operand in enumerate(ins.operands):
-        outer = _operand_shape(comp, operand)
-        if not array_bytes(outer, hbm_only=True):
+        whole = array_bytes(_operand_shape(comp, operand), hbm_only=True)
+        if not whole:
             continue  # on chip (or empty)
-        part = _read_bytes(fused, params[k].name, users) if k in params else None
-        total += array_bytes(outer, hbm_only=True) if part is None else min(part, array_bytes(outer))
-    if array_bytes(ins.shape, hbm_only=True):
+        part = _read_bytes(params[k].name, users) if k in params else None
+        total += whole if part is None else min(part, whole)
+    result = array_bytes(ins.shape, hbm_only=True)
+    if result:
         root = next((i for i in fused.instrs if i.root), None)
-        total += (
-            array_bytes(ins.shape, hbm_only=True)
-            if root is None
-            else min(_written_bytes(fused, root), array_bytes(ins.shape, hbm_only=True))
-        )
+        total += result if root is None else min(_written_bytes(fused, root), result)
     return total
 
 
