@@ -71,6 +71,11 @@ class QuantizePlan:
         )
 
 
+SCAN_FLOAT8 = ("scan_float8_values", "scan_float8_scale")
+"""The attributes through which a layer-scan body hands a float8-gathered `QuantizedLinear` its
+e4m3 values and scale (parallelisms/scan.py: `functional_call` sets them beside the weight)."""
+
+
 class QuantizedLinear(nn.Linear):
     """An `nn.Linear` whose matmul is the op `quantized_linear` under `self.recipe`; the bias, if
     any, is added in the compute dtype. Made by `apply_quantize` (a class swap), never built."""
@@ -82,13 +87,20 @@ class QuantizedLinear(nn.Linear):
         if gathered is None:
             y = ops.quantized_linear(x, self.weight, self.recipe)
         else:
-            y = ops.quantized_linear(x, gathered[0], self.recipe, gathered[1])
+            values, scale, carrier = gathered
+            y = ops.quantized_linear(x, values, self.recipe, scale, carrier)
         return y if self.bias is None else y + self.bias
 
-    def float8_weight(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The weight already quantized, (e4m3 values, tensorwise scale), when SimpleFSDP
-        all-gathers it in float8 (`data_parallel(float8_weights=...)` overrides this); None: the
-        op quantizes `self.weight` itself."""
+    def float8_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weight already quantized, (e4m3 values as float8_e4m3fn, tensorwise scale, the
+        carrier of its gradient), when SimpleFSDP all-gathers it in float8
+        (`data_parallel(float8_weights=...)` overrides this; in a layer-scan body the body's
+        `functional_call` sets the values and scale as attributes and the carrier as
+        `self.weight`: parallelisms/scan.py `Float8GatherShard`); None: the op quantizes
+        `self.weight` itself."""
+        values = self.__dict__.get(SCAN_FLOAT8[0])
+        if values is not None:
+            return values, self.__dict__[SCAN_FLOAT8[1]], self.weight
         return None
 
     def extra_repr(self) -> str:

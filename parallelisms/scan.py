@@ -104,17 +104,57 @@ class GatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.reduce_dtype is not None:
-            grad = grad.to(ctx.reduce_dtype)
-        if ctx.shard_group is not None:
-            size = ctx.shard_group[1]
-            chunk = -(-grad.shape[ctx.dim] // size)
-            grad = _reduce_scatter(_pad_rows(grad, ctx.dim, chunk * size), ctx.dim, "avg", ctx.shard_group)
-            if grad.shape[ctx.dim] != ctx.local_rows:
-                grad = grad.narrow(ctx.dim, 0, ctx.local_rows)
-        for group in ctx.replicate_groups:
-            grad = _all_reduce(grad, "avg", group)
-        return grad.to(ctx.shard_dtype), None, None, None, None, None, None
+        return _reduce_grad(ctx, grad), None, None, None, None, None, None
+
+
+def _reduce_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The gathered weight's gradient -> this rank's shard of its mean over the dp ranks (cast
+    to `reduce_dtype`, reduce-scatter over `dp_shard`, all-reduce over `dp_replicate`)."""
+    if ctx.reduce_dtype is not None:
+        grad = grad.to(ctx.reduce_dtype)
+    if ctx.shard_group is not None:
+        size = ctx.shard_group[1]
+        chunk = -(-grad.shape[ctx.dim] // size)
+        grad = _reduce_scatter(_pad_rows(grad, ctx.dim, chunk * size), ctx.dim, "avg", ctx.shard_group)
+        if grad.shape[ctx.dim] != ctx.local_rows:
+            grad = grad.narrow(ctx.dim, 0, ctx.local_rows)
+    for group in ctx.replicate_groups:
+        grad = _all_reduce(grad, "avg", group)
+    return grad.to(ctx.shard_dtype)
+
+
+class Float8GatherShard(torch.autograd.Function):
+    """`GatherShard` for a float8_tensorwise weight gathered in float8 (`[quantize]
+    fsdp_float8_all_gather`), SimpleFSDP's `_Float8Gather` in functional collectives: the amax
+    all-reduced (max) over `dp_shard` (replicas hold the same values), the shard quantized to e4m3
+    with the whole weight's scale, its uint8 view all-gathered -> (e4m3 values, scale, carrier: the
+    zeros that take the weight's gradient, in `param_dtype`). Backward: `GatherShard`'s, on the
+    carrier's gradient."""
+
+    @staticmethod
+    def forward(ctx, shard, shard_group, replicate_groups, param_dtype, reduce_dtype, dim=0, rows=None):
+        from parallelisms.simple_fsdp import float8_wire, global_amax_input
+
+        ctx.shard_group, ctx.replicate_groups, ctx.dim = shard_group, replicate_groups, dim
+        ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
+        ctx.local_rows, ctx.rows = shard.shape[dim], rows
+        local = shard.detach().float()
+        amax = global_amax_input(local)
+        if shard_group is not None:
+            amax = _all_reduce(amax, "max", shard_group)
+        wire, scale = float8_wire(local, amax)
+        if shard_group is not None:
+            chunk = -(-rows // shard_group[1])
+            wire = _all_gather(_pad_rows(wire, dim, chunk), dim, shard_group)
+            wire = wire if wire.shape[dim] == rows else wire.narrow(dim, 0, rows)
+        values = wire.view(torch.float8_e4m3fn)
+        carrier = shard.new_zeros((), dtype=param_dtype or shard.dtype).expand(values.shape)
+        ctx.mark_non_differentiable(values, scale)
+        return values, scale, carrier
+
+    @staticmethod
+    def backward(ctx, _values_grad, _scale_grad, grad: torch.Tensor):
+        return _reduce_grad(ctx, grad), None, None, None, None, None, None
 
 
 class SequenceAllGather(torch.autograd.Function):
@@ -199,6 +239,7 @@ def scan_param_fn(
     template = stack["0"]
     specs: dict[str, tuple] = {}
     grad_scales: dict[str, float] = {}
+    float8: dict[str, nn.Module] = {}  # weights gathered in float8: the module that reads them
     for mod_name, module in template.named_modules():
         if not is_data_parallel(module):
             continue
@@ -208,6 +249,8 @@ def scan_param_fn(
             specs[full_name] = _gather_args(spec, f"{name}.*.{full_name}")
             if ep:
                 grad_scales[full_name] = ep_grad_scale(module)
+            if pname == "weight" and "float8_weight" in type(module).__dict__:
+                float8[full_name] = module
     tp = _ScanTP.of(template, name)
     for pname, p in template.named_parameters():
         if isinstance(p, DTensor) and pname not in specs and (tp is None or pname not in tp.params):
@@ -220,6 +263,7 @@ def scan_param_fn(
         return None, contextlib.nullcontext
 
     from parallelisms.expert_parallel import scale_grad
+    from parallelisms.quantize import SCAN_FLOAT8
 
     grad_sums = tp.grad_sums if tp is not None else {}
 
@@ -235,7 +279,18 @@ def scan_param_fn(
         return t
 
     def param_fn(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: gather(n, t) for n, t in row.items()}
+        out = {}
+        for n, t in row.items():
+            if n in float8:
+                # The module gets the carrier as its weight and the gathered float8 values and scale
+                # as two more attributes for the body's `functional_call` (QuantizedLinear.
+                # float8_weight reads them): no module state is mutated inside the scan.
+                prefix = n.removesuffix("weight")
+                values, scale, out[n] = Float8GatherShard.apply(t, *specs[n])
+                out[prefix + SCAN_FLOAT8[0]], out[prefix + SCAN_FLOAT8[1]] = values, scale
+            else:
+                out[n] = gather(n, t)
+        return out
 
     return param_fn, lambda: _plain_template(template, tp)
 

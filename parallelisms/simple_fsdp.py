@@ -23,9 +23,9 @@ the weights of float8_tensorwise linears are gathered as e4m3 bytes instead: eac
 shard's amax, one all-reduce (max) over the dp axes gives the weight's amax and so its one scale
 (amax / 448, as the recipe computes it), each rank rounds its shard to e4m3 with that scale, and
 the all-gather moves 1 byte per element (the uint8 view of the e4m3 values: the same bytes, on any
-backend). The module's `float8_weight()` returns the gathered e4m3 values (held in `param_dtype`,
-which represents each exactly) and the scale, and the op `quantized_linear` uses them without
-quantizing the weight again. The backward reduce-scatters the weight's gradient in `reduce_dtype`
+backend). The module's `float8_weight()` returns the gathered e4m3 values (`float8_e4m3fn`, the
+bytes as gathered), the scale and a carrier for the weight's gradient (zeros, no memory), and
+the op `quantized_linear` uses them without quantizing the weight again. The backward reduce-scatters the weight's gradient in `reduce_dtype`
 as for any parameter. docs/low_precision.md, "Float8 all-gather under SimpleFSDP".
 
 Granularity: each parameter is gathered where it is used (a block's weights are gathered
@@ -147,38 +147,57 @@ _TENSORWISE_E4M3 = Operand(E4M3)
 """float8_tensorwise's weight operand: e4m3, one scale per tensor (models/common/quantize.py)."""
 
 
+def float8_wire(shard: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp32 `shard` quantized with the whole weight's `amax` as e4m3 bytes viewed as uint8,
+    the tensorwise scale): `scale_of_amax`, divide, clamp to +-448, `round_to_float8` (bitwise
+    torch's float8 cast), cast (exact: grid values). SimpleFSDP's gather and the scan body's."""
+    scale = scale_of_amax(amax, _TENSORWISE_E4M3)
+    grid = round_to_float8((shard / scale).clamp(-QMAX[E4M3], QMAX[E4M3]), E4M3)
+    return grid.to(E4M3).view(torch.uint8), scale
+
+
+def global_amax_input(shard: torch.Tensor) -> torch.Tensor:
+    """The shard's amax as the all-reduce (max) input: 0 for an empty shard, inf for a non-finite
+    element (max keeps an inf on any backend, a NaN not necessarily)."""
+    amax = shard.abs().amax() if shard.numel() else shard.new_zeros(())
+    return torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
+
+
 class _Float8Gather(torch.autograd.Function):
-    """The dp shard of a weight -> (the whole weight's e4m3 values in `param_dtype`, its scale).
+    """The dp shard of a weight -> (the whole weight's e4m3 values as `float8_e4m3fn`, its scale,
+    the gradient's carrier).
 
     Forward: the shard's amax, all-reduced (max) over the dp axes, gives the tensorwise scale
     exactly as the recipe computes it from the whole weight (`scale_of_amax`); the shard divided
     by it, clamped to +-448 and rounded to e4m3 (`round_to_float8`, bitwise torch's float8 cast)
-    is all-gathered as its uint8 view: the e4m3 bytes, 1 per element, on any backend. Backward: the
-    gradient (of the dequantized weight, straight-through) is reduce-scattered to the shard in
+    is all-gathered as its uint8 view: the e4m3 bytes, 1 per element, on any backend, and handed
+    on as `float8_e4m3fn` without a wider copy (a device kernel reads the bytes as they are).
+    The values and the scale are not differentiable (a float8 tensor cannot carry the weight's
+    gradient: autograd would cast it to float8); the third output, the carrier, does: zeros of
+    the weight's shape in `param_dtype`, a broadcast scalar that holds no memory, into which the
+    op `quantized_linear` sends the gradient of the dequantized weight (straight-through, as for a
+    weight quantized in the op). Backward: that gradient is reduce-scattered to the shard in
     `reduce_dtype`, as `_gather`'s is. A non-finite element makes the amax inf (max keeps an inf,
     whatever a backend does with NaN) and so the scale NaN, as the recipe's."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: _GatherSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, local: torch.Tensor, spec: _GatherSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mesh, n = spec.dp_mesh, spec.dp_mesh.ndim
         shard = local.detach().float()
-        amax = shard.abs().amax() if shard.numel() else shard.new_zeros(())
-        amax = torch.where(torch.isfinite(amax), amax, torch.full_like(amax, math.inf))
-        amax = DTensor.from_local(amax, mesh, [Partial("max")] * n, run_check=False)
+        amax = DTensor.from_local(global_amax_input(shard), mesh, [Partial("max")] * n, run_check=False)
         amax = amax.redistribute(mesh, [Replicate()] * n).to_local()
-        scale = scale_of_amax(amax, _TENSORWISE_E4M3)
-        grid = round_to_float8((shard / scale).clamp(-QMAX[E4M3], QMAX[E4M3]), E4M3)
-        wire = grid.to(E4M3).view(torch.uint8)  # exact: grid values
+        wire, scale = float8_wire(shard, amax)
         sharded = DTensor.from_local(
             wire, mesh, spec.dp_placements, run_check=False, shape=spec.dp_shape, stride=spec.dp_stride
         )
-        gathered = sharded.redistribute(mesh, [Replicate()] * n).to_local()
+        gathered = sharded.redistribute(mesh, [Replicate()] * n).to_local().view(E4M3)
         ctx.spec, ctx.local_dtype = spec, local.dtype
-        ctx.mark_non_differentiable(scale)
-        return gathered.view(E4M3).to(spec.param_dtype or local.dtype), scale
+        carrier = local.new_zeros((), dtype=spec.param_dtype or local.dtype).expand(gathered.shape)
+        ctx.mark_non_differentiable(gathered, scale)
+        return gathered, scale, carrier
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor, _scale_grad: torch.Tensor | None):
+    def backward(ctx, _values_grad, _scale_grad, grad: torch.Tensor):
         spec = ctx.spec
         grad = grad.to(spec.reduce_dtype or grad.dtype)
         partial = DTensor.from_local(
@@ -188,7 +207,7 @@ class _Float8Gather(torch.autograd.Function):
 
 
 def _make_float8_weight(name: str):
-    def float8_weight(self: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def float8_weight(self: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _Float8Gather.apply(self._parameters[name].to_local(), self._simple_fsdp_specs[name])
 
     return float8_weight

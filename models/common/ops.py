@@ -276,24 +276,35 @@ def linear_cross_entropy(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor)
 
 
 def quantized_linear(
-    x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    recipe: str,
+    w_scale: torch.Tensor | None = None,
+    w_grad: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T with the three matmuls (forward and both gradients) quantized as
     `recipe` says (models/common/quantize.py: RECIPES), -> [..., N] in x.dtype. The reference is
     the exact emulation (quantize, dequantize, sums in fp32); a device's kernel (XLA's float8 /
     int8 dots on TPU, `torch._scaled_mm` on CUDA) computes the same products.
 
-    `w_scale` (float8_tensorwise): w arrives quantized, e4m3 grid values with this one scale
-    (SimpleFSDP's float8 all-gather); the emulation uses them as they are. A device kernel that
-    does not take a quantized weight yet (TPU, CUDA) gets it dequantized in fp32, w * w_scale,
-    and quantizes it again: the same e4m3 values, the scale within its fp32 rounding (the
-    gradient passes straight through the dequantization)."""
+    `w_scale` (float8_tensorwise): w arrives quantized, `float8_e4m3fn` values with this one scale
+    (SimpleFSDP's float8 all-gather), and `w_grad` is the carrier of its gradient (zeros of w's
+    shape in the compute dtype): the gradient of the dequantized weight goes to `w_grad`, w
+    itself is not differentiable. An implementation marked `takes_float8_weight` (TPU) gets the
+    float8 tensor as it is and quantizes only the activations. The emulation uses the values as
+    they are (held in the compute dtype, exactly). A device kernel that does not take a quantized
+    weight (CUDA) gets it dequantized in fp32, w * w_scale, and quantizes it again: the same e4m3
+    values, the scale within its fp32 rounding."""
     impl = _impls.get("quantized_linear")
     if w_scale is None:
         return (impl or emulated_linear)(x, w, recipe)
+    assert w_grad is not None, "a quantized weight needs the carrier of its gradient"
+    if getattr(impl, "takes_float8_weight", False):
+        return impl(x, w, recipe, w_scale, w_grad)
+    values = w.to(w_grad.dtype) + w_grad  # exact (the carrier is zeros); the gradient reaches w_grad
     if impl is None:
-        return emulated_linear(x, w, recipe, w_scale)
-    return impl(x, _Dequantize.apply(w, w_scale), recipe)
+        return emulated_linear(x, values, recipe, w_scale)
+    return impl(x, _Dequantize.apply(values, w_scale), recipe)
 
 
 class _Dequantize(torch.autograd.Function):

@@ -103,14 +103,22 @@ def matmuls(recipe: str, *, recompute: bool) -> list[str]:
     return out
 
 
-def operand_elements(kind: str, n: int, k: int, m: int) -> int:
-    """Elements of the two quantized operands of one matmul of a linear w [n, k] at m tokens."""
-    return {"fwd": m * k + n * k, "grad_input": m * n + n * k, "grad_weight": m * n + m * k}[kind]
+def operand_elements(kind: str, n: int, k: int, m: int, *, weights: bool = True) -> int:
+    """Elements of the two quantized operands of one matmul of a linear w [n, k] at m tokens
+    (`weights=False`: the activation / gradient operands only, the weight arriving quantized)."""
+    w = n * k if weights else 0
+    return {"fwd": m * k + w, "grad_input": m * n + w, "grad_weight": m * n + m * k}[kind]
+
+
+W8 = "float8_tensorwise_w8"
+"""The block compile's name for float8_tensorwise with the float8 all-gather (the weight enters
+the op as float8 and its scale: tests/xla/probes/quantize_xla.py `W8`)."""
 
 
 def bytes_per_element(recipe: str) -> float:
     """HBM bytes the quantization passes add per quantized operand element, from the compiled
-    8B block (module docstring)."""
+    8B block (module docstring). `W8`: per activation / gradient operand element (the weights
+    arrive quantized; what the block saves reading float8 weights is netted in)."""
     compiles = json.loads(BLOCK_COMPILES.read_text())["compiles"]
     target = "v6e" if recipe == "int8" else "v7x"
     base, quant = (compiles[f"{target}:{r}"]["cost"] for r in ("bf16", recipe))
@@ -119,8 +127,25 @@ def bytes_per_element(recipe: str) -> float:
         for kind in matmuls(recipe, recompute=False):
             if name == "w2" and kind == "fwd":
                 continue
-            elements += operand_elements(kind, n, k, BLOCK_TOKENS)
+            elements += operand_elements(kind, n, k, BLOCK_TOKENS, weights=recipe != W8)
     return (quant["bytes accessed"] - base["bytes accessed"]) / elements
+
+
+FSDP_GATHERS_PER_STEP = 2
+"""All-gathers of each weight per step under full activation checkpointing (the forward and the
+backward's recompute)."""
+FSDP_BYTES_BF16 = {"gather": 2, "reduce": 2}
+"""Bytes per parameter element of one gather and of the gradient's reduce-scatter in the bf16
+parent program as compiled: every collective the 405B program adds per layer is bf16 (3.49 GB of
+all-gathers and 18.87 GB of collective-permutes, XLA:TPU's decomposed FSDP rings, per layer and
+device; layers 2 minus 1 of the v7x-8 compile, 2026-12-06)."""
+
+
+def fsdp_traffic_ratio(quantized_param_share: float) -> float:
+    """The float8 all-gather's FSDP traffic over the bf16 program's: the quantized weights' gathers
+    move 1 byte per element instead of 2; the reduce-scatter and the other weights are unchanged."""
+    g, r = FSDP_GATHERS_PER_STEP * FSDP_BYTES_BF16["gather"], FSDP_BYTES_BF16["reduce"]
+    return 1 - quantized_param_share * (g / 2) / (g + r)
 
 
 def quantized_work(recipe_path: Path, tokens: int) -> dict:
@@ -132,22 +157,24 @@ def quantized_work(recipe_path: Path, tokens: int) -> dict:
     plan = QuantizePlan.of(cfg.quantize)
     chosen = set(apply_quantize(model, recipe=plan.recipe, filter_fqns=plan.filter_fqns, min_dim=plan.min_dim))
     recompute = cfg.activation_checkpoint.mode == "full"
-    flops = elements = 0
+    flops = elements = quantized_params = 0
     for fqn, module in model.named_modules():
         if fqn in chosen:
             n, k = module.out_features, module.in_features
+            quantized_params += n * k
             for kind in matmuls(plan.recipe, recompute=recompute):
                 flops += 2 * tokens * n * k
-                elements += operand_elements(kind, n, k, tokens)
+                elements += operand_elements(kind, n, k, tokens, weights=not plan.fsdp_float8_all_gather)
     from tools.recipe_check import plan_inputs
 
     model_flops = plan_inputs(cfg).flops_per_token(args.shape()) * tokens * (4 / 3 if recompute else 1)
     return {
-        "recipe": plan.recipe,
+        "recipe": W8 if plan.fsdp_float8_all_gather else plan.recipe,
         "flops": flops,
         "elements": elements,
         "linears": len(chosen),
         "model_flops": model_flops,
+        "quantized_param_share": quantized_params / sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -168,7 +195,8 @@ def project(variant: str, parent: str, csv_path: Path | None, maxtext) -> dict:
     devices_per_chip = target.devices // target.chips
     t = cfg.training
     tokens = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps  # per device (tp = cp = 1)
-    out = {"recipe": variant, "parent": parent, "target": cfg.job.target, "quantize": cfg.quantize.recipe}
+    label = cfg.quantize.recipe + (" + float8 all-gather" if cfg.quantize.fsdp_float8_all_gather else "")
+    out = {"recipe": variant, "parent": parent, "target": cfg.job.target, "quantize": label}
     if csv_path is not None:
         row = parent_row(csv_path, parent)
         compute = float(row.get("hlo_compute_s") or row["compute_s"])
@@ -198,23 +226,33 @@ def project(variant: str, parent: str, csv_path: Path | None, maxtext) -> dict:
     )
     if csv_path is not None:
         compute_lp = compute - t_bf16 + t_lp + t_bytes
-        for tag, c in (("bf16", compute), ("lp", compute_lp)):
+        # SimpleFSDP's float8 all-gather: the quantized weights' gathers move half the bytes
+        comm_lp = comm * fsdp_traffic_ratio(work["quantized_param_share"]) if work["recipe"] == W8 else comm
+        for tag, c, cm in (("bf16", compute, comm), ("lp", compute_lp, comm_lp)):
             out[f"compute_s_{tag}"] = c
-            out[f"step_exposed_s_{tag}"] = c + comm
-            out[f"step_overlapped_s_{tag}"] = max(c, comm)
-            out[f"tokens_per_chip_exposed_{tag}"] = tokens * devices_per_chip / (c + comm)
-            out[f"tokens_per_chip_overlapped_{tag}"] = tokens * devices_per_chip / max(c, comm)
+            out[f"step_exposed_s_{tag}"] = c + cm
+            out[f"step_overlapped_s_{tag}"] = max(c, cm)
+            out[f"tokens_per_chip_exposed_{tag}"] = tokens * devices_per_chip / (c + cm)
+            out[f"tokens_per_chip_overlapped_{tag}"] = tokens * devices_per_chip / max(c, cm)
         out["comm_s"] = comm
+        out["comm_s_lp"] = comm_lp
+        out["quantized_param_share"] = work["quantized_param_share"]
         out["quantized_share_of_compute"] = t_bf16 / compute
         out["speedup_exposed"] = out["step_exposed_s_bf16"] / out["step_exposed_s_lp"]
         out["speedup_overlapped"] = out["step_overlapped_s_bf16"] / out["step_overlapped_s_lp"]
-        fused = compute_lp - t_bytes  # a kernel that quantizes in the matmul's prologue: no extra HBM pass
-        out["speedup_exposed_fused"] = out["step_exposed_s_bf16"] / (fused + comm)
-        out["speedup_overlapped_fused"] = out["step_overlapped_s_bf16"] / max(fused, comm)
+        fused = compute_lp - t_bytes  # the quantization passes' bytes removed altogether (an upper bound)
+        out["speedup_exposed_fused"] = out["step_exposed_s_bf16"] / (fused + comm_lp)
+        out["speedup_overlapped_fused"] = out["step_overlapped_s_bf16"] / max(fused, comm_lp)
     if maxtext:
         out["maxtext_bf16"], out["maxtext_fp8"] = maxtext
         out["maxtext_ratio"] = maxtext[1] / maxtext[0]
     return out
+
+
+def comm_cell(r: dict) -> str:
+    if r["comm_s_lp"] == r["comm_s"]:
+        return f"{r['comm_s']:.2f}"
+    return f"{r['comm_s']:.2f} -> {r['comm_s_lp']:.2f}"
 
 
 def table(rows: list[dict]) -> str:
@@ -237,7 +275,7 @@ def table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {r['quantized_share_of_compute']:.0%} | "
-            f"{r['compute_s_bf16']:.2f} -> {r['compute_s_lp']:.2f} | {r['comm_s']:.2f} | "
+            f"{r['compute_s_bf16']:.2f} -> {r['compute_s_lp']:.2f} | {comm_cell(r)} | "
             f"{r['tokens_per_chip_exposed_bf16']:,.0f} -> {r['tokens_per_chip_exposed_lp']:,.0f} / "
             f"{r['tokens_per_chip_overlapped_bf16']:,.0f} -> {r['tokens_per_chip_overlapped_lp']:,.0f} | "
             f"{r['speedup_exposed']:.2f}x / {r['speedup_overlapped']:.2f}x | "
@@ -258,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    for recipe in ("float8_rowwise", "float8_blockwise", "int8"):
+    for recipe in ("float8_rowwise", "float8_blockwise", "int8", W8):
         print(
             f"quantization passes: {bytes_per_element(recipe):.2f} HBM bytes per quantized operand element ({recipe})"
         )

@@ -15,17 +15,32 @@ _spec.loader.exec_module(lpp)
 def test_llama3_405b_quantized_work_by_hand():
     """Llama 3 405B, 126 blocks of wq, wo [16384, 16384], wk, wv [1024, 16384], w1, w3 [53248,
     16384], w2 [16384, 53248]; full AC: 4 float8 matmuls per linear (forward twice, both
-    gradients), 2 M N K FLOPs each, at M = 8192 tokens."""
+    gradients), 2 M N K FLOPs each, at M = 8192 tokens. The recipe gathers its float8_tensorwise
+    weights in float8, so the quantized operands counted are the activations and gradients only
+    (the weights arrive quantized)."""
     per_block = 2 * 16384 * 16384 + 2 * 1024 * 16384 + 3 * 53248 * 16384
     assert per_block == 3_187_671_040
     work = lpp.quantized_work(ROOT / "configs" / "llama3_405b_v7x_fp8.toml", 8192)
+    assert work["recipe"] == lpp.W8
     assert work["linears"] == 126 * 7
     assert work["flops"] == 4 * 2 * 8192 * 126 * per_block
-    # operand elements: forward (x, w) twice, input gradient (dy, w), weight gradient (dy, x)
+    # operand elements: forward x twice, input gradient dy, weight gradient (dy, x)
     m = 8192
-    per_linear = lambda n, k: 2 * (m * k + n * k) + (m * n + n * k) + (m * n + m * k)  # noqa: E731
+    per_linear = lambda n, k: 2 * (m * k) + (m * n) + (m * n + m * k)  # noqa: E731
     shapes = [(16384, 16384)] * 2 + [(1024, 16384)] * 2 + [(53248, 16384)] * 2 + [(16384, 53248)]
     assert work["elements"] == 126 * sum(per_linear(n, k) for n, k in shapes)
+    # the quantized weights' share of the parameters: all block linears; not the embedding, the
+    # head (128256 x 16384 each) or the norms
+    total = 126 * per_block + 2 * 128256 * 16384 + 126 * 2 * 16384 + 16384
+    assert abs(work["quantized_param_share"] - 126 * per_block / total) < 1e-12
+
+
+def test_float8_all_gather_fsdp_traffic():
+    """Per quantized parameter and step the bf16 program gathers twice (2 bytes each) and reduces
+    once (2 bytes, as compiled): 6 bytes; gathered in float8: 1 + 1 + 2 = 4."""
+    assert abs(lpp.fsdp_traffic_ratio(1.0) - 4 / 6) < 1e-15
+    assert lpp.fsdp_traffic_ratio(0.0) == 1.0
+    assert abs(lpp.fsdp_traffic_ratio(0.99) - (1 - 0.99 * 2 / 6)) < 1e-15
 
 
 def test_bytes_per_element_from_the_block_compile():
@@ -41,3 +56,7 @@ def test_bytes_per_element_from_the_block_compile():
     int8_elements = sum((m * k + n * k) + (m * n + n * k) for n, k in linears) - (m * 14336 + 4096 * 14336)
     assert int8_elements == 654_311_424
     assert abs(lpp.bytes_per_element("int8") - (19_300_589_568 - 16_229_998_592) / int8_elements) < 1e-9
+    # the float8 all-gather (W8): 16,914,961,408 bytes over the activation / gradient operands only
+    w8_elements = sum(2 * (m * k + m * n) for n, k in linears) - m * 14336
+    assert w8_elements == 2 * (159_383_552 + 176_160_768) - 58_720_256 == 612_368_384
+    assert abs(lpp.bytes_per_element(lpp.W8) - (16_914_961_408 - 16_169_611_264) / w8_elements) < 1e-9

@@ -18,12 +18,15 @@ VARIANTS = sorted(
     glob.glob(os.path.join(ROOT, "configs", "*_fp8.toml")) + glob.glob(os.path.join(ROOT, "configs", "*_int8.toml"))
 )
 EXPECTED = {
-    "llama3_405b_v7x_fp8.toml": "float8_rowwise",
+    "llama3_405b_v7x_fp8.toml": "float8_tensorwise",
     "qwen3_235b_a22b_v7x_fp8.toml": "float8_rowwise",
     "deepseek_v3_671b_v7x_fp8.toml": "float8_blockwise",
     "llama3_70b_v6e_int8.toml": "int8",
     "qwen3_32b_v6e_int8.toml": "int8",
 }
+
+FLOAT8_GATHER = {"llama3_405b_v7x_fp8.toml"}
+"""Variants that all-gather their float8_tensorwise weights in float8 (FSDP only, no TP)."""
 
 
 def test_every_variant_is_listed():
@@ -47,7 +50,11 @@ def test_a_variant_is_its_parent_plus_quantize(variant):
     assert base.quantize.recipe == "none"
     assert cfg.quantize.recipe == EXPECTED[name]
     differ = _diff(cfg, base)
-    assert set(differ) == {"job.dump_folder", "job.description", "quantize.recipe"}, differ
+    allowed = {"job.dump_folder", "job.description", "quantize.recipe"}
+    if name in FLOAT8_GATHER:
+        allowed.add("quantize.fsdp_float8_all_gather")
+    assert cfg.quantize.fsdp_float8_all_gather == (name in FLOAT8_GATHER)
+    assert set(differ) == allowed, differ
     assert cfg.job.dump_folder == base.job.dump_folder + name[len(os.path.basename(parent)) - 5 : -5]
     assert cfg.job.description.startswith(base.job.description)
     # the target's native low-precision format

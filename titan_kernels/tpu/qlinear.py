@@ -6,7 +6,12 @@ float8 / int8 dots) and qgmm.py (float8 / int8 ragged dots) as torch ops through
 string, so each recipe is its own exported program), ties them with `register_autograd` (jax_op
 registers none; the forward saves x and w, as the torch emulation does) and returns the op's
 implementation: it flattens x's leading dims, and hands tensors that are not on the TPU to the
-emulation (models/common/quantize.py). Imported only on a TPU run (`titan_kernels.
+emulation (models/common/quantize.py). With SimpleFSDP's float8 all-gather (float8_tensorwise)
+the weight arrives as the gathered float8_e4m3fn tensor and its scale: `titan_tpu::qlinear_w8_fwd
+(x, w_q, w_scale, recipe)` and `qlinear_w8_bwd(x, w_q, w_scale, dy, recipe) -> (dx, dw)` read it as
+it is (no wider copy, no second quantization: only x and dy are quantized), tied by an
+autograd.Function that sends dw to the gather's carrier (ops.quantized_linear); the
+implementation is marked `takes_float8_weight`. Imported only on a TPU run (`titan_kernels.
 quantized_linear_for`): it imports jax and needs torch-tpu.
 
 `build_grouped()` does the same for the MoE experts: `titan_tpu::qgmm_fwd(x, w, group_sizes, recipe)
@@ -56,14 +61,53 @@ def build() -> Callable:
 
     qlinear_fwd.register_autograd(backward, setup_context=setup)
 
-    def quantized_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    @jax_op(f"{NAMESPACE}::qlinear_w8_fwd")
+    def qlinear_w8_fwd(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, recipe: str) -> jax.Array:
+        return qmatmul.forward_w8(x, w_q, w_scale, recipe)
+
+    @jax_op(f"{NAMESPACE}::qlinear_w8_bwd")
+    def qlinear_w8_bwd(
+        x: jax.Array, w_q: jax.Array, w_scale: jax.Array, dy: jax.Array, recipe: str
+    ) -> tuple[jax.Array, jax.Array]:
+        return qmatmul.backward_w8(x, w_q, w_scale, dy, recipe)
+
+    class W8Linear(torch.autograd.Function):
+        """x [M, K] @ w_q^T with w_q [N, K] float8 and its scale (not differentiable); the weight
+        gradient goes to the carrier (ops.quantized_linear)."""
+
+        @staticmethod
+        def forward(ctx, x, carrier, w_q, w_scale, recipe):
+            ctx.save_for_backward(x, w_q, w_scale)
+            ctx.recipe = recipe
+            return qlinear_w8_fwd(x, w_q, w_scale, recipe)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w_q, w_scale = ctx.saved_tensors
+            dx, dw = qlinear_w8_bwd(x, w_q, w_scale, dy.contiguous(), ctx.recipe)
+            return dx, dw, None, None, None
+
+    def quantized_linear(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        recipe: str,
+        w_scale: torch.Tensor | None = None,
+        w_grad: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if w_scale is not None:  # SimpleFSDP's float8 all-gather: w is the gathered float8 weight
+            if x.device.type != "tpu" or w.device.type != "tpu":
+                return emulated_linear(x, w.to(w_grad.dtype) + w_grad, recipe, w_scale)
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            y = W8Linear.apply(x2, w_grad, w.contiguous(), w_scale.reshape(()).float(), recipe)
+            return y.reshape(*lead, w.shape[0])
         if x.device.type != "tpu" or w.device.type != "tpu":
             return emulated_linear(x, w, recipe)
-        lead = x.shape[:-1]
         y = qlinear_fwd(x.reshape(-1, x.shape[-1]).contiguous(), w.contiguous(), recipe)
         return y.reshape(*lead, w.shape[0])
 
-    _BUILT["fn"] = quantized_linear
+    quantized_linear.takes_float8_weight = True
+    _BUILT["fn"], _BUILT["w8"] = quantized_linear, W8Linear
     return quantized_linear
 
 

@@ -94,14 +94,20 @@ def _per_row(q: jax.Array, s: jax.Array, rows: int, granularity: str) -> tuple[j
     return q[:rows], s[:rows]
 
 
-def scaled_matmul(a: jax.Array, b: jax.Array, spec, out_dtype) -> jax.Array:
-    """a [R, K] @ b [C, K]^T as the recipe's matmul `spec` ((a op, b op) or (None, None))."""
+def scaled_matmul(a: jax.Array, b: jax.Array, spec, out_dtype, b_scale: jax.Array | None = None) -> jax.Array:
+    """a [R, K] @ b [C, K]^T as the recipe's matmul `spec` ((a op, b op) or (None, None)).
+    `b_scale`: b is already quantized (grid values of b's format, float8 or held wider) with this
+    one tensorwise scale, and is used as it is."""
     op_a, op_b = spec
     if op_a is None:
         out = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return out.astype(out_dtype)
     qa, sa = quantize(a, op_a)
-    qb, sb = quantize(b, op_b)
+    if b_scale is None:
+        qb, sb = quantize(b, op_b)
+    else:
+        assert op_b[1] == "tensor" and not op_b[2], "a pre-quantized operand has one scale"
+        qb, sb = b.astype(DTYPES[op_b[0]]).reshape(1, 1, *b.shape), b_scale.astype(jnp.float32).reshape(1, 1)
     qa, sa = _per_row(qa, sa, a.shape[0], op_a[1])
     qb, sb = _per_row(qb, sb, b.shape[0], op_b[1])
     acc = jnp.int32 if op_a[0] == "int8" else jnp.float32
@@ -121,6 +127,23 @@ def backward(x: jax.Array, w: jax.Array, dy: jax.Array, recipe: str) -> tuple[ja
     _, grad_input, grad_weight = RECIPES[recipe]
     dx = scaled_matmul(dy, w.T, grad_input, x.dtype)
     dw = scaled_matmul(dy.T, x.T, grad_weight, w.dtype)
+    return dx, dw
+
+
+def forward_w8(x: jax.Array, w_q: jax.Array, w_scale: jax.Array, recipe: str) -> jax.Array:
+    """`forward` with the weight already quantized (SimpleFSDP's float8 all-gather): w_q [N, K]
+    float8_e4m3fn, w_scale its tensorwise scale (float8_tensorwise); only x is quantized here."""
+    return scaled_matmul(x, w_q, RECIPES[recipe][0], x.dtype, w_scale)
+
+
+def backward_w8(
+    x: jax.Array, w_q: jax.Array, w_scale: jax.Array, dy: jax.Array, recipe: str
+) -> tuple[jax.Array, jax.Array]:
+    """(dx, dw) of `forward_w8`: dx from the same float8 weight (w^T has its one scale), dw (in
+    x.dtype, the gradient of the dequantized weight) as `backward`'s."""
+    _, grad_input, grad_weight = RECIPES[recipe]
+    dx = scaled_matmul(dy, w_q.T, grad_input, x.dtype, w_scale)
+    dw = scaled_matmul(dy.T, x.T, grad_weight, x.dtype)
     return dx, dw
 
 

@@ -79,6 +79,11 @@ def cpu_check() -> dict:
     rng = np.random.default_rng(0)
     m, k, n = 96, 300, 72
     cases = {}
+
+    def err(a, b):
+        b = b.detach().double().numpy()
+        return {"diff": float(np.abs(a - b).max()), "scale": float(np.abs(b).max())}
+
     for recipe in qmatmul.RECIPES:
         x = rng.standard_normal((m, k)).astype(np.float32)
         w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
@@ -89,16 +94,32 @@ def cpu_check() -> dict:
         tw = torch.from_numpy(w).requires_grad_()
         ty = tq.emulated_linear(tx, tw, recipe)
         ty.backward(torch.from_numpy(dy))
-
-        def err(a, b):
-            b = b.detach().double().numpy()
-            return {"diff": float(np.abs(a - b).max()), "scale": float(np.abs(b).max())}
-
         cases[recipe] = {
             "y": {**err(y, ty), "n": k},
             "dx": {**err(dx, tx.grad), "n": n},
             "dw": {**err(dw, tw.grad), "n": m},
         }
+    # The float8 all-gather's weight (float8_tensorwise): qmatmul.forward_w8 / backward_w8 on the
+    # float8 weight and its scale against the emulation on the same values.
+    recipe = "float8_tensorwise"
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
+    dy = (rng.standard_normal((m, n)) * 1e-3).astype(np.float32)
+    tq_values, tq_scale = tq.quantize(torch.from_numpy(w), tq.Operand(tq.E4M3))
+    values = tq_values.reshape(n, k)
+    w_q = jnp.asarray(values.to(tq.E4M3).view(torch.uint8).numpy()).view(jnp.float8_e4m3fn)
+    w_scale = jnp.asarray(tq_scale.reshape(()).numpy())
+    y = np.asarray(jax.jit(qmatmul.forward_w8, static_argnums=3)(x, w_q, w_scale, recipe))
+    dx, dw = (np.asarray(t) for t in jax.jit(qmatmul.backward_w8, static_argnums=4)(x, w_q, w_scale, dy, recipe))
+    tx = torch.from_numpy(x).requires_grad_()
+    tw = values.clone().requires_grad_()
+    ty = tq.emulated_linear(tx, tw, recipe, tq_scale.reshape(()))
+    ty.backward(torch.from_numpy(dy))
+    cases["float8_tensorwise_w8"] = {
+        "y": {**err(y, ty), "n": k},
+        "dx": {**err(dx, tx.grad), "n": n},
+        "dw": {**err(dw, tw.grad), "n": m},
+    }
     return {"tables_equal": torch_table == qmatmul.RECIPES, "cases": cases}
 
 
@@ -184,12 +205,36 @@ def _rmsnorm(x, w):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-5)).astype(x.dtype) * w
 
 
+W8 = "float8_tensorwise_w8"
+"""`compile`'s name for float8_tensorwise with SimpleFSDP's float8 all-gather: each linear's weight
+enters the block as the gathered float8_e4m3fn tensor and its scale (qmatmul.forward_w8 /
+backward_w8), its gradient through a zero carrier, as the trainer's op does."""
+
+
+def _w8_linear_fwd(h, carrier, w_q, w_scale):
+    return qmatmul.forward_w8(h, w_q, w_scale, "float8_tensorwise"), (h, w_q, w_scale)
+
+
+def _w8_linear_bwd(saved, dy):
+    h, w_q, w_scale = saved
+    dx, dw = qmatmul.backward_w8(h, w_q, w_scale, dy, "float8_tensorwise")
+    return dx, dw, None, None
+
+
+_w8_linear = jax.custom_vjp(lambda h, carrier, w_q, w_scale: _w8_linear_fwd(h, carrier, w_q, w_scale)[0])
+_w8_linear.defvjp(_w8_linear_fwd, _w8_linear_bwd)
+
+
 def block(params, x, recipe: str, seq: int):
-    """One decoder block on x [tokens, dim] (sequences of `seq`), bf16."""
+    """One decoder block on x [tokens, dim] (sequences of `seq`), bf16. Under `W8` a linear weight
+    is the triple (float8 values, scale, carrier)."""
 
     def lin(h, w):
         if recipe == "bf16":  # bf16 operands and result (the MXU accumulates in f32), as torch's bf16 linear
             return jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())), preferred_element_type=h.dtype)
+        if recipe == W8:
+            w_q, w_scale, carrier = w
+            return _w8_linear(h, carrier, w_q, w_scale)
         return qmatmul.linear(h, w, recipe)
 
     t = x.shape[0]
@@ -265,8 +310,30 @@ def compile_block(gen: str, recipe: str, tokens: int, seq: int) -> dict:
         out, vjp = jax.vjp(lambda p, xx: block(p, xx, recipe, seq), params, x)
         return vjp(cot)
 
+    if recipe == W8:  # the linears' weights arrive as float8 and a scale; the gradients reach carriers
+        linears = [name for name in params if name.startswith("w")]
+        quantized = {
+            n: (S(params[n].shape, jnp.float8_e4m3fn, sharding=sharding), S((), jnp.float32, sharding=sharding))
+            for n in linears
+        }
+        params = {n: p for n, p in params.items() if n not in linears}
+
+        def step(params, quantized, x, cot):  # noqa: F811
+            def f(norms, carriers, xx):
+                full = {**norms, **{n: (*quantized[n], carriers[n]) for n in linears}}
+                return block(full, xx, recipe, seq)
+
+            carriers = {n: jnp.zeros(quantized[n][0].shape, jnp.bfloat16) for n in linears}
+            out, vjp = jax.vjp(f, params, carriers, x)
+            return vjp(cot)
+
+        params = (params, quantized)
+        lowered_args = (*params, x, cot)
+    else:
+        lowered_args = (params, x, cot)
+
     start = time.perf_counter()
-    lowered = jax.jit(step).lower(params, x, cot)
+    lowered = jax.jit(step).lower(*lowered_args)
     compiled = lowered.compile()
     entry = {"device_kind": device.device_kind, "compile_s": round(time.perf_counter() - start, 1)}
     cost = compiled.cost_analysis()
@@ -334,22 +401,65 @@ def register_check() -> dict:
     sys.path.insert(0, str(ROOT))
     from titan_kernels.tpu import qlinear
 
+    def check(fn) -> str:
+        try:
+            with FakeTensorMode():
+                fn()
+            return "ok"
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"[:1500] + "\n" + traceback.format_exc()[-1500:]
+
     qlinear.build()
+    qlinear.build_grouped()
     fwd = torch.ops.titan_tpu.qlinear_fwd
     checks = {}
     for recipe in qmatmul.RECIPES:
-        try:
-            with FakeTensorMode():
-                x = torch.empty(512, 256, dtype=torch.bfloat16).requires_grad_()
-                w = torch.empty(384, 256, dtype=torch.bfloat16).requires_grad_()
-                y = fwd(x, w, recipe)
-                assert y.shape == (512, 384) and y.dtype == torch.bfloat16, y
-                dx, dw = torch.autograd.grad(y.float().sum(), (x, w))
-                assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == torch.bfloat16
-            checks[recipe] = "ok"
-        except Exception as e:
-            checks[recipe] = f"{type(e).__name__}: {e}"[:1500] + "\n" + traceback.format_exc()[-1500:]
-    names = sorted(n for n in dir(torch.ops.titan_tpu) if n.startswith("qlinear"))
+
+        def dense(recipe=recipe):
+            x = torch.empty(512, 256, dtype=torch.bfloat16).requires_grad_()
+            w = torch.empty(384, 256, dtype=torch.bfloat16).requires_grad_()
+            y = fwd(x, w, recipe)
+            assert y.shape == (512, 384) and y.dtype == torch.bfloat16, y
+            dx, dw = torch.autograd.grad(y.float().sum(), (x, w))
+            assert dx.shape == x.shape and dw.shape == w.shape and dx.dtype == torch.bfloat16
+
+        def grouped(recipe=recipe):
+            # The experts' op as the MoE layer calls it: w [G, K, N], group sizes int32 on the device.
+            x = torch.empty(512, 256, dtype=torch.bfloat16).requires_grad_()
+            w = torch.empty(4, 256, 384, dtype=torch.bfloat16).requires_grad_()
+            sizes = torch.empty(4, dtype=torch.int32)
+            y = torch.ops.titan_tpu.qgmm_fwd(x, w.transpose(-2, -1).contiguous(), sizes, recipe)
+            assert y.shape == (512, 384) and y.dtype == torch.bfloat16, y
+            dx, dw = torch.autograd.grad(y.float().sum(), (x, w))
+            assert dx.shape == x.shape and dw.shape == w.shape and dw.dtype == torch.bfloat16
+
+        checks[recipe] = check(dense)
+        checks[f"grouped:{recipe}"] = check(grouped)
+
+    def w8():
+        # SimpleFSDP's float8 all-gather through the autograd.Function the implementation wraps
+        # qlinear_w8_fwd / _bwd in: the float8 weight, its scale and the gradient's carrier.
+        x = torch.empty(512, 256, dtype=torch.bfloat16).requires_grad_()
+        w_q = torch.empty(384, 256, dtype=torch.float8_e4m3fn)
+        scale = torch.empty((), dtype=torch.float32)
+        carrier = torch.zeros((), dtype=torch.bfloat16).expand(384, 256).requires_grad_()
+        y = qlinear._BUILT["w8"].apply(x, carrier, w_q, scale, "float8_tensorwise")
+        assert y.shape == (512, 384) and y.dtype == torch.bfloat16, y
+        dx, dw = torch.autograd.grad(y.float().sum(), (x, carrier))
+        assert dx.shape == x.shape and dw.shape == (384, 256) and dw.dtype == torch.bfloat16
+
+    def w8_ops():
+        x = torch.empty(512, 256, dtype=torch.bfloat16)
+        w_q = torch.empty(384, 256, dtype=torch.float8_e4m3fn)
+        scale = torch.empty((), dtype=torch.float32)
+        y = torch.ops.titan_tpu.qlinear_w8_fwd(x, w_q, scale, "float8_tensorwise")
+        assert y.shape == (512, 384) and y.dtype == torch.bfloat16, y
+        dx, dw = torch.ops.titan_tpu.qlinear_w8_bwd(x, w_q, scale, y, "float8_tensorwise")
+        assert dx.shape == x.shape and dw.shape == (384, 256) and dw.dtype == torch.bfloat16
+
+    checks["w8_ops"] = check(w8_ops)
+    checks["w8_autograd"] = check(w8)
+    names = sorted(n for n in dir(torch.ops.titan_tpu) if n.startswith(("qlinear", "qgmm")))
     return {"ops": names, "checks": checks}
 
 
