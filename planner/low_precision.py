@@ -2,8 +2,9 @@
 
 What the code does (parallelisms/quantize.py, models/common/quantize.py, titan_kernels/tpu/
 qmatmul.py): SimpleFSDP gathers each weight in bf16 (with `[quantize] fsdp_float8_all_gather`,
-float8_tensorwise weights as e4m3 bytes, decoded to bf16 values: `fsdp_gather_bytes`), and the op
-`quantized_linear` quantizes the gathered bf16 weight and the bf16 activation inside each call.
+float8_tensorwise weights as e4m3 bytes, handed to the op as float8: `fsdp_gather_bytes`), and the
+op `quantized_linear` quantizes the gathered bf16 weight (not a float8-gathered one) and the bf16
+activation inside each call.
 So, per quantized linear call:
 
 - the bf16 weight copy the planner already counts (the block's gather) exists as before, and its
@@ -56,25 +57,34 @@ def operand_bytes(rows: int, cols: int, op: Operand) -> int:
     return rows * cols + 4 * groups
 
 
-def linear_backward_bytes(out_features: int, in_features: int, tokens: int, recipe: str) -> int:
-    """The quantized operands of one linear's backward (module docstring): w [N, K], M tokens."""
+def linear_backward_bytes(
+    out_features: int, in_features: int, tokens: int, recipe: str, *, float8_weight: bool = False
+) -> int:
+    """The quantized operands of one linear's backward (module docstring): w [N, K], M tokens.
+    `float8_weight`: the weight arrives quantized (the float8 all-gather) and the op reads it as
+    it is: no copy of w^T."""
     n, k, m = out_features, in_features, tokens
     spec = RECIPE_SPECS[recipe]
     gi, gw = spec.grad_input, spec.grad_weight
     return (
         operand_bytes(m, n, gi.a)  # dy along N
-        + operand_bytes(k, n, gi.b)  # w^T along N
+        + (0 if float8_weight else operand_bytes(k, n, gi.b))  # w^T along N
         + operand_bytes(n, m, gw.a)  # dy^T along M
         + operand_bytes(k, m, gw.b)  # x^T along M
     )
 
 
-def quantize_transient_bytes(linears: Iterable[tuple[int, int]], *, tokens: int, recipe: str) -> int:
+def quantize_transient_bytes(
+    linears: Iterable[tuple[int, int]], *, tokens: int, recipe: str, float8_weights: bool = False
+) -> int:
     """The largest of `linears`' ((out, in) gathered shapes, the quantized ones) backward copies
-    at `tokens` per call; 0 for `none` or no quantized linear."""
+    at `tokens` per call; 0 for `none` or no quantized linear. `float8_weights`: gathered in
+    float8 (`[quantize] fsdp_float8_all_gather`), so no weight copy."""
     if recipe == "none":
         return 0
-    return max((linear_backward_bytes(n, k, tokens, recipe) for n, k in linears), default=0)
+    return max(
+        (linear_backward_bytes(n, k, tokens, recipe, float8_weight=float8_weights) for n, k in linears), default=0
+    )
 
 
 def quantized_linear_shapes(

@@ -294,6 +294,7 @@ def estimate(
         quantized_linear_shapes(stats.linear_shapes, quantize) if quantize is not None else [],
         tokens=t_proj,
         recipe=recipe,
+        float8_weights=quantize is not None and quantize.fsdp_float8_all_gather,
     )
     transient_block = (
         lowp
@@ -350,8 +351,9 @@ def estimate(
     if recipe != "none":
         est.notes.append(
             f"[quantize] {recipe}: the largest quantized linear's backward holds {lowp / 2**30:.2f} GiB of "
-            "low-precision operand copies and scales beside the bf16 gathered weight (in the block "
-            "backward); nothing more is saved for backward"
+            "low-precision operand copies and scales beside the "
+            + ("float8-gathered weight" if quantize.fsdp_float8_all_gather else "bf16 gathered weight")
+            + " (in the block backward); nothing more is saved for backward"
         )
     if muon:
         est.notes.append(

@@ -97,6 +97,7 @@ def select(
         ops.register(op, None)
     ops.register("quantized_linear", quantized_linear_for(device))
     ops.register("quantized_grouped_mm", quantized_grouped_mm_for(device))
+    ops.register("quantized_batched_mm", quantized_batched_mm_for(device))
     if device.type == "tpu":
         return _select_tpu(attention, device=device, dtype=dtype or torch.bfloat16, head_dim=head_dim, shapes=shapes)
     if device.type != "cpu" or attention == "sdpa":
@@ -168,6 +169,14 @@ def quantized_grouped_mm_for(device: torch.device):
     on TPU the XLA float8 / int8 ragged dots when the Pallas stack (jax, torch-tpu) loads."""
     if device.type == "tpu":
         return _tpu_quantized("quantized_grouped_mm", "build_grouped")
+    return None
+
+
+def quantized_batched_mm_for(device: torch.device):
+    """The implementation of `quantized_batched_mm` (the capacity layout's experts) on `device`
+    (None: the emulation): on TPU the grouped op's ragged dots with every group the capacity."""
+    if device.type == "tpu":
+        return _tpu_quantized("quantized_batched_mm", "build_batched")
     return None
 
 

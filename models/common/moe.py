@@ -87,7 +87,6 @@ from torch import nn
 from models.common import ops
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
-from models.common.quantize import emulated_batched_mm
 
 
 def load_balance_loss(
@@ -386,7 +385,7 @@ class GroupedExperts(nn.Module):
 
     recipe: str = "none"
     """A low-precision recipe (`[quantize]`, set by parallelisms/quantize.py): the expert matmuls
-    go through the op `quantized_grouped_mm` (per expert in the capacity layout)."""
+    go through the op `quantized_grouped_mm` (`quantized_batched_mm` in the capacity layout)."""
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
@@ -428,7 +427,7 @@ class GroupedExperts(nn.Module):
         """
         w1, w2, w3 = self.w1, self.w2, self.w3
         if self.recipe != "none":
-            bmm, r = emulated_batched_mm, self.recipe
+            bmm, r = ops.quantized_batched_mm, self.recipe
             h = F.silu(bmm(x, w1.transpose(-2, -1), r)) * bmm(x, w3.transpose(-2, -1), r)
             return bmm(h, w2.transpose(-2, -1), r)
         h = F.silu(torch.bmm(x, w1.transpose(-2, -1))) * torch.bmm(x, w3.transpose(-2, -1))

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from models.common.quantize import emulated_grouped_mm, emulated_linear
+from models.common.quantize import emulated_batched_mm, emulated_grouped_mm, emulated_linear
 
 OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
-LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm")
+LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm", "quantized_batched_mm")
 """Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
 tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
 start-up self-check."""
@@ -329,10 +329,20 @@ def quantized_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Te
     return _impls.get("quantized_grouped_mm", emulated_grouped_mm)(x, w, group_sizes, recipe)
 
 
+def quantized_batched_mm(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """x [E, R, K] @ w [E, K, N] -> [E, R, N] with the three matmuls quantized as `recipe` says,
+    each expert's scale groups its own (the capacity layout's expert matmul; the reference is
+    `emulated_batched_mm`, one `emulated_linear` per expert). The same matmuls as
+    `quantized_grouped_mm` of the flattened rows with every group R rows, which is how a device
+    serves it (TPU: titan_kernels/tpu/qlinear.py `build_batched`)."""
+    return _impls.get("quantized_batched_mm", emulated_batched_mm)(x, w, recipe)
+
+
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
     "grouped_mm": torch_grouped_mm,
     "linear_cross_entropy": chunked_linear_cross_entropy,
     "quantized_linear": emulated_linear,
     "quantized_grouped_mm": emulated_grouped_mm,
+    "quantized_batched_mm": emulated_batched_mm,
 }

@@ -324,3 +324,19 @@ def emulated_batched_mm(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.
     """x [E, R, K] @ w [E, K, N] under `recipe`, each expert its own `emulated_linear` (the capacity
     layout's batched matmul: no scale is shared between experts)."""
     return torch.stack([emulated_linear(x[e], w[e].transpose(0, 1), recipe) for e in range(w.shape[0])])
+
+
+def batched_as_grouped(grouped, x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+    """x [E, R, K] @ w [E, K, N] through a `quantized_grouped_mm` implementation `grouped(x2
+    [E R, K], w, group_sizes [E], recipe)` with every group R rows: expert e's rows are the e-th
+    block, as the capacity buffer lays them out (how the TPU serves `quantized_batched_mm`). Each
+    expert's scale groups then hold its own rows, as in `emulated_batched_mm`; for 1 x 128 token
+    tiles (float8_blockwise's weight gradient) the grouped op cuts global 128-row tiles at the
+    groups' boundaries, so R is first padded with zero rows to a multiple of 128 (zeros change no
+    amax and no sum): each expert's tiles then start at its first row, as in its own linear."""
+    e, r, k = x.shape
+    rows = -(-r // BLOCK) * BLOCK if RECIPE_SPECS[recipe].grad_weight.a.granularity == "tile" else r
+    if rows != r:
+        x = torch.cat([x, x.new_zeros(e, rows - r, k)], dim=1)
+    sizes = torch.full((e,), rows, dtype=torch.int32, device=x.device)
+    return grouped(x.reshape(e * rows, k), w, sizes, recipe).reshape(e, rows, w.shape[-1])[:, :r]

@@ -17,7 +17,9 @@ take 4-14 minutes each on the development machine. So, per recipe:
 - **Quantized matmul FLOPs** per device and step: the linears `apply_quantize` chooses on the
   recipe's meta model (parallelisms/quantize.py's own rule), 2 M N K per matmul for M tokens, each
   forward run twice under full activation checkpointing, the gradient matmuls once; int8's weight
-  gradient stays bf16. Their share of the model's FLOPs (6N + 12·L·H·Q·T per token, x 4/3 under
+  gradient stays bf16. The routed experts it quantizes (MoE recipes) likewise, at M = tokens x
+  top-k x the capacity factor (the capacity layout computes its padding rows), the weight operand
+  the device's local experts. Their share of the model's FLOPs (6N + 12·L·H·Q·T per token, x 4/3 under
   full AC) is applied to the dot FLOPs the compiled program executes where the projection has
   them (the dense rows: the 405B program runs 11 % fewer dot FLOPs than 8N + attention, so the
   analytic count alone would overstate the quantized part); the EP rows use the analytic count.
@@ -27,7 +29,11 @@ take 4-14 minutes each on the development machine. So, per recipe:
 - **Quantization passes**: the HBM bytes per quantized operand element measured on the compiled
   Llama 3 8B block (docs/results/low_precision_block_compiles.json: the bytes a recipe adds over
   bf16 divided by the operand elements its 20 quantized dots read), times the pod step's quantized
-  operand elements, over the HBM bandwidth (assets/anchors.toml).
+  operand elements, over the HBM bandwidth (assets/anchors.toml). With `fsdp_float8_all_gather`
+  (float8_tensorwise) the weights arrive quantized: the block compiled with float8 weights gives
+  the bytes per activation / gradient operand element, and only those are counted.
+- **Collectives**: the parent's, except under the float8 all-gather, where the quantized weights'
+  gathers move 1 byte per element instead of 2 (`fsdp_traffic_ratio`).
 
 compute_lp = compute_bf16 - F / peak_bf16 + F / peak_lp + extra bytes / HBM bandwidth; the step is
 compute + collectives (exposed) or the larger (overlapped), as the bf16 bound. Same caveats as the
@@ -48,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import planner  # noqa: E402
+from models.common.moe import GroupedExperts, MoE  # noqa: E402
 from parallelisms.quantize import QuantizePlan, apply_quantize  # noqa: E402
 from trainer.config import build_config, resolve_model_args  # noqa: E402
 from trainer.runtime import cli  # noqa: E402
@@ -157,7 +164,9 @@ def quantized_work(recipe_path: Path, tokens: int) -> dict:
     plan = QuantizePlan.of(cfg.quantize)
     chosen = set(apply_quantize(model, recipe=plan.recipe, filter_fqns=plan.filter_fqns, min_dim=plan.min_dim))
     recompute = cfg.activation_checkpoint.mode == "full"
-    flops = elements = quantized_params = 0
+    flops = elements = quantized_params = expert_flops = 0
+    cf = cfg.moe.capacity_factor or 1.0  # the capacity layout computes its padding rows too
+    ep = max(cfg.parallelism.expert_parallel_degree, 1)
     for fqn, module in model.named_modules():
         if fqn in chosen:
             n, k = module.out_features, module.in_features
@@ -165,6 +174,20 @@ def quantized_work(recipe_path: Path, tokens: int) -> dict:
             for kind in matmuls(plan.recipe, recompute=recompute):
                 flops += 2 * tokens * n * k
                 elements += operand_elements(kind, n, k, tokens, weights=not plan.fsdp_float8_all_gather)
+        elif isinstance(module, GroupedExperts) and module.recipe != "none":
+            # The routed experts (quantized_grouped_mm / quantized_batched_mm): each device's
+            # local experts see its tokens' top-k slots (balanced), times the capacity factor.
+            top_k = next(m for m in model.modules() if isinstance(m, MoE)).router.top_k
+            rows = tokens * top_k * cf
+            hidden, dim = module.w1.shape[1:]
+            local_experts = module.num_experts // ep
+            quantized_params += 3 * module.num_experts * hidden * dim
+            for n, k in ((hidden, dim), (hidden, dim), (dim, hidden)):  # w1, w3, w2 as [out, in]
+                for kind in matmuls(plan.recipe, recompute=recompute):
+                    expert_flops += 2 * rows * n * k
+                    weights = 0 if kind == "grad_weight" else local_experts * n * k
+                    elements += operand_elements(kind, n, k, round(rows), weights=False) + weights
+    flops += expert_flops
     from tools.recipe_check import plan_inputs
 
     model_flops = plan_inputs(cfg).flops_per_token(args.shape()) * tokens * (4 / 3 if recompute else 1)
@@ -173,6 +196,7 @@ def quantized_work(recipe_path: Path, tokens: int) -> dict:
         "flops": flops,
         "elements": elements,
         "linears": len(chosen),
+        "expert_flops": expert_flops,
         "model_flops": model_flops,
         "quantized_param_share": quantized_params / sum(p.numel() for p in model.parameters()),
     }
@@ -259,7 +283,7 @@ def table(rows: list[dict]) -> str:
     lines = [
         "| recipe (target) | quantized linears: share of bf16 compute | compute s bf16 -> low precision | "
         "collectives s | tokens/s/chip bf16 -> low precision, exposed / overlapped | speed-up exposed / overlapped | "
-        "the same, quantization fused into the matmul | MaxText tokens/s/chip bf16 -> FP8 (ratio) |",
+        "the same with the quantization passes free (a bound) | MaxText tokens/s/chip bf16 -> FP8 (ratio) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -60,3 +60,20 @@ def test_bytes_per_element_from_the_block_compile():
     w8_elements = sum(2 * (m * k + m * n) for n, k in linears) - m * 14336
     assert w8_elements == 2 * (159_383_552 + 176_160_768) - 58_720_256 == 612_368_384
     assert abs(lpp.bytes_per_element(lpp.W8) - (16_914_961_408 - 16_169_611_264) / w8_elements) < 1e-9
+
+
+def test_qwen3_235b_routed_experts_are_counted():
+    """Qwen3-235B-A22B: 94 MoE layers of 128 experts (dim 4096, hidden 1536), top 8, capacity
+    1.25, EP 16 (8 local experts); the recipe quantizes the routed experts: per layer 3 matmuls
+    (w1, w3, w2) x 4 (forward twice under full AC, both gradients) x 2 x rows x 4096 x 1536 at
+    rows = tokens x 8 x 1.25, and their weight operands are the 8 local experts' [1536, 4096]."""
+    tokens = 4096
+    rows = tokens * 8 * 1.25
+    work = lpp.quantized_work(ROOT / "configs" / "qwen3_235b_a22b_v7x_fp8.toml", tokens)
+    assert work["expert_flops"] == 94 * 3 * 4 * 2 * rows * 4096 * 1536
+    m = round(rows)
+    per_matrix = lambda n, k: 2 * (m * k + 8 * n * k) + (m * n + 8 * n * k) + (m * n + m * k)  # noqa: E731
+    per_layer_experts = 2 * per_matrix(1536, 4096) + per_matrix(4096, 1536)
+    # the quantized attention linears (wq [8192, 4096], wo [4096, 8192]) at `tokens`
+    per_linear = lambda n, k: 2 * (tokens * k + n * k) + (tokens * n + n * k) + (tokens * n + tokens * k)  # noqa: E731
+    assert work["elements"] == 94 * (per_layer_experts + per_linear(8192, 4096) + per_linear(4096, 8192))

@@ -20,7 +20,7 @@ VARIANTS = sorted(
 EXPECTED = {
     "llama3_405b_v7x_fp8.toml": "float8_tensorwise",
     "qwen3_235b_a22b_v7x_fp8.toml": "float8_rowwise",
-    "deepseek_v3_671b_v7x_fp8.toml": "float8_blockwise",
+    "deepseek_v3_671b_v7x_fp8.toml": "float8_rowwise",
     "llama3_70b_v6e_int8.toml": "int8",
     "qwen3_32b_v6e_int8.toml": "int8",
 }

@@ -120,3 +120,17 @@ def test_float8_all_gather_halves_the_quantized_weights_gather_bytes():
     bf16, fp8 = plan(QuantizePlan("float8_tensorwise")), plan(on)
     assert fp8.fsdp_gather_ratio == ratio and bf16.fsdp_gather_ratio == 1.0
     assert fp8.fsdp_min_tokens == int(bf16.fsdp_min_tokens * ratio)
+
+
+def test_a_float8_gathered_weight_adds_no_weight_copy():
+    """With the float8 all-gather the op reads the gathered float8 weight as it is: the backward's
+    copies are dy and x only (float8_tensorwise: one scale each), w^T's N K + 4 bytes are not
+    there. w [N, K] = [53248, 16384] at M = 8192 (the 405B's w1): dy [M, N] along N, dy^T [N, M]
+    and x^T [K, M] along M."""
+    n, k, m = 53248, 16384, 8192
+    full = linear_backward_bytes(n, k, m, "float8_tensorwise")
+    assert full == (m * n + 4) + (k * n + 4) + (n * m + 4) + (k * m + 4)
+    assert linear_backward_bytes(n, k, m, "float8_tensorwise", float8_weight=True) == full - (k * n + 4)
+    assert quantize_transient_bytes([(n, k)], tokens=m, recipe="float8_tensorwise", float8_weights=True) == (
+        2 * m * n + k * m + 12
+    )

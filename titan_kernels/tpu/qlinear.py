@@ -23,12 +23,13 @@ group sizes; tensors not on the TPU go to `emulated_grouped_mm`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import torch
 
-from models.common.quantize import emulated_grouped_mm, emulated_linear
+from models.common.quantize import batched_as_grouped, emulated_grouped_mm, emulated_linear
 from titan_kernels.tpu import qgmm, qmatmul
 
 NAMESPACE = "titan_tpu"
@@ -148,3 +149,13 @@ def build_grouped() -> Callable:
 
     _BUILT["grouped"] = quantized_grouped_mm
     return quantized_grouped_mm
+
+
+def build_batched() -> Callable:
+    """`quantized_batched_mm(x [E, R, K], w [E, K, N], recipe)` (the capacity layout's experts):
+    the grouped ops on the flattened rows with every group R rows, the same scale groups as one
+    linear per expert (`batched_as_grouped`)."""
+    if "batched" in _BUILT:
+        return _BUILT["batched"]
+    _BUILT["batched"] = functools.partial(batched_as_grouped, build_grouped())
+    return _BUILT["batched"]
