@@ -37,6 +37,7 @@ __all__ = [
     "operand_bytes",
     "linear_backward_bytes",
     "quantize_transient_bytes",
+    "experts_transient_bytes",
     "quantized_linear_shapes",
     "fsdp_gather_bytes",
     "block_gather_ratio",
@@ -85,6 +86,31 @@ def quantize_transient_bytes(
     return max(
         (linear_backward_bytes(n, k, tokens, recipe, float8_weight=float8_weights) for n, k in linears), default=0
     )
+
+
+def experts_transient_bytes(shape, quantize: QuantizePlan, *, rows: int, ep: int) -> int:
+    """The routed experts' counterpart of `quantize_transient_bytes` when the recipe quantizes them
+    (the linear rule on (dim, moe_hidden); "experts" in `filter_fqns` leaves them bf16): one
+    expert matmul's backward at `rows` rows on the device, its weight operand the local experts'
+    weights (num_experts / ep of them), the larger of w1 / w3 ([hidden, dim]) and w2 ([dim,
+    hidden])."""
+    if quantize.recipe == "none" or not is_chosen(
+        "moe.experts", (shape.dim, shape.moe_hidden), quantize.filter_fqns, quantize.min_dim
+    ):
+        return 0
+    spec = RECIPE_SPECS[quantize.recipe]
+    local = max(shape.num_experts // max(ep, 1), 1)
+    best = 0
+    for n, k in ((shape.moe_hidden, shape.dim), (shape.dim, shape.moe_hidden)):
+        gi, gw = spec.grad_input, spec.grad_weight
+        best = max(
+            best,
+            operand_bytes(rows, n, gi.a)  # dy along N
+            + local * operand_bytes(k, n, gi.b)  # each local expert's w^T along N
+            + operand_bytes(n, rows, gw.a)  # dy^T along the rows
+            + operand_bytes(k, rows, gw.b),  # x^T along the rows
+        )
+    return best
 
 
 def quantized_linear_shapes(

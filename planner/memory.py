@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING
 from models.contract import ModelShape
 from parallelisms.activation_checkpoint import AC_MODES
 from planner.activations import ActivationBytes, activation_bytes, cp_gathered_kv_bytes
-from planner.low_precision import block_gather_ratio, quantize_transient_bytes, quantized_linear_shapes
+from planner.low_precision import (
+    block_gather_ratio,
+    experts_transient_bytes,
+    quantize_transient_bytes,
+    quantized_linear_shapes,
+)
 from planner.shard import ShardStats
 from planner.targets import Target
 
@@ -180,16 +185,31 @@ def ep_dispatch_bytes(
       x capacity` rows (`capacity = min(seq, ceil(factor x seq x k / E))` per sequence), whatever
       the EP degree: about `factor x tokens x top_k`.
     """
+    rows = expert_rows(
+        shape, tokens=tokens, ep=ep, capacity_factor=capacity_factor, local_batch_size=local_batch_size, seq_len=seq_len
+    )
+    return 2 * rows * (2 * shape.dim + 3 * shape.moe_hidden) * 2
+
+
+def expert_rows(
+    shape: ModelShape,
+    *,
+    tokens: int,
+    ep: int,
+    capacity_factor: float = 0.0,
+    local_batch_size: int = 1,
+    seq_len: int = 1,
+) -> int:
+    """Rows one MoE layer's local experts compute on a device (`ep_dispatch_bytes`' buffer rows;
+    0 without MoE, or dropless without EP, where the experts run on the block's own tokens)."""
     if not shape.is_moe:
         return 0
     if capacity_factor > 0:
         capacity = min(seq_len, math.ceil(capacity_factor * seq_len * shape.top_k / shape.num_experts))
-        rows = shape.num_experts * local_batch_size * capacity
-    elif ep <= 1:
+        return shape.num_experts * local_batch_size * capacity
+    if ep <= 1:
         return 0
-    else:
-        rows = ep * tokens * shape.top_k
-    return 2 * rows * (2 * shape.dim + 3 * shape.moe_hidden) * 2
+    return ep * tokens * shape.top_k
 
 
 def estimate(
@@ -296,6 +316,19 @@ def estimate(
         recipe=recipe,
         float8_weights=quantize is not None and quantize.fsdp_float8_all_gather,
     )
+    if quantize is not None and shape.is_moe:
+        rows = (
+            expert_rows(
+                shape,
+                tokens=t_proj,
+                ep=parallel_dims.ep,
+                capacity_factor=moe_capacity_factor,
+                local_batch_size=local_batch_size,
+                seq_len=seq_len // cp,
+            )
+            or t_proj * shape.top_k
+        )
+        lowp = max(lowp, experts_transient_bytes(shape, quantize, rows=rows, ep=parallel_dims.ep))
     transient_block = (
         lowp
         + regather

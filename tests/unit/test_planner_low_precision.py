@@ -134,3 +134,22 @@ def test_a_float8_gathered_weight_adds_no_weight_copy():
     assert quantize_transient_bytes([(n, k)], tokens=m, recipe="float8_tensorwise", float8_weights=True) == (
         2 * m * n + k * m + 12
     )
+
+
+def test_routed_experts_copies_by_hand():
+    """Qwen3-235B-A22B (dim 4096, moe_hidden 1536, 128 experts) under float8_rowwise at EP 16: 8
+    local experts, 327,680 rows (8 x 4096 tokens x top 8 x capacity 1.25). The larger of the two
+    expert matmuls' backward is w2's ([4096, 1536]): dy [R, 4096] along its rows' N, the 8 experts'
+    w^T [1536, 4096] along N, dy^T [4096, R] and x^T [1536, R] along R, 1 byte per element and a
+    4-byte scale per row. "experts" in filter_fqns, or widths under min_dim, add nothing."""
+    from models import get_model_family
+    from planner.low_precision import experts_transient_bytes
+
+    shape = get_model_family("qwen3").flavors["235B-A22B"].shape()
+    r, d, h = 327_680, 4096, 1536
+    w1 = (r * h + 4 * r) + 8 * (d * h + 4 * d) + (h * r + 4 * h) + (d * r + 4 * d)
+    w2 = (r * d + 4 * r) + 8 * (h * d + 4 * h) + (d * r + 4 * d) + (h * r + 4 * h)
+    plan = QuantizePlan("float8_rowwise")
+    assert experts_transient_bytes(shape, plan, rows=r, ep=16) == max(w1, w2) == w2
+    assert experts_transient_bytes(shape, QuantizePlan("float8_rowwise", filter_fqns=("experts",)), rows=r, ep=16) == 0
+    assert experts_transient_bytes(shape, QuantizePlan("float8_rowwise", min_dim=2048), rows=r, ep=16) == 0

@@ -66,12 +66,33 @@ def test_grouped_xla_cpu_equals_the_torch_emulation(probe):
 def test_the_grouped_op_compiles_to_float8_ragged_dots_on_v7x_and_int8_on_v6e(probe):
     """qgmm.grouped_mm (forward output and both gradients, 8 experts, bf16, group sizes a runtime
     array) compiled by XLA:TPU without a TPU: the forward and input-gradient matmuls reach the
-    compiled program as XLA:TPU's ragged-dot kernels on float8 (v7x, float8_rowwise) and int8 (v6e)
-    operands, and the weight gradient as one float8 dot over the experts' segments; int8's weight
-    gradient stays bf16 (the recipe's). Nothing else multiplies in high precision."""
-    result = probe("tpuc", "quantize_xla.py", "compile_grouped", "v7x:float8_rowwise", "v6e:int8", "--tokens=1024")
+    compiled program as XLA:TPU's ragged-dot kernels on float8 (v7x: float8_rowwise, tensorwise,
+    blockwise) and int8 (v6e) operands, and the weight gradient as one float8 dot over the
+    experts' segments; int8's weight gradient stays bf16 (the recipe's). Nothing else multiplies
+    in high precision."""
+    result = probe(
+        "tpuc",
+        "quantize_xla.py",
+        "compile_grouped",
+        "v7x:float8_rowwise",
+        "v6e:int8",
+        "v7x:float8_tensorwise",
+        "v7x:float8_blockwise",
+        "--tokens=1024",
+    )
     fp8, int8 = result["compiles"]["v7x:float8_rowwise"], result["compiles"]["v6e:int8"]
-    assert "error" not in fp8 and "error" not in int8, result
+    assert all("error" not in c for c in result["compiles"].values()), result
+    # tensorwise: e5m2 gradients; blockwise: one ragged dot per 128-wide K tile (K 512: 4 forward,
+    # N 256: 2 input-gradient), the weight gradient one float8 dot
+    assert result["compiles"]["v7x:float8_tensorwise"]["matmuls"] == {
+        "ragged-dot: f8e4m3fn x f8e4m3fn -> f32": 1,
+        "ragged-dot: f8e5m2 x f8e4m3fn -> f32": 1,
+        "convolution: f8e5m2 x f8e4m3fn -> f32": 1,
+    }, result
+    assert result["compiles"]["v7x:float8_blockwise"]["matmuls"] == {
+        "ragged-dot: f8e4m3fn x f8e4m3fn -> f32": 6,
+        "convolution: f8e4m3fn x f8e4m3fn -> f32": 1,
+    }, result
     assert fp8["matmuls"] == {
         "ragged-dot: f8e4m3fn x f8e4m3fn -> f32": 2,
         "convolution: f8e4m3fn x f8e4m3fn -> f32": 1,
