@@ -12,6 +12,8 @@ runs the tensor-core kernel:
 - anything else (tile / block scales: float8_blockwise, which the rules refuse on CUDA; shapes the
   kernels do not take: rows or K not multiples of 16): the emulation.
 The backward is the emulation's autograd with this module's matmul (`_CudaQuantizedLinear`).
+A weight SimpleFSDP gathered in float8 (float8_tensorwise, `fsdp_float8_all_gather`) is taken as
+it is (`_CudaW8Linear`): only x and dy are quantized.
 """
 
 from __future__ import annotations
@@ -75,10 +77,66 @@ class _CudaQuantizedLinear(torch.autograd.Function):
         return dx, dw, None
 
 
-def quantized_linear(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
-    """The CUDA implementation of the op (tensors elsewhere take the emulation)."""
+def _w8_matmul(a: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, spec, out_dtype, *, transpose: bool):
+    """a [R, K'] @ the float8 weight (w_q [N, K] as gathered, one scale): the forward (a x,
+    `transpose` False: a @ w^T) or the input gradient (a dy, True: a @ w). Only a is quantized;
+    `_scaled_mm` takes its second operand column-major, which w_q.t() is for the forward and a
+    transposed copy (1 byte per element) for the input gradient."""
+    b = w_q.t().contiguous() if transpose else w_q  # [C, K'] row-major: b^T is the operand
+    if not _kernel_ok(a, b, spec):
+        return q.scaled_matmul(a, b.float(), spec, out_dtype, w_scale)
+    qa, sa = q.quantize(a, spec.a)
+    sa = sa.reshape(-1, 1) if spec.a.granularity == "axis" else sa.reshape(())
+    out = torch._scaled_mm(
+        qa.reshape(a.shape).to(spec.a.dtype).contiguous(),
+        b.t(),
+        scale_a=sa.float(),
+        scale_b=w_scale.reshape(()).float(),
+        out_dtype=torch.float32,
+    )
+    return out.to(out_dtype)
+
+
+class _CudaW8Linear(torch.autograd.Function):
+    """float8_tensorwise with the weight gathered in float8 (SimpleFSDP's float8 all-gather): the
+    forward and the input gradient read the float8 weight as it is; the weight gradient (of the
+    dequantized weight) goes to the carrier, as `q._QuantizedLinear`'s goes to w."""
+
+    @staticmethod
+    def forward(ctx, x, carrier, w_q, w_scale, recipe):
+        ctx.save_for_backward(x, w_q, w_scale)
+        ctx.recipe, ctx.dtype = recipe, carrier.dtype
+        return _w8_matmul(x, w_q, w_scale, q.RECIPE_SPECS[recipe].forward, x.dtype, transpose=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_q, w_scale = ctx.saved_tensors
+        spec = q.RECIPE_SPECS[ctx.recipe]
+        dx = _w8_matmul(dy, w_q, w_scale, spec.grad_input, x.dtype, transpose=True)
+        dw = cuda_scaled_matmul(dy.t(), x.t(), spec.grad_weight, ctx.dtype)
+        return dx, dw, None, None, None
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    recipe: str,
+    w_scale: torch.Tensor | None = None,
+    w_grad: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The CUDA implementation of the op (tensors elsewhere take the emulation). With `w_scale`,
+    w is the float8 weight SimpleFSDP gathered and `w_grad` its gradient's carrier
+    (ops.quantized_linear)."""
+    lead = x.shape[:-1]
+    if w_scale is not None:
+        if x.device.type != "cuda":
+            return q.emulated_linear(x, w.to(w_grad.dtype) + w_grad, recipe, w_scale)
+        y = _CudaW8Linear.apply(x.reshape(-1, x.shape[-1]), w_grad, w, w_scale, recipe)
+        return y.reshape(*lead, w.shape[0])
     if x.device.type != "cuda":
         return q.emulated_linear(x, w, recipe)
-    lead = x.shape[:-1]
     y = _CudaQuantizedLinear.apply(x.reshape(-1, x.shape[-1]), w, recipe)
     return y.reshape(*lead, w.shape[0])
+
+
+quantized_linear.takes_float8_weight = True

@@ -290,11 +290,11 @@ def quantized_linear(
     `w_scale` (float8_tensorwise): w arrives quantized, `float8_e4m3fn` values with this one scale
     (SimpleFSDP's float8 all-gather), and `w_grad` is the carrier of its gradient (zeros of w's
     shape in the compute dtype): the gradient of the dequantized weight goes to `w_grad`, w
-    itself is not differentiable. An implementation marked `takes_float8_weight` (TPU) gets the
-    float8 tensor as it is and quantizes only the activations. The emulation uses the values as
-    they are (held in the compute dtype, exactly). A device kernel that does not take a quantized
-    weight (CUDA) gets it dequantized in fp32, w * w_scale, and quantizes it again: the same e4m3
-    values, the scale within its fp32 rounding."""
+    itself is not differentiable. An implementation marked `takes_float8_weight` (TPU, CUDA) gets
+    the float8 tensor as it is and quantizes only the activations. The emulation uses the values
+    as they are (held in the compute dtype, exactly). An implementation that does not take a
+    quantized weight gets it dequantized in fp32, w * w_scale, and quantizes it again: the same
+    e4m3 values, the scale within its fp32 rounding."""
     impl = _impls.get("quantized_linear")
     if w_scale is None:
         return (impl or emulated_linear)(x, w, recipe)

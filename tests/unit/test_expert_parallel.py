@@ -530,3 +530,64 @@ def test_scan_gather_along_any_dim(dim):
     for rank, (out, grad) in enumerate(run_threads(world_size, rank_fn)):
         assert torch.equal(out, full)
         torch.testing.assert_close(grad, mean_grad.chunk(world_size, dim=dim)[rank], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("recipe", ["float8_tensorwise", "float8_rowwise", "int8"])
+def test_quantized_experts_on_ep2_match_one_process_on_the_global_batch(recipe):
+    """The routed experts under a `[quantize]` recipe (the op `quantized_grouped_mm`) on EP 2 (2
+    thread ranks, each holding 4 of the 8 experts) against one process running both ranks' tokens
+    as one batch: every expert's scale groups then hold the same tokens in both (the dispatch only
+    moves rows), so the quantized values are equal and outputs, input gradients and every gradient
+    agree to fp32 summation order (the tolerance of this file). Blockwise is left out: its
+    128-token tiles of the weight gradient depend on the order of an expert's rows, which EP
+    changes (rank-major), so it agrees only to its quantization error."""
+    from parallelisms.quantize import apply_quantize
+
+    world_size, dim, hidden = 2, 16, 32
+    ref, xs, grads_out = _moe_case("random", world_size, dim, hidden)
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    apply_quantize(ref, recipe=recipe, min_dim=0)
+    moe_ref = ref.layers["0"].moe
+    assert moe_ref.experts.recipe == recipe
+    x_all = torch.cat(xs).clone().requires_grad_()
+    out_all, _, _ = moe_ref(x_all)
+    # the data-parallel gradient: the mean of the ranks' losses (the aux loss is left out here:
+    # the quantized matmuls are the experts')
+    ((out_all * torch.cat(grads_out)).sum() / world_size).backward()
+    want_grads = {n: p.grad for n, p in ref.named_parameters()}
+    plain = _Layers(dim, hidden)
+    plain.load_state_dict(state)
+    # the recipe is in effect: its outputs are the quantization error away from the unquantized
+    assert rel_diff(out_all.detach(), plain.layers["0"].moe(torch.cat(xs))[0].detach()) > 1e-3
+
+    def rank_fn():
+        rank = dist.get_rank()
+        dims = ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size)
+        mesh = build_mesh(dims, "cpu")
+        with torch.device("meta"):
+            model = _Layers(dim, hidden)
+        apply_quantize(model, recipe=recipe, min_dim=0)
+        apply_ep(
+            model,
+            plan=_LAYER_PLAN,
+            parallel_dims=dims,
+            mesh=mesh,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+        )
+        data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
+        model.to_empty(device="cpu")
+        load_full_state(model, state)
+        moe = model.layers["0"].moe
+        assert moe.experts.recipe == recipe
+        x = xs[rank].clone().requires_grad_()
+        out, _, _ = moe(x)
+        (out * grads_out[rank]).sum().backward()
+        return out.detach(), x.grad, {n: full(p.grad) for n, p in model.named_parameters()}
+
+    for rank, (out, dx, grads) in enumerate(run_threads(world_size, rank_fn)):
+        rows = slice(rank, rank + 1)
+        assert rel_diff(out, out_all[rows].detach()) < TOL, rank
+        assert rel_diff(dx, x_all.grad[rows] * world_size) < TOL, rank
+        for name, want in want_grads.items():
+            assert rel_diff(grads[name], want) < TOL, (rank, name)

@@ -237,8 +237,8 @@ def _carrier(w: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_device_kernel_gets_the_weight_dequantized_and_quantizes_it_back():
-    """A device's `quantized_linear` that takes no quantized weight (CUDA: here the emulation
-    registered as one) gets w * scale in fp32 and quantizes it again: the same e4m3 values, the
+    """A device's `quantized_linear` that takes no quantized weight (TPU and CUDA take it since
+    2026-12-06; here the emulation registered as one) gets w * scale in fp32 and quantizes it again: the same e4m3 values, the
     scale within its fp32 rounding, so each bf16 output within one bf16 rounding of the
     emulation's use of (values, scale); the weight gradient passes the dequantization unchanged
     and reaches the carrier, as the emulation's does."""

@@ -491,6 +491,38 @@ def test_the_cuda_implementation_computes_the_emulation(monkeypatch):
         _the_cuda_implementation_computes_the_emulation(recipe, monkeypatch)
 
 
+def test_the_cuda_implementation_takes_a_float8_gathered_weight(monkeypatch):
+    """float8_tensorwise with the weight gathered in float8: titan_kernels/cuda_quantize.py hands
+    the float8 weight to `torch._scaled_mm` as it is (its transposed copy for the input gradient)
+    and quantizes only x and dy; on torch's CPU kernels, with the CUDA-only guard lifted, the
+    forward and both gradients (dw reaching the carrier) equal the emulation on the same values to
+    fp32 summation order, with 3 `_scaled_mm` calls and no quantization of the weight."""
+    from titan_kernels import cuda_quantize as cq
+
+    monkeypatch.setattr(cq, "_kernel_ok", lambda a, b, spec: cq._kernels_take(a, b, spec, "cpu"))
+    calls, quantized = [], []
+    real_mm, real_q = torch._scaled_mm, q.quantize
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[1].dtype) or real_mm(*a, **k))
+    monkeypatch.setattr(q, "quantize", lambda t, op: quantized.append(tuple(t.shape)) or real_q(t, op))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 256, generator=g, requires_grad=True)
+    w = torch.randn(48, 256, generator=g) * 0.05
+    dy = torch.randn(64, 48, generator=g)
+    values, scale = real_q(w, q.Operand(q.E4M3))
+    w_q, scale = values.reshape(w.shape).to(q.E4M3), scale.reshape(())
+    carrier = torch.zeros(()).expand(48, 256).requires_grad_()
+    got = [cq._CudaW8Linear.apply(x, carrier, w_q, scale, "float8_tensorwise")]
+    got += torch.autograd.grad(got[0], (x, carrier), dy)
+    held = w_q.float().requires_grad_()
+    ref = [q.emulated_linear(x, held, "float8_tensorwise", scale)]
+    ref += torch.autograd.grad(ref[0], (x, held), dy)
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max() <= 2 * 256 * 2.0**-24 * b.abs().max()
+    assert len(calls) == 3 and calls[:2] == [q.E4M3, q.E4M3], calls  # fwd and dx read the float8 weight
+    assert (48, 256) not in quantized and (256, 48) not in quantized, quantized
+    assert getattr(cq.quantized_linear, "takes_float8_weight", False)
+
+
 def _tensor_parallel_two_thread_ranks_forward_equals_one_process(recipe):
     """TP 2 (eager): the quantized linears compute on DTensors, so a scale's amax is the global
     one (DTensor reduces it over the TP shards) and the loss is bitwise one process's. The
