@@ -130,7 +130,7 @@ def quantized_linear(
     lead = x.shape[:-1]
     if w_scale is not None:
         if x.device.type != "cuda":
-            return q.emulated_linear(x, w.to(w_grad.dtype) + w_grad, recipe, w_scale)
+            return q.emulated_float8_weight_linear(x, w, recipe, w_scale, w_grad)
         y = _CudaW8Linear.apply(x.reshape(-1, x.shape[-1]), w_grad, w, w_scale, recipe)
         return y.reshape(*lead, w.shape[0])
     if x.device.type != "cuda":

@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from models.common.quantize import emulated_batched_mm, emulated_grouped_mm, emulated_linear
+from models.common.quantize import (
+    emulated_batched_mm,
+    emulated_float8_weight_linear,
+    emulated_grouped_mm,
+    emulated_linear,
+)
 
 OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
 LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm", "quantized_batched_mm")
@@ -301,9 +306,9 @@ def quantized_linear(
     assert w_grad is not None, "a quantized weight needs the carrier of its gradient"
     if getattr(impl, "takes_float8_weight", False):
         return impl(x, w, recipe, w_scale, w_grad)
-    values = w.to(w_grad.dtype) + w_grad  # exact (the carrier is zeros); the gradient reaches w_grad
     if impl is None:
-        return emulated_linear(x, values, recipe, w_scale)
+        return emulated_float8_weight_linear(x, w, recipe, w_scale, w_grad)
+    values = w.to(w_grad.dtype) + w_grad  # exact (the carrier is zeros); the gradient reaches w_grad
     return impl(x, _Dequantize.apply(values, w_scale), recipe)
 
 

@@ -300,6 +300,15 @@ def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torc
     return y.reshape(*lead, w.shape[0])
 
 
+def emulated_float8_weight_linear(
+    x: torch.Tensor, w_q: torch.Tensor, recipe: str, w_scale: torch.Tensor, w_grad: torch.Tensor
+) -> torch.Tensor:
+    """`emulated_linear` of a weight already quantized (SimpleFSDP's float8 all-gather): the
+    float8 values w_q held in the carrier's dtype (exact), the weight gradient sent to the carrier
+    `w_grad` (zeros: adding it changes no value)."""
+    return emulated_linear(x, w_q.to(w_grad.dtype) + w_grad, recipe, w_scale)
+
+
 def emulated_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, recipe: str) -> torch.Tensor:
     """The reference of the op `quantized_grouped_mm`: x [M, K] (rows sorted by group) @ w[g]
     [K, N] for each group g of `group_sizes` [G], under `recipe`, -> [M, N] in x's dtype.

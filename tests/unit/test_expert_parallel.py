@@ -81,6 +81,25 @@ def _moe_case(routing: str, world_size: int, dim: int, hidden: int):
     return ref, xs, grads_out
 
 
+def _ep_layers(world_size: int, ep: int, dim: int, hidden: int, state: dict, recipe: str | None = None) -> nn.Module:
+    """On a thread rank: `_Layers` with EP (and FSDP over the rest) in fp32, `state` loaded;
+    `recipe`: the experts quantized under it first."""
+    from parallelisms.quantize import apply_quantize
+
+    dims = ParallelDims(dp_shard=world_size, ep=ep, world_size=world_size)
+    mesh = build_mesh(dims, "cpu")
+    with torch.device("meta"):
+        model = _Layers(dim, hidden)
+    if recipe is not None:
+        apply_quantize(model, recipe=recipe, min_dim=0)
+    fp32 = dict(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    apply_ep(model, plan=_LAYER_PLAN, parallel_dims=dims, mesh=mesh, **fp32)
+    data_parallel(model, mesh=mesh, **fp32)
+    model.to_empty(device="cpu")
+    load_full_state(model, state)
+    return model
+
+
 def _rank_loss(moe: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     out, aux_loss, _ = moe(x)
     return (out * grad_out).sum() + AUX_COEF * aux_loss
@@ -113,21 +132,7 @@ def test_dispatch_matches_single_process_moe(routing, world_size, ep, dim, hidde
 
     def rank_fn():
         rank = dist.get_rank()
-        dims = ParallelDims(dp_shard=world_size, ep=ep, world_size=world_size)
-        mesh = build_mesh(dims, "cpu")
-        with torch.device("meta"):
-            model = _Layers(dim, hidden)
-        apply_ep(
-            model,
-            plan=_LAYER_PLAN,
-            parallel_dims=dims,
-            mesh=mesh,
-            param_dtype=torch.float32,
-            reduce_dtype=torch.float32,
-        )
-        data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
-        model.to_empty(device="cpu")
-        load_full_state(model, state)
+        model = _ep_layers(world_size, ep, dim, hidden, state)
         moe = model.layers["0"].moe
         x = xs[rank].clone().requires_grad_()
         _rank_loss(moe, x, grads_out[rank]).backward()
@@ -562,22 +567,7 @@ def test_quantized_experts_on_ep2_match_one_process_on_the_global_batch(recipe):
 
     def rank_fn():
         rank = dist.get_rank()
-        dims = ParallelDims(dp_shard=world_size, ep=world_size, world_size=world_size)
-        mesh = build_mesh(dims, "cpu")
-        with torch.device("meta"):
-            model = _Layers(dim, hidden)
-        apply_quantize(model, recipe=recipe, min_dim=0)
-        apply_ep(
-            model,
-            plan=_LAYER_PLAN,
-            parallel_dims=dims,
-            mesh=mesh,
-            param_dtype=torch.float32,
-            reduce_dtype=torch.float32,
-        )
-        data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
-        model.to_empty(device="cpu")
-        load_full_state(model, state)
+        model = _ep_layers(world_size, world_size, dim, hidden, state, recipe)
         moe = model.layers["0"].moe
         assert moe.experts.recipe == recipe
         x = xs[rank].clone().requires_grad_()

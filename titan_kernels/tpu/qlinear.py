@@ -29,7 +29,12 @@ from collections.abc import Callable
 import jax
 import torch
 
-from models.common.quantize import batched_as_grouped, emulated_grouped_mm, emulated_linear
+from models.common.quantize import (
+    batched_as_grouped,
+    emulated_float8_weight_linear,
+    emulated_grouped_mm,
+    emulated_linear,
+)
 from titan_kernels.tpu import qgmm, qmatmul
 
 NAMESPACE = "titan_tpu"
@@ -98,7 +103,7 @@ def build() -> Callable:
         lead = x.shape[:-1]
         if w_scale is not None:  # SimpleFSDP's float8 all-gather: w is the gathered float8 weight
             if x.device.type != "tpu" or w.device.type != "tpu":
-                return emulated_linear(x, w.to(w_grad.dtype) + w_grad, recipe, w_scale)
+                return emulated_float8_weight_linear(x, w, recipe, w_scale, w_grad)
             x2 = x.reshape(-1, x.shape[-1]).contiguous()
             y = W8Linear.apply(x2, w_grad, w.contiguous(), w_scale.reshape(()).float(), recipe)
             return y.reshape(*lead, w.shape[0])
