@@ -10,6 +10,9 @@ and `GatherShard` does the same work with functional collectives named by proces
 name: cast to `param_dtype`, all-gather over `dp_shard` in the forward; in the backward the
 gradient is cast to `reduce_dtype`, reduce-scattered (mean) over `dp_shard`, all-reduced
 (mean) over `dp_replicate`, and cast back to the shard's dtype: SimpleFSDP's semantics.
+A weight SimpleFSDP gathers in float8 (`[quantize] fsdp_float8_all_gather`) is gathered so in the
+body too (`Float8GatherShard`): the module gets the gradient's carrier as its weight and the e4m3
+values and scale as two more `functional_call` entries (parallelisms/quantize.py `SCAN_FLOAT8`).
 
 Tensor-parallel blocks: the stacked tensors hold each layer's TP-local shard (a weight
 `Shard(d)` over TP is `Shard(d + 1)` of the stack) and the body computes on it; the TP styles'
@@ -239,7 +242,7 @@ def scan_param_fn(
     template = stack["0"]
     specs: dict[str, tuple] = {}
     grad_scales: dict[str, float] = {}
-    float8: dict[str, nn.Module] = {}  # weights gathered in float8: the module that reads them
+    float8: set[str] = set()  # weights gathered in float8 (`[quantize] fsdp_float8_all_gather`)
     for mod_name, module in template.named_modules():
         if not is_data_parallel(module):
             continue
@@ -250,7 +253,7 @@ def scan_param_fn(
             if ep:
                 grad_scales[full_name] = ep_grad_scale(module)
             if pname == "weight" and "float8_weight" in type(module).__dict__:
-                float8[full_name] = module
+                float8.add(full_name)
     tp = _ScanTP.of(template, name)
     for pname, p in template.named_parameters():
         if isinstance(p, DTensor) and pname not in specs and (tp is None or pname not in tp.params):

@@ -857,6 +857,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "for the recipe's generation, and each generation's loss tiles compile, by default",
     ),
     Scheduled(
+        "tests/unit/test_fsdp_float8_gather.py::test_graph_step_with_layer_scan_gathers_in_float8_and_equals_eager",
+        (
+            "tests/unit/test_fsdp_float8_gather.py::test_the_scan_body_gathers_in_float8_as_simple_fsdp_does",
+            "tests/unit/test_graph_step.py::test_scan_matches_eager_with_grad_accumulation",
+        ),
+        "the scanned step with float8-gathered weights on gloo processes (90 s on the Xeon, two compiles per "
+        "rank): the scan body's float8 gather equals SimpleFSDP's on thread ranks, and the scanned step "
+        "equals eager, by default",
+    ),
+    Scheduled(
         "tests/xla/test_quantize_xla.py::test_the_float8_gathered_weight_compiles_without_a_weight_pass_on_v7x",
         ("tests/xla/test_quantize_xla.py::test_xla_cpu_equals_the_torch_emulation",),
         "the block with float8-gathered weights compiled for TPU7x (about 20 s, and the tpuc venv): the op on "

@@ -387,3 +387,42 @@ def test_graph_step_with_layer_scan_gathers_in_float8_and_equals_eager():
         # the 7 block linears' weights of the scanned body, gathered as uint8 (e4m3 bytes); the
         # norms, embedding and head in fp32
         assert gathers["torch.uint8"] >= 7 and set(gathers) == {"torch.uint8", "torch.float32"}, gathers
+
+
+def test_the_scan_body_gathers_in_float8_as_simple_fsdp_does():
+    """The layer-scan body's float8 gather (parallelisms/scan.py `Float8GatherShard`, functional
+    collectives by group name) against SimpleFSDP's (`_Float8Gather`, DTensor) on the same shards of
+    2 thread ranks, rows not divisible by the ranks (a padded last shard): the same e4m3 bytes,
+    the same scale, a zero carrier, and the carrier's gradient reduce-scattered to the same shard
+    gradient. The end-to-end run of the scanned step is the scheduled
+    `test_graph_step_with_layer_scan_gathers_in_float8_and_equals_eager`."""
+    from parallelisms.scan import Float8GatherShard, _gather_args
+    from parallelisms.simple_fsdp import _Float8Gather
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(75, 64, generator=g) * 0.03
+    grad = torch.randn(75, 64, generator=g)
+
+    def rank_fn():
+        layer = nn.Linear(64, 75, bias=False)
+        apply_quantize(layer, recipe=RECIPE, min_dim=0)
+        mesh = build_mesh(ParallelDims(world_size=2, dp_shard=2), "cpu")
+        plan = QuantizePlan(RECIPE, min_dim=0, fsdp_float8_all_gather=True)
+        data_parallel(layer, mesh=mesh, float8_weights=plan.float8_weights, **MIXED)
+        load_full_state(layer, {"weight": w})
+        spec = layer._simple_fsdp_specs["weight"]
+        out = []
+        for gather in (
+            lambda t: _Float8Gather.apply(t, spec),
+            lambda t: Float8GatherShard.apply(t, *_gather_args(spec, "weight")),
+        ):
+            shard = layer._parameters["weight"].to_local().detach().clone().requires_grad_()
+            values, scale, carrier = gather(shard)
+            carrier.backward(grad.bfloat16())
+            out.append((values.view(torch.uint8), scale, carrier.detach(), shard.grad))
+        return out
+
+    for simple_fsdp, scan in run_threads(2, rank_fn):
+        assert scan[0].shape == (75, 64) and torch.equal(scan[0], simple_fsdp[0])
+        assert torch.equal(scan[1], simple_fsdp[1]) and not torch.any(scan[2])
+        assert torch.equal(scan[3], simple_fsdp[3])
