@@ -95,19 +95,30 @@ class GatherShard(torch.autograd.Function):
         dim: int = 0,
         rows: int | None = None,
     ) -> torch.Tensor:
-        ctx.shard_group, ctx.replicate_groups, ctx.dim = shard_group, replicate_groups, dim
-        ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
-        ctx.local_rows, ctx.rows = shard.shape[dim], rows
+        _save_reduce(ctx, shard, shard_group, replicate_groups, reduce_dtype, dim)
         out = shard if param_dtype is None else shard.to(param_dtype)
         if shard_group is None:
             return out
-        chunk = -(-rows // shard_group[1]) if rows is not None else out.shape[dim]
-        full = _all_gather(_pad_rows(out, dim, chunk), dim, shard_group)
-        return full if rows is None or full.shape[dim] == rows else full.narrow(dim, 0, rows)
+        return _gather_rows(out, dim, rows, shard_group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _reduce_grad(ctx, grad), None, None, None, None, None, None
+
+
+def _gather_rows(t: torch.Tensor, dim: int, rows: int | None, group: tuple[str, int]) -> torch.Tensor:
+    """All-gather the shards `t` along `dim` into the parameter's `rows` (None: every shard is
+    whole): each shard padded to the chunk size `torch.chunk` gives, the result cut back."""
+    chunk = -(-rows // group[1]) if rows is not None else t.shape[dim]
+    full = _all_gather(_pad_rows(t, dim, chunk), dim, group)
+    return full if rows is None or full.shape[dim] == rows else full.narrow(dim, 0, rows)
+
+
+def _save_reduce(ctx, shard: torch.Tensor, shard_group, replicate_groups, reduce_dtype, dim: int) -> None:
+    """What `_reduce_grad` needs of a gather's forward."""
+    ctx.shard_group, ctx.replicate_groups, ctx.dim = shard_group, replicate_groups, dim
+    ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
+    ctx.local_rows = shard.shape[dim]
 
 
 def _reduce_grad(ctx, grad: torch.Tensor) -> torch.Tensor:
@@ -138,18 +149,14 @@ class Float8GatherShard(torch.autograd.Function):
     def forward(ctx, shard, shard_group, replicate_groups, param_dtype, reduce_dtype, dim=0, rows=None):
         from parallelisms.simple_fsdp import float8_wire, global_amax_input
 
-        ctx.shard_group, ctx.replicate_groups, ctx.dim = shard_group, replicate_groups, dim
-        ctx.shard_dtype, ctx.reduce_dtype = shard.dtype, reduce_dtype
-        ctx.local_rows, ctx.rows = shard.shape[dim], rows
+        _save_reduce(ctx, shard, shard_group, replicate_groups, reduce_dtype, dim)
         local = shard.detach().float()
         amax = global_amax_input(local)
         if shard_group is not None:
             amax = _all_reduce(amax, "max", shard_group)
         wire, scale = float8_wire(local, amax)
         if shard_group is not None:
-            chunk = -(-rows // shard_group[1])
-            wire = _all_gather(_pad_rows(wire, dim, chunk), dim, shard_group)
-            wire = wire if wire.shape[dim] == rows else wire.narrow(dim, 0, rows)
+            wire = _gather_rows(wire, dim, rows, shard_group)
         values = wire.view(torch.float8_e4m3fn)
         carrier = shard.new_zeros((), dtype=param_dtype or shard.dtype).expand(values.shape)
         ctx.mark_non_differentiable(values, scale)

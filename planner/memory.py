@@ -301,14 +301,14 @@ def estimate(
     # or kept (no AC). Splash's working set (one block_q x block_kv tile of scores per step) is
     # in VMEM, not HBM, and no [s/cp, s] mask exists on TPU.
     gathered_kv_grads = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
-    dispatch = ep_dispatch_bytes(
-        shape,
+    moe_rows = dict(
         tokens=t_proj,
         ep=parallel_dims.ep,
         capacity_factor=moe_capacity_factor,
         local_batch_size=local_batch_size,
         seq_len=seq_len // cp,
     )
+    dispatch = ep_dispatch_bytes(shape, **moe_rows)
     recipe = quantize.recipe if quantize is not None else "none"
     lowp = quantize_transient_bytes(
         quantized_linear_shapes(stats.linear_shapes, quantize) if quantize is not None else [],
@@ -317,17 +317,7 @@ def estimate(
         float8_weights=quantize is not None and quantize.fsdp_float8_all_gather,
     )
     if quantize is not None and shape.is_moe:
-        rows = (
-            expert_rows(
-                shape,
-                tokens=t_proj,
-                ep=parallel_dims.ep,
-                capacity_factor=moe_capacity_factor,
-                local_batch_size=local_batch_size,
-                seq_len=seq_len // cp,
-            )
-            or t_proj * shape.top_k
-        )
+        rows = expert_rows(shape, **moe_rows) or t_proj * shape.top_k  # dropless, no EP: the block's tokens
         lowp = max(lowp, experts_transient_bytes(shape, quantize, rows=rows, ep=parallel_dims.ep))
     transient_block = (
         lowp

@@ -24,6 +24,7 @@ from models.common.quantize import (
     emulated_float8_weight_linear,
     emulated_grouped_mm,
     emulated_linear,
+    held_float8_weight,
 )
 
 OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
@@ -308,8 +309,7 @@ def quantized_linear(
         return impl(x, w, recipe, w_scale, w_grad)
     if impl is None:
         return emulated_float8_weight_linear(x, w, recipe, w_scale, w_grad)
-    values = w.to(w_grad.dtype) + w_grad  # exact (the carrier is zeros); the gradient reaches w_grad
-    return impl(x, _Dequantize.apply(values, w_scale), recipe)
+    return impl(x, _Dequantize.apply(held_float8_weight(w, w_grad), w_scale), recipe)
 
 
 class _Dequantize(torch.autograd.Function):

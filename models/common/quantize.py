@@ -300,13 +300,18 @@ def emulated_linear(x: torch.Tensor, w: torch.Tensor, recipe: str, w_scale: torc
     return y.reshape(*lead, w.shape[0])
 
 
+def held_float8_weight(w_q: torch.Tensor, w_grad: torch.Tensor) -> torch.Tensor:
+    """A weight gathered in float8 held in its carrier's dtype (exact), differentiable into the
+    carrier `w_grad` (zeros: adding it changes no value)."""
+    return w_q.to(w_grad.dtype) + w_grad
+
+
 def emulated_float8_weight_linear(
     x: torch.Tensor, w_q: torch.Tensor, recipe: str, w_scale: torch.Tensor, w_grad: torch.Tensor
 ) -> torch.Tensor:
-    """`emulated_linear` of a weight already quantized (SimpleFSDP's float8 all-gather): the
-    float8 values w_q held in the carrier's dtype (exact), the weight gradient sent to the carrier
-    `w_grad` (zeros: adding it changes no value)."""
-    return emulated_linear(x, w_q.to(w_grad.dtype) + w_grad, recipe, w_scale)
+    """`emulated_linear` of a weight already quantized (SimpleFSDP's float8 all-gather), its
+    gradient sent to the carrier `w_grad` (`held_float8_weight`)."""
+    return emulated_linear(x, held_float8_weight(w_q, w_grad), recipe, w_scale)
 
 
 def emulated_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, recipe: str) -> torch.Tensor:

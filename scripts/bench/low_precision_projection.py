@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import planner  # noqa: E402
-from models.common.moe import GroupedExperts, MoE  # noqa: E402
+from models.common.moe import MoE  # noqa: E402
 from parallelisms.quantize import QuantizePlan, apply_quantize  # noqa: E402
 from trainer.config import build_config, resolve_model_args  # noqa: E402
 from trainer.runtime import cli  # noqa: E402
@@ -174,14 +174,14 @@ def quantized_work(recipe_path: Path, tokens: int) -> dict:
             for kind in matmuls(plan.recipe, recompute=recompute):
                 flops += 2 * tokens * n * k
                 elements += operand_elements(kind, n, k, tokens, weights=not plan.fsdp_float8_all_gather)
-        elif isinstance(module, GroupedExperts) and module.recipe != "none":
+        elif isinstance(module, MoE) and module.experts.recipe != "none":
             # The routed experts (quantized_grouped_mm / quantized_batched_mm): each device's
             # local experts see its tokens' top-k slots (balanced), times the capacity factor.
-            top_k = next(m for m in model.modules() if isinstance(m, MoE)).router.top_k
-            rows = tokens * top_k * cf
-            hidden, dim = module.w1.shape[1:]
-            local_experts = module.num_experts // ep
-            quantized_params += 3 * module.num_experts * hidden * dim
+            experts = module.experts
+            rows = tokens * module.router.top_k * cf
+            hidden, dim = experts.w1.shape[1:]
+            local_experts = experts.num_experts // ep
+            quantized_params += 3 * experts.num_experts * hidden * dim
             for n, k in ((hidden, dim), (hidden, dim), (dim, hidden)):  # w1, w3, w2 as [out, in]
                 for kind in matmuls(plan.recipe, recompute=recompute):
                     expert_flops += 2 * rows * n * k
