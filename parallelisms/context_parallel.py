@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from models.common.ops import repeat_kv, sdpa
 from models.errors import ConfigError
+from parallelisms.device_order import shard_rank
 
 CP_KEY = "parallelism.context_parallel_degree"
 
@@ -74,7 +75,7 @@ def cp_group(mesh_or_group: DeviceMesh | dist.ProcessGroup) -> CPGroup:
     """A 1-D DeviceMesh (e.g. `mesh["cp"]`) or a ProcessGroup -> `CPGroup`."""
     if isinstance(mesh_or_group, DeviceMesh):
         assert mesh_or_group.ndim == 1, f"a 1-D cp mesh is needed, got {mesh_or_group.ndim} dims"
-        return CPGroup(mesh_or_group, mesh_or_group.size(), mesh_or_group.get_local_rank())
+        return CPGroup(mesh_or_group, mesh_or_group.size(), shard_rank(mesh_or_group))
     return CPGroup(mesh_or_group, dist.get_world_size(mesh_or_group), dist.get_rank(mesh_or_group))
 
 

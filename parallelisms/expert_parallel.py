@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from models.common.plan import ModelPlan
+from parallelisms.device_order import shard_rank
 from parallelisms.parallel_dims import ParallelDims, build_ep_mesh
 from parallelisms.simple_fsdp import data_parallel, is_data_parallel
 from titan_kernels.collectives import ragged_all_to_all_for
@@ -318,7 +319,7 @@ def _ep_group_of(ep_group: DeviceMesh | tuple[str, int, int]) -> tuple[object, i
     """(what funcol takes as the group, size, this rank's index in it)."""
     if isinstance(ep_group, tuple):
         return ep_group
-    return ep_group, ep_group.size(), ep_group.get_local_rank()
+    return ep_group, ep_group.size(), shard_rank(ep_group)
 
 
 def _expert_order(counts_recv: torch.Tensor, per_peer: int) -> torch.Tensor:
@@ -509,7 +510,8 @@ def _shard_experts(
         assert param.shape[0] % ep_mesh.size() == 0, (
             f"{name}: {param.shape[0]} experts do not split over ep={ep_mesh.size()}"
         )
-        # src_data_rank=None: every rank cuts its experts from its own (identical) copy.
+        # src_data_rank=None: every rank cuts its experts from its own (identical) copy, by its
+        # coordinate, which is the rank the dispatch sends them to (`shard_rank`: device_order.py).
         sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
         module._parameters[name] = nn.Parameter(sharded, param.requires_grad)
     # SimpleFSDP on the expert mesh: the local experts are sharded over efsdp (by expert, or
@@ -531,7 +533,7 @@ def _shard_experts(
         _CLASS_CACHE[key] = _ep_class(base, names)
     module.__class__ = _CLASS_CACHE[key]
     module._ep_mesh = ep_mesh
-    module._ep_group = (ep_mesh.get_group().group_name, ep_mesh.size(), ep_mesh.get_local_rank())
+    module._ep_group = (ep_mesh.get_group().group_name, ep_mesh.size(), shard_rank(ep_mesh))
     module._ep_grad_scale = grad_scale
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from models.common import distributed
 from models.contract import ModelShape
@@ -293,7 +293,7 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
     mapping = tpu_topology.map_mesh(topology, shape, names=MESH_AXES)
     named = tpu_topology.topology_of(target) if target and parallel_dims.num_slices == 1 else None
     if named is not None and (named.chips, named.devices_per_chip) == (topology.chips, topology.devices_per_chip):
-        # build_mesh's reorder (`expert_rank_grid`), which reads the target alone
+        # the trainer's compact EP groups (device_order.target_order), which read the target alone
         mapping = tpu_topology.compact_expert_groups(mapping, parallel_dims.ep) or mapping
     return mapping
 
@@ -336,42 +336,22 @@ def _tpu_rank_grid(shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | Non
         return ranks
 
 
-def expert_rank_grid(ranks: torch.Tensor, parallel_dims: ParallelDims, *, target: str | None) -> torch.Tensor:
-    """torch-tpu's rank grid with its dp_shard axis reordered so that each EP group is a compact
-    block of chips (`tpu_topology.compact_expert_groups`: 2 x 4 chips on a 2-D torus, 2 x 2 x 2 on
-    a 3-D one, instead of a run along one ring). The reorder is a permutation of positions,
-    computed on the port of torch-tpu's layout for the recipe's target, so every rank computes
-    the same one from the same inputs (never from TORCH_TPU_TOPOLOGY, which only one host of a
-    slice sees whole); the grid is unchanged without EP, on several slices, without a target of
-    the world's size, or where the reorder does not apply."""
-    from parallelisms import tpu_topology
-
-    if parallel_dims.ep <= 1 or parallel_dims.num_slices > 1 or not target:
-        return ranks
-    topology = tpu_topology.topology_of(target)
-    if topology is None or topology.devices != parallel_dims.world_size:
-        return ranks
-    try:
-        perm = tpu_topology.expert_group_permutation(
-            tpu_topology.map_mesh(topology, parallel_dims.mesh_shape), parallel_dims.ep
-        )
-    except ConfigError:
-        return ranks
-    if perm is None:
-        return ranks
-    return ranks.reshape(-1)[torch.as_tensor(perm)].reshape(ranks.shape)
-
-
-def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | None = None) -> DeviceMesh:
+def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | None = None, order=None) -> DeviceMesh:
     """Build the named world mesh `("dp_replicate", "dp_shard", "cp", "tp")`.
 
-    Needs an initialized default process group of `parallel_dims.world_size` ranks. The
-    flattened `dp` axis (replicate x shard) is created too and can be fetched with
-    `flat_dp_mesh(mesh)`; with cp > 1 also `dp_shard_cp` (`dp_shard_cp_mesh(mesh)`).
-    On a TPU with expert parallelism, when the recipe's `[job] target` is the slice the world
-    runs on, the dp_shard axis of torch-tpu's rank grid is reordered into compact EP groups
-    (`expert_rank_grid`).
+    Needs an initialized default process group of `parallel_dims.world_size` ranks. The grid is
+    always the ranks in row-major order, so that on every axis (and every flattened or split one)
+    a rank's group rank is its coordinate: the shard invariant of parallelisms/device_order.py,
+    checked here on every mesh the run shards over (`check_mesh_order`). A device layout (torch-tpu's
+    order, compact EP groups) is applied by renumbering the processes before the process group
+    (`order`, a `RankOrder`: trainer.job.rank_order_of), never by permuting the grid. On a TPU the
+    groups are compared with torch-tpu's own layout (`topology_aware_mesh`) and the banner says
+    whether they agree. The flattened `dp` axis (replicate x shard) is created too
+    (`flat_dp_mesh(mesh)`); with cp > 1 also `dp_shard_cp` (`dp_shard_cp_mesh(mesh)`); with ep > 1
+    the expert mesh (`build_ep_mesh`).
     """
+    from parallelisms.device_order import check_mesh_order
+
     assert distributed.is_up(), "init the process group before build_mesh"
     if dist.get_world_size() != parallel_dims.world_size:
         raise ConfigError(
@@ -379,17 +359,50 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | N
             f"the process group has {dist.get_world_size()} ranks"
         )
     shape = parallel_dims.mesh_shape
+    ranks = torch.arange(parallel_dims.world_size).reshape(shape)
     if device_type == "tpu":
         dcn = parallel_dims.dcn_mesh_shape if parallel_dims.num_slices > 1 else None
-        ranks = expert_rank_grid(_tpu_rank_grid(shape, dcn), parallel_dims, target=target)
-        mesh = DeviceMesh("tpu", ranks, mesh_dim_names=MESH_AXES)
-    else:
-        check_slice_major(parallel_dims, rank=dist.get_rank())
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-    flat_dp_mesh(mesh)
+        _compare_with_torch_tpu(ranks, _tpu_rank_grid(shape, dcn), order, parallel_dims)
+    check_slice_major(parallel_dims, rank=dist.get_rank())
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=MESH_AXES)
+    meshes = {"world": mesh, "dp": flat_dp_mesh(mesh)}
     if parallel_dims.cp_enabled:
-        dp_shard_cp_mesh(mesh)
+        meshes["dp_shard_cp"] = dp_shard_cp_mesh(mesh)
+    if parallel_dims.ep_enabled:
+        meshes["expert"] = build_ep_mesh(parallel_dims, mesh)
+    check_mesh_order(meshes)
     return mesh
+
+
+def axis_groups(grid: torch.Tensor) -> list[set[frozenset[int]]]:
+    """Per axis of a rank grid, the set of its groups (the ranks of each line along the axis)."""
+    out = []
+    for d in range(grid.dim()):
+        lines = grid.movedim(d, -1).reshape(-1, grid.shape[d]).tolist()
+        out.append({frozenset(line) for line in lines})
+    return out
+
+
+def _compare_with_torch_tpu(ranks: torch.Tensor, tpu_grid: torch.Tensor, order, parallel_dims: ParallelDims) -> None:
+    """Rank 0 prints whether the renumbered processes form torch-tpu's own groups on each axis (its
+    `topology_aware_mesh`, in process-group ranks). They agree when the device order followed the
+    slice's layout and ranks follow devices; they differ where the trainer's compact EP groups
+    reorder dp_shard (by design) or the layout was unknown at start-up (rank order: correct, not
+    topology-aware). The mesh is `ranks` either way: this is a report, never a change of placement."""
+    ours, theirs = axis_groups(ranks), axis_groups(torch.as_tensor(tpu_grid).reshape(ranks.shape))
+    differ = [axis for axis, a, b in zip(MESH_AXES, ours, theirs) if a != b]
+    if distributed.rank() != 0:
+        return
+    source = order.source if order is not None else "the launcher's order"
+    if not differ:
+        print(f"titan-tpu: mesh: the process groups are torch-tpu's own on every axis ({source})", flush=True)
+    else:
+        print(
+            f"titan-tpu: mesh: the groups of {', '.join(differ)} differ from torch-tpu's layout ({source}); "
+            "shards stay correct (the mesh is in rank order), the groups may not be the topology's: "
+            "set [job] target to this slice, or parallelism.device_order to its name",
+            flush=True,
+        )
 
 
 def check_slice_major(parallel_dims: ParallelDims, *, rank: int, env: Mapping[str, str] | None = None) -> None:
@@ -435,6 +448,16 @@ def build_ep_mesh(parallel_dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
     innermost, so an EP group is a run of neighbouring ranks (the TP ones first).
     """
     assert math.prod(mesh.mesh.shape) == parallel_dims.world_size
+    # made once per world mesh (build_mesh checks it, expert_parallel shards over it)
+    cached = getattr(mesh, "_titan_ep_mesh", None)
+    if cached is not None and cached[0] == parallel_dims.ep:
+        return cached[1]
+    ep_mesh = _build_ep_mesh(parallel_dims, mesh)
+    mesh._titan_ep_mesh = (parallel_dims.ep, ep_mesh)
+    return ep_mesh
+
+
+def _build_ep_mesh(parallel_dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
     flat = mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp")
     inner = flat._unflatten(0, (parallel_dims.efsdp, parallel_dims.ep), ("efsdp", "ep"))
     if not parallel_dims.dp_replicate_enabled:

@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from models.common.quantize import E4M3, QMAX, Operand, round_to_float8, scale_of_amax
+from parallelisms.device_order import shard_rank
 from parallelisms.replicate_reduce import REPLICATE_REDUCE
 
 __all__ = [
@@ -382,7 +383,7 @@ def _shard_param(
             dp_placements.append(Replicate())
             full_placements.append(Replicate())
             continue
-        size, index = mesh[axis].size(), mesh[axis].get_local_rank()
+        size, index = mesh[axis].size(), shard_rank(mesh[axis])
         dim = 0 if shard_dim_fn is None else shard_dim_fn(tuple(inner.shape), size)
         local = _chunk(local, size, index, dim)
         dp_placements.append(Shard(dim))

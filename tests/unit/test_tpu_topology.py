@@ -376,23 +376,25 @@ def test_the_reorder_does_not_apply_beside_other_axes_or_on_a_tray():
     assert tt.expert_tile(v7x, 3) is None  # an odd group would split a chip's cores
 
 
-def test_the_trainer_reorders_torch_tpu_rank_grid_by_the_recipes_target():
-    """build_mesh applies to torch-tpu's rank grid the permutation that turns the port's layout
-    into the compact one, computed from the recipe's target alone (every rank the same); the EP
-    groups of the resulting mesh (dp_shard flattened with cp and tp, then split into efsdp x ep,
-    build_ep_mesh's order) are the compact blocks."""
+def test_the_device_order_renumbers_ranks_into_compact_expert_groups_by_the_recipes_target():
+    """The trainer's compact EP groups are a device order (device_order.target_order, computed from
+    the recipe's target alone: every rank the same): place p of the rank-order mesh is the device
+    `order[p]`, so the EP groups of the mesh (dp_shard flattened with cp and tp, then split into
+    efsdp x ep, build_ep_mesh's order) are the compact blocks of devices; without EP, on another
+    slice or another world it is torch-tpu's own order or refused."""
+    from models.errors import ConfigError
+    from parallelisms import device_order as do
+
     topology = tt.topology_of("v7x-512")
     dims = pd.ParallelDims(world_size=512, dp_shard=512, ep=16)
-    port = torch.as_tensor(np.asarray(tt.map_mesh(topology, dims.mesh_shape).device_ids))  # ranks = device ids
-    grid = pd.expert_rank_grid(port, dims, target="v7x-512")
+    order = do.resolve_rank_order("v7x-512", dims, device_type="cpu")
     compact = np.asarray(tt.trainer_layout(topology, dims.mesh_shape, ep=16).device_ids)
-    assert np.array_equal(grid.numpy(), compact)
-    groups = grid.reshape(dims.efsdp, dims.ep)
+    assert np.array_equal(np.asarray(order.order).reshape(compact.shape), compact)
+    groups = np.asarray(order.order).reshape(dims.efsdp, dims.ep)
     # v7x-512 is 4 x 8 x 8 chips; blocks in x, then y, then z order: the sixth is x 2-3, y 4-5, z 0-1
     assert {_coords(topology, int(d)) for d in groups[5]} == {(x, y, z) for x in (2, 3) for y in (4, 5) for z in (0, 1)}
-    for other in (
-        pd.expert_rank_grid(port, dims, target=None),
-        pd.expert_rank_grid(port, dims, target="v7x-256"),  # not the world's slice
-        pd.expert_rank_grid(port, pd.ParallelDims(world_size=512, dp_shard=512), target="v7x-512"),
-    ):
-        assert torch.equal(other, port)
+    plain = do.resolve_rank_order("v7x-512", pd.ParallelDims(world_size=512, dp_shard=512), device_type="cpu")
+    port = np.asarray(tt.map_mesh(topology, dims.mesh_shape).device_ids).reshape(-1)
+    assert list(plain.order) == port.tolist()  # no EP: torch-tpu's order as it is
+    with pytest.raises(ConfigError, match="parallelism.device_order: v7x-256"):
+        do.resolve_rank_order("v7x-256", dims, device_type="cpu")  # not the world's slice

@@ -247,6 +247,9 @@ def validate(cfg: Config) -> None:
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
+    from parallelisms.device_order import check_spec
+
+    check_spec(p.device_order)  # its fit to the world is checked at start-up (resolve_rank_order)
     _validate_hf_config(cfg)
     _validate_local_tier(cfg.checkpoint)
     # Combinations (mode x parallelism x model x device x caller, `flow.shift` x

@@ -260,6 +260,15 @@ class ParallelismConfig:
     with it when it is set. The DCN split is put on `dp_replicate`: HSDP shards inside a slice and
     all-reduces gradients across slices, so `data_parallel_replicate_degree` must be a multiple of
     the slice count (docs/launch.md, "Several slices")."""
+    device_order: str = "auto"
+    """Which launcher rank (device) takes which place of the mesh. The mesh is always built in
+    rank order, so a rank's shard is the same number in every parallelism, DCP and the initial
+    loads; a device layout renumbers the processes instead (docs/parallelism.md, "Device order").
+    identity: place p is launcher rank p; auto: torch-tpu's layout on a TPU whose slice is known
+    at start-up (`[job] target` or the launcher's topology), identity elsewhere; a TPU target
+    (e.g. `v6e-8`, `tpu7x-8`, `v6e-256`; its device count is the world size per slice): that
+    slice's torch-tpu order, also on CPU/GPU ranks (how the tests run a TPU's order); or a
+    permutation of the ranks, comma-separated (place p <- rank order[p])."""
     allow_dcn_sharding: bool = False
     """Let a layout put FSDP (or TP/EP/CP) traffic on the DCN, i.e. `num_slices` that does not
     divide `data_parallel_replicate_degree`; refused otherwise (a per-layer collective over DCN is

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from models.common.stack import view_rows
 from models.errors import ConfigError
+from parallelisms.device_order import shard_rank
 
 
 @dataclass
@@ -306,7 +307,7 @@ def muon_shards(p: torch.Tensor) -> tuple:
                 '"adamw", or compile.mode = "eager"'
             )
         dims.add(placement.dim)
-        out.append((mesh, mesh_dim, placement.dim, mesh.get_local_rank(mesh_dim), size, p.shape[placement.dim]))
+        out.append((mesh, mesh_dim, placement.dim, shard_rank(mesh, mesh_dim), size, p.shape[placement.dim]))
     return tuple(out)
 
 

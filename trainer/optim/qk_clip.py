@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from models.errors import ConfigError
+from parallelisms.device_order import shard_rank
 
 
 def clip_factors(max_logit: torch.Tensor, tau: float) -> torch.Tensor:
@@ -118,7 +119,7 @@ def _tp_coordinate(w: torch.Tensor) -> tuple[int, int]:
     assert isinstance(w.placements[axis], Shard) and w.placements[axis].dim == 0, (
         f"QK clip: a head projection must be colwise (Shard(0)) on tp, got {w.placements}"
     )
-    return mesh.get_local_rank("tp"), mesh.size(axis)
+    return shard_rank(mesh, "tp"), mesh.size(axis)
 
 
 class _Head:

@@ -121,8 +121,11 @@ def pick_device(kind: str = "auto") -> torch.device:
 @dataclass
 class DistInfo:
     rank: int
+    """Process-group rank: the place in the mesh (the device order renumbers, parallelisms/device_order.py)."""
     world_size: int
     local_rank: int
+    launcher_rank: int | None = None
+    """The rank the launcher gave this process (torchrun's RANK); None: the same as `rank`."""
 
 
 _COLLECTIVE_TIMEOUT: list[timedelta | None] = [None]
@@ -134,22 +137,30 @@ def collective_timeout() -> timedelta | None:
     return _COLLECTIVE_TIMEOUT[0]
 
 
-def init_distributed(device: torch.device, *, timeout_s: float | None = None) -> DistInfo:
+def init_distributed(device: torch.device, *, timeout_s: float | None = None, order=None) -> DistInfo:
     """Start the default process group (gloo / nccl / tpu_dist).
 
     Under torchrun the env:// rendezvous is used. A plain single process still gets a
     world-size-1 group (through a file store) so that DeviceMesh, DTensor and DCP run the same
     code path at any scale. timeout_s: how long a collective waits for a peer before it fails (a
     lost host whose connections stay half-open is noticed within it); None: the backend's default.
+    order: the run's `parallelisms.device_order.RankOrder`: the process the launcher started as
+    rank `order[p]` joins as rank p (its place in the layout); None: the launcher's rank.
     """
+    launcher = int(os.environ.get("RANK", 0))
     if distributed.is_up():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), launcher)
     backend = cpu_backend() if device.type == "cpu" else BACKENDS[device.type]
     timeout = _COLLECTIVE_TIMEOUT[0] = timedelta(seconds=timeout_s) if timeout_s else None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+        assert order is None or order.world_size == world, "the device order was resolved for another world"
+        rank = launcher if order is None else order.process_rank(launcher)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if restart is None:
-            dist.init_process_group(backend=backend, timeout=timeout)
+            # rank 0's process hosts the store when the launcher has none of its own (torchrun's
+            # agent store, TORCHELASTIC_USE_AGENT_STORE, is used by every rank alike)
+            dist.init_process_group(backend=backend, timeout=timeout, rank=rank, world_size=world)
         else:
             # After a torchrun restart, keys of the failed attempt can still be in the store;
             # gloo then reads a dead peer's address. A per-attempt key prefix keeps rounds apart.
@@ -162,8 +173,8 @@ def init_distributed(device: torch.device, *, timeout_s: float | None = None) ->
             dist.init_process_group(
                 backend=backend,
                 store=dist.PrefixStore(f"titan/attempt_{restart}", store),
-                rank=int(os.environ["RANK"]),
-                world_size=int(os.environ["WORLD_SIZE"]),
+                rank=rank,
+                world_size=world,
                 timeout=timeout,
             )
     else:
@@ -171,7 +182,7 @@ def init_distributed(device: torch.device, *, timeout_s: float | None = None) ->
         os.close(fd)
         os.unlink(path)
         dist.init_process_group(backend=backend, init_method=f"file://{path}", rank=0, world_size=1)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), launcher)
 
 
 def shutdown_distributed() -> None:
