@@ -71,6 +71,7 @@ from trainer.runtime.storage import check_shared_folder, check_storage_paths, is
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
 from trainer.runtime.watchdog import arrival_barrier
 from trainer.step import EagerStep, StepPlan, StepRequest, plan_step
+from trainer.step.quantize import QuantizeCensus, quantize_census
 from trainer.tasks import TASK_CLASSES, build_task
 
 
@@ -111,6 +112,8 @@ class JobPlan:
     step_plan: StepPlan
     tpu_mesh: Any = None
     """On a TPU whose slice is known now: torch-tpu's layout of the mesh (`tpu_mesh_layout`)."""
+    quantize_census: QuantizeCensus | None = None
+    """What `[quantize]` picks in the model (trainer/step/quantize.py); None without a recipe."""
 
 
 def step_request(
@@ -125,6 +128,7 @@ def step_request(
     num_slices: int = 1,
     device_generation: str = "",
     fsdp_shard_degree: int = 0,
+    quantize_census: QuantizeCensus | None = None,
 ) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
@@ -176,6 +180,7 @@ def step_request(
         fsdp_float8_all_gather=cfg.quantize.fsdp_float8_all_gather,
         fsdp_shard_degree=fsdp_shard_degree,
         device_generation=device_generation,
+        quantize_census=quantize_census,
     )
 
 
@@ -225,6 +230,9 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
             dp_degree=parallel_dims.dp_degree,
         )[1]
     )
+    # What `[quantize]` picks in this model (counted on meta): the rules refuse a recipe that picks
+    # nothing, the banner states the count.
+    census = quantize_census(family, args, QuantizePlan.of(cfg.quantize)) if cfg.quantize.recipe != "none" else None
     request = step_request(
         cfg,
         family,
@@ -236,6 +244,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         num_slices=parallel_dims.num_slices,
         device_generation=quantize_generation(cfg, device_type),
         fsdp_shard_degree=parallel_dims.dp_shard * parallel_dims.cp,
+        quantize_census=census,
     )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
@@ -246,7 +255,14 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         if device_type == "tpu"
         else None
     )
-    return JobPlan(family=family, args=args, parallel_dims=parallel_dims, step_plan=step_plan, tpu_mesh=tpu_mesh)
+    return JobPlan(
+        family=family,
+        args=args,
+        parallel_dims=parallel_dims,
+        step_plan=step_plan,
+        tpu_mesh=tpu_mesh,
+        quantize_census=census,
+    )
 
 
 def batch_split(
@@ -469,6 +485,8 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
         optimizer, scheduler = build_optimization(cfg, model)
         manager = build_checkpoint_manager(cfg, plan.parallel_dims, rank=rt.dist.rank) if why.saves else None
         notes = (*rt.runtime_notes, *(plan.tpu_mesh.banner() if plan.tpu_mesh is not None else ()))
+        if plan.quantize_census is not None:  # what [quantize] picked, beside what the recipe asked
+            notes += (f"titan-tpu: {plan.quantize_census.line(cfg.quantize.recipe)}",)
         return Job(
             cfg=cfg,
             device=rt.device,

@@ -54,3 +54,27 @@ def test_an_unknown_recipe_is_one_error_line():
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: quantize.recipe") and "float8_rowwise" in lines[-1], proc.stderr[-2000:]
+
+
+def test_a_recipe_that_quantizes_nothing_is_one_error_line(tmp_path):
+    """float8_rowwise on the debug recipe at the default min_dim (1024, above every width) would
+    quantize no linear: refused before anything is built, one line naming quantize.min_dim."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            *SHORT,
+            "--quantize.recipe=float8_rowwise",
+            f"--job.dump_folder={tmp_path}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: quantize.min_dim: 1024 leaves none"), proc.stderr[-2000:]
+    assert "quantize.recipe = none" in lines[0] and "Traceback" not in proc.stderr

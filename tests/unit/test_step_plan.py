@@ -10,6 +10,7 @@ import torch
 
 from models.errors import ConfigError
 from trainer.step import RULES, StepRequest, plan_step, refusals, resolve_backend
+from trainer.step.quantize import QuantizeCensus
 
 
 def _plan(**kw):
@@ -159,6 +160,8 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(quantize="float8_rowwise", device_type="cuda", device_generation="sm80"),
         StepRequest(quantize="float8_rowwise", fsdp_float8_all_gather=True),
         StepRequest(replicate_reduce_dtype="bfloat16"),
+        StepRequest(quantize="int8", quantize_census=QuantizeCensus(1024, ("output",), 3, 0, 1, 2)),
+        StepRequest(quantize="int8", quantize_census=QuantizeCensus(0, ("output",), 3, 0, 3, 0)),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

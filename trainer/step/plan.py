@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,8 +38,12 @@ from models import FAMILIES
 from models.common.moe import ROUTINGS
 from models.common.quantize import RECIPES as QUANTIZE_RECIPES
 from models.errors import ConfigError
+from parallelisms.quantize import DEFAULT_FILTER_FQNS
 from titan_kernels import ATTENTION_DEVICES, attention_backends_for
 from trainer.step.loss import model_lm_loss
+
+if TYPE_CHECKING:
+    from trainer.step.quantize import QuantizeCensus
 
 FLIP_FREE_BACKENDS = ("inductor", "tpu")
 """Graph backends whose backward scans run in reverse without copies (trainer/graph/passes.py:
@@ -152,6 +157,9 @@ class StepRequest:
     device_generation: str = ""
     """The device's generation where the quantize rules need it: a TPU generation (v4, v5e, v5p,
     v6e, v7x) or a CUDA compute capability (`sm90`); "" when unknown (no quantize rule reads it)."""
+    quantize_census: QuantizeCensus | None = None
+    """What `[quantize]` picks in the model (trainer/step/quantize.py), counted on the meta device
+    by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
 
     @property
     def attn_backends_here(self) -> str:
@@ -166,6 +174,22 @@ class StepRequest:
         else:
             native = tuple(r for r, sm in QUANTIZE_CUDA_MIN_SM.items() if self.cuda_sm >= sm)
         return ", ".join(("none",) + native)
+
+    @property
+    def quantizes_nothing(self) -> bool:
+        """A recipe is set, and the model's census says it picks no linear and no experts module."""
+        c = self.quantize_census
+        return self.quantize in QUANTIZE_RECIPES and self.quantize != "none" and c is not None and c.quantizes_nothing
+
+    @property
+    def quantize_left_out(self) -> str:
+        """Why the recipe quantizes nothing (the census's words), for the quantize rules' messages."""
+        return self.quantize_census.left_out(self.quantize) if self.quantize_census is not None else ""
+
+    @property
+    def quantize_min_dims(self) -> str:
+        """The `quantize.min_dim` values that would quantize something, for the rule's message."""
+        return self.quantize_census.min_dim_allowed if self.quantize_census is not None else ""
 
     @property
     def quantize_min_sm(self) -> int:
@@ -522,6 +546,22 @@ RULES: tuple[Rule, ...] = (
         "{r.quantize} needs a GPU of compute capability sm{r.quantize_min_sm}+ (float8: Ada, Hopper, "
         "Blackwell), this one is "
         "{r.device_generation}; allowed here: {r.quantize_native_here}",
+    ),
+    # A recipe that quantizes nothing would train in bf16 while the recipe, the banner's step time
+    # and the planner's float8 bytes say it does not: refused, naming the key that left each out.
+    Rule(
+        "quantize.min_dim",
+        "a recipe that quantizes none of the model's linears, some left out by min_dim (or by sides "
+        "that are not multiples of 16)",
+        lambda r: r.quantizes_nothing and r.quantize_census.by_min_dim > 0,
+        "{r.quantize_left_out}; allowed: {r.quantize_min_dims}, or quantize.recipe = none",
+    ),
+    Rule(
+        "quantize.filter_fqns",
+        "a recipe that quantizes none of the model's linears, each left out by filter_fqns",
+        lambda r: r.quantizes_nothing and r.quantize_census.by_min_dim == 0,
+        "{r.quantize_left_out}; allowed: fewer module-path substrings (the default: "
+        f"{', '.join(DEFAULT_FILTER_FQNS)}), or quantize.recipe = none",
     ),
     # Float8 all-gather of weights (parallelisms/simple_fsdp.py `_Float8Gather`): the scale is one
     # all-reduced amax per weight, known before the gather only for a tensorwise recipe.
