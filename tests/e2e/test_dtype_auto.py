@@ -86,21 +86,45 @@ def test_probe_is_cached_on_disk_and_keyed(monkeypatch):
     assert len(calls) == 6
 
 
-def test_a_probe_on_a_busy_machine_is_used_but_not_cached(monkeypatch, capsys):
+def test_a_probe_on_a_busy_machine_is_cached_so_the_choice_is_made_once(monkeypatch, capsys):
     """The best timed run's CPU share (process CPU time / (wall x threads)) below BUSY_SHARE means
-    other jobs shared the cores: the rate reflects the load, so it serves this run only."""
-    shares = iter([1.0, 0.45, 1.0, 1.0])  # float32 measured while another job ran, then an idle pair
+    other jobs shared the cores. Measured again on every start-up, a loaded machine picked bf16 one
+    run and fp32 the next; so the first probe is cached all the same, marked, and every later run
+    reads it: one choice, and one start-up line saying it was measured under load and how to redo it."""
+    load = iter([(0.30, 1.0), (0.20, 0.45)])  # bf16 faster, fp32 measured while another job ran
 
     def measure(dtype, **_):
-        return 0.2, next(shares)
+        return next(load)
 
     monkeypatch.setattr(dev, "measure_matmul", measure)
-    assert dev.cpu_matmul_peaks() == {"bfloat16": 0.2e12, "float32": 0.2e12}
-    assert not dev.probe_cache_path().exists()
-    assert "busy machine" in capsys.readouterr().out
-    dev._PROBES.clear()  # the next process measures again, on an idle machine: cached
-    dev.cpu_matmul_peaks()
-    assert dev.probe_cache_key() in json.loads(dev.probe_cache_path().read_text())
+    first = dev.resolve_compute_dtype("auto", CPU)
+    assert first.name == "bfloat16"
+    entry = json.loads(dev.probe_cache_path().read_text())[dev.probe_cache_key()]
+    assert entry["cpu_share"] == pytest.approx(0.45)
+    assert capsys.readouterr().out == ""  # nothing printed beside the banner's one line
+    assert "\n" not in first.reason and "measured now under load (this process had 45%" in first.reason
+    assert f"cached in {dev.probe_cache_path()}; delete it to measure again" in first.reason
+    assert "not cached" not in first.reason
+
+    def busy_again(dtype, **_):  # the next start-up would now time fp32 faster
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(dev, "measure_matmul", busy_again)
+    for _ in range(3):  # later processes read the choice back: it never flips
+        dev._PROBES.clear()
+        again = dev.resolve_compute_dtype("auto", CPU)
+        assert again.name == "bfloat16" and "under load" in again.reason and "measured now" not in again.reason
+        assert f"measured {entry['measured_at']}" in again.reason and "delete it to measure again" in again.reason
+
+
+def test_a_probe_that_cannot_be_cached_says_so_in_its_one_line(monkeypatch):
+    fake_probe(monkeypatch, {"bfloat16": 0.2, "float32": 0.3})
+    blocker = dev.probe_cache_path().parent
+    blocker.parent.mkdir(parents=True, exist_ok=True)
+    blocker.write_text("a file where the cache folder should be")
+    got = dev.resolve_compute_dtype("auto", CPU)
+    assert got.name == "float32" and "\n" not in got.reason
+    assert "measured now, not cached" in got.reason and "cached in" not in got.reason
 
 
 def test_the_probe_measures_its_cpu_share():

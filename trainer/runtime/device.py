@@ -264,10 +264,14 @@ _PROBE_REPEATS = 3
 _PROBE_NATIVE_S = 4.0  # a 2048³ product predicted faster than this is timed at 2048 (`probe_size`)
 _PROBE_BUDGET_S = 0.5  # else: the longest one timed product of a slow dtype may take
 _PROBES: dict[int, dict[str, float]] = {}  # this process: thread count -> {dtype name: FLOP/s}
+_PROBE_SOURCES: dict[str, str] = {}  # this process: cache key -> where its numbers came from (the banner's words)
 # A GEMM of 2048^3 keeps every torch thread busy, so the best timed run's process CPU time is
 # about threads x wall (measured ~0.95-1.0 on an idle machine). Another job on the same cores
 # time-slices with it: one busy competitor on each core halves the share. Below this share the
-# measurement reflects the load, not the CPU, and is not cached (the run still uses it).
+# measurement reflects the load as well as the CPU. It is cached all the same, so that the `auto`
+# dtype is decided once per machine and configuration (a re-measure on every start-up of a loaded
+# machine picked bf16 one run and fp32 the next), marked as measured under load, and the start-up
+# line says so and how to measure again.
 BUSY_SHARE = 0.75
 
 
@@ -344,11 +348,24 @@ def _read_probe_file(path: Path) -> dict:
         return {}
 
 
+def _under_load(share: float) -> str:
+    return (
+        f" under load (this process had {share:.0%} of its {torch.get_num_threads()} thread(s)' cores: "
+        "the rates understate the CPU)"
+    )
+
+
 def _measure_or_read(key: str) -> dict[str, float]:
-    """{dtype name: FLOP/s} for `key` from the cache file, else measured and written to it."""
+    """{dtype name: FLOP/s} for `key` from the cache file, else measured and written to it, even
+    on a busy machine (`BUSY_SHARE`: the choice is made once; the entry records the CPU share).
+    Where the numbers came from is kept for the start-up line (`probe_source`)."""
     path = probe_cache_path()
     entry = _read_probe_file(path).get(key)
+    redo = "delete it to measure again"
     if isinstance(entry, dict) and all(isinstance(entry.get(n), (int, float)) and entry[n] > 0 for n in PROBE_DTYPES):
+        share = entry.get("cpu_share")
+        load = _under_load(share) if isinstance(share, (int, float)) and share < BUSY_SHARE else ""
+        _PROBE_SOURCES[key] = f"measured {entry.get('measured_at', 'earlier')}{load}, cached in {path}; {redo}"
         return {n: float(entry[n]) for n in PROBE_DTYPES}
     peaks, shares = {}, []
     sizes = {}
@@ -357,32 +374,41 @@ def _measure_or_read(key: str) -> dict[str, float]:
         tflops, share = measure_matmul(dtype, size=sizes[name])
         peaks[name] = tflops * 1e12
         shares.append(share)
-    if min(shares) < BUSY_SHARE:
-        print(
-            f"titan-tpu: the CPU matmul probe ran on a busy machine (this process had {min(shares):.0%} of its "
-            f"{torch.get_num_threads()} thread(s)' cores); its result is used but not cached",
-            flush=True,
-        )
-        return peaks
+    share = min(shares)
+    load = _under_load(share) if share < BUSY_SHARE else ""
     try:  # re-read: another job may have written other keys meanwhile; write atomically
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_probe_file(path)
-        data[key] = {**peaks, "sizes": sizes, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        data[key] = {
+            **peaks,
+            "sizes": sizes,
+            "cpu_share": round(share, 3),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         with atomic_file(path, what="CPU matmul probe cache", mode="w") as f:
             f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    except (OSError, WriteFailed):  # a read-only home: the probe still serves this process
-        pass
+        _PROBE_SOURCES[key] = f"measured now{load}, cached in {path}; {redo}"
+    except (OSError, WriteFailed) as e:  # a read-only home: the probe still serves this process
+        _PROBE_SOURCES[key] = f"measured now{load}, not cached ({path}: {e}): the next run measures again"
     return peaks
+
+
+def probe_source(threads: int | None = None) -> str:
+    """Where this process's probe numbers came from (measured now or when, under load or not, the
+    cache file and how to measure again), for the start-up line; "" when this process holds none
+    (a rank other than 0 under a process group: rank 0 measures or reads)."""
+    return _PROBE_SOURCES.get(probe_cache_key(threads), "")
 
 
 def cpu_matmul_peaks() -> dict[str, float]:
     """{"bfloat16": FLOP/s, "float32": FLOP/s} of this CPU at this process's thread count.
 
     Read from the probe cache (`probe_cache_path()`, keyed by `probe_cache_key()`), measured and
-    written there on a miss. Under a process group of several ranks this is a collective: rank 0
-    reads or measures, and broadcasts, so every rank has the same numbers (and the same `auto`
-    dtype) and the ranks sharing a machine do not time each other's matmuls. Delete the file to
-    measure again (e.g. after a probe on a busy machine).
+    written there on a miss (on a busy machine too, marked so: the `auto` dtype is decided once).
+    Under a process group of several ranks this is a collective: rank 0 reads or measures, and
+    broadcasts, so every rank has the same numbers (and the same `auto` dtype) and the ranks sharing
+    a machine do not time each other's matmuls. Delete the file to measure again (e.g. after a probe
+    on a busy machine: the start-up line says when one was).
     """
     import torch.distributed as dist
 
@@ -433,11 +459,12 @@ def resolve_compute_dtype(name: str, device: torch.device | str) -> ComputeDtype
     peaks = cpu_matmul_peaks()
     best = max(peaks, key=peaks.get)
     other = min(peaks, key=peaks.get)
+    source = probe_source() or f"rank 0's probe, cached in {probe_cache_path()}"
     return ComputeDtype(
         best,
         f"auto: {best} matmul {peaks[best] / 1e9:.0f} GFLOP/s vs {other} "
         f"{peaks[other] / 1e9:.0f} on this CPU (probe {PROBE_SIZE}³, {torch.get_num_threads()} "
-        f"thread(s), cached in {probe_cache_path()})",
+        f"thread(s); {source})",
     )
 
 
