@@ -10,14 +10,25 @@
 # installs under constraints/tpu.txt (what a TPU VM gets; tests/xla/test_install_pins.py checks the
 # venv against it; the stamp hashes only the list, so a pin change there needs rm -r .venv-ttpu).
 set -euo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # this header, as the usage
+  echo "usage: scripts/xla_env.sh xla|tpuc|ttpu"
+  sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+  exit 0
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-NAME="${1:?usage: scripts/xla_env.sh xla|tpuc|ttpu}"
+if [ $# -ne 1 ]; then
+  echo "error: scripts/xla_env.sh: expected one environment name, got ${#}: ${*:-nothing}; allowed: xla, tpuc, ttpu (--help)" >&2
+  exit 2
+fi
+NAME="$1"
 PIP_ARGS=()
 case "$NAME" in
   xla)  PKGS=(torch==2.13.0 "jax[cpu]==0.10.2" jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy) ;;
   tpuc) PKGS=("jax[tpu]==0.10.2" flatbuffers numpy) ;;
+  # tiktoken, safetensors: the trainer's start-up (tools/tpu_compile.py builds the job); gcsfs: the
+  # [tpu] extra has it (constraints/tpu.txt pins it; tests/xla/test_install_pins.py checks it here)
   ttpu) PKGS=(torch==2.13.0 torch-tpu==0.2.0 jax==0.10.2 jaxlib==0.10.2 torchax==0.0.13 flatbuffers numpy
-              tiktoken==0.14.0 safetensors==0.8.0)  # the trainer's start-up (tools/tpu_compile.py builds the job)
+              tiktoken==0.14.0 safetensors==0.8.0 gcsfs==2026.10.1)
         PIP_ARGS=(-c "$ROOT/constraints/tpu.txt") ;;
   *) echo "error: scripts/xla_env.sh: unknown environment '$NAME'; allowed: xla, tpuc, ttpu" >&2; exit 2 ;;
 esac

@@ -188,6 +188,32 @@ def _with_tokenizer(cfg: Config, report: RecipeCheck) -> Config:
     return cfg
 
 
+STAND_IN_BUCKET = "titan-recipe-check"
+"""The bucket the check puts in place of a pod recipe's placeholder (a valid name; never written)."""
+
+
+def _with_checkpoint_folder(cfg: Config, report: RecipeCheck) -> Config:
+    """Pod recipes name their checkpoint folder `gs://YOUR_BUCKET/...`, a placeholder the launcher
+    and the trainer refuse until it is set (trainer/config/placeholders.py). The check writes no
+    checkpoint: it checks the folder's form with a stand-in bucket, and the row says so."""
+    from trainer.config.placeholders import PLACEHOLDER_PREFIX, is_placeholder
+
+    folder = cfg.checkpoint.folder
+    if cfg.checkpoint.enable and is_placeholder(folder):
+        stand_in = f"gs://{STAND_IN_BUCKET}/{folder[len(PLACEHOLDER_PREFIX) :]}".rstrip("/")
+        report.notes.append(
+            f"checkpoint.folder {folder} is the recipe's placeholder (a run needs --checkpoint.folder=gs://BUCKET/...): "
+            f"checked as {stand_in}; the check writes no checkpoint"
+        )
+        cfg.checkpoint.folder = stand_in
+    return cfg
+
+
+def with_stand_ins(cfg: Config, report: RecipeCheck) -> Config:
+    """What a pod recipe leaves to its user, replaced for a check: the tokenizer file, the bucket."""
+    return _with_checkpoint_folder(_with_tokenizer(cfg, report), report)
+
+
 def start_up(cfg: Config, *, devices: int, device_type: str, report: RecipeCheck) -> None:
     """The trainer's start-up of `cfg` on `devices` fake ranks of `device_type` (module docstring)."""
     import torch._dynamo
@@ -347,7 +373,7 @@ def check_recipe(path: str, *, capture: bool = True, overrides=(), torch_tpu: di
     t0 = time.perf_counter()
     report = RecipeCheck(recipe=path)
     try:
-        cfg = build_config(path, list(overrides))
+        cfg = _with_checkpoint_folder(build_config(path, list(overrides)), report)
         devices, device_type, target = world_of(cfg)
         report.devices = devices
         report.target = target.name if target else f"cpu-{devices}"

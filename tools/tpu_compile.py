@@ -439,7 +439,7 @@ def _capture(spec: dict) -> dict:
     from parallelisms.context_parallel import context_parallel_attention, cp_group
     from titan_kernels import collectives
     from titan_kernels.tpu import capture
-    from tools.recipe_check import RecipeCheck, _with_tokenizer
+    from tools.recipe_check import RecipeCheck, with_stand_ins
     from tools.xla_lowering import RECORD, CaptureDone, record_first_call
     from trainer.config import build_config
     from trainer.job import build_job
@@ -447,7 +447,7 @@ def _capture(spec: dict) -> dict:
     cfg = build_config(spec["recipe"], [tuple(o) for o in spec["overrides"]])
     target = planner.parse_target(cfg.job.target)
     notes = RecipeCheck(recipe=spec["recipe"])
-    cfg = _with_tokenizer(cfg, notes)
+    cfg = with_stand_ins(cfg, notes)
     RECORD.clear()
     record_first_call(clone=False, stop=True)
     torch._dynamo.reset()

@@ -26,8 +26,13 @@ jax's `cloud_tpu_cluster.get_tpu_env_value`). The host list and worker id are th
 the job's are derived (`Multislice`): node rank = slice id x hosts per slice + worker id, nodes =
 slices x hosts per slice, rendezvous at the coordinator's host. torch-tpu's launch variables stay the
 slice's own (its slice builder is per slice); libtpu joins the slices through the MegaScale
-variables, which reach the workers unchanged. A slice count < 1, a slice id outside the slices or
-a missing coordinator is one `error:` line, exit 2.
+variables: the slice count and id as given, the coordinator with a port (`host` becomes
+`host:${MEGASCALE_PORT:-8080}`: libtpu would append each process's own port to a port-less one,
+and torch-tpu runs several processes per host), and no MEGASCALE_PORT (one value for every
+process of a host would be wrong; torch-tpu owns the per-process ports). Which rank torch-tpu
+uses to index its per-slice address list cannot be checked without two slices: the launcher says
+so on every multislice start. A slice count < 1, a slice id outside the slices or a missing
+coordinator is one `error:` line, exit 2.
 
 Processes per host: one per TPU *device*, i.e. the product of `TPU_CHIPS_PER_HOST_BOUNDS`
 times 2 on v7x (two TensorCores per chip, each its own device), times 1 elsewhere; one per GPU.
@@ -40,7 +45,12 @@ coordinates plus a slice topology), `NNODES`, `MASTER_ADDR`/`MASTER_PORT` (the r
 would guess 8 on a host without a visible TPU). Its output is exported to torchrun's workers; its
 `WORLD_SIZE` is the global size and is *not* used for `--nproc_per_node`, and the empty values it
 prints for what it could not detect are not exported. `--dry-run` prints the plan and the command
-instead of running it.
+instead of running it, then one `# process` line per local process with its ranks, MegaScale and
+slice-builder variables (`process_lines`).
+
+The recipe is loaded once here before anything starts (`check_train_args`): a bad key, or a pod
+recipe whose checkpoint folder is still the `gs://YOUR_BUCKET/...` placeholder, is one `error:`
+line, exit 2.
 
 Bad or missing launch variables give one `error:` line naming the variable and exit code 2; so
 does a failure of `python -m torch.tpu.distributed` (the line carries its error message) and a
@@ -53,8 +63,9 @@ trainer/runtime/exit_status.py, since torchrun itself exits 1 either way), 2 whe
 recorded a code all said 2 (bad input), 130 after a Ctrl-C, else torchrun's code (never 75). SIGTERM
 or SIGINT sent to the launcher is passed to torchrun once, which passes it to the workers: on
 SIGTERM they finish the step, save, exit 75; on SIGINT (Ctrl-C) each stops at once with one
-`interrupted` line (no traceback) and exit 130. torchrun's failure report is one line, not a
-traceback. Options and bad options go through trainer/runtime/cli.py (`--help`; one `error:` line).
+`interrupted` line (no traceback) and exit 130. If the launcher is killed (SIGKILL), the kernel
+sends torchrun SIGTERM (`parent_death_signal`), so the workers stop and release the run folder:
+a relaunch starts. torchrun's failure report is one line, not a traceback. Options and bad options go through trainer/runtime/cli.py (`--help`; one `error:` line).
 """
 
 from __future__ import annotations
@@ -96,6 +107,29 @@ class LaunchPlan:
     device: str  # tpu | cuda | cpu: what the workers train on
     env: dict[str, str] = field(default_factory=dict)  # exported to torchrun and its workers
     multislice: Multislice | None = None
+    unset: tuple[str, ...] = ()  # removed from the environment torchrun and its workers inherit
+
+    def child_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The environment torchrun runs in: `environ` less `unset`, plus `env`."""
+        return {**{k: v for k, v in environ.items() if k not in self.unset}, **self.env}
+
+    def process_envs(self) -> list[dict[str, str]]:
+        """Each local process's launch variables as its worker sees them (torchrun's own per worker:
+        RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT; plus this plan's `env`),
+        for `--dry-run`: the MegaScale and slice-builder view of every process of this host."""
+        world = self.nnodes * self.nproc_per_node
+        out = []
+        for local in range(self.nproc_per_node):
+            worker = {
+                "RANK": str(self.node_rank * self.nproc_per_node + local),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(self.nproc_per_node),
+                "GROUP_RANK": str(self.node_rank),
+            }
+            # torchrun gives every worker the rendezvous as MASTER_ADDR/PORT, over the launcher's
+            out.append({**self.env, **worker, "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)})
+        return out
 
     def torchrun_argv(self, train_args: list[str]) -> list[str]:
         return [
@@ -267,19 +301,47 @@ def _tpu_plan(
         device=device,
         env=env,
         multislice=multislice,
+        unset=MULTISLICE_UNSET if multislice is not None else (),
     )
 
 
+MEGASCALE_DEFAULT_PORT = "8080"
+"""libtpu's MegaScale port when MEGASCALE_PORT is not set (torch-tpu's own example: <MASTER_ADDR>:8080)."""
+
+
+def coordinator_address(coordinator: str, port: str = "") -> str:
+    """`MEGASCALE_COORDINATOR_ADDRESS` with a port: `host` -> `host:${MEGASCALE_PORT:-8080}`, an
+    address that has one kept (`host:port`, `[v6]:port`; a bare IPv6 address is bracketed).
+
+    torch-tpu runs several processes per host, and libtpu appends each *process's own*
+    MEGASCALE_PORT to a port-less coordinator, so the processes would disagree on where the
+    coordinator is; torch-tpu's own error text asks for an address with a port."""
+    address = coordinator.strip()
+    port = port.strip() or MEGASCALE_DEFAULT_PORT
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{port}"
+    if address.count(":") == 1:
+        return address
+    if address.count(":") > 1:  # a bare IPv6 address
+        return f"[{address}]:{port}"
+    return f"{address}:{port}"
+
+
 def multislice_env(multislice: Multislice) -> dict[str, str]:
-    """The MegaScale variables the workers (libtpu, the trainer's slice check) read."""
-    out = {
+    """The MegaScale variables every worker (libtpu, the trainer's slice check) reads: the slice
+    count, this slice's id, and the coordinator with a port (`coordinator_address`). Never one
+    MEGASCALE_PORT for every process of a host: the plan unsets it (`MULTISLICE_UNSET`), torch-tpu
+    owns the per-process ports."""
+    return {
         "MEGASCALE_NUM_SLICES": str(multislice.num_slices),
         "MEGASCALE_SLICE_ID": str(multislice.slice_id),
-        "MEGASCALE_COORDINATOR_ADDRESS": multislice.coordinator,
+        "MEGASCALE_COORDINATOR_ADDRESS": coordinator_address(multislice.coordinator, multislice.port),
     }
-    if multislice.port:
-        out["MEGASCALE_PORT"] = multislice.port
-    return out
+
+
+MULTISLICE_UNSET = ("MEGASCALE_PORT",)
+"""Taken out of the workers' environment on a multislice host: XPK sets one MEGASCALE_PORT per pod,
+which would be every process's; its value went into the coordinator address."""
 
 
 def plan_gke(
@@ -512,9 +574,14 @@ def build_plan(
     args: argparse.Namespace,
     env: Mapping[str, str],
     *,
-    metadata: Callable[[], Mapping[str, str]] = read_tpu_vm_metadata,
-    tpu_env: Callable[[Mapping[str, str]], dict[str, str]] = torch_tpu_launch_env,
+    metadata: Callable[[], Mapping[str, str]] | None = None,
+    tpu_env: Callable[[Mapping[str, str]], dict[str, str]] | None = None,
 ) -> LaunchPlan:
+    """This host's plan from `args` and the environment `env`; `metadata` (the TPU VM's,
+    default `read_tpu_vm_metadata`) and `tpu_env` (torch-tpu's launch variables, default
+    `torch_tpu_launch_env`) are looked up when called."""
+    metadata = metadata or read_tpu_vm_metadata
+    tpu_env = tpu_env or torch_tpu_launch_env
     platform = detect_platform(env) if args.platform == "auto" else args.platform
     if args.master_port is not None:
         port, where = args.master_port, "--master-port"
@@ -600,6 +667,39 @@ def _shutdown_timeout_s(env: Mapping[str, str]) -> float:
         return 30.0
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def parent_death_signal(sig: int) -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send `sig` to the child when the launcher dies, however
+    it dies (Linux `prctl(PR_SET_PDEATHSIG)`); None where there is no prctl.
+
+    torchrun runs in its own session (a signal to the launcher's process group reaches it once,
+    from `run_torchrun`), so without this a SIGKILL to the launcher (an orchestrator's hard kill,
+    `kill -9`) left torchrun and its workers training, orphaned, holding the run folder's lock: a
+    relaunch was refused. With SIGTERM torchrun stops its workers as on a preemption (they exit
+    within its shutdown timeout, `TORCH_ELASTIC_SHUTDOWN_TIMEOUT`, releasing the lock). If the
+    launcher died between the fork and the prctl, the child signals itself.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        if prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != launcher:  # the launcher is already gone
+            os.kill(os.getpid(), sig)
+
+    return set_parent_death_signal
+
+
 def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
     """Run the torchrun command `cmd` (`LaunchPlan.torchrun_argv`) to its end; the launcher's exit code.
 
@@ -608,7 +708,8 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
     the first SIGTERM or SIGINT is passed on (torchrun passes it to the workers and gives them its
     shutdown timeout to save), later ones are not (a second one would cut torchrun's shutdown
     short). If torchrun ends before every worker recorded a code (it was signalled directly
-    too), the launcher waits for them up to that timeout.
+    too), the launcher waits for them up to that timeout. If the launcher itself dies, even by
+    SIGKILL, torchrun gets SIGTERM from the kernel (`parent_death_signal`) and stops its workers.
     """
     status_dir = tempfile.mkdtemp(prefix="titan-exit-")
     proc: subprocess.Popen | None = None
@@ -629,7 +730,10 @@ def run_torchrun(cmd: list[str], env: Mapping[str, str], nproc: int) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, *cmd[3:]], env={**env, EXIT_STATUS_ENV: status_dir}, start_new_session=True
+            [sys.executable, "-c", _CHILD, *cmd[3:]],
+            env={**env, EXIT_STATUS_ENV: status_dir},
+            start_new_session=True,
+            preexec_fn=parent_death_signal(signal.SIGTERM),
         )
         if signals:  # arrived while starting it
             proc.send_signal(signals[0])
@@ -709,6 +813,7 @@ def main(argv: list[str] | None = None) -> int:
             "launch: nothing to train; allowed: python -m trainer.launch [options] -- "
             "--config RECIPE.toml [--section.key=value ...]"
         )
+    check_train_args(train_args)
     plan = build_plan(args, os.environ)
     if plan.device in ("tpu", "cuda", "cpu") and not any(a.startswith("--device.type") for a in train_args):
         train_args = train_args + [f"--device.type={plan.device}"]
@@ -722,12 +827,80 @@ def main(argv: list[str] | None = None) -> int:
         f"rendezvous {plan.master_addr}:{plan.master_port} (static), device {plan.device}{slices}",
         flush=True,
     )
+    if ms is not None:
+        print(unverified_multislice_line(plan), flush=True)
     if args.dry_run:
+        for key in plan.unset:
+            print(f"unset {key}")
         for key, value in sorted(plan.env.items()):
             print(f"export {key}={shlex.quote(value)}")
         print(shlex.join(cmd))
+        for line in process_lines(plan):
+            print(line)
         return 0
-    return run_torchrun(cmd, {**os.environ, **plan.env}, plan.nproc_per_node)
+    return run_torchrun(cmd, plan.child_env(os.environ), plan.nproc_per_node)
+
+
+def check_train_args(train_args: list[str]) -> None:
+    """The recipe the workers will train, before anything starts: a bad key or a pod recipe's
+    checkpoint placeholder (`gs://YOUR_BUCKET/...`, trainer/config/placeholders.py) is one
+    `error:` line here, once, instead of one per worker after the start-up. A recipe path that is
+    not here is left to the workers (the launcher may run where the recipe is not)."""
+    from trainer.config import build_config, split_cli
+    from trainer.config.placeholders import check_checkpoint_folder
+
+    recipe, print_config, overrides = split_cli(train_args)
+    if recipe is None or print_config or not os.path.isfile(recipe):
+        return
+    check_checkpoint_folder(build_config(recipe, overrides).checkpoint)
+
+
+PROCESS_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_SLICE_ID",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "MEGASCALE_PORT",
+    "NODE_RANK",
+    "NNODES",
+    "TORCH_TPU_DEVICES_PER_HOST",
+    "TORCH_TPU_TOPOLOGY",
+    "TORCH_TPU_SLICEBUILDER_ADDRESSES",
+)
+"""What `--dry-run` prints per process: torchrun's ranks, the MegaScale and slice-builder variables."""
+
+
+def process_lines(plan: LaunchPlan) -> list[str]:
+    """`--dry-run`: one `# process` line per local process with its launch variables (`PROCESS_KEYS`;
+    `<unset>` for one the plan takes out, `-` for one nobody sets) and, on TPU, the entry of the
+    slice-builder address list at this process's place in its slice."""
+    lines = []
+    for env in plan.process_envs():
+        shown = [f"{k}={'<unset>' if k in plan.unset else env.get(k, '-')}" for k in PROCESS_KEYS]
+        addresses = [a for a in env.get("TORCH_TPU_SLICEBUILDER_ADDRESSES", "").split(",") if a]
+        if addresses:
+            place = int(env.get("NODE_RANK", "0")) * plan.nproc_per_node + int(env["LOCAL_RANK"])
+            entry = addresses[place] if place < len(addresses) else "none"
+            shown.append(f"slice_builder[{place}]={entry}")
+        lines.append(f"# process {env['RANK']}: " + " ".join(shown))
+    return lines
+
+
+def unverified_multislice_line(plan: LaunchPlan) -> str:
+    """What a multislice launch cannot check without hardware (docs/launch.md, "Several slices")."""
+    ms = plan.multislice
+    hosts = plan.nnodes // ms.num_slices
+    world = plan.nnodes * plan.nproc_per_node
+    return (
+        f"launch: not checkable without hardware: torch-tpu's slice builder gets this slice's view "
+        f"(NODE_RANK = worker, NNODES = {hosts} hosts, {hosts * plan.nproc_per_node} addresses) while torchrun's "
+        f"RANK/WORLD_SIZE are the job's (0..{world - 1}); which of them indexes torch-tpu's per-slice address list "
+        "is inside its binary. Run a 2-slice job first: scripts/tpu_smoke.sh --multislice (docs/launch.md)"
+    )
 
 
 if __name__ == "__main__":

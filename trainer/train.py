@@ -26,6 +26,7 @@ from models.errors import ConfigError, NonFiniteLoss
 from trainer import checkpoint as ckpt
 from trainer.callbacks import CacheMisses, Callback, FirstLogKeys, MoEKeys, NonFiniteCheck, Watchdog
 from trainer.config import Config, build_config, split_cli, to_toml
+from trainer.config.placeholders import check_checkpoint_folder
 from trainer.job import Job, build_job
 from trainer.runtime import (
     PREEMPTED_EXIT_CODE,
@@ -61,6 +62,7 @@ def _validate(model, *, build_loader, prepare, loss_fn, steps: int, device: torc
 
 
 def train(cfg: Config) -> int:
+    check_checkpoint_folder(cfg.checkpoint)  # a pod recipe's gs://YOUR_BUCKET/..., before anything starts
     job = build_job(cfg, purpose="train")
     t, c, manager = cfg.training, cfg.compile, job.manager
     dump_folder, is_rank0, task, step_plan = cfg.job.dump_folder, job.is_rank0, job.task, job.step_plan

@@ -63,7 +63,9 @@ def test_xpk_two_slices_global_rank_and_coordinator():
     # torch-tpu gets the slice's own view (its slice builder is per slice) ...
     assert (seen["NODE_RANK"], seen["NNODES"], seen["MASTER_ADDR"]) == ("5", "64", "wl-slice-job-1-0.wl")
     # ... and the workers the MegaScale variables libtpu joins the slices with
-    assert plan.env["MEGASCALE_SLICE_ID"] == "1" and plan.env["MEGASCALE_PORT"] == "8080"
+    # (the coordinator with XPK's MEGASCALE_PORT, which is not every process's: tests/e2e/test_pod_launch.py)
+    assert plan.env["MEGASCALE_SLICE_ID"] == "1" and "MEGASCALE_PORT" not in plan.env
+    assert plan.env["MEGASCALE_COORDINATOR_ADDRESS"] == "wl-slice-job-0-0.wl:8080"
     argv = plan.torchrun_argv(["--config", "x.toml"])
     assert "--nnodes=128" in argv and "--node_rank=69" in argv
     assert f"--rdzv_endpoint=wl-slice-job-0-0.wl:{launch.DEFAULT_PORT}" in argv

@@ -1,7 +1,7 @@
 """The low-precision pod recipes (configs/*_v7x_fp8.toml, *_v6e_int8.toml) are their bf16 parent
 plus `[quantize]`: the config system has no include, so each is a whole recipe, and this test keeps
-it in step with its parent. Only `[quantize]`, `[job] dump_folder` and `[job] description` may
-differ; the recipe names a recipe its target runs natively (v7x: float8, v6e: int8)."""
+it in step with its parent. Only `[quantize]`, `[job] dump_folder`, `[job] description` and the
+checkpoint folder's recipe name may differ; the recipe names a recipe its target runs natively (v7x: float8, v6e: int8)."""
 
 from __future__ import annotations
 
@@ -46,16 +46,19 @@ def _diff(a, b, prefix=""):
 def test_a_variant_is_its_parent_plus_quantize(variant):
     name = os.path.basename(variant)
     parent = variant.replace("_fp8.toml", ".toml").replace("_int8.toml", ".toml")
+    parent_stem = os.path.basename(parent)[:-5]
     cfg, base = build_config(variant), build_config(parent)
     assert base.quantize.recipe == "none"
     assert cfg.quantize.recipe == EXPECTED[name]
     differ = _diff(cfg, base)
-    allowed = {"job.dump_folder", "job.description", "quantize.recipe"}
+    allowed = {"job.dump_folder", "job.description", "quantize.recipe", "checkpoint.folder"}
     if name in FLOAT8_GATHER:
         allowed.add("quantize.fsdp_float8_all_gather")
     assert cfg.quantize.fsdp_float8_all_gather == (name in FLOAT8_GATHER)
     assert set(differ) == allowed, differ
     assert cfg.job.dump_folder == base.job.dump_folder + name[len(os.path.basename(parent)) - 5 : -5]
+    # its own checkpoint folder (the bucket placeholder, trainer/config/placeholders.py), named like the recipe
+    assert cfg.checkpoint.folder == base.checkpoint.folder.replace(f"/{parent_stem}/", f"/{name[:-5]}/")
     assert cfg.job.description.startswith(base.job.description)
     # the target's native low-precision format
     assert ("float8" in cfg.quantize.recipe) == cfg.job.target.startswith("v7x")
