@@ -212,49 +212,54 @@ def resolve_rank_order(
 # ------------------------------------------------------------------------------- the start-up check
 
 
-def grid_violations(name: str, mesh_grid: torch.Tensor, dim_names) -> list[str]:
+def grid_violations(name: str, mesh_grid: torch.Tensor, dim_names, *, example: bool = True) -> list[str]:
     """The axes of one mesh along which some line of its rank grid is not ascending: there a
-    rank's group rank (sorted order) differs from its coordinate. Pure: every rank holds the grid."""
+    rank's group rank (sorted order) differs from its coordinate. Pure: every rank holds the world
+    grid (a derived mesh's `.mesh` is the part around this rank: `example=False` keeps its
+    verdict's text the same on every rank)."""
     grid = np.asarray(mesh_grid.cpu())
     bad = []
     for d, axis in enumerate(dim_names):
         lines = np.moveaxis(grid, d, -1).reshape(-1, grid.shape[d])
         if lines.shape[1] > 1 and (np.diff(lines, axis=1) <= 0).any():
             row = next(line for line in lines if (np.diff(line) <= 0).any())
-            bad.append(f"{name}.{axis} (a group {list(map(int, row))} out of rank order)")
+            bad.append(f"{name}.{axis}" + (f" (a group {list(map(int, row))} out of rank order)" if example else ""))
     return bad
 
 
 def check_mesh_order(meshes: Mapping[str, object]) -> int:
     """Stop (ConfigError naming the axis, on every rank alike) unless on every axis of every mesh
-    in `meshes` ({name: DeviceMesh}) this rank's group rank equals its coordinate. Checked twice: on
+    in `meshes` ({name: DeviceMesh}, the world mesh first) this rank's group rank equals its coordinate. Checked twice: on
     the rank grids (every rank sees all of them, so all agree) and by asking torch for this rank's
     group ranks, whose flags one all-reduce (MIN) combines. Returns the number of axes checked."""
     import torch.distributed as dist
 
-    problems: list[str] = []
+    named = {name: tuple(mesh.mesh_dim_names or range(mesh.ndim)) for name, mesh in meshes.items()}
+    # the grids' verdict first: the same on every rank
+    problems = [
+        p
+        for i, (name, mesh) in enumerate(meshes.items())
+        for p in grid_violations(name, mesh.mesh, named[name], example=i == 0)
+    ]
     local_ok: list[int] = []
-    checked = 0
     for name, mesh in meshes.items():
-        names = tuple(mesh.mesh_dim_names or range(mesh.ndim))
-        problems += grid_violations(name, mesh.mesh, names)
         coordinate = mesh.get_coordinate()
-        for d, axis in enumerate(names):
-            checked += 1
+        for d, axis in enumerate(named[name]):
             ok = coordinate is not None and mesh.get_local_rank(d) == coordinate[d]
             local_ok.append(int(ok))
-            if not ok:
+            if not ok and not problems:
                 problems.append(f"{name}.{axis} (rank {dist.get_rank()}: group rank != coordinate)")
+    checked = len(local_ok)
     flags = torch.tensor(local_ok or [1], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         if not problems and int(flags.min()) == 0:
             i = int(torch.argmin(flags))
-            axes = [f"{n}.{a}" for n, m in meshes.items() for a in (m.mesh_dim_names or range(m.ndim))]
+            axes = [f"{n}.{a}" for n, names in named.items() for a in names]
             problems.append(f"{axes[i]} (on another rank: group rank != coordinate)")
     if problems:
         raise ConfigError(
-            f"{KEY}: the mesh breaks the shard invariant on {problems[0]}: shards would be placed by one "
+            f"{KEY}: the mesh breaks the shard invariant on {'; '.join(problems)}: shards would be placed by one "
             "order and gathered in another (permuted checkpoints and experts); allowed: a mesh built by "
             "parallelisms.build_mesh (ranks renumbered to the layout, the grid in rank order)"
         )
