@@ -21,7 +21,8 @@ whose program does not compile, does not fit, or differs from the plan by more t
 band fails. Minutes per pod recipe.
 
 One row per recipe. Exit status: 0 every recipe would start and fits; 1 one would not (an
-`error:` line per recipe names it and the rule or the shortfall); 2 bad input.
+`error:` line per recipe names it and the rule or the shortfall); 2 bad input (one `error:` line:
+a missing recipe, or an override whose key or value is malformed, checked once before any recipe).
 """
 
 from __future__ import annotations
@@ -86,6 +87,25 @@ def table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
+def check_overrides(overrides: list[tuple[str, str]]) -> None:
+    """Each `--section.key=value` on its own, once, before any recipe: an unknown key or a value of
+    the wrong type or range is a ConfigError (the trainer's message). Combinations, and `[model]`
+    keys of a flavor's args, depend on the recipe and are checked per recipe."""
+    from models.errors import ConfigError
+    from trainer.config import load
+    from trainer.config.schema import Config
+
+    cfg = Config()
+    for dotted, raw in overrides:
+        section, _, key = dotted.partition(".")
+        if not key or "." in key:
+            raise ConfigError(f"--{dotted}: expected --section.key=value")
+        load._set(cfg, section, key, load.parse_value(raw), f"--{dotted}")
+        field = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}.get(key)
+        if field is not None:
+            load._check_metadata(f"{section}.{key}", getattr(getattr(cfg, section), key), field.metadata)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = cli.ArgumentParser(
         description=__doc__.split("\n")[0], epilog="Recipe keys: --section.key=value after the recipes, as in training."
@@ -116,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isfile(path):
             cli.error_line(f"{path}: no such recipe file")
             return 2
+    check_overrides(overrides)  # a malformed one: one error line and exit 2, not one per recipe
+    from trainer.runtime.quiet import quiet_capture
+
+    quiet_capture()  # torch's warnings of capture-only jobs, between the result lines otherwise
     from tools.recipe_check import check_recipe, torch_tpu_layouts
 
     torch_tpu = torch_tpu_layouts(paths, overrides)  # once for all recipes; None: the port answers

@@ -602,4 +602,7 @@ def weak_scaling(inputs, target: planner.Target, cfg, counts: str, **kw) -> int:
 
 
 if __name__ == "__main__":
+    from trainer.runtime.quiet import quiet_capture
+
+    quiet_capture()  # third-party warnings of capture-only jobs, which a user cannot act on
     sys.exit(cli.run(main))

@@ -797,4 +797,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from trainer.runtime.quiet import quiet_capture
+
+    quiet_capture()  # third-party warnings of capture-only jobs, which a user cannot act on
     sys.exit(cli.run(main))

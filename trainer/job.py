@@ -66,6 +66,7 @@ from trainer.runtime.device import (
     torch_dtype,
 )
 from trainer.runtime.flops import tpu_generation
+from trainer.runtime.quiet import quiet_device_mesh_pickling
 from trainer.runtime.runlock import lock_run, released_on_error
 from trainer.runtime.storage import check_shared_folder, check_storage_paths, is_remote
 from trainer.runtime.tpu_env import detect_generation, tpu_runtime_env
@@ -473,6 +474,7 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
     check (the start-up of a run on `device_type` devices, on meta tensors, in the caller's
     process group). A training run's folder lock is released again if the build fails."""
     assert purpose in PURPOSES, purpose
+    quiet_device_mesh_pickling()  # torch's warning on meshes of earlier jobs (trainer/runtime/quiet.py)
     why = PURPOSES[purpose]
     assert why.captures_only == (device_type is not None), "device_type is the check's target device type"
     with released_on_error():

@@ -313,3 +313,62 @@ def test_cpu_busy_fraction_from_two_readings(monkeypatch):
     assert bench.cpu_busy_fraction(0.0) == pytest.approx(0.5)
     monkeypatch.setattr(bench, "_cpu_times", lambda: None)  # no /proc/stat
     assert bench.cpu_busy_fraction(0.0) is None
+
+
+def _full_after(monkeypatch, budget: int):
+    """metrics.jsonl opened as a file that takes `budget` more bytes, then fails like a full disk."""
+    from tests.support.full_disk import LimitedFile
+
+    real_open = open
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and "a" in mode:
+            return LimitedFile(path, mode, budget=budget)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", fake_open, raising=False)
+
+
+def test_a_full_disk_mid_record_leaves_only_whole_records(tmp_path, monkeypatch, clock):
+    """The disk fills in the middle of a record: one WriteFailed line naming the file and the
+    cause, and metrics.jsonl ends with the last whole record (the part written is truncated away)."""
+    import errno
+    import os
+
+    from trainer.runtime.atomic import WriteFailed
+
+    first = MetricsLogger(dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=3, is_rank0=True)
+    clock.now += 1
+    first.log(1, tokens=10, loss=2.0)
+    first.close()
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    _full_after(monkeypatch, budget=len(before) // 2)  # room for half of the next record
+    logger = MetricsLogger(
+        dump_folder=tmp_path, log_freq=1, enable_tensorboard=False, total_steps=3, is_rank0=True, start_step=1
+    )
+    clock.now += 1
+    with pytest.raises(WriteFailed) as e:
+        logger.log(2, tokens=10, loss=1.5)
+    logger.close()
+    assert str(e.value) == f"writing metrics {tmp_path / 'metrics.jsonl'} failed: {os.strerror(errno.ENOSPC)}"
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [1]
+
+
+def test_a_real_full_file_system_leaves_only_whole_records(tmp_path, clock):
+    """The same on a real full disk: a tiny tmpfs (root only; skipped elsewhere) filled to one page."""
+    from tests.support.full_disk import fill, tiny_tmpfs
+    from trainer.runtime.atomic import WriteFailed
+
+    with tiny_tmpfs(tmp_path / "disk", kib=128) as disk:
+        logger = MetricsLogger(dump_folder=disk, log_freq=1, enable_tensorboard=False, total_steps=9, is_rank0=True)
+        clock.now += 1
+        logger.log(1, tokens=10, loss=2.0)
+        fill(disk, leave=4096)
+        with pytest.raises(WriteFailed, match="No space left on device"):
+            for step in range(2, 10):  # records of ~2 KiB: the second or third does not fit whole
+                clock.now += 1
+                logger.log(step, tokens=10, loss=1.0, **{f"extra_{i}": i + 0.5 for i in range(150)})
+        logger.close()
+        text = (disk / "metrics.jsonl").read_text()
+        assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())

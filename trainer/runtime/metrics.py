@@ -75,6 +75,21 @@ def peak_memory_gib(device: torch.device) -> float | None:
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 
 
+def append_whole(f, data: bytes) -> None:
+    """Append `data` to the unbuffered binary file `f` whole or not at all: a write cut short (a
+    full disk, a quota) is truncated back to where it started before the OSError propagates, so
+    the file never ends in part of a record."""
+    start = f.seek(0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[f.write(view) :]  # FileIO.write may write part and raise on the next call
+    except OSError:
+        with contextlib.suppress(OSError):
+            f.truncate(start)
+        raise
+
+
 def set_aside(path: Path, start_step: int) -> int:
     """Move the records of `path` with step > start_step (and unreadable lines, e.g. a line
     cut short by a kill) to metrics.rolled_back.jsonl next to it, each tagged with
@@ -98,8 +113,8 @@ def set_aside(path: Path, start_step: int) -> int:
                 moved.append(json.dumps({**record, "rolled_back_at": start_step}))
     if not moved:
         return 0
-    with open(path.with_name(ROLLED_BACK), "a", encoding="utf-8") as f:
-        f.write("".join(m + "\n" for m in moved))
+    with open(path.with_name(ROLLED_BACK), "ab", buffering=0) as f:
+        append_whole(f, "".join(m + "\n" for m in moved).encode("utf-8"))
     with atomic_file(path, what="metrics") as f:
         f.write("".join(keep).encode("utf-8"))
     return len(moved)
@@ -169,7 +184,7 @@ class MetricsLogger:
         with self._failed_write():
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
             set_aside(self.jsonl_path, start_step)
-            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+            self._jsonl = open(self.jsonl_path, "ab", buffering=0)  # records appended whole (append_whole)
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -269,7 +284,8 @@ class MetricsLogger:
     @contextlib.contextmanager
     def _failed_write(self):
         """A failed write of metrics.jsonl (disk full, quota, read-only, permission) ends the run
-        with one line naming the file and the cause (WriteFailed: `error: ...`, exit 1)."""
+        with one line naming the file and the cause (WriteFailed: `error: ...`, exit 1); the
+        records written before it stay whole (`append_whole`)."""
         try:
             yield
         except OSError as e:
@@ -283,8 +299,7 @@ class MetricsLogger:
         # NaN/inf losses are real events: JSON has no literal for them, so they become null
         # there and stay visible on the console and in TensorBoard.
         with self._failed_write():
-            self._jsonl.write(json.dumps(clean) + "\n")
-            self._jsonl.flush()
+            append_whole(self._jsonl, (json.dumps(clean) + "\n").encode("utf-8"))
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and value is not None:
