@@ -8,6 +8,17 @@
 # when uv is on PATH, else python3.11; torch 2.13.0 from the CPU wheel index (TORCH_INDEX), then
 # the [tpu] extra under constraints/tpu.txt. It refuses with one `error:` line, exit 2, when no
 # Python 3.11 can be had or torch-tpu did not install. TPU venvs load torch-tpu (autoload on).
+#   source scripts/env.sh [EXTRAS]    EXTRAS: "" (no extras), dev, tpu, or a comma list of pyproject's
+#                                     extras (e.g. dev,hf); --help prints this; an option is refused (exit 2)
+case "${1:-}" in
+  -h|--help)
+    echo "usage: source scripts/env.sh [dev|tpu|EXTRA,...]"
+    sed -n '1,/^case "\${1:-}" in/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+    return 0 2>/dev/null || exit 0 ;;
+  -*)
+    echo "error: scripts/env.sh: unknown option $1; allowed: source scripts/env.sh [dev|tpu|EXTRA,...] (--help)" >&2
+    return 2 2>/dev/null || exit 2 ;;
+esac
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS="${1:-}"

@@ -40,6 +40,28 @@ shift
 pre=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do pre+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
+refuse() {  # refuse WHAT ALLOWED: one `error:` line, exit 2 (nothing started)
+  echo "error: launch_pod.sh: $platform: $1; allowed: $2 (scripts/launch_pod.sh --help)" >&2; exit 2
+}
+words() {  # words MIN MAX USAGE: the platform's own arguments before --, none of them an option
+  local w
+  for w in ${pre[@]+"${pre[@]}"}; do
+    case "$w" in -*) refuse "unknown option $w" "$3; options of the run go after --" ;; esac
+  done
+  if [ ${#pre[@]} -lt "$1" ] || [ ${#pre[@]} -gt "$2" ]; then
+    refuse "${#pre[@]} arguments before -- (${pre[*]:-none})" "$3"
+  fi
+}
+case "$platform" in
+  host) [ ${#pre[@]} -ge 1 ] && [[ "${pre[0]}" != -* ]] || refuse "no ENV before the launcher options (${pre[*]:-none})" \
+          "host ENV [LAUNCHER OPTIONS] -- ... with ENV tpu, base or none" ;;
+  tpu-vm|qr) words 2 3 "$platform NAME ZONE [PROJECT] -- ..." ;;
+  xpk) words 3 4 "xpk CLUSTER WORKLOAD TPU_TYPE [NUM_SLICES] -- ..."
+       [[ "${pre[3]:-1}" =~ ^[1-9][0-9]*$ ]] || refuse "NUM_SLICES ${pre[3]}" "a slice count >= 1" ;;
+  slurm) words 0 0 "slurm -- ... (inside an sbatch allocation)" ;;
+  local) words 2 2 "local NHOSTS NPROC -- ..."
+         [[ "${pre[0]}" =~ ^[1-9][0-9]*$ && "${pre[1]}" =~ ^[1-9][0-9]*$ ]] || refuse "NHOSTS NPROC ${pre[*]}" "two counts >= 1" ;;
+esac
 [ $# -gt 0 ] || { echo "error: launch_pod.sh: nothing to train; allowed: ... -- --config RECIPE.toml" >&2; exit 2; }
 train_args=$(printf '%q ' "$@")
 run() { if [ "${DRY_RUN:-0}" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi; }

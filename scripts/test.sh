@@ -12,14 +12,16 @@
 # ones that share an expensive fixture); `scripts/test.sh -n 0 ...` runs them in this process.
 # The XLA tier (tests/xla, marker `xla`) runs its probes in their own venvs, made on first use by
 # scripts/xla_env.sh under TITAN_XLA_VENV_ROOT (default: the checkout); deselect it with
-# -m "not xla". docs/testing.md.
+# -m "not xla". docs/testing.md. Exit codes: pytest's, except a bad flag or path: 2 (pytest's 4).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --all) export TITAN_TEST_TIER=all; shift ;;
     --record) export TITAN_RECORD_DURATIONS="$ROOT/tests/support/durations.json"; shift ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help)  # this header, as the usage
+      echo "usage: scripts/test.sh [--all] [--record] [pytest args]"
+      sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac
 done
@@ -28,4 +30,7 @@ source "$ROOT/scripts/env.sh" dev
 # 10-400x slower; multi-process tests also get one thread per rank.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec python -m pytest -q -p no:cacheprovider --durations=40 -n "${TITAN_TEST_WORKERS:-2}" --dist loadgroup "$@"
+# pytest's usage errors (an unknown flag, a path that is not there) are its exit 4: bad input, so 2
+# here as in every other command; the rest of its codes unchanged. exec: signals reach pytest.
+exec python -c 'import sys, pytest; rc = pytest.console_main(); sys.exit(2 if rc == 4 else rc)' \
+  -q -p no:cacheprovider --durations=40 -n "${TITAN_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -479,3 +479,108 @@ def test_launch_pod_local_sigterm_exits_75(tmp_path):
     assert out.count("launch: preempted: all 1 workers of this node exited 75") == 2, out[-3000:]
     saved = [d for d in os.listdir(folder / "checkpoints") if d.startswith("step-")]
     assert len(saved) == 1, saved
+
+
+# --- SIGKILL to the launcher: torchrun and its workers do not outlive it ---------------------------
+
+
+def _children_of(pids: set[int]) -> set[int]:
+    """Every live descendant of `pids` (/proc's parent links)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = set(), set(pids)
+    while todo:
+        kids = {pid for pid, ppid in parents.items() if ppid in todo and pid not in found}
+        found |= kids
+        todo = kids
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
+    except OSError:
+        return False
+
+
+@pytest.mark.linux
+@pytest.mark.multiprocess
+def test_sigkill_to_the_launcher_stops_torchrun_and_a_relaunch_starts(tmp_path):
+    """`kill -9` of `python -m trainer.launch` (1 CPU worker, the debug model): torchrun gets SIGTERM
+    from the kernel (PR_SET_PDEATHSIG), stops its worker, and the run folder's lock goes with them;
+    the same command then starts and finishes. Before: torchrun and the worker kept training,
+    orphaned, and the relaunch was refused (`error: job.dump_folder: ... in use`, exit 2)."""
+    import signal
+    import time
+
+    folder = tmp_path / "run"
+    env = {k: v for k, v in ENV.items() if not k.startswith(("TPU_", "SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
+
+    def command(steps: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "trainer.launch",
+            "--platform",
+            "manual",
+            "--device",
+            "cpu",
+            "--nnodes",
+            "1",
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "--nproc-per-node",
+            "1",
+            "--",
+            "--config",
+            "configs/llama3_debug.toml",
+            f"--training.steps={steps}",
+            "--training.seq_len=32",
+            "--model.n_layers=1",
+            "--model.attn_backend=sdpa",
+            "--metrics.log_freq=1",
+            "--validation.enable=false",
+            "--metrics.enable_tensorboard=false",
+            "--checkpoint.enable=false",
+            "--training.local_batch_size=1",
+            f"--job.dump_folder={folder}",
+        ]
+
+    log = open(tmp_path / "first.txt", "w+")
+    first = subprocess.Popen(command(100000), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    spawned: set[int] = set()
+    try:
+        metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 240
+        while first.poll() is None and time.monotonic() < deadline:
+            spawned |= _children_of({first.pid})
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        spawned |= _children_of({first.pid})
+        assert first.poll() is None, "the first run ended before it was killed"
+        assert spawned, "no torchrun under the launcher"
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        deadline = time.monotonic() + 90  # torchrun's shutdown timeout (30 s) and the start-up's margin
+        while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = sorted(p for p in spawned if _alive(p))
+        assert not left, f"processes of the killed launcher still running: {left}"
+        again = subprocess.run(command(2), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    finally:
+        for pid in spawned:  # only what this test started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
