@@ -159,8 +159,35 @@ def test_compilation_cache_variables(tmp_path, monkeypatch):
     # Unset keys leave what the environment exports, and the banner says what is in effect.
     kept = _env(environ={TIER3_CACHE_VAR: "/shared/cc"})
     assert TIER3_CACHE_VAR not in kept.env
-    assert f"titan-tpu: compilation cache: {TIER3_CACHE_VAR}=/shared/cc" in kept.notes
-    assert "titan-tpu: compilation cache: in memory only" in _env().notes
+    assert (
+        f"titan-tpu: compilation cache: tier 1 in memory; tier 2 host cache off (torch-tpu turns it off in a "
+        f"world of 1); tier 3 persistent cache on ({TIER3_CACHE_VAR}=/shared/cc)" in kept.notes
+    )
+    assert any(
+        n.endswith("tier 2 host cache off (torch-tpu turns it off in a world of 1); tier 3 off") for n in _env().notes
+    )
+
+
+def test_the_banner_says_tier_2_is_on_in_every_multi_process_run():
+    """torch-tpu enables its host cache itself ('default') whenever the world has more than one
+    process; host_cache only names it. The banner said "in memory only" for such a run."""
+    line = [n for n in _env(environ={"WORLD_SIZE": "8"}).notes if "compilation cache" in n][0]
+    assert "tier 2 host cache on (torch-tpu's default for 8 processes, name 'default'); tier 3 off" in line
+    named = [n for n in _env(host_cache=True, environ={"WORLD_SIZE": "8"}).notes if "compilation cache" in n][0]
+    assert f"tier 2 host cache on ({TIER2_CACHE_VAR}=titan-tpu)" in named
+    assert "in memory only" not in line
+
+
+def test_compile_cache_dir_takes_gs_paths(tmp_path):
+    """docs/tpu.md and docs/config.md give pods `compile.cache_dir = "gs://..."`: the key takes it
+    (torch-tpu's tier-3 root reads gs://); a malformed URL is one error naming the key."""
+    from models.errors import ConfigError
+    from trainer.config import build_config
+    from trainer.runtime.storage import check_storage_paths
+
+    check_storage_paths(build_config("configs/llama3_debug.toml", [("compile.cache_dir", "gs://bucket/cc")]))
+    with pytest.raises(ConfigError, match=r"^compile\.cache_dir: 'gs://Bad_Bucket/cc' is a malformed gs:// URL"):
+        check_storage_paths(build_config("configs/llama3_debug.toml", [("compile.cache_dir", "gs://Bad_Bucket/cc")]))
 
 
 def test_apply_sets_the_process_environment():

@@ -305,9 +305,11 @@ class CompileConfig:
     (~/.cache/titan-tpu/torch_tpu_compile); on a pod a gs:// bucket every host can read shares
     one cache. Ignored on cpu/cuda. See docs/tpu.md, "Compile cache"."""
     host_cache: bool = False
-    """TPU: torch-tpu's host-local compilation cache (TORCH_TPU_TIER2_COMPILATION_CACHE, under
-    /dev/shm), so the processes of one host compile each program once between them instead of
-    once each; torch-tpu turns it off in a world of 1. Every pod recipe sets it. Ignored on cpu/cuda."""
+    """TPU: names torch-tpu's host-local compilation cache titan-tpu (TORCH_TPU_TIER2_COMPILATION_CACHE,
+    under /dev/shm), through which the processes of one host compile each program once between
+    them. torch-tpu turns that cache on by itself in every run of more than one process (name
+    'default') and off in a world of 1, so this only names it; the banner's compilation-cache line
+    says which tiers are on. Every pod recipe sets it. Ignored on cpu/cuda."""
 
 
 @dataclass
@@ -492,8 +494,10 @@ class QuantizeConfig:
     refuse the rest. docs/low_precision.md."""
     filter_fqns: list = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
     """Module-path substrings whose linears stay in the compute dtype (TorchTitan's name); the
-    default keeps the output head and the MoE router out. MoE experts (grouped weights) are not
-    quantized by any recipe yet."""
+    default keeps the output head and the MoE router out. MoE experts (grouped weights) are
+    quantized too, by the same rule on (dim, moe hidden) (their matmuls go through
+    `quantized_grouped_mm`); "experts" here leaves them in the compute dtype. The start-up banner
+    says how many linears and expert layers were quantized and how many each key left out."""
     min_dim: int = field(default=DEFAULT_MIN_DIM, metadata=_range(ge=0))
     """Linears whose in or out features are below this stay in the compute dtype (the automatic
     filter: small matmuls gain less than quantizing costs); in and out features must also be

@@ -418,7 +418,6 @@ def _timedelta(seconds: float):
 # (docs/checkpointing.md "On object storage (gs://)": checkpoints go to gs://, these stay local).
 _LOCAL_ONLY = {
     "job.dump_folder": "metrics.jsonl, config.toml, TensorBoard and traces are written with local-file APIs",
-    "compile.cache_dir": "the compilation caches (Inductor, XLA) write local files",
     "training.dataset": "the data loaders read local files or the Hugging Face hub",
     "validation.dataset": "the data loaders read local files or the Hugging Face hub",
 }
@@ -426,8 +425,9 @@ _LOCAL_ONLY = {
 
 def check_storage_paths(cfg) -> None:
     """Before the process group: checkpoint.folder may be gs://BUCKET/PREFIX (checked for form
-    here, for the bucket and access at the run lock); the keys of _LOCAL_ONLY must be local. One
-    ConfigError naming the key otherwise."""
+    here, for the bucket and access at the run lock), and so may compile.cache_dir (form only:
+    torch-tpu's cache reads it); the keys of _LOCAL_ONLY must be local. One ConfigError naming
+    the key otherwise."""
     for key, why in _LOCAL_ONLY.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section, None), name, None)
@@ -439,3 +439,9 @@ def check_storage_paths(cfg) -> None:
     ck = getattr(getattr(cfg, "checkpoint", None), "folder", None)
     if getattr(cfg.checkpoint, "enable", False) and is_remote(ck):
         split_url(ck, key="checkpoint.folder")
+    # torch-tpu's tier-3 compilation cache root takes a gs:// prefix as well as a path (its C++
+    # reads TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT itself: trainer/runtime/tpu_env.py); only the form
+    # is checked here, torch-tpu reads and writes the bucket.
+    cache = getattr(getattr(cfg, "compile", None), "cache_dir", None)
+    if is_remote(cache):
+        split_url(cache, key="compile.cache_dir")

@@ -43,8 +43,11 @@ TIER3_CACHE_VAR = "TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT"
 run reads compiled executables from and writes them to (`[compile] cache_dir`)."""
 TIER2_CACHE_VAR = "TORCH_TPU_TIER2_COMPILATION_CACHE"
 """torch-tpu's host-local cache: a name under /dev/shm/torch_tpu_cache shared by the processes of
-one host, so one of them compiles a program and the others load it (`[compile] host_cache`);
-torch-tpu turns it off in a world of 1 ("Tier-2 compilation cache is disabled for world size 1")."""
+one host, so one of them compiles a program and the others load it. torch-tpu turns it on by
+itself in every run of more than one process, under the name 'default' ("Tier-2 compilation cache
+is enabled with name 'default' for world size N", and "... 'default' because tier-3 is enabled":
+the strings of torch-tpu 0.2.0's C++, docs/tpu.md), and off in a world of 1 ("Tier-2 compilation
+cache is disabled for world size 1"). So `[compile] host_cache` only names it (titan-tpu)."""
 HOST_CACHE_NAME = "titan-tpu"
 """The tier-2 cache name (entries are keyed by torch-tpu's binary fingerprint and the program)."""
 
@@ -185,7 +188,9 @@ def tpu_runtime_env(
     (default: the installed libtpu.so and torch-tpu's libxla_base.so; none installed: no check):
     libtpu stops the process on an unknown flag, this names it first (ConfigError).
     `cache_dir` (a path, made absolute, or gs://...) and `host_cache` set torch-tpu's tier-3 and
-    tier-2 compilation caches; an exported value is kept when the key is unset.
+    tier-2 compilation caches; an exported value is kept when the key is unset. The banner line
+    says which tiers are on: tier 2 is torch-tpu's default in a world of more than one process
+    (`WORLD_SIZE` in `environ`, torchrun's), named or not (`TIER2_CACHE_VAR`).
     """
     environ = os.environ if environ is None else environ
     libtpu_args = check_flags("device.libtpu_init_args", libtpu_init_args)
@@ -243,13 +248,30 @@ def tpu_runtime_env(
         )
     if host_cache:
         out.env[TIER2_CACHE_VAR] = HOST_CACHE_NAME
-    caches = [
-        f"{var}={out.env.get(var, environ.get(var))}"
-        for var in (TIER3_CACHE_VAR, TIER2_CACHE_VAR)
-        if out.env.get(var, environ.get(var))
-    ]
-    out.notes.append(f"titan-tpu: compilation cache: {', '.join(caches) if caches else 'in memory only'}")
+    out.notes.append(f"titan-tpu: compilation cache: {cache_tiers(out.env, environ)}")
     return out
+
+
+def cache_tiers(env: Mapping[str, str], environ: Mapping[str, str]) -> str:
+    """Which of torch-tpu's compilation cache tiers are on, in words (the banner's line): tier 1 in
+    memory always; tier 2 (the host's /dev/shm) named by `TIER2_CACHE_VAR` or torch-tpu's default
+    'default' in a world of more than one process (`WORLD_SIZE`), off in a world of 1; tier 3 where
+    `TIER3_CACHE_VAR` points."""
+    value = lambda var: env.get(var) or environ.get(var)  # noqa: E731
+    try:
+        world = int(environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    tier2 = value(TIER2_CACHE_VAR)
+    if tier2:
+        host = f"tier 2 host cache on ({TIER2_CACHE_VAR}={tier2})"
+    elif world > 1:
+        host = f"tier 2 host cache on (torch-tpu's default for {world} processes, name 'default')"
+    else:
+        host = "tier 2 host cache off (torch-tpu turns it off in a world of 1)"
+    tier3 = value(TIER3_CACHE_VAR)
+    persistent = f"tier 3 persistent cache on ({TIER3_CACHE_VAR}={tier3})" if tier3 else "tier 3 off"
+    return f"tier 1 in memory; {host}; {persistent}"
 
 
 def _pick_bundle(flag_bundle: str, generation: str | None) -> FlagBundle | None:
