@@ -216,7 +216,10 @@ def _select_tpu(
     cp = tpu.cp_attention(shapes.cp_rank, shapes.cp) if shapes is not None and shapes.cp > 1 else None
     if cp is not None:  # parallelisms/context_parallel.py serves CP's local product with it on TPU
         selected["cp_attention"] = cp
-    compile_check = tpu.compile_checker(shapes) if shapes is not None else None
+    # A TPU attached here (torch-tpu's client owns the chips): the compile check makes no second
+    # libtpu client (titan_kernels/tpu/__init__.py `compile_checker`).
+    attached = getattr(device, "type", None) == "tpu"
+    compile_check = tpu.compile_checker(shapes, attached=attached) if shapes is not None else None
     passed, verdicts = selfcheck.run(
         selected, device=device, dtype=dtype, head_dim=head_dim, shapes=shapes, compile_check=compile_check
     )

@@ -523,8 +523,8 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     )
     asked = []
 
-    def checker(run_shapes):
-        assert run_shapes is shapes
+    def checker(run_shapes, attached=False):
+        assert run_shapes is shapes and not attached  # the CPU: no TPU attached
         return lambda op: asked.append(op) or _v4_loss_compile(op)
 
     built, real_cp_attention = [], tpu.cp_attention
@@ -549,3 +549,48 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     assert real_cp_attention(1, 2) is None
     tpu.refuse_cp(None)
     assert line.startswith("splash (Pallas: gmm for MoE experts;") and "self-check failed: fused CE, CP splash" in line
+
+
+def test_no_second_libtpu_client_in_a_process_a_tpu_is_attached_to(monkeypatch):
+    """N15 (docs/tpu.md): the compile-only kernel check made a compile-only libtpu device
+    (`jax.experimental.topologies`) inside the training process, whose torch-tpu client owns the
+    chips. On a TPU device `_select_tpu` now asks the checker with `attached=True`, which reaches
+    `compile_kernel` (the tile rule decides, no compile-only device), and the references still
+    serve a refused op. A fake device layer: a device whose type is "tpu", fake compile_check and
+    register modules (no jax here)."""
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from titan_kernels import tpu
+
+    calls = []
+    fake_compile = types.ModuleType("titan_kernels.tpu.compile_check")
+    fake_compile.compile_kernel = lambda op, shapes, generation, attached=False: (
+        calls.append((op, generation, attached)) or (False, "tile rule: over the VMEM limit")
+    )
+    fake_register = types.ModuleType("titan_kernels.tpu.register")
+    fake_register.device_generation = lambda: "v6e"
+    for name, module in (("compile_check", fake_compile), ("register", fake_register)):
+        monkeypatch.setitem(sys.modules, f"titan_kernels.tpu.{name}", module)
+        monkeypatch.setattr(tpu, name, module, raising=False)
+    shapes = selfcheck.KernelShapes(hidden=64, vocab=1024, qk_head_dim=48, v_head_dim=48, tokens=256)
+    assert tpu.compile_checker(shapes, attached=True)("linear_cross_entropy") == (
+        False,
+        "tile rule: over the VMEM limit",
+    )
+    assert calls == [("linear_cross_entropy", "v6e", True)]
+
+    asked = []
+    monkeypatch.setattr(tpu, "load", lambda: dict(AGREEING))
+    monkeypatch.setattr(tpu, "saved_ops", lambda: [])
+    monkeypatch.setattr(tpu, "compile_checker", lambda s, attached=False: asked.append(attached) or (lambda op: None))
+    monkeypatch.setattr(selfcheck, "run", lambda selected, **kw: (kw["compile_check"]("grouped_mm"), ({}, []))[1])
+    saved = {op: ops.register(op, None) for op in ops.OPS}
+    try:
+        for device in (SimpleNamespace(type="tpu"), CPU):
+            titan_kernels._select_tpu("auto", device=device, dtype=BF16, head_dim=None, shapes=shapes)
+    finally:
+        for op, fn in saved.items():
+            ops.register(op, fn)
+    assert asked == [True, False]

@@ -92,14 +92,20 @@ def cp_attention(cp_rank: int, cp_size: int) -> Callable | None:
     return register.build_cp(cp_rank, cp_size)
 
 
-def compile_checker(shapes) -> Callable:
+def compile_checker(shapes, *, attached: bool = True) -> Callable:
     """`fn(op) -> None | (ok, note)`: the kernel of `op` compiled, not run, at the run's `shapes`
-    for this host's TPU generation (titan_kernels/tpu/compile_check.py); after `load()`."""
+    for this host's TPU generation (titan_kernels/tpu/compile_check.py); after `load()`.
+
+    `attached`: a TPU device is attached to this process (the training process: torch-tpu's PJRT
+    client owns the chips). Then no compile-only device is made here: that is a second libtpu
+    client in the process, which libtpu's lockfile or a CHECK abort could end on every rank
+    (docs/tpu.md). The tile rule's VMEM arithmetic decides instead, and step 1's compile is the
+    real test; the references still serve an op whose kernel the rule refuses."""
     from titan_kernels.tpu import compile_check as compiles
     from titan_kernels.tpu import register
 
     generation = register.device_generation()
-    return lambda op: compiles.compile_kernel(op, shapes, generation)
+    return lambda op: compiles.compile_kernel(op, shapes, generation, attached=attached)
 
 
 def refuse_cp(reason: str | None) -> None:

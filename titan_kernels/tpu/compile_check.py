@@ -14,8 +14,9 @@ fit VMEM fail here with the compiler's `CompileTimeScopedVmemOom`, as they would
 - `grouped_mm`: forward and backward of both expert matmuls (dim -> expert hidden in the experts'
   nn.Linear layout, and back) at tokens x top_k rows (MoE models only);
 - splash: nothing here (its numeric check runs at the run's head widths on the device).
-Where no compile-only device can be made (the generation is not detected, or libtpu refuses the
-topology in this process), the decision falls to the tile rule's VMEM arithmetic
+Where no compile-only device can be made (the generation is not detected, libtpu refuses the
+topology in this process, or a TPU is attached to this process: the training process, whose
+torch-tpu PJRT client owns the chips, never opens a second libtpu client), the decision falls to the tile rule's VMEM arithmetic
 (`tiles.ce_vmem_bytes` against the loss' limit; `tiles.gmm_vmem_bytes` against the scoped limit),
 and the note says which decided.
 
@@ -102,16 +103,20 @@ def _vmem_words(message: str) -> str:
     return f" ({m.group(1)} of {m.group(2)} scoped VMEM)" if m else ""
 
 
-def compile_kernel(op: str, shapes, generation: str | None) -> tuple[bool, str] | None:
+def compile_kernel(op: str, shapes, generation: str | None, *, attached: bool = False) -> tuple[bool, str] | None:
     """None (nothing to compile for `op`), (True, what compiled) or (False, why not): every
     program of `programs(op, ...)` compiled for `generation`'s compile-only device, or, where none
-    can be made, judged by the tile rule's VMEM arithmetic (module docstring)."""
+    can be made, judged by the tile rule's VMEM arithmetic (module docstring). `attached`: a TPU
+    is attached to this process (torch-tpu owns the chips): no compile-only device is made, since
+    that would open a second libtpu client here; the tile rule decides and step 1 compiles."""
     progs = programs(op, shapes, generation)
     if not progs:
         return None
     target = generation or "an undetected generation"
     dev, why_estimate = None, "generation not detected"
-    if generation is not None:
+    if attached:
+        why_estimate = "a TPU is attached to this process: no second libtpu client; step 1 compiles it"
+    elif generation is not None:
         try:
             dev = device(generation)
         except Exception as exc:  # libtpu refused a compile-only topology here: the tile rule decides
