@@ -21,7 +21,7 @@ ownership, CP, the reducers, Muon, DCP and the initial loads.
 device layer's: torch-tpu's layout on a TPU whose slice is known before the process group,
 identity elsewhere), a TPU target such as `v6e-8` (its torch-tpu order, from the port in
 `parallelisms/tpu_topology.py`: how the CPU runs a TPU's order), or `3,1,0,2` (ranks in place
-order). `check_mesh_order` verifies the invariant at start-up on every mesh the run shards over.
+order; a list in TOML). `check_mesh_order` verifies the invariant at start-up on every mesh the run shards over.
 """
 
 from __future__ import annotations
@@ -40,14 +40,19 @@ KEY = "parallelism.device_order"
 WORDS = ("identity", "auto")
 ALLOWED = (
     "identity, auto, a TPU target whose device count is the world size per slice (e.g. v6e-8, tpu7x-8, "
-    "v6e-256), or a permutation of the ranks 0..world-1 as comma-separated integers"
+    "v6e-256), or a permutation of the ranks 0..world-1 (a list such as [0, 1, 3, 2])"
 )
 
 
-def check_spec(value: str) -> str:
-    """The value's syntax (the recipe's check; the world size is checked at start-up)."""
+def check_spec(value) -> str:
+    """The value's syntax (the recipe's check; the world size is checked at start-up), as text:
+    a list of ranks becomes `3,1,0,2`."""
     from parallelisms import tpu_topology
 
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in value) or not value:
+            raise ConfigError(f"{KEY}: {value!r} is not a device order; allowed: {ALLOWED}")
+        value = ",".join(map(str, value))
     text = str(value).strip()
     text = re.sub(r"^tpu7x-", "v7x-", text)  # torch-tpu's name of the generation
     if text in WORDS or _is_permutation_text(text) or tpu_topology.topology_of(text) is not None:

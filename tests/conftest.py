@@ -17,6 +17,7 @@ with `scripts/test.sh --all` (`TITAN_TEST_TIER=all`, `.ci/scheduled`, docs/testi
 
 import functools
 import os
+import random
 import sys
 
 import pytest
@@ -27,6 +28,9 @@ from tests.support import tiers
 from trainer.runtime.device import tpu_present
 
 ON_LINUX = sys.platform.startswith("linux")
+# The seed of the device orders multi-process runs take (tests/support/trainer_runs.py), drawn once
+# here so that every pytest-xdist worker, which inherits the environment, draws the same orders.
+os.environ.setdefault("TITAN_TEST_ORDER_SEED", str(random.SystemRandom().randrange(10**6)))
 
 
 def linux_only(test):
@@ -43,6 +47,11 @@ _NO_DEVICE = {
     "cuda": "needs a CUDA GPU (torch.cuda.is_available() is False)",
     "tpu": "needs a TPU (torch-tpu found none; on a TPU VM set TORCH_DEVICE_BACKEND_AUTOLOAD=1)",
 }
+
+
+def pytest_report_header(config):
+    seed = os.environ["TITAN_TEST_ORDER_SEED"]
+    return f"device orders of multi-process runs: TITAN_TEST_ORDER_SEED={seed} (tests/support/trainer_runs.py)"
 
 
 def pytest_runtest_setup(item):

@@ -4,8 +4,10 @@ One process runs `python -m trainer.train`; several run under `torchrun --standa
 process gets one thread (OMP_NUM_THREADS=1) and runs from the repository root.
 """
 
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -14,10 +16,31 @@ GLOBAL_BATCH = 4
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+ORDER_SEED = int(os.environ.setdefault("TITAN_TEST_ORDER_SEED", str(random.SystemRandom().randrange(10**6))))
+"""The device orders of this test run are drawn from this seed (tests/conftest.py draws it, before
+pytest-xdist starts its workers, and prints it; set TITAN_TEST_ORDER_SEED to redo a run's orders)."""
+_draws = itertools.count()
+
+
+def draw_device_order(nproc: int) -> str:
+    """A permutation of `nproc` ranks other than the identity, for `[parallelism] device_order`:
+    every multi-process run of the tests lays its processes out in another order (the mesh must not
+    care: parallelisms/device_order.py). Successive calls draw different ones."""
+    rng = random.Random(f"{ORDER_SEED}/{nproc}/{next(_draws)}")
+    order = list(range(nproc))
+    while order == sorted(order):
+        rng.shuffle(order)
+    return ",".join(map(str, order))
+
+
 def launch_command(nproc: int, args, extra_launcher=()) -> list[str]:
-    """The command line for `nproc` trainer processes (torchrun launcher options in `extra_launcher`)."""
+    """The command line for `nproc` trainer processes (torchrun launcher options in
+    `extra_launcher`); with several, a random device order (`draw_device_order`) unless `args`
+    name one."""
     if nproc == 1:
         return [sys.executable, "-m", "trainer.train", *args]
+    if not any(str(a).startswith("--parallelism.device_order") for a in args):
+        args = [*args, f"--parallelism.device_order={draw_device_order(nproc)}"]
     return [
         sys.executable,
         "-m",

@@ -260,7 +260,7 @@ class ParallelismConfig:
     with it when it is set. The DCN split is put on `dp_replicate`: HSDP shards inside a slice and
     all-reduces gradients across slices, so `data_parallel_replicate_degree` must be a multiple of
     the slice count (docs/launch.md, "Several slices")."""
-    device_order: str = "auto"
+    device_order: str | list[int] = "auto"
     """Which launcher rank (device) takes which place of the mesh. The mesh is always built in
     rank order, so a rank's shard is the same number in every parallelism, DCP and the initial
     loads; a device layout renumbers the processes instead (docs/parallelism.md, "Device order").
@@ -268,7 +268,8 @@ class ParallelismConfig:
     at start-up (`[job] target` or the launcher's topology), identity elsewhere; a TPU target
     (e.g. `v6e-8`, `tpu7x-8`, `v6e-256`; its device count is the world size per slice): that
     slice's torch-tpu order, also on CPU/GPU ranks (how the tests run a TPU's order); or a
-    permutation of the ranks, comma-separated (place p <- rank order[p])."""
+    permutation of the ranks, a list such as [0, 1, 3, 2] (`--parallelism.device_order=0,1,3,2`):
+    place p <- launcher rank order[p]."""
     allow_dcn_sharding: bool = False
     """Let a layout put FSDP (or TP/EP/CP) traffic on the DCN, i.e. `num_slices` that does not
     divide `data_parallel_replicate_degree`; refused otherwise (a per-layer collective over DCN is
