@@ -158,7 +158,6 @@ def _worker(launcher: int, order: list[int], mode: str, init_file: str, folder: 
                 check_mesh_order = None
             if check_mesh_order is not None:
                 from models.errors import ConfigError
-
                 from parallelisms.parallel_dims import flat_dp_mesh
 
                 try:
