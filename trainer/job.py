@@ -47,6 +47,7 @@ from models.common.moe import set_routing_key, use_capacity, use_routing
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
+from parallelisms.device_order import RankOrder, resolve_rank_order
 from parallelisms.parallel_dims import resolve_num_slices, tpu_mesh_layout
 from parallelisms.quantize import QuantizePlan
 from parallelisms.replicate_reduce import ReplicateReducer
@@ -199,6 +200,32 @@ def quantize_generation(cfg: Config, device_type: str) -> str:
     return ""
 
 
+def parallel_dims_of(cfg: Config, *, world_size: int) -> ParallelDims:
+    """The recipe's degrees on `world_size` ranks (ConfigError for degrees that do not divide it)."""
+    p = cfg.parallelism
+    return ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        num_slices=resolve_num_slices(p.num_slices),
+        world_size=world_size,
+    )
+
+
+def rank_order_of(cfg: Config, *, world_size: int, device_type: str) -> RankOrder:
+    """Which launcher rank takes which place of the mesh (`[parallelism] device_order`,
+    parallelisms/device_order.py), decided before the process group, which it renumbers."""
+    return resolve_rank_order(
+        cfg.parallelism.device_order,
+        parallel_dims_of(cfg, world_size=world_size),
+        device_type=device_type,
+        target=cfg.job.target,
+        generation=detect_generation,
+    )
+
+
 def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: bool = False) -> JobPlan:
     """Model args, degrees and step plan of `cfg` on `world_size` devices of `device_type`.
 
@@ -208,16 +235,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     """
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     shape = args.shape()
-    p = cfg.parallelism
-    parallel_dims = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        ep=p.expert_parallel_degree,
-        num_slices=resolve_num_slices(p.num_slices),
-        world_size=world_size,
-    )
+    parallel_dims = parallel_dims_of(cfg, world_size=world_size)
     # Benchmark routing is refused with gradient accumulation (the rule says why): the split is
     # only worked out for it here, so a learned-routing plan reads nothing new.
     t = cfg.training
@@ -528,6 +546,8 @@ class Runtime:
     runtime_notes: tuple[str, ...]
     dist: DistInfo
     compute: ComputeDtype
+    order: RankOrder | None = None
+    """Which launcher rank took which place of the mesh (None: the launcher's order, unchecked)."""
 
 
 def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> Runtime:
@@ -555,7 +575,16 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
         runtime_env.apply()
         notes = tuple(runtime_env.notes)
     check_storage_paths(cfg)
-    info = init_distributed(device, timeout_s=cfg.training.collective_timeout_s)
+    # The device order renumbers the processes (the mesh itself is always in rank order).
+    order = None
+    if not purpose.captures_only and "WORLD_SIZE" in os.environ:
+        order = rank_order_of(cfg, world_size=int(os.environ["WORLD_SIZE"]), device_type=device_type)
+        if order.world_size > 1:
+            notes = (*notes, f"titan-tpu: {order.summary()}")
+    elif purpose.captures_only and cfg.job.target:
+        order = rank_order_of(cfg, world_size=torch.distributed.get_world_size(), device_type=device_type)
+        notes = (*notes, f"titan-tpu: {order.summary()} (the check's rank 0 is place 0)")
+    info = init_distributed(device, timeout_s=cfg.training.collective_timeout_s, order=order)
     # The first collective: a rank frozen before it is named within training.startup_timeout_s
     # (lock_run's broadcast would otherwise wait for the backend's default timeout).
     if not purpose.captures_only:  # a check job's (fake) process group has no store
@@ -570,7 +599,13 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
     set_seed(cfg.training.seed)
     compute = resolve_compute_dtype(cfg.training.mixed_precision_param, device_type)
     return Runtime(
-        device=device, device_type=device_type, host_malloc=host_malloc, runtime_notes=notes, dist=info, compute=compute
+        device=device,
+        device_type=device_type,
+        host_malloc=host_malloc,
+        runtime_notes=notes,
+        dist=info,
+        compute=compute,
+        order=order,
     )
 
 
@@ -647,7 +682,9 @@ def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Job
     """Phase 3: the named mesh, the task (none for the engine, whose caller brings its own tokens
     and loss; told the cp group when the windows are split over context-parallel ranks), the
     batch split and (purpose `reads_data`) the loaders: bad data fails before any checkpoint."""
-    mesh = build_mesh(plan.parallel_dims, "cpu" if purpose.captures_only else rt.device.type, target=cfg.job.target)
+    mesh = build_mesh(
+        plan.parallel_dims, "cpu" if purpose.captures_only else rt.device.type, target=cfg.job.target, order=rt.order
+    )
     cp = cp_group(mesh["cp"]) if plan.parallel_dims.cp_enabled else None
     task = (
         build_task(
