@@ -875,12 +875,12 @@ PROCESS_KEYS = (
 
 
 def process_lines(plan: LaunchPlan) -> list[str]:
-    """`--dry-run`: one `# process` line per local process with its launch variables (`PROCESS_KEYS`;
-    `<unset>` for one the plan takes out, `-` for one nobody sets) and, on TPU, the entry of the
+    """`--dry-run`: one `# process` line per local process with its launch variables (those of
+    `PROCESS_KEYS` it gets; `<unset>` for one the plan takes out) and, on TPU, the entry of the
     slice-builder address list at this process's place in its slice."""
     lines = []
     for env in plan.process_envs():
-        shown = [f"{k}={'<unset>' if k in plan.unset else env.get(k, '-')}" for k in PROCESS_KEYS]
+        shown = [f"{k}={'<unset>' if k in plan.unset else env[k]}" for k in PROCESS_KEYS if k in env or k in plan.unset]
         addresses = [a for a in env.get("TORCH_TPU_SLICEBUILDER_ADDRESSES", "").split(",") if a]
         if addresses:
             place = int(env.get("NODE_RANK", "0")) * plan.nproc_per_node + int(env["LOCAL_RANK"])
