@@ -58,6 +58,9 @@ class RecipeCheck:
     tpu_mesh: str = "-"
     """On a TPU target: the mesh as torch-tpu lays it out on the target's slice, and which code said so
     (`tpu_mesh_check`)."""
+    device_order: str = "-"
+    """The ranks the device order renumbers (the run's `parallelism.device_order` on its target: the
+    launcher rank of each place) and the shard invariant's check on every mesh axis (build_mesh)."""
     seconds: float = 0.0
     error: str | None = None
     """The refusal (the trainer's `ConfigError`) or the failure; None: it would start."""
@@ -154,6 +157,17 @@ def _step_summary(plan) -> str:
     return ", ".join(parts)
 
 
+def _order_summary(cfg: Config, job, *, devices: int, device_type: str, report: RecipeCheck) -> str:
+    """`N/W renumbered, invariant on K axes`: the run's device order on its target (torch-tpu's
+    layout, the compact EP groups: parallelisms/device_order.py) and how many mesh axes build_mesh
+    checked; the order in full goes to the notes."""
+    from trainer.job import rank_order_of
+
+    order = rank_order_of(cfg, world_size=devices, device_type=device_type)
+    report.notes.append(order.summary())
+    return f"{order.renumbered}/{order.world_size} renumbered, invariant on {job.mesh._titan_checked_axes} axes"
+
+
 def _mesh_summary(dims) -> str:
     axes = [
         f"{name} {size}"
@@ -225,6 +239,7 @@ def start_up(cfg: Config, *, devices: int, device_type: str, report: RecipeCheck
     with planner.fake_process_group(devices), abstract_model():
         job = build_job(cfg, purpose="check", device_type=device_type)
         report.mesh = _mesh_summary(job.parallel_dims)
+        report.device_order = _order_summary(cfg, job, devices=devices, device_type=device_type, report=report)
         report.step = _step_summary(job.step_plan)
         step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
         batch = job.task.example_batch(job.local_batch_size, device=job.device)
