@@ -221,6 +221,16 @@ def plan(steps: int) -> list[Run]:
             resume_of="save",
         ),
         Run(
+            "reload_cpu",
+            f"save's step-{k} checkpoint, written in the TPU's device order, read in one CPU process "
+            "(DCP's full tensors) and continued eagerly",
+            LLAMA,
+            [*PLAIN, *save],
+            device="cpu",
+            ref="resume",
+            resume_of="save",
+        ),
+        Run(
             "cp2",
             "graph_scan + context parallel 2 (k/v all-gather, per-rank CP splash), splash attention",
             LLAMA,

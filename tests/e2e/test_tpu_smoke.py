@@ -72,7 +72,7 @@ def test_shim_run_end_to_end(tmp_path):
         "--out",
         str(out),
         "--runs",
-        "cpu,compile,graph_scan,moe_ep2,save,resume,cp2,cache_cold,cache_warm",
+        "cpu,compile,graph_scan,moe_ep2,save,resume,reload_cpu,cp2,cache_cold,cache_warm",
         "--set",
         "compile:--training.dataset=/nonexistent/smoke.jsonl",
         "--run-timeout",
@@ -105,6 +105,7 @@ def test_shim_run_end_to_end(tmp_path):
         "moe_ep2": "skipped",
         "save": "ok",
         "resume": "ok",
+        "reload_cpu": "ok",
         "cp2": "skipped",
         "cache_cold": "ok",
         "cache_warm": "ok",
@@ -147,6 +148,10 @@ def test_shim_run_end_to_end(tmp_path):
     assert row["vs"] == "save" and row["steps"] == "3-4" and row["verdict"] == "ok", row
     worst = max(abs(resume[s]["loss"] - save[s]["loss"]) / save[s]["loss"] for s in (3, 4))
     assert row["Δ loss (rel.)"] == f"{worst:+.2e}"
+    # The save read back in one CPU process: from the same state, so within the CPU bound of `resume`.
+    reload = metrics("reload_cpu")
+    assert sorted(reload) == [3, 4] and dict(zip(HEADER, _row(report, "reload_cpu")))["verdict"] == "ok"
+    assert max(abs(reload[s]["loss"] - resume[s]["loss"]) / resume[s]["loss"] for s in (3, 4)) < 1e-5
     assert "## Save and resume" in report and f"| 4 | {save[4]['loss']:.6f} | {resume[4]['loss']:.6f} |" in report
 
     # The failing run: its status, and its log's tail with the trainer's error line in the report.

@@ -176,3 +176,30 @@ def test_checkpoints_initial_loads_experts_and_uneven_shards_hold_in_torch_tpus_
     product = _faults("--order", "v6e-8", "--mesh", "product")
     assert product.returncode == 0, product.stdout[-3000:] + product.stderr[-3000:]
     assert [line.split()[1] for line in product.stdout.splitlines()[1:] if not line.startswith(" ")] == ["holds"] * 4
+
+
+def test_auto_on_a_tpu_takes_the_slices_layout_when_it_is_known():
+    dims = ParallelDims(world_size=8, dp_shard=8)
+    known = do.resolve_rank_order("auto", dims, device_type="tpu", target="v6e-8", env={})
+    assert known.order == (0, 1, 2, 3, 7, 6, 5, 4) and "torch-tpu's order on v6e-8" in known.source
+    unknown = do.resolve_rank_order("auto", dims, device_type="tpu", target=None, env={})
+    assert unknown.renumbered == 0 and "unknown before the process group" in unknown.source
+    assert do.resolve_rank_order("auto", dims, device_type="cuda").source == "identity (auto on cuda)"
+
+
+def test_torch_tpus_own_layout_is_compared_with_the_meshs_groups(capsys, monkeypatch):
+    """After the process group, torch-tpu's `topology_aware_mesh` (in process-group ranks) is
+    compared with the rank-order mesh: the same groups when the renumbering followed the devices,
+    a named difference otherwise; the mesh is never changed by it."""
+    from parallelisms import parallel_dims as pd
+
+    monkeypatch.setattr(pd.distributed, "rank", lambda: 0)
+    ranks = torch.arange(8).reshape(1, 4, 1, 2)
+    order = _order("v6e-8", 8, tp=2)
+    pd._compare_with_torch_tpu(ranks, torch.arange(8).reshape(1, 4, 1, 2), order, None)
+    assert "the process groups are torch-tpu's own on every axis" in capsys.readouterr().out
+    # the layout torch-tpu gives when the processes were not renumbered: v6e-8's tray ring
+    pd._compare_with_torch_tpu(ranks, torch.tensor(order.order).reshape(1, 4, 1, 2), None, None)
+    out = capsys.readouterr().out
+    # its tp pairs {7, 6} and {5, 4} are the same sets as the mesh's; the dp_shard groups are not
+    assert "the groups of dp_shard differ from torch-tpu's layout (the launcher's order)" in out
