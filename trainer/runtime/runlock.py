@@ -12,7 +12,10 @@ reported with the file to delete.
 the process group exists, before anything in the run folder is read or written): rank 0 alone
 takes the locks and checks that the folders are writable, and its verdict is broadcast, so a
 refusal reaches every rank and every rank raises the same ConfigError (exit 2, one `error:`
-line) before any collective of the run. Every rank must share the run folder (as DCP needs for
+line) before any collective of the run. A lock file whose owner record cannot be written (a full
+disk, a quota) is put back as it was found and every rank raises the same WriteFailed (exit 1, one
+`error:` line naming the file and the errno text): not bad input, and nothing left that blocks a
+relaunch. Every rank must share the run folder (as DCP needs for
 the checkpoint folder), so one lock on rank 0 covers the job on every host.
 
 A run's lock covers its folder and everything under it: a folder is refused while another live
@@ -41,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from models.errors import ConfigError
-from trainer.runtime.atomic import check_writable_dir, make_dir, write_error_text
+from trainer.runtime.atomic import WriteFailed, check_writable_dir, make_dir, write_error_text
 from trainer.runtime.storage import describe_owner
 
 LOCK_NAME = ".run.lock"
@@ -259,9 +262,7 @@ class RunLock:
             if nested and (where := other_run(self.folder, itself=False)):
                 self._undo(fd)
                 raise self._refuse(None, where=where)
-            record = _owner_record()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+            self._write_record(fd)
             check_writable_dir(self.path.parent, key=self.key)  # the lock file may be old: prove a file can be made
         except FolderInUse:
             os.close(fd)  # only opened (or put back by _undo): nothing changed
@@ -273,6 +274,21 @@ class RunLock:
         self._fd, self._count = fd, 1
         _HELD[real] = self
         return self
+
+    def _write_record(self, fd: int) -> None:
+        """This process's owner record, whole; a write that fails (a full disk, a quota) is
+        WriteFailed naming the lock file and the errno text (acquire then puts the file back)."""
+        data = memoryview((json.dumps(_owner_record()) + "\n").encode())
+        try:
+            os.ftruncate(fd, 0)
+            written = 0
+            while written < len(data):  # pwrite may write part
+                written += os.pwrite(fd, data[written:], written)
+        except OSError as e:
+            raise WriteFailed(
+                f"{self.key}: writing the lock file {self.path} failed: {write_error_text(e, self.path.parent)}; "
+                "the lock file was put back as it was found (it does not block a relaunch)"
+            ) from None
 
     def _check_record_only(self) -> None:
         """No flock on this file system: decide from the owner record."""
@@ -299,7 +315,9 @@ class RunLock:
                     os.rmdir(p)
             else:
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, old, 0)
+                written = 0
+                while written < len(old):
+                    written += os.pwrite(fd, old[written:], written)
                 os.utime(self.path, ns=(atime_ns, mtime_ns))
         except OSError:
             pass
@@ -422,7 +440,9 @@ def lock_run(
                 else:
                     check_writable_dir(folder, key=key, keep=False)  # proved writable, made when first used
         except ConfigError as e:
-            problem = str(e)
+            problem = ("bad input", str(e))
+        except WriteFailed as e:  # a full disk under the lock file: not bad input (exit 1)
+            problem = ("write", str(e))
     if multi:
         from trainer.runtime.device import cpu_backend
 
@@ -436,5 +456,6 @@ def lock_run(
     if problem is not None:
         for lock in held:
             lock.release(undo=True)
-        raise ConfigError(problem)
+        kind, message = problem
+        raise (WriteFailed if kind == "write" else ConfigError)(message)
     return held
