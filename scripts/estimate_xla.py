@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.errors import ConfigError  # noqa: E402
+from tools.deviceless_env import deviceless_env  # noqa: E402
 from trainer.runtime import cli  # noqa: E402
 
 
@@ -202,16 +202,7 @@ def _run(argv: list[str]) -> int:
         .stdout.strip()
         .splitlines()[-1]
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    # Compile-only: no TPU is used, so libtpu's one-process-per-host lock is not needed.
-    env.update(
-        PYTHONPATH=str(ROOT),
-        TORCH_DEVICE_BACKEND_AUTOLOAD="0",
-        TPU_SKIP_MDS_QUERY="1",
-        JAX_PLATFORMS="cpu",
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-    )
+    env = deviceless_env(topology)  # tools/deviceless_env.py: the one set-up of every deviceless compile
     print(
         f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips), "
         f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...",

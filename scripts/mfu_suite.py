@@ -249,6 +249,8 @@ def compile_costs(
     the path of its optimized HLO text (XLA's dump of the step's module: `XLA_FLAGS=--xla_dump_to`;
     None when the dump is missing). With `cache`, a compile whose result is already under
     cache/<recipe>-<target>-L<n>/ is read back, not redone."""
+    from tools.deviceless_env import with_xla_flags
+
     folder = (cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo") / f"{recipe.stem}-{target}-L{n_layers}"
     result, hlo_path = folder / "result.json", folder / "step.after_optimizations.txt"
     if not (cache and result.is_file()):
@@ -271,12 +273,10 @@ def compile_costs(
             "--parallelism.expert_parallel_degree=1",
             *extra,
         ]
+        # estimate_xla hands its worker tools/deviceless_env.py's environment, these flags after the caller's
         env = dict(
             os.environ,
-            XLA_FLAGS=(
-                os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} "
-                "--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step_fn"
-            ).strip(),
+            **with_xla_flags(f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step_fn"),
         )
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout + 120, env=env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -315,6 +315,7 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
     tools/tpu_compile.py at full depth (layer scan as the recipe has it: XLA's loops carry their
     trip counts, so nothing is extrapolated), with XLA's dump of the optimized HLO kept.
     With `cache`, a compile already under cache/<recipe><tag>/ is read back, not redone."""
+    from tools.deviceless_env import with_xla_flags
     from tools.tpu_compile import compile_recipe
 
     base = cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo"
@@ -325,8 +326,8 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
     if not (cache and result.is_file() and hlo_path.is_file()) or stale:
         folder.mkdir(parents=True, exist_ok=True)
         dump = folder / "dump"
-        flags = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
-        rep = compile_recipe(str(recipe), overrides=overrides, timeout=timeout, extra_env={"XLA_FLAGS": flags.strip()})
+        flags = with_xla_flags(f"--xla_dump_to={dump} --xla_dump_hlo_as_text")  # tools/deviceless_env.py
+        rep = compile_recipe(str(recipe), overrides=overrides, timeout=timeout, extra_env=flags)
         dumped = sorted(
             (q for q in dump.glob("*after_optimizations.txt") if "cpu_after" not in q.name),
             key=lambda q: q.stat().st_size,

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -210,6 +209,7 @@ def compile_recipe(
         worker (the projection passes `XLA_FLAGS=--xla_dump_to=...` to keep the optimized HLO)."""
     import planner
     from models.errors import ConfigError
+    from tools.deviceless_env import deviceless_env
     from tools.recipe_check import planned
     from trainer.config import build_config
 
@@ -240,17 +240,8 @@ def compile_recipe(
             generation=target.generation.name,
             capture_only=capture_only,
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-        # Compile-only: no TPU is used (libtpu's one-process-per-host lock is not needed).
-        env.update(
-            PYTHONPATH=str(ROOT),
-            TORCH_DEVICE_BACKEND_AUTOLOAD="0",
-            TPU_SKIP_MDS_QUERY="1",
-            JAX_PLATFORMS="cpu",
-            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-            ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-        )
-        env.update(extra_env or {})
+        # tools/deviceless_env.py: the one set-up of every deviceless compile (estimate_xla's too)
+        env = deviceless_env(report.topology, extra=extra_env)
         proc = subprocess.run(
             [python or ttpu_python(), "-m", "tools.tpu_compile", json.dumps(spec)],
             capture_output=True,

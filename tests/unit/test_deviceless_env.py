@@ -1,0 +1,120 @@
+"""Every deviceless TPU compile hands its worker one environment (tools/deviceless_env.py).
+
+scripts/estimate_xla.py, tools/tpu_compile.py (check_recipe --compile) and scripts/mfu_suite.py
+--project (through those two) each start a libtpu worker; the worker's environment is captured
+here by a stand-in `subprocess.run` (no venv, no compile). A clean host gives libtpu nothing to
+determine (this host as a one-host slice, so libtpu never substitutes its "WARNING: could not
+determine ..." text for the worker list), and a host whose own TPU launch variables are set (a TPU
+VM, a GKE pod, a shell polluted by a captured warning) does not hand them to a compile-only libtpu.
+
+Checked by hand with libtpu 0.0.52 (2026-12-06): the same memory analysis for a scanned sharded
+program on v6e:4x4 and tpu7x:2x2x2 with and without the one-host variables (identical optimized
+HLO on v6e), and no "unexpected worker hostname" line with them.
+"""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools import deviceless_env as de
+
+ROOT = Path(__file__).resolve().parents[2]
+POLLUTED = {
+    "TPU_WORKER_HOSTNAMES": "WARNING: could not determine TPU worker hostnames or IP addresses, please set env "
+    "var `TPU_WORKER_HOSTNAMES` manually, otherwise libtpu.so may not properly initialize.",
+    "TPU_ACCELERATOR_TYPE": "WARNING: could not determine TPU accelerator type",
+    "TPU_WORKER_ID": "3",
+    "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080",
+    "TPU_PROCESS_ADDRESSES": "10.0.0.2:8476,10.0.0.3:8476",
+    "PYTHONHOME": "/elsewhere",
+    "VIRTUAL_ENV": "/work/main/.venv",
+    "OMP_NUM_THREADS": "1",
+}
+ONE_HOST = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0", "TPU_SKIP_MDS_QUERY": "1"}
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_env_test", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Recorder:
+    """`subprocess.run` that answers xla_env.sh with a venv path and records every other call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, cmd, *a, **kw):
+        if cmd[0] == "bash":
+            return subprocess.CompletedProcess(cmd, 0, stdout="/nonexistent/.venv-ttpu\n", stderr="")
+        self.calls.append((cmd, kw.get("env")))
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="stand-in worker: not run")
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    for k, v in POLLUTED.items():
+        monkeypatch.setenv(k, v)
+    rec = _Recorder()
+    monkeypatch.setattr(subprocess, "run", rec)
+    return rec
+
+
+def test_estimate_xla_and_check_recipe_compile_hand_their_worker_one_environment(recorder, capsys):
+    from tools.tpu_compile import compile_recipe
+
+    recipe = str(ROOT / "configs" / "llama3_debug.toml")
+    estimate_xla = _script("estimate_xla")
+    assert estimate_xla._run(["--config", recipe, "--target", "v6e-8"]) == 1
+    report = compile_recipe(recipe, overrides=[("job.target", "v6e-8")], python=sys.executable)
+    assert report.error and "stand-in worker" in report.error
+    (cmd_a, env_a), (cmd_b, env_b) = recorder.calls
+    assert "--worker" in cmd_a and "tools.tpu_compile" in cmd_b
+    assert env_a == env_b == de.deviceless_env("v6e:2x4")
+    for env in (env_a, env_b):
+        assert ONE_HOST.items() <= env.items() and env["TPU_ACCELERATOR_TYPE"] == "v6e-8"
+        assert not any("WARNING" in v for v in env.values())
+        assert not {"MEGASCALE_COORDINATOR_ADDRESS", "TPU_PROCESS_ADDRESSES", "PYTHONHOME", "VIRTUAL_ENV"} & env.keys()
+        assert env["PYTHONPATH"] == str(ROOT) and env["JAX_PLATFORMS"] == "cpu"
+        assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1" and env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
+
+
+def test_mfu_suite_projection_adds_only_its_hlo_dump(recorder, monkeypatch, tmp_path):
+    """--project compiles through estimate_xla (the outer script makes the worker's environment) and
+    compile_recipe: it adds its dump flags after the caller's XLA_FLAGS, nothing else."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_caller_flag")
+    suite = _script("mfu_suite")
+    recipe = ROOT / "configs" / "llama3_debug.toml"
+    with pytest.raises(RuntimeError, match="estimate_xla exited 1"):
+        suite.compile_costs(recipe, "v6e-8", 2, [], timeout=10, cache=tmp_path)
+    cmd, env = recorder.calls[-1]
+    assert cmd[1].endswith("estimate_xla.py") and env["XLA_FLAGS"].startswith("--xla_caller_flag --xla_dump_to=")
+    seen = {}
+
+    def fake_compile(path, *, overrides, timeout, extra_env=None, **kw):
+        seen.update(extra_env)
+        raise RuntimeError("stand-in compile")
+
+    import tools.tpu_compile
+
+    monkeypatch.setattr(tools.tpu_compile, "compile_recipe", fake_compile)
+    with pytest.raises(RuntimeError, match="stand-in compile"):
+        suite.program_compile(recipe, [], timeout=10, cache=tmp_path)
+    assert seen.keys() == {"XLA_FLAGS"} and seen["XLA_FLAGS"].startswith("--xla_caller_flag --xla_dump_to=")
+    env = de.deviceless_env("tpu7x:4x8x8", extra=seen)
+    assert env["XLA_FLAGS"] == seen["XLA_FLAGS"] and env["TPU_ACCELERATOR_TYPE"] == "tpu7x-8"
+
+
+@pytest.mark.parametrize(
+    "topology, host",
+    [("v5e:16x16", "v5litepod-8"), ("v5p:8x8x8", "v5p-8"), ("v6e:4x4,slices=2", "v6e-8"), ("tpu7x:4x8x8", "tpu7x-8")],
+)
+def test_each_generation_gets_its_own_one_host_type(topology, host):
+    env = de.deviceless_env(topology, base={"TPU_LIBRARY_PATH": "/opt/libtpu.so", "HOME": "/root"})
+    assert env["TPU_ACCELERATOR_TYPE"] == host and env["TPU_LIBRARY_PATH"] == "/opt/libtpu.so"
+    assert env["OMP_NUM_THREADS"] == "1" and env["HOME"] == "/root"
