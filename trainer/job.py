@@ -642,14 +642,15 @@ def _lock_local_folder(cfg: Config) -> None:
     import torch.distributed as dist
 
     from models.common import distributed
+    from trainer.runtime.atomic import WriteFailed
     from trainer.runtime.runlock import RunLock
 
     problem = None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         try:
             RunLock(ck.local_folder, key="checkpoint.local_folder").acquire()
-        except ConfigError as e:
-            problem = str(e)
+        except (ConfigError, WriteFailed) as e:  # WriteFailed: a full disk under the lock file (exit 1)
+            problem = (type(e) is WriteFailed, str(e))
     if distributed.multi_rank():
         on_cpu = dist.get_backend() in ("gloo", cpu_backend())
         group = dist.group.WORLD if on_cpu else dist.new_group(backend=cpu_backend())
@@ -659,7 +660,7 @@ def _lock_local_folder(cfg: Config) -> None:
         if not on_cpu:
             dist.destroy_process_group(group)
     if problem is not None:
-        raise ConfigError(problem)
+        raise (WriteFailed if problem[0] else ConfigError)(problem[1])
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ the data loader's state is a mesh-independent position, the same on every rank (
 So any one surviving slice restores the global data order and the trajectory.
 
 A save is written to `.tmp-step-N`, checksummed (manifest.json written last), then renamed; the
-newest `KEEP` steps are kept. A step is usable when every replica group of the resuming job (the
+newest `KEEP` steps are kept. A save that fails on any rank (a full disk, a quota) removes that
+rank's `.tmp-step-N` and stops every rank with the same one line (`LocalSaveFailed`: the folder and
+the errno text); earlier steps and the persistent tier are untouched. A step is usable when every replica group of the resuming job (the
 ranks with the same R across slices, `replica_groups`) has at least one rank that finds it
 complete in its own `rank-R` folder with the same per-slice layout (`layout.json`); the manager
 takes it when it is newer than the persistent tier's newest (trainer/checkpoint/manager.py).
@@ -45,8 +47,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
-from trainer.checkpoint.state import _STEP_DIR, Stateful, _capture_rng, _fsync_dir, _rank, short_error
-from trainer.runtime.atomic import publish
+from trainer.checkpoint.state import _DCP_ERRORS, _STEP_DIR, Stateful, _capture_rng, _fsync_dir, _rank, short_error
+from trainer.runtime.atomic import errno_text, publish
 
 LAYOUT = "layout.json"
 KEEP = 2
@@ -125,6 +127,11 @@ def receive_state(template: dict[str, Any], src: int, group: Any) -> dict[str, A
     return unflatten_state_dict(out, head["mapping"])  # the sender's nesting (its rng.rank_<r> entries)
 
 
+class LocalSaveFailed(RuntimeError):
+    """A rank's local-tier save failed (a full disk, a quota...): one line naming its folder and the
+    errno text, raised on every rank; the partial `.tmp-step-N` is removed, earlier steps are kept."""
+
+
 class LocalTier:
     """One rank's local tier: save every `interval` steps into `root/rank-R`, list complete steps.
 
@@ -152,7 +159,8 @@ class LocalTier:
 
     def save(self, step: int, states: dict[str, Stateful]) -> float:
         """Write this rank's shards of `states` as rank-R/step-N; the seconds it took. A collective
-        (every rank's RNG is gathered first): call it on every rank at the same step."""
+        (every rank's RNG is gathered first, every rank's outcome after): call it on every rank at
+        the same step. A failed write on any rank raises LocalSaveFailed on every rank."""
         t0 = time.perf_counter()
         blob = pickle.dumps(_capture_rng())
         if self.group is not None:
@@ -163,21 +171,42 @@ class LocalTier:
         state_dict = {name: state.state_dict() for name, state in states.items()}
         if "train_state" in state_dict:
             state_dict["train_state"]["rng"] = {f"rank_{r}": b for r, b in enumerate(blobs)}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for entry in self.folder.iterdir():
-            if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
         tmp = self.folder / f".tmp-step-{step}"
-        dcp.save(state_dict, storage_writer=self.writer(tmp), no_dist=True)
-        (tmp / LAYOUT).write_text(json.dumps({**self.layout, "step": step, "saved_by_rank": _rank()}))
-        write_manifest(tmp)  # the commit point of this rank's save
-        publish(tmp, self.step_path(step), replace=True)
-        _fsync_dir(self.folder)
+        problem = None
+        try:
+            self._write(step, state_dict, tmp)
+        except _DCP_ERRORS as e:  # any failure of this rank's write: every rank stops alike
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing of the failed save stays on this disk
+            why = errno_text(e, self.folder) or short_error(e)
+            problem = f"checkpoint: saving step {step} to the local tier {tmp} failed: {why}"
+        # Every rank learns whether one failed (a full disk on one host), so that all stop with the
+        # same line instead of the others waiting in the next collective for a rank that left.
+        every = self.gather(problem)
+        failed = [(g, p) for g, p in enumerate(every) if p is not None]
+        if failed:
+            rank, first = failed[0]
+            by = f" (rank {rank})" if len(every) > 1 else ""
+            raise LocalSaveFailed(
+                f"{first}{by}; its partial files were removed; earlier steps in {self.root} and the persistent "
+                "checkpoint tier are intact"
+            )
         for old in self.complete_steps()[:-KEEP]:
             aside = self.folder / f".old-step-{old}"
             self.step_path(old).rename(aside)
             shutil.rmtree(aside, ignore_errors=True)
         return time.perf_counter() - t0
+
+    def _write(self, step: int, state_dict: dict[str, Any], tmp: Path) -> None:
+        """Write `state_dict` to `tmp`, checksum it and publish it as step-N (the rename)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for entry in self.folder.iterdir():
+            if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+        dcp.save(state_dict, storage_writer=self.writer(tmp), no_dist=True)
+        (tmp / LAYOUT).write_text(json.dumps({**self.layout, "step": step, "saved_by_rank": _rank()}))
+        write_manifest(tmp)  # the commit point of this rank's save
+        publish(tmp, self.step_path(step), replace=True)
+        _fsync_dir(self.folder)
 
     def complete_steps(self) -> list[int]:
         """Steps this rank has complete (DCP metadata, manifest) with this job's layout, ascending."""

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
-from trainer.checkpoint.local import LocalTier, plan_restore, receive_state, send_state
+from trainer.checkpoint.local import LocalSaveFailed, LocalTier, plan_restore, receive_state, send_state
 from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
 from trainer.checkpoint.state import (
     _DCP_ERRORS,
@@ -556,12 +556,8 @@ class CheckpointManager:
         """Write this rank's shards to the local tier (blocking; a collective for the RNG gather)."""
         try:
             self.save_seconds["ckpt_local_s"] = self.local.save(step, states)
-        except OSError as e:
-            where = self.local.folder
-            raise CheckpointSaveError(
-                f"checkpoint: saving step {step} to the local tier {where} failed: "
-                f"{errno_text(e, where) or short_error(e)}; its earlier steps are intact"
-            ) from e
+        except LocalSaveFailed as e:  # one line, the same on every rank
+            raise CheckpointSaveError(str(e)) from None
 
     def take_save_seconds(self) -> dict[str, float]:
         """Seconds the saves since the last call blocked the loop (ckpt_local_s, ckpt_save_s)."""
