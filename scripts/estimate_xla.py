@@ -166,6 +166,13 @@ def _run(argv: list[str]) -> int:
             f"tp {est.tp}, ep {est.ep}) is compiled as FSDP over all {target.devices} devices: "
             "every tensor sharded once, experts' weights gathered like the rest (no all-to-all)"
         )
+    if getattr(args, "num_experts", 0):
+        approximated.append(
+            "the MoE layers run the dropless dispatch (whatever [moe] capacity_factor) on the global batch, "
+            "whose sort and gathers over every token copy XLA's SPMD partitioner does not shard: each device "
+            "holds the whole batch's routed copies (Qwen3-235B: 2.06 TiB of temporaries); the trainer's own "
+            "EP program is `scripts/check_recipe.py RECIPE --compile`"
+        )
     spec = dict(
         family=cfg.model.name,
         args=dataclasses.asdict(args),
@@ -502,13 +509,20 @@ def write_csv_row(path: str, row: dict) -> None:
 
 def hbm_oom(message: str) -> dict | None:
     """libtpu's CompileTimeHbmOom as numbers: {"required", "available"} bytes (from its "HLO
-    temporaries (171.01G) exceeds available HBM (31.24G)"); None for any other error."""
+    temporaries (171.01G) exceeds available HBM (31.24G)"; libtpu writes K, M, G or T, binary:
+    the Qwen3-235B SPMD compile's "(2.06T)"); None for any other error."""
     import re
 
-    m = re.search(r"CompileTimeHbmOom.*?\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", message, re.S)
+    size = r"\(([\d.]+)([KMGT])\)"
+    m = re.search(rf"CompileTimeHbmOom.*?{size} exceeds available HBM {size}", message, re.S)
     if m is None:
         return None
-    return {"required": float(m.group(1)) * GIB, "available": float(m.group(2)) * GIB, "message": m.group(0)[:300]}
+    unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    return {
+        "required": float(m.group(1)) * unit[m.group(2)],
+        "available": float(m.group(3)) * unit[m.group(4)],
+        "message": m.group(0)[:300],
+    }
 
 
 def worker(spec: dict) -> dict:

@@ -118,3 +118,17 @@ def test_each_generation_gets_its_own_one_host_type(topology, host):
     env = de.deviceless_env(topology, base={"TPU_LIBRARY_PATH": "/opt/libtpu.so", "HOME": "/root"})
     assert env["TPU_ACCELERATOR_TYPE"] == host and env["TPU_LIBRARY_PATH"] == "/opt/libtpu.so"
     assert env["OMP_NUM_THREADS"] == "1" and env["HOME"] == "/root"
+
+
+def test_estimate_xla_reads_a_terabyte_compile_time_oom():
+    """The Qwen3-235B SPMD compile's refusal is in T: read as the verdict "does not fit", where the
+    G-only pattern made the worker exit 1 (its stderr tail led with libtpu's start-up lines)."""
+    estimate_xla = _script("estimate_xla")
+    message = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+        "HLO temporaries (2.06T) exceeds available HBM (94.74G). HLO module: jit_step_fn."
+    )
+    oom = estimate_xla.hbm_oom(message)
+    assert oom["required"] == pytest.approx(2.06 * 2**40) and oom["available"] == pytest.approx(94.74 * 2**30)
+    assert estimate_xla.hbm_oom(message.replace("2.06T", "171.01G"))["required"] == pytest.approx(171.01 * 2**30)
+    assert estimate_xla.hbm_oom("INTERNAL: something else") is None
