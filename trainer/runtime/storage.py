@@ -13,7 +13,14 @@ Object storage has no atomic rename and no flock, so the contract is kept differ
   when the holder dies: a record of this host whose pid is gone is stale and taken over; one of
   another host is refused with the object to delete (the local lock's no-flock rule);
 - errors (a missing bucket, access denied, a malformed URL) come out as one ConfigError line
-  naming the key.
+  naming the key;
+- every remote call is bounded by `timeout_s()` (training.startup_timeout_s, set by
+  `check_storage_paths`): each call of this module as a whole (gcsfs's retries included), and every
+  HTTP request gcsfs makes, DCP's transfers too, by "no connection or no bytes for that long" (a
+  transfer that stalls is retried by gcsfs, at most 6 tries). An endpoint that accepts and never
+  answers is `RemoteUnreachable`, "no answer from ENDPOINT within T s"; one that refuses is "cannot
+  connect to ENDPOINT (Connection refused)", found at once by the start-up probe (`check_bucket`
+  connects first); either is one line, and gcsfs's own log of the failure (a traceback) is dropped.
 
 gcsfs is an optional dependency (the `[gcs]` extra); it is imported only for a `gs://` path.
 `STORAGE_EMULATOR_HOST` (http://host:port) points gcsfs at an emulator (anonymous access).
@@ -22,6 +29,7 @@ gcsfs is an optional dependency (the `[gcs]` extra); it is imported only for a `
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -45,6 +53,11 @@ def _config_error(message: str) -> Exception:
     return ConfigError(message)
 
 
+def _is_config_error(error: BaseException) -> bool:
+    errors = sys.modules.get("models.errors")
+    return errors is not None and isinstance(error, errors.ConfigError)
+
+
 def is_remote(path: Any) -> bool:
     """Whether `path` names object storage (a `gs://` URL); any other `scheme://` is not supported."""
     return isinstance(path, str) and "://" in path
@@ -61,13 +74,59 @@ def split_url(url: str, *, key: str) -> tuple[str, str]:
     return bucket, prefix.rstrip("/")
 
 
+# The bound of every remote call, in seconds: training.startup_timeout_s (its default until
+# check_storage_paths sets the recipe's; tests/unit/test_gcs_timeouts.py checks they agree).
+_TIMEOUT_S = [900.0]
+
+
+def set_timeout(seconds: float) -> None:
+    """Bound every remote call of this process by `seconds` (module docstring)."""
+    _TIMEOUT_S[0] = float(seconds)
+
+
+def timeout_s() -> float:
+    return _TIMEOUT_S[0]
+
+
+class RemoteUnreachable(ConnectionError):
+    """The storage endpoint refused the connection or did not answer within `timeout_s()`; the
+    message is one line naming the endpoint."""
+
+
+def endpoint() -> str:
+    """The HTTP endpoint gcsfs talks to: STORAGE_EMULATOR_HOST (as gcsfs reads it) or Google's."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if host and host != "default":
+        return host if host.startswith(("http://", "https://")) else f"http://{host}"
+    return "https://storage.googleapis.com"
+
+
 def fs_kwargs() -> dict:
-    """gcsfs arguments: anonymous against an emulator (STORAGE_EMULATOR_HOST), default credentials otherwise."""
-    return {"token": "anon"} if os.environ.get("STORAGE_EMULATOR_HOST") else {}
+    """gcsfs arguments: anonymous against an emulator (STORAGE_EMULATOR_HOST), default credentials
+    otherwise; every HTTP request fails after `timeout_s()` without a connection or without bytes
+    (aiohttp's sock_connect / sock_read; no bound on a transfer that keeps moving)."""
+    import aiohttp  # gcsfs's HTTP client, present with it
+
+    limit = timeout_s()
+    out: dict[str, Any] = {"requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=limit, sock_read=limit)}
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        out["token"] = "anon"
+    return out
+
+
+class _DropGcsfsTracebacks(logging.Filter):
+    """gcsfs logs a failed request's traceback before raising it; the caller says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.levelno >= logging.ERROR)
+
+
+_GCSFS_LOG_FILTER = _DropGcsfsTracebacks()
 
 
 def filesystem(*, key: str):
-    """The gcsfs file system (one per process); ConfigError naming `key` if gcsfs is missing."""
+    """The gcsfs file system (one per process and timeout); ConfigError naming `key` if gcsfs is
+    missing. Its calls from this module go through `_Bounded` (module docstring)."""
     # gcsfs's experimental zonal/HNS probe asks the storage-control gRPC service about every bucket
     # (a 60 s timeout per call against an emulator); plain buckets need none of it.
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -77,12 +136,104 @@ def filesystem(*, key: str):
         raise _config_error(
             f"{key}: a gs:// path needs gcsfs, which is not installed; allowed: pip install -e '.[gcs]', or a local path"
         ) from None
+    log = logging.getLogger("gcsfs")
+    if _GCSFS_LOG_FILTER not in log.filters:
+        log.addFilter(_GCSFS_LOG_FILTER)
     return gcsfs.GCSFileSystem(**fs_kwargs())
+
+
+def _refused(error: BaseException) -> OSError | None:
+    """The refused or failed connection in `error`'s chain (aiohttp's ClientConnectorError keeps it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        inner = getattr(error, "os_error", None)  # aiohttp.ClientConnectorError
+        if isinstance(inner, OSError):
+            return inner
+        if isinstance(error, (ConnectionRefusedError, socket.gaierror)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _timed_out(error: BaseException) -> bool:
+    import asyncio
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (asyncio.TimeoutError, TimeoutError)) or type(error).__name__ == "FSTimeoutError":
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def unreachable(error: BaseException) -> RemoteUnreachable | None:
+    """`error` as RemoteUnreachable (one line naming the endpoint) when it is a timeout or a failed
+    connection; None for anything else (a missing bucket, denied access...)."""
+    if isinstance(error, RemoteUnreachable):
+        return error
+    refused = _refused(error)
+    if refused is not None:
+        why = refused.strerror or str(refused) or type(refused).__name__
+        return RemoteUnreachable(f"cannot connect to {endpoint()} ({why})")
+    if _timed_out(error):
+        return RemoteUnreachable(f"no answer from {endpoint()} within {timeout_s():g} s")
+    return None
+
+
+class _Bounded:
+    """A gcsfs file system whose calls each end within `timeout_s()`, gcsfs's retries included
+    (fsspec's `timeout=`, which cancels the request), and raise RemoteUnreachable when the endpoint
+    refuses or does not answer."""
+
+    _LOCAL = frozenset({"invalidate_cache"})
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def __getattr__(self, name: str):
+        method = getattr(self.fs, name)
+        if name in self._LOCAL or not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            try:
+                return method(*args, timeout=timeout_s(), **kwargs)
+            except Exception as e:  # noqa: BLE001 - mapped or passed on unchanged
+                problem = unreachable(e)
+                if problem is None:
+                    raise
+                raise problem from None
+
+        return call
+
+
+def _fs(*, key: str) -> _Bounded:
+    return _Bounded(filesystem(key=key))
+
+
+def probe_endpoint() -> None:
+    """Connect to the endpoint once (a TCP connection, no request): RemoteUnreachable at once when
+    it refuses, cannot be resolved, or does not accept within `timeout_s()`."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s()).close()
+    except TimeoutError:
+        raise RemoteUnreachable(f"no answer from {endpoint()} within {timeout_s():g} s") from None
+    except OSError as e:
+        raise RemoteUnreachable(f"cannot connect to {endpoint()} ({e.strerror or e})") from None
 
 
 def error_text(error: BaseException, url: str) -> str:
     """One line for a failed object-storage call on `url`: missing bucket, access denied, or the first line."""
     bucket = url[len(SCHEME) :].split("/", 1)[0] if url.startswith(SCHEME) else url
+    far = unreachable(error)
+    if far is not None:
+        return str(far)
     text = str(error)
     if isinstance(error, FileNotFoundError) and f"b/{bucket}/" in text + "/" and "/o/" not in text:
         return f"bucket {bucket} does not exist"
@@ -97,9 +248,10 @@ def check_bucket(url: str, *, key: str) -> None:
     """ConfigError naming `key` unless `url`'s bucket exists and this process may list and write it
     (a probe object is created and deleted)."""
     bucket, prefix = split_url(url, key=key)
-    fs = filesystem(key=key)
+    fs = _fs(key=key)
     probe = f"{bucket}/{prefix + '/' if prefix else ''}.write-check-{uuid.uuid4().hex}"
     try:
+        probe_endpoint()  # a refusal at once, not after gcsfs's retries
         fs.ls(bucket, detail=False, refresh=True)
         fs.pipe_file(probe, b"")
         fs.rm_file(probe)
@@ -107,7 +259,10 @@ def check_bucket(url: str, *, key: str) -> None:
         why = error_text(e, url)
         if why.startswith("bucket") and "does not exist" in why:
             why = f"{why} (create it: gcloud storage buckets create gs://{bucket})"
-        raise _config_error(f"{key}: cannot use {url}: {why}; allowed: a gs:// bucket this job can write") from None
+        allowed = "a gs:// bucket this job can write"
+        if isinstance(unreachable(e), RemoteUnreachable):
+            allowed += f", at an endpoint that answers within training.startup_timeout_s ({timeout_s():g} s)"
+        raise _config_error(f"{key}: cannot use {url}: {why}; allowed: {allowed}") from None
 
 
 def _path(url: str) -> str:
@@ -119,7 +274,7 @@ def _path(url: str) -> str:
 
 def complete_steps(url: str) -> list[int]:
     """Steps under `url` whose `step-N/manifest.json` exists (the commit point), ascending."""
-    fs = filesystem(key="checkpoint.folder")
+    fs = _fs(key="checkpoint.folder")
     root = _path(url)
     try:
         entries = fs.ls(root, detail=False, refresh=True)
@@ -135,7 +290,7 @@ def complete_steps(url: str) -> list[int]:
 
 def incomplete_steps(url: str) -> list[str]:
     """Step prefixes under `url` without a manifest (a save that was killed or failed)."""
-    fs = filesystem(key="checkpoint.folder")
+    fs = _fs(key="checkpoint.folder")
     root = _path(url)
     try:
         entries = fs.ls(root, detail=False, refresh=True)
@@ -151,7 +306,7 @@ def incomplete_steps(url: str) -> list[str]:
 
 def remove_step(url: str) -> None:
     """Delete a step: the manifest first (the step is incomplete from then on), then the rest."""
-    fs = filesystem(key="checkpoint.folder")
+    fs = _fs(key="checkpoint.folder")
     root = _path(url)
     try:
         fs.rm_file(f"{root}/{MANIFEST}")
@@ -183,7 +338,7 @@ def _files(fs, root: str) -> dict[str, int]:
 def write_manifest(url: str) -> dict:
     """Write `url/manifest.json` (the local manifest's format: each file's size and per-64-MiB-block
     CRC-32) as the step's last object: its existence publishes the step."""
-    fs = filesystem(key="checkpoint.folder")
+    fs = _fs(key="checkpoint.folder")
     root = _path(url)
     t0 = time.perf_counter()
     files = {}
@@ -206,7 +361,7 @@ def verify_checkpoint(url: str) -> bool:
     matches, CorruptCheckpointError naming the first that does not."""
     from trainer.checkpoint.manifest import CorruptCheckpointError
 
-    fs = filesystem(key="checkpoint.folder")
+    fs = _fs(key="checkpoint.folder")
     root = _path(url)
     try:
         manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
@@ -284,7 +439,18 @@ class RemoteLock:
         if self.folder in _HELD:
             return _HELD[self.folder]
         check_bucket(self.folder, key=self.key)
-        fs = filesystem(key=self.key)
+        try:
+            return self._acquire()
+        except Exception as e:  # noqa: BLE001 - a refusal passes; a failed call is one line naming the key
+            if _is_config_error(e):
+                raise
+            raise _config_error(
+                f"{self.key}: cannot take the lock {SCHEME}{self.path}: {error_text(e, self.folder)}; "
+                "allowed: a gs:// folder this job can write"
+            ) from None
+
+    def _acquire(self) -> RemoteLock:
+        fs = _fs(key=self.key)
         mine = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -332,7 +498,7 @@ class RemoteLock:
         if _HELD.get(self.folder) is not self:
             return
         del _HELD[self.folder]
-        fs = filesystem(key=self.key)
+        fs = _fs(key=self.key)
         try:
             fs.invalidate_cache(self.path)
             record = self._read(fs)
@@ -427,7 +593,11 @@ def check_storage_paths(cfg) -> None:
     """Before the process group: checkpoint.folder may be gs://BUCKET/PREFIX (checked for form
     here, for the bucket and access at the run lock), and so may compile.cache_dir (form only:
     torch-tpu's cache reads it); the keys of _LOCAL_ONLY must be local. One ConfigError naming
-    the key otherwise."""
+    the key otherwise. Sets the bound of every remote call of the run to
+    training.startup_timeout_s (module docstring)."""
+    training = getattr(cfg, "training", None)
+    if training is not None:
+        set_timeout(training.startup_timeout_s)
     for key, why in _LOCAL_ONLY.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section, None), name, None)
