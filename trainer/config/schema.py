@@ -165,7 +165,9 @@ class TrainingConfig:
     """Seconds every rank waits at each start-up barrier for the others: right after the process
     group is created (tag `process-group`: a rank frozen before its first collective) and after
     the model, optimizer and checkpoint are ready, before the first step compiles; past it the run
-    stops with an error naming the ranks that did not arrive (docs/launch.md)."""
+    stops with an error naming the ranks that did not arrive (docs/launch.md). It also bounds every
+    call to object storage (gs://): no answer within it is one error line naming the endpoint
+    (docs/checkpointing.md)."""
     collective_timeout_s: float = field(default=1800.0, metadata=_range(gt=0))
     """Seconds a collective (and the checkpoint's process group) waits for a peer before it fails:
     the bound on noticing a lost host or slice whose connections stay half-open. A failed
