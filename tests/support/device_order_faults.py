@@ -1,7 +1,8 @@
 """The four faults of a mesh laid out in torch-tpu's device order (tpu_first_contact.md N11), on CPU
 gloo processes with the product's own code, and the product's answer to them.
 
-    PYTHONPATH=. python tests/support/device_order_faults.py [--order v6e-8] [--mesh product|layout]
+    PYTHONPATH=. python tests/support/device_order_faults.py [--order v6e-8|tpu7x-8|v6e-32|0,1,3,2|random:SEED]
+        [--world 8] [--ep N] [--mesh product|layout]
 
 `--mesh layout` builds what `build_mesh` built on a TPU before the device order existed:
 `DeviceMesh` over the layout's rank grid (launcher rank = process-group rank = device id), where a
@@ -15,7 +16,7 @@ The experiments (1-D FSDP over the world, `2 x world` rows, row i holding i):
   (what scripts/convert.py does): the rows must come back in order;
 - hf_load: the weight loaded rank by rank through `local_box` (the initial HF/DCP load), the model's
   forward reads the rows it computes with;
-- experts: `world` experts over EP `world / 2`: the experts a rank holds (`distribute_tensor`, by
+- experts: `world` experts over EP `world / 2` (`--ep`): the experts a rank holds (`distribute_tensor`, by
   coordinate) must be the ones the dispatch sends it (its group rank);
 - uneven: a `world + world / 2 + 1`-row weight (the last shards short or empty) through forward and
   backward; its gradient must be whole.
@@ -40,17 +41,27 @@ EXPERIMENTS = ("checkpoint", "hf_load", "experts", "uneven")
 sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
 
 
-def _layout_order(name: str, world: int) -> list[int]:
+def _layout_order(name: str, world: int, ep: int = 1) -> list[int]:
+    """The layout's order: a TPU target's (with its compact EP groups for `ep`, as the trainer lays
+    them out; computed by the port of this checkout), a permutation, or `random:SEED`."""
+    import random
+
+    import numpy as np
+
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.tpu_topology import topology_of, trainer_layout
 
     if "," in name:
         return [int(x) for x in name.split(",")]
+    if name.startswith("random:"):
+        order = list(range(world))
+        random.Random(int(name.split(":", 1)[1])).shuffle(order)
+        return order
     name = name.replace("tpu7x-", "v7x-")  # torch-tpu's name of the generation
-    dims = ParallelDims(world_size=world, dp_shard=world)
-    import numpy as np
-
-    return [int(d) for d in np.asarray(trainer_layout(topology_of(name), dims.mesh_shape).device_ids).reshape(-1)]
+    dims = ParallelDims(world_size=world, dp_shard=world, ep=ep)
+    return [
+        int(d) for d in np.asarray(trainer_layout(topology_of(name), dims.mesh_shape, ep=ep).device_ids).reshape(-1)
+    ]
 
 
 def _mesh(order: list[int], mode: str, *, ep: int = 1):
@@ -119,7 +130,7 @@ def experts(order, mode, folder) -> tuple[list, list]:
     from parallelisms.parallel_dims import build_ep_mesh
 
     world = len(order)
-    dims, mesh = _mesh(order, mode, ep=world // 2)
+    dims, mesh = _mesh(order, mode, ep=int(os.environ.get("TITAN_FAULTS_EP", world // 2)))
     ep_mesh = build_ep_mesh(dims, mesh)["ep"]
     num_experts = world
     held = distribute_tensor(
@@ -205,8 +216,11 @@ def main(argv=None) -> int:
     parser.add_argument("--order", default="v6e-8", help="a TPU target of 8 devices or a permutation (default v6e-8)")
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--mesh", choices=("product", "layout"), default="product")
+    parser.add_argument("--ep", type=int, default=0, help="EP degree of the experts experiment (default world / 2)")
     args = parser.parse_args(argv)
-    status, lines = run(_layout_order(args.order, args.world), args.mesh)
+    ep = args.ep or args.world // 2
+    os.environ["TITAN_FAULTS_EP"] = str(ep)  # the spawned processes read it
+    status, lines = run(_layout_order(args.order, args.world, ep), args.mesh)
     print("\n".join(lines), file=sys.stderr if status == 2 else sys.stdout)
     return status
 

@@ -129,6 +129,15 @@ class DistInfo:
 
 
 _COLLECTIVE_TIMEOUT: list[timedelta | None] = [None]
+_LAUNCHER_RANKS: list[tuple[int, ...] | None] = [None]
+"""The device order's `order` (launcher rank of each process-group rank) of this process's group."""
+
+
+def launcher_rank_of(rank: int) -> int:
+    """The rank the launcher gave process-group rank `rank` (the device order renumbers them,
+    parallelisms/device_order.py): what names its host in messages (launcher rank // processes per node)."""
+    order = _LAUNCHER_RANKS[0]
+    return order[rank] if order is not None and rank < len(order) else rank
 
 
 def collective_timeout() -> timedelta | None:
@@ -156,6 +165,7 @@ def init_distributed(device: torch.device, *, timeout_s: float | None = None, or
         world = int(os.environ["WORLD_SIZE"])
         assert order is None or order.world_size == world, "the device order was resolved for another world"
         rank = launcher if order is None else order.process_rank(launcher)
+        _LAUNCHER_RANKS[0] = None if order is None else order.order
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         if restart is None:
             # rank 0's process hosts the store when the launcher has none of its own (torchrun's

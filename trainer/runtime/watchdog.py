@@ -60,8 +60,10 @@ def arrival_barrier(tag: str, timeout_s: float) -> None:
     missing = [r for r, key in enumerate(keys) if not store.check([key])]
     if not missing:
         return
+    from trainer.runtime.device import launcher_rank_of
+
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nodes = sorted({r // max(local, 1) for r in missing})
+    nodes = sorted({launcher_rank_of(r) // max(local, 1) for r in missing})  # renumbered by the device order
     shown = ", ".join(map(str, missing[:16])) + (f" ... ({len(missing)} in all)" if len(missing) > 16 else "")
     raise StartupTimeout(
         f"start-up barrier '{tag}': ranks {shown} of {world} did not arrive within {timeout_s:.0f} s "
