@@ -110,3 +110,71 @@ def test_a_checkpoint_and_an_hf_start_in_one_order_resume_in_another(tmp_path):
     four = _train(tmp_path / "hf_four", 4, *start)
     print(f"HF start: 1 process {one[1]:.6f}, 4 in a random order {four[1]:.6f}")
     assert abs(four[1] - one[1]) / one[1] < 1e-5
+
+
+# --- every mesh in every order (scheduled: the default tier runs each parallelism in one random
+# order through launch_command, and FSDP in v6e-4's order bit for bit above) ---------------------
+
+PARITY = [
+    "--config",
+    "configs/llama3_debug.toml",
+    "--training.steps=3",
+    "--training.seq_len=64",
+    "--model.n_layers=2",
+    "--metrics.log_freq=1",
+    "--checkpoint.enable=false",
+    "--validation.enable=false",
+    "--training.mixed_precision_param=float32",
+    "--metrics.enable_tensorboard=false",
+]
+GRAPH = ["--compile.mode=graph", "--compile.backend=aot_eager"]
+MESHES = {
+    "fsdp4": ("llama", dict(dp_shard=4), []),
+    "hsdp2x2": ("llama", dict(dp_replicate=2, dp_shard=2), []),
+    "fsdp2xtp2": ("llama", dict(dp_shard=2, tp=2), []),
+    "fsdp2xcp2": ("llama", dict(dp_shard=2), ["--parallelism.context_parallel_degree=2"]),
+    "graph_fsdp4": ("llama", dict(dp_shard=4), GRAPH),
+    "scan_fsdp2xtp2": ("llama", dict(dp_shard=2, tp=2), [*GRAPH, "--compile.scan_layers=true"]),
+    "ep4": ("moe", dict(dp_shard=4, ep=4), []),
+    "ep2xfsdp4": ("moe", dict(dp_shard=4, ep=2), []),
+}
+ORDERS = ("identity", "v6e-4", "random")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    from tests.support.trainer_runs import MOE_SHORT_RUN, train
+
+    def losses(args):
+        records = train(tmp_path_factory.mktemp("one"), 1, {}, *args)
+        return [records[s]["loss"] for s in sorted(records)]
+
+    return {"llama": losses(PARITY), "moe": losses(MOE_SHORT_RUN)}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_every_mesh_is_the_same_run_in_every_order(tmp_path, one_process, mesh):
+    """Identity, v6e-4's tray ring and a random order on 4 processes: the losses of every order
+    equal the identity order's bit for bit (the same computation place by place) and the one
+    process's within 1e-5 (fp32 summation order over 3 steps; graph modes: another summation order
+    of the same math, as tests/e2e/test_parallel_e2e.py argues)."""
+    from tests.support.trainer_runs import MOE_SHORT_RUN, draw_device_order, train
+
+    family, degrees, extra = MESHES[mesh]
+    base = PARITY if family == "llama" else list(MOE_SHORT_RUN)
+    got = {}
+    for order in ORDERS:
+        spec = draw_device_order(4) if order == "random" else order
+        records = train(tmp_path / order, 4, degrees, *base, *extra, f"--parallelism.device_order={spec}")
+        got[order] = [records[s]["loss"] for s in sorted(records)]
+    ref = one_process[family]
+    worst = max(abs(a - b) / b for a, b in zip(got["identity"], ref))
+    print(
+        f"{mesh}: vs 1 process {worst:.2e}; "
+        + ", ".join(
+            f"{o} vs identity {max(abs(a - b) for a, b in zip(got[o], got['identity'])):.1e}" for o in ORDERS[1:]
+        )
+    )
+    assert worst < 1e-5, (got["identity"], ref)
+    for order in ORDERS[1:]:
+        assert got[order] == got["identity"], (order, got[order], got["identity"])
