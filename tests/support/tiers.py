@@ -59,12 +59,12 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/e2e/test_device_order_e2e.py::test_a_checkpoint_and_an_hf_start_in_one_order_resume_in_another",
         (
             "tests/e2e/test_device_order_e2e.py::test_a_run_in_torch_tpus_order_is_the_identity_run",
-            "tests/e2e/test_resume_e2e.py::test_checkpoint_from_one_mesh_resumes_on_others",
+            "tests/e2e/test_preemption.py::test_sigterm_checkpoints_and_the_relaunch_resumes_exactly",
             "tests/unit/test_device_order.py::test_checkpoints_initial_loads_experts_and_uneven_shards_hold",
         ),
-        "a resume and an HF start across orders: the default tier resumes across meshes in random orders "
-        "(launch_command), reads the ordered run's checkpoint back byte for byte, and loads initial weights "
-        "through local_box in v6e-8's order",
+        "a resume and an HF start across orders: the default tier reads the ordered run's checkpoint back byte "
+        "for byte, resumes exactly after SIGTERM with its 2 ranks swapped (launch_command's order), and loads "
+        "initial weights through local_box in v6e-8's order",
     ),
     # --- exhaustive matrix points (marker `exhaustive`): another mesh of a parallelism, another
     # wire of a pass, another recipe of the same family, whose mechanism a default test runs.
