@@ -70,6 +70,7 @@ def test_a_targets_order_is_torch_tpus_layout():
         ("0,1,2", 4, {}, "is not a permutation of the 4 ranks"),
         ("2,1,0,3", 4, dict(dp_replicate=2, num_slices=2), "moves a rank to another slice"),
     ],
+    ids=["unknown-target", "unknown-word", "target-of-another-size", "repeated-rank", "short", "across-slices"],
 )
 def test_bad_device_orders_are_refused_naming_the_key(spec, world, degrees, message):
     with pytest.raises(ConfigError, match=message) as e:
