@@ -173,22 +173,52 @@ def ep_dispatch_bytes(
     local_batch_size: int = 1,
     seq_len: int = 1,
 ) -> int:
-    """One MoE layer's dispatch buffers, forward + recomputed backward.
+    """One MoE layer's dispatch buffers in its backward (beside the block's activations).
 
-    Rows of a buffer: the received tokens and the experts' output (bf16, `dim` each), the SwiGLU's
-    gate, up and product (bf16, `moe_hidden` each); the backward holds their gradients too (x2).
     - Dropless (`capacity_factor` 0): the static dispatch (parallelisms/expert_parallel.py
       `dispatch_combine_static`, the one a TPU and every traced step use) receives up to `ep x
       tokens x top_k` rows (all its peers' copies could come here). 0 without EP (the experts run
-      on the local token copies, counted in the block's activations).
+      on the local token copies, counted in the block's activations). Rows of the buffer: the
+      received tokens and the experts' output (bf16, `dim` each), the SwiGLU's gate, up and
+      product (bf16, `moe_hidden` each); the backward holds their gradients too (x2).
     - Capacity (models/common/moe.py): the `[E, batch x capacity]` buffer, `E x local_batch_size
       x capacity` rows (`capacity = min(seq, ceil(factor x seq x k / E))` per sequence), whatever
-      the EP degree: about `factor x tokens x top_k`.
+      the EP degree: about `factor x tokens x top_k`. Its forward rows are the block's own expert
+      rows (`capacity_saved_delta`, in the activations), so this term is the backward's
+      gradients in flight only: `capacity_backward_bytes`.
     """
     rows = expert_rows(
         shape, tokens=tokens, ep=ep, capacity_factor=capacity_factor, local_batch_size=local_batch_size, seq_len=seq_len
     )
+    if capacity_factor > 0:
+        return capacity_backward_bytes(shape, rows=rows)
     return 2 * rows * (2 * shape.dim + 3 * shape.moe_hidden) * 2
+
+
+def capacity_saved_delta(shape: ModelShape, *, rows: int, tokens: int) -> int:
+    """What one MoE block keeps for backward under the capacity dispatch, minus what the activation
+    models (`planner.activations`, `planner.deepseek`) count for its routed copies.
+
+    Those models count the dropless layout: per routed copy (`tokens x top_k` of them) its input
+    and output rows (bf16, `2 dim` each) and the SwiGLU's gate, silu, up and product (bf16,
+    `8 moe_hidden`). The capacity layout (`MoE._capacity_experts`) keeps the experts' input rows
+    and SwiGLU intermediates per buffer row (`rows`, unused slots included, about `factor x tokens
+    x top_k`) and each copy's gathered output (for the router-weight product), not per copy:
+    `(rows - tokens x top_k) x (2 dim + 8 moe_hidden)` bytes more (less when the capacity is
+    below one copy per row). Before 2026-12-06 the planner counted the copies' rows and the
+    buffer's rows both (`ep_dispatch_bytes` held the forward rows again, and their gradients
+    twice): 7.81 GiB for Qwen3-30B-A3B's 8 x 4096 tokens where the compiled program's MoE
+    buffers take about 3 (docs/recipe_check.md)."""
+    copies = tokens * shape.top_k
+    return (rows - copies) * (2 * shape.dim + 8 * shape.moe_hidden)
+
+
+def capacity_backward_bytes(shape: ModelShape, *, rows: int) -> int:
+    """The capacity dispatch's gradients in flight in one MoE block's backward, bf16 per buffer row:
+    the input rows' gradient (`2 dim`, before and after its all-to-all the same size) and the gate's
+    and up's (`2 moe_hidden` each) while the product's has been consumed (the gradient of the
+    experts' output precedes them and is freed by then)."""
+    return rows * (2 * shape.dim + 4 * shape.moe_hidden)
 
 
 def expert_rows(
@@ -235,6 +265,7 @@ def estimate(
     stacked: bool = False,
     moe_capacity_factor: float = 0.0,
     quantize: QuantizePlan | None = None,
+    moe_layers: int | None = None,
 ) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
@@ -244,7 +275,8 @@ def estimate(
     "muon": one fp32 moment on the Muon matrices (`stats.muon_numel`) and the update's whole
     matrices (`stats.muon_whole_numel`, or `muon_whole_stacked_numel` when `stacked`, the
     layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT. `moe_capacity_factor`: `[moe] capacity_factor`
-    (the dispatch buffers of `ep_dispatch_bytes`). `quantize`: the `[quantize]` plan (the
+    (the dispatch buffers of `ep_dispatch_bytes`, the blocks' expert rows of `capacity_saved_delta`;
+    `moe_layers`: how many blocks are MoE, default all). `quantize`: the `[quantize]` plan (the
     low-precision copies of `planner.low_precision`, in the block backward)."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
@@ -262,6 +294,30 @@ def estimate(
         )
     )
     tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
+    if shape.is_moe and moe_capacity_factor > 0:
+        # the capacity layout keeps buffer rows, not per-copy rows (`capacity_saved_delta`)
+        rows = expert_rows(
+            shape,
+            tokens=tokens,
+            ep=parallel_dims.ep,
+            capacity_factor=moe_capacity_factor,
+            local_batch_size=local_batch_size,
+            seq_len=seq_len // cp,
+        )
+        delta = capacity_saved_delta(shape, rows=rows, tokens=tokens)
+        # what the AC mode keeps per block: all of it (none), the matmul outputs (selective: gate, up
+        # and down, `4 moe_hidden + 2 dim` per row instead of per copy), the block input only (full)
+        kept_delta = {
+            "none": delta,
+            "selective": (rows - tokens * shape.top_k) * (4 * shape.moe_hidden + 2 * shape.dim),
+            "full": 0,
+        }[ac_mode]
+        acts = dataclasses.replace(
+            acts,
+            per_block_none=acts.per_block_none + delta,
+            per_block=acts.per_block + kept_delta,
+            blocks=acts.blocks + kept_delta * (shape.n_layers if moe_layers is None else moe_layers),
+        )
     if fused_loss:
         # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]
         # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM).

@@ -238,6 +238,7 @@ def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
         optimizer=inputs.step.optimizer if inputs.step is not None else "adamw",
         moe_capacity_factor=inputs.step.moe_capacity_factor if inputs.step is not None else 0.0,
         quantize=inputs.quantize,
+        moe_layers=getattr(inputs.args, "n_layers", 0) - getattr(inputs.args, "n_dense_layers", 0),
     )
 
 

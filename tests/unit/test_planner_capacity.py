@@ -1,0 +1,48 @@
+"""The planner's capacity-dispatch terms by hand (planner/memory.py), and the recipe it was mended for.
+
+Qwen3-30B-A3B (dim 2048, moe_hidden 768, 128 experts, top 8), 8 x 4096 tokens per device, capacity
+factor 1.25: 320 copies per sequence and expert, 128 x 8 x 320 = 327,680 buffer rows, 262,144 routed
+copies. The compiled program (scripts/check_recipe.py --compile, 2026-12-06) needs 18.3 GiB per
+device; the planner said 25.0 because it counted the experts' rows twice (the block model's per-copy
+rows and the buffer's rows, forward and gradients x 2: 7.81 GiB of "dispatch").
+"""
+
+import pytest
+
+from models import get_model_family
+from planner.memory import capacity_backward_bytes, capacity_saved_delta, ep_dispatch_bytes, expert_rows
+
+GIB = 2**30
+SHAPE = get_model_family("qwen3").flavors["30B-A3B"].shape()
+ROWS, COPIES = 327_680, 262_144
+
+
+def test_capacity_terms_by_hand():
+    assert (SHAPE.dim, SHAPE.moe_hidden, SHAPE.num_experts, SHAPE.top_k) == (2048, 768, 128, 8)
+    kw = dict(tokens=8 * 4096, ep=8, capacity_factor=1.25, local_batch_size=8, seq_len=4096)
+    assert expert_rows(SHAPE, **kw) == ROWS == 128 * 8 * 320
+    # the buffer's rows keep input + gate/silu/up/product; the model counted them per copy
+    assert capacity_saved_delta(SHAPE, rows=ROWS, tokens=8 * 4096) == (ROWS - COPIES) * (2 * 2048 + 8 * 768)
+    assert capacity_saved_delta(SHAPE, rows=ROWS, tokens=8 * 4096) == 671_088_640
+    # the backward's gradients in flight: input rows (2 dim), gate and up (2 moe_hidden each)
+    assert capacity_backward_bytes(SHAPE, rows=ROWS) == ROWS * (2 * 2048 + 4 * 768) == 2_348_810_240
+    assert ep_dispatch_bytes(SHAPE, **kw) == 2_348_810_240  # was 2 x R x (2 d + 3 F) x 2 = 8,388,608,000
+    # the block backward's change: exactly 5 GiB less
+    assert 671_088_640 + 2_348_810_240 - 2 * ROWS * (2 * 2048 + 3 * 768) * 2 == -5 * GIB
+    # dropless is unchanged: ep x tokens x k rows, forward and gradients
+    dropless = dict(kw, capacity_factor=0.0)
+    assert ep_dispatch_bytes(SHAPE, **dropless) == 2 * (8 * 32768 * 8) * (2 * 2048 + 3 * 768) * 2
+
+
+def test_qwen3_30b_a3b_recipe_within_the_compile_band():
+    """The recipe's plan (FSDP 256 x EP 8 on v6e-256, AC full, scan, fused loss, undonated update):
+    24.98 -> 19.98 GiB, the 5 GiB above; the compiler's 18.3 GiB is within tools/tpu_compile.BAND."""
+    import planner
+    from tools.recipe_check import planned
+    from tools.tpu_compile import BAND
+    from trainer.config import build_config
+
+    cfg = build_config("configs/qwen3_30b_a3b_v6e.toml", [])
+    est = planned(cfg, planner.parse_target(cfg.job.target))
+    assert est.total / GIB == pytest.approx(19.98, abs=0.01)
+    assert abs(18.3 - est.total / GIB) <= BAND * est.total / GIB
