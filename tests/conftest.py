@@ -186,6 +186,12 @@ def pytest_runtest_logreport(report):
         _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # also under -q, which hides the header: the orders a failure happened in can be redrawn
+    seed = os.environ["TITAN_TEST_ORDER_SEED"]
+    terminalreporter.write_line(f"device orders of multi-process runs drawn from TITAN_TEST_ORDER_SEED={seed}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     out = os.environ.get("TITAN_RECORD_DURATIONS")
     if out and not hasattr(session.config, "workerinput") and _DURATIONS:
