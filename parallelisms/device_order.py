@@ -118,8 +118,9 @@ def random_order(world_size: int, seed: int) -> tuple[int, ...]:
 def target_order(target: str, parallel_dims, *, spec: str | None = None) -> RankOrder:
     """The order torch-tpu gives `parallel_dims`' mesh on `target`'s slice (several slices: each
     slice laid out alike, slices placed as torch-tpu's hybrid mesh places them), with the trainer's
-    compact EP groups on one slice (`tpu_topology.trainer_layout`). Device id d is launcher rank d
-    (ranks follow devices, slice-major over slices)."""
+    compact EP groups on one slice (`tpu_topology.trainer_layout`), as launcher ranks: a host's
+    processes drive its devices and hosts are numbered by position (`launcher_grid`; on one host
+    device id d is launcher rank d), slices one after the other."""
     from parallelisms import tpu_topology
 
     topology = tpu_topology.topology_of(target)
@@ -133,10 +134,11 @@ def target_order(target: str, parallel_dims, *, spec: str | None = None) -> Rank
         )
     if dims.num_slices == 1:
         mapping = tpu_topology.trainer_layout(topology, dims.mesh_shape, ep=dims.ep)
-        grid = np.asarray(mapping.device_ids).reshape(dims.mesh_shape)
+        grid = launcher_grid(np.asarray(mapping.device_ids).reshape(dims.mesh_shape), topology)
     else:
         mapping = tpu_topology.map_mesh(topology, dims.ici_mesh_shape)
-        grid = hybrid_grid(np.asarray(mapping.device_ids).reshape(dims.ici_mesh_shape), dims.dcn_mesh_shape)
+        ici = launcher_grid(np.asarray(mapping.device_ids).reshape(dims.ici_mesh_shape), topology)
+        grid = hybrid_grid(ici, dims.dcn_mesh_shape)
     how = f", {mapping.method}" + (", compact EP groups" if mapping.expert_tile is not None else "")
     slices = f" x {dims.num_slices} slices" if dims.num_slices > 1 else ""
     return RankOrder(
@@ -144,6 +146,15 @@ def target_order(target: str, parallel_dims, *, spec: str | None = None) -> Rank
         source=f"torch-tpu's order on {target}{slices} ({how.lstrip(', ')})",
         order=tuple(int(d) for d in grid.reshape(-1)),
     )
+
+
+def launcher_grid(device_grid: np.ndarray, topology) -> np.ndarray:
+    """A grid of one slice's device ids as the launcher ranks that drive them
+    (`tpu_topology.launcher_device_ids`: hosts in torch-tpu's order; the identity on one host)."""
+    from parallelisms import tpu_topology
+
+    launcher_of = np.argsort(np.asarray(tpu_topology.launcher_device_ids(topology)))
+    return launcher_of[np.asarray(device_grid)]
 
 
 def hybrid_grid(ici: np.ndarray, dcn_shape: tuple[int, ...]) -> np.ndarray:
@@ -187,12 +198,10 @@ def resolve_rank_order(
                 "identity (auto: this slice's layout is unknown before the process group; set [job] target "
                 "to the slice, or device_order to its name)",
             )
-        if parallel_dims.num_slices == 1:
-            grid = np.asarray(mapping.device_ids).reshape(parallel_dims.mesh_shape)
-        else:
-            grid = hybrid_grid(
-                np.asarray(mapping.device_ids).reshape(parallel_dims.ici_mesh_shape), parallel_dims.dcn_mesh_shape
-            )
+        shape = parallel_dims.mesh_shape if parallel_dims.num_slices == 1 else parallel_dims.ici_mesh_shape
+        grid = launcher_grid(np.asarray(mapping.device_ids).reshape(shape), mapping.topology)
+        if parallel_dims.num_slices > 1:
+            grid = hybrid_grid(grid, parallel_dims.dcn_mesh_shape)
         return RankOrder(
             spec="auto",
             source=f"torch-tpu's order on {mapping.topology} ({mapping.method})",

@@ -376,7 +376,8 @@ def _whole_axes(phys: tuple[int, ...], shape: tuple[int, ...], names, topology) 
         left = [PHYSICAL_AXES[p] for p in range(len(phys)) if p not in taken]
         raise UnmappableAxis(
             f"parallelism: the mesh {tuple(shape)} leaves physical axis {'/'.join(left)} of {topology} "
-            f"to no mesh axis (torch-tpu's whole-axes layout then fails)",
+            f"to no mesh axis (torch-tpu's whole-axes layout then fails); allowed: degrees that together "
+            f"use every physical axis",
             axis=names[0],
             size=shape[0],
             split=False,
@@ -598,3 +599,43 @@ def trainer_layout(topology: Topology, shape, *, ep: int = 1) -> MeshMapping:
     where `compact_expert_groups` applies."""
     mapping = map_mesh(topology, shape)
     return compact_expert_groups(mapping, ep) or mapping
+
+
+# ---------------------------------------------------------------- which device a launcher rank drives
+#
+# One process per device: the launcher gives host h's processes ranks h x devices-per-host + local,
+# torch-tpu's launcher numbers the hosts by their physical position (NODE_RANK from the hosts'
+# coordinates, z-major as JAX's mesh_utils sorts them, x fastest) and a host's local processes take
+# its devices in order (core fastest, then x, y, z of the host's block of chips). So on a slice
+# of several hosts launcher rank r is not device id r (ids run x-fastest over the whole slice).
+
+HOST_CHIPS = {"v4": (2, 2, 1), "v5p": (2, 2, 1), "v5e": (2, 2, 1), "v6e": (2, 2, 1), "v7x": (2, 2, 1)}
+"""Chips (x, y, z) one host of a multi-host slice holds; a slice of at most SINGLE_HOST_CHIPS chips
+is one host."""
+SINGLE_HOST_CHIPS = {"v4": 4, "v5p": 4, "v5e": 8, "v6e": 8, "v7x": 4}
+
+
+def host_chips(topology: Topology) -> tuple[int, int, int]:
+    """The block of chips one host of `topology` holds."""
+    if math.prod(topology.chips) <= SINGLE_HOST_CHIPS[topology.generation]:
+        return topology.chips
+    return HOST_CHIPS[topology.generation]
+
+
+def launcher_device_ids(topology: Topology) -> list[int]:
+    """Entry r: the device id (module docstring's numbering) launcher rank r drives, hosts in
+    torch-tpu's topological order (z-major, x fastest) and each host's processes over its devices
+    core fastest, then x, y, z. A permutation of range(devices); the identity on one host."""
+    bx, by, bz = host_chips(topology)
+    X, Y, Z = topology.chips
+    per_chip = topology.devices_per_chip
+    ids = []
+    for hz in range(Z // bz):
+        for hy in range(Y // by):
+            for hx in range(X // bx):
+                for z in range(bz):
+                    for y in range(by):
+                        for x in range(bx):
+                            chip = ((hz * bz + z) * Y + (hy * by + y)) * X + (hx * bx + x)
+                            ids.extend(chip * per_chip + core for core in range(per_chip))
+    return ids

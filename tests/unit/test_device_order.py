@@ -41,16 +41,28 @@ def test_a_targets_order_is_torch_tpus_layout():
     # the wheel's create_device_mesh on stand-in devices (tpu_first_contact.md N11)
     assert _order("v6e-8", 8).order == (0, 1, 2, 3, 7, 6, 5, 4)
     assert _order("tpu7x-8", 8).order == (0, 1, 2, 3, 6, 7, 4, 5)
-    assert _order("v6e-256", 256).order[:4] == (0, 16, 32, 48)
-    assert _order("v7x-512", 512).order[:4] == (0, 1, 64, 65)
-    assert _order("v6e-256", 256).renumbered == 240
-    # compact EP groups: each run of 8 places is a 2 x 4 block of v6e-256's 16 x 16 chips
+    # on a pod the order is in launcher ranks: host h's processes are ranks 4h..4h+3, its 2 x 2 chips,
+    # hosts numbered by position (tpu_topology.launcher_device_ids); torch-tpu's device order
+    # [0, 16, 32, 48, ...] (x fastest over the 16 x 16 chips) is launcher ranks [0, 2, 32, 34, ...]
     v6e = tt.topology_of("v6e-256")
+    device_of = tt.launcher_device_ids(v6e)
+    assert [device_of[r] for r in _order("v6e-256", 256).order[:4]] == [0, 16, 32, 48]
+    assert _order("v6e-256", 256).order[:4] == (0, 2, 32, 34)
+    v7x = tt.topology_of("v7x-512")
+    assert [tt.launcher_device_ids(v7x)[r] for r in _order("v7x-512", 512).order[:4]] == [0, 1, 64, 65]
+    # how many processes the order renumbers (tpu_first_contact.md N11: 254 of 256, 224 with the
+    # compact EP groups, 504 of 512)
+    assert (_order("v6e-256", 256).renumbered, _order("v6e-256", 256, ep=8).renumbered) == (254, 224)
+    assert _order("v7x-512", 512).renumbered == 504
+    # compact EP groups: each run of 8 places is a 2 x 4 block of v6e-256's 16 x 16 chips
     groups = np.asarray(_order("v6e-256", 256, ep=8).order).reshape(-1, 8)
     for group in groups[:3]:
-        xs, ys = {int(d) % 16 for d in group}, {int(d) // 16 for d in group}
+        chips = [device_of[int(r)] for r in group]
+        xs, ys = {d % 16 for d in chips}, {d // 16 for d in chips}
         assert len(xs) * len(ys) == 8 and max(xs) - min(xs) < len(xs) and max(ys) - min(ys) < len(ys), group
-    assert v6e.devices == 256
+    # the launcher's ranks: host by host, each host's 2 x 2 chips x fastest, hosts x fastest
+    assert device_of[:8] == [0, 1, 16, 17, 2, 3, 18, 19] and sorted(device_of) == list(range(256))
+    assert tt.launcher_device_ids(tt.topology_of("v6e-8")) == list(range(8))  # one host
     # two slices: each laid out as one, slice-major (the DCN split on dp_replicate)
     two = _order("v6e-8", 16, dp_replicate=2, num_slices=2)
     assert two.order == (0, 1, 2, 3, 7, 6, 5, 4, 8, 9, 10, 11, 15, 14, 13, 12)

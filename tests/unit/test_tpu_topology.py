@@ -389,12 +389,13 @@ def test_the_device_order_renumbers_ranks_into_compact_expert_groups_by_the_reci
     dims = pd.ParallelDims(world_size=512, dp_shard=512, ep=16)
     order = do.resolve_rank_order("v7x-512", dims, device_type="cpu")
     compact = np.asarray(tt.trainer_layout(topology, dims.mesh_shape, ep=16).device_ids)
-    assert np.array_equal(np.asarray(order.order).reshape(compact.shape), compact)
-    groups = np.asarray(order.order).reshape(dims.efsdp, dims.ep)
+    device_of = np.asarray(tt.launcher_device_ids(topology))  # the order is in launcher ranks
+    assert np.array_equal(device_of[np.asarray(order.order)].reshape(compact.shape), compact)
+    groups = device_of[np.asarray(order.order)].reshape(dims.efsdp, dims.ep)
     # v7x-512 is 4 x 8 x 8 chips; blocks in x, then y, then z order: the sixth is x 2-3, y 4-5, z 0-1
     assert {_coords(topology, int(d)) for d in groups[5]} == {(x, y, z) for x in (2, 3) for y in (4, 5) for z in (0, 1)}
     plain = do.resolve_rank_order("v7x-512", pd.ParallelDims(world_size=512, dp_shard=512), device_type="cpu")
     port = np.asarray(tt.map_mesh(topology, dims.mesh_shape).device_ids).reshape(-1)
-    assert list(plain.order) == port.tolist()  # no EP: torch-tpu's order as it is
+    assert device_of[list(plain.order)].tolist() == port.tolist()  # no EP: torch-tpu's order as it is
     with pytest.raises(ConfigError, match="parallelism.device_order: v7x-256"):
         do.resolve_rank_order("v7x-256", dims, device_type="cpu")  # not the world's slice
