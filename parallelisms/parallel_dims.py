@@ -97,14 +97,14 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
-            raise ConfigError(f"world size must be >= 1, got {self.world_size}")
+            raise ConfigError(f"world size must be >= 1, got {self.world_size}; allowed: a positive integer")
         for name in ("dp_replicate", "cp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{_KEYS[name]}: must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{_KEYS[name]}: must be an integer >= 1, got {value!r}; allowed: a positive integer")
         if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
             raise ConfigError(
-                f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), got {self.dp_shard!r}"
+                f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), got {self.dp_shard!r}; allowed: -1 or a positive integer"
             )
         cp_text = f"context_parallel_degree ({self.cp}) x " if self.cp != 1 else ""
         others = self.dp_replicate * self.cp * self.tp
@@ -113,7 +113,8 @@ class ParallelDims:
                 raise ConfigError(
                     f"{_KEYS['dp_shard']}: -1 cannot fill world size {self.world_size} because "
                     f"data_parallel_replicate_degree ({self.dp_replicate}) x {cp_text}"
-                    f"tensor_parallel_degree ({self.tp}) = {others} does not divide it"
+                    f"tensor_parallel_degree ({self.tp}) = {others} does not divide it; allowed: degrees whose "
+                    f"product divides {self.world_size}"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp
@@ -123,10 +124,12 @@ class ParallelDims:
                 f"data_parallel_shard_degree ({self.dp_shard}) x {cp_text}tensor_parallel_degree "
                 f"({self.tp}) = {product}, but the world size is {self.world_size}; "
                 f"the product must equal the world size (set data_parallel_shard_degree = -1 "
-                f"to fill it)"
+                f"to fill it); allowed: degrees whose product is {self.world_size}"
             )
         if not isinstance(self.num_slices, int) or self.num_slices < 1:
-            raise ConfigError(f"{_KEYS['num_slices']}: must be an integer >= 1, got {self.num_slices!r}")
+            raise ConfigError(
+                f"{_KEYS['num_slices']}: must be an integer >= 1, got {self.num_slices!r}; allowed: a positive integer"
+            )
         if self.num_slices > 1 and (self.dp_replicate * self.dp_shard) % self.num_slices != 0:
             raise ConfigError(
                 f"{_KEYS['num_slices']}: {self.num_slices} slices, but data_parallel_replicate_degree "
@@ -140,7 +143,8 @@ class ParallelDims:
             raise ConfigError(
                 f"{_KEYS['ep']}: {self.ep} must divide data_parallel_shard_degree x "
                 f"{'context_parallel_degree x ' if self.cp != 1 else ''}tensor_parallel_degree = "
-                f"{block} (expert parallelism borrows its ranks from the FSDP x CP x TP ranks)"
+                f"{block} (expert parallelism borrows its ranks from the FSDP x CP x TP ranks); allowed: divisors "
+                f"of {block}"
             )
 
     # --- what is on -------------------------------------------------------------------------
@@ -325,7 +329,8 @@ def _tpu_rank_grid(shape: tuple[int, ...], dcn_mesh_shape: tuple[int, ...] | Non
         except Exception as e:
             raise ConfigError(
                 f"parallelism: torch-tpu cannot lay out the mesh {dict(zip(MESH_AXES, shape))} on this slice, "
-                f"not even splitting physical axes ({type(e).__name__}: {e}); whole axes: {whole}"
+                f"not even splitting physical axes ({type(e).__name__}: {e}); whole axes: {whole}; allowed: "
+                "degrees whose mesh axes are products of the slice's physical axes"
             ) from e
         if distributed.rank() == 0:
             print(
@@ -356,7 +361,8 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | N
     if dist.get_world_size() != parallel_dims.world_size:
         raise ConfigError(
             f"parallelism: degrees were resolved for world size {parallel_dims.world_size} but "
-            f"the process group has {dist.get_world_size()} ranks"
+            f"the process group has {dist.get_world_size()} ranks; allowed: resolve the degrees for "
+            f"{dist.get_world_size()} ranks"
         )
     shape = parallel_dims.mesh_shape
     ranks = torch.arange(parallel_dims.world_size).reshape(shape)

@@ -101,7 +101,7 @@ def check_overrides(overrides: list[tuple[str, str]]) -> None:
     for dotted, raw in overrides:
         section, _, key = dotted.partition(".")
         if not key or "." in key:
-            raise ConfigError(f"--{dotted}: expected --section.key=value")
+            raise ConfigError(f"--{dotted}: expected --section.key=value; allowed: --section.key=value")
         load._set(cfg, section, key, load.parse_value(raw), f"--{dotted}")
         field = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}.get(key)
         if field is not None:

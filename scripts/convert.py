@@ -95,7 +95,10 @@ def _resolve_checkpoint(path: Path) -> Path:
     steps = [(int(m.group(1)), p) for p in path.glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
     steps = [(n, p) for n, p in steps if (p / ".metadata").is_file()]
     if not steps:
-        raise ConfigError(f"--checkpoint {path}: not a DCP checkpoint (no .metadata) and no step-N checkpoints inside")
+        raise ConfigError(
+            f"--checkpoint {path}: not a DCP checkpoint (no .metadata) and no step-N checkpoints inside; "
+            "allowed: a DCP checkpoint folder or a folder of step-N checkpoints"
+        )
     return max(steps)[1]
 
 
@@ -183,7 +186,7 @@ def _convert_to_hf(
     try:
         verify_checkpoint(checkpoint)
     except CorruptCheckpointError as e:
-        raise ConfigError(f"--checkpoint {checkpoint} is corrupt: {e}") from None
+        raise ConfigError(f"--checkpoint {checkpoint} is corrupt: {e}; allowed: an intact checkpoint") from None
     try:
         metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - a damaged pickle raises any of a dozen types
@@ -368,13 +371,16 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
     family = get_model_family(HF_MODEL_TYPES[model_type])
     files = safetensors_files(hf_dir)
     if not files or not all(f.is_file() for f in files):
-        raise ConfigError(f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+        raise ConfigError(
+            f"{hf_dir}: no *.safetensors files (PyTorch .bin checkpoints are not supported); allowed: a folder "
+            "with *.safetensors"
+        )
     try:
         reader = SafetensorsSlices(files, fp8_block=quantization_of(config, where=config_path), config=config_path)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{hf_dir}: {e}") from e
+        raise ConfigError(f"{hf_dir}: {e}; allowed: readable safetensors files") from e
     try:
         args = family.hf_adapter.args_from_hf_config(config)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -385,7 +391,7 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
     try:
         layout = family.hf_adapter.hf_layout(reader.shapes(), args)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{hf_dir}: {e}") from e
+        raise ConfigError(f"{hf_dir}: {e}; allowed: weights that match config.json") from e
     expected = _meta_model_shapes(family, args)
     check_entries(
         expected={k: tuple(v) for k, v in expected.items()},
@@ -421,7 +427,9 @@ def _convert_from_hf(hf_dir: Path, out_dir: Path, *, dtype: torch.dtype | None, 
         dcp.save({"model": meta}, storage_writer=writer, planner=_StreamingSavePlanner(make))
     except (Exception, CheckpointException) as e:  # DCP reports a failed read as CheckpointException
         if read_failed:
-            raise ConfigError(f"{hf_dir}: cannot read its safetensors: {short_error(e)}") from e
+            raise ConfigError(
+                f"{hf_dir}: cannot read its safetensors: {short_error(e)}; allowed: readable safetensors files"
+            ) from e
         why = errno_text(e, out_dir.parent) or short_error(e)
         raise WriteFailed(f"writing DCP checkpoint {dest} failed: {why}; nothing was left at the destination") from e
     write_manifest(out_dir)
@@ -443,7 +451,7 @@ def _split_model_overrides(argv: list[str]) -> tuple[list[str], dict]:
             continue
         if not sep:
             if i + 1 >= len(argv):
-                raise ConfigError(f"{item}: missing value")
+                raise ConfigError(f"{item}: missing value; allowed: {item}=VALUE or {item} VALUE")
             value, i = argv[i + 1], i + 1
         if key in _RUN_ONLY_MODEL_KEYS:
             coerce(f"model.{key}", parse_value(value), _RUN_ONLY_MODEL_KEYS[key])
@@ -493,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {ns.out}: config.json + {len(files)} safetensors file(s)")
         else:
             if overrides:
-                raise ConfigError(f"--model.{next(iter(overrides))}: from-hf takes the model from config.json")
+                raise ConfigError(
+                    f"--model.{next(iter(overrides))}: from-hf takes the model from config.json; allowed: no --model.* "
+                    "field overrides with from-hf"
+                )
             name, args = convert_from_hf(ns.hf_dir, ns.out, dtype=_dtype(ns.dtype))
             print(f"wrote DCP checkpoint {ns.out} (keys {MODEL_PREFIX}*); model.name={name}, args={args}")
     except ConfigError as e:

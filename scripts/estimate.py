@@ -451,7 +451,9 @@ def _run(argv: list[str]) -> int:
     cfg = build_config(recipe, overrides)
     if target is None:  # the recipe's [job] target; a bad one names the recipe key, not the flag
         if recipe is None:
-            raise ConfigError("--target: required without a recipe, e.g. --target v6e-256 (see --list-targets)")
+            raise ConfigError(
+                "--target: required without a recipe; allowed: a target name, e.g. --target v6e-256 (see --list-targets)"
+            )
         if not cfg.job.target:
             raise ConfigError(
                 f"job.target: {recipe} sets no [job] target and no --target was given; allowed: a "

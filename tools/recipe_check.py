@@ -374,7 +374,10 @@ def tpu_mesh_check(cfg: Config, report: RecipeCheck, torch_tpu: dict | None = No
     who = f"torch-tpu {theirs['version']}"
     if "error" in built:
         axes = dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), shape))
-        raise ConfigError(f"parallelism: {who} cannot lay out the mesh {axes} on {topology}: {built['error']}")
+        raise ConfigError(
+            f"parallelism: {who} cannot lay out the mesh {axes} on {topology}: {built['error']}; allowed: degrees "
+            "whose mesh axes are products of the slice's physical axes"
+        )
     if layout is None or built["ids"] != port_ids or (built is split) != layout.split:
         report.tpu_mesh = f"built by {who} ({'split axes' if built is split else 'whole axes'}) [port disagrees]"
         report.notes.append(f"mesh: {who} lays out {shape} on {topology} differently from parallelisms/tpu_topology.py")

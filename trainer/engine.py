@@ -129,7 +129,9 @@ class Engine:
     def _check_tokens(self, call: str, tokens: Any, *, min_length: int) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.ndim != 2 or tokens.dtype != torch.int64:
             got = f"{tokens.dtype} {list(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise EngineError(f"engine.{call}: tokens: expected int64 [batch, length], got {got}")
+            raise EngineError(
+                f"engine.{call}: tokens: expected int64 [batch, length], got {got}; allowed: an int64 tensor [batch, length]"
+            )
         if tokens.shape[0] < 1 or tokens.shape[1] < min_length:
             raise EngineError(
                 f"engine.{call}: tokens: {list(tokens.shape)}; allowed: at least 1 sequence of at "
@@ -139,7 +141,7 @@ class Engine:
         if length > self.args.max_seq_len:
             raise EngineError(
                 f"engine.{call}: tokens: the model reads {length} positions, more than "
-                f"training.seq_len = {self.args.max_seq_len} (its RoPE tables); raise training.seq_len"
+                f"training.seq_len = {self.args.max_seq_len} (its RoPE tables); allowed: at most {self.args.max_seq_len} positions, or raise training.seq_len"
             )
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.args.vocab_size:
@@ -191,7 +193,9 @@ class Engine:
         loss_fn = nll_loss if loss_fn is None else loss_fn
         if not isinstance(batch, Mapping) or "tokens" not in batch:
             keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
-            raise EngineError(f"engine.{call}: the batch has no 'tokens' (int64 [B, T]); got {keys}")
+            raise EngineError(
+                f"engine.{call}: the batch has no 'tokens' (int64 [B, T]); got {keys}; allowed: a mapping with 'tokens'"
+            )
         self._check_tokens(call, batch["tokens"], min_length=2)
         batch = self._to_device(batch)
         tokens = batch["tokens"]

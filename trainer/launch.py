@@ -270,7 +270,7 @@ def _tpu_plan(
     if nproc_override is not None:
         nproc = nproc_override
     elif chips_per_host is None:
-        raise ConfigError(f"launch: chips per host unknown ({where}); pass --nproc-per-node")
+        raise ConfigError(f"launch: chips per host unknown ({where}); allowed: pass --nproc-per-node")
     else:
         nproc = chips_per_host * devices_per_chip(accelerator)
     env = {"TPU_WORKER_HOSTNAMES": ",".join(hosts), "TPU_WORKER_ID": str(worker)}
@@ -452,7 +452,9 @@ def first_slurm_host(nodelist: str) -> str:
     """Host 0 of a Slurm node list: `gpu[003-010,12],cpu1` -> `gpu003`."""
     m = re.match(r"^([^\[,]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not m or not m.group(1):
-        raise ConfigError(f"launch: SLURM_JOB_NODELIST {nodelist!r} is not a Slurm node list")
+        raise ConfigError(
+            f"launch: SLURM_JOB_NODELIST {nodelist!r} is not a Slurm node list; allowed: e.g. gpu[003-010,12],cpu1"
+        )
     prefix, ranges = m.group(1), m.group(2)
     return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
 
@@ -491,7 +493,7 @@ def _local_gpus() -> int:
 
     n = torch.cuda.device_count()
     if n == 0:
-        raise ConfigError("launch: no CUDA device on this host; pass --nproc-per-node for a CPU run")
+        raise ConfigError("launch: no CUDA device on this host; allowed: pass --nproc-per-node for a CPU run")
     return n
 
 
@@ -540,7 +542,7 @@ def _run_torch_tpu_distributed(argv: list[str], child_env: dict) -> str:
     if out.returncode != 0:
         raise ConfigError(
             f"launch: python -m torch.tpu.distributed failed (exit {out.returncode}): "
-            f"{failure_summary(out.stderr) or 'no message'}"
+            f"{failure_summary(out.stderr) or 'no message'}; allowed: a TPU host where torch.tpu.distributed runs"
         )
     return out.stdout
 

@@ -285,7 +285,9 @@ class FluxVae:
         self.autoencoder = autoencoder.eval()
         cfg = autoencoder.config
         if cfg.latent_channels != LATENT_CHANNELS:
-            raise ConfigError(f"VAE: latent_channels is {cfg.latent_channels}; FLUX needs {LATENT_CHANNELS}")
+            raise ConfigError(
+                f"VAE: latent_channels is {cfg.latent_channels}; FLUX needs {LATENT_CHANNELS}; allowed: a VAE with {LATENT_CHANNELS} latent channels"
+            )
         self.scaling_factor = float(cfg.scaling_factor)
         self.shift_factor = float(cfg.shift_factor or 0.0)
         self.spatial_factor = 2 ** (len(cfg.block_out_channels) - 1)

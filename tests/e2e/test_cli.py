@@ -111,7 +111,7 @@ def test_train_sh_help_and_a_bad_flag():
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
     assert bad.stderr.strip().splitlines() == [
-        "error: unrecognized argument '--no-such-flag'; use --config RECIPE.toml, --print-config or --section.key=value"
+        "error: unrecognized argument '--no-such-flag'; allowed: --config RECIPE.toml, --print-config or --section.key=value"
     ], bad.stderr
 
 

@@ -175,11 +175,13 @@ def _load_hf_sliced(
     except ConfigError:
         raise
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}") from e
+        raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}; allowed: readable checkpoint files") from e
     try:
         layout = hf_layout(reader.shapes(), args)
     except (KeyError, ValueError) as e:
-        raise ConfigError(f"{key}: {root} does not match the model: {short_error(e)}") from e
+        raise ConfigError(
+            f"{key}: {root} does not match the model: {short_error(e)}; allowed: weights of the recipe's model (its architecture and sizes)"
+        ) from e
     check_entries(
         expected=expected,
         stored={k: entry.shape for k, entry in layout.items()},
@@ -198,7 +200,7 @@ def _load_hf_sliced(
                 local.copy_(box)
                 reader.release()
     except (OSError, RuntimeError, SafetensorError) as e:  # a truncated or unreadable file
-        raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}") from e
+        raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}; allowed: readable checkpoint files") from e
     finally:
         reader.release()
     # get_model_state_dict's tensors normally share storage with the parameters, and then the
@@ -269,22 +271,24 @@ def load_initial(
         )
     root = Path(path) if path else None
     if root is None or not root.exists():
-        raise ConfigError(f"{key}: {str(path)!r} does not exist; expected a DCP checkpoint folder or HF safetensors")
+        raise ConfigError(f"{key}: {str(path)!r} does not exist; allowed: a DCP checkpoint folder or HF safetensors")
     expected = {k: _shape(v) for k, v in get_model_state_dict(model).items()}
     if fmt == "dcp":
         if not (root / ".metadata").is_file():
             raise ConfigError(
                 f"{key}: {root} is not a DCP checkpoint folder (no .metadata); "
-                'for safetensors set initial_load_format = "hf"'
+                'allowed: a DCP folder, or for safetensors initial_load_format = "hf"'
             )
         try:
             verify_checkpoint(root)
         except CorruptCheckpointError as e:
-            raise ConfigError(f"{key}: {root} is corrupt: {e}") from None
+            raise ConfigError(f"{key}: {root} is corrupt: {e}; allowed: an intact checkpoint") from None
         try:
             stored = _stored_shapes(root)
         except Exception as e:
-            raise ConfigError(f"{key}: {root} is not a readable DCP checkpoint ({short_error(e)})") from e
+            raise ConfigError(
+                f"{key}: {root} is not a readable DCP checkpoint ({short_error(e)}); allowed: a DCP checkpoint folder"
+            ) from e
         prefixed = any(k.startswith("model.") for k in stored)
         if prefixed:
             stored = {k[len("model.") :]: v for k, v in stored.items() if k.startswith("model.")}
@@ -294,7 +298,9 @@ def load_initial(
         try:
             dcp.load(dest, checkpoint_id=str(root), no_dist=not _dist_on())
         except _DCP_ERRORS as e:
-            raise ConfigError(f"{key}: cannot load {root}: {short_error(e)}") from e
+            raise ConfigError(
+                f"{key}: cannot load {root}: {short_error(e)}; allowed: a DCP checkpoint of this model"
+            ) from e
         set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
         return
 
@@ -302,7 +308,7 @@ def load_initial(
     if not files or not all(f.is_file() for f in files):
         raise ConfigError(
             f"{key}: no safetensors weights at {root}; "
-            "expected *.safetensors (and model.safetensors.index.json if sharded)"
+            "allowed: a folder with *.safetensors (and model.safetensors.index.json if sharded)"
         )
     from_hf = getattr(hf_adapter, "from_hf", hf_adapter)
     assert from_hf is not None, "initial_load_format hf without an hf_adapter: the step plan's RULES refuse it first"
@@ -340,12 +346,14 @@ def load_initial(
         for file in files:
             hf_state_dict.update(load_file(str(file)))
     except Exception as e:
-        raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}") from e
+        raise ConfigError(f"{key}: cannot read {root}: {short_error(e)}; allowed: readable checkpoint files") from e
     hf_state_dict = dequantize_hf_state_dict(hf_state_dict, fp8_block, files=str(root), config=config)
     try:
         state_dict = from_hf(hf_state_dict, args)
     except (KeyError, ValueError) as e:
-        raise ConfigError(f"{key}: {root} does not match the model: {short_error(e)}") from e
+        raise ConfigError(
+            f"{key}: {root} does not match the model: {short_error(e)}; allowed: weights of the recipe's model (its architecture and sizes)"
+        ) from e
     check_entries(
         expected=expected,
         stored={k: _shape(v) for k, v in state_dict.items()},
@@ -356,7 +364,9 @@ def load_initial(
     try:
         set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
     except RuntimeError as e:  # anything the checks above did not foresee
-        raise ConfigError(f"{key}: {root} does not match the model: {short_error(e)}") from e
+        raise ConfigError(
+            f"{key}: {root} does not match the model: {short_error(e)}; allowed: weights of the recipe's model (its architecture and sizes)"
+        ) from e
 
 
 def hf_fp8_block(config: Path) -> tuple[int, int] | None:
@@ -367,7 +377,9 @@ def hf_fp8_block(config: Path) -> tuple[int, int] | None:
     try:
         data = json.loads(config.read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"checkpoint.initial_load_path: cannot read {config}: {short_error(e)}") from None
+        raise ConfigError(
+            f"checkpoint.initial_load_path: cannot read {config}: {short_error(e)}; allowed: a readable JSON config.json"
+        ) from None
     return quantization_of(data, where=config) if isinstance(data, dict) else None
 
 
@@ -434,17 +446,22 @@ def check_hf_config(folder: Path, *, hf_adapter: Any, args: Any, mismatch: str) 
         hf_config = json.loads(path.read_text())
         diffs = hf_config_differences(hf_config, hf_adapter=hf_adapter, args=args)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{key}: cannot read {path}: {short_error(e)}") from None
+        raise ConfigError(
+            f"{key}: cannot read {path}: {short_error(e)}; allowed: a readable JSON config.json"
+        ) from None
     except (KeyError, ValueError, TypeError) as e:
-        raise ConfigError(f"{key}: {path} describes a model this trainer cannot build: {short_error(e)}") from None
+        raise ConfigError(
+            f"{key}: {path} describes a model this trainer cannot build: {short_error(e)}; allowed: a config.json "
+            "of a model family this trainer builds"
+        ) from None
     if not diffs:
         return
     listed = ", ".join(f"{k}: config.json {_fmt(a)}, recipe {_fmt(b)}" for k, a, b in diffs[:4])
     more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
     if mismatch == "error":
         raise ConfigError(
-            f"{key}: the recipe's model differs from {path}: {listed}{more}; set the [model] "
-            f"fields to match, or {option}"
+            f"{key}: the recipe's model differs from {path}: {listed}{more}; allowed: [model] "
+            f"fields that match, or {option}"
         )
     for k, a, b in diffs:
         _say(f"checkpoint: hf_config_mismatch = override: {k} is {_fmt(b)} (recipe), not {_fmt(a)} ({path})")

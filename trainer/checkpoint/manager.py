@@ -111,7 +111,7 @@ def check_entries(
     raise ConfigError(
         f"{key}: {where} does not match {what}: "
         + "; ".join(parts)
-        + (f"; {fix}" if fix else "; allowed: a checkpoint of the same model args (n_layers, dim, ...)")
+        + (f"; allowed: {fix}" if fix else "; allowed: a checkpoint of the same model args (n_layers, dim, ...)")
     )
 
 
@@ -276,9 +276,11 @@ class CheckpointManager:
         if async_mode not in ASYNC_MODES:
             raise ConfigError(f"checkpoint.async_mode: {async_mode!r} is not a mode; allowed: {', '.join(ASYNC_MODES)}")
         if interval < 1:
-            raise ConfigError(f"checkpoint.interval: {interval} must be >= 1")
+            raise ConfigError(f"checkpoint.interval: {interval} must be >= 1; allowed: a positive integer")
         if keep_latest_k < 0:
-            raise ConfigError(f"checkpoint.keep_latest_k: {keep_latest_k} must be >= 0 (0 keeps all)")
+            raise ConfigError(
+                f"checkpoint.keep_latest_k: {keep_latest_k} must be >= 0 (0 keeps all); allowed: an integer >= 0"
+            )
         if load_step < -1:
             raise ConfigError(f"checkpoint.load_step: {load_step}; allowed: -1 (newest) or a saved step >= 0")
         self._remote = storage.is_remote(folder)
@@ -326,7 +328,9 @@ class CheckpointManager:
         self.resumed: dict[str, Any] | None = None  # {"tier": "local" | "persistent", "step": N}
         self.save_seconds: dict[str, float] = {}  # since the last `take_save_seconds`
         if enable and not self._remote and self.folder.exists() and not self.folder.is_dir():
-            raise ConfigError(f"checkpoint.folder: {self.folder} exists and is not a directory")
+            raise ConfigError(
+                f"checkpoint.folder: {self.folder} exists and is not a directory; allowed: a folder or a path not yet used"
+            )
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -384,11 +388,11 @@ class CheckpointManager:
                 continue
             if older:
                 hint = (
-                    f"to resume from the previous checkpoint set checkpoint.load_step = {older[0]} "
+                    f"allowed: to resume from the previous checkpoint set checkpoint.load_step = {older[0]} "
                     "(or checkpoint.fallback_on_corrupt = true)"
                 )
             else:
-                hint = "no older checkpoint to fall back to; move the folder away to start fresh"
+                hint = "no older checkpoint to fall back to; allowed: move the folder away to start fresh"
             raise ConfigError(f"{key}: {path} is corrupt: {problem}; {hint}")
         self._load_path(path, states, key)
         tier = "the persistent tier " if self.local is not None else ""
@@ -500,7 +504,9 @@ class CheckpointManager:
         try:
             stored = _stored_shapes(path)
         except Exception as e:
-            raise ConfigError(f"{key}: {path} is not a readable DCP checkpoint ({short_error(e)})") from e
+            raise ConfigError(
+                f"{key}: {path} is not a readable DCP checkpoint ({short_error(e)}); allowed: a DCP checkpoint folder"
+            ) from e
         state_dict = into if into is not None else {name: state.state_dict() for name, state in states.items()}
         _drop_missing_rank_entries(state_dict, set(stored))
         flat = flatten_state_dict(state_dict)[0]
@@ -518,7 +524,7 @@ class CheckpointManager:
         if missing:
             raise ConfigError(
                 f"{key}: {path} does not match this run: {len(missing)} entries missing, e.g. {missing[:3]} "
-                "(another model or optimizer?)"
+                "(another model or optimizer?); allowed: a checkpoint of this run's model and optimizer"
             )
         try:
             dcp.load(
@@ -529,7 +535,9 @@ class CheckpointManager:
                 no_dist=no_dist or not self._distributed,
             )
         except _DCP_ERRORS as e:
-            raise ConfigError(f"{key}: cannot load {path}: {short_error(e)}") from e
+            raise ConfigError(
+                f"{key}: cannot load {path}: {short_error(e)}; allowed: a DCP checkpoint of this run"
+            ) from e
         return state_dict
 
     # -- save -------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
                 return coerce(key, value, option)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}; allowed: {_type_name(typ)}")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -115,18 +115,18 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
             return value
     else:
         return value
-    raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}")
+    raise ConfigError(f"{key}: expected {_type_name(typ)}, got {value!r}; allowed: {_type_name(typ)}")
 
 
 def _check_metadata(key: str, value: Any, meta: typing.Mapping) -> None:
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(meta['choices'])}")
     if meta.get("ge") is not None and value < meta["ge"]:
-        raise ConfigError(f"{key}: {value!r} is out of range; must be >= {meta['ge']}")
+        raise ConfigError(f"{key}: {value!r} is out of range; must be >= {meta['ge']}; allowed: >= {meta['ge']}")
     if meta.get("gt") is not None and value <= meta["gt"]:
-        raise ConfigError(f"{key}: {value!r} is out of range; must be > {meta['gt']}")
+        raise ConfigError(f"{key}: {value!r} is out of range; must be > {meta['gt']}; allowed: > {meta['gt']}")
     if meta.get("le") is not None and value > meta["le"]:
-        raise ConfigError(f"{key}: {value!r} is out of range; must be <= {meta['le']}")
+        raise ConfigError(f"{key}: {value!r} is out of range; must be <= {meta['le']}; allowed: <= {meta['le']}")
 
 
 def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
@@ -142,20 +142,23 @@ def _set(cfg: Config, section: str, key: str, value: Any, source: str) -> None:
         obj.overrides[key] = value
         return
     if key not in types or (section == "model" and key == "overrides"):
-        raise ConfigError(f"unknown key {section}.{key} in {source}{_did_you_mean(key, types, section + '.')}")
+        raise ConfigError(
+            f"unknown key {section}.{key} in {source}{_did_you_mean(key, types, section + '.')}; "
+            f"allowed: {', '.join(k for k in types if not (section == 'model' and k == 'overrides'))}"
+        )
     setattr(obj, key, coerce(f"{section}.{key}", value, types[key]))
 
 
 def load_toml(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ConfigError(f"recipe {path}: no such file")
+        raise ConfigError(f"recipe {path}: no such file; allowed: a TOML file that exists")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"recipe {path}: invalid TOML: {e}") from None
+        raise ConfigError(f"recipe {path}: invalid TOML: {e}; allowed: a valid TOML file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"recipe {path}: cannot read: {e}") from None
+        raise ConfigError(f"recipe {path}: cannot read: {e}; allowed: a readable UTF-8 TOML file") from None
 
 
 def split_cli(argv: list[str]) -> tuple[str | None, bool, list[tuple[str, str]]]:
@@ -171,7 +174,7 @@ def split_cli(argv: list[str]) -> tuple[str | None, bool, list[tuple[str, str]]]
                 recipe = arg.split("=", 1)[1]
             else:
                 if i + 1 >= len(argv):
-                    raise ConfigError("--config: expected a recipe path after it")
+                    raise ConfigError("--config: expected a recipe path after it; allowed: --config RECIPE.toml")
                 i += 1
                 recipe = argv[i]
         elif arg.startswith("--") and "." in arg:
@@ -180,13 +183,13 @@ def split_cli(argv: list[str]) -> tuple[str | None, bool, list[tuple[str, str]]]
                 key, raw = body.split("=", 1)
             else:
                 if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                    raise ConfigError(f"{arg}: expected a value (--{body}=VALUE or --{body} VALUE)")
+                    raise ConfigError(f"{arg}: expected a value; allowed: --{body}=VALUE or --{body} VALUE")
                 i += 1
                 key, raw = body, argv[i]
             overrides.append((key.replace("-", "_"), raw))
         else:
             raise ConfigError(
-                f"unrecognized argument {arg!r}; use --config RECIPE.toml, --print-config or --section.key=value"
+                f"unrecognized argument {arg!r}; allowed: --config RECIPE.toml, --print-config or --section.key=value"
             )
         i += 1
     return recipe, print_config, overrides
@@ -202,7 +205,7 @@ def parse_overrides(overrides: typing.Sequence[str | tuple[str, str]]) -> list[t
         body = item[2:] if item.startswith("--") else item
         key, sep, raw = body.partition("=")
         if not sep or "." not in key:
-            raise ConfigError(f"override {item!r}: expected section.key=value")
+            raise ConfigError(f"override {item!r}: expected section.key=value; allowed: section.key=value")
         out.append((key.replace("-", "_"), raw))
     return out
 
@@ -214,13 +217,15 @@ def build_config(recipe: str | None, overrides: list[tuple[str, str]] = ()) -> C
         data = load_toml(recipe)
         for section, table in data.items():
             if not isinstance(table, dict):
-                raise ConfigError(f"{recipe}: top-level key {section!r} must be a [section] table")
+                raise ConfigError(
+                    f"{recipe}: top-level key {section!r} must be a [section] table; allowed: {', '.join(SECTIONS)}"
+                )
             for key, value in table.items():
                 _set(cfg, section, key, value, recipe)
     for dotted, raw in overrides:
         section, _, key = dotted.partition(".")
         if not key or "." in key:
-            raise ConfigError(f"--{dotted}: expected --section.key=value")
+            raise ConfigError(f"--{dotted}: expected --section.key=value; allowed: --section.key=value")
         _set(cfg, section, key, parse_value(raw), f"--{dotted}")
     validate(cfg)
     return cfg
@@ -233,7 +238,7 @@ def validate(cfg: Config) -> None:
             _check_metadata(f"{section}.{f.name}", getattr(obj, f.name), f.metadata)
     betas = cfg.optimizer.betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
-        raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+        raise ConfigError(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}; allowed: e.g. [0.9, 0.95]")
     if not cfg.optimizer.muon_momentum < 1:
         raise ConfigError(f"optimizer.muon_momentum: {cfg.optimizer.muon_momentum!r}; allowed: a number in [0, 1)")
     exclude = cfg.optimizer.muon_exclude
@@ -246,7 +251,9 @@ def validate(cfg: Config) -> None:
     check_flags("device.xla_flags", cfg.device.xla_flags)
     p = cfg.parallelism
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
-        raise ConfigError("parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1")
+        raise ConfigError(
+            "parallelism.data_parallel_shard_degree: must be -1 (fill) or >= 1; allowed: -1 or a positive integer"
+        )
     from parallelisms.device_order import check_spec
 
     check_spec(p.device_order)  # its fit to the world is checked at start-up (resolve_rank_order)
@@ -309,7 +316,9 @@ def model_args(name: str, flavor: str, overrides: typing.Mapping[str, Any] = {})
     for key, value in overrides.items():
         if key not in types_:
             allowed = ["name", "flavor", "tokenizer", *types_]
-            raise ConfigError(f"unknown key model.{key}{_did_you_mean(key, allowed, 'model.')}")
+            raise ConfigError(
+                f"unknown key model.{key}{_did_you_mean(key, allowed, 'model.')}; allowed: {', '.join(allowed)}"
+            )
         changes[key] = coerce(f"model.{key}", value, types_[key])
     try:
         args = dataclasses.replace(args, **changes)
@@ -328,7 +337,9 @@ def resolve_model_args(cfg: ModelConfig, *, seq_len: int):
         # original_max_position_embeddings, not this), not the published 131072.
         args = dataclasses.replace(args, max_seq_len=seq_len)
     elif hasattr(args, "max_seq_len") and args.max_seq_len < seq_len:
-        raise ConfigError(f"model.max_seq_len: {args.max_seq_len} is shorter than training.seq_len ({seq_len})")
+        raise ConfigError(
+            f"model.max_seq_len: {args.max_seq_len} is shorter than training.seq_len ({seq_len}); allowed: >= {seq_len}"
+        )
     return family, args
 
 

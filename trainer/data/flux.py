@@ -170,7 +170,7 @@ class FluxDataset:
         return cond.load_vae(os.path.join(self.folder, "vae"))
 
 
-_REBUILD = "rebuild the data set with scripts/build_flux_data.py"
+_REBUILD = "allowed: a data set rebuilt with scripts/build_flux_data.py"
 
 
 def _read_meta(path: str) -> dict:
@@ -196,7 +196,7 @@ def _read_meta(path: str) -> dict:
     if meta.get("format") != FORMAT_VERSION:
         raise ConfigError(
             f"FLUX data set {os.path.dirname(path)}: format {meta.get('format')}; this version reads "
-            f"format {FORMAT_VERSION}; rebuild it with scripts/build_flux_data.py"
+            f"format {FORMAT_VERSION}; allowed: a data set rebuilt with scripts/build_flux_data.py"
         )
     shapes = meta.get("shapes")
     if not isinstance(shapes, dict):
@@ -333,7 +333,7 @@ class FluxLoader:
                 raise ConfigError(
                     f"FLUX data set {self.dataset.folder}: split {self.split!r} has "
                     f"{self.num_samples} samples, fewer than one micro-batch across data-parallel "
-                    f"ranks ({d} x {b})"
+                    f"ranks ({d} x {b}); allowed: a split of at least {d * b} samples, or a smaller batch"
                 )
             raise StopIteration
         start = self.position + self.dp_rank * b
@@ -369,7 +369,7 @@ class FluxLoader:
             if int(state[key]) != getattr(self, key):
                 raise ConfigError(
                     f"checkpoint data loader state: {key} was {int(state[key])}, this run has "
-                    f"{getattr(self, key)}; resume with the same seed and FLUX data set"
+                    f"{getattr(self, key)}; allowed: resume with the same seed and FLUX data set"
                 )
         self.position = int(state["position"])
 
@@ -387,7 +387,7 @@ def build_flux_dataloader(
     """Loader over the FLUX data set at `path` ('procedural' / None: the cached debug set).
     `split="train"` shuffles and repeats epochs; any other split is read once, in order."""
     if local_batch_size < 1:
-        raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1")
+        raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1; allowed: a positive integer")
     dataset = resolve_flux_dataset(path, cache_root=cache_root)
     train = split == "train"
     return FluxLoader(

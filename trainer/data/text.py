@@ -104,7 +104,9 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
             raise ConfigError(f"dataset 'bundled': no split {split!r}; allowed: train, validation")
         path = os.path.join(BUNDLED_CORPUS_DIR, f"{split}.jsonl.gz")
         if not os.path.isfile(path):
-            raise ConfigError(f"dataset 'bundled': {path} is missing; regenerate it with scripts/build_corpus.py")
+            raise ConfigError(
+                f"dataset 'bundled': {path} is missing; allowed: regenerate it with scripts/build_corpus.py"
+            )
         return _Source(spec=spec, kind="json", files=[path], split=split)
 
     path = os.path.expanduser(spec)
@@ -119,7 +121,9 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
             if os.path.isfile(p) and _file_kind(p)
         ]
         if not matches:
-            raise ConfigError(f"dataset {spec}: the folder holds no .json/.jsonl/.parquet/.txt file")
+            raise ConfigError(
+                f"dataset {spec}: the folder holds no .json/.jsonl/.parquet/.txt file; allowed: {_ALLOWED}"
+            )
     elif os.path.isfile(path):
         matches = [path]
     elif _file_kind(path) or path.startswith((".", "/", "~")) or not _HUB_NAME.match(spec):
@@ -139,10 +143,10 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
             )
         kinds.setdefault(kind, p)
         if not os.access(p, os.R_OK):
-            raise ConfigError(f"dataset {spec}: file {p} is not readable")
+            raise ConfigError(f"dataset {spec}: file {p} is not readable; allowed: readable files")
     if len(kinds) > 1:
         raise ConfigError(
-            f"dataset {spec}: mixes file kinds {sorted(kinds)} (e.g. {list(kinds.values())}); use one kind per dataset"
+            f"dataset {spec}: mixes file kinds {sorted(kinds)} (e.g. {list(kinds.values())}); allowed: one kind per dataset"
         )
     return _Source(spec=spec, kind=next(iter(kinds)), files=matches, split=split)
 
@@ -173,7 +177,7 @@ def _open_hub(source: _Source):
     except Exception as e:  # noqa: BLE001 - any failure to open a hub dataset is a bad spec or no network
         raise ConfigError(
             f"dataset {source.spec}: not a local file or folder, and cannot open it from the "
-            f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}"
+            f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}; allowed: {_ALLOWED}"
         ) from None
 
 
@@ -227,7 +231,7 @@ def _iter_texts(
                 ) from None
             raise ConfigError(
                 f"dataset {source.spec}: cannot read file {path} as {source.kind}: "
-                f"{type(e).__name__}: {_one_line(str(e))}"
+                f"{type(e).__name__}: {_one_line(str(e))}; allowed: readable {source.kind} files"
             ) from None
 
 
@@ -285,13 +289,15 @@ def _rows_to_texts(ds, where: str, text_field: str) -> Iterator[str]:
         if text_field not in row:
             raise ConfigError(
                 f"dataset {where}: rows have no field {text_field!r}; fields found: "
-                f"{sorted(row)}; set the text field to one of them"
+                f"{sorted(row)}; allowed: one of them as the text field"
             )
         text = row[text_field]
         if text is None:
             text = ""
         if not isinstance(text, str):
-            raise ConfigError(f"dataset {where}: field {text_field!r} holds {type(text).__name__}, not text")
+            raise ConfigError(
+                f"dataset {where}: field {text_field!r} holds {type(text).__name__}, not text; allowed: a field of strings"
+            )
         yield text
 
 
@@ -473,7 +479,7 @@ class _ShardStream:
             raise ConfigError(
                 f"checkpoint data loader state: offset {self.pending_offset} is past the end of "
                 f"block {self.block} of shard {self.shard} of dataset {loader.source.spec}; the data "
-                "changed since the checkpoint"
+                "changed since the checkpoint; allowed: the data set the checkpoint was written with"
             )
         self.pos, self.pending_offset = self.pending_offset, 0
         if self.epoch_tokens is not None:
@@ -664,7 +670,8 @@ class TokenLoader:
                 raise ConfigError(
                     f"dataset {self.source.spec}: split {self.source.split!r} has fewer "
                     f"tokens than one micro-batch across data-parallel ranks "
-                    f"({self.dp_degree} x {batch} x {self.seq_len + 1} = {need})"
+                    f"({self.dp_degree} x {batch} x {self.seq_len + 1} = {need}); allowed: a split of at least {need} "
+                    "tokens, or a smaller batch or seq_len"
                 )
             raise StopIteration
         self._windows = end
@@ -718,12 +725,12 @@ class TokenLoader:
             if key not in state:
                 raise ConfigError(
                     f"checkpoint data loader state: no {key!r} (written by an older loader "
-                    "without data shards); resume it with the version that wrote it"
+                    "without data shards); allowed: resume it with the version that wrote it"
                 )
             if int(state[key]) != getattr(self, key):
                 raise ConfigError(
                     f"checkpoint data loader state: {names.get(key, key)} was {int(state[key])}, "
-                    f"this run has {getattr(self, key)}; resume with the same value"
+                    f"this run has {getattr(self, key)}; allowed: resume with the same value"
                 )
         windows = int(state["windows_consumed"])
         self._set_windows(windows)
@@ -732,14 +739,14 @@ class TokenLoader:
             if entry is None:
                 raise ConfigError(
                     f"checkpoint data loader state: no position for data shard {s} (saved "
-                    "without every rank's shards); it cannot resume"
+                    "without every rank's shards); it cannot resume; allowed: a checkpoint saved with every rank's shards"
                 )
             epoch, block, offset, shard_window = (int(v) for v in entry)
             if shard_window != shard_windows(windows, s, self.num_shards):
                 raise ConfigError(
                     f"checkpoint data loader state: shard {s} is at window {shard_window}, "
                     f"but {windows} global windows put it at "
-                    f"{shard_windows(windows, s, self.num_shards)}; the state is corrupt"
+                    f"{shard_windows(windows, s, self.num_shards)}; the state is corrupt; allowed: an intact checkpoint"
                 )
             stream.set_position(epoch=epoch, block=block, offset=offset, windows=shard_window)
         # Load the saved blocks now, so a checkpoint that no longer fits the data fails at load.
@@ -748,7 +755,7 @@ class TokenLoader:
                 raise ConfigError(
                     f"checkpoint data loader state: block {stream.block} of epoch {stream.epoch} "
                     f"of shard {s} is past the end of dataset {self.source.spec}; the data changed "
-                    "since the checkpoint"
+                    "since the checkpoint; allowed: the data set the checkpoint was written with"
                 )
 
 
@@ -774,11 +781,11 @@ def build_dataloader(
     than one process): returns every rank's object for one object of this rank. `document_ids`:
     batches are (inputs, labels, document ids) (`[training] document_mask`)."""
     if seq_len < 1:
-        raise ConfigError(f"training.seq_len: {seq_len} must be >= 1")
+        raise ConfigError(f"training.seq_len: {seq_len} must be >= 1; allowed: a positive integer")
     if local_batch_size < 1:
-        raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1")
+        raise ConfigError(f"training.local_batch_size: {local_batch_size} must be >= 1; allowed: a positive integer")
     if shuffle_block_docs < 1:
-        raise ConfigError(f"shuffle_block_docs: {shuffle_block_docs} must be >= 1")
+        raise ConfigError(f"shuffle_block_docs: {shuffle_block_docs} must be >= 1; allowed: a positive integer")
     train = split == "train"
     micro = dp_degree * local_batch_size
     source = resolve_dataset(dataset, split)

@@ -94,7 +94,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
         if token in ranks or rank in seen_ranks:
             raise ConfigError(
                 f"tokenizer file {path}: line {lineno} repeats a token or rank "
-                f"({rank}); every token and rank must be unique"
+                f"({rank}); allowed: a file where every token and rank is unique"
             )
         ranks[token] = rank
         seen_ranks.add(rank)
@@ -105,7 +105,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
     if missing:
         raise ConfigError(
             f"tokenizer file {path}: {len(missing)} of the 256 single-byte tokens "
-            f"are missing (e.g. byte {missing[0]}); a byte-level BPE needs all 256"
+            f"are missing (e.g. byte {missing[0]}); allowed: a byte-level BPE with all 256"
         )
     return ranks
 
@@ -205,12 +205,15 @@ def _json_pattern(pre: dict | None, path: str) -> str:
             if regex is None or step.get("behavior") != "Isolated" or step.get("invert"):
                 raise ConfigError(
                     f"tokenizer file {path}: pre_tokenizer Split must be an isolated Regex "
-                    "split; this tokenizer cannot be expressed as a tiktoken encoding"
+                    "split; this tokenizer cannot be expressed as a tiktoken encoding; allowed: an isolated Regex Split"
                 )
             pattern = regex
         elif kind == "ByteLevel":
             if step.get("add_prefix_space"):
-                raise ConfigError(f"tokenizer file {path}: ByteLevel add_prefix_space = true is not supported")
+                raise ConfigError(
+                    f"tokenizer file {path}: ByteLevel add_prefix_space = true is not supported; allowed: "
+                    "add_prefix_space = false"
+                )
             if step.get("use_regex", True):
                 pattern = pattern or gpt2
         elif kind is not None:
@@ -323,7 +326,7 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
     missing = [b for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise ConfigError(
-            f"tokenizer file {path}: {len(missing)} single-byte tokens missing; a byte-level BPE needs all 256"
+            f"tokenizer file {path}: {len(missing)} single-byte tokens missing; allowed: a byte-level BPE with all 256"
         )
     last = -1
     for i, (a, b) in enumerate(merges):
@@ -332,12 +335,14 @@ def load_hf_tokenizer_json(path: str) -> Tokenizer:
         if rank is None or None in parts or rank <= last or rank <= max(parts):
             raise ConfigError(
                 f"tokenizer file {path}: merge {i} ({a!r} + {b!r}) does not follow id order; "
-                "this BPE cannot be expressed as tiktoken ranks"
+                "this BPE cannot be expressed as tiktoken ranks; allowed: merges in id order"
             )
         last = rank
     eos = next((t for t in ("<|endoftext|>", EOS_TOKEN, "</s>") if t in added), None)
     if eos is None:
-        raise ConfigError(f"tokenizer file {path}: no end-of-text added token (<|endoftext|>, {EOS_TOKEN} or </s>)")
+        raise ConfigError(
+            f"tokenizer file {path}: no end-of-text added token; allowed: one of <|endoftext|>, {EOS_TOKEN}, </s>"
+        )
     bos = BOS_TOKEN if BOS_TOKEN in added else None
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) or "hf"
     if not isinstance(pattern, str):

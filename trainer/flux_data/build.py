@@ -272,7 +272,9 @@ def _check_params(p: BuildParams, image_factor: int | None = None) -> None:
     if p.text_length < 3:
         raise ConfigError(f"FLUX data text_length: {p.text_length}; allowed: >= 3")
     if (p.t5_path is None) != (p.clip_path is None):
-        raise ConfigError("FLUX data t5_path/clip_path: give both local encoder folders or neither")
+        raise ConfigError(
+            "FLUX data t5_path/clip_path: one is set without the other; allowed: both local encoder folders or neither"
+        )
     for key in ("t5_path", "clip_path", "t5_tokenizer_path", "clip_tokenizer_path", "vae_path"):
         path = getattr(p, key)
         if path is not None and not os.path.isdir(os.path.expanduser(path)):

@@ -80,7 +80,9 @@ def check_adamw(optimizer: torch.optim.Optimizer) -> None:
                     "implement; allowed: AdamW with amsgrad/maximize/capturable off"
                 )
         if not group.get("decoupled_weight_decay", True):
-            raise ConfigError("optimizer: graph mode implements decoupled weight decay (AdamW) only")
+            raise ConfigError(
+                "optimizer: graph mode implements decoupled weight decay (AdamW) only; allowed: AdamW (decoupled_weight_decay on)"
+            )
 
 
 def init_adamw_state(optimizer: torch.optim.AdamW) -> None:

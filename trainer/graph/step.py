@@ -340,10 +340,12 @@ def build_graph_step(
     )
     assert backend in ("aot_eager", "inductor", "tpu"), f"an unresolved backend {backend!r} (resolve_backend)"
     if grad_accum_steps < 1:
-        raise ConfigError("training.gradient_accumulation_steps: must be >= 1")
+        raise ConfigError("training.gradient_accumulation_steps: must be >= 1; allowed: a positive integer")
     lrs = {float(g["lr"]) for g in optimizer.param_groups}
     if len(lrs) > 1:
-        raise ConfigError(f"optimizer: graph mode takes one learning rate for all param groups, got {sorted(lrs)}")
+        raise ConfigError(
+            f"optimizer: graph mode takes one learning rate for all param groups, got {sorted(lrs)}; allowed: one lr for every group"
+        )
     first = next(iter(model.parameters()))
     device = (first.to_local() if isinstance(first, DTensor) else first).device
     plan = plan if plan is not None else ModelPlan()

@@ -93,7 +93,7 @@ class FlowTask:
             raise ConfigError(
                 f"{where}: text embeddings are T5 {t5.shape[-1]} / CLIP {clip.shape[-1]} wide but "
                 f"the model takes context_in_dim {self.args.context_in_dim} / vec_in_dim "
-                f"{self.args.vec_in_dim}; build the data with the matching encoders"
+                f"{self.args.vec_in_dim}; allowed: build the data with the matching encoders"
             )
         f = self.settings.flow
         if f.latent_size and tuple(latents.shape[2:]) != (f.latent_size, f.latent_size):
@@ -165,7 +165,7 @@ class FlowTask:
         if not f.latent_size or not f.text_seq_len:
             raise ConfigError(
                 "flow.latent_size / flow.text_seq_len: the recipe check needs the sample's shape; "
-                "set both (e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev)"
+                "set both (e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev); allowed: both set"
             )
         latents = torch.zeros(b, a.in_channels // 4, f.latent_size, f.latent_size, device=device)
         return (

@@ -79,7 +79,7 @@ class LMTask:
         if self.tokenizer.n_vocab > args.vocab_size:
             raise ConfigError(
                 f"model.tokenizer: {settings.tokenizer} has {self.tokenizer.n_vocab} tokens but the model's "
-                f"vocab_size is {args.vocab_size}; set model.vocab_size >= {self.tokenizer.n_vocab}"
+                f"vocab_size is {args.vocab_size}; allowed: model.vocab_size >= {self.tokenizer.n_vocab}"
             )
 
     def build_loader(self, *, split: str, local_batch_size: int, dp_rank: int, dp_degree: int):
