@@ -116,7 +116,7 @@ def flux_tokens(flow_cfg) -> tuple[int, int]:
     if not flow_cfg.latent_size or not flow_cfg.text_seq_len:
         raise ConfigError(
             "flow.latent_size / flow.text_seq_len: the planner needs the sample's shape; set both "
-            "(e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev)"
+            "(e.g. latent_size = 128, text_seq_len = 512 for 1024 px FLUX.1-dev); allowed: both set to positive integers"
         )
     side = flow_cfg.latent_size
     if side % 2:

@@ -154,7 +154,9 @@ def parse_target(name: str, *, key: str = "--target") -> Target:
     if size < 1 or size % gen.cores_per_device or size % gen.cores_per_chip:
         raise ConfigError(
             f"{key}: {name}: the size counts {'TensorCores' if gen.kind == 'tpu' else 'GPUs'} and must be a "
-            f"positive multiple of {max(gen.cores_per_chip, gen.cores_per_device)} for {gen_name}"
+            f"positive multiple of {max(gen.cores_per_chip, gen.cores_per_device)} for {gen_name}; allowed: "
+            f"multiples of {max(gen.cores_per_chip, gen.cores_per_device)}, e.g. {gen_name}-"
+            f"{8 * max(gen.cores_per_chip, gen.cores_per_device)}"
         )
     return Target(
         name=f"{gen_name}-{size}" + (f"x{slices}" if slices > 1 else ""),

@@ -134,7 +134,7 @@ def _run(argv: list[str]) -> int:
     if getattr(family, "task", "lm") != "lm":
         raise ConfigError(
             f"model.name: {cfg.model.name} (task {family.task}): the compile check captures the "
-            "LM step only; FLUX recipes are not supported"
+            "LM step only; FLUX recipes are not supported; allowed: a language-model recipe"
         )
     t, par = cfg.training, cfg.parallelism
     # The trainer's step plan on a TPU: scan, AC placement, fused loss (auto fuses on TPU).

@@ -1,0 +1,162 @@
+"""Every refusal says what is allowed (CONTRIBUTING.md: `error: KEY: what is wrong; allowed: ...`).
+
+Scans the product's source with `ast` for calls of `ConfigError` (and its subclasses and the
+helpers that build one) and fails on a message literal (str, f-string, or a concatenation of
+them) with no `allowed:` part. A placeholder that names a string constant of the same module
+(`{_ALLOWED}`) counts as its text. A message built entirely at run time is listed in
+`RUN_TIME_MESSAGES`, with the reason it is fine.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = ("models", "titan_kernels", "parallelisms", "trainer", "planner", "tools", "scripts")
+RAISERS = {
+    "ConfigError",  # models/errors.py
+    "UnmappableAxis",  # parallelisms/tpu_topology.py
+    "FolderInUse",  # trainer/runtime/runlock.py
+    "EngineError",  # trainer/engine.py
+    "CorruptCheckpointError",  # trainer/checkpoint/manifest.py
+    "_config_error",  # trainer/runtime/storage.py, trainer/runtime/atomic.py
+}
+# `allowed:`, or a qualified form the rule table uses: `allowed here:`, `allowed with X = y:`.
+ALLOWED = re.compile(r"\ballowed\b[^:;]{0,40}:")
+
+# (file, enclosing function, a fragment of the message expression's source; "" = every raise
+# there) -> why that message needs no `allowed:` literal of its own.
+RUN_TIME_MESSAGES = {
+    ("trainer/runtime/storage.py", "_config_error", "message"): "the helper itself: its callers' literals are checked",
+    ("trainer/runtime/atomic.py", "_config_error", "message"): "the helper itself: its callers' literals are checked",
+    ("trainer/step/plan.py", "plan_step", "refused[0]"): "a rule table message (test_step_plan checks allowed)",
+    ("planner/search.py", "plan_estimate", "refused[0]"): "a rule table message (trainer/step/plan.py's refusals)",
+    ("trainer/checkpoint/manager.py", "_load_local", "first"): "re-raises another rank's ConfigError text",
+    ("trainer/engine.py", "_check_usable", "self._unusable"): "`_unusable` is only set to texts with `allowed: ...`",
+    ("scripts/convert.py", "_convert_from_hf", "{what}{allowed}"): "adds `allowed:` unless the adapter's text has one",
+    ("trainer/config/load.py", "model_args", "e.args[0]"): "re-raises models/'s registry error, which has `allowed:`",
+    ("trainer/config/load.py", "model_args", "model.{e}"): (
+        "re-raises a model args' own ValueError (models/*/args.py), which names the field; those are not ConfigErrors"
+    ),
+    # A detail, never shown alone: every caller (manager, initial, local tier, scripts/convert.py)
+    # catches CorruptCheckpointError and wraps its text in a message with its own `allowed:`.
+    ("trainer/checkpoint/manifest.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
+    ("trainer/runtime/storage.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
+}
+
+
+def _name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _text(node: ast.AST, consts: dict[str, str]) -> str | None:
+    """The literal text of a message expression, `{}` for a run-time part; None if no literal."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(
+            v.value if isinstance(v, ast.Constant) else consts.get(_name(v.value) or "", "{}") for v in node.values
+        )
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mod)):
+        left, right = _text(node.left, consts), _text(node.right, consts)
+        return None if left is None and right is None else (left or "{}") + (right or "{}")
+    if isinstance(node, ast.IfExp):  # each literal branch must say what is allowed
+        texts = [t for t in (_text(node.body, consts), _text(node.orelse, consts)) if t is not None]
+        if not texts:
+            return None
+        return next((t for t in texts if not ALLOWED.search(t)), texts[0])
+    return None
+
+
+def _constants(tree: ast.Module) -> dict[str, str]:
+    """name -> text of the module's string assignments (`_ALLOWED = "allowed: ..."`, local ones too)."""
+    consts: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            text = _text(node.value, {})
+            name = node.targets[0].id
+            if text is not None and (name not in consts or ALLOWED.search(text)):
+                consts[name] = text
+    return consts
+
+
+def scan(source: str, path: str) -> tuple[int, list[str], list[str]]:
+    """(raises found, literal messages with no `allowed:`, run-time messages not in the allow-list)."""
+    tree = ast.parse(source)
+    consts = _constants(tree)
+    found, missing, unlisted = 0, [], []
+
+    def visit(node: ast.AST, function: str) -> None:
+        nonlocal found
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Call) and _name(node.func) in RAISERS and node.args:
+            found += 1
+            text = _text(node.args[0], consts)
+            where = f"{path}:{node.lineno} ({function})"
+            expression = ast.unparse(node.args[0])
+            if any((p, f) == (path, function) and fragment in expression for p, f, fragment in RUN_TIME_MESSAGES):
+                pass
+            elif text is None:
+                unlisted.append(f"{where}: {expression}")
+            elif not ALLOWED.search(text):
+                missing.append(f"{where}: {text[:120]}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return found, missing, unlisted
+
+
+def _product_files() -> list[Path]:
+    return sorted(p for root in PRODUCT for p in (REPO / root).rglob("*.py") if ".venv" not in p.parts)
+
+
+def test_every_config_error_says_what_is_allowed():
+    found, missing, unlisted = 0, [], []
+    for file in _product_files():
+        n, m, u = scan(file.read_text(), file.relative_to(REPO).as_posix())
+        found, missing, unlisted = found + n, missing + m, unlisted + u
+    assert found > 300, f"found only {found} ConfigError raises; did the scan miss a folder?"
+    assert not missing, "ConfigError messages without `allowed: ...`:\n" + "\n".join(missing)
+    assert not unlisted, "messages built at run time; say why each is fine in RUN_TIME_MESSAGES:\n" + "\n".join(
+        unlisted
+    )
+
+
+def test_allow_list_has_no_stale_entries():
+    """Each allow-listed function still raises a run-time message (no entry outlives its raise)."""
+    raised: set[tuple[str, str]] = set()
+    for file in _product_files():
+        path = file.relative_to(REPO).as_posix()
+        if not any(path == p for p, _, _ in RUN_TIME_MESSAGES):
+            continue
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if any(isinstance(c, ast.Call) and _name(c.func) in RAISERS for c in ast.walk(node)):
+                    raised.add((path, node.name))
+    listed = {(p, f) for p, f, _ in RUN_TIME_MESSAGES}
+    assert listed <= raised, listed - raised
+
+
+def test_the_scan_fails_on_a_message_without_allowed():
+    """The check can fail: each literal form without `allowed:` is found, and the allowed forms pass."""
+    bad = (
+        'raise ConfigError("training.steps: must be >= 1")\n'
+        'raise ConfigError(f"{key}: {value!r} unknown")\n'
+        'raise UnmappableAxis("x: " + f"{n} does not divide", axis="x", size=1, split=False)\n'
+        'raise _config_error(f"{key}: cannot create" if a else "b; allowed: c")\n'
+    )
+    assert len(scan(bad, "x.py")[1]) == 4
+    good = (
+        '_ALLOWED = "allowed: a positive integer"\n'
+        'raise ConfigError(f"training.steps: {n}; {_ALLOWED}")\n'
+        'raise ConfigError("device.type: cuda; allowed here: cpu, auto")\n'
+        'raise EngineError("engine.x: " + f"{n}; allowed: 1")\n'
+    )
+    assert scan(good, "x.py") == (3, [], [])
+    assert scan("raise ConfigError(message)\n", "x.py")[2] == ["x.py:1 (<module>): message"]
