@@ -168,20 +168,12 @@ def hybrid_grid(ici: np.ndarray, dcn_shape: tuple[int, ...]) -> np.ndarray:
     return np.block(blocks.tolist())
 
 
-def resolve_rank_order(
-    spec: str,
-    parallel_dims,
-    *,
-    device_type: str,
-    target: str | None = None,
-    env: Mapping[str, str] | None = None,
-    generation=None,
-) -> RankOrder:
+def resolve_rank_order(spec, parallel_dims, *, device_type: str, tpu_layout=None) -> RankOrder:
     """The order of this run (module docstring); ConfigError naming the key for a value that does
-    not fit the world (a target of another device count, a list that is no permutation of it)."""
-    import os
-
-    env = os.environ if env is None else env
+    not fit the world (a target of another device count, a list that is no permutation of it).
+    `tpu_layout`: for `auto` on a TPU, a function returning torch-tpu's layout of this mesh on the
+    slice (`parallel_dims.tpu_mesh_layout`, a `tpu_topology.MeshMapping`) or None when the slice is
+    not known before the process group."""
     text = check_spec(spec)
     world = parallel_dims.world_size
     if text == "identity":
@@ -189,9 +181,7 @@ def resolve_rank_order(
     if text == "auto":
         if device_type != "tpu":
             return identity(world, f"identity (auto on {device_type})")
-        from parallelisms.parallel_dims import tpu_mesh_layout
-
-        mapping = tpu_mesh_layout(parallel_dims, target=target, env=env, generation=generation)
+        mapping = tpu_layout() if tpu_layout is not None else None
         if mapping is None:
             return identity(
                 world,

@@ -217,12 +217,12 @@ def parallel_dims_of(cfg: Config, *, world_size: int) -> ParallelDims:
 def rank_order_of(cfg: Config, *, world_size: int, device_type: str) -> RankOrder:
     """Which launcher rank takes which place of the mesh (`[parallelism] device_order`,
     parallelisms/device_order.py), decided before the process group, which it renumbers."""
+    dims = parallel_dims_of(cfg, world_size=world_size)
     return resolve_rank_order(
         cfg.parallelism.device_order,
-        parallel_dims_of(cfg, world_size=world_size),
+        dims,
         device_type=device_type,
-        target=cfg.job.target,
-        generation=detect_generation,
+        tpu_layout=lambda: tpu_mesh_layout(dims, target=cfg.job.target, generation=detect_generation),
     )
 
 

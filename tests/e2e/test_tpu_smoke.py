@@ -455,7 +455,11 @@ def test_plan_and_commands():
             assert ("--model.n_dense_layers=1" in cmd) == (shim and run.recipe == tpu_smoke.MLA), cmd
     assert "--checkpoint.interval=10" in runs["save"].args and runs["resume"].resume_of == "save"
     # the TPU's checkpoint read back in one CPU process, compared with the TPU's own resume
-    assert (runs["reload_cpu"].device, runs["reload_cpu"].resume_of, runs["reload_cpu"].ref) == ("cpu", "save", "resume")
+    assert (runs["reload_cpu"].device, runs["reload_cpu"].resume_of, runs["reload_cpu"].ref) == (
+        "cpu",
+        "save",
+        "resume",
+    )
     assert runs["cache_warm"].relaunch_of == "cache_cold" and runs["cache_warm"].ref == "cache_cold"
     assert runs["cp2_doc"].ref == "cpu_doc" and runs["mla_ep2"].ref == "cpu_mla"
 

@@ -192,10 +192,16 @@ def test_checkpoints_initial_loads_experts_and_uneven_shards_hold_in_torch_tpus_
 
 
 def test_auto_on_a_tpu_takes_the_slices_layout_when_it_is_known():
+    from parallelisms.parallel_dims import tpu_mesh_layout
+
     dims = ParallelDims(world_size=8, dp_shard=8)
-    known = do.resolve_rank_order("auto", dims, device_type="tpu", target="v6e-8", env={})
+    known = do.resolve_rank_order(
+        "auto", dims, device_type="tpu", tpu_layout=lambda: tpu_mesh_layout(dims, target="v6e-8", env={})
+    )
     assert known.order == (0, 1, 2, 3, 7, 6, 5, 4) and "torch-tpu's order on v6e-8" in known.source
-    unknown = do.resolve_rank_order("auto", dims, device_type="tpu", target=None, env={})
+    unknown = do.resolve_rank_order(
+        "auto", dims, device_type="tpu", tpu_layout=lambda: tpu_mesh_layout(dims, target=None, env={})
+    )
     assert unknown.renumbered == 0 and "unknown before the process group" in unknown.source
     assert do.resolve_rank_order("auto", dims, device_type="cuda").source == "identity (auto on cuda)"
 
