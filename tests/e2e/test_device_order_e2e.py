@@ -21,23 +21,14 @@ import sys
 
 import pytest
 
+from tests.e2e.test_parallel_e2e import COMMON as PARALLEL_COMMON
+from tests.e2e.test_resume_e2e import COMMON as RESUME_COMMON
 from tests.support.trainer_runs import ENV, GLOBAL_BATCH, REPO, launch_command, read_metrics, run
 
 pytestmark = pytest.mark.multiprocess
 
-COMMON = [
-    "--config",
-    "configs/llama3_debug.toml",
-    "--training.seq_len=64",
-    "--model.n_layers=2",
-    "--metrics.log_freq=1",
-    "--validation.enable=false",
-    "--training.mixed_precision_param=float32",
-    "--metrics.enable_tensorboard=false",
-    "--checkpoint.enable=true",
-    "--checkpoint.keep_latest_k=0",
-    "--checkpoint.interval=3",
-]
+COMMON = [*RESUME_COMMON, "--checkpoint.interval=3"]
+"""test_resume_e2e's fp32 debug run with checkpoints, saved at step 3."""
 
 
 def _train(folder, nproc: int, *args: str, tp: int = 1) -> dict[int, float]:
@@ -115,18 +106,8 @@ def test_a_checkpoint_and_an_hf_start_in_one_order_resume_in_another(tmp_path):
 # --- every mesh in every order (scheduled: the default tier runs each parallelism in one random
 # order through launch_command, and FSDP in v6e-4's order bit for bit above) ---------------------
 
-PARITY = [
-    "--config",
-    "configs/llama3_debug.toml",
-    "--training.steps=3",
-    "--training.seq_len=64",
-    "--model.n_layers=2",
-    "--metrics.log_freq=1",
-    "--checkpoint.enable=false",
-    "--validation.enable=false",
-    "--training.mixed_precision_param=float32",
-    "--metrics.enable_tensorboard=false",
-]
+PARITY = [*PARALLEL_COMMON, "--training.steps=3"]
+"""test_parallel_e2e's fp32 debug run, 3 steps."""
 GRAPH = ["--compile.mode=graph", "--compile.backend=aot_eager"]
 MESHES = {
     "fsdp4": ("llama", dict(dp_shard=4), []),
