@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import subprocess
 
 import numpy as np
@@ -111,3 +112,44 @@ def test_the_port_lays_out_every_mesh_as_torch_tpu_does():
         )
         assert "ids" in by_case[(v6e, shape, True)]
     assert "ids" in by_case[(str(tt.topology_of("v7x-256")), (1, 128, 2, 1), False)]
+
+
+def _torch_tpu_host_order(topology: str) -> list[tuple[int, int, int]]:
+    """torch-tpu's own `_get_slice_host_coordinates` (the topological NODE_RANK of its launcher,
+    `_internal/distributed/distributed.py`), taken out of the wheel's source with its helpers: the
+    module itself imports the package, which must not load here."""
+    import ast
+
+    python = xla_python("ttpu")
+    path = next(python.parent.parent.glob("lib/python3*/site-packages/torch_tpu/_internal/distributed/distributed.py"))
+    tree = ast.parse(path.read_text())
+    keep = [
+        node
+        for node in tree.body
+        if (isinstance(node, ast.FunctionDef) and node.name in ("_parse_topology", "_get_slice_host_coordinates"))
+        or (isinstance(node, (ast.Assign, ast.AnnAssign)) and "_CHIPS_PER_HOST" in ast.unparse(node))
+    ]
+    import re
+
+    namespace: dict = {"re": re}  # the only module the two functions use
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["_get_slice_host_coordinates"](topology)
+
+
+@pytest.mark.parametrize("target", ["v6e-16", "v6e-256", "v5p-128", "v7x-512"])
+def test_launcher_ranks_follow_torch_tpus_host_order(target):
+    """The device order's launcher ranks (tpu_topology.launcher_device_ids): host h's processes are
+    ranks h x devices-per-host onwards, and host h is torch-tpu's NODE_RANK h (its launcher sorts
+    hosts z-major, x-minor, 2 x 2 x 1 chips each). Which chip a host's local rank drives is the
+    PJRT client's, not checkable without a TPU."""
+    topology = tt.topology_of(target)
+    hosts = _torch_tpu_host_order(",".join(map(str, topology.chips)))
+    ids = tt.launcher_device_ids(topology)
+    per_host = math.prod(tt.host_chips(topology)) * topology.devices_per_chip
+    assert len(hosts) * per_host == topology.devices
+    bx, by, bz = tt.host_chips(topology)
+    X, Y, _ = topology.chips
+    for h, (hx, hy, hz) in enumerate(hosts):
+        chips = {d // topology.devices_per_chip for d in ids[h * per_host : (h + 1) * per_host]}
+        coords = {(c % X // bx, c // X % Y // by, c // (X * Y) // bz) for c in chips}
+        assert coords == {(hx, hy, hz)}, (target, h)
