@@ -221,6 +221,18 @@ def capacity_backward_bytes(shape: ModelShape, *, rows: int) -> int:
     return rows * (2 * shape.dim + 4 * shape.moe_hidden)
 
 
+def uneven_vocab_bytes(shape: ModelShape, *, head: int, fsdp: int) -> int:
+    """A vocabulary that the FSDP degree does not divide (Qwen 3's 151,936 over 256, Llama 3's
+    128,256 or DeepSeek-V3's 129,280 over 512): its head gradient is reduced unevenly, and the
+    compiled programs hold a whole padded fp32 copy of it beside the bf16 and fp32 ones of the
+    LM head backward: 4 bytes per element of the gathered head (`head`). Found from the pod
+    compiles of 2026-12-06 (qwen3_8b / qwen3_32b_v6e: 10.6 / 18.2 GiB compiled, 8.0 / 15.0
+    planned without it; tests/unit/test_planner_capacity.py); 0 when the vocabulary divides."""
+    if fsdp <= 1 or shape.vocab_size % fsdp == 0:
+        return 0
+    return 4 * head
+
+
 def expert_rows(
     shape: ModelShape,
     *,
@@ -347,6 +359,7 @@ def estimate(
     transient_loss = max(acts.logits_transient, 6 * head + acts.logits_transient // 4 - acts.loss)
     if fused_loss:  # the kernel's backward: the head's weight gradient (bf16 + fp32) and dh [tokens, dim]
         transient_loss = 6 * head + 2 * tokens * shape.dim
+    transient_loss += uneven_vocab_bytes(shape, head=head, fsdp=parallel_dims.dp_shard * parallel_dims.cp)
     recompute = {"none": 0, "full": acts.per_block_none, "selective": max(0, acts.per_block_none - acts.per_block)}[
         ac_mode
     ]
