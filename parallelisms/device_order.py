@@ -27,7 +27,6 @@ order; a list in TOML). `check_mesh_order` verifies the invariant at start-up on
 from __future__ import annotations
 
 import dataclasses
-import random
 import re
 from collections.abc import Mapping
 
@@ -108,13 +107,6 @@ def identity(world_size: int, source: str = "identity") -> RankOrder:
     return RankOrder(spec="identity", source=source, order=tuple(range(world_size)))
 
 
-def random_order(world_size: int, seed: int) -> tuple[int, ...]:
-    """A permutation of the ranks drawn from `seed` (the tests' random order)."""
-    order = list(range(world_size))
-    random.Random(seed).shuffle(order)
-    return tuple(order)
-
-
 def target_order(target: str, parallel_dims, *, spec: str | None = None) -> RankOrder:
     """The order torch-tpu gives `parallel_dims`' mesh on `target`'s slice (several slices: each
     slice laid out alike, slices placed as torch-tpu's hybrid mesh places them), with the trainer's
@@ -134,17 +126,22 @@ def target_order(target: str, parallel_dims, *, spec: str | None = None) -> Rank
         )
     if dims.num_slices == 1:
         mapping = tpu_topology.trainer_layout(topology, dims.mesh_shape, ep=dims.ep)
-        grid = launcher_grid(np.asarray(mapping.device_ids).reshape(dims.mesh_shape), topology)
     else:
         mapping = tpu_topology.map_mesh(topology, dims.ici_mesh_shape)
-        ici = launcher_grid(np.asarray(mapping.device_ids).reshape(dims.ici_mesh_shape), topology)
-        grid = hybrid_grid(ici, dims.dcn_mesh_shape)
-    how = f", {mapping.method}" + (", compact EP groups" if mapping.expert_tile is not None else "")
+    return mapping_order(mapping, dims, spec=spec or target, name=target)
+
+
+def mapping_order(mapping, dims, *, spec: str, name: str) -> RankOrder:
+    """The order of a layout of one slice (`tpu_topology.MeshMapping`, device ids) as launcher
+    ranks (`launcher_grid`); on several slices each slice laid out alike (`hybrid_grid`)."""
+    shape = dims.mesh_shape if dims.num_slices == 1 else dims.ici_mesh_shape
+    grid = launcher_grid(np.asarray(mapping.device_ids).reshape(shape), mapping.topology)
+    if dims.num_slices > 1:
+        grid = hybrid_grid(grid, dims.dcn_mesh_shape)
+    how = mapping.method + (", compact EP groups" if mapping.expert_tile is not None else "")
     slices = f" x {dims.num_slices} slices" if dims.num_slices > 1 else ""
     return RankOrder(
-        spec=spec or target,
-        source=f"torch-tpu's order on {target}{slices} ({how.lstrip(', ')})",
-        order=tuple(int(d) for d in grid.reshape(-1)),
+        spec=spec, source=f"torch-tpu's order on {name}{slices} ({how})", order=tuple(int(d) for d in grid.reshape(-1))
     )
 
 
@@ -188,15 +185,7 @@ def resolve_rank_order(spec, parallel_dims, *, device_type: str, tpu_layout=None
                 "identity (auto: this slice's layout is unknown before the process group; set [job] target "
                 "to the slice, or device_order to its name)",
             )
-        shape = parallel_dims.mesh_shape if parallel_dims.num_slices == 1 else parallel_dims.ici_mesh_shape
-        grid = launcher_grid(np.asarray(mapping.device_ids).reshape(shape), mapping.topology)
-        if parallel_dims.num_slices > 1:
-            grid = hybrid_grid(grid, parallel_dims.dcn_mesh_shape)
-        return RankOrder(
-            spec="auto",
-            source=f"torch-tpu's order on {mapping.topology} ({mapping.method})",
-            order=tuple(int(d) for d in grid.reshape(-1)),
-        )
+        return mapping_order(mapping, parallel_dims, spec="auto", name=str(mapping.topology))
     if _is_permutation_text(text):
         order = tuple(int(x) for x in text.split(","))
         if sorted(order) != list(range(world)):

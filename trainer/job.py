@@ -575,15 +575,13 @@ def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> 
         runtime_env.apply()
         notes = tuple(runtime_env.notes)
     check_storage_paths(cfg)
-    # The device order renumbers the processes (the mesh itself is always in rank order).
+    # The device order renumbers the processes (the mesh itself is always in rank order); a check
+    # job's fake group is made by its caller (the recipe check reports the order itself).
     order = None
     if not purpose.captures_only and "WORLD_SIZE" in os.environ:
         order = rank_order_of(cfg, world_size=int(os.environ["WORLD_SIZE"]), device_type=device_type)
         if order.world_size > 1:
             notes = (*notes, f"titan-tpu: {order.summary()}")
-    elif purpose.captures_only and cfg.job.target:
-        order = rank_order_of(cfg, world_size=torch.distributed.get_world_size(), device_type=device_type)
-        notes = (*notes, f"titan-tpu: {order.summary()} (the check's rank 0 is place 0)")
     info = init_distributed(device, timeout_s=cfg.training.collective_timeout_s, order=order)
     # The first collective: a rank frozen before it is named within training.startup_timeout_s
     # (lock_run's broadcast would otherwise wait for the backend's default timeout).

@@ -20,16 +20,11 @@ import pytest
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported (storage.py)
 pytest.importorskip("gcsfs")
 
+from tests.support.trainer_runs import TINY_RUN  # noqa: E402
 from trainer.runtime import storage  # noqa: E402
 
 FAST = [
-    "--config",
-    "configs/llama3_debug.toml",
-    "--training.seq_len=64",
-    "--model.n_layers=1",
-    "--validation.enable=false",
-    "--metrics.enable_tensorboard=false",
-    "--training.local_batch_size=2",
+    *TINY_RUN,
     "--training.steps=1",
     "--checkpoint.enable=true",
     "--checkpoint.folder=gs://bkt/run",

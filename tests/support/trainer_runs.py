@@ -100,6 +100,18 @@ def assert_losses_close(got: list[float], want: list[float], rtol: float = 1e-5)
     return worst
 
 
+TINY_RUN = (
+    "--config",
+    "configs/llama3_debug.toml",
+    "--training.seq_len=64",
+    "--model.n_layers=1",
+    "--validation.enable=false",
+    "--metrics.enable_tensorboard=false",
+    "--training.local_batch_size=2",
+)
+"""The debug recipe cut to 1 layer at seq 64, batch 2, nothing but training (the contract tests that
+need a run to start, write or fail, not to learn)."""
+
 MOE_SHORT_RUN = (
     "--config",
     "configs/qwen3_moe_debug.toml",

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 
 import models
 from tests.e2e.test_runlock import hold
+from tests.support.trainer_runs import TINY_RUN
 from trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from trainer.runtime import atomic
 from trainer.runtime.atomic import WriteFailed, atomic_dir, atomic_file, write_error_text
@@ -146,13 +147,7 @@ def test_trainer_reports_a_failed_save_on_one_line(tmp_path, fail_dcp_writes, ca
     fail_dcp_writes(errno.ENOSPC)
     code = main(
         [
-            "--config",
-            "configs/llama3_debug.toml",
-            "--training.seq_len=64",
-            "--model.n_layers=1",
-            "--validation.enable=false",
-            "--metrics.enable_tensorboard=false",
-            "--training.local_batch_size=2",
+            *TINY_RUN,
             "--training.steps=1",
             "--checkpoint.enable=true",
             f"--job.dump_folder={tmp_path}",
@@ -203,13 +198,7 @@ def test_a_failed_run_folder_write_ends_the_run_on_one_line(tmp_path, monkeypatc
         want = f"error: writing metrics {tmp_path / 'metrics.jsonl'} failed: {os.strerror(code_errno)}"
     code = main(
         [
-            "--config",
-            "configs/llama3_debug.toml",
-            "--training.seq_len=64",
-            "--model.n_layers=1",
-            "--validation.enable=false",
-            "--metrics.enable_tensorboard=false",
-            "--training.local_batch_size=2",
+            *TINY_RUN,
             "--training.steps=1",
             "--checkpoint.enable=false",
             f"--job.dump_folder={tmp_path}",

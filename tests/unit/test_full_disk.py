@@ -12,19 +12,11 @@ import os
 import pytest
 
 from tests.support.full_disk import fill, tiny_tmpfs
+from tests.support.trainer_runs import TINY_RUN
 from trainer.runtime import runlock
 from trainer.runtime.runlock import LOCK_NAME, RunLock
 
-FAST = [
-    "--config",
-    "configs/llama3_debug.toml",
-    "--training.seq_len=64",
-    "--model.n_layers=1",
-    "--validation.enable=false",
-    "--metrics.enable_tensorboard=false",
-    "--training.local_batch_size=2",
-    "--training.mixed_precision_param=float32",
-]
+FAST = [*TINY_RUN, "--training.mixed_precision_param=float32"]
 NO_SPACE = os.strerror(errno.ENOSPC)
 
 

@@ -124,8 +124,6 @@ class DistInfo:
     """Process-group rank: the place in the mesh (the device order renumbers, parallelisms/device_order.py)."""
     world_size: int
     local_rank: int
-    launcher_rank: int | None = None
-    """The rank the launcher gave this process (torchrun's RANK); None: the same as `rank`."""
 
 
 _COLLECTIVE_TIMEOUT: list[timedelta | None] = [None]
@@ -156,13 +154,12 @@ def init_distributed(device: torch.device, *, timeout_s: float | None = None, or
     order: the run's `parallelisms.device_order.RankOrder`: the process the launcher started as
     rank `order[p]` joins as rank p (its place in the layout); None: the launcher's rank.
     """
-    launcher = int(os.environ.get("RANK", 0))
     if distributed.is_up():
-        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), launcher)
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
     backend = cpu_backend() if device.type == "cpu" else BACKENDS[device.type]
     timeout = _COLLECTIVE_TIMEOUT[0] = timedelta(seconds=timeout_s) if timeout_s else None
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
+        world, launcher = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         assert order is None or order.world_size == world, "the device order was resolved for another world"
         rank = launcher if order is None else order.process_rank(launcher)
         _LAUNCHER_RANKS[0] = None if order is None else order.order
@@ -192,7 +189,7 @@ def init_distributed(device: torch.device, *, timeout_s: float | None = None, or
         os.close(fd)
         os.unlink(path)
         dist.init_process_group(backend=backend, init_method=f"file://{path}", rank=0, world_size=1)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), launcher)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def shutdown_distributed() -> None:
