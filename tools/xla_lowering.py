@@ -22,7 +22,8 @@ Pieces for torchax 0.0.13 on torch 2.13:
   that `trainer.graph.passes.tag_reverse_scans` tagged, as torch-tpu honours it), `detach_copy`
   (functionalized `detach` in scan bodies), `native_layer_norm_backward` (torchax 0.0.13 takes 5-6
   of its 8 arguments), `prims.fma` (torch 2.13's `lerp_` decomposition
-  in the AdamW update), `repeat_interleave(..., output_size=)` (MoE dispatch) and the remat
+  in the AdamW update), `ldexp` (float8 rounding), `view_copy.dtype` (a bitcast; torchax reads the dtype
+  as a shape), `repeat_interleave(..., output_size=)` (MoE dispatch) and the remat
   fence `titan::optimization_barrier` (-> `jax.lax.optimization_barrier`; trainer/graph/remat.py).
 """
 
@@ -104,6 +105,7 @@ def add_lowerings(env):
     import jax
     import jax.numpy as jnp
     from torchax import interop
+    from torchax.tensor import OperatorNotFound
 
     def to_jax(values):
         return [v.jax() if hasattr(v, "jax") else env.t2j_iso(v) for v in values]
@@ -114,8 +116,14 @@ def add_lowerings(env):
 
         def body(carry, x):
             carry_t, x_t, const_t = env.j2t_iso((list(carry), list(x), constants))
-            with env:
-                outs = [o.jax() for o in combine_fn(*carry_t, *x_t, *const_t)]
+            try:
+                with env:
+                    outs = [o.jax() for o in combine_fn(*carry_t, *x_t, *const_t)]
+            except OperatorNotFound as e:
+                # Re-raised as another type: torchax's function mode takes an OperatorNotFound
+                # out of the scan rule as "scan has no rule" and retries it as a plain call,
+                # which fails with a message naming scan rather than the body's op.
+                raise NotImplementedError(f"in a scan body: {e}") from None
             return outs[:num_carry], outs[num_carry:]
 
         # A body tagged by trainer.graph.passes.tag_reverse_scans runs from the last row to the
@@ -158,6 +166,11 @@ def add_lowerings(env):
     fma = getattr(torch.ops.prims, "fma", None)  # registered once a capture has decomposed lerp_
     if fma is not None:
         env.override_op_definition(fma.default, lambda a, b, c: a * b + c)
+    # ldexp(x, e) = x * 2**e: the float8 grid spacing of models/common/quantize.py round_to_float8
+    env.override_op_definition(
+        torch.ops.aten.ldexp.Tensor, lambda x, e: interop.call_jax(lambda a, b: jnp.ldexp(a, b.astype(jnp.int32)), x, e)
+    )
+    env.override_op_definition(torch.ops.aten.view_copy.dtype, lambda x, dtype: interop.call_jax(_bitcast, x, dtype))
     env.override_op_definition(torch.ops.aten.repeat_interleave.self_Tensor, repeat_interleave_self)
     env.override_op_definition(torch.ops.aten.repeat_interleave.Tensor, repeat_interleave_counts)
     from trainer.graph.remat import OPTIMIZATION_BARRIER
@@ -166,6 +179,24 @@ def add_lowerings(env):
         OPTIMIZATION_BARRIER, lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs)))
     )
     return env
+
+
+def _bitcast(a, dtype):
+    """`Tensor.view(dtype)` in JAX: the bytes reread, the last dim scaled by the itemsize ratio
+    (the float8 all-gather moves float8 weights as uint8; torchax 0.0.13 takes the dtype overload
+    of `view_copy` for a shape)."""
+    import jax
+    import jax.numpy as jnp
+    from torchax.ops.mappings import t2j_dtype
+
+    to = t2j_dtype(dtype) if isinstance(dtype, torch.dtype) else jnp.dtype(dtype)  # call_jax converts it
+    src, dst = jnp.dtype(a.dtype).itemsize, jnp.dtype(to).itemsize
+    if src == dst:
+        return jax.lax.bitcast_convert_type(a, to)
+    if src > dst:  # each element becomes src/dst elements along a new last dim, merged into the last
+        out = jax.lax.bitcast_convert_type(a, to)
+        return out.reshape(*a.shape[:-1], a.shape[-1] * (src // dst))
+    return jax.lax.bitcast_convert_type(a.reshape(*a.shape[:-1], a.shape[-1] // (dst // src), dst // src), to)
 
 
 def _reversed(combine_fn) -> bool:
