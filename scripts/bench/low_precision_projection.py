@@ -11,8 +11,8 @@ compiled FP8 program's FLOPs would not show the MXU's 2x rate anyway, and the po
 take 4-14 minutes each on the development machine. So, per recipe:
 
 - **bf16 program**: the parent's projection as `scripts/mfu_suite.py --project` wrote it (the
-  per-op compute time, the collectives at the target slice): docs/results/mfu_suite_s14 for the
-  dense recipes (FSDP-only small-slice compile, extrapolated), docs/results/mfu_suite_ep for the
+  per-op compute time, the collectives at the target slice): docs/results/mfu_suite_2026-12-03_2ed2d29 for the
+  dense recipes (FSDP-only small-slice compile, extrapolated), docs/results/mfu_suite_ep_2026-12-05_84e8d64 for the
   expert-parallel ones (the trainer's own program at full size, capacity dispatch as shipped).
 - **Quantized matmul FLOPs** per device and step: the linears `apply_quantize` chooses on the
   recipe's meta model (parallelisms/quantize.py's own rule), 2 M N K per matmul for M tokens, each
@@ -27,7 +27,7 @@ take 4-14 minutes each on the development machine. So, per recipe:
   a large matmul its FLOPs over the peak); at the chip's low-precision peak (v7x FP8 4614, v6e int8
   1836 TFLOP/s per chip, twice bf16: docs/low_precision.md) half that.
 - **Quantization passes**: the HBM bytes per quantized operand element measured on the compiled
-  Llama 3 8B block (docs/results/low_precision_block_compiles.json: the bytes a recipe adds over
+  Llama 3 8B block (docs/results/low_precision_block_compiles_2026-12-05_ddb6cff.json: the bytes a recipe adds over
   bf16 divided by the operand elements its 20 quantized dots read), times the pod step's quantized
   operand elements, over the HBM bandwidth (assets/anchors.toml). With `fsdp_float8_all_gather`
   (float8_tensorwise) the weights arrive quantized: the block compiled with float8 weights gives
@@ -70,11 +70,18 @@ device table, Google's TPU7x and v6e pages)."""
 
 # (variant, bf16 parent, projection CSV of the parent, MaxText tokens/s/chip bf16 -> FP8 on v7x as
 # issue 41 quotes MaxText's TPU7x table, AI-Hypercomputer/tpu-recipes training/ironwood/README.md)
-DENSE_CSV = ROOT / "docs/results/mfu_suite_s14/mfu_suite_s14.csv"
+DENSE_CSV = ROOT / "docs/results/mfu_suite_2026-12-03_2ed2d29/mfu_suite_2026-12-03_2ed2d29.csv"
 # the 405B recompiled and read with the corrected per-op model (docs/benchmarks.md, 2026-12-05)
-DENSE_405_CSV = ROOT / "docs/results/mfu_suite_405_corrected/mfu_suite_405_corrected.csv"
-EP_CSV = ROOT / "docs/results/mfu_suite_ep_compact/mfu_suite_ep_compact_programs.csv"
-DSV3_CSV = ROOT / "docs/results/mfu_suite_ep_compact/mfu_suite_ep_compact_deepseek_v3_programs.csv"
+DENSE_405_CSV = (
+    ROOT / "docs/results/mfu_suite_405_corrected_2026-12-05_9efb0c7/mfu_suite_405_corrected_2026-12-05_9efb0c7.csv"
+)
+EP_CSV = (
+    ROOT / "docs/results/mfu_suite_ep_compact_2026-12-05_2faca5f/mfu_suite_ep_compact_2026-12-05_2faca5f_programs.csv"
+)
+DSV3_CSV = (
+    ROOT
+    / "docs/results/mfu_suite_ep_compact_2026-12-05_2faca5f/mfu_suite_ep_compact_deepseek_v3_2026-12-06_5375d65_programs.csv"
+)
 VARIANTS = [
     ("llama3_405b_v7x_fp8", "llama3_405b_v7x", DENSE_405_CSV, (500, 764)),
     ("qwen3_235b_a22b_v7x_fp8", "qwen3_235b_a22b_v7x", EP_CSV, (4246, 4737)),
@@ -85,7 +92,7 @@ VARIANTS = [
 MAXTEXT_70B_V7X = (2687, 4128)
 """Llama 3 70B on v7x, bf16 -> FP8 (no v7x 70B recipe here: beside the table, not in a row)."""
 
-BLOCK_COMPILES = ROOT / "docs/results/low_precision_block_compiles.json"
+BLOCK_COMPILES = ROOT / "docs/results/low_precision_block_compiles_2026-12-05_ddb6cff.json"
 # The compiled block: Llama 3 8B, 4096 tokens, forward + gradients, no AC; the last linear's (w2)
 # forward is dropped by the compiler (its output is not needed), so 20 quantized dots.
 BLOCK_TOKENS = 4096

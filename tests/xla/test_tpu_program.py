@@ -113,7 +113,7 @@ TPU_RECIPES = sorted(
 )  # with the low-precision variants (*_v6e_int8.toml, *_v7x_fp8.toml)
 
 
-# What the full table found (docs/recipe_check.md, docs/results/tpu_programs.csv): these programs
+# What the full table found (docs/recipe_check.md, docs/results/tpu_programs_2026-12-04_a7cccb9.csv): these programs
 # compile and fit the HBM, but the planner's total is off by more than the band. Strict: the
 # test turns red when the planner (or the FLUX attention lowering) is fixed, and the mark goes.
 PLANNER_OFF = {

@@ -10,7 +10,7 @@ and compiles, with Mosaic (interpret=False), bf16, each case with that generatio
   segment ids) and its backward alone from saved (out, lse); gmm fwd+bwd (8 groups, M 1000,
   K 512, N 256, nn.Linear layout); fused CE fwd+bwd at N 1000, D 256, vocab 5000 and at
   Llama 3 8B's head (N 8192, D 4096, vocab 128256);
-- recipe (docs/results/kernel_compiles.csv): splash at Llama 3 8B (32/8 heads, seq 8192) and
+- recipe (docs/results/kernel_compiles_2026-12-03_0b0ac9d.csv): splash at Llama 3 8B (32/8 heads, seq 8192) and
   its backward alone; gmm at Qwen3-30B-A3B's experts (65,536 token copies, 128 experts,
   2048 -> 768 and 768 -> 2048) and Qwen3-235B-A22B's (4096 -> 1536, 1536 -> 4096); fused CE at
   Llama 3 8B's and 70B's heads (D 4096 / 8192, vocab 128256) and Qwen 3 32B's (D 5120, vocab 151936).
