@@ -20,7 +20,7 @@ Two ways to get them:
   are fixed random feature maps that give each caption a distinct, deterministic embedding.
   Their ids come from a byte-level BPE passed in by the caller (the project's bundled
   tiktoken BPE; the HF tokenizers need vocab files we do not ship). The debug VAE must
-  invert itself to be useful, so `scripts/build_flux_data.py` trains it briefly (see
+  invert itself to be useful, so `scripts/data/build_flux_data.py` trains it briefly (see
   `trainer.flux_data.build.train_vae`); its shift/scale are then fitted to the latent statistics (mean 0, std 1),
   the job FLUX's constants do for its VAE.
 

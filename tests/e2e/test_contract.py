@@ -577,7 +577,7 @@ def rows(v) -> dict[str, list[ci.Case]]:
                 "build_flux_data",
                 cls,
                 label,
-                ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"), *SMALL_BUILD, flag, bad],
+                ["scripts/data/build_flux_data.py", "--out", os.path.join(work, "out"), *SMALL_BUILD, flag, bad],
                 [flag],
                 watch=[os.path.join(work, "out")],
             )
@@ -591,7 +591,7 @@ def rows(v) -> dict[str, list[ci.Case]]:
                 "missing",
                 flags[0],
                 [
-                    "scripts/build_flux_data.py",
+                    "scripts/data/build_flux_data.py",
                     "--out",
                     os.path.join(work, "out"),
                     *[x for pair in zip(flags, missing) for x in pair],
@@ -606,7 +606,7 @@ def rows(v) -> dict[str, list[ci.Case]]:
             "build_flux_data",
             "inconsistent",
             "--t5-without-clip",
-            ["scripts/build_flux_data.py", "--out", os.path.join(work, "out"), "--t5", v["base"]],
+            ["scripts/data/build_flux_data.py", "--out", os.path.join(work, "out"), "--t5", v["base"]],
             ["t5_path", "--t5"],
             watch=[os.path.join(work, "out")],
         )
@@ -616,7 +616,7 @@ def rows(v) -> dict[str, list[ci.Case]]:
             "build_flux_data",
             "occupied",
             "out",
-            ["scripts/build_flux_data.py", "--out", occupied],
+            ["scripts/data/build_flux_data.py", "--out", occupied],
             [occupied],
             watch=[occupied],
         )

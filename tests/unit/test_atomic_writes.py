@@ -351,7 +351,7 @@ def test_failed_flux_data_builds_leave_nothing_and_say_why(tmp_path, monkeypatch
     from trainer.flux_data import build as fb
 
     spec = importlib.util.spec_from_file_location(
-        "build_flux_data", Path(__file__).parents[2] / "scripts" / "build_flux_data.py"
+        "build_flux_data", Path(__file__).parents[2] / "scripts" / "data" / "build_flux_data.py"
     )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

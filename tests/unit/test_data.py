@@ -241,8 +241,8 @@ def test_local_data_never_touches_the_network(tok, jsonl, monkeypatch):
 
 
 def test_bundled_corpus_is_reproducible(tmp_path):
-    """scripts/build_corpus.py on the same standard library gives the shipped files."""
-    from scripts import build_corpus
+    """scripts/data/build_corpus.py on the same standard library gives the shipped files."""
+    from scripts.data import build_corpus
 
     build_corpus.main(["--out", str(tmp_path)])
     with open(f"{BUNDLED_CORPUS_DIR}/manifest.json") as f:

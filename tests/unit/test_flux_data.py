@@ -269,7 +269,7 @@ def test_missing_local_weights_fail_cleanly(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "scripts", "build_flux_data.py"),
+            os.path.join(ROOT, "scripts", "data", "build_flux_data.py"),
             "--out",
             str(tmp_path / "out"),
             "--t5",

@@ -140,8 +140,8 @@ def test_bad_spec_values(tmp_path):
 
 
 def test_bundled_bpe_is_reproducible(tmp_path):
-    """The shipped ranks are what scripts/train_bpe.py makes from the shipped corpus."""
-    from scripts import train_bpe
+    """The shipped ranks are what scripts/data/train_bpe.py makes from the shipped corpus."""
+    from scripts.data import train_bpe
 
     out = tmp_path / "bpe.tiktoken"
     train_bpe.main(["--out", str(out)])

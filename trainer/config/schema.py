@@ -79,7 +79,7 @@ class TrainingConfig:
     """`bundled` (the shipped offline corpus), a local file or glob (json, jsonl, parquet, txt),
     or a Hugging Face hub dataset name when online (see docs/data.md). FLUX (task flow):
     `procedural` (the captioned-shapes set, built and cached on first use; `bundled` means the
-    same) or a folder written by scripts/build_flux_data.py (docs/flux.md)."""
+    same) or a folder written by scripts/data/build_flux_data.py (docs/flux.md)."""
     dataset_text_field: str = "text"
     """Field holding the document text in json/jsonl/parquet/hub datasets."""
     dataset_shards: int = field(default=0, metadata=_range(ge=0))

@@ -37,7 +37,7 @@ class FluxDataset:
         if not os.path.isfile(meta_path):
             raise ConfigError(
                 f"FLUX data set {folder}: no meta.json; allowed: a folder written by "
-                "scripts/build_flux_data.py, or 'procedural'"
+                "scripts/data/build_flux_data.py, or 'procedural'"
             )
         self.meta = _read_meta(meta_path)
         for name, split in self.meta["splits"].items():  # a lost shard is found now, not epochs later
@@ -170,7 +170,7 @@ class FluxDataset:
         return cond.load_vae(os.path.join(self.folder, "vae"))
 
 
-_REBUILD = "allowed: a data set rebuilt with scripts/build_flux_data.py"
+_REBUILD = "allowed: a data set rebuilt with scripts/data/build_flux_data.py"
 
 
 def _read_meta(path: str) -> dict:
@@ -196,7 +196,7 @@ def _read_meta(path: str) -> dict:
     if meta.get("format") != FORMAT_VERSION:
         raise ConfigError(
             f"FLUX data set {os.path.dirname(path)}: format {meta.get('format')}; this version reads "
-            f"format {FORMAT_VERSION}; allowed: a data set rebuilt with scripts/build_flux_data.py"
+            f"format {FORMAT_VERSION}; allowed: a data set rebuilt with scripts/data/build_flux_data.py"
         )
     shapes = meta.get("shapes")
     if not isinstance(shapes, dict):
@@ -231,14 +231,14 @@ def _read_meta(path: str) -> dict:
 
 def resolve_flux_dataset(path: str | None, *, cache_root: str | None = None) -> FluxDataset:
     """`"procedural"` / None: the default procedural set (built and cached on first use);
-    otherwise a folder written by scripts/build_flux_data.py."""
+    otherwise a folder written by scripts/data/build_flux_data.py."""
     if path in (None, "", "procedural"):
         return FluxDataset(ensure_procedural_dataset(cache_root=cache_root))
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
         raise ConfigError(
             f"FLUX data set {path}: no such folder; allowed: 'procedural' or a folder written by "
-            "scripts/build_flux_data.py"
+            "scripts/data/build_flux_data.py"
         )
     return FluxDataset(folder)
 

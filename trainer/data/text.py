@@ -105,7 +105,7 @@ def resolve_dataset(spec: str, split: str = "train") -> _Source:
         path = os.path.join(BUNDLED_CORPUS_DIR, f"{split}.jsonl.gz")
         if not os.path.isfile(path):
             raise ConfigError(
-                f"dataset 'bundled': {path} is missing; allowed: regenerate it with scripts/build_corpus.py"
+                f"dataset 'bundled': {path} is missing; allowed: regenerate it with scripts/data/build_corpus.py"
             )
         return _Source(spec=spec, kind="json", files=[path], split=split)
 

@@ -13,7 +13,7 @@ following on prompts never trained on. Every colour, shape and position, and eve
 them, still occurs in train. `classify` reads an image's dominant colour and position from
 its pixels (the test that captions match pixels, and the sample eval on decoded samples).
 
-**Data set folder** (written by `build_dataset`, the body of `scripts/build_flux_data.py`):
+**Data set folder** (written by `build_dataset`, the body of `scripts/data/build_flux_data.py`):
 ```
 meta.json                     parameters, shapes, splits (rows, shards), conditioning summary
 train-00000-of-0000N.parquet  rows: index, caption, colour, shape, position,
@@ -33,7 +33,7 @@ systems, every rank builds its own copy and the first rename wins; the copies ar
 A build whose write fails (disk full, file too large, permission) removes its temporary folder
 and raises `WriteFailed` with the errno text (the trainer's one `error:` line, exit 1).
 
-The reader and loader are `trainer/data/flux.py`; `scripts/build_flux_data.py` runs the build
+The reader and loader are `trainer/data/flux.py`; `scripts/data/build_flux_data.py` runs the build
 for a local folder, and the trainer runs it once for the default `procedural` set.
 """
 

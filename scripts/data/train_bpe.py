@@ -7,7 +7,7 @@ to tiktoken ranks: single bytes get ranks 0..255 (rank = byte value), merged tok
 256.. in the order the trainer created them, which is their merge priority. 4094 ranks plus
 the 2 special tokens the runtime adds (`<|begin_of_text|>`, `<|end_of_text|>`) give 4096.
 
-    .venv/bin/python scripts/train_bpe.py     # reads assets/corpus/train.jsonl.gz
+    .venv/bin/python scripts/data/train_bpe.py     # reads assets/corpus/train.jsonl.gz
                                               # writes assets/tokenizer/titan_bpe_4k.tiktoken
 
 It then checks the file with the runtime tokenizer: exact round trip on the validation split
@@ -25,16 +25,15 @@ import time
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from trainer.data.tokenizer import (  # noqa: E402
+from trainer.data.tokenizer import (
     BUNDLED_SPECIAL_TOKENS,
     LLAMA3_PATTERN,
-    load_bpe_ranks,  # noqa: E402
+    load_bpe_ranks,
 )
-from trainer.data.tokenizer import Tokenizer as TiktokenTokenizer  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
+from trainer.data.tokenizer import Tokenizer as TiktokenTokenizer
+from trainer.runtime import cli
 
-_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def byte_to_unicode() -> dict[int, str]:

@@ -7,9 +7,9 @@ latent [16, h, w], t5 [S, D], clip [D]) for the `train` and `heldout` splits, pl
 encoders and VAE it used (`encoders/t5`, `encoders/clip`, `vae/`), so sampling encodes
 prompts and decodes latents with the same models. See docs/flux_data.md.
 
-    python scripts/build_flux_data.py                      # the debug set, into the cache
-    python scripts/build_flux_data.py --out DIR            # the debug set, into DIR
-    python scripts/build_flux_data.py --out DIR --image-size 256 --text-length 256 \\
+    python scripts/data/build_flux_data.py                      # the debug set, into the cache
+    python scripts/data/build_flux_data.py --out DIR            # the debug set, into DIR
+    python scripts/data/build_flux_data.py --out DIR --image-size 256 --text-length 256 \\
         --t5 FLUX.1-schnell/text_encoder_2 --t5-tokenizer FLUX.1-schnell/tokenizer_2 \\
         --clip FLUX.1-schnell/text_encoder --clip-tokenizer FLUX.1-schnell/tokenizer \\
         --vae FLUX.1-schnell/vae                           # real weights, from local folders
@@ -26,15 +26,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.errors import ConfigError  # noqa: E402
-from trainer.flux_data.build import BuildParams, build_dataset, ensure_procedural_dataset  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.atomic import WriteFailed, atomic_dir  # noqa: E402
-from trainer.runtime.runlock import lock_destination  # noqa: E402
+from models.errors import ConfigError
+from trainer.flux_data.build import BuildParams, build_dataset, ensure_procedural_dataset
+from trainer.runtime import cli
+from trainer.runtime.atomic import WriteFailed, atomic_dir
+from trainer.runtime.runlock import lock_destination
 
 
 def _check_values(ns) -> None:

@@ -16,7 +16,7 @@ Docstrings are deduplicated (first occurrence in sorted path order wins), docume
 name falls under `--validation-per-mille`, else to `train`. Output is gzip-compressed jsonl
 with a fixed gzip header, so the same Python version gives byte-identical files:
 
-    .venv/bin/python scripts/build_corpus.py            # writes assets/corpus/
+    .venv/bin/python scripts/data/build_corpus.py            # writes assets/corpus/
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ import shutil
 import sys
 import sysconfig
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.atomic import WriteFailed, atomic_file  # noqa: E402
-from trainer.runtime.runlock import lock_destination  # noqa: E402
+from trainer.runtime import cli
+from trainer.runtime.atomic import WriteFailed, atomic_file
+from trainer.runtime.runlock import lock_destination
 
 # Directories that hold tests, third-party packages or build artefacts rather than library
 # documentation (tests have many tiny docstrings and some deliberately broken files).
@@ -165,7 +163,7 @@ def write_jsonl_gz(path: str, docs: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="standard library folder")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "assets", "corpus"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "..", "assets", "corpus"))
     parser.add_argument("--min-chars", type=int, default=400, help="drop documents shorter than this")
     parser.add_argument("--validation-per-mille", type=int, default=50, help="share of documents held out")
     args = parser.parse_args(argv)
