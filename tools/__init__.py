@@ -1,6 +1,18 @@
-"""Tools for tests and scripts, never imported by the trainer: the torchax lowering of a captured
-train step (xla_lowering; the XLA tier and scripts/estimate_xla.py), a trained FLUX run
-rebuilt in one process (flux_run; scripts/sample.py, scripts/eval_flux.py), the recipe
-check (recipe_check; scripts/check_recipe.py), the XLA:TPU MFU projection (xla_projection) and
-the first-contact smoke runs and their report (tpu_smoke; scripts/tpu_smoke.sh), and thread ranks
-over the in-process process group (thread_world; tests and scripts/bench/moe_dispatch_cost.py)."""
+"""Pre-flight: will a recipe start, compile and fit on its TPU target, and how fast would it run, asked
+before a pod is rented; never imported by the trainer (tests/unit/test_layout.py).
+
+- recipe_check: the trainer's own start-up on a fake world of the target's size, without a TPU
+  (scripts/check_recipe.py);
+- tpu_compile: the per-device program compiled deviceless for the target chip, with the
+  compiler's memory analysis (scripts/check_recipe.py --compile, scripts/estimate_xla.py);
+- xla_lowering: the captured train step lowered to a JAX function through torchax (tpu_compile,
+  scripts/estimate_xla.py, the XLA tier);
+- xla_projection: the step-time bound of a compiled per-device program, compute plus its
+  collectives (scripts/mfu_suite.py --project);
+- deviceless_env: the environment of a worker that compiles for a TPU without one;
+- torch_tpu_mesh: torch-tpu's own mesh layout on stand-in devices of a slice (the recipe check's
+  device order, run in the ttpu venv);
+- tpu_smoke: the first-contact smoke runs on a TPU VM and their report (scripts/tpu_smoke.sh).
+
+Helpers that only tests or benchmarks use live with them (tests/support/, scripts/bench/).
+"""

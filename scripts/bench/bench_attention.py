@@ -16,13 +16,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from titan_kernels import cpu_attention  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
+from titan_kernels import cpu_attention
+from trainer.runtime import cli
 
 
 def _time_s(fn) -> float:

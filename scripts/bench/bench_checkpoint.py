@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer import checkpoint as ckpt  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer import checkpoint as ckpt
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
 
 
 def _model(size: str) -> nn.Module:

@@ -35,8 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
+from trainer.runtime import cli
 
 REPO = Path(__file__).resolve().parents[2]
 VARIANTS = ("eager", "compile", "graph", "graph_scan")

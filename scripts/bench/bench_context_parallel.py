@@ -41,22 +41,20 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from models.common import ops  # noqa: E402
-from parallelisms.context_parallel import (  # noqa: E402
+from models.common import ops
+from parallelisms.context_parallel import (
     CPGroup,
     context_parallel_attention,
     cp_group,
     gather_sequence,
     shard_sequence,
 )
-from trainer.runtime import cli  # noqa: E402
+from trainer.runtime import cli
 
 
 def _status_kib(field: str) -> int | None:

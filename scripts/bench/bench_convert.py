@@ -27,9 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from trainer.runtime import cli
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from trainer.runtime import cli  # noqa: E402
 
 
 def _status(key: str) -> int:

@@ -24,13 +24,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.data import TokenLoader, build_dataloader, resolve_dataset  # noqa: E402
-from trainer.data.tokenizer import build_tokenizer  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer.data import TokenLoader, build_dataloader, resolve_dataset
+from trainer.data.tokenizer import build_tokenizer
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
 
 
 def _loader(mode: str, *, tok, dataset: str, seq_len: int, batch: int, rank: int, world: int):

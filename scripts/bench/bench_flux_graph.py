@@ -15,13 +15,11 @@ import functools
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import torch  # noqa: E402
+import torch
 
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
 
 
 def build(seed: int = 0):

@@ -20,9 +20,8 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
 
 
 def write_llama_config(folder: str, **overrides) -> str:

@@ -22,13 +22,12 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from models.common.moe import MoE  # noqa: E402
-from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from models.common.moe import MoE
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
+
+from bench_runs import FixedBatches, write_csvs
 
 # name -> (aux loss, aux coefficient, bias rate)
 VARIANTS = {

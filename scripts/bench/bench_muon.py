@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools.bench_runs import FixedBatches, write_csvs  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
+
+from bench_runs import FixedBatches, write_csvs
 
 
 def main() -> None:

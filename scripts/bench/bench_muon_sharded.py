@@ -26,14 +26,13 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import torch  # noqa: E402
+import torch
 
-from tools.bench_runs import write_csvs  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.device import cpu_model  # noqa: E402
+from trainer.runtime import cli
+from trainer.runtime.device import cpu_model
+
+from bench_runs import write_csvs
 
 NS_STEPS = 5
 

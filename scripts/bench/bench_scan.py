@@ -25,10 +25,8 @@ import dataclasses
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
+from trainer.runtime import cli
 
 VARIANTS = ("graph", "graph_scan_flip", "graph_scan", "graph_scan_sel")
 

@@ -21,10 +21,8 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from trainer.runtime import cli  # noqa: E402
+from trainer.runtime import cli
 
 TICK = os.sysconf("SC_CLK_TCK")
 STEP = re.compile(r"step\s+(\d+)/")

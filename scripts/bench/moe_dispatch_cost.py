@@ -30,9 +30,9 @@ import math
 import os
 import sys
 
+from trainer.runtime import cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-from trainer.runtime import cli  # noqa: E402
 
 RECIPES = ("qwen3_30b_a3b_v6e", "qwen3_235b_a22b_v7x", "deepseek_v3_671b_v7x", "kimi_k2_v7x")
 BYTES = 2  # bf16 rows
@@ -101,7 +101,8 @@ def measure_debug(factor: float = 1.25, seed: int = 0) -> dict:
     from models.qwen3 import FLAVORS
     from parallelisms import ParallelDims, build_mesh
     from parallelisms.expert_parallel import apply_ep, dispatch_combine_static
-    from tools.thread_world import run_threads
+
+    from thread_world import run_threads
 
     args = FLAVORS["debugmodel_moe"]
     ep, batch, seq, dim = 2, 8, 512, 8  # the recipe's batch and seq; the row counts do not depend on dim
@@ -194,7 +195,7 @@ def main() -> None:
             f"dropped {got['dropped']} copies"
         )
     if opts.csv:
-        from tools.bench_runs import write_csv
+        from bench_runs import write_csv
 
         write_csv(opts.csv, rows)
         print(f"wrote {opts.csv}")

@@ -1,7 +1,7 @@
 """The MoE parity table: one layer on EP thread ranks vs one process, dropless and capacity-bounded.
 
 For each (world size, ep) in --meshes and each capacity factor in --factors (0 = dropless), runs
-`tools.moe_parity.layer_parity` (8 experts, top-2, routing skewed towards two experts so the
+`moe_parity.layer_parity` (8 experts, top-2, routing skewed towards two experts so the
 capacity drops copies; CPU thread ranks over gloo, EP x FSDP, fp32) and prints the largest
 relative differences (max |a - b| / max |b|) of the outputs, input gradients and parameter
 gradients against one process on the same sequences, with the copies each side dropped.
@@ -11,11 +11,9 @@ gradients against one process on the same sequences, with the copies each side d
 
 from __future__ import annotations
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from trainer.runtime import cli  # noqa: E402
+from trainer.runtime import cli
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -41,7 +39,7 @@ def main() -> None:
         cli.fail(f"--factors: {opts.factors!r}; allowed: comma-separated numbers >= 0")
     if any(f < 0 for f in factors):
         cli.fail(f"--factors: {opts.factors!r}; allowed: numbers >= 0")
-    from tools.moe_parity import layer_parity
+    from moe_parity import layer_parity
 
     rows = [layer_parity(world_size=w, ep=e, capacity_factor=f) for f in factors for w, e in meshes]
     print(
@@ -54,7 +52,7 @@ def main() -> None:
             f"{r['dropped_one_process']:>11} / {r['dropped_ranks']:<9} {r['out']:>9.1e} {r['dx']:>9.1e} {r['grads']:>9.1e}"
         )
     if opts.csv:
-        from tools.bench_runs import write_csv
+        from bench_runs import write_csv
 
         write_csv(opts.csv, rows)
         print(f"wrote {opts.csv}")

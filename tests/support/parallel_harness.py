@@ -1,6 +1,6 @@
 """Shared helpers of the tests/test_parallel_*.py files (this module has no tests itself).
 
-- `run_threads(world_size, fn)` (tools/thread_world.py): run `fn()` on `world_size` ranks that
+- `run_threads(world_size, fn)` (scripts/bench/thread_world.py): run `fn()` on `world_size` ranks that
   are threads of this process, with the in-process "threaded" process group (fast; DTensor, TP
   and SimpleFSDP run unchanged). The global RNG is shared by the threads, so random numbers are
   drawn in the main thread (or under `RNG_LOCK`).
@@ -27,9 +27,10 @@ from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import FLAVORS as QWEN3_FLAVORS
 from models.qwen3 import Transformer as Qwen3
 from models.qwen3.plan import PLAN as QWEN3_PLAN
-from tools.thread_world import full, load_full_state, rel_diff, run_threads  # noqa: F401  (re-exported for the parallel tests)
 from trainer.runtime.device import cpu_backend
 from trainer.step import lm_loss  # noqa: F401  (re-exported for the parallel tests)
+
+from thread_world import full, load_full_state, rel_diff, run_threads  # noqa: F401  (re-exported for the parallel tests)
 
 RNG_LOCK = threading.Lock()
 # full_tensor() of 2-D (_StridedShard, Shard) weights in the checks warns about sequential

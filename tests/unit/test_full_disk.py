@@ -166,8 +166,9 @@ def test_one_ranks_full_local_disk_stops_every_rank_with_the_same_line(tmp_path)
     from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
     from tests.support.full_disk import LimitedFile
-    from tools.thread_world import run_threads
     from trainer.checkpoint.local import LocalSaveFailed, LocalTier, plan_restore
+
+    from thread_world import run_threads
 
     class FullAfter300(FileSystem):
         @contextlib.contextmanager

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from models.common.moe import MoE, capacity_slots, expert_capacity, use_capacity
-from tools.moe_parity import E, K, layer_parity, skewed_case
-from tools.thread_world import rel_diff
+
+from moe_parity import E, K, layer_parity, skewed_case
+from thread_world import rel_diff
 
 TOL = 1e-5
 

@@ -1,7 +1,8 @@
 """Thread ranks: run a function on N ranks that are threads of this process, over PyTorch's
 in-process "threaded" process group (DTensor, TP, EP and SimpleFSDP run unchanged; fast, CPU
-only). For tests (tests/support/parallel_harness.py) and scripts that count what a collective
-moves (scripts/bench/moe_dispatch_cost.py). The global RNG is shared by the threads, so draw
+only). For the benchmarks that count what a collective moves (moe_dispatch_cost.py, moe_parity.py)
+and for the tests (tests/support/parallel_harness.py; pytest finds it on its pythonpath,
+pyproject.toml). The global RNG is shared by the threads, so draw
 random numbers in the main thread or seed per rank. Also the helpers parity checks share: load a
 full state into a sharded model, gather a DTensor, and the relative difference they report."""
 

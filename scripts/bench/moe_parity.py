@@ -5,8 +5,8 @@ top-2) whose routing is skewed towards experts 0 and 1 (so a capacity drops copi
 one process on `world_size` sequences, then on `world_size` CPU thread ranks (gloo, EP x FSDP:
 `dp_shard = world_size`, `ep`), each on its own sequence, and returns the largest relative
 differences of the outputs, input gradients and parameter gradients, and the dropped copies of
-both. Used by tests/unit/test_moe_capacity.py (asserts) and scripts/bench/moe_parity_table.py
-(the table in docs/moe.md).
+both. Used by scripts/bench/moe_parity_table.py (the table in docs/moe.md) and
+tests/unit/test_moe_capacity.py (asserts).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def layer_parity(*, world_size: int, ep: int, capacity_factor: float, skew: floa
     from models.common.plan import ModelPlan
     from parallelisms import ParallelDims, build_mesh, data_parallel
     from parallelisms.expert_parallel import apply_ep
-    from tools.thread_world import full, load_full_state, rel_diff, run_threads
+
+    from thread_world import full, load_full_state, rel_diff, run_threads
 
     plan = ModelPlan(block="layers", ep_block={"moe": "moe", "moe.router.gate": "router", "moe.experts": "experts"})
     layer, x, g = skewed_case(world_size, SEQ, skew)

@@ -1,6 +1,6 @@
 """A trained FLUX run rebuilt in one process from its dump folder (scripts/sample.py,
 scripts/eval_flux.py): config.toml -> the model (unsharded, fp32, eval) with a checkpoint's
-weights, and the data set's text encoders and VAE. A tool for scripts; the trainer samples
+weights, and the data set's text encoders and VAE. For the sampling commands; the trainer samples
 through `trainer.tasks.flux_sample` on its own sharded model."""
 
 from __future__ import annotations
