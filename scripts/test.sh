@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite on the CPU (makes .venv with the [dev] extras on first use).
-#   scripts/test.sh [--all] [--record] [pytest args]
+#   scripts/test.sh [--smoke | --all] [--record] [pytest args]
 #     (no flag)  the default tier: what CI runs on every submission, under 20 minutes on 2 vCPUs
+#     --smoke    the fast loop, about a minute in one process: training end to end, the step plan,
+#                the layout, the config (tests/support/tiers.py SMOKE); run it before every commit
 #     --all      every tier: the default one plus the scheduled tier (tests/support/tiers.py:
 #                the exhaustive matrix points, README blocks on a clone, the whole TPU-program
 #                table; .ci/scheduled runs this)
@@ -18,9 +20,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --all) export TITAN_TEST_TIER=all; shift ;;
+    --smoke) export TITAN_TEST_TIER=smoke TITAN_TEST_WORKERS="${TITAN_TEST_WORKERS:-0}"; shift ;;
     --record) export TITAN_RECORD_DURATIONS="$ROOT/tests/support/durations.json"; shift ;;
     -h|--help)  # this header, as the usage
-      echo "usage: scripts/test.sh [--all] [--record] [pytest args]"
+      echo "usage: scripts/test.sh [--smoke | --all] [--record] [pytest args]"
       sed -n '2,/^set -euo pipefail/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) break ;;
   esac

@@ -61,7 +61,8 @@ def pytest_runtest_setup(item):
 
 
 # Tiers (tests/support/tiers.py, docs/testing.md): the default tier (scripts/test.sh, CI) leaves
-# out the scheduled tier's tests (`deselected` in pytest's summary); `scripts/test.sh --all`
+# out the scheduled tier's tests (`deselected` in pytest's summary); `scripts/test.sh --smoke`
+# keeps only the fast loop's (`tiers.SMOKE`); `scripts/test.sh --all`
 # (TITAN_TEST_TIER=all; .ci/scheduled) runs everything. With TITAN_DUMP_COLLECTION=FILE the
 # collection (every test, its tier, its `exhaustive` mark) is written to FILE as JSON, before any
 # deselection (tests/unit/test_tiers.py reads it).
@@ -87,7 +88,10 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         exhaustive = item.get_closest_marker("exhaustive") is not None
-        (keep if tiers.in_default_tier(item.nodeid, exhaustive=exhaustive) else drop).append(item)
+        selected = tiers.in_default_tier(item.nodeid, exhaustive=exhaustive) and (
+            tiers.TIER != "smoke" or tiers.in_smoke_tier(item.nodeid)
+        )
+        (keep if selected else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

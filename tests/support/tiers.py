@@ -3,6 +3,8 @@
 - **default** (`scripts/test.sh`, what CI runs on every submission): everything not listed below,
   held under `BUDGET_S` of estimated wall time on 2 vCPUs by tests/unit/test_tiers.py over the
   durations recorded in `DURATIONS` (`scripts/test.sh --all --record`);
+- **smoke** (`scripts/test.sh --smoke`): `SMOKE`, a minute of the default tier to run before
+  every commit;
 - **scheduled** (`scripts/test.sh --all`, `.ci/scheduled`, nightly or weekly): the default tier
   plus the tests in `SCHEDULED` and every test marked `exhaustive`. `.ci/scheduled` writes its
   result to docs/results/scheduled_tier.json.
@@ -32,8 +34,29 @@ BUDGET_S = 20 * 60
 WORKERS = 2
 
 TIER = os.environ.get("TITAN_TEST_TIER") or ("all" if os.environ.get("TITAN_TEST_EXHAUSTIVE") == "1" else "default")
-if TIER not in ("default", "all"):
-    raise SystemExit(f"error: TITAN_TEST_TIER={TIER!r}: allowed: default, all")
+if TIER not in ("default", "all", "smoke"):
+    raise SystemExit(f"error: TITAN_TEST_TIER={TIER!r}: allowed: default, all, smoke")
+
+# The fast loop (`scripts/test.sh --smoke`, TITAN_TEST_TIER=smoke): about a minute of the default
+# tier's tests that a change anywhere most often breaks, for a contributor to run before every commit:
+# training end to end (losses, resume, accumulation), the step plan and its rule table, the package
+# layout, the config. Node-id prefixes; tests/unit/test_tiers.py holds it under SMOKE_BUDGET_S by the
+# recorded durations (one worker: `--smoke` runs in one process, no worker start-up).
+SMOKE: tuple[str, ...] = (
+    "tests/e2e/test_train_e2e.py::test_golden_losses_first_steps",
+    "tests/e2e/test_train_e2e.py::test_fp32_and_grad_accumulation",
+    "tests/e2e/test_train_e2e.py::test_resume_reproduces_uninterrupted_run",
+    "tests/e2e/test_train_e2e.py::test_bad_validation_data_fails_before_any_step",
+    "tests/unit/test_step_plan.py",
+    "tests/unit/test_layout.py",
+    "tests/unit/test_config.py::test_bad_values",
+    "tests/unit/test_config.py::test_bad_recipe_files",
+    "tests/unit/test_config.py::test_cli_forms",
+    "tests/unit/test_config.py::test_precedence_cli_over_toml_over_defaults",
+    "tests/unit/test_config.py::test_print_config_round_trips",
+    "tests/unit/test_config.py::test_every_recipe_parses_and_builds_on_meta",
+)
+SMOKE_BUDGET_S = 90
 
 
 @dataclass(frozen=True)
@@ -1580,6 +1603,11 @@ def scheduled(nodeid: str) -> Scheduled | None:
         if fnmatch.fnmatchcase(nodeid, entry.pattern):
             return entry
     return None
+
+
+def in_smoke_tier(nodeid: str) -> bool:
+    """A test of the fast loop (`SMOKE`)."""
+    return nodeid.startswith(SMOKE)
 
 
 def in_default_tier(nodeid: str, *, exhaustive: bool) -> bool:

@@ -99,3 +99,15 @@ def test_the_default_tier_fits_its_budget(collection):
         f"{tiers.BUDGET_S / 60:.0f}-minute budget: move matrix points to the scheduled tier (tests/support/tiers.py, "
         f"naming the default test that covers each) or make tests cheaper"
     )
+
+
+def test_the_smoke_loop_is_default_tier_tests_within_a_minute_and_a_half(collection):
+    """`scripts/test.sh --smoke`: every SMOKE prefix names default-tier tests, and their recorded
+    durations on one process sum to at most SMOKE_BUDGET_S (tests without a record count 30 s)."""
+    durations = json.loads(tiers.DURATIONS.read_text())
+    default = [t["nodeid"] for t in collection if tiers.in_default_tier(t["nodeid"], exhaustive=t["exhaustive"])]
+    for prefix in tiers.SMOKE:
+        assert any(n.startswith(prefix) for n in default), f"SMOKE {prefix!r}: matches no default-tier test"
+    smoke = [n for n in default if tiers.in_smoke_tier(n)]
+    total = sum(durations.get(n, 30.0) for n in smoke)
+    assert total <= tiers.SMOKE_BUDGET_S, f"the smoke loop takes {total:.0f} s by the record: drop a test from SMOKE"
