@@ -17,3 +17,13 @@ class NonFiniteLoss(RuntimeError):
     """Training hit a non-finite gradient norm or state; printed as `error: <message>`, exit code 1.
 
     Raised by the trainer's loop and by the engine's `optimizer_step` (trainer/)."""
+
+
+def check_choice(key: str, value, choices) -> None:
+    """The one refusal of a value outside its key's choices: `key: 'x' is not allowed; allowed: a, b`.
+
+    Each list of choices has one home (a tuple next to what it chooses: `AC_MODES`,
+    `ATTENTION_BACKENDS`, ...); the config's parse (`[section] key` metadata) and every later
+    check of the same list call this, so the list and its message are written once."""
+    if value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(map(str, choices))}")

@@ -31,11 +31,19 @@ from torch.utils.checkpoint import (
 
 import titan_kernels
 from models.common.plan import ModelPlan
-from models.errors import ConfigError
+from models.errors import check_choice
 
-__all__ = ["AC_MODES", "apply_ac", "checkpoint_fn", "sac_policy"]
+__all__ = ["AC_MODES", "apply_ac", "check_ac_mode", "checkpoint_fn", "sac_policy"]
 
 AC_MODES = ("none", "full", "selective")
+"""`[activation_checkpoint] mode` choices: the one home of the list (the config, the planner and
+`checkpoint_fn` refuse another value through `check_ac_mode`)."""
+
+
+def check_ac_mode(mode: str) -> str:
+    """`mode`, or the ConfigError naming `activation_checkpoint.mode` and AC_MODES."""
+    check_choice("activation_checkpoint.mode", mode, AC_MODES)
+    return mode
 
 
 def _save_ops() -> set:
@@ -78,13 +86,14 @@ def _no_checkpoint(fn: Callable, *args: Any, **kwargs: Any) -> Any:
 
 def checkpoint_fn(mode: str) -> Callable[..., Any]:
     """`f(fn, *args, **kwargs) -> fn(*args, **kwargs)`, checkpointed as `mode` says."""
+    check_ac_mode(mode)
     if mode == "none":
         return _no_checkpoint
     if mode == "full":
         return functools.partial(checkpoint, use_reentrant=False)
     if mode == "selective":
         return functools.partial(checkpoint, use_reentrant=False, context_fn=_sac_context)
-    raise ConfigError(f"activation_checkpoint.mode: {mode!r} is not supported; allowed: {', '.join(AC_MODES)}")
+    raise AssertionError(mode)  # check_ac_mode refused every other mode
 
 
 _CLASS_CACHE: dict[tuple[type, str], type] = {}

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from models.contract import ModelShape
-from models.errors import ConfigError
-from parallelisms.activation_checkpoint import AC_MODES
+from parallelisms.activation_checkpoint import check_ac_mode
 from planner.shard import local_tensor
 
 
@@ -82,8 +81,7 @@ def activation_bytes(
     block keeps q, the output and the log-sum-exp of its own T tokens, and the gathered k/v of
     the whole sequence (`cp_gathered_kv_bytes`) instead of its T tokens' repeated k/v.
     """
-    if ac_mode not in AC_MODES:
-        raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    check_ac_mode(ac_mode)
     assert seq_len % cp == 0, f"seq_len {seq_len} does not split over cp {cp}"
     s = shape
     d, hd = s.dim, s.head_dim

@@ -38,7 +38,7 @@ against `planner.activations.measure_saved_bytes` of a real forward of the debug
 from __future__ import annotations
 
 from models.errors import ConfigError
-from parallelisms.activation_checkpoint import AC_MODES
+from parallelisms.activation_checkpoint import check_ac_mode
 from planner.activations import ActivationBytes
 
 
@@ -91,8 +91,7 @@ def mla_activation_bytes(
     """Saved-for-backward bytes per device for one micro-batch of a DeepSeek-V3-style model.
 
     `per_block` and `per_block_none` are the larger (MoE) block's; `blocks` sums both stacks."""
-    if ac_mode not in AC_MODES:
-        raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    check_ac_mode(ac_mode)
     if tp != 1:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree: {tp}: the planner models DeepSeek-V3's MoE "

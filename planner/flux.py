@@ -38,7 +38,7 @@ of a real bf16 FLUX forward on the CPU.
 from __future__ import annotations
 
 from models.errors import ConfigError
-from parallelisms.activation_checkpoint import AC_MODES
+from parallelisms.activation_checkpoint import check_ac_mode
 from planner.activations import ActivationBytes
 
 
@@ -49,8 +49,7 @@ def _cdiv(a: int, b: int) -> int:
 def block_bytes_per_token(args, *, tp: int, ac_mode: str, single: bool) -> int:
     """Bytes one double (`single=False`) or single block keeps per token under `ac_mode`
     (per-token terms only; `block_bytes` adds the per-sample ones)."""
-    if ac_mode not in AC_MODES:
-        raise ConfigError(f"activation_checkpoint.mode: {ac_mode!r}; allowed: {', '.join(AC_MODES)}")
+    check_ac_mode(ac_mode)
     d = args.hidden_size
     heads = args.num_heads // tp
     width = heads * (d // args.num_heads)

@@ -38,7 +38,7 @@ import sys
 import torch
 
 from models.common import ops
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 from titan_kernels.tpu.selfcheck import KernelShapes
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_kernel", "splash")
@@ -51,8 +51,7 @@ _SAVED_OPS: set = set()
 
 def check_attention_backend(backend: str) -> None:
     """ConfigError naming `model.attn_backend` unless `backend` is one of ATTENTION_BACKENDS."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ConfigError(f"model.attn_backend: {backend!r} is not supported; allowed: {', '.join(ATTENTION_BACKENDS)}")
+    check_choice("model.attn_backend", backend, ATTENTION_BACKENDS)
 
 
 def attention_backends_for(device_type: str) -> tuple[str, ...]:

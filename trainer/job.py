@@ -176,6 +176,7 @@ def step_request(
         num_slices=num_slices,
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
+        local_checkpoint=cfg.checkpoint.enable and bool(cfg.checkpoint.local_folder),
         replicate_reduce=cfg.training.replicate_reduce,
         replicate_reduce_dtype=cfg.training.replicate_reduce_dtype,
         quantize=cfg.quantize.recipe,
@@ -820,13 +821,8 @@ def build_checkpoint_manager(cfg: Config, parallel_dims: ParallelDims, *, rank: 
     """Phase 7 (purpose `saves`): the run's checkpoint manager, with the local tier
     (`checkpoint.local_folder`) placed by this rank's place inside its slice."""
     ck, dims = cfg.checkpoint, parallel_dims
-    if ck.enable and ck.local_folder and dims.dcn_mesh_shape[1] > 1:
-        raise ConfigError(
-            f"checkpoint.local_folder: the {dims.num_slices} slices shard the model (parallelism.allow_dcn_sharding "
-            f"with data_parallel_replicate_degree {dims.dp_replicate}), so no slice holds a whole replica to "
-            "restore a lost one from; allowed: a data_parallel_replicate_degree that is a multiple of num_slices, "
-            "or an empty local_folder"
-        )
+    # The slices holding a whole replica each: the step plan's rule refused the rest (`RULES`).
+    assert not (ck.enable and ck.local_folder and dims.dcn_mesh_shape[1] > 1), dims.dcn_mesh_shape
     ranks_per_slice = dims.world_size // dims.num_slices
     layout = ckpt.slice_layout(
         mesh_shape=dims.mesh_shape,

@@ -99,5 +99,5 @@ def test_host_malloc_auto_and_bad_values():
     # auto leaves glibc alone on an accelerator (no mallopt call happens on this path)
     assert configure_host_malloc("auto", torch.device("cuda")).startswith("system")
     assert configure_host_malloc("system", torch.device("cpu")).startswith("system")
-    with pytest.raises(ConfigError, match="device.host_malloc: 'huge'; allowed: auto, retain, system"):
+    with pytest.raises(ConfigError, match="device.host_malloc: 'huge' is not allowed; allowed: auto, retain, system"):
         configure_host_malloc("huge", torch.device("cpu"))

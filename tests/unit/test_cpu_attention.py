@@ -248,7 +248,9 @@ def test_select_falls_back_where_the_kernel_cannot_build(monkeypatch):
         titan_kernels.select(attention="cpu_kernel", device=cpu)
     with pytest.raises(AssertionError, match="RULES refuse it first"):  # a step-plan rule (model.attn_backend)
         titan_kernels.select(attention="cpu_kernel", device=torch.device("meta"))
-    with pytest.raises(ConfigError, match="model.attn_backend: 'flash' is not supported"):
+    with pytest.raises(
+        ConfigError, match="model.attn_backend: 'flash' is not allowed; allowed: auto, sdpa, cpu_kernel, splash"
+    ):
         titan_kernels.select(attention="flash", device=cpu)
 
 

@@ -160,3 +160,118 @@ def test_the_scan_fails_on_a_message_without_allowed():
     )
     assert scan(good, "x.py") == (3, [], [])
     assert scan("raise ConfigError(message)\n", "x.py")[2] == ["x.py:1 (<module>): message"]
+
+
+# --- The refusal table closes both ways (DESIGN.md: every refusal of a combination lives in one
+# table). A ConfigError is raised by a rule of `trainer/step/plan.py: RULES`, by a function that
+# `trainer/step/checks.py: BUILD_CHECKS` names, or in one of the modules below, whose refusals each
+# judge one key's own value or one input file / folder / environment variable, never a combination.
+TABLE_SCOPE = ("trainer", "parallelisms", "planner", "models", "titan_kernels")
+RULE_TABLE_MODULES = ("trainer/step/plan.py", "trainer/step/checks.py")
+SINGLE_KEY_MODULES = {
+    # A folder ("x/"), a module, or "module path:function": what its refusals judge, one thing each.
+    "models/errors.py": "check_choice: the one refusal of a value outside its key's choices",
+    "parallelisms/device_order.py:check_spec": "parallelism.device_order's own form (its fit to the world: BUILD_CHECKS)",
+    "models/hf/model.py": "model.hf_config: what its config.json describes (its scan form: BUILD_CHECKS)",
+    "models/flux/conditioning.py": "the FLUX encoders' folders (files)",
+    "planner/targets.py": "job.target / --target: one target's name",
+    "trainer/config/load.py": "the recipe file and the CLI: a key's own type, choice and range, unknown keys",
+    "trainer/config/placeholders.py": "checkpoint.folder: a shipped recipe's placeholder bucket",
+    "trainer/launch.py": "the launcher's own command line and the scheduler's or TPU VM's variables",
+    "trainer/data/": "data set, tokenizer and shard files, and a data loader's saved state (files)",
+    "trainer/flux_data/build.py": "the FLUX data builder's own parameters",
+    "trainer/checkpoint/": "checkpoint folders and files: their presence, format and contents",
+    "trainer/runtime/storage.py": "a storage path (gs:// bucket, shared folder, remote lock)",
+    "trainer/runtime/atomic.py": "a folder that cannot be made or written",
+    "trainer/runtime/runlock.py": "a run folder another run holds",
+    "trainer/runtime/tpu_env.py:check_flags": "a [device] flag's own form (--name[=value])",
+    "trainer/engine.py": "the engine's API: its caller's arguments (EngineError) and the folder it loads",
+    "trainer/tasks/flux_sample.py": "the sampler's own arguments (steps, guidance scale)",
+    "trainer/tasks/flux_run.py": "the sampler's command line: a training run's folder and its checkpoints",
+}
+
+
+def _module_name(path: str) -> str:
+    name = path.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def raise_sites(source: str, path: str) -> list[tuple[str, int]]:
+    """("module:Qual.name", line) of every `raise` of a RAISERS call in `source`."""
+    sites = []
+
+    def visit(node: ast.AST, qual: tuple[str, ...]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            qual = (*qual, node.name)
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and _name(node.exc.func) in RAISERS:
+            sites.append((f"{_module_name(path)}:{'.'.join(qual)}", node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, qual)
+
+    visit(ast.parse(source), ())
+    return sites
+
+
+def refusals_outside_the_tables(files: dict[str, str], build_checks: set[str]) -> list[str]:
+    """`path:line (module:function)` of each raise that is neither a rule, in a BUILD_CHECKS
+    function (or one nested in it), nor in a SINGLE_KEY_MODULES module."""
+    out = []
+    for path, source in files.items():
+        if path in RULE_TABLE_MODULES or _listed(path, SINGLE_KEY_MODULES):
+            continue
+        for where, line in raise_sites(source, path):
+            function = where.partition(":")[2]
+            if f"{path}:{function.split('.')[0]}" in SINGLE_KEY_MODULES:
+                continue
+            if not any(where == w or where.startswith(w + ".") for w in build_checks):
+                out.append(f"{path}:{line} ({where})")
+    return out
+
+
+def _listed(path: str, entries) -> bool:
+    return path in entries or any(e.endswith("/") and path.startswith(e) for e in entries)
+
+
+def _table_scope_files() -> dict[str, str]:
+    files = sorted(p for root in TABLE_SCOPE for p in (REPO / root).rglob("*.py") if ".venv" not in p.parts)
+    return {p.relative_to(REPO).as_posix(): p.read_text() for p in files}
+
+
+def test_every_refusal_lives_in_a_table_or_a_single_key_module():
+    """A ConfigError raised outside RULES, BUILD_CHECKS' functions and SINGLE_KEY_MODULES is a
+    refusal no table names: move it into RULES (config only) or name it in BUILD_CHECKS."""
+    from trainer.step.checks import BUILD_CHECKS
+
+    files = _table_scope_files()
+    offenders = refusals_outside_the_tables(files, {c.where for c in BUILD_CHECKS})
+    assert not offenders, "refusals outside RULES / BUILD_CHECKS / SINGLE_KEY_MODULES:\n" + "\n".join(offenders)
+
+    def raises(entry: str) -> bool:
+        path, _, function = entry.partition(":")
+        sites = [
+            w
+            for p in files
+            if p == path or (path.endswith("/") and p.startswith(path))
+            for w, _ in raise_sites(files[p], p)
+        ]
+        return any(not function or w.partition(":")[2].split(".")[0] == function for w in sites)
+
+    stale = [e for e in SINGLE_KEY_MODULES if not raises(e)]
+    assert not stale, f"SINGLE_KEY_MODULES entries that raise nothing: {stale}"
+
+
+def test_the_table_scan_fails_on_a_refusal_outside_the_tables():
+    """The reverse check can fail: a raise in an unlisted module is found, a BUILD_CHECKS function's
+    (and a function nested in it) is not."""
+    source = (
+        "class A:\n"
+        "    def check(self):\n"
+        "        def inner():\n"
+        '            raise ConfigError("k: x; allowed: y")\n'
+        "def other():\n"
+        '    raise ConfigError("k: x; allowed: y")\n'
+    )
+    assert refusals_outside_the_tables({"trainer/x.py": source}, {"trainer.x:A.check"}) == [
+        "trainer/x.py:6 (trainer.x:other)"
+    ]
+    assert refusals_outside_the_tables({"trainer/step/plan.py": source}, set()) == []

@@ -151,6 +151,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(flow_shift=3.0, flow_resolution_shift=True),
         StepRequest(initial_load_format="hf", model_has_hf_adapter=False),
         StepRequest(num_slices=2, dp_replicate=1),
+        StepRequest(num_slices=2, dp_replicate=1, allow_dcn_sharding=True, local_checkpoint=True),
         StepRequest(moe_capacity_factor=-1.0),
         StepRequest(moe_capacity_factor=1.25, model_has_experts=False),
         StepRequest(moe_capacity_factor=1.25, cp_degree=2),
@@ -338,6 +339,31 @@ def test_build_checks_name_functions_that_refuse_their_key():
         assert any(isinstance(e, type) and issubclass(e, ConfigError) for e in raised), check.where
         assert _names_key(module, source, check.key), (check.key, check.where)
         assert check.what, check
+
+
+def test_a_local_checkpoint_tier_needs_a_whole_replica_per_slice():
+    """checkpoint.local_folder on slices that shard the model (allow_dcn_sharding) is refused by a
+    rule before anything is built (it was refused by build_checkpoint_manager, after the mesh),
+    with the same message; HSDP slices and a run without the tier pass."""
+    sharded = dict(num_slices=2, dp_replicate=1, allow_dcn_sharding=True)
+    (message,) = refusals(StepRequest(local_checkpoint=True, **sharded))
+    assert message == (
+        "checkpoint.local_folder: the 2 slices shard the model (parallelism.allow_dcn_sharding with "
+        "data_parallel_replicate_degree 1), so no slice holds a whole replica to restore a lost one from; "
+        "allowed: a data_parallel_replicate_degree that is a multiple of num_slices, or an empty local_folder"
+    )
+    assert refusals(StepRequest(**sharded)) == []
+    assert refusals(StepRequest(local_checkpoint=True, num_slices=2, dp_replicate=4)) == []
+    from trainer.job import plan_job
+
+    cfg = _cfg(
+        parallelism__num_slices="2",
+        parallelism__allow_dcn_sharding="true",
+        checkpoint__enable="true",
+        checkpoint__local_folder="/tmp/local-tier",
+    )
+    with pytest.raises(ConfigError, match=r"^checkpoint\.local_folder: the 2 slices shard the model"):
+        plan_job(cfg, world_size=4, device_type="cpu")
 
 
 def test_context_parallel_chunks_hold_whole_splash_tiles_on_tpu():

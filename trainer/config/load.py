@@ -23,7 +23,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 from trainer.config.schema import SECTIONS, Config, ModelConfig
 from trainer.runtime.tpu_env import check_flags
 
@@ -119,8 +119,8 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
 
 
 def _check_metadata(key: str, value: Any, meta: typing.Mapping) -> None:
-    if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: {', '.join(meta['choices'])}")
+    if "choices" in meta:
+        check_choice(key, value, meta["choices"])
     if meta.get("ge") is not None and value < meta["ge"]:
         raise ConfigError(f"{key}: {value!r} is out of range; must be >= {meta['ge']}; allowed: >= {meta['ge']}")
     if meta.get("gt") is not None and value <= meta["gt"]:

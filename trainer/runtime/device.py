@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from models.common import distributed
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 from trainer.runtime.atomic import WriteFailed, atomic_file
 from trainer.runtime.pci import tpu_generations_on_pci
 
@@ -228,8 +228,7 @@ def configure_host_malloc(mode: str, device: torch.device) -> str:
     glibc's documented `mallopt` parameters; on another C library the mode is reported as not
     applied. Process-wide and one-way: call once at start-up.
     """
-    if mode not in HOST_MALLOC:
-        raise ConfigError(f"device.host_malloc: {mode!r}; allowed: {', '.join(HOST_MALLOC)}")
+    check_choice("device.host_malloc", mode, HOST_MALLOC)
     if mode == "auto":
         mode = "retain" if device.type == "cpu" else "system"
     if mode == "system":

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.errors import ConfigError
+from models.errors import ConfigError, check_choice
 
 try:
     import tomllib
@@ -195,8 +195,7 @@ def tpu_runtime_env(
     environ = os.environ if environ is None else environ
     libtpu_args = check_flags("device.libtpu_init_args", libtpu_init_args)
     xla = check_flags("device.xla_flags", xla_flags)
-    if flag_bundle not in FLAG_BUNDLES:
-        raise ConfigError(f"device.flag_bundle: {flag_bundle!r}; allowed: {', '.join(FLAG_BUNDLES)}")
+    check_choice("device.flag_bundle", flag_bundle, FLAG_BUNDLES)
     out = RuntimeEnv()
     if device_type != "tpu":
         asked = [
@@ -291,6 +290,8 @@ def _pick_bundle(flag_bundle: str, generation: str | None) -> FlagBundle | None:
 
 
 def _check_known(flags: list[tuple[str, str]], libraries: list[Path]) -> None:
+    """ConfigError naming the flag's key (device.libtpu_init_args, device.xla_flags or the exported
+    variable) for a flag name the installed runtime's `libraries` do not hold."""
     if not libraries:
         return
     names = {flag_name(f): (f, key) for f, key in flags if flag_name(f)}

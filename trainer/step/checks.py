@@ -44,6 +44,33 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
         "degrees whose product is not the world size, or -1 that cannot fill it",
     ),
     BuildCheck(
+        "training.global_batch_size",
+        "trainer.job:batch_split",
+        "a global batch the data-parallel degree (the world's) does not divide, or that no accumulation count "
+        "splits into micro-batches of at most local_batch_size",
+    ),
+    BuildCheck(
+        "parallelism.num_slices",
+        "parallelisms.parallel_dims:resolve_num_slices",
+        "a slice count other than the launcher's MEGASCALE_NUM_SLICES, or a variable that is not a count",
+    ),
+    BuildCheck(
+        "parallelism.num_slices",
+        "parallelisms.parallel_dims:check_slice_major",
+        "a rank whose MEGASCALE_SLICE_ID is not its slice in slice-major numbering (hosts not started "
+        "through trainer.launch)",
+    ),
+    BuildCheck(
+        "parallelism.device_order",
+        "parallelisms.device_order:target_order",
+        "a named layout whose devices per slice are not this world's",
+    ),
+    BuildCheck(
+        "parallelism.device_order",
+        "parallelisms.device_order:resolve_rank_order",
+        "a permutation that is not of this world's ranks, or that moves a rank to another slice",
+    ),
+    BuildCheck(
         "parallelism.expert_parallel_degree",
         "parallelisms.parallel_dims:ParallelDims.__post_init__",
         "an EP degree that does not divide dp_shard x cp x tp",
@@ -69,6 +96,17 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
         "parallelisms.tpu_topology:_split_axes",
         "a mesh axis (tp, cp, ...: the key of that axis) that does not fit the TPU slice, not even "
         "splitting physical axes (plan_job, when the slice is known: `tpu_mesh_layout`)",
+    ),
+    BuildCheck(
+        "parallelism",
+        "parallelisms.tpu_topology:_whole_axes",
+        "a mesh axis that is not a product of whole physical axes of the slice, or a physical axis no "
+        "mesh axis takes (torch-tpu's layout without a split; the split layout is tried next)",
+    ),
+    BuildCheck(
+        "parallelism.device_order",
+        "parallelisms.device_order:check_mesh_order",
+        "a mesh whose groups break the shard invariant (not built by parallelisms.build_mesh)",
     ),
     BuildCheck(
         "parallelism",
@@ -145,6 +183,7 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
         "compile.mode", "trainer.graph.capture:check_torch", "graph mode with a torch that lacks trace_autograd_ops"
     ),
     BuildCheck("compile.backend", "trainer.graph.tpu:_torch_tpu", "backend tpu where torch-tpu finds no TPU"),
+    BuildCheck("device.type", "trainer.runtime.device:pick_device", "tpu or cuda on a host without that device"),
     # Data, tokenizer, kernels, host.
     BuildCheck(
         "model.attn_backend", "titan_kernels:select", "cpu_kernel where the C++ kernel cannot be built on this host"
@@ -170,6 +209,17 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
         "the recipe check of a FLUX recipe without latent_size and text_seq_len",
     ),
     BuildCheck(
+        "model.in_channels",
+        "trainer.tasks.flux:FlowTask._check_shapes",
+        "a FLUX data set whose latents (channels x 4) or text embeddings (T5 / CLIP widths) are not the "
+        "model's in_channels / context_in_dim / vec_in_dim",
+    ),
+    BuildCheck(
+        "flow.latent_size",
+        "trainer.tasks.flux:FlowTask._check_shapes",
+        "a flow.latent_size or flow.text_seq_len other than the FLUX data set's",
+    ),
+    BuildCheck(
         "model.name",
         "trainer.engine:Engine.hf_state_dict",
         "the engine's Hugging Face export for a family without hf_adapter.py",
@@ -178,5 +228,32 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
         "device.flag_bundle",
         "trainer.runtime.tpu_env:_pick_bundle",
         "a flag bundle recorded for other TPU generations than this host's",
+    ),
+    BuildCheck(
+        "device.libtpu_init_args",
+        "trainer.runtime.tpu_env:_check_known",
+        "a flag (device.libtpu_init_args, device.xla_flags or exported) the installed TPU runtime does not know",
+    ),
+    # The planner's model (the trainer runs these layouts; the planner cannot estimate them).
+    BuildCheck(
+        "parallelism.tensor_parallel_degree",
+        "planner.search:make_parallel_dims",
+        "the planner: a MoE model with TP > 1 (its activation model covers MoE blocks at tp = 1)",
+    ),
+    BuildCheck(
+        "parallelism.context_parallel_degree",
+        "planner.search:plan_estimate",
+        "the planner: CP > 1 for FLUX (no CP plan for its joint text + image sequence); it also raises "
+        "the first RULES refusal of the layout",
+    ),
+    BuildCheck(
+        "parallelism.tensor_parallel_degree",
+        "planner.deepseek:mla_activation_bytes",
+        "the planner: DeepSeek-V3 (MLA) with TP or CP > 1",
+    ),
+    BuildCheck(
+        "flow.latent_size",
+        "planner.flux:flux_tokens",
+        "the planner of a FLUX recipe without latent_size and text_seq_len, or with an odd latent side",
     ),
 )

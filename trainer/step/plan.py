@@ -143,6 +143,9 @@ class StepRequest:
     """`[parallelism] data_parallel_replicate_degree`."""
     allow_dcn_sharding: bool = False
     """`[parallelism] allow_dcn_sharding`."""
+    local_checkpoint: bool = False
+    """`[checkpoint] enable` with a `local_folder` (the local tier restores a lost slice from another
+    slice's whole replica)."""
     replicate_reduce: str = "micro_batch"
     """`[training] replicate_reduce`."""
     replicate_reduce_dtype: str = "float32"
@@ -506,6 +509,19 @@ RULES: tuple[Rule, ...] = (
         "{r.dp_replicate} on {r.num_slices} slices puts FSDP/EP collectives on the data-center network "
         "between slices; allowed: a multiple of {r.num_slices} (HSDP: shard inside a slice, all-reduce "
         "gradients across slices), or parallelism.allow_dcn_sharding = true",
+    ),
+    # The local checkpoint tier (trainer/checkpoint/local.py) restores a lost slice from a slice that
+    # holds a whole replica: none does when the slices shard the model (`ParallelDims.dcn_mesh_shape`
+    # spills onto dp_shard exactly when the slice count does not divide dp_replicate).
+    Rule(
+        "checkpoint.local_folder",
+        "a local tier on several slices that shard the model (parallelism.allow_dcn_sharding with a "
+        "replicate degree the slice count does not divide)",
+        lambda r: r.local_checkpoint and r.num_slices > 1 and r.dp_replicate % r.num_slices != 0,
+        "the {r.num_slices} slices shard the model (parallelism.allow_dcn_sharding with "
+        "data_parallel_replicate_degree {r.dp_replicate}), so no slice holds a whole replica to restore a "
+        "lost one from; allowed: a data_parallel_replicate_degree that is a multiple of num_slices, or an "
+        "empty local_folder",
     ),
     # Low-precision matmuls (`[quantize]`, parallelisms/quantize.py, docs/low_precision.md): each
     # device runs the recipes its matrix units run natively; the CPU runs all as the emulation.
