@@ -46,9 +46,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.runtime import cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from trainer.runtime import cli  # noqa: E402
 
 VARIANTS = {
     "eager": ["--compile.mode=eager"],
@@ -480,8 +480,6 @@ def _mean_of_copies(copies: list[dict]) -> dict:
 
 def machine_fields(threads: int | None = None) -> dict:
     """The CPU model (lscpu, via trainer/device.cpu_model) and the OpenMP thread count of a run."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from trainer.runtime.device import cpu_model
 
     if threads is None:
@@ -695,8 +693,6 @@ def _check_args(args, parser) -> list[int]:
 def _check_runs(jobs: list[dict], parser) -> None:
     """Resolve the config of each variant's trainer command line as the trainer will (recipe,
     variant overrides, the arguments after --), so a bad recipe or key stops here, not in a run."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
     from models.errors import ConfigError
     from trainer.config import build_config, split_cli
 

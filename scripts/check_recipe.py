@@ -34,10 +34,9 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from trainer.runtime import cli
 
-from trainer.runtime import cli  # noqa: E402  (after the sys.path insert)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gib(x: float | None) -> str:

@@ -49,11 +49,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models import HF_MODEL_TYPES, ModelFamily, get_model_family  # noqa: E402
-from models.errors import ConfigError  # noqa: E402
-from trainer.checkpoint import (  # noqa: E402
+from models import HF_MODEL_TYPES, ModelFamily, get_model_family
+from models.errors import ConfigError
+from trainer.checkpoint import (
     SAFETENSORS_DTYPE_NAMES,
     CorruptCheckpointError,
     SafetensorsSlices,
@@ -64,16 +62,16 @@ from trainer.checkpoint import (  # noqa: E402
     verify_checkpoint,
     write_manifest,
 )
-from trainer.checkpoint.hf_fp8 import (  # noqa: E402
+from trainer.checkpoint.hf_fp8 import (
     HF_FORMATS,
     HUB_QUANTIZATION_CONFIG,
     quantization_of,
     quantize_hf_state_dict,
 )
-from trainer.config import ModelConfig, coerce, model_args, parse_value  # noqa: E402  (the trainer's own parser)
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.atomic import WriteFailed, atomic_dir, errno_text  # noqa: E402
-from trainer.runtime.runlock import lock_destination  # noqa: E402
+from trainer.config import ModelConfig, coerce, model_args, parse_value  # the trainer's own parser
+from trainer.runtime import cli
+from trainer.runtime.atomic import WriteFailed, atomic_dir, errno_text
+from trainer.runtime.runlock import lock_destination
 
 # [model] keys of a run that are not fields of the model's args (see trainer.config.ModelConfig).
 _RUN_ONLY_MODEL_KEYS = {

@@ -30,13 +30,10 @@ import argparse
 import csv
 import dataclasses
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import planner  # noqa: E402
-from models.errors import ConfigError  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
+import planner
+from models.errors import ConfigError
+from trainer.runtime import cli
 
 # ================================================================================ reports
 

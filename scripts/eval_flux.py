@@ -26,11 +26,9 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.errors import ConfigError  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.atomic import WriteFailed  # noqa: E402
+from models.errors import ConfigError
+from trainer.runtime import cli
+from trainer.runtime.atomic import WriteFailed
 
 CHANCE = {"colour": 1 / 6, "position": 1 / 5}
 

@@ -21,11 +21,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.errors import ConfigError  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
-from trainer.runtime.atomic import WriteFailed  # noqa: E402
+from models.errors import ConfigError
+from trainer.runtime import cli
+from trainer.runtime.atomic import WriteFailed
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -48,16 +48,15 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+import planner
+from models.common.moe import MoE
+from parallelisms.quantize import QuantizePlan, apply_quantize
+from trainer.config import build_config, resolve_model_args
+from trainer.runtime import cli
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-import planner  # noqa: E402
-from models.common.moe import MoE  # noqa: E402
-from parallelisms.quantize import QuantizePlan, apply_quantize  # noqa: E402
-from trainer.config import build_config, resolve_model_args  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
 
 try:
     import tomllib

@@ -19,9 +19,9 @@ import csv
 import sys
 from pathlib import Path
 
+from trainer.runtime import cli
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from trainer.runtime import cli  # noqa: E402
 
 GiB = 2**30
 

@@ -7,9 +7,7 @@ python scripts/dev/gen_config_docs.py --check    # exit 1 if docs/config.md is s
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from trainer.config import field_docs  # noqa: E402
+from trainer.config import field_docs
 
 HEADER = """# Recipe keys
 

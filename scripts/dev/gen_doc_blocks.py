@@ -30,7 +30,6 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 WIDTH = 100
 NAME_COL = 16
@@ -56,10 +55,12 @@ FOLDERS = {
     "constraints": "dev.txt: the CPU/GPU venv's lock (every package of the [dev] tree, exact), used by "
     "scripts/env.sh for .venv; tpu.txt: the TPU stack's exact pins (torch CPU build, torch-tpu, "
     "libtpu, jax), used by scripts/env.sh tpu (docs/tpu.md)",
-    "scripts": "the commands a user runs: train.sh, test.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, "
-    "convert.py (HF <-> DCP), sample.py and eval_flux.py (FLUX), corpus / BPE / FLUX data builders; "
-    "bench/: the single-purpose benchmarks (bench_*.py), the TorchTitan peer of benchmark.py --peer, "
-    "the TPU kernel tile sweep; dev/: the doc generators and other developer tools",
+    "scripts": "the commands a user runs (tests/unit/test_layout.py USER_COMMANDS): train.sh, test.sh, env.sh, "
+    "launch_pod.sh, benchmark.py, estimate.py (pod planner), check_recipe.py, convert.py (HF <-> DCP), sample.py and "
+    "eval_flux.py (FLUX), the TPU ones (tpu_smoke.sh, xla_env.sh, estimate_xla.py, mfu_suite.py); data/: the "
+    "corpus, BPE and FLUX data builders; bench/: the single-purpose benchmarks (bench_*.py) and their shared "
+    "helpers, the TorchTitan peer of benchmark.py --peer, the TPU kernel tile sweep; dev/: the doc generators "
+    "and other developer tools",
     "tests": "pytest, CPU only by default (markers for multi-process, slow, tpu, cuda); toy_family.py is "
     "a model family defined outside models/; tests/xla is the XLA tier (its own venvs)",
     "examples": "grpo_debug.py: GRPO on the debug Llama 3 through the engine API (docs/engine.md)",
@@ -248,14 +249,32 @@ def render_layer_imports() -> str:
     return "\n".join(lines)
 
 
+def scheduled_entries(path: Path = ROOT / "tests" / "support" / "tiers.py") -> list[tuple[str, tuple, str]]:
+    """(pattern, covered_by, why) of each `Scheduled(...)` in tiers.py's SCHEDULED, read with `ast`
+    (scripts import nothing from tests/; tests/unit/test_layout.py): each argument is a literal."""
+    fields = ("pattern", "covered_by", "why")
+    for node in ast.parse(path.read_text()).body:
+        names = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)]) if isinstance(t, ast.Name)]
+        if names == ["SCHEDULED"]:
+            entries = []
+            for call in node.value.elts:
+                values = dict(zip(fields, call.args)) | {k.arg: k.value for k in call.keywords}
+                try:
+                    entries.append(tuple(ast.literal_eval(values[f]) for f in fields))
+                except (KeyError, ValueError) as e:
+                    raise SystemExit(
+                        f"{path.relative_to(ROOT)}:{call.lineno}: a Scheduled entry needs literal {fields}: {e}"
+                    )
+            return entries
+    raise SystemExit(f"{path.relative_to(ROOT)}: no SCHEDULED")
+
+
 def render_scheduled() -> str:
     """The scheduled tier (tests/support/tiers.py SCHEDULED): each entry and the default-tier
     tests that cover its mechanism."""
-    from tests.support.tiers import SCHEDULED
-
     out = ["| scheduled tests (node-id pattern) | covered in the default tier by | why it may wait |", "|---|---|---|"]
-    for entry in SCHEDULED:
-        cells = [f"`{entry.pattern}`", "<br>".join(f"`{c}`" for c in entry.covered_by), entry.why]
+    for pattern, covered_by, why in scheduled_entries():
+        cells = [f"`{pattern}`", "<br>".join(f"`{c}`" for c in covered_by), why]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out)
 

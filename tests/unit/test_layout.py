@@ -6,7 +6,12 @@ ones too (they hide the dependency graph, not remove it):
   nothing running back up, and no product package imports `tools` (tests and scripts only);
 - no import cycle between modules of the product;
 - no private name (`_x`) is imported across packages (trainer's subpackages count as packages);
-- each trainer subpackage has a face: an `__init__` with a docstring.
+- each trainer subpackage has a face: an `__init__` with a docstring;
+- the rooms of the periphery: nothing in the product or in scripts/ imports `tests` (test helpers
+  stay on the test side), no script or tool inserts into `sys.path` (the project is installed
+  editable in every venv scripts/env.sh makes), and the top level of scripts/ holds only the
+  commands a user runs (`USER_COMMANDS`; data builders in scripts/data/, benchmarks and their
+  helpers in scripts/bench/, developer tools in scripts/dev/).
 """
 
 from __future__ import annotations
@@ -154,3 +159,103 @@ def test_top_level_packages_shadow_no_installed_distribution():
         others = sorted(d for d in owners.get(pkg, []) if d.lower().replace("_", "-") != "titan-tpu")
         assert not others, f"top-level package {pkg!r} is also the import name of {others}"
         assert pkg not in taken, f"top-level package {pkg!r} is a known import name of another project"
+
+
+# ------------------------------------------------------------------------- the periphery's rooms
+
+PRODUCT_AND_SCRIPTS = (*LAYERS, "scripts")
+USER_COMMANDS = {
+    "train.sh": "train a recipe (README)",
+    "test.sh": "run the test tiers (README, docs/testing.md)",
+    "env.sh": "make or enter a venv: dev, tpu (docs/tpu.md)",
+    "launch_pod.sh": "launch on a pod or locally (docs/launch.md)",
+    "tpu_smoke.sh": "first contact with a TPU VM (docs/tpu.md)",
+    "xla_env.sh": "the XLA tier's venvs for compiling without a TPU (docs/tpu.md)",
+    "benchmark.py": "throughput and MFU of the variants, the TorchTitan peer (docs/benchmarks.md)",
+    "check_recipe.py": "would a recipe start / compile on its target (docs/recipe_check.md)",
+    "convert.py": "Hugging Face <-> DCP checkpoints (docs/checkpointing.md)",
+    "estimate.py": "the pod planner (docs/planner.md)",
+    "estimate_xla.py": "a recipe's program lowered and compiled for a TPU (docs/tpu.md)",
+    "mfu_suite.py": "the MFU suite over the pod recipes (docs/benchmarks.md)",
+    "sample.py": "images from a trained FLUX run (docs/flux_sampling.md)",
+    "eval_flux.py": "a FLUX run's held-out prompt accuracy (docs/flux_sampling.md)",
+}
+"""The top level of scripts/: the commands a user runs, each documented in README.md or docs/."""
+SYS_PATH_EXCEPTIONS = {
+    # Owned by the helper splitting them (issue 52, part 2); drop each line as its insert goes.
+    "scripts/estimate_xla.py": "temporary: being split by another change",
+    "scripts/mfu_suite.py": "temporary: being split by another change",
+    # Run in venvs that do not install this project (so its packages are not importable there).
+    "scripts/bench/reference_torchtitan.py": "runs in the TorchTitan peer venv (scripts/bench/peer_env.sh)",
+    "scripts/bench/peer/torchtitan_cpu_shim.py": "TorchTitan imports it by module name in the peer venv",
+    "scripts/bench/sweep_kernel_tiles.py": "runs in the XLA tier's jax venvs (scripts/xla_env.sh)",
+}
+"""Files of scripts/ and tools/ that still edit `sys.path`, and why."""
+
+
+def _python_files(*tops: str) -> list[Path]:
+    return sorted(p for top in tops for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def imports_tests(path: Path) -> list[str]:
+    """The `tests` imports of a file (any form, function-local ones too)."""
+    return [
+        f"{module}.{name}" if name else module for module, name in _imports(path) if module.split(".")[0] == "tests"
+    ]
+
+
+def sys_path_edits(path: Path) -> list[int]:
+    """Lines where a file changes `sys.path` (insert, append, extend, assignment) or adds a site dir."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("insert", "append", "extend"):
+                target = node.func.value
+            elif node.func.attr == "addsitedir":
+                lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t.value if isinstance(t, ast.Subscript) else t for t in targets), None)
+        if isinstance(target, ast.Attribute) and target.attr == "path" and getattr(target.value, "id", "") == "sys":
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_nothing_in_the_product_or_scripts_imports_tests():
+    bad = {str(p.relative_to(ROOT)): imports_tests(p) for p in _python_files(*PRODUCT_AND_SCRIPTS)}
+    assert not {k: v for k, v in bad.items() if v}, bad
+
+
+def test_scripts_and_tools_do_not_insert_into_sys_path():
+    edits = {str(p.relative_to(ROOT)): sys_path_edits(p) for p in _python_files("scripts", "tools")}
+    found = {k: v for k, v in edits.items() if v}
+    assert set(found) - set(SYS_PATH_EXCEPTIONS) == set(), {k: found[k] for k in set(found) - set(SYS_PATH_EXCEPTIONS)}
+    stale = set(SYS_PATH_EXCEPTIONS) - set(found)
+    assert not stale, f"no sys.path edit left in {sorted(stale)}: drop them from SYS_PATH_EXCEPTIONS"
+
+
+def test_the_top_level_of_scripts_holds_only_user_commands():
+    top = {p.name for p in (ROOT / "scripts").iterdir() if p.is_file()}
+    assert top == set(USER_COMMANDS), (
+        f"not user commands: {sorted(top - set(USER_COMMANDS))} (move them to scripts/data, scripts/bench or "
+        f"scripts/dev); listed but missing: {sorted(set(USER_COMMANDS) - top)}"
+    )
+    docs = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    text = "\n".join(p.read_text() for p in docs)
+    assert not [n for n in USER_COMMANDS if f"scripts/{n}" not in text], "a user command no page documents"
+
+
+def test_the_periphery_checks_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import sys\nfrom tests.support import tiers\nsys.path.insert(0, 'x')\n"
+        "def f():\n    import tests\n    sys.path.append('y')\n    sys.path[:0] = ['z']\n"
+    )
+    assert imports_tests(bad) == ["tests.support.tiers", "tests"]
+    assert sys_path_edits(bad) == [3, 6, 7]
+    good = tmp_path / "good.py"
+    good.write_text(
+        "import sys\nimport testsuite\nfrom trainer import tests\nprint(sys.path)\nx = [1]\nx.insert(0, 2)\n"
+    )
+    assert imports_tests(good) == [] and sys_path_edits(good) == []
