@@ -178,11 +178,14 @@ def stack_expert_entries(
     for (layer, name), experts in sorted(per_expert.items()):
         if sorted(experts) != list(range(num_experts)):
             raise ValueError(
-                f"model.layers.{layer}.mlp.experts: expected experts 0..{num_experts - 1}, found {sorted(experts)}"
+                f"model.layers.{layer}.mlp.experts: expected experts 0..{num_experts - 1}, found {sorted(experts)}; "
+                f"allowed: one entry per expert, 0..{num_experts - 1}"
             )
         shape = tuple(hf_shapes[experts[0]])
         if any(tuple(hf_shapes[experts[j]]) != shape for j in range(num_experts)):
-            raise ValueError(f"model.layers.{layer}.mlp.experts: experts of different shapes")
+            raise ValueError(
+                f"model.layers.{layer}.mlp.experts: experts of different shapes; allowed: experts of one shape"
+            )
         zero = (0,) * len(shape)
         pieces = tuple(HFPiece(experts[j], (j, *zero), (1, *shape), zero) for j in range(num_experts))
         out[ours(layer, name)] = HFEntry((num_experts, *shape), pieces)
@@ -239,16 +242,24 @@ def decoder_hf_layout(
             rest=rest,
             ours=lambda n, layer=layer: f"layers.{layer}.moe.experts.{n}",
         ):
-            raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
+            raise ValueError(
+                f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: "
+                f"{', '.join(sorted(_LAYER_KEYS))} and the experts' weights"
+            )
     stack_expert_entries(
         out, per_expert, hf_shapes, num_experts, ours=lambda layer, n: f"layers.{layer}.moe.experts.{n}"
     )
     if "tok_embeddings.weight" not in out:
-        raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
+        raise ValueError(
+            "model.embed_tokens.weight: missing from the Hugging Face state dict; allowed: a state dict that holds it"
+        )
     if tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     elif lm_head is None:
-        raise ValueError("lm_head.weight: missing, and tie_word_embeddings is false")
+        raise ValueError(
+            "lm_head.weight: missing, and tie_word_embeddings is false; allowed: a state dict with lm_head.weight, "
+            "or tie_word_embeddings = true"
+        )
     else:
         out["output.weight"] = lm_head
     return out
@@ -285,7 +296,7 @@ def decoder_to_hf(
             continue
         match = _OURS_LAYER.fullmatch(key)
         if match is None:
-            raise ValueError(f"{key}: unknown model parameter")
+            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of this family's model")
         layer, rest = match.group(1), match.group(2)
         prefix = f"model.layers.{layer}."
         if rest in _LAYER_KEYS_INV:
@@ -296,5 +307,5 @@ def decoder_to_hf(
                 out, prefix, name, value, w3=state_dict.get(f"layers.{layer}.moe.experts.w3"), fused=fused_experts
             )
         else:
-            raise ValueError(f"{key}: unknown model parameter")
+            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of this family's model")
     return out

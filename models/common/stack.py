@@ -103,11 +103,14 @@ class BlockStack(nn.ModuleDict):
             if type(block) is not type(template):
                 raise ValueError(
                     f"layer scan: block {i} is a {type(block).__name__}, block 0 a "
-                    f"{type(template).__name__}; scanned blocks must be identical"
+                    f"{type(template).__name__}; scanned blocks must be identical; allowed: compile.scan_layers = false"
                 )
             names = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
             if names != param_names + buffer_names:
-                raise ValueError(f"layer scan: block {i} has different parameters/buffers than block 0")
+                raise ValueError(
+                    f"layer scan: block {i} has different parameters/buffers than block 0; "
+                    "allowed: compile.scan_layers = false"
+                )
         stacked: dict[str, torch.Tensor] = {}
         members: dict[str, list[torch.Tensor]] = {}
         with torch.no_grad():
@@ -120,10 +123,14 @@ class BlockStack(nn.ModuleDict):
                     if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
                         raise ValueError(
                             f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
-                            f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}"
+                            f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}; "
+                            "allowed: compile.scan_layers = false"
                         )
                     if t.device.type == "meta" and not _ABSTRACT.get():
-                        raise ValueError("layer scan: materialize the model before enable_scan()")
+                        raise ValueError(
+                            "layer scan: the block is on the meta device; allowed: enable_scan() on a "
+                            "materialized model (or under abstract_model())"
+                        )
                 stack = torch.stack([t.detach() for t in locals_])
                 for i, t in enumerate(locals_):
                     t.data = stack[i]  # the per-layer tensor becomes a view of row i

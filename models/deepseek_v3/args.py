@@ -108,42 +108,51 @@ class DeepSeekV3Args:
             "rope_original_max_seq_len",
         ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}; allowed: >= 1")
         for name in ("q_lora_rank", "num_shared_experts"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}; allowed: >= 0")
         if not 1 <= self.n_dense_layers < self.n_layers:
             raise ValueError(
-                f"n_dense_layers: must be in [1, n_layers - 1 = {self.n_layers - 1}], got {self.n_dense_layers}"
+                f"n_dense_layers: must be in [1, n_layers - 1 = {self.n_layers - 1}], got {self.n_dense_layers}; "
+                f"allowed: 1 .. {self.n_layers - 1}"
             )
         if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim: must be even for RoPE, got {self.qk_rope_head_dim}")
+            raise ValueError(
+                f"qk_rope_head_dim: must be even for RoPE, got {self.qk_rope_head_dim}; allowed: an even size"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
-                f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+                f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}; "
+                f"allowed: 1 .. {self.num_experts}"
             )
         if self.num_experts % self.num_expert_groups:
             raise ValueError(
-                f"num_expert_groups: must divide num_experts {self.num_experts}, got {self.num_expert_groups}"
+                f"num_expert_groups: must divide num_experts {self.num_experts}, got {self.num_expert_groups}; "
+                "allowed: a divisor of num_experts"
             )
         if self.num_expert_groups > 1 and self.num_experts // self.num_expert_groups < 2:
             raise ValueError(
                 "num_expert_groups: each group needs at least 2 experts (a group scores by its "
-                f"two best), got {self.num_expert_groups} groups of {self.num_experts}"
+                f"two best), got {self.num_expert_groups} groups of {self.num_experts}; allowed: 1, or a divisor of "
+                "num_experts that leaves >= 2 experts per group"
             )
         if not 1 <= self.num_limited_groups <= self.num_expert_groups:
             raise ValueError(
                 f"num_limited_groups: must be in [1, num_expert_groups={self.num_expert_groups}], "
-                f"got {self.num_limited_groups}"
+                f"got {self.num_limited_groups}; allowed: 1 .. {self.num_expert_groups}"
             )
         if self.num_limited_groups * (self.num_experts // self.num_expert_groups) < self.num_experts_per_tok:
-            raise ValueError("num_limited_groups: the allowed groups hold fewer experts than num_experts_per_tok")
+            raise ValueError(
+                "num_limited_groups: the groups it keeps hold fewer experts than num_experts_per_tok; allowed: "
+                "enough groups that num_limited_groups x experts per group >= num_experts_per_tok"
+            )
         if self.score_func not in ("sigmoid", "softmax"):
             raise ValueError(f"score_func: {self.score_func!r} unknown; allowed: 'sigmoid', 'softmax'")
         if self.aux_loss not in AUX_LOSSES:
             raise ValueError(f"aux_loss: {self.aux_loss!r} unknown; allowed: {', '.join(map(repr, AUX_LOSSES))}")
         if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}")
+            raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}; allowed: >= 1.0")
 
     @property
     def qk_head_dim(self) -> int:

@@ -146,16 +146,24 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *, ro
             rest=rest,
             ours=lambda n, layer=layer: _ours(layer, f"moe.experts.{n}", args),
         ):
-            raise ValueError(f"{key}: unknown Hugging Face parameter in layer {layer}")
+            raise ValueError(
+                f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: a DeepSeek-V3 layer's "
+                "parameters (self_attn.*, mlp.*, the norms)"
+            )
     stack_expert_entries(
         out, per_expert, hf_shapes, args.num_experts, ours=lambda layer, n: _ours(layer, f"moe.experts.{n}", args)
     )
     if "tok_embeddings.weight" not in out:
-        raise ValueError("model.embed_tokens.weight: missing from the Hugging Face state dict")
+        raise ValueError(
+            "model.embed_tokens.weight: missing from the Hugging Face state dict; allowed: a state dict that holds it"
+        )
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     elif "output.weight" not in out:
-        raise ValueError("lm_head.weight: missing, and tie_word_embeddings is false")
+        raise ValueError(
+            "lm_head.weight: missing, and tie_word_embeddings is false; allowed: a state dict with lm_head.weight, "
+            "or tie_word_embeddings = true"
+        )
     return out
 
 
@@ -173,7 +181,7 @@ def to_hf(
             continue
         match = _OURS_LAYER.fullmatch(key)
         if match is None:
-            raise ValueError(f"{key}: unknown model parameter")
+            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of DeepSeekV3Model")
         stack, index, rest = match.groups()
         layer = int(index) + (args.n_dense_layers if stack == "moe_layers" else 0)
         prefix = f"model.layers.{layer}."
@@ -187,7 +195,7 @@ def to_hf(
             name = rest.rsplit(".", 1)[1]
             experts_to_hf(out, prefix, name, value, w3=state_dict.get(key[: -len(name)] + "w3"), fused=fused_experts)
         else:
-            raise ValueError(f"{key}: unknown model parameter")
+            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of DeepSeekV3Model")
     return out
 
 
@@ -266,13 +274,16 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: {cfg['hidden_act']!r} unsupported; allowed: 'silu'")
     if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError("scoring_func/topk_method: only sigmoid scores with noaux_tc selection are supported")
+        raise ValueError(
+            "scoring_func/topk_method: only sigmoid scores with noaux_tc selection are supported; "
+            "allowed: scoring_func = 'sigmoid', topk_method = 'noaux_tc'"
+        )
     if not cfg.get("rope_interleave", True):
         raise ValueError(
             "rope_interleave: only the interleaved RoPE layout of DeepSeek checkpoints is converted; allowed: true"
         )
     if cfg.get("moe_layer_freq", 1) != 1:
-        raise ValueError("moe_layer_freq: only 1 (every block after the dense ones is MoE) is supported")
+        raise ValueError("moe_layer_freq: only 1 (every block after the dense ones is MoE) is supported; allowed: 1")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):

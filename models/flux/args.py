@@ -62,7 +62,7 @@ class FluxArgs:
             or len(axes) != 3
             or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 and d % 2 == 0 for d in axes)
         ):
-            raise ValueError(f"axes_dim: three positive even integers, e.g. [16, 56, 56]; got {axes!r}")
+            raise ValueError(f"axes_dim: {axes!r}; allowed: three positive even integers, e.g. [16, 56, 56]")
         self.axes_dim = tuple(axes)
         for name in (
             "in_channels",
@@ -75,18 +75,23 @@ class FluxArgs:
             "theta",
         ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}; allowed: >= 1")
         if self.depth_single_blocks < 0:
-            raise ValueError(f"depth_single_blocks: must be >= 0, got {self.depth_single_blocks}")
+            raise ValueError(f"depth_single_blocks: must be >= 0, got {self.depth_single_blocks}; allowed: >= 0")
         if self.mlp_ratio <= 0 or self.mlp_hidden_dim <= 0:
-            raise ValueError(f"mlp_ratio: must give a positive MLP width, got {self.mlp_ratio}")
+            raise ValueError(
+                f"mlp_ratio: must give a positive MLP width, got {self.mlp_ratio}; allowed: a ratio > 0 "
+                "(hidden_size x mlp_ratio >= 1)"
+            )
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(
-                f"num_heads: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+                f"num_heads: hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}; "
+                "allowed: a divisor of hidden_size"
             )
         if sum(self.axes_dim) != self.head_dim:
             raise ValueError(
-                f"axes_dim: must sum to head_dim = hidden_size // num_heads = {self.head_dim}, got {self.axes_dim}"
+                f"axes_dim: must sum to head_dim = hidden_size // num_heads = {self.head_dim}, got {self.axes_dim}; "
+                f"allowed: three even sizes that sum to {self.head_dim}"
             )
 
     @property

@@ -105,19 +105,24 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: FluxArgs) -> HFLayout
             out[inverse[key]] = whole(key, shape)
         elif key.startswith(_FINAL_MOD[1] + "."):
             if shape[0] % 2:
-                raise ValueError(f"{key}: odd number of rows {shape[0]}; expected (scale, shift) halves")
+                raise ValueError(
+                    f"{key}: odd number of rows {shape[0]}; allowed: an even number ((scale, shift) halves)"
+                )
             out[_FINAL_MOD[0] + key[len(_FINAL_MOD[1]) :]] = _swapped_halves(key, shape)
         elif key.startswith("single_transformer_blocks.") and key.endswith(".proj_out.weight"):
             i, h = key.split(".")[1], args.hidden_size
             if len(shape) != 2 or shape[1] <= h:
-                raise ValueError(f"{key}: shape {list(shape)}; expected [{h}, {h} + mlp hidden]")
+                raise ValueError(f"{key}: shape {list(shape)}; allowed: [{h}, {h} + mlp hidden]")
             attn, mlp = (shape[0], h), (shape[0], shape[1] - h)
             out[f"single_blocks.{i}.attn.wo.weight"] = HFEntry(attn, (HFPiece(key, (0, 0), attn, (0, 0)),))
             out[f"single_blocks.{i}.mlp.w2.weight"] = HFEntry(mlp, (HFPiece(key, (0, 0), mlp, (0, h)),))
         elif key.startswith("single_transformer_blocks.") and key.endswith(".proj_out.bias"):
             out[f"single_blocks.{key.split('.')[1]}.attn.wo.bias"] = whole(key, shape)
         else:
-            raise ValueError(f"{key}: not a parameter of {CLASS_NAME} with this config")
+            raise ValueError(
+                f"{key}: not a parameter of {CLASS_NAME} with this config; allowed: the parameters of {CLASS_NAME} "
+                "with the config's sizes"
+            )
     return out
 
 
@@ -139,14 +144,16 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: FluxArgs) -> dict[str, torc
             i = key.split(".")[1]
             mlp_key = f"single_blocks.{i}.mlp.w2.weight"
             if mlp_key not in state_dict:
-                raise ValueError(f"{mlp_key}: needed with {key} (they form one proj_out)")
+                raise ValueError(
+                    f"{mlp_key}: needed with {key} (they form one proj_out); allowed: a state dict with both"
+                )
             out[f"single_transformer_blocks.{i}.proj_out.weight"] = torch.cat([value, state_dict[mlp_key]], dim=1)
         elif key.startswith("single_blocks.") and key.endswith(".attn.wo.bias"):
             out[f"single_transformer_blocks.{key.split('.')[1]}.proj_out.bias"] = value
         elif key.startswith("single_blocks.") and key.endswith(".mlp.w2.weight"):
             continue  # joined into proj_out with attn.wo.weight
         else:
-            raise ValueError(f"{key}: not a parameter of FluxTransformer with these args")
+            raise ValueError(f"{key}: not a parameter of FluxTransformer with these args; allowed: its parameters")
     return out
 
 

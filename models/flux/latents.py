@@ -13,7 +13,7 @@ PATCH = 2
 
 def _check_hw(h: int, w: int) -> None:
     if h % PATCH or w % PATCH:
-        raise ValueError(f"latent height and width must be even, got {h} x {w}")
+        raise ValueError(f"latents: height and width must be even, got {h} x {w}; allowed: even sides (2x2 patches)")
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def unpack(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     b, n, d = x.shape
     hp, wp = height // PATCH, width // PATCH
     if n != hp * wp:
-        raise ValueError(f"{n} tokens do not form a {hp} x {wp} patch grid")
+        raise ValueError(f"latents: {n} tokens do not form a {hp} x {wp} patch grid; allowed: {hp * wp} tokens")
     c = d // (PATCH * PATCH)
     x = x.reshape(b, hp, wp, c, PATCH, PATCH)
     return x.permute(0, 3, 1, 4, 2, 5).reshape(b, c, height, width)

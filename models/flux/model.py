@@ -248,7 +248,10 @@ class FluxTransformer(nn.Module):
         iff `guidance_embed`) -> velocity [B, L, out_channels]. Times and guidance are scaled
         by 1000 here, as BFL and diffusers do."""
         if (guidance is None) == (self.guidance_in is not None):
-            raise ValueError("guidance: required by a guidance_embed model, and only by one")
+            raise ValueError(
+                "guidance: required by a guidance_embed model, and only by one; allowed: a guidance tensor "
+                "exactly when guidance_embed is true"
+            )
         img = _linear(self.img_in, img)
         txt = _linear(self.txt_in, txt)
         vec = self.time_in(timestep_embedding(1000 * timesteps))

@@ -39,9 +39,9 @@ class HFArgs:
         config = load_config(self.hf_config)
         if self.n_layers < 0 or self.vocab_size < 0:
             raise ValueError(
-                "n_layers: must be >= 0 (0 = the config's value)"
+                "n_layers: must be >= 0 (0 = the config's value); allowed: >= 0"
                 if self.n_layers < 0
-                else "vocab_size: must be >= 0 (0 = the config's value)"
+                else "vocab_size: must be >= 0 (0 = the config's value); allowed: >= 0"
             )
         self._config = _with_sizes(config, n_layers=self.n_layers, vocab_size=self.vocab_size)
         text = self._config.get_text_config()
@@ -191,7 +191,8 @@ def _check_sizes(config: Any, file: str) -> None:
     if heads and values["hidden_size"] and not values["head_dim"] and values["hidden_size"] % heads:
         raise ValueError(
             f"hf_config: {file}: hidden_size = {values['hidden_size']} is not a multiple of "
-            f"num_attention_heads = {heads} (and head_dim is not set)"
+            f"num_attention_heads = {heads} (and head_dim is not set); allowed: a config that sets head_dim, "
+            "or a hidden_size the heads divide"
         )
 
 

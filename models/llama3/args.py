@@ -49,17 +49,25 @@ class Llama3Args:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "max_seq_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}; allowed: >= 1")
         if self.dim % self.n_heads != 0:
-            raise ValueError(f"n_heads: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+            raise ValueError(
+                f"n_heads: dim {self.dim} is not divisible by n_heads {self.n_heads}; allowed: a divisor of dim"
+            )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"n_heads: head_dim = dim // n_heads = {self.head_dim} must be even for RoPE")
+            raise ValueError(
+                f"n_heads: head_dim = dim // n_heads = {self.head_dim} must be even for RoPE; "
+                "allowed: n_heads that leave an even head_dim"
+            )
         if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads != 0):
             raise ValueError(
                 f"n_kv_heads: must divide n_heads {self.n_heads}, got {self.n_kv_heads}; allowed: a divisor of n_heads"
             )
         if self.hidden_dim is not None and self.hidden_dim <= 0:
-            raise ValueError(f"hidden_dim: must be a positive integer or None, got {self.hidden_dim}")
+            raise ValueError(
+                f"hidden_dim: must be a positive integer or None, got {self.hidden_dim}; "
+                "allowed: >= 1, or unset (from dim, ffn_dim_multiplier and multiple_of)"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -53,22 +53,25 @@ class Qwen3Args:
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "hidden_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)}; allowed: >= 1")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"n_kv_heads: must divide n_heads {self.n_heads}, got {self.n_kv_heads}; allowed: a divisor of n_heads"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}")
+            raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}; allowed: an even head_dim")
         if self.num_experts < 0:
-            raise ValueError(f"num_experts: must be >= 0 (0 = dense), got {self.num_experts}")
+            raise ValueError(f"num_experts: must be >= 0 (0 = dense), got {self.num_experts}; allowed: >= 0")
         if self.num_experts > 0:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
-                    f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+                    f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}; "
+                    f"allowed: 1 .. {self.num_experts}"
                 )
             if self.moe_hidden_dim <= 0:
-                raise ValueError(f"moe_hidden_dim: must be a positive integer, got {self.moe_hidden_dim}")
+                raise ValueError(
+                    f"moe_hidden_dim: must be a positive integer, got {self.moe_hidden_dim}; allowed: >= 1"
+                )
 
     @property
     def is_moe(self) -> bool:
