@@ -45,6 +45,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_kernel", "splash")
 ATTENTION_DEVICES = {"cpu_kernel": "cpu", "splash": "tpu"}
 """The backends that serve one device type only; the step plan's RULES (trainer/step/plan.py)
 refuse them on any other before anything is built."""
+_ANY_DEVICE = ", ".join(b for b in ATTENTION_BACKENDS if b not in ATTENTION_DEVICES)
+"""The backends that serve every device (what a host without a device's kernel falls back to)."""
 
 _SAVED_OPS: set = set()
 
@@ -117,7 +119,7 @@ def select(
         return f"{attention} (cpu kernel loaded; sdpa where it does not apply)" if attention == "auto" else attention
     if attention == "cpu_kernel":
         raise ConfigError(
-            f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); allowed: auto, sdpa"
+            f"model.attn_backend: cpu_kernel cannot be built here ({cpu_attention.load_error()}); allowed: {_ANY_DEVICE}"
         )
     ops.register("causal_attention", None)
     return f"sdpa (cpu kernel unavailable: {cpu_attention.load_error()})"
@@ -206,7 +208,7 @@ def _select_tpu(
     if pallas is None:
         if attention == "splash":
             raise ConfigError(
-                f"model.attn_backend: splash cannot be loaded here ({tpu.load_error()}); allowed: auto, sdpa"
+                f"model.attn_backend: splash cannot be loaded here ({tpu.load_error()}); allowed: {_ANY_DEVICE}"
             )
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"

@@ -27,7 +27,7 @@ from torch import fx
 from models.errors import ConfigError
 from trainer.graph.passes import GraphStats, graph_text, run_passes
 from trainer.graph.remat import scan_remat
-from trainer.step.plan import FLIP_FREE_BACKENDS
+from trainer.step.plan import FLIP_FREE_BACKENDS, MODES
 
 
 class CaptureBackend:
@@ -184,5 +184,5 @@ def check_torch() -> None:
     if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
         raise ConfigError(
             f"compile.mode: graph needs torch._dynamo.config.trace_autograd_ops "
-            f"(torch {torch.__version__} lacks it); allowed here: eager, compile"
+            f"(torch {torch.__version__} lacks it); allowed here: {', '.join(m for m in MODES if m != 'graph')}"
         )

@@ -23,13 +23,16 @@ import torch
 from torch import fx
 
 from models.errors import ConfigError
+from trainer.step.plan import BACKENDS
 
 
 def _torch_tpu():
     from trainer.runtime.device import tpu_present
 
     if not tpu_present():
-        raise ConfigError("compile.backend: tpu needs torch-tpu and a TPU; allowed here: auto, inductor, aot_eager")
+        raise ConfigError(
+            f"compile.backend: tpu needs torch-tpu and a TPU; allowed here: {', '.join(b for b in BACKENDS if b != 'tpu')}"
+        )
     return torch.tpu  # installed by torch-tpu's autoload on a TPU host
 
 

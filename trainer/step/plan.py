@@ -242,19 +242,19 @@ RULES: tuple[Rule, ...] = (
         "compile.mode",
         "the mode is not one of MODES",
         lambda r: r.mode not in MODES,
-        f"{{r.mode!r}}; allowed: {', '.join(MODES)}",
+        f"{{r.mode!r}} is not allowed; allowed: {', '.join(MODES)}",
     ),
     Rule(
         "compile.backend",
         "the backend is not one of BACKENDS",
         lambda r: r.backend not in BACKENDS,
-        f"{{r.backend!r}}; allowed: {', '.join(BACKENDS)}",
+        f"{{r.backend!r}} is not allowed; allowed: {', '.join(BACKENDS)}",
     ),
     Rule(
         "training.fused_loss",
         "the value is not one of FUSED_LOSS",
         lambda r: r.fused_loss not in FUSED_LOSS,
-        f"{{r.fused_loss!r}}; allowed: {', '.join(FUSED_LOSS)}",
+        f"{{r.fused_loss!r}} is not allowed; allowed: {', '.join(FUSED_LOSS)}",
     ),
     Rule(
         "model.name",
@@ -266,7 +266,7 @@ RULES: tuple[Rule, ...] = (
         "training.document_positions",
         "the value is not one of DOCUMENT_POSITIONS",
         lambda r: r.document_positions not in DOCUMENT_POSITIONS,
-        f"{{r.document_positions!r}}; allowed: {', '.join(DOCUMENT_POSITIONS)}",
+        f"{{r.document_positions!r}} is not allowed; allowed: {', '.join(DOCUMENT_POSITIONS)}",
     ),
     # Device.
     Rule(
@@ -391,7 +391,7 @@ RULES: tuple[Rule, ...] = (
         "graph mode in the engine (its caller's loss)",
         lambda r: r.caller_loss and r.mode == "graph",
         '"graph" captures the LM loss and the optimizer update in one graph, so the engine cannot run '
-        "a caller's loss function; allowed: eager, compile",
+        f"a caller's loss function; allowed: {_others(MODES, 'graph')}",
     ),
     Rule(
         "training.fused_loss",
@@ -436,7 +436,7 @@ RULES: tuple[Rule, ...] = (
         "moe.routing",
         "the routing is not one of ROUTINGS",
         lambda r: r.moe_routing not in ROUTINGS,
-        f"{{r.moe_routing!r}}; allowed: {', '.join(ROUTINGS)}",
+        f"{{r.moe_routing!r}} is not allowed; allowed: {', '.join(ROUTINGS)}",
     ),
     Rule(
         "moe.routing",
@@ -529,7 +529,7 @@ RULES: tuple[Rule, ...] = (
         "quantize.recipe",
         "the recipe is not one of RECIPES",
         lambda r: r.quantize not in QUANTIZE_RECIPES,
-        f"{{r.quantize!r}}; allowed: {', '.join(QUANTIZE_RECIPES)}",
+        f"{{r.quantize!r}} is not allowed; allowed: {', '.join(QUANTIZE_RECIPES)}",
     ),
     Rule(
         "quantize.recipe",
@@ -548,7 +548,7 @@ RULES: tuple[Rule, ...] = (
         "float8_blockwise on CUDA (no blockwise kernel wired)",
         lambda r: r.device_type == "cuda" and r.quantize == "float8_blockwise",
         "float8_blockwise has no CUDA kernel here yet (it runs on TPU v7x and as the CPU emulation); "
-        "allowed on cuda: none, float8_tensorwise, float8_rowwise, int8",
+        f"allowed on cuda: {', '.join(('none', *QUANTIZE_CUDA_MIN_SM))}",
     ),
     Rule(
         "quantize.recipe",
