@@ -292,6 +292,111 @@ def estimate(
     low-precision copies of `planner.low_precision`, in the block backward)."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
     loss_parallel = loss_parallel and tp > 1
+    tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
+    acts = _saved_activations(
+        activations,
+        shape,
+        parallel_dims=parallel_dims,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        ac_mode=ac_mode,
+        loss_parallel=loss_parallel,
+        fused_loss=fused_loss,
+        moe_capacity_factor=moe_capacity_factor,
+        moe_layers=moe_layers,
+    )
+    local = stats.param_numel
+    muon, moments, muon_update = _optimizer_bytes(stats, optimizer=optimizer, stacked=stacked)
+    transient_loss = _loss_transient(
+        acts, shape, stats, parallel_dims=parallel_dims, tokens=tokens, fused_loss=fused_loss
+    )
+    block = _block_transient(
+        acts,
+        shape,
+        stats,
+        parallel_dims=parallel_dims,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        ac_mode=ac_mode,
+        tokens=tokens,
+        moe_capacity_factor=moe_capacity_factor,
+        quantize=quantize,
+    )
+    sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
+    gather_ratio = (
+        block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, quantize) if quantize is not None else 1.0
+    )
+    gen = target.generation
+    est = Estimate(
+        model=model,
+        target=target,
+        n_layers=shape.n_layers,
+        dp_replicate=parallel_dims.dp_replicate,
+        dp_shard=parallel_dims.dp_shard,
+        tp=tp,
+        ep=parallel_dims.ep,
+        ac_mode=ac_mode,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        loss_parallel=loss_parallel,
+        params=4 * local,
+        grads=4 * local,
+        optimizer=moments,
+        saved_weights=2 * _kept_gathered_numel(stats, ac_mode),
+        activations=acts,
+        transient_loss=transient_loss,
+        transient_block=block.total,
+        headroom=headroom,
+        assumed_mfu=assumed_mfu,
+        flops_per_token=flops_per_token,
+        recompute_factor=RECOMPUTE_FACTOR[ac_mode],
+        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity * gather_ratio) if gen.fsdp_min_tokens else None,
+        probed=stats.probed,
+        fused_loss=fused_loss,
+        cp=cp,
+        # torch's scan autograd flips every stacked input of the backward scan: the saved block
+        # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
+        scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
+        update=4 * local + moments if undonated_update else 0,
+        optimizer_name=optimizer,
+        muon_update=muon_update,
+        quantize_recipe=block.recipe,
+        quantize_transient=block.lowp,
+        fsdp_gather_ratio=gather_ratio,
+    )
+    est.notes.extend(
+        _estimate_notes(
+            est,
+            shape,
+            block,
+            quantize=quantize,
+            muon=muon,
+            stacked=stacked,
+            tokens=tokens,
+            moe_capacity_factor=moe_capacity_factor,
+        )
+    )
+    return est
+
+
+def _saved_activations(
+    activations: ActivationBytes | None,
+    shape: ModelShape,
+    *,
+    parallel_dims: ParallelDims,
+    local_batch_size: int,
+    seq_len: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    fused_loss: bool,
+    moe_capacity_factor: float,
+    moe_layers: int | None,
+) -> ActivationBytes:
+    """`estimate`'s activation bytes: the model's own or the decoder-LM model's, with the
+    capacity dispatch's buffer rows in place of per-copy rows, and the fused loss's one fp32
+    log-sum-exp per token in place of the log-probs."""
+    tp, cp = parallel_dims.tp, parallel_dims.cp
     acts = (
         activations
         if activations is not None
@@ -334,6 +439,12 @@ def estimate(
         # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]
         # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM).
         acts = dataclasses.replace(acts, loss=4 * tokens, logits_transient=0)
+    return acts
+
+
+def _optimizer_bytes(stats: ShardStats, *, optimizer: str, stacked: bool) -> tuple[int, int, int]:
+    """(Muon's local matrix elements, the optimizer moments' bytes, Muon's update transient):
+    AdamW two fp32 moments per local element, Muon one on its matrices."""
     local = stats.param_numel
     muon = stats.muon_numel if optimizer == "muon" else 0
     moments = 8 * local - 4 * muon
@@ -342,24 +453,76 @@ def estimate(
         muon_update = MUON_BYTES_PER_WHOLE_ELEMENT * (
             stats.muon_whole_stacked_numel if stacked else stats.muon_whole_numel
         )
-    # Weights the backward needs in bf16: SimpleFSDP gathers (or casts) a weight where it is
-    # used and the matmul keeps that copy, unless AC recomputes the block. The LM head and
-    # the final norm sit outside the checkpointed blocks, so their copies are always kept.
+    return muon, moments, muon_update
+
+
+def _kept_gathered_numel(stats: ShardStats, ac_mode: str) -> int:
+    """Weights the backward needs in bf16 (elements): SimpleFSDP gathers (or casts) a weight where
+    it is used and the matmul keeps that copy, unless AC recomputes the block. The LM head and
+    the final norm sit outside the checkpointed blocks, so their copies are always kept."""
     kept = stats.root_kept_gathered_numel
     if ac_mode == "none":
         kept += stats.blocks_gathered_numel
-    # Transients. Loss: see below. Block backward under AC: the recompute
-    # re-gathers the whole block's bf16 weights and re-creates its activations; in every mode
-    # one weight gradient at a time exists unsharded (bf16 + fp32 copy for the reduce-scatter,
-    # each parameter's gradient is reduced as soon as autograd produces it), plus the
-    # gradients of the two all-gathered projection inputs.
+    return kept
+
+
+def _loss_transient(
+    acts: ActivationBytes,
+    shape: ModelShape,
+    stats: ShardStats,
+    *,
+    parallel_dims: ParallelDims,
+    tokens: int,
+    fused_loss: bool,
+) -> int:
+    """The loss and LM head backward's transient peak (bytes), in two phases: the log-softmax
+    backward (fp32 logits gradient in and out, log-probs still kept), then the LM head backward
+    (bf16 logits gradient + weight gradient; log-probs freed); plus an uneven vocabulary's
+    fp32 head copy (`uneven_vocab_bytes`)."""
     head = stats.lm_head_gathered_numel
-    # Two phases: log-softmax backward (fp32 logits gradient in and out, log-probs still kept),
-    # then the LM head backward (bf16 logits gradient + weight gradient; log-probs freed).
     transient_loss = max(acts.logits_transient, 6 * head + acts.logits_transient // 4 - acts.loss)
     if fused_loss:  # the kernel's backward: the head's weight gradient (bf16 + fp32) and dh [tokens, dim]
         transient_loss = 6 * head + 2 * tokens * shape.dim
     transient_loss += uneven_vocab_bytes(shape, head=head, fsdp=parallel_dims.dp_shard * parallel_dims.cp)
+    return transient_loss
+
+
+@dataclass(frozen=True)
+class BlockTransient:
+    """One block backward's transient peak (bytes, `Estimate.transient_block`) and the terms the
+    notes name."""
+
+    total: int
+    dispatch: int
+    """The MoE dispatch buffers (`ep_dispatch_bytes`)."""
+    gathered_kv_grads: int
+    """CP: the gradients of the gathered k/v (`cp_gathered_kv_bytes`)."""
+    lowp: int
+    """The low-precision copies and scales of the largest quantized linear's backward."""
+    recipe: str
+    """`[quantize] recipe` ("none" without a plan)."""
+
+
+def _block_transient(
+    acts: ActivationBytes,
+    shape: ModelShape,
+    stats: ShardStats,
+    *,
+    parallel_dims: ParallelDims,
+    local_batch_size: int,
+    seq_len: int,
+    ac_mode: str,
+    tokens: int,
+    moe_capacity_factor: float,
+    quantize: QuantizePlan | None,
+) -> BlockTransient:
+    """One block backward's transient peak. Under AC the recompute re-gathers the whole block's
+    bf16 weights and re-creates its activations; in every mode one weight gradient at a time
+    exists unsharded (bf16 + fp32 copy for the reduce-scatter, each parameter's gradient is
+    reduced as soon as autograd produces it), plus the gradients of the two all-gathered
+    projection inputs, the MoE dispatch buffers, CP's gathered k/v gradients and the
+    low-precision operand copies."""
+    tp, cp = parallel_dims.tp, parallel_dims.cp
     recompute = {"none": 0, "full": acts.per_block_none, "selective": max(0, acts.per_block_none - acts.per_block)}[
         ac_mode
     ]
@@ -388,7 +551,7 @@ def estimate(
     if quantize is not None and shape.is_moe:
         rows = expert_rows(shape, **moe_rows) or t_proj * shape.top_k  # dropless, no EP: the block's tokens
         lowp = max(lowp, experts_transient_bytes(shape, quantize, rows=rows, ep=parallel_dims.ep))
-    transient_block = (
+    total = (
         lowp
         + regather
         + recompute
@@ -397,86 +560,61 @@ def estimate(
         + dispatch
         + gathered_kv_grads
     )
-    sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
-    gather_ratio = (
-        block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, quantize) if quantize is not None else 1.0
-    )
-    gen = target.generation
-    est = Estimate(
-        model=model,
-        target=target,
-        n_layers=shape.n_layers,
-        dp_replicate=parallel_dims.dp_replicate,
-        dp_shard=parallel_dims.dp_shard,
-        tp=tp,
-        ep=parallel_dims.ep,
-        ac_mode=ac_mode,
-        local_batch_size=local_batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        loss_parallel=loss_parallel,
-        params=4 * local,
-        grads=4 * local,
-        optimizer=moments,
-        saved_weights=2 * kept,
-        activations=acts,
-        transient_loss=transient_loss,
-        transient_block=transient_block,
-        headroom=headroom,
-        assumed_mfu=assumed_mfu,
-        flops_per_token=flops_per_token,
-        recompute_factor=RECOMPUTE_FACTOR[ac_mode],
-        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity * gather_ratio) if gen.fsdp_min_tokens else None,
-        probed=stats.probed,
-        fused_loss=fused_loss,
-        cp=cp,
-        # torch's scan autograd flips every stacked input of the backward scan: the saved block
-        # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
-        scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
-        update=4 * local + moments if undonated_update else 0,
-        optimizer_name=optimizer,
-        muon_update=muon_update,
-        quantize_recipe=recipe,
-        quantize_transient=lowp,
-        fsdp_gather_ratio=gather_ratio,
-    )
-    if recipe != "none":
-        est.notes.append(
-            f"[quantize] {recipe}: the largest quantized linear's backward holds {lowp / 2**30:.2f} GiB of "
+    return BlockTransient(total=total, dispatch=dispatch, gathered_kv_grads=gathered_kv_grads, lowp=lowp, recipe=recipe)
+
+
+def _estimate_notes(
+    est: Estimate,
+    shape: ModelShape,
+    block: BlockTransient,
+    *,
+    quantize: QuantizePlan | None,
+    muon: int,
+    stacked: bool,
+    tokens: int,
+    moe_capacity_factor: float,
+) -> list[str]:
+    """The notes `estimate` attaches: the quantize recipe's copies, Muon's update, a TP degree
+    beyond a host, the MoE dispatch buffers, CP's gathered k/v, exposed FSDP traffic."""
+    gen = est.target.generation
+    notes: list[str] = []
+    if block.recipe != "none":
+        notes.append(
+            f"[quantize] {block.recipe}: the largest quantized linear's backward holds {block.lowp / 2**30:.2f} GiB of "
             "low-precision operand copies and scales beside the "
             + ("float8-gathered weight" if quantize.fsdp_float8_all_gather else "bf16 gathered weight")
             + " (in the block backward); nothing more is saved for backward"
         )
     if muon:
-        est.notes.append(
+        notes.append(
             f"Muon: one fp32 moment on {muon / 1e6:.1f} M local matrix elements (AdamW: two); its "
-            f"update holds {muon_update / 2**30:.2f} GiB of whole matrices (the largest "
+            f"update holds {est.muon_update / 2**30:.2f} GiB of whole matrices (the largest "
             f"{'stack' if stacked else 'matrix set'} after the all-to-all)"
         )
-    if tp > gen.devices_per_host:
-        est.notes.append(
-            f"tp {tp} spans more than one host ({gen.devices_per_host} devices per host): "
+    if est.tp > gen.devices_per_host:
+        notes.append(
+            f"tp {est.tp} spans more than one host ({gen.devices_per_host} devices per host): "
             "TP collectives would leave the host's fastest links"
         )
     if shape.is_moe and moe_capacity_factor > 0:
-        est.notes.append(
+        notes.append(
             f"MoE capacity factor {moe_capacity_factor:g}: the capacity dispatch's buffers "
-            f"({dispatch / 2**30:.2f} GiB) are in the block backward"
+            f"({block.dispatch / 2**30:.2f} GiB) are in the block backward"
         )
-    elif parallel_dims.ep > 1:
-        est.notes.append(
-            f"expert parallelism: the static dispatch's worst-case buffers ({dispatch / 2**30:.2f} GiB) "
+    elif est.ep > 1:
+        notes.append(
+            f"expert parallelism: the static dispatch's worst-case buffers ({block.dispatch / 2**30:.2f} GiB) "
             "are in the block backward"
         )
-    if cp > 1:
-        est.notes.append(
-            f"context parallelism {cp}: {tokens} tokens per device and micro-batch; each layer "
-            f"all-gathers k/v of the whole sequence ({gathered_kv_grads / 2**30:.2f} GiB, splash "
+    if est.cp > 1:
+        notes.append(
+            f"context parallelism {est.cp}: {tokens} tokens per device and micro-batch; each layer "
+            f"all-gathers k/v of the whole sequence ({block.gathered_kv_grads / 2**30:.2f} GiB, splash "
             "attention; the gradients reduce-scattered back)"
         )
     if est.fsdp_bound:
-        est.notes.append(
+        notes.append(
             f"{tokens} tokens per micro-batch is below the ~{est.fsdp_min_tokens} "
             f"that hide FSDP's all-gathers on {gen.name}: expect exposed communication"
         )
-    return est
+    return notes
