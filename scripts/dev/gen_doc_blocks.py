@@ -17,6 +17,14 @@ only its inside is rewritten. The blocks:
   written) and what its message allows.
 - docs/rules.md `build_checks`: the refusals made where a built model, the mesh or the host is
   known (`trainer.step.checks.BUILD_CHECKS`): the key, the function, what it refuses.
+- docs/planner.md `pod_recipes`: every pod recipe (a `[job] target` in configs/) planned as
+  shipped (`planner.plan_estimate`, the one-block probe), and its compiled figure from the latest
+  docs/results/pod_compile_*.csv row of that recipe.
+- docs/planner.md `moe_search`: the DeepSeek-V3 / Kimi K2 slice search, from its CSVs
+  (docs/results/planner_*_v7x_*.csv).
+- docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
+  expert parallelism, planned as shipped).
+- docs/optimizers.md `optimizer_memory`: the MoE pod recipes planned with AdamW and with Muon.
 """
 
 from __future__ import annotations
@@ -279,6 +287,230 @@ def render_scheduled() -> str:
     return "\n".join(out)
 
 
+# -------------------------------------------------------------------------- planner figures
+
+
+def pod_recipes() -> list[str]:
+    """The recipes with a `[job] target` (the pod recipes), by name."""
+    import tomllib
+
+    return [
+        p.stem
+        for p in sorted((ROOT / "configs").glob("*.toml"))
+        if tomllib.loads(p.read_text()).get("job", {}).get("target")
+    ]
+
+
+def recipe_estimate(name: str, overrides: tuple[tuple[str, str], ...] = ()):
+    """(config, `planner.Estimate`) of configs/<name>.toml on its `[job] target` with the recipe's
+    degrees, as `scripts/estimate.py --config` plans it (the one-block probe: the same total)."""
+    import planner
+    from tools.recipe_check import plan_inputs
+    from trainer.config import build_config
+
+    cfg = build_config(str(ROOT / "configs" / f"{name}.toml"), list(overrides))
+    p = cfg.parallelism
+    est = planner.plan_estimate(
+        plan_inputs(cfg),
+        planner.parse_target(cfg.job.target),
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        ep=p.expert_parallel_degree,
+        cp=p.context_parallel_degree,
+        ac_mode=cfg.activation_checkpoint.mode,
+        loss_parallel=p.enable_loss_parallel,
+        probe=True,
+    )
+    return cfg, est
+
+
+def compiled_figures() -> dict[str, tuple[str, str, str, str]]:
+    """recipe -> (compiler GiB, planned GiB then, verdict, CSV name) from
+    docs/results/pod_compile_*.csv; a later file (by name: date, then commit) overrides an
+    earlier one's row."""
+    import csv
+
+    out = {}
+    for path in sorted((ROOT / "docs" / "results").glob("pod_compile_*.csv")):
+        lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+        for row in csv.DictReader(lines):
+            out[row["recipe"].removesuffix(".toml")] = (
+                row["compiler GiB"],
+                row["planned GiB"],
+                row["verdict"],
+                path.name,
+            )
+    return out
+
+
+def _layout(cfg, est) -> str:
+    axes = [f"FSDP {est.dp_shard}"]
+    if est.dp_replicate > 1:
+        axes.insert(0, f"replicate {est.dp_replicate}")
+    axes += [f"{name} {n}" for name, n in (("TP", est.tp), ("CP", est.cp), ("EP", est.ep)) if n > 1]
+    parts = [" x ".join(axes)]
+    if cfg.compile.scan_layers:
+        parts.append("scan")
+    parts.append(f"AC {est.ac_mode}")
+    parts.append(f"{est.local_batch_size} x {est.seq_len}")
+    if est.ep > 1:
+        parts.append(f"capacity {cfg.moe.capacity_factor:g}" if cfg.moe.capacity_factor else "dropless")
+    if cfg.quantize.recipe != "none":
+        parts.append(cfg.quantize.recipe)
+    return ", ".join(parts)
+
+
+def render_pod_recipes() -> str:
+    import planner
+
+    gib = planner.GiB
+    compiled = compiled_figures()
+    out = [
+        "| recipe | target | layout | planner GiB / usable | tokens / device / step | est. step s, tok/s/device "
+        "(40 % MFU) | compiled GiB (the planner then: verdict; CSV) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in pod_recipes():
+        cfg, est = recipe_estimate(name)
+        fits = "" if est.fits else " (does not fit)"
+        gib_c, planned, verdict, csv_name = compiled.get(name, ("-", "", "not compiled", ""))
+        if gib_c != "-":
+            where = f"{gib_c} (planned {planned} then: {verdict}; {csv_name})"
+        else:
+            where = f"{verdict} ({csv_name})" if csv_name else verdict
+        out.append(
+            f"| {name} | {est.target.name} | {_layout(cfg, est)} | {est.total / gib:.1f} / {est.usable / gib:.1f}{fits} "
+            f"| {est.tokens_per_device_step:,.0f} | {est.step_time_s:.2f}, {est.tokens_per_s:,.0f} | {where} |"
+        )
+    return "\n".join(out)
+
+
+def render_moe_search() -> str:
+    """The dropless DeepSeek-V3 / Kimi K2 slice search of docs/results/planner_*_v7x_*.csv
+    (`estimate.py --recommend --csv`): per target the first fitting plan in `recommend`'s order
+    (least recompute, most tokens per device, largest EP), or the smallest plan when none fits,
+    and up to three other fitting (EP, batch) layouts."""
+    import csv
+
+    gib = 2**30
+    rank = {"none": 0, "selective": 1, "full": 2}
+    out = [
+        "| model | target | best plan | GiB / device (usable) | other fitting layouts (EP, batch, GiB) | CSV |",
+        "|---|---|---|---|---|---|",
+    ]
+    for path in sorted((ROOT / "docs" / "results").glob("planner_*_v7x_*.csv")):
+        rows = list(csv.DictReader(path.read_text().splitlines()))
+        for target in sorted({r["target"] for r in rows}, key=lambda t: int(t.rsplit("-", 1)[1])):
+            plans = [r for r in rows if r["target"] == target]
+            fitting = sorted(
+                (r for r in plans if r["fits"] == "True"),
+                key=lambda r: (
+                    int(r["tp"]),
+                    int(r["cp"]),
+                    rank[r["ac_mode"]],
+                    -float(r["tokens_per_device_step"]),
+                    -int(r["ep"]),
+                    int(r["dp_replicate"]),
+                ),
+            )
+            name = plans[0]["model"]
+
+            def layout(r: dict) -> str:
+                return f"EP {r['ep']}, AC {r['ac_mode']}, batch {r['local_batch_size']}"
+
+            if not fitting:
+                smallest = min(plans, key=lambda r: int(r["total_bytes"]))
+                need = int(smallest["total_bytes"]) / gib
+                out.append(
+                    f"| {name} | {target} | none fits: {layout(smallest)} needs {need:.1f} | - | - | {path.name} |"
+                )
+                continue
+            best, others, seen = fitting[0], [], set()
+            seen.add((best["ep"], best["local_batch_size"]))
+            for r in fitting[1:]:
+                key = (r["ep"], r["local_batch_size"])
+                if key not in seen and r["ac_mode"] == best["ac_mode"]:
+                    seen.add(key)
+                    others.append(f"EP {r['ep']} b{r['local_batch_size']} {int(r['total_bytes']) / gib:.1f}")
+            out.append(
+                f"| {name} | {target} | {layout(best)} | {int(best['total_bytes']) / gib:.1f} "
+                f"({int(best['usable_bytes']) / gib:.1f}) | {'; '.join(others[:3])} | {path.name} |"
+            )
+    return "\n".join(out)
+
+
+def render_ep_recipes() -> str:
+    """The pod recipes with expert parallelism, planned as shipped, with their compiled figure."""
+    import planner
+
+    gib = planner.GiB
+    compiled = compiled_figures()
+    out = [
+        "| recipe | target | layout | efsdp | per device, planner (usable) | compiled (CSV) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in pod_recipes():
+        cfg, est = recipe_estimate(name)
+        if est.ep == 1:
+            continue
+        efsdp = est.dp_shard * est.cp // est.ep
+        gib_c, _, verdict, csv_name = compiled.get(name, ("-", "", "not compiled", ""))
+        where = f"{gib_c} GiB ({csv_name})" if gib_c != "-" else (f"{verdict} ({csv_name})" if csv_name else verdict)
+        out.append(
+            f"| {name} | {est.target.name} | {_layout(cfg, est)} | {efsdp} | {est.total / gib:.1f} GiB "
+            f"({est.usable / gib:.1f}) | {where} |"
+        )
+    return "\n".join(out)
+
+
+def render_moe_dispatch_capacity() -> str:
+    """docs/results/moe_dispatch_capacity_*.csv (scripts/bench/moe_dispatch_cost.py): the dropless
+    recipes as they shipped against the capacity-1.25 ones, per layer."""
+    import csv
+
+    (path,) = sorted((ROOT / "docs" / "results").glob("moe_dispatch_capacity_*.csv"))[-1:]
+    out = [
+        "| recipe | ep before / after | batch before / after | buffer rows per routed copy: dropless / capacity "
+        "| buffers per layer (fwd + bwd), GiB | per 1k tokens, MiB | all-to-all per layer, GiB: dropless ragged / "
+        "dropless equal split / capacity |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in csv.DictReader(path.read_text().splitlines()):
+        f = {k: float(v) for k, v in r.items() if k != "recipe"}
+        out.append(
+            f"| `{r['recipe']}` | {r['ep_before']} / {r['ep_after']} | {r['batch_before']} / {r['batch_after']} "
+            f"| {f['rows_per_copy_before']:.2f} / {f['rows_per_copy_after']:.2f} "
+            f"| {f['buffer_gib_before']:.1f} / {f['buffer_gib_after']:.1f} "
+            f"| {f['buffer_mib_per_1k_tokens_before']:.0f} / {f['buffer_mib_per_1k_tokens_after']:.0f} "
+            f"| {f['a2a_gib_before_ragged']:.2f} / {f['a2a_gib_before_equal_split']:.1f} / {f['a2a_gib_after']:.1f} |"
+        )
+    return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
+
+
+OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
+"""The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
+
+
+def render_optimizer_memory() -> str:
+    import planner
+
+    gib = planner.GiB
+    out = [
+        "| recipe (as shipped) | optimizer | total GiB / usable | optimizer state | undonated update | Muon's update matrices |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in OPTIMIZER_RECIPES:
+        for opt in ("adamw", "muon"):
+            _, est = recipe_estimate(name, (("optimizer.name", opt),))
+            muon = f"{est.muon_update / gib:.2f}" if opt == "muon" else "-"
+            out.append(
+                f"| {name} | {opt} | {est.total / gib:.1f} / {est.usable / gib:.1f} | {est.optimizer / gib:.2f} "
+                f"| {est.update / gib:.2f} | {muon} |"
+            )
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------------- blocks
 
 BLOCKS = {
@@ -286,6 +518,9 @@ BLOCKS = {
     "docs/rules.md": {"rules": render_rules, "build_checks": render_build_checks},
     "docs/architecture.md": {"layer_imports": render_layer_imports},
     "docs/testing.md": {"scheduled": render_scheduled},
+    "docs/planner.md": {"pod_recipes": render_pod_recipes, "moe_search": render_moe_search},
+    "docs/optimizers.md": {"optimizer_memory": render_optimizer_memory},
+    "docs/expert_parallel.md": {"moe_dispatch_capacity": render_moe_dispatch_capacity, "ep_recipes": render_ep_recipes},
 }
 
 
