@@ -64,3 +64,34 @@ def test_attention_backends_and_ops_are_all_named():
     models_page = read("docs/models.md")
     for op in ops.OPS:
         assert op in models_page, f"docs/models.md does not name the op {op}"
+
+
+def _model_name_sentence() -> str:
+    """README's sentence that lists the `[model] name` values, up to the out-of-tree form."""
+    text = " ".join(read("README.md").split())
+    start = text.index("`[model] name` is ")
+    return text[start : text.index("`package.module:NAME`", start)]
+
+
+def test_readme_model_name_list_is_the_family_registry():
+    """README lists every registered family as a `[model] name` value, and nothing else (it once
+    left out `deepseek_v3`)."""
+    sentence = _model_name_sentence()
+    values = re.sub(r"\([^)]*\)", "", sentence.removeprefix("`[model] name` is "))  # not the asides
+    named = re.findall(r"`([a-z0-9_]+)`", values)
+    assert sorted(named) == sorted(models.FAMILIES), (
+        f"README's `[model] name` list {named} is not models.FAMILIES {sorted(models.FAMILIES)}"
+    )
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/engine.md"])
+def test_readme_and_engine_page_name_every_optimizer(page):
+    """README (the graph-mode step, the docs table) and docs/engine.md (what the engine steps)
+    name every `[optimizer] name` choice (docs/engine.md once knew AdamW only)."""
+    text = read(page).lower()
+    for name in OPTIMIZERS:
+        assert name in text, f"{page} does not name the optimizer {name!r}"
+    if page == "docs/engine.md":
+        intro = text.split("```", 1)[0]
+        missing = [name for name in OPTIMIZERS if name not in intro]
+        assert not missing, f"docs/engine.md's opening paragraph (what the engine brings) omits {missing}"
