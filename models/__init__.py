@@ -21,12 +21,14 @@ from typing import Any
 
 from torch import nn
 
-from models import deepseek_v3, flux, hf, llama3, qwen3
+from models import deepseek_v3, flux, gpt_oss, hf, llama3, qwen3
 from models.common.plan import ModelPlan
 from models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
 from models.deepseek_v3.plan import PLAN as DEEPSEEK_V3_PLAN
 from models.flux import hf_adapter as flux_adapter
 from models.flux.plan import PLAN as FLUX_PLAN
+from models.gpt_oss import hf_adapter as gpt_oss_adapter
+from models.gpt_oss.plan import PLAN as GPT_OSS_PLAN
 from models.hf import hf_adapter as hf_family_adapter
 from models.hf.plan import PLAN as HF_PLAN
 from models.hf.plan import plan_for as hf_plan_for
@@ -110,6 +112,15 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_adapter=deepseek_v3_adapter,
         document_mask=True,
     ),
+    # Its own attention (sinks, sliding window), not the op: no document_mask, so no CP either.
+    "gpt_oss": ModelFamily(
+        name="gpt_oss",
+        args_cls=gpt_oss.GptOssArgs,
+        flavors=gpt_oss.FLAVORS,
+        model_cls=gpt_oss.GptOssTransformer,
+        plan=GPT_OSS_PLAN,
+        hf_adapter=gpt_oss_adapter,
+    ),
     "flux": ModelFamily(
         name="flux",
         args_cls=flux.FluxArgs,
@@ -139,6 +150,7 @@ HF_MODEL_TYPES = {
     "qwen3_moe": "qwen3",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "gpt_oss": "gpt_oss",
     "FluxTransformer2DModel": "flux",
 }
 

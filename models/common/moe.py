@@ -33,6 +33,11 @@ the sum of its two best experts; only experts of the `top_groups` best groups ar
 auxiliary-loss-free load balancing (`expert_bias=True`) and the sequence-wise auxiliary loss
 (`aux_loss="sequence"`).
 
+Options for gpt-oss (off by default): `gate_bias=True` (a learned bias in the router logits, so
+in the selection and in the weights) and `experts=` a family's own `GroupedExperts` subclass
+(models/gpt_oss/model.py: per-expert biases and the clamped SwiGLU), which keeps the experts'
+contract below, so expert parallelism, layer scan and `[quantize]` take it as they are.
+
 Auxiliary-loss-free load balancing (DeepSeek-V3, section 2.1.2): the router holds a persistent
 float32 buffer `expert_bias` [E] (zeros at start; in checkpoints, as DeepSeek's
 `e_score_correction_bias`) that is added to the scores for the **selection** of the k experts
@@ -250,13 +255,15 @@ class TokenChoiceTopKRouter(nn.Module):
         top_groups: int = 1,
         route_scale: float = 1.0,
         expert_bias: bool = False,
+        gate_bias: bool = False,
     ):
         super().__init__()
         assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in [1, num_experts={num_experts}]"
         assert score_func in ("softmax", "sigmoid"), f"score_func {score_func!r}"
         assert num_experts % num_groups == 0 and 1 <= top_groups <= num_groups, (num_experts, num_groups, top_groups)
         assert num_groups == 1 or num_experts // num_groups >= 2, "a group scores by its two best experts"
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        # gpt-oss's router has a learned bias in its logits (`gate_bias`); the others have none.
+        self.gate = nn.Linear(dim, num_experts, bias=gate_bias)
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -464,6 +471,8 @@ class MoE(nn.Module):
         expert_bias: bool = False,
         shared_hidden_dim: int = 0,
         aux_loss: str = "load_balance",
+        gate_bias: bool = False,
+        experts: GroupedExperts | None = None,
     ):
         super().__init__()
         assert aux_loss in ("load_balance", "sequence", "none"), f"aux_loss {aux_loss!r}"
@@ -477,8 +486,14 @@ class MoE(nn.Module):
             top_groups=top_groups,
             route_scale=route_scale,
             expert_bias=expert_bias,
+            gate_bias=gate_bias,
         )
-        self.experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        # A family's own experts (a `GroupedExperts` subclass with the same contract: gpt-oss's
+        # biased, clamped SwiGLU experts) replace the default SwiGLU ones.
+        if experts is None:
+            experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        assert experts.num_experts == num_experts, (experts.num_experts, num_experts)
+        self.experts = experts
         if shared_hidden_dim > 0:
             self.shared_experts = FeedForward(dim=dim, hidden_dim=shared_hidden_dim)
         else:
@@ -553,9 +568,12 @@ class MoE(nn.Module):
         return torch.cat([out, zero_row])[slots], (slots == dump).sum()
 
     def init_weights(self, init_std: float) -> None:
-        """Router gate: truncated normal std `init_std`; experts: see `GroupedExperts.init_weights`;
-        shared experts: `FeedForward.init_weights`; `expert_bias`: zeros."""
+        """Router gate: truncated normal std `init_std` (its bias, `gate_bias`: zeros); experts: see
+        `GroupedExperts.init_weights` (or the family's experts'); shared experts:
+        `FeedForward.init_weights`; `expert_bias`: zeros."""
         trunc_normal_(self.router.gate.weight, std=init_std)
+        if self.router.gate.bias is not None:
+            nn.init.zeros_(self.router.gate.bias)
         self.experts.init_weights(init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)

@@ -39,7 +39,7 @@ from models.common.moe import ROUTINGS
 from models.common.quantize import RECIPES as QUANTIZE_RECIPES
 from models.errors import ConfigError
 from parallelisms.quantize import DEFAULT_FILTER_FQNS
-from titan_kernels import ATTENTION_DEVICES, attention_backends_for
+from titan_kernels import ATTENTION_BACKENDS, ATTENTION_DEVICES, attention_backends_for
 from trainer.step.loss import model_lm_loss
 
 if TYPE_CHECKING:
@@ -136,6 +136,9 @@ class StepRequest:
     """`[checkpoint] initial_load_format` when `initial_load_path` is set ("": nothing is loaded)."""
     model_has_hf_adapter: bool = True
     """The family has an `hf_adapter` (Hugging Face names: `ModelFamily.hf_adapter`)."""
+    model_attn_backends: tuple[str, ...] = ATTENTION_BACKENDS
+    """The `[model] attn_backend` values the family's attention honours (its model class's
+    `attn_backends`; gpt-oss: auto, sdpa, its own formulation with sinks); default: all."""
     num_slices: int = 1
     """TPU slices the job spans (`[parallelism] num_slices`, resolved against the launcher's
     `MEGASCALE_NUM_SLICES`)."""
@@ -163,6 +166,11 @@ class StepRequest:
     quantize_census: QuantizeCensus | None = None
     """What `[quantize]` picks in the model (trainer/step/quantize.py), counted on the meta device
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
+
+    @property
+    def model_attn_backends_text(self) -> str:
+        """`model_attn_backends` for the rules' messages."""
+        return ", ".join(self.model_attn_backends)
 
     @property
     def attn_backends_here(self) -> str:
@@ -287,6 +295,14 @@ RULES: tuple[Rule, ...] = (
         "splash on a device that is not a TPU",
         lambda r: r.attn_backend == "splash" and r.device_type != ATTENTION_DEVICES["splash"],
         "splash runs on TPU only, not on {r.device_type}; allowed here: {r.attn_backends_here}",
+    ),
+    # A family whose attention is its own formulation, not the op (gpt-oss: no kernel takes its sinks).
+    Rule(
+        "model.attn_backend",
+        "a backend the family's own attention does not run (gpt-oss: attention sinks)",
+        lambda r: r.attn_backend not in r.model_attn_backends,
+        "{r.attn_backend} cannot serve this model's attention (attention sinks: the family's own torch "
+        "formulation); allowed: {r.model_attn_backends_text}",
     ),
     # Layer scan.
     Rule(

@@ -1,0 +1,279 @@
+"""gpt-oss decoder: sink attention with alternating sliding-window / full layers, YaRN RoPE, and
+the biased top-k MoE with clamped SwiGLU experts.
+
+The blocks are `models.common.decoder.TransformerBlock`s (pre-norm attention + MoE) in one
+`BlockStack`, and the model is a `models.common.decoder.Decoder` (embedding, blocks, norm,
+output): only the attention, the experts and the RoPE tables are gpt-oss's own. Sliding and full
+blocks have the same parameters; a block's window is the int64 buffer `attention.window` (0:
+full), data rather than a Python attribute, so that a layer scan, which runs block 0's code on
+every layer's row of stacked tensors, gives each layer its own window.
+
+Attention does not go through the op `models.common.ops.causal_attention`: none of its
+implementations (SDPA, the CPU kernel, splash) takes a sink logit, and SDPA cannot. It is the
+explicit product `softmax([q k^T / sqrt(d) masked | sink]) v` with the sink column dropped after
+the softmax (`sink_attention`), which holds `[batch, heads, seq, seq]` probabilities: fine for
+the debug sizes and short sequences, a splash kernel with sinks is what long sequences need.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common import ops
+from models.common.decoder import Decoder, TransformerBlock
+from models.common.init import trunc_normal_
+from models.common.moe import GroupedExperts, MoE
+from models.common.ops import repeat_kv
+from models.common.rope import apply_rope
+from models.gpt_oss.args import GptOssArgs
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """gpt-oss's RoPE tables (what `Decoder` calls `rope_config.cos_sin(device)` on), as transformers'
+    `_compute_yarn_parameters` with `truncate: false` computes them."""
+
+    head_dim: int
+    max_seq_len: int
+    theta: float
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_seq_len: int
+
+    def inv_freq_and_scale(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, float]:
+        """YaRN inverse frequencies [head_dim // 2] (float32) and the table scale (attention factor)."""
+        dim, base, factor = self.head_dim, self.theta, self.factor
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+        if factor == 1.0:
+            return 1.0 / pos_freqs, 1.0
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        # Not floored/ceiled: gpt-oss's config says truncate = false.
+        low = max(correction_dim(self.beta_fast), 0)
+        high = min(correction_dim(self.beta_slow), dim - 1)
+        if low == high:
+            high += 0.001  # a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+        inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+        return inv_freq, 0.1 * math.log(factor) + 1.0
+
+    def cos_sin(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 `(cos, sin)` [max_seq_len, head_dim] ("rotate_half" layout), scaled by the YaRN factor."""
+        inv_freq, scale = self.inv_freq_and_scale(device)
+        positions = torch.arange(self.max_seq_len, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * scale, emb.sin() * scale
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention with a sink logit per head and an optional sliding window.
+
+    q [b, heads, s, d], k/v [b, kv_heads, s, d] (GQA: heads a multiple of kv_heads), sinks [heads]
+    (one extra logit per head in the softmax denominator, attending to nothing), window: 0-dim
+    int64 tensor, > 0: query i sees keys i - window < j <= i, 0: all j <= i. `segment_ids` [b, s]:
+    also only keys of its own segment. -> [b, heads, s, d].
+
+    Logits and softmax in float32 (HF's eager attention runs them in the input dtype: equal in fp32),
+    the probabilities cast to v's dtype for the product. A read of `window` stays on the device (a
+    mask of tensor ops), so one traced program serves sliding and full layers.
+    """
+    b, heads, s, d = q.shape
+    n_rep = heads // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scores = torch.matmul(q, k.transpose(2, 3)).float() * d**-0.5
+    i = torch.arange(s, device=q.device).unsqueeze(1)
+    j = torch.arange(s, device=q.device).unsqueeze(0)
+    visible = (j <= i) & ((window <= 0) | (i - j < window))
+    if segment_ids is not None:
+        visible = (visible & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+class SinkAttention(nn.Module):
+    """gpt-oss attention: wq/wk/wv/wo with biases, RoPE on q and k, `sink_attention`.
+
+    The sinks are the weight [n_heads, 1] of the linear `sinks`, read by calling it on a one: a
+    parameter split by heads like wq's rows, so the plan shards it "colwise" and a tensor-parallel
+    rank gets its own heads' sinks (and their gradients) with no TP style of its own; the product
+    with 1 is exact. Heads come from local shapes (`view(bs, seq, -1, head_dim)`), as `Attention`.
+    """
+
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, window: int):
+        super().__init__()
+        assert n_heads % n_kv_heads == 0, f"n_heads {n_heads} not a multiple of n_kv_heads {n_kv_heads}"
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=True)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=True)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=True)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=True)
+        self.sinks = nn.Linear(1, n_heads, bias=False)
+        self.sliding_window = window
+        # Not saved (the args say it); rebuilt by init_weights after materialization.
+        self.register_buffer("window", torch.tensor(window, dtype=torch.int64), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, segment_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [bs, seq, dim]; RoPE tables [seq, head_dim] or per token [bs, seq, head_dim]."""
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, k, rope_cos, rope_sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
+        sinks = self.sinks(q.new_ones(1, 1)).view(-1)  # [local heads]
+        out = sink_attention(q, k, v, sinks, self.window, segment_ids)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        """q/k/v: truncated normal std 0.02; wo: std `init_std` (depth-scaled); biases: zeros;
+        sinks: normal std 0.02 (as transformers initialises them); the window buffer from the args."""
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_(linear.weight, std=0.02)
+        trunc_normal_(self.wo.weight, std=init_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            nn.init.zeros_(linear.bias)
+        nn.init.normal_(self.sinks.weight, std=0.02)
+        with torch.no_grad():
+            self.window.fill_(self.sliding_window)
+
+
+class GptOssExperts(GroupedExperts):
+    """`GroupedExperts` with biases and gpt-oss's clamped SwiGLU: per expert
+    `w2 ((clamp(w3 x + b3, -limit, limit) + 1) * g * sigmoid(alpha g)) + b2`, `g = clamp(w1 x + b1, max=limit)`.
+
+    w1 (gate), w3 (up) [E, hidden, dim] and w2 [E, dim, hidden] as `GroupedExperts` (HF's
+    interleaved `gate_up_proj` [E, dim, 2 hidden] is split by hf_adapter.py); biases b1, b3
+    [E, hidden] and b2 [E, dim]. Every parameter has the expert on dim 0, so expert parallelism
+    splits and shards the biases with the weights.
+    """
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, alpha: float, limit: float):
+        super().__init__(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
+        self.b2 = nn.Parameter(torch.zeros(num_experts, dim))
+        self.b3 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
+        self.alpha = alpha
+        self.limit = limit
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """As `GroupedExperts.forward`: x [N, dim] sorted by expert -> [N, dim]; rows past the counts'
+        sum are padding (they get no bias either: unspecified outputs, as the contract says)."""
+        n = num_tokens_per_expert
+        if self.recipe != "none":
+            mm = lambda a, w: ops.quantized_grouped_mm(a, w, n, self.recipe)  # noqa: E731
+        else:
+            mm = lambda a, w: ops.grouped_mm(a, w, n)  # noqa: E731
+        # Each row's expert (E for padding rows, whose bias row is zero); on the device, no host read.
+        group = ops.group_of_rows(n, x.shape[0])
+
+        def bias(b: torch.Tensor) -> torch.Tensor:
+            return F.pad(b, (0, 0, 0, 1))[group]
+
+        gate = mm(x, self.w1.transpose(-2, -1)) + bias(self.b1)
+        up = mm(x, self.w3.transpose(-2, -1)) + bias(self.b3)
+        return mm(self._glu(gate, up), self.w2.transpose(-2, -1)) + bias(self.b2)
+
+    def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
+        """As `GroupedExperts.forward_capacity`: x [E, rows, dim] -> [E, rows, dim]. Unused (zero) rows
+        give the bias's output, not zeros; the combine reads only the kept copies' rows."""
+        if self.recipe != "none":
+            bmm = lambda a, w: ops.quantized_batched_mm(a, w, self.recipe)  # noqa: E731
+        else:
+            bmm = torch.bmm
+        gate = bmm(x, self.w1.transpose(-2, -1)) + self.b1.unsqueeze(1)
+        up = bmm(x, self.w3.transpose(-2, -1)) + self.b3.unsqueeze(1)
+        return bmm(self._glu(gate, up), self.w2.transpose(-2, -1)) + self.b2.unsqueeze(1)
+
+    def init_weights(self, init_std: float) -> None:
+        """Weights as `GroupedExperts.init_weights`; biases: zeros."""
+        super().init_weights(init_std)
+        for b in (self.b1, self.b2, self.b3):
+            nn.init.zeros_(b)
+
+
+class GptOssTransformer(Decoder):
+    """gpt-oss; `forward(tokens [B, T]) -> logits [B, T, vocab]`, `init_weights()`, `pop_aux_loss()`
+    (the MoE blocks' load-balancing loss of the last forward), see `Decoder`.
+
+    `init_weights` is `Decoder.init_weights` (embedding, norms, output, depth-scaled residual
+    outputs) plus: attention and expert biases zeros, router bias zeros, sinks normal std 0.02,
+    and each block's window buffer from the args.
+    """
+
+    attn_backends = ("auto", "sdpa")
+    """The `[model] attn_backend` values this model's attention honours: its own torch formulation
+    serves every device; no kernel behind the other values takes attention sinks."""
+
+    def __init__(self, args: GptOssArgs):
+        blocks = [
+            TransformerBlock(
+                layer_id=layer_id,
+                dim=args.dim,
+                norm_eps=args.norm_eps,
+                attention=SinkAttention(
+                    dim=args.dim,
+                    n_heads=args.n_heads,
+                    n_kv_heads=args.n_kv_heads,
+                    head_dim=args.head_dim,
+                    window=args.layer_window(layer_id),
+                ),
+                moe=MoE(
+                    dim=args.dim,
+                    hidden_dim=args.moe_hidden_dim,
+                    num_experts=args.num_experts,
+                    top_k=args.num_experts_per_tok,
+                    # softmax over all experts renormalised over the top k = softmax over the top-k logits
+                    norm_topk_prob=True,
+                    gate_bias=True,
+                    experts=GptOssExperts(
+                        dim=args.dim,
+                        hidden_dim=args.moe_hidden_dim,
+                        num_experts=args.num_experts,
+                        alpha=args.swiglu_alpha,
+                        limit=args.swiglu_limit,
+                    ),
+                ),
+            )
+            for layer_id in range(args.n_layers)
+        ]
+        super().__init__(
+            vocab_size=args.vocab_size,
+            dim=args.dim,
+            norm_eps=args.norm_eps,
+            blocks=blocks,
+            tie_embeddings=args.tie_embeddings,
+            rope=YarnRope(
+                head_dim=args.head_dim,
+                max_seq_len=args.max_seq_len,
+                theta=args.rope_theta,
+                factor=args.rope_factor,
+                beta_fast=args.rope_beta_fast,
+                beta_slow=args.rope_beta_slow,
+                original_max_seq_len=args.rope_original_max_seq_len,
+            ),
+        )
+        self.args = args
