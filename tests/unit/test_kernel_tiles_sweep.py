@@ -6,7 +6,6 @@ compile mode itself (libtpu's static profile) is exercised in tests/xla/test_ker
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 try:
@@ -15,12 +14,11 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 import pytest
+import sweep_kernel_tiles as sweep  # scripts/bench, on pytest's pythonpath (pyproject.toml)
+
+from titan_kernels.tpu import tiles
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-import sweep_kernel_tiles as sweep  # noqa: E402
-
-from titan_kernels.tpu import tiles  # noqa: E402
 
 
 def _row(t, cycles, compiled=True):
