@@ -9,10 +9,11 @@ full), data rather than a Python attribute, so that a layer scan, which runs blo
 every layer's row of stacked tensors, gives each layer its own window.
 
 Attention does not go through the op `models.common.ops.causal_attention`: none of its
-implementations (SDPA, the CPU kernel, splash) takes a sink logit, and SDPA cannot. It is the
-explicit product `softmax([q k^T / sqrt(d) masked | sink]) v` with the sink column dropped after
-the softmax (`sink_attention`), which holds `[batch, heads, seq, seq]` probabilities: fine for
-the debug sizes and short sequences, a splash kernel with sinks is what long sequences need.
+implementations (the CPU kernel, splash) takes a sink logit or a window. `sink_attention` computes
+`softmax([q k^T / sqrt(d) masked | sink]) v` with the sink column dropped (HF's formulation)
+as SDPA over one extra key per head (the sink) with a boolean causal/window mask, so the memory-
+efficient SDPA kernels serve it on the CPU and CUDA; on TPU a splash kernel with sinks and a
+window (which would also skip the blocks outside the window) is what long sequences need.
 """
 
 import math
@@ -88,23 +89,31 @@ def sink_attention(
     int64 tensor, > 0: query i sees keys i - window < j <= i, 0: all j <= i. `segment_ids` [b, s]:
     also only keys of its own segment. -> [b, heads, s, d].
 
-    Logits and softmax in float32 (HF's eager attention runs them in the input dtype: equal in fp32),
-    the probabilities cast to v's dtype for the product. A read of `window` stays on the device (a
-    mask of tensor ops), so one traced program serves sliding and full layers.
+    The sink is one more key, first in the sequence and visible to every query, whose logit is the
+    sink and whose value is zero: q and k get extra columns (q: a one, then zeros; real keys: zeros;
+    the sink key: sink / scale at the one's column, so its logit is exactly the sink), padded to a
+    multiple of 8 for the kernels, and the scale stays `1/sqrt(d)`. That is `softmax([q k^T / sqrt(d)
+    | sink]) v` with the sink column dropped (HF's eager formulation) computed by SDPA with a
+    boolean mask, so the memory-efficient kernels serve it (no `[b, heads, s, s]` probabilities kept
+    for the backward) and the sinks get their gradient through the sink key. The mask is built
+    from `window` by tensor ops (no host read), so one traced program serves sliding and full layers.
     """
     b, heads, s, d = q.shape
     n_rep = heads // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    scores = torch.matmul(q, k.transpose(2, 3)).float() * d**-0.5
+    scale = d**-0.5
+    extra = 8 - d % 8  # the sink's column, then zeros up to a multiple of 8 (8 columns when d is one)
+    q = torch.cat([q, q.new_ones(b, heads, s, 1), q.new_zeros(b, heads, s, extra - 1)], dim=-1)
+    sink_key = F.pad((sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1), (d, extra - 1))
+    k = torch.cat([sink_key, F.pad(k, (0, extra))], dim=2)
+    v = torch.cat([v.new_zeros(b, heads, 1, d), v], dim=2)
     i = torch.arange(s, device=q.device).unsqueeze(1)
     j = torch.arange(s, device=q.device).unsqueeze(0)
     visible = (j <= i) & ((window <= 0) | (i - j < window))
     if segment_ids is not None:
         visible = (visible & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, s, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    visible = F.pad(visible, (1, 0), value=True)  # every query sees the sink
+    return ops.sdpa(q, k, v, attn_mask=visible, scale=scale)
 
 
 class SinkAttention(nn.Module):
