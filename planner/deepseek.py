@@ -29,6 +29,13 @@ r_kv = kv_lora_rank, v = v_head_dim, per token:
   dense: w1, w3, w2 = 4 hidden + 2d; MoE: router logits 2E, grouped gate/up/down k(4F + 2d),
   shared w1, w3, w2 = 4 F_shared + 2d) plus the block input.
 
+Multi-token prediction (`mtp_depth` D > 0): each MTP module keeps, per token, one MoE block
+without AC (activation checkpointing acts on the block stacks only), its `enorm` and `hnorm`
+and the concatenated input of `eh_proj` (2 x 2d), its head norm and the head's input (2d) and
+its int64 targets, all counted `outside` the stacks; each depth's logits add to `loss` (the
+losses of all depths are kept for one backward). Their parameters are in the args' counts
+(`num_params`, `num_active_params`) and their FLOPs in trainer/tasks/lm.py `flops_per_unit`.
+
 The MoE blocks are planned at tp = 1 and cp = 1 (the decoder planner's MoE rule; MLA under CP
 has no TPU path here), with expert parallelism's dispatch buffers in the block backward
 (`planner.memory.ep_dispatch_bytes`). tests/unit/test_planner_deepseek.py checks these formulas
@@ -119,11 +126,14 @@ def mla_activation_bytes(
     n_dense = args.n_dense_layers
     n_moe = args.n_layers - n_dense
     outside = norm * tokens + 2 * d * tokens + 8 * tokens  # final norm, LM-head input, labels
+    mtp = getattr(args, "mtp_depth", 0)
+    # Per MTP depth: its MoE block (no AC), enorm + hnorm, eh_proj's input, head norm + head input, targets.
+    outside += mtp * (none_moe + (3 * norm + 2 * 2 * d + 2 * d + 8) * tokens)
     return ActivationBytes(
         per_block=max(dense, moe),
         blocks=n_dense * dense + n_moe * moe,
         outside=outside,
-        loss=4 * tokens * args.vocab_size,
+        loss=4 * tokens * args.vocab_size * (1 + mtp),
         per_block_none=max(none_dense, none_moe),
         logits_transient=8 * tokens * args.vocab_size,
     )

@@ -145,6 +145,18 @@ class MoEKeys(Callback):
             values["moe_dropped_pct"] = float(out.moe_dropped_pct)
 
 
+class MTPKeys(Callback):
+    """Multi-token prediction (`[model] mtp_depth` > 0): each depth's loss (`mtp_loss_1`, ...), the
+    mean over the data-parallel ranks; `loss` is then the main next-token loss (trainer/step/loss.py
+    `MTPLoss`)."""
+
+    def on_log(self, step: int, out, values: dict[str, Any]) -> None:
+        mtp = getattr(out, "mtp_losses", None)
+        if mtp is not None:
+            for k, value in enumerate(mtp.unbind(), start=1):
+                values[f"mtp_loss_{k}"] = global_mean(value)
+
+
 class FirstLogKeys(Callback):
     """The first logged step's one-off keys: set-up time, the peak MFU is taken against (and the
     best compute dtype's), the compile time and graph size of the step, and after a resume its

@@ -131,6 +131,7 @@ def step_request(
     device_generation: str = "",
     fsdp_shard_degree: int = 0,
     quantize_census: QuantizeCensus | None = None,
+    mtp_depth: int = 0,
 ) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
@@ -184,6 +185,7 @@ def step_request(
         fsdp_shard_degree=fsdp_shard_degree,
         device_generation=device_generation,
         quantize_census=quantize_census,
+        mtp_depth=mtp_depth,
     )
 
 
@@ -265,6 +267,7 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         device_generation=quantize_generation(cfg, device_type),
         fsdp_shard_degree=parallel_dims.dp_shard * parallel_dims.cp,
         quantize_census=census,
+        mtp_depth=getattr(args, "mtp_depth", 0),
     )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))

@@ -24,7 +24,7 @@ import torch
 
 from models.errors import ConfigError, NonFiniteLoss
 from trainer import checkpoint as ckpt
-from trainer.callbacks import CacheMisses, Callback, FirstLogKeys, MoEKeys, NonFiniteCheck, Watchdog
+from trainer.callbacks import CacheMisses, Callback, FirstLogKeys, MoEKeys, MTPKeys, NonFiniteCheck, Watchdog
 from trainer.config import Config, build_config, split_cli, to_toml
 from trainer.config.placeholders import check_checkpoint_folder
 from trainer.job import Job, build_job
@@ -243,6 +243,7 @@ def _callbacks(job: Job, *, step_fn, start_step: int, peak: float | None) -> lis
     return [
         *callbacks,
         MoEKeys(),
+        MTPKeys(),
         FirstLogKeys(t_start=job.t_start, peak=peak, best_peak=best_peak, step_fn=step_fn, resumed=job.manager.resumed),
     ]
 

@@ -8,8 +8,10 @@ decoder blocks whose first `n_dense_layers` have a dense SwiGLU FFN and the rest
 scores restricted to the best `num_limited_groups` of `num_expert_groups` groups, scaled by
 `route_scale`, auxiliary-loss-free bias). Shapes are those of the Hugging Face `config.json` of
 deepseek-ai/DeepSeek-V3 (671B), deepseek-ai/DeepSeek-V2-Lite (16B; here with V3's routing, so it
-is a `DeepseekV3ForCausalLM`) and moonshotai/Kimi-K2-Base (1T). The multi-token-prediction
-module of the V3 checkpoint (its layer 61) is not part of the model.
+is a `DeepseekV3ForCausalLM`) and moonshotai/Kimi-K2-Base (1T). Multi-token prediction
+(DeepSeek-V3 section 2.2; the V3 checkpoint's layer 61) is an option, `mtp_depth` sequential MTP
+modules (off in every flavor: `mtp_depth = 0`; V3's release has 1), trained with the weight
+`mtp_loss_weight` (docs/models.md#multi-token-prediction).
 """
 
 import math
@@ -87,6 +89,15 @@ class DeepSeekV3Args:
     """Length of the RoPE tables, i.e. the longest sequence the model accepts; the trainer sets it to the training seq_len."""
     tie_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection (no released flavor does)."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3 section 2.2): the number D of sequential MTP modules
+    (each one MLA + MoE block, sharing the embedding and the output head); module k predicts, at
+    position i, token t[i + k + 1] (k places after the next token), and training adds `mtp_loss_weight / D` times their
+    cross entropies to the loss. 0: off (every flavor); DeepSeek-V3's release has 1 (HF
+    num_nextn_predict_layers)."""
+    mtp_loss_weight: float = 0.3
+    """The MTP loss weight lambda: loss = L_main + lambda / mtp_depth * sum of the depths' losses
+    (DeepSeek-V3: 0.3 for the first 10T tokens, then 0.1); read only when mtp_depth > 0."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -153,6 +164,16 @@ class DeepSeekV3Args:
             raise ValueError(f"aux_loss: {self.aux_loss!r} unknown; allowed: {', '.join(map(repr, AUX_LOSSES))}")
         if self.rope_factor < 1.0:
             raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}; allowed: >= 1.0")
+        if self.mtp_depth < 0:
+            raise ValueError(
+                f"mtp_depth: must be >= 0, got {self.mtp_depth}; allowed: 0 (no multi-token prediction) or a "
+                "number of MTP modules >= 1 (DeepSeek-V3: 1)"
+            )
+        if not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
+            raise ValueError(
+                f"mtp_loss_weight: must be a finite number >= 0, got {self.mtp_loss_weight}; allowed: >= 0 "
+                "(DeepSeek-V3: 0.3, then 0.1)"
+            )
 
     @property
     def qk_head_dim(self) -> int:
@@ -206,19 +227,23 @@ class DeepSeekV3Args:
         table = self.vocab_size * d
         outer = table + d + (0 if self.tie_embeddings else table)
         dense_all = self.n_dense_layers * dense
+        # Each MTP module: enorm, hnorm, eh_proj (2d -> d), one MoE block and its head norm (the
+        # embedding and the output head are the main model's).
+        mtp_outer = 3 * d + 2 * d * d
         return (
-            outer + dense_all + self.n_moe_layers * moe_total,
-            outer + dense_all + self.n_moe_layers * moe_active,
+            outer + dense_all + self.n_moe_layers * moe_total + self.mtp_depth * (mtp_outer + moe_total),
+            outer + dense_all + self.n_moe_layers * moe_active + self.mtp_depth * (mtp_outer + moe_active),
             0 if self.tie_embeddings else table,
         )
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:
-        """Distinct parameters; `exclude_embedding` drops the token-embedding table."""
+        """Distinct parameters (the MTP modules included); `exclude_embedding` drops the token-embedding table."""
         total, _, embedding = self._counts()
         return total - (embedding if exclude_embedding else 0)
 
     def num_active_params(self, *, exclude_embedding: bool = False) -> int:
-        """Parameters used per token: MoE blocks count the top-k routed experts, the shared experts and the router."""
+        """Parameters used per token: MoE blocks count the top-k routed experts, the shared experts and the
+        router; the MTP modules are included (the output head they reuse is counted once)."""
         _, active, embedding = self._counts()
         return active - (embedding if exclude_embedding else 0)
 

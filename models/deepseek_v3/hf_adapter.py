@@ -13,7 +13,12 @@ RoPE layout: DeepSeek checkpoints (`rope_interleave: true`) rotate adjacent pair
 dims; ours rotates halves ("rotate_half"). The two agree exactly once the rope rows of each
 head's query (`q_proj`/`q_b_proj`) and of the shared key (`kv_a_proj_with_mqa`) are permuted
 from (0, 1, 2, ...) to (0, 2, 4, ..., 1, 3, 5, ...): `from_hf` does that, `to_hf` undoes it.
-Keys of the multi-token-prediction layer (`model.layers.{n_layers}.*` in V3) are skipped.
+Multi-token prediction: DeepSeek-V3's checkpoint stores MTP module k (k = 1..D, HF
+`num_nextn_predict_layers` = D) as layer `n_layers + k - 1`: a decoder layer (mapped as any
+layer, to `mtp.{k-1}.layers.0.*`) plus `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` <->
+`mtp.{k-1}.{enorm, hnorm, eh_proj, norm}`, and its own copies of the embedding and the head
+(`embed_tokens`, `shared_head.head`), which `to_hf` writes from the shared ones and `from_hf`
+skips (the model shares them). With `mtp_depth` = 0 (every flavor) those layers are skipped.
 """
 
 import re
@@ -62,6 +67,18 @@ _TOP = {
 _TOP_INV = {ours: hf for hf, ours in _TOP.items()}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _OURS_LAYER = re.compile(r"(dense_layers|moe_layers)\.(\d+)\.(.+)")
+# The MTP layer's own parameters (HF rest of `model.layers.{n_layers + k - 1}.` <-> ours of `mtp.{k-1}.`),
+# and its copies of the shared embedding and head (HF only).
+_MTP = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "shared_head.norm.weight": "norm.weight",
+}
+_MTP_INV = {ours: hf for hf, ours in _MTP.items()}
+_MTP_SHARED = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+_OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+_MTP_BLOCK = "layers.0."
 
 
 def _rope_rows(weight: torch.Tensor, args: DeepSeekV3Args, *, key: bool, to_half: bool) -> torch.Tensor:
@@ -82,6 +99,8 @@ def _rope_rows(weight: torch.Tensor, args: DeepSeekV3Args, *, key: bool, to_half
 def _ours(layer: int, rest: str, args: DeepSeekV3Args) -> str:
     if layer < args.n_dense_layers:
         return f"dense_layers.{layer}.{rest}"
+    if layer >= args.n_layers:  # MTP module layer - n_layers + 1's block
+        return f"mtp.{layer - args.n_layers}.{_MTP_BLOCK}{rest}"
     return f"moe_layers.{layer - args.n_dense_layers}.{rest}"
 
 
@@ -129,9 +148,13 @@ def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: DeepSeekV3Args, *, ro
         if match is None:
             raise ValueError(f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP)} + model.layers.N.*")
         layer, rest = int(match.group(1)), match.group(2)
-        if layer >= args.n_layers:
+        if layer >= args.n_layers + args.mtp_depth:  # an MTP layer this model does not have
             continue
-        if rope_interleave and rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+        if layer >= args.n_layers and rest in _MTP_SHARED:  # the MTP layer's copy of a shared matrix
+            continue
+        if layer >= args.n_layers and rest in _MTP:
+            out[f"mtp.{layer - args.n_layers}.{_MTP[rest]}"] = whole(key, shape)
+        elif rope_interleave and rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
             out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=False)
         elif rope_interleave and rest == "self_attn.kv_a_proj_with_mqa.weight":
             out[_ours(layer, _LAYER[rest], args)] = _rope_entry(key, shape, args, is_key=True)
@@ -179,11 +202,21 @@ def to_hf(
         if key in _TOP_INV:
             out[_TOP_INV[key]] = value
             continue
-        match = _OURS_LAYER.fullmatch(key)
-        if match is None:
-            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of DeepSeekV3Model")
-        stack, index, rest = match.groups()
-        layer = int(index) + (args.n_dense_layers if stack == "moe_layers" else 0)
+        mtp = _OURS_MTP.fullmatch(key)
+        if mtp is not None:
+            layer, rest = args.n_layers + int(mtp.group(1)), mtp.group(2)
+            if rest in _MTP_INV:
+                out[f"model.layers.{layer}.{_MTP_INV[rest]}"] = value
+                continue
+            if not rest.startswith(_MTP_BLOCK):
+                raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of DeepSeekV3Model")
+            rest = rest[len(_MTP_BLOCK) :]
+        else:
+            match = _OURS_LAYER.fullmatch(key)
+            if match is None:
+                raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of DeepSeekV3Model")
+            stack, index, rest = match.groups()
+            layer = int(index) + (args.n_dense_layers if stack == "moe_layers" else 0)
         prefix = f"model.layers.{layer}."
         if rest in ("attention.wq.weight", "attention.wq_b.weight"):
             value = _rope_rows(value, args, key=False, to_half=False)
@@ -196,6 +229,10 @@ def to_hf(
             experts_to_hf(out, prefix, name, value, w3=state_dict.get(key[: -len(name)] + "w3"), fused=fused_experts)
         else:
             raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of DeepSeekV3Model")
+    for k in range(args.mtp_depth):  # the checkpoint's MTP layers carry copies of the shared matrices
+        for hf, ours in _MTP_SHARED.items():
+            if ours in state_dict:
+                out[f"model.layers.{args.n_layers + k}.{hf}"] = state_dict[ours]
     return out
 
 
@@ -261,6 +298,8 @@ def hf_config(args: DeepSeekV3Args) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
+        # Written only with MTP, so that a model without it keeps its config.json.
+        **({"num_nextn_predict_layers": args.mtp_depth} if args.mtp_depth else {}),
     }
 
 
@@ -325,5 +364,6 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
         rope_theta=float(theta),
         max_seq_len=cfg.get("max_position_embeddings", 163840),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        mtp_depth=int(cfg.get("num_nextn_predict_layers") or 0),
         **yarn,
     )

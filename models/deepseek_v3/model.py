@@ -6,6 +6,12 @@ and `moe_layers` (the rest, `models.common.moe.MoE` with DeepSeek's routing opti
 stack is uniform and layer scan runs each as one scan. Parameter names follow TorchTitan's
 DeepSeek-V3 (`attention.wq_a`, `wkv_a`, `kv_norm`, `wkv_b`, ...); `hf_adapter.py` maps them to Hugging
 Face's `model.layers.N.*` (block N of `moe_layers` is HF layer `n_dense_layers + N`).
+
+Multi-token prediction (`mtp_depth` > 0; DeepSeek-V3 section 2.2): `mtp` holds D `MTPModule`s
+after the main model, outside the two block stacks (so layer scan and the stacks' plans never
+take them for main layers). `mtp_hidden(tokens)` returns the main model's final-normed hidden
+states and, for each depth k, the normed output of module k, all [batch, seq, dim]; the loss
+projects them with the shared `output` (trainer/step/loss.py `MTPLoss`).
 """
 
 import math
@@ -151,9 +157,47 @@ class MLA(nn.Module):
         self.kv_norm.init_weights()
 
 
+class MTPModule(nn.Module):
+    """One multi-token-prediction module k (DeepSeek-V3 section 2.2), without the shared embedding and head.
+
+    `forward(h_prev, emb_next, rope_cos, rope_sin[, segment_ids]) -> (h, normed)`: `h_prev` is the
+    previous depth's hidden state h^{k-1} (depth 0: the main model's last block output, before
+    the final norm), `emb_next` the shared embedding of the token k places ahead of each position
+    (Emb(t[i + k])); `eh_proj(cat[enorm(emb_next), hnorm(h_prev)])` (2 dim -> dim, the projection
+    M_k; embedding first, as the V3 checkpoint's `eh_proj` is laid out) runs through one
+    transformer block (`layers`, a one-block `BlockStack`, so its MoE's aux loss and expert load
+    reach the trainer like a main block's); `h` is h^k and `normed = norm(h)`, what the shared
+    output head projects (HF `shared_head.norm`).
+    """
+
+    def __init__(self, args: DeepSeekV3Args, block: TransformerBlock):
+        super().__init__()
+        self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.layers = BlockStack([block])
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self, h_prev: torch.Tensor, emb_next: torch.Tensor, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h_prev)], dim=-1))
+        h = self.layers(x, *args)
+        return h, self.norm(h)
+
+    def init_weights(self) -> None:
+        """Norms: ones; `eh_proj`: truncated normal, std 0.02; the block as a main block of its depth."""
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.init_weights()
+        trunc_normal_(self.eh_proj.weight, std=0.02)
+        for block in self.layers.values():
+            block.init_weights()
+
+
 class DeepSeekV3(nn.Module):
     """Embedding -> dense_layers -> moe_layers -> norm -> output. `forward(tokens, segment_ids=None,
-    positions=None) -> logits`; `pop_aux_loss()` returns the MoE blocks' auxiliary loss (`args.aux_loss`)."""
+    positions=None) -> logits`; `pop_aux_loss()` returns the MoE blocks' auxiliary loss (`args.aux_loss`).
+    With `args.mtp_depth` > 0, `mtp` holds the multi-token-prediction modules (`mtp_hidden`)."""
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__()
@@ -190,6 +234,10 @@ class DeepSeekV3(nn.Module):
         self.moe_layers = BlockStack(block(i) for i in range(args.n_dense_layers, args.n_layers))
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.mtp_depth > 0:  # registered last, and only when on: the main model's names are unchanged
+            # Module k's block is an MoE block, as V3's MTP layer (HF layer n_layers + k - 1); its
+            # depth-scaled init counts it after the main blocks.
+            self.mtp = nn.ModuleList(MTPModule(args, block(args.n_layers + k)) for k in range(args.mtp_depth))
         self.tie_weights()
         cos, sin = yarn_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -211,12 +259,38 @@ class DeepSeekV3(nn.Module):
         self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens [batch, seq] -> final-normed hidden states [batch, seq, dim] (what `output` projects)."""
-        h = self.tok_embeddings(tokens)
+        _, h, _ = self._trunk(tokens, segment_ids, positions)
+        return self.norm(h)
+
+    def _trunk(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(token embeddings, the last block's output before the final norm, the blocks' extra inputs)."""
+        emb = self.tok_embeddings(tokens)
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, tokens.shape[1], positions)
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
-        h = self.dense_layers(h, *args)
+        h = self.dense_layers(emb, *args)
         h = self.moe_layers(h, *args)
-        return self.norm(h)
+        return emb, h, args
+
+    def mtp_hidden(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """tokens [batch, seq] -> `[hidden(tokens), normed h^1, ..., normed h^D]`, each [batch, seq, dim].
+
+        Depth k at position i combines h^{k-1}_i with the embedding of token i + k (the shared
+        `tok_embeddings`) and, through `output`, predicts token i + k + 1. The sequence keeps its
+        length: the embeddings are shifted left by k and the last k positions, which have no token
+        k ahead, get a zero embedding (their predictions have no target; causal attention keeps
+        them from every earlier position). Positions and segment ids are those of position i."""
+        assert self.args.mtp_depth > 0, "mtp_hidden needs mtp_depth > 0"
+        emb, h, args = self._trunk(tokens, segment_ids, positions)
+        out = [self.norm(h)]
+        for k, module in enumerate(self.mtp, start=1):
+            emb_next = torch.cat([emb[:, k:], emb.new_zeros(emb.shape[0], k, emb.shape[2])], dim=1)
+            h, normed = module(h, emb_next, *args)
+            out.append(normed)
+        return out
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter in place and rebuild the buffers.
@@ -230,6 +304,8 @@ class DeepSeekV3(nn.Module):
         - every RMSNorm weight (block norms, `q_norm`, `kv_norm`, `norm`): ones.
         - `moe.router.expert_bias`: zeros.
         - `output`: truncated normal, std `dim ** -0.5` (keeps the embedding's init when tied).
+        - MTP module k (`mtp_depth` > 0): `enorm`, `hnorm`, `norm` ones, `eh_proj` truncated normal
+          std 0.02, its block as block `n_layers + k - 1` above.
         - `rope_cos`/`rope_sin`: the YaRN tables, recomputed in float32 on `buffer_device`
           (default: where they are now), so this works after `to_empty()`.
         """
@@ -243,10 +319,17 @@ class DeepSeekV3(nn.Module):
         self.norm.init_weights()
         if not self.args.tie_embeddings:
             trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
+        for module in getattr(self, "mtp", ()):
+            module.init_weights()
 
     def pop_aux_loss(self) -> torch.Tensor | None:
-        """Sum over the MoE blocks of their auxiliary loss of the last forward (0-dim float32); clears it."""
+        """Sum over the MoE blocks of their auxiliary loss of the last forward (0-dim float32); clears it.
+        The MTP modules' blocks add theirs when the forward ran them (`mtp_hidden`)."""
         self.dense_layers.pop_aux_loss()
         total = self.moe_layers.pop_aux_loss()
         assert total is not None, "the aux loss is available once after each forward"
+        for module in getattr(self, "mtp", ()):
+            aux = module.layers.pop_aux_loss()
+            if aux is not None:
+                total = total + aux
         return total

@@ -384,8 +384,11 @@ def hf_fp8_block(config: Path) -> tuple[int, int] | None:
 
 
 # Keys of hf_config(args) that are not architecture: the RoPE table length (the trainer sets it to
-# the training seq_len), bookkeeping, and values that follow from compared ones.
+# the training seq_len), bookkeeping, and values that follow from compared ones. DeepSeek-V3's
+# MTP layers (`num_nextn_predict_layers`) are an optional extra: a run without MTP loads the main
+# model of a checkpoint with them, and a run with MTP finds its MTP weights or names them missing.
 _NOT_ARCHITECTURE = {
+    "num_nextn_predict_layers",
     "max_position_embeddings",
     "max_window_layers",
     "architectures",

@@ -66,7 +66,9 @@ class EagerStep:
         # The lr scheduler already wrote `lr` into the optimizer's param groups.
         self.optimizer.zero_grad(set_to_none=True)
         n = len(microbatches)
-        lm_sum, aux_sum, load = 0.0, None, None
+        lm_sum, aux_sum, load, mtp_sum = 0.0, None, None, None
+        # Multi-token prediction (trainer/step/loss.py `MTPLoss`): each depth's loss, for the log.
+        pop_mtp = getattr(self.loss_fn, "pop_mtp_losses", None)
         for i, microbatch in enumerate(microbatches):
             if self.replicate is not None and i == n - 1:
                 self.replicate.arm()
@@ -79,6 +81,9 @@ class EagerStep:
                 loss = lm if aux is None else lm + self.aux_loss_coef * aux
                 (loss / n).backward()
             lm_sum = lm_sum + local_scalar(lm.detach())
+            if pop_mtp is not None:
+                mtp = pop_mtp()
+                mtp_sum = mtp if mtp_sum is None else mtp_sum + mtp
             if aux is not None:
                 aux = local_scalar(aux.detach())
                 aux_sum = aux if aux_sum is None else aux_sum + aux
@@ -92,5 +97,6 @@ class EagerStep:
             loss=lm_sum / n,
             grad_norm=grad_norm,
             aux_loss=None if aux_sum is None else aux_sum / n,
+            mtp_losses=None if mtp_sum is None else mtp_sum / n,
             **moe_outputs(stats),
         )

@@ -9,6 +9,9 @@ graph step, the tasks (trainer/tasks/) and the RL engine (trainer/engine.py).
 - `cp_scaled_lm_loss(...)`: with context parallelism, this rank's token sum scaled by
   cp / the cp group's token count;
 - `lm_loss_fn(fused=, document_mask=, cp=)`: the task's loss function, one of the two above;
+- `MTPLoss(fused=, depth=, weight=)`: the task's loss function for a model with multi-token
+  prediction (DeepSeek-V3's `mtp_depth` > 0): the next-token loss plus `weight / depth` times the
+  MTP modules' losses, and `mtp_targets(labels, k)` the depth-k targets;
 - `token_logprobs(logits, targets)` / `nll_loss(logprobs, batch)`: the engine's forms, the same
   fp32 cross entropy per token, and its (masked) mean.
 """
@@ -101,6 +104,60 @@ def lm_loss_fn(*, fused: bool, document_mask: bool = False, cp=None) -> Callable
     return loss
 
 
+def mtp_targets(labels: torch.Tensor, k: int) -> torch.Tensor:
+    """The targets of MTP depth k: position i predicts token i + k + 1 = `labels[:, i + k]`; the
+    last k positions, whose target lies beyond the window, are ignored (-100)."""
+    return torch.cat([labels[:, k:], labels.new_full((labels.shape[0], k), IGNORE_INDEX)], dim=1)
+
+
+class MTPLoss:
+    """The LM loss of a model with multi-token prediction (`model.mtp_hidden`; DeepSeek-V3 section 2.2).
+
+    `loss(model, inputs, labels, segment_ids=None, positions=None)` runs the main model and the
+    `depth` MTP modules once; with L_main the next-token cross entropy and L_k depth k's (the
+    mean over its valid positions, `mtp_targets`; both through the shared output head, plain or
+    `fused` like `model_lm_loss`), the training loss is L = L_main + weight / depth * sum_k L_k.
+    The returned value is L_main (what `loss` and `val_loss` log, comparable with a run without
+    MTP) and its gradient is L's: `L_main + (T - T.detach())` with T the weighted MTP term.
+    `pop_mtp_losses()` gives the last call's [L_1, ..., L_D] (detached float32 [depth]; the eager
+    step logs them as `mtp_loss_k`). Without autograd (validation) only L_main is computed.
+    """
+
+    def __init__(self, *, fused: bool, depth: int, weight: float):
+        assert depth > 0, depth
+        self.fused, self.depth, self.weight = fused, depth, float(weight)
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, model, inputs, labels, segment_ids=None, positions=None) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return model_lm_loss(model, inputs, labels, segment_ids, positions, fused=self.fused)
+        extra = {}
+        if segment_ids is not None:
+            extra["segment_ids"] = segment_ids
+        if positions is not None:
+            extra["positions"] = positions
+        hidden = model.mtp_hidden(inputs, **extra)
+        assert len(hidden) == self.depth + 1, (len(hidden), self.depth)
+        losses = [self._ce(model, h, mtp_targets(labels, k) if k else labels) for k, h in enumerate(hidden)]
+        main, mtp = losses[0], torch.stack(losses[1:])
+        self._last = mtp.detach()
+        term = mtp.sum() * (self.weight / self.depth)
+        return main + (term - term.detach())
+
+    def _ce(self, model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from models.common import ops
+
+            # Read the weight at each use (under SimpleFSDP the access is the all-gather).
+            return ops.linear_cross_entropy(hidden.flatten(0, 1), model.output.weight, targets.flatten())
+        return lm_loss(model.output(hidden), targets)
+
+    def pop_mtp_losses(self) -> torch.Tensor | None:
+        """[L_1, ..., L_depth] of the last call with autograd (detached float32), then None until the next."""
+        last, self._last = self._last, None
+        return last
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """log p(targets[b, t] | prefix) in fp32, [B, T], from logits [B, T, V] (divided by `temperature`).
 
@@ -153,6 +210,9 @@ class StepOutput:
     the global batch); None when dropless."""
     moe_dropped_pct: torch.Tensor | None = None
     """`moe_dropped` in % of the step's routed token copies."""
+    mtp_losses: torch.Tensor | None = None
+    """Multi-token prediction (`MTPLoss`): each depth's loss [depth], the mean over the micro-batches
+    (this rank's values); None without MTP. `loss` is then the main next-token loss."""
 
 
 def moe_outputs(stats) -> dict[str, torch.Tensor | None]:

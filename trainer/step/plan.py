@@ -166,6 +166,8 @@ class StepRequest:
     quantize_census: QuantizeCensus | None = None
     """What `[quantize]` picks in the model (trainer/step/quantize.py), counted on the meta device
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
+    mtp_depth: int = 0
+    """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3; 0: none or not known)."""
 
     @property
     def model_attn_backends_text(self) -> str:
@@ -619,6 +621,19 @@ RULES: tuple[Rule, ...] = (
         "{r.replicate_reduce_dtype} applies to the once-per-step reduction over dp_replicate only "
         '(training.replicate_reduce = "step"); here replicate_reduce is {r.replicate_reduce}; '
         'allowed: float32, or set training.replicate_reduce = "step"',
+    ),
+    # Multi-token prediction (models/deepseek_v3, trainer/step/loss.py `MTPLoss`): the eager step
+    # logs each depth's loss; the MTP modules sit outside the block stacks that graph mode scans and
+    # that TP shards, their shifted tokens would cross TP's sequence shards and CP's chunks, and the
+    # engine's caller loss never runs them.
+    Rule(
+        "model.mtp_depth",
+        "multi-token prediction in graph mode, with tensor or context parallelism, or in the engine",
+        lambda r: r.mtp_depth > 0 and (r.mode == "graph" or r.tp_degree > 1 or r.cp_degree > 1 or r.caller_loss),
+        "{r.mtp_depth} (multi-token prediction) runs in the trainer's eager and compile modes without "
+        "tensor or context parallelism; here compile.mode {r.mode}, tensor_parallel_degree {r.tp_degree}, "
+        "context_parallel_degree {r.cp_degree}, engine {r.caller_loss}; allowed: 0, or compile.mode = "
+        '"eager" | "compile" with tensor_parallel_degree = context_parallel_degree = 1 in the trainer',
     ),
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule(

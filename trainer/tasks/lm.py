@@ -13,7 +13,7 @@ from parallelisms.context_parallel import CPGroup, shard_sequence
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.runtime.device import gather_objects
 from trainer.runtime.flops import flops_per_token
-from trainer.step.loss import lm_loss_fn
+from trainer.step.loss import MTPLoss, lm_loss_fn
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,12 @@ class LMTask:
 
     def loss_fn(self, step_plan) -> Callable:
         """The LM loss of the step plan (plain or fused), scaled over the cp group with context
-        parallelism (trainer/step/loss.py)."""
+        parallelism (trainer/step/loss.py); for a model with multi-token prediction (`mtp_depth` > 0,
+        which the step plan's rules keep from context parallelism) `MTPLoss`."""
+        depth = getattr(self.args, "mtp_depth", 0)
+        if depth > 0:
+            assert self.cp is None, "the step plan's rules refuse model.mtp_depth > 0 with context parallelism"
+            return MTPLoss(fused=step_plan.fused_loss, depth=depth, weight=self.args.mtp_loss_weight)
         return lm_loss_fn(fused=step_plan.fused_loss, document_mask=step_plan.document_mask, cp=self.cp)
 
     def example_batch(self, local_batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -135,10 +140,15 @@ class LMTask:
         return None
 
     def flops_per_unit(self) -> dict[str, float]:
+        """Training FLOPs per token (trainer/runtime/flops.py). Multi-token prediction (`mtp_depth` D
+        > 0): the MTP modules' parameters are in the active count, their D blocks add D attention
+        layers, and each depth runs the shared output head again (D x vocab x dim more)."""
         shape = self.args.shape()
+        mtp = getattr(self.args, "mtp_depth", 0)
+        head = mtp * self.args.vocab_size * self.args.dim
         return flops_per_token(
-            num_matmul_params=self.args.num_active_params(exclude_embedding=True),
-            n_layers=shape.n_layers,
+            num_matmul_params=self.args.num_active_params(exclude_embedding=True) + head,
+            n_layers=shape.n_layers + mtp,
             n_heads=shape.n_heads,
             head_dim=shape.head_dim,
             seq_len=self.settings.seq_len,
