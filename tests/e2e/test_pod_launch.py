@@ -172,11 +172,23 @@ def fake_torch_tpu_distributed(argv: list[str], env: dict) -> str:
     else:
         addresses = [f"localhost:{9100 + i}" for i in range(per)]
     return (
-        f'TORCH_TPU_TOPOLOGY="{env.get("TORCH_TPU_TOPOLOGY", "2,4,1")}"\n'
+        f'TORCH_TPU_TOPOLOGY="{env.get("TORCH_TPU_TOPOLOGY") or _chip_grid(env)}"\n'
         f'TORCH_TPU_SLICEBUILDER_ADDRESSES="{",".join(addresses)}"\nTORCH_TPU_XPROF_SESSION_ID=""\n'
         f'WORLD_SIZE={len(addresses)}\nNODE_RANK="{env["NODE_RANK"]}"\nNNODES="{env["NNODES"]}"\n'
         f'MASTER_ADDR="{env["MASTER_ADDR"]}"\nMASTER_PORT="{env["MASTER_PORT"]}"\n'
     )
+
+
+def _chip_grid(env: dict) -> str:
+    """The slice's chip grid as torch-tpu reads it off the TPU (x,y,z), from the accelerator type
+    the host environment names; a single host's 2x4 when it names none."""
+    import planner
+    from parallelisms.tpu_topology import topology_of
+
+    accelerator = env.get("TPU_ACCELERATOR_TYPE")
+    if not accelerator:
+        return "2,4,1"
+    return ",".join(str(d) for d in topology_of(planner.parse_target(accelerator)).chips)
 
 
 def _dry_run(monkeypatch, capsys, options: list[str], env: dict, metadata: dict | None = None) -> tuple[str, list]:
@@ -224,6 +236,7 @@ def test_dry_run_xpk_two_slices_prints_every_process(monkeypatch, capsys):
         assert (p["NODE_RANK"], p["NNODES"], p["TORCH_TPU_DEVICES_PER_HOST"]) == ("2", "4", "4")
         assert p["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",") == [f"{h}:{8070 + i}" for h in hosts for i in range(4)]
         assert p[f"slice_builder[{8 + local}]"] == f"wl-slice-job-1-2.wl:{8070 + local}"
+        assert p["TORCH_TPU_TOPOLOGY"] == "4,4,1", p  # v6e-16's chips, as torch-tpu reads them
     # what the workers inherit: no MEGASCALE_PORT, the coordinator with its port
     plan = launch.build_plan(launch._parser().parse_args(["--platform", "gke"]), dict(os.environ))
     child = plan.child_env(dict(os.environ))

@@ -236,3 +236,17 @@ def test_local_tier_folder_is_an_absolute_host_path():
             build_config(base, [("checkpoint.local_folder", bad)])
     cfg = build_config(base, [("checkpoint.local_folder", "/mnt/local-ssd/ckpt"), ("checkpoint.local_interval", "10")])
     assert (cfg.checkpoint.local_folder, cfg.checkpoint.local_interval) == ("/mnt/local-ssd/ckpt", 10)
+
+
+def test_a_list_of_names_takes_one_name_and_its_error_shows_names():
+    """`--quantize.filter_fqns=output` is the list ["output"]; a list of names refused shows a list
+    of names as its form (it showed [0.9, 0.95], the betas' example, for every list)."""
+    assert build_config(None, [("quantize.filter_fqns", "output")]).quantize.filter_fqns == ["output"]
+    assert build_config(None, [("quantize.filter_fqns", "output,layers.0")]).quantize.filter_fqns == [
+        "output",
+        "layers.0",
+    ]
+    with pytest.raises(ConfigError, match=r'^optimizer\.muon_exclude: expected a list such as \["output"'):
+        build_config(None, [("optimizer.muon_exclude", "{a = 1}")])
+    with pytest.raises(ConfigError, match=r"^optimizer\.betas: expected a list such as \[0\.9, 0\.95\]"):
+        build_config(None, [("optimizer.betas", "x")])

@@ -64,10 +64,15 @@ _TYPE_NAMES = {
 }
 
 
+_LIST_EXAMPLES = {str: 'a list such as ["output", "layers.0"]', int: "a list such as [0, 1, 3, 2]"}
+
+
 def _type_name(typ: Any) -> str:
     origin = typing.get_origin(typ) or typ
     if origin in (typing.Union, types.UnionType):
         return " or ".join("none" if a is type(None) else _type_name(a) for a in typing.get_args(typ))
+    if origin is list and typing.get_args(typ):  # the example in the element type
+        return _LIST_EXAMPLES.get(typing.get_args(typ)[0], _TYPE_NAMES[list])
     return _TYPE_NAMES.get(origin, getattr(typ, "__name__", str(typ)))
 
 
@@ -77,7 +82,8 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
     The one type check of the project: recipe keys, `[model]` overrides of the flavor's args
     and the scripts' `--model.FIELD=VALUE` options all go through it. An int is accepted for a
     float, "true"/"false" for a bool; an optional field (`int | None`) also takes the string
-    "none" (how config.toml writes None) and otherwise any value one of its types accepts.
+    "none" (how config.toml writes None) and otherwise any value one of its types accepts; a list
+    of strings takes a string as its comma-separated names.
     """
     origin = typing.get_origin(typ)
     if origin in (typing.Union, types.UnionType):
@@ -110,6 +116,8 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
     elif typ is list or origin is list:
         if isinstance(value, list):
             return value
+        if typing.get_args(typ) == (str,) and isinstance(value, str):  # `--quantize.filter_fqns=output,gate`
+            return [v.strip() for v in value.split(",") if v.strip()]
     elif typ is dict or origin is dict:
         if isinstance(value, dict):
             return value

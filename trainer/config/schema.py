@@ -193,7 +193,7 @@ class OptimizerConfig:
     """Peak learning rate."""
     weight_decay: float = field(default=0.1, metadata=_range(ge=0))
     """Decoupled weight decay."""
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """Adam betas [beta1, beta2], each in [0, 1)."""
     eps: float = field(default=1e-8, metadata=_range(gt=0))
     """Adam epsilon."""
@@ -206,7 +206,7 @@ class OptimizerConfig:
     muon_ns_dtype: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32"))
     """name = muon: dtype of the Newton-Schulz iteration (bf16 as published: the iteration only
     needs the singular values pushed into ~[0.7, 1.2]; float32 for exact comparisons)."""
-    muon_exclude: list = field(default_factory=lambda: ["tok_embeddings", "output", "gate", "embed_tokens", "lm_head"])
+    muon_exclude: list[str] = field(default_factory=lambda: ["tok_embeddings", "output", "gate", "embed_tokens", "lm_head"])
     """name = muon: module-path components (names between dots) whose matrices stay on AdamW:
     default the token embedding, the output head and the MoE router gate (this tree's names and
     the hf backend's; a FLUX model's matrices all take Muon unless listed here)."""
@@ -450,12 +450,12 @@ class DeviceConfig:
     its source): auto = the bundle of the host's generation (v4, v5e, v5p, v6e, v7x), none, or a
     bundle's name (refused on another generation). Ignored on cpu/cuda. See docs/tpu.md, "XLA and
     libtpu flags"."""
-    libtpu_init_args: list = field(default_factory=list)
+    libtpu_init_args: list[str] = field(default_factory=list)
     """TPU: extra flags for LIBTPU_INIT_ARGS, e.g. ["--xla_tpu_scoped_vmem_limit_kib=65536"]; a
     flag here replaces the bundle's flag of the same name, a flag already exported in the
     environment replaces both. Set before the TPU runtime starts; a name the installed libtpu
     does not know stops the run with an error. Ignored on cpu/cuda."""
-    xla_flags: list = field(default_factory=list)
+    xla_flags: list[str] = field(default_factory=list)
     """TPU: extra flags for XLA_FLAGS, merged like libtpu_init_args. Ignored on cpu/cuda."""
 
 
@@ -495,7 +495,7 @@ class QuantizeConfig:
     its matrix units run natively (v7x: float8; v4/v5e/v5p/v6e: int8; CUDA sm89+: float8
     tensorwise/rowwise, sm80+: int8); the CPU runs every recipe as the exact emulation. The rules
     refuse the rest. docs/low_precision.md."""
-    filter_fqns: list = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
+    filter_fqns: list[str] = field(default_factory=lambda: list(DEFAULT_FILTER_FQNS))
     """Module-path substrings whose linears stay in the compute dtype (TorchTitan's name); the
     default keeps the output head and the MoE router out. MoE experts (grouped weights) are
     quantized too, by the same rule on (dim, moe hidden) (their matmuls go through
