@@ -19,9 +19,11 @@ how many programs the second launch still missed ("second launch: N misses after
 restart").
 
 `--shim` (what CI runs, tests/e2e/test_tpu_smoke.py): the "TPU" runs train on the CPU with a tiny
-model and the aot_eager backend, the topology comes from tests/support/fake_tpu (TITAN_SMOKE_SHIM_DEVICES
+model and the aot_eager backend, the topology comes from tools/tpu_smoke_shim.py (TITAN_SMOKE_SHIM_DEVICES
 devices, default 1), and no torch-tpu is needed; the runs, timeouts, failure capture, report
 and tarball are the real ones.
+
+The logs' counting and parsing and report.md are tools/tpu_smoke_report.py.
 
 This module imports no torch: the process that launches the TPU runs must not hold the chips.
 """
@@ -34,66 +36,54 @@ import datetime
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import platform
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tarfile
 import time
 from pathlib import Path
 
+from tools.tpu_smoke_report import (  # noqa: F401  (the report's names, read here by tests and docs)
+    CACHE_FOLDER,
+    CACHE_MISS_PATTERN,
+    LAST_STEPS,
+    REL_TOL_RESUME,
+    REL_TOL_VS_CPU,
+    SHIM,
+    SHIM_MODULE,
+    TAIL_LINES,
+    TIER2_ROOT,
+    TIER2_VAR,
+    TRAINER_MISS_LINE,
+    banner_lines,
+    cache_misses,
+    compare,
+    counter_misses,
+    error_lines,
+    misses_through,
+    parse_launch_env,
+    read_metrics,
+    relaunch_verdict,
+    render_report,
+    summarize,
+    tail,
+)
 from trainer.runtime import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-
-CACHE_MISS_PATTERN = "Compilation cache STATIC MISS"
-"""Text of torch-tpu's own log line for a compilation-cache miss (a string in its binary; whether
-0.2.0 prints it without verbose logging is unknown): the report counts the log lines holding it
-after each run's step-3 console line. The other count comes from the trainer: on a TPU it logs
-torch-tpu's miss counter as `compile_cache_misses` in metrics.jsonl (trainer/runtime/tpu_env.py).
-Any miss after step 3 means a program compiled again in steady state (e.g. a per-step Python
-scalar baked into it)."""
-
-TRAINER_MISS_LINE = "titan-tpu: compile cache misses at step"
-"""The start of the trainer's per-step line for the same counter (trainer.runtime.tpu_env.
-CACHE_MISS_LINE; not imported: this process must not import torch), kept out of the start-up
-lines the report quotes."""
 
 DEFAULT_TIMEOUT_S = 1800
 """Per run: compilation of the debug recipes on a TPU takes minutes; a hang must not take hours."""
 KILL_GRACE_S = 15
 """After a run's timeout: SIGTERM (torchrun stops its workers), this many seconds, then SIGKILL
 to every process of the run still alive."""
-TAIL_LINES = 40
-"""Lines of a failed run's log quoted in the report."""
 GLOBAL_BATCH = 8
 """Sequences per step of the CPU reference; the TPU runs split the same global batch over their
 devices (rounded up to a multiple of the device count), so their losses see the same data."""
-LAST_STEPS = 5
-"""Losses compared as the median over the last LAST_STEPS steps both runs logged: early in
-training one step's loss can spike by 0.5 (7 % of it) in one run and not in another started from
-other weights; the median of 5 steps ignores one such spike."""
-
-REL_TOL_VS_CPU = 0.02
-"""Largest relative difference of the last-steps median loss from the CPU reference that reads
-as "ok". A TPU run sees the same batches as the CPU run (same data seed), but its initial weights
-come from another random generator (each device initializes on its own RNG) and its bf16 kernels
-round differently. Measured on the CPU (docs/tpu.md, "First run"): the Llama 3 debug recipe at
-bf16, 20 steps, with only the init seed changed (4 seeds): the medians of steps 16-20 lie within
-0.8 % of each other (the final losses within 7.6 %, from spikes). 2 % is 2.5 times that spread
-and under the ~3 steps of learning the median gains there (7 % over steps 6-10 to 16-20), so a
-run that trains wrong (a flat loss, a wrong lr or gradient) shows as DIFFERS."""
-REL_TOL_RESUME = 1e-5
-"""Largest relative loss difference of the resumed run from the uninterrupted one: the same
-device, program and batches, the state restored bit for bit (fp32 weights and moments, data
-position, RNG); only a reduction order may differ, a few fp32 ulps (tests/e2e/test_resume_e2e.py
-holds 1e-5 even across meshes)."""
-
 COMMON = [
     "--metrics.log_freq=1",
     "--validation.enable=false",
@@ -106,21 +96,11 @@ COMMON = [
 PLAIN = ["--model.attn_backend=sdpa", "--training.fused_loss=off"]
 """The torch references for attention and the loss: the runs that test a mode stay clear of the
 Pallas kernels, which have their own runs (the MoE experts take gmm on TPU whatever is set)."""
-SHIM = ["--model.n_layers=2", "--training.seq_len=64", "--compile.backend=aot_eager"]
-"""--shim: a tiny model and no Inductor, so CI's end-to-end run takes seconds per run."""
 LLAMA, MOE, MLA = "configs/llama3_debug.toml", "configs/qwen3_moe_debug.toml", "configs/deepseek_v3_debug.toml"
 SHIM_RECIPE = {MLA: ["--model.n_dense_layers=1"]}
 """--shim, per recipe: what SHIM's 2 layers need (DeepSeek V3: 1 dense block + 1 MoE block)."""
 CACHE_STEPS = 6
 """Steps of the two compile-cache runs: past step 3, where the misses are counted from."""
-CACHE_FOLDER = "compile_cache"
-"""DIR/compile_cache: the persistent compilation cache (tier 3) of the compile-cache runs, fresh
-for each smoke, left out of the tarball."""
-TIER2_VAR, TIER2_ROOT = "TORCH_TPU_TIER2_COMPILATION_CACHE", Path("/dev/shm/torch_tpu_cache")
-"""torch-tpu's host cache: a name under TIER2_ROOT (the root is a string in its binary). Each
-compile-cache run gets a name of its own, so the relaunch cannot be served from the first
-launch's host cache and what it loads comes from the persistent folder, as on a new host; the
-smoke removes both folders after its runs."""
 
 
 @dataclasses.dataclass
@@ -163,18 +143,30 @@ def checkpoint_step(steps: int) -> int:
 def plan(steps: int) -> list[Run]:
     """The runs in order: the CPU references first, then the TPU runs."""
     k = checkpoint_step(steps)
-    save = ["--checkpoint.enable=true", f"--checkpoint.interval={k}", "--checkpoint.keep_latest_k=0"]
     graph = ["--compile.mode=graph", "--compile.scan_layers=true"]
     doc = ["--training.document_mask=true"]
-    # What the pod recipes run beyond the runs above: context parallelism (the 128k recipes: k/v
-    # all-gather, each rank's own splash ops) and MLA attention with expert parallelism
-    # (DeepSeek V3 / Kimi K2). Attention is splash there, as `auto` picks on a TPU.
-    splash = [*PLAIN, *graph, "--model.attn_backend=splash"]
+    return [
+        *_reference_runs(doc),
+        *_mode_runs(graph),
+        *_checkpoint_runs(k, graph),
+        *_pod_runs(graph, doc),
+        *_cache_runs(graph),
+    ]
+
+
+def _reference_runs(doc: list[str]) -> list[Run]:
+    """The CPU references: the dense, MoE, document-mask and MLA debug recipes, eager."""
     return [
         Run("cpu", "Llama 3 debug, eager, CPU reference", LLAMA, PLAIN, device="cpu"),
         Run("cpu_moe", "Qwen 3 MoE debug, eager, CPU reference", MOE, PLAIN, device="cpu"),
         Run("cpu_doc", "Llama 3 debug, eager, document mask, CPU reference", LLAMA, [*PLAIN, *doc], device="cpu"),
         Run("cpu_mla", "DeepSeek V3 debug (MLA, MoE), eager, CPU reference", MLA, PLAIN, device="cpu"),
+    ]
+
+
+def _mode_runs(graph: list[str]) -> list[Run]:
+    """Llama 3 in each step mode and with each kernel, and the MoE debug recipe at EP 1 and 2."""
+    return [
         Run("eager", "Llama 3 debug, eager", LLAMA, [*PLAIN, "--compile.mode=eager"], ref="cpu"),
         Run("compile", "Llama 3 debug, torch.compile per block", LLAMA, [*PLAIN, "--compile.mode=compile"], ref="cpu"),
         Run("graph_scan", "Llama 3 debug, graph mode, layer scan", LLAMA, [*PLAIN, *graph], ref="cpu"),
@@ -210,6 +202,13 @@ def plan(steps: int) -> list[Run]:
             ref="cpu_moe",
             min_devices=2,
         ),
+    ]
+
+
+def _checkpoint_runs(k: int, graph: list[str]) -> list[Run]:
+    """Save every `k` steps, resume from step `k`, and read that checkpoint back on the CPU."""
+    save = ["--checkpoint.enable=true", f"--checkpoint.interval={k}", "--checkpoint.keep_latest_k=0"]
+    return [
         Run("save", f"graph_scan, checkpoints every {k} steps", LLAMA, [*PLAIN, *graph, *save], ref="cpu"),
         Run(
             "resume",
@@ -230,6 +229,15 @@ def plan(steps: int) -> list[Run]:
             ref="resume",
             resume_of="save",
         ),
+    ]
+
+
+def _pod_runs(graph: list[str], doc: list[str]) -> list[Run]:
+    """What the pod recipes run beyond the runs above: context parallelism (the 128k recipes: k/v
+    all-gather, each rank's own splash ops) and MLA attention with expert parallelism
+    (DeepSeek V3 / Kimi K2). Attention is splash there, as `auto` picks on a TPU."""
+    splash = [*PLAIN, *graph, "--model.attn_backend=splash"]
+    return [
         Run(
             "cp2",
             "graph_scan + context parallel 2 (k/v all-gather, per-rank CP splash), splash attention",
@@ -256,6 +264,12 @@ def plan(steps: int) -> list[Run]:
             ref="cpu_mla",
             min_devices=2,
         ),
+    ]
+
+
+def _cache_runs(graph: list[str]) -> list[Run]:
+    """A run that fills a fresh persistent compile cache, and its relaunch on that cache."""
+    return [
         Run(
             "cache_cold",
             f"graph_scan, {CACHE_STEPS} steps, fills a fresh persistent compile cache",
@@ -279,114 +293,6 @@ def plan(steps: int) -> list[Run]:
 
 
 # ------------------------------------------------------------------------------------ logs
-
-
-_STEP_LINE = re.compile(r"^step\s+(\d+)/\d+\s")
-
-
-def cache_misses(log_text: str, pattern: str = CACHE_MISS_PATTERN, after_step: int = 3) -> int | None:
-    """Lines holding `pattern` after the console line of step `after_step` (rank 0 prints it), or
-    None when the log has no such line (the run stopped before it)."""
-    lines = log_text.splitlines()
-    for i, line in enumerate(lines):
-        m = _STEP_LINE.match(line)
-        if m and int(m.group(1)) == after_step:
-            return sum(pattern in rest for rest in lines[i + 1 :])
-    return None
-
-
-def counter_misses(records: list[dict], after_step: int = 3) -> int | None:
-    """Compilation cache misses in the steps after `after_step` by torch-tpu's counter (the
-    cumulative `compile_cache_misses` of metrics.jsonl), or None where the run has no counter."""
-    by_step = {r["step"]: r.get("compile_cache_misses") for r in records}
-    if by_step.get(after_step) is None or not records or records[-1].get("compile_cache_misses") is None:
-        return None
-    return int(records[-1]["compile_cache_misses"] - by_step[after_step])
-
-
-def misses_through(records: list[dict], step: int = 3) -> int | None:
-    """torch-tpu's cumulative miss count at `step` (start-up and steps 1..step), or None where the
-    run logged no counter there."""
-    value = next((r.get("compile_cache_misses") for r in records if r["step"] == step), None)
-    return None if value is None else int(value)
-
-
-def relaunch_verdict(first: list[dict], second: list[dict], after_step: int = 3) -> str:
-    """The compile cache's verdict line from the metrics.jsonl records of a run (`first`) and of
-    its relaunch on the same persistent cache (`second`): "second launch: N misses after step 3,
-    M at restart", M counting from the process start through step 3, then the first launch's two
-    numbers and what they say. A relaunch served wholly by the cache compiles nothing (0 and 0)."""
-    n, m = counter_misses(second, after_step), misses_through(second, after_step)
-    if n is None or m is None:
-        return (
-            f"second launch: not measured (no compile_cache_misses through step {after_step} in its "
-            "metrics.jsonl: not on a TPU, or it stopped early)"
-        )
-    line = f"second launch: {n} misses after step {after_step}, {m} at restart"
-    n0, m0 = counter_misses(first, after_step), misses_through(first, after_step)
-    if m0 is not None:
-        line += f" (first launch: {_fmt(n0, 'd')} after step {after_step}, {m0} at start)"
-    if n == 0 and m == 0:
-        return line + ": compiled nothing, the cache served every program"
-    if m0 is not None and m < m0:
-        return line + f": the cache served {m0 - m} of the first launch's {m0} programs, the rest compiled again"
-    return line + (
-        ": missed as much as a cold start (no cache read, or torch-tpu counts a program loaded "
-        "from the cache as a miss: see `compilations` and the first step's time)"
-    )
-
-
-def tail(log_text: str, n: int = TAIL_LINES) -> str:
-    return "\n".join(log_text.splitlines()[-n:])
-
-
-_ERROR_LINE = re.compile(r"^(\[(default)?\d+\]:?\s*|\[rank\d+\]:\s*)?(error: |[A-Za-z_][\w.]*(Error|Exception)\b)")
-
-
-def error_lines(log_text: str, limit: int = 10) -> list[str]:
-    """The trainer's `error:` lines and the exception lines of any traceback, once each (a
-    torchrun failure's summary can push a worker's error out of the tail)."""
-    seen: dict[str, None] = {}
-    for line in log_text.splitlines():
-        if _ERROR_LINE.match(line) and len(seen) < limit:
-            seen.setdefault(line.rstrip(), None)
-    return list(seen)
-
-
-def banner_lines(log_text: str) -> list[str]:
-    """The trainer's start-up lines (`titan-tpu: ...`: mesh, dtype, attention, loss, kernel
-    fallbacks), once each, in order."""
-    seen: dict[str, None] = {}
-    for line in log_text.splitlines():
-        if line.startswith("titan-tpu:") and not line.startswith(TRAINER_MISS_LINE):
-            seen.setdefault(line.rstrip(), None)
-    return list(seen)
-
-
-def parse_launch_env(text: str) -> dict[str, str]:
-    """`KEY=VALUE` / `KEY="VALUE"` lines of `python -m torch.tpu.distributed`'s output."""
-    env = {}
-    for line in text.splitlines():
-        m = re.match(r"^([A-Z_][A-Z0-9_]*)=(.*)$", line.strip())
-        if m:
-            value = m.group(2)
-            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-                value = value[1:-1]
-            env[m.group(1)] = value
-    return env
-
-
-def read_metrics(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line cut short by a kill
-            pass
-    return out
 
 
 # ---------------------------------------------------------------------------------- running
@@ -456,7 +362,7 @@ def run_logged(cmd: list[str], *, env: dict[str, str], log: Path, timeout_s: flo
 
 
 def _topology_cmd(shim: bool) -> list[str]:
-    module = "tests.support.fake_tpu.distributed" if shim else "torch.tpu.distributed"
+    module = SHIM_MODULE if shim else "torch.tpu.distributed"
     return [sys.executable, "-m", module]
 
 
@@ -732,239 +638,6 @@ def pack(out: Path) -> Path:
 # ---------------------------------------------------------------------------------- the report
 
 
-def _fmt(value, spec: str = ".4f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return format(value, spec)
-
-
-def summarize(records: list[dict]) -> dict:
-    """Numbers of one run from its metrics.jsonl records (one per step, log_freq = 1)."""
-    if not records:
-        return {}
-    first, last = records[0], records[-1]
-    steady = [r for r in records if r["step"] >= 3]  # step 1 compiles; step 2 may recompile
-    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:]) if b["step"] >= 3]
-
-    def median(key):
-        vals = [r[key] for r in steady if r.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
-    return {
-        "first_step": first["step"],
-        "last_step": last["step"],
-        "final_loss": last.get("loss"),
-        "setup_s": first.get("setup_s"),
-        "first_step_s": first.get("elapsed_s"),
-        "compile_s": first.get("compile_s"),
-        "median_step_s": statistics.median(times) if times else None,
-        "tokens_per_sec": median("tokens_per_sec"),
-        "mfu_pct": median("mfu_pct"),
-        "counter_misses": counter_misses(records, after_step=first["step"] + 2),
-        "misses_through_3": misses_through(records, first["step"] + 2),
-        "compilations": last.get("compilations"),
-        "losses": {r["step"]: r.get("loss") for r in records},
-    }
-
-
-def compare(run: dict, ref: dict, *, exact: bool) -> tuple[str, float | None]:
-    """(verdict, relative difference) of a run's losses against its reference's: exact: the
-    largest per-step difference; else the medians of the last LAST_STEPS common steps."""
-    a, b = run.get("losses") or {}, ref.get("losses") or {}
-    common = sorted(s for s in a if s in b)
-    if not common:
-        return "not compared (no common steps)", None
-    if any(a[s] is None or b[s] is None for s in common):
-        return "FAIL: non-finite loss", None
-    if exact:
-        worst = max(abs(a[s] - b[s]) / abs(b[s]) for s in common)
-        return ("ok" if worst <= REL_TOL_RESUME else f"DIFFERS (> {REL_TOL_RESUME:g})"), worst
-    window = common[-LAST_STEPS:]
-    mid_a = statistics.median(a[s] for s in window)
-    mid_b = statistics.median(b[s] for s in window)
-    rel = (mid_a - mid_b) / abs(mid_b)
-    if len(common) > len(window) and mid_a >= a[common[0]]:
-        return "FAIL: loss did not fall", rel
-    return ("ok" if abs(rel) <= REL_TOL_VS_CPU else f"DIFFERS (> {REL_TOL_VS_CPU:.0%})"), rel
-
-
-def render_report(out: Path, pattern: str = CACHE_MISS_PATTERN) -> str:
-    """report.md from OUT/smoke.json, the logs and the metrics."""
-    meta = json.loads((out / "smoke.json").read_text())
-    runs = meta["runs"]
-    stats, logs = {}, {}
-    for name, r in runs.items():
-        log = out / "runs" / f"{name}.log"
-        logs[name] = log.read_text(errors="replace") if log.is_file() else ""
-        stats[name] = summarize(read_metrics(out / "runs" / name))
-        if r.get("status") == "ok" and stats[name].get("last_step") != r.get("steps", meta["steps"]):
-            r["status"] = "failed"
-            r["reason"] = f"exit 0 but metrics.jsonl ends at step {stats[name].get('last_step')}"
-
-    L = ["# TPU smoke report", ""]
-    if meta["shim"]:
-        L += [
-            '**Fake TPU shim (`--shim`, CI): nothing here ran on a TPU.** The "TPU" runs trained on the '
-            "CPU with a tiny model (`" + " ".join(SHIM) + "`), the splash run with SDPA, and the topology "
-            "below is made up by `tests/support/fake_tpu/distributed.py`; losses and times say nothing about a TPU. "
-            "The runs, timeouts, failure capture, report and tarball are the real ones.",
-            "",
-        ]
-    L += [
-        f"- started {meta['started']}, finished {meta.get('finished', '-')}; commit {meta['git']}",
-        f"- {meta['steps']} steps per run, log every step; global batch {meta['global_batch']} sequences on "
-        f"every run ({meta['devices']} device(s): {meta['global_batch'] // max(meta['devices'], 1)} per device); "
-        f"timeout {meta['timeout_s']:g} s per run unless noted",
-        "- cache misses after step 3: torch-tpu's counter (`compile_cache_misses` in metrics.jsonl, TPU only) "
-        f"/ log lines with `{pattern}` (torch-tpu's message) after the step-3 line (a resumed run: after its "
-        "own third step)",
-        "",
-    ]
-
-    counts = {}
-    for r in runs.values():
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
-    L += ["## Runs", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
-    L += [
-        "| run | what | status | steps | final loss | vs | Δ loss (rel.) | verdict | setup s | first step s | "
-        "graph compile s | median step s | tokens/s/device | MFU % | cache misses after step 3 (counter / log) |",
-        "|" + "---|" * 15,
-    ]
-    for name, r in runs.items():
-        s = stats[name]
-        status = r["status"]
-        if status == "failed":
-            status = (f"failed (rc {r.get('rc')})" if r.get("rc") else "failed") + (
-                f": {r['reason']}" if r.get("reason") else ""
-            )
-        elif status == "timed out":
-            status = f"timed out after {r['timeout_s']:g} s"
-        elif status in ("skipped", "not run"):
-            status = f"{status}: {r['reason']}"
-        verdict, rel = "-", None
-        if r.get("ref") and s and r["ref"] in stats and stats[r["ref"]]:
-            verdict, rel = compare(s, stats[r["ref"]], exact=r["exact"])
-        third = s["first_step"] + 2 if s else 3  # step 3; a resumed run's own third step
-        log_misses = cache_misses(logs[name], pattern, after_step=third) if logs[name] else None
-        misses = f"{_fmt(s.get('counter_misses'), 'd')} / {_fmt(log_misses, 'd')}"
-        steps = f"{s['first_step']}-{s['last_step']}" if s else "-"
-        L.append(
-            f"| {name} | {r['what']} | {status} | {steps} | {_fmt(s.get('final_loss'))} | "
-            f"{r.get('ref') or '-'} | {_fmt(rel, '+.2e') if r.get('exact') else _fmt(rel, '+.2%')} | {verdict} | "
-            f"{_fmt(s.get('setup_s'), '.1f')} | {_fmt(s.get('first_step_s'), '.1f')} | "
-            f"{_fmt(s.get('compile_s'), '.1f')} | {_fmt(s.get('median_step_s'), '.3f')} | "
-            f"{_fmt(s.get('tokens_per_sec'), ',.0f')} | {_fmt(s.get('mfu_pct'), '.2f')} | "
-            f"{misses} |"
-        )
-    L += [
-        "",
-        "Columns: *Δ loss* is the run's median loss over the last (up to 5) steps both runs logged minus "
-        "its reference's, relative (resume: the largest per-step difference from the uninterrupted run). "
-        f"*Verdict*: ok within {REL_TOL_VS_CPU:.0%} of the CPU reference (different initial weights: each "
-        "device draws them from its own RNG; the spread that causes was measured on the CPU, docs/tpu.md), "
-        f"within {REL_TOL_RESUME:g} for the resume (same device, state restored exactly); FAIL when the loss "
-        "did not fall or was not finite. *setup s*: start to the first step; *first step s*: the first "
-        "step including its compilation; *graph compile s*: graph mode's capture and compile; *median step "
-        "s*, *tokens/s/device*, *MFU %*: medians over steps 3 and later (every step syncs to log, so "
-        "these are upper bounds on step time).",
-        "",
-    ]
-
-    relaunches = [n for n, r in runs.items() if r.get("relaunch_of") in runs]
-    for name in relaunches:
-        first = runs[name]["relaunch_of"]
-        records = {n: read_metrics(out / "runs" / n) for n in (first, name)}
-        L += [
-            "## Compile cache: second launch",
-            "",
-            f"**{relaunch_verdict(records[first], records[name])}**",
-            "",
-            f"`{name}` is `{first}` launched again on the persistent compilation cache `{first}` filled "
-            f"(`[compile] cache_dir = {CACHE_FOLDER}/`, TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT), with a host "
-            f"cache of its own (TORCH_TPU_TIER2_COMPILATION_CACHE under {TIER2_ROOT}), so what it did not "
-            "compile came from the persistent folder. Misses are torch-tpu's counter (`compile_cache_misses` "
-            "in metrics.jsonl, TPU only): *at start / at restart* from the process start through step 3, "
-            "*after step 3* the rest; *compilations* is torch-tpu's own count of programs compiled "
-            "(`compilations`, last step); a launch served by the cache should have few or none.",
-            "",
-            "| launch | run | status | misses through step 3 | misses after step 3 | compilations | "
-            "first step s | graph compile s | persistent cache after (files, MB) | host cache after (files) |",
-            "|" + "---|" * 10,
-        ]
-        for label, n in (("first", first), ("second", name)):
-            s, r = stats[n], runs[n]
-            t3, t2 = r.get("tier3_after"), r.get("tier2_after")
-            L.append(
-                f"| {label} | {n} | {r['status']} | {_fmt(s.get('misses_through_3'), 'd')} | "
-                f"{_fmt(s.get('counter_misses'), 'd')} | {_fmt(s.get('compilations'), 'd')} | "
-                f"{_fmt(s.get('first_step_s'), '.1f')} | {_fmt(s.get('compile_s'), '.1f')} | "
-                + (f"{t3['files']}, {t3['bytes'] / 1e6:.1f}" if t3 else "none")
-                + " | "
-                + (str(t2["files"]) if t2 else "none")
-                + " |"
-            )
-        L.append("")
-
-    if "resume" in runs and stats.get("resume") and stats.get("save"):
-        a, b = stats["resume"]["losses"], stats["save"]["losses"]
-        L += ["## Save and resume", "", "| step | save (uninterrupted) | resume | difference |", "|---|---|---|---|"]
-        for step in sorted(set(a) & set(b)):
-            diff = a[step] - b[step] if a[step] is not None and b[step] is not None else None
-            L.append(f"| {step} | {_fmt(b[step], '.6f')} | {_fmt(a[step], '.6f')} | {_fmt(diff, '+.2e')} |")
-        L.append("")
-
-    L += [
-        "## Environment",
-        "",
-        "```",
-        (out / "env.txt").read_text().strip(),
-        "```",
-        "",
-        f"Topology: `{'python -m tests.support.fake_tpu.distributed' if meta['shim'] else 'python -m torch.tpu.distributed'}` "
-        f"(exit {meta['launch_rc']}):",
-        "",
-        "```",
-        _read(out / "launch_env.txt").strip() or "(no output)",
-        "```",
-        "",
-    ]
-
-    L += ["## Flags and start-up lines per run", ""]
-    for name, r in runs.items():
-        L += [f"### {name}", ""]
-        if "cmd" not in r:
-            L += [f"not run: {r.get('reason', '-')}", ""]
-            continue
-        env = " ".join(f"{k}={v}" for k, v in r["env"].items())
-        L += ["```", f"{env} \\", "  " + " ".join(r["cmd"]), "```", ""]
-        L += [
-            f"exit {r['rc'] if r.get('rc') is not None else 'none (killed)'}, {r.get('wall_s', '-')} s wall"
-            + (f"; {r['reason']}" if r.get("reason") else ""),
-            "",
-        ]
-        banner = banner_lines(logs[name])
-        if banner:
-            L += ["```", *banner, "```", ""]
-
-    failed = [n for n, r in runs.items() if r["status"] in ("failed", "timed out")]
-    L += ["## Logs of the runs that did not finish", ""]
-    if not failed:
-        L += ["none", ""]
-    for name in failed:
-        L += [f"### {name}: {runs[name]['status']}", ""]
-        errors = error_lines(logs[name])
-        if errors:
-            L += ["Error lines anywhere in the log:", "", "```", *errors, "```", ""]
-        L += [f"Last {TAIL_LINES} lines of runs/{name}.log:", "", "```", tail(logs[name]) or "(empty log)", "```", ""]
-
-    L += ["## pip freeze", "", "```", _read(out / "pip_freeze.txt").strip(), "```", ""]
-    return "\n".join(L)
-
-
-def _read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.is_file() else ""
-
-
 # ---------------------------------------------------------------------------------- command line
 
 
@@ -993,84 +666,6 @@ def _sets(items: list[str]) -> dict[str, list[str]]:
             raise _Fail(f"--set {item!r}: expected RUN:--section.key=value")
         out.setdefault(name, []).append(arg)
     return out
-
-
-# --- --multislice: the plan of a first 2-slice run ------------------------------------------------
-
-MULTISLICE_RECIPE = LLAMA
-MULTISLICE_RUNTIME = {"v6e": "v2-alpha-tpuv6e", "v5litepod": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5"}
-"""TPU VM software versions by generation (Cloud TPU's documented runtime images)."""
-
-
-def multislice_plan(args: argparse.Namespace) -> str:
-    """The commands, in order, for the owner of two small slices to check a multislice start
-    (docs/launch.md, "Several slices"): what a CPU cannot tell is which rank torch-tpu indexes its
-    per-slice slice-builder address list with, and whether libtpu's MegaScale client forms with the
-    coordinator the launcher exports. Printed, never run here."""
-    name, zone, acc, n = args.name, args.zone, args.accelerator, args.slices
-    project = f" --project {args.project}" if args.project else ""
-    runtime = args.runtime_version or MULTISLICE_RUNTIME.get(acc.split("-")[0], "RUNTIME_VERSION")
-    where = f"{name} --zone {zone}{project}"
-    ssh = f"gcloud compute tpus queued-resources ssh {where} --node=all --worker=all"
-    train = (
-        f"--config {MULTISLICE_RECIPE} --training.steps={args.steps} "
-        f"--parallelism.data_parallel_replicate_degree={n} --parallelism.data_parallel_shard_degree=-1 "
-        f"{' '.join(COMMON)} --job.dump_folder=outputs/multislice_smoke"
-    )
-    repo = args.repo
-    return "\n".join(
-        [
-            f"plan only (nothing was run here): a first multislice run on {n} x {acc} "
-            f"(queued resource {name}, zone {zone}), for the owner of the slices to run step by step.",
-            "It answers what no CPU test can: which rank torch-tpu indexes its per-slice slice-builder address "
-            "list with, and whether libtpu's MegaScale client forms with the coordinator the launcher exports.",
-            "",
-            f"1. Create {n} slices as one queued resource (each node a slice):",
-            f"   gcloud compute tpus queued-resources create {where} --node-count {n} --node-prefix {name} "
-            f"--accelerator-type {acc} --runtime-version {runtime}",
-            f"   gcloud compute tpus queued-resources describe {where}   # until ACTIVE",
-            "2. The same checkout at the same path on every host, and the TPU venv (Python 3.11, torch-tpu, gcsfs):",
-            f"   {ssh} --command 'git clone REPO_URL {repo} && cd {repo} && source scripts/env.sh tpu'",
-            f"3. One slice at a time first (optional, single host): {ssh} --command "
-            f"'cd {repo} && scripts/tpu_smoke.sh --runs cpu,eager'",
-            "4. Every process's view, without training: each host prints its plan, its MegaScale variables (the "
-            "coordinator with a port, MEGASCALE_PORT unset) and one '# process' line per device with its RANK "
-            "and slice_builder[i] entry:",
-            f"   {ssh} --command 'cd {repo} && bash scripts/launch_pod.sh host tpu --platform tpu-vm --dry-run -- "
-            f"{train}'",
-            f"5. The run ({args.steps} steps, HSDP: one replica per slice, FSDP inside each; no checkpoints):",
-            f"   cd {repo} && scripts/launch_pod.sh qr {name} {zone}{' ' + args.project if args.project else ''} -- "
-            f"{train}",
-            "   Look for: every host's 'launch: tpu-vm: node R/N, ... slice S/" + str(n) + "' line; step lines "
-            "from rank 0. On a failure: 'invalid world_size configuration' or a hang before step 1 (possibly torch-tpu "
-            "indexing its slice-builder list by the global RANK rather than the place in the slice), or a MegaScale "
-            "error naming the coordinator. Send back every host's output.",
-            "6. Delete the slices:",
-            f"   gcloud compute tpus queued-resources delete {where} --force --async",
-        ]
-    )
-
-
-def parse_multislice(argv: list[str]) -> argparse.Namespace:
-    p = cli.ArgumentParser(
-        prog="scripts/tpu_smoke.sh --multislice",
-        description="Print the plan of a first multislice run (2 x v6e-8 by default) for the owner of the "
-        "slices; nothing is run here.",
-    )
-    p.add_argument("--name", default="titan-multislice", help="the queued resource's name (default %(default)s)")
-    p.add_argument("--zone", default="ZONE", help="its zone, e.g. us-east5-b")
-    p.add_argument("--project", default="", help="the Google Cloud project (default: gcloud's)")
-    p.add_argument("--accelerator", default="v6e-8", help="each slice's type (default %(default)s: one host)")
-    p.add_argument("--slices", type=int, default=2, help="how many slices (default %(default)s)")
-    p.add_argument("--runtime-version", default="", help="the TPU VM image (default: by generation)")
-    p.add_argument("--steps", type=int, default=20, help="training steps (default %(default)s)")
-    p.add_argument("--repo", default="titan-tpu", help="the checkout's path on every host (default %(default)s)")
-    args = p.parse_args(argv)
-    if args.slices < 2:
-        raise _Fail(f"--slices: {args.slices}; allowed: 2 or more (a multislice run)")
-    if args.steps < 1:
-        raise _Fail(f"--steps: {args.steps}; allowed: >= 1")
-    return args
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -1143,12 +738,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["multislice"]:  # scripts/tpu_smoke.sh --multislice: a plan, printed
-        try:
-            print(multislice_plan(parse_multislice(argv[1:])))
-        except _Fail as e:
-            cli.error_line(str(e))
-            return 2
-        return 0
+        from tools.tpu_multislice import main as multislice_main
+
+        return multislice_main(argv[1:], recipe=LLAMA, common=COMMON)
     try:
         args = parse(argv)
     except _Fail as e:  # a bad flag: ConfigError (or a plain exit 2 without torch), through cli.run
