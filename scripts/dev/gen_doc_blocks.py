@@ -20,6 +20,10 @@ only its inside is rewritten. The blocks:
 - docs/planner.md `pod_recipes`: every pod recipe (a `[job] target` in configs/) planned as
   shipped (`planner.plan_estimate`, the one-block probe), and its compiled figure from the latest
   docs/results/pod_compile_*.csv row of that recipe.
+- docs/planner.md `breakdown`: the per-device terms of the dense Llama 3 pod recipes;
+  docs/context_parallel.md `cp_recipes`: the 128k recipes; docs/low_precision.md
+  `low_precision_recipes`: each `[quantize]` pod recipe against its parent (all as shipped).
+- docs/recipe_check.md `pod_compiles`: every row of docs/results/pod_compile_*.csv.
 - docs/planner.md `moe_search`: the DeepSeek-V3 / Kimi K2 slice search, from its CSVs
   (docs/results/planner_*_v7x_*.csv).
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
@@ -488,6 +492,131 @@ def render_moe_dispatch_capacity() -> str:
     return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
 
 
+BREAKDOWN_RECIPES = ("llama3_8b_v6e", "llama3_70b_v6e", "llama3_405b_v7x")
+"""The dense Llama 3 pod recipes whose per-device terms docs/planner.md tabulates."""
+
+
+def render_breakdown() -> str:
+    """Per-device terms of the dense Llama 3 pod recipes as shipped (GiB; scripts/estimate.py's rows)."""
+    import planner
+
+    ests = [recipe_estimate(name)[1] for name in BREAKDOWN_RECIPES]
+
+    def g(n: float) -> str:
+        return f"{n / planner.GiB:.2f}"
+
+    def transient(e) -> str:
+        which = "loss / LM head" if e.transient == e.transient_loss else "block backward"
+        return f"{g(e.transient)} ({which})"
+
+    rows = [
+        ("parameters / gradients / AdamW (fp32)", lambda e: f"{g(e.params)} / {g(e.grads)} / {g(e.optimizer)}"),
+        ("bf16 weights kept for backward", lambda e: g(e.saved_weights)),
+        (
+            "block activations (AC full)",
+            lambda e: f"{e.n_layers} x {g(e.activations.per_block)} = {g(e.activations.blocks)}",
+        ),
+        ("final norm, LM-head input, ids", lambda e: g(e.activations.outside)),
+        ("loss (fused: fp32 log-sum-exp per token)", lambda e: g(e.activations.loss)),
+        ("transient peak", transient),
+        ("undonated update", lambda e: g(e.update)),
+        ("**total** / usable", lambda e: f"**{g(e.total)}** / {e.usable / planner.GiB:.1f}"),
+    ]
+    head = ["| |"] + [f" {name} ({e.target.name}) |" for name, e in zip(BREAKDOWN_RECIPES, ests)]
+    out = ["".join(head), "|---|" + "---|" * len(ests)]
+    for label, cell in rows:
+        out.append(f"| {label} | " + " | ".join(cell(e) for e in ests) + " |")
+    return "\n".join(out)
+
+
+CP_RECIPES = ("llama3_8b_128k_v6e", "llama3_8b_128k_v7x", "qwen3_32b_128k_v6e", "qwen3_32b_128k_v7x")
+
+
+def render_cp_recipes() -> str:
+    """The 128k recipes (context parallelism) as shipped."""
+    import planner
+
+    out = [
+        "| recipe | target | layout | tokens / device | global batch | planner GiB / device (usable) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in CP_RECIPES:
+        cfg, est = recipe_estimate(name)
+        out.append(
+            f"| configs/{name}.toml | {est.target.name} | {_layout(cfg, est)} | {est.tokens_per_device_step:,.0f} "
+            f"| {est.global_batch_tokens / 2**20:g}M | {est.total / planner.GiB:.2f} ({est.usable / planner.GiB:.1f}) |"
+        )
+    return "\n".join(out)
+
+
+def render_low_precision_recipes() -> str:
+    """Each low-precision pod recipe (`[quantize] recipe` set) against its parent (the name without
+    the last `_` suffix), as shipped."""
+    import planner
+
+    gib = planner.GiB
+    out = [
+        "| recipe | `[quantize]` | planner GiB per device: parent -> variant (usable) | of which the largest quantized "
+        "backward's low-precision copies | the variant's peak |",
+        "|---|---|---|---|---|",
+    ]
+    for name in pod_recipes():
+        cfg, est = recipe_estimate(name)
+        if cfg.quantize.recipe == "none":
+            continue
+        _, parent = recipe_estimate(name.rsplit("_", 1)[0])
+        peak = "loss / LM head" if est.transient == est.transient_loss else "block backward"
+        out.append(
+            f"| `{name}` | {cfg.quantize.recipe} | {parent.total / gib:.1f} -> {est.total / gib:.1f} "
+            f"({est.usable / gib:.1f}) | {est.quantize_transient / gib:.2f} | {peak} |"
+        )
+    return "\n".join(out)
+
+
+_COLLECTIVES = {
+    "all_gather_into_tensor": "all-gather",
+    "all_reduce": "all-reduce",
+    "all_to_all_single": "all-to-all",
+    "reduce_scatter_tensor": "reduce-scatter",
+}
+
+
+def render_pod_compiles() -> str:
+    """Every row of docs/results/pod_compile_*.csv (`scripts/check_recipe.py --compile --compile-csv`),
+    file by file: the deviceless XLA compile of each pod recipe at full depth against the planner of
+    that run (the `planned GiB` column; the planner of this commit is in docs/planner.md)."""
+    import csv
+
+    out = [
+        "| recipe | target | mesh as compiled | program | compile s | args / out / temp GiB | compiler GiB "
+        "| planned GiB (then) | verdict | CSV |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in sorted((ROOT / "docs" / "results").glob("pod_compile_*.csv")):
+        lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+        for r in csv.DictReader(lines):
+            program = r["program"]
+            for name, short in _COLLECTIVES.items():
+                program = program.replace(name, short)
+            verdict = r["verdict"]
+            if r["compiler GiB"] not in ("", "-") and r["planned GiB"] not in ("", "-"):
+                verdict += f" ({float(r['compiler GiB']) / float(r['planned GiB']) - 1:+.0%})"
+            cells = [
+                r["recipe"].removesuffix(".toml"),
+                r["target"],
+                r["mesh as compiled"],
+                program,
+                r["compile s"],
+                f"{r['args GiB']} / {r['out GiB']} / {r['temp GiB']}",
+                r["compiler GiB"],
+                r["planned GiB"],
+                verdict,
+                path.name,
+            ]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out)
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -518,7 +647,14 @@ BLOCKS = {
     "docs/rules.md": {"rules": render_rules, "build_checks": render_build_checks},
     "docs/architecture.md": {"layer_imports": render_layer_imports},
     "docs/testing.md": {"scheduled": render_scheduled},
-    "docs/planner.md": {"pod_recipes": render_pod_recipes, "moe_search": render_moe_search},
+    "docs/planner.md": {
+        "pod_recipes": render_pod_recipes,
+        "breakdown": render_breakdown,
+        "moe_search": render_moe_search,
+    },
+    "docs/context_parallel.md": {"cp_recipes": render_cp_recipes},
+    "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
+    "docs/low_precision.md": {"low_precision_recipes": render_low_precision_recipes},
     "docs/optimizers.md": {"optimizer_memory": render_optimizer_memory},
     "docs/expert_parallel.md": {"moe_dispatch_capacity": render_moe_dispatch_capacity, "ep_recipes": render_ep_recipes},
 }
