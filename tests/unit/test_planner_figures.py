@@ -44,6 +44,18 @@ VARIANTS = [
         (("parallelism.tensor_parallel_degree", "2"), (BATCH, "2"), ("parallelism.enable_loss_parallel", "true")),
         r"FSDP 256 x TP 2 at batch 2 \((\d+\.\d+) GiB",
     ),
+    (
+        "docs/planner.md",
+        "qwen3_235b_a22b_v7x",
+        ((CAPACITY, "0"), (BATCH, "2"), (EP, "32")),
+        r"EP 32 \(235B on v7x-512: (\d+\.?\d*) GiB\)",
+    ),
+    (
+        "docs/planner.md",
+        "qwen3_30b_a3b_v6e",
+        ((CAPACITY, "0"), (BATCH, "2"), (EP, "16")),
+        r"EP 16 \(30B on v6e-256: (\d+\.\d+) GiB\)",
+    ),
     ("configs/kimi_k2_v7x.toml", "kimi_k2_v7x", ((EP, "4"),), r"EP 4 would need (\d+\.\d+) GiB"),
     ("configs/kimi_k2_v7x.toml", "kimi_k2_v7x", (*DROPLESS, (BATCH, "2")), r"EP 4 with 2 sequences \((\d+\.\d+) GiB"),
     ("configs/kimi_k2_v7x.toml", "kimi_k2_v7x", (*DROPLESS, (BATCH, "4")), r"not 4 \((\d+\.\d+) GiB\)"),
