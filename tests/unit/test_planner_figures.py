@@ -44,6 +44,13 @@ VARIANTS = [
         (("parallelism.tensor_parallel_degree", "2"), (BATCH, "2"), ("parallelism.enable_loss_parallel", "true")),
         r"FSDP 256 x TP 2 at batch 2 \((\d+\.\d+) GiB",
     ),
+    ("docs/planner.md", "flux_dev_v7x", (), r"(\d+\.\d+) GiB of 86\.4 usable per device \(blocks 57"),
+    (
+        "docs/planner.md",
+        "llama3_405b_v7x",
+        (("parallelism.tensor_parallel_degree", "2"), (BATCH, "2"), ("parallelism.enable_loss_parallel", "true")),
+        r"picks FSDP 256 x TP 2 at batch 2 \((\d+\.\d+) GiB",
+    ),
     (
         "docs/planner.md",
         "qwen3_235b_a22b_v7x",
