@@ -145,6 +145,74 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
             check()
 
 
+# ------------------------------------------------------------------------- the rooms of trainer/
+
+TRAINER_LAYERS = (  # bottom to top; the rooms of one layer do not import each other
+    ("runtime",),  # device, process group, atomic writes, the storage seam, the run lock
+    ("checkpoint", "data", "optim", "step"),  # checkpoints, text data, optimizers, the step's plan and loss
+    ("flux_data",),  # the FLUX data set: build and loader (reads data's tokenizer)
+    ("graph", "tasks"),  # the captured step; the tasks (lm, flow) with their data and loss
+    ("config",),  # the recipe: names the choices its rooms own (they never read a Config back)
+    ("callbacks", "job"),  # build_job and its named phases
+    ("engine", "launch", "train", "trainer"),  # the entry points, and the face (trainer/__init__)
+)
+"""The rooms of trainer/ (its subpackages and top-level modules), layered like LAYERS."""
+ROOM_LAYER = {room: i for i, rooms in enumerate(TRAINER_LAYERS) for room in rooms}
+UPWARD_PENDING = (
+    # Temporary: the arrows issue 52 (part 2) found pointing up, removed one by one as each is fixed.
+    "trainer.data.flux -> trainer.flux_data.build",
+    "trainer.runtime.storage -> trainer.checkpoint.manifest",
+    "trainer.tasks.flux_run -> trainer.config",
+)
+
+
+def _room(module: str) -> str:
+    """trainer.X.Y and trainer.X -> X; the face `trainer` itself -> trainer."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_room_imports(edges: dict[str, set[str]]) -> list[str]:
+    """`module -> target` of each import inside trainer/ that points to a room of the same or a higher
+    layer (another room), or from or to a room TRAINER_LAYERS does not place."""
+    bad = []
+    for module, targets in sorted(edges.items()):
+        if module.split(".")[0] != "trainer":
+            continue
+        for target in sorted(targets):
+            a, b = _room(module), _room(target)
+            if target.split(".")[0] != "trainer" or a == b:
+                continue
+            if a not in ROOM_LAYER or b not in ROOM_LAYER or ROOM_LAYER[b] >= ROOM_LAYER[a]:
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def test_the_rooms_of_trainer_only_point_down():
+    rooms = {p.stem for p in (ROOT / "trainer").iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()}
+    rooms = {"trainer" if r == "__init__" else r for r in rooms}
+    assert rooms == set(ROOM_LAYER), f"place each room of trainer/ in TRAINER_LAYERS: {rooms ^ set(ROOM_LAYER)}"
+    upward = upward_room_imports(_edges())
+    assert not set(upward) - set(UPWARD_PENDING), upward
+    assert not set(UPWARD_PENDING) - set(upward), "fixed: drop them from UPWARD_PENDING"
+
+
+def test_the_room_check_can_fail():
+    edges = {
+        "trainer.runtime.storage": {"trainer.checkpoint.manifest", "trainer.runtime.atomic", "models.errors"},
+        "trainer.data.flux": {"trainer.flux_data.build"},
+        "trainer.checkpoint.local": {"trainer.data.text"},  # a neighbour of the same layer
+        "trainer.job": {"trainer.step.plan", "trainer.nowhere"},  # a room no layer places
+        "trainer.tasks.lm": {"trainer.step.loss", "trainer.tasks"},
+    }
+    assert upward_room_imports(edges) == [
+        "trainer.checkpoint.local -> trainer.data.text",
+        "trainer.data.flux -> trainer.flux_data.build",
+        "trainer.job -> trainer.nowhere",
+        "trainer.runtime.storage -> trainer.checkpoint.manifest",
+    ]
+
+
 def test_top_level_packages_shadow_no_installed_distribution():
     """Our top-level package names must not be another distribution's import name: transformers
     5.25 made Hugging Face's `kernels` a dependency, and our package then called `kernels` shadowed
