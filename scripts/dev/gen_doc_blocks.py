@@ -24,6 +24,9 @@ only its inside is rewritten. The blocks:
   docs/context_parallel.md `cp_recipes`: the 128k recipes; docs/low_precision.md
   `low_precision_recipes`: each `[quantize]` pod recipe against its parent (all as shipped).
 - docs/recipe_check.md `pod_compiles`: every row of docs/results/pod_compile_*.csv.
+- docs/planner.md `recommend`: `--recommend` from model flags for a few model and target pairs,
+  from docs/results/planner_recommend_*.csv (a search takes about half a minute each, too slow
+  for this check).
 - docs/planner.md `moe_search`: the DeepSeek-V3 / Kimi K2 slice search, from its CSVs
   (docs/results/planner_*_v7x_*.csv).
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
@@ -390,6 +393,42 @@ def render_pod_recipes() -> str:
     return "\n".join(out)
 
 
+def render_recommend() -> str:
+    """`scripts/estimate.py --model M --flavor F --target T --recommend --csv` for a few model and
+    target pairs (docs/results/planner_recommend_*.csv: the first row and the first fitting ones of
+    each search, in `recommend`'s order): the first fitting plan of each, or the smallest when none fits."""
+    import csv
+
+    gib = 2**30
+    (path,) = sorted((ROOT / "docs" / "results").glob("planner_recommend_*.csv"))[-1:]
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    out = [
+        "| model | target | recommended plan | GiB / device (usable) | tokens / device / step "
+        "| est. step s, tok/s/device at 40 % MFU (x recompute) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in dict.fromkeys((r["model"], r["target"]) for r in rows):
+        plans = [r for r in rows if (r["model"], r["target"]) == key]
+        best = next((r for r in plans if r["fits"] == "True"), None)
+        r = best or plans[0]
+        axes = [f"FSDP {r['dp_shard']}"]
+        if int(r["dp_replicate"]) > 1:
+            axes.insert(0, f"replicate {r['dp_replicate']}")
+        axes += [f"{a} {r[k]}" for a, k in (("CP", "cp"), ("TP", "tp"), ("EP", "ep")) if int(r[k]) > 1]
+        plan = " x ".join(axes) + (" (loss parallel)" if r["loss_parallel"] == "True" and int(r["tp"]) > 1 else "")
+        plan += f", AC {r['ac_mode']}, batch {r['local_batch_size']}"
+        total = int(r["total_bytes"]) / gib
+        if best is None:
+            out.append(f"| {key[0]} | {key[1]} | **none fits**: closest {plan} needs {total:.2f} | - | - | - |")
+            continue
+        out.append(
+            f"| {key[0]} | {key[1]} | {plan} | {total:.2f} ({int(r['usable_bytes']) / gib:.1f}) "
+            f"| {float(r['tokens_per_device_step']):,.0f} | {float(r['est_step_s']):.2f} s, "
+            f"{float(r['est_tokens_per_s_per_device']):,.0f} |"
+        )
+    return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
+
+
 def render_moe_search() -> str:
     """The dropless DeepSeek-V3 / Kimi K2 slice search of docs/results/planner_*_v7x_*.csv
     (`estimate.py --recommend --csv`): per target the first fitting plan in `recommend`'s order
@@ -648,6 +687,7 @@ BLOCKS = {
     "docs/architecture.md": {"layer_imports": render_layer_imports},
     "docs/testing.md": {"scheduled": render_scheduled},
     "docs/planner.md": {
+        "recommend": render_recommend,
         "pod_recipes": render_pod_recipes,
         "breakdown": render_breakdown,
         "moe_search": render_moe_search,
