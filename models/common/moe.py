@@ -34,9 +34,9 @@ auxiliary-loss-free load balancing (`expert_bias=True`) and the sequence-wise au
 (`aux_loss="sequence"`).
 
 Options for gpt-oss (off by default): `gate_bias=True` (a learned bias in the router logits, so
-in the selection and in the weights) and `experts=` a family's own `GroupedExperts` subclass
-(models/gpt_oss/model.py: per-expert biases and the clamped SwiGLU), which keeps the experts'
-contract below, so expert parallelism, layer scan and `[quantize]` take it as they are.
+in the selection and in the weights) and `experts=` a family's own experts module with the
+experts' contract of `GroupedExperts` below (models/gpt_oss/model.py: per-expert biases, the clamped
+SwiGLU, transformers' layout), which expert parallelism and layer scan take as they are.
 
 Auxiliary-loss-free load balancing (DeepSeek-V3, section 2.1.2): the router holds a persistent
 float32 buffer `expert_bias` [E] (zeros at start; in checkpoints, as DeepSeek's
@@ -472,7 +472,7 @@ class MoE(nn.Module):
         shared_hidden_dim: int = 0,
         aux_loss: str = "load_balance",
         gate_bias: bool = False,
-        experts: GroupedExperts | None = None,
+        experts: nn.Module | None = None,
     ):
         super().__init__()
         assert aux_loss in ("load_balance", "sequence", "none"), f"aux_loss {aux_loss!r}"
@@ -488,8 +488,8 @@ class MoE(nn.Module):
             expert_bias=expert_bias,
             gate_bias=gate_bias,
         )
-        # A family's own experts (a `GroupedExperts` subclass with the same contract: gpt-oss's
-        # biased, clamped SwiGLU experts) replace the default SwiGLU ones.
+        # A family's own experts (the contract of `GroupedExperts`: gpt-oss's biased, clamped
+        # SwiGLU experts) replace the default SwiGLU ones.
         if experts is None:
             experts = GroupedExperts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
         assert experts.num_experts == num_experts, (experts.num_experts, num_experts)

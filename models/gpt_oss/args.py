@@ -105,7 +105,7 @@ class GptOssArgs:
         # q/k/v/o weights and biases, one sink per head.
         attention = d * hd * (2 * h + 2 * kv) + hd * (h + 2 * kv) + d + h
         norms = 2 * d
-        per_expert = 3 * d * self.moe_hidden_dim + 2 * self.moe_hidden_dim + d  # w1/w3/w2 and their biases
+        per_expert = 3 * d * self.moe_hidden_dim + 2 * self.moe_hidden_dim + d  # gate_up, down and their biases
         router = d * self.num_experts + self.num_experts
         table = self.vocab_size * d
         outer = table + d + (0 if self.tie_embeddings else table)  # embedding, final norm, output

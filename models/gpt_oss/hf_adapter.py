@@ -1,15 +1,13 @@
 """Hugging Face interop for gpt-oss: `GptOssForCausalLM` (transformers' in-memory names and layout).
 
-Renames, plus three reshapes:
-- `self_attn.sinks` [H] <-> `attention.sinks.weight` [H, 1];
-- `mlp.experts.gate_up_proj` [E, dim, 2 hidden], gate and up columns interleaved (gate 0, up 0,
-  gate 1, ...), and its bias [E, 2 hidden] <-> `moe.experts.w1` / `w3` [E, hidden, dim] (transposed)
-  and `b1` / `b3` [E, hidden];
-- `mlp.experts.down_proj` [E, hidden, dim] <-> `moe.experts.w2` [E, dim, hidden] (transposed).
-A transpose and a stride-2 split are not boxes of the HF tensors, so there is no `hf_layout`: every
-rank reads all HF weights and converts them with `from_hf` (docs/checkpointing.md).
-The published checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`); `from_hf` takes the
-dequantized bf16/fp32 tensors (what transformers holds after loading them, or a BF16 copy).
+Our experts hold transformers' tensors as they are (`moe.experts.gate_up_proj` [E, dim, 2 hidden]
+with gate and up columns interleaved, `gate_up_proj_bias`, `down_proj` [E, hidden, dim],
+`down_proj_bias`), so every tensor is a rename but one: `self_attn.sinks` [H] <->
+`attention.sinks.weight` [H, 1] (the sinks are a linear's weight, models/gpt_oss/model.py), one box
+per head. `hf_layout` says so from names and shapes, so HF weights load per rank reading only each
+rank's slices, and `scripts/convert.py from-hf` converts one tensor at a time.
+The published checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): refused by name;
+load them with transformers (which dequantizes) or use a BF16 copy.
 """
 
 import re
@@ -17,47 +15,42 @@ from typing import Any
 
 import torch
 
+from models.common.hf_adapter import HFEntry, HFLayout, HFPiece, apply_layout, whole
 from models.gpt_oss.args import GptOssArgs
 
 _TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
-# HF key after "model.layers.N." -> ours after "layers.N." (renames only).
+# HF key after "model.layers.N." -> ours after "layers.N." (renames).
 _LAYER = {
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     **{f"self_attn.{p}_proj.{t}": f"attention.w{p}.{t}" for p in "qkvo" for t in ("weight", "bias")},
     "mlp.router.weight": "moe.router.gate.weight",
     "mlp.router.bias": "moe.router.gate.bias",
-    "mlp.experts.down_proj_bias": "moe.experts.b2",
+    **{
+        f"mlp.experts.{n}": f"moe.experts.{n}"
+        for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    },
 }
 _LAYER_INV = {ours: hf for hf, ours in _LAYER.items()}
-# Reshaped: HF key after "model.layers.N." -> the ours it makes.
-_RESHAPED = {
-    "self_attn.sinks": ("attention.sinks.weight",),
-    "mlp.experts.gate_up_proj": ("moe.experts.w1", "moe.experts.w3"),
-    "mlp.experts.gate_up_proj_bias": ("moe.experts.b1", "moe.experts.b3"),
-    "mlp.experts.down_proj": ("moe.experts.w2",),
-}
+_SINKS, _OURS_SINKS = "self_attn.sinks", "attention.sinks.weight"
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def _allowed_layer_keys() -> str:
-    return ", ".join(sorted([*_LAYER, *_RESHAPED]))
-
-
-def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
-    """HF gpt-oss state dict -> ours (new contiguous tensors for the reshaped ones, renames as given).
+def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: GptOssArgs) -> HFLayout:
+    """HF names and shapes -> how each of our parameters is made of them (models/common/hf_adapter.py).
     ValueError naming the key for an unknown, quantized (MXFP4) or missing tensor."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in hf_state_dict.items():
+    out: HFLayout = {}
+    lm_head = None
+    for key, shape in hf_shapes.items():
+        shape = tuple(shape)
         if key.endswith("rotary_emb.inv_freq"):
             continue  # a buffer; we rebuild the RoPE tables
         if key == "lm_head.weight":
-            if not args.tie_embeddings:
-                out["output.weight"] = value
+            lm_head = whole(key, shape)
             continue
         if key in _TOP:
-            out[_TOP[key]] = value
+            out[_TOP[key]] = whole(key, shape)
             continue
         match = _HF_LAYER.fullmatch(key)
         if match is None:
@@ -65,30 +58,26 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[st
                 f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP)}, lm_head.weight, model.layers.N.*"
             )
         layer, rest = match.group(1), match.group(2)
-        prefix = f"layers.{layer}."
         if rest.endswith(("_blocks", "_scales")):
             raise ValueError(
                 f"{key}: MXFP4-quantized experts; allowed: dequantized tensors (load the checkpoint with "
                 "transformers, which dequantizes on the CPU, or use a BF16 copy)"
             )
         if rest in _LAYER:
-            out[prefix + _LAYER[rest]] = value
-        elif rest == "self_attn.sinks":
-            out[prefix + "attention.sinks.weight"] = value.reshape(-1, 1).clone()
-        elif rest == "mlp.experts.gate_up_proj":  # [E, dim, 2h] -> w1, w3 [E, h, dim]
-            out[prefix + "moe.experts.w1"] = value[..., ::2].transpose(1, 2).contiguous()
-            out[prefix + "moe.experts.w3"] = value[..., 1::2].transpose(1, 2).contiguous()
-        elif rest == "mlp.experts.gate_up_proj_bias":
-            out[prefix + "moe.experts.b1"] = value[:, ::2].contiguous()
-            out[prefix + "moe.experts.b3"] = value[:, 1::2].contiguous()
-        elif rest == "mlp.experts.down_proj":  # [E, h, dim] -> [E, dim, h]
-            out[prefix + "moe.experts.w2"] = value.transpose(1, 2).contiguous()
+            out[f"layers.{layer}.{_LAYER[rest]}"] = whole(key, shape)
+        elif rest == _SINKS:  # [H] -> [H, 1]: head h is our box (h, 0) of shape (1, 1)
+            pieces = tuple(HFPiece(key, (h, 0), (1, 1), (h,)) for h in range(shape[0]))
+            out[f"layers.{layer}.{_OURS_SINKS}"] = HFEntry((shape[0], 1), pieces)
         else:
             raise ValueError(
-                f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: {_allowed_layer_keys()}"
+                f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: "
+                f"{', '.join(sorted([*_LAYER, _SINKS]))}"
             )
-    if args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
+    if args.tie_embeddings:
+        if "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+    elif lm_head is not None:
+        out["output.weight"] = lm_head
     missing = sorted(set(_expected_keys(args)) - set(out))
     if missing:
         raise ValueError(
@@ -98,10 +87,16 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[st
 
 
 def _expected_keys(args: GptOssArgs) -> list[str]:
-    layer = [*_LAYER.values(), *(k for keys in _RESHAPED.values() for k in keys)]
+    layer = [*_LAYER.values(), _OURS_SINKS]
     return ["tok_embeddings.weight", "norm.weight", "output.weight"] + [
         f"layers.{i}.{k}" for i in range(args.n_layers) for k in layer
     ]
+
+
+def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
+    """HF gpt-oss state dict -> ours (`hf_layout` applied: renames are views of the given tensors)."""
+    layout = hf_layout({k: tuple(v.shape) for k, v in hf_state_dict.items()}, args)
+    return apply_layout(layout, hf_state_dict)
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
@@ -117,26 +112,11 @@ def to_hf(state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, to
             out[top_inv[key]] = value
             continue
         match = _OURS_LAYER.fullmatch(key)
-        if match is None:
-            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of the gpt_oss model")
-        layer, rest = match.group(1), match.group(2)
-        prefix = f"model.layers.{layer}."
+        rest = match.group(2) if match is not None else None
         if rest in _LAYER_INV:
-            out[prefix + _LAYER_INV[rest]] = value
-        elif rest == "attention.sinks.weight":
-            out[prefix + "self_attn.sinks"] = value.reshape(-1).clone()
-        elif rest == "moe.experts.w1":  # interleave gate and up columns: [E, dim, h, 2] -> [E, dim, 2h]
-            w3 = state_dict[f"layers.{layer}.moe.experts.w3"]
-            out[prefix + "mlp.experts.gate_up_proj"] = torch.stack(
-                [value.transpose(1, 2), w3.transpose(1, 2)], dim=-1
-            ).flatten(-2)
-        elif rest == "moe.experts.b1":
-            b3 = state_dict[f"layers.{layer}.moe.experts.b3"]
-            out[prefix + "mlp.experts.gate_up_proj_bias"] = torch.stack([value, b3], dim=-1).flatten(-2)
-        elif rest == "moe.experts.w2":
-            out[prefix + "mlp.experts.down_proj"] = value.transpose(1, 2).contiguous()
-        elif rest in ("moe.experts.w3", "moe.experts.b3"):
-            continue  # written with w1 / b1
+            out[f"model.layers.{match.group(1)}.{_LAYER_INV[rest]}"] = value
+        elif rest == _OURS_SINKS:
+            out[f"model.layers.{match.group(1)}.{_SINKS}"] = value.reshape(-1).clone()
         else:
             raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of the gpt_oss model")
     return out

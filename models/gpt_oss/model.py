@@ -26,7 +26,7 @@ from torch import nn
 from models.common import ops
 from models.common.decoder import Decoder, TransformerBlock
 from models.common.init import trunc_normal_
-from models.common.moe import GroupedExperts, MoE
+from models.common.moe import MoE
 from models.common.ops import repeat_kv
 from models.common.rope import apply_rope
 from models.gpt_oss.args import GptOssArgs
@@ -165,62 +165,65 @@ class SinkAttention(nn.Module):
             self.window.fill_(self.sliding_window)
 
 
-class GptOssExperts(GroupedExperts):
-    """`GroupedExperts` with biases and gpt-oss's clamped SwiGLU: per expert
-    `w2 ((clamp(w3 x + b3, -limit, limit) + 1) * g * sigmoid(alpha g)) + b2`, `g = clamp(w1 x + b1, max=limit)`.
+class GptOssExperts(nn.Module):
+    """gpt-oss's experts: per expert `down^T glu + down_bias`, `[gate | up] = gate_up^T x + gate_up_bias`
+    with gate and up interleaved (columns 0, 2, 4, ... and 1, 3, 5, ...), and the clamped SwiGLU
+    `glu = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g)`, `g = clamp(gate, max=limit)`.
 
-    w1 (gate), w3 (up) [E, hidden, dim] and w2 [E, dim, hidden] as `GroupedExperts` (HF's
-    interleaved `gate_up_proj` [E, dim, 2 hidden] is split by hf_adapter.py); biases b1, b3
-    [E, hidden] and b2 [E, dim]. Every parameter has the expert on dim 0, so expert parallelism
-    splits and shards the biases with the weights.
+    The parameters are transformers' `GptOssExperts`, names and layout (`gate_up_proj` [E, dim,
+    2 hidden], `gate_up_proj_bias` [E, 2 hidden], `down_proj` [E, hidden, dim], `down_proj_bias`
+    [E, dim]), so the HF adapter is a rename and HF weights load per rank as boxes. It has the
+    experts' contract of `models.common.moe.GroupedExperts` (`num_experts`, `forward(x sorted by
+    expert, num_tokens_per_expert)`, `forward_capacity`, `init_weights`, every parameter with the
+    expert on dim 0), so the MoE layer, expert parallelism and layer scan take it as they take
+    `GroupedExperts`. It is not one (its weights are not w1/w2/w3): `[quantize]` leaves it in the
+    compute dtype.
     """
 
+    recipe: str = "none"
+    """No low-precision recipe applies to these experts (see the class docstring)."""
+
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, alpha: float, limit: float):
-        super().__init__(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
-        self.b1 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
-        self.b2 = nn.Parameter(torch.zeros(num_experts, dim))
-        self.b3 = nn.Parameter(torch.zeros(num_experts, hidden_dim))
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden_dim))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, dim))
+        for w in (self.gate_up_proj, self.down_proj):  # never uninitialised memory (as GroupedExperts)
+            nn.init.normal_(w, std=0.02)
         self.alpha = alpha
         self.limit = limit
 
-    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """As `GroupedExperts.forward`: x [N, dim] sorted by expert -> [N, dim]; rows past the counts'
-        sum are padding (they get no bias either: unspecified outputs, as the contract says)."""
+        sum are padding (unspecified outputs, as the contract says). Two grouped matmuls through
+        the op `grouped_mm`, each followed by its expert's bias row."""
         n = num_tokens_per_expert
-        if self.recipe != "none":
-            mm = lambda a, w: ops.quantized_grouped_mm(a, w, n, self.recipe)  # noqa: E731
-        else:
-            mm = lambda a, w: ops.grouped_mm(a, w, n)  # noqa: E731
         # Each row's expert (E for padding rows, whose bias row is zero); on the device, no host read.
         group = ops.group_of_rows(n, x.shape[0])
-
-        def bias(b: torch.Tensor) -> torch.Tensor:
-            return F.pad(b, (0, 0, 0, 1))[group]
-
-        gate = mm(x, self.w1.transpose(-2, -1)) + bias(self.b1)
-        up = mm(x, self.w3.transpose(-2, -1)) + bias(self.b3)
-        return mm(self._glu(gate, up), self.w2.transpose(-2, -1)) + bias(self.b2)
+        gate_up = ops.grouped_mm(x, self.gate_up_proj, n) + F.pad(self.gate_up_proj_bias, (0, 0, 0, 1))[group]
+        out = ops.grouped_mm(self._glu(gate_up), self.down_proj, n)
+        return out + F.pad(self.down_proj_bias, (0, 0, 0, 1))[group]
 
     def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
         """As `GroupedExperts.forward_capacity`: x [E, rows, dim] -> [E, rows, dim]. Unused (zero) rows
-        give the bias's output, not zeros; the combine reads only the kept copies' rows."""
-        if self.recipe != "none":
-            bmm = lambda a, w: ops.quantized_batched_mm(a, w, self.recipe)  # noqa: E731
-        else:
-            bmm = torch.bmm
-        gate = bmm(x, self.w1.transpose(-2, -1)) + self.b1.unsqueeze(1)
-        up = bmm(x, self.w3.transpose(-2, -1)) + self.b3.unsqueeze(1)
-        return bmm(self._glu(gate, up), self.w2.transpose(-2, -1)) + self.b2.unsqueeze(1)
+        give the biases' output, not zeros; the combine reads only the kept copies' rows."""
+        gate_up = torch.bmm(x, self.gate_up_proj) + self.gate_up_proj_bias.unsqueeze(1)
+        return torch.bmm(self._glu(gate_up), self.down_proj) + self.down_proj_bias.unsqueeze(1)
 
     def init_weights(self, init_std: float) -> None:
-        """Weights as `GroupedExperts.init_weights`; biases: zeros."""
-        super().init_weights(init_std)
-        for b in (self.b1, self.b2, self.b3):
+        """`gate_up_proj`: truncated normal std 0.02; `down_proj`: std `init_std` (depth-scaled, the
+        residual-branch output, as TorchTitan's w2); biases: zeros."""
+        trunc_normal_(self.gate_up_proj, std=0.02)
+        trunc_normal_(self.down_proj, std=init_std)
+        for b in (self.gate_up_proj_bias, self.down_proj_bias):
             nn.init.zeros_(b)
 
 

@@ -136,10 +136,11 @@ def test_hf_state_dict_round_trip_is_exact():
     assert all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
     again = gpt_oss_hf.from_hf(back, args)
     assert again.keys() == ours.keys() and all(torch.equal(again[k], ours[k]) for k in ours)
-    # Gate and up are HF's even and odd columns.
+    # The experts are HF's tensors as they are; the sinks one box per head.
     gate_up = hf_sd["model.layers.0.mlp.experts.gate_up_proj"]
-    assert torch.equal(ours["layers.0.moe.experts.w1"][2], gate_up[2, :, 0::2].T)
-    assert torch.equal(ours["layers.0.moe.experts.w3"][2], gate_up[2, :, 1::2].T)
+    assert ours["layers.0.moe.experts.gate_up_proj"].data_ptr() == gate_up.data_ptr()  # a view, no copy
+    layout = gpt_oss_hf.hf_layout({k: tuple(v.shape) for k, v in hf_sd.items()}, args)
+    assert len(layout["layers.1.attention.sinks.weight"].pieces) == args.n_heads
     with pytest.raises(ValueError, match="model.layers.0.mlp.experts.gate_up_proj_blocks: MXFP4"):
         gpt_oss_hf.from_hf({**hf_sd, "model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1)}, args)
     with pytest.raises(ValueError, match="layers.1.attention.sinks.weight: missing"):
@@ -243,7 +244,7 @@ def test_ep_and_tp_match_single_process(degrees):
     with torch.no_grad():
         ref.init_weights()
         for name, p in ref.named_parameters():  # biases and sinks nonzero, so their sharding shows
-            if name.endswith(("bias", "b1", "b2", "b3", "sinks.weight")):
+            if name.endswith(("bias", "sinks.weight")):
                 p.copy_(torch.randn(p.shape) * 0.1)
     state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     inputs, labels = batch(args.vocab_size, 2)
