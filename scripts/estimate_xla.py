@@ -7,9 +7,9 @@ memory (and FLOP) analysis beside the analytic planner's (scripts/estimate.py) f
     python scripts/estimate_xla.py --config configs/llama3_405b_v7x.toml --dump-hlo /tmp/405b.hlo
 
 How (docs/tpu.md, "Compiler-backed pod check"): in the XLA tier's `ttpu` venv (torch + torchax +
-jax 0.10.2 + libtpu 0.0.52; scripts/xla_env.sh), a worker process builds the recipe's model on the
-meta device (no host copy: parameters, AdamW moments and tokens are shapes only; layer scan
-stacks meta tensors, models.common.stack.abstract_model), and captures the graph step the trainer
+jax 0.10.2 + libtpu 0.0.52; scripts/xla_env.sh), a worker process (tools/xla_estimate.py) builds the
+recipe's model on the meta device (no host copy: parameters, AdamW moments and tokens are shapes
+only; layer scan stacks meta tensors, models.common.stack.abstract_model), and captures the graph step the trainer
 would run on a TPU (`trainer.step.plan_step` with device tpu): full depth, `[compile] scan_layers`
 (scan: one body), `[activation_checkpoint] mode` where the trainer applies it, the
 `mixed_precision_param` cast, the global batch (local batch x devices), and the Pallas kernels a
@@ -57,12 +57,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from models.errors import ConfigError
+from tools.deviceless_env import deviceless_env
+from tools.xla_estimate import hbm_oom, worker  # noqa: F401  (hbm_oom: read here by tests)
+from trainer.runtime import cli
 
-from models.errors import ConfigError  # noqa: E402
-from tools.deviceless_env import deviceless_env  # noqa: E402
-from trainer.runtime import cli  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def topology_name(target) -> str:
@@ -76,12 +76,8 @@ def topology_name(target) -> str:
 # Outer process (project venv): planner, worker launch, table.
 
 
-def _run(argv: list[str]) -> int:
-    import planner
-    from trainer.config import build_config, resolve_model_args, split_cli
-    from trainer.job import step_request
-    from trainer.step.plan import plan_step
-
+def _parser() -> cli.ArgumentParser:
+    """The command line: the recipe's keys, the target and the compile's switches."""
     p = cli.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         allow_abbrev=False,
@@ -120,15 +116,16 @@ def _run(argv: list[str]) -> int:
         action="store_true",
         help="also print the compiler's numbers as one JSON line (last line; scripts/mfu_suite.py reads it)",
     )
-    ns, rest = p.parse_known_args(argv)
+    return p
+
+
+def _run(argv: list[str]) -> int:
+    from trainer.config import build_config, resolve_model_args, split_cli
+
+    ns, rest = _parser().parse_known_args(argv)
     recipe, _, overrides = split_cli(rest)
     cfg = build_config(recipe, overrides)
-    if not (ns.target or cfg.job.target):
-        raise ConfigError(
-            "job.target: the recipe names no target; allowed: a [job] target in the recipe or "
-            "--target, e.g. --target v6e-16"
-        )
-    target = planner.parse_target(ns.target) if ns.target else planner.parse_target(cfg.job.target, key="job.target")
+    target = _target(cfg, ns.target)
     topology = ns.topology or topology_name(target)
     family, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     if getattr(family, "task", "lm") != "lm":
@@ -136,8 +133,66 @@ def _run(argv: list[str]) -> int:
             f"model.name: {cfg.model.name} (task {family.task}): the compile check captures the "
             "LM step only; FLUX recipes are not supported; allowed: a language-model recipe"
         )
+    inputs, est, step_plan = _planner_estimate(cfg, family, args, target)
+    approximated = _approximations(est, args, target)
+    spec = _worker_spec(cfg, args, step_plan, ns=ns, target=target, topology=topology)
+    print(
+        f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips), "
+        f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...",
+        flush=True,
+    )
+    proc, wall = _compile_in_worker(spec, topology, timeout=ns.timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(f"compile worker exited {proc.returncode} after {wall:.0f} s:\n{proc.stderr[-6000:]}", file=sys.stderr)
+        return 1
+    res = json.loads(lines[-1])
+    res.update(wall_s=wall, n_layers=args.shape().n_layers, approximated=approximated, topology=topology)
+    if res.get("oom"):
+        print(oom_verdict(est, res))
+        for note in approximated:
+            print(f"approximated: {note}")
+        return 0
+    print(format_table(est, res, step_plan))
+    print(verdict_line(est, res))
+    for line in discrepancies(est, res):
+        print(f"planner vs compiler: {line}")
+    if ns.csv:
+        write_csv_row(ns.csv, csv_row(recipe, est, res, step_plan))
+    if ns.json:
+        print(
+            json.dumps(
+                {
+                    **res,
+                    "target": target.name,
+                    "topology": topology,
+                    "tokens_per_device_step": est.tokens_per_device_step,
+                }
+            )
+        )
+    return 0
+
+
+def _target(cfg, name: str | None):
+    """The planner Target of `--target`, else of the recipe's `[job] target`."""
+    import planner
+
+    if not (name or cfg.job.target):
+        raise ConfigError(
+            "job.target: the recipe names no target; allowed: a [job] target in the recipe or "
+            "--target, e.g. --target v6e-16"
+        )
+    return planner.parse_target(name) if name else planner.parse_target(cfg.job.target, key="job.target")
+
+
+def _planner_estimate(cfg, family, args, target):
+    """The trainer's step plan on a TPU (scan, AC placement, fused loss: auto fuses on TPU) and the
+    planner's estimate of the recipe's own degrees: (PlanInputs, Estimate, StepPlan)."""
+    import planner
+    from trainer.job import step_request
+    from trainer.step.plan import plan_step
+
     t, par = cfg.training, cfg.parallelism
-    # The trainer's step plan on a TPU: scan, AC placement, fused loss (auto fuses on TPU).
     step = step_request(cfg, family, tp_degree=par.tensor_parallel_degree, device_type="tpu")
     step_plan = plan_step(step)
     inputs = planner.PlanInputs(
@@ -159,6 +214,11 @@ def _run(argv: list[str]) -> int:
         ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=par.enable_loss_parallel,
     )
+    return inputs, est, step_plan
+
+
+def _approximations(est, args, target) -> list[str]:
+    """What the compiled program approximates of the recipe's plan (printed as `approximated:`)."""
     approximated = []
     if est.tp > 1 or est.ep > 1 or est.dp_replicate > 1:
         approximated.append(
@@ -173,6 +233,12 @@ def _run(argv: list[str]) -> int:
             "holds the whole batch's routed copies (Qwen3-235B: 2.06 TiB of temporaries); the trainer's own "
             "EP program is `scripts/check_recipe.py RECIPE --compile`"
         )
+    return approximated
+
+
+def _worker_spec(cfg, args, step_plan, *, ns, target, topology: str) -> dict:
+    """What the worker builds and compiles (tools/xla_estimate.py `worker`), as JSON-able values."""
+    t = cfg.training
     spec = dict(
         family=cfg.model.name,
         args=dataclasses.asdict(args),
@@ -202,6 +268,12 @@ def _run(argv: list[str]) -> int:
     )
     if step_plan.fused_loss and ns.kernels != "pallas":
         spec["fused_loss"] = True  # the chunked torch reference stands in for the kernel
+    return spec
+
+
+def _compile_in_worker(spec: dict, topology: str, *, timeout: float):
+    """Run the worker in the `ttpu` venv with the deviceless environment (tools/deviceless_env.py: the
+    one set-up of every deviceless compile): (the CompletedProcess, wall seconds)."""
     venv = (
         subprocess.run(
             ["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True, text=True
@@ -209,57 +281,28 @@ def _run(argv: list[str]) -> int:
         .stdout.strip()
         .splitlines()[-1]
     )
-    env = deviceless_env(topology)  # tools/deviceless_env.py: the one set-up of every deviceless compile
-    print(
-        f"{inputs.model_name} on {target.name} ({target.devices} devices, {target.chips} chips), "
-        f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...",
-        flush=True,
-    )
+    env = deviceless_env(topology)
     wall = time.perf_counter()
     proc = subprocess.run(
         [str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],
         capture_output=True,
         text=True,
         env=env,
-        timeout=ns.timeout,
+        timeout=timeout,
     )
-    wall = time.perf_counter() - wall
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        print(f"compile worker exited {proc.returncode} after {wall:.0f} s:\n{proc.stderr[-6000:]}", file=sys.stderr)
-        return 1
-    res = json.loads(lines[-1])
-    res.update(wall_s=wall, n_layers=args.shape().n_layers, approximated=approximated, topology=topology)
-    if res.get("oom"):
-        oom = res["oom"]
-        print(
-            f"verdict (compiler, {res['n_layers']} layers): does not fit: the compiler refused the program "
-            f"(CompileTimeHbmOom): {oom['required'] / GIB:.2f} GiB of temporaries for {oom['available'] / GIB:.2f} "
-            f"GiB available; planner: {'fits' if est.fits else 'does not fit'} ({est.total / GIB:.2f} GiB of "
-            f"{est.usable / GIB:.1f} usable); capture / lower / compile / wall s {res['capture_s']:.1f} / "
-            f"{res['lower_s']:.1f} / {res['compile_s']:.1f} / {wall:.1f}"
-        )
-        for note in approximated:
-            print(f"approximated: {note}")
-        return 0
-    print(format_table(est, res, step_plan))
-    print(verdict_line(est, res))
-    for line in discrepancies(est, res):
-        print(f"planner vs compiler: {line}")
-    if ns.csv:
-        write_csv_row(ns.csv, csv_row(recipe, est, res, step_plan))
-    if ns.json:
-        print(
-            json.dumps(
-                {
-                    **res,
-                    "target": target.name,
-                    "topology": topology,
-                    "tokens_per_device_step": est.tokens_per_device_step,
-                }
-            )
-        )
-    return 0
+    return proc, time.perf_counter() - wall
+
+
+def oom_verdict(est, res: dict) -> str:
+    """The verdict line of a program the compiler refused (CompileTimeHbmOom)."""
+    oom = res["oom"]
+    return (
+        f"verdict (compiler, {res['n_layers']} layers): does not fit: the compiler refused the program "
+        f"(CompileTimeHbmOom): {oom['required'] / GIB:.2f} GiB of temporaries for {oom['available'] / GIB:.2f} "
+        f"GiB available; planner: {'fits' if est.fits else 'does not fit'} ({est.total / GIB:.2f} GiB of "
+        f"{est.usable / GIB:.1f} usable); capture / lower / compile / wall s {res['capture_s']:.1f} / "
+        f"{res['lower_s']:.1f} / {res['compile_s']:.1f} / {res['wall_s']:.1f}"
+    )
 
 
 GIB = 2.0**30
@@ -335,19 +378,29 @@ def verdict_line(est, res: dict) -> str:
 
 
 def format_table(est, res: dict, step_plan=None) -> str:
-    mem, cost = res["memory"], res["cost"]
+    """The planner's figures beside the compiler's, one row per term, then the approximations."""
+    rows = _memory_rows(est, res, step_plan) + _program_rows(est, res)
+    width = max(len(r[0]) for r in rows)
+    out = [f"{'':{width}}  {'planner (analytic)':56}  XLA:TPU compiler (deviceless)"]
+    out += [f"{a:{width}}  {b:56}  {c}" for a, b, c in rows]
+    for note in res.get("approximated", []):
+        out.append(f"approximated: {note}")
+    if res.get("replicated_bytes"):
+        out.append(f"replicated (no dim divides {res['devices']}): {res['replicated_bytes'] / GIB:.4f} GiB of inputs")
+    return "\n".join(out)
+
+
+def _memory_rows(est, res: dict, step_plan) -> list[tuple[str, str, str]]:
+    """`format_table`'s plan and per-device memory rows: (term, planner, compiler)."""
+    mem = res["memory"]
     plan = planner_terms(est)
-    tokens = est.tokens_per_device_step
-    planner_flops = tokens * est.flops_per_token * est.recompute_factor
-    scan = res["stablehlo_while"] > 0
     steps = (
         f"graph, {'scan (one body)' if step_plan and step_plan.scan else 'unrolled'}, AC {est.ac_mode}, "
         f"{'fused' if step_plan and step_plan.fused_loss else 'plain'} loss"
         if step_plan
         else ""
     )
-    flips = res.get("flips", 0)
-    rows = [
+    return [
         (
             "plan",
             f"dp_shard {est.dp_shard}, tp {est.tp}, ep {est.ep}, AC {est.ac_mode}",
@@ -376,6 +429,17 @@ def format_table(est, res: dict, step_plan=None) -> str:
             f"{est.total / GIB:.3f} GiB of {est.usable / GIB:.1f} usable",
             f"{compiler_total(res) / GIB:.3f} GiB of {est.target.hbm_bytes / GIB:.1f} HBM (args + out + temp - alias)",
         ),
+    ]
+
+
+def _program_rows(est, res: dict) -> list[tuple[str, str, str]]:
+    """`format_table`'s rows of the program: FLOPs, loops, scan flips, timings, the worker's memory."""
+    cost = res["cost"]
+    tokens = est.tokens_per_device_step
+    planner_flops = tokens * est.flops_per_token * est.recompute_factor
+    scan = res["stablehlo_while"] > 0
+    flips = res.get("flips", 0)
+    return [
         (
             "FLOPs / device / step",
             f"{planner_flops:.4g} (6N + 12LHQT per token x {tokens:g} tokens)",
@@ -414,14 +478,6 @@ def format_table(est, res: dict, step_plan=None) -> str:
         ),
         ("worker peak RSS", "-", f"{res.get('worker_peak_rss', 0) / GIB:.2f} GiB"),
     ]
-    width = max(len(r[0]) for r in rows)
-    out = [f"{'':{width}}  {'planner (analytic)':56}  XLA:TPU compiler (deviceless)"]
-    out += [f"{a:{width}}  {b:56}  {c}" for a, b, c in rows]
-    for note in res.get("approximated", []):
-        out.append(f"approximated: {note}")
-    if res.get("replicated_bytes"):
-        out.append(f"replicated (no dim divides {res['devices']}): {res['replicated_bytes'] / GIB:.4f} GiB of inputs")
-    return "\n".join(out)
 
 
 CSV_FIELDS = (
@@ -501,292 +557,6 @@ def write_csv_row(path: str, row: dict) -> None:
         if new:
             w.writeheader()
         w.writerow(row)
-
-
-# ---------------------------------------------------------------------------------------------
-# Worker (ttpu venv): capture on meta, lower with torchax, compile for the topology.
-
-
-def hbm_oom(message: str) -> dict | None:
-    """libtpu's CompileTimeHbmOom as numbers: {"required", "available"} bytes (from its "HLO
-    temporaries (171.01G) exceeds available HBM (31.24G)"; libtpu writes K, M, G or T, binary:
-    the Qwen3-235B SPMD compile's "(2.06T)"); None for any other error."""
-    import re
-
-    size = r"\(([\d.]+)([KMGT])\)"
-    m = re.search(rf"CompileTimeHbmOom.*?{size} exceeds available HBM {size}", message, re.S)
-    if m is None:
-        return None
-    unit = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    return {
-        "required": float(m.group(1)) * unit[m.group(2)],
-        "available": float(m.group(3)) * unit[m.group(4)],
-        "message": m.group(0)[:300],
-    }
-
-
-def worker(spec: dict) -> dict:
-    import resource
-
-    import torch
-
-    from models import get_model_family
-    from models.common.stack import abstract_model
-    from parallelisms.activation_checkpoint import apply_ac
-    from parallelisms.simple_fsdp import data_parallel
-    from tools.xla_lowering import (
-        RECORD,
-        CaptureDone,
-        add_lowerings,
-        as_jax_function,
-        flip_count,
-        load_torchax,
-        mutated_inputs,
-        record_first_call,
-    )
-    from trainer.graph import build_graph_step
-    from trainer.optim import build_optimizer
-    from trainer.step.plan import StepPlan
-
-    family = get_model_family(spec["family"])
-    args = family.args_cls(**spec["args"])  # attention: the SDPA reference unless the kernels are installed
-    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    # Shapes only: parameters, moments and tokens stay on the meta device (the step is captured,
-    # never run), so no host memory holds the model; layer scan stacks meta tensors
-    # (models.common.stack.abstract_model).
-    with torch.device("meta"):
-        model = family.model_cls(args)
-    data_parallel(model, mesh=None, param_dtype=dtypes[spec["param_dtype"]], reduce_dtype=dtypes[spec["reduce_dtype"]])
-    opt_cfg = spec["optimizer"]
-    opt = build_optimizer(
-        model.parameters(),
-        lr=opt_cfg["lr"],
-        betas=tuple(opt_cfg["betas"]),
-        eps=opt_cfg["eps"],
-        weight_decay=opt_cfg["weight_decay"],
-    )
-    for group in opt.param_groups:  # the graph step keeps a state that exists (init_adamw_state)
-        for p in group["params"]:
-            opt.state[p].update(
-                step=torch.zeros((), dtype=torch.float32, device="meta"),
-                exp_avg=torch.empty_like(p),
-                exp_avg_sq=torch.empty_like(p),
-            )
-    plan = family.plan
-    # The trainer's step plan on a TPU (trainer.step.plan_step, resolved by the outer process).
-    step_plan = StepPlan(
-        mode="graph",
-        backend="aot_eager",
-        block_ac=spec["block_ac"],
-        block_compile=None,
-        scan=spec["scan_layers"],
-        scan_ac=spec["scan_ac"],
-        loss_parallel=False,
-        fused_loss=spec["fused_loss"],
-    )
-    if not step_plan.scan:  # unrolled blocks are checkpointed where the trainer does it
-        apply_ac(model, plan=plan, mode=step_plan.block_ac)
-    if spec["kernels"] == "pallas":
-        from titan_kernels.tpu import capture
-
-        capture.install()
-    record_first_call(clone=False, stop=True)
-    start = time.perf_counter()
-    with abstract_model():
-        step = build_graph_step(
-            model=model,
-            optimizer=opt,
-            max_norm=spec["max_norm"],
-            backend="aot_eager",
-            scan_layers=step_plan.scan,
-            ac_mode=step_plan.scan_ac,
-            grad_accum_steps=spec["grad_accum"],
-            plan=plan,
-            loss_fn=step_plan.lm_loss,
-            aux_loss_coef=spec["aux_loss_coef"] if getattr(args, "num_experts", 0) else 0.0,
-        )
-    step.capture.fence_remat = True  # lowered for XLA: recomputed ops behind barriers, or XLA CSEs them away
-    tokens = torch.zeros(spec["global_batch"], spec["seq_len"], dtype=torch.int64, device="meta")
-    try:
-        step([(tokens, tokens)] * spec["grad_accum"], opt_cfg["lr"])
-    except CaptureDone:
-        pass
-    assert "pre" in RECORD, "the graph step was not captured"
-    capture_s = time.perf_counter() - start
-    gm = RECORD["gm"]
-    flips = flip_count(gm)
-    # The graph torch-tpu would lower: the backward scans without flips, their bodies tagged
-    # reverse (trainer.graph.passes.tag_reverse_scans; the torchax lowering honours the tag).
-    graphs, reverse_scan, tag_error = [(gm, flips)], None, None
-    if flips and spec["scan_layers"] and not spec["keep_flips"]:
-        import copy
-
-        from trainer.graph.passes import tag_reverse_scans
-
-        tagged = copy.deepcopy(gm)
-        reverse_scan = tag_reverse_scans(tagged)
-        if reverse_scan:
-            graphs.insert(0, (tagged, flip_count(tagged)))
-    # Bytes of captured inputs that have host storage (0: everything is a meta tensor).
-    host_bytes = sum(
-        a.numel() * a.element_size() for a in RECORD["pre"] if torch.is_tensor(a) and a.device.type != "meta"
-    )
-
-    torchax = load_torchax()
-    import jax
-    import numpy as np
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    add_lowerings(torchax.default_env())
-    devices = topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices
-    mesh = Mesh(np.array(devices), ("fsdp",))
-    if spec["kernels"] == "pallas":
-        from titan_kernels.tpu import tiles
-
-        # The kernels' blocks are the target chip's (as a run there detects it), not the conservative rule.
-        capture.add_lowerings(
-            torchax.default_env(), mesh, "fsdp", generation=tiles.generation_of(devices[0].device_kind)
-        )
-    n = len(devices)
-
-    def shard_dim(shape):
-        """SimpleFSDP's Shard(0) where dim 0 divides; else the largest dim that divides; else None."""
-        if shape and shape[0] % n == 0:
-            return 0
-        dims = [d for d in sorted(range(len(shape)), key=lambda d: -shape[d]) if shape[d] % n == 0]
-        return dims[0] if dims else None
-
-    def sharding(shape):
-        axes = [None] * len(shape)
-        d = shard_dim(shape)
-        if d is not None:
-            axes[d] = "fsdp"
-        return NamedSharding(mesh, PartitionSpec(*axes))
-
-    jdtype = {
-        torch.float32: np.float32,
-        torch.bfloat16: jax.numpy.bfloat16,
-        torch.int64: np.int32,
-        torch.int32: np.int32,
-        torch.bool: np.bool_,
-    }
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def lower(graph):
-        RECORD["gm"] = graph
-        fn, idx = as_jax_function(RECORD)
-        shapes = [tuple(RECORD["pre"][i].shape) for i in idx]
-        in_sh = [sharding(s) for s in shapes]
-        abstract = [
-            jax.ShapeDtypeStruct(s, jdtype[RECORD["pre"][i].dtype], sharding=sh) for s, i, sh in zip(shapes, idx, in_sh)
-        ]
-        replicated_bytes = sum(
-            int(np.prod(s)) * np.dtype(a.dtype).itemsize for s, a in zip(shapes, abstract) if shard_dim(s) is None
-        )
-        # Only the written inputs come back (torch-tpu: the updated state is a new buffer, copied
-        # back by eager copy_s afterwards; R6 in docs/tpu.md), donated only with --donate.
-        mutated = mutated_inputs(graph)
-        written = [k for k, i in enumerate(idx) if i in mutated]
-
-        def step_fn(*tensors):  # scalar outputs (loss, grad norm, aux) replicated; state keeps its sharding
-            outs, updated = fn(*tensors)
-            return [o for o in outs if o is not None], [updated[k] for k in written]
-
-        if spec["kernels"] == "pallas":
-            capture.COSTS.clear()
-        # The one trace of the step (jit's lower below reuses it): every kernel node records its cost.
-        num_outs = len(jax.eval_shape(step_fn, *abstract)[0])
-        jitted = jax.jit(
-            step_fn,
-            out_shardings=([replicated] * num_outs, [in_sh[k] for k in written]),
-            donate_argnums=tuple(written) if spec["donate"] else (),
-        )
-        return jitted.lower(*abstract), written, idx, replicated_bytes
-
-    t = time.perf_counter()
-    for k, (graph, graph_flips) in enumerate(graphs):
-        try:
-            lowered, written, idx, replicated_bytes = lower(graph)
-            flips = graph_flips
-            break
-        except Exception as e:  # the tagged graph did not lower: say so, and compile the flipped one
-            if k == len(graphs) - 1:
-                raise
-            tag_error, reverse_scan = f"{type(e).__name__}: {str(e)[:300]}", None
-    lower_s = time.perf_counter() - t
-    t = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except Exception as e:  # libtpu refuses a program whose temporaries exceed the HBM: a verdict
-        oom = hbm_oom(str(e))
-        if oom is None:
-            raise
-        return dict(
-            devices=n,
-            device_kind=devices[0].device_kind,
-            capture_s=capture_s,
-            lower_s=lower_s,
-            compile_s=time.perf_counter() - t,
-            kernels=spec["kernels"],
-            oom=oom,
-            flips=flips,
-            reverse_scan=reverse_scan,
-            host_tensor_bytes=host_bytes,
-            donated=bool(spec["donate"]),
-            worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        )
-    compile_s = time.perf_counter() - t
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    cost = {k: float(v) for k, v in cost.items() if k in ("flops", "bytes accessed")}
-    kernel = capture.kernel_costs() if spec["kernels"] == "pallas" else {"flops": 0.0, "bytes": 0.0, "calls": 0}
-    # libtpu counts a Mosaic custom call as 0 FLOPs: add each kernel call's own (capture.py)
-    total = {
-        "flops": cost.get("flops", 0.0) + kernel["flops"],
-        "bytes accessed": cost.get("bytes accessed", 0.0) + kernel["bytes"],
-    }
-    mem = compiled.memory_analysis()
-    names = (
-        "argument_size_in_bytes",
-        "output_size_in_bytes",
-        "alias_size_in_bytes",
-        "temp_size_in_bytes",
-        "generated_code_size_in_bytes",
-    )
-    try:
-        text = compiled.as_text()
-        loops = text.count(" while(")
-        hlo_kind = "optimized HLO"
-    except Exception:  # jaxlib 0.10.2 cannot read back some SPMD programs of libtpu 0.0.52 (async ops)
-        text, loops, hlo_kind = None, None, "StableHLO (the optimized HLO could not be read back)"
-    stablehlo = lowered.as_text()
-    if spec.get("dump_hlo"):
-        Path(spec["dump_hlo"]).write_text(text if text is not None else stablehlo)
-    return dict(
-        devices=n,
-        device_kind=devices[0].device_kind,
-        capture_s=capture_s,
-        lower_s=lower_s,
-        compile_s=compile_s,
-        kernels=spec["kernels"],
-        cost=total,
-        compiler_cost=cost,
-        kernel_cost=kernel,
-        memory={k: int(getattr(mem, k)) for k in names if hasattr(mem, k)},
-        stablehlo_while=stablehlo.count("stablehlo.while"),
-        flips=flips,
-        reverse_scan=reverse_scan,
-        written_inputs=len(written),
-        inputs=len(idx),
-        host_tensor_bytes=host_bytes,
-        tag_error=tag_error,
-        replicated_bytes=replicated_bytes,
-        donated=bool(spec["donate"]),
-        hlo_kind=hlo_kind if spec.get("dump_hlo") else None,
-        worker_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        **{"while": loops},
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,19 @@ before a pod is rented; never imported by the trainer (tests/unit/test_layout.py
   compiler's memory analysis (scripts/check_recipe.py --compile, scripts/estimate_xla.py);
 - xla_lowering: the captured train step lowered to a JAX function through torchax (tpu_compile,
   scripts/estimate_xla.py, the XLA tier);
+- xla_estimate: the worker of scripts/estimate_xla.py (capture on meta, lower, compile for a
+  topology, the compiler's memory and cost analysis);
+- xla_hlo: the optimized HLO text read: executed computations, trip counts, per-op compute cost;
 - xla_projection: the step-time bound of a compiled per-device program, compute plus its
   collectives (scripts/mfu_suite.py --project);
+- mfu_projection, mfu_report: scripts/mfu_suite.py's projections (the FSDP bound, the trainer's
+  program, weak scaling) and its anchors, tables and plots;
 - deviceless_env: the environment of a worker that compiles for a TPU without one;
 - torch_tpu_mesh: torch-tpu's own mesh layout on stand-in devices of a slice (the recipe check's
   device order, run in the ttpu venv);
-- tpu_smoke: the first-contact smoke runs on a TPU VM and their report (scripts/tpu_smoke.sh).
+- tpu_smoke: the first-contact smoke runs on a TPU VM (scripts/tpu_smoke.sh); tpu_smoke_report:
+  their logs, metrics and report.md; tpu_smoke_shim: the fake launch environment of `--shim`;
+  tpu_multislice: the printed plan of a first multislice run (`--multislice`).
 
 Helpers that only tests or benchmarks use live with them (tests/support/, scripts/bench/).
 """
