@@ -19,6 +19,9 @@ layer, to `mtp.{k-1}.layers.0.*`) plus `enorm`, `hnorm`, `eh_proj`, `shared_head
 `mtp.{k-1}.{enorm, hnorm, eh_proj, norm}`, and its own copies of the embedding and the head
 (`embed_tokens`, `shared_head.head`), which `to_hf` writes from the shared ones and `from_hf`
 skips (the model shares them). With `mtp_depth` = 0 (every flavor) those layers are skipped.
+`hf_config` writes `num_nextn_predict_layers` when `mtp_depth` > 0; `args_from_hf_config` does not
+read it (the depth is the run's `[model] mtp_depth`): transformers writes 1 into every DeepSeek-V3
+config.json it saves but no MTP weights, so the value does not say whether a folder has them.
 """
 
 import re
@@ -364,6 +367,5 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
         rope_theta=float(theta),
         max_seq_len=cfg.get("max_position_embeddings", 163840),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        mtp_depth=int(cfg.get("num_nextn_predict_layers") or 0),
         **yarn,
     )

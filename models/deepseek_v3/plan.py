@@ -11,6 +11,14 @@ own heads only, and `attention.k_rope` ("head_shared") sums it over the TP ranks
 
 MoE blocks: as Qwen 3 (`moe`, `router`, `experts`), plus the shared experts, per-token linears
 on the rank's own tokens like the router (TP-replicated weights, gradients summed over TP).
+
+Multi-token prediction (`mtp_depth` > 0): the MTP modules (`mtp.K`, each with its own one-block
+stack `mtp.K.layers`) are deliberately not in `block`: the repeated-block patterns (activation
+checkpointing, per-block compile, layer scan, the TP/EP block styles) act on the two main stacks
+only, so no scan ever takes an MTP block for a main layer. SimpleFSDP shards the MTP parameters
+like every other (EP > 1 included: the MTP block's experts are then FSDP-sharded rather than
+expert-parallel; the loss matches one process); graph mode, TP and CP with MTP are refused by a
+rule of trainer/step/plan.py.
 """
 
 from models.common.plan import DECODER_TP, DECODER_TP_BLOCK, ModelPlan
