@@ -31,6 +31,7 @@ only its inside is rewritten. The blocks:
   (docs/results/planner_*_v7x_*.csv).
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
   expert parallelism, planned as shipped).
+- docs/optimizers.md `muon_sharded` and `muon_vs_adamw`: the Muon benchmarks, from their CSVs.
 - docs/optimizers.md `optimizer_memory`: the MoE pod recipes planned with AdamW and with Muon.
 """
 
@@ -656,6 +657,77 @@ def render_pod_compiles() -> str:
     return "\n".join(out)
 
 
+def render_muon_sharded() -> str:
+    """docs/results/muon_sharded_*.csv (scripts/bench/bench_muon_sharded.py): the all-to-all and the
+    gather of each stack side by side."""
+    import csv
+
+    (path,) = sorted((ROOT / "docs" / "results").glob("muon_sharded_*.csv"))[-1:]
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    out = [
+        "| ranks | stack B x m x n | all-to-all ms | gather ms | speed-up | elements received per rank "
+        "(a2a / gather) | whole matrices held (a2a / gather) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key in dict.fromkeys((r["ranks"], r["stack"]) for r in rows):
+        a2a, gather = (
+            next(r for r in rows if (r["ranks"], r["stack"]) == key and r["variant"] == v)
+            for v in ("all_to_all", "gather")
+        )
+        a_ms, g_ms = float(a2a["median_ms"]), float(gather["median_ms"])
+        out.append(
+            f"| {key[0]} | {key[1].replace('x', ' x ')} | {a_ms:.0f} | {g_ms:.0f} | {g_ms / a_ms:.1f}x "
+            f"| {int(a2a['received_elems']) / 1e6:.1f} M / {int(gather['received_elems']) / 1e6:.1f} M "
+            f"| {a2a['whole_matrices_held']} / {gather['whole_matrices_held']} |"
+        )
+    worst = max(float(r["max_abs_diff"]) for r in rows)
+    return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}; max |difference| between the two: {worst:g}.)"
+
+
+def render_muon_vs_adamw() -> str:
+    """docs/results/muon_vs_adamw_*.csv and its `_curves` companion (scripts/bench/bench_muon.py):
+    the mean train loss over four 10-step windows, the validation loss, the speed; the best of each
+    optimizer in bold (the last window and the validation loss)."""
+    import csv
+
+    (path,) = sorted((ROOT / "docs" / "results").glob("muon_vs_adamw_*[0-9a-f].csv"))[-1:]
+    rows = list(csv.DictReader(path.read_text().splitlines()))
+    curves = list(csv.DictReader(path.with_name(path.stem + "_curves.csv").read_text().splitlines()))
+    windows = ((21, 30), (51, 60), (101, 110), (141, 150))
+
+    def mean_loss(r: dict, lo: int, hi: int) -> float:
+        losses = [
+            float(c["loss"])
+            for c in curves
+            if (c["optimizer"], c["lr"]) == (r["optimizer"], r["lr"]) and lo <= int(c["step"]) <= hi
+        ]
+        return sum(losses) / len(losses)
+
+    best = {}
+    for col in ("last", "val"):
+        for opt in {r["optimizer"] for r in rows}:
+            mine = [r for r in rows if r["optimizer"] == opt]
+            key = (lambda r: mean_loss(r, *windows[-1])) if col == "last" else (lambda r: float(r["val_loss"]))
+            best[col, opt] = min(mine, key=key)["lr"]
+    out = [
+        "| optimizer | lr | train loss, steps 21-30 | 51-60 | 101-110 | 141-150 | val loss | tokens/s | optimizer step ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        losses = [f"{mean_loss(r, lo, hi):.3f}" for lo, hi in windows]
+        val = f"{float(r['val_loss']):.3f}"
+        if best["last", r["optimizer"]] == r["lr"]:
+            losses[-1] = f"**{losses[-1]}**"
+        if best["val", r["optimizer"]] == r["lr"]:
+            val = f"**{val}**"
+        out.append(
+            f"| {r['optimizer']} | {float(r['lr']):.0e} | ".replace("e-0", "e-")
+            + " | ".join(losses)
+            + f" | {val} | {int(r['tokens_per_s']):,} | {float(r['optimizer_step_ms']):.1f} |"
+        )
+    return "\n".join(out)
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -695,7 +767,11 @@ BLOCKS = {
     "docs/context_parallel.md": {"cp_recipes": render_cp_recipes},
     "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
     "docs/low_precision.md": {"low_precision_recipes": render_low_precision_recipes},
-    "docs/optimizers.md": {"optimizer_memory": render_optimizer_memory},
+    "docs/optimizers.md": {
+        "muon_sharded": render_muon_sharded,
+        "optimizer_memory": render_optimizer_memory,
+        "muon_vs_adamw": render_muon_vs_adamw,
+    },
     "docs/expert_parallel.md": {"moe_dispatch_capacity": render_moe_dispatch_capacity, "ep_recipes": render_ep_recipes},
 }
 
