@@ -148,10 +148,10 @@ def test_gcs_save_kill9_mid_save_then_resume_is_exact(emulator, tmp_path):
     log.seek(0)
     assert caught is not None, "no save was caught in flight:\n" + log.read()[-2000:]
     assert proc.returncode == -signal.SIGKILL
-    from trainer.runtime import storage
+    from trainer.checkpoint import remote
 
     fs.invalidate_cache()
-    complete = storage.complete_steps("gs://bkt/killed")
+    complete = remote.complete_steps("gs://bkt/killed")
     assert caught not in complete and complete and max(complete) == caught - 2, (caught, complete)
     assert not fs.exists(f"bkt/killed/step-{caught}/manifest.json")
 
@@ -161,7 +161,7 @@ def test_gcs_save_kill9_mid_save_then_resume_is_exact(emulator, tmp_path):
     got = _losses(dump)
     assert got == want  # exact: the same losses, bit for bit, as the uninterrupted run
     fs.invalidate_cache()
-    assert storage.complete_steps("gs://bkt/killed") == list(range(2, steps + 1, 2))
+    assert remote.complete_steps("gs://bkt/killed") == list(range(2, steps + 1, 2))
     assert not fs.exists("bkt/killed/.run.lock")  # deleted at the end of the run
     print(f"killed during the save of step {caught}; resumed from step {caught - 2}; losses equal")
 
@@ -178,18 +178,18 @@ def test_gcs_lock_refuses_a_second_writer_and_takes_over_a_dead_one(emulator, tm
     assert "delete gs://bkt/locked/.run.lock" in lines[0]
     assert json.loads(fs.cat_file("bkt/locked/.run.lock")) == other  # left as it was
 
-    from trainer.runtime import storage
+    from trainer.runtime import runlock
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = {**other, "host": socket.gethostname(), "pid": int(dead.stdout)}
     fs.pipe_file("bkt/stale/.run.lock", json.dumps(stale).encode())
-    lock = storage.RemoteLock("gs://bkt/stale", key="checkpoint.folder").acquire()
+    lock = runlock.RemoteLock("gs://bkt/stale", key="checkpoint.folder").acquire()
     fs.invalidate_cache()
     assert json.loads(fs.cat_file("bkt/stale/.run.lock"))["pid"] == os.getpid()
     with pytest.raises(Exception, match="in use by another run"):  # a live holder (this process, another lock object)
-        storage._HELD.clear()
-        storage.RemoteLock("gs://bkt/stale", key="checkpoint.folder").acquire()
-    storage._HELD["gs://bkt/stale"] = lock
+        runlock._REMOTE_HELD.clear()
+        runlock.RemoteLock("gs://bkt/stale", key="checkpoint.folder").acquire()
+    runlock._REMOTE_HELD["gs://bkt/stale"] = lock
     lock.release()
     assert not fs.exists("bkt/stale/.run.lock")
 
@@ -222,31 +222,31 @@ def test_gcs_bad_paths_are_one_line_exit_2(emulator, tmp_path, args, expect):
 
 
 def test_gcs_manifest_is_the_commit_point(emulator):
+    from trainer.checkpoint import remote
     from trainer.checkpoint.manifest import CorruptCheckpointError
-    from trainer.runtime import storage
 
     fs = emulator["fs"]
     fs.pipe_file("bkt/m/step-1/__0_0.distcp", b"a" * 1000)
     fs.pipe_file("bkt/m/step-1/.metadata", b"meta")
-    assert storage.complete_steps("gs://bkt/m") == []  # objects without a manifest: not a checkpoint
-    assert storage.incomplete_steps("gs://bkt/m") == ["gs://bkt/m/step-1"]
-    assert storage.verify_checkpoint("gs://bkt/m/step-1") is False
-    manifest = storage.write_manifest("gs://bkt/m/step-1")
+    assert remote.complete_steps("gs://bkt/m") == []  # objects without a manifest: not a checkpoint
+    assert remote.incomplete_steps("gs://bkt/m") == ["gs://bkt/m/step-1"]
+    assert remote.verify_checkpoint("gs://bkt/m/step-1") is False
+    manifest = remote.write_manifest("gs://bkt/m/step-1")
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp"]
-    assert storage.complete_steps("gs://bkt/m") == [1]
-    assert storage.verify_checkpoint("gs://bkt/m/step-1") is True
+    assert remote.complete_steps("gs://bkt/m") == [1]
+    assert remote.verify_checkpoint("gs://bkt/m/step-1") is True
     fs.pipe_file("bkt/m/step-1/__0_0.distcp", b"a" * 999 + b"b")
     with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
-        storage.verify_checkpoint("gs://bkt/m/step-1")
+        remote.verify_checkpoint("gs://bkt/m/step-1")
     removed = []
     real_rm_file = fs.rm_file
     fs.rm_file = lambda path, **kw: (removed.append(path), real_rm_file(path, **kw))[1]
     try:
-        storage.remove_step("gs://bkt/m/step-1")
+        remote.remove_step("gs://bkt/m/step-1")
     finally:
         del fs.rm_file
     assert removed[0].endswith("step-1/manifest.json")  # invisible before anything else goes
-    assert storage.complete_steps("gs://bkt/m") == [] and not fs.exists("bkt/m/step-1/.metadata")
+    assert remote.complete_steps("gs://bkt/m") == [] and not fs.exists("bkt/m/step-1/.metadata")
 
 
 def test_gcs_error_text_maps_denied_access_and_missing_bucket():
@@ -297,10 +297,10 @@ def test_gcs_two_ranks_async_save_resume_and_retention(emulator, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from gs://bkt/two/step-4 (step 4)" in proc.stdout + proc.stderr
     assert _losses(tmp_path / "gs") == _losses(tmp_path / "local")
-    from trainer.runtime import storage
+    from trainer.checkpoint import remote
 
     emulator["fs"].invalidate_cache()
-    assert storage.complete_steps("gs://bkt/two") == [4, 6]
+    assert remote.complete_steps("gs://bkt/two") == [4, 6]
     names = sorted(p.rsplit("/", 1)[-1] for p in emulator["fs"].ls("bkt/two/step-6", detail=False))
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
-    assert storage.verify_checkpoint("gs://bkt/two/step-6") is True
+    assert remote.verify_checkpoint("gs://bkt/two/step-6") is True

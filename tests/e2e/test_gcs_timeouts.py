@@ -1,4 +1,5 @@
-"""Every remote call has a bound that names the endpoint (issue 50 item 5; trainer/runtime/storage.py).
+"""Every remote call has a bound that names the endpoint (issue 50 item 5; trainer/runtime/storage.py, the
+seam that trainer/checkpoint/remote.py and the gs:// lock of trainer/runtime/runlock.py call through).
 
 A gs:// endpoint (STORAGE_EMULATOR_HOST) that accepts connections and never answers hung the
 start-up silently (gcsfs: aiohttp's 5-minute default per request, 6 tries); one that refuses
@@ -21,7 +22,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 pytest.importorskip("gcsfs")
 
 from tests.support.trainer_runs import TINY_RUN  # noqa: E402
-from trainer.runtime import storage  # noqa: E402
+from trainer.checkpoint import remote  # noqa: E402
+from trainer.runtime import runlock, storage  # noqa: E402
 
 FAST = [
     *TINY_RUN,
@@ -118,14 +120,14 @@ def test_every_checkpoint_step_call_is_bounded_and_names_the_endpoint(emulator_h
         if call == "lock":
             monkeypatch.setattr(storage, "check_bucket", lambda url, *, key: None)  # it answered then
             with pytest.raises(ConfigError) as e:
-                storage.RemoteLock("gs://bkt/run", key="checkpoint.folder").acquire()
+                runlock.RemoteLock("gs://bkt/run", key="checkpoint.folder").acquire()
             assert str(e.value) == (
                 f"checkpoint.folder: cannot take the lock gs://bkt/run/.run.lock: no answer from {host} within 1 s; "
                 "allowed: a gs:// folder this job can write"
             )
             return
         with pytest.raises(storage.RemoteUnreachable) as e:
-            getattr(storage, call)("gs://bkt/run/step-3")
+            getattr(remote, call)("gs://bkt/run/step-3")
     assert str(e.value) == f"no answer from {host} within 1 s"
 
 

@@ -41,7 +41,7 @@ RUN_TIME_MESSAGES = {
     # A detail, never shown alone: every caller (manager, initial, local tier, scripts/convert.py)
     # catches CorruptCheckpointError and wraps its text in a message with its own `allowed:`.
     ("trainer/checkpoint/manifest.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
-    ("trainer/runtime/storage.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
+    ("trainer/checkpoint/remote.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
 }
 
 
@@ -201,9 +201,9 @@ SINGLE_KEY_MODULES = {
     "trainer/data/": "data set, tokenizer and shard files, and a data loader's saved state (files)",
     "trainer/flux_data/build.py": "the FLUX data builder's own parameters",
     "trainer/checkpoint/": "checkpoint folders and files: their presence, format and contents",
-    "trainer/runtime/storage.py": "a storage path (gs:// bucket, shared folder, remote lock)",
+    "trainer/runtime/storage.py": "a storage path (gs:// bucket, shared folder)",
     "trainer/runtime/atomic.py": "a folder that cannot be made or written",
-    "trainer/runtime/runlock.py": "a run folder another run holds",
+    "trainer/runtime/runlock.py": "a run folder another run holds, or whose lock (a file, a gs:// object) cannot be made",
     "trainer/runtime/tpu_env.py:check_flags": "a [device] flag's own form (--name[=value])",
     "trainer/engine.py": "the engine's API: its caller's arguments (EngineError) and the folder it loads",
     "trainer/tasks/flux_sample.py": "the sampler's own arguments (steps, guidance scale)",

@@ -161,7 +161,6 @@ ROOM_LAYER = {room: i for i, rooms in enumerate(TRAINER_LAYERS) for room in room
 UPWARD_PENDING = (
     # Temporary: the arrows issue 52 (part 2) found pointing up, removed one by one as each is fixed.
     "trainer.data.flux -> trainer.flux_data.build",
-    "trainer.runtime.storage -> trainer.checkpoint.manifest",
     "trainer.tasks.flux_run -> trainer.config",
 )
 

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from models.errors import ConfigError
+from trainer.checkpoint import remote
 from trainer.checkpoint.local import LocalSaveFailed, LocalTier, plan_restore, receive_state, send_state
 from trainer.checkpoint.manifest import MANIFEST, CorruptCheckpointError, verify_checkpoint, write_manifest
 from trainer.checkpoint.state import (
@@ -190,7 +191,7 @@ def _then_manifest(future: Any, folder: Path) -> None:
     """Rank 0's async save: wait for DCP's write (every rank's files and .metadata), then write
     the manifest, in the background thread, before the checkpoint is published."""
     future.result()
-    (storage.write_manifest if storage.is_remote(folder) else write_manifest)(folder)
+    (remote.write_manifest if storage.is_remote(folder) else write_manifest)(folder)
 
 
 def _save_failed(error: BaseException, what: str, tmp: Path, *, remove: bool) -> CheckpointSaveError:
@@ -200,7 +201,7 @@ def _save_failed(error: BaseException, what: str, tmp: Path, *, remove: bool) ->
     if storage.is_remote(tmp):
         if remove:
             try:
-                storage.remove_step(tmp)
+                remote.remove_step(tmp)
             except Exception:  # noqa: BLE001 - without a manifest the step is ignored anyway
                 pass
         why = storage.error_text(error, tmp)
@@ -221,7 +222,7 @@ def complete_steps(folder: str | os.PathLike) -> list[int]:
     """Steps with a complete checkpoint under `folder` (step-N with DCP metadata; on gs://, step-N
     with its manifest, the commit point), ascending."""
     if storage.is_remote(folder):
-        return storage.complete_steps(str(folder))
+        return remote.complete_steps(str(folder))
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -476,7 +477,7 @@ class CheckpointManager:
         problem = None
         if self._is_rank0:
             try:
-                if not (storage.verify_checkpoint if self._remote else verify_checkpoint)(path):
+                if not (remote.verify_checkpoint if self._remote else verify_checkpoint)(path):
                     logger.warning("checkpoint: %s has no %s (written before checksums); not verified", path, MANIFEST)
             except CorruptCheckpointError as e:
                 problem = str(e)
@@ -588,7 +589,7 @@ class CheckpointManager:
             try:
                 if self._remote:
                     self._remove_leftovers()
-                    storage.remove_step(tmp)  # a re-saved step: its manifest goes first
+                    remote.remove_step(tmp)  # a re-saved step: its manifest goes first
                 else:
                     self.folder.mkdir(parents=True, exist_ok=True)
                     self._remove_leftovers()
@@ -619,7 +620,7 @@ class CheckpointManager:
         self._barrier()  # every rank's shards are written before the checkpoint becomes visible
         if self._is_rank0:
             try:
-                (storage.write_manifest if self._remote else write_manifest)(tmp)
+                (remote.write_manifest if self._remote else write_manifest)(tmp)
                 self._publish(step)
             except Exception if self._remote else OSError as e:
                 raise _save_failed(e, f"writing {tmp / MANIFEST} and publishing step {step}", tmp, remove=True) from e
@@ -690,7 +691,7 @@ class CheckpointManager:
             return
         for step in self.complete_steps()[: -self.keep_latest_k]:
             if self._remote:
-                storage.remove_step(self.step_path(step))  # manifest first: invisible before any file goes
+                remote.remove_step(self.step_path(step))  # manifest first: invisible before any file goes
                 continue
             old = self.folder / f".old-step-{step}"
             self.step_path(step).rename(old)  # invisible to load before any file is removed
@@ -698,8 +699,8 @@ class CheckpointManager:
 
     def _remove_leftovers(self) -> None:
         if self._remote:  # steps without a manifest: saves that were killed or failed
-            for url in storage.incomplete_steps(self.folder):
-                storage.remove_step(url)
+            for url in remote.incomplete_steps(self.folder):
+                remote.remove_step(url)
             return
         for entry in self.folder.iterdir():
             if entry.name.startswith((".tmp-step-", ".old-step-")) and entry.is_dir():

@@ -27,6 +27,15 @@ folders or `step-N` checkpoints): a live run's folder deeper than that is not se
 
 Locks are per process and re-entrant: a process that already holds a folder's lock (a test that
 builds two jobs in one process) gets it again; `release_all()` (the trainer's exit) drops them.
+
+On object storage (`RemoteLock`, a gs:// checkpoint folder; docs/checkpointing.md "On object
+storage (gs://)") there is no flock: the lock is an object `.run.lock` created with a generation
+precondition (GCS `ifGenerationMatch=0`: the create fails if the object exists), holding a nonce,
+host and pid, read back after the create (a store that ignores the precondition, such as an
+emulator, is caught when two writers race far enough apart); it is deleted on release. Nothing
+releases it when the holder dies: a record of this host whose pid is gone is stale and taken over;
+one of another host is refused with the object to delete (the no-flock rule above). Its calls go
+through the storage seam (trainer/runtime/storage.py), each bounded in time.
 """
 
 from __future__ import annotations
@@ -40,12 +49,13 @@ import re
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from models.errors import ConfigError
+from trainer.runtime import storage
 from trainer.runtime.atomic import WriteFailed, check_writable_dir, make_dir, write_error_text
-from trainer.runtime.storage import describe_owner
 
 LOCK_NAME = ".run.lock"
 _NO_FLOCK = (errno_codes.ENOLCK, errno_codes.EOPNOTSUPP, errno_codes.ENOSYS, errno_codes.EINVAL)
@@ -87,6 +97,14 @@ def _pid_alive(pid) -> bool:
     except (PermissionError, ValueError, TypeError):
         return True
     return True
+
+
+def describe_owner(record: dict | None) -> str:
+    if not record:
+        return "owner unknown (its record is being written or was damaged)"
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}" + (
+        f", command: {record['command']}" if record.get("command") else ""
+    )
 
 
 _HELD: dict[str, RunLock] = {}
@@ -391,9 +409,8 @@ def released_on_error():
 def release_all(*, undo: bool = False) -> None:
     """Drop every lock this process holds (the trainer's exit; the OS would at process exit).
     undo: the run stopped on bad input; put each lock file back as it was found."""
-    storage = sys.modules.get("trainer.runtime.storage")
-    if storage is not None:
-        storage.release_all()  # gs:// locks: deleted (nothing releases them when a process ends)
+    for remote in list(_REMOTE_HELD.values()):
+        remote.release()  # gs:// locks: deleted (nothing releases them when a process ends)
     for lock in list(_HELD.values()):
         lock._count = 1
         lock.release(undo=undo)
@@ -404,7 +421,7 @@ def lock_run(
     locks: Sequence[tuple[str, str | os.PathLike]],
     claims: Sequence[tuple[str, str | os.PathLike]] = (),
     writable: Sequence[tuple[str, str | os.PathLike]] = (),
-) -> list[RunLock]:
+) -> list[RunLock | RemoteLock]:
     """Rank 0 checks that no other live run holds, contains or is inside each (key, folder) of
     `claims` (folders covered by one of `locks`, such as a checkpoint folder inside the dump
     folder: checked first, so that the refusal names the folder the runs share), takes a RunLock
@@ -418,11 +435,9 @@ def lock_run(
 
     multi = distributed.multi_rank()
     rank = distributed.rank()
-    held: list[RunLock] = []
+    held: list[RunLock | RemoteLock] = []
     problem = None
     if rank == 0:
-        from trainer.runtime import storage  # gs:// folders: an object lock (trainer/runtime/storage.py)
-
         try:
             for key, folder in claims:
                 if storage.is_remote(folder):
@@ -431,7 +446,7 @@ def lock_run(
                     raise FolderInUse(f"{key}: {folder} {where}; allowed: {_ALLOWED}")
             for key, folder in locks:
                 if storage.is_remote(folder):
-                    held.append(storage.RemoteLock(folder, key=key, in_use=FolderInUse).acquire())
+                    held.append(RemoteLock(folder, key=key).acquire())
                 else:
                     held.append(RunLock(folder, key=key).acquire())
             for key, folder in writable:
@@ -459,3 +474,102 @@ def lock_run(
         kind, message = problem
         raise (WriteFailed if kind == "write" else ConfigError)(message)
     return held
+
+
+# -- on object storage -------------------------------------------------------------------------
+
+_REMOTE_HELD: dict[str, RemoteLock] = {}
+
+
+class RemoteLock:
+    """One writer per gs:// run folder (module docstring). `acquire()` raises FolderInUse naming
+    the holder, or ConfigError naming `key` for a missing bucket or denied access."""
+
+    def __init__(self, folder: str, *, key: str):
+        self.folder = folder.rstrip("/")
+        self.key = key
+        storage.split_url(self.folder, key=key)
+        self.path = f"{storage.object_path(self.folder)}/{LOCK_NAME}"
+        self.record: dict | None = None
+
+    def _read(self, fs) -> dict | None:
+        try:
+            record = json.loads(fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def _refuse(self, record: dict | None) -> FolderInUse:
+        return FolderInUse(
+            f"{self.key}: {self.folder} is in use by another run ({describe_owner(record)}); object storage "
+            f"cannot tell whether a run on another host still lives: delete {storage.SCHEME}{self.path} if that "
+            f"run has ended; allowed: {_ALLOWED}"
+        )
+
+    def acquire(self) -> RemoteLock:
+        if self.folder in _REMOTE_HELD:
+            return _REMOTE_HELD[self.folder]
+        storage.check_bucket(self.folder, key=self.key)
+        try:
+            return self._acquire()
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a refusal passes; a failed call is one line naming the key
+            raise ConfigError(
+                f"{self.key}: cannot take the lock {storage.SCHEME}{self.path}: "
+                f"{storage.error_text(e, self.folder)}; allowed: a gs:// folder this job can write"
+            ) from None
+
+    def _acquire(self) -> RemoteLock:
+        fs = storage.bounded_fs(key=self.key)
+        mine = {**_owner_record(), "nonce": uuid.uuid4().hex}
+        for _ in range(2):
+            fs.invalidate_cache(self.path)
+            record = self._read(fs)  # looked at first: an emulator may ignore the precondition
+            if record is not None:
+                if not self._stale(record, mine):
+                    raise self._refuse(record)
+                fs.rm_file(self.path)  # a dead holder of this host: taken over
+            try:
+                fs.pipe_file(self.path, json.dumps(mine).encode(), mode="create")  # ifGenerationMatch=0
+            except FileExistsError:
+                pass
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(
+                    f"{self.key}: cannot create the lock {storage.SCHEME}{self.path}: "
+                    f"{storage.error_text(e, self.folder)}; allowed: a gs:// folder this job can write"
+                ) from None
+            fs.invalidate_cache(self.path)
+            record = self._read(fs)
+            if record and record.get("nonce") == mine["nonce"]:
+                self.record = mine
+                _REMOTE_HELD[self.folder] = self
+                return self
+            if record is not None and not self._stale(record, mine):
+                raise self._refuse(record)  # another writer created it first
+        raise self._refuse(self._read(fs))
+
+    @staticmethod
+    def _stale(record: dict, mine: dict) -> bool:
+        """A record of this host whose process is gone (another host's cannot be checked)."""
+        return (
+            record.get("host") == mine["host"]
+            and record.get("pid") != mine["pid"]
+            and not _pid_alive(record.get("pid"))
+        )
+
+    def release(self, *, undo: bool = False) -> None:
+        """Delete the lock object if it is still this process's."""
+        if _REMOTE_HELD.get(self.folder) is not self:
+            return
+        del _REMOTE_HELD[self.folder]
+        fs = storage.bounded_fs(key=self.key)
+        try:
+            fs.invalidate_cache(self.path)
+            record = self._read(fs)
+            if record and self.record and record.get("nonce") == self.record["nonce"]:
+                fs.rm_file(self.path)
+        except Exception:  # noqa: BLE001 - a lock left behind is reported by the next run
+            pass

@@ -1,22 +1,17 @@
 """The storage seam: local paths keep the local code path; `gs://bucket/prefix` goes through fsspec (gcsfs).
 
-Object storage has no atomic rename and no flock, so the contract is kept differently there
-(docs/checkpointing.md "On object storage (gs://)"):
+What this module provides: which paths are object storage (`is_remote`, `split_url`), the bounded
+gcsfs file system (`bounded_fs`), the one-line text of a failed call (`error_text`), the start-up
+checks of a recipe's paths (`check_storage_paths`, `check_bucket`, `check_shared_folder`). What is
+built on it lives with its concern (docs/checkpointing.md "On object storage (gs://)"): the gs://
+checkpoint steps and their manifest in trainer/checkpoint/remote.py, the gs:// run lock in
+trainer/runtime/runlock.py.
 
-- a checkpoint step `gs://.../step-N` is complete iff its `manifest.json` exists (written last, by
-  rank 0, after every rank's DCP files and `.metadata`) and its CRCs match; loaders ignore a
-  step without one; deleting (keep_latest_k, a re-save of a step) removes the manifest first;
-- the run lock is an object `.run.lock` created with a generation precondition (GCS
-  `ifGenerationMatch=0`: the create fails if the object exists), holding a nonce, host and pid,
-  read back after the create (a store that ignores the precondition, such as an emulator, is
-  caught when two writers race far enough apart); it is deleted on release. Nothing releases it
-  when the holder dies: a record of this host whose pid is gone is stale and taken over; one of
-  another host is refused with the object to delete (the local lock's no-flock rule);
 - errors (a missing bucket, access denied, a malformed URL) come out as one ConfigError line
   naming the key;
 - every remote call is bounded by `timeout_s()` (training.startup_timeout_s, set by
-  `check_storage_paths`): each call of this module as a whole (gcsfs's retries included), and every
-  HTTP request gcsfs makes, DCP's transfers too, by "no connection or no bytes for that long" (a
+  `check_storage_paths`): each call through `bounded_fs` as a whole (gcsfs's retries included), and
+  every HTTP request gcsfs makes, DCP's transfers too, by "no connection or no bytes for that long" (a
   transfer that stalls is retried by gcsfs, at most 6 tries). An endpoint that accepts and never
   answers is `RemoteUnreachable`, "no answer from ENDPOINT within T s"; one that refuses is "cannot
   connect to ENDPOINT (Connection refused)", found at once by the start-up probe (`check_bucket`
@@ -28,34 +23,21 @@ gcsfs is an optional dependency (the `[gcs]` extra); it is imported only for a `
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import socket
-import sys
-import time
 import uuid
-import zlib
 from typing import Any
 
 SCHEME = "gs://"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
-LOCK_NAME = ".run.lock"
-MANIFEST = "manifest.json"
-BLOCK_BYTES = 64 * 1024 * 1024
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def _config_error(message: str) -> Exception:
     from models.errors import ConfigError  # imported when needed: this module stays torch-free
 
     return ConfigError(message)
-
-
-def _is_config_error(error: BaseException) -> bool:
-    errors = sys.modules.get("models.errors")
-    return errors is not None and isinstance(error, errors.ConfigError)
 
 
 def is_remote(path: Any) -> bool:
@@ -209,7 +191,9 @@ class _Bounded:
         return call
 
 
-def _fs(*, key: str) -> _Bounded:
+def bounded_fs(*, key: str) -> _Bounded:
+    """The gcsfs file system with every call bounded (`_Bounded`); ConfigError naming `key` if gcsfs
+    is missing."""
     return _Bounded(filesystem(key=key))
 
 
@@ -248,7 +232,7 @@ def check_bucket(url: str, *, key: str) -> None:
     """ConfigError naming `key` unless `url`'s bucket exists and this process may list and write it
     (a probe object is created and deleted)."""
     bucket, prefix = split_url(url, key=key)
-    fs = _fs(key=key)
+    fs = bounded_fs(key=key)
     probe = f"{bucket}/{prefix + '/' if prefix else ''}.write-check-{uuid.uuid4().hex}"
     try:
         probe_endpoint()  # a refusal at once, not after gcsfs's retries
@@ -265,252 +249,9 @@ def check_bucket(url: str, *, key: str) -> None:
         raise _config_error(f"{key}: cannot use {url}: {why}; allowed: {allowed}") from None
 
 
-def _path(url: str) -> str:
+def object_path(url: str) -> str:
+    """`gs://bucket/prefix` as gcsfs names it (`bucket/prefix`); a local path unchanged."""
     return url[len(SCHEME) :].rstrip("/") if url.startswith(SCHEME) else url
-
-
-# -- checkpoints -----------------------------------------------------------------------------
-
-
-def complete_steps(url: str) -> list[int]:
-    """Steps under `url` whose `step-N/manifest.json` exists (the commit point), ascending."""
-    fs = _fs(key="checkpoint.folder")
-    root = _path(url)
-    try:
-        entries = fs.ls(root, detail=False, refresh=True)
-    except FileNotFoundError:
-        return []
-    steps = []
-    for entry in entries:
-        match = _STEP.match(entry.rstrip("/").rsplit("/", 1)[-1])
-        if match and fs.exists(f"{root}/{match.group(0)}/{MANIFEST}"):
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def incomplete_steps(url: str) -> list[str]:
-    """Step prefixes under `url` without a manifest (a save that was killed or failed)."""
-    fs = _fs(key="checkpoint.folder")
-    root = _path(url)
-    try:
-        entries = fs.ls(root, detail=False, refresh=True)
-    except FileNotFoundError:
-        return []
-    out = []
-    for entry in entries:
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if _STEP.match(name) and not fs.exists(f"{root}/{name}/{MANIFEST}"):
-            out.append(f"{SCHEME}{root}/{name}")
-    return out
-
-
-def remove_step(url: str) -> None:
-    """Delete a step: the manifest first (the step is incomplete from then on), then the rest."""
-    fs = _fs(key="checkpoint.folder")
-    root = _path(url)
-    try:
-        fs.rm_file(f"{root}/{MANIFEST}")
-    except FileNotFoundError:
-        pass
-    try:
-        fs.rm(root, recursive=True)
-    except FileNotFoundError:
-        pass
-    fs.invalidate_cache(root)
-
-
-def _crc_blocks(data_at, size: int) -> list[str]:
-    out = []
-    for start in range(0, size, BLOCK_BYTES) if size else [0]:
-        out.append(f"{zlib.crc32(data_at(start, min(size, start + BLOCK_BYTES))):08x}")
-    return out
-
-
-def _files(fs, root: str) -> dict[str, int]:
-    fs.invalidate_cache(root)
-    return {
-        info["name"].rsplit("/", 1)[-1]: int(info["size"])
-        for info in fs.ls(root, detail=True, refresh=True)
-        if info.get("type") == "file" and not info["name"].endswith("/" + MANIFEST)
-    }
-
-
-def write_manifest(url: str) -> dict:
-    """Write `url/manifest.json` (the local manifest's format: each file's size and per-64-MiB-block
-    CRC-32) as the step's last object: its existence publishes the step."""
-    fs = _fs(key="checkpoint.folder")
-    root = _path(url)
-    t0 = time.perf_counter()
-    files = {}
-    for name, size in sorted(_files(fs, root).items()):
-        path = f"{root}/{name}"
-        files[name] = {"size": size, "crc32": _crc_blocks(lambda a, b: fs.cat_file(path, start=a, end=b), size)}
-    manifest = {
-        "format": 1,
-        "algorithm": "crc32",
-        "block_bytes": BLOCK_BYTES,
-        "files": files,
-        "hash_seconds": round(time.perf_counter() - t0, 3),
-    }
-    fs.pipe_file(f"{root}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-    return manifest
-
-
-def verify_checkpoint(url: str) -> bool:
-    """The local verify_checkpoint for a gs:// step: False without a manifest, True when every file
-    matches, CorruptCheckpointError naming the first that does not."""
-    from trainer.checkpoint.manifest import CorruptCheckpointError
-
-    fs = _fs(key="checkpoint.folder")
-    root = _path(url)
-    try:
-        manifest = json.loads(fs.cat_file(f"{root}/{MANIFEST}"))
-    except FileNotFoundError:
-        return False
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{url}/{MANIFEST} is unreadable ({e})") from None
-    sizes = _files(fs, root)
-    for name, entry in sorted(manifest["files"].items()):
-        path = f"{root}/{name}"
-        if name not in sizes:
-            raise CorruptCheckpointError(f"{SCHEME}{path} is missing (listed in {MANIFEST})")
-        if sizes[name] != entry["size"]:
-            raise CorruptCheckpointError(f"{SCHEME}{path} has {sizes[name]} bytes, {MANIFEST} says {entry['size']}")
-        got = _crc_blocks(lambda a, b: fs.cat_file(path, start=a, end=b), sizes[name])
-        if got != entry["crc32"]:
-            raise CorruptCheckpointError(f"{SCHEME}{path} fails its checksum ({MANIFEST} says {entry['crc32']})")
-    return True
-
-
-# -- the run lock ----------------------------------------------------------------------------
-
-_HELD: dict[str, RemoteLock] = {}
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, TypeError):
-        return True
-    return True
-
-
-def describe_owner(record: dict | None) -> str:
-    if not record:
-        return "owner unknown (its record is being written or was damaged)"
-    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}, started {record.get('started', '?')}" + (
-        f", command: {record['command']}" if record.get("command") else ""
-    )
-
-
-class RemoteLock:
-    """One writer per gs:// run folder (module docstring). `acquire()` raises FolderInUse naming
-    the holder, or ConfigError naming `key` for a missing bucket or denied access."""
-
-    def __init__(self, folder: str, *, key: str, in_use=None):
-        self.folder = folder.rstrip("/")
-        self.key = key
-        # The refusal's exception type (runlock's FolderInUse; a ConfigError by default): passed in,
-        # so this module imports neither runlock nor, at import time, torch.
-        self.in_use = in_use or _config_error
-        split_url(self.folder, key=key)
-        self.path = f"{_path(self.folder)}/{LOCK_NAME}"
-        self.record: dict | None = None
-
-    def _read(self, fs) -> dict | None:
-        try:
-            record = json.loads(fs.cat_file(self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {}
-        return record if isinstance(record, dict) else {}
-
-    def _refuse(self, record: dict | None) -> Exception:
-        return self.in_use(
-            f"{self.key}: {self.folder} is in use by another run ({describe_owner(record)}); object storage "
-            f"cannot tell whether a run on another host still lives: delete {SCHEME}{self.path} if that run has "
-            "ended; allowed: a folder no other run writes: wait for that run, stop it, or choose another folder"
-        )
-
-    def acquire(self) -> RemoteLock:
-        if self.folder in _HELD:
-            return _HELD[self.folder]
-        check_bucket(self.folder, key=self.key)
-        try:
-            return self._acquire()
-        except Exception as e:  # noqa: BLE001 - a refusal passes; a failed call is one line naming the key
-            if _is_config_error(e):
-                raise
-            raise _config_error(
-                f"{self.key}: cannot take the lock {SCHEME}{self.path}: {error_text(e, self.folder)}; "
-                "allowed: a gs:// folder this job can write"
-            ) from None
-
-    def _acquire(self) -> RemoteLock:
-        fs = _fs(key=self.key)
-        mine = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "command": " ".join(sys.argv)[:120],
-            "nonce": uuid.uuid4().hex,
-        }
-        for _ in range(2):
-            fs.invalidate_cache(self.path)
-            record = self._read(fs)  # looked at first: an emulator may ignore the precondition
-            if record is not None:
-                if not self._stale(record, mine):
-                    raise self._refuse(record)
-                fs.rm_file(self.path)  # a dead holder of this host: taken over
-            try:
-                fs.pipe_file(self.path, json.dumps(mine).encode(), mode="create")  # ifGenerationMatch=0
-            except FileExistsError:
-                pass
-            except Exception as e:  # noqa: BLE001
-                raise _config_error(
-                    f"{self.key}: cannot create the lock {SCHEME}{self.path}: {error_text(e, self.folder)}; "
-                    "allowed: a gs:// folder this job can write"
-                ) from None
-            fs.invalidate_cache(self.path)
-            record = self._read(fs)
-            if record and record.get("nonce") == mine["nonce"]:
-                self.record = mine
-                _HELD[self.folder] = self
-                return self
-            if record is not None and not self._stale(record, mine):
-                raise self._refuse(record)  # another writer created it first
-        raise self._refuse(self._read(fs))
-
-    @staticmethod
-    def _stale(record: dict, mine: dict) -> bool:
-        """A record of this host whose process is gone (another host's cannot be checked)."""
-        return (
-            record.get("host") == mine["host"]
-            and record.get("pid") != mine["pid"]
-            and not _pid_alive(record.get("pid"))
-        )
-
-    def release(self, *, undo: bool = False) -> None:
-        """Delete the lock object if it is still this process's."""
-        if _HELD.get(self.folder) is not self:
-            return
-        del _HELD[self.folder]
-        fs = _fs(key=self.key)
-        try:
-            fs.invalidate_cache(self.path)
-            record = self._read(fs)
-            if record and self.record and record.get("nonce") == self.record["nonce"]:
-                fs.rm_file(self.path)
-        except Exception:  # noqa: BLE001 - a lock left behind is reported by the next run
-            pass
-
-
-def release_all() -> None:
-    for lock in list(_HELD.values()):
-        lock.release()
 
 
 # -- several hosts, a local folder -----------------------------------------------------------
