@@ -31,6 +31,7 @@ only its inside is rewritten. The blocks:
   (docs/results/planner_*_v7x_*.csv).
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
   expert parallelism, planned as shipped).
+- docs/moe.md `moe_balance`: the balancing benchmark, from its CSV (`csv_columns`).
 - docs/optimizers.md `muon_sharded` and `muon_vs_adamw`: the Muon benchmarks, from their CSVs.
 - docs/optimizers.md `optimizer_memory`: the MoE pod recipes planned with AdamW and with Muon.
 """
@@ -728,6 +729,35 @@ def render_muon_vs_adamw() -> str:
     return "\n".join(out)
 
 
+def csv_columns(glob: str, columns: dict[str, str]) -> str:
+    """The latest docs/results/<glob> as a table: `columns` maps a CSV column to its header; a
+    number is printed as the CSV has it (thousands grouped when it is a whole number >= 1000)."""
+    import csv
+
+    (path,) = sorted((ROOT / "docs" / "results").glob(glob))[-1:]
+    out = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    for r in csv.DictReader(path.read_text().splitlines()):
+        cells = [f"{int(r[c]):,}" if r[c].isdigit() and int(r[c]) >= 1000 else r[c] for c in columns]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
+
+
+def render_moe_balance() -> str:
+    return csv_columns(
+        "moe_balance_*[0-9a-f].csv",
+        {
+            "variant": "variant",
+            "max_vio_first": "MaxVio step 1",
+            "max_vio_second_half_mean": "MaxVio 2nd half (mean)",
+            "max_over_mean_final": "max/mean load, last step",
+            "bias_abs_max": "max abs bias",
+            "train_loss_last10": "train loss (last 10)",
+            "val_loss": "val loss",
+            "tokens_per_s": "tokens/s",
+        },
+    )
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -765,6 +795,7 @@ BLOCKS = {
         "moe_search": render_moe_search,
     },
     "docs/context_parallel.md": {"cp_recipes": render_cp_recipes},
+    "docs/moe.md": {"moe_balance": render_moe_balance},
     "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
     "docs/low_precision.md": {"low_precision_recipes": render_low_precision_recipes},
     "docs/optimizers.md": {
