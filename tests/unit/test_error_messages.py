@@ -199,7 +199,7 @@ SINGLE_KEY_MODULES = {
     "trainer/config/placeholders.py": "checkpoint.folder: a shipped recipe's placeholder bucket",
     "trainer/launch.py": "the launcher's own command line and the scheduler's or TPU VM's variables",
     "trainer/data/": "data set, tokenizer and shard files, and a data loader's saved state (files)",
-    "trainer/flux_data/build.py": "the FLUX data builder's own parameters",
+    "trainer/flux_data/": "the FLUX data builder's own parameters, a built data set's files and a loader's state",
     "trainer/checkpoint/": "checkpoint folders and files: their presence, format and contents",
     "trainer/runtime/storage.py": "a storage path (gs:// bucket, shared folder)",
     "trainer/runtime/atomic.py": "a folder that cannot be made or written",

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from models.errors import ConfigError
-from trainer.data import flux as fd
 from trainer.flux_data import build as fb
+from trainer.flux_data import loader as fd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = fb.BuildParams(num_train=200, num_heldout=24, shard_rows=96, row_group_rows=16, vae_steps=2)

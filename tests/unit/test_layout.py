@@ -160,7 +160,6 @@ TRAINER_LAYERS = (  # bottom to top; the rooms of one layer do not import each o
 ROOM_LAYER = {room: i for i, rooms in enumerate(TRAINER_LAYERS) for room in rooms}
 UPWARD_PENDING = (
     # Temporary: the arrows issue 52 (part 2) found pointing up, removed one by one as each is fixed.
-    "trainer.data.flux -> trainer.flux_data.build",
     "trainer.tasks.flux_run -> trainer.config",
 )
 

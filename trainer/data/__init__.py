@@ -1,5 +1,5 @@
-"""Data: text data sets packed into token windows (text), the tiktoken BPE (tokenizer), and the
-FLUX data set's reader and loader (flux; building it: trainer/flux_data)."""
+"""Data: text data sets packed into token windows (text) and the tiktoken BPE (tokenizer). The FLUX
+data set (its build, reader and loader) is trainer/flux_data, which reads the tokenizer here."""
 
 from trainer.data.text import (
     BUNDLED_CORPUS_DIR,

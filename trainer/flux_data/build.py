@@ -33,7 +33,7 @@ systems, every rank builds its own copy and the first rename wins; the copies ar
 A build whose write fails (disk full, file too large, permission) removes its temporary folder
 and raises `WriteFailed` with the errno text (the trainer's one `error:` line, exit 1).
 
-The reader and loader are `trainer/data/flux.py`; `scripts/data/build_flux_data.py` runs the build
+The reader and loader are `trainer/flux_data/loader.py`; `scripts/data/build_flux_data.py` runs the build
 for a local folder, and the trainer runs it once for the default `procedural` set.
 """
 

@@ -1,5 +1,5 @@
 """The FLUX task: rectified flow (trainer/tasks/flow.py) on a precomputed latent + text-embedding
-data set (trainer/data/flux.py), with held-out sample grids at validation (flux_sample.py)."""
+data set (trainer/flux_data/loader.py), with held-out sample grids at validation (flux_sample.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from models.errors import ConfigError
 from models.flux.flops import flops_per_sample
-from trainer.data.flux import build_flux_dataloader, resolve_flux_dataset
+from trainer.flux_data.loader import build_flux_dataloader, resolve_flux_dataset
 from trainer.tasks import flow
 from trainer.tasks.flux_sample import log_sample_grid
 
@@ -44,7 +44,7 @@ class FlowSettings:
 
 class FlowTask:
     """Rectified flow (trainer/tasks/flow.py) on a precomputed latent + text-embedding data set
-    (trainer/data/flux.py). A micro-batch is (latents, t5, clip, noise, t, keep)."""
+    (trainer/flux_data/loader.py). A micro-batch is (latents, t5, clip, noise, t, keep)."""
 
     name = "flow"
     unit = "samples"

@@ -13,7 +13,7 @@ import torch
 from models.errors import ConfigError
 from trainer.checkpoint import complete_steps, load_initial
 from trainer.config import build_config, model_args
-from trainer.data.flux import resolve_flux_dataset
+from trainer.flux_data.loader import resolve_flux_dataset
 from trainer.tasks import flow
 
 
@@ -26,7 +26,7 @@ class FluxRun:
     model: torch.nn.Module
     args: object
     dataset: object
-    """The run's `trainer.data.flux.FluxDataset` (captions, encoders, VAE)."""
+    """The run's `trainer.flux_data.loader.FluxDataset` (captions, encoders, VAE)."""
     text: object
     vae: object
     checkpoint: str | None

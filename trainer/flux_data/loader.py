@@ -1,4 +1,4 @@
-"""FLUX data: the reader of a built data set folder and the loader (building: trainer/flux_data/build.py).
+"""FLUX data: the reader of a built data set folder and the loader (building: build.py beside it).
 
 **Loader** (`build_flux_dataloader`): global sample order position q (0, 1, 2, ... across
 epochs) is sample `order(q mod N)` of epoch `q div N`. Train: each epoch shuffles row
