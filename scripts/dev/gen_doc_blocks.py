@@ -21,7 +21,8 @@ only its inside is rewritten. The blocks:
   shipped (`planner.plan_estimate`, the one-block probe), and its compiled figure from the latest
   docs/results/pod_compile_*.csv row of that recipe.
 - docs/planner.md `breakdown`: the per-device terms of the dense Llama 3 pod recipes;
-  docs/context_parallel.md `cp_recipes`: the 128k recipes; docs/low_precision.md
+  docs/context_parallel.md `cp_recipes`: the 128k recipes (and `cp_compiles`, their attention
+  sublayer's compile, from its CSV); docs/low_precision.md
   `low_precision_recipes`: each `[quantize]` pod recipe against its parent (all as shipped).
 - docs/recipe_check.md `pod_compiles`: every row of docs/results/pod_compile_*.csv.
 - docs/planner.md `recommend`: `--recommend` from model flags for a few model and target pairs,
@@ -758,6 +759,40 @@ def render_moe_balance() -> str:
     )
 
 
+def render_cp_compiles() -> str:
+    """docs/results/cp_128k_compiles_*.csv (the 128k recipes' attention sublayer compiled with CP,
+    and the planner of that run beside it)."""
+    import csv
+
+    (path,) = sorted((ROOT / "docs" / "results").glob("cp_128k_compiles_2*.csv"))[-1:]
+    out = [
+        "| recipe | compiled for | cp | tokens / device | compiler: args / out / temp GiB (attention sublayer, "
+        "fwd + bwd) | planner: layer attention terms / block-backward transient GiB | planner: whole step GiB "
+        "(usable) | all-gather / reduce-scatter in StableHLO; compiled HLO | Mosaic calls | lower + compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in csv.DictReader(path.read_text().splitlines()):
+        hlo = (
+            f"{r['hlo_all_gather']} all-gather, {r['hlo_all_reduce']} all-reduce"
+            if r["counted_in"] == "compiled HLO"
+            else "not printable (jaxlib 0.10.2)"
+        )
+        cells = [
+            r["recipe"],
+            r["compiled_for"],
+            r["cp"],
+            f"{int(r['tokens_per_device']):,}",
+            f"{r['compiler_args_gib']} / {r['compiler_out_gib']} / {r['compiler_temp_gib']}",
+            f"{r['planner_layer_attention_gib']} / {r['planner_block_backward_gib']}",
+            f"{r['planner_step_total_gib']} ({r['planner_usable_gib']})",
+            f"{r['stablehlo_all_gather']} / {r['stablehlo_reduce_scatter']}; {hlo}",
+            r["mosaic_calls"],
+            f"{float(r['lower_s']) + float(r['compile_s']):.0f}",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}; the planner columns are the planner of that run.)"
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -794,7 +829,7 @@ BLOCKS = {
         "breakdown": render_breakdown,
         "moe_search": render_moe_search,
     },
-    "docs/context_parallel.md": {"cp_recipes": render_cp_recipes},
+    "docs/context_parallel.md": {"cp_recipes": render_cp_recipes, "cp_compiles": render_cp_compiles},
     "docs/moe.md": {"moe_balance": render_moe_balance},
     "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
     "docs/low_precision.md": {"low_precision_recipes": render_low_precision_recipes},
