@@ -129,8 +129,8 @@ def _run(argv: list[str]) -> int:
     if not math.isfinite(ns.cfg_scale) or ns.cfg_scale < 0:
         raise ConfigError(f"--cfg-scale: {ns.cfg_scale}; allowed: a finite number >= 0")
     from scripts.sample import write_sidecar
+    from trainer.flux_run import load_run
     from trainer.runtime.atomic import atomic_file, atomic_path
-    from trainer.tasks.flux_run import load_run
     from trainer.tasks.flux_sample import image_grid, save_png
 
     trained = load_run(ns.run, step=ns.step, seed=ns.seed)

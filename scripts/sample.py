@@ -96,7 +96,7 @@ def _run(argv: list[str]) -> int:
     if ns.scale < 1 or (ns.ncols is not None and ns.ncols < 1):
         raise ConfigError("--scale / --ncols: allowed: >= 1")
     prompts = read_prompts(ns.prompt, ns.prompts_file)
-    from trainer.tasks.flux_run import load_run
+    from trainer.flux_run import load_run
     from trainer.tasks.flux_sample import image_grid, sample_images, save_png
 
     run = load_run(ns.run, step=ns.step, untrained=ns.untrained, seed=ns.seed)

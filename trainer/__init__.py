@@ -6,11 +6,17 @@ The face (loaded on first use, so that `import trainer.config` stays light):
 - `build_job(cfg)` / `plan_job(cfg, ...)`: the one build every entry point uses, and its
   build-free check (trainer/job.py).
 
-Packages by concern, each with a face in its `__init__`: `step/` (plan and rules, loss, eager
-step), `graph/` (the captured step), `tasks/` (lm, flow), `data/` (text, tokenizer, FLUX),
-`optim/` (AdamW, Muon, QK clip, lr schedule, expert balance), `checkpoint/` (manager, state,
-manifest, initial weights), `runtime/` (device, preemption, watchdog, flops, metrics). Modules:
-`config.py` (the recipe), `launch.py` (the multi-host launcher CLI, `python -m trainer.launch`).
+Packages by concern, each with a face in its `__init__`: `config/` (the recipe), `step/` (plan and
+rules, loss, eager step), `graph/` (the captured step), `tasks/` (lm, flow), `data/` (text,
+tokenizer), `flux_data/` (the FLUX data set: build, reader, loader), `optim/` (AdamW, Muon, QK clip,
+lr schedule, expert balance), `checkpoint/` (manager, state, manifest, initial weights, gs:// steps),
+`runtime/` (device, preemption, watchdog, flops, metrics, storage seam, run lock). Modules:
+`launch.py` (the multi-host launcher CLI, `python -m trainer.launch`), `flux_run.py` (a trained
+FLUX run rebuilt from its dump folder, for scripts/sample.py and scripts/eval_flux.py).
+
+The rooms are layered, imports pointing down only (tests/unit/test_layout.py: TRAINER_LAYERS):
+runtime < checkpoint, data, optim, step < flux_data < graph, tasks < config < callbacks, job <
+the entry points (engine, flux_run, launch, train).
 """
 
 _FACE = {

@@ -21,7 +21,8 @@ import sys
 import pytest
 import torch
 
-from trainer.tasks import flow, flux_run
+from trainer import flux_run
+from trainer.tasks import flow
 from trainer.tasks import flux_sample as fs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -207,7 +207,7 @@ SINGLE_KEY_MODULES = {
     "trainer/runtime/tpu_env.py:check_flags": "a [device] flag's own form (--name[=value])",
     "trainer/engine.py": "the engine's API: its caller's arguments (EngineError) and the folder it loads",
     "trainer/tasks/flux_sample.py": "the sampler's own arguments (steps, guidance scale)",
-    "trainer/tasks/flux_run.py": "the sampler's command line: a training run's folder and its checkpoints",
+    "trainer/flux_run.py": "the sampler's command line: a training run's folder and its checkpoints",
 }
 
 

@@ -18,7 +18,7 @@ image depends only on (seed, its position), not on the batch it is drawn in or t
 
 `log_sample_grid` returns the images of a prompt list as one [3, H, W] grid (TensorBoard's
 `add_image` format). Rebuilding a trained run from its dump folder for the sampling scripts is
-`trainer/tasks/flux_run.py`.
+`trainer/flux_run.py`.
 """
 
 from __future__ import annotations
