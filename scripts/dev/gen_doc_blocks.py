@@ -32,6 +32,8 @@ only its inside is rewritten. The blocks:
   (docs/results/planner_*_v7x_*.csv).
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
   expert parallelism, planned as shipped).
+- docs/tpu.md `estimate_xla`: the full-depth compiles of the dense pod recipes, from their CSV,
+  beside the planner of that run and of this commit.
 - docs/moe.md `moe_balance`: the balancing benchmark, from its CSV (`csv_columns`).
 - docs/optimizers.md `muon_sharded` and `muon_vs_adamw`: the Muon benchmarks, from their CSVs.
 - docs/optimizers.md `optimizer_memory`: the MoE pod recipes planned with AdamW and with Muon.
@@ -793,6 +795,44 @@ def render_cp_compiles() -> str:
     return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}; the planner columns are the planner of that run.)"
 
 
+def render_estimate_xla() -> str:
+    """docs/results/estimate_xla_<date>_<commit>.csv (`scripts/estimate_xla.py --csv`, the dense pod
+    recipes compiled at full depth): the compiler's figures, the planner of that run (the CSV's
+    columns) and the planner of this commit for the same recipe."""
+    import csv
+
+    import planner
+
+    (path,) = sorted((ROOT / "docs" / "results").glob("estimate_xla_2*.csv"))[-1:]
+    out = [
+        "| recipe (target) | layers compiled | scan, flips | arguments | outputs | temp | **total** | HBM | verdict "
+        "| planner then: total (usable), verdict; compiler vs it | planner of this commit; compiler vs it "
+        "| capture / compile / wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in csv.DictReader(path.read_text().splitlines()):
+        name = r["recipe"].removesuffix(".toml")
+        now = recipe_estimate(name)[1].total / planner.GiB
+        total = float(r["total_gib"])
+        cells = [
+            f"{name} ({r['target']})",
+            r["layers"],
+            f"{'scan' if r['scan'] == '1' else 'unrolled'}, {r['flips']}",
+            r["arg_gib"],
+            r["out_gib"],
+            r["temp_gib"],
+            f"**{r['total_gib']}**",
+            r["hbm_gib"],
+            r["verdict"],
+            f"{float(r['planner_total_gib']):.2f} ({r['planner_usable_gib']}), {r['planner_verdict']}; "
+            f"{r['total_diff_pct']} %",
+            f"{now:.2f}; {(total / now - 1) * 100:+.1f} %",
+            f"{r['capture_s']} / {r['compile_s']} / {r['wall_s']}",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -831,6 +871,7 @@ BLOCKS = {
     },
     "docs/context_parallel.md": {"cp_recipes": render_cp_recipes, "cp_compiles": render_cp_compiles},
     "docs/moe.md": {"moe_balance": render_moe_balance},
+    "docs/tpu.md": {"estimate_xla": render_estimate_xla},
     "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
     "docs/low_precision.md": {"low_precision_recipes": render_low_precision_recipes},
     "docs/optimizers.md": {
