@@ -290,9 +290,79 @@ def estimate(
     (the dispatch buffers of `ep_dispatch_bytes`, the blocks' expert rows of `capacity_saved_delta`;
     `moe_layers`: how many blocks are MoE, default all). `quantize`: the `[quantize]` plan (the
     low-precision copies of `planner.low_precision`, in the block backward)."""
-    tp, cp = parallel_dims.tp, parallel_dims.cp
-    loss_parallel = loss_parallel and tp > 1
-    tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
+    loss_parallel = loss_parallel and parallel_dims.tp > 1
+    memory, block, muon = _memory_terms(
+        activations,
+        shape,
+        stats,
+        parallel_dims=parallel_dims,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        ac_mode=ac_mode,
+        loss_parallel=loss_parallel,
+        fused_loss=fused_loss,
+        scan_flips=scan_flips,
+        undonated_update=undonated_update,
+        optimizer=optimizer,
+        stacked=stacked,
+        moe_capacity_factor=moe_capacity_factor,
+        quantize=quantize,
+        moe_layers=moe_layers,
+    )
+    est = Estimate(
+        model=model,
+        target=target,
+        n_layers=shape.n_layers,
+        **_degrees(parallel_dims),
+        ac_mode=ac_mode,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len,
+        grad_accum=grad_accum,
+        loss_parallel=loss_parallel,
+        headroom=headroom,
+        assumed_mfu=assumed_mfu,
+        flops_per_token=flops_per_token,
+        probed=stats.probed,
+        **memory,
+        **_throughput_terms(target, shape, stats, ac_mode=ac_mode, quantize=quantize),
+    )
+    est.notes.extend(_estimate_notes(est, shape, block, quantize, muon=muon, stacked=stacked))
+    return est
+
+
+def _degrees(parallel_dims: ParallelDims) -> dict[str, int]:
+    """The plan's parallel degrees, as `Estimate` names them."""
+    return dict(
+        dp_replicate=parallel_dims.dp_replicate,
+        dp_shard=parallel_dims.dp_shard,
+        tp=parallel_dims.tp,
+        ep=parallel_dims.ep,
+        cp=parallel_dims.cp,
+    )
+
+
+def _memory_terms(
+    activations: ActivationBytes | None,
+    shape: ModelShape,
+    stats: ShardStats,
+    *,
+    parallel_dims: ParallelDims,
+    local_batch_size: int,
+    seq_len: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    fused_loss: bool,
+    scan_flips: bool,
+    undonated_update: bool,
+    optimizer: str,
+    stacked: bool,
+    moe_capacity_factor: float,
+    quantize: QuantizePlan | None,
+    moe_layers: int | None,
+) -> tuple[dict, BlockTransient, int]:
+    """`estimate`'s memory fields of `Estimate` (state, saved activations and weights, transients,
+    scan flips, the undonated update), the block transient's terms and Muon's local matrix elements."""
+    tokens = local_batch_size * seq_len // parallel_dims.cp  # this device's tokens (CP splits the sequence)
     acts = _saved_activations(
         activations,
         shape,
@@ -307,9 +377,6 @@ def estimate(
     )
     local = stats.param_numel
     muon, moments, muon_update = _optimizer_bytes(stats, optimizer=optimizer, stacked=stacked)
-    transient_loss = _loss_transient(
-        acts, shape, stats, parallel_dims=parallel_dims, tokens=tokens, fused_loss=fused_loss
-    )
     block = _block_transient(
         acts,
         shape,
@@ -322,39 +389,17 @@ def estimate(
         moe_capacity_factor=moe_capacity_factor,
         quantize=quantize,
     )
-    sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
-    gather_ratio = (
-        block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, quantize) if quantize is not None else 1.0
-    )
-    gen = target.generation
-    est = Estimate(
-        model=model,
-        target=target,
-        n_layers=shape.n_layers,
-        dp_replicate=parallel_dims.dp_replicate,
-        dp_shard=parallel_dims.dp_shard,
-        tp=tp,
-        ep=parallel_dims.ep,
-        ac_mode=ac_mode,
-        local_batch_size=local_batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        loss_parallel=loss_parallel,
+    memory = dict(
         params=4 * local,
         grads=4 * local,
         optimizer=moments,
         saved_weights=2 * _kept_gathered_numel(stats, ac_mode),
         activations=acts,
-        transient_loss=transient_loss,
+        transient_loss=_loss_transient(
+            acts, shape, stats, parallel_dims=parallel_dims, tokens=tokens, fused_loss=fused_loss
+        ),
         transient_block=block.total,
-        headroom=headroom,
-        assumed_mfu=assumed_mfu,
-        flops_per_token=flops_per_token,
-        recompute_factor=RECOMPUTE_FACTOR[ac_mode],
-        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity * gather_ratio) if gen.fsdp_min_tokens else None,
-        probed=stats.probed,
         fused_loss=fused_loss,
-        cp=cp,
         # torch's scan autograd flips every stacked input of the backward scan: the saved block
         # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
         scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
@@ -363,21 +408,26 @@ def estimate(
         muon_update=muon_update,
         quantize_recipe=block.recipe,
         quantize_transient=block.lowp,
+    )
+    return memory, block, muon
+
+
+def _throughput_terms(
+    target: Target, shape: ModelShape, stats: ShardStats, *, ac_mode: str, quantize: QuantizePlan | None
+) -> dict:
+    """`estimate`'s throughput fields of `Estimate`: the recompute factor of the AC mode, and the
+    tokens that hide FSDP's all-gathers on the generation, scaled by MoE sparsity and the gathers'
+    bytes (`fsdp_gather_ratio`)."""
+    sparsity = shape.num_experts / shape.top_k if shape.is_moe else 1
+    gather_ratio = (
+        block_gather_ratio(stats.linear_shapes, stats.block_gathered_numel, quantize) if quantize is not None else 1.0
+    )
+    gen = target.generation
+    return dict(
+        recompute_factor=RECOMPUTE_FACTOR[ac_mode],
+        fsdp_min_tokens=int(gen.fsdp_min_tokens * sparsity * gather_ratio) if gen.fsdp_min_tokens else None,
         fsdp_gather_ratio=gather_ratio,
     )
-    est.notes.extend(
-        _estimate_notes(
-            est,
-            shape,
-            block,
-            quantize=quantize,
-            muon=muon,
-            stacked=stacked,
-            tokens=tokens,
-            moe_capacity_factor=moe_capacity_factor,
-        )
-    )
-    return est
 
 
 def _saved_activations(
@@ -501,6 +551,8 @@ class BlockTransient:
     """The low-precision copies and scales of the largest quantized linear's backward."""
     recipe: str
     """`[quantize] recipe` ("none" without a plan)."""
+    capacity_factor: float
+    """`[moe] capacity_factor` (0: the dropless dispatch)."""
 
 
 def _block_transient(
@@ -560,22 +612,23 @@ def _block_transient(
         + dispatch
         + gathered_kv_grads
     )
-    return BlockTransient(total=total, dispatch=dispatch, gathered_kv_grads=gathered_kv_grads, lowp=lowp, recipe=recipe)
+    return BlockTransient(
+        total=total,
+        dispatch=dispatch,
+        gathered_kv_grads=gathered_kv_grads,
+        lowp=lowp,
+        recipe=recipe,
+        capacity_factor=moe_capacity_factor,
+    )
 
 
 def _estimate_notes(
-    est: Estimate,
-    shape: ModelShape,
-    block: BlockTransient,
-    *,
-    quantize: QuantizePlan | None,
-    muon: int,
-    stacked: bool,
-    tokens: int,
-    moe_capacity_factor: float,
+    est: Estimate, shape: ModelShape, block: BlockTransient, quantize: QuantizePlan | None, *, muon: int, stacked: bool
 ) -> list[str]:
     """The notes `estimate` attaches: the quantize recipe's copies, Muon's update, a TP degree
     beyond a host, the MoE dispatch buffers, CP's gathered k/v, exposed FSDP traffic."""
+    tokens = est.local_batch_size * est.seq_len // est.cp  # this device's tokens (CP splits the sequence)
+    moe_capacity_factor = block.capacity_factor
     gen = est.target.generation
     notes: list[str] = []
     if block.recipe != "none":
