@@ -32,6 +32,7 @@ only its inside is rewritten. The blocks:
   (docs/results/planner_*_v7x_*.csv).
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
   expert parallelism, planned as shipped).
+- docs/low_precision.md `low_precision_projection`: the projection, from its CSV.
 - docs/tpu.md `estimate_xla`: the full-depth compiles of the dense pod recipes, from their CSV,
   beside the planner of that run and of this commit.
 - docs/moe.md `moe_balance`: the balancing benchmark, from its CSV (`csv_columns`).
@@ -833,6 +834,37 @@ def render_estimate_xla() -> str:
     return "\n".join(out)
 
 
+def render_low_precision_projection() -> str:
+    """docs/results/low_precision_projection_*.csv (scripts/bench/low_precision_projection.py): each
+    low-precision recipe's projected step against its bf16 parent's program."""
+    import csv
+
+    (path,) = sorted((ROOT / "docs" / "results").glob("low_precision_projection_*.csv"))[-1:]
+    out = [
+        "| recipe (target) | quantized share of bf16 compute | compute s bf16 -> low precision | collectives s "
+        "| tokens/s/chip bf16 -> low precision, exposed / overlapped | speed-up exposed / overlapped "
+        "| the same with the passes free (a bound) | MaxText tokens/s/chip bf16 -> FP8 (ratio) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in csv.DictReader(path.read_text().splitlines()):
+        f = {k: float(v) for k, v in r.items() if v and k not in ("recipe", "parent", "target", "quantize", "program")}
+        comm = f"{f['comm_s']:.2f}" + (f" -> {f['comm_s_lp']:.2f}" if abs(f["comm_s"] - f["comm_s_lp"]) > 1e-9 else "")
+        maxtext = (
+            f"{f['maxtext_bf16']:,.0f} -> {f['maxtext_fp8']:,.0f} ({f['maxtext_ratio']:.2f}x)"
+            if "maxtext_ratio" in f
+            else "-"
+        )
+        out.append(
+            f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {f['quantized_share_of_compute'] * 100:.0f} % "
+            f"| {f['compute_s_bf16']:.2f} -> {f['compute_s_lp']:.2f} | {comm} "
+            f"| {f['tokens_per_chip_exposed_bf16']:,.0f} -> {f['tokens_per_chip_exposed_lp']:,.0f} / "
+            f"{f['tokens_per_chip_overlapped_bf16']:,.0f} -> {f['tokens_per_chip_overlapped_lp']:,.0f} "
+            f"| {f['speedup_exposed']:.2f}x / {f['speedup_overlapped']:.2f}x "
+            f"| {f['speedup_exposed_fused']:.2f}x / {f['speedup_overlapped_fused']:.2f}x | {maxtext} |"
+        )
+    return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -873,7 +905,10 @@ BLOCKS = {
     "docs/moe.md": {"moe_balance": render_moe_balance},
     "docs/tpu.md": {"estimate_xla": render_estimate_xla},
     "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
-    "docs/low_precision.md": {"low_precision_recipes": render_low_precision_recipes},
+    "docs/low_precision.md": {
+        "low_precision_recipes": render_low_precision_recipes,
+        "low_precision_projection": render_low_precision_projection,
+    },
     "docs/optimizers.md": {
         "muon_sharded": render_muon_sharded,
         "optimizer_memory": render_optimizer_memory,
