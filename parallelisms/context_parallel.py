@@ -233,8 +233,8 @@ def cp_attention_fn(cp: CPGroup, device_type: str = "cpu"):
 
 
 def apply_cp(cp: CPGroup, device_type: str, *, replacing: str, references: bool = False) -> str:
-    """Context parallelism's step of `parallelize_model`'s order, taken with the kernel choice
-    (`trainer.job.choose_attention`) because it serves an op rather than wrapping a module: the op
+    """Context parallelism's step of `parallelize_model`'s order, taken where the op table is filled
+    (`trainer.job.serve_ops`) because it serves an op rather than wrapping a module: the op
     `causal_attention` is served, for this job, by `cp_attention_fn(cp, device_type)` in place of
     the kernel chosen for a whole sequence (described by `replacing`); `references`: a capture
     for `device_type` (the recipe check) serves the dense-mask SDPA. Returns the banner's

@@ -10,8 +10,8 @@ Order (each step relies on the previous ones):
    MoE layers ("moe" style) then sum their expert counts over the world for the global-batch
    load-balancing loss (`apply_global_load_balance`).
    Context parallelism (`cp > 1`) wraps no module: its attention serves the op
-   `causal_attention` (`parallelisms.context_parallel.apply_cp`, applied with the kernel choice,
-   trainer/job.py `choose_attention`), the task shards each window (given the cp group at
+   `causal_attention` (`parallelisms.context_parallel.apply_cp`, applied where the op table is
+   filled, trainer/job.py `serve_ops`), the task shards each window (given the cp group at
    construction), and its parameter sharding is step 5's.
 3. Activation checkpointing (`apply_ac`): wraps each block's forward.
 4. Per-block torch.compile (`apply_compile`): compiles the (checkpointed) blocks; the

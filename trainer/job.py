@@ -13,10 +13,13 @@ both start here; nothing else builds a run). What a purpose needs is declared in
   3. `build_data`: the named DeviceMesh, the task (LM tokens or FLUX latents; the tokenizer is
      checked here; told the cp group at construction), the batch split, and (training) the data
      loaders: bad data fails before any checkpoint
-  4. `choose_attention`: every op's kernel, the attention's included (context parallelism's)
-  5. `build_job_model`: meta -> parallelize (TP, EP, CP, AC, compile, SimpleFSDP) ->
+  4. `choose_attention`: which attention the job asks for, at which kernel shapes (nothing
+     registered)
+  5. `serve_ops`: the op table filled, the one phase that writes it: every op's kernel for the
+     device (`titan_kernels.select`), and context parallelism's attention (`apply_cp`)
+  6. `build_job_model`: meta -> parallelize (TP, EP, CP, AC, compile, SimpleFSDP) ->
      materialize -> init_weights
-  6. `build_optimization`: optimizer and lr schedule; 7. (training) `build_checkpoint_manager`
+  7. `build_optimization`: optimizer and lr schedule; 8. (training) `build_checkpoint_manager`
 The caller then resumes or loads initial weights (`Job.load_initial`) and builds the step
 (`Job.build_step`), which captures the graph on its first call in graph mode.
 
@@ -27,7 +30,8 @@ task is built (its tokenizer checked) but no data is read, the model is parallel
 materialized, there is no checkpoint manager, and compilers are replaced by `aot_eager` (the
 step is captured, not compiled for the target: that is tools/tpu_compile.py, which serves the ops
 with the TPU kernels' capture ops after this build and compiles the captured program). Every job
-starts from a clean op table (`models.common.ops`): the recipe check builds many in one process.
+starts from a clean op table (`models.common.ops`, `serve_ops`): the recipe check builds many in
+one process.
 """
 
 from __future__ import annotations
@@ -504,7 +508,7 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
         rt = start_runtime(cfg, why, device_type=device_type)
         plan = plan_job(cfg, world_size=rt.dist.world_size, device_type=rt.device_type, caller_loss=why.caller_loss)
         data = build_data(cfg, plan, rt, why)
-        attention = choose_attention(cfg, plan, rt, data, why)
+        attention = serve_ops(choose_attention(cfg, plan, rt, data, why))
         model = build_job_model(cfg, plan, rt, data, why)
         optimizer, scheduler = build_optimization(cfg, model)
         manager = build_checkpoint_manager(cfg, plan.parallel_dims, rank=rt.dist.rank) if why.saves else None
@@ -727,23 +731,34 @@ def build_data(cfg: Config, plan: JobPlan, rt: Runtime, purpose: Purpose) -> Job
     )
 
 
-def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> str:
-    """Phase 4: the kernel of every op this job's model calls, and the banner's line on attention.
+@dataclass(frozen=True)
+class AttentionChoice:
+    """Phase 4's result: what serves this job's attention, decided without touching the op table."""
 
-    Every job starts from a clean op table (`models.common.ops`): a previous job in this process
-    (the recipe check runs many) may have served `causal_attention` with a closure bound to its
-    own process group. With context parallelism the op `causal_attention` is served by the cp
-    attention (k/v all-gathered over cp; the local product is splash with this rank's causal
-    offsets on TPU, dense-mask SDPA elsewhere: parallelisms/context_parallel.py) in place of the
-    kernel picked for a whole sequence. A check job captures with the ops' references (the TPU
-    kernels are the compile's: tools/tpu_compile.py).
-    """
-    for op in ops.OPS:
-        ops.register(op, None)
+    backend: str
+    """`[model] attn_backend` as asked (checked against the device)."""
+    device: torch.device
+    device_type: str
+    """The device type the run is planned for (a check's target; else `device.type`)."""
+    dtype: torch.dtype
+    head_dim: int
+    shapes: titan_kernels.KernelShapes | None
+    """The widths the kernels are called at (their TPU self-check runs there); None for a check
+    job, which captures with the ops' references."""
+    cp: CPGroup | None
+    """With context parallelism, the group whose attention serves `causal_attention`."""
+    document_mask: bool
+    """Calls carry segment ids (splash takes them; elsewhere SDPA with a block-diagonal mask)."""
+
+
+def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> AttentionChoice:
+    """Phase 4: which attention this job asks for and at which shapes (no op is registered here:
+    `serve_ops` does that). A check job captures with the ops' references (the TPU kernels are
+    the compile's: tools/tpu_compile.py), so it only checks the backend against its target."""
     device_type, cp, dims = rt.device_type, data.cp, plan.parallel_dims
+    shapes = None
     if purpose.captures_only:
         titan_kernels.check_attention_for(cfg.model.attn_backend, device_type)
-        attention = f"{cfg.model.attn_backend} on {device_type} (captured with the references)"
     else:
         shapes = titan_kernels.KernelShapes.of(
             plan.args,
@@ -751,26 +766,56 @@ def choose_attention(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, pur
             cp_rank=0 if cp is None else cp.rank,
             tokens=data.local_batch_size * cfg.training.seq_len // dims.cp,
         )
+    return AttentionChoice(
+        backend=cfg.model.attn_backend,
+        device=rt.device,
+        device_type=device_type,
+        dtype=rt.compute.dtype,
+        head_dim=plan.args.shape().head_dim,
+        shapes=shapes,
+        cp=cp,
+        document_mask=plan.step_plan.document_mask,
+    )
+
+
+def serve_ops(choice: AttentionChoice) -> str:
+    """Phase 5: the op table (`models.common.ops`) filled for this job, the one place a job writes
+    it; returns the banner's line on attention.
+
+    It starts clean: a previous job in this process (the recipe check runs many) may have served
+    `causal_attention` with a closure bound to its own process group. `titan_kernels.select` then
+    registers every op's kernel for the device (on TPU those passing their start-up self-check).
+    With context parallelism `causal_attention` is served by the cp attention (k/v all-gathered
+    over cp; the local product is splash with this rank's causal offsets on TPU, dense-mask SDPA
+    elsewhere: `parallelisms.context_parallel.apply_cp`) in place of the kernel picked for a whole
+    sequence.
+    """
+    for op in ops.OPS:
+        ops.register(op, None)
+    captured = choice.shapes is None
+    if captured:
+        attention = f"{choice.backend} on {choice.device_type} (captured with the references)"
+    else:
         attention = titan_kernels.select(
-            attention=cfg.model.attn_backend,
-            device=rt.device,
-            dtype=rt.compute.dtype,
-            head_dim=plan.args.shape().head_dim,
-            shapes=shapes,
+            attention=choice.backend,
+            device=choice.device,
+            dtype=choice.dtype,
+            head_dim=choice.head_dim,
+            shapes=choice.shapes,
         )
-    if plan.step_plan.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
+    if choice.document_mask:  # calls with segment ids: splash takes them, the CPU kernel does not
         attention += (
             "; document mask: segment ids"
-            if device_type == "tpu"
+            if choice.device_type == "tpu"
             else "; document mask: SDPA with a block-diagonal causal mask"
         )
-    if cp is None:
+    if choice.cp is None:
         return attention
-    return apply_cp(cp, device_type, replacing=attention, references=purpose.captures_only)
+    return apply_cp(choice.cp, choice.device_type, replacing=attention, references=captured)
 
 
 def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> torch.nn.Module:
-    """Phase 5: the model, meta -> parallelize -> materialize -> init (`build_model`; a check job
+    """Phase 6: the model, meta -> parallelize -> materialize -> init (`build_model`; a check job
     stays on meta and captures with `aot_eager`), with a defined benchmark-routing key."""
     t = cfg.training
     model = build_model(
@@ -793,7 +838,7 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
 
 
 def build_optimization(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    """Phase 6: the optimizer and its lr schedule (over `training.steps` optimizer steps)."""
+    """Phase 7: the optimizer and its lr schedule (over `training.steps` optimizer steps)."""
     o, s = cfg.optimizer, cfg.lr_scheduler
     optimizer = build_optimizer_for(
         model,
@@ -821,7 +866,7 @@ def build_optimization(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim
 
 
 def build_checkpoint_manager(cfg: Config, parallel_dims: ParallelDims, *, rank: int) -> ckpt.CheckpointManager:
-    """Phase 7 (purpose `saves`): the run's checkpoint manager, with the local tier
+    """Phase 8 (purpose `saves`): the run's checkpoint manager, with the local tier
     (`checkpoint.local_folder`) placed by this rank's place inside its slice."""
     ck, dims = cfg.checkpoint, parallel_dims
     # The slices holding a whole replica each: the step plan's rule refused the rest (`RULES`).
