@@ -176,11 +176,58 @@ def shard_model(
     assert distributed.world_size() == parallel_dims.world_size and distributed.is_up(), (
         "run shard_model inside fake_process_group(parallel_dims.world_size)"
     )
-    n_layers = args.n_layers
     prefixes = tuple(f"{stack}." for stack in family.plan.stacks)
-    # A one-block probe replaces n_layers; DeepSeek-V3's dense + MoE stacks are probed with one
-    # block each (`stack_lengths`); other models of several stacks (FLUX: depth double +
-    # depth_single_blocks single blocks, of different sizes) are sharded whole (meta: cheap).
+    probe, probe_args, stack_lengths = _probe_plan(args, prefixes, probe)
+    model = build_parallel_model(family, probe_args, parallel_dims)
+    from trainer.optim.muon import (
+        MUON_EXCLUDE_DEFAULT,
+        split_muon_params,  # the optimizer's own rule for which parameters are Muon's
+    )
+
+    exclude = MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude)
+    muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude)[0]}
+    t = _tally_params(model, prefixes, muon_ids)
+    assert t.first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
+    if probe:  # one block per stack, times the stack's length
+        count = lambda block: stack_lengths[next(p for p in prefixes if block.startswith(p))]  # noqa: E731
+        blocks_numel = sum(n * count(b) for b, n in t.block_local.items())
+        blocks_gathered = sum(n * count(b) for b, n in t.block_gathered.items())
+        muon_numel = t.muon_root + sum(n * count(b) for b, n in t.muon_block.items())
+    else:
+        blocks_numel, blocks_gathered = sum(t.block_local.values()), sum(t.block_gathered.values())
+        muon_numel = t.muon_root + sum(t.muon_block.values())
+    # Layers per stack (what layer scan stacks): the probe's stack lengths, else the blocks seen.
+    layers = {p: stack_lengths[p] if probe else sum(b.startswith(p) for b in t.block_local) for p in prefixes}
+    whole = max((_muon_whole_numel(p, 1) for p, _ in t.muon_params), default=0)
+    whole_stacked = max(
+        (_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in t.muon_params), default=0
+    )
+    head, kept = _lm_head_and_kept(family, t.root_gathered)
+    return ShardStats(
+        n_layers=args.n_layers,
+        root_numel=t.root_numel,
+        blocks_numel=blocks_numel,
+        block_gathered_numel=max(t.block_gathered.values()),
+        blocks_gathered_numel=blocks_gathered,
+        largest_block_param_gathered=t.largest,
+        root_gathered=t.root_gathered,
+        lm_head_gathered_numel=head,
+        root_kept_gathered_numel=kept,
+        local_shapes=t.shapes,
+        probed=probe,
+        muon_numel=muon_numel,
+        muon_whole_numel=whole,
+        muon_whole_stacked_numel=whole_stacked,
+        linear_shapes=_linear_shapes(model, prefixes),
+    )
+
+
+def _probe_plan(args: ModelArgs, prefixes: tuple[str, ...], probe: bool) -> tuple[bool, ModelArgs, dict[str, int]]:
+    """(whether to probe, the args to shard, each probed stack's length). A one-block probe
+    replaces n_layers; DeepSeek-V3's dense + MoE stacks are probed with one block each; other
+    models of several stacks (FLUX: depth double + depth_single_blocks single blocks, of different
+    sizes) are sharded whole (meta: cheap)."""
+    n_layers = args.n_layers
     dense_moe = len(prefixes) == 2 and hasattr(args, "n_dense_layers")
     probe = probe and (len(prefixes) == 1 or dense_moe)
     if probe and dense_moe:
@@ -189,84 +236,65 @@ def shard_model(
     else:
         probe_args = dataclasses.replace(args, n_layers=1) if probe else args
         stack_lengths = {prefixes[0]: n_layers} if probe else {}
-    model = build_parallel_model(family, probe_args, parallel_dims)
-    root_numel = 0
-    root_gathered: dict[str, int] = {}
-    block_local: dict[str, int] = {}
-    block_gathered: dict[str, int] = {}
-    largest = 0
-    shapes: dict[str, tuple[int, ...]] = {}
-    first_block = None
-    from trainer.optim.muon import (
-        MUON_EXCLUDE_DEFAULT,
-        split_muon_params,  # the optimizer's own rule for which parameters are Muon's
-    )
+    return probe, probe_args, stack_lengths
 
-    exclude = MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude)
-    muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude)[0]}
-    muon_root, muon_block = 0, {}
-    muon_params: list[tuple[torch.Tensor, str | None]] = []  # (parameter, its stack's prefix or None)
+
+@dataclass
+class _ParamTally:
+    """Rank 0's parameter elements of a sharded model, outside the stacks (root) and per block."""
+
+    root_numel: int = 0
+    root_gathered: dict[str, int] = field(default_factory=dict)
+    block_local: dict[str, int] = field(default_factory=dict)
+    block_gathered: dict[str, int] = field(default_factory=dict)
+    largest: int = 0
+    """The largest gathered block parameter."""
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Local shapes of the root parameters and of the first block of each stack."""
+    first_block: str | None = None
+    muon_root: int = 0
+    muon_block: dict[str, int] = field(default_factory=dict)
+    muon_params: list[tuple[torch.Tensor, str | None]] = field(default_factory=list)
+    """Muon's parameters, each with its stack's prefix (None outside the stacks)."""
+
+
+def _tally_params(model: nn.Module, prefixes: tuple[str, ...], muon_ids: set[int]) -> _ParamTally:
+    """Count each parameter's local and gathered elements into the root or its block
+    ("layers.0", "single_blocks.3"), and Muon's share."""
+    t = _ParamTally()
     for name, param in model.named_parameters():
         local = local_tensor(param)
         muon = id(param) in muon_ids
         prefix = next((p for p in prefixes if name.startswith(p)), None)
         if muon:
-            muon_params.append((param, prefix))
+            t.muon_params.append((param, prefix))
         if prefix is not None:
             block = prefix + name[len(prefix) :].split(".")[0]  # "layers.0", "single_blocks.3"
-            first_block = first_block or block
-            block_local[block] = block_local.get(block, 0) + local.numel()
-            block_gathered[block] = block_gathered.get(block, 0) + _gathered_numel(param)
-            largest = max(largest, _gathered_numel(param))
+            t.first_block = t.first_block or block
+            t.block_local[block] = t.block_local.get(block, 0) + local.numel()
+            t.block_gathered[block] = t.block_gathered.get(block, 0) + _gathered_numel(param)
+            t.largest = max(t.largest, _gathered_numel(param))
             if muon:
-                muon_block[block] = muon_block.get(block, 0) + local.numel()
+                t.muon_block[block] = t.muon_block.get(block, 0) + local.numel()
             if block.endswith(".0"):  # the first block of each stack
-                shapes[name] = tuple(local.shape)
+                t.shapes[name] = tuple(local.shape)
         else:
-            root_numel += local.numel()
-            root_gathered[name] = _gathered_numel(param)
-            shapes[name] = tuple(local.shape)
+            t.root_numel += local.numel()
+            t.root_gathered[name] = _gathered_numel(param)
+            t.shapes[name] = tuple(local.shape)
             if muon:
-                muon_root += local.numel()
-    assert first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
-    if probe:  # one block per stack, times the stack's length
-        count = lambda block: stack_lengths[next(p for p in prefixes if block.startswith(p))]  # noqa: E731
-        blocks_numel = sum(n * count(b) for b, n in block_local.items())
-        blocks_gathered = sum(n * count(b) for b, n in block_gathered.items())
-        muon_numel = muon_root + sum(n * count(b) for b, n in muon_block.items())
-    else:
-        blocks_numel, blocks_gathered = sum(block_local.values()), sum(block_gathered.values())
-        muon_numel = muon_root + sum(muon_block.values())
-    # Layers per stack (what layer scan stacks): the probe's stack lengths, else the blocks seen.
-    layers = {p: stack_lengths[p] if probe else sum(b.startswith(p) for b in block_local) for p in prefixes}
-    whole = max((_muon_whole_numel(p, 1) for p, _ in muon_params), default=0)
-    whole_stacked = max(
-        (_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in muon_params), default=0
-    )
-    head, kept = _lm_head_and_kept(family, root_gathered)
-    linear_shapes = {
+                t.muon_root += local.numel()
+    return t
+
+
+def _linear_shapes(model: nn.Module, prefixes: tuple[str, ...]) -> dict[str, tuple]:
+    """(local, gathered) weight shapes of the root's linears and of the first block's of each stack."""
+    return {
         name: (tuple(m.weight.shape), _gathered_shape(m.weight))
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear)
         and (not any(name.startswith(p) for p in prefixes) or any(name.startswith(f"{p}0.") for p in prefixes))
     }
-    return ShardStats(
-        n_layers=n_layers,
-        root_numel=root_numel,
-        blocks_numel=blocks_numel,
-        block_gathered_numel=max(block_gathered.values()),
-        blocks_gathered_numel=blocks_gathered,
-        largest_block_param_gathered=largest,
-        root_gathered=root_gathered,
-        lm_head_gathered_numel=head,
-        root_kept_gathered_numel=kept,
-        local_shapes=shapes,
-        probed=probe,
-        muon_numel=muon_numel,
-        muon_whole_numel=whole,
-        muon_whole_stacked_numel=whole_stacked,
-        linear_shapes=linear_shapes,
-    )
 
 
 def _muon_whole_numel(param: torch.Tensor, stack_length: int) -> int:
