@@ -33,6 +33,7 @@ only its inside is rewritten. The blocks:
 - docs/expert_parallel.md `moe_dispatch_capacity` (its CSV) and `ep_recipes` (the pod recipes with
   expert parallelism, planned as shipped).
 - docs/low_precision.md `low_precision_projection`: the projection, from its CSV.
+- docs/benchmarks.md `peer_ttshape_*`: three of the CPU peer tables, from their CSVs.
 - docs/tpu.md `estimate_xla`: the full-depth compiles of the dense pod recipes, from their CSV,
   beside the planner of that run and of this commit.
 - docs/moe.md `moe_balance`: the balancing benchmark, from its CSV (`csv_columns`).
@@ -43,6 +44,7 @@ only its inside is rewritten. The blocks:
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -865,6 +867,76 @@ def render_low_precision_projection() -> str:
     return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
 
 
+TORCHTITAN = "TorchTitan 0.3.0's own trainer (SDPA, its debugmodel, its SelectiveAC{})"
+PEER_TABLES = {
+    # block name -> (CSV, [(variant, label, ratio in bold)], peak memory column, scan against the unrolled graph)
+    "peer_ttshape_3c806bd": (
+        "cpu_peer_ttshape_2026-12-02_3c806bd.csv",
+        [
+            ("torchtitan", TORCHTITAN.format("; glibc defaults"), False),
+            ("eager", "ours eager, bf16", True),
+            ("graph", "ours graph, bf16", True),
+            ("graph_scan", "ours graph + layer scan, bf16", True),
+            ("graph_system", 'ours graph, bf16, `host_malloc = "system"`', False),
+        ],
+        True,
+        True,
+    ),
+    "peer_ttshape_f5ff70c": (
+        "cpu_peer_ttshape_2026-12-02_f5ff70c.csv",
+        [
+            ("torchtitan", TORCHTITAN.format(""), False),
+            ("eager", "ours eager, bf16", True),
+            ("graph", "ours graph, bf16", True),
+        ],
+        False,
+        False,
+    ),
+    "peer_ttshape_8f1e82f": (
+        "cpu_peer_ttshape_2026-12-02_8f1e82f.csv",
+        [
+            ("torchtitan", TORCHTITAN.format(""), False),
+            ("eager", "ours eager, bf16", True),
+            ("graph", "ours graph, bf16", True),
+            ("graph_scan", "ours graph + layer scan, bf16", True),
+        ],
+        False,
+        False,
+    ),
+}
+"""docs/benchmarks.md's peer tables (`scripts/benchmark.py --preset ttshape`), from their CSVs."""
+
+
+def render_peer_table(name: str) -> str:
+    import csv
+
+    csv_name, labels, mem, scan_note = PEER_TABLES[name]
+    rows = {r["variant"]: r for r in csv.DictReader((ROOT / "docs" / "results" / csv_name).read_text().splitlines())}
+    peer = float(rows["torchtitan"]["tokens_per_sec"])
+    head = "| run | tok/s | vs TorchTitan (defaults vs defaults) | MFU % (of the bf16 peak) |" + (
+        " peak mem GiB |" if mem else ""
+    )
+    out = [head, "|---|---|---|---|" + ("---|" if mem else "")]
+    for variant, label, bold in labels:
+        r = rows[variant]
+        tok = float(r["tokens_per_sec"])
+        ratio = f"{tok / peer:.2f}x"
+        ratio = f"**{ratio}**" if bold else ratio
+        if scan_note and variant == "graph_scan":
+            ratio += f" ({tok / float(rows['graph']['tokens_per_sec']):.2f}x of the unrolled graph)"
+        mfu = f"{float(r['mfu_pct']):.1f}" if r.get("mfu_pct") else "-"
+        cells = [
+            label,
+            f"{tok:,.0f} ({float(r['tokens_per_sec_min']):,.0f}..{float(r['tokens_per_sec_max']):,.0f})",
+            ratio,
+            mfu,
+        ]
+        if mem:
+            cells.append(f"{float(r['mem_gib']):.2f}" if r.get("mem_gib") else "-")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 OPTIMIZER_RECIPES = ("deepseek_v3_671b_v7x", "kimi_k2_v7x", "qwen3_235b_a22b_v7x")
 """The MoE pod recipes whose optimizer docs/optimizers.md discusses (their recipes use AdamW)."""
 
@@ -904,6 +976,7 @@ BLOCKS = {
     "docs/context_parallel.md": {"cp_recipes": render_cp_recipes, "cp_compiles": render_cp_compiles},
     "docs/moe.md": {"moe_balance": render_moe_balance},
     "docs/tpu.md": {"estimate_xla": render_estimate_xla},
+    "docs/benchmarks.md": {name: functools.partial(render_peer_table, name) for name in PEER_TABLES},
     "docs/recipe_check.md": {"pod_compiles": render_pod_compiles},
     "docs/low_precision.md": {
         "low_precision_recipes": render_low_precision_recipes,
