@@ -178,6 +178,7 @@ def step_request(
         flow_resolution_shift=cfg.flow.resolution_shift,
         initial_load_format=cfg.checkpoint.initial_load_format if cfg.checkpoint.initial_load_path else "",
         model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None,
+        model_attn_backends=getattr(family.model_cls, "attn_backends", titan_kernels.ATTENTION_BACKENDS),
         num_slices=num_slices,
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,

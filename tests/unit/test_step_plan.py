@@ -146,6 +146,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(moe_routing="random", routing_benchmark_only=True, grad_accum=2),
         StepRequest(attn_backend="cpu_kernel", device_type="tpu"),
         StepRequest(attn_backend="splash"),
+        StepRequest(attn_backend="cpu_kernel", model_attn_backends=("auto", "sdpa")),
         StepRequest(tp_degree=2, tp_refusal="no plan"),
         StepRequest(qk_clip=True, optimizer="adamw"),
         StepRequest(flow_shift=3.0, flow_resolution_shift=True),

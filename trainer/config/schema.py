@@ -49,8 +49,9 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 | deepseek_v3 | flux | hf (qwen3: dense and MoE flavors;
-    deepseek_v3: DeepSeek-V3 and Kimi K2, MLA + DeepSeek MoE, docs/models.md; flux: the FLUX.1
+    """Model family: llama3 | qwen3 | deepseek_v3 | gpt_oss | flux | hf (qwen3: dense and MoE flavors;
+    deepseek_v3: DeepSeek-V3 and Kimi K2, MLA + DeepSeek MoE, docs/models.md; gpt_oss: gpt-oss 20B and
+    120B, attention sinks, docs/models.md; flux: the FLUX.1
     diffusion transformer, docs/flux.md; hf: any transformers causal LM from `hf_config`,
     docs/hf_backend.md), or `package.module:NAME` of a
     `models.ModelFamily` defined outside this repository (docs/adding_a_model.md)."""
