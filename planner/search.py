@@ -316,7 +316,14 @@ def recommend(
     else:
         cps = cp_choices or _powers_of_two_dividing(world, max_cp)
     eps = ep_choices or (_powers_of_two_dividing(shape.num_experts, max_ep) if shape.is_moe else [1])
-    fpt = inputs.flops_per_token(shape)
+    search = dict(
+        fpt=inputs.flops_per_token(shape),
+        ac_modes=ac_modes,
+        headroom=headroom,
+        assumed_mfu=assumed_mfu,
+        max_global_tokens=max_global_tokens,
+        max_local_batch=max_local_batch,
+    )
     candidates: list[Estimate] = []
     with fake_process_group(world):
         for tp, cp in ((tp, cp) for cp in cps for tp in tps if world % (tp * cp) == 0):
@@ -337,55 +344,82 @@ def recommend(
                 for r in dp_replicate_choices or _powers_of_two_dividing(world // (tp * cp), world // (tp * cp))
                 if r % target.num_slices == 0  # several slices: HSDP, one replica group per slice at least
             ):
-                try:
-                    dims = make_parallel_dims(
-                        dp_replicate=dp_replicate,
-                        dp_shard=-1,
-                        tp=tp,
-                        ep=ep,
-                        cp=cp,
-                        world_size=world,
-                        shape=shape,
-                        seq_len=inputs.split_seq_len,
-                    )
-                    layout_notes = tpu_layout(target, dims)
-                except ConfigError:
-                    continue  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
-                    # torch-tpu could not lay the mesh out on the target's slice
-                stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
-                dp = dims.dp_degree
-                batches = [
-                    b
-                    for b in (2**i for i in range(0, 12))
-                    if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)
-                ]
-                for ac_mode in ac_modes:
-                    if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate):
-                        continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
-                    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
-                    for batch in batches:
-                        candidates.append(
-                            estimate(
-                                model=inputs.model_name,
-                                target=target,
-                                shape=shape,
-                                stats=stats,
-                                parallel_dims=dims,
-                                local_batch_size=batch,
-                                seq_len=inputs.seq_len,
-                                ac_mode=ac_mode,
-                                loss_parallel=tp > 1 and inputs.flow_tokens is None,
-                                flops_per_token=fpt,
-                                headroom=headroom,
-                                assumed_mfu=assumed_mfu,
-                                activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
-                                **_step_terms(step, inputs),
-                            )
-                        )
-                        candidates[-1].notes.extend(layout_notes)
+                candidates += _layout_candidates(
+                    inputs, target, shape, tp=tp, cp=cp, ep=ep, dp_replicate=dp_replicate, **search
+                )
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest
+
+
+def _layout_candidates(
+    inputs: PlanInputs,
+    target: Target,
+    shape: ModelShape,
+    *,
+    tp: int,
+    cp: int,
+    ep: int,
+    dp_replicate: int,
+    fpt: float,
+    ac_modes: tuple[str, ...],
+    headroom: float,
+    assumed_mfu: float,
+    max_global_tokens: int,
+    max_local_batch: int,
+) -> list[Estimate]:
+    """`recommend`'s candidates of one mesh layout: every AC mode the trainer allows times every
+    local batch (powers of two up to `max_local_batch`, within `max_global_tokens` but for one
+    sequence); none where the degrees do not divide the model or torch-tpu could not lay the mesh
+    out on the target's slice."""
+    try:
+        dims = make_parallel_dims(
+            dp_replicate=dp_replicate,
+            dp_shard=-1,
+            tp=tp,
+            ep=ep,
+            cp=cp,
+            world_size=target.devices,
+            shape=shape,
+            seq_len=inputs.split_seq_len,
+        )
+        layout_notes = tpu_layout(target, dims)
+    except ConfigError:
+        return []  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
+        # torch-tpu could not lay the mesh out on the target's slice
+    stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
+    dp = dims.dp_degree
+    batches = [
+        b
+        for b in (2**i for i in range(0, 12))
+        if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)
+    ]
+    candidates = []
+    for ac_mode in ac_modes:
+        if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate):
+            continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
+        step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
+        for batch in batches:
+            candidates.append(
+                estimate(
+                    model=inputs.model_name,
+                    target=target,
+                    shape=shape,
+                    stats=stats,
+                    parallel_dims=dims,
+                    local_batch_size=batch,
+                    seq_len=inputs.seq_len,
+                    ac_mode=ac_mode,
+                    loss_parallel=tp > 1 and inputs.flow_tokens is None,
+                    flops_per_token=fpt,
+                    headroom=headroom,
+                    assumed_mfu=assumed_mfu,
+                    activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
+                    **_step_terms(step, inputs),
+                )
+            )
+            candidates[-1].notes.extend(layout_notes)
+    return candidates
 
 
 @dataclass(frozen=True)
