@@ -82,14 +82,19 @@ class Engine:
 
     def __init__(self, cfg: Config):
         job = build_job(cfg, purpose="engine")  # the trainer's build; the rules refuse graph mode etc.
-        self.cfg, self.device, self.dist_info, self.compute_dtype = cfg, job.device, job.dist, job.compute
-        self.family, self.args, self.parallel_dims, self.step_plan = (
-            job.family,
-            job.args,
-            job.parallel_dims,
-            job.step_plan,
+        self.cfg, self.device, self.dist_info, self.compute_dtype = (
+            cfg,
+            job.runtime.device,
+            job.runtime.dist,
+            job.runtime.compute,
         )
-        self.mesh, self.model, self.optimizer, self.scheduler = job.mesh, job.model, job.optimizer, job.scheduler
+        self.family, self.args, self.parallel_dims, self.step_plan = (
+            job.plan.family,
+            job.plan.args,
+            job.plan.parallel_dims,
+            job.plan.step_plan,
+        )
+        self.mesh, self.model, self.optimizer, self.scheduler = job.data.mesh, job.model, job.optimizer, job.scheduler
         job.load_initial()  # `[checkpoint] initial_load_path`, as the trainer's first start
         arrival_barrier("engine-built", cfg.training.startup_timeout_s)
         self._train_state = ckpt.TrainState()

@@ -5,7 +5,7 @@ both start here; nothing else builds a run). What a purpose needs is declared in
 (`Purpose`: a task, data, saving, capture only, the caller's loss); the phases read its fields.
   1. `start_runtime`: device, host heap policy, the TPU runtime's flags and compilation cache
      (before the first device request), process group, run lock (training), seed, the compute
-     dtype (`auto` resolved once; it travels as `Job.compute`, the config is never written)
+     dtype (`auto` resolved once; it travels as `Job.runtime.compute`, the config is never written)
   2. `plan_job`: model args, parallel degrees and the step plan, checked against every rule
      (trainer/step/plan.py RULES) before anything is built; the recipe tests call
      `plan_job` alone at a recipe's declared world size, and the planner's search reads the
@@ -178,7 +178,6 @@ def step_request(
         flow_resolution_shift=cfg.flow.resolution_shift,
         initial_load_format=cfg.checkpoint.initial_load_format if cfg.checkpoint.initial_load_path else "",
         model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None,
-        model_attn_backends=getattr(family.model_cls, "attn_backends", titan_kernels.ATTENTION_BACKENDS),
         num_slices=num_slices,
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
@@ -374,45 +373,45 @@ def build_model(
 
 @dataclass
 class Job:
-    """A built run (see the module docstring); fields in the order they were built."""
+    """A built run (see the module docstring): the phases' results, each held whole and read
+    through (`job.runtime.device`, `job.plan.step_plan`, `job.data.loader`), never copied."""
 
     cfg: Config
-    device: torch.device
-    host_malloc: str
-    """The heap policy applied (`[device] host_malloc`), for the banner."""
-    dist: DistInfo
-    compute: ComputeDtype
-    """The resolved `mixed_precision_param` (the config keeps what the user wrote, e.g. `auto`)."""
-    family: Any
-    args: Any
-    parallel_dims: ParallelDims
-    step_plan: StepPlan
-    task: Any
-    """The task (trainer/tasks/); None for the engine, whose caller owns the data and the loss."""
-    mesh: Any
-    dp_rank: int
-    dp_degree: int
-    local_batch_size: int
-    grad_accum_steps: int
+    runtime: Runtime
+    """Phase 1: device, heap policy, process group (`runtime.dist`), the resolved compute dtype
+    (`runtime.compute`: the config keeps what the user wrote, e.g. `auto`)."""
+    plan: JobPlan
+    """Phase 2: the family, model args, parallel degrees and step plan."""
+    data: JobData
+    """Phase 3: the task (None for the engine, whose caller owns the data and the loss), the mesh,
+    the batch split and the loaders (purpose "train"; `build_val_loader` with `[validation] enable`)."""
     attention: str
-    """The attention kernel `titan_kernels.select` chose."""
+    """The banner's line on attention (`serve_ops`)."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    loader: Any = None
-    """The train loader (purpose "train"; None for the engine)."""
-    build_val_loader: Callable[[], Any] | None = None
-    """A fresh validation loader per call (`[validation] enable`), else None."""
     manager: ckpt.CheckpointManager | None = None
     """The run's checkpoint manager (purpose "train")."""
     t_start: float = 0.0
     runtime_notes: tuple[str, ...] = ()
     """Banner lines on the TPU runtime environment set at start-up (flags, compilation cache), or
-    on the `[device]` / `[compile]` TPU settings not applied on this device."""
+    on the `[device]` / `[compile]` TPU settings not applied on this device, the mesh's TPU layout
+    and what `[quantize]` picked."""
+
+    # Temporary: tools/recipe_check.py and tools/tpu_compile.py (which issue 52's part 2 could not
+    # edit: another change splits tools/) still read these; drop them once tools/ reads through
+    # the parts.
+    device = property(lambda self: self.runtime.device)
+    mesh = property(lambda self: self.data.mesh)
+    task = property(lambda self: self.data.task)
+    local_batch_size = property(lambda self: self.data.local_batch_size)
+    grad_accum_steps = property(lambda self: self.data.grad_accum_steps)
+    parallel_dims = property(lambda self: self.plan.parallel_dims)
+    step_plan = property(lambda self: self.plan.step_plan)
 
     @property
     def is_rank0(self) -> bool:
-        return self.dist.rank == 0
+        return self.runtime.dist.rank == 0
 
     def load_initial(self) -> None:
         """`[checkpoint] initial_load_path` into the model (DCP or HF safetensors), if set."""
@@ -422,8 +421,8 @@ class Job:
                 self.model,
                 path=ck.initial_load_path,
                 fmt=ck.initial_load_format,
-                hf_adapter=self.family.hf_adapter,
-                args=self.args,
+                hf_adapter=self.plan.family.hf_adapter,
+                args=self.plan.args,
                 hf_config_mismatch=ck.hf_config_mismatch,
             )
 
@@ -436,7 +435,7 @@ class Job:
                 self.model,
                 seed=self.cfg.training.seed,
                 step=step,
-                first_token=self.dp_rank * self.local_batch_size * self.cfg.training.seq_len,
+                first_token=self.data.dp_rank * self.data.local_batch_size * self.cfg.training.seq_len,
             )
 
     def build_step(self, *, loss_fn: Callable, dump_graph: str | None = None):
@@ -447,9 +446,9 @@ class Job:
         the captured step (trainer/graph, loaded only then). A `check` job captures with
         `aot_eager` in place of the plan's compiler.
         """
-        plan, c, t = self.step_plan, self.cfg.compile, self.cfg.training
+        plan, c, t = self.plan.step_plan, self.cfg.compile, self.cfg.training
         passes_as = None
-        if self.device.type == "meta":
+        if self.runtime.device.type == "meta":
             passes_as, plan = plan.backend, _capture_only(plan)
         balance = ExpertBalance(self.model, rate=t.expert_bias_rate) or None
         if plan.mode != "graph":
@@ -471,14 +470,14 @@ class Job:
         return build_graph_step(
             model=self.model,
             optimizer=self.optimizer,
-            plan=self.family.plan,
+            plan=self.plan.family.plan,
             max_norm=t.max_norm,
             aux_loss_coef=t.aux_loss_coef,
             backend=plan.backend,
             scan_layers=plan.scan,
             ac_mode=plan.scan_ac,
             dump_graph=dump_graph,
-            grad_accum_steps=self.grad_accum_steps,
+            grad_accum_steps=self.data.grad_accum_steps,
             loss_context=plan.loss_context,
             loss_fn=loss_fn,
             bucket_cap_mb=c.bucket_cap_mb,
@@ -518,26 +517,13 @@ def build_job(cfg: Config, *, purpose: str = "train", device_type: str | None = 
             notes += (f"titan-tpu: {plan.quantize_census.line(cfg.quantize.recipe)}",)
         return Job(
             cfg=cfg,
-            device=rt.device,
-            host_malloc=rt.host_malloc,
-            dist=rt.dist,
-            compute=rt.compute,
-            family=plan.family,
-            args=plan.args,
-            parallel_dims=plan.parallel_dims,
-            step_plan=plan.step_plan,
-            task=data.task,
-            mesh=data.mesh,
-            dp_rank=data.dp_rank,
-            dp_degree=data.dp_degree,
-            local_batch_size=data.local_batch_size,
-            grad_accum_steps=data.grad_accum_steps,
+            runtime=rt,
+            plan=plan,
+            data=data,
             attention=attention,
             model=model,
             optimizer=optimizer,
             scheduler=scheduler,
-            loader=data.loader,
-            build_val_loader=data.build_val_loader,
             manager=manager,
             t_start=t_start,
             runtime_notes=tuple(notes),
@@ -562,7 +548,7 @@ class Runtime:
 def start_runtime(cfg: Config, purpose: Purpose, *, device_type: str | None) -> Runtime:
     """Phase 1: device, heap policy (before any large tensor), the TPU runtime's environment,
     process group, run lock, seed, compute dtype (`auto` -> bfloat16 | float32 once, the same on
-    every rank; it travels as `Job.compute`, the config keeps what the user wrote)."""
+    every rank; it travels as `Job.runtime.compute`, the config keeps what the user wrote)."""
     if purpose.captures_only:
         assert torch.distributed.is_initialized(), "a check job runs in its caller's (fake) process group"
         device, host_malloc, notes = torch.device("meta"), "not applied (check)", ()

@@ -65,7 +65,7 @@ def train(cfg: Config) -> int:
     check_checkpoint_folder(cfg.checkpoint)  # a pod recipe's gs://YOUR_BUCKET/..., before anything starts
     job = build_job(cfg, purpose="train")
     t, c, manager = cfg.training, cfg.compile, job.manager
-    dump_folder, is_rank0, task, step_plan = cfg.job.dump_folder, job.is_rank0, job.task, job.step_plan
+    dump_folder, is_rank0, task, step_plan = cfg.job.dump_folder, job.is_rank0, job.data.task, job.plan.step_plan
 
     # -- resume from the run's own newest checkpoint, else optional initial weights
     train_state = ckpt.TrainState()
@@ -74,7 +74,7 @@ def train(cfg: Config) -> int:
         optimizer=job.optimizer,
         scheduler=job.scheduler,
         train_state=train_state,
-        dataloader=job.loader,
+        dataloader=job.data.loader,
     )
     start_step = manager.load(states)
     if start_step == 0:
@@ -85,8 +85,10 @@ def train(cfg: Config) -> int:
         return 0
 
     if is_rank0:  # the resolved config, published whole (a failed write: WriteFailed naming the cause),
-        # with the compute dtype the run resolved (`auto` -> job.compute) in a copy: cfg is the user's
-        resolved = dataclasses.replace(cfg, training=dataclasses.replace(t, mixed_precision_param=job.compute.name))
+        # with the compute dtype the run resolved (`auto` -> job.runtime.compute) in a copy: cfg is the user's
+        resolved = dataclasses.replace(
+            cfg, training=dataclasses.replace(t, mixed_precision_param=job.runtime.compute.name)
+        )
         with atomic_file(os.path.join(dump_folder, "config.toml"), what="config") as f:
             f.write(to_toml(resolved).encode("utf-8"))
     # Every rank is built and resumed: meet before the first compile, so that a rank stuck in
@@ -97,7 +99,7 @@ def train(cfg: Config) -> int:
         loss_fn=loss_fn, dump_graph=os.path.join(dump_folder, c.dump_graph) if c.dump_graph else None
     )
     # The peak MFU is taken against (on the CPU a measured probe, a collective: every rank).
-    peak, peak_name = peak_flops_per_device(job.device, job.compute.dtype)
+    peak, peak_name = peak_flops_per_device(job.runtime.device, job.runtime.compute.dtype)
     if is_rank0:
         _banner(job, start_step, peak_name)
     return _loop(
@@ -113,18 +115,18 @@ def train(cfg: Config) -> int:
 
 
 def _banner(job: Job, start_step: int, peak_name: str) -> None:
-    cfg, task, accum = job.cfg, job.task, job.grad_accum_steps
-    loss_name = "rectified flow" if task.name == "flow" else ("fused" if job.step_plan.fused_loss else "plain")
+    cfg, task, accum = job.cfg, job.data.task, job.data.grad_accum_steps
+    loss_name = "rectified flow" if task.name == "flow" else ("fused" if job.plan.step_plan.fused_loss else "plain")
     print(
-        f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({job.args.num_params() / 1e6:.1f}M params, "
-        f"task {task.name}) on {job.dist.world_size} x {job.device.type} ({peak_name}); mesh {job.parallel_dims}; "
-        f"global batch {job.local_batch_size * job.dp_degree * accum} = {job.local_batch_size} x dp "
-        f"{job.dp_degree} x accum {accum}; compile.mode={cfg.compile.mode}; attention {job.attention}; "
+        f"titan-tpu: {cfg.model.name} {cfg.model.flavor} ({job.plan.args.num_params() / 1e6:.1f}M params, "
+        f"task {task.name}) on {job.runtime.dist.world_size} x {job.runtime.device.type} ({peak_name}); mesh {job.plan.parallel_dims}; "
+        f"global batch {job.data.local_batch_size * job.data.dp_degree * accum} = {job.data.local_batch_size} x dp "
+        f"{job.data.dp_degree} x accum {accum}; compile.mode={cfg.compile.mode}; attention {job.attention}; "
         f"loss {loss_name}; steps {start_step + 1}..{cfg.training.steps}",
         flush=True,
     )
-    print(f"titan-tpu: compute dtype {job.compute.name} ({job.compute.reason})", flush=True)
-    print(f"titan-tpu: host malloc {job.host_malloc}", flush=True)
+    print(f"titan-tpu: compute dtype {job.runtime.compute.name} ({job.runtime.compute.reason})", flush=True)
+    print(f"titan-tpu: host malloc {job.runtime.host_malloc}", flush=True)
     if cfg.moe.routing != "learned":  # throughput only: label the run (docs/moe.md#benchmark-routing)
         print(
             f"titan-tpu: MoE routing {cfg.moe.routing} (benchmark only: the experts are not the router's "
@@ -142,23 +144,23 @@ def _loop(
     callbacks (trainer/callbacks.py). Host syncs happen only on logged, validated and
     checkpointed steps (and for the profiler): elsewhere the device runs ahead of Python
     (docs/training.md)."""
-    cfg, t, task, manager = job.cfg, job.cfg.training, job.task, job.manager
+    cfg, t, task, manager = job.cfg, job.cfg.training, job.data.task, job.manager
     logger = _metrics_logger(job, start_step=start_step, peak=peak, peak_name=peak_name)
     # -- throughput, per device: TP ranks share their dp rank's tokens / samples (TorchTitan's convention)
     units = {
-        task.unit: job.local_batch_size
+        task.unit: job.data.local_batch_size
         * task.units_per_sample
-        * job.grad_accum_steps
-        / job.parallel_dims.non_data_parallel_size
+        * job.data.grad_accum_steps
+        / job.plan.parallel_dims.non_data_parallel_size
     }
     callbacks = _callbacks(job, step_fn=step_fn, start_step=start_step, peak=peak)
-    validation = _Validation(job, loss_fn=loss_fn, logger=logger) if job.build_val_loader is not None else None
+    validation = _Validation(job, loss_fn=loss_fn, logger=logger) if job.data.build_val_loader is not None else None
     preemption = PreemptionHandler()
     try:
         for step in range(start_step + 1, t.steps + 1):
             for cb in callbacks:
                 cb.on_step_start(step)
-            with _profile(cfg.profiling, job.cfg.job.dump_folder, step, job.dist.rank, job.device):
+            with _profile(cfg.profiling, job.cfg.job.dump_folder, step, job.runtime.dist.rank, job.runtime.device):
                 microbatches, data_s = _next_microbatches(job)
                 lr = job.scheduler.get_last_lr()[0]
                 job.before_step(step)
@@ -205,7 +207,7 @@ def _loop(
 
 
 def _metrics_logger(job: Job, *, start_step: int, peak: float | None, peak_name: str) -> MetricsLogger:
-    cfg, task = job.cfg, job.task
+    cfg, task = job.cfg, job.data.task
     return MetricsLogger(
         dump_folder=cfg.job.dump_folder,
         log_freq=cfg.metrics.log_freq,
@@ -213,7 +215,7 @@ def _metrics_logger(job: Job, *, start_step: int, peak: float | None, peak_name:
         total_steps=cfg.training.steps,
         is_rank0=job.is_rank0,
         start_step=start_step,
-        device=job.device,
+        device=job.runtime.device,
         unit=task.unit,
         flops_per_token=task.flops_per_unit(),
         peak_flops=peak,
@@ -223,7 +225,7 @@ def _metrics_logger(job: Job, *, start_step: int, peak: float | None, peak_name:
 
 def _callbacks(job: Job, *, step_fn, start_step: int, peak: float | None) -> list[Callback]:
     """The loop's side concerns, in the order their hooks run (and their log keys appear)."""
-    t, device = job.cfg.training, job.device
+    t, device = job.cfg.training, job.runtime.device
     best_peak = best_peak_flops(device, peak)
     callbacks = [
         NonFiniteCheck(device, start_step, skip=t.skip_nonfinite_updates, folder=job.manager.folder),
@@ -234,7 +236,7 @@ def _callbacks(job: Job, *, step_fn, start_step: int, peak: float | None) -> lis
             Watchdog(
                 StepWatchdog(
                     folder=job.cfg.job.dump_folder,
-                    rank=job.dist.rank,
+                    rank=job.runtime.dist.rank,
                     factor=t.hang_dump_factor,
                     min_s=t.hang_dump_min_s,
                 )
@@ -252,9 +254,9 @@ def _next_microbatches(job: Job) -> tuple[list[tuple[torch.Tensor, ...]], float]
     """The step's micro-batches on the device, and `data_s`: host time for the batches only (a
     copy to an accelerator can wait for the steps still queued on it, which is not the loader's)."""
     t_data = time.perf_counter()
-    batches = [job.task.prepare(job.loader.next_batch()) for _ in range(job.grad_accum_steps)]
+    batches = [job.data.task.prepare(job.data.loader.next_batch()) for _ in range(job.data.grad_accum_steps)]
     data_s = time.perf_counter() - t_data
-    return [tuple(x.to(job.device) for x in batch) for batch in batches], data_s
+    return [tuple(x.to(job.runtime.device) for x in batch) for batch in batches], data_s
 
 
 class _Validation:
@@ -269,18 +271,18 @@ class _Validation:
 
     def run(self, step: int) -> dict[str, float]:
         job = self.job
-        grid = job.task.sample_grid(job.model)
+        grid = job.data.task.sample_grid(job.model)
         if grid is not None:
             self.logger.log_image("samples", grid, step)
         return {
             "val_loss": _validate(
                 job.model,
-                build_loader=job.build_val_loader,
-                prepare=job.task.prepare,
+                build_loader=job.data.build_val_loader,
+                prepare=job.data.task.prepare,
                 loss_fn=self.loss_fn,
                 steps=job.cfg.validation.steps,
-                device=job.device,
-                step_plan=job.step_plan,
+                device=job.runtime.device,
+                step_plan=job.plan.step_plan,
             )
         }
 

@@ -165,10 +165,10 @@ def _train_worker(rank: int, world: int, cfg: dict, init_file: str, out_dir: str
         ]
     )
     job = build_job(build_config(recipe, overrides), purpose="train")
-    step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
+    step = job.build_step(loss_fn=job.data.task.loss_fn(job.plan.step_plan))
 
     def run_step():
-        batch = tuple(x.to(job.device) for x in job.task.prepare(job.loader.next_batch()))
+        batch = tuple(x.to(job.runtime.device) for x in job.data.task.prepare(job.data.loader.next_batch()))
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         out = step([batch], job.scheduler.get_last_lr()[0])

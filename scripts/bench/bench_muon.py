@@ -85,7 +85,7 @@ def main() -> None:
     write_csvs(args.out, {"_curves": curves, "": summary})
     print(
         f"\n{args.steps} steps x {tokens_per_step} tokens, {cpu_model()}, attention {job.attention}, "
-        f"compute {job.compute.dtype if hasattr(job.compute, 'dtype') else job.compute}"
+        f"compute {job.runtime.compute.dtype if hasattr(job.runtime.compute, 'dtype') else job.runtime.compute}"
     )
     print("| optimizer | lr | train loss (last 10) | val loss | tokens/s | optimizer step ms |")
     print("|---|---|---|---|---|---|")

@@ -38,11 +38,11 @@ class FixedBatches:
             ],
         )
         job = build_job(cfg)
-        task, device = job.task, job.device
-        batches = [tuple(x.to(device) for x in task.prepare(job.loader.next_batch())) for _ in range(steps)]
-        val_loader = job.build_val_loader()
+        task, device = job.data.task, job.runtime.device
+        batches = [tuple(x.to(device) for x in task.prepare(job.data.loader.next_batch())) for _ in range(steps)]
+        val_loader = job.data.build_val_loader()
         val = [tuple(x.to(device) for x in task.prepare(val_loader.next_batch())) for _ in range(val_batches)]
-        return cls(cfg, job, task.loss_fn(job.step_plan), batches, val, copy.deepcopy(job.model.state_dict()))
+        return cls(cfg, job, task.loss_fn(job.plan.step_plan), batches, val, copy.deepcopy(job.model.state_dict()))
 
     def restart(self, *, optimizer: str, lr: float, training_overrides: dict | None = None):
         """Initial weights back; a fresh optimizer and the recipe's lr schedule ->

@@ -81,18 +81,19 @@ def _steps_on_rank(recipe: str, folder: str, extra: tuple[str, ...]) -> dict:
     from trainer.runtime import global_mean
 
     job = build_job(_config(recipe, f"{folder}/rank{dist.get_rank()}", extra), purpose="train")
-    task = job.task
-    step = job.build_step(loss_fn=task.loss_fn(job.step_plan))
+    task = job.data.task
+    step = job.build_step(loss_fn=task.loss_fn(job.plan.step_plan))
     losses, norms, grads = [], [], None
     for i in range(STEPS):
         microbatches = [
-            tuple(x.to(job.device) for x in task.prepare(job.loader.next_batch())) for _ in range(job.grad_accum_steps)
+            tuple(x.to(job.runtime.device) for x in task.prepare(job.data.loader.next_batch()))
+            for _ in range(job.data.grad_accum_steps)
         ]
         out = step(microbatches, job.scheduler.get_last_lr()[0])
         job.scheduler.step()
         losses.append(global_mean(out.loss))
         norms.append(float(out.grad_norm))
-        if i == 0 and job.step_plan.mode != "graph":
+        if i == 0 and job.plan.step_plan.mode != "graph":
             grads = {n: full(p.grad).clone() for n, p in job.model.named_parameters() if p.grad is not None}
     weights = {n: full(p.detach()).clone() for n, p in job.model.named_parameters()}
     shapes = [tuple(t.shape) for t in microbatches[0]]

@@ -33,12 +33,12 @@ def build_task(cfg, *, family, args, step_plan=None, compute_dtype=None, cp=None
     """The task object of `family` (its `task` field) for this run, given the few settings it
     reads (`LMSettings`, `FlowSettings`): `step_plan` (trainer/step) decides what a micro-batch
     carries (LM: segment ids, restart positions); `compute_dtype`: the run's resolved compute
-    dtype (`Job.compute.dtype`, FLUX's input cast); `cp`: the context-parallel group (`CPGroup`)
+    dtype (`Job.runtime.compute.dtype`, FLUX's input cast); `cp`: the context-parallel group (`CPGroup`)
     when the LM windows are split over cp ranks, else None."""
     task = getattr(family, "task", "lm")
     # An unknown task is refused by the step plan's rules (`plan_job`) before anything is built.
     assert task in TASK_CLASSES, f"{family.name} declares task {task!r}: plan_job refuses it first"
     if task == "flow":  # the FLUX plan never splits the sequence (`seq_len_to_divide`): no cp
-        assert compute_dtype is not None, "the run's resolved compute dtype (Job.compute.dtype)"
+        assert compute_dtype is not None, "the run's resolved compute dtype (Job.runtime.compute.dtype)"
         return FlowTask(FlowSettings.of(cfg, compute_dtype), args=args)
     return LMTask(LMSettings.of(cfg, step_plan), args=args, cp=cp)

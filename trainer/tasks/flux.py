@@ -29,7 +29,7 @@ class FlowSettings:
     """`[validation] dataset` (held-out captions, sample prompts)."""
     seed: int
     compute_dtype: torch.dtype
-    """The run's resolved compute dtype (`Job.compute.dtype`): what the inputs are cast to."""
+    """The run's resolved compute dtype (`Job.runtime.compute.dtype`): what the inputs are cast to."""
 
     @classmethod
     def of(cls, cfg, compute_dtype: torch.dtype) -> FlowSettings:
