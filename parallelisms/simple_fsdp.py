@@ -339,6 +339,46 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _dp_shard(
+    inner: torch.Tensor,
+    mesh: DeviceMesh,
+    dp_axes: list[str],
+    *,
+    replicate_axis: str,
+    shard_dim_fn: Callable[[tuple[int, ...], int], int] | None,
+    tp_mesh: DeviceMesh | None,
+    tp_placements: tuple[Placement, ...],
+) -> tuple[torch.Tensor, list[Placement], list[Placement]]:
+    """This rank's chunk of the (TP-local) tensor over the data-parallel axes, its placements on
+    those axes, and its placements on the whole tensor (a shard of a dim TP or EP split first is
+    a _StridedShard)."""
+    dp_placements: list[Placement] = []
+    full_placements: list[Placement] = []
+    local = inner
+    for axis in dp_axes:
+        if axis == replicate_axis or inner.ndim == 0:
+            dp_placements.append(Replicate())
+            full_placements.append(Replicate())
+            continue
+        size, index = mesh[axis].size(), shard_rank(mesh[axis])
+        dim = 0 if shard_dim_fn is None else shard_dim_fn(tuple(inner.shape), size)
+        local = _chunk(local, size, index, dim)
+        dp_placements.append(Shard(dim))
+        # TP (or EP) split the same dim first (colwise weights, experts): the dp shard is a
+        # shard of the TP shard, which DTensor spells _StridedShard (right-to-left sharding,
+        # as FSDP2 + TP).
+        tp_splits_dim = (
+            math.prod(tp_mesh.size(i) for i, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == dim)
+            if tp_mesh is not None
+            else 1
+        )
+        if tp_splits_dim > 1:
+            full_placements.append(_StridedShard(dim, split_factor=tp_splits_dim))
+        else:
+            full_placements.append(Shard(dim))
+    return local, dp_placements, full_placements
+
+
 def _shard_param(
     param: torch.Tensor,
     *,
@@ -375,30 +415,15 @@ def _shard_param(
         )
         return param, spec
 
-    dp_placements: list[Placement] = []
-    full_placements: list[Placement] = []
-    local = inner
-    for axis in dp_axes:
-        if axis == replicate_axis or inner.ndim == 0:
-            dp_placements.append(Replicate())
-            full_placements.append(Replicate())
-            continue
-        size, index = mesh[axis].size(), shard_rank(mesh[axis])
-        dim = 0 if shard_dim_fn is None else shard_dim_fn(tuple(inner.shape), size)
-        local = _chunk(local, size, index, dim)
-        dp_placements.append(Shard(dim))
-        # TP (or EP) split the same dim first (colwise weights, experts): the dp shard is a
-        # shard of the TP shard, which DTensor spells _StridedShard (right-to-left sharding,
-        # as FSDP2 + TP).
-        tp_splits_dim = (
-            math.prod(tp_mesh.size(i) for i, p in enumerate(tp_placements) if isinstance(p, Shard) and p.dim == dim)
-            if tp_mesh is not None
-            else 1
-        )
-        if tp_splits_dim > 1:
-            full_placements.append(_StridedShard(dim, split_factor=tp_splits_dim))
-        else:
-            full_placements.append(Shard(dim))
+    local, dp_placements, full_placements = _dp_shard(
+        inner,
+        mesh,
+        dp_axes,
+        replicate_axis=replicate_axis,
+        shard_dim_fn=shard_dim_fn,
+        tp_mesh=tp_mesh,
+        tp_placements=tp_placements,
+    )
     # A copy, not a view: the full tensor must not stay alive behind the shard.
     local = local.clone() if local.device.type != "meta" else local
     tp_names = tuple(tp_mesh.mesh_dim_names) if tp_mesh is not None else ()
