@@ -30,7 +30,7 @@ def _curves(folder, nproc: int, degrees: dict) -> dict[str, list[float]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
+@pytest.mark.exhaustive  # scheduled tier (tests/support/tiers.py)
 def test_mtp_fsdp_ep_matches_single_process(tmp_path):
     """dp_shard = 2 x ep = 2 vs one process: `loss` and `mtp_loss_1` of every step within 1e-5
     relative (measured: equal to 1e-6)."""

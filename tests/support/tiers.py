@@ -276,6 +276,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "each pod recipe's whole TPU program: the reduced dense / MoE EP / CP programs compile "
         "the same kernels and collectives by default",
     ),
+    Scheduled(
+        "tests/e2e/test_mtp_parallel.py::test_mtp_fsdp_ep_matches_single_process",
+        (
+            "tests/unit/test_mtp.py::test_debug_run_logs_each_depth_and_learns",
+            "tests/unit/test_mtp.py::test_mtp_loss_matches_the_papers_equations",
+        ),
+        "DeepSeek-V3 MTP on dp_shard 2 x ep 2 (20 s, two processes): the MTP modules sit outside the "
+        "plan's block stacks and run on each rank as in one process, which the default tier trains "
+        "and checks against the paper's equations; SimpleFSDP and EP are the family's, proven by its "
+        "own parallel tests",
+    ),
     # --- the rest of the scheduled tier: slow points whose mechanism a cheaper default test runs
     # (chosen by the durations recorded on 2026-12-04, docs/testing.md).
     Scheduled(
