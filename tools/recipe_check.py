@@ -165,7 +165,7 @@ def _order_summary(cfg: Config, job, *, devices: int, device_type: str, report: 
 
     order = rank_order_of(cfg, world_size=devices, device_type=device_type)
     report.notes.append(order.summary())
-    return f"{order.renumbered}/{order.world_size} renumbered, invariant on {job.mesh._titan_checked_axes} axes"
+    return f"{order.renumbered}/{order.world_size} renumbered, invariant on {job.data.mesh._titan_checked_axes} axes"
 
 
 def _mesh_summary(dims) -> str:
@@ -238,12 +238,12 @@ def start_up(cfg: Config, *, devices: int, device_type: str, report: RecipeCheck
     torch._dynamo.reset()
     with planner.fake_process_group(devices), abstract_model():
         job = build_job(cfg, purpose="check", device_type=device_type)
-        report.mesh = _mesh_summary(job.parallel_dims)
+        report.mesh = _mesh_summary(job.plan.parallel_dims)
         report.device_order = _order_summary(cfg, job, devices=devices, device_type=device_type, report=report)
-        report.step = _step_summary(job.step_plan)
-        step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
-        batch = job.task.example_batch(job.local_batch_size, device=job.device)
-        out = step([batch] * job.grad_accum_steps, job.cfg.optimizer.lr)
+        report.step = _step_summary(job.plan.step_plan)
+        step = job.build_step(loss_fn=job.data.task.loss_fn(job.plan.step_plan))
+        batch = job.data.task.example_batch(job.data.local_batch_size, device=job.runtime.device)
+        out = step([batch] * job.data.grad_accum_steps, job.cfg.optimizer.lr)
         graph_module = getattr(step, "graph_module", None)
         if graph_module is not None:
             stats = step.stats

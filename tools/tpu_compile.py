@@ -446,17 +446,17 @@ def _capture(spec: dict) -> dict:
     t = time.perf_counter()
     with planner.fake_process_group(target.devices), abstract_model():
         job = build_job(cfg, purpose="check", device_type="tpu")
-        if job.step_plan.mode != "graph":
+        if job.plan.step_plan.mode != "graph":
             raise ValueError(
-                f"compile.mode: {job.step_plan.mode}: the TPU program compile takes graph-mode recipes "
+                f"compile.mode: {job.plan.step_plan.mode}: the TPU program compile takes graph-mode recipes "
                 "(one program per step); allowed: graph"
             )
         capture.install()  # splash, gmm, fused CE as opaque ops (after build_job: it clears the op table)
         collectives.serve(program_op.ragged_all_to_all)
         try:
-            dims = job.parallel_dims
+            dims = job.plan.parallel_dims
             if dims.cp_enabled:
-                cp = cp_group(job.mesh["cp"])
+                cp = cp_group(job.data.mesh["cp"])
                 local = _cp_local_attention(cp.rank, cp.size)
                 ops.register(
                     "causal_attention",
@@ -464,10 +464,10 @@ def _capture(spec: dict) -> dict:
                         q, k, v, segment_ids, cp=cp, local_attention=local
                     ),
                 )
-            step = job.build_step(loss_fn=job.task.loss_fn(job.step_plan))
-            batch = job.task.example_batch(job.local_batch_size, device=job.device)
+            step = job.build_step(loss_fn=job.data.task.loss_fn(job.plan.step_plan))
+            batch = job.data.task.example_batch(job.data.local_batch_size, device=job.runtime.device)
             try:
-                step([batch] * job.grad_accum_steps, job.cfg.optimizer.lr)
+                step([batch] * job.data.grad_accum_steps, job.cfg.optimizer.lr)
             except CaptureDone:
                 pass
         finally:

@@ -178,6 +178,7 @@ def step_request(
         flow_resolution_shift=cfg.flow.resolution_shift,
         initial_load_format=cfg.checkpoint.initial_load_format if cfg.checkpoint.initial_load_path else "",
         model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None,
+        model_attn_backends=getattr(family.model_cls, "attn_backends", titan_kernels.ATTENTION_BACKENDS),
         num_slices=num_slices,
         dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
         allow_dcn_sharding=cfg.parallelism.allow_dcn_sharding,
@@ -397,17 +398,6 @@ class Job:
     """Banner lines on the TPU runtime environment set at start-up (flags, compilation cache), or
     on the `[device]` / `[compile]` TPU settings not applied on this device, the mesh's TPU layout
     and what `[quantize]` picked."""
-
-    # Temporary: tools/recipe_check.py and tools/tpu_compile.py (which issue 52's part 2 could not
-    # edit: another change splits tools/) still read these; drop them once tools/ reads through
-    # the parts.
-    device = property(lambda self: self.runtime.device)
-    mesh = property(lambda self: self.data.mesh)
-    task = property(lambda self: self.data.task)
-    local_batch_size = property(lambda self: self.data.local_batch_size)
-    grad_accum_steps = property(lambda self: self.data.grad_accum_steps)
-    parallel_dims = property(lambda self: self.plan.parallel_dims)
-    step_plan = property(lambda self: self.plan.step_plan)
 
     @property
     def is_rank0(self) -> bool:
