@@ -229,6 +229,17 @@ def test_attn_backend_rule_refuses_kernels_without_sinks():
     ]
     assert refusals(StepRequest(attn_backend="sdpa", model_attn_backends=backends)) == []
     assert refusals(StepRequest(attn_backend="cpu_kernel")) == []  # the other families
+    # ... and the job's plan asks it: the recipe with the CPU kernel is refused before anything is built
+    from models.errors import ConfigError
+    from trainer.config import build_config
+    from trainer.job import plan_job
+
+    cfg = build_config("configs/gpt_oss_debug.toml", [("model.attn_backend", "cpu_kernel")])
+    with pytest.raises(ConfigError, match=r"^model\.attn_backend: cpu_kernel cannot serve"):
+        plan_job(cfg, world_size=1, device_type="cpu")
+    plan_job(
+        build_config("configs/gpt_oss_debug.toml", [("model.attn_backend", "sdpa")]), world_size=1, device_type="cpu"
+    )
 
 
 @pytest.mark.parametrize("degrees", [dict(dp_shard=2, ep=2), dict(dp_shard=1, tp=2, ep=2)], ids=["ep_fsdp", "ep_tp"])
