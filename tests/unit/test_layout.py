@@ -242,15 +242,6 @@ USER_COMMANDS = {
     "eval_flux.py": "a FLUX run's held-out prompt accuracy (docs/flux_sampling.md)",
 }
 """The top level of scripts/: the commands a user runs, each documented in README.md or docs/."""
-SYS_PATH_PENDING = (
-    # Temporary: the files another change of issue 52 is splitting; each may still edit sys.path
-    # (estimate_xla.py and mfu_suite.py did). Drop this tuple once they are done.
-    "scripts/estimate_xla.py",
-    "scripts/mfu_suite.py",
-    "tools/tpu_smoke.py",
-    "tools/xla_projection.py",
-    "planner/memory.py",
-)
 SYS_PATH_EXCEPTIONS = {
     # Run in venvs that do not install this project (so its packages are not importable there).
     "scripts/bench/reference_torchtitan.py": "runs in the TorchTitan peer venv (scripts/bench/peer_env.sh)",
@@ -296,7 +287,7 @@ def test_nothing_in_the_product_or_scripts_imports_tests():
 
 def test_scripts_and_tools_do_not_insert_into_sys_path():
     edits = {str(p.relative_to(ROOT)): sys_path_edits(p) for p in _python_files("scripts", "tools")}
-    found = {k: v for k, v in edits.items() if v and k not in SYS_PATH_PENDING}
+    found = {k: v for k, v in edits.items() if v}
     assert set(found) - set(SYS_PATH_EXCEPTIONS) == set(), {k: found[k] for k in set(found) - set(SYS_PATH_EXCEPTIONS)}
     stale = set(SYS_PATH_EXCEPTIONS) - set(found)
     assert not stale, f"no sys.path edit left in {sorted(stale)}: drop them from SYS_PATH_EXCEPTIONS"
