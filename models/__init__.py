@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from models import deepseek_v3, flux, gpt_oss, hf, llama3, qwen3
+from models import deepseek_v3, flux, gpt_oss, hf, llama3, qwen3, qwen3_5
 from models.common.plan import ModelPlan
 from models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
 from models.deepseek_v3.plan import PLAN as DEEPSEEK_V3_PLAN
@@ -36,6 +36,8 @@ from models.llama3 import hf_adapter as llama3_adapter
 from models.llama3.plan import PLAN as LLAMA3_PLAN
 from models.qwen3 import hf_adapter as qwen3_adapter
 from models.qwen3.plan import PLAN as QWEN3_PLAN
+from models.qwen3_5 import hf_adapter as qwen3_5_adapter
+from models.qwen3_5.plan import PLAN as QWEN3_5_PLAN
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,16 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_adapter=qwen3_adapter,
         document_mask=True,
     ),
+    # Hybrid Gated DeltaNet / gated full attention. No document_mask (so no CP either) until the
+    # delta rule's state is passed between CP ranks; the model itself takes segment ids.
+    "qwen3_5": ModelFamily(
+        name="qwen3_5",
+        args_cls=qwen3_5.Qwen3_5Args,
+        flavors=qwen3_5.FLAVORS,
+        model_cls=qwen3_5.Qwen3_5Transformer,
+        plan=QWEN3_5_PLAN,
+        hf_adapter=qwen3_5_adapter,
+    ),
     "deepseek_v3": ModelFamily(
         name="deepseek_v3",
         args_cls=deepseek_v3.DeepSeekV3Args,
@@ -148,6 +160,10 @@ HF_MODEL_TYPES = {
     "llama": "llama3",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss",

@@ -33,6 +33,9 @@ the sum of its two best experts; only experts of the `top_groups` best groups ar
 auxiliary-loss-free load balancing (`expert_bias=True`) and the sequence-wise auxiliary loss
 (`aux_loss="sequence"`).
 
+Option for Qwen 3.5 MoE (off by default): `shared_gate=True`, the shared expert's output scaled per
+token by `sigmoid(shared_gate(x))` (a linear dim -> 1) before it is added.
+
 Options for gpt-oss (off by default): `gate_bias=True` (a learned bias in the router logits, so
 in the selection and in the weights) and `experts=` a family's own experts module with the
 experts' contract of `GroupedExperts` below (models/gpt_oss/model.py: per-expert biases, the clamped
@@ -473,6 +476,7 @@ class MoE(nn.Module):
         aux_loss: str = "load_balance",
         gate_bias: bool = False,
         experts: nn.Module | None = None,
+        shared_gate: bool = False,
     ):
         super().__init__()
         assert aux_loss in ("load_balance", "sequence", "none"), f"aux_loss {aux_loss!r}"
@@ -498,6 +502,13 @@ class MoE(nn.Module):
             self.shared_experts = FeedForward(dim=dim, hidden_dim=shared_hidden_dim)
         else:
             self.shared_experts = None
+        # Qwen 3.5 MoE: the shared expert's output scaled per token by sigmoid(shared_gate(x)).
+        # Only registered when on, so the other families' module trees are what they were.
+        if shared_gate:
+            assert shared_hidden_dim > 0, "shared_gate gates the shared experts"
+            self.shared_gate = nn.Linear(dim, 1, bias=False)
+        else:
+            self.shared_gate = None
         self.aux_loss = aux_loss
         # Sums expert counts over the ranks holding the rest of the global batch (parallelisms/).
         self.reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -546,7 +557,10 @@ class MoE(nn.Module):
         out = (routed_out.view(-1, top_k, dim) * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
         if self.shared_experts is not None:
             # On the flat tokens [N, dim], like the router (a per-token layer under TP).
-            out = out + self.shared_experts(x).view(bs, seqlen, dim)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared.view(bs, seqlen, dim)
         return out, aux_loss, load
 
     def _capacity_experts(self, x: torch.Tensor, selected_experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -570,12 +584,14 @@ class MoE(nn.Module):
     def init_weights(self, init_std: float) -> None:
         """Router gate: truncated normal std `init_std` (its bias, `gate_bias`: zeros); experts: see
         `GroupedExperts.init_weights` (or the family's experts'); shared experts:
-        `FeedForward.init_weights`; `expert_bias`: zeros."""
+        `FeedForward.init_weights`; `shared_gate` (Qwen 3.5): truncated normal std 0.02; `expert_bias`: zeros."""
         trunc_normal_(self.router.gate.weight, std=init_std)
         if self.router.gate.bias is not None:
             nn.init.zeros_(self.router.gate.bias)
         self.experts.init_weights(init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(init_std)
+        if self.shared_gate is not None:
+            trunc_normal_(self.shared_gate.weight, std=0.02)
         if self.router.expert_bias is not None:
             nn.init.zeros_(self.router.expert_bias)

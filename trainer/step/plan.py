@@ -166,6 +166,9 @@ class StepRequest:
     quantize_census: QuantizeCensus | None = None
     """What `[quantize]` picks in the model (trainer/step/quantize.py), counted on the meta device
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
+    model_tp_refusal: str | None = None
+    """Why tensor parallelism cannot apply to this family, whatever the degree (its model class's
+    `tp_refusal`: Qwen 3.5's Gated DeltaNet has no TP plan); None: it can."""
     mtp_depth: int = 0
     """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3; 0: none or not known)."""
 
@@ -323,6 +326,13 @@ RULES: tuple[Rule, ...] = (
         "TP > 1 on an hf-backend model whose TP plan does not translate",
         lambda r: r.tp_degree > 1 and r.tp_refusal is not None,
         "{r.tp_refusal}; allowed for this model: 1",
+    ),
+    # A native family without a TP plan for some of its blocks (Qwen 3.5's Gated DeltaNet).
+    Rule(
+        "parallelism.tensor_parallel_degree",
+        "TP > 1 for a family whose model class has a tp_refusal (qwen3_5)",
+        lambda r: r.tp_degree > 1 and r.model_tp_refusal is not None,
+        "{r.tp_degree}: {r.model_tp_refusal}; allowed for this model: 1",
     ),
     # Loss.
     Rule(

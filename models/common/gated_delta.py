@@ -1,0 +1,164 @@
+"""The gated delta rule (Gated DeltaNet, Yang et al. 2024; Qwen3-Next / Qwen 3.5 linear attention).
+
+Per value head, a state S [k_dim, v_dim] runs over the sequence:
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - (exp(g_t) S_{t-1})^T k_t))^T,   o_t = S_t^T q_t
+
+(q scaled by `k_dim ** -0.5`; g <= 0 the log decay, beta in (0, 1) the write strength).
+`recurrent_gated_delta_rule` is that loop, token by token: the reference.
+`chunk_gated_delta_rule` is the chunked form (WY / UT transform inside chunks of `chunk_size`
+tokens, a scan over chunks), exactly as transformers' `torch_chunk_gated_delta_rule` computes it
+(same operations in the same order, fp32): the torch implementation the models call. A Pallas/
+Triton kernel (FLA's `chunk_gated_delta_rule`) would serve the same signature.
+
+State passing: `initial_state` [b, v_heads, k_dim, v_dim] is the state before the first token and
+`output_final_state` returns the state after the last one, what context parallelism would hand
+from one rank's sequence shard to the next. `reset` [b, s] (bool) zeroes the state before each
+marked token (a packed document starts there): the same as `g = -inf` at those tokens, computed
+without infinities (masks on the in-chunk decays), so documents packed in one row do not see each
+other.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(sum(x^2) + eps)` (FLA's and transformers' l2norm)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, qk_l2norm):
+    """Shared input handling: GQA repeat, [b, h, s, ...] fp32, optional l2norm, the q scale."""
+    num_k_heads, num_v_heads = k.shape[2], v.shape[2]
+    if num_k_heads != num_v_heads:
+        # Each q/k head serves num_v_heads // num_k_heads consecutive value heads.
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    q, k, v, beta, g = (
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (q, k, v, beta, g)
+    )
+    if qk_l2norm:
+        q = l2norm(q, dim=-1, eps=1e-6)
+        k = l2norm(k, dim=-1, eps=1e-6)
+    return q, k, v, beta, g
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    qk_l2norm: bool = False,
+    reset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference, one token at a time (slow: tests only). Arguments as `chunk_gated_delta_rule`."""
+    dtype = q.dtype
+    b, s, _, k_dim = k.shape
+    num_v_heads, v_dim = v.shape[-2:]
+    q, k, v, beta, g = _prepare(q, k, v, g, beta, qk_l2norm)
+    q = q / (q.shape[-1] ** 0.5)
+    if initial_state is None:
+        state = torch.zeros(b, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=v.device)
+    else:
+        state = initial_state.to(torch.float32)
+    out = torch.zeros_like(v)
+    for t in range(s):
+        decay = g[:, :, t].exp()
+        if reset is not None:
+            decay = decay * (~reset[:, t]).to(decay.dtype)[:, None]
+        state = state * decay[..., None, None]
+        kv_mem = (state * k[:, :, t, :, None]).sum(dim=-2)
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        out[:, :, t] = (state * q[:, :, t, :, None]).sum(dim=-2)
+    return out.transpose(1, 2).contiguous().to(dtype), state if output_final_state else None
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    qk_l2norm: bool = False,
+    reset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule by chunks (module docstring).
+
+    q, k [b, s, k_heads, k_dim]; v [b, s, v_heads, v_dim] (v_heads a multiple of k_heads); g, beta
+    [b, s, v_heads]; `initial_state` [b, v_heads, k_dim, v_dim] or None (zeros); `qk_l2norm`:
+    l2-normalise q and k first (in fp32); `reset` [b, s] bool or None. Computes in fp32 ->
+    (out [b, s, v_heads, v_dim] in q's dtype, the final state [b, v_heads, k_dim, v_dim] fp32 or
+    None). Without `reset` the operations are transformers' `torch_chunk_gated_delta_rule`'s.
+    """
+    dtype = q.dtype
+    b, s, _, k_dim = k.shape
+    num_v_heads, v_dim = v.shape[-2:]
+    q, k, v, beta, g = _prepare(q, k, v, g, beta, qk_l2norm)
+    q = q * q.shape[-1] ** -0.5
+
+    pad = (chunk_size - s % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    n = (s + pad) // chunk_size
+
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (
+        x.reshape(x.shape[0], x.shape[1], n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)
+    )
+    g = g.reshape(g.shape[0], g.shape[1], n, chunk_size)
+    hidden = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)  # j > i
+    cum = g.cumsum(dim=3)
+
+    if reset is not None:
+        # Per chunk, segment index of each token (how many resets up to and including it).
+        starts = F.pad(reset.to(torch.int64), (0, pad)).reshape(b, 1, n, chunk_size)
+        seg = starts.cumsum(dim=3)
+        hidden = hidden | (seg.unsqueeze(4) != seg.unsqueeze(3))  # other segment: no pair
+        sees_prev = (seg == 0).to(torch.float32)  # no reset in [chunk start, t]: reads the old state
+        to_end = (seg == seg[..., -1:]).to(torch.float32)  # no reset in (t, chunk end]: reaches the new one
+        chunk_open = sees_prev[..., -1]  # no reset in the chunk: the old state survives it
+
+    pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(hidden, float("-inf")).exp()
+    ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    from_start = cum.exp()
+    if reset is not None:
+        from_start = from_start * sees_prev
+    decayed_k_beta = k_beta * from_start.unsqueeze(-1)
+    # (I + strictly lower part of ut_system)^-1 applied to v_beta and the decayed keys.
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+
+    if initial_state is None:
+        state = torch.zeros(b, num_v_heads, k_dim, v_dim, dtype=new_values.dtype, device=new_values.device)
+    else:
+        state = initial_state.to(new_values)
+    out = torch.zeros_like(new_values)
+
+    q = q * from_start.unsqueeze(-1)
+    to_end_decay = (cum[..., -1:] - cum).exp()
+    chunk_decay = cum[..., -1].exp()
+    if reset is not None:
+        to_end_decay = to_end_decay * to_end
+        chunk_decay = chunk_decay * chunk_open
+    k = k * to_end_decay.unsqueeze(-1)
+    chunk_decay = chunk_decay[..., None, None]
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+
+    out = out.reshape(b, num_v_heads, -1, v_dim)[:, :, :s]
+    out = out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return out, state if output_final_state else None

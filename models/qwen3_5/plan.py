@@ -1,0 +1,30 @@
+"""Parallel plan of Qwen 3.5 (dense and MoE): FSDP, activation checkpointing and EP; no TP, no CP.
+
+- The repeated block is `layers` (one `BlockStack` of Gated DeltaNet and full-attention blocks):
+  SimpleFSDP shards every parameter, activation checkpointing and per-block compile act on each
+  block. Layer scan needs identical blocks, which a hybrid stack is not (refused when the scan is
+  enabled: `compile.scan_layers = false`).
+- No tensor-parallel entries: the Gated DeltaNet's fused `in_proj_qkv` rows are [q | k | v] of all
+  heads (HF layout) and its conv, gated norm and delta rule would need head-sharded counterparts;
+  TP > 1 is refused for this family (the class's `tp_refusal`, trainer/step/plan.py). Context
+  parallelism would have to pass the delta rule's state from rank to rank (the op returns and
+  takes it; the passing is not written): the family does not set `ModelFamily.document_mask`, so
+  CP > 1 is refused by the rule for such families.
+- EP (MoE flavors): as Qwen 3 MoE (`moe`, `router`, `experts`), plus the shared expert and its
+  gate, per-token linears on the rank's own tokens like the router (DeepSeek-V3's shared experts).
+"""
+
+from models.common.plan import ModelPlan
+
+PLAN = ModelPlan(
+    block="layers",
+    ep_block={
+        "moe": "moe",
+        "moe.router.gate": "router",
+        "moe.shared_experts.w1": "router",
+        "moe.shared_experts.w2": "router",
+        "moe.shared_experts.w3": "router",
+        "moe.shared_gate": "router",
+        "moe.experts": "experts",
+    },
+)
