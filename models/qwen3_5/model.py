@@ -244,7 +244,8 @@ class Qwen3_5Transformer(Decoder):
         "the Gated DeltaNet blocks have no tensor-parallel plan (in_proj_qkv's rows are [q | k | v] of all "
         "heads, not head-major)"
     )
-    """Why tensor parallelism cannot apply to this family (read by the TP rule, trainer/step/plan.py)."""
+    """Why tensor parallelism cannot apply to this family: the step request's `tp_refusal`, which the
+    TP rule of trainer/step/plan.py refuses TP > 1 with (the hf backend's rule)."""
 
     def __init__(self, args: Qwen3_5Args):
         blocks = []

@@ -6,7 +6,8 @@
   enabled: `compile.scan_layers = false`).
 - No tensor-parallel entries: the Gated DeltaNet's fused `in_proj_qkv` rows are [q | k | v] of all
   heads (HF layout) and its conv, gated norm and delta rule would need head-sharded counterparts;
-  TP > 1 is refused for this family (the class's `tp_refusal`, trainer/step/plan.py). Context
+  TP > 1 is refused by the rule on the step request's `tp_refusal` (trainer/step/plan.py), which
+  is the model class's `tp_refusal`. Context
   parallelism would have to pass the delta rule's state from rank to rank (the op returns and
   takes it; the passing is not written): the family does not set `ModelFamily.document_mask`, so
   CP > 1 is refused by the rule for such families.

@@ -232,10 +232,10 @@ def test_parallelism_rules_refuse_tp_and_cp():
     from trainer.step.plan import StepRequest, refusals
 
     refusal = Qwen3_5Transformer.tp_refusal
-    assert refusals(StepRequest(tp_degree=2, model_tp_refusal=refusal)) == [
-        f"parallelism.tensor_parallel_degree: 2: {refusal}; allowed for this model: 1"
+    assert refusals(StepRequest(tp_degree=2, tp_refusal=refusal)) == [
+        f"parallelism.tensor_parallel_degree: {refusal}; allowed for this model: 1"
     ]
-    assert refusals(StepRequest(tp_degree=1, model_tp_refusal=refusal)) == []
+    assert refusals(StepRequest(tp_degree=1, tp_refusal=refusal)) == []
     with pytest.raises(ConfigError, match=r"^parallelism\.context_parallel_degree: 2 "):
         plan_job(
             build_config("configs/qwen3_5_debug.toml", [("parallelism.context_parallel_degree", "2")]),

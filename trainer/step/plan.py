@@ -127,7 +127,8 @@ class StepRequest:
     """`[model] attn_backend`: auto | sdpa | cpu_kernel | splash."""
     tp_refusal: str | None = None
     """Why tensor parallelism cannot apply to this model, whatever the degree (the hf backend's
-    `models.hf.plan.tp_refusal`); None: it can."""
+    `models.hf.plan.tp_refusal`, or a native family's model class attribute `tp_refusal`: Qwen 3.5's
+    Gated DeltaNet has no TP plan); None: it can."""
     flow_shift: float = 1.0
     """`[flow] shift`."""
     flow_resolution_shift: bool = False
@@ -166,9 +167,6 @@ class StepRequest:
     quantize_census: QuantizeCensus | None = None
     """What `[quantize]` picks in the model (trainer/step/quantize.py), counted on the meta device
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
-    model_tp_refusal: str | None = None
-    """Why tensor parallelism cannot apply to this family, whatever the degree (its model class's
-    `tp_refusal`: Qwen 3.5's Gated DeltaNet has no TP plan); None: it can."""
     mtp_depth: int = 0
     """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3; 0: none or not known)."""
 
@@ -320,19 +318,14 @@ RULES: tuple[Rule, ...] = (
     # (parallelisms/scan.py); a plan style without a scan form is refused when the step is built
     # (BUILD_CHECKS, trainer/step/checks.py).
     # Tensor parallelism of the hf backend: its plan is translated from the transformers model's
-    # own (models/hf/plan.py `tp_refusal` says why an architecture has none).
+    # own (models/hf/plan.py `tp_refusal` says why an architecture has none); a native family
+    # without a TP plan says why in its model class's `tp_refusal` (qwen3_5).
     Rule(
         "parallelism.tensor_parallel_degree",
-        "TP > 1 on an hf-backend model whose TP plan does not translate",
+        "TP > 1 on an hf-backend model whose TP plan does not translate, or a family whose model class "
+        "has a tp_refusal (qwen3_5)",
         lambda r: r.tp_degree > 1 and r.tp_refusal is not None,
         "{r.tp_refusal}; allowed for this model: 1",
-    ),
-    # A native family without a TP plan for some of its blocks (Qwen 3.5's Gated DeltaNet).
-    Rule(
-        "parallelism.tensor_parallel_degree",
-        "TP > 1 for a family whose model class has a tp_refusal (qwen3_5)",
-        lambda r: r.tp_degree > 1 and r.model_tp_refusal is not None,
-        "{r.tp_degree}: {r.model_tp_refusal}; allowed for this model: 1",
     ),
     # Loss.
     Rule(
