@@ -140,7 +140,7 @@ def step_request(
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
     model args and the batch split when known)."""
-    tp_refusal = None
+    tp_refusal = getattr(family.model_cls, "tp_refusal", None)  # a family without a TP plan
     if cfg.model.name == "hf":  # its TP plan is translated from the transformers model's (models/hf/plan.py)
         from models.hf.plan import tp_refusal as hf_tp_refusal
         from trainer.config import model_args

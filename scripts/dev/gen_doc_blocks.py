@@ -24,7 +24,7 @@ only its inside is rewritten. The blocks:
   docs/context_parallel.md `cp_recipes`: the 128k recipes (and `cp_compiles`, their attention
   sublayer's compile, from its CSV); docs/low_precision.md
   `low_precision_recipes`: each `[quantize]` pod recipe against its parent (all as shipped).
-- docs/recipe_check.md `pod_compiles`: every row of docs/results/pod_compile_*.csv.
+- docs/recipe_check.md `pod_compiles`: each recipe's latest row of docs/results/pod_compile_*.csv.
 - docs/planner.md `recommend`: `--recommend` from model flags for a few model and target pairs,
   from docs/results/planner_recommend_*.csv (a search takes about half a minute each, too slow
   for this check).
@@ -629,8 +629,8 @@ _COLLECTIVES = {
 
 
 def render_pod_compiles() -> str:
-    """Every row of docs/results/pod_compile_*.csv (`scripts/check_recipe.py --compile --compile-csv`),
-    file by file: the deviceless XLA compile of each pod recipe at full depth against the planner of
+    """The latest row of each recipe in docs/results/pod_compile_*.csv (`scripts/check_recipe.py
+    --compile --compile-csv`; files by name: date, then commit), in the order compiled: the deviceless XLA compile of each pod recipe at full depth against the planner of
     that run (the `planned GiB` column; the planner of this commit is in docs/planner.md)."""
     import csv
 
@@ -639,28 +639,32 @@ def render_pod_compiles() -> str:
         "| planned GiB (then) | verdict | CSV |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    latest: dict[str, tuple] = {}  # a later file (by name: date, then commit) replaces a recipe's row
     for path in sorted((ROOT / "docs" / "results").glob("pod_compile_*.csv")):
         lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
         for r in csv.DictReader(lines):
-            program = r["program"]
-            for name, short in _COLLECTIVES.items():
-                program = program.replace(name, short)
-            verdict = r["verdict"]
-            if r["compiler GiB"] not in ("", "-") and r["planned GiB"] not in ("", "-"):
-                verdict += f" ({float(r['compiler GiB']) / float(r['planned GiB']) - 1:+.0%})"
-            cells = [
-                r["recipe"].removesuffix(".toml"),
-                r["target"],
-                r["mesh as compiled"],
-                program,
-                r["compile s"],
-                f"{r['args GiB']} / {r['out GiB']} / {r['temp GiB']}",
-                r["compiler GiB"],
-                r["planned GiB"],
-                verdict,
-                path.name,
-            ]
-            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+            latest.pop(r["recipe"], None)
+            latest[r["recipe"]] = (path, r)
+    for path, r in latest.values():
+        program = r["program"]
+        for name, short in _COLLECTIVES.items():
+            program = program.replace(name, short)
+        verdict = r["verdict"]
+        if r["compiler GiB"] not in ("", "-") and r["planned GiB"] not in ("", "-"):
+            verdict += f" ({float(r['compiler GiB']) / float(r['planned GiB']) - 1:+.0%})"
+        cells = [
+            r["recipe"].removesuffix(".toml"),
+            r["target"],
+            r["mesh as compiled"],
+            program,
+            r["compile s"],
+            f"{r['args GiB']} / {r['out GiB']} / {r['temp GiB']}",
+            r["compiler GiB"],
+            r["planned GiB"],
+            verdict,
+            path.name,
+        ]
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out)
 
 

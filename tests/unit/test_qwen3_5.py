@@ -236,6 +236,12 @@ def test_parallelism_rules_refuse_tp_and_cp():
         f"parallelism.tensor_parallel_degree: {refusal}; allowed for this model: 1"
     ]
     assert refusals(StepRequest(tp_degree=1, tp_refusal=refusal)) == []
+    with pytest.raises(ConfigError, match=r"^parallelism\.tensor_parallel_degree: .*allowed for this model: 1$"):
+        plan_job(  # the job's step request carries the family's refusal (trainer/job.py step_request)
+            build_config("configs/qwen3_5_debug.toml", [("parallelism.tensor_parallel_degree", "2")]),
+            world_size=2,
+            device_type="cpu",
+        )
     with pytest.raises(ConfigError, match=r"^parallelism\.context_parallel_degree: 2 "):
         plan_job(
             build_config("configs/qwen3_5_debug.toml", [("parallelism.context_parallel_degree", "2")]),
