@@ -87,12 +87,28 @@ def plan_str(est: planner.Estimate) -> str:
 
 def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = None) -> str:
     """A per-device breakdown with the verdict; `flow` = (image, text) tokens of a FLUX sample."""
-    a = est.activations
     lines = [
         f"{est.model} on {describe_target(est.target)}",
         f"plan: {plan_str(est)}",
         "per device (rank 0)" + (" [blocks probed: 1 block x n_layers]" if est.probed else "") + ":",
     ]
+    rows = _memory_rows(est, flow=flow)
+    width = max(len(r[0]) for r in rows) + 2
+    for label, value in rows:
+        lines.append(f"  {label:<{width}}{gib(value):>9} GiB")
+    lines.append(f"  {'total':<{width}}{gib(est.total):>9} GiB")
+    lines.append(
+        f"  {'HBM / usable (' + format(est.headroom, '.0%') + ' headroom)':<{width}}"
+        f"{gib(est.target.hbm_bytes):>9} / {gib(est.usable)} GiB"
+    )
+    lines += _verdict_and_throughput(est, flow=flow)
+    lines.extend(f"note: {n}" for n in est.notes)
+    return "\n".join(lines)
+
+
+def _memory_rows(est: planner.Estimate, *, flow: tuple[int, int] | None) -> list[tuple[str, int]]:
+    """(label, bytes) of each per-device memory term of `format_estimate`."""
+    a = est.activations
     rows = [
         ("parameters (fp32 master shards)", est.params),
         ("gradients (fp32 shards)", est.grads),
@@ -140,14 +156,12 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
     ]
     if est.update:
         rows.append(("undonated update: new params + moments (program outputs beside the temporaries)", est.update))
-    width = max(len(r[0]) for r in rows) + 2
-    for label, value in rows:
-        lines.append(f"  {label:<{width}}{gib(value):>9} GiB")
-    lines.append(f"  {'total':<{width}}{gib(est.total):>9} GiB")
-    lines.append(
-        f"  {'HBM / usable (' + format(est.headroom, '.0%') + ' headroom)':<{width}}"
-        f"{gib(est.target.hbm_bytes):>9} / {gib(est.usable)} GiB"
-    )
+    return rows
+
+
+def _verdict_and_throughput(est: planner.Estimate, *, flow: tuple[int, int] | None) -> list[str]:
+    """The verdict line, the throughput line and (FLUX) the per-sample figures of `format_estimate`."""
+    lines = []
     if est.fits:
         lines.append(
             f"verdict: FITS with {gib(est.spare)} GiB to spare ({est.total / est.target.hbm_bytes:.0%} of HBM)"
@@ -178,8 +192,7 @@ def format_estimate(est: planner.Estimate, *, flow: tuple[int, int] | None = Non
             f"{est.tokens_per_s / per_sample:,.3f} samples/s/device = "
             f"{per_sample / est.tokens_per_s:,.2f} device-s/sample"
         )
-    lines.extend(f"note: {n}" for n in est.notes)
-    return "\n".join(lines)
+    return lines
 
 
 SUMMARY_HEADER = (
@@ -423,8 +436,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from trainer.config import build_config, split_cli
-
     ns, rest = _parser().parse_known_args(argv)
     if ns.list_targets:
         print(target_table())
@@ -433,6 +444,23 @@ def _run(argv: list[str]) -> int:
             "v6e-256 = 256 devices, v5p-1024 = 512 chips = 512 devices, v7x-1024 = 512 chips = 1024 devices."
         )
         return 0
+    cfg, target = _config_and_target(ns, rest)
+    from tools.recipe_check import plan_inputs
+
+    inputs = plan_inputs(cfg)  # the step settings: PlanInputs.refusals / step_plan per layout
+    kw = dict(headroom=ns.headroom, assumed_mfu=ns.mfu)
+    if ns.recommend:
+        return _recommend(ns, inputs, target, **kw)
+    if ns.weak_scaling:
+        return weak_scaling(inputs, target, cfg, ns.weak_scaling, **kw)
+    return _plan_recipe(ns, inputs, target, cfg, **kw)
+
+
+def _config_and_target(ns: argparse.Namespace, rest: list[str]):
+    """(config, target) from the flags: the recipe and its overrides (the short flags among them),
+    and --target or else the recipe's `[job] target`."""
+    from trainer.config import build_config, split_cli
+
     if not 0 <= ns.headroom < 1:
         raise ConfigError(f"--headroom: {ns.headroom} is out of range; allowed: 0 <= headroom < 1")
     if not 0 < ns.mfu <= 1:
@@ -457,58 +485,58 @@ def _run(argv: list[str]) -> int:
                 "[job] target in the recipe or --target, e.g. --target v6e-256 (see --list-targets)"
             )
         target = planner.parse_target(cfg.job.target, key="job.target")
-    p = cfg.parallelism
-    from tools.recipe_check import plan_inputs
+    return cfg, target
 
-    inputs = plan_inputs(cfg)  # the step settings: PlanInputs.refusals / step_plan per layout
+
+def _recommend(ns: argparse.Namespace, inputs, target: planner.Target, **kw) -> int:
+    """--recommend: search the layouts, print the best ones and re-check the choice on the full model."""
     flow, seq_len = inputs.flow_tokens, inputs.seq_len
-    kw = dict(headroom=ns.headroom, assumed_mfu=ns.mfu)
+    candidates = planner.recommend(inputs, target, max_global_tokens=ns.max_global_tokens, **kw)
+    if ns.csv:
+        write_csv(candidates, ns.csv)
+    fitting = [c for c in candidates if c.fits]
+    shown = planner.best_per_layout(fitting or candidates)[: ns.top]
+    print(
+        f"{inputs.model_name} on {describe_target(target)}; seq_len {seq_len}; "
+        f"{len(candidates)} plans evaluated, {len(fitting)} fit"
+    )
+    print(format_summary(shown))
+    print()
+    if not fitting:
+        print(format_estimate(candidates[0], flow=flow))
+        print(f"verdict: no plan fits {target.name}; the smallest needs {gib(candidates[0].total)} GiB per device")
+        need = planner.devices_needed(candidates[0])
+        if need:
+            print(f"suggestion: about {need} devices for that plan")
+        return 1
+    best = fitting[0]
+    # Re-check the choice on the full model (every block sharded, not one block x n_layers).
+    inputs = dataclasses.replace(inputs, local_batch_size=best.local_batch_size, grad_accum=1)
+    est = planner.plan_estimate(
+        inputs,
+        target,
+        dp_replicate=best.dp_replicate,
+        tp=best.tp,
+        cp=best.cp,
+        ep=best.ep,
+        ac_mode=best.ac_mode,
+        loss_parallel=best.loss_parallel,
+        **kw,
+    )
+    assert est.total == best.total, "one-block probe and full model disagree"
+    print(
+        "recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; most tokens):"
+    )
+    print(format_estimate(est, flow=flow))
+    print("\nrecipe keys:\n" + recipe_snippet(est))
+    return 0
 
-    if ns.recommend:
-        candidates = planner.recommend(inputs, target, max_global_tokens=ns.max_global_tokens, **kw)
-        if ns.csv:
-            write_csv(candidates, ns.csv)
-        fitting = [c for c in candidates if c.fits]
-        shown = planner.best_per_layout(fitting or candidates)[: ns.top]
-        print(
-            f"{inputs.model_name} on {describe_target(target)}; seq_len {seq_len}; "
-            f"{len(candidates)} plans evaluated, {len(fitting)} fit"
-        )
-        print(format_summary(shown))
-        print()
-        if not fitting:
-            print(format_estimate(candidates[0], flow=flow))
-            print(f"verdict: no plan fits {target.name}; the smallest needs {gib(candidates[0].total)} GiB per device")
-            need = planner.devices_needed(candidates[0])
-            if need:
-                print(f"suggestion: about {need} devices for that plan")
-            return 1
-        best = fitting[0]
-        # Re-check the choice on the full model (every block sharded, not one block x n_layers).
-        inputs = dataclasses.replace(inputs, local_batch_size=best.local_batch_size, grad_accum=1)
-        est = planner.plan_estimate(
-            inputs,
-            target,
-            dp_replicate=best.dp_replicate,
-            tp=best.tp,
-            cp=best.cp,
-            ep=best.ep,
-            ac_mode=best.ac_mode,
-            loss_parallel=best.loss_parallel,
-            **kw,
-        )
-        assert est.total == best.total, "one-block probe and full model disagree"
-        print(
-            "recommended (heuristic in docs/planner.md: pure FSDP first, then CP, then TP; least recompute; "
-            "most tokens):"
-        )
-        print(format_estimate(est, flow=flow))
-        print("\nrecipe keys:\n" + recipe_snippet(est))
-        return 0
 
+def _plan_recipe(ns: argparse.Namespace, inputs, target: planner.Target, cfg, **kw) -> int:
+    """The recipe's own layout on the target (HSDP across slices unless the recipe shards over DCN):
+    its estimate, the DCN cost of a multislice target, and fixes when it does not fit."""
+    p = cfg.parallelism
     dp_replicate = p.data_parallel_replicate_degree
-    if ns.weak_scaling:
-        return weak_scaling(inputs, target, cfg, ns.weak_scaling, **kw)
     if target.num_slices > 1 and dp_replicate == 1 and not p.allow_dcn_sharding:
         dp_replicate = target.num_slices  # HSDP across the slices: the recipe's layout inside each slice
         print(f"note: {target.num_slices} slices: dp_replicate {dp_replicate} (one replica per slice)")
@@ -526,7 +554,7 @@ def _run(argv: list[str]) -> int:
     )
     if ns.csv:
         write_csv([est], ns.csv)
-    print(format_estimate(est, flow=flow))
+    print(format_estimate(est, flow=inputs.flow_tokens))
     if target.num_slices > 1:
         from planner.multislice import dcn_cost, describe
 
