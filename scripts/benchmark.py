@@ -503,6 +503,40 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = _parser()
+    args = parser.parse_args(argv)
+
+    preset = PRESETS.get(args.preset, {})
+    extra = _apply_shape(args, parser, preset, extra)
+    variants = _variants(args, parser, preset)
+    if args.peer is not None and not args.dry_run and not Path(args.peer_python).is_file():
+        cli.error_line(
+            f"--peer-python: {args.peer_python} not found; build the peer venv with `bash scripts/bench/peer_env.sh`"
+        )
+        return 2
+    nprocs = _check_args(args, parser)
+    root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
+    env = dict(os.environ)
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    machine = machine_fields(args.threads)
+
+    jobs = _jobs(args, parser, preset, variants, nprocs, root, extra)
+    _check_runs(jobs, parser)
+    if args.dry_run:
+        for job in jobs:
+            print(" & ".join(shlex.join(cmd) for cmd in job.get("cmds", [job.get("cmd")])))
+        return 0
+    runs = [
+        {**run, **machine}
+        for run in execute(
+            jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=args.max_busy, max_wait=args.max_wait
+        )
+    ]
+    return _report(args, runs, machine)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -545,9 +579,13 @@ def main(argv: list[str] | None = None) -> int:
         "no communication",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
-    args = parser.parse_args(argv)
+    return parser
 
-    preset = PRESETS.get(args.preset, {})
+
+def _apply_shape(args, parser, preset: dict, extra: list[str]) -> list[str]:
+    """Fill the run shape (config, repeats, steps, warmup, peer, the peer's seq_len and batch) from the
+    preset and --quick where a flag left it unset; returns the recipe overrides after `--`, with
+    --quick's shape first."""
     shape = {
         **{k: preset[k] for k in ("seq_len", "batch", "repeats", "steps", "warmup") if k in preset},
         **(QUICK if args.quick else {}),
@@ -565,7 +603,11 @@ def main(argv: list[str] | None = None) -> int:
             extra = [f"--training.seq_len={shape['seq_len']}", f"--training.local_batch_size={shape['batch']}", *extra]
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    return extra
 
+
+def _variants(args, parser, preset: dict) -> dict[str, list[str]]:
+    """The variants to run: --variants (default eager), or the preset's, plus each --variant."""
     if args.variants is None and preset:
         variants = (
             {**preset["variants"], **parse_variants("", args.variant)} if args.variant else dict(preset["variants"])
@@ -575,19 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer is not None:
         if args.peer in variants:
             parser.error(f"--variant: {args.peer!r} is the peer's name")
-        if not args.dry_run and not Path(args.peer_python).is_file():
-            cli.error_line(
-                f"--peer-python: {args.peer_python} not found; build the peer venv with "
-                "`bash scripts/bench/peer_env.sh`"
-            )
-            return 2
-    nprocs = _check_args(args, parser)
-    root = Path(args.dump_root or REPO / "outputs" / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
-    env = dict(os.environ)
-    if args.threads is not None:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    machine = machine_fields(args.threads)
+    return variants
 
+
+def _jobs(args, parser, preset: dict, variants: dict, nprocs: list[int], root: Path, extra: list[str]) -> list[dict]:
+    """One job per (repeat, variant, process count), interleaved: the command (or commands, for a
+    +solo ceiling) and the run folder."""
     for name in args.ceiling:
         if name not in variants:
             parser.error(f"--ceiling: {name!r} is not one of the variants ({', '.join(variants)})")
@@ -637,18 +672,11 @@ def main(argv: list[str] | None = None) -> int:
                 extra=extra,
             )
         jobs.append(job)
-    _check_runs(jobs, parser)
-    if args.dry_run:
-        for job in jobs:
-            print(" & ".join(shlex.join(cmd) for cmd in job.get("cmds", [job.get("cmd")])))
-        return 0
-    runs = [
-        {**run, **machine}
-        for run in execute(
-            jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=args.max_busy, max_wait=args.max_wait
-        )
-    ]
+    return jobs
 
+
+def _report(args, runs: list[dict], machine: dict) -> int:
+    """Print the summary table, write the summary and runs CSVs; 1 if a run failed."""
     rows = add_peer_ratio(summarize(runs), args.peer)
     load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
     print(
