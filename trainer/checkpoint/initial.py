@@ -274,36 +274,63 @@ def load_initial(
         raise ConfigError(f"{key}: {str(path)!r} does not exist; allowed: a DCP checkpoint folder or HF safetensors")
     expected = {k: _shape(v) for k, v in get_model_state_dict(model).items()}
     if fmt == "dcp":
-        if not (root / ".metadata").is_file():
-            raise ConfigError(
-                f"{key}: {root} is not a DCP checkpoint folder (no .metadata); "
-                'allowed: a DCP folder, or for safetensors initial_load_format = "hf"'
-            )
-        try:
-            verify_checkpoint(root)
-        except CorruptCheckpointError as e:
-            raise ConfigError(f"{key}: {root} is corrupt: {e}; allowed: an intact checkpoint") from None
-        try:
-            stored = _stored_shapes(root)
-        except Exception as e:
-            raise ConfigError(
-                f"{key}: {root} is not a readable DCP checkpoint ({short_error(e)}); allowed: a DCP checkpoint folder"
-            ) from e
-        prefixed = any(k.startswith("model.") for k in stored)
-        if prefixed:
-            stored = {k[len("model.") :]: v for k, v in stored.items() if k.startswith("model.")}
-        check_entries(expected=expected, stored=stored, key=key, where=str(root), what="the model")
-        model_sd = get_model_state_dict(model)
-        dest = {"model": model_sd} if prefixed else model_sd
-        try:
-            dcp.load(dest, checkpoint_id=str(root), no_dist=not _dist_on())
-        except _DCP_ERRORS as e:
-            raise ConfigError(
-                f"{key}: cannot load {root}: {short_error(e)}; allowed: a DCP checkpoint of this model"
-            ) from e
-        set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
-        return
+        _load_dcp(model, root, expected=expected, key=key)
+    else:
+        _load_hf(
+            model,
+            root,
+            hf_adapter=hf_adapter,
+            args=args,
+            hf_config_mismatch=hf_config_mismatch,
+            expected=expected,
+            key=key,
+        )
 
+
+def _load_dcp(model: torch.nn.Module, root: Path, *, expected: dict, key: str) -> None:
+    """fmt "dcp" of `load_initial`: verify the folder, check its model entries, load them."""
+    if not (root / ".metadata").is_file():
+        raise ConfigError(
+            f"{key}: {root} is not a DCP checkpoint folder (no .metadata); "
+            'allowed: a DCP folder, or for safetensors initial_load_format = "hf"'
+        )
+    try:
+        verify_checkpoint(root)
+    except CorruptCheckpointError as e:
+        raise ConfigError(f"{key}: {root} is corrupt: {e}; allowed: an intact checkpoint") from None
+    try:
+        stored = _stored_shapes(root)
+    except Exception as e:
+        raise ConfigError(
+            f"{key}: {root} is not a readable DCP checkpoint ({short_error(e)}); allowed: a DCP checkpoint folder"
+        ) from e
+    prefixed = any(k.startswith("model.") for k in stored)
+    if prefixed:
+        stored = {k[len("model.") :]: v for k, v in stored.items() if k.startswith("model.")}
+    check_entries(expected=expected, stored=stored, key=key, where=str(root), what="the model")
+    model_sd = get_model_state_dict(model)
+    dest = {"model": model_sd} if prefixed else model_sd
+    try:
+        dcp.load(dest, checkpoint_id=str(root), no_dist=not _dist_on())
+    except _DCP_ERRORS as e:
+        raise ConfigError(
+            f"{key}: cannot load {root}: {short_error(e)}; allowed: a DCP checkpoint of this model"
+        ) from e
+    set_model_state_dict(model, model_sd, options=StateDictOptions(strict=True))
+
+
+def _load_hf(
+    model: torch.nn.Module,
+    root: Path,
+    *,
+    hf_adapter: Any,
+    args: Any,
+    hf_config_mismatch: str,
+    expected: dict,
+    key: str,
+) -> None:
+    """fmt "hf" of `load_initial`: check config.json against `args`, then read each rank's slices
+    (an adapter with `hf_layout`) or every file in full (`from_hf` only)."""
     files = safetensors_files(root)
     if not files or not all(f.is_file() for f in files):
         raise ConfigError(
@@ -338,7 +365,32 @@ def load_initial(
             len(files),
         )
         return
-    # An adapter with only `from_hf` (a state dict in, a state dict out): every rank reads all.
+    _load_hf_full(
+        model,
+        files,
+        from_hf=from_hf,
+        args=args,
+        expected=expected,
+        root=root,
+        fp8_block=fp8_block,
+        config=config,
+        key=key,
+    )
+
+
+def _load_hf_full(
+    model: torch.nn.Module,
+    files: list[Path],
+    *,
+    from_hf: Any,
+    args: Any,
+    expected: dict,
+    root: Path,
+    fp8_block: tuple[int, int] | None,
+    config: Path,
+    key: str,
+) -> None:
+    """An adapter with only `from_hf` (a state dict in, a state dict out): every rank reads all."""
     from safetensors.torch import load_file
 
     hf_state_dict: dict[str, torch.Tensor] = {}
