@@ -181,6 +181,48 @@ def _convert_to_hf(
     fp8_weight=None,
 ) -> list[Path]:
     checkpoint = _resolve_checkpoint(checkpoint)
+    stored, alias, keys = _stored_model_entries(checkpoint, family, args)
+
+    def template(group: list[str], device: str) -> dict[str, torch.Tensor]:
+        return {
+            alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype, device=device) for k in group
+        }
+
+    def convert_group(group: list[str], device: str) -> dict[str, torch.Tensor]:
+        tensors = template(group, device)
+        if device != "meta":
+            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
+        ours = {k: tensors[alias.get(k, k)] for k in group}
+        hf = family.hf_adapter.to_hf(ours, args)
+        if fp8_weight is not None:  # quantized from the stored values; --dtype casts the rest
+            hf = quantize_hf_state_dict(hf, fp8_weight)
+            return {
+                k: v if dtype is None or v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv") else v.to(dtype)
+                for k, v in hf.items()
+            }
+        return {hf_key: value if dtype is None else value.to(dtype) for hf_key, value in hf.items()}
+
+    # Plan every file from the metadata: the adapter's to_hf on meta tensors gives the HF names,
+    # shapes and dtypes of each group (one block, or the non-block entries) without any data.
+    groups = _layer_groups(keys)
+    planned = [{k: (tuple(v.shape), v.dtype) for k, v in convert_group(g, "meta").items()} for g in groups]
+    shards = _pack_shards([sum(math.prod(shape) * dt.itemsize for shape, dt in p.values()) for p in planned])
+    # transformers reads model*.safetensors, diffusers diffusion_pytorch_model*.safetensors.
+    base = getattr(family.hf_adapter, "WEIGHTS_NAME", "model")
+    written = _write_shards(out_dir, base, shards, planned, lambda gi: convert_group(groups[gi], "cpu"))
+
+    config = family.hf_adapter.hf_config(args)
+    saved_dtype = dtype or stored[keys[0]].properties.dtype
+    config["torch_dtype"] = str(saved_dtype).removeprefix("torch.")
+    if fp8_weight is not None:
+        config["quantization_config"] = dict(HUB_QUANTIZATION_CONFIG)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return written
+
+
+def _stored_model_entries(checkpoint: Path, family: ModelFamily, args) -> tuple[dict, dict[str, str], list[str]]:
+    """(the stored model entries' metadata by FQN, the alias of a tied embedding saved under
+    output.weight, the keys to convert), after checking the entries against the model of `args`."""
     try:
         verify_checkpoint(checkpoint)
     except CorruptCheckpointError as e:
@@ -215,30 +257,12 @@ def _convert_to_hf(
     )
     keys = [k for k in expected if k in stored and not (tie_embeddings and k == "output.weight")]
 
-    def template(group: list[str], device: str) -> dict[str, torch.Tensor]:
-        return {
-            alias.get(k, k): torch.empty(stored[k].size, dtype=stored[k].properties.dtype, device=device) for k in group
-        }
+    return stored, alias, keys
 
-    def convert_group(group: list[str], device: str) -> dict[str, torch.Tensor]:
-        tensors = template(group, device)
-        if device != "meta":
-            dcp.load({"model": tensors}, checkpoint_id=str(checkpoint))
-        ours = {k: tensors[alias.get(k, k)] for k in group}
-        hf = family.hf_adapter.to_hf(ours, args)
-        if fp8_weight is not None:  # quantized from the stored values; --dtype casts the rest
-            hf = quantize_hf_state_dict(hf, fp8_weight)
-            return {
-                k: v if dtype is None or v.dtype == torch.float8_e4m3fn or k.endswith("_scale_inv") else v.to(dtype)
-                for k, v in hf.items()
-            }
-        return {hf_key: value if dtype is None else value.to(dtype) for hf_key, value in hf.items()}
 
-    # Plan every file from the metadata: the adapter's to_hf on meta tensors gives the HF names,
-    # shapes and dtypes of each group (one block, or the non-block entries) without any data.
-    groups = _layer_groups(keys)
-    planned = [{k: (tuple(v.shape), v.dtype) for k, v in convert_group(g, "meta").items()} for g in groups]
-    group_bytes = [sum(math.prod(shape) * dt.itemsize for shape, dt in p.values()) for p in planned]
+def _pack_shards(group_bytes: list[int]) -> list[list[int]]:
+    """The groups (by index, in order) of each safetensors file, a file closed before it would pass
+    MAX_SHARD_BYTES."""
     shards: list[list[int]] = [[]]
     size = 0
     for i, nbytes in enumerate(group_bytes):
@@ -247,19 +271,22 @@ def _convert_to_hf(
             size = 0
         shards[-1].append(i)
         size += nbytes
-    # transformers reads model*.safetensors, diffusers diffusion_pytorch_model*.safetensors.
-    base = getattr(family.hf_adapter, "WEIGHTS_NAME", "model")
+    return shards
+
+
+def _write_shards(out_dir: Path, base: str, shards: list[list[int]], planned: list[dict], convert) -> list[Path]:
+    """Write each shard's file (`convert(group_index)` gives a group's HF tensors) and, for more
+    than one file, the index; returns the files written."""
     names = (
         [f"{base}.safetensors"]
         if len(shards) == 1
         else [f"{base}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-
     out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, total, written = {}, 0, []
     for name, shard in zip(names, shards):
         entries = {k: v for gi in shard for k, v in planned[gi].items()}
-        _write_safetensors(out_dir / name, entries, (convert_group(groups[gi], "cpu") for gi in shard))
+        _write_safetensors(out_dir / name, entries, (convert(gi) for gi in shard))
         written.append(out_dir / name)
         for hf_key, (shape, dt) in entries.items():
             weight_map[hf_key] = name
@@ -267,13 +294,6 @@ def _convert_to_hf(
     if len(names) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / f"{base}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-    config = family.hf_adapter.hf_config(args)
-    saved_dtype = dtype or stored[keys[0]].properties.dtype
-    config["torch_dtype"] = str(saved_dtype).removeprefix("torch.")
-    if fp8_weight is not None:
-        config["quantization_config"] = dict(HUB_QUANTIZATION_CONFIG)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return written
 
 
