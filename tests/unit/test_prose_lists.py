@@ -19,7 +19,15 @@ from trainer.optim import OPTIMIZERS
 ROOT = Path(__file__).resolve().parents[2]
 NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
 # How prose names each family (a new family needs an entry: the failure says so).
-DISPLAY = {"llama3": "Llama 3", "qwen3": "Qwen 3", "qwen3_5": "Qwen 3.5", "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss", "flux": "FLUX.1", "hf": "`hf`"}
+DISPLAY = {
+    "llama3": "Llama 3",
+    "qwen3": "Qwen 3",
+    "qwen3_5": "Qwen 3.5",
+    "deepseek_v3": "DeepSeek-V3",
+    "gpt_oss": "gpt-oss",
+    "flux": "FLUX.1",
+    "hf": "`hf`",
+}
 
 
 def read(rel: str) -> str:

@@ -208,7 +208,9 @@ class OptimizerConfig:
     muon_ns_dtype: str = field(default="bfloat16", metadata=_choices("bfloat16", "float32"))
     """name = muon: dtype of the Newton-Schulz iteration (bf16 as published: the iteration only
     needs the singular values pushed into ~[0.7, 1.2]; float32 for exact comparisons)."""
-    muon_exclude: list[str] = field(default_factory=lambda: ["tok_embeddings", "output", "gate", "embed_tokens", "lm_head"])
+    muon_exclude: list[str] = field(
+        default_factory=lambda: ["tok_embeddings", "output", "gate", "embed_tokens", "lm_head"]
+    )
     """name = muon: module-path components (names between dots) whose matrices stay on AdamW:
     default the token embedding, the output head and the MoE router gate (this tree's names and
     the hf backend's; a FLUX model's matrices all take Muon unless listed here)."""
