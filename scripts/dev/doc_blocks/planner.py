@@ -46,14 +46,30 @@ def recipe_estimate(name: str, overrides: tuple[tuple[str, str], ...] = ()):
     return cfg, est
 
 
+def pod_compile_files() -> list[Path]:
+    """docs/results/pod_compile_<date>_<commit>[_<part>].csv, oldest first: by date, then by the
+    commit's time (a short hash does not sort in time), then by name."""
+    import re
+    import subprocess
+
+    def key(path: Path):
+        m = re.match(r"pod_compile_(\d{4}-\d{2}-\d{2})_([0-9a-f]{7,})", path.name)
+        if not m:
+            return ("", 0, path.name)
+        r = subprocess.run(["git", "log", "-1", "--format=%ct", m.group(2)], cwd=ROOT, capture_output=True, text=True)
+        return (m.group(1), int(r.stdout.strip() or 0), path.name)
+
+    return sorted((ROOT / "docs" / "results").glob("pod_compile_*.csv"), key=key)
+
+
 def compiled_figures() -> dict[str, tuple[str, str, str, str]]:
     """recipe -> (compiler GiB, planned GiB then, verdict, CSV name) from
-    docs/results/pod_compile_*.csv; a later file (by name: date, then commit) overrides an
+    docs/results/pod_compile_*.csv; a later file (`pod_compile_files`) overrides an
     earlier one's row."""
     import csv
 
     out = {}
-    for path in sorted((ROOT / "docs" / "results").glob("pod_compile_*.csv")):
+    for path in pod_compile_files():
         lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
         for row in csv.DictReader(lines):
             out[row["recipe"].removesuffix(".toml")] = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .planner import recipe_estimate
+from .planner import pod_compile_files, recipe_estimate
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -45,7 +45,7 @@ _COLLECTIVES = {
 
 def render_pod_compiles() -> str:
     """The latest row of each recipe in docs/results/pod_compile_*.csv (`scripts/check_recipe.py
-    --compile --compile-csv`; files by name: date, then commit), in the order compiled: the deviceless XLA compile of each pod recipe at full depth against the planner of
+    --compile --compile-csv`; files oldest first: `pod_compile_files`), in the order compiled: the deviceless XLA compile of each pod recipe at full depth against the planner of
     that run (the `planned GiB` column; the planner of this commit is in docs/planner.md)."""
     import csv
 
@@ -55,7 +55,7 @@ def render_pod_compiles() -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     latest: dict[str, tuple] = {}  # a later file (by name: date, then commit) replaces a recipe's row
-    for path in sorted((ROOT / "docs" / "results").glob("pod_compile_*.csv")):
+    for path in pod_compile_files():
         lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
         for r in csv.DictReader(lines):
             latest.pop(r["recipe"], None)
