@@ -321,6 +321,7 @@ def _ignored_labels_on_rank(table, inputs, labels):
     task = LMTask.__new__(LMTask)  # the task's loss and prepare only: no tokenizer, no loader
     task.settings = LMSettings.of(Config())
     task.cp = cp_group(dist.group.WORLD)  # what the constructor keeps of its `cp` argument
+    task.args = None  # no model args: no multi-token prediction (loss_fn reads args.mtp_depth)
     model = _EmbeddingLM(table)
     micro = task.prepare((inputs, labels))
     loss = task.loss_fn(plan_step())(model, *micro)

@@ -145,7 +145,7 @@ class LMTask:
         layers, and each depth runs the shared output head again (D x vocab x dim more)."""
         shape = self.args.shape()
         mtp = getattr(self.args, "mtp_depth", 0)
-        head = mtp * self.args.vocab_size * self.args.dim
+        head = mtp * self.args.vocab_size * self.args.dim if mtp else 0  # (the hf family's args have no dim)
         return flops_per_token(
             num_matmul_params=self.args.num_active_params(exclude_embedding=True) + head,
             n_layers=shape.n_layers + mtp,
