@@ -36,9 +36,13 @@ against the chip's HBM (planner/targets.py), the planner's figure for the recipe
 fit", and each term where the two totals differ by more than 10 %. `--csv PATH` appends one row.
 `--dump-hlo PATH` writes the compiled program's text for tools that read it.
 
-Approximated: tensor and expert parallelism. The recipe's mesh is compiled as FSDP over all
-devices (every pod recipe has tp 1; the MoE recipes' ep > 1 becomes experts sharded like every
-other weight and gathered, with no all-to-all), and the output says so. Not trustworthy, by
+Expert parallelism: a recipe with `expert_parallel_degree > 1` is compiled as the trainer's own
+per-device program (tools/tpu_compile.py, what `scripts/check_recipe.py --compile` runs: the EP
+all-to-alls, the expert mesh, the recipe's full target), not as the approximation below, whose
+verdict for such a recipe is wrong (Qwen3-235B: "does not fit, 2.06 TiB of temporaries", where
+the EP program fits in 68 GiB); `--fsdp-approximation` compiles the approximation anyway.
+Approximated otherwise: tensor parallelism and HSDP. The recipe's mesh is compiled as FSDP over
+all devices (every pod recipe has tp 1), and the output says so. Not trustworthy, by
 construction: the kernels' FLOPs and bytes (a model of each, capture.py; libtpu counts a Mosaic
 call as 0 FLOPs); FLOPs of scanned programs (XLA counts a `while` body once); the schedule
 (XLA's SPMD choice from input shardings, not SimpleFSDP's explicit collectives nor torch-tpu's
@@ -110,6 +114,12 @@ def _parser() -> cli.ArgumentParser:
         help="compile the scan backward as torch 2.13 builds it "
         "(flipped copies) instead of the reverse-scan graph torch-tpu lowers (tag_reverse_scans)",
     )
+    p.add_argument(
+        "--fsdp-approximation",
+        action="store_true",
+        help="an expert-parallel recipe: compile the FSDP-only approximation (experts gathered like every "
+        "weight, the dropless dispatch on the global batch) instead of the trainer's own EP program",
+    )
     p.add_argument("--csv", metavar="PATH", help="append one row for this recipe to PATH (header when new)")
     p.add_argument(
         "--json",
@@ -134,6 +144,8 @@ def _run(argv: list[str]) -> int:
             "LM step only; FLUX recipes are not supported; allowed: a language-model recipe"
         )
     inputs, est, step_plan = _planner_estimate(cfg, family, args, target)
+    if est.ep > 1 and not ns.fsdp_approximation:
+        return _expert_parallel_program(recipe, overrides, ns, target, est)
     approximated = _approximations(est, args, target)
     spec = _worker_spec(cfg, args, step_plan, ns=ns, target=target, topology=topology)
     print(
@@ -215,6 +227,53 @@ def _planner_estimate(cfg, family, args, target):
         loss_parallel=par.enable_loss_parallel,
     )
     return inputs, est, step_plan
+
+
+EP_PROGRAM_FLAGS = ("topology", "dump_hlo", "keep_flips", "csv", "json", "donate")
+"""Switches of the approximated compile that the trainer's EP program does not take."""
+
+
+def _expert_parallel_program(recipe: str, overrides: list, ns, target, est) -> int:
+    """An EP recipe: the trainer's own per-device program at the full target (tools/tpu_compile.py,
+    as `check_recipe.py --compile`); prints the program, the memory and the verdict. Exit status
+    as the approximated compile's: 0 compiled (fits or not), 1 the compile failed."""
+    from tools.tpu_compile import BAND, compile_recipe
+
+    given = [f for f in EP_PROGRAM_FLAGS if getattr(ns, f)] + (["kernels"] if ns.kernels != "pallas" else [])
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(
+            f"{flag}: not taken for an expert-parallel recipe (expert_parallel_degree {est.ep}), whose "
+            "trainer program is compiled as check_recipe.py --compile does; allowed: drop it, or add "
+            "--fsdp-approximation to compile the FSDP-only approximation"
+        )
+    if ns.target:
+        overrides = [*overrides, ("job.target", target.name)]
+    print(
+        f"expert parallelism (ep {est.ep}): compiling the trainer's own per-device program for "
+        f"{target.name} (deviceless; as scripts/check_recipe.py --compile) ...",
+        flush=True,
+    )
+    r = compile_recipe(recipe, overrides=overrides, timeout=ns.timeout)
+    if r.verdict == "failed":
+        print(f"compile failed after {r.wall_s:.0f} s: {r.error}", file=sys.stderr)
+        return 1
+    print(f"program: {r.program} over mesh {r.mesh}")
+    if r.oom:
+        print(f"verdict (compiler): does not fit: {r.oom}; planner: {r.planned_gib:.2f} GiB")
+        return 0
+    m = {k: r.memory.get(f"{k}_size_in_bytes", 0) / GIB for k in ("argument", "output", "temp", "alias")}
+    print(
+        f"per device (GiB): arguments {m['argument']:.2f}, outputs {m['output']:.2f}, temporaries "
+        f"{m['temp']:.2f}, aliased {m['alias']:.2f}"
+    )
+    word = "fits" if r.compiler_gib <= r.hbm_gib else "does not fit"
+    band = "within" if abs(r.compiler_gib - r.planned_gib) <= BAND * r.planned_gib else "outside"
+    print(
+        f"verdict (compiler, {r.target}): {word}: {r.compiler_gib:.2f} GiB of {r.hbm_gib:.1f} GiB HBM per device; "
+        f"planner: {r.planned_gib:.2f} GiB ({band} the {BAND:.0%} band); compiled in {r.wall_s:.0f} s"
+    )
+    return 0
 
 
 def _approximations(est, args, target) -> list[str]:

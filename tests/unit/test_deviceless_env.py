@@ -132,3 +132,43 @@ def test_estimate_xla_reads_a_terabyte_compile_time_oom():
     assert oom["required"] == pytest.approx(2.06 * 2**40) and oom["available"] == pytest.approx(94.74 * 2**30)
     assert estimate_xla.hbm_oom(message.replace("2.06T", "171.01G"))["required"] == pytest.approx(171.01 * 2**30)
     assert estimate_xla.hbm_oom("INTERNAL: something else") is None
+
+
+def test_estimate_xla_compiles_an_expert_parallel_recipe_as_the_trainer_program(monkeypatch, capsys):
+    """An EP recipe's verdict comes from the trainer's own per-device program (tools/tpu_compile.py,
+    check_recipe --compile), not the FSDP-only approximation, whose 2.06 TiB of temporaries read as
+    "does not fit" for Qwen3-235B on v7x-512 (where the EP program fits in 68 GiB). Before the change
+    the approximation's worker ran (subprocess) and compile_recipe was never called."""
+    import tools.tpu_compile as tc
+
+    seen = {}
+
+    def fake_compile(path, *, overrides, timeout, **kw):
+        seen.update(path=path, overrides=list(overrides))
+        return tc.ProgramCompile(
+            recipe=path,
+            target="v7x-512",
+            mesh="a0 8, a1 64",
+            program="gmm 2; all-to-all 6; 2 scans",
+            memory={"argument_size_in_bytes": 30 * 2**30, "temp_size_in_bytes": 36 * 2**30},
+            compiler_gib=66.0,
+            planned_gib=60.0,
+            hbm_gib=96.0,
+        )
+
+    def no_worker(*a, **kw):
+        raise AssertionError("the FSDP approximation's worker ran for an EP recipe")
+
+    monkeypatch.setattr(tc, "compile_recipe", fake_compile)
+    monkeypatch.setattr(subprocess, "run", no_worker)
+    estimate_xla = _script("estimate_xla")
+    recipe = str(ROOT / "configs" / "qwen3_235b_a22b_v7x.toml")
+    assert estimate_xla._run(["--config", recipe]) == 0
+    out = capsys.readouterr().out
+    assert seen["path"] == recipe and seen["overrides"] == []
+    assert "expert parallelism (ep 16)" in out and "verdict (compiler, v7x-512): fits: 66.00 GiB" in out
+    assert "within the 15% band" in out and "does not fit" not in out
+    # a switch of the approximated compile only: one error line naming it, before any compile
+    assert estimate_xla.main(["--config", recipe, "--dump-hlo", "/tmp/x.hlo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --dump-hlo: not taken for an expert-parallel recipe") and "allowed:" in err
