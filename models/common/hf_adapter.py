@@ -22,7 +22,7 @@ tensor that a rank's shard covers, and scripts/convert.py builds one parameter a
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,9 +125,7 @@ _LAYER_KEYS = {
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.gate.weight": "moe.router.gate.weight",
 }
-_LAYER_KEYS_INV = {ours: hf for hf, ours in _LAYER_KEYS.items()}
 _TOP_KEYS = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
-_TOP_KEYS_INV = {ours: hf for hf, ours in _TOP_KEYS.items()}
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -208,31 +206,66 @@ def experts_to_hf(
         out[f"{prefix}mlp.experts.{j}.{proj}.weight"] = value[j].clone()
 
 
+@dataclass(frozen=True)
+class DecoderNames:
+    """One family's Hugging Face names beside ours, for `decoder_hf_layout` / `decoder_to_hf`.
+
+    `top`: HF key -> ours outside the layers; `layer`: HF key after `model.layers.N.` -> ours after
+    `layers.N.` (renames); MoE expert tensors are always understood (`expert_layout_entry`).
+    `hf_name` reads a checkpoint's key as the causal LM's (a multimodal checkpoint's language
+    model); keys starting with `skip` are not ours (a vision tower, an MTP head). `layer_extra`
+    handles a layer tensor that is not a rename (gpt-oss's sinks; a refusal raises), returning its
+    entry as `(our name after layers.N., HFEntry)` or None; `extra_to_hf` is its inverse for our
+    name after `layers.N.` (None: not one of its names). `family` names the model in errors."""
+
+    family: str = "this family's"
+    top: Mapping[str, str] = field(default_factory=lambda: dict(_TOP_KEYS))
+    layer: Mapping[str, str] = field(default_factory=lambda: dict(_LAYER_KEYS))
+    hf_name: Callable[[str], str] = lambda key: key
+    skip: tuple[str, ...] = ()
+    layer_extra: Callable[[str, tuple[int, ...], str], tuple[str, HFEntry] | None] = lambda key, shape, rest: None
+    extra_to_hf: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None] = lambda rest, value: None
+
+
 def decoder_hf_layout(
-    hf_shapes: Mapping[str, tuple[int, ...]], *, tie_embeddings: bool, num_experts: int = 0
+    hf_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    tie_embeddings: bool,
+    num_experts: int = 0,
+    names: DecoderNames | None = None,
+    expected: list[str] | None = None,
 ) -> HFLayout:
     """Hugging Face `*ForCausalLM` names and shapes -> how each of our `Decoder` parameters is
     made of them. Every transform here is a copy of boxes (renames, expert stacking, the
-    gate/up split of fused experts), so any slice of any parameter reads only its own bytes."""
+    gate/up split of fused experts), so any slice of any parameter reads only its own bytes.
+    `names`: the family's names (default: Llama / Qwen 3). `expected`: our full key list; the
+    first one missing is named in the ValueError (without it, the embedding and an untied
+    `lm_head` are the checked ones)."""
+    names = names or DecoderNames()
     out: HFLayout = {}
     per_expert: dict[tuple[int, str], dict[int, str]] = {}
     lm_head = None
     for key, shape in hf_shapes.items():
         shape = tuple(shape)
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer some older checkpoints saved; we rebuild RoPE tables ourselves
-        if key == "lm_head.weight":
+        name = names.hf_name(key)
+        if key.startswith(names.skip) or name.endswith("rotary_emb.inv_freq"):
+            continue  # not ours; inv_freq is a buffer some older checkpoints saved (we rebuild RoPE)
+        if name == "lm_head.weight":
             lm_head = whole(key, shape)
             continue
-        if key in _TOP_KEYS:
-            out[_TOP_KEYS[key]] = whole(key, shape)
+        if name in names.top:
+            out[names.top[name]] = whole(key, shape)
             continue
-        match = _HF_LAYER.fullmatch(key)
+        match = _HF_LAYER.fullmatch(name)
         if match is None:
-            raise ValueError(f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP_KEYS)} + model.layers.N.*")
+            raise ValueError(
+                f"{key}: unknown Hugging Face parameter; allowed: {sorted(names.top)}, lm_head.weight, model.layers.N.*"
+            )
         layer, rest = match.group(1), match.group(2)
-        if rest in _LAYER_KEYS:
-            out[f"layers.{layer}.{_LAYER_KEYS[rest]}"] = whole(key, shape)
+        if rest in names.layer:
+            out[f"layers.{layer}.{names.layer[rest]}"] = whole(key, shape)
+        elif (extra := names.layer_extra(key, shape, rest)) is not None:
+            out[f"layers.{layer}.{extra[0]}"] = extra[1]
         elif not expert_layout_entry(
             out,
             per_expert,
@@ -244,68 +277,93 @@ def decoder_hf_layout(
         ):
             raise ValueError(
                 f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: "
-                f"{', '.join(sorted(_LAYER_KEYS))} and the experts' weights"
+                f"{', '.join(sorted(names.layer))} and the experts' weights"
             )
     stack_expert_entries(
         out, per_expert, hf_shapes, num_experts, ours=lambda layer, n: f"layers.{layer}.moe.experts.{n}"
     )
-    if "tok_embeddings.weight" not in out:
+    if expected is None and "tok_embeddings.weight" not in out:
         raise ValueError(
             "model.embed_tokens.weight: missing from the Hugging Face state dict; allowed: a state dict that holds it"
         )
     if tie_embeddings:
-        out["output.weight"] = out["tok_embeddings.weight"]
-    elif lm_head is None:
+        if "tok_embeddings.weight" in out:
+            out["output.weight"] = out["tok_embeddings.weight"]
+    elif lm_head is not None:
+        out["output.weight"] = lm_head
+    elif expected is None:
         raise ValueError(
             "lm_head.weight: missing, and tie_word_embeddings is false; allowed: a state dict with lm_head.weight, "
             "or tie_word_embeddings = true"
         )
-    else:
-        out["output.weight"] = lm_head
+    missing = sorted(set(expected or ()) - set(out))
+    if missing:
+        raise ValueError(
+            f"{missing[0]}: missing from the Hugging Face state dict; allowed: a complete {names.family} state dict "
+            "of this flavor's shape"
+        )
     return out
 
 
 def decoder_from_hf(
-    hf_state_dict: dict[str, torch.Tensor], *, tie_embeddings: bool, num_experts: int = 0
+    hf_state_dict: dict[str, torch.Tensor],
+    *,
+    tie_embeddings: bool,
+    num_experts: int = 0,
+    names: DecoderNames | None = None,
+    expected: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Hugging Face `*ForCausalLM` state dict -> our `Decoder` state dict (`decoder_hf_layout`
     applied to it: renamed and split tensors are views of the given ones, stacked experts new)."""
     layout = decoder_hf_layout(
-        {k: tuple(v.shape) for k, v in hf_state_dict.items()}, tie_embeddings=tie_embeddings, num_experts=num_experts
+        {k: tuple(v.shape) for k, v in hf_state_dict.items()},
+        tie_embeddings=tie_embeddings,
+        num_experts=num_experts,
+        names=names,
+        expected=expected,
     )
     return apply_layout(layout, hf_state_dict)
 
 
 def decoder_to_hf(
-    state_dict: dict[str, torch.Tensor], *, tie_embeddings: bool, fused_experts: bool = False
+    state_dict: dict[str, torch.Tensor],
+    *,
+    tie_embeddings: bool,
+    fused_experts: bool = False,
+    names: DecoderNames | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Our `Decoder` state dict -> Hugging Face `*ForCausalLM` state dict.
+    """Our `Decoder` state dict -> Hugging Face `*ForCausalLM` state dict (`names`: the family's).
 
     Tied models get no `lm_head.weight` (as in HF checkpoints). MoE experts are written one
     tensor per expert (the hub/safetensors layout; each a fresh copy, so safetensors can save
     them) or, with `fused_experts=True`, as the fused tensors transformers 5 modules hold.
     """
+    names = names or DecoderNames()
+    top_inv = {ours: hf for hf, ours in names.top.items()}
+    layer_inv = {ours: hf for hf, ours in names.layer.items()}
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         if key == "output.weight":
             if not tie_embeddings:
                 out["lm_head.weight"] = value
             continue
-        if key in _TOP_KEYS_INV:
-            out[_TOP_KEYS_INV[key]] = value
+        if key in top_inv:
+            out[top_inv[key]] = value
             continue
         match = _OURS_LAYER.fullmatch(key)
         if match is None:
-            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of this family's model")
+            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of {names.family} model")
         layer, rest = match.group(1), match.group(2)
         prefix = f"model.layers.{layer}."
-        if rest in _LAYER_KEYS_INV:
-            out[prefix + _LAYER_KEYS_INV[rest]] = value
+        if rest in layer_inv:
+            out[prefix + layer_inv[rest]] = value
+        elif (extra := names.extra_to_hf(rest, value)) is not None:
+            out[prefix + extra[0]] = extra[1]
         elif rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
             name = rest.rsplit(".", 1)[1]
             experts_to_hf(
                 out, prefix, name, value, w3=state_dict.get(f"layers.{layer}.moe.experts.w3"), fused=fused_experts
             )
         else:
-            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of this family's model")
+            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of {names.family} model")
     return out

@@ -10,12 +10,19 @@ The published checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): 
 load them with transformers (which dequantizes) or use a BF16 copy.
 """
 
-import re
 from typing import Any
 
 import torch
 
-from models.common.hf_adapter import HFEntry, HFLayout, HFPiece, apply_layout, whole
+from models.common.hf_adapter import (
+    DecoderNames,
+    HFEntry,
+    HFLayout,
+    HFPiece,
+    apply_layout,
+    decoder_hf_layout,
+    decoder_to_hf,
+)
 from models.gpt_oss.args import GptOssArgs
 
 _TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
@@ -31,59 +38,32 @@ _LAYER = {
         for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
     },
 }
-_LAYER_INV = {ours: hf for hf, ours in _LAYER.items()}
 _SINKS, _OURS_SINKS = "self_attn.sinks", "attention.sinks.weight"
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def _layer_extra(key: str, shape: tuple[int, ...], rest: str) -> tuple[str, HFEntry] | None:
+    """The sinks [H] -> [H, 1] (head h is our box (h, 0) of shape (1, 1)); MXFP4 experts refused."""
+    if rest.endswith(("_blocks", "_scales")):
+        raise ValueError(
+            f"{key}: MXFP4-quantized experts; allowed: dequantized tensors (load the checkpoint with "
+            "transformers, which dequantizes on the CPU, or use a BF16 copy)"
+        )
+    if rest != _SINKS:
+        return None
+    return _OURS_SINKS, HFEntry((shape[0], 1), tuple(HFPiece(key, (h, 0), (1, 1), (h,)) for h in range(shape[0])))
+
+
+def _extra_to_hf(rest: str, value: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    return (_SINKS, value.reshape(-1).clone()) if rest == _OURS_SINKS else None
+
+
+NAMES = DecoderNames(family="a gpt-oss", top=_TOP, layer=_LAYER, layer_extra=_layer_extra, extra_to_hf=_extra_to_hf)
 
 
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: GptOssArgs) -> HFLayout:
     """HF names and shapes -> how each of our parameters is made of them (models/common/hf_adapter.py).
     ValueError naming the key for an unknown, quantized (MXFP4) or missing tensor."""
-    out: HFLayout = {}
-    lm_head = None
-    for key, shape in hf_shapes.items():
-        shape = tuple(shape)
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer; we rebuild the RoPE tables
-        if key == "lm_head.weight":
-            lm_head = whole(key, shape)
-            continue
-        if key in _TOP:
-            out[_TOP[key]] = whole(key, shape)
-            continue
-        match = _HF_LAYER.fullmatch(key)
-        if match is None:
-            raise ValueError(
-                f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP)}, lm_head.weight, model.layers.N.*"
-            )
-        layer, rest = match.group(1), match.group(2)
-        if rest.endswith(("_blocks", "_scales")):
-            raise ValueError(
-                f"{key}: MXFP4-quantized experts; allowed: dequantized tensors (load the checkpoint with "
-                "transformers, which dequantizes on the CPU, or use a BF16 copy)"
-            )
-        if rest in _LAYER:
-            out[f"layers.{layer}.{_LAYER[rest]}"] = whole(key, shape)
-        elif rest == _SINKS:  # [H] -> [H, 1]: head h is our box (h, 0) of shape (1, 1)
-            pieces = tuple(HFPiece(key, (h, 0), (1, 1), (h,)) for h in range(shape[0]))
-            out[f"layers.{layer}.{_OURS_SINKS}"] = HFEntry((shape[0], 1), pieces)
-        else:
-            raise ValueError(
-                f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: "
-                f"{', '.join(sorted([*_LAYER, _SINKS]))}"
-            )
-    if args.tie_embeddings:
-        if "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-    elif lm_head is not None:
-        out["output.weight"] = lm_head
-    missing = sorted(set(_expected_keys(args)) - set(out))
-    if missing:
-        raise ValueError(
-            f"{missing[0]}: missing from the Hugging Face state dict; allowed: a complete gpt-oss state dict"
-        )
-    return out
+    return decoder_hf_layout(hf_shapes, tie_embeddings=args.tie_embeddings, names=NAMES, expected=_expected_keys(args))
 
 
 def _expected_keys(args: GptOssArgs) -> list[str]:
@@ -101,25 +81,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[st
 
 def to_hf(state_dict: dict[str, torch.Tensor], args: GptOssArgs) -> dict[str, torch.Tensor]:
     """Our state dict -> HF gpt-oss (`GptOssForCausalLM`'s names and layout; no lm_head when tied)."""
-    out: dict[str, torch.Tensor] = {}
-    top_inv = {ours: hf for hf, ours in _TOP.items()}
-    for key, value in state_dict.items():
-        if key == "output.weight":
-            if not args.tie_embeddings:
-                out["lm_head.weight"] = value
-            continue
-        if key in top_inv:
-            out[top_inv[key]] = value
-            continue
-        match = _OURS_LAYER.fullmatch(key)
-        rest = match.group(2) if match is not None else None
-        if rest in _LAYER_INV:
-            out[f"model.layers.{match.group(1)}.{_LAYER_INV[rest]}"] = value
-        elif rest == _OURS_SINKS:
-            out[f"model.layers.{match.group(1)}.{_SINKS}"] = value.reshape(-1).clone()
-        else:
-            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of the gpt_oss model")
-    return out
+    return decoder_to_hf(state_dict, tie_embeddings=args.tie_embeddings, names=NAMES)
 
 
 def hf_config(args: GptOssArgs) -> dict[str, Any]:

@@ -9,19 +9,11 @@ checkpoints are the multimodal `Qwen3_5ForConditionalGeneration`: their language
 multi-token-prediction head (`mtp.*`) are skipped.
 """
 
-import re
 from typing import Any
 
 import torch
 
-from models.common.hf_adapter import (
-    HFLayout,
-    apply_layout,
-    expert_layout_entry,
-    experts_to_hf,
-    stack_expert_entries,
-    whole,
-)
+from models.common.hf_adapter import DecoderNames, HFLayout, apply_layout, decoder_hf_layout, decoder_to_hf
 from models.qwen3_5.args import Qwen3_5Args
 
 _TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
@@ -53,10 +45,6 @@ _LAYER = {
     "mlp.shared_expert.down_proj.weight": "moe.shared_experts.w2.weight",
     "mlp.shared_expert_gate.weight": "moe.shared_gate.weight",
 }
-_LAYER_INV = {ours: hf for hf, ours in _LAYER.items()}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_SKIPPED = ("model.visual.", "mtp.")
 
 
 def _text_key(key: str) -> str:
@@ -64,59 +52,19 @@ def _text_key(key: str) -> str:
     return "model." + key[len("model.language_model.") :] if key.startswith("model.language_model.") else key
 
 
+NAMES = DecoderNames(family="a Qwen 3.5", top=_TOP, layer=_LAYER, hf_name=_text_key, skip=("model.visual.", "mtp."))
+
+
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: Qwen3_5Args) -> HFLayout:
     """HF names and shapes -> how each of our parameters is made of them (models/common/hf_adapter.py).
     ValueError naming the key for an unknown or missing tensor."""
-    out: HFLayout = {}
-    per_expert: dict = {}
-    lm_head = None
-    for key, shape in hf_shapes.items():
-        shape = tuple(shape)
-        name = _text_key(key)
-        if key.startswith(_SKIPPED) or name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name == "lm_head.weight":
-            lm_head = whole(key, shape)
-            continue
-        if name in _TOP:
-            out[_TOP[name]] = whole(key, shape)
-            continue
-        match = _HF_LAYER.fullmatch(name)
-        if match is None:
-            raise ValueError(
-                f"{key}: unknown Hugging Face parameter; allowed: {sorted(_TOP)}, lm_head.weight, model.layers.N.*"
-            )
-        layer, rest = match.group(1), match.group(2)
-        if rest in _LAYER:
-            out[f"layers.{layer}.{_LAYER[rest]}"] = whole(key, shape)
-        elif not expert_layout_entry(
-            out,
-            per_expert,
-            key=key,
-            shape=shape,
-            layer=int(layer),
-            rest=rest,
-            ours=lambda n, layer=layer: f"layers.{layer}.moe.experts.{n}",
-        ):
-            raise ValueError(
-                f"{key}: unknown Hugging Face parameter in layer {layer}; allowed: "
-                f"{', '.join(sorted(_LAYER))} and the experts' weights"
-            )
-    stack_expert_entries(
-        out, per_expert, hf_shapes, args.num_experts, ours=lambda layer, n: f"layers.{layer}.moe.experts.{n}"
+    return decoder_hf_layout(
+        hf_shapes,
+        tie_embeddings=args.tie_embeddings,
+        num_experts=args.num_experts,
+        names=NAMES,
+        expected=_expected_keys(args),
     )
-    if args.tie_embeddings:
-        if "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-    elif lm_head is not None:
-        out["output.weight"] = lm_head
-    missing = sorted(set(_expected_keys(args)) - set(out))
-    if missing:
-        raise ValueError(
-            f"{missing[0]}: missing from the Hugging Face state dict; allowed: a complete Qwen 3.5 state dict "
-            "of this flavor's shape (layer types, dense or MoE)"
-        )
-    return out
 
 
 def _expected_keys(args: Qwen3_5Args) -> list[str]:
@@ -149,33 +97,7 @@ def to_hf(
 ) -> dict[str, torch.Tensor]:
     """Our state dict -> HF `Qwen3_5(Moe)ForCausalLM` names (no lm_head when tied); experts per
     expert (hub layout) unless `fused_experts` (transformers 5's in-memory modules)."""
-    out: dict[str, torch.Tensor] = {}
-    top_inv = {ours: hf for hf, ours in _TOP.items()}
-    for key, value in state_dict.items():
-        if key == "output.weight":
-            if not args.tie_embeddings:
-                out["lm_head.weight"] = value
-            continue
-        if key in top_inv:
-            out[top_inv[key]] = value
-            continue
-        match = _OURS_LAYER.fullmatch(key)
-        rest = match.group(2) if match is not None else None
-        if rest in _LAYER_INV:
-            out[f"model.layers.{match.group(1)}.{_LAYER_INV[rest]}"] = value
-        elif rest in ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3"):
-            layer = match.group(1)
-            experts_to_hf(
-                out,
-                f"model.layers.{layer}.",
-                rest.rsplit(".", 1)[1],
-                value,
-                w3=state_dict.get(f"layers.{layer}.moe.experts.w3"),
-                fused=fused_experts,
-            )
-        else:
-            raise ValueError(f"{key}: unknown model parameter; allowed: the parameters of the qwen3_5 model")
-    return out
+    return decoder_to_hf(state_dict, tie_embeddings=args.tie_embeddings, fused_experts=fused_experts, names=NAMES)
 
 
 def hf_config(args: Qwen3_5Args) -> dict[str, Any]:
