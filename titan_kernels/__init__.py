@@ -9,10 +9,13 @@ Attention backends (`[model] attn_backend`):
 - `cpu_kernel`: the C++ kernel in `titan_kernels/cpu_attention` (CPU only; built on first use, ~20 s,
   then cached); inputs it does not handle (dtype, head_dim, segment ids) go to SDPA.
 - `splash`: the Pallas splash-attention kernel in `titan_kernels/tpu` (TPU only; causal, GQA,
-  document masking by segment ids).
+  document masking by segment ids; and with a full mask the op `attention`, FLUX's joint
+  attention).
 - `auto`: `cpu_kernel` on the CPU where it builds, `splash` on TPU where the Pallas kernels
   load, else `sdpa`.
 
+The backend picks both attention ops: `causal_attention` and the full (bidirectional) `attention`
+(FLUX), which on TPU is splash with a full mask and elsewhere SDPA (the CPU kernel is causal only).
 On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`) are served by their
 Pallas kernels (megablox gmm, the fused vocabulary-tiled loss) whenever those load, whatever
 the attention backend; elsewhere their torch references serve them. `titan_kernels/tpu` (jax,
@@ -94,7 +97,7 @@ def select(
     self-check runs (and compiles) each kernel there, and the CP splash kernel when `shapes.cp > 1`.
     """
     check_attention_for(attention, device.type)
-    for op in ("grouped_mm", "linear_cross_entropy"):
+    for op in ("attention", "grouped_mm", "linear_cross_entropy"):
         ops.register(op, None)
     ops.register("quantized_linear", quantized_linear_for(device))
     ops.register("quantized_grouped_mm", quantized_grouped_mm_for(device))
@@ -212,7 +215,9 @@ def _select_tpu(
             )
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
-    selected = {op: fn for op, fn in pallas.items() if op != "causal_attention" or attention != "sdpa"}
+    selected = {
+        op: fn for op, fn in pallas.items() if op not in ("causal_attention", "attention") or attention != "sdpa"
+    }
     tpu.refuse_cp(None)
     cp = tpu.cp_attention(shapes.cp_rank, shapes.cp) if shapes is not None and shapes.cp > 1 else None
     if cp is not None:  # parallelisms/context_parallel.py serves CP's local product with it on TPU
@@ -236,7 +241,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
         if not verdict.ok:
             print(selfcheck.banner(verdict), file=sys.stderr, flush=True)
     _SAVED_OPS.update(saved)
-    for op in ("grouped_mm", "linear_cross_entropy", "causal_attention"):
+    for op in ("grouped_mm", "linear_cross_entropy", "causal_attention", "attention"):
         ops.register(op, passed.get(op))
     from titan_kernels import tpu
 
@@ -248,6 +253,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
         for op, name in (
             ("grouped_mm", "gmm for MoE experts"),
             ("linear_cross_entropy", "fused linear+cross-entropy"),
+            ("attention", "full-mask splash"),
             ("cp_attention", "CP splash"),
         )
         if op in passed

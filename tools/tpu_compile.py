@@ -584,7 +584,12 @@ def kernel_model(gm, generation: str | None) -> dict:
             rows = 0
             if op.startswith("splash"):
                 flops, nbytes = capture.splash_cost(
-                    shape(a[0]), shape(a[1])[1], itemsize(a[0]), backward=backward, v_dim=shape(a[2])[-1]
+                    shape(a[0]),
+                    shape(a[1])[1],
+                    itemsize(a[0]),
+                    backward=backward,
+                    v_dim=shape(a[2])[-1],
+                    causal=not op.startswith("splash_full"),
                 )
             elif op.startswith("gmm"):
                 (m, k), w = shape(a[0]), shape(a[1])
@@ -721,6 +726,15 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
     env.override_op_definition(
         cap.splash_seg_bwd.default,
         lambda q, k, v, s, d: call(lambda q, k, v, s, d: splash_bwd(q, k, v, d, s), q, k, v, s, d),
+    )
+
+    def splash_full(q, k, v):
+        return splash.splash_attention(q, k, v, generation=generation, causal=False)
+
+    env.override_op_definition(cap.splash_full_fwd.default, lambda q, k, v: call(splash_full, q, k, v))
+    env.override_op_definition(
+        cap.splash_full_bwd.default,
+        lambda q, k, v, d: call(lambda q, k, v, d: tuple(jax.vjp(splash_full, q, k, v)[1](d)), q, k, v, d),
     )
     env.override_op_definition(cap.gmm.default, lambda x, w, s: call(gmm_fwd, x, w, s))
     env.override_op_definition(cap.gmm_bwd.default, lambda x, w, s, d: call(gmm_bwd, x, w, s, d))

@@ -1,6 +1,7 @@
 """The device-dependent ops that models call: one function per op, implementations from `titan_kernels/`.
 
-A model calls `causal_attention(q, k, v)`, `grouped_mm(x, w, group_sizes)` or
+A model calls `causal_attention(q, k, v)`, `attention(q, k, v)` (full, bidirectional: FLUX),
+`grouped_mm(x, w, group_sizes)` or
 `linear_cross_entropy(h, w, labels)` (and a quantized linear layer `quantized_linear(x, w,
 recipe)`, `[quantize]`); it never picks an implementation. Which one serves an op
 on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at start-up by
@@ -27,7 +28,7 @@ from models.common.quantize import (
     held_float8_weight,
 )
 
-OPS = ("causal_attention", "grouped_mm", "linear_cross_entropy")
+OPS = ("causal_attention", "attention", "grouped_mm", "linear_cross_entropy")
 LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm", "quantized_batched_mm")
 """Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
 tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
@@ -125,6 +126,26 @@ def causal_attention(
     if segment_ids is None:
         return fn(q, k, v)
     return fn(q, k, v, segment_ids)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The reference of `attention`: `F.scaled_dot_product_attention` without a mask, k/v heads
+    repeated (nothing to repeat without GQA: then exactly the plain SDPA call), v at its own
+    width (`sdpa`)."""
+    n_rep = q.shape[1] // k.shape[1]
+    return sdpa(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim)) v over the whole sequence: full (bidirectional) attention,
+    no mask (FLUX's joint attention over [txt; img]).
+
+    Layout and widths as `causal_attention`: q and k [batch, q_heads | kv_heads, seq, head_dim],
+    v [batch, kv_heads, seq, v_head_dim], q_heads a multiple of kv_heads -> [batch, q_heads,
+    seq, v_head_dim] (possibly a transposed view). On TPU the splash kernel with a full mask
+    serves it (titan_kernels/tpu/splash.py), elsewhere the reference `sdpa_attention`.
+    """
+    return _impls.get("attention", sdpa_attention)(q, k, v)
 
 
 # --- grouped matmul (MoE experts) ---------------------------------------------------------------
@@ -345,6 +366,7 @@ def quantized_batched_mm(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch
 
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
+    "attention": sdpa_attention,
     "grouped_mm": torch_grouped_mm,
     "linear_cross_entropy": chunked_linear_cross_entropy,
     "quantized_linear": emulated_linear,

@@ -19,8 +19,9 @@ Data flow of `FluxTransformer.forward` (shapes for batch B, L image tokens, S te
 Layout for tensor parallelism (models/flux/plan.py): q, k, v are separate projections
 (colwise), and the single block's out-projection is two linears, `attn.wo` (with the bias)
 and `mlp.w2`, whose sum equals BFL's `linear2` applied to [attn; mlp] (each rowwise).
-Attention is `F.scaled_dot_product_attention` without a mask (FLUX attention is not causal,
-and the ops registry's `causal_attention` is causal by definition), scale 1/sqrt(head_dim).
+Attention is the ops registry's `attention` (models/common/ops.py): full, not causal, scale
+1/sqrt(head_dim); its reference is `F.scaled_dot_product_attention` without a mask (CPU, GPU),
+on TPU the splash kernel with a full mask serves it (titan_kernels/tpu/splash.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.common import ops
 from models.common.norm import RMSNorm
 from models.common.stack import BlockStack
 from models.flux.args import TIME_EMBED_DIM, FluxArgs
@@ -82,7 +84,7 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full (non-causal) attention; q/k/v [B, T, heads, head_dim] -> [B, T, heads * head_dim]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    out = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2).flatten(2)
 
 

@@ -506,6 +506,37 @@ def _train_grads(model, x, proj):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_attention_goes_through_the_ops_registry_and_its_reference_is_the_plain_sdpa():
+    """Every block's joint attention calls the registry's `attention` ([B, heads, T, head_dim],
+    so a TPU run gets the full-mask splash kernel), and on the CPU the output is bitwise what the
+    direct `F.scaled_dot_product_attention` call gave before the op existed."""
+    from models.common import ops
+    from models.flux import model as flux_model
+
+    args = _args(True)
+    x = _inputs(args, 2, 4, 6, 3, True)
+    model = _random_model(args)
+    with torch.no_grad():
+        want = model(**x)
+    calls = []
+
+    def spy(q, k, v):
+        calls.append(tuple(q.shape))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    ops.register("attention", spy)
+    try:
+        with torch.no_grad():
+            got = model(**x)
+    finally:
+        ops.register("attention", None)
+    assert len(calls) == args.depth + args.depth_single_blocks, calls
+    heads = args.num_heads
+    assert set(calls) == {(2, heads, 3 + 2 * 3, args.hidden_size // heads)}, calls
+    assert torch.equal(got, want)
+    assert flux_model.ops is ops
+
+
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_is_exact(mode):
     from parallelisms import apply_ac

@@ -60,9 +60,26 @@ def ce_bf16(h, w, labels, *, ignore=True):
     return F.cross_entropy(logits, labels, ignore_index=ops.IGNORE_INDEX)
 
 
-AGREEING = {"causal_attention": attention_bf16, "grouped_mm": grouped_bf16, "linear_cross_entropy": ce_bf16}
+def full_attention_bf16(q, k, v):
+    return attention_bf16(q, k, v, causal=False)
+
+
+def full_attention_seeing_padding_bf16(q, k, v):
+    """The full-mask bug padding invites: keys zero-padded to splash's tile (128) and seen."""
+    pad = (-q.shape[2]) % 128
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    return attention_bf16(q, k, v, causal=False)[:, :, : q.shape[2] - pad]
+
+
+AGREEING = {
+    "causal_attention": attention_bf16,
+    "attention": full_attention_bf16,
+    "grouped_mm": grouped_bf16,
+    "linear_cross_entropy": ce_bf16,
+}
 DISAGREEING = {
     "causal_attention": lambda q, k, v, seg=None: attention_bf16(q, k, v, seg, causal=False),
+    "attention": lambda q, k, v: attention_bf16(q, k, v, causal=True),
     "grouped_mm": lambda x, w, sizes: grouped_bf16(x, w, sizes, shift=1),
     "linear_cross_entropy": lambda h, w, labels: ce_bf16(h, w, labels, ignore=False),
 }
@@ -104,6 +121,15 @@ def test_a_kernel_that_disagrees_is_dropped_with_the_numbers(op):
     verdict = selfcheck.check(op, DISAGREEING[op], device=CPU, dtype=BF16)
     assert not verdict.ok, verdict
     assert "differs from the reference" in verdict.reason and verdict.worst > selfcheck.TOLERANCE, verdict
+
+
+def test_full_attention_that_lets_real_queries_see_padded_keys_is_dropped():
+    # The self-check's 200 tokens are not a multiple of splash's tile: a full-mask kernel whose
+    # padded keys stay visible (zero keys: a weight of exp(0) each) fails; one that hides them passes.
+    (case,) = selfcheck.cases("attention")
+    assert case.args[0].shape[2] % 128 != 0
+    verdict = selfcheck.check("attention", full_attention_seeing_padding_bf16, device=CPU, dtype=BF16)
+    assert not verdict.ok and "differs from the reference" in verdict.reason, verdict
 
 
 def test_a_wrong_scale_just_above_the_tolerance_is_caught_and_just_below_is_not():
@@ -539,7 +565,7 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
         for op, fn in saved.items():
             ops.register(op, fn)
     assert built == [(1, 2)]
-    assert set(asked) == {"causal_attention", "grouped_mm", "linear_cross_entropy", "cp_attention"}
+    assert set(asked) == {"causal_attention", "attention", "grouped_mm", "linear_cross_entropy", "cp_attention"}
     err = capsys.readouterr().err.strip().splitlines()
     assert [e.split(" failed")[0] for e in err] == [
         "titan-tpu: kernel self-check: fused CE (linear_cross_entropy)",
@@ -548,7 +574,10 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     # Loaded, but the CP kernel was refused: context parallelism gets None and takes SDPA.
     assert real_cp_attention(1, 2) is None
     tpu.refuse_cp(None)
-    assert line.startswith("splash (Pallas: gmm for MoE experts;") and "self-check failed: fused CE, CP splash" in line
+    assert (
+        line.startswith("splash (Pallas: gmm for MoE experts, full-mask splash;")
+        and "self-check failed: fused CE, CP splash" in line
+    )
 
 
 def test_no_second_libtpu_client_in_a_process_a_tpu_is_attached_to(monkeypatch):

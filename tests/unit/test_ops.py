@@ -81,6 +81,54 @@ def test_attention_implementations_receive_segment_ids_only_when_given():
     assert seen == [3, 4]
 
 
+# --- full (bidirectional) attention -------------------------------------------------------------
+
+
+def test_full_attention_reference_is_unmasked_sdpa_bit_for_bit():
+    """`attention`'s reference is the plain SDPA call FLUX made before the op existed (no GQA:
+    the same call, bitwise), GQA by repeated k/v heads (bitwise the repeated call), and every
+    query sees every key, later ones included."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 13, 8), torch.randn(2, 4, 13, 8), torch.randn(2, 4, 13, 8)
+    assert torch.equal(ops.attention(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    k2, v2 = k[:, :2], v[:, :2]
+    want = F.scaled_dot_product_attention(q, ops.repeat_kv(k2, 2), ops.repeat_kv(v2, 2))
+    assert torch.equal(ops.attention(q, k2, v2), want)
+    moved = v.clone()
+    moved[:, :, -1] += 1.0  # the last key's value reaches the first query
+    assert (ops.attention(q, k, moved)[:, :, 0] - ops.attention(q, k, v)[:, :, 0]).abs().max() > 1e-3
+    assert not torch.allclose(ops.attention(q, k, v), ops.causal_attention(q, k, v))
+
+
+def test_full_attention_reference_takes_its_own_value_width():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 9, 12), torch.randn(1, 2, 9, 12), torch.randn(1, 2, 9, 8)
+    scores = torch.softmax(q @ k.transpose(-2, -1) * 12**-0.5, dim=-1)
+    torch.testing.assert_close(ops.attention(q, k, v), scores @ v, atol=4 * 21 * U32 * 4, rtol=0)
+
+
+def test_full_attention_dispatches_to_the_registered_implementation():
+    seen = []
+    q = torch.zeros(1, 1, 2, 4)
+    previous = ops.register("attention", lambda *a: seen.append(len(a)) or a[0])
+    assert previous is None
+    assert ops.attention(q, q, q) is q and seen == [3]
+    ops.register("attention", None)
+    assert ops.implementation("attention") is ops.sdpa_attention
+
+
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "cpu_kernel"])
+def test_full_attention_takes_the_reference_on_the_cpu_whatever_the_backend(backend):
+    """The CPU kernel is causal only: on the CPU `select` leaves `attention` to SDPA (and clears
+    an implementation a previous job left)."""
+    ops.register("attention", lambda *a: a[0])
+    try:
+        with titan_kernels.use(attention=backend, device="cpu"):
+            assert ops.implementation("attention") is ops.sdpa_attention
+    except ConfigError:  # cpu_kernel that cannot be built on this host
+        assert backend == "cpu_kernel"
+
+
 # --- grouped matmul ---------------------------------------------------------------------------
 
 
@@ -225,7 +273,9 @@ def test_tpu_selection_registers_the_pallas_kernels(monkeypatch):
     from titan_kernels.tpu import selfcheck
 
     tpu_device = types.SimpleNamespace(type="tpu")
-    fake = {op: (lambda *a, op=op: op) for op in ("causal_attention", "grouped_mm", "linear_cross_entropy")}
+    fake = {
+        op: (lambda *a, op=op: op) for op in ("causal_attention", "attention", "grouped_mm", "linear_cross_entropy")
+    }
     monkeypatch.setattr(tpu, "load", lambda: fake)
     monkeypatch.setattr(tpu, "saved_ops", lambda: [])
     # The fakes cannot pass the start-up self-check (tests/unit/test_kernel_selfcheck.py tests it): all pass here.
@@ -235,6 +285,7 @@ def test_tpu_selection_registers_the_pallas_kernels(monkeypatch):
         assert all(ops.implementation(op) is fake[op] for op in fake)
     assert titan_kernels.select(attention="sdpa", device=tpu_device).startswith("sdpa")
     assert ops.implementation("causal_attention") is ops.sdpa_causal_attention
+    assert ops.implementation("attention") is ops.sdpa_attention  # the backend picks both attentions
     assert ops.implementation("grouped_mm") is fake["grouped_mm"]
     monkeypatch.setattr(tpu, "load", lambda: None)
     monkeypatch.setattr(tpu, "load_error", lambda: "no jax")

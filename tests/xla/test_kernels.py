@@ -2,7 +2,8 @@
 
 Four kinds of checks, each probe in its own subprocess (tests/xla/probes/kernels_*.py):
 - interpret mode (xla venv): forward and backward of each kernel run in Pallas' interpreter on
-  the CPU, float32, odd sizes; the same inputs go through the op's torch reference
+  the CPU, float32, odd sizes (splash also with its full mask, the op `attention`: a padded
+  length whose padded keys no real query may see); the same inputs go through the op's torch reference
   (models/common/ops.py), and both are compared with that reference in float64. Splash's
   backward is the residual one (titan_kernels/tpu/splash.py `backward`), and its lowered backward
   holds the backward kernel alone (the names of the Pallas calls in its jaxpr).
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.xla
 
 U_FP32 = 2.0**-24
 GENERATIONS = ("v4", "v5e", "v5p", "v6e", "v7x")
-KERNELS = ("splash", "gmm", "fused_ce")
+KERNELS = ("splash", "splash_full", "gmm", "fused_ce")
 RUNTIME_LIBTPU = "0.0.52"  # what torch-tpu 0.2.0 pins (its wheel's metadata; scripts/xla_env.sh ttpu)
 
 
@@ -62,13 +63,13 @@ def test_selfcheck_passes_the_real_kernels_in_bf16(interpreted_all):
     """The self-check's tolerance (2^-5 of scale) is argued from bf16 rounding; the real kernels,
     bf16 in and float32 accumulation as on the MXU, must pass it, with room to spare."""
     verdicts = interpreted_all["selfcheck"]
-    assert set(verdicts) == {"causal_attention", "grouped_mm", "linear_cross_entropy"}
+    assert set(verdicts) == {"causal_attention", "attention", "grouped_mm", "linear_cross_entropy"}
     for op, v in verdicts.items():
         assert v["ok"], f"{op}: {v['reason']}"
         assert 0 < v["worst"] < v["tolerance"] / 2, (op, v)
 
 
-@pytest.mark.parametrize("mask", ["causal", "segments"])
+@pytest.mark.parametrize("mask", ["causal", "segments", "full"])
 def test_splash_backward_runs_only_the_backward_kernel(interpreted_all, mask):
     """The forward saves (out, lse); the backward op calls the fused dq/dkv kernel on them, not
     the forward kernel again (as `jax.vjp` of the forward did)."""
@@ -128,6 +129,8 @@ def test_torch_tpu_jax_op_registration(probe):
         "splash_bwd",
         "splash_seg_fwd",
         "splash_seg_bwd",
+        "splash_full_fwd",
+        "splash_full_bwd",
         "gmm",
         "gmm_bwd",
         "gmm_t",

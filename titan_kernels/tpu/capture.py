@@ -5,7 +5,8 @@ deviceless XLA:TPU compile. With the model ops' torch references in that capture
 would hold what a TPU run does not execute: attention as math SDPA (T x T scores materialised:
 the compiler's HBM bytes and temporaries are then the math kernel's) and MoE experts as
 `_grouped_mm`/dense fallbacks, and the fused loss as the chunked torch reference. `install()`
-instead serves `causal_attention`, `grouped_mm` and `linear_cross_entropy`, on every device,
+instead serves `causal_attention`, `attention` (full mask: `splash_full_*`), `grouped_mm` and
+`linear_cross_entropy`, on every device,
 with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
 so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis,
 generation=...)` then lowers each node to the kernel a TPU run calls (titan_kernels/tpu/splash.py,
@@ -52,6 +53,8 @@ def _define() -> None:
     lib.define(
         "splash_seg_bwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids, Tensor dout) -> (Tensor, Tensor, Tensor)"
     )
+    lib.define("splash_full_fwd(Tensor q, Tensor k, Tensor v) -> Tensor")
+    lib.define("splash_full_bwd(Tensor q, Tensor k, Tensor v, Tensor dout) -> (Tensor, Tensor, Tensor)")
     lib.define("gmm(Tensor x, Tensor w, Tensor group_sizes) -> Tensor")
     lib.define("gmm_bwd(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)")
     lib.define("ce_fwd(Tensor h, Tensor w, Tensor labels) -> (Tensor, Tensor)")
@@ -65,7 +68,9 @@ def _define() -> None:
     # The output has v's width (MLA: q/k 192, v 128), not q's.
     fake("splash_fwd")(lambda q, k, v: q.new_empty(*q.shape[:-1], v.shape[-1]))
     fake("splash_seg_fwd")(lambda q, k, v, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
+    fake("splash_full_fwd")(lambda q, k, v: q.new_empty(*q.shape[:-1], v.shape[-1]))
     fake("splash_bwd")(lambda q, k, v, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+    fake("splash_full_bwd")(lambda q, k, v, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     fake("splash_seg_bwd")(lambda q, k, v, s, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     fake("gmm")(lambda x, w, sizes: x.new_empty(x.shape[0], w.shape[-1]))
     fake("gmm_bwd")(lambda x, w, sizes, dy: (torch.empty_like(x), torch.empty_like(w)))
@@ -83,6 +88,9 @@ def _define() -> None:
     def splash_backward(ctx, dout):
         return op.splash_bwd(*ctx.saved_tensors, dout.contiguous())
 
+    def splash_full_backward(ctx, dout):
+        return op.splash_full_bwd(*ctx.saved_tensors, dout.contiguous())
+
     def splash_seg_backward(ctx, dout):
         q, k, v, seg = ctx.saved_tensors
         return (*op.splash_seg_bwd(q, k, v, seg, dout.contiguous()), None)
@@ -91,6 +99,9 @@ def _define() -> None:
         return (*op.gmm_bwd(*ctx.saved_tensors, dy.contiguous()), None)
 
     torch.library.register_autograd(f"{NAMESPACE}::splash_fwd", splash_backward, setup_context=save_all, lib=lib)
+    torch.library.register_autograd(
+        f"{NAMESPACE}::splash_full_fwd", splash_full_backward, setup_context=save_all, lib=lib
+    )
     torch.library.register_autograd(
         f"{NAMESPACE}::splash_seg_fwd", splash_seg_backward, setup_context=save_all, lib=lib
     )
@@ -115,6 +126,10 @@ def causal_attention(q, k, v, segment_ids=None):
     return op.splash_seg_fwd(q, k, v, segment_ids.to(torch.int32))
 
 
+def attention(q, k, v):
+    return getattr(torch.ops, NAMESPACE).splash_full_fwd(q.contiguous(), k.contiguous(), v.contiguous())
+
+
 def grouped_mm(x, w, group_sizes):
     # w [G, K, N] (the experts' transposed nn.Linear weight): made contiguous in the capture;
     # XLA folds the transpose into the kernel's operand layout.
@@ -129,9 +144,11 @@ def linear_cross_entropy(h, w, labels):
 
 
 def install() -> None:
-    """Define the ops (once) and serve the model's attention, grouped matmul and fused loss with them."""
+    """Define the ops (once) and serve the model's attention (causal and full), grouped matmul and
+    fused loss with them."""
     _define()
     ops.register("causal_attention", causal_attention)
+    ops.register("attention", attention)
     ops.register("grouped_mm", grouped_mm)
     ops.register("linear_cross_entropy", linear_cross_entropy)
 
@@ -147,11 +164,14 @@ def shard_group_sizes(group_sizes, rows: int, shard):
     return (jnp.clip(ends - lo, 0, rows) - jnp.clip(starts - lo, 0, rows)).astype(jnp.int32)
 
 
-def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int | None = None) -> tuple[float, float]:
+def splash_cost(
+    q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int | None = None, causal: bool = True
+) -> tuple[float, float]:
     """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads of
     value width `v_dim` (Dv; default D: MLA's v is narrower, 128 beside 192).
 
-    The kernel visits only the causal blocks: (n + 1) / 2n of the n x n grid of its blocks. A
+    The kernel visits only the causal blocks: (n + 1) / 2n of the n x n grid of its blocks
+    (`causal=False`, the full mask of the op `attention`: all n x n). A
     forward is two S x S matmuls per head over those blocks, q k^T (width D) and p v (Dv); the
     backward op re-runs the forward (for its residuals) and does five: q k^T again, dS k and
     dS^T q at D, dO v^T and p^T dO at Dv. Bytes: q (D) and the output (Dv) once, K (D) and V (Dv)
@@ -164,9 +184,9 @@ def splash_cost(q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: in
     dv = d if v_dim is None else v_dim
     padded = s + (-s) % splash.TILE
     n = padded // splash.block_size(padded)
-    causal = (n + 1) / (2 * n)
-    per_width = 2.0 * b * hq * padded * padded * causal  # one S x S matmul's FLOPs per unit of width
-    fwd_bytes = itemsize * (b * hq * padded * (d + dv) + b * kv_heads * padded * (d + dv) * n * causal)
+    visited = (n + 1) / (2 * n) if causal else 1.0
+    per_width = 2.0 * b * hq * padded * padded * visited  # one S x S matmul's FLOPs per unit of width
+    fwd_bytes = itemsize * (b * hq * padded * (d + dv) + b * kv_heads * padded * (d + dv) * n * visited)
     if backward:
         return per_width * ((d + dv) + (3 * d + 2 * dv)), 4 * fwd_bytes
     return per_width * (d + dv), fwd_bytes
@@ -251,11 +271,21 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
         fwd = functools.partial(splash.splash_attention, segment_ids=seg, generation=generation)
         return tuple(jax.vjp(fwd, q, k, v)[1](dout))
 
-    def splash_costs(backward):
+    def splash_full_fwd(q, k, v):
+        return splash.splash_attention(q, k, v, generation=generation, causal=False)
+
+    def splash_full_bwd(q, k, v, dout):
+        fwd = functools.partial(splash.splash_attention, generation=generation, causal=False)
+        return tuple(jax.vjp(fwd, q, k, v)[1](dout))
+
+    def splash_costs(backward, causal=True):
         def cost(q, k, v, *rest):
+            name = "splash" if causal else "splash_full"
             return (
-                "splash_bwd" if backward else "splash_fwd",
-                *splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward, v_dim=v.shape[-1]),
+                f"{name}_bwd" if backward else f"{name}_fwd",
+                *splash_cost(
+                    local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward, v_dim=v.shape[-1], causal=causal
+                ),
             )
 
         return cost
@@ -317,6 +347,13 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     env.override_op_definition(op.splash_seg_fwd.default, sharded(splash_fwd, (batch,) * 4, batch, splash_costs(False)))
     env.override_op_definition(
         op.splash_seg_bwd.default, sharded(splash_seg_bwd, (batch,) * 5, (batch,) * 3, splash_costs(True))
+    )
+    env.override_op_definition(
+        op.splash_full_fwd.default, sharded(splash_full_fwd, (batch,) * 3, batch, splash_costs(False, causal=False))
+    )
+    env.override_op_definition(
+        op.splash_full_bwd.default,
+        sharded(splash_full_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True, causal=False)),
     )
     env.override_op_definition(op.gmm.default, sharded(gmm_fwd, (batch, P(), P()), batch, gmm_costs(False)))
     env.override_op_definition(

@@ -5,6 +5,8 @@ Imported only by `titan_kernels.tpu.load()` on a TPU run (it imports jax and nee
 - `titan_tpu::splash_fwd / splash_bwd` and `splash_seg_fwd / splash_seg_bwd` (with segment ids):
   the forward returns (out, lse), the backward takes them and runs only the splash backward
   kernel (`splash.backward`), not the forward again;
+- `titan_tpu::splash_full_fwd / splash_full_bwd`: the same with a full mask, for the op
+  `attention` (FLUX's joint attention; padded keys hidden by the kernel's segment ids);
 - `titan_tpu::gmm / gmm_bwd` (w as [G, K, N]) and `gmm_t / gmm_t_bwd` (w in nn.Linear layout
   [G, N, K], what the MoE experts hold: their transposed view is passed without a copy);
 - `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients).
@@ -60,6 +62,7 @@ def build() -> dict[str, Callable]:
         gen = device_generation()
         _BUILT.update(
             causal_attention=_build_splash(jax_op, gen),
+            attention=_build_full_splash(jax_op, gen),
             grouped_mm=_build_gmm(jax_op, gen),
             linear_cross_entropy=_build_linear_ce(jax_op, gen),
         )
@@ -140,7 +143,7 @@ def build_cp(cp_rank: int, cp_size: int) -> Callable:
 
 def saved_ops() -> list:
     """The forward ops that selective AC saves, like SDPA and `_grouped_mm` (after `build()`)."""
-    names = ("splash_fwd", "splash_seg_fwd", "gmm", "gmm_t")
+    names = ("splash_fwd", "splash_seg_fwd", "splash_full_fwd", "gmm", "gmm_t")
     return [getattr(torch.ops.titan_tpu, name).default for name in names]
 
 
@@ -199,6 +202,36 @@ def _build_splash(jax_op, gen: str | None) -> Callable:
         return splash_seg_fwd(q, k, v, segment_ids.to(torch.int32).contiguous())[0]
 
     return causal_attention
+
+
+def _build_full_splash(jax_op, gen: str | None) -> Callable:
+    """The op `attention` (full mask) as `titan_tpu::splash_full_fwd / _bwd`, like `_build_splash`."""
+
+    @jax_op(f"{NAMESPACE}::splash_full_fwd")
+    def full_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return splash.forward(q, k, v, generation=gen, causal=False)
+
+    @jax_op(f"{NAMESPACE}::splash_full_bwd")
+    def full_bwd(
+        q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array, dout: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return splash.backward(q, k, v, None, out, lse, dout, generation=gen, causal=False)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+
+    def backward(ctx, dout, d_lse):
+        del d_lse  # an auxiliary output; nothing differentiates through it
+        return full_bwd(*ctx.saved_tensors, dout.contiguous())
+
+    full_fwd.register_autograd(backward, setup_context=setup)
+
+    def attention(q, k, v):
+        if not _on_tpu(q, k, v):
+            return ops.sdpa_attention(q, k, v)
+        return full_fwd(q.contiguous(), k.contiguous(), v.contiguous())[0]
+
+    return attention
 
 
 def _build_gmm(jax_op, gen: str | None) -> Callable:

@@ -63,6 +63,7 @@ TOLERANCE = 2.0**-5
 
 KERNEL_NAMES = {
     "causal_attention": "splash",
+    "attention": "full-mask splash",
     "grouped_mm": "gmm",
     "linear_cross_entropy": "fused CE",
     "cp_attention": "CP splash",
@@ -71,6 +72,7 @@ KERNEL_NAMES = {
 
 REFERENCES = {
     "causal_attention": ops.sdpa_causal_attention,
+    "attention": ops.sdpa_attention,
     "grouped_mm": ops.torch_grouped_mm,
     "linear_cross_entropy": ops.chunked_linear_cross_entropy,
 }
@@ -155,7 +157,7 @@ class KernelShapes:
 
     def describe(self, op: str) -> str:
         """The widths `op` is checked at, in words."""
-        if op == "causal_attention":
+        if op in ("causal_attention", "attention"):
             return f"q/k {self.qk_head_dim}, v {self.v_head_dim}"
         if op == "grouped_mm":
             return f"{self.hidden} -> {self.expert_hidden} -> {self.hidden}"
@@ -178,7 +180,8 @@ def cases(
 
     Sizes: small enough to compile and run in seconds, large enough to cover what differs from
     a plain matmul: GQA (2 q heads per kv head), a length that is not a multiple of the splash
-    tile (padding), two documents (segment ids); an empty expert and uneven groups; a vocabulary
+    tile (padding; with the full mask, padded keys a real query must not see), two documents
+    (segment ids); an empty expert and uneven groups; a vocabulary
     that is not a multiple of the loss' vocab block and ignored labels.
     """
     shapes = shapes or KernelShapes(qk_head_dim=head_dim, v_head_dim=head_dim)
@@ -193,6 +196,11 @@ def cases(
         q, k, v = normal(b, hq, s, dq), normal(b, hkv, s, dq), normal(b, hkv, s, dv)
         seg = torch.cat([torch.zeros(b, 120, dtype=torch.int64), torch.ones(b, s - 120, dtype=torch.int64)], 1)
         return [Case("causal", (q, k, v), (0, 1, 2)), Case("segments", (q, k, v, seg), (0, 1, 2))]
+    if op == "attention":  # full mask; 200 tokens: the padded keys must stay unseen
+        b, hq, hkv, s = 1, 4, 2, 200
+        dq, dv = shapes.qk_head_dim, shapes.v_head_dim
+        q, k, v = normal(b, hq, s, dq), normal(b, hkv, s, dq), normal(b, hkv, s, dv)
+        return [Case("full", (q, k, v), (0, 1, 2))]
     if op == "grouped_mm":
         sizes = torch.tensor([40, 0, 36, 20])
         out = []

@@ -1,8 +1,11 @@
-"""Splash attention (Pallas, TPU) for the op `causal_attention`: causal, GQA, document masking.
+"""Splash attention (Pallas, TPU) for the ops `causal_attention` (causal, GQA, document masking)
+and `attention` (full, bidirectional: FLUX's joint attention).
 
-Pure JAX: `splash_attention(q, k, v, segment_ids=None)` takes the op's layout (q [B, Hq, S, D],
-k [B, Hkv, S, D], v [B, Hkv, S, Dv], segment_ids [B, S] or None) and returns [B, Hq, S, Dv]. It
-wraps JAX's `splash_attention` kernel:
+Pure JAX: `splash_attention(q, k, v, segment_ids=None, causal=True)` takes the op's layout (q
+[B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], segment_ids [B, S] or None) and returns
+[B, Hq, S, Dv]. It wraps JAX's `splash_attention` kernel:
+- The mask: `CausalMask` (`causal=True`, the op `causal_attention`) or `FullMask` (`causal=False`,
+  the op `attention`: every query sees every key; the kernel visits every block).
 - Two head widths: the kernel's q.k products run at D and its p.v products at Dv (its blocks
   take each operand's own last dim), so MLA's v (128 beside q/k 192 in DeepSeek-V3) is passed
   unpadded; tests/xla checks forward and backward at 192 / 128 in interpret mode.
@@ -12,7 +15,11 @@ wraps JAX's `splash_attention` kernel:
   row for self-attention); a token attends to earlier tokens of its own segment. (torch-tpu's
   `splash_sdpa` and the TorchTitan TPU fork have no segment ids.)
 - Odd lengths: the sequence is padded at the end to a multiple of 128 (the kernel's tile) and
-  the padding sliced off; with a causal mask no real query sees a padded key.
+  the padding sliced off; with a causal mask no real query sees a padded key. With the full
+  mask it would: the padded keys get a segment of their own (id 1 beside the real tokens' 0,
+  or -1 beside the caller's ids), so real queries never see them and padded queries see only
+  padded keys (a finite lse, an output of zeros that is sliced off). A length that is already a
+  multiple of 128 (FLUX at 1024 px: 4352, 4608 tokens) takes no segment ids.
 - Scale 1/sqrt(D) is applied to q in q's dtype (no float32 promotion of q).
 - Backward from saved residuals: `forward` returns (out, lse), `backward` takes them and calls
   JAX's splash backward kernel (`_splash_attention_bwd`, fused dq/dkv) directly, so the
@@ -56,12 +63,14 @@ def block_size(seq_len: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(seq_len: int, group: int, blocks: tuple[int, int, int, int], interpret: bool):
-    """The MQA splash kernel for `group` query heads sharing one KV head (built once per shape).
+def _kernel(seq_len: int, group: int, blocks: tuple[int, int, int, int], interpret: bool, causal: bool = True):
+    """The MQA splash kernel for `group` query heads sharing one KV head (built once per shape),
+    causal or full (`causal=False`: every query sees every key).
 
     Built with `save_residuals=True`: calling it returns (out, (logsumexp,)), the residuals its
     backward needs; `backward` below calls that backward kernel on them directly."""
-    mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len))] * group)
+    head_mask = sm.CausalMask((seq_len, seq_len)) if causal else sm.FullMask((seq_len, seq_len))
+    mask = sm.MultiHeadMask([head_mask] * group)
     bq, bkv, bq_dkv, bkv_dkv = blocks
     sizes = sk.BlockSizes(
         block_q=bq,
@@ -95,7 +104,16 @@ def _collapsed(mask_info):
 class _Layout:
     """The op's [B, H, S, D] layout <-> the kernel's per-KV-head MQA form (padded, q scaled)."""
 
-    def __init__(self, q: jax.Array, k: jax.Array, interpret: bool, generation: str | None = None, blocks=None):
+    def __init__(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        interpret: bool,
+        generation: str | None = None,
+        blocks=None,
+        causal: bool = True,
+    ):
+        self.causal = causal
         self.batch, self.q_heads, self.seq, self.head_dim = q.shape
         self.kv_heads = k.shape[1]
         assert self.q_heads % self.kv_heads == 0, f"q heads {self.q_heads} not a multiple of kv heads {self.kv_heads}"
@@ -104,7 +122,7 @@ class _Layout:
         self.padded = self.seq + self.pad
         self.scale = self.head_dim**-0.5
         blocks = tuple(blocks) if blocks else tiles.splash_blocks(generation, self.padded, self.head_dim)
-        self.kernel = _kernel(self.padded, self.group, blocks, interpret)
+        self.kernel = _kernel(self.padded, self.group, blocks, interpret, causal)
 
     def seq_pad(self, t: jax.Array) -> jax.Array:
         """Pad dim 2 (the sequence) of [B, H, S, D] with zeros to the kernel's tile."""
@@ -119,10 +137,15 @@ class _Layout:
         return t.reshape(self.batch, self.q_heads, self.padded, t.shape[-1])[:, :, : self.seq]
 
     def ids(self, segment_ids: jax.Array | None) -> jax.Array | None:
+        """The kernel's segment ids [B, S_pad], or None. Padded tokens get a segment of their own:
+        causality already hides them from real queries; the full mask needs it (module docstring)."""
         if segment_ids is None:
-            return None
+            if self.causal or not self.pad:
+                return None
+            real = jnp.zeros((self.batch, self.seq), jnp.int32)
+            return jnp.pad(real, ((0, 0), (0, self.pad)), constant_values=1)
         ids = segment_ids.astype(jnp.int32)
-        if self.pad:  # padded tokens get their own segment; causality already hides them
+        if self.pad:
             ids = jnp.pad(ids, ((0, 0), (0, self.pad)), constant_values=-1)
         return ids
 
@@ -143,11 +166,13 @@ def forward(
     interpret: bool = False,
     generation: str | None = None,
     blocks: tuple[int, int, int, int] | None = None,
+    causal: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, Hq, S, Dv], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
     each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile).
-    Blocks: `blocks` if given, else the `generation`'s (module docstring)."""
-    lay = _Layout(q, k, interpret, generation, blocks)
+    Blocks: `blocks` if given, else the `generation`'s (module docstring). `causal=False`: the
+    full mask (the op `attention`)."""
+    lay = _Layout(q, k, interpret, generation, blocks, causal)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
     k, v = lay.seq_pad(k), lay.seq_pad(v)
 
@@ -171,14 +196,17 @@ def backward(
     interpret: bool = False,
     generation: str | None = None,
     blocks: tuple[int, int, int, int] | None = None,
+    causal: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) from the forward's residuals (out, lse) with the splash backward kernel
-    alone (fused dq/dkv), without running the forward kernel again. Blocks as `forward`'s (the
-    same `generation` / `blocks`: the backward reads the forward's kernel object).
+    alone (fused dq/dkv), without running the forward kernel again. Blocks and mask as
+    `forward`'s (the same `generation` / `blocks` / `causal`: the backward reads the forward's
+    kernel object).
 
-    Padded query rows get out = dout = 0, so their `di = rowsum(dout * out)` is 0 and they add
-    nothing; their lse is the forward's own (finite: each row sees at least itself)."""
-    lay = _Layout(q, k, interpret, generation, blocks)
+    Padded query rows get dout = 0 (and, seeing padded v only, out = 0), so their
+    `di = rowsum(dout * out)` is 0 and they add nothing; their lse is the forward's own (finite:
+    each row sees at least itself)."""
+    lay = _Layout(q, k, interpret, generation, blocks, causal)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
     k, v = lay.seq_pad(k), lay.seq_pad(v)
     og, dog = lay.to_mqa(out), lay.to_mqa(dout.astype(out.dtype))
@@ -208,20 +236,20 @@ def backward(
     return dq, dk[:, :, : lay.seq], dv[:, :, : lay.seq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _attention(q, k, v, segment_ids, interpret, generation, blocks):
-    return forward(q, k, v, segment_ids, interpret=interpret, generation=generation, blocks=blocks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, segment_ids, interpret, generation, blocks, causal):
+    return forward(q, k, v, segment_ids, interpret=interpret, generation=generation, blocks=blocks, causal=causal)[0]
 
 
-def _attention_fwd(q, k, v, segment_ids, interpret, generation, blocks):
-    out, lse = forward(q, k, v, segment_ids, interpret=interpret, generation=generation, blocks=blocks)
+def _attention_fwd(q, k, v, segment_ids, interpret, generation, blocks, causal):
+    out, lse = forward(q, k, v, segment_ids, interpret=interpret, generation=generation, blocks=blocks, causal=causal)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _attention_bwd(interpret, generation, blocks, res, dout):
+def _attention_bwd(interpret, generation, blocks, causal, res, dout):
     q, k, v, segment_ids, out, lse = res
     dq, dk, dv = backward(
-        q, k, v, segment_ids, out, lse, dout, interpret=interpret, generation=generation, blocks=blocks
+        q, k, v, segment_ids, out, lse, dout, interpret=interpret, generation=generation, blocks=blocks, causal=causal
     )
     return dq, dk, dv, None
 
@@ -238,19 +266,24 @@ def splash_attention(
     interpret: bool = False,
     generation: str | None = None,
     blocks: tuple[int, int, int, int] | None = None,
+    causal: bool = True,
 ) -> jax.Array:
-    """softmax(q k^T / sqrt(D), causal [within segments]) v; differentiable in JAX with the
-    residual backward (`forward` + `backward`); see the module docstring."""
-    return _attention(q, k, v, segment_ids, interpret, generation, tuple(blocks) if blocks else None)
+    """softmax(q k^T / sqrt(D), causal [within segments]) v, or with `causal=False` every query
+    against every key [of its segment]; differentiable in JAX with the residual backward
+    (`forward` + `backward`); see the module docstring."""
+    return _attention(q, k, v, segment_ids, interpret, generation, tuple(blocks) if blocks else None, causal)
 
 
-def reference(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+def reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, causal: bool = True
+) -> jax.Array:
     """Plain jnp attention in float32 with the same semantics (tests)."""
     group = q.shape[1] // k.shape[1]
     k, v = (jnp.repeat(t, group, axis=1).astype(jnp.float32) for t in (k, v))
     seq = q.shape[2]
     scores = jnp.einsum("bhqd,bhkd->bhqk", q.astype(jnp.float32), k) * q.shape[-1] ** -0.5
-    mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+    mask = jnp.ones((seq, seq), bool)
+    mask = (jnp.tril(mask) if causal else mask)[None, None]
     if segment_ids is not None:
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     scores = jnp.where(mask, scores, -jnp.inf)

@@ -1,6 +1,6 @@
 """Probe (xla venv): the Pallas kernels of titan_kernels/tpu in interpret mode against the torch references.
 
-    python kernels_interpret.py [splash] [gmm] [fused_ce] [selfcheck] [splash_structure]
+    python kernels_interpret.py [splash] [splash_full] [gmm] [fused_ce] [selfcheck] [splash_structure]
 
 Runs each named kernel's cases (float32, odd sizes that force padding and several grid blocks) forward
 and backward in Pallas' interpreter on the CPU, and the same op's torch reference
@@ -15,7 +15,9 @@ and `n` the longest reduction in the case (for the test's rounding bound).
 interpret mode as the implementations, in bf16 (bf16 operands, float32 accumulation, as the
 MXU): {"selfcheck": {op: {"ok", "worst", "reason"}}}. `splash_structure`: the names of the
 Pallas calls in the jaxprs of splash's forward and of its backward from residuals:
-{"splash_structure": {"causal"|"segments": {"forward": [names], "backward": [names]}}}.
+{"splash_structure": {"causal"|"segments"|"full": {"forward": [names], "backward": [names]}}}.
+`splash_full`: the full-mask splash (the op `attention`, FLUX) against `ops.sdpa_attention`, at a
+length that needs padding (whose keys no real query may see) and one that does not.
 """
 
 from __future__ import annotations
@@ -108,6 +110,26 @@ def splash_cases() -> list[dict]:
     return cases
 
 
+def splash_full_cases() -> list[dict]:
+    cases = []
+    # 200 and 77 tokens: padded to 256 / 128 (the padded keys hidden by segment ids); 256: none.
+    for b, hq, hkv, s, d, dv in ((2, 4, 2, 200, 32, 32), (1, 2, 2, 77, 16, 16), (1, 2, 1, 256, 64, 32)):
+        q, k, v = _normal(b, hq, s, d), _normal(b, hkv, s, d), _normal(b, hkv, s, dv)
+        width = f"d{d}" if d == dv else f"d{d} dv{dv}"
+        cases.append(
+            _case(
+                f"b{b} hq{hq} hkv{hkv} s{s} {width} full",
+                s + d,
+                ["out", "dq", "dk", "dv"],
+                ops.sdpa_attention,
+                lambda q, k, v: splash.splash_attention(q, k, v, causal=False, interpret=True),
+                [q, k, v],
+                _normal(b, hq, s, dv),
+            )
+        )
+    return cases
+
+
 def gmm_cases() -> list[dict]:
     cases = []
     for m, k, n, sizes, transposed in ((50, 64, 96, (20, 0, 25, 5), True), (130, 32, 48, (0, 70, 60), False)):
@@ -191,6 +213,8 @@ def _interpret_impls() -> dict:
     def causal_attention(q, k, v, segment_ids=None):
         return attention(q, k, v) if segment_ids is None else attention(q, k, v, segment_ids.to(torch.int32))
 
+    full = _as_torch_op(lambda q, k, v: splash.splash_attention(q, k, v, causal=False, interpret=True), 3)
+
     linear_layout = _as_torch_op(
         lambda x, w_nk, sizes: gmm.grouped_mm(x, w_nk, sizes, transpose_rhs=True, interpret=True), 2
     )
@@ -205,6 +229,7 @@ def _interpret_impls() -> dict:
 
     return {
         "causal_attention": causal_attention,
+        "attention": full,
         "grouped_mm": grouped_mm,
         "linear_cross_entropy": linear_cross_entropy,
     }
@@ -233,13 +258,14 @@ def _pallas_names(jaxpr) -> list[str]:
 
 def splash_structure() -> dict:
     out = {}
-    for label, docs in (("causal", False), ("segments", True)):
+    for label, docs, causal in (("causal", False, True), ("segments", True, True), ("full", False, False)):
         b, hq, hkv, s, d = 1, 4, 2, 200, 32
         q, k, v = (jnp.asarray(_normal(b, h, s, d)) for h in (hq, hkv, hkv))
         seg = jnp.asarray(np.sort(RNG.integers(0, 3, (b, s)), axis=1).astype(np.int32)) if docs else None
-        fwd = jax.make_jaxpr(lambda q, k, v: splash.forward(q, k, v, seg, interpret=True))(q, k, v)
-        o, lse = splash.forward(q, k, v, seg, interpret=True)
-        bwd = jax.make_jaxpr(lambda q, k, v, o, lse, do: splash.backward(q, k, v, seg, o, lse, do, interpret=True))(
+        kw = dict(interpret=True, causal=causal)
+        fwd = jax.make_jaxpr(lambda q, k, v: splash.forward(q, k, v, seg, **kw))(q, k, v)
+        o, lse = splash.forward(q, k, v, seg, **kw)
+        bwd = jax.make_jaxpr(lambda q, k, v, o, lse, do: splash.backward(q, k, v, seg, o, lse, do, **kw))(
             q, k, v, o, lse, jnp.ones_like(o)
         )
         out[label] = {"forward": _pallas_names(fwd.jaxpr), "backward": _pallas_names(bwd.jaxpr)}
@@ -247,7 +273,7 @@ def splash_structure() -> dict:
 
 
 def main() -> None:
-    runners = {"splash": splash_cases, "gmm": gmm_cases, "fused_ce": fused_ce_cases}
+    runners = {"splash": splash_cases, "splash_full": splash_full_cases, "gmm": gmm_cases, "fused_ce": fused_ce_cases}
     asked = sys.argv[1:]
     results = {kernel: runners[kernel]() for kernel in asked if kernel in runners}
     extra = {}

@@ -50,6 +50,14 @@ def main() -> None:
         dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
+    def full_attention(seq: int):
+        # the op `attention` (full mask, FLUX): 200 tokens are padded to 256 with segment ids
+        q, k, v = leaf(2, 8, seq, 128), leaf(2, 2, seq, 128), leaf(2, 2, seq, 128)
+        out = impls["attention"](q, k, v)
+        assert out.shape == q.shape and out.dtype == bf16, out
+        dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
     def grouped(linear_layout: bool):
         x = leaf(512, 256)
         w = leaf(8, 384, 256).transpose(-2, -1) if linear_layout else leaf(8, 256, 384)
@@ -82,6 +90,8 @@ def main() -> None:
     for name, fn in (
         ("splash", lambda: attention(False)),
         ("splash_segments", lambda: attention(True)),
+        ("splash_full", lambda: full_attention(256)),
+        ("splash_full_padded", lambda: full_attention(200)),
         ("splash_cp", lambda: cp_attention(False)),
         ("splash_cp_segments", lambda: cp_attention(True)),
         ("gmm_kn", lambda: grouped(False)),
@@ -93,9 +103,13 @@ def main() -> None:
 
     def saved():
         names = sorted(op.name() for op in register.saved_ops())
-        assert names == ["titan_tpu::gmm", "titan_tpu::gmm_t", "titan_tpu::splash_fwd", "titan_tpu::splash_seg_fwd"], (
-            names
-        )
+        assert names == [
+            "titan_tpu::gmm",
+            "titan_tpu::gmm_t",
+            "titan_tpu::splash_fwd",
+            "titan_tpu::splash_full_fwd",
+            "titan_tpu::splash_seg_fwd",
+        ], names
 
     checks["saved_ops"] = _check(saved)
 
