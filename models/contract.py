@@ -60,6 +60,15 @@ class ModelShape:
         return self.num_experts > 0
 
 
+def causal_keys(seq_len: int, window: int = 0) -> float:
+    """Keys a query attends to, on average over a causal row of `seq_len` (the "causal" convention's
+    T/2 for full attention); a sliding `window` (keys the query's own included, 0: none) caps it:
+    w - w^2 / 2T once T > w (T/2 up to T = w, continuous there)."""
+    if not window or seq_len <= window:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
+
+
 class ModelArgs(Protocol):
     """What a family's args dataclass provides besides its own fields."""
 

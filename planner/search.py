@@ -22,7 +22,7 @@ from planner.shard import fake_process_group, shard_model
 from planner.targets import Target
 
 # See planner/targets.py: a torch-only leaf, the FLOP convention the trainer's MFU uses.
-from trainer.runtime.flops import flops_per_token
+from trainer.runtime.flops import model_flops_per_token as model_flops
 
 # The trainer's rule table: the planner never proposes a plan the trainer refuses.
 from trainer.step.plan import StepPlan, StepRequest, plan_step, refusals
@@ -112,14 +112,8 @@ class PlanInputs:
 
 
 def model_flops_per_token(args: ModelArgs, shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM convention (trainer/runtime/flops.py)."""
-    return flops_per_token(
-        num_matmul_params=args.num_active_params(exclude_embedding=True),
-        n_layers=shape.n_layers,
-        n_heads=shape.n_heads,
-        head_dim=shape.head_dim,
-        seq_len=seq_len,
-    )["palm"]
+    """Training FLOPs per token, PaLM convention (trainer/runtime/flops.py `model_flops_per_token`)."""
+    return model_flops(args, seq_len)["palm"]
 
 
 def make_parallel_dims(

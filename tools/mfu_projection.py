@@ -140,19 +140,13 @@ def recipe_facts(recipe: Path) -> dict:
     """From a recipe: generation, layers, FLOPs per token (both conventions), and the host bytes
     the 2-layer compile's capture needs."""
     from trainer.config import build_config, resolve_model_args
-    from trainer.runtime.flops import flops_per_token, tpu_generation
+    from trainer.runtime.flops import model_flops_per_token, tpu_generation
 
     cfg = build_config(str(recipe), [])
     _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     shape = args.shape()
     gen = tpu_generation(recipe.stem.rsplit("_", 1)[-1])
-    fpt = flops_per_token(
-        num_matmul_params=args.num_active_params(exclude_embedding=True),
-        n_layers=shape.n_layers,
-        n_heads=shape.n_heads,
-        head_dim=shape.head_dim,
-        seq_len=cfg.training.seq_len,
-    )
+    fpt = model_flops_per_token(args, cfg.training.seq_len)
     cfg.model.overrides["n_layers"] = 2
     _, two = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
     target = getattr(cfg.job, "target", None)
@@ -294,7 +288,7 @@ def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
     import planner
     from parallelisms.tpu_topology import topology_of
     from trainer.config import build_config, resolve_model_args
-    from trainer.runtime.flops import TPU_PEAK_TFLOPS, flops_per_token
+    from trainer.runtime.flops import TPU_PEAK_TFLOPS, model_flops_per_token
 
     cfg = build_config(str(recipe), list(overrides))
     _, args = resolve_model_args(cfg.model, seq_len=cfg.training.seq_len)
@@ -314,13 +308,7 @@ def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
         "routed_rows": tokens * (getattr(shape, "top_k", 0) or 0),
         "ep": cfg.parallelism.expert_parallel_degree,
         "params": args.num_params(),
-        "flops_per_token": flops_per_token(
-            num_matmul_params=args.num_active_params(exclude_embedding=True),
-            n_layers=shape.n_layers,
-            n_heads=shape.n_heads,
-            head_dim=shape.head_dim,
-            seq_len=cfg.training.seq_len,
-        ),
+        "flops_per_token": model_flops_per_token(args, cfg.training.seq_len),
     }
 
 

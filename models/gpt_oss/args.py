@@ -13,7 +13,7 @@ biases and the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alph
 
 from dataclasses import dataclass
 
-from models.contract import ModelShape
+from models.contract import ModelShape, causal_keys
 
 
 @dataclass
@@ -85,6 +85,17 @@ class GptOssArgs:
     def layer_window(self, layer_id: int) -> int:
         """Keys block `layer_id` sees: `sliding_window` for even blocks, 0 (all: full causal) for odd ones."""
         return self.sliding_window if layer_id % 2 == 0 else 0
+
+    def mixing_flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """Training FLOPs per token of the blocks' score and value products (trainer/runtime/flops.py
+        `model_flops_per_token`): 12 x H x Q x keys per block, keys = the causal row's mean
+        (`causal_keys`: T/2 for a full block, about `sliding_window` for a sliding one) for the
+        "causal" convention and twice that for "palm" (the unmasked count, as for full attention)."""
+        causal = sum(
+            12.0 * self.n_heads * self.head_dim * causal_keys(seq_len, self.layer_window(i))
+            for i in range(self.n_layers)
+        )
+        return {"palm": 2 * causal, "causal": causal}
 
     def shape(self) -> ModelShape:
         return ModelShape(

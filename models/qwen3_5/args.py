@@ -130,6 +130,19 @@ class Qwen3_5Args:
         """HF `layer_types`: "full_attention" / "linear_attention" per block."""
         return ["full_attention" if self.is_full_attention(i) else "linear_attention" for i in range(self.n_layers)]
 
+    def mixing_flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """Training FLOPs per token of the blocks' token mixing (trainer/runtime/flops.py
+        `model_flops_per_token`). Full-attention blocks: 12 / 6 x H x Q x T (palm / causal), as
+        any decoder. Gated DeltaNet blocks: the delta rule's recurrence per value head and token,
+        k^T S, the rank-1 update of the [d_k, d_v] state and q^T S, 2 d_k d_v FLOPs each, x 3 for
+        training = 18 d_k d_v per head (one count in both conventions: nothing is masked; the
+        chunked form's extra intra-chunk products are the algorithm's, not the model's)."""
+        full = sum(self.is_full_attention(i) for i in range(self.n_layers))
+        attention = float(full * self.n_heads * self.head_dim * seq_len)
+        delta = 18.0 * (self.n_layers - full) * self.linear_num_value_heads
+        delta *= self.linear_key_head_dim * self.linear_value_head_dim
+        return {"palm": 12.0 * attention + delta, "causal": 6.0 * attention + delta}
+
     def shape(self) -> ModelShape:
         moe = dict(num_experts=self.num_experts, top_k=self.num_experts_per_tok, moe_hidden=self.moe_hidden_dim)
         return ModelShape(

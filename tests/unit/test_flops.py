@@ -186,3 +186,93 @@ def test_tpu_found_from_pci_ids(tmp_path, monkeypatch, device_id, gen):
     monkeypatch.setattr(flops, "tpu_generations_on_pci", lambda: pci.tpu_generations_on_pci(str(tmp_path)))
     assert flops._tpu_kind_candidates() == [gen]
     assert flops.tpu_generation(gen) == gen
+
+
+def _flavor(family: str, flavor: str, **changes):
+    module = __import__(f"models.{family}", fromlist=["FLAVORS"])
+    return dataclasses.replace(module.FLAVORS[flavor], **changes)
+
+
+def test_model_flops_default_is_every_block_full_attention():
+    args = _flavor("llama3", "debugmodel")
+    assert flops.model_flops_per_token(args, 256) == flops.flops_per_token(
+        num_matmul_params=args.num_active_params(exclude_embedding=True),
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        head_dim=args.head_dim,
+        seq_len=256,
+    )
+
+
+@pytest.mark.parametrize("seq_len, window", [(256, 32), (8192, 128), (64, 128), (128, 128), (1, 4)])
+def test_causal_keys_is_the_rows_mean_within_half_a_key(seq_len, window):
+    """`causal_keys` against the mean over the rows of min(i + 1, window) (full: T/2 against the
+    exact (T + 1)/2, the convention's half key)."""
+    from models.contract import causal_keys
+
+    exact = sum(min(i + 1, window) for i in range(seq_len)) / seq_len
+    assert 0 <= exact - causal_keys(seq_len, window) <= 0.5 + 1e-9
+    assert causal_keys(seq_len) == seq_len / 2
+
+
+def test_gpt_oss_counts_its_sliding_blocks_by_their_window():
+    """Before the change every gpt-oss block counted T keys: at 8192 tokens and a 128-key window,
+    half the blocks' attention was overstated 32x, and the MFU of 120B at 8192 tokens by 18 % (palm)
+    / 10 % (causal); Qwen 3.5 35B-A3B's at 4096 by 29 % / 14 % (its DeltaNet blocks as attention)."""
+    args = _flavor("gpt_oss", "debugmodel")
+    seq_len, w = 1024, args.sliding_window
+    out = flops.model_flops_per_token(args, seq_len)
+    per_block = 12 * args.n_heads * args.head_dim
+    full, sliding = args.n_layers // 2, (args.n_layers + 1) // 2  # odd / even blocks
+    causal_attn = per_block * (full * seq_len / 2 + sliding * (w - w * w / (2 * seq_len)))
+    dense = 6 * args.num_active_params(exclude_embedding=True)
+    assert out["causal"] == pytest.approx(dense + causal_attn) and out["palm"] == pytest.approx(dense + 2 * causal_attn)
+    everything_full = flops.flops_per_token(
+        num_matmul_params=args.num_active_params(exclude_embedding=True),
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        head_dim=args.head_dim,
+        seq_len=seq_len,
+    )
+    assert out["palm"] < everything_full["palm"]
+
+
+def test_qwen3_5_counts_delta_rule_blocks_by_their_state():
+    args = _flavor("qwen3_5", "debugmodel")
+    seq_len = 512
+    full = sum(args.is_full_attention(i) for i in range(args.n_layers))
+    assert 0 < full < args.n_layers
+    delta = 18 * (args.n_layers - full) * args.linear_num_value_heads * args.linear_key_head_dim
+    delta *= args.linear_value_head_dim
+    attention = full * args.n_heads * args.head_dim * seq_len
+    dense = 6 * args.num_active_params(exclude_embedding=True)
+    out = flops.model_flops_per_token(args, seq_len)
+    assert out == pytest.approx({"palm": dense + 12 * attention + delta, "causal": dense + 6 * attention + delta})
+
+
+def test_mtp_adds_its_blocks_and_the_head_per_depth():
+    base = _flavor("deepseek_v3", "debugmodel")
+    mtp = dataclasses.replace(base, mtp_depth=2)
+    seq_len, shape = 256, mtp.shape()
+    out = flops.model_flops_per_token(mtp, seq_len)
+    matmul = mtp.num_active_params(exclude_embedding=True) + 2 * shape.vocab_size * shape.dim
+    assert out == flops.flops_per_token(
+        num_matmul_params=matmul,
+        n_layers=shape.n_layers + 2,
+        n_heads=shape.n_heads,
+        head_dim=shape.head_dim,
+        seq_len=seq_len,
+    )
+    assert out["palm"] > flops.model_flops_per_token(base, seq_len)["palm"]
+
+
+def test_trainer_planner_and_projection_read_one_count():
+    """The LM task's MFU, the planner's FLOPs and the TPU projections' facts are one function."""
+    from planner.search import model_flops_per_token as planner_flops
+    from trainer.tasks.lm import LMTask
+
+    args = _flavor("gpt_oss", "debugmodel")
+    task = LMTask.__new__(LMTask)
+    task.args, task.settings = args, SimpleNamespace(seq_len=512)
+    assert task.flops_per_unit() == flops.model_flops_per_token(args, 512)
+    assert planner_flops(args, args.shape(), 512) == flops.model_flops_per_token(args, 512)["palm"]

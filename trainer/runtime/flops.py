@@ -48,6 +48,35 @@ def flops_per_token(
     return {"palm": dense + 12.0 * attention, "causal": dense + 6.0 * attention}
 
 
+def model_flops_per_token(args, seq_len: int) -> dict[str, float]:
+    """Training FLOPs per token of a model (its args), {"palm", "causal"}: the one count the
+    trainer's MFU, the planner and the TPU projections read.
+
+    - Matmul parameters: `args.num_active_params(exclude_embedding=True)`; with multi-token
+      prediction (`mtp_depth` D > 0, DeepSeek-V3) the MTP modules are in that count and each depth
+      runs the shared output head again (D x vocab x dim more).
+    - Token mixing: a family whose blocks differ says so with `args.mixing_flops_per_token(seq_len)`
+      (training FLOPs of all blocks' attention score/value products or recurrences, both
+      conventions: gpt-oss's sliding-window blocks, Qwen 3.5's Gated DeltaNet blocks); otherwise
+      every block (and every MTP block) is full attention: 12 / 6 x L x H x Q x T
+      (`flops_per_token`)."""
+    shape = args.shape()
+    mtp = getattr(args, "mtp_depth", 0)
+    matmul = args.num_active_params(exclude_embedding=True) + mtp * shape.vocab_size * shape.dim
+    mixing = getattr(args, "mixing_flops_per_token", None)
+    if mixing is None:
+        return flops_per_token(
+            num_matmul_params=matmul,
+            n_layers=shape.n_layers + mtp,
+            n_heads=shape.n_heads,
+            head_dim=shape.head_dim,
+            seq_len=seq_len,
+        )
+    assert not mtp, "a family with its own mixing FLOPs has no MTP modules"
+    terms = mixing(seq_len)
+    return {convention: 6.0 * matmul + terms[convention] for convention in ("palm", "causal")}
+
+
 # ---------------------------------------------------------------------------------------------
 # Peak FLOP/s per device.
 

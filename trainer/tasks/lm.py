@@ -12,7 +12,7 @@ from models.errors import ConfigError
 from parallelisms.context_parallel import CPGroup, shard_sequence
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.runtime.device import gather_objects
-from trainer.runtime.flops import flops_per_token
+from trainer.runtime.flops import model_flops_per_token
 from trainer.step.loss import MTPLoss, lm_loss_fn
 
 
@@ -140,16 +140,6 @@ class LMTask:
         return None
 
     def flops_per_unit(self) -> dict[str, float]:
-        """Training FLOPs per token (trainer/runtime/flops.py). Multi-token prediction (`mtp_depth` D
-        > 0): the MTP modules' parameters are in the active count, their D blocks add D attention
-        layers, and each depth runs the shared output head again (D x vocab x dim more)."""
-        shape = self.args.shape()
-        mtp = getattr(self.args, "mtp_depth", 0)
-        head = mtp * self.args.vocab_size * self.args.dim if mtp else 0  # (the hf family's args have no dim)
-        return flops_per_token(
-            num_matmul_params=self.args.num_active_params(exclude_embedding=True) + head,
-            n_layers=shape.n_layers + mtp,
-            n_heads=shape.n_heads,
-            head_dim=shape.head_dim,
-            seq_len=self.settings.seq_len,
-        )
+        """Training FLOPs per token of the model (trainer/runtime/flops.py `model_flops_per_token`:
+        MTP depths and families whose blocks differ included)."""
+        return model_flops_per_token(self.args, self.settings.seq_len)
