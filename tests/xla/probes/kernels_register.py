@@ -106,8 +106,8 @@ def main() -> None:
         assert names == [
             "titan_tpu::gmm",
             "titan_tpu::gmm_t",
-            "titan_tpu::splash_fwd",
             "titan_tpu::splash_full_fwd",
+            "titan_tpu::splash_fwd",
             "titan_tpu::splash_seg_fwd",
         ], names
 
