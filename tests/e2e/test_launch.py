@@ -20,7 +20,7 @@ import pytest
 
 from models.errors import ConfigError
 from tests.support.trainer_runs import ENV, REPO, read_metrics, train
-from trainer import launch
+from trainer import launch, platforms
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -165,8 +165,8 @@ def test_torch_tpu_output_parsing_drops_empty_values_and_checks_node_rank():
 
 
 def test_slurm_plan():
-    assert launch.first_slurm_host("gpu[003-010,12],cpu1") == "gpu003"
-    assert launch.first_slurm_host("node7") == "node7"
+    assert platforms.first_slurm_host("gpu[003-010,12],cpu1") == "gpu003"
+    assert platforms.first_slurm_host("node7") == "node7"
     env = {"SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "dgx[12-15]"}
     plan = launch.build_plan(_args(nproc_per_node=8), env, tpu_env=_no_tpu_env)
     assert (plan.platform, plan.nnodes, plan.node_rank, plan.nproc_per_node, plan.master_addr, plan.device) == (

@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
 from models.errors import ConfigError
 from tests.e2e.test_install import normalize, read_pins
 from tests.support.trainer_runs import ENV, REPO
-from trainer import launch
+from trainer import launch, platforms
 from trainer.config import build_config
 from trainer.config.placeholders import PLACEHOLDER_PREFIX, check_checkpoint_folder, is_placeholder
 
@@ -153,10 +153,10 @@ def test_the_recipe_check_takes_the_placeholder_and_says_so():
     ],
 )
 def test_the_coordinator_address_gets_a_port(coordinator, port, want):
-    assert launch.coordinator_address(coordinator, port) == want
-    ms = launch.Multislice(2, 1, coordinator, "environment", port)
-    assert launch.multislice_env(ms)["MEGASCALE_COORDINATOR_ADDRESS"] == want
-    assert "MEGASCALE_PORT" not in launch.multislice_env(ms)
+    assert platforms.coordinator_address(coordinator, port) == want
+    ms = platforms.Multislice(2, 1, coordinator, "environment", port)
+    assert platforms.multislice_env(ms)["MEGASCALE_COORDINATOR_ADDRESS"] == want
+    assert "MEGASCALE_PORT" not in platforms.multislice_env(ms)
 
 
 def fake_torch_tpu_distributed(argv: list[str], env: dict) -> str:

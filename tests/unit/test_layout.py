@@ -148,7 +148,10 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------- the rooms of trainer/
 
 TRAINER_LAYERS = (  # bottom to top; the rooms of one layer do not import each other
-    ("runtime",),  # device, process group, atomic writes, the storage seam, the run lock
+    (
+        "runtime",
+        "platforms",
+    ),  # device, process group, atomic writes, the storage seam, the run lock; the job's shape per platform
     ("checkpoint", "data", "optim", "step"),  # checkpoints, text data, optimizers, the step's plan and loss
     ("flux_data",),  # the FLUX data set: build and loader (reads data's tokenizer)
     ("graph", "tasks"),  # the captured step; the tasks (lm, flow) with their data and loss
