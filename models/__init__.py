@@ -21,10 +21,12 @@ from typing import Any
 
 from torch import nn
 
-from models import deepseek_v3, flux, gpt_oss, hf, llama3, qwen3, qwen3_5
+from models import deepseek_v3, deepseek_v4, flux, gpt_oss, hf, llama3, qwen3, qwen3_5
 from models.common.plan import ModelPlan
 from models.deepseek_v3 import hf_adapter as deepseek_v3_adapter
 from models.deepseek_v3.plan import PLAN as DEEPSEEK_V3_PLAN
+from models.deepseek_v4 import hf_adapter as deepseek_v4_adapter
+from models.deepseek_v4.plan import PLAN as DEEPSEEK_V4_PLAN
 from models.flux import hf_adapter as flux_adapter
 from models.flux.plan import PLAN as FLUX_PLAN
 from models.gpt_oss import hf_adapter as gpt_oss_adapter
@@ -124,6 +126,16 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_adapter=deepseek_v3_adapter,
         document_mask=True,
     ),
+    # Its own attention (sinks, window + compressed keys), not the op: no document_mask, so no CP
+    # either; no TP plan (the model class's tp_refusal); blocks of several kinds, so no layer scan.
+    "deepseek_v4": ModelFamily(
+        name="deepseek_v4",
+        args_cls=deepseek_v4.DeepSeekV4Args,
+        flavors=deepseek_v4.FLAVORS,
+        model_cls=deepseek_v4.DeepSeekV4,
+        plan=DEEPSEEK_V4_PLAN,
+        hf_adapter=deepseek_v4_adapter,
+    ),
     # Its own attention (sinks, sliding window), not the op: no document_mask, so no CP either.
     "gpt_oss": ModelFamily(
         name="gpt_oss",
@@ -166,6 +178,7 @@ HF_MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "deepseek_v4": "deepseek_v4",
     "gpt_oss": "gpt_oss",
     "FluxTransformer2DModel": "flux",
 }

@@ -36,6 +36,12 @@ auxiliary-loss-free load balancing (`expert_bias=True`) and the sequence-wise au
 Option for Qwen 3.5 MoE (off by default): `shared_gate=True`, the shared expert's output scaled per
 token by `sigmoid(shared_gate(x))` (a linear dim -> 1) before it is added.
 
+Options for DeepSeek-V4 (off by default): `score_func="sqrtsoftplus"` (per-expert `sqrt(softplus)`
+scores, renormalised over the k with DeepSeek's epsilon), a given selection (`MoE.forward(x,
+selected_experts)`: hash routing, where a frozen token -> experts table chooses and the router's
+scores only weight) and experts with their own activation (`GroupedExperts.act`, overridden by
+models/deepseek_v4/model.py for the clamped SwiGLU).
+
 Options for gpt-oss (off by default): `gate_bias=True` (a learned bias in the router logits, so
 in the selection and in the weights) and `experts=` a family's own experts module with the
 experts' contract of `GroupedExperts` below (models/gpt_oss/model.py: per-expert biases, the clamped
@@ -262,7 +268,7 @@ class TokenChoiceTopKRouter(nn.Module):
     ):
         super().__init__()
         assert 1 <= top_k <= num_experts, f"top_k {top_k} must be in [1, num_experts={num_experts}]"
-        assert score_func in ("softmax", "sigmoid"), f"score_func {score_func!r}"
+        assert score_func in ("softmax", "sigmoid", "sqrtsoftplus"), f"score_func {score_func!r}"
         assert num_experts % num_groups == 0 and 1 <= top_groups <= num_groups, (num_experts, num_groups, top_groups)
         assert num_groups == 1 or num_experts // num_groups >= 2, "a group scores by its two best experts"
         # gpt-oss's router has a learned bias in its logits (`gate_bias`); the others have none.
@@ -303,16 +309,23 @@ class TokenChoiceTopKRouter(nn.Module):
         return random_experts(self.routing_key[0], tokens, self.num_experts, self.top_k)
 
     def scores(self, router_logits: torch.Tensor) -> torch.Tensor:
-        """Router logits -> float32 affinities (softmax over experts, or per-expert sigmoid)."""
+        """Router logits -> float32 affinities (softmax over experts, or per-expert sigmoid or sqrt(softplus))."""
         if self.score_func == "sigmoid":
             return torch.sigmoid(router_logits.float())
+        if self.score_func == "sqrtsoftplus":
+            return F.softplus(router_logits.float()).sqrt()
         return torch.softmax(router_logits.float(), dim=-1)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, dim] -> (top_scores [N, k] in x.dtype, selected_experts [N, k] int64, logits [N, E])."""
+    def forward(
+        self, x: torch.Tensor, selected_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, dim] -> (top_scores [N, k] in x.dtype, selected_experts [N, k] int64, logits [N, E]).
+        `selected_experts` [N, k] given (hash routing): the choice is that, the weights the scores at it."""
         router_logits = self.gate(x)
         probs = self.scores(router_logits)
-        if self.routing != "learned":
+        if selected_experts is not None:
+            top_scores = probs.gather(1, selected_experts)
+        elif self.routing != "learned":
             # Benchmark routing: the choice is synthetic, the weights the router's own (docstring).
             selected_experts = self.synthetic_experts(x.shape[0], x.device)
             top_scores = probs.gather(1, selected_experts)
@@ -333,7 +346,7 @@ class TokenChoiceTopKRouter(nn.Module):
         if self.norm_topk_prob:
             denom = top_scores.sum(dim=-1, keepdim=True)
             # DeepSeek's epsilon guards sigmoid scores that underflow; softmax keeps Qwen's exact division.
-            top_scores = top_scores / (denom + 1e-20 if self.score_func == "sigmoid" else denom)
+            top_scores = top_scores / (denom if self.score_func == "softmax" else denom + 1e-20)
         if self.route_scale != 1.0:
             top_scores = top_scores * self.route_scale
         return top_scores.to(x.dtype), selected_experts, router_logits
@@ -409,6 +422,10 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=0.02)
 
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation between the in- and out-projections: SwiGLU `silu(gate) * up`."""
+        return F.silu(gate) * up
+
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x [N, dim], rows sorted by expert; num_tokens_per_expert [E] (sums to <= N) -> [N, dim].
 
@@ -424,10 +441,10 @@ class GroupedExperts(nn.Module):
             mm = ops.quantized_grouped_mm
             r, n = self.recipe, num_tokens_per_expert
             gate, up = mm(x, w1.transpose(-2, -1), n, r), mm(x, w3.transpose(-2, -1), n, r)
-            return mm(F.silu(gate) * up, w2.transpose(-2, -1), n, r)
+            return mm(self.act(gate, up), w2.transpose(-2, -1), n, r)
         gate = ops.grouped_mm(x, w1.transpose(-2, -1), num_tokens_per_expert)
         up = ops.grouped_mm(x, w3.transpose(-2, -1), num_tokens_per_expert)
-        return ops.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), num_tokens_per_expert)
+        return ops.grouped_mm(self.act(gate, up), w2.transpose(-2, -1), num_tokens_per_expert)
 
     def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
         """x [E, rows, dim], row block e for expert e (the capacity dispatch's buffer) -> [E, rows, dim].
@@ -438,9 +455,9 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self.w1, self.w2, self.w3
         if self.recipe != "none":
             bmm, r = ops.quantized_batched_mm, self.recipe
-            h = F.silu(bmm(x, w1.transpose(-2, -1), r)) * bmm(x, w3.transpose(-2, -1), r)
+            h = self.act(bmm(x, w1.transpose(-2, -1), r), bmm(x, w3.transpose(-2, -1), r))
             return bmm(h, w2.transpose(-2, -1), r)
-        h = F.silu(torch.bmm(x, w1.transpose(-2, -1))) * torch.bmm(x, w3.transpose(-2, -1))
+        h = self.act(torch.bmm(x, w1.transpose(-2, -1)), torch.bmm(x, w3.transpose(-2, -1)))
         return torch.bmm(h, w2.transpose(-2, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -517,12 +534,15 @@ class MoE(nn.Module):
         # `use_capacity`: 0 = dropless; > 0 = the capacity-bounded dispatch (module docstring).
         self.capacity_factor = 0.0
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, selected_experts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [bs, seq, dim] -> (out [bs, seq, dim], auxiliary loss: 0-dim float32, load: [E] float32
-        token copies routed to each expert, no gradient)."""
+        token copies routed to each expert, no gradient). `selected_experts` [bs * seq, k] int64: the
+        experts of each token, chosen outside (hash routing); None: the router chooses."""
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
-        top_scores, selected_experts, router_logits = self.router(x)
+        top_scores, selected_experts, router_logits = self.router(x, selected_experts)
         num_experts, top_k = self.router.num_experts, self.router.top_k
 
         flat_experts = selected_experts.reshape(-1)  # [N * k] token copies ("slots")

@@ -1,0 +1,525 @@
+"""DeepSeek-V4: hyper-connected blocks of shared-KV sink attention over a sliding window plus
+compressed (CSA, sparse) or heavily compressed (HCA) KV entries, and a hash- or top-k-routed MoE.
+
+Layout: `tok_embeddings` -> copies into `hc_mult` streams [B, S, n, D] -> `layers` (a
+`BlockStack` of `DeepSeekV4Block`) -> `hc_head` (streams collapsed) -> `norm` -> `output`.
+The blocks differ in their attention's parameters (a sliding block has no compressor, a CSA
+block an indexer) and in their router's buffers (a hash table, or a selection bias), so the stack
+cannot be scanned (layer scan refuses it when the step is built); activation checkpointing and
+per-block compile take the blocks as they are.
+
+Attention does not go through the op `models.common.ops.causal_attention`: its keys are the
+window's plus the compressed entries, under a mask no kernel behind the op takes, with sinks.
+`sink_attention` computes `softmax([q k^T / sqrt(d) masked | sink]) v` with SDPA and a boolean
+mask, the sink being one more key (the gpt-oss formulation, models/gpt_oss/model.py). A kernel
+that skips the masked blocks (window + top-k entries) is what long sequences need.
+
+The indexer chooses entries by `topk`, which has no gradient: as in the reference, its
+parameters get none from the LM loss (DeepSeek trains them with a separate distillation loss,
+not built here).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common import ops
+from models.common.feed_forward import FeedForward
+from models.common.init import depth_scaled_std, trunc_normal_
+from models.common.moe import GroupedExperts, MoE, random_experts
+from models.common.norm import RMSNorm
+from models.common.stack import BlockStack
+from models.deepseek_v4.args import DeepSeekV4Args
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """Interleaved-pair RoPE tables `(cos, sin)` [max_seq_len, rope_head_dim // 2] (float32), plain or
+    YaRN (ramp bounds rounded, as transformers' default `truncate`; no table scale)."""
+
+    rope_head_dim: int
+    max_seq_len: int
+    theta: float
+    factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    original_max_seq_len: int = 65536
+
+    def inv_freq(self, device: torch.device | str | None = None) -> torch.Tensor:
+        dim, base = self.rope_head_dim, self.theta
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+        if self.factor == 1.0:
+            return 1.0 / pos_freqs
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(self.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001  # a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+        return 1.0 / (self.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+    def cos_sin(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(self.max_seq_len, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * self.inv_freq(device)[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing `2 * cos.shape[-1]` channels of x in interleaved pairs (x0, x1) ->
+    (x0 cos - x1 sin, x1 cos + x0 sin), in float32; the leading channels pass. cos/sin broadcast
+    against x's pairs ([..., rope_head_dim // 2])."""
+    rd = 2 * cos.shape[-1]
+    rope = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    x0, x1 = rope[..., 0], rope[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight over the last dim (the statistics in float32)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q [b, heads, s, d], kv [b, keys, d] (the one shared head, key and value alike), sinks [heads],
+    visible [b, s, keys] bool -> `softmax([q k^T / sqrt(d) masked | sink]) v` [b, heads, s, d].
+
+    The sink is one more key, visible to every query, whose logit is the sink and whose value is
+    zero: q gets a one (then zeros up to a multiple of 8) and the sink key `sink / scale` there,
+    the real keys zeros, so SDPA's memory-efficient kernels serve it and the sinks get their
+    gradient through the sink key (models/gpt_oss/model.py does the same)."""
+    b, heads, s, d = q.shape
+    scale = d**-0.5
+    extra = 8 - d % 8
+    q = torch.cat([q, q.new_ones(b, heads, s, 1), q.new_zeros(b, heads, s, extra - 1)], dim=-1)
+    k = F.pad(kv, (0, extra)).unsqueeze(1).expand(b, heads, -1, -1)
+    sink_key = F.pad((sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1), (d, extra - 1))
+    k = torch.cat([sink_key, k], dim=2)
+    v = torch.cat([kv.new_zeros(b, 1, d), kv], dim=1).unsqueeze(1).expand(b, heads, -1, -1)
+    mask = F.pad(visible, (1, 0), value=True).unsqueeze(1)  # every query sees the sink
+    return ops.sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one KV entry of width `head_dim`: a softmax (over the slots,
+    per channel) of `wgate x + position_bias` weighting `wkv x`, RMS-normed, RoPE'd at the window's
+    first position. `overlap` (CSA): the projections are twice as wide and entry w pools window
+    w - 1's first half with window w's second half (2 x ratio slots; window 0's earlier half is
+    empty). A trailing partial window makes no entry."""
+
+    def __init__(self, *, dim: int, head_dim: int, ratio: int, overlap: bool, norm_eps: float):
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        self.wkv = nn.Linear(dim, width, bias=False)
+        self.wgate = nn.Linear(dim, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, width))
+        self.norm = RMSNorm(head_dim, eps=norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, s, dim], the compressed RoPE tables [s, rope // 2] -> entries [b, s // ratio, head_dim]."""
+        b, s, _ = x.shape
+        m, hd = self.ratio, self.head_dim
+        n = s // m
+        if n == 0:
+            return x.new_zeros(b, 0, hd)
+        kv = self.wkv(x[:, : n * m]).view(b, n, m, -1)
+        gate = self.wgate(x[:, : n * m]).view(b, n, m, -1) + self.position_bias
+        if self.overlap:
+            earlier_kv = F.pad(kv[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0))
+            earlier_gate = F.pad(gate[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kv = torch.cat([earlier_kv, kv[..., hd:]], dim=2)
+            gate = torch.cat([earlier_gate, gate[..., hd:]], dim=2)
+        pooled = self.norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+        return rope_tail(pooled, cos[: n * m : m], sin[: n * m : m])
+
+    def init_weights(self) -> None:
+        """Projections: truncated normal std 0.02; position bias zeros; norm ones."""
+        trunc_normal_(self.wkv.weight, std=0.02)
+        trunc_normal_(self.wgate.weight, std=0.02)
+        nn.init.zeros_(self.position_bias)
+        self.norm.init_weights()
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer: its own overlapping compressor (keys of width `head_dim`) and query
+    heads from q's bottleneck; score(t, s) = sum_h w_{t,h} relu(q_{t,h} . k_s) / sqrt(d_I), w from
+    `weights_proj x / sqrt(H_I)`; a query keeps its `topk` best closed entries."""
+
+    def __init__(self, *, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int, topk: int, norm_eps):
+        super().__init__(dim=dim, head_dim=head_dim, ratio=ratio, overlap=True, norm_eps=norm_eps)
+        self.n_heads, self.topk = n_heads, topk
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+
+    def select(
+        self, x: torch.Tensor, q_lora: torch.Tensor, closed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """x [b, s, dim], q_lora [b, s, q_lora_rank], closed [s, n] (entry closed before the query)
+        -> the entries each query attends to [b, s, n] bool."""
+        b, s, _ = x.shape
+        keys = self(x, cos, sin)  # [b, n, d_I]
+        n = keys.shape[1]
+        q = rope_tail(self.wq_b(q_lora).view(b, s, self.n_heads, -1), cos[:s, None], sin[:s, None])
+        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))) * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~closed, float("-inf"))  # [b, s, n]
+        chosen = scores.topk(min(self.topk, n), dim=-1).indices
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True) & closed
+
+    def init_weights(self) -> None:
+        """As `Compressor`, and `wq_b`, `weights_proj`: truncated normal std 0.02."""
+        super().init_weights()
+        trunc_normal_(self.wq_b.weight, std=0.02)
+        trunc_normal_(self.weights_proj.weight, std=0.02)
+
+
+class GroupedLinear(nn.Module):
+    """`groups` independent linears (weight [groups * out, in], group g's rows g*out .. (g+1)*out):
+    x [..., groups, in] -> [..., groups, out]."""
+
+    def __init__(self, in_features: int, out_features: int, groups: int):
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(groups * out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-2]
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [g, in, out]
+        y = torch.bmm(x.reshape(-1, self.groups, x.shape[-1]).transpose(0, 1), w)  # [g, N, out]
+        return y.transpose(0, 1).reshape(*lead, self.groups, -1)
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA with sinks over a causal window plus the compressed entries of its kind
+    ("s", "c" or "h"), partial interleaved RoPE (undone on the output), grouped output projection."""
+
+    def __init__(self, args: DeepSeekV4Args, kind: str):
+        super().__init__()
+        d, h, hd = args.dim, args.n_heads, args.head_dim
+        self.kind, self.n_heads, self.head_dim, self.eps = kind, h, hd, args.norm_eps
+        self.window = args.sliding_window
+        self.wq_a = nn.Linear(d, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, h * hd, bias=False)
+        self.wkv = nn.Linear(d, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, eps=args.norm_eps)
+        self.wo_a = GroupedLinear(h * hd // args.o_groups, args.o_lora_rank, args.o_groups)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(h))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        if kind == "h":
+            self.ratio = args.hca_ratio
+            self.compressor = Compressor(dim=d, head_dim=hd, ratio=self.ratio, overlap=False, norm_eps=args.norm_eps)
+        elif kind == "c":
+            self.ratio = args.csa_ratio
+            self.compressor = Compressor(dim=d, head_dim=hd, ratio=self.ratio, overlap=True, norm_eps=args.norm_eps)
+            self.indexer = Indexer(
+                dim=d,
+                q_lora_rank=args.q_lora_rank,
+                n_heads=args.index_n_heads,
+                head_dim=args.index_head_dim,
+                ratio=self.ratio,
+                topk=args.index_topk,
+                norm_eps=args.norm_eps,
+            )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, s, dim], this block's RoPE tables (at least s rows) -> [b, s, dim]."""
+        b, s, _ = x.shape
+        cos, sin = cos[:s], sin[:s]
+        q_lora = self.q_norm(self.wq_a(x))
+        q = rms(self.wq_b(q_lora).view(b, s, self.n_heads, self.head_dim), self.eps)
+        q = rope_tail(q, cos[:, None], sin[:, None])
+        kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [b, s, hd]
+        i = torch.arange(s, device=x.device)
+        visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)).expand(b, s, s)
+        if self.compressor is not None:
+            entries = self.compressor(x, cos, sin)
+            # Entry w holds tokens up to (w + 1) m - 1: closed for queries t >= that.
+            w = torch.arange(entries.shape[1], device=x.device)
+            closed = w[None, :] < ((i + 1) // self.ratio)[:, None]  # [s, n]
+            if self.indexer is not None:
+                chosen = self.indexer.select(x, q_lora, closed, cos, sin)
+            else:
+                chosen = closed.expand(b, -1, -1)
+            kv = torch.cat([kv, entries], dim=1)
+            visible = torch.cat([visible, chosen], dim=-1)
+        out = sink_attention(q.transpose(1, 2), kv, self.sinks, visible).transpose(1, 2)  # [b, s, h, hd]
+        out = rope_tail(out, cos[:, None], -sin[:, None])  # values carry their keys' rotation: undo it
+        grouped = self.wo_a(out.reshape(b, s, self.wo_a.groups, -1)).flatten(2)
+        return self.wo_b(grouped)
+
+    def init_weights(self, init_std: float) -> None:
+        """wq_a, wq_b, wkv, wo_a: truncated normal std 0.02; wo_b (the residual-branch output): std
+        `init_std`; norms ones; sinks zeros; compressor and indexer: their `init_weights`."""
+        for w in (self.wq_a.weight, self.wq_b.weight, self.wkv.weight, self.wo_a.weight):
+            trunc_normal_(w, std=0.02)
+        trunc_normal_(self.wo_b.weight, std=init_std)
+        self.q_norm.init_weights()
+        self.kv_norm.init_weights()
+        nn.init.zeros_(self.sinks)
+        for part in (self.compressor, self.indexer):
+            if part is not None:
+                part.init_weights()
+
+
+class HyperConnection(nn.Module):
+    """Manifold-constrained hyper-connection weights of one sub-layer from the `n` streams h [b, s, n, D]:
+    from `fn` applied to the RMS-normed flattened streams (+ `base`, times the three `scale`s):
+    pre = sigmoid + eps (collapses the streams into the sub-layer's input), post = 2 sigmoid (spreads
+    its output over the streams), comb = softmax over rows + eps, then Sinkhorn-Knopp (columns, then
+    rows and columns `iters - 1` times) towards a doubly-stochastic matrix (mixes the streams)."""
+
+    def __init__(self, *, dim: int, n: int, iters: int, eps: float, norm_eps: float):
+        super().__init__()
+        self.n, self.iters, self.eps, self.norm_eps = n, iters, eps, norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * dim))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (post [b, s, n], comb [b, s, n, n] (float32), collapsed input [b, s, D] in h's dtype)."""
+        n = self.n
+        mix = F.linear(rms(h.flatten(2).float(), self.norm_eps), self.fn.float())
+        pre, post, comb = mix.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post * post_s + post_b)
+        comb = torch.softmax(comb.unflatten(-1, (n, n)) * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * h).sum(dim=2).to(h.dtype)
+        return post, comb, collapsed
+
+    def init_weights(self) -> None:
+        """fn: normal std 0.02; base zeros; scales ones (transformers' initialisation)."""
+        nn.init.normal_(self.fn, std=0.02)
+        nn.init.zeros_(self.base)
+        nn.init.ones_(self.scale)
+
+
+class HyperHead(nn.Module):
+    """The final collapse of the streams: `sum_j (sigmoid(fn(rms(h)) * scale + base)_j + eps) h_j`."""
+
+    def __init__(self, *, dim: int, n: int, eps: float, norm_eps: float):
+        super().__init__()
+        self.eps, self.norm_eps = eps, norm_eps
+        self.fn = nn.Parameter(torch.empty(n, n * dim))
+        self.base = nn.Parameter(torch.zeros(n))
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mix = F.linear(rms(h.flatten(2).float(), self.norm_eps), self.fn.float())
+        pre = torch.sigmoid(mix * self.scale.float() + self.base.float()) + self.eps
+        return (pre.unsqueeze(-1) * h).sum(dim=2).to(h.dtype)
+
+    def init_weights(self) -> None:
+        """fn: normal std 0.02; base zeros; scale one."""
+        nn.init.normal_(self.fn, std=0.02)
+        nn.init.zeros_(self.base)
+        nn.init.ones_(self.scale)
+
+
+class ClampedExperts(GroupedExperts):
+    """`GroupedExperts` (w1 gate, w3 up, w2 down; grouped matmuls, EP and `[quantize]` as they are)
+    with DeepSeek-V4's activation `silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)`."""
+
+    def __init__(self, *, dim: int, hidden_dim: int, num_experts: int, limit: float):
+        super().__init__(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        self.limit = limit
+
+    def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+
+class ClampedFeedForward(FeedForward):
+    """The shared expert: `FeedForward` with the experts' clamped SwiGLU."""
+
+    def __init__(self, *, dim: int, hidden_dim: int, limit: float):
+        super().__init__(dim=dim, hidden_dim=hidden_dim)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        return self.w2(F.silu(gate) * self.w3(x).clamp(min=-self.limit, max=self.limit))
+
+
+def hash_table(vocab_size: int, num_experts: int, top_k: int, device: torch.device | None = None) -> torch.Tensor:
+    """The initial token -> experts table [vocab, k] int64: k distinct experts per token id, uniformly
+    (a fixed seeded hash of the id, `models.common.moe.random_experts`); a checkpoint brings its own."""
+    tokens = torch.arange(vocab_size, device=device)
+    return random_experts(torch.zeros((), dtype=torch.int64, device=device), tokens, num_experts, top_k)
+
+
+class DeepSeekV4Block(nn.Module):
+    """Two hyper-connected sub-layers: attention (pre-norm), then the MoE (pre-norm); each is
+    `h <- post (x) f(norm(sum_j pre_j h_j)) + comb^T h` over the streams."""
+
+    def __init__(self, args: DeepSeekV4Args, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.kind = args.layer_kinds()[layer_id]
+        self.is_hash = args.is_hash_layer(layer_id)
+        hc = dict(dim=args.dim, n=args.hc_mult, iters=args.hc_sinkhorn_iters, eps=args.hc_eps, norm_eps=args.norm_eps)
+        self.attn_hc = HyperConnection(**hc)
+        self.ffn_hc = HyperConnection(**hc)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args, self.kind)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(
+            dim=args.dim,
+            hidden_dim=args.moe_hidden_dim,
+            num_experts=args.num_experts,
+            top_k=args.num_experts_per_tok,
+            norm_topk_prob=True,
+            score_func="sqrtsoftplus",
+            route_scale=args.route_scale,
+            expert_bias=not self.is_hash,
+            aux_loss="none" if self.is_hash else "sequence",
+            experts=ClampedExperts(
+                dim=args.dim, hidden_dim=args.moe_hidden_dim, num_experts=args.num_experts, limit=args.swiglu_limit
+            ),
+        )
+        self.moe.shared_experts = ClampedFeedForward(
+            dim=args.dim, hidden_dim=args.moe_hidden_dim, limit=args.swiglu_limit
+        )
+        if self.is_hash:
+            # Persistent: checkpoints (and HF's `mlp.gate.tid2eid`) hold it.
+            table = hash_table(args.vocab_size, args.num_experts, args.num_experts_per_tok)
+            self.moe.router.register_buffer("tid2eid", table)
+        self.is_moe = True
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        compress_cos: torch.Tensor,
+        compress_sin: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [b, s, n, D] streams; the sliding blocks' and the compressed blocks' RoPE tables; tokens
+        [b, s] (hash routing) -> (h, aux_loss, load)."""
+        dtype = h.dtype
+        post, comb, x = self.attn_hc(h)
+        rope = (cos, sin) if self.kind == "s" else (compress_cos, compress_sin)
+        out = self.attention(self.attention_norm(x), *rope)
+        h = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+        post, comb, x = self.ffn_hc(h)
+        selected = self.moe.router.tid2eid[tokens.reshape(-1)] if self.is_hash else None
+        out, aux_loss, load = self.moe(self.ffn_norm(x), selected)
+        h = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+        return h, aux_loss, load
+
+    def init_weights(self, vocab_size: int) -> None:
+        init_std = depth_scaled_std(self.layer_id)
+        self.attn_hc.init_weights()
+        self.ffn_hc.init_weights()
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(init_std)
+        self.moe.init_weights(init_std)
+        if self.is_hash:
+            table = self.moe.router.tid2eid
+            with torch.no_grad():
+                table.copy_(hash_table(vocab_size, self.moe.router.num_experts, table.shape[1], table.device))
+
+
+class DeepSeekV4(nn.Module):
+    """DeepSeek-V4; `forward(tokens [B, T]) -> logits [B, T, vocab]`, `hidden(tokens)`,
+    `init_weights()`, `pop_aux_loss()` (the learned-routing blocks' sequence-wise balance loss)."""
+
+    attn_backends = ("auto", "sdpa")
+    """The `[model] attn_backend` values its attention honours: its own torch formulation (sinks,
+    window + compressed keys) serves every device; no kernel behind the other values takes it."""
+
+    tp_refusal = (
+        "DeepSeek-V4 has no tensor-parallel plan yet (the shared KV head, the grouped output "
+        "projection, the compressors and the hyper-connections' stream mixing have no TP styles)"
+    )
+    """Why tensor parallelism is refused (trainer/step/plan.py's tp_refusal rule)."""
+
+    def __init__(self, args: DeepSeekV4Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = BlockStack(DeepSeekV4Block(args, i) for i in range(args.n_layers))
+        self.hc_head = HyperHead(dim=args.dim, n=args.hc_mult, eps=args.hc_eps, norm_eps=args.norm_eps)
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        for name, (cos, sin) in self._rope_tables().items():
+            self.register_buffer(f"{name}_cos", cos, persistent=False)
+            self.register_buffer(f"{name}_sin", sin, persistent=False)
+
+    def _rope_tables(self, device: torch.device | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        a = self.args
+        main = RopeTables(a.rope_head_dim, a.max_seq_len, a.rope_theta)
+        compress = RopeTables(
+            a.rope_head_dim,
+            a.max_seq_len,
+            a.compress_rope_theta,
+            a.rope_factor,
+            a.rope_beta_fast,
+            a.rope_beta_slow,
+            a.rope_original_max_seq_len,
+        )
+        return {"rope": main.cos_sin(device), "compress_rope": compress.cos_sin(device)}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] `output` projects."""
+        seqlen = tokens.shape[1]
+        assert seqlen <= self.rope_cos.shape[0], f"sequence length {seqlen} exceeds max_seq_len"
+        x = self.tok_embeddings(tokens)
+        h = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+        h = self.layers(h, self.rope_cos, self.rope_sin, self.compress_rope_cos, self.compress_rope_sin, tokens)
+        return self.norm(self.hc_head(h))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter in place and rebuild the RoPE buffers.
+
+        - `tok_embeddings`: normal std 0.02; `output`: truncated normal std `dim ** -0.5` (kept
+          as the embedding's when tied); norms ones.
+        - per block i: attention (`Attention.init_weights`: in-projections std 0.02, `wo_b` std
+          `0.02 / sqrt(2 (i + 1))`, sinks and position biases zeros), the MoE as
+          `models.common.moe.MoE.init_weights` with that depth-scaled std (router, experts' w2/w3,
+          shared w2; selection biases zeros), the hash table (hash blocks) re-drawn as
+          `hash_table`, the hyper-connections as transformers does (fn normal std 0.02, base
+          zeros, scale ones), `hc_head` too.
+        All act in place, so parameters may be DTensors.
+        """
+        if self.args.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        for name, (cos, sin) in self._rope_tables(device).items():
+            setattr(self, f"{name}_cos", cos)
+            setattr(self, f"{name}_sin", sin)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+        for block in self.layers.values():
+            block.init_weights(self.args.vocab_size)
+        self.hc_head.init_weights()
+        self.norm.init_weights()
+        if not self.args.tie_embeddings:
+            trunc_normal_(self.output.weight, std=self.args.dim**-0.5)
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """Sum over blocks of the MoE balance loss of the last forward (hash blocks add zero)."""
+        total = self.layers.pop_aux_loss()
+        assert total is not None, "the aux loss is available once after each forward"
+        return total
