@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-import trainer.data.text
+import trainer.data.sources
 from models.errors import ConfigError
 from trainer.data import build_dataloader, merge_states
 from trainer.data.tokenizer import build_tokenizer
@@ -151,14 +151,14 @@ def test_each_rank_tokenizes_only_its_shards(tok):
 def test_file_shards_open_only_their_files(tok, files, monkeypatch):
     """With >= S files, a rank opens only the files of its shards (f mod S in its shards)."""
     opened = collections.defaultdict(set)
-    load = trainer.data.text._load_streaming
+    load = trainer.data.sources._load_streaming
     rank = [0]
 
     def recording(path, *, local, **kwargs):
         opened[rank[0]].update(os.path.basename(p) for p in kwargs.get("data_files", []))
         return load(path, local=local, **kwargs)
 
-    monkeypatch.setattr(trainer.data.text, "_load_streaming", recording)
+    monkeypatch.setattr(trainer.data.sources, "_load_streaming", recording)
     four = _loaders(tok, files, 4, num_shards=8)
     for _ in range(30):  # > 1 epoch of every shard: every file of the rank's shards is read
         for rank[0], loader in enumerate(four):
@@ -175,8 +175,8 @@ def test_small_single_file_is_parsed_once_per_rank(tok, tmp_path, monkeypatch):
     path = tmp_path / "one.jsonl"
     path.write_text("".join(json.dumps({"text": f"doc {i} " + "x y z " * (5 + i % 7)}) + "\n" for i in range(64)))
     opens = []
-    load = trainer.data.text._load_streaming
-    monkeypatch.setattr(trainer.data.text, "_load_streaming", lambda *a, **k: opens.append(1) or load(*a, **k))
+    load = trainer.data.sources._load_streaming
+    monkeypatch.setattr(trainer.data.sources, "_load_streaming", lambda *a, **k: opens.append(1) or load(*a, **k))
     four = _loaders(tok, str(path), 4, num_shards=8)
     got = _global_ids(four, 60)
     assert len(opens) == 4 and all(min(e[0] for e in loader.local_state()["shards"] if e) >= 4 for loader in four)
@@ -189,16 +189,17 @@ def test_hub_datasets_shard_by_file_like_local_files(tok, files, monkeypatch):
     one (offline), and the windows equal those of the same files read as a local glob."""
     import glob
 
-    from trainer.data.text import TokenLoader, _Source
+    from trainer.data.sources import Source as _Source
+    from trainer.data.text import TokenLoader
 
-    load = trainer.data.text._load_streaming
+    load = trainer.data.sources._load_streaming
 
     def fake_hub(path, *, local, **kwargs):
         if local:
             return load(path, local=True, **kwargs)
         return load("json", local=True, data_files=sorted(glob.glob(files)), split="train")
 
-    monkeypatch.setattr(trainer.data.text, "_load_streaming", fake_hub)
+    monkeypatch.setattr(trainer.data.sources, "_load_streaming", fake_hub)
     hub = _Source(spec="owner/name", kind="hub", hub_path="owner/name", split="train")
     loaders = [
         TokenLoader(

@@ -317,7 +317,7 @@ def test_bad_json_line_past_the_first_chunk_names_the_true_line(tmp_path, capfd)
     # ("in row 9709" for line 111945), and logged a second stderr line of its own.
     import json
 
-    from trainer.data.text import _iter_texts
+    from trainer.data.sources import iter_texts as _iter_texts
 
     path = tmp_path / "big.jsonl"
     with open(path, "w") as f:

@@ -46,259 +46,21 @@ Resuming reads only the current block of each of the rank's shards again.
 from __future__ import annotations
 
 import collections
-import glob as globlib
 import hashlib
 import itertools
-import json
 import logging
 import math
 import os
-import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from models.errors import ConfigError
-
-_ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
-BUNDLED_CORPUS_DIR = os.path.join(_ASSETS, "corpus")
+from trainer.data.sources import Source, iter_texts, num_files, resolve_dataset
 
 SHUFFLE_BLOCK_DOCS = 8192
 DEFAULT_SHARDS = 64
-_COMPRESSION = (".gz", ".bz2", ".xz")
-_KIND_BY_EXT = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-_ALLOWED = "'bundled', a .json/.jsonl/.parquet/.txt file, folder or glob, or a hub name owner/name[:config]"
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?(:[\w.-]+)?$")
-
-
-def _file_kind(path: str) -> str | None:
-    base = path
-    for ext in _COMPRESSION:
-        if base.endswith(ext):
-            base = base[: -len(ext)]
-            break
-    return _KIND_BY_EXT.get(os.path.splitext(base)[1].lower())
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Source:
-    """Where documents come from: local files of one kind ("json", "parquet", "text"), or a
-    Hub dataset (kind "hub")."""
-
-    spec: str
-    kind: str
-    files: list[str] | None = None
-    hub_path: str | None = None
-    hub_config: str | None = None
-    split: str = "train"
-
-
-def resolve_dataset(spec: str, split: str = "train") -> _Source:
-    """Parse a dataset spec (see the module docstring); ConfigError if it names nothing usable."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"dataset: {spec!r} is empty; allowed: {_ALLOWED}")
-    if spec == "bundled":
-        if split not in ("train", "validation"):
-            raise ConfigError(f"dataset 'bundled': no split {split!r}; allowed: train, validation")
-        path = os.path.join(BUNDLED_CORPUS_DIR, f"{split}.jsonl.gz")
-        if not os.path.isfile(path):
-            raise ConfigError(
-                f"dataset 'bundled': {path} is missing; allowed: regenerate it with scripts/data/build_corpus.py"
-            )
-        return _Source(spec=spec, kind="json", files=[path], split=split)
-
-    path = os.path.expanduser(spec)
-    if any(ch in path for ch in "*?["):
-        matches = [p for p in globlib.glob(path, recursive=True) if os.path.isfile(p)]
-        if not matches:
-            raise ConfigError(f"dataset {spec}: the glob matches no file; allowed: {_ALLOWED}")
-    elif os.path.isdir(path):
-        matches = [
-            p
-            for p in globlib.glob(os.path.join(path, "**", "*"), recursive=True)
-            if os.path.isfile(p) and _file_kind(p)
-        ]
-        if not matches:
-            raise ConfigError(
-                f"dataset {spec}: the folder holds no .json/.jsonl/.parquet/.txt file; allowed: {_ALLOWED}"
-            )
-    elif os.path.isfile(path):
-        matches = [path]
-    elif _file_kind(path) or path.startswith((".", "/", "~")) or not _HUB_NAME.match(spec):
-        raise ConfigError(f"dataset {spec}: no such file; allowed: {_ALLOWED}")
-    else:
-        name, _, config = spec.partition(":")
-        return _Source(spec=spec, kind="hub", hub_path=name, hub_config=config or None, split=split)
-
-    matches = sorted(matches)
-    kinds = {}
-    for p in matches:
-        kind = _file_kind(p)
-        if kind is None:
-            raise ConfigError(
-                f"dataset {spec}: file {p} has an unsupported type; allowed: "
-                ".json .jsonl .parquet .txt (optionally .gz .bz2 .xz)"
-            )
-        kinds.setdefault(kind, p)
-        if not os.access(p, os.R_OK):
-            raise ConfigError(f"dataset {spec}: file {p} is not readable; allowed: readable files")
-    if len(kinds) > 1:
-        raise ConfigError(
-            f"dataset {spec}: mixes file kinds {sorted(kinds)} (e.g. {list(kinds.values())}); allowed: one kind per dataset"
-        )
-    return _Source(spec=spec, kind=next(iter(kinds)), files=matches, split=split)
-
-
-def _load_streaming(path: str, *, local: bool, **kwargs):
-    import datasets  # imported lazily: ~1 s, only jobs that read data pay for it
-
-    # The json reader logs its own copy of a parse error before raising it; we report the
-    # error ourselves, as one line with the true line number (_json_error_line).
-    datasets.utils.logging.get_logger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
-
-    if not local:
-        return datasets.load_dataset(path, streaming=True, **kwargs)
-    # Local files need no network, but load_dataset still sends a download-count request
-    # (and waits for its timeout when offline) unless it believes it is offline. The flag is
-    # read from the environment at import, so set the module's copy for this call only.
-    previous = datasets.config.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = True
-    try:
-        return datasets.load_dataset(path, streaming=True, **kwargs)
-    finally:
-        datasets.config.HF_HUB_OFFLINE = previous
-
-
-def _open_hub(source: _Source):
-    try:
-        return _load_streaming(source.hub_path, local=False, name=source.hub_config, split=source.split)
-    except Exception as e:  # noqa: BLE001 - any failure to open a hub dataset is a bad spec or no network
-        raise ConfigError(
-            f"dataset {source.spec}: not a local file or folder, and cannot open it from the "
-            f"Hugging Face Hub (split {source.split!r}; offline?): {type(e).__name__}: {e}; allowed: {_ALLOWED}"
-        ) from None
-
-
-def _num_files(source: _Source) -> int:
-    """Files of the dataset: local files, or the Hub dataset's data files (`n_shards`)."""
-    return len(source.files) if source.kind != "hub" else int(getattr(_open_hub(source), "num_shards", 1) or 1)
-
-
-def _iter_texts(
-    source: _Source, text_field: str, skip_rows: int = 0, file_shard: tuple[int, int] | None = None
-) -> Iterator[str]:
-    """Document texts in a fixed order, starting after `skip_rows` rows (skipped rows are
-    parsed, not tokenized). A row whose field is None or empty yields "" so that row
-    positions stay stable. `file_shard=(s, S)` reads only files s, s+S, s+2S, ... (for a Hub
-    dataset: its data files, with `IterableDataset.shard(S, s, contiguous=False)`)."""
-    if source.kind == "hub":
-        ds = _open_hub(source)
-        if file_shard is not None:
-            ds = ds.shard(num_shards=file_shard[1], index=file_shard[0], contiguous=False)
-        yield from itertools.islice(_rows_to_texts(ds, source.spec, text_field), skip_rows, None)
-        return
-    extra = {"sample_by": "paragraph"} if source.kind == "text" else {}
-    files = source.files if file_shard is None else source.files[file_shard[0] :: file_shard[1]]
-    for path in files:
-        # One streaming dataset per file so that a read error names its file.
-        rows = 0  # rows of this file already read: the reader's error row numbers count from its chunk
-        try:
-            ds = _load_streaming(source.kind, local=True, data_files=[path], split="train", **extra)
-            for text in _rows_to_texts(ds, path, text_field):
-                rows += 1
-                if skip_rows:
-                    skip_rows -= 1
-                    continue
-                yield text
-        except ConfigError:
-            raise
-        except UnicodeDecodeError as e:
-            raise ConfigError(
-                f"dataset {source.spec}: file {path} is not valid UTF-8 ({e.reason} at byte "
-                f"{e.start}); allowed: UTF-8 text"
-            ) from None
-        except StopIteration:
-            continue  # datasets raises it for an empty json file: no rows
-        except Exception as e:  # noqa: BLE001 - a malformed or unreadable file, reported by name
-            where = _json_error_line(path, rows, str(e)) if source.kind == "json" else None
-            if where is not None:
-                line, reason = where
-                raise ConfigError(
-                    f"dataset {source.spec}: file {path} line {line} is not valid JSON ({reason}); "
-                    "allowed: one JSON object per line"
-                ) from None
-            raise ConfigError(
-                f"dataset {source.spec}: cannot read file {path} as {source.kind}: "
-                f"{type(e).__name__}: {_one_line(str(e))}; allowed: readable {source.kind} files"
-            ) from None
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _open_text(path: str):
-    """A local data file as text, decompressed by its extension (.gz, .bz2, .xz)."""
-    import bz2
-    import gzip
-    import lzma
-
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(os.path.splitext(path)[1], open)
-    return opener(path, "rt", encoding="utf-8", errors="replace")
-
-
-def _json_error_line(path: str, rows_before: int, message: str) -> tuple[int, str] | None:
-    """(1-based line number, reason) of the first line of a JSON-lines file that does not parse.
-
-    The reader parses a file in chunks (~10 MB) and reports `in row R` counted from the start of
-    the failing chunk; `rows_before` rows (all earlier chunks) were read. So the bad line is
-    the (rows_before + R)-th non-blank line: found by counting lines, parsing only from there.
-    If that line parses after all (another kind of error), the whole file is parsed line by line.
-    None if every line parses (e.g. a .json file holding one array: not line-delimited).
-    """
-    match = re.search(r"in row (\d+)", message)
-    guess = rows_before + int(match.group(1)) if match else 0
-    try:
-        for start in (guess, 0) if guess else (0,):
-            row = -1
-            with _open_text(path) as f:
-                for number, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    row += 1
-                    if row == 0 and line.lstrip().startswith("["):
-                        return None  # one JSON array, not JSON lines: the reader's message stands
-                    if row < start:
-                        continue
-                    try:
-                        json.loads(line)
-                    except ValueError as e:
-                        return number, _one_line(str(e), 120)
-                    if start and row > start:
-                        break  # the guessed line parses: look through the whole file
-    except (OSError, EOFError, ValueError):  # not readable as text (bad gzip, ...): no line to name
-        return None
-    return None
-
-
-def _rows_to_texts(ds, where: str, text_field: str) -> Iterator[str]:
-    for row in ds:
-        if text_field not in row:
-            raise ConfigError(
-                f"dataset {where}: rows have no field {text_field!r}; fields found: "
-                f"{sorted(row)}; allowed: one of them as the text field"
-            )
-        text = row[text_field]
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise ConfigError(
-                f"dataset {where}: field {text_field!r} holds {type(text).__name__}, not text; allowed: a field of strings"
-            )
-        yield text
 
 
 def _block_order(n: int, seed: int, epoch: int, shard: int, block: int) -> list[int]:
@@ -321,7 +83,7 @@ def auto_shards(global_micro_batch: int) -> int:
     return math.lcm(DEFAULT_SHARDS, global_micro_batch)
 
 
-def _every_shard_has_text(source: _Source, text_field: str, num_shards: int) -> bool:
+def _every_shard_has_text(source: Source, text_field: str, num_shards: int) -> bool:
     """Whether each of `num_shards` shards gets at least one non-empty document, decided from
     the data alone (the same answer on every rank and every mesh). With fewer files than
     shards (row i -> shard i mod S) the rows are parsed until every residue has a non-empty
@@ -330,12 +92,12 @@ def _every_shard_has_text(source: _Source, text_field: str, num_shards: int) -> 
     still opens only its own files); a Hub dataset with >= S data files is not checked."""
     if num_shards == 1:
         return True
-    if _num_files(source) >= num_shards:
+    if num_files(source) >= num_shards:
         if source.kind == "hub":
             return True
         return all(any(os.path.getsize(p) for p in source.files[s::num_shards]) for s in range(num_shards))
     missing = set(range(num_shards))
-    for i, text in enumerate(_iter_texts(source, text_field)):
+    for i, text in enumerate(iter_texts(source, text_field)):
         if text:
             missing.discard(i % num_shards)
             if not missing:
@@ -347,7 +109,7 @@ class _FileShards:
     """Shard s reads files s, s+S, s+2S, ... (used when there are at least S files): a rank opens
     only its own shards' files. Block b of a shard is rows [b*K, (b+1)*K) of its files."""
 
-    def __init__(self, *, source: _Source, text_field: str, num_shards: int, block_docs: int):
+    def __init__(self, *, source: Source, text_field: str, num_shards: int, block_docs: int):
         self.source, self.text_field, self.num_shards, self.block_docs = source, text_field, num_shards, block_docs
         self._open: dict[int, tuple[int, Iterator[str]]] = {}  # shard -> (next block, its row iterator)
 
@@ -357,7 +119,7 @@ class _FileShards:
         if nxt is not None and nxt[0] == block:
             rows = nxt[1]
         else:
-            rows = _iter_texts(
+            rows = iter_texts(
                 self.source,
                 self.text_field,
                 skip_rows=block * self.block_docs,
@@ -386,7 +148,7 @@ class _DealtDocs:
     def __init__(
         self,
         *,
-        source: _Source,
+        source: Source,
         text_field: str,
         num_shards: int,
         block_docs: int,
@@ -427,7 +189,7 @@ class _DealtDocs:
     def _read_chunk(self, block: int) -> dict[int, list[str]]:
         rows = self.num_shards * self.block_docs
         if self._rows is None or block < self._next_chunk:
-            self._rows = _iter_texts(self.source, self.text_field, skip_rows=block * rows)
+            self._rows = iter_texts(self.source, self.text_field, skip_rows=block * rows)
         elif block > self._next_chunk:
             collections.deque(itertools.islice(self._rows, (block - self._next_chunk) * rows), maxlen=0)
         chunk: dict[int, list[str]] = {s: [] for s in self.shards}
@@ -577,7 +339,7 @@ class TokenLoader:
     def __init__(
         self,
         *,
-        source: _Source,
+        source: Source,
         tokenizer,
         seq_len: int,
         local_batch_size: int,
@@ -627,7 +389,7 @@ class TokenLoader:
     def _reader(self):
         if self._reader_obj is None:
             if self._by_file is None:
-                self._by_file = self.num_shards == 1 or _num_files(self.source) >= self.num_shards
+                self._by_file = self.num_shards == 1 or num_files(self.source) >= self.num_shards
             common = dict(
                 source=self.source,
                 text_field=self.text_field,
