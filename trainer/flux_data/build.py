@@ -294,15 +294,54 @@ def _to_tensor(images: np.ndarray) -> torch.Tensor:
 
 def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=_log) -> dict:
     """Write the data set for `params` into `folder` (created; must not exist). Returns meta.
-    `device` runs local (real) encoders and VAE there, e.g. "cuda"; the debug ones use the CPU."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    `device` runs local (real) encoders and VAE there, e.g. "cuda"; the debug ones use the CPU.
 
+    1. the conditioners (T5 + CLIP and the VAE: local ones, else the debug ones);
+    2. the procedural samples of each split;
+    3. the debug VAE trained on the train split (a local VAE is used as it is);
+    4. each split encoded and written as parquet shards (`_write_split`);
+    5. the encoders, the VAE and meta.json saved beside them."""
     from models.flux import conditioning as cond
-    from trainer.data.tokenizer import build_tokenizer
 
     _check_params(params)
     start, cpu_start = time.perf_counter(), time.process_time()
+    text, vae, bpe = _conditioners(params, device)
+    _check_params(params, vae.spatial_factor)
+    splits = {
+        split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
+        for split, count in (("train", params.num_train), ("heldout", params.num_heldout))
+    }
+    vae_report = None if params.vae_path else _train_debug_vae(vae, splits["train"][0], params, log)
+
+    os.makedirs(folder)
+    meta = {
+        "format": FORMAT_VERSION,
+        "build": _BUILD_VERSION,
+        "params": asdict(params),
+        "splits": {},
+        "conditioning": cond.describe(vae, text),
+        "text_ids": "bundled-bpe" if bpe is not None else "hf",
+        "row_group_rows": params.row_group_rows,
+    }
+    for split, (images, rows) in splits.items():
+        meta["splits"][split], meta["shapes"] = _write_split(folder, split, images, rows, vae, text, params, log)
+    meta["vae_training"] = vae_report
+    text.save(os.path.join(folder, "encoders"))
+    vae.save(os.path.join(folder, "vae"))
+    meta["build_seconds"] = time.perf_counter() - start
+    meta["build_cpu_seconds"] = time.process_time() - cpu_start
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    log(f"built {folder} in {meta['build_seconds']:.1f} s ({meta['build_cpu_seconds']:.1f} s CPU)")
+    return meta
+
+
+def _conditioners(params: BuildParams, device: str):
+    """(text conditioner, VAE, bundled BPE or None): the local T5 + CLIP and VAE where the params
+    name them (on `device`), else the debug ones (CPU, seeded; the text one on the bundled BPE)."""
+    from models.flux import conditioning as cond
+    from trainer.data.tokenizer import build_tokenizer
+
     bpe = None
     if params.t5_path is None:
         bpe = build_tokenizer("bundled")
@@ -321,96 +360,73 @@ def build_dataset(params: BuildParams, folder: str, *, device: str = "cpu", log=
         vae = cond.load_vae(params.vae_path, device=device, dtype=_DTYPES[params.encoder_dtype])
     else:
         vae = cond.build_debug_vae(params.seed)
-    _check_params(params, vae.spatial_factor)
+    return text, vae, bpe
 
-    splits = {
-        split: procedural_samples(split, count, size=params.image_size, seed=params.seed)
-        for split, count in (("train", params.num_train), ("heldout", params.num_heldout))
-    }
-    vae_report = None
-    if params.vae_path is None:
-        t0 = time.perf_counter()
-        losses = train_vae(
-            vae,
-            _to_tensor(splits["train"][0]),
-            steps=params.vae_steps,
-            batch_size=params.vae_batch_size,
-            seed=params.seed,
-            log=log,
-        )
-        vae_report = {
-            "steps": params.vae_steps,
-            "batch_size": params.vae_batch_size,
-            "final_loss": losses[-1],
-            "seconds": time.perf_counter() - t0,
-        }
 
-    os.makedirs(folder)
-    meta = {
-        "format": FORMAT_VERSION,
-        "build": _BUILD_VERSION,
-        "params": asdict(params),
-        "splits": {},
-        "conditioning": cond.describe(vae, text),
-        "text_ids": "bundled-bpe" if bpe is not None else "hf",
-        "row_group_rows": params.row_group_rows,
+def _train_debug_vae(vae, train_images, params: BuildParams, log) -> dict:
+    """Train the debug VAE on the train split's images; what meta.json records of it."""
+    t0 = time.perf_counter()
+    losses = train_vae(
+        vae,
+        _to_tensor(train_images),
+        steps=params.vae_steps,
+        batch_size=params.vae_batch_size,
+        seed=params.seed,
+        log=log,
+    )
+    return {
+        "steps": params.vae_steps,
+        "batch_size": params.vae_batch_size,
+        "final_loss": losses[-1],
+        "seconds": time.perf_counter() - t0,
     }
-    for split, (images, rows) in splits.items():
-        x = _to_tensor(images)
-        vae_device = vae.autoencoder.device
-        latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(_CHUNK)])
-        # Reconstruction check on up to RECON_CHECK_ROWS rows (decoding is the build's costliest
-        # pass after VAE training; 512 rows cover every train combination 4+ times).
-        recon = torch.cat(
-            [vae.decode(chunk.to(vae_device)).cpu() for chunk in latents[:RECON_CHECK_ROWS].split(_CHUNK)]
+
+
+def _write_split(folder: str, split: str, images, rows: list[dict], vae, text, params: BuildParams, log):
+    """Encode one split (latents, T5 and CLIP features) and write it as parquet shards of
+    `shard_rows` rows; (the split's meta entry, the feature shapes)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    x = _to_tensor(images)
+    vae_device = vae.autoencoder.device
+    latents = torch.cat([vae.encode(chunk.to(vae_device)).cpu() for chunk in x.split(_CHUNK)])
+    # Reconstruction check on up to RECON_CHECK_ROWS rows (decoding is the build's costliest
+    # pass after VAE training; 512 rows cover every train combination 4+ times).
+    recon = torch.cat([vae.decode(chunk.to(vae_device)).cpu() for chunk in latents[:RECON_CHECK_ROWS].split(_CHUNK)])
+    agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
+    t5, clip = _encode_captions(text, [row["caption"] for row in rows])
+    num = (len(rows) + params.shard_rows - 1) // params.shard_rows
+    files = []
+    for s, lo in enumerate(range(0, len(rows), params.shard_rows)):
+        hi = min(lo + params.shard_rows, len(rows))
+        table = pa.table(
+            {
+                "index": pa.array([row["index"] for row in rows[lo:hi]], pa.int64()),
+                "caption": [row["caption"] for row in rows[lo:hi]],
+                "colour": [row["colour"] for row in rows[lo:hi]],
+                "shape": [row["shape"] for row in rows[lo:hi]],
+                "position": [row["position"] for row in rows[lo:hi]],
+                "latent": _fixed_list(latents[lo:hi]),
+                "t5": _fixed_list(t5[lo:hi]),
+                "clip": _fixed_list(clip[lo:hi]),
+            }
         )
-        agree = np.mean([got == (row["colour"], row["position"]) for got, row in zip(classify(recon), rows)])
-        t5, clip = _encode_captions(text, [row["caption"] for row in rows])
-        shards = []
-        for s, lo in enumerate(range(0, len(rows), params.shard_rows)):
-            hi = min(lo + params.shard_rows, len(rows))
-            table = pa.table(
-                {
-                    "index": pa.array([row["index"] for row in rows[lo:hi]], pa.int64()),
-                    "caption": [row["caption"] for row in rows[lo:hi]],
-                    "colour": [row["colour"] for row in rows[lo:hi]],
-                    "shape": [row["shape"] for row in rows[lo:hi]],
-                    "position": [row["position"] for row in rows[lo:hi]],
-                    "latent": _fixed_list(latents[lo:hi]),
-                    "t5": _fixed_list(t5[lo:hi]),
-                    "clip": _fixed_list(clip[lo:hi]),
-                }
-            )
-            shards.append((lo, hi))
-            num = (len(rows) + params.shard_rows - 1) // params.shard_rows
-            pq.write_table(
-                table,
-                os.path.join(folder, f"{split}-{s:05d}-of-{num:05d}.parquet"),
-                row_group_size=params.row_group_rows,
-            )
-        meta["splits"][split] = {
-            "rows": len(rows),
-            "shards": [
-                {"file": f"{split}-{s:05d}-of-{len(shards):05d}.parquet", "rows": hi - lo}
-                for s, (lo, hi) in enumerate(shards)
-            ],
-            "vae_reconstruction_agreement": float(agree),
-            "vae_reconstruction_rows": len(recon),
-        }
-        log(
-            f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%} "
-            f"(first {len(recon)} rows)"
-        )
-    meta["shapes"] = {"latent": list(latents.shape[1:]), "t5": list(t5.shape[1:]), "clip": list(clip.shape[1:])}
-    meta["vae_training"] = vae_report
-    text.save(os.path.join(folder, "encoders"))
-    vae.save(os.path.join(folder, "vae"))
-    meta["build_seconds"] = time.perf_counter() - start
-    meta["build_cpu_seconds"] = time.process_time() - cpu_start
-    with open(os.path.join(folder, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    log(f"built {folder} in {meta['build_seconds']:.1f} s ({meta['build_cpu_seconds']:.1f} s CPU)")
-    return meta
+        name = f"{split}-{s:05d}-of-{num:05d}.parquet"
+        pq.write_table(table, os.path.join(folder, name), row_group_size=params.row_group_rows)
+        files.append({"file": name, "rows": hi - lo})
+    log(
+        f"{split}: {len(rows)} samples, VAE reconstructions classified as captioned: {agree:.1%} "
+        f"(first {len(recon)} rows)"
+    )
+    entry = {
+        "rows": len(rows),
+        "shards": files,
+        "vae_reconstruction_agreement": float(agree),
+        "vae_reconstruction_rows": len(recon),
+    }
+    shapes = {"latent": list(latents.shape[1:]), "t5": list(t5.shape[1:]), "clip": list(clip.shape[1:])}
+    return entry, shapes
 
 
 def _encode_captions(text, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
