@@ -395,7 +395,13 @@ def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callabl
     contexts = []
     for name, stack in stacks.items():
         param_fn, context = scan_param_fn(stack, name=name)
-        stack.enable_scan(param_fn=param_fn)
+        try:
+            stack.enable_scan(param_fn=param_fn)
+        except ValueError as e:  # blocks that differ (deepseek_v4: sliding / CSA / HCA, hash / learned)
+            reason = str(e).removeprefix("layer scan: ").split(";")[0]
+            raise ConfigError(
+                f"compile.scan_layers: the model's `{name}` cannot be scanned ({reason}); allowed: false for this model"
+            ) from None
         contexts.append(context)
 
     @contextlib.contextmanager

@@ -137,7 +137,9 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     ),
     # Layer scan (graph mode): the scan form of the built blocks.
     BuildCheck(
-        "compile.scan_layers", "trainer.graph.step:_enable_scans", "a model whose block stack is not a BlockStack"
+        "compile.scan_layers",
+        "trainer.graph.step:_enable_scans",
+        "a model whose block stack is not a BlockStack, or whose blocks differ (deepseek_v4)",
     ),
     BuildCheck(
         "compile.scan_layers",
