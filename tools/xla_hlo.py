@@ -179,7 +179,8 @@ def _parse_instr(line: str) -> Instr | None:
     if not op:
         return None
     end = _balanced(rest, op.end() - 1, "(", ")")
-    operands = re.findall(r"%([\w.\-]+)", rest[op.end() : end - 1])
+    # `%t#2`: newer XLA's shorthand for element 2 of tuple %t (a get-tuple-element; `_tuple_refs`)
+    operands = re.findall(r"%([\w.\-]+(?:#\d+)?)", rest[op.end() : end - 1])
     attrs = rest[end:].lstrip(", ")
     return Instr(
         name=m.group(2),
@@ -214,6 +215,8 @@ def parse_hlo(text: str) -> Hlo:
             pending.append(line)
         elif line.rstrip() == "}":
             flush()
+            if current is not None:
+                _tuple_refs(current)
             current = None
         elif _HEADER.match(line) and line.rstrip().endswith("{"):
             flush()
@@ -228,6 +231,21 @@ def parse_hlo(text: str) -> Hlo:
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return Hlo(computations=comps, entry=entry)
+
+
+def _tuple_refs(comp: Computation) -> None:
+    """Give every `name#k` operand (newer XLA's shorthand for a tuple element, e.g. a while loop's
+    `compare(%cond_param#0, %limit)`) an entry in `by_name`: a get-tuple-element of `name` with the
+    element's shape and `index=k` (not added to `instrs`: no op runs for it)."""
+    for ins in list(comp.instrs):
+        for ref in ins.operands:
+            if "#" not in ref or ref in comp.by_name:
+                continue
+            base, k = ref.rsplit("#", 1)
+            tup = comp.by_name.get(base)
+            parts = _tuple_parts(tup.shape) if tup is not None and tup.shape.startswith("(") else []
+            shape = re.sub(r"/\*.*?\*/", "", parts[int(k)]).strip() if int(k) < len(parts) else ""
+            comp.by_name[ref] = Instr(ref, shape, "get-tuple-element", [base], f"index={k}")
 
 
 def _names(value: str | None) -> list[str]:

@@ -1,0 +1,166 @@
+"""scripts/bench/maxtext_compile.py: the pure parts of the MaxText calibration (no compile here; the
+compile needs the `maxtext` venv and minutes): the runs against the published anchors, the mesh
+declaration read from an HLO text, the memory sum, the kernel charge, the table row and markdown."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.mfu_report import load_anchors
+from tools.xla_hlo import Op
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("maxtext_compile", ROOT / "scripts" / "bench" / "maxtext_compile.py")
+mc = importlib.util.module_from_spec(_spec)
+sys.modules["maxtext_compile"] = mc  # its dataclass resolves annotations through the module
+_spec.loader.exec_module(mc)
+
+
+def test_every_run_has_its_published_anchor_and_settings():
+    anchors = {a["id"]: a for a in load_anchors()["anchor"]}
+    assert list(mc.RUNS)[:2] == ["llama3.1-8b_v6e-256", "llama3.1-70b_v6e-256"]  # the cheapest first
+    for name, run in mc.RUNS.items():
+        a = anchors[run.anchor]
+        assert a["framework"] == "MaxText" and a["hardware"] == run.target.split("-")[0], name
+        keys = dict(arg.split("=", 1) for arg in run.args)
+        assert "model_name" in keys and "per_device_batch_size" in keys and keys["remat_policy"] == "custom", name
+        assert run.topology in ("v6e-256", "tpu7x-512") and run.xla_flags.startswith("--"), name
+        # the published global batch: per-device batch x devices (a v7x chip is two devices)
+        devices = a["chips"] * (2 if a["hardware"] == "v7x" else 1)
+        if "global_batch" in a:
+            assert float(keys["per_device_batch_size"]) * devices == a["global_batch"], name
+    for name in ("qwen3-235b-a22b_v7x-512", "deepseek3-671b_v7x-512"):
+        assert "use_random_routing=True" in mc.RUNS[name].args  # as published
+    # libtpu 0.0.46 refuses v6e's continuation fusion: the deviation is named, the flag absent
+    for name in ("llama3.1-8b_v6e-256", "llama3.1-70b_v6e-256"):
+        assert mc.RUNS[name].deviation and "async_collective_fusion=true" not in mc.RUNS[name].xla_flags
+
+
+def test_hlo_mesh_reads_the_one_declaration():
+    text = (
+        "%ag = bf16[8]{0} all-gather(%p), replica_groups=mesh['axis_0'=256] {'axis_0'}, dimensions={0}\n"
+        "%ar = f32[8]{0} all-reduce(%q), replica_groups=mesh['axis_0'=256] {'axis_0'}\n"
+    )
+    assert mc.hlo_mesh(text) == [256]
+    two = "replica_groups=mesh['axis_1'=2,'axis_0'=256] {'axis_0'}"
+    assert mc.hlo_mesh(two) == [256, 2]  # ordered by the axis number
+    assert mc.hlo_mesh(text + "replica_groups=mesh['axis_0'=128] {'axis_0'}") is None  # two meshes
+    assert mc.hlo_mesh("no collectives") is None
+
+
+def test_pick_hlo_prefers_the_train_step(tmp_path):
+    assert mc.pick_hlo(tmp_path) is None
+    (tmp_path / "module_0001.jit_other.after_optimizations.txt").write_text("x" * 100)
+    (tmp_path / "module_0000.jit_train_step.cl_1.after_optimizations.txt").write_text("x" * 10)
+    (tmp_path / "module_0000.jit_train_step.cl_1.after_optimizations-buffer-assignment.txt").write_text("x" * 999)
+    assert mc.pick_hlo(tmp_path).name == "module_0000.jit_train_step.cl_1.after_optimizations.txt"
+
+
+def test_memory_and_published_step():
+    mem = {
+        "argument_size_in_bytes": 3 * 2**30,
+        "output_size_in_bytes": 3 * 2**30,
+        "temp_size_in_bytes": 10 * 2**30,
+        "alias_size_in_bytes": 3 * 2**30,
+    }
+    assert mc.compiler_gib(mem) == 13.0
+    # v7x anchors are per chip: a device makes half; 405B: 3 x 8192 tokens per device and step
+    anchor = {"tokens_per_sec": 500.0, "per": "chip", "hardware": "v7x", "mfu_pct": 54.7}
+    p = mc.published(anchor, 3 * 8192)
+    assert p["published_tokens_per_s_per_device"] == 250.0 and p["published_step_s"] == pytest.approx(98.304)
+    v6e = mc.published({"tokens_per_sec": 7207.0, "hardware": "v6e", "mfu_pct": 45.46}, 4 * 8192)
+    assert v6e["published_step_s"] == pytest.approx(4.5466, abs=1e-3)  # the recipe README's 4.546 s
+
+
+def test_kernel_charge_attention_without_estimate():
+    peak, hbm = 1e15, 1e12
+    ops = [
+        Op("dot", "fusion", 2e12, 1e9, 10.0),  # 2 ms each (FLOPs bound), 10 times
+        Op("gmm", "kernel", 1e12, 4e9, 2.0, kind="kernel", io=1e9),  # 4 ms each (bytes bound)
+        Op("splash", "kernel", 0.0, 1e8, 4.0, kind="kernel-unestimated", io=1e8),
+    ]
+    c = mc.kernel_compute(ops, attention_flops=6e12, peak=peak, hbm=hbm)
+    assert c["xla_s"] == pytest.approx(0.02)
+    # gmm by its estimate (8 ms); splash at MaxText's attention FLOPs x 7/6 (7 ms), above its bytes (0.4 ms)
+    assert c["kernel_s"] == pytest.approx(0.008 + 0.007)
+    assert c["compute_s"] == pytest.approx(0.035) and c["unestimated"] == 4
+
+
+def test_row_and_markdown():
+    run = mc.RUNS["llama3.1-8b_v6e-256"]
+    anchor = {"tokens_per_sec": 7207.0, "hardware": "v6e", "mfu_pct": 45.46, "source": "tpu-recipes"}
+    worker = {
+        "compile_s": 300.0,
+        "memory": {"argument_size_in_bytes": 2**30, "temp_size_in_bytes": 2**31},
+        "mesh_axes": ["data", "fsdp", "tensor"],
+        "mesh_shape": [1, 256, 1],
+        "tokens_per_device": 32768.0,
+        "maxtext_tflops_per_device_step": 1900.0,
+    }
+    bound = {
+        "compute_s": 4.0,
+        "xla_s": 3.5,
+        "kernel_s": 0.5,
+        "comm_s": 1.0,
+        "comm_by_axis": "a0(256) 1 s",
+        "step_exposed_s": 5.0,
+        "step_overlapped_s": 4.0,
+        "mfu_causal_exposed": 41.4,
+        "mfu_causal_overlapped": 51.7,
+    }
+    row = mc.calibration_row("llama3.1-8b_v6e-256", run, worker, bound, anchor)
+    assert row["compiler_gib"] == 3.0 and row["mesh"] == "fsdp=256"
+    assert row["error_exposed_pts"] == pytest.approx(-4.06) and row["error_overlapped_pts"] == pytest.approx(6.24)
+    failed = mc.calibration_row("deepseek3-671b_v7x-512", mc.RUNS["deepseek3-671b_v7x-512"], {}, None, anchor, "OOM")
+    md = mc.markdown([row, failed], ["header"])
+    assert (
+        md.startswith("header\n") and "| llama3.1-8b_v6e-256 | v6e-256 | yes | 3.0 | 300 | 45.5 | 41.4 / 51.7 |" in md
+    )
+    assert "| deepseek3-671b_v7x-512 | v7x-512 | no: OOM |" in md
+    assert set(row) <= set(mc.COLUMNS)
+
+
+TUPLE_REF_LOOP = """HloModule m
+
+%cond (p: (s32[], bf16[4,8]{1,0})) -> pred[] {
+  %p = (s32[]{:T(128)}, bf16[4,8]{1,0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(32)
+  ROOT %lt = pred[]{:T(512)} compare(%p#0, %limit), direction=LT
+}
+
+%body (q: (s32[], bf16[4,8]{1,0})) -> (s32[], bf16[4,8]{1,0}) {
+  %q = (s32[]{:T(128)}, bf16[4,8]{1,0}) parameter(0)
+  %one = s32[]{:T(128)} constant(1)
+  %next = s32[]{:T(128)} add(%q#0, %one)
+  %y = bf16[4,8]{1,0} dot(%q#1, %q#1), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %t = (s32[]{:T(128)}, bf16[4,8]{1,0}) tuple(%next, %y)
+}
+
+ENTRY %m (x: bf16[4,8]) -> bf16[4,8] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %zero = s32[]{:T(128)} constant(0)
+  %init = (s32[]{:T(128)}, bf16[4,8]{1,0}) tuple(%zero, %x)
+  %loop = (s32[]{:T(128)}, /*index=1*/bf16[4,8]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[4,8]{1,0} copy(%loop#1)
+}
+"""
+
+
+def test_tuple_element_shorthand_in_the_hlo():
+    """MaxText's program (libtpu 0.0.46) writes a tuple element as `%t#k`, not a get-tuple-element:
+    the layer scan's trip count is read through it (it was counted once) and an operand's shape is the
+    element's, not the whole tuple's."""
+    from tools import xla_hlo
+
+    hlo = xla_hlo.parse_hlo(TUPLE_REF_LOOP)
+    entry = hlo.computations["m"]
+    assert xla_hlo.trip_count(entry.by_name["loop"], hlo, entry) == 32
+    assert dict((c.name, t) for c, t in xla_hlo.executed(hlo))["body"] == 32
+    assert xla_hlo._operand_shape(entry, "loop#1") == "bf16[4,8]{1,0}"
+    dots = [o for o in xla_hlo.compute_ops(hlo) if o.opcode == "dot"]
+    # 2 x the [4, 8] result x K = 8, K read off the lhs `%q#1` (the element, not the tuple)
+    assert len(dots) == 1 and dots[0].times == 32 and dots[0].flops == 2 * 4 * 8 * 8
