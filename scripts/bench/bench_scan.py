@@ -31,7 +31,8 @@ from trainer.runtime import cli
 VARIANTS = ("graph", "graph_scan_flip", "graph_scan", "graph_scan_sel")
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
+    """The command line; `--variants` checked against VARIANTS (the list comes back as `a.variants`)."""
     p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--batch", type=int, default=8)
@@ -54,75 +55,85 @@ def main() -> int:
         "configs/llama3_debug_ttshape.toml",
     )
     a = p.parse_args()
-    variants = [v for v in a.variants.split(",") if v]
-    if unknown := set(variants) - set(VARIANTS):
+    a.variants = [v for v in a.variants.split(",") if v]
+    if unknown := set(a.variants) - set(VARIANTS):
         p.error(f"--variants: unknown {sorted(unknown)}; allowed: {', '.join(VARIANTS)}")
+    return a
 
-    import torch
 
-    import titan_kernels
-    from models.llama3 import FLAVORS, Transformer
-    from models.llama3.plan import PLAN
-    from parallelisms.simple_fsdp import data_parallel
-    from trainer.graph import build_graph_step
-    from trainer.optim import build_optimizer
-    from trainer.runtime.device import configure_host_malloc, cpu_model
+def _model_args(a: argparse.Namespace):
+    """The `debugmodel` flavor at `--n-layers` (TorchTitan's shape with `--ttshape`)."""
+    from models.llama3 import FLAVORS
 
     args = dataclasses.replace(FLAVORS["debugmodel"], n_layers=a.n_layers, max_seq_len=max(a.seq, 2048))
     if a.ttshape:
         args = dataclasses.replace(args, n_kv_heads=16, vocab_size=2048, multiple_of=256)
-    titan_kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
+    return args
 
-    def build(variant: str):
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = Transformer(args)
-        data_parallel(model, mesh=None, param_dtype=getattr(torch, a.dtype), reduce_dtype=torch.float32)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
-        opt = build_optimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-        step = build_graph_step(
-            model=model,
-            optimizer=opt,
-            max_norm=1.0,
-            backend=a.backend,
-            scan_layers=variant != "graph",
-            plan=PLAN,
-            ac_mode="selective" if variant == "graph_scan_sel" else "none",
-        )
-        if variant == "graph_scan_flip":
-            step.capture.reverse_scans = False
-        return step
 
-    g = torch.Generator().manual_seed(1)
+def _build_step(variant: str, args, a: argparse.Namespace):
+    """One variant's graph step on a freshly initialized model (seed 0, SimpleFSDP cast only)."""
+    import torch
 
-    def microbatches():
-        tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), generator=g)
-        return [(tokens[:, :-1], tokens[:, 1:])]
+    from models.llama3 import Transformer
+    from models.llama3.plan import PLAN
+    from parallelisms.simple_fsdp import data_parallel
+    from trainer.graph import build_graph_step
+    from trainer.optim import build_optimizer
 
-    malloc = configure_host_malloc(a.host_malloc, torch.device("cpu"))
-    print(
-        f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}; "
-        f"host malloc {malloc}",
-        flush=True,
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(args)
+    data_parallel(model, mesh=None, param_dtype=getattr(torch, a.dtype), reduce_dtype=torch.float32)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    opt = build_optimizer(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    step = build_graph_step(
+        model=model,
+        optimizer=opt,
+        max_norm=1.0,
+        backend=a.backend,
+        scan_layers=variant != "graph",
+        plan=PLAN,
+        ac_mode="selective" if variant == "graph_scan_sel" else "none",
     )
+    if variant == "graph_scan_flip":
+        step.capture.reverse_scans = False
+    return step
+
+
+def _compile_steps(a: argparse.Namespace, args, microbatches) -> dict:
+    """{variant: step}, each built and run twice (compile + warm-up), its compile time printed."""
     steps = {}
-    for v in variants:
+    for v in a.variants:
         start = time.perf_counter()
-        steps[v] = build(v)
+        steps[v] = _build_step(v, args, a)
         steps[v](microbatches(), 3e-4)
         steps[v](microbatches(), 3e-4)  # warm-up
         print(f"{v}: compiled in {time.perf_counter() - start:.0f} s, {steps[v].graph_nodes} nodes", flush=True)
+    return steps
+
+
+def _time_rounds(steps: dict, variants: list[str], repeats: int, microbatches) -> tuple[dict, dict]:
+    """Per-step wall and CPU seconds ({variant: [s, ...]}), the variants interleaved per round."""
     wall = {v: [] for v in variants}
     cpu = {v: [] for v in variants}
-    for _ in range(a.repeats):
+    for _ in range(repeats):
         mbs = microbatches()
         for v in variants:
             t, c = time.perf_counter(), time.process_time()
             float(steps[v](mbs, 3e-4).loss)  # synchronous on the CPU
             wall[v].append(time.perf_counter() - t)
             cpu[v].append(time.process_time() - c)
+    return wall, cpu
+
+
+def _report(a: argparse.Namespace, wall: dict, cpu: dict) -> list[dict]:
+    """Print each variant's medians against the first variant's; the same as CSV rows."""
+    from trainer.runtime.device import cpu_model
+
+    variants = a.variants
     base = variants[0]
     rows = []
     wall_ms = {v: statistics.median(wall[v]) * 1e3 for v in variants}
@@ -151,14 +162,49 @@ def main() -> int:
                 "base": base,
             }
         )
-    if a.out:
-        import csv
+    return rows
 
-        with open(a.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {a.out}")
+
+def _write_csv(path: str, rows: list[dict]) -> None:
+    """The table as CSV, one row per variant."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+def main() -> int:
+    a = _parse_args()
+
+    import torch
+
+    import titan_kernels
+    from trainer.runtime.device import configure_host_malloc, cpu_model
+
+    # 1. the model shape and the trainer's attention selection
+    args = _model_args(a)
+    titan_kernels.select(attention="auto", device=torch.device("cpu"))  # as the trainer does
+    g = torch.Generator().manual_seed(1)
+
+    def microbatches():
+        tokens = torch.randint(0, args.vocab_size, (a.batch, a.seq + 1), generator=g)
+        return [(tokens[:, :-1], tokens[:, 1:])]
+
+    malloc = configure_host_malloc(a.host_malloc, torch.device("cpu"))
+    print(
+        f"cpu: {cpu_model()}; batch {a.batch} x seq {a.seq}, {a.n_layers} layers, {a.dtype}, {a.backend}; "
+        f"host malloc {malloc}",
+        flush=True,
+    )
+    # 2. compile every variant, 3. time them interleaved, 4. the table
+    steps = _compile_steps(a, args, microbatches)
+    wall, cpu = _time_rounds(steps, a.variants, a.repeats, microbatches)
+    rows = _report(a, wall, cpu)
+    if a.out:
+        _write_csv(a.out, rows)
     return 0
 
 
