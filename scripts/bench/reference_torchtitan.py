@@ -221,12 +221,16 @@ def _load_benchmark():
 # ------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    extra: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+def _split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Our arguments, and those after `--` (TorchTitan's command line)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def _parse_args(argv: list[str]):
+    """Our command line; `--routing balanced` refused for the dense model."""
     parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump-folder", required=True, help="run folder: stdout.log, metrics.jsonl, TorchTitan's dump")
     parser.add_argument("--steps", type=int, default=20)
@@ -257,12 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.routing != "learned" and args.model == "llama3":
         parser.error(f"--routing: {args.routing} needs an MoE model; allowed with --model llama3: learned")
+    return args
 
-    import torch
 
-    if args.make_tokenizer:
-        make_tokenizer(Path(args.make_tokenizer), Path(args.corpus))
-        return 0
+def _run_peer(args, extra: list[str]) -> tuple[Path, int]:
+    """Assets, then TorchTitan's run with its stdout in <dump-folder>/stdout.log: (folder, exit code; 124 on timeout)."""
     tokenizer_dir, data_dir = (
         Path(args.tokenizer).resolve(),
         prepare_data(Path(args.assets), Path(args.corpus)).resolve(),
@@ -289,16 +292,19 @@ def main(argv: list[str] | None = None) -> int:
             rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
-    records = parse_torchtitan_log((folder / "stdout.log").read_text(), keep_mfu=torch.cuda.is_available())
+    return folder, rc
+
+
+def _write_metrics(folder: Path, *, keep_mfu: bool) -> list[dict]:
+    """TorchTitan's step lines from stdout.log into <folder>/metrics.jsonl, in our trainer's schema."""
+    records = parse_torchtitan_log((folder / "stdout.log").read_text(), keep_mfu=keep_mfu)
     with open(folder / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    if rc != 0:
-        cli.error_line(f"TorchTitan exited {rc}; see {folder / 'stdout.log'}")
-        return 1
-    if not records:
-        cli.error_line(f"no TorchTitan step lines in {folder / 'stdout.log'}")
-        return 1
+    return records
 
+
+def _report(args, rc: int, records: list[dict]) -> None:
+    """The run's summary row (scripts/benchmark.py's format) on stdout, and as CSV with `--out`."""
     bench = _load_benchmark()
     row = {
         "variant": "torchtitan",
@@ -311,6 +317,26 @@ def main(argv: list[str] | None = None) -> int:
     print(" | ".join(f"{k} {v}" for k, v in row.items()))
     if args.out:
         bench.write_csv(Path(args.out), [row])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv, extra = _split_passthrough(sys.argv[1:] if argv is None else argv)
+    args = _parse_args(argv)
+
+    import torch
+
+    if args.make_tokenizer:
+        make_tokenizer(Path(args.make_tokenizer), Path(args.corpus))
+        return 0
+    folder, rc = _run_peer(args, extra)
+    records = _write_metrics(folder, keep_mfu=torch.cuda.is_available())
+    if rc != 0:
+        cli.error_line(f"TorchTitan exited {rc}; see {folder / 'stdout.log'}")
+        return 1
+    if not records:
+        cli.error_line(f"no TorchTitan step lines in {folder / 'stdout.log'}")
+        return 1
+    _report(args, rc, records)
     return 0
 
 
