@@ -664,6 +664,85 @@ def cost_of(kernel: str, rows: list[dict], tiles_: list | None) -> float | None:
     return fwd + bwd if fwd is not None and bwd is not None else None
 
 
+def _generations(args) -> list[str] | None:
+    """The generations to sweep: `--mode time` the local TPU's (None, with one error line, off a
+    TPU of a known generation), else `--generation` or all."""
+    if args.mode != "time":
+        return args.generation or list(tiles.GENERATIONS)
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    gen = tiles.generation_of(kind)
+    if jax.devices()[0].platform != "tpu" or gen is None:
+        cli.error_line(
+            f"--mode time: needs a TPU of a known generation; this host's device is {kind!r} "
+            "(use --mode compile without one)"
+        )
+        return None
+    return [gen]
+
+
+def _pick(kernel: str, gen: str, cls: dict, rows: list[dict], mode: str):
+    """The chosen tiles among the measured rows: the rule's model pick in `list` mode, else the lowest cost."""
+    if mode != "list":
+        return splash_pick(rows) if kernel == "splash" else pick_by_cost(rows)
+    order = sorted(rows, key=lambda r: model_rank(kernel, gen, cls["instances"][0], tuple(r["tiles"])))
+    pick = order[0]["tiles"] if order else None
+    if pick and kernel == "splash":
+        pick = pick * 2
+    return pick
+
+
+def _sweep_class(kernel: str, gen: str, cls: dict, args, folder: Path | None) -> dict:
+    """Measure one shape class's candidates and pick; its result record (one summary line on stderr)."""
+    kept, n_dropped, before = ordered_candidates(kernel, gen, cls, args.max_candidates)
+    rows = []
+    for c in kept:
+        rows.append(measure(kernel, gen, cls, c, args, folder))
+        if args.mode != "list":
+            cost = rows[-1].get("cycles", rows[-1].get("fwd_cycles"))
+            print(f"  {kernel} {gen} {cls['class']} {list(c)}: {cost}", file=sys.stderr, flush=True)
+    pick = _pick(kernel, gen, cls, rows, args.mode)
+    cost_before, cost_after = cost_of(kernel, rows, list(before)), cost_of(kernel, rows, pick)
+    ratio = f", cost {cost_after / cost_before:.3f} of today's" if cost_before and cost_after else ""
+    print(
+        f"{kernel} {gen} {cls['class']}: {len(kept)} candidates, {n_dropped} over the VMEM budget, "
+        f"today {list(before)}, pick {pick}{ratio}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "kernel": kernel,
+        "generation": gen,
+        "class": cls["class"],
+        "instances": cls["instances"],
+        "kept": len(kept),
+        "dropped_by_vmem": n_dropped,
+        "before": list(before),
+        "pick": pick,
+        "cost_before": cost_before,
+        "cost_pick": cost_after,
+        "candidates": rows,
+    }
+
+
+def _sources(gens: list[str], picks: dict, mode: str) -> dict[str, str]:
+    """Each swept generation's source line for the table: mode, kernels, how picked, date and commit."""
+    stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}"
+    how = {
+        "list": "the rule's model pick (not compiled, not timed)",
+        "compile": f"lowest compiled cost (libtpu {libtpu_version() if mode == 'compile' else ''} static LLO "
+        "profile, estimated cycles of forward + backward at the recipes' shapes; not timed)",
+        "time": "timed on this TPU, fastest median",
+    }[mode]
+    sources = {}
+    for gen in gens:
+        done = sorted(k for k in picks if gen in picks[k])
+        if done:
+            sources[gen] = f"sweep_kernel_tiles.py --mode {mode} ({', '.join(done)}): {how}, {stamp}"
+    return sources
+
+
 def main(argv: list[str]) -> int:
     try:
         args = parse(argv)
@@ -674,77 +753,19 @@ def main(argv: list[str]) -> int:
     if args.mode == "compile":
         folder = Path(tempfile.mkdtemp(prefix="titan-tiles-profile-"))
         enable_profile(folder)  # before jax loads libtpu
-    if args.mode == "time":
-        import jax
-
-        kind = jax.devices()[0].device_kind
-        gen = tiles.generation_of(kind)
-        if jax.devices()[0].platform != "tpu" or gen is None:
-            cli.error_line(
-                f"--mode time: needs a TPU of a known generation; this host's device is {kind!r} "
-                "(use --mode compile without one)"
-            )
-            return cli.BAD_INPUT_EXIT_CODE
-        gens = [gen]
-    else:
-        gens = args.generation or list(tiles.GENERATIONS)
-    kernels = args.kernel or list(KERNELS)
-    results, picks, sources = [], {}, {}
-    for kernel in kernels:
+    gens = _generations(args)
+    if gens is None:
+        return cli.BAD_INPUT_EXIT_CODE
+    results, picks = [], {}
+    for kernel in args.kernel or list(KERNELS):
         for gen in gens:
             for cls in shapes(kernel, gen, args):
                 if args.shape_class and cls["class"] not in args.shape_class:
                     continue
-                kept, n_dropped, before = ordered_candidates(kernel, gen, cls, args.max_candidates)
-                rows = []
-                for c in kept:
-                    rows.append(measure(kernel, gen, cls, c, args, folder))
-                    if args.mode != "list":
-                        cost = rows[-1].get("cycles", rows[-1].get("fwd_cycles"))
-                        print(f"  {kernel} {gen} {cls['class']} {list(c)}: {cost}", file=sys.stderr, flush=True)
-                if args.mode == "list":
-                    order = sorted(rows, key=lambda r: model_rank(kernel, gen, cls["instances"][0], tuple(r["tiles"])))
-                    pick = order[0]["tiles"] if order else None
-                    if pick and kernel == "splash":
-                        pick = pick * 2
-                else:
-                    pick = splash_pick(rows) if kernel == "splash" else pick_by_cost(rows)
-                if pick:
-                    picks.setdefault(kernel, {}).setdefault(gen, {})[cls["class"]] = pick
-                cost_before, cost_after = cost_of(kernel, rows, list(before)), cost_of(kernel, rows, pick)
-                results.append(
-                    {
-                        "kernel": kernel,
-                        "generation": gen,
-                        "class": cls["class"],
-                        "instances": cls["instances"],
-                        "kept": len(kept),
-                        "dropped_by_vmem": n_dropped,
-                        "before": list(before),
-                        "pick": pick,
-                        "cost_before": cost_before,
-                        "cost_pick": cost_after,
-                        "candidates": rows,
-                    }
-                )
-                ratio = f", cost {cost_after / cost_before:.3f} of today's" if cost_before and cost_after else ""
-                print(
-                    f"{kernel} {gen} {cls['class']}: {len(kept)} candidates, {n_dropped} over the VMEM budget, "
-                    f"today {list(before)}, pick {pick}{ratio}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    stamp = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}, commit {git_commit()}"
-    how = {
-        "list": "the rule's model pick (not compiled, not timed)",
-        "compile": f"lowest compiled cost (libtpu {libtpu_version() if args.mode == 'compile' else ''} static LLO "
-        "profile, estimated cycles of forward + backward at the recipes' shapes; not timed)",
-        "time": "timed on this TPU, fastest median",
-    }[args.mode]
-    for gen in gens:
-        done = sorted(k for k in picks if gen in picks[k])
-        if done:
-            sources[gen] = f"sweep_kernel_tiles.py --mode {args.mode} ({', '.join(done)}): {how}, {stamp}"
+                results.append(_sweep_class(kernel, gen, cls, args, folder))
+                if results[-1]["pick"]:
+                    picks.setdefault(kernel, {}).setdefault(gen, {})[cls["class"]] = results[-1]["pick"]
+    sources = _sources(gens, picks, args.mode)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
     if args.out:
