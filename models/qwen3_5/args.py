@@ -66,6 +66,19 @@ class Qwen3_5Args:
     shared_expert_hidden_dim: int = 512
     """Width of the shared expert's SwiGLU, gated per token by sigmoid(shared_gate(x)) (HF
     shared_expert_intermediate_size); MoE only."""
+    mtp_depth: int = 0
+    """Multi-token prediction: 1 adds Qwen 3.5's MTP module (the hub checkpoints' `mtp.*`, which
+    transformers does not load): the shared embedding of token i + 1 and the main model's
+    final-normed hidden state at i, each normed, concatenated [embedding | hidden] and projected
+    2 dim -> dim (`fc`), `mtp_layers` full-attention blocks, a final norm; the shared output head
+    then predicts token i + 2, trained with `mtp_loss_weight` (trainer/step/loss.py `MTPLoss`).
+    0 (every flavor): none. Only 0 or 1: the checkpoints hold one module, which inference applies
+    recursively for further tokens."""
+    mtp_layers: int = 1
+    """Blocks of the MTP module (the hub config's `mtp_num_hidden_layers`: 1 in the releases)."""
+    mtp_loss_weight: float = 0.3
+    """The MTP loss weight lambda: loss = L_main + lambda x L_mtp (DeepSeek-V3's value; Qwen has
+    not published its own); read only when mtp_depth = 1."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -101,6 +114,12 @@ class Qwen3_5Args:
                 f"partial_rotary_factor: head_dim * factor must be an even width in (0, head_dim], got "
                 f"{self.partial_rotary_factor} (width {self.rotary_dim}); allowed: e.g. 0.25, 0.5, 1.0"
             )
+        if self.mtp_depth not in (0, 1):
+            raise ValueError(f"mtp_depth: Qwen 3.5 has one MTP module, got {self.mtp_depth}; allowed: 0 (none) or 1")
+        if self.mtp_layers <= 0:
+            raise ValueError(f"mtp_layers: must be a positive integer, got {self.mtp_layers}; allowed: >= 1")
+        if not 0 <= self.mtp_loss_weight < float("inf"):
+            raise ValueError(f"mtp_loss_weight: must be finite and >= 0, got {self.mtp_loss_weight}; allowed: >= 0")
         if self.num_experts < 0:
             raise ValueError(f"num_experts: must be >= 0 (0 = dense), got {self.num_experts}; allowed: >= 0")
         if self.num_experts > 0:
@@ -136,10 +155,12 @@ class Qwen3_5Args:
         any decoder. Gated DeltaNet blocks: the delta rule's recurrence per value head and token,
         k^T S, the rank-1 update of the [d_k, d_v] state and q^T S, 2 d_k d_v FLOPs each, x 3 for
         training = 18 d_k d_v per head (one count in both conventions: nothing is masked; the
-        chunked form's extra intra-chunk products are the algorithm's, not the model's)."""
+        chunked form's extra intra-chunk products are the algorithm's, not the model's). The MTP
+        module's blocks (`mtp_depth` 1) are full attention."""
         full = sum(self.is_full_attention(i) for i in range(self.n_layers))
-        attention = float(full * self.n_heads * self.head_dim * seq_len)
         delta = 18.0 * (self.n_layers - full) * self.linear_num_value_heads
+        full += self.mtp_depth * self.mtp_layers  # the MTP module's blocks: full attention
+        attention = float(full * self.n_heads * self.head_dim * seq_len)
         delta *= self.linear_key_head_dim * self.linear_value_head_dim
         return {"palm": 12.0 * attention + delta, "causal": 6.0 * attention + delta}
 
@@ -188,6 +209,10 @@ class Qwen3_5Args:
         norms = 2 * d * self.n_layers
         total = outer + mixers + norms + self.n_layers * mlp_total
         active = outer + mixers + norms + self.n_layers * mlp_active
+        if self.mtp_depth:  # fc, its two input norms and the final norm; its full-attention blocks
+            blocks = self.mtp_layers * (full + 2 * d)
+            total += 2 * d * d + 3 * d + blocks + self.mtp_layers * mlp_total
+            active += 2 * d * d + 3 * d + blocks + self.mtp_layers * mlp_active
         return total, active, 0 if self.tie_embeddings else table
 
     def num_params(self, *, exclude_embedding: bool = False) -> int:

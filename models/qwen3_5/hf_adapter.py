@@ -5,15 +5,24 @@ head's [query | gate] rows, the Gated DeltaNet's fused `in_proj_qkv` and `conv1d
 the experts, stacked per expert (hub layout `mlp.experts.J.{gate,up,down}_proj.weight`) or fused
 (transformers 5's in-memory `mlp.experts.gate_up_proj` / `down_proj`), as Qwen 3 MoE. The hub
 checkpoints are the multimodal `Qwen3_5ForConditionalGeneration`: their language model's keys
-`model.language_model.*` are read as `model.*`, and the vision tower (`model.visual.*`) and the
-multi-token-prediction head (`mtp.*`) are skipped.
+`model.language_model.*` are read as `model.*`, and the vision tower (`model.visual.*`) is skipped.
+Their multi-token-prediction module (`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.norm`,
+`mtp.layers.J.*` with a main block's names) is ours under the same names (`mtp.layers.J.*` as a
+main block's) when `mtp_depth` is 1, and skipped when it is 0 (transformers loads none of it).
 """
 
 from typing import Any
 
 import torch
 
-from models.common.hf_adapter import DecoderNames, HFLayout, apply_layout, decoder_hf_layout, decoder_to_hf
+from models.common.hf_adapter import (
+    DecoderNames,
+    HFLayout,
+    apply_layout,
+    decoder_hf_layout,
+    decoder_to_hf,
+    whole,
+)
 from models.qwen3_5.args import Qwen3_5Args
 
 _TOP = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
@@ -55,34 +64,65 @@ def _text_key(key: str) -> str:
 NAMES = DecoderNames(family="a Qwen 3.5", top=_TOP, layer=_LAYER, hf_name=_text_key, skip=("model.visual.", "mtp."))
 
 
+MTP_TOP = ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+"""The MTP module's own tensors, after `mtp.` in both name sets (its blocks are `mtp.layers.J.*`)."""
+MTP_NAMES = DecoderNames(family="a Qwen 3.5", top={}, layer=_LAYER, hf_name=lambda key: "model." + key[len("mtp.") :])
+"""The MTP blocks' names: `mtp.layers.J.<HF block name>` read as a main block J's."""
+
+
 def hf_layout(hf_shapes: dict[str, tuple[int, ...]], args: Qwen3_5Args) -> HFLayout:
     """HF names and shapes -> how each of our parameters is made of them (models/common/hf_adapter.py).
     ValueError naming the key for an unknown or missing tensor."""
-    return decoder_hf_layout(
-        hf_shapes,
+    mtp = args.mtp_depth > 0
+    out = decoder_hf_layout(
+        {k: s for k, s in hf_shapes.items() if not (mtp and k.startswith("mtp."))},
         tie_embeddings=args.tie_embeddings,
         num_experts=args.num_experts,
         names=NAMES,
-        expected=_expected_keys(args),
+        expected=[k for k in _expected_keys(args) if not k.startswith("mtp.")],
     )
+    if mtp:
+        blocks = {k: s for k, s in hf_shapes.items() if k.startswith("mtp.layers.")}
+        layout = decoder_hf_layout(
+            blocks, tie_embeddings=False, num_experts=args.num_experts, names=MTP_NAMES, expected=[]
+        )
+        out.update({f"mtp.{k}": entry for k, entry in layout.items()})
+        for name in MTP_TOP:
+            if f"mtp.{name}" in hf_shapes:
+                out[f"mtp.{name}"] = whole(f"mtp.{name}", hf_shapes[f"mtp.{name}"])
+        unknown = sorted(k for k in hf_shapes if k.startswith("mtp.") and not k.startswith("mtp.layers."))
+        unknown = [k for k in unknown if k[len("mtp.") :] not in MTP_TOP]
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]}: unknown Hugging Face parameter of the MTP module; allowed: "
+                f"{', '.join('mtp.' + n for n in MTP_TOP)}, mtp.layers.J.*"
+            )
+        missing = sorted(set(_expected_keys(args)) - set(out))
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: missing from the Hugging Face state dict (mtp_depth = 1 reads the MTP module); "
+                "allowed: a checkpoint with its mtp.* tensors, or model.mtp_depth = 0"
+            )
+    return out
 
 
 def _expected_keys(args: Qwen3_5Args) -> list[str]:
+    full = [f"attention.{n}" for n in ("wq.weight", "wk.weight", "wv.weight", "wo.weight")]
+    full += ["attention.q_norm.weight", "attention.k_norm.weight"]
+    linear = [f"attention.{name}" for name in _LINEAR]
+    if args.is_moe:
+        mlp = ["moe.router.gate.weight", "moe.shared_gate.weight"]
+        mlp += [f"moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
+        mlp += [f"moe.experts.{w}" for w in ("w1", "w2", "w3")]
+    else:
+        mlp = [f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3")]
+    norms = ["attention_norm.weight", "ffn_norm.weight"]
     keys = ["tok_embeddings.weight", "norm.weight", "output.weight"]
     for i in range(args.n_layers):
-        mixer = (
-            [f"attention.{n}" for n in ("wq.weight", "wk.weight", "wv.weight", "wo.weight")]
-            + ["attention.q_norm.weight", "attention.k_norm.weight"]
-            if args.is_full_attention(i)
-            else [f"attention.{name}" for name in _LINEAR]
-        )
-        if args.is_moe:
-            mlp = ["moe.router.gate.weight", "moe.shared_gate.weight"]
-            mlp += [f"moe.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")]
-            mlp += [f"moe.experts.{w}" for w in ("w1", "w2", "w3")]
-        else:
-            mlp = [f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3")]
-        keys += [f"layers.{i}.{k}" for k in ["attention_norm.weight", "ffn_norm.weight", *mixer, *mlp]]
+        keys += [f"layers.{i}.{k}" for k in [*norms, *(full if args.is_full_attention(i) else linear), *mlp]]
+    if args.mtp_depth:  # the MTP module: its own tensors, then full-attention blocks
+        keys += [f"mtp.{name}" for name in MTP_TOP]
+        keys += [f"mtp.layers.{j}.{k}" for j in range(args.mtp_layers) for k in [*norms, *full, *mlp]]
     return keys
 
 
@@ -97,7 +137,13 @@ def to_hf(
 ) -> dict[str, torch.Tensor]:
     """Our state dict -> HF `Qwen3_5(Moe)ForCausalLM` names (no lm_head when tied); experts per
     expert (hub layout) unless `fused_experts` (transformers 5's in-memory modules)."""
-    return decoder_to_hf(state_dict, tie_embeddings=args.tie_embeddings, fused_experts=fused_experts, names=NAMES)
+    main = {k: v for k, v in state_dict.items() if not k.startswith("mtp.")}
+    out = decoder_to_hf(main, tie_embeddings=args.tie_embeddings, fused_experts=fused_experts, names=NAMES)
+    blocks = {k[len("mtp.") :]: v for k, v in state_dict.items() if k.startswith("mtp.layers.")}
+    for key, value in decoder_to_hf(blocks, tie_embeddings=True, fused_experts=fused_experts, names=NAMES).items():
+        out["mtp." + key[len("model.") :]] = value
+    out.update({k: v for k, v in state_dict.items() if k.startswith("mtp.") and k[len("mtp.") :] in MTP_TOP})
+    return out
 
 
 def hf_config(args: Qwen3_5Args) -> dict[str, Any]:
@@ -131,6 +177,7 @@ def hf_config(args: Qwen3_5Args) -> dict[str, Any]:
         "linear_num_value_heads": args.linear_num_value_heads,
         "initializer_range": 0.02,
         "use_cache": True,
+        "mtp_num_hidden_layers": args.mtp_layers,
     }
     if args.is_moe:
         cfg.update(
@@ -200,5 +247,6 @@ def args_from_hf_config(cfg: dict[str, Any]) -> Qwen3_5Args:
         linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
         linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
         linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers") or 1),
         **extra,
     )

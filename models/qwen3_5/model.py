@@ -17,6 +17,14 @@ The blocks are `TransformerBlock`s with zero-centred norms, in one `BlockStack` 
 block for FSDP and activation checkpointing); linear and full blocks have different parameters,
 so a layer scan (which needs identical blocks) refuses this stack. The model is a `Decoder` with a
 zero-centred final norm and RoPE tables of the rotary width.
+
+Multi-token prediction (`mtp_depth` 1; the hub checkpoints' `mtp.*`): `mtp` (`MTPModule`) after
+the main model, outside `layers` (so FSDP's block wrapping, activation checkpointing and the
+block plans never take its blocks for main ones); `mtp_hidden(tokens)` returns the main model's
+final-normed hidden states and the module's normed output, which the loss projects with the
+shared `output` (trainer/step/loss.py `MTPLoss`). The module reads the main model's
+*final-normed* hidden state, as Qwen's serving code (vLLM / SGLang, Qwen3-Next's MTP) runs the
+released weights; DeepSeek-V3's reads the last block's output before that norm.
 """
 
 import torch
@@ -29,7 +37,8 @@ from models.common.feed_forward import FeedForward
 from models.common.gated_delta import chunk_gated_delta_rule
 from models.common.init import trunc_normal_
 from models.common.moe import MoE
-from models.common.rope import RopeConfig, apply_rope
+from models.common.rope import RopeConfig, apply_rope, rope_rows
+from models.common.stack import BlockStack
 from models.qwen3_5.args import Qwen3_5Args
 
 
@@ -231,6 +240,41 @@ class Qwen3_5Block(TransformerBlock):
         self.ffn_norm = ZeroCenteredRMSNorm(dim, eps=norm_eps)
 
 
+class MTPModule(nn.Module):
+    """Qwen 3.5's multi-token-prediction module (HF `mtp.*` names), without the shared embedding and head.
+
+    `forward(hidden, emb_next, rope_cos, rope_sin[, segment_ids]) -> (h, normed)`: `hidden` is the
+    main model's final-normed hidden state at position i, `emb_next` the shared embedding of token
+    i + 1; `fc(cat[pre_fc_norm_embedding(emb_next), pre_fc_norm_hidden(hidden)])` (2 dim -> dim,
+    embedding first) runs through `layers` (full-attention blocks of the main model's kind; a
+    `BlockStack`, so an MoE block's aux loss reaches the trainer), and `normed = norm(h)` is what
+    the shared output head projects."""
+
+    def __init__(self, args: Qwen3_5Args, blocks: list[nn.Module]):
+        super().__init__()
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.layers = BlockStack(blocks)
+        self.norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, emb_next: torch.Tensor, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        h = self.layers(self.fc(x), *args)
+        return h, self.norm(h)
+
+    def init_weights(self) -> None:
+        """Norms: zeros (zero-centred); `fc`: truncated normal, std 0.02; each block as a main block
+        of its depth (`n_layers + j`)."""
+        for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm):
+            norm.init_weights()
+        trunc_normal_(self.fc.weight, std=0.02)
+        for block in self.layers.values():
+            block.init_weights()
+
+
 class Qwen3_5Transformer(Decoder):
     """Qwen 3.5; `forward(tokens [B, T], segment_ids=None, positions=None) -> logits [B, T, vocab]`,
     `init_weights()`, `pop_aux_loss()` (MoE flavors), see `Decoder`.
@@ -248,43 +292,9 @@ class Qwen3_5Transformer(Decoder):
     TP rule of trainer/step/plan.py refuses TP > 1 with (the hf backend's rule)."""
 
     def __init__(self, args: Qwen3_5Args):
-        blocks = []
-        for layer_id in range(args.n_layers):
-            if args.is_full_attention(layer_id):
-                mixer: nn.Module = GatedAttention(
-                    dim=args.dim,
-                    n_heads=args.n_heads,
-                    n_kv_heads=args.n_kv_heads,
-                    head_dim=args.head_dim,
-                    norm_eps=args.norm_eps,
-                )
-            else:
-                mixer = GatedDeltaNet(
-                    dim=args.dim,
-                    num_k_heads=args.linear_num_key_heads,
-                    num_v_heads=args.linear_num_value_heads,
-                    head_k_dim=args.linear_key_head_dim,
-                    head_v_dim=args.linear_value_head_dim,
-                    conv_kernel=args.linear_conv_kernel_dim,
-                    norm_eps=args.norm_eps,
-                    chunk_size=args.delta_chunk_size,
-                )
-            mlp = (
-                dict(
-                    moe=MoE(
-                        dim=args.dim,
-                        hidden_dim=args.moe_hidden_dim,
-                        num_experts=args.num_experts,
-                        top_k=args.num_experts_per_tok,
-                        norm_topk_prob=True,
-                        shared_hidden_dim=args.shared_expert_hidden_dim,
-                        shared_gate=True,
-                    )
-                )
-                if args.is_moe
-                else dict(feed_forward=FeedForward(dim=args.dim, hidden_dim=args.hidden_dim))
-            )
-            blocks.append(Qwen3_5Block(layer_id=layer_id, dim=args.dim, norm_eps=args.norm_eps, attention=mixer, **mlp))
+        blocks = [
+            self._block(args, layer_id, full=args.is_full_attention(layer_id)) for layer_id in range(args.n_layers)
+        ]
         super().__init__(
             vocab_size=args.vocab_size,
             dim=args.dim,
@@ -295,3 +305,80 @@ class Qwen3_5Transformer(Decoder):
         )
         self.norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         self.args = args
+        if args.mtp_depth:  # registered last, and only when on: the main model's names are unchanged
+            mtp_blocks = [self._block(args, args.n_layers + j, full=True) for j in range(args.mtp_layers)]
+            self.mtp = MTPModule(args, mtp_blocks)
+
+    @staticmethod
+    def _block(args: Qwen3_5Args, layer_id: int, *, full: bool) -> "Qwen3_5Block":
+        """Block `layer_id`: gated full attention (`full`) or Gated DeltaNet, then the MLP or MoE."""
+        if full:
+            mixer: nn.Module = GatedAttention(
+                dim=args.dim,
+                n_heads=args.n_heads,
+                n_kv_heads=args.n_kv_heads,
+                head_dim=args.head_dim,
+                norm_eps=args.norm_eps,
+            )
+        else:
+            mixer = GatedDeltaNet(
+                dim=args.dim,
+                num_k_heads=args.linear_num_key_heads,
+                num_v_heads=args.linear_num_value_heads,
+                head_k_dim=args.linear_key_head_dim,
+                head_v_dim=args.linear_value_head_dim,
+                conv_kernel=args.linear_conv_kernel_dim,
+                norm_eps=args.norm_eps,
+                chunk_size=args.delta_chunk_size,
+            )
+        mlp = (
+            dict(
+                moe=MoE(
+                    dim=args.dim,
+                    hidden_dim=args.moe_hidden_dim,
+                    num_experts=args.num_experts,
+                    top_k=args.num_experts_per_tok,
+                    norm_topk_prob=True,
+                    shared_hidden_dim=args.shared_expert_hidden_dim,
+                    shared_gate=True,
+                )
+            )
+            if args.is_moe
+            else dict(feed_forward=FeedForward(dim=args.dim, hidden_dim=args.hidden_dim))
+        )
+        return Qwen3_5Block(layer_id=layer_id, dim=args.dim, norm_eps=args.norm_eps, attention=mixer, **mlp)
+
+    def mtp_hidden(
+        self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """tokens [batch, seq] -> `[hidden(tokens), normed MTP output]`, each [batch, seq, dim].
+
+        Position i of the MTP output combines the main hidden state at i with the embedding of
+        token i + 1 and, through `output`, predicts token i + 2. The last position has no next
+        token and gets a zero embedding (its prediction has no target). Positions and segment ids
+        are those of position i."""
+        assert self.args.mtp_depth > 0, "mtp_hidden needs mtp_depth > 0"
+        seqlen = tokens.shape[1]
+        emb = self.tok_embeddings(tokens)
+        cos, sin = rope_rows(self.rope_cos, self.rope_sin, seqlen, positions)
+        args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
+        hidden = self.norm(self.layers(emb, *args))
+        emb_next = torch.cat([emb[:, 1:], emb.new_zeros(emb.shape[0], 1, emb.shape[2])], dim=1)
+        _, normed = self.mtp(hidden, emb_next, *args)
+        return [hidden, normed]
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """`Decoder.init_weights`, then the MTP module's (`MTPModule.init_weights`)."""
+        super().init_weights(buffer_device)
+        if hasattr(self, "mtp"):
+            self.mtp.init_weights()
+
+    def pop_aux_loss(self) -> torch.Tensor | None:
+        """The main blocks' auxiliary loss (`Decoder.pop_aux_loss`) plus the MTP module's MoE
+        block's when the forward ran it (`mtp_hidden`)."""
+        total = super().pop_aux_loss()
+        if total is not None and hasattr(self, "mtp"):
+            aux = self.mtp.layers.pop_aux_loss()
+            if aux is not None:
+                total = total + aux
+        return total

@@ -57,7 +57,8 @@ def model_flops_per_token(args, seq_len: int) -> dict[str, float]:
       runs the shared output head again (D x vocab x dim more).
     - Token mixing: a family whose blocks differ says so with `args.mixing_flops_per_token(seq_len)`
       (training FLOPs of all blocks' attention score/value products or recurrences, both
-      conventions: gpt-oss's sliding-window blocks, Qwen 3.5's Gated DeltaNet blocks); otherwise
+      conventions: gpt-oss's sliding-window blocks, Qwen 3.5's Gated DeltaNet blocks, and the
+      family's MTP blocks); otherwise
       every block (and every MTP block) is full attention: 12 / 6 x L x H x Q x T
       (`flops_per_token`)."""
     shape = args.shape()
@@ -72,7 +73,6 @@ def model_flops_per_token(args, seq_len: int) -> dict[str, float]:
             head_dim=shape.head_dim,
             seq_len=seq_len,
         )
-    assert not mtp, "a family with its own mixing FLOPs has no MTP modules"
     terms = mixing(seq_len)
     return {convention: 6.0 * matmul + terms[convention] for convention in ("palm", "causal")}
 
