@@ -121,7 +121,11 @@ def _load_worker(hf: Path, layers: int, dim: int, mode: str) -> dict:
     return out
 
 
-def main() -> int:
+HEADER = ["what", "rank", "checkpoint_mb", "shard_mb", "before_mb", "peak_mb", "added_mb"]
+
+
+def _parse_args() -> argparse.Namespace:
+    """The command line (`--worker` and `--dir` are the subprocesses' own, hidden)."""
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--dim", type=int, default=1024)
@@ -129,84 +133,106 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_convert.csv"))
     parser.add_argument("--worker", choices=["build", "from-hf", "to-hf", "sliced", "full"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
-    ns = parser.parse_args()
+    return parser.parse_args()
+
+
+def _run_worker(ns: argparse.Namespace) -> int:
+    """One subprocess's part: build the checkpoint, or one measurement printed as a JSON line."""
     if ns.worker == "build":
         _build(ns.dir / "hf", ns.layers, ns.dim)
-        return 0
-    if ns.worker in ("from-hf", "to-hf"):
+    elif ns.worker in ("from-hf", "to-hf"):
         print(json.dumps(_measured(ns.worker, ns.dir / "hf", ns.dir / "dcp", ns.dir / "back", ns.layers, ns.dim)))
-        return 0
-    if ns.worker in ("sliced", "full"):
+    else:
         print(json.dumps(_load_worker(ns.dir / "hf", ns.layers, ns.dim, ns.worker)), flush=True)
-        return 0
+    return 0
 
+
+def _sample(me: list[str], env: dict, tmp: Path, repeats: int) -> dict[tuple[str, object], list[dict]]:
+    """{(what, rank): [measurement, ...]}: per repeat, both conversions then both loads, each in fresh processes."""
+    samples: dict[tuple[str, object], list[dict]] = {}
+    for _ in range(repeats):
+        for kind in ("from-hf", "to-hf"):
+            out = (
+                subprocess.run(
+                    me + ["--worker", kind, "--dir", str(tmp)], check=True, env=env, capture_output=True, text=True
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            samples.setdefault((f"convert {kind}", "-"), []).append(json.loads(out))
+            if kind == "to-hf":
+                shutil.rmtree(tmp / "back")
+        shutil.rmtree(tmp / "dcp")
+        for mode in ("sliced", "full"):
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517"]
+                + me[1:]
+                + ["--worker", mode, "--dir", str(tmp)],
+                check=True,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            for line in proc.stdout.splitlines():
+                if line.startswith("{"):
+                    r = json.loads(line)
+                    samples.setdefault((f"load {mode} (FSDP 2)", r["rank"]), []).append(r)
+    return samples
+
+
+def _rows(samples: dict[tuple[str, object], list[dict]], size: int) -> list[dict]:
+    """One row per (what, rank): the medians over the repeats, in MB."""
+    rows = []
+    for (what, rank), runs in samples.items():
+        before = statistics.median(r["before"] for r in runs)
+        peak = statistics.median(r["peak"] for r in runs)
+        added = statistics.median(r["peak"] - r["before"] for r in runs)
+        rows.append(
+            {
+                "what": what,
+                "rank": rank,
+                "checkpoint_mb": size / 1e6,
+                "shard_mb": runs[0]["shard"] / 1e6 if "shard" in runs[0] else "",
+                "before_mb": before / 1e6,
+                "peak_mb": peak / 1e6,
+                "added_mb": added / 1e6,
+            }
+        )
+    return rows
+
+
+def _write_table(rows: list[dict], ns: argparse.Namespace) -> None:
+    """The table on stdout (CPU and shape first) and as CSV at `--out`."""
     from trainer.runtime.device import cpu_model
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    me = [sys.executable, str(Path(__file__).resolve()), "--layers", str(ns.layers), "--dim", str(ns.dim)]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench_convert_") as tmp:
-        tmp = Path(tmp)
-        subprocess.run(me + ["--worker", "build", "--dir", str(tmp)], check=True, env=env)
-        size = sum(f.stat().st_size for f in (tmp / "hf").glob("*.safetensors"))
-        samples: dict[tuple[str, object], list[dict]] = {}
-        for _ in range(ns.repeats):
-            for kind in ("from-hf", "to-hf"):
-                out = (
-                    subprocess.run(
-                        me + ["--worker", kind, "--dir", str(tmp)], check=True, env=env, capture_output=True, text=True
-                    )
-                    .stdout.strip()
-                    .splitlines()[-1]
-                )
-                samples.setdefault((f"convert {kind}", "-"), []).append(json.loads(out))
-                if kind == "to-hf":
-                    shutil.rmtree(tmp / "back")
-            shutil.rmtree(tmp / "dcp")
-            for mode in ("sliced", "full"):
-                proc = subprocess.run(
-                    [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517"]
-                    + me[1:]
-                    + ["--worker", mode, "--dir", str(tmp)],
-                    check=True,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                )
-                for line in proc.stdout.splitlines():
-                    if line.startswith("{"):
-                        r = json.loads(line)
-                        samples.setdefault((f"load {mode} (FSDP 2)", r["rank"]), []).append(r)
-        for (what, rank), runs in samples.items():
-            before = statistics.median(r["before"] for r in runs)
-            peak = statistics.median(r["peak"] for r in runs)
-            added = statistics.median(r["peak"] - r["before"] for r in runs)
-            rows.append(
-                {
-                    "what": what,
-                    "rank": rank,
-                    "checkpoint_mb": size / 1e6,
-                    "shard_mb": runs[0]["shard"] / 1e6 if "shard" in runs[0] else "",
-                    "before_mb": before / 1e6,
-                    "peak_mb": peak / 1e6,
-                    "added_mb": added / 1e6,
-                }
-            )
     print(f"CPU: {cpu_model()}; Llama 3 override n_layers={ns.layers} dim={ns.dim}, fp32; median of {ns.repeats} runs")
-    header = ["what", "rank", "checkpoint_mb", "shard_mb", "before_mb", "peak_mb", "added_mb"]
-    print(" | ".join(f"{h:>20}" if i == 0 else f"{h:>13}" for i, h in enumerate(header)))
+    print(" | ".join(f"{h:>20}" if i == 0 else f"{h:>13}" for i, h in enumerate(HEADER)))
     for row in rows:
         print(
             " | ".join(
                 f"{row[h]:>20}" if i == 0 else (f"{row[h]:>13.0f}" if isinstance(row[h], float) else f"{row[h]!s:>13}")
-                for i, h in enumerate(header)
+                for i, h in enumerate(HEADER)
             )
         )
     with open(ns.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=header)
+        writer = csv.DictWriter(f, fieldnames=HEADER)
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {ns.out}")
+
+
+def main() -> int:
+    ns = _parse_args()
+    if ns.worker:
+        return _run_worker(ns)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    me = [sys.executable, str(Path(__file__).resolve()), "--layers", str(ns.layers), "--dim", str(ns.dim)]
+    with tempfile.TemporaryDirectory(prefix="bench_convert_") as tmp:
+        tmp = Path(tmp)
+        subprocess.run(me + ["--worker", "build", "--dir", str(tmp)], check=True, env=env)
+        size = sum(f.stat().st_size for f in (tmp / "hf").glob("*.safetensors"))
+        rows = _rows(_sample(me, env, tmp, ns.repeats), size)
+    _write_table(rows, ns)
     return 0
 
 
