@@ -198,22 +198,59 @@ def tpu_runtime_env(
     check_choice("device.flag_bundle", flag_bundle, FLAG_BUNDLES)
     out = RuntimeEnv()
     if device_type != "tpu":
-        asked = [
-            k
-            for k, v in (
-                ("flag_bundle", flag_bundle not in ("auto", "none")),
-                ("libtpu_init_args", libtpu_args),
-                ("xla_flags", xla),
-                ("cache_dir", cache_dir),
-                ("host_cache", host_cache),
-            )
-            if v
-        ]
-        if asked:
-            out.notes.append(f"titan-tpu: {', '.join(asked)} not applied on {device_type} (TPU only)")
+        asked = {
+            "flag_bundle": flag_bundle not in ("auto", "none"),
+            "libtpu_init_args": libtpu_args,
+            "xla_flags": xla,
+            "cache_dir": cache_dir,
+            "host_cache": host_cache,
+        }
+        out.notes.extend(_not_applied(device_type, asked))
         return out
 
     bundle = _pick_bundle(flag_bundle, generation)
+    merged_libtpu, merged_xla = _merged_flags(
+        bundle, libtpu_args=libtpu_args, xla=xla, environ=environ, libraries=libraries
+    )
+    if merged_libtpu:
+        out.env["LIBTPU_INIT_ARGS"] = " ".join(merged_libtpu)
+    if merged_xla:
+        out.env["XLA_FLAGS"] = " ".join(merged_xla)
+    out.notes.append(_flags_note(out.env, bundle=bundle, flag_bundle=flag_bundle, generation=generation))
+
+    out.env.update(_cache_vars(cache_dir=cache_dir, host_cache=host_cache))
+    out.notes.append(f"titan-tpu: compilation cache: {cache_tiers(out.env, environ)}")
+    return out
+
+
+def _cache_vars(*, cache_dir: str, host_cache: bool) -> dict[str, str]:
+    """torch-tpu's tier-3 (`cache_dir`, made absolute unless gs://) and tier-2 (`host_cache`) cache variables."""
+    out = {}
+    if cache_dir:
+        out[TIER3_CACHE_VAR] = (
+            cache_dir if cache_dir.startswith("gs://") else os.path.abspath(os.path.expanduser(cache_dir))
+        )
+    if host_cache:
+        out[TIER2_CACHE_VAR] = HOST_CACHE_NAME
+    return out
+
+
+def _not_applied(device_type: str, asked: Mapping[str, object]) -> list[str]:
+    """Off TPU: a note naming the TPU-only settings set (truthy in `asked`), or none."""
+    names = [k for k, v in asked.items() if v]
+    return [f"titan-tpu: {', '.join(names)} not applied on {device_type} (TPU only)"] if names else []
+
+
+def _merged_flags(
+    bundle: FlagBundle | None,
+    *,
+    libtpu_args: list[str],
+    xla: list[str],
+    environ: Mapping[str, str],
+    libraries: Iterable[Path] | None,
+) -> tuple[list[str], list[str]]:
+    """(LIBTPU_INIT_ARGS, XLA_FLAGS) flags: the bundle's, then the recipe's, then the exported ones
+    (later wins); every flag name looked up in `libraries` (ConfigError naming where it came from)."""
     env_libtpu = shlex.split(environ.get("LIBTPU_INIT_ARGS", ""))
     env_xla = shlex.split(environ.get("XLA_FLAGS", ""))
     merged_libtpu = merge_flags(bundle.libtpu_init_args if bundle else (), libtpu_args, env_libtpu)
@@ -226,29 +263,21 @@ def tpu_runtime_env(
         + [(f, "device.xla_flags" if f in xla else "XLA_FLAGS (bundle or environment)") for f in merged_xla],
         runtime_libraries() if libraries is None else list(libraries),
     )
-    if merged_libtpu:
-        out.env["LIBTPU_INIT_ARGS"] = " ".join(merged_libtpu)
-    if merged_xla:
-        out.env["XLA_FLAGS"] = " ".join(merged_xla)
+    return merged_libtpu, merged_xla
+
+
+def _flags_note(env: Mapping[str, str], *, bundle: FlagBundle | None, flag_bundle: str, generation: str | None) -> str:
+    """The banner line saying which bundle (or why none) and the flag variables the run sets."""
     if bundle is not None:
         which = f"bundle {bundle.name}"
     elif flag_bundle == "none":
         which = "no bundle (flag_bundle = none)"
     else:
         which = f"no bundle (none recorded for {generation or 'an unknown TPU generation'})"
-    out.notes.append(
-        f"titan-tpu: flags: {which}; LIBTPU_INIT_ARGS={out.env.get('LIBTPU_INIT_ARGS', '')!r} "
-        f"XLA_FLAGS={out.env.get('XLA_FLAGS', '')!r}"
+    return (
+        f"titan-tpu: flags: {which}; LIBTPU_INIT_ARGS={env.get('LIBTPU_INIT_ARGS', '')!r} "
+        f"XLA_FLAGS={env.get('XLA_FLAGS', '')!r}"
     )
-
-    if cache_dir:
-        out.env[TIER3_CACHE_VAR] = (
-            cache_dir if cache_dir.startswith("gs://") else os.path.abspath(os.path.expanduser(cache_dir))
-        )
-    if host_cache:
-        out.env[TIER2_CACHE_VAR] = HOST_CACHE_NAME
-    out.notes.append(f"titan-tpu: compilation cache: {cache_tiers(out.env, environ)}")
-    return out
 
 
 def cache_tiers(env: Mapping[str, str], environ: Mapping[str, str]) -> str:
