@@ -101,33 +101,17 @@ def chunk_gated_delta_rule(
     None). Without `reset` the operations are transformers' `torch_chunk_gated_delta_rule`'s.
     """
     dtype = q.dtype
-    b, s, _, k_dim = k.shape
+    b, s, _, _ = k.shape
     num_v_heads, v_dim = v.shape[-2:]
     q, k, v, beta, g = _prepare(q, k, v, g, beta, qk_l2norm)
     q = q * q.shape[-1] ** -0.5
-
-    pad = (chunk_size - s % chunk_size) % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    n = (s + pad) // chunk_size
-
-    v_beta = v * beta.unsqueeze(-1)
-    k_beta = k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (
-        x.reshape(x.shape[0], x.shape[1], n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)
-    )
-    g = g.reshape(g.shape[0], g.shape[1], n, chunk_size)
+    q, k, k_beta, v_beta, g, pad = _to_chunks(q, k, v, beta, g, chunk_size=chunk_size)
+    n = q.shape[2]
     hidden = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)  # j > i
     cum = g.cumsum(dim=3)
-
     if reset is not None:
-        # Per chunk, segment index of each token (how many resets up to and including it).
-        starts = F.pad(reset.to(torch.int64), (0, pad)).reshape(b, 1, n, chunk_size)
-        seg = starts.cumsum(dim=3)
-        hidden = hidden | (seg.unsqueeze(4) != seg.unsqueeze(3))  # other segment: no pair
-        sees_prev = (seg == 0).to(torch.float32)  # no reset in [chunk start, t]: reads the old state
-        to_end = (seg == seg[..., -1:]).to(torch.float32)  # no reset in (t, chunk end]: reaches the new one
-        chunk_open = sees_prev[..., -1]  # no reset in the chunk: the old state survives it
+        other_segment, sees_prev, to_end, chunk_open = _segments(reset, pad=pad, n=n, chunk_size=chunk_size)
+        hidden = hidden | other_segment  # other segment: no pair
 
     pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(hidden, float("-inf")).exp()
     ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
@@ -140,12 +124,6 @@ def chunk_gated_delta_rule(
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
 
-    if initial_state is None:
-        state = torch.zeros(b, num_v_heads, k_dim, v_dim, dtype=new_values.dtype, device=new_values.device)
-    else:
-        state = initial_state.to(new_values)
-    out = torch.zeros_like(new_values)
-
     q = q * from_start.unsqueeze(-1)
     to_end_decay = (cum[..., -1:] - cum).exp()
     chunk_decay = cum[..., -1].exp()
@@ -153,12 +131,59 @@ def chunk_gated_delta_rule(
         to_end_decay = to_end_decay * to_end
         chunk_decay = chunk_decay * chunk_open
     k = k * to_end_decay.unsqueeze(-1)
-    chunk_decay = chunk_decay[..., None, None]
-    for i in range(n):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out, state = _scan_chunks(q, k, intra, new_values, k_cumdecay, chunk_decay[..., None, None], initial_state)
 
     out = out.reshape(b, num_v_heads, -1, v_dim)[:, :, :s]
     out = out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
     return out, state if output_final_state else None
+
+
+def _to_chunks(q, k, v, beta, g, *, chunk_size: int):
+    """The sequence padded to whole chunks and cut into them: q, k, k * beta, v * beta
+    [b, h, n, chunk_size, dim], g [b, h, n, chunk_size], and the padding length."""
+    s = q.shape[2]
+    pad = (chunk_size - s % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    n = (s + pad) // chunk_size
+
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (
+        x.reshape(x.shape[0], x.shape[1], n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta)
+    )
+    g = g.reshape(g.shape[0], g.shape[1], n, chunk_size)
+    return q, k, k_beta, v_beta, g, pad
+
+
+def _segments(reset: torch.Tensor, *, pad: int, n: int, chunk_size: int):
+    """The in-chunk masks of `reset` [b, s] (segment = tokens between resets), each [b, 1, n, ...]:
+    pairs (i, j) in different segments [.., chunk, chunk] (bool), tokens that read the old state
+    (no reset in [chunk start, t]), tokens whose write reaches the new one (no reset in (t, chunk
+    end]), and chunks the old state survives (no reset in the chunk), the last three as 0/1 fp32."""
+    b = reset.shape[0]
+    # Per chunk, segment index of each token (how many resets up to and including it).
+    starts = F.pad(reset.to(torch.int64), (0, pad)).reshape(b, 1, n, chunk_size)
+    seg = starts.cumsum(dim=3)
+    other_segment = seg.unsqueeze(4) != seg.unsqueeze(3)
+    sees_prev = (seg == 0).to(torch.float32)
+    to_end = (seg == seg[..., -1:]).to(torch.float32)
+    chunk_open = sees_prev[..., -1]
+    return other_segment, sees_prev, to_end, chunk_open
+
+
+def _scan_chunks(q, k, intra, new_values, k_cumdecay, chunk_decay, initial_state):
+    """The scan over chunks: each chunk's output from the state it finds and its own tokens, then the
+    state it leaves. q, k already decayed to the chunk's start and end; chunk_decay [b, h, n, 1, 1].
+    -> (out [b, h, n, chunk, v_dim], the final state [b, h, k_dim, v_dim])."""
+    b, h, n, _, v_dim = new_values.shape
+    if initial_state is None:
+        state = torch.zeros(b, h, k.shape[-1], v_dim, dtype=new_values.dtype, device=new_values.device)
+    else:
+        state = initial_state.to(new_values)
+    out = torch.zeros_like(new_values)
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    return out, state
