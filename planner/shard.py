@@ -185,7 +185,8 @@ def shard_model(
     )
 
     exclude = MUON_EXCLUDE_DEFAULT if muon_exclude is None else tuple(muon_exclude)
-    muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude)[0]}
+    vectors = getattr(model, "non_matrix_params", ())
+    muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude, non_matrices=vectors)[0]}
     t = _tally_params(model, prefixes, muon_ids)
     assert t.first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
     if probe:  # one block per stack, times the stack's length

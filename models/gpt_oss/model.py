@@ -240,6 +240,10 @@ class GptOssTransformer(Decoder):
     """The `[model] attn_backend` values this model's attention honours: its own torch formulation
     serves every device; no kernel behind the other values takes attention sinks."""
 
+    non_matrix_params = ("sinks", "gate_up_proj_bias", "down_proj_bias")
+    """Tensors of 2+ dims that are no linear map (the sinks [H, 1], the experts' bias tables
+    [E, n]): Muon leaves them to AdamW (trainer/optim/muon.py `split_muon_params`)."""
+
     def __init__(self, args: GptOssArgs):
         blocks = [
             TransformerBlock(

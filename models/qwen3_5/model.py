@@ -291,6 +291,11 @@ class Qwen3_5Transformer(Decoder):
     """Why tensor parallelism cannot apply to this family: the step request's `tp_refusal`, which the
     TP rule of trainer/step/plan.py refuses TP > 1 with (the hf backend's rule)."""
 
+    non_matrix_params = ("conv1d", "shared_gate")
+    """Tensors of 2+ dims that are no linear map to orthogonalise (the depthwise conv taps
+    [C, 1, K], the shared expert's [1, dim] gate): Muon leaves them to AdamW
+    (trainer/optim/muon.py `split_muon_params`)."""
+
     def __init__(self, args: Qwen3_5Args):
         blocks = [
             self._block(args, layer_id, full=args.is_full_attention(layer_id)) for layer_id in range(args.n_layers)

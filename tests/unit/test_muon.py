@@ -207,6 +207,36 @@ def test_split_llama_and_qwen_moe():
     assert not any("gate" in n or "norm" in n for n in muon_names)
 
 
+@pytest.mark.parametrize("family, flavor", [("gpt_oss", "debugmodel"), ("qwen3_5", "debugmodel_moe")])
+def test_tensors_that_are_no_linear_map_stay_on_adamw(family, flavor):
+    """gpt-oss's sinks [H, 1] and expert bias tables [E, n], Qwen 3.5's conv taps [C, 1, K] and its
+    [1, dim] shared gate have 2+ dims but are no matrix to orthogonalise (Newton-Schulz makes each
+    row a rescaled unit vector): the model class names them (`non_matrix_params`) and build_muon
+    hands them to AdamW. Before the change every one of them was a Muon parameter."""
+    from models import FAMILIES
+
+    fam = FAMILIES[family]
+    model = fam.model_cls(dataclasses.replace(fam.get_args(flavor), n_layers=4, max_seq_len=16))
+    opt = build_muon(
+        model,
+        lr=1e-3,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        ns_dtype="float32",
+        exclude=("tok_embeddings", "output", "gate"),
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for group in opt.param_groups if group["use_muon"] for p in group["params"]}
+    vectors = {n for n, p in model.named_parameters() if set(n.split(".")) & set(fam.model_cls.non_matrix_params)}
+    assert vectors and all(model.get_parameter(n).dim() >= 2 for n in vectors)
+    assert not vectors & muon
+    assert {n for n in names.values() if n.endswith(("experts.w1", "experts.gate_up_proj", "out_proj.weight"))} & muon
+
+
 def assert_adamw_close(p, ref, name):
     """An AdamW parameter of two runs of the same steps (3 here) that differ only in the order of
     float32 reductions (module tests below).

@@ -18,7 +18,10 @@ embedding, the output head and the MoE router gate, under this tree's names and 
 ignores); the head's rows are per-token logits, where Moonshot and Keller Jordan both keep AdamW;
 the router gate is a small [n_experts, dim] matrix whose row norms set the routing temperature,
 which orthogonalisation would force to be equal. Norm weights and biases (1-D) always take
-AdamW. MoE experts' weights [n_experts, out, in] get one Newton-Schulz per expert (batched over
+AdamW, and so do the tensors of 2 or more dims that a model class names as no linear map
+(`non_matrix_params`: gpt-oss's attention sinks [H, 1] and per-expert bias tables [E, n],
+Qwen 3.5's depthwise conv taps [C, 1, K] and its [1, dim] shared-expert gate), which
+orthogonalisation would reduce to rescaled unit rows. MoE experts' weights [n_experts, out, in] get one Newton-Schulz per expert (batched over
 the leading dims), scaled by that expert matrix's own shape.
 
 Sharded parameters (SimpleFSDP, TP, EP: DTensors): the momentum update is elementwise on the
@@ -87,15 +90,17 @@ def update_scale(shape: torch.Size) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
-def split_muon_params(named_params, exclude=MUON_EXCLUDE_DEFAULT) -> tuple[list, list]:
-    """(Muon parameters, AdamW parameters) of `model.named_parameters()` (see the module docstring)."""
+def split_muon_params(named_params, exclude=MUON_EXCLUDE_DEFAULT, *, non_matrices=()) -> tuple[list, list]:
+    """(Muon parameters, AdamW parameters) of `model.named_parameters()` (see the module docstring).
+    `non_matrices`: components of a parameter's dotted name (module or parameter) whose 2-D+
+    tensors are not linear maps (the model's `non_matrix_params`): AdamW's too."""
     muon, adamw = [], []
-    skip = set(exclude)
+    skip, vectors = set(exclude), set(non_matrices)
     for name, p in named_params:
         if not p.requires_grad:
             continue
         parts = name.split(".")
-        if p.dim() >= 2 and not skip.intersection(parts[:-1]):
+        if p.dim() >= 2 and not skip.intersection(parts[:-1]) and not vectors.intersection(parts):
             muon.append(p)
         else:
             adamw.append(p)
@@ -269,7 +274,9 @@ def build_muon(
         from trainer.optim.qk_clip import QKClip
 
         qk_clip = QKClip(model, qk_clip_tau)
-    muon, adamw = split_muon_params(model.named_parameters(), exclude)
+    muon, adamw = split_muon_params(
+        model.named_parameters(), exclude, non_matrices=getattr(model, "non_matrix_params", ())
+    )
     return Muon(
         muon,
         adamw,
