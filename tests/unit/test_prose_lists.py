@@ -24,6 +24,7 @@ DISPLAY = {
     "qwen3": "Qwen 3",
     "qwen3_5": "Qwen 3.5",
     "deepseek_v3": "DeepSeek-V3",
+    "deepseek_v4": "DeepSeek-V4",
     "gpt_oss": "gpt-oss",
     "flux": "FLUX.1",
     "hf": "`hf`",

@@ -49,9 +49,10 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama3"
-    """Model family: llama3 | qwen3 | qwen3_5 | deepseek_v3 | gpt_oss | flux | hf (qwen3: dense and MoE
+    """Model family: llama3 | qwen3 | qwen3_5 | deepseek_v3 | deepseek_v4 | gpt_oss | flux | hf (qwen3: dense and MoE
     flavors; qwen3_5: Qwen 3.5 dense and MoE, Gated DeltaNet / gated full attention, docs/models.md;
-    deepseek_v3: DeepSeek-V3 and Kimi K2, MLA + DeepSeek MoE, docs/models.md; gpt_oss: gpt-oss 20B and
+    deepseek_v3: DeepSeek-V3 and Kimi K2, MLA + DeepSeek MoE, docs/models.md; deepseek_v4: DeepSeek-V4,
+    hyper-connections, compressed sparse attention, hash-routed MoE, docs/models.md; gpt_oss: gpt-oss 20B and
     120B, attention sinks, docs/models.md; flux: the FLUX.1
     diffusion transformer, docs/flux.md; hf: any transformers causal LM from `hf_config`,
     docs/hf_backend.md), or `package.module:NAME` of a
