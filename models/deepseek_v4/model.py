@@ -451,6 +451,11 @@ class DeepSeekV4(nn.Module):
     )
     """Why tensor parallelism is refused (trainer/step/plan.py's tp_refusal rule)."""
 
+    non_matrix_params = ("position_bias",)
+    """Tensors of 2+ dims that are no linear map (the compressors' per-slot gate biases [ratio, w]):
+    Muon leaves them to AdamW (trainer/optim/muon.py `split_muon_params`). The grouped output
+    projection `wo_a` [groups x rank, in] is Muon's as one matrix (not per group)."""
+
     def __init__(self, args: DeepSeekV4Args):
         super().__init__()
         self.args = args
