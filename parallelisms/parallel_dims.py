@@ -1,13 +1,16 @@
 """Parallel degrees, their validation, and the named DeviceMesh built from them.
 
-`ParallelDims` holds the degrees of a job (`dp_replicate`, `dp_shard`, `cp`, `tp`, `ep`) as
+`ParallelDims` holds the degrees of a job (`pp`, `dp_replicate`, `dp_shard`, `cp`, `tp`, `ep`) as
 plain ints, checks them against the world size and against a model's sizes, and answers the
 questions other components ask (data-parallel degree and rank, which parallelisms are on).
 `build_mesh` turns it into one DeviceMesh with the axes `("dp_replicate", "dp_shard", "cp",
-"tp")` on cpu (gloo), cuda (nccl) or tpu (topology-aware rank order).
+"tp")` on cpu (gloo), cuda (nccl) or tpu (topology-aware rank order). With pipeline parallelism
+(`pp > 1`) the world is `("pp", "dp_replicate", "dp_shard", "cp", "tp")`, `pp` outermost, and
+`build_mesh` returns this rank's stage mesh (the four axes above, over the ranks of its pp stage),
+so every other parallelism runs inside a stage as without PP; `pp_mesh(mesh)` is the 1-D pp axis.
 
-Rules (documented in docs/parallelism.md and docs/context_parallel.md):
-- `dp_replicate * dp_shard * cp * tp == world_size`; `dp_shard = -1` takes whatever is left.
+Rules (documented in docs/parallelism.md, docs/context_parallel.md, docs/pipeline_parallel.md):
+- `pp * dp_replicate * dp_shard * cp * tp == world_size`; `dp_shard = -1` takes whatever is left.
 - `cp` (context parallelism, parallelisms/context_parallel.py) splits the sequence: the `cp`
   ranks of one data-parallel group read the same batch rows; the sequence length must
   divide by `2 * cp` (and by `2 * cp * tp` with sequence-parallel TP).
@@ -53,6 +56,7 @@ _KEYS = {
     "cp": "parallelism.context_parallel_degree",
     "tp": "parallelism.tensor_parallel_degree",
     "ep": "parallelism.expert_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
     "num_slices": "parallelism.num_slices",
 }
 
@@ -92,13 +96,16 @@ class ParallelDims:
     """Expert parallel degree, carved out of `dp_shard * tp`."""
     num_slices: int = 1
     """TPU slices the world spans (the DCN split, outermost; `dcn_mesh_shape`)."""
+    pp: int = 1
+    """Pipeline parallel degree: the outermost axis; each pp rank holds a slice of the layers and
+    the other degrees apply inside it (`mesh_shape` is one stage's mesh)."""
     world_size: int
     """Number of ranks in the job."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {self.world_size}; allowed: a positive integer")
-        for name in ("dp_replicate", "cp", "tp", "ep"):
+        for name in ("pp", "dp_replicate", "cp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{_KEYS[name]}: must be an integer >= 1, got {value!r}; allowed: a positive integer")
@@ -107,7 +114,9 @@ class ParallelDims:
                 f"{_KEYS['dp_shard']}: must be an integer >= 1 or -1 (fill the rest), got {self.dp_shard!r}; allowed: -1 or a positive integer"
             )
         cp_text = f"context_parallel_degree ({self.cp}) x " if self.cp != 1 else ""
-        others = self.dp_replicate * self.cp * self.tp
+        if self.pp != 1:
+            cp_text = f"pipeline_parallel_degree ({self.pp}) x {cp_text}"
+        others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others != 0:
                 raise ConfigError(
@@ -117,7 +126,7 @@ class ParallelDims:
                     f"product divides {self.world_size}"
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ConfigError(
                 f"parallelism: data_parallel_replicate_degree ({self.dp_replicate}) x "
@@ -172,6 +181,15 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks of one pipeline stage (the whole world without PP)."""
+        return self.world_size // self.pp
+
     # --- sizes ------------------------------------------------------------------------------
     @property
     def dp_degree(self) -> int:
@@ -181,8 +199,9 @@ class ParallelDims:
     @property
     def non_data_parallel_size(self) -> int:
         """Ranks that see the same batch rows (for per-device token counts in metrics): each
-        of the cp x tp ranks of a data-parallel group processes 1/(cp x tp) of its tokens."""
-        return self.cp * self.tp
+        of the pp x cp x tp ranks of a data-parallel group processes 1/(pp x cp x tp) of its tokens
+        (a pp rank runs its layers over all of them)."""
+        return self.pp * self.cp * self.tp
 
     @property
     def efsdp(self) -> int:
@@ -365,6 +384,8 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | N
             f"{dist.get_world_size()} ranks"
         )
     shape = parallel_dims.mesh_shape
+    if parallel_dims.pp_enabled:
+        return _build_pp_mesh(parallel_dims, device_type)
     ranks = torch.arange(parallel_dims.world_size).reshape(shape)
     if device_type == "tpu":
         dcn = parallel_dims.dcn_mesh_shape if parallel_dims.num_slices > 1 else None
@@ -378,6 +399,31 @@ def build_mesh(parallel_dims: ParallelDims, device_type: str, *, target: str | N
         meshes["expert"] = build_ep_mesh(parallel_dims, mesh)
     mesh._titan_checked_axes = check_mesh_order(meshes)  # the recipe check reports it
     return mesh
+
+
+PP_AXES = ("pp", *MESH_AXES)
+"""The world mesh's axes with pipeline parallelism (`pp` outermost)."""
+
+
+def _build_pp_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """With pp > 1: the world mesh `PP_AXES` in rank order, and this rank's stage mesh (`MESH_AXES`
+    over the ranks of its pp stage) returned, carrying the 1-D pp axis (`pp_mesh`). The step plan's
+    rules keep pp to CPU/GPU, one slice, and without cp or ep (not built here)."""
+    from parallelisms.device_order import check_mesh_order
+
+    assert not (parallel_dims.cp_enabled or parallel_dims.ep_enabled or parallel_dims.num_slices > 1), parallel_dims
+    ranks = torch.arange(parallel_dims.world_size).reshape((parallel_dims.pp, *parallel_dims.mesh_shape))
+    world = DeviceMesh(device_type, ranks, mesh_dim_names=PP_AXES)
+    stage = world[MESH_AXES]
+    stage._titan_pp_mesh = world["pp"]
+    meshes = {"world": world, "stage": stage, "pp": world["pp"], "dp": flat_dp_mesh(stage)}
+    stage._titan_checked_axes = check_mesh_order(meshes)
+    return stage
+
+
+def pp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D `pp` mesh of a stage mesh `build_mesh` returned with pp > 1; None without PP."""
+    return getattr(mesh, "_titan_pp_mesh", None) if mesh is not None else None
 
 
 def axis_groups(grid: torch.Tensor) -> list[set[frozenset[int]]]:

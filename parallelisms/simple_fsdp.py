@@ -552,6 +552,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     foreach: bool | None = None,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Clip gradients in place to a global norm of `max_norm`; return the norm.
 
@@ -559,7 +560,8 @@ def clip_grad_norm_(
     may mix, e.g. dense and expert parameters): each rank sums |g|^p over its local shard,
     the sums are all-reduced over the mesh axes on which the gradient is sharded (never
     over replicated axes, so nothing is counted twice), and the groups are combined. The
-    result is a plain tensor, equal on every rank.
+    result is a plain tensor, equal on every rank. With pipeline parallelism (`pp_mesh`, the 1-D
+    pp axis) each pp rank holds other parameters: the combined sums are also summed over it.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -595,10 +597,10 @@ def clip_grad_norm_(
             value = funcol.all_reduce(value, reduce_op, (mesh, dim))
         totals.append(value)
     stacked = torch.stack(totals)
-    if math.isinf(norm_type):
-        total = stacked.max()
-    else:
-        total = stacked.sum().pow(1.0 / norm_type)
+    reduced = stacked.max() if math.isinf(norm_type) else stacked.sum()
+    if pp_mesh is not None:
+        reduced = funcol.all_reduce(reduced, "max" if math.isinf(norm_type) else "sum", pp_mesh)
+    total = reduced if math.isinf(norm_type) else reduced.pow(1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     local_grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if foreach is not False:

@@ -36,6 +36,7 @@ one process.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -52,7 +53,8 @@ from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
 from parallelisms.device_order import RankOrder, resolve_rank_order
-from parallelisms.parallel_dims import resolve_num_slices, tpu_mesh_layout
+from parallelisms.parallel_dims import pp_mesh, resolve_num_slices, tpu_mesh_layout
+from parallelisms.pipeline_parallel import init_weights_as_whole, prune_model
 from parallelisms.quantize import QuantizePlan
 from parallelisms.replicate_reduce import ReplicateReducer
 from trainer import checkpoint as ckpt
@@ -136,10 +138,14 @@ def step_request(
     fsdp_shard_degree: int = 0,
     quantize_census: QuantizeCensus | None = None,
     mtp_depth: int = 0,
+    n_layers: int = 0,
+    local_batch: int = 0,
+    tie_embeddings: bool = False,
 ) -> StepRequest:
     """What the step plan's rules read, from the recipe and the family (the planner fills in the
     degrees and device of each layout it tries; `model_has_experts` and `grad_accum` from the
-    model args and the batch split when known)."""
+    model args and the batch split when known; likewise `n_layers`, `local_batch` and
+    `tie_embeddings`, which the pipeline rules read)."""
     tp_refusal = getattr(family.model_cls, "tp_refusal", None)  # a family without a TP plan
     if cfg.model.name == "hf":  # its TP plan is translated from the transformers model's (models/hf/plan.py)
         from models.hf.plan import tp_refusal as hf_tp_refusal
@@ -191,6 +197,34 @@ def step_request(
         device_generation=device_generation,
         quantize_census=quantize_census,
         mtp_depth=mtp_depth,
+        pp_degree=cfg.parallelism.pipeline_parallel_degree,
+        pp_schedule=cfg.parallelism.pipeline_schedule,
+        pp_microbatches=cfg.parallelism.pipeline_microbatches,
+        pp_virtual_stages=cfg.parallelism.pipeline_virtual_stages,
+        pp_first_less=cfg.parallelism.pipeline_first_stage_less_layers,
+        pp_last_less=cfg.parallelism.pipeline_last_stage_less_layers,
+        n_layers=n_layers,
+        local_batch=local_batch,
+        ep_degree=cfg.parallelism.expert_parallel_degree,
+        model_pipeline=pipeline_capable(family.model_cls),
+        tie_embeddings=tie_embeddings,
+        validation=cfg.validation.enable,
+        device_order=",".join(map(str, cfg.parallelism.device_order))
+        if isinstance(cfg.parallelism.device_order, list)
+        else str(cfg.parallelism.device_order),
+    )
+
+
+def pipeline_capable(model_cls) -> bool:
+    """A model the pipeline can cut into stages: a `Decoder` that runs the shared forward (embedding,
+    block stack, norm, head), each part optional (models/common/decoder.py)."""
+    from models.common.decoder import Decoder
+
+    return (
+        isinstance(model_cls, type)
+        and issubclass(model_cls, Decoder)
+        and model_cls.forward is Decoder.forward
+        and model_cls.hidden is Decoder.hidden
     )
 
 
@@ -218,6 +252,7 @@ def parallel_dims_of(cfg: Config, *, world_size: int) -> ParallelDims:
         tp=p.tensor_parallel_degree,
         ep=p.expert_parallel_degree,
         num_slices=resolve_num_slices(p.num_slices),
+        pp=p.pipeline_parallel_degree,
         world_size=world_size,
     )
 
@@ -257,6 +292,17 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
             dp_degree=parallel_dims.dp_degree,
         )[1]
     )
+    # The pipeline rules read the local batch the schedule splits into micro-batches.
+    local_batch = (
+        batch_split(
+            global_batch_size=t.global_batch_size,
+            local_batch_size=t.local_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            dp_degree=parallel_dims.dp_degree,
+        )[0]
+        if parallel_dims.pp_enabled
+        else 0
+    )
     # What `[quantize]` picks in this model (counted on meta): the rules refuse a recipe that picks
     # nothing, the banner states the count.
     census = quantize_census(family, args, QuantizePlan.of(cfg.quantize)) if cfg.quantize.recipe != "none" else None
@@ -273,6 +319,9 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
         fsdp_shard_degree=parallel_dims.dp_shard * parallel_dims.cp,
         quantize_census=census,
         mtp_depth=getattr(args, "mtp_depth", 0),
+        n_layers=shape.n_layers,
+        local_batch=local_batch,
+        tie_embeddings=bool(getattr(args, "tie_embeddings", False)),
     )
     step_plan = plan_step(request)  # the task name is checked here, before TASK_CLASSES is read
     parallel_dims.validate_for_model(shape, seq_len=TASK_CLASSES[request.task].seq_len_to_divide(cfg.training))
@@ -339,12 +388,22 @@ def build_model(
     replicate_reduce: str = "micro_batch",
 ):
     """Meta device -> parallelize -> materialize -> init_weights (`quantize`: `[quantize]`;
-    `replicate_reduce`: `training.replicate_reduce`)."""
+    `replicate_reduce`: `training.replicate_reduce`). With pipeline parallelism
+    (`step_plan.pipeline`) the model is this pp rank's part: its blocks, the embedding on the first
+    stage, the norm and head on the last (parallelisms/pipeline_parallel.py `prune_model`)."""
     # 1. Build on meta: no memory is touched, whatever the flavor's size. Benchmark routing
     #    (`[moe] routing`, allowed by the step plan's rules) is set on the model as built, so its
     #    `routing_key` buffers travel through the parallelisms like any buffer.
     with torch.device("meta"):
         model = family.model_cls(args)
+    whole = None
+    if step_plan.pipeline is not None:
+        # 1b. Keep this pp rank's layers (names unchanged); `whole` (meta) replays the one-process init.
+        whole = copy.deepcopy(model)
+        pipe, pp_rank = step_plan.pipeline, pp_mesh(mesh).get_local_rank()
+        first, last = pipe.rank_has_first_last(pp_rank)
+        layers = pipe.rank_layers(args.shape().n_layers, pp_rank)
+        prune_model(model, block=family.plan.block, layers=layers, first=first, last=last)
     if moe_routing != "learned":
         use_routing(model, moe_routing)
     if moe_capacity_factor > 0:  # the capacity-bounded dispatch (`[moe] capacity_factor`)
@@ -364,10 +423,14 @@ def build_model(
         quantize=quantize,
         replicate_reduce=replicate_reduce,
     )
-    # 3. Materialize the (sharded) parameters on the device, 4. initialize them.
+    # 3. Materialize the (sharded) parameters on the device, 4. initialize them (a pipeline part
+    #    with the values the whole model gets from the same seed: the trajectory is the mesh's own).
     model.to_empty(device=device)
     with torch.no_grad():
-        model.init_weights(buffer_device=device)
+        if whole is None:
+            model.init_weights(buffer_device=device)
+        else:
+            init_weights_as_whole(model, whole, device=device)
     model.train()
     return model
 
@@ -441,6 +504,20 @@ class Job:
         if self.runtime.device.type == "meta":
             passes_as, plan = plan.backend, _capture_only(plan)
         balance = ExpertBalance(self.model, rate=t.expert_bias_rate) or None
+        if plan.pipeline is not None:  # pp > 1: the schedule runs the accumulation micro-batches
+            from trainer.step.pipeline import PipelineStep
+
+            return PipelineStep(
+                model=self.model,
+                optimizer=self.optimizer,
+                max_norm=t.max_norm,
+                clip_grad_norm=clip_grad_norm_,
+                pipeline=plan.pipeline,
+                block=self.plan.family.plan.block,
+                n_layers=self.plan.args.shape().n_layers,
+                pp_mesh=pp_mesh(self.data.mesh),
+                device=self.runtime.device,
+            )
         if plan.mode != "graph":
             # `training.replicate_reduce = "step"`: the dp_replicate mean once per step (falsy: none deferred).
             replicate = ReplicateReducer(self.model, dtype=torch_dtype(t.replicate_reduce_dtype)) or None
@@ -868,4 +945,5 @@ def build_checkpoint_manager(cfg: Config, parallel_dims: ParallelDims, *, rank: 
         enable=ck.enable,
         load_step=ck.load_step,
         fallback_on_corrupt=ck.fallback_on_corrupt,
+        entries_per_rank=dims.pp_enabled,
     )

@@ -102,6 +102,8 @@ class Decoder(nn.Module):
         `to_empty()` from the meta device (and any per-module parameter swap) creates separate
         Parameters, so `init_weights` re-ties first; call this after such a swap otherwise.
         """
+        if self.tok_embeddings is None or self.output is None:  # a pipeline stage holds one of them
+            return
         if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
@@ -112,26 +114,31 @@ class Decoder(nn.Module):
         (`[training] document_mask`): `segment_ids` [batch, seq] keeps attention inside each
         document, `positions` [batch, seq] (integers < max_seq_len) are the RoPE positions of the
         tokens (default 0..seq-1 in every row)."""
-        return self.output(self.hidden(tokens, segment_ids, positions))
+        h = self.hidden(tokens, segment_ids, positions)
+        return self.output(h) if self.output is not None else h
 
     def hidden(
         self, tokens: torch.Tensor, segment_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """tokens [batch, seq] -> the final-normed hidden states [batch, seq, dim] that `output`
         projects to logits (a fused linear + cross-entropy loss starts from these); the optional
-        inputs as in `forward`."""
+        inputs as in `forward`.
+
+        A pipeline stage (parallelisms/pipeline_parallel.py) is this model with parts set to None:
+        without `tok_embeddings` it takes hidden states [batch, seq, dim] for `tokens`, without
+        `norm` (and `output`) it returns the last block's hidden states."""
         seqlen = tokens.shape[1]
         assert seqlen <= self.rope_cos.shape[0], (
             f"sequence length {seqlen} exceeds max_seq_len {self.rope_cos.shape[0]}"
         )
         # (checked before the embedding: the captured graph's inputs keep their order, which
         # tests/support/golden/graph_step_llama3_scan.txt pins)
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, seqlen, positions)
         # The blocks get segment ids only when given, so an unmasked model traces as before.
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
         h = self.layers(h, *args)
-        return self.norm(h)
+        return self.norm(h) if self.norm is not None else h
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter in place and rebuild the RoPE buffers.
@@ -152,11 +159,13 @@ class Decoder(nn.Module):
         self.tie_weights()
         device = buffer_device if buffer_device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = self._rope_cache(device)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
+        if self.tok_embeddings is not None:  # (a pipeline stage may hold no embedding, norm or head)
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=0.02)
         for block in self.layers.values():
             block.init_weights()
-        self.norm.init_weights()
-        if not self.tie_embeddings:
+        if self.norm is not None:
+            self.norm.init_weights()
+        if not self.tie_embeddings and self.output is not None:
             dim = self.output.weight.shape[1]
             trunc_normal_(self.output.weight, std=dim**-0.5)
 

@@ -1605,6 +1605,25 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "the dropless MoE on EP 2 through torchrun: the capacity MoE on EP 2 through the trainer, and dropless EP parity on thread ranks",
     ),
+    # --- pipeline parallelism (docs/pipeline_parallel.md): the default tier resumes a one-process run
+    # on PP 2 through torchrun (1F1B: build_schedule, PipelineStep, the pruned model's DCP load and save)
+    # and checks the stage split, placement and rules; these run every schedule and PP x FSDP.
+    Scheduled(
+        "tests/unit/test_pipeline_parallel.py::test_*_equal*_one_process",
+        (
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/unit/test_pipeline_parallel.py::test_stage_placement_per_schedule",
+        ),
+        "every schedule (one stage per rank, loop and V placement) and PP 2 x FSDP 2 with AC and accumulation "
+        "against one process on spawned gloo ranks: the default tier runs the same step (1F1B) and schedule "
+        "builder through the trainer, and the placement arithmetic of every schedule",
+    ),
+    Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_pp2_from_scratch_is_the_one_process_run_and_resumes_at_pp1",
+        ("tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",),
+        "PP 2 x FSDP 2 from scratch (the replayed whole-model init) and a PP checkpoint resumed on one process: "
+        "the default tier resumes the other way, which loads and saves the pruned model's DCP state",
+    ),
 )
 
 

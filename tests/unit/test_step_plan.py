@@ -165,6 +165,17 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(quantize="int8", quantize_census=QuantizeCensus(1024, ("output",), 3, 0, 1, 2)),
         StepRequest(quantize="int8", quantize_census=QuantizeCensus(0, ("output",), 3, 0, 3, 0)),
         StepRequest(mtp_depth=1, mode="graph"),
+        StepRequest(pp_schedule="Bogus"),
+        StepRequest(pp_degree=2, mode="graph"),
+        StepRequest(pp_degree=2, tp_degree=2),
+        StepRequest(pp_degree=2),
+        StepRequest(pp_degree=2, model_has_experts=False, validation=True),
+        StepRequest(pp_degree=2, model_has_experts=False, device_order="v6e-8"),
+        StepRequest(pp_degree=2, model_has_experts=False, pp_schedule="GPipe", pp_virtual_stages=2),
+        StepRequest(pp_degree=4, model_has_experts=False, n_layers=2),
+        StepRequest(pp_degree=2, model_has_experts=False, local_batch=3),
+        StepRequest(pp_degree=2, model_has_experts=False, pp_microbatches=1),
+        StepRequest(pp_degree=2, model_has_experts=False, pp_schedule="Interleaved1F1B", pp_microbatches=5),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

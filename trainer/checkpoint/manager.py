@@ -273,7 +273,10 @@ class CheckpointManager:
         local_interval: int = 1,
         slice_rank: int = 0,
         layout: dict | None = None,
+        entries_per_rank: bool = False,
     ):
+        """`entries_per_rank`: the ranks hold different parameters (pipeline parallelism: each pp
+        rank its own layers), so a checkpoint's entries are checked against their union."""
         if async_mode not in ASYNC_MODES:
             raise ConfigError(f"checkpoint.async_mode: {async_mode!r} is not a mode; allowed: {', '.join(ASYNC_MODES)}")
         if interval < 1:
@@ -294,6 +297,7 @@ class CheckpointManager:
         self.enable = enable
         self.load_step = load_step
         self.fallback_on_corrupt = fallback_on_corrupt
+        self._entries_per_rank = entries_per_rank
         self._pending: tuple[Any, int] | None = None  # (future, step) of an async save
         self._hasher: ThreadPoolExecutor | None = None  # rank 0: writes an async save's manifest
         self._last_saved_step: int | None = None
@@ -514,8 +518,14 @@ class CheckpointManager:
         # Model and optimizer moments must match exactly, in both directions (a checkpoint with
         # more layers must not load into fewer); the small states only need what this run reads.
         strict = ("model.", "optimizer.state.")
+        expected = {k: _shape(v) for k, v in flat.items() if k.startswith(strict)}
+        if self._entries_per_rank and self._pg is not None and not no_dist:
+            # Pipeline parallelism: the run's model is every pp rank's layers together.
+            every: list[Any] = [None] * dist.get_world_size(self._pg)
+            dist.all_gather_object(every, expected, group=self._pg)
+            expected = {k: v for part in every for k, v in part.items()}
         check_entries(
-            expected={k: _shape(v) for k, v in flat.items() if k.startswith(strict)},
+            expected=expected,
             stored={k: v for k, v in stored.items() if k.startswith(strict)},
             key=key,
             where=str(path),

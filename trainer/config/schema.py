@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from models.common.quantize import RECIPES
 from parallelisms.activation_checkpoint import AC_MODES
+from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
 from parallelisms.quantize import DEFAULT_FILTER_FQNS, DEFAULT_MIN_DIM
 from parallelisms.replicate_reduce import REPLICATE_REDUCE, REPLICATE_REDUCE_DTYPES
 from titan_kernels import ATTENTION_BACKENDS
@@ -277,6 +278,26 @@ class ParallelismConfig:
     slice's torch-tpu order, also on CPU/GPU ranks (how the tests run a TPU's order); or a
     permutation of the ranks, a list such as [0, 1, 3, 2] (`--parallelism.device_order=0,1,3,2`):
     place p <- launcher rank order[p]."""
+    pipeline_parallel_degree: int = field(default=1, metadata=_range(ge=1))
+    """Pipeline parallel degree: the outermost mesh axis (`pp`); each pp rank holds consecutive
+    layers (the first stage the embedding, the last the norm and output head) and the other degrees
+    apply inside it. Eager mode on CPU/GPU, dense decoder families without tied embeddings, composed
+    with SimpleFSDP/HSDP, activation checkpointing and gradient accumulation (docs/pipeline_parallel.md;
+    the step plan's rules list what it does not compose with yet)."""
+    pipeline_schedule: str = field(default="1F1B", metadata=_choices(*PIPELINE_SCHEDULES))
+    """The pipeline schedule (TorchTitan's names, `torch.distributed.pipelining`): GPipe and 1F1B hold
+    one stage per pp rank; Interleaved1F1B, LoopedBFS and InterleavedZeroBubble hold
+    `pipeline_virtual_stages` per rank (loop order), ZBVZeroBubble two (V order)."""
+    pipeline_microbatches: int = field(default=0, metadata=_range(ge=0))
+    """Micro-batches the schedule splits each rank's local batch into (0: the number of stages,
+    pp x virtual stages); must divide `training.local_batch_size` as the batch split resolves it.
+    With gradient accumulation every accumulation micro-batch is split again."""
+    pipeline_virtual_stages: int = field(default=0, metadata=_range(ge=0))
+    """Stages per pp rank for the multi-stage schedules (0: 2); GPipe and 1F1B take 1, ZBVZeroBubble 2."""
+    pipeline_first_stage_less_layers: int = field(default=1, metadata=_range(ge=0))
+    """Blocks the first stage holds fewer than the others, for the embedding it also runs."""
+    pipeline_last_stage_less_layers: int = field(default=1, metadata=_range(ge=0))
+    """Blocks the last stage holds fewer than the others, for the final norm and output head."""
     allow_dcn_sharding: bool = False
     """Let a layout put FSDP (or TP/EP/CP) traffic on the DCN, i.e. `num_slices` that does not
     divide `data_parallel_replicate_degree`; refused otherwise (a per-layer collective over DCN is
