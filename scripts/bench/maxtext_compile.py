@@ -358,6 +358,24 @@ def hlo_mesh(text: str) -> list[int] | None:
     return [int(n) for _, n in sorted(sizes, key=lambda t: int(t[0]))] or None
 
 
+def host_transfer_bytes(hlo) -> float:
+    """Bytes per step between HBM and host memory (layout memory space S(5)): the slices the
+    offloaded activations' dynamic-update-slices write to host buffers and the dynamic-slices read
+    back, times their loop's trips. The projector's compute counts neither (not HBM traffic); they
+    ride on PCIe, which it does not price."""
+    from tools import xla_hlo
+
+    total = 0.0
+    for comp, times in xla_hlo.executed(hlo):
+        for ins in comp.instrs:
+            if ins.opcode == "dynamic-update-slice" and "S(5)" in ins.shape and len(ins.operands) > 1:
+                total += times * xla_hlo.array_bytes(xla_hlo._operand_shape(comp, ins.operands[1]))
+            elif ins.opcode == "dynamic-slice" and ins.operands:
+                if "S(5)" in xla_hlo._operand_shape(comp, ins.operands[0]):
+                    total += times * xla_hlo.array_bytes(ins.shape)
+    return total
+
+
 def compiler_gib(memory: dict) -> float:
     """Peak HBM bytes on one device (arguments + outputs + temporaries - aliased), GiB: the same sum as
     tools/tpu_compile.py's `compiler_total`."""
@@ -380,9 +398,15 @@ def published(anchor: dict, tokens_per_device: float) -> dict:
     }
 
 
-def calibration_row(name: str, run: Run, worker: dict, bound: dict | None, anchor: dict, error: str = "") -> dict:
+def calibration_row(
+    name: str, run: Run, worker: dict, bound: dict | None, anchor: dict, error: str = "", *, peak_tflops: float = 0.0
+) -> dict:
     """One row of the calibration table: the published run beside the projector's bound of MaxText's
-    compiled program. error: predicted minus published MFU (points), both in MaxText's convention."""
+    compiled program. The published MFU is shown as printed (`published_mfu_pct`: the FLOPs count of
+    the MaxText that ran it; the v6e runs' older MaxText counted causal attention in full) and at the
+    FLOPs the compiled MaxText counts (`published_mfu_same_flops_pct` = its FLOPs per device and step /
+    (peak x the published step time)); error: predicted minus the latter (points), and the predicted
+    step over the published one."""
     row = {
         "run": name,
         "target": run.target,
@@ -394,8 +418,12 @@ def calibration_row(name: str, run: Run, worker: dict, bound: dict | None, ancho
     }
     if worker:
         row.update(
-            compile_s=round(worker["compile_s"], 1),
-            compiler_gib=round(compiler_gib(worker["memory"]), 2),
+            compile_s=round(worker["compile_s"], 1) if worker.get("compile_s") is not None else None,
+            hlo_s=round(worker["hlo_s"], 1) if worker.get("hlo_s") is not None else None,
+            compiler_gib=round(compiler_gib(worker["memory"]), 2) if worker.get("memory") else None,
+            buffer_assignment_gib=(
+                round(worker["memory_report_bytes"] / 2**30, 2) if worker.get("memory_report_bytes") else None
+            ),
             host_gib=round(
                 (
                     worker["memory"].get("host_temp_size_in_bytes", 0)
@@ -409,6 +437,10 @@ def calibration_row(name: str, run: Run, worker: dict, bound: dict | None, ancho
             maxtext_tflops_per_device_step=round(worker["maxtext_tflops_per_device_step"], 2),
         )
         row.update({k: round(v, 4) for k, v in published(anchor, worker["tokens_per_device"]).items()})
+        if peak_tflops:
+            row["published_mfu_same_flops_pct"] = round(
+                100 * worker["maxtext_tflops_per_device_step"] / (peak_tflops * row["published_step_s"]), 2
+            )
     if bound:
         row.update(
             compute_s=round(bound["compute_s"], 4),
@@ -420,10 +452,17 @@ def calibration_row(name: str, run: Run, worker: dict, bound: dict | None, ancho
             step_overlapped_s=round(bound["step_overlapped_s"], 4),
             mfu_exposed_pct=round(bound["mfu_causal_exposed"], 2),
             mfu_overlapped_pct=round(bound["mfu_causal_overlapped"], 2),
-            error_exposed_pts=round(bound["mfu_causal_exposed"] - anchor["mfu_pct"], 2),
-            error_overlapped_pts=round(bound["mfu_causal_overlapped"] - anchor["mfu_pct"], 2),
+            error_exposed_pts=round(
+                bound["mfu_causal_exposed"] - row.get("published_mfu_same_flops_pct", anchor["mfu_pct"]), 2
+            ),
+            error_overlapped_pts=round(
+                bound["mfu_causal_overlapped"] - row.get("published_mfu_same_flops_pct", anchor["mfu_pct"]), 2
+            ),
+            step_ratio_exposed=round(bound["step_exposed_s"] / row["published_step_s"], 3) if worker else None,
+            step_ratio_overlapped=round(bound["step_overlapped_s"] / row["published_step_s"], 3) if worker else None,
             loops_without_trip_count=bound.get("loops_without_trip_count", 0),
             kernel_calls_unestimated=bound.get("kernel_calls_unestimated", 0),
+            host_transfer_gb=round(bound.get("host_transfer_gb", 0.0), 2),
         )
     if error:
         row["error"] = error
@@ -435,7 +474,9 @@ COLUMNS = [
     "target",
     "compile_topology",
     "compile_s",
+    "hlo_s",
     "compiler_gib",
+    "buffer_assignment_gib",
     "host_gib",
     "mesh",
     "tokens_per_device",
@@ -443,6 +484,7 @@ COLUMNS = [
     "published_tokens_per_s_per_device",
     "published_step_s",
     "published_mfu_pct",
+    "published_mfu_same_flops_pct",
     "compute_s",
     "xla_s",
     "kernel_s",
@@ -454,8 +496,11 @@ COLUMNS = [
     "mfu_overlapped_pct",
     "error_exposed_pts",
     "error_overlapped_pts",
+    "step_ratio_exposed",
+    "step_ratio_overlapped",
     "loops_without_trip_count",
     "kernel_calls_unestimated",
+    "host_transfer_gb",
     "error",
     "deviation",
     "note",
@@ -479,22 +524,31 @@ def _fmt(v, digits: int = 1) -> str:
 
 
 def markdown(rows: list[dict], header_lines: list[str]) -> str:
-    """The calibration table as markdown, with the header lines (versions, CPU) first."""
+    """The calibration table as markdown, with the header lines (versions, CPU) first. GiB/device:
+    memory_analysis() of the whole compile, else (`b`) the buffer assignment's report of a compile
+    stopped at the HLO; wall s: the whole compile, else (`h`) up to the optimized HLO."""
     out = [*header_lines, ""]
     out.append(
-        "| run | target | compiled? | GiB/device | compile s | published MFU % | predicted MFU % exposed / "
-        "overlapped | error, pts exposed / overlapped | published step s | predicted step s exposed / overlapped |"
+        "| run | target | compiled? | GiB/device | wall s | published MFU % (as printed / at these FLOPs) "
+        "| predicted MFU % exposed / overlapped | error, pts exposed / overlapped | published step s "
+        "| predicted step s exposed / overlapped | predicted / published step | collectives s | host transfer GB |"
     )
-    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        compiled = "no: " + r["error"] if r.get("error") and "compile_s" not in r else "yes"
+        compiled = "no: " + r["error"] if r.get("error") and "tokens_per_device" not in r else "yes"
+        gib = _fmt(r.get("compiler_gib")) if r.get("compiler_gib") is not None else _fmt(r.get("buffer_assignment_gib"))
+        gib += " b" if r.get("compiler_gib") is None and r.get("buffer_assignment_gib") is not None else ""
+        wall = _fmt(r.get("compile_s"), 0) if r.get("compile_s") is not None else _fmt(r.get("hlo_s"), 0)
+        wall += " h" if r.get("compile_s") is None and r.get("hlo_s") is not None else ""
         out.append(
-            f"| {r['run']} | {r['target']} | {compiled} | {_fmt(r.get('compiler_gib'))} | {_fmt(r.get('compile_s'), 0)} "
-            f"| {_fmt(r.get('published_mfu_pct'))} "
+            f"| {r['run']} | {r['target']} | {compiled} | {gib} | {wall} "
+            f"| {_fmt(r.get('published_mfu_pct'))} / {_fmt(r.get('published_mfu_same_flops_pct'))} "
             f"| {_fmt(r.get('mfu_exposed_pct'))} / {_fmt(r.get('mfu_overlapped_pct'))} "
             f"| {_fmt(r.get('error_exposed_pts'))} / {_fmt(r.get('error_overlapped_pts'))} "
             f"| {_fmt(r.get('published_step_s'), 2)} "
-            f"| {_fmt(r.get('step_exposed_s'), 2)} / {_fmt(r.get('step_overlapped_s'), 2)} |"
+            f"| {_fmt(r.get('step_exposed_s'), 2)} / {_fmt(r.get('step_overlapped_s'), 2)} "
+            f"| {_fmt(r.get('step_ratio_exposed'), 2)} / {_fmt(r.get('step_ratio_overlapped'), 2)} "
+            f"| {_fmt(r.get('comm_s'), 2)} | {_fmt(r.get('host_transfer_gb'))} |"
         )
     return "\n".join(out) + "\n"
 
@@ -521,15 +575,41 @@ def versions(python: Path) -> dict:
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 
-def compile_run(name: str, run: Run, *, python: Path, folder: Path, timeout: float) -> dict:
+def memory_report_bytes(text: str) -> float | None:
+    """HBM bytes of a buffer assignment's memory-usage report (`Total bytes:` of the default memory
+    space, the first section): the peak the compiler assigned on one device."""
+    m = re.search(r"Memory Space: default.*?\nTotal bytes: (\d+)", text, re.S)
+    return float(m.group(1)) if m else None
+
+
+def _hlo_ready(dump: Path) -> bool:
+    """The train step's optimized HLO and its buffer assignment are written (their sizes stable)."""
+    hlo = pick_hlo(dump)
+    if hlo is None:
+        return False
+    report = hlo.with_name(hlo.name.replace(".txt", "-memory-usage-report.txt"))
+    if not report.is_file():
+        return False
+    size = hlo.stat().st_size
+    time.sleep(2)
+    return hlo.stat().st_size == size
+
+
+def compile_run(name: str, run: Run, *, python: Path, folder: Path, timeout: float, until: str = "full") -> dict:
     """The worker's result for one run (compiling unless folder/result.json exists), with `hlo`: the
-    optimized HLO's path under folder (the rest of the dump removed)."""
+    optimized HLO's path under folder (the rest of the dump removed). until="hlo": stop the worker
+    once XLA has written the optimized HLO and its buffer assignment (the backend's code generation,
+    most of a compile's wall time here, changes neither); the memory is then the buffer assignment's
+    report and compile_s is None (hlo_s: seconds from the compile's start to that dump)."""
     from tools.deviceless_env import deviceless_env, with_xla_flags
 
     result, hlo = folder / "result.json", folder / "train_step.after_optimizations.txt"
     if not result.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         dump = folder / "dump"
+        shutil.rmtree(dump, ignore_errors=True)
+        pre = Path(f"{result}.pre.json")
+        pre.unlink(missing_ok=True)
         topo = run.topology.replace("tpu7x-512", "tpu7x:4x8x8").replace("v6e-256", "v6e:16x16")
         env = deviceless_env(
             topo,
@@ -551,15 +631,51 @@ def compile_run(name: str, run: Run, *, python: Path, folder: Path, timeout: flo
             f"base_output_directory={folder / 'out'}",
             f"run_name={name}",
         ]
-        print(f"maxtext_compile: {name}: compiling for {run.topology} ...", file=sys.stderr, flush=True)
+        print(f"maxtext_compile: {name}: compiling for {run.topology} (until {until}) ...", file=sys.stderr, flush=True)
         start = time.time()
-        proc = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=timeout, env=env)
-        (folder / "worker.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-        if proc.returncode != 0 or not result.is_file():
-            tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-3:]
+        log = open(folder / "worker.log", "w")
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        stopped = False
+        try:
+            while proc.poll() is None:
+                if time.time() - start > timeout:
+                    proc.kill()
+                    proc.wait()
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                if until == "hlo" and pre.is_file() and dump.is_dir() and _hlo_ready(dump):
+                    proc.kill()  # our own child: the codegen that follows changes neither the HLO nor the memory
+                    proc.wait()
+                    stopped = True
+                    break
+                time.sleep(5)
+        finally:
+            log.close()
+        if stopped:
+            facts = json.loads(pre.read_text())
+            found = pick_hlo(dump)
+            report = found.with_name(found.name.replace(".txt", "-memory-usage-report.txt"))
+            facts.update(
+                compile_s=None,
+                hlo_s=found.stat().st_mtime - facts.pop("compile_started"),
+                memory={},
+                memory_report_bytes=memory_report_bytes(report.read_text()),
+                stopped_at="hlo",
+            )
+            result.write_text(json.dumps(facts))
+        elif proc.returncode != 0 or not result.is_file():
+            tail = [ln for ln in (folder / "worker.log").read_text().splitlines() if ln.strip()][-3:]
             raise RuntimeError(
                 f"worker exited {proc.returncode} after {time.time() - start:.0f} s: {' | '.join(tail)[-500:]}"
             )
+        else:
+            found = pick_hlo(dump)
+            report = found.with_name(found.name.replace(".txt", "-memory-usage-report.txt")) if found else None
+            res = json.loads(result.read_text())
+            if report is not None and report.is_file():
+                res["memory_report_bytes"] = memory_report_bytes(report.read_text())
+            if found and pre.is_file():
+                res["hlo_s"] = found.stat().st_mtime - json.loads(pre.read_text())["compile_started"]
+            result.write_text(json.dumps(res))
         found = pick_hlo(dump)
         if found:
             found.replace(hlo)
@@ -599,13 +715,19 @@ def project_run(run: Run, res: dict, *, anchors: dict) -> dict:
     # the collectives name the axes of the program's own mesh declaration (`axis_<i>`, read as a<i>)
     radices = hlo_mesh(text) or [n for n in res["mesh_shape"] if n > 1] or [1]
     prog = {"radices": radices, "device_coords": res["device_coords"], "hlo": res["hlo"]}
-    ops = xp.compute_ops(xp.parse_hlo(text))
+    hlo = xp.parse_hlo(text)
+    ops = xp.compute_ops(hlo)
     compute = kernel_compute(ops, attention_flops=res["maxtext_attention_tflops"] * 1e12, peak=peak, hbm=hbm)
     b = program_bound(prog, facts, anchors=anchors, compute_s=compute["compute_s"])
     b["comm_by_axis"] = ", ".join(
         f"{ax}({'x'.join(map(str, radices))}) {t:.3g} s" for ax, t in b["comm_by_axis"].items()
     )
-    b.update(xla_s=compute["xla_s"], kernel_s=compute["kernel_s"], kernel_calls_unestimated=compute["unestimated"])
+    b.update(
+        xla_s=compute["xla_s"],
+        kernel_s=compute["kernel_s"],
+        kernel_calls_unestimated=compute["unestimated"],
+        host_transfer_gb=host_transfer_bytes(hlo) / 1e9,
+    )
     return b
 
 
@@ -632,6 +754,14 @@ def kernel_compute(ops: list, *, attention_flops: float, peak: float, hbm: float
 # ------------------------------------------------------------------------------ main
 
 
+def peak_of(run: Run) -> float:
+    """The bf16 peak TFLOP/s of one device of the run's target (a v7x device is half a chip)."""
+    import planner
+    from trainer.runtime.flops import TPU_PEAK_TFLOPS
+
+    return TPU_PEAK_TFLOPS[planner.parse_target(run.target).generation.name]
+
+
 def git_commit() -> str:
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
@@ -646,6 +776,13 @@ def parse(argv: list[str]):
     p.add_argument("--out", type=Path, default=None, help="table path without extension")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per compile")
     p.add_argument("--table-only", action="store_true", help="read the kept compiles; compile nothing")
+    p.add_argument(
+        "--until",
+        choices=("full", "hlo"),
+        default="full",
+        help="full: the whole compile (memory_analysis, compile time); hlo: stop at the optimized HLO dump "
+        "(memory from the buffer assignment; the backend's codegen, most of the wall time, skipped)",
+    )
     ns = p.parse_args(argv)
     ns.runs = [r for r in ns.runs.split(",") if r]
     bad = [r for r in ns.runs if r not in RUNS]
@@ -671,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(calibration_row(name, run, {}, None, anchor, error="not compiled (no kept result)"))
             continue
         try:
-            res = compile_run(name, run, python=python, folder=folder, timeout=ns.timeout)
+            res = compile_run(name, run, python=python, folder=folder, timeout=ns.timeout, until=ns.until)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             failed = True
             rows.append(calibration_row(name, run, {}, None, anchor, error=str(e).splitlines()[0][:300]))
@@ -681,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
             bound = project_run(run, res, anchors=anchors)
         else:
             err = "no optimized HLO in the dump"
-        rows.append(calibration_row(name, run, res, bound, anchor, error=err))
+        rows.append(calibration_row(name, run, res, bound, anchor, error=err, peak_tflops=peak_of(run)))
         print(json.dumps(rows[-1]), flush=True)
     commit = git_commit()
     out = ns.out or ROOT / "docs" / "results" / f"maxtext_calibration_{date.today().isoformat()}_{commit}"

@@ -91,6 +91,8 @@ def test_kernel_charge_attention_without_estimate():
 
 
 def test_row_and_markdown():
+    """The published MFU is set beside the prediction at the compiled MaxText's FLOPs: 1,900 TFLOPs per
+    device and step over 918 TFLOP/s x the published 4.5466 s is 45.5 %; the error is against that."""
     run = mc.RUNS["llama3.1-8b_v6e-256"]
     anchor = {"tokens_per_sec": 7207.0, "hardware": "v6e", "mfu_pct": 45.46, "source": "tpu-recipes"}
     worker = {
@@ -112,16 +114,28 @@ def test_row_and_markdown():
         "mfu_causal_exposed": 41.4,
         "mfu_causal_overlapped": 51.7,
     }
-    row = mc.calibration_row("llama3.1-8b_v6e-256", run, worker, bound, anchor)
+    row = mc.calibration_row("llama3.1-8b_v6e-256", run, worker, bound, anchor, peak_tflops=918.0)
     assert row["compiler_gib"] == 3.0 and row["mesh"] == "fsdp=256"
-    assert row["error_exposed_pts"] == pytest.approx(-4.06) and row["error_overlapped_pts"] == pytest.approx(6.24)
+    same = 100 * 1900.0 / (918.0 * 32768 / 7207.0)
+    assert row["published_mfu_same_flops_pct"] == pytest.approx(same, abs=0.01)
+    assert row["error_exposed_pts"] == pytest.approx(41.4 - same, abs=0.01)
+    assert row["step_ratio_exposed"] == pytest.approx(5.0 / (32768 / 7207.0), abs=1e-3)
+    # a compile stopped at the HLO: memory from the buffer assignment (b), wall time to the dump (h)
+    stopped = dict(worker, compile_s=None, memory={}, hlo_s=42.0, memory_report_bytes=24 * 2**30)
+    row_h = mc.calibration_row("llama3.1-8b_v6e-256", run, stopped, bound, anchor, peak_tflops=918.0)
     failed = mc.calibration_row("deepseek3-671b_v7x-512", mc.RUNS["deepseek3-671b_v7x-512"], {}, None, anchor, "OOM")
-    md = mc.markdown([row, failed], ["header"])
-    assert (
-        md.startswith("header\n") and "| llama3.1-8b_v6e-256 | v6e-256 | yes | 3.0 | 300 | 45.5 | 41.4 / 51.7 |" in md
-    )
+    md = mc.markdown([row, row_h, failed], ["header"])
+    assert md.startswith("header\n")
+    assert f"| llama3.1-8b_v6e-256 | v6e-256 | yes | 3.0 | 300 | 45.5 / {same:.1f} | 41.4 / 51.7 |" in md
+    assert "| llama3.1-8b_v6e-256 | v6e-256 | yes | 24.0 b | 42 h |" in md
     assert "| deepseek3-671b_v7x-512 | v7x-512 | no: OOM |" in md
-    assert set(row) <= set(mc.COLUMNS)
+    assert set(row) <= set(mc.COLUMNS) and set(row_h) <= set(mc.COLUMNS)
+
+
+def test_memory_usage_report_total():
+    report = "Memory Space: default (color=0)\nTotal bytes: 12033783072 (11.21GiB)\n  cumulative_size; ...\n"
+    assert mc.memory_report_bytes(report + "Memory Space: host (color=5)\nTotal bytes: 1\n") == 12033783072
+    assert mc.memory_report_bytes("nothing") is None
 
 
 TUPLE_REF_LOOP = """HloModule m
