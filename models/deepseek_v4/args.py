@@ -29,10 +29,11 @@ auxiliary-loss-free balancing).
 
 FLOPs per token (trainer/runtime/flops.py, MFU): 6 x the active non-embedding parameters (the
 routed top-k experts, the shared expert, the router, the compressors, the indexer and the mHC
-projections; every projection counted once per token, the compressors' too, so a slight
-overcount of their windowed work) + `mixing_flops_per_token`: the score and value products
-against the keys a query really sees (window + visible compressed entries), and the indexer's
-forward-only scores; "causal" counts the mean visible keys of a causal row, "palm" twice that.
+projections; each projection once per token) + `mixing_flops_per_token`: the score and value
+products against the keys a query really sees (window + visible compressed entries) and the
+indexer's scores, less 4x the indexer's parameters (frozen: forward only, 2x, not 6x);
+"causal" counts the mean visible keys of a causal row, "palm" twice that (as for full
+attention). Pooling, softmaxes, norms and the Sinkhorn iterations are not counted (elementwise).
 The flavor `flash` is transformers' `DeepseekV4Config` defaults (its docstring names
 DeepSeek-V4-Flash-Base), the only shape derivable offline: plain RoPE on the compressed blocks
 and the default block schedule; a real checkpoint's `config.json` (YaRN, its own schedule) is read
@@ -196,7 +197,8 @@ class DeepSeekV4Args:
         - HCA: + 12 x H x head_dim x T / (2 m') (the closed windows before the query);
         - CSA: + 12 x H x head_dim x min(visible, index_topk) on average (`causal_keys(T / m, topk)`),
           + the indexer's scores, forward only (its top-k has no gradient): 2 x H_I x d_I x T / (2 m).
-        "palm" is twice the causal count, as for full attention (the unmasked convention)."""
+        "palm" is twice the causal count, as for full attention (the unmasked convention). Both
+        also take back 4x the indexers' parameters: they run forward only (2x), 6N counted them 6x."""
         h, d, t = self.n_heads, self.head_dim, seq_len
         causal = 0.0
         for kind in self.layer_kinds():
@@ -207,7 +209,15 @@ class DeepSeekV4Args:
                 keys += causal_keys(t / self.csa_ratio, self.index_topk)
                 causal += 2.0 * self.index_n_heads * self.index_head_dim * causal_keys(t / self.csa_ratio)
             causal += 12.0 * h * d * keys
-        return {"palm": 2 * causal, "causal": causal}
+        # The indexer's projections run forward only (frozen: no gradient reaches them), 2x their
+        # parameters per token; 6N counted them 6x.
+        frozen = -4.0 * self.layer_kinds().count("c") * self._indexer_params()
+        return {"palm": 2 * causal + frozen, "causal": causal + frozen}
+
+    def _indexer_params(self) -> int:
+        """Parameters of one CSA block's lightning indexer (its compressor, query and weight projections)."""
+        idx, hi = self.index_head_dim, self.index_n_heads
+        return 2 * self.dim * 2 * idx + self.csa_ratio * 2 * idx + idx + self.q_lora_rank * hi * idx + self.dim * hi
 
     def shape(self) -> ModelShape:
         return ModelShape(
@@ -251,9 +261,7 @@ class DeepSeekV4Args:
             if kind == "h":
                 extra = pool(hd, self.hca_ratio, False)
             elif kind == "c":
-                idx = self.index_head_dim
-                extra = pool(hd, self.csa_ratio, True) + pool(idx, self.csa_ratio, True)
-                extra += self.q_lora_rank * self.index_n_heads * idx + d * self.index_n_heads
+                extra = pool(hd, self.csa_ratio, True) + self._indexer_params()
             total += block + extra + self.num_experts * per_expert
             active += block + extra + self.num_experts_per_tok * per_expert
         table = self.vocab_size * d

@@ -16,7 +16,8 @@ that skips the masked blocks (window + top-k entries) is what long sequences nee
 
 The indexer chooses entries by `topk`, which has no gradient: as in the reference, its
 parameters get none from the LM loss (DeepSeek trains them with a separate distillation loss,
-not built here).
+not built here), so they are built frozen (`requires_grad = False`: no optimizer state, nothing
+for weight decay to shrink); an imported checkpoint's indexer is used as it is.
 """
 
 import math
@@ -158,6 +159,10 @@ class Indexer(Compressor):
         self.n_heads, self.topk = n_heads, topk
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False)
+        # No gradient reaches them (the choice is a top-k): frozen, so the optimizer holds no state
+        # for them and a checkpoint's optimizer entries match a fresh run's.
+        for p in self.parameters():
+            p.requires_grad_(False)
 
     def select(
         self, x: torch.Tensor, q_lora: torch.Tensor, closed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

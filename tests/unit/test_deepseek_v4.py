@@ -200,8 +200,13 @@ def test_mixing_flops_count_the_keys_a_query_sees():
     keys = {"h": 16 - 128 / t + t / 32, "c": 16 - 128 / t + 4 - 8 / (t / 4), "s": 16 - 128 / t}
     per_head = sum(keys[k] for k in args.layer_kinds())
     indexer = 2 * 2.0 * args.index_n_heads * args.index_head_dim * (t / 8)  # two CSA blocks, forward only
-    assert flops["causal"] == pytest.approx(12 * args.n_heads * args.head_dim * per_head + indexer)
-    assert flops["palm"] == 2 * flops["causal"]
+    with torch.device("meta"):
+        model = DeepSeekV4(args)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # the indexers: 2x, not 6x
+    assert frozen == 2 * sum(p.numel() for p in model.layers["1"].attention.indexer.parameters())
+    attention = 12 * args.n_heads * args.head_dim * per_head + indexer
+    assert flops["causal"] == pytest.approx(attention - 4 * frozen)
+    assert flops["palm"] == pytest.approx(2 * attention - 4 * frozen)
 
 
 def test_refusals_tp_cp_kernels_and_layer_scan():
