@@ -208,7 +208,6 @@ def step_request(
         ep_degree=cfg.parallelism.expert_parallel_degree,
         model_pipeline=pipeline_capable(family.model_cls),
         tie_embeddings=tie_embeddings,
-        validation=cfg.validation.enable,
         device_order=",".join(map(str, cfg.parallelism.device_order))
         if isinstance(cfg.parallelism.device_order, list)
         else str(cfg.parallelism.device_order),

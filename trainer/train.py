@@ -154,6 +154,8 @@ def _loop(
         / job.plan.parallel_dims.non_data_parallel_size
     }
     callbacks = _callbacks(job, step_fn=step_fn, start_step=start_step, peak=peak)
+    if job.plan.step_plan.pipeline is not None:  # the held-out loss through the schedule's forward
+        loss_fn = _pipeline_eval_loss(step_fn)
     validation = _Validation(job, loss_fn=loss_fn, logger=logger) if job.data.build_val_loader is not None else None
     preemption = PreemptionHandler()
     try:
@@ -257,6 +259,16 @@ def _next_microbatches(job: Job) -> tuple[list[tuple[torch.Tensor, ...]], float]
     batches = [job.data.task.prepare(job.data.loader.next_batch()) for _ in range(job.data.grad_accum_steps)]
     data_s = time.perf_counter() - t_data
     return [tuple(x.to(job.runtime.device) for x in batch) for batch in batches], data_s
+
+
+def _pipeline_eval_loss(step_fn):
+    """With pipeline parallelism a rank holds some layers only: the validation loss of a micro-batch
+    runs through the schedule (`PipelineStep.eval_loss`), the same on every pp rank."""
+
+    def loss(model, inputs, labels):
+        return step_fn.eval_loss(inputs, labels)
+
+    return loss
 
 
 class _Validation:

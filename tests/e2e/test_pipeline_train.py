@@ -24,7 +24,9 @@ RUN = (
     "configs/llama3_debug.toml",
     "--training.seq_len=32",
     "--model.n_layers=4",
-    "--validation.enable=false",
+    "--validation.enable=true",
+    "--validation.freq=2",
+    "--validation.steps=1",
     "--metrics.enable_tensorboard=false",
     "--metrics.log_freq=1",
     "--training.mixed_precision_param=float32",
@@ -36,7 +38,8 @@ RUN = (
     "--checkpoint.interval=2",
     "--checkpoint.keep_latest_k=0",
 )
-"""The debug recipe cut to 4 layers at seq 32, a batch of 4, 4 fp32 steps, checkpoints at 2 and 4."""
+"""The debug recipe cut to 4 layers at seq 32, a batch of 4, 4 fp32 steps, checkpoints and one validation
+micro-batch at steps 2 and 4."""
 
 
 def _train(folder, nproc: int, *args: str) -> dict[int, dict]:
@@ -53,16 +56,16 @@ def _model_weights(step_folder, tmp_path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)["model"]
 
 
-def _assert_same_run(got: dict[int, dict], want: dict[int, dict], steps) -> tuple[float, float]:
-    """Losses within 2e-6 and gradient norms within 5e-5 relative: a norm reads every weight, and by
-    step 4 the weights differ by up to ~1 % of lr in the elements AdamW moves by another fraction."""
-    rel = {
-        key: max(abs(got[s][key] - want[s][key]) / abs(want[s][key]) for s in steps) for key in ("loss", "grad_norm")
-    }
-    print(f"pipeline e2e parity: losses {rel['loss']:.2e}, grad norms {rel['grad_norm']:.2e}")
-    assert rel["loss"] < 2e-6, ({s: got[s]["loss"] for s in steps}, {s: want[s]["loss"] for s in steps})
+def _assert_same_run(got: dict[int, dict], want: dict[int, dict], steps) -> dict[str, float]:
+    """Losses (training, and validation through `schedule.eval`) within 2e-6 and gradient norms within
+    5e-5 relative: a norm reads every weight, and by step 4 the weights differ by up to ~1 % of lr in
+    the elements AdamW moves by another fraction."""
+    keys = ("loss", "grad_norm", "val_loss")
+    rel = {k: max(abs(got[s][k] - want[s][k]) / abs(want[s][k]) for s in steps if k in want[s]) for k in keys}
+    print("pipeline e2e parity: " + ", ".join(f"{k} {v:.2e}" for k, v in rel.items()))
+    assert rel["loss"] < 2e-6 and rel["val_loss"] < 2e-6, ({s: got[s] for s in steps}, {s: want[s] for s in steps})
     assert rel["grad_norm"] < 5e-5, ({s: got[s]["grad_norm"] for s in steps}, {s: want[s]["grad_norm"] for s in steps})
-    return rel["loss"], rel["grad_norm"]
+    return rel
 
 
 def _assert_same_weights(a, b, steps: int) -> float:

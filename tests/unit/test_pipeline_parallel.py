@@ -115,7 +115,7 @@ REFUSALS = [
     (dict(model_has_experts=True), "parallelism.pipeline_parallel_degree", "experts True"),
     (dict(tie_embeddings=True), "parallelism.pipeline_parallel_degree", "tied embeddings True"),
     (dict(model_pipeline=False), "parallelism.pipeline_parallel_degree", "decoder False"),
-    (dict(validation=True), "parallelism.pipeline_parallel_degree", "validation.enable (True)"),
+    (dict(replicate_reduce="step"), "parallelism.pipeline_parallel_degree", "replicate_reduce step (step)"),
     (dict(initial_load_format="hf"), "parallelism.pipeline_parallel_degree", "initial_load_path ('hf'"),
     (dict(n_layers=2, pp_degree=4, local_batch=8), "parallelism.pipeline_parallel_degree", "at most 2"),
     (dict(pp_microbatches=3), "parallelism.pipeline_microbatches", "divisor of 4"),

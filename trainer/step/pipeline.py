@@ -70,6 +70,32 @@ class PipelineStep:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, labels) * self._scale
 
+    def _run(self, call, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One schedule call (`step` or `eval`) on a micro-batch; the last stage's scaled chunk
+        losses (the schedule replaces a list's contents per call; no logits are kept)."""
+        chunk_losses: list[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": chunk_losses} if self.has_last else {}
+        if self.has_first:
+            call(inputs, return_outputs=False, **kwargs)
+        else:
+            call(return_outputs=False, **kwargs)
+        return chunk_losses
+
+    def _pp_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the last stage's scaled chunk losses, the same on every pp rank (the other
+        ranks add zero over the pp axis)."""
+        loss = (
+            torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+        )
+        dist.all_reduce(loss, group=self.pp_mesh.get_group())
+        return loss
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one micro-batch through the schedule's forward only (`schedule.eval`;
+        validation), the same on every rank of the pp axis."""
+        self._scale = 1.0 / self.microbatches
+        return self._pp_sum(self._run(self.schedule.eval, inputs, labels))
+
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
         n = len(microbatches)
@@ -78,19 +104,8 @@ class PipelineStep:
         for microbatch in microbatches:
             assert len(microbatch) == 2, "the pipeline step takes (inputs, labels) micro-batches"
             inputs, labels = microbatch
-            chunk_losses: list[torch.Tensor] = []  # the schedule replaces the list's contents per call
-            kwargs = {"target": labels, "losses": chunk_losses} if self.has_last else {}
-            if self.has_first:
-                self.schedule.step(inputs, **kwargs)
-            else:
-                self.schedule.step(**kwargs)
-            losses.extend(chunk_losses)
-        # The step's mean loss: the last stage's scaled chunk losses add up to it; the other pp
-        # ranks contribute zero to the sum over the pp axis.
-        loss = (
-            torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
-        )
-        dist.all_reduce(loss, group=self.pp_mesh.get_group())
+            losses.extend(self._run(self.schedule.step, inputs, labels))
+        loss = self._pp_sum(losses)  # the step's mean loss
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self.clip_grad_norm(params, max_norm, pp_mesh=self.pp_mesh)

@@ -195,8 +195,6 @@ class StepRequest:
     embedding, a block stack, norm and head; models/common/decoder.py)."""
     tie_embeddings: bool = False
     """The model ties its output head to the token embedding."""
-    validation: bool = False
-    """`[validation] enable`."""
     device_order: str = "auto"
     """`[parallelism] device_order`, as text."""
 
@@ -749,7 +747,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "parallelism.pipeline_parallel_degree",
         "PP > 1 with document masking, a fused loss on, QK clip, the once-per-step replicate reduction, "
-        "validation, a local checkpoint tier, or initial weights to load",
+        "a local checkpoint tier, or initial weights to load",
         lambda r: (
             r.pp_degree > 1
             and (
@@ -757,17 +755,16 @@ RULES: tuple[Rule, ...] = (
                 or r.fused_loss == "on"
                 or r.qk_clip
                 or r.replicate_reduce == "step"
-                or r.validation
                 or r.local_checkpoint
                 or r.initial_load_format != ""
             )
         ),
         "{r.pp_degree} is not wired yet with training.document_mask ({r.document_mask}), training.fused_loss on "
         "({r.fused_loss}), optimizer.qk_clip_tau > 0 ({r.qk_clip}), training.replicate_reduce step "
-        "({r.replicate_reduce}), validation.enable ({r.validation}), checkpoint.local_folder "
+        "({r.replicate_reduce}), checkpoint.local_folder "
         "({r.local_checkpoint}) or checkpoint.initial_load_path ({r.initial_load_format!r}; a resumed run's "
         "own checkpoints reshard); allowed: 1, or document_mask = false, fused_loss = auto | off, qk_clip_tau = 0, "
-        'replicate_reduce = "micro_batch", validation.enable = false, local_folder = "", initial_load_path = ""',
+        'replicate_reduce = "micro_batch", local_folder = "", initial_load_path = ""',
     ),
     Rule(
         "parallelism.device_order",
