@@ -117,8 +117,6 @@ TPU_RECIPES = sorted(
 # compile and fit the HBM, but the planner's total is off by more than the band. Strict: the
 # test turns red when the planner (or the FLUX attention lowering) is fixed, and the mark goes.
 PLANNER_OFF = {
-    "flux_schnell_v6e.toml": "FLUX attention is plain SDPA, lowered by torchax as the math form (scores "
-    "materialised); the planner counts a fused kernel's activations",
     "flux_dev_v7x.toml": "libtpu aborted (signal 6) in the compile of FLUX.1-dev's SDPA-math program on v7x-256, "
     "on a loaded 24 GiB host (not investigated)",
 }
