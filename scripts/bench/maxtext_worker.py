@@ -42,6 +42,9 @@ def facts(config, mesh) -> dict:
 
 def main(argv: list[str]) -> int:
     out_path, args = argv[0], argv[1:]
+    # tokamax's ragged dot (the MoE runs' gmm) refuses to trace on a CPU host unless told the program
+    # is compiled for another machine; tokamax reads its flags from sys.argv's --tokamax_* arguments
+    sys.argv.append("--tokamax_cross_compile=true")
     import maxtext
     from maxtext.configs import pyconfig
     from maxtext.trainers.pre_train import train_compile as tc
