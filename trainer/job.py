@@ -516,6 +516,7 @@ class Job:
                 n_layers=self.plan.args.shape().n_layers,
                 pp_mesh=pp_mesh(self.data.mesh),
                 device=self.runtime.device,
+                positions=(self.data.local_batch_size, t.seq_len) if self.plan.parallel_dims.tp_enabled else None,
             )
         if plan.mode != "graph":
             # `training.replicate_reduce = "step"`: the dp_replicate mean once per step (falsy: none deferred).

@@ -127,3 +127,25 @@ def test_pp2_from_scratch_is_the_one_process_run_and_resumes_at_pp1(tmp_path):
         _model_weights(pp / "checkpoints" / "step-4", tmp_path),
         4,
     )
+
+
+@pytest.mark.multiprocess
+def test_pp2_tp2_is_the_one_process_run(tmp_path):
+    """PP 2 x TP 2 (sequence parallel: a stage's input is a sequence shard, every stage gets the
+    window's RoPE positions; 1F1B, 4 gloo processes): the one process's run, validation included,
+    and the same weights at step 4 (scheduled tier)."""
+    one, pp = tmp_path / "one", tmp_path / "pp2tp2"
+    want = _train(one, 1)
+    got = _train(
+        pp,
+        4,
+        "--parallelism.pipeline_parallel_degree=2",
+        "--parallelism.tensor_parallel_degree=2",
+        "--parallelism.pipeline_microbatches=2",
+    )
+    _assert_same_run(got, want, (1, 2, 3, 4))
+    _assert_same_weights(
+        _model_weights(pp / "checkpoints" / "step-4", tmp_path),
+        _model_weights(one / "checkpoints" / "step-4", tmp_path),
+        4,
+    )

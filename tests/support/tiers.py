@@ -1624,6 +1624,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "PP 2 x FSDP 2 from scratch (the replayed whole-model init) and a PP checkpoint resumed on one process: "
         "the default tier resumes the other way, which loads and saves the pruned model's DCP state",
     ),
+    Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_pp2_tp2_is_the_one_process_run",
+        (
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/e2e/test_parallel_e2e.py",
+        ),
+        "PP 2 x TP 2 through torchrun: the default tier runs the pipeline step through torchrun and TP 2 "
+        "against one process",
+    ),
 )
 
 

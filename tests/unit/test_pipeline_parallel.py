@@ -111,7 +111,7 @@ REFUSALS = [
     (dict(mode="graph"), "parallelism.pipeline_parallel_degree", "compile.mode graph"),
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
     (dict(cp_degree=2), "parallelism.pipeline_parallel_degree", "context_parallel_degree 2"),
-    (dict(tp_degree=2), "parallelism.pipeline_parallel_degree", "tensor_parallel_degree 2"),
+    (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),
     (dict(model_has_experts=True), "parallelism.pipeline_parallel_degree", "experts True"),
     (dict(tie_embeddings=True), "parallelism.pipeline_parallel_degree", "tied embeddings True"),
     (dict(model_pipeline=False), "parallelism.pipeline_parallel_degree", "decoder False"),

@@ -282,7 +282,7 @@ class ParallelismConfig:
     """Pipeline parallel degree: the outermost mesh axis (`pp`); each pp rank holds consecutive
     layers (the first stage the embedding, the last the norm and output head) and the other degrees
     apply inside it. Eager mode on CPU/GPU, dense decoder families without tied embeddings, composed
-    with SimpleFSDP/HSDP, activation checkpointing and gradient accumulation (docs/pipeline_parallel.md;
+    with SimpleFSDP/HSDP, TP, activation checkpointing and gradient accumulation (docs/pipeline_parallel.md;
     the step plan's rules list what it does not compose with yet)."""
     pipeline_schedule: str = field(default="1F1B", metadata=_choices(*PIPELINE_SCHEDULES))
     """The pipeline schedule (TorchTitan's names, `torch.distributed.pipelining`): GPipe and 1F1B hold

@@ -40,6 +40,7 @@ class PipelineStep:
         n_layers: int,
         pp_mesh,
         device: torch.device,
+        positions: tuple[int, int] | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -66,6 +67,14 @@ class PipelineStep:
             last_stage_less=pipeline.last_stage_less,
         )
         self.microbatches = pipeline.microbatches
+        # `positions` = (local batch, seq_len), with tensor parallelism: a stage's input is then a
+        # sequence shard (sequence parallel), so every stage gets the RoPE positions of the whole
+        # window ([local batch, seq_len], chunked with the micro-batches) instead of reading its length.
+        self.positions = (
+            torch.arange(positions[1], device=device).expand(positions[0], positions[1]).contiguous()
+            if positions is not None
+            else None
+        )
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, labels) * self._scale
@@ -75,6 +84,8 @@ class PipelineStep:
         losses (the schedule replaces a list's contents per call; no logits are kept)."""
         chunk_losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": chunk_losses} if self.has_last else {}
+        if self.positions is not None:
+            kwargs["positions"] = self.positions
         if self.has_first:
             call(inputs, return_outputs=False, **kwargs)
         else:

@@ -702,7 +702,7 @@ RULES: tuple[Rule, ...] = (
     ),
     # Pipeline parallelism (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager
     # stages of a dense decoder through torch.distributed.pipelining, composed with SimpleFSDP/HSDP,
-    # activation checkpointing and gradient accumulation; the rest is refused until it is wired.
+    # TP, activation checkpointing and gradient accumulation; the rest is refused until it is wired.
     Rule(
         "parallelism.pipeline_schedule",
         "the schedule is not one of SCHEDULES",
@@ -719,11 +719,15 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with tensor, context or expert parallelism, or several slices",
-        lambda r: r.pp_degree > 1 and (r.tp_degree > 1 or r.cp_degree > 1 or r.ep_degree > 1 or r.num_slices > 1),
-        "{r.pp_degree} composes with data parallelism (SimpleFSDP, HSDP) only for now; here "
-        "tensor_parallel_degree {r.tp_degree}, context_parallel_degree {r.cp_degree}, expert_parallel_degree "
-        "{r.ep_degree}, num_slices {r.num_slices}; allowed: 1, or those degrees at 1",
+        "PP > 1 with context or expert parallelism, several slices, or TP's loss parallel",
+        lambda r: (
+            r.pp_degree > 1
+            and (r.cp_degree > 1 or r.ep_degree > 1 or r.num_slices > 1 or (r.loss_parallel and r.tp_degree > 1))
+        ),
+        "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP without loss parallel) "
+        "only for now; here context_parallel_degree {r.cp_degree}, expert_parallel_degree {r.ep_degree}, "
+        "num_slices {r.num_slices}, enable_loss_parallel {r.loss_parallel}; allowed: 1, or cp = ep = slices = 1 "
+        "and enable_loss_parallel = false",
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
