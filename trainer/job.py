@@ -494,7 +494,8 @@ class Job:
         """The step of this job's plan: `step(microbatches, lr) -> StepOutput`.
 
         A micro-batch is a tuple of tensors; `loss_fn(model, *micro_batch)` is its mean loss (the
-        task's, `task.loss_fn(step_plan)`). Eager and compile modes get `EagerStep`; graph mode
+        task's, `task.loss_fn(step_plan)`). Pipeline parallelism gets `PipelineStep` (the schedule
+        computes the LM loss on the last stage); eager and compile modes `EagerStep`; graph mode
         the captured step (trainer/graph, loaded only then). A `check` job captures with
         `aot_eager` in place of the plan's compiler.
         """
