@@ -180,3 +180,27 @@ def test_tuple_element_shorthand_in_the_hlo():
     dots = [o for o in xla_hlo.compute_ops(hlo) if o.opcode == "dot"]
     # 2 x the [4, 8] result x K = 8, K read off the lhs `%q#1` (the element, not the tuple)
     assert len(dots) == 1 and dots[0].times == 32 and dots[0].flops == 2 * 4 * 8 * 8
+
+
+def test_window_taps_closed_form_matches_the_count():
+    """tools/xla_hlo.window_taps with lhs dilation counts in closed form what a loop over the window
+    counted (MaxText's MoE program has convolutions with windows of thousands)."""
+    import itertools
+
+    from tools.xla_hlo import window_taps
+
+    def brute(n, window, out, stride, pad_lo, lhs_dilate, rhs_dilate):
+        last = (n - 1) * lhs_dilate
+        return sum(
+            1
+            for o in range(out)
+            for k in range(window)
+            if 0 <= o * stride - pad_lo + k * rhs_dilate <= last
+            and (o * stride - pad_lo + k * rhs_dilate) % lhs_dilate == 0
+        )
+
+    for n, window, out, stride, pad_lo, ld, rd in itertools.product(
+        (1, 3, 7), (1, 4, 9), (1, 5), (1, 2, 3), (0, 2, 7), (2, 3, 4), (1, 2, 6)
+    ):
+        args = dict(n=n, window=window, out=out, stride=stride, pad_lo=pad_lo, lhs_dilate=ld, rhs_dilate=rd)
+        assert window_taps(**args) == brute(n, window, out, stride, pad_lo, ld, rd), args
