@@ -34,6 +34,7 @@ from planner.targets import Target
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.quantize import QuantizePlan
+    from planner.pipeline import PipelineCost
 
 RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 """Hardware FLOPs / model FLOPs: full AC repeats the forward (2 of the 6 FLOPs per param per
@@ -101,6 +102,10 @@ class Estimate:
     """A block's FSDP all-gather bytes over bf16's (`[quantize] fsdp_float8_all_gather`: float8
     weights halve theirs; planner/low_precision.py `block_gather_ratio`); `fsdp_min_tokens` is
     scaled by it (the tokens that hide a gather grow with its bytes)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the memory is the heaviest pp rank's (`pipeline.rank`)."""
+    pipeline: PipelineCost | None = None
+    """With pp > 1: the stages, the bubble and the p2p traffic (planner/pipeline.py)."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
@@ -136,13 +141,25 @@ class Estimate:
     # -- throughput
     @property
     def tokens_per_device_step(self) -> float:
-        """Tokens per optimizer step per device (the TP and CP ranks share their dp rank's tokens)."""
-        return self.local_batch_size * self.seq_len * self.grad_accum / (self.tp * self.cp)
+        """Tokens per optimizer step per device (the TP, CP and pp ranks share their dp rank's tokens:
+        a pp rank runs its layers over all of them)."""
+        return self.local_batch_size * self.seq_len * self.grad_accum / (self.tp * self.cp * self.pp)
+
+    @property
+    def compute_s(self) -> float:
+        """The step's compute at the assumed MFU (with pp > 1 the heaviest rank's share)."""
+        flops = self.tokens_per_device_step * self.flops_per_token * self.recompute_factor
+        t = flops / (self.target.peak_flops * self.assumed_mfu)
+        return t * self.pipeline.imbalance if self.pipeline is not None else t
 
     @property
     def step_time_s(self) -> float:
-        flops = self.tokens_per_device_step * self.flops_per_token * self.recompute_factor
-        return flops / (self.target.peak_flops * self.assumed_mfu)
+        """`compute_s`; with pp > 1 inflated by the bubble, plus the exposed p2p transfers:
+        compute / (1 - bubble) + exposed (planner/pipeline.py)."""
+        if self.pipeline is None:
+            return self.compute_s
+        busy = self.compute_s / (1.0 - self.pipeline.bubble)
+        return busy + self.pipeline.p2p_exposed_s(self.compute_s)
 
     @property
     def tokens_per_s(self) -> float:

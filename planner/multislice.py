@@ -68,7 +68,8 @@ def dcn_cost(
     host_bw = target.dcn_bytes_per_s_per_host
     if host_bw is None:
         return None
-    s = target.num_slices
+    # pipeline stages over the slices (`pp` outermost): only the replicas left span the DCN
+    s = max(1, target.num_slices // max(1, getattr(est, "pp", 1)))
     per_device = est.grads / 4 * reduce_bytes  # Estimate.grads: the fp32 gradient shard
     per_host = per_device * target.generation.devices_per_host
     micro = max(est.grad_accum, 1)

@@ -62,24 +62,57 @@ class PlanInputs:
         """The recipe's `[optimizer] muon_exclude` (None: the optimizer's default)."""
         return None if self.step is None else self.step.muon_exclude
 
-    def _request(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None) -> StepRequest:
+    def _request(
+        self,
+        *,
+        tp: int,
+        ac_mode: str,
+        target: Target,
+        dp_replicate: int | None = None,
+        pp: int | None = None,
+        local_batch: int = 0,
+        pp_microbatches: int | None = None,
+    ) -> StepRequest:
         # several slices (`v6e-256x2`): the slice rule reads the count and the replicate degree
         slices = {"num_slices": target.num_slices}
         if dp_replicate is not None:
             slices["dp_replicate"] = dp_replicate
-        return dataclasses.replace(self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type, **slices)
+        # the pipeline rules read the degree, the layers and the local batch (None: the recipe's)
+        pipe = dict(n_layers=getattr(self.args, "n_layers", 0), local_batch=local_batch)
+        if pp is not None:
+            pipe["pp_degree"] = pp
+        if pp_microbatches is not None:
+            pipe["pp_microbatches"] = pp_microbatches
+        return dataclasses.replace(
+            self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type, **slices, **pipe
+        )
 
-    def refusals(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None) -> list[str]:
-        """What the trainer's rules refuse in this plan (empty: it would start)."""
+    def refusals(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None, **pipe) -> list[str]:
+        """What the trainer's rules refuse in this plan (empty: it would start). `pipe`: `pp`,
+        `local_batch`, `pp_microbatches` of a pipeline layout (default: the recipe's)."""
         if self.step is None:
             return []
-        return refusals(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate))
+        return refusals(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe))
 
-    def step_plan(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None) -> StepPlan | None:
+    def step_plan(
+        self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None, **pipe
+    ) -> StepPlan | None:
         """The trainer's step plan for this layout on `target` (None without step settings)."""
         if self.step is None:
             return None
-        return plan_step(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate))
+        return plan_step(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe))
+
+    def pipeline(self, pp: int | None = None, *, microbatches: int | None = None):
+        """The `PipelineSpec` of this plan: the recipe's `[parallelism] pipeline_*` (degree `pp`
+        and `microbatches` when given), or a 1F1B pipeline without step settings."""
+        from planner.pipeline import PipelineSpec, spec_of
+
+        spec = spec_of(self.step) if self.step is not None else PipelineSpec(pp=1)
+        return dataclasses.replace(
+            spec,
+            pp=spec.pp if pp is None else pp,
+            microbatches=spec.microbatches if microbatches is None else microbatches,
+        )
 
     def flops_per_token(self, shape: ModelShape) -> float:
         if self.flow_tokens is not None:
@@ -127,12 +160,22 @@ def make_parallel_dims(
     seq_len: int,
     cp: int = 1,
     num_slices: int = 1,
+    pp: int = 1,
 ) -> ParallelDims:
-    """Validated `ParallelDims` (ConfigError naming the key if the degrees cannot work)."""
+    """Validated `ParallelDims` (ConfigError naming the key if the degrees cannot work). With
+    pp > 1 over several slices the stages take the slices (`pp` outermost): the data-parallel
+    ranks span `num_slices / pp` of them."""
     from parallelisms.parallel_dims import ParallelDims
 
     dims = ParallelDims(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep, num_slices=num_slices, world_size=world_size
+        dp_replicate=dp_replicate,
+        dp_shard=dp_shard,
+        cp=cp,
+        tp=tp,
+        ep=ep,
+        pp=pp,
+        num_slices=max(1, num_slices // pp),
+        world_size=world_size,
     )
     dims.validate_for_model(shape, seq_len=seq_len)
     if shape.is_moe and tp > 1:
@@ -154,6 +197,8 @@ def tpu_layout(target: Target, dims: ParallelDims) -> list[str]:
     topology = topology_of(target) if target.device_type == "tpu" else None
     if topology is None or topology.devices != dims.world_size:
         return []
+    if dims.pp > 1:
+        return [f"pp {dims.pp}: the stages' place on the slice is not modelled (the stage mesh is)"]
     layout = map_mesh(topology, dims.mesh_shape)
     return [f"mesh {layout.summary()}: {note}" for note in layout.notes()]
 
@@ -172,18 +217,27 @@ def plan_estimate(
     assumed_mfu: float = 0.4,
     probe: bool = False,
     cp: int = 1,
+    pp: int | None = None,
+    check_rules: bool = True,
 ) -> Estimate:
     """Estimate one explicit plan: validate (degrees, and the trainer's step rules), shard the
-    real model on a fake world, add activations."""
-    refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
-    if refused:
+    real model on a fake world, add activations. `pp`: the pipeline degree (None: the recipe's,
+    `inputs.step`; its schedule and micro-batches are the recipe's: planner/pipeline.py).
+    `check_rules=False` prices a plan the rules refuse today (the recipe check's figures for a
+    pipeline recipe on TPU, which waits for graph-mode PP); never a plan to run."""
+    spec = inputs.pipeline(pp)
+    pipe = dict(pp=spec.pp, local_batch=inputs.local_batch_size)
+    refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe)
+    if refused and check_rules:
         raise ConfigError(refused[0])
     if cp > 1 and inputs.flow_tokens is not None:
         raise ConfigError(
             f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
             "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1"
         )
-    step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
+    step = _step_plan_or_stage(
+        inputs, refused, tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe
+    )
     shape = inputs.args.shape()
     dims = make_parallel_dims(
         dp_replicate=dp_replicate,
@@ -195,10 +249,30 @@ def plan_estimate(
         shape=shape,
         seq_len=inputs.split_seq_len,
         num_slices=target.num_slices,
+        pp=spec.pp,
     )
     layout_notes = tpu_layout(target, dims)  # ConfigError where torch-tpu could not build the mesh
     with fake_process_group(target.devices):
         stats = shard_model(inputs.family, inputs.args, dims, probe=probe, muon_exclude=inputs.muon_exclude)
+    if spec.pp > 1:
+        est = _pipeline_candidate(
+            inputs,
+            target,
+            spec,
+            shape=shape,
+            stats=stats,
+            dims=dims,
+            step=step,
+            local_batch_size=inputs.local_batch_size,
+            ac_mode=ac_mode,
+            loss_parallel=loss_parallel,
+            headroom=headroom,
+            assumed_mfu=assumed_mfu,
+        )
+        est.notes.extend(layout_notes)
+        if refused:
+            est.notes.extend(f"refused by the trainer's rules today: {line}" for line in refused)
+        return est
     est = estimate(
         model=inputs.model_name,
         target=target,
@@ -220,6 +294,57 @@ def plan_estimate(
     )
     est.notes.extend(layout_notes)
     return est
+
+
+def _step_plan_or_stage(inputs: PlanInputs, refused: list[str], *, pp: int, **request) -> StepPlan | None:
+    """The step plan of a plan; for a pipeline plan the rules refuse (`check_rules=False`), the
+    step plan its stages would have without the pipeline (the same memory terms: scan, fused
+    loss, the update), None when that is refused too."""
+    if not refused:
+        return inputs.step_plan(pp=pp, **request)
+    # the stage's own step: no pipeline, on one slice (the stages take the slices)
+    stage = {**request, "target": dataclasses.replace(request["target"], num_slices=1)}
+    if pp > 1 and not inputs.refusals(pp=1, **stage):
+        return inputs.step_plan(pp=1, **stage)
+    return None
+
+
+def _pipeline_candidate(
+    inputs: PlanInputs,
+    target: Target,
+    spec,
+    *,
+    shape: ModelShape,
+    stats,
+    dims: ParallelDims,
+    step: StepPlan | None,
+    local_batch_size: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    headroom: float,
+    assumed_mfu: float,
+) -> Estimate:
+    """One pipeline plan's estimate (`planner.pipeline.pipeline_estimate`: the heaviest pp rank)."""
+    from planner.pipeline import pipeline_estimate
+
+    return pipeline_estimate(
+        spec,
+        model=inputs.model_name,
+        target=target,
+        shape=shape,
+        stats=stats,
+        parallel_dims=dims,
+        local_batch_size=local_batch_size,
+        seq_len=inputs.seq_len,
+        ac_mode=ac_mode,
+        loss_parallel=loss_parallel,
+        grad_accum=inputs.grad_accum,
+        headroom=headroom,
+        assumed_mfu=assumed_mfu,
+        flops_per_token=inputs.flops_per_token(shape),
+        activations_of=lambda mb: inputs.activations(local_batch_size=mb, tp=dims.tp, ac_mode=ac_mode, cp=dims.cp),
+        **_step_terms(step, inputs),
+    )
 
 
 def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
@@ -244,18 +369,21 @@ def preference_key(est: Estimate) -> tuple:
     """Smaller is better; documented in docs/planner.md ("How --recommend chooses").
 
     1. micro-batches big enough to hide FSDP's all-gathers on this generation;
-    2. the smallest TP degree (TP puts activation collectives on every layer's critical path,
+    2. no pipeline (the smallest PP degree): PP only where nothing without it fits, since its
+       bubble and point-to-point transfers are lost time at equal memory;
+    3. the smallest TP degree (TP puts activation collectives on every layer's critical path,
        FSDP's weight gathers overlap with compute): pure FSDP first, then add TP;
-    3. the smallest CP degree (CP all-gathers k/v on every layer: with GQA a fraction of TP's
+    4. the smallest CP degree (CP all-gathers k/v on every layer: with GQA a fraction of TP's
        activation traffic, so CP is added before TP, but only when the sequence needs it);
-    4. the least recompute: none, then selective, then full;
-    5. the most tokens per device per step (amortizes the per-step FSDP traffic);
-    6. MoE: the largest expert-parallel degree (each rank gathers num_experts / ep experts per
+    5. the least recompute: none, then selective, then full;
+    6. the most tokens per device per step (amortizes the per-step FSDP traffic);
+    7. MoE: the largest expert-parallel degree (each rank gathers num_experts / ep experts per
        layer; the dispatch's all-to-all moves tokens x top-k rows whatever the degree);
-    7. the fewest replicas (HSDP only when it costs nothing else).
+    8. the fewest replicas (HSDP only when it costs nothing else).
     """
     return (
         est.fsdp_bound,
+        est.pp,
         est.tp,
         est.cp,
         RECOMPUTE_RANK[est.ac_mode],
@@ -288,6 +416,8 @@ def recommend(
     max_cp: int = 16,
     ep_choices: list[int] | None = None,
     max_ep: int = 64,
+    pp_choices: list[int] | None = None,
+    max_pp: int = 8,
 ) -> list[Estimate]:
     """Search dp_replicate, tp (<= devices per host), cp, ep, AC mode and local batch for `target`.
 
@@ -301,6 +431,12 @@ def recommend(
     are searched in increasing order, and a larger one only while no plan of a smaller one fits
     at the smallest tp with its FSDP gathers hidden: `preference_key` would rank such a plan
     first anyway, so the search is exact and costs nothing extra for sequences that fit.
+    Pipeline degrees (`pp_choices`, default powers of two up to `max_pp` dividing the world, on
+    several slices multiples of the slice count: the stages take the slices) are searched the same
+    way, after pp = 1 and only while no plan without PP fits with its gathers hidden, and only
+    when the trainer's rules allow a pipeline for this model on this target (`PlanInputs.step`;
+    none without step settings). A pipeline candidate takes the recipe's schedule and
+    micro-batches (0: one sequence per micro-batch); its batch and micro-batches pass the rules.
     """
     shape = inputs.args.shape()
     world = target.devices
@@ -319,8 +455,49 @@ def recommend(
         max_local_batch=max_local_batch,
     )
     candidates: list[Estimate] = []
+    for pp in pp_choices or _pipeline_degrees(inputs, target, max_pp):
+        if pp > 1 and any(
+            c.fits and not c.fsdp_bound and c.pp < pp and c.global_batch_tokens <= max_global_tokens for c in candidates
+        ):
+            break  # a plan with less pipelining fits: no plan with this pp can come first (`search_key`)
+        candidates += _search_pp(
+            inputs, target, shape, pp=pp, tps=tps, cps=cps, eps=eps, dp_replicate_choices=dp_replicate_choices, **search
+        )
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
+    rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
+    return fitting + rest
+
+
+def _pipeline_degrees(inputs: PlanInputs, target: Target, max_pp: int) -> list[int]:
+    """`recommend`'s default pipeline degrees: 1, and the powers of two up to `max_pp` that divide
+    the world (on several slices: multiples of the slice count) when the rules allow a pipeline for
+    this model on this target at all (checked at pp 2 with the batch not yet chosen)."""
+    if inputs.step is None or inputs.refusals(tp=1, ac_mode="none", target=target, pp=2, pp_microbatches=0):
+        return [1]
+    s = target.num_slices
+    return [1] + [p for p in _powers_of_two_dividing(target.devices, max_pp) if p > 1 and p % s == 0]
+
+
+def _search_pp(
+    inputs: PlanInputs,
+    target: Target,
+    shape: ModelShape,
+    *,
+    pp: int,
+    tps: list[int],
+    cps: list[int],
+    eps: list[int],
+    dp_replicate_choices: list[int] | None,
+    max_global_tokens: int,
+    **search,
+) -> list[Estimate]:
+    """`recommend`'s candidates at one pipeline degree (its docstring)."""
+    world = target.devices
+    stage = world // pp
+    replicas_span = max(1, target.num_slices // pp)  # slices the data-parallel ranks span
+    candidates: list[Estimate] = []
     with fake_process_group(world):
-        for tp, cp in ((tp, cp) for cp in cps for tp in tps if world % (tp * cp) == 0):
+        for tp, cp in ((tp, cp) for cp in cps for tp in tps if stage % (tp * cp) == 0):
             if (
                 cp > 1
                 and tp == tps[0]
@@ -335,15 +512,22 @@ def recommend(
             for dp_replicate, ep in (
                 (r, e)
                 for e in eps
-                for r in dp_replicate_choices or _powers_of_two_dividing(world // (tp * cp), world // (tp * cp))
-                if r % target.num_slices == 0  # several slices: HSDP, one replica group per slice at least
+                for r in dp_replicate_choices or _powers_of_two_dividing(stage // (tp * cp), stage // (tp * cp))
+                if r % replicas_span == 0  # several slices: HSDP, one replica group per slice at least
             ):
                 candidates += _layout_candidates(
-                    inputs, target, shape, tp=tp, cp=cp, ep=ep, dp_replicate=dp_replicate, **search
+                    inputs,
+                    target,
+                    shape,
+                    tp=tp,
+                    cp=cp,
+                    ep=ep,
+                    dp_replicate=dp_replicate,
+                    pp=pp,
+                    max_global_tokens=max_global_tokens,
+                    **search,
                 )
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
-    rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
-    return fitting + rest
+    return candidates
 
 
 def _layout_candidates(
@@ -357,6 +541,7 @@ def _layout_candidates(
     dp_replicate: int,
     fpt: float,
     ac_modes: tuple[str, ...],
+    pp: int = 1,
     headroom: float,
     assumed_mfu: float,
     max_global_tokens: int,
@@ -376,6 +561,8 @@ def _layout_candidates(
             world_size=target.devices,
             shape=shape,
             seq_len=inputs.split_seq_len,
+            num_slices=target.num_slices,
+            pp=pp,
         )
         layout_notes = tpu_layout(target, dims)
     except ConfigError:
@@ -389,10 +576,23 @@ def _layout_candidates(
         if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)
     ]
     candidates = []
+    if pp > 1:
+        return _pipeline_layout_candidates(
+            inputs,
+            target,
+            shape,
+            stats,
+            dims,
+            batches=batches,
+            ac_modes=ac_modes,
+            notes=layout_notes,
+            headroom=headroom,
+            assumed_mfu=assumed_mfu,
+        )
     for ac_mode in ac_modes:
-        if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate):
+        if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, pp=1):
             continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
-        step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate)
+        step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, pp=1)
         for batch in batches:
             candidates.append(
                 estimate(
@@ -413,6 +613,50 @@ def _layout_candidates(
                 )
             )
             candidates[-1].notes.extend(layout_notes)
+    return candidates
+
+
+def _pipeline_layout_candidates(
+    inputs: PlanInputs,
+    target: Target,
+    shape: ModelShape,
+    stats,
+    dims: ParallelDims,
+    *,
+    batches: list[int],
+    ac_modes: tuple[str, ...],
+    notes: list[str],
+    headroom: float,
+    assumed_mfu: float,
+) -> list[Estimate]:
+    """`_layout_candidates` with pp > 1: the recipe's schedule and micro-batches (0: one sequence
+    per micro-batch), every (AC mode, local batch) the rules allow."""
+    candidates = []
+    for ac_mode in ac_modes:
+        for batch in batches:
+            spec = inputs.pipeline(dims.pp)
+            if not spec.microbatches:
+                spec = dataclasses.replace(spec, microbatches=batch)
+            pipe = dict(pp=dims.pp, local_batch=batch, pp_microbatches=spec.microbatches)
+            request = dict(tp=dims.tp, ac_mode=ac_mode, target=target, dp_replicate=dims.dp_replicate, **pipe)
+            if inputs.refusals(**request):
+                continue  # the trainer would refuse it (the micro-batches, the stage count, ...)
+            est = _pipeline_candidate(
+                dataclasses.replace(inputs, local_batch_size=batch),
+                target,
+                spec,
+                shape=shape,
+                stats=stats,
+                dims=dims,
+                step=inputs.step_plan(**request),
+                local_batch_size=batch,
+                ac_mode=ac_mode,
+                loss_parallel=dims.tp > 1 and inputs.flow_tokens is None,
+                headroom=headroom,
+                assumed_mfu=assumed_mfu,
+            )
+            est.notes.extend(notes)
+            candidates.append(est)
     return candidates
 
 

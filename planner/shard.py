@@ -120,6 +120,10 @@ class ShardStats:
     B the matrices of this rank's leading dims (experts), D the ranks splitting a matrix dim."""
     muon_whole_stacked_numel: int = 0
     """The same with layer scan: B counts a whole stack's layers."""
+    embedding_numel: int = 0
+    """Local elements of the token embedding (the plan's "embedding" module): the part of
+    `root_numel` a pipeline's first stage holds alone (planner/pipeline.py; the pipeline rules
+    refuse tied embeddings, whose table is the head too)."""
     linear_shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
     """Every `nn.Linear` at the root and in the first block of each stack, by module path: its
     weight's (out, in) features whole and after the dp all-gather (still TP-sharded). What
@@ -204,6 +208,8 @@ def shard_model(
         (_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in t.muon_params), default=0
     )
     head, kept = _lm_head_and_kept(family, t.root_gathered)
+    embedding_modules = {p for p, style in family.plan.tp.items() if style == "embedding"}
+    embedding_local = sum(n for name, n in t.root_local.items() if name.rpartition(".")[0] in embedding_modules)
     return ShardStats(
         n_layers=args.n_layers,
         root_numel=t.root_numel,
@@ -219,6 +225,7 @@ def shard_model(
         muon_numel=muon_numel,
         muon_whole_numel=whole,
         muon_whole_stacked_numel=whole_stacked,
+        embedding_numel=embedding_local,
         linear_shapes=_linear_shapes(model, prefixes),
     )
 
@@ -246,6 +253,7 @@ class _ParamTally:
 
     root_numel: int = 0
     root_gathered: dict[str, int] = field(default_factory=dict)
+    root_local: dict[str, int] = field(default_factory=dict)
     block_local: dict[str, int] = field(default_factory=dict)
     block_gathered: dict[str, int] = field(default_factory=dict)
     largest: int = 0
@@ -281,6 +289,7 @@ def _tally_params(model: nn.Module, prefixes: tuple[str, ...], muon_ids: set[int
                 t.shapes[name] = tuple(local.shape)
         else:
             t.root_numel += local.numel()
+            t.root_local[name] = local.numel()
             t.root_gathered[name] = _gathered_numel(param)
             t.shapes[name] = tuple(local.shape)
             if muon:

@@ -46,6 +46,9 @@ class RecipeCheck:
     mesh: str = "-"
     step: str = "-"
     """The step plan: mode, backend, scan, AC, loss."""
+    pipeline: str = "-"
+    """With pipeline_parallel_degree > 1: the degree, schedule, micro-batches, bubble and the
+    heaviest stage's memory (planner/pipeline.py; the whole breakdown goes to the notes)."""
     planned_gib: float | None = None
     """The planner's per-device total (rank 0) for this plan."""
     hbm_gib: float | None = None
@@ -123,13 +126,23 @@ def plan_inputs(cfg: Config) -> planner.PlanInputs:
         local_batch_size=t.local_batch_size,
         grad_accum=t.gradient_accumulation_steps,
         flow_tokens=flow,
-        step=step_request(cfg, family),
+        # what the rules read from the model (the pipeline's: experts, tied embeddings), as plan_job
+        step=step_request(
+            cfg,
+            family,
+            model_has_experts=args.shape().num_experts > 0,
+            mtp_depth=getattr(args, "mtp_depth", 0),
+            tie_embeddings=bool(getattr(args, "tie_embeddings", False)),
+        ),
         quantize=QuantizePlan.of(cfg.quantize),
     )
 
 
-def planned(cfg: Config, target: planner.Target, *, headroom: float = 0.1) -> planner.Estimate:
-    """The planner's estimate of the recipe's own plan on `target`."""
+def planned(
+    cfg: Config, target: planner.Target, *, headroom: float = 0.1, check_rules: bool = True
+) -> planner.Estimate:
+    """The planner's estimate of the recipe's own plan on `target` (`check_rules=False`: priced even
+    where the rules refuse it, with the refusals in its notes)."""
     p = cfg.parallelism
     return planner.plan_estimate(
         plan_inputs(cfg),
@@ -142,6 +155,22 @@ def planned(cfg: Config, target: planner.Target, *, headroom: float = 0.1) -> pl
         ac_mode=cfg.activation_checkpoint.mode,
         loss_parallel=p.enable_loss_parallel,
         headroom=headroom,
+        check_rules=check_rules,
+    )
+
+
+REFUSED_NOTE = "refused by the trainer's rules today: "
+"""How `plan_estimate(check_rules=False)` notes a refusal (planner/search.py)."""
+
+
+def pipeline_summary(est: planner.Estimate) -> str:
+    """The recipe check's pipeline column: degree, schedule, micro-batches, bubble, the heaviest stage."""
+    c = est.pipeline
+    s = c.spec
+    v = f" x{s.v} stages/rank" if s.v > 1 else ""
+    return (
+        f"pp {s.pp} {s.schedule}{v}, {s.m} micro-batches, bubble {c.bubble:.1%}, heaviest pp rank {c.rank} "
+        f"({c.holds}) {c.rank_totals[c.rank] / GiB:.1f} GiB, p2p {c.p2p_bytes / GiB:.2f} GiB/step over {c.link}"
     )
 
 
@@ -172,6 +201,7 @@ def _mesh_summary(dims) -> str:
     axes = [
         f"{name} {size}"
         for name, size in (
+            ("pp", dims.pp),
             ("dp_rep", dims.dp_replicate),
             ("fsdp", dims.dp_shard),
             ("cp", dims.cp),
@@ -396,7 +426,19 @@ def check_recipe(path: str, *, capture: bool = True, overrides=(), torch_tpu: di
         report.devices = devices
         report.target = target.name if target else f"cpu-{devices}"
         if target is not None:
-            est = planned(cfg, target)
+            # a pipeline recipe is priced even where the rules refuse it today (TPU: graph-mode PP
+            # not yet), and the first refusal is then the row's error, the rest its notes
+            pipelined = cfg.parallelism.pipeline_parallel_degree > 1
+            est = planned(cfg, target, check_rules=not pipelined)
+            if est.pipeline is not None:
+                report.pipeline = pipeline_summary(est)
+                report.notes.append(est.pipeline.describe())
+                refused = [n[len(REFUSED_NOTE) :] for n in est.notes if n.startswith(REFUSED_NOTE)]
+                refused.sort(key=lambda line: not line.startswith("parallelism.pipeline"))  # the pipeline's own first
+                report.notes.extend(f"also refused: {line}" for line in refused[1:])
+                if refused:
+                    report.planned_gib, report.hbm_gib = est.total / GiB, est.usable / GiB
+                    raise ConfigError(refused[0])
             report.planned_gib = est.total / GiB
             report.hbm_gib = est.usable / GiB
             report.planned_flips_gib = est.scan_flips / GiB if est.scan_flips else None

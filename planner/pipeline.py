@@ -1,0 +1,343 @@
+"""Pipeline parallelism in the planner: per-stage memory, the bubble and the point-to-point traffic.
+
+With `pp > 1` the world is `pp` stages of `world / pp` devices (parallelisms/parallel_dims.py:
+`pp` outermost); the rest of the mesh (dp_replicate x dp_shard x cp x tp) runs inside a stage as
+without PP, so `shard_model` on the `ParallelDims` with `pp` gives one stage-mesh rank's shards of
+every parameter. From those, for each pp rank `r` (docs/planner.md, "Pipeline parallelism in the
+planner"):
+
+- **weights, gradients, optimizer state**: the blocks of its stages (`split_layers`, `stage_ids`:
+  the trainer's own split and placement), the token embedding only where it holds stage 0, the
+  final norm and head only where it holds the last stage;
+- **activations**: one micro-batch of `local_batch / m` sequences per in-flight micro-batch
+  (`in_flight`: 1F1B holds `min(m, p - r)`, GPipe and LoopedBFS all `m`, the interleaved schedules
+  `min(v m, (v - 1) p + 2 (p - 1 - r) + 1)` chunks of 1/v of the rank's layers, ZBV `min(m, p)`),
+  the loss and the head's transients only where it holds the last stage;
+- the heaviest rank is the plan's memory (`Estimate.pipeline.rank` says which);
+- **time**: the compute of the heaviest rank's share (`imbalance`), inflated by the schedule's
+  bubble (`bubble_fraction`): `t = t_compute x imbalance / (1 - bubble) + exposed p2p`;
+- **p2p**: each micro-batch crosses each stage boundary forward (activations) and backward
+  (their gradients): `[mb, seq / cp, dim]` bf16 per device (sequence parallel splits it by tp),
+  `2 m v` transfers per accumulation micro-batch; over the DCN when the stages span slices
+  (`pp` outermost over the slices), else over one ICI link (`ICI_GBYTES_PER_S_PER_LINK`). The
+  pipeline's fill and drain (`2 (p - 1)` hops) are exposed; the steady state's transfers hide
+  under the compute unless they exceed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from models.contract import ModelShape
+from parallelisms.pipeline_parallel import (
+    SCHEDULES,
+    bubble_fraction,
+    schedule_style,
+    split_layers,
+    stage_ids,
+    virtual_stages,
+)
+from planner.activations import ActivationBytes
+from planner.shard import ShardStats
+from planner.targets import Target
+
+ICI_GBYTES_PER_S_PER_LINK: dict[str, float] = {
+    "v4": 25.0,
+    "v5e": 50.0,
+    "v5p": 100.0,
+    "v6e": 100.0,
+    "v7x": 100.0,
+    "h100": 50.0,
+    "h200": 50.0,
+    "b200": 50.0,
+}
+"""One direction of one link, GB/s, what a stage boundary's send uses. TPUs: the published
+bidirectional inter-chip bandwidth per chip over its ports, halved (v5e 400 GB/s and v6e 800 GB/s
+over 4 ports; v5p and TPU7x 1,200 GB/s over 6; v4 not published, taken as half of v5p's link);
+GPUs: one 400 Gb/s NIC per GPU, the stages being on different nodes (NVLink inside a node is
+faster; not modelled). Assumptions, not measured."""
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A plan's pipeline: `[parallelism] pipeline_*` (trainer/step/plan.py `StepRequest`)."""
+
+    pp: int
+    schedule: str = "1F1B"
+    microbatches: int = 0
+    """0: the number of stages (the trainer's default)."""
+    virtual: int = 0
+    """Stages per rank (0: the schedule's default)."""
+    first_less: int = 1
+    last_less: int = 1
+
+    @property
+    def v(self) -> int:
+        return virtual_stages(self.schedule, self.virtual) if self.schedule in SCHEDULES else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.v
+
+    @property
+    def m(self) -> int:
+        return self.microbatches or self.num_stages
+
+    @property
+    def bubble(self) -> float:
+        return bubble_fraction(self.schedule, self.pp, self.m, self.v)
+
+    def stages(self, n_layers: int) -> list[range]:
+        return split_layers(n_layers, self.num_stages, first_stage_less=self.first_less, last_stage_less=self.last_less)
+
+    def rank_stages(self, rank: int) -> tuple[int, ...]:
+        return stage_ids(rank, self.pp, self.schedule, self.v)
+
+    def rank_layers(self, n_layers: int) -> list[int]:
+        """Blocks each pp rank holds (all its stages)."""
+        split = self.stages(n_layers)
+        return [sum(len(split[s]) for s in self.rank_stages(r)) for r in range(self.pp)]
+
+    def rank_units(self, n_layers: int) -> list[int]:
+        """Each rank's compute in block units: its blocks, plus `first_less` for the embedding and
+        `last_less` for the head where it holds them (`split_layers`' own accounting)."""
+        last = self.num_stages - 1
+        return [
+            layers
+            + (self.first_less if 0 in self.rank_stages(r) else 0)
+            + (self.last_less if last in self.rank_stages(r) else 0)
+            for r, layers in enumerate(self.rank_layers(n_layers))
+        ]
+
+    def imbalance(self, n_layers: int) -> float:
+        """The heaviest rank's compute over the mean rank's (1: balanced)."""
+        units = self.rank_units(n_layers)
+        return max(units) * self.pp / sum(units)
+
+    def in_flight(self, rank: int) -> float:
+        """Micro-batches whose activations rank `rank` holds at its peak, in units of all its layers
+        (module docstring)."""
+        p, m, v = self.pp, self.m, self.v
+        if self.schedule in ("GPipe", "LoopedBFS"):
+            return float(m)
+        if self.schedule == "1F1B":
+            return float(min(m, p - rank))
+        if schedule_style(self.schedule) == "v":
+            return float(min(m, p))
+        return min(v * m, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+
+
+def spec_of(request) -> PipelineSpec:
+    """The pipeline of a `StepRequest` (trainer/step/plan.py)."""
+    return PipelineSpec(
+        pp=request.pp_degree,
+        schedule=request.pp_schedule,
+        microbatches=request.pp_microbatches,
+        virtual=request.pp_virtual_stages,
+        first_less=request.pp_first_less,
+        last_less=request.pp_last_less,
+    )
+
+
+def stage_stats(stats: ShardStats, spec: PipelineSpec, rank: int) -> ShardStats:
+    """`stats` (the whole model on one stage-mesh rank) cut to what pp rank `rank` holds: its
+    blocks (the blocks are alike: dense decoders only, the pipeline rules say), the embedding on
+    stage 0, the norm and head on the last. Muon's matrices are scaled with the blocks (by default
+    it excludes the embedding and head)."""
+    n = stats.n_layers
+    layers = spec.rank_layers(n)[rank]
+    ids = spec.rank_stages(rank)
+    first, last = 0 in ids, spec.num_stages - 1 in ids
+    head_side = stats.root_numel - stats.embedding_numel
+    root = (stats.embedding_numel if first else 0) + (head_side if last else 0)
+    scale = lambda x: x * layers // n  # noqa: E731
+    return dataclasses.replace(
+        stats,
+        n_layers=layers,
+        root_numel=root,
+        blocks_numel=scale(stats.blocks_numel),
+        blocks_gathered_numel=scale(stats.blocks_gathered_numel),
+        lm_head_gathered_numel=stats.lm_head_gathered_numel if last else 0,
+        root_kept_gathered_numel=stats.root_kept_gathered_numel if last else 0,
+        muon_numel=scale(stats.muon_numel),
+        embedding_numel=stats.embedding_numel if first else 0,
+    )
+
+
+def stage_activations(per_micro: ActivationBytes, spec: PipelineSpec, rank: int) -> ActivationBytes:
+    """What rank `rank` keeps: `per_micro` (one micro-batch through its layers) times its in-flight
+    micro-batches; the head's input, the loss and its transient only on the last stage."""
+    k = spec.in_flight(rank)
+    last = spec.num_stages - 1 in spec.rank_stages(rank)
+    return dataclasses.replace(
+        per_micro,
+        blocks=int(per_micro.blocks * k),
+        outside=int(per_micro.outside * k) if last else 0,
+        loss=int(per_micro.loss * k) if last else 0,
+        logits_transient=per_micro.logits_transient if last else 0,
+    )
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """The pipeline terms of an `Estimate` (the heaviest pp rank's memory, the step's bubble and p2p)."""
+
+    spec: PipelineSpec
+    rank: int
+    """The pp rank whose memory is the plan's (the heaviest)."""
+    rank_layers: tuple[int, ...]
+    rank_totals: tuple[int, ...]
+    """Per-device bytes of each pp rank."""
+    micro_batch: int
+    """Sequences per pipeline micro-batch (`local_batch / m`)."""
+    in_flight: float
+    """The heaviest rank's in-flight micro-batches (in units of all its layers)."""
+    imbalance: float
+    p2p_bytes: int
+    """Bytes one device sends (activations forward, gradients backward) per step."""
+    transfer_bytes: int
+    """One micro-batch's activations at one boundary, per device."""
+    link: str
+    """"DCN" (the stages span slices) or "ICI"."""
+    link_bytes_per_s: float
+    """Per device: its share of the host's DCN bandwidth, or one ICI link's."""
+    grad_accum: int = 1
+
+    @property
+    def bubble(self) -> float:
+        return self.spec.bubble
+
+    @property
+    def transfer_s(self) -> float:
+        return self.transfer_bytes / self.link_bytes_per_s
+
+    @property
+    def p2p_serial_s(self) -> float:
+        return self.p2p_bytes / self.link_bytes_per_s
+
+    def p2p_exposed_s(self, compute_s: float) -> float:
+        """The fill and drain hops (2 (p - 1) per accumulation micro-batch), plus whatever of the
+        steady state's transfers exceeds the compute (`compute_s`) they hide under."""
+        fill = self.grad_accum * 2 * (self.spec.pp - 1) * self.transfer_s
+        return min(self.p2p_serial_s, fill + max(0.0, self.p2p_serial_s - fill - compute_s))
+
+    @property
+    def holds(self) -> str:
+        """What the heaviest rank holds besides blocks."""
+        ids = self.spec.rank_stages(self.rank)
+        parts = []
+        if 0 in ids:
+            parts.append("embedding")
+        if self.spec.num_stages - 1 in ids:
+            parts.append("head + loss")
+        return " and ".join(parts) or "blocks only"
+
+    def describe(self) -> str:
+        s = self.spec
+        return (
+            f"pipeline: pp {s.pp}, {s.schedule}, {s.m} micro-batches of {self.micro_batch} sequence(s)"
+            + (f", {s.v} stages per rank" if s.v > 1 else "")
+            + f"; blocks per rank {list(self.rank_layers)}; heaviest pp rank {self.rank} ({self.holds}, "
+            f"{self.in_flight:g} micro-batches in flight) {self.rank_totals[self.rank] / 2**30:.2f} GiB; bubble "
+            f"{self.bubble:.1%}, imbalance {self.imbalance:.3f}; p2p {self.p2p_bytes / 2**30:.2f} GiB per device and "
+            f"step over {self.link} ({self.link_bytes_per_s / 1e9:.1f} GB/s per device), {self.p2p_serial_s:.2f} s serial"
+        )
+
+
+def link_of(target: Target, pp: int) -> tuple[str, float]:
+    """("DCN" | "ICI", bytes/s per device) of a stage boundary: the stages span the slices when the
+    target has several (pp outermost over the DCN; a device's share of its host's DCN bandwidth),
+    else one ICI link."""
+    gen = target.generation
+    if target.num_slices > 1 and pp > 1 and target.dcn_bytes_per_s_per_host is not None:
+        return "DCN", target.dcn_bytes_per_s_per_host / gen.devices_per_host
+    return "ICI", ICI_GBYTES_PER_S_PER_LINK.get(gen.name, 50.0) * 1e9
+
+
+def p2p_transfer_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, tp: int, cp: int) -> int:
+    """One micro-batch's hidden states at a stage boundary, per device: [mb, seq / cp, dim] bf16,
+    split by tp (the stage input is a sequence shard under TP)."""
+    return 2 * micro_batch * (seq_len // cp) * shape.dim // tp
+
+
+def pipeline_estimate(
+    spec: PipelineSpec,
+    *,
+    target: Target,
+    shape: ModelShape,
+    stats: ShardStats,
+    parallel_dims,
+    local_batch_size: int,
+    seq_len: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    grad_accum: int = 1,
+    activations_of=None,
+    **kwargs,
+):
+    """`planner.memory.estimate` of every pp rank (its stage's stats and activations, one micro-batch
+    of `local_batch_size / m` sequences in `activations_of`), the heaviest returned with the batch
+    restored and its `PipelineCost`. `activations_of(micro_batch)`: the model's activation bytes of
+    one micro-batch through all its layers (None: the decoder-LM model); the blocks' share is scaled
+    to each rank's layers. ValueError when m does not divide the local batch (the rule's case)."""
+    from planner.activations import activation_bytes
+    from planner.memory import estimate
+
+    m = spec.m
+    if local_batch_size % m:
+        raise ValueError(f"pipeline_microbatches {m} does not divide the local batch {local_batch_size}")
+    mb = local_batch_size // m
+    tp, cp = parallel_dims.tp, parallel_dims.cp
+    whole = activations_of(mb) if activations_of is not None else None
+    if whole is None:
+        whole = activation_bytes(
+            shape,
+            local_batch_size=mb,
+            seq_len=seq_len,
+            tp=tp,
+            ac_mode=ac_mode,
+            loss_parallel=loss_parallel and tp > 1,
+            cp=cp,
+        )
+    layers = spec.rank_layers(shape.n_layers)
+    per_rank = []
+    for rank in range(spec.pp):
+        own = dataclasses.replace(whole, blocks=whole.blocks * layers[rank] // shape.n_layers)
+        per_rank.append(
+            estimate(
+                target=target,
+                shape=dataclasses.replace(shape, n_layers=layers[rank]),
+                stats=stage_stats(stats, spec, rank),
+                parallel_dims=parallel_dims,
+                local_batch_size=mb,
+                seq_len=seq_len,
+                ac_mode=ac_mode,
+                loss_parallel=loss_parallel,
+                grad_accum=grad_accum,
+                activations=stage_activations(own, spec, rank),
+                **kwargs,
+            )
+        )
+    heaviest = max(range(spec.pp), key=lambda r: per_rank[r].total)
+    link, bandwidth = link_of(target, spec.pp)
+    transfer = p2p_transfer_bytes(shape, micro_batch=mb, seq_len=seq_len, tp=tp, cp=cp)
+    cost = PipelineCost(
+        spec=spec,
+        rank=heaviest,
+        rank_layers=tuple(layers),
+        rank_totals=tuple(e.total for e in per_rank),
+        micro_batch=mb,
+        in_flight=spec.in_flight(heaviest),
+        imbalance=spec.imbalance(shape.n_layers),
+        p2p_bytes=grad_accum * 2 * m * spec.v * transfer,
+        transfer_bytes=transfer,
+        link=link,
+        link_bytes_per_s=bandwidth,
+        grad_accum=grad_accum,
+    )
+    est = dataclasses.replace(
+        per_rank[heaviest], local_batch_size=local_batch_size, n_layers=shape.n_layers, pp=spec.pp, pipeline=cost
+    )
+    est.notes.append(cost.describe())
+    return est

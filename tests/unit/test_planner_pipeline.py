@@ -1,0 +1,145 @@
+"""Pipeline parallelism in the planner (planner/pipeline.py): the stage memory terms by hand for a
+tiny model, the bubble in the step time, the p2p bytes and their link, a search that takes PP only
+when memory forces it, the refusal-consistency of the search, and the recipe check of the pending
+pipeline recipe (configs/pending/)."""
+
+import dataclasses
+import os
+
+import pytest
+
+import planner as P
+from models import get_model_family
+from parallelisms.pipeline_parallel import bubble_fraction
+from planner.pipeline import PipelineSpec, p2p_transfer_bytes
+from trainer.step import StepRequest
+from trainer.step.plan import refusals
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LLAMA = get_model_family("llama3")
+GPU = StepRequest(mode="eager", device_type="cuda", model_has_experts=False)
+
+
+def _inputs(args, *, seq=256, batch=4, step=GPU, **pipe):
+    return P.PlanInputs(
+        family=LLAMA,
+        args=args,
+        model_name="tiny",
+        seq_len=seq,
+        local_batch_size=batch,
+        step=dataclasses.replace(step, **pipe),
+    )
+
+
+def test_stage_memory_by_hand_pp2_halves_the_blocks_and_splits_embedding_and_head():
+    """debugmodel (6 layers, dim 256, vocab 2048) on 8 GPUs: PP 2 x FSDP 4 against FSDP 4 alone on
+    4 GPUs (the same stage mesh). `split_layers(6, 2)` = 3 + 3; pp rank 0 holds 3 blocks and the
+    embedding, rank 1 3 blocks, the norm and the head; 1F1B over 4 micro-batches of 1 sequence:
+    rank 0 holds 2 in flight, rank 1 one and the loss."""
+    args = LLAMA.flavors["debugmodel"]
+    pp1 = P.plan_estimate(_inputs(args), P.parse_target("h100-4"), pp=1)
+    pp2 = P.plan_estimate(_inputs(args, pp_degree=2, pp_microbatches=4), P.parse_target("h100-8"), pp=2)
+    dim, vocab, fsdp = args.dim, args.vocab_size, 4
+    embedding = head = vocab * dim // fsdp
+    block = (pp1.params // 4 - embedding - head - dim // fsdp) // 6
+    c = pp2.pipeline
+    assert (c.rank_layers, c.spec.m, c.micro_batch, c.spec.in_flight(0), c.spec.in_flight(1)) == ((3, 3), 4, 1, 2, 1)
+    rank_params = {0: 3 * block + embedding, 1: 3 * block + head + dim // fsdp}
+    assert pp2.params == 4 * rank_params[c.rank]  # fp32 master weights of the heaviest rank
+    assert pp2.grads == pp2.params and pp2.optimizer == 2 * pp2.params
+    # the blocks' weights halve; the embedding stays on rank 0, the head on rank 1
+    assert rank_params[0] - embedding == (pp1.params // 4 - embedding - head - dim // fsdp) // 2
+    # activations: rank 1 keeps 1 micro-batch of 1 sequence through 3 blocks plus the loss; the
+    # whole model keeps 4 sequences through 6 blocks
+    assert pp2.activations.blocks * 8 == pp1.activations.blocks * (2 if c.rank == 0 else 1)
+    assert c.rank_totals[c.rank] == pp2.total == max(c.rank_totals)
+
+
+def test_the_bubble_inflates_the_step_time_and_p2p_is_priced_on_its_link():
+    args = LLAMA.flavors["debugmodel"]
+    pp1 = P.plan_estimate(_inputs(args), P.parse_target("h100-4"), pp=1)
+    pp2 = P.plan_estimate(_inputs(args, pp_degree=2, pp_microbatches=4), P.parse_target("h100-8"), pp=2)
+    c = pp2.pipeline
+    assert c.bubble == bubble_fraction("1F1B", 2, 4) == pytest.approx(1 / 5)
+    # the same tokens per dp rank over half the layers per device: half the compute, then / (1 - bubble)
+    assert pp2.compute_s == pytest.approx(pp1.compute_s / 2 * c.imbalance)
+    assert pp2.step_time_s == pytest.approx(pp2.compute_s / (1 - 1 / 5) + c.p2p_exposed_s(pp2.compute_s))
+    # p2p: [1, 256, 256] bf16 per micro-batch and boundary, forward and backward, 4 micro-batches
+    assert (
+        c.transfer_bytes
+        == 2 * 1 * 256 * args.dim
+        == p2p_transfer_bytes(args.shape(), micro_batch=1, seq_len=256, tp=1, cp=1)
+    )
+    assert c.p2p_bytes == 2 * 4 * c.transfer_bytes and c.link == "ICI"
+    assert c.p2p_serial_s == pytest.approx(c.p2p_bytes / 50e9)
+    # exposed: the fill and drain (2 (p - 1) hops), the steady state hidden under the compute
+    assert c.p2p_exposed_s(1.0) == pytest.approx(2 * c.transfer_s)
+    # several slices: the stages take the slices, the boundary crosses the DCN at a device's share
+    from planner.pipeline import link_of
+
+    t = P.parse_target("v6e-256x2")
+    assert link_of(t, 2) == ("DCN", t.dcn_bytes_per_s_per_host / 4) and link_of(t, 1)[0] == "ICI"
+
+
+def test_schedules_in_flight():
+    """1F1B: p - r on rank r; GPipe: all m; interleaved: (v - 1) p + 2 (p - 1 - r) + 1 chunks of 1/v."""
+    assert [PipelineSpec(4, "1F1B", 8).in_flight(r) for r in range(4)] == [4, 3, 2, 1]
+    assert PipelineSpec(4, "GPipe", 8).in_flight(0) == 8
+    assert PipelineSpec(4, "Interleaved1F1B", 8, 2).in_flight(0) == pytest.approx((4 + 6 + 1) / 2)
+    assert PipelineSpec(4, "ZBVZeroBubble", 8).in_flight(3) == 4
+
+
+def test_search_takes_pp_only_when_memory_forces_it():
+    """Llama 3 70B at seq 256, no AC, tp = cp = 1 on h100-64: without PP every device keeps the
+    whole model's bf16 block weights for the backward (140 GB); PP 4 keeps a quarter. The search
+    proposes no PP where a plan without it fits (the debug model)."""
+    args = LLAMA.flavors["70B"]
+    inputs = _inputs(args, batch=1)
+    kw = dict(tp_choices=[1], cp_choices=[1], ac_modes=("none",), max_local_batch=8)
+    best = P.recommend(inputs, P.parse_target("h100-64"), pp_choices=[1, 2, 4], **kw)
+    assert best[0].fits and best[0].pp == 4, [(c.pp, c.fits, c.total / 2**30) for c in best[:3]]
+    assert not any(c.fits for c in best if c.pp == 1)
+    small = P.recommend(_inputs(LLAMA.flavors["debugmodel"]), P.parse_target("h100-8"), pp_choices=[1, 2], **kw)
+    assert small[0].fits and small[0].pp == 1
+
+
+def test_search_never_proposes_what_the_rules_refuse():
+    """Every candidate the search returns passes `refusals` with its own pipeline; on a TPU target
+    (no pipeline there yet) it proposes none, and the default degrees say so by trying pp 1 only."""
+    args = LLAMA.flavors["70B"]
+    inputs = _inputs(args, batch=1)
+    kw = dict(tp_choices=[1], cp_choices=[1], ac_modes=("none",), max_local_batch=4)
+    for target in ("h100-64", "v6e-64"):
+        t = P.parse_target(target)
+        candidates = P.recommend(inputs, t, pp_choices=[1, 2, 4], **kw)
+        assert any(c.pp > 1 for c in candidates) == (t.device_type == "cuda")
+        for c in candidates:
+            spec = c.pipeline.spec if c.pipeline else PipelineSpec(1)
+            request = inputs._request(
+                tp=c.tp,
+                ac_mode=c.ac_mode,
+                target=t,
+                dp_replicate=c.dp_replicate,
+                pp=c.pp,
+                local_batch=c.local_batch_size,
+                pp_microbatches=spec.microbatches,
+            )
+            assert not refusals(request), (target, c.pp, c.tp, c.ac_mode, c.local_batch_size)
+            assert c.pp == 1 or t.device_type == "cuda"
+    from planner.search import _pipeline_degrees
+
+    assert _pipeline_degrees(inputs, P.parse_target("v6e-64"), 8) == [1]
+    assert _pipeline_degrees(inputs, P.parse_target("h100-64"), 8) == [1, 2, 4, 8]
+    assert _pipeline_degrees(P.PlanInputs(LLAMA, args, "70B", 256, 1), P.parse_target("h100-64"), 8) == [1]
+
+
+def test_pending_pipeline_recipe_is_priced_and_refused_with_the_rule():
+    """configs/pending/llama3_405b_v6e_2x256_pp.toml: the recipe check prices the pipeline (degree,
+    schedule, micro-batches, bubble, the heaviest stage) and refuses it with the pipeline rule's line."""
+    from tools.recipe_check import check_recipe
+
+    r = check_recipe(os.path.join(ROOT, "configs", "pending", "llama3_405b_v6e_2x256_pp.toml"), capture=False)
+    assert r.error and r.error.startswith("parallelism.pipeline_parallel_degree: 2"), r.error
+    assert r.pipeline.startswith("pp 2 1F1B, 8 micro-batches, bubble 11.1%, heaviest pp rank"), r.pipeline
+    assert "over DCN" in r.pipeline and r.planned_gib is not None
+    assert any(n.startswith("pipeline: pp 2, 1F1B") for n in r.notes)
