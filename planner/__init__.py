@@ -13,6 +13,9 @@
    activations, kept bf16 weights and the transient peak, and compares with HBM minus headroom.
 5. **Plans** (`planner.search`): `plan_estimate` for one explicit plan, `recommend` searches a
    target, `suggest_fixes` says what would make a plan fit.
+6. **Pipelines** (`planner.pipeline`): with pipeline_parallel_degree > 1 the heaviest pp rank's
+   memory (its stages' blocks, the embedding or head, its in-flight micro-batches), the bubble in
+   the step time and the point-to-point bytes over ICI or DCN.
 
 A model is used only through its family's contract (`models/contract.py`). Nothing here
 touches an accelerator; it runs in seconds on a laptop CPU.
