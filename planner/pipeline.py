@@ -336,8 +336,6 @@ def pipeline_estimate(
         link_bytes_per_s=bandwidth,
         grad_accum=grad_accum,
     )
-    est = dataclasses.replace(
-        per_rank[heaviest], local_batch_size=local_batch_size, n_layers=shape.n_layers, pp=spec.pp, pipeline=cost
-    )
+    est = dataclasses.replace(per_rank[heaviest], local_batch_size=local_batch_size, pp=spec.pp, pipeline=cost)
     est.notes.append(cost.describe())
     return est

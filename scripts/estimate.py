@@ -537,8 +537,9 @@ def _plan_recipe(ns: argparse.Namespace, inputs, target: planner.Target, cfg, **
     its estimate, the DCN cost of a multislice target, and fixes when it does not fit."""
     p = cfg.parallelism
     dp_replicate = p.data_parallel_replicate_degree
-    if target.num_slices > 1 and dp_replicate == 1 and not p.allow_dcn_sharding:
-        dp_replicate = target.num_slices  # HSDP across the slices: the recipe's layout inside each slice
+    slices_left = max(1, target.num_slices // p.pipeline_parallel_degree)  # pipeline stages take the slices first
+    if slices_left > 1 and dp_replicate == 1 and not p.allow_dcn_sharding:
+        dp_replicate = slices_left  # HSDP across the slices: the recipe's layout inside each slice
         print(f"note: {target.num_slices} slices: dp_replicate {dp_replicate} (one replica per slice)")
     est = planner.plan_estimate(
         inputs,
