@@ -18,8 +18,8 @@ per-op roofline of the XLA ops, loop bodies times their trip counts, each collec
 MaxText's mesh puts its group on the torus), with two MaxText-specific inputs: the model FLOPs are
 MaxText's own (`calculate_tflops_training_per_device`, what its TFLOP/s log line and the published
 MFU count: causal attention halved), and its attention kernels (Mosaic custom calls) are charged
-MaxText's attention FLOPs x 7/6 (the fused backward recomputes the scores: 7 matmuls per 6 counted)
-unless the kernel carries its own cost estimate. The predicted step time and MFU, both ways
+MaxText's attention FLOPs x 7/6 (the fused backward recomputes the scores: 7 matmuls per 6 counted),
+whatever estimate the kernel carries; the MoE runs' gmm kernels by their own cost estimate. The predicted step time and MFU, both ways
 (exposed = compute + collectives, overlapped = the larger), are set beside the published MFU.
 
 Output (under --out, default docs/results/maxtext_calibration_<date>_<commit>): .csv and .md, the
@@ -472,6 +472,9 @@ def calibration_row(
             loops_without_trip_count=bound.get("loops_without_trip_count", 0),
             kernel_calls_unestimated=bound.get("kernel_calls_unestimated", 0),
             host_transfer_gb=round(bound.get("host_transfer_gb", 0.0), 2),
+            attention_kernel_s=round(bound.get("attention_kernel_s", 0.0), 3),
+            gmm_s=round(bound.get("gmm_s", 0.0), 3),
+            gmm_flops_s=round(bound.get("gmm_flops_s", 0.0), 3),
         )
     if error:
         row["error"] = error
@@ -497,6 +500,9 @@ COLUMNS = [
     "compute_s",
     "xla_s",
     "kernel_s",
+    "attention_kernel_s",
+    "gmm_s",
+    "gmm_flops_s",
     "comm_s",
     "comm_by_axis",
     "step_exposed_s",
@@ -735,28 +741,43 @@ def project_run(run: Run, res: dict, *, anchors: dict) -> dict:
         xla_s=compute["xla_s"],
         kernel_s=compute["kernel_s"],
         kernel_calls_unestimated=compute["unestimated"],
+        attention_kernel_s=compute["attention_kernel_s"],
+        gmm_s=compute["gmm_s"],
+        gmm_flops_s=compute["gmm_flops_s"],
         host_transfer_gb=host_transfer_bytes(hlo) / 1e9,
     )
     return b
 
 
+def is_attention_kernel(op) -> bool:
+    """A splash attention kernel call (by its metadata's op_name)."""
+    return "splash" in op.source or "splash" in op.name
+
+
 def kernel_compute(ops: list, *, attention_flops: float, peak: float, hbm: float) -> dict:
-    """Compute seconds: the XLA ops' per-op roofline, the kernels with a cost estimate by it, and the
-    kernels without one (splash attention) at MaxText's attention FLOPs x ATTENTION_KERNEL_FACTOR or
-    their operand and result bytes, whichever is slower."""
+    """Compute seconds: the XLA ops' per-op roofline; the kernels with a cost estimate (the MoE
+    runs' ragged-dot gmm) by it; the attention kernels at MaxText's attention FLOPs x
+    ATTENTION_KERNEL_FACTOR or their operand and result bytes, whichever is slower, whether or not
+    they carry an estimate (tokamax splash's counts the masked-out half: 2.6x MaxText's causal FLOPs
+    on Qwen3-235B; the DeepSeek-V3 recipe sets its own, `cost_estimate_flops_fwd=5e12`). gmm_s /
+    gmm_flops_s: the estimated kernels by their estimate / at their FLOPs alone."""
     from tools import xla_projection as xp
 
     xla_s = xp.compute_time(ops, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
-    est = [o for o in ops if o.kind == "kernel"]
+    kernels = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
+    attn = [o for o in kernels if is_attention_kernel(o) or o.kind == "kernel-unestimated"]
+    est = [o for o in kernels if o not in attn]
     est_s = sum(o.times * max(o.flops / peak, o.bytes / hbm) for o in est)
-    bare = [o for o in ops if o.kind == "kernel-unestimated"]
-    bare_io = sum(o.times * o.io for o in bare)
-    bare_s = max(attention_flops * ATTENTION_KERNEL_FACTOR / peak, bare_io / hbm) if bare else 0.0
+    attn_io = sum(o.times * o.io for o in attn)
+    attn_s = max(attention_flops * ATTENTION_KERNEL_FACTOR / peak, attn_io / hbm) if attn else 0.0
     return {
         "xla_s": xla_s,
-        "kernel_s": est_s + bare_s,
-        "compute_s": xla_s + est_s + bare_s,
-        "unestimated": int(sum(o.times for o in bare)),
+        "kernel_s": est_s + attn_s,
+        "attention_kernel_s": attn_s,
+        "gmm_s": est_s,
+        "gmm_flops_s": sum(o.times * o.flops for o in est) / peak,
+        "compute_s": xla_s + est_s + attn_s,
+        "unestimated": int(sum(o.times for o in kernels if o.kind == "kernel-unestimated")),
     }
 
 

@@ -78,17 +78,21 @@ def test_memory_and_published_step():
     assert v6e["published_step_s"] == pytest.approx(4.5466, abs=1e-3)  # the recipe README's 4.546 s
 
 
-def test_kernel_charge_attention_without_estimate():
+def test_kernel_charge_attention_by_the_model():
     peak, hbm = 1e15, 1e12
     ops = [
         Op("dot", "fusion", 2e12, 1e9, 10.0),  # 2 ms each (FLOPs bound), 10 times
         Op("gmm", "kernel", 1e12, 4e9, 2.0, kind="kernel", io=1e9),  # 4 ms each (bytes bound)
-        Op("splash", "kernel", 0.0, 1e8, 4.0, kind="kernel-unestimated", io=1e8),
+        Op("splash_mha_fwd.1", "kernel", 0.0, 1e8, 4.0, kind="kernel-unestimated", io=1e8),
+        # a splash call with an estimate (the DeepSeek recipe sets one): the model's charge all the same
+        Op("splash_mha_dkv.2", "kernel", 5e12, 0.0, 2.0, kind="kernel", io=1e8),
     ]
     c = mc.kernel_compute(ops, attention_flops=6e12, peak=peak, hbm=hbm)
     assert c["xla_s"] == pytest.approx(0.02)
-    # gmm by its estimate (8 ms); splash at MaxText's attention FLOPs x 7/6 (7 ms), above its bytes (0.4 ms)
-    assert c["kernel_s"] == pytest.approx(0.008 + 0.007)
+    # gmm by its estimate (8 ms; 2 ms at its FLOPs); splash at MaxText's attention FLOPs x 7/6 (7 ms),
+    # above the calls' bytes (0.6 ms)
+    assert c["gmm_s"] == pytest.approx(0.008) and c["gmm_flops_s"] == pytest.approx(0.002)
+    assert c["attention_kernel_s"] == pytest.approx(0.007) and c["kernel_s"] == pytest.approx(0.015)
     assert c["compute_s"] == pytest.approx(0.035) and c["unestimated"] == 4
 
 
