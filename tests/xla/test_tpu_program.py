@@ -117,8 +117,9 @@ TPU_RECIPES = sorted(
 # compile and fit the HBM, but the planner's total is off by more than the band. Strict: the
 # test turns red when the planner (or the FLUX attention lowering) is fixed, and the mark goes.
 PLANNER_OFF = {
-    "flux_dev_v7x.toml": "libtpu aborted (signal 6) in the compile of FLUX.1-dev's SDPA-math program on v7x-256, "
-    "on a loaded 24 GiB host (not investigated)",
+    "flux_dev_v7x.toml": "libtpu aborts (signal 6) in the backend stage of FLUX.1-dev's compile on v7x-256, with "
+    "SDPA-math attention (2026-12-04) and with the full-mask splash kernel (2026-12-06); not host memory "
+    "(worker peak RSS 2.5 GB, 16 GB free); docs/recipe_check.md",
 }
 FLAKY = {"flux_dev_v7x.toml"}  # an abort with no message: not strict
 
