@@ -68,6 +68,18 @@ class Scheduled:
 
 SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
+        "tests/xla/test_maxtext_compile.py::test_maxtext_8b_program_is_bounded_above_its_published_mfu",
+        (
+            "tests/unit/test_maxtext_calibration.py::test_tuple_element_shorthand_in_the_hlo",
+            "tests/unit/test_maxtext_calibration.py::test_hlo_mesh_reads_the_one_declaration",
+            "tests/unit/test_maxtext_calibration.py::test_kernel_charge_attention_by_the_model",
+            "tests/unit/test_maxtext_calibration.py::test_row_and_markdown",
+        ),
+        "MaxText's own 8B train step compiled deviceless in its own venv (the registry, minutes of compile): "
+        "the default tier reads MaxText's HLO forms (the %t#k tuple shorthand, its mesh declaration), "
+        "charges its kernels and builds the table from hand-written inputs",
+    ),
+    Scheduled(
         "tests/e2e/test_device_order_e2e.py::test_every_mesh_is_the_same_run_in_every_order*",
         (
             "tests/e2e/test_device_order_e2e.py::test_a_run_in_torch_tpus_order_is_the_identity_run",
