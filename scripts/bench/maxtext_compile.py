@@ -3,8 +3,9 @@
 calibration of tools/xla_projection.py against MaxText's published TPU runs (docs/maxtext_calibration.md).
 
     scripts/xla_env.sh maxtext                     # once: maxtext[tpu] 0.2.5, jax 0.11.1, libtpu 0.0.46
-    python scripts/bench/maxtext_compile.py --runs llama3.1-8b_v6e-256 --keep outputs/maxtext_compile
-    python scripts/bench/maxtext_compile.py --table-only --keep outputs/maxtext_compile   # re-read, no compile
+    nice python scripts/bench/maxtext_compile.py --until hlo      # all five runs, stopped at the optimized HLO
+    nice python scripts/bench/maxtext_compile.py --runs llama3.1-8b_v6e-256   # one run, the whole compile
+    python scripts/bench/maxtext_compile.py --table-only           # re-read the kept compiles (--keep)
 
 Per run (`RUNS`: each published MaxText run at its published settings: per-device batch, remat
 policy and offloads, splash blocks, XLA flags, from AI-Hypercomputer/tpu-recipes), a worker in the
@@ -19,8 +20,9 @@ MaxText's mesh puts its group on the torus), with two MaxText-specific inputs: t
 MaxText's own (`calculate_tflops_training_per_device`, what its TFLOP/s log line and the published
 MFU count: causal attention halved), and its attention kernels (Mosaic custom calls) are charged
 MaxText's attention FLOPs x 7/6 (the fused backward recomputes the scores: 7 matmuls per 6 counted),
-whatever estimate the kernel carries; the MoE runs' gmm kernels by their own cost estimate. The predicted step time and MFU, both ways
-(exposed = compute + collectives, overlapped = the larger), are set beside the published MFU.
+whatever estimate the kernel carries; the MoE runs' gmm kernels by their own cost estimate. The
+predicted step time and MFU, both ways (exposed = compute + collectives, overlapped = the larger),
+are set beside the published MFU, as printed and re-expressed at the compiled MaxText's FLOPs.
 
 Output (under --out, default docs/results/maxtext_calibration_<date>_<commit>): .csv and .md, the
 table with versions, the CPU and each compile's wall time. Exit 0; 1 when a run failed to compile
