@@ -504,7 +504,7 @@ class Job:
         if self.runtime.device.type == "meta":
             passes_as, plan = plan.backend, _capture_only(plan)
         balance = ExpertBalance(self.model, rate=t.expert_bias_rate) or None
-        if plan.pipeline is not None:  # pp > 1: the schedule runs the accumulation micro-batches
+        if plan.pipeline is not None and plan.mode != "graph":  # pp > 1: the schedule runs the micro-batches
             from trainer.step.pipeline import PipelineStep
 
             return PipelineStep(
@@ -535,6 +535,18 @@ class Job:
             )
         from trainer.graph import build_graph_step
 
+        pp = pp_mesh(self.data.mesh) if plan.pipeline is not None else None
+        if pp is not None:  # graph mode: the pipeline inside the captured step (trainer/graph/pipeline.py)
+            from trainer.graph.pipeline import PipelinedLoss
+
+            loss_fn = PipelinedLoss(
+                pp_rank=pp.get_local_rank(),
+                pp=plan.pipeline.pp,
+                group_name=pp.get_group().group_name,
+                microbatches=plan.pipeline.microbatches,
+                dim=self.plan.args.shape().dim,
+                dtype=self.runtime.compute.dtype,
+            )
         return build_graph_step(
             model=self.model,
             optimizer=self.optimizer,
@@ -553,6 +565,7 @@ class Job:
             passes_as=passes_as,
             balance=balance,
             replicate_dtype=torch_dtype(t.replicate_reduce_dtype),
+            pp_mesh=pp,
         )
 
 

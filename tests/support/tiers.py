@@ -1631,6 +1631,22 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "builder through the trainer, and the placement arithmetic of every schedule",
     ),
     Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_*eager_pp",
+        ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
+        "graph-mode PP 2 over 4 chunks against eager PP's GPipe on the same ranks: the default tier runs the "
+        "same captured pipeline (2 chunks) against one process, which eager GPipe equals (the scheduled "
+        "test_pipeline_parallel.py rows)",
+    ),
+    Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_fsdp2_accumulation_equals_one_process",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_parallel_compile.py::test_whole_step_is_one_graph_with_fsdp_collectives",
+        ),
+        "graph-mode PP 2 x FSDP 2 with accumulation on 4 processes (a minute): the default tier runs the "
+        "captured pipeline on PP 2 and SimpleFSDP's collectives in the graph step",
+    ),
+    Scheduled(
         "tests/e2e/test_pipeline_train.py::test_pp2_from_scratch_is_the_one_process_run_and_resumes_at_pp1",
         ("tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",),
         "PP 2 x FSDP 2 from scratch (the replayed whole-model init) and a PP checkpoint resumed on one process: "

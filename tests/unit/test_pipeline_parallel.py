@@ -108,7 +108,8 @@ def _request(**kw) -> StepRequest:
 
 REFUSALS = [
     (dict(pp_schedule="Bogus"), "parallelism.pipeline_schedule", "allowed: GPipe, 1F1B"),
-    (dict(mode="graph"), "parallelism.pipeline_parallel_degree", "compile.mode graph"),
+    (dict(mode="graph"), "parallelism.pipeline_schedule", "compile.mode graph"),
+    (dict(mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
     (dict(cp_degree=2), "parallelism.pipeline_parallel_degree", "context_parallel_degree 2"),
     (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),

@@ -419,13 +419,16 @@ def _pad_dim(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
-def clip_grads_(grads: list[torch.Tensor], max_norm: float, reduce_axes: list[tuple]) -> torch.Tensor:
+def clip_grads_(
+    grads: list[torch.Tensor], max_norm: float, reduce_axes: list[tuple], total_axes: tuple = ()
+) -> torch.Tensor:
     """Scale `grads` in place to a global L2 norm of at most `max_norm`; return the norm.
 
     `grads` are plain tensors (a DTensor gradient's local shard); `reduce_axes[i]` lists the
     `(mesh, mesh_dim)` pairs over which gradient i's shards are summed (empty when the whole
-    gradient is on this rank). `max_norm <= 0` only measures. Same formula as
-    `torch.nn.utils.clip_grad_norm_`: coef = min(1, max_norm / (norm + 1e-6)).
+    gradient is on this rank); `total_axes` those over which the whole squared norm is summed
+    (pipeline parallelism: the pp axis, each rank holding other parameters). `max_norm <= 0` only
+    measures. Same formula as `torch.nn.utils.clip_grad_norm_`: coef = min(1, max_norm / (norm + 1e-6)).
     """
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g, axes in zip(grads, reduce_axes):
@@ -437,7 +440,10 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, reduce_axes: list[tu
         for mesh, dim in axes:
             value = funcol.all_reduce(value, "sum", (mesh, dim))
         totals.append(value)
-    total = torch.stack(totals).sum().sqrt()
+    total = torch.stack(totals).sum()
+    for mesh, dim in total_axes:
+        total = funcol.all_reduce(total, "sum", (mesh, dim))
+    total = total.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:

@@ -59,8 +59,12 @@ class GraphStep:
         passes_as: str | None = None,
         balance=None,
         replicate_dtype: torch.dtype = torch.float32,
+        pp_mesh=None,
     ):
         self.model = model
+        # Pipeline parallelism (trainer/graph/pipeline.py): the loss_fn runs the pipeline, and the
+        # gradient norm sums over the pp axis (each pp rank holds other parameters).
+        self._total_axes = ((pp_mesh, 0),) if pp_mesh is not None else ()
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
         self.aux_loss_coef = float(aux_loss_coef)
@@ -161,6 +165,11 @@ class GraphStep:
         stats = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
         return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))
 
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Pipeline parallelism: the loss of one held-out micro-batch through the pipeline's
+        forward (eager, outside the graph), the same on every pp rank (validation)."""
+        return self._loss_fn.eval_loss(self.model, inputs, labels)
+
     # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
     # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.
     def _step(self, inputs: list[torch.Tensor], lr: torch.Tensor):
@@ -198,7 +207,9 @@ class GraphStep:
             if any(m is not None for m in meshes):  # replicate_reduce = "step"; None: returned as given
                 means = reduce_grads([g for _, g in used], meshes, dtype=self.replicate_dtype)
                 used = [(s, g) for (s, _), g in zip(used, means)]
-            grad_norm = clip_grads_([g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used])
+            grad_norm = clip_grads_(
+                [g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used], self._total_axes
+            )
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
                 if slot.momentum is not None:  # a Muon matrix (trainer/optim/muon.py)
@@ -292,6 +303,7 @@ def build_graph_step(
     passes_as: str | None = None,
     balance=None,
     replicate_dtype: torch.dtype = torch.float32,
+    pp_mesh=None,
 ) -> GraphStep:
     """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
 
@@ -326,6 +338,8 @@ def build_graph_step(
     - `replicate_dtype`: the wire dtype of the once-per-step mean over dp_replicate of gradients
       SimpleFSDP left unreduced there (`training.replicate_reduce = "step"`,
       parallelisms/replicate_reduce.py `reduce_grads`: graph ops the compiler schedules).
+    - `pp_mesh`: pipeline parallelism: the 1-D pp mesh (the gradient norm is summed over it);
+      `loss_fn` is then the rank's `trainer.graph.pipeline.PipelinedLoss`.
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
@@ -371,6 +385,7 @@ def build_graph_step(
         passes_as=passes_as,
         balance=balance,
         replicate_dtype=replicate_dtype,
+        pp_mesh=pp_mesh,
     )
 
 

@@ -711,11 +711,27 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 on a TPU, outside eager mode, or with layer scan",
-        lambda r: r.pp_degree > 1 and (r.device_type == "tpu" or r.mode != "eager" or r.scan_layers),
-        "{r.pp_degree} runs eager stages on cpu/cuda through torch.distributed.pipelining (here device "
-        "{r.device_type}, compile.mode {r.mode}, scan_layers {r.scan_layers}; graph mode, layer scan and the "
-        'TPU backend have no pipeline yet); allowed: 1, or compile.mode = "eager" on cpu/cuda',
+        "PP > 1 on a TPU, in compile mode, or with layer scan",
+        lambda r: r.pp_degree > 1 and (r.device_type == "tpu" or r.mode == "compile" or r.scan_layers),
+        "{r.pp_degree} runs eager stages through torch.distributed.pipelining or, in graph mode, the "
+        "pipeline inside the captured step, on cpu/cuda (here device {r.device_type}, compile.mode {r.mode}, "
+        "scan_layers {r.scan_layers}; compile mode, layer scan and the TPU backend have no pipeline yet); "
+        'allowed: 1, or compile.mode = "eager" | "graph" on cpu/cuda without scan_layers',
+    ),
+    # Graph mode: the pipeline is one program per step (trainer/graph/pipeline.py), GPipe's order.
+    Rule(
+        "parallelism.pipeline_schedule",
+        "graph mode with a schedule other than GPipe",
+        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.pp_schedule != "GPipe",
+        "{r.pp_schedule!r} with compile.mode graph, whose one program per step runs GPipe's order (every "
+        'forward iteration, then the backward through the permutes); allowed: "GPipe", or compile.mode = "eager"',
+    ),
+    Rule(
+        "parallelism.pipeline_parallel_degree",
+        "graph mode with PP and tensor parallelism",
+        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.tp_degree > 1,
+        "{r.pp_degree} in graph mode runs with data parallelism (SimpleFSDP) only for now; here "
+        'tensor_parallel_degree {r.tp_degree}; allowed: 1, or tensor_parallel_degree = 1, or compile.mode = "eager"',
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
