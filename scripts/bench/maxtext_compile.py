@@ -817,6 +817,7 @@ def parse(argv: list[str]):
     )
     ns = p.parse_args(argv)
     ns.runs = [r for r in ns.runs.split(",") if r]
+    ns.keep = ns.keep.resolve()  # the worker runs in the run's folder: its paths must not be relative
     bad = [r for r in ns.runs if r not in RUNS]
     if bad:
         p.error(f"--runs: unknown {', '.join(bad)}; allowed: {', '.join(RUNS)}")
