@@ -612,6 +612,23 @@ def kernel_model(gm, generation: str | None) -> dict:
     return out
 
 
+def permute_shift(output_split_sizes, input_split_sizes, size: int) -> int | None:
+    """The shift of an all-to-all that is a permute, or None: rank 0's program sends all of its
+    input to one rank d and receives as much from rank -d (mod size), as
+    trainer/graph/pipeline.py `StagePermute` does (every rank r sends to r + d); the SPMD
+    program is then the collective permute i -> i + d."""
+    if not output_split_sizes or not input_split_sizes or size < 2:
+        return None
+    sent = [i for i, v in enumerate(input_split_sizes) if v]
+    got = [i for i, v in enumerate(output_split_sizes) if v]
+    if len(sent) != 1 or len(got) != 1 or len(input_split_sizes) != size:
+        return None
+    d = sent[0]
+    if d == 0 or got[0] != (-d) % size or input_split_sizes[d] != output_split_sizes[got[0]]:
+        return None
+    return d
+
+
 def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], generation: str) -> None:
     """torchax rules: collectives over their groups' mesh axes, kernels per device (no shard_map:
     the whole program already runs inside one)."""
@@ -653,6 +670,11 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
         return call(fn, x)
 
     def all_to_all(x, output_split_sizes, input_split_sizes, group_name):
+        shift = permute_shift(output_split_sizes, input_split_sizes, size(group_name))
+        if shift is not None:  # a permute (graph-mode pipeline parallelism): one collective permute
+            n = size(group_name)
+            perm = [(i, (i + shift) % n) for i in range(n)]
+            return call(lambda a: jax.lax.ppermute(a, axes(group_name), perm), x)
         for splits in (output_split_sizes, input_split_sizes):
             assert splits is None or len(set(splits)) <= 1, f"unequal all-to-all splits {splits} in a traced program"
         return call(lambda a: jax.lax.all_to_all(a, axes(group_name), 0, 0, tiled=True), x)

@@ -191,3 +191,17 @@ def test_graph_pp_rules():
         with pytest.raises(ConfigError) as e:
             plan_step(StepRequest(**{**base, **kw}))
         assert str(e.value).startswith(f"{key}: ") and fragment in str(e.value), str(e.value)
+
+
+def test_permute_shift_reads_rank_zero_s_splits():
+    """tools/tpu_compile.py lowers an all-to-all with one nonzero split each way (rank 0 sends to d,
+    receives from -d) to the collective permute i -> i + d; any other all-to-all keeps its rule."""
+    from tools.tpu_compile import permute_shift
+
+    assert permute_shift([0, 8], [0, 8], 2) == 1  # pp 2: forward and backward alike
+    assert permute_shift([0, 0, 0, 8], [0, 8, 0, 0], 4) == 1  # forward: 0 -> 1, 3 -> 0
+    assert permute_shift([0, 8, 0, 0], [0, 0, 0, 8], 4) == 3  # backward: 0 -> 3
+    assert permute_shift([4, 4], [4, 4], 2) is None  # an equal-split all-to-all
+    assert permute_shift(None, None, 2) is None
+    assert permute_shift([8, 0], [8, 0], 2) is None  # to itself
+    assert permute_shift([0, 8, 0, 0], [0, 8, 0, 0], 4) is None  # not a uniform shift
