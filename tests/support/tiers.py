@@ -1638,6 +1638,12 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "test_pipeline_parallel.py rows)",
     ),
     Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_scan_over_iterations_equals_one_process",
+        ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
+        "graph-mode PP 2 with the pipeline's iterations as one scan (36 s): the default tier runs the same "
+        "PipelinedLoss, stage permute and pp reductions unrolled",
+    ),
+    Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_fsdp2_accumulation_equals_one_process",
         (
             "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",

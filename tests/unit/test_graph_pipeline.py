@@ -23,7 +23,8 @@ from trainer.step import StepRequest, plan_step
 
 
 def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
-    """On each rank, per mode ("graph": the captured pipeline; "eager": eager PP's GPipe): the losses
+    """On each rank, per mode ("graph": the captured pipeline, unrolled; "graph_scan": its iterations as
+    one scan; "eager": eager PP's GPipe): the losses
     (the loop's global mean) and gradient norms, this rank's final weights (full), the graph's
     collectives."""
     import torch.distributed as dist
@@ -42,9 +43,10 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
         dims = ParallelDims(pp=2, dp_shard=dp_shard, world_size=dist.get_world_size())
         mesh = build_mesh(dims, "cpu")
         local = BATCH // dp_shard // accum
+        graph = mode.startswith("graph")
         request = StepRequest(
-            mode=mode,
-            backend="aot_eager" if mode == "graph" else "auto",
+            mode="graph" if graph else "eager",
+            backend="aot_eager" if graph else "auto",
             pp_degree=2,
             pp_schedule="GPipe",
             pp_microbatches=microbatches,
@@ -67,7 +69,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
         )
         opt = build_optimizer_for(model, name="adamw", lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
         pp = pp_mesh(mesh)
-        if mode == "graph":
+        if graph:
             loss_fn = PipelinedLoss(
                 pp_rank=pp.get_local_rank(),
                 pp=2,
@@ -75,6 +77,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 microbatches=plan.pipeline.microbatches,
                 dim=args.dim,
                 dtype=torch.float32,
+                scan=mode == "graph_scan",
             )
             step = build_graph_step(
                 model=model,
@@ -103,7 +106,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
             rows = slice(dp_rank * BATCH // dp_shard, (dp_rank + 1) * BATCH // dp_shard)
             mine = (inputs[rows], labels[rows])
             micro = [(mine[0][i * local : (i + 1) * local], mine[1][i * local : (i + 1) * local]) for i in range(accum)]
-            o = step(micro, LR) if mode == "graph" else step(micro)
+            o = step(micro, LR) if graph else step(micro)
             loss = o.loss.detach().clone()
             dist.all_reduce(loss)  # the loop's global mean
             losses.append((loss.item() / dist.get_world_size(), o.grad_norm.item()))
@@ -112,9 +115,13 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
             k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in model.state_dict().items()
         }
-        colls = dict(step.stats.collectives) if mode == "graph" else None
+        colls = dict(step.stats.collectives) if graph else None
         out[mode] = (losses, state, None if val is None else val.item(), colls)
     return out
+
+
+def graph_mode(mode: str) -> bool:
+    return mode.startswith("graph")
 
 
 def _graph_parity(nproc: int, *, dp_shard: int = 1, accum: int = 1, microbatches: int = 4, modes=("graph",)):
@@ -135,7 +142,7 @@ def _graph_parity(nproc: int, *, dp_shard: int = 1, accum: int = 1, microbatches
             for k, v in state.items():
                 w_weight = max(w_weight, (v - ref_state[k]).abs().max().item())
                 covered.add(k)
-            if mode == "graph" and "eager" in modes:
+            if graph_mode(mode) and "eager" in modes:
                 for (loss, norm), (e_loss, e_norm) in zip(losses, rank_out["eager"][0]):
                     w_eager = max(w_eager, abs(loss - e_loss) / e_loss, abs(norm - e_norm) / e_norm)
         assert covered == set(ref_state), mode
@@ -167,6 +174,16 @@ def test_graph_pp2_equals_eager_pp():
     GPipe on the same ranks: losses and gradient norms within 2e-6 of each other, both within the
     bounds of one process."""
     _graph_parity(2, modes=("graph", "eager"))
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_scan_over_iterations_equals_one_process():
+    """PP 2 in graph mode with the pipeline's 5 iterations (4 chunks) as one scan: == one process;
+    the graph holds one permute forward and one backward (the scan bodies), whatever m."""
+    results, _ = _graph_parity(2, modes=("graph_scan",))
+    for r in results:
+        colls = r["graph_scan"][3]
+        assert colls.get("all_to_all_single") == 2, colls
 
 
 @pytest.mark.multiprocess

@@ -19,6 +19,9 @@ feeds the next iteration on every rank and the backward permutes form one chain,
 T - 2 down to 0, on every rank (a permute whose output no rank used would skip its backward on one
 rank and not on its peer). The bubble's gradients are exact zeros.
 
+`PipelinedLoss(scan=True)` runs the iterations as one scan instead (`_scanned`: one body for every
+rank and iteration, the bubble masked; without SimpleFSDP for now).
+
 The step's loss is the last stage's mean over the chunks, summed over the pp axis (the other
 ranks add 0), so every rank returns the step's mean; the gradient norm is summed over the pp axis
 in `clip_grads_` (`GraphStep(pp_mesh=...)`). docs/pipeline_parallel.md, "Graph mode: one program".
@@ -84,11 +87,23 @@ class PipelinedLoss:
       param_dtype), for the state a rank holds before its first chunk arrives.
     """
 
-    def __init__(self, *, pp_rank: int, pp: int, group_name: str, microbatches: int, dim: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        *,
+        pp_rank: int,
+        pp: int,
+        group_name: str,
+        microbatches: int,
+        dim: int,
+        dtype: torch.dtype,
+        scan: bool = False,
+    ):
         assert 0 <= pp_rank < pp and pp > 1, (pp_rank, pp)
         self.pp_rank, self.pp, self.m = pp_rank, pp, microbatches
         self.group = (group_name, pp, pp_rank)
         self.dim, self.dtype = dim, dtype
+        self.scan = scan
+        """Run the iterations as one `scan` (`_scanned`) instead of unrolled."""
 
     @property
     def iterations(self) -> int:
@@ -96,6 +111,13 @@ class PipelinedLoss:
         return self.m + self.pp - 1
 
     def __call__(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        local = self._scanned(model, inputs, labels) if self.scan else self._unrolled(model, inputs, labels)
+        # the value every rank reports: the last stage's mean, summed over the pp axis
+        value = _c10d.wait_tensor(_c10d.all_reduce(local.detach().float(), "sum", self.group[0]))
+        return local + (value - local.detach())
+
+    def _unrolled(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The iterations as a Python loop (one copy of the stage per active iteration in the graph)."""
         s, p, m = self.pp_rank, self.pp, self.m
         first, last = s == 0, s == p - 1
         rows = inputs.shape[0]
@@ -124,10 +146,47 @@ class PipelinedLoss:
             if t < iterations - 1:
                 h = stage_permute(x, self.group)
         # the other ranks' loss is 0 x their last state: the root of the backward permute chain
-        local = loss / m if last else (0 * h).sum()
-        # the value every rank reports: the last stage's mean, summed over the pp axis
-        value = _c10d.wait_tensor(_c10d.all_reduce(local.detach().float(), "sum", self.group[0]))
-        return local + (value - local.detach())
+        return loss / m if last else (0 * h).sum()
+
+    def _scanned(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The iterations as one `torch.ops.higher_order.scan` whose body is the same on every rank
+        and every iteration: the stage's blocks on what it holds (kept where the stage is active,
+        `where(0 <= t - s < m)`; the bubble computes and discards), then the permute. Stage 0's
+        injection is data (`where(t < m, embedding of chunk t, h)`; the embedding of every chunk runs
+        before the scan), the last stage's head and loss run after it on the outputs of iterations
+        p - 1 .. T - 1 (chunk 0 .. m - 1, in row order). The graph holds one copy of the stage, of
+        the permute and of its backward, whatever m and p."""
+        from torch._higher_order_ops.scan import scan
+
+        from models.common.rope import rope_rows
+
+        s, p, m = self.pp_rank, self.pp, self.m
+        first, last = s == 0, s == p - 1
+        rows, seq = inputs.shape[0], inputs.shape[1]
+        assert rows % m == 0, f"{m} pipeline micro-batches do not divide {rows} rows"
+        chunk, iterations, device = rows // m, self.iterations, inputs.device
+        cos, sin = rope_rows(model.rope_cos, model.rope_sin, seq, None)
+        shape = (chunk, seq, self.dim)
+        h0 = torch.zeros(shape, dtype=self.dtype, device=device) + 0 * _anchor(model).to(self.dtype)
+        if first:
+            embedded = model.tok_embeddings(inputs).view(m, *shape)
+            feed = torch.cat([embedded, embedded.new_zeros(p - 1, *shape)])
+        else:
+            feed = torch.zeros(iterations, *shape, dtype=self.dtype, device=device)
+        active = torch.tensor([0 <= t - s < m for t in range(iterations)], device=device)
+        inject = torch.tensor([first and t < m for t in range(iterations)], device=device)
+        blocks, group = model.layers, self.group
+
+        def body(h, x):
+            fed, on, injected = x
+            h = torch.where(injected, fed, h)
+            out = torch.where(on, blocks(h, cos, sin), h)
+            return stage_permute(out, group), out
+
+        _, outs = scan(body, h0, (feed, active, inject))
+        if last:
+            return lm_loss(model.output(model.norm(outs[p - 1 :].flatten(0, 1))), labels)
+        return (0 * outs).sum()
 
     def eval_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch through the pipeline's forward only (validation), the same on
