@@ -34,7 +34,6 @@ from planner.targets import Target
 if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.quantize import QuantizePlan
-    from planner.pipeline import PipelineCost
 
 RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
 """Hardware FLOPs / model FLOPs: full AC repeats the forward (2 of the 6 FLOPs per param per
@@ -104,7 +103,7 @@ class Estimate:
     scaled by it (the tokens that hide a gather grow with its bytes)."""
     pp: int = 1
     """Pipeline-parallel degree: the memory is the heaviest pp rank's (`pipeline.rank`)."""
-    pipeline: PipelineCost | None = None
+    pipeline: PipelineCost | None = None  # noqa: F821  (planner/pipeline.py imports this module: no import back)
     """With pp > 1: the stages, the bubble and the p2p traffic (planner/pipeline.py)."""
     notes: list[str] = field(default_factory=list)
 

@@ -253,6 +253,7 @@ def _capture_ep_moe_step(dispatch: str):
 
         class _Experts(nn.Module):  # rank 0's 4 experts, weights set per call; EP forward
             recipe = "none"  # GroupedExperts' [quantize] recipe: not quantized
+            act = GroupedExperts.act  # the experts' SwiGLU (DeepSeek-V4 overrides it)
 
             def forward(self, x, counts):
                 fn = ep_module.select_dispatch(x) if dispatch == "select" else ep_module.dispatch_combine

@@ -171,7 +171,8 @@ def test_args_validation_and_family_errors():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         Qwen3Args(num_experts=4, num_experts_per_tok=5)
     with pytest.raises(
-        ValueError, match="allowed: llama3, qwen3, qwen3_5, deepseek_v3, deepseek_v4, gpt_oss, flux, hf, or package.module:NAME"
+        ValueError,
+        match="allowed: llama3, qwen3, qwen3_5, deepseek_v3, deepseek_v4, gpt_oss, flux, hf, or package.module:NAME",
     ):
         models.get_model_family("gpt2")
     with pytest.raises(ValueError, match="model.name: cannot load 'tests.nowhere:X'"):
