@@ -66,6 +66,28 @@ def read_metrics(folder) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f)}
 
 
+QUIET_RUN = {
+    "training.mixed_precision_param": "float32",
+    "lr_scheduler.warmup_steps": "2",
+    "metrics.log_freq": "1",
+    "metrics.enable_tensorboard": "false",
+    "validation.enable": "false",
+    "checkpoint.enable": "false",
+}
+"""The overrides of a short in-process run that logs every step and writes nothing else."""
+
+
+def train_in_process(recipe: str, folder, overrides: dict) -> dict[int, dict]:
+    """`trainer.train.main` on `recipe` with QUIET_RUN, `overrides` and `job.dump_folder = folder`;
+    its metrics by step. `main`, not `train`: it releases the run lock and the process group, which
+    a later test's planner (its own fake group) needs gone."""
+    from trainer.train import main
+
+    settings = {**QUIET_RUN, **overrides, "job.dump_folder": str(folder)}
+    assert main(["--config", recipe, *(f"--{k}={v}" for k, v in settings.items())]) == 0
+    return read_metrics(folder)
+
+
 def train(folder, nproc: int, degrees: dict, *args: str) -> dict[int, dict]:
     """Train on `nproc` processes with these parallel degrees and a global batch of GLOBAL_BATCH sequences."""
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)

@@ -6,7 +6,6 @@ shared embedding through the MTP path, the HF layout of V3's MTP layer both ways
 checks and rules, the counts, and a short debug run that logs each depth's loss.
 """
 
-import json
 import math
 from dataclasses import replace
 
@@ -207,7 +206,7 @@ def test_counts_include_the_mtp_modules():
 def test_debug_run_logs_each_depth_and_learns(tmp_path):
     """(c) The debug recipe with mtp_depth = 1 trains in process: the loss and the MTP loss fall and
     metrics.jsonl holds `mtp_loss_1` (the logged `loss` is the main loss)."""
-    from trainer.train import main
+    from tests.support.trainer_runs import train_in_process
 
     overrides = {
         "model.mtp_depth": "1",
@@ -216,19 +215,8 @@ def test_debug_run_logs_each_depth_and_learns(tmp_path):
         "training.seq_len": "64",
         "training.local_batch_size": "4",
         "training.steps": "8",
-        "training.mixed_precision_param": "float32",
-        "lr_scheduler.warmup_steps": "2",
-        "metrics.log_freq": "1",
-        "metrics.enable_tensorboard": "false",
-        "validation.enable": "false",
-        "checkpoint.enable": "false",
-        "job.dump_folder": str(tmp_path),
     }
-    # main, not train: it releases the run lock and the process group, which a later test's planner
-    # (its own fake group) needs gone
-    argv = ["--config", "configs/deepseek_v3_debug.toml", *(f"--{k}={v}" for k, v in overrides.items())]
-    assert main(argv) == 0
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = list(train_in_process("configs/deepseek_v3_debug.toml", tmp_path, overrides).values())
     assert [r["step"] for r in records] == list(range(1, 9))
     assert all("mtp_loss_1" in r and "mtp_loss_2" not in r for r in records)
     first, last = records[0], records[-1]

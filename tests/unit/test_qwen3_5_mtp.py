@@ -9,7 +9,6 @@ logs and learns the MTP loss.
 """
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -94,7 +93,7 @@ def test_flops_count_the_mtp_block_and_head():
 def test_debug_run_logs_the_mtp_loss_and_learns(tmp_path):
     """The Qwen 3.5 debug recipe with mtp_depth = 1 trains in process: `mtp_loss_1` is logged
     beside the main loss, and both fall."""
-    from trainer.train import main
+    from tests.support.trainer_runs import train_in_process
 
     overrides = {
         "model.mtp_depth": "1",
@@ -102,17 +101,8 @@ def test_debug_run_logs_the_mtp_loss_and_learns(tmp_path):
         "training.seq_len": "64",
         "training.local_batch_size": "4",
         "training.steps": "8",
-        "training.mixed_precision_param": "float32",
-        "lr_scheduler.warmup_steps": "2",
-        "metrics.log_freq": "1",
-        "metrics.enable_tensorboard": "false",
-        "validation.enable": "false",
-        "checkpoint.enable": "false",
-        "job.dump_folder": str(tmp_path),
     }
-    argv = ["--config", "configs/qwen3_5_debug.toml", *(f"--{k}={v}" for k, v in overrides.items())]
-    assert main(argv) == 0
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = list(train_in_process("configs/qwen3_5_debug.toml", tmp_path, overrides).values())
     assert [r["step"] for r in records] == list(range(1, 9))
     assert all("mtp_loss_1" in r and "mtp_loss_2" not in r for r in records)
     first, last = records[0], records[-1]
