@@ -156,6 +156,7 @@ TRAINER_LAYERS = (  # bottom to top; the rooms of one layer do not import each o
     ("flux_data",),  # the FLUX data set: build and loader (reads data's tokenizer)
     ("graph", "tasks"),  # the captured step; the tasks (lm, flow) with their data and loss
     ("config",),  # the recipe: names the choices its rooms own (they never read a Config back)
+    ("job_plan",),  # build_job's step 2: the run decided and checked (plan_job, step_request, batch_split)
     ("callbacks", "job"),  # build_job and its named phases
     ("engine", "flux_run", "launch", "train", "trainer"),  # the entry points, and the face (trainer/__init__)
 )

@@ -45,7 +45,7 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     ),
     BuildCheck(
         "training.global_batch_size",
-        "trainer.job:batch_split",
+        "trainer.job_plan:batch_split",
         "a global batch the data-parallel degree (the world's) does not divide, or that no accumulation count "
         "splits into micro-batches of at most local_batch_size",
     ),
