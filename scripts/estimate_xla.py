@@ -49,11 +49,17 @@ call as 0 FLOPs); FLOPs of scanned programs (XLA counts a `while` body once); th
 lowering). Trustworthy: the argument and output bytes, and that the program compiles for the chip.
 The temporaries are the compiler's for this program (deviceless clients report 0 for some
 single-device programs; never seen for these SPMD ones).
-Exit status: 0 compiled, 1 the compile failed, 2 bad input.
+`--json`: one JSON line, the last on stdout, whatever the outcome: the compiler's numbers (none for
+a refusal or a failure), `target`, `topology`, `tokens_per_device_step`, and `verdict` ("fits",
+"does not fit": the compiler refused the program (`oom`) or its total exceeds the HBM, "failed":
+the worker died (libtpu's check lines in `reason`) or ran out of time, "refused": bad input) with
+its `reason` (None for "fits").
+Exit status: 0 compiled (fits or does not fit), 1 the compile failed, 2 bad input.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import subprocess
@@ -63,6 +69,7 @@ from pathlib import Path
 
 from models.errors import ConfigError
 from tools.deviceless_env import deviceless_env
+from tools.tpu_compile import worker_failure
 from tools.xla_estimate import hbm_oom, worker  # noqa: F401  (hbm_oom: read here by tests)
 from trainer.runtime import cli
 
@@ -124,7 +131,8 @@ def _parser() -> cli.ArgumentParser:
     p.add_argument(
         "--json",
         action="store_true",
-        help="also print the compiler's numbers as one JSON line (last line; scripts/mfu_suite.py reads it)",
+        help="also print one JSON line (the last on stdout; scripts/mfu_suite.py reads it) for every outcome: "
+        "the compiler's numbers and `verdict` (fits, does not fit, failed, refused) with its `reason`",
     )
     return p
 
@@ -153,36 +161,50 @@ def _run(argv: list[str]) -> int:
         f"{args.shape().n_layers} layers\ncompiling for {topology} (deviceless) ...",
         flush=True,
     )
-    proc, wall = _compile_in_worker(spec, topology, timeout=ns.timeout)
+    about = dict(target=target.name, topology=topology, tokens_per_device_step=est.tokens_per_device_step)
+    try:
+        proc, wall = _compile_in_worker(spec, topology, timeout=ns.timeout)
+    except subprocess.TimeoutExpired:
+        return _failed(ns, f"the compile took longer than {ns.timeout:.0f} s", about)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(f"compile worker exited {proc.returncode} after {wall:.0f} s:\n{proc.stderr[-6000:]}", file=sys.stderr)
-        return 1
+        return _failed(ns, f"compile worker: {worker_failure(proc.stderr, proc.returncode)}", about)
     res = json.loads(lines[-1])
     res.update(wall_s=wall, n_layers=args.shape().n_layers, approximated=approximated, topology=topology)
     if res.get("oom"):
         print(oom_verdict(est, res))
         for note in approximated:
             print(f"approximated: {note}")
-        return 0
+        oom = res["oom"]
+        reason = (
+            f"the compiler refused the program (CompileTimeHbmOom): {oom['required'] / GIB:.2f} GiB of "
+            f"temporaries for {oom['available'] / GIB:.2f} GiB available"
+        )
+        return _outcome(ns, "does not fit", reason, {**res, **about}, code=0)
     print(format_table(est, res, step_plan))
     print(verdict_line(est, res))
     for line in discrepancies(est, res):
         print(f"planner vs compiler: {line}")
     if ns.csv:
         write_csv_row(ns.csv, csv_row(recipe, est, res, step_plan))
+    total, hbm = compiler_total(res), est.target.hbm_bytes
+    word = "fits" if total <= hbm else "does not fit"
+    reason = None if word == "fits" else f"{total / GIB:.2f} GiB of {hbm / GIB:.1f} GiB HBM per device"
+    return _outcome(ns, word, reason, {**res, **about}, code=0)
+
+
+def _outcome(ns, verdict: str, reason: str | None, fields: dict, *, code: int) -> int:
+    """`code`, after the `--json` line: `fields` with the verdict ("fits", "does not fit",
+    "failed", "refused") and its reason (None for "fits")."""
     if ns.json:
-        print(
-            json.dumps(
-                {
-                    **res,
-                    "target": target.name,
-                    "topology": topology,
-                    "tokens_per_device_step": est.tokens_per_device_step,
-                }
-            )
-        )
-    return 0
+        print(json.dumps({**fields, "verdict": verdict, "reason": reason}), flush=True)
+    return code
+
+
+def _failed(ns, reason: str, fields: dict) -> int:
+    """A compile that gave no verdict (the worker died, or ran out of time): exit 1."""
+    return _outcome(ns, "failed", reason, fields, code=1)
 
 
 def _target(cfg, name: str | None):
@@ -623,11 +645,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         print(json.dumps(worker(json.loads(argv[1]))))
         return 0
+    as_json = argparse.Namespace(json="--json" in argv)
     try:
         return _run(argv)
     except ConfigError as e:
         cli.error_line(str(e))
-        return 2
+        return _outcome(as_json, "refused", str(e), {}, code=2)
+    except Exception as e:  # noqa: BLE001  (the traceback follows: --json still ends with the verdict)
+        _failed(as_json, f"{type(e).__name__}: {' '.join(str(e).split())[:400]}", {})
+        raise
 
 
 if __name__ == "__main__":
