@@ -33,6 +33,12 @@ scripts/xla_env.sh: torch 2.13 + torchax + jax 0.10.2 + libtpu 0.0.52; never in 
    outputs, temporaries, generated code. The updated parameters and moments are outputs, not
    donated (torch-tpu's AOT path donates nothing; the planner counts the same).
 
+Where: this module is the outer check (`compile_recipe`, the report, the topology names); the
+worker, `python -m tools.tpu_compile SPEC` in the `ttpu` venv, is tools/tpu_compile_capture.py
+(steps 1-2) and tools/tpu_compile_worker.py (steps 3-4), whose names are importable from here. A
+worker that dies without a result (a libtpu CHECK abort) is reported by libtpu's own fatal and
+error lines (`worker_failure`).
+
 torch-tpu's own lowering (`fx_to_mlir`) builds the MLIR and the PJRT executable in one call on a
 live device (docs/tpu.md, "What ran where"), so it cannot run here; torchax lowers the same ATen
 graph with its own rules. What differs from a TPU run: the JAX rules of torchax for ATen ops, the
