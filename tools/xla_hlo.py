@@ -658,3 +658,67 @@ def compute_time(
 ) -> float:
     """Sum over ops of max(FLOPs / peak, bytes / HBM bandwidth), each op times its runs."""
     return sum(o.times * max(o.flops / peak_flops, o.bytes / hbm_bytes_per_s) for o in ops if o.kind in kinds)
+
+
+# ------------------------------------------------------------------------------ MXU tiles
+
+
+def _pad(n: int, tile: int) -> int:
+    return -(-n // tile) * tile
+
+
+def mxu_utilization(comp: Computation, ins: Instr, tile: int) -> float:
+    """The share of a `tile` x `tile` MXU a dot keeps busy: one operand's [K, N] block stays in
+    the array while the other's rows stream through it, so the contracted size K and the stationary
+    operand's free size fill it (each padded up to a whole tile); the free size of the other operand
+    streams, unpadded. The better of the two operand orders: K / pad(K) x max(N / pad(N), M / pad(M)).
+    1.0 for anything not a dot (convolutions included)."""
+    if ins.opcode != "dot" or len(ins.operands) < 2:
+        return 1.0
+    lhs = array_dims(_operand_shape(comp, ins.operands[0]))
+    rhs = array_dims(_operand_shape(comp, ins.operands[1]))
+    if not lhs or not rhs:
+        return 1.0
+
+    def dims(key: str) -> list[int]:
+        return [int(d) for d in re.findall(r"\d+", ins.attr(key) or "")]
+
+    lc, rc, lb, rb = (
+        dims("lhs_contracting_dims"),
+        dims("rhs_contracting_dims"),
+        dims("lhs_batch_dims"),
+        dims("rhs_batch_dims"),
+    )
+    k = math.prod(lhs[d] for d in lc if d < len(lhs)) or 1
+    m = math.prod(n for d, n in enumerate(lhs) if d not in lc and d not in lb) or 1
+    n = math.prod(x for d, x in enumerate(rhs) if d not in rc and d not in rb) or 1
+    return (k / _pad(k, tile)) * max(n / _pad(n, tile), m / _pad(m, tile))
+
+
+def mxu_flops(hlo: Hlo, tile: int) -> dict[str, float]:
+    """Per executed dot or fusion (by instruction name): its dots' FLOPs over their MXU utilization
+    (`mxu_utilization`): the FLOPs the MXU spends, padding included."""
+    out: dict[str, float] = {}
+
+    def inside(name: str, seen: set) -> float:
+        comp = hlo.computations.get(name)
+        total = 0.0
+        for ins in comp.instrs if comp is not None else []:
+            if ins.opcode in ("dot", "convolution"):
+                total += dot_flops(comp, ins) / max(mxu_utilization(comp, ins, tile), 1e-9)
+            elif ins.opcode == "fusion":
+                for c in _names(ins.attr("calls")):
+                    if c not in seen:
+                        seen.add(c)
+                        total += inside(c, seen)
+        return total
+
+    for comp, _ in executed(hlo):
+        for ins in comp.instrs:
+            if ins.opcode in ("dot", "convolution"):
+                out[ins.name] = dot_flops(comp, ins) / max(mxu_utilization(comp, ins, tile), 1e-9)
+            elif ins.opcode == "fusion":
+                f = sum(inside(c, set()) for c in _names(ins.attr("calls")))
+                if f:
+                    out[ins.name] = f
+    return out

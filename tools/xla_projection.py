@@ -446,3 +446,124 @@ def summarize(text: str, *, mesh: dict[str, int]) -> dict:
     unknown: list[str] = []
     executed(hlo, unknown=unknown)
     return {"ops": ops, "collectives": colls, "unknown_trips": unknown}
+
+
+# ------------------------------------------------------------------------------ the schedule followed
+
+HOST_LINK_GBPS_PER_CHIP = {"v5e": 15.0, "v5p": 15.0, "v6e": 32.0, "v7x": 32.0}
+"""GB/s between a chip and its host, one direction (PCIe is full duplex: device-to-host and
+host-to-device are two resources). jax-ml/scaling-book `tpus.md` (04d8de5): "PCIe bandwidth is
+typically around 1.5e10 bytes / second per chip", footnote "Trillium (TPU v6e) has 32GB/s, about 2x
+higher than v5"; the Cloud TPU v6e page: "connects to the host through a PCIe Gen5 interface" (a Gen5
+x8 link is 31.5 GB/s a direction: the 32 GB/s read as one direction). TPU7x: no figure published; v6e's
+assumed (per chip: its two devices share it)."""
+
+
+def host_link_bytes_per_s(gen: str, ici: dict) -> float:
+    """One direction of the host link per device (a chip's link shared by its devices)."""
+    return HOST_LINK_GBPS_PER_CHIP.get(gen, 15.0) * 1e9 / ici.get("devices_per_chip", 1)
+
+
+def host_transfer(hlo: Hlo, comp: Computation, ins: Instr) -> tuple[str, float] | None:
+    """('d2h' | 'h2d', bytes) when `ins` moves data between HBM and host memory (memory space
+    S(5)): an async `copy-start` (either way), a `dynamic-update-slice` into a host buffer (the
+    update's bytes, device to host), a `dynamic-slice` of one (the slice, host to device), a fusion
+    or async computation that holds them (XLA:TPU wraps the offload's slices so)."""
+    if ins.opcode == "copy-start" and ins.operands:
+        src = _operand_shape(comp, ins.operands[0])
+        # (destination, source, context): the destination's layout says where the copy goes
+        dst = _tuple_parts(ins.shape)[0] if ins.shape.startswith("(") else ins.shape
+        if "S(5)" in dst and "S(5)" not in src:
+            return "d2h", array_bytes(src)
+        if "S(5)" in src and "S(5)" not in dst:
+            return "h2d", array_bytes(dst)
+        return None
+    if ins.opcode == "dynamic-update-slice" and "S(5)" in ins.shape and len(ins.operands) > 1:
+        return "d2h", array_bytes(_operand_shape(comp, ins.operands[1]))
+    if ins.opcode == "dynamic-slice" and ins.operands and "S(5)" in _operand_shape(comp, ins.operands[0]):
+        return "h2d", array_bytes(ins.shape)
+    if ins.opcode in ("fusion", "async-start", "call", "custom-call"):
+        called = _names(ins.attr("calls")) + _names(ins.attr("to_apply")) + _names(ins.attr("called_computations"))
+        found: dict[str, float] = {}
+        for c in called:
+            inner = hlo.computations.get(c)
+            for sub in inner.instrs if inner is not None else []:
+                t = host_transfer(hlo, inner, sub)
+                if t is not None:
+                    found[t[0]] = found.get(t[0], 0.0) + t[1]
+        if found:
+            way = max(found, key=found.get)
+            return way, sum(found.values())
+    return None
+
+
+def op_seconds(ops: list[Op], *, peak_flops: float, hbm_bytes_per_s: float) -> dict[str, float]:
+    """Seconds of one run of each op (by instruction name): its roofline."""
+    return {o.name: max(o.flops / peak_flops, o.bytes / hbm_bytes_per_s) for o in ops}
+
+
+def scheduled(
+    hlo: Hlo,
+    *,
+    colls: list[Collective],
+    ici: dict,
+    placement: Placement,
+    seconds: dict[str, float],
+    host_bytes_per_s: float,
+):
+    """The step walked in XLA's schedule (tools/xla_schedule.py): compute ops at `seconds` (by
+    instruction name), each collective on its mesh axes' links (`ici:<axes>`) at its
+    `comm_on_placement` time, host transfers on the host link (`host:d2h`, `host:h2d`) at
+    `host_bytes_per_s`. Returns the `Schedule`."""
+    from tools.xla_schedule import Cost, simulate
+
+    by_name = {c.name: c for c in colls}
+    by_comp: dict[str, list[Collective]] = {}
+    for comp in hlo.computations.values():
+        for ins in comp.instrs:
+            if ins.name in by_name:
+                by_comp.setdefault(comp.name, []).append(by_name[ins.name])
+    priced: dict[str, float] = {}
+
+    def coll_seconds(c: Collective) -> float:
+        if c.name not in priced:
+            one = Collective(c.name, c.kind, c.bytes, c.group_size, c.axes, 1.0, c.direction)
+            priced[c.name] = sum(comm_on_placement([one], ici=ici, placement=placement).values())
+        return priced[c.name]
+
+    def inner_collectives(ins: Instr) -> list[Collective]:
+        called = _names(ins.attr("calls")) + _names(ins.attr("called_computations"))
+        out: list[Collective] = []
+        for c in called:
+            out += by_comp.get(c, [])
+            comp = hlo.computations.get(c)
+            for sub in comp.instrs if comp is not None else []:
+                if sub.opcode == "fusion":
+                    for cc in _names(sub.attr("calls")):
+                        out += by_comp.get(cc, [])
+        return out
+
+    def cost(comp: Computation, ins: Instr) -> Cost | None:
+        if ins.name in by_name:
+            c = by_name[ins.name]
+            return Cost(resource="ici:" + "+".join(c.axes), seconds=coll_seconds(c))
+        host = host_transfer(hlo, comp, ins)
+        if host is not None:
+            return Cost(resource=f"host:{host[0]}", seconds=host[1] / host_bytes_per_s)
+        if ins.opcode in ("fusion", "async-start", "custom-call", "call"):
+            inner = inner_collectives(ins)
+            if inner:
+                return Cost(
+                    compute=seconds.get(ins.name, 0.0),
+                    resource="ici:" + "+".join(inner[0].axes),
+                    seconds=sum(coll_seconds(c) for c in inner),
+                )
+        s = seconds.get(ins.name, 0.0)
+        if ins.opcode == "async-start":
+            # an async computation of compute ops (no transfer in it): its ops on the compute clock
+            for c in _names(ins.attr("calls")):
+                comp_in = hlo.computations.get(c)
+                s += sum(seconds.get(sub.name, 0.0) for sub in comp_in.instrs) if comp_in is not None else 0.0
+        return Cost(compute=s) if s else None
+
+    return simulate(hlo, cost)
