@@ -299,18 +299,19 @@ RESULT_FIELDS = (
 
 
 def _read_result(report: ProgramCompile, res: dict, *, capture_only: bool) -> None:
-    """The worker's result into the report: its fields, the compiler's total, the program line,
-    the worker's own error."""
+    """The worker's result into the report: its fields, the worker's own error (a capture's too:
+    a capture-only report without one read as an empty program), the compiler's total, the
+    program line."""
     for k in RESULT_FIELDS:
         if k in res:
             setattr(report, k, res[k])
+    if res.get("error"):
+        report.error = res["error"]
     if capture_only:
         return
     if report.memory:
         report.compiler_gib = compiler_total(report.memory) / GiB
     report.program = program_summary(report.kernels, report.collectives, report.scans)
-    if res.get("error"):
-        report.error = res["error"]
 
 
 GLOG_LINE = re.compile(r"^([FE])\d{4} [\d:.]+\s+\d+\s+(\S+:\d+\].*)$")

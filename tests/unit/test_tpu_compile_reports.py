@@ -121,6 +121,11 @@ def test_compile_recipe_names_libtpus_check_line_when_the_worker_aborts(monkeypa
     _worker(monkeypatch, returncode=1, stderr="Traceback (most recent call last):\nImportError: no torchax\n")
     report = compile_recipe(DEBUG, overrides=[("job.target", "v6e-8")], python=sys.executable)
     assert report.error == "RuntimeError: compile worker: ImportError: no torchax"
+    # a capture that failed inside the worker: its error, where a capture-only report had none
+    refusal = "ValueError: compile.mode: eager: the TPU program compile takes graph-mode recipes"
+    _worker(monkeypatch, stdout=json.dumps({"error": refusal}) + "\n")
+    report = compile_recipe(DEBUG, overrides=[("job.target", "v6e-8")], python=sys.executable, capture_only=True)
+    assert report.error == refusal and report.verdict == "failed"
 
 
 CAPTURE_OPS = [f"splash{kind}_{way}" for kind in ("", "_seg", "_full") for way in ("fwd", "bwd")]
