@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from models.contract import ModelShape
 from models.errors import ConfigError
@@ -226,18 +226,17 @@ def plan_estimate(
     `check_rules=False` prices a plan the rules refuse today (the recipe check's figures for a
     pipeline recipe on TPU, which waits for graph-mode PP); never a plan to run."""
     spec = inputs.pipeline(pp)
-    pipe = dict(pp=spec.pp, local_batch=inputs.local_batch_size)
-    refused = inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe)
-    if refused and check_rules:
-        raise ConfigError(refused[0])
-    if cp > 1 and inputs.flow_tokens is not None:
-        raise ConfigError(
-            f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
-            "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1"
-        )
-    step = _step_plan_or_stage(
-        inputs, refused, tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe
+    # 1. The rules (or, unchecked, what they refuse), and the step plan they give.
+    request = dict(
+        tp=tp,
+        ac_mode=ac_mode,
+        target=target,
+        dp_replicate=dp_replicate,
+        pp=spec.pp,
+        local_batch=inputs.local_batch_size,
     )
+    refused, step = _checked_step(inputs, request, cp=cp, check_rules=check_rules)
+    # 2. The degrees on the target's world, torch-tpu's layout, the real model sharded on a fake world.
     shape = inputs.args.shape()
     dims = make_parallel_dims(
         dp_replicate=dp_replicate,
@@ -254,46 +253,35 @@ def plan_estimate(
     layout_notes = tpu_layout(target, dims)  # ConfigError where torch-tpu could not build the mesh
     with fake_process_group(target.devices):
         stats = shard_model(inputs.family, inputs.args, dims, probe=probe, muon_exclude=inputs.muon_exclude)
+    # 3. Priced: the heaviest pp rank of a pipeline, else the one plan.
+    priced = _Priced(shape=shape, stats=stats, dims=dims, step=step, ac_mode=ac_mode, loss_parallel=loss_parallel)
+    kw = dict(local_batch_size=inputs.local_batch_size, headroom=headroom, assumed_mfu=assumed_mfu)
     if spec.pp > 1:
-        est = _pipeline_candidate(
-            inputs,
-            target,
-            spec,
-            shape=shape,
-            stats=stats,
-            dims=dims,
-            step=step,
-            local_batch_size=inputs.local_batch_size,
-            ac_mode=ac_mode,
-            loss_parallel=loss_parallel,
-            headroom=headroom,
-            assumed_mfu=assumed_mfu,
-        )
+        est = _pipeline_candidate(inputs, target, spec, priced, **kw)
         est.notes.extend(layout_notes)
-        if refused:
-            est.notes.extend(f"refused by the trainer's rules today: {line}" for line in refused)
+        est.notes.extend(f"refused by the trainer's rules today: {line}" for line in refused)
         return est
-    est = estimate(
-        model=inputs.model_name,
-        target=target,
-        shape=shape,
-        stats=stats,
-        parallel_dims=dims,
-        local_batch_size=inputs.local_batch_size,
-        seq_len=inputs.seq_len,
-        ac_mode=ac_mode,
-        loss_parallel=loss_parallel,
-        grad_accum=inputs.grad_accum,
-        headroom=headroom,
-        assumed_mfu=assumed_mfu,
-        flops_per_token=inputs.flops_per_token(shape),
-        activations=inputs.activations(
-            local_batch_size=inputs.local_batch_size, tp=dims.tp, ac_mode=ac_mode, cp=dims.cp
-        ),
-        **_step_terms(step, inputs),
+    est = _candidate(
+        inputs, target, priced, flops_per_token=inputs.flops_per_token(shape), grad_accum=inputs.grad_accum, **kw
     )
     est.notes.extend(layout_notes)
     return est
+
+
+def _checked_step(
+    inputs: PlanInputs, request: dict, *, cp: int, check_rules: bool
+) -> tuple[list[str], StepPlan | None]:
+    """(what the trainer's rules refuse, the step plan) of one plan: ConfigError for the first
+    refusal (unless `check_rules=False`) and for CP on FLUX, which the planner does not model."""
+    refused = inputs.refusals(**request)
+    if refused and check_rules:
+        raise ConfigError(refused[0])
+    if cp > 1 and inputs.flow_tokens is not None:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree: {cp}: the planner models context parallelism "
+            "for decoder LMs only (FLUX's joint text + image sequence has no CP plan); allowed: 1"
+        )
+    return refused, _step_plan_or_stage(inputs, refused, **request)
 
 
 def _step_plan_or_stage(inputs: PlanInputs, refused: list[str], *, pp: int, **request) -> StepPlan | None:
@@ -309,18 +297,56 @@ def _step_plan_or_stage(inputs: PlanInputs, refused: list[str], *, pp: int, **re
     return None
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """What every candidate is priced from: the model's shape, its shards, the degrees, the step
+    plan (None: the rules refuse it and no stage plan stands in) and the memory choices."""
+
+    shape: ModelShape
+    stats: Any
+    dims: ParallelDims
+    step: StepPlan | None
+    ac_mode: str
+    loss_parallel: bool
+
+    def common(self, inputs: PlanInputs, target: Target, *, local_batch_size: int, **kw) -> dict:
+        """The arguments `planner.memory.estimate` and `planner.pipeline.pipeline_estimate` share."""
+        return dict(
+            model=inputs.model_name,
+            target=target,
+            shape=self.shape,
+            stats=self.stats,
+            parallel_dims=self.dims,
+            local_batch_size=local_batch_size,
+            seq_len=inputs.seq_len,
+            ac_mode=self.ac_mode,
+            loss_parallel=self.loss_parallel,
+            **kw,
+            **_step_terms(self.step, inputs),
+        )
+
+    def activations(self, inputs: PlanInputs, local_batch_size: int):
+        return inputs.activations(
+            local_batch_size=local_batch_size, tp=self.dims.tp, ac_mode=self.ac_mode, cp=self.dims.cp
+        )
+
+
+def _candidate(inputs: PlanInputs, target: Target, priced: _Priced, *, local_batch_size: int, **kw) -> Estimate:
+    """One plan without a pipeline priced (`planner.memory.estimate`); `kw`: headroom, assumed
+    MFU, FLOPs per token and (`plan_estimate`) the recipe's gradient accumulation."""
+    return estimate(
+        **priced.common(inputs, target, local_batch_size=local_batch_size, **kw),
+        activations=priced.activations(inputs, local_batch_size),
+    )
+
+
 def _pipeline_candidate(
     inputs: PlanInputs,
     target: Target,
     spec,
+    priced: _Priced,
     *,
-    shape: ModelShape,
-    stats,
-    dims: ParallelDims,
-    step: StepPlan | None,
     local_batch_size: int,
-    ac_mode: str,
-    loss_parallel: bool,
     headroom: float,
     assumed_mfu: float,
 ) -> Estimate:
@@ -329,21 +355,16 @@ def _pipeline_candidate(
 
     return pipeline_estimate(
         spec,
-        model=inputs.model_name,
-        target=target,
-        shape=shape,
-        stats=stats,
-        parallel_dims=dims,
-        local_batch_size=local_batch_size,
-        seq_len=inputs.seq_len,
-        ac_mode=ac_mode,
-        loss_parallel=loss_parallel,
-        grad_accum=inputs.grad_accum,
-        headroom=headroom,
-        assumed_mfu=assumed_mfu,
-        flops_per_token=inputs.flops_per_token(shape),
-        activations_of=lambda mb: inputs.activations(local_batch_size=mb, tp=dims.tp, ac_mode=ac_mode, cp=dims.cp),
-        **_step_terms(step, inputs),
+        **priced.common(
+            inputs,
+            target,
+            local_batch_size=local_batch_size,
+            grad_accum=inputs.grad_accum,
+            headroom=headroom,
+            assumed_mfu=assumed_mfu,
+            flops_per_token=inputs.flops_per_token(priced.shape),
+        ),
+        activations_of=lambda mb: priced.activations(inputs, mb),
     )
 
 
@@ -551,29 +572,15 @@ def _layout_candidates(
     local batch (powers of two up to `max_local_batch`, within `max_global_tokens` but for one
     sequence); none where the degrees do not divide the model or torch-tpu could not lay the mesh
     out on the target's slice."""
-    try:
-        dims = make_parallel_dims(
-            dp_replicate=dp_replicate,
-            dp_shard=-1,
-            tp=tp,
-            ep=ep,
-            cp=cp,
-            world_size=target.devices,
-            shape=shape,
-            seq_len=inputs.split_seq_len,
-            num_slices=target.num_slices,
-            pp=pp,
-        )
-        layout_notes = tpu_layout(target, dims)
-    except ConfigError:
-        return []  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
-        # torch-tpu could not lay the mesh out on the target's slice
+    laid_out = _laid_out(inputs, target, shape, tp=tp, cp=cp, ep=ep, dp_replicate=dp_replicate, pp=pp)
+    if laid_out is None:
+        return []
+    dims, layout_notes = laid_out
     stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
-    dp = dims.dp_degree
     batches = [
         b
         for b in (2**i for i in range(0, 12))
-        if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dp <= max_global_tokens)
+        if b <= max_local_batch and (b == 1 or b * inputs.seq_len * dims.dp_degree <= max_global_tokens)
     ]
     candidates = []
     if pp > 1:
@@ -593,27 +600,45 @@ def _layout_candidates(
         if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, pp=1):
             continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
         step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, pp=1)
+        priced = _Priced(shape, stats, dims, step, ac_mode=ac_mode, loss_parallel=tp > 1 and inputs.flow_tokens is None)
         for batch in batches:
             candidates.append(
-                estimate(
-                    model=inputs.model_name,
-                    target=target,
-                    shape=shape,
-                    stats=stats,
-                    parallel_dims=dims,
+                _candidate(
+                    inputs,
+                    target,
+                    priced,
                     local_batch_size=batch,
-                    seq_len=inputs.seq_len,
-                    ac_mode=ac_mode,
-                    loss_parallel=tp > 1 and inputs.flow_tokens is None,
                     flops_per_token=fpt,
                     headroom=headroom,
                     assumed_mfu=assumed_mfu,
-                    activations=inputs.activations(local_batch_size=batch, tp=tp, ac_mode=ac_mode, cp=cp),
-                    **_step_terms(step, inputs),
                 )
             )
             candidates[-1].notes.extend(layout_notes)
     return candidates
+
+
+def _laid_out(
+    inputs: PlanInputs, target: Target, shape: ModelShape, *, tp: int, cp: int, ep: int, dp_replicate: int, pp: int
+) -> tuple[ParallelDims, list[str]] | None:
+    """The degrees of one mesh layout (FSDP takes the rest of the world) and torch-tpu's layout
+    notes; None where they do not divide the model or torch-tpu could not lay the mesh out."""
+    try:
+        dims = make_parallel_dims(
+            dp_replicate=dp_replicate,
+            dp_shard=-1,
+            tp=tp,
+            ep=ep,
+            cp=cp,
+            world_size=target.devices,
+            shape=shape,
+            seq_len=inputs.split_seq_len,
+            num_slices=target.num_slices,
+            pp=pp,
+        )
+        return dims, tpu_layout(target, dims)
+    except ConfigError:
+        return None  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
+        # torch-tpu could not lay the mesh out on the target's slice
 
 
 def _pipeline_layout_candidates(
@@ -641,17 +666,16 @@ def _pipeline_layout_candidates(
             request = dict(tp=dims.tp, ac_mode=ac_mode, target=target, dp_replicate=dims.dp_replicate, **pipe)
             if inputs.refusals(**request):
                 continue  # the trainer would refuse it (the micro-batches, the stage count, ...)
+            loss_parallel = dims.tp > 1 and inputs.flow_tokens is None
+            priced = _Priced(
+                shape, stats, dims, inputs.step_plan(**request), ac_mode=ac_mode, loss_parallel=loss_parallel
+            )
             est = _pipeline_candidate(
                 dataclasses.replace(inputs, local_batch_size=batch),
                 target,
                 spec,
-                shape=shape,
-                stats=stats,
-                dims=dims,
-                step=inputs.step_plan(**request),
+                priced,
                 local_batch_size=batch,
-                ac_mode=ac_mode,
-                loss_parallel=dims.tp > 1 and inputs.flow_tokens is None,
                 headroom=headroom,
                 assumed_mfu=assumed_mfu,
             )
