@@ -6,9 +6,11 @@ Face Llama/Qwen code uses, so weight conversion is a pure rename (no q/k row per
 and it stays plain real arithmetic for DTensor, torch.compile and XLA/TPU lowering.
 
 Llama 3.1 frequency scaling (`scaling_factor`, `low_freq_factor`, `high_freq_factor`,
-`original_max_seq_len`) is applied when `scaling_factor` is not None.
+`original_max_seq_len`) is applied when `scaling_factor` is not None. `YarnArgs`: the YaRN fields
+(with their check and Hugging Face form) that gpt-oss's and DeepSeek-V3's and -V4's args share.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -146,3 +148,56 @@ class RopeConfig:
             original_max_seq_len=self.original_max_seq_len,
             device=device,
         )
+
+
+@dataclass
+class YarnArgs:
+    """YaRN's context extension (Peng et al. 2023) as the model args of the families that use it
+    (gpt-oss, DeepSeek-V3, DeepSeek-V4): frequencies turning more than `rope_beta_fast` times over
+    the original context are kept, those turning fewer than `rope_beta_slow` times are divided by
+    `rope_factor`, with a linear ramp between. Each family's args derive from it and restate the
+    defaults of its release (a restated field keeps its place and this docstring); what the tables
+    are scaled by is the family's (its model.py)."""
+
+    rope_factor: float = 1.0
+    """YaRN context-extension factor; 1.0 turns YaRN off (plain RoPE)."""
+    rope_beta_fast: float = 32.0
+    """YaRN: frequencies turning more than this many times over the original context are kept."""
+    rope_beta_slow: float = 1.0
+    """YaRN: frequencies turning fewer than this many times are divided by `rope_factor`."""
+    rope_original_max_seq_len: int = 4096
+    """YaRN: the context the model was pre-trained at (HF original_max_position_embeddings)."""
+
+    def check_yarn(self) -> None:
+        """ValueError for a factor below 1 (the positive lengths are checked with the family's)."""
+        if self.rope_factor < 1.0:
+            raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}; allowed: >= 1.0")
+
+    def yarn_hf(self) -> dict[str, float | int]:
+        """The YaRN entries of a Hugging Face `rope_parameters` / `rope_scaling` dict."""
+        return {
+            "factor": self.rope_factor,
+            "beta_fast": self.rope_beta_fast,
+            "beta_slow": self.rope_beta_slow,
+            "original_max_position_embeddings": self.rope_original_max_seq_len,
+        }
+
+    @classmethod
+    def yarn_from_hf(cls, params: dict | None) -> dict[str, float | int]:
+        """The YaRN fields from a Hugging Face rope dict of type yarn (`factor` required; the betas
+        and the original context default to the family's), or with `params=None` plain RoPE
+        (factor 1.0, the rest the family's defaults)."""
+        default = {f.name: f.default for f in dataclasses.fields(cls) if f.name in _YARN_FIELDS}
+        if params is None:
+            return {**default, "rope_factor": 1.0}
+        return dict(
+            rope_factor=float(params["factor"]),
+            rope_beta_fast=float(params.get("beta_fast") or default["rope_beta_fast"]),
+            rope_beta_slow=float(params.get("beta_slow") or default["rope_beta_slow"]),
+            rope_original_max_seq_len=int(
+                params.get("original_max_position_embeddings", default["rope_original_max_seq_len"])
+            ),
+        )
+
+
+_YARN_FIELDS = ("rope_factor", "rope_beta_fast", "rope_beta_slow", "rope_original_max_seq_len")

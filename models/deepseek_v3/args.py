@@ -17,13 +17,14 @@ modules (off in every flavor: `mtp_depth = 0`; V3's release has 1), trained with
 import math
 from dataclasses import dataclass
 
+from models.common.rope import YarnArgs
 from models.contract import ModelShape
 
 AUX_LOSSES = ("sequence", "load_balance", "none")
 
 
 @dataclass
-class DeepSeekV3Args:
+class DeepSeekV3Args(YarnArgs):
     dim: int = 7168
     """Model (residual stream) width (HF hidden_size)."""
     n_layers: int = 61
@@ -73,14 +74,7 @@ class DeepSeekV3Args:
     """RMSNorm epsilon (all norms, including the q and kv latent norms)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
-    rope_factor: float = 40.0
-    """YaRN context-extension factor; 1.0 turns YaRN off (plain RoPE)."""
-    rope_original_max_seq_len: int = 4096
-    """Context length of pre-training before the YaRN extension (HF original_max_position_embeddings)."""
-    rope_beta_fast: float = 32.0
-    """YaRN: rotations above which frequencies are kept (extrapolated)."""
-    rope_beta_slow: float = 1.0
-    """YaRN: rotations below which frequencies are divided by rope_factor (interpolated)."""
+    rope_factor: float = 40.0  # YarnArgs (beta_fast 32, beta_slow 1, original context 4096)
     rope_mscale: float = 1.0
     """YaRN mscale: the cos/sin tables are scaled by mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim)."""
     rope_mscale_all_dim: float = 1.0
@@ -162,8 +156,7 @@ class DeepSeekV3Args:
             raise ValueError(f"score_func: {self.score_func!r} unknown; allowed: 'sigmoid', 'softmax'")
         if self.aux_loss not in AUX_LOSSES:
             raise ValueError(f"aux_loss: {self.aux_loss!r} unknown; allowed: {', '.join(map(repr, AUX_LOSSES))}")
-        if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}; allowed: >= 1.0")
+        self.check_yarn()
         if self.mtp_depth < 0:
             raise ValueError(
                 f"mtp_depth: must be >= 0, got {self.mtp_depth}; allowed: 0 (no multi-token prediction) or a "

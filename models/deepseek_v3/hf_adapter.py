@@ -261,10 +261,7 @@ def hf_config(args: DeepSeekV3Args) -> dict[str, Any]:
         rope = {
             "rope_type": "yarn",
             "rope_theta": args.rope_theta,
-            "factor": args.rope_factor,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-            "beta_fast": args.rope_beta_fast,
-            "beta_slow": args.rope_beta_slow,
+            **args.yarn_hf(),
             "mscale": args.rope_mscale,
             "mscale_all_dim": args.rope_mscale_all_dim,
         }
@@ -330,18 +327,11 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV3Args:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "yarn"):
         raise ValueError(f"rope_parameters.rope_type: {rope_type!r} unsupported; allowed: 'default', 'yarn'")
-    yarn = {}
-    if rope_type == "yarn":
-        yarn = dict(
-            rope_factor=float(rope["factor"]),
-            rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
-            rope_beta_fast=float(rope.get("beta_fast") or 32),
-            rope_beta_slow=float(rope.get("beta_slow") or 1),
-            rope_mscale=float(rope.get("mscale") or 1.0),
-            rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+    yarn = DeepSeekV3Args.yarn_from_hf(rope if rope_type == "yarn" else None)
+    if rope_type == "yarn":  # DeepSeek's attention temperature (models/deepseek_v3/model.py)
+        yarn.update(
+            rope_mscale=float(rope.get("mscale") or 1.0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0)
         )
-    else:
-        yarn = dict(rope_factor=1.0)
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return DeepSeekV3Args(
         dim=cfg["hidden_size"],

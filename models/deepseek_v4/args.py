@@ -42,6 +42,7 @@ by `hf_adapter.args_from_hf_config`.
 
 from dataclasses import dataclass
 
+from models.common.rope import YarnArgs
 from models.contract import ModelShape, causal_keys
 
 ATTENTION_KINDS = {"s": "sliding_attention", "c": "compressed_sparse_attention", "h": "heavily_compressed_attention"}
@@ -55,7 +56,7 @@ def default_attention_layers(n_layers: int) -> str:
 
 
 @dataclass
-class DeepSeekV4Args:
+class DeepSeekV4Args(YarnArgs):
     dim: int = 4096
     """Residual-stream width (HF hidden_size); each of the `hc_mult` streams has it."""
     n_layers: int = 43
@@ -95,14 +96,7 @@ class DeepSeekV4Args:
     """RoPE base of the sliding-only blocks."""
     compress_rope_theta: float = 160000.0
     """RoPE base of the CSA/HCA blocks (their queries, keys and compressed entries)."""
-    rope_factor: float = 1.0
-    """YaRN factor of the CSA/HCA blocks' RoPE (1.0: plain); the tables are not rescaled."""
-    rope_beta_fast: float = 32.0
-    """YaRN: frequencies turning more than this many times over the original context are kept."""
-    rope_beta_slow: float = 1.0
-    """YaRN: frequencies turning fewer than this many times are divided by `rope_factor`."""
-    rope_original_max_seq_len: int = 65536
-    """YaRN: the context the model was pre-trained at."""
+    rope_original_max_seq_len: int = 65536  # YarnArgs (of the CSA/HCA blocks; factor 1: plain RoPE)
     max_seq_len: int = 1048576
     """Length of the RoPE tables, i.e. the longest sequence the model accepts; the trainer sets it to the training seq_len."""
     tie_embeddings: bool = False
@@ -178,8 +172,7 @@ class DeepSeekV4Args:
                 f"num_hash_layers: must be in [0, n_layers={self.n_layers}], got {self.num_hash_layers}; "
                 f"allowed: 0 .. {self.n_layers}"
             )
-        if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}; allowed: >= 1.0")
+        self.check_yarn()
         if self.swiglu_limit <= 0:
             raise ValueError(f"swiglu_limit: must be > 0, got {self.swiglu_limit}; allowed: > 0")
 

@@ -98,13 +98,7 @@ def hf_config(args: DeepSeekV4Args) -> dict[str, Any]:
     """A `config.json` dict for `DeepseekV4ForCausalLM` (transformers 5)."""
     rope: dict[str, Any] = {"rope_type": "default"}
     if args.rope_factor != 1.0:
-        rope = {
-            "rope_type": "yarn",
-            "factor": args.rope_factor,
-            "beta_fast": args.rope_beta_fast,
-            "beta_slow": args.rope_beta_slow,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }
+        rope = {"rope_type": "yarn", **args.yarn_hf()}
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "model_type": "deepseek_v4",
@@ -175,6 +169,49 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Args:
     `rope_parameters` {main, compress} or flat, and the legacy keys transformers folds in:
     compress_ratios, compress_rate_csa/hca, num_hash_layers, qk_rope_head_dim); ValueError naming
     the key for what this family cannot run."""
+    _check_supported(cfg)
+    n_layers = cfg.get("num_hidden_layers", 43)
+    rates = dict(cfg.get("compress_rates") or {})
+    csa = int(cfg.get("compress_rate_csa") or rates.get("compressed_sparse_attention", 4))
+    hca = int(cfg.get("compress_rate_hca") or rates.get("heavily_compressed_attention", 128))
+    num_hash = _num_hash_layers(cfg, n_layers)
+    head_dim = cfg.get("head_dim", 512)
+    letters = _letters(cfg, n_layers, csa, hca)
+    rope = _rope_fields(cfg, head_dim)
+    return DeepSeekV4Args(
+        dim=cfg.get("hidden_size", 4096),
+        n_layers=n_layers,
+        n_heads=cfg.get("num_attention_heads", 64),
+        head_dim=head_dim,
+        q_lora_rank=cfg.get("q_lora_rank", 1024),
+        o_groups=cfg.get("o_groups", 8),
+        o_lora_rank=cfg.get("o_lora_rank", 1024),
+        vocab_size=cfg.get("vocab_size", 129280),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        sliding_window=cfg.get("sliding_window", 128),
+        attention_layers="" if letters == default_attention_layers(n_layers) else letters,
+        csa_ratio=csa,
+        hca_ratio=hca,
+        index_n_heads=cfg.get("index_n_heads", 64),
+        index_head_dim=cfg.get("index_head_dim", 128),
+        index_topk=cfg.get("index_topk", 512),
+        **rope,
+        max_seq_len=cfg.get("max_position_embeddings", 1048576),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hc_mult=cfg.get("hc_mult", 4),
+        hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20),
+        hc_eps=float(cfg.get("hc_eps", 1e-6)),
+        num_experts=cfg.get("n_routed_experts", cfg.get("num_local_experts", 256)),
+        num_experts_per_tok=cfg.get("num_experts_per_tok", 6),
+        moe_hidden_dim=cfg.get("moe_intermediate_size", 2048),
+        route_scale=float(cfg.get("routed_scaling_factor", 1.5)),
+        num_hash_layers=num_hash,
+        swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
+    )
+
+
+def _check_supported(cfg: dict[str, Any]) -> None:
+    """ValueError for a model type or a fixed choice of the architecture this family does not run."""
     if cfg.get("model_type") != "deepseek_v4":
         raise ValueError(f"model_type: {cfg.get('model_type')!r} unsupported; allowed: 'deepseek_v4'")
     for key, want in (
@@ -188,22 +225,25 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Args:
     ):
         if cfg.get(key, want) != want:
             raise ValueError(f"{key}: {cfg[key]!r} unsupported; allowed: {want!r}")
-    n_layers = cfg.get("num_hidden_layers", 43)
-    rates = dict(cfg.get("compress_rates") or {})
-    csa = int(cfg.get("compress_rate_csa") or rates.get("compressed_sparse_attention", 4))
-    hca = int(cfg.get("compress_rate_hca") or rates.get("heavily_compressed_attention", 128))
+
+
+def _num_hash_layers(cfg: dict[str, Any], n_layers: int) -> int:
+    """The hash-routed blocks: `mlp_layer_types` (hash_moe blocks first), else `num_hash_layers`."""
     mlp_types = cfg.get("mlp_layer_types")
     if mlp_types is None:
-        num_hash = min(n_layers, int(cfg.get("num_hash_layers", 3)))
-    else:
-        num_hash = sum(1 for t in mlp_types if t == "hash_moe")
-        if list(mlp_types) != ["hash_moe"] * num_hash + ["moe"] * (len(mlp_types) - num_hash):
-            raise ValueError(
-                "mlp_layer_types: only hash_moe blocks first, then moe blocks, are supported; "
-                "allowed: hash_moe, ..., moe, ..."
-            )
-    head_dim = cfg.get("head_dim", 512)
-    letters = _letters(cfg, n_layers, csa, hca)
+        return min(n_layers, int(cfg.get("num_hash_layers", 3)))
+    num_hash = sum(1 for t in mlp_types if t == "hash_moe")
+    if list(mlp_types) != ["hash_moe"] * num_hash + ["moe"] * (len(mlp_types) - num_hash):
+        raise ValueError(
+            "mlp_layer_types: only hash_moe blocks first, then moe blocks, are supported; "
+            "allowed: hash_moe, ..., moe, ..."
+        )
+    return num_hash
+
+
+def _rope_fields(cfg: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The RoPE fields: the rotated width, the bases of the sliding blocks (`main`) and of the CSA/HCA
+    blocks (`compress`), and the compressed blocks' YaRN (the sliding ones take default RoPE)."""
     if cfg.get("qk_rope_head_dim") is not None:
         rope_head_dim = int(cfg["qk_rope_head_dim"])
     else:
@@ -223,39 +263,9 @@ def args_from_hf_config(cfg: dict[str, Any]) -> DeepSeekV4Args:
         compress.get("attention_factor", 1.0) != 1.0 or compress.get("mscale") or compress.get("mscale_all_dim")
     ):
         raise ValueError("rope_parameters.attention_factor: the tables are not rescaled; allowed: 1.0 or unset")
-    return DeepSeekV4Args(
-        dim=cfg.get("hidden_size", 4096),
-        n_layers=n_layers,
-        n_heads=cfg.get("num_attention_heads", 64),
-        head_dim=head_dim,
+    return dict(
         rope_head_dim=rope_head_dim,
-        q_lora_rank=cfg.get("q_lora_rank", 1024),
-        o_groups=cfg.get("o_groups", 8),
-        o_lora_rank=cfg.get("o_lora_rank", 1024),
-        vocab_size=cfg.get("vocab_size", 129280),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        sliding_window=cfg.get("sliding_window", 128),
-        attention_layers="" if letters == default_attention_layers(n_layers) else letters,
-        csa_ratio=csa,
-        hca_ratio=hca,
-        index_n_heads=cfg.get("index_n_heads", 64),
-        index_head_dim=cfg.get("index_head_dim", 128),
-        index_topk=cfg.get("index_topk", 512),
         rope_theta=float(main.get("rope_theta", cfg.get("rope_theta", 10000.0))),
         compress_rope_theta=float(compress.get("rope_theta", cfg.get("compress_rope_theta", 160000.0))),
-        rope_factor=float(compress["factor"]) if yarn else 1.0,
-        rope_beta_fast=float(compress.get("beta_fast") or 32.0) if yarn else 32.0,
-        rope_beta_slow=float(compress.get("beta_slow") or 1.0) if yarn else 1.0,
-        rope_original_max_seq_len=int(compress.get("original_max_position_embeddings", 65536)) if yarn else 65536,
-        max_seq_len=cfg.get("max_position_embeddings", 1048576),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        hc_mult=cfg.get("hc_mult", 4),
-        hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20),
-        hc_eps=float(cfg.get("hc_eps", 1e-6)),
-        num_experts=cfg.get("n_routed_experts", cfg.get("num_local_experts", 256)),
-        num_experts_per_tok=cfg.get("num_experts_per_tok", 6),
-        moe_hidden_dim=cfg.get("moe_intermediate_size", 2048),
-        route_scale=float(cfg.get("routed_scaling_factor", 1.5)),
-        num_hash_layers=num_hash,
-        swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
+        **DeepSeekV4Args.yarn_from_hf(compress if yarn else None),
     )

@@ -13,11 +13,12 @@ biases and the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alph
 
 from dataclasses import dataclass
 
+from models.common.rope import YarnArgs
 from models.contract import ModelShape, causal_keys
 
 
 @dataclass
-class GptOssArgs:
+class GptOssArgs(YarnArgs):
     dim: int = 2880
     """Model (residual stream) width (HF hidden_size)."""
     n_layers: int = 36
@@ -36,14 +37,7 @@ class GptOssArgs:
     """Keys a sliding-window layer sees: the query's own and the `sliding_window - 1` before it."""
     rope_theta: float = 150000.0
     """RoPE base frequency."""
-    rope_factor: float = 32.0
-    """YaRN context-extension factor; 1.0: plain RoPE."""
-    rope_beta_fast: float = 32.0
-    """YaRN: frequencies turning more than this many times over the original context are kept."""
-    rope_beta_slow: float = 1.0
-    """YaRN: frequencies turning fewer than this many times are divided by `rope_factor`."""
-    rope_original_max_seq_len: int = 4096
-    """YaRN: the context the model was pre-trained at (HF original_max_position_embeddings)."""
+    rope_factor: float = 32.0  # YarnArgs (beta_fast 32, beta_slow 1, original context 4096)
     max_seq_len: int = 131072
     """Length of the RoPE tables, i.e. the longest sequence the model accepts; the trainer sets it to the training seq_len."""
     tie_embeddings: bool = False
@@ -77,8 +71,7 @@ class GptOssArgs:
                 f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], got "
                 f"{self.num_experts_per_tok}; allowed: 1 .. {self.num_experts}"
             )
-        if self.rope_factor < 1.0:
-            raise ValueError(f"rope_factor: must be >= 1.0 (1.0: no YaRN), got {self.rope_factor}; allowed: >= 1.0")
+        self.check_yarn()
         if self.swiglu_limit <= 0:
             raise ValueError(f"swiglu_limit: must be > 0, got {self.swiglu_limit}; allowed: > 0")
 

@@ -88,15 +88,7 @@ def hf_config(args: GptOssArgs) -> dict[str, Any]:
     """A `config.json` dict for `GptOssForCausalLM` (transformers 5 `rope_parameters`)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_factor != 1.0:
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": args.rope_theta,
-            "factor": args.rope_factor,
-            "beta_fast": args.rope_beta_fast,
-            "beta_slow": args.rope_beta_slow,
-            "truncate": False,
-            "original_max_position_embeddings": args.rope_original_max_seq_len,
-        }
+        rope = {"rope_type": "yarn", "rope_theta": args.rope_theta, **args.yarn_hf(), "truncate": False}
     return {
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
@@ -163,10 +155,7 @@ def args_from_hf_config(cfg: dict[str, Any]) -> GptOssArgs:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         sliding_window=cfg.get("sliding_window") or 128,
         rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 150000.0))),
-        rope_factor=float(params["factor"]) if yarn else 1.0,
-        rope_beta_fast=float(params.get("beta_fast") or 32.0) if yarn else 32.0,
-        rope_beta_slow=float(params.get("beta_slow") or 1.0) if yarn else 1.0,
-        rope_original_max_seq_len=int(params.get("original_max_position_embeddings", 4096)) if yarn else 4096,
+        **GptOssArgs.yarn_from_hf(params if yarn else None),
         max_seq_len=cfg.get("max_position_embeddings", 131072),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         num_experts=cfg.get("num_local_experts", cfg.get("num_experts")),
