@@ -136,3 +136,16 @@ def _stale_citations() -> list[str]:
 def test_cited_code_exists():
     stale = _stale_citations()
     assert not stale, "docs cite code that is not there:\n" + "\n".join(stale)
+
+
+def test_every_build_graph_step_keyword_is_documented():
+    """build_graph_step's docstring points to docs/graph_trainer.md "The interface" for its keywords:
+    the list there names each keyword of the signature (read with `ast`), and nothing else."""
+    tree = ast.parse((ROOT / "trainer" / "graph" / "step.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_graph_step")
+    keywords = {a.arg for a in fn.args.kwonlyargs}
+    page = (ROOT / "docs" / "graph_trainer.md").read_text()
+    section = page[page.index("## The interface") : page.index("\n## ", page.index("## The interface") + 1)]
+    listed = set(re.findall(r"^- `(\w+)", section, re.M))
+    assert len(keywords) >= 18, keywords
+    assert listed == keywords, f"missing: {sorted(keywords - listed)}, not keywords: {sorted(listed - keywords)}"

@@ -305,41 +305,12 @@ def build_graph_step(
     replicate_dtype: torch.dtype = torch.float32,
     pp_mesh=None,
 ) -> GraphStep:
-    """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`.
+    """Build the graph step for `model` (parallelized, materialized, initialized) and `optimizer`
+    (AdamW, or Muon without QK clip; one learning rate for every group).
 
-    The trainer calls this through `trainer.job.Job.build_step`, which resolves the settings below
-    from the config (`plan_step`).
-    - `optimizer`: a `torch.optim.AdamW` or a `trainer.optim.muon.Muon` (without QK clip) over the
-      model's parameters (all groups at one lr; its state is created now, before capture, in
-      the eager optimizer's format).
-    - `backend`: inductor | aot_eager | tpu (already resolved: `trainer.step.resolve_backend`).
-    - `scan_layers`: run each of the plan's block containers (`plan.stacks`, each a `BlockStack`)
-      as one scan over its stacked per-layer parameters (FLUX: one scan over the double blocks,
-      one over the single blocks).
-    - `ac_mode`: none | full | selective inside the scanned block body (`scan_layers` only).
-      Unrolled blocks are checkpointed by `parallelize_model` (`apply_ac`) before this is
-      called, in the same place as in every other mode.
-    - `dump_graph`: path of a text dump of the captured graph (after the passes).
-    - `grad_accum_steps`: micro-batches per step (unrolled in the graph).
-    - `aux_loss_coef`: weight of the model's auxiliary loss (`model.pop_aux_loss()`).
-    - `plan`: the model's `ModelPlan` (only `plan.stacks` is used); None = `layers`.
-    - `loss_context`: entered around the step (TP loss parallel: `parallelisms.loss_parallel_context`).
-    - `loss_fn(model, *micro_batch)`: the mean loss of one micro-batch, a tuple of tensors (the
-      task's loss, trainer/tasks/; LM: `StepPlan.lm_loss(model, inputs, labels)`); None:
-      `trainer.step.lm_loss` of the model's logits on (inputs, labels).
-    - `bucket_cap_mb`: inductor only: merge independent all-gathers / reduce-scatters into
-      buckets of at most this many MB (Inductor's FX bucketing); 0 = off.
-    - `gloo_all_to_all`: on gloo groups, reduce-scatters run as all-to-alls + a local sum, in
-      the gradient's dtype before its up-cast (`passes.gloo_reduce_scatter_pass`).
-    - `passes_as`: run the graph passes of this backend instead of `backend`'s (a check job
-      captures with aot_eager on meta tensors what the target's backend would compile).
-    - `balance`: a `trainer.optim.expert_balance.ExpertBalance` of an MoE model (the loads are a graph
-      output; the selection-bias update and the MaxVio metric run after the graph), or None.
-    - `replicate_dtype`: the wire dtype of the once-per-step mean over dp_replicate of gradients
-      SimpleFSDP left unreduced there (`training.replicate_reduce = "step"`,
-      parallelisms/replicate_reduce.py `reduce_grads`: graph ops the compiler schedules).
-    - `pp_mesh`: pipeline parallelism: the 1-D pp mesh (the gradient norm is summed over it);
-      `loss_fn` is then the rank's `trainer.graph.pipeline.PipelinedLoss`.
+    The trainer calls this through `trainer.job.Job.build_step`, which resolves every keyword from
+    the config and the step plan (`plan_step`). Each keyword is described in docs/graph_trainer.md,
+    "The interface" (tests/unit/test_docs.py checks that the list names every one).
     """
     from models.common.plan import ModelPlan
     from parallelisms.activation_checkpoint import AC_MODES
