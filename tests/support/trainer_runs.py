@@ -88,6 +88,18 @@ def train_in_process(recipe: str, folder, overrides: dict) -> dict[int, dict]:
     return read_metrics(folder)
 
 
+def assert_recipe_learns(monkeypatch, recipe: str, folder, overrides: dict, *, steps: int = 6) -> list[float]:
+    """A family's debug-recipe check: `recipe` trained `steps` steps in this process from the
+    repository root (`train_in_process`: fp32, every step logged, nothing saved, with `overrides`),
+    one loss logged per step, and the last more than 0.5 below the first; -> the losses."""
+    monkeypatch.chdir(REPO)
+    records = train_in_process(recipe, folder, {"training.steps": steps, **overrides})
+    losses = [records[s]["loss"] for s in sorted(records)]
+    assert len(losses) == steps
+    assert losses[-1] < losses[0] - 0.5, losses
+    return losses
+
+
 def train(folder, nproc: int, degrees: dict, *args: str) -> dict[int, dict]:
     """Train on `nproc` processes with these parallel degrees and a global batch of GLOBAL_BATCH sequences."""
     dp = degrees.get("dp_replicate", 1) * degrees.get("dp_shard", 1)

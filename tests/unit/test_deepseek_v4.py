@@ -15,8 +15,6 @@ entries of which a query keeps 4, 6 HCA entries: every path is taken.
 """
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -241,75 +239,28 @@ def test_fsdp_and_ep_match_single_process(degrees):
     """Hash and learned routing, the selection bias, the compressors and the hyper-connections under
     FSDP (and experts split over ep): loss and every gradient equal one process on the global batch
     (the indexer has none: its top-k is not differentiable, as in the reference)."""
-    from parallelisms import ParallelDims, build_mesh, parallelize_model
-    from tests.support.parallel_harness import full, lm_loss, load_full_state, rel_diff, run_threads
+    from tests.support.parallel_harness import assert_matches_single_process
 
     # 48 tokens: past the window (16), 12 CSA entries of which a query keeps 4, 3 HCA entries.
     args = dataclasses.replace(FLAVORS["debugmodel"], dim=64, vocab_size=256, max_seq_len=48)
-    torch.manual_seed(0)
-    ref = DeepSeekV4(args)
-    with torch.no_grad():
-        ref.init_weights()
-        for name, p in ref.named_parameters():  # sinks, biases, hc bases nonzero, so their sharding shows
-            if name.endswith(("sinks", "position_bias", "base")):
-                p.copy_(torch.randn(p.shape) * 0.1)
-    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     gen = torch.Generator().manual_seed(1)
     inputs, labels = (torch.randint(0, args.vocab_size, (2, 48), generator=gen) for _ in range(2))
-    lm = lm_loss(ref(inputs), labels)
-    (lm + 0.01 * ref.pop_aux_loss()).backward()
-    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    assert all(".indexer." in n for n, p in ref.named_parameters() if p.grad is None)
-
-    def rank_fn():
-        dims = ParallelDims(world_size=2, **degrees)
-        mesh = build_mesh(dims, "cpu")
-        with torch.device("meta"):
-            model = DeepSeekV4(args)
-        fp32 = dict(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, **fp32)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
-        load_full_state(model, state)
-        r, n = dims.dp_rank(mesh), 2 // dims.dp_degree
-        loss = lm_loss(model(inputs[r * n : (r + 1) * n]), labels[r * n : (r + 1) * n])
-        (loss + 0.01 * model.pop_aux_loss()).backward()
-        return loss.item(), {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-
-    results = run_threads(2, rank_fn)
-    assert sum(loss for loss, _ in results) / 2 == pytest.approx(lm.item(), rel=1e-6)
-    for _, grads in results:
-        assert set(grads) == set(want)
-        for name, g in want.items():
-            assert rel_diff(grads[name], g) < 1e-5, name
+    assert_matches_single_process(
+        DeepSeekV4,
+        args,
+        PLAN,
+        degrees,
+        inputs,
+        labels,
+        perturb=("sinks", "position_bias", "base"),  # nonzero, so that their sharding shows
+        without_grad=lambda name: ".indexer." in name,
+    )
 
 
 def test_debug_recipe_trains_in_process(tmp_path, monkeypatch):
     """The debug recipe (every block kind at 128 tokens: window 16, CSA top 4 of up to 32 entries,
     8 HCA entries) trains a few fp32 steps through the trainer and the loss falls."""
-    from trainer.train import main
+    from tests.support.trainer_runs import assert_recipe_learns
 
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    folder = tmp_path / "run"
-    rc = main(
-        [
-            "--config",
-            "configs/deepseek_v4_debug.toml",
-            f"--job.dump_folder={folder}",
-            "--training.seq_len=128",
-            "--training.local_batch_size=4",
-            "--training.steps=6",
-            "--training.mixed_precision_param=float32",
-            "--lr_scheduler.warmup_steps=2",
-            "--metrics.log_freq=1",
-            "--metrics.enable_tensorboard=false",
-            "--validation.enable=false",
-            "--checkpoint.enable=false",
-        ]
-    )
-    assert rc == 0
-    with open(folder / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f)]
-    assert len(losses) == 6
-    assert losses[-1] < losses[0] - 0.5, losses
+    overrides = {"training.seq_len": 128, "training.local_batch_size": 4}
+    assert_recipe_learns(monkeypatch, "configs/deepseek_v4_debug.toml", tmp_path / "run", overrides)

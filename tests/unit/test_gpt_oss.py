@@ -13,8 +13,6 @@ SwiGLU or swapped gate/up columns move logits by 1e-2 or more (the sensitivity c
 """
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -246,75 +244,26 @@ def test_attn_backend_rule_refuses_kernels_without_sinks():
 def test_ep_and_tp_match_single_process(degrees):
     """Expert biases split with their experts over ep, the sinks split by heads over tp (colwise),
     q/k/v/o biases under TP: loss and every gradient equal one process on the global batch."""
-    from parallelisms import ParallelDims, build_mesh, parallelize_model
-    from tests.support.parallel_harness import SEQ_LEN, batch, full, lm_loss, load_full_state, rel_diff, run_threads
+    from tests.support.parallel_harness import SEQ_LEN, assert_matches_single_process, batch
 
     args = _args(vocab_size=256, sliding_window=4, max_seq_len=SEQ_LEN, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    ref = GptOssTransformer(args)
-    with torch.no_grad():
-        ref.init_weights()
-        for name, p in ref.named_parameters():  # biases and sinks nonzero, so their sharding shows
-            if name.endswith(("bias", "sinks.weight")):
-                p.copy_(torch.randn(p.shape) * 0.1)
-    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     inputs, labels = batch(args.vocab_size, 2)
-    lm = lm_loss(ref(inputs), labels)
-    (lm + 0.01 * ref.pop_aux_loss()).backward()
-    want = {n: p.grad for n, p in ref.named_parameters()}
-
-    def rank_fn():
-        dims = ParallelDims(world_size=2, **degrees)
-        mesh = build_mesh(dims, "cpu")
-        with torch.device("meta"):
-            model = GptOssTransformer(args)
-        fp32 = dict(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, **fp32)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
-        load_full_state(model, state)
-        r, n = dims.dp_rank(mesh), 2 // dims.dp_degree
-        loss = lm_loss(model(inputs[r * n : (r + 1) * n]), labels[r * n : (r + 1) * n])
-        (loss + 0.01 * model.pop_aux_loss()).backward()
-        return loss.item(), {n: full(p.grad) for n, p in model.named_parameters()}
-
-    results = run_threads(2, rank_fn)
-    assert sum(loss for loss, _ in results) / 2 == pytest.approx(lm.item(), rel=1e-6)
-    for _, grads in results:
-        assert set(grads) == set(want)
-        for name, g in want.items():
-            assert rel_diff(grads[name], g) < 1e-5, name
+    # biases and sinks nonzero, so that their sharding shows
+    assert_matches_single_process(
+        GptOssTransformer, args, PLAN, degrees, inputs, labels, perturb=("bias", "sinks.weight")
+    )
 
 
 def test_debug_recipe_trains_in_process(tmp_path, monkeypatch):
     """The debug recipe (window 16 < seq 64 here) trains a few fp32 steps through the trainer, the
     loss falls, and the planner's estimate reads the family through the contract."""
-    from trainer.train import main
+    from tests.support.trainer_runs import assert_recipe_learns
 
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    folder = tmp_path / "run"
-    rc = main(
-        [
-            "--config",
-            "configs/gpt_oss_debug.toml",
-            f"--job.dump_folder={folder}",
-            "--model.n_layers=2",
-            "--model.sliding_window=16",
-            "--model.attn_backend=sdpa",
-            "--training.seq_len=64",
-            "--training.local_batch_size=4",
-            "--training.steps=6",
-            "--training.mixed_precision_param=float32",
-            "--lr_scheduler.warmup_steps=2",
-            "--metrics.log_freq=1",
-            "--metrics.enable_tensorboard=false",
-            "--validation.enable=false",
-            "--checkpoint.enable=false",
-        ]
-    )
-    assert rc == 0
-    with open(folder / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f)]
-    assert len(losses) == 6
-    assert losses[-1] < losses[0] - 0.5, losses
+    overrides = {
+        "model.n_layers": 2,
+        "model.sliding_window": 16,
+        "model.attn_backend": "sdpa",
+        "training.seq_len": 64,
+        "training.local_batch_size": 4,
+    }
+    assert_recipe_learns(monkeypatch, "configs/gpt_oss_debug.toml", tmp_path / "run", overrides)

@@ -18,8 +18,6 @@ is ~100 eps: measured ~3e-7.
 """
 
 import dataclasses
-import json
-import os
 
 import pytest
 import torch
@@ -253,74 +251,28 @@ def test_parallelism_rules_refuse_tp_and_cp():
 def test_ep_matches_single_process():
     """Experts split over ep (the shared expert and its gate per token, like the router) with
     FSDP: loss and every gradient equal one process on the global batch."""
-    from parallelisms import ParallelDims, build_mesh, parallelize_model
-    from tests.support.parallel_harness import SEQ_LEN, batch, full, lm_loss, load_full_state, rel_diff, run_threads
+    from tests.support.parallel_harness import SEQ_LEN, assert_matches_single_process, batch
 
     args = _args(True, vocab_size=256, max_seq_len=SEQ_LEN, delta_chunk_size=8)
-    torch.manual_seed(0)
-    ref = Qwen3_5Transformer(args)
-    with torch.no_grad():
-        ref.init_weights()
-    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     inputs, labels = batch(args.vocab_size, 2)
-    lm = lm_loss(ref(inputs), labels)
-    (lm + 0.01 * ref.pop_aux_loss()).backward()
-    want = {n: p.grad for n, p in ref.named_parameters()}
-
-    def rank_fn():
-        dims = ParallelDims(world_size=2, dp_shard=2, ep=2)
-        mesh = build_mesh(dims, "cpu")
-        with torch.device("meta"):
-            model = Qwen3_5Transformer(args)
-        fp32 = dict(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        parallelize_model(model, plan=PLAN, parallel_dims=dims, mesh=mesh, **fp32)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            model.init_weights()
-        load_full_state(model, state)
-        r = dims.dp_rank(mesh)
-        loss = lm_loss(model(inputs[r : r + 1]), labels[r : r + 1])
-        (loss + 0.01 * model.pop_aux_loss()).backward()
-        return loss.item(), {n: full(p.grad) for n, p in model.named_parameters()}
-
-    results = run_threads(2, rank_fn)
-    assert sum(loss for loss, _ in results) / 2 == pytest.approx(lm.item(), rel=1e-6)
-    for _, grads in results:
-        assert set(grads) == set(want)
-        for name, g in want.items():
-            # dt_bias / A_log gradients are sums over every token and channel of terms that nearly
-            # cancel (|grad| ~ 1e-5 from terms ~ 1e-3): their relative rounding is ~100x larger.
-            tol = 1e-4 if name.endswith(("dt_bias", "A_log")) else 1e-5
-            assert rel_diff(grads[name], g) < tol, name
+    # dt_bias / A_log gradients are sums over every token and channel of terms that nearly
+    # cancel (|grad| ~ 1e-5 from terms ~ 1e-3): their relative rounding is ~100x larger.
+    assert_matches_single_process(
+        Qwen3_5Transformer,
+        args,
+        PLAN,
+        dict(dp_shard=2, ep=2),
+        inputs,
+        labels,
+        tolerance=lambda name: 1e-4 if name.endswith(("dt_bias", "A_log")) else 1e-5,
+    )
 
 
 @pytest.mark.parametrize("recipe", ["qwen3_5_debug", "qwen3_5_moe_debug"])
 def test_debug_recipe_trains_in_process(tmp_path, monkeypatch, recipe):
     """The debug recipes train a few fp32 steps through the trainer (with activation
     checkpointing of the hybrid blocks) and the loss falls."""
-    from trainer.train import main
+    from tests.support.trainer_runs import assert_recipe_learns
 
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    folder = tmp_path / "run"
-    rc = main(
-        [
-            "--config",
-            f"configs/{recipe}.toml",
-            f"--job.dump_folder={folder}",
-            "--training.seq_len=64",
-            "--training.local_batch_size=4",
-            "--training.steps=6",
-            "--training.mixed_precision_param=float32",
-            "--activation_checkpoint.mode=full",
-            "--lr_scheduler.warmup_steps=2",
-            "--metrics.log_freq=1",
-            "--metrics.enable_tensorboard=false",
-            "--validation.enable=false",
-            "--checkpoint.enable=false",
-        ]
-    )
-    assert rc == 0
-    with open(folder / "metrics.jsonl") as f:
-        losses = [r["loss"] for r in map(json.loads, f)]
-    assert len(losses) == 6
-    assert losses[-1] < losses[0] - 0.5, losses
+    overrides = {"training.seq_len": 64, "training.local_batch_size": 4, "activation_checkpoint.mode": "full"}
+    assert_recipe_learns(monkeypatch, f"configs/{recipe}.toml", tmp_path / "run", overrides)
