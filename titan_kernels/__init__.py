@@ -97,7 +97,7 @@ def select(
     self-check runs (and compiles) each kernel there, and the CP splash kernel when `shapes.cp > 1`.
     """
     check_attention_for(attention, device.type)
-    for op in ("attention", "grouped_mm", "linear_cross_entropy"):
+    for op in ("attention", "grouped_mm", "linear_cross_entropy", "gated_delta_rule"):
         ops.register(op, None)
     ops.register("quantized_linear", quantized_linear_for(device))
     ops.register("quantized_grouped_mm", quantized_grouped_mm_for(device))
@@ -218,6 +218,8 @@ def _select_tpu(
     selected = {
         op: fn for op, fn in pallas.items() if op not in ("causal_attention", "attention") or attention != "sdpa"
     }
+    if shapes is not None and not shapes.delta_heads:  # no Gated DeltaNet in the model: nothing to check
+        selected.pop("gated_delta_rule", None)
     tpu.refuse_cp(None)
     cp = tpu.cp_attention(shapes.cp_rank, shapes.cp) if shapes is not None and shapes.cp > 1 else None
     if cp is not None:  # parallelisms/context_parallel.py serves CP's local product with it on TPU
@@ -243,6 +245,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
     _SAVED_OPS.update(saved)
     for op in ("grouped_mm", "linear_cross_entropy", "causal_attention", "attention"):
         ops.register(op, passed.get(op))
+    ops.register("gated_delta_rule", passed.get("gated_delta_rule"))
     from titan_kernels import tpu
 
     cp = next((v for v in verdicts if v.op == "cp_attention"), None)
@@ -254,6 +257,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
             ("grouped_mm", "gmm for MoE experts"),
             ("linear_cross_entropy", "fused linear+cross-entropy"),
             ("attention", "full-mask splash"),
+            ("gated_delta_rule", "chunked gated delta rule"),
             ("cp_attention", "CP splash"),
         )
         if op in passed

@@ -8,8 +8,10 @@ Per value head, a state S [k_dim, v_dim] runs over the sequence:
 `recurrent_gated_delta_rule` is that loop, token by token: the reference.
 `chunk_gated_delta_rule` is the chunked form (WY / UT transform inside chunks of `chunk_size`
 tokens, a scan over chunks), exactly as transformers' `torch_chunk_gated_delta_rule` computes it
-(same operations in the same order, fp32): the torch implementation the models call. A Pallas/
-Triton kernel (FLA's `chunk_gated_delta_rule`) would serve the same signature.
+(same operations in the same order, fp32): the torch reference of the op `gated_delta_rule`
+(models/common/ops.py), which the models call. The implementation registered for the run serves
+that op (on TPU the Pallas kernel of titan_kernels/tpu/delta_rule.py through torch-tpu's `jax_op`,
+after its start-up self-check; `call_prepared` is how it is called), else this reference.
 
 State passing: `initial_state` [b, v_heads, k_dim, v_dim] is the state before the first token and
 `output_final_state` returns the state after the last one, what context parallelism would hand
@@ -42,6 +44,36 @@ def _prepare(q, k, v, g, beta, qk_l2norm):
         q = l2norm(q, dim=-1, eps=1e-6)
         k = l2norm(k, dim=-1, eps=1e-6)
     return q, k, v, beta, g
+
+
+def call_prepared(
+    fwd,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    qk_l2norm: bool = False,
+    reset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op through a kernel `fwd(q, k, v, g, beta, h0, reset) -> (out, final state)` that takes
+    the prepared inputs (`_prepare`: GQA repeated, [b, h, s, d] float32, l2-normalised; torch
+    differentiates this part), the initial state (zeros when None) and `reset` as int32 (zeros
+    when None); out [b, h, s, dv] float32 comes back as the reference returns it ([b, s, h, dv] in
+    q's dtype). The TPU kernel's torch op (titan_kernels/tpu/register.py) and its capture stand-in
+    (titan_kernels/tpu/capture.py) are called this way."""
+    dtype = q.dtype
+    b, s = q.shape[:2]
+    q, k, v, beta, g = _prepare(q, k, v, g, beta, qk_l2norm)
+    if initial_state is None:
+        initial_state = v.new_zeros(b, v.shape[1], k.shape[-1], v.shape[-1])
+    reset = v.new_zeros(b, s, dtype=torch.int32) if reset is None else reset.to(torch.int32)
+    out, state = fwd(*(t.contiguous() for t in (q, k, v, g, beta, initial_state.float(), reset)))
+    out = out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return out, state if output_final_state else None
 
 
 def recurrent_gated_delta_rule(

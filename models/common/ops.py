@@ -2,8 +2,9 @@
 
 A model calls `causal_attention(q, k, v)`, `attention(q, k, v)` (full, bidirectional: FLUX),
 `grouped_mm(x, w, group_sizes)` or
-`linear_cross_entropy(h, w, labels)` (and a quantized linear layer `quantized_linear(x, w,
-recipe)`, `[quantize]`); it never picks an implementation. Which one serves an op
+`linear_cross_entropy(h, w, labels)`, the chunked gated delta rule `gated_delta_rule` (Qwen 3.5's
+Gated DeltaNet, `gated_delta_rule(q, k, v, g, beta, ...)`) (and a quantized linear
+layer `quantized_linear(x, w, recipe)`, `[quantize]`); it never picks an implementation. Which one serves an op
 on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at start-up by
 `titan_kernels.select(...)`, which the trainer calls before building the model. With nothing
 registered the torch references below run; every kernel also falls back to them for inputs it
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from models.common import gated_delta
 from models.common.quantize import (
     emulated_batched_mm,
     emulated_float8_weight_linear,
@@ -28,7 +30,7 @@ from models.common.quantize import (
     held_float8_weight,
 )
 
-OPS = ("causal_attention", "attention", "grouped_mm", "linear_cross_entropy")
+OPS = ("causal_attention", "attention", "grouped_mm", "linear_cross_entropy", "gated_delta_rule")
 LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm", "quantized_batched_mm")
 """Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
 tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
@@ -364,11 +366,53 @@ def quantized_batched_mm(x: torch.Tensor, w: torch.Tensor, recipe: str) -> torch
     return _impls.get("quantized_batched_mm", emulated_batched_mm)(x, w, recipe)
 
 
+# --- the chunked gated delta rule (Gated DeltaNet) ------------------------------------------------
+
+
+torch_gated_delta_rule = gated_delta.chunk_gated_delta_rule
+"""The reference of `gated_delta_rule` (models/common/gated_delta.py, transformers' operations)."""
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    qk_l2norm: bool = False,
+    reset: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked gated delta rule (Gated DeltaNet: Qwen 3.5's linear attention) -> (out, the final
+    state or None). Arguments, layouts and numerics: the reference `gated_delta.chunk_gated_delta_rule`
+    (q, k [b, s, k_heads, k_dim], v [b, s, v_heads, v_dim], g, beta [b, s, v_heads]; `initial_state`
+    and the final state [b, v_heads, k_dim, v_dim] are what context parallelism would pass between
+    ranks; `reset` [b, s] zeroes the state before marked tokens, document starts). On TPU the Pallas
+    kernel of titan_kernels/tpu/delta_rule.py serves it (chunks of 64; other chunk sizes take the
+    reference), elsewhere the reference."""
+    return _impls.get("gated_delta_rule", torch_gated_delta_rule)(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size=chunk_size,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        qk_l2norm=qk_l2norm,
+        reset=reset,
+    )
+
+
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
     "attention": sdpa_attention,
     "grouped_mm": torch_grouped_mm,
     "linear_cross_entropy": chunked_linear_cross_entropy,
+    "gated_delta_rule": torch_gated_delta_rule,
     "quantized_linear": emulated_linear,
     "quantized_grouped_mm": emulated_grouped_mm,
     "quantized_batched_mm": emulated_batched_mm,

@@ -10,7 +10,8 @@ attention in every `full_attention_interval`-th one, as transformers' `Qwen3_5Fo
   (partial rotary), the op `causal_attention`, then `out * sigmoid(gate)` before `wo`.
 - Gated DeltaNet (`GatedDeltaNet`): `in_proj_qkv` -> causal depthwise conv (width 4) + SiLU ->
   q, k, v; `beta = sigmoid(in_proj_b x)`, `g = -exp(A_log) softplus(in_proj_a x + dt_bias)`; the
-  chunked gated delta rule (`models/common/gated_delta.py`, q/k l2-normalised inside); a per-head
+  chunked gated delta rule (the op `gated_delta_rule`, reference `models/common/gated_delta.py`,
+  q/k l2-normalised inside); a per-head
   RMSNorm gated by `silu(in_proj_z x)`; `out_proj`. No RoPE.
 
 The blocks are `TransformerBlock`s with zero-centred norms, in one `BlockStack` (the repeated
@@ -34,7 +35,6 @@ from torch import nn
 from models.common import ops
 from models.common.decoder import Decoder, TransformerBlock
 from models.common.feed_forward import FeedForward
-from models.common.gated_delta import chunk_gated_delta_rule
 from models.common.init import trunc_normal_
 from models.common.moe import MoE
 from models.common.rope import RopeConfig, apply_rope, rope_rows
@@ -202,7 +202,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         # float32: exp(A_log) in a low precision could overflow (HF's note).
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out, _ = chunk_gated_delta_rule(
+        out, _ = ops.gated_delta_rule(
             q,
             k,
             v,

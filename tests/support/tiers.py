@@ -1667,6 +1667,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "PP 2 x TP 2 through torchrun: the default tier runs the pipeline step through torchrun and TP 2 "
         "against one process",
     ),
+    Scheduled(
+        "tests/xla/test_delta_rule_kernel.py::*",
+        (
+            "tests/unit/test_delta_rule_op.py",
+            "tests/unit/test_kernel_selfcheck.py::test_a_kernel_that_agrees_in_bf16_passes_within_the_argued_tolerance[gated_delta_rule]",
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference",
+        ),
+        "the delta rule kernel in interpret mode (a minute of jax start-up, interpretation and the VJP) and its "
+        "torch-tpu op on fake tensors: the default tier routes the op, checks its self-check cases against the "
+        "recurrence and runs the other Pallas kernels interpreted",
+    ),
 )
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import titan_kernels
-from models.common import ops
+from models.common import gated_delta, ops
 from titan_kernels.tpu import pin_jax_platform, selfcheck, tiles
 
 BF16 = torch.bfloat16
@@ -76,16 +76,20 @@ AGREEING = {
     "attention": full_attention_bf16,
     "grouped_mm": grouped_bf16,
     "linear_cross_entropy": ce_bf16,
+    # The token-by-token recurrence (an independent formula; float32 inside, output in the inputs' dtype).
+    "gated_delta_rule": lambda *a, chunk_size=64, **kw: gated_delta.recurrent_gated_delta_rule(*a, **kw),
 }
 DISAGREEING = {
     "causal_attention": lambda q, k, v, seg=None: attention_bf16(q, k, v, seg, causal=False),
     "attention": lambda q, k, v: attention_bf16(q, k, v, causal=True),
     "grouped_mm": lambda x, w, sizes: grouped_bf16(x, w, sizes, shift=1),
     "linear_cross_entropy": lambda h, w, labels: ce_bf16(h, w, labels, ignore=False),
+    # The documents' resets ignored: the state crosses document boundaries.
+    "gated_delta_rule": lambda *a, chunk_size=64, reset=None, **kw: gated_delta.recurrent_gated_delta_rule(*a, **kw),
 }
 
 
-def _raises(*args):
+def _raises(*args, **kwargs):
     raise RuntimeError("Mosaic failed to compile the kernel\nsecond line of a long error")
 
 

@@ -6,7 +6,7 @@ would hold what a TPU run does not execute: attention as math SDPA (T x T scores
 the compiler's HBM bytes and temporaries are then the math kernel's) and MoE experts as
 `_grouped_mm`/dense fallbacks, and the fused loss as the chunked torch reference. `install()`
 instead serves `causal_attention`, `attention` (full mask: `splash_full_*`), `grouped_mm` and
-`linear_cross_entropy`, on every device,
+`linear_cross_entropy` (and Qwen 3.5's `gated_delta_rule`), on every device,
 with `titan_capture::*` custom ops that have shape-only (fake) kernels and autograd,
 so they stay single nodes of the captured ATen graph; `add_lowerings(env, mesh, axis,
 generation=...)` then lowers each node to the kernel a TPU run calls (titan_kernels/tpu/splash.py,
@@ -18,6 +18,8 @@ would otherwise replicate it on every device.
 - gmm: the rows (tokens sorted by expert) are split over `axis`, the weight is gathered, and each
   shard's group sizes are its slice of the global groups (rows of group g that fall in the
   shard), so every row meets its own expert's weight once;
+- the gated delta rule (Qwen 3.5): the batch is split over `axis` (titan_kernels/tpu/delta_rule.py;
+  its backward is plain JAX, which the compiler counts);
 - fused CE: the rows (tokens) are split over `axis`, the output projection's weight is gathered;
   the forward returns per-row losses and log-sum-exps (the op titan_kernels/tpu/register.py binds on
   a TPU, same mean over valid rows in torch), the backward's dw is summed over the shards.
@@ -59,6 +61,13 @@ def _define() -> None:
     lib.define("gmm_bwd(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)")
     lib.define("ce_fwd(Tensor h, Tensor w, Tensor labels) -> (Tensor, Tensor)")
     lib.define("ce_bwd(Tensor h, Tensor w, Tensor labels, Tensor lse, Tensor g) -> (Tensor, Tensor)")
+    lib.define(
+        "gated_delta_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor h0, Tensor reset) -> (Tensor, Tensor)"
+    )
+    lib.define(
+        "gated_delta_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor h0, Tensor reset, Tensor d_out, "
+        "Tensor d_state) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    )
     _LIB.append(lib)
     op = getattr(torch.ops, NAMESPACE)
 
@@ -81,6 +90,10 @@ def _define() -> None:
         )
     )
     fake("ce_bwd")(lambda h, w, labels, lse, g: (torch.empty_like(h), torch.empty_like(w)))
+    fake("gated_delta_fwd")(lambda q, k, v, g, beta, h0, reset: (torch.empty_like(v), torch.empty_like(h0)))
+    fake("gated_delta_bwd")(
+        lambda q, k, v, g, beta, h0, reset, d_out, d_state: tuple(torch.empty_like(t) for t in (q, k, v, g, beta, h0))
+    )
 
     def save_all(ctx, inputs, output):
         ctx.save_for_backward(*inputs)
@@ -117,6 +130,13 @@ def _define() -> None:
 
     torch.library.register_autograd(f"{NAMESPACE}::ce_fwd", ce_backward, setup_context=ce_setup, lib=lib)
 
+    def gated_delta_backward(ctx, d_out, d_state):
+        return (*op.gated_delta_bwd(*ctx.saved_tensors, d_out.contiguous(), d_state.contiguous()), None)
+
+    torch.library.register_autograd(
+        f"{NAMESPACE}::gated_delta_fwd", gated_delta_backward, setup_context=save_all, lib=lib
+    )
+
 
 def causal_attention(q, k, v, segment_ids=None):
     op = getattr(torch.ops, NAMESPACE)
@@ -143,6 +163,15 @@ def linear_cross_entropy(h, w, labels):
     return torch.where(valid, rows, 0.0).sum() / valid.sum()
 
 
+def gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, **kwargs):
+    # As titan_kernels/tpu/register.py's op on a TPU: the prepared inputs to the kernel's op.
+    from models.common import gated_delta
+
+    if chunk_size != 64:  # the kernel's chunk (delta_rule.CHUNK; jax is not imported here)
+        return gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+    return gated_delta.call_prepared(getattr(torch.ops, NAMESPACE).gated_delta_fwd, q, k, v, g, beta, **kwargs)
+
+
 def install() -> None:
     """Define the ops (once) and serve the model's attention (causal and full), grouped matmul and
     fused loss with them."""
@@ -151,6 +180,7 @@ def install() -> None:
     ops.register("attention", attention)
     ops.register("grouped_mm", grouped_mm)
     ops.register("linear_cross_entropy", linear_cross_entropy)
+    ops.register("gated_delta_rule", gated_delta_rule)
 
 
 def shard_group_sizes(group_sizes, rows: int, shard):
@@ -222,6 +252,19 @@ def ce_cost(
     return (4 * matmul, bwd_bytes) if backward else (matmul, fwd_bytes)
 
 
+def gated_delta_cost(b: int, h: int, s: int, dk: int, dv: int, chunk: int = 64) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one forward call of the delta rule kernel on [b, h, s, d] float32
+    inputs (titan_kernels/tpu/delta_rule.py), per chunk and head: (k beta) k^T and q k^T
+    (2 C^2 dk each), the forward substitution (C rows of a [1, C] x [C, C] product: 2 C^3),
+    T (v beta) and the intra-chunk product (2 C^2 dv each), T (k beta decayed) (2 C^2 dk), and
+    three [C, dk] x [dk, dv]-sized products with the state (6 C dk dv). Bytes: q, k, v read and
+    the output written once, the state read and written once per head (a model). The backward
+    is plain JAX: the compiler counts it."""
+    n = -(-s // chunk) * b * h
+    flops = n * (6.0 * chunk * chunk * dk + 2.0 * chunk**3 + 4.0 * chunk * chunk * dv + 6.0 * chunk * dk * dv)
+    return flops, 4.0 * (b * h * s * (2 * dk + 2 * dv + 2) + 2 * b * h * dk * dv)
+
+
 def kernel_costs() -> dict[str, float]:
     """Sum of `COSTS`: {"flops", "bytes", "calls"}."""
     return {"flops": sum(c[1] for c in COSTS), "bytes": sum(c[2] for c in COSTS), "calls": len(COSTS)}
@@ -243,7 +286,7 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    from titan_kernels.tpu import fused_ce, gmm, splash
+    from titan_kernels.tpu import delta_rule, fused_ce, gmm, splash
 
     op = getattr(torch.ops, NAMESPACE)
 
@@ -355,6 +398,21 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
         op.splash_full_bwd.default,
         sharded(splash_full_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True, causal=False)),
     )
+
+    def gated_delta_fwd(q, k, v, g, beta, h0, reset):
+        return delta_rule.forward(q, k, v, g, beta, h0, reset)
+
+    def gated_delta_bwd(q, k, v, g, beta, h0, reset, d_out, d_state):
+        return tuple(delta_rule.backward(q, k, v, g, beta, h0, reset, d_out, d_state))
+
+    def gated_delta_costs(q, k, v, *rest):
+        b, h, s, dk = local(q.shape)
+        return ("gated_delta_fwd", *gated_delta_cost(b, h, s, dk, v.shape[-1]))
+
+    env.override_op_definition(
+        op.gated_delta_fwd.default, sharded(gated_delta_fwd, (batch,) * 7, (batch, batch), gated_delta_costs)
+    )
+    env.override_op_definition(op.gated_delta_bwd.default, sharded(gated_delta_bwd, (batch,) * 9, (batch,) * 6))
     env.override_op_definition(op.gmm.default, sharded(gmm_fwd, (batch, P(), P()), batch, gmm_costs(False)))
     env.override_op_definition(
         op.gmm_bwd.default, sharded(gmm_bwd, (batch, P(), P(), batch), (batch, P()), gmm_costs(True))

@@ -13,6 +13,9 @@ fit VMEM fail here with the compiler's `CompileTimeScopedVmemOom`, as they would
   halves titan_kernels/tpu/register.py binds) at the run's rows per device, hidden size and vocabulary;
 - `grouped_mm`: forward and backward of both expert matmuls (dim -> expert hidden in the experts'
   nn.Linear layout, and back) at tokens x top_k rows (MoE models only);
+- `gated_delta_rule`: the forward (the Pallas kernel) and forward + backward (the backward is the
+  plain-JAX VJP, titan_kernels/tpu/delta_rule.py) over the run's tokens per device, with the
+  model's DeltaNet heads and widths (Qwen 3.5 only: `shapes.delta_heads`);
 - splash: nothing here (its numeric check runs at the run's head widths on the device).
 Where no compile-only device can be made (the generation is not detected, libtpu refuses the
 topology in this process, or a TPU is attached to this process: the training process, whose
@@ -32,7 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from titan_kernels.tpu import fused_ce, gmm, tiles
+from titan_kernels.tpu import delta_rule, fused_ce, gmm, tiles
 
 DEFAULT_TOKENS = 8192
 """Rows per device compiled when the run's are not known."""
@@ -69,6 +72,22 @@ def programs(op: str, shapes, generation: str | None) -> list[tuple[str, object,
                 words,
                 vmem,
             ),
+        ]
+    if op == "gated_delta_rule" and shapes.delta_heads:
+        b, h, dk, dv = 1, shapes.delta_heads, shapes.delta_k_dim, shapes.delta_v_dim
+        qkv, heads = [S((b, h, rows, d), f32) for d in (dk, dk, dv)], [S((b, h, rows), f32)] * 2
+        state, reset = S((b, h, dk, dv), f32), S((b, rows), i32)
+        vmem = (delta_rule.vmem_bytes(dk, dv, rows), tiles.hardware(generation).scoped_vmem_bytes)
+        words = f"tokens {rows}, {h} heads of k {dk} / v {dv}, chunks of {delta_rule.CHUNK}"
+
+        def both(q, k, v, g, beta, h0, reset, d_out, d_state):
+            outs, vjp = jax.vjp(lambda *a: delta_rule.gated_delta_rule(*a, reset), q, k, v, g, beta, h0)
+            return outs, vjp((d_out, d_state))
+
+        args = [*qkv, *heads, state, reset]
+        return [
+            ("forward", delta_rule.forward, args, words, vmem),
+            ("backward", both, [*args, S((b, h, rows, dv), f32), state], words, vmem),
         ]
     if op == "grouped_mm" and shapes.num_experts:
         m, groups = rows * max(shapes.top_k, 1), shapes.num_experts

@@ -9,7 +9,10 @@ Imported only by `titan_kernels.tpu.load()` on a TPU run (it imports jax and nee
   `attention` (FLUX's joint attention; padded keys hidden by the kernel's segment ids);
 - `titan_tpu::gmm / gmm_bwd` (w as [G, K, N]) and `gmm_t / gmm_t_bwd` (w in nn.Linear layout
   [G, N, K], what the MoE experts hold: their transposed view is passed without a copy);
-- `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients).
+- `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients);
+- `titan_tpu::gated_delta_fwd / gated_delta_bwd` for the op `gated_delta_rule` (Qwen 3.5's Gated
+  DeltaNet, titan_kernels/tpu/delta_rule.py): the Pallas forward (out, final state); the backward
+  is the VJP of the plain-JAX chunked form (delta_rule.py `backward`), on the saved inputs.
 `build_cp(cp_rank, cp_size)` adds, per context-parallel rank, `titan_tpu::splash_cp{size}r{rank}_fwd
 / _bwd` (and `_seg_`): splash over all-gathered keys with that rank's causal offsets.
 Each forward op gets autograd through `register_autograd` with its backward op (jax_op registers
@@ -33,7 +36,7 @@ import jax
 import torch
 
 from models.common import ops
-from titan_kernels.tpu import fused_ce, gmm, splash, tiles
+from titan_kernels.tpu import delta_rule, fused_ce, gmm, splash, tiles
 
 NAMESPACE = "titan_tpu"
 _BUILT: dict[str, Callable] = {}
@@ -65,6 +68,7 @@ def build() -> dict[str, Callable]:
             attention=_build_full_splash(jax_op, gen),
             grouped_mm=_build_gmm(jax_op, gen),
             linear_cross_entropy=_build_linear_ce(jax_op, gen),
+            gated_delta_rule=_build_gated_delta(jax_op),
         )
     return dict(_BUILT)
 
@@ -306,3 +310,46 @@ def _build_linear_ce(jax_op, gen: str | None) -> Callable:
         return torch.where(valid, rows, 0.0).sum() / valid.sum()
 
     return linear_cross_entropy
+
+
+def _build_gated_delta(jax_op) -> Callable:
+    """The op `gated_delta_rule` as `titan_tpu::gated_delta_fwd / _bwd` (delta_rule.py), called
+    on the inputs the torch side prepares as the reference does (`gated_delta.call_prepared`).
+    Chunk sizes other than the kernel's and tensors off the TPU go to the torch reference."""
+    from models.common import gated_delta
+
+    @jax_op(f"{NAMESPACE}::gated_delta_fwd")
+    def gd_fwd(
+        q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, h0: jax.Array, reset: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        return delta_rule.forward(q, k, v, g, beta, h0, reset)
+
+    @jax_op(f"{NAMESPACE}::gated_delta_bwd")
+    def gd_bwd(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        g: jax.Array,
+        beta: jax.Array,
+        h0: jax.Array,
+        reset: jax.Array,
+        d_out: jax.Array,
+        d_state: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+        return tuple(delta_rule.backward(q, k, v, g, beta, h0, reset, d_out, d_state))
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, d_out, d_state):
+        return (*gd_bwd(*ctx.saved_tensors, d_out.contiguous(), d_state.contiguous()), None)
+
+    gd_fwd.register_autograd(backward, setup_context=setup)
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, **kwargs):
+        # kwargs: initial_state, output_final_state, qk_l2norm, reset (models/common/gated_delta.py)
+        if not _on_tpu(q, k, v) or chunk_size != delta_rule.CHUNK:
+            return gated_delta.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size, **kwargs)
+        return gated_delta.call_prepared(gd_fwd, q, k, v, g, beta, **kwargs)
+
+    return chunk_gated_delta_rule

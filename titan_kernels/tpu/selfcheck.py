@@ -66,6 +66,7 @@ KERNEL_NAMES = {
     "attention": "full-mask splash",
     "grouped_mm": "gmm",
     "linear_cross_entropy": "fused CE",
+    "gated_delta_rule": "delta rule",
     "cp_attention": "CP splash",
 }
 """The kernel that serves each op on TPU, as the banner names it."""
@@ -75,6 +76,7 @@ REFERENCES = {
     "attention": ops.sdpa_attention,
     "grouped_mm": ops.torch_grouped_mm,
     "linear_cross_entropy": ops.chunked_linear_cross_entropy,
+    "gated_delta_rule": ops.torch_gated_delta_rule,
 }
 """The torch reference of each op (what every other device runs, and the TPU fallback)."""
 
@@ -89,6 +91,9 @@ class Case:
     views: tuple[tuple[int, Callable], ...] = ()
     """(i, fn): the op receives fn(leaf i), not the leaf (the MoE experts hold [G, N, K]
     weights and pass their transposed view); gradients are taken for the leaf."""
+    call: Callable | None = None
+    """`call(fn, *args)` -> the one tensor compared, in place of `fn(*args)` (an op with keyword
+    arguments and several outputs: the delta rule's output, or its final state)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +137,11 @@ class KernelShapes:
     """This process' rank in its context-parallel group (the CP kernels are per rank)."""
     tokens: int = 0
     """Tokens per device per micro-batch (the loss' rows); 0: not known (compile checks use 8192)."""
+    delta_k_dim: int = 128
+    """The gated delta rule's key width (Qwen 3.5's `linear_key_head_dim`); its value width next."""
+    delta_v_dim: int = 128
+    delta_heads: int = 0
+    """The delta rule's value heads (0: the model has no delta rule; its check uses 4 heads anyway)."""
 
     @classmethod
     def of(cls, args, *, cp: int = 1, cp_rank: int = 0, tokens: int = 0) -> KernelShapes:
@@ -153,6 +163,9 @@ class KernelShapes:
             cp=cp,
             cp_rank=cp_rank,
             tokens=tokens,
+            delta_k_dim=getattr(args, "linear_key_head_dim", 0) or 128,
+            delta_v_dim=getattr(args, "linear_value_head_dim", 0) or 128,
+            delta_heads=getattr(args, "linear_num_value_heads", 0) if hasattr(args, "linear_key_head_dim") else 0,
         )
 
     def describe(self, op: str) -> str:
@@ -161,6 +174,8 @@ class KernelShapes:
             return f"q/k {self.qk_head_dim}, v {self.v_head_dim}"
         if op == "grouped_mm":
             return f"{self.hidden} -> {self.expert_hidden} -> {self.hidden}"
+        if op == "gated_delta_rule":
+            return f"k {self.delta_k_dim}, v {self.delta_v_dim}"
         if op == "linear_cross_entropy":
             return f"hidden {self.hidden}" + (f", vocab {self.vocab}" if self.vocab else "")
         if op == "cp_attention":
@@ -201,6 +216,19 @@ def cases(
         dq, dv = shapes.qk_head_dim, shapes.v_head_dim
         q, k, v = normal(b, hq, s, dq), normal(b, hkv, s, dq), normal(b, hkv, s, dv)
         return [Case("full", (q, k, v), (0, 1, 2))]
+    if op == "gated_delta_rule":  # 150 tokens: 3 chunks of 64, the last padded; GQA 2 -> 4 heads
+        b, s, hk, hv, dk, dv = 1, 150, 2, 4, shapes.delta_k_dim, shapes.delta_v_dim
+        q, k, v = normal(b, s, hk, dk), normal(b, s, hk, dk), normal(b, s, hv, dv)
+        g = -torch.nn.functional.softplus(torch.randn(b, s, hv, generator=gen)).to(dtype)
+        beta = torch.randn(b, s, hv, generator=gen).sigmoid().to(dtype)
+        state = normal(b, hv, dk, dv, std=0.5)
+        reset = torch.zeros(b, s, dtype=torch.bool)
+        reset[:, [40, 64, 100]] = True  # documents: mid-chunk, on a chunk boundary
+        args = (q, k, v, g, beta, state, reset)
+        return [
+            Case("documents, output", args, (0, 1, 2, 3, 4, 5), call=_delta_rule_output),
+            Case("documents, final state", args, (1, 2, 3, 4, 5), call=_delta_rule_state),  # q: no part in it
+        ]
     if op == "grouped_mm":
         sizes = torch.tensor([40, 0, 36, 20])
         out = []
@@ -253,6 +281,18 @@ def cp_reference(cp_rank: int, cp_size: int) -> Callable:
     return attention
 
 
+def _delta_rule(fn: Callable, q, k, v, g, beta, state, reset):
+    return fn(q, k, v, g, beta, initial_state=state, output_final_state=True, qk_l2norm=True, reset=reset)
+
+
+def _delta_rule_output(fn: Callable, *args) -> torch.Tensor:
+    return _delta_rule(fn, *args)[0]
+
+
+def _delta_rule_state(fn: Callable, *args) -> torch.Tensor:
+    return _delta_rule(fn, *args)[1]
+
+
 def _experts_view(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(-2, -1)
 
@@ -274,7 +314,7 @@ def _call(fn: Callable, case: Case, device: torch.device, dtype: torch.dtype, *,
     call_args = list(args)
     for i, view in case.views:
         call_args[i] = view(args[i])
-    out = fn(*call_args)
+    out = fn(*call_args) if case.call is None else case.call(fn, *call_args)
     if out.dim() == 0:
         cot = torch.ones_like(out)
     else:
