@@ -302,6 +302,8 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
     # slice as on a single one; the DCN part is torch-tpu's hybrid mesh (build_mesh).
     devices = parallel_dims.world_size // parallel_dims.num_slices
     shape = parallel_dims.ici_mesh_shape if parallel_dims.num_slices > 1 else parallel_dims.mesh_shape
+    if parallel_dims.pp_enabled:  # pp (outermost, one slice) laid out as part of dp_replicate: same rank order
+        shape = (parallel_dims.pp * shape[0], *shape[1:])
     if target and parallel_dims.num_slices > 1 and isinstance(target, str) and re.search(r"x\d+$", target):
         target = target.rsplit("x", 1)[0]  # v6e-256x2 -> one slice, v6e-256
     topology = None

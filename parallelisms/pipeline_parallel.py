@@ -243,6 +243,10 @@ class PipelinePlan:
     """Micro-batches per schedule step (each accumulation micro-batch is split into these)."""
     first_stage_less: int = 1
     last_stage_less: int = 1
+    uniform: bool = False
+    """Graph mode's uniform stages (trainer/graph/pipeline.py): every pp rank holds as many blocks
+    (first/last_stage_less 0) and also the embedding, the norm and the head, so that its program is
+    every other rank's (SPMD); which of them a rank uses is data (its stage index), not code."""
 
     @property
     def num_stages(self) -> int:
@@ -260,7 +264,10 @@ class PipelinePlan:
         return sorted(i for s in stage_ids(pp_rank, self.pp, self.schedule, self.num_virtual) for i in split[s])
 
     def rank_has_first_last(self, pp_rank: int) -> tuple[bool, bool]:
-        """(holds stage 0, holds the last stage) for pp rank `pp_rank`."""
+        """(holds stage 0's embedding, holds the last stage's norm and head) for pp rank `pp_rank`
+        (both on every rank with uniform stages)."""
+        if self.uniform:
+            return True, True
         ids = stage_ids(pp_rank, self.pp, self.schedule, self.num_virtual)
         return 0 in ids, self.num_stages - 1 in ids
 

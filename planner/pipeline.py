@@ -8,7 +8,8 @@ planner"):
 
 - **weights, gradients, optimizer state**: the blocks of its stages (`split_layers`, `stage_ids`:
   the trainer's own split and placement), the token embedding only where it holds stage 0, the
-  final norm and head only where it holds the last stage;
+  final norm and head only where it holds the last stage (graph mode's uniform stages,
+  `PipelineSpec.uniform`: every rank holds and runs the embedding, norm, head and loss);
 - **activations**: one micro-batch of `local_batch / m` sequences per in-flight micro-batch
   (`in_flight`: 1F1B holds `min(m, p - r)`, GPipe and LoopedBFS all `m`, the interleaved schedules
   `min(v m, (v - 1) p + 2 (p - 1 - r) + 1)` chunks of 1/v of the rank's layers, ZBV `min(m, p)`),
@@ -71,6 +72,9 @@ class PipelineSpec:
     """Stages per rank (0: the schedule's default)."""
     first_less: int = 1
     last_less: int = 1
+    uniform: bool = False
+    """Graph mode's uniform stages (trainer/graph/pipeline.py): every pp rank holds and runs the
+    embedding, the norm, the head and the loss (one SPMD program; one stage's are the real ones)."""
 
     @property
     def v(self) -> int:
@@ -93,6 +97,12 @@ class PipelineSpec:
 
     def rank_stages(self, rank: int) -> tuple[int, ...]:
         return stage_ids(rank, self.pp, self.schedule, self.v)
+
+    def holds_first_last(self, rank: int) -> tuple[bool, bool]:
+        """(holds the embedding, holds the norm, head and loss): stage 0's and the last stage's
+        ranks, or every rank with uniform stages."""
+        ids = self.rank_stages(rank)
+        return (True, True) if self.uniform else (0 in ids, self.num_stages - 1 in ids)
 
     def rank_layers(self, n_layers: int) -> list[int]:
         """Blocks each pp rank holds (all its stages)."""
@@ -137,6 +147,7 @@ def spec_of(request) -> PipelineSpec:
         virtual=request.pp_virtual_stages,
         first_less=request.pp_first_less,
         last_less=request.pp_last_less,
+        uniform=request.pp_degree > 1 and request.mode == "graph",
     )
 
 
@@ -147,8 +158,7 @@ def stage_stats(stats: ShardStats, spec: PipelineSpec, rank: int) -> ShardStats:
     it excludes the embedding and head)."""
     n = stats.n_layers
     layers = spec.rank_layers(n)[rank]
-    ids = spec.rank_stages(rank)
-    first, last = 0 in ids, spec.num_stages - 1 in ids
+    first, last = spec.holds_first_last(rank)
     head_side = stats.root_numel - stats.embedding_numel
     root = (stats.embedding_numel if first else 0) + (head_side if last else 0)
     scale = lambda x: x * layers // n  # noqa: E731
@@ -169,7 +179,7 @@ def stage_activations(per_micro: ActivationBytes, spec: PipelineSpec, rank: int)
     """What rank `rank` keeps: `per_micro` (one micro-batch through its layers) times its in-flight
     micro-batches; the head's input, the loss and its transient only on the last stage."""
     k = spec.in_flight(rank)
-    last = spec.num_stages - 1 in spec.rank_stages(rank)
+    last = spec.holds_first_last(rank)[1]
     return dataclasses.replace(
         per_micro,
         blocks=int(per_micro.blocks * k),
@@ -225,11 +235,11 @@ class PipelineCost:
     @property
     def holds(self) -> str:
         """What the heaviest rank holds besides blocks."""
-        ids = self.spec.rank_stages(self.rank)
+        first, last = self.spec.holds_first_last(self.rank)
         parts = []
-        if 0 in ids:
+        if first:
             parts.append("embedding")
-        if self.spec.num_stages - 1 in ids:
+        if last:
             parts.append("head + loss")
         return " and ".join(parts) or "blocks only"
 

@@ -163,7 +163,7 @@ class BlockStack(nn.ModuleDict):
         from torch._higher_order_ops.scan import scan
 
         state = self._scan
-        template = self["0"]
+        template = next(iter(self.values()))  # a pipeline stage's stack may not hold "0"
 
         def body(carry: torch.Tensor, row: dict[str, torch.Tensor]):
             params = {n: row[n] for n in state.param_names}

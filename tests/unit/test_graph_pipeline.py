@@ -1,5 +1,6 @@
 """Pipeline parallelism in graph mode (trainer/graph/pipeline.py): the pipeline inside the captured
-train step, GPipe's order, the activations moved between stages by a permute over the pp group.
+train step, GPipe's order, uniform stages (one SPMD program: the stage index is an input), the
+activations moved between stages by a permute over the pp group.
 
 On 2 gloo processes (aot_eager, fp32, the Llama 3 debug model narrowed to 6 layers, AdamW with
 clipping, 3 steps): the graph step's losses and gradient norms against one process's eager step on
@@ -7,10 +8,9 @@ the same global batch (and, on the same ranks, eager PP's GPipe), and the final 
 eager PP's (tests/unit/test_pipeline_parallel.py): the loss is the mean of the chunk means and
 each gradient a sum over chunks, fp32 sums in another order: losses within 2e-6 relative, gradient
 norms within 1e-5 (FSDP's reduce-scatters sum in yet another order), graph against eager PP within
-2e-6, weights within 5 % of lr x steps absolute. Measured (2026-12-06): PP 2, 2 chunks: losses
-1.1e-7, norms 3.8e-7, weights 1.7e-5; 4 chunks: losses 0 (bitwise), norms 3.0e-7, weights 2.8e-5,
-against eager GPipe 1.1e-7; PP 2 x FSDP 2 with accumulation: losses 1.1e-7, norms 1.6e-6, weights
-1.7e-5.
+2e-6, weights within 5 % of lr x steps absolute. A wrong stage mask breaks these by orders of
+magnitude (the loss kept on stage 0: losses 1.4e-2, norms 1.3e-1). Measured with uniform stages
+(2026-12-06): docs/pipeline_parallel.md, "Correctness and tolerance".
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
             pp_degree=2,
             pp_schedule="GPipe",
             pp_microbatches=microbatches,
+            pp_first_less=0,
+            pp_last_less=0,
             model_has_experts=False,
             n_layers=N_LAYERS,
             local_batch=local,
@@ -78,6 +80,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 dim=args.dim,
                 dtype=torch.float32,
                 scan=mode == "graph_scan",
+                device=torch.device("cpu"),
             )
             step = build_graph_step(
                 model=model,
@@ -87,6 +90,8 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 grad_accum_steps=accum,
                 loss_fn=loss_fn,
                 pp_mesh=pp,
+                scan_layers=mode == "graph_layerscan",
+                plan=_family().plan,
             )
         else:
             step = PipelineStep(
@@ -116,8 +121,19 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
             for k, v in model.state_dict().items()
         }
         colls = dict(step.stats.collectives) if graph else None
-        out[mode] = (losses, state, None if val is None else val.item(), colls)
+        code = spmd_text(step.graph_module) if graph else None
+        out[mode] = (losses, state, None if val is None else val.item(), colls, code)
     return out
+
+
+def spmd_text(gm) -> str:
+    """The captured graph's code with the permutes' split sizes (the one per-rank constant of
+    graph-mode PP: which peer a rank sends to) written as SPLITS: equal on every pp rank when the
+    stages are uniform (one SPMD program)."""
+    import re
+
+    code = "\n".join(m.code for m in gm.modules() if hasattr(m, "code"))
+    return re.sub(r"(all_to_all_single\.default\(\w+), \[[^\]]*\], \[[^\]]*\]", r"\1, SPLITS, SPLITS", code)
 
 
 def graph_mode(mode: str) -> bool:
@@ -135,7 +151,7 @@ def _graph_parity(nproc: int, *, dp_shard: int = 1, accum: int = 1, microbatches
         w_loss = w_norm = w_weight = w_eager = 0.0
         covered = set()
         for rank_out in results:
-            losses, state, _, _ = rank_out[mode]
+            losses, state = rank_out[mode][:2]
             for (loss, norm), (ref_loss, ref_norm) in zip(losses, ref_losses):
                 w_loss = max(w_loss, abs(loss - ref_loss) / ref_loss)
                 w_norm = max(w_norm, abs(norm - ref_norm) / ref_norm)
@@ -166,6 +182,9 @@ def test_graph_pp2_equals_one_process():
     for r in results:
         colls = r["graph"][3]
         assert colls.get("all_to_all_single") == 4, colls
+    # uniform stages: both ranks captured the same program (the stage index is an input)
+    codes = [r["graph"][4] for r in results]
+    assert "SPLITS" in codes[0] and codes[0] == codes[1]
 
 
 @pytest.mark.multiprocess
@@ -187,6 +206,15 @@ def test_graph_pp2_scan_over_iterations_equals_one_process():
 
 
 @pytest.mark.multiprocess
+def test_graph_pp2_layer_scan_equals_one_process():
+    """PP 2 in graph mode with layer scan (each stage's 3 blocks one scan, called once per pipeline
+    iteration; rank 1's stack holds blocks 3-5, its template block not "0") == one process."""
+    results, _ = _graph_parity(2, microbatches=2, modes=("graph_layerscan",))
+    for r in results:
+        assert r["graph_layerscan"][3].get("all_to_all_single") == 4
+
+
+@pytest.mark.multiprocess
 def test_graph_pp2_fsdp2_accumulation_equals_one_process():
     """PP 2 x dp_shard 2 in graph mode on 4 gloo processes (SimpleFSDP's gathers and reduce-scatters
     in the same graph as the permutes), 2 accumulation micro-batches of 2 sequences per rank, each
@@ -195,19 +223,37 @@ def test_graph_pp2_fsdp2_accumulation_equals_one_process():
 
 
 def test_graph_pp_rules():
+    """Graph-mode PP: uniform stages (first/last_stage_less_layers 0, layers divisible by pp) on
+    cpu/cuda and TPU; each refusal one rule-table line naming its key."""
     base = dict(pp_degree=2, model_has_experts=False, n_layers=6, local_batch=4, mode="graph")
-    assert plan_step(StepRequest(**base, pp_schedule="GPipe")).pipeline.microbatches == 2
+    uniform = dict(pp_first_less=0, pp_last_less=0)
+    plan = plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe"))
+    assert plan.pipeline.microbatches == 2 and plan.pipeline.uniform
+    assert plan.pipeline.rank_has_first_last(1) == (True, True)
+    tpu = plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", device_type="tpu", scan_layers=True))
+    assert tpu.pipeline.uniform and tpu.scan
     from models.errors import ConfigError
 
     for kw, key, fragment in (
-        (dict(), "parallelism.pipeline_schedule", 'allowed: "GPipe"'),
-        (dict(pp_schedule="GPipe", scan_layers=True), "parallelism.pipeline_parallel_degree", "scan_layers True"),
-        (dict(pp_schedule="GPipe", tp_degree=2), "parallelism.pipeline_parallel_degree", "tensor_parallel_degree 2"),
-        (dict(pp_schedule="GPipe", device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
+        (dict(**uniform), "parallelism.pipeline_schedule", 'allowed: "GPipe"'),
+        (dict(pp_schedule="GPipe"), "parallelism.pipeline_first_stage_less_layers", "allowed: pipeline_first"),
+        (dict(pp_schedule="GPipe", pp_first_less=0), "parallelism.pipeline_first_stage_less_layers", "= 0"),
+        (dict(**uniform, pp_schedule="GPipe", n_layers=7), "parallelism.pipeline_parallel_degree", "divisor of 7"),
+        (
+            dict(**uniform, pp_schedule="GPipe", tp_degree=2),
+            "parallelism.pipeline_parallel_degree",
+            "tensor_parallel_degree 2",
+        ),
+        (
+            dict(**uniform, pp_schedule="GPipe", mode="eager", device_type="tpu"),
+            "parallelism.pipeline_parallel_degree",
+            "device tpu",
+        ),
     ):
         with pytest.raises(ConfigError) as e:
             plan_step(StepRequest(**{**base, **kw}))
         assert str(e.value).startswith(f"{key}: ") and fragment in str(e.value), str(e.value)
+    assert not plan_step(StepRequest(**{**base, "mode": "eager", "pp_schedule": "GPipe"})).pipeline.uniform
 
 
 def test_permute_shift_reads_rank_zero_s_splits():

@@ -55,6 +55,23 @@ def test_stage_memory_by_hand_pp2_halves_the_blocks_and_splits_embedding_and_hea
     assert c.rank_totals[c.rank] == pp2.total == max(c.rank_totals)
 
 
+def test_uniform_stages_hold_the_embedding_and_head_on_every_rank():
+    """Graph mode's uniform stages (trainer/graph/pipeline.py): every pp rank holds 3 blocks, the
+    embedding, the norm and the head, and keeps the loss; the blocks still halve."""
+    args = LLAMA.flavors["debugmodel"]
+    graph = dataclasses.replace(GPU, mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0)
+    pp1 = P.plan_estimate(_inputs(args), P.parse_target("h100-4"), pp=1)
+    pp2 = P.plan_estimate(_inputs(args, step=graph, pp_degree=2, pp_microbatches=4), P.parse_target("h100-8"), pp=2)
+    c = pp2.pipeline
+    assert c.spec.uniform and c.holds == "embedding and head + loss"
+    assert c.rank_layers == (3, 3) and c.rank_totals[0] == c.rank_totals[1]
+    dim, vocab, fsdp = args.dim, args.vocab_size, 4
+    root = 2 * vocab * dim // fsdp + dim // fsdp
+    block = (pp1.params // 4 - root) // 6
+    assert pp2.params == 4 * (3 * block + root)
+    assert pp2.activations.loss == pp1.activations.loss  # GPipe: all m chunks' loss on every rank
+
+
 def test_the_bubble_inflates_the_step_time_and_p2p_is_priced_on_its_link():
     args = LLAMA.flavors["debugmodel"]
     pp1 = P.plan_estimate(_inputs(args), P.parse_target("h100-4"), pp=1)

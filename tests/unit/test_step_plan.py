@@ -167,6 +167,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(mtp_depth=1, mode="graph"),
         StepRequest(pp_schedule="Bogus"),
         StepRequest(pp_degree=2, mode="graph"),
+        StepRequest(pp_degree=2, mode="graph", n_layers=7),
         StepRequest(pp_degree=2, mode="compile"),
         StepRequest(pp_degree=2, mode="graph", pp_schedule="GPipe", tp_degree=2),
         StepRequest(pp_degree=2, tp_degree=2, loss_parallel=True),

@@ -1,36 +1,44 @@
-"""Pipeline parallelism in graph mode: the whole pipeline of a step inside the captured train step.
+"""Pipeline parallelism in graph mode: the whole pipeline of a step inside the captured train step,
+one SPMD program: every pp rank runs the same code on its own data.
 
-Each pp rank holds its stage's part of the model (`prune_model`, as eager PP: its blocks, the
-embedding on the first stage, the norm and head on the last). `PipelinedLoss` is the step's
-`loss_fn(model, inputs, labels)` for `GraphStep` (trainer/graph/step.py): it splits each
-accumulation micro-batch into `m` chunks and runs GPipe's forward as a loop of `m + p - 1`
-pipeline iterations, MaxText's way. At iteration t stage s applies its blocks to the chunk it
-holds (chunk t - s, when 0 <= t - s < m; stage 0 embeds chunk t, the last stage computes the loss of
-chunk t - (p - 1)); then every rank's activation moves one stage forward by `stage_permute`, a
+Uniform stages (MaxText's pipeline is the model): every pp rank holds as many blocks
+(`pipeline_first/last_stage_less_layers = 0`, `PipelinePlan.uniform`) and also the embedding, the
+final norm and the head (`prune_model(first=True, last=True)`, names unchanged). Which of them a
+rank uses is data, not code: `PipelinedLoss.stage` is a 0-dim int64 tensor holding the rank's
+index in the pp group, a graph input like the batch, and every choice between stages is a
+`torch.where` on it. The Python control flow depends only on the iteration t, the same on every
+rank; so the captured graph is the same on every pp rank but for the permutes' split sizes (below).
+
+`PipelinedLoss` is the step's `loss_fn(model, inputs, labels)` for `GraphStep`
+(trainer/graph/step.py): it splits each accumulation micro-batch into `m` chunks and runs GPipe's
+forward as `m + p - 1` pipeline iterations. Every rank embeds every chunk first (stage 0's work;
+the others discard theirs). At iteration t each rank applies its blocks to what it holds: stage 0
+takes chunk t's embedding (`where(stage == 0)`, t < m), the others what the previous stage sent;
+a rank idle in iteration t (the bubble: t - stage outside [0, m)) computes on what it holds and the
+result is never used. Then every rank's output moves one stage forward by `stage_permute`, a
 point-to-point permute over the pp process group (an all_to_all_single with one nonzero split: rank
-r sends to r + 1 mod p and receives from r - 1 mod p). The backward is autograd through the
-permutes (the backward of a permute is the permute the other way), inside the same graph: GPipe's
-order, every forward iteration then every backward iteration, scheduled by the compiler.
+r sends to r + 1 mod p and receives from r - 1 mod p; its split sizes are the only per-rank
+constants of the graph, and tools/tpu_compile.py lowers it to one `collective_permute`, the same on
+every device). The outputs of iterations p - 1 .. T - 1 are the last stage's chunks 0 .. m - 1:
+every rank applies the norm, the head and the loss to its own (the last stage's are the real ones)
+and keeps the loss where `stage == p - 1`, 0 elsewhere. The backward is autograd through the
+`where`s and the permutes (the backward of a permute is the permute the other way), inside the same
+graph, every permute's backward on every rank; the unselected branch of a `where` gets exact zeros.
 
-Every rank issues the same permutes in the same order, forward and backward: a rank idle in an
-iteration (the bubble) forwards what it holds unchanged, stage 0 adds `0 x` what it received to
-the chunk it embeds, and a rank's loss includes `0 x` its last state, so each permute's output
-feeds the next iteration on every rank and the backward permutes form one chain, iteration
-T - 2 down to 0, on every rank (a permute whose output no rank used would skip its backward on one
-rank and not on its peer). The bubble's gradients are exact zeros.
+The step's loss is the last stage's, summed over the pp axis (the other ranks add 0), so every rank
+returns it; the gradient norm is summed over the pp axis in `clip_grads_` (`GraphStep(pp_mesh=...)`),
+which counts the embedding's gradient once (stage 0's; the others' are zeros) and the head's and
+norm's once (the last stage's). After clipping, `sync_replicated_` sums those replicated
+parameters' gradients over the pp axis, so every rank holds the one real gradient and takes the same
+update: the copies stay equal, as a data-parallel replica's do.
 
 `PipelinedLoss(scan=True)` runs the iterations as one scan instead (`_scanned`: one body for every
-rank and iteration, the bubble masked; without SimpleFSDP for now).
-
-The step's loss is the last stage's mean over the chunks, summed over the pp axis (the other
-ranks add 0), so every rank returns the step's mean; the gradient norm is summed over the pp axis
-in `clip_grads_` (`GraphStep(pp_mesh=...)`). docs/pipeline_parallel.md, "Graph mode: one program".
+iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: one program".
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from trainer.step.loss import lm_loss
 
@@ -70,21 +78,21 @@ def stage_permute(x: torch.Tensor, group: tuple[str, int, int]) -> torch.Tensor:
     return StagePermute.apply(x, group)
 
 
-def _anchor(model) -> torch.Tensor:
-    """A 0-dim tensor that needs grad: the sum of the rank's first parameter's local shard."""
-    param = next(p for p in model.parameters() if p.requires_grad)
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return local.sum()
+REPLICATED_MODULES = ("tok_embeddings", "norm", "output")
+"""The top-level modules every pp rank holds with uniform stages, used by one stage each."""
 
 
 class PipelinedLoss:
     """`loss_fn(model, inputs, labels)` of a pp rank in graph mode (module docstring).
 
     - `pp_rank`, `pp`: this rank's stage and the stage count (one stage per rank: GPipe's placement);
+      `pp_rank` only fills the `stage` tensor, the program's input;
     - `group_name`: the pp process group's name (`pp_mesh.get_group().group_name`);
     - `microbatches`: chunks per accumulation micro-batch (`m`; must divide its rows);
     - `dim`, `dtype`: the hidden size and the activations' dtype between stages (SimpleFSDP's
-      param_dtype), for the state a rank holds before its first chunk arrives.
+      param_dtype), for the state a rank holds before its first chunk arrives;
+    - `device`: where the `stage` tensor lives; `fused`: the fused linear + cross-entropy loss
+      (`ops.linear_cross_entropy` from the normed hidden states; the step plan's `fused_loss`).
     """
 
     def __init__(
@@ -97,6 +105,8 @@ class PipelinedLoss:
         dim: int,
         dtype: torch.dtype,
         scan: bool = False,
+        device: torch.device | str = "cpu",
+        fused: bool = False,
     ):
         assert 0 <= pp_rank < pp and pp > 1, (pp_rank, pp)
         self.pp_rank, self.pp, self.m = pp_rank, pp, microbatches
@@ -104,6 +114,9 @@ class PipelinedLoss:
         self.dim, self.dtype = dim, dtype
         self.scan = scan
         """Run the iterations as one `scan` (`_scanned`) instead of unrolled."""
+        self.fused = fused
+        self.stage = torch.tensor(pp_rank, dtype=torch.int64, device=device)
+        """This rank's stage index: data of the program, the same code on every rank."""
 
     @property
     def iterations(self) -> int:
@@ -111,82 +124,88 @@ class PipelinedLoss:
         return self.m + self.pp - 1
 
     def __call__(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        local = self._scanned(model, inputs, labels) if self.scan else self._unrolled(model, inputs, labels)
-        # the value every rank reports: the last stage's mean, summed over the pp axis
+        rows = inputs.shape[0]
+        assert rows % self.m == 0, f"{self.m} pipeline micro-batches do not divide {rows} rows"
+        outs = self._scanned(model, inputs) if self.scan else self._unrolled(model, inputs)
+        local = self._loss(model, outs, labels)
+        # the value every rank reports: the last stage's loss, summed over the pp axis
         value = _c10d.wait_tensor(_c10d.all_reduce(local.detach().float(), "sum", self.group[0]))
         return local + (value - local.detach())
 
-    def _unrolled(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The iterations as a Python loop (one copy of the stage per active iteration in the graph)."""
-        s, p, m = self.pp_rank, self.pp, self.m
-        first, last = s == 0, s == p - 1
-        rows = inputs.shape[0]
-        assert rows % m == 0, f"{m} pipeline micro-batches do not divide {rows} rows"
-        chunk = rows // m
-        tokens, targets = inputs.split(chunk), labels.split(chunk)
-        # What this rank holds before its first chunk arrives (the bubble forwards it unchanged).
-        # It carries `0 x` a parameter: a permute's output needs grad only if its input does, and
-        # the last stage (which forwards only what it holds) must run every backward permute too.
-        h = torch.zeros(chunk, inputs.shape[1], self.dim, dtype=self.dtype, device=inputs.device)
-        h = h + 0 * _anchor(model).to(self.dtype)
-        loss = None
-        iterations = self.iterations
-        for t in range(iterations):
-            i = t - s  # the chunk this stage holds at iteration t
-            active = 0 <= i < m
-            if first and active:
-                x = model(tokens[i]) if t == 0 else model(tokens[i]) + 0 * h
-            elif last:
-                if active:
-                    chunk_loss = lm_loss(model(h), targets[i])
-                    loss = chunk_loss if loss is None else loss + chunk_loss
-                x = h  # sent on to stage 0, which drops it
-            else:
-                x = model(h) if active else h
-            if t < iterations - 1:
-                h = stage_permute(x, self.group)
-        # the other ranks' loss is 0 x their last state: the root of the backward permute chain
-        return loss / m if last else (0 * h).sum()
+    def _embedded(self, model, inputs: torch.Tensor) -> torch.Tensor:
+        """Every chunk's embedding [m, chunk, seq, dim] (every rank computes it; stage 0 uses it)."""
+        shape = (self.m, inputs.shape[0] // self.m, inputs.shape[1], self.dim)
+        return model.tok_embeddings(inputs).to(self.dtype).view(shape)
 
-    def _scanned(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The iterations as one `torch.ops.higher_order.scan` whose body is the same on every rank
-        and every iteration: the stage's blocks on what it holds (kept where the stage is active,
-        `where(0 <= t - s < m)`; the bubble computes and discards), then the permute. Stage 0's
-        injection is data (`where(t < m, embedding of chunk t, h)`; the embedding of every chunk runs
-        before the scan), the last stage's head and loss run after it on the outputs of iterations
-        p - 1 .. T - 1 (chunk 0 .. m - 1, in row order). The graph holds one copy of the stage, of
-        the permute and of its backward, whatever m and p."""
+    def _unrolled(self, model, inputs: torch.Tensor) -> torch.Tensor:
+        """The iterations as a Python loop (one copy of the stage per iteration in the graph); the
+        outputs of iterations p - 1 .. T - 1 stacked [m, chunk, seq, dim]."""
+        from models.common.rope import rope_rows
+
+        p, m = self.pp, self.m
+        embedded = self._embedded(model, inputs)
+        cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
+        first = self.stage == 0
+        h = torch.zeros_like(embedded[0])
+        outs = []
+        for t in range(self.iterations):
+            x = torch.where(first, embedded[t], h) if t < m else h
+            out = model.layers(x, cos, sin)
+            if t >= p - 1:
+                outs.append(out)
+            if t < self.iterations - 1:
+                h = stage_permute(out, self.group)
+        return torch.stack(outs)
+
+    def _scanned(self, model, inputs: torch.Tensor) -> torch.Tensor:
+        """The iterations as one `torch.ops.higher_order.scan` whose body is the same on every
+        iteration: stage 0's input where t < m (`inject`, data), the blocks, the permute. The graph
+        holds one copy of the stage, of the permute and of its backward, whatever m and p."""
         from torch._higher_order_ops.scan import scan
 
         from models.common.rope import rope_rows
 
-        s, p, m = self.pp_rank, self.pp, self.m
-        first, last = s == 0, s == p - 1
-        rows, seq = inputs.shape[0], inputs.shape[1]
-        assert rows % m == 0, f"{m} pipeline micro-batches do not divide {rows} rows"
-        chunk, iterations, device = rows // m, self.iterations, inputs.device
-        cos, sin = rope_rows(model.rope_cos, model.rope_sin, seq, None)
-        shape = (chunk, seq, self.dim)
-        h0 = torch.zeros(shape, dtype=self.dtype, device=device) + 0 * _anchor(model).to(self.dtype)
-        if first:
-            embedded = model.tok_embeddings(inputs).view(m, *shape)
-            feed = torch.cat([embedded, embedded.new_zeros(p - 1, *shape)])
-        else:
-            feed = torch.zeros(iterations, *shape, dtype=self.dtype, device=device)
-        active = torch.tensor([0 <= t - s < m for t in range(iterations)], device=device)
-        inject = torch.tensor([first and t < m for t in range(iterations)], device=device)
+        p, m = self.pp, self.m
+        embedded = self._embedded(model, inputs)
+        cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
+        feed = torch.cat([embedded, embedded.new_zeros(p - 1, *embedded.shape[1:])])
+        inject = (torch.arange(self.iterations, device=inputs.device) < m) & (self.stage == 0)
         blocks, group = model.layers, self.group
 
         def body(h, x):
-            fed, on, injected = x
-            h = torch.where(injected, fed, h)
-            out = torch.where(on, blocks(h, cos, sin), h)
+            fed, injected = x
+            out = blocks(torch.where(injected, fed, h), cos, sin)
             return stage_permute(out, group), out
 
-        _, outs = scan(body, h0, (feed, active, inject))
-        if last:
-            return lm_loss(model.output(model.norm(outs[p - 1 :].flatten(0, 1))), labels)
-        return (0 * outs).sum()
+        _, outs = scan(body, torch.zeros_like(embedded[0]), (feed, inject))
+        return outs[p - 1 :]
+
+    def _loss(self, model, outs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of the last stage's outputs (chunks in row order), kept on the
+        last stage (`where`), 0 elsewhere."""
+        hidden = model.norm(outs.flatten(0, 1))
+        if self.fused:
+            from models.common import ops
+
+            loss = ops.linear_cross_entropy(hidden.flatten(0, 1), model.output.weight, labels.flatten())
+        else:
+            loss = lm_loss(model.output(hidden), labels)
+        return torch.where(self.stage == self.pp - 1, loss, torch.zeros_like(loss))
+
+    def replicated(self, model) -> list[torch.Tensor]:
+        """The parameters every pp rank holds and one stage uses (`REPLICATED_MODULES`)."""
+        return [
+            p
+            for name in REPLICATED_MODULES
+            if getattr(model, name, None) is not None
+            for p in getattr(model, name).parameters()
+        ]
+
+    def sync_replicated_(self, grads: list[torch.Tensor]) -> None:
+        """Sum the replicated parameters' (local) gradients over the pp axis in place: the one stage's
+        real gradient on every rank (the others hold zeros)."""
+        for g in grads:
+            g.copy_(_c10d.wait_tensor(_c10d.all_reduce(g, "sum", self.group[0])))
 
     def eval_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch through the pipeline's forward only (validation), the same on

@@ -65,6 +65,11 @@ class GraphStep:
         # Pipeline parallelism (trainer/graph/pipeline.py): the loss_fn runs the pipeline, and the
         # gradient norm sums over the pp axis (each pp rank holds other parameters).
         self._total_axes = ((pp_mesh, 0),) if pp_mesh is not None else ()
+        # Uniform stages: the parameters every pp rank holds and one stage uses (embedding, head),
+        # whose gradients `loss_fn.sync_replicated_` sums over the pp axis after clipping.
+        replicated = getattr(loss_fn, "replicated", None) if pp_mesh is not None else None
+        self._pp_replicated = {id(p) for p in replicated(model)} if replicated is not None else set()
+        self._current_sync = None
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
         self.aux_loss_coef = float(aux_loss_coef)
@@ -135,6 +140,7 @@ class GraphStep:
         # most: reduced in the backward), found here and not in the traced step.
         deferred = deferred_meshes(self.model)
         self._current_meshes = canonical([deferred.get(id(_slot_param(s))) for s in self._current_slots])
+        self._current_sync = [id(_slot_param(s)) in self._pp_replicated for s in self._current_slots]
         set_scalar_(self._lr, lr)
         if len({len(mb) for mb in microbatches}) != 1:
             raise ValueError("graph step: every micro-batch must hold the same number of tensors")
@@ -150,7 +156,7 @@ class GraphStep:
             ):
                 loss, grad_norm, aux, load = self._compiled(inputs, self._lr)
         finally:
-            self._current_slots = self._current_meshes = None
+            self._current_slots = self._current_meshes = self._current_sync = None
         if self.compile_s is None:
             self.compile_s = (self.capture.ready_at or time.perf_counter()) - start
             self.graph_nodes = self.capture.stats.nodes if self.capture.stats is not None else None
@@ -210,6 +216,8 @@ class GraphStep:
             grad_norm = clip_grads_(
                 [g for _, g in used], self.max_norm, [_reduce_axes(s) for s, _ in used], self._total_axes
             )
+            if self._pp_replicated:  # uniform pipeline stages (trainer/graph/pipeline.py)
+                self._loss_fn.sync_replicated_([g for k, (_, g) in zip(kept, used) if self._current_sync[k]])
             apply = torch.isfinite(grad_norm)
             for slot, g in used:
                 if slot.momentum is not None:  # a Muon matrix (trainer/optim/muon.py)

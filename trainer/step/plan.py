@@ -28,7 +28,6 @@ into docs/rules.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,11 +37,12 @@ from models import FAMILIES
 from models.common.moe import ROUTINGS
 from models.common.quantize import RECIPES as QUANTIZE_RECIPES
 from models.errors import ConfigError
-from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
-from parallelisms.pipeline_parallel import PipelinePlan, max_stages, schedule_style, virtual_stages
+from parallelisms.pipeline_parallel import PipelinePlan
 from parallelisms.quantize import DEFAULT_FILTER_FQNS
 from titan_kernels import ATTENTION_BACKENDS, ATTENTION_DEVICES, attention_backends_for
 from trainer.step.loss import model_lm_loss
+from trainer.step.pipeline_rules import PIPELINE_RULES, PipelineRequest
+from trainer.step.rule import Rule
 
 if TYPE_CHECKING:
     from trainer.step.quantize import QuantizeCensus
@@ -73,7 +73,7 @@ DOCUMENT_MASK_FAMILIES_TEXT = ", ".join(name for name, family in FAMILIES.items(
 
 
 @dataclass(frozen=True)
-class StepRequest:
+class StepRequest(PipelineRequest):
     """What the mode rules read: the run's settings plus the facts of its model, mesh and caller."""
 
     mode: str = "eager"
@@ -171,18 +171,6 @@ class StepRequest:
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
     mtp_depth: int = 0
     """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3; 0: none or not known)."""
-    pp_degree: int = 1
-    """`[parallelism] pipeline_parallel_degree`."""
-    pp_schedule: str = "1F1B"
-    """`[parallelism] pipeline_schedule`."""
-    pp_microbatches: int = 0
-    """`[parallelism] pipeline_microbatches` (0: the number of stages)."""
-    pp_virtual_stages: int = 0
-    """`[parallelism] pipeline_virtual_stages` (0: the schedule's default)."""
-    pp_first_less: int = 1
-    """`[parallelism] pipeline_first_stage_less_layers`."""
-    pp_last_less: int = 1
-    """`[parallelism] pipeline_last_stage_less_layers`."""
     n_layers: int = 0
     """The model's repeated blocks (0: not known to the caller; no rule reads it then)."""
     local_batch: int = 0
@@ -197,34 +185,6 @@ class StepRequest:
     """The model ties its output head to the token embedding."""
     device_order: str = "auto"
     """`[parallelism] device_order`, as text."""
-
-    @property
-    def pp_stages_per_rank(self) -> int:
-        """Pipeline stages per pp rank (`virtual_stages` of the schedule)."""
-        return virtual_stages(self.pp_schedule, self.pp_virtual_stages) if self.pp_schedule in PIPELINE_SCHEDULES else 1
-
-    @property
-    def pp_num_stages(self) -> int:
-        return self.pp_degree * self.pp_stages_per_rank
-
-    @property
-    def pp_m(self) -> int:
-        """Micro-batches per schedule step (`pipeline_microbatches`, 0: the number of stages)."""
-        return self.pp_microbatches or self.pp_num_stages
-
-    @property
-    def pp_max_stages(self) -> int:
-        """The most stages the model's layers split into (every stage holding a block)."""
-        return max_stages(self.n_layers, first_stage_less=self.pp_first_less, last_stage_less=self.pp_last_less)
-
-    @property
-    def pp_too_many_stages(self) -> bool:
-        return self.pp_degree > 1 and self.n_layers > 0 and self.pp_num_stages > self.pp_max_stages
-
-    @property
-    def pp_rounds(self) -> int:
-        """The loop schedules' rounds (torch: max(1, m // pp)); m must divide by it."""
-        return max(1, self.pp_m // self.pp_degree)
 
     @property
     def device_order_named(self) -> bool:
@@ -288,21 +248,6 @@ class StepRequest:
     def cp_seq_multiple(self) -> int:
         """What `seq_len` must be a multiple of for whole splash tiles per context-parallel chunk."""
         return 2 * self.cp_degree * CP_TILE
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One refused combination: `key` is the config key to change, `when` says in words when the
-    rule refuses (docs/rules.md), `refuses` is that test, and `why` the message after `key: `,
-    which ends in what is allowed."""
-
-    key: str
-    when: str
-    refuses: Callable[[StepRequest], bool]
-    why: str
-
-    def message(self, request: StepRequest) -> str:
-        return f"{self.key}: {self.why}".format(r=request)
 
 
 def _others(choices: tuple[str, ...], *drop: str) -> str:
@@ -700,147 +645,8 @@ RULES: tuple[Rule, ...] = (
         "context_parallel_degree {r.cp_degree}, engine {r.caller_loss}; allowed: 0, or compile.mode = "
         '"eager" | "compile" with tensor_parallel_degree = context_parallel_degree = 1 in the trainer',
     ),
-    # Pipeline parallelism (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager
-    # stages of a dense decoder through torch.distributed.pipelining, composed with SimpleFSDP/HSDP,
-    # TP, activation checkpointing and gradient accumulation; the rest is refused until it is wired.
-    Rule(
-        "parallelism.pipeline_schedule",
-        "the schedule is not one of SCHEDULES",
-        lambda r: r.pp_schedule not in PIPELINE_SCHEDULES,
-        f"{{r.pp_schedule!r}} is not allowed; allowed: {', '.join(PIPELINE_SCHEDULES)}",
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "PP > 1 on a TPU, in compile mode, or with layer scan",
-        lambda r: r.pp_degree > 1 and (r.device_type == "tpu" or r.mode == "compile" or r.scan_layers),
-        "{r.pp_degree} runs eager stages through torch.distributed.pipelining or, in graph mode, the "
-        "pipeline inside the captured step, on cpu/cuda (here device {r.device_type}, compile.mode {r.mode}, "
-        "scan_layers {r.scan_layers}; compile mode, layer scan and the TPU backend have no pipeline yet); "
-        'allowed: 1, or compile.mode = "eager" | "graph" on cpu/cuda without scan_layers',
-    ),
-    # Graph mode: the pipeline is one program per step (trainer/graph/pipeline.py), GPipe's order.
-    Rule(
-        "parallelism.pipeline_schedule",
-        "graph mode with a schedule other than GPipe",
-        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.pp_schedule != "GPipe",
-        "{r.pp_schedule!r} with compile.mode graph, whose one program per step runs GPipe's order (every "
-        'forward iteration, then the backward through the permutes); allowed: "GPipe", or compile.mode = "eager"',
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "graph mode with PP and tensor parallelism",
-        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.tp_degree > 1,
-        "{r.pp_degree} in graph mode runs with data parallelism (SimpleFSDP) only for now; here "
-        'tensor_parallel_degree {r.tp_degree}; allowed: 1, or tensor_parallel_degree = 1, or compile.mode = "eager"',
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "PP > 1 with context or expert parallelism, several slices, or TP's loss parallel",
-        lambda r: (
-            r.pp_degree > 1
-            and (r.cp_degree > 1 or r.ep_degree > 1 or r.num_slices > 1 or (r.loss_parallel and r.tp_degree > 1))
-        ),
-        "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP without loss parallel) "
-        "only for now; here context_parallel_degree {r.cp_degree}, expert_parallel_degree {r.ep_degree}, "
-        "num_slices {r.num_slices}, enable_loss_parallel {r.loss_parallel}; allowed: 1, or cp = ep = slices = 1 "
-        "and enable_loss_parallel = false",
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "PP > 1 for a model that is not a plain decoder, has experts or multi-token prediction, ties "
-        "its embeddings, or in the engine",
-        lambda r: (
-            r.pp_degree > 1
-            and (
-                not r.model_pipeline
-                or r.task != "lm"
-                or r.model_has_experts
-                or r.mtp_depth > 0
-                or r.tie_embeddings
-                or r.caller_loss
-            )
-        ),
-        "{r.pp_degree} cuts a dense decoder (embedding, blocks, norm, head; llama3, qwen3 dense) into stages; "
-        "this model: decoder {r.model_pipeline}, task {r.task}, experts {r.model_has_experts}, mtp_depth "
-        "{r.mtp_depth}, tied embeddings {r.tie_embeddings}, engine {r.caller_loss}; allowed for it: 1",
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "PP > 1 with document masking, a fused loss on, QK clip, the once-per-step replicate reduction, "
-        "a local checkpoint tier, or initial weights to load",
-        lambda r: (
-            r.pp_degree > 1
-            and (
-                r.document_mask
-                or r.fused_loss == "on"
-                or r.qk_clip
-                or r.replicate_reduce == "step"
-                or r.local_checkpoint
-                or r.initial_load_format != ""
-            )
-        ),
-        "{r.pp_degree} is not wired yet with training.document_mask ({r.document_mask}), training.fused_loss on "
-        "({r.fused_loss}), optimizer.qk_clip_tau > 0 ({r.qk_clip}), training.replicate_reduce step "
-        "({r.replicate_reduce}), checkpoint.local_folder "
-        "({r.local_checkpoint}) or checkpoint.initial_load_path ({r.initial_load_format!r}; a resumed run's "
-        "own checkpoints reshard); allowed: 1, or document_mask = false, fused_loss = auto | off, qk_clip_tau = 0, "
-        'replicate_reduce = "micro_batch", local_folder = "", initial_load_path = ""',
-    ),
-    Rule(
-        "parallelism.device_order",
-        "a TPU target's layout with PP > 1",
-        lambda r: r.pp_degree > 1 and r.device_order_named,
-        "{r.device_order!r} is a TPU layout; with pipeline_parallel_degree {r.pp_degree} allowed: identity, auto, "
-        "or a permutation of the ranks",
-    ),
-    Rule(
-        "parallelism.pipeline_virtual_stages",
-        "a stage count per rank the schedule does not take (GPipe, 1F1B: 1; ZBVZeroBubble: 2)",
-        lambda r: (
-            r.pp_degree > 1
-            and r.pp_schedule in PIPELINE_SCHEDULES
-            and r.pp_virtual_stages not in (0, r.pp_stages_per_rank)
-        ),
-        "{r.pp_virtual_stages} with pipeline_schedule {r.pp_schedule}, which holds {r.pp_stages_per_rank} "
-        "stage(s) per rank; allowed: 0 or {r.pp_stages_per_rank}, or a multi-stage schedule "
-        "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble)",
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "more stages (pp x virtual stages) than the layers allow, every stage holding a block",
-        lambda r: r.pp_too_many_stages,
-        "{r.pp_degree} x {r.pp_stages_per_rank} stage(s) per rank = {r.pp_num_stages} stages, but the model's "
-        "{r.n_layers} layers (the first stage {r.pp_first_less} and the last {r.pp_last_less} lighter, "
-        "parallelism.pipeline_first/last_stage_less_layers) fill at most {r.pp_max_stages}; allowed: "
-        "pp x virtual stages <= {r.pp_max_stages}",
-    ),
-    Rule(
-        "parallelism.pipeline_microbatches",
-        "micro-batches that do not divide the local batch",
-        lambda r: r.pp_degree > 1 and r.local_batch > 0 and r.local_batch % r.pp_m != 0,
-        "{r.pp_m} does not divide the local batch of {r.local_batch} sequences (per data-parallel rank and "
-        "accumulation micro-batch); allowed: a divisor of {r.local_batch} (0: the number of stages, "
-        "{r.pp_num_stages})",
-    ),
-    Rule(
-        "parallelism.pipeline_microbatches",
-        "1F1B with fewer micro-batches than stages",
-        lambda r: r.pp_degree > 1 and r.pp_schedule == "1F1B" and r.pp_m < r.pp_num_stages,
-        "{r.pp_m} with 1F1B over {r.pp_num_stages} stages (1F1B fills the pipeline before its first "
-        'backward); allowed: >= {r.pp_num_stages}, or pipeline_schedule = "GPipe"',
-    ),
-    Rule(
-        "parallelism.pipeline_microbatches",
-        "a multi-stage schedule whose rounds (max(1, m // pp)) do not divide the micro-batches",
-        lambda r: (
-            r.pp_degree > 1
-            and r.pp_schedule in PIPELINE_SCHEDULES
-            and schedule_style(r.pp_schedule) != "single"
-            and r.pp_m % r.pp_rounds != 0
-        ),
-        "{r.pp_m} with {r.pp_schedule} on pp {r.pp_degree}: the schedule runs max(1, m // pp) = {r.pp_rounds} "
-        "rounds of equal size; allowed: a multiple of {r.pp_degree}, or fewer than {r.pp_degree}",
-    ),
+    # Pipeline parallelism: trainer/step/pipeline_rules.py.
+    *PIPELINE_RULES,
     # FLUX's timestep shift (trainer/tasks/flux.py): a fixed shift or the resolution-dependent one.
     Rule(
         "flow.shift",
@@ -967,6 +773,7 @@ def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
                 microbatches=r.pp_m,
                 first_stage_less=r.pp_first_less,
                 last_stage_less=r.pp_last_less,
+                uniform=r.mode == "graph",
             )
             if r.pp_degree > 1
             else None

@@ -149,17 +149,22 @@ class _Placeholders:
         return _Field(f"`<{name}>`")
 
 
-def _predicates() -> list[str]:
-    """Each rule's `refuses` lambda body, as written in trainer/step/plan.py (the `r.` dropped)."""
-    tree = ast.parse((ROOT / "trainer" / "step" / "plan.py").read_text())
+def _predicates(module: str = "plan", table: str = "RULES") -> list[str]:
+    """Each rule's `refuses` lambda body, as written in trainer/step/plan.py (the `r.` dropped); a
+    starred table in it (`*PIPELINE_RULES`) is read from its sibling module (pipeline_rules.py)."""
+    tree = ast.parse((ROOT / "trainer" / "step" / f"{module}.py").read_text())
+    siblings = {"PIPELINE_RULES": "pipeline_rules"}
     for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "RULES":
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == table:
             out = []
             for call in node.value.elts:
+                if isinstance(call, ast.Starred):
+                    out += _predicates(siblings[call.value.id], call.value.id)
+                    continue
                 (lam,) = [a for a in call.args if isinstance(a, ast.Lambda)]
                 out.append(re.sub(r"\br\.", "", ast.unparse(lam.body)))
             return out
-    raise SystemExit("trainer/step/plan.py: no RULES table")
+    raise SystemExit(f"trainer/step/{module}.py: no {table} table")
 
 
 def render_rules() -> str:

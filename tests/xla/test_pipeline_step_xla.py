@@ -1,0 +1,31 @@
+"""Graph-mode pipeline parallelism's whole train step as one SPMD program on XLA:CPU (probe
+tests/xla/probes/pipeline_step_xla.py, ttpu venv: torch 2.13 + torchax + jax): rank 0's captured
+pipelined step (Llama 3 debug model, 4 layers, pp 2, 2 chunks, uniform stages, fp32) lowered by
+torchax with tools/tpu_compile.py's collective rules in a shard_map over 2 XLA:CPU devices, run
+with device r fed rank r's inputs (its blocks, its stage index).
+
+What it shows: the permutes are `collective_permute`s inside the one program (2 forward, 2
+backward; no all-to-all); both devices report the loss and gradient norm of one process's eager
+step on the same batch; the embedding's and head's weights and moments come out of the update
+equal on both devices. Tolerance: fp32 sums in another order (XLA's fusions and the pipeline's
+chunked loss against one eager pass): 2e-6 relative, as the gloo parity (tests/unit/
+test_graph_pipeline.py). Measured (2026-12-06): loss 1.1e-7, gradient norm 8.1e-7 relative,
+shared tensors bitwise equal. A wrong stage mask (the loss or the embedding taken on the wrong
+stage) changes the loss by O(1)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.xla
+
+
+def test_pipelined_step_is_one_program_with_collective_permutes(probe):
+    out = probe("ttpu", "pipeline_step_xla.py")
+    assert out["collective_permute"] == 4 and out["all_to_all"] == 0, out
+    assert out["stage_inputs"] == [0, 1], out
+    for loss, norm in zip(out["loss"], out["grad_norm"]):
+        assert abs(loss - out["ref_loss"]) / out["ref_loss"] < 2e-6, out
+        assert abs(norm - out["ref_grad_norm"]) / out["ref_grad_norm"] < 2e-6, out
+    assert out["shared_tensors"] == 6 and out["shared_diff_between_devices"] == 0.0, out
+    assert out["shared_min_change"] > 0, out
