@@ -97,7 +97,7 @@ def select(
     self-check runs (and compiles) each kernel there, and the CP splash kernel when `shapes.cp > 1`.
     """
     check_attention_for(attention, device.type)
-    for op in ("attention", "grouped_mm", "linear_cross_entropy", "gated_delta_rule"):
+    for op in ("attention", "sink_attention", "grouped_mm", "linear_cross_entropy", "gated_delta_rule"):
         ops.register(op, None)
     ops.register("quantized_linear", quantized_linear_for(device))
     ops.register("quantized_grouped_mm", quantized_grouped_mm_for(device))
@@ -216,7 +216,9 @@ def _select_tpu(
         ops.register("causal_attention", None)
         return f"sdpa (Pallas kernels unavailable: {tpu.load_error()})"
     selected = {
-        op: fn for op, fn in pallas.items() if op not in ("causal_attention", "attention") or attention != "sdpa"
+        op: fn
+        for op, fn in pallas.items()
+        if op not in ("causal_attention", "attention", "sink_attention") or attention != "sdpa"
     }
     if shapes is not None and not shapes.delta_heads:  # no Gated DeltaNet in the model: nothing to check
         selected.pop("gated_delta_rule", None)
@@ -243,7 +245,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
         if not verdict.ok:
             print(selfcheck.banner(verdict), file=sys.stderr, flush=True)
     _SAVED_OPS.update(saved)
-    for op in ("grouped_mm", "linear_cross_entropy", "causal_attention", "attention"):
+    for op in ("grouped_mm", "linear_cross_entropy", "causal_attention", "attention", "sink_attention"):
         ops.register(op, passed.get(op))
     ops.register("gated_delta_rule", passed.get("gated_delta_rule"))
     from titan_kernels import tpu
@@ -257,6 +259,7 @@ def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) 
             ("grouped_mm", "gmm for MoE experts"),
             ("linear_cross_entropy", "fused linear+cross-entropy"),
             ("attention", "full-mask splash"),
+            ("sink_attention", "sink splash"),
             ("gated_delta_rule", "chunked gated delta rule"),
             ("cp_attention", "CP splash"),
         )

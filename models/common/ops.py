@@ -1,6 +1,8 @@
 """The device-dependent ops that models call: one function per op, implementations from `titan_kernels/`.
 
 A model calls `causal_attention(q, k, v)`, `attention(q, k, v)` (full, bidirectional: FLUX),
+`sink_attention(q, k, v, sinks, window)` (causal with a sink logit per head and a sliding window:
+gpt-oss, DeepSeek-V4's sliding blocks),
 `grouped_mm(x, w, group_sizes)` or
 `linear_cross_entropy(h, w, labels)`, the chunked gated delta rule `gated_delta_rule` (Qwen 3.5's
 Gated DeltaNet, `gated_delta_rule(q, k, v, g, beta, ...)`) (and a quantized linear
@@ -30,7 +32,7 @@ from models.common.quantize import (
     held_float8_weight,
 )
 
-OPS = ("causal_attention", "attention", "grouped_mm", "linear_cross_entropy", "gated_delta_rule")
+OPS = ("causal_attention", "attention", "sink_attention", "grouped_mm", "linear_cross_entropy", "gated_delta_rule")
 LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm", "quantized_batched_mm")
 """Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
 tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
@@ -148,6 +150,74 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     serves it (titan_kernels/tpu/splash.py), elsewhere the reference `sdpa_attention`.
     """
     return _impls.get("attention", sdpa_attention)(q, k, v)
+
+
+def sdpa_sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: torch.Tensor | int,
+    segment_ids: torch.Tensor | None = None,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The reference of `sink_attention`: SDPA over one extra key per head (the sink).
+
+    The sink is one more key, first in the sequence and visible to every query, whose logit is the
+    sink and whose value is zero: q and k get extra columns (q: a one, then zeros; real keys: zeros;
+    the sink key: sink / scale at the one's column, so its logit is exactly the sink), padded to a
+    multiple of 8 for the kernels, and the scale stays `1/sqrt(d)`. That is `softmax([q k^T / sqrt(d)
+    | sink]) v` with the sink column dropped (HF's eager formulation) computed by SDPA with a
+    boolean mask, so the memory-efficient kernels serve it (no `[b, heads, s, s]` probabilities kept
+    for the backward) and the sinks get their gradient through the sink key. The mask is built
+    from `window` by tensor ops (no host read), so one traced program serves sliding and full
+    layers. `sliding_window` is for kernels (see `sink_attention`); the reference reads `window`.
+    """
+    del sliding_window
+    b, heads, s, d = q.shape
+    n_rep = heads // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scale = d**-0.5
+    extra = 8 - d % 8  # the sink's column, then zeros up to a multiple of 8 (8 columns when d is one)
+    q = torch.cat([q, q.new_ones(b, heads, s, 1), q.new_zeros(b, heads, s, extra - 1)], dim=-1)
+    sink_key = F.pad((sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1), (d, extra - 1))
+    k = torch.cat([sink_key, F.pad(k, (0, extra))], dim=2)
+    v = torch.cat([v.new_zeros(b, heads, 1, d), v], dim=2)
+    i = torch.arange(s, device=q.device).unsqueeze(1)
+    j = torch.arange(s, device=q.device).unsqueeze(0)
+    visible = (j <= i) & ((window <= 0) | (i - j < window))
+    if segment_ids is not None:
+        visible = (visible & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
+    visible = F.pad(visible, (1, 0), value=True)  # every query sees the sink
+    return sdpa(q, k, v, attn_mask=visible, scale=scale)
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: torch.Tensor | int,
+    segment_ids: torch.Tensor | None = None,
+    *,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """Causal attention with a sink logit per head and an optional sliding window:
+    `softmax([q k^T / sqrt(d) masked | sink_h]) v` with the sink column dropped (gpt-oss,
+    DeepSeek-V4: the sink takes probability mass and attends to nothing).
+
+    q [b, heads, s, d], k/v [b, kv_heads, s, d] (GQA: heads a multiple of kv_heads), sinks [heads],
+    window: a 0-dim integer tensor (gpt-oss's per-layer buffer: a layer scan gives each layer its
+    own) or an int; > 0: query i sees keys i - window < j <= i, 0: all j <= i. `segment_ids`
+    [b, s]: also only keys of its own segment (the sink stays visible). -> [b, heads, s, d].
+    `sliding_window` (static): the one value > 0 a tensor `window` may hold (0: none). A kernel
+    builds its mask from it (TPU splash: the window's mask and the causal one, chosen on the
+    device by `window`), so a tensor `window` must hold 0 or `sliding_window`; a kernel hands a
+    tensor window without one to the reference. Implementations take `(q, k, v, sinks, window,
+    segment_ids, sliding_window)`.
+    """
+    fn = _impls.get("sink_attention", sdpa_sink_attention)
+    return fn(q, k, v, sinks, window, segment_ids, sliding_window)
 
 
 # --- grouped matmul (MoE experts) ---------------------------------------------------------------
@@ -410,6 +480,7 @@ def gated_delta_rule(
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
     "attention": sdpa_attention,
+    "sink_attention": sdpa_sink_attention,
     "grouped_mm": torch_grouped_mm,
     "linear_cross_entropy": chunked_linear_cross_entropy,
     "gated_delta_rule": torch_gated_delta_rule,

@@ -8,11 +8,12 @@ block an indexer) and in their router's buffers (a hash table, or a selection bi
 cannot be scanned (layer scan refuses it when the step is built); activation checkpointing and
 per-block compile take the blocks as they are.
 
-Attention does not go through the op `models.common.ops.causal_attention`: its keys are the
-window's plus the compressed entries, under a mask no kernel behind the op takes, with sinks.
-`sink_attention` computes `softmax([q k^T / sqrt(d) masked | sink]) v` with SDPA and a boolean
-mask, the sink being one more key (the gpt-oss formulation, models/gpt_oss/model.py). A kernel
-that skips the masked blocks (window + top-k entries) is what long sequences need.
+Attention with sinks: a sliding block ("s") calls the op `models.common.ops.sink_attention` (the
+window alone: splash with sinks on TPU, SDPA with the sink as one more key elsewhere). A CSA or
+HCA block's keys are the window's plus the compressed entries, under a mask no kernel takes:
+`sink_attention` here computes `softmax([q k^T / sqrt(d) masked | sink]) v` with SDPA and a
+boolean mask, the sink being one more key (the op reference's formulation). A kernel that skips
+the masked blocks (window + top-k entries) is what long sequences need.
 
 The indexer chooses entries by `topk`, which has no gradient: as in the reference, its
 parameters get none from the LM loss (DeepSeek trains them with a separate distillation loss,
@@ -245,23 +246,32 @@ class Attention(nn.Module):
         q = rms(self.wq_b(q_lora).view(b, s, self.n_heads, self.head_dim), self.eps)
         q = rope_tail(q, cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [b, s, hd]
-        i = torch.arange(s, device=x.device)
-        visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)).expand(b, s, s)
-        if self.compressor is not None:
-            entries = self.compressor(x, cos, sin)
-            # Entry w holds tokens up to (w + 1) m - 1: closed for queries t >= that.
-            w = torch.arange(entries.shape[1], device=x.device)
-            closed = w[None, :] < ((i + 1) // self.ratio)[:, None]  # [s, n]
-            if self.indexer is not None:
-                chosen = self.indexer.select(x, q_lora, closed, cos, sin)
-            else:
-                chosen = closed.expand(b, -1, -1)
-            kv = torch.cat([kv, entries], dim=1)
-            visible = torch.cat([visible, chosen], dim=-1)
-        out = sink_attention(q.transpose(1, 2), kv, self.sinks, visible).transpose(1, 2)  # [b, s, h, hd]
+        if self.compressor is None:  # "s": the window alone, the op (splash with sinks on TPU)
+            shared = kv.unsqueeze(1)  # the one KV head, key and value alike
+            out = ops.sink_attention(q.transpose(1, 2), shared, shared, self.sinks, self.window).transpose(1, 2)
+        else:
+            out = self._compressed_attention(x, q, q_lora, kv, cos, sin)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # values carry their keys' rotation: undo it
         grouped = self.wo_a(out.reshape(b, s, self.wo_a.groups, -1)).flatten(2)
         return self.wo_b(grouped)
+
+    def _compressed_attention(self, x, q, q_lora, kv, cos, sin) -> torch.Tensor:
+        """CSA / HCA: sink attention over the window's keys plus the compressed entries visible to
+        each query (`sink_attention` with its boolean mask) -> [b, s, h, hd]."""
+        b, s, _ = x.shape
+        i = torch.arange(s, device=x.device)
+        visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)).expand(b, s, s)
+        entries = self.compressor(x, cos, sin)
+        # Entry w holds tokens up to (w + 1) m - 1: closed for queries t >= that.
+        w = torch.arange(entries.shape[1], device=x.device)
+        closed = w[None, :] < ((i + 1) // self.ratio)[:, None]  # [s, n]
+        if self.indexer is not None:
+            chosen = self.indexer.select(x, q_lora, closed, cos, sin)
+        else:
+            chosen = closed.expand(b, -1, -1)
+        kv = torch.cat([kv, entries], dim=1)
+        visible = torch.cat([visible, chosen], dim=-1)
+        return sink_attention(q.transpose(1, 2), kv, self.sinks, visible).transpose(1, 2)
 
     def init_weights(self, init_std: float) -> None:
         """wq_a, wq_b, wkv, wo_a: truncated normal std 0.02; wo_b (the residual-branch output): std

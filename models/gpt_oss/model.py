@@ -8,12 +8,11 @@ blocks have the same parameters; a block's window is the int64 buffer `attention
 full), data rather than a Python attribute, so that a layer scan, which runs block 0's code on
 every layer's row of stacked tensors, gives each layer its own window.
 
-Attention does not go through the op `models.common.ops.causal_attention`: none of its
-implementations (the CPU kernel, splash) takes a sink logit or a window. `sink_attention` computes
-`softmax([q k^T / sqrt(d) masked | sink]) v` with the sink column dropped (HF's formulation)
-as SDPA over one extra key per head (the sink) with a boolean causal/window mask, so the memory-
-efficient SDPA kernels serve it on the CPU and CUDA; on TPU a splash kernel with sinks and a
-window (which would also skip the blocks outside the window) is what long sequences need.
+Attention is the op `models.common.ops.sink_attention` (`softmax([q k^T / sqrt(d) masked | sink])
+v` with the sink column dropped, HF's formulation): its reference is SDPA over one extra key per
+head (the sink) with a boolean causal/window mask, so the memory-efficient SDPA kernels serve it
+on the CPU and CUDA; on TPU splash with the kernel's own sinks and a local (window) or causal mask
+serves it (titan_kernels/tpu/splash.py), skipping the blocks outside the window.
 """
 
 import math
@@ -27,7 +26,6 @@ from models.common import ops
 from models.common.decoder import Decoder, TransformerBlock
 from models.common.init import trunc_normal_
 from models.common.moe import MoE
-from models.common.ops import repeat_kv
 from models.common.rope import apply_rope
 from models.gpt_oss.args import GptOssArgs
 
@@ -74,48 +72,6 @@ class YarnRope:
         return emb.cos() * scale, emb.sin() * scale
 
 
-def sink_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    window: torch.Tensor,
-    segment_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention with a sink logit per head and an optional sliding window.
-
-    q [b, heads, s, d], k/v [b, kv_heads, s, d] (GQA: heads a multiple of kv_heads), sinks [heads]
-    (one extra logit per head in the softmax denominator, attending to nothing), window: 0-dim
-    int64 tensor, > 0: query i sees keys i - window < j <= i, 0: all j <= i. `segment_ids` [b, s]:
-    also only keys of its own segment. -> [b, heads, s, d].
-
-    The sink is one more key, first in the sequence and visible to every query, whose logit is the
-    sink and whose value is zero: q and k get extra columns (q: a one, then zeros; real keys: zeros;
-    the sink key: sink / scale at the one's column, so its logit is exactly the sink), padded to a
-    multiple of 8 for the kernels, and the scale stays `1/sqrt(d)`. That is `softmax([q k^T / sqrt(d)
-    | sink]) v` with the sink column dropped (HF's eager formulation) computed by SDPA with a
-    boolean mask, so the memory-efficient kernels serve it (no `[b, heads, s, s]` probabilities kept
-    for the backward) and the sinks get their gradient through the sink key. The mask is built
-    from `window` by tensor ops (no host read), so one traced program serves sliding and full layers.
-    """
-    b, heads, s, d = q.shape
-    n_rep = heads // k.shape[1]
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    scale = d**-0.5
-    extra = 8 - d % 8  # the sink's column, then zeros up to a multiple of 8 (8 columns when d is one)
-    q = torch.cat([q, q.new_ones(b, heads, s, 1), q.new_zeros(b, heads, s, extra - 1)], dim=-1)
-    sink_key = F.pad((sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1), (d, extra - 1))
-    k = torch.cat([sink_key, F.pad(k, (0, extra))], dim=2)
-    v = torch.cat([v.new_zeros(b, heads, 1, d), v], dim=2)
-    i = torch.arange(s, device=q.device).unsqueeze(1)
-    j = torch.arange(s, device=q.device).unsqueeze(0)
-    visible = (j <= i) & ((window <= 0) | (i - j < window))
-    if segment_ids is not None:
-        visible = (visible & (segment_ids[:, :, None] == segment_ids[:, None, :]))[:, None]
-    visible = F.pad(visible, (1, 0), value=True)  # every query sees the sink
-    return ops.sdpa(q, k, v, attn_mask=visible, scale=scale)
-
-
 class SinkAttention(nn.Module):
     """gpt-oss attention: wq/wk/wv/wo with biases, RoPE on q and k, `sink_attention`.
 
@@ -125,7 +81,7 @@ class SinkAttention(nn.Module):
     with 1 is exact. Heads come from local shapes (`view(bs, seq, -1, head_dim)`), as `Attention`.
     """
 
-    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, window: int):
+    def __init__(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, window: int, window_size: int = 0):
         super().__init__()
         assert n_heads % n_kv_heads == 0, f"n_heads {n_heads} not a multiple of n_kv_heads {n_kv_heads}"
         self.head_dim = head_dim
@@ -135,6 +91,9 @@ class SinkAttention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=True)
         self.sinks = nn.Linear(1, n_heads, bias=False)
         self.sliding_window = window
+        # The family's window, the same in every block (scan-safe as an attribute): the one value > 0
+        # that the `window` buffer holds, which a kernel builds its mask from (`ops.sink_attention`).
+        self.window_size = window_size or window
         # Not saved (the args say it); rebuilt by init_weights after materialization.
         self.register_buffer("window", torch.tensor(window, dtype=torch.int64), persistent=False)
 
@@ -149,7 +108,7 @@ class SinkAttention(nn.Module):
         q, k = apply_rope(q, k, rope_cos, rope_sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [bs, heads, seq, head_dim]
         sinks = self.sinks(q.new_ones(1, 1)).view(-1)  # [local heads]
-        out = sink_attention(q, k, v, sinks, self.window, segment_ids)
+        out = ops.sink_attention(q, k, v, sinks, self.window, segment_ids, sliding_window=self.window_size)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -236,9 +195,9 @@ class GptOssTransformer(Decoder):
     and each block's window buffer from the args.
     """
 
-    attn_backends = ("auto", "sdpa")
-    """The `[model] attn_backend` values this model's attention honours: its own torch formulation
-    serves every device; no kernel behind the other values takes attention sinks."""
+    attn_backends = ("auto", "sdpa", "splash")
+    """The `[model] attn_backend` values this model's attention (the op `sink_attention`) honours:
+    the SDPA reference on every device, splash with sinks on TPU; the CPU kernel takes no sinks."""
 
     non_matrix_params = ("sinks", "gate_up_proj_bias", "down_proj_bias")
     """Tensors of 2+ dims that are no linear map (the sinks [H, 1], the experts' bias tables
@@ -256,6 +215,7 @@ class GptOssTransformer(Decoder):
                     n_kv_heads=args.n_kv_heads,
                     head_dim=args.head_dim,
                     window=args.layer_window(layer_id),
+                    window_size=args.sliding_window,
                 ),
                 moe=MoE(
                     dim=args.dim,

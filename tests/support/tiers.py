@@ -277,6 +277,19 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "per-block compile under FSDP and under TP runs by default with aot_eager",
     ),
     Scheduled(
+        "tests/xla/test_sink_splash.py::test_sink_splash_*",
+        (
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference[splash]",
+            "tests/unit/test_kernel_selfcheck.py::test_a_sink_kernel_that_drops_the_sinks_or_the_window_is_dropped",
+            "tests/unit/test_gpt_oss.py::test_logits_match_transformers",
+        ),
+        "splash with sinks and a window in interpret mode (5 cases, ~40 s), compiled deviceless for v6e / "
+        "TPU7x (minutes), and its torch-tpu ops on fake tensors (20 s): the default tier runs the same splash "
+        "forward / residual backward in interpret mode "
+        "(no sinks, causal), the self-check's verdict on a sink kernel that drops the sinks or the window, "
+        "and the op's reference against transformers' gpt-oss",
+    ),
+    Scheduled(
         "tests/xla/test_tpu_program.py::test_every_tpu_recipe_compiles[[]*]",
         (
             "tests/xla/test_moe_xla.py::test_qwen3_moe_lowers_to_one_program",

@@ -223,7 +223,7 @@ def test_attn_backend_rule_refuses_kernels_without_sinks():
     backends = GptOssTransformer.attn_backends
     assert refusals(StepRequest(attn_backend="cpu_kernel", model_attn_backends=backends)) == [
         "model.attn_backend: cpu_kernel cannot serve this model's attention (attention sinks: the family's "
-        "own torch formulation); allowed: auto, sdpa"
+        "own torch formulation); allowed: auto, sdpa, splash"
     ]
     assert refusals(StepRequest(attn_backend="sdpa", model_attn_backends=backends)) == []
     assert refusals(StepRequest(attn_backend="cpu_kernel")) == []  # the other families

@@ -71,9 +71,25 @@ def full_attention_seeing_padding_bf16(q, k, v):
     return attention_bf16(q, k, v, causal=False)[:, :, : q.shape[2] - pad]
 
 
+def sink_attention_bf16(q, k, v, sinks, window, segment_ids=None, sliding_window=0):
+    """softmax over [scores | sink] with the sink column dropped, bf16 operands (as splash)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = ops.repeat_kv(k, group), ops.repeat_kv(v, group)
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None, :]
+    mask = ((j <= i) & ((window <= 0) | (i - j < window)))[None, None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    logits = scores.float().masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*logits.shape[:3], 1)
+    p = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    return p @ v
+
+
 AGREEING = {
     "causal_attention": attention_bf16,
     "attention": full_attention_bf16,
+    "sink_attention": sink_attention_bf16,
     "grouped_mm": grouped_bf16,
     "linear_cross_entropy": ce_bf16,
     # The token-by-token recurrence (an independent formula; float32 inside, output in the inputs' dtype).
@@ -82,6 +98,7 @@ AGREEING = {
 DISAGREEING = {
     "causal_attention": lambda q, k, v, seg=None: attention_bf16(q, k, v, seg, causal=False),
     "attention": lambda q, k, v: attention_bf16(q, k, v, causal=True),
+    "sink_attention": lambda q, k, v, sinks, window, *rest: sink_attention_bf16(q, k, v, sinks, 0, *rest),
     "grouped_mm": lambda x, w, sizes: grouped_bf16(x, w, sizes, shift=1),
     "linear_cross_entropy": lambda h, w, labels: ce_bf16(h, w, labels, ignore=False),
     # The documents' resets ignored: the state crosses document boundaries.
@@ -125,6 +142,20 @@ def test_a_kernel_that_disagrees_is_dropped_with_the_numbers(op):
     verdict = selfcheck.check(op, DISAGREEING[op], device=CPU, dtype=BF16)
     assert not verdict.ok, verdict
     assert "differs from the reference" in verdict.reason and verdict.worst > selfcheck.TOLERANCE, verdict
+
+
+def test_a_sink_kernel_that_drops_the_sinks_or_the_window_is_dropped():
+    """The sink splash's two ways to be wrong: sinks not in the softmax (a logit of -30 is no sink)
+    and the causal mask where the window was asked (a scan's window picking the wrong kernel)."""
+    shapes = selfcheck.KernelShapes(qk_head_dim=64, v_head_dim=64, sliding_window=32)
+    (window_case, full_case) = selfcheck.cases("sink_attention", dtype=BF16, shapes=shapes)
+    assert int(window_case.args[4]) == 32 and int(full_case.args[4]) == 0 and full_case.args[5] is not None
+    no_sinks = lambda q, k, v, sinks, *rest: sink_attention_bf16(q, k, v, sinks * 0 - 30, *rest)  # noqa: E731
+    verdict = selfcheck.check("sink_attention", no_sinks, device=CPU, dtype=BF16, shapes=shapes)
+    assert not verdict.ok and "differs from the reference" in verdict.reason, verdict
+    good = selfcheck.check("sink_attention", sink_attention_bf16, device=CPU, dtype=BF16, shapes=shapes)
+    assert good.ok and 0 < good.worst < selfcheck.TOLERANCE / 2, good
+    assert good.checked == "head 64, window 32 and full"
 
 
 def test_full_attention_that_lets_real_queries_see_padded_keys_is_dropped():
@@ -569,7 +600,14 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
         for op, fn in saved.items():
             ops.register(op, fn)
     assert built == [(1, 2)]
-    assert set(asked) == {"causal_attention", "attention", "grouped_mm", "linear_cross_entropy", "cp_attention"}
+    assert set(asked) == {
+        "causal_attention",
+        "attention",
+        "sink_attention",
+        "grouped_mm",
+        "linear_cross_entropy",
+        "cp_attention",
+    }
     err = capsys.readouterr().err.strip().splitlines()
     assert [e.split(" failed")[0] for e in err] == [
         "titan-tpu: kernel self-check: fused CE (linear_cross_entropy)",
@@ -579,7 +617,7 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     assert real_cp_attention(1, 2) is None
     tpu.refuse_cp(None)
     assert (
-        line.startswith("splash (Pallas: gmm for MoE experts, full-mask splash;")
+        line.startswith("splash (Pallas: gmm for MoE experts, full-mask splash, sink splash;")
         and "self-check failed: fused CE, CP splash" in line
     )
 

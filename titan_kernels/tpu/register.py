@@ -7,6 +7,10 @@ Imported only by `titan_kernels.tpu.load()` on a TPU run (it imports jax and nee
   kernel (`splash.backward`), not the forward again;
 - `titan_tpu::splash_full_fwd / splash_full_bwd`: the same with a full mask, for the op
   `attention` (FLUX's joint attention; padded keys hidden by the kernel's segment ids);
+- `titan_tpu::sink_splash_w{W}_fwd / _bwd` (and `_seg_`), for the op `sink_attention` (gpt-oss):
+  splash with the kernel's sinks, the sliding window W's mask or the causal one picked on the
+  device by the window tensor; one set per W, defined at its first call (the start-up self-check
+  makes the run's: `KernelShapes.sliding_window`); the backward returns dsinks too;
 - `titan_tpu::gmm / gmm_bwd` (w as [G, K, N]) and `gmm_t / gmm_t_bwd` (w in nn.Linear layout
   [G, N, K], what the MoE experts hold: their transposed view is passed without a copy);
 - `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients);
@@ -66,6 +70,7 @@ def build() -> dict[str, Callable]:
         _BUILT.update(
             causal_attention=_build_splash(jax_op, gen),
             attention=_build_full_splash(jax_op, gen),
+            sink_attention=_build_sink_splash(jax_op, gen),
             grouped_mm=_build_gmm(jax_op, gen),
             linear_cross_entropy=_build_linear_ce(jax_op, gen),
             gated_delta_rule=_build_gated_delta(jax_op),
@@ -148,7 +153,7 @@ def build_cp(cp_rank: int, cp_size: int) -> Callable:
 def saved_ops() -> list:
     """The forward ops that selective AC saves, like SDPA and `_grouped_mm` (after `build()`)."""
     names = ("splash_fwd", "splash_seg_fwd", "splash_full_fwd", "gmm", "gmm_t")
-    return [getattr(torch.ops.titan_tpu, name).default for name in names]
+    return [getattr(torch.ops.titan_tpu, name).default for name in names] + list(_SINK_SAVED)
 
 
 def _on_tpu(*tensors: torch.Tensor) -> bool:
@@ -236,6 +241,99 @@ def _build_full_splash(jax_op, gen: str | None) -> Callable:
         return full_fwd(q.contiguous(), k.contiguous(), v.contiguous())[0]
 
     return attention
+
+
+_SINK_OPS: dict[int, tuple] = {}
+_SINK_SAVED: list = []
+
+
+def _sink_ops(jax_op, gen: str | None, window: int) -> tuple:
+    """(fwd, seg_fwd) for sliding window `window` (0: causal only): `titan_tpu::sink_splash_w{window}_*`
+    with autograd (once per window; see the module docstring)."""
+    if window in _SINK_OPS:
+        return _SINK_OPS[window]
+    name = f"{NAMESPACE}::sink_splash_w{window}"
+    kw = dict(sliding_window=window, generation=gen)
+
+    @jax_op(f"{name}_fwd")
+    def fwd(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array, win: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return splash.sink_forward(q, k, v, sinks, win, **kw)
+
+    @jax_op(f"{name}_bwd")
+    def bwd(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        sinks: jax.Array,
+        win: jax.Array,
+        out: jax.Array,
+        lse: jax.Array,
+        dout: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        return splash.sink_backward(q, k, v, sinks, win, None, out, lse, dout, **kw)
+
+    @jax_op(f"{name}_seg_fwd")
+    def seg_fwd(
+        q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array, win: jax.Array, segment_ids: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        return splash.sink_forward(q, k, v, sinks, win, segment_ids, **kw)
+
+    @jax_op(f"{name}_seg_bwd")
+    def seg_bwd(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        sinks: jax.Array,
+        win: jax.Array,
+        segment_ids: jax.Array,
+        out: jax.Array,
+        lse: jax.Array,
+        dout: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        return splash.sink_backward(q, k, v, sinks, win, segment_ids, out, lse, dout, **kw)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+
+    def backward(ctx, dout, d_lse):
+        del d_lse  # an auxiliary output; nothing differentiates through it
+        return (*bwd(*ctx.saved_tensors, dout.contiguous()), None)
+
+    def backward_seg(ctx, dout, d_lse):
+        del d_lse
+        return (*seg_bwd(*ctx.saved_tensors, dout.contiguous()), None, None)
+
+    fwd.register_autograd(backward, setup_context=setup)
+    seg_fwd.register_autograd(backward_seg, setup_context=setup)
+    _SINK_OPS[window] = (fwd, seg_fwd)
+    _SINK_SAVED.extend(
+        getattr(torch.ops.titan_tpu, f"sink_splash_w{window}{part}_fwd").default for part in ("", "_seg")
+    )
+    return _SINK_OPS[window]
+
+
+def _build_sink_splash(jax_op, gen: str | None) -> Callable:
+    """The op `sink_attention`: splash with sinks (ops `sink_splash_w{W}_*`, built per window W).
+
+    A tensor window (gpt-oss's per-layer buffer) goes to the device as int32 [1] and picks the
+    kernel there: it must hold 0 or `sliding_window` (the op's contract); an int window is its own
+    W. A tensor window without `sliding_window` (its values unknown here) takes the reference."""
+
+    def sink_attention(q, k, v, sinks, window, segment_ids=None, sliding_window=0):
+        if not isinstance(window, int) and not sliding_window:
+            return ops.sdpa_sink_attention(q, k, v, sinks, window, segment_ids)
+        if not _on_tpu(q, k, v, sinks):
+            return ops.sdpa_sink_attention(q, k, v, sinks, window, segment_ids)
+        if isinstance(window, int):
+            sliding_window, window = window, torch.full((1,), window, dtype=torch.int32, device=q.device)
+        fwd, seg_fwd = _sink_ops(jax_op, gen, max(int(sliding_window), 0))
+        q, k, v, sinks = q.contiguous(), k.contiguous(), v.contiguous(), sinks.contiguous()
+        win = window.reshape(1).to(torch.int32)
+        if segment_ids is None:
+            return fwd(q, k, v, sinks, win)[0]
+        return seg_fwd(q, k, v, sinks, win, segment_ids.to(torch.int32).contiguous())[0]
+
+    return sink_attention
 
 
 def _build_gmm(jax_op, gen: str | None) -> Callable:

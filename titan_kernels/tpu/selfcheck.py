@@ -64,6 +64,7 @@ TOLERANCE = 2.0**-5
 KERNEL_NAMES = {
     "causal_attention": "splash",
     "attention": "full-mask splash",
+    "sink_attention": "sink splash",
     "grouped_mm": "gmm",
     "linear_cross_entropy": "fused CE",
     "gated_delta_rule": "delta rule",
@@ -74,6 +75,7 @@ KERNEL_NAMES = {
 REFERENCES = {
     "causal_attention": ops.sdpa_causal_attention,
     "attention": ops.sdpa_attention,
+    "sink_attention": ops.sdpa_sink_attention,
     "grouped_mm": ops.torch_grouped_mm,
     "linear_cross_entropy": ops.chunked_linear_cross_entropy,
     "gated_delta_rule": ops.torch_gated_delta_rule,
@@ -142,6 +144,8 @@ class KernelShapes:
     delta_v_dim: int = 128
     delta_heads: int = 0
     """The delta rule's value heads (0: the model has no delta rule; its check uses 4 heads anyway)."""
+    sliding_window: int = 0
+    """The model's sliding window (the op `sink_attention`'s kernel is built for it); 0: none."""
 
     @classmethod
     def of(cls, args, *, cp: int = 1, cp_rank: int = 0, tokens: int = 0) -> KernelShapes:
@@ -163,6 +167,7 @@ class KernelShapes:
             cp=cp,
             cp_rank=cp_rank,
             tokens=tokens,
+            sliding_window=int(getattr(args, "sliding_window", 0) or 0),
             delta_k_dim=getattr(args, "linear_key_head_dim", 0) or 128,
             delta_v_dim=getattr(args, "linear_value_head_dim", 0) or 128,
             delta_heads=getattr(args, "linear_num_value_heads", 0) if hasattr(args, "linear_key_head_dim") else 0,
@@ -172,6 +177,8 @@ class KernelShapes:
         """The widths `op` is checked at, in words."""
         if op in ("causal_attention", "attention"):
             return f"q/k {self.qk_head_dim}, v {self.v_head_dim}"
+        if op == "sink_attention":
+            return f"head {self.qk_head_dim}, window {self.sliding_window or SINK_WINDOW} and full"
         if op == "grouped_mm":
             return f"{self.hidden} -> {self.expert_hidden} -> {self.hidden}"
         if op == "gated_delta_rule":
@@ -185,6 +192,8 @@ class KernelShapes:
 
 CP_CHUNK = 128
 """Tokens per chunk in the CP splash check: splash's tile, the smallest chunk the kernel takes."""
+SINK_WINDOW = 48
+"""The sliding window of the sink splash check when the run has none (smaller than its 200 tokens)."""
 
 
 def cases(
@@ -216,6 +225,16 @@ def cases(
         dq, dv = shapes.qk_head_dim, shapes.v_head_dim
         q, k, v = normal(b, hq, s, dq), normal(b, hkv, s, dq), normal(b, hkv, s, dv)
         return [Case("full", (q, k, v), (0, 1, 2))]
+    if op == "sink_attention":  # the run's window and a full layer, through one traced window
+        b, hq, hkv, s, d = 1, 4, 2, 200, shapes.qk_head_dim
+        q, k, v, sinks = normal(b, hq, s, d), normal(b, hkv, s, d), normal(b, hkv, s, d), normal(hq)
+        seg = torch.cat([torch.zeros(b, 120, dtype=torch.int64), torch.ones(b, s - 120, dtype=torch.int64)], 1)
+        w = shapes.sliding_window or SINK_WINDOW
+        sliding, full = torch.tensor(w), torch.tensor(0)
+        return [
+            Case("window", (q, k, v, sinks, sliding, None, w), (0, 1, 2, 3)),
+            Case("full segments", (q, k, v, sinks, full, seg, w), (0, 1, 2, 3)),
+        ]
     if op == "gated_delta_rule":  # 150 tokens: 3 chunks of 64, the last padded; GQA 2 -> 4 heads
         b, s, hk, hv, dk, dv = 1, 150, 2, 4, shapes.delta_k_dim, shapes.delta_v_dim
         q, k, v = normal(b, s, hk, dk), normal(b, s, hk, dk), normal(b, s, hv, dv)
@@ -306,6 +325,9 @@ def _call(fn: Callable, case: Case, device: torch.device, dtype: torch.dtype, *,
     """
     args = []
     for i, a in enumerate(case.args):
+        if not isinstance(a, torch.Tensor):  # None, an int (sink_attention's window size)
+            args.append(a)
+            continue
         t = a.to(device=device, dtype=torch.float32 if upcast and a.is_floating_point() else a.dtype)
         if i in case.grad_args:
             t = t.detach().requires_grad_(True)

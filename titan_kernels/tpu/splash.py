@@ -62,15 +62,28 @@ def block_size(seq_len: int) -> int:
     raise AssertionError(f"sequence length {seq_len} is not a multiple of {TILE}")
 
 
+def _head_mask(seq_len: int, causal: bool, window: int):
+    """One head's mask: causal, causal within the last `window` keys (`window` > 0: query i sees
+    keys i - window < j <= i, a `LocalMask` reaching `window - 1` back; a window covering the whole
+    sequence is causal), or full (`causal=False`)."""
+    if not causal:
+        assert window == 0, "a window is causal"
+        return sm.FullMask((seq_len, seq_len))
+    if 0 < window < seq_len:
+        return sm.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
+    return sm.CausalMask((seq_len, seq_len))
+
+
 @functools.lru_cache(maxsize=64)
-def _kernel(seq_len: int, group: int, blocks: tuple[int, int, int, int], interpret: bool, causal: bool = True):
+def _kernel(
+    seq_len: int, group: int, blocks: tuple[int, int, int, int], interpret: bool, causal: bool = True, window: int = 0
+):
     """The MQA splash kernel for `group` query heads sharing one KV head (built once per shape),
-    causal or full (`causal=False`: every query sees every key).
+    causal, causal within a sliding `window` (> 0), or full (`causal=False`: every query sees every key).
 
     Built with `save_residuals=True`: calling it returns (out, (logsumexp,)), the residuals its
     backward needs; `backward` below calls that backward kernel on them directly."""
-    head_mask = sm.CausalMask((seq_len, seq_len)) if causal else sm.FullMask((seq_len, seq_len))
-    mask = sm.MultiHeadMask([head_mask] * group)
+    mask = sm.MultiHeadMask([_head_mask(seq_len, causal, window)] * group)
     bq, bkv, bq_dkv, bkv_dkv = blocks
     sizes = sk.BlockSizes(
         block_q=bq,
@@ -112,6 +125,7 @@ class _Layout:
         generation: str | None = None,
         blocks=None,
         causal: bool = True,
+        window: int = 0,
     ):
         self.causal = causal
         self.batch, self.q_heads, self.seq, self.head_dim = q.shape
@@ -122,7 +136,7 @@ class _Layout:
         self.padded = self.seq + self.pad
         self.scale = self.head_dim**-0.5
         blocks = tuple(blocks) if blocks else tiles.splash_blocks(generation, self.padded, self.head_dim)
-        self.kernel = _kernel(self.padded, self.group, blocks, interpret, causal)
+        self.kernel = _kernel(self.padded, self.group, blocks, interpret, causal, window)
 
     def seq_pad(self, t: jax.Array) -> jax.Array:
         """Pad dim 2 (the sequence) of [B, H, S, D] with zeros to the kernel's tile."""
@@ -167,20 +181,33 @@ def forward(
     generation: str | None = None,
     blocks: tuple[int, int, int, int] | None = None,
     causal: bool = True,
+    window: int = 0,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, Hq, S, Dv], lse [B, Hq, S_pad] float32): the attention and the log-sum-exp of
     each (scaled) query row, the residual `backward` needs (S_pad: S padded to the tile).
     Blocks: `blocks` if given, else the `generation`'s (module docstring). `causal=False`: the
-    full mask (the op `attention`)."""
-    lay = _Layout(q, k, interpret, generation, blocks, causal)
+    full mask (the op `attention`); `window` > 0: causal within the window; `sinks` [Hq]: the
+    kernel's own sink logits (one per query head; the lse includes them; see "Sinks" below)."""
+    lay = _Layout(q, k, interpret, generation, blocks, causal, window)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
     k, v = lay.seq_pad(k), lay.seq_pad(v)
+    if sinks is not None:
+        # The kernel takes one sink per query head of its MQA call (the group of one KV head).
+        sinks_g = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, lay.kv_heads, lay.group), qg.shape[:3])
 
-    def head(qh, kh, vh, seg):
-        out, (lse,) = lay.kernel(qh, kh, vh, segment_ids=seg)
-        return out, lse
+        def head(qh, kh, vh, sh, seg):
+            out, (lse,) = lay.kernel(qh, kh, vh, segment_ids=seg, sinks=sh)
+            return out, lse
 
-    out, lse = lay.per_head(head, qg, k, v, ids=lay.ids(segment_ids))
+        out, lse = lay.per_head(head, qg, k, v, sinks_g, ids=lay.ids(segment_ids))
+    else:
+
+        def head(qh, kh, vh, seg):
+            out, (lse,) = lay.kernel(qh, kh, vh, segment_ids=seg)
+            return out, lse
+
+        out, lse = lay.per_head(head, qg, k, v, ids=lay.ids(segment_ids))
     return lay.from_mqa(out), lse.reshape(lay.batch, lay.q_heads, lay.padded).astype(jnp.float32)
 
 
@@ -197,6 +224,7 @@ def backward(
     generation: str | None = None,
     blocks: tuple[int, int, int, int] | None = None,
     causal: bool = True,
+    window: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) from the forward's residuals (out, lse) with the splash backward kernel
     alone (fused dq/dkv), without running the forward kernel again. Blocks and mask as
@@ -205,8 +233,10 @@ def backward(
 
     Padded query rows get dout = 0 (and, seeing padded v only, out = 0), so their
     `di = rowsum(dout * out)` is 0 and they add nothing; their lse is the forward's own (finite:
-    each row sees at least itself)."""
-    lay = _Layout(q, k, interpret, generation, blocks, causal)
+    each row sees at least itself). With sinks the forward's lse includes them, and that is all
+    the dq / dk / dv kernels need of them (the sink's value is zero: it adds nothing to
+    `rowsum(dout * out)`); `sink_backward` adds their own gradient."""
+    lay = _Layout(q, k, interpret, generation, blocks, causal, window)
     qg = lay.to_mqa(q * jnp.asarray(lay.scale, dtype=q.dtype))
     k, v = lay.seq_pad(k), lay.seq_pad(v)
     og, dog = lay.to_mqa(out), lay.to_mqa(dout.astype(out.dtype))
@@ -288,6 +318,124 @@ def reference(
         mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     scores = jnp.where(mask, scores, -jnp.inf)
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+# --- sinks and a sliding window (the op `sink_attention`: gpt-oss, DeepSeek-V4) ----------------
+#
+# The softmax with a sink s_h per query head is over [scores | s_h] with the sink column dropped:
+# p_ij = exp(x_ij - L_i), L_i = log(exp(s_h) + sum_j exp(x_ij)) over the visible keys j. JAX's
+# splash (0.10.2) takes the sinks itself: its forward starts each row's running max at s_h and
+# its running sum at 1 (exp(s_h - s_h)), so the saved lse is L_i, sink included. The backward
+# needs nothing else of them: dx_ij = p_ij (dp_ij - D_i) with dp_ij = dout_i . v_j and
+# D_i = sum_j p_ij dp_ij = dout_i . out_i (the sink's value is zero, so its term vanishes): the
+# dq / dkv kernels on (out, L) are the plain ones. The sink's own gradient: d out_i / d s_h =
+# sum_j v_j p_ij (-exp(s_h - L_i)) = -exp(s_h - L_i) out_i, so
+#     dsinks_h = -sum_{b, i} exp(s_h - L_bhi) D_bhi,
+# summed here in float32 over real rows (padded rows have dout = 0, so D = 0). (The kernel's own
+# `_splash_attention_bwd` forms this in out's dtype, bf16 in a run, summed over S x D terms.)
+# The window: `LocalMask` with `window - 1` keys back and none ahead. gpt-oss's window is a
+# per-layer tensor (a layer scan runs one block's code on every layer's row), and a kernel's mask
+# is static, so a traced window picks at run time (`lax.cond`) between the sliding kernel built
+# for `sliding_window` and the causal one: both are in the program, one runs per layer.
+
+
+def _pick(window, sliding_window: int, fn):
+    """fn(static window) for a static int `window`; for a traced one (0 or `sliding_window`),
+    `lax.cond` between fn(sliding_window) and fn(0)."""
+    if isinstance(window, int) or not sliding_window:
+        return fn(int(window) if isinstance(window, int) else 0)
+    on = jnp.reshape(window, (-1,))[0] > 0
+    return jax.lax.cond(on, lambda: fn(sliding_window), lambda: fn(0))
+
+
+def sink_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    sinks: jax.Array,
+    window,
+    segment_ids: jax.Array | None = None,
+    *,
+    sliding_window: int = 0,
+    interpret: bool = False,
+    generation: str | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Hq, S, Dv], lse [B, Hq, S_pad] float32, sinks included) of causal attention with
+    `sinks` [Hq] and a sliding window: `window` an int (0: none), or an integer array of one
+    element holding 0 or `sliding_window` (chosen on the device; see "sinks" above)."""
+    kw = dict(interpret=interpret, generation=generation, blocks=blocks, sinks=sinks)
+    return _pick(window, sliding_window, lambda w: forward(q, k, v, segment_ids, window=w, **kw))
+
+
+def sink_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    sinks: jax.Array,
+    window,
+    segment_ids: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    sliding_window: int = 0,
+    interpret: bool = False,
+    generation: str | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv, dsinks) from `sink_forward`'s residuals: the splash backward kernel on (out,
+    lse) for dq / dk / dv, and dsinks [Hq] = -sum exp(sink - lse) rowsum(dout * out) in float32."""
+    kw = dict(interpret=interpret, generation=generation, blocks=blocks)
+    dq, dk, dv = _pick(window, sliding_window, lambda w: backward(q, k, v, segment_ids, out, lse, dout, window=w, **kw))
+    di = jnp.einsum("bhsd,bhsd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse[:, :, : q.shape[2]])
+    dsinks = -(p_sink * di).sum(axis=(0, 2))
+    return dq, dk, dv, dsinks.astype(sinks.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _sink_attention(q, k, v, sinks, window, segment_ids, sliding_window, interpret, generation, blocks):
+    kw = dict(sliding_window=sliding_window, interpret=interpret, generation=generation, blocks=blocks)
+    return sink_forward(q, k, v, sinks, window, segment_ids, **kw)[0]
+
+
+def _sink_attention_fwd(q, k, v, sinks, window, segment_ids, sliding_window, interpret, generation, blocks):
+    kw = dict(sliding_window=sliding_window, interpret=interpret, generation=generation, blocks=blocks)
+    out, lse = sink_forward(q, k, v, sinks, window, segment_ids, **kw)
+    return out, (q, k, v, sinks, window, segment_ids, out, lse)
+
+
+def _sink_attention_bwd(sliding_window, interpret, generation, blocks, res, dout):
+    q, k, v, sinks, window, segment_ids, out, lse = res
+    kw = dict(sliding_window=sliding_window, interpret=interpret, generation=generation, blocks=blocks)
+    dq, dk, dv, dsinks = sink_backward(q, k, v, sinks, window, segment_ids, out, lse, dout, **kw)
+    return dq, dk, dv, dsinks, None, None
+
+
+_sink_attention.defvjp(_sink_attention_fwd, _sink_attention_bwd)
+
+
+def splash_sink_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    sinks: jax.Array,
+    window,
+    segment_ids: jax.Array | None = None,
+    *,
+    sliding_window: int = 0,
+    interpret: bool = False,
+    generation: str | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
+) -> jax.Array:
+    """softmax([q k^T / sqrt(D) causal [within the window] [within segments] | sinks]) v with the
+    sink column dropped (the op `sink_attention`), differentiable in JAX (q, k, v, sinks) with the
+    residual backward. `window`: an int, or an integer array holding 0 or `sliding_window`."""
+    if isinstance(window, int):
+        window, sliding_window = jnp.asarray([window], jnp.int32), window
+    blocks = tuple(blocks) if blocks else None
+    return _sink_attention(q, k, v, sinks, window, segment_ids, sliding_window, interpret, generation, blocks)
 
 
 # --- context parallelism: local queries against the all-gathered keys --------------------------
