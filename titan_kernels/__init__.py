@@ -222,6 +222,8 @@ def _select_tpu(
     }
     if shapes is not None and not shapes.delta_heads:  # no Gated DeltaNet in the model: nothing to check
         selected.pop("gated_delta_rule", None)
+    if shapes is not None and not shapes.sliding_window:  # no sink attention (gpt-oss, DeepSeek-V4) in the model
+        selected.pop("sink_attention", None)
     tpu.refuse_cp(None)
     cp = tpu.cp_attention(shapes.cp_rank, shapes.cp) if shapes is not None and shapes.cp > 1 else None
     if cp is not None:  # parallelisms/context_parallel.py serves CP's local product with it on TPU

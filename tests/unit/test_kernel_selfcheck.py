@@ -23,7 +23,10 @@ import torch.nn.functional as F
 
 import titan_kernels
 from models.common import gated_delta, ops
+from models.gpt_oss.args import FLAVORS as GPT_OSS_FLAVORS
 from titan_kernels.tpu import pin_jax_platform, selfcheck, tiles
+
+GPT_OSS_DEBUG = GPT_OSS_FLAVORS["debugmodel"]
 
 BF16 = torch.bfloat16
 
@@ -156,6 +159,29 @@ def test_a_sink_kernel_that_drops_the_sinks_or_the_window_is_dropped():
     good = selfcheck.check("sink_attention", sink_attention_bf16, device=CPU, dtype=BF16, shapes=shapes)
     assert good.ok and 0 < good.worst < selfcheck.TOLERANCE / 2, good
     assert good.checked == "head 64, window 32 and full"
+
+
+def test_select_on_tpu_checks_the_sink_splash_only_for_a_model_with_a_window(monkeypatch):
+    """gpt-oss / DeepSeek-V4 (`KernelShapes.sliding_window` from their args): the sink splash is
+    checked at the run's window and serves the op; a model without one never calls the op, so
+    nothing is built or checked for it; `sdpa` keeps the reference."""
+    from titan_kernels import tpu
+
+    monkeypatch.setattr(tpu, "load", lambda: {"sink_attention": sink_attention_bf16})
+    monkeypatch.setattr(tpu, "saved_ops", lambda: [])
+    monkeypatch.setattr(tpu, "compile_checker", lambda shapes, attached=False: lambda op: None)
+    gpt_oss = selfcheck.KernelShapes.of(GPT_OSS_DEBUG)
+    assert gpt_oss.sliding_window == GPT_OSS_DEBUG.sliding_window > 0
+    try:
+        line = titan_kernels._select_tpu("auto", device=CPU, dtype=BF16, head_dim=None, shapes=gpt_oss)
+        assert ops.implementation("sink_attention") is sink_attention_bf16
+        assert "sink splash" in line and "self-check passed" in line, line
+        for backend, shapes in (("auto", selfcheck.KernelShapes()), ("sdpa", gpt_oss)):
+            line = titan_kernels._select_tpu(backend, device=CPU, dtype=BF16, head_dim=None, shapes=shapes)
+            assert ops.implementation("sink_attention") is ops.sdpa_sink_attention, backend
+            assert "sink splash" not in line, line
+    finally:
+        ops.register("sink_attention", None)
 
 
 def test_full_attention_that_lets_real_queries_see_padded_keys_is_dropped():
@@ -600,14 +626,7 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
         for op, fn in saved.items():
             ops.register(op, fn)
     assert built == [(1, 2)]
-    assert set(asked) == {
-        "causal_attention",
-        "attention",
-        "sink_attention",
-        "grouped_mm",
-        "linear_cross_entropy",
-        "cp_attention",
-    }
+    assert set(asked) == {"causal_attention", "attention", "grouped_mm", "linear_cross_entropy", "cp_attention"}
     err = capsys.readouterr().err.strip().splitlines()
     assert [e.split(" failed")[0] for e in err] == [
         "titan-tpu: kernel self-check: fused CE (linear_cross_entropy)",
@@ -617,7 +636,7 @@ def test_select_on_tpu_checks_every_kernel_at_the_run_widths_and_the_cp_kernel(m
     assert real_cp_attention(1, 2) is None
     tpu.refuse_cp(None)
     assert (
-        line.startswith("splash (Pallas: gmm for MoE experts, full-mask splash, sink splash;")
+        line.startswith("splash (Pallas: gmm for MoE experts, full-mask splash;")
         and "self-check failed: fused CE, CP splash" in line
     )
 
