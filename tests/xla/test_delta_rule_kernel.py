@@ -10,6 +10,8 @@ Probes (tests/xla/probes/delta_rule.py), each in its own venv's subprocess:
   with the token-by-token recurrence in float64 (the exact value), as is the torch reference
   `gated_delta.chunk_gated_delta_rule` (float32).
 - deviceless compile: tests/xla/test_delta_rule_compile.py.
+- the start-up self-check (titan_kernels/tpu/selfcheck.py) with the interpreted kernel as the
+  implementation, bf16, at Qwen 3.5's widths (dk = dv = 128).
 - torch-tpu registration (ttpu venv): `titan_tpu::gated_delta_fwd / _bwd` through `jax_op`, run
   forward and backward on fake tensors.
 
@@ -42,7 +44,7 @@ def _bound(case: dict, scale: float) -> float:
 
 @pytest.fixture(scope="module")
 def interpreted(probe):
-    return probe("xla", "delta_rule.py", "interpret")
+    return probe("xla", "delta_rule.py", "interpret", "selfcheck")
 
 
 def test_interpreted_kernel_matches_the_float64_recurrence(interpreted):
@@ -74,3 +76,12 @@ def test_torch_tpu_op_runs_forward_and_backward_on_fake_tensors(probe):
     assert result["ops"] == ["gated_delta_bwd", "gated_delta_fwd"], result
     for name, check in result["checks"].items():
         assert check == "ok", f"{name}: {check}"
+
+
+def test_selfcheck_passes_the_real_kernel_in_bf16(interpreted):
+    """The start-up self-check (2^-5 of scale, argued for bf16 roundings) with this kernel as the
+    implementation, bf16 inputs at dk = dv = 128: it passes, with room to spare, and sees the
+    output's bf16 rounding (worst > 0)."""
+    v = interpreted["selfcheck"]
+    assert v["ok"], v["reason"]
+    assert 0 < v["worst"] < v["tolerance"] / 2, v

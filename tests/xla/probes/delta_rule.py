@@ -1,6 +1,6 @@
 """Probe: the chunked gated delta rule's Pallas kernel (titan_kernels/tpu/delta_rule.py).
 
-    python delta_rule.py interpret [small]   # xla venv: interpret mode vs the torch reference
+    python delta_rule.py interpret [small] [selfcheck]  # xla venv: interpret mode vs the references
     python delta_rule.py compile GEN...      # tpuc venv: deviceless Mosaic + XLA:TPU compile
     python delta_rule.py register            # ttpu venv: the torch-tpu op on fake tensors
 
@@ -11,7 +11,9 @@ form), float32, forward (output and final state) and a VJP with fixed random cot
 outputs (gradients of q, k, v, g, beta, the initial state). The same inputs go through the torch
 reference `gated_delta.chunk_gated_delta_rule` (float32) and through the token-by-token recurrence in
 float64 written here (the exact value). Errors are max |x - exact|, `scale` max |exact|.
-`small`: the first case only, forward and backward. `control`: the kernel with the documents
+`small`: the first case only, forward and backward. `selfcheck`: also the start-up self-check
+(titan_kernels/tpu/selfcheck.py) with this kernel as the implementation, bf16 inputs, dk = dv = 128:
+{"selfcheck": {"ok", "worst", "reason", "tolerance"}}. `control`: the kernel with the documents
 case's resets dropped, against the exact value with them (what a wrong mask costs).
 
 `compile GEN...`: forward (the Mosaic kernel) and backward (XLA) of the op at Qwen 3.5 9B's
@@ -94,40 +96,51 @@ def _vjp_torch(fn, arrays, dtype, cot_out, cot_state):
     return [out.detach().double().numpy(), state.detach().double().numpy()] + [g.double().numpy() for g in grads]
 
 
-def _pallas_op(q, k, v, g, beta, h0, reset):
-    """The op as register.py composes it on a TPU, with the kernel interpreted: (out, state)."""
+def _interpreted_op():
+    """`fwd(q, k, v, g, beta, h0, reset) -> (out, state)` as torch-tpu's `jax_op` op with its
+    autograd (register.py), the JAX op run with the Pallas forward interpreted on the CPU."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import torch
 
-    from models.common import gated_delta
     from titan_kernels.tpu import delta_rule
 
-    class JaxOp(torch.autograd.Function):  # what jax_op + register_autograd do on a TPU
+    class JaxOp(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *ts):
-            arrays = [jnp.asarray(t.detach().numpy()) for t in ts]
-            r = jnp.asarray(reset.astype(np.int32))
+            *arrays, reset = [jnp.asarray(t.detach().numpy()) for t in ts]
             (out, state), ctx.vjp = jax.vjp(
-                lambda *a: delta_rule.gated_delta_rule(*a, r, delta_rule.CHUNK, True), *arrays
+                lambda *a: delta_rule.gated_delta_rule(*a, reset, delta_rule.CHUNK, True), *arrays
             )
             return torch.tensor(np.asarray(out)), torch.tensor(np.asarray(state))
 
         @staticmethod
         def backward(ctx, d_out, d_state):
             grads = ctx.vjp((jnp.asarray(d_out.contiguous().numpy()), jnp.asarray(d_state.contiguous().numpy())))
-            return tuple(torch.tensor(np.asarray(x)) for x in grads)
+            return (*(torch.tensor(np.asarray(x)) for x in grads), None)
 
-    b = q.shape[0]
-    qp, kp, vp, bp, gp = gated_delta._prepare(q, k, v, g, beta, True)
-    if h0 is None:
-        h0 = torch.zeros(b, vp.shape[1], kp.shape[-1], vp.shape[-1])
-    out, state = JaxOp.apply(qp, kp, vp, gp, bp, h0)
-    return out.transpose(1, 2), state
+    return JaxOp.apply
 
 
-def interpret(small: bool) -> dict:
+def kernel_impl(q, k, v, g, beta, *, chunk_size=64, **kwargs):
+    """The op's TPU implementation (register.py's `chunk_gated_delta_rule`) over the interpreted kernel."""
+    from models.common import gated_delta
+
+    assert chunk_size == 64
+    return gated_delta.call_prepared(_interpreted_op(), q, k, v, g, beta, **kwargs)
+
+
+def _pallas_op(q, k, v, g, beta, h0, reset):
+    """The op as register.py composes it on a TPU, with the kernel interpreted: (out, state)."""
+    import torch
+
+    return kernel_impl(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, qk_l2norm=True, reset=torch.tensor(reset)
+    )
+
+
+def interpret(small: bool, with_selfcheck: bool = False) -> dict:
     import jax
     import numpy as np
     import torch
@@ -185,7 +198,23 @@ def interpret(small: bool) -> dict:
     dropped, _ = _pallas_op(*ts, reset & False)
     control = {"case": f"{name} without its resets", "scale": float(want.abs().max())}
     control["pallas_err"] = float((dropped.double() - want).abs().max())
-    return {"jax": jax.__version__, "torch": torch.__version__, "cases": results, "control": control}
+    result = {"jax": jax.__version__, "torch": torch.__version__, "cases": results, "control": control}
+    if with_selfcheck:  # the start-up self-check with this kernel, bf16 inputs, at Qwen 3.5's widths
+        from titan_kernels.tpu import selfcheck
+
+        start = time.perf_counter()
+        shapes = selfcheck.KernelShapes(delta_k_dim=128, delta_v_dim=128, delta_heads=32)
+        v = selfcheck.check(
+            "gated_delta_rule", kernel_impl, device=torch.device("cpu"), dtype=torch.bfloat16, shapes=shapes
+        )
+        result["selfcheck"] = {
+            "ok": v.ok,
+            "worst": v.worst,
+            "reason": v.reason,
+            "tolerance": selfcheck.TOLERANCE,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    return result
 
 
 def compile_(generations: list[str]) -> dict:
@@ -292,7 +321,7 @@ def register() -> dict:
 def main() -> None:
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "interpret":
-        result = interpret(small="small" in rest)
+        result = interpret(small="small" in rest, with_selfcheck="selfcheck" in rest)
     elif mode == "compile":
         result = compile_(rest)
     elif mode == "register":
