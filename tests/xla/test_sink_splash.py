@@ -10,7 +10,8 @@ tile), windows of 48 and 100, a full layer, documents (segment ids), and the tra
 buffer under a layer scan). `compile`: the Mosaic kernels (forward, backward from residuals, both
 windows behind the device-side pick) compiled deviceless for v6e and TPU7x at gpt-oss's head
 width (64), GQA 8 / 2, 1000 tokens, window 128, bf16. `register`: the torch-tpu ops of
-titan_kernels/tpu/register.py on fake tensors (the ttpu venv, no TPU).
+titan_kernels/tpu/register.py on fake tensors (the ttpu venv, no TPU). `selfcheck`: the start-up
+self-check with the real kernel (interpret mode, bf16) as its implementation.
 
 Bound, as tests/xla/test_kernels.py: a float32 sum of n products is off by at most about
 n u (sum of magnitudes), u = 2^-24; with the output's largest magnitude as the scale and a factor
@@ -63,3 +64,13 @@ def test_sink_splash_torch_tpu_ops_run_forward_and_backward_on_fake_tensors(prob
     for w in (128, 64):
         assert {f"sink_splash_w{w}{part}" for part in ("_fwd", "_bwd", "_seg_fwd", "_seg_bwd")} <= set(result["ops"])
         assert f"titan_tpu::sink_splash_w{w}_fwd" in result["saved"], result["saved"]
+
+
+def test_sink_splash_selfcheck_passes_the_real_kernel_in_bf16(probe):
+    """The start-up self-check's tolerance (2^-5 of scale) is argued from bf16 rounding; the real
+    kernel in interpret mode, bf16 in and float32 accumulation as on the MXU, at gpt-oss's head
+    width and window (64, 128), must pass both of its cases with room to spare."""
+    v = probe("xla", "sink_splash.py", "selfcheck")
+    assert v["ok"], v["reason"]
+    assert v["checked"] == "head 64, window 128 and full", v
+    assert 0 < v["worst"] < v["tolerance"] / 2, v

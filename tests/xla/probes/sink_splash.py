@@ -3,6 +3,7 @@
     python sink_splash.py interpret          (xla venv: Pallas interpret mode on the CPU, torch)
     python sink_splash.py compile GEN [...]  (tpuc venv: deviceless Mosaic + XLA:TPU compile)
     python sink_splash.py register           (ttpu venv: the torch-tpu ops on fake tensors)
+    python sink_splash.py selfcheck          (xla venv: the start-up self-check on the real kernel, bf16)
 
 interpret: forward and backward (q, k, v, sinks) of `splash_sink_attention` in float32 against the
 op's torch reference `ops.sdpa_sink_attention` (gpt-oss's formulation) on the same inputs, both
@@ -114,6 +115,45 @@ def interpret(cases) -> dict:
     return {"jax": jax.__version__, "torch": torch.__version__, "cases": results}
 
 
+def selfcheck_bf16() -> dict:
+    """The start-up self-check (titan_kernels/tpu/selfcheck.py) with the real kernel in interpret
+    mode as its implementation, bf16 (bf16 operands, float32 accumulation, as the MXU), at
+    gpt-oss's head width 64 and window 128: {"ok", "worst", "reason", "tolerance"}."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernels_interpret import _as_torch_op
+
+    from titan_kernels.tpu import selfcheck
+
+    window = 128
+    plain = _as_torch_op(
+        lambda q, k, v, sinks, win: splash.splash_sink_attention(
+            q, k, v, sinks, win, sliding_window=window, interpret=True
+        ),
+        4,
+    )
+    segmented = _as_torch_op(
+        lambda q, k, v, sinks, win, seg: splash.splash_sink_attention(
+            q, k, v, sinks, win, seg, sliding_window=window, interpret=True
+        ),
+        4,
+    )
+
+    def sink_attention(q, k, v, sinks, win, segment_ids=None, sliding_window=0):
+        assert sliding_window == window, sliding_window
+        win = win.reshape(1).to(torch.int32)
+        if segment_ids is None:
+            return plain(q, k, v, sinks, win)
+        return segmented(q, k, v, sinks, win, segment_ids.to(torch.int32))
+
+    shapes = selfcheck.KernelShapes(qk_head_dim=64, v_head_dim=64, sliding_window=window)
+    v = selfcheck.check(
+        "sink_attention", sink_attention, device=torch.device("cpu"), dtype=torch.bfloat16, shapes=shapes
+    )
+    return {"ok": v.ok, "worst": v.worst, "reason": v.reason, "tolerance": selfcheck.TOLERANCE, "checked": v.checked}
+
+
 def compile_for(generations: list[str]) -> dict:
     import tiles
     from jax.experimental import topologies
@@ -216,6 +256,8 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "compile":
         print(json.dumps(compile_for(rest)))
+    elif mode == "selfcheck":
+        print(json.dumps(selfcheck_bf16()))
     elif mode == "register":
         print(json.dumps(register_checks()))
     else:
