@@ -1651,6 +1651,23 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "test_pipeline_parallel.py rows)",
     ),
     Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_layer_scan_equals_one_process",
+        ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
+        "graph-mode PP 2 with layer scan (each stage's blocks one scan per pipeline iteration): the default "
+        "tier runs the same PipelinedLoss, permutes and pp reductions with the blocks unrolled; layer scan "
+        "itself runs in the default tier (tests/unit/test_graph_step.py, test_scan_uneven.py)",
+    ),
+    Scheduled(
+        "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_is_one_program_with_collective_permutes",
+        (
+            "tests/xla/test_pipeline_permute_xla.py::test_stage_permute_lowers_to_one_collective_permute_each_way",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+        ),
+        "graph-mode PP's whole train step lowered by torchax and run on 2 XLA:CPU devices (~80 s): the default "
+        "tier lowers the same permute rule on XLA:CPU and checks the same captured step, one program on both "
+        "ranks, against one process on gloo",
+    ),
+    Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_scan_over_iterations_equals_one_process",
         ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
         "graph-mode PP 2 with the pipeline's iterations as one scan (36 s): the default tier runs the same "
