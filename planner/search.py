@@ -238,18 +238,7 @@ def plan_estimate(
     refused, step = _checked_step(inputs, request, cp=cp, check_rules=check_rules)
     # 2. The degrees on the target's world, torch-tpu's layout, the real model sharded on a fake world.
     shape = inputs.args.shape()
-    dims = make_parallel_dims(
-        dp_replicate=dp_replicate,
-        dp_shard=dp_shard,
-        tp=tp,
-        ep=ep,
-        cp=cp,
-        world_size=target.devices,
-        shape=shape,
-        seq_len=inputs.split_seq_len,
-        num_slices=target.num_slices,
-        pp=spec.pp,
-    )
+    dims = _dims(inputs, target, shape, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, ep=ep, cp=cp, pp=spec.pp)
     layout_notes = tpu_layout(target, dims)  # ConfigError where torch-tpu could not build the mesh
     with fake_process_group(target.devices):
         stats = shard_model(inputs.family, inputs.args, dims, probe=probe, muon_exclude=inputs.muon_exclude)
@@ -623,22 +612,23 @@ def _laid_out(
     """The degrees of one mesh layout (FSDP takes the rest of the world) and torch-tpu's layout
     notes; None where they do not divide the model or torch-tpu could not lay the mesh out."""
     try:
-        dims = make_parallel_dims(
-            dp_replicate=dp_replicate,
-            dp_shard=-1,
-            tp=tp,
-            ep=ep,
-            cp=cp,
-            world_size=target.devices,
-            shape=shape,
-            seq_len=inputs.split_seq_len,
-            num_slices=target.num_slices,
-            pp=pp,
-        )
+        dims = _dims(inputs, target, shape, dp_replicate=dp_replicate, dp_shard=-1, tp=tp, ep=ep, cp=cp, pp=pp)
         return dims, tpu_layout(target, dims)
     except ConfigError:
         return None  # this tp / cp does not divide the model's heads / hidden sizes / seq_len, or
         # torch-tpu could not lay the mesh out on the target's slice
+
+
+def _dims(inputs: PlanInputs, target: Target, shape: ModelShape, **degrees: int) -> ParallelDims:
+    """`make_parallel_dims` of these degrees on the target's world, slices and the model's
+    (split) sequence; ConfigError for degrees that do not divide the world or the model."""
+    return make_parallel_dims(
+        **degrees,
+        world_size=target.devices,
+        shape=shape,
+        seq_len=inputs.split_seq_len,
+        num_slices=target.num_slices,
+    )
 
 
 def _pipeline_layout_candidates(

@@ -223,27 +223,18 @@ def plan_job(cfg: Config, *, world_size: int, device_type: str, caller_loss: boo
     # Benchmark routing is refused with gradient accumulation (the rule says why): the split is
     # only worked out for it here, so a learned-routing plan reads nothing new.
     t = cfg.training
-    grad_accum = (
-        1
-        if cfg.moe.routing == "learned"
-        else batch_split(
+
+    def split() -> tuple[int, int]:  # worked out only where a rule reads it
+        return batch_split(
             global_batch_size=t.global_batch_size,
             local_batch_size=t.local_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             dp_degree=parallel_dims.dp_degree,
-        )[1]
-    )
+        )
+
+    grad_accum = 1 if cfg.moe.routing == "learned" else split()[1]
     # The pipeline rules read the local batch the schedule splits into micro-batches.
-    local_batch = (
-        batch_split(
-            global_batch_size=t.global_batch_size,
-            local_batch_size=t.local_batch_size,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            dp_degree=parallel_dims.dp_degree,
-        )[0]
-        if parallel_dims.pp_enabled
-        else 0
-    )
+    local_batch = split()[0] if parallel_dims.pp_enabled else 0
     # What `[quantize]` picks in this model (counted on meta): the rules refuse a recipe that picks
     # nothing, the banner states the count.
     census = quantize_census(family, args, QuantizePlan.of(cfg.quantize)) if cfg.quantize.recipe != "none" else None
