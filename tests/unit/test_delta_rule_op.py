@@ -122,3 +122,26 @@ def test_select_on_tpu_checks_the_delta_rule_only_for_a_model_with_it(monkeypatc
         assert "delta rule" not in line, line
     finally:
         ops.register("gated_delta_rule", None)
+
+
+def test_the_capture_op_keeps_shapes_and_autograd_on_fake_tensors():
+    """scripts/estimate_xla.py's capture serves the op with `titan_capture::gated_delta_fwd / _bwd`
+    (titan_kernels/tpu/capture.py; lowered to the kernel later, in the XLA venv): one node each,
+    shapes and dtypes as the reference's, gradients for every input."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from titan_kernels.tpu import capture
+
+    capture.install()
+    try:
+        with FakeTensorMode():
+            leaves = [t.to(torch.bfloat16).requires_grad_(True) for t in _inputs(b=2, s=70, hk=1, hv=2, dk=8, dv=4)]
+            state = torch.zeros(2, 2, 8, 4, requires_grad=True)
+            out, final = ops.gated_delta_rule(*leaves, initial_state=state, output_final_state=True, qk_l2norm=True)
+            assert out.shape == (2, 70, 2, 4) and out.dtype == torch.bfloat16
+            assert final.shape == (2, 2, 8, 4) and final.dtype == torch.float32
+            grads = torch.autograd.grad((out.float().sum() + final.sum(),), [*leaves, state])
+            assert [g.shape for g in grads] == [t.shape for t in (*leaves, state)]
+    finally:
+        for op in ops.OPS:
+            ops.register(op, None)

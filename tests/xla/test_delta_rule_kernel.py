@@ -2,14 +2,15 @@
 
 Probes (tests/xla/probes/delta_rule.py), each in its own venv's subprocess:
 - interpret mode (xla venv): the op as a TPU run composes it (torch `_prepare`, then the JAX op:
-  the Pallas forward interpreted on the CPU, the backward the VJP of the plain-JAX chunked form),
+  the Pallas forward and backward kernels interpreted on the CPU),
   float32, forward (output, final state) and gradients of q, k, v, g, beta and the initial state,
   at three shapes: 150 tokens (3 chunks of 64, the last padded) with GQA 1 -> 2 heads and an
   initial state; 2 x 128 tokens with documents (resets mid-chunk and on the chunk boundary, per
   row); 40 tokens (less than one chunk) with resets at token 0 and 17, no initial state. Compared
   with the token-by-token recurrence in float64 (the exact value), as is the torch reference
   `gated_delta.chunk_gated_delta_rule` (float32).
-- deviceless compile: tests/xla/test_delta_rule_compile.py.
+- the forward and backward ops exported for TPU (Mosaic lowering, what `jax_op` does): one kernel
+  and two; deviceless compile: tests/xla/test_delta_rule_compile.py.
 - the start-up self-check (titan_kernels/tpu/selfcheck.py) with the interpreted kernel as the
   implementation, bf16, at Qwen 3.5's widths (dk = dv = 128).
 - torch-tpu registration (ttpu venv): `titan_tpu::gated_delta_fwd / _bwd` through `jax_op`, run
@@ -20,7 +21,8 @@ state's accumulation over the sequence (s tokens, and in the backward the revers
 same), a chunk's triangular solve and intra-chunk product (C = 64 terms each) and the readout
 over dk and dv; with unit-norm keys, beta in (0, 1) and decays <= 1 each step's transition
 `exp(g) (I - beta k k^T)` has norm <= 1, so rounding errors are not amplified from step to step.
-So |x - exact| <= 2 n u max|exact| with n = s + 2 C + dk + dv and u = 2^-24 (the factor 2: the
+The backward kernel recomputes the chunk's quantities and walks the chunks in reverse: the same
+chains. So |x - exact| <= 2 n u max|exact| with n = s + 2 C + dk + dv and u = 2^-24 (the factor 2: the
 kernel and the exact value's float32 inputs each round). Measured errors sit 10-100x below it
 (docs/tpu.md); a wrong mask costs O(scale): the control (the resets dropped) is checked to miss
 the bound by far.
@@ -85,3 +87,12 @@ def test_selfcheck_passes_the_real_kernel_in_bf16(interpreted):
     v = interpreted["selfcheck"]
     assert v["ok"], v["reason"]
     assert 0 < v["worst"] < v["tolerance"] / 2, v
+
+
+def test_the_backward_is_the_pallas_kernel(interpreted):
+    """Exported for TPU (Mosaic lowering): the forward op is one kernel; the backward op is two, the
+    forward kernel again (the chunk states) and the backward kernel, with no triangular solve of
+    the plain-JAX form left in it."""
+    exported = interpreted["export"]
+    assert exported["forward"] == {"mosaic_calls": 1, "triangular_solves": 0}, exported
+    assert exported["backward"] == {"mosaic_calls": 2, "triangular_solves": 0}, exported

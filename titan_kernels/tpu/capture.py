@@ -18,8 +18,8 @@ would otherwise replicate it on every device.
 - gmm: the rows (tokens sorted by expert) are split over `axis`, the weight is gathered, and each
   shard's group sizes are its slice of the global groups (rows of group g that fall in the
   shard), so every row meets its own expert's weight once;
-- the gated delta rule (Qwen 3.5): the batch is split over `axis` (titan_kernels/tpu/delta_rule.py;
-  its backward is plain JAX, which the compiler counts);
+- the gated delta rule (Qwen 3.5): the batch is split over `axis` (titan_kernels/tpu/delta_rule.py:
+  the forward kernel; the backward op runs it again for the chunk states, then the backward kernel);
 - fused CE: the rows (tokens) are split over `axis`, the output projection's weight is gathered;
   the forward returns per-row losses and log-sum-exps (the op titan_kernels/tpu/register.py binds on
   a TPU, same mean over valid rows in torch), the backward's dw is summed over the shards.
@@ -252,17 +252,24 @@ def ce_cost(
     return (4 * matmul, bwd_bytes) if backward else (matmul, fwd_bytes)
 
 
-def gated_delta_cost(b: int, h: int, s: int, dk: int, dv: int, chunk: int = 64) -> tuple[float, float]:
-    """(FLOPs, HBM bytes) of one forward call of the delta rule kernel on [b, h, s, d] float32
-    inputs (titan_kernels/tpu/delta_rule.py), per chunk and head: (k beta) k^T and q k^T
-    (2 C^2 dk each), the forward substitution (C rows of a [1, C] x [C, C] product: 2 C^3),
-    T (v beta) and the intra-chunk product (2 C^2 dv each), T (k beta decayed) (2 C^2 dk), and
-    three [C, dk] x [dk, dv]-sized products with the state (6 C dk dv). Bytes: q, k, v read and
-    the output written once, the state read and written once per head (a model). The backward
-    is plain JAX: the compiler counts it."""
+def gated_delta_cost(b: int, h: int, s: int, dk: int, dv: int, backward: bool, chunk: int = 64) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one call of the delta rule's kernels on [b, h, s, d] float32 inputs
+    (titan_kernels/tpu/delta_rule.py), counted from their matmuls per chunk and head. Forward:
+    (k beta) k^T, T (k beta decayed) and q k^T (2 C^2 dk each), the forward substitution (C rows
+    of a [1, C] x [C, C] product: 2 C^3), T (v beta) and the intra-chunk product (2 C^2 dv each),
+    three products with the state (6 C dk dv). The backward op: the forward again (the chunk
+    states), then the backward kernel: the chunk's quantities again (6 C^2 dk + 2 C^2 dv + 2 C^3 +
+    2 C dk dv) and the chain rule (12 C^2 dk + 8 C^2 dv + 4 C^3 + 12 C dk dv). Bytes: q, k, v read
+    and the output written once, the state once per head; the backward about three times that
+    (a model)."""
     n = -(-s // chunk) * b * h
-    flops = n * (6.0 * chunk * chunk * dk + 2.0 * chunk**3 + 4.0 * chunk * chunk * dv + 6.0 * chunk * dk * dv)
-    return flops, 4.0 * (b * h * s * (2 * dk + 2 * dv + 2) + 2 * b * h * dk * dv)
+    c = float(chunk)
+    fwd = n * (6 * c * c * dk + 2 * c**3 + 4 * c * c * dv + 6 * c * dk * dv)
+    fwd_bytes = 4.0 * (b * h * s * (2 * dk + 2 * dv + 2) + 2 * b * h * dk * dv)
+    if not backward:
+        return fwd, fwd_bytes
+    bwd = n * (18 * c * c * dk + 10 * c * c * dv + 6 * c**3 + 14 * c * dk * dv)
+    return fwd + bwd, 3 * fwd_bytes
 
 
 def kernel_costs() -> dict[str, float]:
@@ -405,14 +412,20 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     def gated_delta_bwd(q, k, v, g, beta, h0, reset, d_out, d_state):
         return tuple(delta_rule.backward(q, k, v, g, beta, h0, reset, d_out, d_state))
 
-    def gated_delta_costs(q, k, v, *rest):
-        b, h, s, dk = local(q.shape)
-        return ("gated_delta_fwd", *gated_delta_cost(b, h, s, dk, v.shape[-1]))
+    def gated_delta_costs(backward):
+        def cost(q, k, v, *rest):
+            b, h, s, dk = local(q.shape)
+            name = "gated_delta_bwd" if backward else "gated_delta_fwd"
+            return (name, *gated_delta_cost(b, h, s, dk, v.shape[-1], backward=backward))
+
+        return cost
 
     env.override_op_definition(
-        op.gated_delta_fwd.default, sharded(gated_delta_fwd, (batch,) * 7, (batch, batch), gated_delta_costs)
+        op.gated_delta_fwd.default, sharded(gated_delta_fwd, (batch,) * 7, (batch, batch), gated_delta_costs(False))
     )
-    env.override_op_definition(op.gated_delta_bwd.default, sharded(gated_delta_bwd, (batch,) * 9, (batch,) * 6))
+    env.override_op_definition(
+        op.gated_delta_bwd.default, sharded(gated_delta_bwd, (batch,) * 9, (batch,) * 6, gated_delta_costs(True))
+    )
     env.override_op_definition(op.gmm.default, sharded(gmm_fwd, (batch, P(), P()), batch, gmm_costs(False)))
     env.override_op_definition(
         op.gmm_bwd.default, sharded(gmm_bwd, (batch, P(), P(), batch), (batch, P()), gmm_costs(True))

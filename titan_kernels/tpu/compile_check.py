@@ -13,9 +13,9 @@ fit VMEM fail here with the compiler's `CompileTimeScopedVmemOom`, as they would
   halves titan_kernels/tpu/register.py binds) at the run's rows per device, hidden size and vocabulary;
 - `grouped_mm`: forward and backward of both expert matmuls (dim -> expert hidden in the experts'
   nn.Linear layout, and back) at tokens x top_k rows (MoE models only);
-- `gated_delta_rule`: the forward (the Pallas kernel) and forward + backward (the backward is the
-  plain-JAX VJP, titan_kernels/tpu/delta_rule.py) over the run's tokens per device, with the
-  model's DeltaNet heads and widths (Qwen 3.5 only: `shapes.delta_heads`);
+- `gated_delta_rule`: the forward kernel and forward + backward (the chunk states' forward pass and
+  the backward kernel, titan_kernels/tpu/delta_rule.py) over the run's tokens per device, with
+  the model's DeltaNet heads and widths (Qwen 3.5 only: `shapes.delta_heads`);
 - splash: nothing here (its numeric check runs at the run's head widths on the device).
 Where no compile-only device can be made (the generation is not detected, libtpu refuses the
 topology in this process, or a TPU is attached to this process: the training process, whose

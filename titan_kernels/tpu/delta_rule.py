@@ -26,15 +26,26 @@ with float32 matmuls (`Precision.HIGHEST`), the operations of the torch referenc
 The sequence is padded to whole chunks with zeros (g = 0, beta = 0, k = q = 0: padded tokens
 neither write the state nor decay it); the padding is sliced off.
 
-Backward (`gated_delta_rule`, a `jax.custom_vjp`): the VJP of `reference`, the same chunked
-algorithm in plain JAX (vectorised per-chunk quantities, `solve_triangular`, a `lax.scan` over
-chunks whose step is `jax.checkpoint`ed so only the per-chunk states are kept), not a Pallas
-kernel: gradients exact to float32 rounding, at XLA's speed, not a fused kernel's.
+Backward kernels (`gated_delta_rule`, a `jax.custom_vjp` around the padded inputs; JAX
+differentiates the padding, the q scale and the in-chunk cumsum around it). Nothing of the forward
+is saved but its inputs: the forward kernel runs again writing the state at each chunk's start
+([b, h, n dk, dv]), then `_bwd_kernel` walks the chunks in reverse (index maps n - 1 - c) with the
+state's gradient dS [dk, dv] in a VMEM scratch (from the final state's cotangent; the initial
+state's gradient at the end). Per chunk it recomputes the chunk's quantities as the forward
+(`_chunk_terms`: decays, T, T (v beta), T (k beta exp(cum)), q k^T) and applies the chain rule
+to them, float32: through the readout and the intra-chunk attention, the state update, the
+UT transform (dT from T (v beta) and T X, dA = -T^T dT T^T on the strictly lower part), k beta
+and v beta, and the decays (d cum from the pairwise decays' row and column sums and the
+from-start, to-end and chunk decays). `reference` is the same algorithm in plain JAX (vectorised
+per-chunk quantities, `solve_triangular`, a `lax.scan` over checkpointed chunk steps); its VJP
+(`backward_reference`) is the tests' second opinion.
 
 Blocks and VMEM (per grid step, double-buffered inputs and outputs, float32, layouts padded to
 (8, 128) tiles): q, k, v, out [64, d]; beta and the cumulative decay as [64, 1] columns; the
 decay and segment rows [n, 64] of the whole sequence (n chunks, read at an aligned 8-row
-window); h0 and the final state [dk, dv]; scratch: the state. `vmem_bytes` is that arithmetic.
+window); h0 and the final state [dk, dv]; scratch: the state. The backward adds the chunk's
+start state and dout as inputs and dq, dk, dv, dbeta, dcum as outputs. `vmem_bytes` is that
+arithmetic (the larger of the two kernels).
 """
 
 from __future__ import annotations
@@ -63,44 +74,29 @@ def _round_up(x: int, m: int) -> int:
 
 
 def vmem_bytes(dk: int, dv: int, seq_len: int, chunk: int = CHUNK) -> int:
-    """VMEM of one grid step of the forward kernel (module docstring), float32, (8, 128) tiles."""
+    """VMEM of one grid step of the larger kernel (module docstring), float32, (8, 128) tiles."""
 
     def tile(r: int, c: int) -> int:
         return _round_up(r, 8) * _round_up(c, 128) * 4
 
     n8 = _round_up(-(-seq_len // chunk), 8)
     blocks = 2 * tile(chunk, dk) + tile(chunk, dv) + 3 * tile(chunk, 1) + 2 * tile(n8, chunk) + tile(dk, dv)
-    outs = tile(chunk, dv) + tile(dk, dv)
-    return 2 * (blocks + outs) + tile(dk, dv)
+    forward = 2 * (blocks + tile(chunk, dv) + 2 * tile(dk, dv)) + tile(dk, dv)  # + the chunk states out
+    bwd_in = blocks + tile(dk, dv) + tile(chunk, dv)  # + the chunk's state, dout
+    bwd_out = 2 * tile(chunk, dk) + tile(chunk, dv) + 2 * tile(chunk, 1) + tile(dk, dv)
+    return max(forward, 2 * (bwd_in + bwd_out) + tile(dk, dv))
 
 
-def _fwd_kernel(
-    q_ref, k_ref, v_ref, beta_ref, cumc_ref, segc_ref, cumr_ref, segr_ref, h0_ref, o_ref, ht_ref, state, *, chunk
-):
-    c = pl.program_id(2)
-
-    @pl.when(c == 0)
-    def _init():
-        state[...] = h0_ref[...]
-
-    # Row c of the [n, chunk] decay / segment rows: an aligned 8-row window, then a masked sum
-    # (exact: one nonzero term per column).
-    # lax.div / lax.rem, not // and %: c >= 0, and jnp's floor forms lower through `sign`, whose
-    # Mosaic rule asks JAX's device for the TPU generation (a CPU under torch-tpu's jax_op).
-    base = pl.multiple_of(jax.lax.div(c, 8) * 8, 8)
-    pick = jax.lax.broadcasted_iota(jnp.int32, (8, chunk), 0) == jax.lax.rem(c, 8)
-    cum_r = jnp.sum(jnp.where(pick, cumr_ref[pl.ds(base, 8), :], 0.0), axis=0, keepdims=True)  # [1, C]
-    seg_r = jnp.sum(jnp.where(pick, segr_ref[pl.ds(base, 8), :], 0.0), axis=0, keepdims=True)
-    cum_c, seg_c = cumc_ref[...], segc_ref[...]  # [C, 1]
-
-    q, k, v, beta = q_ref[...], k_ref[...], v_ref[...], beta_ref[...]
+def _chunk_terms(q, k, v, beta, cum_c, seg_c, cum_r, seg_r, chunk):
+    """One chunk's quantities of the forward (module docstring), float32, the state aside."""
     row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
     seen = (row >= col) & (seg_c == seg_r)  # j <= i, same segment
     pairwise = jnp.where(seen, jnp.exp(jnp.where(row >= col, cum_c - cum_r, 0.0)), 0.0)
 
     k_beta, v_beta = k * beta, v * beta
-    a = jnp.where(row > col, _dot(k_beta, k, _NT) * pairwise, 0.0)  # strictly lower
+    kk = _dot(k_beta, k, _NT)
+    a = jnp.where(row > col, kk * pairwise, 0.0)  # strictly lower
 
     def substitute(i, t):  # row i of T = e_i - A[i, :] T (rows < i of T are final)
         a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0, keepdims=True)  # [1, C]
@@ -111,62 +107,130 @@ def _fwd_kernel(
 
     sees_prev = (seg_c == 0.0).astype(jnp.float32)  # no reset in [chunk start, token]
     from_start = jnp.exp(cum_c) * sees_prev
-    new_values = _dot(t, v_beta)
-    k_cumdecay = _dot(t, k_beta * from_start)
-
-    s = state[...]
-    v_new = new_values - _dot(k_cumdecay, s)
-    intra = _dot(q, k, _NT) * pairwise
-    o_ref[...] = _dot(q * from_start, s) + _dot(intra, v_new)
-
+    x = k_beta * from_start
     cum_last, seg_last = cum_r[:, chunk - 1 :], seg_r[:, chunk - 1 :]  # [1, 1]
     to_end = jnp.exp(cum_last - cum_c) * (seg_c == seg_last).astype(jnp.float32)
     chunk_decay = jnp.exp(cum_last) * (seg_last == 0.0).astype(jnp.float32)
-    state[...] = s * chunk_decay + _dot(k * to_end, v_new, _TN)
+    return dict(
+        row=row,
+        col=col,
+        pairwise=pairwise,
+        k_beta=k_beta,
+        v_beta=v_beta,
+        kk=kk,
+        t=t,
+        from_start=from_start,
+        x=x,
+        new_values=_dot(t, v_beta),
+        k_cumdecay=_dot(t, x),
+        qk=_dot(q, k, _NT),
+        to_end=to_end,
+        chunk_decay=chunk_decay,
+    )
+
+
+def _rows(cumr_ref, segr_ref, c, chunk):
+    """Row c of the [n8, chunk] decay / segment rows: an aligned 8-row window, then a masked sum
+    (exact: one nonzero term per column). lax.div / lax.rem, not // and %: c >= 0, and jnp's floor
+    forms lower through `sign`, whose Mosaic rule asks JAX's device for the TPU generation (a CPU
+    under torch-tpu's jax_op)."""
+    base = pl.multiple_of(jax.lax.div(c, 8) * 8, 8)
+    pick = jax.lax.broadcasted_iota(jnp.int32, (8, chunk), 0) == jax.lax.rem(c, 8)
+    cum_r = jnp.sum(jnp.where(pick, cumr_ref[pl.ds(base, 8), :], 0.0), axis=0, keepdims=True)  # [1, C]
+    seg_r = jnp.sum(jnp.where(pick, segr_ref[pl.ds(base, 8), :], 0.0), axis=0, keepdims=True)
+    return cum_r, seg_r
+
+
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, beta_ref, cumc_ref, segc_ref, cumr_ref, segr_ref, h0_ref, o_ref, ht_ref, *rest, chunk
+):
+    states_ref, state = rest if len(rest) == 2 else (None, rest[0])
+    c = pl.program_id(2)
+
+    @pl.when(c == 0)
+    def _init():
+        state[...] = h0_ref[...]
+
+    cum_r, seg_r = _rows(cumr_ref, segr_ref, c, chunk)
+    q, k = q_ref[...], k_ref[...]
+    f = _chunk_terms(q, k, v_ref[...], beta_ref[...], cumc_ref[...], segc_ref[...], cum_r, seg_r, chunk)
+    s = state[...]
+    if states_ref is not None:
+        states_ref[...] = s
+    v_new = f["new_values"] - _dot(f["k_cumdecay"], s)
+    o_ref[...] = _dot(q * f["from_start"], s) + _dot(f["qk"] * f["pairwise"], v_new)
+    state[...] = s * f["chunk_decay"] + _dot(k * f["to_end"], v_new, _TN)
 
     @pl.when(c == pl.num_programs(2) - 1)
     def _done():
         ht_ref[...] = state[...]
 
 
-def _chunked_inputs(g, reset, chunk):
-    """g [b, h, s], reset [b, s] -> padded length, the in-chunk cumulative decay and segment index
-    as columns ([b, h, S, 1], [b, S, 1]) and rows ([b, h, n8, C], [b, n8, C]; n8 = n rounded up to 8)."""
-    b, h, s = g.shape
-    padded = _round_up(s, chunk)
-    n = padded // chunk
-    n8 = _round_up(n, 8)
-    cum = jnp.pad(g.astype(jnp.float32), ((0, 0), (0, 0), (0, padded - s))).reshape(b, h, n, chunk).cumsum(-1)
-    seg = jnp.pad(reset.astype(jnp.int32), ((0, 0), (0, padded - s))).reshape(b, n, chunk).cumsum(-1)
-    seg = seg.astype(jnp.float32)
-    rows = ((0, 0), (0, n8 - n), (0, 0))
-    cum_row = jnp.pad(cum, ((0, 0), *rows))
-    seg_row = jnp.pad(seg, rows)
-    return padded, cum.reshape(b, h, padded, 1), seg.reshape(b, padded, 1), cum_row, seg_row
-
-
-@functools.partial(jax.jit, static_argnames=("chunk", "interpret"))
-def forward(q, k, v, g, beta, h0, reset, *, chunk: int = CHUNK, interpret: bool = False):
-    """The Pallas forward (module docstring): q, k [b, h, s, dk], v [b, h, s, dv], g, beta [b, h, s],
-    h0 [b, h, dk, dv], reset [b, s] (int; nonzero: the state is zeroed before that token) ->
-    (out [b, h, s, dv] float32, final state [b, h, dk, dv] float32)."""
+def _padded(q, k, v, g, beta, reset, chunk):
+    """The kernel's inputs, differentiable JAX ops: the sequence padded to whole chunks, float32,
+    q scaled by dk^-0.5, beta as a column [b, h, S, 1], the in-chunk cumulative log decay
+    `cum` [b, h, S] and the in-chunk document index `seg` [b, S] (float32; no gradient)."""
     b, h, s, dk = q.shape
-    dv = v.shape[-1]
     f32 = jnp.float32
-    padded, cum_col, seg_col, cum_row, seg_row = _chunked_inputs(g, reset, chunk)
+    padded = _round_up(s, chunk)
     pad = ((0, 0), (0, 0), (0, padded - s), (0, 0))
-    q = jnp.pad(q.astype(f32) * dk**-0.5, pad)
+    qs = jnp.pad(q.astype(f32) * dk**-0.5, pad)
     k, v = jnp.pad(k.astype(f32), pad), jnp.pad(v.astype(f32), pad)
     beta = jnp.pad(beta.astype(f32), pad[:3]).reshape(b, h, padded, 1)
-    n, n8 = padded // chunk, cum_row.shape[2]
+    cum = jnp.pad(g.astype(f32), pad[:3]).reshape(b, h, padded // chunk, chunk).cumsum(-1).reshape(b, h, padded)
+    seg = jnp.pad(reset.astype(jnp.int32), pad[:1] + pad[2:3]).reshape(b, padded // chunk, chunk).cumsum(-1)
+    return qs, k, v, beta, cum, jax.lax.stop_gradient(seg.astype(f32).reshape(b, padded))
+
+
+def _layouts(cum, seg, chunk):
+    """cum [b, h, S], seg [b, S] as columns ([b, h, S, 1], [b, S, 1]) and rows ([b, h, n8, C],
+    [b, n8, C]; n8 = the chunk count rounded up to 8, the rows' aligned window)."""
+    b, h, padded = cum.shape
+    n = padded // chunk
+    n8 = _round_up(n, 8)
+    rows = ((0, 0), (0, n8 - n), (0, 0))
+    cum_row = jnp.pad(cum.reshape(b, h, n, chunk), ((0, 0), *rows))
+    seg_row = jnp.pad(seg.reshape(b, n, chunk), rows)
+    return cum.reshape(b, h, padded, 1), seg.reshape(b, padded, 1), cum_row, seg_row
+
+
+def _specs(b, h, n, n8, chunk, reverse=False):
+    def at(c):
+        return n - 1 - c if reverse else c
 
     def tokens(width):
-        return pl.BlockSpec((None, None, chunk, width), lambda i, j, c: (i, j, c, 0))
+        return pl.BlockSpec((None, None, chunk, width), lambda i, j, c: (i, j, at(c), 0))
 
     def per_head(r, w):
         return pl.BlockSpec((None, None, r, w), lambda i, j, c: (i, j, 0, 0))
 
-    out, ht = pl.pallas_call(
+    seg_col = pl.BlockSpec((None, chunk, 1), lambda i, j, c: (i, at(c), 0))
+    seg_row = pl.BlockSpec((None, n8, chunk), lambda i, j, c: (i, 0, 0))
+    return tokens, per_head, seg_col, seg_row
+
+
+def _params(interpret):
+    return dict(
+        interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    )
+
+
+def _pallas_forward(qs, k, v, beta, cum, seg, h0, *, chunk, interpret, with_states=False):
+    """The forward kernel on padded inputs -> (out [b, h, S, dv], final state[, the state at each
+    chunk's start [b, h, n * dk, dv] (the backward's recomputation)])."""
+    b, h, padded, dk = qs.shape
+    dv = v.shape[-1]
+    f32 = jnp.float32
+    cum_col, seg_col, cum_row, seg_row = _layouts(cum, seg, chunk)
+    n, n8 = padded // chunk, cum_row.shape[2]
+    tokens, per_head, seg_col_spec, seg_row_spec = _specs(b, h, n, n8, chunk)
+    out_specs = [tokens(dv), per_head(dk, dv)]
+    out_shape = [jax.ShapeDtypeStruct((b, h, padded, dv), f32), jax.ShapeDtypeStruct((b, h, dk, dv), f32)]
+    if with_states:
+        out_specs.append(pl.BlockSpec((None, None, dk, dv), lambda i, j, c: (i, j, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, h, n * dk, dv), f32))
+    return pl.pallas_call(
         functools.partial(_fwd_kernel, chunk=chunk),
         grid=(b, h, n),
         in_specs=[
@@ -175,18 +239,156 @@ def forward(q, k, v, g, beta, h0, reset, *, chunk: int = CHUNK, interpret: bool 
             tokens(dv),
             tokens(1),
             tokens(1),
-            pl.BlockSpec((None, chunk, 1), lambda i, j, c: (i, c, 0)),
+            seg_col_spec,
             per_head(n8, chunk),
-            pl.BlockSpec((None, n8, chunk), lambda i, j, c: (i, 0, 0)),
+            seg_row_spec,
             per_head(dk, dv),
         ],
-        out_specs=[tokens(dv), per_head(dk, dv)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, padded, dv), f32), jax.ShapeDtypeStruct((b, h, dk, dv), f32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((dk, dv), f32)],
-        interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-    )(q, k, v, beta, cum_col, seg_col, cum_row, seg_row, h0.astype(f32))
-    del n
+        **_params(interpret),
+    )(qs, k, v, beta, cum_col, seg_col, cum_row, seg_row, h0.astype(f32))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret"))
+def forward(q, k, v, g, beta, h0, reset, *, chunk: int = CHUNK, interpret: bool = False):
+    """The Pallas forward (module docstring): q, k [b, h, s, dk], v [b, h, s, dv], g, beta [b, h, s],
+    h0 [b, h, dk, dv], reset [b, s] (int; nonzero: the state is zeroed before that token) ->
+    (out [b, h, s, dv] float32, final state [b, h, dk, dv] float32)."""
+    s = q.shape[2]
+    out, ht = _pallas_forward(*_padded(q, k, v, g, beta, reset, chunk), h0, chunk=chunk, interpret=interpret)
+    return out[:, :, :s], ht
+
+
+def _bwd_kernel(
+    q_ref, k_ref, v_ref, beta_ref, cumc_ref, segc_ref, cumr_ref, segr_ref, s_ref, do_ref, dht_ref,
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dcum_ref, dh0_ref, ds_scr, *, chunk, n
+):  # fmt: skip
+    """One chunk of the backward, chunks in reverse; the state's gradient dS carried in VMEM."""
+    step = pl.program_id(2)
+    c = n - 1 - step
+
+    @pl.when(step == 0)
+    def _init():
+        ds_scr[...] = dht_ref[...]
+
+    cum_r, seg_r = _rows(cumr_ref, segr_ref, c, chunk)
+    q, k, v, beta, cum_c = q_ref[...], k_ref[...], v_ref[...], beta_ref[...], cumc_ref[...]
+    f = _chunk_terms(q, k, v, beta, cum_c, segc_ref[...], cum_r, seg_r, chunk)
+    row, col, p, t, fs, te = f["row"], f["col"], f["pairwise"], f["t"], f["from_start"], f["to_end"]
+    s, ds, do = s_ref[...], ds_scr[...], do_ref[...]
+    v_new = f["new_values"] - _dot(f["k_cumdecay"], s)
+    m = f["qk"] * p  # the intra-chunk attention
+    ke = k * te
+
+    d_vnew = _dot(m, do, _TN) + _dot(ke, ds)
+    d_m = _dot(do, v_new, _NT)
+    d_qk = d_m * p
+    d_qfs = _dot(do, s, _NT)  # d(q * from_start)
+    dq = d_qfs * fs + _dot(d_qk, k)
+    dk = _dot(d_qk, q, _TN)
+    d_ke = _dot(v_new, ds, _NT)
+    dk = dk + d_ke * te
+    d_cd = jnp.sum(s * ds, keepdims=True).reshape(1, 1)
+    d_w = -_dot(d_vnew, s, _NT)  # W = k_cumdecay; U = new_values gets d_vnew
+    d_t = _dot(d_vnew, f["v_beta"], _NT) + _dot(d_w, f["x"], _NT)
+    d_vb = _dot(t, d_vnew, _TN)
+    d_x = _dot(t, d_w, _TN)
+    d_a = -_dot(_dot(t, d_t, _TN), t, _NT)  # T = (I + A)^-1
+    d_a = jnp.where(row > col, d_a, 0.0)
+    d_kk = d_a * p
+    d_kb = d_x * fs + _dot(d_kk, k)
+    dk = dk + _dot(d_kk, f["k_beta"], _TN) + d_kb * beta
+    dv = d_vb * beta
+    dbeta = jnp.sum(d_kb * k, axis=1, keepdims=True) + jnp.sum(d_vb * v, axis=1, keepdims=True)
+
+    # The log decays: pairwise exp(cum_i - cum_j), from_start exp(cum), to_end exp(cum_last - cum),
+    # chunk_decay exp(cum_last); cum_last is cum at the chunk's last row.
+    d_pp = (d_m * f["qk"] + d_a * f["kk"]) * p  # d pairwise * pairwise (zero off its support)
+    ones = jnp.ones((chunk, 1), jnp.float32)
+    d_fs = jnp.sum(d_qfs * q, axis=1, keepdims=True) + jnp.sum(d_x * f["k_beta"], axis=1, keepdims=True)
+    d_te = jnp.sum(d_ke * k, axis=1, keepdims=True)
+    d_last = jnp.sum(d_te * te, keepdims=True).reshape(1, 1) + d_cd * f["chunk_decay"]
+    d_cum = jnp.sum(d_pp, axis=1, keepdims=True) - _dot(d_pp, ones, _TN) + d_fs * fs - d_te * te
+    d_cum = d_cum + jnp.where(row[:, :1] == chunk - 1, d_last, 0.0)
+
+    dq_ref[...] = dq
+    dk_ref[...] = dk
+    dv_ref[...] = dv
+    dbeta_ref[...] = dbeta
+    dcum_ref[...] = d_cum
+    ds_scr[...] = _dot(q * fs, do, _TN) - _dot(f["k_cumdecay"], d_vnew, _TN) + f["chunk_decay"] * ds
+
+    @pl.when(step == n - 1)
+    def _done():
+        dh0_ref[...] = ds_scr[...]
+
+
+def _pallas_backward(qs, k, v, beta, cum, seg, h0, d_out, d_state, *, chunk, interpret):
+    """Gradients of the padded inputs (qs, k, v, beta, cum, h0): the states at each chunk's start
+    recomputed by the forward kernel, then the backward kernel over the chunks in reverse."""
+    b, h, padded, dk = qs.shape
+    dv = v.shape[-1]
+    f32 = jnp.float32
+    _, _, states = _pallas_forward(qs, k, v, beta, cum, seg, h0, chunk=chunk, interpret=interpret, with_states=True)
+    cum_col, seg_col, cum_row, seg_row = _layouts(cum, seg, chunk)
+    n, n8 = padded // chunk, cum_row.shape[2]
+    tokens, per_head, seg_col_spec, seg_row_spec = _specs(b, h, n, n8, chunk, reverse=True)
+    state_spec = pl.BlockSpec((None, None, dk, dv), lambda i, j, c: (i, j, n - 1 - c, 0))
+    dq, dk_, dv_, dbeta, dcum, dh0 = pl.pallas_call(
+        functools.partial(_bwd_kernel, chunk=chunk, n=n),
+        grid=(b, h, n),
+        in_specs=[
+            tokens(dk),
+            tokens(dk),
+            tokens(dv),
+            tokens(1),
+            tokens(1),
+            seg_col_spec,
+            per_head(n8, chunk),
+            seg_row_spec,
+            state_spec,
+            tokens(dv),
+            per_head(dk, dv),
+        ],
+        out_specs=[tokens(dk), tokens(dk), tokens(dv), tokens(1), tokens(1), per_head(dk, dv)],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, padded, dk), f32),
+            jax.ShapeDtypeStruct((b, h, padded, dk), f32),
+            jax.ShapeDtypeStruct((b, h, padded, dv), f32),
+            jax.ShapeDtypeStruct((b, h, padded, 1), f32),
+            jax.ShapeDtypeStruct((b, h, padded, 1), f32),
+            jax.ShapeDtypeStruct((b, h, dk, dv), f32),
+        ],
+        scratch_shapes=[pltpu.VMEM((dk, dv), f32)],
+        **_params(interpret),
+    )(qs, k, v, beta, cum_col, seg_col, cum_row, seg_row, states, d_out.astype(f32), d_state.astype(f32))
+    return dq, dk_, dv_, dbeta, dcum.reshape(b, h, padded), dh0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _core(qs, k, v, beta, cum, seg, h0, chunk, interpret):
+    return tuple(_pallas_forward(qs, k, v, beta, cum, seg, h0, chunk=chunk, interpret=interpret))
+
+
+def _core_fwd(qs, k, v, beta, cum, seg, h0, chunk, interpret):
+    return _core(qs, k, v, beta, cum, seg, h0, chunk, interpret), (qs, k, v, beta, cum, seg, h0)
+
+
+def _core_bwd(chunk, interpret, res, cot):
+    dq, dk, dv, dbeta, dcum, dh0 = _pallas_backward(*res, *cot, chunk=chunk, interpret=interpret)
+    return dq, dk, dv, dbeta, dcum, jnp.zeros_like(res[5]), dh0
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def fused_delta_rule(q, k, v, g, beta, h0, reset, chunk: int = CHUNK, interpret: bool = False):
+    """(out, final state) as `forward`, differentiable with the Pallas backward kernel (`_bwd_kernel`;
+    JAX differentiates the padding, the q scale and the in-chunk cumsum around it)."""
+    s = q.shape[2]
+    out, ht = _core(*_padded(q, k, v, g, beta, reset, chunk), h0.astype(jnp.float32), chunk, interpret)
     return out[:, :, :s], ht
 
 
@@ -240,30 +442,21 @@ def reference(q, k, v, g, beta, h0, reset, *, chunk: int = CHUNK):
     return out, state
 
 
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret"))
+def backward(q, k, v, g, beta, h0, reset, d_out, d_state, *, chunk: int = CHUNK, interpret: bool = False):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of <d_out, out> + <d_state, final state>, float32: the
+    Pallas backward (`gated_delta_rule`); XLA drops the forward's outputs, which nothing reads."""
+    _, vjp = jax.vjp(lambda *a: gated_delta_rule(*a, reset, chunk, interpret), q, k, v, g, beta, h0)
+    return vjp((d_out.astype(jnp.float32), d_state.astype(jnp.float32)))
+
+
 @functools.partial(jax.jit, static_argnames=("chunk",))
-def backward(q, k, v, g, beta, h0, reset, d_out, d_state, *, chunk: int = CHUNK):
-    """Gradients (dq, dk, dv, dg, dbeta, dh0) of <d_out, out> + <d_state, final state>: the VJP of
-    `reference` (module docstring), float32."""
+def backward_reference(q, k, v, g, beta, h0, reset, d_out, d_state, *, chunk: int = CHUNK):
+    """The same gradients as the VJP of `reference` (plain JAX; tests and comparisons)."""
     fn = functools.partial(reference, reset=reset, chunk=chunk)
     _, vjp = jax.vjp(lambda *a: fn(*a), q, k, v, g, beta, h0)
     return vjp((d_out.astype(jnp.float32), d_state.astype(jnp.float32)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def gated_delta_rule(q, k, v, g, beta, h0, reset, chunk=CHUNK, interpret=False):
-    """(out, final state) by the Pallas forward, differentiable (the backward of `backward`)."""
-    return forward(q, k, v, g, beta, h0, reset, chunk=chunk, interpret=interpret)
-
-
-def _gdr_fwd(q, k, v, g, beta, h0, reset, chunk, interpret):
-    out = forward(q, k, v, g, beta, h0, reset, chunk=chunk, interpret=interpret)
-    return out, (q, k, v, g, beta, h0, reset)
-
-
-def _gdr_bwd(chunk, interpret, res, cot):
-    del interpret
-    grads = backward(*res, *cot, chunk=chunk)
-    return (*grads, None)
-
-
-gated_delta_rule.defvjp(_gdr_fwd, _gdr_bwd)
+gated_delta_rule = fused_delta_rule
+"""(out, final state), differentiable: the Pallas forward and the Pallas backward (module docstring)."""

@@ -16,7 +16,8 @@ Imported only by `titan_kernels.tpu.load()` on a TPU run (it imports jax and nee
 - `titan_tpu::linear_ce_fwd / linear_ce_bwd` (per-row loss and lse; gradients);
 - `titan_tpu::gated_delta_fwd / gated_delta_bwd` for the op `gated_delta_rule` (Qwen 3.5's Gated
   DeltaNet, titan_kernels/tpu/delta_rule.py): the Pallas forward (out, final state); the backward
-  is the VJP of the plain-JAX chunked form (delta_rule.py `backward`), on the saved inputs.
+  op takes the saved inputs and runs the forward kernel again for the chunk states, then the
+  Pallas backward kernel (delta_rule.py `backward`).
 `build_cp(cp_rank, cp_size)` adds, per context-parallel rank, `titan_tpu::splash_cp{size}r{rank}_fwd
 / _bwd` (and `_seg_`): splash over all-gathered keys with that rank's causal offsets.
 Each forward op gets autograd through `register_autograd` with its backward op (jax_op registers

@@ -5,18 +5,20 @@
     python delta_rule.py register            # ttpu venv: the torch-tpu op on fake tensors
 
 `interpret`: each case runs the op as a TPU run composes it (titan_kernels/tpu/register.py: the
-torch side `gated_delta._prepare`, then the JAX op `delta_rule.gated_delta_rule`, whose forward is
-the Pallas kernel in Pallas' interpreter and whose backward is the VJP of the plain-JAX chunked
-form), float32, forward (output and final state) and a VJP with fixed random cotangents for both
-outputs (gradients of q, k, v, g, beta, the initial state). The same inputs go through the torch
-reference `gated_delta.chunk_gated_delta_rule` (float32) and through the token-by-token recurrence in
+torch side `gated_delta._prepare`, then the JAX op `delta_rule.gated_delta_rule`, whose forward
+and backward are the Pallas kernels in Pallas' interpreter), float32, forward (output and final
+state) and a VJP with fixed random cotangents for both outputs (gradients of q, k, v, g, beta,
+the initial state). The same inputs go through the torch reference
+`gated_delta.chunk_gated_delta_rule` (float32) and through the token-by-token recurrence in
 float64 written here (the exact value). Errors are max |x - exact|, `scale` max |exact|.
-`small`: the first case only, forward and backward. `selfcheck`: also the start-up self-check
-(titan_kernels/tpu/selfcheck.py) with this kernel as the implementation, bf16 inputs, dk = dv = 128:
-{"selfcheck": {"ok", "worst", "reason", "tolerance"}}. `control`: the kernel with the documents
-case's resets dropped, against the exact value with them (what a wrong mask costs).
+`export`: the forward and backward ops exported for TPU (Mosaic lowering, no device): their
+Mosaic calls and triangular solves. `control`: the kernel with the documents case's resets
+dropped, against the exact value with them (what a wrong mask costs). `small`: the first case
+only. `selfcheck`: also the start-up self-check (titan_kernels/tpu/selfcheck.py) with this kernel
+as the implementation, bf16 inputs, dk = dv = 128: {"selfcheck": {"ok", "worst", "reason",
+"tolerance"}}.
 
-`compile GEN...`: forward (the Mosaic kernel) and backward (XLA) of the op at Qwen 3.5 9B's
+`compile GEN...`: forward (the Mosaic kernel) and forward + backward (three kernels) at Qwen 3.5 9B's
 Gated DeltaNet widths (32 value heads of dk = dv = 128) over 4096 tokens, lowered for and
 compiled on each generation's compile-only device (tiles.GENERATIONS topology). Reports the
 compile time, the Mosaic calls in the compiled program, the compiler's memory analysis and the
@@ -199,6 +201,7 @@ def interpret(small: bool, with_selfcheck: bool = False) -> dict:
     control = {"case": f"{name} without its resets", "scale": float(want.abs().max())}
     control["pallas_err"] = float((dropped.double() - want).abs().max())
     result = {"jax": jax.__version__, "torch": torch.__version__, "cases": results, "control": control}
+    result["export"] = _export_structure()
     if with_selfcheck:  # the start-up self-check with this kernel, bf16 inputs, at Qwen 3.5's widths
         from titan_kernels.tpu import selfcheck
 
@@ -215,6 +218,26 @@ def interpret(small: bool, with_selfcheck: bool = False) -> dict:
             "seconds": round(time.perf_counter() - start, 1),
         }
     return result
+
+
+def _export_structure() -> dict:
+    """The forward and backward ops exported for TPU (`jax.export(platforms=["tpu"])`, what torch-tpu's
+    jax_op does; Mosaic lowering, no device): the Mosaic calls and triangular solves in each."""
+    import jax
+    import jax.numpy as jnp
+
+    from titan_kernels.tpu import delta_rule
+
+    S, f32 = jax.ShapeDtypeStruct, jnp.float32
+    b, h, s, dk, dv = 1, 2, 300, 128, 128
+    args = [S((b, h, s, dk), f32), S((b, h, s, dk), f32), S((b, h, s, dv), f32), S((b, h, s), f32)]
+    args += [S((b, h, s), f32), S((b, h, dk, dv), f32), S((b, s), jnp.int32)]
+    cot = [S((b, h, s, dv), f32), S((b, h, dk, dv), f32)]
+    out = {}
+    for name, fn, avals in (("forward", delta_rule.forward, args), ("backward", delta_rule.backward, args + cot)):
+        text = jax.export.export(jax.jit(fn), platforms=["tpu"])(*avals).mlir_module()
+        out[name] = {"mosaic_calls": text.count("tpu_custom_call"), "triangular_solves": text.count("triangular_solve")}
+    return out
 
 
 def compile_(generations: list[str]) -> dict:
@@ -256,13 +279,19 @@ def compile_(generations: list[str]) -> dict:
         for name, fn, args in (("forward", delta_rule.forward, avals), ("forward+backward", step, avals + cot)):
             start = time.perf_counter()
             try:
-                compiled = jax.jit(fn).lower(*args).compile()
-                text = compiled.as_text()
+                lowered = jax.jit(fn).lower(*args)
+                compiled = lowered.compile()
+                seconds = round(time.perf_counter() - start, 1)
+                try:  # as tests/xla/probes/kernels_compile.py: the compiled HLO, else the lowered text
+                    text, counted_in = compiled.as_text(), "compiled"
+                except Exception:
+                    text, counted_in = lowered.as_text(), "lowered"
                 mem = compiled.memory_analysis()
                 out["compiles"][f"{name}@{gen}"] = {
                     "device": dev.device_kind,
-                    "seconds": round(time.perf_counter() - start, 1),
-                    "mosaic_calls": len(re.findall(r'custom_call_target="tpu_custom_call"', text)),
+                    "seconds": seconds,
+                    "mosaic_calls": len(re.findall(r"tpu_custom_call", text)),
+                    "counted_in": counted_in,
                     "temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
                     "argument_mib": round(mem.argument_size_in_bytes / 2**20, 1),
                     "output_mib": round(mem.output_size_in_bytes / 2**20, 1),
