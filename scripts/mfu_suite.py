@@ -28,8 +28,9 @@ Every such row is labeled "projection". Without that venv the projections are sk
 reason printed. `--hlo-cache DIR` keeps the compiles and reads them back (by recipe name and
 overrides; a trainer-program compile also by the recipe file's hash).
 
-The expert-parallel recipes (ep > 1) are projected from the trainer's own per-device program
-instead: tools/tpu_compile.py (the real plan with EP on the target's fake world, the dispatch over
+The expert-parallel recipes (ep > 1) and the context-parallel ones (cp > 1: the 128k recipes, whose
+whole-sequence 1-layer program does not fit the small slice) are projected from the trainer's own
+per-device program instead (`trainer_program`): tools/tpu_compile.py (the real plan with EP on the target's fake world, the dispatch over
 its all-to-alls, every collective as the trainer writes it, the Pallas kernels) compiled at full
 depth with the recipe's layer scan, XLA's optimized HLO dumped and read by tools/xla_projection.py,
 each collective priced where torch-tpu's layout puts its group on the torus; the table adds the EP
@@ -297,14 +298,16 @@ def project(
     if not names:
         return [], "no recipes to project (--project none)"
     rows = []
-    program_names = [n for n in names if expert_parallel(recipe_path(n))]
+    why_program = {n: trainer_program(recipe_path(n)) for n in names}
+    program_names = [n for n in names if why_program[n]]
     names = [n for n in names if n not in program_names]
     if (program_names and compile is None) or (names and costs is None):
         venv, why = xla_venv()
         if venv is None:
             return [], why
     for name in program_names:
-        for routing in routings:
+        # the routing switches only mean something to a model with experts
+        for routing in routings if why_program[name] == "ep" else ("learned",):
             rows.append(
                 program_row(
                     name,
@@ -326,6 +329,21 @@ def project(
     for name in names:
         rows.append(_fsdp_projection(name, anchors=anchors, timeout=timeout, costs=costs))
     return rows, ""
+
+
+def trainer_program(recipe: Path) -> str | None:
+    """Why `recipe` is projected from the trainer's own per-device program at its target, not from
+    the small-slice FSDP approximation: "ep" (expert parallel: the approximation has no dispatch),
+    "cp" (context parallel: the approximation keeps the whole sequence on a device, and at 128k
+    tokens its 1-layer program does not fit v6e-4 / v7x-8), or None."""
+    from trainer.config import build_config
+
+    par = build_config(str(recipe), []).parallelism
+    if par.expert_parallel_degree > 1:
+        return "ep"
+    if par.context_parallel_degree > 1:
+        return "cp"
+    return None
 
 
 def _fsdp_projection(name: str, *, anchors: dict, timeout: float, costs) -> dict:

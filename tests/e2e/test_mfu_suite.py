@@ -175,6 +175,44 @@ def test_projections_skip_without_the_xla_venv_or_the_memory(tmp_path, monkeypat
     assert why == "" and rows[0]["error"].startswith("skipped: the 2-layer capture needs ~2 GiB")
 
 
+def test_context_and_expert_parallel_recipes_project_the_trainer_program(monkeypatch):
+    """The 128k recipes (cp > 1) take the trainer's own program at their target, as the EP recipes
+    do, once (no routing variants: no experts); a dense recipe keeps the small-slice approximation."""
+    calls = []
+
+    def row(name, overrides, **_):
+        calls.append((name, list(overrides)))
+        return {"recipe": name, "kind": suite.PROGRAM_KIND}
+
+    monkeypatch.setattr(suite, "program_row", row)
+    monkeypatch.setattr(suite, "host_available_bytes", lambda: None)  # never skipped for host memory
+    fsdp = []
+
+    def costs(recipe, *_):
+        fsdp.append(Path(recipe).stem)
+        raise RuntimeError("not compiled in this test")
+
+    names = ["llama3_8b_128k_v6e", "qwen3_32b_128k_v7x", "qwen3_30b_a3b_v6e", "llama3_8b_v6e"]
+    assert [suite.trainer_program(suite.recipe_path(n)) for n in names] == ["cp", "cp", "ep", None]
+    rows, why = suite.project(
+        names,
+        anchors=suite.load_anchors(),
+        timeout=1,
+        compile=lambda *_: None,
+        costs=costs,
+        routings=("learned", "random"),
+        overrides=[("training.steps", "2")],
+    )
+    assert why == ""
+    assert calls == [
+        ("llama3_8b_128k_v6e", [("training.steps", "2")]),
+        ("qwen3_32b_128k_v7x", [("training.steps", "2")]),
+        ("qwen3_30b_a3b_v6e", [("training.steps", "2")]),
+        ("qwen3_30b_a3b_v6e", [*suite.ROUTINGS["random"], ("training.steps", "2")]),
+    ]
+    assert fsdp == ["llama3_8b_v6e"] and rows[-1]["error"].startswith("failed: not compiled")
+
+
 def test_bad_input_is_one_error_line(capsys, monkeypatch):
     assert suite.main(["--recipes", "nope_debug", "--dry-run"]) == 2
     err = capsys.readouterr().err
