@@ -1651,11 +1651,12 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "test_pipeline_parallel.py rows)",
     ),
     Scheduled(
-        "tests/unit/test_graph_pipeline.py::test_graph_pp2_layer_scan_equals_one_process",
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_layer_scan_and_fused_loss_equal_one_process",
         ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
-        "graph-mode PP 2 with layer scan (each stage's blocks one scan per pipeline iteration): the default "
-        "tier runs the same PipelinedLoss, permutes and pp reductions with the blocks unrolled; layer scan "
-        "itself runs in the default tier (tests/unit/test_graph_step.py, test_scan_uneven.py)",
+        "graph-mode PP 2 with layer scan (each stage's blocks one scan per pipeline iteration) and with the "
+        "fused loss: the default tier runs the same PipelinedLoss, permutes and pp reductions with the blocks "
+        "unrolled and the plain loss; layer scan and the fused loss themselves run in the default tier "
+        "(tests/unit/test_graph_step.py, test_scan_uneven.py)",
     ),
     Scheduled(
         "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_is_one_program_with_collective_permutes",

@@ -81,6 +81,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 dtype=torch.float32,
                 scan=mode == "graph_scan",
                 device=torch.device("cpu"),
+                fused=mode == "graph_fused",
             )
             step = build_graph_step(
                 model=model,
@@ -206,10 +207,11 @@ def test_graph_pp2_scan_over_iterations_equals_one_process():
 
 
 @pytest.mark.multiprocess
-def test_graph_pp2_layer_scan_equals_one_process():
+def test_graph_pp2_layer_scan_and_fused_loss_equal_one_process():
     """PP 2 in graph mode with layer scan (each stage's 3 blocks one scan, called once per pipeline
-    iteration; rank 1's stack holds blocks 3-5, its template block not "0") == one process."""
-    results, _ = _graph_parity(2, microbatches=2, modes=("graph_layerscan",))
+    iteration; rank 1's stack holds blocks 3-5, its template block not "0"), and with the fused
+    linear + cross-entropy loss (the TPU's default; chunked on the CPU) == one process."""
+    results, _ = _graph_parity(2, microbatches=2, modes=("graph_layerscan", "graph_fused"))
     for r in results:
         assert r["graph_layerscan"][3].get("all_to_all_single") == 4
 

@@ -148,13 +148,13 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with document masking, a fused loss on, QK clip, the once-per-step replicate reduction, "
+        "PP > 1 with document masking, a fused loss on outside graph mode, QK clip, the once-per-step replicate reduction, "
         "a local checkpoint tier, or initial weights to load",
         lambda r: (
             r.pp_degree > 1
             and (
                 r.document_mask
-                or r.fused_loss == "on"
+                or (r.fused_loss == "on" and r.mode != "graph")
                 or r.qk_clip
                 or r.replicate_reduce == "step"
                 or r.local_checkpoint
@@ -162,10 +162,10 @@ PIPELINE_RULES: tuple[Rule, ...] = (
             )
         ),
         "{r.pp_degree} is not wired yet with training.document_mask ({r.document_mask}), training.fused_loss on "
-        "({r.fused_loss}), optimizer.qk_clip_tau > 0 ({r.qk_clip}), training.replicate_reduce step "
+        "in eager mode ({r.fused_loss}), optimizer.qk_clip_tau > 0 ({r.qk_clip}), training.replicate_reduce step "
         "({r.replicate_reduce}), checkpoint.local_folder "
         "({r.local_checkpoint}) or checkpoint.initial_load_path ({r.initial_load_format!r}; a resumed run's "
-        "own checkpoints reshard); allowed: 1, or document_mask = false, fused_loss = auto | off, qk_clip_tau = 0, "
+        "own checkpoints reshard); allowed: 1, or document_mask = false, fused_loss = auto | off (or compile.mode graph), qk_clip_tau = 0, "
         'replicate_reduce = "micro_batch", local_folder = "", initial_load_path = ""',
     ),
     Rule(
