@@ -1,5 +1,7 @@
-"""Splash attention (Pallas, TPU) for the ops `causal_attention` (causal, GQA, document masking)
-and `attention` (full, bidirectional: FLUX's joint attention).
+"""Splash attention (Pallas, TPU) for the ops `causal_attention` (causal, GQA, document masking),
+`attention` (full, bidirectional: FLUX's joint attention) and `sink_attention` (a sink logit per
+head and a sliding window: gpt-oss, DeepSeek-V4's sliding blocks; `sink_forward` / `sink_backward`
+/ `splash_sink_attention`, section "sinks and a sliding window" below).
 
 Pure JAX: `splash_attention(q, k, v, segment_ids=None, causal=True)` takes the op's layout (q
 [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv], segment_ids [B, S] or None) and returns
