@@ -16,9 +16,11 @@ Attention backends (`[model] attn_backend`):
 
 The backend picks both attention ops: `causal_attention` and the full (bidirectional) `attention`
 (FLUX), which on TPU is splash with a full mask and elsewhere SDPA (the CPU kernel is causal only).
-On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`) are served by their
-Pallas kernels (megablox gmm, the fused vocabulary-tiled loss) whenever those load, whatever
-the attention backend; elsewhere their torch references serve them. `titan_kernels/tpu` (jax,
+On TPU the other ops (`grouped_mm` for MoE experts, `linear_cross_entropy`, Qwen 3.5's
+`gated_delta_rule`) are served by their Pallas kernels (megablox gmm, the fused vocabulary-tiled
+loss, the chunked delta rule's forward and backward kernels; the last checked and registered only
+for a model with Gated DeltaNet) whenever those load, whatever the attention backend; elsewhere
+their torch references serve them. `titan_kernels/tpu` (jax,
 torch-tpu) is imported only when the device is a TPU. On TPU each selected kernel first runs a
 self-check on tiny tensors against its torch reference at the widths the run calls it
 (`KernelShapes`; `titan_kernels/tpu/selfcheck.py`), what is too large to run there compiled for
