@@ -459,6 +459,12 @@ x8 link is 31.5 GB/s a direction: the 32 GB/s read as one direction). TPU7x: no 
 assumed (per chip: its two devices share it)."""
 
 
+MXU_EFFICIENCY = 0.66
+"""The share of the bf16 peak a matmul (an XLA dot fusion, a Pallas kernel's FLOPs) runs at in the
+scheduled prediction: the one constant fitted on MaxText's five published runs
+(docs/maxtext_calibration.md, "The prediction")."""
+
+
 def host_link_bytes_per_s(gen: str, ici: dict) -> float:
     """One direction of the host link per device (a chip's link shared by its devices)."""
     return HOST_LINK_GBPS_PER_CHIP.get(gen, 15.0) * 1e9 / ici.get("devices_per_chip", 1)
@@ -531,16 +537,20 @@ def scheduled(
             priced[c.name] = sum(comm_on_placement([one], ici=ici, placement=placement).values())
         return priced[c.name]
 
-    def inner_collectives(ins: Instr) -> list[Collective]:
-        called = _names(ins.attr("calls")) + _names(ins.attr("called_computations"))
+    def inner_collectives(ins: Instr, seen: set | None = None) -> list[Collective]:
+        """The collectives of the computations `ins` runs, however nested (an async computation
+        calling a computation that holds the all-reduce, a fusion wrapping one)."""
+        seen = set() if seen is None else seen
         out: list[Collective] = []
-        for c in called:
+        for c in _names(ins.attr("calls")) + _names(ins.attr("called_computations")) + _names(ins.attr("to_apply")):
+            if c in seen:
+                continue
+            seen.add(c)
             out += by_comp.get(c, [])
             comp = hlo.computations.get(c)
             for sub in comp.instrs if comp is not None else []:
-                if sub.opcode == "fusion":
-                    for cc in _names(sub.attr("calls")):
-                        out += by_comp.get(cc, [])
+                if sub.opcode in ("fusion", "call", "async-start", "custom-call"):
+                    out += inner_collectives(sub, seen)
         return out
 
     def cost(comp: Computation, ins: Instr) -> Cost | None:
@@ -550,20 +560,31 @@ def scheduled(
         host = host_transfer(hlo, comp, ins)
         if host is not None:
             return Cost(resource=f"host:{host[0]}", seconds=host[1] / host_bytes_per_s)
+        s = seconds.get(ins.name, 0.0)
+        if ins.opcode == "async-start":
+            # the compute ops of the async computation (and of what it calls) on the compute clock
+            s += inner_seconds(ins, set())
         if ins.opcode in ("fusion", "async-start", "custom-call", "call"):
             inner = inner_collectives(ins)
             if inner:
                 return Cost(
-                    compute=seconds.get(ins.name, 0.0),
+                    compute=s,
                     resource="ici:" + "+".join(inner[0].axes),
                     seconds=sum(coll_seconds(c) for c in inner),
                 )
-        s = seconds.get(ins.name, 0.0)
-        if ins.opcode == "async-start":
-            # an async computation of compute ops (no transfer in it): its ops on the compute clock
-            for c in _names(ins.attr("calls")):
-                comp_in = hlo.computations.get(c)
-                s += sum(seconds.get(sub.name, 0.0) for sub in comp_in.instrs) if comp_in is not None else 0.0
         return Cost(compute=s) if s else None
+
+    def inner_seconds(ins: Instr, seen: set) -> float:
+        total = 0.0
+        for c in _names(ins.attr("calls")) + _names(ins.attr("to_apply")):
+            comp = hlo.computations.get(c)
+            if comp is None or c in seen:
+                continue
+            seen.add(c)
+            for sub in comp.instrs:
+                total += seconds.get(sub.name, 0.0)
+                if sub.opcode in ("call", "async-start"):
+                    total += inner_seconds(sub, seen)
+        return total
 
     return simulate(hlo, cost)

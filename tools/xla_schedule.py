@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 
 from tools.xla_hlo import COLLECTIVES, Computation, Hlo, Instr, _names, trip_count
 
+LOCAL = 0
+"""The key of a start that moves nothing off chip: its done waits for nothing."""
+
 WALKED_TRIPS = 3
 """Trips of a loop body walked op by op; the rest repeat the last one."""
 
@@ -75,6 +78,7 @@ class Schedule:
     busy_s: dict[str, float] = field(default_factory=dict)
     exposed_by: dict[str, float] = field(default_factory=dict)
     unmatched_done: int = 0
+    unmatched: list[str] = field(default_factory=list)  # the first such dones' names
     unknown_trips: list[str] = field(default_factory=list)
 
 
@@ -125,6 +129,8 @@ class _Walk:
         return self.seq
 
     def wait(self, key: int | None, kind: str) -> None:
+        if key == LOCAL:
+            return
         if key is None or key not in self.pending:
             # the start was not found through the operand: the oldest transfer of this kind in flight
             same = [k for k, (kd, _, _) in self.pending.items() if kd == kind]
@@ -173,7 +179,7 @@ class _Walk:
             if src.opcode.endswith("-start"):
                 return self.latest.get(src.name)
             return None
-        if ins.opcode in ("bitcast", "copy", "opt-barrier", "optimization-barrier") and ins.operands:
+        if ins.opcode in ("bitcast", "copy", "opt-barrier", "optimization-barrier", "async-update") and ins.operands:
             return self.resolve(comp, ins.operands[0], carried, depth + 1)
         return None
 
@@ -209,14 +215,16 @@ class _Walk:
                 continue
             if op.endswith("-done"):
                 key = self.resolve(comp, ins.operands[0], carried) if ins.operands else None
+                if key is None and len(self.out.unmatched) < 20:
+                    self.out.unmatched.append(ins.name)
                 self.wait(key, _base(op))
                 continue
             c = self.cost(comp, ins)
-            if c is None:
-                continue
-            if c.compute:
+            if c is not None and c.compute:
                 self.compute(c.compute)
-            if c.resource is None:
+            if c is None or c.resource is None:
+                if op.endswith("-start"):
+                    self.latest[ins.name] = LOCAL  # no transfer (an on-chip prefetch charged as compute)
                 continue
             if op.endswith("-start"):
                 self.launch(ins.name, _base(op), c.resource, c.seconds)

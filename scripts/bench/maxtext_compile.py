@@ -126,6 +126,9 @@ class Run:
     source: str
     note: str = ""
     deviation: str = ""
+    head_dims: tuple[int, int] = (128, 128)
+    """(query-key, value) head dim: MaxText's configs/models/<model>.yml (head_dim; DeepSeek-V3:
+    qk_nope 128 + qk_rope 64, v 128)."""
 
 
 RUNS: dict[str, Run] = {
@@ -335,6 +338,7 @@ RUNS: dict[str, Run] = {
         source="tpu-recipes c8cfe2f training/ironwood/deepseek3-671b/4k-bf16-tpu7x-4x8x8/xpk/run_recipe.sh",
         note="published with random routing (use_random_routing=True)",
         deviation=MOE_DEVIATION,
+        head_dims=(192, 128),
     ),
 }
 """In order of compile cost (the smallest first)."""
@@ -478,6 +482,21 @@ def calibration_row(
             gmm_s=round(bound.get("gmm_s", 0.0), 3),
             gmm_flops_s=round(bound.get("gmm_flops_s", 0.0), 3),
         )
+        if bound.get("step_s"):
+            pub = row.get("published_mfu_same_flops_pct", anchor["mfu_pct"])
+            row.update(
+                step_s=round(bound["step_s"], 4),
+                mfu_pct=round(bound["mfu_pct"], 2),
+                error_pct=round(100.0 * (bound["mfu_pct"] - pub) / pub, 1),
+                step_ratio=round(bound["step_s"] / row["published_step_s"], 3) if worker else None,
+                sched_compute_s=round(bound["sched_compute_s"], 4),
+                exposed_comm_s=round(bound["exposed_comm_s"], 4),
+                exposed_host_s=round(bound["exposed_host_s"], 4),
+                host_s=round(bound["host_s"], 4),
+                ici_busy_s=round(bound["ici_busy_s"], 4),
+                exposed_by=bound["exposed_by"],
+                unmatched_done=bound["unmatched_done"],
+            )
     if error:
         row["error"] = error
     return row
@@ -518,6 +537,17 @@ COLUMNS = [
     "loops_without_trip_count",
     "kernel_calls_unestimated",
     "host_transfer_gb",
+    "step_s",
+    "mfu_pct",
+    "error_pct",
+    "step_ratio",
+    "sched_compute_s",
+    "exposed_comm_s",
+    "exposed_host_s",
+    "host_s",
+    "ici_busy_s",
+    "exposed_by",
+    "unmatched_done",
     "error",
     "deviation",
     "note",
@@ -545,6 +575,33 @@ def markdown(rows: list[dict], header_lines: list[str]) -> str:
     memory_analysis() of the whole compile, else (`b`) the buffer assignment's report of a compile
     stopped at the HLO; wall s: the whole compile, else (`h`) up to the optimized HLO."""
     out = [*header_lines, ""]
+    if any(r.get("step_s") for r in rows):
+        out.append(
+            "**The prediction** (tools/xla_schedule.py: the program walked in XLA's schedule; error = "
+            "(predicted - published) / published, MFU at the compiled MaxText's FLOPs):"
+        )
+        out.append("")
+        out.append(
+            "| run | published MFU % | predicted MFU % | error % | published step s | predicted step s "
+            "| compute s | exposed collectives s | exposed host transfers s (of busy) | old bound MFU % exposed / overlapped |"
+        )
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if not r.get("step_s"):
+                out.append(f"| {r['run']} | — | — | — | — | — | — | — | — | {r.get('error', '')} |")
+                continue
+            out.append(
+                f"| {r['run']} | {_fmt(r.get('published_mfu_same_flops_pct'))} | {_fmt(r.get('mfu_pct'))} "
+                f"| {r['error_pct']:+.1f} | {_fmt(r.get('published_step_s'), 2)} | {_fmt(r.get('step_s'), 2)} "
+                f"| {_fmt(r.get('sched_compute_s'), 2)} | {_fmt(r.get('exposed_comm_s'), 2)} "
+                f"| {_fmt(r.get('exposed_host_s'), 2)} ({_fmt(r.get('host_s'), 2)}) "
+                f"| {_fmt(r.get('mfu_exposed_pct'))} / {_fmt(r.get('mfu_overlapped_pct'))} |"
+            )
+        out.append("")
+        out.append(
+            "The bounds (every op at its roofline; exposed = compute + every collective, overlapped = the larger):"
+        )
+        out.append("")
     out.append(
         "| run | target | compiled? | GiB/device | wall s | published MFU % (as printed / at these FLOPs) "
         "| predicted MFU % exposed / overlapped | error, pts exposed / overlapped | published step s "
@@ -709,6 +766,7 @@ def project_run(run: Run, res: dict, *, anchors: dict) -> dict:
     from parallelisms.tpu_topology import topology_of
     from tools import xla_projection as xp
     from tools.mfu_projection import program_bound
+    from tools.xla_hlo import mxu_flops
     from trainer.runtime.flops import TPU_PEAK_TFLOPS
 
     target = planner.parse_target(run.target)
@@ -748,7 +806,84 @@ def project_run(run: Run, res: dict, *, anchors: dict) -> dict:
         gmm_flops_s=compute["gmm_flops_s"],
         host_transfer_gb=host_transfer_bytes(hlo) / 1e9,
     )
+    topo = facts["topology"]
+    own = xp.Placement(
+        radices=list(radices), coords=[tuple(c) for c in res["device_coords"]], chips=topo.chips, wrap=topo.wrap[:3]
+    )
+    ici = anchors["ici"][gen]
+    attention_s = attention_kernel_seconds(
+        res["maxtext_attention_tflops"] * 1e12, run.head_dims, peak=peak * xp.MXU_EFFICIENCY
+    )
+    seconds = schedule_seconds(ops, compute, peak=peak, hbm=hbm, mxu=mxu_flops(hlo, MXU_TILE), attention_s=attention_s)
+    s = xp.scheduled(
+        hlo,
+        colls=xp.collectives(hlo, own.mesh),
+        ici=ici,
+        placement=own,
+        seconds=seconds,
+        host_bytes_per_s=xp.host_link_bytes_per_s(gen, ici),
+    )
+    host_exposed = sum(v for k, v in s.exposed_by.items() if k.startswith("host"))
+    b.update(
+        step_s=s.step_s,
+        mfu_pct=100.0 * model_flops / (peak * s.step_s),
+        sched_compute_s=s.compute_s,
+        exposed_s=s.exposed_s,
+        exposed_comm_s=s.exposed_s - host_exposed,
+        exposed_host_s=host_exposed,
+        host_s=sum(v for k, v in s.busy_s.items() if k.startswith("host")),
+        ici_busy_s=sum(v for k, v in s.busy_s.items() if k.startswith("ici")),
+        unmatched_done=s.unmatched_done,
+        exposed_by=", ".join(f"{k} {v:.3g} s" for k, v in sorted(s.exposed_by.items())),
+    )
     return b
+
+
+MXU_TILE = 256
+"""Trillium (v6e) and Ironwood (v7x) MXUs are 256 x 256 (MaxText docs/guides/optimization/
+custom_model.md; /work/shared/reference/anchors.md)."""
+
+
+def attention_kernel_seconds(attention_flops: float, head_dims: tuple[int, int], *, peak: float) -> float:
+    """Seconds of the splash kernels per step on a MXU_TILE-wide MXU. MaxText's attention FLOPs are 3 x
+    the forward's two matmuls, Q K^T (a share qk / (qk + v) of them, contracting the query-key head dim)
+    and P V (contracting the sequence). The kernels run 7 such matmuls: forward Q K^T and P V; the
+    fused backward Q K^T again, dP = dO V^T (contracting the value head dim), dV, dQ, dK (contracting
+    the sequence). A matmul contracting a head dim d < 256 fills d / 256 of the array
+    (tools/xla_hlo.mxu_utilization); the others fill it (both free dims >= the block)."""
+    from tools.xla_hlo import _pad
+
+    qk, v = head_dims
+    u_qk, u_v = qk / _pad(qk, MXU_TILE), v / _pad(v, MXU_TILE)
+    a = attention_flops / 3 * qk / (qk + v)  # one Q K^T pass
+    b = attention_flops / 3 - a  # one P V pass
+    return (2 * a / u_qk + b + b / u_v + b + 2 * a) / peak
+
+
+def schedule_seconds(
+    ops: list, compute: dict, *, peak: float, hbm: float, mxu: dict[str, float] | None = None, attention_s=None
+) -> dict[str, float]:
+    """Seconds of one run of each op for the scheduled walk: the XLA ops and the estimated kernels
+    (gmm) at their roofline, a dot or fusion's FLOPs taken as `mxu` says (its MXU FLOPs, tile padding
+    included) where given; the attention kernels (and any kernel without an estimate) each an equal
+    share of `attention_s` (default `kernel_compute`'s attention charge) per call."""
+    from tools import xla_projection as xp
+
+    eff = peak * xp.MXU_EFFICIENCY
+    seconds = xp.op_seconds(ops, peak_flops=eff, hbm_bytes_per_s=hbm)
+    for o in ops:
+        if mxu and o.name in mxu and o.kind == "xla":
+            seconds[o.name] = max(mxu[o.name] / eff, o.bytes / hbm)
+    attn = [
+        o
+        for o in ops
+        if o.kind in ("kernel", "kernel-unestimated") and (is_attention_kernel(o) or o.kind == "kernel-unestimated")
+    ]
+    calls = sum(o.times for o in attn)
+    total = compute["attention_kernel_s"] if attention_s is None else max(attention_s, compute["attention_kernel_s"])
+    for o in attn:
+        seconds[o.name] = total / calls
+    return seconds
 
 
 def is_attention_kernel(op) -> bool:

@@ -208,3 +208,57 @@ def test_window_taps_closed_form_matches_the_count():
     ):
         args = dict(n=n, window=window, out=out, stride=stride, pad_lo=pad_lo, lhs_dilate=ld, rhs_dilate=rd)
         assert window_taps(**args) == brute(n, window, out, stride, pad_lo, ld, rd), args
+
+
+def test_attention_kernel_time_pads_the_head_dim_on_the_mxu():
+    """Splash's 7 matmul passes against MaxText's 6 (3 x forward): with head dims of 256 they fill the
+    256-wide MXU, 7/6 of the FLOPs; with 128 the three passes contracting a head dim (Q K^T twice,
+    dO V^T) run at half rate: 10/6; DeepSeek-V3's 192 / 128 in between."""
+    assert mc.attention_kernel_seconds(6.0, (256, 256), peak=1.0) == pytest.approx(7.0)
+    assert mc.attention_kernel_seconds(6.0, (128, 128), peak=1.0) == pytest.approx(10.0)
+    # a = 6/3 x 192/320 = 1.2 (Q K^T), b = 0.8 (P V): 2 x 1.2 / 0.75 + 0.8 + 0.8 / 0.5 + 0.8 + 2 x 1.2
+    assert mc.attention_kernel_seconds(6.0, (192, 128), peak=1.0) == pytest.approx(8.8)
+    assert mc.RUNS["deepseek3-671b_v7x-512"].head_dims == (192, 128)
+
+
+def test_the_prediction_table_leads_with_one_number_and_its_error():
+    run = mc.RUNS["llama3.1-8b_v6e-256"]
+    anchor = {"tokens_per_sec": 7207.0, "hardware": "v6e", "mfu_pct": 45.46}
+    worker = {
+        "compile_s": None,
+        "hlo_s": 25.0,
+        "memory": {},
+        "memory_report_bytes": 11 * 2**30,
+        "mesh_axes": ["fsdp"],
+        "mesh_shape": [256],
+        "tokens_per_device": 32768.0,
+        "maxtext_tflops_per_device_step": 1686.58,
+    }
+    bound = {
+        "compute_s": 2.5,
+        "xla_s": 2.3,
+        "kernel_s": 0.2,
+        "comm_s": 0.16,
+        "comm_by_axis": "a0(256) 0.16 s",
+        "step_exposed_s": 2.71,
+        "step_overlapped_s": 2.56,
+        "mfu_causal_exposed": 67.7,
+        "mfu_causal_overlapped": 71.8,
+        "step_s": 4.44,
+        "mfu_pct": 100 * 1686.58 / (918.0 * 4.44),
+        "sched_compute_s": 3.8,
+        "exposed_comm_s": 0.08,
+        "exposed_host_s": 0.51,
+        "host_s": 1.91,
+        "ici_busy_s": 0.16,
+        "exposed_by": "host:d2h 0.51 s, ici:a0 0.08 s",
+        "unmatched_done": 0,
+    }
+    row = mc.calibration_row("llama3.1-8b_v6e-256", run, worker, bound, anchor, peak_tflops=918.0)
+    published_step = 32768 / 7207.0
+    # MFU error relative to the published MFU at these FLOPs = published step / predicted step - 1
+    assert row["error_pct"] == pytest.approx(100 * (published_step / 4.44 - 1), abs=0.06)
+    assert row["step_ratio"] == pytest.approx(4.44 / published_step, abs=1e-3)
+    md = mc.markdown([row], ["header"])
+    assert "| llama3.1-8b_v6e-256 | 40.4 | 41.4 | +2.4 | 4.55 | 4.44 | 3.80 | 0.08 | 0.51 (1.91) | 67.7 / 71.8 |" in md
+    assert set(row) <= set(mc.COLUMNS)
