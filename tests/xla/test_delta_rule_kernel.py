@@ -96,3 +96,17 @@ def test_the_backward_is_the_pallas_kernel(interpreted):
     exported = interpreted["export"]
     assert exported["forward"] == {"mosaic_calls": 1, "triangular_solves": 0}, exported
     assert exported["backward"] == {"mosaic_calls": 2, "triangular_solves": 0}, exported
+
+
+def test_estimate_xlas_capture_ops_lower_to_the_kernels(probe):
+    """scripts/estimate_xla.py's `titan_capture::gated_delta_fwd / _bwd`, lowered by
+    `capture.add_lowerings` inside shard_map over a compile-only v6e:2x2 mesh (batch split): the
+    forward is one Mosaic call, the backward two; each appended its kernel FLOPs (the compiler
+    counts a Mosaic call as none), the backward's above the forward's."""
+    result = probe("ttpu", "delta_rule.py", "capture")
+    assert result["lowered"] == {"fwd": {"mosaic_calls": 1}, "bwd": {"mosaic_calls": 2}}, result
+    costs = {name: flops for name, flops, _ in result["costs"]}
+    # Per device: 1 row x 4 heads x 4 chunks of 64 at dk = dv = 128 (capture.gated_delta_cost).
+    chunk_heads, c, d = 16, 64, 128
+    assert costs["gated_delta_fwd"] == chunk_heads * (6 * c * c * d + 2 * c**3 + 4 * c * c * d + 6 * c * d * d)
+    assert costs["gated_delta_bwd"] > 3 * costs["gated_delta_fwd"], costs

@@ -3,6 +3,7 @@
     python delta_rule.py interpret [small] [selfcheck]  # xla venv: interpret mode vs the references
     python delta_rule.py compile GEN...      # tpuc venv: deviceless Mosaic + XLA:TPU compile
     python delta_rule.py register            # ttpu venv: the torch-tpu op on fake tensors
+    python delta_rule.py capture             # ttpu venv: estimate_xla's capture ops, lowered
 
 `interpret`: each case runs the op as a TPU run composes it (titan_kernels/tpu/register.py: the
 torch side `gated_delta._prepare`, then the JAX op `delta_rule.gated_delta_rule`, whose forward
@@ -27,6 +28,9 @@ kernel's VMEM per grid step (`delta_rule.vmem_bytes`) beside the scoped limit.
 `register`: `register._build_gated_delta(torch.tpu.pallas.jax_op)` defines
 `titan_tpu::gated_delta_fwd / _bwd`; under FakeTensorMode (shapes only) the implementation runs
 forward and backward with GQA, an initial state and resets; shapes and dtypes are checked.
+`capture`: scripts/estimate_xla.py's capture ops lowered (not compiled) by
+`capture.add_lowerings` over a compile-only v6e:2x2 mesh: {"lowered": {"fwd"|"bwd":
+{"mosaic_calls"}}, "costs": [[kernel, FLOPs, bytes]]}.
 
 Prints one JSON line.
 """
@@ -347,6 +351,56 @@ def register() -> dict:
     return {"ops": ops, "checks": checks}
 
 
+def capture_lowering() -> dict:
+    """scripts/estimate_xla.py's path: the `titan_capture::gated_delta_fwd / _bwd` ops lowered by
+    `capture.add_lowerings` over a 1-D mesh of a compile-only v6e:2x2 topology (4 devices, the
+    batch split over them), lowered only (Mosaic lowering, no compile): the Mosaic calls in each
+    program, and the kernel costs the lowering appended (`capture.COSTS`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from titan_kernels.tpu import capture
+    from tools.xla_lowering import load_torchax
+
+    capture._define()
+    torchax = load_torchax()  # before anything imports torchax (the torch 2.13 shim)
+    from torchax import interop
+    devices = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    env = torchax.default_env()
+    capture.COSTS.clear()
+    capture.add_lowerings(env, mesh, "fsdp", generation="v6e")
+    op = torch.ops.titan_capture
+    b, h, s, dk, dv = len(devices), 4, 256, 128, 128
+    f32 = jnp.float32
+
+    def split(*shape, dtype=f32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("fsdp")))
+
+    args = (split(b, h, s, dk), split(b, h, s, dk), split(b, h, s, dv), split(b, h, s), split(b, h, s))
+    args += (split(b, h, dk, dv), split(b, s, dtype=jnp.int32))
+    cot = (split(b, h, s, dv), split(b, h, dk, dv))
+    programs = {
+        "fwd": (interop.jax_view(lambda *a: tuple(op.gated_delta_fwd(*a))), args),
+        "bwd": (interop.jax_view(lambda *a: tuple(op.gated_delta_bwd(*a))), args + cot),
+    }
+    out = {"devices": len(devices), "lowered": {}}
+    for name, (fn, avals) in programs.items():
+        try:
+            with env:
+                text = jax.jit(fn).lower(*avals).as_text()
+            out["lowered"][name] = {"mosaic_calls": text.count("tpu_custom_call")}
+        except Exception as exc:
+            out["lowered"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:1500]}"}
+    out["costs"] = [list(c) for c in capture.COSTS]
+    return out
+
+
 def main() -> None:
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "interpret":
@@ -355,8 +409,10 @@ def main() -> None:
         result = compile_(rest)
     elif mode == "register":
         result = register()
+    elif mode == "capture":  # not beside `register`: torchax and torch-tpu cannot share a process
+        result = capture_lowering()
     else:
-        raise SystemExit(f"error: mode {mode!r}: allowed: interpret, compile, register")
+        raise SystemExit(f"error: mode {mode!r}: allowed: interpret, compile, register, capture")
     print(json.dumps(result))
 
 
