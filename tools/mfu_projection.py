@@ -295,7 +295,9 @@ def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
     shape = args.shape()
     target = planner.parse_target(cfg.job.target)
     gen = target.generation.name
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps
+    # a context-parallel group shares its sequences: each device trains on seq_len / cp of them
+    cp = cfg.parallelism.context_parallel_degree
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps // cp
     return {
         "generation": gen,
         "target": target.name,

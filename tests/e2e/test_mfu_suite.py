@@ -211,6 +211,8 @@ def test_context_and_expert_parallel_recipes_project_the_trainer_program(monkeyp
         ("qwen3_30b_a3b_v6e", [*suite.ROUTINGS["random"], ("training.steps", "2")]),
     ]
     assert fsdp == ["llama3_8b_v6e"] and rows[-1]["error"].startswith("failed: not compiled")
+    # the bound's tokens per device: a CP group of 4 shares each 128k sequence (fsdp 64 x cp 4)
+    assert suite.program_facts(suite.recipe_path("llama3_8b_128k_v6e"), [])["tokens"] == 131072 // 4
 
 
 def test_bad_input_is_one_error_line(capsys, monkeypatch):
