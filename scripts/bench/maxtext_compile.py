@@ -22,7 +22,10 @@ MFU count: causal attention halved), and its attention kernels (Mosaic custom ca
 MaxText's attention FLOPs x 7/6 (the fused backward recomputes the scores: 7 matmuls per 6 counted),
 whatever estimate the kernel carries; the MoE runs' gmm kernels by their own cost estimate. The
 predicted step time and MFU, both ways (exposed = compute + collectives, overlapped = the larger),
-are set beside the published MFU, as printed and re-expressed at the compiled MaxText's FLOPs.
+are set beside the published MFU, as printed and re-expressed at the compiled MaxText's FLOPs. The
+headline is one predicted step (`project_run`'s `step_s`): the program walked in XLA's schedule
+(tools/xla_schedule.py via tools/xla_projection.scheduled: async collectives and host offload on
+their links, overlapped as scheduled), each op at MXU_EFFICIENCY of the peak (docs/maxtext_calibration.md).
 
 Output (under --out, default docs/results/maxtext_calibration_<date>_<commit>): .csv and .md, the
 table with versions, the CPU and each compile's wall time. Exit 0; 1 when a run failed to compile
