@@ -245,3 +245,49 @@ def test_mxu_utilization_pads_the_stationary_block():
     assert dot(2048, 128, 2048)[0] == 0.5  # Q K^T: contracting the head dim
     assert dot(2048, 2048, 128)[0] == 1.0  # P V: the [2048, 2048] block stationary, V's rows stream
     assert dot(100, 4096, 100)[0] == pytest.approx(100 / 256)
+
+
+NESTED = """HloModule m, is_scheduled=true
+
+%fc (a: bf16[1024,1024]) -> bf16[1024,1024] {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %d = bf16[1024,1024]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%called_computation (p: bf16[1024,1024]) -> bf16[4096,1024] {
+  %p = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %all-gather.1 = bf16[4096,1024]{1,0} all-gather(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%async_computation (q: bf16[1024,1024]) -> bf16[4096,1024] {
+  %q = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %ag.call = bf16[4096,1024]{1,0} call(%q), to_apply=%called_computation
+}
+
+ENTRY %main (x: bf16[1024,1024]) -> bf16[4096,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %ag.call-start = ((bf16[1024,1024]{1,0}), bf16[4096,1024]{1,0}, u32[]) async-start(%x), calls=%async_computation
+  %ag.call-update = ((bf16[1024,1024]{1,0}), bf16[4096,1024]{1,0}, u32[]) async-update(%ag.call-start)
+  %f = bf16[1024,1024]{1,0} fusion(%x), kind=kOutput, calls=%fc
+  ROOT %ag.call-done = bf16[4096,1024]{1,0} async-done(%ag.call-update)
+}
+"""
+
+
+def test_a_collective_nested_in_an_async_call_is_priced_and_its_done_found_through_the_update():
+    """MaxText's programs (libtpu 0.0.46) wrap a collective as async-start -> async computation ->
+    call -> the all-gather, and wait on it through an async-update: the transfer is priced on its
+    axis and its done is matched (not the oldest-in-flight fallback)."""
+    from tools import xla_projection as xp
+
+    hlo = parse_hlo(NESTED)
+    place = xp.Placement(
+        radices=[4], coords=[(i, 0, 0, 0) for i in range(4)], chips=(4, 1, 1), wrap=(True, False, False)
+    )
+    ici = {"chip_bidirectional_gbps": 400.0, "ports": 4, "torus_dims": 2, "devices_per_chip": 1}
+    colls = xp.collectives(hlo, place.mesh)
+    ag = 0.75 * 2**23 / 1e11  # 63 us, as above
+    s = xp.scheduled(hlo, colls=colls, ici=ici, placement=place, seconds={"f": 1e-5}, host_bytes_per_s=1e9)
+    assert s.busy_s == {"ici:a0": pytest.approx(ag)} and s.unmatched_done == 0
+    # 10 us of compute between start and done: 53 us exposed
+    assert s.exposed_s == pytest.approx(ag - 1e-5) and s.step_s == pytest.approx(ag)
