@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_pipeline_parallel import BATCH, LR, N_LAYERS, STEPS, _batches, _family, _one_process_reference
+from tests.unit.test_pipeline_parallel import BATCH, LR, N_LAYERS, STEPS, _batches, _one_process_reference
 from trainer.step import StepRequest, plan_step
 
 
@@ -32,17 +32,15 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
     from parallelisms import ParallelDims, build_mesh, clip_grad_norm_
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.parallel_harness import llama3_args
+    from tests.support.pipeline_runs import full_state, llama3_family, pp_model, rank_run
     from trainer.graph import build_graph_step
     from trainer.graph.pipeline import PipelinedLoss
-    from trainer.job import build_model
-    from trainer.optim import build_optimizer_for
     from trainer.step.pipeline import PipelineStep
 
     out = {}
     for mode in modes:
         dims = ParallelDims(pp=2, dp_shard=dp_shard, world_size=dist.get_world_size())
         mesh = build_mesh(dims, "cpu")
-        local = BATCH // dp_shard // accum
         graph = mode.startswith("graph")
         request = StepRequest(
             mode="graph" if graph else "eager",
@@ -54,22 +52,11 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
             pp_last_less=0,
             model_has_experts=False,
             n_layers=N_LAYERS,
-            local_batch=local,
+            local_batch=BATCH // dp_shard // accum,
         )
         plan = plan_step(request)
-        torch.manual_seed(seed)
         args = llama3_args(N_LAYERS)
-        model = build_model(
-            _family(),
-            args,
-            step_plan=plan,
-            parallel_dims=dims,
-            mesh=mesh,
-            device=torch.device("cpu"),
-            param_dtype=torch.float32,
-            reduce_dtype=torch.float32,
-        )
-        opt = build_optimizer_for(model, name="adamw", lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        model, opt = pp_model(args, plan, seed=seed, lr=LR, dims=dims, mesh=mesh)
         pp = pp_mesh(mesh)
         if graph:
             loss_fn = PipelinedLoss(
@@ -92,7 +79,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 loss_fn=loss_fn,
                 pp_mesh=pp,
                 scan_layers=mode == "graph_layerscan",
-                plan=_family().plan,
+                plan=llama3_family().plan,
             )
         else:
             step = PipelineStep(
@@ -106,24 +93,12 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 pp_mesh=pp,
                 device=torch.device("cpu"),
             )
-        dp_rank = dims.dp_rank(mesh)
-        losses = []
-        for inputs, labels in batches:
-            rows = slice(dp_rank * BATCH // dp_shard, (dp_rank + 1) * BATCH // dp_shard)
-            mine = (inputs[rows], labels[rows])
-            micro = [(mine[0][i * local : (i + 1) * local], mine[1][i * local : (i + 1) * local]) for i in range(accum)]
-            o = step(micro, LR) if graph else step(micro)
-            loss = o.loss.detach().clone()
-            dist.all_reduce(loss)  # the loop's global mean
-            losses.append((loss.item() / dist.get_world_size(), o.grad_norm.item()))
+        run_step = (lambda micro: step(micro, LR)) if graph else step
+        losses = rank_run(run_step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
         val = step.eval_loss(*batches[0]) if dp_shard == 1 else None
-        state = {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()
-        }
         colls = dict(step.stats.collectives) if graph else None
         code = spmd_text(step.graph_module) if graph else None
-        out[mode] = (losses, state, None if val is None else val.item(), colls, code)
+        out[mode] = (losses, full_state(model), None if val is None else val.item(), colls, code)
     return out
 
 

@@ -159,34 +159,16 @@ BATCH = 8
 
 def _one_process_reference(seed: int, batches):
     """Losses and final weights of the eager step on one process (fp32, AdamW, clipping)."""
-    from parallelisms import ParallelDims, clip_grad_norm_
+    from parallelisms import clip_grad_norm_
     from tests.support.parallel_harness import llama3_args
-    from trainer.job import build_model
-    from trainer.optim import build_optimizer_for
+    from tests.support.pipeline_runs import pp_model
     from trainer.step import EagerStep
 
-    torch.manual_seed(seed)
-    model = build_model(
-        _family(),
-        llama3_args(N_LAYERS),
-        step_plan=plan_step(StepRequest()),
-        parallel_dims=ParallelDims(world_size=1),
-        mesh=None,
-        device=torch.device("cpu"),
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
-    )
-    opt = build_optimizer_for(model, name="adamw", lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    model, opt = pp_model(llama3_args(N_LAYERS), plan_step(StepRequest()), seed=seed, lr=LR)
     step = EagerStep(model=model, optimizer=opt, max_norm=1.0, aux_loss_coef=0.0, clip_grad_norm=clip_grad_norm_)
     outs = [step([b]) for b in batches]
     losses = [(o.loss.item(), o.grad_norm.item()) for o in outs]
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _family():
-    from models import FAMILIES
-
-    return FAMILIES["llama3"]
 
 
 def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode="none"):
@@ -196,37 +178,24 @@ def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode=
     from parallelisms import ParallelDims, build_mesh, clip_grad_norm_
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.parallel_harness import llama3_args
-    from trainer.job import build_model
-    from trainer.optim import build_optimizer_for
+    from tests.support.pipeline_runs import full_state, pp_model, rank_run
     from trainer.step.pipeline import PipelineStep
 
     out = {}
     for schedule in schedules:
         dims = ParallelDims(pp=2, dp_shard=dp_shard, world_size=dist.get_world_size())
         mesh = build_mesh(dims, "cpu")
-        local = BATCH // dp_shard // accum
         request = StepRequest(
             pp_degree=2,
             pp_schedule=schedule,
             pp_microbatches=microbatches,
             model_has_experts=False,
             n_layers=N_LAYERS,
-            local_batch=local,
+            local_batch=BATCH // dp_shard // accum,
             ac_mode=ac_mode,
         )
         plan = plan_step(request)
-        torch.manual_seed(seed)
-        model = build_model(
-            _family(),
-            llama3_args(N_LAYERS),
-            step_plan=plan,
-            parallel_dims=dims,
-            mesh=mesh,
-            device=torch.device("cpu"),
-            param_dtype=torch.float32,
-            reduce_dtype=torch.float32,
-        )
-        opt = build_optimizer_for(model, name="adamw", lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=seed, lr=LR, dims=dims, mesh=mesh)
         step = PipelineStep(
             model=model,
             optimizer=opt,
@@ -238,21 +207,8 @@ def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode=
             pp_mesh=pp_mesh(mesh),
             device=torch.device("cpu"),
         )
-        dp_rank = dims.dp_rank(mesh)
-        losses = []
-        for inputs, labels in batches:
-            rows = slice(dp_rank * BATCH // dp_shard, (dp_rank + 1) * BATCH // dp_shard)
-            mine = (inputs[rows], labels[rows])
-            micro = [(mine[0][i * local : (i + 1) * local], mine[1][i * local : (i + 1) * local]) for i in range(accum)]
-            o = step(micro)
-            loss = o.loss.clone()
-            dist.all_reduce(loss)  # the loop's global mean
-            losses.append((loss.item() / dist.get_world_size(), o.grad_norm.item()))
-        state = {
-            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-            for k, v in model.state_dict().items()
-        }
-        out[schedule] = (losses, state)
+        losses = rank_run(step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
+        out[schedule] = (losses, full_state(model))
     return out
 
 
