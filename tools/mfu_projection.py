@@ -177,7 +177,9 @@ def expert_parallel(recipe: Path) -> bool:
     return build_config(str(recipe), []).parallelism.expert_parallel_degree > 1
 
 
-def program_times(costs: dict, *, peak: float, hbm: float, ici: dict, target_devices: int | None) -> dict:
+def program_times(
+    costs: dict, *, peak: float, hbm: float, ici: dict, target_devices: int | None, generation: str = ""
+) -> dict:
     """One compiled program (one layer count): compute seconds (per-op roofline of the XLA ops,
     plus the Pallas kernels) and collective seconds per mesh axis, from its optimized HLO."""
     from tools import xla_projection as xp
@@ -199,7 +201,26 @@ def program_times(costs: dict, *, peak: float, hbm: float, ici: dict, target_dev
     # FSDP over the recipe's whole target slice: the compile's one axis spans every torus dim there
     axis_size = {"fsdp": target_devices or devices}
     comm = xp.comm_by_axis(summary["collectives"], ici=ici, axis_dims={"fsdp": ici["torus_dims"]}, axis_size=axis_size)
+    # the scheduled prediction (docs/maxtext_calibration.md): the program walked in XLA's schedule,
+    # each FLOP at MXU_EFFICIENCY of the peak, the collectives at the target's axis size
+    eff = peak * xp.MXU_EFFICIENCY
+    kernel_eff = max(kernel_flops / eff, kernel_bytes / hbm)
+    hlo = xp.parse_hlo(Path(costs["hlo"]).read_text())
+    tile = 256 if generation in ("v6e", "v7x") else 128
+    sched = xp.scheduled(
+        hlo,
+        colls=summary["collectives"],
+        ici=ici,
+        placement=None,
+        seconds=schedule_seconds(ops, kernel_eff, peak=eff, hbm=hbm, tile=tile, hlo=hlo),
+        host_bytes_per_s=xp.host_link_bytes_per_s(generation, ici),
+        price=lambda c: sum(
+            xp.comm_by_axis([c], ici=ici, axis_dims={"fsdp": ici["torus_dims"]}, axis_size=axis_size).values()
+        ),
+    )
+    kernel_calls = any(o.kind in ("kernel", "kernel-unestimated") for o in ops)
     return {
+        "step_scheduled_s": sched.step_s + (0.0 if kernel_calls else kernel_eff),
         "compute_s": xla_s + kernel_s,
         "xla_s": xla_s,
         "kernel_s": kernel_s,
@@ -212,6 +233,20 @@ def program_times(costs: dict, *, peak: float, hbm: float, ici: dict, target_dev
         "unknown_trips": len(summary["unknown_trips"]),
         "collective_bytes": sum(c.times * c.bytes for c in summary["collectives"]),
     }
+
+
+def schedule_seconds(ops: list, kernel_s: float, *, peak: float, hbm: float, tile: int, hlo=None) -> dict:
+    """Seconds of one run of each op for the scheduled walk: XLA ops at max(MXU FLOPs / peak, bytes /
+    HBM) (`peak` already the efficient rate), the kernels' `kernel_s` an equal share per call."""
+    from tools import xla_hlo
+
+    mxu = xla_hlo.mxu_flops(hlo, tile) if hlo is not None else {}
+    seconds = {o.name: max(mxu.get(o.name, o.flops) / peak, o.bytes / hbm) for o in ops if o.kind == "xla"}
+    calls = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
+    n = sum(o.times for o in calls)
+    for o in calls:
+        seconds[o.name] = kernel_s / n
+    return seconds
 
 
 def hlo_bound(
@@ -232,14 +267,22 @@ def hlo_bound(
     perfectly overlapped (max); MFU (palm, causal) against both, never above 100 %."""
     from tools import xla_projection as xp
 
-    a, b = (program_times(c, peak=peak, hbm=hbm, ici=ici, target_devices=target_devices) for c in (one, two))
+    a, b = (
+        program_times(c, peak=peak, hbm=hbm, ici=ici, target_devices=target_devices, generation=generation)
+        for c in (one, two)
+    )
     compute = extrapolate_layers(a["compute_s"], b["compute_s"], n_layers)
     axes = sorted(set(a["comm"]) | set(b["comm"]))
     comm = {ax: extrapolate_layers(a["comm"].get(ax, 0.0), b["comm"].get(ax, 0.0), n_layers) for ax in axes}
     res = xp.bound(compute_s=compute, comm_s=sum(comm.values()), model_flops=model_flops, peak_flops=peak)
     tokens = one["tokens"]
     palm_over_causal = flops_per_token["palm"] / flops_per_token["causal"]
+    step = max(extrapolate_layers(a["step_scheduled_s"], b["step_scheduled_s"], n_layers), model_flops / peak)
     out = {
+        # the headline: one step time, the programs walked in XLA's schedule (bounds: below)
+        "step_scheduled_s": step,
+        "mfu_causal_scheduled": 100.0 * model_flops / (peak * step),
+        "mfu_palm_scheduled": min(100.0, 100.0 * model_flops / (peak * step) * palm_over_causal),
         "hlo_compute_s": res["compute_s"],
         "hlo_compute_raw_s": compute,
         "comm_s": res["comm_s"],
@@ -355,7 +398,8 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
         chips=topo.chips,
         wrap=topo.wrap[:3],
     )
-    summary = xp.summarize(Path(res["hlo"]).read_text(), mesh=own.mesh)
+    text = Path(res["hlo"]).read_text()
+    summary = xp.summarize(text, mesh=own.mesh)
     ops = summary["ops"]
     xla_s = xp.compute_time(ops, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
     est = [o for o in ops if o.kind == "kernel"]
@@ -372,7 +416,16 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
     a2a_s = sum(xp.comm_on_placement([c], ici=ici, placement=placement or own).get("+".join(c.axes), 0.0) for c in a2a)
     disp = [o for o in ops if is_dispatch_op(o)]
     disp_s = xp.compute_time(disp, peak_flops=peak, hbm_bytes_per_s=hbm, kinds=("xla",))
+    sched = {}
+    if compute_s is None:  # the program's own compute: the scheduled prediction follows its schedule
+        sched = scheduled_prediction(
+            text, ops, colls, kernels, ici=ici, placement=placement or own, gen=gen, peak=peak, hbm=hbm
+        )
+        if sched:
+            sched["mfu_causal_scheduled"] = min(100.0, 100.0 * model_flops / (peak * sched["step_scheduled_s"]))
+            sched["mfu_palm_scheduled"] = min(100.0, sched["mfu_causal_scheduled"] * palm)
     return {
+        **sched,
         "compute_s": b["compute_s"],
         "xla_s": xla_s,
         "kernel_s": kernel_s,
@@ -397,6 +450,39 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
         "xla_bytes": sum(o.times * o.bytes for o in ops if o.kind == "xla"),
         "_collectives": colls,
         "_xla_ops": ops,
+    }
+
+
+def scheduled_prediction(
+    text: str, ops: list, colls: list, kernels: dict, *, ici: dict, placement, gen: str, peak: float, hbm: float
+) -> dict:
+    """One step time for the program, walked in XLA's schedule (tools/xla_schedule.py, as MaxText's
+    programs are calibrated: docs/maxtext_calibration.md): the XLA ops at their MXU FLOPs (256-wide
+    tiles on v6e / v7x) and bytes, every FLOP at xla_projection.MXU_EFFICIENCY of the peak; the kernels'
+    time (`kernel_times`, at the same efficiency) an equal share per kernel call; collectives and host
+    copies on their links as scheduled. {} when the HLO cannot be walked."""
+    from tools import xla_projection as xp
+
+    hlo = xp.parse_hlo(text)
+    eff = peak * xp.MXU_EFFICIENCY
+    kernel_s = sum(max(k["flops"] / eff, k["bytes"] / hbm) for k in kernels.values())
+    calls = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
+    tile = 256 if gen in ("v6e", "v7x") else 128
+    seconds = schedule_seconds(ops, kernel_s, peak=eff, hbm=hbm, tile=tile, hlo=hlo)
+    s = xp.scheduled(
+        hlo,
+        colls=colls,
+        ici=ici,
+        placement=placement,
+        seconds=seconds,
+        host_bytes_per_s=xp.host_link_bytes_per_s(gen, ici),
+    )
+    host = sum(v for k, v in s.exposed_by.items() if k.startswith("host"))
+    return {
+        "step_scheduled_s": s.step_s + (0.0 if calls else kernel_s),
+        "exposed_comm_s": s.exposed_s - host,
+        "exposed_host_s": host,
+        "unmatched_done": s.unmatched_done,
     }
 
 

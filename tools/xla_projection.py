@@ -516,11 +516,14 @@ def scheduled(
     placement: Placement,
     seconds: dict[str, float],
     host_bytes_per_s: float,
+    price=None,
 ):
     """The step walked in XLA's schedule (tools/xla_schedule.py): compute ops at `seconds` (by
     instruction name), each collective on its mesh axes' links (`ici:<axes>`) at its
     `comm_on_placement` time, host transfers on the host link (`host:d2h`, `host:h2d`) at
-    `host_bytes_per_s`. Returns the `Schedule`."""
+    `host_bytes_per_s`. `price(collective)`: seconds of one run of a collective, in place of
+    `comm_on_placement` (a program compiled on a small slice priced at its target's axis sizes).
+    Returns the `Schedule`."""
     from tools.xla_schedule import Cost, simulate
 
     by_name = {c.name: c for c in colls}
@@ -534,7 +537,11 @@ def scheduled(
     def coll_seconds(c: Collective) -> float:
         if c.name not in priced:
             one = Collective(c.name, c.kind, c.bytes, c.group_size, c.axes, 1.0, c.direction)
-            priced[c.name] = sum(comm_on_placement([one], ici=ici, placement=placement).values())
+            priced[c.name] = (
+                price(one)
+                if price is not None
+                else sum(comm_on_placement([one], ici=ici, placement=placement).values())
+            )
         return priced[c.name]
 
     def inner_collectives(ins: Instr, seen: set | None = None) -> list[Collective]:

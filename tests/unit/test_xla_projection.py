@@ -320,6 +320,12 @@ def test_suite_bound_from_two_programs(tmp_path):
     assert r["comm_s"] == pytest.approx(comm)
     assert r["step_exposed_s"] == pytest.approx(r["hlo_compute_s"] + comm)
     assert r["step_overlapped_s"] == pytest.approx(max(r["hlo_compute_s"], comm))
+    # the scheduled prediction: each program walked in its order, the FLOPs at MXU_EFFICIENCY,
+    # extrapolated the same way
+    assert b["step_scheduled_s"] > a["step_scheduled_s"] > 0
+    step = a["step_scheduled_s"] + 4 * (b["step_scheduled_s"] - a["step_scheduled_s"])
+    assert r["step_scheduled_s"] == pytest.approx(step)
+    assert r["mfu_causal_scheduled"] == pytest.approx(100 * 1.0 / (1e12 * step))
     big = suite.hlo_bound(*costs, n_layers=5, model_flops=1e15, **kw)  # model FLOPs above the HLO's
     assert big["mfu_causal_overlapped"] <= 100.0 + 1e-9 and big["mfu_palm_overlapped"] <= 100.0
 
