@@ -188,22 +188,27 @@ def projection_table(rows: list[dict]) -> list[str]:
     """The step-time bound per recipe (compute + collectives from the compiled HLO), beside the
     plain roofline it replaces."""
     lines = [
-        "| recipe (projection) | compiled for -> FSDP over | compute s | collectives s (per axis) | "
+        "| recipe (projection) | compiled for -> FSDP over | predicted MFU % causal / palm (scheduled; "
+        "docs/maxtext_calibration.md) | compute s | collectives s (per axis) | "
         "step s exposed / overlapped | tok/s/dev exposed / overlapped | upper bound on MFU % causal, "
         "exposed / overlapped | upper bound on MFU % palm, exposed / overlapped | roofline MFU % palm (old) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |")
+            lines.append(f"| {r['recipe']} | {r.get('target', '-')} | {r['error']} |  |  |  |  |  |  |  |")
             continue
         if "step_exposed_s" not in r:
             lines.append(
-                f"| {r['recipe']} | {r['target']} | {r.get('bound_note', '-')} |  |  |  |  |  | {r['mfu_pct']:.1f} |"
+                f"| {r['recipe']} | {r['target']} | {r.get('bound_note', '-')} |  |  |  |  |  |  | {r['mfu_pct']:.1f} |"
             )
             continue
+        sched = (
+            f"{r['mfu_causal_scheduled']:.1f} / {r['mfu_palm_scheduled']:.1f}" if "mfu_causal_scheduled" in r else "-"
+        )
         lines.append(
-            f"| {r['recipe']} | {r['target']} -> {r.get('fsdp_devices') or '-'} devices | {r['hlo_compute_s']:.3g} | "
+            f"| {r['recipe']} | {r['target']} -> {r.get('fsdp_devices') or '-'} devices | {sched} | "
+            f"{r['hlo_compute_s']:.3g} | "
             f"{r['comm_s']:.3g} ({r['comm_by_axis']}) | {r['step_exposed_s']:.3g} / {r['step_overlapped_s']:.3g} | "
             f"{r['tokens_per_sec_exposed']:,.0f} / {r['tokens_per_sec_overlapped']:,.0f} | "
             f"{r['mfu_causal_exposed']:.1f} / {r['mfu_causal_overlapped']:.1f} | "
