@@ -10,6 +10,8 @@ per-device program (the `*.after_optimizations.txt` that `XLA_FLAGS=--xla_dump_t
     ops = compute_ops(hlo)              # per executed op: FLOPs, HBM bytes, times it runs
     colls = collectives(hlo)            # per collective: kind, bytes, group size, mesh axes, times it runs
     proj = project(compute=..., collectives=..., ...)  # step time both ways, MFU bound both ways
+    sched = scheduled(hlo, colls=..., seconds=..., ...)  # one step time: the program walked in XLA's
+                                                         # schedule (tools/xla_schedule.py)
 
 What is counted (docs/benchmarks.md, "Projections"):
 - Executed ops are the instructions of ENTRY, of `while` bodies (times the loop's
