@@ -244,7 +244,7 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     ),
     BuildCheck(
         "parallelism.context_parallel_degree",
-        "planner.search:plan_estimate",
+        "planner.search:_checked_step",
         "the planner: CP > 1 for FLUX (no CP plan for its joint text + image sequence); it also raises "
         "the first RULES refusal of the layout",
     ),
