@@ -291,3 +291,30 @@ def test_a_collective_nested_in_an_async_call_is_priced_and_its_done_found_throu
     assert s.busy_s == {"ici:a0": pytest.approx(ag)} and s.unmatched_done == 0
     # 10 us of compute between start and done: 53 us exposed
     assert s.exposed_s == pytest.approx(ag - 1e-5) and s.step_s == pytest.approx(ag)
+
+
+def test_program_bound_reports_the_scheduled_step(tmp_path):
+    """tools/mfu_projection.program_bound (the MFU suite's EP programs) carries the scheduled step
+    beside its bounds: here the 2 MiB host copy at v6e's 32 GB/s (65.5 us) outlasts the compute and
+    the all-gather, which the bounds (no host link) cannot see."""
+    import planner
+    from parallelisms.tpu_topology import topology_of
+    from tools.mfu_projection import program_bound
+    from tools.mfu_report import load_anchors
+
+    hlo = tmp_path / "p.txt"
+    hlo.write_text(PRICED.replace("{{0,1,2,3}}", "{{0,1,2,3,4,5,6,7}}").replace("bf16[4096,1024]", "bf16[8192,1024]"))
+    res = {"radices": [8], "device_coords": [[i % 4, i // 4, 0, 0] for i in range(8)], "hlo": str(hlo)}
+    facts = {
+        "generation": "v6e",
+        "peak": 918e12,
+        "topology": topology_of(planner.parse_target("v6e-8")),
+        "tokens": 1.0,
+        "routed_rows": 0,
+        "flops_per_token": {"causal": 1e9, "palm": 1.2e9},
+    }
+    b = program_bound(res, facts, anchors=load_anchors())
+    assert b["step_scheduled_s"] == pytest.approx(2**21 / 32e9)
+    assert b["step_scheduled_s"] > b["step_exposed_s"]
+    assert b["mfu_causal_scheduled"] == pytest.approx(100 * 1e9 / (918e12 * 2**21 / 32e9))
+    assert b["exposed_host_s"] > 0 and b["unmatched_done"] == 0
