@@ -26,7 +26,7 @@ NODE_RANK_ERROR = (
 )
 NO_TPU_ERROR = (
     "error: launch: python -m torch.tpu.distributed failed (exit 1): ValueError: set_tpu_launch_env(): "
-    "expected TPU devices, got none"
+    "expected TPU devices, got none; allowed: a TPU host where torch.tpu.distributed runs"
 )
 
 
