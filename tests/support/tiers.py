@@ -1709,6 +1709,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "torch-tpu op on fake tensors: the default tier routes the op, checks its self-check cases against the "
         "recurrence and runs the other Pallas kernels interpreted",
     ),
+    Scheduled(
+        "tests/xla/test_delta_rule_compile.py::*",
+        (
+            "tests/unit/test_delta_rule_op.py",
+            "tests/unit/test_kernel_selfcheck.py::test_a_kernel_that_agrees_in_bf16_passes_within_the_argued_tolerance[gated_delta_rule]",
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference",
+        ),
+        "the delta rule's kernels compiled deviceless for v6e and TPU7x (libtpu, a 4096-token program each): the "
+        "default tier routes the op and checks its self-check cases; the scheduled interpret test runs the kernels",
+    ),
 )
 
 
