@@ -125,7 +125,7 @@ def target_order(target: str, parallel_dims, *, spec: str | None = None) -> Rank
             f"{dims.num_slices} slice(s) = {per_slice} per slice; allowed: {ALLOWED}"
         )
     if dims.num_slices == 1:
-        mapping = tpu_topology.trainer_layout(topology, dims.mesh_shape, ep=dims.ep)
+        mapping = tpu_topology.trainer_layout(topology, dims.layout_shape, ep=dims.ep)
     else:
         mapping = tpu_topology.map_mesh(topology, dims.ici_mesh_shape)
     return mapping_order(mapping, dims, spec=spec or target, name=target)
@@ -134,7 +134,7 @@ def target_order(target: str, parallel_dims, *, spec: str | None = None) -> Rank
 def mapping_order(mapping, dims, *, spec: str, name: str) -> RankOrder:
     """The order of a layout of one slice (`tpu_topology.MeshMapping`, device ids) as launcher
     ranks (`launcher_grid`); on several slices each slice laid out alike (`hybrid_grid`)."""
-    shape = dims.mesh_shape if dims.num_slices == 1 else dims.ici_mesh_shape
+    shape = dims.layout_shape if dims.num_slices == 1 else dims.ici_mesh_shape
     grid = launcher_grid(np.asarray(mapping.device_ids).reshape(shape), mapping.topology)
     if dims.num_slices > 1:
         grid = hybrid_grid(grid, dims.dcn_mesh_shape)

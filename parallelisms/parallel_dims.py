@@ -213,6 +213,12 @@ class ParallelDims:
         return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
+    def layout_shape(self) -> tuple[int, int, int, int]:
+        """The whole world's mesh as a TPU layout places it: `mesh_shape` with pp (outermost,
+        graph-mode PP) folded into dp_replicate, the same row-major rank order."""
+        return (self.pp * self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
     def dcn_mesh_shape(self) -> tuple[int, int, int, int]:
         """How many slices each mesh axis spans (product `num_slices`): all on `dp_replicate` when
         it divides by the slice count, else what it holds there and the rest on `dp_shard`."""
@@ -301,9 +307,7 @@ def tpu_mesh_layout(parallel_dims: ParallelDims, *, target: str | None, env=None
     # Several slices: each slice holds the ICI part of the mesh (`ici_mesh_shape`), laid out on that
     # slice as on a single one; the DCN part is torch-tpu's hybrid mesh (build_mesh).
     devices = parallel_dims.world_size // parallel_dims.num_slices
-    shape = parallel_dims.ici_mesh_shape if parallel_dims.num_slices > 1 else parallel_dims.mesh_shape
-    if parallel_dims.pp_enabled:  # pp (outermost, one slice) laid out as part of dp_replicate: same rank order
-        shape = (parallel_dims.pp * shape[0], *shape[1:])
+    shape = parallel_dims.ici_mesh_shape if parallel_dims.num_slices > 1 else parallel_dims.layout_shape
     if target and parallel_dims.num_slices > 1 and isinstance(target, str) and re.search(r"x\d+$", target):
         target = target.rsplit("x", 1)[0]  # v6e-256x2 -> one slice, v6e-256
     topology = None

@@ -321,9 +321,10 @@ def _mesh_case(cfg: Config):
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
         ep=p.expert_parallel_degree,
+        pp=p.pipeline_parallel_degree,
         world_size=target.devices,
     )
-    return topology, dims.mesh_shape
+    return topology, dims.layout_shape
 
 
 def torch_tpu_layouts(paths, overrides=()) -> dict | None:
