@@ -186,6 +186,7 @@ def _cp_setup(mesh, plan, tokens: torch.Tensor, document_mask: bool):
     task = LMTask.__new__(LMTask)  # no tokenizer or loader: only its CP shard and loss
     task.settings = LMSettings.of(Config())  # global positions (no step plan: no restart)
     task.cp = cp  # what the constructor keeps of its `cp` argument
+    task.args = None  # the model's args: only read for `mtp_depth` (none here: the plain LM loss)
     batch = (tokens[:, :-1], tokens[:, 1:])
     if document_mask:  # two documents per window, the second starting at token 200
         seg = (torch.arange(tokens.shape[1] - 1) >= 200).to(torch.int32).expand(tokens.shape[0], -1)
