@@ -30,7 +30,7 @@ RUN_TIME_MESSAGES = {
     ("trainer/runtime/storage.py", "_config_error", "message"): "the helper itself: its callers' literals are checked",
     ("trainer/runtime/atomic.py", "_config_error", "message"): "the helper itself: its callers' literals are checked",
     ("trainer/step/plan.py", "plan_step", "refused[0]"): "a rule table message (test_step_plan checks allowed)",
-    ("planner/search.py", "plan_estimate", "refused[0]"): "a rule table message (trainer/step/plan.py's refusals)",
+    ("planner/search.py", "_checked_step", "refused[0]"): "a rule table message (trainer/step/plan.py's refusals)",
     ("tools/recipe_check.py", "check_recipe", "refused[0]"): "a rule table message (a pipelined plan's refusals)",
     ("trainer/checkpoint/manager.py", "_load_local", "first"): "re-raises another rank's ConfigError text",
     ("trainer/engine.py", "_check_usable", "self._unusable"): "`_unusable` is only set to texts with `allowed: ...`",
