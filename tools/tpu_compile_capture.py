@@ -156,7 +156,7 @@ def _capture(spec: dict) -> dict:
         gm=gm,
         groups=groups,
         radices=_program_radices(dims, target.devices),
-        mesh_shape=tuple(dims.mesh_shape),
+        mesh_shape=dims.layout_shape,  # pp (graph-mode PP) folded into dp_replicate, the same rank order
         ep=dims.ep,
         capture_s=time.perf_counter() - t,
         notes=notes.notes,
@@ -237,7 +237,7 @@ def _program_radices(dims, world: int) -> list[int]:
     """The program's mesh axes: the common refinement of the mesh layouts over the world's ranks,
     the trainer's world mesh and, with EP, its expert mesh."""
     bounds = set()
-    for sizes in (dims.mesh_shape, (dims.dp_replicate, dims.efsdp, dims.ep)):
+    for sizes in ((dims.pp, *dims.mesh_shape), (dims.dp_replicate, dims.efsdp, dims.ep)):
         bounds |= {math.prod(sizes[i:]) for i in range(len(sizes))}
     return refine_axes(bounds, world)
 
