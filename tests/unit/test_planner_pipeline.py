@@ -152,11 +152,13 @@ def test_search_never_proposes_what_the_rules_refuse():
 
 def test_pending_pipeline_recipe_is_priced_and_refused_with_the_rule():
     """configs/pending/llama3_405b_v6e_2x256_pp.toml: the recipe check prices the pipeline (degree,
-    schedule, micro-batches, bubble, the heaviest stage) and refuses it with the pipeline rule's line."""
+    schedule, micro-batches, bubble, the heaviest stage) and refuses it with a pipeline rule's line."""
     from tools.recipe_check import check_recipe
 
     r = check_recipe(os.path.join(ROOT, "configs", "pending", "llama3_405b_v6e_2x256_pp.toml"), capture=False)
-    assert r.error and r.error.startswith("parallelism.pipeline_parallel_degree: 2"), r.error
+    # the first pipeline rule it breaks (graph-mode PP runs GPipe's order; TP and two slices follow)
+    assert r.error and r.error.startswith("parallelism.pipeline_schedule: '1F1B' with compile.mode graph"), r.error
+    assert "allowed:" in r.error
     assert r.pipeline.startswith("pp 2 1F1B, 8 micro-batches, bubble 11.1%, heaviest pp rank"), r.pipeline
     assert "over DCN" in r.pipeline and r.planned_gib is not None
     assert any(n.startswith("pipeline: pp 2, 1F1B") for n in r.notes)
