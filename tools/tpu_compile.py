@@ -54,7 +54,9 @@ temporaries - aliased) is within the usable HBM and within `BAND` of the planner
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -217,7 +219,8 @@ def compile_recipe(
             generation=target.generation.name,
             capture_only=capture_only,
         )
-        res = _run_worker(spec, python=python, extra_env=extra_env, timeout=timeout)
+        env = {**recipe_flag_env(cfg), **(extra_env or {})}
+        res = _run_worker(spec, python=python, extra_env=env, timeout=timeout)
         _read_result(report, res, capture_only=capture_only)
     except ConfigError as e:
         report.error = str(e)
@@ -227,6 +230,22 @@ def compile_recipe(
         report.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     report.wall_s = time.perf_counter() - t0
     return report
+
+
+def recipe_flag_env(cfg, environ=None) -> dict[str, str]:
+    """LIBTPU_INIT_ARGS / XLA_FLAGS for the worker: the recipe's own `[device] libtpu_init_args` /
+    `xla_flags`, then the caller's exported ones (later wins, as trainer/runtime/tpu_env.py merges
+    them at run time), so a flag a recipe needs to compile (flux_dev_v7x's) reaches the compiler.
+    The generation's flag bundle is not applied (the deviceless compiles never have been)."""
+    from trainer.runtime.tpu_env import merge_flags
+
+    environ = os.environ if environ is None else environ
+    out = {}
+    for var, flags in (("LIBTPU_INIT_ARGS", cfg.device.libtpu_init_args), ("XLA_FLAGS", cfg.device.xla_flags)):
+        merged = merge_flags(flags, shlex.split(environ.get(var, "")))
+        if merged:
+            out[var] = " ".join(merged)
+    return out
 
 
 def _recipe_target(path: str, overrides):

@@ -190,3 +190,31 @@ def test_every_kernel_op_is_lowered_with_the_targets_generation(monkeypatch):
         n_args = len(op._schema.arguments)
         rules[op](*[_Arg() for _ in range(n_args)])
         assert seen and all(gens == ["v6e"] for gens in seen.values()), (op, seen)
+
+
+def test_the_recipes_own_libtpu_flags_reach_the_compile_worker(monkeypatch):
+    """flux_dev_v7x compiles for TPU7x only with its `[device] libtpu_init_args` flag (libtpu 0.0.52
+    aborts without it): the worker's LIBTPU_INIT_ARGS holds the recipe's flags, then the caller's
+    exported ones (the caller wins for the same flag, as at run time); a recipe without flags adds none."""
+    from tools.tpu_compile import compile_recipe
+
+    envs = []
+
+    def run(cmd, *a, **kw):
+        if cmd[0] == "bash":
+            return subprocess.CompletedProcess(cmd, 0, stdout="/nonexistent/.venv-ttpu\n", stderr="")
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError: stand-in\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    flag = "--xla_tpu_control_large_2nd_minor_layout_for_x16=false"
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    compile_recipe(str(ROOT / "configs" / "flux_dev_v7x.toml"), python=sys.executable)
+    assert envs[-1]["LIBTPU_INIT_ARGS"].split() == [flag, "--xla_tpu_scoped_vmem_limit_kib=65536"]
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", flag.replace("false", "true"))
+    compile_recipe(str(ROOT / "configs" / "flux_dev_v7x.toml"), python=sys.executable)
+    assert envs[-1]["LIBTPU_INIT_ARGS"] == flag.replace("false", "true")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS")
+    compile_recipe(DEBUG, overrides=[("job.target", "v6e-8")], python=sys.executable)
+    assert "LIBTPU_INIT_ARGS" not in envs[-1] and "XLA_FLAGS" not in envs[-1]

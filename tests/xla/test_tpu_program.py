@@ -116,12 +116,11 @@ TPU_RECIPES = sorted(
 # What the full table found (docs/recipe_check.md, docs/results/tpu_programs_2026-12-04_a7cccb9.csv): these programs
 # compile and fit the HBM, but the planner's total is off by more than the band. Strict: the
 # test turns red when the planner (or the FLUX attention lowering) is fixed, and the mark goes.
-PLANNER_OFF = {
-    "flux_dev_v7x.toml": "libtpu 0.0.52's TPU7x fusion emitter aborts (signal 6, fusion_emitter.cc CHECK 'Cannot "
-    "find a valid window') on a bf16[18432,3072] bitcast+add fusion of FLUX.1-dev's step; the same program "
-    "compiled for v6e-256 fits the planner (-3 %); docs/recipe_check.md",
-}
-FLAKY: set[str] = set()  # marks that are not strict; flux_dev_v7x's abort reproduced twice with the same CHECK
+PLANNER_OFF: dict[str, str] = {}
+# flux_dev_v7x was here until 2026-12-06: libtpu 0.0.52's TPU7x fusion emitter aborted on its step
+# (signal 6, fusion_emitter.cc 'Cannot find a valid window'); its recipe's [device] libtpu_init_args
+# flag, which tools/tpu_compile.py now hands the compile worker, makes it compile and fit (docs/flux.md).
+FLAKY: set[str] = set()  # marks that are not strict
 
 
 @pytest.mark.exhaustive
