@@ -370,6 +370,7 @@ def capture_lowering() -> dict:
     capture._define()
     torchax = load_torchax()  # before anything imports torchax (the torch 2.13 shim)
     from torchax import interop
+
     devices = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu").devices
     mesh = Mesh(np.array(devices), ("fsdp",))
     env = torchax.default_env()
