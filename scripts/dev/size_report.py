@@ -9,9 +9,11 @@ tree scanned is the product's packages plus scripts/ (and tests/ with `--tests`)
 
 from __future__ import annotations
 
-import argparse
 import ast
+import sys
 from pathlib import Path
+
+from trainer.runtime import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPS = ("models", "titan_kernels", "parallelisms", "trainer", "planner", "tools", "scripts")
@@ -46,7 +48,7 @@ def long_functions(paths: list[Path], limit: int) -> list[tuple[str, str, int]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-file", type=int, default=800)
     parser.add_argument("--max-function", type=int, default=80)
     parser.add_argument("--tests", action="store_true", help="scan tests/ too")
@@ -65,4 +67,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))
