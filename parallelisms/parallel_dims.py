@@ -139,13 +139,15 @@ class ParallelDims:
             raise ConfigError(
                 f"{_KEYS['num_slices']}: must be an integer >= 1, got {self.num_slices!r}; allowed: a positive integer"
             )
-        if self.num_slices > 1 and (self.dp_replicate * self.dp_shard) % self.num_slices != 0:
+        if self.num_slices > 1 and (self.pp * self.dp_replicate * self.dp_shard) % self.num_slices != 0:
+            pp_text = f"pipeline_parallel_degree ({self.pp}) x " if self.pp != 1 else ""
             raise ConfigError(
-                f"{_KEYS['num_slices']}: {self.num_slices} slices, but data_parallel_replicate_degree "
+                f"{_KEYS['num_slices']}: {self.num_slices} slices, but {pp_text}data_parallel_replicate_degree "
                 f"({self.dp_replicate}) x data_parallel_shard_degree ({self.dp_shard}) = "
-                f"{self.dp_replicate * self.dp_shard} does not divide by it (the slices split the "
-                "data-parallel ranks; cp and tp groups stay inside a slice); allowed: data-parallel "
-                f"degrees whose product is a multiple of {self.num_slices}"
+                f"{self.pp * self.dp_replicate * self.dp_shard} does not divide by it (the slices split the "
+                "pipeline stages and the data-parallel ranks; cp and tp groups stay inside a slice); allowed: "
+                f"{'pipeline and ' if self.pp != 1 else ''}data-parallel degrees whose product is a multiple of "
+                f"{self.num_slices}"
             )
         block = self.dp_shard * self.cp * self.tp
         if block % self.ep != 0:
@@ -220,15 +222,18 @@ class ParallelDims:
 
     @property
     def dcn_mesh_shape(self) -> tuple[int, int, int, int]:
-        """How many slices each mesh axis spans (product `num_slices`): all on `dp_replicate` when
-        it divides by the slice count, else what it holds there and the rest on `dp_shard`."""
-        on_replicate = math.gcd(self.dp_replicate, self.num_slices)
+        """How many slices each axis of `layout_shape` spans (product `num_slices`): all on the
+        outermost axis (`pp x dp_replicate`: the pipeline stages first, then the HSDP replicas) when
+        it divides by the slice count, else what it holds there and the rest on `dp_shard`. With
+        pp a multiple of the slice count each slice holds `pp / num_slices` whole stages (PP over the
+        DCN, docs/pipeline_parallel.md "Across slices")."""
+        on_replicate = math.gcd(self.pp * self.dp_replicate, self.num_slices)
         return (on_replicate, self.num_slices // on_replicate, 1, 1)
 
     @property
     def ici_mesh_shape(self) -> tuple[int, int, int, int]:
-        """The mesh inside one slice: `mesh_shape / dcn_mesh_shape`."""
-        return tuple(m // d for m, d in zip(self.mesh_shape, self.dcn_mesh_shape))
+        """The mesh inside one slice: `layout_shape / dcn_mesh_shape` (`mesh_shape` without PP)."""
+        return tuple(m // d for m, d in zip(self.layout_shape, self.dcn_mesh_shape))
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """Data-parallel rank of this process: the CP and TP ranks of one dp group get the
@@ -414,10 +419,13 @@ PP_AXES = ("pp", *MESH_AXES)
 def _build_pp_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     """With pp > 1: the world mesh `PP_AXES` in rank order, and this rank's stage mesh (`MESH_AXES`
     over the ranks of its pp stage) returned, carrying the 1-D pp axis (`pp_mesh`). The step plan's
-    rules keep pp to CPU/GPU, one slice, and without cp or ep (not built here)."""
+    rules keep pp without cp or ep (not built here). On several slices the ranks are slice-major
+    and pp is outermost, so the slices split the pp axis (`dcn_mesh_shape`): each stage's FSDP group
+    stays inside a slice and only the stage permutes (and the HSDP all-reduce, if any) cross the DCN."""
     from parallelisms.device_order import check_mesh_order
 
-    assert not (parallel_dims.cp_enabled or parallel_dims.ep_enabled or parallel_dims.num_slices > 1), parallel_dims
+    assert not (parallel_dims.cp_enabled or parallel_dims.ep_enabled), parallel_dims
+    check_slice_major(parallel_dims, rank=dist.get_rank())
     ranks = torch.arange(parallel_dims.world_size).reshape((parallel_dims.pp, *parallel_dims.mesh_shape))
     world = DeviceMesh(device_type, ranks, mesh_dim_names=PP_AXES)
     stage = world[MESH_AXES]

@@ -12,14 +12,16 @@ planner"):
   `PipelineSpec.uniform`: every rank holds and runs the embedding, norm, head and loss);
 - **activations**: one micro-batch of `local_batch / m` sequences per in-flight micro-batch
   (`in_flight`: 1F1B holds `min(m, p - r)`, GPipe and LoopedBFS all `m`, the interleaved schedules
-  `min(v m, (v - 1) p + 2 (p - 1 - r) + 1)` chunks of 1/v of the rank's layers, ZBV `min(m, p)`),
+  `min(v m, (v - 1) p + 2 (p - 1 - r) + 1)` chunks of 1/v of the rank's layers, ZBV `min(m, p)`;
+  graph mode's uniform stages `T = m + p - 1`: its SPMD program runs every iteration on every
+  rank, the idle ones too, and keeps their block inputs),
   the loss and the head's transients only where it holds the last stage;
 - the heaviest rank is the plan's memory (`Estimate.pipeline.rank` says which);
 - **time**: the compute of the heaviest rank's share (`imbalance`), inflated by the schedule's
   bubble (`bubble_fraction`): `t = t_compute x imbalance / (1 - bubble) + exposed p2p`;
 - **p2p**: each micro-batch crosses each stage boundary forward (activations) and backward
   (their gradients): `[mb, seq / cp, dim]` bf16 per device (sequence parallel splits it by tp),
-  `2 m v` transfers per accumulation micro-batch; over the DCN when the stages span slices
+  `2 m v` transfers per accumulation micro-batch (graph mode: `2 (T - 1)` permutes); over the DCN when the stages span slices
   (`pp` outermost over the slices), else over one ICI link (`ICI_GBYTES_PER_S_PER_LINK`). The
   pipeline's fill and drain (`2 (p - 1)` hops) are exposed; the steady state's transfers hide
   under the compute unless they exceed it.
@@ -92,6 +94,18 @@ class PipelineSpec:
     def bubble(self) -> float:
         return bubble_fraction(self.schedule, self.pp, self.m, self.v)
 
+    @property
+    def iterations(self) -> int:
+        """Graph mode's pipeline iterations per accumulation micro-batch, `T = m + p - 1`."""
+        return self.m + self.pp - 1
+
+    @property
+    def transfers(self) -> int:
+        """Stage-boundary transfers per device and accumulation micro-batch, both directions: `2 m v`
+        (each micro-batch forward and its gradient backward), graph mode's `2 (T - 1)` permutes (the
+        ring moves a chunk every iteration but the last, idle ones included)."""
+        return 2 * (self.iterations - 1) if self.uniform else 2 * self.m * self.v
+
     def stages(self, n_layers: int) -> list[range]:
         return split_layers(n_layers, self.num_stages, first_stage_less=self.first_less, last_stage_less=self.last_less)
 
@@ -129,6 +143,10 @@ class PipelineSpec:
         """Micro-batches whose activations rank `rank` holds at its peak, in units of all its layers
         (module docstring)."""
         p, m, v = self.pp, self.m, self.v
+        if self.uniform:
+            # graph mode's one SPMD program: every rank runs all T = m + p - 1 pipeline iterations,
+            # the idle ones too, and autograd keeps each iteration's block inputs
+            return float(self.iterations)
         if self.schedule in ("GPipe", "LoopedBFS"):
             return float(m)
         if self.schedule == "1F1B":
@@ -179,12 +197,13 @@ def stage_activations(per_micro: ActivationBytes, spec: PipelineSpec, rank: int)
     """What rank `rank` keeps: `per_micro` (one micro-batch through its layers) times its in-flight
     micro-batches; the head's input, the loss and its transient only on the last stage."""
     k = spec.in_flight(rank)
+    k_head = spec.m if spec.uniform else k  # graph mode: the head and loss run once per chunk, after the loop
     last = spec.holds_first_last(rank)[1]
     return dataclasses.replace(
         per_micro,
         blocks=int(per_micro.blocks * k),
-        outside=int(per_micro.outside * k) if last else 0,
-        loss=int(per_micro.loss * k) if last else 0,
+        outside=int(per_micro.outside * k_head) if last else 0,
+        loss=int(per_micro.loss * k_head) if last else 0,
         logits_transient=per_micro.logits_transient if last else 0,
     )
 
@@ -340,7 +359,7 @@ def pipeline_estimate(
         micro_batch=mb,
         in_flight=spec.in_flight(heaviest),
         imbalance=spec.imbalance(shape.n_layers),
-        p2p_bytes=grad_accum * 2 * m * spec.v * transfer,
+        p2p_bytes=grad_accum * spec.transfers * transfer,
         transfer_bytes=transfer,
         link=link,
         link_bytes_per_s=bandwidth,

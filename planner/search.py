@@ -505,6 +505,8 @@ def _search_pp(
     world = target.devices
     stage = world // pp
     replicas_span = max(1, target.num_slices // pp)  # slices the data-parallel ranks span
+    if pp > 1:  # the pipeline rules refuse cp and ep with PP (trainer/step/pipeline_rules.py)
+        cps, eps = [c for c in cps if c == 1] or [1], [e for e in eps if e == 1] or [1]
     candidates: list[Estimate] = []
     with fake_process_group(world):
         for tp, cp in ((tp, cp) for cp in cps for tp in tps if stage % (tp * cp) == 0):

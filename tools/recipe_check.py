@@ -299,9 +299,9 @@ def _ttpu_python() -> str | None:
 
 def _mesh_case(cfg: Config):
     """(topology, mesh shape) of a recipe with a TPU target whose slice has a known grid, else None.
-    Several slices (`v6e-256x2`): one slice's grid and mesh, `dp_replicate / num_slices` replicas in
-    it (the DCN splits `dp_replicate`; parallelisms/parallel_dims.py), since every slice lays out the
-    same ICI mesh."""
+    Several slices (`v6e-256x2`): one slice's grid and mesh, `pp x dp_replicate / num_slices` rows of
+    the outermost axis in it (the DCN splits the pp stages, then `dp_replicate`;
+    parallelisms/parallel_dims.py `dcn_mesh_shape`), since every slice lays out the same ICI mesh."""
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.tpu_topology import topology_of
 
@@ -313,15 +313,15 @@ def _mesh_case(cfg: Config):
         target = planner.parse_target(target.name.rsplit("x", 1)[0], key="job.target")
     topology = topology_of(target) if target.device_type == "tpu" else None
     p = cfg.parallelism
-    if topology is None or p.data_parallel_replicate_degree % slices:
+    outer = p.pipeline_parallel_degree * p.data_parallel_replicate_degree  # pp folded in (`layout_shape`)
+    if topology is None or outer % slices:
         return None
     dims = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree // slices,
+        dp_replicate=outer // slices,
         dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
         ep=p.expert_parallel_degree,
-        pp=p.pipeline_parallel_degree,
         world_size=target.devices,
     )
     return topology, dims.layout_shape

@@ -6,7 +6,8 @@ What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager 
 decoder through torch.distributed.pipelining on cpu/cuda, composed with SimpleFSDP/HSDP, TP,
 activation checkpointing and gradient accumulation; in graph mode the pipeline inside the captured
 step (trainer/graph/pipeline.py) with uniform stages, one SPMD program on every pp rank, which is
-also the TPU path. The rest is refused until it is wired.
+also the TPU path, on one slice or with the pp axis over several (DCN). The rest is refused until it
+is wired.
 """
 
 from __future__ import annotations
@@ -117,15 +118,21 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with context or expert parallelism, several slices, or TP's loss parallel",
-        lambda r: (
-            r.pp_degree > 1
-            and (r.cp_degree > 1 or r.ep_degree > 1 or r.num_slices > 1 or (r.loss_parallel and r.tp_degree > 1))
-        ),
+        "PP > 1 with context or expert parallelism, or TP's loss parallel",
+        lambda r: r.pp_degree > 1 and (r.cp_degree > 1 or r.ep_degree > 1 or (r.loss_parallel and r.tp_degree > 1)),
         "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP without loss parallel) "
         "only for now; here context_parallel_degree {r.cp_degree}, expert_parallel_degree {r.ep_degree}, "
-        "num_slices {r.num_slices}, enable_loss_parallel {r.loss_parallel}; allowed: 1, or cp = ep = slices = 1 "
-        "and enable_loss_parallel = false",
+        "enable_loss_parallel {r.loss_parallel}; allowed: 1, or cp = ep = 1 and enable_loss_parallel = false",
+    ),
+    # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
+    # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
+    # the replicas (plan.py's slice rule: pp x dp_replicate a multiple of num_slices).
+    Rule(
+        "parallelism.pipeline_parallel_degree",
+        "PP > 1 on several slices outside graph mode",
+        lambda r: r.pp_degree > 1 and r.num_slices > 1 and r.mode != "graph",
+        "{r.pp_degree} on {r.num_slices} slices runs as graph mode's one program per step, the pp axis over the "
+        'slices (DCN); here compile.mode {r.mode}; allowed: 1, or compile.mode = "graph"',
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",

@@ -531,12 +531,15 @@ RULES: tuple[Rule, ...] = (
     # gradient all-reduce once per step; FSDP's per-layer gathers (or TP/EP/CP) over it would not keep up.
     Rule(
         "parallelism.data_parallel_replicate_degree",
-        "several slices whose count does not divide the replicate degree (FSDP, and with it EP, "
-        "traffic would cross the DCN), unless parallelism.allow_dcn_sharding",
-        lambda r: r.num_slices > 1 and r.dp_replicate % r.num_slices != 0 and not r.allow_dcn_sharding,
+        "several slices whose count does not divide the replicate degree (x the pipeline degree: the "
+        "stages take the slices first) (FSDP, and with it EP, traffic would cross the DCN), unless "
+        "parallelism.allow_dcn_sharding",
+        lambda r: r.num_slices > 1 and (r.pp_degree * r.dp_replicate) % r.num_slices != 0 and not r.allow_dcn_sharding,
         "{r.dp_replicate} on {r.num_slices} slices puts FSDP/EP collectives on the data-center network "
         "between slices; allowed: a multiple of {r.num_slices} (HSDP: shard inside a slice, all-reduce "
-        "gradients across slices), or parallelism.allow_dcn_sharding = true",
+        "gradients across slices), pipeline_parallel_degree ({r.pp_degree}) x data_parallel_replicate_degree "
+        "a multiple of {r.num_slices} (graph-mode PP: the stages take the slices), or "
+        "parallelism.allow_dcn_sharding = true",
     ),
     # The local checkpoint tier (trainer/checkpoint/local.py) restores a lost slice from a slice that
     # holds a whole replica: none does when the slices shard the model (`ParallelDims.dcn_mesh_shape`
