@@ -41,310 +41,29 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
+# the published runs (settings, XLA flags, anchors) live in tools/maxtext_runs.py; their names stay
+# importable from here, where scripts/bench and the tests have read them
+from tools.maxtext_runs import (  # noqa: F401
+    CF_FOR_ALL_GATHER,
+    CF_FOR_ALL_GATHER_LIBTPU_0046,
+    DATA_PARALLEL_OVERLAP,
+    DENSE_VMEM_LIMIT_FLAG,
+    ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE,
+    HOST_OFFLOAD_FLAGS,
+    LAYOUT_FOR_ALL_REDUCE_SCATTER,
+    MOE_DEVIATION,
+    RUNS,
+    SPLASH_2048,
+    TRILLIUM_COMMON,
+    V6E_DEVIATION,
+    Run,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
 
-# ------------------------------------------------------------------------------ the published runs
-
-# benchmarks/xla_flags_library.py of AI-Hypercomputer/maxtext (e591f30cb): the v6e recipes name these
-DENSE_VMEM_LIMIT_FLAG = "--xla_tpu_scoped_vmem_limit_kib=98304"
-LAYOUT_FOR_ALL_REDUCE_SCATTER = (
-    "--xla_tpu_use_minor_sharding_for_major_trivial_input=true "
-    "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1 "
-    "--xla_tpu_assign_all_reduce_scatter_layout=true"
-)
-DATA_PARALLEL_OVERLAP = (
-    "--xla_tpu_enable_data_parallel_all_reduce_opt=true --xla_tpu_data_parallel_opt_different_sized_ops=true"
-)
-CF_FOR_ALL_GATHER = (
-    "--xla_tpu_enable_async_collective_fusion=true "
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
-    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
-    "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
-)
-# libtpu 0.0.46 refuses the continuation fusion of CF_FOR_ALL_GATHER on v6e ("Continuation fusion for
-# AllGather is enabled on platform ghostlite ... not supported/recommended on platforms other than
-# Viperlite ... Please disable it with xla_tpu_enable_async_collective_fusion=false"): the v6e runs
-# keep the async all-gather and the compute/collective overlap and drop the fusion (Run.deviation)
-CF_FOR_ALL_GATHER_LIBTPU_0046 = "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true"
-MOE_DEVIATION = (
-    "learned routing (use_random_routing=False): MaxText 0.2.5 refuses the published random routing "
-    "without expert parallelism ('When EP rank is 1, use_random_routing must be False'); the compiled "
-    "program differs in how the router's scores are made, not in the dropless dispatch's buffers"
-)
-V6E_DEVIATION = (
-    "CF_FOR_ALL_GATHER's async collective fusion flags dropped: libtpu 0.0.46 refuses them on v6e "
-    "(the published run: MaxText tpu-recipes-v0.1.4, JAX 0.6.1)"
-)
-ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE = (
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false "
-    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-    "--xla_tpu_enable_all_reduce_offload_tracing=true "
-    "--xla_tpu_use_tc_device_shape_on_sc=true --xla_sc_enable_instruction_fusion=false "
-    "--xla_sc_disjoint_spmem=false --xla_sc_disable_megacore_partitioning=true"
-)
-HOST_OFFLOAD_FLAGS = (
-    "--xla_tpu_enable_all_experimental_scheduler_features=true "
-    "--xla_tpu_enable_scheduler_memory_pressure_tracking=true --xla_tpu_host_transfer_overlap_limit=24 "
-    "--xla_tpu_aggressive_opt_barrier_removal=ENABLED --xla_lhs_prioritize_async_depth_over_stall=ENABLED "
-    "--xla_tpu_enable_ag_backward_pipelining=true --xla_should_allow_loop_variant_parameter_in_chain=ENABLED "
-    "--xla_should_add_loop_invariant_op_in_chain=ENABLED --xla_max_concurrent_host_send_recv=100 "
-    "--xla_tpu_scheduler_percent_shared_memory_limit=100 --xla_latency_hiding_scheduler_rerun=2"
-)
-
-SPLASH_2048 = [
-    f"sa_block_{b}=2048" for b in ("q", "kv", "kv_compute", "q_dkv", "kv_dkv", "kv_dkv_compute", "q_dq", "kv_dq")
-]
-TRILLIUM_COMMON = [
-    "ici_fsdp_parallelism=-1",
-    "remat_policy=custom",
-    "decoder_layer_input=offload",
-    "query_proj=offload",
-    "key_proj=offload",
-    "value_proj=offload",
-    "max_target_length=8192",
-    "attention=flash",
-    "use_iota_embed=True",
-    "dataset_type=synthetic",
-    "enable_checkpointing=False",
-    *SPLASH_2048,
-    "sa_use_fused_bwd_kernel=True",
-]
-
-
-@dataclass(frozen=True)
-class Run:
-    """One published MaxText run: its anchor in assets/anchors.toml, the slice MaxText compiles for
-    (`compile_topology`), our target name for it (planner.parse_target), MaxText's arguments and the
-    recipe's XLA flags, and where they were read."""
-
-    anchor: str
-    topology: str
-    target: str
-    args: list[str]
-    xla_flags: str
-    source: str
-    note: str = ""
-    deviation: str = ""
-    head_dims: tuple[int, int] = (128, 128)
-    """(query-key, value) head dim: MaxText's configs/models/<model>.yml (head_dim; DeepSeek-V3:
-    qk_nope 128 + qk_rope 64, v 128)."""
-
-
-RUNS: dict[str, Run] = {
-    "llama3.1-8b_v6e-256": Run(
-        anchor="maxtext-v6e-llama3.1-8b",
-        topology="v6e-256",
-        target="v6e-256",
-        args=["model_name=llama3.1-8b", "per_device_batch_size=4", "out_proj=offload", *TRILLIUM_COMMON],
-        xla_flags=" ".join(
-            [
-                DENSE_VMEM_LIMIT_FLAG,
-                LAYOUT_FOR_ALL_REDUCE_SCATTER,
-                DATA_PARALLEL_OVERLAP,
-                CF_FOR_ALL_GATHER_LIBTPU_0046,
-                ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE,
-                HOST_OFFLOAD_FLAGS,
-            ]
-        ),
-        source="tpu-recipes c8cfe2f training/trillium/Llama3.1-8B-MaxText/v6e-256/README.md (llama3_1_8b_8192)",
-        deviation=V6E_DEVIATION,
-    ),
-    "llama3.1-70b_v6e-256": Run(
-        anchor="maxtext-v6e-llama3.1-70b",
-        topology="v6e-256",
-        target="v6e-256",
-        args=["model_name=llama3.1-70b", "per_device_batch_size=5", *TRILLIUM_COMMON],
-        xla_flags=" ".join(
-            [
-                DENSE_VMEM_LIMIT_FLAG,
-                LAYOUT_FOR_ALL_REDUCE_SCATTER,
-                DATA_PARALLEL_OVERLAP,
-                CF_FOR_ALL_GATHER_LIBTPU_0046,
-                HOST_OFFLOAD_FLAGS,
-            ]
-        ),
-        source="tpu-recipes c8cfe2f training/trillium/Llama3.1-70B-MaxText/v6e-256/README.md (llama3_1_70b_8192)",
-        deviation=V6E_DEVIATION,
-    ),
-    "llama3.1-405b_v7x-512": Run(
-        anchor="maxtext-v7x-llama3.1-405b",
-        topology="tpu7x-512",
-        target="v7x-512",
-        args=[
-            "model_name=llama3.1-405b",
-            "dtype=bfloat16",
-            "per_device_batch_size=3",
-            "use_iota_embed=True",
-            "ici_fsdp_parallelism=-1",
-            "remat_policy=custom",
-            "decoder_layer_input=offload",
-            "mlpwo=offload",
-            "key_proj=device",
-            "value_proj=device",
-            "attention=flash",
-            "sa_block_q=2048",
-            "sa_block_kv=2048",
-            "sa_block_kv_compute=1024",
-            "sa_block_q_dkv=2048",
-            "sa_block_kv_dkv=2048",
-            "sa_block_kv_dkv_compute=512",
-            "sa_use_fused_bwd_kernel=True",
-            "sa_q_layout=SEQ_MINOR",
-            "sa_k_layout=SEQ_MINOR",
-            "sa_v_layout=HEAD_DIM_MINOR",
-            "use_splash_scheduler=True",
-            "use_tokamax_splash=True",
-            "dataset_type=synthetic",
-            "opt_type=adamw",
-            "mu_dtype=bfloat16",
-            "num_vocab_tiling=4",
-            "max_target_length=8192",
-            "enable_checkpointing=False",
-        ],
-        xla_flags=(
-            "--xla_tpu_bf16_emission_mode=NATIVE_EMISSION --xla_tpu_enable_sparse_core_reduce_scatter_v2=true "
-            "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true "
-            "--xla_tpu_enable_all_gather_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=True "
-            "--xla_sc_disable_megacore_partitioning=True --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false "
-            "--xla_enable_async_all_gather=true --xla_tpu_prefer_async_allgather_to_allreduce=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true --xla_tpu_scoped_vmem_limit_kib=65536 "
-            "--xla_tpu_enable_sparse_core_offload_queuing_in_lhs=true --xla_tpu_enable_ici_ar_pipelining=true"
-        ),
-        source="tpu-recipes c8cfe2f training/ironwood/llama3.1-405b/8k-bf16-tpu7x-4x8x8/run_recipe.sh",
-    ),
-    "qwen3-235b-a22b_v7x-512": Run(
-        anchor="maxtext-v7x-qwen3-235b-a22b",
-        topology="tpu7x-512",
-        target="v7x-512",
-        args=[
-            "model_name=qwen3-235b-a22b",
-            "per_device_batch_size=16.0",
-            "max_target_length=4096",
-            "dtype=bfloat16",
-            "weight_dtype=float32",
-            "opt_type=adamw",
-            "enable_checkpointing=False",
-            "remat_policy=custom",
-            "decoder_layer_input=offload",
-            "use_custom_sort_vjp=True",
-            "use_random_routing=False",  # MOE_DEVIATION
-            "shard_exp_on_fsdp=False",
-            "megablox=False",
-            "sparse_matmul=True",
-            "use_tokamax_gmm=True",
-            "use_tokamax_splash=True",
-            "sa_use_fused_bwd_kernel=True",
-            "attention=flash",
-            "sa_block_q=1024",
-            "sa_block_kv=1024",
-            "sa_block_kv_compute=512",
-            "sa_block_q_dkv=2048",
-            "sa_block_kv_dkv=2048",
-            "sa_block_kv_dkv_compute=1024",
-            "sa_block_q_dq=1024",
-            "sa_block_kv_dq=1024",
-            "sa_q_layout=HEAD_DIM_MINOR",
-            "sa_k_layout=SEQ_MINOR",
-            "sa_v_layout=HEAD_DIM_MINOR",
-            "dcn_pipeline_parallelism=1",
-            "dcn_data_parallelism=-1",
-            "ici_pipeline_parallelism=1",
-            "ici_fsdp_transpose_parallelism=1",
-            "ici_fsdp_parallelism=-1",
-            "dataset_type=synthetic",
-        ],
-        xla_flags=(
-            "--xla_tpu_scoped_vmem_limit_kib=61440 --xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-            "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true " + HOST_OFFLOAD_FLAGS
-        ),
-        source="tpu-recipes c8cfe2f training/ironwood/qwen3-235b-a22b/4k-bf16-tpu7x-4x8x8/xpk/run_recipe.sh",
-        note="published with random routing (use_random_routing=True)",
-        deviation=MOE_DEVIATION,
-    ),
-    "deepseek3-671b_v7x-512": Run(
-        anchor="maxtext-v7x-deepseek-v3",
-        topology="tpu7x-512",
-        target="v7x-512",
-        args=[
-            "model_name=deepseek3-671b-2dfsdp",
-            "per_device_batch_size=8.0",
-            "max_target_length=4096",
-            "dcn_pipeline_parallelism=1",
-            "dcn_data_parallelism=-1",
-            "ici_pipeline_parallelism=1",
-            "ici_fsdp_transpose_parallelism=2",
-            "ici_fsdp_parallelism=-1",
-            "allow_split_physical_axes=True",
-            "use_iota_embed=True",
-            "remat_policy=custom",
-            "decoder_layer_input=offload",
-            "opt_type=adamw",
-            "mu_dtype=bfloat16",
-            "grad_dtype=bfloat16",
-            "use_random_routing=False",  # MOE_DEVIATION
-            "megablox=True",
-            "sparse_matmul=True",
-            "use_custom_sort_vjp=True",
-            "shard_exp_on_fsdp=False",
-            "use_2d_fsdp_sharding=True",
-            "sa_use_fused_bwd_kernel=True",
-            "sa_block_q=2048",
-            "sa_block_kv=2048",
-            "sa_block_q_dkv=2048",
-            "sa_block_kv_dkv=2048",
-            "sa_block_kv_dkv_compute=2048",
-            "sa_block_kv_dq=2048",
-            "sa_block_q_dq=2048",
-            "attention=flash",
-            "use_tokamax_splash=True",
-            "use_max_logit_estimate=-1",
-            "cost_estimate_flops_fwd=5000000000000",
-            "cost_estimate_flops_bwd=5000000000000",
-            "float32_weight_sum=False",
-            "use_tokamax_gmm=True",
-            "dataset_type=synthetic",
-            "enable_checkpointing=False",
-        ],
-        xla_flags=(
-            "--xla_tpu_scoped_vmem_limit_kib=65536 --xla_tpu_bf16_emission_mode=NATIVE_EMISSION "
-            "--xla_tpu_enable_sparse_core_reduce_scatter_v2=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true "
-            "--xla_tpu_enable_all_gather_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=True "
-            "--xla_sc_disable_megacore_partitioning=True --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false "
-            "--xla_enable_async_all_gather=true --xla_tpu_prefer_async_allgather_to_allreduce=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true "
-            "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true "
-            "--xla_tpu_enable_concurrent_sparse_core_offloading=true --xla_tpu_aggressive_opt_barrier_removal=true "
-            "--xla_tpu_enable_offloading_gather_to_sparsecore=true "
-            "--xla_tpu_sparse_core_all_gather_latency_multiplier=1 "
-            "--xla_tpu_sparse_core_reduce_scatter_latency_multiplier=3 "
-            "--xla_tpu_enable_sparse_core_collective_aggregator=true "
-            "--xla_tpu_enable_latency_hiding_layer_scheduler=true --xla_tpu_scheduler_percent_shared_memory_limit=150 "
-            "--xla_tpu_enable_layer_scheduler_for_dependent_collectives=true --xla_tpu_pcie_bandwidth_multiplier=0.03 "
-            "--xla_tpu_enable_multi_compute_overlap_in_layer_scheduler=false "
-            "--xla_tpu_enable_sparse_core_offload_queuing_in_lhs=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter=true "
-            "--xla_tpu_enable_3d_reduce_scatter_decomposer=false"
-        ),
-        source="tpu-recipes c8cfe2f training/ironwood/deepseek3-671b/4k-bf16-tpu7x-4x8x8/xpk/run_recipe.sh",
-        note="published with random routing (use_random_routing=True)",
-        deviation=MOE_DEVIATION,
-        head_dims=(192, 128),
-    ),
-}
-"""In order of compile cost (the smallest first)."""
 
 MAXTEXT_VENV_KIND = "maxtext"
 ATTENTION_KERNEL_FACTOR = 7 / 6
@@ -435,74 +154,91 @@ def calibration_row(
         "note": run.note,
     }
     if worker:
-        row.update(
-            compile_s=round(worker["compile_s"], 1) if worker.get("compile_s") is not None else None,
-            hlo_s=round(worker["hlo_s"], 1) if worker.get("hlo_s") is not None else None,
-            compiler_gib=round(compiler_gib(worker["memory"]), 2) if worker.get("memory") else None,
-            buffer_assignment_gib=(
-                round(worker["memory_report_bytes"] / 2**30, 2) if worker.get("memory_report_bytes") else None
-            ),
-            host_gib=round(
-                (
-                    worker["memory"].get("host_temp_size_in_bytes", 0)
-                    + worker["memory"].get("host_argument_size_in_bytes", 0)
-                )
-                / 2**30,
-                2,
-            ),
-            mesh=" ".join(f"{a}={s}" for a, s in zip(worker["mesh_axes"], worker["mesh_shape"]) if s > 1),
-            tokens_per_device=worker["tokens_per_device"],
-            maxtext_tflops_per_device_step=round(worker["maxtext_tflops_per_device_step"], 2),
-        )
-        row.update({k: round(v, 4) for k, v in published(anchor, worker["tokens_per_device"]).items()})
-        if peak_tflops:
-            row["published_mfu_same_flops_pct"] = round(
-                100 * worker["maxtext_tflops_per_device_step"] / (peak_tflops * row["published_step_s"]), 2
-            )
+        row.update(_worker_columns(worker, anchor, peak_tflops))
     if bound:
-        row.update(
-            compute_s=round(bound["compute_s"], 4),
-            xla_s=round(bound["xla_s"], 4),
-            kernel_s=round(bound["kernel_s"], 4),
-            comm_s=round(bound["comm_s"], 4),
-            comm_by_axis=bound["comm_by_axis"],
-            step_exposed_s=round(bound["step_exposed_s"], 4),
-            step_overlapped_s=round(bound["step_overlapped_s"], 4),
-            mfu_exposed_pct=round(bound["mfu_causal_exposed"], 2),
-            mfu_overlapped_pct=round(bound["mfu_causal_overlapped"], 2),
-            error_exposed_pts=round(
-                bound["mfu_causal_exposed"] - row.get("published_mfu_same_flops_pct", anchor["mfu_pct"]), 2
-            ),
-            error_overlapped_pts=round(
-                bound["mfu_causal_overlapped"] - row.get("published_mfu_same_flops_pct", anchor["mfu_pct"]), 2
-            ),
-            step_ratio_exposed=round(bound["step_exposed_s"] / row["published_step_s"], 3) if worker else None,
-            step_ratio_overlapped=round(bound["step_overlapped_s"] / row["published_step_s"], 3) if worker else None,
-            loops_without_trip_count=bound.get("loops_without_trip_count", 0),
-            kernel_calls_unestimated=bound.get("kernel_calls_unestimated", 0),
-            host_transfer_gb=round(bound.get("host_transfer_gb", 0.0), 2),
-            attention_kernel_s=round(bound.get("attention_kernel_s", 0.0), 3),
-            gmm_s=round(bound.get("gmm_s", 0.0), 3),
-            gmm_flops_s=round(bound.get("gmm_flops_s", 0.0), 3),
-        )
+        # the published MFU the prediction is set against: at the compiled MaxText's FLOPs where known
+        pub = row.get("published_mfu_same_flops_pct", anchor["mfu_pct"])
+        step = row["published_step_s"] if worker else None
+        row.update(_bound_columns(bound, pub, step))
         if bound.get("step_s"):
-            pub = row.get("published_mfu_same_flops_pct", anchor["mfu_pct"])
-            row.update(
-                step_s=round(bound["step_s"], 4),
-                mfu_pct=round(bound["mfu_pct"], 2),
-                error_pct=round(100.0 * (bound["mfu_pct"] - pub) / pub, 1),
-                step_ratio=round(bound["step_s"] / row["published_step_s"], 3) if worker else None,
-                sched_compute_s=round(bound["sched_compute_s"], 4),
-                exposed_comm_s=round(bound["exposed_comm_s"], 4),
-                exposed_host_s=round(bound["exposed_host_s"], 4),
-                host_s=round(bound["host_s"], 4),
-                ici_busy_s=round(bound["ici_busy_s"], 4),
-                exposed_by=bound["exposed_by"],
-                unmatched_done=bound["unmatched_done"],
-            )
+            row.update(_scheduled_columns(bound, pub, step))
     if error:
         row["error"] = error
     return row
+
+
+def _worker_columns(worker: dict, anchor: dict, peak_tflops: float) -> dict:
+    """The compile's columns of a row (wall times, memory, mesh, MaxText's FLOPs) and the published
+    run's at its tokens per device."""
+
+    def rounded(key: str, digits: int = 1):
+        return round(worker[key], digits) if worker.get(key) is not None else None
+
+    memory = worker.get("memory") or {}
+    cols = dict(
+        compile_s=rounded("compile_s"),
+        hlo_s=rounded("hlo_s"),
+        compiler_gib=round(compiler_gib(memory), 2) if memory else None,
+        buffer_assignment_gib=(
+            round(worker["memory_report_bytes"] / 2**30, 2) if worker.get("memory_report_bytes") else None
+        ),
+        host_gib=round(
+            (memory.get("host_temp_size_in_bytes", 0) + memory.get("host_argument_size_in_bytes", 0)) / 2**30, 2
+        ),
+        mesh=" ".join(f"{a}={s}" for a, s in zip(worker["mesh_axes"], worker["mesh_shape"]) if s > 1),
+        tokens_per_device=worker["tokens_per_device"],
+        maxtext_tflops_per_device_step=round(worker["maxtext_tflops_per_device_step"], 2),
+    )
+    cols.update({k: round(v, 4) for k, v in published(anchor, worker["tokens_per_device"]).items()})
+    if peak_tflops:
+        cols["published_mfu_same_flops_pct"] = round(
+            100 * worker["maxtext_tflops_per_device_step"] / (peak_tflops * cols["published_step_s"]), 2
+        )
+    return cols
+
+
+def _bound_columns(bound: dict, pub: float, step: float | None) -> dict:
+    """The roofline bounds' columns (exposed = compute + collectives, overlapped = the larger) against
+    the published MFU `pub` (points) and step `step` (ratio; None without a compile)."""
+    return dict(
+        compute_s=round(bound["compute_s"], 4),
+        xla_s=round(bound["xla_s"], 4),
+        kernel_s=round(bound["kernel_s"], 4),
+        comm_s=round(bound["comm_s"], 4),
+        comm_by_axis=bound["comm_by_axis"],
+        step_exposed_s=round(bound["step_exposed_s"], 4),
+        step_overlapped_s=round(bound["step_overlapped_s"], 4),
+        mfu_exposed_pct=round(bound["mfu_causal_exposed"], 2),
+        mfu_overlapped_pct=round(bound["mfu_causal_overlapped"], 2),
+        error_exposed_pts=round(bound["mfu_causal_exposed"] - pub, 2),
+        error_overlapped_pts=round(bound["mfu_causal_overlapped"] - pub, 2),
+        step_ratio_exposed=round(bound["step_exposed_s"] / step, 3) if step is not None else None,
+        step_ratio_overlapped=round(bound["step_overlapped_s"] / step, 3) if step is not None else None,
+        loops_without_trip_count=bound.get("loops_without_trip_count", 0),
+        kernel_calls_unestimated=bound.get("kernel_calls_unestimated", 0),
+        host_transfer_gb=round(bound.get("host_transfer_gb", 0.0), 2),
+        attention_kernel_s=round(bound.get("attention_kernel_s", 0.0), 3),
+        gmm_s=round(bound.get("gmm_s", 0.0), 3),
+        gmm_flops_s=round(bound.get("gmm_flops_s", 0.0), 3),
+    )
+
+
+def _scheduled_columns(bound: dict, pub: float, step: float | None) -> dict:
+    """The scheduled walk's columns (the headline prediction): its step and MFU, the error relative
+    to the published MFU `pub`, where the step's time went."""
+    return dict(
+        step_s=round(bound["step_s"], 4),
+        mfu_pct=round(bound["mfu_pct"], 2),
+        error_pct=round(100.0 * (bound["mfu_pct"] - pub) / pub, 1),
+        step_ratio=round(bound["step_s"] / step, 3) if step is not None else None,
+        sched_compute_s=round(bound["sched_compute_s"], 4),
+        exposed_comm_s=round(bound["exposed_comm_s"], 4),
+        exposed_host_s=round(bound["exposed_host_s"], 4),
+        host_s=round(bound["host_s"], 4),
+        ici_busy_s=round(bound["ici_busy_s"], 4),
+        exposed_by=bound["exposed_by"],
+        unmatched_done=bound["unmatched_done"],
+    )
 
 
 COLUMNS = [
@@ -664,8 +400,7 @@ def _hlo_ready(dump: Path) -> bool:
     hlo = pick_hlo(dump)
     if hlo is None:
         return False
-    report = hlo.with_name(hlo.name.replace(".txt", "-memory-usage-report.txt"))
-    if not report.is_file():
+    if not _memory_report(hlo).is_file():
         return False
     size = hlo.stat().st_size
     time.sleep(2)
@@ -678,8 +413,6 @@ def compile_run(name: str, run: Run, *, python: Path, folder: Path, timeout: flo
     once XLA has written the optimized HLO and its buffer assignment (the backend's code generation,
     most of a compile's wall time here, changes neither); the memory is then the buffer assignment's
     report and compile_s is None (hlo_s: seconds from the compile's start to that dump)."""
-    from tools.deviceless_env import deviceless_env, with_xla_flags
-
     result, hlo = folder / "result.json", folder / "train_step.after_optimizations.txt"
     if not result.is_file():
         folder.mkdir(parents=True, exist_ok=True)
@@ -687,72 +420,19 @@ def compile_run(name: str, run: Run, *, python: Path, folder: Path, timeout: flo
         shutil.rmtree(dump, ignore_errors=True)
         pre = Path(f"{result}.pre.json")
         pre.unlink(missing_ok=True)
-        topo = run.topology.replace("tpu7x-512", "tpu7x:4x8x8").replace("v6e-256", "v6e:16x16")
-        env = deviceless_env(
-            topo,
-            extra={
-                **with_xla_flags(
-                    f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"
-                ),
-                "LIBTPU_INIT_ARGS": run.xla_flags,
-            },
-        )
-        env.pop("PYTHONPATH", None)  # the worker imports MaxText only (the checkout's packages not needed)
-        cmd = [
-            str(python),
-            str(ROOT / "scripts" / "bench" / "maxtext_worker.py"),
-            str(result),
-            *run.args,
-            f"compile_topology={run.topology}",
-            "compile_topology_num_slices=1",
-            f"base_output_directory={folder / 'out'}",
-            f"run_name={name}",
-        ]
+        cmd, env = _worker_command(name, run, python=python, folder=folder, result=result, dump=dump)
         print(f"maxtext_compile: {name}: compiling for {run.topology} (until {until}) ...", file=sys.stderr, flush=True)
         start = time.time()
-        log = open(folder / "worker.log", "w")
-        proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        stopped = False
-        try:
-            while proc.poll() is None:
-                if time.time() - start > timeout:
-                    proc.kill()
-                    proc.wait()
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-                if until == "hlo" and pre.is_file() and dump.is_dir() and _hlo_ready(dump):
-                    proc.kill()  # our own child: the codegen that follows changes neither the HLO nor the memory
-                    proc.wait()
-                    stopped = True
-                    break
-                time.sleep(5)
-        finally:
-            log.close()
+        returncode, stopped = _wait_worker(cmd, env, folder=folder, timeout=timeout, hlo_done=until == "hlo", pre=pre)
         if stopped:
-            facts = json.loads(pre.read_text())
-            found = pick_hlo(dump)
-            report = found.with_name(found.name.replace(".txt", "-memory-usage-report.txt"))
-            facts.update(
-                compile_s=None,
-                hlo_s=found.stat().st_mtime - facts.pop("compile_started"),
-                memory={},
-                memory_report_bytes=memory_report_bytes(report.read_text()),
-                stopped_at="hlo",
-            )
-            result.write_text(json.dumps(facts))
-        elif proc.returncode != 0 or not result.is_file():
+            _record_stopped(result, pre, pick_hlo(dump))
+        elif returncode != 0 or not result.is_file():
             tail = [ln for ln in (folder / "worker.log").read_text().splitlines() if ln.strip()][-3:]
             raise RuntimeError(
-                f"worker exited {proc.returncode} after {time.time() - start:.0f} s: {' | '.join(tail)[-500:]}"
+                f"worker exited {returncode} after {time.time() - start:.0f} s: {' | '.join(tail)[-500:]}"
             )
         else:
-            found = pick_hlo(dump)
-            report = found.with_name(found.name.replace(".txt", "-memory-usage-report.txt")) if found else None
-            res = json.loads(result.read_text())
-            if report is not None and report.is_file():
-                res["memory_report_bytes"] = memory_report_bytes(report.read_text())
-            if found and pre.is_file():
-                res["hlo_s"] = found.stat().st_mtime - json.loads(pre.read_text())["compile_started"]
-            result.write_text(json.dumps(res))
+            _record_finished(result, pre, pick_hlo(dump))
         found = pick_hlo(dump)
         if found:
             found.replace(hlo)
@@ -761,6 +441,85 @@ def compile_run(name: str, run: Run, *, python: Path, folder: Path, timeout: flo
     res = json.loads(result.read_text())
     res["hlo"] = str(hlo) if hlo.is_file() else None
     return res
+
+
+def _worker_command(name: str, run: Run, *, python: Path, folder: Path, result: Path, dump: Path):
+    """The worker's command line and environment: MaxText's arguments for the run's slice, the
+    deviceless environment with the recipe's XLA flags in LIBTPU_INIT_ARGS and XLA's dump of the
+    train step's HLO into `dump`."""
+    from tools.deviceless_env import deviceless_env, with_xla_flags
+
+    topo = run.topology.replace("tpu7x-512", "tpu7x:4x8x8").replace("v6e-256", "v6e:16x16")
+    env = deviceless_env(
+        topo,
+        extra={
+            **with_xla_flags(f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"),
+            "LIBTPU_INIT_ARGS": run.xla_flags,
+        },
+    )
+    env.pop("PYTHONPATH", None)  # the worker imports MaxText only (the checkout's packages not needed)
+    cmd = [
+        str(python),
+        str(ROOT / "scripts" / "bench" / "maxtext_worker.py"),
+        str(result),
+        *run.args,
+        f"compile_topology={run.topology}",
+        "compile_topology_num_slices=1",
+        f"base_output_directory={folder / 'out'}",
+        f"run_name={name}",
+    ]
+    return cmd, env
+
+
+def _wait_worker(cmd: list[str], env: dict, *, folder: Path, timeout: float, hlo_done: bool, pre: Path):
+    """Run the worker in `folder` (its output in worker.log) until it exits or, with `hlo_done`, until
+    its start facts (`pre`) and the dump's optimized HLO are written; (its return code, whether it was
+    stopped at the HLO). subprocess.TimeoutExpired after `timeout` seconds."""
+    start = time.time()
+    dump = folder / "dump"
+    with open(folder / "worker.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        while proc.poll() is None:
+            if time.time() - start > timeout:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            if hlo_done and pre.is_file() and dump.is_dir() and _hlo_ready(dump):
+                proc.kill()  # our own child: the codegen that follows changes neither the HLO nor the memory
+                proc.wait()
+                return proc.returncode, True
+            time.sleep(5)
+    return proc.returncode, False
+
+
+def _memory_report(hlo: Path) -> Path:
+    """The buffer assignment's memory-usage report XLA dumps beside an optimized HLO."""
+    return hlo.with_name(hlo.name.replace(".txt", "-memory-usage-report.txt"))
+
+
+def _record_stopped(result: Path, pre: Path, found: Path) -> None:
+    """result.json of a worker stopped at the HLO: its start facts, the buffer assignment's memory,
+    the seconds from the compile's start to the dump."""
+    facts = json.loads(pre.read_text())
+    facts.update(
+        compile_s=None,
+        hlo_s=found.stat().st_mtime - facts.pop("compile_started"),
+        memory={},
+        memory_report_bytes=memory_report_bytes(_memory_report(found).read_text()),
+        stopped_at="hlo",
+    )
+    result.write_text(json.dumps(facts))
+
+
+def _record_finished(result: Path, pre: Path, found: Path | None) -> None:
+    """The finished worker's result.json with the buffer assignment's memory and the seconds to the
+    HLO dump added where the dump has them."""
+    res = json.loads(result.read_text())
+    if found is not None and _memory_report(found).is_file():
+        res["memory_report_bytes"] = memory_report_bytes(_memory_report(found).read_text())
+    if found and pre.is_file():
+        res["hlo_s"] = found.stat().st_mtime - json.loads(pre.read_text())["compile_started"]
+    result.write_text(json.dumps(res))
 
 
 def project_run(run: Run, res: dict, *, anchors: dict) -> dict:

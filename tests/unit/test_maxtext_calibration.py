@@ -1,4 +1,4 @@
-"""scripts/bench/maxtext_compile.py: the pure parts of the MaxText calibration (no compile here; the
+"""scripts/bench/maxtext_compile.py and its run table (tools/maxtext_runs.py): the pure parts of the MaxText calibration (no compile here; the
 compile needs the `maxtext` venv and minutes): the runs against the published anchors, the mesh
 declaration read from an HLO text, the memory sum, the kernel charge, the table row and markdown."""
 
@@ -21,9 +21,12 @@ _spec.loader.exec_module(mc)
 
 
 def test_every_run_has_its_published_anchor_and_settings():
+    from tools.maxtext_runs import RUNS
+
+    assert mc.RUNS is RUNS and mc.Run is type(RUNS["llama3.1-8b_v6e-256"])  # the script's names are the module's
     anchors = {a["id"]: a for a in load_anchors()["anchor"]}
-    assert list(mc.RUNS)[:2] == ["llama3.1-8b_v6e-256", "llama3.1-70b_v6e-256"]  # the cheapest first
-    for name, run in mc.RUNS.items():
+    assert list(RUNS)[:2] == ["llama3.1-8b_v6e-256", "llama3.1-70b_v6e-256"]  # the cheapest first
+    for name, run in RUNS.items():
         a = anchors[run.anchor]
         assert a["framework"] == "MaxText" and a["hardware"] == run.target.split("-")[0], name
         keys = dict(arg.split("=", 1) for arg in run.args)
