@@ -133,7 +133,7 @@ def select(
 @contextlib.contextmanager
 def use(*, attention: str, device: torch.device | str = "cpu"):
     """`select` for the duration of a `with` block (tests, benchmarks); yields the description."""
-    saved = {op: ops.register(op, None) for op in ops.OPS + ops.LOW_PRECISION_OPS}
+    saved = {op: ops.register(op, None) for op in ops.OPS + ops.LOW_PRECISION_OPS + ops.SEQUENCE_OPS}
     try:
         yield select(attention=attention, device=torch.device(device))
     finally:

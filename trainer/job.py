@@ -631,7 +631,7 @@ def serve_ops(choice: AttentionChoice) -> str:
     elsewhere: `parallelisms.context_parallel.apply_cp`) in place of the kernel picked for a whole
     sequence.
     """
-    for op in ops.OPS:
+    for op in ops.OPS + ops.SEQUENCE_OPS:
         ops.register(op, None)
     captured = choice.shapes is None
     if captured:

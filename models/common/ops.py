@@ -37,6 +37,11 @@ LOW_PRECISION_OPS = ("quantized_linear", "quantized_grouped_mm", "quantized_batc
 """Ops of the low-precision recipes (`[quantize]`, docs/low_precision.md): registered like `OPS`,
 tested against their emulation (tests/unit/test_quantize.py, tests/xla) rather than by the
 start-up self-check."""
+SEQUENCE_OPS = ("causal_conv1d", "segment_starts")
+"""Ops that read earlier tokens of the sequence (Qwen 3.5's short convolution and document
+starts): the references read the local sequence; context parallelism serves them with the tokens
+of the preceding chunk on another rank (parallelisms/context_parallel_linear.py), no kernel
+serves them, so the start-up self-check has none."""
 
 IGNORE_INDEX = -100
 """Label that `linear_cross_entropy` skips (F.cross_entropy's default)."""
@@ -46,7 +51,8 @@ _impls: dict[str, Callable] = {}
 
 def register(op: str, fn: Callable | None) -> Callable | None:
     """Serve `op` with `fn` from now on (None: the torch reference); return the previous one."""
-    assert op in OPS + LOW_PRECISION_OPS, f"unknown op {op!r}; ops: {OPS + LOW_PRECISION_OPS}"
+    known = OPS + LOW_PRECISION_OPS + SEQUENCE_OPS
+    assert op in known, f"unknown op {op!r}; ops: {known}"
     previous = _impls.pop(op, None)
     if fn is not None:
         _impls[op] = fn
@@ -477,6 +483,48 @@ def gated_delta_rule(
     )
 
 
+# --- ops that read earlier tokens (Gated DeltaNet's short convolution, document starts) ----------
+
+
+def torch_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference of `causal_conv1d`: `F.conv1d` with `kernel - 1` zeros in front (transformers'
+    causal_conv1d_fn, torch path); with `segment_ids` one term per tap, the token `shift` back
+    kept only when it is of the same segment."""
+    seqlen, kernel = x.shape[1], weight.shape[-1]
+    if segment_ids is None:
+        out = F.conv1d(x.transpose(1, 2), weight, None, padding=kernel - 1, groups=x.shape[-1])
+        return out[..., :seqlen].transpose(1, 2)
+    out = None
+    for shift in range(kernel):
+        past = F.pad(x, (0, 0, shift, 0))[:, :seqlen]
+        same = F.pad(segment_ids, (shift, 0), value=-1)[:, :seqlen] == segment_ids
+        term = past * same.unsqueeze(-1).to(x.dtype) * weight[:, 0, kernel - 1 - shift]
+        out = term if out is None else out + term
+    return out
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution over the sequence, no bias, no activation: x [b, s, C], weight
+    [C, 1, K] -> [b, s, C], out[t] = sum_j weight[:, 0, K - 1 - j] x[t - j] over the tokens
+    t - j >= 0 of the sequence (of t's segment with `segment_ids` [b, s]). Under context
+    parallelism the tokens before a local chunk come from the rank holding the preceding one."""
+    return _impls.get("causal_conv1d", torch_causal_conv1d)(x, weight, segment_ids)
+
+
+def torch_segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """The reference of `segment_starts`: each token against the one before it in the row."""
+    starts = torch.zeros_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return starts
+
+
+def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """segment_ids [b, s] -> bool [b, s], True where a token's segment differs from the previous
+    token's (never at the sequence's first token): the `reset` of `gated_delta_rule`. Under
+    context parallelism the previous token of a local chunk's first one is on another rank."""
+    return _impls.get("segment_starts", torch_segment_starts)(segment_ids)
+
+
 _REFERENCES: dict[str, Callable] = {
     "causal_attention": sdpa_causal_attention,
     "attention": sdpa_attention,
@@ -487,4 +535,6 @@ _REFERENCES: dict[str, Callable] = {
     "quantized_linear": emulated_linear,
     "quantized_grouped_mm": emulated_grouped_mm,
     "quantized_batched_mm": emulated_batched_mm,
+    "causal_conv1d": torch_causal_conv1d,
+    "segment_starts": torch_segment_starts,
 }

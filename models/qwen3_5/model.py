@@ -125,20 +125,16 @@ class GatedAttention(nn.Module):
         self.k_norm.init_weights()
 
 
-def segment_starts(segment_ids: torch.Tensor) -> torch.Tensor:
-    """segment_ids [b, s] -> bool [b, s], True where a new segment starts after the first token."""
-    starts = torch.zeros_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return starts
-
-
 class GatedDeltaNet(nn.Module):
     """Qwen 3.5 linear attention (HF `Qwen3_5GatedDeltaNet`, names and layouts kept).
 
     `in_proj_qkv` rows are [q (all key heads) | k | v (all value heads)] as the HF checkpoint
     stores them; `conv1d` is the depthwise causal convolution over those channels (kernel
     `conv_kernel`, no bias). With `segment_ids` the convolution reads no token of another
-    segment and the delta rule's state restarts at each segment (`reset`).
+    segment and the delta rule's state restarts at each segment (`reset`). The three places that
+    read earlier tokens are ops (`causal_conv1d`, `segment_starts`, `gated_delta_rule`), which
+    context parallelism serves with the preceding chunks' tokens and state
+    (parallelisms/context_parallel_linear.py); the module itself is single-device.
     """
 
     def __init__(
@@ -171,29 +167,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, dim, bias=False)
 
-    def _conv(self, x: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
-        """Causal depthwise conv + SiLU: x [b, s, C] -> [b, s, C]."""
-        seqlen = x.shape[1]
-        weight = self.conv1d.weight  # [C, 1, K]
-        if segment_ids is None:  # HF's causal_conv1d_fn (torch path)
-            out = F.conv1d(x.transpose(1, 2), weight, None, padding=weight.shape[-1] - 1, groups=x.shape[-1])
-            return F.silu(out[..., :seqlen]).transpose(1, 2)
-        # Per tap, the token `shift` back if it is of the same segment (zero otherwise).
-        kernel = weight.shape[-1]
-        out = None
-        for shift in range(kernel):
-            past = F.pad(x, (0, 0, shift, 0))[:, :seqlen]
-            same = F.pad(segment_ids, (shift, 0), value=-1)[:, :seqlen] == segment_ids
-            term = past * same.unsqueeze(-1).to(x.dtype) * weight[:, 0, kernel - 1 - shift]
-            out = term if out is None else out + term
-        return F.silu(out)
-
     def forward(
         self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, segment_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [bs, seq, dim] -> [bs, seq, dim]; the RoPE tables are unused (no positions here)."""
         bs, seqlen, _ = x.shape
-        mixed = self._conv(self.in_proj_qkv(x), segment_ids)
+        # The short causal convolution (+ SiLU) reads the kernel - 1 tokens before each one: the op
+        # `causal_conv1d`, which context parallelism serves with the preceding rank's tokens.
+        mixed = F.silu(ops.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, segment_ids))
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(bs, seqlen, -1, self.head_k_dim)
         k = k.reshape(bs, seqlen, -1, self.head_k_dim)
@@ -210,7 +191,7 @@ class GatedDeltaNet(nn.Module):
             beta,
             chunk_size=self.chunk_size,
             qk_l2norm=True,
-            reset=None if segment_ids is None else segment_starts(segment_ids),
+            reset=None if segment_ids is None else ops.segment_starts(segment_ids),
         )
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(bs, seqlen, -1))
