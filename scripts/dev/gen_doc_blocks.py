@@ -41,6 +41,8 @@ the tables read from docs/results/ CSVs); BLOCKS below maps each block to its re
 - docs/moe.md `moe_balance`: the balancing benchmark, from its CSV (`csv_columns`).
 - docs/optimizers.md `muon_sharded` and `muon_vs_adamw`: the Muon benchmarks, from their CSVs.
 - docs/optimizers.md `optimizer_memory`: the MoE pod recipes planned with AdamW and with Muon.
+- docs/results.md `results_*`: the results log's benchmark tables, each from its CSV
+  (doc_blocks/results_log.py `RESULTS_LOG`); a table with no CSV behind it says so in the page.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from doc_blocks.results import (
     render_peer_table,
     render_pod_compiles,
 )
+from doc_blocks.results_log import RESULTS_LOG
 
 __all__ = ["BLOCKS", "compiled_figures", "main", "pod_recipes", "recipe_estimate", "replace_block"]
 
@@ -116,6 +119,7 @@ BLOCKS = {
         "muon_vs_adamw": render_muon_vs_adamw,
     },
     "docs/expert_parallel.md": {"moe_dispatch_capacity": render_moe_dispatch_capacity, "ep_recipes": render_ep_recipes},
+    "docs/results.md": RESULTS_LOG,
 }
 
 
