@@ -73,6 +73,14 @@ TRILLIUM_COMMON = [
     "sa_use_fused_bwd_kernel=True",
 ]
 
+TRILLIUM_DENSE_FLAGS = [
+    DENSE_VMEM_LIMIT_FLAG,
+    LAYOUT_FOR_ALL_REDUCE_SCATTER,
+    DATA_PARALLEL_OVERLAP,
+    CF_FOR_ALL_GATHER_LIBTPU_0046,
+]
+"""The XLA flags both dense v6e recipes (Llama 3.1 8B and 70B) set first."""
+
 
 @dataclass(frozen=True)
 class Run:
@@ -99,16 +107,7 @@ RUNS: dict[str, Run] = {
         topology="v6e-256",
         target="v6e-256",
         args=["model_name=llama3.1-8b", "per_device_batch_size=4", "out_proj=offload", *TRILLIUM_COMMON],
-        xla_flags=" ".join(
-            [
-                DENSE_VMEM_LIMIT_FLAG,
-                LAYOUT_FOR_ALL_REDUCE_SCATTER,
-                DATA_PARALLEL_OVERLAP,
-                CF_FOR_ALL_GATHER_LIBTPU_0046,
-                ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE,
-                HOST_OFFLOAD_FLAGS,
-            ]
-        ),
+        xla_flags=" ".join([*TRILLIUM_DENSE_FLAGS, ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE, HOST_OFFLOAD_FLAGS]),
         source="tpu-recipes c8cfe2f training/trillium/Llama3.1-8B-MaxText/v6e-256/README.md (llama3_1_8b_8192)",
         deviation=V6E_DEVIATION,
     ),
@@ -117,15 +116,7 @@ RUNS: dict[str, Run] = {
         topology="v6e-256",
         target="v6e-256",
         args=["model_name=llama3.1-70b", "per_device_batch_size=5", *TRILLIUM_COMMON],
-        xla_flags=" ".join(
-            [
-                DENSE_VMEM_LIMIT_FLAG,
-                LAYOUT_FOR_ALL_REDUCE_SCATTER,
-                DATA_PARALLEL_OVERLAP,
-                CF_FOR_ALL_GATHER_LIBTPU_0046,
-                HOST_OFFLOAD_FLAGS,
-            ]
-        ),
+        xla_flags=" ".join([*TRILLIUM_DENSE_FLAGS, HOST_OFFLOAD_FLAGS]),
         source="tpu-recipes c8cfe2f training/trillium/Llama3.1-70B-MaxText/v6e-256/README.md (llama3_1_70b_8192)",
         deviation=V6E_DEVIATION,
     ),

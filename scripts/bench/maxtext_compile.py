@@ -295,9 +295,10 @@ COLUMNS = [
 ]
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+def write_csv(rows: list[dict], path: Path, columns: list[str] | None = None) -> None:
+    """The rows as a CSV with `columns` (default COLUMNS, the calibration table's) in that order."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns or COLUMNS, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(r)

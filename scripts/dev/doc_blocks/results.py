@@ -167,20 +167,21 @@ def csv_columns(glob: str, columns: dict[str, str]) -> str:
     return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
 
 
+MOE_BALANCE_COLUMNS = {
+    "variant": "variant",
+    "max_vio_first": "MaxVio step 1",
+    "max_vio_second_half_mean": "MaxVio 2nd half (mean)",
+    "max_over_mean_final": "max/mean load, last step",
+    "bias_abs_max": "max abs bias",
+    "train_loss_last10": "train loss (last 10)",
+    "val_loss": "val loss",
+    "tokens_per_s": "tokens/s",
+}
+"""scripts/bench/bench_moe_balance.py's CSV columns and their headers (docs/moe.md, docs/results.md)."""
+
+
 def render_moe_balance() -> str:
-    return csv_columns(
-        "moe_balance_*[0-9a-f].csv",
-        {
-            "variant": "variant",
-            "max_vio_first": "MaxVio step 1",
-            "max_vio_second_half_mean": "MaxVio 2nd half (mean)",
-            "max_over_mean_final": "max/mean load, last step",
-            "bias_abs_max": "max abs bias",
-            "train_loss_last10": "train loss (last 10)",
-            "val_loss": "val loss",
-            "tokens_per_s": "tokens/s",
-        },
-    )
+    return csv_columns("moe_balance_*[0-9a-f].csv", MOE_BALANCE_COLUMNS)
 
 
 def render_cp_compiles() -> str:

@@ -9,7 +9,7 @@ import csv
 from collections.abc import Callable
 from decimal import ROUND_HALF_UP, Decimal
 
-from .results import ROOT, csv_columns
+from .results import MOE_BALANCE_COLUMNS, ROOT, csv_columns
 
 
 def _rows(name: str) -> list[dict]:
@@ -99,13 +99,15 @@ def render_debug_recipe_kernel() -> str:
     return _table(header, rows)
 
 
+def _variant_tok_mfu(name: str, first: str) -> str:
+    """variant, tok/s and MFU % (PaLM) of a scripts/benchmark.py CSV; `first`: the first column's header."""
+    rows = [[r["variant"], _n(r["tokens_per_sec"]), _n(r["mfu_pct"], 1)] for r in _rows(name)]
+    return _table([first, "tok/s", "MFU % (PaLM)"], rows)
+
+
 def render_debug_seq2048() -> str:
     """Before the CPU kernel: seq 2048, one process (2026-11-29, ae9f9e7)."""
-    rows = [
-        [r["variant"], _n(r["tokens_per_sec"]), _n(r["mfu_pct"], 1)]
-        for r in _rows("cpu_debug_seq2048_2026-11-29_ae9f9e7.csv")
-    ]
-    return _table(["variant (seq 2048, 1 process)", "tok/s", "MFU % (PaLM)"], rows)
+    return _variant_tok_mfu("cpu_debug_seq2048_2026-11-29_ae9f9e7.csv", "variant (seq 2048, 1 process)")
 
 
 def render_debug_nproc() -> str:
@@ -147,11 +149,7 @@ def render_h200_llama8b() -> str:
 
 def render_h200_debug() -> str:
     """The debug model on the H200 (2026-11-29, 9c669ae)."""
-    rows = [
-        [r["variant"], _n(r["tokens_per_sec"]), _n(r["mfu_pct"], 1)]
-        for r in _rows("h200_debug_gpu_2026-11-29_9c669ae.csv")
-    ]
-    return _table(["variant", "tok/s", "MFU % (PaLM)"], rows)
+    return _variant_tok_mfu("h200_debug_gpu_2026-11-29_9c669ae.csv", "variant")
 
 
 # ------------------------------------------------------------------------ kernels, suites, peers
@@ -261,19 +259,7 @@ def render_muon_vs_adamw_b4c417e() -> str:
 
 def render_moe_balance_109159f() -> str:
     """MoE load balancing, bias vs auxiliary losses (2026-12-04, 109159f): the CSV's columns as printed."""
-    return csv_columns(
-        "moe_balance_2026-12-04_109159f.csv",
-        {
-            "variant": "variant",
-            "max_vio_first": "MaxVio step 1",
-            "max_vio_second_half_mean": "MaxVio 2nd half (mean)",
-            "max_over_mean_final": "max/mean load, last step",
-            "bias_abs_max": "max abs bias",
-            "train_loss_last10": "train loss (last 10)",
-            "val_loss": "val loss",
-            "tokens_per_s": "tokens/s",
-        },
-    )
+    return csv_columns("moe_balance_2026-12-04_109159f.csv", MOE_BALANCE_COLUMNS)
 
 
 RESULTS_LOG: dict[str, Callable[[], str]] = {
