@@ -59,6 +59,11 @@ def _rate(r: dict) -> list[str]:
     return [_n(r["tflops"], 3), _n(r["mfu_pct"], 1), _n(r["mfu_pct_causal"], 1)]
 
 
+def _per_process(r: dict) -> list[str]:
+    """Processes, tok/s per process and tok/s in all of a scripts/benchmark.py row."""
+    return [r["nproc"], _n(r["tokens_per_sec"]), _n(r["tokens_per_sec_total"])]
+
+
 def render_ttshape_graph() -> str:
     """The same shape in graph mode (2026-11-30, c8830c1)."""
     rows = [
@@ -85,14 +90,7 @@ def render_debug_recipe_kernel() -> str:
     """The debug recipe on 1 and 2 processes, kernel vs SDPA (2026-11-30, 18cde08)."""
     attention = {"eager": "CPU kernel (auto)", "eager_sdpa": "SDPA"}
     rows = [
-        [
-            attention[r["variant"]],
-            r["nproc"],
-            _n(r["tokens_per_sec"]),
-            _n(r["tokens_per_sec_total"]),
-            _n(r["mfu_pct"], 1),
-            _n(r["mem_gib"], 2),
-        ]
+        [attention[r["variant"]], *_per_process(r), _n(r["mfu_pct"], 1), _n(r["mem_gib"], 2)]
         for r in _rows("cpu_debug_recipe_kernel_2026-11-30_18cde08.csv")
     ]
     header = ["attention", "processes", "tok/s per process", "tok/s total", "MFU %", "peak RSS GiB per process"]
@@ -169,14 +167,7 @@ def render_attention_speedup() -> str:
 def render_mfu_suite_cpu() -> str:
     """The MFU suite's measured rows (2026-12-01, 95f2fb4; its projections were skipped, see the CSV)."""
     rows = [
-        [
-            r["mode"],
-            r["nproc"],
-            _n(r["tokens_per_sec"]),
-            _n(r["tokens_per_sec_total"]),
-            _n(r["mfu_pct"], 2),
-            _n(r["mfu_pct_causal"], 2),
-        ]
+        [r["mode"], *_per_process(r), _n(r["mfu_pct"], 2), _n(r["mfu_pct_causal"], 2)]
         for r in _rows("mfu_suite_cpu_2026-12-01_95f2fb4.csv")
         if r["mode"] != "projection"
     ]
