@@ -869,6 +869,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "two ranks with async saves on gs://: the manifest-last commit and the object lock run by default",
     ),
     Scheduled(
+        "tests/e2e/test_pipeline_multislice.py::test_graph_pp_over_two_slices_trains_like_one_process",
+        (
+            "tests/e2e/test_pipeline_multislice.py::test_pp_over_slices_rules_and_dcn_split",
+            "tests/e2e/test_pipeline_multislice.py::test_pp_mesh_on_two_slices_keeps_fsdp_inside_a_slice",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/e2e/test_multislice.py::test_slice_count_from_the_environment_and_the_dcn_split",
+        ),
+        "graph-mode PP over 2 simulated slices trained through the launchers (109 s): the rules, the DCN split "
+        "on pp and the 2-slice pp mesh run by default, and graph-mode PP's parity on one slice",
+    ),
+    Scheduled(
         "tests/e2e/test_multislice.py::test_two_slices_train_like_one_process",
         (
             "tests/e2e/test_launch.py::test_cli_error_is_one_line_exit_2_and_dry_run_prints_the_command",
@@ -1667,6 +1678,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "graph-mode PP's whole train step lowered by torchax and run on 2 XLA:CPU devices (~80 s): the default "
         "tier lowers the same permute rule on XLA:CPU and checks the same captured step, one program on both "
         "ranks, against one process on gloo",
+    ),
+    Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_rank_independent_permute_prints_identically_and_equals_one_process",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_graph_pipeline.py::test_rank_independent_permute_slots",
+        ),
+        "the rank-independent permute in the captured pipeline (64 s, two captures per rank): its slots and "
+        "sum run by default, and graph-mode PP's parity and identical graphs up to the splits",
     ),
     Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_scan_over_iterations_equals_one_process",

@@ -69,6 +69,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
                 scan=mode == "graph_scan",
                 device=torch.device("cpu"),
                 fused=mode == "graph_fused",
+                rank_independent=mode == "graph_uniform",
             )
             step = build_graph_step(
                 model=model,
@@ -98,7 +99,8 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
         val = step.eval_loss(*batches[0]) if dp_shard == 1 else None
         colls = dict(step.stats.collectives) if graph else None
         code = spmd_text(step.graph_module) if graph else None
-        out[mode] = (losses, full_state(model), None if val is None else val.item(), colls, code)
+        raw = "\n".join(m.code for m in step.graph_module.modules() if hasattr(m, "code")) if graph else None
+        out[mode] = (losses, full_state(model), None if val is None else val.item(), colls, code, raw)
     return out
 
 
@@ -197,6 +199,37 @@ def test_graph_pp2_fsdp2_accumulation_equals_one_process():
     in the same graph as the permutes), 2 accumulation micro-batches of 2 sequences per rank, each
     in 2 chunks == one process."""
     _graph_parity(4, dp_shard=2, accum=2, microbatches=2)
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_rank_independent_permute_prints_identically_and_equals_one_process():
+    """PP 2 in graph mode with the rank-independent permute (`PipelinedLoss(rank_independent=True)`:
+    equal-split all-to-alls selected by the stage tensor) == one process, and the captured graphs
+    of rank 0 and rank 1 are the same text as captured (no per-rank constant left to mask); with the
+    default permute they differ exactly in the split sizes."""
+    results, _ = _graph_parity(2, microbatches=2, modes=("graph_uniform", "graph"))
+    raw = [r["graph_uniform"][5] for r in results]
+    assert "all_to_all_single" in raw[0] and raw[0] == raw[1]
+    for r in results:
+        assert r["graph_uniform"][3].get("all_to_all_single") == 4, r["graph_uniform"][3]
+    default = [r["graph"][5] for r in results]
+    assert default[0] != default[1] and results[0]["graph"][4] == results[1]["graph"][4]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_rank_independent_permute_slots(p):
+    """`_shift_uniform`'s send buffers (`uniform_slots`) through an emulated equal-split all-to-all
+    (rank r receives slot r of every rank's buffer) and summed, as the permute sums them: rank r gets
+    exactly what rank r - shift holds, forward (+1) and backward (-1), every slot but one zero."""
+    from trainer.graph.pipeline import uniform_slots
+
+    xs = [torch.full((2, 3), float(r + 1)) for r in range(p)]
+    xs[1][0, 0] = float("inf")  # a non-finite value stays in its own slot
+    for shift in (1, -1):
+        sent = [uniform_slots(xs[r], shift, p, torch.tensor(r)) for r in range(p)]
+        for r in range(p):
+            got = torch.stack([sent[j][r] for j in range(p)]).sum(0).view(2, 3)
+            assert torch.equal(got, xs[(r - shift) % p]), (p, shift, r, got)
 
 
 def test_graph_pp_rules():

@@ -150,15 +150,15 @@ def test_search_never_proposes_what_the_rules_refuse():
     assert _pipeline_degrees(P.PlanInputs(LLAMA, args, "70B", 256, 1), P.parse_target("h100-64"), 8) == [1]
 
 
-def test_pending_pipeline_recipe_is_priced_and_refused_with_the_rule():
-    """configs/pending/llama3_405b_v6e_2x256_pp.toml: the recipe check prices the pipeline (degree,
-    schedule, micro-batches, bubble, the heaviest stage) and refuses it with a pipeline rule's line."""
+def test_pending_pipeline_recipe_is_priced_and_does_not_fit():
+    """configs/pending/llama3_405b_v6e_2x256_pp.toml (graph-mode PP 2 over two v6e-256 slices x FSDP
+    256): the rules accept it now (PP over the DCN) and the recipe check prices the pipeline (degree,
+    schedule, micro-batches, bubble, the heaviest stage, the DCN) and says it does not fit."""
     from tools.recipe_check import check_recipe
 
     r = check_recipe(os.path.join(ROOT, "configs", "pending", "llama3_405b_v6e_2x256_pp.toml"), capture=False)
-    # the first pipeline rule it breaks (graph-mode PP runs GPipe's order; TP and two slices follow)
-    assert r.error and r.error.startswith("parallelism.pipeline_schedule: '1F1B' with compile.mode graph"), r.error
-    assert "allowed:" in r.error
-    assert r.pipeline.startswith("pp 2 1F1B, 8 micro-batches, bubble 11.1%, heaviest pp rank"), r.pipeline
-    assert "over DCN" in r.pipeline and r.planned_gib is not None
-    assert any(n.startswith("pipeline: pp 2, 1F1B") for n in r.notes)
+    assert r.error is None and r.fits is False and not r.ok, (r.error, r.planned_gib)
+    assert r.mesh == "pp 2 x fsdp 256", r.mesh
+    assert r.pipeline.startswith("pp 2 GPipe, 2 micro-batches, bubble 33.3%, heaviest pp rank"), r.pipeline
+    assert "over DCN" in r.pipeline and r.planned_gib > r.hbm_gib
+    assert any(n.startswith("pipeline: pp 2, GPipe") and "3 micro-batches in flight" in n for n in r.notes)

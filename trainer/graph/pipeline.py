@@ -59,23 +59,48 @@ def _shift(x: torch.Tensor, shift: int, group: tuple[str, int, int]) -> torch.Te
     return out.view(x.shape)
 
 
+def _shift_uniform(x: torch.Tensor, shift: int, group: tuple[str, int, int], stage: torch.Tensor) -> torch.Tensor:
+    """`_shift` with no per-rank constant: an all-to-all of equal splits over `p` slots of
+    `x.numel()` elements, where only the slot of rank `stage + shift` (mod p) holds `x` (a `where` on
+    the `stage` tensor, data) and the others zeros; what arrives is the sum of the slots, every one
+    zero but the one rank `stage - shift` sent (exact: x + 0 = x). The same graph on every rank
+    (split sizes `[n] * p`); the slot a rank keeps for itself is a local copy, so at p = 2 the
+    network carries what `_shift` does, at p > 2 `p - 1` times as much."""
+    name, size, _ = group
+    buf = uniform_slots(x, shift, size, stage)
+    n = buf.shape[1]
+    out = _c10d.wait_tensor(_c10d.all_to_all_single(buf.view(-1), [n] * size, [n] * size, name))
+    return out.view(size, n).sum(0).view(x.shape)
+
+
+def uniform_slots(x: torch.Tensor, shift: int, size: int, stage: torch.Tensor) -> torch.Tensor:
+    """`_shift_uniform`'s send buffer [p, numel]: `x` flattened in slot `stage + shift` (mod p),
+    zeros elsewhere (a `where`, so an idle stage's non-finite values never leak into other slots)."""
+    flat = x.contiguous().view(-1)
+    slots = torch.arange(size, device=flat.device) == (stage + shift) % size
+    return torch.where(slots[:, None], flat[None, :], flat.new_zeros(()))
+
+
 class StagePermute(torch.autograd.Function):
     """Forward: the activation moves one stage forward (r -> r + 1 mod p); backward: its gradient
-    moves one stage back (r -> r - 1 mod p)."""
+    moves one stage back (r -> r - 1 mod p). With `stage` (this rank's stage index tensor) the
+    rank-independent form (`_shift_uniform`), else one nonzero split each way (`_shift`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: tuple[str, int, int]) -> torch.Tensor:
-        ctx.group = group
-        return _shift(x, 1, group)
+    def forward(ctx, x: torch.Tensor, group: tuple[str, int, int], stage: torch.Tensor | None = None) -> torch.Tensor:
+        ctx.group, ctx.stage = group, stage
+        return _shift(x, 1, group) if stage is None else _shift_uniform(x, 1, group, stage)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, -1, ctx.group), None
+        back = _shift(grad, -1, ctx.group) if ctx.stage is None else _shift_uniform(grad, -1, ctx.group, ctx.stage)
+        return back, None, None
 
 
-def stage_permute(x: torch.Tensor, group: tuple[str, int, int]) -> torch.Tensor:
-    """`StagePermute.apply`: what the previous stage sent (differentiable)."""
-    return StagePermute.apply(x, group)
+def stage_permute(x: torch.Tensor, group: tuple[str, int, int], stage: torch.Tensor | None = None) -> torch.Tensor:
+    """`StagePermute.apply`: what the previous stage sent (differentiable); `stage`: the
+    rank-independent form."""
+    return StagePermute.apply(x, group, stage)
 
 
 REPLICATED_MODULES = ("tok_embeddings", "norm", "output")
@@ -92,7 +117,12 @@ class PipelinedLoss:
     - `dim`, `dtype`: the hidden size and the activations' dtype between stages (SimpleFSDP's
       param_dtype), for the state a rank holds before its first chunk arrives;
     - `device`: where the `stage` tensor lives; `fused`: the fused linear + cross-entropy loss
-      (`ops.linear_cross_entropy` from the normed hidden states; the step plan's `fused_loss`).
+      (`ops.linear_cross_entropy` from the normed hidden states; the step plan's `fused_loss`);
+    - `rank_independent`: the permutes as equal-split all-to-alls selected by the `stage` tensor
+      (`_shift_uniform`), so the captured graph has no per-rank constant at all and is the same
+      text on every pp rank (what torch-tpu's `spmd_safe` assumes); at p = 2 the same bytes on the
+      network, at p > 2 `p - 1` times as many. Off: one nonzero split each way (`_shift`), which the
+      deviceless compile lowers to one collective permute.
     """
 
     def __init__(
@@ -107,6 +137,7 @@ class PipelinedLoss:
         scan: bool = False,
         device: torch.device | str = "cpu",
         fused: bool = False,
+        rank_independent: bool = False,
     ):
         assert 0 <= pp_rank < pp and pp > 1, (pp_rank, pp)
         self.pp_rank, self.pp, self.m = pp_rank, pp, microbatches
@@ -117,6 +148,10 @@ class PipelinedLoss:
         self.fused = fused
         self.stage = torch.tensor(pp_rank, dtype=torch.int64, device=device)
         """This rank's stage index: data of the program, the same code on every rank."""
+        self.rank_independent = rank_independent
+
+    def _permute(self, out: torch.Tensor) -> torch.Tensor:
+        return stage_permute(out, self.group, self.stage if self.rank_independent else None)
 
     @property
     def iterations(self) -> int:
@@ -154,7 +189,7 @@ class PipelinedLoss:
             if t >= p - 1:
                 outs.append(out)
             if t < self.iterations - 1:
-                h = stage_permute(out, self.group)
+                h = self._permute(out)
         return torch.stack(outs)
 
     def _scanned(self, model, inputs: torch.Tensor) -> torch.Tensor:
@@ -170,12 +205,12 @@ class PipelinedLoss:
         cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
         feed = torch.cat([embedded, embedded.new_zeros(p - 1, *embedded.shape[1:])])
         inject = (torch.arange(self.iterations, device=inputs.device) < m) & (self.stage == 0)
-        blocks, group = model.layers, self.group
+        blocks, permute = model.layers, self._permute
 
         def body(h, x):
             fed, injected = x
             out = blocks(torch.where(injected, fed, h), cos, sin)
-            return stage_permute(out, group), out
+            return permute(out), out
 
         _, outs = scan(body, torch.zeros_like(embedded[0]), (feed, inject))
         return outs[p - 1 :]
