@@ -345,6 +345,8 @@ def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
         "generation": gen,
         "target": target.name,
         "devices": target.devices,
+        # (query-key, value) head dims: the splash kernels' MXU fill (MLA: 192 / 128)
+        "head_dims": (getattr(args, "qk_head_dim", shape.head_dim), getattr(args, "v_head_dim", shape.head_dim)),
         "chips": target.devices // (2 if gen == "v7x" else 1),
         "topology": topology_of(target),
         "peak": TPU_PEAK_TFLOPS[gen] * 1e12,
@@ -419,7 +421,16 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
     sched = {}
     if compute_s is None:  # the program's own compute: the scheduled prediction follows its schedule
         sched = scheduled_prediction(
-            text, ops, colls, kernels, ici=ici, placement=placement or own, gen=gen, peak=peak, hbm=hbm
+            text,
+            ops,
+            colls,
+            kernels,
+            ici=ici,
+            placement=placement or own,
+            gen=gen,
+            peak=peak,
+            hbm=hbm,
+            head_dims=facts.get("head_dims"),
         )
         if sched:
             sched["mfu_causal_scheduled"] = min(100.0, 100.0 * model_flops / (peak * sched["step_scheduled_s"]))
@@ -453,21 +464,54 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
     }
 
 
+def splash_mxu_factor(kernel: str, head_dims: tuple[int, int] | None, tile: int) -> float:
+    """MXU FLOPs over counted FLOPs of a splash kernel op (`splash_fwd`, `splash_bwd`, the `_seg`,
+    `_full` and `_cp` ones) whose head dims (query-key d, value dv) are below the MXU's `tile`: the
+    matmuls that contract a head dim fill d / tile of the array, as the calibration charges MaxText's
+    splash (scripts/bench/maxtext_compile.py `attention_kernel_seconds`). Of titan_kernels/tpu/
+    capture.py's `splash_cost` terms: the forward's q k^T (contracts d) and p v; the backward's forward
+    re-run (q k^T, p v), q k^T again, dS k and dS^T q, dO v^T (contracts dv) and p^T dO. 1.0 for
+    other kernels or without head dims."""
+    if not head_dims or not kernel.startswith("splash"):
+        return 1.0
+    from tools.xla_hlo import _pad
+
+    d, dv = head_dims
+    pd, pv = _pad(d, tile) / d, _pad(dv, tile) / dv  # 1 / fill of a matmul contracting d / dv
+    if kernel.endswith("bwd"):
+        return (d * pd + dv + d * pd + 2 * d + dv * pv + dv) / (d + dv + 3 * d + 2 * dv)
+    return (d * pd + dv) / (d + dv)
+
+
 def scheduled_prediction(
-    text: str, ops: list, colls: list, kernels: dict, *, ici: dict, placement, gen: str, peak: float, hbm: float
+    text: str,
+    ops: list,
+    colls: list,
+    kernels: dict,
+    *,
+    ici: dict,
+    placement,
+    gen: str,
+    peak: float,
+    hbm: float,
+    head_dims: tuple[int, int] | None = None,
 ) -> dict:
     """One step time for the program, walked in XLA's schedule (tools/xla_schedule.py, as MaxText's
     programs are calibrated: docs/maxtext_calibration.md): the XLA ops at their MXU FLOPs (256-wide
     tiles on v6e / v7x) and bytes, every FLOP at xla_projection.MXU_EFFICIENCY of the peak; the kernels'
-    time (`kernel_times`, at the same efficiency) an equal share per kernel call; collectives and host
-    copies on their links as scheduled. {} when the HLO cannot be walked."""
+    time (`kernel_times`, at the same efficiency; the splash kernels at their MXU FLOPs for the model's
+    `head_dims`, `splash_mxu_factor`) an equal share per kernel call; collectives and host copies on
+    their links as scheduled. {} when the HLO cannot be walked."""
     from tools import xla_projection as xp
 
     hlo = xp.parse_hlo(text)
     eff = peak * xp.MXU_EFFICIENCY
-    kernel_s = sum(max(k["flops"] / eff, k["bytes"] / hbm) for k in kernels.values())
-    calls = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
     tile = 256 if gen in ("v6e", "v7x") else 128
+    kernel_s = sum(
+        max(k["flops"] * splash_mxu_factor(name, head_dims, tile) / eff, k["bytes"] / hbm)
+        for name, k in kernels.items()
+    )
+    calls = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
     seconds = schedule_seconds(ops, kernel_s, peak=eff, hbm=hbm, tile=tile, hlo=hlo)
     s = xp.scheduled(
         hlo,
@@ -480,8 +524,12 @@ def scheduled_prediction(
     host = sum(v for k, v in s.exposed_by.items() if k.startswith("host"))
     return {
         "step_scheduled_s": s.step_s + (0.0 if calls else kernel_s),
+        "sched_compute_s": s.compute_s + (0.0 if calls else kernel_s),
         "exposed_comm_s": s.exposed_s - host,
         "exposed_host_s": host,
+        "host_busy_s": sum(v for k, v in s.busy_s.items() if k.startswith("host")),
+        "ici_busy_s": sum(v for k, v in s.busy_s.items() if k.startswith("ici")),
+        "exposed_by": ", ".join(f"{k} {v:.3g} s" for k, v in sorted(s.exposed_by.items())),
         "unmatched_done": s.unmatched_done,
     }
 

@@ -1,0 +1,128 @@
+"""scripts/bench/maxtext_side_by_side.py: the pure parts of ours beside MaxText (no compile here): the
+pairs against MaxText's runs (the same tokens per device), the ratio and calibrated-MFU arithmetic,
+the shipped recipes' calibration and the table writers."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "maxtext_side_by_side", ROOT / "scripts" / "bench" / "maxtext_side_by_side.py"
+)
+sbs = importlib.util.module_from_spec(_spec)
+sys.modules["maxtext_side_by_side"] = sbs  # its dataclass resolves annotations through the module
+_spec.loader.exec_module(sbs)
+
+
+def test_every_pair_matches_maxtexts_tokens_per_device_and_routing():
+    """Each pair's overrides put our recipe at the MaxText run's tokens per device (micro-batch x
+    accumulation x seq len) and, for the MoE runs, at the published random routing."""
+    from trainer.config import build_config
+
+    mts = sbs.read_maxtext(sbs.DEFAULT_MAXTEXT_CSV)
+    assert list(sbs.PAIRS) == list(mts)  # one pair per calibrated run, the same order
+    for run, pair in sbs.PAIRS.items():
+        cfg = build_config(str(ROOT / "configs" / f"{pair.recipe}.toml"), list(pair.overrides))
+        t = cfg.training
+        assert t.local_batch_size * t.gradient_accumulation_steps * t.seq_len == mts[run]["tokens_per_device"], run
+        moe = run.startswith(("qwen3", "deepseek"))
+        assert (cfg.moe.routing == "random") == moe, run
+        assert pair.unmatched, run
+
+
+MT = {
+    "tokens_per_device": 32768.0,
+    "step_s": 4.437,
+    "mfu_pct": 41.41,
+    "published_mfu_same_flops_pct": 40.41,
+    "published_step_s": 4.5467,
+}
+
+
+def test_ratio_and_calibrated_mfu():
+    pair = sbs.PAIRS["llama3.1-8b_v6e-256"]
+    # ours 20 % slower than MaxText's predicted step at the same tokens: ratio 1 / 1.2
+    ours = {"step_scheduled_s": 4.437 * 1.2, "tokens": 32768, "mfu_causal_scheduled": 34.5}
+    r = sbs.side_row("llama3.1-8b_v6e-256", pair, MT, ours)
+    assert r["ratio"] == pytest.approx(1 / 1.2, abs=1e-3)
+    assert r["calibrated_mfu_pct"] == pytest.approx(40.41 / 1.2, abs=0.01)
+    assert r["calibrated_step_s"] == pytest.approx(4.5467 * 1.2, abs=1e-3)
+    # per token: ours at half the tokens and half the step is as fast as MaxText
+    ours = {"step_scheduled_s": 4.437 / 2, "tokens": 16384, "mfu_causal_scheduled": 41.0}
+    r = sbs.side_row("llama3.1-8b_v6e-256", pair, MT, ours)
+    assert r["ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert r["calibrated_mfu_pct"] == pytest.approx(40.41, abs=0.01)
+    assert r["calibrated_step_s"] == pytest.approx(4.5467 / 2, abs=1e-3)
+    # a failed compile: the row says why, no ratio
+    r = sbs.side_row("llama3.1-8b_v6e-256", pair, MT, {"error": "failed: boom"})
+    assert r["error"] == "failed: boom" and "ratio" not in r
+
+
+def test_shipped_row_is_calibrated_by_maxtexts_error():
+    ours = {"step_scheduled_s": 1.5, "tokens": 8192, "mfu_causal_scheduled": 30.0}
+    r = sbs.shipped_row("llama3_8b_v6e", "llama3.1-8b_v6e-256", MT, ours)
+    assert r["calibration_factor"] == pytest.approx(40.41 / 41.41, abs=1e-4)
+    assert r["calibrated_mfu_pct"] == pytest.approx(30.0 * 40.41 / 41.41, abs=0.01)
+
+
+def test_tables(tmp_path):
+    pair = sbs.PAIRS["llama3.1-8b_v6e-256"]
+    rows = [
+        sbs.side_row(
+            "llama3.1-8b_v6e-256",
+            pair,
+            MT,
+            {"step_scheduled_s": 4.0, "tokens": 32768, "mfu_causal_scheduled": 45.9, "compiler_gib": 20.1},
+        ),
+        sbs.side_row("llama3.1-70b_v6e-256", sbs.PAIRS["llama3.1-70b_v6e-256"], {}, {"error": "not compiled"}),
+        sbs.side_row(
+            "llama3.1-405b_v7x-512",
+            sbs.PAIRS["llama3.1-405b_v7x-512"],
+            MT,
+            {"step_scheduled_s": 5.0, "tokens": 32768, "mfu_causal_scheduled": 30.0, "verdict": "does not fit"},
+        ),
+        sbs.shipped_row(
+            "llama3_8b_v6e",
+            "llama3.1-8b_v6e-256",
+            MT,
+            {"step_scheduled_s": 1.0, "tokens": 8192, "mfu_causal_scheduled": 40.0},
+        ),
+    ]
+    sbs.write_csv(rows, tmp_path / "t.csv")
+    back = list(csv.DictReader((tmp_path / "t.csv").open()))
+    assert [r["run"] for r in back] == [
+        "llama3.1-8b_v6e-256",
+        "llama3.1-70b_v6e-256",
+        "llama3.1-405b_v7x-512",
+        "llama3_8b_v6e (shipped)",
+    ]
+    assert float(back[0]["ratio"]) == pytest.approx(4.437 / 4.0, abs=1e-3)
+    md = sbs.markdown(rows, ["head"])
+    lines = md.splitlines()
+    row8 = next(line for line in lines if line.startswith("| llama3.1-8b_v6e-256"))
+    assert "**1.109**" in row8 and "**44.8**" in row8  # ratio and 40.41 x 1.109
+    assert any(line.startswith("| llama3.1-70b_v6e-256") and "not compiled" in line for line in lines)
+    assert any(line.startswith("| llama3.1-405b_v7x-512") and "does not fit (HBM OOM)" in line for line in lines)
+    assert any(line.startswith("| llama3_8b_v6e |") and "**39.0**" in line for line in lines)  # 40 x 0.9759
+    assert "Not matched" in md
+
+
+def test_splash_mxu_factor_charges_our_splash_as_maxtexts():
+    """Our splash kernels are charged their MXU FLOPs as the calibration charges MaxText's: the
+    matmuls contracting a head dim below 256 fill d / 256 of the array."""
+    from tools.mfu_projection import splash_mxu_factor
+
+    # head dim 128: forward q k^T at half fill (2 x its FLOPs), p v full: (256 + 128) / 256
+    assert splash_mxu_factor("splash_fwd", (128, 128), 256) == pytest.approx(1.5)
+    # backward: the forward again (q k^T half), q k^T again (half), dO v^T (half), 4 full: 10 / 7
+    assert splash_mxu_factor("splash_bwd", (128, 128), 256) == pytest.approx(10 / 7)
+    # MLA 192 / 128: q k^T at 192 / 256
+    assert splash_mxu_factor("splash_fwd", (192, 128), 256) == pytest.approx((256 + 128) / 320)
+    assert splash_mxu_factor("splash_fwd", (256, 256), 256) == 1.0  # full tiles: no change
+    assert splash_mxu_factor("ce_fwd", (128, 128), 256) == 1.0 and splash_mxu_factor("splash_fwd", None, 256) == 1.0
