@@ -24,7 +24,9 @@ Rules (documented in docs/parallelism.md, docs/context_parallel.md, docs/pipelin
   `dcn_mesh_shape` puts it on `dp_replicate` (HSDP: shards inside a slice, gradients all-reduced
   across slices), spilling onto `dp_shard` only when `dp_replicate` cannot hold it (the step
   plan's rule refuses that unless `parallelism.allow_dcn_sharding`); `dp_replicate x dp_shard`
-  must divide by the slice count, so cp and tp groups never leave a slice.
+  must divide by the slice count, so cp and tp groups never leave a slice. With PP the DCN split is
+  taken over `layout_shape` (pp folded into the outermost axis): the stages take the slices first
+  (graph-mode PP over the DCN), and `pp x dp_replicate x dp_shard` must divide by the slice count.
 """
 
 from __future__ import annotations
