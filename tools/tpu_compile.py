@@ -147,7 +147,9 @@ class ProgramCompile:
     trips), FLOPs and HBM bytes of titan_kernels/tpu/capture.py's model at the graph's shapes, and
     for the grouped matmuls the rows per call (the worst-case buffer, `rows`)."""
     tokens_per_device: int = 0
-    """Tokens one device's program trains on per step (local batch x seq len x grad-accum steps)."""
+    """Tokens one device's program trains on per step: local batch x seq len x grad-accum steps /
+    (tp x cp x pp), the planner's `tokens_per_device_step` (a CP rank holds seq len / cp tokens of
+    each sequence; the ranks of a TP group or a pipeline share their dp rank's tokens)."""
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -274,8 +276,8 @@ def _plan(report: ProgramCompile, cfg, target) -> None:
     report.planned_gib, report.usable_gib = est.total / GiB, est.usable / GiB
     report.planned_arguments_gib = (est.params + est.optimizer) / GiB
     report.hbm_gib = target.hbm_bytes / GiB
-    t = cfg.training
-    report.tokens_per_device = t.local_batch_size * t.seq_len * t.gradient_accumulation_steps
+    # A CP rank holds seq_len / cp tokens of each sequence; TP and PP ranks share their dp rank's.
+    report.tokens_per_device = round(est.tokens_per_device_step)
 
 
 def _run_worker(spec: dict, *, python: str | None, extra_env: dict | None, timeout: float) -> dict:

@@ -275,9 +275,10 @@ def program_counts(gm) -> tuple[dict, dict, int]:
 
 
 def kernel_model(gm, generation: str | None) -> dict:
-    """`ProgramCompile.kernel_cost` from the captured graph: every `titan_capture::*` node, times
-    the trips of the scans around it (a scan's trip count: its xs' leading dim), priced by the
-    capture model (titan_kernels/tpu/capture.py) at the node's fake shapes (local: one device's)."""
+    """`ProgramCompile.kernel_cost` from the captured graph: every kernel node (`titan_capture::*`,
+    and the per-rank CP splash `titan_program::splash_cp_*`), times the trips of the scans around
+    it (a scan's trip count: its xs' leading dim), priced by the capture model
+    (titan_kernels/tpu/capture.py) at the node's fake shapes (local: one device's)."""
     import torch
 
     out: dict = {}
@@ -302,7 +303,7 @@ def kernel_model(gm, generation: str | None) -> dict:
             for sub in subgraphs:  # another higher-order op (a wrapped or invoked subgraph): runs once
                 visit(sub, times)
             name = getattr(getattr(n.target, "_schema", None), "name", "")
-            if not name.startswith("titan_capture::"):
+            if not name.startswith(("titan_capture::", f"{PROGRAM_NS}::splash_cp")):
                 continue
             op = name.split("::")[1]
             priced = _kernel_price(op, n.args, generation)
@@ -332,13 +333,21 @@ def _itemsize(a) -> int:
 
 
 def _kernel_price(op: str, a, generation: str | None):
-    """(FLOPs, HBM bytes, rows) of one call of capture op `op` with the node args `a` (the capture
+    """(FLOPs, HBM bytes, rows) of one call of kernel op `op` with the node args `a` (the capture
     model's, titan_kernels/tpu/capture.py; rows: a grouped matmul's rows, else 0), or None for an
-    op the model does not price."""
+    op the model does not price. A sink call is priced at the causal grid whatever its window
+    (the window is a device value that picks the kernel per layer: an upper bound for a sliding
+    layer)."""
     from titan_kernels.tpu import capture
 
     backward = op.endswith("_bwd")
-    if op.startswith("splash"):
+    if op.startswith("splash_cp"):  # (q, k_all, v_all, ..., rank, size): the ranks' ints last
+        q, k = _shape(a[0]), _shape(a[1])
+        flops, nbytes = capture.splash_cp_cost(
+            q, k[2], k[1], _itemsize(a[0]), backward, v_dim=_shape(a[2])[-1], cp_rank=a[-2], cp_size=a[-1]
+        )
+        return flops, nbytes, 0
+    if op.startswith(("splash", "sink")):
         flops, nbytes = capture.splash_cost(
             _shape(a[0]),
             _shape(a[1])[1],
@@ -346,6 +355,7 @@ def _kernel_price(op: str, a, generation: str | None):
             backward=backward,
             v_dim=_shape(a[2])[-1],
             causal=not op.startswith("splash_full"),
+            forward_again=not op.startswith("sink"),
         )
         return flops, nbytes, 0
     if op.startswith("gmm"):
@@ -356,4 +366,7 @@ def _kernel_price(op: str, a, generation: str | None):
         (rows, d), vocab = _shape(a[0]), _shape(a[1])[0]
         flops, nbytes = capture.ce_cost(rows, d, vocab, _itemsize(a[0]), backward=backward, generation=generation)
         return flops, nbytes, 0
+    if op.startswith("gated_delta"):
+        b, h, s, dk = _shape(a[0])
+        return (*capture.gated_delta_cost(b, h, s, dk, _shape(a[2])[-1], backward=backward), 0)
     return None

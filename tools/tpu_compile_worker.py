@@ -162,54 +162,19 @@ def _program_rules(env, call, axes) -> None:
 
 def _kernel_rules(env, call, generation: str | None) -> None:
     """The `titan_capture::*` ops (titan_kernels/tpu/capture.py) as the Pallas kernels a TPU run
-    calls, each with the blocks of the target's `generation` (titan_kernels/tpu/tiles.toml), the
+    calls (`capture.kernel_functions`: splash, splash with sinks, megablox gmm, fused CE, the delta
+    rule), each with the blocks of the target's `generation` (titan_kernels/tpu/tiles.toml), the
     causal splash included: without it the splash kernels took the default blocks and a VMEM
     failure of the tile table's blocks stayed hidden from `check_recipe --compile`."""
-    import jax
-    import jax.numpy as jnp
+    import functools
+
     import torch
 
-    from titan_kernels.tpu import fused_ce, gmm, splash
+    from titan_kernels.tpu import capture
 
     cap = torch.ops.titan_capture
-
-    def splash_fwd(q, k, v, seg=None):
-        return splash.splash_attention(q, k, v, seg, generation=generation)
-
-    def splash_bwd(q, k, v, dout, seg=None):
-        return tuple(jax.vjp(lambda q, k, v: splash_fwd(q, k, v, seg), q, k, v)[1](dout))
-
-    def splash_full(q, k, v):
-        return splash.splash_attention(q, k, v, generation=generation, causal=False)
-
-    def gmm_fwd(x, w, sizes):
-        return gmm.grouped_mm(x, w, sizes.astype(jnp.int32), generation=generation)
-
-    def gmm_bwd(x, w, sizes, dy):
-        return tuple(jax.vjp(lambda x, w: gmm_fwd(x, w, sizes), x, w)[1](dy))
-
-    def ce_fwd(h, w, lab):
-        return fused_ce.forward_rows(h, w, lab, generation=generation)
-
-    def ce_bwd(h, w, lab, lse, g):
-        return fused_ce.backward_rows(h, w, lab, lse, g, generation=generation)
-
-    rules = {
-        cap.splash_fwd: lambda q, k, v: call(splash_fwd, q, k, v),
-        cap.splash_seg_fwd: lambda q, k, v, s: call(splash_fwd, q, k, v, s),
-        cap.splash_bwd: lambda q, k, v, d: call(splash_bwd, q, k, v, d),
-        cap.splash_seg_bwd: lambda q, k, v, s, d: call(lambda q, k, v, s, d: splash_bwd(q, k, v, d, s), q, k, v, s, d),
-        cap.splash_full_fwd: lambda q, k, v: call(splash_full, q, k, v),
-        cap.splash_full_bwd: lambda q, k, v, d: call(
-            lambda q, k, v, d: tuple(jax.vjp(splash_full, q, k, v)[1](d)), q, k, v, d
-        ),
-        cap.gmm: lambda x, w, s: call(gmm_fwd, x, w, s),
-        cap.gmm_bwd: lambda x, w, s, d: call(gmm_bwd, x, w, s, d),
-        cap.ce_fwd: lambda h, w, lab: call(ce_fwd, h, w, lab),
-        cap.ce_bwd: lambda h, w, lab, lse, g: call(ce_bwd, h, w, lab, lse, g),
-    }
-    for op, rule in rules.items():
-        env.override_op_definition(op.default, rule)
+    for name, fn in capture.kernel_functions(generation).items():
+        env.override_op_definition(getattr(cap, name).default, functools.partial(call, fn))
 
 
 def _lay_out(devices, mesh_shape, target: str, ep: int = 1):

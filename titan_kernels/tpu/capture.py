@@ -45,97 +45,151 @@ COSTS: list[tuple[str, float, float]] = []
 """(kernel, FLOPs, HBM bytes) per device of every kernel call lowered since the last clear."""
 
 
+_QKV = "Tensor q, Tensor k, Tensor v"
+_SINK = f"{_QKV}, Tensor sinks, Tensor window"
+_DELTA = f"{_QKV}, Tensor g, Tensor beta, Tensor h0, Tensor reset"
+_GRADS3 = "(Tensor, Tensor, Tensor)"
+_GRADS4 = "(Tensor, Tensor, Tensor, Tensor)"
+
+
+def _like(*tensors):
+    return tuple(torch.empty_like(t) for t in tensors)
+
+
+def _out(q, v):  # the attention output has v's width (MLA: q/k 192, v 128), not q's
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+def _lse(q):  # [B, Hq, S padded to the splash tile] float32 (splash.forward)
+    from titan_kernels.tpu.tiles import SPLASH_TILE
+
+    s = q.shape[2]
+    return q.new_empty(q.shape[0], q.shape[1], s + (-s) % SPLASH_TILE, dtype=torch.float32)
+
+
+OPS: dict[str, tuple[str, object]] = {
+    "splash_fwd": (f"({_QKV}) -> Tensor", lambda q, k, v: _out(q, v)),
+    "splash_bwd": (f"({_QKV}, Tensor dout) -> {_GRADS3}", lambda q, k, v, d: _like(q, k, v)),
+    "splash_seg_fwd": (f"({_QKV}, Tensor segment_ids) -> Tensor", lambda q, k, v, s: _out(q, v)),
+    "splash_seg_bwd": (f"({_QKV}, Tensor segment_ids, Tensor dout) -> {_GRADS3}", lambda q, k, v, s, d: _like(q, k, v)),
+    "splash_full_fwd": (f"({_QKV}) -> Tensor", lambda q, k, v: _out(q, v)),
+    "splash_full_bwd": (f"({_QKV}, Tensor dout) -> {_GRADS3}", lambda q, k, v, d: _like(q, k, v)),
+    "sink_fwd": (
+        f"({_SINK}, int sliding_window) -> (Tensor, Tensor)",
+        lambda q, k, v, sk, w, sw: (_out(q, v), _lse(q)),
+    ),
+    "sink_bwd": (
+        f"({_SINK}, Tensor out, Tensor lse, Tensor dout, int sliding_window) -> {_GRADS4}",
+        lambda q, k, v, sk, w, o, lse, d, sw: _like(q, k, v, sk),
+    ),
+    "sink_seg_fwd": (
+        f"({_SINK}, Tensor segment_ids, int sliding_window) -> (Tensor, Tensor)",
+        lambda q, k, v, sk, w, s, sw: (_out(q, v), _lse(q)),
+    ),
+    "sink_seg_bwd": (
+        f"({_SINK}, Tensor segment_ids, Tensor out, Tensor lse, Tensor dout, int sliding_window) -> {_GRADS4}",
+        lambda q, k, v, sk, w, s, o, lse, d, sw: _like(q, k, v, sk),
+    ),
+    "gmm": ("(Tensor x, Tensor w, Tensor group_sizes) -> Tensor", lambda x, w, s: x.new_empty(x.shape[0], w.shape[-1])),
+    "gmm_bwd": (
+        "(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)",
+        lambda x, w, s, d: _like(x, w),
+    ),
+    "ce_fwd": (
+        "(Tensor h, Tensor w, Tensor labels) -> (Tensor, Tensor)",
+        lambda h, w, labels: tuple(h.new_empty(h.shape[0], dtype=torch.float32) for _ in range(2)),
+    ),
+    "ce_bwd": (
+        "(Tensor h, Tensor w, Tensor labels, Tensor lse, Tensor g) -> (Tensor, Tensor)",
+        lambda h, w, labels, lse, g: _like(h, w),
+    ),
+    "gated_delta_fwd": (f"({_DELTA}) -> (Tensor, Tensor)", lambda q, k, v, g, b, h0, r: _like(v, h0)),
+    "gated_delta_bwd": (
+        f"({_DELTA}, Tensor d_out, Tensor d_state) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        lambda q, k, v, g, b, h0, r, d, ds: _like(q, k, v, g, b, h0),
+    ),
+}
+"""Every `titan_capture` op: (schema after its name, shape-only kernel)."""
+
+
+def _op():
+    return getattr(torch.ops, NAMESPACE)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _save_ce(ctx, inputs, output):
+    h, w, labels = inputs
+    ctx.save_for_backward(h, w, labels, output[1])
+
+
+def _save_sink(ctx, inputs, output):  # the tensors and the outputs (out, lse); the window's int aside
+    ctx.save_for_backward(*inputs[:-1], *output)
+    ctx.sliding_window = inputs[-1]
+
+
+def _splash_backward(ctx, dout):
+    return _op().splash_bwd(*ctx.saved_tensors, dout.contiguous())
+
+
+def _splash_full_backward(ctx, dout):
+    return _op().splash_full_bwd(*ctx.saved_tensors, dout.contiguous())
+
+
+def _splash_seg_backward(ctx, dout):
+    q, k, v, seg = ctx.saved_tensors
+    return (*_op().splash_seg_bwd(q, k, v, seg, dout.contiguous()), None)
+
+
+def _sink_backward(ctx, dout, d_lse):
+    del d_lse  # auxiliary output, never differentiated
+    return (*_op().sink_bwd(*ctx.saved_tensors, dout.contiguous(), ctx.sliding_window), None, None)
+
+
+def _sink_seg_backward(ctx, dout, d_lse):
+    del d_lse
+    return (*_op().sink_seg_bwd(*ctx.saved_tensors, dout.contiguous(), ctx.sliding_window), None, None, None)
+
+
+def _gmm_backward(ctx, dy):
+    return (*_op().gmm_bwd(*ctx.saved_tensors, dy.contiguous()), None)
+
+
+def _ce_backward(ctx, d_rows, d_lse):
+    del d_lse  # auxiliary output, never differentiated
+    return (*_op().ce_bwd(*ctx.saved_tensors, d_rows.float().contiguous()), None)
+
+
+def _gated_delta_backward(ctx, d_out, d_state):
+    return (*_op().gated_delta_bwd(*ctx.saved_tensors, d_out.contiguous(), d_state.contiguous()), None)
+
+
+AUTOGRAD = {
+    "splash_fwd": (_splash_backward, _save_inputs),
+    "splash_full_fwd": (_splash_full_backward, _save_inputs),
+    "splash_seg_fwd": (_splash_seg_backward, _save_inputs),
+    "sink_fwd": (_sink_backward, _save_sink),
+    "sink_seg_fwd": (_sink_seg_backward, _save_sink),
+    "gmm": (_gmm_backward, _save_inputs),
+    "ce_fwd": (_ce_backward, _save_ce),
+    "gated_delta_fwd": (_gated_delta_backward, _save_inputs),
+}
+"""The differentiable ops: (backward, setup_context); each backward calls its `*_bwd` op."""
+
+
 def _define() -> None:
+    """Define every op of `OPS` (once), its fake kernel and, for those of `AUTOGRAD`, its backward."""
     if _LIB:
         return
     lib = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 (kept alive in _LIB)
-    lib.define("splash_fwd(Tensor q, Tensor k, Tensor v) -> Tensor")
-    lib.define("splash_bwd(Tensor q, Tensor k, Tensor v, Tensor dout) -> (Tensor, Tensor, Tensor)")
-    lib.define("splash_seg_fwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids) -> Tensor")
-    lib.define(
-        "splash_seg_bwd(Tensor q, Tensor k, Tensor v, Tensor segment_ids, Tensor dout) -> (Tensor, Tensor, Tensor)"
-    )
-    lib.define("splash_full_fwd(Tensor q, Tensor k, Tensor v) -> Tensor")
-    lib.define("splash_full_bwd(Tensor q, Tensor k, Tensor v, Tensor dout) -> (Tensor, Tensor, Tensor)")
-    lib.define("gmm(Tensor x, Tensor w, Tensor group_sizes) -> Tensor")
-    lib.define("gmm_bwd(Tensor x, Tensor w, Tensor group_sizes, Tensor dy) -> (Tensor, Tensor)")
-    lib.define("ce_fwd(Tensor h, Tensor w, Tensor labels) -> (Tensor, Tensor)")
-    lib.define("ce_bwd(Tensor h, Tensor w, Tensor labels, Tensor lse, Tensor g) -> (Tensor, Tensor)")
-    lib.define(
-        "gated_delta_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor h0, Tensor reset) -> (Tensor, Tensor)"
-    )
-    lib.define(
-        "gated_delta_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor h0, Tensor reset, Tensor d_out, "
-        "Tensor d_state) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-    )
     _LIB.append(lib)
-    op = getattr(torch.ops, NAMESPACE)
-
-    def fake(name):
-        return torch.library.register_fake(f"{NAMESPACE}::{name}", lib=lib)
-
-    # The output has v's width (MLA: q/k 192, v 128), not q's.
-    fake("splash_fwd")(lambda q, k, v: q.new_empty(*q.shape[:-1], v.shape[-1]))
-    fake("splash_seg_fwd")(lambda q, k, v, s: q.new_empty(*q.shape[:-1], v.shape[-1]))
-    fake("splash_full_fwd")(lambda q, k, v: q.new_empty(*q.shape[:-1], v.shape[-1]))
-    fake("splash_bwd")(lambda q, k, v, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
-    fake("splash_full_bwd")(lambda q, k, v, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
-    fake("splash_seg_bwd")(lambda q, k, v, s, dout: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
-    fake("gmm")(lambda x, w, sizes: x.new_empty(x.shape[0], w.shape[-1]))
-    fake("gmm_bwd")(lambda x, w, sizes, dy: (torch.empty_like(x), torch.empty_like(w)))
-    fake("ce_fwd")(
-        lambda h, w, labels: (
-            h.new_empty(h.shape[0], dtype=torch.float32),
-            h.new_empty(h.shape[0], dtype=torch.float32),
-        )
-    )
-    fake("ce_bwd")(lambda h, w, labels, lse, g: (torch.empty_like(h), torch.empty_like(w)))
-    fake("gated_delta_fwd")(lambda q, k, v, g, beta, h0, reset: (torch.empty_like(v), torch.empty_like(h0)))
-    fake("gated_delta_bwd")(
-        lambda q, k, v, g, beta, h0, reset, d_out, d_state: tuple(torch.empty_like(t) for t in (q, k, v, g, beta, h0))
-    )
-
-    def save_all(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    def splash_backward(ctx, dout):
-        return op.splash_bwd(*ctx.saved_tensors, dout.contiguous())
-
-    def splash_full_backward(ctx, dout):
-        return op.splash_full_bwd(*ctx.saved_tensors, dout.contiguous())
-
-    def splash_seg_backward(ctx, dout):
-        q, k, v, seg = ctx.saved_tensors
-        return (*op.splash_seg_bwd(q, k, v, seg, dout.contiguous()), None)
-
-    def gmm_backward(ctx, dy):
-        return (*op.gmm_bwd(*ctx.saved_tensors, dy.contiguous()), None)
-
-    torch.library.register_autograd(f"{NAMESPACE}::splash_fwd", splash_backward, setup_context=save_all, lib=lib)
-    torch.library.register_autograd(
-        f"{NAMESPACE}::splash_full_fwd", splash_full_backward, setup_context=save_all, lib=lib
-    )
-    torch.library.register_autograd(
-        f"{NAMESPACE}::splash_seg_fwd", splash_seg_backward, setup_context=save_all, lib=lib
-    )
-    torch.library.register_autograd(f"{NAMESPACE}::gmm", gmm_backward, setup_context=save_all, lib=lib)
-
-    def ce_setup(ctx, inputs, output):
-        h, w, labels = inputs
-        ctx.save_for_backward(h, w, labels, output[1])
-
-    def ce_backward(ctx, d_rows, d_lse):
-        del d_lse  # auxiliary output, never differentiated
-        return (*op.ce_bwd(*ctx.saved_tensors, d_rows.float().contiguous()), None)
-
-    torch.library.register_autograd(f"{NAMESPACE}::ce_fwd", ce_backward, setup_context=ce_setup, lib=lib)
-
-    def gated_delta_backward(ctx, d_out, d_state):
-        return (*op.gated_delta_bwd(*ctx.saved_tensors, d_out.contiguous(), d_state.contiguous()), None)
-
-    torch.library.register_autograd(
-        f"{NAMESPACE}::gated_delta_fwd", gated_delta_backward, setup_context=save_all, lib=lib
-    )
+    for name, (schema, fake) in OPS.items():
+        lib.define(name + schema)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", lib=lib)(fake)
+    for name, (backward, setup) in AUTOGRAD.items():
+        torch.library.register_autograd(f"{NAMESPACE}::{name}", backward, setup_context=setup, lib=lib)
 
 
 def causal_attention(q, k, v, segment_ids=None):
@@ -163,6 +217,22 @@ def linear_cross_entropy(h, w, labels):
     return torch.where(valid, rows, 0.0).sum() / valid.sum()
 
 
+def sink_attention(q, k, v, sinks, window, segment_ids=None, sliding_window=0):
+    # As titan_kernels/tpu/register.py's op on a TPU: an int window is its own sliding window; a
+    # tensor window (gpt-oss's per-layer buffer, 0 or `sliding_window`) picks the kernel on the
+    # device; a tensor window without `sliding_window` takes the reference.
+    if not isinstance(window, int) and not sliding_window:
+        return ops.sdpa_sink_attention(q, k, v, sinks, window, segment_ids)
+    if isinstance(window, int):
+        sliding_window, window = window, torch.full((1,), window, dtype=torch.int32, device=q.device)
+    op = getattr(torch.ops, NAMESPACE)
+    q, k, v, sinks = q.contiguous(), k.contiguous(), v.contiguous(), sinks.contiguous()
+    win, sliding_window = window.reshape(1).to(torch.int32), max(int(sliding_window), 0)
+    if segment_ids is None:
+        return op.sink_fwd(q, k, v, sinks, win, sliding_window)[0]
+    return op.sink_seg_fwd(q, k, v, sinks, win, segment_ids.to(torch.int32).contiguous(), sliding_window)[0]
+
+
 def gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, **kwargs):
     # As titan_kernels/tpu/register.py's op on a TPU: the prepared inputs to the kernel's op.
     from models.common import gated_delta
@@ -173,11 +243,12 @@ def gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, **kwargs):
 
 
 def install() -> None:
-    """Define the ops (once) and serve the model's attention (causal and full), grouped matmul and
-    fused loss with them."""
+    """Define the ops (once) and serve the model's attention (causal, full, with sinks), grouped
+    matmul, fused loss and delta rule with them."""
     _define()
     ops.register("causal_attention", causal_attention)
     ops.register("attention", attention)
+    ops.register("sink_attention", sink_attention)
     ops.register("grouped_mm", grouped_mm)
     ops.register("linear_cross_entropy", linear_cross_entropy)
     ops.register("gated_delta_rule", gated_delta_rule)
@@ -195,7 +266,13 @@ def shard_group_sizes(group_sizes, rows: int, shard):
 
 
 def splash_cost(
-    q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int | None = None, causal: bool = True
+    q_shape,
+    kv_heads: int,
+    itemsize: int,
+    backward: bool,
+    v_dim: int | None = None,
+    causal: bool = True,
+    forward_again: bool = True,
 ) -> tuple[float, float]:
     """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads of
     value width `v_dim` (Dv; default D: MLA's v is narrower, 128 beside 192).
@@ -203,23 +280,58 @@ def splash_cost(
     The kernel visits only the causal blocks: (n + 1) / 2n of the n x n grid of its blocks
     (`causal=False`, the full mask of the op `attention`: all n x n). A
     forward is two S x S matmuls per head over those blocks, q k^T (width D) and p v (Dv); the
-    backward op re-runs the forward (for its residuals) and does five: q k^T again, dS k and
+    backward op re-runs the forward (for its residuals; `forward_again=False`: the op takes the
+    forward's residuals, as the sink pair does) and does five: q k^T again, dS k and
     dS^T q at D, dO v^T and p^T dO at Dv. Bytes: q (D) and the output (Dv) once, K (D) and V (Dv)
     once per query block row of the grid; the backward reads and writes about three times the
     forward's (a model, not a measurement).
     """
-    from titan_kernels.tpu import splash
+    from titan_kernels.tpu import tiles
 
     b, hq, s, d = q_shape
     dv = d if v_dim is None else v_dim
-    padded = s + (-s) % splash.TILE
-    n = padded // splash.block_size(padded)
+    padded = s + (-s) % tiles.SPLASH_TILE
+    n = padded // tiles.splash_block_size(padded)
     visited = (n + 1) / (2 * n) if causal else 1.0
     per_width = 2.0 * b * hq * padded * padded * visited  # one S x S matmul's FLOPs per unit of width
     fwd_bytes = itemsize * (b * hq * padded * (d + dv) + b * kv_heads * padded * (d + dv) * n * visited)
-    if backward:
-        return per_width * ((d + dv) + (3 * d + 2 * dv)), 4 * fwd_bytes
-    return per_width * (d + dv), fwd_bytes
+    return _with_backward(per_width, fwd_bytes, d, dv, backward, forward_again)
+
+
+def _with_backward(per_width: float, fwd_bytes: float, d: int, dv: int, backward: bool, forward_again: bool):
+    """(FLOPs, bytes) of an attention call from its forward's FLOPs per unit of width and bytes
+    (`splash_cost`'s model of the backward)."""
+    if not backward:
+        return per_width * (d + dv), fwd_bytes
+    again = 1 if forward_again else 0
+    return per_width * (again * (d + dv) + (3 * d + 2 * dv)), (3 + again) * fwd_bytes
+
+
+def splash_cp_cost(
+    q_shape, seq: int, kv_heads: int, itemsize: int, backward: bool, *, v_dim: int, cp_rank: int, cp_size: int
+) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one CP splash call of rank `cp_rank` of `cp_size`
+    (titan_kernels/tpu/splash.py `cp_forward` / `cp_backward`): q [B, Hq, seq / cp, D] (the rank's
+    early and late chunk of c = seq / 2cp queries) against the gathered keys, the early chunk's
+    first seq / 2, the late chunk's all seq. Each chunk is one causal splash call whose query rows
+    start at its global offset; the kernel visits the blocks that hold a visible key: in query
+    block i (rows offset + i bq .. offset + (i + 1) bq - 1), the kv blocks up to the one holding key
+    offset + (i + 1) bq - 1. FLOPs and bytes per visited block and the backward as `splash_cost`
+    (the backward op re-runs the forward: the capture lowers it as the VJP of the forward)."""
+    from titan_kernels.tpu.tiles import splash_block_size
+
+    b, hq, s_local, d = q_shape
+    chunk = s_local // 2
+    blocks = 0.0  # visited (query block, kv block) pairs, each bq x bkv, times bkv
+    for n_keys, offset in ((seq // 2, cp_rank * chunk), (seq, (2 * cp_size - 1 - cp_rank) * chunk)):
+        bq, bkv = splash_block_size(chunk), splash_block_size(n_keys)
+        kv_blocks = n_keys // bkv
+        seen = sum(min(kv_blocks, (offset + (i + 1) * bq - 1) // bkv + 1) for i in range(chunk // bq))
+        blocks += seen * bq * bkv
+    per_width = 2.0 * b * hq * blocks
+    bkv_rows = blocks / splash_block_size(chunk)  # keys read per query block row, summed over the rows
+    fwd_bytes = itemsize * (b * hq * s_local * (d + v_dim) + b * kv_heads * bkv_rows * (d + v_dim))
+    return _with_backward(per_width, fwd_bytes, d, v_dim, backward, True)
 
 
 def gmm_cost(m: int, k: int, n: int, groups: int, itemsize: int, backward: bool) -> tuple[float, float]:
@@ -277,68 +389,167 @@ def kernel_costs() -> dict[str, float]:
     return {"flops": sum(c[1] for c in COSTS), "bytes": sum(c[2] for c in COSTS), "calls": len(COSTS)}
 
 
+def kernel_functions(generation: str | None) -> dict:
+    """{op name: the JAX function one device calls for it}, with the arguments of the op's schema
+    in order (ints included) and the blocks of the target's `generation` (tiles.GENERATIONS):
+    the Pallas kernels a TPU run calls (titan_kernels/tpu/register.py). tools/tpu_compile.py's
+    per-device program lowers every op with them; `add_lowerings` wraps them in `shard_map`."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from titan_kernels.tpu import delta_rule, fused_ce, gmm, splash
+
+    gen = dict(generation=generation)
+
+    def splash_fwd(q, k, v, seg=None):
+        return splash.splash_attention(q, k, v, seg, **gen)
+
+    def splash_bwd(q, k, v, dout, seg=None):
+        return tuple(jax.vjp(functools.partial(splash.splash_attention, segment_ids=seg, **gen), q, k, v)[1](dout))
+
+    def splash_full(q, k, v):
+        return splash.splash_attention(q, k, v, causal=False, **gen)
+
+    def sink_fwd(q, k, v, sinks, win, sliding_window, seg=None):
+        return splash.sink_forward(q, k, v, sinks, win, seg, sliding_window=sliding_window, **gen)
+
+    def sink_bwd(q, k, v, sinks, win, seg, out, lse, dout, sliding_window):
+        return splash.sink_backward(q, k, v, sinks, win, seg, out, lse, dout, sliding_window=sliding_window, **gen)
+
+    def gmm_fwd(x, w, sizes):
+        return gmm.grouped_mm(x, w, sizes.astype(jnp.int32), **gen)
+
+    return {
+        "splash_fwd": splash_fwd,
+        "splash_seg_fwd": splash_fwd,
+        "splash_bwd": splash_bwd,
+        "splash_seg_bwd": lambda q, k, v, seg, dout: splash_bwd(q, k, v, dout, seg),
+        "splash_full_fwd": splash_full,
+        "splash_full_bwd": lambda q, k, v, dout: tuple(jax.vjp(splash_full, q, k, v)[1](dout)),
+        "sink_fwd": sink_fwd,
+        "sink_seg_fwd": lambda q, k, v, sinks, win, seg, sw: sink_fwd(q, k, v, sinks, win, sw, seg),
+        "sink_bwd": lambda q, k, v, sinks, win, out, lse, dout, sw: sink_bwd(
+            q, k, v, sinks, win, None, out, lse, dout, sw
+        ),
+        "sink_seg_bwd": sink_bwd,
+        "gmm": gmm_fwd,
+        "gmm_bwd": lambda x, w, sizes, dy: tuple(jax.vjp(lambda x, w: gmm_fwd(x, w, sizes), x, w)[1](dy)),
+        "ce_fwd": functools.partial(fused_ce.forward_rows, **gen),
+        "ce_bwd": functools.partial(fused_ce.backward_rows, **gen),
+        "gated_delta_fwd": delta_rule.forward,
+        "gated_delta_bwd": lambda *args: tuple(delta_rule.backward(*args)),
+    }
+
+
+SHARDING: dict[str, tuple[str, str, int]] = {
+    "splash_fwd": ("bbb", "b", 0),
+    "splash_bwd": ("bbbb", "bbb", 0),
+    "splash_seg_fwd": ("bbbb", "b", 0),
+    "splash_seg_bwd": ("bbbbb", "bbb", 0),
+    "splash_full_fwd": ("bbb", "b", 0),
+    "splash_full_bwd": ("bbbb", "bbb", 0),
+    "sink_fwd": ("bbbrr", "bb", 1),
+    "sink_bwd": ("bbbrrbbb", "bbbr", 1),
+    "sink_seg_fwd": ("bbbrrb", "bb", 1),
+    "sink_seg_bwd": ("bbbrrbbbb", "bbbr", 1),
+    "gmm": ("brr", "b", 0),
+    "gmm_bwd": ("brrb", "br", 0),
+    "ce_fwd": ("brb", "bb", 0),
+    "ce_bwd": ("brbbb", "br", 0),
+    "gated_delta_fwd": ("b" * 7, "bb", 0),
+    "gated_delta_bwd": ("b" * 9, "b" * 6, 0),
+}
+"""Per op, `add_lowerings`' `shard_map`: each tensor input's and output's spec (b: split over the
+axis along dim 0, the batch or the rows; r: replicated; one output: the array, not a tuple) and
+the number of trailing int arguments (static: one `shard_map` per value)."""
+
+
+def _cost(name: str, shards: int, generation: str | None):
+    """The `COSTS` entry of one call of op `name` from its (global) tensor arguments, or None."""
+    backward = name.endswith("_bwd")
+
+    def local(shape):  # the per-device shape of a tensor split over the axis along dim 0
+        return (shape[0] // shards, *shape[1:])
+
+    def attention(q, k, v, *rest):
+        full, sink = name.startswith("splash_full"), name.startswith("sink")
+        label = "splash_full" if full else "sink" if sink else "splash"
+        price = splash_cost(
+            local(q.shape), k.shape[1], q.dtype.itemsize, backward, v.shape[-1], not full, forward_again=not sink
+        )
+        return (f"{label}_bwd" if backward else f"{label}_fwd", *price)
+
+    def grouped(x, w, *rest):
+        price = gmm_cost(x.shape[0] // shards, x.shape[1], w.shape[2], w.shape[0], x.dtype.itemsize, backward)
+        return ("gmm_bwd" if backward else "gmm", *price)
+
+    def loss(h, w, *rest):
+        price = ce_cost(h.shape[0] // shards, h.shape[1], w.shape[0], h.dtype.itemsize, backward, generation=generation)
+        return ("ce_bwd" if backward else "ce_fwd", *price)
+
+    def delta(q, k, v, *rest):
+        b, h, s, dk = local(q.shape)
+        return (name, *gated_delta_cost(b, h, s, dk, v.shape[-1], backward=backward))
+
+    family = name.split("_")[0]
+    return {"splash": attention, "sink": attention, "gmm": grouped, "ce": loss, "gated": delta}[family]
+
+
 def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
     """Lower the `titan_capture` ops on torchax environment `env` to the Pallas kernels, each in
-    `shard_map` over mesh axis `axis` (module docstring).
+    `shard_map` over mesh axis `axis` (module docstring; `SHARDING`), each call priced into `COSTS`.
 
     generation: the TPU generation the program is compiled for (a key of tiles.GENERATIONS, e.g.
     `tiles.generation_of(device.device_kind)` of the target topology): the fused loss takes its
     blocks and VMEM limit, as a run on that chip does (register.py). None is the conservative
     rule (v4's 16 MiB), which cannot hold a 70B-wide (8192) head: compiled for v6e that way, the
     loss' backward stopped at "17.90M of 16.00M" scoped VMEM (docs/tpu.md, fused-CE regression).
-    Splash takes the generation's blocks too (tiles.splash_blocks)."""
+    Splash takes the generation's blocks too (tiles.splash_blocks); the grouped matmul the
+    default ones."""
     import functools
 
     import jax
     from jax.sharding import PartitionSpec as P
     from torchax import interop
 
-    from titan_kernels.tpu import delta_rule, fused_ce, gmm, splash
-
     op = getattr(torch.ops, NAMESPACE)
+    fns = {**kernel_functions(generation), **_across_shards(axis, generation)}
 
-    shards = mesh.shape[axis]
+    def sharded(name):
+        ins, outs, statics = SHARDING[name]
+        spec = {"b": P(axis), "r": P()}
+        in_specs = tuple(spec[c] for c in ins)
+        out_specs = spec[outs] if len(outs) == 1 else tuple(spec[c] for c in outs)
+        cost, mapped = _cost(name, mesh.shape[axis], generation), {}
 
-    def sharded(fn, in_specs, out_specs, cost=None):
-        mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-        def call(*tensors):
-            if cost is not None:  # per graph node (the shard_map body's trace is cached per shape)
-                COSTS.append(cost(*tensors))
-            return interop.call_jax(mapped, *tensors)
+        def call(*args):
+            tensors, consts = args[: len(args) - statics], args[len(args) - statics :]
+            COSTS.append(cost(*tensors))  # per graph node (the shard_map body's trace is cached per shape)
+            if consts not in mapped:
+                fn = functools.partial(_trailing, fns[name], consts) if consts else fns[name]
+                mapped[consts] = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+            return interop.call_jax(mapped[consts], *tensors)
 
         return call
 
-    batch = P(axis)
+    for name in OPS:
+        env.override_op_definition(getattr(op, name).default, sharded(name))
 
-    def local(shape):  # the per-device shape of a tensor split over `axis` along dim 0
-        return (shape[0] // shards, *shape[1:])
 
-    def splash_fwd(q, k, v, seg=None):
-        return splash.splash_attention(q, k, v, seg, generation=generation)
+def _trailing(fn, consts, *tensors):
+    return fn(*tensors, *consts)
 
-    def splash_bwd(q, k, v, dout, seg=None):
-        fwd = functools.partial(splash.splash_attention, segment_ids=seg, generation=generation)
-        return tuple(jax.vjp(fwd, q, k, v)[1](dout))
 
-    def splash_full_fwd(q, k, v):
-        return splash.splash_attention(q, k, v, generation=generation, causal=False)
+def _across_shards(axis: str, generation: str | None) -> dict:
+    """The ops of `kernel_functions` whose `shard_map` form differs from one device's: the grouped
+    matmul takes its shard's slice of the global group sizes (`shard_group_sizes`), and the
+    gradients of the replicated operands (the experts' and the head's weights, the sinks) are
+    summed over the shards (every shard's rows contribute to them)."""
+    import jax
 
-    def splash_full_bwd(q, k, v, dout):
-        fwd = functools.partial(splash.splash_attention, generation=generation, causal=False)
-        return tuple(jax.vjp(fwd, q, k, v)[1](dout))
-
-    def splash_costs(backward, causal=True):
-        def cost(q, k, v, *rest):
-            name = "splash" if causal else "splash_full"
-            return (
-                f"{name}_bwd" if backward else f"{name}_fwd",
-                *splash_cost(
-                    local(q.shape), k.shape[1], q.dtype.itemsize, backward=backward, v_dim=v.shape[-1], causal=causal
-                ),
-            )
-
-        return cost
+    from titan_kernels.tpu import fused_ce, gmm, splash
 
     def local_sizes(x, sizes):
         return shard_group_sizes(sizes, x.shape[0], jax.lax.axis_index(axis))
@@ -348,85 +559,23 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
 
     def gmm_bwd(x, w, sizes, dy):
         dx, dw = jax.vjp(lambda x, w: gmm.grouped_mm(x, w, local_sizes(x, sizes)), x, w)[1](dy)
-        return dx, jax.lax.psum(dw, axis)  # every shard's rows contribute to each expert's gradient
-
-    def gmm_costs(backward):
-        def cost(x, w, *rest):
-            m = x.shape[0] // shards
-            return (
-                "gmm_bwd" if backward else "gmm",
-                *gmm_cost(m, x.shape[1], w.shape[2], w.shape[0], x.dtype.itemsize, backward=backward),
-            )
-
-        return cost
-
-    def splash_seg_bwd(q, k, v, seg, dout):
-        return splash_bwd(q, k, v, dout, seg)
-
-    def ce_fwd(h, w, labels):
-        return fused_ce.forward_rows(h, w, labels, generation=generation)
+        return dx, jax.lax.psum(dw, axis)
 
     def ce_bwd(h, w, labels, lse, g):
         dh, dw = fused_ce.backward_rows(h, w, labels, lse, g, generation=generation)
-        return dh, jax.lax.psum(dw, axis)  # every shard's rows contribute to the head's gradient
+        return dh, jax.lax.psum(dw, axis)
 
-    def ce_costs(backward):
-        def cost(h, w, *rest):
-            return (
-                "ce_bwd" if backward else "ce_fwd",
-                *ce_cost(
-                    h.shape[0] // shards,
-                    h.shape[1],
-                    w.shape[0],
-                    h.dtype.itemsize,
-                    backward=backward,
-                    generation=generation,
-                ),
-            )
+    def sink_bwd(q, k, v, sinks, win, seg, out, lse, dout, sliding_window):
+        kw = dict(sliding_window=sliding_window, generation=generation)
+        dq, dk, dv, dsinks = splash.sink_backward(q, k, v, sinks, win, seg, out, lse, dout, **kw)
+        return dq, dk, dv, jax.lax.psum(dsinks, axis)
 
-        return cost
-
-    env.override_op_definition(op.ce_fwd.default, sharded(ce_fwd, (batch, P(), batch), (batch, batch), ce_costs(False)))
-    env.override_op_definition(
-        op.ce_bwd.default, sharded(ce_bwd, (batch, P(), batch, batch, batch), (batch, P()), ce_costs(True))
-    )
-    env.override_op_definition(op.splash_fwd.default, sharded(splash_fwd, (batch,) * 3, batch, splash_costs(False)))
-    env.override_op_definition(
-        op.splash_bwd.default, sharded(splash_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True))
-    )
-    env.override_op_definition(op.splash_seg_fwd.default, sharded(splash_fwd, (batch,) * 4, batch, splash_costs(False)))
-    env.override_op_definition(
-        op.splash_seg_bwd.default, sharded(splash_seg_bwd, (batch,) * 5, (batch,) * 3, splash_costs(True))
-    )
-    env.override_op_definition(
-        op.splash_full_fwd.default, sharded(splash_full_fwd, (batch,) * 3, batch, splash_costs(False, causal=False))
-    )
-    env.override_op_definition(
-        op.splash_full_bwd.default,
-        sharded(splash_full_bwd, (batch,) * 4, (batch,) * 3, splash_costs(True, causal=False)),
-    )
-
-    def gated_delta_fwd(q, k, v, g, beta, h0, reset):
-        return delta_rule.forward(q, k, v, g, beta, h0, reset)
-
-    def gated_delta_bwd(q, k, v, g, beta, h0, reset, d_out, d_state):
-        return tuple(delta_rule.backward(q, k, v, g, beta, h0, reset, d_out, d_state))
-
-    def gated_delta_costs(backward):
-        def cost(q, k, v, *rest):
-            b, h, s, dk = local(q.shape)
-            name = "gated_delta_bwd" if backward else "gated_delta_fwd"
-            return (name, *gated_delta_cost(b, h, s, dk, v.shape[-1], backward=backward))
-
-        return cost
-
-    env.override_op_definition(
-        op.gated_delta_fwd.default, sharded(gated_delta_fwd, (batch,) * 7, (batch, batch), gated_delta_costs(False))
-    )
-    env.override_op_definition(
-        op.gated_delta_bwd.default, sharded(gated_delta_bwd, (batch,) * 9, (batch,) * 6, gated_delta_costs(True))
-    )
-    env.override_op_definition(op.gmm.default, sharded(gmm_fwd, (batch, P(), P()), batch, gmm_costs(False)))
-    env.override_op_definition(
-        op.gmm_bwd.default, sharded(gmm_bwd, (batch, P(), P(), batch), (batch, P()), gmm_costs(True))
-    )
+    return {
+        "gmm": gmm_fwd,
+        "gmm_bwd": gmm_bwd,
+        "ce_bwd": ce_bwd,
+        "sink_bwd": lambda q, k, v, sinks, win, out, lse, dout, sw: sink_bwd(
+            q, k, v, sinks, win, None, out, lse, dout, sw
+        ),
+        "sink_seg_bwd": sink_bwd,
+    }

@@ -52,16 +52,12 @@ try:  # a package import (titan_kernels.tpu.splash) or a plain module next to ti
 except ImportError:  # pragma: no cover - the XLA-tier probes put titan_kernels/tpu on sys.path
     import tiles
 
-TILE = 128
+TILE = tiles.SPLASH_TILE
 """Sequence tile of the kernel; lengths are padded to a multiple of it."""
 
-
-def block_size(seq_len: int) -> int:
-    """Largest of 512, 256, 128 that divides the (padded) sequence length."""
-    for block in (512, 256, TILE):
-        if seq_len % block == 0:
-            return block
-    raise AssertionError(f"sequence length {seq_len} is not a multiple of {TILE}")
+block_size = tiles.splash_block_size
+"""Largest of 512, 256, 128 that divides the (padded) sequence length (tiles.py: jax-free, for the
+capture's cost model)."""
 
 
 def _head_mask(seq_len: int, causal: bool, window: int):

@@ -161,6 +161,19 @@ def _listed(kernel: str, generation: str | None, shape: str, table: dict | None)
     return shape in (entries.get(generation or "unknown") or {})
 
 
+SPLASH_TILE = 128
+"""Sequence tile of the splash kernels (splash.TILE); lengths are padded to a multiple of it."""
+
+
+def splash_block_size(seq_len: int) -> int:
+    """Largest of 512, 256, 128 that divides the (padded) sequence length: the blocks of the CP
+    splash (splash.block_size) and of the splash cost model (capture.py)."""
+    for block in (512, 256, SPLASH_TILE):
+        if seq_len % block == 0:
+            return block
+    raise AssertionError(f"sequence length {seq_len} is not a multiple of {SPLASH_TILE}")
+
+
 def fit(tile: int, dim: int) -> int:
     """Rule 1: `dim` itself when the tile covers it (one block); else the largest of tile,
     tile/2, ... (>= MIN_TILE) that divides `dim`; else the tile (megablox masks the irregular
