@@ -194,7 +194,11 @@ def _layouts(cum, seg, chunk):
     return cum.reshape(b, h, padded, 1), seg.reshape(b, padded, 1), cum_row, seg_row
 
 
-def _specs(b, h, n, n8, chunk, reverse=False):
+def _specs(n, n8, chunk, dk, dv, reverse=False):
+    """(tokens(width), per_head(rows, width), the in_specs both kernels share): qs, k, v, beta,
+    the cumulative decays and the segments by column, the decays and the segments by row. The
+    chunk axis runs from the last chunk with `reverse` (the backward kernel)."""
+
     def at(c):
         return n - 1 - c if reverse else c
 
@@ -206,7 +210,8 @@ def _specs(b, h, n, n8, chunk, reverse=False):
 
     seg_col = pl.BlockSpec((None, chunk, 1), lambda i, j, c: (i, at(c), 0))
     seg_row = pl.BlockSpec((None, n8, chunk), lambda i, j, c: (i, 0, 0))
-    return tokens, per_head, seg_col, seg_row
+    shared = [tokens(dk), tokens(dk), tokens(dv), tokens(1), tokens(1), seg_col, per_head(n8, chunk), seg_row]
+    return tokens, per_head, shared
 
 
 def _params(interpret):
@@ -224,7 +229,7 @@ def _pallas_forward(qs, k, v, beta, cum, seg, h0, *, chunk, interpret, with_stat
     f32 = jnp.float32
     cum_col, seg_col, cum_row, seg_row = _layouts(cum, seg, chunk)
     n, n8 = padded // chunk, cum_row.shape[2]
-    tokens, per_head, seg_col_spec, seg_row_spec = _specs(b, h, n, n8, chunk)
+    tokens, per_head, shared = _specs(n, n8, chunk, dk, dv)
     out_specs = [tokens(dv), per_head(dk, dv)]
     out_shape = [jax.ShapeDtypeStruct((b, h, padded, dv), f32), jax.ShapeDtypeStruct((b, h, dk, dv), f32)]
     if with_states:
@@ -233,17 +238,7 @@ def _pallas_forward(qs, k, v, beta, cum, seg, h0, *, chunk, interpret, with_stat
     return pl.pallas_call(
         functools.partial(_fwd_kernel, chunk=chunk),
         grid=(b, h, n),
-        in_specs=[
-            tokens(dk),
-            tokens(dk),
-            tokens(dv),
-            tokens(1),
-            tokens(1),
-            seg_col_spec,
-            per_head(n8, chunk),
-            seg_row_spec,
-            per_head(dk, dv),
-        ],
+        in_specs=[*shared, per_head(dk, dv)],
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((dk, dv), f32)],
@@ -334,24 +329,12 @@ def _pallas_backward(qs, k, v, beta, cum, seg, h0, d_out, d_state, *, chunk, int
     _, _, states = _pallas_forward(qs, k, v, beta, cum, seg, h0, chunk=chunk, interpret=interpret, with_states=True)
     cum_col, seg_col, cum_row, seg_row = _layouts(cum, seg, chunk)
     n, n8 = padded // chunk, cum_row.shape[2]
-    tokens, per_head, seg_col_spec, seg_row_spec = _specs(b, h, n, n8, chunk, reverse=True)
+    tokens, per_head, shared = _specs(n, n8, chunk, dk, dv, reverse=True)
     state_spec = pl.BlockSpec((None, None, dk, dv), lambda i, j, c: (i, j, n - 1 - c, 0))
     dq, dk_, dv_, dbeta, dcum, dh0 = pl.pallas_call(
         functools.partial(_bwd_kernel, chunk=chunk, n=n),
         grid=(b, h, n),
-        in_specs=[
-            tokens(dk),
-            tokens(dk),
-            tokens(dv),
-            tokens(1),
-            tokens(1),
-            seg_col_spec,
-            per_head(n8, chunk),
-            seg_row_spec,
-            state_spec,
-            tokens(dv),
-            per_head(dk, dv),
-        ],
+        in_specs=[*shared, state_spec, tokens(dv), per_head(dk, dv)],
         out_specs=[tokens(dk), tokens(dk), tokens(dv), tokens(1), tokens(1), per_head(dk, dv)],
         out_shape=[
             jax.ShapeDtypeStruct((b, h, padded, dk), f32),
