@@ -107,8 +107,9 @@ FAMILIES: dict[str, ModelFamily] = {
         hf_adapter=qwen3_adapter,
         document_mask=True,
     ),
-    # Hybrid Gated DeltaNet / gated full attention. No document_mask (so no CP either) until the
-    # delta rule's state is passed between CP ranks; the model itself takes segment ids.
+    # Hybrid Gated DeltaNet / gated full attention: takes segment ids and positions; under CP the
+    # Gated DeltaNet's ops pass the delta rule's state and the conv's halo between ranks
+    # (parallelisms/context_parallel_linear.py).
     "qwen3_5": ModelFamily(
         name="qwen3_5",
         args_cls=qwen3_5.Qwen3_5Args,
@@ -116,6 +117,7 @@ FAMILIES: dict[str, ModelFamily] = {
         model_cls=qwen3_5.Qwen3_5Transformer,
         plan=QWEN3_5_PLAN,
         hf_adapter=qwen3_5_adapter,
+        document_mask=True,
     ),
     "deepseek_v3": ModelFamily(
         name="deepseek_v3",

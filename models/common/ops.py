@@ -5,7 +5,9 @@ A model calls `causal_attention(q, k, v)`, `attention(q, k, v)` (full, bidirecti
 gpt-oss, DeepSeek-V4's sliding blocks),
 `grouped_mm(x, w, group_sizes)` or
 `linear_cross_entropy(h, w, labels)`, the chunked gated delta rule `gated_delta_rule` (Qwen 3.5's
-Gated DeltaNet, `gated_delta_rule(q, k, v, g, beta, ...)`) (and a quantized linear
+Gated DeltaNet, `gated_delta_rule(q, k, v, g, beta, ...)`), the two other places that network reads
+earlier tokens, `causal_conv1d(x, weight, segment_ids)` and `segment_starts(segment_ids)` (served
+for context parallelism by parallelisms/context_parallel_linear.py) (and a quantized linear
 layer `quantized_linear(x, w, recipe)`, `[quantize]`); it never picks an implementation. Which one serves an op
 on this run (SDPA, the CPU C++ kernel, a Pallas kernel on TPU) is registered once at start-up by
 `titan_kernels.select(...)`, which the trainer calls before building the model. With nothing

@@ -1,4 +1,4 @@
-"""Parallel plan of Qwen 3.5 (dense and MoE): FSDP, activation checkpointing and EP; no TP, no CP.
+"""Parallel plan of Qwen 3.5 (dense and MoE): FSDP, activation checkpointing, EP and CP; no TP.
 
 - The repeated block is `layers` (one `BlockStack` of Gated DeltaNet and full-attention blocks):
   SimpleFSDP shards every parameter, activation checkpointing and per-block compile act on each
@@ -7,10 +7,13 @@
 - No tensor-parallel entries: the Gated DeltaNet's fused `in_proj_qkv` rows are [q | k | v] of all
   heads (HF layout) and its conv, gated norm and delta rule would need head-sharded counterparts;
   TP > 1 is refused by the rule on the step request's `tp_refusal` (trainer/step/plan.py), which
-  is the model class's `tp_refusal`. Context
-  parallelism would have to pass the delta rule's state from rank to rank (the op returns and
-  takes it; the passing is not written): the family does not set `ModelFamily.document_mask`, so
-  CP > 1 is refused by the rule for such families.
+  is the model class's `tp_refusal`.
+- CP wraps no module (as for every family): the full-attention blocks call the op
+  `causal_attention`, which the cp all-gather attention serves, and the Gated DeltaNet blocks the
+  ops that read earlier tokens (`causal_conv1d`, `segment_starts`, `gated_delta_rule`), which
+  parallelisms/context_parallel_linear.py serves with the preceding chunk's tokens and the delta
+  rule's state passed in sequence order (`ModelFamily.document_mask` is set, which the CP rule
+  reads). With MTP, CP stays refused (the MTP rule).
 - EP (MoE flavors): as Qwen 3 MoE (`moe`, `router`, `experts`), plus the shared expert and its
   gate, per-token linears on the rank's own tokens like the router (DeepSeek-V3's shared experts).
 """

@@ -149,6 +149,56 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "global positions: the same masked cp attention with other position ids",
     ),
+    # Qwen 3.5 under CP (the Gated DeltaNet's ops of parallelisms/context_parallel_linear.py): the default
+    # tier runs the ops at cp 2 with documents and their control, the model at cp 2 with documents and
+    # its control, and the trainer's cp 2 step.
+    Scheduled(
+        "tests/unit/test_cp_linear_attention.py::test_ops_match_the_whole_sequence[[]cp2]",
+        ("tests/unit/test_cp_linear_attention.py::test_ops_match_the_whole_sequence[cp2-docs]",),
+        "the ops without documents: the same halo and state passing, no resets",
+    ),
+    Scheduled(
+        "tests/unit/test_cp_linear_attention.py::test_ops_match_the_whole_sequence[[]cp4-docs]",
+        ("tests/unit/test_cp_linear_attention.py::test_ops_match_the_whole_sequence[cp2-docs]",),
+        "cp 4: the same fold over 8 chunks instead of 4, two more ranks",
+    ),
+    Scheduled(
+        "tests/unit/test_cp_linear_attention.py::test_qwen3_5_cp2_matches_single_process[[]plain]",
+        ("tests/unit/test_cp_linear_attention.py::test_qwen3_5_cp2_matches_single_process[documents]",),
+        "the model without documents: the documents case runs the same ops plus the resets",
+    ),
+    Scheduled(
+        "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[[]cp2xdp2]",
+        (
+            "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
+            "tests/e2e/test_cp_train.py::test_eager_cp_matches_single_process[cp2]",
+        ),
+        "Qwen 3.5 cp beside dp_shard: SimpleFSDP over dp_shard x cp is family-generic",
+    ),
+    Scheduled(
+        "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[[]cp4]",
+        (
+            "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
+            "tests/unit/test_cp_linear_attention.py::test_ops_match_the_whole_sequence[cp2-docs]",
+        ),
+        "Qwen 3.5 at cp 4 through the trainer: the ops at cp 4 are the unit test's scheduled point",
+    ),
+    Scheduled(
+        "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_moe_cp2_ep2_matches_single_process",
+        (
+            "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
+            "tests/e2e/test_cp_train.py::test_moe_cp_matches_single_process",
+        ),
+        "the MoE flavor under cp x ep: routing per token, as Qwen 3 MoE's cp x ep default point",
+    ),
+    Scheduled(
+        "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_document_mask_cp2_matches_single_process",
+        (
+            "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
+            "tests/unit/test_cp_linear_attention.py::test_qwen3_5_cp2_matches_single_process[documents]",
+        ),
+        "documents through the trainer: the model-level documents test runs the same ops and resets",
+    ),
     Scheduled(
         "tests/e2e/test_deepseek_v3.py::test_parallel_matches_single_process[[]fsdp2]",
         (

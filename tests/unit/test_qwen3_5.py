@@ -202,7 +202,7 @@ def test_hf_state_dict_round_trip_is_exact():
 
 def test_flavors_registry_and_config_round_trip():
     family = models.get_model_family("qwen3_5")
-    assert family.model_cls is Qwen3_5Transformer and not family.document_mask
+    assert family.model_cls is Qwen3_5Transformer and family.document_mask  # segment ids, positions, CP
     # The non-debug flavors are transformers' config defaults (module docstring of args.py).
     assert qwen3_5_hf.args_from_hf_config(transformers.Qwen3_5TextConfig().to_dict()) == FLAVORS["9B"]
     assert qwen3_5_hf.args_from_hf_config(transformers.Qwen3_5MoeTextConfig().to_dict()) == FLAVORS["35B-A3B"]
@@ -223,7 +223,7 @@ def test_flavors_registry_and_config_round_trip():
         qwen3_5_hf.args_from_hf_config({**qwen3_5_hf.hf_config(FLAVORS["9B"]), "layer_types": ["full_attention"] * 32})
 
 
-def test_parallelism_rules_refuse_tp_and_cp():
+def test_parallelism_rules_refuse_tp_and_allow_cp():
     from models.errors import ConfigError
     from trainer.config import build_config
     from trainer.job import plan_job
@@ -240,9 +240,19 @@ def test_parallelism_rules_refuse_tp_and_cp():
             world_size=2,
             device_type="cpu",
         )
-    with pytest.raises(ConfigError, match=r"^parallelism\.context_parallel_degree: 2 "):
+    # CP: the Gated DeltaNet's ops pass the state between ranks (tests/unit/test_cp_linear_attention.py);
+    # with MTP it stays refused (the MTP rule: the module's shift crosses the cp chunks).
+    plan_job(
+        build_config("configs/qwen3_5_debug.toml", [("parallelism.context_parallel_degree", "2")]),
+        world_size=2,
+        device_type="cpu",
+    )
+    with pytest.raises(ConfigError, match=r"^model\.mtp_depth: 1 .*context_parallel_degree 2"):
         plan_job(
-            build_config("configs/qwen3_5_debug.toml", [("parallelism.context_parallel_degree", "2")]),
+            build_config(
+                "configs/qwen3_5_debug.toml",
+                [("parallelism.context_parallel_degree", "2"), ("model.mtp_depth", "1")],
+            ),
             world_size=2,
             device_type="cpu",
         )
