@@ -183,6 +183,12 @@ def _verdict_and_throughput(est: planner.Estimate, *, flow: tuple[int, int] | No
         )
         + f" -> {est.tokens_per_s:,.0f} tokens/s/device"
     )
+    # The count the step time (and the trainer's MFU) divide by: the family's own token mixing
+    # (gpt-oss's windows, Qwen 3.5's delta rule) included (trainer/runtime/flops.py).
+    lines.append(
+        f"model FLOPs per token: {est.flops_per_token / 1e9:,.2f} GFLOP (training, PaLM convention: "
+        "6 x active non-embedding params + token mixing; trainer/runtime/flops.py)"
+    )
     if flow is not None:
         img, txt = flow
         per_sample = img + txt
