@@ -187,9 +187,9 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_moe_cp2_ep2_matches_single_process",
         (
             "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
-            "tests/e2e/test_cp_train.py::test_moe_cp_matches_single_process",
+            "tests/unit/test_expert_parallel.py",
         ),
-        "the MoE flavor under cp x ep: routing per token, as Qwen 3 MoE's cp x ep default point",
+        "the MoE flavor under cp x ep: routing per token; EP and the family's cp each run by default",
     ),
     Scheduled(
         "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_document_mask_cp2_matches_single_process",
