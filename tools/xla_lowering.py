@@ -21,7 +21,7 @@ Pieces for torchax 0.0.13 on torch 2.13:
   the scan higher-order op (-> `jax.lax.scan`, one `stablehlo.while`; `reverse=True` for a body
   that `trainer.graph.passes.tag_reverse_scans` tagged, as torch-tpu honours it), `detach_copy`
   (functionalized `detach` in scan bodies), `native_layer_norm_backward` (torchax 0.0.13 takes 5-6
-  of its 8 arguments), `prims.fma` (torch 2.13's `lerp_` decomposition
+  of its 8 arguments), `convolution_backward` (none in torchax 0.0.13; Qwen 3.5's conv1d), `prims.fma` (torch 2.13's `lerp_` decomposition
   in the AdamW update), `ldexp` (float8 rounding), `view_copy.dtype` (a bitcast; torchax reads the dtype
   as a shape), `repeat_interleave(..., output_size=)` (MoE dispatch) and the remat
   fence `titan::optimization_barrier` (-> `jax.lax.optimization_barrier`; trainer/graph/remat.py).
@@ -161,6 +161,7 @@ def add_lowerings(env):
         )
 
     env.override_op_definition(torch.ops.aten.native_layer_norm_backward.default, layer_norm_backward)
+    env.override_op_definition(torch.ops.aten.convolution_backward.default, _convolution_backward)
     env.override_op_definition(torch.ops.higher_order.scan, scan)
     env.override_op_definition(torch.ops.aten.detach_copy.default, lambda x: x.clone())
     fma = getattr(torch.ops.prims, "fma", None)  # registered once a capture has decomposed lerp_
@@ -179,6 +180,45 @@ def add_lowerings(env):
         OPTIMIZATION_BARRIER, lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs)))
     )
     return env
+
+
+def _convolution_backward(
+    grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    """ATen's `convolution_backward` (torchax 0.0.13 has no rule; Qwen 3.5's depthwise causal conv1d
+    reaches it): the VJP of `lax.conv_general_dilated` in ATen's layout (N, C, spatial...), grouped
+    as the op's `groups`; transposed convolutions are not lowered."""
+    import jax
+    from torchax import interop
+
+    if transposed:
+        raise NotImplementedError("aten::convolution_backward: transposed convolutions have no lowering")
+
+    def fn(g, x, w):
+        spatial = "DHW"[3 - (x.ndim - 2) :]
+        layout = ("NC" + spatial, "OI" + spatial, "NC" + spatial)
+
+        def conv(x, w):
+            return jax.lax.conv_general_dilated(
+                x,
+                w,
+                window_strides=tuple(stride),
+                padding=[(p, p) for p in padding],
+                rhs_dilation=tuple(dilation),
+                dimension_numbers=layout,
+                feature_group_count=groups,
+            )
+
+        out, vjp = jax.vjp(conv, x, w)
+        dx, dw = vjp(g.astype(out.dtype))
+        return dx, dw, g.sum(axis=(0, *range(2, g.ndim)))
+
+    dx, dw, db = interop.call_jax(fn, grad, x, w)
+    return (
+        dx if output_mask[0] else None,
+        dw if output_mask[1] else None,
+        db if output_mask[2] and bias_sizes is not None else None,
+    )
 
 
 def _bitcast(a, dtype):
