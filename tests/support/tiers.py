@@ -1780,6 +1780,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "recurrence and runs the other Pallas kernels interpreted",
     ),
     Scheduled(
+        "tests/xla/test_cp_delta_rule.py::*",
+        (
+            "tests/unit/test_cp_linear_attention.py::test_ops_match_the_whole_sequence[cp2-docs]",
+            "tests/xla/test_kernels.py::test_interpret_matches_torch_reference",
+        ),
+        "the cp delta-rule wrapper over the interpreted Pallas kernel (a minute of jax start-up and "
+        "interpretation): the default tier runs the wrapper over the torch reference on gloo ranks and the "
+        "Pallas kernels interpreted",
+    ),
+    Scheduled(
         "tests/xla/test_delta_rule_compile.py::*",
         (
             "tests/unit/test_delta_rule_op.py",
