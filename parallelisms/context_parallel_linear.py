@@ -107,9 +107,10 @@ def cp_gated_delta_rule(cp: CPGroup, inner):
         q, k, v, g, beta, *, chunk_size=64, initial_state=None, output_final_state=False, qk_l2norm=False, reset=None
     ):
         b, _, v_heads, dv = v.shape
-        dk = k.shape[-1]
-        # The two local chunks as a batch of 2b rows: [2b, c, ...] (early chunks first).
-        q2, k2, v2, g2, beta2 = (torch.cat(_chunks(t), dim=0) for t in (q, k, v, g, beta))
+        dk, dtype = k.shape[-1], q.dtype
+        # The two local chunks as a batch of 2b rows: [2b, c, ...] (early chunks first). q in fp32 (the
+        # op computes in fp32 whatever it is given), so the outputs' Phi^T q columns come back unrounded.
+        q2, k2, v2, g2, beta2 = (torch.cat(_chunks(t), dim=0) for t in (q.float(), k, v, g, beta))
         reset2 = None if reset is None else torch.cat(_chunks(reset), dim=0)
         v_ext = torch.cat([v2, v2.new_zeros(*v2.shape[:-1], dk)], dim=-1)  # [v | 0]
         eye = torch.eye(dk, dtype=torch.float32, device=v.device)
@@ -141,7 +142,7 @@ def cp_gated_delta_rule(cp: CPGroup, inner):
         mine = torch.cat([starts[cp.rank], starts[2 * cp.size - 1 - cp.rank]])  # [2b, h, dk, dv]
         # o_t = o_t^0 + (Phi_t^T q_t)^T S_j, per value head: [2b, c, h, dk] x [2b, h, dk, dv].
         correction = torch.einsum("bthk,bhkv->bthv", out[..., dv:].float(), mine)
-        out = (out[..., :dv].float() + correction).to(out.dtype)
+        out = (out[..., :dv].float() + correction).to(dtype)
         out = torch.cat(out.chunk(2, dim=0), dim=1)  # back to [b, s_local, h, dv]
         return out, state if output_final_state else None
 
