@@ -184,6 +184,14 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "Qwen 3.5 at cp 4 through the trainer: the ops at cp 4 are the unit test's scheduled point",
     ),
     Scheduled(
+        "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[[]cp2-graph]",
+        (
+            "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
+            "tests/unit/test_graph_step.py::test_scan_matches_eager_with_grad_accumulation",
+        ),
+        "Qwen 3.5 cp in graph mode: the same ops captured; functional collectives as the cp attention's",
+    ),
+    Scheduled(
         "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_moe_cp2_ep2_matches_single_process",
         (
             "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
