@@ -265,3 +265,67 @@ def test_the_prediction_table_leads_with_one_number_and_its_error():
     md = mc.markdown([row], ["header"])
     assert "| llama3.1-8b_v6e-256 | 40.4 | 41.4 | +2.4 | 4.55 | 4.44 | 3.80 | 0.08 | 0.51 (1.91) | 67.7 / 71.8 |" in md
     assert set(row) <= set(mc.COLUMNS)
+
+
+FAKE_WORKER = """import json, os, re, sys, time
+out, args = sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:])
+dump = re.search(r"--xla_dump_to=(\\S+)", os.environ["XLA_FLAGS"]).group(1)
+if args["fake"] == "fail":
+    print("loading MaxText"); print("boom: the compile failed"); sys.exit(3)
+facts = {"mesh_axes": ["fsdp"], "mesh_shape": [4], "compile_started": time.time() - 30.0}
+json.dump(facts, open(out + ".pre.json", "w"))
+os.makedirs(dump, exist_ok=True)
+stem = os.path.join(dump, "module_0007.jit_train_step.cl_1.after_optimizations")
+open(stem + ".txt", "w").write("HloModule jit_train_step")
+open(stem + "-memory-usage-report.txt", "w").write("Memory Space: default (color=0)\\nTotal bytes: 1234\\n")
+os.makedirs(args["base_output_directory"], exist_ok=True)
+if args["fake"] == "hang":
+    time.sleep(600)  # the codegen a caller stopping at the HLO does not wait for
+json.dump({**facts, "compile_s": 40.0, "memory": {"temp_size_in_bytes": 2**30}}, open(out, "w"))
+"""
+
+
+def test_compile_run_drives_the_worker_to_its_result(tmp_path, monkeypatch):
+    """compile_run's phases against a stand-in for the maxtext venv's interpreter (it reads the
+    result path, MaxText's arguments and the dump folder from XLA_FLAGS, as maxtext_worker.py is
+    given them): a finished compile keeps its memory analysis and gains the buffer assignment's
+    total and the seconds to the HLO; one stopped at the HLO (`until="hlo"`) is killed once the
+    dump is written and records the buffer assignment instead; a failed worker's last log lines
+    and a timeout are raised; a kept result.json is reused without a worker; the dump and MaxText's
+    output folder are removed, the optimized HLO kept."""
+    import subprocess
+    import time as real_time
+    from types import SimpleNamespace
+
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\n{FAKE_WORKER}")
+    python.chmod(0o755)
+    # the polls (every 5 s, a 2 s settle for the HLO's size) at test speed
+    monkeypatch.setattr(mc, "time", SimpleNamespace(time=real_time.time, sleep=lambda s: real_time.sleep(0.05)))
+
+    def run(name: str, mode: str, until: str = "full", timeout: float = 60.0) -> dict:
+        fake = mc.Run(anchor="x", topology="v6e-256", target="v6e-256", args=[f"fake={mode}"], xla_flags="", source="")
+        return mc.compile_run(name, fake, python=python, folder=tmp_path / name, timeout=timeout, until=until)
+
+    done = run("full", "finish")
+    assert done["compile_s"] == 40.0 and done["memory"] == {"temp_size_in_bytes": 2**30}
+    assert done["memory_report_bytes"] == 1234.0 and 29.0 < done["hlo_s"] < 60.0
+    assert Path(done["hlo"]).read_text() == "HloModule jit_train_step"
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == [
+        "result.json",
+        "result.json.pre.json",
+        "train_step.after_optimizations.txt",
+        "worker.log",
+    ]
+
+    start = real_time.time()
+    stopped = run("stopped", "hang", until="hlo")
+    assert real_time.time() - start < 30.0  # killed at the dump, not after the worker's 600 s
+    assert stopped["stopped_at"] == "hlo" and stopped["compile_s"] is None and stopped["memory"] == {}
+    assert stopped["memory_report_bytes"] == 1234.0 and 29.0 < stopped["hlo_s"] < 60.0 and stopped["hlo"]
+
+    with pytest.raises(RuntimeError, match="worker exited 3 after .* boom: the compile failed"):
+        run("failed", "fail")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run("slow", "hang", timeout=0.5)
+    assert run("full", "fail") == done  # kept: no worker started
