@@ -7,6 +7,9 @@ sequence's halves, no collective), the kernel-composed op under the wrapper equa
 the whole sequence: outputs, final state and every gradient within 1e-5 of max|whole| (both are
 fp32 computations of the same sums in another order, the bound of tests/unit/test_cp_linear_attention.py;
 measured ~6e-7), and the second half from a zero state (no state passing) misses by O(1).
+And the kernel compiles deviceless for v6e and TPU7x at those widths (dv + dk = 256 value columns,
+a cp rank's two chunks of 4096 tokens as a batch, 32 heads): forward one Mosaic call, forward +
+backward three, its VMEM estimate under the scoped limit.
 """
 
 from __future__ import annotations
@@ -18,10 +21,24 @@ pytestmark = pytest.mark.xla
 
 @pytest.fixture(scope="module")
 def result(probe):
-    return probe("xla", "cp_delta_rule.py", "256", timeout=600)
+    return probe("xla", "cp_delta_rule.py", "interpret", "256", timeout=600)
+
+
+@pytest.fixture(scope="module")
+def compiled(probe):
+    return probe("tpuc", "cp_delta_rule.py", "compile", "v6e", "v7x", timeout=600)
 
 
 def test_the_wrapper_over_the_interpreted_kernel_matches_the_whole_sequence(result):
     print(result)
     assert max(result["rel_to_max"].values()) <= 1e-5, result
     assert result["control_second_half_from_zero"] > 0.1, result
+
+
+@pytest.mark.parametrize("gen", ["v6e", "v7x"])
+def test_the_kernel_compiles_at_the_wrappers_widths(compiled, gen):
+    for name, kernels in (("forward", 1), ("forward+backward", 3)):
+        out = compiled["compiles"][f"{name}@{gen}"]
+        assert "error" not in out, f"{name} on {gen}: {out['error']}"
+        assert out["mosaic_calls"] == kernels, out
+        assert out["vmem_est_mib"] < out["scoped_vmem_limit_mib"], out

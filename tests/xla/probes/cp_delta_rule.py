@@ -1,6 +1,6 @@
-"""Context parallelism's delta-rule wrapper over the TPU kernel, interpreted on the CPU (xla venv).
+"""Context parallelism's delta-rule wrapper over the TPU kernel, without a TPU.
 
-`parallelisms.context_parallel_linear.cp_gated_delta_rule` at cp 1 (no collective: the rank's two
+`interpret [seq]` (xla venv): `parallelisms.context_parallel_linear.cp_gated_delta_rule` at cp 1 (no collective: the rank's two
 chunks are the sequence's two halves, so the state still passes from the first to the second
 through the wrapper's `[v | 0]` / `[0 | I]` call and fold) with the op as a TPU run composes it
 (tests/xla/probes/delta_rule.py `kernel_impl`: torch `_prepare`, then the Pallas forward and
@@ -8,7 +8,15 @@ backward kernels interpreted), against the same op on the whole sequence. dk = d
 widths, so the kernel runs at 256 value columns under the wrapper; a document reset in the first
 half; decays ~0.99 per token so the second half carries the first's state. Outputs, final state and
 the gradients of q, k, v, g, beta, relative to max|whole|, and the control: the second half alone
-from a zero state. Prints one JSON line.
+from a zero state.
+
+`compile GEN...` (tpuc venv, no torch): the kernel's forward and forward + backward (tests/xla/probes/
+delta_rule.py's programs) compiled deviceless at the widths the wrapper calls it with on a cp rank
+of Qwen 3.5 9B: the two local chunks as a batch of 2, 32 value heads, dk = 128 and dv + dk = 256
+value columns, chunks of 4096 tokens (cp 4 at 32k, cp 16 at 128k). Mosaic calls, the compiler's
+temporaries and arguments, the kernel's VMEM estimate against the scoped limit.
+
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -19,10 +27,60 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 
-def main() -> None:
+def compile_(generations: list[str]) -> dict:
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+
+    sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))  # plain modules: no torch in this venv
+    import delta_rule
+    import tiles
+
+    b, h, s, dk, dv = 2, 32, 4096, 128, 256
+    S, f32 = jax.ShapeDtypeStruct, jnp.float32
+    out = {"jax": jax.__version__, "shape": {"b": b, "heads": h, "s": s, "dk": dk, "dv": dv}, "compiles": {}}
+
+    def step(q, k, v, g, beta, h0, reset, d_out, d_state):
+        (o, st), vjp = jax.vjp(lambda *a: delta_rule.gated_delta_rule(*a, reset), q, k, v, g, beta, h0)
+        return o, st, vjp((d_out, d_state))
+
+    for gen in generations:
+        hw = tiles.GENERATIONS[gen]
+        dev = topologies.get_topology_desc(topology_name=hw.topology, platform="tpu").devices[0]
+        sh = jax.sharding.SingleDeviceSharding(dev)
+        shapes = [(b, h, s, dk), (b, h, s, dk), (b, h, s, dv), (b, h, s), (b, h, s), (b, h, dk, dv)]
+        avals = [S(x, f32, sharding=sh) for x in shapes] + [S((b, s), jnp.int32, sharding=sh)]
+        cot = [S((b, h, s, dv), f32, sharding=sh), S((b, h, dk, dv), f32, sharding=sh)]
+        for name, fn, args in (("forward", delta_rule.forward, avals), ("forward+backward", step, avals + cot)):
+            start = time.perf_counter()
+            try:
+                lowered = jax.jit(fn).lower(*args)
+                compiled = lowered.compile()
+                try:
+                    text = compiled.as_text()
+                except Exception:  # jaxlib 0.10.2 cannot print some TPU7x programs: the lowered text
+                    text = lowered.as_text()
+                mem = compiled.memory_analysis()
+                out["compiles"][f"{name}@{gen}"] = {
+                    "device": dev.device_kind,
+                    "seconds": round(time.perf_counter() - start, 1),
+                    "mosaic_calls": len(re.findall(r"tpu_custom_call", text)),
+                    "temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
+                    "argument_mib": round(mem.argument_size_in_bytes / 2**20, 1),
+                    "vmem_est_mib": round(delta_rule.vmem_bytes(dk, dv, s) / 2**20, 2),
+                    "scoped_vmem_limit_mib": hw.scoped_vmem_bytes // 2**20,
+                }
+            except Exception as exc:
+                out["compiles"][f"{name}@{gen}"] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    return out
+
+
+def interpret(seq: int) -> dict:
+    sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
     import torch
     import torch.nn.functional as F
     from delta_rule import kernel_impl
@@ -30,7 +88,7 @@ def main() -> None:
     from parallelisms.context_parallel import CPGroup
     from parallelisms.context_parallel_linear import cp_gated_delta_rule
 
-    b, s, hk, hv, dk, dv = 1, int(sys.argv[1]) if len(sys.argv) > 1 else 256, 1, 2, 128, 128
+    b, s, hk, hv, dk, dv = 1, seq, 1, 2, 128, 128
 
     def leaves():
         g = torch.Generator().manual_seed(1)
@@ -62,7 +120,18 @@ def main() -> None:
     whole_out = results["whole"][0]
     control = ((alone.detach() - whole_out[:, s // 2 :]).abs().max() / whole_out.abs().max()).item()
     shape = {"b": b, "s": s, "k_heads": hk, "v_heads": hv, "dk": dk, "dv": dv}
-    print(json.dumps({"shape": shape, "rel_to_max": rel, "control_second_half_from_zero": control, "seconds": seconds}))
+    return {"shape": shape, "rel_to_max": rel, "control_second_half_from_zero": control, "seconds": seconds}
+
+
+def main() -> None:
+    mode, rest = sys.argv[1], sys.argv[2:]
+    if mode == "interpret":
+        result = interpret(int(rest[0]) if rest else 256)
+    elif mode == "compile":
+        result = compile_(rest)
+    else:
+        raise SystemExit(f"error: mode {mode!r}: allowed: interpret, compile")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
