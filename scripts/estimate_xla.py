@@ -13,9 +13,10 @@ only; layer scan stacks meta tensors, models.common.stack.abstract_model), and c
 would run on a TPU (`trainer.step.plan_step` with device tpu): full depth, `[compile] scan_layers`
 (scan: one body), `[activation_checkpoint] mode` where the trainer applies it, the
 `mixed_precision_param` cast, the global batch (local batch x devices), and the Pallas kernels a
-TPU run calls as opaque ops (`--kernels pallas`, the default: splash attention, megablox gmm for
-MoE experts, the fused linear + cross-entropy when `[training] fused_loss` selects it, which
-`auto` does on TPU; titan_kernels/tpu/capture.py). torchax lowers it; it is compiled for a compile-only
+TPU run calls as opaque ops (`--kernels pallas`, the default: splash attention, with sinks and a
+sliding window for gpt-oss, megablox gmm for MoE experts, the fused linear + cross-entropy when
+`[training] fused_loss` selects it, which `auto` does on TPU, Qwen 3.5's gated delta rule;
+titan_kernels/tpu/capture.py). torchax lowers it; it is compiled for a compile-only
 topology of the target (`jax.experimental.topologies`) with every tensor sharded over all devices
 (parameters and optimizer state: SimpleFSDP's Shard(0) where dim 0 divides, else the largest dim
 that divides; tokens: data parallel). XLA's SPMD partitioner turns that into the per-device
@@ -101,8 +102,9 @@ def _parser() -> cli.ArgumentParser:
         "--kernels",
         choices=("pallas", "reference"),
         default="pallas",
-        help="attention, MoE experts and the fused loss in the captured step: the TPU run's Pallas "
-        "kernels (default) or the torch references (math SDPA, chunked CE)",
+        help="attention (with sinks), MoE experts, the fused loss and the delta rule in the captured step: "
+        "the TPU run's Pallas kernels (default) or the torch references (math SDPA, chunked CE, the "
+        "chunked delta rule)",
     )
     p.add_argument(
         "--donate",
