@@ -22,7 +22,8 @@ _spec.loader.exec_module(sbs)
 
 def test_every_pair_matches_maxtexts_tokens_per_device_and_routing():
     """Each pair's overrides put our recipe at the MaxText run's tokens per device (micro-batch x
-    accumulation x seq len) and, for the MoE runs, at the published random routing."""
+    accumulation x seq len; or a `per_token` share of them) and, for the MoE runs, at the published
+    random routing."""
     from trainer.config import build_config
 
     mts = sbs.read_maxtext(sbs.DEFAULT_MAXTEXT_CSV)
@@ -30,7 +31,8 @@ def test_every_pair_matches_maxtexts_tokens_per_device_and_routing():
     for run, pair in sbs.PAIRS.items():
         cfg = build_config(str(ROOT / "configs" / f"{pair.recipe}.toml"), list(pair.overrides))
         t = cfg.training
-        assert t.local_batch_size * t.gradient_accumulation_steps * t.seq_len == mts[run]["tokens_per_device"], run
+        tokens = t.local_batch_size * t.gradient_accumulation_steps * t.seq_len
+        assert tokens * pair.per_token == mts[run]["tokens_per_device"], run
         moe = run.startswith(("qwen3", "deepseek"))
         assert (cfg.moe.routing == "random") == moe, run
         assert pair.unmatched, run
