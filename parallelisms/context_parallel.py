@@ -236,17 +236,13 @@ def apply_cp(cp: CPGroup, device_type: str, *, replacing: str, references: bool 
     """Context parallelism's step of `parallelize_model`'s order, taken where the op table is filled
     (`trainer.job.serve_ops`) because it serves an op rather than wrapping a module: the op
     `causal_attention` is served, for this job, by `cp_attention_fn(cp, device_type)` in place of
-    the kernel chosen for a whole sequence (described by `replacing`), and the ops that read earlier
-    tokens of linear attention (`causal_conv1d`, `segment_starts`, `gated_delta_rule`:
-    `context_parallel_linear.apply_linear_cp`, the delta rule wrapping the kernel chosen for the
-    device); `references`: a capture
+    the kernel chosen for a whole sequence (described by `replacing`; the job then serves linear
+    attention's ops with `context_parallel_linear.apply_linear_cp`); `references`: a capture
     for `device_type` (the recipe check) serves the dense-mask SDPA. Returns the banner's
     attention line. The windows are sharded by the task, given `cp` at construction; the
     parameters are sharded over dp_shard x cp by SimpleFSDP (`parallelize_model`)."""
     from models.common import ops
-    from parallelisms.context_parallel_linear import apply_linear_cp
 
     ops.register("causal_attention", cp_attention_fn(cp, "cpu" if references else device_type))
-    apply_linear_cp(cp)  # linear attention's ops that read earlier tokens (Qwen 3.5's Gated DeltaNet)
     local = "splash with per-rank causal offsets" if device_type == "tpu" else "SDPA with a causal mask"
     return f"context parallel over {cp.size} ranks (k/v all-gather, {local}), replacing {replacing}"

@@ -27,7 +27,7 @@ ops of a Gated DeltaNet block read tokens before a chunk's first one, which live
   send/recv ring would idle rank r until ranks 0..r-1 finished). Gradients flow through the fold
   and the gathers to every chunk's `Pi` and `F`.
 
-`apply_linear_cp(cp)` registers the three for the job (`apply_cp` calls it); the inner delta rule
+`apply_linear_cp(cp)` registers the three for the job (trainer/job.py `serve_ops`, after `apply_cp`); the inner delta rule
 is the kernel registered before (the TPU Pallas kernel, which takes an initial state and returns
 its gradient, or the torch reference). See docs/context_parallel.md, "Linear attention".
 """

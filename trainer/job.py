@@ -52,6 +52,7 @@ from models.common.moe import set_routing_key, use_capacity, use_routing
 from models.errors import ConfigError
 from parallelisms import ParallelDims, build_mesh, clip_grad_norm_, parallelize_model
 from parallelisms.context_parallel import CPGroup, apply_cp, cp_group
+from parallelisms.context_parallel_linear import apply_linear_cp
 from parallelisms.device_order import RankOrder
 from parallelisms.parallel_dims import pp_mesh
 from parallelisms.pipeline_parallel import init_weights_as_whole, prune_model
@@ -629,7 +630,9 @@ def serve_ops(choice: AttentionChoice) -> str:
     With context parallelism `causal_attention` is served by the cp attention (k/v all-gathered
     over cp; the local product is splash with this rank's causal offsets on TPU, dense-mask SDPA
     elsewhere: `parallelisms.context_parallel.apply_cp`) in place of the kernel picked for a whole
-    sequence.
+    sequence, and the ops of linear attention that read earlier tokens (`causal_conv1d`,
+    `segment_starts`, `gated_delta_rule` wrapping the kernel chosen) by
+    `parallelisms.context_parallel_linear.apply_linear_cp`.
     """
     for op in ops.OPS + ops.SEQUENCE_OPS:
         ops.register(op, None)
@@ -652,7 +655,9 @@ def serve_ops(choice: AttentionChoice) -> str:
         )
     if choice.cp is None:
         return attention
-    return apply_cp(choice.cp, choice.device_type, replacing=attention, references=captured)
+    line = apply_cp(choice.cp, choice.device_type, replacing=attention, references=captured)
+    apply_linear_cp(choice.cp)  # linear attention's ops that read earlier tokens, the delta rule on the kernel chosen
+    return line
 
 
 def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purpose: Purpose) -> torch.nn.Module:

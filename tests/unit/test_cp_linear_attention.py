@@ -6,9 +6,9 @@
   conv input and weight); a control without the state passing (the reference op on each rank's
   chunks from a zero state, the conv without the halo) is far off, so the comparison can fail.
 - Qwen 3.5 (a 4-block hybrid debug model: 3 Gated DeltaNet blocks, 1 gated full-attention block)
-  whose ops serve cp = 2 (`apply_cp`, what the job registers): loss and every parameter gradient
-  equal one process, with and without packed documents; the control registers only the cp
-  attention (no linear-attention ops) and misses by orders of magnitude.
+  whose ops serve cp = 2 (`apply_cp` and `apply_linear_cp`, what the job registers): loss and
+  every parameter gradient equal one process, with and without packed documents; the control
+  registers only the cp attention (no linear-attention ops) and misses by orders of magnitude.
 
 Bounds (fp32, u = 2^-24). The cp results are the same sums in another order: the delta rule's
 output from a carried state is `o^0 + (Phi^T q)^T S` (a dk-term dot product added to the zero-start
@@ -34,7 +34,12 @@ import torch.nn.functional as F
 
 from models.common import gated_delta, ops
 from parallelisms.context_parallel import apply_cp, cp_group, positions, shard_sequence
-from parallelisms.context_parallel_linear import cp_causal_conv1d, cp_gated_delta_rule, cp_segment_starts
+from parallelisms.context_parallel_linear import (
+    apply_linear_cp,
+    cp_causal_conv1d,
+    cp_gated_delta_rule,
+    cp_segment_starts,
+)
 from tests.support.parallel_harness import run_processes
 
 REL = 1e-5
@@ -219,9 +224,10 @@ def _qwen3_5_both_ways(state, tokens, labels, seg):
 
 
 def _qwen3_5_on_rank(state, tokens, labels, seg, linear_ops: bool):
-    """The model on this rank's load-balanced tokens, its ops served for cp (`apply_cp`, as the job
-    does; `linear_ops` false: only the cp attention, the control); loss = this rank's token sum
-    over the global count, loss and gradients summed over the ranks (SimpleFSDP over cp)."""
+    """The model on this rank's load-balanced tokens, its ops served for cp (`apply_cp`,
+    `apply_linear_cp`, as the job does; `linear_ops` false: only the cp attention, the control);
+    loss = this rank's token sum over the global count, loss and gradients summed over the ranks
+    (SimpleFSDP over cp)."""
     from models.qwen3_5 import Qwen3_5Transformer
 
     cp = cp_group(dist.group.WORLD)
@@ -232,6 +238,7 @@ def _qwen3_5_on_rank(state, tokens, labels, seg, linear_ops: bool):
     try:
         if linear_ops:
             apply_cp(cp, "cpu", replacing="sdpa")
+            apply_linear_cp(cp)
         else:
             from parallelisms.context_parallel import cp_attention_fn
 
