@@ -267,7 +267,9 @@ class ParallelismConfig:
     0 = from the launcher's environment (`MEGASCALE_NUM_SLICES`, else 1); a value > 0 must agree
     with it when it is set. The DCN split is put on `dp_replicate`: HSDP shards inside a slice and
     all-reduces gradients across slices, so `data_parallel_replicate_degree` must be a multiple of
-    the slice count (docs/launch.md, "Several slices")."""
+    the slice count (docs/launch.md, "Several slices"). With graph-mode pipeline parallelism the
+    stages take the slices first (pp outermost over the DCN): `pipeline_parallel_degree x
+    data_parallel_replicate_degree` must be a multiple (docs/pipeline_parallel.md, "Across slices")."""
     device_order: str | list[int] = "auto"
     """Which launcher rank (device) takes which place of the mesh. The mesh is always built in
     rank order, so a rank's shard is the same number in every parallelism, DCP and the initial
