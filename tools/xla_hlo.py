@@ -538,7 +538,7 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                     continue  # a collective wrapped as a fusion: counted by collectives()
                 flops = sum(_fusion_flops(hlo, c) for c in called)
                 fused = hlo.computations.get(called[0]) if len(called) == 1 else None
-                ops.append(Op(ins.name, "fusion", flops, fusion_bytes(comp, ins, fused) if fused else io, times))
+                ops.append(Op(ins.name, "fusion", flops, fusion_bytes(comp, ins, fused, hlo) if fused else io, times))
             elif ins.opcode in ("dynamic-slice", "dynamic-update-slice"):
                 # reads and writes the slice only (an update in place leaves the rest untouched)
                 part = ins.shape if ins.opcode == "dynamic-slice" else _operand_shape(comp, ins.operands[1])
@@ -577,11 +577,17 @@ def compute_ops(hlo: Hlo) -> list[Op]:
 _PASS_THROUGH = ("bitcast", "reshape")
 
 
-def _read_bytes(name: str, users: dict[str, list[Instr]]) -> float | None:
+def _read_bytes(
+    name: str, users: dict[str, list[Instr]], hlo: Hlo | None = None, shapes: dict[str, str] | None = None
+) -> float | None:
     """The bytes a fused computation reads of value `name` when it reads part of it: every use a
     dynamic-slice or slice of it (their results' bytes), the buffer of an in-place
-    dynamic-update-slice (nothing read), or a bitcast / reshape passing it on to such uses.
-    None when some use reads it whole."""
+    dynamic-update-slice (nothing read), a bitcast / reshape passing it on to such uses, or (with
+    `hlo` and the computation's `shapes`) a nested fusion that reads its parameter so, or a
+    one-operand nested fusion of the same elements (a tiling change, a convert) whose result is read
+    so (it computes only the elements read). The layer scan's backward matmul fusions of the
+    trainer's programs take the stacked [L, ...] residuals through such inner fusions to a
+    dynamic-slice of one layer. None when some use reads it whole."""
     total = 0.0
     for user in users.get(name, []):
         if user.opcode in ("dynamic-slice", "slice") and user.operands[:1] == [name]:
@@ -589,12 +595,63 @@ def _read_bytes(name: str, users: dict[str, list[Instr]]) -> float | None:
         elif user.opcode == "dynamic-update-slice" and user.operands[:1] == [name] and name not in user.operands[1:]:
             continue
         elif user.opcode in _PASS_THROUGH:
-            sub = _read_bytes(user.name, users)
+            sub = _read_bytes(user.name, users, hlo, shapes)
+            if sub is None:
+                return None
+            total += sub
+        elif user.opcode == "fusion" and hlo is not None:
+            sub = _nested_read_bytes(hlo, user, name)
+            src = (shapes or {}).get(name, "")
+            if sub is None and user.operands == [name] and src and _elements(src) == _elements(user.shape):
+                out = _read_bytes(user.name, users, hlo, shapes)
+                if out is not None:
+                    sub = out * array_bytes(src) / max(array_bytes(user.shape), 1.0)
             if sub is None:
                 return None
             total += sub
         else:
             return None
+    return total
+
+
+def _elements(shape: str) -> int:
+    n = 1
+    for d in array_dims(shape):
+        n *= d
+    return n
+
+
+def _uses(comp: Computation) -> tuple[dict[str, list[Instr]], dict[str, str], dict[int, Instr]]:
+    """A fused computation's users per value, shapes per value and parameters by number."""
+    users: dict[str, list[Instr]] = {}
+    params = {}
+    for i in comp.instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+        m = re.match(r"\s*(\d+)", i.args) if i.opcode == "parameter" else None
+        if m:
+            params[int(m.group(1))] = i
+    return users, {i.name: i.shape for i in comp.instrs}, params
+
+
+def _nested_read_bytes(hlo: Hlo, user: Instr, name: str) -> float | None:
+    """The bytes a nested fusion `user` reads of its operand `name` (`_read_bytes` on the parameters
+    it is passed as); None when it reads it whole or the fused computation is unknown."""
+    called = _names(user.attr("calls"))
+    inner = hlo.computations.get(called[0]) if len(called) == 1 else None
+    if inner is None:
+        return None
+    users, shapes, params = _uses(inner)
+    total = 0.0
+    for k, operand in enumerate(user.operands):
+        if operand != name:
+            continue
+        if k not in params:
+            return None
+        sub = _read_bytes(params[k].name, users, hlo, shapes)
+        if sub is None:
+            return None
+        total += sub
     return total
 
 
@@ -612,27 +669,19 @@ def _written_bytes(fused: Computation, ins: Instr) -> float:
     return array_bytes(ins.shape)
 
 
-def fusion_bytes(comp: Computation, ins: Instr, fused: Computation) -> float:
+def fusion_bytes(comp: Computation, ins: Instr, fused: Computation, hlo: Hlo | None = None) -> float:
     """HBM bytes of a fusion: each operand in HBM read whole, or only the part the fused
     computation reads (`_read_bytes`: XLA's scan loops slice one layer of a stacked [L, ...]
     buffer and update one layer of another in place, so charging the whole buffer per trip
     counted L times the traffic); the result in HBM written whole, or only an in-place update's
     slice."""
-    users: dict[str, list[Instr]] = {}
-    for i in fused.instrs:
-        for o in i.operands:
-            users.setdefault(o, []).append(i)
-    params = {}
-    for i in fused.instrs:
-        m = re.match(r"\s*(\d+)", i.args) if i.opcode == "parameter" else None
-        if m:
-            params[int(m.group(1))] = i
+    users, shapes, params = _uses(fused)
     total = 0.0
     for k, operand in enumerate(ins.operands):
         whole = array_bytes(_operand_shape(comp, operand), hbm_only=True)
         if not whole:
             continue  # on chip (or empty)
-        part = _read_bytes(params[k].name, users) if k in params else None
+        part = _read_bytes(params[k].name, users, hlo, shapes) if k in params else None
         total += whole if part is None else min(part, whole)
     result = array_bytes(ins.shape, hbm_only=True)
     if result:

@@ -128,3 +128,49 @@ def test_splash_mxu_factor_charges_our_splash_as_maxtexts():
     assert splash_mxu_factor("splash_fwd", (192, 128), 256) == pytest.approx((256 + 128) / 320)
     assert splash_mxu_factor("splash_fwd", (256, 256), 256) == 1.0  # full tiles: no change
     assert splash_mxu_factor("ce_fwd", (128, 128), 256) == 1.0 and splash_mxu_factor("splash_fwd", None, 256) == 1.0
+
+
+NESTED_SCAN_BODY = r"""
+HloModule nested
+
+%retile (r0: bf16[64,256,512]) -> bf16[64,256,512] {
+  %r0 = bf16[64,256,512]{2,1,0:T(16,128)(2,1)} parameter(0)
+  ROOT %c = bf16[64,256,512]{2,1,0:T(8,128)(2,1)} copy(%r0)
+}
+
+%inner (i0: bf16[64,256,512], i1: s32[]) -> bf16[256,512] {
+  %i0 = bf16[64,256,512]{2,1,0:T(16,128)(2,1)} parameter(0)
+  %i1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %t = bf16[64,256,512]{2,1,0:T(8,128)(2,1)} fusion(%i0), kind=kLoop, calls=%retile
+  %ds = bf16[1,256,512]{2,1,0} dynamic-slice(%t, %i1, %zero, %zero), dynamic_slice_sizes={1,256,512}
+  ROOT %layer = bf16[256,512]{1,0} bitcast(%ds)
+}
+
+%outer (p0: bf16[64,256,512], p1: s32[], p2: bf16[512,256]) -> bf16[256,256] {
+  %p0 = bf16[64,256,512]{2,1,0:T(16,128)(2,1)} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[512,256]{1,0} parameter(2)
+  %x = bf16[256,512]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%inner
+  ROOT %d = bf16[256,256]{1,0} dot(%x, %p2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (saved: bf16[64,256,512], i: s32[], w: bf16[512,256]) -> bf16[256,256] {
+  %saved = bf16[64,256,512]{2,1,0:T(16,128)(2,1)} parameter(0)
+  %i = s32[] parameter(1)
+  %w = bf16[512,256]{1,0} parameter(2)
+  ROOT %fusion.1 = bf16[256,256]{1,0} fusion(%saved, %i, %w), kind=kOutput, calls=%outer
+}
+"""
+
+
+def test_a_nested_fusion_slicing_one_layer_of_the_stack_is_charged_the_layer():
+    """The trainer's layer-scan backward matmul fusions take the stacked [L, ...] residuals through
+    an inner fusion (a tiling change) to a dynamic-slice of one layer: the fusion reads one layer,
+    not the stack (charged whole before: 64x the bytes, the 405B's matmuls bytes-bound by 7 s)."""
+    from tools import xla_projection as xp
+
+    layer = 256 * 512 * 2
+    op = {o.name: o for o in xp.compute_ops(xp.parse_hlo(NESTED_SCAN_BODY))}["fusion.1"]
+    assert op.bytes == layer + 4 + 512 * 256 * 2 + 256 * 256 * 2  # one layer, the index, w, the result
+    assert op.flops == 2 * 256 * 512 * 256
