@@ -465,13 +465,19 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
 
 
 def splash_mxu_factor(kernel: str, head_dims: tuple[int, int] | None, tile: int) -> float:
-    """MXU FLOPs over counted FLOPs of a splash kernel op (`splash_fwd`, `splash_bwd`, the `_seg`,
-    `_full` and `_cp` ones) whose head dims (query-key d, value dv) are below the MXU's `tile`: the
-    matmuls that contract a head dim fill d / tile of the array, as the calibration charges MaxText's
-    splash (scripts/bench/maxtext_compile.py `attention_kernel_seconds`). Of titan_kernels/tpu/
-    capture.py's `splash_cost` terms: the forward's q k^T (contracts d) and p v; the backward's forward
-    re-run (q k^T, p v), q k^T again, dS k and dS^T q, dO v^T (contracts dv) and p^T dO. 1.0 for
-    other kernels or without head dims."""
+    """The TPU run's splash kernel FLOPs at the MXU over the capture's count, for a splash op
+    (`splash_fwd`, `splash_bwd`, the `_seg`, `_full` and `_cp` ones; the sink pair is priced as
+    captured). Two corrections, both to charge what a TPU run executes:
+
+    - the matmuls that contract a head dim below the MXU's `tile` fill d / tile of the array, as the
+      calibration charges MaxText's splash (scripts/bench/maxtext_compile.py `attention_kernel_seconds`);
+    - the capture's backward op re-runs the forward for its residuals (titan_kernels/tpu/capture.py
+      `splash_cost`, `forward_again`), the run's does not: titan_kernels/tpu/register.py's
+      `splash_fwd` returns (out, lse) and `splash_bwd` takes them ("not the forward again").
+
+    Of `splash_cost`'s terms: the forward's q k^T (contracts d) and p v; the backward's q k^T again,
+    dS k and dS^T q, dO v^T (contracts dv) and p^T dO (the re-run forward's q k^T and p v dropped).
+    1.0 for other kernels or without head dims."""
     if not head_dims or not kernel.startswith("splash"):
         return 1.0
     from tools.xla_hlo import _pad
@@ -479,7 +485,7 @@ def splash_mxu_factor(kernel: str, head_dims: tuple[int, int] | None, tile: int)
     d, dv = head_dims
     pd, pv = _pad(d, tile) / d, _pad(dv, tile) / dv  # 1 / fill of a matmul contracting d / dv
     if kernel.endswith("bwd"):
-        return (d * pd + dv + d * pd + 2 * d + dv * pv + dv) / (d + dv + 3 * d + 2 * dv)
+        return (d * pd + 2 * d + dv * pv + dv) / (d + dv + 3 * d + 2 * dv)
     return (d * pd + dv) / (d + dv)
 
 
