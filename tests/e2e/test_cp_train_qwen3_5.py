@@ -72,6 +72,10 @@ MESHES = [
     pytest.param(2, dict(cp=2), (), id="cp2"),
     pytest.param(4, dict(cp=2, dp_shard=2), (), id="cp2xdp2", marks=EXHAUSTIVE),
     pytest.param(4, dict(cp=4), (), id="cp4", marks=EXHAUSTIVE),
+    # per-block compile (aot_eager): each block compiled with the ops' gathers inside
+    pytest.param(
+        2, dict(cp=2), ("--compile.mode=compile", "--compile.backend=aot_eager"), id="cp2-compile", marks=EXHAUSTIVE
+    ),
     # graph mode (aot_eager): the halo and state gathers captured with SimpleFSDP's collectives
     pytest.param(
         2, dict(cp=2), ("--compile.mode=graph", "--compile.backend=aot_eager"), id="cp2-graph", marks=EXHAUSTIVE

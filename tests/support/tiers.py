@@ -184,6 +184,14 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "Qwen 3.5 at cp 4 through the trainer: the ops at cp 4 are the unit test's scheduled point",
     ),
     Scheduled(
+        "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[[]cp2-compile]",
+        (
+            "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
+            "tests/e2e/test_cp_train.py::test_eager_cp_matches_single_process[cp2]",
+        ),
+        "Qwen 3.5 cp with per-block compile: the same ops inside each compiled block",
+    ),
+    Scheduled(
         "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[[]cp2-graph]",
         (
             "tests/e2e/test_cp_train_qwen3_5.py::test_qwen3_5_cp_matches_single_process[cp2]",
