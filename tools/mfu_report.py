@@ -13,6 +13,8 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 ANCHORS = Path(__file__).resolve().parents[1] / "assets" / "anchors.toml"
+SIDE_BY_SIDE = Path(__file__).resolve().parents[1] / "docs" / "results" / "maxtext_side_by_side_2026-12-06_c3f413b.csv"
+"""The table of ours beside MaxText's program (scripts/bench/maxtext_side_by_side.py): the TPU headline."""
 
 
 def load_anchors(path: Path = ANCHORS) -> dict:
@@ -361,10 +363,43 @@ def write_plots(rows: list[dict], out: Path) -> list[Path]:
     return paths
 
 
-def projection_sections(projections: list, programs: list, weak: list, *, skipped: str, anchors: dict) -> list[str]:
-    """The report's projection tables: the FSDP bound with its method and what it is made of, the
-    trainer-program bound of the expert-parallel recipes, the weak scaling; or why none was made."""
-    md = []
+def calibrated_headline(path: Path = SIDE_BY_SIDE) -> list[str]:
+    """The TPU headline: per MaxText run, our program's ratio to MaxText's (predicted time per token,
+    > 1: ours faster) and the calibrated MFU (MaxText's published x the ratio), from the side-by-side
+    CSV; [] without one. The bounds of the tables after it are upper bounds (a footnote)."""
+    import csv
+
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if not r.get("calibrated_by")]
+    md = [
+        "### TPU headline: ours beside MaxText's program, calibrated",
+        "",
+        f"From {path.name} (scripts/bench/maxtext_side_by_side.py; docs/maxtext_calibration.md). "
+        "Predictions, nothing has run on a TPU; MFU causal (MaxText's convention). The bounds below "
+        "(exposed / overlapped) are upper bounds, kept as a footnote.",
+        "",
+        "| run | ours (recipe, overrides) | ratio (MaxText / ours) | calibrated MFU % | MaxText published MFU % |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"**{float(r['ratio']):.3f}**" if r.get("ratio") else (r.get("error") or "-")
+        calibrated = f"**{float(r['calibrated_mfu_pct']):.1f}**" if r.get("calibrated_mfu_pct") else "-"
+        md.append(
+            f"| {r['run']} | {r['recipe']} {r.get('overrides', '')} | {ratio} | {calibrated} | "
+            f"{r.get('maxtext_published_mfu_pct') or '-'} |"
+        )
+    return [*md, ""]
+
+
+def projection_sections(
+    projections: list, programs: list, weak: list, *, skipped: str, anchors: dict, headline: Path | None = SIDE_BY_SIDE
+) -> list[str]:
+    """The report's projection tables: the TPU headline (`calibrated_headline`), the FSDP bound with
+    its method and what it is made of, the trainer-program bound of the expert-parallel recipes, the
+    weak scaling; or why none was made."""
+    md = calibrated_headline(headline) if headline is not None and (projections or programs) else []
     if projections:
         md += [
             *projection_table(projections),

@@ -177,3 +177,41 @@ def test_a_nested_fusion_slicing_one_layer_of_the_stack_is_charged_the_layer():
     op = {o.name: o for o in xp.compute_ops(xp.parse_hlo(NESTED_SCAN_BODY))}["fusion.1"]
     assert op.bytes == layer + 4 + 512 * 256 * 2 + 256 * 256 * 2  # one layer, the index, w, the result
     assert op.flops == 2 * 256 * 512 * 256
+
+
+def test_the_mfu_suite_headline_reads_the_side_by_side(tmp_path, monkeypatch):
+    """tools/mfu_report.py leads the suite's projections with the calibrated ratio per run (issue 51
+    item 5): the side-by-side CSV's matched rows, not its shipped ones."""
+    from tools.mfu_report import SIDE_BY_SIDE, calibrated_headline, projection_sections
+
+    rows = [
+        sbs.side_row(
+            "llama3.1-8b_v6e-256",
+            sbs.PAIRS["llama3.1-8b_v6e-256"],
+            MT,
+            {"step_scheduled_s": 4.437 / 0.9, "tokens": 32768, "mfu_causal_scheduled": 37.0},
+        ),
+        sbs.side_row("llama3.1-70b_v6e-256", sbs.PAIRS["llama3.1-70b_v6e-256"], MT, {"error": "not compiled"}),
+        sbs.shipped_row(
+            "llama3_8b_v6e",
+            "llama3.1-8b_v6e-256",
+            MT,
+            {"step_scheduled_s": 1.0, "tokens": 8192, "mfu_causal_scheduled": 40.0},
+        ),
+    ]
+    sbs.write_csv(rows, tmp_path / "s.csv")
+    md = calibrated_headline(tmp_path / "s.csv")
+    body = [line for line in md if line.startswith("| llama")]
+    assert len(body) == 2  # the shipped row is not a headline row
+    assert "**0.900**" in body[0] and "**36.4**" in body[0]  # 40.41 x 0.9
+    assert "not compiled" in body[1]
+    assert calibrated_headline(tmp_path / "none.csv") == []
+    import tools.mfu_report as mr
+
+    monkeypatch.setattr(mr, "program_table", lambda programs, anchors: ["| program |"])
+    out = projection_sections([], [{"recipe": "x"}], [], skipped="", anchors={}, headline=tmp_path / "s.csv")
+    assert out[: len(md)] == md and "| program |" in out  # the headline first, the bounds after
+    assert projection_sections([], [], [], skipped="no venv", anchors={}, headline=tmp_path / "s.csv") == [
+        "Skipped: no venv."
+    ]
+    assert SIDE_BY_SIDE.is_file()  # the committed table the suite reads
