@@ -632,6 +632,26 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "collectives plus the expert dispatch",
     ),
     Scheduled(
+        "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[[]gpt_oss]",
+        (
+            "tests/unit/test_capture_kernels.py::test_the_sink_op_keeps_shapes_and_autograd_on_fake_tensors",
+            "tests/unit/test_capture_kernels.py::test_the_sink_and_delta_rule_kernels_are_priced",
+            "tests/xla/test_moe_xla.py::test_qwen3_moe_lowers_to_one_program",
+        ),
+        "the reduced gpt-oss program: the sink op captured and priced, and an MoE program's lowering",
+    ),
+    Scheduled(
+        "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[[]qwen3_5]",
+        (
+            "tests/unit/test_delta_rule_op.py::test_the_capture_op_keeps_shapes_and_autograd_on_fake_tensors",
+            "tests/unit/test_capture_kernels.py::test_the_sink_and_delta_rule_kernels_are_priced",
+            "tests/xla/test_convolution_backward.py::test_convolution_backward_matches_aten",
+            "tests/xla/test_moe_xla.py::test_qwen3_moe_lowers_to_one_program",
+        ),
+        "the reduced Qwen 3.5 program: the delta rule op captured and priced, its conv1d backward's "
+        "lowering, and an MoE program's lowering",
+    ),
+    Scheduled(
         "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[[]cp2]",
         (
             "tests/xla/test_kernels.py::test_interpret_matches_torch_reference",

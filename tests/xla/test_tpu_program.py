@@ -5,7 +5,8 @@ Three pod recipes of the three program structures, each at a reduced width on an
 slice so the default tier stays short (the real structure: the recipe's mesh kinds, layer scan,
 AC, fused loss, its kernels): Llama 3 8B (SimpleFSDP only), Qwen 3 30B-A3B (FSDP x EP 2: the
 ragged all-to-all dispatch) and Llama 3 8B 128k (FSDP x CP 2: the k/v all-gathers and the per-rank
-CP splash). The full table, every TPU recipe at its real size and target, is the scheduled tier's
+CP splash); and the new families' kernels, scheduled: gpt-oss 120B (splash with sinks) and Qwen 3.5
+35B-A3B (the gated delta rule). The full table, every TPU recipe at its real size and target, is the scheduled tier's
 (`test_every_tpu_recipe_compiles`, marker `exhaustive`; result in docs/results/).
 
 What would fail here: a collective whose process group is not a product of the mesh's axes, a
@@ -54,7 +55,42 @@ PROGRAMS = {
         "llama3_8b_128k_v6e.toml",
         [*SMALL, ("parallelism.context_parallel_degree", "2"), ("training.seq_len", "2048")],
     ),
+    # The new families' kernels (issue 54): gpt-oss's splash with sinks (sliding and full layers in
+    # one layer scan, the window picked on the device) and Qwen 3.5's delta rule (3 DeltaNet blocks,
+    # then the gated full attention; no layer scan, as the recipe), both with the recipe's capacity
+    # dispatch at EP 2.
+    "gpt_oss": (
+        "gpt_oss_120b_v7x.toml",
+        [
+            *SMALL,
+            ("model.num_experts", "16"),
+            ("model.moe_hidden_dim", "256"),
+            ("parallelism.expert_parallel_degree", "2"),
+            ("training.seq_len", "1024"),
+            ("training.local_batch_size", "2"),
+        ],
+    ),
+    "qwen3_5": (
+        "qwen3_5_35b_a3b_v6e.toml",
+        [
+            *SMALL,
+            ("model.n_layers", "4"),
+            ("model.head_dim", "128"),
+            ("model.linear_num_key_heads", "2"),
+            ("model.linear_num_value_heads", "4"),
+            ("model.num_experts", "16"),
+            ("model.moe_hidden_dim", "256"),
+            ("model.shared_expert_hidden_dim", "256"),
+            ("parallelism.expert_parallel_degree", "2"),
+            ("training.seq_len", "1024"),
+            ("training.local_batch_size", "2"),
+        ],
+    ),
 }
+ATTENTION = {"cp2": "splash_cp", "gpt_oss": "sink"}
+"""The attention kernel of each program (default: the causal splash)."""
+SCANS = {"qwen3_5": 0}
+"""Scans of each program (default 2: the forward and the backward layer scan)."""
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +114,18 @@ def compiled(request):
 def test_the_program_compiles_with_its_kernels_and_collectives(compiled, name):
     r = compiled[name]
     assert r.error is None and r.oom is None, f"{name}: {r.error or r.oom}"
-    assert r.topology == "v6e:2x4" and r.scans == 2, (r.topology, r.scans)  # forward and backward scan
+    assert r.topology == "v6e:2x4" and r.scans == SCANS.get(name, 2), (r.topology, r.scans)
     # SimpleFSDP's explicit collectives: parameters gathered, gradients reduce-scattered.
     assert r.collectives.get("all_gather_into_tensor", 0) > 0 and r.collectives.get("reduce_scatter_tensor", 0) > 0
     assert r.kernels.get("ce_fwd") == 1 and r.kernels.get("ce_bwd") == 1, r.kernels  # the fused loss
-    attention = "splash_cp" if name == "cp2" else "splash"
+    attention = ATTENTION.get(name, "splash")
     assert r.kernels.get(f"{attention}_fwd", 0) >= 1 and r.kernels.get(f"{attention}_bwd", 0) >= 1, r.kernels
-    if name == "cp2":
-        assert "splash_fwd" not in r.kernels, r.kernels  # the CP program calls only the per-rank kernel
+    if name in ("cp2", "gpt_oss"):
+        assert "splash_fwd" not in r.kernels, r.kernels  # only the per-rank CP kernel, only the sink kernel
+    if name == "qwen3_5":  # three DeltaNet blocks, no scan: one backward each, the forward and full AC's re-runs
+        assert r.kernels.get("gated_delta_bwd") == 3 and r.kernels.get("gated_delta_fwd", 0) >= 6, r.kernels
+    # every kernel call is priced (titan_kernels/tpu/capture.py's model; libtpu counts them as 0 FLOPs)
+    assert set(r.kernel_cost) == set(r.kernels) and all(c["flops"] > 0 for c in r.kernel_cost.values()), r.kernel_cost
     if name == "moe_ep2":
         # dispatch + combine, and their reverses in the backward; gmm forward and backward
         assert r.collectives.get("ragged_all_to_all", 0) >= 4, r.collectives
