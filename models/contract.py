@@ -54,6 +54,11 @@ class ModelShape:
     """Experts each token is routed to."""
     moe_hidden: int = 0
     """Each expert's MLP width."""
+    expert_act_tensors: int = 4
+    """bf16 `[rows, moe_hidden]` tensors an expert's activation keeps for its backward per routed row:
+    4 for the SwiGLU (gate, up, silu(gate), product); gpt-oss's clamped SwiGLU keeps 7 (the raw
+    gate and up for their clamps, the clamped gate, its sigmoid, up + 1, gate x sigmoid, the
+    product). The planner's MoE activation bytes read it."""
 
     @property
     def is_moe(self) -> bool:

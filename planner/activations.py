@@ -52,11 +52,12 @@ def _moe_none_per_token(s: ModelShape) -> int:
     """Bytes per token one MoE block keeps without AC (tp = 1).
 
     Routed token copies in (gathered, bf16) and out (re-ordered, bf16): 4kd; grouped SwiGLU:
-    gate, up, silu(gate), product: 8kF; router: two fp32 softmax outputs and the fp32 logits
+    gate, up, silu(gate), product: 8kF (2 x `expert_act_tensors` x kF: 14kF for gpt-oss's clamped
+    SwiGLU); router: two fp32 softmax outputs and the fp32 logits
     of the z-loss (12E), top-k indices + values + bf16 scores + sort indices (30k), sums (8).
     """
     k, e = s.top_k, s.num_experts
-    return 4 * k * s.dim + 8 * k * s.moe_hidden + 12 * e + 30 * k + 8
+    return 4 * k * s.dim + 2 * s.expert_act_tensors * k * s.moe_hidden + 12 * e + 30 * k + 8
 
 
 def cp_gathered_kv_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, cp: int) -> int:

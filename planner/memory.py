@@ -224,9 +224,10 @@ def capacity_saved_delta(shape: ModelShape, *, rows: int, tokens: int) -> int:
     below one copy per row). Before 2026-12-06 the planner counted the copies' rows and the
     buffer's rows both (`ep_dispatch_bytes` held the forward rows again, and their gradients
     twice): 7.81 GiB for Qwen3-30B-A3B's 8 x 4096 tokens where the compiled program's MoE
-    buffers take about 3 (docs/recipe_check.md)."""
+    buffers take about 3 (docs/recipe_check.md). `8 moe_hidden` is the SwiGLU's; an expert
+    activation that keeps more (`ModelShape.expert_act_tensors`) counts `2 x` that."""
     copies = tokens * shape.top_k
-    return (rows - copies) * (2 * shape.dim + 8 * shape.moe_hidden)
+    return (rows - copies) * (2 * shape.dim + 2 * shape.expert_act_tensors * shape.moe_hidden)
 
 
 def capacity_backward_bytes(shape: ModelShape, *, rows: int) -> int:

@@ -101,6 +101,7 @@ class GptOssArgs(YarnArgs):
             num_experts=self.num_experts,
             top_k=self.num_experts_per_tok,
             moe_hidden=self.moe_hidden_dim,
+            expert_act_tensors=7,  # the clamped SwiGLU's saved tensors (ModelShape)
         )
 
     def _counts(self) -> tuple[int, int, int]:

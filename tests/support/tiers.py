@@ -1230,6 +1230,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "an MoE pod recipe on its fake world: the recipe check, and the DeepSeek-V3 MoE recipe passing it",
     ),
     Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]qwen3_5_35b_a3b_v6e.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees[qwen3_5_35b_a3b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[qwen3_5_moe_debug.toml]",
+            "tests/unit/test_planner_new_families.py",
+        ),
+        "the Qwen 3.5 MoE pod recipe's start-up: its capture of 40 unscanned blocks with the delta rule's "
+        "reference (a Python loop over 64 chunks in each of 30 blocks) ran over 18 minutes on a Zen 5 EPYC; "
+        "the rules at its target, the same family's start-up at debug size and its plan run by default",
+    ),
+    Scheduled(
         "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]llama3_8b_128k_v6e.toml]",
         (
             "tests/e2e/test_recipes.py::test_the_check_names_the_recipe_and_the_rule_or_the_shortfall",

@@ -109,6 +109,30 @@ VARIANTS = [
         ((CAPACITY, "0"), (BATCH, "4")),
         r"not 4 \((\d+\.\d+) GiB\)",
     ),
+    (
+        "configs/qwen3_5_35b_a3b_v6e.toml",
+        "qwen3_5_35b_a3b_v6e",
+        ((CAPACITY, "0"), (BATCH, "2")),
+        r"fits 2 sequences \((\d+\.\d+) GiB\)",
+    ),
+    (
+        "configs/qwen3_5_35b_a3b_v6e.toml",
+        "qwen3_5_35b_a3b_v6e",
+        ((CAPACITY, "0"), (BATCH, "4")),
+        r"not 4 \((\d+\.\d+) GiB\)",
+    ),
+    (
+        "configs/gpt_oss_120b_v7x.toml",
+        "gpt_oss_120b_v7x",
+        ((CAPACITY, "0"), (BATCH, "4")),
+        r"4 sequences fit \((\d+\.\d+) GiB\)",
+    ),
+    (
+        "configs/gpt_oss_120b_v7x.toml",
+        "gpt_oss_120b_v7x",
+        ((CAPACITY, "0"), (BATCH, "8")),
+        r"8 do not \((\d+\.\d+) GiB\)",
+    ),
 ]
 
 
