@@ -976,6 +976,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "2 slices x 2 hosts training: the multi-host launch trains by default, and the slice ranks and the DCN split are checked",
     ),
     Scheduled(
+        "tests/xla/test_pipeline_multislice_compile.py::test_pp_over_two_slices_compiles_with_the_permutes_on_the_dcn",
+        (
+            "tests/xla/test_multislice_compile.py::test_topology_name_of_a_multislice_target",
+            "tests/e2e/test_pipeline_multislice.py::test_pp_over_slices_rules_and_dcn_split",
+            "tests/unit/test_graph_pipeline.py::test_permute_shift_reads_rank_zero_s_splits",
+        ),
+        "a deviceless 2-slice TPU compile with PP over the DCN (54 s): the slice topology, the DCN split on pp "
+        "and the permute's lowering rule run by default",
+    ),
+    Scheduled(
         "tests/xla/test_multislice_compile.py::test_two_slice_program_compiles_with_the_dcn_split_on_dp_replicate",
         (
             "tests/xla/test_multislice_compile.py::test_topology_name_of_a_multislice_target",
