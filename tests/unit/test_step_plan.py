@@ -404,11 +404,14 @@ def test_context_parallel_chunks_hold_whole_splash_tiles_on_tpu():
 
 
 def test_the_cp_tile_is_splash_s():
-    """The rule's tile is the one titan_kernels/tpu/splash.py asserts (read as text: no jax here)."""
+    """The rule's tile is the one titan_kernels/tpu/splash.py asserts: its `TILE` is tiles.py's
+    `SPLASH_TILE` (splash.py read as text, tiles.py imported: neither needs jax here)."""
     import re
     from pathlib import Path
 
+    from titan_kernels.tpu.tiles import SPLASH_TILE
     from trainer.step.plan import CP_TILE
 
     text = (Path(__file__).resolve().parents[2] / "titan_kernels" / "tpu" / "splash.py").read_text()
-    assert re.search(r"^TILE = (\d+)$", text, re.M).group(1) == str(CP_TILE)
+    assert re.search(r"^TILE = tiles\.SPLASH_TILE$", text, re.M), "splash.py's TILE is no longer tiles.SPLASH_TILE"
+    assert SPLASH_TILE == CP_TILE
