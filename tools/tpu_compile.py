@@ -221,7 +221,7 @@ def compile_recipe(
             generation=target.generation.name,
             capture_only=capture_only,
         )
-        env = {**recipe_flag_env(cfg), **(extra_env or {})}
+        env = {**recipe_flag_env(cfg, target.generation.name), **(extra_env or {})}
         res = _run_worker(spec, python=python, extra_env=env, timeout=timeout)
         _read_result(report, res, capture_only=capture_only)
     except ConfigError as e:
@@ -234,17 +234,23 @@ def compile_recipe(
     return report
 
 
-def recipe_flag_env(cfg, environ=None) -> dict[str, str]:
-    """LIBTPU_INIT_ARGS / XLA_FLAGS for the worker: the recipe's own `[device] libtpu_init_args` /
-    `xla_flags`, then the caller's exported ones (later wins, as trainer/runtime/tpu_env.py merges
-    them at run time), so a flag a recipe needs to compile (flux_dev_v7x's) reaches the compiler.
-    The generation's flag bundle is not applied (the deviceless compiles never have been)."""
-    from trainer.runtime.tpu_env import merge_flags
+def recipe_flag_env(cfg, generation: str | None = None, environ=None) -> dict[str, str]:
+    """LIBTPU_INIT_ARGS / XLA_FLAGS for the worker, layered as trainer/runtime/tpu_env.py merges them
+    at run time (later wins): the `[device] flag_bundle` for `generation` (auto: the generation's
+    recorded bundle, what a run on that chip gets by default), the recipe's own `[device]
+    libtpu_init_args` / `xla_flags` (flux_dev_v7x's), then the caller's exported ones. So the
+    deviceless compile sees the flags the run's first compile sees: a bundle flag libtpu refuses
+    for the chip fails here, not at step 1 on the pod."""
+    from trainer.runtime.tpu_env import merge_flags, pick_bundle
 
     environ = os.environ if environ is None else environ
+    bundle = pick_bundle(cfg.device.flag_bundle, generation)
     out = {}
-    for var, flags in (("LIBTPU_INIT_ARGS", cfg.device.libtpu_init_args), ("XLA_FLAGS", cfg.device.xla_flags)):
-        merged = merge_flags(flags, shlex.split(environ.get(var, "")))
+    for var, own, recorded in (
+        ("LIBTPU_INIT_ARGS", cfg.device.libtpu_init_args, bundle.libtpu_init_args if bundle else ()),
+        ("XLA_FLAGS", cfg.device.xla_flags, bundle.xla_flags if bundle else ()),
+    ):
+        merged = merge_flags(recorded, own, shlex.split(environ.get(var, "")))
         if merged:
             out[var] = " ".join(merged)
     return out

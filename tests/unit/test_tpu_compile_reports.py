@@ -202,11 +202,15 @@ def test_every_kernel_op_is_lowered_with_the_targets_generation(monkeypatch):
         assert all(gens == ["v6e"] for name, gens in seen.items() if name not in NO_GENERATION), (op, seen)
 
 
-def test_the_recipes_own_libtpu_flags_reach_the_compile_worker(monkeypatch):
-    """flux_dev_v7x compiles for TPU7x only with its `[device] libtpu_init_args` flag (libtpu 0.0.52
-    aborts without it): the worker's LIBTPU_INIT_ARGS holds the recipe's flags, then the caller's
-    exported ones (the caller wins for the same flag, as at run time); a recipe without flags adds none."""
+def test_the_runs_libtpu_flags_reach_the_compile_worker(monkeypatch):
+    """The worker's LIBTPU_INIT_ARGS is what the run's first compile gets (trainer/runtime/tpu_env.py):
+    the generation's flag bundle (`[device] flag_bundle = "auto"`, the default), then the recipe's
+    own flags (flux_dev_v7x's: libtpu 0.0.52 aborts without it), then the caller's exported ones (the
+    caller wins for the same flag); `flag_bundle = "none"` and no flags add nothing. Before, the
+    bundle was left out, so a bundle flag libtpu refuses for the chip (the all-gather continuation
+    fusion on v6e / v7x) passed the check and stopped the run at step 1."""
     from tools.tpu_compile import compile_recipe
+    from trainer.runtime.tpu_env import BUNDLES
 
     envs = []
 
@@ -217,14 +221,31 @@ def test_the_recipes_own_libtpu_flags_reach_the_compile_worker(monkeypatch):
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError: stand-in\n")
 
     monkeypatch.setattr(subprocess, "run", run)
+    v7x = list(BUNDLES["v7x"].libtpu_init_args)
     flag = "--xla_tpu_control_large_2nd_minor_layout_for_x16=false"
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+    vmem = "--xla_tpu_scoped_vmem_limit_kib=32768"
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", vmem)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     compile_recipe(str(ROOT / "configs" / "flux_dev_v7x.toml"), python=sys.executable)
-    assert envs[-1]["LIBTPU_INIT_ARGS"].split() == [flag, "--xla_tpu_scoped_vmem_limit_kib=65536"]
+    # The bundle's scoped-VMEM flag is replaced in place by the caller's value; the recipe's flag follows.
+    assert envs[-1]["LIBTPU_INIT_ARGS"].split() == [f if "scoped_vmem" not in f else vmem for f in v7x] + [flag]
     monkeypatch.setenv("LIBTPU_INIT_ARGS", flag.replace("false", "true"))
     compile_recipe(str(ROOT / "configs" / "flux_dev_v7x.toml"), python=sys.executable)
-    assert envs[-1]["LIBTPU_INIT_ARGS"] == flag.replace("false", "true")
+    assert envs[-1]["LIBTPU_INIT_ARGS"].split() == [*v7x, flag.replace("false", "true")]
     monkeypatch.delenv("LIBTPU_INIT_ARGS")
     compile_recipe(DEBUG, overrides=[("job.target", "v6e-8")], python=sys.executable)
+    assert envs[-1]["LIBTPU_INIT_ARGS"].split() == list(BUNDLES["v6e"].libtpu_init_args)
+    compile_recipe(DEBUG, overrides=[("job.target", "v6e-8"), ("device.flag_bundle", "none")], python=sys.executable)
     assert "LIBTPU_INIT_ARGS" not in envs[-1] and "XLA_FLAGS" not in envs[-1]
+
+
+def test_no_bundle_asks_for_the_all_gather_continuation_fusion_off_v5e():
+    """libtpu 0.0.52 refuses `--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true` at the
+    first compile on every generation but v5e (FAILED_PRECONDITION 'Continuation fusion for AllGather
+    ... not supported/recommended on platforms other than TPU v5e', deviceless v6e and v7x compiles;
+    tests/xla/test_tpu_program.py compiles each bundle). The shipped v6e and v7x bundles asked for it."""
+    from trainer.runtime.tpu_env import BUNDLES
+
+    fusion = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true"
+    asking = sorted(name for name, b in BUNDLES.items() if fusion in b.libtpu_init_args)
+    assert all(set(BUNDLES[n].generations) == {"v5e"} for n in asking), asking

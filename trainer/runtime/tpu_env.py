@@ -208,7 +208,7 @@ def tpu_runtime_env(
         out.notes.extend(_not_applied(device_type, asked))
         return out
 
-    bundle = _pick_bundle(flag_bundle, generation)
+    bundle = pick_bundle(flag_bundle, generation)
     merged_libtpu, merged_xla = _merged_flags(
         bundle, libtpu_args=libtpu_args, xla=xla, environ=environ, libraries=libraries
     )
@@ -302,7 +302,9 @@ def cache_tiers(env: Mapping[str, str], environ: Mapping[str, str]) -> str:
     return f"tier 1 in memory; {host}; {persistent}"
 
 
-def _pick_bundle(flag_bundle: str, generation: str | None) -> FlagBundle | None:
+def pick_bundle(flag_bundle: str, generation: str | None) -> FlagBundle | None:
+    """The bundle `flag_bundle` names for `generation` (auto: the generation's own, if recorded; none:
+    None); ConfigError for a bundle recorded for other generations."""
     if flag_bundle == "none":
         return None
     if flag_bundle == "auto":  # the bundle named after the generation, if one is recorded

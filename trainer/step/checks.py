@@ -228,7 +228,7 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     ),
     BuildCheck(
         "device.flag_bundle",
-        "trainer.runtime.tpu_env:_pick_bundle",
+        "trainer.runtime.tpu_env:pick_bundle",
         "a flag bundle recorded for other TPU generations than this host's",
     ),
     BuildCheck(
