@@ -37,8 +37,6 @@ from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DEFAULT_MAXTEXT_CSV = ROOT / "docs" / "results" / "maxtext_calibration_2026-12-06_625adf1.csv"
 DEFAULT_CACHE = ROOT / "outputs" / "maxtext_side_by_side"
