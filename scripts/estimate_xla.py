@@ -70,7 +70,7 @@ from pathlib import Path
 
 from models.errors import ConfigError
 from tools.deviceless_env import deviceless_env
-from tools.tpu_compile import worker_failure
+from tools.tpu_compile import recipe_flag_env, worker_failure
 from tools.xla_estimate import hbm_oom, worker  # noqa: F401  (hbm_oom: read here by tests)
 from trainer.runtime import cli
 
@@ -165,7 +165,8 @@ def _run(argv: list[str]) -> int:
     )
     about = dict(target=target.name, topology=topology, tokens_per_device_step=est.tokens_per_device_step)
     try:
-        proc, wall = _compile_in_worker(spec, topology, timeout=ns.timeout)
+        flags = recipe_flag_env(cfg, target.generation.name)  # the run's bundle < recipe < environment
+        proc, wall = _compile_in_worker(spec, topology, flags=flags, timeout=ns.timeout)
     except subprocess.TimeoutExpired:
         return _failed(ns, f"the compile took longer than {ns.timeout:.0f} s", about)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -354,9 +355,10 @@ def _worker_spec(cfg, args, step_plan, *, ns, target, topology: str) -> dict:
     return spec
 
 
-def _compile_in_worker(spec: dict, topology: str, *, timeout: float):
+def _compile_in_worker(spec: dict, topology: str, *, flags: dict[str, str], timeout: float):
     """Run the worker in the `ttpu` venv with the deviceless environment (tools/deviceless_env.py: the
-    one set-up of every deviceless compile): (the CompletedProcess, wall seconds)."""
+    one set-up of every deviceless compile) and `flags` (LIBTPU_INIT_ARGS / XLA_FLAGS as the run
+    layers them, tools/tpu_compile.py `recipe_flag_env`): (the CompletedProcess, wall seconds)."""
     venv = (
         subprocess.run(
             ["bash", str(ROOT / "scripts" / "xla_env.sh"), "ttpu"], check=True, capture_output=True, text=True
@@ -364,7 +366,7 @@ def _compile_in_worker(spec: dict, topology: str, *, timeout: float):
         .stdout.strip()
         .splitlines()[-1]
     )
-    env = deviceless_env(topology)
+    env = deviceless_env(topology, extra=flags)
     wall = time.perf_counter()
     proc = subprocess.run(
         [str(Path(venv) / "bin" / "python"), __file__, "--worker", json.dumps(spec)],

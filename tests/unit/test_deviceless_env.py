@@ -75,7 +75,11 @@ def test_estimate_xla_and_check_recipe_compile_hand_their_worker_one_environment
     assert report.error and "stand-in worker" in report.error
     (cmd_a, env_a), (cmd_b, env_b) = recorder.calls
     assert "--worker" in cmd_a and "tools.tpu_compile" in cmd_b
-    assert env_a == env_b == de.deviceless_env("v6e:2x4")
+    # Both with the flags the run's first compile gets: the v6e bundle (the recipe's flag_bundle = auto).
+    from trainer.runtime.tpu_env import BUNDLES
+
+    bundle = {"LIBTPU_INIT_ARGS": " ".join(BUNDLES["v6e"].libtpu_init_args)}
+    assert env_a == env_b == de.deviceless_env("v6e:2x4", extra=bundle)
     for env in (env_a, env_b):
         assert ONE_HOST.items() <= env.items() and env["TPU_ACCELERATOR_TYPE"] == "v6e-8"
         assert not any("WARNING" in v for v in env.values())

