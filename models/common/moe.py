@@ -169,40 +169,49 @@ def sequence_balance_loss(
 ROUTINGS = ("learned", "random", "balanced")
 """`[moe] routing`: the router's own choice, a seeded random draw, or round-robin (benchmarks only)."""
 
-_MASK32 = 0xFFFFFFFF
+_MASK31 = 0x7FFFFFFF
 
 
-def _mix32(x):
-    """A 32-bit integer hash (xorshift-multiply rounds), on Python ints or int64 tensors alike.
+def _mix31(x):
+    """A 31-bit integer hash (xorshift-multiply rounds), on Python ints or integer tensors alike.
 
-    Inputs and outputs lie in [0, 2^32); every product stays below 2^63 (multipliers < 2^31), so
-    int64 arithmetic never overflows and the host and every device compute the same bits.
+    Inputs are reduced to their low 31 bits and outputs lie in [0, 2^31), so every value and
+    constant fits a signed 32-bit integer: the same bits come out of int64 (CPU, CUDA) and of
+    int32 (XLA, whose torchax runs without 64-bit types). A product of two values below 2^31 is
+    exact in int64 and wraps mod 2^32 in int32; its low 31 bits, all the mask keeps, agree. Right
+    shifts only ever see non-negative values. Each round is a bijection of [0, 2^31).
     """
-    x = x & _MASK32
+    x = x & _MASK31
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
+    x = (x * 0x7FEB352D) & _MASK31
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _MASK32
+    x = (x * 0x5BD1E995) & _MASK31
     return x ^ (x >> 16)
 
 
 def routing_key(*, seed: int, step: int, layer: int) -> int:
-    """The per-(seed, step, layer) key of the random routing draw (a Python int in [0, 2^32))."""
-    return _mix32(_mix32(_mix32(seed) ^ step) ^ (layer * 0x3C6EF372 & _MASK32))
+    """The per-(seed, step, layer) key of the random routing draw (a Python int in [0, 2^31), so
+    the int64 `routing_key` buffer holds it unchanged where a device runs it as int32)."""
+    return _mix31(_mix31(_mix31(seed) ^ step) ^ (layer * 0x3C6EF372 & _MASK31))
 
 
 def random_experts(key: torch.Tensor, tokens: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
     """k distinct experts per token, uniformly at random: the top k of a hash of (key, token,
-    expert). `key`: 0-dim int64; `tokens` [N] int64 global token indices -> [N, k] int64.
+    expert). `key`: 0-dim integer tensor in [0, 2^31); `tokens` [N] global token indices (int64,
+    or int32 as on XLA; below 2^31) -> [N, k] int64.
 
-    The 32-bit hash is shifted up and the expert index put in the bits below it, so no two
-    experts of a token tie and `topk` picks the same experts on every backend.
+    The expert index replaces the low `bits` of the 31-bit hash (`bits` = what E - 1 needs), so
+    no two experts of a token tie, every sort key stays below 2^31 (int32-safe) and `topk` picks
+    the same experts on every backend. The order comes from the hash's top 31 - bits bits (22 at
+    E = 384): two experts of a token share them with probability 2^-(31 - bits), and only then
+    does the index decide.
     """
     bits = max(1, (num_experts - 1).bit_length())
-    per_token = _mix32(_mix32(tokens) ^ key)
-    experts = torch.arange(num_experts, device=tokens.device)
-    draw = _mix32(per_token.unsqueeze(1) ^ ((experts * 0x61C88647) & _MASK32))
-    return torch.topk((draw << bits) | experts, top_k, dim=-1).indices
+    assert bits <= 24, f"random routing: {num_experts} experts leave under 7 bits of the 31-bit hash"
+    per_token = _mix31(_mix31(tokens) ^ key)
+    experts = torch.arange(num_experts, device=tokens.device, dtype=tokens.dtype)
+    draw = _mix31(per_token.unsqueeze(1) ^ ((experts * 0x61C88647) & _MASK31))
+    return torch.topk((draw & (_MASK31 ^ ((1 << bits) - 1))) | experts, top_k, dim=-1).indices
 
 
 def balanced_experts(tokens: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:

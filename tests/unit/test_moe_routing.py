@@ -1,7 +1,9 @@
 """Benchmark routing (`[moe] routing`, models/common/moe.py, docs/moe.md#benchmark-routing).
 
 - random: a pure function of (seed, step, layer, global token index): the same draw twice, a new
-  one for another step or layer, k distinct experts per token, close to uniform loads;
+  one for another step or layer, k distinct experts per token, close to uniform loads; its hash
+  gives the same bits in int32 (as XLA runs it, products wrapping) as in int64 (CPU), for keys
+  and token indices up to 2^31 - 1 (the XLA side: tests/xla/test_moe_xla.py);
 - balanced: k distinct experts per token and exactly equal expert counts;
 - both keep the router in the autograd graph (the gate still gets a gradient) and leave the
   learned router's module tree and state dict alone;
@@ -20,7 +22,7 @@ import dataclasses
 import pytest
 import torch
 
-from models.common.moe import MoE, balanced_experts, random_experts, routing_key, set_routing_key, use_routing
+from models.common.moe import MoE, _mix31, balanced_experts, random_experts, routing_key, set_routing_key, use_routing
 from models.errors import ConfigError
 from models.qwen3 import FLAVORS, Transformer
 from models.qwen3.plan import PLAN
@@ -56,6 +58,41 @@ def test_random_routing_picks_distinct_experts_at_any_width(num_experts, top_k):
     chosen = _draw(routing_key(seed=0, step=1, layer=0), 0, 256, num_experts, top_k)
     assert ((chosen >= 0) & (chosen < num_experts)).all()
     assert all(len(set(row.tolist())) == top_k for row in chosen)
+
+
+def test_random_routing_is_the_same_in_int32_and_int64():
+    """XLA runs the draw in int32 (jax without 64-bit types): products wrap mod 2^32 there and are
+    exact in int64 here; the 31-bit hash must give the same bits either way, and the key and sort
+    key must fit int32. Over 12 keys per width, first tokens up to 2^31 - N and the shipped
+    widths, every row the same; the hash alone on 10^5 arbitrary int64 inputs (any sign) too."""
+    g = torch.Generator().manual_seed(0)
+    for num_experts, top_k in [(2, 2), (8, 2), (60, 4), (128, 8), (256, 8), (384, 8), (1000, 16)]:
+        for case in range(12):
+            key = routing_key(seed=case, step=3 * case + 1, layer=case % 7)
+            assert 0 <= key < 2**31
+            first = int(torch.randint(0, 2**31 - 512, (), generator=g)) if case % 4 else 2**31 - 512
+            tokens = first + torch.arange(512)
+            want = random_experts(torch.tensor(key), tokens, num_experts, top_k)
+            got = random_experts(torch.tensor(key, dtype=torch.int32), tokens.int(), num_experts, top_k)
+            assert torch.equal(got, want), (num_experts, top_k, case)
+    x = torch.randint(-(2**63), 2**63 - 1, (100_000,), dtype=torch.int64, generator=g)
+    mixed = _mix31(x)
+    assert ((mixed >= 0) & (mixed < 2**31)).all()
+    assert torch.equal(_mix31(x.int()).long(), mixed)  # int32 wraps: the low 31 bits of the input agree
+    # A key near 2^31 uses the top bit: the keys of 2000 (seed, step) spread over [0, 2^31).
+    keys = torch.tensor([routing_key(seed=s, step=s % 13, layer=s % 3) for s in range(2000)])
+    assert keys.max() >= 2**31 - 2**24 and (keys >= 2**30).float().mean().item() == pytest.approx(0.5, abs=0.05)
+
+
+def test_random_routing_is_uniform_at_moe_widths():
+    """Every expert near its share at DeepSeek-V3's width (256 experts, top 8): 16,384 tokens give
+    512 copies per expert, binomial sd sqrt(512 x 255/256) = 22.6; 5 sd = 113 bounds all 256 with
+    a false alarm below 256 x 6e-7. Each slot's expert (the top-1 alone) near uniform too."""
+    chosen = _draw(routing_key(seed=1, step=2, layer=3), 2**31 - 16_384, 16_384, 256, 8)
+    counts = torch.bincount(chosen.flatten(), minlength=256)
+    assert ((counts - 512).abs() < 113).all(), counts
+    first = torch.bincount(chosen[:, 0], minlength=256)  # 64 per expert, sd 8: 5 sd = 40
+    assert ((first - 64).abs() < 40).all(), first
 
 
 @pytest.mark.parametrize("num_experts, top_k", [(8, 2), (8, 8), (6, 4)])
