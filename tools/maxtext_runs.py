@@ -2,11 +2,20 @@
 docs/maxtext_calibration.md): each run's anchor in assets/anchors.toml, the slice MaxText compiles
 for, MaxText's arguments and the recipe's XLA flags at the published settings (from
 AI-Hypercomputer/tpu-recipes and maxtext's benchmarks/xla_flags_library.py), and the deviations
-this venv's MaxText and libtpu force. Data only: nothing here imports MaxText, jax or torch."""
+this venv's MaxText and libtpu force; and the tables' writer both scripts share
+(`write_csv`, `write_tables`). Nothing here imports MaxText, jax or torch."""
 
 from __future__ import annotations
 
+import csv
+import subprocess
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # benchmarks/xla_flags_library.py of AI-Hypercomputer/maxtext (e591f30cb): the v6e recipes name these
 DENSE_VMEM_LIMIT_FLAG = "--xla_tpu_scoped_vmem_limit_kib=98304"
@@ -295,3 +304,38 @@ RUNS: dict[str, Run] = {
     ),
 }
 """In order of compile cost (the smallest first)."""
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str]) -> None:
+    """The rows as a CSV with `columns` in that order (keys outside them are left out)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+
+
+def git_commit() -> str:
+    """HEAD's short hash, the commit a table is named by ("unknown" outside a checkout)."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def write_tables(
+    rows: list[dict],
+    *,
+    name: str,
+    out: Path | None,
+    columns: list[str],
+    header: Callable[[str], list[str]],
+    markdown: Callable[[list[dict], list[str]], str],
+) -> Path:
+    """Write `<out>.csv` and `<out>.md` (default docs/results/<name>_<date>_<commit>); the markdown's
+    `header` lines are made from the commit. Returns `out`."""
+    commit = git_commit()
+    out = out or ROOT / "docs" / "results" / f"{name}_{date.today().isoformat()}_{commit}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out.with_suffix(".csv"), columns)
+    out.with_suffix(".md").write_text(markdown(rows, header(commit)))
+    print(f"wrote {out}.csv and .md", file=sys.stderr)
+    return out

@@ -34,14 +34,12 @@ table with versions, the CPU and each compile's wall time. Exit 0; 1 when a run 
 
 from __future__ import annotations
 
-import csv
 import json
 import re
 import shutil
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 # the published runs (settings, XLA flags, anchors) live in tools/maxtext_runs.py; their names stay
@@ -60,6 +58,7 @@ from tools.maxtext_runs import (  # noqa: F401
     TRILLIUM_COMMON,
     V6E_DEVIATION,
     Run,
+    write_tables,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,15 +292,6 @@ COLUMNS = [
     "settings_source",
     "published_source",
 ]
-
-
-def write_csv(rows: list[dict], path: Path, columns: list[str] | None = None) -> None:
-    """The rows as a CSV with `columns` (default COLUMNS, the calibration table's) in that order."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns or COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
 
 
 def _fmt(v, digits: int = 1) -> str:
@@ -692,11 +682,6 @@ def peak_of(run: Run) -> float:
     return TPU_PEAK_TFLOPS[planner.parse_target(run.target).generation.name]
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
-
-
 def parse(argv: list[str]):
     from trainer.runtime import cli
 
@@ -751,19 +736,17 @@ def main(argv: list[str] | None = None) -> int:
             err = "no optimized HLO in the dump"
         rows.append(calibration_row(name, run, res, bound, anchor, error=err, peak_tflops=peak_of(run)))
         print(json.dumps(rows[-1]), flush=True)
-    commit = git_commit()
-    out = ns.out or ROOT / "docs" / "results" / f"maxtext_calibration_{date.today().isoformat()}_{commit}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    header = [
-        f"MaxText's train step compiled deviceless (scripts/bench/maxtext_compile.py), projected by "
-        f"tools/xla_projection.py; commit {commit}.",
-        "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()) + f". CPU: {cpu_model()}.",
-        "MFU in MaxText's convention (its own FLOPs per step, causal attention halved) against the bf16 peak.",
-    ]
-    write_csv(rows, out.with_suffix(".csv"))
-    out.with_suffix(".md").write_text(markdown(rows, header))
-    print(f"wrote {out}.csv and .md", file=sys.stderr)
+
+    def header(commit: str) -> list[str]:
+        return [
+            f"MaxText's train step compiled deviceless (scripts/bench/maxtext_compile.py), projected by "
+            f"tools/xla_projection.py; commit {commit}.",
+            "",
+            "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()) + f". CPU: {cpu_model()}.",
+            "MFU in MaxText's convention (its own FLOPs per step, causal attention halved) against the bf16 peak.",
+        ]
+
+    write_tables(rows, name="maxtext_calibration", out=ns.out, columns=COLUMNS, header=header, markdown=markdown)
     return 1 if failed else 0
 
 

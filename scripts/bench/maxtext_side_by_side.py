@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import subprocess
 import sys
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,14 +252,6 @@ COLUMNS = [
 ]
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-
-
 def _fmt(v, digits: int = 2) -> str:
     if v is None or v == "":
         return "-"
@@ -378,6 +368,7 @@ def parse(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.maxtext_runs import write_tables
     from tools.mfu_report import load_anchors
     from trainer.runtime.device import cpu_model
 
@@ -410,21 +401,18 @@ def main(argv: list[str] | None = None) -> int:
             failed |= bool(ours.get("error")) and not ns.table_only
             rows.append(shipped_row(pair.recipe, run, mt, ours))
             print(rows[-1], file=sys.stderr, flush=True)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    out = ns.out or ROOT / "docs" / "results" / f"maxtext_side_by_side_{date.today().isoformat()}_{commit}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    header = [
-        "Our trainer's program (tools/tpu_compile.py, deviceless, libtpu 0.0.52 via the ttpu venv) beside "
-        f"MaxText's ({ns.maxtext_csv.name}), both through tools/xla_projection.py's scheduled walk; commit {commit}.",
-        "",
-        f"CPU: {cpu_model()}. MFU in MaxText's convention (causal attention halved) against the bf16 peak; "
-        "ratio > 1: ours faster per token.",
-    ]
-    write_csv(rows, out.with_suffix(".csv"))
-    out.with_suffix(".md").write_text(markdown(rows, header))
-    print(f"wrote {out}.csv and .md", file=sys.stderr)
+
+    def header(commit: str) -> list[str]:
+        return [
+            "Our trainer's program (tools/tpu_compile.py, deviceless, libtpu 0.0.52 via the ttpu venv) beside "
+            f"MaxText's ({ns.maxtext_csv.name}), both through tools/xla_projection.py's scheduled walk; "
+            f"commit {commit}.",
+            "",
+            f"CPU: {cpu_model()}. MFU in MaxText's convention (causal attention halved) against the bf16 peak; "
+            "ratio > 1: ours faster per token.",
+        ]
+
+    write_tables(rows, name="maxtext_side_by_side", out=ns.out, columns=COLUMNS, header=header, markdown=markdown)
     return 1 if failed else 0
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.maxtext_runs import write_csv
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
     "maxtext_side_by_side", ROOT / "scripts" / "bench" / "maxtext_side_by_side.py"
@@ -96,7 +98,7 @@ def test_tables(tmp_path):
             {"step_scheduled_s": 1.0, "tokens": 8192, "mfu_causal_scheduled": 40.0},
         ),
     ]
-    sbs.write_csv(rows, tmp_path / "t.csv")
+    write_csv(rows, tmp_path / "t.csv", sbs.COLUMNS)
     back = list(csv.DictReader((tmp_path / "t.csv").open()))
     assert [r["run"] for r in back] == [
         "llama3.1-8b_v6e-256",
@@ -199,7 +201,7 @@ def test_the_mfu_suite_headline_reads_the_side_by_side(tmp_path, monkeypatch):
             {"step_scheduled_s": 1.0, "tokens": 8192, "mfu_causal_scheduled": 40.0},
         ),
     ]
-    sbs.write_csv(rows, tmp_path / "s.csv")
+    write_csv(rows, tmp_path / "s.csv", sbs.COLUMNS)
     md = calibrated_headline(tmp_path / "s.csv")
     body = [line for line in md if line.startswith("| llama")]
     assert len(body) == 2  # the shipped row is not a headline row
