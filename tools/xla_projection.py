@@ -510,6 +510,50 @@ def op_seconds(ops: list[Op], *, peak_flops: float, hbm_bytes_per_s: float) -> d
     return {o.name: max(o.flops / peak_flops, o.bytes / hbm_bytes_per_s) for o in ops}
 
 
+def _collectives_by_computation(hlo: Hlo, by_name: dict[str, Collective]) -> dict[str, list[Collective]]:
+    """The collectives of `by_name` grouped by the computation that holds them."""
+    by_comp: dict[str, list[Collective]] = {}
+    for comp in hlo.computations.values():
+        for ins in comp.instrs:
+            if ins.name in by_name:
+                by_comp.setdefault(comp.name, []).append(by_name[ins.name])
+    return by_comp
+
+
+def _inner_collectives(
+    hlo: Hlo, by_comp: dict[str, list[Collective]], ins: Instr, seen: set | None = None
+) -> list[Collective]:
+    """The collectives of the computations `ins` runs, however nested (an async computation
+    calling a computation that holds the all-reduce, a fusion wrapping one)."""
+    seen = set() if seen is None else seen
+    out: list[Collective] = []
+    for c in _names(ins.attr("calls")) + _names(ins.attr("called_computations")) + _names(ins.attr("to_apply")):
+        if c in seen:
+            continue
+        seen.add(c)
+        out += by_comp.get(c, [])
+        comp = hlo.computations.get(c)
+        for sub in comp.instrs if comp is not None else []:
+            if sub.opcode in ("fusion", "call", "async-start", "custom-call"):
+                out += _inner_collectives(hlo, by_comp, sub, seen)
+    return out
+
+
+def _inner_seconds(hlo: Hlo, seconds: dict[str, float], ins: Instr, seen: set) -> float:
+    """The compute seconds of the computations `ins` calls (and of the calls and async starts in them)."""
+    total = 0.0
+    for c in _names(ins.attr("calls")) + _names(ins.attr("to_apply")):
+        comp = hlo.computations.get(c)
+        if comp is None or c in seen:
+            continue
+        seen.add(c)
+        for sub in comp.instrs:
+            total += seconds.get(sub.name, 0.0)
+            if sub.opcode in ("call", "async-start"):
+                total += _inner_seconds(hlo, seconds, sub, seen)
+    return total
+
+
 def scheduled(
     hlo: Hlo,
     *,
@@ -529,11 +573,7 @@ def scheduled(
     from tools.xla_schedule import Cost, simulate
 
     by_name = {c.name: c for c in colls}
-    by_comp: dict[str, list[Collective]] = {}
-    for comp in hlo.computations.values():
-        for ins in comp.instrs:
-            if ins.name in by_name:
-                by_comp.setdefault(comp.name, []).append(by_name[ins.name])
+    by_comp = _collectives_by_computation(hlo, by_name)
     priced: dict[str, float] = {}
 
     def coll_seconds(c: Collective) -> float:
@@ -546,22 +586,6 @@ def scheduled(
             )
         return priced[c.name]
 
-    def inner_collectives(ins: Instr, seen: set | None = None) -> list[Collective]:
-        """The collectives of the computations `ins` runs, however nested (an async computation
-        calling a computation that holds the all-reduce, a fusion wrapping one)."""
-        seen = set() if seen is None else seen
-        out: list[Collective] = []
-        for c in _names(ins.attr("calls")) + _names(ins.attr("called_computations")) + _names(ins.attr("to_apply")):
-            if c in seen:
-                continue
-            seen.add(c)
-            out += by_comp.get(c, [])
-            comp = hlo.computations.get(c)
-            for sub in comp.instrs if comp is not None else []:
-                if sub.opcode in ("fusion", "call", "async-start", "custom-call"):
-                    out += inner_collectives(sub, seen)
-        return out
-
     def cost(comp: Computation, ins: Instr) -> Cost | None:
         if ins.name in by_name:
             c = by_name[ins.name]
@@ -572,9 +596,9 @@ def scheduled(
         s = seconds.get(ins.name, 0.0)
         if ins.opcode == "async-start":
             # the compute ops of the async computation (and of what it calls) on the compute clock
-            s += inner_seconds(ins, set())
+            s += _inner_seconds(hlo, seconds, ins, set())
         if ins.opcode in ("fusion", "async-start", "custom-call", "call"):
-            inner = inner_collectives(ins)
+            inner = _inner_collectives(hlo, by_comp, ins)
             if inner:
                 return Cost(
                     compute=s,
@@ -582,18 +606,5 @@ def scheduled(
                     seconds=sum(coll_seconds(c) for c in inner),
                 )
         return Cost(compute=s) if s else None
-
-    def inner_seconds(ins: Instr, seen: set) -> float:
-        total = 0.0
-        for c in _names(ins.attr("calls")) + _names(ins.attr("to_apply")):
-            comp = hlo.computations.get(c)
-            if comp is None or c in seen:
-                continue
-            seen.add(c)
-            for sub in comp.instrs:
-                total += seconds.get(sub.name, 0.0)
-                if sub.opcode in ("call", "async-start"):
-                    total += inner_seconds(sub, seen)
-        return total
 
     return simulate(hlo, cost)
