@@ -10,6 +10,7 @@ bytes (tests/unit/test_planner.py).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,11 @@ class ActivationBytes:
     """What one block would keep without AC (recomputed during its backward under AC)."""
     logits_transient: int
     """The log-softmax backward's fp32 gradient in and out, [tokens, vocab] each (on top of `loss`)."""
+    cp_backward: int | None = None
+    """With cp > 1, the gradient buffers of the cp collectives one block's backward holds before
+    their reduce-scatter (planner/memory.py, the block transient); None: the decoder model's, the
+    gathered k/v's (`cp_gathered_kv_bytes`). A hybrid stack's (`DeltaRuleShape`): the larger of a
+    full-attention block's and a Gated DeltaNet block's (`cp_delta_rule_bytes`)."""
 
     @property
     def total(self) -> int:
@@ -69,8 +75,101 @@ def cp_gathered_kv_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: i
     return 2 * 2 * local_batch_size * (shape.n_kv_heads // tp) * seq_len * shape.head_dim
 
 
+@dataclass(frozen=True)
+class DeltaRuleShape:
+    """The Gated DeltaNet (linear-attention) blocks of a hybrid stack (Qwen 3.5): how many, and the
+    widths context parallelism's delta-rule wrapper sizes its tensors from. The rest of the stack
+    is full attention (`ModelShape`'s heads)."""
+
+    layers: int
+    """Gated DeltaNet blocks (the others are full attention)."""
+    v_heads: int
+    """Value heads (each with its own [k_dim, v_dim] state; q/k heads are repeated to them)."""
+    k_dim: int
+    v_dim: int
+
+    @classmethod
+    def of(cls, args) -> DeltaRuleShape | None:
+        """From a model's args: Qwen 3.5's `layer_types()` and `linear_*` widths; None for a
+        model without linear-attention blocks."""
+        if not hasattr(args, "linear_num_value_heads") or not hasattr(args, "layer_types"):
+            return None
+        layers = sum(kind == "linear_attention" for kind in args.layer_types())
+        if not layers:
+            return None
+        return cls(layers, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+
+
+@dataclass(frozen=True)
+class CPDeltaRuleBytes:
+    """What context parallelism's delta rule (parallelisms/context_parallel_linear.py
+    `cp_gated_delta_rule`) adds to one Gated DeltaNet block on one device, over the op at cp = 1."""
+
+    saved: int
+    """Kept for backward without AC (`cp_delta_rule_bytes`)."""
+    saved_selective: int
+    """Kept under selective AC: the outputs of the fold's matmuls and of the output correction."""
+    gathered: int
+    """The all-gathered `[F | Pi]` of every chunk (fp32), one per layer and rank; its gradient is
+    the same size in the backward, before its reduce-scatter."""
+    backward: int
+    """The block backward's cp transient: the gathered `[F | Pi]`'s gradient, plus the kernel
+    backward's chunk-start states at the `k_dim` extra value columns."""
+
+
+DELTA_KERNEL_CHUNK = 64
+"""Tokens per chunk of the TPU delta-rule kernel (titan_kernels/tpu/delta_rule.py `CHUNK`): its
+backward writes one [k_dim, width] state per chunk."""
+
+
+def cp_delta_rule_bytes(delta: DeltaRuleShape, *, local_batch_size: int, seq_len: int, cp: int) -> CPDeltaRuleBytes:
+    """One Gated DeltaNet block's extra bytes under context parallelism, on cp rank 0 (the heaviest:
+    its late chunk is the sequence's last, so its fold runs through every chunk), over what the op
+    keeps at cp = 1. b = `local_batch_size`, T = b s / cp tokens, h value heads, widths dk, dv,
+    all fp32 (4 bytes). The wrapper runs the op on the rank's two chunks as a batch of 2b with
+    values `[v | 0]` from the state `[0 | I]`, so the op keeps (without AC):
+
+    - its value input at dv + dk columns: `4 T h dk` more than at dv;
+    - the state `[0 | I]` made contiguous for the kernel, `4 (2b) h dk (dv + dk)` (in place of
+      the zero state at cp = 1, `4 b h dk dv`, which the fold's first step keeps instead);
+    - its fp32 output `[o^0 | Phi^T q]`, `4 T h (dv + dk)`, kept whole for the correction's
+      backward (the correction reads the `Phi^T q` slice of it; at cp = 1 the bf16 output is
+      consumed by the gated norm, which keeps its own fp32 copy, so nothing of it is kept);
+    - the rank's two start states (the correction's other operand), `4 (2b) h dk dv`;
+    - the fold `S_{j+1} = Pi_j S_j + F_j` over the 2 cp gathered chunks: a step whose state needs a
+      gradient keeps `S_j`, `4 b h dk dv`, and a view of the gathered `[F | Pi]`, which keeps all of
+      it, `4 (2 cp) b h dk (dv + dk)` (`gathered`); rank 0's steps j = 1 .. 2 cp - 2 (step 0 starts
+      from the zero state, which needs no gradient, and keeps only `S_0`; the last step's result
+      is not used). At cp = 1 the wrapper's fold has no such step.
+
+    Exact against the bytes `measure_saved_bytes`' recorder finds for the wrapper over the op
+    with the TPU kernel's autograd (it keeps its prepared inputs), tests/unit/test_planner_cp_linear.py.
+    Not counted: the convolution's halo rows (2 x b x (kernel - 1) rows of the conv channels,
+    bf16: a few KiB). The gathered `[F | Pi]`'s gradient is a transient of the block backward
+    (`backward`)."""
+    b, h, dk, dv = local_batch_size, delta.v_heads, delta.k_dim, delta.v_dim
+    t = b * seq_len // cp
+    width = dv + dk
+    gathered = 4 * 2 * cp * b * h * dk * width
+    fold = (2 * cp - 2) * 4 * b * h * dk * dv + (gathered if cp > 1 else 0)
+    saved = 4 * t * h * dk + 4 * 2 * b * h * dk * width + 4 * t * h * width + 4 * 2 * b * h * dk * dv + fold
+    # selective AC keeps matmul outputs: the fold's states (one per step of rank 0's 2 cp - 1) and the
+    # correction [T, h, dv]; the op's own inputs and output are recomputed with the block.
+    selective = (2 * cp - 1) * 4 * b * h * dk * dv + 4 * t * h * dv
+    chunk_states = 4 * 2 * b * h * _cdiv(seq_len // (2 * cp), DELTA_KERNEL_CHUNK) * dk * dk
+    return CPDeltaRuleBytes(saved=saved, saved_selective=selective, gathered=gathered, backward=gathered + chunk_states)
+
+
 def activation_bytes(
-    shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str, loss_parallel: bool, cp: int = 1
+    shape: ModelShape,
+    *,
+    local_batch_size: int,
+    seq_len: int,
+    tp: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    cp: int = 1,
+    delta: DeltaRuleShape | None = None,
 ) -> ActivationBytes:
     """Saved-for-backward bytes per device, bf16 compute, one micro-batch (see docs/planner.md).
 
@@ -81,7 +180,24 @@ def activation_bytes(
     With cp > 1 the attention is the TPU one (splash over all-gathered k/v, no dense mask): a
     block keeps q, the output and the log-sum-exp of its own T tokens, and the gathered k/v of
     the whole sequence (`cp_gathered_kv_bytes`) instead of its T tokens' repeated k/v.
+
+    `delta`: a hybrid stack's Gated DeltaNet blocks (Qwen 3.5). They are counted as the
+    full-attention block at cp = 1 (a stand-in: `shape` describes the full-attention blocks), and
+    with cp > 1 they gather no k/v: each keeps its T tokens' stand-in bytes as at cp = 1 plus what
+    the cp delta rule adds (`cp_delta_rule_bytes`). `per_block` / `per_block_none` are then the
+    larger kind's, `blocks` the sum over both kinds.
     """
+    if delta is not None and cp > 1 and delta.layers:
+        return _hybrid_cp(
+            shape,
+            delta,
+            local_batch_size=local_batch_size,
+            seq_len=seq_len,
+            tp=tp,
+            ac_mode=ac_mode,
+            loss_parallel=loss_parallel,
+            cp=cp,
+        )
     check_ac_mode(ac_mode)
     assert seq_len % cp == 0, f"seq_len {seq_len} does not split over cp {cp}"
     s = shape
@@ -140,6 +256,39 @@ def activation_bytes(
         loss=loss,
         per_block_none=none,
         logits_transient=8 * t_full * vocab,
+    )
+
+
+def _hybrid_cp(
+    shape: ModelShape,
+    delta: DeltaRuleShape,
+    *,
+    local_batch_size: int,
+    seq_len: int,
+    tp: int,
+    ac_mode: str,
+    loss_parallel: bool,
+    cp: int,
+) -> ActivationBytes:
+    """`activation_bytes` of a hybrid stack with cp > 1: the full-attention blocks as the decoder
+    model counts them under cp, the Gated DeltaNet blocks as the stand-in at cp = 1 on this rank's
+    tokens (no k/v gathered, the stand-in's k/v per token) plus `cp_delta_rule_bytes`."""
+    kw = dict(local_batch_size=local_batch_size, tp=tp, ac_mode=ac_mode, loss_parallel=loss_parallel)
+    full = activation_bytes(shape, seq_len=seq_len, cp=cp, **kw)
+    # The stand-in at cp = 1 on this rank's tokens: local_batch_size x seq_len / cp of them (the
+    # per-token terms only depend on the token count; outside / loss are full's).
+    own = activation_bytes(shape, seq_len=seq_len // cp, **kw)
+    extra = cp_delta_rule_bytes(delta, local_batch_size=local_batch_size, seq_len=seq_len, cp=cp)
+    kept = {"none": extra.saved, "selective": extra.saved_selective, "full": 0}[ac_mode]
+    linear_block, linear_none = own.per_block + kept, own.per_block_none + extra.saved
+    n_full = shape.n_layers - delta.layers
+    gathered_kv = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
+    return dataclasses.replace(
+        full,
+        per_block=max(full.per_block, linear_block) if n_full else linear_block,
+        blocks=n_full * full.per_block + delta.layers * linear_block,
+        per_block_none=max(full.per_block_none, linear_none) if n_full else linear_none,
+        cp_backward=max(gathered_kv if n_full else 0, extra.backward),
     )
 
 

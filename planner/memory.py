@@ -601,7 +601,12 @@ def _block_transient(
     # sequence) before their reduce-scatter; the gathered k/v themselves are in `recompute` (AC)
     # or kept (no AC). Splash's working set (one block_q x block_kv tile of scores per step) is
     # in VMEM, not HBM, and no [s/cp, s] mask exists on TPU.
-    gathered_kv_grads = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
+    # (A hybrid stack's model says which of its kinds holds more: `ActivationBytes.cp_backward`.)
+    gathered_kv_grads = (
+        acts.cp_backward
+        if acts.cp_backward is not None
+        else cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
+    )
     moe_rows = dict(
         tokens=t_proj,
         ep=parallel_dims.ep,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from models.contract import ModelShape
 from models.errors import ConfigError
 from parallelisms.activation_checkpoint import AC_MODES
+from planner.activations import DeltaRuleShape, activation_bytes
 from planner.deepseek import is_mla, mla_activation_bytes
 from planner.memory import RECOMPUTE_RANK, Estimate, estimate
 from planner.shard import fake_process_group, shard_model
@@ -123,12 +124,25 @@ class PlanInputs:
         return model_flops_per_token(self.args, shape, self.seq_len)
 
     def activations(self, *, local_batch_size: int, tp: int, ac_mode: str, cp: int = 1):
-        """FLUX's and DeepSeek-V3's (MLA, two stacks) activation bytes; None (the decoder-LM
-        model in `estimate`) for a GQA decoder LM."""
+        """FLUX's and DeepSeek-V3's (MLA, two stacks) activation bytes, Qwen 3.5's with cp > 1 (its
+        Gated DeltaNet blocks under the cp delta rule, `planner.activations.cp_delta_rule_bytes`);
+        None (the decoder-LM model in `estimate`) for a GQA decoder LM."""
         if self.flow_tokens is None:
             if is_mla(self.args):
                 return mla_activation_bytes(
                     self.args, local_batch_size=local_batch_size, seq_len=self.seq_len, tp=tp, ac_mode=ac_mode, cp=cp
+                )
+            delta = DeltaRuleShape.of(self.args)
+            if delta is not None and cp > 1:  # Qwen 3.5's linear-attention blocks under cp
+                return activation_bytes(
+                    self.args.shape(),
+                    local_batch_size=local_batch_size,
+                    seq_len=self.seq_len,
+                    tp=tp,
+                    ac_mode=ac_mode,
+                    loss_parallel=False,  # (the family has no TP plan: tp = 1)
+                    cp=cp,
+                    delta=delta,
                 )
             return None
         from planner.flux import flux_activation_bytes

@@ -332,12 +332,31 @@ def _itemsize(a) -> int:
     return a.meta["val"].dtype.itemsize
 
 
+def _static_window(node, depth: int = 6) -> int | None:
+    """The value of a sink call's window when the graph makes it from a constant (`aten.full`,
+    then views and casts: titan_kernels/tpu/capture.py `sink_attention` on an int window), else
+    None (a buffer or a scanned slice of one: known on the device only)."""
+    import torch
+
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return None
+        if node.target is torch.ops.aten.full.default:
+            return int(node.args[1])
+        tensors = [x for x in node.args if isinstance(x, torch.fx.Node)]
+        if len(tensors) != 1:
+            return None
+        node = tensors[0]
+    return None
+
+
 def _kernel_price(op: str, a, generation: str | None):
     """(FLOPs, HBM bytes, rows) of one call of kernel op `op` with the node args `a` (the capture
     model's, titan_kernels/tpu/capture.py; rows: a grouped matmul's rows, else 0), or None for an
-    op the model does not price. A sink call is priced at the causal grid whatever its window
-    (the window is a device value that picks the kernel per layer: an upper bound for a sliding
-    layer)."""
+    op the model does not price. A sink call (args `q, k, v, sinks, window, ..., sliding_window`)
+    is priced by `capture.sink_cost`: the window a device value that picks the sliding or the
+    causal kernel per layer (gpt-oss's buffer), the mean of the two; a window made in the graph
+    from an int (`torch.full`: DeepSeek-V4's), the sliding kernel's price (`_static_window`)."""
     from titan_kernels.tpu import capture
 
     backward = op.endswith("_bwd")
@@ -347,7 +366,14 @@ def _kernel_price(op: str, a, generation: str | None):
             q, k[2], k[1], _itemsize(a[0]), backward, v_dim=_shape(a[2])[-1], cp_rank=a[-2], cp_size=a[-1]
         )
         return flops, nbytes, 0
-    if op.startswith(("splash", "sink")):
+    if op.startswith("sink"):
+        sliding = int(a[-1])
+        static = sliding > 0 and _static_window(a[4]) == sliding
+        flops, nbytes = capture.sink_cost(
+            _shape(a[0]), _shape(a[1])[1], _itemsize(a[0]), backward, _shape(a[2])[-1], sliding, static
+        )
+        return flops, nbytes, 0
+    if op.startswith("splash"):
         flops, nbytes = capture.splash_cost(
             _shape(a[0]),
             _shape(a[1])[1],

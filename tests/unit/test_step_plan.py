@@ -140,6 +140,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(qk_clip=True, mode="graph"),
         StepRequest(qk_clip=True, cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, device_type="tpu", seq_len=1000),
+        StepRequest(cp_degree=2, model_document_mask=True, seq_len=8, linear_conv_halo=3),
         StepRequest(moe_routing="top1"),
         StepRequest(moe_routing="random"),
         StepRequest(moe_routing="random", model_has_experts=False),

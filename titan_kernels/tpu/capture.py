@@ -273,12 +273,15 @@ def splash_cost(
     v_dim: int | None = None,
     causal: bool = True,
     forward_again: bool = True,
+    window: int = 0,
 ) -> tuple[float, float]:
     """(FLOPs, HBM bytes) of one splash call on q [B, Hq, S, D] with `kv_heads` K/V heads of
     value width `v_dim` (Dv; default D: MLA's v is narrower, 128 beside 192).
 
     The kernel visits only the causal blocks: (n + 1) / 2n of the n x n grid of its blocks
-    (`causal=False`, the full mask of the op `attention`: all n x n). A
+    (`causal=False`, the full mask of the op `attention`: all n x n); with a sliding `window`
+    (> 0: query i sees keys i - window < j <= i, splash's `LocalMask`) only the blocks that hold
+    a visible key (`visited_blocks`: about window / block + 1 per query block row). A
     forward is two S x S matmuls per head over those blocks, q k^T (width D) and p v (Dv); the
     backward op re-runs the forward (for its residuals; `forward_again=False`: the op takes the
     forward's residuals, as the sink pair does) and does five: q k^T again, dS k and
@@ -291,11 +294,43 @@ def splash_cost(
     b, hq, s, d = q_shape
     dv = d if v_dim is None else v_dim
     padded = s + (-s) % tiles.SPLASH_TILE
-    n = padded // tiles.splash_block_size(padded)
-    visited = (n + 1) / (2 * n) if causal else 1.0
+    block = tiles.splash_block_size(padded)
+    n = padded // block
+    visited = visited_blocks(n, block, window) / (n * n) if causal else 1.0
     per_width = 2.0 * b * hq * padded * padded * visited  # one S x S matmul's FLOPs per unit of width
     fwd_bytes = itemsize * (b * hq * padded * (d + dv) + b * kv_heads * padded * (d + dv) * n * visited)
     return _with_backward(per_width, fwd_bytes, d, dv, backward, forward_again)
+
+
+def visited_blocks(n: int, block: int, window: int = 0) -> int:
+    """(query block, kv block) pairs of an n x n grid of square `block`s that hold a key visible to
+    a query of the block: causal, n (n + 1) / 2; within a sliding `window` (> 0, the query's own
+    key included), query block i (rows i block .. (i + 1) block - 1) reaches back to key
+    i block - window + 1, so its kv blocks are floor((i block - window + 1) / block) .. i (from 0),
+    the blocks splash's mask info keeps (it skips a block with no visible key)."""
+    if not window:
+        return n * (n + 1) // 2
+    return sum(i - max(0, (i * block - window + 1) // block) + 1 for i in range(n))
+
+
+def sink_cost(
+    q_shape, kv_heads: int, itemsize: int, backward: bool, v_dim: int, sliding_window: int, static: bool = False
+) -> tuple[float, float]:
+    """(FLOPs, HBM bytes) of one call of the sink pair (`sink_fwd` / `sink_bwd`: the backward takes
+    the forward's residuals) whose kernel build has `sliding_window` (0: causal only). The window is
+    a device value that picks the sliding or the causal kernel per call (splash.py `_pick`: gpt-oss's
+    per-layer buffer, 0 or `sliding_window`): priced at the mean of the two, which is exact summed
+    over a stack that alternates them as gpt-oss's does (even blocks sliding, an even number of
+    blocks in both releases and the debug flavor). `static`: the window is known to be
+    `sliding_window` on every call (an int window, DeepSeek-V4's): the sliding kernel's price."""
+    kw = dict(backward=backward, v_dim=v_dim, forward_again=False)
+    causal = splash_cost(q_shape, kv_heads, itemsize, **kw)
+    if sliding_window <= 0:
+        return causal
+    sliding = splash_cost(q_shape, kv_heads, itemsize, window=sliding_window, **kw)
+    if static:
+        return sliding
+    return tuple((a + b) / 2 for a, b in zip(sliding, causal, strict=True))
 
 
 def _with_backward(per_width: float, fwd_bytes: float, d: int, dv: int, backward: bool, forward_again: bool):
@@ -476,9 +511,10 @@ def _cost(name: str, shards: int, generation: str | None):
     def attention(q, k, v, *rest):
         full, sink = name.startswith("splash_full"), name.startswith("sink")
         label = "splash_full" if full else "sink" if sink else "splash"
-        price = splash_cost(
-            local(q.shape), k.shape[1], q.dtype.itemsize, backward, v.shape[-1], not full, forward_again=not sink
-        )
+        if sink:  # rest ends with the kernel's int `sliding_window` (the trailing static)
+            price = sink_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward, v.shape[-1], int(rest[-1]))
+        else:
+            price = splash_cost(local(q.shape), k.shape[1], q.dtype.itemsize, backward, v.shape[-1], not full)
         return (f"{label}_bwd" if backward else f"{label}_fwd", *price)
 
     def grouped(x, w, *rest):
@@ -526,7 +562,7 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
 
         def call(*args):
             tensors, consts = args[: len(args) - statics], args[len(args) - statics :]
-            COSTS.append(cost(*tensors))  # per graph node (the shard_map body's trace is cached per shape)
+            COSTS.append(cost(*tensors, *consts))  # per graph node (the shard_map body's trace is cached per shape)
             if consts not in mapped:
                 fn = functools.partial(_trailing, fns[name], consts) if consts else fns[name]
                 mapped[consts] = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)

@@ -20,6 +20,10 @@ check at other widths proves little for the run. With `shapes`:
   rows per device, hidden size and whole vocabulary, so with the vocabulary block the run uses
   (titan_kernels/tpu/compile_check.py on TPU; too large to run at start-up: 2 GiB of weight and as
   much of gradient for Llama 3 70B); gmm is compiled at the run's rows the same way;
+- with context parallelism (`shapes.cp > 1`), the delta rule also runs as the cp wrapper calls
+  it (parallelisms/context_parallel_linear.py): values `[v | 0]` at dv + dk columns from the
+  state `[0 | I]`, q in float32 (`_delta_rule_cp_cases`); a failure there makes the reference
+  serve the op (inside the wrapper) for the whole run, as any failure does;
 - with context parallelism (`shapes.cp > 1`), the CP splash kernel of this rank
   (register.build_cp) runs on one 128-token chunk per half against its gathered keys, compared
   with dense attention at the chunks' global positions (`cp_reference`); a failure makes
@@ -182,7 +186,8 @@ class KernelShapes:
         if op == "grouped_mm":
             return f"{self.hidden} -> {self.expert_hidden} -> {self.hidden}"
         if op == "gated_delta_rule":
-            return f"k {self.delta_k_dim}, v {self.delta_v_dim}"
+            wide = f" and {self.delta_v_dim + self.delta_k_dim} (cp {self.cp})" if self.cp > 1 else ""
+            return f"k {self.delta_k_dim}, v {self.delta_v_dim}{wide}"
         if op == "linear_cross_entropy":
             return f"hidden {self.hidden}" + (f", vocab {self.vocab}" if self.vocab else "")
         if op == "cp_attention":
@@ -244,10 +249,13 @@ def cases(
         reset = torch.zeros(b, s, dtype=torch.bool)
         reset[:, [40, 64, 100]] = True  # documents: mid-chunk, on a chunk boundary
         args = (q, k, v, g, beta, state, reset)
-        return [
+        out = [
             Case("documents, output", args, (0, 1, 2, 3, 4, 5), call=_delta_rule_output),
             Case("documents, final state", args, (1, 2, 3, 4, 5), call=_delta_rule_state),  # q: no part in it
         ]
+        if shapes.cp > 1:  # the CP width (parallelisms/context_parallel_linear.py): [v | 0] from [0 | I]
+            out.extend(_delta_rule_cp_cases(q, k, v, g, beta, reset))
+        return out
     if op == "grouped_mm":
         sizes = torch.tensor([40, 0, 36, 20])
         out = []
@@ -302,6 +310,24 @@ def cp_reference(cp_rank: int, cp_size: int) -> Callable:
 
 def _delta_rule(fn: Callable, q, k, v, g, beta, state, reset):
     return fn(q, k, v, g, beta, initial_state=state, output_final_state=True, qk_l2norm=True, reset=reset)
+
+
+def _delta_rule_cp_cases(q, k, v, g, beta, reset) -> list[Case]:
+    """The call context parallelism makes of the op (`cp_gated_delta_rule`): q in float32, values
+    `[v | 0]` (dk zero columns: dv + dk wide, 256 at Qwen 3.5's widths, where the kernel's tiles and
+    VMEM differ from dv's) from the initial state `[0 | I]`; the output `[o^0 | Phi^T q]` and the
+    final state `[F | Pi]` are what the ranks fold. The identity's columns carry the chunk's
+    transition `Pi` (entries up to 1), the same magnitudes as the states the other cases check."""
+    b, _, hv, dv = v.shape
+    dk = k.shape[-1]
+    wide = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)
+    eye = torch.eye(dk, dtype=torch.float32)
+    state = torch.cat([eye.new_zeros(dk, dv), eye], dim=-1).expand(b, hv, dk, dv + dk).contiguous()
+    args = (q.float(), k, wide, g, beta, state, reset)
+    return [
+        Case("cp width, output", args, (0, 1, 2, 3, 4), call=_delta_rule_output),
+        Case("cp width, final state", args, (1, 2, 3, 4), call=_delta_rule_state),
+    ]
 
 
 def _delta_rule_output(fn: Callable, *args) -> torch.Tensor:

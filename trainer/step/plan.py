@@ -171,6 +171,10 @@ class StepRequest(PipelineRequest):
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
     mtp_depth: int = 0
     """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3; 0: none or not known)."""
+    linear_conv_halo: int = 0
+    """Tokens before each one that the model's linear-attention short convolution reads (Qwen 3.5:
+    `linear_conv_kernel_dim - 1`), which context parallelism takes from the preceding chunk only
+    (parallelisms/context_parallel_linear.py); 0: none or not known (no rule reads it then)."""
     n_layers: int = 0
     """The model's repeated blocks (0: not known to the caller; no rule reads it then)."""
     local_batch: int = 0
@@ -412,6 +416,17 @@ RULES: tuple[Rule, ...] = (
         "chunks of seq_len / (2 * cp) = {r.cp_chunk} tokens; on TPU the splash kernel takes whole "
         f"{CP_TILE}-token tiles per chunk; allowed: a seq_len that is a multiple of 2 * cp * {CP_TILE} = "
         "{r.cp_seq_multiple}, or a context_parallel_degree for which it is one",
+    ),
+    # Linear attention under CP (Qwen 3.5): each chunk's convolution takes the preceding chunk's last
+    # K - 1 rows as its halo (parallelisms/context_parallel_linear.py), so a chunk must hold them.
+    Rule(
+        "parallelism.context_parallel_degree",
+        "CP chunks shorter than the linear attention's convolution halo",
+        lambda r: r.cp_degree > 1 and r.linear_conv_halo > 0 and r.cp_chunk < r.linear_conv_halo,
+        "{r.cp_degree} with training.seq_len = {r.seq_len} makes context-parallel chunks of seq_len / "
+        "(2 * cp) = {r.cp_chunk} tokens, fewer than the {r.linear_conv_halo} tokens before each one that "
+        "the linear attention's short convolution reads (passed from the preceding chunk only); allowed: "
+        "a context_parallel_degree with seq_len / (2 * cp) >= {r.linear_conv_halo}, or 1",
     ),
     # The engine runs a caller's loss on the logits.
     Rule(
