@@ -29,6 +29,7 @@ The measured numbers are in docs/context_parallel.md ("Parity through the traine
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +209,21 @@ def test_moe_cp_matches_single_process(tmp_path, moe_reference, degrees):
 # --- document masking ------------------------------------------------------------------------------
 
 
+def short_documents(folder: Path) -> Path:
+    """`folder`/docs.jsonl: 400 documents of 2 to 10 words (seeded), so every 64-token window holds
+    several boundaries (the bundled corpus's documents are longer than a window). Returns its path."""
+    g = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "tree", "river", "stone", "cloud", "seven", "blue"]
+    data = folder / "docs.jsonl"
+    with open(data, "w") as f:
+        for _ in range(400):
+            n = int(torch.randint(2, 10, (), generator=g))
+            f.write(
+                json.dumps({"text": " ".join(words[int(i)] for i in torch.randint(0, 10, (n,), generator=g))}) + "\n"
+            )
+    return data
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("positions", [pytest.param("global", marks=pytest.mark.exhaustive), "restart"])
 def test_document_mask_cp2_matches_single_process(tmp_path, positions):
@@ -215,17 +231,7 @@ def test_document_mask_cp2_matches_single_process(tmp_path, positions):
     query sees only earlier keys of its own document across the shard boundary; with restart
     positions, the per-document positions of the whole window are sharded the same way. The
     reference is the one-process document-masked run; same bounds."""
-    # Short documents (2 to 10 words), so every 64-token window holds several boundaries (the
-    # bundled corpus's documents are longer than a window).
-    g = torch.Generator().manual_seed(0)
-    words = ["alpha", "beta", "gamma", "delta", "tree", "river", "stone", "cloud", "seven", "blue"]
-    data = tmp_path / "docs.jsonl"
-    with open(data, "w") as f:
-        for _ in range(400):
-            n = int(torch.randint(2, 10, (), generator=g))
-            f.write(
-                json.dumps({"text": " ".join(words[int(i)] for i in torch.randint(0, 10, (n,), generator=g))}) + "\n"
-            )
+    data = short_documents(tmp_path)
     extra = (
         "--training.document_mask=true",
         f"--training.document_positions={positions}",

@@ -23,12 +23,9 @@ where a control without the state passing misses by O(1)). Measured numbers: doc
 "Linear attention (Qwen 3.5)".
 """
 
-import json
-
 import pytest
-import torch
 
-from tests.e2e.test_cp_train import _degrees, _run
+from tests.e2e.test_cp_train import _degrees, _run, short_documents
 
 QWEN3_5 = "configs/qwen3_5_debug.toml"
 QWEN3_5_MOE = ("--model.flavor=debugmodel_moe",)
@@ -108,15 +105,7 @@ def test_qwen3_5_document_mask_cp2_matches_single_process(tmp_path):
     """Packed short documents (restart positions): the delta rule's state is reset at every document
     start, including those on a cp chunk's first token (the start found against the preceding
     rank's last segment id), and the conv reads no token of another document across ranks."""
-    g = torch.Generator().manual_seed(0)
-    words = ["alpha", "beta", "gamma", "delta", "tree", "river", "stone", "cloud", "seven", "blue"]
-    data = tmp_path / "docs.jsonl"
-    with open(data, "w") as f:
-        for _ in range(400):
-            n = int(torch.randint(2, 10, (), generator=g))
-            f.write(
-                json.dumps({"text": " ".join(words[int(i)] for i in torch.randint(0, 10, (n,), generator=g))}) + "\n"
-            )
+    data = short_documents(tmp_path)
     extra = SHAPE + (
         "--training.document_mask=true",
         "--training.document_positions=restart",
