@@ -32,7 +32,9 @@ import dataclasses
 import sys
 
 import planner
+from models import FAMILIES
 from models.errors import ConfigError
+from parallelisms.activation_checkpoint import AC_MODES
 from trainer.runtime import cli
 
 # ================================================================================ reports
@@ -397,7 +399,7 @@ def _parser() -> argparse.ArgumentParser:
         "x slices, the same per-device batch) and the projected weak-scaling efficiency (planner/multislice.py)",
     )
     p.add_argument("--list-targets", action="store_true", help="print the generations and exit")
-    p.add_argument("--model", help="model.name (llama3, qwen3, deepseek_v3, flux)")
+    p.add_argument("--model", help=f"model.name ({', '.join(FAMILIES)})")
     p.add_argument("--flavor", help="model.flavor (8B, 70B, 405B, 235B-A22B, 671B, kimi_k2, ...)")
     p.add_argument("--seq-len", type=int, help="training.seq_len")
     p.add_argument("--local-batch", type=int, help="training.local_batch_size (sequences per micro-batch per dp rank)")
@@ -407,7 +409,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="parallelism.tensor_parallel_degree")
     p.add_argument("--cp", type=int, help="parallelism.context_parallel_degree")
     p.add_argument("--ep", type=int, help="parallelism.expert_parallel_degree")
-    p.add_argument("--ac", help="activation_checkpoint.mode: none | selective | full")
+    p.add_argument("--ac", help=f"activation_checkpoint.mode: {' | '.join(AC_MODES)}")
     p.add_argument("--loss-parallel", action="store_true", help="parallelism.enable_loss_parallel = true")
     p.add_argument(
         "--recommend",
