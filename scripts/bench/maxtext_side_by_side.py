@@ -98,32 +98,14 @@ PAIRS: dict[str, Pair] = {
 }
 """In order of compile cost, the smallest first (as maxtext_compile.RUNS)."""
 
-V7X_FLAG_BUNDLE = (
-    "--xla_tpu_enable_async_collective_fusion=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
-    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
-    "--xla_tpu_overlap_compute_collective_tc=true",
-    "--xla_enable_async_all_gather=true",
-    "--xla_tpu_scoped_vmem_limit_kib=65536",
-)
-"""assets/tpu_flags.toml's v7x bundle, what a TPU run starts from (`[device] flag_bundle = "auto"`) and
-the deviceless compile does not apply (tools/tpu_compile.py `recipe_flag_env`)."""
-
 FIXES: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {
     "llama3.1-70b_v6e-256": (
         (("training.mixed_precision_reduce", "bfloat16"),),
         "gradient reduce in bf16 (as MaxText)",
     ),
     "llama3.1-405b_v7x-512": (
-        (
-            (
-                "device.libtpu_init_args",
-                "["
-                + ", ".join(f'"{f}"' for f in (*V7X_FLAG_BUNDLE, "--xla_tpu_prefer_async_allgather_to_allreduce=true"))
-                + "]",
-            ),
-        ),
-        "the v7x flag bundle + --xla_tpu_prefer_async_allgather_to_allreduce=true (MaxText's 405B recipe sets it)",
+        (("device.libtpu_init_args", '["--xla_tpu_prefer_async_allgather_to_allreduce=true"]'),),
+        "--xla_tpu_prefer_async_allgather_to_allreduce=true over the v7x flag bundle (MaxText's 405B recipe sets it)",
     ),
 }
 """Cheap changes tried on top of a pair (a recipe key or flag), each a row of its own: `run + label`."""
