@@ -149,3 +149,37 @@ def test_pp2_tp2_is_the_one_process_run(tmp_path):
         _model_weights(one / "checkpoints" / "step-4", tmp_path),
         4,
     )
+
+
+GRAPH_PP = (
+    "--compile.mode=graph",
+    "--compile.backend=aot_eager",
+    "--parallelism.pipeline_schedule=GPipe",
+    "--parallelism.pipeline_first_stage_less_layers=0",
+    "--parallelism.pipeline_last_stage_less_layers=0",
+)
+"""Graph-mode PP (trainer/graph/pipeline.py): GPipe's order, uniform stages."""
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_tp2_is_the_one_process_run(tmp_path):
+    """Graph-mode PP 2 x TP 2 (4 gloo processes in a drawn device order; each stage's blocks sharded by
+    the TP plan, sequence parallel between them, the permutes carrying each tp rank's sequence shard):
+    the one process's graph-mode run, validation included, and the same weights at step 4 (scheduled
+    tier)."""
+    one, pp = tmp_path / "one", tmp_path / "graph_pp2tp2"
+    want = _train(one, 1, "--compile.mode=graph", "--compile.backend=aot_eager")
+    got = _train(
+        pp,
+        4,
+        *GRAPH_PP,
+        "--parallelism.pipeline_parallel_degree=2",
+        "--parallelism.tensor_parallel_degree=2",
+        "--parallelism.pipeline_microbatches=2",
+    )
+    _assert_same_run(got, want, (1, 2, 3, 4))
+    _assert_same_weights(
+        _model_weights(pp / "checkpoints" / "step-4", tmp_path),
+        _model_weights(one / "checkpoints" / "step-4", tmp_path),
+        4,
+    )

@@ -1676,6 +1676,14 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "fenced remat: remat on the unrolled graph",
     ),
     Scheduled(
+        "tests/unit/test_graph_step.py::test_fenced_remat_waits_for_the_backward",
+        (
+            "tests/unit/test_graph_step.py::test_unrolled_remat",
+            "tests/unit/test_graph_step.py::test_remat_one_region_across_unmarked_backward_ops",
+        ),
+        "the fence tied to the backward: remat on the unrolled graph, and the backward regions on a hand-made graph",
+    ),
+    Scheduled(
         "tests/unit/test_planner.py::test_recommend_prefers_pure_fsdp_then_adds_tp",
         (
             "tests/unit/test_planner.py::test_too_big_gives_a_clear_verdict_and_suggestions",
@@ -1828,6 +1836,26 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "PP 2 x TP 2 through torchrun: the default tier runs the pipeline step through torchrun and TP 2 "
         "against one process",
+    ),
+    Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_tp2_*equals_one_process",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_rules",
+            "tests/e2e/test_parallel_e2e.py",
+        ),
+        "graph-mode PP 2 x TP 2 (unrolled and layer scan, 4 processes, ~4 min) and PP 2 x TP 2 x FSDP 2 (8 "
+        "processes) against one process: the default tier runs the same captured pipeline on PP 2, the rule "
+        "that now accepts TP with it, and TP 2 against one process through the trainer",
+    ),
+    Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_graph_pp2_tp2_is_the_one_process_run",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+        ),
+        "graph-mode PP 2 x TP 2 through torchrun in a drawn device order: the default tier runs the captured "
+        "pipeline against one process and the pipeline's trainer path (DCP, validation) through torchrun",
     ),
     Scheduled(
         "tests/xla/test_delta_rule_kernel.py::*",

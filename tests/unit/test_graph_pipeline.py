@@ -22,7 +22,7 @@ from tests.unit.test_pipeline_parallel import BATCH, LR, N_LAYERS, STEPS, _batch
 from trainer.step import StepRequest, plan_step
 
 
-def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
+def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
     """On each rank, per mode ("graph": the captured pipeline, unrolled; "graph_scan": its iterations as
     one scan; "eager": eager PP's GPipe): the losses
     (the loop's global mean) and gradient norms, this rank's final weights (full), the graph's
@@ -39,7 +39,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
 
     out = {}
     for mode in modes:
-        dims = ParallelDims(pp=2, dp_shard=dp_shard, world_size=dist.get_world_size())
+        dims = ParallelDims(pp=2, dp_shard=dp_shard, tp=tp, world_size=dist.get_world_size())
         mesh = build_mesh(dims, "cpu")
         graph = mode.startswith("graph")
         request = StepRequest(
@@ -50,6 +50,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes):
             pp_microbatches=microbatches,
             pp_first_less=0,
             pp_last_less=0,
+            tp_degree=tp,
             model_has_experts=False,
             n_layers=N_LAYERS,
             local_batch=BATCH // dp_shard // accum,
@@ -114,16 +115,27 @@ def spmd_text(gm) -> str:
     return re.sub(r"(all_to_all_single\.default\(\w+), \[[^\]]*\], \[[^\]]*\]", r"\1, SPLITS, SPLITS", code)
 
 
+def permutes(raw: str) -> int:
+    """The stage permutes in a captured graph's code: the all-to-alls with a zero split (one peer
+    each way), not the equal-split ones gloo runs reduce-scatters as."""
+    import re
+
+    splits = re.findall(r"all_to_all_single\.default\(\w+, \[([^\]]*)\]", raw)
+    return sum("0" in [x.strip() for x in s.split(",")] for s in splits)
+
+
 def graph_mode(mode: str) -> bool:
     return mode.startswith("graph")
 
 
-def _graph_parity(nproc: int, *, dp_shard: int = 1, accum: int = 1, microbatches: int = 4, modes=("graph",)):
+def _graph_parity(
+    nproc: int, *, dp_shard: int = 1, accum: int = 1, microbatches: int = 4, modes=("graph",), tp: int = 1
+):
     from tests.support.parallel_harness import llama3_args, run_processes
 
     batches = _batches(llama3_args(N_LAYERS).vocab_size)
     ref_losses, ref_state = _one_process_reference(0, batches)
-    results = run_processes(nproc, _graph_pp_worker, 0, batches, dp_shard, accum, microbatches, modes)
+    results = run_processes(nproc, _graph_pp_worker, 0, batches, dp_shard, accum, microbatches, modes, tp)
     worst = {}
     for mode in modes:
         w_loss = w_norm = w_weight = w_eager = 0.0
@@ -201,6 +213,36 @@ def test_graph_pp2_fsdp2_accumulation_equals_one_process():
     _graph_parity(4, dp_shard=2, accum=2, microbatches=2)
 
 
+MODES_TP = ("graph", "graph_layerscan")
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_tp2_equals_one_process():
+    """PP 2 x TP 2 in graph mode on 4 gloo processes: each stage's blocks sharded by the tensor-parallel
+    plan (sequence parallel between the blocks: the permutes carry each tp rank's sequence shard to
+    the pp peer with its tp coordinate; the vocab-parallel embedding, the sequence-parallel norm and
+    the column-parallel head replicated over pp), 2 chunks of 4 sequences == one process: losses,
+    gradient norms, weights; validation's pipelined forward gives the same loss on every rank."""
+    results, _ = _graph_parity(4, microbatches=2, tp=2, modes=MODES_TP)
+    vals = [r["graph"][2] for r in results]
+    assert len(set(vals)) == 1, vals
+    for r in results:
+        # 2 permutes forward and 2 backward (one zero split each way); the other all-to-alls are TP's
+        # reduce-scatters, which gloo runs as equal-split all-to-alls (trainer/graph/passes.py)
+        for mode in MODES_TP:
+            assert permutes(r[mode][5]) == 4, (mode, r[mode][3])
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_tp2_fsdp2_equals_one_process():
+    """PP 2 x TP 2 x FSDP 2 in graph mode on 8 gloo processes (TorchTitan's 3-D layout: SimpleFSDP over
+    dp_shard, the TP plan over tp, the stages over pp), 2 sequences per dp rank in 2 chunks == one
+    process."""
+    results, _ = _graph_parity(8, dp_shard=2, microbatches=2, tp=2)
+    for r in results:
+        assert permutes(r["graph"][5]) == 4, r["graph"][3]
+
+
 @pytest.mark.multiprocess
 def test_graph_pp2_rank_independent_permute_prints_identically_and_equals_one_process():
     """PP 2 in graph mode with the rank-independent permute (`PipelinedLoss(rank_independent=True)`:
@@ -242,6 +284,8 @@ def test_graph_pp_rules():
     assert plan.pipeline.rank_has_first_last(1) == (True, True)
     tpu = plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", device_type="tpu", scan_layers=True))
     assert tpu.pipeline.uniform and tpu.scan
+    # tensor parallelism inside the stages (sequence parallel), with layer scan too
+    assert plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", tp_degree=2, scan_layers=True)).scan
     from models.errors import ConfigError
 
     for kw, key, fragment in (
@@ -250,9 +294,9 @@ def test_graph_pp_rules():
         (dict(pp_schedule="GPipe", pp_first_less=0), "parallelism.pipeline_first_stage_less_layers", "= 0"),
         (dict(**uniform, pp_schedule="GPipe", n_layers=7), "parallelism.pipeline_parallel_degree", "divisor of 7"),
         (
-            dict(**uniform, pp_schedule="GPipe", tp_degree=2),
+            dict(**uniform, pp_schedule="GPipe", tp_degree=2, loss_parallel=True),
             "parallelism.pipeline_parallel_degree",
-            "tensor_parallel_degree 2",
+            "enable_loss_parallel True",
         ),
         (
             dict(**uniform, pp_schedule="GPipe", mode="eager", device_type="tpu"),

@@ -72,6 +72,44 @@ def test_uniform_stages_hold_the_embedding_and_head_on_every_rank():
     assert pp2.activations.loss == pp1.activations.loss  # GPipe: all m chunks' loss on every rank
 
 
+def test_tp_divides_a_uniform_stage_as_it_divides_the_model_without_pp():
+    """Graph-mode PP 2 x TP 2 x FSDP 4 (h100-16) against PP 2 x FSDP 4 (h100-8), the same local batch:
+    the stage's per-device weights by hand (every block matrix, the embedding and the head split by
+    tp; the norms replicated over tp), gradients and AdamW state alike, and the per-block activations
+    shrink by the ratio TP 2 gives without PP (h100-8 against h100-4), held for T = m + p - 1 = 5
+    iterations either way; the loss (no loss parallel with PP) stays whole on every tp rank."""
+    args = LLAMA.flavors["debugmodel"]
+    graph = dataclasses.replace(GPU, mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0)
+    pipe = dict(step=graph, pp_degree=2, pp_microbatches=4)
+    pp2 = P.plan_estimate(_inputs(args, **pipe), P.parse_target("h100-8"), pp=2)
+    pp2tp2 = P.plan_estimate(_inputs(args, **pipe), P.parse_target("h100-16"), pp=2, tp=2)
+    one = dataclasses.replace(GPU, mode="graph")
+    tp1 = P.plan_estimate(_inputs(args, step=one), P.parse_target("h100-4"), pp=1)
+    tp2 = P.plan_estimate(_inputs(args, step=one), P.parse_target("h100-8"), pp=1, tp=2)
+    dim, vocab, fsdp, tp = args.dim, args.vocab_size, 4, 2
+    s = args.shape()
+    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    matrices = 2 * dim * q + 2 * dim * kv + 3 * dim * s.ffn_hidden  # wq wo, wk wv, w1 w2 w3
+    norms = 2 * dim  # attention_norm, ffn_norm
+    # uniform stages: 3 blocks, the embedding, the head and the final norm on each pp rank
+    assert pp2.params == 4 * (3 * (matrices + norms) + 2 * vocab * dim + dim) // fsdp
+    assert pp2tp2.params == 4 * ((3 * matrices + 2 * vocab * dim) // (fsdp * tp) + (3 * norms + dim) // fsdp)
+    for e in (pp2, pp2tp2):
+        assert e.grads == e.params and e.optimizer == 2 * e.params
+    # activations: the per-block bytes shrink as without PP, and 5 iterations x 3 blocks are held
+    assert (
+        pp2tp2.activations.per_block * tp1.activations.per_block
+        == pp2.activations.per_block * tp2.activations.per_block
+    )
+    assert pp2tp2.activations.per_block < 0.55 * pp2.activations.per_block
+    T = pp2tp2.pipeline.spec.iterations
+    assert T == 5 and pp2tp2.activations.blocks == pp2tp2.activations.per_block * 3 * T
+    assert pp2tp2.activations.loss == pp2.activations.loss
+    # the p2p: each tp rank sends its sequence shard
+    assert pp2tp2.pipeline.transfer_bytes * tp == pp2.pipeline.transfer_bytes
+    assert pp2tp2.total < pp2.total
+
+
 def test_the_bubble_inflates_the_step_time_and_p2p_is_priced_on_its_link():
     args = LLAMA.flavors["debugmodel"]
     pp1 = P.plan_estimate(_inputs(args), P.parse_target("h100-4"), pp=1)

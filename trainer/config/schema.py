@@ -283,9 +283,11 @@ class ParallelismConfig:
     pipeline_parallel_degree: int = field(default=1, metadata=_range(ge=1))
     """Pipeline parallel degree: the outermost mesh axis (`pp`); each pp rank holds consecutive
     layers (the first stage the embedding, the last the norm and output head) and the other degrees
-    apply inside it. Eager mode on CPU/GPU, dense decoder families without tied embeddings, composed
-    with SimpleFSDP/HSDP, TP, activation checkpointing and gradient accumulation (docs/pipeline_parallel.md;
-    the step plan's rules list what it does not compose with yet)."""
+    apply inside it. Eager mode on CPU/GPU, or graph mode (the pipeline inside the captured step, GPipe,
+    uniform stages: the TPU path, also across slices), dense decoder families without tied embeddings,
+    composed with SimpleFSDP/HSDP, TP (sequence parallel, in both modes), activation checkpointing and
+    gradient accumulation (docs/pipeline_parallel.md; the step plan's rules list what it does not
+    compose with yet)."""
     pipeline_schedule: str = field(default="1F1B", metadata=_choices(*PIPELINE_SCHEDULES))
     """The pipeline schedule (TorchTitan's names, `torch.distributed.pipelining`): GPipe and 1F1B hold
     one stage per pp rank; Interleaved1F1B, LoopedBFS and InterleavedZeroBubble hold

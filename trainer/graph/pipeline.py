@@ -168,9 +168,12 @@ class PipelinedLoss:
         return local + (value - local.detach())
 
     def _embedded(self, model, inputs: torch.Tensor) -> torch.Tensor:
-        """Every chunk's embedding [m, chunk, seq, dim] (every rank computes it; stage 0 uses it)."""
-        shape = (self.m, inputs.shape[0] // self.m, inputs.shape[1], self.dim)
-        return model.tok_embeddings(inputs).to(self.dtype).view(shape)
+        """Every chunk's embedding [m, chunk, seq, dim] (every rank computes it; stage 0 uses it).
+        With tensor parallelism `seq` is this tp rank's sequence shard (the vocab-parallel
+        embedding's reduce-scatter, sequence parallel), which is what the blocks and the permutes
+        carry between stages."""
+        e = model.tok_embeddings(inputs).to(self.dtype)
+        return e.view(self.m, inputs.shape[0] // self.m, *e.shape[1:])
 
     def _unrolled(self, model, inputs: torch.Tensor) -> torch.Tensor:
         """The iterations as a Python loop (one copy of the stage per iteration in the graph); the

@@ -111,13 +111,6 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "graph mode with PP and tensor parallelism",
-        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.tp_degree > 1,
-        "{r.pp_degree} in graph mode runs with data parallelism (SimpleFSDP) only for now; here "
-        'tensor_parallel_degree {r.tp_degree}; allowed: 1, or tensor_parallel_degree = 1, or compile.mode = "eager"',
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
         "PP > 1 with context or expert parallelism, or TP's loss parallel",
         lambda r: r.pp_degree > 1 and (r.cp_degree > 1 or r.ep_degree > 1 or (r.loss_parallel and r.tp_degree > 1)),
         "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP without loss parallel) "
