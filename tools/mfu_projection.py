@@ -93,13 +93,17 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
     trip counts, so nothing is extrapolated), with XLA's dump of the optimized HLO kept.
     With `cache`, a compile already under cache/<recipe><tag>/ is read back, not redone."""
     from tools.deviceless_env import with_xla_flags
-    from tools.tpu_compile import compile_recipe
+    from tools.tpu_compile import compile_flags, compile_recipe
 
     base = cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo"
     folder = base / f"{recipe.stem}{override_tag(overrides)}"
     result, hlo_path = folder / "program.json", folder / "program.after_optimizations.txt"
     sha = hashlib.sha1(recipe.read_bytes()).hexdigest()[:12]
-    stale = result.is_file() and json.loads(result.read_text()).get("recipe_sha", sha) != sha
+    stale = False
+    if result.is_file():  # a kept compile of an older recipe file, or under other flags, is redone
+        kept = json.loads(result.read_text())  # (one kept before either was recorded is read back)
+        stale = kept.get("recipe_sha", sha) != sha
+        stale = stale or ("flags" in kept and kept["flags"] != compile_flags(str(recipe), overrides))
     if not (cache and result.is_file() and hlo_path.is_file()) or stale:
         folder.mkdir(parents=True, exist_ok=True)
         dump = folder / "dump"
@@ -114,7 +118,7 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
         shutil.rmtree(dump, ignore_errors=True)  # buffer assignment and the other dumps: large, not read
         data = {k: getattr(rep, k) for k in rep.__dataclass_fields__}
         data["verdict"] = rep.verdict
-        data["recipe_sha"] = sha  # a cached compile of an older recipe file is redone
+        data["recipe_sha"] = sha
         result.write_text(json.dumps(data, default=str))
     res = json.loads(result.read_text())
     if not hlo_path.is_file() or not hlo_path.stat().st_size:

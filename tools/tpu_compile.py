@@ -150,6 +150,9 @@ class ProgramCompile:
     """Tokens one device's program trains on per step: local batch x seq len x grad-accum steps /
     (tp x cp x pp), the planner's `tokens_per_device_step` (a CP rank holds seq len / cp tokens of
     each sequence; the ranks of a TP group or a pipeline share their dp rank's tokens)."""
+    flags: dict = field(default_factory=dict)
+    """LIBTPU_INIT_ARGS / XLA_FLAGS the program was compiled under (`recipe_flag_env`: the
+    generation's bundle < the recipe's < the environment's), so a kept compile can be told stale."""
     error: str | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -221,7 +224,8 @@ def compile_recipe(
             generation=target.generation.name,
             capture_only=capture_only,
         )
-        env = {**recipe_flag_env(cfg, target.generation.name), **(extra_env or {})}
+        report.flags = recipe_flag_env(cfg, target.generation.name)
+        env = {**report.flags, **(extra_env or {})}
         res = _run_worker(spec, python=python, extra_env=env, timeout=timeout)
         _read_result(report, res, capture_only=capture_only)
     except ConfigError as e:
@@ -254,6 +258,12 @@ def recipe_flag_env(cfg, generation: str | None = None, environ=None) -> dict[st
         if merged:
             out[var] = " ".join(merged)
     return out
+
+
+def compile_flags(path: str, overrides) -> dict[str, str]:
+    """The flags `compile_recipe` compiles `path` with `overrides` under (`ProgramCompile.flags`)."""
+    cfg, target = _recipe_target(path, overrides)
+    return recipe_flag_env(cfg, target.generation.name)
 
 
 def _recipe_target(path: str, overrides):

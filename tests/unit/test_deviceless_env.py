@@ -176,3 +176,40 @@ def test_estimate_xla_compiles_an_expert_parallel_recipe_as_the_trainer_program(
     assert estimate_xla.main(["--config", recipe, "--dump-hlo", "/tmp/x.hlo"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --dump-hlo: not taken for an expert-parallel recipe") and "allowed:" in err
+
+
+def test_a_kept_program_compile_under_other_flags_is_redone(monkeypatch, tmp_path):
+    """program_compile reads a kept compile back only when it was made under the flags the recipe
+    compiles with now (the generation's bundle < recipe < environment): a compile kept from before
+    a bundle change is compiled again, not read as the current program. (One kept before flags
+    were recorded is read back, as one without a recipe hash is.)"""
+    import hashlib
+    import json
+
+    import tools.tpu_compile
+    from tools import mfu_projection
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    recipe = ROOT / "configs" / "llama3_8b_v6e.toml"
+    flags = tools.tpu_compile.compile_flags(str(recipe), [])
+    assert "--xla_enable_async_all_gather=true" in flags["LIBTPU_INIT_ARGS"]  # the v6e bundle
+    folder = tmp_path / recipe.stem
+    folder.mkdir()
+    (folder / "program.after_optimizations.txt").write_text("HloModule kept\n")
+    sha = hashlib.sha1(recipe.read_bytes()).hexdigest()[:12]
+    calls = []
+
+    def fake_compile(path, *, overrides, timeout, extra_env=None, **kw):
+        calls.append(path)
+        raise RuntimeError("compiled again")
+
+    monkeypatch.setattr(tools.tpu_compile, "compile_recipe", fake_compile)
+    for kept_flags, redone in ((flags, False), ({}, True), ({"LIBTPU_INIT_ARGS": "--other"}, True)):
+        kept = {"recipe_sha": sha, "flags": kept_flags, "kernels": {}}
+        (folder / "program.json").write_text(json.dumps(kept))
+        if redone:
+            with pytest.raises(RuntimeError, match="compiled again"):
+                mfu_projection.program_compile(recipe, [], timeout=10, cache=tmp_path)
+        else:
+            assert mfu_projection.program_compile(recipe, [], timeout=10, cache=tmp_path)["flags"] == flags
+    assert len(calls) == 2
