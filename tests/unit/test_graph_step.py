@@ -163,6 +163,89 @@ def test_fenced_remat_reads_forward_values_through_barriers():
         assert all(index[u] > index[item] for u in item.users)
 
 
+def test_fenced_remat_waits_for_the_backward():
+    """Issue 54: a barrier on forward values alone lets XLA run the recomputation right after the
+    forward (no checkpointing, memory-wise, in an unscanned program). Every barrier in front of
+    recomputed activations also takes a backward value that exists just before the copies' first
+    use (the cotangent the consuming backward op reads, which that op then reads through the
+    barrier), as JAX's remat fences the residuals with the incoming cotangents. Graph = eager to
+    the module's tolerances; 1 micro-batch, 2 blocks."""
+    import operator
+
+    from trainer.graph.remat import OPTIMIZATION_BARRIER
+
+    step = _parity(scan=False, ac_mode="full", steps=2, fence_remat=True)
+    nodes = list(step.graph_module.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    copies = {n for n in nodes if n.name.endswith("_recomputed")}
+    barriers = [n for n in nodes if n.target is OPTIMIZATION_BARRIER]
+    on_activations = 0
+    for barrier in barriers:
+        (fenced,) = barrier.args
+        items = [u for u in barrier.users if u.target is operator.getitem]
+        readers = {r for item in items for r in item.users}
+        if all(a.op == "placeholder" for a in fenced if not a.meta.get("autograd_backward")):
+            continue  # a parameter's cast / gather, gathered again for the backward: not tied
+        on_activations += 1
+        ties = [a for a in fenced if a.meta.get("autograd_backward") and a not in copies]
+        assert ties, f"{barrier.name} fences only forward values: {[a.name for a in fenced]}"
+        # the tie is computed before the barrier, and a backward op that is no copy reads it from there
+        assert all(index[t] < index[barrier] for t in ties)
+        assert any(r not in copies and r.meta.get("autograd_backward") for r in readers)
+        # and every copy behind the barrier comes after it
+        assert all(index[r] > index[barrier] for r in readers)
+    assert on_activations >= 2, on_activations  # at least one per block
+
+
+def test_remat_one_region_across_unmarked_backward_ops():
+    """A backward op without autograd's mark (the Qwen 3 MoE step has such `mul`s between marked
+    ones) reads a backward value: it belongs to the backward region, so the ops recomputed before
+    it are reused after it (before: a new region, the block recomputed again: three attention
+    forwards per block in the unscanned MoE programs) and the forward values it reads are not
+    taken for region outputs."""
+    from torch import fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from trainer.graph.remat import remat_pass
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    val = torch.empty(4)
+
+    def op(target, *args, backward=False, recompute=False):
+        n = g.call_function(target, args)
+        n.meta["val"] = val
+        if backward:
+            n.meta["autograd_backward"] = True
+        if recompute:
+            n.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            n.meta["ac_graph_id"] = 0
+        return n
+
+    x.meta["val"] = val
+    aten = torch.ops.aten
+    a = op(aten.relu.default, x, recompute=True)
+    b = op(aten.sin.default, a, recompute=True)
+    c = op(aten.add.Tensor, b, x, recompute=True)  # the block's output (read outside: saved)
+    d = op(aten.neg.default, c)
+    g1 = op(aten.cos.default, d, backward=True)
+    g2 = op(aten.mul.Tensor, g1, b, backward=True)  # needs b: recompute relu, sin
+    m = op(aten.mul.Tensor, g2, a)  # unmarked, reads a backward value and a forward one
+    g3 = op(aten.mul.Tensor, m, b, backward=True)  # needs b again: the copy made for g2
+    g.output((g3,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert remat_pass(gm) == 2
+    sins = [n for n in gm.graph.nodes if n.target is aten.sin.default and "_recomputed" in n.name]
+    relus = [n for n in gm.graph.nodes if n.target is aten.relu.default and "_recomputed" in n.name]
+    assert len(sins) == 1 and len(relus) == 1
+    # the unmarked op reads the copy, not the forward's relu (which is then not kept for it)
+    assert m.args[1] is relus[0] and g3.args[1] is sins[0]
+    out = gm(torch.tensor([0.5, -1.0, 2.0, 0.0]))[0]
+    xs = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    bx = xs.relu().sin()
+    assert torch.equal(out, torch.cos(-(bx + xs)) * bx * xs.relu() * bx)
+
+
 def test_scan_remat_shrinks_saved_activations():
     saved = {}
     for mode in ("none", "selective", "full"):

@@ -105,7 +105,20 @@ def _check_rng(nodes: list[fx.Node]) -> None:
             )
 
 
-def _normalize_tags(nodes: list[fx.Node]) -> None:
+def _backward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The backward ops: those autograd.grad traced (`_is_backward`) and those reading a backward
+    value. Some ops of a backward lack the mark (the Qwen 3 MoE step's have three single `mul`s
+    between its marked ops): taken for forward ops, they split one backward into several regions,
+    each recomputing again what the previous one had recomputed (the attention forward three
+    times per block instead of two), and made the forward values they read region outputs."""
+    backward: set[fx.Node] = set()
+    for node in nodes:
+        if _is_backward(node) or any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
+def _normalize_tags(nodes: list[fx.Node], in_backward: set[fx.Node]) -> None:
     """Keep what leaves a checkpointed region in the forward; recompute only its inside.
 
     A tagged node read by a forward node that is not in its own region (the next block, the
@@ -113,11 +126,11 @@ def _normalize_tags(nodes: list[fx.Node]) -> None:
     so it stays materialized here too (MUST_SAVE) instead of being recomputed in backward.
     """
     for node in nodes:
-        if not _must_recompute(node) or _is_backward(node):
+        if not _must_recompute(node) or node in in_backward:
             continue
         region = node.meta.get("ac_graph_id")
         for user in node.users:
-            if _is_backward(user) or user.op == "output":
+            if user in in_backward or user.op == "output":
                 continue
             if not _must_recompute(user) or user.meta.get("ac_graph_id") != region:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -133,14 +146,16 @@ def remat_pass(gm: fx.GraphModule, *, fence: bool = False) -> int:
     if not any(_must_recompute(n) for n in nodes):
         return 0
     _check_rng(nodes)
-    _normalize_tags(nodes)
+    in_backward = _backward_nodes(nodes)
+    _normalize_tags(nodes, in_backward)
 
     copied = 0
     recomputed: dict[fx.Node, fx.Node] = {}
     groups: list[list[fx.Node]] = []  # the copies made for one backward op, in graph order
+    consumers: list[fx.Node] = []  # that backward op
     previous_backward = False
     for node in nodes:
-        backward = _is_backward(node)
+        backward = node in in_backward
         if backward and not previous_backward:
             # A new backward region (one per autograd.grad call, i.e. per micro-batch):
             # copies from an earlier region are not reused, their lifetime ended there.
@@ -153,7 +168,7 @@ def remat_pass(gm: fx.GraphModule, *, fence: bool = False) -> int:
             nonlocal copied
             if dep in recomputed:
                 return recomputed[dep]
-            if dep.op != "call_function" or _is_backward(dep) or not _must_recompute(dep):
+            if dep.op != "call_function" or dep in in_backward or not _must_recompute(dep):
                 return dep
             args_map = {a: materialize(a, before) for a in dep.all_input_nodes}
             with graph.inserting_before(before):
@@ -168,47 +183,78 @@ def remat_pass(gm: fx.GraphModule, *, fence: bool = False) -> int:
             return dup
 
         groups.append([])
+        consumers.append(node)
         for dep in list(node.all_input_nodes):
             new = materialize(dep, node)
             if new is not dep:
                 node.replace_input_with(dep, new)
     if fence:
-        for group in groups:
+        for group, consumer in zip(groups, consumers):
             if group:
-                _fence(graph, group)
+                _fence(graph, group, consumer, in_backward)
     graph.eliminate_dead_code()
     gm.recompile()
     return copied
 
 
-def _fence(graph: fx.Graph, copies: list[fx.Node]) -> None:
-    """Route the tensors that `copies` (recomputed ops, in graph order) read from outside the
-    group through one optimization barrier placed before the first copy."""
-    inside = set(copies)
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _backward_ties(consumer: fx.Node, in_backward: set[fx.Node]) -> list[fx.Node]:
+    """Backward values that exist right before `consumer` runs: the backward tensors it reads
+    (its incoming cotangent), else the nearest backward tensor before it in graph order."""
+    ties = [a for a in consumer.all_input_nodes if a in in_backward and _is_tensor(a)]
+    node = consumer.prev
+    while not ties and node.op != "root":
+        if node in in_backward and _is_tensor(node):
+            ties = [node]
+        node = node.prev
+    return ties
+
+
+def _fence(graph: fx.Graph, group: list[fx.Node], consumer: fx.Node, in_backward: set[fx.Node]) -> None:
+    """Route the tensors that `group` (recomputed ops, in graph order, made for the backward op
+    `consumer`) reads from outside the group through one optimization barrier placed before the
+    first copy, together with the backward values `consumer` reads (its incoming cotangent).
+
+    The barrier on forward values alone stops XLA's CSE but not its scheduler: nothing then ties
+    the recomputation to the backward, and in a program without a layer scan XLA may run it right
+    after the forward and keep its outputs alive until the backward, which is the memory of no
+    checkpointing (issue 54). JAX's remat puts the incoming cotangents through the same barrier
+    (`remat_transpose`: the transposed remat's operands are the residuals and the cotangents, and
+    its lowering fences them together); so does this one, and `consumer` reads the cotangent
+    through the barrier too: the copies can start only once the backward has reached them.
+    `in_backward`: the backward ops (`_backward_nodes`)."""
+    inside = set(group)
     outside: list[fx.Node] = []
-    for dup in copies:
+    for dup in group:
         for arg in dup.all_input_nodes:
             # constants (get_attr) need no fence: an op that also reads a fenced value is not CSE'd
-            if (
-                arg not in inside
-                and arg not in outside
-                and arg.op != "get_attr"
-                and isinstance(arg.meta.get("val"), torch.Tensor)
-            ):
+            if arg not in inside and arg not in outside and arg.op != "get_attr" and _is_tensor(arg):
                 outside.append(arg)
     if not outside:
         return
-    with graph.inserting_before(copies[0]):
-        barrier = graph.call_function(OPTIMIZATION_BARRIER, (outside,))
-        barrier.meta = {"val": [a.meta["val"] for a in outside], "autograd_backward": True}
+    # A group on graph inputs alone (a parameter's cast and SimpleFSDP all-gather, gathered
+    # again for the backward) is not tied: `prefetch_all_gathers_pass` issues those gathers
+    # ahead of their use on purpose, and their recomputation is not an activation.
+    tied = any(a.op != "placeholder" for a in outside)
+    ties = _backward_ties(consumer, in_backward) if tied else []
+    fenced_args = outside + ties
+    with graph.inserting_before(group[0]):
+        barrier = graph.call_function(OPTIMIZATION_BARRIER, (fenced_args,))
+        barrier.meta = {"val": [a.meta["val"] for a in fenced_args], "autograd_backward": True}
         fenced = []
-        for i, arg in enumerate(outside):
+        for i, arg in enumerate(fenced_args):
             item = graph.call_function(operator.getitem, (barrier, i))
             item.meta = {"val": arg.meta["val"], "autograd_backward": True}
             fenced.append(item)
-    for dup in copies:
+    for dup in group:
         for arg, item in zip(outside, fenced):
             dup.replace_input_with(arg, item)
+    for tie, item in zip(ties, fenced[len(outside) :]):
+        if tie in consumer.all_input_nodes:
+            consumer.replace_input_with(tie, item)
 
 
 def _tag_joint_forward(joint: fx.GraphModule, mode: str) -> None:
