@@ -35,17 +35,21 @@ if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.quantize import QuantizePlan
 
-RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
+RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0, "full_save_attention": 4.0 / 3.0}
 """Hardware FLOPs / model FLOPs: full AC repeats the forward (2 of the 6 FLOPs per param per
-token); selective AC recomputes only pointwise ops, norms and all-gathers (no matmuls)."""
+token); selective AC recomputes only pointwise ops, norms and all-gathers (no matmuls).
+full_save_attention repeats the forward but its attention kernels: 4/3 is its upper bound."""
 
 MUON_BYTES_PER_WHOLE_ELEMENT = 12
 """Muon's update per element of the whole matrices a rank holds (`trainer.graph.optim`): the
 received update and the result in fp32 (4 + 4) and Newton-Schulz's input and next iterate in
 bf16 (2 + 2); the [m, m] Gram products (m <= n) are not counted. A model, not measured."""
 
-RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
-"""How much each AC mode recomputes, least first: `recommend`'s preference and search order."""
+RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2, "full_save_attention": 3}
+"""How much each AC mode recomputes, least first: `recommend`'s preference and search order.
+full_save_attention recomputes less than full but holds more, so it comes after it: a recipe
+picks it for speed; the search, which looks for the least recompute that fits, never needs it
+(where full does not fit, neither does it)."""
 
 assert set(RECOMPUTE_FACTOR) == set(RECOMPUTE_RANK) == set(AC_MODES), "an AC mode the planner does not model"
 
@@ -592,9 +596,12 @@ def _block_transient(
     projection inputs, the MoE dispatch buffers, CP's gathered k/v gradients and the
     low-precision operand copies."""
     tp, cp = parallel_dims.tp, parallel_dims.cp
-    recompute = {"none": 0, "full": acts.per_block_none, "selective": max(0, acts.per_block_none - acts.per_block)}[
-        ac_mode
-    ]
+    recompute = {
+        "none": 0,
+        "full": acts.per_block_none,
+        "full_save_attention": acts.per_block_none,  # an upper bound: the attention output is not re-created
+        "selective": max(0, acts.per_block_none - acts.per_block),
+    }[ac_mode]
     regather = 2 * stats.block_gathered_numel if ac_mode != "none" else 0
     t_proj = tokens
     # CP: the attention backward produces the gradients of the gathered k/v (bf16, the whole
@@ -681,7 +688,13 @@ def _estimate_notes(
             f"expert parallelism: the static dispatch's worst-case buffers ({block.dispatch / 2**30:.2f} GiB) "
             "are in the block backward"
         )
-    if est.cp > 1:
+    if est.cp > 1 and est.activations.cp_backward is not None:  # a hybrid stack (Qwen 3.5)
+        notes.append(
+            f"context parallelism {est.cp}: {tokens} tokens per device and micro-batch; the full-attention "
+            "layers all-gather k/v of the whole sequence, the linear-attention layers every chunk's delta-rule "
+            f"state map [F | Pi] (the larger block backward's gradients: {block.gathered_kv_grads / 2**30:.2f} GiB)"
+        )
+    elif est.cp > 1:
         notes.append(
             f"context parallelism {est.cp}: {tokens} tokens per device and micro-batch; each layer "
             f"all-gathers k/v of the whole sequence ({block.gathered_kv_grads / 2**30:.2f} GiB, splash "
