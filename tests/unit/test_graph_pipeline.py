@@ -51,6 +51,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
             pp_first_less=0,
             pp_last_less=0,
             tp_degree=tp,
+            loss_parallel="lossparallel" in mode,
             model_has_experts=False,
             n_layers=N_LAYERS,
             local_batch=BATCH // dp_shard // accum,
@@ -80,8 +81,9 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
                 grad_accum_steps=accum,
                 loss_fn=loss_fn,
                 pp_mesh=pp,
-                scan_layers=mode == "graph_layerscan",
+                scan_layers="layerscan" in mode,
                 plan=llama3_family().plan,
+                loss_context=plan.loss_context,
             )
         else:
             step = PipelineStep(
@@ -128,8 +130,27 @@ def graph_mode(mode: str) -> bool:
     return mode.startswith("graph")
 
 
+def _one_process_val(state, batch) -> float:
+    """The loss of the one-process run's final weights on `batch` (validation's reference)."""
+    from tests.support.parallel_harness import llama3_args
+    from tests.support.pipeline_runs import pp_model
+    from trainer.step.loss import lm_loss
+
+    model, _ = pp_model(llama3_args(N_LAYERS), plan_step(StepRequest()), seed=0, lr=LR)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return lm_loss(model(batch[0]), batch[1]).item()
+
+
 def _graph_parity(
-    nproc: int, *, dp_shard: int = 1, accum: int = 1, microbatches: int = 4, modes=("graph",), tp: int = 1
+    nproc: int,
+    *,
+    dp_shard: int = 1,
+    accum: int = 1,
+    microbatches: int = 4,
+    modes=("graph",),
+    tp: int = 1,
+    check_val: bool = False,
 ):
     from tests.support.parallel_harness import llama3_args, run_processes
 
@@ -152,6 +173,11 @@ def _graph_parity(
                 for (loss, norm), (e_loss, e_norm) in zip(losses, rank_out["eager"][0]):
                     w_eager = max(w_eager, abs(loss - e_loss) / e_loss, abs(norm - e_norm) / e_norm)
         assert covered == set(ref_state), mode
+        if check_val:  # validation's pipelined forward on every rank == the one process's final weights
+            want = _one_process_val(ref_state, batches[0])
+            w_val = max(abs(r[mode][2] - want) / want for r in results)
+            print(f"{mode} validation: {w_val:.2e} from one process ({want:.7f})")
+            assert w_val < 2e-6, (mode, [r[mode][2] for r in results], want)
         worst[mode] = (w_loss, w_norm, w_weight, w_eager)
         print(
             f"{mode} pp parity: losses {w_loss:.2e}, grad norms {w_norm:.2e}, weights {w_weight:.2e}, vs eager PP {w_eager:.2e}"
@@ -213,7 +239,7 @@ def test_graph_pp2_fsdp2_accumulation_equals_one_process():
     _graph_parity(4, dp_shard=2, accum=2, microbatches=2)
 
 
-MODES_TP = ("graph", "graph_layerscan")
+MODES_TP = ("graph", "graph_layerscan_lossparallel")
 
 
 @pytest.mark.multiprocess
@@ -222,10 +248,10 @@ def test_graph_pp2_tp2_equals_one_process():
     plan (sequence parallel between the blocks: the permutes carry each tp rank's sequence shard to
     the pp peer with its tp coordinate; the vocab-parallel embedding, the sequence-parallel norm and
     the column-parallel head replicated over pp), 2 chunks of 4 sequences == one process: losses,
-    gradient norms, weights; validation's pipelined forward gives the same loss on every rank."""
-    results, _ = _graph_parity(4, microbatches=2, tp=2, modes=MODES_TP)
-    vals = [r["graph"][2] for r in results]
-    assert len(set(vals)) == 1, vals
+    gradient norms, weights, and validation's pipelined forward on every rank; unrolled with gathered
+    logits, and with layer scan and TP's loss parallel (vocab-sharded logits, the TPU layout's
+    loss)."""
+    results, _ = _graph_parity(4, microbatches=2, tp=2, modes=MODES_TP, check_val=True)
     for r in results:
         # 2 permutes forward and 2 backward (one zero split each way); the other all-to-alls are TP's
         # reduce-scatters, which gloo runs as equal-split all-to-alls (trainer/graph/passes.py)
@@ -286,6 +312,8 @@ def test_graph_pp_rules():
     assert tpu.pipeline.uniform and tpu.scan
     # tensor parallelism inside the stages (sequence parallel), with layer scan too
     assert plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", tp_degree=2, scan_layers=True)).scan
+    lp = plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", tp_degree=2, loss_parallel=True))
+    assert lp.loss_parallel and not lp.fused_loss  # graph mode: TP's loss parallel with PP
     from models.errors import ConfigError
 
     for kw, key, fragment in (
@@ -294,9 +322,9 @@ def test_graph_pp_rules():
         (dict(pp_schedule="GPipe", pp_first_less=0), "parallelism.pipeline_first_stage_less_layers", "= 0"),
         (dict(**uniform, pp_schedule="GPipe", n_layers=7), "parallelism.pipeline_parallel_degree", "divisor of 7"),
         (
-            dict(**uniform, pp_schedule="GPipe", tp_degree=2, loss_parallel=True),
+            dict(**uniform, pp_schedule="GPipe", tp_degree=2, loss_parallel=True, mode="eager"),
             "parallelism.pipeline_parallel_degree",
-            "enable_loss_parallel True",
+            "enable_loss_parallel True (compile.mode eager)",
         ),
         (
             dict(**uniform, pp_schedule="GPipe", mode="eager", device_type="tpu"),

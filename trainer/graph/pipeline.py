@@ -39,6 +39,7 @@ iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainer.step.loss import lm_loss
 
@@ -228,6 +229,11 @@ class PipelinedLoss:
             loss = ops.linear_cross_entropy(hidden.flatten(0, 1), model.output.weight, labels.flatten())
         else:
             loss = lm_loss(model.output(hidden), labels)
+            if isinstance(loss, DTensor):
+                # TP's loss parallel (vocab-sharded logits, the loss under `loss_parallel()`, the
+                # graph step's loss context): the mean is replicated over tp; its local value, whose
+                # gradient goes back as the replicated DTensor's
+                loss = loss.to_local()
         return torch.where(self.stage == self.pp - 1, loss, torch.zeros_like(loss))
 
     def replicated(self, model) -> list[torch.Tensor]:

@@ -174,7 +174,8 @@ class GraphStep:
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Pipeline parallelism: the loss of one held-out micro-batch through the pipeline's
         forward (eager, outside the graph), the same on every pp rank (validation)."""
-        return self._loss_fn.eval_loss(self.model, inputs, labels)
+        with self._loss_context():  # TP's loss parallel: the vocab-sharded logits' loss
+            return self._loss_fn.eval_loss(self.model, inputs, labels)
 
     # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
     # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.

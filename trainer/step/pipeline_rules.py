@@ -111,11 +111,15 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with context or expert parallelism, or TP's loss parallel",
-        lambda r: r.pp_degree > 1 and (r.cp_degree > 1 or r.ep_degree > 1 or (r.loss_parallel and r.tp_degree > 1)),
-        "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP without loss parallel) "
-        "only for now; here context_parallel_degree {r.cp_degree}, expert_parallel_degree {r.ep_degree}, "
-        "enable_loss_parallel {r.loss_parallel}; allowed: 1, or cp = ep = 1 and enable_loss_parallel = false",
+        "PP > 1 with context or expert parallelism, or TP's loss parallel outside graph mode",
+        lambda r: (
+            r.pp_degree > 1
+            and (r.cp_degree > 1 or r.ep_degree > 1 or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph"))
+        ),
+        "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP; loss parallel in graph "
+        "mode only) for now; here context_parallel_degree {r.cp_degree}, expert_parallel_degree {r.ep_degree}, "
+        "enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); allowed: 1, or cp = ep = 1 and "
+        'enable_loss_parallel = false (or compile.mode = "graph")',
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
