@@ -230,6 +230,8 @@ def activation_bytes(
         per_block = none
     elif ac_mode == "full":
         per_block = block_input
+    elif ac_mode == "full_save_attention":  # and the attention kernel's output (bf16) + log-sum-exp (fp32)
+        per_block = block_input + (2 * heads * hd + 4 * heads) * t_full
     else:  # selective: outputs of matmuls, attention and TP reduce-scatters
         saved = 2 * heads * hd + 4 * kv_heads * hd + 2 * d  # wq, wk, wv, wo (partial sums, full seq)
         saved += 2 * heads * hd + 4 * heads  # SDPA out + logsumexp
@@ -279,7 +281,7 @@ def _hybrid_cp(
     # per-token terms only depend on the token count; outside / loss are full's).
     own = activation_bytes(shape, seq_len=seq_len // cp, **kw)
     extra = cp_delta_rule_bytes(delta, local_batch_size=local_batch_size, seq_len=seq_len, cp=cp)
-    kept = {"none": extra.saved, "selective": extra.saved_selective, "full": 0}[ac_mode]
+    kept = {"none": extra.saved, "selective": extra.saved_selective, "full": 0, "full_save_attention": 0}[ac_mode]
     linear_block, linear_none = own.per_block + kept, own.per_block_none + extra.saved
     n_full = shape.n_layers - delta.layers
     gathered_kv = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)

@@ -120,6 +120,8 @@ def mla_activation_bytes(
         dense, moe = none_dense, none_moe
     elif ac_mode == "full":
         dense = moe = block_input
+    elif ac_mode == "full_save_attention":  # and splash's output (bf16, at v) + log-sum-exp (fp32)
+        dense = moe = block_input + (2 * args.n_heads * args.v_head_dim + 4 * args.n_heads) * tokens
     else:
         dense = block_input + _selective_per_token(args, moe=False) * tokens
         moe = block_input + _selective_per_token(args, moe=True) * tokens

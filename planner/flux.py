@@ -56,6 +56,8 @@ def block_bytes_per_token(args, *, tp: int, ac_mode: str, single: bool) -> int:
     ffn = _cdiv(args.mlp_hidden_dim, tp)
     if ac_mode == "full":
         return 2 * d
+    if ac_mode == "full_save_attention":  # and the attention output (bf16) + log-sum-exp (fp32)
+        return 2 * d + 2 * width + 4 * heads
     if ac_mode == "selective":
         return 6 * d + 8 * width + 4 * heads + 2 * ffn
     common = 12 * heads + 4 * ffn

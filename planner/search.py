@@ -34,8 +34,10 @@ if TYPE_CHECKING:
     from parallelisms.parallel_dims import ParallelDims
     from parallelisms.quantize import QuantizePlan
 
-AC_SEARCH_ORDER = tuple(sorted(AC_MODES, key=RECOMPUTE_RANK.__getitem__))
-"""The AC modes, least recompute first."""
+AC_SEARCH_ORDER = tuple(sorted((m for m in AC_MODES if m != "full_save_attention"), key=RECOMPUTE_RANK.__getitem__))
+"""The AC modes the search tries, least recompute first. Not full_save_attention: it holds more
+than full, so it fits only where full does, and full is what the search then picks (a recipe
+chooses it for speed; the planner prices it when a recipe sets it)."""
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,7 @@ def quantized_work(recipe_path: Path, tokens: int) -> dict:
         model = family.model_cls(args)
     plan = QuantizePlan.of(cfg.quantize)
     chosen = set(apply_quantize(model, recipe=plan.recipe, filter_fqns=plan.filter_fqns, min_dim=plan.min_dim))
-    recompute = cfg.activation_checkpoint.mode == "full"
+    recompute = cfg.activation_checkpoint.mode in ("full", "full_save_attention")
     flops = elements = quantized_params = expert_flops = 0
     cf = cfg.moe.capacity_factor or 1.0  # the capacity layout computes its padding rows too
     ep = max(cfg.parallelism.expert_parallel_degree, 1)

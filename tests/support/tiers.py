@@ -1676,6 +1676,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "fenced remat: remat on the unrolled graph",
     ),
     Scheduled(
+        "tests/unit/test_graph_step.py::test_full_save_attention[[]*",
+        (
+            "tests/unit/test_graph_step.py::test_scan_body_tags_for_full_save_attention",
+            "tests/unit/test_parallel_ac.py::test_modes_give_the_same_grads",
+            "tests/unit/test_graph_step.py::test_unrolled_remat",
+        ),
+        "full_save_attention in the graph step: the scan body's tags, the mode eagerly, and remat on the unrolled graph",
+    ),
+    Scheduled(
         "tests/unit/test_graph_step.py::test_fenced_remat_waits_for_the_backward",
         (
             "tests/unit/test_graph_step.py::test_unrolled_remat",

@@ -8,6 +8,8 @@ step's lr). The graph step computes the same math with a tensor learning rate an
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 
@@ -244,6 +246,86 @@ def test_remat_one_region_across_unmarked_backward_ops():
     xs = torch.tensor([0.5, -1.0, 2.0, 0.0])
     bx = xs.relu().sin()
     assert torch.equal(out, torch.cos(-(bx + xs)) * bx * xs.relu() * bx)
+
+
+def _attention_nodes(gm) -> dict[str, list[str]]:
+    from parallelisms.activation_checkpoint import is_attention_op
+
+    found = {}
+    for name, mod in gm.named_modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            nodes = [n.name for n in mod.graph.nodes if n.op == "call_function" and is_attention_op(n.target)]
+            if nodes:
+                found[name or "top"] = nodes
+    return found
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_full_save_attention(scan):
+    """`activation_checkpoint.mode = "full_save_attention"` (issue 51): graph = eager (the
+    module's tolerances); unrolled, the backward recomputes the block but not its attention
+    forward (full recomputes it: one copy per block), and it reads the attention output and
+    log-sum-exp from the forward besides what full reads. Scanned, the body stacks the block
+    input, the attention output and the log-sum-exp: 2 layers x (2 x 32 x 64 + 2 x 4 x 32 x 16
+    + 2 x 4 x 32) fp32 = 67,584 bytes. (On the CPU full's scan keeps SDPA's outputs too: the
+    partitioner saves the random-tagged ATen kernel it may not recompute; our TPU kernels are
+    not random-tagged, test_scan_body_tags_for_full_save_attention.)"""
+    step = _parity(scan=scan, ac_mode="full_save_attention", steps=2)
+    attention = _attention_nodes(step.graph_module)
+    if scan:
+        assert step.stats.scan_saved_bytes == 2 * 4 * (2 * 32 * 64 + 2 * 4 * 32 * 16 + 2 * 4 * 32)
+        assert sum(map(len, attention.values())) == 1  # the forward body's
+        return
+    assert attention == {"top": [n for n in attention["top"] if "_recomputed" not in n]}
+    assert len(attention["top"]) == 2  # one forward per block
+    full = _parity(scan=False, ac_mode="full", steps=1)
+    assert sum("_recomputed" in n for n in _attention_nodes(full.graph_module)["top"]) == 2
+    # the same matmuls again as full (all but w2 per block; wo on the kept attention output)
+    assert step.stats.matmuls == full.stats.matmuls == 2 * 7 * 3 + 3 + 2 * 6
+    nodes = list(step.graph_module.graph.nodes)
+    read = {
+        a
+        for n in nodes
+        if n.meta.get("autograd_backward")
+        for a in n.all_input_nodes
+        if not a.meta.get("autograd_backward") and a.op != "placeholder"
+    }
+    kept_attention = [a for a in read if a.target is operator.getitem and a.args[0].name in attention["top"]]
+    assert len(kept_attention) == 4  # output + log-sum-exp per block
+
+
+def test_scan_body_tags_for_full_save_attention():
+    """The scan body's joint graph (trainer/graph/remat.py `_tag_joint_forward`): full marks an
+    attention kernel of ours (a `titan*` op whose name starts like splash / sink / attn)
+    MUST_RECOMPUTE, full_save_attention MUST_SAVE (its outputs follow it); the other
+    activation ops are MUST_RECOMPUTE in both."""
+    from torch import fx
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from trainer.graph.remat import _tag_joint_forward
+
+    lib = torch.library.Library("titan_test_ac", "FRAGMENT")  # noqa: TOR901 (removed below)
+    try:
+        lib.define("splash_fwd(Tensor q) -> (Tensor, Tensor)")
+        lib.impl("splash_fwd", lambda q: (q.clone(), q.sum(-1)), "CompositeExplicitAutograd")
+        splash = torch.ops.titan_test_ac.splash_fwd.default
+        policies = {}
+        for mode in ("full", "full_save_attention"):
+            g = fx.Graph()
+            carry, tangent = g.placeholder("carry"), g.placeholder("tangents_1")
+            q = g.call_function(torch.ops.aten.sin.default, (carry,))
+            att = g.call_function(splash, (q,))
+            out = g.call_function(operator.getitem, (att, 0))
+            grad = g.call_function(torch.ops.aten.mul.Tensor, (tangent, out))
+            g.output((out, grad))
+            joint = fx.GraphModule(torch.nn.Module(), g)
+            _tag_joint_forward(joint, mode)
+            policies[mode] = [n.meta.get("recompute") for n in (q, att, out, grad)]
+    finally:
+        del lib
+    must_recompute, must_save = CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.MUST_SAVE
+    assert policies["full"] == [must_recompute, must_recompute, must_recompute, None]
+    assert policies["full_save_attention"] == [must_recompute, must_save, must_save, None]
 
 
 def test_scan_remat_shrinks_saved_activations():

@@ -51,14 +51,14 @@ def test_modes_give_the_same_grads(family):
     state = reference_state(family)
     inputs, labels = batch(4096)
     grads, backward_ops = {}, {}
-    for mode in ("none", "full", "selective"):
+    for mode in ("none", "full", "selective", "full_save_attention"):
         model = _single_process(family, mode, state)
         loss = lm_loss(model(inputs), labels)
         with _OpCounter() as counter:
             loss.backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
         backward_ops[mode] = counter.counts
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "full_save_attention"):
         assert max(rel_diff(grads[mode][n], grads["none"][n]) for n in grads["none"]) < 1e-6
     layers, linears = 2, 7  # per block: wq wk wv wo w1 w2 w3
     # full AC re-runs each block's forward matmuls in backward (all but w2, the last one:
@@ -74,6 +74,12 @@ def test_modes_give_the_same_grads(family):
     assert (
         backward_ops["full"]["_scaled_dot_product_flash_attention_for_cpu"] + backward_ops["full"]["attn_fwd"]
     ) == layers
+    # full_save_attention: full's recompute (the same matmuls: wo re-runs on the saved attention
+    # output) without the attention forward, whose output and log-sum-exp were kept
+    saved = backward_ops["full_save_attention"]
+    assert saved["mm"] == backward_ops["full"]["mm"] and saved["silu"] == layers
+    for attention_op in ("_scaled_dot_product_flash_attention_for_cpu", "attn_fwd"):
+        assert attention_op not in saved
 
 
 def test_paths_unchanged_and_applied_once():

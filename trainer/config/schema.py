@@ -348,7 +348,11 @@ class CompileConfig:
 @dataclass
 class ActivationCheckpointConfig:
     mode: str = field(default="none", metadata=_choices(*AC_MODES))
-    """Recompute activations in backward: none, full (each block), selective (op-level policy)."""
+    """Recompute activations in backward: none, full (each block), selective (op-level policy),
+    full_save_attention (full, but the attention kernels' output and log-sum-exp are kept, so
+    the backward does not run the attention forward again: MaxText's policies that save the
+    attention output, TorchTitan's SAC saving SDPA; 2 x head width + 4 x heads bytes per token
+    and block more than full). The modes and what each keeps: parallelisms/activation_checkpoint.py."""
 
 
 @dataclass

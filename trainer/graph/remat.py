@@ -16,7 +16,8 @@ mechanisms give the `[activation_checkpoint] mode` its meaning there:
   min-cut partitioner, and the checkpoint tags do not reach it (torch 2.13 retraces the body
   without node metadata). `scan_remat(mode)` tags the body's joint graph with the same
   policy right before that partitioner runs: `full` marks every forward op
-  MUST_RECOMPUTE (the scan saves only each layer's inputs), `selective` applies
+  MUST_RECOMPUTE (the scan saves only each layer's inputs), `full_save_attention` the same
+  but the attention kernels MUST_SAVE (the scan also stacks their outputs), `selective` applies
   `parallelisms.activation_checkpoint.sac_policy` op by op. In every mode (`none`
   included), ops on the layer's parameters alone (casts, transposes, SimpleFSDP
   all-gathers) are recomputed, so the scan never stacks a copy of the (gathered) weights
@@ -132,7 +133,10 @@ def _normalize_tags(nodes: list[fx.Node], in_backward: set[fx.Node]) -> None:
         for user in node.users:
             if user in in_backward or user.op == "output":
                 continue
-            if not _must_recompute(user) or user.meta.get("ac_graph_id") != region:
+            # A user in the region that is itself saved (selective AC's matmuls, the attention
+            # kernel of full_save_attention) does not make its input an output: as in eager,
+            # the input is recomputed for that op's backward (q, k, v for the attention's).
+            if user.meta.get("recompute") is None or user.meta.get("ac_graph_id") != region:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 break
 
@@ -264,7 +268,7 @@ def _tag_joint_forward(joint: fx.GraphModule, mode: str) -> None:
     all-gathers) are always recomputed: otherwise the partitioner stacks a copy of every
     layer's (gathered) weights for the backward. The ops on activations follow `mode`.
     """
-    from parallelisms.activation_checkpoint import sac_policy
+    from parallelisms.activation_checkpoint import FULL_MODES, is_attention_op, sac_policy
 
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     # BlockStack's scan has one carry, the hidden state: the body's first input.
@@ -291,12 +295,14 @@ def _tag_joint_forward(joint: fx.GraphModule, mode: str) -> None:
         elif node.target is operator.getitem:
             # An output of a multi-output op (attention returns out + logsumexp) follows its op.
             policy = node.args[0].meta.get("recompute")
+        elif mode == "full_save_attention" and is_attention_op(node.target):
+            policy = CheckpointPolicy.MUST_SAVE  # the scan stacks (out, lse) for the backward
         elif torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
             # Attention kernels are tagged random (dropout). The partitioner cannot recompute
             # random ops inside a scan body on torch 2.13 (its RNG functionalization fails),
             # so they are left to it untagged: it saves them, being compute-intensive.
             policy = None
-        elif mode == "full":
+        elif mode in FULL_MODES:
             policy = CheckpointPolicy.MUST_RECOMPUTE
         else:
             policy = sac_policy(None, node.target)
