@@ -104,11 +104,13 @@ def test_checkpoint_fn_for_graph_trainer():
 
     body(x, w).backward()
     expected = w.grad.clone()
-    for mode in ("none", "full", "selective"):
+    for mode in ("none", "full", "selective", "full_save_attention"):
         w.grad = None
         checkpoint_fn(mode)(body, x, w).backward()
         assert torch.allclose(w.grad, expected)
-    with pytest.raises(ConfigError, match="activation_checkpoint.mode: 'some'.*allowed: none, full, selective"):
+    with pytest.raises(
+        ConfigError, match="activation_checkpoint.mode: 'some'.*allowed: none, full, selective, full_save_attention"
+    ):
         checkpoint_fn("some")
 
 
