@@ -21,11 +21,17 @@ def compiled(probe):
     return probe("tpuc", "delta_rule.py", "compile", *GENERATIONS, timeout=900)
 
 
-@pytest.mark.parametrize("gen", GENERATIONS)
-def test_deviceless_compile_forward_and_backward(compiled, gen):
+def assert_kernel_compiled(compiled: dict, gen: str) -> None:
+    """The probe's forward and forward + backward compiled on `gen`, with one and three Mosaic calls
+    (the forward kernel; with the backward also the chunk states' forward pass and the backward
+    kernel), the kernel's VMEM estimate under the scoped limit."""
     for name, kernels in (("forward", 1), ("forward+backward", 3)):
         out = compiled["compiles"][f"{name}@{gen}"]
         assert "error" not in out, f"{name} on {gen}: {out['error']}"
-        # The forward kernel; with the backward also the chunk states' forward pass and the backward kernel.
         assert out["mosaic_calls"] == kernels, out
         assert out["vmem_est_mib"] < out["scoped_vmem_limit_mib"], out
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_deviceless_compile_forward_and_backward(compiled, gen):
+    assert_kernel_compiled(compiled, gen)

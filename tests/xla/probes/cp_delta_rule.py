@@ -30,53 +30,15 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def compile_(generations: list[str]) -> dict:
-    import re
+    """tests/xla/probes/delta_rule.py's compile at a cp rank's widths: the two local chunks as a
+    batch of 2, dv + dk = 256 value columns. That probe is loaded under its own name: in its
+    compile, `delta_rule` is the kernel's module (titan_kernels/tpu/delta_rule.py)."""
+    import importlib.util
 
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import topologies
-
-    sys.path.insert(0, str(ROOT / "titan_kernels" / "tpu"))  # plain modules: no torch in this venv
-    import delta_rule
-    import tiles
-
-    b, h, s, dk, dv = 2, 32, 4096, 128, 256
-    S, f32 = jax.ShapeDtypeStruct, jnp.float32
-    out = {"jax": jax.__version__, "shape": {"b": b, "heads": h, "s": s, "dk": dk, "dv": dv}, "compiles": {}}
-
-    def step(q, k, v, g, beta, h0, reset, d_out, d_state):
-        (o, st), vjp = jax.vjp(lambda *a: delta_rule.gated_delta_rule(*a, reset), q, k, v, g, beta, h0)
-        return o, st, vjp((d_out, d_state))
-
-    for gen in generations:
-        hw = tiles.GENERATIONS[gen]
-        dev = topologies.get_topology_desc(topology_name=hw.topology, platform="tpu").devices[0]
-        sh = jax.sharding.SingleDeviceSharding(dev)
-        shapes = [(b, h, s, dk), (b, h, s, dk), (b, h, s, dv), (b, h, s), (b, h, s), (b, h, dk, dv)]
-        avals = [S(x, f32, sharding=sh) for x in shapes] + [S((b, s), jnp.int32, sharding=sh)]
-        cot = [S((b, h, s, dv), f32, sharding=sh), S((b, h, dk, dv), f32, sharding=sh)]
-        for name, fn, args in (("forward", delta_rule.forward, avals), ("forward+backward", step, avals + cot)):
-            start = time.perf_counter()
-            try:
-                lowered = jax.jit(fn).lower(*args)
-                compiled = lowered.compile()
-                try:
-                    text = compiled.as_text()
-                except Exception:  # jaxlib 0.10.2 cannot print some TPU7x programs: the lowered text
-                    text = lowered.as_text()
-                mem = compiled.memory_analysis()
-                out["compiles"][f"{name}@{gen}"] = {
-                    "device": dev.device_kind,
-                    "seconds": round(time.perf_counter() - start, 1),
-                    "mosaic_calls": len(re.findall(r"tpu_custom_call", text)),
-                    "temp_mib": round(mem.temp_size_in_bytes / 2**20, 1),
-                    "argument_mib": round(mem.argument_size_in_bytes / 2**20, 1),
-                    "vmem_est_mib": round(delta_rule.vmem_bytes(dk, dv, s) / 2**20, 2),
-                    "scoped_vmem_limit_mib": hw.scoped_vmem_bytes // 2**20,
-                }
-            except Exception as exc:
-                out["compiles"][f"{name}@{gen}"] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
-    return out
+    spec = importlib.util.spec_from_file_location("delta_rule_probe", Path(__file__).with_name("delta_rule.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe.compile_(generations, b=2, dv=256)
 
 
 def interpret(seq: int) -> dict:

@@ -244,7 +244,10 @@ def _export_structure() -> dict:
     return out
 
 
-def compile_(generations: list[str]) -> dict:
+def compile_(generations: list[str], *, b: int = 1, h: int = 32, s: int = 4096, dk: int = 128, dv: int = 128) -> dict:
+    """The kernel's forward and forward + backward compiled deviceless on each generation, at batch
+    `b`, `h` value heads, `s` tokens, `dk` key and `dv` value columns (the defaults: Qwen 3.5 9B's
+    Gated DeltaNet; tests/xla/probes/cp_delta_rule.py passes a cp rank's widths)."""
     import re
     from pathlib import Path
 
@@ -257,7 +260,6 @@ def compile_(generations: list[str]) -> dict:
     import delta_rule
     import tiles
 
-    b, h, s, dk, dv = 1, 32, 4096, 128, 128
     S, f32 = jax.ShapeDtypeStruct, jnp.float32
     shapes = [(b, h, s, dk), (b, h, s, dk), (b, h, s, dv), (b, h, s), (b, h, s), (b, h, dk, dv)]
     out = {"jax": jax.__version__, "shape": {"b": b, "heads": h, "s": s, "dk": dk, "dv": dv}, "compiles": {}}
