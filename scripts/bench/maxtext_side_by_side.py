@@ -111,6 +111,14 @@ FIXES: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {
         (("device.libtpu_init_args", '["--xla_tpu_prefer_async_allgather_to_allreduce=true"]'),),
         "--xla_tpu_prefer_async_allgather_to_allreduce=true over the v7x flag bundle (MaxText's 405B recipe sets it)",
     ),
+    "qwen3-235b-a22b_v7x-512": (
+        (("device.libtpu_init_args", '["--xla_tpu_enable_async_all_to_all=true"]'),),
+        "--xla_tpu_enable_async_all_to_all=true over the v7x flag bundle (the EP all-to-alls are synchronous)",
+    ),
+    "deepseek3-671b_v7x-512": (
+        (("device.libtpu_init_args", '["--xla_tpu_enable_async_all_to_all=true"]'),),
+        "--xla_tpu_enable_async_all_to_all=true over the v7x flag bundle (the EP all-to-alls are synchronous)",
+    ),
 }
 """Cheap changes tried on top of a pair (a recipe key or flag), each a row of its own: `run + label`."""
 
