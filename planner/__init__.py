@@ -1,6 +1,7 @@
 """Pod planning without a pod: per-device memory and step time of a parallel plan.
 
-`scripts/estimate.py` is the command line and prints the reports; this package computes.
+`scripts/estimate.py` is the command line; this package computes, and `planner.report` prints the
+reports (the breakdown, the summary table, the CSV, the recipe keys).
 
 1. **Targets** (`planner.targets`): `parse_target("v6e-256")` -> a `Target` (generation, devices,
    HBM and peak per device).

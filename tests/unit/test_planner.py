@@ -25,7 +25,7 @@ from models import get_model_family
 from models.errors import ConfigError
 from parallelisms.activation_checkpoint import AC_MODES
 from parallelisms.simple_fsdp import local_bytes
-from scripts import estimate as report
+from planner import report
 from tests.support.parallel_harness import run_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

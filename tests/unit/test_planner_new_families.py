@@ -47,7 +47,7 @@ def _qwen3_5_35b_a3b_by_hand() -> float:
 )
 def test_the_estimate_prints_the_families_flops_per_token(recipe, by_hand, all_full):
     import planner
-    from scripts import estimate as report
+    from planner import report
     from tools.recipe_check import planned
     from trainer.config import build_config
 
