@@ -87,6 +87,10 @@ class DeltaRuleShape:
     """Value heads (each with its own [k_dim, v_dim] state; q/k heads are repeated to them)."""
     k_dim: int
     v_dim: int
+    k_heads: int | None = None
+    """q/k heads (None: as many as the value heads)."""
+    conv_kernel: int = 4
+    """Taps of the short causal convolution over the q/k/v channels."""
 
     @classmethod
     def of(cls, args) -> DeltaRuleShape | None:
@@ -97,7 +101,14 @@ class DeltaRuleShape:
         layers = sum(kind == "linear_attention" for kind in args.layer_types())
         if not layers:
             return None
-        return cls(layers, args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+        return cls(
+            layers,
+            args.linear_num_value_heads,
+            args.linear_key_head_dim,
+            args.linear_value_head_dim,
+            k_heads=args.linear_num_key_heads,
+            conv_kernel=args.linear_conv_kernel_dim,
+        )
 
 
 @dataclass(frozen=True)
@@ -181,116 +192,180 @@ def activation_bytes(
     block keeps q, the output and the log-sum-exp of its own T tokens, and the gathered k/v of
     the whole sequence (`cp_gathered_kv_bytes`) instead of its T tokens' repeated k/v.
 
-    `delta`: a hybrid stack's Gated DeltaNet blocks (Qwen 3.5). They are counted as the
-    full-attention block at cp = 1 (a stand-in: `shape` describes the full-attention blocks), and
-    with cp > 1 they gather no k/v: each keeps its T tokens' stand-in bytes as at cp = 1 plus what
-    the cp delta rule adds (`cp_delta_rule_bytes`). `per_block` / `per_block_none` are then the
-    larger kind's, `blocks` the sum over both kinds.
+    `delta`: a hybrid stack's Gated DeltaNet blocks (Qwen 3.5), counted with their own mixer
+    (`_linear_mixer`: what the block keeps around the delta-rule kernel) in place of the
+    attention; with cp > 1 they gather no k/v and each adds what the cp delta rule keeps
+    (`cp_delta_rule_bytes`). `per_block` / `per_block_none` are then the larger kind's, `blocks`
+    the sum over both kinds.
     """
-    if delta is not None and cp > 1 and delta.layers:
-        return _hybrid_cp(
-            shape,
-            delta,
-            local_batch_size=local_batch_size,
-            seq_len=seq_len,
-            tp=tp,
-            ac_mode=ac_mode,
-            loss_parallel=loss_parallel,
-            cp=cp,
-        )
     check_ac_mode(ac_mode)
     assert seq_len % cp == 0, f"seq_len {seq_len} does not split over cp {cp}"
-    s = shape
-    d, hd = s.dim, s.head_dim
-    t_full = local_batch_size * seq_len // cp
+    b = local_batch_size
+    t_full = b * seq_len // cp
     t_seq = t_full // tp  # sequence-parallel tokens (seq_len divides by tp: checked by ParallelDims)
-    heads, kv_heads = s.n_heads // tp, s.n_kv_heads // tp
-    norm = 6 * d + 4  # RMSNorm: fp32 copy of its input, fp32 rsqrt, bf16 normalized value
+    gathered_kv = cp_gathered_kv_bytes(shape, local_batch_size=b, seq_len=seq_len, tp=tp, cp=cp)
+    attention = _attention_mixer(shape, tp=tp, cp=cp)
+    none = _block_none(shape, attention, t_full=t_full, t_seq=t_seq, rows=b, tp=tp) + gathered_kv
+    per_block = _block_kept(shape, attention, ac_mode, none=none, t_full=t_full, t_seq=t_seq, tp=tp)
+    outside, loss, logits_transient = _outside_and_loss(
+        shape, t_full=t_full, t_seq=t_seq, tp=tp, ac_mode=ac_mode, loss_parallel=loss_parallel
+    )
+    full = ActivationBytes(
+        per_block=per_block,
+        blocks=per_block * shape.n_layers,
+        outside=outside,
+        loss=loss,
+        per_block_none=none,
+        logits_transient=logits_transient,
+    )
+    if delta is None or not delta.layers:
+        return full
+    return _hybrid(shape, delta, full, local_batch_size=b, seq_len=seq_len, tp=tp, ac_mode=ac_mode, cp=cp)
 
-    # -- no AC. The inputs of the attention and FFN in-projections hold the full sequence
-    # (TP all-gathers it; without TP it is the norm's output).
-    none = 2 * norm * t_seq + 2 * (2 * d) * t_full
-    attention = 8 * heads * hd + 4 * heads  # q, repeated k, repeated v, SDPA out (bf16), logsumexp (fp32)
-    if cp > 1:  # q, out, logsumexp per local token; k/v are the gathered ones below
-        attention = 4 * heads * hd + 4 * heads
+
+@dataclass(frozen=True)
+class _Mixer:
+    """A block's token mixer (attention or Gated DeltaNet), the bytes it keeps beyond its input
+    (the norm's output, counted with the block): per token, and per sequence row."""
+
+    none: int
+    """Per token, without AC."""
+    selective: int
+    """Per token, under selective AC (the outputs of its matmuls and of the kernels selective AC saves)."""
+    save_attention: int
+    """Per token, under full_save_attention (the attention kernel's output and log-sum-exp)."""
+    none_per_row: int = 0
+    """Per sequence row (the batch dimension), without AC."""
+
+
+def _attention_mixer(s: ModelShape, *, tp: int, cp: int) -> _Mixer:
+    """The decoder model's attention (q, k, v projections, SDPA or splash, per-head q/k norms)."""
+    hd = s.head_dim
+    heads, kv_heads = s.n_heads // tp, s.n_kv_heads // tp
+    none = 8 * heads * hd + 4 * heads  # q, repeated k, repeated v, SDPA out (bf16), logsumexp (fp32)
+    if cp > 1:  # q, out, logsumexp per local token; k/v are the gathered ones (`cp_gathered_kv_bytes`)
+        none = 4 * heads * hd + 4 * heads
     if s.qk_norm:  # per-head RMSNorm on q and k: fp32 copy, rsqrt, bf16 normalized
-        attention += 6 * heads * hd + 4 * heads + 6 * kv_heads * hd + 4 * kv_heads
-    none += attention * t_full
-    gathered_kv = cp_gathered_kv_bytes(s, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
-    none += gathered_kv
+        none += 6 * heads * hd + 4 * heads + 6 * kv_heads * hd + 4 * kv_heads
+    selective = 2 * heads * hd + 4 * kv_heads * hd + 2 * s.dim  # wq, wk, wv, wo (partial sums, full seq)
+    selective += 2 * heads * hd + 4 * heads  # SDPA out + logsumexp
+    return _Mixer(none=none, selective=selective, save_attention=2 * heads * hd + 4 * heads)
+
+
+def _block_none(s: ModelShape, mixer: _Mixer, *, t_full: int, t_seq: int, rows: int, tp: int) -> int:
+    """One block without AC: the two norms, the inputs of the mixer's and FFN's in-projections (the
+    full sequence: TP all-gathers it; without TP it is the norm's output), the mixer, the FFN/MoE."""
+    d = s.dim
+    norm = 6 * d + 4  # RMSNorm: fp32 copy of its input, fp32 rsqrt, bf16 normalized value
+    none = 2 * norm * t_seq + 2 * (2 * d) * t_full + mixer.none * t_full + mixer.none_per_row * rows
     if s.is_moe:
         assert tp == 1, "MoE blocks have no tensor-parallel plan"
-        none += _moe_none_per_token(s) * t_full
-    else:
-        none += 8 * _cdiv(s.ffn_hidden, tp) * t_full  # w1 out, silu, w3 out, product (bf16)
+        return none + _moe_none_per_token(s) * t_full
+    return none + 8 * _cdiv(s.ffn_hidden, tp) * t_full  # w1 out, silu, w3 out, product (bf16)
 
-    # -- per AC mode
-    block_input = 2 * d * t_seq
+
+def _block_kept(s: ModelShape, mixer: _Mixer, ac_mode: str, *, none: int, t_full: int, t_seq: int, tp: int) -> int:
+    """What one block keeps under `ac_mode` (`none`: its bytes without AC)."""
+    block_input = 2 * s.dim * t_seq
     if ac_mode == "none":
-        per_block = none
-    elif ac_mode == "full":
-        per_block = block_input
-    elif ac_mode == "full_save_attention":  # and the attention kernel's output (bf16) + log-sum-exp (fp32)
-        per_block = block_input + (2 * heads * hd + 4 * heads) * t_full
-    else:  # selective: outputs of matmuls, attention and TP reduce-scatters
-        saved = 2 * heads * hd + 4 * kv_heads * hd + 2 * d  # wq, wk, wv, wo (partial sums, full seq)
-        saved += 2 * heads * hd + 4 * heads  # SDPA out + logsumexp
-        if s.is_moe:  # router logits, grouped gate/up/down outputs
-            saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * d)
-        else:
-            saved += 4 * _cdiv(s.ffn_hidden, tp) + 2 * d  # w1, w3, w2
-        # With cp > 1 the k/v all-gather is recomputed (selective AC recomputes collectives), so
-        # the gathered k/v are a transient of the block's backward, not kept.
-        per_block = block_input + saved * t_full + (2 * 2 * d * t_seq if tp > 1 else 0)
+        return none
+    if ac_mode == "full":
+        return block_input
+    if ac_mode == "full_save_attention":  # and the attention kernel's output (bf16) + log-sum-exp (fp32)
+        return block_input + mixer.save_attention * t_full
+    # selective: outputs of matmuls, attention and TP reduce-scatters
+    saved = mixer.selective
+    if s.is_moe:  # router logits, grouped gate/up/down outputs
+        saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * s.dim)
+    else:
+        saved += 4 * _cdiv(s.ffn_hidden, tp) + 2 * s.dim  # w1, w3, w2
+    # With cp > 1 the k/v all-gather is recomputed (selective AC recomputes collectives), so
+    # the gathered k/v are a transient of the block's backward, not kept.
+    return block_input + saved * t_full + (2 * 2 * s.dim * t_seq if tp > 1 else 0)
 
-    # -- outside the blocks
-    outside = norm * t_seq + 2 * d * t_full + 8 * t_full  # final norm, LM-head input, labels
+
+def _outside_and_loss(
+    s: ModelShape, *, t_full: int, t_seq: int, tp: int, ac_mode: str, loss_parallel: bool
+) -> tuple[int, int, int]:
+    """Outside the blocks (final norm, LM-head input, labels, TP's extras), the loss's fp32
+    log-probs, and the log-softmax backward's transient (`ActivationBytes` fields)."""
+    d = s.dim
+    outside = (6 * d + 4) * t_seq + 2 * d * t_full + 8 * t_full  # final norm, LM-head input, labels
     if tp > 1:
         outside += 8 * t_full  # vocab-sharded embedding keeps its masked token ids
         if ac_mode != "none":
             outside += 2 * d * t_seq  # measured: the embedding's waited reduce-scatter output stays referenced
     vocab = _cdiv(s.vocab_size, tp) if (loss_parallel and tp > 1) else s.vocab_size
-    loss = 4 * t_full * vocab
-    return ActivationBytes(
-        per_block=per_block,
-        blocks=per_block * s.n_layers,
-        outside=outside,
-        loss=loss,
-        per_block_none=none,
-        logits_transient=8 * t_full * vocab,
-    )
+    return outside, 4 * t_full * vocab, 8 * t_full * vocab
 
 
-def _hybrid_cp(
+def _linear_mixer(s: ModelShape, delta: DeltaRuleShape) -> _Mixer:
+    """Qwen 3.5's Gated DeltaNet mixer (models/qwen3_5/model.py `GatedDeltaNet`) with the delta rule
+    served by the TPU kernel, whose autograd keeps its prepared inputs (titan_kernels/tpu/register.py,
+    `gated_delta.call_prepared`). h value heads, hk key heads, widths dk, dv, C = 2 hk dk + h dv conv
+    channels, K conv taps; tp = 1 (the family has no TP plan). Per token, without AC:
+
+    - the short convolution: its input (in_proj_qkv's output) and its output before the SiLU,
+      `2 C` each, bf16 (the output has K - 1 more rows per sequence row: conv1d's padding);
+    - beta: the sigmoid's output (bf16) and its fp32 copy for the kernel, `6 h`; g: softplus's
+      input and output and the kernel's contiguous copy, `12 h` (fp32);
+    - the kernel's prepared inputs (fp32, GQA repeated): q and k before and after the l2 norm with
+      its rsqrt, `2 (8 h dk + 4 h)`, and v, `4 h dv`; its `reset` (int32), 4; per row its zero
+      initial state, `4 h dk dv`;
+    - the gated RMSNorm over the kernel's output: the fp32 copy, the rsqrt, the bf16 normalized
+      value and its product with the weight, the fp32 gate and its SiLU, `16 h dv + 4 h`, and
+      out_proj's bf16 input, `2 h dv`.
+
+    Selective AC keeps the four in-projections' and out_proj's outputs (the delta rule's kernel is
+    not one selective AC saves); full_save_attention keeps nothing of it (no attention kernel).
+    Exact against the recorder, tests/unit/test_planner_delta_block.py."""
+    h, hk, dk, dv = delta.v_heads, delta.k_heads or delta.v_heads, delta.k_dim, delta.v_dim
+    conv = 2 * hk * dk + h * dv
+    none = 4 * conv + 16 * h * dk + 22 * h * dv + 30 * h + 4
+    selective = 2 * conv + 2 * h * dv + 2 * h + 2 * h + 2 * s.dim
+    per_row = 2 * conv * (delta.conv_kernel - 1) + 4 * h * dk * dv
+    return _Mixer(none=none, selective=selective, save_attention=0, none_per_row=per_row)
+
+
+def _hybrid(
     shape: ModelShape,
     delta: DeltaRuleShape,
+    full: ActivationBytes,
     *,
     local_batch_size: int,
     seq_len: int,
     tp: int,
     ac_mode: str,
-    loss_parallel: bool,
     cp: int,
 ) -> ActivationBytes:
-    """`activation_bytes` of a hybrid stack with cp > 1: the full-attention blocks as the decoder
-    model counts them under cp, the Gated DeltaNet blocks as the stand-in at cp = 1 on this rank's
-    tokens (no k/v gathered, the stand-in's k/v per token) plus `cp_delta_rule_bytes`."""
-    kw = dict(local_batch_size=local_batch_size, tp=tp, ac_mode=ac_mode, loss_parallel=loss_parallel)
-    full = activation_bytes(shape, seq_len=seq_len, cp=cp, **kw)
-    # The stand-in at cp = 1 on this rank's tokens: local_batch_size x seq_len / cp of them (the
-    # per-token terms only depend on the token count; outside / loss are full's).
-    own = activation_bytes(shape, seq_len=seq_len // cp, **kw)
-    extra = cp_delta_rule_bytes(delta, local_batch_size=local_batch_size, seq_len=seq_len, cp=cp)
-    kept = {"none": extra.saved, "selective": extra.saved_selective, "full": 0, "full_save_attention": 0}[ac_mode]
-    linear_block, linear_none = own.per_block + kept, own.per_block_none + extra.saved
+    """`activation_bytes` of a hybrid stack: the full-attention blocks as the decoder model counts
+    them (`full`; Qwen 3.5's output gate and partial RoPE are not in it), the Gated DeltaNet blocks
+    with their own mixer (`_linear_mixer`) on this rank's tokens (no k/v gathered) plus, with
+    cp > 1, `cp_delta_rule_bytes`; both kinds with Qwen 3.5's fp32 zero-centred norms."""
+    assert tp == 1, "the Gated DeltaNet blocks have no tensor-parallel plan"
+    b = local_batch_size
+    t = b * seq_len // cp
+    # Qwen 3.5's zero-centred RMSNorms keep their normalized value in fp32 (`x / rms(x)` times
+    # `1 + weight`): 2 dim bytes per token more than the decoder model's bf16 one, each of a
+    # block's two norms, in either kind of block (without AC; the norms are recomputed under AC).
+    zero_centred = 2 * 2 * shape.dim * t
+    if ac_mode == "none":
+        full = dataclasses.replace(full, per_block=full.per_block + zero_centred)
+    full = dataclasses.replace(full, per_block_none=full.per_block_none + zero_centred)
+    mixer = _linear_mixer(shape, delta)
+    own_none = _block_none(shape, mixer, t_full=t, t_seq=t, rows=b, tp=tp) + zero_centred
+    own = _block_kept(shape, mixer, ac_mode, none=own_none, t_full=t, t_seq=t, tp=tp)
+    extra = cp_delta_rule_bytes(delta, local_batch_size=b, seq_len=seq_len, cp=cp) if cp > 1 else None
+    kept = {"none": extra.saved, "selective": extra.saved_selective}.get(ac_mode, 0) if extra else 0
+    linear_block, linear_none = own + kept, own_none + (extra.saved if extra else 0)
     n_full = shape.n_layers - delta.layers
-    gathered_kv = cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
+    gathered_kv = cp_gathered_kv_bytes(shape, local_batch_size=b, seq_len=seq_len, tp=tp, cp=cp)
     return dataclasses.replace(
         full,
         per_block=max(full.per_block, linear_block) if n_full else linear_block,
         blocks=n_full * full.per_block + delta.layers * linear_block,
         per_block_none=max(full.per_block_none, linear_none) if n_full else linear_none,
-        cp_backward=max(gathered_kv if n_full else 0, extra.backward),
+        cp_backward=max(gathered_kv if n_full else 0, extra.backward) if extra else None,
     )
 
 

@@ -126,8 +126,8 @@ class PlanInputs:
         return model_flops_per_token(self.args, shape, self.seq_len)
 
     def activations(self, *, local_batch_size: int, tp: int, ac_mode: str, cp: int = 1):
-        """FLUX's and DeepSeek-V3's (MLA, two stacks) activation bytes, Qwen 3.5's with cp > 1 (its
-        Gated DeltaNet blocks under the cp delta rule, `planner.activations.cp_delta_rule_bytes`);
+        """FLUX's and DeepSeek-V3's (MLA, two stacks) activation bytes, Qwen 3.5's (its Gated DeltaNet
+        blocks' own bytes, and with cp > 1 the cp delta rule's, `planner.activations.cp_delta_rule_bytes`);
         None (the decoder-LM model in `estimate`) for a GQA decoder LM."""
         if self.flow_tokens is None:
             if is_mla(self.args):
@@ -135,7 +135,7 @@ class PlanInputs:
                     self.args, local_batch_size=local_batch_size, seq_len=self.seq_len, tp=tp, ac_mode=ac_mode, cp=cp
                 )
             delta = DeltaRuleShape.of(self.args)
-            if delta is not None and cp > 1:  # Qwen 3.5's linear-attention blocks under cp
+            if delta is not None:  # Qwen 3.5's Gated DeltaNet blocks (and the cp delta rule with cp > 1)
                 return activation_bytes(
                     self.args.shape(),
                     local_batch_size=local_batch_size,

@@ -234,10 +234,13 @@ def _select_tpu(
     # libtpu client (titan_kernels/tpu/__init__.py `compile_checker`).
     attached = getattr(device, "type", None) == "tpu"
     compile_check = tpu.compile_checker(shapes, attached=attached) if shapes is not None else None
+    chunk = selfcheck.delta_chunk_verdict(shapes)  # a chunk the kernel does not run: the reference's
+    if chunk is not None and selected.pop("gated_delta_rule", None) is None:
+        chunk = None  # no delta-rule kernel loaded: nothing falls back
     passed, verdicts = selfcheck.run(
         selected, device=device, dtype=dtype, head_dim=head_dim, shapes=shapes, compile_check=compile_check
     )
-    return _register_tpu(attention, passed, verdicts, saved=tpu.saved_ops())
+    return _register_tpu(attention, passed, verdicts + ([chunk] if chunk else []), saved=tpu.saved_ops())
 
 
 def _register_tpu(attention: str, passed: dict, verdicts: list, *, saved: list) -> str:

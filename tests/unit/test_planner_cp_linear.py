@@ -20,6 +20,8 @@ and nothing of the wrapper.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -99,12 +101,15 @@ def test_qwen3_5_debug_at_cp_2_counts_the_linear_blocks_as_the_code_runs_them():
     """Qwen 3.5 debug (3 Gated DeltaNet blocks, 1 full attention), 8 x 512 tokens at cp 2, AC none."""
     args = FLAVORS["debugmodel"]
     shape, delta = args.shape(), P.DeltaRuleShape.of(args)
-    assert delta == P.DeltaRuleShape(layers=3, v_heads=4, k_dim=64, v_dim=64)
+    assert delta == P.DeltaRuleShape(layers=3, v_heads=4, k_dim=64, v_dim=64, k_heads=2, conv_kernel=4)
     b, s, cp = 8, 512, 2
     kw = dict(local_batch_size=b, tp=1, ac_mode="none", loss_parallel=False)
     new = P.activation_bytes(shape, seq_len=s, cp=cp, delta=delta, **kw)
     old = P.activation_bytes(shape, seq_len=s, cp=cp, **kw)  # every block a full-attention block under cp
-    stand_in = P.activation_bytes(shape, seq_len=s // cp, **kw).per_block  # a block at cp = 1, T tokens
+    # a linear block at cp = 1 on T tokens (its own count, tests/unit/test_planner_delta_block.py)
+    all_linear = dataclasses.replace(delta, layers=args.n_layers)
+    stand_in = P.activation_bytes(shape, seq_len=s // cp, delta=all_linear, **kw).per_block
+    zero_centred = 2 * 2 * args.dim * (b * s // cp)  # Qwen 3.5's fp32 norms, in the full block too
     t, h, dk, dv = b * s // cp, 4, 64, 64
     wrapper = (
         4 * t * h * dk  # [v | 0]: dk more value columns, fp32
@@ -115,19 +120,22 @@ def test_qwen3_5_debug_at_cp_2_counts_the_linear_blocks_as_the_code_runs_them():
         + 4 * 2 * cp * b * h * dk * (dv + dk)  # the gathered [F | Pi] they keep a view of
     )
     assert wrapper == 14 * 2**20  # 14 MiB per linear block on rank 0
-    assert new.blocks == 3 * (stand_in + wrapper) + old.per_block
+    assert new.blocks == 3 * (stand_in + wrapper) + old.per_block + zero_centred
     assert new.per_block == stand_in + wrapper  # the larger kind
     assert new.outside == old.outside and new.loss == old.loss
-    assert old.blocks == 4 * old.per_block  # the old figure ...
-    assert new.blocks - old.blocks == 3 * (stand_in + wrapper - old.per_block)  # ... misses 3 x this
+    assert old.blocks == 4 * old.per_block  # the old figure (every block a full-attention one) ...
+    assert new.blocks - old.blocks == 3 * (stand_in + wrapper - old.per_block) + zero_centred  # ... misses this
     # The block backward's cp transient: the [F | Pi] gradient of 2 cp chunks (4 MiB) and the
     # kernel backward's chunk-start states at dk more columns (2 b chunks of 128 tokens, 2 kernel
     # chunks each), against the full-attention block's gathered k/v gradients (2 MiB).
     gathered = 4 * 2 * cp * b * h * dk * (dv + dk)
     assert new.cp_backward == gathered + 4 * 2 * b * h * 2 * dk * dk
     assert new.cp_backward > P.cp_gathered_kv_bytes(shape, local_batch_size=b, seq_len=s, tp=1, cp=cp)
-    # cp = 1: unchanged (no wrapper)
-    assert P.activation_bytes(shape, seq_len=s, cp=1, delta=delta, **kw) == P.activation_bytes(shape, seq_len=s, **kw)
+    # cp = 1: no wrapper, no cp transient
+    one = P.activation_bytes(shape, seq_len=s, cp=1, delta=delta, **kw)
+    own = P.activation_bytes(shape, seq_len=s, delta=all_linear, **kw).per_block
+    full_one = P.activation_bytes(shape, seq_len=s, **kw).per_block + 2 * zero_centred
+    assert one.blocks == 3 * own + full_one and one.cp_backward is None
     # AC full keeps the block inputs only; the wrapper's bytes are in the recompute (per_block_none)
     full = P.activation_bytes(shape, seq_len=s, cp=cp, delta=delta, **{**kw, "ac_mode": "full"})
     assert full.blocks == 4 * P.activation_bytes(shape, seq_len=s, cp=cp, **{**kw, "ac_mode": "full"}).per_block

@@ -119,6 +119,30 @@ class Verdict:
         return KERNEL_NAMES.get(self.op, self.op)
 
 
+DELTA_KERNEL_CHUNK = 64
+"""Tokens per chunk of the TPU delta-rule kernel (titan_kernels/tpu/delta_rule.py `CHUNK`; this
+module imports no jax): the only `chunk_size` the kernel serves (register.py hands any other to the
+torch reference)."""
+
+
+def delta_chunk_verdict(shapes: KernelShapes | None) -> Verdict | None:
+    """A failed verdict for the delta-rule kernel when the model's `delta_chunk_size` is not the
+    kernel's chunk: every call of the run would go to the torch reference (register.py), so the
+    start-up says so in the kernels' banner line instead of the kernel silently not running.
+    None: no delta rule in the model, or the kernel's chunk."""
+    if shapes is None or not shapes.delta_heads or shapes.delta_chunk == DELTA_KERNEL_CHUNK:
+        return None
+    return Verdict(
+        op="gated_delta_rule",
+        ok=False,
+        reason=(
+            f"model.delta_chunk_size = {shapes.delta_chunk}: the kernel runs chunks of {DELTA_KERNEL_CHUNK} "
+            f"tokens only (set delta_chunk_size = {DELTA_KERNEL_CHUNK} for the kernel)"
+        ),
+        checked=shapes.describe("gated_delta_rule"),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelShapes:
     """The widths at which a run calls the kernels (`titan_kernels.select(shapes=)`; module docstring)."""
@@ -148,6 +172,9 @@ class KernelShapes:
     delta_v_dim: int = 128
     delta_heads: int = 0
     """The delta rule's value heads (0: the model has no delta rule; its check uses 4 heads anyway)."""
+    delta_chunk: int = DELTA_KERNEL_CHUNK
+    """The model's `delta_chunk_size` (Qwen 3.5): the kernel serves only its own chunk
+    (`DELTA_KERNEL_CHUNK`); another is the reference's for the run (`delta_chunk_verdict`)."""
     sliding_window: int = 0
     """The model's sliding window (the op `sink_attention`'s kernel is built for it); 0: none."""
 
@@ -175,6 +202,7 @@ class KernelShapes:
             delta_k_dim=getattr(args, "linear_key_head_dim", 0) or 128,
             delta_v_dim=getattr(args, "linear_value_head_dim", 0) or 128,
             delta_heads=getattr(args, "linear_num_value_heads", 0) if hasattr(args, "linear_key_head_dim") else 0,
+            delta_chunk=int(getattr(args, "delta_chunk_size", DELTA_KERNEL_CHUNK)),
         )
 
     def describe(self, op: str) -> str:
