@@ -140,3 +140,24 @@ def dataclass_all_linear(args, delta: P.DeltaRuleShape) -> P.DeltaRuleShape:
     import dataclasses
 
     return dataclasses.replace(delta, layers=args.n_layers)
+
+
+def test_qwen3_5_debug_whole_model_in_eager(kernel_op):
+    """The whole debug model (3 DeltaNet blocks, 1 full attention, the loss's fp32 log-probs), bf16,
+    2 x 256 tokens, AC none: the planner within 2.2 % below eager (was 27.9 % below). What is left
+    is the full-attention block's output gate and partial RoPE (about 2.4 KB per token, not in the
+    decoder model's block) and the final zero-centred norm's fp32 value: all below, none above."""
+    from trainer.step import lm_loss
+
+    args = FLAVORS["debugmodel"]
+    torch.manual_seed(0)
+    model = Qwen3_5Transformer(args).bfloat16()
+    b, s = 2, 256
+    tokens = torch.randint(0, args.vocab_size, (b, s + 1))
+    measured = P.measure_saved_bytes(model, tokens[:, :-1], tokens[:, 1:], loss_fn=lm_loss)
+    kw = dict(local_batch_size=b, seq_len=s, tp=1, ac_mode="none", loss_parallel=False)
+    planned = P.activation_bytes(args.shape(), delta=P.DeltaRuleShape.of(args), **kw).total
+    stand_in = P.activation_bytes(args.shape(), **kw).total
+    full_block_rest = (2400 + 2 * args.dim) * b * s  # gate + partial RoPE; the final norm in fp32, not bf16
+    assert measured - full_block_rest <= planned < measured, (planned, measured)
+    assert stand_in < 0.75 * measured
