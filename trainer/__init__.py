@@ -12,11 +12,12 @@ tokenizer), `flux_data/` (the FLUX data set: build, reader, loader), `optim/` (A
 lr schedule, expert balance), `checkpoint/` (manager, state, manifest, initial weights, gs:// steps),
 `runtime/` (device, preemption, watchdog, flops, metrics, storage seam, run lock). Modules:
 `launch.py` (the multi-host launcher CLI, `python -m trainer.launch`), `flux_run.py` (a trained
-FLUX run rebuilt from its dump folder, for scripts/sample.py and scripts/eval_flux.py).
+FLUX run rebuilt from its dump folder, for scripts/sample.py and scripts/eval_flux.py), `hf_convert.py`
+(DCP checkpoints <-> Hugging Face safetensors, for scripts/convert.py).
 
 The rooms are layered, imports pointing down only (tests/unit/test_layout.py: TRAINER_LAYERS):
 runtime < checkpoint, data, optim, step < flux_data < graph, tasks < config < callbacks, job <
-the entry points (engine, flux_run, launch, train).
+the entry points (engine, flux_run, hf_convert, launch, train).
 """
 
 _FACE = {

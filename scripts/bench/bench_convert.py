@@ -75,12 +75,8 @@ def _build(folder: Path, layers: int, dim: int) -> None:
 
 
 def _measured(kind: str, hf: Path, dcp_dir: Path, back: Path, layers: int, dim: int) -> dict:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("convert", ROOT / "scripts" / "convert.py")
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
     import models
+    from trainer import hf_convert as convert
 
     before = _status("VmRSS")
     if kind == "from-hf":

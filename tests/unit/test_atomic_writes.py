@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 import models
 from tests.e2e.test_runlock import hold
 from tests.support.trainer_runs import TINY_RUN
+from trainer import hf_convert
 from trainer.checkpoint import CheckpointManager, CheckpointSaveError
 from trainer.runtime import atomic
 from trainer.runtime.atomic import WriteFailed, atomic_dir, atomic_file, write_error_text
@@ -275,13 +276,13 @@ def _to_hf(step, out) -> list[str]:
 @pytest.mark.parametrize("code", ERRNOS)
 def test_failed_to_hf_leaves_nothing_and_says_why(tmp_path, dcp_checkpoint, monkeypatch, capsys, code):
     step, _, _ = dcp_checkpoint
-    write = convert._write_safetensors
+    write = hf_convert._write_safetensors
 
     def failing(path, entries, chunks):
         write(path, entries, chunks)  # the whole file, then the disk "fills"
         raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr(convert, "_write_safetensors", failing)
+    monkeypatch.setattr(hf_convert, "_write_safetensors", failing)
     out = tmp_path / "exports" / "hf"
     assert convert.main(_to_hf(step, out)) == 1
     err = capsys.readouterr().err
@@ -295,7 +296,7 @@ def test_failed_to_hf_leaves_nothing_and_says_why(tmp_path, dcp_checkpoint, monk
 @pytest.mark.parametrize("code", ERRNOS)
 def test_failed_from_hf_leaves_nothing_and_says_why(tmp_path, dcp_checkpoint, fail_dcp_writes, capsys, code):
     step, family, args = dcp_checkpoint
-    convert.convert_to_hf(step, family, args, tmp_path / "hf")
+    hf_convert.convert_to_hf(step, family, args, tmp_path / "hf")
     fail_dcp_writes(code)
     assert convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back" / "dcp")]) == 1
     err = capsys.readouterr().err

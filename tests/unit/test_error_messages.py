@@ -34,12 +34,16 @@ RUN_TIME_MESSAGES = {
     ("tools/recipe_check.py", "check_recipe", "refused[0]"): "a rule table message (a pipelined plan's refusals)",
     ("trainer/checkpoint/manager.py", "_load_local", "first"): "re-raises another rank's ConfigError text",
     ("trainer/engine.py", "_check_usable", "self._unusable"): "`_unusable` is only set to texts with `allowed: ...`",
-    ("scripts/convert.py", "_convert_from_hf", "{what}{allowed}"): "adds `allowed:` unless the adapter's text has one",
+    (
+        "trainer/hf_convert.py",
+        "_convert_from_hf",
+        "{what}{allowed}",
+    ): "adds `allowed:` unless the adapter's text has one",
     ("trainer/config/load.py", "model_args", "e.args[0]"): "re-raises models/'s registry error, which has `allowed:`",
     ("trainer/config/load.py", "model_args", "model.{e}"): (
         "re-raises a model args' own ValueError (models/*/args.py), which names the field; those are not ConfigErrors"
     ),
-    # A detail, never shown alone: every caller (manager, initial, local tier, scripts/convert.py)
+    # A detail, never shown alone: every caller (manager, initial, local tier, trainer/hf_convert.py)
     # catches CorruptCheckpointError and wraps its text in a message with its own `allowed:`.
     ("trainer/checkpoint/manifest.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
     ("trainer/checkpoint/remote.py", "verify_checkpoint", ""): "a detail every caller wraps with `allowed:`",
@@ -210,6 +214,8 @@ SINGLE_KEY_MODULES = {
     "trainer/engine.py": "the engine's API: its caller's arguments (EngineError) and the folder it loads",
     "trainer/tasks/flux_sample.py": "the sampler's own arguments (steps, guidance scale)",
     "trainer/flux_run.py": "the sampler's command line: a training run's folder and its checkpoints",
+    "trainer/hf_convert.py": "the converter's input and output: a checkpoint or Hugging Face folder and its files, "
+    "the destination folder, --hf-format's own value and the model family's FP8 hub format",
 }
 
 

@@ -207,8 +207,8 @@ def test_convert_to_diffusers_and_back(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from models import get_model_family
-    from scripts.convert import convert_from_hf, convert_to_hf
     from trainer.checkpoint import write_manifest
+    from trainer.hf_convert import convert_from_hf, convert_to_hf
 
     args = _args(True)
     model = _random_model(args, seed=5)

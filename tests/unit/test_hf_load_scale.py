@@ -174,7 +174,8 @@ def test_streaming_round_trip_hf_dcp_hf_is_bit_exact(tmp_path):
     """HF (3 files + index, bf16, MoE per-expert layout) -> DCP -> HF: the same tensors, bit for bit."""
     from safetensors.torch import load_file
 
-    convert = _convert()
+    from trainer import hf_convert as convert
+
     fam = models.get_model_family("qwen3")
     args = fam.get_args("debugmodel_moe", n_layers=2)
     _write_hf_folder(tmp_path / "hf", "qwen3", args, dtype=torch.bfloat16, split=_by_expert)
@@ -221,9 +222,7 @@ _MEASURE = r"""
 import sys, json
 from pathlib import Path
 sys.path.insert(0, {root!r})
-import importlib.util
-spec = importlib.util.spec_from_file_location("convert", {script!r})
-convert = importlib.util.module_from_spec(spec); spec.loader.exec_module(convert)
+from trainer import hf_convert as convert
 import models
 def status(key):
     for line in open("/proc/self/status"):
@@ -246,7 +245,6 @@ def measure_rss(kind: str, src: Path, dst: Path, args, warm_src: Path, warm_dst:
     fields = lambda a: {f.name: getattr(a, f.name) for f in dataclasses.fields(a)}  # noqa: E731
     code = _MEASURE.format(
         root=str(ROOT),
-        script=str(ROOT / "scripts" / "convert.py"),
         kind=kind,
         src=str(src),
         dst=str(dst),

@@ -158,7 +158,8 @@ TRAINER_LAYERS = (  # bottom to top; the rooms of one layer do not import each o
     ("config",),  # the recipe: names the choices its rooms own (they never read a Config back)
     ("job_plan",),  # build_job's step 2: the run decided and checked (plan_job, step_request, batch_split)
     ("callbacks", "job"),  # build_job and its named phases
-    ("engine", "flux_run", "launch", "train", "trainer"),  # the entry points, and the face (trainer/__init__)
+    # the entry points (hf_convert: scripts/convert.py's conversions), and the face (trainer/__init__)
+    ("engine", "flux_run", "hf_convert", "launch", "train", "trainer"),
 )
 """The rooms of trainer/ (its subpackages and top-level modules), layered like LAYERS."""
 ROOM_LAYER = {room: i for i, rooms in enumerate(TRAINER_LAYERS) for room in rooms}

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 import transformers  # the [dev] extra; scripts/test.sh installs it, so HF checks never vanish as skips
 
 import models  # noqa: E402
+from trainer import hf_convert
 
 _SPEC = importlib.util.spec_from_file_location("convert", Path(__file__).parents[2] / "scripts" / "convert.py")
 convert = importlib.util.module_from_spec(_SPEC)
@@ -71,10 +72,10 @@ def test_to_hf_shards_large_outputs(tmp_path, monkeypatch):
 
     model = _our_model("llama3", "debugmodel", n_layers=3)
     checkpoints = _save_training_checkpoint(model, tmp_path)
-    monkeypatch.setattr(convert, "MAX_SHARD_BYTES", 2 * 1024**2)
+    monkeypatch.setattr(hf_convert, "MAX_SHARD_BYTES", 2 * 1024**2)
     out = tmp_path / "hf"
     family = models.get_model_family("llama3")
-    files = convert.convert_to_hf(checkpoints, family, model.args, out, dtype=torch.bfloat16)
+    files = hf_convert.convert_to_hf(checkpoints, family, model.args, out, dtype=torch.bfloat16)
     assert len(files) > 1
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {f.name for f in files}
