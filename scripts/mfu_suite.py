@@ -7,7 +7,8 @@ PNG plots, in both MFU conventions, with the published anchors printed beside ou
         --nproc 1,2 --repeats 2 --steps 8 --warmup 3 --out outputs/mfu_suite/run -- --training.seq_len=256
 
 Measured part: every (recipe, mode, nproc, repeat) is one `python -m trainer.train` run, through
-scripts/benchmark.py's runner (interleaved repeats, quiet-machine wait, metrics.jsonl parsing).
+scripts/benchmark.py's runner, tools/benchmark.py (interleaved repeats, quiet-machine wait,
+metrics.jsonl parsing).
 Per group: median tokens/s per device over the steps after --warmup and over the repeats,
 TFLOP/s, MFU in the PaLM/TorchTitan convention (6N + 12·L·H·Q·T, `mfu_pct`), in MaxText's
 causal-halved one (`mfu_pct_causal`), and against the faster compute dtype's peak on the CPU
@@ -62,6 +63,7 @@ import time
 from pathlib import Path
 
 # The projections and the report's tables and plots live in tools/ (the names tests read here too).
+from tools import benchmark as bench
 from tools.mfu_projection import (  # noqa: F401
     PROGRAM_KIND,
     ROUTINGS,
@@ -104,16 +106,6 @@ DEFAULT_MODES = "eager,graph_scan"
 # The compile-only slice a pod recipe's per-device program is compiled for (FSDP-style over its
 # devices): per-device FLOPs and bytes of pure FSDP hardly depend on the device count.
 PROJECTION_SLICE = {"v6e": "v6e-4", "v7x": "v7x-8", "v5e": "v5e-4", "v5p": "v5p-8"}
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("titan_benchmark", ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
 
 
 # ------------------------------------------------------------------------------ pure helpers

@@ -13,6 +13,8 @@ before a pod is rented; never imported by the trainer (tests/unit/test_layout.py
 - xla_projection: the step-time bound of a compiled per-device program, compute plus its
   collectives (scripts/mfu_suite.py --project); maxtext_runs: MaxText's published TPU runs at
   their settings, the projection's calibration inputs (scripts/bench/maxtext_compile.py);
+- benchmark: the runner of scripts/benchmark.py and of scripts/mfu_suite.py's sweep (the trainer as
+  a subprocess per variant, interleaved repeats, metrics.jsonl summaries, the table and CSVs);
 - mfu_projection, mfu_report: scripts/mfu_suite.py's projections (the FSDP bound, the trainer's
   program, weak scaling) and its anchors, tables and plots;
 - deviceless_env: the environment of a worker that compiles for a TPU without one;

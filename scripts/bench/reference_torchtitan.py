@@ -40,7 +40,6 @@ Arguments after `--` go to TorchTitan's command line (its tyro syntax: `--traini
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import re
@@ -211,11 +210,11 @@ def make_tokenizer(out_dir: Path, corpus: Path) -> None:
 
 
 def _load_benchmark():
-    """scripts/benchmark.py (stdlib only), for the summary logic shared with our side."""
-    spec = importlib.util.spec_from_file_location("benchmark_script", REPO / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/benchmark.py's runner, tools/benchmark.py (stdlib only), for the summary logic shared
+    with our side."""
+    from tools import benchmark
+
+    return benchmark
 
 
 # ------------------------------------------------------------------------------ main

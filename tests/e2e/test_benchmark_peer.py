@@ -27,6 +27,15 @@ def _load(name: str, path: Path):
 
 @pytest.fixture(scope="module")
 def bench():
+    """scripts/benchmark.py's runner (tools/benchmark.py): commands, runs, summaries."""
+    from tools import benchmark
+
+    return benchmark
+
+
+@pytest.fixture(scope="module")
+def script():
+    """scripts/benchmark.py itself (its main)."""
     return _load("benchmark_script_peer", ROOT / "scripts" / "benchmark.py")
 
 
@@ -140,7 +149,7 @@ with open(folder + "/metrics.jsonl", "w") as f:
 """
 
 
-def test_benchmark_main_with_fake_peer(bench, tmp_path, monkeypatch):
+def test_benchmark_main_with_fake_peer(bench, script, tmp_path, monkeypatch):
     """main(): our variants and the peer interleaved per repeat; the CSV has the ratio, CPU and threads."""
     fake = tmp_path / "fake_run.py"
     fake.write_text(FAKE_RUN)
@@ -153,7 +162,7 @@ def test_benchmark_main_with_fake_peer(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "PEER_SCRIPT", fake)  # the peer python runs the fake instead of the harness
     monkeypatch.setattr(bench, "wait_until_quiet", lambda *a: 0.0)
     out = tmp_path / "b.csv"
-    rc = bench.main(
+    rc = script.main(
         [
             "--config",
             "r.toml",
@@ -193,8 +202,8 @@ def test_benchmark_main_with_fake_peer(bench, tmp_path, monkeypatch):
     assert order == [("a", "0"), ("b", "0"), ("torchtitan", "0"), ("a", "1"), ("b", "1"), ("torchtitan", "1")]
 
 
-def test_benchmark_peer_venv_missing_is_a_clean_error(bench, tmp_path, capsys):
-    rc = bench.main(
+def test_benchmark_peer_venv_missing_is_a_clean_error(script, tmp_path, capsys):
+    rc = script.main(
         [
             "--config",
             "r.toml",
@@ -210,9 +219,9 @@ def test_benchmark_peer_venv_missing_is_a_clean_error(bench, tmp_path, capsys):
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: --peer-python") and "peer_env.sh" in err[0]
 
 
-def test_preset_commands(bench, capsys):
+def test_preset_commands(bench, script, capsys):
     """--preset ttshape --quick: six variants of ours on the TT-shape recipe, then the peer, at one shape."""
-    assert bench.main(["--preset", "ttshape", "--quick", "--dry-run"]) == 0
+    assert script.main(["--preset", "ttshape", "--quick", "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 7 and "reference_torchtitan.py" in lines[-1]
     assert all("configs/llama3_debug_ttshape.toml" in line for line in lines[:6])
@@ -283,9 +292,9 @@ def test_moe_peer_commands(harness):
     "preset, routing, ours",
     [("moe_ttshape", "learned", []), ("moe_ttshape_balanced", "balanced", ["--moe.routing=balanced"])],
 )
-def test_moe_preset_commands(bench, capsys, preset, routing, ours):
+def test_moe_preset_commands(script, capsys, preset, routing, ours):
     """--preset moe_ttshape[_balanced]: ours on the MoE TT-shape recipe, then TorchTitan's MoE, same routing and shape."""
-    assert bench.main(["--preset", preset, "--dry-run", "--repeats", "2"]) == 0
+    assert script.main(["--preset", preset, "--dry-run", "--repeats", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4 and all("reference_torchtitan.py" in line for line in lines[1::2])  # interleaved
     assert all("configs/qwen3_moe_debug_ttshape.toml" in line for line in lines[::2])

@@ -173,14 +173,10 @@ def test_rejects_non_scalar_values(tmp_path, clock):
 
 
 def _load_benchmark():
-    import importlib.util
-    from pathlib import Path
+    """scripts/benchmark.py's runner (tools/benchmark.py)."""
+    from tools import benchmark
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
-    spec = importlib.util.spec_from_file_location("benchmark_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark
 
 
 def _fake_run(folder, tokens_per_sec, *, steps=6, compile_s=12.0, resumed_dup=False):
