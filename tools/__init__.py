@@ -9,6 +9,8 @@ before a pod is rented; never imported by the trainer (tests/unit/test_layout.py
   scripts/estimate_xla.py, the XLA tier);
 - xla_estimate: the worker of scripts/estimate_xla.py (capture on meta, lower, compile for a
   topology, the compiler's memory and cost analysis);
+- xla_estimate_report: scripts/estimate_xla.py's reports (the compiler's memory and cost beside the
+  planner's, the verdict, the discrepancies, the CSV row);
 - xla_hlo: the optimized HLO text read: executed computations, trip counts, per-op compute cost;
 - xla_projection: the step-time bound of a compiled per-device program, compute plus its
   collectives (scripts/mfu_suite.py --project); maxtext_runs: MaxText's published TPU runs at
