@@ -54,7 +54,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -97,6 +96,15 @@ from tools.mfu_report import (  # noqa: F401
     write_plots,
     write_weak_plot,
 )
+from tools.mfu_runs import (
+    add_best_mfu,
+    complete,
+    group_runs,
+    report_lines,
+    reread,
+    run_dtype,
+    write_outputs,
+)
 from trainer.runtime import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,70 +123,6 @@ def pod_recipes() -> list[str]:
     """The LM pod recipes (configs/*_v6e.toml, *_v7x.toml; FLUX's are not projected)."""
     names = sorted(p.stem for pat in ("*_v6e.toml", "*_v7x.toml") for p in (ROOT / "configs").glob(pat))
     return [n for n in names if not n.startswith("flux")]
-
-
-def group_runs(runs: list[dict]) -> list[dict]:
-    """Runs -> one row per (recipe, mode, nproc): medians over the successful repeats."""
-    groups: dict[tuple, list[dict]] = {}
-    for run in runs:
-        groups.setdefault((run["recipe"], run["mode"], run["nproc"]), []).append(run)
-    rows = []
-    for (recipe, mode, nproc), group in groups.items():
-        ok = [r for r in group if r["rc"] == 0 and r.get("steady_steps")]
-        row = {"recipe": recipe, "mode": mode, "nproc": nproc, "runs": len(group), "ok": len(ok)}
-        for key in (
-            "tokens_per_sec",
-            "tflops",
-            "mfu_pct",
-            "mfu_pct_causal",
-            "mfu_pct_best",
-            "peak_tflops",
-            "peak_tflops_best",
-            "mem_gib",
-            "compile_s",
-            "busy_before",
-        ):
-            row[key] = bench._median([r.get(key) for r in ok])
-        dtypes = sorted({r["dtype"] for r in ok if r.get("dtype")})
-        row["dtype"] = "/".join(dtypes) or None
-        row["tokens_per_sec_total"] = row["tokens_per_sec"] * nproc if row["tokens_per_sec"] is not None else None
-        rows.append(row)
-    return rows
-
-
-def add_best_mfu(run: dict) -> dict:
-    """mfu_pct against the faster compute dtype's peak (equal to mfu_pct where the run uses it)."""
-    mfu, peak, best = run.get("mfu_pct"), run.get("peak_tflops"), run.get("peak_tflops_best")
-    run["mfu_pct_best"] = mfu * peak / best if None not in (mfu, peak, best) and best > 0 else mfu
-    return run
-
-
-def run_dtype(folder: Path) -> str | None:
-    """The compute dtype a run printed in its start-up lines (`titan-tpu: compute dtype X (...)`)."""
-    try:
-        text = (folder / "stdout.log").read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r"compute dtype (\w+)", text)
-    return m.group(1) if m else None
-
-
-def complete(folder: Path, steps: int) -> bool:
-    """Whether a run folder holds a metrics.jsonl record of its last step (--resume)."""
-    records = bench.read_records(folder / "metrics.jsonl")
-    return bool(records) and records[-1]["step"] == steps
-
-
-def reread(job: dict, warmup: int) -> dict:
-    """The row `benchmark.execute` would have made for a finished run (--resume): rc 0, no timing."""
-    labels = {k: v for k, v in job.items() if k not in ("cmd", "folder")}
-    return {
-        **labels,
-        "rc": 0,
-        "wall_s": None,
-        "busy_before": None,
-        **bench.summarize_run(bench.read_records(Path(job["folder"]) / "metrics.jsonl"), warmup),
-    }
 
 
 # ------------------------------------------------------------------------------ projections
@@ -423,28 +367,6 @@ def _fsdp_projection(name: str, *, anchors: dict, timeout: float, costs) -> dict
 # ------------------------------------------------------------------------------ output
 
 
-def machine_line() -> str:
-    import torch
-
-    from trainer.runtime.device import cpu_model
-
-    threads = os.environ.get("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    load = f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
-    return f"{cpu_model()}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}, torch {torch.__version__}, load average {load}"
-
-
-def git_commit() -> str:
-    try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        return "unknown"
-
-
 # ------------------------------------------------------------------------------ main
 
 
@@ -534,10 +456,12 @@ def _main(argv: list[str]) -> int:
     rows = group_runs(runs)
     anchors = load_anchors()
     projections, programs, weak, skipped = _projections(ns, sel, anchors)
-    pngs = _write_outputs(out, rows=rows, runs=runs, projections=projections, programs=programs, weak=weak)
-    md = _report_lines(
-        ns,
+    pngs = write_outputs(out, rows=rows, runs=runs, projections=projections, programs=programs, weak=weak)
+    md = report_lines(
         argv,
+        steps=ns.steps,
+        warmup=ns.warmup,
+        repeats=ns.repeats,
         started=started,
         rows=rows,
         projections=projections,
@@ -677,57 +601,6 @@ def _projections(ns: argparse.Namespace, sel: dict, anchors: dict) -> tuple[list
                 name, WEAK_SCALING[name], anchors=anchors, timeout=ns.timeout, cache=cache, overrides=sel["overrides"]
             )
     return projections, programs, weak, skipped
-
-
-def _write_outputs(out: Path, *, rows, runs, projections, programs, weak) -> list[Path]:
-    """The CSVs (groups and projections, programs, weak scaling, runs) and the plots; the PNG paths."""
-    bench.write_csv(out.with_suffix(".csv"), rows + [{**p, "mode": "projection"} for p in projections])
-    if programs:
-        bench.write_csv(out.with_name(out.name + "_programs.csv"), programs)
-    if weak:
-        bench.write_csv(out.with_name(out.name + "_weak_scaling.csv"), weak)
-    bench.write_csv(out.with_name(out.name + "_runs.csv"), runs)
-    pngs = write_plots(rows, out)
-    if weak:
-        pngs.append(write_weak_plot(weak, out))
-    return pngs
-
-
-def _report_lines(
-    ns: argparse.Namespace, argv: list[str], *, started, rows, projections, programs, weak, skipped, anchors, pngs
-) -> list[str]:
-    """<out>.md: the run's header, the measured table, the projections, the anchors, the plots."""
-    command = "python scripts/mfu_suite.py " + shlex.join(argv)
-    md = [
-        f"# MFU suite, {started}",
-        "",
-        f"- machine: {machine_line()}",
-        f"- commit: {git_commit()}",
-        f"- command: `{command}`",
-        f"- {ns.steps} steps per run, first {ns.warmup} dropped; median over steps, then over {ns.repeats} "
-        "repeat(s) (interleaved)",
-        "- MFU conventions: palm = 6N + 12·L·H·Q·T per token (TorchTitan; `mfu_pct`), causal = attention halved "
-        "(MaxText; `mfu_pct_causal`); 'vs best dtype' divides by the faster CPU compute dtype's peak "
-        "(docs/metrics.md)",
-        "",
-        "## Measured",
-        "",
-        *measured_table(rows),
-        "",
-        "## Projections: upper bounds on MFU from the compiled program (deviceless XLA:TPU compile; not measured)",
-        "",
-    ]
-    md += projection_sections(projections, programs, weak, skipped=skipped, anchors=anchors)
-    md += [
-        "",
-        "## Published anchors beside ours",
-        "",
-        *anchor_table(anchors, ours_by_recipe(projections, rows)),
-        "",
-        *[f"![{p.stem}]({p.name})" for p in pngs],
-        "",
-    ]
-    return md
 
 
 if __name__ == "__main__":

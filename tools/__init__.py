@@ -19,6 +19,8 @@ before a pod is rented; never imported by the trainer (tests/unit/test_layout.py
   a subprocess per variant, interleaved repeats, metrics.jsonl summaries, the table and CSVs);
 - mfu_projection, mfu_report: scripts/mfu_suite.py's projections (the FSDP bound, the trainer's
   program, weak scaling) and its anchors, tables and plots;
+- mfu_runs: scripts/mfu_suite.py's measured side (its runs grouped and resumed) and its outputs
+  (the CSVs, plots and <out>.md);
 - deviceless_env: the environment of a worker that compiles for a TPU without one;
 - torch_tpu_mesh: torch-tpu's own mesh layout on stand-in devices of a slice (the recipe check's
   device order, run in the ttpu venv);
