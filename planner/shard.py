@@ -193,8 +193,9 @@ def shard_model(
     muon_ids = {id(p) for p in split_muon_params(model.named_parameters(), exclude, non_matrices=vectors)[0]}
     t = _tally_params(model, prefixes, muon_ids)
     assert t.first_block is not None, f"no parameters under the plan's block attributes {family.plan.stacks}"
-    if probe:  # one block per stack, times the stack's length
-        count = lambda block: stack_lengths[next(p for p in prefixes if block.startswith(p))]  # noqa: E731
+    if probe:  # each probed block times its stack's length over the probe's blocks in that stack
+        probed = {p: sum(b.startswith(p) for b in t.block_local) for p in prefixes}
+        count = lambda block: next(stack_lengths[p] // probed[p] for p in prefixes if block.startswith(p))  # noqa: E731
         blocks_numel = sum(n * count(b) for b, n in t.block_local.items())
         blocks_gathered = sum(n * count(b) for b, n in t.block_gathered.items())
         muon_numel = t.muon_root + sum(n * count(b) for b, n in t.muon_block.items())
@@ -230,14 +231,31 @@ def shard_model(
     )
 
 
+def _block_period(args: ModelArgs) -> int | None:
+    """0 when a stack's blocks all have the same parameters; for Qwen 3.5's Gated DeltaNet and
+    full-attention blocks (`full_attention_interval`; gpt-oss's sliding and full blocks have the
+    same parameters) the period they repeat with, None when n_layers is not a multiple of it."""
+    if not hasattr(args, "linear_num_value_heads") or len(set(args.layer_types())) < 2:
+        return 0
+    period = args.full_attention_interval
+    return period if args.n_layers % period == 0 else None
+
+
 def _probe_plan(args: ModelArgs, prefixes: tuple[str, ...], probe: bool) -> tuple[bool, ModelArgs, dict[str, int]]:
     """(whether to probe, the args to shard, each probed stack's length). A one-block probe
     replaces n_layers; DeepSeek-V3's dense + MoE stacks are probed with one block each; other
     models of several stacks (FLUX: depth double + depth_single_blocks single blocks, of different
-    sizes) are sharded whole (meta: cheap)."""
+    sizes) are sharded whole (meta: cheap). A stack of blocks of different parameters (Qwen 3.5) is
+    probed with one period of its kinds (`_block_period`), each block times n_layers / period."""
     n_layers = args.n_layers
     dense_moe = len(prefixes) == 2 and hasattr(args, "n_dense_layers")
     probe = probe and (len(prefixes) == 1 or dense_moe)
+    period = _block_period(args)
+    if probe and period:  # one block times n_layers would miss the other kind: one period of them
+        probe_args = dataclasses.replace(args, n_layers=period)
+        return True, probe_args, {prefixes[0]: n_layers}
+    if probe and period is None:  # mixed blocks that do not repeat evenly: the whole stack
+        probe = False
     if probe and dense_moe:
         probe_args = dataclasses.replace(args, n_layers=2, n_dense_layers=1)
         stack_lengths = {prefixes[0]: args.n_dense_layers, prefixes[1]: n_layers - args.n_dense_layers}

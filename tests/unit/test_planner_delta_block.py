@@ -161,3 +161,36 @@ def test_qwen3_5_debug_whole_model_in_eager(kernel_op):
     full_block_rest = (2400 + 2 * args.dim) * b * s  # gate + partial RoPE; the final norm in fp32, not bf16
     assert measured - full_block_rest <= planned < measured, (planned, measured)
     assert stand_in < 0.75 * measured
+
+
+def test_the_hybrid_stack_is_probed_with_one_period_of_its_blocks():
+    """`recommend` shards a one-block probe times n_layers; Qwen 3.5's first block is a DeltaNet
+    block, so that probe missed the full-attention blocks' parameters and `estimate.py --recommend`
+    stopped on "one-block probe and full model disagree". The probe is now one period of the
+    stack (3 DeltaNet + 1 full-attention block), each times n_layers / 4: the whole model's counts."""
+    import dataclasses
+
+    import models
+    import planner
+
+    family = models.get_model_family("qwen3_5")
+    fields = ("root_numel", "blocks_numel", "block_gathered_numel", "blocks_gathered_numel", "muon_numel")
+    for args, world, ep in (
+        (dataclasses.replace(family.flavors["debugmodel"], n_layers=12), 8, 1),
+        (family.flavors["35B-A3B"], 256, 8),
+    ):
+        with planner.fake_process_group(world):
+            dims = planner.make_parallel_dims(
+                dp_replicate=1, dp_shard=-1, tp=1, ep=ep, world_size=world, shape=args.shape(), seq_len=4096
+            )
+            whole = planner.shard_model(family, args, dims)
+            probed = planner.shard_model(family, args, dims, probe=True)
+        assert probed.probed and not whole.probed
+        assert [getattr(probed, f) for f in fields] == [getattr(whole, f) for f in fields], args.n_layers
+    # n_layers not a multiple of the period: sharded whole
+    odd = dataclasses.replace(family.flavors["debugmodel"], n_layers=6)
+    with planner.fake_process_group(8):
+        dims = planner.make_parallel_dims(
+            dp_replicate=1, dp_shard=-1, tp=1, ep=1, world_size=8, shape=odd.shape(), seq_len=512
+        )
+        assert not planner.shard_model(family, odd, dims, probe=True).probed
