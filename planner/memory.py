@@ -499,6 +499,7 @@ def _saved_activations(
             "none": delta,
             "selective": (rows - tokens * shape.top_k) * (4 * shape.moe_hidden + 2 * shape.dim),
             "full": 0,
+            "full_save_attention": 0,  # the block keeps its input and attention's outputs, no expert rows
         }[ac_mode]
         acts = dataclasses.replace(
             acts,

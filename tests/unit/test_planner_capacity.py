@@ -48,6 +48,23 @@ def test_qwen3_30b_a3b_recipe_within_the_compile_band():
     assert abs(18.3 - est.total / GIB) <= BAND * est.total / GIB
 
 
+def test_both_full_ac_modes_plan_the_capacity_dispatch():
+    """The capacity layout's saved-row change has a value for every full `[activation_checkpoint]
+    mode` (full_save_attention raised KeyError): under both the block keeps no expert rows, so the
+    plans differ by attention's kept outputs alone: per token and block the bf16 output (heads x
+    head_dim = 4,096 wide) and the fp32 log-sum-exp per head (32), x 8 x 4,096 tokens x 48 blocks."""
+    import planner
+    from tools.recipe_check import planned
+    from trainer.config import build_config
+
+    totals = {}
+    for mode in ("full", "full_save_attention"):
+        cfg = build_config("configs/qwen3_30b_a3b_v6e.toml", [("activation_checkpoint.mode", mode)])
+        totals[mode] = planned(cfg, planner.parse_target(cfg.job.target)).total
+    assert (SHAPE.n_heads, SHAPE.head_dim, SHAPE.n_layers) == (32, 128, 48)
+    assert totals["full_save_attention"] - totals["full"] == 48 * 8 * 4096 * (2 * 32 * 128 + 4 * 32)
+
+
 @pytest.mark.parametrize(
     "recipe, compiled, total",
     # the peak transient, before -> after (GiB): 8B loss/LM head 3.54 -> 5.86 over block 2.50, so
