@@ -335,7 +335,8 @@ def write_tables(
     commit = git_commit()
     out = out or ROOT / "docs" / "results" / f"{name}_{date.today().isoformat()}_{commit}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out.with_suffix(".csv"), columns)
-    out.with_suffix(".md").write_text(markdown(rows, header(commit)))
+    # `out` names the files without their extension: a dot in it (llama3.1-70b) is not one
+    write_csv(rows, out.parent / f"{out.name}.csv", columns)
+    (out.parent / f"{out.name}.md").write_text(markdown(rows, header(commit)))
     print(f"wrote {out}.csv and .md", file=sys.stderr)
     return out

@@ -115,6 +115,14 @@ def test_tables(tmp_path):
     assert any(line.startswith("| llama3.1-405b_v7x-512") and "does not fit (HBM OOM)" in line for line in lines)
     assert any(line.startswith("| llama3_8b_v6e |") and "**39.0**" in line for line in lines)  # 40 x 0.9759
     assert "Not matched" in md
+    # --out names the files without an extension; a run's dot is not one (llama3.1-70b -> llama3.csv)
+    from tools.maxtext_runs import write_tables
+
+    out = write_tables(
+        rows, name="x", out=tmp_path / "llama3.1-70b", columns=sbs.COLUMNS, header=lambda c: [c], markdown=sbs.markdown
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama3.1-70b.csv", "llama3.1-70b.md", "t.csv"]
+    assert out == tmp_path / "llama3.1-70b"
 
 
 def test_splash_mxu_factor_charges_our_splash_as_maxtexts():
