@@ -17,30 +17,10 @@ import torch
 from torch import nn
 
 import planner.activations as P
-from models.common import gated_delta, ops
+from models.common import ops
 from models.qwen3_5.args import FLAVORS
 from models.qwen3_5.model import GatedDeltaNet, Qwen3_5Transformer
-
-
-class _KernelOp(torch.autograd.Function):
-    """The TPU delta-rule op's autograd without the TPU: keeps its prepared inputs (register.py)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, reset):
-        ctx.save_for_backward(q, k, v, g, beta, h0, reset)
-        with torch.no_grad():
-            out, state = gated_delta.chunk_gated_delta_rule(
-                *(t.transpose(1, 2) for t in (q, k, v, g, beta)), initial_state=h0, output_final_state=True
-            )
-        return out.transpose(1, 2).float().contiguous(), state
-
-    @staticmethod
-    def backward(ctx, d_out, d_state):  # never called: only what the forward keeps is measured
-        raise NotImplementedError
-
-
-def _kernel(q, k, v, g, beta, *, chunk_size=64, **kwargs):
-    return gated_delta.call_prepared(_KernelOp.apply, q, k, v, g, beta, **kwargs)
+from tests.support.delta_kernel import kernel as _kernel
 
 
 @pytest.fixture
