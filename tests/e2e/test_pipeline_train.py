@@ -134,11 +134,18 @@ def test_pp2_tp2_is_the_one_process_run(tmp_path):
     """PP 2 x TP 2 (sequence parallel: a stage's input is a sequence shard, every stage gets the
     window's RoPE positions; 1F1B, 4 gloo processes): the one process's run, validation included,
     and the same weights at step 4 (scheduled tier)."""
-    one, pp = tmp_path / "one", tmp_path / "pp2tp2"
-    want = _train(one, 1)
+    _four_ranks_are_the_one_process_run(tmp_path, "pp2tp2", (), ())
+
+
+def _four_ranks_are_the_one_process_run(tmp_path, name: str, one_args, pp_args) -> None:
+    """PP 2 x TP 2 with 2 micro-batches (and `pp_args`) against one process (`one_args`): the same
+    losses, grad norms and validation at steps 1-4, and the same weights at step 4."""
+    one, pp = tmp_path / "one", tmp_path / name
+    want = _train(one, 1, *one_args)
     got = _train(
         pp,
         4,
+        *pp_args,
         "--parallelism.pipeline_parallel_degree=2",
         "--parallelism.tensor_parallel_degree=2",
         "--parallelism.pipeline_microbatches=2",
@@ -167,19 +174,5 @@ def test_graph_pp2_tp2_is_the_one_process_run(tmp_path):
     the TP plan, sequence parallel between them, the permutes carrying each tp rank's sequence shard):
     the one process's graph-mode run, validation included, and the same weights at step 4 (scheduled
     tier)."""
-    one, pp = tmp_path / "one", tmp_path / "graph_pp2tp2"
-    want = _train(one, 1, "--compile.mode=graph", "--compile.backend=aot_eager")
-    got = _train(
-        pp,
-        4,
-        *GRAPH_PP,
-        "--parallelism.pipeline_parallel_degree=2",
-        "--parallelism.tensor_parallel_degree=2",
-        "--parallelism.pipeline_microbatches=2",
-    )
-    _assert_same_run(got, want, (1, 2, 3, 4))
-    _assert_same_weights(
-        _model_weights(pp / "checkpoints" / "step-4", tmp_path),
-        _model_weights(one / "checkpoints" / "step-4", tmp_path),
-        4,
-    )
+    graph = ("--compile.mode=graph", "--compile.backend=aot_eager")
+    _four_ranks_are_the_one_process_run(tmp_path, "graph_pp2tp2", graph, GRAPH_PP)
