@@ -57,31 +57,13 @@ def check_ac_mode(mode: str) -> str:
     return mode
 
 
-def _save_ops() -> set:
-    aten = torch.ops.aten
-    names = [
-        "mm",
-        "addmm",
-        "bmm",
-        "_grouped_mm",
-        "_scaled_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    ]
-    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
-    ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
-    return ops
+def _aten_ops(names) -> set:
+    """The ATen overloads of `names` this torch build has."""
+    return {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
 
 
-_SAVE_OPS = _save_ops()
-
-_ATTENTION_ATEN = {
-    getattr(torch.ops.aten, n).default
-    for n in (
+_ATTENTION_ATEN = _aten_ops(
+    (
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",
@@ -89,8 +71,14 @@ _ATTENTION_ATEN = {
         "_flash_attention_forward",
         "_efficient_attention_forward",
     )
-    if hasattr(torch.ops.aten, n)
-}
+)
+"""Every SDPA backend's attention kernel: saved by "selective" and by "full_save_attention"."""
+
+_SAVE_OPS = (
+    _aten_ops(("mm", "addmm", "bmm", "_grouped_mm", "_scaled_mm"))
+    | _ATTENTION_ATEN
+    | {torch.ops._c10d_functional.reduce_scatter_tensor.default}
+)
 _ATTENTION_KERNELS = ("splash", "sink", "attn")
 """Name prefixes of our attention kernels' ops (`titan*` namespaces): titan_tpu's splash / CP
 splash / sink splash (titan_kernels/tpu/register.py), the deviceless compile's titan_capture /
