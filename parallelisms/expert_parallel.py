@@ -294,7 +294,10 @@ def dispatch_combine_static(
 
 
 def capacity_all_to_all(
-    x: torch.Tensor, experts_fn: Callable[[torch.Tensor], torch.Tensor], ep_group: DeviceMesh | tuple[str, int, int]
+    x: torch.Tensor,
+    experts_fn: Callable[[torch.Tensor], torch.Tensor],
+    ep_group: DeviceMesh | tuple[str, int, int],
+    chunks: int = 1,
 ) -> torch.Tensor:
     """The capacity dispatch over EP: x [E, rows, dim] (this rank's buffer, expert-major) ->
     [E, rows, dim], each expert's rows answered by the rank that owns it.
@@ -304,7 +307,16 @@ def capacity_all_to_all(
     rows, dim]` (its local experts, every peer's rows side by side). No counts are exchanged:
     the unused slots are zero rows, computed and sent like the rest (their cost is bounded by
     the capacity, not by the worst case).
+
+    `chunks > 1` (`[moe] dispatch_chunks`) splits the rows into that many chunks (sizes differ
+    by at most one row, the same on every rank), each sent, computed and returned on its own:
+    the same products per row, and chunk i + 1's all-to-all has no data dependence on chunk i's
+    expert matmuls, so a compiler with asynchronous all-to-alls (XLA on TPU) can overlap them,
+    forward and backward.
     """
+    if chunks > 1 and x.shape[1] > 1:
+        parts = x.tensor_split(min(chunks, x.shape[1]), dim=1)
+        return torch.cat([capacity_all_to_all(p, experts_fn, ep_group) for p in parts], dim=1)
     group, ep, _ = _ep_group_of(ep_group)
     num_experts, rows, dim = x.shape
     assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
@@ -450,7 +462,7 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
         compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
         if self._ep_group[1] == 1:
             return compute(x)
-        return capacity_all_to_all(x, compute, self._ep_group)
+        return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks)
 
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
     attrs.update(forward=forward, forward_capacity=forward_capacity, _ep_base=base)

@@ -155,6 +155,7 @@ def build_model(
     reduce_dtype: torch.dtype,
     moe_routing: str = "learned",
     moe_capacity_factor: float = 0.0,
+    moe_dispatch_chunks: int = 1,
     quantize: QuantizePlan | None = None,
     replicate_reduce: str = "micro_batch",
 ):
@@ -178,7 +179,7 @@ def build_model(
     if moe_routing != "learned":
         use_routing(model, moe_routing)
     if moe_capacity_factor > 0:  # the capacity-bounded dispatch (`[moe] capacity_factor`)
-        use_capacity(model, moe_capacity_factor)
+        use_capacity(model, moe_capacity_factor, chunks=moe_dispatch_chunks)
     # 2. Apply the model's plan: TP, EP, activation checkpointing, per-block compile, SimpleFSDP
     #    (the step plan says which AC and compile apply; the order is the same in every mode).
     model = parallelize_model(
@@ -675,6 +676,7 @@ def build_job_model(cfg: Config, plan: JobPlan, rt: Runtime, data: JobData, purp
         reduce_dtype=torch_dtype(t.mixed_precision_reduce),
         moe_routing=cfg.moe.routing,
         moe_capacity_factor=cfg.moe.capacity_factor,
+        moe_dispatch_chunks=cfg.moe.dispatch_chunks,
         quantize=QuantizePlan.of(cfg.quantize),
         replicate_reduce=t.replicate_reduce,
     )

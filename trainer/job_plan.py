@@ -105,6 +105,7 @@ def _recipe_step_facts(cfg: Config) -> dict[str, Any]:
         muon_exclude=tuple(cfg.optimizer.muon_exclude),
         moe_routing=cfg.moe.routing,
         moe_capacity_factor=cfg.moe.capacity_factor,
+        moe_dispatch_chunks=cfg.moe.dispatch_chunks,
         routing_benchmark_only=cfg.moe.routing_benchmark_only,
         attn_backend=cfg.model.attn_backend,
         flow_shift=cfg.flow.shift,

@@ -386,13 +386,16 @@ def use_routing(model: nn.Module, routing: str) -> int:
     return len(routers)
 
 
-def use_capacity(model: nn.Module, factor: float) -> int:
+def use_capacity(model: nn.Module, factor: float, *, chunks: int = 1) -> int:
     """Give every MoE layer of `model` the capacity-bounded dispatch with `factor` (> 0), or the
-    dropless one (0); returns how many layers there are. Call it on the model as built."""
+    dropless one (0), its buffer sent over EP in `chunks` row chunks (`GroupedExperts.dispatch_chunks`);
+    returns how many layers there are. Call it on the model as built."""
     assert factor >= 0, f"capacity factor {factor} must be >= 0"
+    assert chunks >= 1, f"dispatch chunks {chunks} must be >= 1"
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     for layer in layers:
         layer.capacity_factor = float(factor)
+        layer.experts.dispatch_chunks = int(chunks)
     return len(layers)
 
 
@@ -418,6 +421,12 @@ class GroupedExperts(nn.Module):
     recipe: str = "none"
     """A low-precision recipe (`[quantize]`, set by parallelisms/quantize.py): the expert matmuls
     go through the op `quantized_grouped_mm` (`quantized_batched_mm` in the capacity layout)."""
+
+    dispatch_chunks: int = 1
+    """`[moe] dispatch_chunks` (set by `use_capacity`): under expert parallelism the capacity
+    buffer crosses the all-to-all in this many row chunks, each chunk's send, experts and return
+    independent of the others', so the compiler can run one chunk's all-to-all beside another's
+    expert matmuls (parallelisms/expert_parallel.py `capacity_all_to_all`)."""
 
     def __init__(self, *, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()

@@ -43,8 +43,11 @@ def skewed_case(bs: int, seqlen: int, skew: float, seed: int = 0):
     return layer, x, torch.randn(bs, seqlen, DIM)
 
 
-def layer_parity(*, world_size: int, ep: int, capacity_factor: float, skew: float = 1.5) -> dict:
-    """Module docstring. `world_size = 1` compares one rank without EP to the same process."""
+def layer_parity(
+    *, world_size: int, ep: int, capacity_factor: float, skew: float = 1.5, dispatch_chunks: int = 1
+) -> dict:
+    """Module docstring. `world_size = 1` compares one rank without EP to the same process;
+    `dispatch_chunks` sends the ranks' capacity buffers over EP in that many row chunks."""
     from models.common.moe import use_capacity
     from models.common.plan import ModelPlan
     from parallelisms import ParallelDims, build_mesh, data_parallel
@@ -70,7 +73,7 @@ def layer_parity(*, world_size: int, ep: int, capacity_factor: float, skew: floa
         mesh = build_mesh(dims, "cpu")
         with torch.device("meta"):
             model = _Layers()
-        use_capacity(model, capacity_factor)
+        use_capacity(model, capacity_factor, chunks=dispatch_chunks)
         if ep > 1:
             apply_ep(
                 model, plan=plan, parallel_dims=dims, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32

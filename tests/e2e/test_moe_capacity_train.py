@@ -53,6 +53,8 @@ def test_capacity_scanned_graph_equals_eager(tmp_path, monkeypatch):
         ("llama3_debug", ["moe.capacity_factor=1.25"], "this model has none"),
         ("qwen3_moe_debug", ["moe.capacity_factor=1.25", "parallelism.tensor_parallel_degree=2"], "tensor or context"),
         ("qwen3_moe_debug", ["moe.capacity_factor=1.25"], None),
+        ("qwen3_moe_debug", ["moe.dispatch_chunks=2"], "2 splits the capacity"),
+        ("qwen3_moe_debug", ["moe.capacity_factor=1.25", "moe.dispatch_chunks=2"], None),
     ],
 )
 def test_rules(recipe, overrides, refused):
@@ -60,5 +62,6 @@ def test_rules(recipe, overrides, refused):
     if refused is None:
         plan_job(cfg, world_size=2, device_type="cpu")
         return
-    with pytest.raises(ConfigError, match=f"^moe.capacity_factor: .*{refused}"):
+    key = "moe.dispatch_chunks" if "splits the capacity" in refused else "moe.capacity_factor"
+    with pytest.raises(ConfigError, match=f"^{key}: .*{refused}"):
         plan_job(cfg, world_size=2, device_type="cpu")

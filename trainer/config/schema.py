@@ -504,6 +504,14 @@ class MoEConfig:
     x top_k`. The same copies drop on any mesh. 1.0-1.5 is usual; needs a model with experts and
     tensor_parallel_degree = context_parallel_degree = 1 (whole sequences per rank).
     docs/moe.md#capacity-factor."""
+    dispatch_chunks: int = field(default=1, metadata=_range(ge=1))
+    """With a capacity (capacity_factor > 0) under expert parallelism: the capacity buffer crosses
+    the all-to-all in this many row chunks, each chunk sent, run through the experts and sent back
+    on its own. The products are the same; what changes is the program's dependences: one chunk's
+    all-to-all does not wait for another chunk's expert matmuls, so XLA on TPU (with asynchronous
+    all-to-alls, `--xla_tpu_enable_async_all_to_all=true` in `[device] libtpu_init_args`) can run
+    them side by side instead of leaving every all-to-all exposed. 1 (the default): one all-to-all
+    each way per layer. Needs capacity_factor > 0. docs/moe.md#dispatch-chunks."""
     routing: str = field(default="learned", metadata=_choices(*ROUTINGS))
     """Which experts each token goes to: `learned` (the router's top k; the only choice for
     training a model), `random` (a seeded draw per token, step and layer: k distinct experts

@@ -119,6 +119,8 @@ class StepRequest(PipelineRequest):
     """`[moe] routing`: learned | random | balanced."""
     moe_capacity_factor: float = 0.0
     """`[moe] capacity_factor`: 0 dropless, > 0 the capacity-bounded dispatch."""
+    moe_dispatch_chunks: int = 1
+    """`[moe] dispatch_chunks`: the capacity buffer's row chunks over the EP all-to-all."""
     routing_benchmark_only: bool = False
     """`[moe] routing_benchmark_only`: the recipe marks itself a throughput benchmark."""
     model_has_experts: bool = True
@@ -533,6 +535,13 @@ RULES: tuple[Rule, ...] = (
         lambda r: r.moe_capacity_factor > 0 and (r.tp_degree > 1 or r.cp_degree > 1),
         "{r.moe_capacity_factor} with tensor or context parallelism is not implemented (capacity is "
         "counted per whole sequence, which a TP or CP rank does not hold); allowed there: 0 (dropless)",
+    ),
+    Rule(
+        "moe.dispatch_chunks",
+        "dispatch chunks without a capacity",
+        lambda r: r.moe_dispatch_chunks > 1 and r.moe_capacity_factor <= 0,
+        "{r.moe_dispatch_chunks} splits the capacity dispatch's buffer, and moe.capacity_factor is 0 "
+        "(the dropless dispatch); allowed there: 1, or set moe.capacity_factor > 0",
     ),
     # Initial weights in Hugging Face form are read through the family's adapter
     # (trainer/checkpoint/initial.py `load_initial`).
