@@ -1255,6 +1255,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "the rules at its target, the same family's start-up at debug size and its plan run by default",
     ),
     Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]gpt_oss_20b_v6e.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees[gpt_oss_20b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[gpt_oss_debug.toml]",
+            "tests/unit/test_planner_figures.py::test_recipe_header_figures_are_the_planners[gpt_oss_20b_v6e]",
+        ),
+        "the gpt-oss 20B pod recipe's start-up on a fake 64-rank world (17 s on a Zen 5 EPYC): the rules "
+        "at its target, the family's start-up at debug size and the recipe's plan run by default",
+    ),
+    Scheduled(
         "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]llama3_8b_128k_v6e.toml]",
         (
             "tests/e2e/test_recipes.py::test_the_check_names_the_recipe_and_the_rule_or_the_shortfall",

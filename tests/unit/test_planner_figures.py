@@ -133,6 +133,19 @@ VARIANTS = [
         ((CAPACITY, "0"), (BATCH, "8")),
         r"8 do not \((\d+\.\d+) GiB\)",
     ),
+    ("configs/gpt_oss_20b_v6e.toml", "gpt_oss_20b_v6e", ((BATCH, "8"),), r"8 sequences would plan at (\d+\.\d+) GiB"),
+    (
+        "configs/gpt_oss_20b_v6e.toml",
+        "gpt_oss_20b_v6e",
+        ((CAPACITY, "0"), (BATCH, "2")),
+        r"fits 2 sequences \((\d+\.\d+) GiB\)",
+    ),
+    (
+        "configs/gpt_oss_20b_v6e.toml",
+        "gpt_oss_20b_v6e",
+        ((CAPACITY, "0"), (BATCH, "4")),
+        r"not 4 \((\d+\.\d+) GiB\)",
+    ),
 ]
 
 
