@@ -22,6 +22,7 @@ from trainer.config import Config, resolve_model_args
 from trainer.runtime.flops import tpu_generation
 from trainer.runtime.tpu_env import detect_generation
 from trainer.step import StepPlan, StepRequest, plan_step
+from trainer.step.pipeline_rules import pipeline_capable  # re-exported by trainer.job
 from trainer.step.quantize import QuantizeCensus, quantize_census
 from trainer.tasks import TASK_CLASSES
 
@@ -156,19 +157,6 @@ def _family_facts(cfg: Config, family) -> dict[str, Any]:
         model_has_hf_adapter=getattr(family, "hf_adapter", None) is not None,
         model_attn_backends=getattr(family.model_cls, "attn_backends", titan_kernels.ATTENTION_BACKENDS),
         model_pipeline=pipeline_capable(family.model_cls),
-    )
-
-
-def pipeline_capable(model_cls) -> bool:
-    """A model the pipeline can cut into stages: a `Decoder` that runs the shared forward (embedding,
-    block stack, norm, head), each part optional (models/common/decoder.py)."""
-    from models.common.decoder import Decoder
-
-    return (
-        isinstance(model_cls, type)
-        and issubclass(model_cls, Decoder)
-        and model_cls.forward is Decoder.forward
-        and model_cls.hidden is Decoder.hidden
     )
 
 

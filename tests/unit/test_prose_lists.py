@@ -104,3 +104,61 @@ def test_readme_and_engine_page_name_every_optimizer(page):
         intro = text.split("```", 1)[0]
         missing = [name for name in OPTIMIZERS if name not in intro]
         assert not missing, f"docs/engine.md's opening paragraph (what the engine brings) omits {missing}"
+
+
+def _names(text: str) -> set[str]:
+    """The families whose prose name (DISPLAY) `text` names ("Qwen 3" not inside "Qwen 3.5")."""
+    return {family for family, name in DISPLAY.items() if re.search(re.escape(name) + r"(?![.\d])", text)}
+
+
+def test_pipeline_families_are_one_list():
+    """The families PP cuts into stages are computed once (trainer/step/pipeline_rules.py
+    `PIPELINE_FAMILIES`): the model rule lets PP through for exactly them, and its message, its
+    docs/rules.md row and docs/pipeline_parallel.md name exactly them (the message once said
+    "llama3, qwen3 dense" by hand and the page left Qwen 3.5 out, which runs); no family name is
+    written in pipeline_rules.py's strings."""
+    import ast
+
+    from trainer.step.pipeline_rules import PIPELINE_FAMILIES, pipeline_capable
+    from trainer.step.plan import StepRequest, refusals
+
+    def refused(family, args) -> bool:
+        request = StepRequest(
+            pp_degree=2,
+            n_layers=4,
+            local_batch=4,
+            task=family.task,
+            model_pipeline=pipeline_capable(family.model_cls),
+            model_has_experts=args.shape().num_experts > 0,
+            mtp_depth=getattr(args, "mtp_depth", 0),
+            tie_embeddings=bool(getattr(args, "tie_embeddings", False)),
+            model_document_mask=True,
+        )
+        return any("cuts a dense decoder" in message for message in refusals(request))
+
+    runs = {
+        name
+        for name, family in models.FAMILIES.items()
+        if family.plan_for is None  # `hf`: args from a config.json; its class is no Decoder (refused)
+        and any(not refused(family, args) for args in family.flavors.values())
+    }
+    assert runs == set(PIPELINE_FAMILIES) and runs >= {"llama3", "qwen3"}, (runs, PIPELINE_FAMILIES)
+    message = next(m for m in refusals(StepRequest(pp_degree=2, model_pipeline=False)) if "dense decoder" in m)
+    named = {f for f in models.FAMILIES if re.search(rf"\b{f}\b", message)}
+    assert named == set(PIPELINE_FAMILIES), (named, message)
+    row = next(line for line in read("docs/rules.md").splitlines() if "not a plain decoder" in line)
+    assert {f for f in models.FAMILIES if re.search(rf"\b{f}\b", row)} == set(PIPELINE_FAMILIES), row
+    text = " ".join(read("docs/pipeline_parallel.md").split())
+    start = text.index("a model that is not a plain decoder (") + len("a model that is not a plain decoder (")
+    are, are_not = text[start : text.index(" are not)", start)].split("; ", 1)
+    assert _names(are) == set(PIPELINE_FAMILIES), are
+    assert _names(are_not) == set(models.FAMILIES) - set(PIPELINE_FAMILIES), are_not
+    source = ast.parse(read("trainer/step/pipeline_rules.py"))
+    written = [
+        node.value
+        for node in ast.walk(source)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and any(re.search(rf"\b{f}\b", node.value) for f in models.FAMILIES)
+    ]
+    assert not written, f"family names written by hand in pipeline_rules.py (use PIPELINE_FAMILIES): {written}"

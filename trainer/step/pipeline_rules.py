@@ -8,12 +8,18 @@ activation checkpointing and gradient accumulation; in graph mode the pipeline i
 step (trainer/graph/pipeline.py) with uniform stages, one SPMD program on every pp rank, which is
 also the TPU path, on one slice or with the pp axis over several (DCN). The rest is refused until it
 is wired.
+
+Which families that is, is computed here once (`PIPELINE_FAMILIES`, from the registry and
+`pipeline_capable`); the model rule's text and message, docs/rules.md (generated from them) and
+docs/pipeline_parallel.md (tests/unit/test_prose_lists.py) read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models import FAMILIES
+from models.common.decoder import Decoder
 from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
 from parallelisms.pipeline_parallel import max_stages, schedule_style, virtual_stages
 from trainer.step.rule import Rule
@@ -69,6 +75,39 @@ class PipelineRequest:
     def pp_uneven(self) -> bool:
         """Graph mode's uniform stages: the layers do not split evenly over the pp ranks."""
         return self.pp_degree > 1 and self.n_layers > 0 and self.n_layers % self.pp_degree != 0
+
+
+def pipeline_capable(model_cls) -> bool:
+    """A model the pipeline can cut into stages: a `Decoder` that runs the shared forward (embedding,
+    block stack, norm, head), each part optional (models/common/decoder.py)."""
+    return (
+        isinstance(model_cls, type)
+        and issubclass(model_cls, Decoder)
+        and model_cls.forward is Decoder.forward
+        and model_cls.hidden is Decoder.hidden
+    )
+
+
+def pipeline_flavor(args) -> bool:
+    """A flavor the model rule below lets through (a dense decoder's args): no experts, no
+    multi-token prediction, untied embeddings (`plan_job` reads the same three facts)."""
+    return (
+        args.shape().num_experts == 0
+        and getattr(args, "mtp_depth", 0) == 0
+        and not getattr(args, "tie_embeddings", False)
+    )
+
+
+PIPELINE_FAMILIES: tuple[str, ...] = tuple(
+    name
+    for name, family in FAMILIES.items()
+    if family.task == "lm"
+    and pipeline_capable(family.model_cls)
+    and any(pipeline_flavor(args) for args in family.flavors.values())
+)
+"""The registered families PP cuts into stages (their dense, untied flavors): the one list the model
+rule's text, docs/rules.md and docs/pipeline_parallel.md name."""
+PIPELINE_FAMILIES_TEXT = ", ".join(PIPELINE_FAMILIES)
 
 
 PIPELINE_RULES: tuple[Rule, ...] = (
@@ -133,8 +172,8 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 for a model that is not a plain decoder, has experts or multi-token prediction, ties "
-        "its embeddings, or in the engine",
+        f"PP > 1 for a model that is not a plain decoder (the dense flavors of {PIPELINE_FAMILIES_TEXT} are), has "
+        "experts or multi-token prediction, ties its embeddings, or in the engine",
         lambda r: (
             r.pp_degree > 1
             and (
@@ -146,7 +185,8 @@ PIPELINE_RULES: tuple[Rule, ...] = (
                 or r.caller_loss
             )
         ),
-        "{r.pp_degree} cuts a dense decoder (embedding, blocks, norm, head; llama3, qwen3 dense) into stages; "
+        f"{{r.pp_degree}} cuts a dense decoder (embedding, blocks, norm, head; the dense flavors of "
+        f"{PIPELINE_FAMILIES_TEXT}) into stages; "
         "this model: decoder {r.model_pipeline}, task {r.task}, experts {r.model_has_experts}, mtp_depth "
         "{r.mtp_depth}, tied embeddings {r.tie_embeddings}, engine {r.caller_loss}; allowed for it: 1",
     ),
