@@ -60,6 +60,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,7 +210,8 @@ def compile_recipe(
     """Compile `path`'s per-device program for its `[job] target` (module docstring); never raises
     for the recipe's own faults (the report's `error`). `capture_only`: stop after the capture (the
     program's counts and `kernel_cost`, no lowering, no compile). `extra_env`: more environment for the
-    worker (the projection passes `XLA_FLAGS=--xla_dump_to=...` to keep the optimized HLO)."""
+    worker (the projection passes `XLA_FLAGS=--xla_dump_to=...` to keep the optimized HLO), layered
+    over the recipe's flags (`layer_worker_env`)."""
     from models.errors import ConfigError
 
     report = ProgramCompile(recipe=path)
@@ -225,7 +227,7 @@ def compile_recipe(
             capture_only=capture_only,
         )
         report.flags = recipe_flag_env(cfg, target.generation.name)
-        env = {**report.flags, **(extra_env or {})}
+        env = layer_worker_env(report.flags, extra_env)
         res = _run_worker(spec, python=python, extra_env=env, timeout=timeout)
         _read_result(report, res, capture_only=capture_only)
     except ConfigError as e:
@@ -258,6 +260,25 @@ def recipe_flag_env(cfg, generation: str | None = None, environ=None) -> dict[st
         if merged:
             out[var] = " ".join(merged)
     return out
+
+
+FLAG_VARIABLES = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
+"""The variables that hold flag lists, layered rather than replaced (`layer_worker_env`)."""
+
+
+def layer_worker_env(flags: Mapping[str, str], extra_env: Mapping[str, str] | None) -> dict[str, str]:
+    """The worker's extra environment: `flags` (`recipe_flag_env`: the bundle < recipe < environment)
+    with a caller's `extra_env` over it. A flag variable (`FLAG_VARIABLES`) in both is layered, the
+    recipe's flags first and the caller's after, a flag named in both taking the caller's value
+    (`merge_flags`), so a caller that adds `--xla_dump_to` still compiles under the recipe's flags
+    (it replaced them before); any other variable is the caller's."""
+    from trainer.runtime.tpu_env import merge_flags
+
+    env = {**flags, **(extra_env or {})}
+    for var in FLAG_VARIABLES:
+        if var in flags and var in (extra_env or {}):
+            env[var] = " ".join(merge_flags(shlex.split(flags[var]), shlex.split(extra_env[var])))
+    return env
 
 
 def compile_flags(path: str, overrides) -> dict[str, str]:

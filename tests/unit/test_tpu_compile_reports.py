@@ -239,6 +239,39 @@ def test_the_runs_libtpu_flags_reach_the_compile_worker(monkeypatch):
     assert "LIBTPU_INIT_ARGS" not in envs[-1] and "XLA_FLAGS" not in envs[-1]
 
 
+def test_a_callers_xla_flags_layer_over_the_recipes(monkeypatch):
+    """`compile_recipe`'s `extra_env` (the projection's `--xla_dump_to`) is layered over the recipe's
+    flags (tools/tpu_compile.py `layer_worker_env`): the recipe's first, the caller's after, a flag
+    named in both the caller's; other variables are the caller's. Before, the caller's XLA_FLAGS
+    replaced the recipe's `[device] xla_flags`, so a dumped compile was not the recipe's program."""
+    from tools.tpu_compile import compile_recipe, layer_worker_env
+
+    recipe = {"XLA_FLAGS": "--xla_a=1 --xla_b=2", "LIBTPU_INIT_ARGS": "--xla_tpu_c=1"}
+    env = layer_worker_env(recipe, {"XLA_FLAGS": "--xla_b=3 --xla_dump_to=/d", "OTHER": "x"})
+    assert env == {
+        "XLA_FLAGS": "--xla_a=1 --xla_b=3 --xla_dump_to=/d",
+        "LIBTPU_INIT_ARGS": "--xla_tpu_c=1",
+        "OTHER": "x",
+    }
+    assert layer_worker_env({}, {"XLA_FLAGS": "--xla_d=1"}) == {"XLA_FLAGS": "--xla_d=1"}
+    assert layer_worker_env(recipe, None) == recipe
+    # Through compile_recipe, with the worker stood in (as above).
+    envs = []
+
+    def run(cmd, *a, **kw):
+        if cmd[0] == "bash":
+            return subprocess.CompletedProcess(cmd, 0, stdout="/nonexistent/.venv-ttpu\n", stderr="")
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError: stand-in\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    overrides = [("job.target", "v6e-8"), ("device.xla_flags", '["--xla_a=1", "--xla_b=2"]')]
+    report = compile_recipe(DEBUG, overrides=overrides, python=sys.executable, extra_env={"XLA_FLAGS": "--xla_b=3"})
+    assert envs[-1]["XLA_FLAGS"] == "--xla_a=1 --xla_b=3", envs[-1]["XLA_FLAGS"]
+    assert report.flags["XLA_FLAGS"] == "--xla_a=1 --xla_b=2"  # the run's flags, as recorded
+
+
 def test_no_bundle_asks_for_the_all_gather_continuation_fusion_off_v5e():
     """libtpu 0.0.52 refuses `--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true` at the
     first compile on every generation but v5e (FAILED_PRECONDITION 'Continuation fusion for AllGather
