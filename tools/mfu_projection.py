@@ -86,6 +86,15 @@ def override_tag(overrides: list[tuple[str, str]]) -> str:
     return tag if len(tag) <= 120 else "+" + hashlib.sha1(tag.encode()).hexdigest()[:16]
 
 
+def recipe_key(recipe: Path) -> str:
+    """What a kept compile is keyed by: the recipe's values (its TOML parsed, keys sorted), not its
+    bytes, so a header comment quoting the compile's own figures does not make it stale."""
+    import tomllib
+
+    values = tomllib.loads(recipe.read_text())
+    return hashlib.sha1(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: float, cache: Path | None = None) -> dict:
     """The per-device program the trainer emits for `recipe` on its `[job] target` (with
     `overrides`, e.g. job.target=v7x-16 or moe.routing=random), compiled deviceless by
@@ -98,11 +107,11 @@ def program_compile(recipe: Path, overrides: list[tuple[str, str]], timeout: flo
     base = cache or Path(os.environ.get("TMPDIR", "/tmp")) / "titan_mfu_hlo"
     folder = base / f"{recipe.stem}{override_tag(overrides)}"
     result, hlo_path = folder / "program.json", folder / "program.after_optimizations.txt"
-    sha = hashlib.sha1(recipe.read_bytes()).hexdigest()[:12]
+    sha, file_sha = recipe_key(recipe), hashlib.sha1(recipe.read_bytes()).hexdigest()[:12]
     stale = False
-    if result.is_file():  # a kept compile of an older recipe file, or under other flags, is redone
-        kept = json.loads(result.read_text())  # (one kept before either was recorded is read back)
-        stale = kept.get("recipe_sha", sha) != sha
+    if result.is_file():  # a kept compile of other recipe values, or under other flags, is redone
+        kept = json.loads(result.read_text())  # (one kept before either was recorded is read back;
+        stale = kept.get("recipe_sha", sha) not in (sha, file_sha)  # one keyed by the file's bytes too)
         stale = stale or ("flags" in kept and kept["flags"] != compile_flags(str(recipe), overrides))
     if not (cache and result.is_file() and hlo_path.is_file()) or stale:
         folder.mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,33 @@ def test_a_kept_program_compile_under_other_flags_is_redone(monkeypatch, tmp_pat
         else:
             assert mfu_projection.program_compile(recipe, [], timeout=10, cache=tmp_path)["flags"] == flags
     assert len(calls) == 2
+
+
+def test_a_kept_program_compile_is_keyed_by_the_recipes_values(monkeypatch, tmp_path):
+    """A comment changed in the recipe (its header quoting the compile's figures) keeps the kept
+    compile; a value changed redoes it."""
+    import json
+
+    import tools.tpu_compile
+    from tools import mfu_projection
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    text = (ROOT / "configs" / "llama3_8b_v6e.toml").read_text()
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(text)
+    folder = tmp_path / "cache" / recipe.stem
+    folder.mkdir(parents=True)
+    (folder / "program.after_optimizations.txt").write_text("HloModule kept\n")
+    kept = {"recipe_sha": mfu_projection.recipe_key(recipe), "flags": tools.tpu_compile.compile_flags(str(recipe), [])}
+    (folder / "program.json").write_text(json.dumps({**kept, "kernels": {}}))
+
+    def fake_compile(path, *, overrides, timeout, extra_env=None, **kw):
+        raise RuntimeError("compiled again")
+
+    monkeypatch.setattr(tools.tpu_compile, "compile_recipe", fake_compile)
+    recipe.write_text("# a new header line: 57.7 GiB compiled\n" + text)
+    assert mfu_projection.program_compile(recipe, [], timeout=10, cache=tmp_path / "cache")["recipe_sha"]
+    recipe.write_text(text.replace("seq_len = 8192", "seq_len = 4096"))
+    assert mfu_projection.recipe_key(recipe) != kept["recipe_sha"]
+    with pytest.raises(RuntimeError, match="compiled again"):
+        mfu_projection.program_compile(recipe, [], timeout=10, cache=tmp_path / "cache")
