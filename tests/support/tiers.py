@@ -1265,6 +1265,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "at its target, the family's start-up at debug size and the recipe's plan run by default",
     ),
     Scheduled(
+        "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]qwen3_5_9b_v6e.toml]",
+        (
+            "tests/e2e/test_recipes.py::test_recipe_passes_the_rules_at_its_declared_degrees[qwen3_5_9b_v6e.toml]",
+            "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[qwen3_5_debug.toml]",
+            "tests/unit/test_planner_figures.py::test_recipe_header_figures_are_the_planners[qwen3_5_9b_v6e]",
+        ),
+        "the Qwen 3.5 9B pod recipe's start-up: its capture of 32 unscanned blocks with the delta rule's "
+        "reference (a Python loop over 64 chunks in each of 24 blocks), as the 35B-A3B's; the rules at its "
+        "target, the family's dense start-up at debug size and the recipe's plan run by default",
+    ),
+    Scheduled(
         "tests/e2e/test_recipes.py::test_recipe_starts_on_its_target[[]llama3_8b_128k_v6e.toml]",
         (
             "tests/e2e/test_recipes.py::test_the_check_names_the_recipe_and_the_rule_or_the_shortfall",

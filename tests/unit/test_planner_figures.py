@@ -146,6 +146,7 @@ VARIANTS = [
         ((CAPACITY, "0"), (BATCH, "4")),
         r"not 4 \((\d+\.\d+) GiB\)",
     ),
+    ("configs/qwen3_5_9b_v6e.toml", "qwen3_5_9b_v6e", ((BATCH, "8"),), r"which would plan at (\d+\.\d+) GiB"),
 ]
 
 
