@@ -85,12 +85,9 @@ def world_of(cfg: Config) -> tuple[int, str, planner.Target | None]:
     its explicit degrees multiply to."""
     if cfg.job.target:
         target = planner.parse_target(cfg.job.target, key="job.target")
-        if target.num_slices > 1:  # `v6e-256x2`: the job's world is every slice; the trainer's slice count too
-            if cfg.parallelism.num_slices not in (0, target.num_slices):
-                raise ConfigError(
-                    f"parallelism.num_slices: {cfg.parallelism.num_slices}, but job.target {target.name} has "
-                    f"{target.num_slices} slices; allowed: {target.num_slices} or 0"
-                )
+        if target.num_slices > 1 and cfg.parallelism.num_slices == 0:
+            # `v6e-256x2`: the job's world is every slice; the trainer's slice count too (another
+            # count is the rule's to refuse: trainer/step/plan.py, parallelism.num_slices)
             cfg.parallelism.num_slices = target.num_slices
         return target.devices, target.device_type, target
     p = cfg.parallelism

@@ -7,6 +7,7 @@ global batch over the data-parallel ranks. Nothing here touches a device or the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,8 +136,17 @@ def _recipe_layout_facts(cfg: Config) -> dict[str, Any]:
         pp_first_less=p.pipeline_first_stage_less_layers,
         pp_last_less=p.pipeline_last_stage_less_layers,
         ep_degree=p.expert_parallel_degree,
+        recipe_num_slices=p.num_slices,
+        target_num_slices=target_slices(cfg.job.target),
         device_order=",".join(map(str, p.device_order)) if isinstance(p.device_order, list) else str(p.device_order),
     )
+
+
+def target_slices(target: str) -> int:
+    """The slice count a `[job] target` names (`v6e-256x2`: 2, `v6e-256`: 1; planner.parse_target
+    reads the whole name); 1 without a target."""
+    m = re.fullmatch(r"[a-z0-9]+-\d+x(\d+)", target.strip().lower())
+    return int(m.group(1)) if m else 1
 
 
 def _family_facts(cfg: Config, family) -> dict[str, Any]:

@@ -191,7 +191,10 @@ def test_the_scan_fails_on_a_message_without_allowed():
 # table). A ConfigError is raised by a rule of `trainer/step/plan.py: RULES`, by a function that
 # `trainer/step/checks.py: BUILD_CHECKS` names, or in one of the modules below, whose refusals each
 # judge one key's own value or one input file / folder / environment variable, never a combination.
-TABLE_SCOPE = ("trainer", "parallelisms", "planner", "models", "titan_kernels")
+# tools/ (the pre-flight package) is in scope too: its refusals of a recipe's combination are rules
+# (the recipe check's slice count against job.target is one); what is left there is listed in
+# SINGLE_KEY_MODULES (one key) or TOOL_ONLY (not a recipe's combination).
+TABLE_SCOPE = ("trainer", "parallelisms", "planner", "models", "titan_kernels", "tools")
 RULE_TABLE_MODULES = ("trainer/step/plan.py", "trainer/step/checks.py")
 SINGLE_KEY_MODULES = {
     # A folder ("x/"), a module, or "module path:function": what its refusals judge, one thing each.
@@ -200,6 +203,8 @@ SINGLE_KEY_MODULES = {
     "models/hf/model.py": "model.hf_config: what its config.json describes (its scan form: BUILD_CHECKS)",
     "models/flux/conditioning.py": "the FLUX encoders' folders (files)",
     "planner/targets.py": "job.target / --target: one target's name",
+    "tools/tpu_compile.py:topology_name": "job.target: one target's compile-only topology",
+    "tools/tpu_compile.py:_recipe_target": "job.target: the TPU compile needs one, of a TPU",
     "trainer/config/load.py": "the recipe file and the CLI: a key's own type, choice and range, unknown keys",
     "trainer/config/placeholders.py": "checkpoint.folder: a shipped recipe's placeholder bucket",
     "trainer/launch.py": "the launcher's own command line",
@@ -216,6 +221,12 @@ SINGLE_KEY_MODULES = {
     "trainer/flux_run.py": "the sampler's command line: a training run's folder and its checkpoints",
     "trainer/hf_convert.py": "the converter's input and output: a checkpoint or Hugging Face folder and its files, "
     "the destination folder, --hf-format's own value and the model family's FP8 hub format",
+}
+TOOL_ONLY = {
+    # "module path:function" in tools/: raises that are not a recipe's combination, so no rule.
+    "tools/recipe_check.py:check_recipe": "re-raises the first RULES refusal the planner noted (a pipelined plan)",
+    "tools/recipe_check.py:tpu_mesh_check": "torch-tpu's own verdict on the mesh (its venv), the pre-flight "
+    "form of BUILD_CHECKS' parallelisms.parallel_dims:_tpu_rank_grid",
 }
 
 
@@ -249,7 +260,7 @@ def refusals_outside_the_tables(files: dict[str, str], build_checks: set[str]) -
             continue
         for where, line in raise_sites(source, path):
             function = where.partition(":")[2]
-            if f"{path}:{function.split('.')[0]}" in SINGLE_KEY_MODULES:
+            if f"{path}:{function.split('.')[0]}" in SINGLE_KEY_MODULES | TOOL_ONLY:
                 continue
             if not any(where == w or where.startswith(w + ".") for w in build_checks):
                 out.append(f"{path}:{line} ({where})")
@@ -266,8 +277,9 @@ def _table_scope_files() -> dict[str, str]:
 
 
 def test_every_refusal_lives_in_a_table_or_a_single_key_module():
-    """A ConfigError raised outside RULES, BUILD_CHECKS' functions and SINGLE_KEY_MODULES is a
-    refusal no table names: move it into RULES (config only) or name it in BUILD_CHECKS."""
+    """A ConfigError raised outside RULES, BUILD_CHECKS' functions, SINGLE_KEY_MODULES and TOOL_ONLY
+    is a refusal no table names: move it into RULES (config only) or name it in BUILD_CHECKS (the
+    recipe check's slice count against job.target, tools/recipe_check.py world_of, was one)."""
     from trainer.step.checks import BUILD_CHECKS
 
     files = _table_scope_files()
@@ -284,8 +296,8 @@ def test_every_refusal_lives_in_a_table_or_a_single_key_module():
         ]
         return any(not function or w.partition(":")[2].split(".")[0] == function for w in sites)
 
-    stale = [e for e in SINGLE_KEY_MODULES if not raises(e)]
-    assert not stale, f"SINGLE_KEY_MODULES entries that raise nothing: {stale}"
+    stale = [e for e in SINGLE_KEY_MODULES | TOOL_ONLY if not raises(e)]
+    assert not stale, f"SINGLE_KEY_MODULES / TOOL_ONLY entries that raise nothing: {stale}"
 
 
 def test_the_table_scan_fails_on_a_refusal_outside_the_tables():
@@ -303,3 +315,9 @@ def test_the_table_scan_fails_on_a_refusal_outside_the_tables():
         "trainer/x.py:6 (trainer.x:other)"
     ]
     assert refusals_outside_the_tables({"trainer/step/plan.py": source}, set()) == []
+    # tools/ is in the scan's scope: a new raise there is found unless its function is listed.
+    assert refusals_outside_the_tables({"tools/recipe_check.py": source}, set()) == [
+        "tools/recipe_check.py:4 (tools.recipe_check:A.check.inner)",
+        "tools/recipe_check.py:6 (tools.recipe_check:other)",
+    ]
+    assert "tools" in TABLE_SCOPE

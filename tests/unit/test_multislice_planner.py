@@ -67,3 +67,21 @@ def test_recipe_check_on_two_slices():
     )
     assert ok.error is None and ok.devices == 512 and ok.fits, ok
     assert ok.mesh.startswith("dp_rep 2 x fsdp 256")
+
+
+def test_a_slice_count_other_than_the_targets_is_a_rule():
+    """`parallelism.num_slices` against the slices `job.target` names (`v6e-256x2`) is a rule of
+    trainer/step/plan.py, not the recipe check's own raise (tools/recipe_check.py world_of raised it
+    before): the check, the planner and the trainer refuse it alike; 0 takes the target's count."""
+    from tools.recipe_check import check_recipe
+    from trainer.job_plan import target_slices
+    from trainer.step.plan import StepRequest, refusals
+
+    two = [("job.target", "v6e-256x2"), ("parallelism.data_parallel_replicate_degree", "2")]
+    bad = check_recipe("configs/llama3_70b_v6e.toml", capture=False, overrides=[*two, ("parallelism.num_slices", "3")])
+    assert bad.error == "parallelism.num_slices: 3, but job.target has 2 slices; allowed: 2 or 0", bad.error
+    ok = check_recipe("configs/llama3_70b_v6e.toml", capture=False, overrides=[*two, ("parallelism.num_slices", "0")])
+    assert ok.error is None and ok.devices == 512, ok
+    assert refusals(StepRequest(recipe_num_slices=3, target_num_slices=2)) == [bad.error]
+    assert refusals(StepRequest(recipe_num_slices=2, target_num_slices=2)) == []
+    assert [target_slices(t) for t in ("v6e-256x2", "V7X-512x4", "v6e-256", "")] == [2, 4, 1, 1]

@@ -147,6 +147,10 @@ class StepRequest(PipelineRequest):
     num_slices: int = 1
     """TPU slices the job spans (`[parallelism] num_slices`, resolved against the launcher's
     `MEGASCALE_NUM_SLICES`)."""
+    recipe_num_slices: int = 0
+    """`[parallelism] num_slices` as the recipe sets it (0: the launcher's count)."""
+    target_num_slices: int = 1
+    """The slices the recipe's `[job] target` names (`v6e-256x2`: 2; 1 without a target or a count)."""
     dp_replicate: int = 1
     """`[parallelism] data_parallel_replicate_degree`."""
     allow_dcn_sharding: bool = False
@@ -550,6 +554,13 @@ RULES: tuple[Rule, ...] = (
         "hf weights to load into a family without hf_adapter.py",
         lambda r: r.initial_load_format == "hf" and not r.model_has_hf_adapter,
         "'hf' is not supported for this model (no hf_adapter.py); allowed: dcp",
+    ),
+    # A recipe whose target names several slices (`v6e-256x2`) runs on that many.
+    Rule(
+        "parallelism.num_slices",
+        "a slice count other than the one the recipe's job.target names (v6e-256x2: 2)",
+        lambda r: r.target_num_slices > 1 and r.recipe_num_slices not in (0, r.target_num_slices),
+        "{r.recipe_num_slices}, but job.target has {r.target_num_slices} slices; allowed: {r.target_num_slices} or 0",
     ),
     # Several slices (multislice): the data-center network (DCN) between slices carries the HSDP
     # gradient all-reduce once per step; FSDP's per-layer gathers (or TP/EP/CP) over it would not keep up.
