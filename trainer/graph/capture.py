@@ -152,12 +152,16 @@ def _bucket_cap_mb(cap_mb: float, _bucket_index: int) -> float:
 
 
 @contextlib.contextmanager
-def capture_config(*, scan_ac_mode: str | None) -> contextlib.AbstractContextManager:
+def capture_config(*, scan_ac_mode: str | None, meta: bool = False) -> contextlib.AbstractContextManager:
     """torch settings under which the step is traced (active on every call; cheap).
 
     `scan_ac_mode`: the activation-checkpoint mode for scan bodies, None when not scanning.
+    `meta`: the step runs on meta tensors (the recipe check's and the TPU compile's capture on
+    the fake world): `composite_autograd_on_meta` keeps autograd through composite ops.
     """
     with contextlib.ExitStack() as stack:
+        if meta:
+            stack.enter_context(composite_autograd_on_meta())
         # Trace loss.backward()/autograd.grad into the step graph instead of breaking it.
         stack.enter_context(torch._dynamo.config.patch(trace_autograd_ops=True))
         stack.enter_context(
@@ -172,6 +176,56 @@ def capture_config(*, scan_ac_mode: str | None) -> contextlib.AbstractContextMan
         if scan_ac_mode is not None:
             stack.enter_context(scan_remat(scan_ac_mode))
         yield
+
+
+@functools.cache
+def _meta_shadowed_composites() -> tuple:
+    """The ATen overloads whose CompositeImplicitAutograd kernel torch shadows on meta tensors.
+
+    `torch._meta_registrations.activate_meta` registers every decomposition as a Python `Meta`
+    kernel (`py_impl(DispatchKey.Meta)`), composite ops included (`aten.nll_loss`,
+    `aten.where.ScalarOther`, `aten.var`, `aten.dropout`, ...: 108 overloads on torch 2.13). Under
+    the Python dispatcher, which Dynamo enables while it traces, `torch._ops.resolve_key` then
+    finds a backend kernel for `AutogradMeta` and skips the composite kernel, so autograd falls
+    back to "not implemented" (`WarnNotImplemented`): on meta tensors the op's gradient is lost
+    (None with `allow_unused`), or, behind a DTensor's `to_local`, a plain tensor reaches
+    `Redistribute.backward` ("'FakeTensor' object has no attribute '_local_tensor'"). On CPU or
+    GPU tensors the Meta kernel is not consulted and the composite kernel runs."""
+    from torch._C import DispatchKey
+    from torch._decomp import global_decomposition_table
+
+    ops = {
+        op
+        for table in global_decomposition_table.values()
+        for op in table
+        if isinstance(op, torch._ops.OpOverload)
+        and DispatchKey.Meta in op.py_kernels
+        and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    }
+    return tuple(sorted(ops, key=str))
+
+
+@contextlib.contextmanager
+def composite_autograd_on_meta() -> contextlib.AbstractContextManager:
+    """Trace composite ops on meta tensors as on any device: while active, the Python `Meta`
+    kernels of `_meta_shadowed_composites` are unregistered, so their composite kernel
+    decomposes them under autograd (what the C++ dispatcher does on meta outside Dynamo, and
+    what a CPU capture does). Restored on exit; a capture on real tensors never needs it."""
+    from torch._C import DispatchKey
+
+    kernels = {
+        op: op.py_kernels.pop(DispatchKey.Meta)
+        for op in _meta_shadowed_composites()
+        if DispatchKey.Meta in op.py_kernels
+    }
+    for op in kernels:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, fn in kernels.items():
+            op.py_kernels[DispatchKey.Meta] = fn
+            op._dispatch_cache.clear()
 
 
 def _patch_existing(config, **values):

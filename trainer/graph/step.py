@@ -150,7 +150,10 @@ class GraphStep:
         start = time.perf_counter()
         try:
             with (
-                capture_config(scan_ac_mode=self.ac_mode if scanning else None),
+                capture_config(
+                    scan_ac_mode=self.ac_mode if scanning else None,
+                    meta=any(s.param.device.type == "meta" for s in self._current_slots[:1]),
+                ),
                 self._scan_context(),
                 self._loss_context(),
             ):
