@@ -123,6 +123,11 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
             "--xla_tpu_enable_async_all_to_all=true over the v7x flag bundle (the EP all-to-alls are synchronous)",
         ),
         ((ASYNC_A2A, ("moe.dispatch_chunks", "4")), CHUNKED.format(n=4)),
+        (
+            (("parallelism.expert_parallel_degree", "1"), ("training.local_batch_size", "4")),
+            "experts FSDP-sharded as MaxText's (EP 1: each layer's expert weights gathered, no all-to-all), "
+            "4 sequences per micro-batch (what fits)",
+        ),
     ),
     "deepseek3-671b_v7x-512": (
         (
