@@ -7,6 +7,8 @@ before a pod is rented; never imported by the trainer (tests/unit/test_layout.py
   compiler's memory analysis (scripts/check_recipe.py --compile, scripts/estimate_xla.py);
 - xla_lowering: the captured train step lowered to a JAX function through torchax (tpu_compile,
   scripts/estimate_xla.py, the XLA tier);
+- xla_estimate_run: scripts/estimate_xla.py's check (the target and plan, the planner's estimate,
+  the worker's spec and launch, the verdict; an EP recipe through tpu_compile);
 - xla_estimate: the worker of scripts/estimate_xla.py (capture on meta, lower, compile for a
   topology, the compiler's memory and cost analysis);
 - xla_estimate_report: scripts/estimate_xla.py's reports (the compiler's memory and cost beside the
@@ -19,6 +21,8 @@ before a pod is rented; never imported by the trainer (tests/unit/test_layout.py
   a subprocess per variant, interleaved repeats, metrics.jsonl summaries, the table and CSVs);
 - mfu_projection, mfu_report: scripts/mfu_suite.py's projections (the FSDP bound, the trainer's
   program, weak scaling) and its anchors, tables and plots;
+- mfu_suite: scripts/mfu_suite.py's suite (the command line's lists checked, the runs, the FSDP
+  projections from scripts/estimate_xla.py and the trainer-program ones, the outputs);
 - mfu_runs: scripts/mfu_suite.py's measured side (its runs grouped and resumed) and its outputs
   (the CSVs, plots and <out>.md);
 - deviceless_env: the environment of a worker that compiles for a TPU without one;

@@ -1,7 +1,7 @@
-"""The worker of scripts/estimate_xla.py (run in the XLA tier's `ttpu` venv): capture a recipe's
-graph step on the meta device, lower it with torchax, compile it for a compile-only TPU topology,
-and answer the compiler's memory and cost analysis as one dict (docs/tpu.md, "Compiler-backed pod
-check").
+"""The worker of scripts/estimate_xla.py (`python -m tools.xla_estimate SPEC` in the XLA tier's `ttpu`
+venv, started by tools/xla_estimate_run.py): capture a recipe's graph step on the meta device, lower
+it with torchax, compile it for a compile-only TPU topology, and print the compiler's memory and
+cost analysis as one JSON line (docs/tpu.md, "Compiler-backed pod check").
 
 Importing this module imports neither torch nor jax (the outer script reads `hbm_oom` from the
 project venv); each phase imports what it needs.
@@ -32,7 +32,7 @@ def hbm_oom(message: str) -> dict | None:
 
 
 def worker(spec: dict) -> dict:
-    """Capture, lower and compile the step `spec` describes (scripts/estimate_xla.py `_worker_spec`);
+    """Capture, lower and compile the step `spec` describes (tools/xla_estimate_run.py `worker_spec`);
     the compiler's analysis, or its CompileTimeHbmOom as the verdict (`oom`)."""
     import resource
 
@@ -365,3 +365,13 @@ def compiled_analysis(compiled, lowered, spec: dict) -> dict:
         hlo_kind=hlo_kind,
         **{"while": loops},
     )
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    from trainer.runtime.quiet import quiet_capture
+
+    quiet_capture()  # third-party warnings of capture-only jobs, which a user cannot act on
+    print(json.dumps(worker(json.loads(sys.argv[1]))))

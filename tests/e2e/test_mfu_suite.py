@@ -1,5 +1,6 @@
 """scripts/mfu_suite.py: the roofline and layer arithmetic, the anchors file, the errors, and one
-sweep end to end with the trainer runs replaced by fake metrics (no timing is tested)."""
+sweep end to end with the trainer runs replaced by fake metrics (no timing is tested). The command
+is the script (`script.main`); what the sweep calls is patched where it lives, tools/mfu_suite.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+
+from tools import mfu_projection, mfu_report
+from tools import mfu_suite as suite
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,13 +24,13 @@ def _load():
     return module
 
 
-suite = _load()
+script = _load()
 FPT = {"palm": 6e9, "causal": 5e9}
 
 
 def test_roofline_compute_and_memory_bound():
     # 1e15 FLOPs at 1e15 FLOP/s = 1 s; 1e12 bytes at 2e12 B/s = 0.5 s: compute bound
-    r = suite.roofline(
+    r = mfu_projection.roofline(
         flops=1e15, bytes_accessed=1e12, peak_flops=1e15, hbm_bytes_per_s=2e12, tokens=1e5, flops_per_token=FPT
     )
     assert r["bound"] == "compute" and r["step_s"] == pytest.approx(1.0)
@@ -34,7 +38,7 @@ def test_roofline_compute_and_memory_bound():
     assert r["mfu_pct"] == pytest.approx(100 * 1e5 * 6e9 / 1e15)  # 60 %: model FLOPs < executed FLOPs
     assert r["mfu_pct_causal"] == pytest.approx(50.0)
     # 4e12 bytes at 2e12 B/s = 2 s > 1 s: memory bound, half the throughput
-    r = suite.roofline(
+    r = mfu_projection.roofline(
         flops=1e15, bytes_accessed=4e12, peak_flops=1e15, hbm_bytes_per_s=2e12, tokens=1e5, flops_per_token=FPT
     )
     assert r["bound"] == "memory" and r["step_s"] == pytest.approx(2.0) and r["mfu_pct"] == pytest.approx(30.0)
@@ -43,11 +47,11 @@ def test_roofline_compute_and_memory_bound():
 def test_layer_extrapolation_is_exact_for_affine_counts():
     base, per_layer = 7.0e12, 3.0e12
     at = lambda n: base + n * per_layer  # noqa: E731
-    assert suite.extrapolate_layers(at(1), at(2), 126) == pytest.approx(at(126))
+    assert mfu_projection.extrapolate_layers(at(1), at(2), 126) == pytest.approx(at(126))
 
 
 def test_anchor_file_is_complete_and_cited():
-    anchors = suite.load_anchors()
+    anchors = mfu_report.load_anchors()
     recipes = {p.stem for p in (ROOT / "configs").glob("*.toml")}
     assert len(anchors["anchor"]) >= 10
     ids = [a["id"] for a in anchors["anchor"]]
@@ -68,7 +72,7 @@ def test_anchor_file_is_complete_and_cited():
             assert 100 * a["tflops"] / chip_peak == pytest.approx(a["mfu_pct"], abs=0.6), a["id"]
     assert set(anchors["hbm_gbps_per_device"]) >= {"v6e", "v7x"}
     v7x = next(a for a in anchors["anchor"] if a["id"] == "maxtext-v7x-llama3.1-405b")
-    assert suite.anchor_per_device(v7x) == pytest.approx(499.77 / 2)  # two devices per v7x chip
+    assert mfu_report.anchor_per_device(v7x) == pytest.approx(499.77 / 2)  # two devices per v7x chip
 
 
 def _fake_execute(jobs, **_):
@@ -111,7 +115,7 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(suite, "xla_venv", lambda: (tmp_path, ""))
     monkeypatch.setattr(suite, "host_available_bytes", lambda: 1e15)
     out = tmp_path / "suite"
-    rc = suite.main(
+    rc = script.main(
         [
             "--recipes",
             "llama3_debug",
@@ -144,7 +148,7 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
     # a compiler count below the model's FLOPs (loop bodies counted once) is replaced by them
     low, _ = suite.project(
         ["llama3_8b_v6e"],
-        anchors=suite.load_anchors(),
+        anchors=mfu_report.load_anchors(),
         timeout=1,
         costs=lambda r, t, n, e, s: {"flops": 1e12 * n, "bytes": 1.0, "tokens": 8192.0},
     )
@@ -162,7 +166,7 @@ def test_sweep_writes_csv_markdown_and_plots(tmp_path, monkeypatch, capsys):
 
 def test_projections_skip_without_the_xla_venv_or_the_memory(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_XLA_VENV_ROOT", str(tmp_path))
-    rows, why = suite.project(["llama3_8b_v6e"], anchors=suite.load_anchors(), timeout=1)
+    rows, why = suite.project(["llama3_8b_v6e"], anchors=mfu_report.load_anchors(), timeout=1)
     assert rows == [] and ".venv-ttpu" in why and "xla_env.sh ttpu" in why
     # a recipe whose capture does not fit in the free host memory is skipped, named, not compiled
     # (Llama 3 8B at 2 layers: 1 GiB + 1 byte x 1.49e9 parameters = 2.4 GiB > 60 % of 2 GiB)
@@ -171,7 +175,7 @@ def test_projections_skip_without_the_xla_venv_or_the_memory(tmp_path, monkeypat
     def never(*_):
         raise AssertionError("compiled")
 
-    rows, why = suite.project(["llama3_8b_v6e"], anchors=suite.load_anchors(), timeout=1, costs=never)
+    rows, why = suite.project(["llama3_8b_v6e"], anchors=mfu_report.load_anchors(), timeout=1, costs=never)
     assert why == "" and rows[0]["error"].startswith("skipped: the 2-layer capture needs ~2 GiB")
 
 
@@ -182,7 +186,7 @@ def test_context_and_expert_parallel_recipes_project_the_trainer_program(monkeyp
 
     def row(name, overrides, **_):
         calls.append((name, list(overrides)))
-        return {"recipe": name, "kind": suite.PROGRAM_KIND}
+        return {"recipe": name, "kind": mfu_projection.PROGRAM_KIND}
 
     monkeypatch.setattr(suite, "program_row", row)
     monkeypatch.setattr(suite, "host_available_bytes", lambda: None)  # never skipped for host memory
@@ -193,10 +197,10 @@ def test_context_and_expert_parallel_recipes_project_the_trainer_program(monkeyp
         raise RuntimeError("not compiled in this test")
 
     names = ["llama3_8b_128k_v6e", "qwen3_32b_128k_v7x", "qwen3_30b_a3b_v6e", "llama3_8b_v6e"]
-    assert [suite.trainer_program(suite.recipe_path(n)) for n in names] == ["cp", "cp", "ep", None]
+    assert [suite.trainer_program(mfu_projection.recipe_path(n)) for n in names] == ["cp", "cp", "ep", None]
     rows, why = suite.project(
         names,
-        anchors=suite.load_anchors(),
+        anchors=mfu_report.load_anchors(),
         timeout=1,
         compile=lambda *_: None,
         costs=costs,
@@ -208,30 +212,30 @@ def test_context_and_expert_parallel_recipes_project_the_trainer_program(monkeyp
         ("llama3_8b_128k_v6e", [("training.steps", "2")]),
         ("qwen3_32b_128k_v7x", [("training.steps", "2")]),
         ("qwen3_30b_a3b_v6e", [("training.steps", "2")]),
-        ("qwen3_30b_a3b_v6e", [*suite.ROUTINGS["random"], ("training.steps", "2")]),
+        ("qwen3_30b_a3b_v6e", [*mfu_projection.ROUTINGS["random"], ("training.steps", "2")]),
     ]
     assert fsdp == ["llama3_8b_v6e"] and rows[-1]["error"].startswith("failed: not compiled")
     # the bound's tokens per device: a CP group of 4 shares each 128k sequence (fsdp 64 x cp 4)
-    assert suite.program_facts(suite.recipe_path("llama3_8b_128k_v6e"), [])["tokens"] == 131072 // 4
+    assert mfu_projection.program_facts(mfu_projection.recipe_path("llama3_8b_128k_v6e"), [])["tokens"] == 131072 // 4
 
 
 def test_bad_input_is_one_error_line(capsys, monkeypatch):
-    assert suite.main(["--recipes", "nope_debug", "--dry-run"]) == 2
+    assert script.main(["--recipes", "nope_debug", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --recipes: no recipe 'nope_debug'")
-    assert suite.main(["--modes", "warp", "--dry-run"]) == 2
+    assert script.main(["--modes", "warp", "--dry-run"]) == 2
     assert capsys.readouterr().err.startswith("error: --modes: unknown mode 'warp'")
     # matplotlib absent: a clear line, before any run (a dry run needs no plots)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    assert suite.main(["--project", "none"]) == 2
+    assert script.main(["--project", "none"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "matplotlib is not installed" in err and "pip install '.[bench]'" in err
 
 
 def test_dry_run_interleaves_repeats(capsys):
     assert (
-        suite.main(
+        script.main(
             [
                 "--recipes",
                 "llama3_debug,qwen3_debug",
@@ -281,7 +285,7 @@ def test_resume_reads_finished_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(suite.bench, "execute", execute)
     assert (
-        suite.main(
+        script.main(
             [
                 "--recipes",
                 "llama3_debug",

@@ -70,11 +70,11 @@ def test_estimate_xla_and_check_recipe_compile_hand_their_worker_one_environment
 
     recipe = str(ROOT / "configs" / "llama3_debug.toml")
     estimate_xla = _script("estimate_xla")
-    assert estimate_xla._run(["--config", recipe, "--target", "v6e-8"]) == 1
+    assert estimate_xla.main(["--config", recipe, "--target", "v6e-8"]) == 1
     report = compile_recipe(recipe, overrides=[("job.target", "v6e-8")], python=sys.executable)
     assert report.error and "stand-in worker" in report.error
     (cmd_a, env_a), (cmd_b, env_b) = recorder.calls
-    assert "--worker" in cmd_a and "tools.tpu_compile" in cmd_b
+    assert cmd_a[1:3] == ["-m", "tools.xla_estimate"] and cmd_b[1:3] == ["-m", "tools.tpu_compile"]
     # Both with the flags the run's first compile gets: the v6e bundle (the recipe's flag_bundle = auto).
     from trainer.runtime.tpu_env import BUNDLES
 
@@ -91,8 +91,10 @@ def test_estimate_xla_and_check_recipe_compile_hand_their_worker_one_environment
 def test_mfu_suite_projection_adds_only_its_hlo_dump(recorder, monkeypatch, tmp_path):
     """--project compiles through estimate_xla (the outer script makes the worker's environment) and
     compile_recipe: it adds its dump flags after the caller's XLA_FLAGS, nothing else."""
+    from tools import mfu_projection
+    from tools import mfu_suite as suite
+
     monkeypatch.setenv("XLA_FLAGS", "--xla_caller_flag")
-    suite = _script("mfu_suite")
     recipe = ROOT / "configs" / "llama3_debug.toml"
     with pytest.raises(RuntimeError, match="estimate_xla exited 1"):
         suite.compile_costs(recipe, "v6e-8", 2, [], timeout=10, cache=tmp_path)
@@ -108,7 +110,7 @@ def test_mfu_suite_projection_adds_only_its_hlo_dump(recorder, monkeypatch, tmp_
 
     monkeypatch.setattr(tools.tpu_compile, "compile_recipe", fake_compile)
     with pytest.raises(RuntimeError, match="stand-in compile"):
-        suite.program_compile(recipe, [], timeout=10, cache=tmp_path)
+        mfu_projection.program_compile(recipe, [], timeout=10, cache=tmp_path)
     assert seen.keys() == {"XLA_FLAGS"} and seen["XLA_FLAGS"].startswith("--xla_caller_flag --xla_dump_to=")
     env = de.deviceless_env("tpu7x:4x8x8", extra=seen)
     assert env["XLA_FLAGS"] == seen["XLA_FLAGS"] and env["TPU_ACCELERATOR_TYPE"] == "tpu7x-8"
@@ -127,15 +129,16 @@ def test_each_generation_gets_its_own_one_host_type(topology, host):
 def test_estimate_xla_reads_a_terabyte_compile_time_oom():
     """The Qwen3-235B SPMD compile's refusal is in T: read as the verdict "does not fit", where the
     G-only pattern made the worker exit 1 (its stderr tail led with libtpu's start-up lines)."""
-    estimate_xla = _script("estimate_xla")
+    from tools.xla_estimate import hbm_oom
+
     message = (
         "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
         "HLO temporaries (2.06T) exceeds available HBM (94.74G). HLO module: jit_step_fn."
     )
-    oom = estimate_xla.hbm_oom(message)
+    oom = hbm_oom(message)
     assert oom["required"] == pytest.approx(2.06 * 2**40) and oom["available"] == pytest.approx(94.74 * 2**30)
-    assert estimate_xla.hbm_oom(message.replace("2.06T", "171.01G"))["required"] == pytest.approx(171.01 * 2**30)
-    assert estimate_xla.hbm_oom("INTERNAL: something else") is None
+    assert hbm_oom(message.replace("2.06T", "171.01G"))["required"] == pytest.approx(171.01 * 2**30)
+    assert hbm_oom("INTERNAL: something else") is None
 
 
 def test_estimate_xla_compiles_an_expert_parallel_recipe_as_the_trainer_program(monkeypatch, capsys):
@@ -167,7 +170,7 @@ def test_estimate_xla_compiles_an_expert_parallel_recipe_as_the_trainer_program(
     monkeypatch.setattr(subprocess, "run", no_worker)
     estimate_xla = _script("estimate_xla")
     recipe = str(ROOT / "configs" / "qwen3_235b_a22b_v7x.toml")
-    assert estimate_xla._run(["--config", recipe]) == 0
+    assert estimate_xla.main(["--config", recipe]) == 0
     out = capsys.readouterr().out
     assert seen["path"] == recipe and seen["overrides"] == []
     assert "expert parallelism (ep 16)" in out and "verdict (compiler, v7x-512): fits: 66.00 GiB" in out

@@ -205,6 +205,7 @@ SINGLE_KEY_MODULES = {
     "planner/targets.py": "job.target / --target: one target's name",
     "tools/tpu_compile.py:topology_name": "job.target: one target's compile-only topology",
     "tools/tpu_compile.py:_recipe_target": "job.target: the TPU compile needs one, of a TPU",
+    "tools/xla_estimate_run.py:recipe_target": "job.target / --target: the compile estimate needs one",
     "trainer/config/load.py": "the recipe file and the CLI: a key's own type, choice and range, unknown keys",
     "trainer/config/placeholders.py": "checkpoint.folder: a shipped recipe's placeholder bucket",
     "trainer/launch.py": "the launcher's own command line",
@@ -227,6 +228,10 @@ TOOL_ONLY = {
     "tools/recipe_check.py:check_recipe": "re-raises the first RULES refusal the planner noted (a pipelined plan)",
     "tools/recipe_check.py:tpu_mesh_check": "torch-tpu's own verdict on the mesh (its venv), the pre-flight "
     "form of BUILD_CHECKS' parallelisms.parallel_dims:_tpu_rank_grid",
+    "tools/xla_estimate_run.py:estimate": "the compile estimate's own scope: it captures the LM step (model.name's "
+    "task), a limit of the tool, not of the recipe",
+    "tools/xla_estimate_run.py:expert_parallel_program": "estimate_xla's own flags (--dump-hlo, --csv, ...) that its "
+    "EP path does not take: a combination of the tool's flags",
 }
 
 

@@ -1,17 +1,14 @@
-"""scripts/mfu_suite.py's projection from the trainer's program: the kernels' scaling to the
+"""scripts/mfu_suite.py's projection from the trainer's program (tools/mfu_projection.py): the kernels' scaling to the
 routed rows, the dispatch ops, and the weak-scaling arithmetic. No compile, no jax."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from tools import mfu_projection as suite
 from tools import xla_projection as xp
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("mfu_suite_program", ROOT / "scripts" / "mfu_suite.py")
-suite = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(suite)
 
 
 def test_gmm_priced_at_the_routed_rows():

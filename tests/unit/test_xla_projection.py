@@ -290,15 +290,10 @@ def test_no_entry_is_an_error():
 
 
 def test_suite_bound_from_two_programs(tmp_path):
-    """scripts/mfu_suite.py's hlo_bound: the 1- and 2-layer programs' times extrapolated to the
-    recipe's layers, both ways, MFU never above 100 %."""
-    import importlib.util
-    from pathlib import Path
+    """scripts/mfu_suite.py's hlo_bound (tools/mfu_projection.py): the 1- and 2-layer programs' times
+    extrapolated to the recipe's layers, both ways, MFU never above 100 %."""
+    from tools import mfu_projection as suite
 
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("mfu_suite_for_xp", root / "scripts" / "mfu_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
     one = tmp_path / "one.txt"
     one.write_text(HLO)
     # the 2-layer program: the loop runs 6 times instead of 3

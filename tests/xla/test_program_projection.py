@@ -9,11 +9,9 @@ one layer), or the kernels' capture-model cost missing from the worker's report.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
-from tests.xla.conftest import ROOT, xla_python
+from tests.xla.conftest import xla_python
 
 pytestmark = pytest.mark.xla
 
@@ -36,16 +34,16 @@ MOE_EP2 = [
 
 def test_the_bound_holds_the_ep_all_to_alls_and_the_dispatch(tmp_path, monkeypatch):
     xla_python("ttpu")  # made (or found) by the tier's fixture rules; program_compile finds it too
-    spec = importlib.util.spec_from_file_location("mfu_suite_xla", ROOT / "scripts" / "mfu_suite.py")
-    suite = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suite)
+    from tools import mfu_projection as suite
+    from tools.mfu_report import load_anchors
+
     recipe = suite.recipe_path("qwen3_30b_a3b_v6e")
     res = suite.program_compile(recipe, MOE_EP2, 1200, cache=tmp_path)
     assert res.get("error") is None and res.get("oom") is None, res.get("error") or res.get("oom")
     assert res["radices"] == [4, 2] and len(res["device_coords"]) == 8
     assert res["kernel_cost"]["gmm"]["calls"] >= 2 * 3 and res["kernel_cost"]["splash_fwd"]["calls"] >= 2
     facts = suite.program_facts(recipe, MOE_EP2)
-    b = suite.program_bound(res, facts, anchors=suite.load_anchors())
+    b = suite.program_bound(res, facts, anchors=load_anchors())
     assert b["loops_without_trip_count"] == 0
     a2a = [c for c in b["_collectives"] if c.kind == "all-to-all"]
     assert a2a and {c.axes for c in a2a} == {("a1",)}, {c.axes for c in a2a}

@@ -162,7 +162,7 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
-    # the replicas (plan.py's slice rule: pp x dp_replicate a multiple of num_slices).
+    # the replicas (slice_rules.py: pp x dp_replicate a multiple of num_slices).
     Rule(
         "parallelism.pipeline_parallel_degree",
         "PP > 1 on several slices outside graph mode",

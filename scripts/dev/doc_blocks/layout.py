@@ -151,9 +151,9 @@ class _Placeholders:
 
 def _predicates(module: str = "plan", table: str = "RULES") -> list[str]:
     """Each rule's `refuses` lambda body, as written in trainer/step/plan.py (the `r.` dropped); a
-    starred table in it (`*PIPELINE_RULES`) is read from its sibling module (pipeline_rules.py)."""
+    starred table in it (`*PIPELINE_RULES`, `*SLICE_RULES`) is read from its sibling module."""
     tree = ast.parse((ROOT / "trainer" / "step" / f"{module}.py").read_text())
-    siblings = {"PIPELINE_RULES": "pipeline_rules"}
+    siblings = {"PIPELINE_RULES": "pipeline_rules", "SLICE_RULES": "slice_rules"}
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == table:
             out = []
