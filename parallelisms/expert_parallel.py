@@ -308,8 +308,10 @@ def capacity_all_to_all(
     the unused slots are zero rows, computed and sent like the rest (their cost is bounded by
     the capacity, not by the worst case).
 
-    `chunks > 1` (`[moe] dispatch_chunks`) splits the rows into that many chunks (sizes differ
-    by at most one row, the same on every rank), each sent, computed and returned on its own:
+    `chunks > 1` (`[moe] dispatch_chunks` when it does not divide the batch; otherwise the MoE
+    layer lays the buffer out chunk-major and sends each chunk through here, with no copy to split
+    it) splits the rows into that many chunks (sizes differ by at most one row, the same on every
+    rank), each sent, computed and returned on its own:
     the same products per row, and chunk i + 1's all-to-all has no data dependence on chunk i's
     expert matmuls, so a compiler with asynchronous all-to-alls (XLA on TPU) can overlap them,
     forward and backward.
@@ -458,19 +460,26 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
 
     def forward_capacity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # The capacity-bounded dispatch (models/common/moe.py): eager, traced and scanned alike,
-        # static shapes; the group by name (a scan body cannot hold a mesh).
+        # static shapes; the group by name (a scan body cannot hold a mesh). A 4-d x is the buffer
+        # laid out in `capacity_chunks` sequence chunks: each chunk crosses the all-to-all on its own.
         compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
         if self._ep_group[1] == 1:
             return compute(x)
+        if x.dim() == 4:
+            return torch.stack([capacity_all_to_all(part, compute, self._ep_group) for part in x.unbind(0)])
         return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks)
 
+    def capacity_chunks(self: nn.Module, batch: int) -> int:
+        chunks = self.dispatch_chunks
+        return chunks if self._ep_group[1] > 1 and chunks > 1 and batch % chunks == 0 else 1
+
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
-    attrs.update(forward=forward, forward_capacity=forward_capacity, _ep_base=base)
+    attrs.update(forward=forward, forward_capacity=forward_capacity, capacity_chunks=capacity_chunks, _ep_base=base)
     cls = type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
     cls._ep_scan_class = type(
         f"ScannedExpertParallel{base._simple_fsdp_base.__name__}",
         (base._simple_fsdp_base,),
-        dict(forward=scan_forward, forward_capacity=forward_capacity, _ep_base=base),
+        dict(forward=scan_forward, forward_capacity=forward_capacity, capacity_chunks=capacity_chunks, _ep_base=base),
     )
     return cls
 

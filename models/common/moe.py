@@ -464,6 +464,12 @@ class GroupedExperts(nn.Module):
         up = ops.grouped_mm(x, w3.transpose(-2, -1), num_tokens_per_expert)
         return ops.grouped_mm(self.act(gate, up), w2.transpose(-2, -1), num_tokens_per_expert)
 
+    def capacity_chunks(self, batch: int) -> int:
+        """How many sequence chunks `MoE._capacity_experts` lays the capacity buffer out in: 1 here
+        (one process has no all-to-all to overlap); the expert-parallel class answers
+        `dispatch_chunks` when it divides `batch` (parallelisms/expert_parallel.py)."""
+        return 1
+
     def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
         """x [E, rows, dim], row block e for expert e (the capacity dispatch's buffer) -> [E, rows, dim].
 
@@ -610,13 +616,24 @@ class MoE(nn.Module):
         capacity = expert_capacity(seq_len=seqlen, top_k=top_k, num_experts=num_experts, factor=self.capacity_factor)
         slots = capacity_slots(selected_experts, num_experts, capacity)
         dump = num_experts * bs * capacity
+        chunks = self.experts.capacity_chunks(bs)
+        if chunks > 1:
+            # Chunk-major (`[moe] dispatch_chunks` under EP): sequence b = c * bs/k + b' goes to
+            # chunk c, so each chunk is one contiguous [E, bs/k x capacity, dim] block (no copy to
+            # split it); the same copies kept, only their buffer positions move.
+            per = bs // chunks
+            expert, row = slots // (bs * capacity), slots % (bs * capacity)
+            seq, pos = row // capacity, row % capacity
+            moved = ((seq // per * num_experts + expert) * per + seq % per) * capacity + pos
+            slots = torch.where(slots < dump, moved, slots)
         # Gathers both ways (deterministic): each buffer slot reads its copy's token (slot `dump`
         # collects the dropped copies and is discarded; unused slots read the zero row N).
         token = torch.arange(slots.numel(), device=x.device) // top_k
         source = torch.full((dump + 1,), x.shape[0], dtype=torch.int64, device=x.device).scatter_(0, slots, token)
         zero_row = x.new_zeros(1, dim)
-        buffer = torch.cat([x, zero_row])[source[:dump]].view(num_experts, bs * capacity, dim)
-        out = self.experts.forward_capacity(buffer).reshape(dump, dim)
+        buffer = torch.cat([x, zero_row])[source[:dump]]
+        shape = (chunks, num_experts, bs // chunks * capacity, dim) if chunks > 1 else (num_experts, bs * capacity, dim)
+        out = self.experts.forward_capacity(buffer.view(shape)).reshape(dump, dim)
         return torch.cat([out, zero_row])[slots], (slots == dump).sum()
 
     def init_weights(self, init_std: float) -> None:

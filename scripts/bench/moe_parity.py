@@ -44,10 +44,17 @@ def skewed_case(bs: int, seqlen: int, skew: float, seed: int = 0):
 
 
 def layer_parity(
-    *, world_size: int, ep: int, capacity_factor: float, skew: float = 1.5, dispatch_chunks: int = 1
+    *,
+    world_size: int,
+    ep: int,
+    capacity_factor: float,
+    skew: float = 1.5,
+    dispatch_chunks: int = 1,
+    seqs_per_rank: int = 1,
 ) -> dict:
     """Module docstring. `world_size = 1` compares one rank without EP to the same process;
-    `dispatch_chunks` sends the ranks' capacity buffers over EP in that many row chunks."""
+    `dispatch_chunks` sends the ranks' capacity buffers over EP in that many chunks (by sequence
+    when it divides `seqs_per_rank`, the sequences each rank holds; by rows otherwise)."""
     from models.common.moe import use_capacity
     from models.common.plan import ModelPlan
     from parallelisms import ParallelDims, build_mesh, data_parallel
@@ -56,7 +63,7 @@ def layer_parity(
     from thread_world import full, load_full_state, rel_diff, run_threads
 
     plan = ModelPlan(block="layers", ep_block={"moe": "moe", "moe.router.gate": "router", "moe.experts": "experts"})
-    layer, x, g = skewed_case(world_size, SEQ, skew)
+    layer, x, g = skewed_case(world_size * seqs_per_rank, SEQ, skew)
     state = {k: v.detach().clone() for k, v in layer.state_dict().items()}
     use_capacity(layer, capacity_factor)
     xg = x.clone().requires_grad_()
@@ -81,9 +88,10 @@ def layer_parity(
         data_parallel(model, mesh=mesh, param_dtype=torch.float32, reduce_dtype=torch.float32)
         model.to_empty(device="cpu")
         load_full_state(model, state)
-        xr = x[rank : rank + 1].clone().requires_grad_()
+        mine = slice(rank * seqs_per_rank, (rank + 1) * seqs_per_rank)
+        xr = x[mine].clone().requires_grad_()
         out, _, load = model.layers["0"].moe(xr)
-        (out * g[rank : rank + 1]).sum().backward()
+        (out * g[mine]).sum().backward()
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         return out.detach(), xr.grad, int(load[-1]) if capacity_factor > 0 else 0, grads
 
@@ -92,10 +100,12 @@ def layer_parity(
         "world_size": world_size,
         "ep": ep,
         "capacity_factor": capacity_factor,
-        "copies": world_size * SEQ * K,
+        "copies": world_size * seqs_per_rank * SEQ * K,
         "dropped_one_process": want_dropped,
         "dropped_ranks": sum(r[2] for r in results),
-        "out": max(rel_diff(r[0], want_out[i : i + 1]) for i, r in enumerate(results)),
-        "dx": max(rel_diff(r[1], want_dx[i : i + 1]) for i, r in enumerate(results)),
+        "out": max(
+            rel_diff(r[0], want_out[i * seqs_per_rank : (i + 1) * seqs_per_rank]) for i, r in enumerate(results)
+        ),
+        "dx": max(rel_diff(r[1], want_dx[i * seqs_per_rank : (i + 1) * seqs_per_rank]) for i, r in enumerate(results)),
         "grads": max(rel_diff(r[3][n], w) for r in results for n, w in want_grads.items()),
     }

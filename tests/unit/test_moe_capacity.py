@@ -153,12 +153,13 @@ def test_capacity_is_mesh_independent(world_size, ep, factor):
     assert got["out"] < TOL and got["dx"] < TOL and got["grads"] < TOL, got
 
 
-@pytest.mark.parametrize("world_size, ep, chunks", [(2, 2, 2), (4, 2, 3)])
-def test_dispatch_chunks_are_mesh_independent(world_size, ep, chunks):
-    """`[moe] dispatch_chunks`: the capacity buffer (3 rows per expert and rank here: capacity
-    ceil(1.0 x 10 x 2 / 8) = 3, one sequence per rank) sent over EP in 2 chunks (2 + 1 rows) or 3
-    (1 + 1 + 1) gives the one-process layer's outputs and gradients, the same bound as unchunked:
-    every row meets the same products, only the matmuls' row counts differ."""
-    got = layer_parity(world_size=world_size, ep=ep, capacity_factor=1.0, dispatch_chunks=chunks)
+@pytest.mark.parametrize("world_size, ep, chunks, seqs", [(2, 2, 2, 1), (4, 2, 3, 1), (2, 2, 2, 4), (4, 4, 4, 4)])
+def test_dispatch_chunks_are_mesh_independent(world_size, ep, chunks, seqs):
+    """`[moe] dispatch_chunks`: the capacity buffer sent over EP in chunks gives the one-process
+    layer's outputs and gradients, the same bound as unchunked (every row meets the same products,
+    only the matmuls' row counts differ). One sequence per rank (capacity ceil(1.0 x 10 x 2 / 8) = 3
+    rows per expert): chunks that do not divide the batch split the rows, 2 + 1 or 1 + 1 + 1; four
+    per rank: the chunk-major layout, whole sequences per chunk (2 x 2, 4 x 1)."""
+    got = layer_parity(world_size=world_size, ep=ep, capacity_factor=1.0, dispatch_chunks=chunks, seqs_per_rank=seqs)
     assert got["dropped_one_process"] > 0 and got["dropped_ranks"] == got["dropped_one_process"]
     assert got["out"] < TOL and got["dx"] < TOL and got["grads"] < TOL, got
