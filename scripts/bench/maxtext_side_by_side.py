@@ -99,7 +99,7 @@ PAIRS: dict[str, Pair] = {
 """In order of compile cost, the smallest first (as maxtext_compile.RUNS)."""
 
 ASYNC_A2A = ("device.libtpu_init_args", '["--xla_tpu_enable_async_all_to_all=true"]')
-CHUNKED = "the capacity buffer over EP in {n} row chunks (`moe.dispatch_chunks`) with asynchronous all-to-alls"
+CHUNKED = "the capacity buffer over EP in {n} sequence chunks (`moe.dispatch_chunks`) with asynchronous all-to-alls"
 
 FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
     "llama3.1-8b_v6e-256": (
@@ -123,6 +123,7 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
             "--xla_tpu_enable_async_all_to_all=true over the v7x flag bundle (the EP all-to-alls are synchronous)",
         ),
         ((ASYNC_A2A, ("moe.dispatch_chunks", "4")), CHUNKED.format(n=4)),
+        ((ASYNC_A2A, ("moe.dispatch_chunks", "8")), CHUNKED.format(n=8)),
         (
             (("parallelism.expert_parallel_degree", "1"), ("training.local_batch_size", "4")),
             "experts FSDP-sharded as MaxText's (EP 1: each layer's expert weights gathered, no all-to-all), "
