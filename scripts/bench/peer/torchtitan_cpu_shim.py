@@ -29,6 +29,18 @@ This file runs inside the peer venv (scripts/bench/peer_env.sh), never in ours. 
    all-to-all dispatchers (EP > 1) and are never called here. Checked 2026-12-05 by a run to
    completion on the CPU (scripts/benchmark.py --preset moe_ttshape).
 
+5. **Pre-split pipeline micro-batches.** With pipeline parallelism TorchTitan 0.3.0 cuts the batch
+   into micro-batches itself and calls `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...,
+   losses=..., loss_kwargs=..., return_outputs=False)`, the API of the newer nightly it was cut
+   against. torch 2.13.0's `step(*args, target=None, ..., **kwargs)` takes the whole batch and
+   splits it, so those lists arrive as model keyword arguments and are cut again: every PP run
+   fails at its first step with `ValueError: Expecting 4 arg_mbs but got 2` (m = 4). We wrap
+   `PipelineScheduleSingle.step` and `PipelineScheduleMulti.step`: a call with those keywords runs
+   what torch 2.13's own `step` runs after its split (the stages' `has_backward`, their
+   `clear_runtime_states()`, `_step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses,
+   return_outputs, loss_kwargs=...)`, the merged output); any other call goes to torch's `step`
+   unchanged. The schedules themselves (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble, ...) are torch's.
+
 Everything else (config system, model build, SelectiveAC, loss, AdamW, LR schedule, data loader,
 metrics, the train loop) is TorchTitan's own code. Usage (what scripts/bench/reference_torchtitan.py runs):
 
@@ -112,6 +124,47 @@ def qwen3_moe_debug_sdpa():
     return config
 
 
+def accept_presplit_microbatches() -> None:
+    """Shim 5: `schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)` (TorchTitan 0.3.0's call) on
+    torch 2.13.0, whose `step` takes the whole batch; see the module docstring."""
+    from torch.distributed.pipelining import schedules
+
+    def wrap(cls, stages_of):
+        whole_batch_step = cls.step
+        if getattr(whole_batch_step, "_presplit_shim", False):
+            return
+
+        def step(self, *args, target=None, losses=None, return_outputs=True, loss_kwargs=None, **kwargs):
+            if not ({"arg_mbs", "kwarg_mbs", "target_mbs"} & kwargs.keys()):
+                return whole_batch_step(
+                    self,
+                    *args,
+                    target=target,
+                    losses=losses,
+                    return_outputs=return_outputs,
+                    loss_kwargs=loss_kwargs,
+                    **kwargs,
+                )
+            arg_mbs, kwarg_mbs = kwargs.pop("arg_mbs", None), kwargs.pop("kwarg_mbs", None)
+            target_mbs = kwargs.pop("target_mbs", None)
+            if args or kwargs or target is not None:
+                raise TypeError("pre-split micro-batches (arg_mbs/kwarg_mbs/target_mbs) with whole-batch inputs")
+            for stage in stages_of(self):
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+            for stage in stages_of(self):
+                if stage.is_last and return_outputs:
+                    return self._merge_outputs(stage.output_chunks)
+            return None
+
+        step._presplit_shim = True
+        cls.step = step
+
+    wrap(schedules.PipelineScheduleSingle, lambda sched: [sched._stage])
+    wrap(schedules.PipelineScheduleMulti, lambda sched: list(sched._stages))
+
+
 def main() -> None:
     # `--module scripts.bench.peer.torchtitan_cpu_shim` must import this file by that name.
     repo = str(Path(__file__).resolve().parents[3])
@@ -119,6 +172,7 @@ def main() -> None:
         sys.path.insert(0, repo)
     point_device_helpers_at_cpu()
     alias_set_timeout()
+    accept_presplit_microbatches()
     from torchtitan.train import main as torchtitan_main
 
     torchtitan_main()

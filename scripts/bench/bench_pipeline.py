@@ -1,0 +1,347 @@
+"""The measured pipeline bubble and per-rank memory of eager PP on the CPU, against the planner.
+
+Runs the real trainer (`python -m trainer.train`, torchrun + gloo for PP) on a debug Llama 3 made
+deep enough that the stages are equal (8 layers, `pipeline_first/last_stage_less_layers = 0`), for
+one process (the same global batch: the work without a pipeline) and for PP `--pp` with every
+`--schedules` x `--microbatches`, interleaved (repeat 0 of every variant, then repeat 1, ...).
+
+Per run: the step time is the median over the steps after `--warmup` of the differences of the
+trainer's `elapsed_s` (metrics.jsonl, every step logged); per rank, the peak resident set size
+(`ru_maxrss`, written by the `--rank-child` wrapper the ranks run under, since metrics.jsonl has
+rank 0's only). Per variant, medians over the repeats, then
+
+- measured bubble = (T_pp - T_1 / p) / T_pp, with T_1 the one-process step time: the share of a
+  pp rank's step not spent on its 1/p of the one-process work (idle, the stages' imbalance from
+  the embedding / head, the point-to-point sends, the schedule's bookkeeping);
+- the planner's bubble `bubble_fraction(schedule, p, m, v)` (parallelisms/pipeline_parallel.py);
+- peak RSS per rank against the planner's per-rank bytes (planner/pipeline.py
+  `PipelineCost.rank_totals`): both as a difference from the one-process run's, so that the
+  runtime's own resident memory (the interpreter, torch, the data loader), the same in every
+  process, cancels.
+
+    .venv/bin/python scripts/bench/bench_pipeline.py --repeats 3            # the table + CSV
+    .venv/bin/python scripts/bench/bench_pipeline.py --dry-run              # the commands only
+
+The CSV goes to docs/results/pp_bubble_<date>_<commit>.csv (`--out` to change). The numbers are
+only as good as the machine is quiet: the table header states the CPU and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+RSS_FILE = "rss_rank{rank}.json"
+ONE = "pp1"
+"""The one-process variant's name."""
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    pp: int
+    schedule: str = ""
+    microbatches: int = 0
+
+    def overrides(self) -> list[str]:
+        if self.pp == 1:
+            return []
+        return [
+            f"--parallelism.pipeline_parallel_degree={self.pp}",
+            "--parallelism.data_parallel_shard_degree=1",
+            f"--parallelism.pipeline_schedule={self.schedule}",
+            f"--parallelism.pipeline_microbatches={self.microbatches}",
+            "--parallelism.pipeline_first_stage_less_layers=0",
+            "--parallelism.pipeline_last_stage_less_layers=0",
+        ]
+
+
+def variants(pp: int, schedules: list[str], microbatches: list[int]) -> list[Variant]:
+    """The one-process run, then PP `pp` for every schedule x micro-batch count."""
+    out = [Variant(ONE, 1)]
+    out += [Variant(f"pp{pp}-{s}-m{m}", pp, s, m) for s in schedules for m in microbatches]
+    return out
+
+
+def step_times(records: list[dict], warmup: int) -> list[float]:
+    """Per-step seconds from consecutive `elapsed_s` (every step logged), the steps after `warmup` only."""
+    by_step = {int(r["step"]): float(r["elapsed_s"]) for r in records if r.get("elapsed_s") is not None}
+    return [by_step[s] - by_step[s - 1] for s in sorted(by_step) if s > warmup and s - 1 in by_step]
+
+
+def measured_bubble(t_pp: float, t_one: float, pp: int) -> float:
+    """(T_pp - T_1 / p) / T_pp: the share of a pp rank's step beyond its 1/p of the one-process step."""
+    return (t_pp - t_one / pp) / t_pp
+
+
+def median_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict], pp: int) -> list[dict]:
+    """Medians over the repeats per variant; the bubble and the RSS differences against the one-process row."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run["variant"], []).append(run)
+    rows = []
+    for name, group in groups.items():
+        ok = [r for r in group if r["rc"] == 0 and r["step_s"] is not None]
+        row = {k: group[0][k] for k in ("variant", "pp", "schedule", "microbatches", "planned_bubble")}
+        row.update(runs=len(group), ok=len(ok), step_s=median_or_none([r["step_s"] for r in ok]))
+        spread = [r["step_s"] for r in ok]
+        row["step_s_min"], row["step_s_max"] = (min(spread), max(spread)) if spread else (None, None)
+        for rank in range(row["pp"]):
+            row[f"rss_mib_r{rank}"] = median_or_none([r.get(f"rss_mib_r{rank}") for r in ok])
+            row[f"plan_mib_r{rank}"] = group[0].get(f"plan_mib_r{rank}")
+        row["load_avg"] = median_or_none([r.get("load_avg") for r in ok])
+        rows.append(row)
+    one = next((r for r in rows if r["variant"] == ONE), None)
+    for row in rows:
+        if one is None or one["step_s"] is None or row["step_s"] is None:
+            row["measured_bubble"] = None
+            continue
+        row["ideal_step_s"] = one["step_s"] / row["pp"]
+        row["measured_bubble"] = measured_bubble(row["step_s"], one["step_s"], row["pp"])
+        for rank in range(row["pp"]):
+            rss, plan = row.get(f"rss_mib_r{rank}"), row.get(f"plan_mib_r{rank}")
+            if rss is not None and one.get("rss_mib_r0") is not None:
+                row[f"rss_delta_mib_r{rank}"] = rss - one["rss_mib_r0"]
+            if plan is not None and one.get("plan_mib_r0") is not None:
+                row[f"plan_delta_mib_r{rank}"] = plan - one["plan_mib_r0"]
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict], pp: int) -> str:
+    ranks = range(pp)
+    head = (
+        "| variant | step s (min..max) | ideal s | bubble measured | bubble planned | "
+        + " | ".join(f"RSS - 1 proc MiB r{r} (planned)" for r in ranks)
+        + " |"
+    )
+    lines = [head, "|" + "---|" * (5 + pp)]
+    for row in rows:
+        cells = [
+            row["variant"],
+            f"{_fmt(row['step_s'], '.3f')} ({_fmt(row['step_s_min'], '.3f')}..{_fmt(row['step_s_max'], '.3f')})",
+            _fmt(row.get("ideal_step_s"), ".3f"),
+            _fmt(row.get("measured_bubble"), ".1%") if row["pp"] > 1 else "-",
+            _fmt(row.get("planned_bubble"), ".1%") if row["pp"] > 1 else "-",
+        ]
+        for r in ranks:
+            if row["pp"] == 1:  # absolute figures, in the first rank column
+                one = f"{_fmt(row.get('rss_mib_r0'), '.0f')} abs ({_fmt(row.get('plan_mib_r0'), '.0f')} abs)"
+                cells.append("-" if r else one)
+            else:
+                delta = (
+                    f"{_fmt(row.get(f'rss_delta_mib_r{r}'), '+.0f')} ({_fmt(row.get(f'plan_delta_mib_r{r}'), '+.0f')})"
+                )
+                cells.append(delta)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ the planner's figures
+
+
+def planned(variant: Variant, *, n_layers: int, seq_len: int, batch: int) -> dict:
+    """The planner's bubble and per-rank MiB (planner/pipeline.py) for this run's shape, eager, no AC."""
+    import planner as P
+    from models import get_model_family
+    from parallelisms.pipeline_parallel import bubble_fraction, virtual_stages
+    from trainer.step import StepRequest
+
+    family = get_model_family("llama3")
+    args = dataclasses.replace(family.flavors["debugmodel"], n_layers=n_layers)
+    step = StepRequest(
+        mode="eager",
+        device_type="cpu",
+        model_has_experts=False,
+        pp_degree=variant.pp,
+        pp_schedule=variant.schedule or "1F1B",
+        pp_microbatches=variant.microbatches,
+        pp_first_less=0,
+        pp_last_less=0,
+    )
+    inputs = P.PlanInputs(
+        family=family, args=args, model_name="llama3", seq_len=seq_len, local_batch_size=batch, step=step
+    )
+    est = P.plan_estimate(inputs, P.parse_target(f"h100-{variant.pp}"), pp=variant.pp, dp_shard=1)
+    if variant.pp == 1:
+        return {"planned_bubble": 0.0, "plan_mib_r0": est.total / 2**20}
+    v = virtual_stages(variant.schedule, 0)
+    out = {"planned_bubble": bubble_fraction(variant.schedule, variant.pp, variant.microbatches, v)}
+    out.update({f"plan_mib_r{r}": t / 2**20 for r, t in enumerate(est.pipeline.rank_totals)})
+    return out
+
+
+# ------------------------------------------------------------------------------ running
+
+
+def command(
+    variant: Variant, *, folder: Path, steps: int, common: list[str], python: str = sys.executable
+) -> list[str]:
+    """The trainer under the `--rank-child` wrapper (torchrun for pp > 1)."""
+    from tools.benchmark import RUN_OVERRIDES
+
+    me = str(Path(__file__).resolve())
+    launcher = [python, me] if variant.pp == 1 else [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={variant.pp}", me,
+    ]  # fmt: skip
+    return [
+        *launcher,
+        "--rank-child",
+        "--config",
+        "configs/llama3_debug.toml",
+        *RUN_OVERRIDES,
+        f"--training.steps={steps}",
+        f"--job.dump_folder={folder}",
+        *common,
+        *variant.overrides(),
+    ]
+
+
+def rank_child(argv: list[str]) -> None:
+    """Run the trainer in this process, then write this rank's peak RSS next to its metrics."""
+    from trainer.train import main
+
+    code = main(argv)
+    folder = next((a.split("=", 1)[1] for a in argv if a.startswith("--job.dump_folder=")), ".")
+    rank = int(os.environ.get("RANK", "0"))
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path(folder, RSS_FILE.format(rank=rank)).write_text(json.dumps({"rank": rank, "maxrss_mib": rss_kib / 1024}))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as trainer/train.py's __main__: no interpreter teardown after the process groups
+
+
+def run_all(vs: list[Variant], args, root: Path, plans: dict[str, dict]) -> list[dict]:
+    from tools.benchmark import read_records
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    jobs = [(rep, v) for rep in range(args.repeats) for v in vs]
+    runs = []
+    for i, (rep, v) in enumerate(jobs):
+        folder = root / f"{v.name}-r{rep}"
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = command(v, folder=folder, steps=args.steps, common=args.common)
+        print(
+            f"[{i + 1}/{len(jobs)}] {v.name} repeat {rep} (load {os.getloadavg()[0]:.2f}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        with open(folder / "stdout.log", "w") as log:
+            try:
+                rc = subprocess.run(
+                    cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        times = step_times(read_records(folder / "metrics.jsonl"), args.warmup)
+        run = {
+            "variant": v.name, "pp": v.pp, "schedule": v.schedule or "-", "microbatches": v.microbatches,
+            "repeat": rep, "rc": rc, "step_s": median_or_none(times), "steady_steps": len(times),
+            "load_avg": os.getloadavg()[0], **plans[v.name],
+        }  # fmt: skip
+        for rank in range(v.pp):
+            f = folder / RSS_FILE.format(rank=rank)
+            run[f"rss_mib_r{rank}"] = json.loads(f.read_text())["maxrss_mib"] if f.is_file() else None
+        if rc != 0:
+            print(f"  failed (exit {rc}); see {folder / 'stdout.log'}", file=sys.stderr)
+        runs.append(run)
+    return runs
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank-child"]:
+        rank_child(argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble")
+    parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="global batch (= the local batch: no data parallelism)")
+    parser.add_argument("--dtype", default="bfloat16", help="training.mixed_precision_param")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per process")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--root", default=None, help="run folders (default outputs/bench_pipeline/<time>)")
+    parser.add_argument("--out", default=None, help="summary CSV (default docs/results/pp_bubble_<date>_<commit>.csv)")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    args.common = [
+        f"--model.n_layers={args.layers}",
+        f"--training.seq_len={args.seq_len}",
+        f"--training.local_batch_size={args.batch}",
+        f"--training.mixed_precision_param={args.dtype}",
+        "--activation_checkpoint.mode=none",
+        "--compile.mode=eager",
+    ]
+    vs = variants(args.pp, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")])
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    root = Path(args.root or REPO / "outputs" / "bench_pipeline" / stamp)
+    if args.dry_run:
+        for v in vs:
+            print(" ".join(command(v, folder=root / v.name, steps=args.steps, common=args.common)))
+        return 0
+    plans = {v.name: planned(v, n_layers=args.layers, seq_len=args.seq_len, batch=args.batch) for v in vs}
+    from tools.benchmark import machine_fields
+
+    machine = machine_fields(args.threads)
+    runs = run_all(vs, args, root, plans)
+    rows = summarize(runs, args.pp)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out = Path(args.out or REPO / "docs" / "results" / f"pp_bubble_{date}_{_commit()}.csv")
+    print(
+        f"\nllama3 debugmodel, {args.layers} layers, seq {args.seq_len}, global batch {args.batch}, {args.dtype}, "
+        f"eager, no AC; {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} interleaved "
+        f"repeats; CPU {machine['cpu_model']}, {os.cpu_count()} CPUs, {args.threads} thread(s) per process, "
+        f"load average now {os.getloadavg()[0]:.2f}"
+    )
+    print(format_table(rows, args.pp))
+    write_csv(out, rows)
+    write_csv(out.with_name(out.stem + "_runs" + out.suffix), runs)
+    print(f"\nwrote {out} and its _runs companion")
+    return 0 if all(r["ok"] == r["runs"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
