@@ -22,7 +22,19 @@ rank 0's only). Per variant, medians over the repeats, then
     .venv/bin/python scripts/bench/bench_pipeline.py --repeats 3            # the table + CSV
     .venv/bin/python scripts/bench/bench_pipeline.py --dry-run              # the commands only
 
-The CSV goes to docs/results/pp_bubble_<date>_<commit>.csv (`--out` to change). The numbers are
+`--side-by-side` instead runs TorchTitan 0.3.0's own trainer (scripts/bench/reference_torchtitan.py,
+the peer venv of scripts/bench/peer_env.sh) against ours at its debugmodel shape
+(configs/llama3_debug_ttshape.toml: 6 layers, no GQA, vocab 2048; bf16, no AC on both sides), at
+`--seq-len` and global batch `--batch`: one process each, then PP 2 for every `--schedules` with
+`--microbatches` (its first value) micro-batches (TorchTitan's `pipeline_parallel_microbatch_size`
+= batch / m), all interleaved; both sides' tokens/s per device divide by the pp degree
+(TorchTitan's `non_data_parallel_size`, ours `ParallelDims.non_data_parallel_size`).
+
+    .venv/bin/python scripts/bench/bench_pipeline.py --side-by-side --schedules GPipe,1F1B --microbatches 4 \
+        --seq-len 512 --repeats 3 --steps 10 --warmup 3
+
+The CSV goes to docs/results/pp_bubble_<date>_<commit>.csv (`--out` to change; the side by side:
+pp_vs_torchtitan_<date>_<commit>.csv). The numbers are
 only as good as the machine is quiet: the table header states the CPU and the load average.
 """
 
@@ -272,6 +284,119 @@ def run_all(vs: list[Variant], args, root: Path, plans: dict[str, dict]) -> list
     return runs
 
 
+PEER_FIXED = ["--training.disable-cuda-graphs"]
+"""TorchTitan 0.3.0 refuses PP unless CUDA graphs are off (a config check, also on the CPU)."""
+
+
+def side_by_side_jobs(args, root: Path) -> list[dict]:
+    """Ours and TorchTitan's trainer, one process then PP 2 per schedule, interleaved over the repeats."""
+    from tools.benchmark import build_command, build_peer_command
+
+    m = int(args.microbatches.split(",")[0])
+    ours_common = [f"--training.seq_len={args.seq_len}", f"--training.local_batch_size={args.batch}"]
+    ours_common += ["--compile.mode=eager", "--activation_checkpoint.mode=none"]
+    pairs = [("1proc", 1, [], [])]
+    for sched in args.schedules.split(","):
+        ours = [
+            "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.data_parallel_shard_degree=1",
+            f"--parallelism.pipeline_schedule={sched}",
+            f"--parallelism.pipeline_microbatches={m}",
+        ]
+        theirs = [
+            "--parallelism.pipeline-parallel-degree", "2",
+            "--parallelism.pipeline-parallel-schedule", sched,
+            "--parallelism.pipeline-parallel-microbatch-size", str(args.batch // m),
+            *PEER_FIXED,
+        ]  # fmt: skip
+        pairs.append((f"pp2_{sched}_m{m}", 2, ours, theirs))
+    jobs = []
+    for rep in range(args.repeats):
+        for name, nproc, ours, theirs in pairs:
+            for side in ("ours", "torchtitan"):
+                folder = root / f"{side}_{name}-r{rep}"
+                job = {"variant": f"{side}_{name}", "nproc": nproc, "repeat": rep, "folder": folder}
+                if side == "ours":
+                    job["cmd"] = build_command(
+                        recipe="configs/llama3_debug_ttshape.toml",
+                        overrides=ours,
+                        nproc=nproc,
+                        dump_folder=str(folder),
+                        steps=args.steps,
+                        extra=ours_common,
+                    )
+                else:
+                    job["cmd"] = build_peer_command(
+                        peer="torchtitan",
+                        python=args.peer_python,
+                        nproc=nproc,
+                        dump_folder=str(folder),
+                        steps=args.steps,
+                        warmup=args.warmup,
+                        seq_len=args.seq_len,
+                        batch=args.batch,
+                        extra=[*theirs, "activation-checkpoint:none"],
+                    )
+                    job["log"] = "harness.log"
+                jobs.append(job)
+    return jobs
+
+
+def side_by_side_ratios(rows: list[dict]) -> list[dict]:
+    """`vs_torchtitan` on each of our rows: our tokens/s per device over TorchTitan's for the same setting."""
+    theirs = {
+        r["variant"].removeprefix("torchtitan_"): r.get("tokens_per_sec")
+        for r in rows
+        if r["variant"].startswith("torchtitan_")
+    }
+    for row in rows:
+        key = row["variant"].removeprefix("ours_")
+        ours, base = row.get("tokens_per_sec"), theirs.get(key)
+        row["vs_peer"] = ours / base if row["variant"].startswith("ours_") and ours and base else None
+    return rows
+
+
+def side_by_side(args) -> int:
+    from tools.benchmark import execute, format_table, machine_fields, summarize
+
+    if not Path(args.peer_python).is_file():
+        print(
+            f"error: --peer-python: {args.peer_python} is missing; build it with bash scripts/bench/peer_env.sh",
+            file=sys.stderr,
+        )
+        return 2
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    root = Path(args.root or REPO / "outputs" / "bench_pipeline" / f"sbs_{stamp}")
+    jobs = side_by_side_jobs(args, root)
+    if args.dry_run:
+        for job in jobs[: len(jobs) // args.repeats]:
+            print(" ".join(map(str, job["cmd"])))
+        return 0
+    machine = machine_fields(args.threads)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    runs = execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=1.0, max_wait=0.0)
+    for run in runs:
+        run["load_avg"] = None  # execute records busy_before; the load average is the header's
+        run.update(machine)
+    rows = side_by_side_ratios(summarize(runs))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out = Path(args.out or REPO / "docs" / "results" / f"pp_vs_torchtitan_{date}_{_commit()}.csv")
+    print(
+        f"\nours vs TorchTitan 0.3.0 at its debugmodel shape, seq {args.seq_len}, global batch {args.batch}, bf16, "
+        f"eager, no AC; {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} interleaved repeats; "
+        f"CPU {machine['cpu_model']}, {os.cpu_count()} CPUs, {args.threads} thread(s) per process, "
+        f"load average now {os.getloadavg()[0]:.2f}"
+    )
+    print(format_table(rows))
+    write_csv(out, rows)
+    write_csv(
+        out.with_name(out.stem + "_runs" + out.suffix),
+        [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
+    )
+    print(f"\nwrote {out} and its _runs companion")
+    return 0 if all(r["ok"] == r["runs"] for r in rows) else 1
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     keys = list(dict.fromkeys(k for row in rows for k in row))
     with open(path, "w", newline="") as f:
@@ -306,7 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="run folders (default outputs/bench_pipeline/<time>)")
     parser.add_argument("--out", default=None, help="summary CSV (default docs/results/pp_bubble_<date>_<commit>.csv)")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--side-by-side", action="store_true", help="ours vs TorchTitan's own PP (see the docstring)")
+    parser.add_argument("--peer-python", default=str(REPO / ".venv-peer" / "bin" / "python"))
     args = parser.parse_args(argv)
+    if args.side_by_side:
+        return side_by_side(args)
     args.common = [
         f"--model.n_layers={args.layers}",
         f"--training.seq_len={args.seq_len}",
