@@ -52,9 +52,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trainer.runtime import cli
+
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 RSS_FILE = "rss_rank{rank}.json"
 ONE = "pp1"
@@ -360,9 +360,9 @@ def side_by_side(args) -> int:
     from tools.benchmark import execute, format_table, machine_fields, summarize
 
     if not Path(args.peer_python).is_file():
-        print(
-            f"error: --peer-python: {args.peer_python} is missing; build it with bash scripts/bench/peer_env.sh",
-            file=sys.stderr,
+        cli.error_line(
+            f"--peer-python: {args.peer_python} is missing; allowed: a python with torchtitan 0.3.0 "
+            "(bash scripts/bench/peer_env.sh builds .venv-peer)"
         )
         return 2
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-child"]:
         rank_child(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble")
     parser.add_argument("--microbatches", default="2,4,8")
@@ -473,4 +473,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))
