@@ -460,26 +460,40 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
 
     def forward_capacity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # The capacity-bounded dispatch (models/common/moe.py): eager, traced and scanned alike,
-        # static shapes; the group by name (a scan body cannot hold a mesh). A 4-d x is the buffer
-        # laid out in `capacity_chunks` sequence chunks: each chunk crosses the all-to-all on its own.
+        # static shapes; the group by name (a scan body cannot hold a mesh).
         compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
         if self._ep_group[1] == 1:
             return compute(x)
-        if x.dim() == 4:
-            return torch.stack([capacity_all_to_all(part, compute, self._ep_group) for part in x.unbind(0)])
         return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks)
+
+    def forward_capacity_chunks(self: nn.Module, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        # The buffer in `capacity_chunks` sequence chunks: each crosses the all-to-all on its own.
+        compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
+        return [capacity_all_to_all(part, compute, self._ep_group) for part in parts]
 
     def capacity_chunks(self: nn.Module, batch: int) -> int:
         chunks = self.dispatch_chunks
         return chunks if self._ep_group[1] > 1 and chunks > 1 and batch % chunks == 0 else 1
 
     attrs: dict[str, object] = {name: _local_weight_property(name, base) for name in names}
-    attrs.update(forward=forward, forward_capacity=forward_capacity, capacity_chunks=capacity_chunks, _ep_base=base)
+    attrs.update(
+        forward=forward,
+        forward_capacity=forward_capacity,
+        forward_capacity_chunks=forward_capacity_chunks,
+        capacity_chunks=capacity_chunks,
+        _ep_base=base,
+    )
     cls = type(f"ExpertParallel{base._simple_fsdp_base.__name__}", (base,), attrs)
     cls._ep_scan_class = type(
         f"ScannedExpertParallel{base._simple_fsdp_base.__name__}",
         (base._simple_fsdp_base,),
-        dict(forward=scan_forward, forward_capacity=forward_capacity, capacity_chunks=capacity_chunks, _ep_base=base),
+        dict(
+            forward=scan_forward,
+            forward_capacity=forward_capacity,
+            forward_capacity_chunks=forward_capacity_chunks,
+            capacity_chunks=capacity_chunks,
+            _ep_base=base,
+        ),
     )
     return cls
 

@@ -470,6 +470,10 @@ class GroupedExperts(nn.Module):
         `dispatch_chunks` when it divides `batch` (parallelisms/expert_parallel.py)."""
         return 1
 
+    def forward_capacity_chunks(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`forward_capacity` of each chunk of the buffer ([E, rows / chunks, dim] each)."""
+        return [self.forward_capacity(part) for part in parts]
+
     def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
         """x [E, rows, dim], row block e for expert e (the capacity dispatch's buffer) -> [E, rows, dim].
 
@@ -631,10 +635,13 @@ class MoE(nn.Module):
         token = torch.arange(slots.numel(), device=x.device) // top_k
         source = torch.full((dump + 1,), x.shape[0], dtype=torch.int64, device=x.device).scatter_(0, slots, token)
         zero_row = x.new_zeros(1, dim)
-        buffer = torch.cat([x, zero_row])[source[:dump]]
-        shape = (chunks, num_experts, bs // chunks * capacity, dim) if chunks > 1 else (num_experts, bs * capacity, dim)
-        out = self.experts.forward_capacity(buffer.view(shape)).reshape(dump, dim)
-        return torch.cat([out, zero_row])[slots], (slots == dump).sum()
+        rows = torch.cat([x, zero_row])
+        if chunks > 1:  # one gather per chunk in, one concatenate out: no copy splits or stacks the buffer
+            parts = [rows[idx].view(num_experts, -1, dim) for idx in source[:dump].view(chunks, -1)]
+            outs = self.experts.forward_capacity_chunks(parts)
+            return torch.cat([o.reshape(-1, dim) for o in outs] + [zero_row])[slots], (slots == dump).sum()
+        out = self.experts.forward_capacity(rows[source[:dump]].view(num_experts, bs * capacity, dim))
+        return torch.cat([out.reshape(dump, dim), zero_row])[slots], (slots == dump).sum()
 
     def init_weights(self, init_std: float) -> None:
         """Router gate: truncated normal std `init_std` (its bias, `gate_bias`: zeros); experts: see
