@@ -65,3 +65,18 @@ def test_rules(recipe, overrides, refused):
     key = "moe.dispatch_chunks" if "splits the capacity" in refused else "moe.capacity_factor"
     with pytest.raises(ConfigError, match=f"^{key}: .*{refused}"):
         plan_job(cfg, world_size=2, device_type="cpu")
+
+
+@pytest.mark.multiprocess
+def test_dispatch_chunks_ep2_scanned_graph_equals_one_process(tmp_path, monkeypatch):
+    """`[moe] dispatch_chunks = 2` under EP 2 in graph mode with layer scan (the scan body's
+    chunk-major dispatch, two sequences per rank, one per chunk): the one-process eager losses and
+    drops."""
+    monkeypatch.chdir(REPO)
+    want_loss, want_dropped = _curve(train(tmp_path / "one", 1, {}, *ARGS))
+    graph = ["--compile.mode=graph", "--compile.scan_layers=true", "--compile.backend=aot_eager"]
+    got_loss, got_dropped = _curve(
+        train(tmp_path / "ep2", 2, dict(dp_shard=2, ep=2), *ARGS, *graph, "--moe.dispatch_chunks=2")
+    )
+    assert sum(want_dropped) > 0 and got_dropped == want_dropped
+    assert_losses_close(got_loss, want_loss)

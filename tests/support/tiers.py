@@ -1169,6 +1169,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "the capacity dispatch in the scanned graph: the capacity path's parity on EP 2 and the MoE scanned graph step",
     ),
+    Scheduled(
+        "tests/e2e/test_moe_capacity_train.py::test_dispatch_chunks_ep2_scanned_graph_equals_one_process",
+        (
+            "tests/unit/test_moe_capacity.py::test_dispatch_chunks_are_mesh_independent",
+            "tests/e2e/test_moe_capacity_train.py::test_capacity_1_process_equals_ep2",
+        ),
+        "the chunked capacity dispatch in the EP scan body: the chunk-major layout's parity on thread ranks "
+        "(the same forward_capacity_chunks) and the capacity path's on EP 2 through the trainer",
+    ),
     # --- moved for the 2-vCPU AMD EPYC (AVX2) budget (2026-12-05): on that CPU the default tier
     # ran 51 min of pytest. Each of these is the second proof of a mechanism a cheaper default
     # test already runs, or a whole-program check whose parts a default test runs.
