@@ -163,3 +163,16 @@ def test_dispatch_chunks_are_mesh_independent(world_size, ep, chunks, seqs):
     got = layer_parity(world_size=world_size, ep=ep, capacity_factor=1.0, dispatch_chunks=chunks, seqs_per_rank=seqs)
     assert got["dropped_one_process"] > 0 and got["dropped_ranks"] == got["dropped_one_process"]
     assert got["out"] < TOL and got["dx"] < TOL and got["grads"] < TOL, got
+
+
+def test_capacity_drops_bench_counts_the_layers_rule():
+    """scripts/bench/capacity_drops.py (the drop shares docs/moe.md quotes): the balanced draw fills
+    every expert exactly (nothing dropped at factor 1), the random draw overflows some at 1 and
+    fewer at a larger factor, and a factor of E / k (capacity = seq) drops nothing."""
+    from capacity_drops import dropped_share
+
+    shape = dict(experts=8, top_k=2, batch=2, seq=64, layers=2)
+    assert dropped_share(**shape, factor=1.0, routing="balanced") == 0
+    tight, loose = (dropped_share(**shape, factor=f, routing="random") for f in (1.0, 1.5))
+    assert tight > loose and tight > 0.01
+    assert dropped_share(**shape, factor=4.0, routing="random") == 0
