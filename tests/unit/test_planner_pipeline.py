@@ -57,7 +57,10 @@ def test_stage_memory_by_hand_pp2_halves_the_blocks_and_splits_embedding_and_hea
 
 def test_uniform_stages_hold_the_embedding_and_head_on_every_rank():
     """Graph mode's uniform stages (trainer/graph/pipeline.py): every pp rank holds 3 blocks, the
-    embedding, the norm and the head, and keeps the loss; the blocks still halve."""
+    embedding, the norm and the head, and keeps the loss; the blocks still halve. The head and the
+    loss run once on all m chunks together, so the logits' transient is the whole local batch's, as
+    without PP (before: one chunk's, 1/m of it; the compile of Llama 3 8B at pp 2 x tp 2 held one
+    f32[2, 2048, 128256] logits buffer, docs/pipeline_parallel.md "On a TPU")."""
     args = LLAMA.flavors["debugmodel"]
     graph = dataclasses.replace(GPU, mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0)
     pp1 = P.plan_estimate(_inputs(args), P.parse_target("h100-4"), pp=1)
@@ -70,6 +73,7 @@ def test_uniform_stages_hold_the_embedding_and_head_on_every_rank():
     block = (pp1.params // 4 - root) // 6
     assert pp2.params == 4 * (3 * block + root)
     assert pp2.activations.loss == pp1.activations.loss  # GPipe: all m chunks' loss on every rank
+    assert pp2.activations.logits_transient == pp1.activations.logits_transient > 0
 
 
 def test_tp_divides_a_uniform_stage_as_it_divides_the_model_without_pp():
