@@ -137,13 +137,7 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
             "4 sequences per micro-batch (what fits)",
         ),
     ),
-    "deepseek3-671b_v7x-512": (
-        (
-            (ASYNC_A2A,),
-            "--xla_tpu_enable_async_all_to_all=true over the v7x flag bundle (the EP all-to-alls are synchronous)",
-        ),
-        ((ASYNC_A2A, ("moe.dispatch_chunks", "4")), CHUNKED.format(n=4)),
-    ),
+    "deepseek3-671b_v7x-512": (((ASYNC_A2A, ("moe.dispatch_chunks", "4")), CHUNKED.format(n=4)),),
 }
 """Cheap changes tried on top of a pair (a recipe key or flag), each a row of its own: `run + label`."""
 
