@@ -12,11 +12,12 @@ dropless dispatch MaxText's published MoE runs use (docs/moe.md, "Dispatch chunk
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 
 import torch
+
+from trainer.runtime import cli
 
 SHAPES = {"qwen3-235b-a22b": (128, 8), "deepseek-v3": (256, 8)}
 """Experts and top-k of each model."""
@@ -46,7 +47,7 @@ def dropped_share(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8, help="sequences (the recipes' micro-batch)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--layers", type=int, default=6, help="layers drawn (each its own key)")
@@ -79,4 +80,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))
