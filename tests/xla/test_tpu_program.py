@@ -163,6 +163,10 @@ PLANNER_OFF: dict[str, str] = {
     # outside the band; docs/results/qwen3_5_35b_a3b_v6e_8layers_compile_2026-12-06_8de58a9.csv).
     # The whole 40-block program was not compiled again (docs/models.md#qwen-35).
     "qwen3_5_35b_a3b_v6e.toml": "unscanned: 8 of 40 blocks compile at +55 % of the plan; the whole program not shown to fit",
+    # The dense 9B, unscanned too (32 blocks, AC full, its recompute fenced: two forwards of each
+    # kernel per block): libtpu asks 36.87G of HLO temporaries of 31.24G where the planner plans
+    # 15.8 GiB in all (docs/results/pod_compile_2026-12-07_c117323_qwen3_5_9b.csv; docs/models.md#qwen-35).
+    "qwen3_5_9b_v6e.toml": "unscanned: 36.87G of temporaries against the planner's 15.8 GiB in all; does not fit",
 }
 # flux_dev_v7x was here until 2026-12-06: libtpu 0.0.52's TPU7x fusion emitter aborted on its step
 # (signal 6, fusion_emitter.cc 'Cannot find a valid window'); its recipe's [device] libtpu_init_args
