@@ -583,6 +583,11 @@ def _layout_candidates(
     if laid_out is None:
         return []
     dims, layout_notes = laid_out
+    if pp == 1 and all(
+        inputs.refusals(tp=tp, ac_mode=m, target=target, dp_replicate=dp_replicate, pp=1) for m in ac_modes
+    ):
+        return []  # the trainer refuses the layout in every AC mode (e.g. tp > 1 for a family without
+        # a TP plan, whose one-block probe below would raise the TP build's own error)
     stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
     batches = [
         b

@@ -125,3 +125,22 @@ def test_the_clamped_swiglu_puts_the_gpt_oss_plan_within_the_compile_band():
     assert est.total / GIB == pytest.approx(55.70, abs=0.01)
     assert abs(compiled - est.total / GIB) <= BAND * est.total / GIB
     assert abs(compiled - before) > BAND * before  # the SwiGLU's count was outside the band
+
+
+def test_recommend_leaves_out_the_tp_layouts_qwen3_5_refuses(tmp_path, capsys):
+    """`--recommend` on the dense Qwen 3.5 9B (no TP plan: the family's `tp_refusal` rule) searches
+    tp 1 only. Before, the one-block probe of a tp 2 layout ran before the rules were asked and
+    raised the TP build's error ("no tensor-parallel or expert-parallel style for
+    layers.0.attention_norm.weight"): the command exited 2 with no plan."""
+    import csv
+
+    from scripts.estimate import main
+
+    path = tmp_path / "plans.csv"
+    argv = ["--model", "qwen3_5", "--flavor", "9B", "--target", "v6e-8", "--seq-len", "4096"]
+    rc = main([*argv, "--recommend", "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "recommended" in out and "tensor_parallel_degree = 1" in out, out[-2000:]
+    rows = list(csv.DictReader(path.open()))
+    assert rows and {r["tp"] for r in rows} == {"1"}, {r["tp"] for r in rows}
+    assert any(r["fits"] == "True" for r in rows)
