@@ -375,8 +375,7 @@ def side_by_side(args) -> int:
     machine = machine_fields(args.threads)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     runs = execute(jobs, env=env, warmup=args.warmup, timeout=args.timeout, max_busy=1.0, max_wait=0.0)
-    for run in runs:
-        run["load_avg"] = None  # execute records busy_before; the load average is the header's
+    for run in runs:  # execute records each run's busy_before; the load average is the header's
         run.update(machine)
     rows = side_by_side_ratios(summarize(runs))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
