@@ -8,8 +8,9 @@ Runs in the peer venv (`bash scripts/bench/peer_env.sh` builds `.venv-peer/`), n
 What it runs is `torchtitan.train.main` (TorchTitan's entry point, config system and `Trainer`) on its
 `llama3_debugmodel` config (dim 256, 6 layers, 16 heads, 16 kv heads, FFN 768, vocab 2048, fused
 QKV, SelectiveAC, AdamW lr 8e-4, bf16 mixed precision; seq 2048, batch 8), launched with torchrun as
-TorchTitan's run_train.sh does, through scripts/bench/peer/torchtitan_cpu_shim.py (the two changes the CPU
-needs: its device helpers and its SDPA attention module; the shim's docstring says why). Per run:
+TorchTitan's run_train.sh does, through scripts/bench/peer/torchtitan_cpu_shim.py (what the CPU and torch
+2.13.0 need: its device helpers, its SDPA attention module, torch's timeout name and the pipeline
+schedules' pre-split micro-batches; the shim's docstring says why). Per run:
 
 1. Assets: TorchTitan's debug config reads a Hugging Face tokenizer and the `c4_test` JSON dataset
    from its source tree, which the wheel does not ship. We give it our bundled corpus
