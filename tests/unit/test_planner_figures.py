@@ -36,6 +36,7 @@ EP = "parallelism.expert_parallel_degree"
 CAPACITY = "moe.capacity_factor"
 BATCH = "training.local_batch_size"
 DROPLESS = ((CAPACITY, "0"), (EP, "4"))
+UNCHUNKED = ("moe.dispatch_chunks", "1")  # the dropless dispatch is not chunked (a rule)
 VARIANTS = [
     # (file, recipe, overrides, phrase: a regex whose group is the figure in GiB)
     (
@@ -54,7 +55,7 @@ VARIANTS = [
     (
         "docs/planner.md",
         "qwen3_235b_a22b_v7x",
-        ((CAPACITY, "0"), (BATCH, "2"), (EP, "32")),
+        ((CAPACITY, "0"), UNCHUNKED, (BATCH, "2"), (EP, "32")),
         r"EP 32 \(235B on v7x-512: (\d+\.?\d*) GiB\)",
     ),
     (
@@ -88,13 +89,13 @@ VARIANTS = [
     (
         "configs/qwen3_235b_a22b_v7x.toml",
         "qwen3_235b_a22b_v7x",
-        ((CAPACITY, "0"), (BATCH, "2")),
+        ((CAPACITY, "0"), UNCHUNKED, (BATCH, "2")),
         r"fits only 2 sequences \((\d+\.\d+) GiB",
     ),
     (
         "configs/qwen3_235b_a22b_v7x.toml",
         "qwen3_235b_a22b_v7x",
-        ((CAPACITY, "0"), (BATCH, "8")),
+        ((CAPACITY, "0"), UNCHUNKED, (BATCH, "8")),
         r"8 would need (\d+\.\d+) GiB",
     ),
     (
