@@ -83,7 +83,7 @@ PAIRS: dict[str, Pair] = {
         "qwen3_235b_a22b_v7x",
         RANDOM,
         "MaxText's batch 16 per device as the recipe's micro-batch of 8, per token; EP 16 with the capacity "
-        "dispatch (factor 1.25) vs MaxText's FSDP 512 dropless sparse_matmul (MaxText compiled with learned "
+        "dispatch (factor 1.25, 4 chunks, async all-to-alls) vs MaxText's FSDP 512 dropless sparse_matmul (MaxText compiled with learned "
         "routing, ours random as published); full AC vs MaxText's remat",
         per_token=2,
     ),
@@ -91,15 +91,16 @@ PAIRS: dict[str, Pair] = {
         "deepseek_v3_671b_v7x",
         RANDOM,
         "MaxText's batch 8 per device as the recipe's micro-batch of 4, per token; FSDP 512 x EP 64 with the "
-        "capacity dispatch (1.25) vs MaxText's FSDP 256 x fsdp_transpose 2 dropless (compiled learned, ours "
+        "capacity dispatch (1.25, 4 chunks, async all-to-alls) vs MaxText's FSDP 256 x fsdp_transpose 2 dropless (compiled learned, ours "
         "random as published); full AC vs MaxText's remat",
         per_token=2,
     ),
 }
 """In order of compile cost, the smallest first (as maxtext_compile.RUNS)."""
 
-ASYNC_A2A = ("device.libtpu_init_args", '["--xla_tpu_enable_async_all_to_all=true"]')
-CHUNKED = "the capacity buffer over EP in {n} sequence chunks (`moe.dispatch_chunks`) with asynchronous all-to-alls"
+UNCHUNKED = (("moe.dispatch_chunks", "1"), ("device.libtpu_init_args", "[]"))
+"""The MoE recipes before 2026-12-07: one all-to-all each way per layer, synchronous (docs/moe.md)."""
+BEFORE = "the dispatch unchunked with synchronous all-to-alls (the recipe before 2026-12-07)"
 
 FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
     "llama3.1-8b_v6e-256": (
@@ -118,26 +119,18 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
         ),
     ),
     "qwen3-235b-a22b_v7x-512": (
+        (UNCHUNKED, BEFORE),
         (
-            (ASYNC_A2A,),
-            "--xla_tpu_enable_async_all_to_all=true over the v7x flag bundle (the EP all-to-alls are synchronous)",
+            (UNCHUNKED[0],),
+            "the dispatch unchunked, the all-to-alls asynchronous (--xla_tpu_enable_async_all_to_all=true alone)",
         ),
-        ((ASYNC_A2A, ("moe.dispatch_chunks", "4")), CHUNKED.format(n=4)),
+        ((("parallelism.expert_parallel_degree", "8"),), "EP 8 (a 2x2x1-chip group: fewer hops per all-to-all byte)"),
         (
-            (ASYNC_A2A, ("moe.dispatch_chunks", "4"), ("parallelism.expert_parallel_degree", "8")),
-            CHUNKED.format(n=4) + ", EP 8 (a 2x2x1-chip group: fewer hops per all-to-all byte)",
-        ),
-        (
-            (ASYNC_A2A, ("moe.dispatch_chunks", "4"), ("moe.capacity_factor", "1.15")),
-            CHUNKED.format(n=4) + ", capacity factor 1.15 (random routing drops 0.013 % of the copies at seq 4096)",
-        ),
-        (
-            (("parallelism.expert_parallel_degree", "1"), ("training.local_batch_size", "4")),
-            "experts FSDP-sharded as MaxText's (EP 1: each layer's expert weights gathered, no all-to-all), "
-            "4 sequences per micro-batch (what fits)",
+            (("moe.capacity_factor", "1.15"),),
+            "capacity factor 1.15 (random routing drops 0.013 % of the copies at seq 4096)",
         ),
     ),
-    "deepseek3-671b_v7x-512": (((ASYNC_A2A, ("moe.dispatch_chunks", "4")), CHUNKED.format(n=4)),),
+    "deepseek3-671b_v7x-512": ((UNCHUNKED, BEFORE),),
 }
 """Cheap changes tried on top of a pair (a recipe key or flag), each a row of its own: `run + label`."""
 
