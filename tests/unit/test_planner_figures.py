@@ -77,13 +77,13 @@ VARIANTS = [
     (
         "configs/deepseek_v3_671b_v7x.toml",
         "deepseek_v3_671b_v7x",
-        (*DROPLESS, (BATCH, "2")),
+        (*DROPLESS, UNCHUNKED, (BATCH, "2")),
         r"EP 4 with 2 sequences \((\d+\.\d+) GiB",
     ),
     (
         "configs/deepseek_v3_671b_v7x.toml",
         "deepseek_v3_671b_v7x",
-        (*DROPLESS, (BATCH, "4")),
+        (*DROPLESS, UNCHUNKED, (BATCH, "4")),
         r"not 4 \((\d+\.\d+) GiB\)",
     ),
     (

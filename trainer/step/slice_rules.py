@@ -6,6 +6,7 @@ docs/rules.md). They read the `StepRequest` fields `num_slices` (resolved agains
 `recipe_num_slices`, `target_num_slices`, `dp_replicate`, `pp_degree`, `allow_dcn_sharding` and
 `local_checkpoint`.
 """
+
 from __future__ import annotations
 
 from trainer.step.rule import Rule
