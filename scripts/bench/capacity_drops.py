@@ -12,11 +12,12 @@ dropless dispatch MaxText's published MoE runs use (docs/moe.md, "Dispatch chunk
 
 from __future__ import annotations
 
-import csv
 import sys
+from pathlib import Path
 
 import torch
 
+from tools.benchmark import write_csv
 from trainer.runtime import cli
 
 SHAPES = {"qwen3-235b-a22b": (128, 8), "deepseek-v3": (256, 8)}
@@ -72,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['model']} | {r['routing']} | {r['factor']} | {r['dropped_pct']:.3f} |")
     if ns.csv:
-        with open(ns.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(Path(ns.csv), rows)
     return 0
 
 
