@@ -202,6 +202,21 @@ def test_every_kernel_op_is_lowered_with_the_targets_generation(monkeypatch):
         assert all(gens == ["v6e"] for name, gens in seen.items() if name not in NO_GENERATION), (op, seen)
 
 
+def _stand_in_worker(monkeypatch) -> list[dict]:
+    """subprocess.run stood in for compile_recipe: the venv lookup answers, the worker fails at
+    import; returns the list the worker's environments are appended to."""
+    envs = []
+
+    def run(cmd, *a, **kw):
+        if cmd[0] == "bash":
+            return subprocess.CompletedProcess(cmd, 0, stdout="/nonexistent/.venv-ttpu\n", stderr="")
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError: stand-in\n")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return envs
+
+
 def test_the_runs_libtpu_flags_reach_the_compile_worker(monkeypatch):
     """The worker's LIBTPU_INIT_ARGS is what the run's first compile gets (trainer/runtime/tpu_env.py):
     the generation's flag bundle (`[device] flag_bundle = "auto"`, the default), then the recipe's
@@ -212,15 +227,7 @@ def test_the_runs_libtpu_flags_reach_the_compile_worker(monkeypatch):
     from tools.tpu_compile import compile_recipe
     from trainer.runtime.tpu_env import BUNDLES
 
-    envs = []
-
-    def run(cmd, *a, **kw):
-        if cmd[0] == "bash":
-            return subprocess.CompletedProcess(cmd, 0, stdout="/nonexistent/.venv-ttpu\n", stderr="")
-        envs.append(kw["env"])
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError: stand-in\n")
-
-    monkeypatch.setattr(subprocess, "run", run)
+    envs = _stand_in_worker(monkeypatch)
     v7x = list(BUNDLES["v7x"].libtpu_init_args)
     flag = "--xla_tpu_control_large_2nd_minor_layout_for_x16=false"
     vmem = "--xla_tpu_scoped_vmem_limit_kib=32768"
@@ -256,15 +263,7 @@ def test_a_callers_xla_flags_layer_over_the_recipes(monkeypatch):
     assert layer_worker_env({}, {"XLA_FLAGS": "--xla_d=1"}) == {"XLA_FLAGS": "--xla_d=1"}
     assert layer_worker_env(recipe, None) == recipe
     # Through compile_recipe, with the worker stood in (as above).
-    envs = []
-
-    def run(cmd, *a, **kw):
-        if cmd[0] == "bash":
-            return subprocess.CompletedProcess(cmd, 0, stdout="/nonexistent/.venv-ttpu\n", stderr="")
-        envs.append(kw["env"])
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError: stand-in\n")
-
-    monkeypatch.setattr(subprocess, "run", run)
+    envs = _stand_in_worker(monkeypatch)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     overrides = [("job.target", "v6e-8"), ("device.xla_flags", '["--xla_a=1", "--xla_b=2"]')]
     report = compile_recipe(DEBUG, overrides=overrides, python=sys.executable, extra_env={"XLA_FLAGS": "--xla_b=3"})
