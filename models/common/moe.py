@@ -388,7 +388,7 @@ def use_routing(model: nn.Module, routing: str) -> int:
 
 def use_capacity(model: nn.Module, factor: float, *, chunks: int = 1) -> int:
     """Give every MoE layer of `model` the capacity-bounded dispatch with `factor` (> 0), or the
-    dropless one (0), its buffer sent over EP in `chunks` row chunks (`GroupedExperts.dispatch_chunks`);
+    dropless one (0), its buffer sent over EP in `chunks` chunks (`GroupedExperts.dispatch_chunks`);
     returns how many layers there are. Call it on the model as built."""
     assert factor >= 0, f"capacity factor {factor} must be >= 0"
     assert chunks >= 1, f"dispatch chunks {chunks} must be >= 1"
@@ -424,7 +424,8 @@ class GroupedExperts(nn.Module):
 
     dispatch_chunks: int = 1
     """`[moe] dispatch_chunks` (set by `use_capacity`): under expert parallelism the capacity
-    buffer crosses the all-to-all in this many row chunks, each chunk's send, experts and return
+    buffer crosses the all-to-all in this many chunks (whole sequences each when they divide the
+    batch, `capacity_chunks`; rows otherwise), each chunk's send, experts and return
     independent of the others', so the compiler can run one chunk's all-to-all beside another's
     expert matmuls (parallelisms/expert_parallel.py `capacity_all_to_all`)."""
 

@@ -41,7 +41,6 @@ only as good as the machine is quiet: the table header states the CPU and the lo
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import datetime
 import json
@@ -52,6 +51,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.benchmark import write_csv
+from tools.maxtext_runs import git_commit
 from trainer.runtime import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -379,7 +380,7 @@ def side_by_side(args) -> int:
         run.update(machine)
     rows = side_by_side_ratios(summarize(runs))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    out = Path(args.out or REPO / "docs" / "results" / f"pp_vs_torchtitan_{date}_{_commit()}.csv")
+    out = Path(args.out or REPO / "docs" / "results" / f"pp_vs_torchtitan_{date}_{git_commit()}.csv")
     print(
         f"\nours vs TorchTitan 0.3.0 at its debugmodel shape, seq {args.seq_len}, global batch {args.batch}, bf16, "
         f"eager, no AC; {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} interleaved repeats; "
@@ -390,24 +391,10 @@ def side_by_side(args) -> int:
     write_csv(out, rows)
     write_csv(
         out.with_name(out.stem + "_runs" + out.suffix),
-        [{k: v for k, v in r.items() if not k.startswith("_")} for r in runs],
+        runs,
     )
     print(f"\nwrote {out} and its _runs companion")
     return 0 if all(r["ok"] == r["runs"] for r in rows) else 1
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def _commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(vs, args, root, plans)
     rows = summarize(runs, args.pp)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    out = Path(args.out or REPO / "docs" / "results" / f"pp_bubble_{date}_{_commit()}.csv")
+    out = Path(args.out or REPO / "docs" / "results" / f"pp_bubble_{date}_{git_commit()}.csv")
     print(
         f"\nllama3 debugmodel, {args.layers} layers, seq {args.seq_len}, global batch {args.batch}, {args.dtype}, "
         f"eager, no AC; {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} interleaved "
