@@ -13,6 +13,12 @@ rank 0's only). Per variant, medians over the repeats, then
 - measured bubble = (T_pp - T_1 / p) / T_pp, with T_1 the one-process step time: the share of a
   pp rank's step not spent on its 1/p of the one-process work (idle, the stages' imbalance from
   the embedding / head, the point-to-point sends, the schedule's bookkeeping);
+- the bubble at the same micro-batch: the same with T_1(m), one process running the global batch
+  as m accumulation micro-batches of batch / m sequences (variants `pp1-acc<m>`), the very
+  chunks each pipeline stage runs. A small chunk costs more per token than the whole batch (the
+  CPU's kernels at fewer rows, the per-call overhead), and T_1 would count that as bubble; T_1(m)
+  holds the same chunks, so what is left is the pipeline's own: idle stages, the sends, the
+  schedule's bookkeeping;
 - the planner's bubble `bubble_fraction(schedule, p, m, v)` (parallelisms/pipeline_parallel.py);
 - peak RSS per rank against the planner's per-rank bytes (planner/pipeline.py
   `PipelineCost.rank_totals`): both as a difference from the one-process run's, so that the
@@ -71,10 +77,17 @@ class Variant:
     pp: int
     schedule: str = ""
     microbatches: int = 0
+    accum: int = 1
+    """One process only: the global batch as `accum` accumulation micro-batches (T_1(m))."""
 
-    def overrides(self) -> list[str]:
+    def overrides(self, batch: int = 0) -> list[str]:
         if self.pp == 1:
-            return []
+            if self.accum == 1:
+                return []
+            return [
+                f"--training.local_batch_size={batch // self.accum}",
+                f"--training.gradient_accumulation_steps={self.accum}",
+            ]
         return [
             f"--parallelism.pipeline_parallel_degree={self.pp}",
             "--parallelism.data_parallel_shard_degree=1",
@@ -86,8 +99,10 @@ class Variant:
 
 
 def variants(pp: int, schedules: list[str], microbatches: list[int]) -> list[Variant]:
-    """The one-process run, then PP `pp` for every schedule x micro-batch count."""
+    """The one-process run, the one process at each micro-batch count (accumulation), then PP `pp` for
+    every schedule x micro-batch count."""
     out = [Variant(ONE, 1)]
+    out += [Variant(f"{ONE}-acc{m}", 1, microbatches=m, accum=m) for m in microbatches if m > 1]
     out += [Variant(f"pp{pp}-{s}-m{m}", pp, s, m) for s in schedules for m in microbatches]
     return out
 
@@ -126,12 +141,17 @@ def summarize(runs: list[dict], pp: int) -> list[dict]:
         row["load_avg"] = median_or_none([r.get("load_avg") for r in ok])
         rows.append(row)
     one = next((r for r in rows if r["variant"] == ONE), None)
+    at_m = {r["microbatches"]: r for r in rows if r["pp"] == 1 and r["variant"] != ONE}
     for row in rows:
         if one is None or one["step_s"] is None or row["step_s"] is None:
             row["measured_bubble"] = None
             continue
         row["ideal_step_s"] = one["step_s"] / row["pp"]
         row["measured_bubble"] = measured_bubble(row["step_s"], one["step_s"], row["pp"])
+        same = at_m.get(row["microbatches"]) if row["pp"] > 1 else None
+        if same is not None and same["step_s"] is not None:
+            row["ideal_step_s_at_m"] = same["step_s"] / row["pp"]
+            row["measured_bubble_at_m"] = measured_bubble(row["step_s"], same["step_s"], row["pp"])
         for rank in range(row["pp"]):
             rss, plan = row.get(f"rss_mib_r{rank}"), row.get(f"plan_mib_r{rank}")
             if rss is not None and one.get("rss_mib_r0") is not None:
@@ -148,21 +168,26 @@ def _fmt(value, spec: str) -> str:
 def format_table(rows: list[dict], pp: int) -> str:
     ranks = range(pp)
     head = (
-        "| variant | step s (min..max) | ideal s | bubble measured | bubble planned | "
+        "| variant | step s (min..max) | T_1 / p s | bubble vs T_1 | T_1(m) / p s | bubble vs T_1(m) | bubble planned | "
         + " | ".join(f"RSS - 1 proc MiB r{r} (planned)" for r in ranks)
         + " |"
     )
-    lines = [head, "|" + "---|" * (5 + pp)]
+    lines = [head, "|" + "---|" * (7 + pp)]
     for row in rows:
+        piped = row["pp"] > 1
         cells = [
             row["variant"],
             f"{_fmt(row['step_s'], '.3f')} ({_fmt(row['step_s_min'], '.3f')}..{_fmt(row['step_s_max'], '.3f')})",
-            _fmt(row.get("ideal_step_s"), ".3f"),
-            _fmt(row.get("measured_bubble"), ".1%") if row["pp"] > 1 else "-",
-            _fmt(row.get("planned_bubble"), ".1%") if row["pp"] > 1 else "-",
+            _fmt(row.get("ideal_step_s"), ".3f") if piped else "-",
+            _fmt(row.get("measured_bubble"), ".1%") if piped else "-",
+            _fmt(row.get("ideal_step_s_at_m"), ".3f") if piped else "-",
+            _fmt(row.get("measured_bubble_at_m"), ".1%") if piped else "-",
+            _fmt(row.get("planned_bubble"), ".1%") if piped else "-",
         ]
         for r in ranks:
-            if row["pp"] == 1:  # absolute figures, in the first rank column
+            if row["variant"] != ONE and not piped:  # an accumulation baseline: its time only
+                cells.append("-")
+            elif row["pp"] == 1:  # absolute figures, in the first rank column
                 one = f"{_fmt(row.get('rss_mib_r0'), '.0f')} abs ({_fmt(row.get('plan_mib_r0'), '.0f')} abs)"
                 cells.append("-" if r else one)
             else:
@@ -192,12 +217,17 @@ def planned(variant: Variant, *, n_layers: int, seq_len: int, batch: int) -> dic
         model_has_experts=False,
         pp_degree=variant.pp,
         pp_schedule=variant.schedule or "1F1B",
-        pp_microbatches=variant.microbatches,
+        pp_microbatches=variant.microbatches if variant.pp > 1 else 0,
         pp_first_less=0,
         pp_last_less=0,
     )
     inputs = P.PlanInputs(
-        family=family, args=args, model_name="llama3", seq_len=seq_len, local_batch_size=batch, step=step
+        family=family,
+        args=args,
+        model_name="llama3",
+        seq_len=seq_len,
+        local_batch_size=batch // variant.accum,
+        step=step,
     )
     est = P.plan_estimate(inputs, P.parse_target(f"h100-{variant.pp}"), pp=variant.pp, dp_shard=1)
     if variant.pp == 1:
@@ -212,7 +242,7 @@ def planned(variant: Variant, *, n_layers: int, seq_len: int, batch: int) -> dic
 
 
 def command(
-    variant: Variant, *, folder: Path, steps: int, common: list[str], python: str = sys.executable
+    variant: Variant, *, folder: Path, steps: int, common: list[str], batch: int, python: str = sys.executable
 ) -> list[str]:
     """The trainer under the `--rank-child` wrapper (torchrun for pp > 1)."""
     from tools.benchmark import RUN_OVERRIDES
@@ -230,7 +260,7 @@ def command(
         f"--training.steps={steps}",
         f"--job.dump_folder={folder}",
         *common,
-        *variant.overrides(),
+        *variant.overrides(batch),
     ]
 
 
@@ -257,7 +287,7 @@ def run_all(vs: list[Variant], args, root: Path, plans: dict[str, dict]) -> list
     for i, (rep, v) in enumerate(jobs):
         folder = root / f"{v.name}-r{rep}"
         folder.mkdir(parents=True, exist_ok=True)
-        cmd = command(v, folder=folder, steps=args.steps, common=args.common)
+        cmd = command(v, folder=folder, steps=args.steps, common=args.common, batch=args.batch)
         print(
             f"[{i + 1}/{len(jobs)}] {v.name} repeat {rep} (load {os.getloadavg()[0]:.2f}) ...",
             file=sys.stderr,
@@ -435,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root or REPO / "outputs" / "bench_pipeline" / stamp)
     if args.dry_run:
         for v in vs:
-            print(" ".join(command(v, folder=root / v.name, steps=args.steps, common=args.common)))
+            print(" ".join(command(v, folder=root / v.name, steps=args.steps, common=args.common, batch=args.batch)))
         return 0
     plans = {v.name: planned(v, n_layers=args.layers, seq_len=args.seq_len, batch=args.batch) for v in vs}
     from tools.benchmark import machine_fields

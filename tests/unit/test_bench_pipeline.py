@@ -29,13 +29,17 @@ def test_variants_are_one_process_then_every_schedule_and_m_with_equal_stages():
     vs = bp.variants(2, ["GPipe", "ZBVZeroBubble"], [2, 8])
     assert [v.name for v in vs] == [
         "pp1",
+        "pp1-acc2",
+        "pp1-acc8",
         "pp2-GPipe-m2",
         "pp2-GPipe-m8",
         "pp2-ZBVZeroBubble-m2",
         "pp2-ZBVZeroBubble-m8",
     ]
-    assert vs[0].overrides() == []
-    ov = vs[4].overrides()
+    assert vs[0].overrides(8) == []
+    # T_1(m): the one process runs the same chunks as accumulation micro-batches
+    assert vs[2].overrides(8) == ["--training.local_batch_size=1", "--training.gradient_accumulation_steps=8"]
+    ov = vs[6].overrides(8)
     assert "--parallelism.pipeline_schedule=ZBVZeroBubble" in ov and "--parallelism.pipeline_microbatches=8" in ov
     # equal stages: no lighter first / last stage; no data parallelism on the 2 ranks
     assert "--parallelism.pipeline_first_stage_less_layers=0" in ov
@@ -81,7 +85,22 @@ def test_summarize_medians_bubble_and_memory_differences():
     assert (pp["rss_delta_mib_r0"], pp["rss_delta_mib_r1"]) == (702 - 1002, 722 - 1002)
     assert (pp["plan_delta_mib_r0"], pp["plan_delta_mib_r1"]) == (120 - 430, 118 - 430)
     table = bp.format_table([one, pp], 2)
-    assert "| pp2-1F1B-m4 | 1.250 (1.200..1.600) | 1.000 | 20.0% | 20.0% | -300 (-310) | -280 (-312) |" in table
+    assert "| pp2-1F1B-m4 | 1.250 (1.200..1.600) | 1.000 | 20.0% | - | - | 20.0% | -300 (-310) | -280 (-312) |" in table
+
+
+def test_bubble_at_the_same_micro_batch_uses_the_accumulation_baseline():
+    # m 4 chunks cost the one process 2.4 s (vs 2.0 whole): PP 2 at 1.5 s idles 20 % beyond 1.2 s
+    acc = _run("pp1-acc4", 1, 0, 2.4, [900], [300])
+    acc["microbatches"] = 4
+    pp = _run("pp2-1F1B-m4", 2, 0, 1.5, [700, 720], [120, 118])
+    pp["microbatches"] = 4
+    one, acc_row, pp_row = bp.summarize([_run("pp1", 1, 0, 2.0, [1000], [430]), acc, pp], 2)
+    assert pp_row["measured_bubble"] == pytest.approx(1 / 3)  # against the whole-batch T_1
+    assert pp_row["ideal_step_s_at_m"] == pytest.approx(1.2)
+    assert pp_row["measured_bubble_at_m"] == pytest.approx(0.2)
+    assert "measured_bubble_at_m" not in acc_row and "measured_bubble_at_m" not in one
+    table = bp.format_table([one, acc_row, pp_row], 2)
+    assert "| pp1-acc4 | 2.400 (2.400..2.400) | - | - | - | - | - | - | - |" in table
 
 
 def test_side_by_side_jobs_interleave_and_match_the_micro_batches():
