@@ -17,8 +17,9 @@ planner"):
   rank, the idle ones too, and keeps their block inputs),
   the loss and the head's transients only where it holds the last stage;
 - the heaviest rank is the plan's memory (`Estimate.pipeline.rank` says which);
-- **time**: the compute of the heaviest rank's share (`imbalance`), inflated by the schedule's
-  bubble (`bubble_fraction`): `t = t_compute x imbalance / (1 - bubble) + exposed p2p`;
+- **time**: the compute of the heaviest rank's share (`imbalance`: its blocks, plus the head's
+  FLOPs in block units where it holds the last stage, `head_block_units`), inflated by the
+  schedule's bubble (`bubble_fraction`): `t = t_compute x imbalance / (1 - bubble) + exposed p2p`;
 - **p2p**: each micro-batch crosses each stage boundary forward (activations) and backward
   (their gradients): `[mb, seq / cp, dim]` bf16 per device (sequence parallel splits it by tp),
   `2 m v` transfers per accumulation micro-batch (graph mode: `2 (T - 1)` permutes); over the DCN when the stages span slices
@@ -123,20 +124,28 @@ class PipelineSpec:
         split = self.stages(n_layers)
         return [sum(len(split[s]) for s in self.rank_stages(r)) for r in range(self.pp)]
 
-    def rank_units(self, n_layers: int) -> list[int]:
-        """Each rank's compute in block units: its blocks, plus `first_less` for the embedding and
-        `last_less` for the head where it holds them (`split_layers`' own accounting)."""
+    def rank_units(self, n_layers: int, head_units: float | None = None) -> list[float]:
+        """Each rank's compute in block units: its blocks, plus the head and loss where it holds the
+        last stage (every rank with uniform stages). `head_units`: the head's training FLOPs over one
+        block's (`head_block_units`); None: `split_layers`' own accounting, `first_less` for the
+        embedding and `last_less` for the head. The embedding is a lookup: 0 FLOPs when the head is
+        priced."""
         last = self.num_stages - 1
-        return [
-            layers
-            + (self.first_less if 0 in self.rank_stages(r) else 0)
-            + (self.last_less if last in self.rank_stages(r) else 0)
-            for r, layers in enumerate(self.rank_layers(n_layers))
-        ]
+        out = []
+        for r, layers in enumerate(self.rank_layers(n_layers)):
+            last_here = self.holds_first_last(r)[1]
+            if head_units is None:
+                extra = (self.first_less if 0 in self.rank_stages(r) else 0) + (
+                    self.last_less if last in self.rank_stages(r) else 0
+                )
+            else:
+                extra = head_units if last_here else 0.0
+            out.append(layers + extra)
+        return out
 
-    def imbalance(self, n_layers: int) -> float:
+    def imbalance(self, n_layers: int, head_units: float | None = None) -> float:
         """The heaviest rank's compute over the mean rank's (1: balanced)."""
-        units = self.rank_units(n_layers)
+        units = self.rank_units(n_layers, head_units)
         return max(units) * self.pp / sum(units)
 
     def in_flight(self, rank: int) -> float:
@@ -287,6 +296,19 @@ def link_of(target: Target, pp: int) -> tuple[str, float]:
     return "ICI", ICI_GBYTES_PER_S_PER_LINK.get(gen.name, 50.0) * 1e9
 
 
+def head_block_units(shape: ModelShape, flops_per_token: float | None) -> float | None:
+    """The output head's training FLOPs per token (`6 dim vocab`, the loss's own few per logit left
+    out) over one block's (the rest of `flops_per_token`, PaLM convention, over the layers): the last
+    stage's extra work in block units. None without a FLOPs count. Llama 3 8B at seq 8192: 1.84
+    blocks (the 128,256-row head), 70B 1.06, 405B 0.61; the 8-layer debug model of
+    scripts/bench/bench_pipeline.py at seq 512: 1.03."""
+    if not flops_per_token or shape.n_layers <= 0:
+        return None
+    head = 6.0 * shape.dim * shape.vocab_size
+    per_block = (flops_per_token - head) / shape.n_layers
+    return head / per_block if per_block > 0 else None
+
+
 def p2p_transfer_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, tp: int, cp: int) -> int:
     """One micro-batch's hidden states at a stage boundary, per device: [mb, seq / cp, dim] bf16,
     split by tp (the stage input is a sequence shard under TP)."""
@@ -361,7 +383,7 @@ def pipeline_estimate(
         rank_totals=tuple(e.total for e in per_rank),
         micro_batch=mb,
         in_flight=spec.in_flight(heaviest),
-        imbalance=spec.imbalance(shape.n_layers),
+        imbalance=spec.imbalance(shape.n_layers, head_block_units(shape, kwargs.get("flops_per_token"))),
         p2p_bytes=grad_accum * spec.transfers * transfer,
         transfer_bytes=transfer,
         link=link,

@@ -132,6 +132,7 @@ def summarize(runs: list[dict], pp: int) -> list[dict]:
     for name, group in groups.items():
         ok = [r for r in group if r["rc"] == 0 and r["step_s"] is not None]
         row = {k: group[0][k] for k in ("variant", "pp", "schedule", "microbatches", "planned_bubble")}
+        row.update({k: group[0][k] for k in ("planned_imbalance", "planned_bubble_imbalance") if k in group[0]})
         row.update(runs=len(group), ok=len(ok), step_s=median_or_none([r["step_s"] for r in ok]))
         spread = [r["step_s"] for r in ok]
         row["step_s_min"], row["step_s_max"] = (min(spread), max(spread)) if spread else (None, None)
@@ -169,10 +170,9 @@ def format_table(rows: list[dict], pp: int) -> str:
     ranks = range(pp)
     head = (
         "| variant | step s (min..max) | T_1 / p s | bubble vs T_1 | T_1(m) / p s | bubble vs T_1(m) | bubble planned | "
-        + " | ".join(f"RSS - 1 proc MiB r{r} (planned)" for r in ranks)
-        + " |"
+        "planned with the head's imbalance | " + " | ".join(f"RSS - 1 proc MiB r{r} (planned)" for r in ranks) + " |"
     )
-    lines = [head, "|" + "---|" * (7 + pp)]
+    lines = [head, "|" + "---|" * (8 + pp)]
     for row in rows:
         piped = row["pp"] > 1
         cells = [
@@ -183,6 +183,7 @@ def format_table(rows: list[dict], pp: int) -> str:
             _fmt(row.get("ideal_step_s_at_m"), ".3f") if piped else "-",
             _fmt(row.get("measured_bubble_at_m"), ".1%") if piped else "-",
             _fmt(row.get("planned_bubble"), ".1%") if piped else "-",
+            _fmt(row.get("planned_bubble_imbalance"), ".1%") if piped else "-",
         ]
         for r in ranks:
             if row["variant"] != ONE and not piped:  # an accumulation baseline: its time only
@@ -233,7 +234,11 @@ def planned(variant: Variant, *, n_layers: int, seq_len: int, batch: int) -> dic
     if variant.pp == 1:
         return {"planned_bubble": 0.0, "plan_mib_r0": est.total / 2**20}
     v = virtual_stages(variant.schedule, 0)
-    out = {"planned_bubble": bubble_fraction(variant.schedule, variant.pp, variant.microbatches, v)}
+    bubble = bubble_fraction(variant.schedule, variant.pp, variant.microbatches, v)
+    out = {"planned_bubble": bubble, "planned_imbalance": est.pipeline.imbalance}
+    # the planner's step over the balanced share, t = t_1 / p x imbalance / (1 - bubble), as the
+    # measured bubble is read: (t - t_1 / p) / t
+    out["planned_bubble_imbalance"] = 1 - (1 - bubble) / est.pipeline.imbalance
     out.update({f"plan_mib_r{r}": t / 2**20 for r, t in enumerate(est.pipeline.rank_totals)})
     return out
 

@@ -85,7 +85,10 @@ def test_summarize_medians_bubble_and_memory_differences():
     assert (pp["rss_delta_mib_r0"], pp["rss_delta_mib_r1"]) == (702 - 1002, 722 - 1002)
     assert (pp["plan_delta_mib_r0"], pp["plan_delta_mib_r1"]) == (120 - 430, 118 - 430)
     table = bp.format_table([one, pp], 2)
-    assert "| pp2-1F1B-m4 | 1.250 (1.200..1.600) | 1.000 | 20.0% | - | - | 20.0% | -300 (-310) | -280 (-312) |" in table
+    assert (
+        "| pp2-1F1B-m4 | 1.250 (1.200..1.600) | 1.000 | 20.0% | - | - | 20.0% | - | -300 (-310) | -280 (-312) |"
+        in table
+    )
 
 
 def test_bubble_at_the_same_micro_batch_uses_the_accumulation_baseline():
@@ -93,14 +96,15 @@ def test_bubble_at_the_same_micro_batch_uses_the_accumulation_baseline():
     acc = _run("pp1-acc4", 1, 0, 2.4, [900], [300])
     acc["microbatches"] = 4
     pp = _run("pp2-1F1B-m4", 2, 0, 1.5, [700, 720], [120, 118])
-    pp["microbatches"] = 4
+    pp.update(microbatches=4, planned_imbalance=1.1, planned_bubble_imbalance=1 - 0.8 / 1.1)
     one, acc_row, pp_row = bp.summarize([_run("pp1", 1, 0, 2.0, [1000], [430]), acc, pp], 2)
     assert pp_row["measured_bubble"] == pytest.approx(1 / 3)  # against the whole-batch T_1
     assert pp_row["ideal_step_s_at_m"] == pytest.approx(1.2)
     assert pp_row["measured_bubble_at_m"] == pytest.approx(0.2)
     assert "measured_bubble_at_m" not in acc_row and "measured_bubble_at_m" not in one
+    assert pp_row["planned_bubble_imbalance"] == pytest.approx(0.2727, abs=1e-4)
     table = bp.format_table([one, acc_row, pp_row], 2)
-    assert "| pp1-acc4 | 2.400 (2.400..2.400) | - | - | - | - | - | - | - |" in table
+    assert "| pp1-acc4 | 2.400 (2.400..2.400) | - | - | - | - | - | - | - | - |" in table
 
 
 def test_side_by_side_jobs_interleave_and_match_the_micro_batches():

@@ -204,3 +204,31 @@ def test_pending_pipeline_recipe_is_priced_and_does_not_fit():
     assert r.pipeline.startswith("pp 2 GPipe, 2 micro-batches, bubble 33.3%, heaviest pp rank"), r.pipeline
     assert "over DCN" in r.pipeline and r.planned_gib > r.hbm_gib
     assert any(n.startswith("pipeline: pp 2, GPipe") and "3 micro-batches in flight" in n for n in r.notes)
+
+
+def test_the_head_weighs_on_the_last_stage_by_its_flops():
+    """The last stage runs the output head: 6 dim vocab training FLOPs per token, in block units the
+    rest of the count over the layers (planner.pipeline.head_block_units); the embedding is a lookup.
+    The debug model at 8 layers and seq 512 (scripts/bench/bench_pipeline.py's shape): by hand."""
+    import dataclasses
+
+    from planner.pipeline import PipelineSpec, head_block_units
+    from trainer.runtime.flops import model_flops_per_token
+
+    args = dataclasses.replace(LLAMA.flavors["debugmodel"], n_layers=8)
+    shape = args.shape()
+    flops = model_flops_per_token(args, 512)["palm"]
+    head = 6 * shape.dim * shape.vocab_size
+    h = head_block_units(shape, flops)
+    assert h == pytest.approx(head / ((flops - head) / 8))
+    assert 1.0 < h < 1.1  # 256 x 4096 head against a 256-dim block with a 768 FFN at seq 512
+    spec = PipelineSpec(pp=2, schedule="GPipe", microbatches=4, first_less=0, last_less=0)
+    assert spec.rank_units(8, h) == [4, 4 + h]
+    assert spec.imbalance(8, h) == pytest.approx((4 + h) * 2 / (8 + h))
+    assert spec.imbalance(8) == 1.0  # the knobs' accounting: no lighter stage, no imbalance
+    # uniform stages (graph mode) run the head on every rank: balanced again
+    assert dataclasses.replace(spec, uniform=True).imbalance(8, h) == pytest.approx(1.0)
+    # ZBV's V puts the first and the last stage on rank 0
+    zbv = PipelineSpec(pp=2, schedule="ZBVZeroBubble", microbatches=4, first_less=0, last_less=0)
+    assert zbv.rank_units(8, h) == [4 + h, 4]
+    assert head_block_units(shape, None) is None
