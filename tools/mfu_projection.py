@@ -351,9 +351,12 @@ def program_facts(recipe: Path, overrides: list[tuple[str, str]]) -> dict:
     shape = args.shape()
     target = planner.parse_target(cfg.job.target)
     gen = target.generation.name
-    # a context-parallel group shares its sequences: each device trains on seq_len / cp of them
-    cp = cfg.parallelism.context_parallel_degree
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps // cp
+    # a context-parallel group shares its sequences (each device trains on seq_len / cp of them), and
+    # so does a tensor-parallel group (local_batch_size is per dp rank: its tp devices split the work)
+    cp, tp = cfg.parallelism.context_parallel_degree, cfg.parallelism.tensor_parallel_degree
+    tokens = (
+        cfg.training.local_batch_size * cfg.training.seq_len * cfg.training.gradient_accumulation_steps // (cp * tp)
+    )
     return {
         "generation": gen,
         "target": target.name,

@@ -117,6 +117,16 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
             (("device.libtpu_init_args", '["--xla_tpu_prefer_async_allgather_to_allreduce=true"]'),),
             "--xla_tpu_prefer_async_allgather_to_allreduce=true over the v7x flag bundle (MaxText's 405B recipe sets it)",
         ),
+        (
+            (
+                ("parallelism.tensor_parallel_degree", "2"),
+                ("training.local_batch_size", "2"),
+                ("parallelism.enable_loss_parallel", "true"),
+                ("device.libtpu_init_args", '["--xla_tpu_prefer_async_allgather_to_allreduce=true"]'),
+            ),
+            "FSDP 256 x TP 2 at 2 sequences per dp rank, loss parallel (the planner's --recommend), with the "
+            "prefer-all-gather flag",
+        ),
     ),
     "qwen3-235b-a22b_v7x-512": (
         (UNCHUNKED, BEFORE),

@@ -217,6 +217,9 @@ def test_context_and_expert_parallel_recipes_project_the_trainer_program(monkeyp
     assert fsdp == ["llama3_8b_v6e"] and rows[-1]["error"].startswith("failed: not compiled")
     # the bound's tokens per device: a CP group of 4 shares each 128k sequence (fsdp 64 x cp 4)
     assert mfu_projection.program_facts(mfu_projection.recipe_path("llama3_8b_128k_v6e"), [])["tokens"] == 131072 // 4
+    # and a TP group shares its dp rank's sequences: 2 x 8192 over tp 2 (the 405B's --recommend layout)
+    tp2 = [("parallelism.tensor_parallel_degree", "2"), ("training.local_batch_size", "2")]
+    assert mfu_projection.program_facts(mfu_projection.recipe_path("llama3_405b_v7x"), tp2)["tokens"] == 8192
 
 
 def test_bad_input_is_one_error_line(capsys, monkeypatch):
