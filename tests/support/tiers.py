@@ -1813,6 +1813,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "builder through the trainer, and the placement arithmetic of every schedule",
     ),
     Scheduled(
+        "tests/unit/test_pipeline_pp4.py::test_pp4_schedules_equal_one_process",
+        (
+            "tests/unit/test_pipeline_pp4.py::test_the_pp4_stages_are_the_trainers_split",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/unit/test_pipeline_parallel.py::test_stage_placement_per_schedule",
+        ),
+        "four schedules on PP 4 (4 spawned gloo ranks, middle stages without embedding or head) against one "
+        "process: the default tier checks the 4- and 8-stage split and every schedule's placement, and runs "
+        "the same PipelineStep and schedule builder on PP 2 through the trainer",
+    ),
+    Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_*eager_pp",
         ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
         "graph-mode PP 2 over 4 chunks against eager PP's GPipe on the same ranks: the default tier runs the "
