@@ -114,8 +114,9 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
     ),
     "llama3.1-405b_v7x-512": (
         (
-            (("device.libtpu_init_args", '["--xla_tpu_prefer_async_allgather_to_allreduce=true"]'),),
-            "--xla_tpu_prefer_async_allgather_to_allreduce=true over the v7x flag bundle (MaxText's 405B recipe sets it)",
+            (("device.libtpu_init_args", "[]"),),
+            "without --xla_tpu_prefer_async_allgather_to_allreduce=true (the recipe before 2026-12-07; MaxText's "
+            "405B recipe sets the flag)",
         ),
         (
             (
