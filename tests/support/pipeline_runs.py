@@ -68,3 +68,22 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return {
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()
     }
+
+
+def eager_pipeline_step(model, opt, plan, *, n_layers: int, pp_mesh):
+    """The eager PP step (trainer/step/pipeline.py `PipelineStep`) of this pp rank's part of `model`
+    for the step plan `plan`: clipping at 1.0 on the CPU, the Llama 3 block stack (`layers`)."""
+    from parallelisms import clip_grad_norm_
+    from trainer.step.pipeline import PipelineStep
+
+    return PipelineStep(
+        model=model,
+        optimizer=opt,
+        max_norm=1.0,
+        clip_grad_norm=clip_grad_norm_,
+        pipeline=plan.pipeline,
+        block="layers",
+        n_layers=n_layers,
+        pp_mesh=pp_mesh,
+        device=torch.device("cpu"),
+    )

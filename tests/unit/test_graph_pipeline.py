@@ -29,13 +29,12 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
     collectives."""
     import torch.distributed as dist
 
-    from parallelisms import ParallelDims, build_mesh, clip_grad_norm_
+    from parallelisms import ParallelDims, build_mesh
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.parallel_harness import llama3_args
-    from tests.support.pipeline_runs import full_state, llama3_family, pp_model, rank_run
+    from tests.support.pipeline_runs import eager_pipeline_step, full_state, llama3_family, pp_model, rank_run
     from trainer.graph import build_graph_step
     from trainer.graph.pipeline import PipelinedLoss
-    from trainer.step.pipeline import PipelineStep
 
     out = {}
     for mode in modes:
@@ -86,17 +85,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
                 loss_context=plan.loss_context,
             )
         else:
-            step = PipelineStep(
-                model=model,
-                optimizer=opt,
-                max_norm=1.0,
-                clip_grad_norm=clip_grad_norm_,
-                pipeline=plan.pipeline,
-                block="layers",
-                n_layers=N_LAYERS,
-                pp_mesh=pp,
-                device=torch.device("cpu"),
-            )
+            step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp)
         run_step = (lambda micro: step(micro, LR)) if graph else step
         losses = rank_run(run_step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
         val = step.eval_loss(*batches[0]) if dp_shard == 1 else None

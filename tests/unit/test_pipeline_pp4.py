@@ -14,7 +14,6 @@ few ulp per step): losses 2e-6 relative, gradient norms 1e-5, weights 5 % of lr 
 """
 
 import pytest
-import torch
 
 from parallelisms.pipeline_parallel import split_layers
 from trainer.step import StepRequest, plan_step
@@ -51,11 +50,10 @@ def _worker(batches):
     """On each of the 4 ranks: per schedule, the losses, the gradient norms and this rank's weights."""
     import torch.distributed as dist
 
-    from parallelisms import ParallelDims, build_mesh, clip_grad_norm_
+    from parallelisms import ParallelDims, build_mesh
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.parallel_harness import llama3_args
-    from tests.support.pipeline_runs import full_state, pp_model, rank_run
-    from trainer.step.pipeline import PipelineStep
+    from tests.support.pipeline_runs import eager_pipeline_step, full_state, pp_model, rank_run
 
     out = {}
     for schedule in SCHEDULES:
@@ -74,17 +72,7 @@ def _worker(batches):
             )
         )
         model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=0, lr=LR, dims=dims, mesh=mesh)
-        step = PipelineStep(
-            model=model,
-            optimizer=opt,
-            max_norm=1.0,
-            clip_grad_norm=clip_grad_norm_,
-            pipeline=plan.pipeline,
-            block="layers",
-            n_layers=N_LAYERS,
-            pp_mesh=pp_mesh(mesh),
-            device=torch.device("cpu"),
-        )
+        step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp_mesh(mesh))
         losses = rank_run(step, batches, dp_rank=0, dp_shard=1, accum=1)
         layers = sorted({int(k.split(".")[1]) for k in model.state_dict() if k.startswith("layers.")})
         out[schedule] = (losses, full_state(model), layers)
