@@ -134,12 +134,19 @@ def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: Device
     `mesh` is the world mesh; the expert counts are summed over all its ranks (the world group)
     with a functional all-reduce (traced into graph mode like any collective). Counting each rank's own tokens once is right on any
     mesh: data-parallel ranks hold different sequences, TP ranks different sequence shards
-    (the "moe" style), EP ranks their own tokens before dispatch.
+    (the "moe" style), EP ranks their own tokens before dispatch. With pipeline parallelism `mesh`
+    is this pp rank's stage mesh and the counts are summed over the stage's ranks (`stage_group_mesh`):
+    they run the same layers on the same pipeline chunk of their own rows at the same time.
     """
     if mesh is None or mesh.size() == 1:
         return model
-    assert mesh.size() == torch.distributed.get_world_size(), "the world mesh is expected"
-    reduce_counts = _sum_over(torch.distributed.group.WORLD.group_name)
+    if mesh.size() == torch.distributed.get_world_size():
+        reduce_counts = _sum_over(torch.distributed.group.WORLD.group_name)
+    else:
+        from parallelisms.parallel_dims import pp_mesh, stage_group_mesh
+
+        assert pp_mesh(mesh) is not None, "the world mesh, or with pp > 1 a stage mesh, is expected"
+        reduce_counts = _sum_over(stage_group_mesh(mesh).get_group().group_name)
     # The ranks holding shards of the same sequences: cp (each rank two chunks of every sequence)
     # x tp (the MoE runs on the rank's sequence shard); their per-sequence counts are summed for
     # DeepSeek's sequence-wise loss.

@@ -421,20 +421,31 @@ PP_AXES = ("pp", *MESH_AXES)
 def _build_pp_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     """With pp > 1: the world mesh `PP_AXES` in rank order, and this rank's stage mesh (`MESH_AXES`
     over the ranks of its pp stage) returned, carrying the 1-D pp axis (`pp_mesh`). The step plan's
-    rules keep pp without cp or ep (not built here). On several slices the ranks are slice-major
-    and pp is outermost, so the slices split the pp axis (`dcn_mesh_shape`): each stage's FSDP group
-    stays inside a slice and only the stage permutes (and the HSDP all-reduce, if any) cross the DCN."""
+    rules keep pp without cp (not built here); with ep > 1 the expert mesh is the stage's own
+    (`build_ep_mesh` over the stage mesh: EP groups never cross the pp axis). On several slices the
+    ranks are slice-major and pp is outermost, so the slices split the pp axis (`dcn_mesh_shape`):
+    each stage's FSDP group stays inside a slice and only the stage permutes (and the HSDP
+    all-reduce, if any) cross the DCN."""
     from parallelisms.device_order import check_mesh_order
 
-    assert not (parallel_dims.cp_enabled or parallel_dims.ep_enabled), parallel_dims
+    assert not parallel_dims.cp_enabled, parallel_dims
     check_slice_major(parallel_dims, rank=dist.get_rank())
     ranks = torch.arange(parallel_dims.world_size).reshape((parallel_dims.pp, *parallel_dims.mesh_shape))
     world = DeviceMesh(device_type, ranks, mesh_dim_names=PP_AXES)
     stage = world[MESH_AXES]
     stage._titan_pp_mesh = world["pp"]
     meshes = {"world": world, "stage": stage, "pp": world["pp"], "dp": flat_dp_mesh(stage)}
+    if parallel_dims.ep_enabled:
+        meshes["expert"] = build_ep_mesh(parallel_dims, stage)
     stage._titan_checked_axes = check_mesh_order(meshes)
     return stage
+
+
+def stage_group_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Every rank of a stage mesh (`build_mesh`'s with pp > 1) as one 1-D axis `stage` (cached by
+    DeviceMesh): the ranks that run the same layers on different tokens, over which a pp rank sums
+    what each counted of its own tokens (the MoE layers' expert counts and loads)."""
+    return mesh[MESH_AXES]._flatten("stage")
 
 
 def pp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -510,12 +521,14 @@ def fsdp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def build_ep_mesh(parallel_dims: ParallelDims, mesh: DeviceMesh) -> DeviceMesh:
-    """The expert mesh `("dp_replicate", "efsdp", "ep")` over the same ranks as `mesh`.
+    """The expert mesh `("dp_replicate", "efsdp", "ep")` over the same ranks as `mesh` (the world
+    mesh, or with pp > 1 the stage mesh).
 
     The `dp_shard x cp x tp` block is flattened and split again into `efsdp x ep` with `ep`
     innermost, so an EP group is a run of neighbouring ranks (the TP ones first).
     """
-    assert math.prod(mesh.mesh.shape) == parallel_dims.world_size
+    # the world's ranks, or with pp > 1 one stage's (its expert mesh stays inside the stage)
+    assert math.prod(mesh.mesh.shape) == parallel_dims.stage_world_size
     # made once per world mesh (build_mesh checks it, expert_parallel shards over it)
     cached = getattr(mesh, "_titan_ep_mesh", None)
     if cached is not None and cached[0] == parallel_dims.ep:

@@ -18,7 +18,10 @@ mesh") over it as before. What this module provides, in the order a job uses it:
   stage's blocks; the model's own `forward` runs it (a stage without the embedding takes hidden
   states, one without the head returns them: models/common/decoder.py);
 - `build_schedule(...)`: the `PipelineStage`s of this rank and the schedule of
-  `[parallelism] pipeline_schedule` (TorchTitan's names, `get_schedule_class`).
+  `[parallelism] pipeline_schedule` (TorchTitan's names, `get_schedule_class`); `stage_module`
+  may wrap each stage's view (the step's MoE tap, trainer/step/pipeline.py), and
+  `in_chunk_forward()` tells a forward that runs a real chunk from the schedule's metadata
+  inference (which runs the stage on a first or a mode-changing call, outside the chunks).
 
 Schedules: `GPipe` and `1F1B` hold one stage per rank; `Interleaved1F1B`, `LoopedBFS` and
 `InterleavedZeroBubble` hold `pipeline_virtual_stages` stages per rank in loop order (rank r holds
@@ -28,7 +31,9 @@ rank 0 has the first and the last stage). docs/pipeline_parallel.md.
 
 from __future__ import annotations
 
+import contextvars
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,6 +198,34 @@ def stage_view(model: nn.Module, *, block: str, layers: list[int], first: bool, 
     return view
 
 
+_IN_CHUNK = contextvars.ContextVar("titan_pp_chunk_forward", default=False)
+
+
+def in_chunk_forward() -> bool:
+    """True inside a stage forward that the schedule runs on one of its chunks (False in the
+    metadata inference `torch.distributed.pipelining` runs before a first step or evaluation: a
+    forward on the first chunk's shapes, or on empty tensors, whose outputs are discarded)."""
+    return _IN_CHUNK.get()
+
+
+@functools.cache
+def _chunk_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class ChunkStage(PipelineStage):
+        """`PipelineStage` whose chunk forwards (`forward_maybe_with_nosync`, every chunk of
+        `forward_one_chunk`) run with `in_chunk_forward()` True."""
+
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            token = _IN_CHUNK.set(True)
+            try:
+                return super().forward_maybe_with_nosync(*args, **kwargs)
+            finally:
+                _IN_CHUNK.reset(token)
+
+    return ChunkStage
+
+
 def build_schedule(
     model: nn.Module,
     *,
@@ -208,20 +241,23 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     first_stage_less: int = 1,
     last_stage_less: int = 1,
+    stage_module: Callable[[nn.Module], nn.Module] | None = None,
 ):
     """(schedule, stages) of this pp rank over the pruned `model`. `loss_fn(output, target)` runs on
     the last stage per micro-batch; gradients are not rescaled by the schedule (scale_grads=False):
     the loss function carries the 1 / micro-batches factor, so that gradient accumulation over
-    several `step` calls adds up like the eager step's."""
-    from torch.distributed.pipelining import PipelineStage
+    several `step` calls adds up like the eager step's. `stage_module(view)`, if given, is the
+    module each stage runs in place of its view (a wrapper sharing the view's parameters)."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+    stage_cls = _chunk_stage_class()
     num_stages = pp * num_virtual
     split = split_layers(n_layers, num_stages, first_stage_less=first_stage_less, last_stage_less=last_stage_less)
     stages = []
     for s in stage_ids(pp_rank, pp, schedule, num_virtual):
         view = stage_view(model, block=block, layers=list(split[s]), first=s == 0, last=s == num_stages - 1)
-        stages.append(PipelineStage(view, s, num_stages, device, group=pp_group))
+        module = stage_module(view) if stage_module is not None else view
+        stages.append(stage_cls(module, s, num_stages, device, group=pp_group))
     cls = get_schedule_class(schedule)
     if issubclass(cls, PipelineScheduleSingle):
         assert len(stages) == 1, (schedule, len(stages))

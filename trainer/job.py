@@ -291,6 +291,10 @@ class Job:
                 pp_mesh=pp_mesh(self.data.mesh),
                 device=self.runtime.device,
                 positions=(self.data.local_batch_size, t.seq_len) if self.plan.parallel_dims.tp_enabled else None,
+                moe=self.plan.args.shape().num_experts > 0,
+                aux_loss_coef=t.aux_loss_coef,
+                balance=balance,
+                stage_mesh=self.data.mesh,
             )
         if plan.mode != "graph":
             # `training.replicate_reduce = "step"`: the dp_replicate mean once per step (falsy: none deferred).

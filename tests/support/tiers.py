@@ -1813,6 +1813,19 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "builder through the trainer, and the placement arithmetic of every schedule",
     ),
     Scheduled(
+        "tests/unit/test_pipeline_moe.py::test_pp2_*",
+        (
+            "tests/unit/test_pipeline_moe.py::test_attach_aux_gives_earlier_stages_the_aux_gradient",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+        ),
+        "Qwen 3 MoE on PP 2 and PP 2 x EP 2 (aux loss attached per stage, expert loads per layer, EP inside "
+        "each stage), Qwen 3.5 MoE and gpt-oss on PP 2, against one process on spawned gloo ranks: the "
+        "default tier checks the aux-gradient "
+        "attachment on a two-stage split, runs the same PipelineStep and schedule builder on a dense model "
+        "through the trainer, and EP parity on thread ranks",
+    ),
+    Scheduled(
         "tests/unit/test_pipeline_pp4.py::test_pp4_schedules_equal_one_process",
         (
             "tests/unit/test_pipeline_pp4.py::test_the_pp4_stages_are_the_trainers_split",

@@ -106,6 +106,8 @@ def _request(**kw) -> StepRequest:
     return StepRequest(**{**base, **kw})
 
 
+GRAPH = dict(mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0)
+"""Graph-mode PP that the earlier rules let through (GPipe, uniform stages)."""
 REFUSALS = [
     (dict(pp_schedule="Bogus"), "parallelism.pipeline_schedule", "allowed: GPipe, 1F1B"),
     (dict(mode="graph"), "parallelism.pipeline_schedule", "compile.mode graph"),
@@ -113,7 +115,14 @@ REFUSALS = [
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
     (dict(cp_degree=2), "parallelism.pipeline_parallel_degree", "context_parallel_degree 2"),
     (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),
-    (dict(model_has_experts=True), "parallelism.pipeline_parallel_degree", "experts True"),
+    (dict(model_has_experts=True, **GRAPH), "parallelism.pipeline_parallel_degree", "this model has experts"),
+    (dict(ep_degree=2, **GRAPH), "parallelism.pipeline_parallel_degree", "expert_parallel_degree 2"),
+    (
+        dict(model_has_experts=True, moe_routing="random", routing_benchmark_only=True),
+        "moe.routing",
+        "random with pipeline_parallel_degree 2",
+    ),
+    (dict(mtp_depth=1), "parallelism.pipeline_parallel_degree", "mtp_depth 1"),
     (dict(tie_embeddings=True), "parallelism.pipeline_parallel_degree", "tied embeddings True"),
     (dict(model_pipeline=False), "parallelism.pipeline_parallel_degree", "decoder False"),
     (dict(replicate_reduce="step"), "parallelism.pipeline_parallel_degree", "replicate_reduce step (step)"),

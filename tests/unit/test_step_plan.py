@@ -176,6 +176,8 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(pp_degree=2, tp_degree=2, loss_parallel=True),
         StepRequest(pp_degree=2),
         StepRequest(pp_degree=2, model_has_experts=False, replicate_reduce="step"),
+        StepRequest(pp_degree=2, moe_routing="random"),
+        StepRequest(pp_degree=2, tie_embeddings=True),
         StepRequest(pp_degree=2, model_has_experts=False, num_slices=2),
         StepRequest(pp_degree=2, model_has_experts=False, device_order="v6e-8"),
         StepRequest(pp_degree=2, model_has_experts=False, pp_schedule="GPipe", pp_virtual_stages=2),

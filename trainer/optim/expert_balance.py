@@ -88,12 +88,20 @@ class ExpertBalance:
         return torch.cat([load.reshape(-1) for load in loads])
 
     @torch.no_grad()
-    def finish(self, load: torch.Tensor, apply: torch.Tensor | None = None) -> BalanceStats:
+    def finish(
+        self, load: torch.Tensor, apply: torch.Tensor | None = None, *, group=None, pp_group=None
+    ) -> BalanceStats:
         """Sum the step's `load` (from `pop`, summed over micro-batches) over all ranks, move the
-        selection biases (module docstring), and return the step's statistics (every rank equal)."""
+        selection biases (module docstring), and return the step's statistics (every rank equal).
+
+        Pipeline parallelism (trainer/step/pipeline.py): a pp rank holds some of the layers, so
+        `load` is theirs (in this model's layer order) and is summed over `group`, the ranks of its
+        stage (the same layers, other tokens) instead of the world; the statistics then combine
+        the pp ranks' layers over `pp_group` (MaxVio's mean over every layer, the dropped copies'
+        sum), so they are the one-process figures."""
         load = load.detach().float().clone()
         if distributed.multi_rank():
-            dist.all_reduce(load)
+            dist.all_reduce(load, group=group)
         per_layer = load.view(len(self.layers), self.num_experts + int(self.capacity))
         dropped = None
         if self.capacity:  # the capacity dispatch's last entry: the copies each layer dropped
@@ -104,7 +112,22 @@ class ExpertBalance:
                 router.update_expert_bias(per_layer[i], rate)
         # MaxVio of every layer at once (a handful of ops whatever the depth), then their mean.
         mean = per_layer.mean(dim=1)
-        vio = ((per_layer.amax(dim=1) - mean) / mean.clamp(min=1.0)).mean()
+        vios = (per_layer.amax(dim=1) - mean) / mean.clamp(min=1.0)
+        routed = per_layer.sum()
+        if pp_group is None:
+            vio = vios.mean()
+        else:  # (sum of MaxVio, layers, dropped, routed) over the pp ranks' layers
+            parts = torch.stack(
+                [
+                    vios.sum(),
+                    vios.new_tensor(float(len(self.layers))),
+                    routed.new_zeros(()) if dropped is None else dropped,
+                    routed,
+                ]
+            )
+            dist.all_reduce(parts, group=pp_group)
+            vio, routed = parts[0] / parts[1], parts[3]
+            dropped = None if dropped is None else parts[2]
         if dropped is None:
             return BalanceStats(max_vio=vio)
-        return BalanceStats(max_vio=vio, dropped=dropped, dropped_pct=100 * dropped / per_layer.sum().clamp(min=1.0))
+        return BalanceStats(max_vio=vio, dropped=dropped, dropped_pct=100 * dropped / routed.clamp(min=1.0))

@@ -10,16 +10,84 @@ mean over the step's chunks, as `EagerStep`'s `(loss / n).backward()` sums them:
 counts per chunk, the gradient of the global batch's mean loss. Then the gradient norm over every
 stage (the squared norms summed over the pp axis), clipping and the update, as in the eager step.
 The loss returned is the same mean on every rank (the last stage's, summed over the pp axis).
+
+MoE models (`moe=True`; docs/pipeline_parallel.md "MoE and expert parallelism with PP"). Each
+stage runs wrapped (`_MoETap`): after its blocks' forward on a chunk the step takes the stage's
+summed load-balancing loss and its layers' expert loads off the stage's block stack.
+
+- The auxiliary loss. Only the last stage runs the loss function, so an earlier stage's routers
+  get the aux-loss gradient through `AttachAux` (Megatron's MoEAuxLossAutoScaler): the stage's
+  output is returned unchanged, and in the backward the stage's aux loss receives the constant
+  gradient `aux_loss_coef / (chunks x accumulation micro-batches)`, which is what
+  `EagerStep`'s `(lm + coef x aux) / n` gives each micro-batch's aux term. The chunk is the unit:
+  like the one-process step with `n x chunks` accumulation micro-batches of the same rows, the
+  global-batch load-balancing loss counts each chunk's tokens (over the stage's data-parallel
+  and expert-parallel ranks, parallelisms/expert_parallel.py `apply_global_load_balance`),
+  whatever stage holds the layer. The reported aux loss is the stages' parts summed over the pp
+  axis, divided by `n x chunks`.
+- The expert loads (`expert_bias` recipes, trainer/optim/expert_balance.py): each stage adds its
+  layers' loads per chunk into this rank's per-layer sums, so a rank holding several stages
+  (Interleaved1F1B, ZBVZeroBubble) or only some layers counts each of its layers over every
+  chunk; `ExpertBalance.finish` sums them over the stage's ranks (not the world: the other pp
+  ranks hold other layers) and moves each layer's bias, and MaxVio and the dropped copies combine
+  over the pp axis.
+- Metadata inference: `torch.distributed.pipelining` runs a stage forward outside the chunks
+  before a first step and after a train <-> eval switch; the tap pops and drops what that
+  forward leaves (`in_chunk_forward`).
+
+Graph-mode PP (trainer/graph/pipeline.py) does not run MoE models (trainer/step/pipeline_rules.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from parallelisms.pipeline_parallel import PipelinePlan, build_schedule
+from models.common.moe import MoE
+from parallelisms.pipeline_parallel import PipelinePlan, build_schedule, in_chunk_forward
 from trainer.step.eager import step_if_finite
-from trainer.step.loss import StepOutput, lm_loss
+from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
+
+
+class AttachAux(torch.autograd.Function):
+    """`attach_aux(x, aux, scale)`: x unchanged; in the backward x's gradient passes through and
+    `aux` (a 0-dim loss computed from this stage's parameters and input) receives the constant
+    gradient `scale`, as if `scale x aux` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = float(scale)
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        # The same storage, not a view (the schedule detaches stage outputs in place).
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_aux(x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    return AttachAux.apply(x, aux, scale)
+
+
+def moe_block_keys(stack: nn.Module) -> list[str]:
+    """The keys of the blocks of a block stack that hold an MoE layer, in the stack's order (the
+    order `ExpertBalance` lists their layers)."""
+    return [key for key, block in stack.items() if any(isinstance(m, MoE) for m in block.modules())]
+
+
+class _MoETap(nn.Module):
+    """A stage's view run by the schedule: its forward, then `tap(view, output)` (module docstring)."""
+
+    def __init__(self, view: nn.Module, tap):
+        super().__init__()
+        self.view = view
+        self._tap = tap
+
+    def forward(self, *args, **kwargs):
+        return self._tap(self.view, self.view(*args, **kwargs))
 
 
 class PipelineStep:
@@ -41,6 +109,10 @@ class PipelineStep:
         pp_mesh,
         device: torch.device,
         positions: tuple[int, int] | None = None,
+        moe: bool = False,
+        aux_loss_coef: float = 0.0,
+        balance=None,
+        stage_mesh=None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -49,6 +121,23 @@ class PipelineStep:
         self.pp_mesh = pp_mesh
         self.device = device
         self._scale = 1.0
+        # MoE (module docstring): `moe` is the model's (every pp rank says the same: the pp-axis
+        # reductions below run on all of them); `balance` the ExpertBalance of this rank's layers.
+        self.moe = moe
+        self.aux_loss_coef = float(aux_loss_coef)
+        self.balance = balance
+        self.block = block
+        self._moe_keys = moe_block_keys(getattr(model, block)) if moe else []
+        assert not moe or self._moe_keys, "PP with MoE: every pp rank must hold MoE layers"
+        self._collect = False
+        self._aux_parts: list[torch.Tensor] = []
+        self._loads: dict[str, torch.Tensor] = {}
+        self._stage_group = None
+        if balance is not None:
+            assert stage_mesh is not None, "PP with expert loads: the stage mesh sums them (not the world)"
+            from parallelisms.parallel_dims import stage_group_mesh
+
+            self._stage_group = stage_group_mesh(stage_mesh).get_group()
         pp_rank = pp_mesh.get_local_rank()
         self.has_first, self.has_last = pipeline.rank_has_first_last(pp_rank)
         self.schedule, self.stages = build_schedule(
@@ -65,6 +154,7 @@ class PipelineStep:
             loss_fn=self._loss,
             first_stage_less=pipeline.first_stage_less,
             last_stage_less=pipeline.last_stage_less,
+            stage_module=(lambda view: _MoETap(view, self._tap)) if moe else None,
         )
         self.microbatches = pipeline.microbatches
         # `positions` = (local batch, seq_len), with tensor parallelism: a stage's input is then a
@@ -78,6 +168,26 @@ class PipelineStep:
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, labels) * self._scale
+
+    def _tap(self, view: nn.Module, out: torch.Tensor) -> torch.Tensor:
+        """After a stage's forward: take its aux loss and expert loads off its block stack (always,
+        so none is left over); in a training chunk keep them and attach the aux loss's gradient."""
+        stack = getattr(view, self.block)
+        aux = stack.pop_aux_loss()
+        load = stack.pop_expert_load()
+        if not (self._collect and in_chunk_forward()):
+            return out
+        if load is not None:
+            keys = moe_block_keys(stack)
+            assert len(keys) == load.shape[0], (keys, tuple(load.shape))
+            for key, row in zip(keys, load.detach().float()):
+                self._loads[key] = row if key not in self._loads else self._loads[key] + row
+        if aux is None:
+            return out
+        self._aux_parts.append(local_scalar(aux.detach()).float())
+        if self.aux_loss_coef != 0.0 and torch.is_grad_enabled() and aux.requires_grad:
+            out = attach_aux(out, aux, self.aux_loss_coef * self._scale)
+        return out
 
     def _run(self, call, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """One schedule call (`step` or `eval`) on a micro-batch; the last stage's scaled chunk
@@ -112,13 +222,27 @@ class PipelineStep:
         n = len(microbatches)
         self._scale = 1.0 / (n * self.microbatches)
         losses: list[torch.Tensor] = []
-        for microbatch in microbatches:
-            assert len(microbatch) == 2, "the pipeline step takes (inputs, labels) micro-batches"
-            inputs, labels = microbatch
-            losses.extend(self._run(self.schedule.step, inputs, labels))
+        self._aux_parts, self._loads, self._collect = [], {}, True
+        try:
+            for microbatch in microbatches:
+                assert len(microbatch) == 2, "the pipeline step takes (inputs, labels) micro-batches"
+                inputs, labels = microbatch
+                losses.extend(self._run(self.schedule.step, inputs, labels))
+        finally:
+            self._collect = False
         loss = self._pp_sum(losses)  # the step's mean loss
+        aux = None
+        if self.moe:  # this rank's stages' aux terms over the chunks, summed over the pp axis: the step's mean
+            aux = self._pp_sum(self._aux_parts) * self._scale
         max_norm = self.max_norm if self.max_norm > 0 else float("inf")
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self.clip_grad_norm(params, max_norm, pp_mesh=self.pp_mesh)
-        step_if_finite(self.optimizer, grad_norm)
-        return StepOutput(loss=loss, grad_norm=grad_norm)
+        nonfinite = step_if_finite(self.optimizer, grad_norm)
+        stats = None
+        if self.balance is not None:
+            load = torch.cat([self._loads[key] for key in self._moe_keys])
+            stats = self.balance.finish(
+                load, apply=~nonfinite, group=self._stage_group, pp_group=self.pp_mesh.get_group()
+            )
+        self._aux_parts, self._loads = [], {}
+        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))

@@ -2,12 +2,14 @@
 fields of a `StepRequest` (`PipelineRequest`, its base) and the rules that refuse what PP does not
 compose with yet (`PIPELINE_RULES`, part of `RULES`; docs/rules.md).
 
-What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager stages of a dense
+What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager stages of a
 decoder through torch.distributed.pipelining on cpu/cuda, composed with SimpleFSDP/HSDP, TP,
-activation checkpointing and gradient accumulation; in graph mode the pipeline inside the captured
-step (trainer/graph/pipeline.py) with uniform stages, one SPMD program on every pp rank, which is
-also the TPU path, on one slice or with the pp axis over several (DCN). The rest is refused until it
-is wired.
+activation checkpointing and gradient accumulation, and for an MoE flavor with expert parallelism
+inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached per stage, the expert
+loads per layer); in graph mode the pipeline inside the captured step (trainer/graph/pipeline.py)
+with uniform stages, one SPMD program on every pp rank, which is also the TPU path, on one slice or
+with the pp axis over several (DCN), for dense flavors only (its stages carry no aux loss or expert
+load). The rest is refused until it is wired.
 
 Which families that is, is computed here once (`PIPELINE_FAMILIES`, from the registry and
 `pipeline_capable`); the model rule's text and message, docs/rules.md (generated from them) and
@@ -89,13 +91,10 @@ def pipeline_capable(model_cls) -> bool:
 
 
 def pipeline_flavor(args) -> bool:
-    """A flavor the model rule below lets through (a dense decoder's args): no experts, no
-    multi-token prediction, untied embeddings (`plan_job` reads the same three facts)."""
-    return (
-        args.shape().num_experts == 0
-        and getattr(args, "mtp_depth", 0) == 0
-        and not getattr(args, "tie_embeddings", False)
-    )
+    """A flavor the model rule below lets through in eager mode (dense or MoE): no multi-token
+    prediction, untied embeddings (`plan_job` reads the same facts; graph mode also needs no
+    experts, the rule after it)."""
+    return getattr(args, "mtp_depth", 0) == 0 and not getattr(args, "tie_embeddings", False)
 
 
 PIPELINE_FAMILIES: tuple[str, ...] = tuple(
@@ -105,8 +104,8 @@ PIPELINE_FAMILIES: tuple[str, ...] = tuple(
     and pipeline_capable(family.model_cls)
     and any(pipeline_flavor(args) for args in family.flavors.values())
 )
-"""The registered families PP cuts into stages (their dense, untied flavors): the one list the model
-rule's text, docs/rules.md and docs/pipeline_parallel.md name."""
+"""The registered families PP cuts into stages (their untied flavors without MTP, dense or MoE in
+eager mode): the one list the model rule's text, docs/rules.md and docs/pipeline_parallel.md name."""
 PIPELINE_FAMILIES_TEXT = ", ".join(PIPELINE_FAMILIES)
 
 
@@ -150,15 +149,19 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with context or expert parallelism, or TP's loss parallel outside graph mode",
+        "PP > 1 with context parallelism, expert parallelism in graph mode, or TP's loss parallel outside graph mode",
         lambda r: (
             r.pp_degree > 1
-            and (r.cp_degree > 1 or r.ep_degree > 1 or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph"))
+            and (
+                r.cp_degree > 1
+                or (r.ep_degree > 1 and r.mode == "graph")
+                or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph")
+            )
         ),
-        "{r.pp_degree} composes with data and tensor parallelism (SimpleFSDP, HSDP, TP; loss parallel in graph "
-        "mode only) for now; here context_parallel_degree {r.cp_degree}, expert_parallel_degree {r.ep_degree}, "
-        "enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); allowed: 1, or cp = ep = 1 and "
-        'enable_loss_parallel = false (or compile.mode = "graph")',
+        "{r.pp_degree} composes with data, tensor and (eager mode) expert parallelism (SimpleFSDP, HSDP, TP, EP; "
+        "loss parallel in graph mode only) for now; here context_parallel_degree {r.cp_degree}, "
+        "expert_parallel_degree {r.ep_degree}, enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); "
+        'allowed: 1, or cp = 1, ep = 1 in graph mode and enable_loss_parallel = false (or compile.mode = "graph")',
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
@@ -172,23 +175,34 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        f"PP > 1 for a model that is not a plain decoder (the dense flavors of {PIPELINE_FAMILIES_TEXT} are), has "
-        "experts or multi-token prediction, ties its embeddings, or in the engine",
+        f"PP > 1 for a model that is not a plain decoder (the untied flavors without MTP of {PIPELINE_FAMILIES_TEXT} "
+        "are, dense or MoE), has multi-token prediction, ties its embeddings, or in the engine",
         lambda r: (
             r.pp_degree > 1
-            and (
-                not r.model_pipeline
-                or r.task != "lm"
-                or r.model_has_experts
-                or r.mtp_depth > 0
-                or r.tie_embeddings
-                or r.caller_loss
-            )
+            and (not r.model_pipeline or r.task != "lm" or r.mtp_depth > 0 or r.tie_embeddings or r.caller_loss)
         ),
-        f"{{r.pp_degree}} cuts a dense decoder (embedding, blocks, norm, head; the dense flavors of "
-        f"{PIPELINE_FAMILIES_TEXT}) into stages; "
-        "this model: decoder {r.model_pipeline}, task {r.task}, experts {r.model_has_experts}, mtp_depth "
+        f"{{r.pp_degree}} cuts a dense decoder or an MoE one (embedding, blocks, norm, head; the untied flavors "
+        f"without MTP of {PIPELINE_FAMILIES_TEXT}) into stages; "
+        "this model: decoder {r.model_pipeline}, task {r.task}, mtp_depth "
         "{r.mtp_depth}, tied embeddings {r.tie_embeddings}, engine {r.caller_loss}; allowed for it: 1",
+    ),
+    # MoE with PP (trainer/step/pipeline.py): the eager step attaches each stage's aux loss and
+    # collects its expert loads; graph mode's one program per step does neither yet.
+    Rule(
+        "parallelism.pipeline_parallel_degree",
+        "PP > 1 in graph mode for a model with experts",
+        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.model_has_experts,
+        "{r.pp_degree} with compile.mode graph runs dense decoders only: graph mode's pipeline program carries "
+        "no MoE aux loss or expert load between stages; this model has experts; allowed: 1, or "
+        'compile.mode = "eager" (eager PP runs MoE, with expert parallelism)',
+    ),
+    Rule(
+        "moe.routing",
+        "benchmark routing with PP",
+        lambda r: r.pp_degree > 1 and r.moe_routing in ("random", "balanced"),
+        "{r.moe_routing} with pipeline_parallel_degree {r.pp_degree}: the draw numbers a pp rank's routers "
+        "and a chunk's tokens as if the rank held the whole model and batch; allowed: learned, or "
+        "pipeline_parallel_degree = 1",
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
