@@ -180,7 +180,8 @@ def spec_of(request) -> PipelineSpec:
 
 def stage_stats(stats: ShardStats, spec: PipelineSpec, rank: int) -> ShardStats:
     """`stats` (the whole model on one stage-mesh rank) cut to what pp rank `rank` holds: its
-    blocks (the blocks are alike: dense decoders only, the pipeline rules say), the embedding on
+    blocks (taken as alike: the families PP runs have all-dense or all-MoE blocks; Qwen 3.5's attention
+    kinds alternate), the embedding on
     stage 0, the norm and head on the last. Muon's matrices are scaled with the blocks (by default
     it excludes the embedding and head)."""
     n = stats.n_layers
