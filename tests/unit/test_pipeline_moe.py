@@ -301,9 +301,11 @@ def test_pp2_moe_equals_one_process():
 @pytest.mark.multiprocess
 def test_pp2_ep2_moe_equals_one_process():
     """Qwen 3 MoE on PP 2 x EP 2 (dp_shard 2 per stage, its 8 experts split over the stage's 2 ranks;
-    4 processes), 1F1B and Interleaved1F1B, 2 chunks of 2 sequences per rank == one process
+    4 processes), 1F1B and Interleaved1F1B, 2 chunks of 2 sequences per rank == one process; and 1F1B
+    with 2 accumulation micro-batches of 2 chunks (the aux gradient's 1 / (chunks x micro-batches))
     (scheduled tier)."""
     _parity(4, ("1F1B", "Interleaved1F1B"), dp=2, ep=2, chunks=2)
+    _parity(4, ("1F1B",), dp=2, ep=2, accum=2, chunks=2)
 
 
 @pytest.mark.multiprocess
