@@ -571,6 +571,45 @@ def _call_function(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
     return node
 
 
+def fence_reduce_scatters_pass(gm: fx.GraphModule) -> int:
+    """XLA backends: each top-level reduce-scatter's waited result through an optimization barrier
+    (identity); returns how many.
+
+    libtpu lowers a reduce-scatter as an all-reduce of the whole tensor and a slice of this rank's
+    part, which it fuses back into one all-reduce-scatter when the slice is the result's only
+    reader. In an unrolled step the gradient shard's readers are the gradient norm and the optimizer
+    update at the step's end; libtpu 0.0.52 fused the slice into each of them instead, so every
+    parameter's whole fp32 gradient stayed live from its backward to the update (issue 54: 56 of 56
+    reduce-scatters of the 4-block Qwen 3.5 9B program, 0.81 GiB per block, the 32-block recipe's
+    refusal; docs/results/qwen3_5_9b_v6e_4layers_buffers_2026-12-07_d02d143.txt). Behind the
+    barrier the slice has one reader and the shard is materialized where the gradient is reduced.
+    Scan bodies need none (the shard goes into the stacked gradient, which libtpu fuses)."""
+    from trainer.graph.remat import OPTIMIZATION_BARRIER
+
+    c10d = torch.ops._c10d_functional
+    graph, done = gm.graph, 0
+    for rs in list(graph.nodes):
+        if rs.op != "call_function" or rs.target is not c10d.reduce_scatter_tensor.default:
+            continue
+        waits = [u for u in rs.users if u.target is c10d.wait_tensor.default]
+        if len(waits) != 1 or not waits[0].users:
+            continue
+        wait = waits[0]
+        readers = list(wait.users)
+        with graph.inserting_after(wait):
+            barrier = graph.call_function(OPTIMIZATION_BARRIER, ([wait],))
+        barrier.meta = {**{k: v for k, v in wait.meta.items() if k != "val"}, "val": [wait.meta.get("val")]}
+        with graph.inserting_after(barrier):
+            item = graph.call_function(operator.getitem, (barrier, 0))
+        item.meta = dict(wait.meta)
+        for reader in readers:
+            reader.replace_input_with(wait, item)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
 def run_passes(
     gm: fx.GraphModule,
     *,
@@ -584,7 +623,8 @@ def run_passes(
     elimination, stats. `reverse_scans`: None / False: backward scans keep torch's flips;
     "loop" (or True): `scan_reverse_pass` (Inductor), tracing with `decompositions` (the
     compiler's table); "tag": `tag_reverse_scans` (torch-tpu). `fence_remat`: put the
-    recomputed ops behind optimization barriers (XLA backends, trainer/graph/remat.py)."""
+    recomputed ops behind optimization barriers (XLA backends, trainer/graph/remat.py), and the
+    reduce-scatters' results (`fence_reduce_scatters_pass`)."""
     if reverse_scans not in (None, False, True, "loop", "tag"):
         raise ValueError(f"reverse_scans: {reverse_scans!r}; allowed: None, 'loop', 'tag'")
     recomputed = remat_pass(gm, fence=fence_remat)
@@ -595,6 +635,8 @@ def run_passes(
         scan_reverse_pass(gm, decompositions=decompositions)
     if gloo_all_to_all:
         gloo_reduce_scatter_pass(gm)
+    if fence_remat:  # XLA backends: each gradient shard materialized where it is reduced
+        fence_reduce_scatters_pass(gm)
     prefetched = prefetch_all_gathers_pass(gm)
     dce_pass(gm)
     gm.graph.lint()
