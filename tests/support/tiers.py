@@ -1837,6 +1837,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "the same PipelineStep and schedule builder on PP 2 through the trainer",
     ),
     Scheduled(
+        "tests/e2e/test_pipeline_moe_train.py::test_pp2_moe_trains_as_the_one_process_with_accumulation",
+        (
+            "tests/unit/test_pipeline_moe.py::test_attach_aux_gives_earlier_stages_the_aux_gradient",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+        ),
+        "Qwen 3 MoE on PP 2 through torchrun against one process with accumulation (the job's aux coefficient, "
+        "expert balance and stage mesh handed to PipelineStep): the default tier checks the aux-gradient "
+        "attachment and runs PipelineStep through the trainer on a dense model",
+    ),
+    Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_*eager_pp",
         ("tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",),
         "graph-mode PP 2 over 4 chunks against eager PP's GPipe on the same ranks: the default tier runs the "
