@@ -66,3 +66,38 @@ def test_nothing_moves_without_gathers_or_when_already_ahead():
     gm, *_ = _fsdp_chain(12)
     prefetch_all_gathers_pass(gm, lookahead=3)
     assert prefetch_all_gathers_pass(gm, lookahead=3) == 0  # a second run finds them in place
+
+
+def test_each_reduce_scatter_shard_reaches_its_readers_through_one_barrier():
+    """`fence_reduce_scatters_pass` (issue 54): a gradient's waited reduce-scatter, read by the
+    gradient norm and the update, is read by both through one optimization barrier that holds the
+    shard alone; a reduce-scatter whose wait nobody reads is left alone."""
+    import operator
+
+    from trainer.graph.passes import fence_reduce_scatters_pass
+    from trainer.graph.remat import OPTIMIZATION_BARRIER
+
+    g = fx.Graph()
+    grads = [g.placeholder(f"g{i}") for i in range(3)]
+    waits, readers = [], []
+    for i, grad in enumerate(grads):
+        up = g.call_function(torch.ops.prims.convert_element_type.default, (grad, torch.float32))
+        rs = g.call_function(_ops.reduce_scatter_tensor.default, (up, "sum", 4, "0"))
+        wait = g.call_function(_ops.wait_tensor.default, (rs,))
+        waits.append(wait)
+        if i < 2:  # the third one's shard is read by nobody
+            norm = g.call_function(torch.ops.aten.mul.Tensor, (wait, wait))
+            update = g.call_function(torch.ops.aten.add.Tensor, (wait, norm))
+            readers.append((norm, update))
+    g.output(tuple(r[1] for r in readers))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert fence_reduce_scatters_pass(gm) == 2
+    gm.graph.lint()
+    for wait, (norm, update) in zip(waits, readers):
+        (item,) = set(norm.all_input_nodes) & set(update.all_input_nodes) - {norm}
+        assert item.target is operator.getitem and item.args[1] == 0
+        barrier = item.args[0]
+        assert barrier.target is OPTIMIZATION_BARRIER and barrier.args == ([wait],)
+        assert list(wait.users) == [barrier]  # nothing reads the shard but the barrier
+    assert not waits[2].users
+    assert sum(n.target is OPTIMIZATION_BARRIER for n in gm.graph.nodes) == 2
