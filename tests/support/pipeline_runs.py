@@ -70,9 +70,10 @@ def full_state(model) -> dict[str, torch.Tensor]:
     }
 
 
-def eager_pipeline_step(model, opt, plan, *, n_layers: int, pp_mesh):
+def eager_pipeline_step(model, opt, plan, *, n_layers: int, pp_mesh, **moe):
     """The eager PP step (trainer/step/pipeline.py `PipelineStep`) of this pp rank's part of `model`
-    for the step plan `plan`: clipping at 1.0 on the CPU, the Llama 3 block stack (`layers`)."""
+    for the step plan `plan`: clipping at 1.0 on the CPU, the block stack `layers`; `moe`: the MoE
+    step's keywords (`moe=True`, `aux_loss_coef`, `balance`, `stage_mesh`)."""
     from parallelisms import clip_grad_norm_
     from trainer.step.pipeline import PipelineStep
 
@@ -86,4 +87,5 @@ def eager_pipeline_step(model, opt, plan, *, n_layers: int, pp_mesh):
         n_layers=n_layers,
         pp_mesh=pp_mesh,
         device=torch.device("cpu"),
+        **moe,
     )

@@ -191,11 +191,10 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
     world, as the trainer logs them) and this rank's final state (full)."""
     import torch.distributed as dist
 
-    from parallelisms import ParallelDims, build_mesh, clip_grad_norm_
+    from parallelisms import ParallelDims, build_mesh
     from parallelisms.parallel_dims import pp_mesh
-    from tests.support.pipeline_runs import full_state
+    from tests.support.pipeline_runs import eager_pipeline_step, full_state
     from trainer.optim.expert_balance import ExpertBalance
-    from trainer.step.pipeline import PipelineStep
 
     out = {}
     world = dist.get_world_size()
@@ -212,16 +211,12 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
         )
         plan = plan_step(request)
         model, opt = _model(family, plan, dims=dims, mesh=mesh, capacity=capacity)
-        step = PipelineStep(
-            model=model,
-            optimizer=opt,
-            max_norm=1.0,
-            clip_grad_norm=clip_grad_norm_,
-            pipeline=plan.pipeline,
-            block="layers",
+        step = eager_pipeline_step(
+            model,
+            opt,
+            plan,
             n_layers=N_LAYERS,
             pp_mesh=pp_mesh(mesh),
-            device=torch.device("cpu"),
             moe=True,
             aux_loss_coef=AUX_COEF,
             balance=ExpertBalance(model, rate=BIAS_RATE),

@@ -184,11 +184,10 @@ def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode=
     """On each rank: for each schedule, the PP run's losses and this rank's final weights (full)."""
     import torch.distributed as dist
 
-    from parallelisms import ParallelDims, build_mesh, clip_grad_norm_
+    from parallelisms import ParallelDims, build_mesh
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.parallel_harness import llama3_args
-    from tests.support.pipeline_runs import full_state, pp_model, rank_run
-    from trainer.step.pipeline import PipelineStep
+    from tests.support.pipeline_runs import eager_pipeline_step, full_state, pp_model, rank_run
 
     out = {}
     for schedule in schedules:
@@ -205,17 +204,7 @@ def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode=
         )
         plan = plan_step(request)
         model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=seed, lr=LR, dims=dims, mesh=mesh)
-        step = PipelineStep(
-            model=model,
-            optimizer=opt,
-            max_norm=1.0,
-            clip_grad_norm=clip_grad_norm_,
-            pipeline=plan.pipeline,
-            block="layers",
-            n_layers=N_LAYERS,
-            pp_mesh=pp_mesh(mesh),
-            device=torch.device("cpu"),
-        )
+        step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp_mesh(mesh))
         losses = rank_run(step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
         out[schedule] = (losses, full_state(model))
     return out
