@@ -174,6 +174,9 @@ PLANNER_OFF: dict[str, str] = {
     # the bf16 parent's where the planner counts 3.0 (docs/results/pod_compile_2026-12-07_192523f_qwen3_235b_fp8.csv;
     # docs/moe.md#dispatch-chunks).
     "qwen3_235b_a22b_v7x_fp8.toml": "chunked dispatch: compiles and fits, 69.7 GiB at +16 % of the plan's 60.1",
+    # The same for DeepSeek-V3's (2026-12-07 at 58af518): 81.4 GiB against 70.1, +16 %
+    # (docs/results/pod_compile_2026-12-07_58af518_deepseek_v3_fp8.csv).
+    "deepseek_v3_671b_v7x_fp8.toml": "chunked dispatch: compiles and fits, 81.4 GiB at +16 % of the plan's 70.1",
 }
 # flux_dev_v7x was here until 2026-12-06: libtpu 0.0.52's TPU7x fusion emitter aborted on its step
 # (signal 6, fusion_emitter.cc 'Cannot find a valid window'); its recipe's [device] libtpu_init_args
