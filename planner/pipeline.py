@@ -130,18 +130,16 @@ class PipelineSpec:
         block's (`head_block_units`); None: `split_layers`' own accounting, `first_less` for the
         embedding and `last_less` for the head. The embedding is a lookup: 0 FLOPs when the head is
         priced."""
+        layers = self.rank_layers(n_layers)
+        if head_units is not None:
+            return [n + (head_units if self.holds_first_last(r)[1] else 0.0) for r, n in enumerate(layers)]
         last = self.num_stages - 1
-        out = []
-        for r, layers in enumerate(self.rank_layers(n_layers)):
-            last_here = self.holds_first_last(r)[1]
-            if head_units is None:
-                extra = (self.first_less if 0 in self.rank_stages(r) else 0) + (
-                    self.last_less if last in self.rank_stages(r) else 0
-                )
-            else:
-                extra = head_units if last_here else 0.0
-            out.append(layers + extra)
-        return out
+        return [
+            n
+            + (self.first_less if 0 in self.rank_stages(r) else 0)
+            + (self.last_less if last in self.rank_stages(r) else 0)
+            for r, n in enumerate(layers)
+        ]
 
     def imbalance(self, n_layers: int, head_units: float | None = None) -> float:
         """The heaviest rank's compute over the mean rank's (1: balanced)."""

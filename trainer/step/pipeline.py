@@ -79,15 +79,17 @@ def moe_block_keys(stack: nn.Module) -> list[str]:
 
 
 class _MoETap(nn.Module):
-    """A stage's view run by the schedule: its forward, then `tap(view, output)` (module docstring)."""
+    """A stage's view run by the schedule: its forward, then `tap(view, output, keys)` (module
+    docstring); `keys`: the view's MoE blocks (`moe_block_keys`), listed once, not per chunk."""
 
-    def __init__(self, view: nn.Module, tap):
+    def __init__(self, view: nn.Module, tap, block: str):
         super().__init__()
         self.view = view
         self._tap = tap
+        self._keys = moe_block_keys(getattr(view, block))
 
     def forward(self, *args, **kwargs):
-        return self._tap(self.view, self.view(*args, **kwargs))
+        return self._tap(self.view, self.view(*args, **kwargs), self._keys)
 
 
 class PipelineStep:
@@ -154,7 +156,7 @@ class PipelineStep:
             loss_fn=self._loss,
             first_stage_less=pipeline.first_stage_less,
             last_stage_less=pipeline.last_stage_less,
-            stage_module=(lambda view: _MoETap(view, self._tap)) if moe else None,
+            stage_module=(lambda view: _MoETap(view, self._tap, block)) if moe else None,
         )
         self.microbatches = pipeline.microbatches
         # `positions` = (local batch, seq_len), with tensor parallelism: a stage's input is then a
@@ -169,16 +171,16 @@ class PipelineStep:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, labels) * self._scale
 
-    def _tap(self, view: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    def _tap(self, view: nn.Module, out: torch.Tensor, keys: list[str]) -> torch.Tensor:
         """After a stage's forward: take its aux loss and expert loads off its block stack (always,
-        so none is left over); in a training chunk keep them and attach the aux loss's gradient."""
+        so none is left over); in a training chunk keep them (the loads by `keys`, the view's MoE
+        blocks) and attach the aux loss's gradient."""
         stack = getattr(view, self.block)
         aux = stack.pop_aux_loss()
         load = stack.pop_expert_load()
         if not (self._collect and in_chunk_forward()):
             return out
         if load is not None:
-            keys = moe_block_keys(stack)
             assert len(keys) == load.shape[0], (keys, tuple(load.shape))
             for key, row in zip(keys, load.detach().float()):
                 self._loads[key] = row if key not in self._loads else self._loads[key] + row
