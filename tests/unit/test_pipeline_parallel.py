@@ -166,14 +166,15 @@ N_LAYERS = 6
 BATCH = 8
 
 
-def _one_process_reference(seed: int, batches):
-    """Losses and final weights of the eager step on one process (fp32, AdamW, clipping)."""
+def _one_process_reference(seed: int, batches, n_layers: int = N_LAYERS):
+    """Losses and final weights of the eager step on one process (fp32, AdamW, clipping), the debug
+    Llama 3 at `n_layers`."""
     from parallelisms import clip_grad_norm_
     from tests.support.parallel_harness import llama3_args
     from tests.support.pipeline_runs import pp_model
     from trainer.step import EagerStep
 
-    model, opt = pp_model(llama3_args(N_LAYERS), plan_step(StepRequest()), seed=seed, lr=LR)
+    model, opt = pp_model(llama3_args(n_layers), plan_step(StepRequest()), seed=seed, lr=LR)
     step = EagerStep(model=model, optimizer=opt, max_norm=1.0, aux_loss_coef=0.0, clip_grad_norm=clip_grad_norm_)
     outs = [step([b]) for b in batches]
     losses = [(o.loss.item(), o.grad_norm.item()) for o in outs]

@@ -16,34 +16,13 @@ few ulp per step): losses 2e-6 relative, gradient norms 1e-5, weights 5 % of lr 
 import pytest
 
 from parallelisms.pipeline_parallel import split_layers
+from tests.unit.test_pipeline_parallel import BATCH, LR, STEPS, _batches, _one_process_reference
 from trainer.step import StepRequest, plan_step
 
 PP = 4
 N_LAYERS = 8
-STEPS = 3
-LR = 1e-3
-BATCH = 8
 MICROBATCHES = 4
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-
-
-def _batches():
-    from tests.support.parallel_harness import batch, llama3_args
-
-    vocab = llama3_args(N_LAYERS).vocab_size
-    return [batch(vocab, batch_size=BATCH, seed=20 + i) for i in range(STEPS)]
-
-
-def _reference(batches):
-    from parallelisms import clip_grad_norm_
-    from tests.support.parallel_harness import llama3_args
-    from tests.support.pipeline_runs import pp_model
-    from trainer.step import EagerStep
-
-    model, opt = pp_model(llama3_args(N_LAYERS), plan_step(StepRequest()), seed=0, lr=LR)
-    step = EagerStep(model=model, optimizer=opt, max_norm=1.0, aux_loss_coef=0.0, clip_grad_norm=clip_grad_norm_)
-    losses = [(o.loss.item(), o.grad_norm.item()) for o in (step([b]) for b in batches)]
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _worker(batches):
@@ -93,10 +72,10 @@ def test_pp4_schedules_equal_one_process():
     """GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble on PP 4, 4 chunks of 2 sequences == one process:
     each rank's losses and gradient norms, and every weight of the model, which the 4 ranks' parts
     cover exactly once (the blocks each rank holds are disjoint and together all 8)."""
-    from tests.support.parallel_harness import run_processes
+    from tests.support.parallel_harness import llama3_args, run_processes
 
-    batches = _batches()
-    ref_losses, ref_state = _reference(batches)
+    batches = _batches(llama3_args(N_LAYERS).vocab_size)
+    ref_losses, ref_state = _one_process_reference(0, batches, n_layers=N_LAYERS)
     results = run_processes(PP, _worker, batches)
     worst_loss = worst_norm = worst_weight = 0.0
     for schedule in SCHEDULES:
