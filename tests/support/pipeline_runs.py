@@ -20,17 +20,17 @@ def llama3_family():
     return FAMILIES["llama3"]
 
 
-def pp_model(args, plan, *, seed: int, lr: float, dims=None, mesh=None):
-    """(model, AdamW) of the Llama 3 family at `args` for the step plan `plan` on `dims` / `mesh`
-    (default: one process), fp32 on CPU, initialised from `seed` (betas 0.9 / 0.95, eps 1e-8,
-    weight decay 0.1)."""
+def pp_model(args, plan, *, seed: int, lr: float, dims=None, mesh=None, family=None, **build):
+    """(model, AdamW) of `family` (default: Llama 3) at `args` for the step plan `plan` on `dims` /
+    `mesh` (default: one process), fp32 on CPU, initialised from `seed` (betas 0.9 / 0.95, eps 1e-8,
+    weight decay 0.1); `build`: more of `build_model`'s keywords (e.g. `moe_capacity_factor`)."""
     from parallelisms import ParallelDims
     from trainer.job import build_model
     from trainer.optim import build_optimizer_for
 
     torch.manual_seed(seed)
     model = build_model(
-        llama3_family(),
+        family if family is not None else llama3_family(),
         args,
         step_plan=plan,
         parallel_dims=dims if dims is not None else ParallelDims(world_size=1),
@@ -38,6 +38,7 @@ def pp_model(args, plan, *, seed: int, lr: float, dims=None, mesh=None):
         device=torch.device("cpu"),
         param_dtype=torch.float32,
         reduce_dtype=torch.float32,
+        **build,
     )
     opt = build_optimizer_for(model, name="adamw", lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     return model, opt

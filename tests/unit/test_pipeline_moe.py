@@ -114,27 +114,14 @@ def _args(family: str):
 
 def _model(family: str, plan, *, dims=None, mesh=None, capacity: float = 0.0):
     """(model, AdamW) of the family's MoE flavor for the step plan on `dims` / `mesh` (one process by
-    default), fp32 on CPU from seed 0, as tests/support/pipeline_runs.py `pp_model` builds Llama 3;
+    default), fp32 on CPU from seed 0 (tests/support/pipeline_runs.py `pp_model`);
     `capacity`: `[moe] capacity_factor` (0: dropless)."""
     from models import FAMILIES
-    from parallelisms import ParallelDims
-    from trainer.job import build_model
-    from trainer.optim import build_optimizer_for
+    from tests.support.pipeline_runs import pp_model
 
-    torch.manual_seed(0)
-    model = build_model(
-        FAMILIES[family],
-        _args(family),
-        step_plan=plan,
-        parallel_dims=dims if dims is not None else ParallelDims(world_size=1),
-        mesh=mesh,
-        device=torch.device("cpu"),
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
-        moe_capacity_factor=capacity,
+    return pp_model(
+        _args(family), plan, seed=0, lr=LR, dims=dims, mesh=mesh, family=FAMILIES[family], moe_capacity_factor=capacity
     )
-    opt = build_optimizer_for(model, name="adamw", lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    return model, opt
 
 
 def _batches(family: str):
