@@ -80,7 +80,7 @@ class Variant:
     accum: int = 1
     """One process only: the global batch as `accum` accumulation micro-batches (T_1(m))."""
 
-    def overrides(self, batch: int = 0) -> list[str]:
+    def overrides(self, batch: int) -> list[str]:
         if self.pp == 1:
             if self.accum == 1:
                 return []
