@@ -69,7 +69,10 @@ def test_the_grouped_op_compiles_to_float8_ragged_dots_on_v7x_and_int8_on_v6e(pr
     compiled program as XLA:TPU's ragged-dot kernels on float8 (v7x: float8_rowwise, tensorwise,
     blockwise) and int8 (v6e) operands, and the weight gradient as one float8 dot over the
     experts' segments; int8's weight gradient stays bf16 (the recipe's). Nothing else multiplies
-    in high precision."""
+    in high precision. float8_rowwise's dots write bf16 (its scales are powers of two, so
+    rounding before them is exact: qgmm `_accumulator`) and no float32 value of the tokens' rows
+    reaches memory: neither a dot's float32 product nor the scales gathered to every row
+    (qgmm `row_lookup`), which held 2.5 GiB per expert matmul's backward at the 235B's shapes."""
     result = probe(
         "tpuc",
         "quantize_xla.py",
@@ -94,9 +97,10 @@ def test_the_grouped_op_compiles_to_float8_ragged_dots_on_v7x_and_int8_on_v6e(pr
         "convolution: f8e4m3fn x f8e4m3fn -> f32": 1,
     }, result
     assert fp8["matmuls"] == {
-        "ragged-dot: f8e4m3fn x f8e4m3fn -> f32": 2,
-        "convolution: f8e4m3fn x f8e4m3fn -> f32": 1,
+        "ragged-dot: f8e4m3fn x f8e4m3fn -> bf16": 2,
+        "convolution: f8e4m3fn x f8e4m3fn -> bf16": 1,
     }, fp8
+    assert fp8["wide_token_values"] == [], fp8
     assert int8["matmuls"] == {"ragged-dot: s8 x s8 -> s32": 2, "convolution: bf16 x bf16 -> bf16": 1}, int8
 
 

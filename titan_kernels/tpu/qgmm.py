@@ -18,7 +18,9 @@ recipes, scales, clamp and rounding). No scale group spans two experts:
   experts' boundaries, so each (tile, expert) piece is its own segment).
 Each quantized matmul is one `lax.ragged_dot_general` of float8_e4m3fn / float8_e5m2 operands
 with float32 accumulation, or int8 operands with int32 accumulation (`preferred_element_type`),
-then the two scales; 128-wide K tiles (float8_blockwise) are one ragged dot each (XLA:TPU's
+then the two scales (float8_rowwise's power-of-two scales: the dot writes bf16 and the scales
+apply in bf16, exactly; the scales reach the rows by selects, not a gather: `row_lookup`, so no
+float32 [M, C] value is written); 128-wide K tiles (float8_blockwise) are one ragged dot each (XLA:TPU's
 ragged-dot takes no batch dims), each tile's product scaled and the tiles summed in float32. The weight gradient is the ragged dot's
 contracting mode (-> [segments, N, K]), scaled per segment and, for tiles, summed per expert:
 with float8_blockwise that materialises [M / 128 + G, N, K] float32 partials (the dense op's
@@ -69,6 +71,29 @@ def _segment_amax(t: jax.Array, segment: jax.Array, num: int) -> jax.Array:
     return jnp.maximum(amax, 0.0)
 
 
+LOOKUP_SELECTS = 32
+"""Most table rows `row_lookup` reads by a chain of selects rather than a gather (below)."""
+
+
+def row_lookup(table: jax.Array, index: jax.Array) -> jax.Array:
+    """table[index] for table [S, ...] and index [M] (int, in [0, S)) -> [M, ...], exactly.
+
+    Up to LOOKUP_SELECTS rows it is a chain of S - 1 selects on the broadcast rows: an elementwise
+    expression XLA:TPU fuses into the one consumer (the scaling of a matmul's operand or output),
+    where a gather is a kernel of its own that writes the whole [M, C] of scales to memory and the
+    consumer reads it back (at the 235B's expert shapes, 81,920 rows: 1.25 GiB of float32 per
+    weight-scale gather, 0.6 GiB per token-scale one, live beside the matmul). The scale tables here
+    have one row per local expert (+1 for the rows past the groups), so S is small; more rows (the
+    1 x 128 token tiles of float8_blockwise) take the gather."""
+    if table.shape[0] > LOOKUP_SELECTS:
+        return table[index]
+    pick = index.reshape(index.shape + (1,) * (table.ndim - 1))
+    out = jnp.broadcast_to(table[0], index.shape + table.shape[1:])
+    for s in range(1, table.shape[0]):
+        out = jnp.where(pick == s, table[s], out)
+    return out
+
+
 def _quantize_rows(t: jax.Array, op, group: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array]:
     """Row-grouped t [M, K] along K -> (q [M, T, k], s [M, T]); tensorwise: one scale per group."""
     if op[1] != "tensor":
@@ -89,6 +114,25 @@ def _quantize_weight(w: jax.Array, op) -> tuple[jax.Array, jax.Array]:
     return jax.vmap(one)(w)
 
 
+def _accumulator(op_a, op_b, tiles: int, out_dtype):
+    """The dtype a quantized ragged dot writes: int32 for int8 operands; for float8, float32, or
+    `out_dtype` itself when one dot gives the result and both scales are powers of two
+    (float8_rowwise). Scaling by a power of two is exact, so rounding the float32 accumulator to
+    out_dtype before the scales equals rounding after them (bfloat16 has float32's exponent range),
+    and the [M, C] float32 product never reaches memory (1.25 GiB at the 235B's expert shapes)."""
+    if op_a[0] == "int8":
+        return jnp.int32
+    return out_dtype if tiles == 1 and op_a[2] and op_b[2] else jnp.float32
+
+
+def _scaled(partial: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
+    """A quantized dot's output times its operands' scales: in the output's own dtype when the dot
+    wrote a narrow float (exact: the scales are powers of two, `_accumulator`), else in float32."""
+    if partial.dtype in (jnp.int32, jnp.float32):
+        return partial.astype(jnp.float32) * sa * sb
+    return partial * sa.astype(partial.dtype) * sb.astype(partial.dtype)
+
+
 def ragged_matmul(a: jax.Array, b: jax.Array, group_sizes: jax.Array, spec, out_dtype) -> jax.Array:
     """Rows of group g of a [M, K] @ b[g]^T (b [G, C, K]) -> [M, C] as the recipe's matmul `spec`."""
     rows = a.shape[0]
@@ -101,16 +145,16 @@ def ragged_matmul(a: jax.Array, b: jax.Array, group_sizes: jax.Array, spec, out_
     a = jnp.where(valid, a, jnp.zeros((), a.dtype))  # rows past the sum: out of every scale
     qa, sa = _quantize_rows(a, op_a, group, b.shape[0])
     qb, sb = _quantize_weight(b, op_b)
-    acc = jnp.int32 if op_a[0] == "int8" else jnp.float32
-    sb_rows = sb[jnp.minimum(group, b.shape[0] - 1)]  # [M, C, T]: each row's expert's weight scales
+    acc = _accumulator(op_a, op_b, qa.shape[1], out_dtype)
+    sb_rows = row_lookup(sb, jnp.minimum(group, b.shape[0] - 1))  # [M, C, T]: each row's expert's weight scales
     out = None
     for t in range(qa.shape[1]):  # one ragged dot per K tile (1 for tensor / axis scales)
         partial = lax.ragged_dot_general(
             qa[:, t], qb[:, :, t], group_sizes, _NONCONTRACTING, preferred_element_type=acc
         )
-        scaled = partial.astype(jnp.float32) * sa[:, t, None] * sb_rows[:, :, t]
+        scaled = _scaled(partial, sa[:, t, None], sb_rows[:, :, t])
         out = scaled if out is None else out + scaled
-    return jnp.where(valid, out, 0.0).astype(out_dtype)
+    return jnp.where(valid, out, jnp.zeros((), out.dtype)).astype(out_dtype)
 
 
 def _weight_grad_segments(group: jax.Array, num_groups: int, granularity: str) -> tuple[jax.Array, int]:
@@ -132,7 +176,7 @@ def _quantize_tokens(t: jax.Array, op, segment: jax.Array, num: int) -> tuple[ja
     if op[1] == "tensor":
         amax = jnp.max(amax, axis=1, keepdims=True)
     s = qmatmul.scale_of_amax(amax, op)
-    return qmatmul.cast(t / s[segment], op[0]), s
+    return qmatmul.cast(t / row_lookup(s, segment), op[0]), s
 
 
 def ragged_weight_grad(dy: jax.Array, x: jax.Array, group_sizes: jax.Array, spec, out_dtype) -> jax.Array:
@@ -152,9 +196,9 @@ def ragged_weight_grad(dy: jax.Array, x: jax.Array, group_sizes: jax.Array, spec
     qa, sa = _quantize_tokens(dy, op_a, segment, num)
     qb, sb = _quantize_tokens(x, op_b, segment, num)
     sizes = jax.ops.segment_sum(valid[:, 0].astype(jnp.int32), segment, num_segments=num, indices_are_sorted=True)
-    acc = jnp.int32 if op_a[0] == "int8" else jnp.float32
+    acc = _accumulator(op_a, op_b, 1, out_dtype) if op_a[1] != "tile" else jnp.float32
     partial = lax.ragged_dot_general(qa, qb, sizes, _CONTRACTING, preferred_element_type=acc)  # [S, N, K]
-    scaled = partial.astype(jnp.float32) * sa[:, :, None] * sb[:, None, :]
+    scaled = _scaled(partial, sa[:, :, None], sb[:, None, :])
     if op_a[1] != "tile":
         return scaled[:num_groups].astype(out_dtype)
     # Each segment's expert (an empty segment's partial is exactly 0: any expert will do).

@@ -368,9 +368,24 @@ def ragged_dots(hlo: str) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
+_ENTRY_VALUE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = (\w+\[[\d,]*\])", re.M)
+
+
+def token_buffers(hlo: str, tokens: int) -> list[str]:
+    """The compiled program's top-level values (ENTRY's instructions: each its own buffer) of
+    `tokens` rows and more than one column in float32 or wider, parameters aside: e.g. a
+    matmul's float32 product or a gather of scales to every row."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    values = _ENTRY_VALUE.findall("\n".join(line for line in entry.splitlines() if " parameter(" not in line))
+    return sorted(
+        v for v in values if v.startswith(("f32[", "s32[", "f64[")) and v.split("[")[1].startswith(f"{tokens},")
+    )
+
+
 def compile_grouped(gen: str, recipe: str, tokens: int) -> dict:
     """qgmm.grouped_mm (forward output and both gradients) at x [tokens, 512], w [8, 256, 512]
-    bf16, group sizes a runtime array, compiled by XLA:TPU for device 0 of GEN's topology."""
+    bf16, group sizes a runtime array, compiled by XLA:TPU for device 0 of GEN's topology: its
+    matmuls, its top-level float32 [tokens, C] values and its temporary bytes."""
     import tiles
     from jax.experimental import topologies
 
@@ -388,7 +403,13 @@ def compile_grouped(gen: str, recipe: str, tokens: int) -> dict:
 
     start = time.perf_counter()
     compiled = jax.jit(step).lower(x, w, sizes, cot).compile()
-    return {"compile_s": round(time.perf_counter() - start, 1), "matmuls": ragged_dots(compiled.as_text())}
+    hlo = compiled.as_text()
+    return {
+        "compile_s": round(time.perf_counter() - start, 1),
+        "matmuls": ragged_dots(hlo),
+        "wide_token_values": token_buffers(hlo, tokens),
+        "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+    }
 
 
 def register_check() -> dict:
