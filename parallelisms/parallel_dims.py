@@ -420,21 +420,22 @@ PP_AXES = ("pp", *MESH_AXES)
 
 def _build_pp_mesh(parallel_dims: ParallelDims, device_type: str) -> DeviceMesh:
     """With pp > 1: the world mesh `PP_AXES` in rank order, and this rank's stage mesh (`MESH_AXES`
-    over the ranks of its pp stage) returned, carrying the 1-D pp axis (`pp_mesh`). The step plan's
-    rules keep pp without cp (not built here); with ep > 1 the expert mesh is the stage's own
+    over the ranks of its pp stage) returned, carrying the 1-D pp axis (`pp_mesh`). With cp > 1 the cp axis
+    is the stage's (SimpleFSDP over its `dp_shard_cp`); with ep > 1 the expert mesh is the stage's own
     (`build_ep_mesh` over the stage mesh: EP groups never cross the pp axis). On several slices the
     ranks are slice-major and pp is outermost, so the slices split the pp axis (`dcn_mesh_shape`):
     each stage's FSDP group stays inside a slice and only the stage permutes (and the HSDP
     all-reduce, if any) cross the DCN."""
     from parallelisms.device_order import check_mesh_order
 
-    assert not parallel_dims.cp_enabled, parallel_dims
     check_slice_major(parallel_dims, rank=dist.get_rank())
     ranks = torch.arange(parallel_dims.world_size).reshape((parallel_dims.pp, *parallel_dims.mesh_shape))
     world = DeviceMesh(device_type, ranks, mesh_dim_names=PP_AXES)
     stage = world[MESH_AXES]
     stage._titan_pp_mesh = world["pp"]
     meshes = {"world": world, "stage": stage, "pp": world["pp"], "dp": flat_dp_mesh(stage)}
+    if parallel_dims.cp_enabled:
+        meshes["dp_shard_cp"] = dp_shard_cp_mesh(stage)
     if parallel_dims.ep_enabled:
         meshes["expert"] = build_ep_mesh(parallel_dims, stage)
     stage._titan_checked_axes = check_mesh_order(meshes)

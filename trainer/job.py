@@ -293,8 +293,12 @@ class Job:
                 positions=(self.data.local_batch_size, t.seq_len) if self.plan.parallel_dims.tp_enabled else None,
                 moe=self.plan.args.shape().num_experts > 0,
                 aux_loss_coef=t.aux_loss_coef,
-                balance=balance,
+                # this rank's layers' (empty on a rank without MoE layers, which then joins the
+                # other ranks' statistics with zeros: trainer/step/pipeline.py)
+                balance=ExpertBalance(self.model, rate=t.expert_bias_rate),
                 stage_mesh=self.data.mesh,
+                moe_capacity=self.cfg.moe.capacity_factor > 0,
+                cp=getattr(self.data.task, "cp", None),
             )
         if plan.mode != "graph":
             # `training.replicate_reduce = "step"`: the dp_replicate mean once per step (falsy: none deferred).

@@ -265,8 +265,8 @@ def _pipeline_eval_loss(step_fn):
     """With pipeline parallelism a rank holds some layers only: the validation loss of a micro-batch
     runs through the schedule (`PipelineStep.eval_loss`), the same on every pp rank."""
 
-    def loss(model, inputs, labels):
-        return step_fn.eval_loss(inputs, labels)
+    def loss(model, inputs, labels, *extra):  # extra: the shard's positions with context parallelism
+        return step_fn.eval_loss(inputs, labels, *extra)
 
     return loss
 

@@ -1826,6 +1826,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "through the trainer, and EP parity on thread ranks",
     ),
     Scheduled(
+        "tests/unit/test_pipeline_cp.py::test_*pp2_cp2*",
+        (
+            "tests/unit/test_pipeline_cp.py::test_eager_pp_with_cp_is_planned",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/unit/test_context_parallel.py::test_model_cp2_matches_single_process[llama3]",
+        ),
+        "PP 2 x CP 2 (4 spawned gloo ranks; 1F1B and Interleaved1F1B, and through the trainer) against one "
+        "process: the default tier plans eager PP x CP, runs the same PipelineStep and schedule builder on "
+        "PP 2 through the trainer, and the CP attention, RoPE positions and loss on a CP 2 model",
+    ),
+    Scheduled(
         "tests/unit/test_pipeline_pp4.py::test_pp4_schedules_equal_one_process",
         (
             "tests/unit/test_pipeline_pp4.py::test_the_pp4_stages_are_the_trainers_split",

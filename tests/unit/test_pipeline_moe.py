@@ -99,28 +99,55 @@ FLAVORS = {
     "qwen3": ("debugmodel_moe", {"moe_expert_bias": True}),
     "qwen3_5": ("debugmodel_moe", {}),
     "gpt_oss": ("debugmodel", {}),
+    "qwen3_dense_first": ("debugmodel_moe", {"moe_expert_bias": True}),
 }
 """The MoE debug flavor of each family PP runs (`PIPELINE_FAMILIES`), with the selection bias where the
-family has one."""
+family has one; `qwen3_dense_first`: Qwen 3's with dense first blocks (`DenseFirstQwen3`)."""
+
+DENSE_FIRST = 3
+"""`DenseFirstQwen3`'s dense blocks: with the trainer's split of 6 layers over 2 stages (3 | 3) pp rank
+0 holds no MoE layer (DeepSeek-V3's first_k_dense_replace layout)."""
+
+
+def _dense_first_cls():
+    from models.qwen3 import Transformer
+
+    class DenseFirstQwen3(Transformer):
+        """Qwen 3 MoE whose first `DENSE_FIRST` blocks have a dense SwiGLU FFN of `hidden_dim` (no
+        registered pipeline family mixes them; DeepSeek-V3's two stacks are not a plain decoder)."""
+
+        def __init__(self, args):
+            super().__init__(args)
+            dense = Transformer(dataclasses.replace(args, num_experts=0, moe_expert_bias=False, n_layers=DENSE_FIRST))
+            for i in range(DENSE_FIRST):
+                self.layers[str(i)] = dense.layers[str(i)]
+
+    return DenseFirstQwen3
+
+
+def _family(family: str):
+    from models import FAMILIES
+
+    if family == "qwen3_dense_first":
+        return dataclasses.replace(FAMILIES["qwen3"], model_cls=_dense_first_cls())
+    return FAMILIES[family]
 
 
 def _args(family: str):
-    from models import FAMILIES
     from tests.support.parallel_harness import SEQ_LEN
 
     flavor, extra = FLAVORS[family]
-    return dataclasses.replace(FAMILIES[family].flavors[flavor], n_layers=N_LAYERS, max_seq_len=SEQ_LEN, **extra)
+    return dataclasses.replace(_family(family).flavors[flavor], n_layers=N_LAYERS, max_seq_len=SEQ_LEN, **extra)
 
 
 def _model(family: str, plan, *, dims=None, mesh=None, capacity: float = 0.0):
     """(model, AdamW) of the family's MoE flavor for the step plan on `dims` / `mesh` (one process by
     default), fp32 on CPU from seed 0 (tests/support/pipeline_runs.py `pp_model`);
     `capacity`: `[moe] capacity_factor` (0: dropless)."""
-    from models import FAMILIES
     from tests.support.pipeline_runs import pp_model
 
     return pp_model(
-        _args(family), plan, seed=0, lr=LR, dims=dims, mesh=mesh, family=FAMILIES[family], moe_capacity_factor=capacity
+        _args(family), plan, seed=0, lr=LR, dims=dims, mesh=mesh, family=_family(family), moe_capacity_factor=capacity
     )
 
 
@@ -208,6 +235,7 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             aux_loss_coef=AUX_COEF,
             balance=ExpertBalance(model, rate=BIAS_RATE),
             stage_mesh=mesh,
+            moe_capacity=capacity > 0,
         )
         r = dims.dp_rank(mesh)
         runs = []
@@ -297,3 +325,19 @@ def test_pp2_other_moe_families_equal_one_process():
     families `PIPELINE_FAMILIES` lets through with experts (scheduled tier)."""
     _parity(2, ("1F1B",), family="qwen3_5")
     _parity(2, ("1F1B",), family="gpt_oss")
+
+
+@pytest.mark.multiprocess
+def test_pp2_dense_first_stage_moe_equals_one_process():
+    """A MoE whose first 3 of 6 blocks are dense (`DenseFirstQwen3`, DeepSeek style) on PP 2: pp rank 0
+    holds the embedding and the dense blocks only (no aux loss, no expert load) and joins the pp-axis
+    reduction of MaxVio and the dropped copies with zeros; 1F1B, 4 chunks, dropless and with the
+    capacity dispatch at factor 1 == one process: losses, gradient norms, aux losses, MaxVio and the
+    dropped copies as every rank (rank 0 included) reports them, the weights and the expert biases
+    (scheduled tier)."""
+    from parallelisms.pipeline_parallel import PipelinePlan
+
+    plan = PipelinePlan(pp=2, schedule="1F1B", num_virtual=1, microbatches=4)
+    assert plan.rank_layers(N_LAYERS, 0) == list(range(DENSE_FIRST))  # rank 0: dense blocks only
+    _parity(2, ("1F1B",), family="qwen3_dense_first")
+    _parity(2, ("1F1B",), family="qwen3_dense_first", capacity=1.0)

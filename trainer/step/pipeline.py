@@ -11,6 +11,16 @@ counts per chunk, the gradient of the global batch's mean loss. Then the gradien
 stage (the squared norms summed over the pp axis), clipping and the update, as in the eager step.
 The loss returned is the same mean on every rank (the last stage's, summed over the pp axis).
 
+Context parallelism (`cp`, a `CPGroup`; docs/pipeline_parallel.md "Context parallelism with PP"):
+the cp axis lives inside each stage like dp_shard and tp. A micro-batch is then this cp rank's
+load-balanced shard `(inputs, labels, positions)` (`LMTask.prepare`: chunks r and 2 cp - 1 - r of
+each window, with their global RoPE positions), the schedule sends hidden states `[b, s / cp, d]`
+between the stages, every stage's attention is the job's CP attention (the op `causal_attention`,
+`apply_cp`) and the positions go to every stage with the chunk. The last stage's chunk loss is the
+non-PP CP path's (`cp_scaled_lm_loss`): this rank's token sum x cp / the cp group's token count of
+the chunk, so SimpleFSDP's gradient mean over dp_shard x cp gives the chunk's mean over all its
+tokens, and the per-rank losses averaged over the world are the global mean.
+
 MoE models (`moe=True`; docs/pipeline_parallel.md "MoE and expert parallelism with PP"). Each
 stage runs wrapped (`_MoETap`): after its blocks' forward on a chunk the step takes the stage's
 summed load-balancing loss and its layers' expert loads off the stage's block stack.
@@ -34,6 +44,10 @@ summed load-balancing loss and its layers' expert loads off the stage's block st
 - Metadata inference: `torch.distributed.pipelining` runs a stage forward outside the chunks
   before a first step and after a train <-> eval switch; the tap pops and drops what that
   forward leaves (`in_chunk_forward`).
+- A pp rank without MoE layers (a dense first stage, DeepSeek style): it adds no aux loss and no
+  expert load, and when the other ranks' `ExpertBalance.finish` combines MaxVio and the dropped
+  copies over the pp axis it joins that reduction with zeros (`_join_balance_without_layers`), so
+  every rank returns the same statistics.
 
 Graph-mode PP (trainer/graph/pipeline.py) does not run MoE models (trainer/step/pipeline_rules.py).
 """
@@ -42,9 +56,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from models.common.moe import MoE
+from models.common.ops import IGNORE_INDEX
 from parallelisms.pipeline_parallel import PipelinePlan, build_schedule, in_chunk_forward
 from trainer.step.eager import step_if_finite
 from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
@@ -115,6 +131,8 @@ class PipelineStep:
         aux_loss_coef: float = 0.0,
         balance=None,
         stage_mesh=None,
+        moe_capacity: bool = False,
+        cp=None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -127,10 +145,17 @@ class PipelineStep:
         # reductions below run on all of them); `balance` the ExpertBalance of this rank's layers.
         self.moe = moe
         self.aux_loss_coef = float(aux_loss_coef)
-        self.balance = balance
         self.block = block
         self._moe_keys = moe_block_keys(getattr(model, block)) if moe else []
-        assert not moe or self._moe_keys, "PP with MoE: every pp rank must hold MoE layers"
+        # A rank without MoE layers (module docstring): `balance` is then its empty ExpertBalance
+        # (falsy) or None, and `moe_capacity` says whether the other ranks' layers drop copies.
+        self._stats_without_layers = moe and not self._moe_keys and (balance is not None or moe_capacity)
+        self.moe_capacity = moe_capacity
+        if balance is not None and not balance:
+            balance = None
+        self.balance = balance
+        # Context parallelism (module docstring): the cp group of this rank's stage, None without.
+        self.cp = cp if cp is not None and cp.size > 1 else None
         self._collect = False
         self._aux_parts: list[torch.Tensor] = []
         self._loads: dict[str, torch.Tensor] = {}
@@ -169,7 +194,14 @@ class PipelineStep:
         )
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, labels) * self._scale
+        if self.cp is None:
+            return lm_loss(logits, labels) * self._scale
+        # The non-PP CP loss (trainer/step/loss.py `cp_scaled_lm_loss`) on the chunk's shard: every cp
+        # rank of the last stage computes its loss on the same chunk at once, so the count's
+        # all-reduce over cp pairs up like the attention's k/v gathers.
+        count = (labels != IGNORE_INDEX).sum().to(torch.float32)
+        scale = self.cp.size / funcol.all_reduce(count, "sum", self.cp.group)
+        return lm_loss(logits, labels, reduction="sum") * scale * self._scale
 
     def _tap(self, view: nn.Module, out: torch.Tensor, keys: list[str]) -> torch.Tensor:
         """After a stage's forward: take its aux loss and expert loads off its block stack (always,
@@ -191,13 +223,16 @@ class PipelineStep:
             out = attach_aux(out, aux, self.aux_loss_coef * self._scale)
         return out
 
-    def _run(self, call, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _run(self, call, inputs: torch.Tensor, labels: torch.Tensor, positions=None) -> list[torch.Tensor]:
         """One schedule call (`step` or `eval`) on a micro-batch; the last stage's scaled chunk
-        losses (the schedule replaces a list's contents per call; no logits are kept)."""
+        losses (the schedule replaces a list's contents per call; no logits are kept). `positions`:
+        the micro-batch's RoPE positions (context parallelism: the shard's global positions, which
+        every stage takes with the chunk), else TP's whole-window positions, else none."""
         chunk_losses: list[torch.Tensor] = []
         kwargs = {"target": labels, "losses": chunk_losses} if self.has_last else {}
-        if self.positions is not None:
-            kwargs["positions"] = self.positions
+        positions = positions if positions is not None else self.positions
+        if positions is not None:
+            kwargs["positions"] = positions
         if self.has_first:
             call(inputs, return_outputs=False, **kwargs)
         else:
@@ -213,11 +248,21 @@ class PipelineStep:
         dist.all_reduce(loss, group=self.pp_mesh.get_group())
         return loss
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _unpack(self, microbatch) -> tuple:
+        """(inputs, labels, positions or None) of a micro-batch: (inputs, labels), or with context
+        parallelism this rank's shard (inputs, labels, positions)."""
+        want = 3 if self.cp is not None else 2
+        assert len(microbatch) == want, (
+            f"the pipeline step takes {'(inputs, labels, positions)' if want == 3 else '(inputs, labels)'} micro-batches"
+        )
+        return (*microbatch, None) if want == 2 else tuple(microbatch)
+
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """The mean loss of one micro-batch through the schedule's forward only (`schedule.eval`;
-        validation), the same on every rank of the pp axis."""
+        validation), the same on every rank of the pp axis (with CP, `extra` is the positions and the
+        value is this cp rank's part, whose mean over the cp ranks is the micro-batch's mean)."""
         self._scale = 1.0 / self.microbatches
-        return self._pp_sum(self._run(self.schedule.eval, inputs, labels))
+        return self._pp_sum(self._run(self.schedule.eval, *self._unpack((inputs, labels, *extra))))
 
     def __call__(self, microbatches, lr: float | None = None) -> StepOutput:
         self.optimizer.zero_grad(set_to_none=True)
@@ -227,9 +272,7 @@ class PipelineStep:
         self._aux_parts, self._loads, self._collect = [], {}, True
         try:
             for microbatch in microbatches:
-                assert len(microbatch) == 2, "the pipeline step takes (inputs, labels) micro-batches"
-                inputs, labels = microbatch
-                losses.extend(self._run(self.schedule.step, inputs, labels))
+                losses.extend(self._run(self.schedule.step, *self._unpack(microbatch)))
         finally:
             self._collect = False
         loss = self._pp_sum(losses)  # the step's mean loss
@@ -246,5 +289,20 @@ class PipelineStep:
             stats = self.balance.finish(
                 load, apply=~nonfinite, group=self._stage_group, pp_group=self.pp_mesh.get_group()
             )
+        elif self._stats_without_layers:
+            stats = self._join_balance_without_layers()
         self._aux_parts, self._loads = [], {}
         return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))
+
+    def _join_balance_without_layers(self):
+        """On a pp rank without MoE layers: the pp-axis reduction of `ExpertBalance.finish` (sum of
+        MaxVio, layers, dropped, routed over the pp ranks' layers) with a zero contribution, and the
+        same statistics as the ranks with layers return."""
+        from trainer.optim.expert_balance import BalanceStats
+
+        parts = torch.zeros(4, dtype=torch.float32, device=self.device)
+        dist.all_reduce(parts, group=self.pp_mesh.get_group())
+        vio = parts[0] / parts[1].clamp(min=1.0)
+        if not self.moe_capacity:
+            return BalanceStats(max_vio=vio)
+        return BalanceStats(max_vio=vio, dropped=parts[2], dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))

@@ -4,7 +4,8 @@ compose with yet (`PIPELINE_RULES`, part of `RULES`; docs/rules.md).
 
 What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager stages of a
 decoder through torch.distributed.pipelining on cpu/cuda, composed with SimpleFSDP/HSDP, TP,
-activation checkpointing and gradient accumulation, and for an MoE flavor with expert parallelism
+context parallelism (dense decoders without TP: the cp axis inside each stage), activation
+checkpointing and gradient accumulation, and for an MoE flavor with expert parallelism
 inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached per stage, the expert
 loads per layer); in graph mode the pipeline inside the captured step (trainer/graph/pipeline.py)
 with uniform stages, one SPMD program on every pp rank, which is also the TPU path, on one slice or
@@ -149,19 +150,33 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with context parallelism, expert parallelism in graph mode, or TP's loss parallel outside graph mode",
+        "PP > 1 with expert parallelism in graph mode, or TP's loss parallel outside graph mode",
         lambda r: (
             r.pp_degree > 1
-            and (
-                r.cp_degree > 1
-                or (r.ep_degree > 1 and r.mode == "graph")
-                or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph")
-            )
+            and ((r.ep_degree > 1 and r.mode == "graph") or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph"))
         ),
-        "{r.pp_degree} composes with data, tensor and (eager mode) expert parallelism (SimpleFSDP, HSDP, TP, EP; "
-        "loss parallel in graph mode only) for now; here context_parallel_degree {r.cp_degree}, "
-        "expert_parallel_degree {r.ep_degree}, enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); "
-        'allowed: 1, or cp = 1, ep = 1 in graph mode and enable_loss_parallel = false (or compile.mode = "graph")',
+        "{r.pp_degree} composes with data, tensor, (eager mode) expert and context parallelism (SimpleFSDP, HSDP, "
+        "TP, EP, CP; loss parallel in graph mode only) for now; here expert_parallel_degree {r.ep_degree}, "
+        "enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); "
+        'allowed: 1, or ep = 1 in graph mode and enable_loss_parallel = false (or compile.mode = "graph")',
+    ),
+    # Context parallelism with PP (trainer/step/pipeline.py): the eager stages take the cp shards and
+    # run the job's CP attention; graph mode's pipeline program has no cp axis, and CP inside the
+    # eager stages is verified for dense decoders without TP (the parity tests).
+    Rule(
+        "parallelism.context_parallel_degree",
+        "CP > 1 with PP > 1 in graph mode",
+        lambda r: r.pp_degree > 1 and r.cp_degree > 1 and r.mode == "graph",
+        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} runs in eager mode only (graph mode's "
+        'pipeline program carries no cp axis); allowed: 1, or compile.mode = "eager"',
+    ),
+    Rule(
+        "parallelism.context_parallel_degree",
+        "CP > 1 with PP > 1 together with TP > 1 or a model with experts",
+        lambda r: r.pp_degree > 1 and r.cp_degree > 1 and (r.tp_degree > 1 or r.model_has_experts),
+        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} is verified for dense decoders without "
+        "tensor parallelism; here tensor_parallel_degree {r.tp_degree}, experts {r.model_has_experts}; "
+        "allowed: 1, or tensor_parallel_degree = 1 and a dense flavor",
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
