@@ -1820,7 +1820,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
             "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
         ),
         "Qwen 3 MoE on PP 2 and PP 2 x EP 2 (aux loss attached per stage, expert loads per layer, EP inside "
-        "each stage), Qwen 3.5 MoE and gpt-oss on PP 2, against one process on spawned gloo ranks: the "
+        "each stage), PP 2 x CP 2, a dense first stage, Qwen 3.5 MoE and gpt-oss on PP 2, against one process on "
+        "spawned gloo ranks: the "
         "default tier checks the aux-gradient "
         "attachment on a two-stage split, runs the same PipelineStep and schedule builder on a dense model "
         "through the trainer, and EP parity on thread ranks",

@@ -6,7 +6,9 @@
 - Qwen 3 MoE (the debug flavor at 6 layers, seq 16, fp32, `moe_expert_bias` on, aux_loss_coef 0.1)
   on PP 2 (2 gloo processes) and PP 2 x EP 2 (dp_shard 2 in each stage, the experts split over its
   2 ranks; 4 processes), 3 AdamW steps, against one process on the same global batch: losses,
-  gradient norms, aux losses, MaxVio and the final weights and expert biases.
+  gradient norms, aux losses, MaxVio and the final weights and expert biases; also on PP 2 x CP 2
+  (each stage's cp ranks hold half of every sequence) and, with its first 3 blocks dense
+  (`DenseFirstQwen3`, DeepSeek style), on PP 2 with a pp rank that holds no MoE layer.
 
 The one-process reference: a pipeline step runs each accumulation micro-batch as `chunks`
 pipeline micro-batches, and the global-batch load-balancing loss counts one chunk's tokens (over
@@ -200,21 +202,28 @@ def _reference(family: str, dp: int, accum: int, chunks: int, capacity: float):
     return out, full_state(model)
 
 
-def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int, capacity: float):
+def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int, capacity: float, cp: int = 1):
     """On each rank, for each schedule: the PP run's [`_stats`] (loss and aux averaged over the
-    world, as the trainer logs them) and this rank's final state (full)."""
+    world, as the trainer logs them) and this rank's final state (full). `cp` > 1: each stage's cp
+    ranks hold their shards of every sequence (tests/unit/test_pipeline_cp.py `_shard`) and run the
+    CP attention."""
     import torch.distributed as dist
 
+    from models.common import ops
     from parallelisms import ParallelDims, build_mesh
+    from parallelisms.context_parallel import cp_attention_fn, cp_group
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.pipeline_runs import eager_pipeline_step, full_state
+    from tests.unit.test_pipeline_cp import _shard
     from trainer.optim.expert_balance import ExpertBalance
 
     out = {}
     world = dist.get_world_size()
     for schedule in schedules:
-        dims = ParallelDims(pp=2, dp_shard=dp, ep=ep, world_size=world)
+        dims = ParallelDims(pp=2, dp_shard=dp, ep=ep, cp=cp, world_size=world)
         mesh = build_mesh(dims, "cpu")
+        group = cp_group(mesh["cp"]) if cp > 1 else None
+        previous = ops.register("causal_attention", cp_attention_fn(group)) if group is not None else None
         request = StepRequest(
             pp_degree=2,
             pp_schedule=schedule,
@@ -222,6 +231,8 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             n_layers=N_LAYERS,
             local_batch=BATCH // dp // accum,
             ep_degree=ep,
+            cp_degree=cp,
+            model_document_mask=True,  # (Qwen 3 takes RoPE positions: ModelFamily.document_mask)
         )
         plan = plan_step(request)
         model, opt = _model(family, plan, dims=dims, mesh=mesh, capacity=capacity)
@@ -236,6 +247,7 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             balance=ExpertBalance(model, rate=BIAS_RATE),
             stage_mesh=mesh,
             moe_capacity=capacity > 0,
+            cp=group,
         )
         r = dims.dp_rank(mesh)
         runs = []
@@ -243,12 +255,14 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             share = slice(r * (BATCH // dp), (r + 1) * (BATCH // dp))
             mine, local = (inputs[share], labels[share]), BATCH // dp // accum
             micro = [(mine[0][i * local : (i + 1) * local], mine[1][i * local : (i + 1) * local]) for i in range(accum)]
-            o = step(micro)
+            o = step(micro if group is None else [_shard(m, group) for m in micro])
             means = torch.stack([o.loss.detach(), o.aux_loss.detach()])
             dist.all_reduce(means)
             _, norm, _, vio, dropped = _stats(o)
             runs.append((means[0].item() / world, norm, means[1].item() / world, vio, dropped))
         out[schedule] = (runs, full_state(model))
+        if group is not None:
+            ops.register("causal_attention", previous)
     return out
 
 
@@ -262,11 +276,12 @@ def _parity(
     accum: int = 1,
     chunks: int = 4,
     capacity: float = 0.0,
+    cp: int = 1,
 ):
     from tests.support.parallel_harness import run_processes
 
     ref_runs, ref_state = _reference(family, dp, accum, chunks, capacity)
-    results = run_processes(nproc, _pp_worker, family, schedules, dp, ep, accum, chunks, capacity)
+    results = run_processes(nproc, _pp_worker, family, schedules, dp, ep, accum, chunks, capacity, cp)
     worst = dict(loss=0.0, norm=0.0, aux=0.0, vio=0.0, dropped=0.0, weight=0.0, bias=0.0)
     for schedule in schedules:
         covered = set()
@@ -284,7 +299,7 @@ def _parity(
                 covered.add(k)
         assert covered == set(ref_state), (schedule, set(ref_state) - covered)
     print(
-        f"pipeline MoE parity ({family}, {schedules}, dp {dp}, ep {ep}, capacity {capacity}): "
+        f"pipeline MoE parity ({family}, {schedules}, dp {dp}, ep {ep}, cp {cp}, capacity {capacity}): "
         + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
     )
     assert worst["loss"] < 2e-6 and worst["aux"] < 2e-6, worst
@@ -341,3 +356,11 @@ def test_pp2_dense_first_stage_moe_equals_one_process():
     assert plan.rank_layers(N_LAYERS, 0) == list(range(DENSE_FIRST))  # rank 0: dense blocks only
     _parity(2, ("1F1B",), family="qwen3_dense_first")
     _parity(2, ("1F1B",), family="qwen3_dense_first", capacity=1.0)
+
+
+@pytest.mark.multiprocess
+def test_pp2_cp2_moe_equals_one_process():
+    """Qwen 3 MoE on PP 2 x CP 2 (4 processes: each stage's 2 cp ranks hold half of every sequence,
+    the global-batch load-balancing counts and the expert loads summed over the stage's ranks),
+    1F1B, 4 chunks, dropless == one process (scheduled tier)."""
+    _parity(4, ("1F1B",), cp=2)
