@@ -10,7 +10,10 @@ the gradients over dp_shard x cp.
 PP 2 x CP 2 (4 gloo processes), 1F1B and Interleaved1F1B (two stages per rank in loop order), 4
 chunks of 2 sequences (the 16-token windows of tests/support/parallel_harness.py, 8 tokens per
 cp rank), against one process on the same 8-sequence batches (tests/unit/test_pipeline_parallel.py's
-reference and batches): losses, gradient norms before clipping and every weight after 3 AdamW steps.
+reference and batches): losses, gradient norms before clipping and every weight after 3 AdamW steps;
+the same with TP 2 inside each stage (8 processes, 1F1B), and PP 2 x CP 2 through `trainer.train`
+against the one-process run. (Qwen 3 MoE on PP 2 x CP 2, with and without EP:
+tests/unit/test_pipeline_moe.py.)
 
 Tolerance: tests/unit/test_pipeline_parallel.py's argument and bounds (`_compare`: losses 2e-6
 relative, gradient norms 1e-5, weights 5 % of lr x steps absolute). CP adds sums in another order
@@ -36,10 +39,12 @@ SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 def test_eager_pp_with_cp_is_planned():
-    """The rule table lets eager PP x CP through for a dense decoder (graph mode, TP and experts stay
-    refused: tests/unit/test_pipeline_parallel.py REFUSALS) and the plan keeps the pipeline."""
+    """The rule table lets eager PP x CP through, with TP and with experts and EP too (graph mode
+    stays refused: tests/unit/test_pipeline_parallel.py REFUSALS), and the plan keeps the pipeline."""
     plan = plan_step(_request(cp_degree=CP, pp_schedule="Interleaved1F1B"))
     assert plan.pipeline is not None and (plan.pipeline.pp, plan.pipeline.num_virtual) == (PP, 2)
+    assert plan_step(_request(cp_degree=CP, tp_degree=2)).pipeline is not None
+    assert plan_step(_request(cp_degree=CP, ep_degree=2, model_has_experts=True)).pipeline is not None
 
 
 def _shard(microbatch, cp):
@@ -52,9 +57,9 @@ def _shard(microbatch, cp):
     return (shard_sequence(inputs, 1, cp.rank, cp.size), shard_sequence(labels, 1, cp.rank, cp.size), pos)
 
 
-def _worker(batches):
-    """On each of the 4 ranks: per schedule, the losses averaged over the world (the trainer's
-    global mean), this rank's gradient norms and its weights (full)."""
+def _worker(batches, schedules=SCHEDULES, tp: int = 1):
+    """On each rank (pp x cp x tp of them): per schedule, the losses averaged over the world (the
+    trainer's global mean), this rank's gradient norms and its weights (full)."""
     import torch.distributed as dist
 
     from models.common import ops
@@ -65,14 +70,16 @@ def _worker(batches):
     from tests.support.pipeline_runs import eager_pipeline_step, full_state, pp_model, rank_run
 
     out = {}
-    for schedule in SCHEDULES:
-        dims = ParallelDims(pp=PP, cp=CP, world_size=dist.get_world_size())
+    for schedule in schedules:
+        dims = ParallelDims(pp=PP, cp=CP, tp=tp, world_size=dist.get_world_size())
         mesh = build_mesh(dims, "cpu")
         cp = cp_group(mesh["cp"])
         previous = ops.register("causal_attention", cp_attention_fn(cp))
         try:
             plan = plan_step(
-                _request(cp_degree=CP, pp_schedule=schedule, pp_microbatches=MICROBATCHES, local_batch=BATCH)
+                _request(
+                    cp_degree=CP, tp_degree=tp, pp_schedule=schedule, pp_microbatches=MICROBATCHES, local_batch=BATCH
+                )
             )
             model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=0, lr=LR, dims=dims, mesh=mesh)
             step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp_mesh(mesh), cp=cp)
@@ -95,6 +102,19 @@ def test_pp2_cp2_equals_one_process():
     reference = _one_process_reference(0, batches)
     results = run_processes(PP * CP, _worker, batches)
     _compare(results, reference, SCHEDULES)
+
+
+@pytest.mark.multiprocess
+def test_pp2_cp2_tp2_equals_one_process():
+    """PP 2 x CP 2 x TP 2 (8 processes: each stage's blocks sharded by the TP plan, sequence parallel
+    over the cp shard between them, every stage taking the shard's global positions), 1F1B, 4 chunks
+    == one process (scheduled tier)."""
+    from tests.support.parallel_harness import llama3_args, run_processes
+
+    batches = _batches(llama3_args(N_LAYERS).vocab_size)
+    reference = _one_process_reference(0, batches)
+    results = run_processes(PP * CP * 2, _worker, batches, ("1F1B",), 2)
+    _compare(results, reference, ("1F1B",))
 
 
 @pytest.mark.multiprocess

@@ -7,7 +7,7 @@
   on PP 2 (2 gloo processes) and PP 2 x EP 2 (dp_shard 2 in each stage, the experts split over its
   2 ranks; 4 processes), 3 AdamW steps, against one process on the same global batch: losses,
   gradient norms, aux losses, MaxVio and the final weights and expert biases; also on PP 2 x CP 2
-  (each stage's cp ranks hold half of every sequence) and, with its first 3 blocks dense
+  (each stage's cp ranks hold half of every sequence; with and without EP 2) and, with its first 3 blocks dense
   (`DenseFirstQwen3`, DeepSeek style), on PP 2 with a pp rank that holds no MoE layer.
 
 The one-process reference: a pipeline step runs each accumulation micro-batch as `chunks`
@@ -362,5 +362,7 @@ def test_pp2_dense_first_stage_moe_equals_one_process():
 def test_pp2_cp2_moe_equals_one_process():
     """Qwen 3 MoE on PP 2 x CP 2 (4 processes: each stage's 2 cp ranks hold half of every sequence,
     the global-batch load-balancing counts and the expert loads summed over the stage's ranks),
-    1F1B, 4 chunks, dropless == one process (scheduled tier)."""
+    1F1B, 4 chunks, dropless, without and with EP 2 (the experts split over the stage's 2 cp ranks)
+    == one process (scheduled tier)."""
     _parity(4, ("1F1B",), cp=2)
+    _parity(4, ("1F1B",), cp=2, ep=2)

@@ -114,8 +114,6 @@ REFUSALS = [
     (dict(mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
     (dict(cp_degree=2, **GRAPH), "parallelism.context_parallel_degree", "eager mode only"),
-    (dict(cp_degree=2, tp_degree=2), "parallelism.context_parallel_degree", "tensor_parallel_degree 2"),
-    (dict(cp_degree=2, ep_degree=2), "parallelism.context_parallel_degree", "expert_parallel_degree 2"),
     (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),
     (dict(model_has_experts=True, **GRAPH), "parallelism.pipeline_parallel_degree", "this model has experts"),
     (dict(ep_degree=2, **GRAPH), "parallelism.pipeline_parallel_degree", "expert_parallel_degree 2"),

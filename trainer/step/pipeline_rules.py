@@ -4,7 +4,7 @@ compose with yet (`PIPELINE_RULES`, part of `RULES`; docs/rules.md).
 
 What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager stages of a
 decoder through torch.distributed.pipelining on cpu/cuda, composed with SimpleFSDP/HSDP, TP,
-context parallelism (without TP or EP: the cp axis inside each stage), activation
+context parallelism (the cp axis inside each stage), activation
 checkpointing and gradient accumulation, and for an MoE flavor with expert parallelism
 inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached per stage, the expert
 loads per layer); in graph mode the pipeline inside the captured step (trainer/graph/pipeline.py)
@@ -161,22 +161,14 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         'allowed: 1, or ep = 1 in graph mode and enable_loss_parallel = false (or compile.mode = "graph")',
     ),
     # Context parallelism with PP (trainer/step/pipeline.py): the eager stages take the cp shards and
-    # run the job's CP attention; graph mode's pipeline program has no cp axis, and CP inside the
-    # eager stages is verified without TP (the parity tests: dense, and MoE without EP).
+    # run the job's CP attention (with TP and EP too: the parity tests); graph mode's pipeline
+    # program has no cp axis.
     Rule(
         "parallelism.context_parallel_degree",
         "CP > 1 with PP > 1 in graph mode",
         lambda r: r.pp_degree > 1 and r.cp_degree > 1 and r.mode == "graph",
         "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} runs in eager mode only (graph mode's "
         'pipeline program carries no cp axis); allowed: 1, or compile.mode = "eager"',
-    ),
-    Rule(
-        "parallelism.context_parallel_degree",
-        "CP > 1 with PP > 1 together with TP > 1 or expert parallelism",
-        lambda r: r.pp_degree > 1 and r.cp_degree > 1 and (r.tp_degree > 1 or r.ep_degree > 1),
-        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} is verified without tensor and expert "
-        "parallelism (dense decoders and dropless MoE); here tensor_parallel_degree {r.tp_degree}, "
-        "expert_parallel_degree {r.ep_degree}; allowed: 1, or tensor_parallel_degree = expert_parallel_degree = 1",
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
