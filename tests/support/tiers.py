@@ -1833,7 +1833,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
             "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
             "tests/unit/test_context_parallel.py::test_model_cp2_matches_single_process[llama3]",
         ),
-        "PP 2 x CP 2 (4 spawned gloo ranks; 1F1B and Interleaved1F1B, and through the trainer) against one "
+        "PP 2 x CP 2 (4 spawned gloo ranks; 1F1B and Interleaved1F1B, and through the trainer) and PP 2 x CP 2 "
+        "x TP 2 (8 ranks) against one "
         "process: the default tier plans eager PP x CP, runs the same PipelineStep and schedule builder on "
         "PP 2 through the trainer, and the CP attention, RoPE positions and loss on a CP 2 model",
     ),
