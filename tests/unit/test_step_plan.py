@@ -174,6 +174,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(pp_degree=2, mode="compile"),
         StepRequest(pp_degree=2, mode="graph", pp_schedule="GPipe", tp_degree=2),
         StepRequest(pp_degree=2, tp_degree=2, loss_parallel=True),
+        StepRequest(pp_degree=2, cp_degree=2, mode="graph"),
         StepRequest(pp_degree=2),
         StepRequest(pp_degree=2, model_has_experts=False, replicate_reduce="step"),
         StepRequest(pp_degree=2, moe_routing="random"),

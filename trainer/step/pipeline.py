@@ -283,26 +283,25 @@ class PipelineStep:
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = self.clip_grad_norm(params, max_norm, pp_mesh=self.pp_mesh)
         nonfinite = step_if_finite(self.optimizer, grad_norm)
-        stats = None
+        moe_stats = {}
         if self.balance is not None:
             load = torch.cat([self._loads[key] for key in self._moe_keys])
             stats = self.balance.finish(
                 load, apply=~nonfinite, group=self._stage_group, pp_group=self.pp_mesh.get_group()
             )
+            moe_stats = moe_outputs(stats)
         elif self._stats_without_layers:
-            stats = self._join_balance_without_layers()
+            moe_stats = self._join_balance_without_layers()
         self._aux_parts, self._loads = [], {}
-        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))
+        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_stats)
 
-    def _join_balance_without_layers(self):
+    def _join_balance_without_layers(self) -> dict[str, torch.Tensor | None]:
         """On a pp rank without MoE layers: the pp-axis reduction of `ExpertBalance.finish` (sum of
-        MaxVio, layers, dropped, routed over the pp ranks' layers) with a zero contribution, and the
-        same statistics as the ranks with layers return."""
-        from trainer.optim.expert_balance import BalanceStats
-
+        MaxVio, layers, dropped, routed over the pp ranks' layers) with a zero contribution; -> the
+        StepOutput fields the ranks with layers return (`moe_outputs` of their statistics)."""
         parts = torch.zeros(4, dtype=torch.float32, device=self.device)
         dist.all_reduce(parts, group=self.pp_mesh.get_group())
         vio = parts[0] / parts[1].clamp(min=1.0)
         if not self.moe_capacity:
-            return BalanceStats(max_vio=vio)
-        return BalanceStats(max_vio=vio, dropped=parts[2], dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))
+            return dict(moe_max_vio=vio, moe_dropped=None, moe_dropped_pct=None)
+        return dict(moe_max_vio=vio, moe_dropped=parts[2], moe_dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))
