@@ -1839,6 +1839,18 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "PP 2 through the trainer, and the CP attention, RoPE positions and loss on a CP 2 model",
     ),
     Scheduled(
+        "tests/unit/test_pipeline_compile.py::test_*one_process*",
+        (
+            "tests/unit/test_pipeline_compile.py::test_compile_mode_pp_is_planned",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/unit/test_parallel_compile.py::test_per_block_compile_matches_eager[degrees0]",
+        ),
+        "PP in compile mode (Inductor per block on every spawned gloo rank: 1F1B and Interleaved1F1B, PP x FSDP "
+        "with SAC and accumulation, MoE with and without EP, CP, and PP 2 / PP 2 x TP 2 through the trainer) "
+        "against one process: the default tier plans compile-mode PP with the non-PP backend, runs the same "
+        "PipelineStep and schedule builder on PP 2 through the trainer, and per-block compile under SimpleFSDP",
+    ),
+    Scheduled(
         "tests/unit/test_pipeline_pp4.py::test_pp4_schedules_equal_one_process",
         (
             "tests/unit/test_pipeline_pp4.py::test_the_pp4_stages_are_the_trainers_split",

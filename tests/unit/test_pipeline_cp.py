@@ -57,10 +57,14 @@ def _shard(microbatch, cp):
     return (shard_sequence(inputs, 1, cp.rank, cp.size), shard_sequence(labels, 1, cp.rank, cp.size), pos)
 
 
-def _worker(batches, schedules=SCHEDULES, tp: int = 1):
+def _worker(batches, schedules=SCHEDULES, tp: int = 1, mode: str = "eager"):
     """On each rank (pp x cp x tp of them): per schedule, the losses averaged over the world (the
-    trainer's global mean), this rank's gradient norms and its weights (full)."""
+    trainer's global mean), this rank's gradient norms and its weights (full). `mode`: the step
+    mode ("compile": the blocks compiled per block; then also the number of graphs Dynamo compiled
+    on this rank over the run, `(schedule, "graphs")`)."""
+    import torch
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from models.common import ops
     from parallelisms import ParallelDims, build_mesh
@@ -78,15 +82,24 @@ def _worker(batches, schedules=SCHEDULES, tp: int = 1):
         try:
             plan = plan_step(
                 _request(
-                    cp_degree=CP, tp_degree=tp, pp_schedule=schedule, pp_microbatches=MICROBATCHES, local_batch=BATCH
+                    mode=mode,
+                    cp_degree=CP,
+                    tp_degree=tp,
+                    pp_schedule=schedule,
+                    pp_microbatches=MICROBATCHES,
+                    local_batch=BATCH,
                 )
             )
+            torch._dynamo.reset()
+            counters.clear()
             model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=0, lr=LR, dims=dims, mesh=mesh)
             step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp_mesh(mesh), cp=cp)
             losses = rank_run(
                 lambda micro: step([_shard(m, cp) for m in micro]), batches, dp_rank=0, dp_shard=1, accum=1
             )
             out[schedule] = (losses, full_state(model))
+            if mode == "compile":
+                out[schedule, "graphs"] = counters["stats"]["unique_graphs"]
         finally:
             ops.register("causal_attention", previous)
     return out

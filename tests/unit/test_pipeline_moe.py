@@ -202,12 +202,16 @@ def _reference(family: str, dp: int, accum: int, chunks: int, capacity: float):
     return out, full_state(model)
 
 
-def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int, capacity: float, cp: int = 1):
+def _pp_worker(
+    family: str, schedules, dp: int, ep: int, accum: int, chunks: int, capacity: float, cp: int = 1, mode="eager"
+):
     """On each rank, for each schedule: the PP run's [`_stats`] (loss and aux averaged over the
     world, as the trainer logs them) and this rank's final state (full). `cp` > 1: each stage's cp
     ranks hold their shards of every sequence (tests/unit/test_pipeline_cp.py `_shard`) and run the
-    CP attention."""
+    CP attention. `mode`: the step mode ("compile": the blocks compiled per block, Inductor; then
+    also the number of graphs Dynamo had compiled on this rank after each step, `(schedule, "graphs")`)."""
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from models.common import ops
     from parallelisms import ParallelDims, build_mesh
@@ -225,6 +229,7 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
         group = cp_group(mesh["cp"]) if cp > 1 else None
         previous = ops.register("causal_attention", cp_attention_fn(group)) if group is not None else None
         request = StepRequest(
+            mode=mode,
             pp_degree=2,
             pp_schedule=schedule,
             pp_microbatches=chunks,
@@ -235,6 +240,8 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             model_document_mask=True,  # (Qwen 3 takes RoPE positions: ModelFamily.document_mask)
         )
         plan = plan_step(request)
+        torch._dynamo.reset()
+        counters.clear()
         model, opt = _model(family, plan, dims=dims, mesh=mesh, capacity=capacity)
         step = eager_pipeline_step(
             model,
@@ -250,7 +257,7 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             cp=group,
         )
         r = dims.dp_rank(mesh)
-        runs = []
+        runs, graphs = [], []
         for inputs, labels in _batches(family):
             share = slice(r * (BATCH // dp), (r + 1) * (BATCH // dp))
             mine, local = (inputs[share], labels[share]), BATCH // dp // accum
@@ -260,7 +267,10 @@ def _pp_worker(family: str, schedules, dp: int, ep: int, accum: int, chunks: int
             dist.all_reduce(means)
             _, norm, _, vio, dropped = _stats(o)
             runs.append((means[0].item() / world, norm, means[1].item() / world, vio, dropped))
+            graphs.append(counters["stats"]["unique_graphs"])
         out[schedule] = (runs, full_state(model))
+        if mode == "compile":
+            out[schedule, "graphs"] = graphs
         if group is not None:
             ops.register("causal_attention", previous)
     return out
@@ -277,15 +287,21 @@ def _parity(
     chunks: int = 4,
     capacity: float = 0.0,
     cp: int = 1,
+    mode: str = "eager",
+    results: list | None = None,
 ):
+    """`schedules` on `nproc` processes == one process (`results`, if given, receives each rank's
+    `_pp_worker` output)."""
     from tests.support.parallel_harness import run_processes
 
     ref_runs, ref_state = _reference(family, dp, accum, chunks, capacity)
-    results = run_processes(nproc, _pp_worker, family, schedules, dp, ep, accum, chunks, capacity, cp)
+    out = run_processes(nproc, _pp_worker, family, schedules, dp, ep, accum, chunks, capacity, cp, mode)
+    if results is not None:
+        results.extend(out)
     worst = dict(loss=0.0, norm=0.0, aux=0.0, vio=0.0, dropped=0.0, weight=0.0, bias=0.0)
     for schedule in schedules:
         covered = set()
-        for rank_out in results:
+        for rank_out in out:
             runs, state = rank_out[schedule]
             for (loss, norm, aux, vio, dropped), (rl, rn, ra, rv, rd) in zip(runs, ref_runs, strict=True):
                 worst["loss"] = max(worst["loss"], abs(loss - rl) / rl)
@@ -299,7 +315,7 @@ def _parity(
                 covered.add(k)
         assert covered == set(ref_state), (schedule, set(ref_state) - covered)
     print(
-        f"pipeline MoE parity ({family}, {schedules}, dp {dp}, ep {ep}, cp {cp}, capacity {capacity}): "
+        f"pipeline MoE parity ({family}, {schedules}, dp {dp}, ep {ep}, cp {cp}, capacity {capacity}, {mode}): "
         + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
     )
     assert worst["loss"] < 2e-6 and worst["aux"] < 2e-6, worst

@@ -111,8 +111,10 @@ GRAPH = dict(mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0)
 REFUSALS = [
     (dict(pp_schedule="Bogus"), "parallelism.pipeline_schedule", "allowed: GPipe, 1F1B"),
     (dict(mode="graph"), "parallelism.pipeline_schedule", "compile.mode graph"),
-    (dict(mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
+    (dict(mode="compile", pp_schedule="ZBVZeroBubble"), "parallelism.pipeline_schedule", "compile.mode compile"),
+    (dict(mode="compile", pp_schedule="InterleavedZeroBubble"), "parallelism.pipeline_schedule", "allowed: GPipe"),
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
+    (dict(device_type="tpu", mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
     (dict(cp_degree=2, **GRAPH), "parallelism.context_parallel_degree", "eager mode only"),
     (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),
     (dict(model_has_experts=True, **GRAPH), "parallelism.pipeline_parallel_degree", "this model has experts"),
@@ -181,9 +183,18 @@ def _one_process_reference(seed: int, batches, n_layers: int = N_LAYERS):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode="none"):
-    """On each rank: for each schedule, the PP run's losses and this rank's final weights (full)."""
+def compiled_key(schedule: str) -> str:
+    """`_pp_worker`'s key of a schedule's run in compile mode (`schedule` alone: eager mode)."""
+    return f"{schedule}/compile"
+
+
+def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode="none", modes=("eager",)):
+    """On each rank: for each step mode of `modes` ("eager", "compile") and schedule, the PP run's
+    losses and this rank's final weights (full), under `schedule` (eager) or `compiled_key(schedule)`;
+    in compile mode also the number of graphs Dynamo compiled on this rank over the run
+    (`(compiled_key(schedule), "graphs")`)."""
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from parallelisms import ParallelDims, build_mesh
     from parallelisms.parallel_dims import pp_mesh
@@ -191,23 +202,30 @@ def _pp_worker(schedules, seed, batches, dp_shard, accum, microbatches, ac_mode=
     from tests.support.pipeline_runs import eager_pipeline_step, full_state, pp_model, rank_run
 
     out = {}
-    for schedule in schedules:
-        dims = ParallelDims(pp=2, dp_shard=dp_shard, world_size=dist.get_world_size())
-        mesh = build_mesh(dims, "cpu")
-        request = StepRequest(
-            pp_degree=2,
-            pp_schedule=schedule,
-            pp_microbatches=microbatches,
-            model_has_experts=False,
-            n_layers=N_LAYERS,
-            local_batch=BATCH // dp_shard // accum,
-            ac_mode=ac_mode,
-        )
-        plan = plan_step(request)
-        model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=seed, lr=LR, dims=dims, mesh=mesh)
-        step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp_mesh(mesh))
-        losses = rank_run(step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
-        out[schedule] = (losses, full_state(model))
+    for mode in modes:
+        for schedule in schedules:
+            dims = ParallelDims(pp=2, dp_shard=dp_shard, world_size=dist.get_world_size())
+            mesh = build_mesh(dims, "cpu")
+            request = StepRequest(
+                mode=mode,
+                pp_degree=2,
+                pp_schedule=schedule,
+                pp_microbatches=microbatches,
+                model_has_experts=False,
+                n_layers=N_LAYERS,
+                local_batch=BATCH // dp_shard // accum,
+                ac_mode=ac_mode,
+            )
+            plan = plan_step(request)
+            torch._dynamo.reset()
+            counters.clear()
+            model, opt = pp_model(llama3_args(N_LAYERS), plan, seed=seed, lr=LR, dims=dims, mesh=mesh)
+            step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp_mesh(mesh))
+            losses = rank_run(step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
+            key = schedule if mode == "eager" else compiled_key(schedule)
+            out[key] = (losses, full_state(model))
+            if mode == "compile":
+                out[key, "graphs"] = counters["stats"]["unique_graphs"]
     return out
 
 
@@ -240,13 +258,28 @@ def _batches(vocab: int):
     return [batch(vocab, batch_size=BATCH, seed=10 + i) for i in range(STEPS)]
 
 
-def _parity(nproc: int, schedules, *, dp_shard: int = 1, accum: int = 1, microbatches: int = 4, ac_mode="none"):
+def _parity(
+    nproc: int,
+    schedules,
+    *,
+    dp_shard: int = 1,
+    accum: int = 1,
+    microbatches: int = 4,
+    ac_mode="none",
+    modes=("eager",),
+    results: list | None = None,
+):
+    """Every schedule of `schedules` in every step mode of `modes` == one process; `results`, if
+    given, receives each rank's `_pp_worker` output (for more checks)."""
     from tests.support.parallel_harness import llama3_args, run_processes
 
     batches = _batches(llama3_args(N_LAYERS).vocab_size)
     reference = _one_process_reference(0, batches)
-    results = run_processes(nproc, _pp_worker, schedules, 0, batches, dp_shard, accum, microbatches, ac_mode)
-    return _compare(results, reference, schedules)
+    out = run_processes(nproc, _pp_worker, schedules, 0, batches, dp_shard, accum, microbatches, ac_mode, modes)
+    if results is not None:
+        results.extend(out)
+    keys = [s if mode == "eager" else compiled_key(s) for mode in modes for s in schedules]
+    return _compare(out, reference, keys)
 
 
 @pytest.mark.multiprocess
