@@ -9,7 +9,8 @@ unevenly split tensor.
 
 A model is read only through its family's contract (`models/contract.py`): the repeated
 blocks live under `family.plan.block`, and the plan's tensor-parallel styles name the
-embedding ("embedding") and the LM head ("output").
+embedding ("embedding") and the LM head ("output"); a plan without TP styles (a family that
+refuses TP: Qwen 3.5, DeepSeek-V4) has the decoder's own names (`root_roles`).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def shard_model(
         (_muon_whole_numel(p, 1 if prefix is None else layers[prefix]) for p, prefix in t.muon_params), default=0
     )
     head, kept = _lm_head_and_kept(family, t.root_gathered)
-    embedding_modules = {p for p, style in family.plan.tp.items() if style == "embedding"}
+    embedding_modules = {p for p, style in root_roles(family).items() if style == "embedding"}
     embedding_local = sum(n for name, n in t.root_local.items() if name.rpartition(".")[0] in embedding_modules)
     return ShardStats(
         n_layers=args.n_layers,
@@ -343,19 +344,35 @@ def _muon_whole_numel(param: torch.Tensor, stack_length: int) -> int:
     return -(-matrices // spread) * m * n
 
 
+def root_roles(family: ModelFamily) -> dict[str, str]:
+    """Root module path -> "embedding" (the token table) or "output" (the LM head).
+
+    The plan's TP styles say it. A plan with no TP styles at all (a family that refuses TP,
+    Qwen 3.5 and DeepSeek-V4, whose `Decoder`s have the table and head every decoder has) gets the
+    decoder layout's names (`models.common.plan.DECODER_TP`: `tok_embeddings`, `output`). Until
+    2026-12-07 such a plan named neither, so its LM head counted 0 in the loss backward and its
+    embedding table as a kept bf16 copy (Qwen 3.5 9B: 0.12 GiB of loss transient for 5.8).
+    """
+    from models.common.plan import DECODER_TP
+
+    styles = family.plan.tp if family.plan.tp else DECODER_TP
+    return {path: style for path, style in styles.items() if style in ("embedding", "output")}
+
+
 def _lm_head_and_kept(family: ModelFamily, root_gathered: dict[str, int]) -> tuple[int, int]:
     """(LM head, root parameters whose bf16 copies the backward keeps), in gathered elements.
 
-    The plan's styles say which root module is which: "output" is the LM head and "embedding"
-    the token table, a lookup whose weight the backward does not keep. With tied weights
-    `named_parameters` lists the table once, under the embedding, and it is the LM head too.
-    A plan that names neither: every root parameter is kept and the LM head is not known (0).
+    The plan's roles (`root_roles`) say which root module is which: "output" is the LM head and
+    "embedding" the token table, a lookup whose weight the backward does not keep. With tied
+    weights `named_parameters` lists the table once, under the embedding, and it is the LM head
+    too. A plan that names neither: every root parameter is kept and the LM head is not known (0).
     """
     by_module: dict[str, int] = {}
     for name, numel in root_gathered.items():
         module = name.rpartition(".")[0]
         by_module[module] = by_module.get(module, 0) + numel
-    styled = lambda style: sum(by_module.get(p, 0) for p, s in family.plan.tp.items() if s == style)  # noqa: E731
+    roles = root_roles(family)
+    styled = lambda style: sum(by_module.get(p, 0) for p, s in roles.items() if s == style)  # noqa: E731
     embedding, output = styled("embedding"), styled("output")
     tied = output == 0
     head = embedding if tied else output

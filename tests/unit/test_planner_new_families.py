@@ -144,3 +144,42 @@ def test_recommend_leaves_out_the_tp_layouts_qwen3_5_refuses(tmp_path, capsys):
     rows = list(csv.DictReader(path.open()))
     assert rows and {r["tp"] for r in rows} == {"1"}, {r["tp"] for r in rows}
     assert any(r["fits"] == "True" for r in rows)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v4", "llama3"])
+def test_a_plan_without_tp_styles_names_the_decoders_embedding_and_head(family):
+    """Qwen 3.5 and DeepSeek-V4 refuse TP, so their plans have no TP styles, which is where the
+    planner read which root module is the token table and which the LM head: it knew neither, so
+    the head counted 0 in the loss backward's transient and the untied table as a kept bf16 copy.
+    Their decoders have the same `tok_embeddings` / `output` as every decoder. The 9B's buffer
+    assignment (docs/results/qwen3_5_9b_v6e_buffers_2026-12-07_781488e.txt) agrees: the gathered
+    head lives from the forward's start to the loss backward, the gathered table only until the
+    lookup. Llama 3's plan names them by its TP styles: the same answer."""
+    from planner.shard import _lm_head_and_kept, root_roles
+
+    assert root_roles(get_model_family(family)) == {"tok_embeddings": "embedding", "output": "output"}
+    vocab, dim = 248_320, 4096
+    root = {"tok_embeddings.weight": vocab * dim, "norm.weight": dim, "output.weight": vocab * dim}
+    assert _lm_head_and_kept(get_model_family(family), root) == (vocab * dim, vocab * dim + dim)
+    # tied: the table is listed once, under the embedding, and is the head too (and kept)
+    tied = {"tok_embeddings.weight": vocab * dim, "norm.weight": dim}
+    assert _lm_head_and_kept(get_model_family(family), tied) == (vocab * dim, vocab * dim + dim)
+    # FLUX's plan has TP styles and neither role: nothing is taken for a table or a head
+    assert root_roles(get_model_family("flux")) == {}
+
+
+def test_the_qwen3_5_9b_plan_counts_its_head_in_the_loss_backward():
+    """With the head known, the 9B recipe's loss backward holds the head's bf16 and fp32 weight
+    gradients and dh (fused loss: 6 x 248,320 x 4096 + 2 x 16,384 x 4096 bytes, 5.81 GiB, was
+    0.12) and keeps one bf16 table, not two (1.89 GiB, was 3.79); the block backward (6.59) stays
+    the larger transient, so the total is 13.90 GiB (was 15.79)."""
+    import planner
+    from tools.recipe_check import planned
+    from trainer.config import build_config
+
+    cfg = build_config("configs/qwen3_5_9b_v6e.toml", [])
+    est = planned(cfg, planner.parse_target(cfg.job.target))
+    assert est.transient_loss == 6 * 248_320 * 4096 + 2 * 4 * 4096 * 4096
+    assert est.saved_weights == 2 * (248_320 * 4096 + 4096)
+    assert est.transient_block / GIB == pytest.approx(6.59, abs=0.01)
+    assert est.total / GIB == pytest.approx(13.90, abs=0.01)
