@@ -28,6 +28,13 @@ rank 0's only). Per variant, medians over the repeats, then
     .venv/bin/python scripts/bench/bench_pipeline.py --repeats 3            # the table + CSV
     .venv/bin/python scripts/bench/bench_pipeline.py --dry-run              # the commands only
 
+`--modes eager,compile` runs every variant again in compile mode (per-block compiled stages,
+Inductor on the CPU; names suffixed `-compile`, no accumulation baselines): each mode's bubble is
+read against its own one-process run, and a second table gives every variant's tokens/s (the
+global batch's tokens over the median step time), eager and compile side by side.
+
+    .venv/bin/python scripts/bench/bench_pipeline.py --modes eager,compile --schedules 1F1B --microbatches 4
+
 `--side-by-side` instead runs TorchTitan 0.3.0's own trainer (scripts/bench/reference_torchtitan.py,
 the peer venv of scripts/bench/peer_env.sh) against ours at its debugmodel shape
 (configs/llama3_debug_ttshape.toml: 6 layers, no GQA, vocab 2048; bf16, no AC on both sides), at
@@ -79,6 +86,8 @@ class Variant:
     microbatches: int = 0
     accum: int = 1
     """One process only: the global batch as `accum` accumulation micro-batches (T_1(m))."""
+    mode: str = "eager"
+    """`[compile] mode` ("eager" or "compile": the blocks compiled per block, Inductor on the CPU)."""
 
     def overrides(self, batch: int) -> list[str]:
         if self.pp == 1:
@@ -98,12 +107,23 @@ class Variant:
         ]
 
 
-def variants(pp: int, schedules: list[str], microbatches: list[int]) -> list[Variant]:
+def one_name(mode: str) -> str:
+    """The one-process variant's name in step mode `mode`."""
+    return ONE if mode == "eager" else f"{ONE}-{mode}"
+
+
+def variants(pp: int, schedules: list[str], microbatches: list[int], modes=("eager",)) -> list[Variant]:
     """The one-process run, the one process at each micro-batch count (accumulation), then PP `pp` for
-    every schedule x micro-batch count."""
-    out = [Variant(ONE, 1)]
-    out += [Variant(f"{ONE}-acc{m}", 1, microbatches=m, accum=m) for m in microbatches if m > 1]
-    out += [Variant(f"pp{pp}-{s}-m{m}", pp, s, m) for s in schedules for m in microbatches]
+    every schedule x micro-batch count; for each other step mode of `modes` (`--modes`, e.g.
+    "compile") the one process and every PP variant again in that mode (names suffixed `-<mode>`;
+    no accumulation baselines)."""
+    out = []
+    for mode in modes:
+        tail = "" if mode == "eager" else f"-{mode}"
+        out.append(Variant(one_name(mode), 1, mode=mode))
+        if mode == "eager":
+            out += [Variant(f"{ONE}-acc{m}", 1, microbatches=m, accum=m) for m in microbatches if m > 1]
+        out += [Variant(f"pp{pp}-{s}-m{m}{tail}", pp, s, m, mode=mode) for s in schedules for m in microbatches]
     return out
 
 
@@ -132,6 +152,7 @@ def summarize(runs: list[dict], pp: int) -> list[dict]:
     for name, group in groups.items():
         ok = [r for r in group if r["rc"] == 0 and r["step_s"] is not None]
         row = {k: group[0][k] for k in ("variant", "pp", "schedule", "microbatches", "planned_bubble")}
+        row["mode"] = group[0].get("mode", "eager")
         row.update({k: group[0][k] for k in ("planned_imbalance", "planned_bubble_imbalance") if k in group[0]})
         row.update(runs=len(group), ok=len(ok), step_s=median_or_none([r["step_s"] for r in ok]))
         spread = [r["step_s"] for r in ok]
@@ -140,16 +161,20 @@ def summarize(runs: list[dict], pp: int) -> list[dict]:
             row[f"rss_mib_r{rank}"] = median_or_none([r.get(f"rss_mib_r{rank}") for r in ok])
             row[f"plan_mib_r{rank}"] = group[0].get(f"plan_mib_r{rank}")
         row["load_avg"] = median_or_none([r.get("load_avg") for r in ok])
+        tokens = group[0].get("tokens_per_step")
+        if tokens and row["step_s"]:
+            row["tokens_per_s"] = tokens / row["step_s"]
         rows.append(row)
-    one = next((r for r in rows if r["variant"] == ONE), None)
-    at_m = {r["microbatches"]: r for r in rows if r["pp"] == 1 and r["variant"] != ONE}
+    ones = {r["mode"]: r for r in rows if r["variant"] == one_name(r["mode"])}
+    at_m = {r["microbatches"]: r for r in rows if r["pp"] == 1 and r["variant"] not in (ONE, one_name(r["mode"]))}
     for row in rows:
+        one = ones.get(row["mode"])  # T_1 in the row's own step mode
         if one is None or one["step_s"] is None or row["step_s"] is None:
             row["measured_bubble"] = None
             continue
         row["ideal_step_s"] = one["step_s"] / row["pp"]
         row["measured_bubble"] = measured_bubble(row["step_s"], one["step_s"], row["pp"])
-        same = at_m.get(row["microbatches"]) if row["pp"] > 1 else None
+        same = at_m.get(row["microbatches"]) if row["pp"] > 1 and row["mode"] == "eager" else None
         if same is not None and same["step_s"] is not None:
             row["ideal_step_s_at_m"] = same["step_s"] / row["pp"]
             row["measured_bubble_at_m"] = measured_bubble(row["step_s"], same["step_s"], row["pp"])
@@ -265,6 +290,7 @@ def command(
         f"--training.steps={steps}",
         f"--job.dump_folder={folder}",
         *common,
+        f"--compile.mode={variant.mode}",
         *variant.overrides(batch),
     ]
 
@@ -308,7 +334,8 @@ def run_all(vs: list[Variant], args, root: Path, plans: dict[str, dict]) -> list
         times = step_times(read_records(folder / "metrics.jsonl"), args.warmup)
         run = {
             "variant": v.name, "pp": v.pp, "schedule": v.schedule or "-", "microbatches": v.microbatches,
-            "repeat": rep, "rc": rc, "step_s": median_or_none(times), "steady_steps": len(times),
+            "mode": v.mode, "repeat": rep, "rc": rc, "step_s": median_or_none(times), "steady_steps": len(times),
+            "tokens_per_step": args.batch * args.seq_len,
             "load_avg": os.getloadavg()[0], **plans[v.name],
         }  # fmt: skip
         for rank in range(v.pp):
@@ -440,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--schedules", default="GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble")
     parser.add_argument("--microbatches", default="2,4,8")
+    parser.add_argument(
+        "--modes",
+        default="eager",
+        help="step modes, e.g. eager,compile (compile: every variant again, per-block compiled)",
+    )
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="global batch (= the local batch: no data parallelism)")
@@ -463,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         f"--training.local_batch_size={args.batch}",
         f"--training.mixed_precision_param={args.dtype}",
         "--activation_checkpoint.mode=none",
-        "--compile.mode=eager",
     ]
-    vs = variants(args.pp, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")])
+    modes = tuple(args.modes.split(","))
+    vs = variants(args.pp, args.schedules.split(","), [int(m) for m in args.microbatches.split(",")], modes)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     root = Path(args.root or REPO / "outputs" / "bench_pipeline" / stamp)
     if args.dry_run:
@@ -482,11 +514,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or REPO / "docs" / "results" / f"pp_bubble_{date}_{git_commit()}.csv")
     print(
         f"\nllama3 debugmodel, {args.layers} layers, seq {args.seq_len}, global batch {args.batch}, {args.dtype}, "
-        f"eager, no AC; {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} interleaved "
+        f"{'/'.join(modes)}, no AC; {args.steps} steps, first {args.warmup} dropped, median of {args.repeats} interleaved "
         f"repeats; CPU {machine['cpu_model']}, {os.cpu_count()} CPUs, {args.threads} thread(s) per process, "
         f"load average now {os.getloadavg()[0]:.2f}"
     )
     print(format_table(rows, args.pp))
+    if len(modes) > 1:  # the step modes side by side: tokens/s (the global batch's tokens per step time)
+        print("\n| variant | mode | tokens/s |\n|---|---|---|")
+        for row in rows:
+            print(f"| {row['variant']} | {row['mode']} | {_fmt(row.get('tokens_per_s'), '.0f')} |")
     write_csv(out, rows)
     write_csv(out.with_name(out.stem + "_runs" + out.suffix), runs)
     print(f"\nwrote {out} and its _runs companion")
