@@ -131,11 +131,13 @@ def test_compile_recipe_names_libtpus_check_line_when_the_worker_aborts(monkeypa
 CAPTURE_OPS = [f"splash{kind}_{way}" for kind in ("", "_seg", "_full") for way in ("fwd", "bwd")]
 CAPTURE_OPS += [f"sink{kind}_{way}" for kind in ("", "_seg") for way in ("fwd", "bwd")]
 CAPTURE_OPS += ["gmm", "gmm_bwd", "ce_fwd", "ce_bwd", "gated_delta_fwd", "gated_delta_bwd"]
+CAPTURE_OPS += [f"q{kind}_{way}" for kind in ("linear", "linear_w8", "gmm") for way in ("fwd", "bwd")]
 """Every op of titan_kernels/tpu/capture.py (`_define`)."""
 
 
-KERNEL_MODULES = ("splash", "gmm", "fused_ce", "delta_rule")
-NO_GENERATION = {"forward", "backward"}  # delta_rule's
+KERNEL_MODULES = ("splash", "gmm", "fused_ce", "delta_rule", "qmatmul", "qgmm")
+# delta_rule's (its chunk is fixed), and the low-precision matmuls' (plain XLA dots: no blocks)
+NO_GENERATION = {"forward", "backward", "forward_w8", "backward_w8"}
 
 
 class _Arg:
@@ -198,7 +200,7 @@ def test_every_kernel_op_is_lowered_with_the_targets_generation(monkeypatch):
         n_args = len(op._schema.arguments)
         rules[op](*[_Arg() for _ in range(n_args)])
         assert seen, op
-        # The delta rule's kernel has no blocks to choose (its chunk is fixed): no generation.
+        # The delta rule's kernel and the float8 / int8 dots have no blocks to choose: no generation.
         assert all(gens == ["v6e"] for name, gens in seen.items() if name not in NO_GENERATION), (op, seen)
 
 

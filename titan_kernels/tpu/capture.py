@@ -108,8 +108,35 @@ OPS: dict[str, tuple[str, object]] = {
         f"({_DELTA}, Tensor d_out, Tensor d_state) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         lambda q, k, v, g, b, h0, r, d, ds: _like(q, k, v, g, b, h0),
     ),
+    # The low-precision matmuls (`[quantize]`): XLA float8 / int8 dots, not Pallas (`XLA_OPS`).
+    "qlinear_fwd": ("(Tensor x, Tensor w, str recipe) -> Tensor", lambda x, w, r: x.new_empty(x.shape[0], w.shape[0])),
+    "qlinear_bwd": ("(Tensor x, Tensor w, Tensor dy, str recipe) -> (Tensor, Tensor)", lambda x, w, d, r: _like(x, w)),
+    "qlinear_w8_fwd": (
+        "(Tensor x, Tensor w_q, Tensor w_scale, str recipe) -> Tensor",
+        lambda x, w, s, r: x.new_empty(x.shape[0], w.shape[0]),
+    ),
+    "qlinear_w8_bwd": (
+        "(Tensor x, Tensor w_q, Tensor w_scale, Tensor dy, str recipe) -> (Tensor, Tensor)",
+        lambda x, w, s, d, r: (torch.empty_like(x), x.new_empty(w.shape)),
+    ),
+    "qgmm_fwd": (
+        "(Tensor x, Tensor w, Tensor group_sizes, str recipe) -> Tensor",
+        lambda x, w, s, r: x.new_empty(x.shape[0], w.shape[1]),
+    ),
+    "qgmm_bwd": (
+        "(Tensor x, Tensor w, Tensor group_sizes, Tensor dy, str recipe) -> (Tensor, Tensor)",
+        lambda x, w, s, d, r: _like(x, w),
+    ),
 }
 """Every `titan_capture` op: (schema after its name, shape-only kernel)."""
+
+XLA_OPS = frozenset({"qlinear_fwd", "qlinear_bwd", "qlinear_w8_fwd", "qlinear_w8_bwd", "qgmm_fwd", "qgmm_bwd"})
+"""The ops whose TPU implementation is plain XLA (titan_kernels/tpu/qmatmul.py, qgmm.py: float8 /
+int8 dots and ragged dots), not a Mosaic call: they lower as they are (the SPMD partitioner splits
+them, XLA's cost analysis counts them), with no `shard_map` and no `COSTS` entry. Without them the
+capture held the op's CPU implementation, the torch emulation (float32 matmuls of dequantized
+values, one per expert in the capacity layout), and a `[quantize]` recipe's compile measured that
+program instead of the float8 dots a TPU run executes."""
 
 
 def _op():
@@ -162,6 +189,35 @@ def _ce_backward(ctx, d_rows, d_lse):
     return (*_op().ce_bwd(*ctx.saved_tensors, d_rows.float().contiguous()), None)
 
 
+def _save_quantized(ctx, inputs, output):  # the tensors; the recipe (a str) aside
+    ctx.save_for_backward(*inputs[:-1])
+    ctx.recipe = inputs[-1]
+
+
+def _qlinear_backward(ctx, dy):
+    return (*_op().qlinear_bwd(*ctx.saved_tensors, dy.contiguous(), ctx.recipe), None)
+
+
+def _qgmm_backward(ctx, dy):
+    return (*_op().qgmm_bwd(*ctx.saved_tensors, dy.contiguous(), ctx.recipe), None, None)
+
+
+class _Float8WeightLinear(torch.autograd.Function):
+    """x @ w_q^T with w_q SimpleFSDP's gathered float8 weight and its scale (not differentiable):
+    the weight gradient goes to the carrier, as titan_kernels/tpu/qlinear.py's `W8Linear`."""
+
+    @staticmethod
+    def forward(ctx, x, carrier, w_q, w_scale, recipe):
+        ctx.save_for_backward(x, w_q, w_scale)
+        ctx.recipe = recipe
+        return _op().qlinear_w8_fwd(x, w_q, w_scale, recipe)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw = _op().qlinear_w8_bwd(*ctx.saved_tensors, dy.contiguous(), ctx.recipe)
+        return dx, dw, None, None, None
+
+
 def _gated_delta_backward(ctx, d_out, d_state):
     return (*_op().gated_delta_bwd(*ctx.saved_tensors, d_out.contiguous(), d_state.contiguous()), None)
 
@@ -175,6 +231,8 @@ AUTOGRAD = {
     "gmm": (_gmm_backward, _save_inputs),
     "ce_fwd": (_ce_backward, _save_ce),
     "gated_delta_fwd": (_gated_delta_backward, _save_inputs),
+    "qlinear_fwd": (_qlinear_backward, _save_quantized),
+    "qgmm_fwd": (_qgmm_backward, _save_quantized),
 }
 """The differentiable ops: (backward, setup_context); each backward calls its `*_bwd` op."""
 
@@ -242,9 +300,37 @@ def gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, **kwargs):
     return gated_delta.call_prepared(getattr(torch.ops, NAMESPACE).gated_delta_fwd, q, k, v, g, beta, **kwargs)
 
 
+def quantized_linear(x, w, recipe, w_scale=None, w_grad=None):
+    # As titan_kernels/tpu/qlinear.py's op on a TPU: x's leading dims flattened; with SimpleFSDP's
+    # float8 all-gather (`w_scale`) the float8 weight as it is, its gradient to the carrier `w_grad`.
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if w_scale is not None:
+        y = _Float8WeightLinear.apply(x2, w_grad, w.contiguous(), w_scale.reshape(()).float(), recipe)
+    else:
+        y = _op().qlinear_fwd(x2, w.contiguous(), recipe)
+    return y.reshape(*lead, w.shape[0])
+
+
+quantized_linear.takes_float8_weight = True
+
+
+def quantized_grouped_mm(x, w, group_sizes, recipe):
+    # w [G, K, N] as the op takes it; the TPU op reads the experts' [G, N, K] layout.
+    w_nk = w.transpose(-2, -1).contiguous()
+    return _op().qgmm_fwd(x.contiguous(), w_nk, group_sizes.to(torch.int32), recipe)
+
+
+def quantized_batched_mm(x, w, recipe):
+    # The capacity layout's experts, served as the TPU serves them: the grouped op on the flat rows.
+    from models.common.quantize import batched_as_grouped
+
+    return batched_as_grouped(quantized_grouped_mm, x, w, recipe)
+
+
 def install() -> None:
     """Define the ops (once) and serve the model's attention (causal, full, with sinks), grouped
-    matmul, fused loss and delta rule with them."""
+    matmul, fused loss, delta rule and low-precision matmuls with them."""
     _define()
     ops.register("causal_attention", causal_attention)
     ops.register("attention", attention)
@@ -252,6 +338,9 @@ def install() -> None:
     ops.register("grouped_mm", grouped_mm)
     ops.register("linear_cross_entropy", linear_cross_entropy)
     ops.register("gated_delta_rule", gated_delta_rule)
+    ops.register("quantized_linear", quantized_linear)
+    ops.register("quantized_grouped_mm", quantized_grouped_mm)
+    ops.register("quantized_batched_mm", quantized_batched_mm)
 
 
 def shard_group_sizes(group_sizes, rows: int, shard):
@@ -434,7 +523,7 @@ def kernel_functions(generation: str | None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from titan_kernels.tpu import delta_rule, fused_ce, gmm, splash
+    from titan_kernels.tpu import delta_rule, fused_ce, gmm, qgmm, qmatmul, splash
 
     gen = dict(generation=generation)
 
@@ -473,6 +562,12 @@ def kernel_functions(generation: str | None) -> dict:
         "gmm_bwd": lambda x, w, sizes, dy: tuple(jax.vjp(lambda x, w: gmm_fwd(x, w, sizes), x, w)[1](dy)),
         "ce_fwd": functools.partial(fused_ce.forward_rows, **gen),
         "ce_bwd": functools.partial(fused_ce.backward_rows, **gen),
+        "qlinear_fwd": qmatmul.forward,
+        "qlinear_bwd": qmatmul.backward,
+        "qlinear_w8_fwd": qmatmul.forward_w8,
+        "qlinear_w8_bwd": qmatmul.backward_w8,
+        "qgmm_fwd": qgmm.forward,
+        "qgmm_bwd": qgmm.backward,
         "gated_delta_fwd": delta_rule.forward,
         "gated_delta_bwd": lambda *args: tuple(delta_rule.backward(*args)),
     }
@@ -571,7 +666,8 @@ def add_lowerings(env, mesh, axis: str, *, generation: str | None) -> None:
         return call
 
     for name in OPS:
-        env.override_op_definition(getattr(op, name).default, sharded(name))
+        lower = functools.partial(interop.call_jax, fns[name]) if name in XLA_OPS else sharded(name)
+        env.override_op_definition(getattr(op, name).default, lower)
 
 
 def _trailing(fn, consts, *tensors):
