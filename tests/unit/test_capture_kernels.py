@@ -65,6 +65,45 @@ def test_the_sink_op_keeps_shapes_and_autograd_on_fake_tensors(installed):
     assert names.count("titan_capture::sink_seg_fwd") == 1 and names.count("titan_capture::sink_seg_bwd") == 1
 
 
+def _captured_ops(fn, *args) -> list[str]:
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    return [n.target._schema.name for n in gm.graph.nodes if n.op == "call_function" and hasattr(n.target, "_schema")]
+
+
+def test_the_quantized_ops_are_the_tpus_own_nodes_not_the_emulation(installed):
+    """`[quantize]`'s ops in the capture (issue 51): the dense linear, the grouped experts (dropless)
+    and the capacity layout's batched experts are each one forward and one backward node of the
+    TPU's op (lowered to qmatmul / qgmm), with the gradients' shapes; no matmul of the emulation
+    is left in the graph (before, the capture held `emulated_linear`'s float32 mm per expert)."""
+    recipe = "float8_rowwise"
+
+    def dense(x, w):
+        return torch.autograd.grad(ops.quantized_linear(x, w, recipe).sum(), [x, w])
+
+    def grouped(x, w, sizes):
+        return torch.autograd.grad(ops.quantized_grouped_mm(x, w, sizes, recipe).sum(), [x, w])
+
+    def batched(x, w):
+        return torch.autograd.grad(ops.quantized_batched_mm(x, w, recipe).sum(), [x, w])
+
+    x, w = torch.randn(2, 8, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True)
+    names = _captured_ops(dense, x, w)
+    assert names.count("titan_capture::qlinear_fwd") == 1 and names.count("titan_capture::qlinear_bwd") == 1, names
+    assert not [n for n in names if n.startswith("aten::mm") or n.startswith("aten::bmm")], names
+    xg, wg = torch.randn(40, 64, requires_grad=True), torch.randn(4, 64, 32, requires_grad=True)
+    names = _captured_ops(grouped, xg, wg, torch.tensor([10, 0, 20, 10]))
+    assert names.count("titan_capture::qgmm_fwd") == 1 and names.count("titan_capture::qgmm_bwd") == 1, names
+    xb = torch.randn(4, 10, 64, requires_grad=True)
+    names = _captured_ops(batched, xb, wg)
+    assert names.count("titan_capture::qgmm_fwd") == 1 and names.count("titan_capture::qgmm_bwd") == 1, names
+    assert not [n for n in names if n.startswith(("aten::mm", "aten::bmm"))], names
+    with FakeTensorMode():
+        xb, wg = torch.empty(4, 10, 64, requires_grad=True), torch.empty(4, 64, 32, requires_grad=True)
+        out = ops.quantized_batched_mm(xb, wg, recipe)
+        assert out.shape == (4, 10, 32)
+        assert [g.shape for g in torch.autograd.grad(out.sum(), [xb, wg])] == [xb.shape, wg.shape]
+
+
 def test_a_tensor_window_without_sliding_window_takes_the_reference(installed, monkeypatch):
     """As register.py on a TPU: the kernel builds its masks from `sliding_window`, so a tensor
     window without one (its values unknown) goes to the reference."""
