@@ -636,6 +636,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "collectives plus the expert dispatch",
     ),
     Scheduled(
+        "tests/xla/test_tpu_program.py::test_the_low_precision_program_compiles_the_tpus_own_dots[[]*]",
+        (
+            "tests/unit/test_capture_kernels.py::test_the_quantized_ops_are_the_tpus_own_nodes_not_the_emulation",
+            "tests/unit/test_tpu_compile_reports.py::test_every_kernel_op_is_lowered_with_the_targets_generation",
+            "tests/xla/test_quantize_xla.py::test_xla_cpu_equals_the_torch_emulation",
+        ),
+        "two reduced [quantize] programs compiled deviceless (minutes): the default tier captures the quantized "
+        "ops as the TPU's nodes, checks each has its lowering, and runs the dense op on XLA:CPU against the emulation",
+    ),
+    Scheduled(
         "tests/xla/test_tpu_program.py::test_the_program_compiles_with_its_kernels_and_collectives[[]gpt_oss]",
         (
             "tests/unit/test_capture_kernels.py::test_the_sink_op_keeps_shapes_and_autograd_on_fake_tensors",

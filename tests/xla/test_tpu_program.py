@@ -153,6 +153,42 @@ TPU_RECIPES = sorted(
 )  # with the low-precision variants (*_v6e_int8.toml, *_v7x_fp8.toml)
 
 
+LOW_PRECISION = {
+    # float8 on v7x: the dense linears (wq, wo) and the capacity layout's routed experts
+    "fp8_moe": ("qwen3_235b_a22b_v7x_fp8.toml", "v7x-8", 2),
+    # int8 on v6e: every linear of the block (the 70B's recipe; no experts)
+    "int8_dense": ("llama3_70b_v6e_int8.toml", "v6e-8", 0),
+}
+"""Reduced `[quantize]` programs: recipe, target, expert-parallel degree (0: a dense model)."""
+
+
+@pytest.mark.parametrize("name", sorted(LOW_PRECISION))
+def test_the_low_precision_program_compiles_the_tpus_own_dots(name):
+    """A `[quantize]` recipe's program holds the TPU's low-precision ops (titan_kernels/tpu/capture.py
+    `XLA_OPS`, lowered to qmatmul / qgmm's float8 or int8 dots), not the CPU emulation the capture
+    recorded before (float32 matmuls of dequantized values: the pod compiles of the fp8 and int8
+    recipes measured that program until 2026-12-07, issue 51). Reduced width, 2 layers, scanned."""
+    from tools.tpu_compile import compile_recipe
+
+    recipe, target, ep = LOW_PRECISION[name]
+    overrides = [*SMALL[:-1], ("job.target", target), ("training.seq_len", "1024"), ("quantize.min_dim", "0")]
+    if ep:
+        overrides += [
+            ("model.head_dim", "128"),
+            ("model.num_experts", "16"),
+            ("model.moe_hidden_dim", "256"),
+            ("parallelism.expert_parallel_degree", str(ep)),
+            ("training.local_batch_size", "2"),
+        ]
+    r = compile_recipe(
+        os.path.join(ROOT, "configs", recipe), overrides=overrides, python=str(xla_python("ttpu")), timeout=900
+    )
+    assert r.error is None and r.oom is None, f"{name}: {r.error or r.oom}"
+    assert r.kernels.get("qlinear_fwd", 0) >= 1 and r.kernels.get("qlinear_bwd", 0) >= 1, r.kernels
+    if ep:  # each expert matmul (w1, w3, w2) in the forward, and its backward
+        assert r.kernels.get("qgmm_fwd", 0) >= 3 and r.kernels.get("qgmm_bwd", 0) >= 3, r.kernels
+
+
 # What the full table found (docs/recipe_check.md, docs/results/tpu_programs_2026-12-04_a7cccb9.csv): these programs
 # compile and fit the HBM, but the planner's total is off by more than the band (the Qwen 3.5 9B: does
 # not fit the HBM, far above its plan). Strict: the test turns red when the planner (or the
