@@ -298,7 +298,7 @@ def estimate(
     stacked: bool = False,
     moe_capacity_factor: float = 0.0,
     quantize: QuantizePlan | None = None,
-    moe_layers: int | None = None,
+    moe_layers: float | None = None,
 ) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
@@ -309,7 +309,8 @@ def estimate(
     matrices (`stats.muon_whole_numel`, or `muon_whole_stacked_numel` when `stacked`, the
     layer scan's) at MUON_BYTES_PER_WHOLE_ELEMENT. `moe_capacity_factor`: `[moe] capacity_factor`
     (the dispatch buffers of `ep_dispatch_bytes`, the blocks' expert rows of `capacity_saved_delta`;
-    `moe_layers`: how many blocks are MoE, default all). `quantize`: the `[quantize]` plan (the
+    `moe_layers`: how many blocks are MoE, default all; a pipeline rank's: its MoE blocks times its
+    micro-batches in flight, planner/pipeline.py). `quantize`: the `[quantize]` plan (the
     low-precision copies of `planner.low_precision`, in the block backward)."""
     loss_parallel = loss_parallel and parallel_dims.tp > 1
     memory, block, muon = _memory_terms(
@@ -379,7 +380,7 @@ def _memory_terms(
     stacked: bool,
     moe_capacity_factor: float,
     quantize: QuantizePlan | None,
-    moe_layers: int | None,
+    moe_layers: float | None,
 ) -> tuple[dict, BlockTransient, int]:
     """`estimate`'s memory fields of `Estimate` (state, saved activations and weights, transients,
     scan flips, the undonated update), the block transient's terms and Muon's local matrix elements."""
@@ -462,7 +463,7 @@ def _saved_activations(
     loss_parallel: bool,
     fused_loss: bool,
     moe_capacity_factor: float,
-    moe_layers: int | None,
+    moe_layers: float | None,
 ) -> ActivationBytes:
     """`estimate`'s activation bytes: the model's own or the decoder-LM model's, with the
     capacity dispatch's buffer rows in place of per-copy rows, and the fused loss's one fp32
@@ -505,7 +506,7 @@ def _saved_activations(
             acts,
             per_block_none=acts.per_block_none + delta,
             per_block=acts.per_block + kept_delta,
-            blocks=acts.blocks + kept_delta * (shape.n_layers if moe_layers is None else moe_layers),
+            blocks=acts.blocks + round(kept_delta * (shape.n_layers if moe_layers is None else moe_layers)),
         )
     if fused_loss:
         # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]

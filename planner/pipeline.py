@@ -16,8 +16,14 @@ planner"):
   graph mode's uniform stages `T = m + p - 1`: its SPMD program runs every iteration on every
   rank, the idle ones too, and keeps their block inputs),
   the loss and the head's transients only where it holds the last stage;
+- **MoE** (eager PP with EP inside the stage): a rank holds the experts of its own blocks only
+  (`num_experts / ep` per device, as the stage mesh's plan shards them), a stage of dense blocks
+  (DeepSeek-V3's first, `ShardStats.stacks`) none; the dispatch buffers and capacity rows are one
+  micro-batch's, the kept rows times the rank's MoE blocks and micro-batches in flight;
+- **CP** (eager PP): a micro-batch at `seq / cp` per device, with CP's gathered k/v;
 - the heaviest rank is the plan's memory (`Estimate.pipeline.rank` says which);
-- **time**: the compute of the heaviest rank's share (`imbalance`: its blocks, plus the head's
+- **time**: the compute of the heaviest rank's share (`imbalance`: its blocks, each by its own
+  FLOPs where dense and MoE blocks mix (`two_kind_weights`), plus the head's
   FLOPs in block units where it holds the last stage, `head_block_units`), inflated by the
   schedule's bubble (`bubble_fraction`): `t = t_compute x imbalance / (1 - bubble) + exposed p2p`;
 - **p2p**: each micro-batch crosses each stage boundary forward (activations) and backward
@@ -124,13 +130,24 @@ class PipelineSpec:
         split = self.stages(n_layers)
         return [sum(len(split[s]) for s in self.rank_stages(r)) for r in range(self.pp)]
 
-    def rank_units(self, n_layers: int, head_units: float | None = None) -> list[float]:
+    def rank_layer_ids(self, n_layers: int, rank: int) -> list[int]:
+        """The model's layer indices rank `rank` holds (all its stages), in order."""
+        split = self.stages(n_layers)
+        return sorted(i for s in self.rank_stages(rank) for i in split[s])
+
+    def rank_units(
+        self, n_layers: int, head_units: float | None = None, layer_weights: tuple[float, ...] | None = None
+    ) -> list[float]:
         """Each rank's compute in block units: its blocks, plus the head and loss where it holds the
         last stage (every rank with uniform stages). `head_units`: the head's training FLOPs over one
         block's (`head_block_units`); None: `split_layers`' own accounting, `first_less` for the
         embedding and `last_less` for the head. The embedding is a lookup: 0 FLOPs when the head is
-        priced."""
-        layers = self.rank_layers(n_layers)
+        priced. `layer_weights`: each layer's FLOPs over the mean block's (`two_kind_weights`: a dense
+        block against an MoE block's active experts where a split mixes them); None: alike."""
+        if layer_weights is None:
+            layers = [float(n) for n in self.rank_layers(n_layers)]
+        else:
+            layers = [sum(layer_weights[i] for i in self.rank_layer_ids(n_layers, r)) for r in range(self.pp)]
         if head_units is not None:
             return [n + (head_units if self.holds_first_last(r)[1] else 0.0) for r, n in enumerate(layers)]
         last = self.num_stages - 1
@@ -141,9 +158,11 @@ class PipelineSpec:
             for r, n in enumerate(layers)
         ]
 
-    def imbalance(self, n_layers: int, head_units: float | None = None) -> float:
+    def imbalance(
+        self, n_layers: int, head_units: float | None = None, layer_weights: tuple[float, ...] | None = None
+    ) -> float:
         """The heaviest rank's compute over the mean rank's (1: balanced)."""
-        units = self.rank_units(n_layers, head_units)
+        units = self.rank_units(n_layers, head_units, layer_weights)
         return max(units) * self.pp / sum(units)
 
     def in_flight(self, rank: int) -> float:
@@ -178,27 +197,45 @@ def spec_of(request) -> PipelineSpec:
 
 def stage_stats(stats: ShardStats, spec: PipelineSpec, rank: int) -> ShardStats:
     """`stats` (the whole model on one stage-mesh rank) cut to what pp rank `rank` holds: its
-    blocks (taken as alike: the families PP runs have all-dense or all-MoE blocks; Qwen 3.5's attention
-    kinds alternate), the embedding on
-    stage 0, the norm and head on the last. Muon's matrices are scaled with the blocks (by default
-    it excludes the embedding and head)."""
+    blocks, the embedding on stage 0, the norm and head on the last. The blocks of one stack are
+    taken as alike (Qwen 3.5's attention kinds alternate: the mean block); a model of several stacks
+    (DeepSeek-V3's dense blocks, then its MoE blocks: `ShardStats.stacks`) is counted per stack, so
+    a stage of dense blocks holds no experts. An MoE block's experts are those of its stage mesh
+    (`num_experts / ep` per device, EP inside the stage), as `shard_model` sharded them. Muon's
+    matrices are scaled with the blocks (by default it excludes the embedding and head)."""
     n = stats.n_layers
     layers = spec.rank_layers(n)[rank]
     first, last = spec.holds_first_last(rank)
     head_side = stats.root_numel - stats.embedding_numel
     root = (stats.embedding_numel if first else 0) + (head_side if last else 0)
-    scale = lambda x: x * layers // n  # noqa: E731
+    if stats.stacks:
+        ids, start, held = spec.rank_layer_ids(n, rank), 0, []
+        for length, *_ in stats.stacks:
+            held.append(sum(start <= i < start + length for i in ids))
+            start += length
+        scale_of = lambda k: sum(st[k] * c // st[0] for st, c in zip(stats.stacks, held) if st[0])  # noqa: E731
+        blocks, gathered, muon_blocks = scale_of(1), scale_of(2), scale_of(3)
+        muon = stats.muon_numel - sum(st[3] for st in stats.stacks) + muon_blocks
+    else:
+        scale = lambda x: x * layers // n  # noqa: E731
+        blocks, gathered, muon = scale(stats.blocks_numel), scale(stats.blocks_gathered_numel), scale(stats.muon_numel)
     return dataclasses.replace(
         stats,
         n_layers=layers,
         root_numel=root,
-        blocks_numel=scale(stats.blocks_numel),
-        blocks_gathered_numel=scale(stats.blocks_gathered_numel),
+        blocks_numel=blocks,
+        blocks_gathered_numel=gathered,
         lm_head_gathered_numel=stats.lm_head_gathered_numel if last else 0,
         root_kept_gathered_numel=stats.root_kept_gathered_numel if last else 0,
-        muon_numel=scale(stats.muon_numel),
+        muon_numel=muon,
         embedding_numel=stats.embedding_numel if first else 0,
     )
+
+
+def moe_layer_ids(n_layers: int, moe_layers: int | None) -> range:
+    """The MoE blocks' indices: the last `moe_layers` (DeepSeek-V3's dense blocks come first;
+    None: every block)."""
+    return range(n_layers - (n_layers if moe_layers is None else moe_layers), n_layers)
 
 
 def stage_activations(per_micro: ActivationBytes, spec: PipelineSpec, rank: int) -> ActivationBytes:
@@ -308,6 +345,26 @@ def head_block_units(shape: ModelShape, flops_per_token: float | None) -> float 
     return head / per_block if per_block > 0 else None
 
 
+def two_kind_weights(n_layers: int, n_dense: int, total_of) -> tuple[float, ...] | None:
+    """Each layer's share (mean 1) of a total over the blocks of a model of `n_dense` dense blocks
+    then MoE blocks (DeepSeek-V3's `n_dense_layers`), from the model's own count at another dense
+    count: `total_of(d)` is the total with `d` dense blocks (the FLOPs of `model_flops_per_token`,
+    the bytes of the activation model), so a dense block's and an MoE block's (its active experts)
+    are the count's own, not a copy of its formula. None for one kind of block."""
+    if not 0 < n_dense < n_layers:
+        return None
+    other = n_dense + 1 if n_dense + 1 < n_layers else n_dense - 1
+    if other < 1:
+        return None
+    total = total_of(n_dense)
+    delta = (total_of(other) - total) / (other - n_dense)  # a dense block's minus an MoE block's
+    moe = (total - n_dense * delta) / n_layers
+    mean = total / n_layers
+    if mean <= 0:
+        return None
+    return tuple((moe + delta if i < n_dense else moe) / mean for i in range(n_layers))
+
+
 def p2p_transfer_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, tp: int, cp: int) -> int:
     """One micro-batch's hidden states at a stage boundary, per device: [mb, seq / cp, dim] bf16,
     split by tp (the stage input is a sequence shard under TP)."""
@@ -327,13 +384,19 @@ def pipeline_estimate(
     loss_parallel: bool,
     grad_accum: int = 1,
     activations_of=None,
+    layer_weights: tuple[float, ...] | None = None,
+    activation_weights: tuple[float, ...] | None = None,
     **kwargs,
 ):
     """`planner.memory.estimate` of every pp rank (its stage's stats and activations, one micro-batch
     of `local_batch_size / m` sequences in `activations_of`), the heaviest returned with the batch
     restored and its `PipelineCost`. `activations_of(micro_batch)`: the model's activation bytes of
     one micro-batch through all its layers (None: the decoder-LM model); the blocks' share is scaled
-    to each rank's layers. ValueError when m does not divide the local batch (the rule's case)."""
+    to each rank's layers (`activation_weights`: each layer's share, mean 1, where the blocks differ:
+    `two_kind_weights`), and the MoE terms (`moe_layers`: the capacity rows kept per MoE block) count
+    the rank's MoE blocks; a rank of dense blocks only is priced as a dense model (no dispatch
+    buffers). `layer_weights`: each layer's FLOPs over the mean block's (the imbalance; None: alike).
+    ValueError when m does not divide the local batch (the rule's case)."""
     from planner.activations import activation_bytes
     from planner.memory import estimate
 
@@ -353,14 +416,25 @@ def pipeline_estimate(
             loss_parallel=loss_parallel and tp > 1,
             cp=cp,
         )
-    layers = spec.rank_layers(shape.n_layers)
+    n = shape.n_layers
+    layers = spec.rank_layers(n)
+    moe_ids = moe_layer_ids(n, kwargs.get("moe_layers")) if shape.is_moe else range(0)
     per_rank = []
     for rank in range(spec.pp):
-        own = dataclasses.replace(whole, blocks=whole.blocks * layers[rank] // shape.n_layers)
+        ids = spec.rank_layer_ids(n, rank)
+        if activation_weights:
+            own = dataclasses.replace(whole, blocks=round(whole.blocks * sum(activation_weights[i] for i in ids) / n))
+        else:
+            own = dataclasses.replace(whole, blocks=whole.blocks * layers[rank] // n)
+        moe_held = sum(i in moe_ids for i in ids)
+        # a stage of dense blocks only (DeepSeek-V3's first): no experts, no dispatch buffers
+        kind = {} if moe_held or not shape.is_moe else dict(num_experts=0, top_k=0, moe_hidden=0)
+        # the capacity dispatch's rows kept per MoE block (`planner.memory`), per micro-batch in flight
+        rank_kwargs = {**kwargs, "moe_layers": moe_held * spec.in_flight(rank)} if shape.is_moe else kwargs
         per_rank.append(
             estimate(
                 target=target,
-                shape=dataclasses.replace(shape, n_layers=layers[rank]),
+                shape=dataclasses.replace(shape, n_layers=layers[rank], **kind),
                 stats=stage_stats(stats, spec, rank),
                 parallel_dims=parallel_dims,
                 local_batch_size=mb,
@@ -369,7 +443,7 @@ def pipeline_estimate(
                 loss_parallel=loss_parallel,
                 grad_accum=grad_accum,
                 activations=stage_activations(own, spec, rank),
-                **kwargs,
+                **rank_kwargs,
             )
         )
     heaviest = max(range(spec.pp), key=lambda r: per_rank[r].total)
@@ -382,7 +456,7 @@ def pipeline_estimate(
         rank_totals=tuple(e.total for e in per_rank),
         micro_batch=mb,
         in_flight=spec.in_flight(heaviest),
-        imbalance=spec.imbalance(shape.n_layers, head_block_units(shape, kwargs.get("flops_per_token"))),
+        imbalance=spec.imbalance(n, head_block_units(shape, kwargs.get("flops_per_token")), layer_weights),
         p2p_bytes=grad_accum * spec.transfers * transfer,
         transfer_bytes=transfer,
         link=link,

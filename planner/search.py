@@ -75,6 +75,8 @@ class PlanInputs:
         pp: int | None = None,
         local_batch: int = 0,
         pp_microbatches: int | None = None,
+        cp: int | None = None,
+        ep: int | None = None,
     ) -> StepRequest:
         # several slices (`v6e-256x2`): the slice rule reads the count and the replicate degree
         slices = {"num_slices": target.num_slices}
@@ -86,13 +88,18 @@ class PlanInputs:
             pipe["pp_degree"] = pp
         if pp_microbatches is not None:
             pipe["pp_microbatches"] = pp_microbatches
+        # the plan's own cp and ep degrees (None: the recipe's), which the pipeline rules read
+        if cp is not None:
+            pipe["cp_degree"] = cp
+        if ep is not None:
+            pipe["ep_degree"] = ep
         return dataclasses.replace(
             self.step, tp_degree=tp, ac_mode=ac_mode, device_type=target.device_type, **slices, **pipe
         )
 
     def refusals(self, *, tp: int, ac_mode: str, target: Target, dp_replicate: int | None = None, **pipe) -> list[str]:
         """What the trainer's rules refuse in this plan (empty: it would start). `pipe`: `pp`,
-        `local_batch`, `pp_microbatches` of a pipeline layout (default: the recipe's)."""
+        `local_batch`, `pp_microbatches`, `cp`, `ep` of a pipeline layout (default: the recipe's)."""
         if self.step is None:
             return []
         return refusals(self._request(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, **pipe))
@@ -250,6 +257,7 @@ def plan_estimate(
         dp_replicate=dp_replicate,
         pp=spec.pp,
         local_batch=inputs.local_batch_size,
+        **(dict(cp=cp, ep=ep) if spec.pp > 1 else {}),  # the pipeline rules read the plan's cp and ep
     )
     refused, step = _checked_step(inputs, request, cp=cp, check_rules=check_rules)
     # 2. The degrees on the target's world, torch-tpu's layout, the real model sharded on a fake world.
@@ -355,9 +363,21 @@ def _pipeline_candidate(
     headroom: float,
     assumed_mfu: float,
 ) -> Estimate:
-    """One pipeline plan's estimate (`planner.pipeline.pipeline_estimate`: the heaviest pp rank)."""
-    from planner.pipeline import pipeline_estimate
+    """One pipeline plan's estimate (`planner.pipeline.pipeline_estimate`: the heaviest pp rank). A
+    model of dense blocks then MoE blocks (DeepSeek-V3's `n_dense_layers`) weighs each layer by its
+    own FLOPs and activation bytes (`two_kind_weights` over the model's own counts)."""
+    from planner.pipeline import pipeline_estimate, two_kind_weights
 
+    args, n = inputs.args, priced.shape.n_layers
+    n_dense = getattr(args, "n_dense_layers", 0) if priced.shape.is_moe and inputs.flow_tokens is None else 0
+    at = lambda d: dataclasses.replace(args, n_dense_layers=d)  # noqa: E731  (the model with d dense blocks)
+    head = 6.0 * priced.shape.dim * priced.shape.vocab_size  # (`head_block_units`' head)
+    layer_weights = two_kind_weights(n, n_dense, lambda d: model_flops(at(d), inputs.seq_len)["palm"] - head)
+    mb = local_batch_size // spec.m if spec.m and local_batch_size % spec.m == 0 else 1
+    kind_acts = lambda d: dataclasses.replace(inputs, args=at(d)).activations(  # noqa: E731
+        local_batch_size=mb, tp=priced.dims.tp, ac_mode=priced.ac_mode, cp=priced.dims.cp
+    )
+    activation_weights = two_kind_weights(n, n_dense, lambda d: kind_acts(d).blocks) if is_mla(args) else None
     return pipeline_estimate(
         spec,
         **priced.common(
@@ -370,6 +390,8 @@ def _pipeline_candidate(
             flops_per_token=inputs.flops_per_token(priced.shape),
         ),
         activations_of=lambda mb: priced.activations(inputs, mb),
+        layer_weights=layer_weights,
+        activation_weights=activation_weights,
     )
 
 
@@ -504,6 +526,13 @@ def _pipeline_degrees(inputs: PlanInputs, target: Target, max_pp: int) -> list[i
     return [1] + [p for p in _powers_of_two_dividing(target.devices, max_pp) if p > 1 and p % s == 0]
 
 
+def _pp_refuses(inputs: PlanInputs, target: Target, *, pp: int, cp: int = 1, ep: int = 1) -> bool:
+    """The rules refuse this cp or ep degree with PP where they take it at 1 (graph mode's CP and EP
+    rules; checked at tp 1 with the batch not yet chosen, like `_pipeline_degrees`)."""
+    ask = dict(tp=1, ac_mode="none", target=target, pp=pp, pp_microbatches=0)
+    return len(inputs.refusals(**ask, cp=cp, ep=ep)) > len(inputs.refusals(**ask, cp=1, ep=1))
+
+
 def _search_pp(
     inputs: PlanInputs,
     target: Target,
@@ -521,8 +550,9 @@ def _search_pp(
     world = target.devices
     stage = world // pp
     replicas_span = max(1, target.num_slices // pp)  # slices the data-parallel ranks span
-    if pp > 1:  # the pipeline rules refuse cp and ep with PP (trainer/step/pipeline_rules.py)
-        cps, eps = [c for c in cps if c == 1] or [1], [e for e in eps if e == 1] or [1]
+    if pp > 1:  # the cp and ep degrees the pipeline rules take with PP (eager: all; graph mode: 1)
+        cps = [c for c in cps if c == 1 or not _pp_refuses(inputs, target, pp=pp, cp=c)] or [1]
+        eps = [e for e in eps if e == 1 or not _pp_refuses(inputs, target, pp=pp, ep=e)] or [1]
     candidates: list[Estimate] = []
     with fake_process_group(world):
         for tp, cp in ((tp, cp) for cp in cps for tp in tps if stage % (tp * cp) == 0):
@@ -676,7 +706,15 @@ def _pipeline_layout_candidates(
             if not spec.microbatches:
                 spec = dataclasses.replace(spec, microbatches=batch)
             pipe = dict(pp=dims.pp, local_batch=batch, pp_microbatches=spec.microbatches)
-            request = dict(tp=dims.tp, ac_mode=ac_mode, target=target, dp_replicate=dims.dp_replicate, **pipe)
+            request = dict(
+                tp=dims.tp,
+                ac_mode=ac_mode,
+                target=target,
+                dp_replicate=dims.dp_replicate,
+                cp=dims.cp,
+                ep=dims.ep,
+                **pipe,
+            )
             if inputs.refusals(**request):
                 continue  # the trainer would refuse it (the micro-batches, the stage count, ...)
             loss_parallel = dims.tp > 1 and inputs.flow_tokens is None

@@ -129,6 +129,11 @@ class ShardStats:
     """Every `nn.Linear` at the root and in the first block of each stack, by module path: its
     weight's (out, in) features whole and after the dp all-gather (still TP-sharded). What
     `[quantize]` may quantize (planner/low_precision.py)."""
+    stacks: tuple[tuple[int, int, int, int], ...] = ()
+    """Per stack of the plan (`family.plan.stacks`, in the forward's order): (its blocks, their local
+    elements, their elements after the dp all-gather, Muon's local elements of them). What a
+    pipeline stage holds of a model of dense blocks then MoE blocks (DeepSeek-V3's `dense_layers`,
+    `moe_layers`) is counted per stack (planner/pipeline.py `stage_stats`); empty: one kind of block."""
 
     @property
     def param_numel(self) -> int:
@@ -197,12 +202,21 @@ def shard_model(
     if probe:  # each probed block times its stack's length over the probe's blocks in that stack
         probed = {p: sum(b.startswith(p) for b in t.block_local) for p in prefixes}
         count = lambda block: next(stack_lengths[p] // probed[p] for p in prefixes if block.startswith(p))  # noqa: E731
-        blocks_numel = sum(n * count(b) for b, n in t.block_local.items())
-        blocks_gathered = sum(n * count(b) for b, n in t.block_gathered.items())
-        muon_numel = t.muon_root + sum(n * count(b) for b, n in t.muon_block.items())
     else:
-        blocks_numel, blocks_gathered = sum(t.block_local.values()), sum(t.block_gathered.values())
-        muon_numel = t.muon_root + sum(t.muon_block.values())
+        count = lambda block: 1  # noqa: E731
+    # per stack: (blocks, local, gathered, Muon's local) elements
+    per_stack = tuple(
+        (
+            stack_lengths[p] if probe else sum(b.startswith(p) for b in t.block_local),
+            sum(n * count(b) for b, n in t.block_local.items() if b.startswith(p)),
+            sum(n * count(b) for b, n in t.block_gathered.items() if b.startswith(p)),
+            sum(n * count(b) for b, n in t.muon_block.items() if b.startswith(p)),
+        )
+        for p in prefixes
+    )
+    blocks_numel = sum(s[1] for s in per_stack)
+    blocks_gathered = sum(s[2] for s in per_stack)
+    muon_numel = t.muon_root + sum(s[3] for s in per_stack)
     # Layers per stack (what layer scan stacks): the probe's stack lengths, else the blocks seen.
     layers = {p: stack_lengths[p] if probe else sum(b.startswith(p) for b in t.block_local) for p in prefixes}
     whole = max((_muon_whole_numel(p, 1) for p, _ in t.muon_params), default=0)
@@ -229,6 +243,7 @@ def shard_model(
         muon_whole_stacked_numel=whole_stacked,
         embedding_numel=embedding_local,
         linear_shapes=_linear_shapes(model, prefixes),
+        stacks=per_stack if len(prefixes) > 1 else (),
     )
 
 

@@ -1823,6 +1823,14 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "builder through the trainer, and the placement arithmetic of every schedule",
     ),
     Scheduled(
+        "tests/unit/test_planner_pipeline_moe.py::test_planned_stage_params_equal_the_trainers_pp2_ep2_build",
+        (
+            "tests/unit/test_planner_pipeline_moe.py::test_pp2_ep2_rank_holds_its_layers_experts_and_capacity_rows_by_hand",
+        ),
+        "the planner's per-rank parameters of a PP 2 x EP 2 Qwen 3 MoE plan against the trainer's own build on 4 "
+        "spawned gloo ranks: the default tier checks the same per-rank parameters by hand",
+    ),
+    Scheduled(
         "tests/unit/test_pipeline_moe.py::test_pp2_*",
         (
             "tests/unit/test_pipeline_moe.py::test_attach_aux_gives_earlier_stages_the_aux_gradient",
