@@ -1,7 +1,7 @@
 """The low-precision pod recipes (configs/*_v7x_fp8.toml, *_v6e_int8.toml) are their bf16 parent
 plus `[quantize]`: the config system has no include, so each is a whole recipe, and this test keeps
-it in step with its parent. Only `[quantize]`, `[job] dump_folder`, `[job] description` and the
-checkpoint folder's recipe name may differ; the recipe names a recipe its target runs natively (v7x: float8, v6e: int8)."""
+it in step with its parent. Only `[quantize]`, `[job] dump_folder`, `[job] description`, the
+checkpoint folder's recipe name and (float8 experts on v7x) a scoped VMEM limit may differ; the recipe names a recipe its target runs natively (v7x: float8, v6e: int8)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ EXPECTED = {
 
 FLOAT8_GATHER = {"llama3_405b_v7x_fp8.toml"}
 """Variants that all-gather their float8_tensorwise weights in float8 (FSDP only, no TP)."""
+
+VMEM_CAP = {"qwen3_235b_a22b_v7x_fp8.toml", "deepseek_v3_671b_v7x_fp8.toml"}
+"""Variants whose float8 experts' ragged dots need a scoped VMEM limit under the v7x bundle's whole
+64 MiB: their libtpu_init_args are the parent's plus `--xla_tpu_scoped_vmem_limit_kib=61440`."""
 
 
 def test_every_variant_is_listed():
@@ -54,6 +58,12 @@ def test_a_variant_is_its_parent_plus_quantize(variant):
     allowed = {"job.dump_folder", "job.description", "quantize.recipe", "checkpoint.folder"}
     if name in FLOAT8_GATHER:
         allowed.add("quantize.fsdp_float8_all_gather")
+    if name in VMEM_CAP:
+        allowed.add("device.libtpu_init_args")
+        assert list(cfg.device.libtpu_init_args) == [
+            *base.device.libtpu_init_args,
+            "--xla_tpu_scoped_vmem_limit_kib=61440",
+        ]
     assert cfg.quantize.fsdp_float8_all_gather == (name in FLOAT8_GATHER)
     assert set(differ) == allowed, differ
     assert cfg.job.dump_folder == base.job.dump_folder + name[len(os.path.basename(parent)) - 5 : -5]
