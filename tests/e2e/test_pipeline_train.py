@@ -138,18 +138,17 @@ def test_pp2_tp2_is_the_one_process_run(tmp_path):
 
 
 def _four_ranks_are_the_one_process_run(tmp_path, name: str, one_args, pp_args) -> None:
-    """PP 2 x TP 2 with 2 micro-batches (and `pp_args`) against one process (`one_args`): the same
+    """PP 2 x TP 2 with 2 micro-batches (and `pp_args`) against one process (`one_args`)."""
+    pp_args = (*pp_args, "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_microbatches=2")
+    pp_run_is_the_one_process_run(tmp_path, name, 4, one_args, pp_args)
+
+
+def pp_run_is_the_one_process_run(tmp_path, name: str, ranks: int, one_args, pp_args) -> None:
+    """A PP 2 run on `ranks` processes (`pp_args`) against one process (`one_args`): the same
     losses, grad norms and validation at steps 1-4, and the same weights at step 4."""
     one, pp = tmp_path / "one", tmp_path / name
     want = _train(one, 1, *one_args)
-    got = _train(
-        pp,
-        4,
-        *pp_args,
-        "--parallelism.pipeline_parallel_degree=2",
-        "--parallelism.tensor_parallel_degree=2",
-        "--parallelism.pipeline_microbatches=2",
-    )
+    got = _train(pp, ranks, *pp_args, "--parallelism.pipeline_parallel_degree=2")
     _assert_same_run(got, want, (1, 2, 3, 4))
     _assert_same_weights(
         _model_weights(pp / "checkpoints" / "step-4", tmp_path),

@@ -133,24 +133,10 @@ def test_trainer_pp2_compile_is_the_one_process_run(tmp_path):
     of the same config: losses, gradient norms and validation (`schedule.eval`, the no-grad forward)
     at steps 1-4 and the step-4 weights, within tests/e2e/test_pipeline_train.py's bounds
     (scheduled tier)."""
-    from tests.e2e.test_pipeline_train import _assert_same_run, _assert_same_weights, _model_weights, _train
+    from tests.e2e.test_pipeline_train import pp_run_is_the_one_process_run
 
-    one, pp = tmp_path / "one", tmp_path / "pp2"
-    want = _train(one, 1, *COMPILE)
-    got = _train(
-        pp,
-        2,
-        *COMPILE,
-        "--parallelism.pipeline_parallel_degree=2",
-        "--parallelism.pipeline_schedule=1F1B",
-        "--parallelism.pipeline_microbatches=2",
-    )
-    _assert_same_run(got, want, (1, 2, 3, 4))
-    _assert_same_weights(
-        _model_weights(pp / "checkpoints" / "step-4", tmp_path),
-        _model_weights(one / "checkpoints" / "step-4", tmp_path),
-        4,
-    )
+    pp_args = (*COMPILE, "--parallelism.pipeline_schedule=1F1B", "--parallelism.pipeline_microbatches=2")
+    pp_run_is_the_one_process_run(tmp_path, "pp2", 2, COMPILE, pp_args)
 
 
 @pytest.mark.multiprocess
