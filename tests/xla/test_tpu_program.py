@@ -202,15 +202,13 @@ PLANNER_OFF: dict[str, str] = {
     # docs/results/qwen3_5_9b_v6e_buffers_2026-12-07_781488e.txt; docs/models.md#qwen-35).
     # (qwen3_5_35b_a3b_v6e left this table on 2026-12-07: with the fence 25.0 GiB against 23.2, +7.8 %.)
     "qwen3_5_9b_v6e.toml": "unscanned 32 blocks: compiles and fits, 18.2 GiB at +31 % of the plan's 13.9",
-    # With the parent's chunked dispatch (dispatch_chunks = 4, async all-to-alls; 2026-12-07 at
-    # 192523f): 69.7 GiB against the planner's 60.1, +16 %; its float8 temporaries are 9.5 GiB above
-    # the bf16 parent's where the planner counts 3.0 (docs/results/pod_compile_2026-12-07_192523f_qwen3_235b_fp8.csv;
-    # docs/moe.md#dispatch-chunks).
-    "qwen3_235b_a22b_v7x_fp8.toml": "chunked dispatch: compiles and fits, 69.7 GiB at +16 % of the plan's 60.1",
     # The same for DeepSeek-V3's (2026-12-07 at 58af518): 81.4 GiB against 70.1, +16 %
     # (docs/results/pod_compile_2026-12-07_58af518_deepseek_v3_fp8.csv).
     "deepseek_v3_671b_v7x_fp8.toml": "chunked dispatch: compiles and fits, 81.4 GiB at +16 % of the plan's 70.1",
 }
+# qwen3_235b_a22b_v7x_fp8 was here until 2026-12-07 (69.7 GiB at +16 %): its compile had captured the CPU
+# emulation of the quantized ops; with the TPU's own (titan_kernels/tpu/capture.py XLA_OPS) it is 60.7
+# GiB against the plan's 60.1 (docs/results/pod_compile_2026-12-07_a63fa4f_qwen3_235b_fp8.csv).
 # flux_dev_v7x was here until 2026-12-06: libtpu 0.0.52's TPU7x fusion emitter aborted on its step
 # (signal 6, fusion_emitter.cc 'Cannot find a valid window'); its recipe's [device] libtpu_init_args
 # flag, which tools/tpu_compile.py now hands the compile worker, makes it compile and fit (docs/flux.md).
