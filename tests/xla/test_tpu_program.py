@@ -202,13 +202,11 @@ PLANNER_OFF: dict[str, str] = {
     # docs/results/qwen3_5_9b_v6e_buffers_2026-12-07_781488e.txt; docs/models.md#qwen-35).
     # (qwen3_5_35b_a3b_v6e left this table on 2026-12-07: with the fence 25.0 GiB against 23.2, +7.8 %.)
     "qwen3_5_9b_v6e.toml": "unscanned 32 blocks: compiles and fits, 18.2 GiB at +31 % of the plan's 13.9",
-    # The same for DeepSeek-V3's (2026-12-07 at 58af518): 81.4 GiB against 70.1, +16 %
-    # (docs/results/pod_compile_2026-12-07_58af518_deepseek_v3_fp8.csv).
-    "deepseek_v3_671b_v7x_fp8.toml": "chunked dispatch: compiles and fits, 81.4 GiB at +16 % of the plan's 70.1",
 }
-# qwen3_235b_a22b_v7x_fp8 was here until 2026-12-07 (69.7 GiB at +16 %): its compile had captured the CPU
-# emulation of the quantized ops; with the TPU's own (titan_kernels/tpu/capture.py XLA_OPS) it is 60.7
-# GiB against the plan's 60.1 (docs/results/pod_compile_2026-12-07_a63fa4f_qwen3_235b_fp8.csv).
+# qwen3_235b_a22b_v7x_fp8 and deepseek_v3_671b_v7x_fp8 were here until 2026-12-07 (69.7 and 81.4 GiB,
+# +16 %): their compiles had captured the CPU emulation of the quantized ops; with the TPU's own
+# (titan_kernels/tpu/capture.py XLA_OPS) they are 60.7 and 72.1 GiB against plans of 60.1 and 70.1
+# (docs/results/pod_compile_2026-12-07_a63fa4f_{qwen3_235b,deepseek_v3}_fp8.csv).
 # flux_dev_v7x was here until 2026-12-06: libtpu 0.0.52's TPU7x fusion emitter aborted on its step
 # (signal 6, fusion_emitter.cc 'Cannot find a valid window'); its recipe's [device] libtpu_init_args
 # flag, which tools/tpu_compile.py now hands the compile worker, makes it compile and fit (docs/flux.md).
