@@ -206,7 +206,8 @@ PLANNER_OFF: dict[str, str] = {
 # qwen3_235b_a22b_v7x_fp8 and deepseek_v3_671b_v7x_fp8 were here until 2026-12-07 (69.7 and 81.4 GiB,
 # +16 %): their compiles had captured the CPU emulation of the quantized ops; with the TPU's own
 # (titan_kernels/tpu/capture.py XLA_OPS) they are 60.7 and 72.1 GiB against plans of 60.1 and 70.1
-# (docs/results/pod_compile_2026-12-07_a63fa4f_{qwen3_235b,deepseek_v3}_fp8.csv).
+# (docs/results/pod_compile_2026-12-07_a63fa4f_qwen3_235b_fp8.csv,
+# docs/results/pod_compile_2026-12-07_a63fa4f_deepseek_v3_fp8.csv).
 # flux_dev_v7x was here until 2026-12-06: libtpu 0.0.52's TPU7x fusion emitter aborted on its step
 # (signal 6, fusion_emitter.cc 'Cannot find a valid window'); its recipe's [device] libtpu_init_args
 # flag, which tools/tpu_compile.py now hands the compile worker, makes it compile and fit (docs/flux.md).
