@@ -181,8 +181,8 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         "parallelism.context_parallel_degree",
         "CP > 1 with PP > 1 in graph mode",
         lambda r: r.pp_degree > 1 and r.cp_degree > 1 and r.mode == "graph",
-        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} runs in eager mode only (graph mode's "
-        'pipeline program carries no cp axis); allowed: 1, or compile.mode = "eager"',
+        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} runs in eager or compile mode only (graph "
+        'mode\'s pipeline program carries no cp axis); allowed: 1, or compile.mode = "eager" | "compile"',
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
