@@ -19,13 +19,14 @@ import functools
 import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from models.common import ops
 from tests.support import tiers
-from trainer.runtime.device import tpu_present
+from trainer.runtime.device import cpu_model, tpu_present
 
 ON_LINUX = sys.platform.startswith("linux")
 # The seed of the device orders multi-process runs take (tests/support/trainer_runs.py), drawn once
@@ -194,6 +195,34 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     # also under -q, which hides the header: the orders a failure happened in can be redrawn
     seed = os.environ["TITAN_TEST_ORDER_SEED"]
     terminalreporter.write_line(f"device orders of multi-process runs drawn from TITAN_TEST_ORDER_SEED={seed}")
+    # the machine's line, last, so a CI log's tail names the CPU its time was measured on (the tier
+    # budget is for the slowest CPU of this kind: tests/support/tiers.py, docs/testing.md "Tiers")
+    terminalreporter.write_line(_machine_line())
+
+
+def _machine_line() -> str:
+    """'machine: <CPU model> (family F model M), <n> CPUs, ISA <avx512+bf16 | avx512 | avx2 | ...>[, amx]' from lscpu
+    and /proc/cpuinfo's flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    first = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    flags = set(first.get("flags", "").split())
+    isa = next((name for name, need in _ISAS if need <= flags), "other")
+    amx = ", amx" if "amx_tile" in flags else ""
+    family = f" (family {first.get('cpu family', '?')} model {first.get('model', '?')})"
+    return f"machine: {cpu_model()}{family}, {os.cpu_count()} CPUs, ISA {isa}{amx}"
+
+
+_ISAS = (
+    ("avx512+bf16", {"avx512f", "avx512_bf16"}),
+    ("avx512", {"avx512f"}),
+    ("avx2", {"avx2"}),
+)
 
 
 def pytest_sessionfinish(session, exitstatus):
