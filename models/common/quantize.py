@@ -38,6 +38,7 @@ times the two scales, then the groups summed. This module imports torch only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -312,6 +313,29 @@ def emulated_float8_weight_linear(
     """`emulated_linear` of a weight already quantized (SimpleFSDP's float8 all-gather), its
     gradient sent to the carrier `w_grad` (`held_float8_weight`)."""
     return emulated_linear(x, held_float8_weight(w_q, w_grad), recipe, w_scale)
+
+
+def float8_weight_linear_function(fwd: Callable, bwd: Callable) -> type[torch.autograd.Function]:
+    """An autograd Function over a device's two float8-weight ops (SimpleFSDP's float8 all-gather):
+    `apply(x [M, K], carrier, w_q [N, K], w_scale, recipe)` = `fwd(x, w_q, w_scale, recipe)`, with w_q
+    and its scale not differentiable; the backward's `bwd(x, w_q, w_scale, dy, recipe) -> (dx, dw)`
+    sends dw to the carrier (as `held_float8_weight` does in the emulation). The TPU run's kernels
+    (titan_kernels/tpu/qlinear.py) and the deviceless capture's ops (titan_kernels/tpu/capture.py)
+    each build theirs from this one."""
+
+    class Float8WeightLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, carrier, w_q, w_scale, recipe):
+            ctx.save_for_backward(x, w_q, w_scale)
+            ctx.recipe = recipe
+            return fwd(x, w_q, w_scale, recipe)
+
+        @staticmethod
+        def backward(ctx, dy):
+            dx, dw = bwd(*ctx.saved_tensors, dy.contiguous(), ctx.recipe)
+            return dx, dw, None, None, None
+
+    return Float8WeightLinear
 
 
 def emulated_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, recipe: str) -> torch.Tensor:

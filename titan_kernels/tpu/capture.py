@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from models.common import ops
+from models.common.quantize import float8_weight_linear_function
 
 NAMESPACE = "titan_capture"
 _LIB: list = []
@@ -202,20 +203,11 @@ def _qgmm_backward(ctx, dy):
     return (*_op().qgmm_bwd(*ctx.saved_tensors, dy.contiguous(), ctx.recipe), None, None)
 
 
-class _Float8WeightLinear(torch.autograd.Function):
-    """x @ w_q^T with w_q SimpleFSDP's gathered float8 weight and its scale (not differentiable):
-    the weight gradient goes to the carrier, as titan_kernels/tpu/qlinear.py's `W8Linear`."""
-
-    @staticmethod
-    def forward(ctx, x, carrier, w_q, w_scale, recipe):
-        ctx.save_for_backward(x, w_q, w_scale)
-        ctx.recipe = recipe
-        return _op().qlinear_w8_fwd(x, w_q, w_scale, recipe)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = _op().qlinear_w8_bwd(*ctx.saved_tensors, dy.contiguous(), ctx.recipe)
-        return dx, dw, None, None, None
+_Float8WeightLinear = float8_weight_linear_function(
+    lambda *args: _op().qlinear_w8_fwd(*args), lambda *args: _op().qlinear_w8_bwd(*args)
+)
+"""x @ w_q^T with w_q SimpleFSDP's gathered float8 weight (models/common/quantize.py), over the
+capture's two ops (defined at `install`, so looked up at call time)."""
 
 
 def _gated_delta_backward(ctx, d_out, d_state):

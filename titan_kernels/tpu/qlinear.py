@@ -34,6 +34,7 @@ from models.common.quantize import (
     emulated_float8_weight_linear,
     emulated_grouped_mm,
     emulated_linear,
+    float8_weight_linear_function,
 )
 from titan_kernels.tpu import qgmm, qmatmul
 
@@ -77,21 +78,7 @@ def build() -> Callable:
     ) -> tuple[jax.Array, jax.Array]:
         return qmatmul.backward_w8(x, w_q, w_scale, dy, recipe)
 
-    class W8Linear(torch.autograd.Function):
-        """x [M, K] @ w_q^T with w_q [N, K] float8 and its scale (not differentiable); the weight
-        gradient goes to the carrier (ops.quantized_linear)."""
-
-        @staticmethod
-        def forward(ctx, x, carrier, w_q, w_scale, recipe):
-            ctx.save_for_backward(x, w_q, w_scale)
-            ctx.recipe = recipe
-            return qlinear_w8_fwd(x, w_q, w_scale, recipe)
-
-        @staticmethod
-        def backward(ctx, dy):
-            x, w_q, w_scale = ctx.saved_tensors
-            dx, dw = qlinear_w8_bwd(x, w_q, w_scale, dy.contiguous(), ctx.recipe)
-            return dx, dw, None, None, None
+    W8Linear = float8_weight_linear_function(qlinear_w8_fwd, qlinear_w8_bwd)
 
     def quantized_linear(
         x: torch.Tensor,
