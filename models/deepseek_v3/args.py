@@ -17,6 +17,7 @@ modules (off in every flavor: `mtp_depth = 0`; V3's release has 1), trained with
 import math
 from dataclasses import dataclass
 
+from models.common.mtp import check_mtp_args
 from models.common.rope import YarnArgs
 from models.contract import ModelShape
 
@@ -157,16 +158,7 @@ class DeepSeekV3Args(YarnArgs):
         if self.aux_loss not in AUX_LOSSES:
             raise ValueError(f"aux_loss: {self.aux_loss!r} unknown; allowed: {', '.join(map(repr, AUX_LOSSES))}")
         self.check_yarn()
-        if self.mtp_depth < 0:
-            raise ValueError(
-                f"mtp_depth: must be >= 0, got {self.mtp_depth}; allowed: 0 (no multi-token prediction) or a "
-                "number of MTP modules >= 1 (DeepSeek-V3: 1)"
-            )
-        if not (math.isfinite(self.mtp_loss_weight) and self.mtp_loss_weight >= 0):
-            raise ValueError(
-                f"mtp_loss_weight: must be a finite number >= 0, got {self.mtp_loss_weight}; allowed: >= 0 "
-                "(DeepSeek-V3: 0.3, then 0.1)"
-            )
+        check_mtp_args(self.mtp_depth, self.mtp_loss_weight, max_depth=None, example="DeepSeek-V3: 1")
 
     @property
     def qk_head_dim(self) -> int:

@@ -7,8 +7,9 @@ stack is uniform and layer scan runs each as one scan. Parameter names follow To
 DeepSeek-V3 (`attention.wq_a`, `wkv_a`, `kv_norm`, `wkv_b`, ...); `hf_adapter.py` maps them to Hugging
 Face's `model.layers.N.*` (block N of `moe_layers` is HF layer `n_dense_layers + N`).
 
-Multi-token prediction (`mtp_depth` > 0; DeepSeek-V3 section 2.2): `mtp` holds D `MTPModule`s
-after the main model, outside the two block stacks (so layer scan and the stacks' plans never
+Multi-token prediction (`mtp_depth` > 0; DeepSeek-V3 section 2.2): `mtp` holds D
+`models.common.mtp.MTPModule`s (RMSNorms, V3's names `enorm`, `hnorm`, `eh_proj`, one MLA + MoE
+block each) after the main model, outside the two block stacks (so layer scan and the stacks' plans never
 take them for main layers). `mtp_hidden(tokens)` returns the main model's final-normed hidden
 states and, for each depth k, the normed output of module k, all [batch, seq, dim]; the loss
 projects them with the shared `output` (trainer/step/loss.py `MTPLoss`).
@@ -25,6 +26,7 @@ from models.common.decoder import TransformerBlock
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 from models.common.moe import MoE
+from models.common.mtp import DEEPSEEK_NAMES, MTPModule, add_mtp_aux_loss, mtp_forward
 from models.common.norm import RMSNorm
 from models.common.rope import apply_rope, rope_rows
 from models.common.stack import BlockStack
@@ -157,43 +159,6 @@ class MLA(nn.Module):
         self.kv_norm.init_weights()
 
 
-class MTPModule(nn.Module):
-    """One multi-token-prediction module k (DeepSeek-V3 section 2.2), without the shared embedding and head.
-
-    `forward(h_prev, emb_next, rope_cos, rope_sin[, segment_ids]) -> (h, normed)`: `h_prev` is the
-    previous depth's hidden state h^{k-1} (depth 0: the main model's last block output, before
-    the final norm), `emb_next` the shared embedding of the token k places ahead of each position
-    (Emb(t[i + k])); `eh_proj(cat[enorm(emb_next), hnorm(h_prev)])` (2 dim -> dim, the projection
-    M_k; embedding first, as the V3 checkpoint's `eh_proj` is laid out) runs through one
-    transformer block (`layers`, a one-block `BlockStack`, so its MoE's aux loss and expert load
-    reach the trainer like a main block's); `h` is h^k and `normed = norm(h)`, what the shared
-    output head projects (HF `shared_head.norm`).
-    """
-
-    def __init__(self, args: DeepSeekV3Args, block: TransformerBlock):
-        super().__init__()
-        self.enorm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.hnorm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.layers = BlockStack([block])
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-
-    def forward(
-        self, h_prev: torch.Tensor, emb_next: torch.Tensor, *args: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h_prev)], dim=-1))
-        h = self.layers(x, *args)
-        return h, self.norm(h)
-
-    def init_weights(self) -> None:
-        """Norms: ones; `eh_proj`: truncated normal, std 0.02; the block as a main block of its depth."""
-        for norm in (self.enorm, self.hnorm, self.norm):
-            norm.init_weights()
-        trunc_normal_(self.eh_proj.weight, std=0.02)
-        for block in self.layers.values():
-            block.init_weights()
-
-
 class DeepSeekV3(nn.Module):
     """Embedding -> dense_layers -> moe_layers -> norm -> output. `forward(tokens, segment_ids=None,
     positions=None) -> logits`; `pop_aux_loss()` returns the MoE blocks' auxiliary loss (`args.aux_loss`).
@@ -237,7 +202,16 @@ class DeepSeekV3(nn.Module):
         if args.mtp_depth > 0:  # registered last, and only when on: the main model's names are unchanged
             # Module k's block is an MoE block, as V3's MTP layer (HF layer n_layers + k - 1); its
             # depth-scaled init counts it after the main blocks.
-            self.mtp = nn.ModuleList(MTPModule(args, block(args.n_layers + k)) for k in range(args.mtp_depth))
+            # The module's norms are RMSNorms and its names V3's (`enorm`, `hnorm`, `eh_proj`).
+            self.mtp = nn.ModuleList(
+                MTPModule(
+                    dim=args.dim,
+                    blocks=[block(args.n_layers + k)],
+                    norm=lambda: RMSNorm(args.dim, eps=args.norm_eps),
+                    names=DEEPSEEK_NAMES,
+                )
+                for k in range(args.mtp_depth)
+            )
         self.tie_weights()
         cos, sin = yarn_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -285,12 +259,8 @@ class DeepSeekV3(nn.Module):
         them from every earlier position). Positions and segment ids are those of position i."""
         assert self.args.mtp_depth > 0, "mtp_hidden needs mtp_depth > 0"
         emb, h, args = self._trunk(tokens, segment_ids, positions)
-        out = [self.norm(h)]
-        for k, module in enumerate(self.mtp, start=1):
-            emb_next = torch.cat([emb[:, k:], emb.new_zeros(emb.shape[0], k, emb.shape[2])], dim=1)
-            h, normed = module(h, emb_next, *args)
-            out.append(normed)
-        return out
+        # Depth 1 reads the last block's output before the final norm (V3's h^0).
+        return [self.norm(h), *mtp_forward(self.mtp, emb, h, args)]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialise every parameter in place and rebuild the buffers.
@@ -328,8 +298,4 @@ class DeepSeekV3(nn.Module):
         self.dense_layers.pop_aux_loss()
         total = self.moe_layers.pop_aux_loss()
         assert total is not None, "the aux loss is available once after each forward"
-        for module in getattr(self, "mtp", ()):
-            aux = module.layers.pop_aux_loss()
-            if aux is not None:
-                total = total + aux
-        return total
+        return add_mtp_aux_loss(total, getattr(self, "mtp", ()))

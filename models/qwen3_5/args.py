@@ -14,6 +14,7 @@ and may differ from the hub `config.json` (load a real checkpoint's config with
 
 from dataclasses import dataclass
 
+from models.common.mtp import check_mtp_args
 from models.contract import ModelShape
 
 
@@ -75,7 +76,8 @@ class Qwen3_5Args:
     0 (every flavor): none. Only 0 or 1: the checkpoints hold one module, which inference applies
     recursively for further tokens."""
     mtp_layers: int = 1
-    """Blocks of the MTP module (the hub config's `mtp_num_hidden_layers`: 1 in the releases)."""
+    """Blocks of the MTP module (the hub config's `mtp_num_hidden_layers`: 1 in every release); 1
+    when mtp_depth is 1 (vLLM runs `mtp.layers.J` at draft step J, not the J blocks in a row)."""
     mtp_loss_weight: float = 0.3
     """The MTP loss weight lambda: loss = L_main + lambda x L_mtp (DeepSeek-V3's value; Qwen has
     not published its own); read only when mtp_depth = 1."""
@@ -114,12 +116,14 @@ class Qwen3_5Args:
                 f"partial_rotary_factor: head_dim * factor must be an even width in (0, head_dim], got "
                 f"{self.partial_rotary_factor} (width {self.rotary_dim}); allowed: e.g. 0.25, 0.5, 1.0"
             )
-        if self.mtp_depth not in (0, 1):
-            raise ValueError(f"mtp_depth: Qwen 3.5 has one MTP module, got {self.mtp_depth}; allowed: 0 (none) or 1")
-        if self.mtp_layers <= 0:
-            raise ValueError(f"mtp_layers: must be a positive integer, got {self.mtp_layers}; allowed: >= 1")
-        if not 0 <= self.mtp_loss_weight < float("inf"):
-            raise ValueError(f"mtp_loss_weight: must be finite and >= 0, got {self.mtp_loss_weight}; allowed: >= 0")
+        # One module, as the checkpoints hold (the serving engines apply it again for further tokens).
+        check_mtp_args(self.mtp_depth, self.mtp_loss_weight, max_depth=1, example="Qwen 3.5's checkpoints: 1")
+        if self.mtp_layers <= 0 or (self.mtp_depth and self.mtp_layers != 1):
+            raise ValueError(
+                f"mtp_layers: {self.mtp_layers} with mtp_depth {self.mtp_depth}; allowed: 1 with mtp_depth 1 (every "
+                "released checkpoint has mtp_num_hidden_layers = 1; vLLM runs mtp.layers.J at draft step J, "
+                "which one module of stacked blocks would not match), >= 1 with mtp_depth 0"
+            )
         if self.num_experts < 0:
             raise ValueError(f"num_experts: must be >= 0 (0 = dense), got {self.num_experts}; allowed: >= 0")
         if self.num_experts > 0:

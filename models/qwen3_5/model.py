@@ -37,8 +37,8 @@ from models.common.decoder import Decoder, TransformerBlock
 from models.common.feed_forward import FeedForward
 from models.common.init import trunc_normal_
 from models.common.moe import MoE
+from models.common.mtp import QWEN_NAMES, MTPModule, add_mtp_aux_loss, mtp_forward
 from models.common.rope import RopeConfig, apply_rope, rope_rows
-from models.common.stack import BlockStack
 from models.qwen3_5.args import Qwen3_5Args
 
 
@@ -221,41 +221,6 @@ class Qwen3_5Block(TransformerBlock):
         self.ffn_norm = ZeroCenteredRMSNorm(dim, eps=norm_eps)
 
 
-class MTPModule(nn.Module):
-    """Qwen 3.5's multi-token-prediction module (HF `mtp.*` names), without the shared embedding and head.
-
-    `forward(hidden, emb_next, rope_cos, rope_sin[, segment_ids]) -> (h, normed)`: `hidden` is the
-    main model's final-normed hidden state at position i, `emb_next` the shared embedding of token
-    i + 1; `fc(cat[pre_fc_norm_embedding(emb_next), pre_fc_norm_hidden(hidden)])` (2 dim -> dim,
-    embedding first) runs through `layers` (full-attention blocks of the main model's kind; a
-    `BlockStack`, so an MoE block's aux loss reaches the trainer), and `normed = norm(h)` is what
-    the shared output head projects."""
-
-    def __init__(self, args: Qwen3_5Args, blocks: list[nn.Module]):
-        super().__init__()
-        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
-        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
-        self.fc = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.layers = BlockStack(blocks)
-        self.norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
-
-    def forward(
-        self, hidden: torch.Tensor, emb_next: torch.Tensor, *args: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = torch.cat([self.pre_fc_norm_embedding(emb_next), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        h = self.layers(self.fc(x), *args)
-        return h, self.norm(h)
-
-    def init_weights(self) -> None:
-        """Norms: zeros (zero-centred); `fc`: truncated normal, std 0.02; each block as a main block
-        of its depth (`n_layers + j`)."""
-        for norm in (self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm):
-            norm.init_weights()
-        trunc_normal_(self.fc.weight, std=0.02)
-        for block in self.layers.values():
-            block.init_weights()
-
-
 class Qwen3_5Transformer(Decoder):
     """Qwen 3.5; `forward(tokens [B, T], segment_ids=None, positions=None) -> logits [B, T, vocab]`,
     `init_weights()`, `pop_aux_loss()` (MoE flavors), see `Decoder`.
@@ -292,8 +257,13 @@ class Qwen3_5Transformer(Decoder):
         self.norm = ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps)
         self.args = args
         if args.mtp_depth:  # registered last, and only when on: the main model's names are unchanged
-            mtp_blocks = [self._block(args, args.n_layers + j, full=True) for j in range(args.mtp_layers)]
-            self.mtp = MTPModule(args, mtp_blocks)
+            # zero-centred norms and the hub's names (`fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`)
+            self.mtp = MTPModule(
+                dim=args.dim,
+                blocks=[self._block(args, args.n_layers + j, full=True) for j in range(args.mtp_layers)],
+                norm=lambda: ZeroCenteredRMSNorm(args.dim, eps=args.norm_eps),
+                names=QWEN_NAMES,
+            )
 
     @staticmethod
     def _block(args: Qwen3_5Args, layer_id: int, *, full: bool) -> "Qwen3_5Block":
@@ -349,9 +319,8 @@ class Qwen3_5Transformer(Decoder):
         cos, sin = rope_rows(self.rope_cos, self.rope_sin, seqlen, positions)
         args = (cos, sin) if segment_ids is None else (cos, sin, segment_ids)
         hidden = self.norm(self.layers(emb, *args))
-        emb_next = torch.cat([emb[:, 1:], emb.new_zeros(emb.shape[0], 1, emb.shape[2])], dim=1)
-        _, normed = self.mtp(hidden, emb_next, *args)
-        return [hidden, normed]
+        # Depth 1 reads the main model's final-normed hidden state (the serving engines' h^0).
+        return [hidden, *mtp_forward([self.mtp], emb, hidden, args)]
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """`Decoder.init_weights`, then the MTP module's (`MTPModule.init_weights`)."""
@@ -363,8 +332,4 @@ class Qwen3_5Transformer(Decoder):
         """The main blocks' auxiliary loss (`Decoder.pop_aux_loss`) plus the MTP module's MoE
         block's when the forward ran it (`mtp_hidden`)."""
         total = super().pop_aux_loss()
-        if total is not None and hasattr(self, "mtp"):
-            aux = self.mtp.layers.pop_aux_loss()
-            if aux is not None:
-                total = total + aux
-        return total
+        return add_mtp_aux_loss(total, [self.mtp]) if hasattr(self, "mtp") else total
