@@ -220,12 +220,15 @@ def program_times(
     kernel_eff = max(kernel_flops / eff, kernel_bytes / hbm)
     hlo = xp.parse_hlo(Path(costs["hlo"]).read_text())
     tile = 256 if generation in ("v6e", "v7x") else 128
+    from tools.mfu_report import load_anchors
+
+    rates = xla_hlo_rates(load_anchors(), generation)
     sched = xp.scheduled(
         hlo,
         colls=summary["collectives"],
         ici=ici,
         placement=None,
-        seconds=schedule_seconds(ops, kernel_eff, peak=eff, hbm=hbm, tile=tile, hlo=hlo),
+        seconds=schedule_seconds(ops, kernel_eff, peak=eff, hbm=hbm, tile=tile, hlo=hlo, rates=rates),
         host_bytes_per_s=xp.host_link_bytes_per_s(generation, ici),
         price=lambda c: sum(
             xp.comm_by_axis([c], ici=ici, axis_dims={"fsdp": ici["torus_dims"]}, axis_size=axis_size).values()
@@ -248,12 +251,15 @@ def program_times(
     }
 
 
-def schedule_seconds(ops: list, kernel_s: float, *, peak: float, hbm: float, tile: int, hlo=None) -> dict:
+def schedule_seconds(
+    ops: list, kernel_s: float, *, peak: float, hbm: float, tile: int, hlo=None, rates: dict | None = None
+) -> dict:
     """Seconds of one run of each op for the scheduled walk: XLA ops at max(MXU FLOPs / peak, bytes /
-    HBM) (`peak` already the efficient rate), the kernels' `kernel_s` an equal share per call."""
+    HBM) (`peak` already the efficient rate, the bf16 one; a float8 / int8 dot's MXU FLOPs over its
+    rate, `rates`: xla_hlo.peak_rates), the kernels' `kernel_s` an equal share per call."""
     from tools import xla_hlo
 
-    mxu = xla_hlo.mxu_flops(hlo, tile) if hlo is not None else {}
+    mxu = xla_hlo.mxu_flops(hlo, tile, rates) if hlo is not None else {}
     seconds = {o.name: max(mxu.get(o.name, o.flops) / peak, o.bytes / hbm) for o in ops if o.kind == "xla"}
     calls = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
     n = sum(o.times for o in calls)
@@ -447,6 +453,7 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
             peak=peak,
             hbm=hbm,
             head_dims=facts.get("head_dims"),
+            rates=xla_hlo_rates(anchors, gen),
         )
         if sched:
             sched["mfu_causal_scheduled"] = min(100.0, 100.0 * model_flops / (peak * sched["step_scheduled_s"]))
@@ -517,10 +524,12 @@ def scheduled_prediction(
     peak: float,
     hbm: float,
     head_dims: tuple[int, int] | None = None,
+    rates: dict | None = None,
 ) -> dict:
     """One step time for the program, walked in XLA's schedule (tools/xla_schedule.py, as MaxText's
     programs are calibrated: docs/maxtext_calibration.md): the XLA ops at their MXU FLOPs (256-wide
-    tiles on v6e / v7x) and bytes, every FLOP at xla_projection.MXU_EFFICIENCY of the peak; the kernels'
+    tiles on v6e / v7x; a float8 / int8 dot at the chip's rate for its operands, `rates`:
+    xla_hlo.peak_rates) and bytes, every FLOP at xla_projection.MXU_EFFICIENCY of the peak; the kernels'
     time (`kernel_times`, at the same efficiency; the splash kernels at their MXU FLOPs for the model's
     `head_dims`, `splash_mxu_factor`) an equal share per kernel call; collectives and host copies on
     their links as scheduled. {} when the HLO cannot be walked."""
@@ -534,7 +543,7 @@ def scheduled_prediction(
         for name, k in kernels.items()
     )
     calls = [o for o in ops if o.kind in ("kernel", "kernel-unestimated")]
-    seconds = schedule_seconds(ops, kernel_s, peak=eff, hbm=hbm, tile=tile, hlo=hlo)
+    seconds = schedule_seconds(ops, kernel_s, peak=eff, hbm=hbm, tile=tile, hlo=hlo, rates=rates)
     s = xp.scheduled(
         hlo,
         colls=colls,
@@ -554,6 +563,13 @@ def scheduled_prediction(
         "exposed_by": ", ".join(f"{k} {v:.3g} s" for k, v in sorted(s.exposed_by.items())),
         "unmatched_done": s.unmatched_done,
     }
+
+
+def xla_hlo_rates(anchors: dict, gen: str) -> dict:
+    """The chip's MXU rate per operand dtype over bf16 (tools/xla_hlo.py `peak_rates`)."""
+    from tools.xla_hlo import peak_rates
+
+    return peak_rates(anchors, gen)
 
 
 PROGRAM_KIND = "projection (trainer's program)"

@@ -12,7 +12,11 @@ Plain text in, numbers out; no jax, no torch.
   counted). Op time = max(FLOPs / peak, bytes / HBM bandwidth); compute time = the sum.
 - Mosaic (Pallas) custom calls: the `cost_estimate` their kernel attached (megablox gmm/tgmm)
   where the HLO carries one; the others are counted as `kernel_calls_without_estimate` and the
-  caller adds their FLOPs and bytes from its own model (titan_kernels/tpu/capture.py).
+  caller adds their FLOPs and bytes from its own model (titan_kernels/tpu/capture.py). The Mosaic
+  calls XLA:TPU emits itself for a `ragged-dot` (`is_xla_ragged_dot`) are XLA ops at their estimate.
+- Low-precision dots: `mxu_flops` with `peak_rates` (assets/anchors.toml) charges a dot of float8
+  / int8 operands at the chip's rate for them (v7x float8, v6e int8: twice bf16's); `Op.flops`
+  stays the FLOPs executed.
 """
 
 from __future__ import annotations
@@ -550,6 +554,11 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                 ops.append(Op(ins.name, ins.opcode, dot_flops(comp, ins), io, times))
             elif ins.opcode == "custom-call" and _wraps_collective(hlo, ins):
                 continue  # a collective in a wrapper: counted by collectives()
+            elif is_xla_ragged_dot(ins):
+                # XLA's own lowering of a ragged dot (and its group metadata): an XLA op, priced by
+                # the estimate XLA attached, not one of the program's kernels
+                est = cost_estimate(ins) or {}
+                ops.append(Op(ins.name, "ragged-dot", est.get("flops", 0.0), est.get("bytes_accessed", io), times))
             elif ins.opcode == "custom-call" and '"tpu_custom_call"' in ins.attrs:
                 est = cost_estimate(ins)
                 full_io = array_bytes(ins.shape) + sum(array_bytes(_operand_shape(comp, o)) for o in ins.operands)
@@ -744,17 +753,60 @@ def mxu_utilization(comp: Computation, ins: Instr, tile: int) -> float:
     return (k / _pad(k, tile)) * max(n / _pad(n, tile), m / _pad(m, tile))
 
 
-def mxu_flops(hlo: Hlo, tile: int) -> dict[str, float]:
+def _dtype(shape: str) -> str:
+    m = _ARRAY.search(shape)
+    return m.group(1) if m else ""
+
+
+def operand_dtypes(comp: Computation, ins: Instr) -> list[str]:
+    """The element types of a dot's or convolution's two operands as the MXU reads them (the
+    operands' own shapes: a convert fused in front of the dot has already made them float8 / int8)."""
+    return [_dtype(_operand_shape(comp, o)) for o in ins.operands[:2]]
+
+
+def mxu_rate(dtypes: list[str], rates: dict[str, float] | None) -> float:
+    """The MXU's rate for a dot of these operand types over its bf16 rate (`rates`: dtype -> peak
+    over the bf16 peak, `peak_rates`): the slower operand's; 1.0 for a type `rates` does not name
+    (bf16, f32) or without `rates`. A float8 x bf16 dot runs at the bf16 rate."""
+    if not rates or not dtypes:
+        return 1.0
+    return min(rates.get(d, 1.0) for d in dtypes)
+
+
+def peak_rates(anchors: dict, generation: str) -> dict[str, float]:
+    """{operand dtype: MXU peak over the bf16 peak} of a chip from the `[mxu_peak_tflops_per_chip]`
+    table of assets/anchors.toml (v7x: float8 2x; v6e: int8 2x, float8 1x); {} for a chip the table
+    does not list (every dot at the bf16 rate)."""
+    table = anchors.get("mxu_peak_tflops_per_chip", {}).get(generation, {})
+    bf16 = table.get("bf16")
+    return {d: v / bf16 for d, v in table.items() if d != "bf16"} if bf16 else {}
+
+
+def is_xla_ragged_dot(ins: Instr) -> bool:
+    """A Mosaic call XLA:TPU emits itself for a `ragged-dot` (`lax.ragged_dot`: `ragged-dot-*` in
+    its metadata, or its `ragged_dot_tiling`), not a Pallas kernel of the program's."""
+    return ins.opcode == "custom-call" and ("ragged_dot_tiling" in ins.attrs or op_source(ins).startswith("ragged-dot"))
+
+
+def mxu_flops(hlo: Hlo, tile: int, rates: dict[str, float] | None = None) -> dict[str, float]:
     """Per executed dot or fusion (by instruction name): its dots' FLOPs over their MXU utilization
-    (`mxu_utilization`): the FLOPs the MXU spends, padding included."""
+    (`mxu_utilization`): the FLOPs the MXU spends, padding included. With `rates` (`peak_rates`:
+    operand dtype -> the MXU's rate over bf16), each dot's FLOPs are divided by its operands' rate
+    (`mxu_rate`): bf16-equivalent FLOPs, what the op takes at the bf16 peak (a float8 dot on a v7x
+    half its FLOPs). XLA's own ragged-dot calls (`is_xla_ragged_dot`) count their `cost_estimate`'s
+    FLOPs at their operands' rate."""
     out: dict[str, float] = {}
+
+    def one(comp: Computation, ins: Instr) -> float:
+        rate = mxu_rate(operand_dtypes(comp, ins), rates)
+        return dot_flops(comp, ins) / max(mxu_utilization(comp, ins, tile), 1e-9) / rate
 
     def inside(name: str, seen: set) -> float:
         comp = hlo.computations.get(name)
         total = 0.0
         for ins in comp.instrs if comp is not None else []:
             if ins.opcode in ("dot", "convolution"):
-                total += dot_flops(comp, ins) / max(mxu_utilization(comp, ins, tile), 1e-9)
+                total += one(comp, ins)
             elif ins.opcode == "fusion":
                 for c in _names(ins.attr("calls")):
                     if c not in seen:
@@ -765,9 +817,58 @@ def mxu_flops(hlo: Hlo, tile: int) -> dict[str, float]:
     for comp, _ in executed(hlo):
         for ins in comp.instrs:
             if ins.opcode in ("dot", "convolution"):
-                out[ins.name] = dot_flops(comp, ins) / max(mxu_utilization(comp, ins, tile), 1e-9)
+                out[ins.name] = one(comp, ins)
             elif ins.opcode == "fusion":
                 f = sum(inside(c, set()) for c in _names(ins.attr("calls")))
                 if f:
                     out[ins.name] = f
+            elif is_xla_ragged_dot(ins):
+                est = cost_estimate(ins) or {}
+                dtypes = [d for d in (_dtype(_operand_shape(comp, o)) for o in ins.operands) if d in _DOT_TYPES]
+                if est.get("flops"):
+                    out[ins.name] = est["flops"] / mxu_rate(dtypes[-2:], rates)
+    return out
+
+
+_DOT_TYPES = {"bf16", "f16", "f32", "s8", "u8", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz"}
+"""The element types a ragged dot's matrix operands can have (its other operands are s32 group
+metadata)."""
+
+
+def dot_flops_by_type(hlo: Hlo) -> dict[str, float]:
+    """The FLOPs per step the program's dots execute (every executed dot and convolution, in
+    fusions too, times its runs; XLA's ragged dots at their estimate), by their operands' types
+    (`"f8e4m3fn x f8e5m2"`): how much of a low-precision program's matmul work is low precision."""
+    out: dict[str, float] = {}
+
+    def add(comp: Computation, ins: Instr, flops: float, times: float) -> None:
+        key = " x ".join(operand_dtypes(comp, ins))
+        out[key] = out.get(key, 0.0) + flops * times
+
+    def inside(name: str, times: float, seen: set) -> None:
+        comp = hlo.computations.get(name)
+        for ins in comp.instrs if comp is not None else []:
+            if ins.opcode in ("dot", "convolution"):
+                add(comp, ins, dot_flops(comp, ins), times)
+            elif ins.opcode == "fusion":
+                for c in _names(ins.attr("calls")):
+                    if c not in seen:
+                        seen.add(c)
+                        inside(c, times, seen)
+
+    for comp, times in executed(hlo):
+        for ins in comp.instrs:
+            if ins.opcode in ("dot", "convolution"):
+                add(comp, ins, dot_flops(comp, ins), times)
+            elif ins.opcode == "fusion":
+                if any(_has_collective(hlo, c) for c in _names(ins.attr("calls"))):
+                    continue
+                for c in _names(ins.attr("calls")):
+                    inside(c, times, set())
+            elif is_xla_ragged_dot(ins):
+                est = cost_estimate(ins) or {}
+                if est.get("flops"):
+                    dtypes = [d for d in (_dtype(_operand_shape(comp, o)) for o in ins.operands) if d in _DOT_TYPES]
+                    key = " x ".join(dtypes[-2:])
+                    out[key] = out.get(key, 0.0) + est["flops"] * times
     return out
