@@ -498,6 +498,30 @@ def cost_estimate(ins: Instr) -> dict | None:
     return {k: float(v) for k, v in vals.items()}
 
 
+def masked_share(ins: Instr) -> float:
+    """The share of a fusion's dot work XLA:TPU runs when the fusion skips the iterations its mask
+    leaves empty (`mask_aggregator_config` with `ITERATION_SKIPPER_MODE_GROUP_STARTS`: how it lowers
+    a ragged dot's contracting mode, the grouped weight gradient, as one convolution over every group's
+    copy of the rows, [G, M, ...], masked to each group's own rows). The mask's [G, M] maps to two
+    iteration dims (G groups, the rows in `chunks`); with the rows split evenly over the groups an
+    iteration runs when its chunk holds rows of its group: chunks + G - 1 of the G x chunks (a chunk
+    can straddle two groups). 1.0 for any other op."""
+    if "ITERATION_SKIPPER_MODE_GROUP_STARTS" not in ins.attrs:
+        return 1.0
+    m = re.search(r'"mask_dim_to_iteration_index"\s*:\s*\[([^\]]*)\]', ins.attrs)
+    b = re.search(r'"iteration_bounds"\s*:\s*\[([^\]]*)\]', ins.attrs)
+    if not m or not b:
+        return 1.0
+    dims = [int(x) for x in re.findall(r"\d+", m.group(1))]
+    bounds = [int(x) for x in re.findall(r"\d+", b.group(1))]
+    if len(dims) != 2 or max(dims) >= len(bounds):
+        return 1.0
+    groups, chunks = bounds[dims[0]], bounds[dims[1]]
+    if groups < 2 or chunks < 1:
+        return 1.0
+    return min(1.0, (chunks + groups - 1) / (groups * chunks))
+
+
 @dataclass
 class Op:
     name: str
@@ -540,7 +564,7 @@ def compute_ops(hlo: Hlo) -> list[Op]:
                 called = _names(ins.attr("calls"))
                 if any(c.startswith("all-reduce-scatter") or _has_collective(hlo, c) for c in called):
                     continue  # a collective wrapped as a fusion: counted by collectives()
-                flops = sum(_fusion_flops(hlo, c) for c in called)
+                flops = sum(_fusion_flops(hlo, c) for c in called) * masked_share(ins)
                 fused = hlo.computations.get(called[0]) if len(called) == 1 else None
                 ops.append(Op(ins.name, "fusion", flops, fusion_bytes(comp, ins, fused, hlo) if fused else io, times))
             elif ins.opcode in ("dynamic-slice", "dynamic-update-slice"):
@@ -819,7 +843,7 @@ def mxu_flops(hlo: Hlo, tile: int, rates: dict[str, float] | None = None) -> dic
             if ins.opcode in ("dot", "convolution"):
                 out[ins.name] = one(comp, ins)
             elif ins.opcode == "fusion":
-                f = sum(inside(c, set()) for c in _names(ins.attr("calls")))
+                f = sum(inside(c, set()) for c in _names(ins.attr("calls"))) * masked_share(ins)
                 if f:
                     out[ins.name] = f
             elif is_xla_ragged_dot(ins):
@@ -864,7 +888,7 @@ def dot_flops_by_type(hlo: Hlo) -> dict[str, float]:
                 if any(_has_collective(hlo, c) for c in _names(ins.attr("calls"))):
                     continue
                 for c in _names(ins.attr("calls")):
-                    inside(c, times, set())
+                    inside(c, times * masked_share(ins), set())
             elif is_xla_ragged_dot(ins):
                 est = cost_estimate(ins) or {}
                 if est.get("flops"):

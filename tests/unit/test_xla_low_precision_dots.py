@@ -115,3 +115,45 @@ def test_the_scheduled_prediction_of_a_float8_program_is_half_the_bf16_ones(tmp_
         steps[dtype] = t["step_scheduled_s"]
     assert steps["bf16"] == pytest.approx(FLOPS / (peak * xp.MXU_EFFICIENCY), rel=1e-9)
     assert steps["f8e4m3fn"] == pytest.approx(steps["bf16"] / 2, rel=1e-9)
+
+
+def masked_program(groups: int, chunks: int) -> str:
+    """The grouped weight gradient as XLA:TPU lowers a ragged dot's contracting mode (the form its
+    deviceless compile of `lax.ragged_dot_general` gives): one convolution over `groups` masked copies
+    of the 2048 rows, its fusion skipping the iterations whose mask is empty (`groups` x `chunks`
+    row iterations)."""
+    g = groups
+    return (
+        "HloModule m, is_scheduled=true\n\n"
+        f"%fused (a: f8e4m3fn[{g},2048,512], b: f8e4m3fn[{g},2048,1024]) -> bf16[{g},512,1024] {{\n"
+        f"  %a = f8e4m3fn[{g},2048,512]{{2,1,0}} parameter(0)\n"
+        f"  %b = f8e4m3fn[{g},2048,1024]{{2,1,0}} parameter(1)\n"
+        f"  ROOT %c = bf16[{g},512,1024]{{2,1,0}} convolution(%a, %b), window={{size={g} stride={g - 1} "
+        f"lhs_dilate={g}}}, dim_labels=0fb_0io->0bf\n"
+        "}\n\n"
+        f"ENTRY %main (x: f8e4m3fn[{g},2048,512], y: f8e4m3fn[{g},2048,1024]) -> bf16[{g},512,1024] {{\n"
+        f"  %x = f8e4m3fn[{g},2048,512]{{2,1,0}} parameter(0)\n"
+        f"  %y = f8e4m3fn[{g},2048,1024]{{2,1,0}} parameter(1)\n"
+        f"  ROOT %f = bf16[{g},512,1024]{{2,1,0}} fusion(%x, %y), kind=kOutput, calls=%fused, "
+        'backend_config={"window_config":{"iteration_bounds":["1","' + str(g) + '","1","1","' + str(chunks) + '"]},'
+        '"mask_aggregator_config":{"mask_dim_to_iteration_index":["1","4"],"write_outputs_of_masked_iterations":false,'
+        '"mask_value":0,"iteration_skipper_mode":"ITERATION_SKIPPER_MODE_GROUP_STARTS"}}\n'
+        "}\n"
+    )
+
+
+@pytest.mark.parametrize("groups, chunks", [(8, 4), (8, 64)])
+def test_a_masked_group_convolution_is_charged_for_the_iterations_it_runs(groups, chunks):
+    """The convolution's taps are every group's copy of the rows: groups x 2 x 2048 x 512 x 1024 FLOPs;
+    the fusion runs the row chunks of each group's own rows, chunks + groups - 1 of groups x chunks
+    iterations with the rows split evenly (a chunk at a group boundary runs for both groups), and the
+    projector charges that share (8 groups in 4 chunks: 11 / 32; in 64: 71 / 512)."""
+    from tools.xla_hlo import dot_flops_by_type
+
+    hlo = parse_hlo(masked_program(groups, chunks))
+    taps = groups * 2.0 * 2048 * 512 * 1024
+    share = (chunks + groups - 1) / (groups * chunks)
+    (op,) = [o for o in compute_ops(hlo) if o.name == "f"]
+    assert op.flops == pytest.approx(taps * share, rel=1e-12)
+    assert mxu_flops(hlo, 256, peak_rates(load_anchors(), "v7x"))["f"] == pytest.approx(taps * share / 2, rel=1e-12)
+    assert dot_flops_by_type(hlo) == {"f8e4m3fn x f8e4m3fn": pytest.approx(taps * share, rel=1e-12)}
