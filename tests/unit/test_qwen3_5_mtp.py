@@ -1,12 +1,13 @@
 """Qwen 3.5's multi-token prediction (`[model] mtp_depth = 1`; the hub checkpoints' `mtp.*`).
 
 transformers loads none of the MTP module (its `_keys_to_ignore_on_load_unexpected` drops `mtp.*`),
-so there is no reference forward to compare with: the module is checked against its equations
-(the serving code's: fc over [norm(embedding of token i + 1) | norm(main final-normed hidden)],
-full-attention blocks, a final norm), the main model is checked unchanged by it, the HF names
-both ways (exact round trip, the hub's names), the counts, the refusals, and a debug run that
-logs and learns the MTP loss.
-"""
+so there is no whole reference forward: the module is checked against a reference composed of
+transformers' own parts with our exported weights (its RMSNorm and full-attention decoder layer;
+the layout is the serving code's: fc over [norm(embedding of token i + 1) | norm(main
+final-normed hidden)], full-attention blocks, a final norm), against its equations, the loss and
+gradients against truncated sequences, the main model unchanged by it, the HF names both ways
+(exact round trip, the hub's names), the counts, the refusals, and a debug run that logs and
+learns the MTP loss."""
 
 import dataclasses
 
@@ -108,3 +109,139 @@ def test_debug_run_logs_the_mtp_loss_and_learns(tmp_path):
     first, last = records[0], records[-1]
     assert first["loss"] > 7.5 and first["mtp_loss_1"] > 7.5  # ~ ln(4096) at init
     assert last["loss"] < first["loss"] - 0.5 and last["mtp_loss_1"] < first["mtp_loss_1"] - 0.5
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_mtp_module_equals_transformers_building_blocks(moe):
+    """(a) The MTP output against a reference made of transformers' own Qwen 3.5 parts with our
+    weights, exported by `to_hf` (so the hub names are checked by strict loads too): the main
+    model's final-normed hidden state from `Qwen3_5(Moe)ForCausalLM`, `Qwen3_5RMSNorm` for the
+    two input norms and the final norm, a `Qwen3_5(Moe)DecoderLayer` of the full-attention kind
+    for `mtp.layers.0`, the text model's rotary table and causal mask, `fc` as the matmul.
+
+    Bound (fp32): the parts are the family's logits-parity parts (tests/unit/test_qwen3_5.py: SDPA
+    vs transformers' eager attention, grouped vs looped experts; measured ~3e-7 relative), two
+    more norms and one 2 dim -> dim matmul of K = 128 terms (~sqrt(K) eps ~ 1e-6): 1e-5 x
+    max|reference| as there. Wiring errors move the output by O(1): the reference with the
+    concatenation's halves swapped, or fed the hidden state before the final norm, is checked to
+    be more than 1e3 x the bound away."""
+    from transformers.masking_utils import create_causal_mask
+
+    from tests.unit.test_qwen3_5 import REL_TOL, SEQ, _args, _hf_model
+
+    if moe:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer as Layer
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm as Norm
+    else:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer as Layer
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm as Norm
+
+    args = _args(moe, mtp_depth=1)
+    hf_model = _hf_model(dataclasses.replace(args, mtp_depth=0))  # transformers' main model (no mtp.*)
+    ours = Qwen3_5Transformer(args).eval()
+    state = hf.from_hf(hf_model.state_dict(), dataclasses.replace(args, mtp_depth=0))
+    torch.manual_seed(7)
+    ours.mtp.init_weights()
+    with torch.no_grad():
+        for p in ours.mtp.parameters():  # every MTP weight off its init (zero-centred norms start at 0)
+            p.add_(0.05 * torch.randn_like(p))
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert not unexpected and missing and all(k.startswith("mtp.") for k in missing)
+    exported = hf.to_hf(ours.state_dict(), args, fused_experts=True)  # transformers 5's in-memory experts
+
+    config = hf_model.config
+    full = args.n_layers - 1  # the stack's full-attention block: a layer index of that kind
+    assert config.layer_types[full] == "full_attention"
+    layer = Layer(config, full).eval()
+    layer.load_state_dict({k[len("mtp.layers.0.") :]: v for k, v in exported.items() if k.startswith("mtp.layers.0.")})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Norm(args.dim, eps=config.rms_norm_eps)
+        norms[name].load_state_dict({"weight": exported[f"mtp.{name}.weight"]})
+    fc = exported["mtp.fc.weight"]
+
+    tokens = torch.randint(0, args.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = hf_model.model
+        hidden = base(tokens).last_hidden_state  # final-normed
+        emb = base.embed_tokens(tokens)
+        emb_next = torch.cat([emb[:, 1:], torch.zeros_like(emb[:, :1])], dim=1)
+        positions = torch.arange(SEQ)[None].expand(2, -1)
+
+        def reference(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+            x = torch.cat([norms["pre_fc_norm_embedding"](first), norms["pre_fc_norm_hidden"](second)], -1) @ fc.T
+            mask = create_causal_mask(
+                config=config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions
+            )
+            rope = base.rotary_emb(x, positions[None].expand(3, -1, -1))
+            out = layer(x, position_embeddings=rope, attention_mask=mask, position_ids=positions)
+            return norms["norm"](out[0] if isinstance(out, tuple) else out)
+
+        want = reference(emb_next, hidden)
+        main, got = ours.mtp_hidden(tokens)
+    scale = want.abs().max().item()
+    assert (main - hidden).abs().max().item() <= REL_TOL * hidden.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= REL_TOL * scale, (err, scale)
+    with torch.no_grad():
+        swapped = reference(hidden, emb_next)  # [hidden | embedding]
+        seen = []  # the final norm's input: the last block's output
+        hook = base.norm.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
+        base(tokens)
+        hook.remove()
+        unnormed = reference(emb_next, seen[0])
+    for wrong in (swapped, unnormed):
+        assert (got - wrong).abs().max().item() > 1e3 * REL_TOL * scale
+    print(f"MTP vs transformers' parts ({'moe' if moe else 'dense'}): {err:.2e} of max {scale:.3f} ({err / scale:.1e})")
+
+
+def test_mtp_loss_and_gradients_match_the_truncated_reference():
+    """(b), (c) The trainer's `MTPLoss` on Qwen 3.5 (depth 1, weight 0.3) against the equations on
+    truncated sequences: the module runs on the T - 1 positions that have a next token, its
+    output through the shared head predicts t[i + 2] = labels[:, i + 1]; L = L_main + 0.3 L_1.
+    The returned value is L_main bit for bit that of the model without MTP (same weights); L_1 and
+    every parameter's gradient of L equal the reference's (fp32; the two differ only in the
+    zero-embedded last position, which causal attention keeps from the others, and in the
+    reduction order of the mean: 1e-6 relative on the loss, 1e-5 of each gradient's max plus
+    1e-6 of the largest for the decay gates' cancelling sums). A target shifted by one place
+    more or less moves L_1 by O(1) (checked)."""
+    import torch.nn.functional as F
+
+    from trainer.step.loss import MTPLoss, model_lm_loss
+
+    model = _model("debugmodel", mtp_depth=1, n_layers=2, vocab_size=512, max_seq_len=32)
+    window = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(3))
+    inputs, labels = window[:, :-1], window[:, 1:]
+    loss_fn = MTPLoss(fused=False, depth=1, weight=0.3)
+    main = loss_fn(model, inputs, labels)
+    (mtp_1,) = loss_fn._last
+    main.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    plain = Qwen3_5Transformer(dataclasses.replace(model.args, mtp_depth=0))
+    plain.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        assert torch.equal(main, model_lm_loss(plain, inputs, labels, fused=False))
+
+    model.zero_grad()
+    seq = inputs.shape[1]
+    cos, sin = model.rope_cos[: seq - 1], model.rope_sin[: seq - 1]
+    emb = model.tok_embeddings(inputs)
+    hidden = model.norm(model.layers(emb, model.rope_cos[:seq], model.rope_sin[:seq]))
+    ref_main = F.cross_entropy(model.output(hidden).flatten(0, 1).float(), labels.flatten())
+    m = model.mtp
+    x = m.fc(torch.cat([m.pre_fc_norm_embedding(emb[:, 1:]), m.pre_fc_norm_hidden(hidden[:, :-1])], dim=-1))
+    h = m.layers(x, cos, sin)
+    ref_1 = F.cross_entropy(model.output(m.norm(h)).flatten(0, 1).float(), labels[:, 1:].flatten())
+    (ref_main + 0.3 * ref_1).backward()
+    assert torch.allclose(main, ref_main, rtol=1e-6, atol=0) and torch.allclose(mtp_1, ref_1, rtol=1e-6, atol=0)
+    # The DeltaNet decay gates' gradients (A_log, dt_bias) are small sums of cancelling terms (the
+    # CP parity notes 1.3e-4 of their own max between two delta-rule chunkings): their rounding is
+    # that of the terms, so each bound adds 1e-6 of the largest gradient of the model.
+    largest = max(p.grad.abs().max() for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert (got[name] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-6 * largest, name
+    assert got["mtp.fc.weight"].abs().max() > 0 and got["mtp.layers.0.attention.wq.weight"].abs().max() > 0
+    with torch.no_grad():  # the depth's shift matters: t[i + 1] or t[i + 3] as targets are far off
+        logits = model.output(m.norm(h)).float()
+        for wrong in (labels[:, :-1], torch.cat([labels[:, 2:], labels[:, :1]], dim=1)):
+            assert abs(F.cross_entropy(logits.flatten(0, 1), wrong.flatten()) - ref_1) > 1e3 * 1e-6 * ref_1
