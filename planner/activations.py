@@ -181,6 +181,7 @@ def activation_bytes(
     loss_parallel: bool,
     cp: int = 1,
     delta: DeltaRuleShape | None = None,
+    mtp_depth: int = 0,
 ) -> ActivationBytes:
     """Saved-for-backward bytes per device, bf16 compute, one micro-batch (see docs/planner.md).
 
@@ -196,7 +197,8 @@ def activation_bytes(
     (`_linear_mixer`: what the block keeps around the delta-rule kernel) in place of the
     attention; with cp > 1 they gather no k/v and each adds what the cp delta rule keeps
     (`cp_delta_rule_bytes`). `per_block` / `per_block_none` are then the larger kind's, `blocks`
-    the sum over both kinds.
+    the sum over both kinds. `mtp_depth` (with `delta`: Qwen 3.5's multi-token prediction, one
+    module) adds the module to `outside` and its logits to `loss` (`_hybrid`).
     """
     check_ac_mode(ac_mode)
     assert seq_len % cp == 0, f"seq_len {seq_len} does not split over cp {cp}"
@@ -219,8 +221,11 @@ def activation_bytes(
         logits_transient=logits_transient,
     )
     if delta is None or not delta.layers:
+        assert not mtp_depth, "the decoder model counts no MTP module (DeepSeek-V3's: planner/deepseek.py)"
         return full
-    return _hybrid(shape, delta, full, local_batch_size=b, seq_len=seq_len, tp=tp, ac_mode=ac_mode, cp=cp)
+    return _hybrid(
+        shape, delta, full, local_batch_size=b, seq_len=seq_len, tp=tp, ac_mode=ac_mode, cp=cp, mtp_depth=mtp_depth
+    )
 
 
 @dataclass(frozen=True)
@@ -337,11 +342,20 @@ def _hybrid(
     tp: int,
     ac_mode: str,
     cp: int,
+    mtp_depth: int = 0,
 ) -> ActivationBytes:
     """`activation_bytes` of a hybrid stack: the full-attention blocks as the decoder model counts
     them (`full`; Qwen 3.5's output gate and partial RoPE are not in it), the Gated DeltaNet blocks
     with their own mixer (`_linear_mixer`) on this rank's tokens (no k/v gathered) plus, with
-    cp > 1, `cp_delta_rule_bytes`; both kinds with Qwen 3.5's fp32 zero-centred norms."""
+    cp > 1, `cp_delta_rule_bytes`; both kinds with Qwen 3.5's fp32 zero-centred norms.
+
+    Multi-token prediction (`mtp_depth` 1, models/common/mtp.py): per depth and token, `outside`
+    adds the module's full-attention block as a main one without AC (activation checkpointing
+    acts on the main stack only), its three zero-centred norms (8 dim + 4 each: the fp32 copy,
+    rsqrt and fp32 normalized value), `fc`'s concatenated bf16 input (4 dim), the head's input
+    (2 dim) and the shifted int64 targets (8); `loss` adds that depth's fp32 log-probs. Against
+    eager (the dense debug flavor, bf16, AC none; tests/unit/test_qwen3_5_mtp.py): 39,748 B per
+    token planned, 41,623 kept (-4.5 %: the block's output gate and partial RoPE, as above)."""
     assert tp == 1, "the Gated DeltaNet blocks have no tensor-parallel plan"
     b = local_batch_size
     t = b * seq_len // cp
@@ -360,8 +374,13 @@ def _hybrid(
     linear_block, linear_none = own + kept, own_none + (extra.saved if extra else 0)
     n_full = shape.n_layers - delta.layers
     gathered_kv = cp_gathered_kv_bytes(shape, local_batch_size=b, seq_len=seq_len, tp=tp, cp=cp)
+    d = shape.dim
+    mtp_block = full.per_block_none  # a full-attention block without AC, zero-centred norms included
+    mtp_outside = mtp_depth * (mtp_block + (3 * (8 * d + 4) + 4 * d + 2 * d + 8) * t)
     return dataclasses.replace(
         full,
+        outside=full.outside + mtp_outside,
+        loss=full.loss * (1 + mtp_depth),
         per_block=max(full.per_block, linear_block) if n_full else linear_block,
         blocks=n_full * full.per_block + delta.layers * linear_block,
         per_block_none=max(full.per_block_none, linear_none) if n_full else linear_none,

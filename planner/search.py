@@ -152,6 +152,7 @@ class PlanInputs:
                     loss_parallel=False,  # (the family has no TP plan: tp = 1)
                     cp=cp,
                     delta=delta,
+                    mtp_depth=getattr(self.args, "mtp_depth", 0),  # Qwen 3.5's MTP module
                 )
             return None
         from planner.flux import flux_activation_bytes

@@ -245,3 +245,37 @@ def test_mtp_loss_and_gradients_match_the_truncated_reference():
         logits = model.output(m.norm(h)).float()
         for wrong in (labels[:, :-1], torch.cat([labels[:, 2:], labels[:, :1]], dim=1)):
             assert abs(F.cross_entropy(logits.flatten(0, 1), wrong.flatten()) - ref_1) > 1e3 * 1e-6 * ref_1
+
+
+def test_planner_counts_the_mtp_module_as_eager_keeps_it():
+    """The planner's Qwen 3.5 MTP terms (planner/activations.py `_hybrid`, through
+    planner/search.py `PlanInputs.activations`) against what eager autograd keeps more with
+    `mtp_depth = 1` than without (the planner's recorder, bf16, 128 tokens, AC none, the
+    dense debug flavor): planned below measured by at most what the decoder model leaves out of
+    the full-attention block (the output gate and partial RoPE, 2.4 KB per token, as
+    tests/unit/test_planner_delta_block.py). Measured 41,623 B per token more, planned 39,748
+    (-4.5 %); without the MTP terms the difference would be 0."""
+    import planner.activations as P
+    from models import FAMILIES
+    from planner.search import PlanInputs
+    from trainer.step import lm_loss
+    from trainer.step.loss import MTPLoss
+
+    b, s = 1, 128
+    tokens = torch.randint(0, 4096, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    kept, planned = {}, {}
+    for depth in (0, 1):
+        args = dataclasses.replace(FLAVORS["debugmodel"], mtp_depth=depth)
+        torch.manual_seed(0)
+        model = Qwen3_5Transformer(args).bfloat16()
+        if depth:
+            loss_fn = MTPLoss(fused=False, depth=1, weight=0.3)
+            kept[depth] = P.saved_bytes(model, lambda: loss_fn(model, x, y))
+        else:
+            kept[depth] = P.measure_saved_bytes(model, x, y, loss_fn=lm_loss)
+        inputs = PlanInputs(family=FAMILIES["qwen3_5"], args=args, model_name="qwen3_5", seq_len=s, local_batch_size=b)
+        planned[depth] = inputs.activations(local_batch_size=b, tp=1, ac_mode="none").total
+    measured, plan = kept[1] - kept[0], planned[1] - planned[0]
+    assert measured - 2400 * b * s <= plan < measured, (plan / (b * s), measured / (b * s))
+    assert plan == 39748 * b * s
