@@ -157,7 +157,13 @@ def apply_global_load_balance(model: nn.Module, *, plan: ModelPlan, mesh: Device
         reduce_seq_counts = _sum_over(seq_mesh.get_group().group_name)
 
     paths = [path for path, style in plan.ep_block.items() if style == "moe"]
-    for _, block in plan.iter_blocks(model):
+    # The multi-token-prediction modules' blocks (models/common/mtp.py) sit outside the plan's
+    # block stacks; their MoE's loss is global too (a per-rank count moved Qwen 3.5's MoE MTP run
+    # on dp_shard 2 x ep 2 off one process by 1.6e-4 from step 2).
+    from models.common.mtp import MTPModule
+
+    mtp_blocks = [block for m in model.modules() if isinstance(m, MTPModule) for block in m.layers.values()]
+    for block in [*(block for _, block in plan.iter_blocks(model)), *mtp_blocks]:
         for path in paths:
             module = _submodule(block, path)
             if module is not None:

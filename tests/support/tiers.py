@@ -382,6 +382,18 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "and checks against the paper's equations; SimpleFSDP and EP are the family's, proven by its "
         "own parallel tests",
     ),
+    Scheduled(
+        "tests/e2e/test_mtp_parallel.py::test_qwen3_5_mtp_fsdp_ep_matches_single_process",
+        (
+            "tests/unit/test_qwen3_5_mtp.py::test_debug_run_logs_the_mtp_loss_and_learns",
+            "tests/unit/test_qwen3_5_mtp.py::test_mtp_loss_and_gradients_match_the_truncated_reference",
+            "tests/unit/test_qwen3_5.py::test_ep_matches_single_process",
+        ),
+        "Qwen 3.5 MoE MTP on dp_shard 2 x ep 2 (35 s, two processes): the module's MoE block outside "
+        "the plan's stack takes the global load-balance counts (parallelisms/expert_parallel.py); the "
+        "default tier trains the module and checks its loss and gradients, and the family's EP parity "
+        "in one process",
+    ),
     # --- the rest of the scheduled tier: slow points whose mechanism a cheaper default test runs
     # (chosen by the durations recorded on 2026-12-04, docs/testing.md).
     Scheduled(
