@@ -1,44 +1,51 @@
 #!/usr/bin/env python
-"""The low-precision column of the MFU projection: each `[quantize]` pod recipe's step time from
-its bf16 parent's projected program, with the quantized linears' matmuls at the chip's
-low-precision peak and the quantization passes' HBM traffic added.
+"""The low-precision pod recipes' speed from their own compiled programs: each `[quantize]` recipe's
+per-device program and its bf16 parent's, compiled deviceless and walked by the same calibrated
+scheduled projector, and the speed-up between them.
 
-    python scripts/bench/low_precision_projection.py [--out docs/results/low_precision_projection.csv]
+    flock /tmp/titan-heavy.lock nice python scripts/bench/low_precision_projection.py   # compile what is missing
+    python scripts/bench/low_precision_projection.py --table-only                       # re-read the kept compiles
+    python scripts/bench/low_precision_projection.py --recipes llama3_405b_v7x_fp8 --out /tmp/lp
 
-Why an analytic split and not a compile of the FP8 recipe: XLA's cost analysis counts a float8 or
-int8 multiply-add like a bf16 one (docs/low_precision.md, "Compiled for TPU without one"), so a
-compiled FP8 program's FLOPs would not show the MXU's 2x rate anyway, and the pod-size compiles
-take 4-14 minutes each on the development machine. So, per recipe:
+**The headline: both programs through one projector.** `tools/mfu_projection.py` `program_row`:
+the trainer's own per-device program (tools/tpu_compile.py, libtpu 0.0.52 in the ttpu venv; the
+capture serves the quantized linears and experts with the TPU's own ops, titan_kernels/tpu/
+qmatmul.py / qgmm.py, so the HLO holds the float8 / int8 dots a TPU run executes), its optimized HLO
+walked in XLA's schedule (`scheduled_prediction`: MXU_EFFICIENCY 0.66 of the peak, collectives on
+the target's torus), the same constants as MaxText's calibration rows (docs/maxtext_calibration.md).
+A dot of float8 operands on a v7x, int8 on a v6e, is charged at the chip's low-precision peak
+(assets/anchors.toml `[mxu_peak_tflops_per_chip]`: twice bf16's; tools/xla_hlo.py `peak_rates`).
+Per recipe: both programs' predicted step, tokens/s per chip, MFU (MaxText's convention: model
+FLOPs 6N + 6·L·H·Q·T per token, causal attention halved, recompute not counted, against the bf16
+peak, whatever the dtype), the speed-up = parent step / low-precision step (the same tokens), the
+share of the program's dot FLOPs that is low precision, the XLA ops' HBM bytes of both. MoE recipes
+at random routing (`moe.routing=random`), as MaxText published its FP8 and bf16 runs; the bf16
+parent's compile is read from --parent-cache (the side-by-side's, scripts/bench/
+maxtext_side_by_side.py) when it is kept there at the same recipe values and flags.
 
-- **bf16 program**: the parent's projection as `scripts/mfu_suite.py --project` wrote it (the
-  per-op compute time, the collectives at the target slice): docs/results/mfu_suite_2026-12-03_2ed2d29 for the
-  dense recipes (FSDP-only small-slice compile, extrapolated), docs/results/mfu_suite_ep_2026-12-05_84e8d64 for the
-  expert-parallel ones (the trainer's own program at full size, capacity dispatch as shipped).
+**The fallback: the analytic split** of 2026-12-05 (`project`, the `analytic_*` columns): the
+parent's old exposed / overlapped bounds (scripts/mfu_suite.py --project CSVs), the quantized
+linears' share of the bf16 compute halved, the quantization passes' bytes from the compiled 8B block,
+the float8 all-gather's halved weight gathers. Kept beside the headline to show what the programs
+changed; not a prediction of the step.
+
+Analytic details (`quantized_work`, `bytes_per_element`, `fsdp_traffic_ratio`):
+
 - **Quantized matmul FLOPs** per device and step: the linears `apply_quantize` chooses on the
   recipe's meta model (parallelisms/quantize.py's own rule), 2 M N K per matmul for M tokens, each
   forward run twice under full activation checkpointing, the gradient matmuls once; int8's weight
   gradient stays bf16. The routed experts it quantizes (MoE recipes) likewise, at M = tokens x
-  top-k x the capacity factor (the capacity layout computes its padding rows), the weight operand
-  the device's local experts. Their share of the model's FLOPs (6N + 12·L·H·Q·T per token, x 4/3 under
-  full AC) is applied to the dot FLOPs the compiled program executes where the projection has
-  them (the dense rows: the 405B program runs 11 % fewer dot FLOPs than 8N + attention, so the
-  analytic count alone would overstate the quantized part); the EP rows use the analytic count.
-  At the bf16 peak they take F / peak_bf16 of the program's compute time (the projection charges
-  a large matmul its FLOPs over the peak); at the chip's low-precision peak (v7x FP8 4614, v6e int8
-  1836 TFLOP/s per chip, twice bf16: docs/low_precision.md) half that.
+  top-k x the capacity factor, the weight operand the device's local experts. Their share of the
+  model's FLOPs is applied to the dot FLOPs the parent's program executes where the projection
+  has them; at the chip's low-precision peak (twice bf16's) half the time.
 - **Quantization passes**: the HBM bytes per quantized operand element measured on the compiled
-  Llama 3 8B block (docs/results/low_precision_block_compiles_2026-12-05_ddb6cff.json: the bytes a recipe adds over
-  bf16 divided by the operand elements its 20 quantized dots read), times the pod step's quantized
-  operand elements, over the HBM bandwidth (assets/anchors.toml). With `fsdp_float8_all_gather`
-  (float8_tensorwise) the weights arrive quantized: the block compiled with float8 weights gives
-  the bytes per activation / gradient operand element, and only those are counted.
-- **Collectives**: the parent's, except under the float8 all-gather, where the quantized weights'
-  gathers move 1 byte per element instead of 2 (`fsdp_traffic_ratio`).
+  Llama 3 8B block (docs/results/low_precision_block_compiles_2026-12-05_ddb6cff.json), times the
+  pod step's quantized operand elements, over the HBM bandwidth. With `fsdp_float8_all_gather`
+  only the activation / gradient operands count.
+- **Collectives**: the parent's, except under the float8 all-gather (`fsdp_traffic_ratio`).
 
-compute_lp = compute_bf16 - F / peak_bf16 + F / peak_lp + extra bytes / HBM bandwidth; the step is
-compute + collectives (exposed) or the larger (overlapped), as the bf16 bound. Same caveats as the
-bf16 bound (docs/benchmarks.md "Projections"), plus: a matmul the projection charged by its bytes
-(memory-bound) gains less than assumed; the recipes' matmuls at these widths are compute-bound.
+Output: <out>.csv and <out>.md (default docs/results/low_precision_projection_<date>_<commit>).
+Exit 0; 1 when a compile failed (its row says why); 2 bad input.
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ DSV3_CSV = (
     / "docs/results/mfu_suite_ep_compact_2026-12-05_2faca5f/mfu_suite_ep_compact_deepseek_v3_2026-12-06_5375d65_programs.csv"
 )
 VARIANTS = [
-    ("llama3_405b_v7x_fp8", "llama3_405b_v7x", DENSE_405_CSV, (500, 764)),
+    ("llama3_405b_v7x_fp8", "llama3_405b_v7x", DENSE_405_CSV, (499.8, 763.5)),
     ("qwen3_235b_a22b_v7x_fp8", "qwen3_235b_a22b_v7x", EP_CSV, (4246, 4737)),
     ("deepseek_v3_671b_v7x_fp8", "deepseek_v3_671b_v7x", DSV3_CSV, (2446, 2968)),
     ("llama3_70b_v6e_int8", "llama3_70b_v6e", DENSE_CSV, None),
@@ -279,60 +286,295 @@ def project(variant: str, parent: str, csv_path: Path | None, maxtext) -> dict:
     return out
 
 
-def comm_cell(r: dict) -> str:
-    if r["comm_s_lp"] == r["comm_s"]:
-        return f"{r['comm_s']:.2f}"
-    return f"{r['comm_s']:.2f} -> {r['comm_s_lp']:.2f}"
+RANDOM = (("moe.routing", "random"), ("moe.routing_benchmark_only", "true"))
+"""MaxText's MoE runs (bf16 and FP8) were published with random routing: both programs compiled so."""
+DEFAULT_CACHE = ROOT / "outputs" / "low_precision_projection"
+PARENT_CACHE = ROOT / "outputs" / "maxtext_side_by_side"
 
 
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| recipe (target) | quantized linears: share of bf16 compute | compute s bf16 -> low precision | "
-        "collectives s | tokens/s/chip bf16 -> low precision, exposed / overlapped | speed-up exposed / overlapped | "
-        "the same with the quantization passes free (a bound) | MaxText tokens/s/chip bf16 -> FP8 (ratio) |",
-        "|---|---|---|---|---|---|---|---|",
+def routing(variant: str) -> tuple[tuple[str, str], ...]:
+    """The overrides both programs of `variant` are compiled with: random routing for the MoE ones."""
+    return RANDOM if variant.startswith(("qwen3_235b", "deepseek_v3")) else ()
+
+
+def program_kept(cache: Path, recipe: str, overrides) -> bool:
+    """Whether `program_compile` finds this compile under `cache` (it re-checks the values and flags)."""
+    from tools.mfu_projection import override_tag
+
+    folder = cache / f"{recipe}{override_tag(list(overrides))}"
+    return (folder / "program.json").is_file() and (folder / "program.after_optimizations.txt").is_file()
+
+
+def low_precision_share(hlo_path: str) -> dict:
+    """The program's dot FLOPs per step by operand type (tools/xla_hlo.py `dot_flops_by_type`): the
+    low-precision share (float8 / int8 operands on both sides) and the largest other types."""
+    from tools.xla_hlo import dot_flops_by_type, parse_hlo
+
+    by = dot_flops_by_type(parse_hlo(Path(hlo_path).read_text()))
+    total = sum(by.values()) or 1.0
+    low = sum(v for k, v in by.items() if all(t.startswith(("f8", "s8", "u8")) for t in k.split(" x ")))
+    top = sorted(by.items(), key=lambda kv: -kv[1])[:4]
+    return {
+        "dot_tflop": total / 1e12,
+        "low_precision_dot_share": low / total,
+        "dot_flops_by_type": "; ".join(f"{k} {v / total:.1%}" for k, v in top),
+    }
+
+
+def dot_seconds(hlo_path: str, *, gen: str, peak: float, anchors: dict) -> dict:
+    """Where a program's XLA compute goes, per step, as the scheduled walk charges it (each op once
+    per run at max(MXU FLOPs at its rate / (peak x MXU_EFFICIENCY), bytes / HBM)): the ops with dots
+    (matmul fusions, the quantization passes fused into them included) and the rest (elementwise,
+    reductions, copies; a quantization pass XLA did not fuse into its dot is here)."""
+    from tools import xla_hlo
+    from tools.xla_projection import MXU_EFFICIENCY
+
+    hlo = xla_hlo.parse_hlo(Path(hlo_path).read_text())
+    mxu = xla_hlo.mxu_flops(hlo, 256 if gen in ("v6e", "v7x") else 128, xla_hlo.peak_rates(anchors, gen))
+    hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
+    dots = other = 0.0
+    for o in xla_hlo.compute_ops(hlo):
+        if o.kind != "xla":
+            continue
+        t = o.times * max(mxu.get(o.name, 0.0) / (peak * MXU_EFFICIENCY), o.bytes / hbm)
+        if o.name in mxu:
+            dots += t
+        else:
+            other += t
+    return {"dot_ops_s": dots, "other_xla_s": other}
+
+
+def program_side(name: str, overrides, *, anchors: dict, ns, caches: list[Path]) -> dict:
+    """One program's scheduled prediction (`program_row`) from the first cache that keeps it, else
+    compiled into the last (--table-only: an error row instead)."""
+    from tools.mfu_projection import program_row
+
+    cache = next((c for c in caches if program_kept(c, name, overrides)), None)
+    if cache is None and ns.table_only:
+        return {"error": "not compiled (no kept compile under " + " or ".join(str(c) for c in caches) + ")"}
+    cache = cache or caches[-1]
+    row = program_row(name, list(overrides), anchors=anchors, timeout=ns.timeout, cache=cache)
+    if row.get("error"):
+        return row
+    from tools.mfu_projection import override_tag
+
+    hlo = cache / f"{name}{override_tag(list(overrides))}" / "program.after_optimizations.txt"
+    row.update(low_precision_share(str(hlo)))
+    row.update(dot_seconds(str(hlo), gen=row["generation"], peak=program_peak(row), anchors=anchors))
+    row["cache"] = cache.relative_to(ROOT).as_posix() if cache.is_relative_to(ROOT) else str(cache)
+    return row
+
+
+def program_peak(row: dict) -> float:
+    """The bf16 peak per device of a program row's generation (trainer.runtime.flops)."""
+    from trainer.runtime.flops import TPU_PEAK_TFLOPS
+
+    return TPU_PEAK_TFLOPS[row["generation"]] * 1e12
+
+
+def program_row_of(variant: str, parent: str, csv_path: Path | None, maxtext, *, anchors: dict, ns) -> dict:
+    """One table row: the low-precision program and its parent's, both predicted; the speed-up;
+    MaxText's published FP8 ratio; the analytic split's figures beside them."""
+    ovs = routing(variant)
+    lp = program_side(variant, ovs, anchors=anchors, ns=ns, caches=[ns.cache])
+    bf = program_side(parent, ovs, anchors=anchors, ns=ns, caches=[ns.parent_cache, ns.cache])
+    row = {
+        "recipe": variant,
+        "parent": parent,
+        "overrides": " ".join(f"{k}={v}" for k, v in ovs),
+    }
+    cfg = build_config(str(ROOT / "configs" / f"{variant}.toml"))
+    row["target"] = cfg.job.target
+    row["quantize"] = cfg.quantize.recipe + (" + float8 all-gather" if cfg.quantize.fsdp_float8_all_gather else "")
+    for tag, r in (("lp", lp), ("bf16", bf)):
+        if r.get("error"):
+            row[f"error_{tag}"] = r["error"]
+            continue
+        per_chip = r["devices"] // r["chips"]
+        row.update(
+            {
+                f"step_s_{tag}": r["step_scheduled_s"],
+                f"tokens_per_chip_{tag}": r["tokens"] * per_chip / r["step_scheduled_s"],
+                f"mfu_causal_{tag}": r["mfu_causal_scheduled"],
+                f"mfu_palm_{tag}": r["mfu_palm_scheduled"],
+                f"compute_s_{tag}": r.get("sched_compute_s"),
+                f"exposed_comm_s_{tag}": r.get("exposed_comm_s"),
+                f"xla_gbytes_{tag}": r.get("xla_bytes", 0.0) / 1e9,
+                f"dot_ops_s_{tag}": r["dot_ops_s"],
+                f"other_xla_s_{tag}": r["other_xla_s"],
+                f"dot_tflop_{tag}": r["dot_tflop"],
+                f"low_precision_dot_share_{tag}": r["low_precision_dot_share"],
+                f"dot_flops_by_type_{tag}": r["dot_flops_by_type"],
+                f"compiler_gib_{tag}": r.get("compiler_gib"),
+                f"compile_s_{tag}": r.get("compile_s"),
+                f"cache_{tag}": r["cache"],
+                "tokens_per_device": r["tokens"],
+            }
+        )
+    if "step_s_lp" in row and "step_s_bf16" in row:
+        row["speedup"] = row["step_s_bf16"] / row["step_s_lp"]
+    if maxtext:
+        row["maxtext_bf16"], row["maxtext_fp8"] = maxtext
+        row["maxtext_ratio"] = maxtext[1] / maxtext[0]
+    if csv_path is not None:  # the fallback: the analytic split of the parent's old bounds
+        old = project(variant, parent, csv_path, maxtext)
+        for k in ("speedup_exposed", "speedup_overlapped"):
+            row[f"analytic_{k}"] = old[k]
+    return row
+
+
+COLUMNS = [
+    "recipe",
+    "parent",
+    "target",
+    "quantize",
+    "overrides",
+    "tokens_per_device",
+    "step_s_bf16",
+    "step_s_lp",
+    "speedup",
+    "maxtext_bf16",
+    "maxtext_fp8",
+    "maxtext_ratio",
+    "analytic_speedup_exposed",
+    "analytic_speedup_overlapped",
+    "tokens_per_chip_bf16",
+    "tokens_per_chip_lp",
+    "mfu_causal_bf16",
+    "mfu_causal_lp",
+    "mfu_palm_bf16",
+    "mfu_palm_lp",
+    "compute_s_bf16",
+    "compute_s_lp",
+    "exposed_comm_s_bf16",
+    "exposed_comm_s_lp",
+    "dot_ops_s_bf16",
+    "dot_ops_s_lp",
+    "other_xla_s_bf16",
+    "other_xla_s_lp",
+    "xla_gbytes_bf16",
+    "xla_gbytes_lp",
+    "dot_tflop_bf16",
+    "dot_tflop_lp",
+    "low_precision_dot_share_lp",
+    "dot_flops_by_type_lp",
+    "compiler_gib_bf16",
+    "compiler_gib_lp",
+    "compile_s_bf16",
+    "compile_s_lp",
+    "cache_bf16",
+    "cache_lp",
+    "error_bf16",
+    "error_lp",
+]
+
+
+def _f(v, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+
+def split(r: dict, tag: str) -> str:
+    """Dot ops / other XLA ops / the rest of the scheduled compute (the kernels) of one program."""
+    rest = r[f"compute_s_{tag}"] - r[f"dot_ops_s_{tag}"] - r[f"other_xla_s_{tag}"]
+    return f"{r[f'dot_ops_s_{tag}']:.2f} / {r[f'other_xla_s_{tag}']:.2f} / {rest:.2f}"
+
+
+def markdown(rows: list[dict], header: list[str]) -> str:
+    """The table: both programs' predicted steps, the speed-up, MaxText's published ratio, the old
+    analytic split's, MFU (bf16 peak, causal)."""
+    out = [*header, ""]
+    out += [
+        "| recipe (target, `[quantize]`) | parent predicted step s | low-precision predicted step s | **speed-up** "
+        "| MaxText published FP8 / bf16 | old analytic split, exposed / overlapped | predicted MFU % parent -> "
+        "low precision (bf16 peak, causal) | tokens/s/chip parent -> low precision | low-precision share of the "
+        "dot FLOPs | compute / exposed comm s, parent -> low precision | of the compute: dot ops / other XLA ops / "
+        "kernels s, parent -> low precision |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        mt = (
-            f"{r['maxtext_bf16']:,} -> {r['maxtext_fp8']:,} ({r['maxtext_ratio']:.2f}x)" if "maxtext_bf16" in r else "-"
-        )
-        if "compute_s_bf16" not in r:
-            lines.append(
-                f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {r['quantized_share_of_model_flops']:.0%} of the "
-                f"model's FLOPs ({r['quantized_tflop']:,.0f} TFLOP per device and step); no bf16 program projected | "
-                f"- | - | - | - | - | {mt} |"
-            )
+        err = r.get("error_lp") or r.get("error_bf16")
+        if err:
+            out.append(f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {err} |" + " - |" * 9)
             continue
-        lines.append(
-            f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {r['quantized_share_of_compute']:.0%} | "
-            f"{r['compute_s_bf16']:.2f} -> {r['compute_s_lp']:.2f} | {comm_cell(r)} | "
-            f"{r['tokens_per_chip_exposed_bf16']:,.0f} -> {r['tokens_per_chip_exposed_lp']:,.0f} / "
-            f"{r['tokens_per_chip_overlapped_bf16']:,.0f} -> {r['tokens_per_chip_overlapped_lp']:,.0f} | "
-            f"{r['speedup_exposed']:.2f}x / {r['speedup_overlapped']:.2f}x | "
-            f"{r['speedup_exposed_fused']:.2f}x / {r['speedup_overlapped_fused']:.2f}x | {mt} |"
+        mt = f"{r['maxtext_ratio']:.2f}x" if "maxtext_ratio" in r else "- (none published)"
+        old = (
+            f"{r['analytic_speedup_exposed']:.2f}x / {r['analytic_speedup_overlapped']:.2f}x"
+            if "analytic_speedup_exposed" in r
+            else "-"
         )
-    return "\n".join(lines)
+        out.append(
+            f"| {r['recipe']} ({r['target']}, {r['quantize']}{', ' + r['overrides'] if r['overrides'] else ''}) "
+            f"| {r['step_s_bf16']:.2f} | {r['step_s_lp']:.2f} | **{r['speedup']:.2f}x** | {mt} | {old} "
+            f"| {r['mfu_causal_bf16']:.1f} -> {r['mfu_causal_lp']:.1f} "
+            f"| {r['tokens_per_chip_bf16']:,.0f} -> {r['tokens_per_chip_lp']:,.0f} "
+            f"| {r['low_precision_dot_share_lp']:.0%} "
+            f"| {_f(r.get('compute_s_bf16'), '.2f')} / {_f(r.get('exposed_comm_s_bf16'), '.2f')} -> "
+            f"{_f(r.get('compute_s_lp'), '.2f')} / {_f(r.get('exposed_comm_s_lp'), '.2f')} "
+            f"| {split(r, 'bf16')} -> {split(r, 'lp')} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def parse(argv: list[str] | None):
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [v[0] for v in VARIANTS]
+    p.add_argument("--recipes", default=",".join(names), help=f"comma list of {', '.join(names)}")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="the table's path (.csv or without extension; default "
+        "docs/results/low_precision_projection_<date>_<commit>); the .md beside it",
+    )
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="the low-precision compiles (kept, reused)")
+    p.add_argument(
+        "--parent-cache", type=Path, default=PARENT_CACHE, help="where the bf16 parents' kept compiles are read first"
+    )
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per compile")
+    p.add_argument("--table-only", action="store_true", help="read the kept compiles; compile nothing")
+    ns = p.parse_args(argv)
+    ns.recipes = [r for r in ns.recipes.split(",") if r]
+    bad = [r for r in ns.recipes if r not in names]
+    if bad:
+        p.error(f"--recipes: unknown {', '.join(bad)}; allowed: {', '.join(names)}")
+    ns.cache, ns.parent_cache = ns.cache.resolve(), ns.parent_cache.resolve()
+    return ns
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs/results/low_precision_projection.csv", help="the CSV to write")
-    a = p.parse_args(argv)
-    rows = [project(*v) for v in VARIANTS]
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    out = ROOT / a.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    for recipe in ("float8_rowwise", "float8_blockwise", "int8", W8):
-        print(
-            f"quantization passes: {bytes_per_element(recipe):.2f} HBM bytes per quantized operand element ({recipe})"
-        )
-    print(table(rows))
-    print(f"written: {out}")
-    return 0
+    from tools.maxtext_runs import write_tables
+    from tools.mfu_report import load_anchors
+    from trainer.runtime.device import cpu_model
+
+    ns = parse(argv)
+    anchors = load_anchors()
+    rows, failed = [], False
+    for variant, parent, csv_path, maxtext in VARIANTS:
+        if variant not in ns.recipes:
+            continue
+        rows.append(program_row_of(variant, parent, csv_path, maxtext, anchors=anchors, ns=ns))
+        failed |= any(k.startswith("error") for k in rows[-1]) and not ns.table_only
+        print(json.dumps(rows[-1], default=str), file=sys.stderr, flush=True)
+
+    def header(commit: str) -> list[str]:
+        return [
+            "Each low-precision pod recipe's own per-device program and its bf16 parent's (tools/tpu_compile.py, "
+            "deviceless, libtpu 0.0.52 via the ttpu venv), both through tools/mfu_projection.py's scheduled "
+            f"prediction (MXU_EFFICIENCY 0.66, float8 / int8 dots at the chip's low-precision peak); commit {commit}.",
+            "",
+            f"CPU: {cpu_model()}. MFU in MaxText's convention (model FLOPs, causal attention halved) against the "
+            "bf16 peak; speed-up = parent step / low-precision step (the same tokens per device). MaxText's FP8 "
+            "ratios: tpu-recipes training/ironwood/README.md (../shared/reference/published_anchors.md). Old "
+            "analytic split (`project`: the parents' old exposed / overlapped bounds, the quantized matmuls halved; "
+            "docs/results/low_precision_projection_2026-12-05_932a036.csv): a fallback, not the headline.",
+        ]
+
+    out = Path(ns.out) if ns.out else None
+    if out is not None and out.suffix in (".csv", ".md"):
+        out = out.with_suffix("")
+    if out is not None and not out.is_absolute():
+        out = ROOT / out
+    write_tables(rows, name="low_precision_projection", out=out, columns=COLUMNS, header=header, markdown=markdown)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

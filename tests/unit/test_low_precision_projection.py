@@ -77,3 +77,46 @@ def test_qwen3_235b_routed_experts_are_counted():
     # the quantized attention linears (wq [8192, 4096], wo [4096, 8192]) at `tokens`
     per_linear = lambda n, k: 2 * (tokens * k + n * k) + (tokens * n + n * k) + (tokens * n + tokens * k)  # noqa: E731
     assert work["elements"] == 94 * (per_layer_experts + per_linear(8192, 4096) + per_linear(4096, 8192))
+
+
+def test_the_row_sets_both_programs_side_by_side(monkeypatch):
+    """`program_row_of`: the speed-up is the parent's predicted step over the low-precision one's (the
+    same tokens per device), tokens/s per chip the device's tokens x 2 devices per v7x chip over the
+    step; the MoE recipes are read at random routing (as MaxText published both of its runs), the
+    dense ones at none; the markdown row carries the speed-up and MaxText's published ratio."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    def side(name, overrides, *, anchors, ns, caches):
+        seen.append((name, overrides))
+        step = 20.0 if name.endswith("_fp8") else 36.0
+        return {
+            "step_scheduled_s": step,
+            "tokens": 8192,
+            "devices": 512,
+            "chips": 256,
+            "mfu_causal_scheduled": 50.0 * 36.0 / step,
+            "mfu_palm_scheduled": 52.0 * 36.0 / step,
+            "sched_compute_s": step - 0.5,
+            "exposed_comm_s": 0.5,
+            "dot_tflop": 24.5e3,
+            "low_precision_dot_share": 1.0 if name.endswith("_fp8") else 0.0,
+            "dot_flops_by_type": "",
+            "dot_ops_s": step - 5.0,
+            "other_xla_s": 2.0,
+            "cache": "outputs/x",
+        }
+
+    monkeypatch.setattr(lpp, "program_side", side)
+    monkeypatch.setattr(lpp, "project", lambda *a: {"speedup_exposed": 1.54, "speedup_overlapped": 1.56})
+    ns = SimpleNamespace(cache=None, parent_cache=None)
+    row = lpp.program_row_of("llama3_405b_v7x_fp8", "llama3_405b_v7x", None, (499.8, 763.5), anchors={}, ns=ns)
+    assert seen == [("llama3_405b_v7x_fp8", ()), ("llama3_405b_v7x", ())]
+    assert row["speedup"] == 36.0 / 20.0
+    assert row["tokens_per_chip_lp"] == 8192 * 2 / 20.0 and row["tokens_per_chip_bf16"] == 8192 * 2 / 36.0
+    assert abs(row["maxtext_ratio"] - 763.5 / 499.8) < 1e-12 and "analytic_speedup_exposed" not in row
+    assert lpp.routing("qwen3_235b_a22b_v7x_fp8") == lpp.RANDOM == lpp.routing("deepseek_v3_671b_v7x_fp8")
+    assert lpp.routing("llama3_70b_v6e_int8") == ()
+    line = lpp.markdown([row], ["h"]).splitlines()[-1]
+    assert "| 36.00 | 20.00 | **1.80x** | 1.53x |" in line and "| 31.00 / 2.00 / 2.50 -> 15.00 / 2.00 / 2.50 |" in line
