@@ -60,6 +60,8 @@ def test_hf_names_both_ways_with_the_mtp_module(flavor, fused):
     for name in ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"):
         assert torch.equal(theirs[f"mtp.{name}"], ours[f"mtp.{name}"])
     assert torch.equal(theirs["mtp.layers.0.self_attn.q_proj.weight"], ours["mtp.layers.0.attention.wq.weight"])
+    if not model.args.is_moe:  # a released dense checkpoint's count: fc, 3 norms and one full-attention layer
+        assert sum(k.startswith("mtp.") for k in theirs) == 15
     back = hf.from_hf(theirs, model.args)
     assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
     # mtp_depth = 0 drops the module (as transformers does); = 1 needs it, and knows its names
