@@ -80,6 +80,21 @@ def test_keys_checked():
             Qwen3_5Args(**bad)
     with pytest.raises(ValueError, match=r"^mtp_loss_weight: .*allowed:"):
         Qwen3_5Args(mtp_loss_weight=float("inf"))
+    with pytest.raises(ValueError, match=r"^mtp_layers: 2 with mtp_depth 1; allowed: 1 with mtp_depth 1"):
+        Qwen3_5Args(mtp_depth=1, mtp_layers=2)
+    assert Qwen3_5Args(mtp_layers=2).mtp_layers == 2  # a config with more MTP layers loads at depth 0
+    # the rules: graph mode (the MTP rule) and PP (the pipeline rule) refused in one line each
+    from models.errors import ConfigError
+    from trainer.config import build_config
+    from trainer.job import plan_job
+
+    for key, value, rule in (
+        ("compile.mode", "graph", r"^model\.mtp_depth: 1 "),
+        ("parallelism.pipeline_parallel_degree", "2", r"^parallelism\.pipeline_parallel_degree: 2 .*mtp_depth 1"),
+    ):
+        cfg = build_config("configs/qwen3_5_debug.toml", [("model.mtp_depth", "1"), (key, value)])
+        with pytest.raises(ConfigError, match=rule):
+            plan_job(cfg, world_size=2, device_type="cpu")
 
 
 def test_flops_count_the_mtp_block_and_head():
