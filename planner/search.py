@@ -614,9 +614,9 @@ def _layout_candidates(
     if laid_out is None:
         return []
     dims, layout_notes = laid_out
-    if pp == 1 and all(
-        inputs.refusals(tp=tp, ac_mode=m, target=target, dp_replicate=dp_replicate, pp=1) for m in ac_modes
-    ):
+    # the rules read this candidate's own cp and ep (e.g. a family without a CP plan refuses cp > 1)
+    own = dict(tp=tp, target=target, dp_replicate=dp_replicate, pp=1, cp=cp, ep=ep)
+    if pp == 1 and all(inputs.refusals(ac_mode=m, **own) for m in ac_modes):
         return []  # the trainer refuses the layout in every AC mode (e.g. tp > 1 for a family without
         # a TP plan, whose one-block probe below would raise the TP build's own error)
     stats = shard_model(inputs.family, inputs.args, dims, probe=True, muon_exclude=inputs.muon_exclude)
@@ -640,9 +640,9 @@ def _layout_candidates(
             assumed_mfu=assumed_mfu,
         )
     for ac_mode in ac_modes:
-        if inputs.refusals(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, pp=1):
+        if inputs.refusals(ac_mode=ac_mode, **own):
             continue  # the trainer would refuse it (e.g. layer scan with tp > 1)
-        step = inputs.step_plan(tp=tp, ac_mode=ac_mode, target=target, dp_replicate=dp_replicate, pp=1)
+        step = inputs.step_plan(ac_mode=ac_mode, **own)
         priced = _Priced(shape, stats, dims, step, ac_mode=ac_mode, loss_parallel=tp > 1 and inputs.flow_tokens is None)
         for batch in batches:
             candidates.append(

@@ -250,7 +250,12 @@ def shard_model(
 def _block_period(args: ModelArgs) -> int | None:
     """0 when a stack's blocks all have the same parameters; for Qwen 3.5's Gated DeltaNet and
     full-attention blocks (`full_attention_interval`; gpt-oss's sliding and full blocks have the
-    same parameters) the period they repeat with, None when n_layers is not a multiple of it."""
+    same parameters) the period they repeat with, None when n_layers is not a multiple of it, and
+    None for DeepSeek-V4's blocks (`layer_kinds`: sliding, CSA and HCA blocks hold different
+    compressors, its first `num_hash_layers` a hash table; the schedule is per block, so a shorter
+    stack is not the same model: sharded whole, on meta)."""
+    if hasattr(args, "layer_kinds"):
+        return None if len(set(args.layer_kinds())) > 1 or 0 < args.num_hash_layers < args.n_layers else 0
     if not hasattr(args, "linear_num_value_heads") or len(set(args.layer_types())) < 2:
         return 0
     period = args.full_attention_interval

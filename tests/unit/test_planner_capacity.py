@@ -91,3 +91,23 @@ def test_an_uneven_vocabulary_holds_a_whole_fp32_head_gradient(recipe, compiled,
     est = planned(cfg, planner.parse_target(cfg.job.target))
     assert est.total / GIB == pytest.approx(total, abs=0.01)
     assert abs(compiled - est.total / GIB) <= BAND * est.total / GIB
+
+
+def test_recommend_asks_the_rules_with_each_candidates_own_cp():
+    """The trainer refuses the capacity-bounded dispatch with CP (rule `moe.capacity_factor`).
+    `recommend` asked the rules at pp 1 with the recipe's cp (1), not the candidate's, so it
+    offered plans the trainer refuses at start-up: Qwen 3 30B-A3B at 128k on v6e-256 came out as
+    cp 4 x ep 64 at capacity 1.25. Each candidate's own cp now: with capacity none at cp 2, dropless
+    the same search keeps them."""
+    import planner as P
+    from tools.recipe_check import plan_inputs
+    from trainer.config import build_config
+
+    def cps(capacity: str) -> set[int]:
+        overrides = [("moe.capacity_factor", capacity), ("training.seq_len", "2048"), ("job.target", "v6e-8")]
+        inputs = plan_inputs(build_config("configs/qwen3_moe_debug.toml", overrides))
+        search = dict(tp_choices=[1], cp_choices=[2], ep_choices=[1], pp_choices=[1], ac_modes=("none",))
+        return {c.cp for c in P.recommend(inputs, P.parse_target("v6e-8"), max_local_batch=1, **search)}
+
+    assert cps("1.25") == set()
+    assert cps("0") == {2}

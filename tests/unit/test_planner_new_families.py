@@ -183,3 +183,20 @@ def test_the_qwen3_5_9b_plan_counts_its_head_in_the_loss_backward():
     assert est.saved_weights == 2 * (248_320 * 4096 + 4096)
     assert est.transient_block / GIB == pytest.approx(6.59, abs=0.01)
     assert est.total / GIB == pytest.approx(13.90, abs=0.01)
+
+
+def test_recommend_shards_deepseek_v4s_mixed_blocks_whole():
+    """DeepSeek-V4's blocks differ by their per-block schedule (sliding, CSA, HCA compressors; the
+    first `num_hash_layers` hold a hash table), so the search's one-block probe is not the model:
+    it raised `attention_layers: 'hcsc' must have one letter per block (1)` and `--recommend`
+    exited with a traceback. The stack is now sharded whole (on meta)."""
+    import planner as P
+    from planner.shard import _block_period
+    from tools.recipe_check import plan_inputs
+    from trainer.config import build_config
+
+    inputs = plan_inputs(build_config("configs/deepseek_v4_debug.toml", [("job.target", "v6e-8")]))
+    assert _block_period(inputs.args) is None
+    search = dict(tp_choices=[1], cp_choices=[1], ep_choices=[1], pp_choices=[1], ac_modes=("none",))
+    best = P.recommend(inputs, P.parse_target("v6e-8"), max_local_batch=1, **search)
+    assert best and best[0].fits and best[0].total > 0
