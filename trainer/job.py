@@ -320,6 +320,17 @@ class Job:
         if pp is not None:  # graph mode: the pipeline inside the captured step (trainer/graph/pipeline.py)
             from trainer.graph.pipeline import PipelinedLoss
 
+            moe = self.plan.args.shape().num_experts > 0
+            if moe:  # this rank's layers' balance; a rank without MoE layers joins with zeros
+                from trainer.step.pipeline import StageBalance
+
+                balance = StageBalance(
+                    ExpertBalance(self.model, rate=t.expert_bias_rate),
+                    stage_mesh=self.data.mesh,
+                    pp_group=pp.get_group(),
+                    device=self.runtime.device,
+                    capacity=self.cfg.moe.capacity_factor > 0,
+                )
             loss_fn = PipelinedLoss(
                 pp_rank=pp.get_local_rank(),
                 pp=plan.pipeline.pp,
@@ -329,6 +340,7 @@ class Job:
                 dtype=self.runtime.compute.dtype,
                 device=self.runtime.device,
                 fused=plan.fused_loss,
+                moe=moe,
             )
         return build_graph_step(
             model=self.model,

@@ -1843,6 +1843,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "spawned gloo ranks: the default tier checks the same per-rank parameters by hand",
     ),
     Scheduled(
+        "tests/unit/test_graph_pipeline_moe.py::test_graph_pp2_*",
+        (
+            "tests/unit/test_graph_pipeline_moe.py::test_bubble_iteration_aux_and_load_count_nothing",
+            "tests/unit/test_graph_pipeline_moe.py::test_live_iterations_are_each_stage_s_m_chunks",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+        ),
+        "Qwen 3 MoE through graph-mode PP 2 (unrolled, the iterations as one scan, layer scan, accumulation, a "
+        "dense first stage) against one process on spawned gloo ranks (~4.5 min): the default tier checks the "
+        "bubble mask of the aux terms and loads and runs the same captured pipeline on a dense model",
+    ),
+    Scheduled(
         "tests/unit/test_pipeline_moe.py::test_pp2_*",
         (
             "tests/unit/test_pipeline_moe.py::test_attach_aux_gives_earlier_stages_the_aux_gradient",

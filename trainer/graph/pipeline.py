@@ -104,6 +104,27 @@ def stage_permute(x: torch.Tensor, group: tuple[str, int, int], stage: torch.Ten
     return StagePermute.apply(x, group, stage)
 
 
+def stack_terms(stack, h: torch.Tensor, *args: torch.Tensor):
+    """`BlockStack.forward` without its side effect: (h, the aux terms' sum, the loads [layers, E])
+    of `stack` on `h` (None, None without MoE blocks). A scan body may not set attributes; and with
+    layer scan, the stack's forward-then-pop once per pipeline iteration captured wrong aux terms
+    and loads (aux about 1/4 of the one process's, MaxVio off, the losses equal: measured
+    2026-12-07), where this function's returned values are right. A layer-scanned stack runs its
+    own scan (`_scan_forward`)."""
+    if stack._scan is not None and torch.compiler.is_compiling():
+        return stack._scan_forward(h, args)
+    aux_total, loads = None, []
+    for block in stack.values():
+        out = block(h, *args)
+        if isinstance(out, tuple):
+            h, aux, load = out
+            aux_total = aux if aux_total is None else aux_total + aux
+            loads.append(load)
+        else:
+            h = out
+    return h, aux_total, torch.stack(loads) if loads else None
+
+
 REPLICATED_MODULES = ("tok_embeddings", "norm", "output")
 """The top-level modules every pp rank holds with uniform stages, used by one stage each."""
 
@@ -139,6 +160,7 @@ class PipelinedLoss:
         device: torch.device | str = "cpu",
         fused: bool = False,
         rank_independent: bool = False,
+        moe: bool = False,
     ):
         assert 0 <= pp_rank < pp and pp > 1, (pp_rank, pp)
         self.pp_rank, self.pp, self.m = pp_rank, pp, microbatches
@@ -150,6 +172,9 @@ class PipelinedLoss:
         self.stage = torch.tensor(pp_rank, dtype=torch.int64, device=device)
         """This rank's stage index: data of the program, the same code on every rank."""
         self.rank_independent = rank_independent
+        self.moe = moe
+        """The model has experts (every pp rank says the same, a rank without MoE layers too): `terms`
+        then returns the stage's aux loss and expert loads (module docstring, "MoE")."""
 
     def _permute(self, out: torch.Tensor) -> torch.Tensor:
         return stage_permute(out, self.group, self.stage if self.rank_independent else None)
@@ -160,13 +185,51 @@ class PipelinedLoss:
         return self.m + self.pp - 1
 
     def __call__(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.terms(model, inputs, labels)[0]
+
+    def terms(
+        self, model, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(loss, aux, load) of one accumulation micro-batch through the pipeline. `loss`: the last
+        stage's mean LM loss, the same value on every rank. With `moe` (module docstring, "MoE"):
+        `aux`, this rank's stage's load-balancing loss summed over its m chunks / m (the gradient
+        of the stage's routers), whose value is the sum over the pp axis (every stage's layers);
+        `load`, its MoE layers' expert loads summed over the chunks, flat `[layers x E]` float32
+        (`ExpertBalance.pop`'s layout; None on a rank without MoE layers)."""
         rows = inputs.shape[0]
         assert rows % self.m == 0, f"{self.m} pipeline micro-batches do not divide {rows} rows"
-        outs = self._scanned(model, inputs) if self.scan else self._unrolled(model, inputs)
+        outs, aux, load = self._scanned(model, inputs) if self.scan else self._unrolled(model, inputs)
         local = self._loss(model, outs, labels)
-        # the value every rank reports: the last stage's loss, summed over the pp axis
-        value = _c10d.wait_tensor(_c10d.all_reduce(local.detach().float(), "sum", self.group[0]))
-        return local + (value - local.detach())
+        if not self.moe:
+            # the value every rank reports: the last stage's loss, summed over the pp axis
+            value = _c10d.wait_tensor(_c10d.all_reduce(local.detach().float(), "sum", self.group[0]))
+            return local + (value - local.detach()), None, None
+        aux = aux / self.m if aux is not None else local.new_zeros((), dtype=torch.float32)
+        if isinstance(aux, DTensor):
+            aux = aux.to_local()
+        # one all-reduce for both values: the last stage's loss and every stage's aux term
+        both = torch.stack([local.detach().float(), aux.detach().float()])
+        both = _c10d.wait_tensor(_c10d.all_reduce(both, "sum", self.group[0]))
+        loss = local + (both[0] - local.detach())
+        aux = aux + (both[1].to(aux.dtype) - aux.detach())
+        return loss, aux, None if load is None else load.detach().reshape(-1)
+
+    def live(self, t: int) -> torch.Tensor:
+        """Whether this rank's stage works on a chunk in pipeline iteration `t` (0 <= t - stage < m;
+        a 0-dim bool tensor, data): False in the bubble, whose aux terms and loads count nothing."""
+        return (self.stage <= t) & (self.stage > t - self.m)
+
+    def _mask(self, aux: torch.Tensor | None, load: torch.Tensor | None, live: torch.Tensor):
+        """An iteration's aux term and expert loads of the stage (`stack_terms`), zero where the stage is
+        idle (`live` False: a `where`, so a bubble's values never leak, and its aux term gets an exact
+        zero gradient); (None, None) without `moe` or MoE layers."""
+        if not self.moe:
+            return None, None
+        if aux is not None:
+            aux = torch.where(live, aux, torch.zeros_like(aux))
+        if load is not None:
+            load = torch.where(live, load.detach().float(), torch.zeros((), dtype=torch.float32, device=load.device))
+        return aux, load
 
     def _embedded(self, model, inputs: torch.Tensor) -> torch.Tensor:
         """Every chunk's embedding [m, chunk, seq, dim] (every rank computes it; stage 0 uses it).
@@ -176,9 +239,10 @@ class PipelinedLoss:
         e = model.tok_embeddings(inputs).to(self.dtype)
         return e.view(self.m, inputs.shape[0] // self.m, *e.shape[1:])
 
-    def _unrolled(self, model, inputs: torch.Tensor) -> torch.Tensor:
+    def _unrolled(self, model, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The iterations as a Python loop (one copy of the stage per iteration in the graph); the
-        outputs of iterations p - 1 .. T - 1 stacked [m, chunk, seq, dim]."""
+        outputs of iterations p - 1 .. T - 1 stacked [m, chunk, seq, dim], and with `moe` the
+        stage's aux terms and loads summed over its live iterations (`stack_terms`, `_mask`; else None)."""
         from models.common.rope import rope_rows
 
         p, m = self.pp, self.m
@@ -186,20 +250,30 @@ class PipelinedLoss:
         cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
         first = self.stage == 0
         h = torch.zeros_like(embedded[0])
-        outs = []
+        outs, aux, load = [], None, None
         for t in range(self.iterations):
             x = torch.where(first, embedded[t], h) if t < m else h
-            out = model.layers(x, cos, sin)
+            if self.moe:
+                out, a, ld = stack_terms(model.layers, x, cos, sin)
+                a, ld = self._mask(a, ld, self.live(t))
+            else:
+                out, a, ld = model.layers(x, cos, sin), None, None
+            if a is not None:
+                aux = a if aux is None else aux + a
+            if ld is not None:
+                load = ld if load is None else load + ld
             if t >= p - 1:
                 outs.append(out)
             if t < self.iterations - 1:
                 h = self._permute(out)
-        return torch.stack(outs)
+        return torch.stack(outs), aux, load
 
-    def _scanned(self, model, inputs: torch.Tensor) -> torch.Tensor:
+    def _scanned(self, model, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The iterations as one `torch.ops.higher_order.scan` whose body is the same on every
         iteration: stage 0's input where t < m (`inject`, data), the blocks, the permute. The graph
-        holds one copy of the stage, of the permute and of its backward, whatever m and p."""
+        holds one copy of the stage, of the permute and of its backward, whatever m and p. With
+        `moe` the body's outputs also hold each iteration's aux term and loads, zeroed outside the
+        live iterations after the scan (`live`)."""
         from torch._higher_order_ops.scan import scan
 
         from models.common.rope import rope_rows
@@ -208,16 +282,26 @@ class PipelinedLoss:
         embedded = self._embedded(model, inputs)
         cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
         feed = torch.cat([embedded, embedded.new_zeros(p - 1, *embedded.shape[1:])])
-        inject = (torch.arange(self.iterations, device=inputs.device) < m) & (self.stage == 0)
-        blocks, permute = model.layers, self._permute
+        steps = torch.arange(self.iterations, device=inputs.device)
+        inject = (steps < m) & (self.stage == 0)
+        blocks, permute, moe = model.layers, self._permute, self.moe
 
         def body(h, x):
             fed, injected = x
-            out = blocks(torch.where(injected, fed, h), cos, sin)
-            return permute(out), out
+            x = torch.where(injected, fed, h)
+            out, aux, load = stack_terms(blocks, x, cos, sin) if moe else (blocks(x, cos, sin), None, None)
+            if aux is None:  # (a dense model, or a rank without MoE layers)
+                return permute(out), (out,)
+            return permute(out), (out, aux, load.detach().float())
 
-        _, outs = scan(body, torch.zeros_like(embedded[0]), (feed, inject))
-        return outs[p - 1 :]
+        _, ys = scan(body, torch.zeros_like(embedded[0]), (feed, inject))
+        outs, aux, load = ys[0][p - 1 :], None, None
+        if len(ys) == 3:  # the stage's aux terms [T] and loads [T, layers, E], the bubble's zeroed
+            live = (self.stage <= steps) & (self.stage > steps - m)
+            aux = torch.where(live, ys[1], torch.zeros_like(ys[1])).sum()
+            loads = ys[2].detach()  # (a scan output: detached here, not in the body)
+            load = torch.where(live[:, None, None], loads, torch.zeros_like(loads)).sum(0)
+        return outs, aux, load
 
     def _loss(self, model, outs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of the last stage's outputs (chunks in row order), kept on the

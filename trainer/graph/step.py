@@ -69,6 +69,9 @@ class GraphStep:
         # whose gradients `loss_fn.sync_replicated_` sums over the pp axis after clipping.
         replicated = getattr(loss_fn, "replicated", None) if pp_mesh is not None else None
         self._pp_replicated = {id(p) for p in replicated(model)} if replicated is not None else set()
+        # MoE with PP: the pipeline's `terms` return each stage's aux loss and expert loads (summed
+        # over its chunks, the bubble's masked); `balance` is then the stage's (StageBalance).
+        self._pp_terms = pp_mesh is not None and getattr(loss_fn, "moe", False)
         self._current_sync = None
         self.optimizer = optimizer
         self.max_norm = float(max_norm)
@@ -190,18 +193,21 @@ class GraphStep:
         grads, lm_total, aux_total, load = None, None, None, None
         for i in range(n):
             microbatch = inputs[k * i : k * (i + 1)]
-            lm = (
-                self._loss_fn(self.model, *microbatch)
-                if self._loss_fn is not None
-                else lm_loss(self.model(microbatch[0]), microbatch[1])
-            )
+            if self._pp_terms:  # MoE through the pipeline (trainer/graph/pipeline.py `terms`)
+                lm, aux, mb_load = self._loss_fn.terms(self.model, *microbatch)
+            else:
+                lm = (
+                    self._loss_fn(self.model, *microbatch)
+                    if self._loss_fn is not None
+                    else lm_loss(self.model(microbatch[0]), microbatch[1])
+                )
+                aux = self.model.pop_aux_loss()
+                mb_load = self.balance.pop() if self.balance is not None else None
             loss = lm
-            aux = self.model.pop_aux_loss()
             if aux is not None:
                 loss = lm + self.aux_loss_coef * aux
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
-            if self.balance is not None:
-                mb_load = self.balance.pop()
+            if mb_load is not None:
                 load = mb_load if load is None else load + mb_load
             mb_grads = torch.autograd.grad(loss / n, leaves, allow_unused=True)
             grads = (

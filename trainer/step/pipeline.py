@@ -49,7 +49,9 @@ summed load-balancing loss and its layers' expert loads off the stage's block st
   copies over the pp axis it joins that reduction with zeros (`_join_balance_without_layers`), so
   every rank returns the same statistics.
 
-Graph-mode PP (trainer/graph/pipeline.py) does not run MoE models (trainer/step/pipeline_rules.py).
+Graph-mode PP (trainer/graph/pipeline.py) runs MoE models too, within its one program: the stage's
+aux terms and loads masked over the bubble iterations (`PipelinedLoss.terms`), the statistics
+through `StageBalance`, which shares this module's reduction for a rank without MoE layers.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from torch import nn
 from models.common.moe import MoE
 from models.common.ops import IGNORE_INDEX
 from parallelisms.pipeline_parallel import PipelinePlan, build_schedule, in_chunk_forward
+from trainer.optim.expert_balance import BalanceStats
 from trainer.step.eager import step_if_finite
 from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
 
@@ -296,12 +299,41 @@ class PipelineStep:
         return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_stats)
 
     def _join_balance_without_layers(self) -> dict[str, torch.Tensor | None]:
-        """On a pp rank without MoE layers: the pp-axis reduction of `ExpertBalance.finish` (sum of
-        MaxVio, layers, dropped, routed over the pp ranks' layers) with a zero contribution; -> the
+        """On a pp rank without MoE layers: `join_balance_without_layers`'s statistics as the
         StepOutput fields the ranks with layers return (`moe_outputs` of their statistics)."""
-        parts = torch.zeros(4, dtype=torch.float32, device=self.device)
-        dist.all_reduce(parts, group=self.pp_mesh.get_group())
-        vio = parts[0] / parts[1].clamp(min=1.0)
-        if not self.moe_capacity:
-            return dict(moe_max_vio=vio, moe_dropped=None, moe_dropped_pct=None)
-        return dict(moe_max_vio=vio, moe_dropped=parts[2], moe_dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))
+        return moe_outputs(join_balance_without_layers(self.pp_mesh.get_group(), self.device, self.moe_capacity))
+
+
+def join_balance_without_layers(pp_group, device: torch.device, capacity: bool) -> BalanceStats:
+    """On a pp rank without MoE layers: the pp-axis reduction of `ExpertBalance.finish` (sum of
+    MaxVio, layers, dropped, routed over the pp ranks' layers) with a zero contribution; -> the
+    statistics the ranks with layers return (`capacity`: their layers drop copies)."""
+    parts = torch.zeros(4, dtype=torch.float32, device=device)
+    dist.all_reduce(parts, group=pp_group)
+    vio = parts[0] / parts[1].clamp(min=1.0)
+    if not capacity:
+        return BalanceStats(max_vio=vio)
+    return BalanceStats(max_vio=vio, dropped=parts[2], dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))
+
+
+class StageBalance:
+    """The expert balance of a pp rank in graph mode (trainer/graph/pipeline.py; `GraphStep(balance=)`):
+    `finish(load, apply)` as `ExpertBalance.finish` with the stage's ranks summing this rank's layers'
+    loads and the statistics combined over the pp axis, as `PipelineStep` calls it; a rank without MoE
+    layers (`balance` empty) joins that reduction with zeros (`join_balance_without_layers`), so
+    every rank returns the same statistics. `pop` is never called: the pipeline's `terms` return the
+    loads."""
+
+    def __init__(self, balance, *, stage_mesh, pp_group, device: torch.device, capacity: bool):
+        from parallelisms.parallel_dims import stage_group_mesh
+
+        self.balance = balance if balance else None
+        self.pp_group = pp_group
+        self.device = device
+        self.capacity = capacity
+        self.stage_group = stage_group_mesh(stage_mesh).get_group() if self.balance is not None else None
+
+    def finish(self, load: torch.Tensor | None, apply: torch.Tensor | None = None) -> BalanceStats:
+        if self.balance is None:
+            return join_balance_without_layers(self.pp_group, self.device, self.capacity)
+        return self.balance.finish(load, apply=apply, group=self.stage_group, pp_group=self.pp_group)

@@ -10,8 +10,9 @@ checkpointing and gradient accumulation, and for an MoE flavor with expert paral
 inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached per stage, the expert
 loads per layer); in graph mode the pipeline inside the captured step (trainer/graph/pipeline.py)
 with uniform stages, one SPMD program on every pp rank, which is also the TPU path, on one slice or
-with the pp axis over several (DCN), for dense flavors only (its stages carry no aux loss or expert
-load). The rest is refused until it is wired.
+with the pp axis over several (DCN), dense or MoE (each stage's aux loss and expert loads out of the
+program, the bubble iterations masked), without expert parallelism. The rest is refused until it is
+wired.
 
 Which families that is, is computed here once (`PIPELINE_FAMILIES`, from the registry and
 `pipeline_capable`); the model rule's text and message, docs/rules.md (generated from them) and
@@ -93,9 +94,8 @@ def pipeline_capable(model_cls) -> bool:
 
 
 def pipeline_flavor(args) -> bool:
-    """A flavor the model rule below lets through in eager mode (dense or MoE): no multi-token
-    prediction, untied embeddings (`plan_job` reads the same facts; graph mode also needs no
-    experts, the rule after it)."""
+    """A flavor the model rule below lets through (dense or MoE, in every mode): no multi-token
+    prediction, untied embeddings (`plan_job` reads the same facts)."""
     return getattr(args, "mtp_depth", 0) == 0 and not getattr(args, "tie_embeddings", False)
 
 
@@ -106,8 +106,8 @@ PIPELINE_FAMILIES: tuple[str, ...] = tuple(
     and pipeline_capable(family.model_cls)
     and any(pipeline_flavor(args) for args in family.flavors.values())
 )
-"""The registered families PP cuts into stages (their untied flavors without MTP, dense or MoE in
-eager mode): the one list the model rule's text, docs/rules.md and docs/pipeline_parallel.md name."""
+"""The registered families PP cuts into stages (their untied flavors without MTP, dense or MoE):
+the one list the model rule's text, docs/rules.md and docs/pipeline_parallel.md name."""
 PIPELINE_FAMILIES_TEXT = ", ".join(PIPELINE_FAMILIES)
 
 
@@ -170,7 +170,8 @@ PIPELINE_RULES: tuple[Rule, ...] = (
             and ((r.ep_degree > 1 and r.mode == "graph") or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph"))
         ),
         "{r.pp_degree} composes with data, tensor, (eager mode) expert and context parallelism (SimpleFSDP, HSDP, "
-        "TP, EP, CP; loss parallel in graph mode only) for now; here expert_parallel_degree {r.ep_degree}, "
+        "TP, EP, CP; loss parallel in graph mode only) for now; graph mode runs MoE stages with their experts "
+        "whole on each rank; here expert_parallel_degree {r.ep_degree}, "
         "enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); "
         'allowed: 1, or ep = 1 in graph mode and enable_loss_parallel = false (or compile.mode = "graph")',
     ),
@@ -206,16 +207,6 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         f"without MTP of {PIPELINE_FAMILIES_TEXT}) into stages; "
         "this model: decoder {r.model_pipeline}, task {r.task}, mtp_depth "
         "{r.mtp_depth}, tied embeddings {r.tie_embeddings}, engine {r.caller_loss}; allowed for it: 1",
-    ),
-    # MoE with PP (trainer/step/pipeline.py): the eager step attaches each stage's aux loss and
-    # collects its expert loads; graph mode's one program per step does neither yet.
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "PP > 1 in graph mode for a model with experts",
-        lambda r: r.pp_degree > 1 and r.mode == "graph" and r.model_has_experts,
-        "{r.pp_degree} with compile.mode graph runs dense decoders only: graph mode's pipeline program carries "
-        "no MoE aux loss or expert load between stages; this model has experts; allowed: 1, or "
-        'compile.mode = "eager" (eager PP runs MoE, with expert parallelism)',
     ),
     Rule(
         "moe.routing",
