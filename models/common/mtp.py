@@ -119,7 +119,7 @@ def check_mtp_args(depth: int, weight: float, *, max_depth: int | None, example:
     """ValueError (one line, `allowed:`) for a bad `mtp_depth` (>= 0, at most `max_depth` when
     given) or `mtp_loss_weight` (finite, >= 0). `example`: the family's published values."""
     if depth < 0 or (max_depth is not None and depth > max_depth):
-        most = "a number of MTP modules >= 1" if max_depth is None else f"1 .. {max_depth} MTP module(s)"
+        most = {None: "a number of MTP modules >= 1", 1: "1 MTP module"}.get(max_depth, f"1 .. {max_depth} MTP modules")
         raise ValueError(
             f"mtp_depth: must be >= 0{'' if max_depth is None else f' and <= {max_depth}'}, got {depth}; "
             f"allowed: 0 (no multi-token prediction) or {most} ({example})"
