@@ -179,6 +179,54 @@ RUNS: dict[str, Run] = {
         ),
         source="tpu-recipes c8cfe2f training/ironwood/llama3.1-405b/8k-bf16-tpu7x-4x8x8/run_recipe.sh",
     ),
+    "llama3.1-405b-fp8_v7x-512": Run(
+        anchor="maxtext-v7x-llama3.1-405b-fp8",
+        topology="tpu7x-512",
+        target="v7x-512",
+        args=[
+            "model_name=llama3.1-405b",
+            "dtype=bfloat16",
+            "per_device_batch_size=3",
+            "use_iota_embed=True",
+            "remat_policy=custom",
+            "decoder_layer_input=offload",
+            "ici_fsdp_parallelism=-1",
+            "dataset_type=synthetic",
+            "opt_type=adamw",
+            "quantization=fp8_full",
+            "use_qwix_quantization=True",
+            "mu_dtype=bfloat16",
+            "use_tokamax_splash=True",
+            "use_max_logit_estimate=30",
+            "sa_block_kv=2048",
+            "sa_block_kv_compute=256",
+            "sa_block_q=1024",
+            "sa_block_kv_dkv=2048",
+            "sa_block_kv_dkv_compute=1024",
+            "sa_block_q_dkv=2048",
+            "sa_k_layout=SEQ_MINOR",
+            "sa_q_layout=HEAD_DIM_MINOR",
+            "sa_v_layout=SEQ_MINOR",
+            "attention=flash",
+            "sa_use_fused_bwd_kernel=True",
+            "max_target_length=8192",
+            "enable_checkpointing=False",
+        ],
+        xla_flags=(
+            "--xla_tpu_impure_enable_packed_bf16_math_ops=true --xla_tpu_enable_sparse_core_reduce_scatter_v2=true "
+            "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true "
+            "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
+            "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true "
+            "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true "
+            "--xla_tpu_enable_all_gather_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=True "
+            "--xla_sc_disable_megacore_partitioning=True --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false "
+            "--xla_enable_async_all_gather=true --xla_tpu_prefer_async_allgather_to_allreduce=true "
+            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
+            "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true --xla_tpu_scoped_vmem_limit_kib=65536"
+        ),
+        source="tpu-recipes ce8bcf6 training/ironwood/llama3.1-405b/8k-fp8-tpu7x-4x8x8/run_recipe.sh",
+        note="FP8 (qwix fp8_full: e4m3 activations and weights, e5m2 gradients); the low-precision projection's check",
+    ),
     "qwen3-235b-a22b_v7x-512": Run(
         anchor="maxtext-v7x-qwen3-235b-a22b",
         topology="tpu7x-512",

@@ -519,7 +519,7 @@ def project_run(run: Run, res: dict, *, anchors: dict) -> dict:
     from parallelisms.tpu_topology import topology_of
     from tools import xla_projection as xp
     from tools.mfu_projection import program_bound
-    from tools.xla_hlo import mxu_flops
+    from tools.xla_hlo import mxu_flops, peak_rates
     from trainer.runtime.flops import TPU_PEAK_TFLOPS
 
     target = planner.parse_target(run.target)
@@ -567,7 +567,9 @@ def project_run(run: Run, res: dict, *, anchors: dict) -> dict:
     attention_s = attention_kernel_seconds(
         res["maxtext_attention_tflops"] * 1e12, run.head_dims, peak=peak * xp.MXU_EFFICIENCY
     )
-    seconds = schedule_seconds(ops, compute, peak=peak, hbm=hbm, mxu=mxu_flops(hlo, MXU_TILE), attention_s=attention_s)
+    # a float8 dot (the FP8 runs) at the chip's float8 rate (assets/anchors.toml); the bf16 runs have none
+    mxu = mxu_flops(hlo, MXU_TILE, peak_rates(anchors, gen))
+    seconds = schedule_seconds(ops, compute, peak=peak, hbm=hbm, mxu=mxu, attention_s=attention_s)
     s = xp.scheduled(
         hlo,
         colls=xp.collectives(hlo, own.mesh),
