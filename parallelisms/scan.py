@@ -246,7 +246,8 @@ def scan_param_fn(
     from parallelisms.expert_parallel import ep_grad_scale, is_expert_parallel
     from parallelisms.simple_fsdp import is_data_parallel
 
-    template = next(iter(stack.values()))  # the first block this stack holds (a pipeline stage: not "0")
+    # the first block this stack holds (a pipeline stage: not "0"), or a hybrid stack's first period
+    template = stack.scan_template()
     specs: dict[str, tuple] = {}
     grad_scales: dict[str, float] = {}
     float8: set[str] = set()  # weights gathered in float8 (`[quantize] fsdp_float8_all_gather`)

@@ -19,6 +19,13 @@ step), so a captured graph holds one copy of the block whatever `n_layers` is. A
 term and load are per-layer outputs of the scan (stacked `[n_layers]` and `[n_layers, E]`; the
 aux terms summed after it). Outside
 compilation the plain loop runs on the same storage: eager scan is slow and gains nothing.
+
+A hybrid stack whose blocks repeat with a period p (Qwen 3.5: three Gated DeltaNet blocks, then
+one full-attention block) is scanned p blocks per step (`scan_period`): the template is the first
+p blocks run in order (`PeriodGroup`), each of their parameters `j.name` is stacked
+`[n_layers / p, *shape]` over the blocks j, j + p, j + 2p, ..., and the per-layer outputs come
+out `[n_layers / p, k]` (aux) and `[n_layers / p, k, E]` (loads, k the group's MoE blocks),
+flattened back to layer order. With p = 1 nothing changes.
 """
 
 from __future__ import annotations
@@ -95,6 +102,10 @@ class BlockStack(nn.ModuleDict):
         scan body. Parameters that are DTensors are stacked by their local shards. Call it on
         materialized parameters, after any parallelism has replaced them.
         """
+        period = self.scan_period()
+        if period > 1:
+            self._enable_periodic_scan(period, param_fn)
+            return
         blocks = list(self.values())
         template = blocks[0]
         param_names = [n for n, _ in template.named_parameters()]
@@ -142,6 +153,64 @@ class BlockStack(nn.ModuleDict):
             param_names=param_names, buffer_names=buffer_names, stacked=stacked, members=members, param_fn=param_fn
         )
 
+    def scan_period(self) -> int:
+        """The smallest p (dividing the stack's length, < the length) with which the blocks repeat:
+        block i and block i + p of the same class, parameter and buffer names, local shapes and
+        dtypes; 1 for identical blocks (and for blocks that do not repeat, whose scan
+        `enable_scan` refuses with block 1's difference)."""
+        sigs = [_signature(b) for b in self.values()]
+        n = len(sigs)
+        for p in range(1, n):
+            if n % p == 0 and all(sigs[i] == sigs[i % p] for i in range(n)):
+                return p
+        return 1
+
+    def scan_template(self) -> nn.Module:
+        """The module the scan body calls: the first block this stack holds (a pipeline stage's
+        stack may not hold "0"), or with a period p > 1 the `PeriodGroup` of its first p blocks."""
+        if self._scan is not None and self._scan.template is not None:
+            return self._scan.template
+        blocks = list(self.values())
+        period = self.scan_period()
+        return blocks[0] if period == 1 else PeriodGroup(blocks[:period])
+
+    def _enable_periodic_scan(self, period: int, param_fn) -> None:
+        """`enable_scan` for blocks that repeat with `period`: row k of `j.name` is block
+        k * period + j's `name` (`scan_period` checked the blocks match)."""
+        blocks = list(self.values())
+        groups = [blocks[k : k + period] for k in range(0, len(blocks), period)]
+        template = PeriodGroup(groups[0])
+        param_names = [n for n, _ in template.named_parameters()]
+        buffer_names = [n for n, _ in template.named_buffers()]
+        stacked: dict[str, torch.Tensor] = {}
+        members: dict[str, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for name in param_names + buffer_names:
+                is_param = name in param_names
+                j, _, inner = name.partition(".")
+                tensors = [_stored(group[int(j)], inner, is_param) for group in groups]
+                locals_ = [_local(t) for t in tensors]
+                if locals_[0].device.type == "meta" and not _ABSTRACT.get():
+                    raise ValueError(
+                        "layer scan: the block is on the meta device; allowed: enable_scan() on a "
+                        "materialized model (or under abstract_model())"
+                    )
+                stack = torch.stack([t.detach() for t in locals_])
+                for k, t in enumerate(locals_):
+                    t.data = stack[k]
+                if is_param and tensors[0].requires_grad:
+                    stack.requires_grad_(True)
+                stacked[name] = stack
+                members[name] = tensors
+        self._scan = _ScanState(
+            param_names=param_names,
+            buffer_names=buffer_names,
+            stacked=stacked,
+            members=members,
+            param_fn=param_fn,
+            template=template,
+        )
+
     def stacked_parameters(self) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
         """`{name: (stacked [n_layers, ...], [per-layer parameter of each block])}`."""
         assert self._scan is not None, "layer scan is not enabled"
@@ -163,7 +232,7 @@ class BlockStack(nn.ModuleDict):
         from torch._higher_order_ops.scan import scan
 
         state = self._scan
-        template = next(iter(self.values()))  # a pipeline stage's stack may not hold "0"
+        template = self.scan_template()  # a pipeline stage's stack may not hold "0"
 
         def body(carry: torch.Tensor, row: dict[str, torch.Tensor]):
             params = {n: row[n] for n in state.param_names}
@@ -178,8 +247,11 @@ class BlockStack(nn.ModuleDict):
 
         h, ys = scan(body, h, state.stacked)
         # ys[0] is [n_layers]: the layers' aux terms, summed here as the loop sums them; ys[1] the
-        # loads [n_layers, E].
-        return (h, ys[0].sum(), ys[1].detach()) if ys else (h, None, None)
+        # loads [n_layers, E] ([n_layers / p, k, E] with a period: flattened to layer order).
+        if not ys:
+            return h, None, None
+        loads = ys[1].flatten(0, 1) if ys[1].dim() == 3 else ys[1]
+        return h, ys[0].sum(), loads.detach()
 
 
 @dataclass
@@ -191,6 +263,39 @@ class _ScanState:
     members: dict[str, list[torch.Tensor]]
     """name -> each block's parameter/buffer object (DTensor or plain), in layer order."""
     param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None
+    template: nn.Module | None = None
+    """The `PeriodGroup` a periodic scan calls (None: the stack's first block)."""
+
+
+class PeriodGroup(nn.Module):
+    """One period of a hybrid stack's blocks, run in order as one scan step: children "0".."p-1"
+    are the stack's own first p blocks (the same modules, so the scan body's class swaps and
+    hooks act on them). Not registered in the stack: the module tree is unchanged. Returns `h`,
+    or `(h, aux [k], load [k, E])` over its k blocks that return an aux term and a load."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        super().__init__()
+        for j, block in enumerate(blocks):
+            self.add_module(str(j), block)
+
+    def forward(self, h: torch.Tensor, *args: torch.Tensor):
+        auxes, loads = [], []
+        for block in self.children():
+            out = block(h, *args)
+            if isinstance(out, tuple):
+                h, aux, load = out
+                auxes.append(aux)
+                loads.append(load)
+            else:
+                h = out
+        return (h, torch.stack(auxes), torch.stack(loads)) if auxes else h
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What two blocks must share to be rows of one stacked scan: class, and each parameter's and
+    buffer's name, local shape and dtype."""
+    tensors = [*block.named_parameters(), *block.named_buffers()]
+    return (type(block), tuple((n, tuple(_local(t).shape), _local(t).dtype) for n, t in tensors))
 
 
 def _stored(block: nn.Module, name: str, is_param: bool) -> torch.Tensor:

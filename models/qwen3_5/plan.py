@@ -2,8 +2,9 @@
 
 - The repeated block is `layers` (one `BlockStack` of Gated DeltaNet and full-attention blocks):
   SimpleFSDP shards every parameter, activation checkpointing and per-block compile act on each
-  block. Layer scan needs identical blocks, which a hybrid stack is not (refused when the scan is
-  enabled: `compile.scan_layers = false`).
+  block. Layer scan runs one period of the stack per step (three Gated DeltaNet blocks and one
+  full-attention block: models/common/stack.py `scan_period`); a stack of one period alone has
+  nothing to scan by and is refused (`compile.scan_layers = false`).
 - No tensor-parallel entries: the Gated DeltaNet's fused `in_proj_qkv` rows are [q | k | v] of all
   heads (HF layout) and its conv, gated norm and delta rule would need head-sharded counterparts;
   TP > 1 is refused by the rule on the step request's `tp_refusal` (trainer/step/plan.py), which

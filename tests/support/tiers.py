@@ -2027,6 +2027,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "the delta rule's kernels compiled deviceless for v6e and TPU7x (libtpu, a 4096-token program each): the "
         "default tier routes the op and checks its self-check cases; the scheduled interpret test runs the kernels",
     ),
+    Scheduled(
+        "tests/unit/test_hybrid_scan.py::test_hybrid_graph_step_with_scan_matches_eager*",
+        (
+            "tests/unit/test_hybrid_scan.py::test_the_period_is_the_layer_schedules",
+            "tests/unit/test_models_moe.py::test_moe_scan_forward_backward_matches_the_loop",
+        ),
+        "Qwen 3.5's hybrid stack scanned one period per step through the graph trainer (two captures of "
+        "the chunked delta rule, minutes): the default tier stacks the periods and runs the MoE scan",
+    ),
 )
 
 
