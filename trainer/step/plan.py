@@ -177,7 +177,7 @@ class StepRequest(PipelineRequest):
     """What `[quantize]` picks in the model (trainer/step/quantize.py), counted on the meta device
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
     mtp_depth: int = 0
-    """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3; 0: none or not known)."""
+    """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3 and qwen3_5; 0: none or not known)."""
     linear_conv_halo: int = 0
     """Tokens before each one that the model's linear-attention short convolution reads (Qwen 3.5:
     `linear_conv_kernel_dim - 1`), which context parallelism takes from the preceding chunk only
