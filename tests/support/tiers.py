@@ -1938,6 +1938,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "ranks, against one process on gloo",
     ),
     Scheduled(
+        "tests/xla/test_pipeline_step_xla.py::test_pipelined_moe_step_returns_each_stage_s_aux_and_loads",
+        (
+            "tests/xla/test_pipeline_permute_xla.py::test_stage_permute_lowers_to_one_collective_permute_each_way",
+            "tests/unit/test_graph_pipeline_moe.py::test_bubble_iteration_aux_and_load_count_nothing",
+            "tests/xla/test_moe_xla.py::test_qwen3_moe_lowers_to_one_program",
+        ),
+        "graph-mode PP's MoE train step lowered by torchax and run on 2 XLA:CPU devices (~25 s): the default "
+        "tier lowers the permute and the Qwen 3 MoE model on XLA:CPU and checks the bubble mask of the "
+        "stage's aux terms and loads",
+    ),
+    Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_rank_independent_permute_prints_identically_and_equals_one_process",
         (
             "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",

@@ -77,7 +77,7 @@ def test_bubble_iteration_aux_and_load_count_nothing():
 # ------------------------------------------------------------------------------ Qwen 3 MoE: graph PP == one process
 
 
-def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capacity: float):
+def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capacity: float, ep: int = 1):
     """On each rank, per mode ("graph": unrolled; "graph_scan": the iterations as one scan;
     "graph_layerscan": each stage's blocks one scan): [(loss, grad norm, aux, MaxVio, dropped)] per
     step (loss and aux averaged over the world, as the trainer logs them) and this rank's final
@@ -94,11 +94,11 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
     from trainer.step.pipeline import StageBalance
 
     if SABOTAGE == "bubble":
-        PipelinedLoss.live = lambda self, t: torch.ones((), dtype=torch.bool)
+        PipelinedLoss.live = lambda self, t: torch.ones_like(torch.as_tensor(t), dtype=torch.bool)
     out = {}
     world = dist.get_world_size()
     for mode in modes:
-        dims = ParallelDims(pp=2, dp_shard=dp, world_size=world)
+        dims = ParallelDims(pp=2, dp_shard=dp, ep=ep, world_size=world)
         mesh = build_mesh(dims, "cpu")
         request = StepRequest(
             mode="graph",
@@ -111,6 +111,7 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
             model_has_experts=True,
             n_layers=N_LAYERS,
             local_batch=BATCH // dp // accum,
+            ep_degree=ep,
             scan_layers=mode == "graph_layerscan",
             model_document_mask=True,
         )
@@ -163,7 +164,15 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
 
 
 def _graph_parity(
-    nproc: int, modes, *, family: str = "qwen3", dp: int = 1, accum: int = 1, chunks: int = 4, capacity: float = 0.0
+    nproc: int,
+    modes,
+    *,
+    family: str = "qwen3",
+    dp: int = 1,
+    accum: int = 1,
+    chunks: int = 4,
+    capacity: float = 0.0,
+    ep: int = 1,
 ):
     """`modes` on `nproc` processes == one process (the chunks as its micro-batches); -> the worst
     differences."""
@@ -171,7 +180,7 @@ def _graph_parity(
     from tests.unit.test_pipeline_moe import _reference
 
     ref_runs, ref_state = _reference(family, dp, accum, chunks, capacity)
-    out = run_processes(nproc, _graph_moe_worker, family, modes, dp, accum, chunks, capacity)
+    out = run_processes(nproc, _graph_moe_worker, family, modes, dp, accum, chunks, capacity, ep)
     worst = {}
     for mode in modes:
         w = dict(loss=0.0, norm=0.0, aux=0.0, vio=0.0, dropped=0.0, weight=0.0, bias=0.0)
@@ -191,7 +200,7 @@ def _graph_parity(
         assert covered == set(ref_state), (mode, set(ref_state) - covered)
         worst[mode] = w
         print(
-            f"graph PP MoE parity ({family}, {mode}, dp {dp}, accum {accum}, chunks {chunks}, capacity {capacity}"
+            f"graph PP MoE parity ({family}, {mode}, dp {dp}, ep {ep}, accum {accum}, chunks {chunks}, capacity {capacity}"
             f"{', sabotage ' + SABOTAGE if SABOTAGE else ''}): " + ", ".join(f"{k} {v:.2e}" for k, v in w.items())
         )
     for mode, w in worst.items():
@@ -224,16 +233,27 @@ def test_graph_pp2_moe_layer_scan_accumulation_and_dense_first_stage_equal_one_p
     _graph_parity(2, ("graph",), family="qwen3_dense_first")
 
 
-def test_graph_pp_plans_moe_and_refuses_expert_parallelism():
+def test_graph_pp_plans_moe_with_expert_parallelism():
     """The rules: graph-mode PP takes a model with experts (uniform stages, GPipe; on a TPU too, with
-    layer scan), and refuses expert parallelism with it in one rule-table line naming the key."""
+    layer scan) and expert parallelism inside its stages; context parallelism stays refused with it,
+    in one rule-table line naming the key."""
     from models.errors import ConfigError
 
     base = dict(pp_degree=2, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0, mode="graph")
-    base.update(model_has_experts=True, n_layers=6, local_batch=4)
+    base.update(model_has_experts=True, n_layers=6, local_batch=4, model_document_mask=True)
     assert plan_step(StepRequest(**base)).pipeline.uniform
     assert plan_step(StepRequest(**base, device_type="tpu", scan_layers=True)).scan
+    assert plan_step(StepRequest(**base, ep_degree=2)).pipeline.uniform
     with pytest.raises(ConfigError) as e:
-        plan_step(StepRequest(**base, ep_degree=2))
+        plan_step(StepRequest(**base, ep_degree=2, cp_degree=2))
     text = str(e.value)
-    assert text.startswith("parallelism.pipeline_parallel_degree: ") and "expert_parallel_degree 2" in text, text
+    assert text.startswith("parallelism.context_parallel_degree: ") and "graph" in text, text
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_ep2_moe_equals_one_process():
+    """Qwen 3 MoE on graph-mode PP 2 x EP 2 (4 processes: dp_shard 2 in each stage, its 8 experts split
+    over the stage's 2 ranks; the dispatch and combine all-to-alls in every pipeline iteration, the
+    bubble's too, inside the one program), 2 chunks of 2 sequences per rank == one process (scheduled
+    tier)."""
+    _graph_parity(4, ("graph",), dp=2, ep=2, chunks=2)

@@ -117,7 +117,6 @@ REFUSALS = [
     (dict(device_type="tpu", mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
     (dict(cp_degree=2, **GRAPH), "parallelism.context_parallel_degree", "eager or compile mode only"),
     (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),
-    (dict(ep_degree=2, **GRAPH), "parallelism.pipeline_parallel_degree", "expert_parallel_degree 2"),
     (
         dict(model_has_experts=True, moe_routing="random", routing_benchmark_only=True),
         "moe.routing",

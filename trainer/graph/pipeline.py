@@ -214,9 +214,10 @@ class PipelinedLoss:
         aux = aux + (both[1].to(aux.dtype) - aux.detach())
         return loss, aux, None if load is None else load.detach().reshape(-1)
 
-    def live(self, t: int) -> torch.Tensor:
+    def live(self, t: int | torch.Tensor) -> torch.Tensor:
         """Whether this rank's stage works on a chunk in pipeline iteration `t` (0 <= t - stage < m;
-        a 0-dim bool tensor, data): False in the bubble, whose aux terms and loads count nothing."""
+        a bool tensor, data; `t` an int or a tensor of iterations): False in the bubble, whose aux
+        terms and loads count nothing."""
         return (self.stage <= t) & (self.stage > t - self.m)
 
     def _mask(self, aux: torch.Tensor | None, load: torch.Tensor | None, live: torch.Tensor):
@@ -297,7 +298,7 @@ class PipelinedLoss:
         _, ys = scan(body, torch.zeros_like(embedded[0]), (feed, inject))
         outs, aux, load = ys[0][p - 1 :], None, None
         if len(ys) == 3:  # the stage's aux terms [T] and loads [T, layers, E], the bubble's zeroed
-            live = (self.stage <= steps) & (self.stage > steps - m)
+            live = self.live(steps)
             aux = torch.where(live, ys[1], torch.zeros_like(ys[1])).sum()
             loads = ys[2].detach()  # (a scan output: detached here, not in the body)
             load = torch.where(live[:, None, None], loads, torch.zeros_like(loads)).sum(0)

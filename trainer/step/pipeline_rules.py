@@ -164,16 +164,11 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "parallelism.pipeline_parallel_degree",
-        "PP > 1 with expert parallelism in graph mode, or TP's loss parallel outside graph mode",
-        lambda r: (
-            r.pp_degree > 1
-            and ((r.ep_degree > 1 and r.mode == "graph") or (r.loss_parallel and r.tp_degree > 1 and r.mode != "graph"))
-        ),
-        "{r.pp_degree} composes with data, tensor, (eager mode) expert and context parallelism (SimpleFSDP, HSDP, "
-        "TP, EP, CP; loss parallel in graph mode only) for now; graph mode runs MoE stages with their experts "
-        "whole on each rank; here expert_parallel_degree {r.ep_degree}, "
-        "enable_loss_parallel {r.loss_parallel} (compile.mode {r.mode}); "
-        'allowed: 1, or ep = 1 in graph mode and enable_loss_parallel = false (or compile.mode = "graph")',
+        "PP > 1 with TP's loss parallel outside graph mode",
+        lambda r: r.pp_degree > 1 and r.loss_parallel and r.tp_degree > 1 and r.mode != "graph",
+        "{r.pp_degree} composes with data, tensor, expert and context parallelism (SimpleFSDP, HSDP, TP, EP, CP; "
+        "TP's loss parallel in graph mode only) for now; here enable_loss_parallel {r.loss_parallel} "
+        '(compile.mode {r.mode}); allowed: 1, or enable_loss_parallel = false, or compile.mode = "graph"',
     ),
     # Context parallelism with PP (trainer/step/pipeline.py): the eager stages take the cp shards and
     # run the job's CP attention (with TP and EP too: the parity tests); graph mode's pipeline

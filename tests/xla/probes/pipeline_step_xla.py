@@ -10,6 +10,12 @@ fed rank r's inputs: one program, the stage index the only difference the code s
 gradient norm are compared with one process's eager step on the same batch (the whole model, the
 same seed).
 
+With the argument `moe`: Qwen 3 MoE's debug flavor instead (4 layers, 8 experts top-2, seq 32,
+aux_loss_coef 0.1): `PipelinedLoss(moe=True)`, so the program also returns each stage's aux loss
+(its value summed over pp) and its layers' expert loads summed over the chunks, compared with one
+process's eager step whose micro-batches are the chunks (graph-mode PP's chunk semantics): "aux",
+"ref_aux", "loads" (device 0's layers then device 1's) and "ref_loads".
+
 Prints one JSON line: {"collective_permute": n, "all_to_all": n, "loss": [per device],
 "grad_norm": [per device], "ref_loss": x, "ref_grad_norm": x, "stage_inputs": [0, 1],
 "shared_tensors": n, "shared_diff_between_devices": x, "shared_min_change": x, "lower_s", "compile_s",
@@ -31,11 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 
 N_LAYERS, PP, CHUNKS, BATCH, SEQ, SEED, LR = 4, 2, 2, 4, 64, 0, 1e-3
+MOE = "moe" in sys.argv[1:]
+AUX_COEF = 0.1 if MOE else 0.0
+if MOE:
+    SEQ = 32
 
 
 def _args():
     import dataclasses
 
+    if MOE:
+        from models.qwen3 import FLAVORS
+
+        return dataclasses.replace(FLAVORS["debugmodel_moe"], n_layers=N_LAYERS, max_seq_len=SEQ)
     from models.llama3 import FLAVORS
 
     return dataclasses.replace(FLAVORS["debugmodel"], n_layers=N_LAYERS, max_seq_len=SEQ)
@@ -50,7 +64,7 @@ def _batch(vocab: int):
 def _family():
     from models import FAMILIES
 
-    return FAMILIES["llama3"]
+    return FAMILIES["qwen3" if MOE else "llama3"]
 
 
 def capture(rank: int) -> dict:
@@ -84,9 +98,10 @@ def capture(rank: int) -> dict:
             pp_microbatches=CHUNKS,
             pp_first_less=0,
             pp_last_less=0,
-            model_has_experts=False,
+            model_has_experts=MOE,
             n_layers=N_LAYERS,
             local_batch=BATCH,
+            model_document_mask=MOE,
         )
         plan = plan_step(request)
         torch.manual_seed(SEED)
@@ -109,9 +124,16 @@ def capture(rank: int) -> dict:
             microbatches=CHUNKS,
             dim=args.dim,
             dtype=torch.float32,
+            moe=MOE,
         )
         step = build_graph_step(
-            model=model, optimizer=opt, max_norm=1.0, backend="aot_eager", loss_fn=loss_fn, pp_mesh=pp
+            model=model,
+            optimizer=opt,
+            max_norm=1.0,
+            backend="aot_eager",
+            loss_fn=loss_fn,
+            pp_mesh=pp,
+            aux_loss_coef=AUX_COEF,
         )
         with sdpa_kernel([SDPBackend.MATH]):
             try:
@@ -135,8 +157,10 @@ def capture(rank: int) -> dict:
     return rec
 
 
-def reference() -> tuple[float, float]:
-    """One process, the whole model, eager: the loss and the gradient norm of the same batch."""
+def reference() -> tuple[float, float, float | None, list[float] | None]:
+    """One process, the whole model, eager: the loss and the gradient norm of the same batch; with
+    `MOE` its chunks as the micro-batches (`(lm + coef x aux) / chunks` each), and the mean aux loss
+    and the expert loads summed over them (layer-major), else None."""
     from parallelisms import ParallelDims
     from trainer.job import build_model
     from trainer.step import StepRequest, plan_step
@@ -154,10 +178,23 @@ def reference() -> tuple[float, float]:
         reduce_dtype=torch.float32,
     )
     inputs, labels = _batch(_args().vocab_size)
-    loss = lm_loss(model(inputs), labels)
-    loss.backward()
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
-    return float(loss.detach()), float(norm)
+    if not MOE:
+        loss = lm_loss(model(inputs), labels)
+        loss.backward()
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+        return float(loss.detach()), float(norm), None, None
+    rows = BATCH // CHUNKS
+    lms, auxes, loads = [], [], []
+    for c in range(CHUNKS):
+        lm = lm_loss(model(inputs[c * rows : (c + 1) * rows]), labels[c * rows : (c + 1) * rows])
+        aux = model.pop_aux_loss()
+        loads.append(model.layers.pop_expert_load().detach())
+        ((lm + AUX_COEF * aux) / CHUNKS).backward()
+        lms.append(float(lm.detach()))
+        auxes.append(float(aux.detach()))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return sum(lms) / CHUNKS, float(norm), sum(auxes) / CHUNKS, torch.stack(loads).sum(0).reshape(-1).tolist()
 
 
 def main() -> None:
@@ -165,7 +202,7 @@ def main() -> None:
 
     recs = [capture(0), capture(1)]
     with sdpa_kernel([SDPBackend.MATH]):
-        ref_loss, ref_norm = reference()
+        ref_loss, ref_norm, ref_aux, ref_loads = reference()
 
     from tools.xla_lowering import add_lowerings, as_jax_function, load_torchax
 
@@ -214,6 +251,14 @@ def main() -> None:
     jax.block_until_ready(outs)
     run_s = time.perf_counter() - t
     loss, norm = (np.asarray(outs[k]).reshape(PP).tolist() for k in (0, 1))
+    moe = {}
+    if MOE:  # the program's aux (per device) and loads (each device its stage's layers)
+        moe = dict(
+            aux=np.asarray(outs[2]).reshape(PP).tolist(),
+            ref_aux=ref_aux,
+            loads=np.asarray(outs[3]).reshape(-1).tolist(),
+            ref_loads=ref_loads,
+        )
     after = [np.asarray(o) for o in outs[-len(shared) :]]
     before = [stacked[k] for k in shared]
     print(
@@ -238,6 +283,7 @@ def main() -> None:
                 lower_s=lower_s,
                 compile_s=compile_s,
                 run_s=run_s,
+                **moe,
             )
         )
     )
