@@ -157,3 +157,44 @@ def test_a_masked_group_convolution_is_charged_for_the_iterations_it_runs(groups
     assert op.flops == pytest.approx(taps * share, rel=1e-12)
     assert mxu_flops(hlo, 256, peak_rates(load_anchors(), "v7x"))["f"] == pytest.approx(taps * share / 2, rel=1e-12)
     assert dot_flops_by_type(hlo) == {"f8e4m3fn x f8e4m3fn": pytest.approx(taps * share, rel=1e-12)}
+
+
+NESTED_RAGGED = (
+    "HloModule m, is_scheduled=true\n\n"
+    "%conv (k: f8e4m3fn[8,1536,4096], a: f8e4m3fn[8,81920,4096]) -> bf16[8,81920,1536] {\n"
+    "  %k = f8e4m3fn[8,1536,4096]{2,1,0} parameter(0)\n"
+    "  %a = f8e4m3fn[8,81920,4096]{2,1,0} parameter(1)\n"
+    "  ROOT %c = bf16[8,81920,1536]{2,1,0} convolution(%a, %k), window={size=8 stride=7 lhs_dilate=8}, "
+    "dim_labels=0bf_0oi->0bf\n"
+    "}\n\n"
+    "%outer (k: f8e4m3fn[8,1536,4096], a: f8e4m3fn[8,81920,4096]) -> bf16[8,81920,1536] {\n"
+    "  %k = f8e4m3fn[8,1536,4096]{2,1,0} parameter(0)\n"
+    "  %a = f8e4m3fn[8,81920,4096]{2,1,0} parameter(1)\n"
+    "  ROOT %inner = bf16[8,81920,1536]{2,1,0} fusion(%k, %a), kind=kOutput, calls=%conv, "
+    'backend_config={"convolution_algorithm_config":{"is_ragged_dot":true,"num_groups_in_ragged_dot":"8"},'
+    '"mask_aggregator_config":{"iteration_skipper_mode":"ITERATION_SKIPPER_MODE_GROUP_STARTS",'
+    '"mask_dim_to_iteration_index":["1","2"]},"window_config":{"iteration_bounds":[]}}\n'
+    "}\n\n"
+    "ENTRY %main (k: f8e4m3fn[8,1536,4096], a: f8e4m3fn[8,81920,4096]) -> bf16[8,81920,1536] {\n"
+    "  %k = f8e4m3fn[8,1536,4096]{2,1,0} parameter(0)\n"
+    "  %a = f8e4m3fn[8,81920,4096]{2,1,0} parameter(1)\n"
+    "  ROOT %f = bf16[8,81920,1536]{2,1,0} fusion(%k, %a), kind=kCustom, calls=%outer\n"
+    "}\n"
+)
+
+
+def test_a_nested_ragged_dot_without_iteration_bounds_is_charged_its_rows_once():
+    """The MoE pod programs' ragged dots (the experts' float8 forward, 81,920 rows per device over 8
+    local experts): the scheduled fusion (kCustom) calls one (kOutput) whose config says
+    `is_ragged_dot` with 8 groups and the group-starts skipper but leaves the iteration bounds to the
+    emitter; its convolution's taps are the 8 groups' copies of every row. Charged: each row in its
+    own group, 2 x 81920 x 1536 x 4096 (was 8x that: the Qwen3-235B FP8 program's dot ops at 26.5 s
+    instead of 4.5 s), at float8's rate in the MXU FLOPs."""
+    from tools.xla_hlo import dot_flops_by_type
+
+    hlo = parse_hlo(NESTED_RAGGED)
+    rows = 2.0 * 81920 * 1536 * 4096
+    (op,) = [o for o in compute_ops(hlo) if o.name == "f"]
+    assert op.flops == pytest.approx(rows, rel=1e-12)
+    assert mxu_flops(hlo, 256, peak_rates(load_anchors(), "v7x"))["f"] == pytest.approx(rows / 2, rel=1e-12)
+    assert dot_flops_by_type(hlo) == {"f8e4m3fn x f8e4m3fn": pytest.approx(rows, rel=1e-12)}
