@@ -292,6 +292,41 @@ DEFAULT_CACHE = ROOT / "outputs" / "low_precision_projection"
 PARENT_CACHE = ROOT / "outputs" / "maxtext_side_by_side"
 
 
+MAXTEXT_RUNS = {"llama3_405b_v7x_fp8": ("llama3.1-405b_v7x-512", "llama3.1-405b-fp8_v7x-512")}
+"""MaxText's bf16 and FP8 runs of the same model whose programs the calibration table projects
+(scripts/bench/maxtext_compile.py): the projector's error on the FP8 / bf16 ratio."""
+
+
+def maxtext_csv() -> Path | None:
+    """The newest calibration table (docs/results/maxtext_calibration_*.csv) that has an FP8 run."""
+    for path in sorted((ROOT / "docs" / "results").glob("maxtext_calibration_*.csv"), reverse=True):
+        if any("fp8" in r["run"] for r in csv.DictReader(path.open())):
+            return path
+    return None
+
+
+def calibrate(row: dict, mt: dict[str, dict]) -> None:
+    """The FP8 columns calibrated on MaxText's own programs (`MAXTEXT_RUNS`), added to `row`: MaxText's
+    predicted FP8 / bf16 ratio (per token, its two programs through the same projector), the
+    calibrated speed-up = ours x MaxText's published / predicted ratio, the per-token ratio of our
+    FP8 program to MaxText's (> 1: ours faster) and the calibrated tokens/s/chip = MaxText's
+    published FP8 rate x that ratio."""
+    runs = MAXTEXT_RUNS.get(row["recipe"])
+    if not runs or "speedup" not in row or not all(r in mt and mt[r].get("step_s") for r in runs):
+        return
+    bf, fp = (mt[r] for r in runs)
+    per_token = {k: float(v["step_s"]) / float(v["tokens_per_device"]) for k, v in (("bf16", bf), ("fp8", fp))}
+    row["maxtext_predicted_ratio"] = per_token["bf16"] / per_token["fp8"]
+    row["maxtext_fp8_error_pct"] = float(fp["error_pct"])
+    row["maxtext_bf16_error_pct"] = float(bf["error_pct"])
+    if "maxtext_ratio" in row:
+        row["calibrated_speedup"] = row["speedup"] * row["maxtext_ratio"] / row["maxtext_predicted_ratio"]
+    ours = row["step_s_lp"] / row["tokens_per_device"]
+    row["ratio_to_maxtext_fp8"] = per_token["fp8"] / ours
+    if "maxtext_fp8" in row:
+        row["calibrated_tokens_per_chip_lp"] = row["maxtext_fp8"] * row["ratio_to_maxtext_fp8"]
+
+
 def routing(variant: str) -> tuple[tuple[str, str], ...]:
     """The overrides both programs of `variant` are compiled with: random routing for the MoE ones."""
     return RANDOM if variant.startswith(("qwen3_235b", "deepseek_v3")) else ()
@@ -416,6 +451,7 @@ def program_row_of(variant: str, parent: str, csv_path: Path | None, maxtext, *,
     if maxtext:
         row["maxtext_bf16"], row["maxtext_fp8"] = maxtext
         row["maxtext_ratio"] = maxtext[1] / maxtext[0]
+    calibrate(row, ns.maxtext)
     if csv_path is not None:  # the fallback: the analytic split of the parent's old bounds
         old = project(variant, parent, csv_path, maxtext)
         for k in ("speedup_exposed", "speedup_overlapped"):
@@ -436,6 +472,12 @@ COLUMNS = [
     "maxtext_bf16",
     "maxtext_fp8",
     "maxtext_ratio",
+    "maxtext_predicted_ratio",
+    "calibrated_speedup",
+    "ratio_to_maxtext_fp8",
+    "calibrated_tokens_per_chip_lp",
+    "maxtext_bf16_error_pct",
+    "maxtext_fp8_error_pct",
     "analytic_speedup_exposed",
     "analytic_speedup_overlapped",
     "tokens_per_chip_bf16",
@@ -473,6 +515,16 @@ def _f(v, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
 
+def calibrated(r: dict) -> str:
+    """The speed-up calibrated on MaxText's FP8 / bf16 programs, where they are projected."""
+    if "calibrated_speedup" not in r:
+        return ""
+    return (
+        f"; calibrated **{r['calibrated_speedup']:.2f}x** (MaxText's two programs predicted "
+        f"{r['maxtext_predicted_ratio']:.2f}x)"
+    )
+
+
 def split(r: dict, tag: str) -> str:
     """Dot ops / other XLA ops / the rest of the scheduled compute (the kernels) of one program."""
     rest = r[f"compute_s_{tag}"] - r[f"dot_ops_s_{tag}"] - r[f"other_xla_s_{tag}"]
@@ -504,7 +556,7 @@ def markdown(rows: list[dict], header: list[str]) -> str:
         )
         out.append(
             f"| {r['recipe']} ({r['target']}, {r['quantize']}{', ' + r['overrides'] if r['overrides'] else ''}) "
-            f"| {r['step_s_bf16']:.2f} | {r['step_s_lp']:.2f} | **{r['speedup']:.2f}x** | {mt} | {old} "
+            f"| {r['step_s_bf16']:.2f} | {r['step_s_lp']:.2f} | **{r['speedup']:.2f}x**{calibrated(r)} | {mt} | {old} "
             f"| {r['mfu_causal_bf16']:.1f} -> {r['mfu_causal_lp']:.1f} "
             f"| {r['tokens_per_chip_bf16']:,.0f} -> {r['tokens_per_chip_lp']:,.0f} "
             f"| {r['low_precision_dot_share_lp']:.0%} "
@@ -531,7 +583,19 @@ def parse(argv: list[str] | None):
     )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per compile")
     p.add_argument("--table-only", action="store_true", help="read the kept compiles; compile nothing")
+    p.add_argument(
+        "--maxtext-csv",
+        type=Path,
+        default=None,
+        help="MaxText's calibration table with its FP8 run (default: the newest docs/results/maxtext_calibration_*.csv "
+        "that has one)",
+    )
     ns = p.parse_args(argv)
+    path = ns.maxtext_csv or maxtext_csv()
+    if ns.maxtext_csv is not None and not ns.maxtext_csv.is_file():
+        p.error(f"--maxtext-csv: no file {ns.maxtext_csv}; allowed: a maxtext_calibration_*.csv of docs/results/")
+    ns.maxtext = {r["run"]: r for r in csv.DictReader(path.open())} if path else {}
+    ns.maxtext_path = path
     ns.recipes = [r for r in ns.recipes.split(",") if r]
     bad = [r for r in ns.recipes if r not in names]
     if bad:
@@ -565,7 +629,9 @@ def main(argv: list[str] | None = None) -> int:
             "bf16 peak; speed-up = parent step / low-precision step (the same tokens per device). MaxText's FP8 "
             "ratios: tpu-recipes training/ironwood/README.md (../shared/reference/published_anchors.md). Old "
             "analytic split (`project`: the parents' old exposed / overlapped bounds, the quantized matmuls halved; "
-            "docs/results/low_precision_projection_2026-12-05_932a036.csv): a fallback, not the headline.",
+            "docs/results/low_precision_projection_2026-12-05_932a036.csv): a fallback, not the headline. "
+            "Calibrated (where MaxText's FP8 and bf16 programs of the model are projected, "
+            f"{ns.maxtext_path.name if ns.maxtext_path else 'none'}): ours x MaxText's published / predicted ratio.",
         ]
 
     out = Path(ns.out) if ns.out else None

@@ -110,13 +110,27 @@ def test_the_row_sets_both_programs_side_by_side(monkeypatch):
 
     monkeypatch.setattr(lpp, "program_side", side)
     monkeypatch.setattr(lpp, "project", lambda *a: {"speedup_exposed": 1.54, "speedup_overlapped": 1.56})
-    ns = SimpleNamespace(cache=None, parent_cache=None)
+    # MaxText's two 405B programs as the calibration table has them: 105.72 and 60.10 s at 24,576 tokens
+    mt = {
+        "llama3.1-405b_v7x-512": {"step_s": "105.7178", "tokens_per_device": "24576.0", "error_pct": "-7.0"},
+        "llama3.1-405b-fp8_v7x-512": {"step_s": "60.1017", "tokens_per_device": "24576.0", "error_pct": "7.1"},
+    }
+    ns = SimpleNamespace(cache=None, parent_cache=None, maxtext=mt)
     row = lpp.program_row_of("llama3_405b_v7x_fp8", "llama3_405b_v7x", None, (499.8, 763.5), anchors={}, ns=ns)
     assert seen == [("llama3_405b_v7x_fp8", ()), ("llama3_405b_v7x", ())]
     assert row["speedup"] == 36.0 / 20.0
     assert row["tokens_per_chip_lp"] == 8192 * 2 / 20.0 and row["tokens_per_chip_bf16"] == 8192 * 2 / 36.0
     assert abs(row["maxtext_ratio"] - 763.5 / 499.8) < 1e-12 and "analytic_speedup_exposed" not in row
+    # calibrated: ours x MaxText's published ratio / its predicted one (105.7178 / 60.1017 = 1.759)
+    assert abs(row["maxtext_predicted_ratio"] - 105.7178 / 60.1017) < 1e-12
+    assert abs(row["calibrated_speedup"] - 1.8 * (763.5 / 499.8) / (105.7178 / 60.1017)) < 1e-12
+    # per token against MaxText's FP8 program: 60.1017 / 24576 over 20 / 8192 (ours slower: < 1)
+    assert abs(row["ratio_to_maxtext_fp8"] - (60.1017 / 24576) / (20.0 / 8192)) < 1e-12
+    assert abs(row["calibrated_tokens_per_chip_lp"] - 763.5 * row["ratio_to_maxtext_fp8"]) < 1e-9
     assert lpp.routing("qwen3_235b_a22b_v7x_fp8") == lpp.RANDOM == lpp.routing("deepseek_v3_671b_v7x_fp8")
     assert lpp.routing("llama3_70b_v6e_int8") == ()
     line = lpp.markdown([row], ["h"]).splitlines()[-1]
-    assert "| 36.00 | 20.00 | **1.80x** | 1.53x |" in line and "| 31.00 / 2.00 / 2.50 -> 15.00 / 2.00 / 2.50 |" in line
+    assert (
+        "| 36.00 | 20.00 | **1.80x**; calibrated **1.56x** (MaxText's two programs predicted 1.76x) | 1.53x |" in line
+        and "| 31.00 / 2.00 / 2.50 -> 15.00 / 2.00 / 2.50 |" in line
+    )
