@@ -386,7 +386,8 @@ def program_side(name: str, overrides, *, anchors: dict, ns, caches: list[Path])
 
     cache = next((c for c in caches if program_kept(c, name, overrides)), None)
     if cache is None and ns.table_only:
-        return {"error": "not compiled (no kept compile under " + " or ".join(str(c) for c in caches) + ")"}
+        where = " or ".join(c.relative_to(ROOT).as_posix() if c.is_relative_to(ROOT) else str(c) for c in caches)
+        return {"error": f"not compiled (no kept compile under {where})"}
     cache = cache or caches[-1]
     row = program_row(name, list(overrides), anchors=anchors, timeout=ns.timeout, cache=cache)
     if row.get("error"):

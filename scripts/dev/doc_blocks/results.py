@@ -258,31 +258,45 @@ def render_estimate_xla() -> str:
 
 def render_low_precision_projection() -> str:
     """docs/results/low_precision_projection_*.csv (scripts/bench/low_precision_projection.py): each
-    low-precision recipe's projected step against its bf16 parent's program."""
+    low-precision recipe's own program and its bf16 parent's, both through the scheduled projector."""
     import csv
 
     (path,) = sorted((ROOT / "docs" / "results").glob("low_precision_projection_*.csv"))[-1:]
     out = [
-        "| recipe (target) | quantized share of bf16 compute | compute s bf16 -> low precision | collectives s "
-        "| tokens/s/chip bf16 -> low precision, exposed / overlapped | speed-up exposed / overlapped "
-        "| the same with the passes free (a bound) | MaxText tokens/s/chip bf16 -> FP8 (ratio) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| recipe (target, `[quantize]`) | parent predicted step s | low-precision predicted step s | **speed-up** "
+        "| MaxText published FP8 / bf16 | old analytic split, exposed / overlapped | predicted MFU % parent -> "
+        "low precision (bf16 peak, causal) | tokens/s/chip parent -> low precision | low-precision share of the "
+        "dot FLOPs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    text = {"recipe", "parent", "target", "quantize", "overrides"}
     for r in csv.DictReader(path.read_text().splitlines()):
-        f = {k: float(v) for k, v in r.items() if v and k not in ("recipe", "parent", "target", "quantize", "program")}
-        comm = f"{f['comm_s']:.2f}" + (f" -> {f['comm_s_lp']:.2f}" if abs(f["comm_s"] - f["comm_s_lp"]) > 1e-9 else "")
-        maxtext = (
-            f"{f['maxtext_bf16']:,.0f} -> {f['maxtext_fp8']:,.0f} ({f['maxtext_ratio']:.2f}x)"
-            if "maxtext_ratio" in f
+        f = {
+            k: float(v)
+            for k, v in r.items()
+            if v and k not in text and not k.startswith(("error", "cache", "dot_flops_by"))
+        }
+        label = f"{r['recipe']} ({r['target']}, {r['quantize']}{', random routing' if r['overrides'] else ''})"
+        if r.get("error_lp") or r.get("error_bf16"):
+            out.append(f"| {label} | {r.get('error_bf16') or '-'} | {r.get('error_lp') or '-'} |" + " - |" * 6)
+            continue
+        mt = f"{f['maxtext_ratio']:.2f}x" if "maxtext_ratio" in f else "- (none published)"
+        cal = (
+            f"; calibrated **{f['calibrated_speedup']:.2f}x** (MaxText's FP8 and bf16 programs predicted "
+            f"{f['maxtext_predicted_ratio']:.2f}x)"
+            if "calibrated_speedup" in f
+            else ""
+        )
+        old = (
+            f"{f['analytic_speedup_exposed']:.2f}x / {f['analytic_speedup_overlapped']:.2f}x"
+            if "analytic_speedup_exposed" in f
             else "-"
         )
         out.append(
-            f"| {r['recipe']} ({r['target']}, {r['quantize']}) | {f['quantized_share_of_compute'] * 100:.0f} % "
-            f"| {f['compute_s_bf16']:.2f} -> {f['compute_s_lp']:.2f} | {comm} "
-            f"| {f['tokens_per_chip_exposed_bf16']:,.0f} -> {f['tokens_per_chip_exposed_lp']:,.0f} / "
-            f"{f['tokens_per_chip_overlapped_bf16']:,.0f} -> {f['tokens_per_chip_overlapped_lp']:,.0f} "
-            f"| {f['speedup_exposed']:.2f}x / {f['speedup_overlapped']:.2f}x "
-            f"| {f['speedup_exposed_fused']:.2f}x / {f['speedup_overlapped_fused']:.2f}x | {maxtext} |"
+            f"| {label} | {f['step_s_bf16']:.2f} | {f['step_s_lp']:.2f} | **{f['speedup']:.2f}x**{cal} | {mt} | {old} "
+            f"| {f['mfu_causal_bf16']:.1f} -> {f['mfu_causal_lp']:.1f} "
+            f"| {f['tokens_per_chip_bf16']:,.0f} -> {f['tokens_per_chip_lp']:,.0f} "
+            f"| {f['low_precision_dot_share_lp'] * 100:.0f} % |"
         )
     return "\n".join(out) + f"\n\n(CSV: docs/results/{path.name}.)"
 
