@@ -16,10 +16,12 @@ planner"):
   graph mode's uniform stages `T = m + p - 1`: its SPMD program runs every iteration on every
   rank, the idle ones too, and keeps their block inputs),
   the loss and the head's transients only where it holds the last stage;
-- **MoE** (eager PP with EP inside the stage): a rank holds the experts of its own blocks only
-  (`num_experts / ep` per device, as the stage mesh's plan shards them), a stage of dense blocks
+- **MoE** (eager or graph-mode PP, EP inside the stage): a rank holds the experts of its own blocks
+  only (`num_experts / ep` per device, as the stage mesh's plan shards them), a stage of dense blocks
   (DeepSeek-V3's first, `ShardStats.stacks`) none; the dispatch buffers and capacity rows are one
-  micro-batch's, the kept rows times the rank's MoE blocks and micro-batches in flight;
+  micro-batch's, the kept rows times the rank's MoE blocks and micro-batches in flight (graph mode:
+  all `T` iterations', whose dispatch runs in the bubble too, on the stage's idle input; its time is
+  the bubble's, `1 / (1 - bubble)`);
 - **CP** (eager PP): a micro-batch at `seq / cp` per device, with CP's gathered k/v;
 - the heaviest rank is the plan's memory (`Estimate.pipeline.rank` says which);
 - **time**: the compute of the heaviest rank's share (`imbalance`: its blocks, each by its own

@@ -10,9 +10,9 @@ each stage's load-balancing loss and expert loads out of the one captured progra
   micro-batches are the pipeline's chunks (the global-batch load-balancing loss counts one chunk's
   tokens, as eager PP's: test_pipeline_moe.py's `_reference`): losses, gradient norms, aux losses,
   MaxVio, the final weights and expert biases; unrolled with 4 chunks (5 iterations, 1 bubble
-  iteration per rank), with the iterations as one scan, with layer scan, with 2 accumulation
-  micro-batches, and with the first 3 blocks dense (`DenseFirstQwen3`: pp rank 0 holds no MoE
-  layer and joins the statistics with zeros).
+  iteration per rank), with the iterations as one scan, with the capacity dispatch, with layer
+  scan, with 2 accumulation micro-batches, with the first 3 blocks dense (`DenseFirstQwen3`: pp
+  rank 0 holds no MoE layer and joins the statistics with zeros), and on PP 2 x EP 2.
 
 Tolerance: test_pipeline_moe.py's (fp32 sums in another order): losses and aux losses 2e-6
 relative, gradient norms 1e-5, MaxVio 1e-5 absolute (integer loads), biases 1e-6 (multiples of
@@ -211,14 +211,17 @@ def _graph_parity(
         assert w["weight"] < 0.05 * LR * STEPS, (mode, w)
     biases = [v for k, v in ref_state.items() if k.endswith("expert_bias")]
     assert not FLAVORS[family][1] or any(v.abs().max() > 0 for v in biases)  # the biases moved
+    assert capacity == 0 or min(r[4] for r in ref_runs) > 0, ref_runs  # the capacity run drops copies
     return worst
 
 
 @pytest.mark.multiprocess
 def test_graph_pp2_moe_equals_one_process():
     """Qwen 3 MoE on graph-mode PP 2, 4 chunks (5 iterations: each rank idle in one), unrolled and with
-    the iterations as one scan == one process (scheduled tier)."""
+    the iterations as one scan == one process; and unrolled with the capacity dispatch at factor 1
+    (copies dropped: each stage's layers' dropped counts summed over the pp axis) (scheduled tier)."""
     _graph_parity(2, ("graph", "graph_scan"))
+    _graph_parity(2, ("graph",), capacity=1.0)
 
 
 @pytest.mark.multiprocess
