@@ -44,6 +44,13 @@ class ActivationBytes:
     their reduce-scatter (planner/memory.py, the block transient); None: the decoder model's, the
     gathered k/v's (`cp_gathered_kv_bytes`). A hybrid stack's (`DeltaRuleShape`): the larger of a
     full-attention block's and a Gated DeltaNet block's (`cp_delta_rule_bytes`)."""
+    period: int = 1
+    """A hybrid stack's period (Qwen 3.5: three Gated DeltaNet blocks, then one full-attention
+    block: 4), with which layer scan runs it, one period per step (models/common/stack.py
+    `scan_period`); 1: identical blocks."""
+    period_none: int = 0
+    """What one period's blocks keep without AC: under full AC a periodic scan's backward
+    recomputes the whole period at once (0 when `period` is 1)."""
 
     @property
     def total(self) -> int:
@@ -377,8 +384,13 @@ def _hybrid(
     d = shape.dim
     mtp_block = full.per_block_none  # a full-attention block without AC, zero-centred norms included
     mtp_outside = mtp_depth * (mtp_block + (3 * (8 * d + 4) + 4 * d + 2 * d + 8) * t)
+    # layer scan runs the stack one period per step: with the full-attention blocks evenly spaced
+    # (`full_attention_interval`), the period is n_layers / n_full
+    period = shape.n_layers // n_full if n_full and shape.n_layers % n_full == 0 else 1
     return dataclasses.replace(
         full,
+        period=period,
+        period_none=(period - 1) * linear_none + full.per_block_none if period > 1 else 0,
         outside=full.outside + mtp_outside,
         loss=full.loss * (1 + mtp_depth),
         per_block=max(full.per_block, linear_block) if n_full else linear_block,

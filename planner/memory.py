@@ -397,6 +397,13 @@ def _memory_terms(
         moe_capacity_factor=moe_capacity_factor,
         moe_layers=moe_layers,
     )
+    period = acts.period if stacked else 1
+    if period > 1 and ac_mode in ("full", "full_save_attention"):
+        # a hybrid stack scanned one period per step (models/common/stack.py `scan_period`): the scan
+        # saves each period's input, and its backward recomputes the period's blocks at once
+        acts = dataclasses.replace(
+            acts, blocks=shape.n_layers // period * acts.per_block, per_block_none=acts.period_none
+        )
     local = stats.param_numel
     muon, moments, muon_update = _optimizer_bytes(stats, optimizer=optimizer, stacked=stacked)
     block = _block_transient(
@@ -410,6 +417,7 @@ def _memory_terms(
         tokens=tokens,
         moe_capacity_factor=moe_capacity_factor,
         quantize=quantize,
+        period=period,
     )
     memory = dict(
         params=4 * local,
@@ -590,6 +598,7 @@ def _block_transient(
     tokens: int,
     moe_capacity_factor: float,
     quantize: QuantizePlan | None,
+    period: int = 1,
 ) -> BlockTransient:
     """One block backward's transient peak. Under AC the recompute re-gathers the whole block's
     bf16 weights and re-creates its activations; in every mode one weight gradient at a time
@@ -604,7 +613,9 @@ def _block_transient(
         "full_save_attention": acts.per_block_none,  # an upper bound: the attention output is not re-created
         "selective": max(0, acts.per_block_none - acts.per_block),
     }[ac_mode]
-    regather = 2 * stats.block_gathered_numel if ac_mode != "none" else 0
+    # a periodic scan's backward recomputes, so re-gathers, one period's blocks at once
+    gathered = stats.blocks_gathered_numel * period // stats.n_layers if period > 1 else stats.block_gathered_numel
+    regather = 2 * gathered if ac_mode != "none" else 0
     t_proj = tokens
     # CP: the attention backward produces the gradients of the gathered k/v (bf16, the whole
     # sequence) before their reduce-scatter; the gathered k/v themselves are in `recompute` (AC)
