@@ -2047,6 +2047,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "Qwen 3.5's hybrid stack scanned one period per step through the graph trainer (two captures of "
         "the chunked delta rule, minutes): the default tier stacks the periods and runs the MoE scan",
     ),
+    Scheduled(
+        "tests/e2e/test_devices.py::test_cpu_pipeline_meets_the_cuda_bound_under_another_summation_order",
+        (
+            "tests/e2e/test_train_e2e.py::test_fp32_and_grad_accumulation",
+            "tests/e2e/test_train_e2e.py::test_resume_reproduces_uninterrupted_run",
+        ),
+        "the device tests' CPU pipeline (a trained fp32 reference, then an accumulated step-1 loss within the "
+        "CUDA bound): fp32 accumulation equal to one micro-batch and resuming from weights run by default",
+    ),
 )
 
 
