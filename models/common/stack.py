@@ -62,9 +62,19 @@ class BlockStack(nn.ModuleDict):
         self._expert_load: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        h, self._aux_loss, self._expert_load = self.terms(h, *args)
+        return h
+
+    def terms(
+        self, h: torch.Tensor, *args: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`forward` without keeping anything on the stack: (h, the aux terms' sum, the loads
+        `[n_layers, E]`; None, None without MoE blocks), for callers that run the stack several
+        times in one captured program (graph-mode PP's iterations, trainer/graph/pipeline.py),
+        where a forward-then-pop per run would not trace as separate values. The scan when
+        compiled with layer scan, else the loop."""
         if self._scan is not None and torch.compiler.is_compiling():
-            h, self._aux_loss, self._expert_load = self._scan_forward(h, args)
-            return h
+            return self._scan_forward(h, args)
         aux_total, loads = None, []
         for block in self.values():
             out = block(h, *args)
@@ -74,9 +84,7 @@ class BlockStack(nn.ModuleDict):
                 loads.append(load)
             else:
                 h = out
-        self._aux_loss = aux_total
-        self._expert_load = torch.stack(loads) if loads else None
-        return h
+        return h, aux_total, torch.stack(loads) if loads else None
 
     def pop_aux_loss(self) -> torch.Tensor | None:
         """Sum over layers of the blocks' aux terms of the last forward (None if no block returns
