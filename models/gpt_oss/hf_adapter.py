@@ -6,8 +6,10 @@ with gate and up columns interleaved, `gate_up_proj_bias`, `down_proj` [E, hidde
 `attention.sinks.weight` [H, 1] (the sinks are a linear's weight, models/gpt_oss/model.py), one box
 per head. `hf_layout` says so from names and shapes, so HF weights load per rank reading only each
 rank's slices, and `scripts/convert.py from-hf` converts one tensor at a time.
-The published checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): refused by name;
-load them with transformers (which dequantizes) or use a BF16 copy.
+The published checkpoints store the experts in MXFP4 (`*_blocks` / `*_scales`): the checkpoint
+reader dequantizes them (trainer/checkpoint/hf_mxfp4.py) before this layout sees them, so the
+loader and `convert.py from-hf` read the hub folders; an in-memory state dict that still holds
+them is refused by name.
 """
 
 from typing import Any
@@ -45,8 +47,8 @@ def _layer_extra(key: str, shape: tuple[int, ...], rest: str) -> tuple[str, HFEn
     """The sinks [H] -> [H, 1] (head h is our box (h, 0) of shape (1, 1)); MXFP4 experts refused."""
     if rest.endswith(("_blocks", "_scales")):
         raise ValueError(
-            f"{key}: MXFP4-quantized experts; allowed: dequantized tensors (load the checkpoint with "
-            "transformers, which dequantizes on the CPU, or use a BF16 copy)"
+            f"{key}: MXFP4-quantized experts; allowed: dequantized tensors (load the folder with "
+            "checkpoint.initial_load_path or scripts/convert.py from-hf, which dequantize, or with transformers)"
         )
     if rest != _SINKS:
         return None

@@ -56,7 +56,8 @@ HF_FORMATS = ("default", "fp8_blockwise")
 
 _ALLOWED = (
     'allowed: "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", '
-    '"activation_scheme": "dynamic", "weight_block_size": [128, 128]} (DeepSeek-V3 / Kimi K2 FP8 checkpoints)'
+    '"activation_scheme": "dynamic", "weight_block_size": [128, 128]} (DeepSeek-V3 / Kimi K2 FP8 checkpoints), '
+    'or {"quant_method": "mxfp4"} (gpt-oss)'
 )
 
 
@@ -70,6 +71,8 @@ def quantization_of(config: Mapping[str, Any], *, where: str | Path) -> tuple[in
     if not isinstance(q, Mapping):
         raise ConfigError(f"{where}: quantization_config is {type(q).__name__}, not an object; {_ALLOWED}")
     method = q.get("quant_method")
+    if method == "mxfp4":  # gpt-oss's MXFP4 experts: hf_mxfp4.py, paired by tensor name
+        return None
     if method != QUANT_METHOD:
         raise ConfigError(f"{where}: quantization_config.quant_method {method!r} unsupported; {_ALLOWED}")
     if q.get("fmt", FMT) != FMT:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from models.errors import ConfigError
 from trainer.checkpoint.hf_fp8 import FP8Blocks, dequantize_hf_state_dict, quantization_of
+from trainer.checkpoint.hf_mxfp4 import MXFP4Experts
 from trainer.checkpoint.manager import _shape, _stored_shapes, check_entries
 from trainer.checkpoint.manifest import CorruptCheckpointError, verify_checkpoint
 from trainer.checkpoint.state import _DCP_ERRORS, _dist_on, _fmt, _rank, _say, logger, short_error
@@ -88,6 +89,8 @@ class SafetensorsSlices:
     (ConfigError naming the file and tensor if one is missing or misshapen); `shapes()` then
     lists the weights without their scales, `dtype()` says float32 for them, and `read` returns
     a box of such a weight dequantized from its fp8 box and the scales of the blocks it touches.
+    MXFP4 experts (gpt-oss on the hub; hf_mxfp4.py): each `X_blocks` / `X_scales` pair is listed
+    as the dequantized `X` [..., in, out] (bfloat16, exact), read box by box likewise.
     """
 
     def __init__(self, files: list[Path], *, fp8_block: tuple[int, int] | None = None, config: Path | None = None):
@@ -99,17 +102,21 @@ class SafetensorsSlices:
                 self.tensors[name] = (file, shape, dtype)
         where = config or (files[0].parent / "config.json" if files else "config.json")
         self.fp8 = FP8Blocks.pair(self.tensors, fp8_block, config=where)
+        self.mxfp4 = MXFP4Experts.pair(self.tensors, config=where)
         self.bytes_read = 0
         self.files_read: set[Path] = set()
         self._open: dict[Path, Any] = {}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        hidden = self.fp8.scale_names if self.fp8 else set()
-        return {name: shape for name, (_, shape, _) in self.tensors.items() if name not in hidden}
+        hidden = (self.fp8.scale_names if self.fp8 else set()) | (self.mxfp4.stored_names if self.mxfp4 else set())
+        shapes = {name: shape for name, (_, shape, _) in self.tensors.items() if name not in hidden}
+        return {**shapes, **(self.mxfp4.shapes if self.mxfp4 else {})}
 
     def dtype(self, name: str) -> torch.dtype:
         if self.fp8 and name in self.fp8.scale_of:
             return torch.float32  # dequantized
+        if self.mxfp4 and name in self.mxfp4.packed:
+            return torch.bfloat16  # dequantized (exact)
         return self.tensors[name][2]
 
     def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
@@ -117,6 +124,8 @@ class SafetensorsSlices:
         a float8 weight's box dequantized to float32 (see the class docstring)."""
         if self.fp8 and name in self.fp8.scale_of:
             return self.fp8.read(name, slices, self.tensors[name][1], self._read)
+        if self.mxfp4 and name in self.mxfp4.packed:
+            return self.mxfp4.read(name, slices, self._read)
         return self._read(name, slices)
 
     def _read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
