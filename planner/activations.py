@@ -44,6 +44,9 @@ class ActivationBytes:
     their reduce-scatter (planner/memory.py, the block transient); None: the decoder model's, the
     gathered k/v's (`cp_gathered_kv_bytes`). A hybrid stack's (`DeltaRuleShape`): the larger of a
     full-attention block's and a Gated DeltaNet block's (`cp_delta_rule_bytes`)."""
+    loss_passes: int = 1
+    """The loss's passes over the head: 1 + the multi-token-prediction depth (the fused loss keeps
+    one fp32 log-sum-exp per token and pass)."""
     period: int = 1
     """A hybrid stack's period (Qwen 3.5: three Gated DeltaNet blocks, then one full-attention
     block: 4), with which layer scan runs it, one period per step (models/common/stack.py
@@ -389,6 +392,7 @@ def _hybrid(
     period = shape.n_layers // n_full if n_full and shape.n_layers % n_full == 0 else 1
     return dataclasses.replace(
         full,
+        loss_passes=1 + mtp_depth,
         period=period,
         period_none=(period - 1) * linear_none + full.per_block_none if period > 1 else 0,
         outside=full.outside + mtp_outside,

@@ -136,6 +136,7 @@ def mla_activation_bytes(
         blocks=n_dense * dense + n_moe * moe,
         outside=outside,
         loss=4 * tokens * args.vocab_size * (1 + mtp),
+        loss_passes=1 + mtp,
         per_block_none=max(none_dense, none_moe),
         logits_transient=8 * tokens * args.vocab_size,
     )

@@ -518,8 +518,9 @@ def _saved_activations(
         )
     if fused_loss:
         # ops.linear_cross_entropy keeps one fp32 log-sum-exp per token instead of [tokens, vocab]
-        # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM).
-        acts = dataclasses.replace(acts, loss=4 * tokens, logits_transient=0)
+        # log-probs, and never forms the whole logits (tiles of them in the kernel's VMEM); one per
+        # pass over the head (multi-token prediction: 1 + its depth)
+        acts = dataclasses.replace(acts, loss=4 * tokens * acts.loss_passes, logits_transient=0)
     return acts
 
 

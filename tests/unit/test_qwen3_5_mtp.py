@@ -296,3 +296,34 @@ def test_planner_counts_the_mtp_module_as_eager_keeps_it():
     measured, plan = kept[1] - kept[0], planned[1] - planned[0]
     assert measured - 2400 * b * s <= plan < measured, (plan / (b * s), measured / (b * s))
     assert plan == 39748 * b * s
+
+
+def test_the_fused_loss_keeps_one_log_sum_exp_per_pass_over_the_head():
+    """With `[training] fused_loss` the loss keeps one fp32 log-sum-exp per token and pass over the
+    head: with MTP depth 1 two passes (the main head and the module's), not one as the planner
+    counted (planner/memory.py `_saved_activations`, `ActivationBytes.loss_passes`)."""
+    from types import SimpleNamespace
+
+    from models import FAMILIES
+    from planner.memory import _saved_activations
+    from planner.search import PlanInputs
+
+    b, s = 2, 128
+    loss = {}
+    for depth in (0, 1):
+        args = dataclasses.replace(FLAVORS["debugmodel"], mtp_depth=depth)
+        inputs = PlanInputs(family=FAMILIES["qwen3_5"], args=args, model_name="qwen3_5", seq_len=s, local_batch_size=b)
+        acts = _saved_activations(
+            inputs.activations(local_batch_size=b, tp=1, ac_mode="full"),
+            args.shape(),
+            parallel_dims=SimpleNamespace(tp=1, cp=1, ep=1),
+            local_batch_size=b,
+            seq_len=s,
+            ac_mode="full",
+            loss_parallel=False,
+            fused_loss=True,
+            moe_capacity_factor=0.0,
+            moe_layers=None,
+        )
+        loss[depth] = acts.loss
+    assert loss == {0: 4 * b * s, 1: 2 * 4 * b * s}
