@@ -104,27 +104,6 @@ def stage_permute(x: torch.Tensor, group: tuple[str, int, int], stage: torch.Ten
     return StagePermute.apply(x, group, stage)
 
 
-def stack_terms(stack, h: torch.Tensor, *args: torch.Tensor):
-    """`BlockStack.forward` without its side effect: (h, the aux terms' sum, the loads [layers, E])
-    of `stack` on `h` (None, None without MoE blocks). A scan body may not set attributes; and with
-    layer scan, the stack's forward-then-pop once per pipeline iteration captured wrong aux terms
-    and loads (aux about 1/4 of the one process's, MaxVio off, the losses equal: measured
-    2026-12-07), where this function's returned values are right. A layer-scanned stack runs its
-    own scan (`_scan_forward`)."""
-    if stack._scan is not None and torch.compiler.is_compiling():
-        return stack._scan_forward(h, args)
-    aux_total, loads = None, []
-    for block in stack.values():
-        out = block(h, *args)
-        if isinstance(out, tuple):
-            h, aux, load = out
-            aux_total = aux if aux_total is None else aux_total + aux
-            loads.append(load)
-        else:
-            h = out
-    return h, aux_total, torch.stack(loads) if loads else None
-
-
 REPLICATED_MODULES = ("tok_embeddings", "norm", "output")
 """The top-level modules every pp rank holds with uniform stages, used by one stage each."""
 
@@ -221,9 +200,11 @@ class PipelinedLoss:
         return (self.stage <= t) & (self.stage > t - self.m)
 
     def _mask(self, aux: torch.Tensor | None, load: torch.Tensor | None, live: torch.Tensor):
-        """An iteration's aux term and expert loads of the stage (`stack_terms`), zero where the stage is
-        idle (`live` False: a `where`, so a bubble's values never leak, and its aux term gets an exact
-        zero gradient); (None, None) without `moe` or MoE layers."""
+        """An iteration's aux term and expert loads of the stage (`BlockStack.terms`: returned, not
+        kept on the stack, which a forward-then-pop per iteration would not trace as separate values;
+        with layer scan it captured aux terms about 1/4 of the one process's, measured 2026-12-07),
+        zero where the stage is idle (`live` False: a `where`, so a bubble's values never leak, and
+        its aux term gets an exact zero gradient); (None, None) without `moe` or MoE layers."""
         if not self.moe:
             return None, None
         if aux is not None:
@@ -243,7 +224,7 @@ class PipelinedLoss:
     def _unrolled(self, model, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The iterations as a Python loop (one copy of the stage per iteration in the graph); the
         outputs of iterations p - 1 .. T - 1 stacked [m, chunk, seq, dim], and with `moe` the
-        stage's aux terms and loads summed over its live iterations (`stack_terms`, `_mask`; else None)."""
+        stage's aux terms and loads summed over its live iterations (`BlockStack.terms`, `_mask`; else None)."""
         from models.common.rope import rope_rows
 
         p, m = self.pp, self.m
@@ -255,7 +236,7 @@ class PipelinedLoss:
         for t in range(self.iterations):
             x = torch.where(first, embedded[t], h) if t < m else h
             if self.moe:
-                out, a, ld = stack_terms(model.layers, x, cos, sin)
+                out, a, ld = model.layers.terms(x, cos, sin)
                 a, ld = self._mask(a, ld, self.live(t))
             else:
                 out, a, ld = model.layers(x, cos, sin), None, None
@@ -290,7 +271,7 @@ class PipelinedLoss:
         def body(h, x):
             fed, injected = x
             x = torch.where(injected, fed, h)
-            out, aux, load = stack_terms(blocks, x, cos, sin) if moe else (blocks(x, cos, sin), None, None)
+            out, aux, load = blocks.terms(x, cos, sin) if moe else (blocks(x, cos, sin), None, None)
             if aux is None:  # (a dense model, or a rank without MoE layers)
                 return permute(out), (out,)
             return permute(out), (out, aux, load.detach().float())
