@@ -158,7 +158,12 @@ class BlockStack(nn.ModuleDict):
                 stacked[name] = stack
                 members[name] = tensors
         self._scan = _ScanState(
-            param_names=param_names, buffer_names=buffer_names, stacked=stacked, members=members, param_fn=param_fn
+            param_names=param_names,
+            buffer_names=buffer_names,
+            stacked=stacked,
+            members=members,
+            param_fn=param_fn,
+            template=template,
         )
 
     def scan_period(self) -> int:
@@ -176,7 +181,7 @@ class BlockStack(nn.ModuleDict):
     def scan_template(self) -> nn.Module:
         """The module the scan body calls: the first block this stack holds (a pipeline stage's
         stack may not hold "0"), or with a period p > 1 the `PeriodGroup` of its first p blocks."""
-        if self._scan is not None and self._scan.template is not None:
+        if self._scan is not None:  # fixed by enable_scan: never re-derived while a step is traced
             return self._scan.template
         blocks = list(self.values())
         period = self.scan_period()
@@ -240,7 +245,7 @@ class BlockStack(nn.ModuleDict):
         from torch._higher_order_ops.scan import scan
 
         state = self._scan
-        template = self.scan_template()  # a pipeline stage's stack may not hold "0"
+        template = state.template  # a pipeline stage's stack may not hold "0"
 
         def body(carry: torch.Tensor, row: dict[str, torch.Tensor]):
             params = {n: row[n] for n in state.param_names}
@@ -271,8 +276,8 @@ class _ScanState:
     members: dict[str, list[torch.Tensor]]
     """name -> each block's parameter/buffer object (DTensor or plain), in layer order."""
     param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None
-    template: nn.Module | None = None
-    """The `PeriodGroup` a periodic scan calls (None: the stack's first block)."""
+    template: nn.Module
+    """What the body calls: the stack's first block, or a periodic scan's `PeriodGroup`."""
 
 
 class PeriodGroup(nn.Module):

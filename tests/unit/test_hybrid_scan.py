@@ -133,3 +133,19 @@ def test_hybrid_graph_step_with_scan_matches_eager(moe):
     got = torch.compile(loads, fullgraph=True, backend="aot_eager")(models[1])
     assert got.shape == want.shape == (8, 8) and torch.equal(got, want), (got, want)
     assert not torch.equal(want[0], want[1])
+
+
+def test_the_template_is_fixed_when_the_scan_is_enabled(monkeypatch):
+    """The scanned step never re-derives the period: reading the blocks' parameters while a step is
+    traced failed the capture of expert-parallel stacks (their DTensor shards; test_expert_parallel's
+    layer-scan test at fsdp2-ep2). enable_scan fixes the template, uniform or periodic."""
+    for n_layers, kind in ((8, PeriodGroup), (4, None)):
+        model = _model(n_layers, moe=False)
+        stack = model.layers
+        if kind is None:  # a uniform stack: only the Gated DeltaNet blocks of one period
+            stack = BlockStack([model.layers[str(i)] for i in range(3)])
+        stack.enable_scan()
+        monkeypatch.setattr(BlockStack, "scan_period", lambda self: pytest.fail("scan_period after enable_scan"))
+        template = stack.scan_template()
+        assert isinstance(template, kind) if kind else template is stack["0"]
+        monkeypatch.undo()
