@@ -294,7 +294,9 @@ PARENT_CACHE = ROOT / "outputs" / "maxtext_side_by_side"
 
 MAXTEXT_RUNS = {"llama3_405b_v7x_fp8": ("llama3.1-405b_v7x-512", "llama3.1-405b-fp8_v7x-512")}
 """MaxText's bf16 and FP8 runs of the same model whose programs the calibration table projects
-(scripts/bench/maxtext_compile.py): the projector's error on the FP8 / bf16 ratio."""
+(scripts/bench/maxtext_compile.py): the projector's error on the FP8 / bf16 ratio. Not Qwen3-235B:
+MaxText's FP8 experts are tokamax gmm kernels priced by their own cost estimate (its error there is
+that estimate's), ours XLA ragged dots (docs/maxtext_calibration.md, "FP8")."""
 
 
 def maxtext_csv() -> Path | None:
