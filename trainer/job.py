@@ -322,7 +322,7 @@ class Job:
 
             moe = self.plan.args.shape().num_experts > 0
             if moe:  # this rank's layers' balance; a rank without MoE layers joins with zeros
-                from trainer.step.pipeline import StageBalance
+                from trainer.optim.expert_balance import StageBalance
 
                 balance = StageBalance(
                     ExpertBalance(self.model, rate=t.expert_bias_rate),

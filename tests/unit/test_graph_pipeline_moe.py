@@ -90,8 +90,7 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
     from tests.unit.test_pipeline_moe import _batches, _family, _model, _stats
     from trainer.graph import build_graph_step
     from trainer.graph.pipeline import PipelinedLoss
-    from trainer.optim.expert_balance import ExpertBalance
-    from trainer.step.pipeline import StageBalance
+    from trainer.optim.expert_balance import ExpertBalance, StageBalance
 
     if SABOTAGE == "bubble":
         PipelinedLoss.live = lambda self, t: torch.ones_like(torch.as_tensor(t), dtype=torch.bool)

@@ -114,9 +114,7 @@ class ExpertBalance:
         mean = per_layer.mean(dim=1)
         vios = (per_layer.amax(dim=1) - mean) / mean.clamp(min=1.0)
         routed = per_layer.sum()
-        if pp_group is None:
-            vio = vios.mean()
-        else:  # (sum of MaxVio, layers, dropped, routed) over the pp ranks' layers
+        if pp_group is not None:  # (sum of MaxVio, layers, dropped, routed) over the pp ranks' layers
             parts = torch.stack(
                 [
                     vios.sum(),
@@ -125,9 +123,48 @@ class ExpertBalance:
                     routed,
                 ]
             )
-            dist.all_reduce(parts, group=pp_group)
-            vio, routed = parts[0] / parts[1], parts[3]
-            dropped = None if dropped is None else parts[2]
+            return _over_pp(parts, pp_group, capacity=dropped is not None)
+        vio = vios.mean()
         if dropped is None:
             return BalanceStats(max_vio=vio)
         return BalanceStats(max_vio=vio, dropped=dropped, dropped_pct=100 * dropped / routed.clamp(min=1.0))
+
+    @torch.no_grad()
+    def join_without_layers(self, pp_group, device: torch.device, capacity: bool) -> BalanceStats:
+        """On a pp rank without MoE layers (this balance empty): `finish`'s pp-axis reduction with
+        a zero contribution, -> the statistics the ranks with layers return (`capacity`: their
+        layers drop copies)."""
+        return _over_pp(torch.zeros(4, dtype=torch.float32, device=device), pp_group, capacity=capacity)
+
+
+def _over_pp(parts: torch.Tensor, pp_group, *, capacity: bool) -> BalanceStats:
+    """A pp rank's (sum of MaxVio, layers, dropped, routed) summed over the pp ranks -> the step's
+    statistics: MaxVio's mean over every layer, the dropped copies' sum."""
+    dist.all_reduce(parts, group=pp_group)
+    vio = parts[0] / parts[1].clamp(min=1.0)
+    if not capacity:
+        return BalanceStats(max_vio=vio)
+    return BalanceStats(max_vio=vio, dropped=parts[2], dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))
+
+
+class StageBalance:
+    """The expert balance of a pp rank in graph mode (trainer/graph/pipeline.py; `GraphStep(balance=)`):
+    `finish(load, apply)` as `ExpertBalance.finish` with the stage's ranks summing this rank's layers'
+    loads and the statistics combined over the pp axis, as eager PP (trainer/step/pipeline.py) calls
+    it; a rank without MoE layers (`balance` empty) joins that reduction with zeros
+    (`ExpertBalance.join_without_layers`), so every rank returns the same statistics. `pop` is never
+    called: the pipeline's `terms` return the loads."""
+
+    def __init__(self, balance: ExpertBalance, *, stage_mesh, pp_group, device: torch.device, capacity: bool):
+        from parallelisms.parallel_dims import stage_group_mesh
+
+        self.balance = balance
+        self.pp_group = pp_group
+        self.device = device
+        self.capacity = capacity
+        self.stage_group = stage_group_mesh(stage_mesh).get_group() if balance else None
+
+    def finish(self, load: torch.Tensor | None, apply: torch.Tensor | None = None) -> BalanceStats:
+        if not self.balance:
+            return self.balance.join_without_layers(self.pp_group, self.device, self.capacity)
+        return self.balance.finish(load, apply=apply, group=self.stage_group, pp_group=self.pp_group)

@@ -64,7 +64,6 @@ from torch import nn
 from models.common.moe import MoE
 from models.common.ops import IGNORE_INDEX
 from parallelisms.pipeline_parallel import PipelinePlan, build_schedule, in_chunk_forward
-from trainer.optim.expert_balance import BalanceStats
 from trainer.step.eager import step_if_finite
 from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
 
@@ -151,8 +150,9 @@ class PipelineStep:
         self.block = block
         self._moe_keys = moe_block_keys(getattr(model, block)) if moe else []
         # A rank without MoE layers (module docstring): `balance` is then its empty ExpertBalance
-        # (falsy) or None, and `moe_capacity` says whether the other ranks' layers drop copies.
-        self._stats_without_layers = moe and not self._moe_keys and (balance is not None or moe_capacity)
+        # (falsy), which joins the other ranks' statistics with zeros; `moe_capacity` says whether
+        # their layers drop copies.
+        self._empty_balance = balance if moe and not self._moe_keys and balance is not None else None
         self.moe_capacity = moe_capacity
         if balance is not None and not balance:
             balance = None
@@ -293,47 +293,13 @@ class PipelineStep:
                 load, apply=~nonfinite, group=self._stage_group, pp_group=self.pp_mesh.get_group()
             )
             moe_stats = moe_outputs(stats)
-        elif self._stats_without_layers:
+        elif self._empty_balance is not None:
             moe_stats = self._join_balance_without_layers()
         self._aux_parts, self._loads = [], {}
         return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_stats)
 
     def _join_balance_without_layers(self) -> dict[str, torch.Tensor | None]:
-        """On a pp rank without MoE layers: `join_balance_without_layers`'s statistics as the
+        """On a pp rank without MoE layers: `ExpertBalance.join_without_layers`'s statistics as the
         StepOutput fields the ranks with layers return (`moe_outputs` of their statistics)."""
-        return moe_outputs(join_balance_without_layers(self.pp_mesh.get_group(), self.device, self.moe_capacity))
-
-
-def join_balance_without_layers(pp_group, device: torch.device, capacity: bool) -> BalanceStats:
-    """On a pp rank without MoE layers: the pp-axis reduction of `ExpertBalance.finish` (sum of
-    MaxVio, layers, dropped, routed over the pp ranks' layers) with a zero contribution; -> the
-    statistics the ranks with layers return (`capacity`: their layers drop copies)."""
-    parts = torch.zeros(4, dtype=torch.float32, device=device)
-    dist.all_reduce(parts, group=pp_group)
-    vio = parts[0] / parts[1].clamp(min=1.0)
-    if not capacity:
-        return BalanceStats(max_vio=vio)
-    return BalanceStats(max_vio=vio, dropped=parts[2], dropped_pct=100 * parts[2] / parts[3].clamp(min=1.0))
-
-
-class StageBalance:
-    """The expert balance of a pp rank in graph mode (trainer/graph/pipeline.py; `GraphStep(balance=)`):
-    `finish(load, apply)` as `ExpertBalance.finish` with the stage's ranks summing this rank's layers'
-    loads and the statistics combined over the pp axis, as `PipelineStep` calls it; a rank without MoE
-    layers (`balance` empty) joins that reduction with zeros (`join_balance_without_layers`), so
-    every rank returns the same statistics. `pop` is never called: the pipeline's `terms` return the
-    loads."""
-
-    def __init__(self, balance, *, stage_mesh, pp_group, device: torch.device, capacity: bool):
-        from parallelisms.parallel_dims import stage_group_mesh
-
-        self.balance = balance if balance else None
-        self.pp_group = pp_group
-        self.device = device
-        self.capacity = capacity
-        self.stage_group = stage_group_mesh(stage_mesh).get_group() if self.balance is not None else None
-
-    def finish(self, load: torch.Tensor | None, apply: torch.Tensor | None = None) -> BalanceStats:
-        if self.balance is None:
-            return join_balance_without_layers(self.pp_group, self.device, self.capacity)
-        return self.balance.finish(load, apply=apply, group=self.stage_group, pp_group=self.pp_group)
+        stats = self._empty_balance.join_without_layers(self.pp_mesh.get_group(), self.device, self.moe_capacity)
+        return moe_outputs(stats)
