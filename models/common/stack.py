@@ -130,41 +130,7 @@ class BlockStack(nn.ModuleDict):
                     f"layer scan: block {i} has different parameters/buffers than block 0; "
                     "allowed: compile.scan_layers = false"
                 )
-        stacked: dict[str, torch.Tensor] = {}
-        members: dict[str, list[torch.Tensor]] = {}
-        with torch.no_grad():
-            for name in param_names + buffer_names:
-                is_param = name in param_names
-                tensors = [_stored(b, name, is_param) for b in blocks]
-                locals_ = [_local(t) for t in tensors]
-                ref = locals_[0]
-                for i, t in enumerate(locals_):
-                    if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
-                        raise ValueError(
-                            f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
-                            f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}; "
-                            "allowed: compile.scan_layers = false"
-                        )
-                    if t.device.type == "meta" and not _ABSTRACT.get():
-                        raise ValueError(
-                            "layer scan: the block is on the meta device; allowed: enable_scan() on a "
-                            "materialized model (or under abstract_model())"
-                        )
-                stack = torch.stack([t.detach() for t in locals_])
-                for i, t in enumerate(locals_):
-                    t.data = stack[i]  # the per-layer tensor becomes a view of row i
-                if is_param and tensors[0].requires_grad:
-                    stack.requires_grad_(True)
-                stacked[name] = stack
-                members[name] = tensors
-        self._scan = _ScanState(
-            param_names=param_names,
-            buffer_names=buffer_names,
-            stacked=stacked,
-            members=members,
-            param_fn=param_fn,
-            template=template,
-        )
+        self._stack(template, lambda name, is_param: [_stored(b, name, is_param) for b in blocks], param_fn)
 
     def scan_period(self) -> int:
         """The smallest p (dividing the stack's length, < the length) with which the blocks repeat:
@@ -193,6 +159,17 @@ class BlockStack(nn.ModuleDict):
         blocks = list(self.values())
         groups = [blocks[k : k + period] for k in range(0, len(blocks), period)]
         template = PeriodGroup(groups[0])
+
+        def tensors_of(name: str, is_param: bool) -> list[torch.Tensor]:
+            j, _, inner = name.partition(".")
+            return [_stored(group[int(j)], inner, is_param) for group in groups]
+
+        self._stack(template, tensors_of, param_fn)
+
+    def _stack(self, template: nn.Module, tensors_of: Callable, param_fn) -> None:
+        """For every parameter and buffer `name` of `template`, stack `tensors_of(name, is_param)`
+        (one tensor per scan step, the local shard of a DTensor) into one tensor whose rows they
+        then view; the scan state."""
         param_names = [n for n, _ in template.named_parameters()]
         buffer_names = [n for n, _ in template.named_buffers()]
         stacked: dict[str, torch.Tensor] = {}
@@ -200,17 +177,24 @@ class BlockStack(nn.ModuleDict):
         with torch.no_grad():
             for name in param_names + buffer_names:
                 is_param = name in param_names
-                j, _, inner = name.partition(".")
-                tensors = [_stored(group[int(j)], inner, is_param) for group in groups]
+                tensors = tensors_of(name, is_param)
                 locals_ = [_local(t) for t in tensors]
-                if locals_[0].device.type == "meta" and not _ABSTRACT.get():
-                    raise ValueError(
-                        "layer scan: the block is on the meta device; allowed: enable_scan() on a "
-                        "materialized model (or under abstract_model())"
-                    )
+                ref = locals_[0]
+                for i, t in enumerate(locals_):
+                    if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                        raise ValueError(
+                            f"layer scan: {name} of block {i} is {tuple(t.shape)} {t.dtype} "
+                            f"on {t.device}, block 0 has {tuple(ref.shape)} {ref.dtype}; "
+                            "allowed: compile.scan_layers = false"
+                        )
+                    if t.device.type == "meta" and not _ABSTRACT.get():
+                        raise ValueError(
+                            "layer scan: the block is on the meta device; allowed: enable_scan() on a "
+                            "materialized model (or under abstract_model())"
+                        )
                 stack = torch.stack([t.detach() for t in locals_])
-                for k, t in enumerate(locals_):
-                    t.data = stack[k]
+                for i, t in enumerate(locals_):
+                    t.data = stack[i]  # the per-layer tensor becomes a view of row i
                 if is_param and tensors[0].requires_grad:
                     stack.requires_grad_(True)
                 stacked[name] = stack
