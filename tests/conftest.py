@@ -191,6 +191,7 @@ def pytest_runtest_logreport(report):
         _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
 
 
+@pytest.hookimpl(trylast=True)  # after --durations' table: the machine's line is the log's last but one
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     # also under -q, which hides the header: the orders a failure happened in can be redrawn
     seed = os.environ["TITAN_TEST_ORDER_SEED"]
