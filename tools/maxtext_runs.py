@@ -110,6 +110,50 @@ class Run:
     qk_nope 128 + qk_rope 64, v 128)."""
 
 
+# Qwen3-235B-A22B on v7x-512: what the bf16 and FP8 tpu-recipes share (the FP8 run adds its qwix
+# quantization and GMM tiles), in the recipes' order.
+_QWEN3_235B_V7X_ARGS = [
+    "model_name=qwen3-235b-a22b",
+    "per_device_batch_size=16.0",
+    "max_target_length=4096",
+    "dtype=bfloat16",
+    "weight_dtype=float32",
+    "opt_type=adamw",
+    "enable_checkpointing=False",
+    "remat_policy=custom",
+    "decoder_layer_input=offload",
+    "use_custom_sort_vjp=True",
+    "use_random_routing=False",  # MOE_DEVIATION
+    "shard_exp_on_fsdp=False",
+    "megablox=False",
+    "sparse_matmul=True",
+    "use_tokamax_gmm=True",
+    "use_tokamax_splash=True",
+    "sa_use_fused_bwd_kernel=True",
+    "attention=flash",
+    "sa_block_q=1024",
+    "sa_block_kv=1024",
+    "sa_block_kv_compute=512",
+    "sa_block_q_dkv=2048",
+    "sa_block_kv_dkv=2048",
+    "sa_block_kv_dkv_compute=1024",
+    "sa_block_q_dq=1024",
+    "sa_block_kv_dq=1024",
+    "sa_q_layout=HEAD_DIM_MINOR",
+    "sa_k_layout=SEQ_MINOR",
+    "sa_v_layout=HEAD_DIM_MINOR",
+    "dcn_pipeline_parallelism=1",
+    "dcn_data_parallelism=-1",
+    "ici_pipeline_parallelism=1",
+    "ici_fsdp_transpose_parallelism=1",
+    "ici_fsdp_parallelism=-1",
+]
+_QWEN3_235B_V7X_FLAGS = (
+    "--xla_tpu_scoped_vmem_limit_kib=61440 --xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
+    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
+    "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true " + HOST_OFFLOAD_FLAGS
+)
+
 RUNS: dict[str, Run] = {
     "llama3.1-8b_v6e-256": Run(
         anchor="maxtext-v6e-llama3.1-8b",
@@ -232,47 +276,10 @@ RUNS: dict[str, Run] = {
         topology="tpu7x-512",
         target="v7x-512",
         args=[
-            "model_name=qwen3-235b-a22b",
-            "per_device_batch_size=16.0",
-            "max_target_length=4096",
-            "dtype=bfloat16",
-            "weight_dtype=float32",
-            "opt_type=adamw",
-            "enable_checkpointing=False",
-            "remat_policy=custom",
-            "decoder_layer_input=offload",
-            "use_custom_sort_vjp=True",
-            "use_random_routing=False",  # MOE_DEVIATION
-            "shard_exp_on_fsdp=False",
-            "megablox=False",
-            "sparse_matmul=True",
-            "use_tokamax_gmm=True",
-            "use_tokamax_splash=True",
-            "sa_use_fused_bwd_kernel=True",
-            "attention=flash",
-            "sa_block_q=1024",
-            "sa_block_kv=1024",
-            "sa_block_kv_compute=512",
-            "sa_block_q_dkv=2048",
-            "sa_block_kv_dkv=2048",
-            "sa_block_kv_dkv_compute=1024",
-            "sa_block_q_dq=1024",
-            "sa_block_kv_dq=1024",
-            "sa_q_layout=HEAD_DIM_MINOR",
-            "sa_k_layout=SEQ_MINOR",
-            "sa_v_layout=HEAD_DIM_MINOR",
-            "dcn_pipeline_parallelism=1",
-            "dcn_data_parallelism=-1",
-            "ici_pipeline_parallelism=1",
-            "ici_fsdp_transpose_parallelism=1",
-            "ici_fsdp_parallelism=-1",
+            *_QWEN3_235B_V7X_ARGS,
             "dataset_type=synthetic",
         ],
-        xla_flags=(
-            "--xla_tpu_scoped_vmem_limit_kib=61440 --xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-            "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true " + HOST_OFFLOAD_FLAGS
-        ),
+        xla_flags=_QWEN3_235B_V7X_FLAGS,
         source="tpu-recipes c8cfe2f training/ironwood/qwen3-235b-a22b/4k-bf16-tpu7x-4x8x8/xpk/run_recipe.sh",
         note="published with random routing (use_random_routing=True)",
         deviation=MOE_DEVIATION,
@@ -282,40 +289,7 @@ RUNS: dict[str, Run] = {
         topology="tpu7x-512",
         target="v7x-512",
         args=[
-            "model_name=qwen3-235b-a22b",
-            "per_device_batch_size=16.0",
-            "max_target_length=4096",
-            "dtype=bfloat16",
-            "weight_dtype=float32",
-            "opt_type=adamw",
-            "enable_checkpointing=False",
-            "remat_policy=custom",
-            "decoder_layer_input=offload",
-            "use_custom_sort_vjp=True",
-            "use_random_routing=False",  # MOE_DEVIATION
-            "shard_exp_on_fsdp=False",
-            "megablox=False",
-            "sparse_matmul=True",
-            "use_tokamax_gmm=True",
-            "use_tokamax_splash=True",
-            "sa_use_fused_bwd_kernel=True",
-            "attention=flash",
-            "sa_block_q=1024",
-            "sa_block_kv=1024",
-            "sa_block_kv_compute=512",
-            "sa_block_q_dkv=2048",
-            "sa_block_kv_dkv=2048",
-            "sa_block_kv_dkv_compute=1024",
-            "sa_block_q_dq=1024",
-            "sa_block_kv_dq=1024",
-            "sa_q_layout=HEAD_DIM_MINOR",
-            "sa_k_layout=SEQ_MINOR",
-            "sa_v_layout=HEAD_DIM_MINOR",
-            "dcn_pipeline_parallelism=1",
-            "dcn_data_parallelism=-1",
-            "ici_pipeline_parallelism=1",
-            "ici_fsdp_transpose_parallelism=1",
-            "ici_fsdp_parallelism=-1",
+            *_QWEN3_235B_V7X_ARGS,
             "use_qwix_quantization=True",
             "quantization=fp8_full",
             "weight_quantization_calibration_method=fixed,-224,224",
@@ -340,11 +314,7 @@ RUNS: dict[str, Run] = {
             "wo_tile_drhs_mlp_dim=4096",
             "dataset_type=synthetic",
         ],
-        xla_flags=(
-            "--xla_tpu_scoped_vmem_limit_kib=61440 --xla_tpu_enable_sparse_core_collective_offload_all_gather=true "
-            "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
-            "--xla_tpu_use_single_sparse_core_for_all_gather_offload=true " + HOST_OFFLOAD_FLAGS
-        ),
+        xla_flags=_QWEN3_235B_V7X_FLAGS,
         source="tpu-recipes 1652241 training/ironwood/qwen3-235b-a22b/4k-fp8-tpu7x-4x8x8/cluster_toolkit/run_recipe.sh",
         note="FP8 (qwix fp8_full, fixed calibration +-224); published with random routing (use_random_routing=True)",
         deviation=MOE_DEVIATION,
