@@ -235,11 +235,8 @@ class PipelinedLoss:
         outs, aux, load = [], None, None
         for t in range(self.iterations):
             x = torch.where(first, embedded[t], h) if t < m else h
-            if self.moe:
-                out, a, ld = model.layers.terms(x, cos, sin)
-                a, ld = self._mask(a, ld, self.live(t))
-            else:
-                out, a, ld = model.layers(x, cos, sin), None, None
+            out, a, ld = model.layers.terms(x, cos, sin)
+            a, ld = self._mask(a, ld, self.live(t)) if self.moe else (None, None)
             if a is not None:
                 aux = a if aux is None else aux + a
             if ld is not None:
@@ -271,8 +268,8 @@ class PipelinedLoss:
         def body(h, x):
             fed, injected = x
             x = torch.where(injected, fed, h)
-            out, aux, load = blocks.terms(x, cos, sin) if moe else (blocks(x, cos, sin), None, None)
-            if aux is None:  # (a dense model, or a rank without MoE layers)
+            out, aux, load = blocks.terms(x, cos, sin)
+            if aux is None or not moe:  # (a dense model, or a rank without MoE layers)
                 return permute(out), (out,)
             return permute(out), (out, aux, load.detach().float())
 

@@ -46,12 +46,13 @@ summed load-balancing loss and its layers' expert loads off the stage's block st
   forward leaves (`in_chunk_forward`).
 - A pp rank without MoE layers (a dense first stage, DeepSeek style): it adds no aux loss and no
   expert load, and when the other ranks' `ExpertBalance.finish` combines MaxVio and the dropped
-  copies over the pp axis it joins that reduction with zeros (`_join_balance_without_layers`), so
+  copies over the pp axis it joins that reduction with zeros (`ExpertBalance.join_without_layers`), so
   every rank returns the same statistics.
 
 Graph-mode PP (trainer/graph/pipeline.py) runs MoE models too, within its one program: the stage's
 aux terms and loads masked over the bubble iterations (`PipelinedLoss.terms`), the statistics
-through `StageBalance`, which shares this module's reduction for a rank without MoE layers.
+through `StageBalance` (trainer/optim/expert_balance.py), whose rank without MoE layers joins the
+same reduction (`ExpertBalance.join_without_layers`).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached pe
 loads per layer); in graph mode the pipeline inside the captured step (trainer/graph/pipeline.py)
 with uniform stages, one SPMD program on every pp rank, which is also the TPU path, on one slice or
 with the pp axis over several (DCN), dense or MoE (each stage's aux loss and expert loads out of the
-program, the bubble iterations masked), without expert parallelism. The rest is refused until it is
-wired.
+program, the bubble iterations masked), with expert parallelism inside each stage. The rest is
+refused until it is wired.
 
 Which families that is, is computed here once (`PIPELINE_FAMILIES`, from the registry and
 `pipeline_capable`); the model rule's text and message, docs/rules.md (generated from them) and
