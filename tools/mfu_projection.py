@@ -195,6 +195,7 @@ def program_times(
 ) -> dict:
     """One compiled program (one layer count): compute seconds (per-op roofline of the XLA ops,
     plus the Pallas kernels) and collective seconds per mesh axis, from its optimized HLO."""
+    from tools import xla_hlo
     from tools import xla_projection as xp
 
     devices = costs.get("devices") or 1
@@ -222,7 +223,7 @@ def program_times(
     tile = 256 if generation in ("v6e", "v7x") else 128
     from tools.mfu_report import load_anchors
 
-    rates = xla_hlo_rates(load_anchors(), generation)
+    rates = xla_hlo.peak_rates(load_anchors(), generation)
     sched = xp.scheduled(
         hlo,
         colls=summary["collectives"],
@@ -410,6 +411,7 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
     compute = XLA ops (per-op roofline) + kernels (`kernel_times`), floored at the model's FLOPs;
     collectives priced where the mesh puts their groups on the torus (`placement`: default the
     compile's own; another size's for the weak scaling); the EP dispatch's share."""
+    from tools import xla_hlo
     from tools import xla_projection as xp
 
     gen, peak = facts["generation"], facts["peak"]
@@ -453,7 +455,7 @@ def program_bound(res: dict, facts: dict, *, anchors: dict, placement=None, comp
             peak=peak,
             hbm=hbm,
             head_dims=facts.get("head_dims"),
-            rates=xla_hlo_rates(anchors, gen),
+            rates=xla_hlo.peak_rates(anchors, gen),
         )
         if sched:
             sched["mfu_causal_scheduled"] = min(100.0, 100.0 * model_flops / (peak * sched["step_scheduled_s"]))
@@ -563,13 +565,6 @@ def scheduled_prediction(
         "exposed_by": ", ".join(f"{k} {v:.3g} s" for k, v in sorted(s.exposed_by.items())),
         "unmatched_done": s.unmatched_done,
     }
-
-
-def xla_hlo_rates(anchors: dict, gen: str) -> dict:
-    """The chip's MXU rate per operand dtype over bf16 (tools/xla_hlo.py `peak_rates`)."""
-    from tools.xla_hlo import peak_rates
-
-    return peak_rates(anchors, gen)
 
 
 PROGRAM_KIND = "projection (trainer's program)"
