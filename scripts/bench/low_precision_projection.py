@@ -342,12 +342,13 @@ def program_kept(cache: Path, recipe: str, overrides) -> bool:
     return (folder / "program.json").is_file() and (folder / "program.after_optimizations.txt").is_file()
 
 
-def low_precision_share(hlo_path: str) -> dict:
-    """The program's dot FLOPs per step by operand type (tools/xla_hlo.py `dot_flops_by_type`): the
-    low-precision share (float8 / int8 operands on both sides) and the largest other types."""
-    from tools.xla_hlo import dot_flops_by_type, parse_hlo
+def low_precision_share(hlo) -> dict:
+    """The program's (a parsed `tools.xla_hlo.Hlo`) dot FLOPs per step by operand type
+    (`dot_flops_by_type`): the low-precision share (float8 / int8 operands on both sides) and the
+    largest other types."""
+    from tools.xla_hlo import dot_flops_by_type
 
-    by = dot_flops_by_type(parse_hlo(Path(hlo_path).read_text()))
+    by = dot_flops_by_type(hlo)
     total = sum(by.values()) or 1.0
     low = sum(v for k, v in by.items() if all(t.startswith(("f8", "s8", "u8")) for t in k.split(" x ")))
     top = sorted(by.items(), key=lambda kv: -kv[1])[:4]
@@ -358,15 +359,15 @@ def low_precision_share(hlo_path: str) -> dict:
     }
 
 
-def dot_seconds(hlo_path: str, *, gen: str, peak: float, anchors: dict) -> dict:
-    """Where a program's XLA compute goes, per step, as the scheduled walk charges it (each op once
+def dot_seconds(hlo, *, gen: str, peak: float, anchors: dict) -> dict:
+    """Where a program's (a parsed `tools.xla_hlo.Hlo`) XLA compute goes, per step, as the scheduled
+    walk charges it (each op once
     per run at max(MXU FLOPs at its rate / (peak x MXU_EFFICIENCY), bytes / HBM)): the ops with dots
     (matmul fusions, the quantization passes fused into them included) and the rest (elementwise,
     reductions, copies; a quantization pass XLA did not fuse into its dot is here)."""
     from tools import xla_hlo
     from tools.xla_projection import MXU_EFFICIENCY
 
-    hlo = xla_hlo.parse_hlo(Path(hlo_path).read_text())
     mxu = xla_hlo.mxu_flops(hlo, 256 if gen in ("v6e", "v7x") else 128, xla_hlo.peak_rates(anchors, gen))
     hbm = anchors["hbm_gbps_per_device"][gen] * 1e9
     dots = other = 0.0
@@ -395,10 +396,12 @@ def program_side(name: str, overrides, *, anchors: dict, ns, caches: list[Path])
     if row.get("error"):
         return row
     from tools.mfu_projection import override_tag
+    from tools.xla_hlo import parse_hlo
 
-    hlo = cache / f"{name}{override_tag(list(overrides))}" / "program.after_optimizations.txt"
-    row.update(low_precision_share(str(hlo)))
-    row.update(dot_seconds(str(hlo), gen=row["generation"], peak=program_peak(row), anchors=anchors))
+    # the optimized HLO, parsed once for both readings
+    hlo = parse_hlo((cache / f"{name}{override_tag(list(overrides))}" / "program.after_optimizations.txt").read_text())
+    row.update(low_precision_share(hlo))
+    row.update(dot_seconds(hlo, gen=row["generation"], peak=program_peak(row), anchors=anchors))
     row["cache"] = cache.relative_to(ROOT).as_posix() if cache.is_relative_to(ROOT) else str(cache)
     return row
 
