@@ -18,6 +18,7 @@ from models.errors import ConfigError
 from parallelisms.activation_checkpoint import AC_MODES
 from planner.activations import DeltaRuleShape, activation_bytes
 from planner.deepseek import is_mla, mla_activation_bytes
+from planner.deepseek_v4 import is_deepseek_v4, v4_activation_bytes
 from planner.memory import RECOMPUTE_RANK, Estimate, estimate
 from planner.shard import fake_process_group, shard_model
 from planner.targets import Target
@@ -139,6 +140,10 @@ class PlanInputs:
         if self.flow_tokens is None:
             if is_mla(self.args):
                 return mla_activation_bytes(
+                    self.args, local_batch_size=local_batch_size, seq_len=self.seq_len, tp=tp, ac_mode=ac_mode, cp=cp
+                )
+            if is_deepseek_v4(self.args):  # the hyper-connected streams, compressors, masked SDPA
+                return v4_activation_bytes(
                     self.args, local_batch_size=local_batch_size, seq_len=self.seq_len, tp=tp, ac_mode=ac_mode, cp=cp
                 )
             delta = DeltaRuleShape.of(self.args)
@@ -490,7 +495,7 @@ def recommend(
     shape = inputs.args.shape()
     world = target.devices
     tps = tp_choices or _powers_of_two_dividing(world, target.generation.devices_per_host)
-    if inputs.flow_tokens is not None or is_mla(inputs.args):
+    if inputs.flow_tokens is not None or is_mla(inputs.args) or is_deepseek_v4(inputs.args):
         cps = [1]
     else:
         cps = cp_choices or _powers_of_two_dividing(world, max_cp)

@@ -1522,6 +1522,22 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "a scanned run's checkpoint across scan and no scan: the scanned state's resync of replaced tensors",
     ),
     Scheduled(
+        "tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[[]none-128]",
+        ("tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[none-64]",),
+        "DeepSeek-V4's activation terms at a second length (the per-head k / v and mask, quadratic in it): "
+        "the default tier checks the same terms at 64 tokens",
+    ),
+    Scheduled(
+        "tests/unit/test_planner_figures.py::test_recipe_header_figures_are_the_planners[[]deepseek_v4_flash_v7x]",
+        (
+            "tests/unit/test_planner_figures.py::test_recipe_header_figures_are_the_planners[deepseek_v3_671b_v7x]",
+            "tests/unit/test_planner_deepseek_v4.py::test_v4_blocks_are_counted_per_kind_and_refuse_tp_and_cp",
+        ),
+        "DeepSeek-V4 Flash's header figures (10 s on the slow EPYC: its mixed blocks are sharded whole, "
+        "no one-block probe): the check of the headers runs on DeepSeek-V3's, the family's terms at Flash's "
+        "shape in a unit test",
+    ),
+    Scheduled(
         "tests/e2e/test_lost_slice.py::*",
         ("tests/unit/test_checkpoint.py::test_replaced_host_receives_the_step_from_its_peer",),
         "a lost slice resumes from the local tier: a replaced host receives the step from its peer",

@@ -1,0 +1,201 @@
+"""DeepSeek-V4 in the planner: what autograd keeps per block of models/deepseek_v4/model.py.
+
+The decoder model (`planner.activations`) assumes one residual stream and the attention op; a
+DeepSeek-V4 block has `hc_mult` = n streams, two hyper-connections, a compressor (and in CSA
+blocks an indexer) and SDPA over [sink | window | compressed entries] with a boolean mask.
+`v4_activation_bytes` counts, from `DeepSeekV4Args`, every tensor the eager forward (bf16
+compute) leaves alive for backward, as the CPU runs it. With d = dim, n = hc_mult, I =
+hc_sinkhorn_iters, h heads of width hd (padded by the sink column to hd' = hd + 8 - hd % 8),
+r_q = q_lora_rank, G x r_o the grouped output projection, E experts, k routed, F their width,
+m the block's pooling ratio, S the row length, N = S // m entries and K = S + N keys (the sliding
+block: K = S), per token unless said:
+
+- **the streams**: the block's input [B, S, n, d] and the stream after its attention sub-layer,
+  2nd each (bf16: the collapse and the comb matmul keep them);
+- **each hyper-connection** (two per block): the flattened streams' fp32 copy and their RMS-normed
+  value (4nd each) + rsqrt (4), the mixing logits (4 (2 + n) n), the pre sigmoid, pre + eps and
+  the post sigmoid (4n each), the comb softmax and + eps (4n^2 each), the Sinkhorn-Knopp steps
+  (2I - 1 divisions, each keeping its denominator, 4n, and all but the last their result, 4n^2),
+  and the bf16 post and comb the stream update reads (2n + 2n^2);
+- **attention**: its RMSNorm (fp32 copy, rsqrt, normed and weighted bf16: 8d + 4), q_norm's
+  (8 r_q + 4), wq_b's output and the weightless per-head RMS (2h hd + 4h hd + 6h), kv_norm's
+  (6hd + 4; its output is rotated, nothing else keeps it), the sink-padded q and the SDPA output
+  (2h hd' each) and its fp32 log-sum-exp (4h), the output rotated back (2h hd), the grouped
+  projection's output (2 G r_o) and wo_b's (2d); per row, the per-head k and v that the sink
+  formulation's cat / pad materialise, 2 x 2h (K + 1) hd' (SDPA reads k and v per head; the one KV
+  head is expanded, then concatenated with the sink key and padded), and the mask ATen converts
+  to an additive bf16 [B, 1, S, K + 1] for the kernel, 2 (K + 1) per token (the sliding block's
+  window mask has no batch dimension: 2 (S + 1) per position); per position the rotation's
+  negated sine (2 x rope_head_dim);
+- **the compressor**: CSA (two overlapping windows of width hd): the concatenated kv slots (4hd),
+  the fp32 softmax over 2m slots (8hd) and its bf16 copy (4hd); HCA (one window): wkv's output
+  (2hd), the softmax (4hd) and its copy (2hd); both, per entry, the entry's RMSNorm (6hd + 4,
+  i.e. / m per token). The lightning indexer keeps nothing: its choice is a top-k, which carries
+  no gradient, so autograd frees its nodes in the forward;
+- **the MoE**: its RMSNorm (8d + 4); the router's fp32 logits and sqrt(softplus) scores (8E), the
+  k gathered scores (4k), their + eps sum (4) and bf16 weights (2k), and the selected experts
+  (8k: a hash block's table lookup, a learned block's top-k indices); a learned block's
+  sequence-wise balance loss computes the scores again (8E) and keeps a per-token sum (4);
+  a hash block also keeps the flattened token ids (8, a copy when they are not contiguous). The
+  routed experts as the decoder model's MoE with the clamped SwiGLU: token copies in and out
+  (4kd), gate and up outputs, both clamps, silu and the product (12kF), the sort and unsort
+  indices (16k); the clamped shared expert (12F); the routed + shared sum (2d).
+
+Outside the blocks: the last block's output streams (2nd), `hc_head` (8nd + 4 + 12n, as a
+hyper-connection without comb), the final norm (6d + 4) and the head's input (2d), the int64
+labels (8); `loss` the fp32 log-probs (4 vocab). Not counted: per block constants (the
+hyper-connections' fp32 copies of `fn`, a few [E] vectors: the weights' part of the planner
+counts bf16 copies, not these fp32 ones; 4 x (2 + n) n x nd bytes per hyper-connection, 1.5 MiB
+at Flash, under 0.2 % of a block at 4k tokens).
+
+Full AC keeps each block's input streams (2nd); full_save_attention adds the SDPA output and
+log-sum-exp. Selective AC (the matmul, grouped-matmul and attention outputs) is counted from the
+same policy and checked less tightly (tests/unit/test_planner_deepseek_v4.py).
+
+**The attention's kernel.** The CSA / HCA blocks call `F.scaled_dot_product_attention` with a
+boolean mask of [S, K + 1] per row. On the CPU ATen serves it with
+`_scaled_dot_product_flash_attention_for_cpu` (the mask taken as an additive bf16 tensor): no
+scores are kept, the per-head k / v copies and the mask are (above). On TPU torch-tpu takes SDPA
+as `_scaled_dot_product_fused_attention_overrideable` (its FX passes name it); what that lowering
+keeps is not visible from Python: this model counts the CPU kernel's tensors. Had it the math
+form, the fp32 scores [B, h, S, K + 1] would come on top (Flash at 4096 tokens: 5.0 GiB per CSA
+block and sequence, `v4_math_scores_bytes`), kept for backward without AC and the block
+backward's transient with it. A kernel for the compressed blocks (the sink splash over the
+window, merged with the entries' part) removes the per-head k / v, the mask and the scores.
+"""
+
+from __future__ import annotations
+
+from models.errors import ConfigError
+from parallelisms.activation_checkpoint import check_ac_mode
+from planner.activations import ActivationBytes
+
+
+def is_deepseek_v4(args: object) -> bool:
+    """True for a DeepSeek-V4 model (hyper-connected streams, compressed attention)."""
+    return hasattr(args, "hc_mult") and hasattr(args, "csa_ratio") and hasattr(args, "layer_kinds")
+
+
+def _padded(args) -> int:
+    """The per-head width SDPA sees: head_dim plus the sink's column and zeros to a multiple of 8."""
+    return args.head_dim + 8 - args.head_dim % 8
+
+
+def hyper_connection_per_token(args) -> int:
+    """Bytes one hyper-connection keeps per token (the streams themselves excluded)."""
+    n, d, it = args.hc_mult, args.dim, args.hc_sinkhorn_iters
+    norm = 8 * n * d + 4  # fp32 copy of the flattened streams, rsqrt, normed fp32 (fn's input)
+    mixing = 4 * (2 + n) * n + 3 * 4 * n  # the logits; pre sigmoid, pre + eps, post sigmoid
+    sinkhorn = 2 * 4 * n * n + (2 * it - 2) * 4 * n * n + (2 * it - 1) * 4 * n  # softmax, + eps, divisions
+    return norm + mixing + sinkhorn + 2 * n + 2 * n * n  # + the bf16 post and comb of the update
+
+
+def _keys(args, kind: str, seq_len: int) -> int:
+    """Keys of one row's SDPA call without the sink: the row, plus its compressed entries."""
+    if kind == "c":
+        return seq_len + seq_len // args.csa_ratio
+    if kind == "h":
+        return seq_len + seq_len // args.hca_ratio
+    return seq_len
+
+
+def attention_bytes(args, kind: str, *, rows: int, seq_len: int) -> int:
+    """Bytes one attention sub-layer of `kind` keeps for `rows` rows of `seq_len` tokens (AC none),
+    its RMSNorm and compressor included."""
+    d, h, hd, hp = args.dim, args.n_heads, args.head_dim, _padded(args)
+    tokens = rows * seq_len
+    per_token = 8 * d + 4 + 8 * args.q_lora_rank + 4  # attention_norm, q_norm
+    per_token += 2 * h * hd + 4 * h * hd + 6 * h  # wq_b's output, the per-head RMS of q
+    per_token += 6 * hd + 4  # kv_norm
+    per_token += 2 * h * hp + 2 * h * hp + 4 * h  # sink-padded q, SDPA output, log-sum-exp
+    per_token += 2 * h * hd + 2 * args.o_groups * args.o_lora_rank + 2 * d  # rotated back, wo_a, wo_b
+    keys = _keys(args, kind, seq_len) + 1  # + the sink
+    per_row = 2 * 2 * h * keys * hp  # the per-head k and v
+    mask = 2 * seq_len * keys * (rows if kind != "s" else 1)
+    total = per_token * tokens + per_row * rows + mask + 2 * args.rope_head_dim * seq_len
+    if kind in ("c", "h"):
+        m = args.csa_ratio if kind == "c" else args.hca_ratio
+        pool = 16 * hd if kind == "c" else 8 * hd
+        total += pool * (seq_len // m * m) * rows + (6 * hd + 4) * (seq_len // m) * rows
+    return total
+
+
+def moe_per_token(args, *, hash_routed: bool) -> int:
+    """Bytes one MoE sub-layer keeps per token (AC none), its RMSNorm included."""
+    d, e, k, f = args.dim, args.num_experts, args.num_experts_per_tok, args.moe_hidden_dim
+    router = 8 * e + 4 * k + 4 + 2 * k + 8 * k  # logits fp32, scores; gathered, sum, bf16 weights; experts
+    router += 8 if hash_routed else 8 * e + 4  # token ids; or the balance loss's scores and sum
+    routed = 4 * k * d + 12 * k * f + 16 * k
+    return 8 * d + 4 + router + routed + 12 * f + 2 * d
+
+
+def block_bytes(args, layer: int, *, rows: int, seq_len: int) -> int:
+    """Bytes block `layer` keeps without AC for `rows` x `seq_len` tokens."""
+    n, d = args.hc_mult, args.dim
+    tokens = rows * seq_len
+    kind = args.layer_kinds()[layer]
+    streams = 2 * 2 * n * d  # the input and the mid-block streams
+    per_token = (
+        streams + 2 * hyper_connection_per_token(args) + moe_per_token(args, hash_routed=layer < args.num_hash_layers)
+    )
+    return per_token * tokens + attention_bytes(args, kind, rows=rows, seq_len=seq_len)
+
+
+def _selective_per_token(args, kind: str) -> int:
+    """Per token, the outputs selective AC's policy saves: matmuls (the hyper-connections' mixing
+    logits and comb products, the projections, the compressor's), grouped matmuls, SDPA."""
+    n, d, h, hd = args.hc_mult, args.dim, args.n_heads, args.head_dim
+    k, f = args.num_experts_per_tok, args.moe_hidden_dim
+    hc = 2 * (4 * (2 + n) * n + 2 * n * d)  # mixing logits (fp32) and the comb product (bf16), twice
+    attention = 2 * args.q_lora_rank + 2 * h * hd + 2 * hd  # wq_a, wq_b, wkv
+    attention += 2 * h * _padded(args) + 4 * h + 2 * args.o_groups * args.o_lora_rank + 2 * d  # SDPA, wo_a, wo_b
+    if kind == "c":
+        attention += 2 * 2 * 2 * hd  # the compressor's wkv and wgate at 2 hd
+    elif kind == "h":
+        attention += 2 * 2 * hd
+    moe = 2 * args.num_experts + k * (4 * f + 2 * d) + 4 * f + 2 * d  # router, grouped, shared
+    return hc + attention + moe
+
+
+def v4_math_scores_bytes(args, kind: str, *, rows: int, seq_len: int) -> int:
+    """The fp32 scores [rows, h, S, K + 1] SDPA's math form would materialise for one block (not
+    in `v4_activation_bytes`: the CPU kernel keeps none; see the module docstring)."""
+    return 4 * rows * args.n_heads * seq_len * (_keys(args, kind, seq_len) + 1)
+
+
+def v4_activation_bytes(
+    args, *, local_batch_size: int, seq_len: int, tp: int, ac_mode: str, cp: int = 1
+) -> ActivationBytes:
+    """Saved-for-backward bytes per device for one micro-batch of DeepSeek-V4 (module docstring).
+
+    `per_block` / `per_block_none` are the largest block's, `blocks` the sum over the stack."""
+    check_ac_mode(ac_mode)
+    for key, degree in (("tensor_parallel_degree", tp), ("context_parallel_degree", cp)):
+        if degree != 1:
+            raise ConfigError(
+                f"parallelism.{key}: {degree}: the planner models DeepSeek-V4 at tp = cp = 1 only "
+                "(the family has no TP or CP plan); allowed: 1"
+            )
+    b, s, n, d = local_batch_size, seq_len, args.hc_mult, args.dim
+    tokens = b * s
+    kinds = args.layer_kinds()
+    none = [block_bytes(args, i, rows=b, seq_len=s) for i in range(args.n_layers)]
+    block_input = 2 * n * d * tokens
+    if ac_mode == "none":
+        kept = none
+    elif ac_mode == "full":
+        kept = [block_input] * args.n_layers
+    elif ac_mode == "full_save_attention":
+        kept = [block_input + (2 * args.n_heads * _padded(args) + 4 * args.n_heads) * tokens] * args.n_layers
+    else:
+        kept = [block_input + _selective_per_token(args, kind) * tokens for kind in kinds]
+    head = 8 * n * d + 4 + 12 * n  # hc_head: the streams' fp32 copy and normed value, rsqrt, its weights
+    outside = (2 * n * d + head + 6 * d + 4 + 2 * d + 8) * tokens
+    return ActivationBytes(
+        per_block=max(kept),
+        blocks=sum(kept),
+        outside=outside,
+        loss=4 * tokens * args.vocab_size,
+        per_block_none=max(none),
+        logits_transient=8 * tokens * args.vocab_size,
+    )
