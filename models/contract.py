@@ -54,6 +54,10 @@ class ModelShape:
     """Experts each token is routed to."""
     moe_hidden: int = 0
     """Each expert's MLP width."""
+    tp_splits: tuple[tuple[str, int], ...] | None = None
+    """The sizes tensor parallelism splits, each named as an error would (None: the default ones,
+    `n_heads`, `n_kv_heads` and the FFN or expert hidden size). DeepSeek-V4 replicates its one KV
+    head over TP and splits the query heads and the output projection's groups."""
     expert_act_tensors: int = 4
     """bf16 `[rows, moe_hidden]` tensors an expert's activation keeps for its backward per routed row:
     4 for the SwiGLU (gate, up, silu(gate), product); gpt-oss's clamped SwiGLU keeps 7 (the raw

@@ -258,21 +258,23 @@ class ParallelDims:
     def validate_for_model(self, shape: ModelShape, *, seq_len: int) -> None:
         """Raise ConfigError if a degree does not divide a size of the model it must split.
 
-        Tensor parallelism splits heads, kv heads and MLP hidden units, and, with sequence
-        parallelism, the sequence; expert parallelism splits the experts. `dim` and
+        Tensor parallelism splits heads, kv heads and MLP hidden units (or the sizes the shape's
+        `tp_splits` names), and, with sequence parallelism, the sequence; expert parallelism splits the experts. `dim` and
         `vocab_size` need not divide: DTensor shards embedding rows and norm weights
         unevenly when needed.
         """
         if self.tp_enabled:  # with cp, the sequence-parallel split of s / cp is checked below
-            checks = [
-                ("n_heads", shape.n_heads),
-                ("n_kv_heads", shape.n_kv_heads),
-                (
-                    "MoE expert hidden size" if shape.is_moe else "FFN hidden size",
-                    shape.moe_hidden if shape.is_moe else shape.ffn_hidden,
-                ),
-                ("sequence length (sequence parallel)", seq_len),
-            ]
+            splits = shape.tp_splits
+            if splits is None:  # the decoders' heads, kv heads and MLP hidden units
+                splits = (
+                    ("n_heads", shape.n_heads),
+                    ("n_kv_heads", shape.n_kv_heads),
+                    (
+                        "MoE expert hidden size" if shape.is_moe else "FFN hidden size",
+                        shape.moe_hidden if shape.is_moe else shape.ffn_hidden,
+                    ),
+                )
+            checks = [*splits, ("sequence length (sequence parallel)", seq_len)]
             for what, value in checks:
                 if value and value % self.tp != 0:
                     raise ConfigError(

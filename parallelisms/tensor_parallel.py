@@ -32,7 +32,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -98,19 +98,21 @@ class EmbeddingParallel(RowwiseParallel):
 
 
 class ReplicateParallel(ParallelStyle):
-    """Parameters become `Replicate()` DTensors on the TP mesh; plain inputs are declared
-    replicated and the output is returned as a plain tensor.
+    """Parameters (the module's and its submodules') become `Replicate()` DTensors on the TP mesh;
+    plain inputs are declared replicated and the output is returned as a plain tensor.
 
-    For small modules that every TP rank runs in full on the same (replicated) input, e.g.
-    FLUX's adaLN modulation linears inside the blocks. Each rank computes the same full
+    For modules that every TP rank runs in full on the same (replicated) input, e.g. FLUX's adaLN
+    modulation linears inside the blocks, DeepSeek-V4's KV compressors and indexer (whose
+    submodules then compute on replicated DTensors). Each rank computes the same full
     gradient, so none is summed over TP (a `Replicate` gradient needs no reduction), and the
     parameters are TP DTensors like the rest of the block for SimpleFSDP on a 2-D mesh.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            replicated = DTensor.from_local(param.detach(), device_mesh, (Replicate(),), run_check=False)
-            module.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+        for owner in module.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                replicated = DTensor.from_local(param.detach(), device_mesh, (Replicate(),), run_check=False)
+                owner.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
 
         def to_dtensor(mod, args):
             return tuple(
@@ -148,6 +150,83 @@ class HeadSharedParallel(ParallelStyle):
         return module
 
 
+class SequenceLocalParallel(SequenceParallel):
+    """A per-token module on the sequence-sharded residual stream that takes and returns plain
+    local tensors ("sequence_local"): DeepSeek-V4's hyper-connections, whose forward returns a
+    tuple (the stream weights and the collapsed input). As `SequenceParallel`: the weights are
+    `Replicate()` DTensors whose gradients are summed over the TP ranks (each holds other tokens);
+    the input is declared sequence-sharded (dim 1) and every tensor of the output is handed on as
+    its local shard."""
+
+    def __init__(self) -> None:
+        super().__init__(sequence_dim=1, use_local_output=True)
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        def local(t):
+            return t.to_local() if isinstance(t, DTensor) else t
+
+        return tuple(local(t) for t in outputs) if isinstance(outputs, tuple) else local(outputs)
+
+
+class GroupedColwiseParallel(ParallelStyle):
+    """A grouped linear (`weight` [groups x out, in], group g's rows g x out .. (g + 1) x out; the
+    input `[..., groups, in]`) split by group ("grouped_colwise"): DeepSeek-V4's `wo_a`, whose groups
+    are consecutive heads, so a rank holding heads `r H / tp ..` holds groups `r G / tp ..` (tp must
+    divide the groups). The weight is `Shard(0)`; the plain input holds the rank's groups
+    (`Shard(-2)`), the output is the rank's groups as a plain tensor, for a rowwise projection after."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _shard_params(module, device_mesh)
+
+        def to_dtensor(mod, args):
+            x, *rest = args
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(x.dim() - 2),), run_check=False)
+            return (x, *rest)
+
+        module.register_forward_pre_hook(to_dtensor)
+        module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
+
+
+class HeadShardedParallel(ParallelStyle):
+    """A module holding per-head parameters, heads on dim 0, and returning them ("head_sharded":
+    DeepSeek-V4's sinks): split by head like a colwise projection's rows (`Shard(0)`), so each rank
+    holds and trains its own heads'; the output is the rank's heads as a plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _shard_params(module, device_mesh)
+        module.register_forward_hook(lambda mod, args, out: out.to_local() if isinstance(out, DTensor) else out)
+        return module
+
+
+class SequenceShardParallel(ParallelStyle):
+    """A parameter-free pass-through on a tensor every rank holds in full (the token ids), handing
+    on this rank's sequence shard (dim 1: the tokens of its sequence-parallel stream) as a plain
+    tensor ("sequence_shard": DeepSeek-V4's hash routing looks its experts up from the token ids of
+    the rows its MoE layer holds). A local slice, no communication."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert not list(module.parameters()), "sequence_shard: for parameter-free modules"
+
+        def pre_hook(mod, args):
+            x, *rest = args
+            full = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+            return (full.redistribute(device_mesh, (Shard(1),)).to_local(), *rest)
+
+        module.register_forward_pre_hook(pre_hook)
+        return module
+
+
+def _shard_params(module: nn.Module, device_mesh: DeviceMesh) -> None:
+    """The module's own parameters become `Shard(0)` DTensors, each rank keeping its local chunk
+    (every rank holds the same meta or seeded weights: no scatter from rank 0)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        sharded = distribute_tensor(param.detach(), device_mesh, (Shard(0),), src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(sharded, param.requires_grad))
+
+
 def _wait(tensor):
     return funcol.wait_tensor(tensor) if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
@@ -172,6 +251,14 @@ def style_for(style: str, *, enable_loss_parallel: bool = False) -> ParallelStyl
         result = SequenceParallel(sequence_dim=2, use_local_output=True)
     elif style == "head_shared":
         result = HeadSharedParallel()
+    elif style == "sequence_local":
+        result = SequenceLocalParallel()
+    elif style == "grouped_colwise":
+        result = GroupedColwiseParallel()
+    elif style == "head_sharded":
+        result = HeadShardedParallel()
+    elif style == "sequence_shard":
+        result = SequenceShardParallel()
     elif style == "block_input":
         result = GatherSequenceInput()
     elif style == "output":

@@ -28,6 +28,16 @@ residual stream replicated and uses the `rowwise_replicate` / `replicate` styles
 - "head_shared": a parameter-free pass-through (identity) module on a tensor that every TP rank
   holds in full and uses for its own heads only (MLA's RoPE key, shared by all heads): the
   forward is the identity, the backward sums the gradient over the TP ranks.
+- "sequence_local": a per-token module on the sequence-sharded residual stream that takes and
+  returns plain local tensors, tuples included (DeepSeek-V4's hyper-connections): weights
+  replicated, gradients summed over the TP ranks (as "sequence_parallel").
+- "grouped_colwise": a grouped linear (weight [groups x out, in], input [..., groups, in]) split
+  by group (DeepSeek-V4's `wo_a`: groups of consecutive heads, so a rank's heads make its groups).
+- "head_sharded": a module returning per-head parameters (heads on dim 0; DeepSeek-V4's sinks),
+  split by head like a colwise projection's rows; the output is the rank's heads.
+- "sequence_shard": a parameter-free pass-through on a tensor every rank holds in full (token
+  ids) that hands on this rank's sequence shard (dim 1), a local slice (DeepSeek-V4's hash
+  routing reads the ids of the tokens its MoE layer holds).
 - "output": the LM head; sequence-sharded input is all-gathered, logits are gathered to
   full vocab (or left vocab-sharded for loss parallel).
 """
@@ -46,6 +56,10 @@ TP_STYLES = (
     "block_input",
     "head_norm",
     "head_shared",
+    "sequence_local",
+    "grouped_colwise",
+    "head_sharded",
+    "sequence_shard",
     "output",
 )
 

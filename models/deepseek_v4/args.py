@@ -223,6 +223,9 @@ class DeepSeekV4Args(YarnArgs):
             num_experts=self.num_experts,
             top_k=self.num_experts_per_tok,
             moe_hidden=self.moe_hidden_dim,
+            # TP splits the query heads and the output groups; the one KV head is replicated and the
+            # experts stay whole (models/deepseek_v4/plan.py).
+            tp_splits=(("n_heads", self.n_heads), ("o_groups", self.o_groups)),
         )
 
     def _counts(self) -> tuple[int, int, int]:

@@ -43,7 +43,7 @@ _LAYER = {
     "self_attn.kv_norm.weight": "attention.kv_norm.weight",
     "self_attn.o_a_proj.weight": "attention.wo_a.weight",
     "self_attn.o_b_proj.weight": "attention.wo_b.weight",
-    "self_attn.sinks": "attention.sinks",
+    "self_attn.sinks": "attention.sinks.weight",
     **{f"self_attn.compressor.{hf}": f"attention.compressor.{ours}" for hf, ours in _POOL.items()},
     **{f"self_attn.compressor.indexer.{hf}": f"attention.indexer.{ours}" for hf, ours in _POOL.items()},
     "self_attn.compressor.indexer.q_b_proj.weight": "attention.indexer.wq_b.weight",

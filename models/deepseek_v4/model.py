@@ -165,13 +165,14 @@ class Indexer(Compressor):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def select(
+    def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, closed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         """x [b, s, dim], q_lora [b, s, q_lora_rank], closed [s, n] (entry closed before the query)
-        -> the entries each query attends to [b, s, n] bool."""
+        -> the entries each query attends to [b, s, n] bool. The selection is the module's forward
+        (the keys its compressor's), so a TP style's hooks ("replicate") wrap it."""
         b, s, _ = x.shape
-        keys = self(x, cos, sin)  # [b, n, d_I]
+        keys = super().forward(x, cos, sin)  # [b, n, d_I]
         n = keys.shape[1]
         q = rope_tail(self.wq_b(q_lora).view(b, s, self.n_heads, -1), cos[:s, None], sin[:s, None])
         scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))) * self.head_dim**-0.5
@@ -189,11 +190,12 @@ class Indexer(Compressor):
 
 class GroupedLinear(nn.Module):
     """`groups` independent linears (weight [groups * out, in], group g's rows g*out .. (g+1)*out):
-    x [..., groups, in] -> [..., groups, out]."""
+    x [..., groups, in] -> [..., groups, out]. Under tensor parallelism the plan's "grouped_colwise"
+    splits it by group (the weight and x are then DTensors of the full shapes)."""
 
     def __init__(self, in_features: int, out_features: int, groups: int):
         super().__init__()
-        self.groups = groups
+        self.groups, self.in_features = groups, in_features
         self.weight = nn.Parameter(torch.empty(groups * out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,6 +203,29 @@ class GroupedLinear(nn.Module):
         w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [g, in, out]
         y = torch.bmm(x.reshape(-1, self.groups, x.shape[-1]).transpose(0, 1), w)  # [g, N, out]
         return y.transpose(0, 1).reshape(*lead, self.groups, -1)
+
+
+class Sinks(nn.Module):
+    """The learned sink logit per head, `weight` [heads]; `forward()` returns it. A module of its
+    own so that tensor parallelism splits it by head (the plan's "head_sharded": a rank gets its own
+    heads' sinks)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class HeadShared(nn.Module):
+    """Identity on the keys / values (the one shared KV head and the compressed entries) that every
+    query head reads. It exists for tensor parallelism: each rank computes its own heads only, so the
+    gradient reaching the keys is the rank's part of the sum over heads; the plan's "head_shared"
+    sums it over the TP ranks here (models/deepseek_v3/model.py's MLA RoPE key does the same)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 class Attention(nn.Module):
@@ -219,7 +244,8 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(hd, eps=args.norm_eps)
         self.wo_a = GroupedLinear(h * hd // args.o_groups, args.o_lora_rank, args.o_groups)
         self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, d, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(h))
+        self.sinks = Sinks(h)
+        self.shared_kv = HeadShared()
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
         if kind == "h":
@@ -243,16 +269,16 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         cos, sin = cos[:s], sin[:s]
         q_lora = self.q_norm(self.wq_a(x))
-        q = rms(self.wq_b(q_lora).view(b, s, self.n_heads, self.head_dim), self.eps)
+        q = rms(self.wq_b(q_lora).view(b, s, -1, self.head_dim), self.eps)  # -1: the rank's heads under TP
         q = rope_tail(q, cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [b, s, hd]
         if self.compressor is None:  # "s": the window alone, the op (splash with sinks on TPU)
-            shared = kv.unsqueeze(1)  # the one KV head, key and value alike
-            out = ops.sink_attention(q.transpose(1, 2), shared, shared, self.sinks, self.window).transpose(1, 2)
+            shared = self.shared_kv(kv).unsqueeze(1)  # the one KV head, key and value alike
+            out = ops.sink_attention(q.transpose(1, 2), shared, shared, self.sinks(), self.window).transpose(1, 2)
         else:
             out = self._compressed_attention(x, q, q_lora, kv, cos, sin)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # values carry their keys' rotation: undo it
-        grouped = self.wo_a(out.reshape(b, s, self.wo_a.groups, -1)).flatten(2)
+        grouped = self.wo_a(out.reshape(b, s, -1, self.wo_a.in_features)).flatten(2)
         return self.wo_b(grouped)
 
     def _compressed_attention(self, x, q, q_lora, kv, cos, sin) -> torch.Tensor:
@@ -266,12 +292,12 @@ class Attention(nn.Module):
         w = torch.arange(entries.shape[1], device=x.device)
         closed = w[None, :] < ((i + 1) // self.ratio)[:, None]  # [s, n]
         if self.indexer is not None:
-            chosen = self.indexer.select(x, q_lora, closed, cos, sin)
+            chosen = self.indexer(x, q_lora, closed, cos, sin)
         else:
             chosen = closed.expand(b, -1, -1)
-        kv = torch.cat([kv, entries], dim=1)
+        kv = self.shared_kv(torch.cat([kv, entries], dim=1))
         visible = torch.cat([visible, chosen], dim=-1)
-        return sink_attention(q.transpose(1, 2), kv, self.sinks, visible).transpose(1, 2)
+        return sink_attention(q.transpose(1, 2), kv, self.sinks(), visible).transpose(1, 2)
 
     def init_weights(self, init_std: float) -> None:
         """wq_a, wq_b, wkv, wo_a: truncated normal std 0.02; wo_b (the residual-branch output): std
@@ -281,7 +307,7 @@ class Attention(nn.Module):
         trunc_normal_(self.wo_b.weight, std=init_std)
         self.q_norm.init_weights()
         self.kv_norm.init_weights()
-        nn.init.zeros_(self.sinks)
+        nn.init.zeros_(self.sinks.weight)
         for part in (self.compressor, self.indexer):
             if part is not None:
                 part.init_weights()
@@ -378,6 +404,15 @@ def hash_table(vocab_size: int, num_experts: int, top_k: int, device: torch.devi
     return random_experts(torch.zeros((), dtype=torch.int64, device=device), tokens, num_experts, top_k)
 
 
+class TokenIds(nn.Module):
+    """Identity on the token ids [b, s] a hash block routes by. It exists for tensor parallelism:
+    the MoE layer then holds the rank's sequence shard of the tokens, and the plan's
+    "sequence_shard" hands on the ids of those tokens. Without TP it does nothing."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+
 class DeepSeekV4Block(nn.Module):
     """Two hyper-connected sub-layers: attention (pre-norm), then the MoE (pre-norm); each is
     `h <- post (x) f(norm(sum_j pre_j h_j)) + comb^T h` over the streams."""
@@ -414,6 +449,7 @@ class DeepSeekV4Block(nn.Module):
             # Persistent: checkpoints (and HF's `mlp.gate.tid2eid`) hold it.
             table = hash_table(args.vocab_size, args.num_experts, args.num_experts_per_tok)
             self.moe.router.register_buffer("tid2eid", table)
+            self.hash_tokens = TokenIds()
         self.is_moe = True
 
     def forward(
@@ -433,7 +469,7 @@ class DeepSeekV4Block(nn.Module):
         out = self.attention(self.attention_norm(x), *rope)
         h = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
         post, comb, x = self.ffn_hc(h)
-        selected = self.moe.router.tid2eid[tokens.reshape(-1)] if self.is_hash else None
+        selected = self.moe.router.tid2eid[self.hash_tokens(tokens).reshape(-1)] if self.is_hash else None
         out, aux_loss, load = self.moe(self.ffn_norm(x), selected)
         h = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
         return h, aux_loss, load
@@ -459,12 +495,6 @@ class DeepSeekV4(nn.Module):
     attn_backends = ("auto", "sdpa")
     """The `[model] attn_backend` values its attention honours: its own torch formulation (sinks,
     window + compressed keys) serves every device; no kernel behind the other values takes it."""
-
-    tp_refusal = (
-        "DeepSeek-V4 has no tensor-parallel plan yet (the shared KV head, the grouped output "
-        "projection, the compressors and the hyper-connections' stream mixing have no TP styles)"
-    )
-    """Why tensor parallelism is refused (trainer/step/plan.py's tp_refusal rule)."""
 
     non_matrix_params = ("position_bias",)
     """Tensors of 2+ dims that are no linear map (the compressors' per-slot gate biases [ratio, w]):

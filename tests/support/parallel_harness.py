@@ -7,8 +7,8 @@
 - `run_processes(world_size, fn, *args)`: `torch.multiprocessing.spawn` with gloo, for what
   threads cannot do (torch.compile).
 - Small Llama 3 / Qwen 3 models of the real debug flavors (fewer layers, short sequences).
-- `assert_matches_single_process`: a family's loss and gradients parallelized over 2 thread ranks
-  against one process (the gpt-oss, DeepSeek-V4 and Qwen 3.5 tests).
+- `assert_matches_single_process`: a family's loss and gradients parallelized over 2 (or 4) thread
+  ranks against one process (the gpt-oss, DeepSeek-V4 and Qwen 3.5 tests).
 """
 
 from __future__ import annotations
@@ -108,11 +108,12 @@ def assert_matches_single_process(
     aux_loss_coef: float = 0.01,
     tolerance=lambda name: 1e-5,
     without_grad=lambda name: False,
+    world_size: int = 2,
 ) -> None:
     """The model families' parity check: `cls(args)` in one process (seed 0; then the parameters
     whose names end with one of `perturb` drawn at 0.1 x N(0, 1), so that the sharding of zero-initialised
-    biases and sinks shows) against the same weights parallelized by `plan` over `degrees` on 2
-    thread ranks, each on its data-parallel share of (`inputs`, `labels`), loss = LM + `aux_loss_coef`
+    biases and sinks shows) against the same weights parallelized by `plan` over `degrees` on
+    `world_size` thread ranks, each on its data-parallel share of (`inputs`, `labels`), loss = LM + `aux_loss_coef`
     x the model's aux loss. The ranks' mean loss equals the whole batch's (rel 1e-6) and every
     gradient the single process's (relative, below `tolerance(name)`); only the parameters
     `without_grad(name)` may have no gradient, on both sides alike."""
@@ -135,15 +136,15 @@ def assert_matches_single_process(
     assert all(without_grad(n) for n in missing), missing
 
     def rank_fn():
-        dims = ParallelDims(world_size=2, **degrees)
+        dims = ParallelDims(world_size=world_size, **degrees)
         model, mesh = parallel_fp32_model(cls, args, plan, dims, state)
         r, n = dims.dp_rank(mesh), inputs.shape[0] // dims.dp_degree
         loss = lm_loss(model(inputs[r * n : (r + 1) * n]), labels[r * n : (r + 1) * n])
         (loss + aux_loss_coef * model.pop_aux_loss()).backward()
         return loss.item(), {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
-    results = run_threads(2, rank_fn)
-    assert sum(loss for loss, _ in results) / 2 == pytest.approx(lm.item(), rel=1e-6)
+    results = run_threads(world_size, rank_fn)
+    assert sum(loss for loss, _ in results) / world_size == pytest.approx(lm.item(), rel=1e-6)
     for _, grads in results:
         assert set(grads) == set(want)
         for name, g in want.items():

@@ -78,7 +78,9 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     BuildCheck(
         "parallelism.tensor_parallel_degree",
         "parallelisms.parallel_dims:ParallelDims.validate_for_model",
-        "a TP degree that does not divide the heads, kv heads, FFN / expert hidden size or the (per-CP-rank) sequence",
+        "a TP degree that does not divide the heads, kv heads, FFN / expert hidden size (or the sizes the "
+        "model's shape lists in `tp_splits`: DeepSeek-V4's query heads and output groups) or the (per-CP-rank) "
+        "sequence",
     ),
     BuildCheck(
         "parallelism.expert_parallel_degree",
