@@ -238,6 +238,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "MLA under cp: the cp attention path is the one every family runs",
     ),
     Scheduled(
+        "tests/unit/test_deepseek_v4.py::test_tp_matches_single_process*",
+        (
+            "tests/unit/test_deepseek_v4.py::test_tp_styles_split_streams_groups_sinks_and_token_ids",
+            "tests/unit/test_deepseek_v4.py::test_fsdp_and_ep_match_single_process",
+            "tests/unit/test_deepseek_v4.py::test_refusals_tp_cp_kernels_and_layer_scan",
+        ),
+        "DeepSeek-V4 under TP 2 (and TP 2 x FSDP 2), 4-9 s of DTensor sharding propagation: the default tier "
+        "runs the plan's new styles (streams, groups, sinks, token ids) on tiny modules against one process, "
+        "the family under FSDP / EP and the TP degree checks",
+    ),
+    Scheduled(
         "tests/e2e/test_expert_balance.py::test_bias_trajectory_matches_single_process[[]cp2]",
         (
             "tests/e2e/test_expert_balance.py",
