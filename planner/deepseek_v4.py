@@ -174,7 +174,7 @@ def v4_activation_bytes(
         if degree != 1:
             raise ConfigError(
                 f"parallelism.{key}: {degree}: the planner models DeepSeek-V4 at tp = cp = 1 only "
-                "(the family has no TP or CP plan); allowed: 1"
+                "(its MoE blocks at tp = 1 as every MoE model's; the family has no CP plan); allowed: 1"
             )
     b, s, n, d = local_batch_size, seq_len, args.hc_mult, args.dim
     tokens = b * s
