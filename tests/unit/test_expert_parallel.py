@@ -444,6 +444,60 @@ def test_qwen3_moe_matches_single_process(world_size, degrees):
             assert rel_diff(grads[name], want) < TOL, name
 
 
+def test_eager_step_adds_the_aux_loss_under_loss_parallel():
+    """The trainer's eager step on Qwen 3 MoE at TP 2 with loss parallel: the LM loss is then a
+    replicated DTensor and the aux loss a plain tensor (the rank's own tokens'); the backward of
+    their sum failed in a mul mixing the two (found running DeepSeek-V4 at TP 2 with loss
+    parallel through the trainer). The step's loss and gradients equal one process's (TOL)."""
+    from parallelisms import clip_grad_norm_, loss_parallel_context
+    from trainer.step.eager import EagerStep
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        ref = Transformer(_qwen3_args())
+    ref.to_empty(device="cpu")
+    with torch.no_grad():
+        ref.init_weights()
+    state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    want_lm, _, want_grads = _reference(state)
+    inputs, labels = batch(ref.args.vocab_size, GLOBAL_BATCH)
+
+    def rank_fn():
+        dims = ParallelDims(world_size=2, dp_shard=1, tp=2)
+        mesh = build_mesh(dims, "cpu")
+        with torch.device("meta"):
+            model = Transformer(_qwen3_args())
+        parallelize_model(
+            model,
+            plan=PLAN,
+            parallel_dims=dims,
+            mesh=mesh,
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            enable_loss_parallel=True,
+        )
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        load_full_state(model, state)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # keeps the weights; the grads stay
+        step = EagerStep(
+            model=model, optimizer=optimizer, max_norm=0.0, aux_loss_coef=QWEN_AUX, clip_grad_norm=clip_grad_norm_
+        )
+        out = step([(inputs, labels)])
+        return out.loss.item(), {n: full(p.grad) for n, p in model.named_parameters()}
+
+    # loss_parallel() edits DTensor's global op table on enter and exit: with thread ranks it is
+    # entered once, here (tests/unit/test_parallel_training.py does the same).
+    with loss_parallel_context(True):
+        results = run_threads(2, rank_fn)
+    for lm, grads in results:
+        assert lm == pytest.approx(want_lm, rel=1e-6)
+        assert set(grads) == set(want_grads)
+        for name, want in want_grads.items():
+            assert rel_diff(grads[name], want) < TOL, name
+
+
 # --- more ranks than experts, end to end (torchrun, gloo) ------------------------------------
 
 
