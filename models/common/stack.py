@@ -58,11 +58,13 @@ class BlockStack(nn.ModuleDict):
     def __init__(self, blocks: Iterable[nn.Module]):
         super().__init__({str(i): block for i, block in enumerate(blocks)})
         self._scan: _ScanState | None = None
-        self._aux_loss: torch.Tensor | None = None
-        self._expert_load: torch.Tensor | None = None
+        # The last forward's aux sum and loads, each popped once: a dict changed in place, not two
+        # module attributes re-assigned (Dynamo lost such an attribute's second assignment in a
+        # program that runs the stack twice with layer scan: a graph step's second micro-batch).
+        self._last: dict[str, torch.Tensor | None] = {}
 
     def forward(self, h: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        h, self._aux_loss, self._expert_load = self.terms(h, *args)
+        h, self._last["aux"], self._last["load"] = self.terms(h, *args)
         return h
 
     def terms(
@@ -89,14 +91,17 @@ class BlockStack(nn.ModuleDict):
     def pop_aux_loss(self) -> torch.Tensor | None:
         """Sum over layers of the blocks' aux terms of the last forward (None if no block returns
         one, or if it was already popped); clears it."""
-        aux, self._aux_loss = self._aux_loss, None
-        return aux
+        return self._last.pop("aux", None)
 
     def pop_expert_load(self) -> torch.Tensor | None:
         """The blocks' expert loads of the last forward, `[n_layers, E]` float32 (None if no block
         returns one, or if it was already popped); clears it."""
-        load, self._expert_load = self._expert_load, None
-        return load
+        return self._last.pop("load", None)
+
+    def forget(self) -> None:
+        """Drop the last forward's terms unpopped. The graph step calls it before each step, so the
+        traced program always starts from an empty stack (Dynamo guards on what the dict holds)."""
+        self._last.clear()
 
     # --- layer scan ------------------------------------------------------------------------
 

@@ -1482,12 +1482,14 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "SIGTERM to the pod launcher: SIGTERM to the trainer saves, and the pod launcher passes exit codes through",
     ),
     Scheduled(
-        "tests/unit/test_models_moe.py::test_moe_graph_step_with_scan_matches_unrolled_and_eager",
+        "tests/unit/test_models_moe.py::test_moe_graph_step_with_scan_matches_unrolled_and_eager*",
         (
             "tests/unit/test_models_moe.py::test_moe_scan_forward_backward_matches_the_loop",
             "tests/xla/test_moe_xla.py::test_qwen3_moe_lowers_to_one_program",
+            "tests/unit/test_stack_terms.py::test_two_scanned_forwards_in_one_program_each_pop_their_own_terms",
         ),
-        "the MoE graph step scanned: the scanned MoE layer's forward and backward, and the MoE step as one program",
+        "the MoE graph step scanned, alone and with 2 accumulation micro-batches: the scanned MoE layer's forward "
+        "and backward, the MoE step as one program, and two scanned forwards popping their own terms in one program",
     ),
     Scheduled(
         "tests/unit/test_graph_fsdp.py::test_graph_step_simple_fsdp_matches_single_process",

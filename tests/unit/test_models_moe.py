@@ -292,12 +292,15 @@ def test_moe_scan_forward_backward_matches_the_loop():
         torch.testing.assert_close(grad, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item(), msg=name)
 
 
-@pytest.mark.slow  # ~30 s: captures two graph steps (unrolled and scanned)
-def test_moe_graph_step_with_scan_matches_unrolled_and_eager():
+@pytest.mark.slow  # ~60 s: captures three graph steps (unrolled, scanned, scanned with accumulation)
+@pytest.mark.parametrize("accum", [1, 2])
+def test_moe_graph_step_with_scan_matches_unrolled_and_eager(accum):
     """The graph trainer's step with layer scan (aux_loss_coef 0.01) for 3 steps: losses, aux
     losses, gradient norms and the parameters after the AdamW updates equal the unrolled graph
     step's and the eager step's, within tests/unit/test_moe_trace.py's tolerances (1e-5 relative on
-    losses / norms; 2e-6 on parameters: a few ulps of AdamW over 3 steps in its linear regime)."""
+    losses / norms; 2e-6 on parameters: a few ulps of AdamW over 3 steps in its linear regime).
+    With 2 accumulation micro-batches too, which failed to capture with scan before the stack kept
+    its terms in a dict (tests/unit/test_stack_terms.py)."""
     from models.qwen3.plan import PLAN
     from parallelisms.simple_fsdp import clip_grad_norm_
     from tests.support.graph_common import batches, build_opt, lr_at, max_param_diff
@@ -312,11 +315,18 @@ def test_moe_graph_step_with_scan_matches_unrolled_and_eager():
     ]
     steps += [
         build_graph_step(
-            model=m, optimizer=o, max_norm=1.0, backend="aot_eager", aux_loss_coef=0.01, plan=PLAN, scan_layers=scan
+            model=m,
+            optimizer=o,
+            max_norm=1.0,
+            backend="aot_eager",
+            aux_loss_coef=0.01,
+            plan=PLAN,
+            scan_layers=scan,
+            grad_accum_steps=accum,
         )
         for m, o, scan in zip(models[1:], opts[1:], (False, True))
     ]
-    data = batches(3)
+    data = batches(3, accum)
     curves = []
     for step, opt in zip(steps, opts):
         curve = []
@@ -327,7 +337,7 @@ def test_moe_graph_step_with_scan_matches_unrolled_and_eager():
             curve.append((float(out.loss), float(out.aux_loss), float(out.grad_norm)))
         curves.append(curve)
     # One scan over the layers in the forward, one in the backward; none unrolled.
-    assert steps[2].stats.scans == 2 and steps[1].stats.scans == 0
+    assert steps[2].stats.scans == 2 * accum and steps[1].stats.scans == 0
     for curve in curves[1:]:
         for got, want in zip(curve, curves[0]):
             assert got == pytest.approx(want, rel=1e-5), curves

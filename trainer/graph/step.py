@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.common.stack import BlockStack
 from models.errors import ConfigError
 from parallelisms.replicate_reduce import canonical, deferred_meshes, reduce_grads
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
@@ -80,6 +81,7 @@ class GraphStep:
         self.ac_mode = ac_mode
         self.block_stacks = dict(block_stacks or {})
         """The `BlockStack`s running as scans, by attribute name in model order (empty: unrolled)."""
+        self._stacks = [m for m in model.modules() if isinstance(m, BlockStack)]
         self._scan_context = scan_context
         self._loss_context = loss_context
         self._loss_fn = loss_fn
@@ -137,6 +139,8 @@ class GraphStep:
         # point the stacked storage and the update slots at what model and optimizer hold now.
         for stack in self.block_stacks.values():
             stack.resync_scan_storage()
+        for stack in self._stacks:  # the traced program starts from stacks that hold no terms
+            stack.forget()
         self.slots.refresh()
         self._current_slots = self.slots.slots()
         # The dp_replicate mesh each slot's gradient still has to be averaged over (None for
