@@ -129,7 +129,8 @@ FAMILIES: dict[str, ModelFamily] = {
         document_mask=True,
     ),
     # Its own attention (sinks, window + compressed keys), not the op: no document_mask, so no CP
-    # either; no TP plan (the model class's tp_refusal); blocks of several kinds, so no layer scan.
+    # either; no TP plan (the model class's tp_refusal); blocks of several kinds: layer scan runs the
+    # hash-routed ones unrolled, then the periodic rest (models/common/stack.py `scan_layout`).
     "deepseek_v4": ModelFamily(
         name="deepseek_v4",
         args_cls=deepseek_v4.DeepSeekV4Args,

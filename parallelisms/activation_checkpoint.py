@@ -153,10 +153,16 @@ def _checkpointed_class(base: type, mode: str) -> type:
 
 def apply_ac(model: nn.Module, *, plan: ModelPlan, mode: str) -> nn.Module:
     """Checkpoint every block of `model` (children of the plan's stacks) in place."""
+    checkpoint_blocks([block for _, block in plan.iter_blocks(model)], mode)
+    return model
+
+
+def checkpoint_blocks(blocks: list[nn.Module], mode: str) -> None:
+    """Checkpoint `blocks` in place as `apply_ac` does (a class swap: keys and hooks unchanged);
+    also a layer scan's unrolled prefix (trainer/graph/step.py `_enable_scans`)."""
     run = checkpoint_fn(mode)  # validates mode
     if run is _no_checkpoint:
-        return model
-    for _, block in plan.iter_blocks(model):
+        return
+    for block in blocks:
         assert not hasattr(type(block), "_ac_base"), "activation checkpointing applied twice"
         block.__class__ = _checkpointed_class(type(block), mode)
-    return model

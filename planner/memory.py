@@ -299,6 +299,7 @@ def estimate(
     moe_capacity_factor: float = 0.0,
     quantize: QuantizePlan | None = None,
     moe_layers: float | None = None,
+    scan_layout: tuple[int, int] | None = None,
 ) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
@@ -311,7 +312,9 @@ def estimate(
     (the dispatch buffers of `ep_dispatch_bytes`, the blocks' expert rows of `capacity_saved_delta`;
     `moe_layers`: how many blocks are MoE, default all; a pipeline rank's: its MoE blocks times its
     micro-batches in flight, planner/pipeline.py). `quantize`: the `[quantize]` plan (the
-    low-precision copies of `planner.low_precision`, in the block backward)."""
+    low-precision copies of `planner.low_precision`, in the block backward). `scan_layout`: with
+    `stacked`, (k, p) of a stack scanned after an unrolled prefix (`planner.shard.scan_layout`,
+    DeepSeek-V4); None: the activations' `period`, no prefix."""
     loss_parallel = loss_parallel and parallel_dims.tp > 1
     memory, block, muon = _memory_terms(
         activations,
@@ -330,6 +333,7 @@ def estimate(
         moe_capacity_factor=moe_capacity_factor,
         quantize=quantize,
         moe_layers=moe_layers,
+        scan_layout=scan_layout,
     )
     est = Estimate(
         model=model,
@@ -381,6 +385,7 @@ def _memory_terms(
     moe_capacity_factor: float,
     quantize: QuantizePlan | None,
     moe_layers: float | None,
+    scan_layout: tuple[int, int] | None = None,
 ) -> tuple[dict, BlockTransient, int]:
     """`estimate`'s memory fields of `Estimate` (state, saved activations and weights, transients,
     scan flips, the undonated update), the block transient's terms and Muon's local matrix elements."""
@@ -398,11 +403,23 @@ def _memory_terms(
         moe_layers=moe_layers,
     )
     period = acts.period if stacked else 1
+    prefix = 0
+    if stacked and scan_layout is not None and scan_layout[0] + 2 * scan_layout[1] <= shape.n_layers:
+        # a stack scanned after an unrolled prefix (models/common/stack.py `scan_layout`: DeepSeek-V4's
+        # hash-routed blocks); the period's blocks counted alike (the activation model's per block)
+        prefix, period = scan_layout
+        if period != acts.period:
+            acts = dataclasses.replace(acts, period=period, period_none=period * acts.per_block_none)
+    # the prefix runs outside the scan body, its blocks checkpointed as the unscanned step's
+    # (trainer/graph/step.py `_enable_scans`): each keeps `per_block`
+    unrolled = prefix * acts.per_block
     if period > 1 and ac_mode in ("full", "full_save_attention"):
         # a hybrid stack scanned one period per step (models/common/stack.py `scan_period`): the scan
         # saves each period's input, and its backward recomputes the period's blocks at once
         acts = dataclasses.replace(
-            acts, blocks=shape.n_layers // period * acts.per_block, per_block_none=acts.period_none
+            acts,
+            blocks=(shape.n_layers - prefix) // period * acts.per_block + unrolled,
+            per_block_none=acts.period_none,
         )
     local = stats.param_numel
     muon, moments, muon_update = _optimizer_bytes(stats, optimizer=optimizer, stacked=stacked)
@@ -431,8 +448,11 @@ def _memory_terms(
         transient_block=block.total,
         fused_loss=fused_loss,
         # torch's scan autograd flips every stacked input of the backward scan: the saved block
-        # inputs and the fp32 parameter shards (measured on a captured 70B step: exact).
-        scan_flips=acts.blocks + 4 * stats.blocks_numel if scan_flips else 0,
+        # inputs and the fp32 parameter shards (measured on a captured 70B step: exact); not the
+        # unrolled prefix's (its share of the blocks' parameters taken as its share of the blocks)
+        scan_flips=acts.blocks - unrolled + 4 * stats.blocks_numel * (shape.n_layers - prefix) // shape.n_layers
+        if scan_flips
+        else 0,
         update=4 * local + moments if undonated_update else 0,
         optimizer_name=optimizer,
         muon_update=muon_update,

@@ -20,7 +20,7 @@ from planner.activations import DeltaRuleShape, activation_bytes
 from planner.deepseek import is_mla, mla_activation_bytes
 from planner.deepseek_v4 import is_deepseek_v4, v4_activation_bytes
 from planner.memory import RECOMPUTE_RANK, Estimate, estimate
-from planner.shard import fake_process_group, shard_model
+from planner.shard import fake_process_group, scan_layout, shard_model
 from planner.targets import Target
 
 # See planner/targets.py: a torch-only leaf, the FLOP convention the trainer's MFU uses.
@@ -408,6 +408,7 @@ def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
         scan_flips=bool(step and step.scan_flips),
         undonated_update=bool(step and step.undonated_update),
         stacked=bool(step and step.scan),
+        scan_layout=scan_layout(inputs.args) if step and step.scan else None,
         optimizer=inputs.step.optimizer if inputs.step is not None else "adamw",
         moe_capacity_factor=inputs.step.moe_capacity_factor if inputs.step is not None else 0.0,
         quantize=inputs.quantize,

@@ -262,6 +262,20 @@ def _block_period(args: ModelArgs) -> int | None:
     return period if args.n_layers % period == 0 else None
 
 
+def scan_layout(args: ModelArgs) -> tuple[int, int] | None:
+    """(k, p) with which layer scan runs a stack whose blocks differ along it by `args`
+    (DeepSeek-V4: the attention kind of `layer_kinds` and the first `num_hash_layers`
+    hash-routed blocks): k blocks unrolled, then the rest p per scan step (the stack's own
+    `BlockStack.scan_layout`, from the same `periodic_layout`; flash: 3, 2). None for the other
+    families (the activation model's `period`, no prefix) and for a schedule without a periodic
+    tail (whose scan is refused)."""
+    if not hasattr(args, "layer_kinds"):
+        return None
+    from models.common.stack import periodic_layout
+
+    return periodic_layout([(kind, args.is_hash_layer(i)) for i, kind in enumerate(args.layer_kinds())])
+
+
 def _probe_plan(args: ModelArgs, prefixes: tuple[str, ...], probe: bool) -> tuple[bool, ModelArgs, dict[str, int]]:
     """(whether to probe, the args to shard, each probed stack's length). A one-block probe
     replaces n_layers; DeepSeek-V3's dense + MoE stacks are probed with one block each; other

@@ -26,13 +26,21 @@ p blocks run in order (`PeriodGroup`), each of their parameters `j.name` is stac
 `[n_layers / p, *shape]` over the blocks j, j + p, j + 2p, ..., and the per-layer outputs come
 out `[n_layers / p, k]` (aux) and `[n_layers / p, k, E]` (loads, k the group's MoE blocks),
 flattened back to layer order. With p = 1 nothing changes.
+
+A stack whose first blocks differ from a periodic rest (DeepSeek-V4: three hash-routed blocks,
+then CSA and HCA blocks alternating) is scanned with an unrolled prefix (`scan_layout`: the
+smallest k, then the smallest p, such that blocks k.. repeat with period p over at least two scan
+steps): blocks 0..k-1 keep their own parameters and run as the plain loop before the scan of
+blocks k.. (template `k`, or the `PeriodGroup` of blocks k..k+p-1; row r of `j.name` is block
+k + r p + j's). Their aux terms are added to the scan's, their loads come first (layer order). With
+k = 0 (every stack whose blocks repeat from block 0) nothing changes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,15 +85,7 @@ class BlockStack(nn.ModuleDict):
         compiled with layer scan, else the loop."""
         if self._scan is not None and torch.compiler.is_compiling():
             return self._scan_forward(h, args)
-        aux_total, loads = None, []
-        for block in self.values():
-            out = block(h, *args)
-            if isinstance(out, tuple):
-                h, aux, load = out
-                aux_total = aux if aux_total is None else aux_total + aux
-                loads.append(load)
-            else:
-                h = out
+        h, aux_total, loads = _run_blocks(self.values(), h, args)
         return h, aux_total, torch.stack(loads) if loads else None
 
     def pop_aux_loss(self) -> torch.Tensor | None:
@@ -115,66 +115,75 @@ class BlockStack(nn.ModuleDict):
         scan body. Parameters that are DTensors are stacked by their local shards. Call it on
         materialized parameters, after any parallelism has replaced them.
         """
-        period = self.scan_period()
-        if period > 1:
-            self._enable_periodic_scan(period, param_fn)
-            return
+        prefix, period = self.scan_layout()
         blocks = list(self.values())
-        template = blocks[0]
+        tail = blocks[prefix:]
+        if period > 1:
+            # row r of `j.name` is block prefix + r * period + j's (`scan_layout` checked they match)
+            groups = [tail[r : r + period] for r in range(0, len(tail), period)]
+            template = PeriodGroup(groups[0])
+
+            def tensors_of(name: str, is_param: bool) -> list[torch.Tensor]:
+                j, _, inner = name.partition(".")
+                return [_stored(group[int(j)], inner, is_param) for group in groups]
+
+            self._stack(template, tensors_of, param_fn, blocks[:prefix])
+            return
+        template = tail[0]
         param_names = [n for n, _ in template.named_parameters()]
         buffer_names = [n for n, _ in template.named_buffers()]
-        for i, block in enumerate(blocks):
+        # Reached with blocks that differ only without a scan layout: name the first that differs,
+        # and say that no tail repeats either.
+        why = "" if prefix else ", and no tail of the stack (blocks k..) repeats over two or more scan steps"
+        for i, block in enumerate(tail, start=prefix):
             if type(block) is not type(template):
                 raise ValueError(
-                    f"layer scan: block {i} is a {type(block).__name__}, block 0 a "
-                    f"{type(template).__name__}; scanned blocks must be identical; allowed: compile.scan_layers = false"
+                    f"layer scan: block {i} is a {type(block).__name__}, block {prefix} a "
+                    f"{type(template).__name__}; scanned blocks must be identical{why}; "
+                    "allowed: compile.scan_layers = false"
                 )
             names = [n for n, _ in block.named_parameters()] + [n for n, _ in block.named_buffers()]
             if names != param_names + buffer_names:
                 raise ValueError(
-                    f"layer scan: block {i} has different parameters/buffers than block 0; "
+                    f"layer scan: block {i} has different parameters/buffers than block {prefix}{why}; "
                     "allowed: compile.scan_layers = false"
                 )
-        self._stack(template, lambda name, is_param: [_stored(b, name, is_param) for b in blocks], param_fn)
+        self._stack(
+            template, lambda name, is_param: [_stored(b, name, is_param) for b in tail], param_fn, blocks[:prefix]
+        )
+
+    def scan_layout(self) -> tuple[int, int]:
+        """(k, p): layer scan runs blocks 0..k-1 unrolled, then blocks k.. p per scan step
+        (`periodic_layout` of the blocks' signatures: block i and block i + p of the same class,
+        parameter and buffer names, local shapes and dtypes). (0, 1) for identical blocks, and for
+        blocks without such a layout (a stack of one block; blocks that do not repeat, whose scan
+        `enable_scan` refuses with the first block that differs)."""
+        return periodic_layout([_signature(b) for b in self.values()]) or (0, 1)
 
     def scan_period(self) -> int:
-        """The smallest p (dividing the stack's length, < the length) with which the blocks repeat:
-        block i and block i + p of the same class, parameter and buffer names, local shapes and
-        dtypes; 1 for identical blocks (and for blocks that do not repeat, whose scan
-        `enable_scan` refuses with block 1's difference)."""
-        sigs = [_signature(b) for b in self.values()]
-        n = len(sigs)
-        for p in range(1, n):
-            if n % p == 0 and all(sigs[i] == sigs[i % p] for i in range(n)):
-                return p
-        return 1
+        """The p of `scan_layout`: with no prefix, the smallest p (dividing the stack's length, <
+        the length) with which the blocks repeat; 1 for identical blocks."""
+        return self.scan_layout()[1]
 
     def scan_template(self) -> nn.Module:
-        """The module the scan body calls: the first block this stack holds (a pipeline stage's
-        stack may not hold "0"), or with a period p > 1 the `PeriodGroup` of its first p blocks."""
+        """The module the scan body calls: the first block this stack scans (block k of
+        `scan_layout`; a pipeline stage's stack may not hold "0"), or with a period p > 1 the
+        `PeriodGroup` of blocks k..k+p-1."""
         if self._scan is not None:  # fixed by enable_scan: never re-derived while a step is traced
             return self._scan.template
         blocks = list(self.values())
-        period = self.scan_period()
-        return blocks[0] if period == 1 else PeriodGroup(blocks[:period])
+        prefix, period = self.scan_layout()
+        return blocks[prefix] if period == 1 else PeriodGroup(blocks[prefix : prefix + period])
 
-    def _enable_periodic_scan(self, period: int, param_fn) -> None:
-        """`enable_scan` for blocks that repeat with `period`: row k of `j.name` is block
-        k * period + j's `name` (`scan_period` checked the blocks match)."""
-        blocks = list(self.values())
-        groups = [blocks[k : k + period] for k in range(0, len(blocks), period)]
-        template = PeriodGroup(groups[0])
+    def scan_prefix(self) -> tuple[nn.Module, ...]:
+        """The blocks layer scan runs unrolled before the scan (`scan_layout`'s k, in order; ()
+        before `enable_scan`)."""
+        return self._scan.prefix if self._scan is not None else ()
 
-        def tensors_of(name: str, is_param: bool) -> list[torch.Tensor]:
-            j, _, inner = name.partition(".")
-            return [_stored(group[int(j)], inner, is_param) for group in groups]
-
-        self._stack(template, tensors_of, param_fn)
-
-    def _stack(self, template: nn.Module, tensors_of: Callable, param_fn) -> None:
+    def _stack(self, template: nn.Module, tensors_of: Callable, param_fn, prefix: list[nn.Module]) -> None:
         """For every parameter and buffer `name` of `template`, stack `tensors_of(name, is_param)`
         (one tensor per scan step, the local shard of a DTensor) into one tensor whose rows they
-        then view; the scan state."""
+        then view; the scan state (`prefix`: the blocks run unrolled before the scan)."""
         param_names = [n for n, _ in template.named_parameters()]
         buffer_names = [n for n, _ in template.named_buffers()]
         stacked: dict[str, torch.Tensor] = {}
@@ -211,6 +220,7 @@ class BlockStack(nn.ModuleDict):
             members=members,
             param_fn=param_fn,
             template=template,
+            prefix=tuple(prefix),
         )
 
     def stacked_parameters(self) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -235,6 +245,8 @@ class BlockStack(nn.ModuleDict):
 
         state = self._scan
         template = state.template  # a pipeline stage's stack may not hold "0"
+        # the unrolled prefix (scan_layout's k blocks), as `terms`' loop
+        h, aux, loads = _run_blocks(state.prefix, h, args)
 
         def body(carry: torch.Tensor, row: dict[str, torch.Tensor]):
             params = {n: row[n] for n in state.param_names}
@@ -250,10 +262,14 @@ class BlockStack(nn.ModuleDict):
         h, ys = scan(body, h, state.stacked)
         # ys[0] is [n_layers]: the layers' aux terms, summed here as the loop sums them; ys[1] the
         # loads [n_layers, E] ([n_layers / p, k, E] with a period: flattened to layer order).
-        if not ys:
-            return h, None, None
-        loads = ys[1].flatten(0, 1) if ys[1].dim() == 3 else ys[1]
-        return h, ys[0].sum(), loads.detach()
+        if ys:
+            aux = ys[0].sum() if aux is None else aux + ys[0].sum()
+            loads.append(ys[1].flatten(0, 1) if ys[1].dim() == 3 else ys[1])
+        if not loads:
+            return h, aux, None
+        # the prefix's loads [E] each, then the scan's rows: layer order
+        rows = [load.unsqueeze(0) if load.dim() == 1 else load for load in loads]
+        return h, aux, torch.cat(rows).detach()
 
 
 @dataclass
@@ -266,7 +282,9 @@ class _ScanState:
     """name -> each block's parameter/buffer object (DTensor or plain), in layer order."""
     param_fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None
     template: nn.Module
-    """What the body calls: the stack's first block, or a periodic scan's `PeriodGroup`."""
+    """What the body calls: the first scanned block, or a periodic scan's `PeriodGroup`."""
+    prefix: tuple[nn.Module, ...] = ()
+    """The blocks run unrolled before the scan (`scan_layout`'s k), in order."""
 
 
 class PeriodGroup(nn.Module):
@@ -291,6 +309,35 @@ class PeriodGroup(nn.Module):
             else:
                 h = out
         return (h, torch.stack(auxes), torch.stack(loads)) if auxes else h
+
+
+def periodic_layout(signatures: Sequence[Hashable]) -> tuple[int, int] | None:
+    """(k, p) for a stack of blocks with these signatures: the smallest k, then the smallest p,
+    such that blocks k.. repeat with period p (block i's signature is block k + (i - k) % p's) over
+    at least two scan steps ((n - k) % p == 0, n - k >= 2p); None when no k has one."""
+    n = len(signatures)
+    for k in range(n - 1):
+        rest = n - k
+        for p in range(1, rest // 2 + 1):
+            if rest % p == 0 and all(signatures[i] == signatures[k + (i - k) % p] for i in range(k, n)):
+                return k, p
+    return None
+
+
+def _run_blocks(
+    blocks: Iterable[nn.Module], h: torch.Tensor, args: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """The plain loop: (h after `blocks` in order, the sum of their aux terms or None, their loads)."""
+    aux_total, loads = None, []
+    for block in blocks:
+        out = block(h, *args)
+        if isinstance(out, tuple):
+            h, aux, load = out
+            aux_total = aux if aux_total is None else aux_total + aux
+            loads.append(load)
+        else:
+            h = out
+    return h, aux_total, loads
 
 
 def _signature(block: nn.Module) -> tuple:

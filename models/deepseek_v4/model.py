@@ -4,9 +4,10 @@ compressed (CSA, sparse) or heavily compressed (HCA) KV entries, and a hash- or 
 Layout: `tok_embeddings` -> copies into `hc_mult` streams [B, S, n, D] -> `layers` (a
 `BlockStack` of `DeepSeekV4Block`) -> `hc_head` (streams collapsed) -> `norm` -> `output`.
 The blocks differ in their attention's parameters (a sliding block has no compressor, a CSA
-block an indexer) and in their router's buffers (a hash table, or a selection bias), so the stack
-cannot be scanned (layer scan refuses it when the step is built); activation checkpointing and
-per-block compile take the blocks as they are.
+block an indexer) and in their router's buffers (a hash table, or a selection bias): layer scan
+runs the first blocks unrolled and scans the periodic rest (`BlockStack.scan_layout`; flash: the 3
+hash-routed blocks, then CSA / HCA x 20; a schedule without a periodic tail is refused when the
+step is built); activation checkpointing and per-block compile take the blocks as they are.
 
 Attention with sinks: a sliding block ("s") calls the op `models.common.ops.sink_attention` (the
 window alone: splash with sinks on TPU, SDPA with the sink as one more key elsewhere). A CSA or

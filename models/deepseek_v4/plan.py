@@ -1,7 +1,8 @@
 """Parallel plan of DeepSeek-V4: FSDP, activation checkpointing, EP and tensor parallelism.
 
-The block stack is `layers` (what activation checkpointing and per-block compile act on; layer
-scan refuses it: its blocks differ, models/deepseek_v4/model.py).
+The block stack is `layers` (what activation checkpointing, per-block compile and layer scan act
+on; layer scan runs the hash-routed blocks unrolled, then the periodic rest: models/common/stack.py
+`scan_layout`).
 
 TP (TorchTitan's decoder layout, with sequence parallelism): between blocks the `hc_mult` streams
 [b, s, n, D] are sequence-sharded (dim 1), as the other decoders' residual stream. The

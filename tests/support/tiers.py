@@ -2077,6 +2077,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "the chunked delta rule, minutes): the default tier stacks the periods and runs the MoE scan",
     ),
     Scheduled(
+        "tests/unit/test_deepseek_v4_scan.py::test_prefix_*",
+        (
+            "tests/unit/test_deepseek_v4_scan.py::test_a_stack_scans_its_periodic_rest_after_the_prefix",
+            "tests/unit/test_deepseek_v4_scan.py::test_the_hash_blocks_are_an_unrolled_prefix",
+            "tests/unit/test_models_moe.py::test_moe_scan_forward_backward_matches_the_loop",
+        ),
+        "DeepSeek-V4's stack scanned after its hash-routed prefix (a dynamo trace of its blocks, seconds; "
+        "the graph step's captures, minutes): the default tier scans a toy stack after its prefix, checks "
+        "V4's layouts and stacked rows, and runs the MoE scan",
+    ),
+    Scheduled(
         "tests/e2e/test_devices.py::test_cpu_pipeline_meets_the_cuda_bound_under_another_summation_order",
         (
             "tests/e2e/test_train_e2e.py::test_fp32_and_grad_accumulation",

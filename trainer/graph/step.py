@@ -358,7 +358,7 @@ def build_graph_step(
     plan = plan if plan is not None else ModelPlan()
     block_stacks, scan_context = {}, contextlib.nullcontext
     if scan_layers:
-        block_stacks, scan_context = _enable_scans(model, plan)
+        block_stacks, scan_context = _enable_scans(model, plan, ac_mode)
     return GraphStep(
         model=model,
         optimizer=optimizer,
@@ -382,14 +382,17 @@ def build_graph_step(
     )
 
 
-def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callable]:
+def _enable_scans(model: nn.Module, plan, ac_mode: str = "none") -> tuple[dict[str, nn.Module], Callable]:
     """Turn on layer scan for every stack of `plan`; return the stacks and the step's context.
 
     Each stack is scanned on its own (its own stacked parameters, its own template block and,
     under SimpleFSDP, its own per-row gather), so stacks of different block types (FLUX's
-    double- and single-stream blocks) each become one scan in the graph.
+    double- and single-stream blocks) each become one scan in the graph. A stack's unrolled
+    prefix (`BlockStack.scan_layout`: DeepSeek-V4's hash-routed blocks) runs outside the scan
+    body, so `ac_mode` checkpoints its blocks as the unscanned step's are (`checkpoint_blocks`).
     """
     from models.common.stack import BlockStack
+    from parallelisms.activation_checkpoint import checkpoint_blocks
     from parallelisms.scan import scan_param_fn
 
     stacks: dict[str, BlockStack] = {}
@@ -405,11 +408,12 @@ def _enable_scans(model: nn.Module, plan) -> tuple[dict[str, nn.Module], Callabl
         param_fn, context = scan_param_fn(stack, name=name)
         try:
             stack.enable_scan(param_fn=param_fn)
-        except ValueError as e:  # blocks that differ (deepseek_v4: sliding / CSA / HCA, hash / learned)
-            reason = str(e).removeprefix("layer scan: ").split(";")[0]
+        except ValueError as e:  # blocks that differ with no periodic tail (`BlockStack.scan_layout`)
+            reason = str(e).removeprefix("layer scan: ").split("; allowed:")[0].replace("; ", ": ")
             raise ConfigError(
                 f"compile.scan_layers: the model's `{name}` cannot be scanned ({reason}); allowed: false for this model"
             ) from None
+        checkpoint_blocks([b for b in stack.scan_prefix() if not hasattr(type(b), "_ac_base")], ac_mode)
         contexts.append(context)
 
     @contextlib.contextmanager

@@ -141,7 +141,8 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     BuildCheck(
         "compile.scan_layers",
         "trainer.graph.step:_enable_scans",
-        "a model whose block stack is not a BlockStack, or whose blocks differ (deepseek_v4)",
+        "a model whose block stack is not a BlockStack, or whose blocks do not repeat from any block on "
+        "(no blocks k.. of a period over two or more scan steps: the deepseek_v4 debug flavor)",
     ),
     BuildCheck(
         "compile.scan_layers",
