@@ -342,7 +342,7 @@ class Job:
                 fused=plan.fused_loss,
                 moe=moe,
             )
-        return build_graph_step(
+        step = build_graph_step(
             model=self.model,
             optimizer=self.optimizer,
             plan=self.plan.family.plan,
@@ -362,6 +362,8 @@ class Job:
             replicate_dtype=torch_dtype(t.replicate_reduce_dtype),
             pp_mesh=pp,
         )
+        step.capture.offload = plan.scan_offload  # `[activation_checkpoint] offload` (a graph pass)
+        return step
 
 
 def _capture_only(plan: StepPlan) -> StepPlan:

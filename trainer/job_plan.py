@@ -97,6 +97,7 @@ def _recipe_step_facts(cfg: Config) -> dict[str, Any]:
         backend=cfg.compile.backend,
         scan_layers=cfg.compile.scan_layers,
         ac_mode=cfg.activation_checkpoint.mode,
+        ac_offload=cfg.activation_checkpoint.offload,
         loss_parallel=cfg.parallelism.enable_loss_parallel,
         fused_loss=cfg.training.fused_loss,
         document_mask=cfg.training.document_mask,

@@ -138,6 +138,8 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, caller_loss=True),
         StepRequest(qk_clip=True, mode="graph"),
+        StepRequest(ac_offload="all"),
+        StepRequest(ac_offload="block_inputs", mode="graph", scan_layers=True, ac_mode="selective"),
         StepRequest(qk_clip=True, cp_degree=2),
         StepRequest(cp_degree=2, model_document_mask=True, device_type="tpu", seq_len=1000),
         StepRequest(cp_degree=2, model_document_mask=True, seq_len=8, linear_conv_halo=3),
@@ -422,3 +424,26 @@ def test_the_cp_tile_is_splash_s():
     text = (Path(__file__).resolve().parents[2] / "titan_kernels" / "tpu" / "splash.py").read_text()
     assert re.search(r"^TILE = tiles\.SPLASH_TILE$", text, re.M), "splash.py's TILE is no longer tiles.SPLASH_TILE"
     assert SPLASH_TILE == CP_TILE
+
+
+def test_ac_offload_needs_graph_scan_and_full_checkpointing():
+    """`[activation_checkpoint] offload = "block_inputs"` rewrites the layer scan's saved block
+    inputs (trainer/graph/passes.py `offload_block_inputs_pass`): one rule refuses it elsewhere
+    with one line naming the key, and the plan carries it to the scanned step only."""
+    from trainer.job import plan_job
+
+    graph = dict(compile__mode="graph", compile__scan_layers="true", activation_checkpoint__offload="block_inputs")
+    for ac in ("none", "selective", "full_save_attention"):
+        with pytest.raises(
+            ConfigError, match=r"^activation_checkpoint\.offload: block_inputs needs .*allowed otherwise: none$"
+        ):
+            plan_job(_cfg(**graph, activation_checkpoint__mode=ac), world_size=1, device_type="cpu")
+    with pytest.raises(ConfigError, match=r"^activation_checkpoint\.offload: block_inputs needs"):
+        plan_job(
+            _cfg(**{**graph, "compile__scan_layers": "false"}, activation_checkpoint__mode="full"),
+            world_size=1,
+            device_type="cpu",
+        )
+    plan = plan_job(_cfg(**graph, activation_checkpoint__mode="full"), world_size=1, device_type="cpu")
+    assert plan.step_plan.scan_offload == "block_inputs"
+    assert _plan(mode="graph", scan_layers=True, ac_mode="full").scan_offload == "none"

@@ -21,7 +21,7 @@ from trainer.checkpoint import ASYNC_MODES, HF_CONFIG_MISMATCH, INITIAL_LOAD_FOR
 from trainer.optim import DECAY_TYPES, OPTIMIZERS
 from trainer.runtime.device import COMPUTE_DTYPES, DEVICE_TYPES, HOST_MALLOC, PROBE_DTYPES
 from trainer.runtime.tpu_env import FLAG_BUNDLES
-from trainer.step.plan import BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES, ROUTINGS
+from trainer.step.plan import AC_OFFLOADS, BACKENDS, DOCUMENT_POSITIONS, FUSED_LOSS, MODES, ROUTINGS
 from trainer.tasks.flow import TIMESTEP_SAMPLING
 
 
@@ -353,6 +353,13 @@ class ActivationCheckpointConfig:
     the backward does not run the attention forward again: MaxText's policies that save the
     attention output, TorchTitan's SAC saving SDPA; 2 x head width + 4 x heads bytes per token
     and block more than full). The modes and what each keeps: parallelisms/activation_checkpoint.py."""
+    offload: str = field(default="none", metadata=_choices(*AC_OFFLOADS))
+    """none, or block_inputs: the block inputs the layer scan saves for the backward
+    (`[n_layers, batch, seq, dim]`, the largest activation term with full checkpointing) are
+    stacked in host memory one row per block and read back row by row in the backward (MaxText's
+    `decoder_layer_input=offload`). Needs compile.mode = "graph", scan_layers = true and mode =
+    "full". On TPU the rows go to pinned host memory; on the CPU they are plain copies (same
+    numbers); on CUDA nothing moves. docs/graph_trainer.md#host-offload-of-the-saved-block-inputs."""
 
 
 @dataclass

@@ -60,6 +60,10 @@ class CaptureBackend:
         Inductor rewrite when set (the XLA tier needs the scan op, so it leaves this off)."""
         self.gloo_all_to_all = gloo_all_to_all
         """Reduce-scatters on gloo groups as all-to-alls (`gloo_reduce_scatter_pass`)."""
+        self.offload = "none"
+        """`[activation_checkpoint] offload` (trainer.graph.passes.AC_OFFLOADS): block_inputs keeps
+        the block inputs the forward scans save in host memory (`offload_block_inputs_pass`);
+        set by the job (trainer/job.py) for graph + scan + full AC."""
         self.fence_remat = self.passes_as == "tpu" if fence_remat is None else fence_remat
         """Fence recomputed ops with optimization barriers, or XLA's CSE undoes checkpointing;
         default: the `tpu` backend. The XLA tier (aot_eager capture, torchax lowering) sets it."""
@@ -129,6 +133,7 @@ class CaptureBackend:
             decompositions=decompositions,
             fence_remat=self.fence_remat,
             gloo_all_to_all=self.gloo_all_to_all,
+            offload=self.offload,
         )
         self.graph_module = graph
         if self.dump_path:

@@ -8,6 +8,9 @@ The pipeline (`run_passes`) is short and every pass does real work:
    of over flipped copies of the weights and saved activations; for torch-tpu
    `tag_reverse_scans` keeps the scan op, drops the flips and tags the body for its reverse
    lowering.
+   `offload_block_inputs` (`[activation_checkpoint] offload = "block_inputs"`, before the
+   reverse passes): the block inputs a forward scan stacks for its backward scan go to the
+   host row by row (`ao.offload` in the forward body, `ao.reload` in the backward's).
 4. `gloo_reduce_scatter` (gloo groups): reduce-scatters as all-to-alls + a local sum, the
    gradient on the wire in its dtype before the up-cast to the reduce dtype.
 5. `prefetch_all_gathers`: SimpleFSDP's all-gathers are issued `ALL_GATHER_LOOKAHEAD` gathers
@@ -36,6 +39,7 @@ import torch
 from torch import fx
 
 from trainer.graph.remat import remat_pass
+from trainer.step.plan import AC_OFFLOADS
 
 _COLLECTIVES = (
     "all_gather_into_tensor",
@@ -71,12 +75,16 @@ class GraphStats:
     """All-gathers `prefetch_all_gathers_pass` issued ahead of their use."""
     input_mutations: int = 0
     """In-place `copy_` writes back into inputs (parameters, optimizer state)."""
+    scan_offloaded_bytes: int = 0
+    """Bytes of `scan_saved_bytes` the forward scans stack in host memory (`ao.offload` rows:
+    `offload_block_inputs_pass`)."""
 
     def summary(self) -> str:
         coll = ", ".join(f"{k} {v}" for k, v in sorted(self.collectives.items())) or "none"
+        offloaded = f", {self.scan_offloaded_bytes / 2**20:.2f} MiB on the host" if self.scan_offloaded_bytes else ""
         return (
             f"nodes {self.nodes} (with subgraphs {self.nodes_total}), placeholders {self.placeholders}, "
-            f"scans {self.scans} (saved {self.scan_saved_bytes / 2**20:.2f} MiB), matmuls {self.matmuls}, "
+            f"scans {self.scans} (saved {self.scan_saved_bytes / 2**20:.2f} MiB{offloaded}), matmuls {self.matmuls}, "
             f"recomputed {self.recomputed}, prefetched gathers {self.prefetched_gathers}, input mutations {self.input_mutations}, collectives: {coll}"
         )
 
@@ -135,6 +143,13 @@ def graph_stats(gm: fx.GraphModule, *, recomputed: int = 0) -> GraphStats:
                     vals = node.meta.get("val") or ()
                     n_carry = len(node.args[1])
                     stats.scan_saved_bytes += sum(_bytes(v) for v in list(vals)[n_carry:])
+                    body = getattr(g, node.args[0].target, None)
+                    outs = body.graph.output_node().args[0] if isinstance(body, fx.GraphModule) else ()
+                    stats.scan_offloaded_bytes += sum(
+                        _bytes(v)
+                        for v, o in zip(list(vals)[n_carry:], list(outs)[n_carry:])
+                        if isinstance(o, fx.Node) and _is_ao(o, "offload")
+                    )
         for sub in _subgraphs(g):
             visit(sub, False)
 
@@ -426,6 +441,138 @@ def tag_reverse_scans(gm: fx.GraphModule) -> int:
     return done
 
 
+def _ao_ops():
+    """torch's activation-offloading ops (`torch.ops.ao.offload` / `reload`, registered on import
+    of torch/_functorch/_activation_offloading/offload_ops.py), with a CPU kernel each: upstream's
+    kernels copy on an accelerator's transfer stream and raise "Accelerator expected" on a CPU
+    tensor; here a CPU row is copied (the host copy is a plain copy: same values). Idempotent."""
+    from torch._functorch._activation_offloading import offload_ops
+
+    if not _AO_CPU:
+        offload_ops.offload.register_kernel("cpu")(lambda tensor: tensor.clone())
+        offload_ops.reload.register_kernel("cpu")(lambda tensor, device: tensor.to(device, copy=True))
+        _AO_CPU.append(True)
+    return torch.ops.ao.offload.default, torch.ops.ao.reload.default
+
+
+_AO_CPU: list = []
+
+
+def _is_ao(node: fx.Node, name: str) -> bool:
+    ao = getattr(torch.ops, "ao", None)
+    op = getattr(ao, name, None) if ao is not None else None
+    return node.op == "call_function" and op is not None and getattr(node.target, "_overloadpacket", None) == op
+
+
+def offload_block_inputs_pass(gm: fx.GraphModule) -> int:
+    """Keep the block inputs the forward scans save for their backward in host memory, row by row.
+
+    With layer scan and full activation checkpointing, the forward scan's body emits its carry
+    (the block's input) as a per-step output, `clone(carry)`, which the scan stacks into
+    `[n_layers, ...]` for the backward scan (torch's scan autograd); that stack is the largest
+    activation term. For each forward scan whose stacked block inputs only the backward scan
+    reads (directly, or through torch 2.13's `flip`), this pass
+    - wraps the emitted row in `ao.offload` inside the forward body (the stack is built on the host);
+    - wraps the row the backward body reads in `ao.reload` (back to the compute device) before
+      its uses. torch-tpu 0.2.0 keeps a scan-body operand that `ao.reload` reads in pinned host
+      memory (torch_tpu/_internal/compile/scan.py `_pin_offloaded_body_args`); the TPU program
+      compile (tools/tpu_compile_worker.py) lowers the pair to `jax.device_put` into the
+      `pinned_host` memory space and back: MaxText's `decoder_layer_input=offload`.
+    On the CPU both ops are copies (`_ao_ops`), so the step's numbers do not change. On CUDA the
+    pass leaves the graph alone (upstream's CUDA kernels are asynchronous and need `ao.wait_tensor`
+    pairs, which this pass does not place). Run before
+    `tag_reverse_scans` / `scan_reverse_pass`. A body another scan also uses is copied first.
+    Returns the number of stacked outputs moved."""
+    import copy
+
+    offload, reload = _ao_ops()
+    scans = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan))
+    body_uses = Counter(n.args[0].target for n in scans)
+
+    def own_body(node: fx.Node) -> fx.GraphModule:
+        combine = node.args[0]
+        if body_uses[combine.target] > 1:
+            name = _fresh_attr(gm, f"{combine.target}_offload")
+            gm.register_module(name, copy.deepcopy(getattr(gm, combine.target)))
+            body_uses[combine.target] -= 1
+            body_uses[name] += 1
+            with gm.graph.inserting_before(node):
+                fresh = gm.graph.get_attr(name)
+            fresh.meta.update(combine.meta)
+            node.args = (fresh, *node.args[1:])
+            if not combine.users:
+                gm.graph.erase_node(combine)
+            return getattr(gm, name)
+        return getattr(gm, combine.target)
+
+    done = 0
+    for fwd in scans:
+        body = getattr(gm, fwd.args[0].target)
+        n_carry = len(fwd.args[1])
+        places = [n for n in body.graph.nodes if n.op == "placeholder"]
+        outs = list(body.graph.output_node().args[0])
+        rows = [
+            j
+            for j in range(n_carry, len(outs))
+            if isinstance(outs[j], fx.Node)
+            and outs[j].target is torch.ops.aten.clone.default
+            and outs[j].args[0] in places[:n_carry]
+            and getattr(outs[j].meta.get("val"), "device", torch.device("cpu")).type != "cuda"
+        ]
+        moves = []
+        for j in rows:
+            items = [u for u in fwd.users if u.target is operator.getitem and u.args[1] == j]
+            readers = []  # (backward scan, index in its xs)
+            for item in items:
+                for user in item.users:
+                    via = [user] if not _is_flip0(user) else list(user.users)
+                    for bwd in via:
+                        stacked = (item, user)
+                        if (
+                            bwd is fwd
+                            or bwd.target is not torch.ops.higher_order.scan
+                            or any(a in stacked for a in (*bwd.args[1], *bwd.args[3]))
+                        ):
+                            readers = None  # read whole, or by something other than a scan's xs
+                            break
+                        readers.extend((bwd, k) for k, x in enumerate(bwd.args[2]) if x in stacked)
+                    if readers is None:
+                        break
+                if readers is None:
+                    break
+            if items and readers:
+                moves.append((j, readers))
+        if not moves:
+            continue
+        body = own_body(fwd)
+        outs = list(body.graph.output_node().args[0])
+        for j, readers in moves:
+            row = outs[j]
+            with body.graph.inserting_after(row):
+                host = body.graph.call_function(offload, (row,))
+            host.meta["val"] = row.meta.get("val")
+            outs[j] = host
+            for bwd, k in readers:
+                bbody = own_body(bwd)
+                slot = [n for n in bbody.graph.nodes if n.op == "placeholder"][len(bwd.args[1]) + k]
+                if any(_is_ao(u, "reload") for u in slot.users):
+                    continue
+                val = slot.meta.get("val")
+                with bbody.graph.inserting_after(slot):
+                    dev = bbody.graph.call_function(
+                        reload, (slot, val.device if val is not None else torch.device("cpu"))
+                    )
+                dev.meta["val"] = val
+                slot.replace_all_uses_with(dev, delete_user_cb=lambda u, dev=dev: u is not dev)
+                bbody.recompile()
+            done += 1
+        body.graph.output_node().args = (outs,)
+        body.recompile()
+    if done:
+        gm.recompile()
+    return done
+
+
 ALL_GATHER_LOOKAHEAD = 8
 """All-gathers in flight ahead of the one the step waits for (`prefetch_all_gathers_pass`):
 about one decoder block's parameters (a Llama block has 9)."""
@@ -617,6 +764,7 @@ def run_passes(
     decompositions: dict | None = None,
     fence_remat: bool = False,
     gloo_all_to_all: bool = True,
+    offload: str = "none",
 ) -> GraphStats:
     """The pass pipeline, in place on `gm`: remat, scan views, (reversed scans), (gloo
     reduce-scatters as all-to-alls: `gloo_all_to_all`), all-gather prefetch, dead-code
@@ -624,11 +772,16 @@ def run_passes(
     "loop" (or True): `scan_reverse_pass` (Inductor), tracing with `decompositions` (the
     compiler's table); "tag": `tag_reverse_scans` (torch-tpu). `fence_remat`: put the
     recomputed ops behind optimization barriers (XLA backends, trainer/graph/remat.py), and the
-    reduce-scatters' results (`fence_reduce_scatters_pass`)."""
+    reduce-scatters' results (`fence_reduce_scatters_pass`). `offload`: one of AC_OFFLOADS
+    (block_inputs: `offload_block_inputs_pass`)."""
     if reverse_scans not in (None, False, True, "loop", "tag"):
         raise ValueError(f"reverse_scans: {reverse_scans!r}; allowed: None, 'loop', 'tag'")
+    if offload not in AC_OFFLOADS:
+        raise ValueError(f"offload: {offload!r}; allowed: {', '.join(AC_OFFLOADS)}")
     recomputed = remat_pass(gm, fence=fence_remat)
     scan_transpose_view_pass(gm)
+    if offload == "block_inputs":
+        offload_block_inputs_pass(gm)
     if reverse_scans == "tag":
         tag_reverse_scans(gm)
     elif reverse_scans:

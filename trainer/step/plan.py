@@ -56,6 +56,9 @@ scan reads `flip` copies of its stacked inputs (torch's scan autograd)."""
 MODES = ("eager", "compile", "graph")
 BACKENDS = ("auto", "inductor", "aot_eager", "eager", "tpu")
 FUSED_LOSS = ("auto", "on", "off")
+AC_OFFLOADS = ("none", "block_inputs")
+"""`[activation_checkpoint] offload`: none, or block_inputs (the block inputs the layer scan saves
+for the backward kept in host memory: trainer/graph/passes.py `offload_block_inputs_pass`)."""
 TASKS = ("lm", "flow")
 DOCUMENT_POSITIONS = ("global", "restart")
 CP_TILE = 128
@@ -85,6 +88,8 @@ class StepRequest(PipelineRequest):
     """`[compile] scan_layers`."""
     ac_mode: str = "none"
     """`[activation_checkpoint] mode`."""
+    ac_offload: str = "none"
+    """`[activation_checkpoint] offload`: none | block_inputs."""
     loss_parallel: bool = False
     """`[parallelism] enable_loss_parallel`."""
     tp_degree: int = 1
@@ -292,6 +297,12 @@ RULES: tuple[Rule, ...] = (
         f"the family declares task {{r.task!r}}; allowed: a family whose task is one of {', '.join(TASKS)}",
     ),
     Rule(
+        "activation_checkpoint.offload",
+        "the value is not one of AC_OFFLOADS",
+        lambda r: r.ac_offload not in AC_OFFLOADS,
+        f"{{r.ac_offload!r}} is not allowed; allowed: {', '.join(AC_OFFLOADS)}",
+    ),
+    Rule(
         "training.document_positions",
         "the value is not one of DOCUMENT_POSITIONS",
         lambda r: r.document_positions not in DOCUMENT_POSITIONS,
@@ -331,6 +342,15 @@ RULES: tuple[Rule, ...] = (
         "scan_layers outside graph mode",
         lambda r: r.scan_layers and r.mode != "graph",
         'needs compile.mode = "graph"; allowed otherwise: false',
+    ),
+    # Host offload of the block inputs the scan saves (the layer scan's forward/backward pair
+    # with full checkpointing is what `offload_block_inputs_pass` rewrites).
+    Rule(
+        "activation_checkpoint.offload",
+        "block_inputs without graph mode, layer scan and full activation checkpointing",
+        lambda r: r.ac_offload != "none" and not (r.mode == "graph" and r.scan_layers and r.ac_mode == "full"),
+        '{r.ac_offload} needs compile.mode = "graph", compile.scan_layers = true and activation_checkpoint.mode '
+        '= "full" (here: {r.mode}, scan_layers {r.scan_layers}, {r.ac_mode}); allowed otherwise: none',
     ),
     # Scan with tensor parallelism runs the decoder TP styles in the body on local tensors
     # (parallelisms/scan.py); a plan style without a scan form is refused when the step is built
@@ -694,6 +714,8 @@ class StepPlan:
     """LM micro-batches are `(inputs, labels, segment_ids)` and the model gets the segment ids."""
     restart_positions: bool = False
     """With `document_mask`: micro-batches also carry per-document RoPE positions (4 tensors)."""
+    scan_offload: str = "none"
+    """`[activation_checkpoint] offload` of the scanned step (graph + scan + full AC); "none" otherwise."""
     pipeline: PipelinePlan | None = None
     """Pipeline parallelism (pp > 1): the schedule, stages per rank and micro-batches; None without."""
 
@@ -768,6 +790,7 @@ def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
         block_compile=resolved if r.mode == "compile" else None,
         scan=scan,
         scan_ac=r.ac_mode if scan else "none",
+        scan_offload=r.ac_offload if scan else "none",
         loss_parallel=r.loss_parallel and tp,
         fused_loss=fused,
         document_mask=r.document_mask,
