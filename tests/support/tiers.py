@@ -1482,6 +1482,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "SIGTERM to the pod launcher: SIGTERM to the trainer saves, and the pod launcher passes exit codes through",
     ),
     Scheduled(
+        "tests/e2e/test_qwen3_e2e.py::test_graph_mode_with_tp_and_loss_parallel_matches_single_process",
+        (
+            "tests/unit/test_expert_parallel.py::test_eager_step_adds_the_aux_loss_under_loss_parallel",
+            "tests/unit/test_graph_step.py::test_unrolled_matches_eager",
+        ),
+        "graph mode for Qwen 3 MoE at TP 2 with loss parallel through the trainer (two launches): the eager step "
+        "adds the DTensor LM loss and the plain aux loss the same way, and the graph step equals the eager step",
+    ),
+    Scheduled(
         "tests/unit/test_models_moe.py::test_moe_graph_step_with_scan_matches_unrolled_and_eager*",
         (
             "tests/unit/test_models_moe.py::test_moe_scan_forward_backward_matches_the_loop",

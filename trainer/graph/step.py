@@ -209,7 +209,9 @@ class GraphStep:
                 mb_load = self.balance.pop() if self.balance is not None else None
             loss = lm
             if aux is not None:
-                loss = lm + self.aux_loss_coef * aux
+                # Under loss parallel `lm` is a replicated DTensor and the aux loss a plain tensor:
+                # added as local tensors, as the eager step does (trainer/step/eager.py).
+                loss = _local(lm) + self.aux_loss_coef * aux
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
             if mb_load is not None:
                 load = mb_load if load is None else load + mb_load
