@@ -52,6 +52,8 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
     (titan_kernels/tpu/tiles.toml)."""
     from torchax import interop
 
+    from tools.xla_lowering import add_offload_lowerings
+
     def axes(name: str):
         return tuple(axis_names[i] for i in group_axes(groups[name], radices))
 
@@ -61,6 +63,8 @@ def _lowerings(env, *, axis_names: list[str], groups: dict, radices: list[int], 
     _collective_rules(env, interop.call_jax, axes, size)
     _program_rules(env, interop.call_jax, axes)
     _kernel_rules(env, interop.call_jax, generation)
+    # The layer scan's offloaded block inputs (`[activation_checkpoint] offload`) in pinned host memory.
+    add_offload_lowerings(env, host=True)
 
 
 def _collective_rules(env, call, axes, size) -> None:
@@ -321,6 +325,11 @@ MEMORY_FIELDS = (
     "alias_size_in_bytes",
     "temp_size_in_bytes",
     "generated_code_size_in_bytes",
+    "host_argument_size_in_bytes",
+    "host_output_size_in_bytes",
+    "host_alias_size_in_bytes",
+    "host_temp_size_in_bytes",
+    "peak_memory_in_bytes",
 )
 """The compiled program's `memory_analysis()` fields kept (`ProgramCompile.memory`)."""
 

@@ -179,7 +179,31 @@ def add_lowerings(env):
     env.override_op_definition(
         OPTIMIZATION_BARRIER, lambda xs: list(interop.call_jax(jax.lax.optimization_barrier, list(xs)))
     )
+    add_offload_lowerings(env, host=False)
     return env
+
+
+def add_offload_lowerings(env, *, host: bool) -> None:
+    """`torch.ops.ao.offload` / `ao.reload` (the layer scan's saved block inputs,
+    trainer.graph.passes.offload_block_inputs_pass): with `host`, `jax.device_put` into the
+    `pinned_host` memory space and back into device memory (XLA's host offloader: what MaxText's
+    remat offload emits, and the TPU program compile's rule, tools/tpu_compile_worker.py);
+    without, copies (the XLA tier on XLA:CPU, one memory)."""
+    import jax
+    from torchax import interop
+
+    from trainer.graph.passes import host_offload_ops
+
+    offload, reload = host_offload_ops()
+
+    def to_host(x):
+        return interop.call_jax(lambda a: jax.device_put(a, jax.memory.Space.Host), x) if host else x.clone()
+
+    def to_device(x, device=None):
+        return interop.call_jax(lambda a: jax.device_put(a, jax.memory.Space.Device), x) if host else x.clone()
+
+    env.override_op_definition(offload, to_host)
+    env.override_op_definition(reload, to_device)
 
 
 def _convolution_backward(

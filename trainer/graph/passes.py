@@ -441,7 +441,7 @@ def tag_reverse_scans(gm: fx.GraphModule) -> int:
     return done
 
 
-def _ao_ops():
+def host_offload_ops():
     """torch's activation-offloading ops (`torch.ops.ao.offload` / `reload`, registered on import
     of torch/_functorch/_activation_offloading/offload_ops.py), with a CPU kernel each: upstream's
     kernels copy on an accelerator's transfer stream and raise "Accelerator expected" on a CPU
@@ -478,14 +478,14 @@ def offload_block_inputs_pass(gm: fx.GraphModule) -> int:
       memory (torch_tpu/_internal/compile/scan.py `_pin_offloaded_body_args`); the TPU program
       compile (tools/tpu_compile_worker.py) lowers the pair to `jax.device_put` into the
       `pinned_host` memory space and back: MaxText's `decoder_layer_input=offload`.
-    On the CPU both ops are copies (`_ao_ops`), so the step's numbers do not change. On CUDA the
+    On the CPU both ops are copies (`host_offload_ops`), so the step's numbers do not change. On CUDA the
     pass leaves the graph alone (upstream's CUDA kernels are asynchronous and need `ao.wait_tensor`
     pairs, which this pass does not place). Run before
     `tag_reverse_scans` / `scan_reverse_pass`. A body another scan also uses is copied first.
     Returns the number of stacked outputs moved."""
     import copy
 
-    offload, reload = _ao_ops()
+    offload, reload = host_offload_ops()
     scans = list(gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.scan))
     body_uses = Counter(n.args[0].target for n in scans)
 
