@@ -76,8 +76,9 @@ def test_the_hash_blocks_are_an_unrolled_prefix():
     period 2; the hash blocks' table keeps them out of a scan of their attention kind (the same
     schedule without hash blocks scans from block 0; with 2 of them, from block 2). The debug
     flavor (HCA, CSA hash-routed, sliding, CSA) has no periodic tail: refused with both reasons.
-    Enabled on the 7-block model: the prefix blocks keep their own tensors, the stacked rows of
-    `0.*` / `1.*` view blocks 3, 5 / 4, 6, and the state-dict keys are unchanged."""
+    Enabled on the 7-block model (full AC): the prefix blocks keep their own tensors and are
+    checkpointed, the stacked rows of `0.*` / `1.*` view blocks 3, 5 / 4, 6, and the state-dict
+    keys are unchanged."""
     from models.errors import ConfigError
     from trainer.graph.step import _enable_scans
 
@@ -102,8 +103,11 @@ def test_the_hash_blocks_are_an_unrolled_prefix():
     model = _model()
     keys = list(model.state_dict())
     prefix = {id(p) for i in range(3) for p in model.layers[str(i)].parameters()}
-    model.layers.enable_scan()
+    assert _enable_scans(model, PLAN, "full")[0] == {"layers": model.layers}
     assert list(model.state_dict()) == keys
+    # the prefix runs outside the scan body: checkpointed as unrolled blocks are (the rest by the body's AC)
+    kinds = [type(b).__name__ for b in model.layers.values()]
+    assert kinds == ["CheckpointedDeepSeekV4Block"] * 3 + ["DeepSeekV4Block"] * 4, kinds
     stacked = model.layers.stacked_parameters()
     assert all(stack.shape[0] == 2 for stack, _ in stacked.values())
     assert not {id(p) for _, members in stacked.values() for p in members} & prefix
