@@ -193,11 +193,14 @@ def test_prefix_and_scan_forward_equal_the_loop():
     assert len({tuple(row.tolist()) for row in want[2]}) > 1
 
 
-def test_prefix_scan_graph_step_matches_eager():
+@pytest.mark.parametrize("ac_mode", ["none", "full"])
+def test_prefix_scan_graph_step_matches_eager(ac_mode):
     """The graph trainer's step with layer scan (3 blocks unrolled, then one forward and one
     backward scan of 2 periods) for 3 AdamW steps at aux_loss_coef 0.01: losses, aux losses,
     gradient norms and the parameters equal the eager step's (tolerances in the module
-    docstring); the expert loads of a compiled forward come out in layer order."""
+    docstring); the expert loads of a compiled forward come out in layer order. With full AC the
+    prefix is checkpointed outside the scan body and the body rematerialised (measured:
+    docs/results/deepseek_v4_prefix_scan_2026-12-07_aff5531.csv)."""
     from parallelisms.simple_fsdp import clip_grad_norm_
     from tests.support.graph_common import batches, build_opt, lr_at, max_param_diff
     from trainer.graph import build_graph_step
@@ -217,6 +220,7 @@ def test_prefix_scan_graph_step_matches_eager():
         aux_loss_coef=0.01,
         plan=PLAN,
         scan_layers=True,
+        ac_mode=ac_mode,
     )
     curves = []
     for step, opt in zip((eager, graph), opts):
