@@ -67,7 +67,6 @@ window, merged with the entries' part) removes the per-head k / v, the mask and 
 
 from __future__ import annotations
 
-from models.errors import ConfigError
 from parallelisms.activation_checkpoint import check_ac_mode
 from planner.activations import ActivationBytes
 
@@ -171,12 +170,9 @@ def v4_activation_bytes(
 
     `per_block` / `per_block_none` are the largest block's, `blocks` the sum over the stack."""
     check_ac_mode(ac_mode)
-    for key, degree in (("tensor_parallel_degree", tp), ("context_parallel_degree", cp)):
-        if degree != 1:
-            raise ConfigError(
-                f"parallelism.{key}: {degree}: the planner models DeepSeek-V4 at tp = cp = 1 only "
-                "(its MoE blocks at tp = 1 as every MoE model's; the family has no CP plan); allowed: 1"
-            )
+    # The callers never get here otherwise: the planner refuses tp > 1 for every MoE model
+    # (planner/search.py) and the rules refuse CP for this family (no document-mask plan).
+    assert tp == 1 and cp == 1, f"DeepSeek-V4's activation terms are modelled at tp = cp = 1 (got tp {tp}, cp {cp})"
     b, s, n, d = local_batch_size, seq_len, args.hc_mult, args.dim
     tokens = b * s
     kinds = args.layer_kinds()

@@ -1531,19 +1531,6 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "Kimi K2's pod recipe: the same family and planner as DeepSeek-V3's",
     ),
     Scheduled(
-        "tests/e2e/test_expert_balance.py::test_bias_trajectory_matches_single_process[[]fsdp2]",
-        (
-            "tests/e2e/test_expert_balance.py",
-            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
-        ),
-        "the balance bias on FSDP 2: the bias update's unit tests, and the MoE layer on sharded ranks",
-    ),
-    Scheduled(
-        "tests/unit/test_graph_checkpoint.py::test_scan_checkpoint_loads_without_scan_and_back",
-        ("tests/unit/test_graph_checkpoint.py::test_scan_resyncs_replaced_tensors",),
-        "a scanned run's checkpoint across scan and no scan: the scanned state's resync of replaced tensors",
-    ),
-    Scheduled(
         "tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[[]none-128]",
         ("tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[none-64]",),
         "DeepSeek-V4's activation terms at a second length (the per-head k / v and mask, quadratic in it): "
@@ -1558,6 +1545,19 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "DeepSeek-V4 Flash's header figures (10 s on the slow EPYC: its mixed blocks are sharded whole, "
         "no one-block probe): the check of the headers runs on DeepSeek-V3's, the family's terms at Flash's "
         "shape in a unit test",
+    ),
+    Scheduled(
+        "tests/e2e/test_expert_balance.py::test_bias_trajectory_matches_single_process[[]fsdp2]",
+        (
+            "tests/e2e/test_expert_balance.py",
+            "tests/unit/test_expert_parallel.py::test_qwen3_moe_matches_single_process",
+        ),
+        "the balance bias on FSDP 2: the bias update's unit tests, and the MoE layer on sharded ranks",
+    ),
+    Scheduled(
+        "tests/unit/test_graph_checkpoint.py::test_scan_checkpoint_loads_without_scan_and_back",
+        ("tests/unit/test_graph_checkpoint.py::test_scan_resyncs_replaced_tensors",),
+        "a scanned run's checkpoint across scan and no scan: the scanned state's resync of replaced tensors",
     ),
     Scheduled(
         "tests/e2e/test_lost_slice.py::*",
