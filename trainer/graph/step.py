@@ -33,7 +33,7 @@ from models.errors import ConfigError
 from parallelisms.replicate_reduce import canonical, deferred_meshes, reduce_grads
 from trainer.graph.capture import CaptureBackend, capture_config, check_torch
 from trainer.graph.optim import AdamWSlots, adamw_update_, clip_grads_, grad_reduce_axes, muon_update_
-from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
+from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs, with_aux_loss
 
 
 class GraphStep:
@@ -207,11 +207,8 @@ class GraphStep:
                 )
                 aux = self.model.pop_aux_loss()
                 mb_load = self.balance.pop() if self.balance is not None else None
-            loss = lm
+            loss = with_aux_loss(lm, aux, self.aux_loss_coef)
             if aux is not None:
-                # Under loss parallel `lm` is a replicated DTensor and the aux loss a plain tensor:
-                # added as local tensors, as the eager step does (trainer/step/eager.py).
-                loss = _local(lm) + self.aux_loss_coef * aux
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
             if mb_load is not None:
                 load = mb_load if load is None else load + mb_load
@@ -393,7 +390,6 @@ def _enable_scans(model: nn.Module, plan, ac_mode: str = "none") -> tuple[dict[s
     prefix (`BlockStack.scan_layout`: DeepSeek-V4's hash-routed blocks) runs outside the scan
     body, so `ac_mode` checkpoints its blocks as the unscanned step's are (`checkpoint_blocks`).
     """
-    from models.common.stack import BlockStack
     from parallelisms.activation_checkpoint import checkpoint_blocks
     from parallelisms.scan import scan_param_fn
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from trainer.step.loss import StepOutput, local_scalar, moe_outputs, plain_loss
+from trainer.step.loss import StepOutput, local_scalar, moe_outputs, plain_loss, with_aux_loss
 
 
 def step_if_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -79,13 +78,7 @@ class EagerStep:
                 if self.balance is not None:
                     mb_load = self.balance.pop()
                     load = mb_load if load is None else load + mb_load
-                if aux is not None:
-                    # Under loss parallel `lm` is a replicated DTensor and the MoE's aux loss a plain
-                    # tensor (the rank's own tokens'): add them as local tensors (a DTensor and a plain
-                    # tensor met in the backward's mul: MoE + TP + loss parallel failed there).
-                    lm_local = lm.to_local() if isinstance(lm, DTensor) else lm
-                loss = lm if aux is None else lm_local + self.aux_loss_coef * aux
-                (loss / n).backward()
+                (with_aux_loss(lm, aux, self.aux_loss_coef) / n).backward()
             lm_sum = lm_sum + local_scalar(lm.detach())
             if pop_mtp is not None:
                 mtp = pop_mtp()

@@ -186,6 +186,16 @@ def nll_loss(logprobs: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch
     return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
+def with_aux_loss(lm: torch.Tensor, aux: torch.Tensor | None, coef: float) -> torch.Tensor:
+    """The loss a step differentiates: `lm + coef * aux` (`lm` alone without an aux loss). Under
+    loss parallel `lm` is a replicated DTensor and the MoE's aux loss a plain tensor (the rank's
+    own tokens'): they are added as local tensors (mixed, they met in the backward's mul: MoE +
+    TP + loss parallel failed there, in the eager and the graph step)."""
+    if aux is None:
+        return lm
+    return (lm.to_local() if isinstance(lm, DTensor) else lm) + coef * aux
+
+
 def local_scalar(t: torch.Tensor) -> torch.Tensor:
     """A loss computed under loss parallel is a replicated DTensor; logging wants a plain tensor."""
     return t.full_tensor() if isinstance(t, DTensor) else t
