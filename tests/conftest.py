@@ -79,11 +79,20 @@ def pytest_collection_modifyitems(config, items):
                         "nodeid": i.nodeid,
                         "scheduled": tiers.scheduled(i.nodeid) is not None,
                         "exhaustive": i.get_closest_marker("exhaustive") is not None,
+                        "default": tiers.in_default_tier(
+                            i.nodeid, exhaustive=i.get_closest_marker("exhaustive") is not None
+                        ),
                     }
                     for i in items
                 ],
                 f,
             )
+    only = os.environ.get("TITAN_ONLY_NODEIDS")
+    if only:  # .ci/scheduled --missing: the tests its record still lacks (scripts/dev/scheduled_record.py todo)
+        wanted = set(Path(only).read_text().splitlines())
+        keep = [i for i in items if i.nodeid in wanted]
+        config.hook.pytest_deselected(items=[i for i in items if i.nodeid not in wanted])
+        items[:] = keep
     if tiers.TIER == "all":
         return
     keep, drop = [], []
@@ -186,9 +195,22 @@ def _reference_ops():
 _DURATIONS: dict[str, float] = {}
 
 
+# With TITAN_RECORD_OUTCOMES=FILE the controller also writes each test's outcome (the worst of its
+# setup, call and teardown: failed > skipped > xfailed > passed) and seconds, for the scheduled
+# tier's record (.ci/scheduled, scripts/dev/scheduled_record.py).
+_OUTCOMES: dict[str, dict] = {}
+_WORST = ("passed", "xfailed", "skipped", "failed")
+
+
 def pytest_runtest_logreport(report):
     if os.environ.get("TITAN_RECORD_DURATIONS"):
         _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if os.environ.get("TITAN_RECORD_OUTCOMES"):
+        outcome = "xfailed" if report.skipped and hasattr(report, "wasxfail") else report.outcome
+        entry = _OUTCOMES.setdefault(report.nodeid, {"outcome": "passed", "seconds": 0.0})
+        entry["seconds"] += report.duration
+        if _WORST.index(outcome) > _WORST.index(entry["outcome"]):
+            entry["outcome"] = outcome
 
 
 @pytest.hookimpl(trylast=True)  # after --durations' table: the machine's line is the log's last but one
@@ -227,6 +249,11 @@ _ISAS = (
 
 
 def pytest_sessionfinish(session, exitstatus):
+    outcomes = os.environ.get("TITAN_RECORD_OUTCOMES")
+    if outcomes and not hasattr(session.config, "workerinput"):
+        import json
+
+        Path(outcomes).write_text(json.dumps(_OUTCOMES, indent=0, sort_keys=True) + "\n")
     out = os.environ.get("TITAN_RECORD_DURATIONS")
     if out and not hasattr(session.config, "workerinput") and _DURATIONS:
         import json

@@ -6,8 +6,8 @@
 - **smoke** (`scripts/test.sh --smoke`): `SMOKE`, a minute of the default tier to run before
   every commit;
 - **scheduled** (`scripts/test.sh --all`, `.ci/scheduled`, nightly or weekly): the default tier
-  plus the tests in `SCHEDULED` and every test marked `exhaustive`. `.ci/scheduled` writes its
-  result to docs/results/scheduled_tier.json.
+  plus the tests in `SCHEDULED` and every test marked `exhaustive`. `.ci/scheduled` merges each
+  test's result into docs/results/scheduled_tier.json (whole, or in parts: `--missing`).
 
 Each entry of `SCHEDULED` names the default-tier tests that cover its mechanism (`covered_by`,
 node-id prefixes): a regression the scheduled test would catch must also fail one of those, or at
