@@ -2117,6 +2117,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "the host offload's torchax rules on XLA:CPU (a jax start-up, 10 s on the slow EPYC): the same scan "
         "pair after the pass, run by torch, bitwise equal to before it",
     ),
+    Scheduled(
+        "tests/unit/test_graph_pipeline_offload.py::test_graph_pp2_offload_matches_the_step_without",
+        (
+            "tests/unit/test_scan_offload.py::test_offload_moves_the_saved_block_inputs_and_keeps_the_numbers",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_rules",
+        ),
+        "the host offload inside graph-mode PP (2 gloo processes, two captures each, 136 s on the slow EPYC): "
+        "the same pass on a hand-built scan pair, its ops counted and its numbers bitwise equal; graph PP's rules",
+    ),
 )
 
 
