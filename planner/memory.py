@@ -53,6 +53,18 @@ picks it for speed; the search, which looks for the least recompute that fits, n
 
 assert set(RECOMPUTE_FACTOR) == set(RECOMPUTE_RANK) == set(AC_MODES), "an AC mode the planner does not model"
 
+OFFLOAD_KEPT_SHARE = 1.0 - 825_032_704 / 2_147_483_648
+"""Of the saved block inputs `[activation_checkpoint] offload = "block_inputs"` keeps in pinned host
+memory (all of them, as host bytes: the compiled program's host temporaries are the stack exactly),
+the share the TPU program still holds on the device: measured, not derived. The deviceless compile
+of configs/llama3_8b_v6e.toml as is (32 layers, v6e-256, FSDP 256, 1 x 8192 tokens, at 84404b4:
+docs/results/offload_compile_2026-12-07_84404b4_32layers.csv) put the whole 2 GiB stack in host
+temporaries (2,147,483,648 bytes) but its device temporaries fell by 825,032,704 bytes only
+(6,858,309,632 -> 6,033,276,928): 38.4 % of the stack left the device, 61.6 % stayed (transfer
+buffers, or another peak the offload does not lower: not yet explained, docs/graph_trainer.md "Host
+offload of the saved block inputs"). At 4 layers the same compile kept more than the stack (device
+temporaries +158.7 MiB), so the share is a one-point calibration at full depth, for deep stacks."""
+
 
 @dataclass
 class Estimate:
@@ -109,6 +121,12 @@ class Estimate:
     """Pipeline-parallel degree: the memory is the heaviest pp rank's (`pipeline.rank`)."""
     pipeline: PipelineCost | None = None  # noqa: F821  (planner/pipeline.py imports this module: no import back)
     """With pp > 1: the stages, the bubble and the p2p traffic (planner/pipeline.py)."""
+    offloaded: int = 0
+    """Bytes of the saved block inputs (`activations.blocks`, the scanned stack's) kept in pinned host
+    memory (`[activation_checkpoint] offload = "block_inputs"` on a TPU target): host bytes per device."""
+    offload_kept: int = 0
+    """Of `offloaded`, what the compiled TPU program still holds on the device (`OFFLOAD_KEPT_SHARE`,
+    measured): counted in the device total."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
@@ -120,7 +138,12 @@ class Estimate:
     @property
     def backward_peak(self) -> int:
         """Above the static state: what the backward holds at its peak."""
-        return self.saved_weights + self.activations.total + self.transient
+        return self.saved_weights + self.activations.total - self.offloaded + self.offload_kept + self.transient
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host memory per device: the offloaded block inputs (0 without offload)."""
+        return self.offloaded
 
     @property
     def total(self) -> int:
@@ -300,6 +323,7 @@ def estimate(
     quantize: QuantizePlan | None = None,
     moe_layers: float | None = None,
     scan_layout: tuple[int, int] | None = None,
+    offload: str = "none",
 ) -> Estimate:
     """Combine the real shard sizes with the activation model (see the module docstring).
 
@@ -314,7 +338,11 @@ def estimate(
     micro-batches in flight, planner/pipeline.py). `quantize`: the `[quantize]` plan (the
     low-precision copies of `planner.low_precision`, in the block backward). `scan_layout`: with
     `stacked`, (k, p) of a stack scanned after an unrolled prefix (`planner.shard.scan_layout`,
-    DeepSeek-V4); None: the activations' `period`, no prefix."""
+    DeepSeek-V4); None: the activations' `period`, no prefix. `offload`: the step plan's
+    `scan_offload`; "block_inputs" on a TPU target with the layer scan and full AC moves the scanned
+    blocks' saved inputs to host memory (`Estimate.offloaded`), of which the device keeps
+    `OFFLOAD_KEPT_SHARE` (`Estimate.offload_kept`); elsewhere (CUDA: the pass leaves the graph alone)
+    nothing moves."""
     loss_parallel = loss_parallel and parallel_dims.tp > 1
     memory, block, muon = _memory_terms(
         activations,
@@ -334,6 +362,7 @@ def estimate(
         quantize=quantize,
         moe_layers=moe_layers,
         scan_layout=scan_layout,
+        offload=offload == "block_inputs" and stacked and ac_mode == "full" and target.device_type == "tpu",
     )
     est = Estimate(
         model=model,
@@ -386,9 +415,11 @@ def _memory_terms(
     quantize: QuantizePlan | None,
     moe_layers: float | None,
     scan_layout: tuple[int, int] | None = None,
+    offload: bool = False,
 ) -> tuple[dict, BlockTransient, int]:
     """`estimate`'s memory fields of `Estimate` (state, saved activations and weights, transients,
-    scan flips, the undonated update), the block transient's terms and Muon's local matrix elements."""
+    scan flips, the undonated update, the host offload), the block transient's terms and Muon's
+    local matrix elements. `offload`: the scanned blocks' saved inputs go to host memory."""
     tokens = local_batch_size * seq_len // parallel_dims.cp  # this device's tokens (CP splits the sequence)
     acts = _saved_activations(
         activations,
@@ -454,6 +485,10 @@ def _memory_terms(
         if scan_flips
         else 0,
         update=4 * local + moments if undonated_update else 0,
+        # the scanned stack's saved block inputs (a pipeline rank's: all its in-flight iterations'),
+        # not the unrolled prefix's (`offload_block_inputs_pass` rewrites scans only)
+        offloaded=acts.blocks - unrolled if offload else 0,
+        offload_kept=round(OFFLOAD_KEPT_SHARE * (acts.blocks - unrolled)) if offload else 0,
         optimizer_name=optimizer,
         muon_update=muon_update,
         quantize_recipe=block.recipe,
@@ -706,6 +741,13 @@ def _estimate_notes(
             f"Muon: one fp32 moment on {muon / 1e6:.1f} M local matrix elements (AdamW: two); its "
             f"update holds {est.muon_update / 2**30:.2f} GiB of whole matrices (the largest "
             f"{'stack' if stacked else 'matrix set'} after the all-to-all)"
+        )
+    if est.offloaded:
+        notes.append(
+            f"host offload (block_inputs): {est.offloaded / 2**30:.2f} GiB of saved block inputs per device "
+            f"in pinned host memory, {est.offloaded * gen.devices_per_host / 2**30:.2f} GiB per host "
+            f"({gen.devices_per_host} devices; the planner does not know the host's RAM: not checked); the "
+            f"device keeps {est.offload_kept / 2**30:.2f} GiB of them (OFFLOAD_KEPT_SHARE, measured on one compile)"
         )
     if est.tp > gen.devices_per_host:
         notes.append(

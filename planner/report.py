@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 
-from planner.memory import Estimate
+from planner.memory import OFFLOAD_KEPT_SHARE, Estimate
 from planner.multislice import dcn_cost, describe
 from planner.search import (
     Fixes,
@@ -120,6 +120,17 @@ def _memory_rows(est: Estimate, *, flow: tuple[int, int] | None) -> list[tuple[s
             # two block kinds (DeepSeek-V3: dense + MoE)
             else f"activations: blocks ({est.n_layers}, the largest {gib(a.per_block)} GiB, AC {est.ac_mode})",
             a.blocks,
+        ),
+        *(
+            [
+                (
+                    f"  less offloaded to pinned host memory ({gib(est.offloaded)} GiB; "
+                    f"{OFFLOAD_KEPT_SHARE:.1%} kept, measured)",
+                    est.offload_kept - est.offloaded,
+                )
+            ]
+            if est.offloaded
+            else []
         ),
         (
             "activations: final norm, LM-head input, token ids"

@@ -409,6 +409,7 @@ def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
         undonated_update=bool(step and step.undonated_update),
         stacked=bool(step and step.scan),
         scan_layout=scan_layout(inputs.args) if step and step.scan else None,
+        offload=step.scan_offload if step else "none",
         optimizer=inputs.step.optimizer if inputs.step is not None else "adamw",
         moe_capacity_factor=inputs.step.moe_capacity_factor if inputs.step is not None else 0.0,
         quantize=inputs.quantize,
