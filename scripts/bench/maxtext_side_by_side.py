@@ -101,6 +101,15 @@ PAIRS: dict[str, Pair] = {
 UNCHUNKED = (("moe.dispatch_chunks", "1"), ("device.libtpu_init_args", "[]"))
 """The MoE recipes before 2026-12-07: one all-to-all each way per layer, synchronous (docs/moe.md)."""
 BEFORE = "the dispatch unchunked with synchronous all-to-alls (the recipe before 2026-12-07)"
+OFFLOAD = ("activation_checkpoint.offload", "block_inputs")
+"""The layer scan's saved block inputs kept in host memory (docs/graph_trainer.md, "Host offload of the
+saved block inputs"): what lets MaxText's per-device batch fit in one micro-batch."""
+
+
+def AT_BATCH(n: int) -> tuple[tuple[str, str], ...]:  # noqa: N802  (reads as a constant in FIXES)
+    """`n` sequences per device in one micro-batch (no accumulation)."""
+    return (("training.local_batch_size", str(n)), ("training.gradient_accumulation_steps", "1"))
+
 
 FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
     "llama3.1-8b_v6e-256": (
@@ -111,6 +120,11 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
     ),
     "llama3.1-70b_v6e-256": (
         ((("training.mixed_precision_reduce", "bfloat16"),), "gradient reduce in bf16 (as MaxText)"),
+        (
+            (*AT_BATCH(5), OFFLOAD),
+            "5 sequences per device in one micro-batch (MaxText's batch), the block inputs in host memory "
+            "(activation_checkpoint.offload=block_inputs, as MaxText's decoder_layer_input=offload)",
+        ),
     ),
     "llama3.1-405b_v7x-512": (
         (
@@ -127,6 +141,11 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
             ),
             "FSDP 256 x TP 2 at 2 sequences per dp rank, loss parallel (the planner's --recommend), with the "
             "prefer-all-gather flag",
+        ),
+        (
+            (*AT_BATCH(3), OFFLOAD),
+            "3 sequences per device in one micro-batch (MaxText's batch), the block inputs in host memory "
+            "(activation_checkpoint.offload=block_inputs, as MaxText's decoder_layer_input=offload)",
         ),
     ),
     "qwen3-235b-a22b_v7x-512": (
