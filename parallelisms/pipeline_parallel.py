@@ -214,7 +214,14 @@ def _chunk_stage_class():
 
     class ChunkStage(PipelineStage):
         """`PipelineStage` whose chunk forwards (`forward_maybe_with_nosync`, every chunk of
-        `forward_one_chunk`) run with `in_chunk_forward()` True."""
+        `forward_one_chunk`) run with `in_chunk_forward()` True.
+
+        And a V schedule's forward-only call (`schedule.eval`, validation): torch runs the
+        training action list with the stages' `has_backward` off, where each backward action
+        returns at once but the hand-off of the input gradient between the two adjacent stages of
+        a rank (ZBVZeroBubble's stages p - 1 and p on the last rank, torch's "V-schedule special
+        case") asserts `has_backward`; without a backward there is no gradient to hand over, so
+        both ends do nothing then."""
 
         def forward_maybe_with_nosync(self, *args, **kwargs):
             token = _IN_CHUNK.set(True)
@@ -222,6 +229,13 @@ def _chunk_stage_class():
                 return super().forward_maybe_with_nosync(*args, **kwargs)
             finally:
                 _IN_CHUNK.reset(token)
+
+        def get_local_bwd_output(self, mb_index):
+            return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     return ChunkStage
 

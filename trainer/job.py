@@ -299,6 +299,7 @@ class Job:
                 stage_mesh=self.data.mesh,
                 moe_capacity=self.cfg.moe.capacity_factor > 0,
                 cp=getattr(self.data.task, "cp", None),
+                loss_parallel=plan.loss_parallel,
             )
         if plan.mode != "graph":
             # `training.replicate_reduce = "step"`: the dp_replicate mean once per step (falsy: none deferred).

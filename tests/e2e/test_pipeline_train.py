@@ -137,6 +137,30 @@ def test_pp2_tp2_is_the_one_process_run(tmp_path):
     _four_ranks_are_the_one_process_run(tmp_path, "pp2tp2", (), ())
 
 
+LOSS_PARALLEL_SCHEDULES = {
+    "1F1B": (),
+    "ZBVZeroBubble": (
+        "--parallelism.pipeline_schedule=ZBVZeroBubble",
+        "--parallelism.pipeline_first_stage_less_layers=0",  # 4 layers, 4 stages: one each
+        "--parallelism.pipeline_last_stage_less_layers=0",
+    ),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", list(LOSS_PARALLEL_SCHEDULES))
+def test_pp2_tp2_loss_parallel_is_the_one_process_run(tmp_path, schedule):
+    """PP 2 x TP 2 with TP's loss parallel (`enable_loss_parallel`: the last stage's logits stay
+    vocab-sharded DTensors, the schedule's loss function and backward run inside
+    `loss_parallel_context`, validation's `schedule.eval` inside the step plan's loss context; 4 gloo
+    processes): the one process's run, validation included, and the same weights at step 4.
+    `1F1B`; `ZBVZeroBubble`: the split backward from a DTensor loss, and the V schedule's forward-only
+    validation (the two adjacent stages of the last rank hand over no gradient then:
+    parallelisms/pipeline_parallel.py `ChunkStage`) (scheduled tier)."""
+    pp_args = ("--parallelism.enable_loss_parallel=true", *LOSS_PARALLEL_SCHEDULES[schedule])
+    _four_ranks_are_the_one_process_run(tmp_path, f"pp2tp2_lp_{schedule}", (), pp_args)
+
+
 def _four_ranks_are_the_one_process_run(tmp_path, name: str, one_args, pp_args) -> None:
     """PP 2 x TP 2 with 2 micro-batches (and `pp_args`) against one process (`one_args`)."""
     pp_args = (*pp_args, "--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_microbatches=2")

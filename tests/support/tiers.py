@@ -1921,10 +1921,12 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/unit/test_pipeline_compile.py::test_*one_process*",
         (
             "tests/unit/test_pipeline_compile.py::test_compile_mode_pp_is_planned",
+            "tests/unit/test_pipeline_compile.py::test_zero_bubble_calls_run_without_donated_buffers",
             "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
             "tests/unit/test_parallel_compile.py::test_per_block_compile_matches_eager[degrees0]",
         ),
-        "PP in compile mode (Inductor per block on every spawned gloo rank: 1F1B and Interleaved1F1B, PP x FSDP "
+        "PP in compile mode (Inductor per block on every spawned gloo rank: 1F1B and Interleaved1F1B, the "
+        "zero-bubble schedules with donated buffers off, PP x FSDP "
         "with SAC and accumulation, MoE with and without EP, CP, and PP 2 / PP 2 x TP 2 through the trainer) "
         "against one process: the default tier plans compile-mode PP with the non-PP backend, runs the same "
         "PipelineStep and schedule builder on PP 2 through the trainer, and per-block compile under SimpleFSDP",
@@ -2024,6 +2026,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         ),
         "PP 2 x TP 2 through torchrun: the default tier runs the pipeline step through torchrun and TP 2 "
         "against one process",
+    ),
+    Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_pp2_tp2_loss_parallel_is_the_one_process_run[[]*",
+        (
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+            "tests/unit/test_pipeline_parallel.py::test_pp_with_tp_loss_parallel_is_planned",
+            "tests/e2e/test_parallel_e2e.py",
+        ),
+        "PP 2 x TP 2 with loss parallel through torchrun (1F1B and ZBVZeroBubble with validation, 4 processes, "
+        "40 s each): the default tier plans it, runs the pipeline step through torchrun and TP 2 against one "
+        "process",
     ),
     Scheduled(
         "tests/unit/test_graph_pipeline.py::test_graph_pp2_tp2_*equals_one_process",

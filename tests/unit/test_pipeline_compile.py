@@ -11,7 +11,7 @@ What is checked, on 2 or 4 gloo processes against tests/unit/test_pipeline_paral
 process (its reference, batches and `_compare`): 1F1B and Interleaved1F1B (two stages per rank)
 on PP 2, and 1F1B on PP 2 x dp_shard 2 with selective activation checkpointing and 2 accumulation
 micro-batches, in compile mode == one process (losses, gradient norms before clipping, every
-weight after 3 AdamW steps) and == eager PP; and Dynamo compiles ONE graph per rank over the
+weight after 3 AdamW steps) and == eager PP; ZBVZeroBubble and InterleavedZeroBubble on PP 2 the same; and Dynamo compiles ONE graph per rank over the
 whole run (every block of every stage of the rank shares it: the block's code and shapes are the
 same, the parameters are graph inputs), so nothing recompiles per micro-batch, for the last
 micro-batch, for the schedule's shape-inference forward or at a later step.
@@ -32,23 +32,37 @@ and the weights by ~lr.
 from __future__ import annotations
 
 import pytest
+from torch._functorch import config as functorch_config
 
+from parallelisms.pipeline_parallel import SCHEDULES as SCHEDULES_ALL
 from tests.unit.test_pipeline_parallel import _compare, _parity, _request, compiled_key
 from trainer.step import plan_step
+from trainer.step.pipeline import split_backward_config
 
 SCHEDULES = ("1F1B", "Interleaved1F1B")
+ZERO_BUBBLE = ("ZBVZeroBubble", "InterleavedZeroBubble")
 
 
 def test_compile_mode_pp_is_planned():
-    """The rule table lets PP through in compile mode with the non-zero-bubble schedules, the step
-    plan compiling the blocks with the non-PP compile mode's backend (Inductor on the CPU); a
-    zero-bubble schedule and a TPU outside graph mode stay refused
-    (tests/unit/test_pipeline_parallel.py REFUSALS)."""
-    for schedule in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"):
+    """The rule table lets PP through in compile mode with every schedule (the zero-bubble ones
+    too), the step plan compiling the blocks with the non-PP compile mode's backend (Inductor on the
+    CPU); a TPU outside graph mode stays refused (tests/unit/test_pipeline_parallel.py REFUSALS)."""
+    for schedule in SCHEDULES_ALL:
         plan = plan_step(_request(mode="compile", pp_schedule=schedule))
         assert plan.pipeline is not None and plan.pipeline.schedule == schedule
         assert plan.block_compile == plan_step(_request(mode="compile", pp_degree=1)).block_compile == "inductor"
     assert plan_step(_request(mode="compile", cp_degree=2, tp_degree=2)).pipeline is not None
+
+
+def test_zero_bubble_calls_run_without_donated_buffers():
+    """A zero-bubble schedule's calls run with AOTAutograd's donated buffers off (the setting a
+    compiled block's joint graph is partitioned and its backward checked under); the other
+    schedules' under the process's setting, and it is restored after the call."""
+    before = functorch_config.donated_buffer
+    for schedule in SCHEDULES_ALL:
+        with split_backward_config(schedule):
+            assert functorch_config.donated_buffer is (before and schedule not in ZERO_BUBBLE), schedule
+        assert functorch_config.donated_buffer is before
 
 
 def _eager_as_reference(results, schedule):
@@ -68,6 +82,20 @@ def test_compiled_stages_equal_one_process_and_eager_pp():
     results: list = []
     _parity(2, SCHEDULES, modes=("eager", "compile"), results=results)
     for schedule in SCHEDULES:
+        _compare(results, _eager_as_reference(results, schedule), (compiled_key(schedule),))
+        assert [r[compiled_key(schedule), "graphs"] for r in results] == [1, 1], schedule
+
+
+@pytest.mark.multiprocess
+def test_compiled_zero_bubble_stages_equal_one_process_and_eager_pp():
+    """PP 2 in compile mode, ZBVZeroBubble (two stages per rank in V order) and
+    InterleavedZeroBubble (two in loop order), 4 chunks of 2 sequences == one process and == eager
+    PP: each compiled block's backward runs twice per chunk (input gradient, then weight gradient),
+    under `split_backward_config`; one compiled graph per rank (scheduled tier). Without the config
+    patch the first weight-gradient pass raises (donated buffers, pytorch/pytorch#161904)."""
+    results: list = []
+    _parity(2, ZERO_BUBBLE, modes=("eager", "compile"), results=results)
+    for schedule in ZERO_BUBBLE:
         _compare(results, _eager_as_reference(results, schedule), (compiled_key(schedule),))
         assert [r[compiled_key(schedule), "graphs"] for r in results] == [1, 1], schedule
 

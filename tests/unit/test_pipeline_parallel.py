@@ -111,12 +111,9 @@ GRAPH = dict(mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0)
 REFUSALS = [
     (dict(pp_schedule="Bogus"), "parallelism.pipeline_schedule", "allowed: GPipe, 1F1B"),
     (dict(mode="graph"), "parallelism.pipeline_schedule", "compile.mode graph"),
-    (dict(mode="compile", pp_schedule="ZBVZeroBubble"), "parallelism.pipeline_schedule", "compile.mode compile"),
-    (dict(mode="compile", pp_schedule="InterleavedZeroBubble"), "parallelism.pipeline_schedule", "allowed: GPipe"),
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
     (dict(device_type="tpu", mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
     (dict(cp_degree=2, **GRAPH), "parallelism.context_parallel_degree", "eager or compile mode only"),
-    (dict(tp_degree=2, loss_parallel=True), "parallelism.pipeline_parallel_degree", "enable_loss_parallel True"),
     (
         dict(model_has_experts=True, moe_routing="random", routing_benchmark_only=True),
         "moe.routing",
@@ -149,6 +146,17 @@ def test_pipeline_refusals_name_the_key(kw, key, fragment):
         plan_step(_request(**kw))
     message = str(e.value)
     assert message.startswith(f"{key}: ") and fragment in message and "allowed" in message, message
+
+
+def test_pp_with_tp_loss_parallel_is_planned():
+    """TP's loss parallel composes with PP in every mode (eager and compile: `PipelineStep` runs the
+    schedule's calls inside `loss_parallel_context`; tests/e2e/test_pipeline_train.py); without TP
+    there is nothing vocab-sharded and the plan drops it."""
+    for mode, schedule in (("eager", "1F1B"), ("eager", "ZBVZeroBubble"), ("compile", "1F1B"), ("graph", "GPipe")):
+        extra = GRAPH if mode == "graph" else {}
+        plan = plan_step(_request(**{"mode": mode, "pp_schedule": schedule, **extra}, tp_degree=2, loss_parallel=True))
+        assert plan.pipeline is not None and plan.loss_parallel, (mode, schedule)
+    assert not plan_step(_request(loss_parallel=True)).loss_parallel
 
 
 def test_pipeline_plan_resolves_defaults():

@@ -21,6 +21,17 @@ non-PP CP path's (`cp_scaled_lm_loss`): this rank's token sum x cp / the cp grou
 the chunk, so SimpleFSDP's gradient mean over dp_shard x cp gives the chunk's mean over all its
 tokens, and the per-rank losses averaged over the world are the global mean.
 
+TP's loss parallel (`loss_parallel`, `[parallelism] enable_loss_parallel` with TP; docs/pipeline_parallel.md
+"The step"): the last stage's head returns vocab-sharded logits (a DTensor sharded on the
+vocabulary), and the loss function the schedule calls on them is the same `lm_loss`, which a
+DTensor computes as the loss-parallel cross entropy only inside `loss_parallel_context`. The step
+enters it around its schedule calls (the loss function and the backward through it both run inside
+`schedule.step`), as `EagerStep` enters the step plan's `loss_context`; `eval_loss` is entered by its
+caller (validation runs every loss function inside the step plan's `loss_context`; the context does
+not nest). The chunk losses are then replicated DTensors, made local before the sum over the pp
+axis (`local_scalar`); with context parallelism the count scale joins them as a replicated DTensor
+(as `cp_scaled_lm_loss`).
+
 MoE models (`moe=True`; docs/pipeline_parallel.md "MoE and expert parallelism with PP"). Each
 stage runs wrapped (`_MoETap`): after its blocks' forward on a chunk the step takes the stage's
 summed load-balancing loss and its layers' expert loads off the stage's block stack.
@@ -49,6 +60,20 @@ summed load-balancing loss and its layers' expert loads off the stage's block st
   copies over the pp axis it joins that reduction with zeros (`ExpertBalance.join_without_layers`), so
   every rank returns the same statistics.
 
+Zero-bubble schedules in compile mode (`InterleavedZeroBubble`, `ZBVZeroBubble` over per-block
+compiled stages; docs/pipeline_parallel.md "Compile mode"). These schedules split a stage's backward
+into the input gradient (`torch.autograd.grad` with `retain_graph=True`) and, later, the weight
+gradient, so a compiled block's backward (one AOTAutograd node for the whole block) runs twice per
+forward. AOTAutograd compiles that backward with donated buffers by default (saved activations
+the backward may overwrite, legal only for a single backward call) and refuses a second call
+(pytorch/pytorch#161904). Every schedule call of a zero-bubble schedule therefore runs under
+`torch._functorch.config.donated_buffer = False` (`split_backward_config`): the blocks compile
+(lazily, at their first forward, inside the call) with no donated buffers, and the backward's check
+(also inside the call) passes. Only these schedules' calls see the patch; the per-block compile
+itself (parallelisms/compile.py) is unchanged. The cost: the second call recomputes the whole
+block backward (the weight pass cannot reuse the input pass's work inside one compiled node), and
+the backward allocates its buffers instead of reusing the saved activations'.
+
 Graph-mode PP (trainer/graph/pipeline.py) runs MoE models too, within its one program: the stage's
 aux terms and loads masked over the bubble iterations (`PipelinedLoss.terms`), the statistics
 through `StageBalance` (trainer/optim/expert_balance.py), whose rank without MoE layers joins the
@@ -57,16 +82,32 @@ same reduction (`ExpertBalance.join_without_layers`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE
 from models.common.ops import IGNORE_INDEX
-from parallelisms.pipeline_parallel import PipelinePlan, build_schedule, in_chunk_forward
+from parallelisms.pipeline_parallel import ZERO_BUBBLE_SCHEDULES, PipelinePlan, build_schedule, in_chunk_forward
+from parallelisms.tensor_parallel import loss_parallel_context
 from trainer.step.eager import step_if_finite
 from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
+
+
+def split_backward_config(schedule: str):
+    """The context a schedule call of `schedule` runs in: for a zero-bubble schedule AOTAutograd's
+    donated buffers off (module docstring, "Zero-bubble schedules in compile mode"), else nothing.
+    Read when a compiled block's joint graph is partitioned (its first forward, inside the call) and
+    when its backward runs, both inside the call; without a compiled block it changes nothing."""
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        from torch._functorch import config as functorch_config
+
+        return functorch_config.patch(donated_buffer=False)
+    return contextlib.nullcontext()
 
 
 class AttachAux(torch.autograd.Function):
@@ -136,6 +177,7 @@ class PipelineStep:
         stage_mesh=None,
         moe_capacity: bool = False,
         cp=None,
+        loss_parallel: bool = False,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -160,6 +202,8 @@ class PipelineStep:
         self.balance = balance
         # Context parallelism (module docstring): the cp group of this rank's stage, None without.
         self.cp = cp if cp is not None and cp.size > 1 else None
+        # TP's loss parallel (module docstring): the last stage's logits vocab-sharded DTensors.
+        self.loss_parallel = loss_parallel
         self._collect = False
         self._aux_parts: list[torch.Tensor] = []
         self._loads: dict[str, torch.Tensor] = {}
@@ -188,6 +232,7 @@ class PipelineStep:
             stage_module=(lambda view: _MoETap(view, self._tap, block)) if moe else None,
         )
         self.microbatches = pipeline.microbatches
+        self._schedule_name = pipeline.schedule
         # `positions` = (local batch, seq_len), with tensor parallelism: a stage's input is then a
         # sequence shard (sequence parallel), so every stage gets the RoPE positions of the whole
         # window ([local batch, seq_len], chunked with the micro-batches) instead of reading its length.
@@ -205,7 +250,10 @@ class PipelineStep:
         # all-reduce over cp pairs up like the attention's k/v gathers.
         count = (labels != IGNORE_INDEX).sum().to(torch.float32)
         scale = self.cp.size / funcol.all_reduce(count, "sum", self.cp.group)
-        return lm_loss(logits, labels, reduction="sum") * scale * self._scale
+        total = lm_loss(logits, labels, reduction="sum")
+        if isinstance(total, DTensor):  # loss parallel: a replicated DTensor over tp
+            scale = DTensor.from_local(scale, total.device_mesh, total.placements, run_check=False)
+        return total * scale * self._scale
 
     def _tap(self, view: nn.Module, out: torch.Tensor, keys: list[str]) -> torch.Tensor:
         """After a stage's forward: take its aux loss and expert loads off its block stack (always,
@@ -237,17 +285,18 @@ class PipelineStep:
         positions = positions if positions is not None else self.positions
         if positions is not None:
             kwargs["positions"] = positions
-        if self.has_first:
-            call(inputs, return_outputs=False, **kwargs)
-        else:
-            call(return_outputs=False, **kwargs)
+        args = (inputs,) if self.has_first else ()
+        with split_backward_config(self._schedule_name):
+            call(*args, return_outputs=False, **kwargs)
         return chunk_losses
 
     def _pp_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The sum of the last stage's scaled chunk losses, the same on every pp rank (the other
         ranks add zero over the pp axis)."""
         loss = (
-            torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+            torch.stack([local_scalar(x.detach()).float() for x in losses]).sum()
+            if losses
+            else torch.zeros((), device=self.device)
         )
         dist.all_reduce(loss, group=self.pp_mesh.get_group())
         return loss
@@ -264,7 +313,9 @@ class PipelineStep:
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """The mean loss of one micro-batch through the schedule's forward only (`schedule.eval`;
         validation), the same on every rank of the pp axis (with CP, `extra` is the positions and the
-        value is this cp rank's part, whose mean over the cp ranks is the micro-batch's mean)."""
+        value is this cp rank's part, whose mean over the cp ranks is the micro-batch's mean). With TP's
+        loss parallel the caller runs it inside `loss_parallel_context` (validation does: the step
+        plan's `loss_context`), as every loss function of a vocab-sharded model."""
         self._scale = 1.0 / self.microbatches
         return self._pp_sum(self._run(self.schedule.eval, *self._unpack((inputs, labels, *extra))))
 
@@ -275,8 +326,11 @@ class PipelineStep:
         losses: list[torch.Tensor] = []
         self._aux_parts, self._loads, self._collect = [], {}, True
         try:
-            for microbatch in microbatches:
-                losses.extend(self._run(self.schedule.step, *self._unpack(microbatch)))
+            # TP's loss parallel (module docstring): the forwards and the backwards of the last
+            # stage's loss inside the schedule's call; validation's caller enters it for `eval_loss`.
+            with loss_parallel_context(self.loss_parallel):
+                for microbatch in microbatches:
+                    losses.extend(self._run(self.schedule.step, *self._unpack(microbatch)))
         finally:
             self._collect = False
         loss = self._pp_sum(losses)  # the step's mean loss

@@ -4,7 +4,7 @@ compose with yet (`PIPELINE_RULES`, part of `RULES`; docs/rules.md).
 
 What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager stages of a
 decoder through torch.distributed.pipelining on cpu/cuda (in compile mode the same schedules over
-per-block compiled stages, zero-bubble schedules excepted), composed with SimpleFSDP/HSDP, TP,
+per-block compiled stages, the zero-bubble ones with AOTAutograd's donated buffers off), composed with SimpleFSDP/HSDP, TP,
 context parallelism (the cp axis inside each stage), activation
 checkpointing and gradient accumulation, and for an MoE flavor with expert parallelism
 inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached per stage, the expert
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from models import FAMILIES
 from models.common.decoder import Decoder
 from parallelisms.pipeline_parallel import SCHEDULES as PIPELINE_SCHEDULES
-from parallelisms.pipeline_parallel import ZERO_BUBBLE_SCHEDULES, max_stages, schedule_style, virtual_stages
+from parallelisms.pipeline_parallel import max_stages, schedule_style, virtual_stages
 from trainer.step.rule import Rule
 
 
@@ -126,19 +126,6 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         "or in graph mode the pipeline inside the captured step (the TPU path); here device {r.device_type}, "
         'compile.mode {r.mode}; allowed: 1, or compile.mode = "graph", or "eager" | "compile" on cpu/cuda',
     ),
-    # Compile mode: the same eager schedules over per-block compiled stages (parallelisms/compile.py);
-    # a zero-bubble schedule's split backward (the input gradient with retain_graph, then the weight
-    # gradient) re-enters a compiled block's backward, which AOTAutograd compiles with donated buffers
-    # for a single call (pytorch/pytorch#161904).
-    Rule(
-        "parallelism.pipeline_schedule",
-        "compile mode with a zero-bubble schedule",
-        lambda r: r.pp_degree > 1 and r.mode == "compile" and r.pp_schedule in ZERO_BUBBLE_SCHEDULES,
-        "{r.pp_schedule!r} with compile.mode compile: a zero-bubble schedule runs each stage's backward twice "
-        "(input gradient, then weight gradient), and a compiled block's backward runs once per forward "
-        f"(donated buffers); allowed: {', '.join(s for s in PIPELINE_SCHEDULES if s not in ZERO_BUBBLE_SCHEDULES)}, "
-        'or compile.mode = "eager"',
-    ),
     # Graph mode: the pipeline is one program per step (trainer/graph/pipeline.py), GPipe's order.
     Rule(
         "parallelism.pipeline_schedule",
@@ -161,14 +148,6 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         lambda r: r.mode == "graph" and r.pp_uneven,
         "{r.pp_degree} does not divide the model's {r.n_layers} layers, and graph mode's stages are uniform "
         '(every pp rank holds as many blocks); allowed: a divisor of {r.n_layers}, or compile.mode = "eager"',
-    ),
-    Rule(
-        "parallelism.pipeline_parallel_degree",
-        "PP > 1 with TP's loss parallel outside graph mode",
-        lambda r: r.pp_degree > 1 and r.loss_parallel and r.tp_degree > 1 and r.mode != "graph",
-        "{r.pp_degree} composes with data, tensor, expert and context parallelism (SimpleFSDP, HSDP, TP, EP, CP; "
-        "TP's loss parallel in graph mode only) for now; here enable_loss_parallel {r.loss_parallel} "
-        '(compile.mode {r.mode}); allowed: 1, or enable_loss_parallel = false, or compile.mode = "graph"',
     ),
     # Context parallelism with PP (trainer/step/pipeline.py): the eager stages take the cp shards and
     # run the job's CP attention (with TP and EP too: the parity tests); graph mode's pipeline

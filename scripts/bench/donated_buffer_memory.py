@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""The cost of AOTAutograd's donated buffers off: peak CPU memory of a compiled step, on vs off.
+
+Compile mode with a zero-bubble pipeline schedule (trainer/step/pipeline.py `split_backward_config`)
+compiles its blocks with `torch._functorch.config.donated_buffer = False`, because those schedules
+run a block's backward twice (input gradient, then weight gradient) and a backward compiled with
+donated buffers (saved activations the backward may overwrite) runs once. This measures what that
+costs where nothing else differs: one process, the debug Llama 3 with its blocks compiled the way
+compile mode compiles them (`build_model` with the compile-mode step plan: Inductor per block,
+fullgraph), fp32, one forward + loss + backward, with donated buffers on and off, each in a fresh
+subprocess (Dynamo's caches do not key on the setting).
+
+Per variant: the donated buffers the compiled block backward got (AOTAutograd's
+`collect_bw_donated_buffer_idxs`, per compiled graph), and over one step after `--warmup` steps
+(the first compiles) the peak of the bytes allocated since the step began (the profiler's
+allocation events, `total_allocated`: torch's CPU allocations, the parameters and their gradients
+excluded as they exist before the step; the gradients are zeroed to None first, so the step
+allocates them), and the median step time of `--repeats` more steps.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/donated_buffer_memory.py --out out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeats: int) -> dict:
+    import torch
+    from torch._C._profiler import _EventType
+    from torch._functorch import config as functorch_config
+    from torch._functorch._aot_autograd import graph_compile
+    from torch.profiler import ProfilerActivity, profile
+
+    from models import FAMILIES
+    from parallelisms import ParallelDims
+    from trainer.job import build_model
+    from trainer.step import StepRequest, plan_step
+    from trainer.step.loss import lm_loss
+
+    functorch_config.donated_buffer = donated
+    donated_counts: list[int] = []
+    collect = graph_compile.collect_bw_donated_buffer_idxs
+
+    def counting(*args, **kwargs):
+        idxs = collect(*args, **kwargs)
+        donated_counts.append(len(idxs))
+        return idxs
+
+    graph_compile.collect_bw_donated_buffer_idxs = counting
+
+    family = FAMILIES["llama3"]
+    args = dataclasses.replace(family.flavors["debugmodel"], n_layers=layers, max_seq_len=seq)
+    plan = plan_step(StepRequest(mode="compile", n_layers=layers))
+    assert plan.block_compile == "inductor", plan.block_compile
+    torch.manual_seed(0)
+    model = build_model(
+        family,
+        args,
+        step_plan=plan,
+        parallel_dims=ParallelDims(world_size=1),
+        mesh=None,
+        device=torch.device("cpu"),
+        param_dtype=torch.float32,
+        reduce_dtype=torch.float32,
+    )
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        lm_loss(model(inputs), labels).backward()
+
+    for _ in range(warmup):
+        step()
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    peak = 0
+
+    def walk(nodes):
+        nonlocal peak
+        for n in nodes:
+            if n.tag == _EventType.Allocation:
+                peak = max(peak, n.extra_fields.total_allocated)
+            walk(n.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return {
+        "donated_buffer": donated,
+        "donated_per_graph": donated_counts,
+        "peak_step_bytes": peak,
+        "step_s": statistics.median(times),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="")
+    p.add_argument("--child", choices=("on", "off"), default=None)
+    a = p.parse_args()
+    if a.child is not None:
+        out = _child(a.child == "on", a.layers, a.seq, a.batch, a.warmup, a.repeats)
+        print("RESULT " + json.dumps(out))
+        return
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    rows = []
+    for variant in ("on", "off"):
+        cmd = [sys.executable, __file__, "--child", variant]
+        cmd += ["--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch)]
+        cmd += ["--warmup", str(a.warmup), "--repeats", str(a.repeats)]
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            sys.exit(f"error: the {variant} run failed:\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(lines[-1][len("RESULT ") :]))
+    cpu = _cpu_model()
+    on, off = rows
+    print(f"debug Llama 3, {a.layers} layers, seq {a.seq}, batch {a.batch}, fp32, Inductor per block; CPU: {cpu}")
+    print("| donated buffers | donated per compiled graph | peak bytes in the step | step s (median) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {'on' if r['donated_buffer'] else 'off'} | {r['donated_per_graph']} | "
+            f"{r['peak_step_bytes'] / 2**20:.2f} MiB | {r['step_s']:.3f} |"
+        )
+    diff = off["peak_step_bytes"] - on["peak_step_bytes"]
+    print(f"off - on: {diff / 2**20:+.2f} MiB ({diff / on['peak_step_bytes']:+.1%})")
+    if a.out:
+        with open(a.out, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(
+                ["cpu", "layers", "seq", "batch", "donated_buffer", "donated_per_graph", "peak_step_bytes", "step_s"]
+            )
+            for r in rows:
+                w.writerow(
+                    [cpu, a.layers, a.seq, a.batch, r["donated_buffer"], " ".join(map(str, r["donated_per_graph"]))]
+                    + [r["peak_step_bytes"], f"{r['step_s']:.4f}"]
+                )
+            w.writerow(
+                [
+                    "# command",
+                    f"OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/donated_buffer_memory.py --layers {a.layers} --seq {a.seq} --batch {a.batch} --warmup {a.warmup} --repeats {a.repeats}",
+                ]
+            )
+
+
+if __name__ == "__main__":
+    main()
