@@ -125,6 +125,19 @@ def _op_name(n) -> str:
     return target.name() if hasattr(target, "name") and callable(target.name) else str(target)
 
 
+def _fences_a_reduce_scatter(barrier) -> bool:
+    """Whether an optimization barrier is `fence_reduce_scatters_pass`'s: its operand is a
+    reduce-scatter's waited result (the remat fences take recomputed or forward values)."""
+    operands = barrier.args[0] if barrier.args and isinstance(barrier.args[0], (list, tuple)) else barrier.args
+    return any(
+        isinstance(x, fx.Node)
+        and _op_name(x).endswith("wait_tensor")
+        and isinstance(x.args[0], fx.Node)
+        and "reduce_scatter" in _op_name(x.args[0])
+        for x in operands
+    )
+
+
 def _kernels(variant: str) -> None:
     """Serve the model's ops as a TPU run does (titan_kernels.select on a TPU): the Pallas ops."""
     from models.common import ops
@@ -335,7 +348,10 @@ def run(variant: str, seen: dict) -> dict:
         res["mlir_titan_tpu_ops"] = dict(
             sorted(collections.Counter(name for name in names if name.startswith("titan_tpu::")).items())
         )
-        res["mlir_barriers"] = sum(1 for name in names if name == "titan::optimization_barrier")
+        barriers = [n for g in _all_graphs(gm) for n in g.graph.nodes if _op_name(n) == "titan::optimization_barrier"]
+        fences = sum(1 for n in barriers if _fences_a_reduce_scatter(n))
+        res["mlir_barriers"] = len(barriers) - fences  # the remat fences
+        res["mlir_reduce_scatter_fences"] = fences
         res["mlir_sdpa"] = sum(1 for name in names if "scaled_dot_product" in name)
         res["mlir_bf16_matmuls"], res["mlir_matmuls"] = _matmul_dtypes(gm)
         res["scan_lowering"] = _lower_scans(gm, seen)
