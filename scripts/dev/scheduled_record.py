@@ -98,7 +98,10 @@ def scheduled_ids(collection: Path) -> list[str]:
 def todo(ids: list[str], record: dict, *, since: str | None = None, budget_s: float | None = None) -> list[str]:
     """The scheduled tests without a good result at or after `since`, in collection order; with
     `budget_s`, the first of them whose recorded durations (tests/support/durations.json, the
-    slowest machine's) sum to at most `budget_s` (always at least one)."""
+    slowest machine's) sum to at most `budget_s` (always at least one). A module's shared fixture
+    is recorded on the test that ran first, so the first test picked from a module is charged at
+    least the module's largest recorded duration (a part of zero-duration tests still pays for
+    the probe they read)."""
     tests = record.get("tests", {})
     ancestry: dict[str, bool] = {}
     left = []
@@ -114,12 +117,20 @@ def todo(ids: list[str], record: dict, *, since: str | None = None, budget_s: fl
     if budget_s is None:
         return left
     durations = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    picked, total = [], 0.0
+    module_cost: dict[str, float] = {}
+    for nodeid in ids:
+        module = nodeid.split("::")[0]
+        module_cost[module] = max(module_cost.get(module, 0.0), durations.get(nodeid, UNRECORDED_S))
+    picked, total, charged = [], 0.0, set()
     for nodeid in left:
+        module = nodeid.split("::")[0]
         cost = durations.get(nodeid, UNRECORDED_S)
+        if module not in charged:
+            cost = max(cost, module_cost[module])
         if picked and total + cost > budget_s:
             continue
         picked.append(nodeid)
+        charged.add(module)
         total += cost
     return picked
 

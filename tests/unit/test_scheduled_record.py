@@ -35,12 +35,16 @@ def test_runs_merge_per_test_and_todo_lists_what_has_no_good_result(tmp_path, mo
     assert rec.todo(ids, record) == ["t::d"]
 
     durations = tmp_path / "durations.json"
-    durations.write_text(json.dumps({"t::a": 50.0, "t::b": 30.0, "t::c": 20.0}))
+    durations.write_text(json.dumps({"t::a": 50.0, "t::b": 30.0, "t::c": 20.0, "u::a": 0.0, "u::b": 40.0}))
     monkeypatch.setattr(rec, "DURATIONS", durations)
     fresh = {"runs": [], "tests": {}}
-    # in order, skipping what would pass the budget; an unrecorded test counts UNRECORDED_S (60)
-    assert rec.todo(ids, fresh, budget_s=75) == ["t::a", "t::c"]
+    # in order, skipping what would pass the budget; an unrecorded test counts UNRECORDED_S (60),
+    # and t::a, the first of its module, the module's largest record (t::d's 60)
+    assert rec.todo(ids, fresh, budget_s=85) == ["t::a", "t::c"]
     assert rec.todo(ids, fresh, budget_s=1) == ["t::a"]  # a part always takes one test
+    # the first test taken from a module pays at least the module's largest record (its fixture)
+    assert rec.todo(["t::a", "u::a", "u::b"], fresh, budget_s=80) == ["t::a"]
+    assert rec.todo(["t::a", "u::a", "u::b"], fresh, budget_s=90) == ["t::a", "u::a"]
     assert "2 of 4 scheduled tests have a good result" in rec.status_line(
         ids, rec.merge(fresh, first | second, commit="c1", date="d", cpu="x")
     )
