@@ -342,6 +342,7 @@ class Job:
                 device=self.runtime.device,
                 fused=plan.fused_loss,
                 moe=moe,
+                cp=getattr(self.data.task, "cp", None),
             )
         step = build_graph_step(
             model=self.model,

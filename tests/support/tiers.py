@@ -2050,6 +2050,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "that now accepts TP with it, and TP 2 against one process through the trainer",
     ),
     Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_graph_pp2_cp2_is_the_one_process_run",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_pipeline_cp.py::test_graph_pp_with_cp_is_planned",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+        ),
+        "graph-mode PP 2 x CP 2 through torchrun (4 processes, two captures, 90 s on the slow EPYC): the default "
+        "tier runs the captured pipeline on PP 2, plans graph PP x CP, and runs PP through torchrun",
+    ),
+    Scheduled(
         "tests/e2e/test_pipeline_train.py::test_graph_pp2_tp2_is_the_one_process_run",
         (
             "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",

@@ -88,7 +88,8 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
             step = eager_pipeline_step(model, opt, plan, n_layers=N_LAYERS, pp_mesh=pp)
         run_step = (lambda micro: step(micro, LR)) if graph else step
         losses = rank_run(run_step, batches, dp_rank=dims.dp_rank(mesh), dp_shard=dp_shard, accum=accum)
-        val = step.eval_loss(*batches[0]) if dp_shard == 1 else None
+        with plan.loss_context():  # as validation runs it (TP's loss parallel)
+            val = step.eval_loss(*batches[0]) if dp_shard == 1 else None
         colls = dict(step.stats.collectives) if graph else None
         code = spmd_text(step.graph_module) if graph else None
         raw = "\n".join(m.code for m in step.graph_module.modules() if hasattr(m, "code")) if graph else None
@@ -303,6 +304,10 @@ def test_graph_pp_rules():
     assert plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", tp_degree=2, scan_layers=True)).scan
     lp = plan_step(StepRequest(**base, **uniform, pp_schedule="GPipe", tp_degree=2, loss_parallel=True))
     assert lp.loss_parallel and not lp.fused_loss  # graph mode: TP's loss parallel with PP
+    # context parallelism inside the stages of a dense model (tests/unit/test_pipeline_cp.py)
+    assert plan_step(
+        StepRequest(**base, **uniform, pp_schedule="GPipe", cp_degree=2, model_document_mask=True)
+    ).pipeline.uniform
     from models.errors import ConfigError
 
     for kw, key, fragment in (
@@ -310,11 +315,6 @@ def test_graph_pp_rules():
         (dict(pp_schedule="GPipe"), "parallelism.pipeline_first_stage_less_layers", "allowed: pipeline_first"),
         (dict(pp_schedule="GPipe", pp_first_less=0), "parallelism.pipeline_first_stage_less_layers", "= 0"),
         (dict(**uniform, pp_schedule="GPipe", n_layers=7), "parallelism.pipeline_parallel_degree", "divisor of 7"),
-        (
-            dict(**uniform, pp_schedule="GPipe", tp_degree=2, loss_parallel=True, mode="eager"),
-            "parallelism.pipeline_parallel_degree",
-            "enable_loss_parallel True (compile.mode eager)",
-        ),
         (
             dict(**uniform, pp_schedule="GPipe", mode="eager", device_type="tpu"),
             "parallelism.pipeline_parallel_degree",

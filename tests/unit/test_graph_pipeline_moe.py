@@ -237,8 +237,8 @@ def test_graph_pp2_moe_layer_scan_accumulation_and_dense_first_stage_equal_one_p
 
 def test_graph_pp_plans_moe_with_expert_parallelism():
     """The rules: graph-mode PP takes a model with experts (uniform stages, GPipe; on a TPU too, with
-    layer scan) and expert parallelism inside its stages; context parallelism stays refused with it,
-    in one rule-table line naming the key."""
+    layer scan) and expert parallelism inside its stages; context parallelism stays refused with it
+    (a dense model takes it), in one rule-table line naming the key."""
     from models.errors import ConfigError
 
     base = dict(pp_degree=2, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0, mode="graph")

@@ -39,12 +39,23 @@ SCHEDULES = ("1F1B", "Interleaved1F1B")
 
 
 def test_eager_pp_with_cp_is_planned():
-    """The rule table lets eager PP x CP through, with TP and with experts and EP too (graph mode
-    stays refused: tests/unit/test_pipeline_parallel.py REFUSALS), and the plan keeps the pipeline."""
+    """The rule table lets eager PP x CP through, with TP and with experts and EP too, and the plan
+    keeps the pipeline (graph mode: `test_graph_pp_with_cp_is_planned`)."""
     plan = plan_step(_request(cp_degree=CP, pp_schedule="Interleaved1F1B"))
     assert plan.pipeline is not None and (plan.pipeline.pp, plan.pipeline.num_virtual) == (PP, 2)
     assert plan_step(_request(cp_degree=CP, tp_degree=2)).pipeline is not None
     assert plan_step(_request(cp_degree=CP, ep_degree=2, model_has_experts=True)).pipeline is not None
+
+
+def test_graph_pp_with_cp_is_planned():
+    """Graph-mode PP x CP (the cp axis inside the pipeline program's stages: trainer/graph/pipeline.py
+    `PipelinedLoss(cp=...)`; parity: tests/e2e/test_pipeline_train.py
+    `test_graph_pp2_cp2_is_the_one_process_run`) passes the rule table, GPipe with uniform stages,
+    and the plan keeps the pipeline and the graph mode."""
+    graph = dict(mode="graph", pp_schedule="GPipe", pp_first_less=0, pp_last_less=0, cp_degree=CP)
+    plan = plan_step(_request(**graph))
+    assert plan.pipeline is not None and plan.pipeline.uniform and plan.mode == "graph"
+    assert plan_step(_request(**graph, tp_degree=2)).pipeline is not None
 
 
 def _shard(microbatch, cp):

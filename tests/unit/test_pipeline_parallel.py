@@ -113,7 +113,6 @@ REFUSALS = [
     (dict(mode="graph"), "parallelism.pipeline_schedule", "compile.mode graph"),
     (dict(device_type="tpu"), "parallelism.pipeline_parallel_degree", "device tpu"),
     (dict(device_type="tpu", mode="compile"), "parallelism.pipeline_parallel_degree", "compile.mode compile"),
-    (dict(cp_degree=2, **GRAPH), "parallelism.context_parallel_degree", "eager or compile mode only"),
     (
         dict(model_has_experts=True, moe_routing="random", routing_benchmark_only=True),
         "moe.routing",

@@ -32,6 +32,15 @@ norm's once (the last stage's). After clipping, `sync_replicated_` sums those re
 parameters' gradients over the pp axis, so every rank holds the one real gradient and takes the same
 update: the copies stay equal, as a data-parallel replica's do.
 
+Context parallelism (`cp`, a `CPGroup`; docs/pipeline_parallel.md "Context parallelism with PP"):
+the cp axis lives inside each stage, as tp does. A micro-batch is this cp rank's shard `(inputs,
+labels, positions)` (`LMTask.prepare`), the permutes' pp group pairs the ranks with the same cp
+coordinate, and the blocks run the job's CP attention (the op `causal_attention`) in every
+iteration. The RoPE rows are the shard's global positions; a stage holds another chunk in each
+iteration, but every row of a shard has the same positions, so the first row's serve all (`_rope`).
+The loss is the non-PP CP loss (this rank's token sum x cp / the cp group's token count), so
+SimpleFSDP's gradient mean over dp_shard x cp gives the micro-batch's mean over all its tokens.
+
 `PipelinedLoss(scan=True)` runs the iterations as one scan instead (`_scanned`: one body for every
 iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: one program".
 """
@@ -39,8 +48,10 @@ iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: 
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from models.common.ops import IGNORE_INDEX
 from trainer.step.loss import lm_loss
 
 _c10d = torch.ops._c10d_functional
@@ -140,6 +151,7 @@ class PipelinedLoss:
         fused: bool = False,
         rank_independent: bool = False,
         moe: bool = False,
+        cp=None,
     ):
         assert 0 <= pp_rank < pp and pp > 1, (pp_rank, pp)
         self.pp_rank, self.pp, self.m = pp_rank, pp, microbatches
@@ -151,6 +163,8 @@ class PipelinedLoss:
         self.stage = torch.tensor(pp_rank, dtype=torch.int64, device=device)
         """This rank's stage index: data of the program, the same code on every rank."""
         self.rank_independent = rank_independent
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        """Context parallelism (a `CPGroup`, module docstring "Context parallelism"), else None."""
         self.moe = moe
         """The model has experts (every pp rank says the same, a rank without MoE layers too): `terms`
         then returns the stage's aux loss and expert loads (module docstring, "MoE")."""
@@ -163,21 +177,25 @@ class PipelinedLoss:
         """Pipeline iterations per accumulation micro-batch: m + p - 1."""
         return self.m + self.pp - 1
 
-    def __call__(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.terms(model, inputs, labels)[0]
+    def __call__(self, model, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        return self.terms(model, inputs, labels, *extra)[0]
 
     def terms(
-        self, model, inputs: torch.Tensor, labels: torch.Tensor
+        self, model, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(loss, aux, load) of one accumulation micro-batch through the pipeline. `loss`: the last
         stage's mean LM loss, the same value on every rank. With `moe` (module docstring, "MoE"):
         `aux`, this rank's stage's load-balancing loss summed over its m chunks / m (the gradient
         of the stage's routers), whose value is the sum over the pp axis (every stage's layers);
         `load`, its MoE layers' expert loads summed over the chunks, flat `[layers x E]` float32
-        (`ExpertBalance.pop`'s layout; None on a rank without MoE layers)."""
+        (`ExpertBalance.pop`'s layout; None on a rank without MoE layers). `positions`: with context
+        parallelism the shard's global RoPE positions [rows, seq / cp] (the micro-batch's third
+        tensor), else None."""
         rows = inputs.shape[0]
         assert rows % self.m == 0, f"{self.m} pipeline micro-batches do not divide {rows} rows"
-        outs, aux, load = self._scanned(model, inputs) if self.scan else self._unrolled(model, inputs)
+        assert (positions is not None) == (self.cp is not None), "positions come with context parallelism only"
+        rope = self._rope(model, inputs, positions)
+        outs, aux, load = self._scanned(model, inputs, rope) if self.scan else self._unrolled(model, inputs, rope)
         local = self._loss(model, outs, labels)
         if not self.moe:
             # the value every rank reports: the last stage's loss, summed over the pp axis
@@ -221,15 +239,25 @@ class PipelinedLoss:
         e = model.tok_embeddings(inputs).to(self.dtype)
         return e.view(self.m, inputs.shape[0] // self.m, *e.shape[1:])
 
-    def _unrolled(self, model, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _rope(self, model, inputs: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE rows every stage applies: positions 0 .. seq - 1, or with context parallelism the
+        cp shard's global positions (module docstring, "Context parallelism"): every row of the
+        shard has the same ones (`LMTask.prepare`; document masking, which restarts them per
+        document, is refused with PP), so the first row's serve every chunk, whichever chunk a
+        stage holds in an iteration."""
+        from models.common.rope import rope_rows
+
+        return rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None if positions is None else positions[0])
+
+    def _unrolled(
+        self, model, inputs: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The iterations as a Python loop (one copy of the stage per iteration in the graph); the
         outputs of iterations p - 1 .. T - 1 stacked [m, chunk, seq, dim], and with `moe` the
         stage's aux terms and loads summed over its live iterations (`BlockStack.terms`, `_mask`; else None)."""
-        from models.common.rope import rope_rows
-
         p, m = self.pp, self.m
         embedded = self._embedded(model, inputs)
-        cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
+        cos, sin = rope
         first = self.stage == 0
         h = torch.zeros_like(embedded[0])
         outs, aux, load = [], None, None
@@ -247,7 +275,9 @@ class PipelinedLoss:
                 h = self._permute(out)
         return torch.stack(outs), aux, load
 
-    def _scanned(self, model, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def _scanned(
+        self, model, inputs: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The iterations as one `torch.ops.higher_order.scan` whose body is the same on every
         iteration: stage 0's input where t < m (`inject`, data), the blocks, the permute. The graph
         holds one copy of the stage, of the permute and of its backward, whatever m and p. With
@@ -255,11 +285,9 @@ class PipelinedLoss:
         live iterations after the scan (`live`)."""
         from torch._higher_order_ops.scan import scan
 
-        from models.common.rope import rope_rows
-
         p, m = self.pp, self.m
         embedded = self._embedded(model, inputs)
-        cos, sin = rope_rows(model.rope_cos, model.rope_sin, inputs.shape[1], None)
+        cos, sin = rope
         feed = torch.cat([embedded, embedded.new_zeros(p - 1, *embedded.shape[1:])])
         steps = torch.arange(self.iterations, device=inputs.device)
         inject = (steps < m) & (self.stage == 0)
@@ -284,19 +312,28 @@ class PipelinedLoss:
 
     def _loss(self, model, outs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of the last stage's outputs (chunks in row order), kept on the
-        last stage (`where`), 0 elsewhere."""
+        last stage (`where`), 0 elsewhere. With context parallelism the non-PP CP loss
+        (trainer/step/loss.py `cp_scaled_lm_loss`): this cp rank's token sum x cp / the cp group's
+        token count."""
         hidden = model.norm(outs.flatten(0, 1))
+        reduction = "mean" if self.cp is None else "sum"
         if self.fused:
             from models.common import ops
 
             loss = ops.linear_cross_entropy(hidden.flatten(0, 1), model.output.weight, labels.flatten())
+            if self.cp is not None:
+                loss = loss * (labels != ops.IGNORE_INDEX).sum()
         else:
-            loss = lm_loss(model.output(hidden), labels)
+            loss = lm_loss(model.output(hidden), labels, reduction)
             if isinstance(loss, DTensor):
                 # TP's loss parallel (vocab-sharded logits, the loss under `loss_parallel()`, the
                 # graph step's loss context): the mean is replicated over tp; its local value, whose
                 # gradient goes back as the replicated DTensor's
                 loss = loss.to_local()
+        if self.cp is not None:
+            count = (labels != IGNORE_INDEX).sum().to(torch.float32)
+            # a functional collective, traced into the step's graph (as `cp_scaled_lm_loss`'s)
+            loss = loss * (self.cp.size / funcol.all_reduce(count, "sum", self.cp.group))
         return torch.where(self.stage == self.pp - 1, loss, torch.zeros_like(loss))
 
     def replicated(self, model) -> list[torch.Tensor]:
@@ -314,8 +351,8 @@ class PipelinedLoss:
         for g in grads:
             g.copy_(_c10d.wait_tensor(_c10d.all_reduce(g, "sum", self.group[0])))
 
-    def eval_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch through the pipeline's forward only (validation), the same on
-        every pp rank; eager, outside the captured step."""
+        every pp rank; eager, outside the captured step. `extra`: the positions with CP."""
         with torch.no_grad():
-            return self(model, inputs, labels).detach()
+            return self(model, inputs, labels, *extra).detach()

@@ -181,11 +181,13 @@ class GraphStep:
         stats = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
         return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))
 
-    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """Pipeline parallelism: the loss of one held-out micro-batch through the pipeline's
-        forward (eager, outside the graph), the same on every pp rank (validation)."""
-        with self._loss_context():  # TP's loss parallel: the vocab-sharded logits' loss
-            return self._loss_fn.eval_loss(self.model, inputs, labels)
+        forward (eager, outside the graph), the same on every pp rank (validation); `extra`: the
+        cp shard's positions with context parallelism. With TP's loss parallel the caller runs it
+        inside the step plan's `loss_context` (validation does, as for every loss function; the
+        context does not nest, so entering it here too failed validation through the trainer)."""
+        return self._loss_fn.eval_loss(self.model, inputs, labels, *extra)
 
     # The function Dynamo traces. What it reads from `self` (model, slots) becomes graph
     # inputs; Python floats (hyperparameters, max_norm, aux_loss_coef) are baked in.

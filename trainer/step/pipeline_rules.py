@@ -149,15 +149,18 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         "{r.pp_degree} does not divide the model's {r.n_layers} layers, and graph mode's stages are uniform "
         '(every pp rank holds as many blocks); allowed: a divisor of {r.n_layers}, or compile.mode = "eager"',
     ),
-    # Context parallelism with PP (trainer/step/pipeline.py): the eager stages take the cp shards and
-    # run the job's CP attention (with TP and EP too: the parity tests); graph mode's pipeline
-    # program has no cp axis.
+    # Context parallelism with PP: the eager stages take the cp shards and run the job's CP attention
+    # (trainer/step/pipeline.py; with TP and EP too: the parity tests); graph mode's pipeline program
+    # carries the cp axis inside its stages for a dense model (trainer/graph/pipeline.py
+    # `PipelinedLoss(cp=...)`); with experts (the stage's aux loss and loads over the cp shards inside
+    # the program) it is not tested yet.
     Rule(
         "parallelism.context_parallel_degree",
-        "CP > 1 with PP > 1 in graph mode",
-        lambda r: r.pp_degree > 1 and r.cp_degree > 1 and r.mode == "graph",
-        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} runs in eager or compile mode only (graph "
-        'mode\'s pipeline program carries no cp axis); allowed: 1, or compile.mode = "eager" | "compile"',
+        "CP > 1 with PP > 1 in graph mode for a model with experts",
+        lambda r: r.pp_degree > 1 and r.cp_degree > 1 and r.mode == "graph" and r.model_has_experts,
+        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} for a model with experts runs in eager or "
+        "compile mode only (graph mode's pipeline program takes CP for dense models); allowed: 1, or "
+        'compile.mode = "eager" | "compile", or a dense model',
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
