@@ -47,7 +47,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeats: int) -> dict:
+def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeats: int, blocks_only: bool) -> dict:
     import torch
     from torch._C._profiler import _EventType
     from torch._functorch import config as functorch_config
@@ -90,9 +90,18 @@ def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeat
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
+    from models.common.rope import rope_rows
+
+    cos, sin = rope_rows(model.rope_cos, model.rope_sin, seq)
+    hidden = torch.randn(batch, seq, args.dim, generator=g)
+
     def step():
         model.zero_grad(set_to_none=True)
-        lm_loss(model(inputs), labels).backward()
+        if blocks_only:  # the compiled blocks alone: their backward is the step's whole backward
+            x = hidden.clone().requires_grad_(True)
+            model.layers(x, cos, sin).square().mean().backward()
+        else:
+            lm_loss(model(inputs), labels).backward()
 
     for _ in range(warmup):
         step()
@@ -130,10 +139,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="")
+    p.add_argument(
+        "--blocks-only",
+        action="store_true",
+        help="the block stack alone on random hidden states (loss: the mean square), no embedding, head or loss",
+    )
     p.add_argument("--child", choices=("on", "off"), default=None)
     a = p.parse_args()
     if a.child is not None:
-        out = _child(a.child == "on", a.layers, a.seq, a.batch, a.warmup, a.repeats)
+        out = _child(a.child == "on", a.layers, a.seq, a.batch, a.warmup, a.repeats, a.blocks_only)
         print("RESULT " + json.dumps(out))
         return
     env = {
@@ -146,7 +160,7 @@ def main() -> None:
     for variant in ("on", "off"):
         cmd = [sys.executable, __file__, "--child", variant]
         cmd += ["--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch)]
-        cmd += ["--warmup", str(a.warmup), "--repeats", str(a.repeats)]
+        cmd += ["--warmup", str(a.warmup), "--repeats", str(a.repeats)] + (["--blocks-only"] if a.blocks_only else [])
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, check=False)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -154,7 +168,10 @@ def main() -> None:
         rows.append(json.loads(lines[-1][len("RESULT ") :]))
     cpu = _cpu_model()
     on, off = rows
-    print(f"debug Llama 3, {a.layers} layers, seq {a.seq}, batch {a.batch}, fp32, Inductor per block; CPU: {cpu}")
+    what = "the block stack alone" if a.blocks_only else "the whole model and loss"
+    print(
+        f"debug Llama 3, {a.layers} layers, seq {a.seq}, batch {a.batch}, fp32, Inductor per block, {what}; CPU: {cpu}"
+    )
     print("| donated buffers | donated per compiled graph | peak bytes in the step | step s (median) |")
     print("|---|---|---|---|")
     for r in rows:
@@ -164,23 +181,34 @@ def main() -> None:
         )
     diff = off["peak_step_bytes"] - on["peak_step_bytes"]
     print(f"off - on: {diff / 2**20:+.2f} MiB ({diff / on['peak_step_bytes']:+.1%})")
-    if a.out:
-        with open(a.out, "w", newline="") as f:
+    if a.out:  # appended (a header first in a new file), so that several shapes share one CSV
+        what = "blocks" if a.blocks_only else "model"
+        command = (
+            f"OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/donated_buffer_memory.py --layers {a.layers} "
+            f"--seq {a.seq} --batch {a.batch} --warmup {a.warmup} --repeats {a.repeats}"
+            + (" --blocks-only" if a.blocks_only else "")
+        )
+        new = not os.path.exists(a.out)
+        with open(a.out, "a", newline="") as f:
             w = csv.writer(f)
-            w.writerow(
-                ["cpu", "layers", "seq", "batch", "donated_buffer", "donated_per_graph", "peak_step_bytes", "step_s"]
-            )
+            if new:
+                w.writerow(
+                    ["cpu", "what", "layers", "seq", "batch", "donated_buffer", "donated_per_graph"]
+                    + ["peak_step_bytes", "step_s", "command"]
+                )
             for r in rows:
                 w.writerow(
-                    [cpu, a.layers, a.seq, a.batch, r["donated_buffer"], " ".join(map(str, r["donated_per_graph"]))]
-                    + [r["peak_step_bytes"], f"{r['step_s']:.4f}"]
+                    [
+                        cpu,
+                        what,
+                        a.layers,
+                        a.seq,
+                        a.batch,
+                        r["donated_buffer"],
+                        " ".join(map(str, r["donated_per_graph"])),
+                    ]
+                    + [r["peak_step_bytes"], f"{r['step_s']:.4f}", command]
                 )
-            w.writerow(
-                [
-                    "# command",
-                    f"OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/donated_buffer_memory.py --layers {a.layers} --seq {a.seq} --batch {a.batch} --warmup {a.warmup} --repeats {a.repeats}",
-                ]
-            )
 
 
 if __name__ == "__main__":
