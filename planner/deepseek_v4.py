@@ -102,22 +102,33 @@ def _keys(args, kind: str, seq_len: int) -> int:
 def attention_bytes(args, kind: str, *, rows: int, seq_len: int) -> int:
     """Bytes one attention sub-layer of `kind` keeps for `rows` rows of `seq_len` tokens (AC none),
     its RMSNorm and compressor included."""
-    d, h, hd, hp = args.dim, args.n_heads, args.head_dim, _padded(args)
+    d, h, hd = args.dim, args.n_heads, args.head_dim
     tokens = rows * seq_len
     per_token = 8 * d + 4 + 8 * args.q_lora_rank + 4  # attention_norm, q_norm
     per_token += 2 * h * hd + 4 * h * hd + 6 * h  # wq_b's output, the per-head RMS of q
     per_token += 6 * hd + 4  # kv_norm
-    per_token += 2 * h * hp + 2 * h * hp + 4 * h  # sink-padded q, SDPA output, log-sum-exp
     per_token += 2 * h * hd + 2 * args.o_groups * args.o_lora_rank + 2 * d  # rotated back, wo_a, wo_b
-    keys = _keys(args, kind, seq_len) + 1  # + the sink
-    per_row = 2 * 2 * h * keys * hp  # the per-head k and v
-    mask = 2 * seq_len * keys * (rows if kind != "s" else 1)
-    total = per_token * tokens + per_row * rows + mask + 2 * args.rope_head_dim * seq_len
-    if kind in ("c", "h"):
-        m = args.csa_ratio if kind == "c" else args.hca_ratio
-        pool = 16 * hd if kind == "c" else 8 * hd
-        total += pool * (seq_len // m * m) * rows + (6 * hd + 4) * (seq_len // m) * rows
-    return total
+    total = per_token * tokens + 2 * args.rope_head_dim * seq_len
+    if kind == "s":  # the op's SDPA: sink-padded q, output, log-sum-exp; per-head k / v; the window mask
+        hp, keys = _padded(args), seq_len + 1
+        total += (2 * h * hp + 2 * h * hp + 4 * h) * tokens + 2 * 2 * h * keys * hp * rows + 2 * seq_len * keys
+        return total
+    m = args.csa_ratio if kind == "c" else args.hca_ratio
+    total += compressed_attention_bytes(args, rows=rows, seq_len=seq_len, entries=seq_len // m)
+    pool = 16 * hd if kind == "c" else 8 * hd
+    return total + pool * (seq_len // m * m) * rows + (6 * hd + 4) * (seq_len // m) * rows
+
+
+def compressed_attention_bytes(args, *, rows: int, seq_len: int, entries: int) -> int:
+    """What `compressed_sink_attention` keeps for `rows` rows (models/deepseek_v4/model.py): per
+    query (the sequence padded to whole windows of w), the rotated q (2h hd), its block's keys
+    (blocks j - 1 and j: 2 x 2w hd / w), the float32 probabilities over [sink | 2w keys | n entries]
+    (4h (1 + 2w + n)) and their bf16 copies the value matmuls read (2h (2w + n)), the entries' mask
+    (n, bool); per row the [kv | entries] keys (2 (S + n) hd); per position the window's mask (2w)."""
+    h, hd, w, n = args.n_heads, args.head_dim, args.sliding_window, entries
+    padded = -(-seq_len // w) * w
+    per_query = 2 * h * hd + 4 * hd + 4 * h * (1 + 2 * w + n) + 2 * h * (2 * w + n) + n
+    return per_query * padded * rows + 2 * (seq_len + n) * hd * rows + 2 * w * padded
 
 
 def moe_per_token(args, *, hash_routed: bool) -> int:
@@ -186,6 +197,16 @@ def v4_activation_bytes(
         kept = [block_input + (2 * args.n_heads * _padded(args) + 4 * args.n_heads) * tokens] * args.n_layers
     else:
         kept = [block_input + _selective_per_token(args, kind) * tokens for kind in kinds]
+    # layer scan (planner.shard.scan_layout; flash: 3 blocks unrolled, then CSA + HCA per step):
+    # under full AC a step's backward recomputes its blocks at once, so the transient holds what
+    # the period's blocks keep together, the largest such sum (not period x the largest block)
+    from planner.shard import scan_layout
+
+    layout = scan_layout(args)
+    period, period_none = 1, 0
+    if layout is not None and layout[1] > 1:
+        k, period = layout
+        period_none = max(sum(none[i : i + period]) for i in range(k, args.n_layers, period))
     head = 8 * n * d + 4 + 12 * n  # hc_head: the streams' fp32 copy and normed value, rsqrt, its weights
     outside = (2 * n * d + head + 6 * d + 4 + 2 * d + 8) * tokens
     return ActivationBytes(
@@ -195,4 +216,6 @@ def v4_activation_bytes(
         loss=4 * tokens * args.vocab_size,
         per_block_none=max(none),
         logits_transient=8 * tokens * args.vocab_size,
+        period=period,
+        period_none=period_none,
     )

@@ -12,9 +12,10 @@ step is built); activation checkpointing and per-block compile take the blocks a
 Attention with sinks: a sliding block ("s") calls the op `models.common.ops.sink_attention` (the
 window alone: splash with sinks on TPU, SDPA with the sink as one more key elsewhere). A CSA or
 HCA block's keys are the window's plus the compressed entries, under a mask no kernel takes:
-`sink_attention` here computes `softmax([q k^T / sqrt(d) masked | sink]) v` with SDPA and a
-boolean mask, the sink being one more key (the op reference's formulation). A kernel that skips
-the masked blocks (window + top-k entries) is what long sequences need.
+`compressed_sink_attention` computes `softmax([q k^T / sqrt(d) masked | sink]) v` in torch,
+blocked by the window (each block of queries scores its own and the previous block's keys and
+the entries, not the whole row), the sink one more logit whose value is zero. A kernel (the sink
+splash over the window merged with the entries' part) would keep no scores at all.
 
 The indexer chooses entries by `topk`, which has no gradient: as in the reference, its
 parameters get none from the LM loss (DeepSeek trains them with a separate distillation loss,
@@ -90,24 +91,54 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def sink_attention(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """q [b, heads, s, d], kv [b, keys, d] (the one shared head, key and value alike), sinks [heads],
-    visible [b, s, keys] bool -> `softmax([q k^T / sqrt(d) masked | sink]) v` [b, heads, s, d].
+def compressed_sink_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    entries: torch.Tensor,
+    sinks: torch.Tensor,
+    entry_visible: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """CSA / HCA attention: q [b, s, heads, d], the one shared KV head kv [b, s, d] (key and value
+    alike), the compressed entries [b, n, d], sinks [heads], entry_visible [b, s, n] bool, the
+    causal window -> `softmax([q k^T / sqrt(d) over the window's keys and the visible entries |
+    sink]) v` [b, s, heads, d], the sink a key whose logit is the sink and whose value is zero.
 
-    The sink is one more key, visible to every query, whose logit is the sink and whose value is
-    zero: q gets a one (then zeros up to a multiple of 8) and the sink key `sink / scale` there,
-    the real keys zeros, so SDPA's memory-efficient kernels serve it and the sinks get their
-    gradient through the sink key (models/gpt_oss/model.py does the same)."""
-    b, heads, s, d = q.shape
+    Blocked by the window: the sequence is cut into blocks of `window` queries (zero-padded to a
+    multiple), and block j's queries score only the keys of blocks j - 1 and j (2 x window, the
+    causal window masked inside them) and the n entries: scores [b, s, heads, 1 + 2 window + n]
+    instead of a masked [s, 1 + s + n] per head (Flash at 4,096 tokens: 1,281 / 289 keys a row in
+    a CSA / HCA block instead of 5,121 / 4,129). SDPA with a mask, the form before, is lowered in its
+    math form on TPU, and those fp32 scores were the compiled program's largest buffers (issue 54;
+    docs/models.md, "DeepSeek-V4"). The one KV head is never expanded: the heads fold into each
+    matmul's rows. Scores and softmax in float32; the probabilities meet the values in q's dtype."""
+    b, s, h, d = q.shape
+    n, w = entries.shape[1], window
+    nb = -(-s // w)
+    if nb * w != s:
+        pad = nb * w - s
+        q, kv = F.pad(q, (0, 0, 0, 0, 0, pad)), F.pad(kv, (0, 0, 0, pad))
+        entry_visible = F.pad(entry_visible, (0, 0, 0, pad))
     scale = d**-0.5
-    extra = 8 - d % 8
-    q = torch.cat([q, q.new_ones(b, heads, s, 1), q.new_zeros(b, heads, s, extra - 1)], dim=-1)
-    k = F.pad(kv, (0, extra)).unsqueeze(1).expand(b, heads, -1, -1)
-    sink_key = F.pad((sinks.to(q.dtype) / scale).view(1, heads, 1, 1).expand(b, heads, 1, 1), (d, extra - 1))
-    k = torch.cat([sink_key, k], dim=2)
-    v = torch.cat([kv.new_zeros(b, 1, d), kv], dim=1).unsqueeze(1).expand(b, heads, -1, -1)
-    mask = F.pad(visible, (1, 0), value=True).unsqueeze(1)  # every query sees the sink
-    return ops.sdpa(q, k, v, attn_mask=mask, scale=scale)
+    acc = torch.promote_types(q.dtype, torch.float32)  # the scores' dtype: fp32, or q's if wider
+    blocks = kv.view(b, nb, w, d)
+    keys = torch.cat([F.pad(blocks[:, :-1], (0, 0, 0, 0, 1, 0)), blocks], dim=2)  # [b, nb, 2w, d]: blocks j - 1, j
+    # query r of block j is token jw + r, key c token (j - 1) w + c: visible when 0 <= w + r - c < w
+    # and the key is a token (block -1 is padding)
+    j = torch.arange(nb, device=q.device)[:, None, None]
+    r = torch.arange(w, device=q.device)[None, :, None]
+    c = torch.arange(2 * w, device=q.device)[None, None, :]
+    local = ((c > r) & (c <= r + w) & ((j > 0) | (c >= w))).unsqueeze(2)  # [nb, w, 1, 2w]
+    local_scores = torch.matmul(q.reshape(b, nb, w * h, d), keys.transpose(-1, -2)).to(acc) * scale
+    local_scores = local_scores.view(b, nb, w, h, 2 * w).masked_fill(~local, float("-inf"))
+    entry_scores = torch.matmul(q.reshape(b, nb * w * h, d), entries.transpose(-1, -2)).to(acc) * scale
+    entry_scores = entry_scores.view(b, nb * w, h, n).masked_fill(~entry_visible.unsqueeze(2), float("-inf"))
+    sink = sinks.to(acc).view(1, 1, h, 1).expand(b, nb * w, h, 1)
+    scores = torch.cat([sink, local_scores.view(b, nb * w, h, 2 * w), entry_scores], dim=-1)
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., 1 : 1 + 2 * w].reshape(b, nb, w * h, 2 * w), keys).view(b, nb * w, h, d)
+    out = out + torch.matmul(probs[..., 1 + 2 * w :].reshape(b, nb * w * h, n), entries).view(b, nb * w, h, d)
+    return out[:, :s]
 
 
 class Compressor(nn.Module):
@@ -284,10 +315,9 @@ class Attention(nn.Module):
 
     def _compressed_attention(self, x, q, q_lora, kv, cos, sin) -> torch.Tensor:
         """CSA / HCA: sink attention over the window's keys plus the compressed entries visible to
-        each query (`sink_attention` with its boolean mask) -> [b, s, h, hd]."""
+        each query (`compressed_sink_attention`) -> [b, s, h, hd]."""
         b, s, _ = x.shape
         i = torch.arange(s, device=x.device)
-        visible = ((i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)).expand(b, s, s)
         entries = self.compressor(x, cos, sin)
         # Entry w holds tokens up to (w + 1) m - 1: closed for queries t >= that.
         w = torch.arange(entries.shape[1], device=x.device)
@@ -297,8 +327,7 @@ class Attention(nn.Module):
         else:
             chosen = closed.expand(b, -1, -1)
         kv = self.shared_kv(torch.cat([kv, entries], dim=1))
-        visible = torch.cat([visible, chosen], dim=-1)
-        return sink_attention(q.transpose(1, 2), kv, self.sinks(), visible).transpose(1, 2)
+        return compressed_sink_attention(q, kv[:, :s], kv[:, s:], self.sinks(), chosen, self.window)
 
     def init_weights(self, init_std: float) -> None:
         """wq_a, wq_b, wkv, wo_a: truncated normal std 0.02; wo_b (the residual-branch output): std

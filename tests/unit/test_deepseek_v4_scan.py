@@ -265,7 +265,7 @@ def test_the_planner_charges_the_prefix_as_unrolled_blocks(ac_mode):
 
     flash = FLAVORS["flash"]
     assert scan_layout(flash) == (3, 2) and scan_layout(FLAVORS["debugmodel"]) is None
-    step = SimpleNamespace(scan=True, fused_loss=False, scan_flips=False, undonated_update=False)
+    step = SimpleNamespace(scan=True, fused_loss=False, scan_flips=False, undonated_update=False, scan_offload="none")
     terms = _step_terms(step, SimpleNamespace(args=flash, step=None, quantize=None))
     assert terms["stacked"] and terms["scan_layout"] == (3, 2)
     stats = ShardStats(
@@ -296,9 +296,21 @@ def test_the_planner_charges_the_prefix_as_unrolled_blocks(ac_mode):
     unscanned = estimate(**common).activations
     scanned = estimate(**common, stacked=True, scan_layout=(3, 2)).activations
     assert scanned.period == 2 and scanned.period_none == 2 * unscanned.per_block_none
+    # DeepSeek-V4's own activation terms (as the search passes them): a scan step's CSA and HCA
+    # blocks recomputed together, their sum, below twice the CSA block's
+    from planner.deepseek_v4 import block_bytes, v4_activation_bytes
+
+    acts = v4_activation_bytes(flash, local_batch_size=1, seq_len=4096, tp=1, ac_mode=ac_mode)
+    v4 = estimate(**common, stacked=True, scan_layout=(3, 2), activations=acts).activations
+    pair = max(
+        block_bytes(flash, i, rows=1, seq_len=4096) + block_bytes(flash, i + 1, rows=1, seq_len=4096)
+        for i in range(3, 43, 2)
+    )
+    assert v4.period == 2 and v4.period_none == pair < 2 * acts.per_block_none
     if ac_mode == "full":
         assert unscanned.blocks == 43 * unscanned.per_block
         assert scanned.blocks == 23 * unscanned.per_block
         assert scanned.per_block_none == 2 * unscanned.per_block_none  # the backward's recompute
+        assert v4.per_block_none == pair
     else:
         assert scanned.blocks == unscanned.blocks and scanned.per_block_none == unscanned.per_block_none
