@@ -19,14 +19,16 @@ block: K = S), per token unless said:
   and the bf16 post and comb the stream update reads (2n + 2n^2);
 - **attention**: its RMSNorm (fp32 copy, rsqrt, normed and weighted bf16: 8d + 4), q_norm's
   (8 r_q + 4), wq_b's output and the weightless per-head RMS (2h hd + 4h hd + 6h), kv_norm's
-  (6hd + 4; its output is rotated, nothing else keeps it), the sink-padded q and the SDPA output
-  (2h hd' each) and its fp32 log-sum-exp (4h), the output rotated back (2h hd), the grouped
-  projection's output (2 G r_o) and wo_b's (2d); per row, the per-head k and v that the sink
-  formulation's cat / pad materialise, 2 x 2h (K + 1) hd' (SDPA reads k and v per head; the one KV
-  head is expanded, then concatenated with the sink key and padded), and the mask ATen converts
-  to an additive bf16 [B, 1, S, K + 1] for the kernel, 2 (K + 1) per token (the sliding block's
-  window mask has no batch dimension: 2 (S + 1) per position); per position the rotation's
-  negated sine (2 x rope_head_dim);
+  (6hd + 4; its output is rotated, nothing else keeps it), the output rotated back (2h hd), the
+  grouped projection's output (2 G r_o) and wo_b's (2d); per position the rotation's negated sine
+  (2 x rope_head_dim). A CSA / HCA block's `compressed_sink_attention` (blocked by the window w,
+  the sequence padded to whole windows; n = S // m entries): per query the rotated q (2h hd), its
+  block's keys (blocks j - 1 and j: 4hd), the fp32 probabilities over [sink | 2w keys | n
+  entries] (4h (1 + 2w + n)), their bf16 copies the value matmuls read (2h (2w + n)) and the
+  entries' mask (n); per row the [kv | entries] keys (2 (S + n) hd); per position the window's
+  mask (2w). A sliding block's op (SDPA on the CPU): the sink-padded q and the output (2h hd'
+  each), the log-sum-exp (4h), per row the per-head k and v (2 x 2h (S + 1) hd') and the window
+  mask (2 (S + 1) per position);
 - **the compressor**: CSA (two overlapping windows of width hd): the concatenated kv slots (4hd),
   the fp32 softmax over 2m slots (8hd) and its bf16 copy (4hd); HCA (one window): wkv's output
   (2hd), the softmax (4hd) and its copy (2hd); both, per entry, the entry's RMSNorm (6hd + 4,
@@ -48,21 +50,22 @@ hyper-connections' fp32 copies of `fn`, a few [E] vectors: the weights' part of 
 counts bf16 copies, not these fp32 ones; 4 x (2 + n) n x nd bytes per hyper-connection, 1.5 MiB
 at Flash, under 0.2 % of a block at 4k tokens).
 
-Full AC keeps each block's input streams (2nd); full_save_attention adds the SDPA output and
-log-sum-exp. Selective AC (the matmul, grouped-matmul and attention outputs) is counted from the
-same policy: 1.9 % under the measured bytes on the debug flavor (by hand, not in the tests;
-none and full are, tests/unit/test_planner_deepseek_v4.py).
+Full AC keeps each block's input streams (2nd); full_save_attention adds the sliding blocks'
+SDPA output and log-sum-exp (the compressed blocks' attention has no attention op to save).
+Selective AC (the matmul, grouped-matmul and attention outputs) is counted from the same policy
+(below; by hand, not in the tests; none and full are, tests/unit/test_planner_deepseek_v4.py).
 
-**The attention's kernel.** The CSA / HCA blocks call `F.scaled_dot_product_attention` with a
-boolean mask of [S, K + 1] per row. On the CPU ATen serves it with
-`_scaled_dot_product_flash_attention_for_cpu` (the mask taken as an additive bf16 tensor): no
-scores are kept, the per-head k / v copies and the mask are (above). On TPU torch-tpu takes SDPA
-as `_scaled_dot_product_fused_attention_overrideable` (its FX passes name it); what that lowering
-keeps is not visible from Python: this model counts the CPU kernel's tensors. Had it the math
-form, the fp32 scores [B, h, S, K + 1] would come on top (Flash at 4096 tokens: 5.0 GiB per CSA
-block and sequence, `v4_math_scores_bytes`), kept for backward without AC and the block
-backward's transient with it. A kernel for the compressed blocks (the sink splash over the
-window, merged with the entries' part) removes the per-head k / v, the mask and the scores.
+**The attention's form.** Before issue 54's fix the CSA / HCA blocks called SDPA with a boolean
+mask of [S, 1 + S + n] per row; on the CPU ATen's flash kernel kept no scores, but torch-tpu
+lowers a masked SDPA in its math form, and the compiled scanned Flash program kept the fp32
+probabilities [B, h, S, 1 + S + n] and their gradient (15.0 GiB per CSA block and 12.1 per HCA
+block at 3 sequences), 39 GiB more at its peak than this model counted
+(docs/results/deepseek_v4_flash_7layers_scan_buffers_2026-12-07_b9ea89b.txt). The blocked form
+scores 1 + 2w + n keys a query (Flash at 4,096 tokens: 1,281 in a CSA block, 289 in an HCA
+block, instead of 5,121 and 4,129), the same tensors on every device. A kernel (the sink splash
+over the window merged with the entries' part by their log-sum-exps) would keep no probabilities.
+Selective AC counted from the policy (the scores' and value products' bmm outputs among the
+matmuls): 1.8 % and 2.9 % under the measured bytes at 2 x 64 and 2 x 128 tokens (by hand).
 """
 
 from __future__ import annotations
@@ -88,15 +91,6 @@ def hyper_connection_per_token(args) -> int:
     mixing = 4 * (2 + n) * n + 3 * 4 * n  # the logits; pre sigmoid, pre + eps, post sigmoid
     sinkhorn = 2 * 4 * n * n + (2 * it - 2) * 4 * n * n + (2 * it - 1) * 4 * n  # softmax, + eps, divisions
     return norm + mixing + sinkhorn + 2 * n + 2 * n * n  # + the bf16 post and comb of the update
-
-
-def _keys(args, kind: str, seq_len: int) -> int:
-    """Keys of one row's SDPA call without the sink: the row, plus its compressed entries."""
-    if kind == "c":
-        return seq_len + seq_len // args.csa_ratio
-    if kind == "h":
-        return seq_len + seq_len // args.hca_ratio
-    return seq_len
 
 
 def attention_bytes(args, kind: str, *, rows: int, seq_len: int) -> int:
@@ -152,26 +146,26 @@ def block_bytes(args, layer: int, *, rows: int, seq_len: int) -> int:
     return per_token * tokens + attention_bytes(args, kind, rows=rows, seq_len=seq_len)
 
 
-def _selective_per_token(args, kind: str) -> int:
+def _selective_per_token(args, kind: str, seq_len: int) -> int:
     """Per token, the outputs selective AC's policy saves: matmuls (the hyper-connections' mixing
-    logits and comb products, the projections, the compressor's), grouped matmuls, SDPA."""
+    logits and comb products, the projections, the compressor's, the compressed blocks' scores and
+    their products with the values), grouped matmuls, SDPA (the sliding blocks')."""
     n, d, h, hd = args.hc_mult, args.dim, args.n_heads, args.head_dim
     k, f = args.num_experts_per_tok, args.moe_hidden_dim
     hc = 2 * (4 * (2 + n) * n + 2 * n * d)  # mixing logits (fp32) and the comb product (bf16), twice
     attention = 2 * args.q_lora_rank + 2 * h * hd + 2 * hd  # wq_a, wq_b, wkv
-    attention += 2 * h * _padded(args) + 4 * h + 2 * args.o_groups * args.o_lora_rank + 2 * d  # SDPA, wo_a, wo_b
+    attention += 2 * args.o_groups * args.o_lora_rank + 2 * d  # wo_a, wo_b
+    if kind == "s":
+        attention += 2 * h * _padded(args) + 4 * h  # SDPA's output and log-sum-exp
+    else:  # the scores over 2 windows and the entries, the two value products (bf16)
+        entries = seq_len // (args.csa_ratio if kind == "c" else args.hca_ratio)
+        attention += 2 * h * (2 * args.sliding_window + entries) + 2 * 2 * h * hd
     if kind == "c":
         attention += 2 * 2 * 2 * hd  # the compressor's wkv and wgate at 2 hd
     elif kind == "h":
         attention += 2 * 2 * hd
     moe = 2 * args.num_experts + k * (4 * f + 2 * d) + 4 * f + 2 * d  # router, grouped, shared
     return hc + attention + moe
-
-
-def v4_math_scores_bytes(args, kind: str, *, rows: int, seq_len: int) -> int:
-    """The fp32 scores [rows, h, S, K + 1] SDPA's math form would materialise for one block (not
-    in `v4_activation_bytes`: the CPU kernel keeps none; see the module docstring)."""
-    return 4 * rows * args.n_heads * seq_len * (_keys(args, kind, seq_len) + 1)
 
 
 def v4_activation_bytes(
@@ -194,9 +188,12 @@ def v4_activation_bytes(
     elif ac_mode == "full":
         kept = [block_input] * args.n_layers
     elif ac_mode == "full_save_attention":
-        kept = [block_input + (2 * args.n_heads * _padded(args) + 4 * args.n_heads) * tokens] * args.n_layers
+        # the attention op's output and log-sum-exp: the sliding blocks' (the compressed blocks'
+        # attention is matmuls and a softmax, no attention op the mode saves)
+        sdpa = (2 * args.n_heads * _padded(args) + 4 * args.n_heads) * tokens
+        kept = [block_input + (sdpa if kind == "s" else 0) for kind in kinds]
     else:
-        kept = [block_input + _selective_per_token(args, kind) * tokens for kind in kinds]
+        kept = [block_input + _selective_per_token(args, kind, s) * tokens for kind in kinds]
     # layer scan (planner.shard.scan_layout; flash: 3 blocks unrolled, then CSA + HCA per step):
     # under full AC a step's backward recomputes its blocks at once, so the transient holds what
     # the period's blocks keep together, the largest such sum (not period x the largest block)
