@@ -77,16 +77,20 @@ def test_bubble_iteration_aux_and_load_count_nothing():
 # ------------------------------------------------------------------------------ Qwen 3 MoE: graph PP == one process
 
 
-def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capacity: float, ep: int = 1):
+def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capacity: float, ep: int = 1, cp: int = 1):
     """On each rank, per mode ("graph": unrolled; "graph_scan": the iterations as one scan;
     "graph_layerscan": each stage's blocks one scan): [(loss, grad norm, aux, MaxVio, dropped)] per
     step (loss and aux averaged over the world, as the trainer logs them) and this rank's final
-    state (full)."""
+    state (full). `cp` > 1: each stage's cp ranks hold their shards of every sequence
+    (tests/unit/test_pipeline_cp.py `_shard`) and run the CP attention."""
     import torch.distributed as dist
 
+    from models.common import ops
     from parallelisms import ParallelDims, build_mesh
+    from parallelisms.context_parallel import cp_attention_fn, cp_group
     from parallelisms.parallel_dims import pp_mesh
     from tests.support.pipeline_runs import full_state
+    from tests.unit.test_pipeline_cp import _shard
     from tests.unit.test_pipeline_moe import _batches, _family, _model, _stats
     from trainer.graph import build_graph_step
     from trainer.graph.pipeline import PipelinedLoss
@@ -97,8 +101,10 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
     out = {}
     world = dist.get_world_size()
     for mode in modes:
-        dims = ParallelDims(pp=2, dp_shard=dp, ep=ep, world_size=world)
+        dims = ParallelDims(pp=2, dp_shard=dp, ep=ep, cp=cp, world_size=world)
         mesh = build_mesh(dims, "cpu")
+        group = cp_group(mesh["cp"]) if cp > 1 else None
+        previous = ops.register("causal_attention", cp_attention_fn(group)) if group is not None else None
         request = StepRequest(
             mode="graph",
             backend="aot_eager",
@@ -111,6 +117,7 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
             n_layers=N_LAYERS,
             local_batch=BATCH // dp // accum,
             ep_degree=ep,
+            cp_degree=cp,
             scan_layers=mode == "graph_layerscan",
             model_document_mask=True,
         )
@@ -126,6 +133,7 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
             dtype=torch.float32,
             scan=mode == "graph_scan",
             moe=True,
+            cp=group,
         )
         balance = StageBalance(
             ExpertBalance(model, rate=BIAS_RATE),
@@ -153,12 +161,14 @@ def _graph_moe_worker(family: str, modes, dp: int, accum: int, chunks: int, capa
             share = slice(r * (BATCH // dp), (r + 1) * (BATCH // dp))
             mine, local = (inputs[share], labels[share]), BATCH // dp // accum
             micro = [(mine[0][i * local : (i + 1) * local], mine[1][i * local : (i + 1) * local]) for i in range(accum)]
-            o = step(micro, LR)
+            o = step([_shard(m, group) for m in micro] if group is not None else micro, LR)
             means = torch.stack([o.loss.detach(), o.aux_loss.detach()])
             dist.all_reduce(means)
             _, norm, _, vio, dropped = _stats(o)
             runs.append((means[0].item() / world, norm, means[1].item() / world, vio, dropped))
         out[mode] = (runs, full_state(model))
+        if group is not None:
+            ops.register("causal_attention", previous)
     return out
 
 
@@ -172,6 +182,7 @@ def _graph_parity(
     chunks: int = 4,
     capacity: float = 0.0,
     ep: int = 1,
+    cp: int = 1,
 ):
     """`modes` on `nproc` processes == one process (the chunks as its micro-batches); -> the worst
     differences."""
@@ -179,7 +190,7 @@ def _graph_parity(
     from tests.unit.test_pipeline_moe import _reference
 
     ref_runs, ref_state = _reference(family, dp, accum, chunks, capacity)
-    out = run_processes(nproc, _graph_moe_worker, family, modes, dp, accum, chunks, capacity, ep)
+    out = run_processes(nproc, _graph_moe_worker, family, modes, dp, accum, chunks, capacity, ep, cp)
     worst = {}
     for mode in modes:
         w = dict(loss=0.0, norm=0.0, aux=0.0, vio=0.0, dropped=0.0, weight=0.0, bias=0.0)
@@ -199,7 +210,7 @@ def _graph_parity(
         assert covered == set(ref_state), (mode, set(ref_state) - covered)
         worst[mode] = w
         print(
-            f"graph PP MoE parity ({family}, {mode}, dp {dp}, ep {ep}, accum {accum}, chunks {chunks}, capacity {capacity}"
+            f"graph PP MoE parity ({family}, {mode}, dp {dp}, ep {ep}, cp {cp}, accum {accum}, chunks {chunks}, capacity {capacity}"
             f"{', sabotage ' + SABOTAGE if SABOTAGE else ''}): " + ", ".join(f"{k} {v:.2e}" for k, v in w.items())
         )
     for mode, w in worst.items():
@@ -224,6 +235,16 @@ def test_graph_pp2_moe_equals_one_process():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("ep", [1, 2], ids=["cp2", "cp2_ep2"])
+def test_graph_pp2_cp2_moe_equals_one_process(ep):
+    """Qwen 3 MoE on graph-mode PP 2 x CP 2 (4 processes: each stage's 2 cp ranks hold half of every
+    sequence and run the CP attention in every pipeline iteration; the global-batch load-balancing
+    counts and the expert loads summed over the stage's ranks, cp included), 4 chunks, unrolled ==
+    one process; `cp2_ep2`: the 8 experts split over each stage's 2 cp ranks (scheduled tier)."""
+    _graph_parity(4, ("graph",), cp=2, ep=ep)
+
+
+@pytest.mark.multiprocess
 def test_graph_pp2_moe_layer_scan_accumulation_and_dense_first_stage_equal_one_process():
     """Graph-mode PP 2 with layer scan (each stage's 3 MoE blocks one scan per iteration), with 2
     accumulation micro-batches of 2 chunks (the aux gradient's 1 / (chunks x micro-batches)), and
@@ -237,19 +258,14 @@ def test_graph_pp2_moe_layer_scan_accumulation_and_dense_first_stage_equal_one_p
 
 def test_graph_pp_plans_moe_with_expert_parallelism():
     """The rules: graph-mode PP takes a model with experts (uniform stages, GPipe; on a TPU too, with
-    layer scan) and expert parallelism inside its stages; context parallelism stays refused with it
-    (a dense model takes it), in one rule-table line naming the key."""
-    from models.errors import ConfigError
+    layer scan), expert parallelism and context parallelism inside its stages."""
 
     base = dict(pp_degree=2, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0, mode="graph")
     base.update(model_has_experts=True, n_layers=6, local_batch=4, model_document_mask=True)
     assert plan_step(StepRequest(**base)).pipeline.uniform
     assert plan_step(StepRequest(**base, device_type="tpu", scan_layers=True)).scan
     assert plan_step(StepRequest(**base, ep_degree=2)).pipeline.uniform
-    with pytest.raises(ConfigError) as e:
-        plan_step(StepRequest(**base, ep_degree=2, cp_degree=2))
-    text = str(e.value)
-    assert text.startswith("parallelism.context_parallel_degree: ") and "graph" in text, text
+    assert plan_step(StepRequest(**base, ep_degree=2, cp_degree=2)).pipeline.uniform
 
 
 @pytest.mark.multiprocess

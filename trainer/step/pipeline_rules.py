@@ -4,15 +4,15 @@ compose with yet (`PIPELINE_RULES`, part of `RULES`; docs/rules.md).
 
 What runs (parallelisms/pipeline_parallel.py, docs/pipeline_parallel.md): eager stages of a
 decoder through torch.distributed.pipelining on cpu/cuda (in compile mode the same schedules over
-per-block compiled stages, the zero-bubble ones with AOTAutograd's donated buffers off), composed with SimpleFSDP/HSDP, TP,
-context parallelism (the cp axis inside each stage), activation
+per-block compiled stages, the zero-bubble ones with AOTAutograd's donated buffers off), composed
+with SimpleFSDP/HSDP, TP (and its loss parallel), context parallelism (the cp axis inside each stage), activation
 checkpointing and gradient accumulation, and for an MoE flavor with expert parallelism
 inside each stage (trainer/step/pipeline.py: the aux loss's gradient attached per stage, the expert
 loads per layer); in graph mode the pipeline inside the captured step (trainer/graph/pipeline.py)
 with uniform stages, one SPMD program on every pp rank, which is also the TPU path, on one slice or
 with the pp axis over several (DCN), dense or MoE (each stage's aux loss and expert loads out of the
-program, the bubble iterations masked), with expert parallelism inside each stage. The rest is
-refused until it is wired.
+program, the bubble iterations masked), with tensor, expert and context parallelism inside each
+stage. The rest is refused until it is wired.
 
 Which families that is, is computed here once (`PIPELINE_FAMILIES`, from the registry and
 `pipeline_capable`); the model rule's text and message, docs/rules.md (generated from them) and
@@ -148,19 +148,6 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         lambda r: r.mode == "graph" and r.pp_uneven,
         "{r.pp_degree} does not divide the model's {r.n_layers} layers, and graph mode's stages are uniform "
         '(every pp rank holds as many blocks); allowed: a divisor of {r.n_layers}, or compile.mode = "eager"',
-    ),
-    # Context parallelism with PP: the eager stages take the cp shards and run the job's CP attention
-    # (trainer/step/pipeline.py; with TP and EP too: the parity tests); graph mode's pipeline program
-    # carries the cp axis inside its stages for a dense model (trainer/graph/pipeline.py
-    # `PipelinedLoss(cp=...)`); with experts (the stage's aux loss and loads over the cp shards inside
-    # the program) it is not tested yet.
-    Rule(
-        "parallelism.context_parallel_degree",
-        "CP > 1 with PP > 1 in graph mode for a model with experts",
-        lambda r: r.pp_degree > 1 and r.cp_degree > 1 and r.mode == "graph" and r.model_has_experts,
-        "{r.cp_degree} with pipeline_parallel_degree {r.pp_degree} for a model with experts runs in eager or "
-        "compile mode only (graph mode's pipeline program takes CP for dense models); allowed: 1, or "
-        'compile.mode = "eager" | "compile", or a dense model',
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
