@@ -207,7 +207,10 @@ class Indexer(Compressor):
         keys = super().forward(x, cos, sin)  # [b, n, d_I]
         n = keys.shape[1]
         q = rope_tail(self.wq_b(q_lora).view(b, s, self.n_heads, -1), cos[:s, None], sin[:s, None])
-        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2).unsqueeze(1))) * self.head_dim**-0.5
+        # the heads fold into the rows ([b, s h, d_I] x [b, d_I, n]): broadcasting the keys over the
+        # s queries instead materialised them s times (an fp32 [b, s, d_I, n] in the TPU program)
+        scores = torch.matmul(q.float().flatten(1, 2), keys.float().transpose(-1, -2)).view(b, s, self.n_heads, n)
+        scores = F.relu(scores) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~closed, float("-inf"))  # [b, s, n]
         chosen = scores.topk(min(self.topk, n), dim=-1).indices
