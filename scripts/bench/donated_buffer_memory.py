@@ -17,6 +17,13 @@ allocation events, `total_allocated`: torch's CPU allocations, the parameters an
 excluded as they exist before the step; the gradients are zeroed to None first, so the step
 allocates them), and the median step time of `--repeats` more steps.
 
+With `--blocks-only` also the zero-bubble schedules' split backward of the block stack
+(torch.distributed.pipelining's `stage_backward_input`, then `stage_backward_weight`), timed
+interleaved with the plain step: with donated buffers off (what compile mode then runs) and with
+eager blocks (a third variant, `eager`), whose split costs what the plain backward does. A compiled
+block's backward is one node that computes the input and the weight gradients together, so the
+weight pass runs it again: the split step's time over the plain one says what that costs.
+
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench/donated_buffer_memory.py --out out.csv
 """
 
@@ -47,7 +54,9 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeats: int, blocks_only: bool) -> dict:
+def _child(
+    donated: bool, layers: int, seq: int, batch: int, warmup: int, repeats: int, blocks_only: bool, compiled: bool
+) -> dict:
     import torch
     from torch._C._profiler import _EventType
     from torch._functorch import config as functorch_config
@@ -73,8 +82,8 @@ def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeat
 
     family = FAMILIES["llama3"]
     args = dataclasses.replace(family.flavors["debugmodel"], n_layers=layers, max_seq_len=seq)
-    plan = plan_step(StepRequest(mode="compile", n_layers=layers))
-    assert plan.block_compile == "inductor", plan.block_compile
+    plan = plan_step(StepRequest(mode="compile" if compiled else "eager", n_layers=layers))
+    assert plan.block_compile == ("inductor" if compiled else None), plan.block_compile
     torch.manual_seed(0)
     model = build_model(
         family,
@@ -118,17 +127,41 @@ def _child(donated: bool, layers: int, seq: int, batch: int, warmup: int, repeat
             walk(n.children)
 
     walk(prof.profiler.kineto_results.experimental_event_tree())
-    times = []
+
+    def split_step():
+        """A zero-bubble schedule's backward of the block stack: the input gradient (retain_graph),
+        then the weight gradient, torch.distributed.pipelining's own two functions."""
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+        model.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_(True)
+        loss = model.layers(x, cos, sin).square().mean()
+        _, groups = stage_backward_input([loss], None, [x], model.layers.parameters())
+        stage_backward_weight(model.layers.parameters(), groups)
+
+    # Interleaved (one of each, repeated) so that a shared machine's load hits both alike.
+    split = blocks_only and (not donated or not compiled)
+    if split:
+        split_step()  # (the backward compiled for a retained graph: its own compile)
+    plain_times, split_times = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
+        plain_times.append(_timed(step))
+        if split:
+            split_times.append(_timed(split_step))
     return {
+        "variant": "on" if donated and compiled else "off" if compiled else "eager",
         "donated_buffer": donated,
         "donated_per_graph": donated_counts,
         "peak_step_bytes": peak,
-        "step_s": statistics.median(times),
+        "step_s": statistics.median(plain_times),
+        "split_step_s": statistics.median(split_times) if split else None,
     }
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -144,10 +177,12 @@ def main() -> None:
         action="store_true",
         help="the block stack alone on random hidden states (loss: the mean square), no embedding, head or loss",
     )
-    p.add_argument("--child", choices=("on", "off"), default=None)
+    p.add_argument("--child", choices=("on", "off", "eager"), default=None)
     a = p.parse_args()
     if a.child is not None:
-        out = _child(a.child == "on", a.layers, a.seq, a.batch, a.warmup, a.repeats, a.blocks_only)
+        out = _child(
+            a.child == "on", a.layers, a.seq, a.batch, a.warmup, a.repeats, a.blocks_only, compiled=a.child != "eager"
+        )
         print("RESULT " + json.dumps(out))
         return
     env = {
@@ -157,7 +192,7 @@ def main() -> None:
     }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     rows = []
-    for variant in ("on", "off"):
+    for variant in ("on", "off", "eager") if a.blocks_only else ("on", "off"):
         cmd = [sys.executable, __file__, "--child", variant]
         cmd += ["--layers", str(a.layers), "--seq", str(a.seq), "--batch", str(a.batch)]
         cmd += ["--warmup", str(a.warmup), "--repeats", str(a.repeats)] + (["--blocks-only"] if a.blocks_only else [])
@@ -167,20 +202,20 @@ def main() -> None:
             sys.exit(f"error: the {variant} run failed:\n{proc.stderr[-3000:]}")
         rows.append(json.loads(lines[-1][len("RESULT ") :]))
     cpu = _cpu_model()
-    on, off = rows
+    on, off = rows[0], rows[1]
     what = "the block stack alone" if a.blocks_only else "the whole model and loss"
-    print(
-        f"debug Llama 3, {a.layers} layers, seq {a.seq}, batch {a.batch}, fp32, Inductor per block, {what}; CPU: {cpu}"
-    )
-    print("| donated buffers | donated per compiled graph | peak bytes in the step | step s (median) |")
-    print("|---|---|---|---|")
+    print(f"debug Llama 3, {a.layers} layers, seq {a.seq}, batch {a.batch}, fp32, {what}; CPU: {cpu}")
+    print("| blocks | donated per compiled graph | peak bytes in the step | step s (median) | split backward step s |")
+    print("|---|---|---|---|---|")
+    names = {"on": "compiled, donated buffers on", "off": "compiled, donated buffers off", "eager": "eager"}
     for r in rows:
+        split = f"{r['split_step_s']:.3f}" if r.get("split_step_s") is not None else "-"
         print(
-            f"| {'on' if r['donated_buffer'] else 'off'} | {r['donated_per_graph']} | "
-            f"{r['peak_step_bytes'] / 2**20:.2f} MiB | {r['step_s']:.3f} |"
+            f"| {names[r['variant']]} | {r['donated_per_graph']} | {r['peak_step_bytes'] / 2**20:.2f} MiB | "
+            f"{r['step_s']:.3f} | {split} |"
         )
     diff = off["peak_step_bytes"] - on["peak_step_bytes"]
-    print(f"off - on: {diff / 2**20:+.2f} MiB ({diff / on['peak_step_bytes']:+.1%})")
+    print(f"peak, off - on: {diff / 2**20:+.2f} MiB ({diff / on['peak_step_bytes']:+.1%})")
     if a.out:  # appended (a header first in a new file), so that several shapes share one CSV
         what = "blocks" if a.blocks_only else "model"
         command = (
@@ -193,21 +228,14 @@ def main() -> None:
             w = csv.writer(f)
             if new:
                 w.writerow(
-                    ["cpu", "what", "layers", "seq", "batch", "donated_buffer", "donated_per_graph"]
-                    + ["peak_step_bytes", "step_s", "command"]
+                    ["cpu", "what", "layers", "seq", "batch", "variant", "donated_per_graph", "peak_step_bytes"]
+                    + ["step_s", "split_step_s", "command"]
                 )
             for r in rows:
+                split = f"{r['split_step_s']:.4f}" if r.get("split_step_s") is not None else ""
                 w.writerow(
-                    [
-                        cpu,
-                        what,
-                        a.layers,
-                        a.seq,
-                        a.batch,
-                        r["donated_buffer"],
-                        " ".join(map(str, r["donated_per_graph"])),
-                    ]
-                    + [r["peak_step_bytes"], f"{r['step_s']:.4f}", command]
+                    [cpu, what, a.layers, a.seq, a.batch, r["variant"], " ".join(map(str, r["donated_per_graph"]))]
+                    + [r["peak_step_bytes"], f"{r['step_s']:.4f}", split, command]
                 )
 
 
