@@ -35,5 +35,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # pytest's usage errors (an unknown flag, a path that is not there) are its exit 4: bad input, so 2
 # here as in every other command; the rest of its codes unchanged. exec: signals reach pytest.
-exec python -c 'import sys, pytest; rc = pytest.console_main(); sys.exit(2 if rc == 4 else rc)' \
+exec python -c 'import sys, pytest; rc = int(pytest.main(sys.argv[1:])); sys.exit(2 if rc == 4 else rc)' \
   -q -p no:cacheprovider --durations=40 -n "${TITAN_TEST_WORKERS:-2}" --dist loadgroup "$@"
