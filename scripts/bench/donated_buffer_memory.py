@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.runtime import cli
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -165,7 +167,7 @@ def _timed(fn) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
@@ -240,4 +242,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))

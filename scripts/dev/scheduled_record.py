@@ -6,13 +6,14 @@ on a 2-vCPU machine (hours), so it can run whole (`.ci/scheduled`) or in parts (
 --missing`: only the scheduled tests without a good record, or with one older than `--since REV`);
 the record says how much of the tier has a good result at or after which commit.
 
-    python3 scripts/dev/scheduled_record.py record OUTCOMES.json STATUS START_EPOCH OUT.json [--mode M]
-    python3 scripts/dev/scheduled_record.py todo COLLECTION.json OUT.json [--since REV] [--budget-s S]
-    python3 scripts/dev/scheduled_record.py status COLLECTION.json OUT.json [--since REV]
+    .venv/bin/python scripts/dev/scheduled_record.py record OUTCOMES.json STATUS START_EPOCH OUT.json [--mode M]
+    .venv/bin/python scripts/dev/scheduled_record.py todo COLLECTION.json OUT.json [--since REV] [--budget-s S]
+    .venv/bin/python scripts/dev/scheduled_record.py status COLLECTION.json OUT.json [--since REV]
 
 OUTCOMES.json is what tests/conftest.py writes under TITAN_RECORD_OUTCOMES ({node id: {outcome,
 seconds}}); COLLECTION.json what it writes under TITAN_DUMP_COLLECTION (every collected test and
-whether it is scheduled). Standard library only (it runs with whatever python3 is on PATH).
+whether it is scheduled). It needs only the standard library and the project's command-line
+module (`trainer.runtime.cli`); .ci/scheduled runs it with the project's venv.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trainer.runtime import cli
 
 GOOD = ("passed", "xfailed")
 """Outcomes that count as the test's result being in hand (an expected failure is the test's
@@ -188,7 +191,7 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="merge one run's outcomes into the record")
     rec.add_argument("outcomes")
@@ -207,10 +210,7 @@ def main(argv: list[str]) -> int:
     if args.command == "record":
         return _record(args)
     if args.since is not None and _git("rev-parse", "--verify", "--quiet", args.since).returncode != 0:
-        print(
-            f"error: --since {args.since}: not a commit of this repository; allowed: a commit or ref", file=sys.stderr
-        )
-        return 2
+        parser.error(f"--since {args.since}: not a commit of this repository (allowed: a commit or ref)")
     ids = scheduled_ids(Path(args.collection))
     record = read_record(Path(args.out))
     if args.command == "todo":
@@ -221,4 +221,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli.run(main, sys.argv[1:]))

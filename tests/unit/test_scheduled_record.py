@@ -7,8 +7,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
+
+from trainer.runtime import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "dev" / "scheduled_record.py"
@@ -50,7 +51,7 @@ def test_runs_merge_per_test_and_todo_lists_what_has_no_good_result(tmp_path, mo
     )
 
 
-def test_since_treats_results_of_older_commits_as_missing(tmp_path, monkeypatch):
+def test_since_treats_results_of_older_commits_as_missing(tmp_path, monkeypatch, capsys):
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
@@ -64,9 +65,7 @@ def test_since_treats_results_of_older_commits_as_missing(tmp_path, monkeypatch)
     record = rec.merge(record, {"t::new": {"outcome": "passed"}}, commit=commits[2], date="d", cpu="x")
     assert rec.todo(["t::old", "t::new"], record, since=commits[1]) == ["t::old"]
     assert rec.todo(["t::old", "t::new"], record) == []
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "todo", "c.json", "r.json", "--since", "no-such-ref"],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 2 and r.stderr.startswith("error: --since no-such-ref") and "Traceback" not in r.stderr
+    code = cli.run(rec.main, ["todo", "c.json", "r.json", "--since", "no-such-ref"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "--since no-such-ref" in err, err
+    assert len(err.strip().splitlines()) == 1
