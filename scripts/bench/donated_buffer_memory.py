@@ -34,7 +34,6 @@ import csv
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,16 +43,6 @@ from pathlib import Path
 from trainer.runtime import cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _child(
@@ -203,7 +192,9 @@ def main() -> None:
         if proc.returncode != 0 or not lines:
             sys.exit(f"error: the {variant} run failed:\n{proc.stderr[-3000:]}")
         rows.append(json.loads(lines[-1][len("RESULT ") :]))
-    cpu = _cpu_model()
+    from trainer.runtime.device import cpu_model
+
+    cpu = cpu_model()
     on, off = rows[0], rows[1]
     what = "the block stack alone" if a.blocks_only else "the whole model and loss"
     print(f"debug Llama 3, {a.layers} layers, seq {a.seq}, batch {a.batch}, fp32, {what}; CPU: {cpu}")

@@ -37,16 +37,6 @@ UNRECORDED_S = 60.0
 """What `todo --budget-s` charges a test with no recorded duration."""
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def _git(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], capture_output=True, text=True)
 
@@ -161,6 +151,8 @@ def _record(args: argparse.Namespace) -> int:
     outcomes = json.loads(Path(args.outcomes).read_text()) if Path(args.outcomes).is_file() else {}
     commit = _git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from trainer.runtime.device import cpu_model  # torch: only where a run is recorded
+
     cpu = cpu_model()
     out = Path(args.out)
     record = merge(read_record(out), outcomes, commit=commit, date=date, cpu=cpu)
