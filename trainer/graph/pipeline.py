@@ -48,11 +48,9 @@ iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: 
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
-from models.common.ops import IGNORE_INDEX
-from trainer.step.loss import lm_loss
+from trainer.step.loss import cp_token_mean, lm_loss
 
 _c10d = torch.ops._c10d_functional
 
@@ -330,10 +328,8 @@ class PipelinedLoss:
                 # graph step's loss context): the mean is replicated over tp; its local value, whose
                 # gradient goes back as the replicated DTensor's
                 loss = loss.to_local()
-        if self.cp is not None:
-            count = (labels != IGNORE_INDEX).sum().to(torch.float32)
-            # a functional collective, traced into the step's graph (as `cp_scaled_lm_loss`'s)
-            loss = loss * (self.cp.size / funcol.all_reduce(count, "sum", self.cp.group))
+        if self.cp is not None:  # (a functional collective, traced into the step's graph)
+            loss = cp_token_mean(loss, labels, self.cp)
         return torch.where(self.stage == self.pp - 1, loss, torch.zeros_like(loss))
 
     def replicated(self, model) -> list[torch.Tensor]:

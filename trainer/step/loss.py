@@ -81,6 +81,13 @@ def cp_scaled_lm_loss(
     cp is that group's mean loss."""
     segment_ids, positions = (extra[0], extra[1]) if document_mask else (None, extra[0])
     total = model_lm_loss(model, inputs, labels, segment_ids, positions, fused=fused, reduction="sum")
+    return cp_token_mean(total, labels, cp)
+
+
+def cp_token_mean(total: torch.Tensor, labels: torch.Tensor, cp) -> torch.Tensor:
+    """`total` (this cp rank's token-sum loss over `labels`) x cp / the cp group's token count, the
+    CP loss every step uses (`cp_scaled_lm_loss`, and the eager and graph-mode pipelines' last
+    stage); a replicated DTensor under loss parallel stays one."""
     count = (labels != IGNORE_INDEX).sum().to(torch.float32)
     # A functional collective: traced into graph mode's one graph like the k/v gathers.
     scale = cp.size / funcol.all_reduce(count, "sum", cp.group)

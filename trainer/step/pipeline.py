@@ -86,16 +86,13 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from models.common.moe import MoE
-from models.common.ops import IGNORE_INDEX
 from parallelisms.pipeline_parallel import ZERO_BUBBLE_SCHEDULES, PipelinePlan, build_schedule, in_chunk_forward
 from parallelisms.tensor_parallel import loss_parallel_context
 from trainer.step.eager import step_if_finite
-from trainer.step.loss import StepOutput, lm_loss, local_scalar, moe_outputs
+from trainer.step.loss import StepOutput, cp_token_mean, lm_loss, local_scalar, moe_outputs
 
 
 def split_backward_config(schedule: str):
@@ -248,12 +245,7 @@ class PipelineStep:
         # The non-PP CP loss (trainer/step/loss.py `cp_scaled_lm_loss`) on the chunk's shard: every cp
         # rank of the last stage computes its loss on the same chunk at once, so the count's
         # all-reduce over cp pairs up like the attention's k/v gathers.
-        count = (labels != IGNORE_INDEX).sum().to(torch.float32)
-        scale = self.cp.size / funcol.all_reduce(count, "sum", self.cp.group)
-        total = lm_loss(logits, labels, reduction="sum")
-        if isinstance(total, DTensor):  # loss parallel: a replicated DTensor over tp
-            scale = DTensor.from_local(scale, total.device_mesh, total.placements, run_check=False)
-        return total * scale * self._scale
+        return cp_token_mean(lm_loss(logits, labels, reduction="sum"), labels, self.cp) * self._scale
 
     def _tap(self, view: nn.Module, out: torch.Tensor, keys: list[str]) -> torch.Tensor:
         """After a stage's forward: take its aux loss and expert loads off its block stack (always,
