@@ -29,6 +29,7 @@ the golden test.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -441,21 +442,18 @@ def tag_reverse_scans(gm: fx.GraphModule) -> int:
     return done
 
 
+@functools.cache
 def host_offload_ops():
     """torch's activation-offloading ops (`torch.ops.ao.offload` / `reload`, registered on import
     of torch/_functorch/_activation_offloading/offload_ops.py), with a CPU kernel each: upstream's
     kernels copy on an accelerator's transfer stream and raise "Accelerator expected" on a CPU
-    tensor; here a CPU row is copied (the host copy is a plain copy: same values). Idempotent."""
+    tensor; here a CPU row is copied (the host copy is a plain copy: same values). Registered once
+    per process (cached)."""
     from torch._functorch._activation_offloading import offload_ops
 
-    if not _AO_CPU:
-        offload_ops.offload.register_kernel("cpu")(lambda tensor: tensor.clone())
-        offload_ops.reload.register_kernel("cpu")(lambda tensor, device: tensor.to(device, copy=True))
-        _AO_CPU.append(True)
+    offload_ops.offload.register_kernel("cpu")(lambda tensor: tensor.clone())
+    offload_ops.reload.register_kernel("cpu")(lambda tensor, device: tensor.to(device, copy=True))
     return torch.ops.ao.offload.default, torch.ops.ao.reload.default
-
-
-_AO_CPU: list = []
 
 
 def _is_ao(node: fx.Node, name: str) -> bool:
