@@ -33,7 +33,8 @@ planner"):
   `2 m v` transfers per accumulation micro-batch (graph mode: `2 (T - 1)` permutes); over the DCN when the stages span slices
   (`pp` outermost over the slices), else over one ICI link (`ICI_GBYTES_PER_S_PER_LINK`). The
   pipeline's fill and drain (`2 (p - 1)` hops) are exposed; the steady state's transfers hide
-  under the compute unless they exceed it.
+  under the compute unless they exceed it; graph mode's permutes are all exposed (each pipeline
+  iteration waits for the last one's: `PipelineCost.p2p_exposed_s`).
 """
 
 from __future__ import annotations
@@ -297,7 +298,13 @@ class PipelineCost:
 
     def p2p_exposed_s(self, compute_s: float) -> float:
         """The fill and drain hops (2 (p - 1) per accumulation micro-batch), plus whatever of the
-        steady state's transfers exceeds the compute (`compute_s`) they hide under."""
+        steady state's transfers exceeds the compute (`compute_s`) they hide under. Graph mode's
+        uniform stages: all of them. Its pipeline iteration is the stage's blocks, then the permute,
+        and the next iteration's blocks read what the permute delivered (trainer/graph/pipeline.py,
+        no delayed forwarding as MaxText's `pipeline_delay_activation_forwarding`), so every
+        permute is on the step's critical path with nothing to hide under."""
+        if self.spec.uniform:
+            return self.p2p_serial_s
         fill = self.grad_accum * 2 * (self.spec.pp - 1) * self.transfer_s
         return min(self.p2p_serial_s, fill + max(0.0, self.p2p_serial_s - fill - compute_s))
 

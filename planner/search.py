@@ -421,12 +421,15 @@ def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
     return [v for v in (2**i for i in range(0, 31)) if v <= limit and n % v == 0]
 
 
-def preference_key(est: Estimate) -> tuple:
+def preference_key(est: Estimate, pp_rank: int | None = None) -> tuple:
     """Smaller is better; documented in docs/planner.md ("How --recommend chooses").
 
     1. micro-batches big enough to hide FSDP's all-gathers on this generation;
     2. no pipeline (the smallest PP degree): PP only where nothing without it fits, since its
-       bubble and point-to-point transfers are lost time at equal memory;
+       bubble and point-to-point transfers are lost time at equal memory; on several slices
+       `pp_rank` replaces the degree (`recommend`: 0 for a pipeline that beats the best plan
+       without one by `PP_WIN_MARGIN` in tokens/s with the DCN priced, 1 for no pipeline, 2 for a
+       pipeline that does not);
     3. the smallest TP degree (TP puts activation collectives on every layer's critical path,
        FSDP's weight gathers overlap with compute): pure FSDP first, then add TP;
     4. the smallest CP degree (CP all-gathers k/v on every layer: with GQA a fraction of TP's
@@ -439,7 +442,7 @@ def preference_key(est: Estimate) -> tuple:
     """
     return (
         est.fsdp_bound,
-        est.pp,
+        est.pp if pp_rank is None else pp_rank,
         est.tp,
         est.cp,
         RECOMPUTE_RANK[est.ac_mode],
@@ -449,12 +452,39 @@ def preference_key(est: Estimate) -> tuple:
     )
 
 
-def search_key(est: Estimate, max_global_tokens: int) -> tuple:
+def search_key(est: Estimate, max_global_tokens: int, pp_rank: int | None = None) -> tuple:
     """`recommend`'s order: first the plans whose global batch stays within `max_global_tokens`
     (one sequence per data-parallel rank can exceed it: 128k tokens x 256 ranks is 32M; context
     or tensor parallelism puts several devices on one sequence and brings it back), then
     `preference_key`."""
-    return (est.global_batch_tokens > max_global_tokens, *preference_key(est))
+    return (est.global_batch_tokens > max_global_tokens, *preference_key(est, pp_rank))
+
+
+PP_WIN_MARGIN = 0.05
+"""On several slices a pipeline plan comes first only where its tokens/s per device, the DCN priced
+(`planner.multislice.priced_tokens_per_s`), beat the best plan without a pipeline's by this share:
+the planner's time model is an estimate at an assumed MFU, and a pipeline costs a recipe more
+(stage split, micro-batches, graph mode's T iterations of activations)."""
+
+
+def pp_ranks(candidates: list[Estimate], max_global_tokens: int) -> dict[int, int]:
+    """`preference_key`'s `pp_rank` of each candidate on a multislice target (by `id`): the
+    pipelines that beat the best fitting plan without one (the most tokens/s per device with the
+    DCN priced: its HSDP all-reduce, or its FSDP gathers and reduce-scatters across the slices) by
+    `PP_WIN_MARGIN` rank 0, the plans without a pipeline 1, the other pipelines 2. Where no plan
+    without a pipeline fits within `max_global_tokens`, every fitting pipeline ranks 0."""
+    from planner.multislice import priced_tokens_per_s
+
+    flat = [
+        priced_tokens_per_s(c)
+        for c in candidates
+        if c.fits and c.pp == 1 and c.global_batch_tokens <= max_global_tokens
+    ]
+    best = max(flat, default=0.0)
+    return {
+        id(c): 1 if c.pp == 1 else (0 if c.fits and priced_tokens_per_s(c) > best * (1 + PP_WIN_MARGIN) else 2)
+        for c in candidates
+    }
 
 
 def recommend(
@@ -489,10 +519,14 @@ def recommend(
     first anyway, so the search is exact and costs nothing extra for sequences that fit.
     Pipeline degrees (`pp_choices`, default powers of two up to `max_pp` dividing the world, on
     several slices multiples of the slice count: the stages take the slices) are searched the same
-    way, after pp = 1 and only while no plan without PP fits with its gathers hidden, and only
-    when the trainer's rules allow a pipeline for this model on this target (`PlanInputs.step`;
-    none without step settings). A pipeline candidate takes the recipe's schedule and
-    micro-batches (0: one sequence per micro-batch); its batch and micro-batches pass the rules.
+    way, after pp = 1 and only while no plan without PP fits with its gathers hidden (on one
+    slice), and only when the trainer's rules allow a pipeline for this model on this target
+    (`PlanInputs.step`; none without step settings). A pipeline candidate takes the recipe's
+    schedule and micro-batches (0: one sequence per micro-batch); its batch and micro-batches pass
+    the rules. On several slices every pipeline degree is searched, the layouts without a pipeline
+    are HSDP (and, where the recipe sets `[parallelism] allow_dcn_sharding`, FSDP across the
+    slices: any replicate degree), and a pipeline comes first only where it beats the best of those
+    with the DCN priced (`pp_ranks`, docs/pipeline_parallel.md "Where PP wins").
     """
     shape = inputs.args.shape()
     world = target.devices
@@ -511,15 +545,25 @@ def recommend(
         max_local_batch=max_local_batch,
     )
     candidates: list[Estimate] = []
+    multislice = target.num_slices > 1
     for pp in pp_choices or _pipeline_degrees(inputs, target, max_pp):
-        if pp > 1 and any(
-            c.fits and not c.fsdp_bound and c.pp < pp and c.global_batch_tokens <= max_global_tokens for c in candidates
+        if (
+            pp > 1
+            and not multislice
+            and any(
+                c.fits and not c.fsdp_bound and c.pp < pp and c.global_batch_tokens <= max_global_tokens
+                for c in candidates
+            )
         ):
             break  # a plan with less pipelining fits: no plan with this pp can come first (`search_key`)
         candidates += _search_pp(
             inputs, target, shape, pp=pp, tps=tps, cps=cps, eps=eps, dp_replicate_choices=dp_replicate_choices, **search
         )
-    fitting = sorted((c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens))
+    # several slices: a pipeline comes first only where it wins with the DCN priced (`pp_ranks`)
+    ranks = pp_ranks(candidates, max_global_tokens) if multislice else {}
+    fitting = sorted(
+        (c for c in candidates if c.fits), key=lambda c: search_key(c, max_global_tokens, ranks.get(id(c)))
+    )
     rest = sorted((c for c in candidates if not c.fits), key=lambda c: c.total)
     return fitting + rest
 
@@ -558,6 +602,9 @@ def _search_pp(
     world = target.devices
     stage = world // pp
     replicas_span = max(1, target.num_slices // pp)  # slices the data-parallel ranks span
+    # FSDP across the slices (MaxText's dcn_fsdp) where the recipe allows it: any replicate degree;
+    # else HSDP, one replica group per slice at least
+    dcn_sharding = inputs.step is not None and inputs.step.allow_dcn_sharding
     if pp > 1:  # the cp and ep degrees the pipeline rules take with PP (eager: all; graph mode: 1)
         cps = [c for c in cps if c == 1 or not _pp_refuses(inputs, target, pp=pp, cp=c)] or [1]
         eps = [e for e in eps if e == 1 or not _pp_refuses(inputs, target, pp=pp, ep=e)] or [1]
@@ -579,7 +626,7 @@ def _search_pp(
                 (r, e)
                 for e in eps
                 for r in dp_replicate_choices or _powers_of_two_dividing(stage // (tp * cp), stage // (tp * cp))
-                if r % replicas_span == 0  # several slices: HSDP, one replica group per slice at least
+                if r % replicas_span == 0 or dcn_sharding
             ):
                 candidates += _layout_candidates(
                     inputs,
@@ -593,7 +640,27 @@ def _search_pp(
                     max_global_tokens=max_global_tokens,
                     **search,
                 )
+    if target.num_slices > 1:
+        _note_dcn(candidates, target)
     return candidates
+
+
+def _note_dcn(candidates: list[Estimate], target: Target) -> None:
+    """Each multislice candidate's DCN line (`planner.multislice.describe`), and where FSDP spans
+    the slices the recipe key that allows it."""
+    from planner.multislice import dcn_cost, dcn_split, describe
+
+    for c in candidates:
+        cost = dcn_cost(c, target)
+        if cost is None:
+            continue
+        c.notes.append(describe(cost))
+        shard_slices = dcn_split(c, target)[1]
+        if shard_slices > 1:
+            c.notes.append(
+                f"dp_shard spans {shard_slices} slices (FSDP over the DCN, MaxText's dcn_fsdp): the recipe needs "
+                "[parallelism] allow_dcn_sharding = true"
+            )
 
 
 def _layout_candidates(
