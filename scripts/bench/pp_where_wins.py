@@ -129,7 +129,9 @@ def _row(model: str, target, tokens: int, side: str, est, other=None) -> dict:
     return row
 
 
-def study(models: list[str], generations: list[str], slices: list[int], out: str | None) -> list[dict]:
+def study(
+    models: list[str], generations: list[str], slices: list[int], out: str | None, ac_modes: tuple[str, ...]
+) -> list[dict]:
     rows = []
     for model in models:
         inputs = _inputs(MODELS[model])
@@ -138,8 +140,9 @@ def study(models: list[str], generations: list[str], slices: list[int], out: str
                 target = planner.parse_target(f"{SLICES[gen]}x{s}")
                 t0 = time.time()
                 top = max(BATCHES.values())
-                flat = planner.recommend(inputs, target, pp_choices=[1], max_global_tokens=top)
-                pipe = planner.recommend(inputs, target, pp_choices=[s], max_global_tokens=top)
+                kw = dict(max_global_tokens=top, ac_modes=ac_modes)
+                flat = planner.recommend(inputs, target, pp_choices=[1], **kw)
+                pipe = planner.recommend(inputs, target, pp_choices=[s], **kw)
                 for name, tokens in BATCHES.items():
                     bf, bp = _best(flat, tokens), _best(pipe, tokens)
                     rows.append(_row(model, target, tokens, "no pp", bf))
@@ -179,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generations", default=",".join(SLICES), help=f"comma-separated, of {', '.join(SLICES)}")
     p.add_argument("--slices", default="2,4,8,16", help="comma-separated slice counts")
     p.add_argument("--out", default=None, help="CSV path (written after every target)")
+    p.add_argument(
+        "--ac-modes",
+        default=",".join(planner.AC_SEARCH_ORDER),
+        help="comma-separated AC modes to search (full alone is what these models fit at 8k on every side: a third of the search)",
+    )
     args = p.parse_args(argv)
     models = args.models.split(",")
     gens = args.generations.split(",")
@@ -192,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--slices: {args.slices!r}; allowed: comma-separated integers >= 2") from None
     if any(s < 2 for s in slices):
         raise ConfigError(f"--slices: {args.slices!r}; allowed: comma-separated integers >= 2")
-    study(models, gens, slices, args.out)
+    modes = tuple(args.ac_modes.split(","))
+    if any(m not in planner.AC_SEARCH_ORDER for m in modes):
+        raise ConfigError(
+            f"--ac-modes: {args.ac_modes!r}; allowed: comma-separated of {', '.join(planner.AC_SEARCH_ORDER)}"
+        )
+    study(models, gens, slices, args.out, modes)
     return 0
 
 
