@@ -83,9 +83,11 @@ def _inputs(recipe: str):
 
 def layout(est) -> str:
     r, s = dcn_split(est, est.target)
-    dcn = "pp over DCN" if est.pp > 1 else ("FSDP over DCN" if s > 1 else ("HSDP" if r > 1 else "one slice"))
+    over = [name for name, n in (("pp", est.pp if est.pp > 1 else 1), ("HSDP", r), ("FSDP", s)) if n > 1]
+    dcn = " + ".join(over) + " over DCN" if over else "one slice"
     parts = [f"pp {est.pp}"] if est.pp > 1 else []
-    parts += [f"dp_rep {est.dp_replicate}", f"fsdp {est.dp_shard}"]
+    parts += [f"dp_rep {est.dp_replicate}"] if est.dp_replicate > 1 else []
+    parts += [f"fsdp {est.dp_shard}"]
     parts += [f"{k} {v}" for k, v in (("cp", est.cp), ("tp", est.tp), ("ep", est.ep)) if v > 1]
     if est.pipeline is not None:
         parts.append(f"m {est.pipeline.spec.m}")
@@ -169,6 +171,44 @@ def _print(flat: dict, pipe: dict, batch: str) -> None:
     )
 
 
+def markdown(path: str) -> str:
+    """The table docs/pipeline_parallel.md prints ("Where PP wins"), from a CSV of this script."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    batches = sorted({int(r["global_tokens"]) for r in rows})
+    names = {v: k for k, v in BATCHES.items()}
+    head = "| model | target | devices |" + "".join(
+        f" {names.get(b, b)}: no PP tok/s (layout) | {names.get(b, b)}: PP tok/s (layout, bubble) | PP / no PP |"
+        for b in batches
+    )
+    out = [head, "|" + "---|" * (3 + 3 * len(batches))]
+    keys = list(dict.fromkeys((r["model"], r["target"], r["devices"]) for r in rows))
+
+    def cell(r):
+        if r is None or r["fits"] != "True":
+            return "nothing fits"
+        bound = ", FSDP-bound" if r["fsdp_bound"] == "True" else ""
+        bubble = f", bubble {float(r['bubble']):.0%}" if r["side"] == "pp" else ""
+        shown = r["layout"].replace("dp_rep 1 x ", "")  # (CSVs written before the label dropped it)
+        return f"{float(r['tokens_per_s_device']):.0f} ({shown}{bubble}{bound})"
+
+    for key in keys:
+        line = f"| {key[0]} | {key[1]} | {key[2]} |"
+        for b in batches:
+            side = {
+                r["side"]: r
+                for r in rows
+                if (r["model"], r["target"], r["devices"]) == key and int(r["global_tokens"]) == b
+            }
+            flat, pipe = side.get("no pp"), side.get("pp")
+            ratio = pipe.get("pp_over_flat") if pipe else ""
+            line += (
+                f" {cell(flat)} | {cell(pipe)} | {float(ratio):.2f} |" if ratio else f" {cell(flat)} | {cell(pipe)} | |"
+            )
+        out.append(line)
+    return "\n".join(out)
+
+
 def _write(rows: list[dict], path: str) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)
@@ -183,11 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slices", default="2,4,8,16", help="comma-separated slice counts")
     p.add_argument("--out", default=None, help="CSV path (written after every target)")
     p.add_argument(
+        "--markdown", default=None, metavar="CSV", help="print the docs' table of a CSV of this script and exit"
+    )
+    p.add_argument(
         "--ac-modes",
         default=",".join(planner.AC_SEARCH_ORDER),
         help="comma-separated AC modes to search (full alone is what these models fit at 8k on every side: a third of the search)",
     )
     args = p.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     models = args.models.split(",")
     gens = args.generations.split(",")
     for key, values, allowed in (("--models", models, MODELS), ("--generations", gens, SLICES)):
