@@ -10,7 +10,8 @@ host offload of the block inputs and `allow_dcn_sharding` so that both sides get
 each multislice target (`<slice>x<S>`) and each global batch (tokens per optimizer step, reached
 with gradient accumulation where a plan's micro-batch holds fewer): `planner.recommend` over the
 layouts without a pipeline (HSDP, FSDP across slices, TP, CP, EP, AC, local batch) and over those
-with the stages on the slices (pp = S, its stage mesh searched the same way), both at the assumed
+with the stages on the slices (pp = S, or a power of two dividing S with HSDP or FSDP across the
+rest; the stage mesh searched the same way; the rules take only degrees that divide the layers), both at the assumed
 MFU; the best of each side that fits within the global batch by tokens/s per device with the DCN
 priced (`priced_tokens_per_s`: the step, a pipeline's bubble and permutes, plus the exposed HSDP
 all-reduce or FSDP gathers and reduce-scatters). A plan whose global batch is below the row's is
@@ -144,11 +145,15 @@ def study(
                 top = max(BATCHES.values())
                 kw = dict(max_global_tokens=top, ac_modes=ac_modes)
                 flat = planner.recommend(inputs, target, pp_choices=[1], **kw)
-                pipe = planner.recommend(inputs, target, pp_choices=[s], **kw)
+                # the stages over the slices (pp = S) or over part of them, HSDP / FSDP across the rest
+                degrees = [d for d in (2**i for i in range(1, 6)) if d <= s and s % d == 0]
+                pipe = planner.recommend(inputs, target, pp_choices=degrees, **kw)
                 for name, tokens in BATCHES.items():
                     bf, bp = _best(flat, tokens), _best(pipe, tokens)
                     rows.append(_row(model, target, tokens, "no pp", bf))
                     rows.append(_row(model, target, tokens, "pp", bp, other=bf if bp is not None else None))
+                    if not pipe:  # the rules take no pipeline degree here
+                        rows[-1]["layout"] = f"refused: no pp in {degrees} divides the {inputs.args.n_layers} layers"
                     _print(rows[-2], rows[-1], name)
                 print(f"  ({len(flat) + len(pipe)} plans, {time.time() - t0:.0f} s)", flush=True)
                 if out:
@@ -186,7 +191,7 @@ def markdown(path: str) -> str:
 
     def cell(r):
         if r is None or r["fits"] != "True":
-            return "nothing fits"
+            return r["layout"] if r is not None and r["layout"].startswith("refused") else "nothing fits"
         bound = ", FSDP-bound" if r["fsdp_bound"] == "True" else ""
         bubble = f", bubble {float(r['bubble']):.0%}" if r["side"] == "pp" else ""
         shown = r["layout"].replace("dp_rep 1 x ", "")  # (CSVs written before the label dropped it)
