@@ -4,7 +4,8 @@
 1 x fp32 on its matrices, with its update's whole matrices as a transient), and the larger
 the backward's peak (saved activations, the bf16 weights it keeps, and the larger of two
 transient peaks: loss/LM head backward, one block's backward plus the scan's flipped copies
-where the backend makes them) and, for an undonated optimizer update (torch-tpu's compile
+where the backend makes them; or, where larger, the embedding backward's fp32 tables after the
+layers, `embedding_backward_bytes`) and, for an undonated optimizer update (torch-tpu's compile
 backend), the new parameter and moment buffers: the program's outputs, which XLA allocates
 beside its temporaries (scripts/estimate_xla.py measured it so); it compares the sum with HBM minus a
 headroom margin. The step plan says which terms apply (`StepPlan.fused_loss`, `scan_flips`,
@@ -53,17 +54,23 @@ picks it for speed; the search, which looks for the least recompute that fits, n
 
 assert set(RECOMPUTE_FACTOR) == set(RECOMPUTE_RANK) == set(AC_MODES), "an AC mode the planner does not model"
 
-OFFLOAD_KEPT_SHARE = 1.0 - 825_032_704 / 2_147_483_648
-"""Of the saved block inputs `[activation_checkpoint] offload = "block_inputs"` keeps in pinned host
-memory (all of them, as host bytes: the compiled program's host temporaries are the stack exactly),
-the share the TPU program still holds on the device: measured, not derived. The deviceless compile
-of configs/llama3_8b_v6e.toml as is (32 layers, v6e-256, FSDP 256, 1 x 8192 tokens, at 84404b4:
-docs/results/offload_compile_2026-12-07_84404b4_32layers.csv) put the whole 2 GiB stack in host
-temporaries (2,147,483,648 bytes) but its device temporaries fell by 825,032,704 bytes only
-(6,858,309,632 -> 6,033,276,928): 38.4 % of the stack left the device, 61.6 % stayed (transfer
-buffers, or another peak the offload does not lower: not yet explained, docs/graph_trainer.md "Host
-offload of the saved block inputs"). At 4 layers the same compile kept more than the stack (device
-temporaries +158.7 MiB), so the share is a one-point calibration at full depth, for deep stacks."""
+EMBEDDING_BACKWARD_BYTES_PER_ELEMENT = 8
+"""The token embedding's backward per element of its gathered table (`ShardStats.embedding_gathered_numel`):
+torch's `embedding_dense_backward` scatter-adds the rows' gradients into a zero [vocab, dim] table in
+fp32 (its decomposition upcasts bf16), and the bf16 gradient it returns is cast back to fp32 for the
+fp32 reduce-scatter: two fp32 tables (4 + 4 bytes), whole on every device of the dp group before the
+reduce-scatter shards them. Read from the buffer assignment of the 8B's deviceless v6e compile
+(docs/results/offload_buffers_8b_4layers_2026-12-07_b9ea89b.txt: `scatter_fusion` and
+`convert_convert_fusion`, 2 x 2004 MiB f32[128256, 4096], the step's live peak at 4 layers)."""
+
+
+def embedding_backward_bytes(stats: ShardStats) -> int:
+    """The embedding backward's transient (bytes): `EMBEDDING_BACKWARD_BYTES_PER_ELEMENT` per element of
+    the gathered table; 0 on a rank without the embedding (an eager pipeline's stage past the first)
+    or a model without one (FLUX)."""
+    if not stats.embedding_numel:
+        return 0
+    return EMBEDDING_BACKWARD_BYTES_PER_ELEMENT * stats.embedding_gathered_numel
 
 
 @dataclass
@@ -125,8 +132,14 @@ class Estimate:
     """Bytes of the saved block inputs (`activations.blocks`, the scanned stack's) kept in pinned host
     memory (`[activation_checkpoint] offload = "block_inputs"` on a TPU target): host bytes per device."""
     offload_kept: int = 0
-    """Of `offloaded`, what the compiled TPU program still holds on the device (`OFFLOAD_KEPT_SHARE`,
-    measured): counted in the device total."""
+    """Of `offloaded`, what the device still holds in the backward loop: one row of the stack (one
+    scan step's saved inputs, `activations.per_block`), the one the backward trip reads, fetched
+    from the host by the trip before (the 8B's buffer assignment: one async dynamic-slice per trip;
+    no other device copy of the stack). Counted in the device total."""
+    embedding_backward: int = 0
+    """The token embedding backward's transient (`embedding_backward_bytes`): after the block loops,
+    with the saved activations, the kept weights and the other transients freed; the backward's
+    peak where it exceeds the loop's (`backward_peak`)."""
     notes: list[str] = field(default_factory=list)
 
     # -- memory
@@ -136,9 +149,17 @@ class Estimate:
         return max(self.transient_loss, self.transient_block + self.scan_flips, self.muon_update)
 
     @property
-    def backward_peak(self) -> int:
-        """Above the static state: what the backward holds at its peak."""
+    def loop_peak(self) -> int:
+        """Above the static state: what the backward holds at its peak inside the layers (the kept
+        weights, the saved activations on the device, the larger transient)."""
         return self.saved_weights + self.activations.total - self.offloaded + self.offload_kept + self.transient
+
+    @property
+    def backward_peak(self) -> int:
+        """Above the static state: what the backward holds at its peak, in the layers or, after them,
+        in the embedding backward (`embedding_backward`; where host offload has emptied the layers'
+        loop, the embedding backward can be the step's peak: the 8B's compile at 4 layers)."""
+        return max(self.loop_peak, self.embedding_backward)
 
     @property
     def host_bytes(self) -> int:
@@ -340,9 +361,9 @@ def estimate(
     `stacked`, (k, p) of a stack scanned after an unrolled prefix (`planner.shard.scan_layout`,
     DeepSeek-V4); None: the activations' `period`, no prefix. `offload`: the step plan's
     `scan_offload`; "block_inputs" on a TPU target with the layer scan and full AC moves the scanned
-    blocks' saved inputs to host memory (`Estimate.offloaded`), of which the device keeps
-    `OFFLOAD_KEPT_SHARE` (`Estimate.offload_kept`); elsewhere (CUDA: the pass leaves the graph alone)
-    nothing moves."""
+    blocks' saved inputs to host memory (`Estimate.offloaded`), of which the device keeps the row
+    the backward trip reads (`Estimate.offload_kept`); elsewhere (CUDA: the pass leaves the graph
+    alone) nothing moves."""
     loss_parallel = loss_parallel and parallel_dims.tp > 1
     memory, block, muon = _memory_terms(
         activations,
@@ -488,7 +509,8 @@ def _memory_terms(
         # the scanned stack's saved block inputs (a pipeline rank's: all its in-flight iterations'),
         # not the unrolled prefix's (`offload_block_inputs_pass` rewrites scans only)
         offloaded=acts.blocks - unrolled if offload else 0,
-        offload_kept=round(OFFLOAD_KEPT_SHARE * (acts.blocks - unrolled)) if offload else 0,
+        offload_kept=min(acts.per_block, acts.blocks - unrolled) if offload else 0,
+        embedding_backward=embedding_backward_bytes(stats),
         optimizer_name=optimizer,
         muon_update=muon_update,
         quantize_recipe=block.recipe,
@@ -747,7 +769,12 @@ def _estimate_notes(
             f"host offload (block_inputs): {est.offloaded / 2**30:.2f} GiB of saved block inputs per device "
             f"in pinned host memory, {est.offloaded * gen.devices_per_host / 2**30:.2f} GiB per host "
             f"({gen.devices_per_host} devices; the planner does not know the host's RAM: not checked); the "
-            f"device keeps {est.offload_kept / 2**30:.2f} GiB of them (OFFLOAD_KEPT_SHARE, measured on one compile)"
+            f"device keeps the row the backward reads ({est.offload_kept / 2**30:.2f} GiB)"
+            + (
+                f"; the embedding backward ({est.embedding_backward / 2**30:.2f} GiB of fp32 tables) is the step's peak"
+                if est.embedding_backward > est.loop_peak
+                else ""
+            )
         )
     if est.tp > gen.devices_per_host:
         notes.append(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 
-from planner.memory import OFFLOAD_KEPT_SHARE, Estimate
+from planner.memory import Estimate
 from planner.multislice import dcn_cost, describe
 from planner.search import (
     Fixes,
@@ -125,7 +125,7 @@ def _memory_rows(est: Estimate, *, flow: tuple[int, int] | None) -> list[tuple[s
             [
                 (
                     f"  less offloaded to pinned host memory ({gib(est.offloaded)} GiB; "
-                    f"{OFFLOAD_KEPT_SHARE:.1%} kept, measured)",
+                    f"the row the backward reads kept, {gib(est.offload_kept)})",
                     est.offload_kept - est.offloaded,
                 )
             ]
@@ -160,6 +160,14 @@ def _memory_rows(est: Estimate, *, flow: tuple[int, int] | None) -> list[tuple[s
             est.transient,
         ),
     ]
+    if est.embedding_backward > est.loop_peak:
+        rows.append(
+            (
+                f"embedding backward above the layers' peak (fp32 scatter-add + fp32 copy, "
+                f"{gib(est.embedding_backward)} GiB, after the loops)",
+                est.embedding_backward - est.loop_peak,
+            )
+        )
     if est.update:
         rows.append(("undonated update: new params + moments (program outputs beside the temporaries)", est.update))
     return rows

@@ -125,6 +125,11 @@ class ShardStats:
     """Local elements of the token embedding (the plan's "embedding" module): the part of
     `root_numel` a pipeline's first stage holds alone (planner/pipeline.py; the pipeline rules
     refuse tied embeddings, whose table is the head too)."""
+    embedding_gathered_numel: int = 0
+    """The token embedding after the dp all-gather (still TP-sharded: the vocab-sharded table's rows
+    on this rank): what the embedding backward's scatter-add writes (planner/memory.py
+    `embedding_backward_bytes`). Counted only where `embedding_numel` is not 0 (a pipeline stage
+    that holds the embedding)."""
     linear_shapes: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
     """Every `nn.Linear` at the root and in the first block of each stack, by module path: its
     weight's (out, in) features whole and after the dp all-gather (still TP-sharded). What
@@ -226,6 +231,7 @@ def shard_model(
     head, kept = _lm_head_and_kept(family, t.root_gathered)
     embedding_modules = {p for p, style in root_roles(family).items() if style == "embedding"}
     embedding_local = sum(n for name, n in t.root_local.items() if name.rpartition(".")[0] in embedding_modules)
+    embedding_gathered = sum(n for name, n in t.root_gathered.items() if name.rpartition(".")[0] in embedding_modules)
     return ShardStats(
         n_layers=args.n_layers,
         root_numel=t.root_numel,
@@ -242,6 +248,7 @@ def shard_model(
         muon_whole_numel=whole,
         muon_whole_stacked_numel=whole_stacked,
         embedding_numel=embedding_local,
+        embedding_gathered_numel=embedding_gathered,
         linear_shapes=_linear_shapes(model, prefixes),
         stacks=per_stack if len(prefixes) > 1 else (),
     )

@@ -136,10 +136,11 @@ def plan_inputs(cfg: Config) -> planner.PlanInputs:
 
 
 def planned(
-    cfg: Config, target: planner.Target, *, headroom: float = 0.1, check_rules: bool = True
+    cfg: Config, target: planner.Target, *, headroom: float = 0.1, check_rules: bool = True, probe: bool = False
 ) -> planner.Estimate:
     """The planner's estimate of the recipe's own plan on `target` (`check_rules=False`: priced even
-    where the rules refuse it, with the refusals in its notes)."""
+    where the rules refuse it, with the refusals in its notes; `probe`: one block sharded and counted
+    n_layers times, as `scripts/estimate.py --config` plans: the same total, faster)."""
     p = cfg.parallelism
     return planner.plan_estimate(
         plan_inputs(cfg),
@@ -153,6 +154,7 @@ def planned(
         loss_parallel=p.enable_loss_parallel,
         headroom=headroom,
         check_rules=check_rules,
+        probe=probe,
     )
 
 
