@@ -404,6 +404,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "own parallel tests",
     ),
     Scheduled(
+        "tests/unit/test_mtp.py::test_graph_step_equals_eager_and_returns_each_depth*",
+        (
+            "tests/unit/test_mtp.py::test_mtp_loss_matches_the_papers_equations",
+            "tests/unit/test_mtp.py::test_keys_checked_and_refused_where_unsupported",
+            "tests/unit/test_graph_step.py::test_scan_matches_eager_with_grad_accumulation",
+        ),
+        "DeepSeek-V3 MTP in graph mode, unrolled and with layer scan, against the eager step (two captures "
+        "of an MoE model, ~25 s each loaded): the default tier checks the MTP loss against the paper's "
+        "equations, that graph mode is allowed with MTP, and the captured (scanned) step against eager",
+    ),
+    Scheduled(
         "tests/e2e/test_mtp_parallel.py::test_qwen3_5_mtp_fsdp_ep_matches_single_process",
         (
             "tests/unit/test_qwen3_5_mtp.py::test_debug_run_logs_the_mtp_loss_and_learns",

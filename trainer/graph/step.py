@@ -11,7 +11,7 @@ with `gradient_accumulation_steps`, and not with `n_layers` when layer scan is o
 
 It has the eager step's call shape (trainer/step/): `step(microbatches, lr) -> StepOutput`
 (mean LM loss over the micro-batches, global gradient norm before clipping, mean aux loss;
-0-dim device tensors), plus `compile_s` and `graph_nodes`. A non-finite gradient norm skips
+0-dim device tensors; with multi-token prediction each depth's mean loss, [depth]), plus `compile_s` and `graph_nodes`. A non-finite gradient norm skips
 the update on the device (parameters, moments and step counts keep their values), as the
 eager step's fused AdamW does.
 """
@@ -163,8 +163,11 @@ class GraphStep:
                 ),
                 self._scan_context(),
                 self._loss_context(),
+                # graph-mode PP's iteration scan: the stage's blocks on local tensors
+                # (trainer/graph/pipeline.py `PipelinedLoss.capture_context`)
+                getattr(self._loss_fn, "capture_context", lambda _: contextlib.nullcontext())(self.model),
             ):
-                loss, grad_norm, aux, load = self._compiled(inputs, self._lr)
+                loss, grad_norm, aux, load, mtp = self._compiled(inputs, self._lr)
         finally:
             self._current_slots = self._current_meshes = self._current_sync = None
         if self.compile_s is None:
@@ -179,7 +182,7 @@ class GraphStep:
         # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
         self.optimizer._opt_called = True
         stats = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
-        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, **moe_outputs(stats))
+        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, mtp_losses=mtp, **moe_outputs(stats))
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """Pipeline parallelism: the loss of one held-out micro-batch through the pipeline's
@@ -196,17 +199,22 @@ class GraphStep:
         leaves = [s.param for s in slots]
         k = self._arity
         n = len(inputs) // k
-        grads, lm_total, aux_total, load = None, None, None, None
+        grads, lm_total, aux_total, load, mtp_total = None, None, None, None, None
+        # multi-token prediction (trainer/step/loss.py `MTPLoss`): each depth's loss per micro-batch,
+        # returned by the loss (no state kept on the loss object inside the traced step)
+        with_depths = getattr(self._loss_fn, "with_depths", None)
         for i in range(n):
             microbatch = inputs[k * i : k * (i + 1)]
             if self._pp_terms:  # MoE through the pipeline (trainer/graph/pipeline.py `terms`)
                 lm, aux, mb_load = self._loss_fn.terms(self.model, *microbatch)
             else:
-                lm = (
-                    self._loss_fn(self.model, *microbatch)
-                    if self._loss_fn is not None
-                    else lm_loss(self.model(microbatch[0]), microbatch[1])
-                )
+                if with_depths is not None:
+                    lm, mtp = with_depths(self.model, *microbatch)
+                    mtp_total = mtp if mtp_total is None else mtp_total + mtp
+                elif self._loss_fn is not None:
+                    lm = self._loss_fn(self.model, *microbatch)
+                else:
+                    lm = lm_loss(self.model(microbatch[0]), microbatch[1])
                 aux = self.model.pop_aux_loss()
                 mb_load = self.balance.pop() if self.balance is not None else None
             loss = with_aux_loss(lm, aux, self.aux_loss_coef)
@@ -257,7 +265,8 @@ class GraphStep:
                     **self._hyper[slot.group],
                 )
         aux_mean = local_scalar(aux_total) / n if aux_total is not None else None
-        return local_scalar(lm_total) / n, grad_norm, aux_mean, load
+        mtp_mean = mtp_total / n if mtp_total is not None else None
+        return local_scalar(lm_total) / n, grad_norm, aux_mean, load, mtp_mean
 
 
 _STEP_IDS = itertools.count()

@@ -138,6 +138,12 @@ class MTPLoss:
     def __call__(self, model, inputs, labels, segment_ids=None, positions=None) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return model_lm_loss(model, inputs, labels, segment_ids, positions, fused=self.fused)
+        loss, self._last = self.with_depths(model, inputs, labels, segment_ids, positions)
+        return loss
+
+    def with_depths(self, model, inputs, labels, segment_ids=None, positions=None):
+        """(the loss `__call__` returns, [L_1, ..., L_D] detached) without keeping state: what the
+        graph step calls inside its captured step (trainer/graph/step.py)."""
         extra = {}
         if segment_ids is not None:
             extra["segment_ids"] = segment_ids
@@ -147,9 +153,8 @@ class MTPLoss:
         assert len(hidden) == self.depth + 1, (len(hidden), self.depth)
         losses = [self._ce(model, h, mtp_targets(labels, k) if k else labels) for k, h in enumerate(hidden)]
         main, mtp = losses[0], torch.stack(losses[1:])
-        self._last = mtp.detach()
         term = mtp.sum() * (self.weight / self.depth)
-        return main + (term - term.detach())
+        return main + (term - term.detach()), mtp.detach()
 
     def _ce(self, model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.fused:

@@ -659,18 +659,18 @@ RULES: tuple[Rule, ...] = (
         '(training.replicate_reduce = "step"); here replicate_reduce is {r.replicate_reduce}; '
         'allowed: float32, or set training.replicate_reduce = "step"',
     ),
-    # Multi-token prediction (models/deepseek_v3, trainer/step/loss.py `MTPLoss`): the eager step
-    # logs each depth's loss; the MTP modules sit outside the block stacks that graph mode scans and
-    # that TP shards, their shifted tokens would cross TP's sequence shards and CP's chunks, and the
+    # Multi-token prediction (models/deepseek_v3, trainer/step/loss.py `MTPLoss`): the eager and the
+    # graph step return each depth's loss; the MTP modules sit outside the block stacks that TP
+    # shards, their shifted tokens would cross TP's sequence shards and CP's chunks, and the
     # engine's caller loss never runs them.
     Rule(
         "model.mtp_depth",
-        "multi-token prediction in graph mode, with tensor or context parallelism, or in the engine",
-        lambda r: r.mtp_depth > 0 and (r.mode == "graph" or r.tp_degree > 1 or r.cp_degree > 1 or r.caller_loss),
-        "{r.mtp_depth} (multi-token prediction) runs in the trainer's eager and compile modes without "
-        "tensor or context parallelism; here compile.mode {r.mode}, tensor_parallel_degree {r.tp_degree}, "
-        "context_parallel_degree {r.cp_degree}, engine {r.caller_loss}; allowed: 0, or compile.mode = "
-        '"eager" | "compile" with tensor_parallel_degree = context_parallel_degree = 1 in the trainer',
+        "multi-token prediction with tensor or context parallelism, or in the engine",
+        lambda r: r.mtp_depth > 0 and (r.tp_degree > 1 or r.cp_degree > 1 or r.caller_loss),
+        "{r.mtp_depth} (multi-token prediction) runs in the trainer (every compile mode) without "
+        "tensor or context parallelism; here tensor_parallel_degree {r.tp_degree}, "
+        "context_parallel_degree {r.cp_degree}, engine {r.caller_loss}; allowed: 0, or "
+        "tensor_parallel_degree = context_parallel_degree = 1 in the trainer",
     ),
     # Pipeline parallelism: trainer/step/pipeline_rules.py.
     *PIPELINE_RULES,
