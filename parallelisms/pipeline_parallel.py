@@ -297,6 +297,8 @@ class PipelinePlan:
     """Graph mode's uniform stages (trainer/graph/pipeline.py): every pp rank holds as many blocks
     (first/last_stage_less 0) and also the embedding, the norm and the head, so that its program is
     every other rank's (SPMD); which of them a rank uses is data (its stage index), not code."""
+    scan_iterations: bool = False
+    """Graph mode: the pipeline's iterations as one scan (`[compile] scan_pipeline_iterations`)."""
 
     @property
     def num_stages(self) -> int:

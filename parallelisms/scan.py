@@ -243,11 +243,20 @@ def scan_param_fn(
     `name` is the stack's attribute (for messages); a model with several stacks calls this once
     per stack.
     """
+    # the first block this stack holds (a pipeline stage: not "0"), or a hybrid stack's first period
+    return body_param_fn(stack.scan_template(), name=name)
+
+
+def body_param_fn(
+    template: nn.Module, *, name: str = "layers"
+) -> tuple[Callable | None, Callable[[], contextlib.AbstractContextManager]]:
+    """`scan_param_fn` for any module a scan body calls with `functional_call`: one block (layer
+    scan's template), or a pipeline stage's whole stack (graph-mode PP's iteration scan,
+    trainer/graph/pipeline.py); `param_fn` maps `{name: local shard}` of `template`'s parameters
+    to what its modules compute with."""
     from parallelisms.expert_parallel import ep_grad_scale, is_expert_parallel
     from parallelisms.simple_fsdp import is_data_parallel
 
-    # the first block this stack holds (a pipeline stage: not "0"), or a hybrid stack's first period
-    template = stack.scan_template()
     specs: dict[str, tuple] = {}
     grad_scales: dict[str, float] = {}
     float8: set[str] = set()  # weights gathered in float8 (`[quantize] fsdp_float8_all_gather`)

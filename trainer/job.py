@@ -341,6 +341,7 @@ class Job:
                 dtype=self.runtime.compute.dtype,
                 device=self.runtime.device,
                 fused=plan.fused_loss,
+                scan=plan.pipeline.scan_iterations,
                 moe=moe,
                 cp=getattr(self.data.task, "cp", None),
             )

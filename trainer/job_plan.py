@@ -96,6 +96,7 @@ def _recipe_step_facts(cfg: Config) -> dict[str, Any]:
         mode=cfg.compile.mode,
         backend=cfg.compile.backend,
         scan_layers=cfg.compile.scan_layers,
+        pp_scan_iterations=cfg.compile.scan_pipeline_iterations,
         ac_mode=cfg.activation_checkpoint.mode,
         ac_offload=cfg.activation_checkpoint.offload,
         loss_parallel=cfg.parallelism.enable_loss_parallel,

@@ -204,6 +204,23 @@ def test_graph_pp2_cp2_is_the_one_process_run(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_graph_pp2_cp2_iteration_scan_is_the_one_process_run(tmp_path):
+    """Graph-mode PP 2 x CP 2 with `compile.scan_pipeline_iterations = true` (4 gloo processes in a
+    drawn device order): the pipeline's 5 iterations (4 chunks) one scan, whose body gathers
+    SimpleFSDP's shards over the cp axis by group name and runs the CP attention; the one process's
+    graph-mode run, validation included (the pipeline's forward, unrolled), and the same weights at
+    step 4 (scheduled tier)."""
+    graph = ("--compile.mode=graph", "--compile.backend=aot_eager")
+    pp_args = (
+        *GRAPH_PP,
+        "--parallelism.context_parallel_degree=2",
+        "--parallelism.pipeline_microbatches=4",
+        "--compile.scan_pipeline_iterations=true",
+    )
+    pp_run_is_the_one_process_run(tmp_path, "graph_pp2cp2_scan", 4, graph, pp_args)
+
+
+@pytest.mark.multiprocess
 def test_graph_pp2_tp2_is_the_one_process_run(tmp_path):
     """Graph-mode PP 2 x TP 2 (4 gloo processes in a drawn device order; each stage's blocks sharded by
     the TP plan, sequence parallel between them, the permutes carrying each tp rank's sequence shard):

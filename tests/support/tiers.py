@@ -1909,7 +1909,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
             "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
         ),
         "Qwen 3 MoE through graph-mode PP 2 (unrolled, the iterations as one scan, layer scan, accumulation, a "
-        "dense first stage) against one process on spawned gloo ranks (~4.5 min): the default tier checks the "
+        "dense first stage; x CP 2 and x EP 2, unrolled and as one scan) against one process on spawned gloo "
+        "ranks (~4.5 min): the default tier checks the "
         "bubble mask of the aux terms and loads and runs the same captured pipeline on a dense model",
     ),
     Scheduled(
@@ -2086,6 +2087,37 @@ SCHEDULED: tuple[Scheduled, ...] = (
             "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
             "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
         ),
+    Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_graph_pp2_cp2_iteration_scan_is_the_one_process_run",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+        ),
+        "graph-mode PP 2 x CP 2 with compile.scan_pipeline_iterations through torchrun (4 processes, two "
+        "captures): the default tier runs the captured pipeline on PP 2, plans the iteration scan from its key, "
+        "and runs PP through torchrun",
+    ),
+    Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_fsdp2_scan_over_iterations_equals_one_process",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
+            "tests/unit/test_parallel_compile.py::test_whole_step_is_one_graph_with_fsdp_collectives",
+        ),
+        "graph-mode PP 2 x FSDP 2 with the iterations as one scan, the shards gathered in its body by group "
+        "name (4 processes, ~3 min loaded): the default tier runs the captured pipeline unrolled, the "
+        "iteration scan's rules, and SimpleFSDP's collectives in the graph step",
+    ),
+    Scheduled(
+        "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_with_iteration_scan_has_one_permute_each_way",
+        (
+            "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_is_one_program_with_collective_permutes",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
+        ),
+        "graph-mode PP's iteration scan lowered on XLA:CPU (the torch-tpu probe, ~2 min loaded): the default "
+        "tier lowers the same pipelined step unrolled, with the same permute rule, and plans the scan",
+    ),
         "graph-mode PP 2 x TP 2 through torchrun in a drawn device order: the default tier runs the captured "
         "pipeline against one process and the pipeline's trainer path (DCP, validation) through torchrun",
     ),

@@ -212,6 +212,15 @@ def test_graph_pp2_scan_over_iterations_equals_one_process():
 
 
 @pytest.mark.multiprocess
+def test_graph_pp2_fsdp2_scan_over_iterations_equals_one_process():
+    """PP 2 x dp_shard 2 with the pipeline's iterations as one scan (4 gloo processes, 2 chunks): the
+    stage's SimpleFSDP DTensor shards enter the scan body as local tensors and are gathered there by
+    process-group name, their gradients reduce-scattered there (`_StageBody`; a DTensor inside a
+    scan body fails to capture on torch 2.13) == one process."""
+    _graph_parity(4, dp_shard=2, microbatches=2, modes=("graph_scan",))
+
+
+@pytest.mark.multiprocess
 def test_graph_pp2_layer_scan_and_fused_loss_equal_one_process():
     """PP 2 in graph mode with layer scan (each stage's 3 blocks one scan, called once per pipeline
     iteration; rank 1's stack holds blocks 3-5, its template block not "0"), and with the fused
@@ -325,6 +334,32 @@ def test_graph_pp_rules():
             plan_step(StepRequest(**{**base, **kw}))
         assert str(e.value).startswith(f"{key}: ") and fragment in str(e.value), str(e.value)
     assert not plan_step(StepRequest(**{**base, "mode": "eager", "pp_schedule": "GPipe"})).pipeline.uniform
+
+
+def test_graph_pp_iteration_scan_rules():
+    """`[compile] scan_pipeline_iterations` (`StepRequest.pp_scan_iterations`): the plan carries it to
+    `PipelinePlan.scan_iterations` in graph-mode PP, dense or MoE, with SimpleFSDP, context and expert
+    parallelism; outside graph-mode PP, with tensor parallelism or with layer scan one rule-table line
+    naming the key."""
+    from models.errors import ConfigError
+
+    base = dict(pp_degree=2, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0, mode="graph")
+    base.update(model_has_experts=False, n_layers=6, local_batch=4, model_document_mask=True)
+    assert plan_step(StepRequest(**base, pp_scan_iterations=True)).pipeline.scan_iterations
+    assert not plan_step(StepRequest(**base)).pipeline.scan_iterations
+    scan = dict(base, pp_scan_iterations=True)
+    assert plan_step(StepRequest(**scan, cp_degree=2)).pipeline.scan_iterations
+    moe = dict(scan, model_has_experts=True)
+    assert plan_step(StepRequest(**moe, ep_degree=2, cp_degree=2, device_type="tpu")).pipeline.scan_iterations
+    for kw, fragment in (
+        (dict(pp_degree=1), "pipeline_parallel_degree 1"),
+        (dict(mode="eager", pp_schedule="1F1B"), "compile.mode eager"),
+        (dict(tp_degree=2), "tensor_parallel_degree 2"),
+        (dict(scan_layers=True), "scan_layers True"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            plan_step(StepRequest(**{**scan, **kw}))
+        assert str(e.value).startswith("compile.scan_pipeline_iterations: ") and fragment in str(e.value), str(e.value)
 
 
 def test_permute_shift_reads_rank_zero_s_splits():

@@ -245,6 +245,17 @@ def test_graph_pp2_cp2_moe_equals_one_process(ep):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("ep", [1, 2], ids=["cp2", "cp2_ep2"])
+def test_graph_pp2_cp2_moe_iteration_scan_equals_one_process(ep):
+    """The same PP 2 x CP 2 (and x EP 2) with the pipeline's 5 iterations as one scan
+    (`compile.scan_pipeline_iterations`): the scan body takes the stage's parameters as local
+    tensors and gathers SimpleFSDP's shards over the cp axis by group name (`_StageBody`), the
+    experts split over the cp ranks dispatch with static shapes by group name; == one process
+    (scheduled tier)."""
+    _graph_parity(4, ("graph_scan",), cp=2, ep=ep)
+
+
+@pytest.mark.multiprocess
 def test_graph_pp2_moe_layer_scan_accumulation_and_dense_first_stage_equal_one_process():
     """Graph-mode PP 2 with layer scan (each stage's 3 MoE blocks one scan per iteration), with 2
     accumulation micro-batches of 2 chunks (the aux gradient's 1 / (chunks x micro-batches)), and

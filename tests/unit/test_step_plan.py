@@ -189,6 +189,8 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(pp_degree=2, model_has_experts=False, local_batch=3),
         StepRequest(pp_degree=2, model_has_experts=False, pp_microbatches=1),
         StepRequest(pp_degree=2, model_has_experts=False, pp_schedule="Interleaved1F1B", pp_microbatches=5),
+        StepRequest(pp_scan_iterations=True),
+        StepRequest(pp_degree=2, mode="graph", pp_scan_iterations=True, scan_layers=True),
     ]
     hit = {id(rule) for request in examples for rule in RULES if rule.refuses(request)}
     assert hit == {id(rule) for rule in RULES}, [r.key for r in RULES if id(r) not in hit]

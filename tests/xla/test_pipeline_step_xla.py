@@ -49,3 +49,20 @@ def test_pipelined_moe_step_returns_each_stage_s_aux_and_loads(probe):
         assert abs(aux - out["ref_aux"]) / out["ref_aux"] < 2e-6, out
     assert out["loads"] == out["ref_loads"] and sum(out["loads"]) == 4 * 4 * 32 * 2, out  # tokens x top-2 x layers
     assert out["shared_tensors"] == 6 and out["shared_diff_between_devices"] == 0.0, out
+
+
+def test_pipelined_step_with_iteration_scan_has_one_permute_each_way(probe):
+    """The same dense step with the pipeline's iterations as one scan (probe argument `scan`:
+    `PipelinedLoss(scan=True)`, `[compile] scan_pipeline_iterations`; the stage's parameters enter
+    the scan body as local tensors): one program whose scan bodies hold the two
+    `collective_permute`s (one forward, one backward; the unrolled program's 4 for 2 chunks), no
+    all-to-all, and the loss and gradient norm of one process's eager step within the unrolled
+    test's bound on both devices. Measured (2026-12-07): loss 1.1e-7, gradient norm 8.1e-7 relative,
+    the same values as unrolled; shared tensors bitwise equal (scheduled tier)."""
+    out = probe("ttpu", "pipeline_step_xla.py", "scan")
+    assert out["collective_permute"] == 2 and out["all_to_all"] == 0, out
+    assert out["stage_inputs"] == [0, 1], out
+    for loss, norm in zip(out["loss"], out["grad_norm"]):
+        assert abs(loss - out["ref_loss"]) / out["ref_loss"] < 2e-6, out
+        assert abs(norm - out["ref_grad_norm"]) / out["ref_grad_norm"] < 2e-6, out
+    assert out["shared_tensors"] == 6 and out["shared_diff_between_devices"] == 0.0, out

@@ -317,6 +317,12 @@ class CompileConfig:
     """Compiler backend; auto = inductor on cpu/cuda, tpu on TPU."""
     scan_layers: bool = False
     """Graph mode: run the repeated block as one scan over stacked layer parameters."""
+    scan_pipeline_iterations: bool = False
+    """Graph mode with pipeline_parallel_degree > 1: run the pipeline's m + p - 1 iterations as one
+    scan (one copy of the stage and of its permutes in the program, whatever the micro-batch count;
+    MaxText's `scan_pipeline_iterations`) instead of unrolled. Composes with SimpleFSDP, context and
+    expert parallelism; not with tensor parallelism or scan_layers. docs/pipeline_parallel.md,
+    "A scan over the iterations"."""
     dump_graph: str = ""
     """Graph mode: write the captured graph as text to this path (relative to dump_folder)."""
     bucket_cap_mb: float = field(default=0.0, metadata=_range(ge=0))

@@ -47,6 +47,8 @@ iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -163,6 +165,7 @@ class PipelinedLoss:
         self.rank_independent = rank_independent
         self.cp = cp if cp is not None and cp.size > 1 else None
         """Context parallelism (a `CPGroup`, module docstring "Context parallelism"), else None."""
+        self._stage_body: _StageBody | None = None
         self.moe = moe
         """The model has experts (every pp rank says the same, a rank without MoE layers too): `terms`
         then returns the stage's aux loss and expert loads (module docstring, "MoE")."""
@@ -273,6 +276,20 @@ class PipelinedLoss:
                 h = self._permute(out)
         return torch.stack(outs), aux, load
 
+    def _body(self, blocks) -> _StageBody:
+        """The iteration scan's view of this rank's stack `blocks` (built once, outside the trace,
+        by `capture_context`: `_StageBody`)."""
+        if self._stage_body is None or self._stage_body.terms.stack is not blocks:
+            self._stage_body = _StageBody(blocks)
+        return self._stage_body
+
+    def capture_context(self, model) -> contextlib.AbstractContextManager:
+        """What the captured step runs inside (`GraphStep`, around its compiled call): with the
+        iteration scan, the stage's blocks on local tensors (`_StageBody.context`); else nothing."""
+        if not self.scan:
+            return contextlib.nullcontext()
+        return self._body(model.layers).context()
+
     def _scanned(
         self, model, inputs: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -280,7 +297,15 @@ class PipelinedLoss:
         iteration: stage 0's input where t < m (`inject`, data), the blocks, the permute. The graph
         holds one copy of the stage, of the permute and of its backward, whatever m and p. With
         `moe` the body's outputs also hold each iteration's aux term and loads, zeroed outside the
-        live iterations after the scan (`live`)."""
+        live iterations after the scan (`live`).
+
+        The stage's parameters enter the body as local tensors (`_StageBody`): a DTensor cannot
+        (torch 2.13 lifts its process group as an opaque object, which scan refuses), so the body
+        gathers SimpleFSDP's shards (dp_shard, and cp: FSDP shards over dp_shard x cp) by process
+        group name in every iteration, as the unrolled iterations' properties do, and an
+        expert-parallel layer dispatches with static shapes by group name; the gradient of each
+        iteration's gather is reduce-scattered to the shard, summed over the iterations by the scan's
+        backward."""
         from torch._higher_order_ops.scan import scan
 
         p, m = self.pp, self.m
@@ -289,12 +314,14 @@ class PipelinedLoss:
         feed = torch.cat([embedded, embedded.new_zeros(p - 1, *embedded.shape[1:])])
         steps = torch.arange(self.iterations, device=inputs.device)
         inject = (steps < m) & (self.stage == 0)
-        blocks, permute, moe = model.layers, self._permute, self.moe
+        permute, moe = self._permute, self.moe
+        stage = self._body(model.layers)
+        shards = stage.shards()
 
         def body(h, x):
             fed, injected = x
             x = torch.where(injected, fed, h)
-            out, aux, load = blocks.terms(x, cos, sin)
+            out, aux, load = stage(shards, x, cos, sin)
             if aux is None or not moe:  # (a dense model, or a rank without MoE layers)
                 return permute(out), (out,)
             return permute(out), (out, aux, load.detach().float())
@@ -349,6 +376,55 @@ class PipelinedLoss:
 
     def eval_loss(self, model, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """The loss of one micro-batch through the pipeline's forward only (validation), the same on
-        every pp rank; eager, outside the captured step. `extra`: the positions with CP."""
-        with torch.no_grad():
-            return self(model, inputs, labels, *extra).detach()
+        every pp rank; eager, outside the captured step, the iterations unrolled (the iteration scan
+        computes the same: one body per iteration). `extra`: the positions with CP."""
+        scan, self.scan = self.scan, False
+        try:
+            with torch.no_grad():
+                return self(model, inputs, labels, *extra).detach()
+        finally:
+            self.scan = scan
+
+
+class _Terms(torch.nn.Module):
+    """`BlockStack.terms` as a module's forward, for `functional_call` (the stack's own forward
+    keeps its terms on the stack, which a scan body must not mutate)."""
+
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.stack.terms(h, cos, sin)
+
+
+class _StageBody:
+    """A pipeline stage's blocks as the iteration scan's body calls them: the stack's parameters
+    passed in as local tensors (`shards`, outside the body; a DTensor's `to_local`, whose gradient
+    returns as the shard's), mapped in the body to what the blocks compute with by
+    `parallelisms.scan.body_param_fn` (SimpleFSDP's gather by group name and EP's gradient scale, as
+    layer scan's body does) and applied by `functional_call`; `context()` puts the blocks on local
+    tensors (SimpleFSDP's gathering properties off, expert-parallel experts on the static-shape
+    dispatch) around the captured step. Without SimpleFSDP (no `param_fn`) the body calls the
+    stack as it is."""
+
+    def __init__(self, stack):
+        from parallelisms.scan import body_param_fn
+
+        self.terms = _Terms(stack)
+        self.param_fn, self.context = body_param_fn(stack, name="layers")
+        self.names = [n for n, _ in stack.named_parameters()]
+
+    def shards(self) -> dict[str, torch.Tensor] | None:
+        """The stack's parameters as stored (run inside `context`), local: the body's closure."""
+        if self.param_fn is None:
+            return None
+        stack = self.terms.stack
+        stored = dict(stack.named_parameters())
+        return {n: stored[n].to_local() if isinstance(stored[n], DTensor) else stored[n] for n in self.names}
+
+    def __call__(self, shards: dict[str, torch.Tensor] | None, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if shards is None:
+            return self.terms.stack.terms(h, cos, sin)
+        params = {f"stack.{n}": t for n, t in self.param_fn(shards).items()}
+        return torch.func.functional_call(self.terms, params, (h, cos, sin))

@@ -151,7 +151,7 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     ),
     BuildCheck(
         "compile.scan_layers",
-        "parallelisms.scan:scan_param_fn",
+        "parallelisms.scan:body_param_fn",
         "a block parameter that is a DTensor managed by neither SimpleFSDP nor TP",
     ),
     BuildCheck(

@@ -47,6 +47,8 @@ class PipelineRequest:
     """`[parallelism] pipeline_first_stage_less_layers`."""
     pp_last_less: int = 1
     """`[parallelism] pipeline_last_stage_less_layers`."""
+    pp_scan_iterations: bool = False
+    """`[compile] scan_pipeline_iterations` (graph mode's iteration scan)."""
 
     @property
     def pp_stages_per_rank(self) -> int:
@@ -148,6 +150,24 @@ PIPELINE_RULES: tuple[Rule, ...] = (
         lambda r: r.mode == "graph" and r.pp_uneven,
         "{r.pp_degree} does not divide the model's {r.n_layers} layers, and graph mode's stages are uniform "
         '(every pp rank holds as many blocks); allowed: a divisor of {r.n_layers}, or compile.mode = "eager"',
+    ),
+    # The iteration scan (trainer/graph/pipeline.py `PipelinedLoss(scan=True)`): graph-mode PP only;
+    # its body takes the stage's parameters as local tensors, SimpleFSDP's (dp_shard, cp) and EP's
+    # gathered by group name inside it; TP's DTensor styles and a layer scan nested in it are not wired.
+    Rule(
+        "compile.scan_pipeline_iterations",
+        "the iteration scan without graph-mode PP",
+        lambda r: r.pp_scan_iterations and (r.pp_degree == 1 or r.mode != "graph"),
+        "true scans graph-mode PP's iterations; here pipeline_parallel_degree {r.pp_degree}, compile.mode "
+        '{r.mode}; allowed: false, or compile.mode = "graph" with pipeline_parallel_degree > 1',
+    ),
+    Rule(
+        "compile.scan_pipeline_iterations",
+        "the iteration scan with tensor parallelism or layer scan",
+        lambda r: r.pp_scan_iterations and r.pp_degree > 1 and (r.tp_degree > 1 or r.scan_layers),
+        "true with tensor_parallel_degree {r.tp_degree} and compile.scan_layers {r.scan_layers}: the "
+        "iteration scan's body runs the stage on local tensors, which TP's styles and a nested layer scan "
+        "are not wired for; allowed: false, or tensor_parallel_degree = 1 and scan_layers = false",
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and

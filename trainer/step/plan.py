@@ -804,6 +804,7 @@ def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
                 first_stage_less=r.pp_first_less,
                 last_stage_less=r.pp_last_less,
                 uniform=r.mode == "graph",
+                scan_iterations=r.pp_scan_iterations,
             )
             if r.pp_degree > 1
             else None

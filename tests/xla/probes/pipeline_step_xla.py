@@ -16,6 +16,10 @@ aux_loss_coef 0.1): `PipelinedLoss(moe=True)`, so the program also returns each 
 process's eager step whose micro-batches are the chunks (graph-mode PP's chunk semantics): "aux",
 "ref_aux", "loads" (device 0's layers then device 1's) and "ref_loads".
 
+With the argument `scan` (either model): `PipelinedLoss(scan=True)`, the pipeline's iterations as one
+scan (`[compile] scan_pipeline_iterations`), whose body takes the stage's parameters as local tensors
+(`functional_call`): the program holds one permute each way, inside the scan bodies, whatever m.
+
 Prints one JSON line: {"collective_permute": n, "all_to_all": n, "loss": [per device],
 "grad_norm": [per device], "ref_loss": x, "ref_grad_norm": x, "stage_inputs": [0, 1],
 "shared_tensors": n, "shared_diff_between_devices": x, "shared_min_change": x, "lower_s", "compile_s",
@@ -38,6 +42,7 @@ import torch  # noqa: E402
 
 N_LAYERS, PP, CHUNKS, BATCH, SEQ, SEED, LR = 4, 2, 2, 4, 64, 0, 1e-3
 MOE = "moe" in sys.argv[1:]
+SCAN = "scan" in sys.argv[1:]
 AUX_COEF = 0.1 if MOE else 0.0
 if MOE:
     SEQ = 32
@@ -125,6 +130,7 @@ def capture(rank: int) -> dict:
             dim=args.dim,
             dtype=torch.float32,
             moe=MOE,
+            scan=SCAN,
         )
         step = build_graph_step(
             model=model,
