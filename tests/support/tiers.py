@@ -68,6 +68,12 @@ class Scheduled:
 
 SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
+        "tests/unit/test_planner_dcn.py::test_the_search_puts_pp_first_only_where_it_wins_with_the_dcn_priced",
+        ("tests/unit/test_planner_dcn.py::test_pp_ranks_compare_priced_tokens_per_s",),
+        "two whole multislice searches of the debug Llama with every pipeline degree (2.2 s here, loaded): the "
+        "default tier checks the ranking rule they end in (pp_ranks) on hand-made candidates",
+    ),
+    Scheduled(
         "tests/unit/test_planner_capacity.py::test_both_full_ac_modes_plan_the_capacity_dispatch",
         (
             "tests/unit/test_planner_capacity.py::test_qwen3_30b_a3b_recipe_within_the_compile_band",
@@ -2082,12 +2088,6 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tier runs the captured pipeline on PP 2, plans graph PP x CP, and runs PP through torchrun",
     ),
     Scheduled(
-        "tests/e2e/test_pipeline_train.py::test_graph_pp2_tp2_is_the_one_process_run",
-        (
-            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
-            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
-        ),
-    Scheduled(
         "tests/e2e/test_pipeline_train.py::test_graph_pp2_cp2_iteration_scan_is_the_one_process_run",
         (
             "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
@@ -2118,6 +2118,12 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "graph-mode PP's iteration scan lowered on XLA:CPU (the torch-tpu probe, ~2 min loaded): the default "
         "tier lowers the same pipelined step unrolled, with the same permute rule, and plans the scan",
     ),
+    Scheduled(
+        "tests/e2e/test_pipeline_train.py::test_graph_pp2_tp2_is_the_one_process_run",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/e2e/test_pipeline_train.py::test_pp2_resumes_a_one_process_checkpoint_and_continues_its_run",
+        ),
         "graph-mode PP 2 x TP 2 through torchrun in a drawn device order: the default tier runs the captured "
         "pipeline against one process and the pipeline's trainer path (DCP, validation) through torchrun",
     ),

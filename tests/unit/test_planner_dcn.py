@@ -96,7 +96,7 @@ def test_a_real_plan_across_two_slices_gathers_its_own_shard():
     step = StepRequest(mode="eager", device_type="tpu", model_has_experts=False, allow_dcn_sharding=True)
     inputs = P.PlanInputs(family=LLAMA, args=args, model_name="tiny", seq_len=256, local_batch_size=2, step=step)
     t = P.parse_target("v6e-8x2")
-    est = P.plan_estimate(inputs, t, dp_replicate=1, ac_mode="full")
+    est = P.plan_estimate(inputs, t, dp_replicate=1, ac_mode="full", probe=True)
     cost = dcn_cost(est, t)
     s = args.shape()
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
@@ -108,7 +108,7 @@ def test_a_real_plan_across_two_slices_gathers_its_own_shard():
     assert cost.reduce_scatter_bytes == 4 * shard
     kept = est.saved_weights / 16  # the head and final norm, kept gathered over the 16 shards
     assert 0 < kept < 2 * shard and cost.backward_gather_bytes == pytest.approx(2 * shard - kept)
-    hsdp = P.plan_estimate(inputs, t, dp_replicate=2, ac_mode="full")
+    hsdp = P.plan_estimate(inputs, t, dp_replicate=2, ac_mode="full", probe=True)
     assert dcn_cost(hsdp, t).fsdp_bytes == 0 and dcn_cost(hsdp, t).num_slices == 2
 
 
@@ -134,6 +134,41 @@ def test_graph_mode_permutes_are_all_exposed():
     assert graph.spec.transfers == eager.spec.transfers == 8
     assert graph.p2p_exposed_s(100.0) == pytest.approx(0.08)  # all 8 x 0.01 s
     assert eager.p2p_exposed_s(100.0) == pytest.approx(0.02)  # the fill and the drain: 2 (p - 1) x 0.01 s
+
+
+def _candidate(t, *, pp, fits=True, step=1.0, dp_replicate=1, tokens=2**20):
+    """A ranked candidate's fields: `tokens` a step on one device in `step` s; FSDP over the slices
+    (dp_replicate 1) gathers a 1 GiB bf16 shard, pipelines carry nothing else over the DCN."""
+    return SimpleNamespace(
+        **vars(_est(dp_replicate=dp_replicate, pp=pp, params=2 * GiB, grads=2 * GiB, step_time_s=step)),
+        target=t,
+        fits=fits,
+        global_batch_tokens=tokens,
+        tokens_per_device_step=1000.0,
+    )
+
+
+def test_pp_ranks_compare_priced_tokens_per_s():
+    """On v6e-256x2: a pipeline that beats the best fitting plan without one by more than
+    PP_WIN_MARGIN with the DCN priced ranks 0, one within the margin 2; where the flat plan's
+    gathers are exposed (a 0.01 s step against 0.26 s of DCN) the pipeline's unpriced slower step wins."""
+    from planner.search import PP_WIN_MARGIN, pp_ranks
+
+    t = P.parse_target("v6e-256x2")
+    flat = _candidate(t, pp=1, step=1.0)
+    close = _candidate(t, pp=2, step=1.0 / (1 + PP_WIN_MARGIN / 2))
+    clear = _candidate(t, pp=2, step=1.0 / (1 + 2 * PP_WIN_MARGIN))
+    unfit = _candidate(t, pp=2, step=0.5, fits=False)
+    ranks = pp_ranks([flat, close, clear, unfit], 2**22)
+    assert [ranks[id(c)] for c in (flat, close, clear, unfit)] == [1, 2, 0, 2]
+    # the flat plan's DCN: 1 GiB forward + 1 GiB backward gathers, 2 GiB reduce-scatter at 12.5 GB/s
+    busy = _candidate(t, pp=1, step=0.01)
+    assert priced_step_s(busy) == pytest.approx(0.01 + 4 * GiB / 12.5e9 - 0.01, rel=1e-6)
+    slow_pipe = _candidate(t, pp=2, step=0.1)
+    assert pp_ranks([busy, slow_pipe], 2**22)[id(slow_pipe)] == 0
+    # a flat plan beyond the global batch does not count: nothing to beat
+    big = _candidate(t, pp=1, step=0.001, tokens=2**23)
+    assert pp_ranks([big, close], 2**22)[id(close)] == 0
 
 
 def _search(t, *, seq):
