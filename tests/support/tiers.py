@@ -2116,7 +2116,7 @@ SCHEDULED: tuple[Scheduled, ...] = (
             "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
         ),
         "graph-mode PP's iteration scan lowered on XLA:CPU (the torch-tpu probe, ~2 min loaded): the default "
-        "tier lowers the same pipelined step unrolled, with the same permute rule, and plans the scan",
+        "tier lowers the permute rule and a layer scan on XLA:CPU, and plans the iteration scan",
     ),
     Scheduled(
         "tests/e2e/test_pipeline_train.py::test_graph_pp2_tp2_is_the_one_process_run",
