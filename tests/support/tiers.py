@@ -2112,7 +2112,8 @@ SCHEDULED: tuple[Scheduled, ...] = (
     Scheduled(
         "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_with_iteration_scan_has_one_permute_each_way",
         (
-            "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_is_one_program_with_collective_permutes",
+            "tests/xla/test_pipeline_permute_xla.py::test_stage_permute_lowers_to_one_collective_permute_each_way",
+            "tests/xla/test_lowering.py::test_scan_is_one_loop_each_way_whatever_n_layers",
             "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
         ),
         "graph-mode PP's iteration scan lowered on XLA:CPU (the torch-tpu probe, ~2 min loaded): the default "
