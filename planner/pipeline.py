@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from models.contract import ModelShape
 from parallelisms.pipeline_parallel import (
     SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     bubble_fraction,
     schedule_style,
     split_layers,
@@ -283,10 +284,19 @@ class PipelineCost:
     link_bytes_per_s: float
     """Per device: its share of the host's DCN bandwidth, or one ICI link's."""
     grad_accum: int = 1
+    mixing_share: float = 0.0
+    """The blocks' attention products' share of their training FLOPs (`mixing_share`): what the
+    zero-bubble schedules' input-gradient pass B holds and their weight pass W does not."""
 
     @property
     def bubble(self) -> float:
-        return self.spec.bubble
+        """`bubble_fraction` of the schedule; the zero-bubble ones with B and W at their FLOPs
+        (`zero_bubble_costs`) instead of equal to the forward."""
+        s = self.spec
+        if s.schedule in ZERO_BUBBLE_SCHEDULES and self.mixing_share > 0:
+            f, b, w = zero_bubble_costs(self.mixing_share)
+            return bubble_fraction(s.schedule, s.pp, s.m, s.v, f=f, b=b, w=w)
+        return s.bubble
 
     @property
     def transfer_s(self) -> float:
@@ -352,6 +362,32 @@ def head_block_units(shape: ModelShape, flops_per_token: float | None) -> float 
     head = 6.0 * shape.dim * shape.vocab_size
     per_block = (flops_per_token - head) / shape.n_layers
     return head / per_block if per_block > 0 else None
+
+
+def mixing_share(shape: ModelShape, flops_per_token: float | None, seq_len: int) -> float:
+    """The attention score and value products' share of a block's training FLOPs (PaLM convention, as
+    `model_flops_per_token` counts them: 12 x heads x head_dim x seq per layer and token) over the
+    block's whole (`flops_per_token` less the head, over the layers, as `head_block_units`); 0
+    without a FLOPs count. The 8-layer debug Llama of scripts/bench/bench_pipeline.py at seq 512:
+    0.258; Llama 3 8B at seq 8192: 0.235, 70B 0.136, 405B 0.078."""
+    if not flops_per_token or shape.n_layers <= 0 or seq_len <= 0:
+        return 0.0
+    per_block = (flops_per_token - 6.0 * shape.dim * shape.vocab_size) / shape.n_layers
+    mixing = 12.0 * shape.n_heads * shape.head_dim * seq_len
+    return min(1.0, mixing / per_block) if per_block > 0 else 0.0
+
+
+def zero_bubble_costs(mixing: float) -> tuple[float, float, float]:
+    """(f, b, w): a micro-batch's forward, input-gradient (B) and weight-gradient (W) passes through a
+    stage, as shares of its training FLOPs, for the zero-bubble schedules' `bubble_fraction`. A matmul
+    with weights costs its forward once in B (the input gradient) and once in W (the weight gradient);
+    the attention products have no weights, so their backward (twice their forward) is all in B:
+    f = 1/3, b = (1 + a) / 3, w = (1 - a) / 3 with `a` their share (`mixing_share`), so
+    f + b - 2 w = a and what W cannot fill is (p - 1) a / v per rank: 0 only without attention.
+    torch's split backward (torch.distributed.pipelining `stage_backward_input` / `_weight`) splits
+    exactly so."""
+    a = min(max(mixing, 0.0), 1.0)
+    return 1.0 / 3.0, (1.0 + a) / 3.0, (1.0 - a) / 3.0
 
 
 def two_kind_weights(n_layers: int, n_dense: int, total_of) -> tuple[float, ...] | None:
@@ -471,6 +507,7 @@ def pipeline_estimate(
         link=link,
         link_bytes_per_s=bandwidth,
         grad_accum=grad_accum,
+        mixing_share=mixing_share(shape, kwargs.get("flops_per_token"), seq_len),
     )
     est = dataclasses.replace(per_rank[heaviest], local_batch_size=local_batch_size, pp=spec.pp, pipeline=cost)
     est.notes.append(cost.describe())

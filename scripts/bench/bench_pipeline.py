@@ -153,7 +153,13 @@ def summarize(runs: list[dict], pp: int) -> list[dict]:
         ok = [r for r in group if r["rc"] == 0 and r["step_s"] is not None]
         row = {k: group[0][k] for k in ("variant", "pp", "schedule", "microbatches", "planned_bubble")}
         row["mode"] = group[0].get("mode", "eager")
-        row.update({k: group[0][k] for k in ("planned_imbalance", "planned_bubble_imbalance") if k in group[0]})
+        row.update(
+            {
+                k: group[0][k]
+                for k in ("planned_imbalance", "planned_bubble_imbalance", "planned_bubble_flops")
+                if k in group[0]
+            }
+        )
         row.update(runs=len(group), ok=len(ok), step_s=median_or_none([r["step_s"] for r in ok]))
         spread = [r["step_s"] for r in ok]
         row["step_s_min"], row["step_s_max"] = (min(spread), max(spread)) if spread else (None, None)
@@ -260,10 +266,17 @@ def planned(variant: Variant, *, n_layers: int, seq_len: int, batch: int) -> dic
         return {"planned_bubble": 0.0, "plan_mib_r0": est.total / 2**20}
     v = virtual_stages(variant.schedule, 0)
     bubble = bubble_fraction(variant.schedule, variant.pp, variant.microbatches, v)
-    out = {"planned_bubble": bubble, "planned_imbalance": est.pipeline.imbalance}
+    # the planner's: the zero-bubble schedules' B and W passes at their FLOPs (planner/pipeline.py
+    # `zero_bubble_costs`), the others' the same as `bubble_fraction`'s
+    planned_bubble = est.pipeline.bubble
+    out = {
+        "planned_bubble": bubble,
+        "planned_imbalance": est.pipeline.imbalance,
+        "planned_bubble_flops": planned_bubble,
+    }
     # the planner's step over the balanced share, t = t_1 / p x imbalance / (1 - bubble), as the
     # measured bubble is read: (t - t_1 / p) / t
-    out["planned_bubble_imbalance"] = 1 - (1 - bubble) / est.pipeline.imbalance
+    out["planned_bubble_imbalance"] = 1 - (1 - planned_bubble) / est.pipeline.imbalance
     out.update({f"plan_mib_r{r}": t / 2**20 for r, t in enumerate(est.pipeline.rank_totals)})
     return out
 
