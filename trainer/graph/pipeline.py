@@ -41,8 +41,10 @@ iteration, but every row of a shard has the same positions, so the first row's s
 The loss is the non-PP CP loss (this rank's token sum x cp / the cp group's token count), so
 SimpleFSDP's gradient mean over dp_shard x cp gives the micro-batch's mean over all its tokens.
 
-`PipelinedLoss(scan=True)` runs the iterations as one scan instead (`_scanned`: one body for every
-iteration; without SimpleFSDP for now). docs/pipeline_parallel.md, "Graph mode: one program".
+`PipelinedLoss(scan=True)` (`[compile] scan_pipeline_iterations`) runs the iterations as one scan
+instead (`_scanned`: one body for every iteration, the stage's parameters passed in as local tensors
+and gathered there, `_StageBody`; with SimpleFSDP, CP and EP; not with TP or layer scan, the rules).
+docs/pipeline_parallel.md, "Graph mode: one program".
 """
 
 from __future__ import annotations
