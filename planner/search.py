@@ -384,7 +384,7 @@ def _pipeline_candidate(
         local_batch_size=mb, tp=priced.dims.tp, ac_mode=priced.ac_mode, cp=priced.dims.cp
     )
     activation_weights = two_kind_weights(n, n_dense, lambda d: kind_acts(d).blocks) if is_mla(args) else None
-    return pipeline_estimate(
+    est = pipeline_estimate(
         spec,
         **priced.common(
             inputs,
@@ -399,6 +399,14 @@ def _pipeline_candidate(
         layer_weights=layer_weights,
         activation_weights=activation_weights,
     )
+    if target.num_slices > 1 and not (inputs.step is not None and inputs.step.allow_dcn_sharding):
+        est.notes.append(
+            "a pipeline over the slices: FSDP across the slices ([parallelism] allow_dcn_sharding = true, "
+            "MaxText's layout) holds the same state per device without the bubble, and the planner finds it "
+            "faster on every multislice target at a 4M-16M-token batch (docs/pipeline_parallel.md, 'Where PP "
+            "wins'); --recommend searches it when the recipe allows it"
+        )
+    return est
 
 
 def _step_terms(step: StepPlan | None, inputs: PlanInputs) -> dict:
@@ -571,8 +579,12 @@ def recommend(
 def _pipeline_degrees(inputs: PlanInputs, target: Target, max_pp: int) -> list[int]:
     """`recommend`'s default pipeline degrees: 1, and the powers of two up to `max_pp` that divide
     the world (on several slices: multiples of the slice count) when the rules allow a pipeline for
-    this model on this target at all (checked at pp 2 with the batch not yet chosen)."""
-    if inputs.step is None or inputs.refusals(tp=1, ac_mode="none", target=target, pp=2, pp_microbatches=0):
+    this model on this target at all (checked at pp 2 with the batch not yet chosen, in the AC modes
+    the search tries: until 2026-12-07 at AC none only, which refused every recipe that offloads its
+    block inputs, the pending 405B PP recipe's included)."""
+    ask = dict(tp=1, target=target, pp=2, pp_microbatches=0)
+    # in any AC mode the search tries (a recipe that offloads the block inputs needs full AC)
+    if inputs.step is None or all(inputs.refusals(ac_mode=m, **ask) for m in AC_SEARCH_ORDER):
         return [1]
     s = target.num_slices
     return [1] + [p for p in _powers_of_two_dividing(target.devices, max_pp) if p > 1 and p % s == 0]

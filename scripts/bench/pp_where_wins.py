@@ -194,7 +194,9 @@ def markdown(path: str) -> str:
             return r["layout"] if r is not None and r["layout"].startswith("refused") else "nothing fits"
         bound = ", FSDP-bound" if r["fsdp_bound"] == "True" else ""
         bubble = f", bubble {float(r['bubble']):.0%}" if r["side"] == "pp" else ""
-        shown = r["layout"].replace("dp_rep 1 x ", "")  # (CSVs written before the label dropped it)
+        shown = r["layout"].replace("dp_rep 1 x ", "")  # (CSVs written before the label dropped it
+        if shown.startswith("FSDP over DCN: dp_rep"):  # and before it named HSDP beside FSDP)
+            shown = "HSDP + " + shown
         return f"{float(r['tokens_per_s_device']):.0f} ({shown}{bubble}{bound})"
 
     for key in keys:

@@ -213,3 +213,24 @@ def test_the_search_puts_pp_first_only_where_it_wins_with_the_dcn_priced():
     assert best.pp == 2 and priced_tokens_per_s(best) > flat * (1 + PP_WIN_MARGIN)
     # unpriced, the plans without a pipeline would look faster: the DCN decides
     assert best.tokens_per_s < max(c.tokens_per_s for c in small if c.fits and c.pp == 1)
+
+
+def test_pipeline_degrees_are_asked_in_the_ac_modes_the_search_tries():
+    """A recipe that offloads its block inputs (full AC and the layer scan only) takes a pipeline:
+    `_pipeline_degrees` asked the rules at AC none alone and offered pp 1 only (the pending 405B PP
+    recipe's `--recommend` never searched a pipeline)."""
+    from planner.search import _pipeline_degrees
+
+    graph = StepRequest(
+        mode="graph",
+        device_type="tpu",
+        model_has_experts=False,
+        scan_layers=True,
+        pp_schedule="GPipe",
+        pp_first_less=0,
+        pp_last_less=0,
+        ac_offload="block_inputs",
+    )
+    args = LLAMA.flavors["debugmodel"]
+    inputs = P.PlanInputs(family=LLAMA, args=args, model_name="tiny", seq_len=256, local_batch_size=1, step=graph)
+    assert _pipeline_degrees(inputs, P.parse_target("v6e-8x2"), 4) == [1, 2, 4]
