@@ -311,6 +311,7 @@ def capacity_all_to_all(
     experts_fn: Callable[[torch.Tensor], torch.Tensor],
     ep_group: DeviceMesh | tuple[str, int, int],
     chunks: int = 1,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The capacity dispatch over EP: x [E, rows, dim] (this rank's buffer, expert-major) ->
     [E, rows, dim], each expert's rows answered by the rank that owns it.
@@ -328,17 +329,33 @@ def capacity_all_to_all(
     the same products per row, and chunk i + 1's all-to-all has no data dependence on chunk i's
     expert matmuls, so a compiler with asynchronous all-to-alls (XLA on TPU) can overlap them,
     forward and backward.
+
+    `weights` [E, rows] (the slots' router weights, `MoE._capacity_experts`): sent beside the rows
+    (a [E x rows] all-to-all, 1/dim of the rows' bytes) and multiplied into the experts' outputs on
+    the owning rank, so what comes back is already weighted. The backward then needs the experts'
+    outputs only where they are computed (the weights' gradient, a sum over dim there, returns by
+    the small all-to-all), and full AC's recompute of the layer sends nothing back: five
+    all-to-alls of the buffer per layer and step (the forward's two, the recompute's dispatch, the
+    backward's two) instead of six with the weighting on the token's rank.
     """
     if chunks > 1 and x.shape[1] > 1:
-        parts = x.tensor_split(min(chunks, x.shape[1]), dim=1)
-        return torch.cat([capacity_all_to_all(p, experts_fn, ep_group) for p in parts], dim=1)
+        n = min(chunks, x.shape[1])
+        parts = x.tensor_split(n, dim=1)
+        part_weights = weights.tensor_split(n, dim=1) if weights is not None else [None] * n
+        return torch.cat(
+            [capacity_all_to_all(p, experts_fn, ep_group, weights=w) for p, w in zip(parts, part_weights)], dim=1
+        )
     group, ep, _ = _ep_group_of(ep_group)
     num_experts, rows, dim = x.shape
     assert num_experts % ep == 0, f"{num_experts} experts do not split over ep={ep}"
     num_local = num_experts // ep
     recv = funcol.all_to_all_single_autograd(x.reshape(-1, dim), None, None, group=group)
     recv = recv.view(ep, num_local, rows, dim).transpose(0, 1).reshape(num_local, ep * rows, dim)
-    out = experts_fn(recv).view(num_local, ep, rows, dim).transpose(0, 1).reshape(-1, dim)
+    out = experts_fn(recv)
+    if weights is not None:
+        w = funcol.all_to_all_single_autograd(weights.reshape(-1), None, None, group=group)
+        out = out * w.view(ep, num_local, rows).transpose(0, 1).reshape(num_local, ep * rows, 1)
+    out = out.view(num_local, ep, rows, dim).transpose(0, 1).reshape(-1, dim)
     return funcol.all_to_all_single_autograd(out, None, None, group=group).view(num_experts, rows, dim)
 
 
@@ -479,10 +496,20 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
             return compute(x)
         return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks)
 
-    def forward_capacity_chunks(self: nn.Module, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward_capacity_weighted(self: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # `forward_capacity` with each output row times its slot's router weight, applied on the
+        # rank that owns the expert (models/common/moe.py `weighted_capacity`).
+        compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
+        if self._ep_group[1] == 1:
+            return compute(x) * weights.unsqueeze(-1)
+        return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks, weights)
+
+    def forward_capacity_chunks(
+        self: nn.Module, parts: list[torch.Tensor], weights: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         # The buffer in `capacity_chunks` sequence chunks: each crosses the all-to-all on its own.
         compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
-        return [capacity_all_to_all(part, compute, self._ep_group) for part in parts]
+        return [capacity_all_to_all(part, compute, self._ep_group, weights=w) for part, w in zip(parts, weights)]
 
     def capacity_chunks(self: nn.Module, batch: int) -> int:
         chunks = self.dispatch_chunks
@@ -492,6 +519,7 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
     attrs.update(
         forward=forward,
         forward_capacity=forward_capacity,
+        forward_capacity_weighted=forward_capacity_weighted,
         forward_capacity_chunks=forward_capacity_chunks,
         capacity_chunks=capacity_chunks,
         _ep_base=base,
@@ -503,6 +531,7 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
         dict(
             forward=scan_forward,
             forward_capacity=forward_capacity,
+            forward_capacity_weighted=forward_capacity_weighted,
             forward_capacity_chunks=forward_capacity_chunks,
             capacity_chunks=capacity_chunks,
             _ep_base=base,

@@ -15,9 +15,11 @@ choice), then of position; the copies past the capacity contribute nothing (the 
 experts and the residual still carry it, as in Switch / GShard). The kept copies are laid out in
 an `[E, batch x capacity, dim]` buffer (zeros in unused slots), the experts run dense batched
 matmuls over it (`GroupedExperts.forward_capacity`; under EP one equal-split all-to-all each way
-of exactly that buffer), and the combine gathers each kept copy's row back: every pass touches
-`E x batch x capacity ~ factor x tokens x k` rows, never the `ep x tokens x k` worst case of the
-dropless static dispatch. The layer's load output then has one more entry, the copies it dropped.
+of exactly that buffer), each output row is multiplied by its copy's router weight where the
+expert computed it (`weighted_capacity`; under EP on the expert's rank, so full AC's recompute needs
+no all-to-all back), and the combine gathers each kept copy's row back and sums over k: every pass
+touches `E x batch x capacity ~ factor x tokens x k` rows, never the `ep x tokens x k` worst case of
+the dropless static dispatch. The layer's load output then has one more entry, the copies it dropped.
 
 The split of work matches what expert parallelism needs:
 - `MoE` routes, sorts token copies by expert, calls the experts, and combines their outputs;
@@ -411,6 +413,21 @@ def set_routing_key(model: nn.Module, *, seed: int, step: int, first_token: int)
             module.routing_key.copy_(torch.tensor([key, first_token], dtype=torch.int64))
 
 
+def weighted_capacity(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The capacity buffer through `experts`, each output row times its copy's router weight:
+    x [E, rows, dim], weights [E, rows] (zero in unused slots) -> [E, rows, dim].
+
+    The weight is applied where the expert's output is, before the combine: under expert
+    parallelism on the rank that owns the expert (`forward_capacity_weighted`,
+    parallelisms/expert_parallel.py), so the combine only sums and the backward needs no expert
+    output on the token's rank (full AC's recompute then sends nothing back: docs/moe.md#dispatch-chunks).
+    One process: `forward_capacity` times the weights, the product the combine formed before."""
+    fn = getattr(experts, "forward_capacity_weighted", None)
+    if fn is not None:
+        return fn(x, weights)
+    return experts.forward_capacity(x) * weights.unsqueeze(-1)
+
+
 class GroupedExperts(nn.Module):
     """`num_experts` SwiGLU MLPs stored as stacked weights, applied as grouped GEMMs.
 
@@ -471,9 +488,10 @@ class GroupedExperts(nn.Module):
         `dispatch_chunks` when it divides `batch` (parallelisms/expert_parallel.py)."""
         return 1
 
-    def forward_capacity_chunks(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`forward_capacity` of each chunk of the buffer ([E, rows / chunks, dim] each)."""
-        return [self.forward_capacity(part) for part in parts]
+    def forward_capacity_chunks(self, parts: list[torch.Tensor], weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`weighted_capacity` of each chunk of the buffer ([E, rows / chunks, dim] each, its
+        weights [E, rows / chunks])."""
+        return [weighted_capacity(self, part, w) for part, w in zip(parts, weights)]
 
     def forward_capacity(self, x: torch.Tensor) -> torch.Tensor:
         """x [E, rows, dim], row block e for expert e (the capacity dispatch's buffer) -> [E, rows, dim].
@@ -593,8 +611,10 @@ class MoE(nn.Module):
 
         load = num_tokens_per_expert.float()
         if self.capacity_factor > 0:
-            routed_out, dropped = self._capacity_experts(x, selected_experts.view(bs, seqlen, top_k))
+            # Each copy's output comes back already weighted (`weighted_capacity`): sum over k.
+            routed_out, dropped = self._capacity_experts(x, selected_experts.view(bs, seqlen, top_k), top_scores)
             load = torch.cat([load, dropped.float().reshape(1)])
+            out = routed_out.view(-1, top_k, dim).sum(dim=1).view(bs, seqlen, dim)
         else:
             # Sort slots by expert; stable keeps token order within each expert's batch.
             order = torch.argsort(flat_experts, stable=True)
@@ -602,8 +622,8 @@ class MoE(nn.Module):
             # Undo the sort with a gather (deterministic, unlike a scatter-add).
             inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
             routed_out = routed_out[inverse]
-        # Weight, sum over k.
-        out = (routed_out.view(-1, top_k, dim) * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
+            # Weight, sum over k.
+            out = (routed_out.view(-1, top_k, dim) * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
         if self.shared_experts is not None:
             # On the flat tokens [N, dim], like the router (a per-token layer under TP).
             shared = self.shared_experts(x)
@@ -612,10 +632,13 @@ class MoE(nn.Module):
             out = out + shared.view(bs, seqlen, dim)
         return out, aux_loss, load
 
-    def _capacity_experts(self, x: torch.Tensor, selected_experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _capacity_experts(
+        self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The capacity-bounded dispatch (module docstring): x [N, dim] flat tokens, selected_experts
-        [bs, seq, k] -> (each copy's expert output [N * k, dim] in the copies' order, zero for a dropped
-        copy; the number of dropped copies, 0-dim int64)."""
+        [bs, seq, k], top_scores [N, k] the copies' router weights -> (each copy's expert output times
+        its weight [N * k, dim] in the copies' order, zero for a dropped copy; the number of dropped
+        copies, 0-dim int64)."""
         bs, seqlen, top_k = selected_experts.shape
         num_experts, dim = self.router.num_experts, x.shape[-1]
         capacity = expert_capacity(seq_len=seqlen, top_k=top_k, num_experts=num_experts, factor=self.capacity_factor)
@@ -633,15 +656,25 @@ class MoE(nn.Module):
             slots = torch.where(slots < dump, moved, slots)
         # Gathers both ways (deterministic): each buffer slot reads its copy's token (slot `dump`
         # collects the dropped copies and is discarded; unused slots read the zero row N).
-        token = torch.arange(slots.numel(), device=x.device) // top_k
-        source = torch.full((dump + 1,), x.shape[0], dtype=torch.int64, device=x.device).scatter_(0, slots, token)
+        copy = torch.arange(slots.numel(), device=x.device)
+        source = torch.full((dump + 1,), x.shape[0], dtype=torch.int64, device=x.device).scatter_(
+            0, slots, copy // top_k
+        )
+        # Each slot's router weight, gathered like its row (zero in unused slots): applied to the
+        # expert's output where it is computed (`weighted_capacity`).
+        weight_source = torch.full((dump + 1,), slots.numel(), dtype=torch.int64, device=x.device).scatter_(
+            0, slots, copy
+        )
         zero_row = x.new_zeros(1, dim)
         rows = torch.cat([x, zero_row])
+        weights = torch.cat([top_scores.reshape(-1), top_scores.new_zeros(1)])
         if chunks > 1:  # one gather per chunk in, one concatenate out: no copy splits or stacks the buffer
             parts = [rows[idx].view(num_experts, -1, dim) for idx in source[:dump].view(chunks, -1)]
-            outs = self.experts.forward_capacity_chunks(parts)
+            part_weights = [weights[idx].view(num_experts, -1) for idx in weight_source[:dump].view(chunks, -1)]
+            outs = self.experts.forward_capacity_chunks(parts, part_weights)
             return torch.cat([o.reshape(-1, dim) for o in outs] + [zero_row])[slots], (slots == dump).sum()
-        out = self.experts.forward_capacity(rows[source[:dump]].view(num_experts, bs * capacity, dim))
+        buffer = rows[source[:dump]].view(num_experts, bs * capacity, dim)
+        out = weighted_capacity(self.experts, buffer, weights[weight_source[:dump]].view(num_experts, bs * capacity))
         return torch.cat([out.reshape(dump, dim), zero_row])[slots], (slots == dump).sum()
 
     def init_weights(self, init_std: float) -> None:

@@ -11,6 +11,9 @@ trainer parity tests (the paths differ in summation order only, see tests/unit/t
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 
 from models.errors import ConfigError
@@ -80,3 +83,37 @@ def test_dispatch_chunks_ep2_scanned_graph_equals_one_process(tmp_path, monkeypa
     )
     assert sum(want_dropped) > 0 and got_dropped == want_dropped
     assert_losses_close(got_loss, want_loss)
+
+
+@pytest.mark.multiprocess
+def test_full_ac_recompute_sends_nothing_back(tmp_path, monkeypatch):
+    """Full AC over the scanned EP 2 graph with `[moe] dispatch_chunks = 2` (one sequence per chunk):
+    the router weights are applied on the expert's rank (parallelisms/expert_parallel.py
+    `capacity_all_to_all`), so the backward body recomputes the dispatch but not the combine. Per
+    chunk the forward scan body sends the capacity buffer twice (dispatch, combine) and the
+    backward body three times (the recompute's dispatch, the combine's and the dispatch's
+    gradients), not four: 4 and 6 buffer-sized all-to-alls in the two bodies (8 with the weights
+    applied on the token's rank). The losses are the one-process run's."""
+    monkeypatch.chdir(REPO)
+    args = [*MOE_SHORT_RUN, "--moe.capacity_factor=1.25", "--activation_checkpoint.mode=full"]
+    want_loss, _ = _curve(train(tmp_path / "one", 1, {}, *args))
+    graph = ["--compile.mode=graph", "--compile.scan_layers=true", "--compile.backend=aot_eager"]
+    dump = tmp_path / "graph.txt"
+    got_loss, _ = _curve(
+        train(
+            tmp_path / "ep2",
+            2,
+            dict(dp_shard=2, ep=2),
+            *args,
+            *graph,
+            "--moe.dispatch_chunks=2",
+            f"--compile.dump_graph={dump}",
+        )
+    )
+    assert_losses_close(got_loss, want_loss)
+    # qwen3_moe_debug: 8 experts, top-2, dim 256; seq 64 -> capacity ceil(1.25 x 64 x 2 / 8) = 20 rows
+    # per expert and sequence: one chunk's buffer is [8 x 20, 256] (no parameter has that shape).
+    rows = 8 * math.ceil(1.25 * 64 * 2 / 8)
+    buffer = re.compile(rf'"f32\[{rows}, 256\]" = torch\.ops\._c10d_functional\.all_to_all_single')
+    bodies = re.split(r"\n\s*class scan_combine_graph_\d+\(", dump.read_text())[1:]
+    assert sorted(len(buffer.findall(body)) for body in bodies) == [4, 6]
