@@ -775,6 +775,8 @@ def _estimate_notes(
                 if est.embedding_backward > est.loop_peak
                 else ""
             )
+            + "; the offload compiles' totals (their heap's extent) ran 0.6-1.6 GiB above their live peak, which this models "
+            "(docs/planner.md, 'Host offload against the compiles')"
         )
     if est.tp > gen.devices_per_host:
         notes.append(
