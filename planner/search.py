@@ -402,9 +402,9 @@ def _pipeline_candidate(
     if target.num_slices > 1 and not (inputs.step is not None and inputs.step.allow_dcn_sharding):
         est.notes.append(
             "a pipeline over the slices: FSDP across the slices ([parallelism] allow_dcn_sharding = true, "
-            "MaxText's layout) holds the same state per device without the bubble, and the planner finds it "
-            "faster on every multislice target at a 4M-16M-token batch (docs/pipeline_parallel.md, 'Where PP "
-            "wins'); --recommend searches it when the recipe allows it"
+            "MaxText's layout) holds the same state per device without the bubble, and wherever it fits the planner "
+            "finds it faster on every multislice target at a 4M-16M-token batch (docs/pipeline_parallel.md, "
+            "'Where PP wins'); --recommend searches it when the recipe allows it"
         )
     return est
 
