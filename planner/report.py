@@ -368,6 +368,15 @@ def recipe_snippet(est: Estimate) -> str:
             f"context_parallel_degree = {est.cp}",
             f"tensor_parallel_degree = {est.tp}",
             *([f"expert_parallel_degree = {est.ep}"] if est.ep > 1 else []),
+            f"pipeline_parallel_degree = {est.pp}",
+            *(
+                [
+                    f'pipeline_schedule = "{est.pipeline.spec.schedule}"',
+                    f"pipeline_microbatches = {est.pipeline.spec.microbatches}",
+                ]
+                if est.pp > 1 and est.pipeline is not None
+                else []
+            ),
             f"enable_loss_parallel = {'true' if est.loss_parallel else 'false'}",
             "[activation_checkpoint]",
             f'mode = "{est.ac_mode}"',
@@ -419,6 +428,7 @@ def recommend_report(
         tp=best.tp,
         cp=best.cp,
         ep=best.ep,
+        pp=best.pp,  # the choice's pipeline degree, not the recipe's (a PP recipe may be told pp 1)
         ac_mode=best.ac_mode,
         loss_parallel=best.loss_parallel,
         **kw,

@@ -445,6 +445,7 @@ def test_cli_recommend_writes_csv(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert rc == 0 and "recommended" in out and "tensor_parallel_degree = 1" in out
+    assert "pipeline_parallel_degree = 1" in out
     rows = list(csv.DictReader(path.open()))
     assert len(rows) > 50 and set(report.CSV_FIELDS) == set(rows[0])
     assert any(r["fits"] == "True" for r in rows) and any(r["fits"] == "False" for r in rows)

@@ -234,3 +234,34 @@ def test_pipeline_degrees_are_asked_in_the_ac_modes_the_search_tries():
     args = LLAMA.flavors["debugmodel"]
     inputs = P.PlanInputs(family=LLAMA, args=args, model_name="tiny", seq_len=256, local_batch_size=1, step=graph)
     assert _pipeline_degrees(inputs, P.parse_target("v6e-8x2"), 4) == [1, 2, 4]
+
+
+def test_recommend_on_a_pp_recipe_rechecks_and_prints_the_choices_pipeline_degree(capsys):
+    """A PP recipe on two slices with FSDP across them allowed: the search chooses a plan without a
+    pipeline (long sequences: the gathers hide), and `--recommend` re-checks that choice at its own
+    pipeline degree (it re-checked at the recipe's pp 2 and failed its probe-equals-model assertion)
+    and prints `pipeline_parallel_degree = 1` among the recipe keys, so the pasted keys drop the
+    recipe's pipeline."""
+    from scripts.estimate import main
+
+    rc = main(
+        [
+            "--config",
+            "configs/llama3_debug.toml",
+            "--target",
+            "v6e-8x2",
+            "--recommend",
+            "--seq-len",
+            "8192",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.allow_dcn_sharding=true",
+            "--compile.mode=graph",
+            "--compile.scan_layers=true",
+            "--parallelism.pipeline_schedule=GPipe",
+            "--parallelism.pipeline_first_stage_less_layers=0",
+            "--parallelism.pipeline_last_stage_less_layers=0",
+            "--training.local_batch_size=2",
+        ]
+    )
+    keys = capsys.readouterr().out.split("recipe keys:")[-1]
+    assert rc == 0 and "pipeline_parallel_degree = 1" in keys and "data_parallel_shard_degree = 16" in keys
