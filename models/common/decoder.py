@@ -50,6 +50,16 @@ class TransformerBlock(nn.Module):
         """-> the new h; an MoE block returns `(h, aux_loss, load)` (the `BlockStack` sums the aux
         terms and stacks the expert loads).
         `segment_ids` [batch, seq]: document masking (see `Attention`)."""
+        if self.is_moe and (chunks := self.moe.block_chunks(h.shape[0])) > 1:
+            # The capacity dispatch in sequence chunks (`[moe] dispatch_chunks`): attention and MoE
+            # per chunk, so one chunk's expert all-to-alls can run beside another's attention.
+            segments = segment_ids.chunk(chunks) if segment_ids is not None else [None] * chunks
+            hs = [
+                x + self.attention(self.attention_norm(x), rope_cos, rope_sin, seg)
+                for x, seg in zip(h.chunk(chunks), segments)
+            ]
+            outs, aux_loss, load = self.moe.forward_chunks([self.ffn_norm(x) for x in hs])
+            return torch.cat([x + out for x, out in zip(hs, outs)]), aux_loss, load
         h = h + self.attention(self.attention_norm(h), rope_cos, rope_sin, segment_ids)
         if self.is_moe:
             out, aux_loss, load = self.moe(self.ffn_norm(h))

@@ -597,17 +597,7 @@ class MoE(nn.Module):
         num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
             0, flat_experts, torch.ones_like(flat_experts)
         )
-        if self.aux_loss == "load_balance":
-            aux_loss = load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
-        elif self.aux_loss == "sequence":
-            aux_loss = sequence_balance_loss(
-                self.router.scores(router_logits).view(bs, seqlen, -1),
-                selected_experts.view(bs, seqlen, -1),
-                num_experts,
-                self.reduce_seq_counts,
-            )
-        else:
-            aux_loss = router_logits.new_zeros((), dtype=torch.float32)
+        aux_loss = self._aux_loss(router_logits, selected_experts, num_tokens_per_expert, bs, seqlen)
 
         load = num_tokens_per_expert.float()
         if self.capacity_factor > 0:
@@ -632,19 +622,90 @@ class MoE(nn.Module):
             out = out + shared.view(bs, seqlen, dim)
         return out, aux_loss, load
 
+    def block_chunks(self, batch: int) -> int:
+        """How many sequence chunks the block runs this layer in (`forward_chunks`): the capacity
+        dispatch's `capacity_chunks` (`[moe] dispatch_chunks` under expert parallelism, when it
+        divides the batch), else 1."""
+        return self.experts.capacity_chunks(batch) if self.capacity_factor > 0 else 1
+
+    def forward_chunks(
+        self, xs: list[torch.Tensor], selected_experts: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """`forward` over the batch's sequence chunks xs[c] [bs_c, seq, dim] (the capacity dispatch):
+        each chunk routed, dispatched, run through the experts and combined on its own, so nothing
+        of chunk c waits for another chunk and the compiler can run one chunk's all-to-alls beside
+        another's compute (the block's attention included: models/common/decoder.py). The same
+        numbers as `forward` on the concatenated batch: routing is per token, the capacity per
+        sequence, the auxiliary loss and the load are the whole batch's (from every chunk's logits
+        and counts). -> ([out_c], aux_loss, load)."""
+        assert self.capacity_factor > 0, "forward_chunks is the capacity dispatch's"
+        seqlen, dim = xs[0].shape[1:]
+        sizes = [x.shape[0] for x in xs]
+        bs = sum(sizes)
+        num_experts, top_k = self.router.num_experts, self.router.top_k
+        if selected_experts is None and self.router.routing != "learned":
+            # Benchmark routing draws by the token's place in the step's batch: draw for all of them.
+            selected_experts = self.router.synthetic_experts(bs * seqlen, xs[0].device)
+        given = selected_experts.split([b * seqlen for b in sizes]) if selected_experts is not None else None
+        outs, logits, chosen, dropped = [], [], [], []
+        for i, x in enumerate(xs):
+            flat = x.reshape(-1, dim)
+            top_scores, selected, router_logits = self.router(flat, None if given is None else given[i])
+            part, drop = self._capacity_experts(flat, selected.view(sizes[i], seqlen, top_k), top_scores, chunked=False)
+            out = part.view(-1, top_k, dim).sum(dim=1)
+            if self.shared_experts is not None:
+                shared = self.shared_experts(flat)
+                if self.shared_gate is not None:
+                    shared = torch.sigmoid(self.shared_gate(flat)) * shared
+                out = out + shared
+            outs.append(out.view(sizes[i], seqlen, dim))
+            logits.append(router_logits)
+            chosen.append(selected)
+            dropped.append(drop)
+        router_logits, selected_experts = torch.cat(logits), torch.cat(chosen)
+        flat_experts = selected_experts.reshape(-1)
+        num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts)
+        )
+        aux_loss = self._aux_loss(router_logits, selected_experts, num_tokens_per_expert, bs, seqlen)
+        load = torch.cat([num_tokens_per_expert.float(), torch.stack(dropped).sum().float().reshape(1)])
+        return outs, aux_loss, load
+
+    def _aux_loss(
+        self,
+        router_logits: torch.Tensor,
+        selected_experts: torch.Tensor,
+        num_tokens_per_expert: torch.Tensor,
+        bs: int,
+        seqlen: int,
+    ) -> torch.Tensor:
+        """The layer's auxiliary loss (`aux_loss`: the class docstring) from its router logits and counts."""
+        num_experts = self.router.num_experts
+        if self.aux_loss == "load_balance":
+            return load_balance_loss(router_logits, num_tokens_per_expert, num_experts, self.reduce_counts)
+        if self.aux_loss == "sequence":
+            return sequence_balance_loss(
+                self.router.scores(router_logits).view(bs, seqlen, -1),
+                selected_experts.view(bs, seqlen, -1),
+                num_experts,
+                self.reduce_seq_counts,
+            )
+        return router_logits.new_zeros((), dtype=torch.float32)
+
     def _capacity_experts(
-        self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor
+        self, x: torch.Tensor, selected_experts: torch.Tensor, top_scores: torch.Tensor, *, chunked: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The capacity-bounded dispatch (module docstring): x [N, dim] flat tokens, selected_experts
         [bs, seq, k], top_scores [N, k] the copies' router weights -> (each copy's expert output times
         its weight [N * k, dim] in the copies' order, zero for a dropped copy; the number of dropped
-        copies, 0-dim int64)."""
+        copies, 0-dim int64). `chunked=False`: the buffer crosses the all-to-all whole (`forward_chunks`
+        sends one sequence chunk per call)."""
         bs, seqlen, top_k = selected_experts.shape
         num_experts, dim = self.router.num_experts, x.shape[-1]
         capacity = expert_capacity(seq_len=seqlen, top_k=top_k, num_experts=num_experts, factor=self.capacity_factor)
         slots = capacity_slots(selected_experts, num_experts, capacity)
         dump = num_experts * bs * capacity
-        chunks = self.experts.capacity_chunks(bs)
+        chunks = self.experts.capacity_chunks(bs) if chunked else 1
         if chunks > 1:
             # Chunk-major (`[moe] dispatch_chunks` under EP): sequence b = c * bs/k + b' goes to
             # chunk c, so each chunk is one contiguous [E, bs/k x capacity, dim] block (no copy to
@@ -674,7 +735,11 @@ class MoE(nn.Module):
             outs = self.experts.forward_capacity_chunks(parts, part_weights)
             return torch.cat([o.reshape(-1, dim) for o in outs] + [zero_row])[slots], (slots == dump).sum()
         buffer = rows[source[:dump]].view(num_experts, bs * capacity, dim)
-        out = weighted_capacity(self.experts, buffer, weights[weight_source[:dump]].view(num_experts, bs * capacity))
+        buffer_weights = weights[weight_source[:dump]].view(num_experts, bs * capacity)
+        if chunked:
+            out = weighted_capacity(self.experts, buffer, buffer_weights)
+        else:  # one piece over the all-to-all, whatever `dispatch_chunks` says
+            (out,) = self.experts.forward_capacity_chunks([buffer], [buffer_weights])
         return torch.cat([out.reshape(dump, dim), zero_row])[slots], (slots == dump).sum()
 
     def init_weights(self, init_std: float) -> None:

@@ -51,10 +51,13 @@ def layer_parity(
     skew: float = 1.5,
     dispatch_chunks: int = 1,
     seqs_per_rank: int = 1,
+    forward_chunks: bool = False,
 ) -> dict:
     """Module docstring. `world_size = 1` compares one rank without EP to the same process;
     `dispatch_chunks` sends the ranks' capacity buffers over EP in that many chunks (by sequence
-    when it divides `seqs_per_rank`, the sequences each rank holds; by rows otherwise)."""
+    when it divides `seqs_per_rank`, the sequences each rank holds; by rows otherwise);
+    `forward_chunks`: the ranks run `MoE.forward_chunks` on their sequences in `dispatch_chunks`
+    chunks (what an MoE block does under `[moe] dispatch_chunks`: models/common/decoder.py)."""
     from models.common.moe import use_capacity
     from models.common.plan import ModelPlan
     from parallelisms import ParallelDims, build_mesh, data_parallel
@@ -90,7 +93,11 @@ def layer_parity(
         load_full_state(model, state)
         mine = slice(rank * seqs_per_rank, (rank + 1) * seqs_per_rank)
         xr = x[mine].clone().requires_grad_()
-        out, _, load = model.layers["0"].moe(xr)
+        if forward_chunks:
+            outs, _, load = model.layers["0"].moe.forward_chunks(list(xr.chunk(dispatch_chunks)))
+            out = torch.cat(outs)
+        else:
+            out, _, load = model.layers["0"].moe(xr)
         (out * g[mine]).sum().backward()
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         return out.detach(), xr.grad, int(load[-1]) if capacity_factor > 0 else 0, grads

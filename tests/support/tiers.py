@@ -1233,10 +1233,10 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tests/e2e/test_moe_capacity_train.py::test_full_ac_recompute_sends_nothing_back",
         (
             "tests/unit/test_moe_capacity.py::test_capacity_is_mesh_independent",
-            "tests/unit/test_moe_capacity.py::test_dispatch_chunks_are_mesh_independent",
+            "tests/unit/test_moe_capacity.py::test_forward_chunks_are_mesh_independent",
         ),
         "the all-to-alls of the scanned EP graph under full AC: the router weights applied on the expert's rank "
-        "are the same code on thread ranks (outputs and every gradient against one process)",
+        "and the chunked block are the same code on thread ranks (outputs and every gradient against one process)",
     ),
     Scheduled(
         "tests/e2e/test_moe_capacity_train.py::test_dispatch_chunks_ep2_scanned_graph_equals_one_process",

@@ -165,6 +165,44 @@ def test_dispatch_chunks_are_mesh_independent(world_size, ep, chunks, seqs):
     assert got["out"] < TOL and got["dx"] < TOL and got["grads"] < TOL, got
 
 
+def test_forward_chunks_are_mesh_independent():
+    """`MoE.forward_chunks` (the MoE block under `[moe] dispatch_chunks`: each chunk of sequences
+    routed, dispatched over EP and combined on its own, the router weights applied on the expert's
+    rank) on thread ranks against one process's `forward` on every sequence: EP 4, 2 chunks of 2
+    sequences per rank; the same copies dropped, outputs and gradients within the bound of the
+    unchunked path (the same products, other row counts in the matmuls)."""
+    got = layer_parity(world_size=4, ep=4, capacity_factor=1.0, dispatch_chunks=2, seqs_per_rank=4, forward_chunks=True)
+    assert got["dropped_one_process"] > 0 and got["dropped_ranks"] == got["dropped_one_process"]
+    assert got["out"] < TOL and got["dx"] < TOL and got["grads"] < TOL, got
+
+
+@pytest.mark.parametrize("routing", ["learned", "random"])
+def test_forward_chunks_equal_forward(routing):
+    """One process: `forward_chunks` on the batch in 2 chunks equals `forward` on all of it, the
+    auxiliary loss and the load (dropped copies last) included; under random routing each chunk's
+    tokens draw by their place in the whole batch (the routing key's first token), not in the chunk."""
+    from models.common.moe import set_routing_key, use_routing
+
+    layer, x, g = skewed_case(4, 12, skew=2.0)
+    moe = layer.layers["0"].moe
+    use_capacity(layer, 1.0)
+    if routing != "learned":
+        use_routing(layer, routing)
+        set_routing_key(layer, seed=3, step=1, first_token=48)
+    x1 = x.clone().requires_grad_()
+    out, aux, load = moe(x1)
+    (out * g).sum().add(aux).backward()
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    x2 = x.clone().requires_grad_()
+    outs, aux2, load2 = moe.forward_chunks(list(x2.chunk(2)))
+    (torch.cat(outs) * g).sum().add(aux2).backward()
+    assert load[-1] > 0 and torch.equal(load, load2)
+    assert rel_diff(torch.cat(outs), out) < TOL and rel_diff(aux2, aux) < TOL and rel_diff(x2.grad, x1.grad) < TOL
+    for n, p in layer.named_parameters():
+        assert rel_diff(p.grad, want[n]) < TOL, n
+
+
 def test_capacity_drops_bench_counts_the_layers_rule():
     """scripts/bench/capacity_drops.py (the drop shares docs/moe.md quotes): the balanced draw fills
     every expert exactly (nothing dropped at factor 1), the random draw overflows some at 1 and
