@@ -83,13 +83,13 @@ def test_keys_checked():
     with pytest.raises(ValueError, match=r"^mtp_layers: 2 with mtp_depth 1; allowed: 1 with mtp_depth 1"):
         Qwen3_5Args(mtp_depth=1, mtp_layers=2)
     assert Qwen3_5Args(mtp_layers=2).mtp_layers == 2  # a config with more MTP layers loads at depth 0
-    # the rules: graph mode (the MTP rule) and PP (the pipeline rule) refused in one line each
+    # the rules: CP (the MTP rule) and PP (the pipeline rule) refused in one line each
     from models.errors import ConfigError
     from trainer.config import build_config
     from trainer.job import plan_job
 
     for key, value, rule in (
-        ("compile.mode", "graph", r"^model\.mtp_depth: 1 "),
+        ("parallelism.context_parallel_degree", "2", r"^model\.mtp_depth: 1 "),
         ("parallelism.pipeline_parallel_degree", "2", r"^parallelism\.pipeline_parallel_degree: 2 .*mtp_depth 1"),
     ):
         cfg = build_config("configs/qwen3_5_debug.toml", [("model.mtp_depth", "1"), (key, value)])
