@@ -590,13 +590,10 @@ class MoE(nn.Module):
         bs, seqlen, dim = x.shape
         x = x.reshape(-1, dim)
         top_scores, selected_experts, router_logits = self.router(x, selected_experts)
-        num_experts, top_k = self.router.num_experts, self.router.top_k
+        top_k = self.router.top_k
 
         flat_experts = selected_experts.reshape(-1)  # [N * k] token copies ("slots")
-        # A fixed-size count (not bincount) keeps shapes static for compile and XLA.
-        num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat_experts, torch.ones_like(flat_experts)
-        )
+        num_tokens_per_expert = self._expert_counts(flat_experts)
         aux_loss = self._aux_loss(router_logits, selected_experts, num_tokens_per_expert, bs, seqlen)
 
         load = num_tokens_per_expert.float()
@@ -615,12 +612,22 @@ class MoE(nn.Module):
             # Weight, sum over k.
             out = (routed_out.view(-1, top_k, dim) * top_scores.unsqueeze(-1)).sum(dim=1).view(bs, seqlen, dim)
         if self.shared_experts is not None:
-            # On the flat tokens [N, dim], like the router (a per-token layer under TP).
-            shared = self.shared_experts(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            out = out + shared.view(bs, seqlen, dim)
+            out = out + self._shared(x).view(bs, seqlen, dim)
         return out, aux_loss, load
+
+    def _expert_counts(self, flat_experts: torch.Tensor) -> torch.Tensor:
+        """Token copies routed to each expert, [E] int64, from the copies' experts [N * k]. A
+        fixed-size count (not bincount) keeps shapes static for compile and XLA."""
+        counts = torch.zeros(self.router.num_experts, dtype=torch.int64, device=flat_experts.device)
+        return counts.scatter_add_(0, flat_experts, torch.ones_like(flat_experts))
+
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output on the flat tokens [N, dim] (a per-token layer under TP, like
+        the router), gated when the model gates it."""
+        shared = self.shared_experts(flat)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(flat)) * shared
+        return shared
 
     def block_chunks(self, batch: int) -> int:
         """How many sequence chunks the block runs this layer in (`forward_chunks`): the capacity
@@ -642,7 +649,7 @@ class MoE(nn.Module):
         seqlen, dim = xs[0].shape[1:]
         sizes = [x.shape[0] for x in xs]
         bs = sum(sizes)
-        num_experts, top_k = self.router.num_experts, self.router.top_k
+        top_k = self.router.top_k
         if selected_experts is None and self.router.routing != "learned":
             # Benchmark routing draws by the token's place in the step's batch: draw for all of them.
             selected_experts = self.router.synthetic_experts(bs * seqlen, xs[0].device)
@@ -654,19 +661,13 @@ class MoE(nn.Module):
             part, drop = self._capacity_experts(flat, selected.view(sizes[i], seqlen, top_k), top_scores, chunked=False)
             out = part.view(-1, top_k, dim).sum(dim=1)
             if self.shared_experts is not None:
-                shared = self.shared_experts(flat)
-                if self.shared_gate is not None:
-                    shared = torch.sigmoid(self.shared_gate(flat)) * shared
-                out = out + shared
+                out = out + self._shared(flat)
             outs.append(out.view(sizes[i], seqlen, dim))
             logits.append(router_logits)
             chosen.append(selected)
             dropped.append(drop)
         router_logits, selected_experts = torch.cat(logits), torch.cat(chosen)
-        flat_experts = selected_experts.reshape(-1)
-        num_tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=flat_experts.device).scatter_add_(
-            0, flat_experts, torch.ones_like(flat_experts)
-        )
+        num_tokens_per_expert = self._expert_counts(selected_experts.reshape(-1))
         aux_loss = self._aux_loss(router_logits, selected_experts, num_tokens_per_expert, bs, seqlen)
         load = torch.cat([num_tokens_per_expert.float(), torch.stack(dropped).sum().float().reshape(1)])
         return outs, aux_loss, load
