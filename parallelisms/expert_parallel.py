@@ -488,21 +488,19 @@ def _ep_class(base: type, names: tuple[str, ...]) -> type:
             return compute(x, num_tokens_per_expert)
         return select_dispatch(x, static=True)(x, num_tokens_per_expert, compute, self._ep_group)
 
-    def forward_capacity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def forward_capacity_weighted(self: nn.Module, x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         # The capacity-bounded dispatch (models/common/moe.py): eager, traced and scanned alike,
-        # static shapes; the group by name (a scan body cannot hold a mesh).
+        # static shapes; the group by name (a scan body cannot hold a mesh). With `weights`, each
+        # output row times its slot's router weight, applied on the rank that owns the expert
+        # (models/common/moe.py `weighted_capacity`).
         compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
         if self._ep_group[1] == 1:
-            return compute(x)
-        return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks)
-
-    def forward_capacity_weighted(self: nn.Module, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # `forward_capacity` with each output row times its slot's router weight, applied on the
-        # rank that owns the expert (models/common/moe.py `weighted_capacity`).
-        compute = lambda rows: base.forward_capacity(self, rows)  # noqa: E731
-        if self._ep_group[1] == 1:
-            return compute(x) * weights.unsqueeze(-1)
+            out = compute(x)
+            return out if weights is None else out * weights.unsqueeze(-1)
         return capacity_all_to_all(x, compute, self._ep_group, self.dispatch_chunks, weights)
+
+    def forward_capacity(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return forward_capacity_weighted(self, x, None)
 
     def forward_capacity_chunks(
         self: nn.Module, parts: list[torch.Tensor], weights: list[torch.Tensor]

@@ -128,13 +128,14 @@ def measure_debug(factor: float = 1.25, seed: int = 0) -> dict:
         torch.nn.init.normal_(moe.router.gate.weight)
         seen = {}
         experts = moe.experts
-        forward_capacity = type(experts).forward_capacity
+        # what the MoE layer calls under EP (models/common/moe.py `weighted_capacity`)
+        forward_capacity = type(experts).forward_capacity_weighted
 
-        def count_capacity(self, x):
+        def count_capacity(self, x, weights):
             seen["capacity"] = x.numel() // dim
-            return forward_capacity(self, x)
+            return forward_capacity(self, x, weights)
 
-        type(experts).forward_capacity = count_capacity
+        type(experts).forward_capacity_weighted = count_capacity
         try:
             x = torch.randn(batch, seq, dim)
             use_capacity(root, factor)
@@ -150,7 +151,7 @@ def measure_debug(factor: float = 1.25, seed: int = 0) -> dict:
 
             dispatch_combine_static(rows, counts, experts_fn, experts._ep_mesh)
         finally:
-            type(experts).forward_capacity = forward_capacity
+            type(experts).forward_capacity_weighted = forward_capacity
         return seen
 
     per_rank = run_threads(ep, rank_fn)
