@@ -60,19 +60,19 @@ class DcnCost:
     backward_s: float
     """The backward time the all-reduce can hide under (all of it; the last micro-batch's when once per step)."""
     layers: int
-    shard_slices: int = 1
+    shard_slices: int
     """Slices `dp_shard` spans (DCN-FSDP); 1: FSDP stays inside each slice."""
-    forward_gather_bytes: float = 0.0
+    forward_gather_bytes: float
     """DCN-FSDP, per device and step: the forward's all-gathers' DCN bytes (all micro-batches)."""
-    backward_gather_bytes: float = 0.0
+    backward_gather_bytes: float
     """DCN-FSDP, per device and step: the backward's re-gathers (what AC recomputes)."""
-    reduce_scatter_bytes: float = 0.0
+    reduce_scatter_bytes: float
     """DCN-FSDP, per device and step: the gradient reduce-scatters."""
-    allreduce_s: float = -1.0
-    """The HSDP all-reduce's serial time (-1: all of `dcn_s`, no DCN-FSDP term)."""
-    full_backward_s: float = -1.0
-    """The whole step's backward (what DCN-FSDP's backward traffic hides under; -1: `backward_s`)."""
-    devices_per_host: int = 1
+    allreduce_s: float
+    """The HSDP all-reduce's serial time."""
+    full_backward_s: float
+    """The whole step's backward (what DCN-FSDP's backward traffic hides under)."""
+    devices_per_host: int
     """Devices sharing the host's DCN bandwidth."""
 
     @property
@@ -83,10 +83,6 @@ class DcnCost:
     def fsdp_bytes(self) -> float:
         """DCN-FSDP's bytes per device and step (gathers and reduce-scatters)."""
         return self.forward_gather_bytes + self.backward_gather_bytes + self.reduce_scatter_bytes
-
-    @property
-    def _allreduce_s(self) -> float:
-        return self.dcn_s if self.allreduce_s < 0 else self.allreduce_s
 
     @property
     def exposed_s(self) -> float:
@@ -100,9 +96,9 @@ class DcnCost:
         def part(t: float, under: float) -> float:
             return 0.0 if t <= 0 else max(t / layers, t - under)
 
-        backward = self.backward_s if self.full_backward_s < 0 else self.full_backward_s
+        backward = self.full_backward_s
         forward = self.compute_s - backward
-        ar = self._allreduce_s
+        ar = self.allreduce_s
         fwd = self.forward_gather_bytes / bw if self.fsdp_bytes else 0.0
         bwd = (self.backward_gather_bytes + self.reduce_scatter_bytes) / bw if self.fsdp_bytes else 0.0
         if self.reductions > 1 or self.backward_s == backward:
@@ -199,7 +195,7 @@ def describe(cost: DcnCost) -> str:
     if cost.num_slices > 1:
         parts.append(
             f"gradient all-reduce over {cost.num_slices} slices {cost.bytes_per_device / 2**30:.2f} GiB per device "
-            f"x {cost.reductions} per step ({cost._allreduce_s:.2f} s)"
+            f"x {cost.reductions} per step ({cost.allreduce_s:.2f} s)"
         )
     if cost.shard_slices > 1:
         parts.append(
