@@ -357,11 +357,17 @@ def head_block_units(shape: ModelShape, flops_per_token: float | None) -> float 
     stage's extra work in block units. None without a FLOPs count. Llama 3 8B at seq 8192: 1.84
     blocks (the 128,256-row head), 70B 1.06, 405B 0.61; the 8-layer debug model of
     scripts/bench/bench_pipeline.py at seq 512: 1.03."""
+    per_block = _block_flops(shape, flops_per_token)
+    return 6.0 * shape.dim * shape.vocab_size / per_block if per_block else None
+
+
+def _block_flops(shape: ModelShape, flops_per_token: float | None) -> float | None:
+    """One block's training FLOPs per token: `flops_per_token` less the output head's `6 dim vocab`,
+    over the layers; None without a FLOPs count or where nothing is left."""
     if not flops_per_token or shape.n_layers <= 0:
         return None
-    head = 6.0 * shape.dim * shape.vocab_size
-    per_block = (flops_per_token - head) / shape.n_layers
-    return head / per_block if per_block > 0 else None
+    per_block = (flops_per_token - 6.0 * shape.dim * shape.vocab_size) / shape.n_layers
+    return per_block if per_block > 0 else None
 
 
 def mixing_share(shape: ModelShape, flops_per_token: float | None, seq_len: int) -> float:
@@ -370,11 +376,10 @@ def mixing_share(shape: ModelShape, flops_per_token: float | None, seq_len: int)
     block's whole (`flops_per_token` less the head, over the layers, as `head_block_units`); 0
     without a FLOPs count. The 8-layer debug Llama of scripts/bench/bench_pipeline.py at seq 512:
     0.258; Llama 3 8B at seq 8192: 0.235, 70B 0.136, 405B 0.078."""
-    if not flops_per_token or shape.n_layers <= 0 or seq_len <= 0:
+    per_block = _block_flops(shape, flops_per_token)
+    if not per_block or seq_len <= 0:
         return 0.0
-    per_block = (flops_per_token - 6.0 * shape.dim * shape.vocab_size) / shape.n_layers
-    mixing = 12.0 * shape.n_heads * shape.head_dim * seq_len
-    return min(1.0, mixing / per_block) if per_block > 0 else 0.0
+    return min(1.0, 12.0 * shape.n_heads * shape.head_dim * seq_len / per_block)
 
 
 def zero_bubble_costs(mixing: float) -> tuple[float, float, float]:
