@@ -35,7 +35,10 @@ Time of a collective on a ring of n devices along an axis whose per-device ICI b
 (n-1)/n * bytes / B, all-reduce twice that, all-to-all (n-1)/n * bytes * hops / B (hops: the mean
 distance on the axis's torus, a quarter of each dim's length: n/4 on one ring),
 collective-permute bytes / one link direction (ring permutes in opposite directions run at once:
-per axis the larger direction's sum). Ideal rings at the links' rated bandwidth: a lower bound on the time, so the MFU that follows is an
+per axis the larger direction's sum). Where the program's placement on the torus is known
+(`comm_on_placement`), an all-to-all takes instead the busiest link's bytes over one link direction
+(`all_to_all_load`: every group at once, routes dimension-ordered, a ring only where the group
+spans a wrapped chip axis, a line otherwise). Ideal rings at the links' rated bandwidth: a lower bound on the time, so the MFU that follows is an
 upper bound.
 """
 
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
@@ -316,25 +319,47 @@ class Placement:
     coords: list[tuple[int, ...]]
     chips: tuple[int, int, int]
     wrap: tuple[bool, bool, bool]
+    _facts: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def mesh(self) -> dict[str, int]:
         return {f"a{i}": r for i, r in enumerate(self.radices)}
 
-    def group(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
-        """Coordinates of the group that holds device 0 and spans `axes` (names a0, a1, ...)."""
+    def _members(self, axes: tuple[str, ...], base: int = 0) -> list[int]:
         idx = {int(a[1:]) for a in axes if re.fullmatch(r"a\d+", a)}
         strides = [math.prod(self.radices[i + 1 :]) for i in range(len(self.radices))]
-        members = [0]
+        members = [base]
         for i in sorted(idx):
             members = [m + d * strides[i] for m in members for d in range(self.radices[i])]
-        return [tuple(self.coords[m]) for m in members]
+        return members
+
+    def group(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Coordinates of the group that holds device 0 and spans `axes` (names a0, a1, ...)."""
+        return [tuple(self.coords[m]) for m in self._members(axes)]
+
+    def groups(self, axes: tuple[str, ...]) -> list[list[tuple[int, ...]]]:
+        """Coordinates of every group of a collective over `axes`: one per index of the other axes."""
+        seen: set[int] = set()
+        out = []
+        for base in range(len(self.coords)):
+            if base in seen:
+                continue
+            members = self._members(axes, base)
+            seen.update(members)
+            out.append([tuple(self.coords[m]) for m in members])
+        return out
 
     def facts(self, axes: tuple[str, ...]) -> dict:
         """n, torus_dims (chip axes the group spans), mean_hops (chip-to-chip links between two
         distinct members, shortest way round each ring, averaged over ordered pairs), per_chip
-        (the group's devices on one chip: they share its links)."""
-        return group_facts(self.group(axes), self.chips, self.wrap)
+        (the group's devices on one chip: they share its links), a2a_link_load (`all_to_all_load`
+        of all the collective's groups at once). Kept per axes: the walk of a schedule asks once
+        per collective."""
+        if axes not in self._facts:
+            f = group_facts(self.group(axes), self.chips, self.wrap)
+            f["a2a_link_load"] = all_to_all_load(self.groups(axes), self.chips, self.wrap)
+            self._facts[axes] = f
+        return self._facts[axes]
 
 
 def group_facts(coords: list[tuple[int, ...]], chips: tuple[int, int, int], wrap: tuple[bool, ...]) -> dict:
@@ -362,6 +387,52 @@ def group_facts(coords: list[tuple[int, ...]], chips: tuple[int, int, int], wrap
         default=1,
     )
     return {"n": n, "torus_dims": len(dims), "mean_hops": hops, "per_chip": per_chip}
+
+
+def all_to_all_load(groups: list[list[tuple[int, ...]]], chips: tuple[int, int, int], wrap: tuple[bool, ...]) -> float:
+    """The bytes the busiest link carries, one direction, per byte of each device's buffer, when
+    every group runs one all-to-all at once (each device sends 1/n of its buffer to each of the
+    group's n devices). Routes are dimension-ordered (chip axis x, then y, then z), each leg the
+    shortest way: round the ring where the slice wraps on that axis (a tie split between the two
+    ways), along the line where it does not. So a group that spans a whole wrapped axis uses both
+    neighbour links on it, one inside a block of it (the 2x2x2-chip EP block of a 4x8x8 torus) only
+    the block's own links: its busiest link is the middle of each line. Devices on one chip are 0
+    hops apart (the die-to-die link is not modelled) and share the chip's links.
+    One all-to-all of `bytes` per device then takes at least load x bytes / one link direction."""
+    load: dict[tuple, float] = {}
+    for g in groups:
+        n = len(g)
+        per_chip: dict[tuple[int, ...], int] = {}
+        for c in g:
+            per_chip[c[:3]] = per_chip.get(c[:3], 0) + 1
+        for a, na in per_chip.items():
+            for b, nb in per_chip.items():
+                if a == b:
+                    continue
+                w = na * nb / n
+                pos = list(a)
+                for k in range(3):
+                    if pos[k] != b[k]:
+                        _route(load, k, pos, b[k], w, chips[k], wrap[k])
+                        pos[k] = b[k]
+    return max(load.values(), default=0.0)
+
+
+def _route(load: dict, k: int, pos: list[int], dest: int, w: float, length: int, wraps: bool) -> None:
+    """Add `w` to each directed link of chip axis k from pos[k] to `dest` (the rest of pos fixed)."""
+    if wraps:
+        fwd = (dest - pos[k]) % length
+        back = length - fwd
+        ways = [(1, fwd)] if fwd < back else [(-1, back)] if back < fwd else [(1, fwd), (-1, back)]
+    else:
+        ways = [(1, dest - pos[k])] if dest > pos[k] else [(-1, pos[k] - dest)]
+    share = w / len(ways)
+    for step, hops in ways:
+        at = pos[k]
+        for _ in range(hops):
+            key = (k, *pos[:k], *pos[k + 1 : 3], at, step)
+            load[key] = load.get(key, 0.0) + share
+            at = (at + step) % length
 
 
 def placement_of(topology, mesh_shape, radices: list[int], ep: int = 1) -> Placement:
@@ -396,9 +467,9 @@ def comm_on_placement(colls: list[Collective], *, ici: dict, placement: Placemen
     """Seconds per step of the collectives per mesh axis (joined by '+'), each priced on the
     torus where `placement` puts its group: ring collectives at the bandwidth of the chip axes the
     group spans (`axis_bandwidth`; a group inside one chip gets one axis's, the die-to-die link
-    not being modelled as faster); all-to-all: every device sends (n-1)/n of its buffer, each
-    byte over the group's mean hop count, through its chip's links, which the group's devices on
-    that chip share; ring permutes as in `comm_by_axis`."""
+    not being modelled as faster); all-to-all: the busiest link's bytes over one link direction
+    (`all_to_all_load`, all the collective's groups at once: a ring only where the group spans a
+    wrapped chip axis, otherwise a line); ring permutes as in `comm_by_axis`."""
     out: dict[str, float] = {}
     link = link_bytes_per_s(ici)
     ring: dict[str, list[float]] = {}
@@ -416,7 +487,7 @@ def comm_on_placement(colls: list[Collective], *, ici: dict, placement: Placemen
         n = f["n"] if f["n"] > 1 else c.group_size
         bandwidth = axis_bandwidth(ici, max(f["torus_dims"], 1))
         if c.kind == "all-to-all":
-            t = (n - 1) / n * c.bytes * f["mean_hops"] * f["per_chip"] / bandwidth if n > 1 else 0.0
+            t = f["a2a_link_load"] * c.bytes / link if n > 1 else 0.0
         else:
             t = collective_time(c, bandwidth, link, n)
         out[key] = out.get(key, 0.0) + c.times * t

@@ -434,18 +434,71 @@ def test_placement_of_is_the_trainers_layout():
 
 
 def test_all_to_all_on_the_placement():
-    """An all-to-all: (n-1)/n of the buffer, each byte over the mean hops, through links shared by
-    the group's devices on a chip; ring collectives as before with the group's torus dims."""
+    """An all-to-all: the busiest link's bytes over one link direction (`all_to_all_load`); ring
+    collectives as before with the group's torus dims."""
     ici = xp.load_ici()["v7x"]
     link = xp.link_bytes_per_s(ici)
     coords = [(c // 2, 0, 0, c % 2) for c in range(8)]  # 4 chips x 2 cores on a line
     p = xp.Placement(radices=[8], coords=coords, chips=(4, 1, 1), wrap=(False,) * 3)
     a2a = xp.Collective("a", "all-to-all", 8e9, 8, ("a0",), 2.0)
     ag = xp.Collective("g", "all-gather", 8e9, 8, ("a0",), 1.0)
-    f = p.facts(("a0",))
     comm = xp.comm_on_placement([a2a, ag], ici=ici, placement=p)
-    expected_a2a = 2.0 * 7 / 8 * 8e9 * f["mean_hops"] * 2 / (2 * link)
-    assert comm["a0"] == pytest.approx(expected_a2a + 7 / 8 * 8e9 / (2 * link))
+    # the middle link of the line: 4 devices on each side, 1/8 of the buffer per pair: 4 x 4 / 8 = 2
+    # buffers cross it each way (the mean-hops price of the code before was 7/8 x 10/7 = 1.25)
+    assert comm["a0"] == pytest.approx(2.0 * 2.0 * 8e9 / link + 7 / 8 * 8e9 / (2 * link))
+
+
+def _blocks(torus: tuple[int, int, int], block: tuple[int, int, int], cores: int) -> list[tuple[int, ...]]:
+    """Device coordinates, row-major over (block index, position in the block, core): the mesh's
+    inner axis is one block (torch-tpu's compact EP groups)."""
+    nb = [t // b for t, b in zip(torus, block)]
+    out = []
+    for bz in range(nb[2]):
+        for by in range(nb[1]):
+            for bx in range(nb[0]):
+                for z in range(block[2]):
+                    for y in range(block[1]):
+                        for x in range(block[0]):
+                            for core in range(cores):
+                                out.append((bx * block[0] + x, by * block[1] + y, bz * block[2] + z, core))
+    return out
+
+
+def test_all_to_all_load_rings_lines_and_blocks():
+    """The busiest directed link's bytes per byte of each device's buffer, worked by hand (n devices,
+    1/n of the buffer per ordered pair; a cut's load = the pairs across it / the links across it)."""
+    wrap1 = (True, False, False)
+    # a wrapped ring of 8 chips: the bisection is crossed by 4 x 4 pairs / 8 = 2 buffers over 2 links
+    # per direction: 1.0 (what the mean-hops price gave: 7/8 x 16/7 / 2 links)
+    ring8 = [[(i, 0, 0, 0) for i in range(8)]]
+    assert xp.all_to_all_load(ring8, (8, 1, 1), wrap1) == pytest.approx(1.0)
+    # the same 8 chips without the wraparound: the middle link carries 4 x 4 / 8 = 2.0
+    assert xp.all_to_all_load(ring8, (8, 1, 1), (False,) * 3) == pytest.approx(2.0)
+    # half of a wrapped 16-ring: a line again (the way round is longer), 2.0
+    assert xp.all_to_all_load(ring8, (16, 1, 1), wrap1) == pytest.approx(2.0)
+    # two interleaved groups on a wrapped ring of 8 ({0,2,4,6} and {1,3,5,7}): each group is a ring
+    # of 4 with 2-link hops, 0.5 per hop (1/4 to the next, half of the 1/4 to the opposite member
+    # from each of the two members behind); every link carries one hop of each group: 1.0
+    strided = [[(i, 0, 0, 0) for i in range(o, 8, 2)] for o in (0, 1)]
+    assert xp.all_to_all_load(strided, (8, 1, 1), wrap1) == pytest.approx(1.0)
+    assert xp.all_to_all_load(strided[:1], (8, 1, 1), wrap1) == pytest.approx(0.5)
+    # a whole 4 x 8 torus: per axis the ring's L/8 (0.5 on x, 1.0 on y): the y links are the busiest
+    # (the mean-hops price pooled the two axes' links: (1 + 2) / 4 = 0.75)
+    torus = [[(x, y, 0, 0) for y in range(8) for x in range(4)]]
+    assert xp.all_to_all_load(torus, (4, 8, 1), (True, True, False)) == pytest.approx(1.0)
+    # 2x2x2-chip blocks of 2 cores (the EP 16 group of the v7x-512 recipes) in a 4x4x4 torus: per
+    # axis one in-block link between the two planes, 8 devices on each side, 8 x 8 / 16 = 4 buffers
+    # over the 4 links across: 1.0 (the mean-hops price: 15/16 x 8/5 x 2 / 6 links = 0.5)
+    coords = _blocks((4, 4, 4), (2, 2, 2), 2)
+    p = xp.Placement(radices=[8, 16], coords=coords, chips=(4, 4, 4), wrap=(True, True, True, True))
+    assert p.group(("a1",)) == coords[:16]
+    assert len(p.groups(("a1",))) == 8 and len(p.groups(("a0",))) == 16
+    assert p.facts(("a1",))["a2a_link_load"] == pytest.approx(1.0)
+    ici = xp.load_ici()["v7x"]
+    a2a = xp.Collective("a", "all-to-all", 1e9, 16, ("a1",), 1.0)
+    assert xp.comm_on_placement([a2a], ici=ici, placement=p)["a1"] == pytest.approx(1e9 / xp.link_bytes_per_s(ici))
+    # devices of one chip only: no link
+    assert xp.all_to_all_load([[(0, 0, 0, 0), (0, 0, 0, 1)]], (4, 4, 4), (True,) * 3) == 0.0
 
 
 def test_wrapped_collectives_and_ragged_bytes():
