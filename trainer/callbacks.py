@@ -148,13 +148,15 @@ class MoEKeys(Callback):
 class MTPKeys(Callback):
     """Multi-token prediction (`[model] mtp_depth` > 0): each depth's loss (`mtp_loss_1`, ...), the
     mean over the data-parallel ranks; `loss` is then the main next-token loss (trainer/step/loss.py
-    `MTPLoss`)."""
+    `MTPLoss`). Other loss terms returned the same way go by their `term_names` (DeepSeek-V4's
+    `indexer_loss`, trainer/tasks/lm.py `IndexerLoss`)."""
 
     def on_log(self, step: int, out, values: dict[str, Any]) -> None:
         mtp = getattr(out, "mtp_losses", None)
         if mtp is not None:
-            for k, value in enumerate(mtp.unbind(), start=1):
-                values[f"mtp_loss_{k}"] = global_mean(value)
+            names = getattr(out, "term_names", None) or [f"mtp_loss_{k}" for k in range(1, len(mtp) + 1)]
+            for name, value in zip(names, mtp.unbind(), strict=True):
+                values[name] = global_mean(value)
 
 
 class FirstLogKeys(Callback):

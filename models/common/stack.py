@@ -93,6 +93,20 @@ class BlockStack(nn.ModuleDict):
         one, or if it was already popped); clears it."""
         return self._last.pop("aux", None)
 
+    def split_aux_loss(self) -> None:
+        """For blocks whose aux term is a vector `[aux, extra...]` (DeepSeek-V4 with its indexer loss:
+        the MoE balance loss and the indexer's KL): keep element 0 of the last forward's sum as the
+        aux loss (`pop_aux_loss`) and the rest for `pop_aux_extra`. Called by the model right after
+        the forward, in the same dict (what `forget` clears)."""
+        aux = self._last.get("aux")
+        assert aux is not None and aux.dim() == 1, "split_aux_loss needs a vector aux term"
+        self._last["aux"], self._last["extra"] = aux[0], aux[1:]
+
+    def pop_aux_extra(self) -> torch.Tensor | None:
+        """The `[extra...]` part of the last forward's aux sum that `split_aux_loss` set aside (None
+        if none, or if it was already popped); clears it."""
+        return self._last.pop("extra", None)
+
     def pop_expert_load(self) -> torch.Tensor | None:
         """The blocks' expert loads of the last forward, `[n_layers, E]` float32 (None if no block
         returns one, or if it was already popped); clears it."""
@@ -260,10 +274,12 @@ class BlockStack(nn.ModuleDict):
             return out, []
 
         h, ys = scan(body, h, state.stacked)
-        # ys[0] is [n_layers]: the layers' aux terms, summed here as the loop sums them; ys[1] the
-        # loads [n_layers, E] ([n_layers / p, k, E] with a period: flattened to layer order).
+        # ys[0] is [n_layers] ([n_layers / p, k] with a period): the layers' aux terms, summed over
+        # the layers here as the loop sums them (a vector aux term [m] keeps its last dim); ys[1]
+        # the loads [n_layers, E] ([n_layers / p, k, E] with a period: flattened to layer order).
         if ys:
-            aux = ys[0].sum() if aux is None else aux + ys[0].sum()
+            scan_aux = ys[0].sum(dim=(0, 1) if isinstance(template, PeriodGroup) else 0)
+            aux = scan_aux if aux is None else aux + scan_aux
             loads.append(ys[1].flatten(0, 1) if ys[1].dim() == 3 else ys[1])
         if not loads:
             return h, aux, None

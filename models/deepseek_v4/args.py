@@ -31,7 +31,9 @@ FLOPs per token (trainer/runtime/flops.py, MFU): 6 x the active non-embedding pa
 routed top-k experts, the shared expert, the router, the compressors, the indexer and the mHC
 projections; each projection once per token) + `mixing_flops_per_token`: the score and value
 products against the keys a query really sees (window + visible compressed entries) and the
-indexer's scores, less 4x the indexer's parameters (frozen: forward only, 2x, not 6x);
+indexer's scores, less 4x the indexer's parameters (frozen: forward only, 2x, not 6x; with
+`indexer_loss_weight` > 0 the indexer trains: its scores count 6x and its parameters 4x, the
+inputs being detached);
 "causal" counts the mean visible keys of a causal row, "palm" twice that (as for full
 attention). Pooling, softmaxes, norms and the Sinkhorn iterations are not counted (elementwise).
 The flavor `flash` is transformers' `DeepseekV4Config` defaults (its docstring names
@@ -40,6 +42,7 @@ and the default block schedule; a real checkpoint's `config.json` (YaRN, its own
 by `hf_adapter.args_from_hf_config`.
 """
 
+import math
 from dataclasses import dataclass
 
 from models.common.rope import YarnArgs
@@ -119,6 +122,14 @@ class DeepSeekV4Args(YarnArgs):
     """The first this-many blocks route by the token-id hash table; the rest by learned top-k."""
     swiglu_limit: float = 10.0
     """Clamp of the experts' (routed and shared) gate (above) and up projection (both sides)."""
+    indexer_loss_weight: float = 0.0
+    """The lightning indexers' training loss (DeepSeek-V3.2's KL objective, sparse stage; model.py
+    `indexer_kl`): > 0 trains each CSA block's indexer on KL(p || softmax(I)) over its chosen
+    entries, p the main attention's probabilities of those entries summed over the heads and
+    L1-normalised, the indexer's inputs detached (the main model gets no gradient from it); the
+    step adds this weight times the sum over the CSA blocks of their mean KL per query, and
+    metrics.jsonl logs `indexer_loss` (the mean over the CSA blocks). 0: the indexers are frozen
+    (no gradient reaches them: the choice is a top-k)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -175,6 +186,16 @@ class DeepSeekV4Args(YarnArgs):
         self.check_yarn()
         if self.swiglu_limit <= 0:
             raise ValueError(f"swiglu_limit: must be > 0, got {self.swiglu_limit}; allowed: > 0")
+        if not (math.isfinite(self.indexer_loss_weight) and self.indexer_loss_weight >= 0):
+            raise ValueError(
+                f"indexer_loss_weight: must be a finite number >= 0, got {self.indexer_loss_weight}; "
+                "allowed: 0 (frozen indexers) or > 0 (train them on the KL loss)"
+            )
+
+    @property
+    def trains_indexer(self) -> bool:
+        """The CSA blocks' indexers train on their KL loss (`indexer_loss_weight` > 0)."""
+        return self.indexer_loss_weight > 0
 
     def layer_kinds(self) -> str:
         """One letter per block (s, c, h): `attention_layers`, or the default schedule when it is empty."""
@@ -189,23 +210,28 @@ class DeepSeekV4Args(YarnArgs):
         - every block: 12 x H x head_dim x (window keys, `causal_keys(T, sliding_window)`);
         - HCA: + 12 x H x head_dim x T / (2 m') (the closed windows before the query);
         - CSA: + 12 x H x head_dim x min(visible, index_topk) on average (`causal_keys(T / m, topk)`),
-          + the indexer's scores, forward only (its top-k has no gradient): 2 x H_I x d_I x T / (2 m).
+          + the indexer's scores against the T / (2 m) closed entries: 2 x H_I x d_I each, forward
+          only when frozen (its top-k has no gradient), 6 x when it trains (`trains_indexer`: its
+          KL loss differentiates both the queries and the keys).
         "palm" is twice the causal count, as for full attention (the unmasked convention). Both
-        also take back 4x the indexers' parameters: they run forward only (2x), 6N counted them 6x."""
+        also take back part of the 6x that 6N counted for the indexers' parameters: 4x when frozen
+        (forward only, 2x), 2x when they train (forward and weight gradient, 4x: their inputs are
+        detached, so no input gradient is computed). The KL itself (softmaxes, logs) is elementwise."""
         h, d, t = self.n_heads, self.head_dim, seq_len
         causal = 0.0
+        score_factor = 6.0 if self.trains_indexer else 2.0
         for kind in self.layer_kinds():
             keys = causal_keys(t, self.sliding_window)
             if kind == "h":
                 keys += causal_keys(t / self.hca_ratio)
             elif kind == "c":
                 keys += causal_keys(t / self.csa_ratio, self.index_topk)
-                causal += 2.0 * self.index_n_heads * self.index_head_dim * causal_keys(t / self.csa_ratio)
+                causal += score_factor * self.index_n_heads * self.index_head_dim * causal_keys(t / self.csa_ratio)
             causal += 12.0 * h * d * keys
-        # The indexer's projections run forward only (frozen: no gradient reaches them), 2x their
-        # parameters per token; 6N counted them 6x.
-        frozen = -4.0 * self.layer_kinds().count("c") * self._indexer_params()
-        return {"palm": 2 * causal + frozen, "causal": causal + frozen}
+        # The indexer's projections: frozen, forward only (2x their parameters per token); trained,
+        # forward and weight gradient (4x). 6N counted them 6x.
+        untrained = -(2.0 if self.trains_indexer else 4.0) * self.layer_kinds().count("c") * self._indexer_params()
+        return {"palm": 2 * causal + untrained, "causal": causal + untrained}
 
     def _indexer_params(self) -> int:
         """Parameters of one CSA block's lightning indexer (its compressor, query and weight projections)."""

@@ -18,9 +18,14 @@ the entries, not the whole row), the sink one more logit whose value is zero. A 
 splash over the window merged with the entries' part) would keep no scores at all.
 
 The indexer chooses entries by `topk`, which has no gradient: as in the reference, its
-parameters get none from the LM loss (DeepSeek trains them with a separate distillation loss,
-not built here), so they are built frozen (`requires_grad = False`: no optimizer state, nothing
-for weight decay to shrink); an imported checkpoint's indexer is used as it is.
+parameters get none from the LM loss. By default they are built frozen (`requires_grad = False`:
+no optimizer state, nothing for weight decay to shrink); an imported checkpoint's indexer is used
+as it is. With `indexer_loss_weight` > 0 they train on DeepSeek-V3.2's KL loss instead
+(`indexer_kl`, sparse stage): each CSA block runs its indexer on detached inputs (so the loss
+reaches the indexer alone and the main model's gradients are those of the LM loss), takes the main
+attention's probabilities of the chosen entries as the target, and returns its KL with its aux
+term (the block's aux is then [MoE balance loss, KL], every block's; the model splits the stack's
+sum: `pop_indexer_loss`).
 """
 
 import math
@@ -98,7 +103,9 @@ def compressed_sink_attention(
     sinks: torch.Tensor,
     entry_visible: torch.Tensor,
     window: int,
-) -> torch.Tensor:
+    *,
+    entry_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """CSA / HCA attention: q [b, s, heads, d], the one shared KV head kv [b, s, d] (key and value
     alike), the compressed entries [b, n, d], sinks [heads], entry_visible [b, s, n] bool, the
     causal window -> `softmax([q k^T / sqrt(d) over the window's keys and the visible entries |
@@ -111,7 +118,10 @@ def compressed_sink_attention(
     a CSA / HCA block instead of 5,121 / 4,129). SDPA with a mask, the form before, is lowered in its
     math form on TPU, and those fp32 scores were the compiled program's largest buffers (issue 54;
     docs/models.md, "DeepSeek-V4"). The one KV head is never expanded: the heads fold into each
-    matmul's rows. Scores and softmax in float32; the probabilities meet the values in q's dtype."""
+    matmul's rows. Scores and softmax in float32; the probabilities meet the values in q's dtype.
+
+    `entry_probs`: also return the entries' probabilities summed over the heads [b, s, n] (float32,
+    detached): the indexer loss's target (`indexer_kl`)."""
     b, s, h, d = q.shape
     n, w = entries.shape[1], window
     nb = -(-s // w)
@@ -135,10 +145,36 @@ def compressed_sink_attention(
     entry_scores = entry_scores.view(b, nb * w, h, n).masked_fill(~entry_visible.unsqueeze(2), float("-inf"))
     sink = sinks.to(acc).view(1, 1, h, 1).expand(b, nb * w, h, 1)
     scores = torch.cat([sink, local_scores.view(b, nb * w, h, 2 * w), entry_scores], dim=-1)
-    probs = scores.softmax(dim=-1).to(q.dtype)
+    probs32 = scores.softmax(dim=-1)
+    probs = probs32.to(q.dtype)
     out = torch.matmul(probs[..., 1 : 1 + 2 * w].reshape(b, nb, w * h, 2 * w), keys).view(b, nb * w, h, d)
     out = out + torch.matmul(probs[..., 1 + 2 * w :].reshape(b, nb * w * h, n), entries).view(b, nb * w, h, d)
+    if entry_probs:
+        return out[:, :s], probs32[:, :s, :, 1 + 2 * w :].detach().sum(dim=2)
     return out[:, :s]
+
+
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning-indexer loss, sparse stage, of one CSA block: scores [b, s, n] the
+    indexer's I (float32, differentiable), target [b, s, n] the main attention's probabilities of the
+    entries summed over its heads (detached), chosen [b, s, n] bool the entries S_t each query
+    attends -> the mean over the queries with a non-empty S_t of KL(p_t || softmax(I_t over S_t)),
+    p_t the target over S_t L1-normalised (0-dim float32; 0 when no query has an entry).
+
+    The target is the main attention's distribution itself (its softmax over sink, window and
+    entries), restricted to S_t and renormalised; Megatron-LM's reference
+    (`compute_dsa_indexer_loss`, DeepSeek-V3.2's MLA without window or sink) recomputes each head's
+    softmax over S_t instead, which weights every head alike where ours weights a head by the mass
+    it puts on the entries. The mean runs over the queries that have entries (the first window of a
+    row has none), not over every row."""
+    rows = chosen.any(dim=-1, keepdim=True)  # [b, s, 1]
+    # masked positions get -inf (no probability); a row without entries all zeros (finite, weight 0)
+    logits = torch.where(rows, scores.float().masked_fill(~chosen, float("-inf")), 0.0)
+    log_q = torch.where(chosen, logits.log_softmax(dim=-1), 0.0)
+    p = torch.where(chosen, target.float(), 0.0)
+    p = p / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    kl = (torch.xlogy(p, p) - p * log_q).sum(dim=-1)  # [b, s]; 0 where the row has no entries
+    return kl.sum() / rows.sum().clamp_min(1)
 
 
 class Compressor(nn.Module):
@@ -185,24 +221,37 @@ class Compressor(nn.Module):
 class Indexer(Compressor):
     """CSA's lightning indexer: its own overlapping compressor (keys of width `head_dim`) and query
     heads from q's bottleneck; score(t, s) = sum_h w_{t,h} relu(q_{t,h} . k_s) / sqrt(d_I), w from
-    `weights_proj x / sqrt(H_I)`; a query keeps its `topk` best closed entries."""
+    `weights_proj x / sqrt(H_I)`; a query keeps its `topk` best closed entries. `trained`: its
+    parameters take gradients (the KL loss, `indexer_kl`), else they are frozen."""
 
-    def __init__(self, *, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int, topk: int, norm_eps):
+    def __init__(
+        self,
+        *,
+        dim: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        ratio: int,
+        topk: int,
+        norm_eps,
+        trained: bool = False,
+    ):
         super().__init__(dim=dim, head_dim=head_dim, ratio=ratio, overlap=True, norm_eps=norm_eps)
-        self.n_heads, self.topk = n_heads, topk
+        self.n_heads, self.topk, self.trained = n_heads, topk, trained
         self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.weights_proj = nn.Linear(dim, n_heads, bias=False)
-        # No gradient reaches them (the choice is a top-k): frozen, so the optimizer holds no state
-        # for them and a checkpoint's optimizer entries match a fresh run's.
+        # Without its KL loss no gradient reaches them (the choice is a top-k): frozen, so the
+        # optimizer holds no state for them and a checkpoint's optimizer entries match a fresh run's.
         for p in self.parameters():
-            p.requires_grad_(False)
+            p.requires_grad_(trained)
 
     def forward(
         self, x: torch.Tensor, q_lora: torch.Tensor, closed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x [b, s, dim], q_lora [b, s, q_lora_rank], closed [s, n] (entry closed before the query)
-        -> the entries each query attends to [b, s, n] bool. The selection is the module's forward
-        (the keys its compressor's), so a TP style's hooks ("replicate") wrap it."""
+        -> the entries each query attends to [b, s, n] bool, and when `trained` also the scores I
+        [b, s, n] (float32, before the closed mask) its loss reads. The selection is the module's
+        forward (the keys its compressor's), so a TP style's hooks ("replicate") wrap it."""
         b, s, _ = x.shape
         keys = super().forward(x, cos, sin)  # [b, n, d_I]
         n = keys.shape[1]
@@ -212,9 +261,11 @@ class Indexer(Compressor):
         scores = torch.matmul(q.float().flatten(1, 2), keys.float().transpose(-1, -2)).view(b, s, self.n_heads, n)
         scores = F.relu(scores) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=2).masked_fill(~closed, float("-inf"))  # [b, s, n]
-        chosen = scores.topk(min(self.topk, n), dim=-1).indices
-        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True) & closed
+        raw = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, n]
+        scores = raw.masked_fill(~closed, float("-inf"))
+        top = scores.topk(min(self.topk, n), dim=-1).indices
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True) & closed
+        return (chosen, raw) if self.trained else chosen
 
     def init_weights(self) -> None:
         """As `Compressor`, and `wq_b`, `weights_proj`: truncated normal std 0.02."""
@@ -297,40 +348,54 @@ class Attention(nn.Module):
                 ratio=self.ratio,
                 topk=args.index_topk,
                 norm_eps=args.norm_eps,
+                trained=args.trains_indexer,
             )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [b, s, dim], this block's RoPE tables (at least s rows) -> [b, s, dim]."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, dim], this block's RoPE tables (at least s rows) -> [b, s, dim]; a CSA block whose
+        indexer trains: (that, its indexer's KL loss `indexer_kl`)."""
         b, s, _ = x.shape
         cos, sin = cos[:s], sin[:s]
         q_lora = self.q_norm(self.wq_a(x))
         q = rms(self.wq_b(q_lora).view(b, s, -1, self.head_dim), self.eps)  # -1: the rank's heads under TP
         q = rope_tail(q, cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.wkv(x)), cos, sin)  # [b, s, hd]
+        kl = None
         if self.compressor is None:  # "s": the window alone, the op (splash with sinks on TPU)
             shared = self.shared_kv(kv).unsqueeze(1)  # the one KV head, key and value alike
             out = ops.sink_attention(q.transpose(1, 2), shared, shared, self.sinks(), self.window).transpose(1, 2)
         else:
-            out = self._compressed_attention(x, q, q_lora, kv, cos, sin)
+            out, kl = self._compressed_attention(x, q, q_lora, kv, cos, sin)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # values carry their keys' rotation: undo it
         grouped = self.wo_a(out.reshape(b, s, -1, self.wo_a.in_features)).flatten(2)
-        return self.wo_b(grouped)
+        out = self.wo_b(grouped)
+        return out if kl is None else (out, kl)
 
-    def _compressed_attention(self, x, q, q_lora, kv, cos, sin) -> torch.Tensor:
+    def _compressed_attention(self, x, q, q_lora, kv, cos, sin) -> tuple[torch.Tensor, torch.Tensor | None]:
         """CSA / HCA: sink attention over the window's keys plus the compressed entries visible to
-        each query (`compressed_sink_attention`) -> [b, s, h, hd]."""
+        each query (`compressed_sink_attention`) -> ([b, s, h, hd], the indexer's KL loss when it
+        trains, else None). The trained indexer reads detached inputs: its loss reaches it alone."""
         b, s, _ = x.shape
         i = torch.arange(s, device=x.device)
         entries = self.compressor(x, cos, sin)
         # Entry w holds tokens up to (w + 1) m - 1: closed for queries t >= that.
         w = torch.arange(entries.shape[1], device=x.device)
         closed = w[None, :] < ((i + 1) // self.ratio)[:, None]  # [s, n]
-        if self.indexer is not None:
+        trained = self.indexer is not None and self.indexer.trained
+        if trained:
+            chosen, index_scores = self.indexer(x.detach(), q_lora.detach(), closed, cos, sin)
+        elif self.indexer is not None:
             chosen = self.indexer(x, q_lora, closed, cos, sin)
         else:
             chosen = closed.expand(b, -1, -1)
         kv = self.shared_kv(torch.cat([kv, entries], dim=1))
-        return compressed_sink_attention(q, kv[:, :s], kv[:, s:], self.sinks(), chosen, self.window)
+        out = compressed_sink_attention(q, kv[:, :s], kv[:, s:], self.sinks(), chosen, self.window, entry_probs=trained)
+        if not trained:
+            return out, None
+        out, target = out
+        return out, indexer_kl(index_scores, target, chosen)
 
     def init_weights(self, init_std: float) -> None:
         """wq_a, wq_b, wkv, wo_a: truncated normal std 0.02; wo_b (the residual-branch output): std
@@ -454,6 +519,7 @@ class DeepSeekV4Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.kind = args.layer_kinds()[layer_id]
+        self.trains_indexer = args.trains_indexer
         self.is_hash = args.is_hash_layer(layer_id)
         hc = dict(dim=args.dim, n=args.hc_mult, iters=args.hc_sinkhorn_iters, eps=args.hc_eps, norm_eps=args.norm_eps)
         self.attn_hc = HyperConnection(**hc)
@@ -495,16 +561,24 @@ class DeepSeekV4Block(nn.Module):
         tokens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [b, s, n, D] streams; the sliding blocks' and the compressed blocks' RoPE tables; tokens
-        [b, s] (hash routing) -> (h, aux_loss, load)."""
+        [b, s] (hash routing) -> (h, aux_loss, load). With `indexer_loss_weight` > 0 every block's
+        aux_loss is [2] float32: the MoE balance loss and its indexer's KL (0 without an indexer),
+        so that the stack's sum (and a scan's per-layer outputs) carries both."""
         dtype = h.dtype
         post, comb, x = self.attn_hc(h)
         rope = (cos, sin) if self.kind == "s" else (compress_cos, compress_sin)
         out = self.attention(self.attention_norm(x), *rope)
+        kl = None
+        if isinstance(out, tuple):
+            out, kl = out
         h = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
         post, comb, x = self.ffn_hc(h)
         selected = self.moe.router.tid2eid[self.hash_tokens(tokens).reshape(-1)] if self.is_hash else None
         out, aux_loss, load = self.moe(self.ffn_norm(x), selected)
         h = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
+        if self.trains_indexer:
+            aux_loss = aux_loss.float()
+            aux_loss = torch.stack([aux_loss, kl.float() if kl is not None else torch.zeros_like(aux_loss)])
         return h, aux_loss, load
 
     def init_weights(self, vocab_size: int) -> None:
@@ -572,6 +646,8 @@ class DeepSeekV4(nn.Module):
         x = self.tok_embeddings(tokens)
         h = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
         h = self.layers(h, self.rope_cos, self.rope_sin, self.compress_rope_cos, self.compress_rope_sin, tokens)
+        if self.args.trains_indexer:  # the blocks' aux is [MoE balance, indexer KL]: the stack keeps the first
+            self.layers.split_aux_loss()
         return self.norm(self.hc_head(h))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -606,3 +682,13 @@ class DeepSeekV4(nn.Module):
         total = self.layers.pop_aux_loss()
         assert total is not None, "the aux loss is available once after each forward"
         return total
+
+    def pop_indexer_loss(self) -> torch.Tensor:
+        """The CSA blocks' indexer KL loss of the last forward, the mean over those blocks (0-dim
+        float32; `indexer_loss_weight` > 0 only). The training loss adds `indexer_loss_weight` x the
+        number of CSA blocks x this, i.e. the weight times each block's KL (trainer/tasks/lm.py
+        `IndexerLoss`)."""
+        assert self.args.trains_indexer, "pop_indexer_loss needs indexer_loss_weight > 0"
+        extra = self.layers.pop_aux_extra()
+        assert extra is not None, "the indexer loss is available once after each forward"
+        return extra[0] / max(self.args.layer_kinds().count("c"), 1)

@@ -16,7 +16,8 @@ divide both the heads and the groups) and `wo_b` rowwise (its input is the group
 Every rank runs in full what acts before the head split or on the one shared KV head
 (`replicate`): the q bottleneck `wq_a` / `q_norm` (its output feeds a colwise projection, whose
 input gradient is summed over TP, so every rank gets the same full gradient), the KV projection
-`wkv` / `kv_norm`, the CSA / HCA compressor and the lightning indexer (frozen: no gradient). The
+`wkv` / `kv_norm`, the CSA / HCA compressor and the lightning indexer (frozen: no gradient; its
+training loss, `indexer_loss_weight` > 0, is refused with TP). The
 keys every head reads (the shared KV head with the compressed entries) pass `shared_kv`
 ("head_shared"), which sums their gradient over TP: each rank's covers its own heads only.
 MoE (EP-without-ETP, as Qwen 3 / DeepSeek-V3): the layer takes the rank's sequence shard of tokens

@@ -421,6 +421,38 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "equations, that graph mode is allowed with MTP, and the captured (scanned) step against eager",
     ),
     Scheduled(
+        "tests/unit/test_indexer_loss.py::test_graph_step_with_layer_scan_equals_eager",
+        (
+            "tests/unit/test_deepseek_v4_scan.py::test_a_stack_scans_its_periodic_rest_after_the_prefix",
+            "tests/unit/test_indexer_loss.py::test_main_gradients_are_unchanged_by_it",
+            "tests/unit/test_graph_step.py::test_scan_matches_eager_with_grad_accumulation",
+        ),
+        "DeepSeek-V4's indexer loss through the graph step with layer scan (one capture of a 3-block V4, "
+        "70 s here): the default tier sums aux terms through a toy stack's scan (the same line), checks "
+        "the loss and its gradients eagerly, and the captured scanned step against eager",
+    ),
+    Scheduled(
+        "tests/unit/test_indexer_loss.py::test_a_vector_aux_sums_per_element_through_the_scan*",
+        (
+            "tests/unit/test_deepseek_v4_scan.py::test_a_stack_scans_its_periodic_rest_after_the_prefix",
+            "tests/unit/test_indexer_loss.py::test_main_gradients_are_unchanged_by_it",
+        ),
+        "a vector aux term ([balance, KL]) summed through a toy stack's scan (a dynamo trace each, 1-3 s "
+        "here): the default tier runs the same sums with scalar terms through a toy scan, and the vector "
+        "terms and their split through the loop",
+    ),
+    Scheduled(
+        "tests/unit/test_indexer_loss.py::test_debug_run_logs_the_indexer_loss",
+        (
+            "tests/unit/test_indexer_loss.py::test_the_log_names_the_terms_by_the_loss",
+            "tests/unit/test_indexer_loss.py::test_the_loss_logs_the_kl_and_weights_its_gradient",
+            "tests/unit/test_deepseek_v4.py::test_debug_recipe_trains_in_process",
+        ),
+        "DeepSeek-V4's debug recipe with the indexer loss through the trainer (8 steps, ~7 s here): the "
+        "default tier trains the recipe without it, checks the loss object's value, gradient and logged "
+        "term, and the callback's key for it",
+    ),
+    Scheduled(
         "tests/e2e/test_mtp_parallel.py::test_qwen3_5_mtp_fsdp_ep_matches_single_process",
         (
             "tests/unit/test_qwen3_5_mtp.py::test_debug_run_logs_the_mtp_loss_and_learns",

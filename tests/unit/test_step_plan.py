@@ -170,6 +170,7 @@ def test_every_rule_refuses_something_and_names_a_config_key():
         StepRequest(quantize="int8", quantize_census=QuantizeCensus(1024, ("output",), 3, 0, 1, 2)),
         StepRequest(quantize="int8", quantize_census=QuantizeCensus(0, ("output",), 3, 0, 3, 0)),
         StepRequest(mtp_depth=1, tp_degree=2),
+        StepRequest(indexer_loss=True, tp_degree=2),
         StepRequest(pp_schedule="Bogus"),
         StepRequest(pp_degree=2, mode="graph"),
         StepRequest(pp_degree=2, mode="graph", n_layers=7),

@@ -182,7 +182,14 @@ class GraphStep:
         # torch's lr schedulers warn unless they see the optimizer step; the graph stepped it.
         self.optimizer._opt_called = True
         stats = None if self.balance is None else self.balance.finish(load, apply=torch.isfinite(grad_norm))
-        return StepOutput(loss=loss, grad_norm=grad_norm, aux_loss=aux, mtp_losses=mtp, **moe_outputs(stats))
+        return StepOutput(
+            loss=loss,
+            grad_norm=grad_norm,
+            aux_loss=aux,
+            mtp_losses=mtp,
+            term_names=getattr(self._loss_fn, "term_names", None),
+            **moe_outputs(stats),
+        )
 
     def eval_loss(self, inputs: torch.Tensor, labels: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
         """Pipeline parallelism: the loss of one held-out micro-batch through the pipeline's

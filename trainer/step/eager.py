@@ -97,5 +97,6 @@ class EagerStep:
             grad_norm=grad_norm,
             aux_loss=None if aux_sum is None else aux_sum / n,
             mtp_losses=None if mtp_sum is None else mtp_sum / n,
+            term_names=getattr(self.loss_fn, "term_names", None),
             **moe_outputs(stats),
         )

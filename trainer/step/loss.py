@@ -234,7 +234,11 @@ class StepOutput:
     """`moe_dropped` in % of the step's routed token copies."""
     mtp_losses: torch.Tensor | None = None
     """Multi-token prediction (`MTPLoss`): each depth's loss [depth], the mean over the micro-batches
-    (this rank's values); None without MTP. `loss` is then the main next-token loss."""
+    (this rank's values); None without MTP. `loss` is then the main next-token loss. A loss with
+    other such terms (trainer/tasks/lm.py `IndexerLoss`) returns them here too, named by `term_names`."""
+    term_names: tuple[str, ...] | None = None
+    """The metrics.jsonl keys of `mtp_losses`' entries (the loss function's `term_names`); None:
+    `mtp_loss_1`, `mtp_loss_2`, ..."""
 
 
 def moe_outputs(stats) -> dict[str, torch.Tensor | None]:

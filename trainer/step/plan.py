@@ -183,6 +183,8 @@ class StepRequest(PipelineRequest):
     by `plan_job` when a recipe is set; None when not known (no rule reads it then)."""
     mtp_depth: int = 0
     """The model's multi-token-prediction modules (`[model] mtp_depth` of deepseek_v3 and qwen3_5; 0: none or not known)."""
+    indexer_loss: bool = False
+    """DeepSeek-V4's lightning indexers train on their KL loss (`[model] indexer_loss_weight` > 0)."""
     linear_conv_halo: int = 0
     """Tokens before each one that the model's linear-attention short convolution reads (Qwen 3.5:
     `linear_conv_kernel_dim - 1`), which context parallelism takes from the preceding chunk only
@@ -681,6 +683,19 @@ RULES: tuple[Rule, ...] = (
         lambda r: r.flow_resolution_shift and r.flow_shift != 1.0,
         "{r.flow_shift} with flow.resolution_shift = true sets the shift twice; allowed: 1.0 with "
         "resolution_shift, or flow.resolution_shift = false",
+    ),
+    # DeepSeek-V4's indexer loss (models/deepseek_v4/model.py `indexer_kl`, trainer/tasks/lm.py
+    # `IndexerLoss`): its target sums the main attention's probabilities over all heads, which TP
+    # splits over its ranks (the replicated indexer would train on a partial sum), and the engine's
+    # caller loss never adds it.
+    Rule(
+        "model.indexer_loss_weight",
+        "the indexer loss with tensor parallelism, or in the engine",
+        lambda r: r.indexer_loss and (r.tp_degree > 1 or r.caller_loss),
+        "> 0 (DeepSeek-V4's indexers trained on their KL loss) runs in the trainer without tensor "
+        "parallelism: its target sums the attention over every head, which TP splits; here "
+        "tensor_parallel_degree {r.tp_degree}, engine {r.caller_loss}; allowed: 0, or "
+        "tensor_parallel_degree = 1 in the trainer",
     ),
 )
 

@@ -122,12 +122,16 @@ class LMTask:
     def loss_fn(self, step_plan) -> Callable:
         """The LM loss of the step plan (plain or fused), scaled over the cp group with context
         parallelism (trainer/step/loss.py); for a model with multi-token prediction (`mtp_depth` > 0,
-        which the step plan's rules keep from context parallelism) `MTPLoss`."""
+        which the step plan's rules keep from context parallelism) `MTPLoss`; for DeepSeek-V4 whose
+        indexers train (`indexer_loss_weight` > 0) the LM loss in an `IndexerLoss`."""
         depth = getattr(self.args, "mtp_depth", 0)
         if depth > 0:
             assert self.cp is None, "the step plan's rules refuse model.mtp_depth > 0 with context parallelism"
             return MTPLoss(fused=step_plan.fused_loss, depth=depth, weight=self.args.mtp_loss_weight)
-        return lm_loss_fn(fused=step_plan.fused_loss, document_mask=step_plan.document_mask, cp=self.cp)
+        loss = lm_loss_fn(fused=step_plan.fused_loss, document_mask=step_plan.document_mask, cp=self.cp)
+        if getattr(self.args, "trains_indexer", False):  # DeepSeek-V4 with indexer_loss_weight > 0
+            return IndexerLoss(loss, weight=self.args.indexer_loss_weight, blocks=self.args.layer_kinds().count("c"))
+        return loss
 
     def example_batch(self, local_batch_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """A micro-batch of the shapes and dtypes `prepare` returns (the recipe check captures with it)."""
@@ -143,3 +147,41 @@ class LMTask:
         """Training FLOPs per token of the model (trainer/runtime/flops.py `model_flops_per_token`:
         MTP depths and families whose blocks differ included)."""
         return model_flops_per_token(self.args, self.settings.seq_len)
+
+
+class IndexerLoss:
+    """DeepSeek-V4 with `[model] indexer_loss_weight` > 0 (models/deepseek_v4/model.py `indexer_kl`):
+    `inner`, the LM loss, plus the lightning indexers' KL loss of the same forward
+    (`model.pop_indexer_loss()`, the mean over the `blocks` CSA blocks). The returned value is the LM
+    loss (what `loss` and `val_loss` log) and its gradient the total's, LM + weight x blocks x KL
+    (each block's indexer gets weight x its own KL's gradient; their inputs are detached, so nothing
+    else gets any): `lm + (T - T.detach())`, as `MTPLoss` adds its term. `with_depths` returns
+    (that, [KL] detached) inside the graph step and `pop_mtp_losses` the eager step's; the steps log
+    it as `term_names` (`indexer_loss` in metrics.jsonl). Without autograd (validation) the KL is
+    popped and dropped."""
+
+    term_names = ("indexer_loss",)
+
+    def __init__(self, inner: Callable, *, weight: float, blocks: int):
+        self.inner, self.weight, self.blocks = inner, float(weight), blocks
+        self._last: torch.Tensor | None = None
+
+    def __call__(self, model, *microbatch: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            loss = self.inner(model, *microbatch)
+            model.pop_indexer_loss()
+            return loss
+        loss, self._last = self.with_depths(model, *microbatch)
+        return loss
+
+    def with_depths(self, model, *microbatch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss `__call__` returns, [KL] detached float32) without keeping state."""
+        lm = self.inner(model, *microbatch)
+        kl = model.pop_indexer_loss()
+        term = kl * (self.weight * self.blocks)
+        return lm + (term - term.detach()), kl.detach().reshape(1)
+
+    def pop_mtp_losses(self) -> torch.Tensor | None:
+        """[KL] of the last call with autograd (detached float32), then None until the next."""
+        last, self._last = self._last, None
+        return last
