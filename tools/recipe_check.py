@@ -179,6 +179,8 @@ def _step_summary(plan) -> str:
         parts.append(plan.backend)
     if plan.scan:
         parts.append(f"scan (AC {plan.scan_ac})")
+    elif plan.pipeline is not None and plan.pipeline.scan_iterations:
+        parts.append(f"iteration scan (AC {plan.scan_ac})")
     elif plan.block_ac != "none":
         parts.append(f"AC {plan.block_ac}")
     parts.append("fused loss" if plan.fused_loss else "loss parallel" if plan.loss_parallel else "plain loss")

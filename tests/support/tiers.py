@@ -2151,6 +2151,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "iteration scan's rules, and SimpleFSDP's collectives in the graph step",
     ),
     Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_scan_over_iterations_full_ac_keeps_stage_inputs",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
+            "tests/unit/test_graph_step.py::test_scan_body_tags_for_full_save_attention",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+        ),
+        "full AC inside graph-mode PP's iteration scan (2 processes, the captured pipeline and eager PP, ~1 min "
+        "loaded): the default tier plans the iteration scan's AC into the scan body's partition (`scan_ac`), "
+        "tags a scan body's joint graph for full AC, and runs the captured pipeline against one process",
+    ),
+    Scheduled(
         "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_with_iteration_scan_has_one_permute_each_way",
         (
             "tests/xla/test_pipeline_permute_xla.py::test_stage_permute_lowers_to_one_collective_permute_each_way",

@@ -41,6 +41,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
         dims = ParallelDims(pp=2, dp_shard=dp_shard, tp=tp, world_size=dist.get_world_size())
         mesh = build_mesh(dims, "cpu")
         graph = mode.startswith("graph")
+        ac_mode = "full" if mode.endswith("_full") else "none"
         request = StepRequest(
             mode="graph" if graph else "eager",
             backend="aot_eager" if graph else "auto",
@@ -52,6 +53,8 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
             tp_degree=tp,
             loss_parallel="lossparallel" in mode,
             model_has_experts=False,
+            ac_mode=ac_mode,
+            pp_scan_iterations=mode.startswith("graph_scan"),
             n_layers=N_LAYERS,
             local_batch=BATCH // dp_shard // accum,
         )
@@ -67,7 +70,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
                 microbatches=plan.pipeline.microbatches,
                 dim=args.dim,
                 dtype=torch.float32,
-                scan=mode == "graph_scan",
+                scan=plan.pipeline.scan_iterations,
                 device=torch.device("cpu"),
                 fused=mode == "graph_fused",
                 rank_independent=mode == "graph_uniform",
@@ -81,6 +84,7 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
                 loss_fn=loss_fn,
                 pp_mesh=pp,
                 scan_layers="layerscan" in mode,
+                ac_mode=plan.scan_ac,
                 plan=llama3_family().plan,
                 loss_context=plan.loss_context,
             )
@@ -93,7 +97,8 @@ def _graph_pp_worker(seed, batches, dp_shard, accum, microbatches, modes, tp=1):
         colls = dict(step.stats.collectives) if graph else None
         code = spmd_text(step.graph_module) if graph else None
         raw = "\n".join(m.code for m in step.graph_module.modules() if hasattr(m, "code")) if graph else None
-        out[mode] = (losses, full_state(model), None if val is None else val.item(), colls, code, raw)
+        saved = step.stats.scan_saved_bytes if graph else None
+        out[mode] = (losses, full_state(model), None if val is None else val.item(), colls, code, raw, saved)
     return out
 
 
@@ -209,6 +214,29 @@ def test_graph_pp2_scan_over_iterations_equals_one_process():
     for r in results:
         colls = r["graph_scan"][3]
         assert colls.get("all_to_all_single") == 2, colls
+
+
+@pytest.mark.multiprocess
+def test_graph_pp2_scan_over_iterations_full_ac_keeps_stage_inputs():
+    """Full activation checkpointing inside the iteration scan (`[activation_checkpoint] mode = "full"`
+    with `[compile] scan_pipeline_iterations`; the step plan's `scan_ac`, the scan body's partition
+    tagged by trainer/graph/remat.py `scan_remat`, as layer scan's): PP 2, 2 chunks of 4 sequences,
+    T = 3 iterations of the stage's 3 blocks == one process and eager PP's GPipe (the bounds of
+    `_graph_parity`), and the forward scan keeps, per iteration, exactly its stacked output and the
+    stage's input ([4, 16, 256] fp32 each) and each block's attention output and log-sum-exp: the
+    CPU's SDPA is tagged random, which the partitioner cannot recompute inside a scan body on torch
+    2.13 (remat.py), so it saves them, as in layer scan's full mode. Before (the blocks' checkpoint wrapper, which does
+    not reach the scan body) the scan kept 37,999,104 bytes, with AC as without: every block
+    activation and each iteration's copy of the transposed weights (2026-12-07)."""
+    from tests.support.parallel_harness import SEQ_LEN, llama3_args
+
+    results, _ = _graph_parity(2, microbatches=2, modes=("graph_scan_full", "eager"))
+    args = llama3_args(N_LAYERS)
+    chunk = BATCH // 2 * SEQ_LEN * args.dim * 4  # one chunk's hidden states, fp32
+    lse = BATCH // 2 * args.n_heads * SEQ_LEN * 4  # one block's attention log-sum-exp, fp32
+    blocks, iterations = N_LAYERS // 2, 2 + 2 - 1
+    want = iterations * (2 * chunk + blocks * (chunk + lse))
+    assert [r["graph_scan_full"][6] for r in results] == [want, want], want
 
 
 @pytest.mark.multiprocess
@@ -347,6 +375,13 @@ def test_graph_pp_iteration_scan_rules():
     base.update(model_has_experts=False, n_layers=6, local_batch=4, model_document_mask=True)
     assert plan_step(StepRequest(**base, pp_scan_iterations=True)).pipeline.scan_iterations
     assert not plan_step(StepRequest(**base)).pipeline.scan_iterations
+    # AC inside the iteration scan: the scan body's partition (`scan_ac`), not the blocks' wrapper
+    # (`block_ac`, which does not reach a scan body); unrolled, the blocks' wrapper
+    for ac in ("full", "selective"):
+        scanned = plan_step(StepRequest(**base, pp_scan_iterations=True, ac_mode=ac))
+        assert (scanned.block_ac, scanned.scan_ac, scanned.scan) == ("none", ac, False)
+        unrolled = plan_step(StepRequest(**base, ac_mode=ac))
+        assert (unrolled.block_ac, unrolled.scan_ac) == (ac, "none")
     scan = dict(base, pp_scan_iterations=True)
     assert plan_step(StepRequest(**scan, cp_degree=2)).pipeline.scan_iterations
     moe = dict(scan, model_has_experts=True)

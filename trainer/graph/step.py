@@ -153,7 +153,8 @@ class GraphStep:
             raise ValueError("graph step: every micro-batch must hold the same number of tensors")
         self._arity = len(microbatches[0])  # a Python int: baked into the graph
         inputs = [t for mb in microbatches for t in mb]
-        scanning = bool(self.block_stacks)
+        # scan bodies: layer scan's, or graph-mode PP's iteration scan (trainer/graph/pipeline.py)
+        scanning = bool(self.block_stacks) or getattr(self._loss_fn, "scan", False)
         start = time.perf_counter()
         try:
             with (
@@ -358,8 +359,8 @@ def build_graph_step(
     # The settings come from a `StepPlan` (trainer/step/plan.py: its RULES refused what cannot
     # run, including `tpu` off a TPU); these are the internal invariants of a direct call.
     assert ac_mode in AC_MODES, ac_mode
-    assert ac_mode == "none" or scan_layers, (
-        "ac_mode applies inside a scanned body only; checkpoint unrolled "
+    assert ac_mode == "none" or scan_layers or getattr(loss_fn, "scan", False), (
+        "ac_mode applies inside a scanned body only (layer scan, or graph-mode PP's iteration scan); checkpoint unrolled "
         "blocks with parallelisms.apply_ac (parallelize_model) first"
     )
     assert backend in ("aot_eager", "inductor", "tpu"), f"an unresolved backend {backend!r} (resolve_backend)"

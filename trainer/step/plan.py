@@ -720,7 +720,8 @@ class StepPlan:
     scan: bool
     """Graph mode runs the repeated blocks as one scan."""
     scan_ac: str
-    """AC mode applied inside the scan body (graph + scan); "none" otherwise."""
+    """AC mode applied inside the scan bodies (graph + layer scan, or graph-mode PP's iteration scan);
+    "none" otherwise."""
     loss_parallel: bool
     """The LM loss runs on vocab-sharded logits under `loss_parallel_context` (TP only)."""
     fused_loss: bool = False
@@ -798,13 +799,16 @@ def plan_step(request: StepRequest | None = None, **settings) -> StepPlan:
     )
     resolved = None if r.mode == "eager" else resolve_backend(r.backend, mode=r.mode, device_type=r.device_type)
     scan = r.mode == "graph" and r.scan_layers
+    # graph-mode PP's iteration scan runs the stage's blocks in a scan body too: its checkpointing is
+    # the body's partition (`scan_ac`), as layer scan's; the blocks' own wrapper does not reach it
+    body_scan = scan or (r.mode == "graph" and r.pp_degree > 1 and r.pp_scan_iterations)
     return StepPlan(
         mode=r.mode,
         backend=resolved,
-        block_ac="none" if scan else r.ac_mode,
+        block_ac="none" if body_scan else r.ac_mode,
         block_compile=resolved if r.mode == "compile" else None,
         scan=scan,
-        scan_ac=r.ac_mode if scan else "none",
+        scan_ac=r.ac_mode if body_scan else "none",
         scan_offload=r.ac_offload if scan else "none",
         loss_parallel=r.loss_parallel and tp,
         fused_loss=fused,
