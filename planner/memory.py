@@ -222,10 +222,21 @@ class Estimate:
 
     @property
     def fsdp_bound(self) -> bool:
-        """True when a micro-batch is too small to hide FSDP's all-gathers (see GENERATIONS)."""
+        """True when a micro-batch is too small to hide FSDP's all-gathers (see GENERATIONS). With
+        pp > 1 the micro-batch is the pipeline's (`local_batch / m` sequences): each pipeline
+        micro-batch's pass through the stage gathers the stage's weights again (the iterations of
+        graph mode's pipeline each gather theirs; before 2026-12-07 the whole local batch was read,
+        which favoured pipeline plans)."""
         if self.fsdp_min_tokens is None or self.dp_shard * self.cp == 1:
             return False  # (SimpleFSDP shards over dp_shard x cp)
-        return self.local_batch_size * self.seq_len // self.cp < self.fsdp_min_tokens
+        return self.micro_batch_tokens < self.fsdp_min_tokens
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens per device in one forward pass of the blocks: the accumulation micro-batch, or with
+        pp > 1 one pipeline micro-batch of it, at `seq / cp`."""
+        sequences = self.pipeline.micro_batch if self.pipeline is not None else self.local_batch_size
+        return sequences * self.seq_len // self.cp
 
 
 def ep_dispatch_bytes(

@@ -26,20 +26,24 @@ planner"):
 - the heaviest rank is the plan's memory (`Estimate.pipeline.rank` says which);
 - **time**: the compute of the heaviest rank's share (`imbalance`: its blocks, each by its own
   FLOPs where dense and MoE blocks mix (`two_kind_weights`), plus the head's
-  FLOPs in block units where it holds the last stage, `head_block_units`), inflated by the
+  FLOPs in block units where it holds the last stage, `head_block_units`, every rank with uniform
+  stages, over the model's FLOPs / pp, which count the head once), inflated by the
   schedule's bubble (`bubble_fraction`): `t = t_compute x imbalance / (1 - bubble) + exposed p2p`;
 - **p2p**: each micro-batch crosses each stage boundary forward (activations) and backward
   (their gradients): `[mb, seq / cp, dim]` bf16 per device (sequence parallel splits it by tp),
-  `2 m v` transfers per accumulation micro-batch (graph mode: `2 (T - 1)` permutes); over the DCN when the stages span slices
-  (`pp` outermost over the slices), else over one ICI link (`ICI_GBYTES_PER_S_PER_LINK`). The
-  pipeline's fill and drain (`2 (p - 1)` hops) are exposed; the steady state's transfers hide
-  under the compute unless they exceed it; graph mode's permutes are all exposed (each pipeline
-  iteration waits for the last one's: `PipelineCost.p2p_exposed_s`).
+  `2 m v` transfers per accumulation micro-batch (graph mode: `2 (T - 1)` permutes); over the DCN at
+  the boundaries between slices (`pp` outermost over the slices; with more stages than slices the
+  others are inside a slice: `dcn_hops`), else over one ICI link (`ICI_GBYTES_PER_S_PER_LINK`). The
+  pipeline's fill and drain (`2 (p - 1)` hops, each on its own link) are exposed; the steady state's
+  transfers hide under the compute unless they exceed it; graph mode's permutes are all exposed
+  (each pipeline iteration waits for the last one's), at the DCN rate wherever a boundary crosses
+  slices (the ring runs at the pace of its DCN ranks: `PipelineCost.p2p_exposed_s`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from models.contract import ModelShape
@@ -117,6 +121,12 @@ class PipelineSpec:
         ring moves a chunk every iteration but the last, idle ones included)."""
         return 2 * (self.iterations - 1) if self.uniform else 2 * self.m * self.v
 
+    @property
+    def boundaries(self) -> int:
+        """Boundaries between pp ranks a micro-batch crosses: the chain's `p - 1`, graph mode's ring
+        `p` (its permute also moves the last rank's output to rank 0, an idle iteration's)."""
+        return self.pp if self.uniform else self.pp - 1
+
     def stages(self, n_layers: int) -> list[range]:
         return split_layers(n_layers, self.num_stages, first_stage_less=self.first_less, last_stage_less=self.last_less)
 
@@ -165,9 +175,15 @@ class PipelineSpec:
     def imbalance(
         self, n_layers: int, head_units: float | None = None, layer_weights: tuple[float, ...] | None = None
     ) -> float:
-        """The heaviest rank's compute over the mean rank's (1: balanced)."""
+        """The heaviest rank's compute over its share of the model's, `1 / pp` of it (1: balanced, no
+        work repeated): the factor on `Estimate.compute_s`, which spreads the model's FLOPs (the head
+        counted once) over the pp ranks. Uniform stages run the head and the loss on every rank (one
+        SPMD program, `rank_units`), so the model's work is the ranks' less `pp - 1` heads: Llama 3 8B
+        at pp 2 and seq 8192 (head 1.84 blocks, 32 layers) 2 x 17.84 / 33.84 = 1.054 (before
+        2026-12-07, 1.000: the sum of the ranks' units was taken for the model's)."""
         units = self.rank_units(n_layers, head_units, layer_weights)
-        return max(units) * self.pp / sum(units)
+        work = sum(units) - ((self.pp - 1) * head_units if self.uniform and head_units is not None else 0.0)
+        return max(units) * self.pp / work
 
     def in_flight(self, rank: int) -> float:
         """Micro-batches whose activations rank `rank` holds at its peak, in units of all its layers
@@ -280,10 +296,16 @@ class PipelineCost:
     transfer_bytes: int
     """One micro-batch's activations at one boundary, per device."""
     link: str
-    """"DCN" (the stages span slices) or "ICI"."""
+    """"DCN" (a stage boundary crosses slices) or "ICI"."""
     link_bytes_per_s: float
-    """Per device: its share of the host's DCN bandwidth, or one ICI link's."""
+    """Per device: its share of the host's DCN bandwidth where a boundary crosses slices, else one ICI
+    link's: the slowest boundary's, which every transfer of a device at it takes."""
     grad_accum: int = 1
+    dcn_hops: int = 0
+    """Stage boundaries a micro-batch crosses over the DCN (`dcn_hops`: of the chain's `p - 1`, graph
+    mode's ring `p`); the others are ICI (more stages than slices: `pp / slices` stages a slice)."""
+    ici_bytes_per_s: float = 0.0
+    """One ICI link's bytes/s, what the other boundaries take (0: `link_bytes_per_s`)."""
     mixing_share: float = 0.0
     """The blocks' attention products' share of their training FLOPs (`mixing_share`): what the
     zero-bubble schedules' input-gradient pass B holds and their weight pass W does not."""
@@ -307,16 +329,33 @@ class PipelineCost:
         return self.p2p_bytes / self.link_bytes_per_s
 
     def p2p_exposed_s(self, compute_s: float) -> float:
-        """The fill and drain hops (2 (p - 1) per accumulation micro-batch), plus whatever of the
-        steady state's transfers exceeds the compute (`compute_s`) they hide under. Graph mode's
-        uniform stages: all of them. Its pipeline iteration is the stage's blocks, then the permute,
-        and the next iteration's blocks read what the permute delivered (trainer/graph/pipeline.py,
-        no delayed forwarding as MaxText's `pipeline_delay_activation_forwarding`), so every
-        permute is on the step's critical path with nothing to hide under."""
+        """The fill and drain hops (2 (p - 1) per accumulation micro-batch, each on its own link:
+        `dcn_hops` of them over the DCN, the rest over ICI), plus whatever of the steady state's
+        transfers exceeds the compute (`compute_s`) they hide under. Graph mode's uniform stages:
+        all of them, each at the slowest boundary's rate. Its pipeline iteration is the stage's
+        blocks, then the permute, and the next iteration's blocks read what the permute delivered
+        (trainer/graph/pipeline.py, no delayed forwarding as MaxText's
+        `pipeline_delay_activation_forwarding`), so every permute is on the step's critical path with
+        nothing to hide under; and with more stages than slices, where some boundaries are ICI, the
+        ranks at a DCN boundary send or receive over the DCN in every iteration, and their neighbours'
+        next permute waits for them (a permute pairs each rank with both neighbours), so the ring
+        runs at the DCN ranks' pace: all permutes at the DCN rate, as priced."""
         if self.spec.uniform:
             return self.p2p_serial_s
-        fill = self.grad_accum * 2 * (self.spec.pp - 1) * self.transfer_s
+        hops = 2 * (self.spec.pp - 1)
+        dcn = min(2 * self.dcn_hops, hops)
+        ici_s = self.transfer_bytes / (self.ici_bytes_per_s or self.link_bytes_per_s)
+        fill = self.grad_accum * (dcn * self.transfer_s + (hops - dcn) * ici_s)
         return min(self.p2p_serial_s, fill + max(0.0, self.p2p_serial_s - fill - compute_s))
+
+    @property
+    def link_text(self) -> str:
+        """The link the p2p line names: "ICI", "DCN", or with some boundaries inside a slice "DCN (k of
+        n boundaries; ICI inside a slice)"."""
+        n = self.spec.boundaries
+        if self.link != "DCN" or not 0 < self.dcn_hops < n:
+            return self.link
+        return f"DCN ({self.dcn_hops} of {n} boundaries; ICI inside a slice)"
 
     @property
     def holds(self) -> str:
@@ -337,18 +376,42 @@ class PipelineCost:
             + f"; blocks per rank {list(self.rank_layers)}; heaviest pp rank {self.rank} ({self.holds}, "
             f"{self.in_flight:g} micro-batches in flight) {self.rank_totals[self.rank] / 2**30:.2f} GiB; bubble "
             f"{self.bubble:.1%}, imbalance {self.imbalance:.3f}; p2p {self.p2p_bytes / 2**30:.2f} GiB per device and "
-            f"step over {self.link} ({self.link_bytes_per_s / 1e9:.1f} GB/s per device), {self.p2p_serial_s:.2f} s serial"
+            f"step over {self.link_text} ({self.link_bytes_per_s / 1e9:.1f} GB/s per device), {self.p2p_serial_s:.2f} s serial"
         )
 
 
 def link_of(target: Target, pp: int) -> tuple[str, float]:
-    """("DCN" | "ICI", bytes/s per device) of a stage boundary: the stages span the slices when the
-    target has several (pp outermost over the DCN; a device's share of its host's DCN bandwidth),
-    else one ICI link."""
+    """("DCN" | "ICI", bytes/s per device) of the slowest stage boundary: the stages span the slices
+    when the target has several (pp outermost over the DCN; a device's share of its host's DCN
+    bandwidth), else one ICI link. `dcn_hops` counts which boundaries cross."""
     gen = target.generation
     if target.num_slices > 1 and pp > 1 and target.dcn_bytes_per_s_per_host is not None:
         return "DCN", target.dcn_bytes_per_s_per_host / gen.devices_per_host
-    return "ICI", ICI_GBYTES_PER_S_PER_LINK.get(gen.name, 50.0) * 1e9
+    return "ICI", ici_bytes_per_s(target)
+
+
+def ici_bytes_per_s(target: Target) -> float:
+    """One ICI link's bytes/s in one direction (`ICI_GBYTES_PER_S_PER_LINK`)."""
+    return ICI_GBYTES_PER_S_PER_LINK.get(target.generation.name, 50.0) * 1e9
+
+
+def dcn_hops(spec: PipelineSpec, *, num_slices: int, dp_replicate: int = 1) -> int:
+    """The stage boundaries one micro-batch crosses over the DCN (of `spec.boundaries`), the most over
+    the HSDP replicas: the slices split the mesh's outermost axis `pp x dp_replicate` (pp outer) as
+    parallelisms/parallel_dims.py `dcn_mesh_shape` does, `gcd(pp x dp_replicate, slices)` ways, the
+    rest of the slices going to dp_shard (whose coordinate a permute keeps, so a boundary inside one
+    part stays inside each slice); a boundary crosses where its two ranks' parts differ. pp 2 on 2
+    slices: 1 (graph mode's ring: 2, every boundary); pp 4 on 2 slices: 1 of 3 (ring: 2 of 4); pp 2
+    on 4 slices (each stage spans 2): 1 (ring 2)."""
+    p = spec.pp
+    if num_slices <= 1 or p <= 1:
+        return 0
+    outer = p * dp_replicate
+    parts = math.gcd(outer, num_slices)
+    per_part = outer // parts
+    pairs = [(r, r + 1) for r in range(p - 1)] + ([(p - 1, 0)] if spec.uniform else [])
+    part = lambda r, q: (r * dp_replicate + q) // per_part  # noqa: E731
+    return max(sum(part(a, q) != part(b, q) for a, b in pairs) for q in range(dp_replicate))
 
 
 def head_block_units(shape: ModelShape, flops_per_token: float | None) -> float | None:
@@ -512,6 +575,10 @@ def pipeline_estimate(
         link=link,
         link_bytes_per_s=bandwidth,
         grad_accum=grad_accum,
+        dcn_hops=dcn_hops(spec, num_slices=target.num_slices, dp_replicate=parallel_dims.dp_replicate)
+        if link == "DCN"
+        else 0,
+        ici_bytes_per_s=ici_bytes_per_s(target),
         mixing_share=mixing_share(shape, kwargs.get("flops_per_token"), seq_len),
     )
     est = dataclasses.replace(per_rank[heaviest], local_batch_size=local_batch_size, pp=spec.pp, pipeline=cost)

@@ -169,7 +169,7 @@ def pipeline_summary(est: planner.Estimate) -> str:
     v = f" x{s.v} stages/rank" if s.v > 1 else ""
     return (
         f"pp {s.pp} {s.schedule}{v}, {s.m} micro-batches, bubble {c.bubble:.1%}, heaviest pp rank {c.rank} "
-        f"({c.holds}) {c.rank_totals[c.rank] / GiB:.1f} GiB, p2p {c.p2p_bytes / GiB:.2f} GiB/step over {c.link}"
+        f"({c.holds}) {c.rank_totals[c.rank] / GiB:.1f} GiB, p2p {c.p2p_bytes / GiB:.2f} GiB/step over {c.link_text}"
     )
 
 

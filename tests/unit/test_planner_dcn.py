@@ -3,6 +3,7 @@ reduce-scatters) by hand, the split of the slices between the replicas and the s
 PP's permutes on the critical path (planner/pipeline.py), and the search that puts a pipeline first
 on several slices only where it wins with the DCN priced (planner/search.py `pp_ranks`)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -265,3 +266,55 @@ def test_recommend_on_a_pp_recipe_rechecks_and_prints_the_choices_pipeline_degre
     )
     keys = capsys.readouterr().out.split("recipe keys:")[-1]
     assert rc == 0 and "pipeline_parallel_degree = 1" in keys and "data_parallel_shard_degree = 16" in keys
+
+
+def test_stage_boundaries_inside_a_slice_are_ici():
+    """More stages than slices: `pp / slices` stages in a slice, and only the boundaries between
+    slices cross the DCN (`planner.pipeline.dcn_hops`, placed as `ParallelDims.dcn_mesh_shape` places
+    the outermost axis `pp x dp_replicate`). The eager schedules' fill and drain take each boundary at
+    its own link: pp 4 on 2 slices, 1 DCN and 2 ICI hops each way (before 2026-12-07: all 3 at the
+    DCN rate). Graph mode's ring permutes stay at the DCN rate (`PipelineCost.p2p_exposed_s`: the
+    DCN ranks pace the ring), and say which boundaries cross."""
+    from planner.pipeline import dcn_hops
+
+    def hops(pp, slices, dp_replicate=1, uniform=False):
+        spec = PipelineSpec(pp=pp, schedule="GPipe", microbatches=4, uniform=uniform)
+        return dcn_hops(spec, num_slices=slices, dp_replicate=dp_replicate)
+
+    assert (hops(2, 2), hops(2, 2, uniform=True)) == (1, 2)  # every boundary (the ring's wrap too)
+    assert (hops(4, 2), hops(4, 2, uniform=True)) == (1, 2)  # of 3 and of 4
+    assert (hops(8, 2), hops(8, 4, uniform=True), hops(2, 4)) == (1, 4, 1)
+    assert hops(4, 1) == 0 and hops(2, 2, dp_replicate=2) == 1
+    assert hops(3, 2, dp_replicate=2) == 1  # each replica's 3 stages straddle the 2 slices once
+    common = dict(
+        rank=0,
+        rank_layers=(2, 2, 2, 2),
+        rank_totals=(1, 1, 1, 1),
+        micro_batch=1,
+        in_flight=1.0,
+        imbalance=1.0,
+        transfer_bytes=10**8,
+        link="DCN",
+        link_bytes_per_s=1e10,
+        p2p_bytes=2 * 4 * 10**8,
+        dcn_hops=1,
+        ici_bytes_per_s=1e11,
+    )
+    eager = PipelineCost(spec=PipelineSpec(pp=4, schedule="GPipe", microbatches=4), **common)
+    # the fill and drain: 2 DCN hops of 0.01 s and 4 ICI hops of 0.001 s (the steady state hidden)
+    assert eager.p2p_exposed_s(100.0) == pytest.approx(2 * 0.01 + 4 * 0.001)
+    graph = PipelineCost(
+        spec=PipelineSpec(pp=4, schedule="GPipe", microbatches=4, uniform=True), **{**common, "dcn_hops": 2}
+    )
+    assert graph.p2p_exposed_s(100.0) == pytest.approx(0.08)  # every permute at the DCN rate
+    assert graph.link_text == "DCN (2 of 4 boundaries; ICI inside a slice)"
+    assert PipelineCost(spec=graph.spec, **{**common, "dcn_hops": 4}).link_text == "DCN"
+    # a real plan: graph-mode PP 4 of the debug Llama at 8 layers over 2 v6e-8 slices
+    args = dataclasses.replace(LLAMA.flavors["debugmodel"], n_layers=8)
+    step = StepRequest(
+        mode="graph", device_type="tpu", model_has_experts=False, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0
+    )
+    step = dataclasses.replace(step, pp_degree=4, pp_microbatches=4)
+    inputs = P.PlanInputs(family=LLAMA, args=args, model_name="tiny", seq_len=256, local_batch_size=4, step=step)
+    c = P.plan_estimate(inputs, P.parse_target("v6e-8x2"), pp=4, probe=True).pipeline
+    assert (c.link, c.dcn_hops) == ("DCN", 2) and "over DCN (2 of 4 boundaries" in c.describe()

@@ -226,9 +226,33 @@ def test_the_head_weighs_on_the_last_stage_by_its_flops():
     assert spec.rank_units(8, h) == [4, 4 + h]
     assert spec.imbalance(8, h) == pytest.approx((4 + h) * 2 / (8 + h))
     assert spec.imbalance(8) == 1.0  # the knobs' accounting: no lighter stage, no imbalance
-    # uniform stages (graph mode) run the head on every rank: balanced again
-    assert dataclasses.replace(spec, uniform=True).imbalance(8, h) == pytest.approx(1.0)
+    # uniform stages (graph mode) run the head on every rank: the ranks are alike, but each does its
+    # 4 blocks and the whole head against the model's (8 + h) / 2 (1.0 before 2026-12-07: the ranks'
+    # sum, with the head p times, was taken for the model's work)
+    uniform = dataclasses.replace(spec, uniform=True)
+    assert uniform.rank_units(8, h) == [4 + h, 4 + h]
+    assert uniform.imbalance(8, h) == pytest.approx((4 + h) * 2 / (8 + h)) and uniform.imbalance(8, h) > 1.02
     # ZBV's V puts the first and the last stage on rank 0
     zbv = PipelineSpec(pp=2, schedule="ZBVZeroBubble", microbatches=4, first_less=0, last_less=0)
     assert zbv.rank_units(8, h) == [4 + h, 4]
     assert head_block_units(shape, None) is None
+
+
+def test_fsdp_bound_reads_the_pipeline_micro_batch():
+    """`Estimate.fsdp_bound` of a pipeline plan reads one pipeline micro-batch (`local_batch / m`
+    sequences), whose pass through the stage gathers its weights: graph-mode PP 2 x FSDP 4 of the
+    debug model on v6e-8 at 8 sequences of 2048 (16,384 tokens a device, above the ~5,100 that hide
+    its gathers): 8 micro-batches of 2,048 tokens are FSDP-bound, 2 of 8,192 are not. Before
+    2026-12-07 it read the whole local batch (neither bound), which favoured pipeline plans."""
+    args = LLAMA.flavors["debugmodel"]
+    graph = StepRequest(
+        mode="graph", device_type="tpu", model_has_experts=False, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0
+    )
+    bound = {}
+    for m in (8, 2):
+        inputs = _inputs(args, seq=2048, batch=8, step=graph, pp_degree=2, pp_microbatches=m)
+        est = P.plan_estimate(inputs, P.parse_target("v6e-8"), pp=2, probe=True)
+        assert est.local_batch_size * est.seq_len == 16384 > est.fsdp_min_tokens > 2048, est.fsdp_min_tokens
+        assert est.micro_batch_tokens == 8 // m * 2048
+        bound[m] = est.fsdp_bound
+    assert bound == {8: True, 2: False}
