@@ -22,7 +22,7 @@ from trainer.runtime import cli
 
 SHAPES = {"qwen3-235b-a22b": (128, 8), "deepseek-v3": (256, 8)}
 """Experts and top-k of each model."""
-FACTORS = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25)
+FACTORS = (1.0, 1.05, 1.1, 1.125, 1.15, 1.2, 1.25)
 
 
 def dropped_share(
@@ -47,6 +47,26 @@ def dropped_share(
     return dropped / total
 
 
+def expected_share(*, experts: int, top_k: int, factor: float, seq: int) -> float:
+    """The share a uniform draw drops in expectation: an expert's copies of one sequence are
+    Binomial(seq, top_k / experts) (each token picks top_k distinct experts, independently of the
+    other tokens), the copies past the capacity c dropped: E[(X - c)+] / E[X]."""
+    import math
+
+    from models.common.moe import expert_capacity
+
+    c = expert_capacity(seq_len=seq, top_k=top_k, num_experts=experts, factor=factor)
+    q = top_k / experts
+    logp = lambda x: (  # noqa: E731
+        math.lgamma(seq + 1)
+        - math.lgamma(x + 1)
+        - math.lgamma(seq - x + 1)
+        + x * math.log(q)
+        + (seq - x) * math.log1p(-q)
+    )
+    return sum((x - c) * math.exp(logp(x)) for x in range(c + 1, seq + 1)) / (seq * q)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=8, help="sequences (the recipes' micro-batch)")
@@ -67,11 +87,23 @@ def main(argv: list[str] | None = None) -> int:
                 layers=ns.layers,
                 routing=ns.routing,
             )
-            rows.append({"model": model, "routing": ns.routing, "factor": factor, "dropped_pct": round(100 * share, 4)})
-    print(f"| model | routing | capacity factor | dropped % ({ns.batch} x {ns.seq} tokens, {ns.layers} layers) |")
-    print("|---|---|---|---|")
+            expect = expected_share(experts=experts, top_k=top_k, factor=factor, seq=ns.seq)
+            rows.append(
+                {
+                    "model": model,
+                    "routing": ns.routing,
+                    "factor": factor,
+                    "dropped_pct": round(100 * share, 4),
+                    "binomial_pct": round(100 * expect, 4) if ns.routing == "random" else "",
+                }
+            )
+    print(
+        f"| model | routing | capacity factor | dropped % ({ns.batch} x {ns.seq} tokens, {ns.layers} layers) "
+        "| uniform draw, expected % |"
+    )
+    print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['routing']} | {r['factor']} | {r['dropped_pct']:.3f} |")
+        print(f"| {r['model']} | {r['routing']} | {r['factor']} | {r['dropped_pct']:.4f} | {r['binomial_pct']} |")
     if ns.csv:
         write_csv(Path(ns.csv), rows)
     return 0

@@ -214,3 +214,18 @@ def test_capacity_drops_bench_counts_the_layers_rule():
     tight, loose = (dropped_share(**shape, factor=f, routing="random") for f in (1.0, 1.5))
     assert tight > loose and tight > 0.01
     assert dropped_share(**shape, factor=4.0, routing="random") == 0
+
+
+def test_capacity_drops_expected_share_by_hand():
+    """capacity_drops.py's closed form: 2 tokens, 2 experts, top 1, capacity 1: an expert's count is
+    Binomial(2, 1/2), one copy dropped when both tokens pick it (1/4): E[(X - 1)+] / E[X] = 1/4.
+    At the Qwen3-235B shape the trainer's draw stays near it (factor 1: 2.4 % by the binomial)."""
+    from capacity_drops import dropped_share, expected_share
+
+    assert expected_share(experts=2, top_k=1, factor=1.0, seq=2) == pytest.approx(0.25)
+    assert expected_share(experts=2, top_k=1, factor=2.0, seq=2) == 0.0
+    # 8 sequences x 128 experts = 1,024 (sequence, expert) cells, each over its capacity of 32 by
+    # 2.2 copies on average (sd about 3): the share's standard error is about 4 % of it; 30 % is 7 of them
+    want = expected_share(experts=128, top_k=8, factor=1.0, seq=512)
+    got = dropped_share(experts=128, top_k=8, factor=1.0, batch=8, seq=512, layers=1, routing="random")
+    assert got == pytest.approx(want, rel=0.3)
