@@ -10,18 +10,19 @@ prints each depth's median step time over the rounds and its ratio to depth 0.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 
 import torch
 
 from models import FAMILIES
+from trainer.runtime import cli
 from trainer.step.loss import MTPLoss, lm_loss_fn
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--batch", type=int, default=8)
@@ -64,4 +65,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli.run(main))
