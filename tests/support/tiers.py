@@ -2162,6 +2162,17 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "tags a scan body's joint graph for full AC, and runs the captured pipeline against one process",
     ),
     Scheduled(
+        "tests/unit/test_graph_pipeline.py::test_graph_pp2_tp2_scan_over_iterations_with_full_ac_equals_one_process",
+        (
+            "tests/unit/test_graph_pipeline.py::test_graph_pp_iteration_scan_rules",
+            "tests/unit/test_graph_pipeline.py::test_graph_pp2_equals_one_process",
+            "tests/unit/test_graph_step.py::test_scan_matches_eager_with_grad_accumulation",
+        ),
+        "graph-mode PP 2 x TP 2 with the iterations as one scan and full AC in it (4 processes, ~2 min "
+        "loaded): the default tier plans the iteration scan with TP, runs the captured pipeline against "
+        "one process, and a scanned body against eager",
+    ),
+    Scheduled(
         "tests/xla/test_pipeline_step_xla.py::test_pipelined_step_with_iteration_scan_has_one_permute_each_way",
         (
             "tests/xla/test_pipeline_permute_xla.py::test_stage_permute_lowers_to_one_collective_permute_each_way",

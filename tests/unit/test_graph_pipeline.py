@@ -287,6 +287,28 @@ def test_graph_pp2_tp2_equals_one_process():
 
 
 @pytest.mark.multiprocess
+def test_graph_pp2_tp2_scan_over_iterations_with_full_ac_equals_one_process():
+    """PP 2 x TP 2 with the pipeline's iterations as one scan and full AC in its body (4 gloo
+    processes, 2 chunks of 4 sequences): the body runs the stage's TP styles in their local forms
+    (parallelisms/scan.py `body_param_fn`, as layer scan's body) == one process (the bounds of
+    `_graph_parity`) with validation's pipelined forward; one permute each way (the scan bodies), and
+    each tp rank's forward scan keeps half of what the one-rank stage keeps
+    (`test_graph_pp2_scan_over_iterations_full_ac_keeps_stage_inputs`: its sequence shard of the
+    hidden states, its heads of the attention). Measured 2026-12-07 on the Intel Xeon: losses 1.1e-7,
+    grad norms 1.3e-6, weights 5.6e-6, validation 7.5e-8; without AC the same numbers."""
+    from tests.support.parallel_harness import SEQ_LEN, llama3_args
+
+    results, _ = _graph_parity(4, microbatches=2, tp=2, modes=("graph_scan_full",), check_val=True)
+    args = llama3_args(N_LAYERS)
+    chunk = BATCH // 2 * SEQ_LEN * args.dim * 4
+    lse = BATCH // 2 * args.n_heads * SEQ_LEN * 4
+    want = (2 + 2 - 1) * (2 * chunk + N_LAYERS // 2 * (chunk + lse)) // 2
+    for r in results:
+        assert permutes(r["graph_scan_full"][5]) == 2, r["graph_scan_full"][3]
+        assert r["graph_scan_full"][6] == want
+
+
+@pytest.mark.multiprocess
 def test_graph_pp2_tp2_fsdp2_equals_one_process():
     """PP 2 x TP 2 x FSDP 2 in graph mode on 8 gloo processes (TorchTitan's 3-D layout: SimpleFSDP over
     dp_shard, the TP plan over tp, the stages over pp), 2 sequences per dp rank in 2 chunks == one
@@ -366,9 +388,8 @@ def test_graph_pp_rules():
 
 def test_graph_pp_iteration_scan_rules():
     """`[compile] scan_pipeline_iterations` (`StepRequest.pp_scan_iterations`): the plan carries it to
-    `PipelinePlan.scan_iterations` in graph-mode PP, dense or MoE, with SimpleFSDP, context and expert
-    parallelism; outside graph-mode PP, with tensor parallelism or with layer scan one rule-table line
-    naming the key."""
+    `PipelinePlan.scan_iterations` in graph-mode PP, dense or MoE, with SimpleFSDP, context, expert and
+    tensor parallelism; outside graph-mode PP or with layer scan one rule-table line naming the key."""
     from models.errors import ConfigError
 
     base = dict(pp_degree=2, pp_schedule="GPipe", pp_first_less=0, pp_last_less=0, mode="graph")
@@ -386,10 +407,12 @@ def test_graph_pp_iteration_scan_rules():
     assert plan_step(StepRequest(**scan, cp_degree=2)).pipeline.scan_iterations
     moe = dict(scan, model_has_experts=True)
     assert plan_step(StepRequest(**moe, ep_degree=2, cp_degree=2, device_type="tpu")).pipeline.scan_iterations
+    # tensor parallelism in the body (its styles' local forms; since 2026-12-07,
+    # test_graph_pp2_tp2_scan_over_iterations_with_full_ac_equals_one_process)
+    assert plan_step(StepRequest(**scan, tp_degree=2)).pipeline.scan_iterations
     for kw, fragment in (
         (dict(pp_degree=1), "pipeline_parallel_degree 1"),
         (dict(mode="eager", pp_schedule="1F1B"), "compile.mode eager"),
-        (dict(tp_degree=2), "tensor_parallel_degree 2"),
         (dict(scan_layers=True), "scan_layers True"),
     ):
         with pytest.raises(ConfigError) as e:

@@ -43,7 +43,8 @@ SimpleFSDP's gradient mean over dp_shard x cp gives the micro-batch's mean over 
 
 `PipelinedLoss(scan=True)` (`[compile] scan_pipeline_iterations`) runs the iterations as one scan
 instead (`_scanned`: one body for every iteration, the stage's parameters passed in as local tensors
-and gathered there, `_StageBody`; with SimpleFSDP, CP and EP; not with TP or layer scan, the rules).
+and gathered there, `_StageBody`; with SimpleFSDP, CP, EP and TP; not with layer scan, the rules;
+the activation-checkpoint mode applies inside its body, trainer/graph/remat.py `scan_remat`).
 docs/pipeline_parallel.md, "Graph mode: one program".
 """
 

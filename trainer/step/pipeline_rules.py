@@ -153,9 +153,9 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     # The iteration scan (trainer/graph/pipeline.py `PipelinedLoss(scan=True)`): graph-mode PP only;
     # its body takes the stage's parameters as local tensors, SimpleFSDP's (dp_shard, cp) and EP's
-    # gathered by group name inside it. A layer scan nested in it fails to capture on torch 2.13
-    # ("derivative for aten::detach_copy is not implemented", 2026-12-07); TP runs by hand (the
-    # unrolled pipeline's numbers, docs/pipeline_parallel.md) but has no test yet.
+    # gathered by group name inside it, TP's styles in their local forms (tested against one process,
+    # tests/unit/test_graph_pipeline.py). A layer scan nested in it fails to capture on torch 2.13
+    # ("derivative for aten::detach_copy is not implemented", 2026-12-07).
     Rule(
         "compile.scan_pipeline_iterations",
         "the iteration scan without graph-mode PP",
@@ -165,11 +165,10 @@ PIPELINE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "compile.scan_pipeline_iterations",
-        "the iteration scan with tensor parallelism or layer scan",
-        lambda r: r.pp_scan_iterations and r.pp_degree > 1 and (r.tp_degree > 1 or r.scan_layers),
-        "true with tensor_parallel_degree {r.tp_degree} and compile.scan_layers {r.scan_layers}: a layer "
-        "scan nested in the iteration scan does not capture on torch 2.13, and TP in it is not tested; "
-        "allowed: false, or tensor_parallel_degree = 1 and scan_layers = false",
+        "the iteration scan with layer scan",
+        lambda r: r.pp_scan_iterations and r.pp_degree > 1 and r.scan_layers,
+        "true with compile.scan_layers {r.scan_layers}: a layer scan nested in the iteration scan does not "
+        "capture on torch 2.13; allowed: false, or scan_layers = false",
     ),
     # Several slices: graph mode's one SPMD program, the pp axis outermost over the slices
     # (ParallelDims.dcn_mesh_shape on `pp x dp_replicate`); the slice count must split the stages and
