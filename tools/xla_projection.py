@@ -352,14 +352,19 @@ class Placement:
     def facts(self, axes: tuple[str, ...]) -> dict:
         """n, torus_dims (chip axes the group spans), mean_hops (chip-to-chip links between two
         distinct members, shortest way round each ring, averaged over ordered pairs), per_chip
-        (the group's devices on one chip: they share its links), a2a_link_load (`all_to_all_load`
-        of all the collective's groups at once). Kept per axes: the walk of a schedule asks once
-        per collective."""
+        (the group's devices on one chip: they share its links). Kept per axes: the walk of a
+        schedule asks once per collective."""
         if axes not in self._facts:
-            f = group_facts(self.group(axes), self.chips, self.wrap)
-            f["a2a_link_load"] = all_to_all_load(self.groups(axes), self.chips, self.wrap)
-            self._facts[axes] = f
+            self._facts[axes] = group_facts(self.group(axes), self.chips, self.wrap)
         return self._facts[axes]
+
+    def a2a_load(self, axes: tuple[str, ...]) -> float:
+        """`all_to_all_load` of all the groups of a collective over `axes` at once (kept per axes;
+        routed only for an all-to-all: its cost grows with the square of the group's chips)."""
+        key = ("a2a", *axes)
+        if key not in self._facts:
+            self._facts[key] = all_to_all_load(self.groups(axes), self.chips, self.wrap)
+        return self._facts[key]
 
 
 def group_facts(coords: list[tuple[int, ...]], chips: tuple[int, int, int], wrap: tuple[bool, ...]) -> dict:
@@ -487,7 +492,7 @@ def comm_on_placement(colls: list[Collective], *, ici: dict, placement: Placemen
         n = f["n"] if f["n"] > 1 else c.group_size
         bandwidth = axis_bandwidth(ici, max(f["torus_dims"], 1))
         if c.kind == "all-to-all":
-            t = f["a2a_link_load"] * c.bytes / link if n > 1 else 0.0
+            t = placement.a2a_load(c.axes) * c.bytes / link if n > 1 else 0.0
         else:
             t = collective_time(c, bandwidth, link, n)
         out[key] = out.get(key, 0.0) + c.times * t

@@ -493,7 +493,7 @@ def test_all_to_all_load_rings_lines_and_blocks():
     p = xp.Placement(radices=[8, 16], coords=coords, chips=(4, 4, 4), wrap=(True, True, True, True))
     assert p.group(("a1",)) == coords[:16]
     assert len(p.groups(("a1",))) == 8 and len(p.groups(("a0",))) == 16
-    assert p.facts(("a1",))["a2a_link_load"] == pytest.approx(1.0)
+    assert p.a2a_load(("a1",)) == pytest.approx(1.0)
     ici = xp.load_ici()["v7x"]
     a2a = xp.Collective("a", "all-to-all", 1e9, 16, ("a1",), 1.0)
     assert xp.comm_on_placement([a2a], ici=ici, placement=p)["a1"] == pytest.approx(1e9 / xp.link_bytes_per_s(ici))
