@@ -23,6 +23,7 @@ runs it over every recipe in configs/.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class RecipeCheck:
     capture: str = "-"
     """What the capture produced (graph nodes, collectives, scans) or the eager step's loss."""
     flips_gib: float | None = None
-    """Bytes of `aten.flip` outputs in the captured graph (the scan backward's copies)."""
+    """Bytes of the scans' flipped copies in the captured graph (torch's scan backward; `_flip_bytes`)."""
     planned_flips_gib: float | None = None
     tpu_mesh: str = "-"
     """On a TPU target: the mesh as torch-tpu lays it out on the target's slice, and which code said so
@@ -215,10 +216,24 @@ def _mesh_summary(dims) -> str:
 
 
 def _flip_bytes(graph_module) -> int:
+    """Bytes of the scans' flipped copies in the captured graph: `flip(x, [0])` feeding a scan (torch's
+    scan backward reads its stacked inputs that way) or taken of a scan's output (the gradients
+    stacked back into layer order). Other flips are the model's own math (e.g. `cumsum`'s backward,
+    a reversed cumsum: the chunked delta rule's gates) and not counted."""
+    scan = torch.ops.higher_order.scan
+
+    def of_scan(node) -> bool:
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and source.target is operator.getitem:
+            source = source.args[0]
+        return (isinstance(source, torch.fx.Node) and source.target is scan) or any(
+            u.target is scan for u in node.users
+        )
+
     total = 0
     for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.flip.default):
         val = node.meta.get("val")
-        if val is not None:
+        if val is not None and list(node.args[1]) == [0] and of_scan(node):
             total += val.numel() * val.element_size()
     return total
 

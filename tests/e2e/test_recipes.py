@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import planner
 from models.errors import ConfigError
@@ -170,6 +171,31 @@ def test_recipe_starts_on_its_target(recipe):
         assert "nodes" in r.capture and r.flips_gib == 0.0, r.capture
     if cfg.job.target:
         assert r.devices == planner.parse_target(cfg.job.target).devices
+
+
+def test_the_check_counts_the_scans_flipped_copies_only():
+    """`_flip_bytes` (the capture column's flips): `flip(x, [0])` feeding a scan and taken of a scan's
+    output count; a flip of the model's own math (cumsum's backward: Qwen 3.5's chunked delta rule,
+    an unscanned recipe) does not."""
+    import operator
+
+    from torch import fx
+
+    from tools.recipe_check import _flip_bytes
+
+    aten, g = torch.ops.aten, fx.Graph()
+
+    def node(target, args, shape):
+        n = g.call_function(target, args)
+        n.meta["val"] = torch.empty(shape)
+        return n
+
+    x = g.placeholder("x")
+    into = node(aten.flip.default, (x, [0]), (4, 8))  # 128 bytes
+    scan = g.call_function(torch.ops.higher_order.scan, (None, [], [into], []))
+    node(aten.flip.default, (g.call_function(operator.getitem, (scan, 0)), [0]), (4, 2))  # 32 bytes
+    node(aten.flip.default, (node(aten.cumsum.default, (x, 0), (4, 8)), [0]), (4, 8))  # the model's own
+    assert _flip_bytes(fx.GraphModule(torch.nn.Module(), g)) == 4 * (4 * 8 + 4 * 2)
 
 
 def test_the_check_names_the_recipe_and_the_rule_or_the_shortfall(tmp_path):
