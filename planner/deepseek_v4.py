@@ -32,8 +32,13 @@ block: K = S), per token unless said:
 - **the compressor**: CSA (two overlapping windows of width hd): the concatenated kv slots (4hd),
   the fp32 softmax over 2m slots (8hd) and its bf16 copy (4hd); HCA (one window): wkv's output
   (2hd), the softmax (4hd) and its copy (2hd); both, per entry, the entry's RMSNorm (6hd + 4,
-  i.e. / m per token). The lightning indexer keeps nothing: its choice is a top-k, which carries
-  no gradient, so autograd frees its nodes in the forward;
+  i.e. / m per token). The frozen lightning indexer keeps nothing: its choice is a top-k, which
+  carries no gradient, so autograd frees its nodes in the forward. Trained on its KL loss
+  (`indexer_loss_weight` > 0, `indexer_loss_bytes`) it keeps, per token, its compressor's (16 d_I),
+  its fp32 query heads (4 H_I d_I), the fp32 per-head scores after the ReLU and scaled (8 H_I n),
+  its fp32 head weights (4 H_I) and the loss's masks, log-softmax and target (10 n + 1); per entry
+  the compressor's norm and the fp32 keys (10 d_I + 4). The debug flavor's measured saved bytes
+  match it to the byte at 64 and 128 tokens;
 - **the MoE**: its RMSNorm (8d + 4); the router's fp32 logits and sqrt(softplus) scores (8E), the
   k gathered scores (4k), their + eps sum (4) and bf16 weights (2k), and the selected experts
   (8k: a hash block's table lookup, a learned block's top-k indices); a learned block's
@@ -109,6 +114,8 @@ def attention_bytes(args, kind: str, *, rows: int, seq_len: int) -> int:
         return total
     m = args.csa_ratio if kind == "c" else args.hca_ratio
     total += compressed_attention_bytes(args, rows=rows, seq_len=seq_len, entries=seq_len // m)
+    if kind == "c" and getattr(args, "trains_indexer", False):
+        total += indexer_loss_bytes(args, rows=rows, seq_len=seq_len)
     pool = 16 * hd if kind == "c" else 8 * hd
     return total + pool * (seq_len // m * m) * rows + (6 * hd + 4) * (seq_len // m) * rows
 
@@ -123,6 +130,15 @@ def compressed_attention_bytes(args, *, rows: int, seq_len: int, entries: int) -
     padded = -(-seq_len // w) * w
     per_query = 2 * h * hd + 4 * hd + 4 * h * (1 + 2 * w + n) + 2 * h * (2 * w + n) + n
     return per_query * padded * rows + 2 * (seq_len + n) * hd * rows + 2 * w * padded
+
+
+def indexer_loss_bytes(args, *, rows: int, seq_len: int) -> int:
+    """What a CSA block's indexer keeps for its KL loss (`indexer_loss_weight` > 0; module
+    docstring): per token 16 d_I + 4 H_I d_I + 8 H_I n + 4 H_I + 10 n + 1, per entry 10 d_I + 4,
+    with n = S // m entries a row."""
+    hi, di, n = args.index_n_heads, args.index_head_dim, seq_len // args.csa_ratio
+    per_token = 16 * di + 4 * hi * di + 8 * hi * n + 4 * hi + 10 * n + 1
+    return per_token * rows * seq_len + (10 * di + 4) * n * rows
 
 
 def moe_per_token(args, *, hash_routed: bool) -> int:
@@ -162,6 +178,9 @@ def _selective_per_token(args, kind: str, seq_len: int) -> int:
         attention += 2 * h * (2 * args.sliding_window + entries) + 2 * 2 * h * hd
     if kind == "c":
         attention += 2 * 2 * 2 * hd  # the compressor's wkv and wgate at 2 hd
+        if getattr(args, "trains_indexer", False):  # its compressor's, wq_b's, weights_proj's, the fp32 scores
+            hi, di = args.index_n_heads, args.index_head_dim
+            attention += 2 * 2 * 2 * di + 2 * hi * di + 2 * hi + 4 * hi * (seq_len // args.csa_ratio)
     elif kind == "h":
         attention += 2 * 2 * hd
     moe = 2 * args.num_experts + k * (4 * f + 2 * d) + 4 * f + 2 * d  # router, grouped, shared

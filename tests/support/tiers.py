@@ -1599,6 +1599,16 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "Kimi K2's pod recipe: the same family and planner as DeepSeek-V3's",
     ),
     Scheduled(
+        "tests/unit/test_planner_deepseek_v4.py::test_v4_trained_indexer_activations_match_measured_saved_bytes*",
+        (
+            "tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[none-64]",
+            "tests/unit/test_indexer_loss.py::test_main_gradients_are_unchanged_by_it",
+        ),
+        "DeepSeek-V4's trained-indexer activation term against the measured saved bytes (two models per "
+        "length, 1 s each here): the default tier checks the family's terms against the same measurement "
+        "and runs the trained indexer's forward and backward",
+    ),
+    Scheduled(
         "tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[[]none-128]",
         ("tests/unit/test_planner_deepseek_v4.py::test_v4_activation_model_matches_measured_saved_bytes[none-64]",),
         "DeepSeek-V4's activation terms at a second length (the per-head k / v and mask, quadratic in it): "

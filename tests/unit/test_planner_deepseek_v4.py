@@ -44,10 +44,31 @@ def test_v4_activation_model_matches_measured_saved_bytes(ac_mode, seq):
     term (the smallest, a 4-byte rsqrt, is 512 bytes here) or a per-row one (the k / v rows of
     a sequence: 2 x (seq + entries) x 32 bytes). Eager CPU at seq 128 checks the terms that grow
     with the entries (the probabilities over them, their mask) at a second length."""
+    _check_measured(ac_mode, seq)
+
+
+@pytest.mark.parametrize("seq", [64, 128])
+def test_v4_trained_indexer_activations_match_measured_saved_bytes(seq):
+    """With the indexer loss (`indexer_loss_weight` > 0) the two CSA blocks' indexers keep their
+    scores, queries, keys and the KL's terms (`indexer_loss_bytes`): the planned increase over the
+    frozen model equals the measured one (318,036 B at 2 x 64 tokens, 980,052 at 2 x 128: the
+    per-entry terms grow with the entries, 16 and 32 a row) within 64 bytes a CSA block (the
+    loss's scalars: measured 84 B in all), and each model passes the bound above. The smallest
+    per-token term, the 1-byte row mask, is 128 bytes here."""
+    frozen = _check_measured("none", seq)
+    trained = _check_measured("none", seq, indexer_loss_weight=1.0)
+    blocks = V4.flavors["debugmodel"].layer_kinds().count("c")
+    planned, measured = trained[0] - frozen[0], trained[1] - frozen[1]
+    assert planned > 0 and 0 <= measured - planned <= 64 * blocks, (planned, measured)
+
+
+def _check_measured(ac_mode: str, seq: int, **overrides) -> tuple[int, int]:
+    """(planned activations + kept weights, measured saved bytes) of the debug flavor, checked
+    against the bound of the test above."""
     from trainer.step import lm_loss
 
     batch = 2
-    args = dataclasses.replace(V4.flavors["debugmodel"], max_seq_len=seq)
+    args = dataclasses.replace(V4.flavors["debugmodel"], max_seq_len=seq, **overrides)
     shape = args.shape()
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     with P.fake_process_group(1):
@@ -78,6 +99,7 @@ def test_v4_activation_model_matches_measured_saved_bytes(ac_mode, seq):
     assert 0 <= measured - predicted <= bound, (predicted, measured, bound)
     old = stand_in.activations.total + stand_in.saved_weights
     assert old < (0.45 if ac_mode == "none" else 0.8) * measured, (old, measured)
+    return predicted, measured
 
 
 def test_v4_blocks_are_counted_per_kind_and_refuse_tp_and_cp():
