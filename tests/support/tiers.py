@@ -442,6 +442,15 @@ SCHEDULED: tuple[Scheduled, ...] = (
         "terms and their split through the loop",
     ),
     Scheduled(
+        "tests/unit/test_indexer_loss.py::test_fsdp_and_ep_match_single_process_with_the_indexer_loss*",
+        (
+            "tests/unit/test_deepseek_v4.py::test_fsdp_and_ep_match_single_process",
+            "tests/unit/test_indexer_loss.py::test_only_the_indexers_get_the_kl_gradient",
+        ),
+        "DeepSeek-V4's indexer loss under FSDP and EP x FSDP (thread ranks, 4-10 s each): the default tier "
+        "runs the family's FSDP / EP parity and the KL's gradients in one process",
+    ),
+    Scheduled(
         "tests/unit/test_indexer_loss.py::test_debug_run_logs_the_indexer_loss",
         (
             "tests/unit/test_indexer_loss.py::test_the_log_names_the_terms_by_the_loss",

@@ -2,7 +2,8 @@
 `indexer_kl`, trainer/tasks/lm.py `IndexerLoss`): DeepSeek-V3.2's KL objective, sparse stage.
 
 (a) the KL against a float64 by-hand computation, the target against a dense by-hand softmax;
-(b) the KL's gradient reaches the indexers' parameters and nothing else;
+(b) the KL's gradient reaches the indexers' parameters and nothing else; FSDP and EP x FSDP match one
+    process with it (scheduled tier);
 (c) the main model's gradients (and the loss value) are those of a run without it, bit for bit;
 (d) the FLOPs per token count the trained indexer (6x its scores, 4x its parameters);
 (e) the keys are checked and refused with TP / the engine; a debug run logs `indexer_loss`;
@@ -387,3 +388,27 @@ def test_graph_step_with_layer_scan_equals_eager():
         assert got == pytest.approx(want, rel=1e-5), curves
     assert curves[0][0][1] > 0
     assert max_param_diff(ref, model) <= 2e-6
+
+
+class _LossInAux(DeepSeekV4):
+    """The model with the KL in its aux term (100 x: the harness weights the aux loss 0.01), so that
+    the parallel harness's loss, LM + 0.01 aux, is the trainer's LM + aux + 1.0 x KL."""
+
+    def pop_aux_loss(self):
+        return super().pop_aux_loss() + 100.0 * self.pop_indexer_loss()
+
+
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(dp_shard=2, ep=2)], ids=["fsdp", "ep_fsdp"])
+def test_fsdp_and_ep_match_single_process_with_the_indexer_loss(degrees):
+    """(b) FSDP 2 and EP 2 x FSDP 2 (threads) with the indexer loss on: the loss and every gradient,
+    the indexers' included (each parameter must have one), equal one process on the global batch
+    (the bounds of tests/support/parallel_harness.py)."""
+    from models.deepseek_v4.plan import PLAN
+    from tests.support.parallel_harness import assert_matches_single_process
+
+    args = dataclasses.replace(FLAVORS["debugmodel"], dim=64, vocab_size=256, max_seq_len=48, indexer_loss_weight=1.0)
+    gen = torch.Generator().manual_seed(1)
+    inputs, labels = (torch.randint(0, args.vocab_size, (2, 48), generator=gen) for _ in range(2))
+    assert_matches_single_process(
+        _LossInAux, args, PLAN, degrees, inputs, labels, perturb=("sinks.weight", "position_bias", "base")
+    )
