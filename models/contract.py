@@ -54,6 +54,11 @@ class ModelShape:
     """Experts each token is routed to."""
     moe_hidden: int = 0
     """Each expert's MLP width."""
+    shared_hidden: int = 0
+    """The MoE block's shared experts' SwiGLU width, summed over them (run on every token beside the
+    routed experts); 0: none. DeepSeek-V3 / V4 count theirs in their own planner modules."""
+    shared_gate: bool = False
+    """The shared experts' output is scaled per token by `sigmoid(shared_gate(x))` (Qwen 3.5 MoE)."""
     tp_splits: tuple[tuple[str, int], ...] | None = None
     """The sizes tensor parallelism splits, each named as an error would (None: the default ones,
     `n_heads`, `n_kv_heads` and the FFN or expert hidden size). DeepSeek-V4 replicates its one KV

@@ -71,9 +71,25 @@ def _moe_none_per_token(s: ModelShape) -> int:
     gate, up, silu(gate), product: 8kF (2 x `expert_act_tensors` x kF: 14kF for gpt-oss's clamped
     SwiGLU); router: two fp32 softmax outputs and the fp32 logits
     of the z-loss (12E), top-k indices + values + bf16 scores + sort indices (30k), sums (8).
+    Shared experts (`shared_hidden` F_s): their SwiGLU's four tensors (8 F_s) and, gated, the
+    gate's sigmoid and the shared output it scales (2 + 2d; `_shared_expert`).
     """
     k, e = s.top_k, s.num_experts
-    return 4 * k * s.dim + 2 * s.expert_act_tensors * k * s.moe_hidden + 12 * e + 30 * k + 8
+    routed = 4 * k * s.dim + 2 * s.expert_act_tensors * k * s.moe_hidden + 12 * e + 30 * k + 8
+    return routed + _shared_expert(s)[0]
+
+
+def _shared_expert(s: ModelShape) -> tuple[int, int]:
+    """(without AC, selective AC) bytes per token of the MoE block's shared experts: w1 / w3 outputs,
+    silu and the product (8 F_s) without AC, the w1 / w3 / w2 outputs (4 F_s + 2d) under selective;
+    gated (Qwen 3.5): the gate's bf16 sigmoid (2) and, without AC, the shared output the gate
+    scales (2d). Measured (planner recorder, Qwen 3.5's MoE debug block, bf16): 2,562 B per token
+    with F_s = 256, d = 256, against 0 without a shared expert (tests/unit/test_planner_delta_block.py)."""
+    f = s.shared_hidden
+    if not f:
+        return 0, 0
+    gate = 2 if s.shared_gate else 0
+    return 8 * f + (2 * s.dim + gate if s.shared_gate else 0), 4 * f + 2 * s.dim + gate
 
 
 def cp_gathered_kv_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, cp: int) -> int:
@@ -101,6 +117,8 @@ class DeltaRuleShape:
     """q/k heads (None: as many as the value heads)."""
     conv_kernel: int = 4
     """Taps of the short causal convolution over the q/k/v channels."""
+    rotary_dim: int = 0
+    """The full-attention blocks' partial RoPE width (each keeps fp32 cos / sin rows of it per position)."""
 
     @classmethod
     def of(cls, args) -> DeltaRuleShape | None:
@@ -118,6 +136,7 @@ class DeltaRuleShape:
             args.linear_value_head_dim,
             k_heads=args.linear_num_key_heads,
             conv_kernel=args.linear_conv_kernel_dim,
+            rotary_dim=args.rotary_dim,
         )
 
 
@@ -290,8 +309,8 @@ def _block_kept(s: ModelShape, mixer: _Mixer, ac_mode: str, *, none: int, t_full
         return block_input + mixer.save_attention * t_full
     # selective: outputs of matmuls, attention and TP reduce-scatters
     saved = mixer.selective
-    if s.is_moe:  # router logits, grouped gate/up/down outputs
-        saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * s.dim)
+    if s.is_moe:  # router logits, grouped gate/up/down outputs, the shared experts'
+        saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * s.dim) + _shared_expert(s)[1]
     else:
         saved += 4 * _cdiv(s.ffn_hidden, tp) + 2 * s.dim  # w1, w3, w2
     # With cp > 1 the k/v all-gather is recomputed (selective AC recomputes collectives), so
@@ -355,7 +374,7 @@ def _hybrid(
     mtp_depth: int = 0,
 ) -> ActivationBytes:
     """`activation_bytes` of a hybrid stack: the full-attention blocks as the decoder model counts
-    them (`full`; Qwen 3.5's output gate and partial RoPE are not in it), the Gated DeltaNet blocks
+    them (`full`) plus Qwen 3.5's output gate, q / k norms and partial RoPE, the Gated DeltaNet blocks
     with their own mixer (`_linear_mixer`) on this rank's tokens (no k/v gathered) plus, with
     cp > 1, `cp_delta_rule_bytes`; both kinds with Qwen 3.5's fp32 zero-centred norms.
 
@@ -373,9 +392,16 @@ def _hybrid(
     # `1 + weight`): 2 dim bytes per token more than the decoder model's bf16 one, each of a
     # block's two norms, in either kind of block (without AC; the norms are recomputed under AC).
     zero_centred = 2 * 2 * shape.dim * t
-    if ac_mode == "none":
-        full = dataclasses.replace(full, per_block=full.per_block + zero_centred)
-    full = dataclasses.replace(full, per_block_none=full.per_block_none + zero_centred)
+    # Qwen 3.5's full-attention block beyond the decoder model's (`GatedAttention`): the output
+    # gate's bf16 sigmoid and the attention output it scales (4 h hd), the zero-centred q / k norms'
+    # fp32 normalized values (2 bytes per element more than a bf16 one), and the partial RoPE's fp32
+    # cos / sin rows per position; selective AC keeps wq's gate half as a matmul output (2 h hd).
+    h, kv, hd = shape.n_heads, shape.n_kv_heads, shape.head_dim
+    gated = (4 * h * hd + 2 * (h + kv) * hd) * t + 2 * 4 * delta.rotary_dim * (seq_len // cp)
+    own_full = {"none": zero_centred + gated, "selective": 2 * h * hd * t}.get(ac_mode, 0)
+    full = dataclasses.replace(
+        full, per_block=full.per_block + own_full, per_block_none=full.per_block_none + zero_centred + gated
+    )
     mixer = _linear_mixer(shape, delta)
     own_none = _block_none(shape, mixer, t_full=t, t_seq=t, rows=b, tp=tp) + zero_centred
     own = _block_kept(shape, mixer, ac_mode, none=own_none, t_full=t, t_seq=t, tp=tp)

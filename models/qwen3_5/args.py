@@ -169,7 +169,13 @@ class Qwen3_5Args:
         return {"palm": 12.0 * attention + delta, "causal": 6.0 * attention + delta}
 
     def shape(self) -> ModelShape:
-        moe = dict(num_experts=self.num_experts, top_k=self.num_experts_per_tok, moe_hidden=self.moe_hidden_dim)
+        moe = dict(
+            num_experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            moe_hidden=self.moe_hidden_dim,
+            shared_hidden=self.shared_expert_hidden_dim,
+            shared_gate=True,
+        )
         return ModelShape(
             n_layers=self.n_layers,
             dim=self.dim,

@@ -79,7 +79,7 @@ def test_qwen3_5_debug_at_cp_2_counts_the_linear_blocks_as_the_code_runs_them():
     """Qwen 3.5 debug (3 Gated DeltaNet blocks, 1 full attention), 8 x 512 tokens at cp 2, AC none."""
     args = FLAVORS["debugmodel"]
     shape, delta = args.shape(), P.DeltaRuleShape.of(args)
-    assert delta == P.DeltaRuleShape(layers=3, v_heads=4, k_dim=64, v_dim=64, k_heads=2, conv_kernel=4)
+    assert delta == P.DeltaRuleShape(layers=3, v_heads=4, k_dim=64, v_dim=64, k_heads=2, conv_kernel=4, rotary_dim=16)
     b, s, cp = 8, 512, 2
     kw = dict(local_batch_size=b, tp=1, ac_mode="none", loss_parallel=False)
     new = P.activation_bytes(shape, seq_len=s, cp=cp, delta=delta, **kw)
@@ -87,7 +87,9 @@ def test_qwen3_5_debug_at_cp_2_counts_the_linear_blocks_as_the_code_runs_them():
     # a linear block at cp = 1 on T tokens (its own count, tests/unit/test_planner_delta_block.py)
     all_linear = dataclasses.replace(delta, layers=args.n_layers)
     stand_in = P.activation_bytes(shape, seq_len=s // cp, delta=all_linear, **kw).per_block
-    zero_centred = 2 * 2 * args.dim * (b * s // cp)  # Qwen 3.5's fp32 norms, in the full block too
+    full_extra = 2 * 2 * args.dim * (b * s // cp)  # Qwen 3.5's fp32 norms, in the full block too
+    h, kv, hd = args.n_heads, args.n_kv_heads, args.head_dim  # and its output gate, q / k norms, RoPE rows
+    full_extra += (4 * h * hd + 2 * (h + kv) * hd) * (b * s // cp) + 2 * 4 * delta.rotary_dim * (s // cp)
     t, h, dk, dv = b * s // cp, 4, 64, 64
     wrapper = (
         4 * t * h * dk  # [v | 0]: dk more value columns, fp32
@@ -98,11 +100,11 @@ def test_qwen3_5_debug_at_cp_2_counts_the_linear_blocks_as_the_code_runs_them():
         + 4 * 2 * cp * b * h * dk * (dv + dk)  # the gathered [F | Pi] they keep a view of
     )
     assert wrapper == 14 * 2**20  # 14 MiB per linear block on rank 0
-    assert new.blocks == 3 * (stand_in + wrapper) + old.per_block + zero_centred
+    assert new.blocks == 3 * (stand_in + wrapper) + old.per_block + full_extra
     assert new.per_block == stand_in + wrapper  # the larger kind
     assert new.outside == old.outside and new.loss == old.loss
     assert old.blocks == 4 * old.per_block  # the old figure (every block a full-attention one) ...
-    assert new.blocks - old.blocks == 3 * (stand_in + wrapper - old.per_block) + zero_centred  # ... misses this
+    assert new.blocks - old.blocks == 3 * (stand_in + wrapper - old.per_block) + full_extra  # ... misses this
     # The block backward's cp transient: the [F | Pi] gradient of 2 cp chunks (4 MiB) and the
     # kernel backward's chunk-start states at dk more columns (2 b chunks of 128 tokens, 2 kernel
     # chunks each), against the full-attention block's gathered k/v gradients (2 MiB).
@@ -112,7 +114,9 @@ def test_qwen3_5_debug_at_cp_2_counts_the_linear_blocks_as_the_code_runs_them():
     # cp = 1: no wrapper, no cp transient
     one = P.activation_bytes(shape, seq_len=s, cp=1, delta=delta, **kw)
     own = P.activation_bytes(shape, seq_len=s, delta=all_linear, **kw).per_block
-    full_one = P.activation_bytes(shape, seq_len=s, **kw).per_block + 2 * zero_centred
+    full_one = (
+        P.activation_bytes(shape, seq_len=s, **kw).per_block + 2 * full_extra
+    )  # cp = 1: twice the tokens and positions
     assert one.blocks == 3 * own + full_one and one.cp_backward is None
     # AC full keeps the block inputs only; the wrapper's bytes are in the recompute (per_block_none)
     full = P.activation_bytes(shape, seq_len=s, cp=cp, delta=delta, **{**kw, "ac_mode": "full"})
