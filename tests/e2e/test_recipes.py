@@ -200,37 +200,41 @@ def test_the_check_counts_the_scans_flipped_copies_only():
 
 def test_the_check_names_the_recipe_and_the_rule_or_the_shortfall(tmp_path):
     """scripts/check_recipe.py exits 1 with one `error:` line per recipe that would not start:
-    the rule's key for a refusal, the GiB for a plan that does not fit; 0 when all pass."""
-    script = os.path.join(ROOT, "scripts", "check_recipe.py")
-    recipe = os.path.join(ROOT, "configs", "llama3_70b_v6e.toml")
+    the rule's key for a refusal, the GiB for a plan that does not fit; 0 when all pass. The four
+    runs fork from one process that imported torch once (tests/support/contract_inputs.py)."""
+    import json
 
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, script, "--no-capture", *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            check=False,
-        )
+    recipe = os.path.join("configs", "llama3_70b_v6e.toml")
+    argvs = [
+        [recipe],
+        [recipe, "--parallelism.tensor_parallel_degree=2", "--training.fused_loss=on"],
+        [recipe, "--training.local_batch_size=8"],
+        [os.path.join("configs", "nope.toml")],
+    ]
+    cases = [{"argv": ["scripts/check_recipe.py", "--no-capture", *argv], "env": {}} for argv in argvs]
+    todo, done = str(tmp_path / "cases.json"), str(tmp_path / "results.json")
+    with open(todo, "w") as f:
+        json.dump(cases, f)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "support", "contract_inputs.py"), todo, done, str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+        check=True,
+        timeout=600,
+    )
+    with open(done) as f:
+        ok, refused, too_big, bad = json.load(f)
 
-    ok = run(recipe)
-    assert ok.returncode == 0, ok.stderr
-    assert "llama3_70b_v6e.toml" in ok.stdout and "starts" in ok.stdout
-
-    refused = run(recipe, "--parallelism.tensor_parallel_degree=2", "--training.fused_loss=on")
-    assert refused.returncode == 1
-    assert "error: configs/llama3_70b_v6e.toml: training.fused_loss:" in refused.stderr
-
-    too_big = run(recipe, "--training.local_batch_size=8")
-    assert too_big.returncode == 1
+    assert ok["rc"] == 0, ok["stderr"]
+    assert "llama3_70b_v6e.toml" in ok["stdout"] and "starts" in ok["stdout"]
+    assert refused["rc"] == 1
+    assert "error: configs/llama3_70b_v6e.toml: training.fused_loss:" in refused["stderr"]
+    assert too_big["rc"] == 1
     assert re.search(
-        r"error: configs/llama3_70b_v6e.toml: needs [\d.]+ GiB per device, 28.8 GiB usable on v6e-256", too_big.stderr
-    ), too_big.stderr
-
-    bad = run(os.path.join(ROOT, "configs", "nope.toml"))
-    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+        r"error: configs/llama3_70b_v6e.toml: needs [\d.]+ GiB per device, 28.8 GiB usable on v6e-256",
+        too_big["stderr"],
+    ), too_big["stderr"]
+    assert bad["rc"] == 2 and bad["stderr"].startswith("error:") and "Traceback" not in bad["stderr"]
 
 
 def test_recipes_checked_in_one_process_do_not_leak_into_each_other():
