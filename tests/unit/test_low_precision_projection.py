@@ -64,11 +64,12 @@ def test_bytes_per_element_from_the_block_compile():
 
 def test_qwen3_235b_routed_experts_are_counted():
     """Qwen3-235B-A22B: 94 MoE layers of 128 experts (dim 4096, hidden 1536), top 8, capacity
-    1.25, EP 16 (8 local experts); the recipe quantizes the routed experts: per layer 3 matmuls
-    (w1, w3, w2) x 4 (forward twice under full AC, both gradients) x 2 x rows x 4096 x 1536 at
-    rows = tokens x 8 x 1.25, and their weight operands are the 8 local experts' [1536, 4096]."""
+    1.125 (the recipe's since 2026-12-07), EP 16 (8 local experts); the recipe quantizes the routed
+    experts: per layer 3 matmuls (w1, w3, w2) x 4 (forward twice under full AC, both gradients) x 2
+    x rows x 4096 x 1536 at rows = tokens x 8 x 1.125, and their weight operands are the 8 local
+    experts' [1536, 4096]."""
     tokens = 4096
-    rows = tokens * 8 * 1.25
+    rows = tokens * 8 * 1.125
     work = lpp.quantized_work(ROOT / "configs" / "qwen3_235b_a22b_v7x_fp8.toml", tokens)
     assert work["expert_flops"] == 94 * 3 * 4 * 2 * rows * 4096 * 1536
     m = round(rows)
