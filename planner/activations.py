@@ -291,11 +291,12 @@ def _block_none(s: ModelShape, mixer: _Mixer, *, t_full: int, t_seq: int, rows: 
     full sequence: TP all-gathers it; without TP it is the norm's output), the mixer, the FFN/MoE."""
     d = s.dim
     norm = 6 * d + 4  # RMSNorm: fp32 copy of its input, fp32 rsqrt, bf16 normalized value
-    none = 2 * norm * t_seq + 2 * (2 * d) * t_full + mixer.none * t_full + mixer.none_per_row * rows
+    none = 2 * norm * t_seq + 2 * d * t_full + mixer.none * t_full + mixer.none_per_row * rows
     if s.is_moe:
-        assert tp == 1, "MoE blocks have no tensor-parallel plan"
-        return none + _moe_none_per_token(s) * t_full
-    return none + 8 * _cdiv(s.ffn_hidden, tp) * t_full  # w1 out, silu, w3 out, product (bf16)
+        # Under TP the MoE layer runs on the rank's sequence shard (models/qwen3/plan.py): its input is
+        # the norm's output, not gathered, and its tensors are of T / tp tokens (t_seq = t_full at tp 1).
+        return none + 2 * d * t_seq + _moe_none_per_token(s) * t_seq
+    return none + 2 * d * t_full + 8 * _cdiv(s.ffn_hidden, tp) * t_full  # FFN input; w1 out, silu, w3 out, product
 
 
 def _block_kept(s: ModelShape, mixer: _Mixer, ac_mode: str, *, none: int, t_full: int, t_seq: int, tp: int) -> int:
@@ -308,14 +309,17 @@ def _block_kept(s: ModelShape, mixer: _Mixer, ac_mode: str, *, none: int, t_full
     if ac_mode == "full_save_attention":  # and the attention kernel's output (bf16) + log-sum-exp (fp32)
         return block_input + mixer.save_attention * t_full
     # selective: outputs of matmuls, attention and TP reduce-scatters
-    saved = mixer.selective
-    if s.is_moe:  # router logits, grouped gate/up/down outputs, the shared experts'
-        saved += 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * s.dim) + _shared_expert(s)[1]
+    saved, moe = mixer.selective, 0
+    if s.is_moe:  # router logits, grouped gate/up/down outputs, the shared experts' (the sequence shard's)
+        moe = 2 * s.num_experts + s.top_k * (4 * s.moe_hidden + 2 * s.dim) + _shared_expert(s)[1]
     else:
         saved += 4 * _cdiv(s.ffn_hidden, tp) + 2 * s.dim  # w1, w3, w2
     # With cp > 1 the k/v all-gather is recomputed (selective AC recomputes collectives), so
-    # the gathered k/v are a transient of the block's backward, not kept.
-    return block_input + saved * t_full + (2 * 2 * s.dim * t_seq if tp > 1 else 0)
+    # the gathered k/v are a transient of the block's backward, not kept. Under TP the out-projections'
+    # reduce-scatter outputs are kept: attention's and the FFN's (an MoE layer, on the sequence shard
+    # already, has none).
+    scattered = (1 if s.is_moe else 2) * 2 * s.dim * t_seq if tp > 1 else 0
+    return block_input + saved * t_full + moe * t_seq + scattered
 
 
 def _outside_and_loss(

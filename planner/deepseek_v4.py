@@ -75,6 +75,7 @@ matmuls): 1.8 % and 2.9 % under the measured bytes at 2 x 64 and 2 x 128 tokens 
 
 from __future__ import annotations
 
+from models.errors import ConfigError
 from parallelisms.activation_checkpoint import check_ac_mode
 from planner.activations import ActivationBytes
 
@@ -194,9 +195,13 @@ def v4_activation_bytes(
 
     `per_block` / `per_block_none` are the largest block's, `blocks` the sum over the stack."""
     check_ac_mode(ac_mode)
-    # The callers never get here otherwise: the planner refuses tp > 1 for every MoE model
-    # (planner/search.py) and the rules refuse CP for this family (no document-mask plan).
-    assert tp == 1 and cp == 1, f"DeepSeek-V4's activation terms are modelled at tp = cp = 1 (got tp {tp}, cp {cp})"
+    if tp != 1:  # the family has a TP plan (since 2026-12-07); these terms are tp = 1's
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {tp}: the planner models DeepSeek-V4's blocks at tp = 1 only "
+            "(use expert_parallel_degree and data-parallel degrees); allowed: 1"
+        )
+    # The callers never get here otherwise: the rules refuse CP for this family (no document-mask plan).
+    assert cp == 1, f"DeepSeek-V4's activation terms are modelled at cp = 1 (got cp {cp})"
     b, s, n, d = local_batch_size, seq_len, args.hc_mult, args.dim
     tokens = b * s
     kinds = args.layer_kinds()

@@ -580,21 +580,23 @@ def _saved_activations(
     )
     tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
     if shape.is_moe and moe_capacity_factor > 0:
-        # the capacity layout keeps buffer rows, not per-copy rows (`capacity_saved_delta`)
+        # the capacity layout keeps buffer rows, not per-copy rows (`capacity_saved_delta`); the MoE
+        # layer's tokens are the rank's sequence shard under TP (models/qwen3/plan.py)
+        moe_tokens = tokens // tp
         rows = expert_rows(
             shape,
-            tokens=tokens,
+            tokens=moe_tokens,
             ep=parallel_dims.ep,
             capacity_factor=moe_capacity_factor,
             local_batch_size=local_batch_size,
-            seq_len=seq_len // cp,
+            seq_len=seq_len // (cp * tp),
         )
-        delta = capacity_saved_delta(shape, rows=rows, tokens=tokens)
+        delta = capacity_saved_delta(shape, rows=rows, tokens=moe_tokens)
         # what the AC mode keeps per block: all of it (none), the matmul outputs (selective: gate, up
         # and down, `4 moe_hidden + 2 dim` per row instead of per copy), the block input only (full)
         kept_delta = {
             "none": delta,
-            "selective": (rows - tokens * shape.top_k) * (4 * shape.moe_hidden + 2 * shape.dim),
+            "selective": (rows - moe_tokens * shape.top_k) * (4 * shape.moe_hidden + 2 * shape.dim),
             "full": 0,
             "full_save_attention": 0,  # the block keeps its input and attention's outputs, no expert rows
         }[ac_mode]
@@ -716,12 +718,12 @@ def _block_transient(
         if acts.cp_backward is not None
         else cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
     )
-    moe_rows = dict(
-        tokens=t_proj,
+    moe_rows = dict(  # the MoE layer's tokens: the rank's sequence shard under TP
+        tokens=t_proj // tp,
         ep=parallel_dims.ep,
         capacity_factor=moe_capacity_factor,
         local_batch_size=local_batch_size,
-        seq_len=seq_len // cp,
+        seq_len=seq_len // (cp * tp),
     )
     dispatch = ep_dispatch_bytes(shape, **moe_rows)
     recipe = quantize.recipe if quantize is not None else "none"
@@ -732,7 +734,7 @@ def _block_transient(
         float8_weights=quantize is not None and quantize.fsdp_float8_all_gather,
     )
     if quantize is not None and shape.is_moe:
-        rows = expert_rows(shape, **moe_rows) or t_proj * shape.top_k  # dropless, no EP: the block's tokens
+        rows = expert_rows(shape, **moe_rows) or t_proj // tp * shape.top_k  # dropless, no EP: the block's tokens
         lowp = max(lowp, experts_transient_bytes(shape, quantize, rows=rows, ep=parallel_dims.ep))
     total = (
         lowp

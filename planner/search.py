@@ -207,13 +207,6 @@ def make_parallel_dims(
         world_size=world_size,
     )
     dims.validate_for_model(shape, seq_len=seq_len)
-    if shape.is_moe and tp > 1:
-        # The trainer runs MoE x TP (experts on the EP mesh, attention TP-sharded), but this
-        # planner's activation model covers MoE blocks at tp = 1 only.
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {tp}: the planner models MoE models at tp = 1 only "
-            "(use expert_parallel_degree and data-parallel degrees); allowed: 1"
-        )
     return dims
 
 

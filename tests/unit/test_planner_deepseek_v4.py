@@ -106,8 +106,8 @@ def test_v4_blocks_are_counted_per_kind_and_refuse_tp_and_cp():
     """Flash at 4 x 4096: the CSA blocks keep the most (their compressor's two windows and
     1,024 entries a query scores where an HCA block's see 32: float32 probabilities over 1 + 256
     + 1,024 keys and their bf16 copies, 7.5 GiB of the block's 23.7); full AC keeps the 4 streams of every block's input;
-    the stack sums the kinds. TP and CP never reach the terms (the planner refuses tp > 1 for MoE
-    models and the rules CP for the family, each with one error line): an assertion here."""
+    the stack sums the kinds. TP is refused here with one error line (the terms are tp = 1's); CP
+    never reaches them (the rules refuse it for the family): an assertion here."""
     args = V4.flavors["flash"]
     kw = dict(local_batch_size=4, seq_len=4096, tp=1)
     none = v4_activation_bytes(args, ac_mode="none", **kw)
@@ -118,6 +118,9 @@ def test_v4_blocks_are_counted_per_kind_and_refuse_tp_and_cp():
     assert kinds.count("c") == 20 and kinds.count("h") == 23
     assert none.per_block_none / 2**30 == pytest.approx(23.68, abs=0.01)
     assert 43 * 19.2 < none.blocks / 2**30 < 43 * none.per_block_none / 2**30
-    for value in (dict(tp=2), dict(cp=2)):
-        with pytest.raises(AssertionError, match="tp = cp = 1"):
-            v4_activation_bytes(args, ac_mode="full", **(kw | value))
+    from models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="parallelism.tensor_parallel_degree: 2: .*allowed: 1"):
+        v4_activation_bytes(args, ac_mode="full", **(kw | dict(tp=2)))
+    with pytest.raises(AssertionError, match="cp = 1"):
+        v4_activation_bytes(args, ac_mode="full", **(kw | dict(cp=2)))

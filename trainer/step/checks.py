@@ -242,8 +242,8 @@ BUILD_CHECKS: tuple[BuildCheck, ...] = (
     # The planner's model (the trainer runs these layouts; the planner cannot estimate them).
     BuildCheck(
         "parallelism.tensor_parallel_degree",
-        "planner.search:make_parallel_dims",
-        "the planner: a MoE model with TP > 1 (its activation model covers MoE blocks at tp = 1)",
+        "planner.deepseek_v4:v4_activation_bytes",
+        "the planner: DeepSeek-V4 with TP > 1 (its activation terms are tp = 1's)",
     ),
     BuildCheck(
         "parallelism.context_parallel_degree",
