@@ -527,15 +527,33 @@ def _line_hops(n: int) -> float:
     return (n * n - 1) / (3 * n) if n > 1 else 0.0
 
 
+def _a2a_axis_load(t: int, *, ring: bool, per_chip: int) -> float:
+    """Bytes the busiest link along one chip axis of an EP block carries, one direction, per byte of
+    each device's buffer, when every block runs its all-to-all at once (dimension-ordered routes,
+    as tools/xla_projection.py `all_to_all_load`). A line of t chips: the middle cut, crossed by
+    floor(t/2) x ceil(t/2) of its chip pairs, p^2 / n of the buffer each: floor(t/2) ceil(t/2) p / t.
+    A whole wrapped axis (a ring): each chip's traffic goes the shortest way round, a tie split
+    between the two, so a link carries p / t x (1 + 2 + ... + (ceil(t/2) - 1) + [t even] t / 4)."""
+    if t <= 1:
+        return 0.0
+    if ring:
+        return per_chip / t * (sum(range(1, (t + 1) // 2)) + (t / 4 if t % 2 == 0 else 0))
+    return (t // 2) * ((t + 1) // 2) * per_chip / t
+
+
 def expert_tile(topology: Topology, ep: int) -> tuple[int, int, int] | None:
     """Chips (x, y, z) of one compact EP group of `ep` devices on `topology` (the cores of a chip in
-    the same group), the block with the fewest mean hops per torus dimension it spans; None when
-    no block of whole chips holds exactly ep devices."""
+    the same group): the block whose all-to-all loads its busiest link the least (`_a2a_axis_load`:
+    a tile axis that is a whole wrapped torus axis is a ring, any other a line), then the fewest mean
+    hops per torus dimension it spans. None when no block of whole chips holds exactly ep devices.
+    (Mean hops alone took a 2 x 2 x 4 block for EP 32 on v7x-512, whose 4-chip line's middle link
+    carries 2.0 buffers, where 4 x 2 x 2, round the wrapped 4, carries 1.0.)"""
     per_chip = topology.devices_per_chip
     if ep <= 1 or ep % per_chip:
         return None
     chips = ep // per_chip
     X, Y, Z = topology.chips
+    wrap = topology.wrap[:3]
     best, best_cost = None, None
     for tx in (d for d in range(1, X + 1) if X % d == 0):
         for ty in (d for d in range(1, Y + 1) if Y % d == 0):
@@ -544,10 +562,14 @@ def expert_tile(topology: Topology, ep: int) -> tuple[int, int, int] | None:
             tz = chips // (tx * ty)
             if Z % tz:
                 continue
-            dims = sum(1 for t in (tx, ty, tz) if t > 1) or 1
-            cost = (sum(_line_hops(t) for t in (tx, ty, tz)) / dims, max(tx, ty, tz))
+            tile = (tx, ty, tz)
+            load = max(
+                _a2a_axis_load(t, ring=t == n and w, per_chip=per_chip) for t, n, w in zip(tile, (X, Y, Z), wrap)
+            )
+            dims = sum(1 for t in tile if t > 1) or 1
+            cost = (load, sum(_line_hops(t) for t in tile) / dims, max(tile))
             if best_cost is None or cost < best_cost:
-                best, best_cost = (tx, ty, tz), cost
+                best, best_cost = tile, cost
     return best
 
 

@@ -10,6 +10,8 @@ checks the port against torch-tpu's own function.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import types
 
@@ -399,3 +401,39 @@ def test_the_device_order_renumbers_ranks_into_compact_expert_groups_by_the_reci
     assert device_of[list(plain.order)].tolist() == port.tolist()  # no EP: torch-tpu's order as it is
     with pytest.raises(ConfigError, match="parallelism.device_order: v7x-256"):
         do.resolve_rank_order("v7x-256", dims, device_type="cpu")  # not the world's slice
+
+
+@pytest.mark.parametrize("target", ["v7x-512", "v7x-128", "v6e-256", "v5p-128"])
+def test_the_ep_tile_s_busiest_link_is_the_projector_s(target):
+    """`expert_tile` ranks blocks by the busiest link of their all-to-all (`_a2a_axis_load`, closed
+    form per axis: a line's middle cut, or a whole wrapped axis's ring). For every block of whole
+    chips of 8-128 devices, that figure equals the projector's router (tools/xla_projection.py
+    `all_to_all_load`, every block's all-to-all at once). EP 32 on v7x-512 takes 4 x 2 x 2 round the
+    wrapped 4 (1.0 buffer per link), not 2 x 2 x 4 (2.0), the mean-hops choice before."""
+    from tools.xla_projection import all_to_all_load
+
+    topology = tt.topology_of(target)
+    X, Y, Z = topology.chips
+    p, wrap = topology.devices_per_chip, topology.wrap[:3]
+    seen = 0
+    for tile in itertools.product(*[[d for d in range(1, n + 1) if n % d == 0] for n in (X, Y, Z)]):
+        if not 8 <= math.prod(tile) * p <= 128:
+            continue
+        groups = [
+            [
+                (x0 + x, y0 + y, z0 + z, c)
+                for x in range(tile[0])
+                for y in range(tile[1])
+                for z in range(tile[2])
+                for c in range(p)
+            ]
+            for x0 in range(0, X, tile[0])
+            for y0 in range(0, Y, tile[1])
+            for z0 in range(0, Z, tile[2])
+        ]
+        closed = max(tt._a2a_axis_load(t, ring=t == n and w, per_chip=p) for t, n, w in zip(tile, (X, Y, Z), wrap))
+        assert closed == pytest.approx(all_to_all_load(groups, (X, Y, Z), wrap)), (target, tile)
+        seen += 1
+    assert seen >= 4
+    if target == "v7x-512":
+        assert tt.expert_tile(topology, 32) == (4, 2, 2)
