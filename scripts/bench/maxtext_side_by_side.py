@@ -164,7 +164,13 @@ FIXES: dict[str, tuple[tuple[tuple[tuple[str, str], ...], str], ...]] = {
             "capacity factor 1.25 (the recipe before 13126b7; 1.125 drops 0.051 % of the copies)",
         ),
     ),
-    "deepseek3-671b_v7x-512": ((UNCHUNKED, BEFORE),),
+    "deepseek3-671b_v7x-512": (
+        (UNCHUNKED, BEFORE),
+        (
+            (("parallelism.expert_parallel_degree", "16"),),
+            "EP 16 (a 2x2x2-chip block: 1.0 buffer per busiest link, against EP 64's 2x4x4 block: 2.0)",
+        ),
+    ),
 }
 """Cheap changes tried on top of a pair (a recipe key or flag), each a row of its own: `run + label`."""
 
