@@ -602,7 +602,10 @@ def _graph_inputs(seq: int) -> P.PlanInputs:
     """8B with the pod recipes' step: graph mode, layer scan, the fused loss (auto picks it on TPU)."""
     from trainer.step.plan import StepRequest
 
-    step = StepRequest(mode="graph", scan_layers=True, fused_loss="auto", model_has_hidden=True)
+    # model_document_mask: Llama 3 takes RoPE positions and runs causal_attention, which the CP rule asks
+    step = StepRequest(
+        mode="graph", scan_layers=True, fused_loss="auto", model_has_hidden=True, model_document_mask=True
+    )
     return dataclasses.replace(_inputs("8B", seq=seq), step=step)
 
 
