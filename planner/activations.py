@@ -88,8 +88,8 @@ def _shared_expert(s: ModelShape) -> tuple[int, int]:
     f = s.shared_hidden
     if not f:
         return 0, 0
-    gate = 2 if s.shared_gate else 0
-    return 8 * f + (2 * s.dim + gate if s.shared_gate else 0), 4 * f + 2 * s.dim + gate
+    gate, scaled = (2, 2 * s.dim) if s.shared_gate else (0, 0)
+    return 8 * f + scaled + gate, 4 * f + 2 * s.dim + gate
 
 
 def cp_gathered_kv_bytes(shape: ModelShape, *, local_batch_size: int, seq_len: int, tp: int, cp: int) -> int:

@@ -548,6 +548,20 @@ def _throughput_terms(
     )
 
 
+def _moe_layer_rows(parallel_dims, local_batch_size: int, seq_len: int, capacity_factor: float) -> dict:
+    """`expert_rows` / `ep_dispatch_bytes` keywords of one MoE layer on this device: its tokens are
+    the rank's share of the sequence, split by CP and, under TP, the rank's sequence shard the
+    layer runs on (models/qwen3/plan.py)."""
+    shard = parallel_dims.cp * parallel_dims.tp
+    return dict(
+        tokens=local_batch_size * seq_len // shard,
+        ep=parallel_dims.ep,
+        capacity_factor=capacity_factor,
+        local_batch_size=local_batch_size,
+        seq_len=seq_len // shard,
+    )
+
+
 def _saved_activations(
     activations: ActivationBytes | None,
     shape: ModelShape,
@@ -580,17 +594,10 @@ def _saved_activations(
     )
     tokens = local_batch_size * seq_len // cp  # this device's tokens (CP splits the sequence)
     if shape.is_moe and moe_capacity_factor > 0:
-        # the capacity layout keeps buffer rows, not per-copy rows (`capacity_saved_delta`); the MoE
-        # layer's tokens are the rank's sequence shard under TP (models/qwen3/plan.py)
-        moe_tokens = tokens // tp
-        rows = expert_rows(
-            shape,
-            tokens=moe_tokens,
-            ep=parallel_dims.ep,
-            capacity_factor=moe_capacity_factor,
-            local_batch_size=local_batch_size,
-            seq_len=seq_len // (cp * tp),
-        )
+        # the capacity layout keeps buffer rows, not per-copy rows (`capacity_saved_delta`)
+        moe_rows = _moe_layer_rows(parallel_dims, local_batch_size, seq_len, moe_capacity_factor)
+        moe_tokens = moe_rows["tokens"]
+        rows = expert_rows(shape, **moe_rows)
         delta = capacity_saved_delta(shape, rows=rows, tokens=moe_tokens)
         # what the AC mode keeps per block: all of it (none), the matmul outputs (selective: gate, up
         # and down, `4 moe_hidden + 2 dim` per row instead of per copy), the block input only (full)
@@ -718,13 +725,7 @@ def _block_transient(
         if acts.cp_backward is not None
         else cp_gathered_kv_bytes(shape, local_batch_size=local_batch_size, seq_len=seq_len, tp=tp, cp=cp)
     )
-    moe_rows = dict(  # the MoE layer's tokens: the rank's sequence shard under TP
-        tokens=t_proj // tp,
-        ep=parallel_dims.ep,
-        capacity_factor=moe_capacity_factor,
-        local_batch_size=local_batch_size,
-        seq_len=seq_len // (cp * tp),
-    )
+    moe_rows = _moe_layer_rows(parallel_dims, local_batch_size, seq_len, moe_capacity_factor)
     dispatch = ep_dispatch_bytes(shape, **moe_rows)
     recipe = quantize.recipe if quantize is not None else "none"
     lowp = quantize_transient_bytes(
@@ -734,7 +735,7 @@ def _block_transient(
         float8_weights=quantize is not None and quantize.fsdp_float8_all_gather,
     )
     if quantize is not None and shape.is_moe:
-        rows = expert_rows(shape, **moe_rows) or t_proj // tp * shape.top_k  # dropless, no EP: the block's tokens
+        rows = expert_rows(shape, **moe_rows) or moe_rows["tokens"] * shape.top_k  # dropless, no EP: its own tokens
         lowp = max(lowp, experts_transient_bytes(shape, quantize, rows=rows, ep=parallel_dims.ep))
     total = (
         lowp
